@@ -1,0 +1,43 @@
+"""megatron-rl-patches: make Megatron-core fit RL post-training.
+
+``megatron_rl_patches.apply()`` turns the patches on; set ``MEGATRON_RL_PATCHES=all`` to do it
+with no code change. Importing this package is cheap: torch, megatron and wrapt load only when
+a public name that needs them is first used.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (resolved on first access)
+_LAZY = {
+    "apply": "megatron_rl_patches.patching.registry",
+    "revert": "megatron_rl_patches.patching.registry",
+    "applied": "megatron_rl_patches.patching.registry",
+    "PatchStatus": "megatron_rl_patches.patching.registry",
+    "reentrant_train": "megatron_rl_patches.reentrant",
+    "build_inference_model": "megatron_rl_patches.inference",
+    "load_inference_weights": "megatron_rl_patches.inference",
+    "training_state_bytes": "megatron_rl_patches.inference",
+    "log_probs_and_entropy": "megatron_rl_patches.ops.logprobs",
+    "topk_ids": "megatron_rl_patches.ops.topk",
+    "topk_logprobs": "megatron_rl_patches.ops.topk",
+    "topk_opd_loss": "megatron_rl_patches.ops.topk",
+}
+
+__all__ = sorted([*_LAZY, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'megatron_rl_patches' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

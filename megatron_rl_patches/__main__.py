@@ -1,0 +1,3 @@
+from megatron_rl_patches.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Patch machinery: records, selection, start-up hook. Knows nothing of Megatron."""

@@ -1,0 +1,34 @@
+"""Start-up hook run by the installed .pth (and .start) file in every Python process.
+
+With MEGATRON_RL_PATCHES unset it returns after one environment read and imports nothing.
+With it set, it registers post-import hooks; the patches land when megatron is imported.
+It never raises: Python's site machinery would print a traceback (twice in a venv) anyway.
+"""
+from __future__ import annotations
+
+import sys
+
+_done = False
+
+
+def run() -> None:
+    """Idempotent: a venv can execute the same .pth twice."""
+    global _done
+    if _done:
+        return
+    _done = True
+    try:
+        from megatron_rl_patches.patching import env
+
+        if not env.is_enabled():
+            return
+        from megatron_rl_patches.patching import registry
+
+        try:
+            registry.apply()
+        except ValueError as exc:  # bad selection: one line now; in strict mode, at import time
+            sys.stderr.write(f"megatron-rl-patches: {exc}\n")
+            if env.is_strict():
+                registry.poison_imports(exc)
+    except BaseException as exc:  # noqa: BLE001 - start-up must go on whatever happens
+        sys.stderr.write(f"megatron-rl-patches: start-up patching disabled: {type(exc).__name__}: {exc}\n")

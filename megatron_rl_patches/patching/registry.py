@@ -1,0 +1,349 @@
+"""Patch records and their life cycle: apply, revert, statuses, post-import hooks, version guards.
+
+A patch is a declarative record (name, target "module:qualname", wrapper, version range). It is
+installed with a wrapt FunctionWrapper when its module is imported (at once if it already is),
+and removed with ``wrapt.unwrap_object``. Every wrapper consults a per-target switch, so a
+reference captured by ``from x import f`` while patched behaves like the original once reverted.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import logging
+import sys
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import wrapt
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from megatron_rl_patches.patching import env
+
+logger = logging.getLogger("megatron_rl_patches")
+
+APPLIED, PENDING, SKIPPED, FAILED = "applied", "pending", "skipped", "failed"
+
+
+class PatchError(RuntimeError):
+    """A selected patch could not be applied (raised in strict mode only)."""
+
+
+class PatchTargetMissing(PatchError):
+    """The target module exists but the patched attribute does not."""
+
+
+class PatchSignatureMismatch(PatchError):
+    """The target exists but its parameters are not the ones the patch was written for."""
+
+
+class PatchVersionUnsupported(PatchError):
+    """The installed framework version is outside the patch's supported range."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One (patch name, target) pair: what gets wrapped, with what, and for which versions."""
+
+    name: str
+    target: str  # "package.module:Class.attribute"
+    wrapper: str | Callable[..., Any]  # wrapt wrapper(wrapped, instance, args, kwargs) or "mod:func"
+    description: str
+    requires: str | None = "megatron-core"  # distribution whose version is guarded
+    versions: str = ""  # PEP 440 specifier; "" = any version
+    params: tuple[str, ...] = ()  # parameter names the target must accept, in this order
+
+    @property
+    def module(self) -> str:
+        return self.target.partition(":")[0]
+
+    @property
+    def qualname(self) -> str:
+        return self.target.partition(":")[2]
+
+
+@dataclass
+class PatchStatus:
+    """The state of one (patch, target): applied, pending, skipped or failed, with a reason."""
+
+    name: str
+    target: str
+    status: str
+    reason: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+@dataclass
+class _Slot:
+    """Mutable state of one record."""
+
+    patch: Patch
+    status: str = SKIPPED
+    reason: str = "not selected"
+    selected: bool = False
+    strict: bool = False
+    active: bool = False  # consulted by every wrapper this slot ever installed
+    handle: Any = None  # the installed FunctionWrapper
+    owner: Any = None
+    attribute: str = ""
+    original: Any = None
+    impl: Callable[..., Any] | None = field(default=None, repr=False)
+
+
+_lock = threading.RLock()
+_slots: dict[tuple[str, str], _Slot] | None = None
+_hooked_modules: set[str] = set()
+_warned: set[str] = set()
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version of a distribution, or None when it is not installed as one."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _catalog() -> dict[tuple[str, str], _Slot]:
+    global _slots
+    if _slots is None:
+        from megatron_rl_patches.integrations import all_patches
+
+        _slots = {(p.name, p.target): _Slot(p) for p in all_patches()}
+    return _slots
+
+
+def patch_names() -> list[str]:
+    """Every known patch name, in declaration order."""
+    with _lock:
+        return list(dict.fromkeys(name for name, _ in _catalog()))
+
+
+def patches() -> list[Patch]:
+    with _lock:
+        return [slot.patch for slot in _catalog().values()]
+
+
+def _is_rank_zero() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return dist.get_rank() == 0
+    except Exception:  # a half-torn-down process group: do not hide the warning
+        return True
+    return True
+
+
+def warn_once(message: str) -> None:
+    """One warning line per distinct message per process, from rank 0 only."""
+    if message in _warned:
+        return
+    _warned.add(message)
+    if _is_rank_zero():
+        logger.warning("megatron-rl-patches: %s", message)
+    else:
+        logger.debug("megatron-rl-patches: %s", message)
+
+
+def _resolve_callable(ref: str | Callable[..., Any]) -> Callable[..., Any]:
+    if callable(ref):
+        return ref
+    module, _, qualname = ref.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _version_problem(patch: Patch) -> str | None:
+    if not patch.requires or not patch.versions:
+        return None
+    found = installed_version(patch.requires)
+    if found is None:  # a source checkout on sys.path: the signature check still guards
+        return None
+    try:
+        ok = Version(found) in SpecifierSet(patch.versions, prereleases=True)
+    except (InvalidVersion, InvalidSpecifier) as exc:
+        return f"cannot compare {patch.requires} version {found!r} with {patch.versions!r}: {exc}"
+    if ok:
+        return None
+    return (
+        f"{patch.requires} {found} is outside the supported range {patch.versions} "
+        f"for {patch.target}; install a supported {patch.requires} or disable '{patch.name}'"
+    )
+
+
+def _signature_problem(patch: Patch, original: Any) -> str | None:
+    if not patch.params:
+        return None
+    try:
+        names = list(inspect.signature(original).parameters)
+    except (TypeError, ValueError) as exc:
+        return f"cannot read the signature of {patch.target}: {exc}"
+    it = iter(names)
+    if all(any(p == n for n in it) for p in patch.params):
+        return None
+    return (
+        f"{patch.target} has parameters ({', '.join(names)}); '{patch.name}' expects "
+        f"({', '.join(patch.params)}): the installed version changed this function"
+    )
+
+
+def _make_guard(slot: _Slot) -> Callable[..., Any]:
+    def guard(wrapped, instance, args, kwargs):
+        impl = slot.impl
+        if not slot.active or impl is None:
+            return wrapped(*args, **kwargs)
+        return impl(wrapped, instance, args, kwargs)
+
+    guard.__mrp_key__ = (slot.patch.name, slot.patch.target)  # type: ignore[attr-defined]
+    return guard
+
+
+def _ours(slot: _Slot) -> Callable[[Any], bool]:
+    key = (slot.patch.name, slot.patch.target)
+    return lambda entry: getattr(getattr(entry, "_self_wrapper", None), "__mrp_key__", None) == key
+
+
+def _set(slot: _Slot, status: str, reason: str = "") -> None:
+    slot.status, slot.reason = status, reason
+
+
+def _refuse(slot: _Slot, error: type[PatchError], reason: str) -> None:
+    _set(slot, SKIPPED, reason)
+    if slot.strict:
+        raise error(reason)
+    warn_once(f"'{slot.patch.name}' skipped: {reason}")
+
+
+def _install(slot: _Slot, module: Any) -> None:
+    """Wrap one target of an imported module; record the outcome."""
+    patch = slot.patch
+    if slot.status == APPLIED:
+        return
+    problem = _version_problem(patch)
+    if problem:
+        return _refuse(slot, PatchVersionUnsupported, problem)
+    try:
+        owner, attribute, original = wrapt.resolve_path(module, patch.qualname)
+    except Exception:
+        return _refuse(
+            slot,
+            PatchTargetMissing,
+            f"{patch.target} not found: {patch.module} has no attribute path '{patch.qualname}'",
+        )
+    if wrapt.find_wrapper(original, predicate=_ours(slot)) is not None:
+        slot.active = True  # already wrapped (an earlier copy of the registry): never twice
+        return _set(slot, APPLIED, "already wrapped")
+    problem = _signature_problem(patch, original)
+    if problem:
+        return _refuse(slot, PatchSignatureMismatch, problem)
+    try:
+        slot.impl = _resolve_callable(patch.wrapper)
+        slot.handle = wrapt.wrap_function_wrapper(owner, attribute, _make_guard(slot))
+    except Exception as exc:
+        _set(slot, FAILED, f"{type(exc).__name__}: {exc}")
+        if slot.strict:
+            raise PatchError(f"'{patch.name}' failed on {patch.target}: {exc}") from exc
+        warn_once(f"'{patch.name}' failed on {patch.target}: {type(exc).__name__}: {exc}")
+        return
+    slot.owner, slot.attribute, slot.original = owner, attribute, original
+    slot.active = True
+    _set(slot, APPLIED)
+
+
+def _on_import(module: Any) -> None:
+    with _lock:
+        _hooked_modules.discard(module.__name__)
+        for slot in _catalog().values():
+            if slot.selected and slot.patch.module == module.__name__:
+                _install(slot, module)
+
+
+def _watch(module_name: str) -> None:
+    """Install selected patches of `module_name` now or when it is first imported."""
+    if module_name in sys.modules:
+        _on_import(sys.modules[module_name])
+    elif module_name not in _hooked_modules:
+        _hooked_modules.add(module_name)
+        wrapt.register_post_import_hook(_on_import, module_name)
+
+
+def apply(
+    only: str | Sequence[str] | None = None,
+    exclude: str | Sequence[str] | None = None,
+    strict: bool | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> list[PatchStatus]:
+    """Apply the selected patches (idempotent); returns their statuses.
+
+    With no arguments: the names MEGATRON_RL_PATCHES lists, else every patch, less
+    MEGATRON_RL_PATCHES_DISABLE unless `only` names them. `strict` (default: the
+    MEGATRON_RL_PATCHES_STRICT variable) raises PatchError instead of warning.
+    """
+    strict = env.is_strict(environ) if strict is None else bool(strict)
+    with _lock:
+        chosen = set(env.resolve_selection(patch_names(), only, exclude, environ))
+        slots = [slot for slot in _catalog().values() if slot.patch.name in chosen]
+        dropped = set(env.disabled_names(environ)) | set(env.split_names(exclude))
+        for slot in _catalog().values():
+            if slot.patch.name in chosen:
+                slot.selected, slot.strict = True, strict
+                if slot.status != APPLIED:
+                    _set(slot, PENDING, f"waiting for the import of {slot.patch.module}")
+            elif not slot.selected and slot.patch.name in dropped:
+                _set(slot, SKIPPED, "disabled (MEGATRON_RL_PATCHES_DISABLE or exclude=)")
+        for module_name in dict.fromkeys(slot.patch.module for slot in slots):
+            _watch(module_name)
+        return [_status(slot) for slot in slots]
+
+
+def revert(only: str | Sequence[str] | None = None) -> list[PatchStatus]:
+    """Remove the patches (all, or those named), restoring the original objects. Idempotent."""
+    with _lock:
+        names = set(env.resolve_selection(patch_names(), only, environ={})) if only else None
+        slots = [s for s in _catalog().values() if names is None or s.patch.name in names]
+        for slot in slots:
+            slot.selected = False
+            slot.active = False
+            if slot.handle is not None:
+                wrapt.unwrap_object(slot.owner, slot.attribute, slot.handle, missing_ok=True)
+                slot.handle = slot.owner = slot.original = None
+            _set(slot, SKIPPED, "reverted")
+        return [_status(slot) for slot in slots]
+
+
+def _status(slot: _Slot) -> PatchStatus:
+    return PatchStatus(slot.patch.name, slot.patch.target, slot.status, slot.reason)
+
+
+def applied() -> list[PatchStatus]:
+    """The real state of every (patch, target): applied / pending / skipped / failed."""
+    with _lock:
+        return [_status(slot) for slot in _catalog().values()]
+
+
+def poison_imports(error: Exception) -> None:
+    """Strict start-up with a bad selection: raise `error` at the first import of any target
+    module (Python's start-up would swallow it)."""
+
+    def raise_error(module: Any) -> None:
+        raise error
+
+    for module_name in dict.fromkeys(patch.module for patch in patches()):
+        wrapt.register_post_import_hook(raise_error, module_name)
+
+
+def _reset_for_tests() -> None:
+    """Revert everything and forget statuses (the pytest plugin's isolation)."""
+    global _slots
+    with _lock:
+        if _slots is not None:
+            revert()
+        _slots = None
+        _warned.clear()

@@ -1,0 +1,32 @@
+"""Build hook: ship the start-up files (.pth, and .start for Python >= 3.15) at the wheel root.
+
+PEP 660 editable installs do not carry them; `megatron-rl-patches startup install` covers that.
+"""
+import os
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+STARTUP_FILES = ("megatron_rl_patches.pth", "megatron_rl_patches.start")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class BuildPyWithStartupFiles(build_py):
+    def run(self):
+        super().run()
+        for name in STARTUP_FILES:
+            self.copy_file(os.path.join(HERE, "startup", name), os.path.join(self.build_lib, name))
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [
+            os.path.join(self.build_lib, name) for name in STARTUP_FILES
+        ]
+
+    def get_output_mapping(self):
+        mapping = super().get_output_mapping()
+        for name in STARTUP_FILES:
+            mapping[os.path.join(self.build_lib, name)] = os.path.join("startup", name)
+        return mapping
+
+
+setup(cmdclass={"build_py": BuildPyWithStartupFiles})
