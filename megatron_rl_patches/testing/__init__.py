@@ -1,0 +1,6 @@
+"""CPU test kit: run real megatron-core on a CPU-only machine (pytest plugin `megatron_rl_patches`).
+
+Fixtures: `megatron_cpu` (gloo world of size 1, model-parallel state, CPU shims, full teardown),
+`tiny_gpt` (factory of a tiny real GPTModel), `fake_ddp` (a DDP stand-in for unit tests).
+Library code never imports this package: the shims exist for tests and the CPU demo only.
+"""

@@ -1,0 +1,203 @@
+"""Real megatron-core on CPU: a gloo world, model-parallel state, tiny GPT models, DDP wrappers,
+batches and the real forward-backward schedule. Used by the pytest plugin and the CPU demo."""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl_patches.testing.shims import cpu_shims
+
+TINY_VOCAB = 64
+TINY_SEQ = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def megatron_on_cpu(
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    virtual_pipeline: int | None = None,
+    seed: int = 1234,
+) -> Iterator["MegatronCPU"]:
+    """A gloo process group of world size 1 (unless one exists), Megatron's parallel state and the
+    CPU shims; on exit everything it set up is torn down so tests stay independent."""
+    from megatron.core import parallel_state
+
+    created_group = False
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        created_group = True
+    parallel_state.initialize_model_parallel(
+        tensor_parallel,
+        pipeline_parallel,
+        virtual_pipeline_model_parallel_size=virtual_pipeline,
+    )
+    torch.manual_seed(seed)
+    try:
+        with cpu_shims():
+            yield MegatronCPU(seed=seed)
+    finally:
+        parallel_state.destroy_model_parallel()
+        if created_group:
+            dist.destroy_process_group()
+
+
+def tiny_gpt_config(**overrides: Any) -> Any:
+    """A TransformerConfig small enough for CPU tests: 2 layers, hidden 32, no dropout, fp32."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    values: dict[str, Any] = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        pipeline_dtype=torch.float32,
+    )
+    values.update(overrides)
+    return TransformerConfig(**values)
+
+
+def build_tiny_gpt(
+    config: Any = None,
+    *,
+    vocab_size: int = TINY_VOCAB,
+    seq_length: int = TINY_SEQ,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+    seed: int | None = 0,
+) -> Any:
+    """A real GPTModel with the local (non Transformer Engine) layer spec; `seed` fixes the weights."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    kwargs: dict[str, Any] = {"vp_stage": vp_stage} if vp_stage is not None else {}
+    return GPTModel(
+        config=config if config is not None else tiny_gpt_config(),
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=vocab_size,
+        max_sequence_length=seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        **kwargs,
+    )
+
+
+def tiny_gpt_provider(config: Any = None, **kwargs: Any) -> Callable[..., Any]:
+    """A Megatron-LM style `model_provider(pre_process, post_process, vp_stage=None)`."""
+
+    def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> Any:
+        return build_tiny_gpt(config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, **kwargs)
+
+    return model_provider
+
+
+def wrap_ddp(model: Any, **ddp_flags: Any) -> Any:
+    """Wrap in real megatron-core DistributedDataParallel with the given DistributedDataParallelConfig
+    flags (e.g. overlap_grad_reduce=True, use_distributed_optimizer=True, overlap_param_gather=True)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    return DistributedDataParallel(
+        config=model.config, ddp_config=DistributedDataParallelConfig(**ddp_flags), module=model
+    )
+
+
+def make_batch(batch_size: int = 2, seq_length: int = TINY_SEQ, vocab_size: int = TINY_VOCAB, seed: int = 0) -> dict:
+    """Random tokens with a causal attention mask (True = masked out) and next-token labels."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (batch_size, seq_length + 1), generator=gen)
+    causal = torch.ones(seq_length, seq_length, dtype=torch.bool).tril().logical_not()
+    return {
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "position_ids": torch.arange(seq_length).expand(batch_size, seq_length).contiguous(),
+        "attention_mask": causal[None, None].expand(batch_size, 1, seq_length, seq_length),
+    }
+
+
+def gpt_forward(model: Any, batch: dict, labels: bool = False) -> torch.Tensor:
+    """Logits [b, s, V] (or per-token losses [b, s] with `labels=True`)."""
+    return model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch["attention_mask"],
+        labels=batch["labels"] if labels else None,
+    )
+
+
+def lm_loss_forward_step(data_iterator: Iterator[dict], model: Any) -> tuple[torch.Tensor, Callable]:
+    """A forward step for get_forward_backward_func(): mean next-token cross entropy."""
+    batch = next(data_iterator)
+    per_token = gpt_forward(model, batch, labels=True)
+
+    def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        loss = output.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return per_token, loss_func
+
+
+def run_schedule(
+    model_chunks: Sequence[Any],
+    batches: Sequence[dict],
+    forward_step: Callable = lm_loss_forward_step,
+    forward_only: bool = False,
+) -> list[dict]:
+    """One global batch through megatron-core's real forward-backward schedule."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    first = batches[0]
+    micro_batch_size, seq_length = first["tokens"].shape
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=list(model_chunks),
+        num_microbatches=len(batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
+def sgd_step(model_chunks: Sequence[Any], lr: float = 0.1) -> None:
+    """A tiny SGD on `param.main_grad` (the distributed optimizer does not build on CPU)."""
+    with torch.no_grad():
+        for chunk in model_chunks:
+            for param in chunk.parameters():
+                grad = getattr(param, "main_grad", None)
+                if grad is None:
+                    grad = param.grad
+                if grad is not None:
+                    param.add_(grad.to(param.dtype), alpha=-lr)
+
+
+@dataclass
+class MegatronCPU:
+    """Handle given by `megatron_on_cpu()` / the `megatron_cpu` fixture: factories in one place."""
+
+    seed: int = 1234
+    config = staticmethod(tiny_gpt_config)
+    gpt = staticmethod(build_tiny_gpt)
+    provider = staticmethod(tiny_gpt_provider)
+    ddp = staticmethod(wrap_ddp)
+    batch = staticmethod(make_batch)
+    forward = staticmethod(gpt_forward)
+    run_schedule = staticmethod(run_schedule)
+    sgd_step = staticmethod(sgd_step)

@@ -1,0 +1,69 @@
+"""The CPU test kit runs real megatron-core and leaves nothing behind."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.megatron
+
+OVERLAP = dict(overlap_grad_reduce=True, use_distributed_optimizer=True, overlap_param_gather=True)
+
+
+def test_real_ddp_trains_through_the_real_schedule(megatron_cpu):
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+
+    ddp = megatron_cpu.ddp(megatron_cpu.gpt(), **OVERLAP)
+    assert isinstance(ddp, DistributedDataParallel) and ddp.use_forward_hook
+    ddp.config.no_sync_func = ddp.no_sync
+    ddp.config.finalize_model_grads_func = finalize_model_grads
+    batches = [megatron_cpu.batch(seed=i) for i in range(2)]
+    before = megatron_cpu.run_schedule([ddp], batches)
+    assert len(before) == 2 and all(torch.isfinite(m["lm loss"]) for m in before)
+    assert any(p.main_grad.abs().sum() > 0 for p in ddp.parameters())
+    megatron_cpu.sgd_step([ddp], lr=0.5)
+    ddp.zero_grad_buffer()
+    after = megatron_cpu.run_schedule([ddp], batches)
+    assert sum(m["lm loss"] for m in after) < sum(m["lm loss"] for m in before)
+
+
+def test_unpatched_megatron_core_rejects_a_second_hook_toggle(megatron_cpu):
+    ddp = megatron_cpu.ddp(megatron_cpu.gpt(), **OVERLAP)
+    ddp.disable_forward_pre_hook()
+    with pytest.raises(KeyError):
+        ddp.disable_forward_pre_hook()
+    ddp.enable_forward_pre_hook()
+    with pytest.raises(AssertionError):
+        ddp.enable_forward_pre_hook()
+
+
+def test_same_seed_gives_same_weights_and_deterministic_forward(megatron_cpu):
+    a, b = megatron_cpu.gpt(seed=3), megatron_cpu.gpt(seed=3)
+    batch = megatron_cpu.batch()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+    assert torch.equal(megatron_cpu.forward(a, batch), megatron_cpu.forward(b, batch))
+
+
+def test_teardown_restores_torch_and_parallel_state():
+    from megatron.core import parallel_state
+
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    original = torch.cuda.current_device
+    with megatron_on_cpu():
+        assert torch.cuda.current_device() == "cpu"
+        assert parallel_state.model_parallel_is_initialized()
+    assert torch.cuda.current_device is original
+    assert not parallel_state.model_parallel_is_initialized()
+    assert not torch.distributed.is_initialized()
+
+
+def test_fake_ddp_mirrors_upstream_failures(fake_ddp):
+    ddp = fake_ddp()
+    assert ddp.hooks_enabled
+    ddp.disable_forward_pre_hook()
+    assert ddp.param_syncs == [True]
+    with pytest.raises(KeyError):
+        ddp.disable_forward_pre_hook()
+    ddp.enable_forward_pre_hook()
+    with pytest.raises(AssertionError):
+        ddp.enable_forward_pre_hook()
+    ddp.start_param_sync.assert_called()  # a pytest-mock spy
