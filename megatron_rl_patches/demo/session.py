@@ -1,0 +1,101 @@
+"""One demo session: set up megatron-core, build the models, run the rollouts, measure."""
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import asdict
+from typing import Any, Iterator
+
+import torch
+
+from megatron_rl_patches.demo import loop
+from megatron_rl_patches.demo.loop import DemoConfig, RolloutResult
+
+
+@contextlib.contextmanager
+def _megatron_runtime() -> Iterator[str]:
+    """A world of size 1: NCCL on a GPU when present, else gloo + the test kit's CPU shims."""
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    if torch.cuda.is_available():
+        import os
+
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        from megatron_rl_patches.testing.megatron_cpu import _free_port
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+        try:
+            yield "cuda"
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+    else:
+        with megatron_on_cpu():
+            yield "cpu"
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, leave=False, file=sys.stderr)
+
+
+def run_demo(cfg: DemoConfig, patches: bool = True, progress: bool = False) -> dict:
+    """Run the loop; returns the summary (JSON-ready). Without patches, rollout 2 is expected to
+    fail: the failure is reported in the summary, not raised."""
+    import megatron_rl_patches as mrp
+    from megatron_rl_patches.demo import measure
+
+    torch.manual_seed(cfg.seed)
+    train = loop.megatron_style_train
+    if patches:
+        mrp.apply(only=["ddp_hooks"])
+        train = mrp.reentrant_train(train)
+    results: list[RolloutResult] = []
+    error = None
+    with _megatron_runtime() as device:
+        actor, teachers = loop.build_models(cfg)
+        forward_step = loop.make_forward_step(cfg)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        for rollout in range(1, cfg.rollouts + 1):
+            bar = _progress(cfg.steps * cfg.microbatches + 1, f"rollout {rollout}/{cfg.rollouts}", progress)
+            step_batches = []
+            for _ in range(cfg.steps):
+                batches = []
+                for _ in range(cfg.microbatches):
+                    batch = loop.sample(actor[0], cfg, gen)
+                    loop.score_with_teachers(batch, actor[0], teachers, cfg)
+                    batches.append(batch)
+                    bar.update(1)
+                step_batches.append(batches)
+            try:
+                per_step = train(rollout, actor, step_batches, forward_step, cfg.lr)
+            except Exception as exc:  # the crash --no-patches demonstrates
+                bar.close()
+                error = {"rollout": rollout, "type": type(exc).__name__, "message": str(exc) or repr(exc)}
+                break
+            bar.update(1)
+            bar.close()
+            last = per_step[-1]
+            results.append(RolloutResult(rollout, last["loss"], last["opd_kl"], last["entropy"], last["logprob"]))
+        teacher_bytes = measure.teacher_savings(teachers, cfg)
+        logprob_bytes = measure.logprob_saved_bytes(cfg)
+    if patches:
+        mrp.revert()
+    return {
+        "ok": error is None and len(results) == cfg.rollouts,
+        "patches": patches,
+        "device": device,
+        "config": asdict(cfg),
+        "rollouts_completed": len(results),
+        "rollouts": [asdict(r) for r in results],
+        "error": error,
+        "teachers": teacher_bytes,
+        "logprob_saved_bytes": logprob_bytes,
+    }
