@@ -25,7 +25,7 @@ $(STAMP): $(DEPS)
 $(STAMP_OLD): $(DEPS)
 	test -x $(VENV_OLD)/bin/python || $(PYTHON) -m venv $(VENV_OLD)
 	$(VENV_OLD)/bin/python -c "import torch" 2>/dev/null || $(VENV_OLD)/bin/pip install -q $(TORCH_PIN)
-	$(VENV_OLD)/bin/pip install -q "$(MCORE_OLD)" -e ".[test]"
+	$(VENV_OLD)/bin/pip install -q "$(MCORE_OLD)" -e ".[test]" wheel
 	touch $@
 
 demo: $(STAMP)

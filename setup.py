@@ -1,4 +1,5 @@
-"""Build hook: ship the start-up files (.pth, and .start for Python >= 3.15) at the wheel root.
+"""Build hooks: ship the start-up files (.pth, and .start for Python >= 3.15) at the wheel root,
+and put them in the sdist so a wheel built from it has them too.
 
 PEP 660 editable installs do not carry them; `megatron-rl-patches startup install` covers that.
 """
@@ -7,15 +8,22 @@ import os
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
+STARTUP_DIR = "startup"
 STARTUP_FILES = ("megatron_rl_patches.pth", "megatron_rl_patches.start")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class BuildPyWithStartupFiles(build_py):
+    """Copies the start-up files to build_lib's root and reports them, so the wheel's RECORD
+    lists them (pip then removes them on uninstall)."""
+
     def run(self):
         super().run()
         for name in STARTUP_FILES:
-            self.copy_file(os.path.join(HERE, "startup", name), os.path.join(self.build_lib, name))
+            self.copy_file(os.path.join(HERE, STARTUP_DIR, name), os.path.join(self.build_lib, name))
+
+    def get_source_files(self):  # what the sdist collects: without them a wheel from it fails
+        return super().get_source_files() + [os.path.join(STARTUP_DIR, name) for name in STARTUP_FILES]
 
     def get_outputs(self, include_bytecode=True):
         return super().get_outputs(include_bytecode) + [
@@ -25,7 +33,7 @@ class BuildPyWithStartupFiles(build_py):
     def get_output_mapping(self):
         mapping = super().get_output_mapping()
         for name in STARTUP_FILES:
-            mapping[os.path.join(self.build_lib, name)] = os.path.join("startup", name)
+            mapping[os.path.join(self.build_lib, name)] = os.path.join(STARTUP_DIR, name)
         return mapping
 
 

@@ -1,8 +1,8 @@
 """Start-up hook run by the installed .pth (and .start) file in every Python process.
 
-With MEGATRON_RL_PATCHES unset it returns after one environment read and imports nothing.
+With MEGATRON_RL_PATCHES unset it returns after one environment read and imports nothing more.
 With it set, it registers post-import hooks; the patches land when megatron is imported.
-It never raises: Python's site machinery would print a traceback (twice in a venv) anyway.
+It never raises: Python's site machinery would print a traceback (twice in a venv) and go on.
 """
 from __future__ import annotations
 
@@ -11,8 +11,13 @@ import sys
 _done = False
 
 
+def has_run() -> bool:
+    """Whether the start-up hook already ran in this process."""
+    return _done
+
+
 def run() -> None:
-    """Idempotent: a venv can execute the same .pth twice."""
+    """Apply what the environment selects. Idempotent: a venv can execute the same .pth twice."""
     global _done
     if _done:
         return
@@ -26,9 +31,9 @@ def run() -> None:
 
         try:
             registry.apply()
-        except ValueError as exc:  # bad selection: one line now; in strict mode, at import time
-            sys.stderr.write(f"megatron-rl-patches: {exc}\n")
+        except ValueError as exc:  # bad selection: one line now; in strict mode, also at import
+            sys.stderr.write(f"megatron-rl-patches: no patch applied at start-up: {exc}\n")
             if env.is_strict():
-                registry.poison_imports(exc)
+                registry.poison_imports(ValueError(f"{exc} ({env.STRICT} is set)"))
     except BaseException as exc:  # noqa: BLE001 - start-up must go on whatever happens
         sys.stderr.write(f"megatron-rl-patches: start-up patching disabled: {type(exc).__name__}: {exc}\n")

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
+# Not `from typing import TYPE_CHECKING`: this module runs at every interpreter start-up and
+# importing typing costs more than everything else the start-up hook does (type checkers
+# treat this name specially either way).
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
@@ -11,6 +14,7 @@ SELECT = "MEGATRON_RL_PATCHES"
 DISABLE = "MEGATRON_RL_PATCHES_DISABLE"
 STRICT = "MEGATRON_RL_PATCHES_STRICT"
 INFERENCE_ROLES = "MEGATRON_RL_PATCHES_INFERENCE_ROLES"
+VARIABLES = (SELECT, DISABLE, STRICT, INFERENCE_ROLES)
 
 DEFAULT_INFERENCE_ROLES = ("prm_teacher", "teacher")
 _OFF = {"", "0", "false", "no", "off", "none"}
@@ -25,6 +29,10 @@ def split_names(value: str | Sequence[str] | None) -> list[str]:
     """'a, b,,c' -> ['a', 'b', 'c']; a sequence is taken as already split."""
     if value is None:
         return []
+    if not isinstance(value, str):
+        bad = [item for item in value if not isinstance(item, str)]
+        if bad:
+            raise TypeError(f"patch names must be strings, got {bad!r}; pass e.g. ['ddp_hooks']")
     items = value.split(",") if isinstance(value, str) else list(value)
     return [item.strip() for item in items if item and item.strip()]
 
@@ -43,10 +51,12 @@ def selected_names(environ: Mapping[str, str] | None = None) -> list[str] | None
 
 
 def disabled_names(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Names MEGATRON_RL_PATCHES_DISABLE lists (removed from any selection but `only=`)."""
     return split_names(_environ(environ).get(DISABLE))
 
 
 def is_strict(environ: Mapping[str, str] | None = None) -> bool:
+    """MEGATRON_RL_PATCHES_STRICT=1: patch problems raise instead of warning."""
     return _environ(environ).get(STRICT, "").strip().lower() in _ALL
 
 
@@ -56,34 +66,56 @@ def inference_roles(environ: Mapping[str, str] | None = None) -> list[str]:
     return list(DEFAULT_INFERENCE_ROLES) if value is None else split_names(value)
 
 
+def _check_known(source: str, names: Sequence[str], known: Sequence[str]) -> None:
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(
+            f"unknown patch name(s) {', '.join(map(repr, unknown))} in {source}; "
+            f"valid names: {', '.join(known)}"
+        )
+
+
 def resolve_selection(
     known: Sequence[str],
     only: str | Sequence[str] | None = None,
     exclude: str | Sequence[str] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> list[str]:
-    """The patch names to apply: arguments beat the environment; DISABLE drops names unless
-    `only` names them. Unknown names raise ValueError listing the valid ones."""
+    """The patch names to apply, in `known` order.
+
+    `only` beats MEGATRON_RL_PATCHES, which beats "every patch"; MEGATRON_RL_PATCHES_DISABLE
+    drops names unless `only` is given; `exclude` always drops. Unknown names in whatever is
+    consulted raise ValueError listing the valid ones (the environment is not read at all
+    when `only` is given, so a typo there cannot break explicit code).
+    """
     only_names = split_names(only) if only is not None else None
     exclude_names = split_names(exclude)
-    env_names = selected_names(environ)
-    disabled = disabled_names(environ)
-    for source, names in (
-        ("only", only_names or []),
-        ("exclude", exclude_names),
-        (SELECT, (env_names or []) if only_names is None else []),
-        (DISABLE, disabled),
-    ):
-        unknown = [name for name in names if name not in known]
-        if unknown:
-            raise ValueError(
-                f"unknown patch name(s) {', '.join(map(repr, unknown))} in {source}; "
-                f"valid names: {', '.join(known)}"
-            )
     if only_names is not None:
-        chosen = only_names
-    elif env_names is not None:
-        chosen = [name for name in env_names if name not in disabled]
+        _check_known("only=", only_names, known)
+        _check_known("exclude=", exclude_names, known)
+        chosen = set(only_names)
     else:
-        chosen = [name for name in known if name not in disabled]
-    return [name for name in dict.fromkeys(chosen) if name not in exclude_names]
+        env_names = selected_names(environ)
+        disabled = disabled_names(environ)
+        if env_names is not None:
+            _check_known(SELECT, env_names, known)
+        _check_known(DISABLE, disabled, known)
+        _check_known("exclude=", exclude_names, known)
+        chosen = set(known if env_names is None else env_names) - set(disabled)
+    chosen -= set(exclude_names)
+    return [name for name in dict.fromkeys(known) if name in chosen]
+
+
+def summary(environ: Mapping[str, str] | None = None) -> dict[str, object]:
+    """The raw variables and what they mean, for `megatron-rl-patches doctor`."""
+    env = _environ(environ)
+    names = selected_names(env)
+    enabled = is_enabled(env)
+    return {
+        "variables": {name: env.get(name) for name in VARIABLES},
+        "enabled_at_startup": enabled,
+        "selects": None if not enabled else "all" if names is None else names,
+        "disabled": disabled_names(env),
+        "strict": is_strict(env),
+        "inference_roles": inference_roles(env),
+    }

@@ -159,7 +159,8 @@ def _resolve_callable(ref: str | Callable[..., Any]) -> Callable[..., Any]:
     return obj
 
 
-def _version_problem(patch: Patch) -> str | None:
+def version_problem(patch: Patch) -> str | None:
+    """Why the installed `patch.requires` does not fit `patch.versions` (None: it fits or is unknown)."""
     if not patch.requires or not patch.versions:
         return None
     found = installed_version(patch.requires)
@@ -171,9 +172,10 @@ def _version_problem(patch: Patch) -> str | None:
         return f"cannot compare {patch.requires} version {found!r} with {patch.versions!r}: {exc}"
     if ok:
         return None
+    # No target in the text: every target of one patch gives the same line, so it warns once.
     return (
-        f"{patch.requires} {found} is outside the supported range {patch.versions} "
-        f"for {patch.target}; install a supported {patch.requires} or disable '{patch.name}'"
+        f"installed {patch.requires} {found} is outside the supported range "
+        f"'{patch.versions}'; install a supported {patch.requires} or disable '{patch.name}'"
     )
 
 
@@ -225,7 +227,7 @@ def _install(slot: _Slot, module: Any) -> None:
     patch = slot.patch
     if slot.status == APPLIED:
         return
-    problem = _version_problem(patch)
+    problem = version_problem(patch)
     if problem:
         return _refuse(slot, PatchVersionUnsupported, problem)
     try:
@@ -257,11 +259,19 @@ def _install(slot: _Slot, module: Any) -> None:
 
 
 def _on_import(module: Any) -> None:
+    """Post-import hook: install every selected patch of `module`; in strict mode the first
+    error propagates (after the others were tried), which makes the import itself fail."""
+    errors: list[PatchError] = []
     with _lock:
         _hooked_modules.discard(module.__name__)
         for slot in _catalog().values():
             if slot.selected and slot.patch.module == module.__name__:
-                _install(slot, module)
+                try:
+                    _install(slot, module)
+                except PatchError as exc:
+                    errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 def _watch(module_name: str) -> None:
@@ -280,41 +290,58 @@ def apply(
     *,
     environ: Mapping[str, str] | None = None,
 ) -> list[PatchStatus]:
-    """Apply the selected patches (idempotent); returns their statuses.
+    """Apply the selected patches (idempotent, additive); returns the statuses of those selected.
 
     With no arguments: the names MEGATRON_RL_PATCHES lists, else every patch, less
-    MEGATRON_RL_PATCHES_DISABLE unless `only` names them. `strict` (default: the
-    MEGATRON_RL_PATCHES_STRICT variable) raises PatchError instead of warning.
+    MEGATRON_RL_PATCHES_DISABLE; `only` ignores the environment. Patches land now for imported
+    modules, else when their module is first imported. `strict` (default: the
+    MEGATRON_RL_PATCHES_STRICT variable) raises PatchError instead of warning. Unknown names
+    raise ValueError and change nothing.
     """
     strict = env.is_strict(environ) if strict is None else bool(strict)
     with _lock:
         chosen = set(env.resolve_selection(patch_names(), only, exclude, environ))
         slots = [slot for slot in _catalog().values() if slot.patch.name in chosen]
-        dropped = set(env.disabled_names(environ)) | set(env.split_names(exclude))
+        dropped = {name: "disabled by exclude=" for name in env.split_names(exclude)}
+        if only is None:
+            for name in env.disabled_names(environ):
+                dropped.setdefault(name, f"disabled by {env.DISABLE}")
         for slot in _catalog().values():
             if slot.patch.name in chosen:
                 slot.selected, slot.strict = True, strict
                 if slot.status != APPLIED:
                     _set(slot, PENDING, f"waiting for the import of {slot.patch.module}")
             elif not slot.selected and slot.patch.name in dropped:
-                _set(slot, SKIPPED, "disabled (MEGATRON_RL_PATCHES_DISABLE or exclude=)")
+                _set(slot, SKIPPED, dropped[slot.patch.name])
+        errors: list[PatchError] = []
         for module_name in dict.fromkeys(slot.patch.module for slot in slots):
-            _watch(module_name)
+            try:
+                _watch(module_name)
+            except PatchError as exc:  # strict: still hook the other modules, then raise
+                errors.append(exc)
+        if errors:
+            raise errors[0]
         return [_status(slot) for slot in slots]
 
 
 def revert(only: str | Sequence[str] | None = None) -> list[PatchStatus]:
     """Remove the patches (all, or those named), restoring the original objects. Idempotent."""
     with _lock:
-        names = set(env.resolve_selection(patch_names(), only, environ={})) if only else None
+        names = set(env.resolve_selection(patch_names(), only, environ={})) if only is not None else None
         slots = [s for s in _catalog().values() if names is None or s.patch.name in names]
         for slot in slots:
+            in_play = slot.selected or slot.handle is not None or slot.status in (APPLIED, PENDING, FAILED)
             slot.selected = False
-            slot.active = False
+            slot.active = False  # a wrapper that cannot be removed (or a captured one) now passes through
+            reason = "reverted"
             if slot.handle is not None:
-                wrapt.unwrap_object(slot.owner, slot.attribute, slot.handle, missing_ok=True)
+                try:
+                    wrapt.unwrap_object(slot.owner, slot.attribute, slot.handle, missing_ok=True)
+                except Exception as exc:  # a non-wrapt wrapper was put over ours: ours stays, inert
+                    reason = f"reverted; an inert wrapper stays under a foreign one ({exc})"
                 slot.handle = slot.owner = slot.original = None
-            _set(slot, SKIPPED, "reverted")
+            if in_play:
+                _set(slot, SKIPPED, reason)
         return [_status(slot) for slot in slots]
 
 
@@ -328,15 +355,22 @@ def applied() -> list[PatchStatus]:
         return [_status(slot) for slot in _catalog().values()]
 
 
+def entries() -> list[tuple[Patch, PatchStatus]]:
+    """Every record with its current status, in declaration order (for `megatron-rl-patches list`)."""
+    with _lock:
+        return [(slot.patch, _status(slot)) for slot in _catalog().values()]
+
+
 def poison_imports(error: Exception) -> None:
     """Strict start-up with a bad selection: raise `error` at the first import of any target
-    module (Python's start-up would swallow it)."""
+    module (Python's start-up machinery would swallow it)."""
 
     def raise_error(module: Any) -> None:
         raise error
 
     for module_name in dict.fromkeys(patch.module for patch in patches()):
-        wrapt.register_post_import_hook(raise_error, module_name)
+        if module_name not in sys.modules:
+            wrapt.register_post_import_hook(raise_error, module_name)
 
 
 def _reset_for_tests() -> None:

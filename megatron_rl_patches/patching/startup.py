@@ -1,0 +1,141 @@
+"""The start-up files (.pth, and .start for Python >= 3.15) that run the bootstrap in every process.
+
+Wheels install them; editable installs (PEP 660) do not, so `megatron-rl-patches startup
+install|remove` writes and removes them here. The texts must equal the files in startup/ that
+setup.py ships (a test checks it).
+"""
+from __future__ import annotations
+
+import os
+import site
+import sysconfig
+from dataclasses import dataclass
+
+PTH_NAME = "megatron_rl_patches.pth"
+START_NAME = "megatron_rl_patches.start"
+# A single `import` line works on every Python; 3.15 prefers the .start entry point form.
+CONTENTS = {
+    PTH_NAME: "import megatron_rl_patches.patching.bootstrap; megatron_rl_patches.patching.bootstrap.run()\n",
+    START_NAME: "megatron_rl_patches.patching.bootstrap:run\n",
+}
+
+
+class ForeignStartupFile(FileExistsError):
+    """A file with our start-up file's name but other content: never overwritten or removed."""
+
+
+@dataclass(frozen=True)
+class StartupFile:
+    """One start-up file in one site directory: present? ours?"""
+
+    path: str
+    present: bool
+    ours: bool
+
+    def as_dict(self) -> dict[str, object]:
+        return {"path": self.path, "present": self.present, "ours": self.ours}
+
+
+def default_site_dir() -> str:
+    """This interpreter's site-packages (sysconfig purelib), where pip puts wheels."""
+    return sysconfig.get_paths()["purelib"]
+
+
+def site_dirs() -> list[str]:
+    """Every directory whose .pth files this interpreter reads at start-up (that exists)."""
+    dirs = [default_site_dir(), *getattr(site, "getsitepackages", list)()]
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    seen: dict[str, str] = {}
+    for path in dirs:
+        if os.path.isdir(path):
+            seen.setdefault(os.path.realpath(path), path)
+    return list(seen.values())
+
+
+def _is_ours(path: str, name: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read().strip() == CONTENTS[name].strip()
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def inspect_dir(site_dir: str) -> list[StartupFile]:
+    """The state of both start-up files in `site_dir`."""
+    found = []
+    for name in CONTENTS:
+        path = os.path.join(site_dir, name)
+        present = os.path.lexists(path)
+        found.append(StartupFile(path, present, present and _is_ours(path, name)))
+    return found
+
+
+def _checked_dir(site_dir: str | None) -> str:
+    site_dir = default_site_dir() if site_dir is None else os.fspath(site_dir)
+    if not os.path.isdir(site_dir):
+        raise NotADirectoryError(
+            f"site directory {site_dir!r} does not exist; pass an existing site-packages "
+            f"directory (this interpreter's is {default_site_dir()!r})"
+        )
+    return site_dir
+
+
+def _refuse_foreign(files: list[StartupFile], action: str) -> None:
+    foreign = [f.path for f in files if f.present and not f.ours]
+    if foreign:
+        raise ForeignStartupFile(
+            f"refusing to {action} {', '.join(foreign)}: the file exists with content that is not "
+            f"megatron-rl-patches' start-up line; inspect it and move it away first"
+        )
+
+
+def install(site_dir: str | None = None) -> list[tuple[str, str]]:
+    """Write both start-up files into `site_dir` (default: this interpreter's site-packages).
+
+    Idempotent; returns (path, "written" | "unchanged") pairs. Refuses, changing nothing, when
+    a file of the same name with other content is there.
+    """
+    site_dir = _checked_dir(site_dir)
+    files = inspect_dir(site_dir)
+    _refuse_foreign(files, "overwrite")
+    done = []
+    for name, state in zip(CONTENTS, files):
+        if state.ours:
+            done.append((state.path, "unchanged"))
+            continue
+        tmp = f"{state.path}.tmp{os.getpid()}"  # not *.pth: site never reads a half-written file
+        try:
+            with open(tmp, "w", encoding="utf-8") as handle:
+                handle.write(CONTENTS[name])
+            os.replace(tmp, state.path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        done.append((state.path, "written"))
+    return done
+
+
+def remove(site_dir: str | None = None) -> list[tuple[str, str]]:
+    """Remove both start-up files from `site_dir`; returns (path, "removed" | "absent") pairs.
+
+    Idempotent; refuses, changing nothing, when a file of the same name is not ours.
+    """
+    site_dir = _checked_dir(site_dir)
+    files = inspect_dir(site_dir)
+    _refuse_foreign(files, "remove")
+    done = []
+    for state in files:
+        if state.present:
+            os.remove(state.path)
+            done.append((state.path, "removed"))
+        else:
+            done.append((state.path, "absent"))
+    return done
+
+
+def is_site_dir(path: str) -> bool:
+    """Whether this interpreter reads .pth files from `path` at start-up."""
+    real = os.path.realpath(path)
+    return any(os.path.realpath(d) == real for d in site_dirs())
+

@@ -1,0 +1,245 @@
+"""Zero-code start-up from a real wheel in a fresh virtual environment.
+
+The wheel is built once per session from a copy of the source tree; a fresh venv gets it with
+--no-deps and sees the running venv's torch / megatron-core / wrapt / packaging through a path
+line in a .pth (cheap; nothing is copied). Every check runs `python -c ...` in that venv.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from megatron_rl_patches.patching import startup
+
+pytestmark = [pytest.mark.slow, pytest.mark.megatron]
+
+REPO = Path(__file__).resolve().parents[2]
+SOURCES = ("setup.py", "setup.cfg", "pyproject.toml", "README.md", "startup", "megatron_rl_patches")
+HEAVY = ("torch", "megatron", "wrapt", "packaging", "numpy")
+DDP = "megatron.core.distributed.distributed_data_parallel"
+SLIME_MODEL = '''
+def train(rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_microbatches,
+          global_batch_sizes):
+    return "original"
+
+
+def enable_forward_pre_hook(model_chunks):
+    return "original"
+
+
+def disable_forward_pre_hook(model_chunks, param_sync=True):
+    return "original"
+'''
+
+
+def _build_tools_missing() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    try:
+        setuptools = Version(version("setuptools"))
+    except PackageNotFoundError:
+        return "setuptools is not installed in this venv"
+    if setuptools < Version("64"):
+        return f"setuptools {setuptools} < 64"
+    if setuptools < Version("70.1"):  # older setuptools build wheels through the `wheel` package
+        try:
+            version("wheel")
+        except PackageNotFoundError:
+            return "the `wheel` package is not installed in this venv"
+    return None
+
+
+def clean_env(**variables: str) -> dict[str, str]:
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MEGATRON_RL_PATCHES", "PYTHON", "VIRTUAL_ENV", "PIP_"))
+    }
+    environ.update(PYTHONWARNINGS="ignore", PIP_NO_INPUT="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    environ.update(variables)
+    return environ
+
+
+def run(cmd: list[str], **variables: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=clean_env(**variables), capture_output=True, text=True, timeout=300)
+
+
+def ours(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory) -> Path:
+    missing = _build_tools_missing()
+    if missing:
+        pytest.skip(f"cannot build the wheel without isolation: {missing}")
+    src = tmp_path_factory.mktemp("src")
+    for name in SOURCES:
+        path = REPO / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(path, src / name)
+    out = tmp_path_factory.mktemp("wheelhouse")
+    proc = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (built,) = out.glob("megatron_rl_patches-*.whl")
+    return built
+
+
+def make_venv(root: Path, *extra_paths: str) -> tuple[Path, Path]:
+    """A venv without pip whose site-packages reaches the running venv's packages by a path line.
+
+    The .pth name sorts before ours, so wrapt and packaging are importable when our line runs."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    python = root / "bin" / "python"
+    site = Path(run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
+    lines = [*extra_paths, sysconfig.get_paths()["purelib"]]
+    (site / "00_test_shared_packages.pth").write_text("\n".join(lines) + "\n")
+    return python, site
+
+
+def pip(python: Path, *args: str) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "pip", "--python", str(python), *args])
+
+
+@pytest.fixture(scope="module")
+def venv(wheel, tmp_path_factory):
+    root = tmp_path_factory.mktemp("venv")
+    python, site = make_venv(root / "env")
+    proc = pip(python, "install", "--no-deps", "--no-index", str(wheel))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Run our start-up line a second time from another file, as a venv's lib64 link can do.
+    (site / "zz_again.pth").write_text(startup.CONTENTS[startup.PTH_NAME])
+    slime = root / "slime_src"
+    pkg = slime / "slime" / "backends" / "megatron_utils"
+    pkg.mkdir(parents=True)
+    for folder in (slime / "slime", slime / "slime" / "backends", pkg):
+        (folder / "__init__.py").write_text("")
+    (pkg / "model.py").write_text(SLIME_MODEL.replace("def train(rollout_id, model,", "def train(step, models,"))
+    return python, site, slime
+
+
+def py(python: Path, code: str, **variables: str) -> subprocess.CompletedProcess:
+    return run([str(python), "-c", textwrap.dedent(code)], **variables)
+
+
+def test_wheel_ships_the_startup_files(wheel):
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        for name, text in startup.CONTENTS.items():
+            assert archive.read(name).decode() == text  # at the wheel root: lands in site-packages
+        record = next(n for n in names if n.endswith(".dist-info/RECORD"))
+        listed = {line.split(",")[0] for line in archive.read(record).decode().splitlines()}
+        entry_points = archive.read(record.replace("RECORD", "entry_points.txt")).decode()
+    assert {startup.PTH_NAME, startup.START_NAME} <= listed  # so pip uninstall removes them
+    assert "megatron_rl_patches/py.typed" in names
+    assert "megatron-rl-patches = megatron_rl_patches.cli:main" in entry_points
+
+
+def test_variable_set_patches_megatron_without_code(venv):
+    python, site, _ = venv
+    proc = py(
+        python,
+        """
+        import json, sys
+        import wrapt.importer
+        hooks = len(wrapt.importer._post_import_hooks.get("%s", []))
+        from megatron.core.distributed import DistributedDataParallel as D
+        print(hasattr(D.enable_forward_pre_hook, '__wrapped__'))
+        import megatron_rl_patches
+        print(json.dumps({"hooks": hooks, "file": megatron_rl_patches.__file__,
+                          "statuses": [s.as_dict() for s in megatron_rl_patches.applied()]}))
+        """
+        % DDP,
+        MEGATRON_RL_PATCHES="all",
+    )
+    assert proc.returncode == 0, proc.stderr
+    first, second = proc.stdout.strip().splitlines()
+    assert first == "True"
+    info = json.loads(second)
+    assert info["file"].startswith(str(site))  # the wheel, not the source checkout
+    assert info["hooks"] == 1  # the start-up line ran twice, registered once
+    ddp = [s for s in info["statuses"] if s["name"] == "ddp_hooks"]
+    assert [s["status"] for s in ddp] == ["applied", "applied"]
+    assert ours(proc.stderr) == []
+
+
+def test_variable_unset_imports_nothing_heavy(venv):
+    python, _, _ = venv
+    proc = py(python, "import json, sys; print(json.dumps(sorted(sys.modules)))")
+    assert proc.returncode == 0 and proc.stderr == ""
+    modules = json.loads(proc.stdout)
+    assert "megatron_rl_patches.patching.bootstrap" in modules  # the start-up file did run
+    assert not [m for m in modules if m.split(".")[0] in HEAVY]
+
+
+def test_unknown_name_one_stderr_line_exit_0(venv):
+    python, _, _ = venv
+    proc = py(python, "print('still running')", MEGATRON_RL_PATCHES="bogus")
+    assert proc.returncode == 0 and proc.stdout == "still running\n"
+    lines = ours(proc.stderr)
+    assert len(lines) == 1 and "'bogus'" in lines[0] and "ddp_hooks" in lines[0]
+
+
+def test_failing_patch_one_stderr_line_exit_0_and_strict_raises_at_import(venv):
+    python, _, slime = venv
+    code = "import slime.backends.megatron_utils.model as m; print(m.train(1, 2, 3, 4, 5, 6, 7))"
+    proc = py(python, code, MEGATRON_RL_PATCHES="train_reentry", PYTHONPATH=str(slime))
+    assert proc.returncode == 0 and proc.stdout == "original\n"
+    lines = ours(proc.stderr)
+    assert len(lines) == 1, proc.stderr
+    assert "'train_reentry' skipped" in lines[0] and "slime.backends.megatron_utils.model:train" in lines[0]
+
+    proc = py(python, code, MEGATRON_RL_PATCHES="train_reentry", MEGATRON_RL_PATCHES_STRICT="1", PYTHONPATH=str(slime))
+    assert proc.returncode == 1
+    assert "PatchSignatureMismatch: slime.backends.megatron_utils.model:train has parameters" in proc.stderr
+
+
+def test_startup_cli_route_for_editable_installs(venv, tmp_path):
+    _, _, slime = venv
+    # Like `pip install -e`: the package comes from the source tree, no start-up file installed.
+    python, site = make_venv(tmp_path / "editable", str(REPO))
+    check = (
+        "import megatron_rl_patches, slime.backends.megatron_utils.model as m;"
+        "print(megatron_rl_patches.__file__); print(hasattr(m.enable_forward_pre_hook, '__wrapped__'))"
+    )
+    variables = dict(MEGATRON_RL_PATCHES="train_reentry", PYTHONPATH=str(slime))
+    proc = py(python, check, **variables)
+    where, patched = proc.stdout.split()
+    assert where.startswith(str(REPO)) and patched == "False"
+
+    cli = [str(python), "-m", "megatron_rl_patches", "startup"]
+    proc = run([*cli, "install"])
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert sorted(p.name for p in site.iterdir() if p.name.startswith("megatron_rl_patches")) == [
+        startup.PTH_NAME,
+        startup.START_NAME,
+    ]
+    proc = py(python, check, **variables)
+    assert proc.stdout.split()[1] == "True", proc.stderr
+
+    assert run([*cli, "remove"]).returncode == 0
+    assert not [p for p in site.iterdir() if p.name.startswith("megatron_rl_patches")]
+    assert py(python, check, **variables).stdout.split()[1] == "False"
+
+
+def test_uninstall_leaves_no_startup_file(venv):  # keep last: it removes the package
+    python, site, _ = venv
+    (site / "zz_again.pth").unlink()
+    proc = pip(python, "uninstall", "-y", "megatron-rl-patches")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    left = sorted(p.name for p in site.iterdir())
+    assert startup.PTH_NAME not in left and startup.START_NAME not in left
+    assert not [name for name in left if name.startswith("megatron_rl_patches")]

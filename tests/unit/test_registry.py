@@ -1,0 +1,230 @@
+"""The registry in one process, on stand-in modules: statuses, idempotency, exact revert, captured
+references, method targets, failures, warnings once."""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import sys
+
+import pytest
+import wrapt
+
+from megatron_rl_patches.patching import registry
+from megatron_rl_patches.patching.registry import Patch
+
+MODULE_SOURCE = '''
+class Engine:
+    def step(self, n):
+        return ("original", self.tag, n)
+
+    tag = "engine"
+
+
+def train(rollout_id, model, optimizer):
+    return ("original", rollout_id)
+
+
+def helper(model_chunks):
+    return ("original", model_chunks)
+'''
+
+_counter = iter(range(10**6))
+
+
+class Spy:
+    """A wrapt-style wrapper that records calls and answers without calling the original."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __call__(self, wrapped, instance, args, kwargs):
+        self.calls.append((instance, args, kwargs))
+        return ("spy", wrapped(*args, **kwargs))
+
+
+@pytest.fixture
+def standin(tmp_path, monkeypatch):
+    """A fresh importable stand-in module (unique name), removed from sys.modules afterwards."""
+    name = f"standin_mod_{next(_counter)}"
+    (tmp_path / f"{name}.py").write_text(MODULE_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def catalog(monkeypatch):
+    """Replace the registry's catalog with the given records for one test."""
+    for var in ("MEGATRON_RL_PATCHES", "MEGATRON_RL_PATCHES_DISABLE", "MEGATRON_RL_PATCHES_STRICT"):
+        monkeypatch.delenv(var, raising=False)
+    registry._reset_for_tests()
+
+    def use(*patches: Patch) -> None:
+        monkeypatch.setattr(registry, "_slots", {(p.name, p.target): registry._Slot(p) for p in patches})
+
+    yield use
+    registry._reset_for_tests()
+
+
+def our_layers(obj) -> int:
+    return sum(
+        getattr(getattr(entry, "_self_wrapper", None), "__mrp_key__", None) is not None
+        for entry in wrapt.wrapper_chain(obj)
+    )
+
+
+def statuses() -> dict[str, tuple[str, str]]:
+    return {s.target: (s.status, s.reason) for s in registry.applied()}
+
+
+def test_pending_until_import_then_applied(standin, catalog):
+    spy = Spy()
+    catalog(Patch("train_reentry", f"{standin}:train", spy, "d", requires=None))
+    result = registry.apply()
+    assert [(s.name, s.status) for s in result] == [("train_reentry", "pending")]
+    assert standin in statuses()[f"{standin}:train"][1]  # "waiting for the import of <module>"
+    module = importlib.import_module(standin)  # the post-import hook lands the patch
+    assert statuses()[f"{standin}:train"] == ("applied", "")
+    assert module.train(7, None, None) == ("spy", ("original", 7))
+    assert spy.calls == [(None, (7, None, None), {})]
+
+
+def test_apply_n_times_is_one_layer_and_revert_is_exact(standin, catalog):
+    module = importlib.import_module(standin)
+    original = module.train
+    catalog(Patch("train_reentry", f"{standin}:train", Spy(), "d", requires=None))
+    for _ in range(4):
+        registry.apply()
+    assert our_layers(module.train) == 1 and module.train.__wrapped__ is original
+    for _ in range(3):
+        registry.revert()
+    assert vars(module)["train"] is original
+    assert statuses()[f"{standin}:train"] == ("skipped", "reverted")
+    registry.apply()
+    registry.apply(only="train_reentry")
+    assert our_layers(module.train) == 1 and module.train.__wrapped__ is original
+
+
+def test_reference_captured_while_patched_follows_the_state(standin, catalog):
+    spy = Spy()
+    catalog(Patch("train_reentry", f"{standin}:train", spy, "d", requires=None))
+    registry.apply()
+    module = importlib.import_module(standin)
+    captured = module.train  # like `from standin import train` while patched
+    assert captured(1, None, None)[0] == "spy"
+    registry.revert()
+    assert captured(2, None, None) == ("original", 2)
+    assert module.train(3, None, None) == ("original", 3)
+    assert len(spy.calls) == 1
+    registry.apply()  # re-applied: a fresh wrapper, the captured one active again, no double layer
+    assert captured(4, None, None)[0] == "spy" and module.train(5, None, None)[0] == "spy"
+    assert our_layers(module.train) == 1 and our_layers(captured) == 1
+
+
+def test_method_target_gets_instance_and_reverts_to_the_class_dict_entry(standin, catalog):
+    module = importlib.import_module(standin)
+    original = vars(module.Engine)["step"]
+    spy = Spy()
+    catalog(Patch("ddp_hooks", f"{standin}:Engine.step", spy, "d", requires=None, params=("self", "n")))
+    registry.apply()
+    engine = module.Engine()
+    assert engine.step(3) == ("spy", ("original", "engine", 3))
+    assert spy.calls[0][0] is engine and spy.calls[0][1] == (3,)
+    registry.revert()
+    assert vars(module.Engine)["step"] is original
+    assert engine.step(4) == ("original", "engine", 4)
+
+
+def test_revert_only_named_patches(standin, catalog):
+    module = importlib.import_module(standin)
+    catalog(
+        Patch("train_reentry", f"{standin}:train", Spy(), "d", requires=None),
+        Patch("ddp_hooks", f"{standin}:helper", Spy(), "d", requires=None),
+    )
+    registry.apply()
+    result = registry.revert(only="ddp_hooks")
+    assert [(s.name, s.status) for s in result] == [("ddp_hooks", "skipped")]
+    assert our_layers(module.train) == 1 and our_layers(module.helper) == 0
+    with pytest.raises(ValueError, match="valid names: train_reentry, ddp_hooks"):
+        registry.revert(only="nope")
+    assert our_layers(module.train) == 1
+
+
+def test_statuses_cover_every_record_and_serialize(standin, catalog):
+    catalog(
+        Patch("train_reentry", f"{standin}:train", Spy(), "d", requires=None),
+        Patch("train_reentry", f"{standin}:helper", Spy(), "d", requires=None),
+        Patch("ddp_hooks", f"{standin}:Engine.step", Spy(), "d", requires=None),
+    )
+    assert {s.status for s in registry.applied()} == {"skipped"}
+    assert all(s.reason == "not selected" for s in registry.applied())
+    registry.apply(exclude="ddp_hooks")
+    importlib.import_module(standin)
+    found = registry.applied()
+    assert [(s.name, s.status) for s in found] == [
+        ("train_reentry", "applied"),
+        ("train_reentry", "applied"),
+        ("ddp_hooks", "skipped"),
+    ]
+    assert found[2].reason == "disabled by exclude="
+    payload = json.loads(json.dumps([s.as_dict() for s in found]))
+    assert payload[0] == {"name": "train_reentry", "target": f"{standin}:train", "status": "applied", "reason": ""}
+    assert [(p.target, s.status) for p, s in registry.entries()] == [(s.target, s.status) for s in found]
+
+
+def test_unresolvable_wrapper_is_failed_and_strict_raises(standin, catalog):
+    importlib.import_module(standin)
+    catalog(Patch("train_reentry", f"{standin}:train", "megatron_rl_patches.no_such:wrapper", "d", requires=None))
+    registry.apply()
+    status, reason = statuses()[f"{standin}:train"]
+    assert status == "failed" and "ModuleNotFoundError" in reason
+    with pytest.raises(registry.PatchError, match=f"'train_reentry' failed on {standin}:train"):
+        registry.apply(strict=True)
+
+
+def test_strict_failure_at_import_makes_the_import_fail(standin, catalog):
+    catalog(Patch("train_reentry", f"{standin}:no_such_attr", Spy(), "d", requires=None))
+    registry.apply(strict=True)
+    with pytest.raises(registry.PatchTargetMissing, match=f"{standin}:no_such_attr"):
+        importlib.import_module(standin)
+    assert standin not in sys.modules
+
+
+def test_same_problem_on_two_targets_warns_once(standin, catalog, caplog):
+    importlib.import_module(standin)
+    catalog(
+        Patch("ddp_hooks", f"{standin}:train", Spy(), "d", requires="packaging", versions="<1"),
+        Patch("ddp_hooks", f"{standin}:helper", Spy(), "d", requires="packaging", versions="<1"),
+    )
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        registry.apply()
+        registry.apply()
+    lines = [r.getMessage() for r in caplog.records if r.name == "megatron_rl_patches"]
+    assert len(lines) == 1 and "outside the supported range '<1'" in lines[0]
+    assert {s.status for s in registry.applied()} == {"skipped"}
+
+
+def test_foreign_wrapper_on_top_leaves_ours_inert(standin, catalog):
+    module = importlib.import_module(standin)
+    spy = Spy()
+    catalog(Patch("train_reentry", f"{standin}:train", spy, "d", requires=None))
+    registry.apply()
+    patched = module.train
+
+    def foreign(*args, **kwargs):  # a plain closure: not removable through, not wrapt
+        return ("foreign", patched(*args, **kwargs))
+
+    foreign.__wrapped__ = patched
+    module.train = foreign
+    result = registry.revert()
+    assert result[0].status == "skipped" and "inert" in result[0].reason
+    assert module.train(1, None, None) == ("foreign", ("original", 1))
+    assert spy.calls == []
+
+
+def test_already_imported_target_lands_immediately(standin, catalog):
+    module = importlib.import_module(standin)
+    catalog(Patch("train_reentry", f"{standin}:train", Spy(), "d", requires=None))
+    assert [s.status for s in registry.apply()] == ["applied"]
+    assert module.train(0, None, None)[0] == "spy"

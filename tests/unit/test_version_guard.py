@@ -1,0 +1,181 @@
+"""Version guards (PEP 440, never string comparison), missing targets and changed signatures:
+skipped with a reason and one warning, or a named error in strict mode."""
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import pytest
+
+from megatron_rl_patches.patching import registry
+from megatron_rl_patches.patching.registry import Patch
+
+MCORE_RANGE = ">=0.13,<0.17"
+
+SLIME_MODEL = '''
+def train(rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_microbatches,
+          global_batch_sizes):
+    return "original"
+
+
+def enable_forward_pre_hook(model_chunks):
+    return "original"
+
+
+def disable_forward_pre_hook(model_chunks, param_sync=True):
+    return "original"
+'''
+SLIME_MODULE = "slime.backends.megatron_utils.model"
+
+
+@pytest.fixture
+def clean(monkeypatch):
+    for var in ("MEGATRON_RL_PATCHES", "MEGATRON_RL_PATCHES_DISABLE", "MEGATRON_RL_PATCHES_STRICT"):
+        monkeypatch.delenv(var, raising=False)
+    registry._reset_for_tests()
+    yield monkeypatch
+    registry._reset_for_tests()
+
+
+@pytest.fixture
+def fake_slime(tmp_path, clean):
+    """Writes a stand-in slime package; call with the model module's source; imports it.
+    Another stand-in already imported by other tests is set aside and put back afterwards."""
+    saved = {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] == "slime"}
+
+    def make(source: str = SLIME_MODEL):
+        pkg = tmp_path / "slime" / "backends" / "megatron_utils"
+        pkg.mkdir(parents=True, exist_ok=True)
+        for folder in (tmp_path / "slime", tmp_path / "slime" / "backends", pkg):
+            (folder / "__init__.py").write_text("")
+        (pkg / "model.py").write_text(source)
+        clean.syspath_prepend(str(tmp_path))
+        return importlib.import_module(SLIME_MODULE)
+
+    yield make
+    for name in [m for m in sys.modules if m.split(".")[0] == "slime"]:
+        del sys.modules[name]
+    sys.modules.update(saved)
+
+
+def fake_version(monkeypatch, version: str | None, distribution: str = "megatron-core") -> None:
+    real = registry.installed_version
+    monkeypatch.setattr(registry, "installed_version", lambda d: version if d == distribution else real(d))
+
+
+def one_record(monkeypatch, versions: str) -> Patch:
+    patch = Patch("ddp_hooks", "json:dumps", lambda w, i, a, k: "spy", "d", requires="megatron-core", versions=versions)
+    monkeypatch.setattr(registry, "_slots", {(patch.name, patch.target): registry._Slot(patch)})
+    return patch
+
+
+@pytest.mark.parametrize(
+    ("installed", "fits"),
+    [
+        ("0.13.0", True),
+        ("0.13.1", True),
+        ("0.16.1", True),
+        ("0.16.1+local.build", True),
+        ("0.16.0rc2", True),
+        ("0.9.0", False),  # "0.9.0" > "0.13" as strings: string comparison would let it in
+        ("0.12.99", False),
+        ("0.17.0rc1", False),  # a pre-release of the excluded bound stays excluded
+        ("0.17.0", False),
+        ("0.100.0", False),  # "0.100.0" < "0.17" as strings
+    ],
+)
+def test_range_uses_pep440(clean, installed, fits):
+    patch = one_record(clean, MCORE_RANGE)
+    fake_version(clean, installed)
+    problem = registry.version_problem(patch)
+    assert (problem is None) is fits
+    if not fits:
+        assert installed in problem and MCORE_RANGE in problem and "'ddp_hooks'" in problem
+
+
+def test_unknown_distribution_or_garbage_version(clean):
+    patch = one_record(clean, MCORE_RANGE)
+    fake_version(clean, None)  # a source checkout with no metadata: the signature check guards
+    assert registry.version_problem(patch) is None
+    fake_version(clean, "not a version")
+    assert "cannot compare megatron-core version 'not a version'" in registry.version_problem(patch)
+
+
+@pytest.mark.megatron
+def test_real_ddp_target_skipped_for_old_megatron_core(clean, caplog):
+    from megatron.core.distributed import distributed_data_parallel as ddp_module
+
+    cls = ddp_module.DistributedDataParallel
+    real_installed_version = registry.installed_version
+    originals = {name: vars(cls)[name] for name in ("enable_forward_pre_hook", "disable_forward_pre_hook")}
+    fake_version(clean, "0.9.0")
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        result = registry.apply(only="ddp_hooks")
+    assert [s.status for s in result] == ["skipped", "skipped"]
+    for status in result:
+        assert "megatron-core 0.9.0" in status.reason and MCORE_RANGE in status.reason
+    warnings = [r.getMessage() for r in caplog.records if r.name == "megatron_rl_patches"]
+    assert len(warnings) == 1 and "'ddp_hooks' skipped" in warnings[0]
+    assert all(vars(cls)[name] is original for name, original in originals.items())
+
+    with pytest.raises(registry.PatchVersionUnsupported, match=r"megatron-core 0\.9\.0 .*>=0\.13,<0\.17"):
+        registry.apply(only="ddp_hooks", strict=True)
+    assert all(vars(cls)[name] is original for name, original in originals.items())
+
+    clean.setattr(registry, "installed_version", real_installed_version)  # the real one is in range
+    assert [s.status for s in registry.apply(only="ddp_hooks")] == ["applied", "applied"]
+    assert vars(cls)["enable_forward_pre_hook"].__wrapped__ is originals["enable_forward_pre_hook"]
+    registry.revert()
+    assert all(vars(cls)[name] is original for name, original in originals.items())
+
+
+def test_version_checked_when_the_module_is_imported_later(clean, tmp_path):
+    name = "standin_versioned_module"
+    (tmp_path / f"{name}.py").write_text("def f(x):\n    return x\n")
+    clean.syspath_prepend(str(tmp_path))
+    patch = Patch("ddp_hooks", f"{name}:f", lambda w, i, a, k: "spy", "d", requires="megatron-core", versions=">=0.14")
+    clean.setattr(registry, "_slots", {(patch.name, patch.target): registry._Slot(patch)})
+    fake_version(clean, "0.9.0")
+    assert registry.apply(strict=True)[0].status == "pending"
+    try:
+        with pytest.raises(registry.PatchVersionUnsupported, match=r"0\.9\.0.*>=0\.14"):
+            importlib.import_module(name)  # strict: the post-import hook fails the import
+        registry.revert()
+        registry.apply(strict=False)
+        module = importlib.import_module(name)
+        assert module.f(3) == 3 and registry.applied()[0].status == "skipped"
+    finally:
+        sys.modules.pop(name, None)
+
+
+def test_missing_target_attribute(fake_slime, caplog):
+    module = fake_slime(SLIME_MODEL.replace("def enable_forward_pre_hook", "def renamed_enable"))
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        registry.apply(only="train_reentry")
+    found = {s.target: s for s in registry.applied() if s.target.startswith(SLIME_MODULE)}
+    missing = found[f"{SLIME_MODULE}:enable_forward_pre_hook"]
+    assert missing.status == "skipped"
+    assert f"{SLIME_MODULE}:enable_forward_pre_hook not found" in missing.reason
+    assert found[f"{SLIME_MODULE}:train"].status == "applied"
+    assert any("enable_forward_pre_hook" in r.getMessage() for r in caplog.records)
+    registry.revert()
+    with pytest.raises(registry.PatchTargetMissing, match=f"{SLIME_MODULE}:enable_forward_pre_hook"):
+        registry.apply(only="train_reentry", strict=True)
+    assert not hasattr(module, "enable_forward_pre_hook")
+
+
+def test_changed_signature(fake_slime):
+    changed = SLIME_MODEL.replace("def train(rollout_id, model,", "def train(step, models,")
+    module = fake_slime(changed)
+    original = module.train
+    registry.apply(only="train_reentry")
+    status = {s.target: s for s in registry.applied()}[f"{SLIME_MODULE}:train"]
+    assert status.status == "skipped"
+    assert f"{SLIME_MODULE}:train has parameters (step, models," in status.reason
+    assert "rollout_id, model, optimizer" in status.reason
+    assert module.train is original
+    registry.revert()
+    with pytest.raises(registry.PatchSignatureMismatch, match=f"{SLIME_MODULE}:train has parameters"):
+        registry.apply(only="train_reentry", strict=True)
+    assert module.train is original
