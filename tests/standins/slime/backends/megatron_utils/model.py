@@ -1,0 +1,163 @@
+"""Test stand-in for `slime.backends.megatron_utils.model`: a Megatron-style train() on real
+megatron-core (CPU), with the steps that break when it runs once per rollout.
+
+Like Megatron-LM's and slime's train(): the `config.no_sync_func is None` assert and the
+sync-function install, forward pre-hooks disabled at entry, enabled after step 0 and disabled at
+exit through module-level helpers, the real forward-backward schedule with
+`finalize_model_grads`, and a tiny SGD on `main_grad` standing in for the distributed optimizer.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.utils import get_model_config
+
+from megatron_rl_patches.testing.megatron_cpu import lm_loss_forward_step, run_schedule, sgd_step
+
+
+@dataclass
+class TrainArgs:
+    """The command-line flags train() reads (Megatron-LM names)."""
+
+    overlap_grad_reduce: bool = True
+    align_grad_reduce: bool = True
+    use_distributed_optimizer: bool = True
+    overlap_param_gather: bool = True
+    align_param_gather: bool = True
+    fail_at_step: int | None = None  # raise InjectedFailure after this step's backward
+
+
+_args = TrainArgs()
+
+
+def get_args() -> TrainArgs:
+    return _args
+
+
+def set_args(**values: Any) -> TrainArgs:
+    global _args
+    _args = TrainArgs(**values)
+    return _args
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by train() at `fail_at_step`, to test state restoration."""
+
+
+class MainGradSGD:
+    """The optimizer argument: plain SGD on `param.main_grad`."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        self.lr = lr
+
+    def step(self, model: Sequence[Any]) -> None:
+        sgd_step(model, lr=self.lr)
+
+
+def enable_forward_pre_hook(model_chunks: Sequence[Any]) -> None:
+    for chunk in model_chunks:
+        assert isinstance(chunk, DistributedDataParallel)
+        chunk.enable_forward_pre_hook()
+
+
+def disable_forward_pre_hook(model_chunks: Sequence[Any], param_sync: bool = True) -> None:
+    for chunk in model_chunks:
+        assert isinstance(chunk, DistributedDataParallel)
+        chunk.disable_forward_pre_hook(param_sync=param_sync)
+
+
+def _one_or_list(items: list[Any]) -> Any:
+    return items[0] if len(items) == 1 else items
+
+
+def _forward_backward_per_chunk(model: Sequence[Any], batches: Sequence[dict], config: Any) -> list[torch.Tensor]:
+    """Several independent chunks without a virtual pipeline (which needs PP > 1): every chunk
+    runs every micro-batch, grad sync held back by its own no_sync until the last one."""
+    no_sync = config.no_sync_func
+    if not isinstance(no_sync, list):
+        no_sync = [contextlib.nullcontext] * len(model)
+    losses = []
+    for chunk, chunk_no_sync in zip(model, no_sync):
+        for index, batch in enumerate(batches):
+            last = index == len(batches) - 1
+            with contextlib.nullcontext() if last else chunk_no_sync():
+                output, loss_func = lm_loss_forward_step(iter([batch]), chunk)
+                loss, metrics = loss_func(output)
+                (loss / len(batches)).backward()
+            losses.append(metrics["lm loss"])
+    config.finalize_model_grads_func(list(model))
+    return losses
+
+
+def _main_grads(model: Sequence[Any]) -> torch.Tensor:
+    params = [p for chunk in model for p in chunk.module.parameters()]
+    return torch.cat([p.main_grad.detach().flatten().clone() for p in params])
+
+
+def train(
+    rollout_id: int,
+    model: list[Any],
+    optimizer: MainGradSGD,
+    opt_param_scheduler: Any,
+    data_iterator: Sequence[Sequence[dict]],
+    num_microbatches: Sequence[int],
+    global_batch_sizes: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """Train on one rollout: `data_iterator[step]` holds that step's micro-batches. Returns the
+    losses and the main grads of every step (slime returns nothing; the tests need them)."""
+    args = get_args()
+    if len(data_iterator) != len(num_microbatches):
+        raise ValueError(f"{len(data_iterator)} steps of data but num_microbatches has {len(num_microbatches)}")
+    for chunk in model:
+        chunk.train()
+    config = get_model_config(model[0])
+
+    if args.overlap_grad_reduce:
+        assert config.no_sync_func is None, (
+            "with overlap_grad_reduce, config.no_sync_func must be None: a custom no_sync_func "
+            "cannot be combined with overlapped grad reduction"
+        )
+        config.no_sync_func = _one_or_list([chunk.no_sync for chunk in model])
+        if args.align_grad_reduce:
+            config.grad_sync_func = _one_or_list([chunk.start_grad_sync for chunk in model])
+    if args.overlap_param_gather and args.align_param_gather:
+        config.param_sync_func = _one_or_list([chunk.start_param_sync for chunk in model])
+    config.finalize_model_grads_func = finalize_model_grads
+
+    toggle_hooks = args.use_distributed_optimizer and args.overlap_param_gather
+    hooks_on = False
+    param_sync_func = None
+    if toggle_hooks:
+        disable_forward_pre_hook(model, param_sync=False)
+        # forward_backward_func must not all-gather params before step 0 succeeded
+        param_sync_func, config.param_sync_func = config.param_sync_func, None
+
+    losses, grads = [], []
+    for step, (batches, count) in enumerate(zip(data_iterator, num_microbatches)):
+        if len(batches) != count:
+            raise ValueError(f"step {step}: {len(batches)} micro-batches, num_microbatches says {count}")
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        if len(model) == 1:
+            step_losses = [m["lm loss"] for m in run_schedule(model, batches, lm_loss_forward_step)]
+        else:
+            step_losses = _forward_backward_per_chunk(model, batches, config)
+        losses.append(torch.stack(step_losses))
+        grads.append(_main_grads(model))
+        if args.fail_at_step == step:
+            raise InjectedFailure(f"rollout {rollout_id}: injected failure at step {step}")
+        optimizer.step(model)
+        if opt_param_scheduler is not None:
+            opt_param_scheduler.step(increment=count)
+        if step == 0 and toggle_hooks:
+            enable_forward_pre_hook(model)
+            config.param_sync_func = param_sync_func
+            hooks_on = True
+
+    if hooks_on:
+        disable_forward_pre_hook(model)
+    return {"rollout_id": rollout_id, "losses": losses, "grads": grads}
