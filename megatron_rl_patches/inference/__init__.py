@@ -1,0 +1,40 @@
+"""Inference-only builds for frozen roles (teacher, reference, PRM teacher): model chunks with no
+DDP wrapper, grad buffer or optimizer, weights-only loading, forward-only passes, the
+`inference_roles` patch, and the training-state memory report.
+
+Names resolve lazily: `megatron-rl-patches memory` imports the memory report without torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "build_inference_model": "build",
+    "InferenceOnlyError": "guard",
+    "assert_trainable": "guard",
+    "is_inference_only": "guard",
+    "load_inference_weights": "weights",
+    "WeightsMismatchError": "weights",
+    "inference_forward": "forward",
+    "token_log_probs": "forward",
+    "training_state_bytes": "memory",
+    "TrainingStateBytes": "memory",
+    "format_report": "memory",
+    "initialize_model_and_optimizer_wrapper": "roles",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'megatron_rl_patches.inference' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, *globals()])

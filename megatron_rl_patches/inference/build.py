@@ -1,0 +1,143 @@
+"""build_inference_model: model chunks for a frozen role (teacher, reference, PRM teacher) with
+no DDP wrapper, no grad buffer and no optimizer; Megatron-LM's get_model(wrap_with_ddp=False)
+is not in the megatron-core wheel, and it would still leave the model trainable."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+
+from megatron_rl_patches.inference.guard import freeze_chunk
+from megatron_rl_patches.inference.paths import resolve_checkpoint
+
+logger = logging.getLogger("megatron_rl_patches")
+
+
+def _accepts_vp_stage(provider: Callable[..., Any]) -> bool:
+    try:
+        parameters = inspect.signature(provider).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: do not guess
+        return False
+    return any(p.name == "vp_stage" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def _pipeline_stages() -> list[tuple[int | None, bool, bool]]:
+    """(vp_stage, pre_process, post_process) for each model chunk this rank holds."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "build_inference_model needs megatron-core's model-parallel state: call "
+            "megatron.core.parallel_state.initialize_model_parallel(...) first (frameworks do it "
+            "during their Megatron initialization)"
+        )
+    vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    stages: list[int | None] = list(range(vp_size)) if vp_size is not None else [None]
+    return [
+        (
+            vp_stage,
+            parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        )
+        for vp_stage in stages
+    ]
+
+
+def _call_provider(provider: Callable[..., Any], vp_stage: int | None, pre: bool, post: bool) -> Any:
+    kwargs: dict[str, Any] = {"pre_process": pre, "post_process": post}
+    if vp_stage is None:
+        model = provider(**kwargs)
+    elif _accepts_vp_stage(provider):
+        model = provider(**kwargs, vp_stage=vp_stage)
+    else:
+        with _global_virtual_rank(vp_stage):
+            model = provider(**kwargs)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"model_provider must return a torch.nn.Module (a Megatron model chunk), got "
+            f"{type(model).__name__} for pre_process={pre}, post_process={post}, vp_stage={vp_stage}"
+        )
+    return model
+
+
+@contextlib.contextmanager
+def _global_virtual_rank(vp_stage: int) -> Iterator[None]:
+    """Providers written before vp_stage existed read the global virtual pipeline rank, which
+    megatron-core (0.13+) still honours but deprecates setting: set it, quietly, for the call."""
+    from megatron.core import parallel_state
+
+    previous = parallel_state.get_virtual_pipeline_model_parallel_rank()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        parallel_state.set_virtual_pipeline_model_parallel_rank(vp_stage)
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            parallel_state.set_virtual_pipeline_model_parallel_rank(previous)
+
+
+def _target_device() -> torch.device | None:
+    if not torch.cuda.is_available():
+        return None
+    current = torch.cuda.current_device()
+    # an int normally; the test kit's CPU shims make it "cpu"
+    return torch.device("cuda", current) if isinstance(current, int) else torch.device(current)
+
+
+def build_inference_model(
+    model_provider: Callable[..., Any],
+    *,
+    model_type: Any = None,
+    config: Any = None,
+    load_dir: str | os.PathLike[str] | None = None,
+    strict: bool = True,
+) -> list[torch.nn.Module]:
+    """Model chunks for forward passes only: one per virtual pipeline stage, on the current
+    device, Float16Module-wrapped for bf16/fp16, eval mode (kept under later `.train()` calls),
+    requires_grad=False, never DDP-wrapped, no grad buffer, no optimizer.
+
+    `model_provider(pre_process, post_process, vp_stage=None)` follows Megatron-LM (`vp_stage`
+    passed only when accepted); `config` (default: the model's own `.config`) decides the
+    Float16Module wrap; `load_dir` loads weights only (see load_inference_weights).
+    """
+    if not callable(model_provider):
+        raise TypeError(
+            f"model_provider must be callable as model_provider(pre_process, post_process, "
+            f"vp_stage=None), got {type(model_provider).__name__}"
+        )
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.module import Float16Module
+
+    if load_dir is not None:
+        resolve_checkpoint(load_dir)  # a wrong path fails before the model is built
+    device = _target_device()
+    chunks: list[torch.nn.Module] = []
+    for vp_stage, pre, post in _pipeline_stages():
+        model = _call_provider(model_provider, vp_stage, pre, post)
+        if model_type is not None:
+            model.model_type = model_type
+        for param in model.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        if device is not None:
+            model.to(device)
+        chunk_config = config if config is not None else getattr(model, "config", None)
+        if chunk_config is not None and (getattr(chunk_config, "fp16", False) or getattr(chunk_config, "bf16", False)):
+            model = Float16Module(chunk_config, model)
+        chunks.append(freeze_chunk(model))
+    logger.debug(
+        "megatron-rl-patches: built %d inference-only chunk(s), %d parameters",
+        len(chunks),
+        sum(p.numel() for chunk in chunks for p in chunk.parameters()),
+    )
+    if load_dir is not None:
+        from megatron_rl_patches.inference.weights import load_inference_weights
+
+        load_inference_weights(chunks, load_dir, strict=strict)
+    return chunks

@@ -1,0 +1,120 @@
+"""Forward passes only, through megatron-core's own schedule (so pipeline parallelism works as in
+training), collecting one output per micro-batch: logits by default, or log-probs."""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+Collect = Callable[[torch.Tensor, Any], Any]
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _default_collect(output: torch.Tensor, extra: Any) -> torch.Tensor:
+    return output.detach()
+
+
+@torch.no_grad()
+def inference_forward(
+    model_chunks: Sequence[torch.nn.Module] | torch.nn.Module,
+    data_iterator: Iterator[Any] | Sequence[Iterator[Any]],
+    forward_step_func: Callable[[Any, torch.nn.Module], Any],
+    *,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: int | None = None,
+    collect: Collect | None = None,
+) -> list[Any]:
+    """Run `num_microbatches` forward passes with get_forward_backward_func()(forward_only=True)
+    under no_grad; returns one collected result per micro-batch on the last pipeline stage
+    (an empty list on the other stages).
+
+    `forward_step_func(data_iterator, model)` returns the model output, or `(output, extra)`;
+    `collect(output, extra)` turns it into the result (default: the output itself, e.g. logits;
+    see `token_log_probs` for log-probs). Chunks are put in eval mode first.
+    """
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    if not chunks or not all(isinstance(c, torch.nn.Module) for c in chunks):
+        raise TypeError("model_chunks must be a torch.nn.Module or a non-empty list of them")
+    if not callable(forward_step_func):
+        raise TypeError(
+            f"forward_step_func must be callable(data_iterator, model), got {type(forward_step_func).__name__}"
+        )
+    if collect is not None and not callable(collect):
+        raise TypeError(f"collect must be callable(output, extra) or None, got {type(collect).__name__}")
+    _positive_int("num_microbatches", num_microbatches)
+    _positive_int("seq_length", seq_length)
+    _positive_int("micro_batch_size", micro_batch_size)
+    finish_with = collect or _default_collect
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in chunks:
+        chunk.eval()
+
+    def forward_step(iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Callable[..., Any]]:
+        result = forward_step_func(iterator, model)
+        output, extra = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
+
+        def finish(output_tensor: torch.Tensor, non_loss_data: bool = True) -> Any:
+            return finish_with(output_tensor, extra)
+
+        return output, finish
+
+    # collect_non_loss_data: the schedule stores finish()'s return as is (no loss reduction)
+    return list(
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=data_iterator,
+            model=chunks,
+            num_microbatches=num_microbatches,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            decoder_seq_length=decoder_seq_length,
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
+    )
+
+
+def token_log_probs(
+    *,
+    temperature: float = 1.0,
+    tp_group: Any = None,
+    with_entropy: bool = False,
+    vocab_size: int | None = None,
+) -> Collect:
+    """A `collect` for inference_forward: log p(target) per token from logits [..., V_local]
+    and the targets the forward step returned as `extra` (same leading shape); returns
+    {"log_probs": [...], "entropy": [...] or None} via ops.logprobs.log_probs_and_entropy."""
+
+    def collect(logits: torch.Tensor, targets: Any) -> dict[str, torch.Tensor | None]:
+        from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
+
+        if not isinstance(targets, torch.Tensor):
+            raise TypeError(
+                "token_log_probs needs the target token ids: make forward_step_func return "
+                f"(logits, targets), got extra={type(targets).__name__}"
+            )
+        if tuple(logits.shape[:-1]) != tuple(targets.shape):
+            raise ValueError(
+                f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} must share their "
+                "leading dimensions (logits carry one more: the vocab)"
+            )
+        log_probs, entropy = log_probs_and_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            tp_group=tp_group,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            vocab_size=vocab_size,
+        )
+        shape = targets.shape
+        return {"log_probs": log_probs.view(shape), "entropy": None if entropy is None else entropy.view(shape)}
+
+    return collect

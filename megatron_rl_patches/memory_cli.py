@@ -1,0 +1,72 @@
+"""`megatron-rl-patches memory`: per-rank bytes of training state (grad buffer, fp32 main params,
+Adam m and v) that an inference-only build of a frozen model does not allocate."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from megatron_rl_patches.inference.memory import format_report, training_state_bytes
+
+_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*$", re.IGNORECASE)
+
+
+def parse_param_count(text: str) -> int:
+    """'27e9', '27B', '7b', '1.5M', '70000000000' -> a whole number of parameters."""
+    match = _COUNT.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"invalid parameter count {text!r}: use a number such as 27e9, 27B, 7.5B or 1500M"
+        )
+    value = float(match.group(1)) * _SUFFIXES[match.group(2).lower()]
+    if value < 1 or not value.is_integer():
+        raise argparse.ArgumentTypeError(f"invalid parameter count {text!r}: must be a whole number >= 1")
+    return int(value)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid data-parallel size {text!r}: must be an integer >= 1")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--params", required=True, type=parse_param_count, metavar="N",
+        help="number of model parameters, e.g. 27e9 or 27B",
+    )
+    parser.add_argument("--dp", type=_positive, default=1, help="data-parallel size (default 1)")
+    parser.add_argument(
+        "--distributed-optimizer", action="store_true",
+        help="optimizer state sharded over the data-parallel ranks (Megatron's distributed optimizer)",
+    )
+    parser.add_argument(
+        "--param-dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="weights (default bf16)"
+    )
+    parser.add_argument(
+        "--grad-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+        help="grad buffer (default fp32, Megatron's grad_reduce_in_fp32); else the weights' dtype",
+    )
+    parser.add_argument("--json", action="store_true", help="print a JSON object (bytes)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        report = training_state_bytes(
+            args.params,
+            dp=args.dp,
+            distributed_optimizer=args.distributed_optimizer,
+            param_dtype=args.param_dtype,
+            grad_dtype=args.grad_dtype,
+        )
+    except (TypeError, ValueError) as exc:
+        print(f"megatron-rl-patches memory: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
+    return 0

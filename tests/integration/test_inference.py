@@ -1,0 +1,580 @@
+"""Inference-only builds on real megatron-core (CPU): no DDP, frozen, eval-locked, same outputs as
+a trainable build in eval; weights-only loading; forward-only helper; the role-switch patch."""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.megatron
+
+DROPOUT = dict(hidden_dropout=0.5, attention_dropout=0.5)
+
+
+def _ddp_anywhere(chunk) -> bool:
+    from megatron.core.distributed import DistributedDataParallel
+
+    ddp_types = (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)
+    return any(isinstance(m, ddp_types) for m in chunk.modules())
+
+
+def _state(module) -> dict:
+    from megatron_rl_patches.inference.weights import unwrap
+
+    return {k: v.detach().clone() for k, v in unwrap(module).state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def save_megatron_checkpoint(model, root, iteration: int) -> None:
+    """A Megatron-LM style torch_dist checkpoint: tracker file, iter_XXXXXXX, the model under
+    "model", plus optimizer state, RNG state and pickled args that a weights-only load must skip."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    from megatron_rl_patches.inference.weights import unwrap
+
+    path = root / f"iter_{iteration:07d}"
+    path.mkdir(parents=True)
+    word = unwrap(model).embedding.word_embeddings.weight
+    state = {
+        "model": unwrap(model).sharded_state_dict(),
+        "optimizer": {
+            "exp_avg": ShardedTensor.from_rank_offsets(
+                "optimizer.state.exp_avg.embedding.word_embeddings.weight", torch.ones_like(word), replica_id=0
+            )
+        },
+        "rng_state": ShardedObject("rng_state", {"seed": 1}, (1,), (0,), replica_id=0),
+        "args": argparse.Namespace(lr=1e-5, finetune=False),
+        "iteration": iteration,
+    }
+    dist_checkpointing.save(state, str(path))
+    (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
+# ---------------------------------------------------------------------------- the build
+
+
+def test_inference_build_is_frozen_and_matches_the_trainable_build_in_eval(megatron_cpu):
+    from megatron_rl_patches import build_inference_model
+
+    config = megatron_cpu.config(**DROPOUT)
+    chunks = build_inference_model(megatron_cpu.provider(config, seed=4))
+    assert len(chunks) == 1
+    chunk = chunks[0]
+    assert not _ddp_anywhere(chunk)
+    assert chunk._mrp_inference_only is True
+    params = list(chunk.parameters())
+    assert params and all(not p.requires_grad for p in params)
+    assert all(not hasattr(p, "main_grad") and p.grad is None for p in params)
+
+    trainable = megatron_cpu.ddp(megatron_cpu.gpt(megatron_cpu.config(**DROPOUT), seed=4))
+    assert any(hasattr(p, "main_grad") for p in trainable.parameters())  # the cost we avoid
+    trainable.eval()
+    batch = megatron_cpu.batch(seed=1)
+
+    chunk.train()  # what slime's forward_only() does after each pass
+    assert not any(m.training for m in chunk.modules())
+    first = megatron_cpu.forward(chunk, batch)
+    second = megatron_cpu.forward(chunk, batch)
+    expected = megatron_cpu.forward(trainable, batch)
+    # dropout 0.5 would make two train-mode passes differ: equal outputs prove eval mode
+    assert torch.equal(first, second)
+    assert torch.equal(first, expected)
+    assert not first.requires_grad
+
+
+def test_bf16_build_is_wrapped_in_float16module(megatron_cpu):
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_rl_patches import build_inference_model
+
+    def bf16():
+        return megatron_cpu.config(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+
+    (chunk,) = build_inference_model(megatron_cpu.provider(bf16(), seed=2))
+    assert isinstance(chunk, Float16Module) and not _ddp_anywhere(chunk)
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in chunk.parameters())
+    chunk.train(True)
+    assert not chunk.training and not chunk.module.training
+    chunk.module.train()  # the inner module is locked too
+    assert not chunk.module.training
+
+    reference = Float16Module(bf16(), megatron_cpu.gpt(bf16(), seed=2)).eval()
+    batch = megatron_cpu.batch(seed=3)
+    out = megatron_cpu.forward(chunk, batch)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, megatron_cpu.forward(reference, batch))
+
+
+def test_explicit_config_decides_the_float16_wrap(megatron_cpu):
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_rl_patches import build_inference_model
+
+    (chunk,) = build_inference_model(
+        megatron_cpu.provider(seed=0), config=megatron_cpu.config(bf16=True, pipeline_dtype=torch.bfloat16)
+    )
+    assert isinstance(chunk, Float16Module)
+    assert all(p.dtype == torch.bfloat16 for p in chunk.parameters())
+
+
+def test_frozen_chunks_refuse_training_paths_and_survive_copies(megatron_cpu):
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_rl_patches import build_inference_model
+    from megatron_rl_patches.inference import InferenceOnlyError, assert_trainable, is_inference_only
+
+    (chunk,) = build_inference_model(megatron_cpu.provider(seed=0))
+    with pytest.raises(InferenceOnlyError, match="inference-only"):
+        assert_trainable([chunk])
+    with pytest.raises(TypeError, match="chunk 1"):  # InferenceOnlyError is a TypeError
+        assert_trainable([megatron_cpu.gpt(), chunk])
+    assert_trainable([megatron_cpu.ddp(megatron_cpu.gpt())])  # trainable chunks pass
+    with pytest.raises(InferenceOnlyError, match="zero_grad_buffer"):
+        chunk.zero_grad_buffer()
+    with pytest.raises(InferenceOnlyError, match="finish_grad_sync"):
+        finalize_model_grads([chunk])  # megatron-core's grad sync meets a frozen chunk
+    assert chunk.disable_forward_pre_hook() is None  # no hooks: toggling is a no-op, twice
+    assert chunk.disable_forward_pre_hook(param_sync=False) is None
+    assert chunk.enable_forward_pre_hook() is None
+
+
+
+def test_the_eval_lock_survives_deepcopy_and_pickle():
+    # (megatron's GPTModel holds process groups, which cannot be copied: a plain module here)
+    import pickle
+
+    from megatron_rl_patches.inference.guard import freeze_chunk, is_inference_only
+
+    chunk = freeze_chunk(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.5)))
+    for clone in (copy.deepcopy(chunk), pickle.loads(pickle.dumps(chunk))):
+        assert is_inference_only(clone)
+        clone.train()
+        assert not any(m.training for m in clone.modules())
+        assert all(not p.requires_grad for p in clone.parameters())
+        assert clone.train.args[0] is clone  # the copy's lock acts on the copy
+        x = torch.ones(4, 3)
+        assert torch.equal(clone(x), clone(x))
+
+
+def test_pipeline_stages_and_vp_stage_passing(megatron_cpu, monkeypatch):
+    from megatron.core import parallel_state
+
+    from megatron_rl_patches import build_inference_model
+
+    monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda *a, **k: 2)
+    calls = []
+
+    def modern(pre_process, post_process, vp_stage=None):
+        calls.append((pre_process, post_process, vp_stage))
+        return torch.nn.Linear(2, 2)
+
+    def legacy(pre_process=True, post_process=True):
+        calls.append((pre_process, post_process, parallel_state.get_virtual_pipeline_model_parallel_rank()))
+        return torch.nn.Linear(2, 2)
+
+    for rank, expected in ((0, [(True, False, 0), (False, False, 1)]), (1, [(False, False, 0), (False, True, 1)])):
+        monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda *a, rank=rank, **k: rank)
+        for provider in (modern, legacy):
+            calls.clear()
+            chunks = build_inference_model(provider)
+            assert calls == expected, (provider.__name__, rank)
+            assert len(chunks) == 2 and all(c._mrp_inference_only for c in chunks)
+    assert parallel_state.get_virtual_pipeline_model_parallel_rank() is None  # restored
+
+
+def test_build_rejects_bad_providers(megatron_cpu):
+    from megatron_rl_patches import build_inference_model
+
+    with pytest.raises(TypeError, match="model_provider must be callable"):
+        build_inference_model("gpt")
+    with pytest.raises(TypeError, match="must return a torch.nn.Module"):
+        build_inference_model(lambda pre_process, post_process: {"not": "a module"})
+
+
+def test_build_needs_model_parallel_state():
+    pytest.importorskip("megatron.core")
+    from megatron_rl_patches import build_inference_model
+
+    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+        build_inference_model(lambda pre_process, post_process: torch.nn.Linear(2, 2))
+
+
+# ---------------------------------------------------------------------------- weights-only loading
+
+
+def test_dist_checkpoint_round_trip_loads_weights_only(megatron_cpu, tmp_path):
+    from megatron_rl_patches import build_inference_model, load_inference_weights
+
+    source = megatron_cpu.gpt(seed=11)
+    save_megatron_checkpoint(source, tmp_path / "ckpt", iteration=7)
+    batch = megatron_cpu.batch(seed=5)
+
+    (chunk,) = build_inference_model(megatron_cpu.provider(seed=12), load_dir=tmp_path / "ckpt")
+    _assert_same_state(_state(chunk), _state(source))
+    assert torch.equal(megatron_cpu.forward(chunk, batch), megatron_cpu.forward(source.eval(), batch))
+    assert all(not p.requires_grad for p in chunk.parameters())
+
+    other = megatron_cpu.gpt(seed=13)
+    assert load_inference_weights(other, tmp_path / "ckpt") == 7
+    assert load_inference_weights(other, tmp_path / "ckpt" / "iter_0000007") == 7
+    assert load_inference_weights(other, tmp_path / "ckpt", iteration=7) == 7
+    _assert_same_state(_state(other), _state(source))
+
+
+def test_dist_checkpoint_into_a_bf16_build(megatron_cpu, tmp_path):
+    from megatron_rl_patches import build_inference_model
+
+    source = megatron_cpu.gpt(seed=21)
+    save_megatron_checkpoint(source, tmp_path, iteration=3)
+    config = megatron_cpu.config(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+    (chunk,) = build_inference_model(megatron_cpu.provider(config, seed=22), load_dir=tmp_path)
+    for key, value in _state(source).items():
+        assert torch.equal(_state(chunk)[key], value.to(torch.bfloat16)), key
+
+
+def test_torch_state_dict_file_round_trip(megatron_cpu, tmp_path):
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_rl_patches import build_inference_model, load_inference_weights
+
+    source = megatron_cpu.gpt(seed=31)
+    torch.save(source.state_dict(), tmp_path / "weights.pt")
+    (chunk,) = build_inference_model(megatron_cpu.provider(seed=32), load_dir=tmp_path / "weights.pt")
+    _assert_same_state(_state(chunk), _state(source))
+    batch = megatron_cpu.batch(seed=2)
+    assert torch.equal(megatron_cpu.forward(chunk, batch), megatron_cpu.forward(source.eval(), batch))
+
+    # saved from a wrapper ("module." keys) or Megatron-LM style under "model": both accepted
+    config = megatron_cpu.config(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+    torch.save(Float16Module(config, megatron_cpu.gpt(config, seed=33)).state_dict(), tmp_path / "wrapped.pt")
+    torch.save({"model": source.state_dict()}, tmp_path / "nested.pt")
+    target = megatron_cpu.gpt(seed=34)
+    assert load_inference_weights(target, tmp_path / "nested.pt") == 0
+    _assert_same_state(_state(target), _state(source))
+    bf16_target = Float16Module(config, megatron_cpu.gpt(config, seed=35))
+    load_inference_weights(bf16_target, tmp_path / "wrapped.pt")
+    _assert_same_state(_state(bf16_target), _state(Float16Module(config, megatron_cpu.gpt(config, seed=33))))
+
+
+def test_bad_checkpoints_raise_clearly_and_change_nothing(megatron_cpu, tmp_path):
+    from megatron_rl_patches import load_inference_weights
+    from megatron_rl_patches.inference import WeightsMismatchError
+
+    model = megatron_cpu.gpt(seed=41)
+    before = _state(model)
+
+    with pytest.raises(FileNotFoundError, match="does-not-exist"):
+        load_inference_weights(model, tmp_path / "does-not-exist")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no metadata.json"):
+        load_inference_weights(model, tmp_path / "empty")
+    (tmp_path / "tracked").mkdir()
+    (tmp_path / "tracked" / "latest_checkpointed_iteration.txt").write_text("12")
+    with pytest.raises(FileNotFoundError, match="iter_0000012"):
+        load_inference_weights(model, tmp_path / "tracked")
+
+    wide = megatron_cpu.gpt(megatron_cpu.config(hidden_size=48), seed=42)
+    save_megatron_checkpoint(wide, tmp_path / "wide", iteration=1)
+    first = r"shape mismatches: decoder\.final_layernorm\.bias \(checkpoint \(48,\), model \(32,\)\)"
+    with pytest.raises(WeightsMismatchError, match=first) as err:
+        load_inference_weights(model, tmp_path / "wide", strict=False)  # shapes: never tolerated
+    assert "embedding.word_embeddings.weight (checkpoint (64, 48), model (64, 32))" in err.value.shape_mismatches
+    assert len(err.value.shape_mismatches) == 17 and "(12 more)" in str(err.value)  # first few, then a count
+
+    deep = megatron_cpu.gpt(megatron_cpu.config(num_layers=3), seed=43)
+    save_megatron_checkpoint(deep, tmp_path / "deep", iteration=2)
+    with pytest.raises(WeightsMismatchError, match=r"decoder\.layers\.\S+ \(checkpoint \(3, "):
+        load_inference_weights(model, tmp_path / "deep")
+
+    state = megatron_cpu.gpt(seed=44).state_dict()
+    state.pop("output_layer.weight")
+    state["extra.weight"] = torch.zeros(2)
+    torch.save(state, tmp_path / "partial.pt")
+    with pytest.raises(WeightsMismatchError, match=r"1 missing: output_layer\.weight; 1 unexpected: extra\.weight"):
+        load_inference_weights(model, tmp_path / "partial.pt")
+    _assert_same_state(_state(model), before)  # every failure above left the model untouched
+
+    load_inference_weights(model, tmp_path / "partial.pt", strict=False)  # tolerated: loads the rest
+    assert torch.equal(model.embedding.word_embeddings.weight, state["embedding.word_embeddings.weight"])
+    assert torch.equal(model.output_layer.weight, before["output_layer.weight"])
+
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match="not a weights-only torch state-dict"):
+        load_inference_weights(model, tmp_path / "junk.pt")
+    with pytest.raises(TypeError, match="load_dir must be a path"):
+        load_inference_weights(model, 42)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        load_inference_weights([], tmp_path / "partial.pt")
+
+
+def test_dist_checkpoint_missing_keys_strict_and_tolerated(megatron_cpu, tmp_path, caplog):
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl_patches import load_inference_weights
+    from megatron_rl_patches.inference import WeightsMismatchError
+
+    source = megatron_cpu.gpt(seed=51)
+    sharded = source.sharded_state_dict()
+    sharded.pop("output_layer.weight")
+    dist_checkpointing.save({"model": sharded}, str(tmp_path))
+    model = megatron_cpu.gpt(seed=52)
+    before = _state(model)
+    with pytest.raises(WeightsMismatchError, match=r"1 missing: output_layer\.weight"):
+        load_inference_weights(model, tmp_path)
+    _assert_same_state(_state(model), before)
+    with caplog.at_level("WARNING", logger="megatron_rl_patches"):
+        assert load_inference_weights(model, tmp_path, strict=False) == 0
+    assert "1 missing key(s) keep their values (output_layer.weight)" in caplog.text
+    assert torch.equal(model.output_layer.weight, before["output_layer.weight"])
+    assert torch.equal(model.embedding.word_embeddings.weight, source.embedding.word_embeddings.weight)
+
+
+# ---------------------------------------------------------------------------- forward-only helper
+
+
+def _logits_step(data_iterator, model):
+    batch = next(data_iterator)
+    from megatron_rl_patches.testing.megatron_cpu import gpt_forward
+
+    return gpt_forward(model, batch), batch["labels"]
+
+
+def test_inference_forward_returns_logits_and_log_probs(megatron_cpu):
+    from megatron_rl_patches import build_inference_model
+    from megatron_rl_patches.inference import inference_forward, token_log_probs
+
+    chunks = build_inference_model(megatron_cpu.provider(seed=61))
+    batches = [megatron_cpu.batch(seed=i) for i in range(3)]
+    sizes = dict(num_microbatches=3, seq_length=16, micro_batch_size=2)
+
+    logits = inference_forward(chunks, iter(batches), _logits_step, **sizes)
+    assert len(logits) == 3
+    for out, batch in zip(logits, batches):
+        assert torch.equal(out, megatron_cpu.forward(chunks[0], batch))
+        assert not out.requires_grad
+
+    temperature = 0.7
+    collect = token_log_probs(temperature=temperature, with_entropy=True)
+    results = inference_forward(chunks, iter(batches), _logits_step, collect=collect, **sizes)
+    for result, out, batch in zip(results, logits, batches):
+        reference = torch.log_softmax(out.double() / temperature, dim=-1)
+        expected = reference.gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+        entropy = -(reference.exp() * reference).sum(-1)
+        assert result["log_probs"].shape == batch["labels"].shape
+        torch.testing.assert_close(result["log_probs"].double(), expected, rtol=0, atol=2e-6)
+        torch.testing.assert_close(result["entropy"].double(), entropy, rtol=0, atol=2e-6)
+
+    with pytest.raises(ValueError, match="num_microbatches must be a positive int"):
+        inference_forward(chunks, iter(batches), _logits_step, num_microbatches=0, seq_length=16, micro_batch_size=2)
+    with pytest.raises(TypeError, match="needs the target token ids"):
+        inference_forward(
+            chunks, iter(batches), lambda it, m: megatron_cpu.forward(m, next(it)), collect=token_log_probs(), **sizes
+        )
+
+
+# ---------------------------------------------------------------------------- memory report on a real model
+
+
+def test_memory_formula_matches_counted_grad_buffer_up_to_named_padding(megatron_cpu):
+    from megatron_rl_patches import build_inference_model, training_state_bytes
+    from megatron_rl_patches.inference import format_report
+
+    model = megatron_cpu.gpt(seed=0)
+    n = sum(p.numel() for p in model.parameters())
+
+    plain = training_state_bytes(megatron_cpu.ddp(model))
+    assert plain.num_params == n and plain.dp == 1 and not plain.distributed_optimizer
+    assert (plain.param_dtype, plain.grad_dtype) == ("fp32", "fp32")
+    assert plain.counted_grad_buffer == plain.grad_buffer == 4 * n  # no padding without the dist. optimizer
+    assert plain.grad_buffer_padding == 0 and sum(plain.padding.values()) == 0
+    assert plain.main_params == 0 and plain.adam_m == plain.adam_v == 4 * n and plain.total == 12 * n
+
+    flags = dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=4000)
+    sharded = training_state_bytes(megatron_cpu.ddp(megatron_cpu.gpt(seed=0), **flags))
+    assert sharded.distributed_optimizer and sharded.grad_buffer == 4 * n
+    assert sharded.grad_buffer_padding > 0
+    assert sharded.counted_grad_buffer - sharded.grad_buffer == sum(sharded.padding.values())
+    assert all(value >= 0 for value in sharded.padding.values())
+    assert sharded.padding["bucket end (multiple of lcm(dp, 128))"] > 0
+    text = format_report(sharded)
+    assert "padding" in text and f"{sharded.grad_buffer_padding:,} B" in text
+
+    config = megatron_cpu.config(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+    from megatron.core.transformer.module import Float16Module
+
+    wrapped = Float16Module(config, megatron_cpu.gpt(config, seed=0))
+    bf16 = training_state_bytes(megatron_cpu.ddp(wrapped, grad_reduce_in_fp32=True))
+    assert (bf16.param_dtype, bf16.grad_dtype) == ("bf16", "fp32") and bf16.total == 16 * n
+    assert bf16.counted_grad_buffer == 4 * n
+
+    frozen = build_inference_model(megatron_cpu.provider(config, seed=0))
+    estimate = training_state_bytes(frozen)  # what training this build would add
+    assert estimate.num_params == n and estimate.param_dtype == "bf16" and estimate.counted_grad_buffer is None
+    assert training_state_bytes(megatron_cpu.ddp(frozen[0].module)).num_params == 0  # DDP of a frozen model: no buffer
+
+    with pytest.raises(ValueError, match="dp=8 contradicts the DDP model"):
+        training_state_bytes(megatron_cpu.ddp(megatron_cpu.gpt(seed=0)), dp=8)
+
+
+# ---------------------------------------------------------------------------- the role switch
+
+
+STANDIN = {
+    "slime/__init__.py": "",
+    "slime/backends/__init__.py": "",
+    "slime/backends/megatron_utils/__init__.py": "",
+    "slime/backends/megatron_utils/model_provider.py": '''
+        """Stand-in for slime's model_provider: get_model_provider_func(args, role) returns a
+        Megatron-LM style provider (here a tiny GPT on CPU)."""
+        import torch
+        from megatron_rl_patches.testing.megatron_cpu import build_tiny_gpt, tiny_gpt_config
+
+
+        def get_model_provider_func(args, role="actor"):
+            def model_provider(pre_process=True, post_process=True, vp_stage=None):
+                dtype = torch.bfloat16 if args.bf16 else torch.float32
+                config = tiny_gpt_config(bf16=args.bf16, params_dtype=dtype, pipeline_dtype=dtype)
+                return build_tiny_gpt(config, pre_process=pre_process, post_process=post_process, seed=args.seed)
+
+            return model_provider
+    ''',
+    "slime/backends/megatron_utils/checkpoint.py": '''
+        """Stand-in for slime's checkpoint module: load_checkpoint reads args.load (slime reads
+        get_args().load) and would use megatron-bridge for a HuggingFace directory."""
+        CALLS = []
+        ARGS = None
+
+
+        def load_checkpoint(
+            ddp_model, optimizer, opt_param_scheduler, checkpointing_context, skip_load_to_model_and_opt
+        ):
+            CALLS.append((ARGS.load, ddp_model, optimizer, opt_param_scheduler))
+            return 0, 0
+    ''',
+    "slime/backends/megatron_utils/model.py": '''
+        """Stand-in for slime.backends.megatron_utils.model, same structure and signature:
+        initialize_model_and_optimizer(args, role="actor") -> (model, optimizer, scheduler, iteration)."""
+        from types import SimpleNamespace
+
+        from megatron_rl_patches.testing.megatron_cpu import wrap_ddp
+
+        from .checkpoint import load_checkpoint
+        from .model_provider import get_model_provider_func
+
+
+        def setup_model_and_optimizer(args, role="actor"):
+            model = [wrap_ddp(get_model_provider_func(args, role)())]
+            return model, SimpleNamespace(kind="optimizer"), SimpleNamespace(kind="scheduler")
+
+
+        def initialize_model_and_optimizer(args, role: str = "actor"):
+            model, optimizer, opt_param_scheduler = setup_model_and_optimizer(args, role)
+            setattr(model[0], "role", role)
+            iteration, _ = load_checkpoint(model, optimizer, opt_param_scheduler, {}, False)
+            return model, optimizer, opt_param_scheduler, iteration
+    ''',
+}
+
+
+@pytest.fixture
+def slime_standin(tmp_path):
+    root = tmp_path / "standin"
+    for name, text in STANDIN.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    sys.path.insert(0, str(root))
+    try:
+        import slime.backends.megatron_utils.checkpoint as checkpoint
+        import slime.backends.megatron_utils.model as model
+
+        yield model, checkpoint
+    finally:
+        sys.path.remove(str(root))
+        for name in [m for m in sys.modules if m == "slime" or m.startswith("slime.")]:
+            del sys.modules[name]
+
+
+def test_role_switch_builds_listed_roles_inference_only(megatron_cpu, slime_standin, tmp_path, monkeypatch):
+    import megatron_rl_patches
+    from megatron.core.distributed import DistributedDataParallel
+
+    model_module, checkpoint = slime_standin
+    monkeypatch.delenv("MEGATRON_RL_PATCHES_INFERENCE_ROLES", raising=False)
+    teacher = megatron_cpu.gpt(seed=71)
+    save_megatron_checkpoint(teacher, tmp_path / "teacher", iteration=9)
+    args = argparse.Namespace(load=str(tmp_path / "teacher"), bf16=False, seed=72, finetune=False)
+    checkpoint.ARGS = args
+
+    statuses = megatron_rl_patches.apply(only="inference_roles", strict=True)
+    assert [s.status for s in statuses] == ["applied"]
+
+    model, optimizer, scheduler, iteration = model_module.initialize_model_and_optimizer(args, role="teacher")
+    assert (optimizer, scheduler, iteration) == (None, None, 9)
+    assert isinstance(model, list) and len(model) == 1 and model[0].role == "teacher"
+    assert model[0]._mrp_inference_only and not _ddp_anywhere(model[0])
+    assert all(not p.requires_grad for p in model[0].parameters())
+    _assert_same_state(_state(model[0]), _state(teacher))
+    assert checkpoint.CALLS == []  # the upstream loader (optimizer, RNG) never ran
+
+    model, optimizer, _, iteration = model_module.initialize_model_and_optimizer(args)  # actor: upstream
+    assert isinstance(model[0], DistributedDataParallel) and optimizer.kind == "optimizer" and iteration == 0
+    assert len(checkpoint.CALLS) == 1
+
+    monkeypatch.setenv("MEGATRON_RL_PATCHES_INFERENCE_ROLES", "ref, prm_teacher")
+    model, optimizer, _, _ = model_module.initialize_model_and_optimizer(args, "teacher")  # no longer listed
+    assert isinstance(model[0], DistributedDataParallel) and optimizer is not None
+
+    # a role's own load dir wins over args.load; finetune reports iteration 0 like Megatron-LM
+    prm = megatron_cpu.gpt(seed=73)
+    torch.save(prm.state_dict(), tmp_path / "prm.pt")
+    args.prm_teacher_load, args.finetune = str(tmp_path / "prm.pt"), True
+    model, optimizer, _, iteration = model_module.initialize_model_and_optimizer(args, role="prm_teacher")
+    assert optimizer is None and iteration == 0
+    _assert_same_state(_state(model[0]), _state(prm))
+
+    megatron_rl_patches.revert()
+    model, optimizer, _, _ = model_module.initialize_model_and_optimizer(args, role="ref")
+    assert isinstance(model[0], DistributedDataParallel) and optimizer is not None
+
+
+def test_role_switch_bf16_and_non_megatron_dirs(megatron_cpu, slime_standin, tmp_path, monkeypatch):
+    import megatron_rl_patches
+    from megatron.core.transformer.module import Float16Module
+
+    model_module, checkpoint = slime_standin
+    monkeypatch.setenv("MEGATRON_RL_PATCHES_INFERENCE_ROLES", "teacher")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    args = argparse.Namespace(load=str(tmp_path / "actor"), teacher_load=str(hf), bf16=True, seed=81)
+    checkpoint.ARGS = args
+    megatron_rl_patches.apply(only="inference_roles", strict=True)
+
+    model, optimizer, scheduler, iteration = model_module.initialize_model_and_optimizer(args, role="teacher")
+    assert isinstance(model[0], Float16Module) and model[0]._mrp_inference_only
+    assert (optimizer, scheduler, iteration) == (None, None, 0)
+    # a HuggingFace directory goes through the framework's own loader, with no optimizer
+    ((load_path, chunks, opt, sched),) = checkpoint.CALLS
+    assert load_path == str(hf) and chunks is model and opt is None and sched is None
+    assert args.load == str(tmp_path / "actor")  # restored
+
+    args.teacher_load = str(tmp_path / "missing")  # a missing path is ours to report, not upstream's
+    with pytest.raises(FileNotFoundError, match="missing"):
+        model_module.initialize_model_and_optimizer(args, role="teacher")
+    assert len(checkpoint.CALLS) == 1
+
+    del args.teacher_load, args.load
+    with pytest.raises(ValueError, match="no weights to load: set args.teacher_load or args.load"):
+        model_module.initialize_model_and_optimizer(args, role="teacher")

@@ -1,0 +1,138 @@
+"""training_state_bytes: the per-rank training-state formula, against an independent reference."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_rl_patches.inference.memory import format_report, human_bytes, training_state_bytes
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def reference_bytes(n: int, dp: int, dist_opt: bool, param: str, grad: str) -> dict:
+    """Written from the rule, not from the implementation: grads whole on every rank; fp32 main
+    params (only for 16-bit weights) and Adam m, v sharded over dp with the distributed optimizer."""
+    per_rank = math.ceil(n / dp) if dist_opt else n
+    return {
+        "grad_buffer": n * BYTES[grad],
+        "main_params": 0 if param == "fp32" else 4 * per_rank,
+        "adam_m": 4 * per_rank,
+        "adam_v": 4 * per_rank,
+    }
+
+
+def test_issue_cross_checks():
+    bf16 = training_state_bytes(27e9)
+    assert bf16.total == 432 * 10**9 and bf16.bytes_per_param == 16.0
+    assert bf16.saved == bf16.total and bf16.inference_only == 0
+    assert bf16.weights == 54 * 10**9
+    fp32 = training_state_bytes(27e9, param_dtype="fp32")
+    assert fp32.bytes_per_param == 12.0 and fp32.main_params == 0
+    assert training_state_bytes(27e9, param_dtype="fp16").bytes_per_param == 16.0
+    assert training_state_bytes(27e9, grad_dtype="bf16").bytes_per_param == 14.0
+    sharded = training_state_bytes(70e9, dp=8, distributed_optimizer=True)
+    assert sharded.bytes_per_param == 4 + 12 / 8
+    assert training_state_bytes(70e9, dp=8).bytes_per_param == 16.0  # dp alone shards nothing
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(min_value=0, max_value=10**13),
+    dp=st.integers(min_value=1, max_value=4096),
+    dist_opt=st.booleans(),
+    param=st.sampled_from(["fp32", "bf16", "fp16"]),
+    grad_fp32=st.booleans(),
+)
+def test_formula_matches_reference(n, dp, dist_opt, param, grad_fp32):
+    grad = "fp32" if grad_fp32 else param
+    report = training_state_bytes(n, dp=dp, distributed_optimizer=dist_opt, param_dtype=param, grad_dtype=grad)
+    expected = reference_bytes(n, dp, dist_opt, param, grad)
+    assert {k: getattr(report, k) for k in expected} == expected
+    assert report.total == sum(expected.values()) == report.saved
+    assert report.weights == n * BYTES[param]
+    if n:  # bytes/param in float64 against the unsharded rule, up to the ceil of one shard
+        per_param = BYTES[grad] + ((0 if param == "fp32" else 4) + 8) / (dp if dist_opt else 1)
+        assert abs(report.bytes_per_param - per_param) <= 12 / n + 1e-12
+
+
+def test_dtypes_by_name_or_torch_dtype():
+    torch = pytest.importorskip("torch")
+    report = training_state_bytes(10, param_dtype=torch.bfloat16, grad_dtype="float32")
+    assert (report.param_dtype, report.grad_dtype) == ("bf16", "fp32")
+
+
+def test_plain_module_counts_unique_parameters_and_their_dtype():
+    torch = pytest.importorskip("torch")
+    shared = torch.nn.Linear(4, 4)
+    model = torch.nn.Sequential(shared, shared, torch.nn.Linear(4, 2, bias=False)).to(torch.bfloat16)
+    report = training_state_bytes(model)
+    assert report.num_params == 20 + 8 and report.param_dtype == "bf16"
+    assert report.counted_grad_buffer is None and report.grad_buffer_padding is None
+    mixed = training_state_bytes([model, torch.nn.Linear(2, 1)])
+    assert mixed.num_params == 28 + 3 and mixed.param_dtype == "bf16"  # the dtype of most parameters
+    assert training_state_bytes(model, param_dtype="fp32").param_dtype == "fp32"  # explicit wins
+
+
+@pytest.mark.parametrize(
+    "value, kwargs, error, match",
+    [
+        (-1, {}, ValueError, "whole, non-negative"),
+        (1.5, {}, ValueError, "whole, non-negative"),
+        (float("nan"), {}, ValueError, "whole, non-negative"),
+        (True, {}, TypeError, "number of parameters"),
+        ("27e9", {}, TypeError, "number of parameters"),
+        ([], {}, ValueError, "empty list"),
+        (10, {"dp": 0}, ValueError, "dp must be a positive int"),
+        (10, {"dp": 2.0}, ValueError, "dp must be a positive int"),
+        (10, {"param_dtype": "int8"}, ValueError, "param_dtype must be one of"),
+        (10, {"param_dtype": "fp32", "grad_dtype": "bf16"}, ValueError, "grad buffer is fp32"),
+        (10, {"param_dtype": "bf16", "grad_dtype": "fp16"}, ValueError, "grad buffer is fp32"),
+        (10, {"distributed_optimizer": "yes"}, TypeError, "distributed_optimizer must be a bool"),
+    ],
+)
+def test_bad_inputs_raise_clearly(value, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        training_state_bytes(value, **kwargs)
+
+
+def test_report_table_and_json():
+    report = training_state_bytes(27e9)
+    text = format_report(report)
+    assert "432.00 GB" in text and "16.00" in text and "inference-only" in text
+    lines = text.splitlines()
+    total = next(line for line in lines if line.startswith("total beyond the weights"))
+    assert total.split()[-6:] == ["432.00", "GB", "0", "B", "432.00", "GB"]
+    data = json.loads(json.dumps(report.as_dict()))
+    assert data["total"] == 432 * 10**9 and data["saved"] == data["total"] and data["bytes_per_param"] == 16.0
+
+
+def test_human_bytes_uses_decimal_units():
+    assert human_bytes(432e9) == "432.00 GB"
+    assert human_bytes(1.5e12) == "1.50 TB"
+    assert human_bytes(999) == "999 B"
+    assert human_bytes(0) == "0 B"
+
+
+def test_memory_module_imports_no_torch():
+    code = (
+        "import sys, megatron_rl_patches.memory_cli, megatron_rl_patches.inference.memory; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_docs_show_the_generated_tables():
+    from pathlib import Path
+
+    from megatron_rl_patches.inference.memory import docs_reports, markdown_table
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "inference-only.md").read_text()
+    for dtype in ("bf16", "fp32"):
+        block = page.split(f"<!-- memory-table:{dtype} -->\n", 1)[1].split("<!-- /memory-table -->", 1)[0]
+        assert block.strip() == markdown_table(docs_reports(dtype))
+    assert "| 27B | 1 | no | 54.00 GB | 108.00 GB | 108.00 GB | 108.00 GB | 108.00 GB | **432.00 GB**" in page
