@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
 
+from megatron_rl_patches.inference.guard import assert_trainable, is_inference_only
+
 logger = logging.getLogger("megatron_rl_patches")
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -28,7 +30,6 @@ SYNC_SLOTS: tuple[tuple[str, str], ...] = (
 _DDP_ATTRS = ("remove_forward_pre_hook_handles", "use_forward_hook", "start_param_sync")
 _MODEL_ARG_NAMES = ("model", "model_chunks")
 _MARK = "__mrp_reentrant__"
-_INFERENCE_MARK = "_mrp_inference_only"  # set by megatron_rl_patches.inference (not imported here)
 
 _ALL, _NONE, _PARTIAL = "all", "none", "partial"
 
@@ -165,7 +166,7 @@ def _helper_chunks(bound: inspect.BoundArguments | None) -> list[Any] | None:
     chunks = _as_chunks(bound.arguments.get("model_chunks"))
     if chunks is None:
         return None
-    if not all(is_ddp_like(c) or _inference_only(c) for c in chunks):
+    if not all(is_ddp_like(c) or is_inference_only(c) for c in chunks):
         return None
     # an inference-only chunk has no DDP hooks to toggle
     return [c for c in chunks if is_ddp_like(c)]
@@ -201,18 +202,6 @@ def _as_chunks(value: Any) -> list[Any] | None:
     if isinstance(value, (list, tuple)):
         return list(value)
     return [value]
-
-
-def _inference_only(chunk: Any) -> bool:
-    """Marked by build_inference_model (megatron_rl_patches.inference), on the chunk or on a
-    module it wraps through `.module`."""
-    seen: set[int] = set()
-    while chunk is not None and id(chunk) not in seen and len(seen) < 16:
-        if getattr(chunk, _INFERENCE_MARK, False) is True:
-            return True
-        seen.add(id(chunk))
-        chunk = getattr(chunk, "module", None)
-    return False
 
 
 def _is_chunk_sequence(value: Any) -> bool:
@@ -281,17 +270,6 @@ class _Entry:
     config: Any
     sync_funcs: dict[str, Any] = field(default_factory=dict)
     hooks_enabled: list[tuple[Any, bool]] = field(default_factory=list)
-
-
-def _reject_inference_only(chunks: Sequence[Any]) -> None:
-    for index, chunk in enumerate(chunks):
-        if _inference_only(chunk):
-            raise TypeError(
-                f"model chunk {index} ({type(chunk).__name__}) was built inference-only "
-                "(no DDP grad buffer, no optimizer) and cannot be trained; pass the trainable "
-                "actor's chunks to train(), or build this role trainable (remove it from "
-                "MEGATRON_RL_PATCHES_INFERENCE_ROLES)"
-            )
 
 
 def _enter(chunks: Sequence[Any]) -> _Entry:
@@ -376,7 +354,7 @@ def _call_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     chunks = find_model_chunks(fn, args, kwargs)
     if not chunks:  # a call that does not bind (fn raises its own TypeError) or no chunks
         return fn(*args, **kwargs)
-    _reject_inference_only(chunks)
+    assert_trainable(chunks)
     key = tuple(id(chunk) for chunk in chunks)
     active = _guarded.get()
     if key in active:  # an outer wrapper already guards this train()

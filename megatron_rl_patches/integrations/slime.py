@@ -59,3 +59,64 @@ PATCHES = (
         params=SLIME_LOGPROB_PARAMS,
     ),
 )
+
+
+def calculate_log_probs_and_entropy(
+    logits,
+    tokens,
+    tp_group,
+    with_entropy: bool = False,
+    chunk_size: int = -1,
+    log_prob_keep_mask=None,
+    with_entropy_grad: bool = True,
+):
+    """slime's ``calculate_log_probs_and_entropy`` (same signature and results) on the memory-optimal Function.
+
+    slime semantics kept: ``tp_group=None`` with torch.distributed initialized means the default
+    group; log-probs come back as ``[T, 1]`` (``(0,)`` when T = 0); entropy ``[T]`` or None;
+    ``chunk_size <= 0`` means no chunking preference; padded vocab columns are scored as slime does.
+    """
+    import torch.distributed as dist
+
+    from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
+
+    if tp_group is None and dist.is_available() and dist.is_initialized():
+        tp_group = dist.group.WORLD
+    log_prob, entropy = log_probs_and_entropy(
+        logits,
+        tokens,
+        tp_group=tp_group,
+        with_entropy=with_entropy,
+        entropy_requires_grad=with_entropy_grad,
+        chunk_size=chunk_size if chunk_size is not None and chunk_size > 0 else None,
+        keep_mask=log_prob_keep_mask,
+    )
+    if logits.size(0) != 0:
+        log_prob = log_prob.unsqueeze(-1)
+    return log_prob, entropy
+
+
+def calculate_log_probs_and_entropy_wrapper(wrapped, instance, args, kwargs):
+    """wrapt wrapper for ``slime_logprobs``: calls the adapter instead of slime's function.
+
+    Arguments are bound to slime's signature first, so positional and keyword calls behave
+    alike. A call with arguments the adapter does not know (a newer slime) goes to the original
+    function, with one warning, rather than failing the training step.
+    """
+    import inspect
+
+    try:
+        bound = inspect.signature(calculate_log_probs_and_entropy).bind(*args, **kwargs)
+    except TypeError as exc:
+        try:
+            inspect.signature(wrapped).bind(*args, **kwargs)
+        except (TypeError, ValueError):
+            raise TypeError(f"calculate_log_probs_and_entropy: {exc}") from None
+        from megatron_rl_patches.patching.registry import warn_once
+
+        warn_once(
+            f"slime_logprobs: slime passed arguments the replacement does not support ({exc}); "
+            f"using slime's own calculate_log_probs_and_entropy for those calls"
+        )
+        return wrapped(*args, **kwargs)
+    return calculate_log_probs_and_entropy(*bound.args, **bound.kwargs)

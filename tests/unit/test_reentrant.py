@@ -436,7 +436,7 @@ def test_inference_only_chunks_are_refused_and_nothing_changes(chunks, mocker):
 
 def test_inference_only_mark_is_found_on_a_wrapped_module(fake_ddp):
     frozen = types.SimpleNamespace(module=types.SimpleNamespace(_mrp_inference_only=True))
-    with pytest.raises(TypeError, match="model chunk 1 \\(SimpleNamespace\\) was built inference-only"):
+    with pytest.raises(TypeError, match="model chunk 1 \\(SimpleNamespace\\): it was built inference-only"):
         reentrant_train(lambda model: None)([fake_ddp(), frozen])
 
 
