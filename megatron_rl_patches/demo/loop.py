@@ -14,7 +14,7 @@ ACTOR_DDP_FLAGS = dict(overlap_grad_reduce=True, use_distributed_optimizer=True,
 
 @dataclass
 class DemoConfig:
-    rollouts: int = 3
+    rollouts: int = 4
     steps: int = 2  # optimizer steps per rollout
     microbatches: int = 2
     micro_batch_size: int = 4
@@ -23,9 +23,12 @@ class DemoConfig:
     vocab_size: int = 64
     teachers: int = 2
     topk: int = 8
+    ids_from: str = "teacher"  # whose top-k ids the OPD buckets use: "teacher" (the first) or "student"
     opd_coef: float = 1.0
+    pg_coef: float = 0.1
     temperature: float = 1.0
-    lr: float = 0.05
+    lr: float = 1.0
+    teacher_init_std: float = 0.3
     seed: int = 0
 
 
@@ -94,9 +97,12 @@ def build_models(cfg: DemoConfig) -> tuple[list, list]:
     from megatron_rl_patches import build_inference_model
 
     actor = [kit.wrap_ddp(kit.build_tiny_gpt(vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed), **ACTOR_DDP_FLAGS)]
+    # Teachers with a larger init scale have peaked next-token distributions, far from the
+    # near-uniform fresh actor: the distillation signal is visible within a few steps.
+    teacher_config = kit.tiny_gpt_config(init_method_std=cfg.teacher_init_std)
     teachers = [
         build_inference_model(
-            kit.tiny_gpt_provider(vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed + 100 + j)
+            kit.tiny_gpt_provider(teacher_config, vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed + 100 + j)
         )[0]
         for j in range(cfg.teachers)
     ]
@@ -131,11 +137,11 @@ def score_with_teachers(batch: dict, actor: Any, teachers: Sequence[Any], cfg: D
 
     targets = batch["labels"].reshape(-1)
     old_logits = kit.gpt_forward(actor, batch).float().reshape(-1, cfg.vocab_size)
-    ids = topk_ids(old_logits, cfg.topk)
     old_logp, _ = log_probs_and_entropy(old_logits, targets, temperature=cfg.temperature)
+    teacher_logits = [kit.gpt_forward(t, batch).float().reshape(-1, cfg.vocab_size) for t in teachers]
+    ids = topk_ids(teacher_logits[0] if cfg.ids_from == "teacher" else old_logits, cfg.topk)
     teacher_lp, teacher_tail, teacher_tok = [], [], []
-    for teacher in teachers:
-        logits = kit.gpt_forward(teacher, batch).float().reshape(-1, cfg.vocab_size)
+    for logits in teacher_logits:
         lp, tail = topk_logprobs(logits, ids, temperature=cfg.temperature)
         teacher_lp.append(lp)
         teacher_tail.append(tail)
@@ -145,8 +151,13 @@ def score_with_teachers(batch: dict, actor: Any, teachers: Sequence[Any], cfg: D
         topk_ids=ids,
         teacher_logprobs=torch.stack(teacher_lp),
         teacher_tails=torch.stack(teacher_tail),
-        advantages=(mixture_tok - old_logp).reshape(batch["tokens"].shape),
+        advantages=_centered(mixture_tok - old_logp, batch["loss_mask"].reshape(-1)).reshape(batch["tokens"].shape),
     )
+
+
+def _centered(reward: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Reward minus its mean over the response tokens (a baseline: lower-variance gradient)."""
+    return (reward - (reward * mask).sum() / mask.sum().clamp_min(1.0)) * mask
 
 
 def make_forward_step(cfg: DemoConfig) -> Callable:
@@ -169,9 +180,9 @@ def make_forward_step(cfg: DemoConfig) -> Callable:
                 flat, batch["topk_ids"], batch["teacher_logprobs"], batch["teacher_tails"],
                 temperature=cfg.temperature,
             )
-            pg = -batch["advantages"].reshape(-1) * logp
+            pg = -batch["advantages"].reshape(-1) * logp  # REINFORCE with the teacher reward
             denom = mask.sum().clamp_min(1.0)
-            loss = ((pg + cfg.opd_coef * opd) * mask).sum() / denom
+            loss = ((cfg.pg_coef * pg + cfg.opd_coef * opd) * mask).sum() / denom
             return loss, {
                 "loss": loss.detach().clone(),
                 "opd_kl": (opd.detach() * mask).sum() / denom,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from dataclasses import asdict
 from typing import Any, Iterator
 
@@ -52,6 +53,10 @@ def run_demo(cfg: DemoConfig, patches: bool = True, progress: bool = False) -> d
     import megatron_rl_patches as mrp
     from megatron_rl_patches.demo import measure
 
+    # megatron-core warns about missing Transformer Engine / Apex and torch about renamed
+    # collectives on every import: noise for a demo.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     torch.manual_seed(cfg.seed)
     train = loop.megatron_style_train
     if patches:
