@@ -1,12 +1,64 @@
-"""Suite-wide isolation: every test starts and ends with no patch of ours applied."""
+"""Suite-wide isolation (no patch of ours outlives a test) and shared stand-ins."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
 import pytest
+
+# The smallest module with slime's train() and hook-helper signatures (patch `train_reentry`).
+FAKE_SLIME_MODEL = '''
+def train(rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_microbatches,
+          global_batch_sizes):
+    return "original"
+
+
+def enable_forward_pre_hook(model_chunks):
+    return "original"
+
+
+def disable_forward_pre_hook(model_chunks, param_sync=True):
+    return "original"
+'''
+
+
+def write_fake_slime(root: Path, model_source: str = FAKE_SLIME_MODEL) -> Path:
+    """Write `slime/backends/megatron_utils/model.py` (with package inits) under `root`."""
+    pkg = root / "slime" / "backends" / "megatron_utils"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for folder in (root / "slime", root / "slime" / "backends", pkg):
+        (folder / "__init__.py").write_text("")
+    (pkg / "model.py").write_text(model_source)
+    return root
+
+
+@pytest.fixture(scope="session")
+def fake_slime_writer():
+    """`write_fake_slime(root, model_source=FAKE_SLIME_MODEL) -> root`, for any fixture scope."""
+    return write_fake_slime
+
+
+@pytest.fixture(scope="session")
+def fake_slime_source() -> str:
+    return FAKE_SLIME_MODEL
+
+
+@pytest.fixture
+def clean_patch_state(monkeypatch):
+    """No MEGATRON_RL_PATCHES* variable set and a fresh registry, before and after the test."""
+    for name in [n for n in os.environ if n.startswith("MEGATRON_RL_PATCHES")]:
+        monkeypatch.delenv(name, raising=False)
+    from megatron_rl_patches.patching import registry
+
+    registry._reset_for_tests()
+    yield monkeypatch
+    registry._reset_for_tests()
 
 
 @pytest.fixture(autouse=True)
 def _reset_patch_registry():
     yield
-    import sys
-
     registry = sys.modules.get("megatron_rl_patches.patching.registry")
     if registry is not None:
         registry._reset_for_tests()

@@ -26,19 +26,6 @@ REPO = Path(__file__).resolve().parents[2]
 SOURCES = ("setup.py", "setup.cfg", "pyproject.toml", "README.md", "startup", "megatron_rl_patches")
 HEAVY = ("torch", "megatron", "wrapt", "packaging", "numpy")
 DDP = "megatron.core.distributed.distributed_data_parallel"
-SLIME_MODEL = '''
-def train(rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_microbatches,
-          global_batch_sizes):
-    return "original"
-
-
-def enable_forward_pre_hook(model_chunks):
-    return "original"
-
-
-def disable_forward_pre_hook(model_chunks, param_sync=True):
-    return "original"
-'''
 
 
 def _build_tools_missing() -> str | None:
@@ -115,19 +102,16 @@ def pip(python: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def venv(wheel, tmp_path_factory):
+def venv(wheel, tmp_path_factory, fake_slime_writer, fake_slime_source):
     root = tmp_path_factory.mktemp("venv")
     python, site = make_venv(root / "env")
     proc = pip(python, "install", "--no-deps", "--no-index", str(wheel))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # Run our start-up line a second time from another file, as a venv's lib64 link can do.
     (site / "zz_again.pth").write_text(startup.CONTENTS[startup.PTH_NAME])
-    slime = root / "slime_src"
-    pkg = slime / "slime" / "backends" / "megatron_utils"
-    pkg.mkdir(parents=True)
-    for folder in (slime / "slime", slime / "slime" / "backends", pkg):
-        (folder / "__init__.py").write_text("")
-    (pkg / "model.py").write_text(SLIME_MODEL.replace("def train(rollout_id, model,", "def train(step, models,"))
+    slime = fake_slime_writer(
+        root / "slime_src", fake_slime_source.replace("def train(rollout_id, model,", "def train(step, models,")
+    )
     return python, site, slime
 
 

@@ -18,12 +18,8 @@ PATCH_NAMES = {"ddp_hooks", "train_reentry", "inference_roles", "slime_logprobs"
 
 
 @pytest.fixture(autouse=True)
-def clean(monkeypatch):
-    for var in ("MEGATRON_RL_PATCHES", "MEGATRON_RL_PATCHES_DISABLE", "MEGATRON_RL_PATCHES_STRICT"):
-        monkeypatch.delenv(var, raising=False)
-    registry._reset_for_tests()
-    yield monkeypatch
-    registry._reset_for_tests()
+def clean(clean_patch_state):
+    return clean_patch_state
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

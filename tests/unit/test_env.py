@@ -17,12 +17,8 @@ VARS = (env.SELECT, env.DISABLE, env.STRICT, env.INFERENCE_ROLES)
 
 
 @pytest.fixture
-def clean_registry(monkeypatch):
-    for name in VARS:
-        monkeypatch.delenv(name, raising=False)
-    registry._reset_for_tests()
-    yield
-    registry._reset_for_tests()
+def clean_registry(clean_patch_state):
+    return clean_patch_state
 
 
 def child_env(**variables: str) -> dict[str, str]:

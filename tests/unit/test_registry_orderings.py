@@ -35,19 +35,6 @@ KINDS = {
         "target": "slime.backends.megatron_utils.model:train",
     },
 }
-FAKE_SLIME_MODEL = '''
-def train(rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_microbatches,
-          global_batch_sizes):
-    return "original"
-
-
-def enable_forward_pre_hook(model_chunks):
-    return "original"
-
-
-def disable_forward_pre_hook(model_chunks, param_sync=True):
-    return "original"
-'''
 
 
 # ----------------------------------------------------------------------------- child side
@@ -177,14 +164,9 @@ def expected(steps):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, fake_slime_writer):
     """Start every ordering of both kinds at once (each import of megatron takes seconds)."""
-    root = tmp_path_factory.mktemp("fake_slime")
-    pkg = root / "slime" / "backends" / "megatron_utils"
-    pkg.mkdir(parents=True)
-    for folder in (root / "slime", root / "slime" / "backends", pkg):
-        (folder / "__init__.py").write_text("")
-    (pkg / "model.py").write_text(FAKE_SLIME_MODEL)
+    root = fake_slime_writer(tmp_path_factory.mktemp("fake_slime"))
     environ = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_RL_PATCHES")}
     environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), environ.get("PYTHONPATH")]))
     environ["PYTHONWARNINGS"] = "ignore"

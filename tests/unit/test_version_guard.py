@@ -13,43 +13,22 @@ from megatron_rl_patches.patching.registry import Patch
 
 MCORE_RANGE = ">=0.13,<0.17"
 
-SLIME_MODEL = '''
-def train(rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_microbatches,
-          global_batch_sizes):
-    return "original"
-
-
-def enable_forward_pre_hook(model_chunks):
-    return "original"
-
-
-def disable_forward_pre_hook(model_chunks, param_sync=True):
-    return "original"
-'''
 SLIME_MODULE = "slime.backends.megatron_utils.model"
 
 
 @pytest.fixture
-def clean(monkeypatch):
-    for var in ("MEGATRON_RL_PATCHES", "MEGATRON_RL_PATCHES_DISABLE", "MEGATRON_RL_PATCHES_STRICT"):
-        monkeypatch.delenv(var, raising=False)
-    registry._reset_for_tests()
-    yield monkeypatch
-    registry._reset_for_tests()
+def clean(clean_patch_state):
+    return clean_patch_state
 
 
 @pytest.fixture
-def fake_slime(tmp_path, clean):
+def fake_slime(tmp_path, clean, fake_slime_writer, fake_slime_source):
     """Writes a stand-in slime package; call with the model module's source; imports it.
     Another stand-in already imported by other tests is set aside and put back afterwards."""
     saved = {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] == "slime"}
 
-    def make(source: str = SLIME_MODEL):
-        pkg = tmp_path / "slime" / "backends" / "megatron_utils"
-        pkg.mkdir(parents=True, exist_ok=True)
-        for folder in (tmp_path / "slime", tmp_path / "slime" / "backends", pkg):
-            (folder / "__init__.py").write_text("")
-        (pkg / "model.py").write_text(source)
+    def make(source: str = fake_slime_source):
+        fake_slime_writer(tmp_path, source)
         clean.syspath_prepend(str(tmp_path))
         return importlib.import_module(SLIME_MODULE)
 
@@ -149,8 +128,8 @@ def test_version_checked_when_the_module_is_imported_later(clean, tmp_path):
         sys.modules.pop(name, None)
 
 
-def test_missing_target_attribute(fake_slime, caplog):
-    module = fake_slime(SLIME_MODEL.replace("def enable_forward_pre_hook", "def renamed_enable"))
+def test_missing_target_attribute(fake_slime, fake_slime_source, caplog):
+    module = fake_slime(fake_slime_source.replace("def enable_forward_pre_hook", "def renamed_enable"))
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
         registry.apply(only="train_reentry")
     found = {s.target: s for s in registry.applied() if s.target.startswith(SLIME_MODULE)}
@@ -165,8 +144,8 @@ def test_missing_target_attribute(fake_slime, caplog):
     assert not hasattr(module, "enable_forward_pre_hook")
 
 
-def test_changed_signature(fake_slime):
-    changed = SLIME_MODEL.replace("def train(rollout_id, model,", "def train(step, models,")
+def test_changed_signature(fake_slime, fake_slime_source):
+    changed = fake_slime_source.replace("def train(rollout_id, model,", "def train(step, models,")
     module = fake_slime(changed)
     original = module.train
     registry.apply(only="train_reentry")
