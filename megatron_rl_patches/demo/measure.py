@@ -6,6 +6,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from megatron_rl_patches.bench.common import SavedBytes
 from megatron_rl_patches.demo.loop import DemoConfig
 from megatron_rl_patches.testing import megatron_cpu as kit
 
@@ -59,20 +60,6 @@ def teacher_savings(teachers: Sequence[Any], cfg: DemoConfig) -> dict[str, Any]:
     }
 
 
-def saved_for_backward_bytes(fn: Callable[[], Any]) -> int:
-    """Bytes of distinct storages autograd keeps for backward while `fn` runs."""
-    seen: dict[Any, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
-
-
 def logprob_saved_bytes(cfg: DemoConfig, tokens_per_batch: int = 512) -> dict[str, int]:
     """Bytes saved for backward on one [T, V] batch: naive autograd vs ours (entropy as a metric,
     and with an entropy gradient). The logits are counted when they are saved."""
@@ -87,14 +74,17 @@ def logprob_saved_bytes(cfg: DemoConfig, tokens_per_batch: int = 512) -> dict[st
         entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
 
+    def saved_bytes(fn: Callable[[], Any]) -> int:
+        with SavedBytes() as saved:
+            fn()
+        return saved.bytes
+
     return {
         "tokens": tokens_per_batch,
         "vocab": cfg.vocab_size,
-        "naive": saved_for_backward_bytes(naive),
-        "ours_entropy_metric": saved_for_backward_bytes(
+        "naive": saved_bytes(naive),
+        "ours_entropy_metric": saved_bytes(
             lambda: log_probs_and_entropy(logits, targets, with_entropy=True, entropy_requires_grad=False)
         ),
-        "ours_entropy_grad": saved_for_backward_bytes(
-            lambda: log_probs_and_entropy(logits, targets, with_entropy=True)
-        ),
+        "ours_entropy_grad": saved_bytes(lambda: log_probs_and_entropy(logits, targets, with_entropy=True)),
     }
