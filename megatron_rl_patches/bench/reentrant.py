@@ -5,9 +5,12 @@ unpatched and patched in the same run; the ratio is what matters, not the absolu
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any, Callable
+
+from megatron_rl_patches.bench import common
 
 
 def _per_call_us(fn: Callable[[], Any], calls: int, repeats: int = 5) -> float:
@@ -68,6 +71,22 @@ def _hook_rows(calls: int) -> list[dict]:
 
 
 def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
-    """Rows: case, unpatched µs/call, patched µs/call, overhead µs/call."""
+    """Print the table of per-call times (and write reentrant.csv / reentrant.png into `out_dir`)."""
     calls = 200 if quick else 2000
-    return _guard_rows(calls) + _hook_rows(max(calls // 20, 10))
+    rows = _guard_rows(calls) + _hook_rows(max(calls // 20, 10))
+    columns = ["case", "unpatched_us", "patched_us", "overhead_us"]
+    common.print_table(rows, columns, title="re-entrant patches: wrapper cost per call (µs)")
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        common.write_csv(rows, os.path.join(out_dir, "reentrant.csv"), columns)
+        plotted = [
+            {"case": row["case"].split(" (")[0], "variant": variant, "us": row[f"{variant}_us"]}
+            for row in rows
+            for variant in ("unpatched", "patched")
+            if row[f"{variant}_us"] == row[f"{variant}_us"]  # skip NaN (the unpatched crash case)
+        ]
+        common.plot_grouped_bars(
+            plotted, os.path.join(out_dir, "reentrant.png"), group="case", series="variant", values=["us"],
+            titles=["µs per call"], suptitle="re-entrant patches",
+        )
+    return rows

@@ -1,0 +1,33 @@
+"""`megatron-rl-patches bench [logprobs|topk|reentrant|all] [--quick] [--out DIR]`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+BENCHMARKS = {
+    "logprobs": "megatron_rl_patches.bench.logprobs",
+    "topk": "megatron_rl_patches.bench.topk",
+    "reentrant": "megatron_rl_patches.bench.reentrant",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("which", nargs="?", default="all", choices=[*BENCHMARKS, "all"], help="which benchmark")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: seconds, for smoke tests")
+    parser.add_argument("--out", metavar="DIR", help="write CSV files and PNG plots (needs the [bench] extra) here")
+
+
+def run(args: argparse.Namespace) -> int:
+    names = list(BENCHMARKS) if args.which == "all" else [args.which]
+    failed = []
+    for name in names:
+        rows = importlib.import_module(BENCHMARKS[name]).run(quick=args.quick, out_dir=args.out)
+        errors = [row["error"] for row in rows if row.get("error")]
+        if errors:
+            failed.append(name)
+            print(f"bench {name}: {len(errors)} case(s) failed: {errors[0]}", file=sys.stderr)
+        print()
+    if args.out:
+        print(f"CSV and PNG files written to {args.out}")
+    return 1 if failed else 0
