@@ -1,0 +1,1 @@
+"""Benchmarks behind `megatron-rl-patches bench` (memory and speed, printed, CSV and PNG)."""

@@ -1,0 +1,266 @@
+"""Shifted targets and per-sample response slices for packed (`thd`), CP-zigzag and allgather-CP rows.
+
+Compute the log-probs once over the whole local ``[T, V]`` logits (one autograd node, no
+per-sample copies), then slice each sample's response. Conventions (Megatron / slime): sample i
+has ``total_lengths[i]`` tokens, the last ``response_lengths[i]`` of them the response; logits
+row g of a sample predicts its token g + 1, so the response is predicted by rows
+``[prompt - 1, total - 1)``.
+
+Layouts of the local rows:
+- no CP: samples back to back (`thd`), or each padded to ``max_seq_len`` rows (`bshd`);
+- CP zigzag: each sample padded to ``2·cp·c`` rows (``c = ceil(len / (2·cp))``, len = total for
+  `thd`, ``max_seq_len`` for `bshd`) and cut in ``2·cp`` chunks; rank r holds chunks r and
+  ``2·cp - 1 - r``, sample after sample;
+- allgather-CP (`thd` only): the packed global sequence split in contiguous ``T``-row slices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "PackedLayout",
+    "Piece",
+    "response_pieces",
+    "shifted_targets",
+    "split_responses",
+    "response_log_probs_and_entropy",
+    "allgather_cp_to_zigzag",
+]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Local rows ``[start, stop)`` hold the response positions ``[offset, offset + stop - start)``."""
+
+    start: int
+    stop: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each sample's rows sit in this rank's logits. Validated on construction."""
+
+    total_lengths: tuple[int, ...]
+    response_lengths: tuple[int, ...]
+    cp_size: int = 1
+    cp_rank: int = 0
+    allgather_cp: bool = False
+    qkv_format: str = "thd"
+    max_seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total_lengths", tuple(int(n) for n in self.total_lengths))
+        object.__setattr__(self, "response_lengths", tuple(int(n) for n in self.response_lengths))
+        if len(self.total_lengths) != len(self.response_lengths):
+            raise ValueError(
+                f"total_lengths ({len(self.total_lengths)} samples) and response_lengths "
+                f"({len(self.response_lengths)} samples) must describe the same samples"
+            )
+        for i, (total, response) in enumerate(zip(self.total_lengths, self.response_lengths)):
+            if not 0 <= response <= total - 1:
+                raise ValueError(
+                    f"sample {i}: response_length must be in [0, total_length - 1] = [0, {total - 1}] "
+                    f"(the first response token is predicted by the last prompt token), got {response}"
+                )
+        if self.qkv_format not in ("thd", "bshd"):
+            raise ValueError(f"qkv_format must be 'thd' or 'bshd', got {self.qkv_format!r}")
+        if self.cp_size < 1 or not 0 <= self.cp_rank < self.cp_size:
+            raise ValueError(f"need cp_size >= 1 and 0 <= cp_rank < cp_size, got cp_rank={self.cp_rank}, "
+                             f"cp_size={self.cp_size}")
+        if self.allgather_cp and self.qkv_format != "thd":
+            raise ValueError(
+                f"allgather-CP is defined for the packed 'thd' layout only, got qkv_format={self.qkv_format!r}: "
+                f"with padded samples its contiguous row split would misalign tokens; use zigzag CP "
+                f"(allgather_cp=False) for 'bshd'"
+            )
+        if self.qkv_format == "bshd":
+            longest = max(self.total_lengths, default=0)
+            if self.max_seq_len is None or self.max_seq_len < longest:
+                raise ValueError(
+                    f"qkv_format='bshd' needs max_seq_len >= the longest sample ({longest}), got {self.max_seq_len}"
+                )
+
+    @property
+    def zigzag(self) -> bool:
+        return self.cp_size > 1 and not self.allgather_cp
+
+    def zigzag_chunk(self, total_length: int) -> int:
+        """Rows per CP chunk of one sample under zigzag CP."""
+        length = total_length if self.qkv_format == "thd" else self.max_seq_len
+        return -(-length // (2 * self.cp_size))
+
+    def sample_rows(self, total_length: int) -> int:
+        """Local rows one sample occupies (no CP or zigzag CP)."""
+        if self.zigzag:
+            return 2 * self.zigzag_chunk(total_length)
+        return total_length if self.qkv_format == "thd" else self.max_seq_len  # type: ignore[return-value]
+
+
+def _zigzag_halves(layout: PackedLayout, total_length: int) -> list[tuple[int, int]]:
+    """(first global row in the sample, first local row relative to the sample) of both chunks."""
+    chunk = layout.zigzag_chunk(total_length)
+    ranks = (layout.cp_rank, 2 * layout.cp_size - 1 - layout.cp_rank)
+    return [(k * chunk, half * chunk) for half, k in enumerate(ranks)]
+
+
+def response_pieces(layout: PackedLayout, num_rows: int) -> list[list[Piece]]:
+    """Per sample, the local row ranges holding its response log-prob rows, in response order."""
+    pieces: list[list[Piece]] = []
+    base = 0  # local (no CP, zigzag) or global (allgather-CP) first row of the sample
+    lo_global, hi_global = layout.cp_rank * num_rows, (layout.cp_rank + 1) * num_rows
+    for total, response in zip(layout.total_lengths, layout.response_lengths):
+        first, last = total - response - 1, total - 1  # response rows within the sample
+        mine: list[Piece] = []
+        if layout.zigzag:
+            chunk = layout.zigzag_chunk(total)
+            for global_start, local_start in _zigzag_halves(layout, total):
+                s, e = max(first, global_start), min(last, global_start + chunk)
+                if s < e:
+                    start = base + local_start + s - global_start
+                    mine.append(Piece(start, start + e - s, s - first))
+            base += 2 * chunk
+        elif layout.allgather_cp and layout.cp_size > 1:
+            s, e = max(base + first, lo_global), min(base + last, hi_global)
+            if s < e:
+                mine.append(Piece(s - lo_global, e - lo_global, s - base - first))
+            base += total
+        else:
+            if response:
+                mine.append(Piece(base + first, base + last, 0))
+            base += layout.sample_rows(total)
+        pieces.append(mine)
+    if layout.allgather_cp and layout.cp_size > 1:
+        if base > layout.cp_size * num_rows:
+            raise ValueError(f"the packed sequence has {base} rows but {layout.cp_size} CP ranks x {num_rows} "
+                             f"local rows hold only {layout.cp_size * num_rows}")
+    elif base > num_rows:
+        raise ValueError(f"the layout needs {base} local rows but the logits have {num_rows}; "
+                         f"check total_lengths / cp_size / qkv_format against the model input")
+    return pieces
+
+
+def shifted_targets(
+    tokens: Sequence[torch.Tensor], layout: PackedLayout, num_rows: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Target id of every local logits row (the sample's next token; 0 where there is none)."""
+    if len(tokens) != len(layout.total_lengths):
+        raise ValueError(f"got {len(tokens)} token tensors for {len(layout.total_lengths)} samples")
+    for i, (tok, total) in enumerate(zip(tokens, layout.total_lengths)):
+        if tok.dim() != 1 or tok.numel() != total:
+            raise ValueError(f"sample {i}: tokens must be 1-D of total_length {total}, got shape {tuple(tok.shape)}")
+    device = device if device is not None else (tokens[0].device if len(tokens) else "cpu")
+    targets = torch.zeros(num_rows, dtype=torch.long, device=device)
+    if layout.allgather_cp and layout.cp_size > 1:
+        glob = torch.zeros(max(sum(layout.total_lengths), (layout.cp_rank + 1) * num_rows), dtype=torch.long,
+                           device=device)
+        base = 0
+        for tok, total in zip(tokens, layout.total_lengths):
+            glob[base : base + total - 1] = tok[1:]
+            base += total
+        return glob[layout.cp_rank * num_rows : (layout.cp_rank + 1) * num_rows].clone()
+    base = 0
+    for tok, total in zip(tokens, layout.total_lengths):
+        if layout.zigzag:
+            chunk = layout.zigzag_chunk(total)
+            for global_start, local_start in _zigzag_halves(layout, total):
+                e = min(total - 1, global_start + chunk)
+                if global_start < e:
+                    start = base + local_start
+                    targets[start : start + e - global_start] = tok[global_start + 1 : e + 1]
+        else:
+            targets[base : base + total - 1] = tok[1:]
+        base += layout.sample_rows(total)
+        if base > num_rows:
+            raise ValueError(f"the layout needs at least {base} local rows but the logits have {num_rows}")
+    return targets
+
+
+def split_responses(values: torch.Tensor, layout: PackedLayout) -> list[torch.Tensor]:
+    """Per sample, this rank's response rows of a per-row tensor (``[T, ...]``), in response order."""
+    out = []
+    for pieces in response_pieces(layout, values.size(0)):
+        parts = [values[p.start : p.stop] for p in pieces]
+        out.append(parts[0] if len(parts) == 1 else torch.cat(parts) if parts else values[:0])
+    return out
+
+
+def response_log_probs_and_entropy(
+    logits: torch.Tensor, tokens: Sequence[torch.Tensor], layout: PackedLayout, **kwargs: Any
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """One :func:`log_probs_and_entropy` call over all local rows, sliced per sample's response.
+
+    `kwargs` go to :func:`megatron_rl_patches.ops.logprobs.log_probs_and_entropy` (tp_group,
+    temperature, with_entropy, keep_mask aligned with the local rows, ...).
+    """
+    from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
+
+    targets = shifted_targets(tokens, layout, logits.size(0), device=logits.device)
+    log_probs, entropy = log_probs_and_entropy(logits, targets, **kwargs)
+    return split_responses(log_probs, layout), (split_responses(entropy, layout) if entropy is not None else None)
+
+
+def allgather_cp_to_zigzag(
+    values: Sequence[torch.Tensor], layout: PackedLayout, num_rows: int, group: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
+    """Move per-sample response tensors from allgather-CP ranks to the pieces zigzag CP gives them.
+
+    Each rank contributes its contiguous pieces, one SUM all-reduce over the CP `group` rebuilds
+    every full response, and each rank keeps its zigzag pieces. Gradient flow is preserved
+    exactly as it came in: if any input requires grad the all-reduce is differentiable (its
+    backward sums the gradients of every rank); otherwise (metrics) a plain collective on
+    detached data is used and the outputs do not require grad. Every rank must make the same
+    choice, which holds when all ranks run the same code.
+    """
+    if not layout.allgather_cp:
+        raise ValueError("allgather_cp_to_zigzag needs a layout with allgather_cp=True")
+    cp_size = 1 if group is None else dist.get_world_size(group)
+    if cp_size != layout.cp_size:
+        raise ValueError(f"layout.cp_size={layout.cp_size} but the CP group has {cp_size} ranks")
+    mine = response_pieces(layout, num_rows)
+    if len(values) != len(mine):
+        raise ValueError(f"got {len(values)} tensors for {len(mine)} samples")
+    for i, (value, pieces) in enumerate(zip(values, mine)):
+        rows = sum(p.stop - p.start for p in pieces)
+        if value.size(0) != rows:
+            raise ValueError(
+                f"sample {i}: expected {rows} rows on this rank (its allgather-CP pieces), got {value.size(0)}"
+            )
+    if layout.cp_size == 1:
+        return list(values)
+
+    starts = [0]
+    for response in layout.response_lengths:
+        starts.append(starts[-1] + response)
+    ref = next(iter(values))
+    device, dtype, trailing = ref.device, ref.dtype, tuple(ref.shape[1:])
+
+    def positions(pieces_per_sample: list[list[Piece]]) -> torch.Tensor:
+        idx = [torch.arange(starts[i] + p.offset, starts[i] + p.offset + p.stop - p.start)
+               for i, pieces in enumerate(pieces_per_sample) for p in pieces]
+        return (torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)).to(device)
+
+    mine_at = positions(mine)
+    zig_layout = PackedLayout(layout.total_lengths, layout.response_lengths, cp_size=layout.cp_size,
+                              cp_rank=layout.cp_rank, qkv_format=layout.qkv_format)
+    zig = response_pieces(zig_layout, sum(zig_layout.sample_rows(t) for t in layout.total_lengths))
+    zig_at = positions(zig)
+    flat = torch.cat(list(values)) if values else torch.zeros((0, *trailing), dtype=dtype, device=device)
+    differentiable = any(v.requires_grad for v in values)
+    if differentiable:
+        import torch.distributed.nn.functional as dist_nn
+
+        full = flat.new_zeros((starts[-1], *trailing)).index_put((mine_at,), flat)
+        full = dist_nn.all_reduce(full, group=group)
+    else:
+        with torch.no_grad():
+            full = flat.new_zeros((starts[-1], *trailing))
+            full[mine_at] = flat.detach()
+            dist.all_reduce(full, group=group)
+    picked = full[zig_at]
+    sizes = [sum(p.stop - p.start for p in pieces) for pieces in zig]
+    return list(picked.split(sizes))

@@ -1,0 +1,152 @@
+"""slime adapter: slime's signature, shapes and math (float64 reference of slime's unfused code).
+
+TP=2 (gloo, tp_group=None meaning the default group) runs inside the TP=2 spawn of
+test_logprobs_tp.py to save a process launch.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from megatron_rl_patches.integrations import slime as slime_integration
+from megatron_rl_patches.integrations.slime import (
+    calculate_log_probs_and_entropy,
+    calculate_log_probs_and_entropy_wrapper,
+)
+
+
+def slime_reference(logits, tokens, keep=None):
+    """slime's math unfused in float64: max-subtract, exp, sum, log; entropy m + log S - Σ p·z."""
+    x = logits.double()
+    m = x.max(-1, keepdim=True).values
+    ex = (x - m).exp()
+    s = ex.sum(-1, keepdim=True)
+    p = ex / s
+    ent = (m + s.log() - (p * x).sum(-1, keepdim=True)).squeeze(-1)
+    xk = x
+    if keep is not None:
+        kept = keep.clone()
+        kept[torch.arange(x.size(0)), tokens] = True
+        xk = x.masked_fill(~kept, -math.inf)
+    mk = xk.max(-1, keepdim=True).values
+    sk = (xk - mk).exp().sum(-1, keepdim=True)
+    lp = xk.gather(1, tokens[:, None]) - mk - sk.log()
+    return lp, ent
+
+
+def make(T=19, V=57, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(T, V, generator=g) * 3, torch.randint(0, V, (T,), generator=g),
+            torch.randn(T, generator=g), torch.randn(T, generator=g), torch.rand(T, V, generator=g) < 0.3)
+
+
+@pytest.mark.parametrize("chunk_size", [-1, 0, 4])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("with_entropy_grad", [True, False])
+def test_matches_slime_math_in_float64(chunk_size, masked, with_entropy_grad):
+    logits, tokens, a, b, keep = make(seed=chunk_size + 7)
+    keep = keep if masked else None
+    x = logits.clone().requires_grad_()
+    lp, ent = calculate_log_probs_and_entropy(x, tokens, None, with_entropy=True, chunk_size=chunk_size,
+                                              log_prob_keep_mask=keep, with_entropy_grad=with_entropy_grad)
+    assert lp.shape == (19, 1) and ent.shape == (19,)
+    assert ent.requires_grad is with_entropy_grad
+    loss = (lp.squeeze(-1) * a).sum() + ((ent * b).sum() if with_entropy_grad else 0.0)
+    loss.backward()
+
+    x64 = logits.double().requires_grad_()
+    lp64, ent64 = slime_reference(x64, tokens, keep)
+    ((lp64.squeeze(-1) * a.double()).sum() + ((ent64 * b.double()).sum() if with_entropy_grad else 0.0)).backward()
+    assert (lp.double() - lp64.detach()).abs().max() <= 1e-6
+    assert (ent.detach().double() - ent64.detach()).abs().max() <= 1e-6
+    assert (x.grad.double() - x64.grad).abs().max() <= 1e-6
+
+
+def test_return_shapes():
+    logits, tokens, *_ = make(T=5, V=9)
+    lp, ent = calculate_log_probs_and_entropy(logits, tokens, None)
+    assert lp.shape == (5, 1) and ent is None
+    lp, ent = calculate_log_probs_and_entropy(logits[:0], tokens[:0], None, with_entropy=True)
+    assert lp.shape == (0,) and ent.shape == (0,)
+    lp, ent = calculate_log_probs_and_entropy(logits[:0], tokens[:0], None)
+    assert lp.shape == (0,) and ent is None
+
+
+def test_wrapper_binds_positional_and_keyword_calls():
+    logits, tokens, *_ , keep = make(T=6, V=11)
+
+    def never(*args, **kwargs):
+        raise AssertionError("the wrapper must not call slime's original")
+
+    positional = calculate_log_probs_and_entropy_wrapper(never, None, (logits, tokens, None, True, 2, keep), {})
+    keyword = calculate_log_probs_and_entropy_wrapper(
+        never, None, (), dict(logits=logits, tokens=tokens, tp_group=None, with_entropy=True, log_prob_keep_mask=keep)
+    )
+    direct = calculate_log_probs_and_entropy(logits, tokens, None, with_entropy=True, log_prob_keep_mask=keep)
+    for got in (positional, keyword):
+        torch.testing.assert_close(got[0], direct[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], direct[1], rtol=0, atol=0)
+
+
+def test_wrapper_hands_unknown_arguments_to_slime_with_one_warning(caplog):
+    logits, tokens, *_ = make(T=3, V=5)
+    calls = []
+
+    def newer_slime(logits, tokens, tp_group, with_entropy=False, reuse_logits_storage_for_backward=False):
+        calls.append(reuse_logits_storage_for_backward)
+        return "original"
+
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        out = calculate_log_probs_and_entropy_wrapper(
+            newer_slime, None, (logits, tokens, None), {"reuse_logits_storage_for_backward": True}
+        )
+    assert out == "original" and calls == [True]
+    assert "slime_logprobs" in caplog.text
+    with pytest.raises(TypeError, match="calculate_log_probs_and_entropy"):
+        calculate_log_probs_and_entropy_wrapper(newer_slime, None, (logits, tokens, None), {"bogus": 1})
+
+
+def _fake_slime(monkeypatch):
+    """Install slime's two module paths holding a stand-in with slime's signature."""
+
+    def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
+                                        log_prob_keep_mask=None, with_entropy_grad=True):
+        return "slime's own"
+
+    names = ["slime", "slime.utils", "slime.utils.ppo_utils", "slime.backends", "slime.backends.megatron_utils",
+             "slime.backends.megatron_utils.loss"]
+    modules = {name: types.ModuleType(name) for name in names}
+    modules["slime.utils.ppo_utils"].calculate_log_probs_and_entropy = calculate_log_probs_and_entropy
+    modules["slime.backends.megatron_utils.loss"].calculate_log_probs_and_entropy = calculate_log_probs_and_entropy
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return modules
+
+
+def test_registry_patch_replaces_both_slime_names(monkeypatch):
+    from megatron_rl_patches.patching import registry
+
+    modules = _fake_slime(monkeypatch)
+    logits, tokens, *_ = make(T=4, V=7)
+    try:
+        statuses = registry.apply(only="slime_logprobs", strict=True)
+        assert {s.status for s in statuses} == {"applied"}
+        for name in ("slime.utils.ppo_utils", "slime.backends.megatron_utils.loss"):
+            lp, ent = modules[name].calculate_log_probs_and_entropy(logits, tokens, None, with_entropy=True)
+            expected = calculate_log_probs_and_entropy(logits, tokens, None, with_entropy=True)
+            torch.testing.assert_close(lp, expected[0], rtol=0, atol=0)
+    finally:
+        registry.revert("slime_logprobs")
+    assert modules["slime.utils.ppo_utils"].calculate_log_probs_and_entropy(logits, tokens, None) == "slime's own"
+
+
+def test_importing_the_integration_stays_light():
+    """The module is imported at interpreter start-up: torch only inside the functions."""
+    source = open(slime_integration.__file__).read()
+    header = source.split("\ndef ", 1)[0]
+    assert "import torch" not in header
