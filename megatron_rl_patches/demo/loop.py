@@ -2,6 +2,7 @@
 once per rollout, distilled on-policy towards inference-only teachers."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -28,6 +29,7 @@ class DemoConfig:
     pg_coef: float = 0.1
     temperature: float = 1.0
     lr: float = 1.0
+    device: str = "cpu"  # "cuda" when the session runs on a GPU
     teacher_init_std: float = 0.3
     seed: int = 0
 
@@ -96,7 +98,8 @@ def build_models(cfg: DemoConfig) -> tuple[list, list]:
     """The actor in real DDP (overlap + distributed-optimizer flags); teachers inference-only."""
     from megatron_rl_patches import build_inference_model
 
-    actor = [kit.wrap_ddp(kit.build_tiny_gpt(vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed), **ACTOR_DDP_FLAGS)]
+    actor_model = kit.build_tiny_gpt(vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed)
+    actor = [kit.wrap_ddp(actor_model.to(cfg.device), **ACTOR_DDP_FLAGS)]
     # Teachers with a larger init scale have peaked next-token distributions, far from the
     # near-uniform fresh actor: the distillation signal is visible within a few steps.
     teacher_config = kit.tiny_gpt_config(init_method_std=cfg.teacher_init_std)
@@ -119,11 +122,12 @@ def sample(model: Any, cfg: DemoConfig, gen: torch.Generator) -> dict:
     """On-policy samples: random prompts, responses drawn token by token from the actor."""
     b, s = cfg.micro_batch_size, cfg.seq_length
     batch = kit.make_batch(b, s, cfg.vocab_size, seed=int(torch.randint(0, 2**31, (1,), generator=gen)))
+    batch = {key: value.to(cfg.device) for key, value in batch.items()}
     tokens = batch["tokens"]
     for pos in range(cfg.prompt_length, s):
-        logits = kit.gpt_forward(model, {**batch, "tokens": tokens})[:, pos - 1].float() / cfg.temperature
-        tokens[:, pos] = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).squeeze(-1)
-    loss_mask = torch.zeros(b, s)
+        logits = kit.gpt_forward(model, {**batch, "tokens": tokens})[:, pos - 1].float().cpu() / cfg.temperature
+        tokens[:, pos] = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).squeeze(-1).to(cfg.device)
+    loss_mask = torch.zeros(b, s, device=cfg.device)
     loss_mask[:, cfg.prompt_length - 1 : s - 1] = 1.0  # positions whose next token is a response token
     batch.update(tokens=tokens, labels=_shifted_targets(tokens), loss_mask=loss_mask)
     return batch
@@ -146,7 +150,7 @@ def score_with_teachers(batch: dict, actor: Any, teachers: Sequence[Any], cfg: D
         teacher_lp.append(lp)
         teacher_tail.append(tail)
         teacher_tok.append(log_probs_and_entropy(logits, targets, temperature=cfg.temperature)[0])
-    mixture_tok = torch.logsumexp(torch.stack(teacher_tok), 0) - torch.log(torch.tensor(float(len(teachers))))
+    mixture_tok = torch.logsumexp(torch.stack(teacher_tok), 0) - math.log(len(teachers))
     batch.update(
         topk_ids=ids,
         teacher_logprobs=torch.stack(teacher_lp),

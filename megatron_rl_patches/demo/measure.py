@@ -16,7 +16,7 @@ def counted_training_state_bytes(model: Any) -> dict[str, int]:
     megatron-core's DDP grad buffer and its Adam optimizer state (after one step allocates it)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    ddp = kit.wrap_ddp(model, use_distributed_optimizer=False)
+    ddp = kit.wrap_ddp(model, use_distributed_optimizer=False)  # model already on its device
     grad_buffer = sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), [ddp])
     optimizer.step()  # Adam allocates m and v on its first step
@@ -45,7 +45,7 @@ def teacher_savings(teachers: Sequence[Any], cfg: DemoConfig) -> dict[str, Any]:
     from megatron_rl_patches import training_state_bytes
 
     trainable = counted_training_state_bytes(
-        kit.build_tiny_gpt(vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed)
+        kit.build_tiny_gpt(vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed).to(cfg.device)
     )
     params = sum(p.numel() for p in teachers[0].parameters())
     formula = training_state_bytes(params, param_dtype="fp32")

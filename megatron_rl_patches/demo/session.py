@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Iterator
 
 import torch
@@ -65,6 +65,7 @@ def run_demo(cfg: DemoConfig, patches: bool = True, progress: bool = False) -> d
     results: list[RolloutResult] = []
     error = None
     with _megatron_runtime() as device:
+        cfg = replace(cfg, device=device)
         actor, teachers = loop.build_models(cfg)
         forward_step = loop.make_forward_step(cfg)
         gen = torch.Generator().manual_seed(cfg.seed)
