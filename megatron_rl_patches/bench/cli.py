@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 BENCHMARKS = {
@@ -29,5 +30,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"bench {name}: {len(errors)} case(s) failed: {errors[0]}", file=sys.stderr)
         print()
     if args.out:
-        print(f"CSV and PNG files written to {args.out}")
+        plots = importlib.util.find_spec("matplotlib") is not None
+        print(f"CSV files{' and PNG plots' if plots else ''} written to {args.out}"
+              + ("" if plots else " (no plots: install the [bench] extra for matplotlib)"))
     return 1 if failed else 0
