@@ -53,6 +53,7 @@ PATCHES = (
     Patch(
         name="slime_logprobs",
         target="slime.backends.megatron_utils.loss:calculate_log_probs_and_entropy",
+        optional=True,
         wrapper="megatron_rl_patches.integrations.slime:calculate_log_probs_and_entropy_wrapper",
         description="the same, where slime's loss module bound the name at import",
         requires=None,
@@ -99,24 +100,33 @@ def calculate_log_probs_and_entropy(
 def calculate_log_probs_and_entropy_wrapper(wrapped, instance, args, kwargs):
     """wrapt wrapper for ``slime_logprobs``: calls the adapter instead of slime's function.
 
-    Arguments are bound to slime's signature first, so positional and keyword calls behave
-    alike. A call with arguments the adapter does not know (a newer slime) goes to the original
-    function, with one warning, rather than failing the training step.
+    Arguments are bound to the installed slime function's own signature (forks order and name
+    them differently), with its defaults. A call that gives a parameter the adapter does not know
+    a non-default value goes to slime's original, with one warning, rather than being
+    misread or failing the training step.
     """
     import inspect
 
+    known = inspect.signature(calculate_log_probs_and_entropy).parameters
+    signature = inspect.signature(wrapped)
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
+        signature = inspect.signature(calculate_log_probs_and_entropy)  # slime's documented one
     try:
-        bound = inspect.signature(calculate_log_probs_and_entropy).bind(*args, **kwargs)
-    except TypeError as exc:
-        try:
-            inspect.signature(wrapped).bind(*args, **kwargs)
-        except (TypeError, ValueError):
-            raise TypeError(f"calculate_log_probs_and_entropy: {exc}") from None
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return wrapped(*args, **kwargs)  # slime's own error message for a bad call
+    bound.apply_defaults()
+    foreign = [
+        name
+        for name, value in bound.arguments.items()
+        if name not in known and value is not signature.parameters[name].default
+    ]
+    if foreign:
         from megatron_rl_patches.patching.registry import warn_once
 
         warn_once(
-            f"slime_logprobs: slime passed arguments the replacement does not support ({exc}); "
-            f"using slime's own calculate_log_probs_and_entropy for those calls"
+            f"slime_logprobs: this slime passes {', '.join(foreign)}, which the replacement does not "
+            "support; those calls use slime's own calculate_log_probs_and_entropy"
         )
         return wrapped(*args, **kwargs)
-    return calculate_log_probs_and_entropy(*bound.args, **bound.kwargs)
+    return calculate_log_probs_and_entropy(**{k: v for k, v in bound.arguments.items() if k in known})

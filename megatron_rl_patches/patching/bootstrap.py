@@ -16,6 +16,14 @@ def has_run() -> bool:
     return _done
 
 
+def _say(message: str) -> None:
+    """One stderr line, from the first rank only (every rank would print the same)."""
+    from megatron_rl_patches.patching import env
+
+    if env.launcher_rank() == 0:
+        sys.stderr.write(f"megatron-rl-patches: {message}\n")
+
+
 def run() -> None:
     """Apply what the environment selects. Idempotent: a venv can execute the same .pth twice."""
     global _done
@@ -32,8 +40,8 @@ def run() -> None:
         try:
             registry.apply()
         except ValueError as exc:  # bad selection: one line now; in strict mode, also at import
-            sys.stderr.write(f"megatron-rl-patches: no patch applied at start-up: {exc}\n")
+            _say(f"no patch applied at start-up: {exc}")
             if env.is_strict():
                 registry.poison_imports(ValueError(f"{exc} ({env.STRICT} is set)"))
     except BaseException as exc:  # noqa: BLE001 - start-up must go on whatever happens
-        sys.stderr.write(f"megatron-rl-patches: start-up patching disabled: {type(exc).__name__}: {exc}\n")
+        _say(f"start-up patching disabled: {type(exc).__name__}: {exc}")

@@ -30,11 +30,25 @@ def split_names(value: str | Sequence[str] | None) -> list[str]:
     if value is None:
         return []
     if not isinstance(value, str):
+        if not isinstance(value, (list, tuple, set, frozenset)):
+            raise TypeError(f"patch names must be a string or a list of strings, got {value!r}")
         bad = [item for item in value if not isinstance(item, str)]
         if bad:
             raise TypeError(f"patch names must be strings, got {bad!r}; pass e.g. ['ddp_hooks']")
     items = value.split(",") if isinstance(value, str) else list(value)
     return [item.strip() for item in items if item and item.strip()]
+
+
+# Launchers' rank variables (torchrun, slurm, Open MPI, MPICH): read where torch.distributed is
+# not initialized yet, e.g. at interpreter start-up.
+RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
+    """This process's global rank as the launcher announced it (0 when none did)."""
+    env = _environ(environ)
+    value = next((env[name] for name in RANK_VARIABLES if name in env), "0").strip()
+    return int(value) if value.isdigit() else 0
 
 
 def is_enabled(environ: Mapping[str, str] | None = None) -> bool:

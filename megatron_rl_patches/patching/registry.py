@@ -8,8 +8,6 @@ reference captured by ``from x import f`` while patched behaves like the origina
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
-import inspect
 import logging
 import sys
 import threading
@@ -17,8 +15,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import wrapt
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
 
 from megatron_rl_patches.patching import env
 
@@ -54,6 +50,7 @@ class Patch:
     requires: str | None = "megatron-core"  # distribution whose version is guarded
     versions: str = ""  # PEP 440 specifier; "" = any version
     params: tuple[str, ...] = ()  # parameter names the target must accept, in this order
+    optional: bool = False  # a missing target is expected (an alias some versions bind): no error
 
     @property
     def module(self) -> str:
@@ -98,10 +95,13 @@ _lock = threading.RLock()
 _slots: dict[tuple[str, str], _Slot] | None = None
 _hooked_modules: set[str] = set()
 _warned: set[str] = set()
+_deferred: set[str] = set()  # modules met half-imported; their pending patches are retried
 
 
 def installed_version(distribution: str) -> str | None:
     """The installed version of a distribution, or None when it is not installed as one."""
+    import importlib.metadata  # here, not at start-up: ~50 ms that only a target's import needs
+
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -135,7 +135,7 @@ def _is_rank_zero() -> bool:
             return dist.get_rank() == 0
     except Exception:  # a half-torn-down process group: do not hide the warning
         return True
-    return True
+    return env.launcher_rank() == 0  # before init_process_group: what the launcher says
 
 
 def warn_once(message: str) -> None:
@@ -166,6 +166,9 @@ def version_problem(patch: Patch) -> str | None:
     found = installed_version(patch.requires)
     if found is None:  # a source checkout on sys.path: the signature check still guards
         return None
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
     try:
         ok = Version(found) in SpecifierSet(patch.versions, prereleases=True)
     except (InvalidVersion, InvalidSpecifier) as exc:
@@ -182,6 +185,8 @@ def version_problem(patch: Patch) -> str | None:
 def _signature_problem(patch: Patch, original: Any) -> str | None:
     if not patch.params:
         return None
+    import inspect
+
     try:
         names = list(inspect.signature(original).parameters)
     except (TypeError, ValueError) as exc:
@@ -233,6 +238,8 @@ def _install(slot: _Slot, module: Any) -> None:
     try:
         owner, attribute, original = wrapt.resolve_path(module, patch.qualname)
     except Exception:
+        if patch.optional:
+            return _set(slot, SKIPPED, f"{patch.target} not found (an optional alias: nothing to patch there)")
         return _refuse(
             slot,
             PatchTargetMissing,
@@ -276,8 +283,16 @@ def _on_import(module: Any) -> None:
 
 def _watch(module_name: str) -> None:
     """Install selected patches of `module_name` now or when it is first imported."""
-    if module_name in sys.modules:
-        _on_import(sys.modules[module_name])
+    module = sys.modules.get(module_name)
+    if module is not None and module_name not in _hooked_modules and _initializing(module):
+        # apply() ran while the module was still executing (from its own import, or another
+        # thread): its attributes may not exist yet. Retried by the next apply()/applied().
+        _deferred.add(module_name)
+        for slot in _catalog().values():
+            if slot.selected and slot.patch.module == module_name and slot.status != APPLIED:
+                _set(slot, PENDING, f"{module_name} was still being imported; retried on the next apply()/applied()")
+    elif module is not None:
+        _on_import(module)
     elif module_name not in _hooked_modules:
         _hooked_modules.add(module_name)
         wrapt.register_post_import_hook(_on_import, module_name)
@@ -298,8 +313,11 @@ def apply(
     MEGATRON_RL_PATCHES_STRICT variable) raises PatchError instead of warning. Unknown names
     raise ValueError and change nothing.
     """
-    strict = env.is_strict(environ) if strict is None else bool(strict)
+    if strict is not None and not isinstance(strict, bool):
+        raise TypeError(f"strict must be True, False or None (the {env.STRICT} variable), got {strict!r}")
+    strict = env.is_strict(environ) if strict is None else strict
     with _lock:
+        _retry_deferred()
         chosen = set(env.resolve_selection(patch_names(), only, exclude, environ))
         slots = [slot for slot in _catalog().values() if slot.patch.name in chosen]
         dropped = {name: "disabled by exclude=" for name in env.split_names(exclude)}
@@ -349,9 +367,27 @@ def _status(slot: _Slot) -> PatchStatus:
     return PatchStatus(slot.patch.name, slot.patch.target, slot.status, slot.reason)
 
 
+def _initializing(module: Any) -> bool:
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+def _retry_deferred() -> None:
+    """Install the pending patches of modules met half-imported, once their import finished."""
+    for name in list(_deferred):
+        module = sys.modules.get(name)
+        if module is None or _initializing(module):
+            continue
+        _deferred.discard(name)
+        try:
+            _on_import(module)
+        except PatchError as exc:  # strict: reported like any other strict failure, once
+            warn_once(str(exc))
+
+
 def applied() -> list[PatchStatus]:
     """The real state of every (patch, target): applied / pending / skipped / failed."""
     with _lock:
+        _retry_deferred()
         return [_status(slot) for slot in _catalog().values()]
 
 
@@ -381,3 +417,4 @@ def _reset_for_tests() -> None:
             revert()
         _slots = None
         _warned.clear()
+        _deferred.clear()

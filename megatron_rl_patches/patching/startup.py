@@ -13,9 +13,14 @@ from dataclasses import dataclass
 
 PTH_NAME = "megatron_rl_patches.pth"
 START_NAME = "megatron_rl_patches.start"
-# A single `import` line works on every Python; 3.15 prefers the .start entry point form.
+# A single `import` line works on every Python; 3.15 prefers the .start entry point form. The
+# find_spec guard keeps a start-up file left behind (an editable install uninstalled after
+# `startup install`) from printing an ImportError traceback in every process.
 CONTENTS = {
-    PTH_NAME: "import megatron_rl_patches.patching.bootstrap; megatron_rl_patches.patching.bootstrap.run()\n",
+    PTH_NAME: (
+        'import importlib.util; importlib.util.find_spec("megatron_rl_patches") and '
+        '__import__("megatron_rl_patches.patching.bootstrap").patching.bootstrap.run()\n'
+    ),
     START_NAME: "megatron_rl_patches.patching.bootstrap:run\n",
 }
 

@@ -204,3 +204,36 @@ def test_startup_strict_unknown_name_raises_at_first_import_of_a_target(fake_sli
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert result["import"].startswith("ValueError: ") and "'bogus'" in result["import"]
     assert env.STRICT in result["import"]
+
+
+def test_launcher_rank_reads_the_usual_variables():
+    assert env.launcher_rank({}) == 0
+    assert env.launcher_rank({"RANK": "3"}) == 3
+    assert env.launcher_rank({"SLURM_PROCID": "2"}) == 2
+    assert env.launcher_rank({"RANK": "garbage"}) == 0
+
+
+def test_start_up_messages_come_from_rank_zero_only():
+    quiet = subprocess.run(
+        [sys.executable, "-c", "import megatron_rl_patches.patching.bootstrap as b; b.run()"],
+        env=child_env(MEGATRON_RL_PATCHES="bogus", RANK="1"), capture_output=True, text=True, timeout=60,
+    )
+    loud = subprocess.run(
+        [sys.executable, "-c", "import megatron_rl_patches.patching.bootstrap as b; b.run()"],
+        env=child_env(MEGATRON_RL_PATCHES="bogus", RANK="0"), capture_output=True, text=True, timeout=60,
+    )
+    assert quiet.returncode == loud.returncode == 0
+    assert quiet.stderr == ""
+    assert loud.stderr.count("\n") == 1 and "bogus" in loud.stderr
+
+
+def test_a_left_over_start_up_line_is_silent_without_the_package(tmp_path):
+    """An editable install removed after `startup install` leaves the .pth behind: no traceback."""
+    from megatron_rl_patches.patching import startup
+
+    line = startup.CONTENTS[startup.PTH_NAME]
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", f"exec({line!r})"], cwd=tmp_path,
+        env={"PATH": os.environ.get("PATH", "")}, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0 and proc.stderr == ""

@@ -228,3 +228,35 @@ def test_already_imported_target_lands_immediately(standin, catalog):
     catalog(Patch("train_reentry", f"{standin}:train", Spy(), "d", requires=None))
     assert [s.status for s in registry.apply()] == ["applied"]
     assert module.train(0, None, None)[0] == "spy"
+
+
+def test_apply_from_inside_the_target_modules_own_import_lands_afterwards(tmp_path, monkeypatch, catalog):
+    """apply() while the target module is still executing must not give up on its patches."""
+    name = f"standin_mod_{next(_counter)}"
+    (tmp_path / f"{name}.py").write_text("import megatron_rl_patches\nmegatron_rl_patches.apply()\n" + MODULE_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spy = Spy()
+    catalog(Patch("train_reentry", f"{name}:train", spy, "d", requires=None))
+    try:
+        module = importlib.import_module(name)
+        assert statuses()[f"{name}:train"][0] == "applied"  # applied() retries once the import is done
+        assert module.train(1, None, None) == ("spy", ("original", 1))
+    finally:
+        sys.modules.pop(name, None)
+
+
+def test_a_missing_optional_alias_is_skipped_quietly_even_in_strict_mode(standin, catalog, caplog):
+    catalog(Patch("train_reentry", f"{standin}:no_alias_here", Spy(), "d", requires=None, optional=True))
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        registry.apply(strict=True)
+        importlib.import_module(standin)
+    status, reason = statuses()[f"{standin}:no_alias_here"]
+    assert status == "skipped" and "optional" in reason
+    assert not caplog.records
+
+
+def test_apply_rejects_arguments_of_the_wrong_type(catalog):
+    with pytest.raises(TypeError, match="strict"):
+        registry.apply(strict="no")
+    with pytest.raises(TypeError, match="patch names"):
+        registry.apply(only=123)

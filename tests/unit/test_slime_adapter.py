@@ -107,8 +107,39 @@ def test_wrapper_hands_unknown_arguments_to_slime_with_one_warning(caplog):
         )
     assert out == "original" and calls == [True]
     assert "slime_logprobs" in caplog.text
-    with pytest.raises(TypeError, match="calculate_log_probs_and_entropy"):
+    with pytest.raises(TypeError, match="bogus"):  # slime's own error for a bad call
         calculate_log_probs_and_entropy_wrapper(newer_slime, None, (logits, tokens, None), {"bogus": 1})
+
+
+def test_wrapper_binds_to_the_installed_forks_parameter_order(monkeypatch):
+    """A fork with another parameter order: positional values must land on the right names."""
+    import megatron_rl_patches.integrations.slime as adapter
+
+    seen = {}
+
+    def fork(logits, tokens, tp_group, with_entropy=False, entropy_no_grad=False, chunk_size=-1):
+        raise AssertionError("not called while every argument is understood")
+
+    def spy(**kwargs):
+        seen.update(kwargs)
+        return "adapter"
+
+    monkeypatch.setattr(adapter, "calculate_log_probs_and_entropy", spy)
+    monkeypatch.setattr(adapter.calculate_log_probs_and_entropy, "__signature__",
+                        __import__("inspect").signature(calculate_log_probs_and_entropy), raising=False)
+    logits, tokens, *_ = make(T=3, V=5)
+    assert calculate_log_probs_and_entropy_wrapper(fork, None, (logits, tokens, None, True, False, 4), {}) == "adapter"
+    assert seen["with_entropy"] is True and seen["chunk_size"] == 4 and "entropy_no_grad" not in seen
+
+    calls = []
+
+    def fork_used(logits, tokens, tp_group, with_entropy=False, entropy_no_grad=False, chunk_size=-1):
+        calls.append(entropy_no_grad)
+        return "original"
+
+    # a non-default value for a parameter the adapter does not know: slime's own function runs
+    assert calculate_log_probs_and_entropy_wrapper(fork_used, None, (logits, tokens, None, True, True), {}) == "original"
+    assert calls == [True]
 
 
 def _fake_slime(monkeypatch):
