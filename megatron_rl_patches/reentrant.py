@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
 
+from megatron_rl_patches._args import bind as _bind
+from megatron_rl_patches._chunks import DDP_HOOK_ATTRS, as_chunks, is_ddp_like, iter_wrapped
 from megatron_rl_patches.inference.guard import assert_trainable, is_inference_only
 
 logger = logging.getLogger("megatron_rl_patches")
@@ -27,7 +29,6 @@ SYNC_SLOTS: tuple[tuple[str, str], ...] = (
     ("grad_sync_func", "start_grad_sync"),
     ("param_sync_func", "start_param_sync"),
 )
-_DDP_ATTRS = ("remove_forward_pre_hook_handles", "use_forward_hook", "start_param_sync")
 _MODEL_ARG_NAMES = ("model", "model_chunks")
 _MARK = "__mrp_reentrant__"
 
@@ -45,16 +46,11 @@ def _warn(message: str) -> None:
     warn_once(message)
 
 
-def is_ddp_like(obj: Any) -> bool:
-    """True for megatron-core DistributedDataParallel or anything with its hook/sync API."""
-    return all(hasattr(obj, name) for name in _DDP_ATTRS)
-
-
 def _require_ddp_like(chunk: Any, caller: str) -> None:
     if not is_ddp_like(chunk):
         raise TypeError(
             f"{caller}(chunk): expected a DistributedDataParallel model chunk (an object with "
-            f"{', '.join(_DDP_ATTRS)}), got {type(chunk).__name__}; pass the DDP wrapper, not the "
+            f"{', '.join(DDP_HOOK_ATTRS)}), got {type(chunk).__name__}; pass the DDP wrapper, not the "
             "module inside it"
         )
 
@@ -123,17 +119,6 @@ def disable_hooks(chunk: Any, param_sync: bool = True) -> None:
     _disable(chunk, bool(param_sync), lambda: chunk.disable_forward_pre_hook(param_sync=param_sync))
 
 
-def _bind(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
-    """Arguments by parameter name (defaults applied), or None when the call does not fit the
-    signature: the original then runs and raises its own TypeError."""
-    try:
-        bound = inspect.signature(wrapped).bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return None
-    bound.apply_defaults()
-    return bound
-
-
 # --- registry wrappers for DistributedDataParallel methods (patch `ddp_hooks`) -------------
 
 def enable_forward_pre_hook_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -161,11 +146,9 @@ def disable_forward_pre_hook_wrapper(wrapped: Callable[..., Any], instance: Any,
 def _helper_chunks(bound: inspect.BoundArguments | None) -> list[Any] | None:
     """The chunks a helper was given, or None when it should run unchanged (a call we do not
     understand, or a chunk that is neither DDP-like nor built inference-only)."""
-    if bound is None:
+    if bound is None or bound.arguments.get("model_chunks") is None:
         return None
-    chunks = _as_chunks(bound.arguments.get("model_chunks"))
-    if chunks is None:
-        return None
+    chunks = as_chunks(bound.arguments["model_chunks"])
     if not all(is_ddp_like(c) or is_inference_only(c) for c in chunks):
         return None
     # an inference-only chunk has no DDP hooks to toggle
@@ -196,25 +179,17 @@ def disable_hooks_helper_wrapper(wrapped: Callable[..., Any], instance: Any, arg
 
 # --- the sync-function guard ---------------------------------------------------------------
 
-def _as_chunks(value: Any) -> list[Any] | None:
-    if value is None:
-        return None
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    return [value]
-
-
 def _is_chunk_sequence(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and len(value) > 0 and all(is_ddp_like(v) for v in value)
 
 
 def _walk_config(model: Any) -> Any:
     # megatron.core.utils.get_model_config semantics: the first non-None `config` down `.module`
-    while getattr(model, "config", None) is None:
-        if not hasattr(model, "module"):
-            raise RuntimeError("no `config` attribute on the model or the modules it wraps")
-        model = model.module
-    return model.config
+    for module in iter_wrapped(model):
+        config = getattr(module, "config", None)
+        if config is not None:
+            return config
+    raise RuntimeError("no `config` attribute on the model or the modules it wraps")
 
 
 def model_config(chunk: Any) -> Any:
@@ -332,7 +307,8 @@ def find_model_chunks(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list
             return None
         for name in _MODEL_ARG_NAMES:
             if name in bound.arguments:
-                return _as_chunks(bound.arguments[name]) or []
+                value = bound.arguments[name]
+                return [] if value is None else as_chunks(value)
         values = list(bound.arguments.values())
     else:
         values = [*args, *kwargs.values()]
