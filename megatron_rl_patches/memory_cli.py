@@ -7,6 +7,7 @@ import json
 import re
 import sys
 
+from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.inference.memory import format_report, training_state_bytes
 
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
@@ -28,12 +29,9 @@ def parse_param_count(text: str) -> int:
 
 def _positive(text: str) -> int:
     try:
-        value = int(text)
+        return positive_int("--dp", int(text))
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"invalid data-parallel size {text!r}: must be an integer >= 1")
-    return value
+        raise argparse.ArgumentTypeError(f"invalid data-parallel size {text!r}: must be an integer >= 1") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

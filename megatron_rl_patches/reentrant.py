@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
 
-from megatron_rl_patches._args import bind as _bind
+from megatron_rl_patches._args import bind
 from megatron_rl_patches._chunks import DDP_HOOK_ATTRS, as_chunks, is_ddp_like, iter_wrapped
 from megatron_rl_patches.inference.guard import assert_trainable, is_inference_only
 
@@ -121,22 +121,34 @@ def disable_hooks(chunk: Any, param_sync: bool = True) -> None:
 
 # --- registry wrappers for DistributedDataParallel methods (patch `ddp_hooks`) -------------
 
+def _method_call(
+    wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
+) -> tuple[Any, inspect.BoundArguments] | None:
+    """(chunk, arguments) of a call to a DDP method, bound or through the class (`self` in the
+    arguments); None when the original should run unchanged: the call does not fit its
+    signature, or the chunk is not DDP-like."""
+    bound = bind(wrapped, args, kwargs)
+    if bound is None:
+        return None
+    chunk = instance if instance is not None else bound.arguments.get("self")
+    return (chunk, bound) if is_ddp_like(chunk) else None
+
+
 def enable_forward_pre_hook_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """DistributedDataParallel.enable_forward_pre_hook: a no-op when hooks are registered."""
-    bound = _bind(wrapped, args, kwargs)
-    chunk = instance if instance is not None else (bound.arguments.get("self") if bound else None)
-    if bound is None or not is_ddp_like(chunk):
+    call = _method_call(wrapped, instance, args, kwargs)
+    if call is None:
         return wrapped(*args, **kwargs)
-    return _enable(chunk, lambda: wrapped(*args, **kwargs))
+    return _enable(call[0], lambda: wrapped(*args, **kwargs))
 
 
 def disable_forward_pre_hook_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """DistributedDataParallel.disable_forward_pre_hook: with no hooks registered, only the
     requested param sync runs."""
-    bound = _bind(wrapped, args, kwargs)
-    chunk = instance if instance is not None else (bound.arguments.get("self") if bound else None)
-    if bound is None or not is_ddp_like(chunk):
+    call = _method_call(wrapped, instance, args, kwargs)
+    if call is None:
         return wrapped(*args, **kwargs)
+    chunk, bound = call
     param_sync = bool(bound.arguments.get("param_sync", True))
     return _disable(chunk, param_sync, lambda: wrapped(*args, **kwargs))
 
@@ -157,7 +169,7 @@ def _helper_chunks(bound: inspect.BoundArguments | None) -> list[Any] | None:
 
 def enable_hooks_helper_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """enable_forward_pre_hook(model_chunks): idempotent per chunk."""
-    chunks = _helper_chunks(_bind(wrapped, args, kwargs))
+    chunks = _helper_chunks(bind(wrapped, args, kwargs))
     if chunks is None:
         return wrapped(*args, **kwargs)
     for chunk in chunks:
@@ -167,7 +179,7 @@ def enable_hooks_helper_wrapper(wrapped: Callable[..., Any], instance: Any, args
 
 def disable_hooks_helper_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """disable_forward_pre_hook(model_chunks, param_sync=True): idempotent per chunk."""
-    bound = _bind(wrapped, args, kwargs)
+    bound = bind(wrapped, args, kwargs)
     chunks = _helper_chunks(bound)
     if chunks is None:
         return wrapped(*args, **kwargs)

@@ -71,16 +71,17 @@ def _global_virtual_rank(vp_stage: int) -> Iterator[None]:
     megatron-core (0.13+) still honours but deprecates setting: set it, quietly, for the call."""
     from megatron.core import parallel_state
 
+    def set_rank(rank: int | None) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            parallel_state.set_virtual_pipeline_model_parallel_rank(rank)
+
     previous = parallel_state.get_virtual_pipeline_model_parallel_rank()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        parallel_state.set_virtual_pipeline_model_parallel_rank(vp_stage)
+    set_rank(vp_stage)
     try:
         yield
     finally:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            parallel_state.set_virtual_pipeline_model_parallel_rank(previous)
+        set_rank(previous)
 
 
 def _target_device() -> torch.device | None:

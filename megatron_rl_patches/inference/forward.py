@@ -6,13 +6,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from megatron_rl_patches._args import positive_int
+from megatron_rl_patches._chunks import module_chunks
+
 Collect = Callable[[torch.Tensor, Any], Any]
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def _default_collect(output: torch.Tensor, extra: Any) -> torch.Tensor:
@@ -39,18 +36,16 @@ def inference_forward(
     `collect(output, extra)` turns it into the result (default: the output itself, e.g. logits;
     see `token_log_probs` for log-probs). Chunks are put in eval mode first.
     """
-    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    if not chunks or not all(isinstance(c, torch.nn.Module) for c in chunks):
-        raise TypeError("model_chunks must be a torch.nn.Module or a non-empty list of them")
+    chunks = module_chunks(model_chunks, "model_chunks")
     if not callable(forward_step_func):
         raise TypeError(
             f"forward_step_func must be callable(data_iterator, model), got {type(forward_step_func).__name__}"
         )
     if collect is not None and not callable(collect):
         raise TypeError(f"collect must be callable(output, extra) or None, got {type(collect).__name__}")
-    _positive_int("num_microbatches", num_microbatches)
-    _positive_int("seq_length", seq_length)
-    _positive_int("micro_batch_size", micro_batch_size)
+    num_microbatches = positive_int("num_microbatches", num_microbatches)
+    seq_length = positive_int("seq_length", seq_length)
+    micro_batch_size = positive_int("micro_batch_size", micro_batch_size)
     finish_with = collect or _default_collect
     from megatron.core.pipeline_parallel import get_forward_backward_func
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Iterable
+from typing import Any
+
+from megatron_rl_patches._chunks import as_chunks, iter_wrapped
 
 logger = logging.getLogger("megatron_rl_patches")
 
@@ -32,25 +34,15 @@ class InferenceOnlyError(TypeError):
     """A model chunk built inference-only reached code that trains (grad sync, optimizer step)."""
 
 
-def _inner_modules(chunk: Any) -> Iterable[Any]:
-    """The chunk and the modules it wraps through `.module` (Float16Module, DDP...)."""
-    seen = set()
-    while chunk is not None and id(chunk) not in seen:
-        seen.add(id(chunk))
-        yield chunk
-        chunk = getattr(chunk, "module", None)
-
-
 def is_inference_only(chunk: Any) -> bool:
     """True when `chunk` (or a module it wraps) was built by build_inference_model."""
-    return any(getattr(module, MARKER, False) is True for module in _inner_modules(chunk))
+    return any(getattr(module, MARKER, False) is True for module in iter_wrapped(chunk))
 
 
 def assert_trainable(model_chunks: Any, action: str = "train") -> None:
     """Raise InferenceOnlyError when any chunk was built inference-only; call it before
     building an optimizer or running a training step on `model_chunks` (a module or a list)."""
-    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    for index, chunk in enumerate(chunks):
+    for index, chunk in enumerate(as_chunks(model_chunks)):
         if is_inference_only(chunk):
             raise InferenceOnlyError(
                 f"cannot {action} model chunk {index} ({type(chunk).__name__}): it was built "
@@ -91,7 +83,7 @@ def freeze_chunk(chunk: Any) -> Any:
     every submodule, and give the chunk DDP-named methods that refuse training. Returns it."""
     chunk.requires_grad_(False)
     chunk.eval()
-    for module in _inner_modules(chunk):
+    for module in iter_wrapped(chunk):
         object.__setattr__(module, MARKER, True)
     # functools.partial (not a closure or bound method) keeps the chunk picklable and deep-copyable
     for module in chunk.modules():

@@ -12,6 +12,9 @@ import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from megatron_rl_patches._args import positive_int
+from megatron_rl_patches._chunks import as_chunks, has_grad_buffers
+
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _DTYPE_NAMES = {
     "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
@@ -85,12 +88,6 @@ class TrainingStateBytes:
         return data
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
 def _param_count(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError
@@ -122,10 +119,6 @@ def _count_ddp(ddp: Any) -> dict[str, Any]:
     return facts
 
 
-def _is_ddp(obj: Any) -> bool:
-    return hasattr(obj, "ddp_config") and hasattr(obj, "buffers")
-
-
 def _count_module(module: Any) -> dict[str, Any]:
     """All (unique) parameters of a plain module, counted per dtype."""
     by_dtype: dict[str, int] = {}
@@ -137,12 +130,12 @@ def _count_module(module: Any) -> dict[str, Any]:
 
 
 def _inspect(model: Any) -> dict[str, Any]:
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    chunks = as_chunks(model)
     if not chunks:
         raise ValueError("model_or_num_params: an empty list of model chunks")
     parts = []
     for chunk in chunks:
-        if _is_ddp(chunk):
+        if has_grad_buffers(chunk):
             parts.append(_count_ddp(chunk))
         elif hasattr(chunk, "parameters"):
             parts.append(_count_module(chunk))
@@ -203,7 +196,7 @@ def training_state_bytes(
     if grad_dtype is not None:
         grad_dtype = dtype_name(grad_dtype, "grad_dtype")
     if dp is not None:
-        dp = _positive_int("dp", dp)
+        dp = positive_int("dp", dp)
     if distributed_optimizer is not None and not isinstance(distributed_optimizer, bool):
         raise TypeError(f"distributed_optimizer must be a bool, got {type(distributed_optimizer).__name__}")
     dp = _resolve("dp", dp, facts, 1, is_ddp)

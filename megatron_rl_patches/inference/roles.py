@@ -16,18 +16,10 @@ import logging
 import sys
 from typing import Any, Callable
 
+from megatron_rl_patches._args import bind
 from megatron_rl_patches.patching import env
 
 logger = logging.getLogger("megatron_rl_patches")
-
-
-def _bind(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
-    try:
-        bound = inspect.signature(wrapped).bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return None
-    bound.apply_defaults()
-    return bound
 
 
 def _provider(factory: Callable[..., Any], run_args: Any, role: str) -> Callable[..., Any]:
@@ -80,7 +72,7 @@ def initialize_model_and_optimizer_wrapper(
     wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
 ) -> Any:
     """wrapt wrapper of slime's initialize_model_and_optimizer(args, role="actor")."""
-    bound = _bind(wrapped, args, kwargs)
+    bound = bind(wrapped, args, kwargs)
     if bound is None:
         return wrapped(*args, **kwargs)
     run_args, role = bound.arguments.get("args"), bound.arguments.get("role")

@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from megatron_rl_patches._chunks import module_chunks, unwrap
 from megatron_rl_patches.inference.paths import resolve_checkpoint
 
 logger = logging.getLogger("megatron_rl_patches")
@@ -39,7 +40,13 @@ class WeightsMismatchError(ValueError):
         )
 
 
-def _warn_tolerated(path: Path, missing: Sequence[str], unexpected: Sequence[str]) -> None:
+def _check_fit(path: Path, missing: Sequence[str], unexpected: Sequence[str], shapes: Sequence[str], strict: bool) -> None:
+    """Raise WeightsMismatchError on any shape mismatch, or on missing/unexpected keys when
+    `strict`; else warn once about the tolerated keys. Runs before anything is copied."""
+    if shapes or (strict and (missing or unexpected)):
+        raise WeightsMismatchError(repr(str(path)), missing, unexpected, shapes)
+    if not (missing or unexpected):
+        return
     from megatron_rl_patches.patching.registry import warn_once  # rank 0 only, once per message
 
     warn_once(
@@ -51,17 +58,6 @@ def _warn_tolerated(path: Path, missing: Sequence[str], unexpected: Sequence[str
 
 def _format_shape(key: str, found: Any, expected: Any) -> str:
     return f"{key} (checkpoint {tuple(found)}, model {tuple(expected)})"
-
-
-def unwrap(chunk: Any) -> torch.nn.Module:
-    """The model inside Float16Module / DDP wrappers (whose state-dict keys carry 'module.')."""
-    from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.transformer.module import Float16Module
-
-    wrappers = (Float16Module, DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)
-    while isinstance(chunk, wrappers):
-        chunk = chunk.module
-    return chunk
 
 
 # ---------------------------------------------------------------------------- torch_dist
@@ -182,10 +178,7 @@ def _load_dist(modules: list[torch.nn.Module], path: Path, strict: bool) -> None
             k for k in ckpt_tensors if k not in wanted.tensors and not k.startswith(_NON_MODEL_PREFIXES)
         )
     )
-    if shapes or (strict and (missing or unexpected)):
-        raise WeightsMismatchError(repr(str(path)), missing, unexpected, shapes)
-    if missing or unexpected:
-        _warn_tolerated(path, missing, unexpected)
+    _check_fit(path, missing, unexpected, shapes, strict)
     request = {name: _drop_keys(module.sharded_state_dict(), set(missing)) for name, module in zip(names, modules)}
     loaded = dist_checkpointing.load(
         request,
@@ -252,25 +245,12 @@ def _load_file(modules: list[torch.nn.Module], path: Path, strict: bool) -> None
             and v.shape != expected[k].shape
         ]
         plans.append((module, {k: v for k, v in state.items() if k in expected}))
-    if shapes or (strict and (missing or unexpected)):
-        raise WeightsMismatchError(repr(str(path)), missing, unexpected, shapes)
-    if missing or unexpected:
-        _warn_tolerated(path, missing, unexpected)
+    _check_fit(path, missing, unexpected, shapes, strict)
     for module, state in plans:
         module.load_state_dict(state, strict=False)
 
 
 # ---------------------------------------------------------------------------- public
-
-
-def _as_chunks(model: Any) -> list[torch.nn.Module]:
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    if not chunks or not all(isinstance(c, torch.nn.Module) for c in chunks):
-        raise TypeError(
-            "model must be a torch.nn.Module or a non-empty list of model chunks, got "
-            f"{type(model).__name__}" + (f" of {[type(c).__name__ for c in chunks]}" if chunks else "")
-        )
-    return chunks
 
 
 def load_inference_weights(
@@ -289,7 +269,7 @@ def load_inference_weights(
     state-dict file. Raises WeightsMismatchError (a ValueError listing the first offending keys)
     before copying anything when the checkpoint does not fit.
     """
-    modules = [unwrap(chunk) for chunk in _as_chunks(model)]
+    modules = [unwrap(chunk) for chunk in module_chunks(model, "model")]
     kind, path, found = resolve_checkpoint(load_dir, iteration)
     with torch.no_grad():
         if kind == "dist":

@@ -414,13 +414,24 @@ def test_memory_formula_matches_counted_grad_buffer_up_to_named_padding(megatron
     from megatron.core.transformer.module import Float16Module
 
     wrapped = Float16Module(config, megatron_cpu.gpt(config, seed=0))
-    bf16 = training_state_bytes(megatron_cpu.ddp(wrapped, grad_reduce_in_fp32=True))
+    ddp16 = megatron_cpu.ddp(wrapped, grad_reduce_in_fp32=True)
+    bf16 = training_state_bytes(ddp16)
     assert (bf16.param_dtype, bf16.grad_dtype) == ("bf16", "fp32") and bf16.total == 16 * n
     assert bf16.counted_grad_buffer == 4 * n
+
+    # the shared chunk helpers on real wrappers: both DDP checks hold on DDP only, unwrap strips both
+    from megatron_rl_patches._chunks import has_grad_buffers, is_ddp_like, iter_wrapped, unwrap
+
+    assert is_ddp_like(ddp16) and has_grad_buffers(ddp16)
+    assert not is_ddp_like(wrapped) and not has_grad_buffers(wrapped)
+    chain = [type(m).__name__ for m in iter_wrapped(ddp16)]
+    assert chain == ["DistributedDataParallel", "Float16Module", "GPTModel"]
+    assert unwrap(ddp16) is wrapped.module and unwrap(wrapped.module) is wrapped.module
 
     frozen = build_inference_model(megatron_cpu.provider(config, seed=0))
     estimate = training_state_bytes(frozen)  # what training this build would add
     assert estimate.num_params == n and estimate.param_dtype == "bf16" and estimate.counted_grad_buffer is None
+    assert not is_ddp_like(frozen[0]) and unwrap(frozen[0]) is frozen[0].module  # no DDP hooks to toggle
     assert training_state_bytes(megatron_cpu.ddp(frozen[0].module)).num_params == 0  # DDP of a frozen model: no buffer
 
     with pytest.raises(ValueError, match="dp=8 contradicts the DDP model"):

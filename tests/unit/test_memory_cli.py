@@ -59,6 +59,13 @@ def test_usage_errors_exit_2(capsys):
     assert code == 2 and "--params" in err
 
 
+@pytest.mark.parametrize("text", ["0", "-2", "1.5", "two", ""])
+def test_bad_dp_is_a_usage_error(text):
+    with pytest.raises(argparse.ArgumentTypeError, match=f"invalid data-parallel size {text!r}: must be an integer >= 1"):
+        memory_cli._positive(text)
+    assert memory_cli._positive(" 8 ") == 8
+
+
 def test_inconsistent_dtypes_are_refused(capsys):
     code, out, err = run_cli(["--params", "7B", "--param-dtype", "fp32", "--grad-dtype", "bf16"], capsys)
     assert code == 2 and out == "" and "grad buffer is fp32" in err

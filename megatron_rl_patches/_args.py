@@ -1,0 +1,27 @@
+"""Argument helpers shared by the wrappers and the public functions: binding a wrapped call to
+its signature, and checking positive integer arguments. Imports nothing heavy."""
+from __future__ import annotations
+
+import inspect
+import numbers
+from typing import Any, Callable
+
+
+def bind(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
+    """Arguments of a call by parameter name (defaults applied), or None when the call does not
+    fit the signature (or it has none): the caller then runs the original, which raises its own
+    TypeError."""
+    try:
+        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    bound.apply_defaults()
+    return bound
+
+
+def positive_int(name: str, value: Any) -> int:
+    """`value` as an int when it is an integer >= 1 (bool excluded, numpy integers accepted);
+    ValueError naming `name` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
