@@ -6,11 +6,7 @@ a public name that needs them is first used.
 """
 from __future__ import annotations
 
-import importlib
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any
+from megatron_rl_patches._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -33,13 +29,7 @@ _LAZY = {
 __all__ = sorted([*_LAZY, "__version__"])
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'megatron_rl_patches' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 
 def __dir__() -> list[str]:

@@ -6,8 +6,7 @@ Names resolve lazily: `megatron-rl-patches memory` imports the memory report wit
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megatron_rl_patches._lazy import lazy_getattr
 
 _LAZY = {
     "build_inference_model": "build",
@@ -27,13 +26,7 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'megatron_rl_patches.inference' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 
 def __dir__() -> list[str]:

@@ -57,6 +57,7 @@ def test_startup_hook_with_variable_unset_is_light():
     ours = {name for name in result["new"] if name.startswith("megatron_rl_patches")}
     assert ours == {
         "megatron_rl_patches",
+        "megatron_rl_patches._lazy",
         "megatron_rl_patches.patching",
         "megatron_rl_patches.patching.bootstrap",
         "megatron_rl_patches.patching.env",
