@@ -3,24 +3,25 @@ an exact tail bucket, and the (k+1)-bucket KL to a mixture of teachers (docs/top
 
 Everything is per token, so packed `thd`, CP-zigzag and allgather-CP tensors all work as long as
 every input uses the same token layout; nothing here shifts tokens. Memory stays O(T·k) beyond
-the logits: rows are processed in chunks and backward recomputes the softmax chunk by chunk.
+the logits: rows are processed in chunks and backward recomputes the softmax chunk by chunk. The
+streaming core (one MAX and one SUM all-reduce per call) is shared with the log-prob op: :mod:`._vocab`.
 """
 from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl_patches.ops import _dist
+from megatron_rl_patches.ops import _vocab
 
 __all__ = ["topk_ids", "topk_logprobs", "topk_opd_loss"]
 
 KL_KINDS = ("reverse", "forward", "mixed")
-# Elements of one row chunk when chunk_size is None: 16 Mi fp32 values (64 MiB) per buffer.
-_CHUNK_ELEMENTS = 1 << 24
 _NEG_INF = float("-inf")
 
 Temperature = Union[float, torch.Tensor]
@@ -28,7 +29,7 @@ Weights = Union[torch.Tensor, Sequence[float], None]
 
 
 # ----------------------------------------------------------------------------- validation
-def _check_logits(logits: object, name: str) -> tuple[torch.Size, int]:
+def _check_logits(logits: object, name: str, tp_group: Optional[dist.ProcessGroup]) -> tuple[torch.Size, int]:
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape [T, V_local], got {type(logits).__name__}")
     if not logits.is_floating_point():
@@ -37,21 +38,8 @@ def _check_logits(logits: object, name: str) -> tuple[torch.Size, int]:
         raise ValueError(
             f"{name} must have shape [T, V_local] (or [..., V_local]) with V_local > 0, got {tuple(logits.shape)}"
         )
+    _vocab.check_group(tp_group)
     return logits.shape[:-1], logits.shape[-1]
-
-
-def _global_vocab(local_vocab: int, tp_group: Optional[dist.ProcessGroup], vocab_size: object) -> int:
-    padded = local_vocab * _dist.tp_size(tp_group)
-    if vocab_size is None:
-        return padded
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
-        raise TypeError(f"vocab_size must be an int or None, got {type(vocab_size).__name__}")
-    if not 1 <= int(vocab_size) <= padded:
-        raise ValueError(
-            f"vocab_size must be in [1, {padded}] (V_local {local_vocab} x tensor-parallel size "
-            f"{_dist.tp_size(tp_group)}), got {vocab_size}; pass the unpadded global vocabulary size"
-        )
-    return int(vocab_size)
 
 
 def _check_k(k: int, vocab: int, name: str = "k") -> None:
@@ -62,7 +50,7 @@ def _check_k(k: int, vocab: int, name: str = "k") -> None:
         )
 
 
-def _check_ids(ids: object, lead: torch.Size, vocab: int) -> int:
+def _check_ids(ids: object, lead: torch.Size, vocab: int, checks: _vocab.DeviceChecks) -> int:
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"ids must be a torch.Tensor of global vocab ids [T, k], got {type(ids).__name__}")
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
@@ -74,13 +62,15 @@ def _check_ids(ids: object, lead: torch.Size, vocab: int) -> int:
         )
     k = ids.shape[-1]
     _check_k(k, vocab, "ids.shape[-1] (k)")
-    if ids.numel():
-        if bool(((ids < 0) | (ids >= vocab)).any()):
-            bad = ids[(ids < 0) | (ids >= vocab)][0].item()
-            raise ValueError(f"ids must be global vocab ids in [0, {vocab}), found {bad}; check vocab_size and tp_group")
+    inside = (ids >= 0) & (ids < vocab)
+    checks.require(inside, lambda: ValueError(
+        f"ids must be global vocab ids in [0, {vocab}), found {ids[~inside][0].item()}; check vocab_size and tp_group"
+    ))
+    if k > 1:
         ordered = ids.sort(dim=-1).values
-        if k > 1 and bool((ordered[..., 1:] == ordered[..., :-1]).any()):
-            raise ValueError("ids must not repeat within a row (each id is one bucket); deduplicate them, e.g. use topk_ids")
+        checks.require(ordered[..., 1:] != ordered[..., :-1], lambda: ValueError(
+            "ids must not repeat within a row (each id is one bucket); deduplicate them, e.g. use topk_ids"
+        ))
     return k
 
 
@@ -90,65 +80,35 @@ def _check_int_k(k: object) -> int:
     return int(k)
 
 
-def _check_chunk_size(chunk_size: object, local_vocab: int) -> int:
-    if chunk_size is None:
-        return max(1, _CHUNK_ELEMENTS // (local_vocab + 1))
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or int(chunk_size) < 1:
-        raise ValueError(f"chunk_size must be a positive int (rows per chunk) or None, got {chunk_size!r}")
-    return int(chunk_size)
-
-
-def _check_temperature(temperature: object, lead: torch.Size, dtype: torch.dtype, device: torch.device) -> Temperature:
-    """Returns a positive float, or a flat [T] tensor of per-token temperatures."""
-    if isinstance(temperature, torch.Tensor):
-        if not temperature.is_floating_point():
-            raise TypeError(f"temperature must be a float or a floating tensor, got dtype {temperature.dtype}")
-        if temperature.dim() == 0:
-            temperature = float(temperature.item())
-        elif temperature.shape != lead:
-            raise ValueError(
-                f"a temperature tensor must have shape {tuple(lead)} (one value per token), got {tuple(temperature.shape)}"
-            )
-        else:
-            tau = temperature.detach().to(device=device, dtype=dtype).reshape(-1)
-            if tau.numel() and not bool((torch.isfinite(tau) & (tau > 0)).all()):
-                raise ValueError("temperature must be finite and > 0 for every token; check the per-token temperatures")
-            return tau
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a float or a tensor of shape {tuple(lead)}, got {type(temperature).__name__}")
-    if not (math.isfinite(float(temperature)) and float(temperature) > 0):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
-    return float(temperature)
-
-
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 # ----------------------------------------------------------------------------- top-k ids
 def _local_topk(x: torch.Tensor, k: int, sentinel: int, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's k best columns per row, ties at the cut resolved towards lower ids; missing
-    candidates (fewer than k valid columns) are padded with (-inf, sentinel)."""
+    candidates (fewer than k valid columns) are padded with (-inf, sentinel).
+
+    torch.topk picks arbitrarily among columns equal to the k-th value. Only rows where such a
+    column is left out need a fix (one host sync finds them): their tied slots, the last of the
+    descending result, become the lowest columns equal to the cut, found by a search in the
+    running count of those columns. O(V) per tied row, vectorized over rows, `chunk_rows` at a time.
+    """
     rows, cols = x.shape
     keep = min(k, cols)
+    values = x.new_full((rows, k), _NEG_INF)
+    index = torch.full((rows, k), sentinel, dtype=torch.long, device=x.device)
     if keep == 0:
-        values = x.new_full((rows, 0), _NEG_INF)
-        index = torch.empty((rows, 0), dtype=torch.long, device=x.device)
-    else:
-        values, index = torch.topk(x, min(keep + 1, cols), dim=-1)
-        if values.shape[-1] > keep:
-            # torch.topk picks arbitrarily among values equal at the cut; redo those rows with a stable sort.
-            tied = (values[:, keep - 1] == values[:, keep]).nonzero().squeeze(1)
-            values, index = values[:, :keep].contiguous(), index[:, :keep].contiguous()
-            step = max(1, _CHUNK_ELEMENTS // cols)
-            for start in range(0, tied.numel(), step):
-                sel = tied[start:start + step]
-                best = torch.sort(x[sel], dim=-1, descending=True, stable=True)
-                values[sel] = best.values[:, :keep]
-                index[sel] = best.indices[:, :keep]
-    if keep < k:
-        values = torch.cat([values, values.new_full((rows, k - keep), _NEG_INF)], dim=-1)
-        index = torch.cat([index, index.new_full((rows, k - keep), sentinel)], dim=-1)
+        return values, index
+    top, at = torch.topk(x, min(keep + 1, cols), dim=-1)
+    values[:, :keep], index[:, :keep] = top[:, :keep], at[:, :keep]
+    if top.size(1) == keep:
+        return values, index
+    tied_rows = torch.nonzero(top[:, keep - 1] == top[:, keep]).squeeze(1)  # NaN cut: no tie
+    for start, stop in _vocab.row_chunks(tied_rows.numel(), chunk_rows):
+        sel = tied_rows[start:stop]
+        cut = top[sel, keep - 1 : keep]
+        tied = top[sel, :keep] == cut  # a suffix of each row
+        rank = tied.to(torch.int32).cumsum(dim=1).masked_fill_(~tied, 1)  # 1, 2, ... over tied slots
+        running = torch.cumsum(x[sel] == cut, dim=1, dtype=torch.int32)
+        lowest = torch.searchsorted(running, rank)  # the rank-th column equal to the cut
+        index[sel, :keep] = torch.where(tied, lowest, at[sel, :keep])
     return values, index
 
 
@@ -173,15 +133,17 @@ def topk_ids(
     (O(T·k·tp) communication); every rank returns the same ids. Padded columns (ids >=
     `vocab_size`) are never selected. No gradient.
     """
-    lead, local_vocab = _check_logits(logits, "logits")
+    lead, local_vocab = _check_logits(logits, "logits", tp_group)
     k = _check_int_k(k)
-    vocab = _global_vocab(local_vocab, tp_group, vocab_size)
+    vocab = _vocab.global_vocab(local_vocab, tp_group, vocab_size)
     _check_k(k, vocab)
     with torch.no_grad():
         flat = logits.detach().reshape(-1, local_vocab)
         offset = _dist.vocab_start(local_vocab, tp_group)
-        valid = max(0, min(local_vocab, vocab - offset))
-        values, index = _local_topk(flat[:, :valid], k, vocab - offset, max(1, _CHUNK_ELEMENTS // local_vocab))
+        valid = _vocab.valid_local_columns(local_vocab, vocab, tp_group)
+        # per chunk: an int32 [rows, V] running count of the columns equal to the cut
+        chunk_rows = _vocab.default_chunk_rows(valid, flat.device, torch.int32)
+        values, index = _local_topk(flat[:, :valid], k, vocab - offset, chunk_rows)
         ids = index + offset
         values = _dist.all_gather_last_dim(values, tp_group)
         ids = _dist.all_gather_last_dim(ids, tp_group)
@@ -190,39 +152,24 @@ def topk_ids(
 
 
 # ----------------------------------------------------------------------------- top-k log-probs
-def _scaled_chunk(
-    logits: torch.Tensor, start: int, stop: int, tau: Temperature, valid: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """Rows [start, stop) as z = logits / tau in `dtype`, padded columns set to -inf, plus one
-    extra -inf column that ids owned by other ranks point at (so scatter/gather need no mask)."""
-    local_vocab = logits.shape[1]
-    buf = torch.empty((stop - start, local_vocab + 1), dtype=dtype, device=logits.device)
-    body = buf[:, :local_vocab]
-    body.copy_(logits[start:stop])
-    if isinstance(tau, torch.Tensor):
-        body.div_(tau[start:stop, None])
-    elif tau != 1.0:
-        body.div_(tau)
-    buf[:, valid:] = _NEG_INF
-    return buf
+@dataclass(frozen=True)
+class _Spec:
+    """Options of one top-k log-prob call, fixed before the Function runs."""
 
-
-def _max_and_log_sum(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: the max m (0 for an all -inf row) and log sum exp(z - m) (-inf for that row).
-
-    Kept apart rather than as one log-sum-exp: with |z| ~ 40, m + log S rounded to float32 is
-    off by ~2e-6, while z - m and log S (at most log V) stay exact to float32 epsilon.
-    """
-    peak = buf.amax(dim=-1)
-    peak = torch.where(torch.isfinite(peak), peak, 0.0)
-    return peak, torch.exp(buf - peak[:, None]).sum(dim=-1).log()
+    group: Optional[dist.ProcessGroup]
+    first_id: int  # global id of local column 0
+    n_valid: int  # local columns that are real vocab ids
+    chunk_rows: int
 
 
 class _TopkLogprobs(torch.autograd.Function):
     """(log p at ids, log tail mass) over the full (vocab-parallel) vocabulary.
 
-    Saves the logits, the ids and four floats per row (max and log-sum of all columns and of the
-    columns not in ids); backward recomputes the softmax chunk by chunk and needs no collective.
+    Per row, u = (x - M)/τ: the tail (columns not in ids) is summed apart, with the tail's own max
+    as shift where it lies far below M, so its log-mass stays exact down to any size; the ids'
+    logits come back exactly from their owner ranks. Saves the logits, the ids and four floats per
+    row (M, log S, tail shift, tail log-sum); backward recomputes the softmax chunk by chunk and
+    needs no collective and no host sync.
     """
 
     @staticmethod
@@ -231,40 +178,27 @@ class _TopkLogprobs(torch.autograd.Function):
         logits: torch.Tensor,
         ids: torch.Tensor,
         tau: Temperature,
-        tp_group: Optional[dist.ProcessGroup],
-        vocab: int,
-        chunk_rows: int,
+        spec: _Spec,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, local_vocab = logits.shape
-        dtype = _work_dtype(logits.dtype)
-        offset = _dist.vocab_start(local_vocab, tp_group)
-        valid = max(0, min(local_vocab, vocab - offset))
-        local, owned = _local_ids(ids, offset, local_vocab)
+        dtype = _vocab.compute_dtype(logits.dtype)
+        scale = _vocab.row_scale(tau, logits.size(0), dtype)
+        local, owned = _vocab.local_columns(ids, spec.first_id, spec.n_valid)
+        stats_spec = _vocab.StatsSpec(spec.group, spec.n_valid, spec.chunk_rows, rest=False, subset=True)
+        vs = _vocab.vocab_stats(logits, local, owned, scale, stats_spec)
+        u_ids = (vs.marked - vs.shift.unsqueeze(1)) * scale
+        # 0 unless the tail has its own shift
+        tail_offset = _vocab.mul_scale(vs.subset_shift - vs.shift, scale)
+        log_tail_sum = vs.subset_sum.log()
+        log_sum = torch.logaddexp(log_tail_sum + tail_offset, torch.logsumexp(u_ids, dim=1))
+        logp = u_ids - log_sum.unsqueeze(1)
+        tail = tail_offset + log_tail_sum - log_sum
 
-        # columns: max, log-sum over all columns; max, log-sum over the columns not in ids
-        stats = torch.empty((rows, 4), dtype=dtype, device=logits.device)
-        z_ids = torch.empty(ids.shape, dtype=dtype, device=logits.device)
-        for start in range(0, rows, chunk_rows):
-            stop = min(rows, start + chunk_rows)
-            buf = _scaled_chunk(logits, start, stop, tau, valid, dtype)
-            stats[start:stop, 0], stats[start:stop, 1] = _max_and_log_sum(buf)
-            z_ids[start:stop] = buf.gather(1, local[start:stop])
-            # The tail comes from the complement's own log-sum-exp, never from log(1 - sum p):
-            # that form returns 0 or noise once the tail mass drops below the dtype's epsilon.
-            buf.scatter_(1, local[start:stop], _NEG_INF)
-            stats[start:stop, 2], stats[start:stop, 3] = _max_and_log_sum(buf)
-
-        if _dist.tp_size(tp_group) > 1:
-            stats, z_ids = _combine_ranks(stats, torch.where(owned, z_ids, 0.0), tp_group)
-
+        ctx.spec, ctx.tail_far_rows = spec, vs.far_rows
         ctx.tau_value = tau if not isinstance(tau, torch.Tensor) else None
-        tau_tensor = tau if isinstance(tau, torch.Tensor) else stats.new_empty(0)
+        tau_tensor = tau if isinstance(tau, torch.Tensor) else logits.new_empty(0)
+        stats = torch.stack([vs.shift, log_sum, vs.subset_shift, log_tail_sum], dim=1)
         ctx.save_for_backward(logits, ids, stats, tau_tensor)
-        ctx.tp_group, ctx.vocab, ctx.chunk_rows = tp_group, vocab, chunk_rows
         ctx.set_materialize_grads(False)
-        peak, log_sum, peak_tail, log_sum_tail = stats.unbind(1)
-        logp = (z_ids - peak[:, None]) - log_sum[:, None]
-        tail = (peak_tail - peak) + (log_sum_tail - log_sum)
         return logp, tail
 
     @staticmethod
@@ -273,69 +207,62 @@ class _TopkLogprobs(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx,
         grad_logp: Optional[torch.Tensor],
         grad_tail: Optional[torch.Tensor],
-    ) -> tuple[Optional[torch.Tensor], None, None, None, None, None]:
+    ) -> tuple[Optional[torch.Tensor], None, None, None]:
         logits, ids, stats, tau_tensor = ctx.saved_tensors
         if not ctx.needs_input_grad[0] or (grad_logp is None and grad_tail is None):
-            return None, None, None, None, None, None
-        tau: Temperature = tau_tensor if ctx.tau_value is None else ctx.tau_value
-        rows, local_vocab = logits.shape
+            return None, None, None, None
+        spec: _Spec = ctx.spec
+        n_rows, local_vocab = logits.shape
+        nv = spec.n_valid
         dtype = stats.dtype
-        offset = _dist.vocab_start(local_vocab, ctx.tp_group)
-        valid = max(0, min(local_vocab, ctx.vocab - offset))
-        local, owned = _local_ids(ids, offset, local_vocab)
-        peak, log_sum, peak_tail, log_sum_tail = stats.unbind(1)
+        scale = _vocab.row_scale(tau_tensor if ctx.tau_value is None else ctx.tau_value, n_rows, dtype)
+        local, owned = _vocab.local_columns(ids, spec.first_id, nv)
+        shift, log_sum, tail_shift, log_tail_sum = stats.unbind(1)
 
         g = grad_logp.to(dtype) if grad_logp is not None else stats.new_zeros(ids.shape)
-        has_tail = grad_tail is not None
         # An empty tail (log mass -inf) is a constant: it gets no gradient.
-        tail_finite = torch.isfinite(log_sum_tail)
-        g_tail = torch.where(tail_finite, grad_tail.to(dtype), 0.0) if has_tail else stats.new_zeros(rows)
-        log_sum_tail = torch.where(tail_finite, log_sum_tail, 0.0)
-        total = g.sum(dim=1) + g_tail
-        g_owned = torch.where(owned, g, 0.0)
+        tail_finite = torch.isfinite(log_tail_sum)
+        g_tail = torch.where(tail_finite, grad_tail.to(dtype), 0.0) if grad_tail is not None else None
+        total = g.sum(dim=1) + (g_tail if g_tail is not None else 0.0)
+        # dlogp_i/dz_j = [i == j] - p_j ; dtail/dz_j = [j not in ids]·p_j/P_tail - p_j ; dz/dx = 1/τ.
+        # Every column gets p_j·row_coef; tails sharing the shift M add p_j/P_tail = p_j·S/S_tail there,
+        # tails with their own shift (far rows) get exp((x - tail_shift)/τ - log S_tail), a second exp.
+        row_coef = -total
+        far_rows: list[int] = []
+        if g_tail is not None:
+            shared = (tail_shift == shift) & tail_finite
+            ratio = torch.exp(log_sum - torch.where(shared, log_tail_sum, log_sum))
+            row_coef = row_coef + torch.where(shared, g_tail * ratio, 0.0)
+            far_rows = ctx.tail_far_rows
+        # the ids' entries, written last: g_i - p_i·total (no tail term)
+        at_ids = torch.where(owned, local, 0)
 
-        # dlogp_i/dz_j = [i == j] - p_j ; dtail/dz_j = [j not in ids] p_j / P_tail - p_j ; dz/dx = 1/tau
         grad = torch.empty_like(logits)
-        for start in range(0, rows, ctx.chunk_rows):
-            stop = min(rows, start + ctx.chunk_rows)
-            buf = _scaled_chunk(logits, start, stop, tau, valid, dtype)
-            out = (buf - peak[start:stop, None]).sub_(log_sum[start:stop, None]).exp_()
-            out.mul_(-total[start:stop, None])
-            if has_tail:
-                buf.scatter_(1, local[start:stop], _NEG_INF)
-                # p_j / P_tail as exp(z_j - lse_tail): no division of two tiny numbers
-                buf.sub_(peak_tail[start:stop, None]).sub_(log_sum_tail[start:stop, None]).exp_()
-                out.add_(buf.mul_(g_tail[start:stop, None]))
-            out.scatter_add_(1, local[start:stop], g_owned[start:stop])
-            body = out[:, :local_vocab]
-            if isinstance(tau, torch.Tensor):
-                body.div_(tau[start:stop, None])
-            elif tau != 1.0:
-                body.div_(tau)
-            grad[start:stop] = body
-        return grad, None, None, None, None, None
-
-
-def _local_ids(ids: torch.Tensor, offset: int, local_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local column of each id; ids of other ranks point at the extra column `local_vocab`."""
-    local = ids - offset
-    owned = (local >= 0) & (local < local_vocab)
-    return torch.where(owned, local, local_vocab), owned
-
-
-def _combine_ranks(
-    stats: torch.Tensor, z_ids: torch.Tensor, group: dist.ProcessGroup
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global (max, log-sum) pairs from per-rank ones with one MAX and one SUM all-reduce of
-    O(T·k) values; `z_ids` holds each rank's own ids' logits and zeros elsewhere."""
-    peaks, log_sums = stats[:, 0::2], stats[:, 1::2]
-    # an empty rank (log-sum -inf) must not take part in the max with its placeholder 0
-    peak = _dist.all_reduce_max_(torch.where(torch.isinf(log_sums), _NEG_INF, peaks), group)
-    peak = torch.where(torch.isfinite(peak), peak, 0.0)
-    packed = _dist.all_reduce_sum_(torch.cat([torch.exp(log_sums + (peaks - peak)), z_ids], dim=1), group)
-    log_sum = packed[:, :2].log()
-    combined = torch.stack([peak[:, 0], log_sum[:, 0], peak[:, 1], log_sum[:, 1]], dim=1)
-    return combined, packed[:, 2:].contiguous()
+        if nv < local_vocab:
+            grad[:, nv:].zero_()
+        width = min(spec.chunk_rows, n_rows)
+        buf = torch.empty((width, nv + 1), dtype=dtype, device=logits.device)  # column nv: sink for ids
+        w_buf = torch.empty((width, nv), dtype=dtype, device=logits.device) if far_rows else None
+        for start, stop in _vocab.row_chunks(n_rows, spec.chunk_rows):
+            x = logits[start:stop, :nv]
+            sc = _vocab.scale_rows(scale, slice(start, stop))
+            p = buf[: stop - start]
+            _vocab.shifted_rows(x, shift[start:stop], sc, out=p[:, :nv])
+            p.sub_(log_sum[start:stop].unsqueeze(1)).exp_()
+            p_ids = p[:, :nv].gather(1, at_ids[start:stop]) if nv else p.new_zeros(at_ids[start:stop].shape)
+            p.mul_(row_coef[start:stop].unsqueeze(1))
+            far = _vocab.rows_in_chunk(far_rows, start, stop, logits.device)
+            if far is not None:
+                i = slice(start, stop)
+                w = w_buf[: stop - start if isinstance(far, slice) else far.numel()]
+                _vocab.own_shift_exp(x[far], tail_shift[i][far], log_tail_sum[i][far],
+                                     _vocab.scale_rows(sc, far), out=w)
+                p[far, :nv] += w.mul_(g_tail[i][far].unsqueeze(1))
+            p.scatter_(1, local[start:stop], g[start:stop] - p_ids * total[start:stop].unsqueeze(1))
+            if isinstance(sc, torch.Tensor) or sc != 1.0:
+                p.mul_(sc)
+            grad[start:stop, :nv] = p[:, :nv]
+        return grad, None, None, None
 
 
 def _topk_logprobs_checked(
@@ -345,14 +272,24 @@ def _topk_logprobs_checked(
     temperature: object,
     vocab_size: object,
     chunk_size: object,
+    checks: _vocab.DeviceChecks,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Size, int]:
-    lead, local_vocab = _check_logits(logits, "logits")
-    vocab = _global_vocab(local_vocab, tp_group, vocab_size)
-    k = _check_ids(ids, lead, vocab)
-    tau = _check_temperature(temperature, lead, _work_dtype(logits.dtype), logits.device)
-    chunk_rows = _check_chunk_size(chunk_size, local_vocab)
+    lead, local_vocab = _check_logits(logits, "logits", tp_group)
+    vocab = _vocab.global_vocab(local_vocab, tp_group, vocab_size)
+    k = _check_ids(ids, lead, vocab, checks)
+    tau = _vocab.check_temperature(temperature, lead, logits.device, checks)
+    chunk_rows = _vocab.check_chunk_size(chunk_size)
+    checks.raise_first()  # one host sync for every value check of the call
+    n_valid = _vocab.valid_local_columns(local_vocab, vocab, tp_group)
+    dtype = _vocab.compute_dtype(logits.dtype)
+    spec = _Spec(
+        group=tp_group,
+        first_id=_dist.vocab_start(local_vocab, tp_group),
+        n_valid=n_valid,
+        chunk_rows=chunk_rows or _vocab.default_chunk_rows(n_valid + 1, logits.device, dtype),
+    )
     flat_ids = ids.reshape(-1, k).to(device=logits.device, dtype=torch.long)
-    logp, tail = _TopkLogprobs.apply(logits.reshape(-1, local_vocab), flat_ids, tau, tp_group, vocab, chunk_rows)
+    logp, tail = _TopkLogprobs.apply(logits.reshape(-1, local_vocab), flat_ids, tau, spec)
     return logp, tail, lead, k
 
 
@@ -372,7 +309,9 @@ def topk_logprobs(
     `tp_group` (None: no tensor parallelism), ids global, padded columns excluded. Output is
     float32 (float64 for float64 logits). `chunk_size` is rows per chunk (None: automatic).
     """
-    logp, tail, lead, k = _topk_logprobs_checked(logits, ids, tp_group, temperature, vocab_size, chunk_size)
+    logp, tail, lead, k = _topk_logprobs_checked(
+        logits, ids, tp_group, temperature, vocab_size, chunk_size, _vocab.DeviceChecks()
+    )
     return logp.reshape(*lead, k), tail.reshape(lead)
 
 
@@ -443,8 +382,11 @@ def _check_teachers(
     return teacher_logprobs, tail
 
 
-def _check_weights(weights: Weights, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Log of the teacher weights normalized to sum 1 ([n]; uniform when None)."""
+def _check_weights(
+    weights: Weights, n: int, dtype: torch.dtype, device: torch.device, checks: _vocab.DeviceChecks
+) -> torch.Tensor:
+    """Log of the teacher weights normalized to sum 1 ([n]; uniform when None); their values are
+    checked through `checks`."""
     if weights is None:
         return torch.full((n,), -math.log(n), dtype=dtype, device=device)
     if isinstance(weights, torch.Tensor):
@@ -453,14 +395,17 @@ def _check_weights(weights: Weights, n: int, dtype: torch.dtype, device: torch.d
         try:
             w = torch.tensor([float(x) for x in weights], dtype=torch.float64, device=device)
         except (TypeError, ValueError):
-            raise TypeError(f"teacher_weights must be a sequence of {n} numbers or a tensor [{n}], got {weights!r}") from None
+            raise TypeError(
+                f"teacher_weights must be a sequence of {n} numbers or a tensor [{n}], got {weights!r}"
+            ) from None
     if w.shape != (n,):
         raise ValueError(f"teacher_weights must have shape ({n},), one weight per teacher, got {tuple(w.shape)}")
-    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
-        raise ValueError(f"teacher_weights must be finite and >= 0, got {w.tolist()}")
+    checks.require(torch.isfinite(w) & (w >= 0),
+                   lambda: ValueError(f"teacher_weights must be finite and >= 0, got {w.tolist()}"))
     total = w.sum()
-    if not bool(total > 0):
-        raise ValueError("teacher_weights must not all be zero: give at least one teacher a positive weight")
+    checks.require(total > 0, lambda: ValueError(
+        "teacher_weights must not all be zero: give at least one teacher a positive weight"
+    ))
     return torch.log(w / total).to(dtype)
 
 
@@ -491,14 +436,17 @@ def topk_opd_loss(
         raise ValueError(f"kl must be one of {KL_KINDS}, got {kl!r}")
     if isinstance(mix, bool) or not isinstance(mix, numbers.Real) or not 0.0 <= float(mix) <= 1.0:
         raise ValueError(f"mix must be a float in [0, 1] (the forward-KL share of kl='mixed'), got {mix!r}")
-    lead, _ = _check_logits(student_logits, "student_logits")
+    lead, _ = _check_logits(student_logits, "student_logits", tp_group)
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"ids must be a torch.Tensor of global vocab ids [T, k], got {type(ids).__name__}")
     teachers, teacher_tails = _check_teachers(teacher_logprobs, teacher_tail_logprobs, ids.shape)
-    dtype = _work_dtype(student_logits.dtype)
-    log_w = _check_weights(teacher_weights, teachers.shape[0], dtype, student_logits.device)
+    dtype = _vocab.compute_dtype(student_logits.dtype)
+    checks = _vocab.DeviceChecks()
+    log_w = _check_weights(teacher_weights, teachers.shape[0], dtype, student_logits.device, checks)
 
-    logp, tail, lead, k = _topk_logprobs_checked(student_logits, ids, tp_group, temperature, vocab_size, chunk_size)
+    logp, tail, lead, k = _topk_logprobs_checked(
+        student_logits, ids, tp_group, temperature, vocab_size, chunk_size, checks
+    )
     log_p = torch.cat([logp, tail[:, None]], dim=1)
 
     n, source_dtype = teachers.shape[0], teachers.dtype

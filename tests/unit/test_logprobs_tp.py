@@ -56,12 +56,35 @@ def _float64_reference(logits, tokens, a, b, keep=None, temperature=1.0, vocab_s
     return lp.detach(), ent.detach(), grad
 
 
-def _run(logits, tokens, a, b, *, group, inplace=False, **kwargs):
+class _CountAllReduce:
+    """Counts dist.all_reduce calls (and the largest tensor) while active."""
+
+    def __enter__(self):
+        self.calls, self.largest, self._real = 0, 0, dist.all_reduce
+
+        def counting(tensor, *args, **kwargs):
+            self.calls += 1
+            self.largest = max(self.largest, tensor.numel())
+            return self._real(tensor, *args, **kwargs)
+
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self._real
+
+
+def _run(logits, tokens, a, b, *, group, inplace=False, comm=None, **kwargs):
     base = logits.clone().requires_grad_()
     x = base * 1.0
-    lp, ent = log_probs_and_entropy(x, tokens, tp_group=group, with_entropy=True, inplace_backward=inplace, **kwargs)
+    with _CountAllReduce() as fwd:
+        lp, ent = log_probs_and_entropy(x, tokens, tp_group=group, with_entropy=True, inplace_backward=inplace,
+                                        **kwargs)
     loss = (lp * a).sum() + ((ent * b).sum() if ent.requires_grad else 0.0)
-    loss.backward()
+    with _CountAllReduce() as bwd:
+        loss.backward()
+    if comm is not None:
+        comm.update(fwd=fwd.calls, bwd=bwd.calls, largest=fwd.largest)
     return lp.detach(), ent.detach(), base.grad
 
 
@@ -91,7 +114,13 @@ def _tp_worker(rank: int, world_size: int) -> dict[str, float]:
         ref_kwargs = {k: v for k, v in cfg.items() if k != "inplace"}
         if "keep_mask" in cfg:
             shard_kwargs["keep_mask"] = cfg["keep_mask"][:, lo:hi].contiguous()
-        lp, ent, grad = _run(full[:, lo:hi].contiguous(), toks, a, b, group=group, **shard_kwargs)
+        comm: dict[str, int] = {}
+        lp, ent, grad = _run(full[:, lo:hi].contiguous(), toks, a, b, group=group, comm=comm, **shard_kwargs)
+        # one MAX and one SUM all-reduce per call whatever the chunking, none in backward;
+        # the SUM packs <= 4 values per row (target logit, sum over the others, moment, kept sum)
+        errors[f"{name}/collectives fwd"] = comm["fwd"]
+        errors[f"{name}/collectives bwd"] = comm["bwd"]
+        errors[f"{name}/collective values per row"] = comm["largest"] / T
         lp1, ent1, grad1 = _run(full, toks, a, b, group=None, **ref_kwargs)
         b_eff = b if cfg.get("entropy_requires_grad", True) else torch.zeros_like(b)
         lp64, ent64, grad64 = _float64_reference(
@@ -150,6 +179,12 @@ def _check(results: list[dict[str, float]]) -> None:
         for name, err in errors.items():
             if name == "slime/shape ok":
                 assert err == 1.0, f"rank {rank}: slime adapter shapes"
+            elif name.endswith("/collectives fwd"):
+                assert err == 2, f"rank {rank}: {name} = {err}"
+            elif name.endswith("/collectives bwd"):
+                assert err == 0, f"rank {rank}: {name} = {err}"
+            elif name.endswith("/collective values per row"):
+                assert err <= 4, f"rank {rank}: {name} = {err}"
             elif "/tp1" in name:
                 assert err <= 2e-6, f"rank {rank}: {name} = {err:.3g}"
             elif name.startswith("slime/"):

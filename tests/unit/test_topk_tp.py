@@ -14,6 +14,11 @@ def _inputs():
     gen = torch.Generator().manual_seed(21)
     logits = torch.randn(T, 2 * V_LOCAL, generator=gen) * 3
     logits[:, VOCAB:] = 50.0  # padding garbage: never selected, never counted
+    # rows 0, 1: the top-k ids 6 above a flat rest, on rank 0 / rank 1: tails with their own shift
+    # (kept |tail| < 8, so that float32 spacing there stays below the 1e-6 tolerance)
+    logits[:2, :VOCAB] *= 0.03
+    logits[0, 2 : 2 + K] += 6.0
+    logits[1, V_LOCAL + 1 : V_LOCAL + 1 + K] += 6.0
     ties = torch.randint(0, 3, (T, 2 * V_LOCAL), generator=gen).float()  # ties across the shard boundary
     tau = torch.rand(T, generator=gen) + 0.5
     teachers = torch.log_softmax(torch.randn(3, T, VOCAB, generator=gen) * 2, dim=-1)
@@ -28,6 +33,8 @@ def _compute(logits, ties, tau, teachers, g_lp, g_tail, group):
         "tie_ids": topk_ids(ties, K, tp_group=group, vocab_size=VOCAB),
         # rank 1 has only 3 real columns here: fewer than k local candidates
         "few_ids": topk_ids(logits, K, tp_group=group, vocab_size=V_LOCAL + 3),
+        # bf16 logits on a coarse grid: ties at the k-th value within and across the shards
+        "bf16_ids": topk_ids((logits * 2).round().bfloat16(), K, tp_group=group, vocab_size=VOCAB),
     }
     ids = out["ids"]
     x = logits.clone().requires_grad_(True)
@@ -64,9 +71,16 @@ def _tp2_worker(rank, world_size, sizes):
     dist.all_reduce, dist.all_gather = all_reduce, all_gather
     try:
         out = _compute(logits[:, cols].contiguous(), ties[:, cols].contiguous(), tau, teachers, g_lp, g_tail, group)
+        out["comm_sizes"] = list(sizes)
+        # collectives of one chunked top-k log-prob call: forward one MAX + one SUM, backward none
+        x = logits[:, cols].clone().requires_grad_(True)
+        del sizes[:]
+        lp, tail = topk_logprobs(x, out["ids"], tp_group=group, temperature=tau, vocab_size=VOCAB, chunk_size=2)
+        out["fwd_collectives"] = len(sizes)
+        (lp.sum() + tail.sum()).backward()
+        out["bwd_collectives"] = len(sizes) - out["fwd_collectives"]
     finally:
         dist.all_reduce, dist.all_gather = real_all_reduce, real_all_gather
-    out["comm_sizes"] = list(sizes)
     return out
 
 
@@ -82,10 +96,14 @@ def test_tp2_equals_tp1():
     stable = torch.sort(ties[:, :VOCAB], dim=-1, descending=True, stable=True).indices[:, :K]
     assert torch.equal(ref["tie_ids"], stable)
     assert bool((ref["few_ids"] < V_LOCAL + 3).all())
+    coarse = (logits * 2).round().bfloat16()[:, :VOCAB]
+    assert torch.equal(ref["bf16_ids"], torch.sort(coarse.float(), dim=-1, descending=True, stable=True).indices[:, :K])
+    gap = (6.0 - 0.2) / tau[:2]  # ids at least this far (scaled) above the tail: far from the shared shift
+    assert bool((gap > 2).all()) and bool((ref["tail"][:2] > -8).all())
 
     for rank, out in enumerate(ranks):
         cols = slice(rank * V_LOCAL, (rank + 1) * V_LOCAL)
-        for name in ("ids", "tie_ids", "few_ids"):
+        for name in ("ids", "tie_ids", "few_ids", "bf16_ids"):
             assert torch.equal(out[name], ref[name]), f"rank {rank}: {name} differ"
         torch.testing.assert_close(out["lp"], ref["lp"], rtol=0, atol=1e-6)
         torch.testing.assert_close(out["tail"], ref["tail"], rtol=0, atol=1e-6)
@@ -95,3 +113,4 @@ def test_tp2_equals_tp1():
             assert bool((out[name][:, max(0, VOCAB - rank * V_LOCAL):] == 0).all()), "padded columns got gradient"
         # communication is O(T·k) per collective, never O(T·V)
         assert out["comm_sizes"] and max(out["comm_sizes"]) <= T * (K + 2) < T * V_LOCAL
+        assert out["fwd_collectives"] == 2 and out["bwd_collectives"] == 0

@@ -1,0 +1,394 @@
+"""The streaming core shared by the vocab-parallel ops (log-prob/entropy and top-k).
+
+:func:`vocab_stats` walks ``[T, V_local]`` logits in row chunks and returns, per row and the same
+on every tensor-parallel rank, the max and the exp-sums a softmax needs, with one MAX and one SUM
+all-reduce of O(T) values per call and no host sync unless a subset sum is asked for (then one).
+Around it: dtype, chunk budget, validation shared by both ops, and :class:`DeviceChecks`, which
+reads every content check of a call back in one host sync.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl_patches.ops._dist import all_reduce_max_, all_reduce_sum_, tp_size, vocab_start
+
+# Bytes of one [rows, V_local] working buffer of the compute dtype. CPU: 2 MiB (16 rows at
+# V = 32000) keeps the few-buffer working set in L2/L3 while each chunk's small ops stay cheap
+# next to its elementwise passes (2-core Xeon, 1 thread, V = 32000: 2-8 MiB alike, 0.25-0.5 MiB up
+# to 2x slower from per-chunk overhead, 16 MiB slower again). GPU: large chunks keep kernel
+# launches few; the transient memory stays far below one copy of the logits.
+CPU_CHUNK_BYTES = 2 << 20
+CUDA_CHUNK_BYTES = 128 << 20
+
+# A subset (kept ids, top-k tail) reuses the full-vocab exp(u) while its max lies within this
+# distance (scaled units) of the row max. u is rounded at its magnitude g, costing ~g·eps in the
+# subset's log-sum, which matters when the subset's own log-probs are near 0; rows whose subset
+# lies further below get a second exp with the subset max as shift.
+SHARED_SHIFT_LIMIT = 2.0
+# Finite stand-in for -inf shifted logits where e^u * u would otherwise be 0 * -inf = NaN;
+# exp of anything below it is exactly 0 in float32 and float64.
+NEG_FLOOR = -1.0e4
+
+
+# ------------------------------------------------------------------------ dtype, chunks, scale
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the math runs in: fp64 for fp64 logits, fp32 for every other float."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def default_chunk_rows(n_cols: int, device: torch.device | str, dtype: torch.dtype = torch.float32) -> int:
+    """Rows per chunk so that one [rows, n_cols] buffer of `dtype` fits the per-device byte budget."""
+    budget = CUDA_CHUNK_BYTES if torch.device(device).type == "cuda" else CPU_CHUNK_BYTES
+    row_bytes = max(1, n_cols) * torch.empty((), dtype=dtype).element_size()
+    return max(1, budget // row_bytes)
+
+
+def row_chunks(n_rows: int, chunk_rows: int) -> Iterator[tuple[int, int]]:
+    """(start, stop) row ranges covering ``range(n_rows)`` in steps of `chunk_rows`."""
+    for start in range(0, n_rows, chunk_rows):
+        yield start, min(n_rows, start + chunk_rows)
+
+
+def valid_local_columns(local_vocab: int, vocab_size: int | None, group: dist.ProcessGroup | None) -> int:
+    """How many of this rank's columns hold real vocab ids (Megatron pads the vocab at the end)."""
+    if vocab_size is None:
+        return local_vocab
+    return max(0, min(local_vocab, vocab_size - vocab_start(local_vocab, group)))
+
+
+def row_scale(temperature: float | torch.Tensor, n_rows: int, dtype: torch.dtype) -> float | torch.Tensor:
+    """1/temperature as a float, or as a [n_rows, 1] tensor of `dtype` for a tensor temperature."""
+    if isinstance(temperature, torch.Tensor):
+        return (1.0 / temperature.to(dtype)).expand(n_rows).reshape(n_rows, 1)
+    return 1.0 / float(temperature)
+
+
+def scale_rows(scale: float | torch.Tensor, rows: slice | torch.Tensor) -> float | torch.Tensor:
+    """The scale of some rows (a float applies to every row)."""
+    return scale[rows] if isinstance(scale, torch.Tensor) else scale
+
+
+def mul_scale(values: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """Per-row `values` [rows] times their scale."""
+    return values * (scale.squeeze(1) if isinstance(scale, torch.Tensor) else scale)
+
+
+def local_row_max(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per-row max as `dtype`; NaN mapped to +inf so a MAX all-reduce keeps it; -inf with no column."""
+    if x.size(1) == 0:
+        return torch.full((x.size(0),), -math.inf, dtype=dtype, device=x.device)
+    m = x.amax(dim=1).to(dtype)
+    return torch.where(torch.isnan(m), math.inf, m)
+
+
+def finite_or_zero(m: torch.Tensor) -> torch.Tensor:
+    """Non-finite row maxima (empty or invalid rows) replaced by 0 so shifts stay finite."""
+    return torch.where(torch.isfinite(m), m, 0.0)
+
+
+def shifted_rows(
+    x: torch.Tensor, shift: torch.Tensor, scale: float | torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """``out = (x - shift) * scale`` with a per-row `shift` in unscaled units.
+
+    Subtracting before scaling keeps entries near the row max exact (Sterbenz), where the
+    probability mass is; ``x*scale - shift*scale`` would round both terms at the logits' magnitude.
+    """
+    torch.sub(x, shift.unsqueeze(1), out=out)
+    if isinstance(scale, torch.Tensor) or scale != 1.0:
+        out.mul_(scale)
+    return out
+
+
+def local_columns(ids: torch.Tensor, first_id: int, n_valid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local column of global `ids`, and whether this rank owns them; ids of other ranks (and
+    padding) point at column `n_valid`, a sink column of the chunk buffers, so writes need no mask."""
+    local = ids.to(torch.long) - first_id
+    owned = (local >= 0) & (local < n_valid)
+    return torch.where(owned, local, n_valid), owned
+
+
+# ------------------------------------------------------------------------ validation
+
+
+class DeviceChecks:
+    """Content checks (ranges, signs, NaN rows) read back with one host sync for all of them.
+
+    ``require`` keeps a device-side flag; ``raise_first`` syncs once and raises the first failed
+    check's error (built only then, so messages may inspect the data). A host sync per check
+    stalls the GPU queue each time.
+    """
+
+    def __init__(self) -> None:
+        self._checks: list[tuple[torch.Tensor, Callable[[], Exception]]] = []
+
+    def require(self, ok: torch.Tensor, error: Callable[[], Exception]) -> None:
+        """Every element of the bool tensor `ok` must be true, else ``raise error()``."""
+        if ok.numel():
+            self._checks.append((ok.all(), error))
+
+    def raise_first(self) -> None:
+        """One host sync: raise the first failed check's error, if any; forget all checks."""
+        checks, self._checks = self._checks, []
+        if not checks:
+            return
+        device = checks[0][0].device
+        failed = torch.stack([~ok.to(device) for ok, _ in checks] + [torch.ones((), dtype=torch.bool, device=device)])
+        first = int(failed.to(torch.int32).argmax())  # argmax returns the first maximal index
+        if first < len(checks):
+            raise checks[first][1]()
+
+
+def check_group(group: dist.ProcessGroup | None) -> None:
+    """A tensor-parallel group needs torch.distributed initialized (None: no tensor parallelism)."""
+    if group is not None and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("tp_group was given but torch.distributed is not initialized; pass tp_group=None")
+
+
+def global_vocab(local_vocab: int, group: dist.ProcessGroup | None, vocab_size: object) -> int:
+    """The global vocabulary size (`vocab_size`, checked, or V_local x tensor-parallel size)."""
+    padded = local_vocab * tp_size(group)
+    if vocab_size is None:
+        return padded
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
+        raise TypeError(f"vocab_size must be an int or None, got {type(vocab_size).__name__}")
+    if not 1 <= int(vocab_size) <= padded:
+        raise ValueError(
+            f"vocab_size must be in [1, {padded}] (V_local {local_vocab} x tensor-parallel size "
+            f"{tp_size(group)}): pass the unpadded global vocabulary size, got {vocab_size}"
+        )
+    return int(vocab_size)
+
+
+def check_chunk_size(chunk_size: object) -> int | None:
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or int(chunk_size) < 1:
+        raise ValueError(
+            f"chunk_size must be a positive int (rows per chunk) or None (byte-budget default), got {chunk_size!r}"
+        )
+    return int(chunk_size)
+
+
+def check_temperature(
+    temperature: object, lead: Sequence[int], device: torch.device, checks: DeviceChecks
+) -> float | torch.Tensor:
+    """A float, or a tensor of shape [] or `lead` (one value per token) flattened to [T].
+
+    Values (finite, > 0) of a tensor are checked through `checks`; a temperature that requires
+    grad is rejected: it is a sampling constant, and no gradient is computed for it.
+    """
+    lead = tuple(lead)
+    if isinstance(temperature, torch.Tensor):
+        if not temperature.is_floating_point():
+            raise TypeError(f"temperature must be a float or a floating tensor, got dtype {temperature.dtype}")
+        if temperature.shape not in ((), lead):
+            raise ValueError(
+                f"temperature tensor must have shape [] or {list(lead)} (one value per token), "
+                f"got {list(temperature.shape)}"
+            )
+        if temperature.requires_grad:
+            raise ValueError("temperature must not require grad (it is a sampling constant); pass .detach()")
+        if temperature.device != device:
+            raise ValueError(f"temperature is on {temperature.device} but the logits on {device}; move it there")
+        flat = temperature.reshape(-1) if temperature.dim() else temperature
+        checks.require(
+            torch.isfinite(flat) & (flat > 0),
+            lambda: ValueError("temperature must be finite and > 0 for every token; check the per-token temperatures"),
+        )
+        return flat
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(
+            f"temperature must be a float or a tensor of shape {list(lead)}, got {type(temperature).__name__}"
+        )
+    if not (math.isfinite(float(temperature)) and float(temperature) > 0):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    return float(temperature)
+
+
+# ------------------------------------------------------------------------ the streaming core
+
+
+@dataclass(frozen=True)
+class StatsSpec:
+    """What :func:`vocab_stats` computes for one call."""
+
+    group: dist.ProcessGroup | None
+    n_valid: int  # local columns that are real vocab ids
+    chunk_rows: int
+    rest: bool = True  # the exp-sum over the unmarked columns
+    moment: bool = False  # Σ e^u·u over the unmarked columns (entropy; needs `rest`)
+    subset: bool = False  # an exp-sum over the subset, with its own shift where needed
+    marked_in_subset_max: bool = False  # the marked columns count for the subset's max
+
+
+@dataclass
+class VocabStats:
+    """Per-row results of :func:`vocab_stats`, identical on every rank (u = (x - shift)·scale)."""
+
+    raw_max: torch.Tensor  # row max of the logits: NaN -> +inf, -inf for a row without any finite value
+    shift: torch.Tensor  # raw_max, non-finite values replaced by 0
+    marked: torch.Tensor  # [T, k] logits at the marked columns, from the ranks owning them
+    rest: torch.Tensor | None  # Σ e^u over the unmarked columns
+    moment: torch.Tensor | None  # Σ e^u·u over the unmarked columns
+    subset_shift: torch.Tensor | None  # `shift`, or the subset's own max where that lies far below
+    subset_sum: torch.Tensor | None  # Σ exp((x - subset_shift)·scale) over the unmarked subset columns
+    far_rows: list[int]  # the rows whose subset has its own shift, ascending (host side, for backward)
+
+
+def vocab_stats(
+    logits: torch.Tensor,
+    marked: torch.Tensor,
+    owned: torch.Tensor,
+    scale: float | torch.Tensor,
+    spec: StatsSpec,
+    keep_mask: torch.Tensor | None = None,
+) -> VocabStats:
+    """Softmax statistics of ``logits [T, V_local]`` (vocab sharded over ``spec.group``).
+
+    `marked` [T, k]: local columns summed apart (the target, the top-k ids) as given by
+    :func:`local_columns`; `owned` says which this rank holds. The subset is ``keep_mask`` minus
+    the marked columns (every unmarked column without a mask). Each chunk uses this rank's own
+    row max as shift; after the loop one MAX all-reduce gives the global maxima, the sums are
+    rescaled to them and one SUM all-reduce of a packed [T, c] tensor combines them.
+    """
+    n_rows = logits.size(0)
+    dtype = compute_dtype(logits.dtype)
+    dev = logits.device
+    nv = spec.n_valid
+    empty = torch.empty(0, dtype=dtype, device=dev)
+    m_loc = torch.empty(n_rows, dtype=dtype, device=dev)
+    sub_max = torch.empty(n_rows, dtype=dtype, device=dev) if spec.subset else empty
+    rest = torch.empty(n_rows, dtype=dtype, device=dev) if spec.rest else empty
+    moment = torch.empty(n_rows, dtype=dtype, device=dev) if spec.moment else empty
+    sub_sum = torch.empty(n_rows, dtype=dtype, device=dev) if spec.subset else empty
+    # the marked logits, exact: 0 on ranks not owning them, so the SUM all-reduce gathers them
+    picked = logits.gather(1, torch.where(owned, marked, 0)) if logits.size(1) else logits.new_zeros(marked.shape)
+    marked_x = torch.where(owned, picked.to(dtype), 0.0)
+
+    width = min(spec.chunk_rows, n_rows)
+    u_buf = torch.empty((width, nv + 1), dtype=dtype, device=dev)  # column nv: sink of `marked`
+    e_buf = torch.empty((width, nv + 1), dtype=dtype, device=dev) if spec.moment else u_buf
+    for start, stop in row_chunks(n_rows, spec.chunk_rows):
+        x = logits[start:stop, :nv]
+        sc = scale_rows(scale, slice(start, stop))
+        u, e = u_buf[: stop - start], e_buf[: stop - start]
+        m = local_row_max(x, dtype)
+        m_loc[start:stop] = m
+        if spec.subset and keep_mask is not None:
+            sub_max[start:stop] = local_row_max(x.masked_fill(~keep_mask[start:stop, :nv], -math.inf), dtype)
+        shifted_rows(x, finite_or_zero(m), sc, out=u[:, :nv])
+        u.scatter_(1, marked[start:stop], -math.inf)  # marked columns drop out of every sum
+        if spec.subset and keep_mask is None:
+            sub_max[start:stop] = finite_or_zero(m) + local_row_max(u[:, :nv], dtype) / (
+                sc.squeeze(1) if isinstance(sc, torch.Tensor) else sc
+            )
+        torch.exp(u, out=e)
+        if spec.rest:
+            torch.sum(e[:, :nv], dim=1, out=rest[start:stop])
+        if spec.moment:
+            u.clamp_min_(NEG_FLOOR)  # e = 0 there: e·u stays 0 for -inf logits instead of NaN
+            moment[start:stop] = torch.linalg.vecdot(e[:, :nv], u[:, :nv])
+        if spec.subset:
+            kept = e[:, :nv] if keep_mask is None else e[:, :nv].masked_fill_(~keep_mask[start:stop, :nv], 0.0)
+            torch.sum(kept, dim=1, out=sub_sum[start:stop])
+
+    if spec.subset and spec.marked_in_subset_max:
+        sub_max = torch.maximum(sub_max, torch.where(owned, marked_x, -math.inf).amax(dim=1))
+    # a fresh tensor: m_loc itself is still needed as the local shift
+    maxima = all_reduce_max_(torch.stack([m_loc, sub_max] if spec.subset else [m_loc]), spec.group)
+    raw_max = maxima[0]
+    shift = finite_or_zero(raw_max)
+    subset_shift, far, far_list = None, None, []
+    if spec.subset:
+        sub_global = maxima[1]
+        far = torch.isfinite(sub_global) & (mul_scale(shift - sub_global, scale) > SHARED_SHIFT_LIMIT)
+        subset_shift = torch.where(far, sub_global, shift)
+        # the one host sync of this function (reading the rows back follows at once); the same
+        # rows on every rank, since the maxima are global
+        far_rows = torch.nonzero(far).squeeze(1)
+        far_list = far_rows.tolist()
+        if far_list:
+            sub_sum[far_rows] = _far_subset_sums(logits, far_rows, subset_shift, scale, marked, keep_mask, spec)
+
+    if tp_size(spec.group) > 1:
+        # this rank's sums used its own max as shift: move them to the global one (d <= 0; the
+        # cap only matters for rows without any finite local value, whose sums are 0)
+        d = mul_scale(finite_or_zero(m_loc) - shift, scale).clamp_max_(0.0)
+        f = torch.exp(d)
+        columns = [marked_x]
+        if spec.rest:
+            columns.append(rest * f)
+        if spec.moment:
+            columns.append(f * (moment + d * rest))  # Σ e^(u+d)·(u+d)
+        if spec.subset:
+            columns.append(torch.where(far, sub_sum, sub_sum * f))
+        summed = all_reduce_sum_(torch.cat([c.reshape(n_rows, -1) for c in columns], dim=1), spec.group)
+        k = marked_x.size(1)
+        marked_x, out = summed[:, :k], iter(summed[:, k:].unbind(1))
+        rest = next(out) if spec.rest else rest
+        moment = next(out) if spec.moment else moment
+        sub_sum = next(out) if spec.subset else sub_sum
+    return VocabStats(
+        raw_max=raw_max,
+        shift=shift,
+        marked=marked_x,
+        rest=rest if spec.rest else None,
+        moment=moment if spec.moment else None,
+        subset_shift=subset_shift,
+        subset_sum=sub_sum if spec.subset else None,
+        far_rows=far_list,
+    )
+
+
+def _far_subset_sums(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    shift: torch.Tensor,
+    scale: float | torch.Tensor,
+    marked: torch.Tensor,
+    keep_mask: torch.Tensor | None,
+    spec: StatsSpec,
+) -> torch.Tensor:
+    """Subset exp-sums of the given rows with their own (global) subset shift, chunk by chunk."""
+    nv = spec.n_valid
+    dtype = compute_dtype(logits.dtype)
+    sums = torch.empty(rows.numel(), dtype=dtype, device=logits.device)
+    buf = torch.empty((min(spec.chunk_rows, rows.numel()), nv + 1), dtype=dtype, device=logits.device)
+    for start, stop in row_chunks(rows.numel(), spec.chunk_rows):
+        idx = rows[start:stop]
+        own = buf[: stop - start]
+        shifted_rows(logits[idx, :nv], shift[idx], scale_rows(scale, idx), out=own[:, :nv])
+        own.scatter_(1, marked[idx], -math.inf).exp_()
+        body = own[:, :nv] if keep_mask is None else own[:, :nv].masked_fill_(~keep_mask[idx, :nv], 0.0)
+        torch.sum(body, dim=1, out=sums[start:stop])
+    return sums
+
+
+def rows_in_chunk(rows: list[int], start: int, stop: int, device: torch.device) -> slice | torch.Tensor | None:
+    """Which of the ascending `rows` lie in [start, stop), counted from `start`: None (none),
+    ``slice(None)`` (all: views, no copies), or an index tensor on `device` (no host sync)."""
+    lo, hi = bisect.bisect_left(rows, start), bisect.bisect_left(rows, stop)
+    if lo == hi:
+        return None
+    if hi - lo == stop - start:
+        return slice(None)
+    return torch.tensor(rows[lo:hi], device=device) - start
+
+
+def own_shift_exp(
+    x: torch.Tensor, shift: torch.Tensor, log_offset: torch.Tensor, scale: float | torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """``out = exp((x - shift)·scale - log_offset)`` per row: backward's second exp for the rows
+    whose subset has its own shift."""
+    shifted_rows(x, shift, scale, out=out)
+    return out.sub_(log_offset.unsqueeze(1)).exp_()
