@@ -3,6 +3,7 @@
 slime ships no version metadata we can rely on, so these records carry no version range; the
 parameter lists are the guard.
 """
+from megatron_rl_patches.integrations import train_reentry_patches
 from megatron_rl_patches.patching.registry import Patch
 
 MODEL = "slime.backends.megatron_utils.model"
@@ -10,30 +11,7 @@ SLIME_TRAIN_PARAMS = ("rollout_id", "model", "optimizer", "opt_param_scheduler",
 SLIME_LOGPROB_PARAMS = ("logits", "tokens", "tp_group")
 
 PATCHES = (
-    Patch(
-        name="train_reentry",
-        target=f"{MODEL}:train",
-        wrapper="megatron_rl_patches.reentrant:train_wrapper",
-        description="slime train() callable once per rollout",
-        requires=None,
-        params=SLIME_TRAIN_PARAMS,
-    ),
-    Patch(
-        name="train_reentry",
-        target=f"{MODEL}:enable_forward_pre_hook",
-        wrapper="megatron_rl_patches.reentrant:enable_hooks_helper_wrapper",
-        description="slime enable_forward_pre_hook(model_chunks) idempotent",
-        requires=None,
-        params=("model_chunks",),
-    ),
-    Patch(
-        name="train_reentry",
-        target=f"{MODEL}:disable_forward_pre_hook",
-        wrapper="megatron_rl_patches.reentrant:disable_hooks_helper_wrapper",
-        description="slime disable_forward_pre_hook(model_chunks, param_sync) idempotent",
-        requires=None,
-        params=("model_chunks",),
-    ),
+    *train_reentry_patches(MODEL, SLIME_TRAIN_PARAMS, "slime"),
     Patch(
         name="inference_roles",
         target=f"{MODEL}:initialize_model_and_optimizer",
