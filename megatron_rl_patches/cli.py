@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("megatron_rl_patches.cli:DOCTOR", "versions, importable targets, environment, start-up files"),
     "startup": ("megatron_rl_patches.cli:STARTUP", "install or remove the start-up file (editable installs)"),
     "demo": ("megatron_rl_patches.demo", "a tiny real megatron-core RL loop, with and without the patches"),
-    "bench": ("megatron_rl_patches.bench.cli", "benchmarks: memory and speed of the log-prob paths"),
+    "bench": ("megatron_rl_patches.bench.cli", "benchmarks: log-prob and top-k losses (memory, time), re-entrant wrapper cost"),
     "memory": ("megatron_rl_patches.memory_cli", "training-state bytes an inference-only build saves"),
 }
 
@@ -50,7 +50,7 @@ def _load(command: str) -> Any:
         if missing == module_name or module_name.startswith(missing + "."):
             raise CommandUnavailable(
                 f"{PROG} {command}: not available in this installation (module {module_name} "
-                f"is missing); it comes with a later release of megatron-rl-patches"
+                f"is missing): a partial installation; reinstall megatron-rl-patches"
             ) from exc
         raise
     for part in filter(None, attribute.split(".")):
