@@ -7,8 +7,8 @@ reference captured by ``from x import f`` while patched behaves like the origina
 """
 from __future__ import annotations
 
-import importlib
 import logging
+import pkgutil
 import sys
 import threading
 from dataclasses import asdict, dataclass, field
@@ -149,16 +149,6 @@ def warn_once(message: str) -> None:
         logger.debug("megatron-rl-patches: %s", message)
 
 
-def _resolve_callable(ref: str | Callable[..., Any]) -> Callable[..., Any]:
-    if callable(ref):
-        return ref
-    module, _, qualname = ref.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def version_problem(patch: Patch) -> str | None:
     """Why the installed `patch.requires` does not fit `patch.versions` (None: it fits or is unknown)."""
     if not patch.requires or not patch.versions:
@@ -252,7 +242,7 @@ def _install(slot: _Slot, module: Any) -> None:
     if problem:
         return _refuse(slot, PatchSignatureMismatch, problem)
     try:
-        slot.impl = _resolve_callable(patch.wrapper)
+        slot.impl = patch.wrapper if callable(patch.wrapper) else pkgutil.resolve_name(patch.wrapper)
         slot.handle = wrapt.wrap_function_wrapper(owner, attribute, _make_guard(slot))
     except Exception as exc:
         _set(slot, FAILED, f"{type(exc).__name__}: {exc}")
