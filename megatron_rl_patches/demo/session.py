@@ -1,44 +1,16 @@
 """One demo session: set up megatron-core, build the models, run the rollouts, measure."""
 from __future__ import annotations
 
-import contextlib
 import sys
 import warnings
 from dataclasses import asdict, replace
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from megatron_rl_patches.demo import loop
 from megatron_rl_patches.demo.loop import DemoConfig, RolloutResult
-
-
-@contextlib.contextmanager
-def _megatron_runtime() -> Iterator[str]:
-    """A world of size 1: NCCL on a GPU when present, else gloo + the test kit's CPU shims."""
-    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
-
-    if torch.cuda.is_available():
-        import os
-
-        import torch.distributed as dist
-        from megatron.core import parallel_state
-
-        from megatron_rl_patches.testing.megatron_cpu import _free_port
-
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", rank=0, world_size=1)
-        parallel_state.initialize_model_parallel(1, 1)
-        try:
-            yield "cuda"
-        finally:
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
-    else:
-        with megatron_on_cpu():
-            yield "cpu"
+from megatron_rl_patches.testing.megatron_cpu import megatron_world
 
 
 def _progress(total: int, desc: str, enabled: bool) -> Any:
@@ -64,7 +36,8 @@ def run_demo(cfg: DemoConfig, patches: bool = True, progress: bool = False) -> d
         train = mrp.reentrant_train(train)
     results: list[RolloutResult] = []
     error = None
-    with _megatron_runtime() as device:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with megatron_world(device):
         cfg = replace(cfg, device=device)
         actor, teachers = loop.build_models(cfg)
         forward_step = loop.make_forward_step(cfg)

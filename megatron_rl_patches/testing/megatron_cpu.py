@@ -24,21 +24,25 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def megatron_on_cpu(
+def megatron_world(
+    device: str = "cpu",
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
     virtual_pipeline: int | None = None,
     seed: int = 1234,
 ) -> Iterator["MegatronCPU"]:
-    """A gloo process group of world size 1 (unless one exists), Megatron's parallel state and the
-    CPU shims; on exit everything it set up is torn down so tests stay independent."""
+    """A process group of world size 1 (unless one exists: gloo on "cpu" with the CPU shims, NCCL on
+    "cuda") and Megatron's parallel state; on exit everything it set up is torn down."""
     from megatron.core import parallel_state
 
+    cuda = device.startswith("cuda")
     created_group = False
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(_free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        if cuda:
+            torch.cuda.set_device(torch.device(device).index or 0)
+        dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
         created_group = True
     parallel_state.initialize_model_parallel(
         tensor_parallel,
@@ -47,12 +51,23 @@ def megatron_on_cpu(
     )
     torch.manual_seed(seed)
     try:
-        with cpu_shims():
+        with contextlib.nullcontext() if cuda else cpu_shims():
             yield MegatronCPU(seed=seed)
     finally:
         parallel_state.destroy_model_parallel()
         if created_group:
             dist.destroy_process_group()
+
+
+def megatron_on_cpu(
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    virtual_pipeline: int | None = None,
+    seed: int = 1234,
+) -> contextlib.AbstractContextManager["MegatronCPU"]:
+    """`megatron_world("cpu", ...)`: gloo, Megatron's parallel state and the CPU shims, torn down
+    on exit so tests stay independent."""
+    return megatron_world("cpu", tensor_parallel, pipeline_parallel, virtual_pipeline, seed)
 
 
 def tiny_gpt_config(**overrides: Any) -> Any:
