@@ -13,11 +13,15 @@ from megatron_rl_patches.testing import megatron_cpu as kit
 
 def counted_training_state_bytes(model: Any) -> dict[str, int]:
     """Bytes a trainable build of `model`'s architecture really allocates beyond its weights:
-    megatron-core's DDP grad buffer and its Adam optimizer state (after one step allocates it)."""
+    megatron-core's DDP grad buffer and its Adam optimizer state (after one step allocates it),
+    with the formula's total for the same build beside them."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from megatron_rl_patches import training_state_bytes
+
     ddp = kit.wrap_ddp(model, use_distributed_optimizer=False)  # model already on its device
-    grad_buffer = sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers)
+    report = training_state_bytes(ddp)
+    grad_buffer = report.counted_grad_buffer
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), [ddp])
     optimizer.step()  # Adam allocates m and v on its first step
     inner = [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
@@ -28,7 +32,8 @@ def counted_training_state_bytes(model: Any) -> dict[str, int]:
         for value in per_param.values()
         if torch.is_tensor(value) and value.dim() > 0
     )
-    return {"grad_buffer": grad_buffer, "optimizer_state": state, "total": grad_buffer + state}
+    return {"grad_buffer": grad_buffer, "optimizer_state": state, "total": grad_buffer + state,
+            "formula": report.total, "params": report.num_params}
 
 
 def _allocated_training_state(chunk: Any) -> int:
@@ -42,19 +47,20 @@ def _allocated_training_state(chunk: Any) -> int:
 
 
 def teacher_savings(teachers: Sequence[Any], cfg: DemoConfig) -> dict[str, Any]:
-    from megatron_rl_patches import training_state_bytes
-
+    """What the inference-only teachers hold vs a trainable build of the same architecture."""
     trainable = counted_training_state_bytes(
         kit.build_tiny_gpt(vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed).to(cfg.device)
     )
     params = sum(p.numel() for p in teachers[0].parameters())
-    formula = training_state_bytes(params, param_dtype="fp32")
+    if params != trainable.pop("params"):
+        raise RuntimeError("the trainable build measured is not the teachers' architecture")
+    formula = trainable.pop("formula")
     held = sum(_allocated_training_state(t) for t in teachers)
     return {
         "count": len(teachers),
         "params_per_teacher": params,
         "trainable_build_bytes_per_teacher": trainable,
-        "formula_bytes_per_teacher": formula.total,
+        "formula_bytes_per_teacher": formula,
         "allocated_bytes": held,
         "saved_bytes": len(teachers) * trainable["total"] - held,
     }
