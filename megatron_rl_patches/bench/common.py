@@ -165,11 +165,6 @@ def run_case_here(target: str, kwargs: dict) -> dict:
     return fn(MemoryProbe(kwargs.get("device", "cpu")), **kwargs)
 
 
-def peak_reset_supported() -> bool:
-    """Whether this OS lets a process reset its peak-RSS mark (then cases may share a process)."""
-    return _reset_peak_rss()
-
-
 def run_cases(cases: Sequence[dict], *, isolate: bool = True, threads: int = 1, timeout: float = 900.0) -> list[dict]:
     """Run ``{"target": "mod:fn", "kwargs": {...}}`` cases in fresh Python processes.
 
@@ -178,7 +173,7 @@ def run_cases(cases: Sequence[dict], *, isolate: bool = True, threads: int = 1, 
     reset between cases (Linux); elsewhere cases stay isolated. Returns one dict per case (its
     result, or ``{"error": ...}``). `threads` sets torch's intra-op threads in the worker.
     """
-    if not isolate and not peak_reset_supported():
+    if not isolate and not _reset_peak_rss():  # this OS cannot reset the peak-RSS mark between cases
         isolate = True
     batches = [[case] for case in cases] if isolate else [list(cases)]
     results: list[dict] = []

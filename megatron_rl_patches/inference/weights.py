@@ -56,6 +56,11 @@ def _check_fit(path: Path, missing: Sequence[str], unexpected: Sequence[str], sh
     )
 
 
+def _model_keys(count: int) -> list[str]:
+    """Where Megatron-LM checkpoints nest each chunk's state: "model", or "model{i}" per chunk."""
+    return ["model"] if count == 1 else [f"model{i}" for i in range(count)]
+
+
 def _format_shape(key: str, found: Any, expected: Any) -> str:
     return f"{key} (checkpoint {tuple(found)}, model {tuple(expected)})"
 
@@ -73,20 +78,17 @@ class _ShardedKeys:
         self._walk(value)
 
     def _walk(self, value: Any) -> None:
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
-        if isinstance(value, ShardedTensorFactory):
-            self._walk(value.build())
-        elif isinstance(value, ShardedTensor):
-            self.tensors[value.key] = (tuple(value.global_shape), bool(value.allow_shape_mismatch))
-        elif isinstance(value, ShardedObject):
-            self.objects.add(value.key)
-        elif isinstance(value, Mapping):
-            for item in value.values():
-                self._walk(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                self._walk(item)
+        # nested_values: the same dict / list nesting dist_checkpointing.load itself walks
+        for item in nested_values(value) if isinstance(value, (dict, list)) else (value,):
+            if isinstance(item, ShardedTensorFactory):
+                self._walk(item.build())
+            elif isinstance(item, ShardedTensor):
+                self.tensors[item.key] = (tuple(item.global_shape), bool(item.allow_shape_mismatch))
+            elif isinstance(item, ShardedObject):
+                self.objects.add(item.key)
 
     def all(self) -> set[str]:
         return set(self.tensors) | self.objects
@@ -121,7 +123,7 @@ def _checkpoint_keys(path: Path) -> tuple[dict[str, tuple[int, ...]], set[str]]:
 
 def _drop_keys(value: Any, drop: set[str]) -> Any:
     """Remove (in place) the entries of a nested sharded state dict whose keys are all in `drop`."""
-    if isinstance(value, dict):
+    if drop and isinstance(value, dict):
         for name in list(value):
             item = value[name]
             keys = _ShardedKeys(item).all()
@@ -158,9 +160,10 @@ def _load_dist(modules: list[torch.nn.Module], path: Path, strict: bool) -> None
             "loading a torch_dist checkpoint needs torch.distributed initialized (the same process "
             "groups the model was built under); initialize it first"
         )
-    names = ["model"] if len(modules) == 1 else [f"model{i}" for i in range(len(modules))]
-    # Megatron-LM nests the model state under "model" / "model{i}"; ShardedTensor keys are global.
-    wanted = _ShardedKeys({name: module.sharded_state_dict() for name, module in zip(names, modules)})
+    names = _model_keys(len(modules))  # ShardedTensor keys are global, whatever the nesting
+    # Built once: the key walk only reads it, the load request is this same dict minus missing keys.
+    sharded = {name: module.sharded_state_dict() for name, module in zip(names, modules)}
+    wanted = _ShardedKeys(sharded)
     ckpt_tensors, ckpt_objects = _checkpoint_keys(path)
     missing = sorted(k for k in wanted.tensors if k not in ckpt_tensors) + sorted(
         k for k in wanted.objects if k not in ckpt_objects
@@ -179,7 +182,7 @@ def _load_dist(modules: list[torch.nn.Module], path: Path, strict: bool) -> None
         )
     )
     _check_fit(path, missing, unexpected, shapes, strict)
-    request = {name: _drop_keys(module.sharded_state_dict(), set(missing)) for name, module in zip(names, modules)}
+    request = {name: _drop_keys(state, set(missing)) for name, state in sharded.items()}
     loaded = dist_checkpointing.load(
         request,
         str(path),
@@ -206,7 +209,7 @@ def _read_state_dicts(path: Path, count: int) -> list[Mapping[str, Any]]:
         raise ValueError(
             f"{str(path)!r} holds a {type(obj).__name__}, expected a state dict (a mapping of names to tensors)"
         )
-    names = ["model"] if count == 1 else [f"model{i}" for i in range(count)]
+    names = _model_keys(count)
     if all(isinstance(obj.get(name), Mapping) for name in names):
         return [obj[name] for name in names]
     if count == 1:

@@ -15,6 +15,7 @@ Layouts of the local rows:
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -155,15 +156,9 @@ def shifted_targets(
             raise ValueError(f"sample {i}: tokens must be 1-D of total_length {total}, got shape {tuple(tok.shape)}")
     device = device if device is not None else (tokens[0].device if len(tokens) else "cpu")
     targets = torch.zeros(num_rows, dtype=torch.long, device=device)
-    if layout.allgather_cp and layout.cp_size > 1:
-        glob = torch.zeros(max(sum(layout.total_lengths), (layout.cp_rank + 1) * num_rows), dtype=torch.long,
-                           device=device)
-        base = 0
-        for tok, total in zip(tokens, layout.total_lengths):
-            glob[base : base + total - 1] = tok[1:]
-            base += total
-        return glob[layout.cp_rank * num_rows : (layout.cp_rank + 1) * num_rows].clone()
-    base = 0
+    allgather = layout.allgather_cp and layout.cp_size > 1
+    lo = layout.cp_rank * num_rows if allgather else 0  # first packed row this rank holds
+    base = 0  # first row of the sample: local (no CP, zigzag) or packed (allgather-CP)
     for tok, total in zip(tokens, layout.total_lengths):
         if layout.zigzag:
             chunk = layout.zigzag_chunk(total)
@@ -172,10 +167,12 @@ def shifted_targets(
                 if global_start < e:
                     start = base + local_start
                     targets[start : start + e - global_start] = tok[global_start + 1 : e + 1]
-        else:
-            targets[base : base + total - 1] = tok[1:]
+        else:  # rows [base, base + total - 1) predict tok[1:]; keep the part in [lo, lo + num_rows)
+            s, e = max(base, lo), min(base + total - 1, lo + num_rows)
+            if s < e:
+                targets[s - lo : e - lo] = tok[s - base + 1 : e - base + 1]
         base += layout.sample_rows(total)
-        if base > num_rows:
+        if not allgather and base > num_rows:
             raise ValueError(f"the layout needs at least {base} local rows but the logits have {num_rows}")
     return targets
 
@@ -230,14 +227,12 @@ def allgather_cp_to_zigzag(
             raise ValueError(
                 f"sample {i}: expected {rows} rows on this rank (its allgather-CP pieces), got {value.size(0)}"
             )
-    if layout.cp_size == 1:
+    if layout.cp_size == 1 or not values:  # nothing to move (no samples: the same on every rank)
         return list(values)
 
-    starts = [0]
-    for response in layout.response_lengths:
-        starts.append(starts[-1] + response)
-    ref = next(iter(values))
-    device, dtype, trailing = ref.device, ref.dtype, tuple(ref.shape[1:])
+    starts = [0, *itertools.accumulate(layout.response_lengths)]
+    flat = torch.cat(list(values))
+    device, trailing = flat.device, tuple(flat.shape[1:])
 
     def positions(pieces_per_sample: list[list[Piece]]) -> torch.Tensor:
         idx = [torch.arange(starts[i] + p.offset, starts[i] + p.offset + p.stop - p.start)
@@ -249,18 +244,13 @@ def allgather_cp_to_zigzag(
                               cp_rank=layout.cp_rank, qkv_format=layout.qkv_format)
     zig = response_pieces(zig_layout, sum(zig_layout.sample_rows(t) for t in layout.total_lengths))
     zig_at = positions(zig)
-    flat = torch.cat(list(values)) if values else torch.zeros((0, *trailing), dtype=dtype, device=device)
-    differentiable = any(v.requires_grad for v in values)
-    if differentiable:
+    full = flat.new_zeros((starts[-1], *trailing)).index_put((mine_at,), flat)
+    if full.requires_grad:  # some input requires grad
         import torch.distributed.nn.functional as dist_nn
 
-        full = flat.new_zeros((starts[-1], *trailing)).index_put((mine_at,), flat)
         full = dist_nn.all_reduce(full, group=group)
     else:
-        with torch.no_grad():
-            full = flat.new_zeros((starts[-1], *trailing))
-            full[mine_at] = flat.detach()
-            dist.all_reduce(full, group=group)
+        dist.all_reduce(full, group=group)
     picked = full[zig_at]
     sizes = [sum(p.stop - p.start for p in pieces) for pieces in zig]
     return list(picked.split(sizes))

@@ -168,6 +168,8 @@ def _redistribute_worker(rank: int, world_size: int) -> dict:
     result["grad_ok"] = all(
         torch.allclose(leaf.grad, w) for leaf, w in zip(leaves, take(weights, ag, num_rows))
     )
+    empty = PackedLayout((), (), cp_size=world_size, cp_rank=rank, allgather_cp=True)
+    result["no_samples"] = allgather_cp_to_zigzag([], empty, 0, group)
     return result
 
 
@@ -175,4 +177,4 @@ def _redistribute_worker(rank: int, world_size: int) -> dict:
 def test_allgather_cp_to_zigzag_on_two_ranks():
     for rank, result in enumerate(run_multirank(_redistribute_worker, 2)):
         assert result == {"metric_requires_grad": False, "metric_ok": True, "loss_requires_grad": True,
-                          "loss_ok": True, "grad_ok": True}, f"rank {rank}: {result}"
+                          "loss_ok": True, "grad_ok": True, "no_samples": []}, f"rank {rank}: {result}"
