@@ -8,9 +8,9 @@ one case's allocator state cannot leak into the next) and returns the dicts it p
 from __future__ import annotations
 
 import csv
-import importlib
 import json
 import os
+import pkgutil
 import re
 import subprocess
 import sys
@@ -160,8 +160,7 @@ def best_time(fn: Callable[[], Any], *, repeat: int = 3, warmup: int = 1, sync: 
 
 def run_case_here(target: str, kwargs: dict) -> dict:
     """Import ``module:function`` and call it with a fresh :class:`MemoryProbe`."""
-    module, _, name = target.partition(":")
-    fn = getattr(importlib.import_module(module), name)
+    fn = pkgutil.resolve_name(target)
     return fn(MemoryProbe(kwargs.get("device", "cpu")), **kwargs)
 
 
