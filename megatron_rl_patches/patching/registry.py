@@ -149,6 +149,11 @@ def warn_once(message: str) -> None:
         logger.debug("megatron-rl-patches: %s", message)
 
 
+def _resolve_callable(ref: str | Callable[..., Any]) -> Callable[..., Any]:
+    """A record's wrapper: the callable itself, or "module:qualname" imported now."""
+    return ref if callable(ref) else pkgutil.resolve_name(ref)
+
+
 def version_problem(patch: Patch) -> str | None:
     """Why the installed `patch.requires` does not fit `patch.versions` (None: it fits or is unknown)."""
     if not patch.requires or not patch.versions:
@@ -242,7 +247,7 @@ def _install(slot: _Slot, module: Any) -> None:
     if problem:
         return _refuse(slot, PatchSignatureMismatch, problem)
     try:
-        slot.impl = patch.wrapper if callable(patch.wrapper) else pkgutil.resolve_name(patch.wrapper)
+        slot.impl = _resolve_callable(patch.wrapper)
         slot.handle = wrapt.wrap_function_wrapper(owner, attribute, _make_guard(slot))
     except Exception as exc:
         _set(slot, FAILED, f"{type(exc).__name__}: {exc}")
