@@ -1,47 +1,100 @@
 # Two commands on a fresh machine: `make demo` and `make test`.
+#
+# Test lanes (`make test` runs all three; each lane's venv is built on first use):
+#   main    .venv            Python 3.11, megatron-core 0.16.1: every test
+#   oldest  .venv-mcore013   Python 3.11, megatron-core 0.13.1: tests marked `megatron`
+#   newest  .venv-mcore019   Python 3.12, megatron-core 0.19.2: tests marked `megatron`
+#                            (megatron-core >= 0.17 needs Python >= 3.12; its wheel ships
+#                            megatron.training, so the real Megatron-LM train() runs here)
 PYTHON ?= python3
 VENV ?= .venv
-# The oldest supported megatron-core: the megatron-dependent tests run against it too.
 VENV_OLD ?= .venv-mcore013
+VENV_NEW ?= .venv-mcore019
+MCORE_MAIN ?= megatron-core==0.16.1
 MCORE_OLD ?= megatron-core==0.13.1
-# A CPU build of torch; an unpinned torch would pull several GB of CUDA packages.
+MCORE_NEW ?= megatron-core==0.19.2
+PYTHON_NEW ?= $(shell tools/find-python 3.12)
+# torch 2.13: on Python 3.11 this index serves a CPU build; on 3.12 the CUDA build (it runs on CPU).
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Extra megatron-core releases run once by `make test-versions` (not in CI): old ones on 3.11,
+# new ones on 3.12, each installed into its own folder and put first on PYTHONPATH.
+VERSIONS_OLD ?= 0.14.0 0.15.3
+VERSIONS_NEW ?= 0.17.1 0.18.2
+
+EXTRAS_MAIN = megatron,test,bench
+EXTRAS_LANE = megatron,test
 
 STAMP = $(VENV)/.installed
 STAMP_OLD = $(VENV_OLD)/.installed
+STAMP_NEW = $(VENV_NEW)/.installed
 DEPS = setup.cfg setup.py pyproject.toml
 
-.PHONY: venv demo test test-main test-oldest bench clean
+.PHONY: venv demo test test-main test-oldest test-newest test-versions bench clean
 
 venv: $(STAMP)
 
+# $(1): venv folder, $(2): interpreter, $(3): megatron-core pin, $(4): extras
+define make_venv
+	test -x $(1)/bin/python || $(2) -m venv $(1)
+	$(1)/bin/python -c "import torch" 2>/dev/null || $(1)/bin/pip install -q $(TORCH_PIN)
+	$(1)/bin/pip install -q "$(3)" -e ".[$(4)]" wheel build
+	touch $(1)/.installed
+endef
+
 $(STAMP): $(DEPS)
-	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -c "import torch" 2>/dev/null || $(VENV)/bin/pip install -q $(TORCH_PIN)
-	$(VENV)/bin/pip install -q -e ".[test,bench]" build wheel
-	touch $@
+	$(call make_venv,$(VENV),$(PYTHON),$(MCORE_MAIN),$(EXTRAS_MAIN))
 
 $(STAMP_OLD): $(DEPS)
-	test -x $(VENV_OLD)/bin/python || $(PYTHON) -m venv $(VENV_OLD)
-	$(VENV_OLD)/bin/python -c "import torch" 2>/dev/null || $(VENV_OLD)/bin/pip install -q $(TORCH_PIN)
-	$(VENV_OLD)/bin/pip install -q "$(MCORE_OLD)" -e ".[test]" wheel
-	touch $@
+	$(call make_venv,$(VENV_OLD),$(PYTHON),$(MCORE_OLD),$(EXTRAS_LANE))
+
+$(STAMP_NEW): $(DEPS)
+	$(call make_venv,$(VENV_NEW),$(PYTHON_NEW),$(MCORE_NEW),$(EXTRAS_LANE))
 
 demo: $(STAMP)
 	$(VENV)/bin/megatron-rl-patches demo
 
-test: test-main test-oldest
+# Every lane runs even when an earlier one fails; the target fails if any did.
+test:
+	@status=0; \
+	$(MAKE) --no-print-directory test-main || status=1; \
+	$(MAKE) --no-print-directory test-oldest || status=1; \
+	$(MAKE) --no-print-directory test-newest || status=1; \
+	exit $$status
 
 test-main: $(STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-# Only what touches megatron-core runs twice; the pure math does not depend on its version.
+# Only what touches megatron-core runs again; the pure math does not depend on its version.
 test-oldest: $(STAMP_OLD)
 	$(VENV_OLD)/bin/python -m pytest -m megatron $(PYTEST_ARGS)
+
+# Without Python 3.12 the lane is skipped loudly; under CI=true that is a failing test.
+test-newest:
+ifeq ($(PYTHON_NEW),)
+	@echo "*** SKIPPED LANE newest (megatron-core 0.19.2): no working Python 3.12 found (tools/find-python 3.12) ***"
+	@if [ -n "$$CI" ]; then $(MAKE) --no-print-directory $(STAMP) && \
+	  MRP_MISSING_LANE=newest MRP_MISSING_LANE_REASON="no working Python 3.12 on this machine" \
+	  $(VENV)/bin/python -m pytest -q -p no:cacheprovider tools/lane_unavailable.py; fi
+else
+	$(MAKE) --no-print-directory $(STAMP_NEW)
+	$(VENV_NEW)/bin/python -m pytest -m megatron $(PYTEST_ARGS)
+endif
+
+test-versions: $(STAMP_OLD) $(STAMP_NEW)
+	@for v in $(VERSIONS_OLD); do \
+	  $(VENV_OLD)/bin/pip install -q --no-deps --target .lanes/mcore-$$v megatron-core==$$v && \
+	  PYTHONPATH=.lanes/mcore-$$v $(VENV_OLD)/bin/python -m pytest -q -m megatron $(PYTEST_ARGS) \
+	    | tail -1 | sed "s/^/megatron-core $$v: /"; \
+	done
+	@for v in $(VERSIONS_NEW); do \
+	  $(VENV_NEW)/bin/pip install -q --no-deps --target .lanes/mcore-$$v megatron-core==$$v && \
+	  PYTHONPATH=.lanes/mcore-$$v $(VENV_NEW)/bin/python -m pytest -q -m megatron $(PYTEST_ARGS) \
+	    | tail -1 | sed "s/^/megatron-core $$v: /"; \
+	done
 
 bench: $(STAMP)
 	$(VENV)/bin/megatron-rl-patches bench --out bench-out
 
 clean:
-	rm -rf $(VENV) $(VENV_OLD) build dist *.egg-info
+	rm -rf $(VENV) $(VENV_OLD) $(VENV_NEW) .lanes build dist *.egg-info

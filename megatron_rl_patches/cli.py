@@ -290,7 +290,7 @@ def collect_doctor() -> dict[str, Any]:
         if patch.module not in modules:
             modules[patch.module] = find_module(patch.module)
         found, why = modules[patch.module]
-        installed = registry.installed_version(patch.requires) if patch.requires else None
+        installed = registry.patch_version(patch)
         problem = registry.version_problem(patch) if (patch.requires and patch.versions) else None
         in_range = None if installed is None or not patch.versions else problem is None
         if problem and found:

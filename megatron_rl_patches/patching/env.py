@@ -14,7 +14,8 @@ SELECT = "MEGATRON_RL_PATCHES"
 DISABLE = "MEGATRON_RL_PATCHES_DISABLE"
 STRICT = "MEGATRON_RL_PATCHES_STRICT"
 INFERENCE_ROLES = "MEGATRON_RL_PATCHES_INFERENCE_ROLES"
-VARIABLES = (SELECT, DISABLE, STRICT, INFERENCE_ROLES)
+ALLOW_UNTESTED = "MEGATRON_RL_PATCHES_ALLOW_UNTESTED"
+VARIABLES = (SELECT, DISABLE, STRICT, INFERENCE_ROLES, ALLOW_UNTESTED)
 
 DEFAULT_INFERENCE_ROLES = ("prm_teacher", "teacher")
 _OFF = {"", "0", "false", "no", "off", "none"}
@@ -74,6 +75,11 @@ def is_strict(environ: Mapping[str, str] | None = None) -> bool:
     return _environ(environ).get(STRICT, "").strip().lower() in _ALL
 
 
+def allows_untested(environ: Mapping[str, str] | None = None) -> bool:
+    """MEGATRON_RL_PATCHES_ALLOW_UNTESTED=1: apply patches outside their supported version range."""
+    return _environ(environ).get(ALLOW_UNTESTED, "").strip().lower() in _ALL
+
+
 def inference_roles(environ: Mapping[str, str] | None = None) -> list[str]:
     """Roles built inference-only; unset means the default teacher roles, '' means none."""
     value = _environ(environ).get(INFERENCE_ROLES)
@@ -131,5 +137,6 @@ def summary(environ: Mapping[str, str] | None = None) -> dict[str, object]:
         "selects": None if not enabled else "all" if names is None else names,
         "disabled": disabled_names(env),
         "strict": is_strict(env),
+        "allow_untested": allows_untested(env),
         "inference_roles": inference_roles(env),
     }

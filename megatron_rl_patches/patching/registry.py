@@ -22,6 +22,17 @@ logger = logging.getLogger("megatron_rl_patches")
 
 APPLIED, PENDING, SKIPPED, FAILED = "applied", "pending", "skipped", "failed"
 
+# PatchStatus.code: why a record has its status. The CLI shows `off` for NOT_SELECTED and
+# `native` for NATIVE; every other skipped code is a problem worth reading.
+NOT_SELECTED, DISABLED, WAITING, NATIVE, VERSION, UNTESTED = (
+    "not_selected", "disabled", "waiting_for_import", "native", "version_out_of_range", "outside_range_allowed"
+)
+MISSING, OPTIONAL_MISSING, SIGNATURE, ERROR, REVERTED, OK = (
+    "target_missing", "optional_target_missing", "signature_mismatch", "error", "reverted", "ok"
+)
+REASON_CODES = (NOT_SELECTED, DISABLED, WAITING, NATIVE, VERSION, UNTESTED, MISSING, OPTIONAL_MISSING,
+                SIGNATURE, ERROR, REVERTED, OK)
+
 
 class PatchError(RuntimeError):
     """A selected patch could not be applied (raised in strict mode only)."""
@@ -51,6 +62,10 @@ class Patch:
     versions: str = ""  # PEP 440 specifier; "" = any version
     params: tuple[str, ...] = ()  # parameter names the target must accept, in this order
     optional: bool = False  # a missing target is expected (an alias some versions bind): no error
+    # "module:function" returning the version of `requires` in use (e.g. read from a source
+    # checkout); None: the installed distribution's metadata.
+    version_finder: str | None = None
+    native: str = ""  # PEP 440 specifier of the versions that provide the feature themselves
 
     @property
     def module(self) -> str:
@@ -69,6 +84,7 @@ class PatchStatus:
     target: str
     status: str
     reason: str = ""
+    code: str = ""  # machine-readable reason: one of REASON_CODES
 
     def as_dict(self) -> dict[str, str]:
         return asdict(self)
@@ -81,8 +97,10 @@ class _Slot:
     patch: Patch
     status: str = SKIPPED
     reason: str = "not selected"
+    code: str = NOT_SELECTED
     selected: bool = False
     strict: bool = False
+    allow_untested: bool = False
     active: bool = False  # consulted by every wrapper this slot ever installed
     handle: Any = None  # the installed FunctionWrapper
     owner: Any = None
@@ -154,18 +172,38 @@ def _resolve_callable(ref: str | Callable[..., Any]) -> Callable[..., Any]:
     return ref if callable(ref) else pkgutil.resolve_name(ref)
 
 
+def patch_version(patch: Patch) -> str | None:
+    """The version of `patch.requires` in use: the record's finder, else distribution metadata."""
+    if not patch.requires:
+        return None
+    if patch.version_finder:
+        try:
+            return pkgutil.resolve_name(patch.version_finder)()
+        except Exception as exc:  # an unreadable checkout: the signature check still guards
+            logger.debug("version finder %s failed: %s", patch.version_finder, exc)
+            return None
+    return installed_version(patch.requires)
+
+
+def _version_in(found: str, specifier: str) -> bool:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    return Version(found) in SpecifierSet(specifier, prereleases=True)
+
+
 def version_problem(patch: Patch) -> str | None:
-    """Why the installed `patch.requires` does not fit `patch.versions` (None: it fits or is unknown)."""
+    """Why the `patch.requires` in use does not fit `patch.versions` (None: it fits or is unknown)."""
     if not patch.requires or not patch.versions:
         return None
-    found = installed_version(patch.requires)
-    if found is None:  # a source checkout on sys.path: the signature check still guards
+    found = patch_version(patch)
+    if found is None:  # not installed, or unreadable: the signature check still guards
         return None
-    from packaging.specifiers import InvalidSpecifier, SpecifierSet
-    from packaging.version import InvalidVersion, Version
+    from packaging.specifiers import InvalidSpecifier
+    from packaging.version import InvalidVersion
 
     try:
-        ok = Version(found) in SpecifierSet(patch.versions, prereleases=True)
+        ok = _version_in(found, patch.versions)
     except (InvalidVersion, InvalidSpecifier) as exc:
         return f"cannot compare {patch.requires} version {found!r} with {patch.versions!r}: {exc}"
     if ok:
@@ -173,8 +211,20 @@ def version_problem(patch: Patch) -> str | None:
     # No target in the text: every target of one patch gives the same line, so it warns once.
     return (
         f"installed {patch.requires} {found} is outside the supported range "
-        f"'{patch.versions}'; install a supported {patch.requires} or disable '{patch.name}'"
+        f"'{patch.versions}'; install a supported {patch.requires}, disable '{patch.name}', or set "
+        f"{env.ALLOW_UNTESTED}=1 (apply(allow_untested=True)) to apply it anyway"
     )
+
+
+def native_version(patch: Patch) -> str | None:
+    """The version in use when it provides `patch`'s feature itself (None otherwise)."""
+    if not patch.native or not patch.requires:
+        return None
+    found = patch_version(patch)
+    try:
+        return found if found is not None and _version_in(found, patch.native) else None
+    except ValueError:  # packaging's InvalidVersion / InvalidSpecifier
+        return None
 
 
 def _signature_problem(patch: Patch, original: Any) -> str | None:
@@ -211,12 +261,12 @@ def _ours(slot: _Slot) -> Callable[[Any], bool]:
     return lambda entry: getattr(getattr(entry, "_self_wrapper", None), "__mrp_key__", None) == key
 
 
-def _set(slot: _Slot, status: str, reason: str = "") -> None:
-    slot.status, slot.reason = status, reason
+def _set(slot: _Slot, status: str, reason: str = "", code: str = OK) -> None:
+    slot.status, slot.reason, slot.code = status, reason, code
 
 
-def _refuse(slot: _Slot, error: type[PatchError], reason: str) -> None:
-    _set(slot, SKIPPED, reason)
+def _refuse(slot: _Slot, error: type[PatchError], reason: str, code: str) -> None:
+    _set(slot, SKIPPED, reason, code)
     if slot.strict:
         raise error(reason)
     warn_once(f"'{slot.patch.name}' skipped: {reason}")
@@ -227,37 +277,47 @@ def _install(slot: _Slot, module: Any) -> None:
     patch = slot.patch
     if slot.status == APPLIED:
         return
+    native = native_version(patch)
+    if native is not None:
+        return _set(slot, SKIPPED, f"{patch.requires} {native} provides this itself", NATIVE)
     problem = version_problem(patch)
+    untested = ""
+    if problem and not slot.allow_untested:
+        return _refuse(slot, PatchVersionUnsupported, problem, VERSION)
     if problem:
-        return _refuse(slot, PatchVersionUnsupported, problem)
+        untested = f"applied outside its supported range '{patch.versions}' ({patch.requires} {patch_version(patch)})"
+        warn_once(f"'{patch.name}' {untested}, as {env.ALLOW_UNTESTED} / allow_untested asked")
     try:
         owner, attribute, original = wrapt.resolve_path(module, patch.qualname)
     except Exception:
         if patch.optional:
-            return _set(slot, SKIPPED, f"{patch.target} not found (an optional alias: nothing to patch there)")
+            return _set(
+                slot, SKIPPED, f"{patch.target} not found (an optional alias: nothing to patch there)", OPTIONAL_MISSING
+            )
         return _refuse(
             slot,
             PatchTargetMissing,
             f"{patch.target} not found: {patch.module} has no attribute path '{patch.qualname}'",
+            MISSING,
         )
     if wrapt.find_wrapper(original, predicate=_ours(slot)) is not None:
         slot.active = True  # already wrapped (an earlier copy of the registry): never twice
         return _set(slot, APPLIED, "already wrapped")
     problem = _signature_problem(patch, original)
     if problem:
-        return _refuse(slot, PatchSignatureMismatch, problem)
+        return _refuse(slot, PatchSignatureMismatch, problem, SIGNATURE)
     try:
         slot.impl = _resolve_callable(patch.wrapper)
         slot.handle = wrapt.wrap_function_wrapper(owner, attribute, _make_guard(slot))
     except Exception as exc:
-        _set(slot, FAILED, f"{type(exc).__name__}: {exc}")
+        _set(slot, FAILED, f"{type(exc).__name__}: {exc}", ERROR)
         if slot.strict:
             raise PatchError(f"'{patch.name}' failed on {patch.target}: {exc}") from exc
         warn_once(f"'{patch.name}' failed on {patch.target}: {type(exc).__name__}: {exc}")
         return
     slot.owner, slot.attribute, slot.original = owner, attribute, original
     slot.active = True
-    _set(slot, APPLIED)
+    _set(slot, APPLIED, untested, UNTESTED if untested else OK)
 
 
 def _on_import(module: Any) -> None:
@@ -285,7 +345,9 @@ def _watch(module_name: str) -> None:
         _deferred.add(module_name)
         for slot in _catalog().values():
             if slot.selected and slot.patch.module == module_name and slot.status != APPLIED:
-                _set(slot, PENDING, f"{module_name} was still being imported; retried on the next apply()/applied()")
+                _set(
+                    slot, PENDING, f"{module_name} was still being imported; retried on the next apply()/applied()", WAITING
+                )
     elif module is not None:
         _on_import(module)
     elif module_name not in _hooked_modules:
@@ -297,6 +359,7 @@ def apply(
     only: str | Sequence[str] | None = None,
     exclude: str | Sequence[str] | None = None,
     strict: bool | None = None,
+    allow_untested: bool | None = None,
     *,
     environ: Mapping[str, str] | None = None,
 ) -> list[PatchStatus]:
@@ -305,12 +368,18 @@ def apply(
     With no arguments: the names MEGATRON_RL_PATCHES lists, else every patch, less
     MEGATRON_RL_PATCHES_DISABLE; `only` ignores the environment. Patches land now for imported
     modules, else when their module is first imported. `strict` (default: the
-    MEGATRON_RL_PATCHES_STRICT variable) raises PatchError instead of warning. Unknown names
-    raise ValueError and change nothing.
+    MEGATRON_RL_PATCHES_STRICT variable) raises PatchError instead of warning. `allow_untested`
+    (default: MEGATRON_RL_PATCHES_ALLOW_UNTESTED) applies a patch outside its supported version
+    range with one warning. Unknown names raise ValueError and change nothing.
     """
     if strict is not None and not isinstance(strict, bool):
         raise TypeError(f"strict must be True, False or None (the {env.STRICT} variable), got {strict!r}")
+    if allow_untested is not None and not isinstance(allow_untested, bool):
+        raise TypeError(
+            f"allow_untested must be True, False or None (the {env.ALLOW_UNTESTED} variable), got {allow_untested!r}"
+        )
     strict = env.is_strict(environ) if strict is None else strict
+    allow_untested = env.allows_untested(environ) if allow_untested is None else allow_untested
     with _lock:
         _retry_deferred()
         chosen = set(env.resolve_selection(patch_names(), only, exclude, environ))
@@ -321,11 +390,11 @@ def apply(
                 dropped.setdefault(name, f"disabled by {env.DISABLE}")
         for slot in _catalog().values():
             if slot.patch.name in chosen:
-                slot.selected, slot.strict = True, strict
+                slot.selected, slot.strict, slot.allow_untested = True, strict, allow_untested
                 if slot.status != APPLIED:
-                    _set(slot, PENDING, f"waiting for the import of {slot.patch.module}")
+                    _set(slot, PENDING, f"waiting for the import of {slot.patch.module}", WAITING)
             elif not slot.selected and slot.patch.name in dropped:
-                _set(slot, SKIPPED, dropped[slot.patch.name])
+                _set(slot, SKIPPED, dropped[slot.patch.name], DISABLED)
         errors: list[PatchError] = []
         for module_name in dict.fromkeys(slot.patch.module for slot in slots):
             try:
@@ -354,12 +423,12 @@ def revert(only: str | Sequence[str] | None = None) -> list[PatchStatus]:
                     reason = f"reverted; an inert wrapper stays under a foreign one ({exc})"
                 slot.handle = slot.owner = slot.original = None
             if in_play:
-                _set(slot, SKIPPED, reason)
+                _set(slot, SKIPPED, reason, REVERTED)
         return [_status(slot) for slot in slots]
 
 
 def _status(slot: _Slot) -> PatchStatus:
-    return PatchStatus(slot.patch.name, slot.patch.target, slot.status, slot.reason)
+    return PatchStatus(slot.patch.name, slot.patch.target, slot.status, slot.reason, slot.code)
 
 
 def _initializing(module: Any) -> bool:

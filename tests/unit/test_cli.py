@@ -36,7 +36,7 @@ def test_list_json(capsys):
     assert len(rows) == len(registry.patches())
     ddp = [row for row in rows if row["name"] == "ddp_hooks"]
     assert {row["target"].rsplit(".", 1)[1] for row in ddp} == {"enable_forward_pre_hook", "disable_forward_pre_hook"}
-    assert all(row["requires"] == "megatron-core" and row["versions"] == ">=0.13,<0.17" for row in ddp)
+    assert all(row["requires"] == "megatron-core" and row["versions"] == ">=0.13,<0.21" for row in ddp)
     assert all(row["status"] == "skipped" and row["reason"] == "not selected" for row in rows)
     assert set(rows[0]) == {"name", "target", "requires", "versions", "installed", "description", "status", "reason"}
 
@@ -95,8 +95,9 @@ def test_doctor_reports_problems(capsys, no_site_files, clean):
     assert "is not megatron-rl-patches' start-up file" in problems
     assert "no start-up file is installed" in problems and "startup install" in problems
 
-    real = registry.installed_version
-    clean.setattr(registry, "installed_version", lambda d: "0.9.0" if d == "megatron-core" else real(d))
+    from megatron_rl_patches.integrations import megatron_version
+
+    clean.setattr(megatron_version, "installed_version", lambda: "0.9.0")
     clean.setenv("MEGATRON_RL_PATCHES", "ddp_hooks")
     (no_site_files / startup.PTH_NAME).unlink()
     startup.install(str(no_site_files))

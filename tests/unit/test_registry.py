@@ -158,7 +158,7 @@ def test_statuses_cover_every_record_and_serialize(standin, catalog):
         Patch("ddp_hooks", f"{standin}:Engine.step", Spy(), "d", requires=None),
     )
     assert {s.status for s in registry.applied()} == {"skipped"}
-    assert all(s.reason == "not selected" for s in registry.applied())
+    assert all((s.reason, s.code) == ("not selected", registry.NOT_SELECTED) for s in registry.applied())
     registry.apply(exclude="ddp_hooks")
     importlib.import_module(standin)
     found = registry.applied()
@@ -167,9 +167,11 @@ def test_statuses_cover_every_record_and_serialize(standin, catalog):
         ("train_reentry", "applied"),
         ("ddp_hooks", "skipped"),
     ]
-    assert found[2].reason == "disabled by exclude="
+    assert (found[2].reason, found[2].code) == ("disabled by exclude=", registry.DISABLED)
     payload = json.loads(json.dumps([s.as_dict() for s in found]))
-    assert payload[0] == {"name": "train_reentry", "target": f"{standin}:train", "status": "applied", "reason": ""}
+    assert payload[0] == {
+        "name": "train_reentry", "target": f"{standin}:train", "status": "applied", "reason": "", "code": "ok"
+    }
     assert [(p.target, s.status) for p, s in registry.entries()] == [(s.target, s.status) for s in found]
 
 

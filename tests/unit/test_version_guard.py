@@ -11,7 +11,7 @@ import pytest
 from megatron_rl_patches.patching import registry
 from megatron_rl_patches.patching.registry import Patch
 
-MCORE_RANGE = ">=0.13,<0.17"
+MCORE_RANGE = ">=0.13,<0.21"
 
 SLIME_MODULE = "slime.backends.megatron_utils.model"
 
@@ -39,8 +39,14 @@ def fake_slime(tmp_path, clean, fake_slime_writer, fake_slime_source):
 
 
 def fake_version(monkeypatch, version: str | None, distribution: str = "megatron-core") -> None:
+    """Pretend `distribution` has `version`, for plain records and for the megatron records'
+    version finder (which reads the code in use, also from a source checkout)."""
+    from megatron_rl_patches.integrations import megatron_version
+
     real = registry.installed_version
     monkeypatch.setattr(registry, "installed_version", lambda d: version if d == distribution else real(d))
+    if distribution == "megatron-core":
+        monkeypatch.setattr(megatron_version, "installed_version", lambda: version)
 
 
 def one_record(monkeypatch, versions: str) -> Patch:
@@ -59,9 +65,12 @@ def one_record(monkeypatch, versions: str) -> Patch:
         ("0.16.0rc2", True),
         ("0.9.0", False),  # "0.9.0" > "0.13" as strings: string comparison would let it in
         ("0.12.99", False),
-        ("0.17.0rc1", False),  # a pre-release of the excluded bound stays excluded
-        ("0.17.0", False),
-        ("0.100.0", False),  # "0.100.0" < "0.17" as strings
+        ("0.19.2", True),
+        ("0.20.0rc0", True),  # main's development builds
+        ("0.20.0.dev0", True),
+        ("0.21.0rc1", False),  # a pre-release of the excluded bound stays excluded
+        ("0.21.0", False),
+        ("0.100.0", False),  # "0.100.0" < "0.21" as strings
     ],
 )
 def test_range_uses_pep440(clean, installed, fits):
@@ -98,11 +107,25 @@ def test_real_ddp_target_skipped_for_old_megatron_core(clean, caplog):
     assert len(warnings) == 1 and "'ddp_hooks' skipped" in warnings[0]
     assert all(vars(cls)[name] is original for name, original in originals.items())
 
-    with pytest.raises(registry.PatchVersionUnsupported, match=r"megatron-core 0\.9\.0 .*>=0\.13,<0\.17"):
+    with pytest.raises(registry.PatchVersionUnsupported, match=r"megatron-core 0\.9\.0 .*>=0\.13,<0\.21"):
         registry.apply(only="ddp_hooks", strict=True)
     assert all(vars(cls)[name] is original for name, original in originals.items())
+    assert all(s.code == registry.VERSION for s in registry.applied() if s.name == "ddp_hooks")
+
+    # The override: applied with one warning, also in strict mode; the status says so.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        result = registry.apply(only="ddp_hooks", strict=True, allow_untested=True)
+    assert [(s.status, s.code) for s in result] == [("applied", registry.UNTESTED)] * 2
+    assert "outside its supported range" in result[0].reason
+    warnings = [r.getMessage() for r in caplog.records if r.name == "megatron_rl_patches"]
+    assert len(warnings) == 1 and "ALLOW_UNTESTED" in warnings[0]
+    registry.revert()
+
+    from megatron_rl_patches.integrations import megatron_version
 
     clean.setattr(registry, "installed_version", real_installed_version)  # the real one is in range
+    clean.setattr(megatron_version, "installed_version", lambda: megatron_version.megatron_info().version)
     assert [s.status for s in registry.apply(only="ddp_hooks")] == ["applied", "applied"]
     assert vars(cls)["enable_forward_pre_hook"].__wrapped__ is originals["enable_forward_pre_hook"]
     registry.revert()
@@ -158,3 +181,23 @@ def test_changed_signature(fake_slime, fake_slime_source):
     with pytest.raises(registry.PatchSignatureMismatch, match=f"{SLIME_MODULE}:train has parameters"):
         registry.apply(only="train_reentry", strict=True)
     assert module.train is original
+
+
+def test_allow_untested_from_the_environment(clean, caplog):
+    """MEGATRON_RL_PATCHES_ALLOW_UNTESTED=1 is the zero-code override; `allow_untested=False`
+    beats it; a non-bool argument is a TypeError and changes nothing."""
+    patch = one_record(clean, MCORE_RANGE)
+    fake_version(clean, "0.21.0")
+    with pytest.raises(TypeError, match="allow_untested must be True, False or None"):
+        registry.apply(allow_untested="yes")
+    assert registry.applied()[0].code == registry.NOT_SELECTED
+    environ = {"MEGATRON_RL_PATCHES_ALLOW_UNTESTED": "1"}
+    assert registry.apply(allow_untested=False, environ=environ)[0].status == "skipped"
+    registry.revert()
+    status = registry.apply(environ=environ)[0]
+    assert (status.status, status.code) == ("applied", registry.UNTESTED) and "0.21.0" in status.reason
+    import json
+
+    assert json.dumps({"x": 1}) == "spy"  # the record's wrapper is really in place
+    registry.revert()
+    assert patch.target == "json:dumps" and json.dumps({"x": 1}) == '{"x": 1}'
