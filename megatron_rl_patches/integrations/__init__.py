@@ -37,4 +37,4 @@ def train_reentry_patches(module: str, train_params: tuple[str, ...], framework:
 def all_patches() -> list[Patch]:
     from megatron_rl_patches.integrations import megatron_core, megatron_lm, slime
 
-    return [*megatron_core.PATCHES, *megatron_lm.PATCHES, *slime.PATCHES]
+    return [*megatron_core.PATCHES, *megatron_lm.PATCHES, *slime.PATCHES, *megatron_core.OUTPUT_PROCESSOR_PATCHES]

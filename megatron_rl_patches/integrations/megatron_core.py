@@ -1,10 +1,18 @@
-"""megatron-core: DistributedDataParallel forward-pre-hook toggles made idempotent."""
+"""megatron-core: DistributedDataParallel forward-pre-hook toggles made idempotent, and
+GPTModel's `output_processor` keyword backported to releases before 0.18."""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
 from megatron_rl_patches.integrations.megatron_version import SUPPORTED
 from megatron_rl_patches.patching.registry import Patch
 
 DDP = "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel"
+GPT = "megatron.core.models.gpt.gpt_model:GPTModel"
 # The version in use, also for a source checkout with no distribution metadata.
 VERSION_FINDER = "megatron_rl_patches.integrations.megatron_version:installed_version"
+PROCESSOR_KEYWORDS = ("output_processor", "output_processor_context")
 
 PATCHES = (
     Patch(
@@ -26,3 +34,94 @@ PATCHES = (
         params=("self", "param_sync"),
     ),
 )
+
+# Declared apart so patch names keep their order (the newest last) in listings and messages.
+OUTPUT_PROCESSOR_PATCHES = (
+    Patch(
+        name="gpt_output_processor",
+        target=f"{GPT}.forward",
+        wrapper="megatron_rl_patches.integrations.megatron_core:gpt_forward_wrapper",
+        description="GPTModel.forward(output_processor=, output_processor_context=) as in megatron-core >= 0.18",
+        versions=SUPPORTED,
+        version_finder=VERSION_FINDER,
+        native=">=0.18.0rc0",
+        params=("self", "input_ids", "position_ids", "attention_mask"),
+    ),
+)
+
+
+class _OutputLayerReached(Exception):
+    """Raised by the stand-in output-layer forward: carries the hidden states it was given."""
+
+    def __init__(self, hidden_states: Any) -> None:
+        super().__init__("output layer reached")
+        self.hidden_states = hidden_states
+
+
+def _hidden_states_before_output_layer(model: Any, wrapped: Any, args: tuple, kwargs: dict) -> Any:
+    """Run GPTModel.forward up to its output layer and return what the layer would get.
+
+    The layer is called as usual (so its forward pre-hooks run, DDP's param-gather wait among
+    them); only its `forward` is replaced, for this call, by one that stops the model there.
+    """
+    layer = model.output_layer
+
+    def stop_here(hidden_states: Any, *unused: Any, **unused_kw: Any) -> Any:
+        raise _OutputLayerReached(hidden_states)
+
+    layer.forward = stop_here  # an instance attribute: the class's forward is untouched
+    try:
+        wrapped(*args, **kwargs)
+    except _OutputLayerReached as reached:
+        return reached.hidden_states
+    finally:
+        if layer.__dict__.get("forward") is stop_here:
+            del layer.forward
+    raise RuntimeError("GPTModel.forward returned without calling its output layer; cannot run output_processor")
+
+
+def gpt_forward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """`gpt_output_processor`: the processor gets the output layer's inputs in place of the logits
+    and its result is returned, with the keywords megatron-core 0.18 passes."""
+    if not any(name in kwargs for name in PROCESSOR_KEYWORDS):
+        return wrapped(*args, **kwargs)
+    signature = inspect.signature(wrapped)
+    if "output_processor" in signature.parameters:  # this megatron-core has the hook itself
+        return wrapped(*args, **kwargs)
+    kwargs = dict(kwargs)
+    processor = kwargs.pop("output_processor", None)
+    context = kwargs.pop("output_processor_context", None)
+    if processor is None:
+        return wrapped(*args, **kwargs)
+    if not callable(processor):
+        raise TypeError(f"output_processor must be callable (see log_prob_output_processor), got {processor!r}")
+    if not instance.post_process:  # not the last pipeline stage: hidden states go on, as natively
+        return wrapped(*args, **kwargs)
+    if getattr(instance.config, "mtp_num_layers", None):
+        raise ValueError(
+            "output_processor with multi-token prediction (config.mtp_num_layers) is not backported to "
+            "megatron-core < 0.18: the MTP heads also call the output layer; upgrade or drop output_processor"
+        )
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    given = bound.arguments
+    hidden_states = _hidden_states_before_output_layer(instance, wrapped, args, kwargs)
+    output_weight = instance.shared_embedding_or_output_weight() if instance.share_embeddings_and_output_weights else None
+    return processor(
+        hidden_states=hidden_states,
+        output_layer=instance.output_layer,
+        output_weight=output_weight,
+        labels=given.get("labels"),
+        loss_mask=given.get("loss_mask"),
+        input_ids=given.get("input_ids"),
+        position_ids=given.get("position_ids"),
+        attention_mask=given.get("attention_mask"),
+        decoder_input=given.get("decoder_input"),
+        inference_context=given.get("inference_context"),
+        packed_seq_params=given.get("packed_seq_params"),
+        runtime_gather_output=given.get("runtime_gather_output"),
+        context=context,
+        compute_language_model_loss=instance.compute_language_model_loss,
+        scale_logits=lambda logits: logits,  # releases before 0.18 have no MuP logit scaling
+        config=instance.config,
+    )

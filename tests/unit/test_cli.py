@@ -14,7 +14,7 @@ from megatron_rl_patches import cli
 from megatron_rl_patches.patching import registry, startup
 
 REPO = Path(__file__).resolve().parents[2]
-PATCH_NAMES = {"ddp_hooks", "train_reentry", "inference_roles", "slime_logprobs"}
+PATCH_NAMES = {"ddp_hooks", "train_reentry", "inference_roles", "slime_logprobs", "gpt_output_processor"}
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,228 @@
+"""Output processors for GPTModel's `output_processor=` hook: log-probs, entropy and top-k
+buckets straight from the final hidden states, so the [s, b, V/tp] logits never exist.
+
+megatron-core >= 0.18 calls the processor in place of the output layer; patch
+`gpt_output_processor` gives 0.13-0.17 the same keywords. The processor reads the output weight
+only after the output layer's forward pre-hooks ran (with overlap-param-gather, DDP's hook is what
+waits for that weight's all-gather), takes tensor and sequence parallelism from the output layer
+and folds a MuP output multiplier into the temperature.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping
+
+import torch
+
+__all__ = ["log_prob_output_processor", "topk_output_processor"]
+
+_LOGPROB_CONTEXT = ("keep_mask", "temperature")
+_TOPK_CONTEXT = ("ids", "temperature")
+
+
+def wait_for_output_weight(output_layer: torch.nn.Module, hidden_states: torch.Tensor) -> None:
+    """Run the output layer's forward pre-hooks, as calling it would: with overlap-param-gather
+    DDP's hook waits there for the layer's parameter all-gather (reading first gives stale weights)."""
+    with_kwargs = getattr(output_layer, "_forward_pre_hooks_with_kwargs", {})
+    for hook_id, hook in list(output_layer._forward_pre_hooks.items()):
+        if hook_id in with_kwargs:
+            hook(output_layer, (hidden_states,), {})
+        else:
+            hook(output_layer, (hidden_states,))
+
+
+def _context(context: Any, allowed: tuple[str, ...]) -> Mapping[str, Any]:
+    if context is None:
+        return {}
+    if not isinstance(context, Mapping):
+        raise TypeError(
+            f"output_processor_context must be a dict with keys among {allowed} or None, got {type(context).__name__}"
+        )
+    unknown = sorted(set(context) - set(allowed))
+    if unknown:
+        raise ValueError(f"output_processor_context has unknown keys {unknown}; accepted keys: {list(allowed)}")
+    return context
+
+
+def _logit_multiplier(config: Any) -> float:
+    """megatron-core's MuP output multiplier (logits *= mup_output_mult when use_mup), else 1."""
+    if not getattr(config, "use_mup", False):
+        return 1.0
+    mult = getattr(config, "mup_output_mult", None)
+    if not isinstance(mult, (int, float)) or not math.isfinite(mult) or mult <= 0:
+        raise ValueError(
+            f"config.use_mup is set but config.mup_output_mult is {mult!r}; the fused output processor "
+            "folds a finite positive multiplier into the temperature: set one or disable use_mup"
+        )
+    return float(mult)
+
+
+def _per_token(value: torch.Tensor, name: str, batch: int, seq: int) -> torch.Tensor:
+    """A [b, s, ...] per-token tensor as [s*b, ...] rows, in the hidden states' (s, b) order."""
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or tuple(value.shape[:2]) != (batch, seq):
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{name} must be a tensor of shape [b={batch}, s={seq}, ...] like labels, got {shape}")
+    return value.transpose(0, 1).reshape(batch * seq, *value.shape[2:])
+
+
+class _Call:
+    """What every processor call needs: rows of hidden states, the weight, the parallel layout."""
+
+    def __init__(self, hidden_states, output_layer, output_weight, labels, config, temperature, context):
+        if hidden_states.dim() != 3:
+            raise ValueError(f"hidden_states must be [s, b, h], got shape {tuple(hidden_states.shape)}")
+        self.sequence_parallel = bool(getattr(output_layer, "sequence_parallel", False))
+        self.tp_group = _tp_group(output_layer)
+        local_seq, batch, _ = hidden_states.shape
+        seq = local_seq * (self.tp_world if self.sequence_parallel else 1)
+        self.batch, self.seq = batch, seq
+        wait_for_output_weight(output_layer, hidden_states)
+        self.weight = output_weight if output_weight is not None else output_layer.weight
+        self.hidden = hidden_states.reshape(local_seq * batch, hidden_states.size(-1))
+        self.temperature = temperature / _logit_multiplier(config)
+        per_token = context.get("temperature")
+        if per_token is not None:
+            # logits/τ_row = (h/τ_row)·Wᵀ: scaling the [T, H] rows costs no [T, V] copy.
+            rows = _per_token(per_token, "output_processor_context['temperature']", batch, seq)
+            rows = _local_rows(rows, self)
+            if not torch.is_floating_point(rows) or not bool(torch.all(torch.isfinite(rows) & (rows > 0))):
+                raise ValueError("output_processor_context['temperature'] must hold finite values > 0")
+            self.hidden = self.hidden / rows.to(self.hidden.dtype).unsqueeze(1)
+        self.labels = None if labels is None else _per_token(labels, "labels", batch, seq)
+
+    @property
+    def tp_world(self) -> int:
+        if self.tp_group is None:
+            return 1
+        import torch.distributed as dist
+
+        return dist.get_world_size(self.tp_group)
+
+    def to_batch(self, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """[s*b, ...] rows back to [b, s, ...]."""
+        if rows is None:
+            return None
+        return rows.reshape(self.seq, self.batch, *rows.shape[1:]).transpose(0, 1)
+
+
+def _local_rows(rows: torch.Tensor, call: _Call) -> torch.Tensor:
+    """Under sequence parallelism this rank's hidden rows are its [s/tp] slice of the sequence."""
+    if not call.sequence_parallel or call.tp_world == 1:
+        return rows
+    import torch.distributed as dist
+
+    per_rank = rows.size(0) // call.tp_world
+    rank = dist.get_rank(call.tp_group)
+    return rows[rank * per_rank : (rank + 1) * per_rank]
+
+
+def _tp_group(output_layer: torch.nn.Module):
+    """The output layer's tensor-parallel group, or None at TP = 1 (the ops' "no TP")."""
+    import torch.distributed as dist
+
+    group = getattr(output_layer, "tp_group", None)
+    if group is None:
+        try:
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_tensor_model_parallel_group()
+        except (AssertionError, ImportError):  # parallel state not initialized: no TP
+            return None
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return None
+    return group
+
+
+def _check_common(temperature: float, vocab_size: int | None, chunk_size: int | None) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a float > 0, got {temperature!r}")
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0):
+        raise ValueError(f"vocab_size must be a positive int (the real, unpadded vocabulary) or None, got {vocab_size!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+
+
+def log_prob_output_processor(
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_requires_grad: bool = True,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+) -> Callable[..., dict[str, torch.Tensor | None]]:
+    """A processor for `GPTModel.forward(..., labels=targets [b, s], output_processor=...)` that
+    returns {"log_probs": [b, s], "entropy": [b, s] or None}: log p(label) and the entropy per
+    token at `temperature`, from the hidden states (no logits). `output_processor_context` may be a
+    dict with "keep_mask" ([b, s, V/tp] bool: ids the log-prob is normalized over) and
+    "temperature" ([b, s] per-token temperatures, multiplied with `temperature`)."""
+    _check_common(temperature, vocab_size, chunk_size)
+
+    def process(*, hidden_states, output_layer, output_weight=None, labels=None, config=None, context=None, **_):
+        from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy
+
+        ctx = _context(context, _LOGPROB_CONTEXT)
+        if labels is None:
+            raise ValueError("log_prob_output_processor needs labels=[b, s] target ids in GPTModel.forward")
+        call = _Call(hidden_states, output_layer, output_weight, labels, config, temperature, ctx)
+        keep_mask = ctx.get("keep_mask")
+        if keep_mask is not None:
+            keep_mask = _per_token(keep_mask, "output_processor_context['keep_mask']", call.batch, call.seq)
+        log_probs, entropy = lm_head_log_probs_and_entropy(
+            call.hidden,
+            call.weight,
+            call.labels,
+            tp_group=call.tp_group,
+            sequence_parallel=call.sequence_parallel,
+            temperature=call.temperature,
+            with_entropy=with_entropy,
+            entropy_requires_grad=entropy_requires_grad,
+            keep_mask=keep_mask,
+            vocab_size=vocab_size,
+            chunk_size=chunk_size,
+        )
+        return {"log_probs": call.to_batch(log_probs), "entropy": call.to_batch(entropy)}
+
+    return process
+
+
+def topk_output_processor(
+    *,
+    k: int | None = None,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+) -> Callable[..., dict[str, torch.Tensor]]:
+    """A processor returning the (k+1)-bucket top-k view of the next-token distribution:
+    {"topk_ids": [b, s, k] (when it selects them), "topk_log_probs": [b, s, k], "tail": [b, s]}.
+    With `k` it selects each token's top-k ids (a student); with `output_processor_context=
+    {"ids": [b, s, k]}` it scores those ids instead (a teacher scoring the student's ids)."""
+    _check_common(temperature, vocab_size, chunk_size)
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k <= 0):
+        raise ValueError(f"k must be a positive int (ids to select) or None (ids from the context), got {k!r}")
+
+    def process(*, hidden_states, output_layer, output_weight=None, labels=None, config=None, context=None, **_):
+        from megatron_rl_patches.ops.lm_head import lm_head_topk_ids, lm_head_topk_logprobs
+
+        ctx = _context(context, _TOPK_CONTEXT)
+        ids = ctx.get("ids")
+        if (ids is None) == (k is None):
+            raise ValueError(
+                "topk_output_processor needs exactly one source of ids: k= (select the top-k) or "
+                "output_processor_context={'ids': [b, s, k]} (score given ids)"
+            )
+        call = _Call(hidden_states, output_layer, output_weight, None, config, temperature, ctx)
+        options = dict(tp_group=call.tp_group, sequence_parallel=call.sequence_parallel,
+                       temperature=call.temperature, vocab_size=vocab_size, chunk_size=chunk_size)
+        result: dict[str, torch.Tensor] = {}
+        if ids is None:
+            with torch.no_grad():
+                rows = lm_head_topk_ids(call.hidden, call.weight, k, **options)
+            result["topk_ids"] = call.to_batch(rows)
+        else:
+            rows = _per_token(ids, "output_processor_context['ids']", call.batch, call.seq)
+        log_probs, tail = lm_head_topk_logprobs(call.hidden, call.weight, rows, **options)
+        result["topk_log_probs"] = call.to_batch(log_probs)
+        result["tail"] = call.to_batch(tail)
+        return result
+
+    return process
