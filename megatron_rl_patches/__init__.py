@@ -12,10 +12,10 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it (resolved on first access)
 _LAZY = {
-    "apply": "megatron_rl_patches.patching.registry",
-    "revert": "megatron_rl_patches.patching.registry",
-    "applied": "megatron_rl_patches.patching.registry",
-    "PatchStatus": "megatron_rl_patches.patching.registry",
+    "apply": "megatron_rl_patches.integrations",
+    "revert": "megatron_rl_patches.integrations",
+    "applied": "megatron_rl_patches.integrations",
+    "PatchStatus": "megatron_rl_patches.patching.records",
     "reentrant_train": "megatron_rl_patches.reentrant",
     "build_inference_model": "megatron_rl_patches.inference",
     "load_inference_weights": "megatron_rl_patches.inference",

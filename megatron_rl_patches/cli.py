@@ -152,6 +152,12 @@ def _import_targets(modules: Sequence[str]) -> dict[str, str]:
     return problems
 
 
+def default_registry():
+    from megatron_rl_patches.integrations import default_registry as get
+
+    return get()
+
+
 def _run_list(args: argparse.Namespace) -> int:
     from megatron_rl_patches.patching import env, registry
 
@@ -160,7 +166,7 @@ def _run_list(args: argparse.Namespace) -> int:
             print(f"note: {env.SELECT} is not set: start-up applies nothing", file=sys.stderr)
         else:
             try:
-                registry.apply()
+                default_registry().apply()
             except ValueError as exc:
                 print(f"{PROG} list: {exc}", file=sys.stderr)
                 return USAGE
@@ -169,7 +175,7 @@ def _run_list(args: argparse.Namespace) -> int:
                 return FAILURE
     import_problems: dict[str, str] = {}
     if args.import_targets:
-        import_problems = _import_targets(list(dict.fromkeys(p.module for p in registry.patches())))
+        import_problems = _import_targets(list(dict.fromkeys(p.module for p in default_registry().patches())))
     rows = [
         {
             "name": patch.name,
@@ -181,7 +187,7 @@ def _run_list(args: argparse.Namespace) -> int:
             "status": status.status,
             "reason": status.reason,
         }
-        for patch, status in registry.entries()
+        for patch, status in default_registry().entries()
     ]
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -286,7 +292,7 @@ def collect_doctor() -> dict[str, Any]:
 
     modules: dict[str, tuple[bool, str | None]] = {}
     targets = []
-    for patch in registry.patches():
+    for patch in default_registry().patches():
         if patch.module not in modules:
             modules[patch.module] = find_module(patch.module)
         found, why = modules[patch.module]
@@ -311,7 +317,7 @@ def collect_doctor() -> dict[str, Any]:
 
     environment: dict[str, Any] = env.summary()
     try:
-        environment["resolved"] = env.resolve_selection(registry.patch_names()) if env.is_enabled() else []
+        environment["resolved"] = env.resolve_selection(default_registry().patch_names()) if env.is_enabled() else []
         environment["error"] = None
     except ValueError as exc:
         environment["resolved"], environment["error"] = None, str(exc)

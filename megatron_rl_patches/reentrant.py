@@ -1,6 +1,7 @@
 """Make a Megatron-style train() callable once per rollout.
 
-Three pieces, usable alone or through the registry patches `ddp_hooks` and `train_reentry`:
+Three pieces, usable alone or through the registry patches `ddp_hooks` and `train_reentry`
+(their wrappers live in ``integrations.megatron_core`` and ``integrations.train_reentry``):
 idempotent forward-pre-hook toggles for DDP-like model chunks (`enable_hooks`, `disable_hooks`),
 a guard that clears the chunks' own sync functions from the shared config before train() installs
 them again (and puts config and hook state back if train() raises), and `reentrant_train`.
@@ -10,16 +11,13 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import logging
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
 
-from megatron_rl_patches._args import bind
 from megatron_rl_patches._chunks import DDP_HOOK_ATTRS, as_chunks, is_ddp_like, iter_wrapped
-from megatron_rl_patches.inference.guard import assert_trainable, is_inference_only
-
-logger = logging.getLogger("megatron_rl_patches")
+from megatron_rl_patches._log import logger, warn_once
+from megatron_rl_patches.inference.guard import assert_trainable
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -38,12 +36,6 @@ _ALL, _NONE, _PARTIAL = "all", "none", "partial"
 _guarded: contextvars.ContextVar[frozenset[tuple[int, ...]]] = contextvars.ContextVar(
     "megatron_rl_patches_guarded", default=frozenset()
 )
-
-
-def _warn(message: str) -> None:
-    from megatron_rl_patches.patching.registry import warn_once
-
-    warn_once(message)
 
 
 def _require_ddp_like(chunk: Any, caller: str) -> None:
@@ -75,13 +67,13 @@ def _drop_handles(chunk: Any) -> None:
         handle = handles.pop(module)
         if handle is not None:
             handle.remove()
-    _warn(
+    warn_once(
         f"a DistributedDataParallel chunk had forward pre-hooks on only some of its modules "
         f"({count} handle(s)); they were removed to restore a consistent state"
     )
 
 
-def _enable(chunk: Any, call_original: Callable[[], Any]) -> Any:
+def enable_with(chunk: Any, call_original: Callable[[], Any]) -> Any:
     if not chunk.use_forward_hook:
         return call_original()  # upstream's own assert explains the misuse
     state = _hook_state(chunk)
@@ -92,7 +84,7 @@ def _enable(chunk: Any, call_original: Callable[[], Any]) -> Any:
     return call_original()
 
 
-def _disable(chunk: Any, param_sync: bool, call_original: Callable[[], Any]) -> Any:
+def disable_with(chunk: Any, param_sync: bool, call_original: Callable[[], Any]) -> Any:
     if not chunk.use_forward_hook:
         return call_original()
     state = _hook_state(chunk)
@@ -109,84 +101,14 @@ def _disable(chunk: Any, param_sync: bool, call_original: Callable[[], Any]) -> 
 def enable_hooks(chunk: Any) -> None:
     """Register the chunk's forward pre-hooks unless they already are (no second-call assert)."""
     _require_ddp_like(chunk, "enable_hooks")
-    _enable(chunk, chunk.enable_forward_pre_hook)
+    enable_with(chunk, chunk.enable_forward_pre_hook)
 
 
 def disable_hooks(chunk: Any, param_sync: bool = True) -> None:
     """Remove the chunk's forward pre-hooks if registered (no KeyError when already removed);
     with `param_sync` the forced parameter all-gather runs in either case, as upstream's does."""
     _require_ddp_like(chunk, "disable_hooks")
-    _disable(chunk, bool(param_sync), lambda: chunk.disable_forward_pre_hook(param_sync=param_sync))
-
-
-# --- registry wrappers for DistributedDataParallel methods (patch `ddp_hooks`) -------------
-
-def _method_call(
-    wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
-) -> tuple[Any, inspect.BoundArguments] | None:
-    """(chunk, arguments) of a call to a DDP method, bound or through the class (`self` in the
-    arguments); None when the original should run unchanged: the call does not fit its
-    signature, or the chunk is not DDP-like."""
-    bound = bind(wrapped, args, kwargs)
-    if bound is None:
-        return None
-    chunk = instance if instance is not None else bound.arguments.get("self")
-    return (chunk, bound) if is_ddp_like(chunk) else None
-
-
-def enable_forward_pre_hook_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """DistributedDataParallel.enable_forward_pre_hook: a no-op when hooks are registered."""
-    call = _method_call(wrapped, instance, args, kwargs)
-    if call is None:
-        return wrapped(*args, **kwargs)
-    return _enable(call[0], lambda: wrapped(*args, **kwargs))
-
-
-def disable_forward_pre_hook_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """DistributedDataParallel.disable_forward_pre_hook: with no hooks registered, only the
-    requested param sync runs."""
-    call = _method_call(wrapped, instance, args, kwargs)
-    if call is None:
-        return wrapped(*args, **kwargs)
-    chunk, bound = call
-    param_sync = bool(bound.arguments.get("param_sync", True))
-    return _disable(chunk, param_sync, lambda: wrapped(*args, **kwargs))
-
-
-# --- registry wrappers for train()'s module-level helpers (patch `train_reentry`) ----------
-
-def _helper_chunks(bound: inspect.BoundArguments | None) -> list[Any] | None:
-    """The chunks a helper was given, or None when it should run unchanged (a call we do not
-    understand, or a chunk that is neither DDP-like nor built inference-only)."""
-    if bound is None or bound.arguments.get("model_chunks") is None:
-        return None
-    chunks = as_chunks(bound.arguments["model_chunks"])
-    if not all(is_ddp_like(c) or is_inference_only(c) for c in chunks):
-        return None
-    # an inference-only chunk has no DDP hooks to toggle
-    return [c for c in chunks if is_ddp_like(c)]
-
-
-def enable_hooks_helper_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """enable_forward_pre_hook(model_chunks): idempotent per chunk."""
-    chunks = _helper_chunks(bind(wrapped, args, kwargs))
-    if chunks is None:
-        return wrapped(*args, **kwargs)
-    for chunk in chunks:
-        enable_hooks(chunk)
-    return None
-
-
-def disable_hooks_helper_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """disable_forward_pre_hook(model_chunks, param_sync=True): idempotent per chunk."""
-    bound = bind(wrapped, args, kwargs)
-    chunks = _helper_chunks(bound)
-    if chunks is None:
-        return wrapped(*args, **kwargs)
-    param_sync = bool(bound.arguments.get("param_sync", True)) if bound is not None else True
-    for chunk in chunks:
-        disable_hooks(chunk, param_sync=param_sync)
-    return None
+    disable_with(chunk, bool(param_sync), lambda: chunk.disable_forward_pre_hook(param_sync=param_sync))
 
 
 # --- the sync-function guard ---------------------------------------------------------------
@@ -287,7 +209,7 @@ def _enter(chunks: Sequence[Any]) -> _Entry:
         if _is_own(value, chunks, method):
             setattr(config, slot, None)
         else:
-            _warn(_foreign_message(slot, method, value))
+            warn_once(_foreign_message(slot, method, value))
     return entry
 
 
@@ -338,7 +260,7 @@ def find_model_chunks(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list
     )
 
 
-def _call_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def call_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     chunks = find_model_chunks(fn, args, kwargs)
     if not chunks:  # a call that does not bind (fn raises its own TypeError) or no chunks
         return fn(*args, **kwargs)
@@ -361,11 +283,6 @@ def _call_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         _guarded.reset(token)
 
 
-def train_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Registry wrapper for known train() functions (patch `train_reentry`)."""
-    return _call_guarded(wrapped, args, kwargs)
-
-
 def reentrant_train(fn: F) -> F:
     """Wrap a Megatron-style train() so it can run once per rollout: the chunks' own sync
     functions are cleared from the shared config on entry, state is restored if it raises.
@@ -377,7 +294,7 @@ def reentrant_train(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return _call_guarded(fn, args, kwargs)
+        return call_guarded(fn, args, kwargs)
 
     setattr(wrapper, _MARK, True)
     return wrapper  # type: ignore[return-value]

@@ -56,16 +56,23 @@ def clean_patch_state(monkeypatch):
     """No MEGATRON_RL_PATCHES* variable set and a fresh registry, before and after the test."""
     for name in [n for n in os.environ if n.startswith("MEGATRON_RL_PATCHES")]:
         monkeypatch.delenv(name, raising=False)
-    from megatron_rl_patches.patching import registry
+    from megatron_rl_patches._log import forget_warnings
+    from megatron_rl_patches.integrations import default_registry
 
-    registry._reset_for_tests()
+    default_registry().reset()
+    forget_warnings()
     yield monkeypatch
-    registry._reset_for_tests()
+    default_registry().reset()
+    forget_warnings()
 
 
 @pytest.fixture(autouse=True)
 def _reset_patch_registry():
+    """No patch of the default registry outlives a test (only when the test built one)."""
     yield
-    registry = sys.modules.get("megatron_rl_patches.patching.registry")
-    if registry is not None:
-        registry._reset_for_tests()
+    integrations = sys.modules.get("megatron_rl_patches.integrations")
+    if integrations is not None and integrations._default is not None:
+        integrations._default.reset()
+    log = sys.modules.get("megatron_rl_patches._log")
+    if log is not None:
+        log.forget_warnings()

@@ -81,7 +81,7 @@ def initialize_model_and_optimizer_wrapper(
     module = sys.modules.get(getattr(wrapped, "__module__", ""))
     factory = getattr(module, "get_model_provider_func", None)
     if not callable(factory):
-        from megatron_rl_patches.patching.registry import warn_once
+        from megatron_rl_patches._log import warn_once
 
         warn_once(
             f"'inference_roles': {getattr(module, '__name__', '?')} has no get_model_provider_func; "

@@ -47,7 +47,7 @@ def _check_fit(path: Path, missing: Sequence[str], unexpected: Sequence[str], sh
         raise WeightsMismatchError(repr(str(path)), missing, unexpected, shapes)
     if not (missing or unexpected):
         return
-    from megatron_rl_patches.patching.registry import warn_once  # rank 0 only, once per message
+    from megatron_rl_patches._log import warn_once  # rank 0 only, once per message
 
     warn_once(
         f"non-strict load from {path}: {len(missing)} missing key(s) keep their values "

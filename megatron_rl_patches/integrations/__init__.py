@@ -1,40 +1,49 @@
-"""Which target gets which wrapper, per framework. Declarations only: importing these
-modules imports nothing heavy; the wrappers are named as "module:function" strings and are
-resolved when their target module is imported."""
+"""Which target gets which wrapper, per framework, and the default registry built from them.
+
+Each framework module declares its records and owns their wrappers (named as "module:function"
+strings, resolved when the target module is imported). Importing this package imports nothing
+heavy: the registry is built on first use. `apply`, `revert` and `applied` here are the
+package's public ones.
+"""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megatron_rl_patches.patching.registry import Patch
+    from megatron_rl_patches.patching.records import Patch, PatchStatus
+    from megatron_rl_patches.patching.registry import Registry
 
-
-def train_reentry_patches(module: str, train_params: tuple[str, ...], framework: str) -> tuple[Patch, ...]:
-    """`train_reentry` for a framework module that defines train() and the module-level
-    enable/disable_forward_pre_hook(model_chunks) helpers (Megatron-LM and slime both do).
-    Frameworks ship no usable version metadata: the parameter lists are the guard."""
-    from megatron_rl_patches.patching.registry import Patch
-
-    def record(attribute: str, wrapper: str, description: str, params: tuple[str, ...]) -> Patch:
-        return Patch(
-            name="train_reentry",
-            target=f"{module}:{attribute}",
-            wrapper=f"megatron_rl_patches.reentrant:{wrapper}",
-            description=f"{framework} {description}",
-            requires=None,
-            params=params,
-        )
-
-    return (
-        record("train", "train_wrapper", "train() callable once per rollout", train_params),
-        record("enable_forward_pre_hook", "enable_hooks_helper_wrapper",
-               "enable_forward_pre_hook(model_chunks) idempotent", ("model_chunks",)),
-        record("disable_forward_pre_hook", "disable_hooks_helper_wrapper",
-               "disable_forward_pre_hook(model_chunks, param_sync) idempotent", ("model_chunks",)),
-    )
+_default: Registry | None = None
 
 
 def all_patches() -> list[Patch]:
     from megatron_rl_patches.integrations import megatron_core, megatron_lm, slime
 
     return [*megatron_core.PATCHES, *megatron_lm.PATCHES, *slime.PATCHES, *megatron_core.OUTPUT_PROCESSOR_PATCHES]
+
+
+def default_registry() -> Registry:
+    """The process-wide registry of every patch this package knows (built once)."""
+    global _default
+    if _default is None:
+        from megatron_rl_patches.patching.registry import Registry
+
+        _default = Registry(all_patches)
+    return _default
+
+
+def apply(only: Any = None, exclude: Any = None, strict: bool | None = None, allow_untested: bool | None = None,
+          *, environ: Any = None) -> list[PatchStatus]:
+    """Apply the selected patches (see :meth:`Registry.apply`): idempotent, additive."""
+    return default_registry().apply(only, exclude, strict, allow_untested, environ=environ)
+
+
+def revert(only: Any = None) -> list[PatchStatus]:
+    """Remove the patches (all, or those named), restoring the originals exactly. Idempotent."""
+    return default_registry().revert(only)
+
+
+def applied() -> list[PatchStatus]:
+    """One status per (patch, target): applied / pending / skipped / failed, with a reason."""
+    return default_registry().applied()
+

@@ -6,7 +6,7 @@ import inspect
 from typing import Any
 
 from megatron_rl_patches.integrations.megatron_version import SUPPORTED
-from megatron_rl_patches.patching.registry import Patch
+from megatron_rl_patches.patching.records import Patch
 
 DDP = "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel"
 GPT = "megatron.core.models.gpt.gpt_model:GPTModel"
@@ -18,7 +18,7 @@ PATCHES = (
     Patch(
         name="ddp_hooks",
         target=f"{DDP}.enable_forward_pre_hook",
-        wrapper="megatron_rl_patches.reentrant:enable_forward_pre_hook_wrapper",
+        wrapper="megatron_rl_patches.integrations.megatron_core:enable_forward_pre_hook_wrapper",
         description="enable_forward_pre_hook() is a no-op when the hooks are already registered",
         versions=SUPPORTED,
         version_finder=VERSION_FINDER,
@@ -27,7 +27,7 @@ PATCHES = (
     Patch(
         name="ddp_hooks",
         target=f"{DDP}.disable_forward_pre_hook",
-        wrapper="megatron_rl_patches.reentrant:disable_forward_pre_hook_wrapper",
+        wrapper="megatron_rl_patches.integrations.megatron_core:disable_forward_pre_hook_wrapper",
         description="disable_forward_pre_hook() with no hooks registered only does the param sync",
         versions=SUPPORTED,
         version_finder=VERSION_FINDER,
@@ -48,6 +48,43 @@ OUTPUT_PROCESSOR_PATCHES = (
         params=("self", "input_ids", "position_ids", "attention_mask"),
     ),
 )
+
+
+def _method_call(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> tuple[Any, inspect.BoundArguments] | None:
+    """(chunk, arguments) of a call to a DDP method, bound or through the class (`self` in the
+    arguments); None when the original should run unchanged: the call does not fit its
+    signature, or the chunk is not DDP-like."""
+    from megatron_rl_patches._args import bind
+    from megatron_rl_patches._chunks import is_ddp_like
+
+    bound = bind(wrapped, args, kwargs)
+    if bound is None:
+        return None
+    chunk = instance if instance is not None else bound.arguments.get("self")
+    return (chunk, bound) if is_ddp_like(chunk) else None
+
+
+def enable_forward_pre_hook_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """`ddp_hooks`: DistributedDataParallel.enable_forward_pre_hook is a no-op when hooks are registered."""
+    from megatron_rl_patches.reentrant import enable_with
+
+    call = _method_call(wrapped, instance, args, kwargs)
+    if call is None:
+        return wrapped(*args, **kwargs)
+    return enable_with(call[0], lambda: wrapped(*args, **kwargs))
+
+
+def disable_forward_pre_hook_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """`ddp_hooks`: DistributedDataParallel.disable_forward_pre_hook with no hooks registered
+    only runs the requested param sync."""
+    from megatron_rl_patches.reentrant import disable_with
+
+    call = _method_call(wrapped, instance, args, kwargs)
+    if call is None:
+        return wrapped(*args, **kwargs)
+    chunk, bound = call
+    param_sync = bool(bound.arguments.get("param_sync", True))
+    return disable_with(chunk, param_sync, lambda: wrapped(*args, **kwargs))
 
 
 class _OutputLayerReached(Exception):

@@ -3,8 +3,8 @@
 slime ships no version metadata we can rely on, so these records carry no version range; the
 parameter lists are the guard.
 """
-from megatron_rl_patches.integrations import train_reentry_patches
-from megatron_rl_patches.patching.registry import Patch
+from megatron_rl_patches.integrations.train_reentry import train_reentry_patches
+from megatron_rl_patches.patching.records import Patch
 
 MODEL = "slime.backends.megatron_utils.model"
 SLIME_TRAIN_PARAMS = ("rollout_id", "model", "optimizer", "opt_param_scheduler", "data_iterator")
@@ -100,7 +100,7 @@ def calculate_log_probs_and_entropy_wrapper(wrapped, instance, args, kwargs):
         if name not in known and value is not signature.parameters[name].default
     ]
     if foreign:
-        from megatron_rl_patches.patching.registry import warn_once
+        from megatron_rl_patches._log import warn_once
 
         warn_once(
             f"slime_logprobs: this slime passes {', '.join(foreign)}, which the replacement does not "

@@ -18,13 +18,18 @@ def has_run() -> bool:
 
 def _say(message: str) -> None:
     """One stderr line, from the first rank only (every rank would print the same)."""
-    from megatron_rl_patches.patching import env
+    from megatron_rl_patches._log import launcher_rank
 
-    if env.launcher_rank() == 0:
+    if launcher_rank() == 0:
         sys.stderr.write(f"megatron-rl-patches: {message}\n")
 
 
-def run() -> None:
+# The composition root: where the registry of every known patch is built. A string, so this
+# layer names no integration; replaceable for tests and for embedders with their own registry.
+DEFAULT_REGISTRY = "megatron_rl_patches.integrations:default_registry"
+
+
+def run(registry_factory: str = DEFAULT_REGISTRY) -> None:
     """Apply what the environment selects. Idempotent: a venv can execute the same .pth twice."""
     global _done
     if _done:
@@ -35,8 +40,9 @@ def run() -> None:
 
         if not env.is_enabled():
             return
-        from megatron_rl_patches.patching import registry
+        import pkgutil
 
+        registry = pkgutil.resolve_name(registry_factory)()
         try:
             registry.apply()
         except ValueError as exc:  # bad selection: one line now; in strict mode, also at import

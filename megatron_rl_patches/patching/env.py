@@ -40,18 +40,6 @@ def split_names(value: str | Sequence[str] | None) -> list[str]:
     return [item.strip() for item in items if item and item.strip()]
 
 
-# Launchers' rank variables (torchrun, slurm, Open MPI, MPICH): read where torch.distributed is
-# not initialized yet, e.g. at interpreter start-up.
-RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-
-
-def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
-    """This process's global rank as the launcher announced it (0 when none did)."""
-    env = _environ(environ)
-    value = next((env[name] for name in RANK_VARIABLES if name in env), "0").strip()
-    return int(value) if value.isdigit() else 0
-
-
 def is_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """True when MEGATRON_RL_PATCHES asks for patching at start-up (unset, '' or '0' = off)."""
     return _environ(environ).get(SELECT, "").strip().lower() not in _OFF

@@ -13,7 +13,9 @@ pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 def test_demo_with_patches_completes_every_rollout_and_reports_true_savings():
     from megatron_rl_patches.demo.loop import DemoConfig
     from megatron_rl_patches.demo.session import run_demo
-    from megatron_rl_patches.patching import registry
+    from megatron_rl_patches.integrations import default_registry
+
+    registry = default_registry()
 
     summary = run_demo(DemoConfig(rollouts=3, steps=1))
     json.dumps(summary)  # JSON-ready

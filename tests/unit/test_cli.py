@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl_patches import cli
+from megatron_rl_patches.integrations import default_registry
 from megatron_rl_patches.patching import registry, startup
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +34,7 @@ def test_list_json(capsys):
     assert code == 0
     rows = json.loads(out)
     assert {row["name"] for row in rows} == PATCH_NAMES
-    assert len(rows) == len(registry.patches())
+    assert len(rows) == len(default_registry().patches())
     ddp = [row for row in rows if row["name"] == "ddp_hooks"]
     assert {row["target"].rsplit(".", 1)[1] for row in ddp} == {"enable_forward_pre_hook", "disable_forward_pre_hook"}
     assert all(row["requires"] == "megatron-core" and row["versions"] == ">=0.13,<0.21" for row in ddp)
@@ -44,7 +45,7 @@ def test_list_json(capsys):
 def test_list_text_shows_every_target(capsys):
     code, out, _ = run(capsys, "list")
     assert code == 0
-    assert all(patch.target in out for patch in registry.patches())
+    assert all(patch.target in out for patch in default_registry().patches())
 
 
 def test_list_apply_uses_the_environment(capsys, clean):

@@ -10,7 +10,10 @@ import textwrap
 
 import pytest
 
+from megatron_rl_patches.integrations import default_registry
 from megatron_rl_patches.patching import env, registry
+
+REG = default_registry()  # the real catalog
 
 KNOWN = ("ddp_hooks", "train_reentry", "inference_roles", "slime_logprobs")
 VARS = (env.SELECT, env.DISABLE, env.STRICT, env.INFERENCE_ROLES)
@@ -116,43 +119,43 @@ def by_name(statuses):
 
 def test_apply_follows_env_and_explicit_arguments_win(clean_registry, monkeypatch):
     monkeypatch.setenv(env.SELECT, "slime_logprobs")
-    chosen = registry.apply()
+    chosen = REG.apply()
     assert {s.name for s in chosen} == {"slime_logprobs"}
-    registry.revert()
+    REG.revert()
 
     monkeypatch.setenv(env.DISABLE, "slime_logprobs")
     monkeypatch.setenv(env.SELECT, "all")
-    registry.apply()
-    states = {(s.name, s.reason) for s in registry.applied() if s.name == "slime_logprobs"}
+    REG.apply()
+    states = {(s.name, s.reason) for s in REG.applied() if s.name == "slime_logprobs"}
     assert states == {("slime_logprobs", f"disabled by {env.DISABLE}")}
-    registry.revert()
+    REG.revert()
 
-    chosen = registry.apply(only="slime_logprobs")  # explicit beats DISABLE and SELECT
+    chosen = REG.apply(only="slime_logprobs")  # explicit beats DISABLE and SELECT
     assert {s.name for s in chosen} == {"slime_logprobs"}
-    assert by_name(registry.applied())["ddp_hooks"] == {"skipped"}
+    assert by_name(REG.applied())["ddp_hooks"] == {"skipped"}
 
 
 def test_apply_with_unknown_names_changes_nothing(clean_registry, monkeypatch):
-    before = [s.as_dict() for s in registry.applied()]
+    before = [s.as_dict() for s in REG.applied()]
     with pytest.raises(ValueError, match="valid names: ddp_hooks, train_reentry"):
-        registry.apply(only="ddp_hooks,bogus")
+        REG.apply(only="ddp_hooks,bogus")
     monkeypatch.setenv(env.SELECT, "bogus")
     with pytest.raises(ValueError, match="'bogus' in MEGATRON_RL_PATCHES"):
-        registry.apply()
-    assert [s.as_dict() for s in registry.applied()] == before
+        REG.apply()
+    assert [s.as_dict() for s in REG.applied()] == before
 
 
 def test_strict_variable_is_the_default_and_the_argument_wins(clean_registry, monkeypatch):
     # a record whose target attribute does not exist: warn + skipped, or raise when strict
     patch = registry.Patch("ghost", "json:no_such_function", lambda *a: None, "test", requires=None)
-    monkeypatch.setattr(registry, "_slots", {(patch.name, patch.target): registry._Slot(patch)})
+    reg = registry.Registry([patch])
     monkeypatch.setenv(env.STRICT, "1")
     with pytest.raises(registry.PatchTargetMissing, match="json:no_such_function"):
-        registry.apply(only="ghost")
-    statuses = registry.apply(only="ghost", strict=False)
+        reg.apply(only="ghost")
+    statuses = reg.apply(only="ghost", strict=False)
     assert statuses[0].status == "skipped" and "no_such_function" in statuses[0].reason
     monkeypatch.delenv(env.STRICT)
-    assert registry.apply(only="ghost")[0].status == "skipped"
+    assert reg.apply(only="ghost")[0].status == "skipped"
 
 
 STARTUP_SCRIPT = textwrap.dedent(
@@ -207,10 +210,12 @@ def test_startup_strict_unknown_name_raises_at_first_import_of_a_target(fake_sli
 
 
 def test_launcher_rank_reads_the_usual_variables():
-    assert env.launcher_rank({}) == 0
-    assert env.launcher_rank({"RANK": "3"}) == 3
-    assert env.launcher_rank({"SLURM_PROCID": "2"}) == 2
-    assert env.launcher_rank({"RANK": "garbage"}) == 0
+    from megatron_rl_patches._log import launcher_rank
+
+    assert launcher_rank({}) == 0
+    assert launcher_rank({"RANK": "3"}) == 3
+    assert launcher_rank({"SLURM_PROCID": "2"}) == 2
+    assert launcher_rank({"RANK": "garbage"}) == 0
 
 
 def test_start_up_messages_come_from_rank_zero_only():

@@ -12,6 +12,7 @@ import wrapt
 
 import megatron_rl_patches
 from megatron_rl_patches import reentrant
+from megatron_rl_patches.integrations import megatron_core
 from megatron_rl_patches.patching import registry
 from megatron_rl_patches.reentrant import disable_hooks, enable_hooks, reentrant_train
 from megatron_rl_patches.testing.fake_ddp import FakeDDP, fake_config
@@ -156,8 +157,8 @@ def test_method_wrappers_installed_on_a_class(monkeypatch):
     class PatchedDDP(FakeDDP):
         pass
 
-    wrapt.wrap_function_wrapper(PatchedDDP, "enable_forward_pre_hook", reentrant.enable_forward_pre_hook_wrapper)
-    wrapt.wrap_function_wrapper(PatchedDDP, "disable_forward_pre_hook", reentrant.disable_forward_pre_hook_wrapper)
+    wrapt.wrap_function_wrapper(PatchedDDP, "enable_forward_pre_hook", megatron_core.enable_forward_pre_hook_wrapper)
+    wrapt.wrap_function_wrapper(PatchedDDP, "disable_forward_pre_hook", megatron_core.disable_forward_pre_hook_wrapper)
     ddp = PatchedDDP()
     ddp.disable_forward_pre_hook(param_sync=False)
     ddp.disable_forward_pre_hook()  # no hooks: param sync only

@@ -6,12 +6,25 @@ import importlib
 import json
 import logging
 import sys
+import types
 
 import pytest
 import wrapt
 
 from megatron_rl_patches.patching import registry
-from megatron_rl_patches.patching.registry import Patch
+from megatron_rl_patches.patching.registry import Patch, Registry
+
+
+class _Current:
+    """The registry the running test built with the `catalog` fixture (stand-in records)."""
+
+    registry: Registry | None = None
+
+    def __getattr__(self, name):
+        return getattr(type(self).registry, name)
+
+
+reg = _Current()
 
 MODULE_SOURCE = '''
 class Engine:
@@ -58,13 +71,15 @@ def catalog(monkeypatch):
     """Replace the registry's catalog with the given records for one test."""
     for var in ("MEGATRON_RL_PATCHES", "MEGATRON_RL_PATCHES_DISABLE", "MEGATRON_RL_PATCHES_STRICT"):
         monkeypatch.delenv(var, raising=False)
-    registry._reset_for_tests()
 
-    def use(*patches: Patch) -> None:
-        monkeypatch.setattr(registry, "_slots", {(p.name, p.target): registry._Slot(p) for p in patches})
+    def use(*patches: Patch) -> Registry:
+        _Current.registry = Registry(patches)
+        return _Current.registry
 
     yield use
-    registry._reset_for_tests()
+    if _Current.registry is not None:
+        _Current.registry.reset()
+    _Current.registry = None
 
 
 def our_layers(obj) -> int:
@@ -75,13 +90,13 @@ def our_layers(obj) -> int:
 
 
 def statuses() -> dict[str, tuple[str, str]]:
-    return {s.target: (s.status, s.reason) for s in registry.applied()}
+    return {s.target: (s.status, s.reason) for s in reg.applied()}
 
 
 def test_pending_until_import_then_applied(standin, catalog):
     spy = Spy()
     catalog(Patch("train_reentry", f"{standin}:train", spy, "d", requires=None))
-    result = registry.apply()
+    result = reg.apply()
     assert [(s.name, s.status) for s in result] == [("train_reentry", "pending")]
     assert standin in statuses()[f"{standin}:train"][1]  # "waiting for the import of <module>"
     module = importlib.import_module(standin)  # the post-import hook lands the patch
@@ -95,29 +110,29 @@ def test_apply_n_times_is_one_layer_and_revert_is_exact(standin, catalog):
     original = module.train
     catalog(Patch("train_reentry", f"{standin}:train", Spy(), "d", requires=None))
     for _ in range(4):
-        registry.apply()
+        reg.apply()
     assert our_layers(module.train) == 1 and module.train.__wrapped__ is original
     for _ in range(3):
-        registry.revert()
+        reg.revert()
     assert vars(module)["train"] is original
     assert statuses()[f"{standin}:train"] == ("skipped", "reverted")
-    registry.apply()
-    registry.apply(only="train_reentry")
+    reg.apply()
+    reg.apply(only="train_reentry")
     assert our_layers(module.train) == 1 and module.train.__wrapped__ is original
 
 
 def test_reference_captured_while_patched_follows_the_state(standin, catalog):
     spy = Spy()
     catalog(Patch("train_reentry", f"{standin}:train", spy, "d", requires=None))
-    registry.apply()
+    reg.apply()
     module = importlib.import_module(standin)
     captured = module.train  # like `from standin import train` while patched
     assert captured(1, None, None)[0] == "spy"
-    registry.revert()
+    reg.revert()
     assert captured(2, None, None) == ("original", 2)
     assert module.train(3, None, None) == ("original", 3)
     assert len(spy.calls) == 1
-    registry.apply()  # re-applied: a fresh wrapper, the captured one active again, no double layer
+    reg.apply()  # re-applied: a fresh wrapper, the captured one active again, no double layer
     assert captured(4, None, None)[0] == "spy" and module.train(5, None, None)[0] == "spy"
     assert our_layers(module.train) == 1 and our_layers(captured) == 1
 
@@ -127,11 +142,11 @@ def test_method_target_gets_instance_and_reverts_to_the_class_dict_entry(standin
     original = vars(module.Engine)["step"]
     spy = Spy()
     catalog(Patch("ddp_hooks", f"{standin}:Engine.step", spy, "d", requires=None, params=("self", "n")))
-    registry.apply()
+    reg.apply()
     engine = module.Engine()
     assert engine.step(3) == ("spy", ("original", "engine", 3))
     assert spy.calls[0][0] is engine and spy.calls[0][1] == (3,)
-    registry.revert()
+    reg.revert()
     assert vars(module.Engine)["step"] is original
     assert engine.step(4) == ("original", "engine", 4)
 
@@ -142,12 +157,12 @@ def test_revert_only_named_patches(standin, catalog):
         Patch("train_reentry", f"{standin}:train", Spy(), "d", requires=None),
         Patch("ddp_hooks", f"{standin}:helper", Spy(), "d", requires=None),
     )
-    registry.apply()
-    result = registry.revert(only="ddp_hooks")
+    reg.apply()
+    result = reg.revert(only="ddp_hooks")
     assert [(s.name, s.status) for s in result] == [("ddp_hooks", "skipped")]
     assert our_layers(module.train) == 1 and our_layers(module.helper) == 0
     with pytest.raises(ValueError, match="valid names: train_reentry, ddp_hooks"):
-        registry.revert(only="nope")
+        reg.revert(only="nope")
     assert our_layers(module.train) == 1
 
 
@@ -157,11 +172,11 @@ def test_statuses_cover_every_record_and_serialize(standin, catalog):
         Patch("train_reentry", f"{standin}:helper", Spy(), "d", requires=None),
         Patch("ddp_hooks", f"{standin}:Engine.step", Spy(), "d", requires=None),
     )
-    assert {s.status for s in registry.applied()} == {"skipped"}
-    assert all((s.reason, s.code) == ("not selected", registry.NOT_SELECTED) for s in registry.applied())
-    registry.apply(exclude="ddp_hooks")
+    assert {s.status for s in reg.applied()} == {"skipped"}
+    assert all((s.reason, s.code) == ("not selected", registry.NOT_SELECTED) for s in reg.applied())
+    reg.apply(exclude="ddp_hooks")
     importlib.import_module(standin)
-    found = registry.applied()
+    found = reg.applied()
     assert [(s.name, s.status) for s in found] == [
         ("train_reentry", "applied"),
         ("train_reentry", "applied"),
@@ -172,22 +187,22 @@ def test_statuses_cover_every_record_and_serialize(standin, catalog):
     assert payload[0] == {
         "name": "train_reentry", "target": f"{standin}:train", "status": "applied", "reason": "", "code": "ok"
     }
-    assert [(p.target, s.status) for p, s in registry.entries()] == [(s.target, s.status) for s in found]
+    assert [(p.target, s.status) for p, s in reg.entries()] == [(s.target, s.status) for s in found]
 
 
 def test_unresolvable_wrapper_is_failed_and_strict_raises(standin, catalog):
     importlib.import_module(standin)
     catalog(Patch("train_reentry", f"{standin}:train", "megatron_rl_patches.no_such:wrapper", "d", requires=None))
-    registry.apply()
+    reg.apply()
     status, reason = statuses()[f"{standin}:train"]
     assert status == "failed" and "ModuleNotFoundError" in reason
     with pytest.raises(registry.PatchError, match=f"'train_reentry' failed on {standin}:train"):
-        registry.apply(strict=True)
+        reg.apply(strict=True)
 
 
 def test_strict_failure_at_import_makes_the_import_fail(standin, catalog):
     catalog(Patch("train_reentry", f"{standin}:no_such_attr", Spy(), "d", requires=None))
-    registry.apply(strict=True)
+    reg.apply(strict=True)
     with pytest.raises(registry.PatchTargetMissing, match=f"{standin}:no_such_attr"):
         importlib.import_module(standin)
     assert standin not in sys.modules
@@ -200,18 +215,18 @@ def test_same_problem_on_two_targets_warns_once(standin, catalog, caplog):
         Patch("ddp_hooks", f"{standin}:helper", Spy(), "d", requires="packaging", versions="<1"),
     )
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
-        registry.apply()
-        registry.apply()
+        reg.apply()
+        reg.apply()
     lines = [r.getMessage() for r in caplog.records if r.name == "megatron_rl_patches"]
     assert len(lines) == 1 and "outside the supported range '<1'" in lines[0]
-    assert {s.status for s in registry.applied()} == {"skipped"}
+    assert {s.status for s in reg.applied()} == {"skipped"}
 
 
 def test_foreign_wrapper_on_top_leaves_ours_inert(standin, catalog):
     module = importlib.import_module(standin)
     spy = Spy()
     catalog(Patch("train_reentry", f"{standin}:train", spy, "d", requires=None))
-    registry.apply()
+    reg.apply()
     patched = module.train
 
     def foreign(*args, **kwargs):  # a plain closure: not removable through, not wrapt
@@ -219,7 +234,7 @@ def test_foreign_wrapper_on_top_leaves_ours_inert(standin, catalog):
 
     foreign.__wrapped__ = patched
     module.train = foreign
-    result = registry.revert()
+    result = reg.revert()
     assert result[0].status == "skipped" and "inert" in result[0].reason
     assert module.train(1, None, None) == ("foreign", ("original", 1))
     assert spy.calls == []
@@ -228,17 +243,19 @@ def test_foreign_wrapper_on_top_leaves_ours_inert(standin, catalog):
 def test_already_imported_target_lands_immediately(standin, catalog):
     module = importlib.import_module(standin)
     catalog(Patch("train_reentry", f"{standin}:train", Spy(), "d", requires=None))
-    assert [s.status for s in registry.apply()] == ["applied"]
+    assert [s.status for s in reg.apply()] == ["applied"]
     assert module.train(0, None, None)[0] == "spy"
 
 
 def test_apply_from_inside_the_target_modules_own_import_lands_afterwards(tmp_path, monkeypatch, catalog):
     """apply() while the target module is still executing must not give up on its patches."""
     name = f"standin_mod_{next(_counter)}"
-    (tmp_path / f"{name}.py").write_text("import megatron_rl_patches\nmegatron_rl_patches.apply()\n" + MODULE_SOURCE)
+    (tmp_path / f"{name}.py").write_text("import mrp_test_registry\nmrp_test_registry.registry.apply()\n" + MODULE_SOURCE)
     monkeypatch.syspath_prepend(str(tmp_path))
     spy = Spy()
-    catalog(Patch("train_reentry", f"{name}:train", spy, "d", requires=None))
+    holder = types.ModuleType("mrp_test_registry")  # how the module reaches this test's registry
+    holder.registry = catalog(Patch("train_reentry", f"{name}:train", spy, "d", requires=None))
+    monkeypatch.setitem(sys.modules, "mrp_test_registry", holder)
     try:
         module = importlib.import_module(name)
         assert statuses()[f"{name}:train"][0] == "applied"  # applied() retries once the import is done
@@ -250,7 +267,7 @@ def test_apply_from_inside_the_target_modules_own_import_lands_afterwards(tmp_pa
 def test_a_missing_optional_alias_is_skipped_quietly_even_in_strict_mode(standin, catalog, caplog):
     catalog(Patch("train_reentry", f"{standin}:no_alias_here", Spy(), "d", requires=None, optional=True))
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
-        registry.apply(strict=True)
+        reg.apply(strict=True)
         importlib.import_module(standin)
     status, reason = statuses()[f"{standin}:no_alias_here"]
     assert status == "skipped" and "optional" in reason
@@ -258,7 +275,8 @@ def test_a_missing_optional_alias_is_skipped_quietly_even_in_strict_mode(standin
 
 
 def test_apply_rejects_arguments_of_the_wrong_type(catalog):
+    catalog()
     with pytest.raises(TypeError, match="strict"):
-        registry.apply(strict="no")
+        reg.apply(strict="no")
     with pytest.raises(TypeError, match="patch names"):
-        registry.apply(only=123)
+        reg.apply(only=123)

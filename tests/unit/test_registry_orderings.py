@@ -45,15 +45,16 @@ def _child(kind: str, steps: list[str]) -> None:
 
     import wrapt
 
-    from megatron_rl_patches.patching import registry
+    from megatron_rl_patches.integrations import all_patches
+    from megatron_rl_patches.patching.registry import Registry
 
     spec = KINDS[kind]
 
     def spy(wrapped, instance, args, kwargs):
         return "spy"
 
-    # Every wrapper resolves to the spy: this checks the machinery, not the wrappers.
-    registry._resolve_callable = lambda ref: spy
+    # The real records, every wrapper resolved to the spy: this checks the machinery, not the wrappers.
+    registry = Registry(all_patches, resolve=lambda ref: spy)
 
     class Probe:
         def __getattr__(self, name):  # the original enable_forward_pre_hook reads self.use_forward_hook

@@ -160,7 +160,9 @@ def _fake_slime(monkeypatch):
 
 
 def test_registry_patch_replaces_both_slime_names(monkeypatch):
-    from megatron_rl_patches.patching import registry
+    from megatron_rl_patches.integrations import default_registry
+
+    registry = default_registry()
 
     modules = _fake_slime(monkeypatch)
     logits, tokens, *_ = make(T=4, V=7)

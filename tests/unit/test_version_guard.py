@@ -9,7 +9,10 @@ import sys
 import pytest
 
 from megatron_rl_patches.patching import registry
-from megatron_rl_patches.patching.registry import Patch
+from megatron_rl_patches.integrations import default_registry
+from megatron_rl_patches.patching.registry import Patch, Registry
+
+REG = default_registry()  # the real catalog
 
 MCORE_RANGE = ">=0.13,<0.21"
 
@@ -49,10 +52,9 @@ def fake_version(monkeypatch, version: str | None, distribution: str = "megatron
         monkeypatch.setattr(megatron_version, "installed_version", lambda: version)
 
 
-def one_record(monkeypatch, versions: str) -> Patch:
-    patch = Patch("ddp_hooks", "json:dumps", lambda w, i, a, k: "spy", "d", requires="megatron-core", versions=versions)
-    monkeypatch.setattr(registry, "_slots", {(patch.name, patch.target): registry._Slot(patch)})
-    return patch
+def one_record(versions: str) -> Patch:
+    """A record on json.dumps guarded by the megatron-core version (a stand-in target)."""
+    return Patch("ddp_hooks", "json:dumps", lambda w, i, a, k: "spy", "d", requires="megatron-core", versions=versions)
 
 
 @pytest.mark.parametrize(
@@ -74,7 +76,7 @@ def one_record(monkeypatch, versions: str) -> Patch:
     ],
 )
 def test_range_uses_pep440(clean, installed, fits):
-    patch = one_record(clean, MCORE_RANGE)
+    patch = one_record(MCORE_RANGE)
     fake_version(clean, installed)
     problem = registry.version_problem(patch)
     assert (problem is None) is fits
@@ -83,7 +85,7 @@ def test_range_uses_pep440(clean, installed, fits):
 
 
 def test_unknown_distribution_or_garbage_version(clean):
-    patch = one_record(clean, MCORE_RANGE)
+    patch = one_record(MCORE_RANGE)
     fake_version(clean, None)  # a source checkout with no metadata: the signature check guards
     assert registry.version_problem(patch) is None
     fake_version(clean, "not a version")
@@ -99,7 +101,7 @@ def test_real_ddp_target_skipped_for_old_megatron_core(clean, caplog):
     originals = {name: vars(cls)[name] for name in ("enable_forward_pre_hook", "disable_forward_pre_hook")}
     fake_version(clean, "0.9.0")
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
-        result = registry.apply(only="ddp_hooks")
+        result = REG.apply(only="ddp_hooks")
     assert [s.status for s in result] == ["skipped", "skipped"]
     for status in result:
         assert "megatron-core 0.9.0" in status.reason and MCORE_RANGE in status.reason
@@ -108,27 +110,27 @@ def test_real_ddp_target_skipped_for_old_megatron_core(clean, caplog):
     assert all(vars(cls)[name] is original for name, original in originals.items())
 
     with pytest.raises(registry.PatchVersionUnsupported, match=r"megatron-core 0\.9\.0 .*>=0\.13,<0\.21"):
-        registry.apply(only="ddp_hooks", strict=True)
+        REG.apply(only="ddp_hooks", strict=True)
     assert all(vars(cls)[name] is original for name, original in originals.items())
-    assert all(s.code == registry.VERSION for s in registry.applied() if s.name == "ddp_hooks")
+    assert all(s.code == registry.VERSION for s in REG.applied() if s.name == "ddp_hooks")
 
     # The override: applied with one warning, also in strict mode; the status says so.
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
-        result = registry.apply(only="ddp_hooks", strict=True, allow_untested=True)
+        result = REG.apply(only="ddp_hooks", strict=True, allow_untested=True)
     assert [(s.status, s.code) for s in result] == [("applied", registry.UNTESTED)] * 2
     assert "outside its supported range" in result[0].reason
     warnings = [r.getMessage() for r in caplog.records if r.name == "megatron_rl_patches"]
     assert len(warnings) == 1 and "ALLOW_UNTESTED" in warnings[0]
-    registry.revert()
+    REG.revert()
 
     from megatron_rl_patches.integrations import megatron_version
 
     clean.setattr(registry, "installed_version", real_installed_version)  # the real one is in range
     clean.setattr(megatron_version, "installed_version", lambda: megatron_version.megatron_info().version)
-    assert [s.status for s in registry.apply(only="ddp_hooks")] == ["applied", "applied"]
+    assert [s.status for s in REG.apply(only="ddp_hooks")] == ["applied", "applied"]
     assert vars(cls)["enable_forward_pre_hook"].__wrapped__ is originals["enable_forward_pre_hook"]
-    registry.revert()
+    REG.revert()
     assert all(vars(cls)[name] is original for name, original in originals.items())
 
 
@@ -137,16 +139,16 @@ def test_version_checked_when_the_module_is_imported_later(clean, tmp_path):
     (tmp_path / f"{name}.py").write_text("def f(x):\n    return x\n")
     clean.syspath_prepend(str(tmp_path))
     patch = Patch("ddp_hooks", f"{name}:f", lambda w, i, a, k: "spy", "d", requires="megatron-core", versions=">=0.14")
-    clean.setattr(registry, "_slots", {(patch.name, patch.target): registry._Slot(patch)})
+    reg = Registry([patch])
     fake_version(clean, "0.9.0")
-    assert registry.apply(strict=True)[0].status == "pending"
+    assert reg.apply(strict=True)[0].status == "pending"
     try:
         with pytest.raises(registry.PatchVersionUnsupported, match=r"0\.9\.0.*>=0\.14"):
             importlib.import_module(name)  # strict: the post-import hook fails the import
-        registry.revert()
-        registry.apply(strict=False)
+        reg.revert()
+        reg.apply(strict=False)
         module = importlib.import_module(name)
-        assert module.f(3) == 3 and registry.applied()[0].status == "skipped"
+        assert module.f(3) == 3 and reg.applied()[0].status == "skipped"
     finally:
         sys.modules.pop(name, None)
 
@@ -154,16 +156,16 @@ def test_version_checked_when_the_module_is_imported_later(clean, tmp_path):
 def test_missing_target_attribute(fake_slime, fake_slime_source, caplog):
     module = fake_slime(fake_slime_source.replace("def enable_forward_pre_hook", "def renamed_enable"))
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
-        registry.apply(only="train_reentry")
-    found = {s.target: s for s in registry.applied() if s.target.startswith(SLIME_MODULE)}
+        REG.apply(only="train_reentry")
+    found = {s.target: s for s in REG.applied() if s.target.startswith(SLIME_MODULE)}
     missing = found[f"{SLIME_MODULE}:enable_forward_pre_hook"]
     assert missing.status == "skipped"
     assert f"{SLIME_MODULE}:enable_forward_pre_hook not found" in missing.reason
     assert found[f"{SLIME_MODULE}:train"].status == "applied"
     assert any("enable_forward_pre_hook" in r.getMessage() for r in caplog.records)
-    registry.revert()
+    REG.revert()
     with pytest.raises(registry.PatchTargetMissing, match=f"{SLIME_MODULE}:enable_forward_pre_hook"):
-        registry.apply(only="train_reentry", strict=True)
+        REG.apply(only="train_reentry", strict=True)
     assert not hasattr(module, "enable_forward_pre_hook")
 
 
@@ -171,33 +173,34 @@ def test_changed_signature(fake_slime, fake_slime_source):
     changed = fake_slime_source.replace("def train(rollout_id, model,", "def train(step, models,")
     module = fake_slime(changed)
     original = module.train
-    registry.apply(only="train_reentry")
-    status = {s.target: s for s in registry.applied()}[f"{SLIME_MODULE}:train"]
+    REG.apply(only="train_reentry")
+    status = {s.target: s for s in REG.applied()}[f"{SLIME_MODULE}:train"]
     assert status.status == "skipped"
     assert f"{SLIME_MODULE}:train has parameters (step, models," in status.reason
     assert "rollout_id, model, optimizer" in status.reason
     assert module.train is original
-    registry.revert()
+    REG.revert()
     with pytest.raises(registry.PatchSignatureMismatch, match=f"{SLIME_MODULE}:train has parameters"):
-        registry.apply(only="train_reentry", strict=True)
+        REG.apply(only="train_reentry", strict=True)
     assert module.train is original
 
 
 def test_allow_untested_from_the_environment(clean, caplog):
     """MEGATRON_RL_PATCHES_ALLOW_UNTESTED=1 is the zero-code override; `allow_untested=False`
     beats it; a non-bool argument is a TypeError and changes nothing."""
-    patch = one_record(clean, MCORE_RANGE)
+    patch = one_record(MCORE_RANGE)
+    reg = Registry([patch])
     fake_version(clean, "0.21.0")
     with pytest.raises(TypeError, match="allow_untested must be True, False or None"):
-        registry.apply(allow_untested="yes")
-    assert registry.applied()[0].code == registry.NOT_SELECTED
+        reg.apply(allow_untested="yes")
+    assert reg.applied()[0].code == registry.NOT_SELECTED
     environ = {"MEGATRON_RL_PATCHES_ALLOW_UNTESTED": "1"}
-    assert registry.apply(allow_untested=False, environ=environ)[0].status == "skipped"
-    registry.revert()
-    status = registry.apply(environ=environ)[0]
+    assert reg.apply(allow_untested=False, environ=environ)[0].status == "skipped"
+    reg.revert()
+    status = reg.apply(environ=environ)[0]
     assert (status.status, status.code) == ("applied", registry.UNTESTED) and "0.21.0" in status.reason
     import json
 
     assert json.dumps({"x": 1}) == "spy"  # the record's wrapper is really in place
-    registry.revert()
+    reg.revert()
     assert patch.target == "json:dumps" and json.dumps({"x": 1}) == '{"x": 1}'

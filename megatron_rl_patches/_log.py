@@ -1,0 +1,49 @@
+"""The package's logger, the rank-zero rule and once-per-process warnings. A leaf module: it
+imports nothing of ours, so every layer may use it."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger("megatron_rl_patches")
+
+# Launchers' rank variables (torchrun, slurm, Open MPI, MPICH): read where torch.distributed is
+# not initialized yet, e.g. at interpreter start-up.
+RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+_warned: set[str] = set()
+
+
+def launcher_rank(environ=None) -> int:
+    """This process's global rank as the launcher announced it (0 when none did)."""
+    env = os.environ if environ is None else environ
+    value = str(next((env[name] for name in RANK_VARIABLES if name in env), "0")).strip()
+    return int(value) if value.isdigit() else 0
+
+
+def is_rank_zero() -> bool:
+    """Rank 0 of an initialized process group, else what the launcher says (no import of torch)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return dist.get_rank() == 0
+    except Exception:  # a half-torn-down process group: do not hide the warning
+        return True
+    return launcher_rank() == 0
+
+
+def warn_once(message: str) -> None:
+    """One warning line per distinct message per process, from rank 0 only (debug elsewhere)."""
+    if message in _warned:
+        return
+    _warned.add(message)
+    if is_rank_zero():
+        logger.warning("megatron-rl-patches: %s", message)
+    else:
+        logger.debug("megatron-rl-patches: %s", message)
+
+
+def forget_warnings() -> None:
+    """Let every message warn again (test isolation)."""
+    _warned.clear()
