@@ -4,6 +4,7 @@ and put them in the sdist so a wheel built from it has them too.
 PEP 660 editable installs do not carry them; `megatron-rl-patches startup install` covers that.
 """
 import os
+import re
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -11,6 +12,16 @@ from setuptools.command.build_py import build_py
 STARTUP_DIR = "startup"
 STARTUP_FILES = ("megatron_rl_patches.pth", "megatron_rl_patches.start")
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The repository's planned public home (setup.cfg's `url`): relative links in the README become
+# absolute ones there, so they work on a package index page too.
+REPOSITORY = "https://github.com/megatron-rl-patches/megatron-rl-patches"
+
+
+def long_description() -> str:
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as handle:
+        text = handle.read()
+    # [text](docs/x.md) or (examples/y.py) or (LICENSE): not http(s), not an in-page #anchor
+    return re.sub(r"\]\((?!https?://|#)([^)\s]+)\)", lambda m: f"]({REPOSITORY}/blob/main/{m.group(1)})", text)
 
 
 class BuildPyWithStartupFiles(build_py):
@@ -37,4 +48,4 @@ class BuildPyWithStartupFiles(build_py):
         return mapping
 
 
-setup(cmdclass={"build_py": BuildPyWithStartupFiles})
+setup(cmdclass={"build_py": BuildPyWithStartupFiles}, long_description=long_description())

@@ -34,13 +34,23 @@ def default_registry() -> Registry:
 
 def apply(only: Any = None, exclude: Any = None, strict: bool | None = None, allow_untested: bool | None = None,
           *, environ: Any = None) -> list[PatchStatus]:
-    """Apply the selected patches (see :meth:`Registry.apply`): idempotent, additive."""
-    return default_registry().apply(only, exclude, strict, allow_untested, environ=environ)
+    """Apply the selected patches (see :meth:`Registry.apply`): idempotent, additive. In a Ray
+    driver, ray.init() then warns when its runtime_env would not carry the patches to the actors."""
+    statuses = default_registry().apply(only, exclude, strict, allow_untested, environ=environ)
+    from megatron_rl_patches.integrations import ray
+
+    ray.arm()
+    return statuses
 
 
 def revert(only: Any = None) -> list[PatchStatus]:
     """Remove the patches (all, or those named), restoring the originals exactly. Idempotent."""
-    return default_registry().revert(only)
+    statuses = default_registry().revert(only)
+    if only is None:
+        from megatron_rl_patches.integrations import ray
+
+        ray.disarm()
+    return statuses
 
 
 def applied() -> list[PatchStatus]:

@@ -23,7 +23,7 @@ from megatron_rl_patches.patching import startup
 pytestmark = [pytest.mark.slow, pytest.mark.megatron]
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = ("setup.py", "setup.cfg", "pyproject.toml", "README.md", "startup", "megatron_rl_patches")
+SOURCES = ("setup.py", "setup.cfg", "pyproject.toml", "README.md", "LICENSE", "startup", "megatron_rl_patches")
 HEAVY = ("torch", "megatron", "wrapt", "packaging", "numpy")
 DDP = "megatron.core.distributed.distributed_data_parallel"
 

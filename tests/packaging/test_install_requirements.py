@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = ("setup.py", "setup.cfg", "pyproject.toml", "README.md", "startup", "megatron_rl_patches")
+SOURCES = ("setup.py", "setup.cfg", "pyproject.toml", "README.md", "LICENSE", "startup", "megatron_rl_patches")
 
 pytestmark = [pytest.mark.slow]
 

@@ -1,0 +1,66 @@
+"""Ray: `apply()` in a driver does not reach its actors (each is a fresh process). Once `apply()`
+ran in this process, `ray.init` warns (once) when its runtime_env does not pass
+MEGATRON_RL_PATCHES to the workers. Nothing else about Ray is changed."""
+from __future__ import annotations
+
+from typing import Any
+
+_state = {"armed": False, "hooked": False}
+
+ADVICE = (
+    "patches were applied with apply() in this Ray driver, but apply() does not reach Ray's worker "
+    "processes and this ray.init() does not pass MEGATRON_RL_PATCHES to them: use "
+    "ray.init(runtime_env={'env_vars': {'MEGATRON_RL_PATCHES': 'all'}}) (or the launcher "
+    "`megatron-rl-patches run -- ...`) so every actor applies them at start-up"
+)
+
+
+def _carries_selection(runtime_env: Any) -> bool:
+    env_vars = runtime_env.get("env_vars") if isinstance(runtime_env, dict) else getattr(runtime_env, "env_vars", None)
+    return isinstance(env_vars, dict) and str(env_vars.get("MEGATRON_RL_PATCHES", "")).strip() not in ("", "0")
+
+
+def init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    if _state["armed"] and not _carries_selection(kwargs.get("runtime_env")):
+        from megatron_rl_patches._log import warn_once
+
+        warn_once(ADVICE)
+    return wrapped(*args, **kwargs)
+
+
+def _is_ours(init: Any) -> bool:
+    return getattr(init, "_self_wrapper", None) is init_wrapper  # wrapt keeps the wrapper there
+
+
+def _wrap(module: Any) -> None:
+    import wrapt
+
+    init = getattr(module, "init", None)
+    if not _state["armed"] or init is None or _is_ours(init):
+        return
+    module.init = wrapt.FunctionWrapper(init, init_wrapper)
+
+
+def arm() -> None:
+    """Called by apply(): from now on ray.init checks its runtime_env (Ray imported now or later)."""
+    import sys
+
+    _state["armed"] = True
+    if "ray" in sys.modules:
+        _wrap(sys.modules["ray"])
+    if not _state["hooked"]:  # fires on every later import of ray (also after a re-import)
+        import wrapt
+
+        _state["hooked"] = True
+        wrapt.register_post_import_hook(_wrap, "ray")
+
+
+def disarm() -> None:
+    """Called by revert(): ray.init is itself again (the wrapper, if installed, is removed)."""
+    import sys
+
+    _state["armed"] = False
+    ray = sys.modules.get("ray")
+    init = getattr(ray, "init", None) if ray is not None else None
+    if init is not None and _is_ours(init):
+        ray.init = init.__wrapped__

@@ -1,0 +1,115 @@
+"""`megatron-rl-patches run`: every Python child applies the patches at start-up, in an editable
+install (no start-up file), chaining to a `sitecustomize` of its own, and under torchrun."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megatron_rl_patches.patching import launcher
+
+# What a child reports: was the package's bootstrap run, and with which selection.
+REPORT = textwrap.dedent(
+    """
+    import json, os, sys
+    boot = sys.modules.get("megatron_rl_patches.patching.bootstrap")
+    print(json.dumps({"bootstrap_ran": bool(boot and boot.has_run()),
+                      "selection": os.environ.get("MEGATRON_RL_PATCHES"),
+                      "sitecustomize": getattr(sys.modules.get("sitecustomize"), "__file__", None),
+                      "marker": os.environ.get("OWN_SITECUSTOMIZE_RAN")}))
+    """
+)
+
+
+def launched(command: list[str], patches: str | None = "ddp_hooks", **extra_env: str) -> subprocess.CompletedProcess:
+    """Run `command` through launcher.run in a fresh process (the launcher execs it)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_RL_PATCHES")}
+    environ.update(extra_env)
+    driver = f"import sys; from megatron_rl_patches.patching import launcher; sys.exit(launcher.run({command!r}, {patches!r}))"
+    return subprocess.run([sys.executable, "-c", driver], env=environ, capture_output=True, text=True, timeout=300)
+
+
+def test_plain_python_child_runs_the_bootstrap_without_any_startup_file():
+    from megatron_rl_patches.patching import startup
+
+    installed = [f.path for d in startup.site_dirs() for f in startup.inspect_dir(d) if f.present]
+    proc = launched([sys.executable, "-c", REPORT])
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["bootstrap_ran"] and report["selection"] == "ddp_hooks"
+    assert Path(report["sitecustomize"]).parent == Path(launcher.LAUNCH_DIR)
+    assert not installed, "this check needs an install without the .pth start-up file (e.g. editable)"
+
+
+def test_without_the_launcher_nothing_runs():
+    """The control: the same child, same selection, no launcher (editable install: no .pth)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_RL_PATCHES")}
+    environ["MEGATRON_RL_PATCHES"] = "ddp_hooks"
+    proc = subprocess.run([sys.executable, "-c", REPORT], env=environ, capture_output=True, text=True, timeout=120)
+    assert json.loads(proc.stdout)["bootstrap_ran"] is False
+
+
+def test_a_childs_own_sitecustomize_still_runs(tmp_path):
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text("import os\nos.environ['OWN_SITECUSTOMIZE_RAN'] = 'yes'\n")
+    proc = launched([sys.executable, "-c", REPORT], PYTHONPATH=str(own))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["bootstrap_ran"] and report["marker"] == "yes"
+    assert Path(report["sitecustomize"]) == own / "sitecustomize.py"  # the process sees its own module
+
+
+def test_exit_code_and_missing_command():
+    assert launched([sys.executable, "-c", "raise SystemExit(7)"]).returncode == 7
+    proc = launched(["no-such-command-mrp"])
+    assert proc.returncode == 127 and "command not found: no-such-command-mrp" in proc.stderr
+
+
+def test_bad_selection_is_refused_before_anything_runs(tmp_path):
+    with pytest.raises(ValueError, match="'bogus'"):
+        launcher.launch_environment("ddp_hooks,bogus", environ={})
+    with pytest.raises(ValueError, match="--patches"):
+        launcher.launch_environment("  ", environ={})
+    environ = launcher.launch_environment(None, environ={"PYTHONPATH": "/a"})
+    assert environ["MEGATRON_RL_PATCHES"] == "all"
+    assert environ["PYTHONPATH"].split(os.pathsep) == [launcher.LAUNCH_DIR, "/a"]
+    again = launcher.launch_environment(None, environ=environ)  # nested launchers: one entry
+    assert again["PYTHONPATH"] == environ["PYTHONPATH"]
+
+
+TORCHRUN_SCRIPT = textwrap.dedent(
+    """
+    import json, os
+    import torch.distributed as dist
+    import megatron_rl_patches
+    dist.init_process_group("gloo")
+    from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel as DDP
+    ok = hasattr(DDP.enable_forward_pre_hook, "__wrapped__")
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, ok)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(flags))
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+def test_torchrun_workers_are_patched(tmp_path):
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    script = tmp_path / "worker.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    proc = launched([torchrun, "--standalone", "--nproc-per-node", "2", str(script)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    assert json.loads(line[len("RESULT "):]) == [True, True]
