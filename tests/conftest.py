@@ -1,9 +1,12 @@
-"""Suite-wide isolation (no patch of ours outlives a test) and shared stand-ins."""
+"""Suite-wide isolation (no patch of ours outlives a test), shared stand-ins, and helpers for
+weights-only loading tests (model state snapshots, Megatron-LM style checkpoints)."""
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -76,3 +79,61 @@ def _reset_patch_registry():
     log = sys.modules.get("megatron_rl_patches._log")
     if log is not None:
         log.forget_warnings()
+
+
+# ---------------------------------------------------------------------------- weights-only loading
+
+
+def model_state(module: Any) -> dict:
+    """Clones of the tensors in the (unwrapped) model's state dict."""
+    import torch
+
+    from megatron_rl_patches._chunks import unwrap
+
+    return {k: v.detach().clone() for k, v in unwrap(module).state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    """Same keys, bitwise equal tensors."""
+    import torch
+
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def save_checkpoint(model: Any, root: Any, iteration: int, **common: Any) -> Any:
+    """A Megatron-LM checkpoint root (tracker file, iter_XXXXXXX) holding the model under "model",
+    optimizer and RNG state, pickled `args` and the extra `common` entries; returns the iter dir."""
+    import argparse
+
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    from megatron_rl_patches._chunks import unwrap
+
+    path = root / f"iter_{iteration:07d}"
+    path.mkdir(parents=True)
+    word = unwrap(model).embedding.word_embeddings.weight
+    state = {
+        "model": unwrap(model).sharded_state_dict(),
+        "optimizer": {
+            "exp_avg": ShardedTensor.from_rank_offsets(
+                "optimizer.state.exp_avg.embedding.word_embeddings.weight", torch.ones_like(word), replica_id=0
+            )
+        },
+        "rng_state": ShardedObject("rng_state", {"seed": 1}, (1,), (0,), replica_id=0),
+        "args": argparse.Namespace(lr=1e-5, finetune=False),
+        "iteration": iteration,
+        **common,
+    }
+    dist_checkpointing.save(state, str(path))
+    (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return path
+
+
+@pytest.fixture
+def weights_kit() -> SimpleNamespace:
+    """`state(module)`, `assert_same(a, b)`, `save(model, root, iteration, **common) -> iter dir`."""
+    return SimpleNamespace(state=model_state, assert_same=assert_same_state, save=save_checkpoint)

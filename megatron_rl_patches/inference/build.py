@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 import os
+import sys
 import warnings
 from typing import Any, Callable, Iterator
 
 import torch
 
+from megatron_rl_patches._chunks import has_grad_buffers
 from megatron_rl_patches.inference.guard import freeze_chunk
 from megatron_rl_patches.inference.paths import resolve_checkpoint
+from megatron_rl_patches._log import logger
 
-logger = logging.getLogger("megatron_rl_patches")
+
+# modules defining a DistributedDataParallel (megatron-core's, torch's), looked up in sys.modules
+_DDP_MODULES = ("megatron.core.distributed.distributed_data_parallel", "torch.nn.parallel.distributed")
 
 
 def _accepts_vp_stage(provider: Callable[..., Any]) -> bool:
@@ -62,7 +66,31 @@ def _call_provider(provider: Callable[..., Any], vp_stage: int | None, pre: bool
             f"model_provider must return a torch.nn.Module (a Megatron model chunk), got "
             f"{type(model).__name__} for pre_process={pre}, post_process={post}, vp_stage={vp_stage}"
         )
+    _refuse_training_wrappers(model)
     return model
+
+
+def _refuse_training_wrappers(model: torch.nn.Module) -> None:
+    """A DDP-wrapped model (or one whose parameters already carry DDP's `main_grad` views) holds
+    the grad buffer this build exists to avoid; unwrapping would not free it (the parameters,
+    their hooks and the caller keep references), so it is refused, untouched."""
+    ddp_types = tuple(
+        cls
+        for cls in (getattr(sys.modules.get(name), "DistributedDataParallel", None) for name in _DDP_MODULES)
+        if isinstance(cls, type)
+    )
+    wrapper = next((m for m in model.modules() if isinstance(m, ddp_types) or has_grad_buffers(m)), None)
+    if wrapper is not None:
+        found = f"a {type(wrapper).__module__}.{type(wrapper).__name__}"
+    elif any(hasattr(p, "main_grad") for p in model.parameters()):
+        found = "a model whose parameters carry main_grad (views into a DDP grad buffer)"
+    else:
+        return
+    raise TypeError(
+        f"model_provider returned {found}; build_inference_model builds frozen chunks with no DDP "
+        "wrapper and no grad buffer, so return the bare model (e.g. the GPTModel) from the provider "
+        "and do not wrap it in DistributedDataParallel"
+    )
 
 
 @contextlib.contextmanager

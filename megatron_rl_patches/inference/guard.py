@@ -3,12 +3,11 @@ where DDP-assuming code (grad sync, grad buffers, optimizer steps) meets a froze
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any
 
 from megatron_rl_patches._chunks import as_chunks, iter_wrapped
+from megatron_rl_patches._log import logger
 
-logger = logging.getLogger("megatron_rl_patches")
 
 MARKER = "_mrp_inference_only"
 

@@ -6,6 +6,8 @@ import os
 import re
 from pathlib import Path
 
+from megatron_rl_patches.inference.load_errors import CheckpointReadError
+
 TRACKER = "latest_checkpointed_iteration.txt"
 DIST_METADATA = "metadata.json"
 _ITER_DIR = re.compile(r"^iter_(\d+)$")
@@ -41,13 +43,11 @@ def resolve_checkpoint(load_dir: str | os.PathLike[str], iteration: int | None =
                 f"iteration {iteration}: {str(path)!r} does not exist; iterations present: {present or 'none'}"
             )
     elif (root / TRACKER).is_file():
-        text = (root / TRACKER).read_text().strip()
+        text = _read_tracker(root / TRACKER)
         if text == "release":
             path, found = root / "release", 0
-        elif text.isdigit():
-            path, found = root / f"iter_{int(text):07d}", int(text)
         else:
-            raise ValueError(f"{str(root / TRACKER)!r} holds {text!r}; expected an iteration number or 'release'")
+            path, found = root / f"iter_{int(text):07d}", int(text)
         if not path.is_dir():
             raise FileNotFoundError(f"{TRACKER} in {str(root)!r} names {str(path)!r}, which does not exist")
     elif (match := _ITER_DIR.match(root.name)) is not None:
@@ -64,6 +64,17 @@ def resolve_checkpoint(load_dir: str | os.PathLike[str], iteration: int | None =
         f"{str(path)!r} is not a checkpoint megatron-rl-patches can load: no {DIST_METADATA} "
         f"(torch_dist format) and no {TRACKER}"
     )
+
+
+def _read_tracker(tracker: Path) -> str:
+    """The tracker's text: an iteration number or 'release'; CheckpointReadError otherwise."""
+    try:
+        text = tracker.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointReadError(tracker, f"{TRACKER} is unreadable ({exc})") from exc
+    if text != "release" and not (text.isascii() and text.isdigit()):
+        raise CheckpointReadError(tracker, f"{TRACKER} holds {text[:80]!r}; expected an iteration number or 'release'")
+    return text
 
 
 def is_foreign_directory(load_dir: str | os.PathLike[str]) -> bool:

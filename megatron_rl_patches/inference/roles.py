@@ -12,14 +12,13 @@ else `args.pretrained_checkpoint`.
 from __future__ import annotations
 
 import inspect
-import logging
 import sys
 from typing import Any, Callable
 
 from megatron_rl_patches._args import bind
 from megatron_rl_patches.patching import env
+from megatron_rl_patches._log import logger
 
-logger = logging.getLogger("megatron_rl_patches")
 
 
 def _provider(factory: Callable[..., Any], run_args: Any, role: str) -> Callable[..., Any]:

@@ -1,5 +1,6 @@
 """Inference-only builds on real megatron-core (CPU): no DDP, frozen, eval-locked, same outputs as
-a trainable build in eval; weights-only loading; forward-only helper; the role-switch patch."""
+a trainable build in eval; forward-only helper; the role-switch patch (weights-only loading:
+tests/inference/test_weights.py)."""
 from __future__ import annotations
 
 import argparse
@@ -20,44 +21,6 @@ def _ddp_anywhere(chunk) -> bool:
 
     ddp_types = (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)
     return any(isinstance(m, ddp_types) for m in chunk.modules())
-
-
-def _state(module) -> dict:
-    from megatron_rl_patches.inference.weights import unwrap
-
-    return {k: v.detach().clone() for k, v in unwrap(module).state_dict().items() if isinstance(v, torch.Tensor)}
-
-
-def _assert_same_state(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-
-
-def save_megatron_checkpoint(model, root, iteration: int) -> None:
-    """A Megatron-LM style torch_dist checkpoint: tracker file, iter_XXXXXXX, the model under
-    "model", plus optimizer state, RNG state and pickled args that a weights-only load must skip."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-
-    from megatron_rl_patches.inference.weights import unwrap
-
-    path = root / f"iter_{iteration:07d}"
-    path.mkdir(parents=True)
-    word = unwrap(model).embedding.word_embeddings.weight
-    state = {
-        "model": unwrap(model).sharded_state_dict(),
-        "optimizer": {
-            "exp_avg": ShardedTensor.from_rank_offsets(
-                "optimizer.state.exp_avg.embedding.word_embeddings.weight", torch.ones_like(word), replica_id=0
-            )
-        },
-        "rng_state": ShardedObject("rng_state", {"seed": 1}, (1,), (0,), replica_id=0),
-        "args": argparse.Namespace(lr=1e-5, finetune=False),
-        "iteration": iteration,
-    }
-    dist_checkpointing.save(state, str(path))
-    (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
 
 
 # ---------------------------------------------------------------------------- the build
@@ -208,136 +171,6 @@ def test_build_needs_model_parallel_state():
 
     with pytest.raises(RuntimeError, match="initialize_model_parallel"):
         build_inference_model(lambda pre_process, post_process: torch.nn.Linear(2, 2))
-
-
-# ---------------------------------------------------------------------------- weights-only loading
-
-
-def test_dist_checkpoint_round_trip_loads_weights_only(megatron_cpu, tmp_path):
-    from megatron_rl_patches import build_inference_model, load_inference_weights
-
-    source = megatron_cpu.gpt(seed=11)
-    save_megatron_checkpoint(source, tmp_path / "ckpt", iteration=7)
-    batch = megatron_cpu.batch(seed=5)
-
-    (chunk,) = build_inference_model(megatron_cpu.provider(seed=12), load_dir=tmp_path / "ckpt")
-    _assert_same_state(_state(chunk), _state(source))
-    assert torch.equal(megatron_cpu.forward(chunk, batch), megatron_cpu.forward(source.eval(), batch))
-    assert all(not p.requires_grad for p in chunk.parameters())
-
-    other = megatron_cpu.gpt(seed=13)
-    assert load_inference_weights(other, tmp_path / "ckpt") == 7
-    assert load_inference_weights(other, tmp_path / "ckpt" / "iter_0000007") == 7
-    assert load_inference_weights(other, tmp_path / "ckpt", iteration=7) == 7
-    _assert_same_state(_state(other), _state(source))
-
-
-def test_dist_checkpoint_into_a_bf16_build(megatron_cpu, tmp_path):
-    from megatron_rl_patches import build_inference_model
-
-    source = megatron_cpu.gpt(seed=21)
-    save_megatron_checkpoint(source, tmp_path, iteration=3)
-    config = megatron_cpu.config(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
-    (chunk,) = build_inference_model(megatron_cpu.provider(config, seed=22), load_dir=tmp_path)
-    for key, value in _state(source).items():
-        assert torch.equal(_state(chunk)[key], value.to(torch.bfloat16)), key
-
-
-def test_torch_state_dict_file_round_trip(megatron_cpu, tmp_path):
-    from megatron.core.transformer.module import Float16Module
-
-    from megatron_rl_patches import build_inference_model, load_inference_weights
-
-    source = megatron_cpu.gpt(seed=31)
-    torch.save(source.state_dict(), tmp_path / "weights.pt")
-    (chunk,) = build_inference_model(megatron_cpu.provider(seed=32), load_dir=tmp_path / "weights.pt")
-    _assert_same_state(_state(chunk), _state(source))
-    batch = megatron_cpu.batch(seed=2)
-    assert torch.equal(megatron_cpu.forward(chunk, batch), megatron_cpu.forward(source.eval(), batch))
-
-    # saved from a wrapper ("module." keys) or Megatron-LM style under "model": both accepted
-    config = megatron_cpu.config(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
-    torch.save(Float16Module(config, megatron_cpu.gpt(config, seed=33)).state_dict(), tmp_path / "wrapped.pt")
-    torch.save({"model": source.state_dict()}, tmp_path / "nested.pt")
-    target = megatron_cpu.gpt(seed=34)
-    assert load_inference_weights(target, tmp_path / "nested.pt") == 0
-    _assert_same_state(_state(target), _state(source))
-    bf16_target = Float16Module(config, megatron_cpu.gpt(config, seed=35))
-    load_inference_weights(bf16_target, tmp_path / "wrapped.pt")
-    _assert_same_state(_state(bf16_target), _state(Float16Module(config, megatron_cpu.gpt(config, seed=33))))
-
-
-def test_bad_checkpoints_raise_clearly_and_change_nothing(megatron_cpu, tmp_path):
-    from megatron_rl_patches import load_inference_weights
-    from megatron_rl_patches.inference import WeightsMismatchError
-
-    model = megatron_cpu.gpt(seed=41)
-    before = _state(model)
-
-    with pytest.raises(FileNotFoundError, match="does-not-exist"):
-        load_inference_weights(model, tmp_path / "does-not-exist")
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="no metadata.json"):
-        load_inference_weights(model, tmp_path / "empty")
-    (tmp_path / "tracked").mkdir()
-    (tmp_path / "tracked" / "latest_checkpointed_iteration.txt").write_text("12")
-    with pytest.raises(FileNotFoundError, match="iter_0000012"):
-        load_inference_weights(model, tmp_path / "tracked")
-
-    wide = megatron_cpu.gpt(megatron_cpu.config(hidden_size=48), seed=42)
-    save_megatron_checkpoint(wide, tmp_path / "wide", iteration=1)
-    first = r"shape mismatches: decoder\.final_layernorm\.bias \(checkpoint \(48,\), model \(32,\)\)"
-    with pytest.raises(WeightsMismatchError, match=first) as err:
-        load_inference_weights(model, tmp_path / "wide", strict=False)  # shapes: never tolerated
-    assert "embedding.word_embeddings.weight (checkpoint (64, 48), model (64, 32))" in err.value.shape_mismatches
-    assert len(err.value.shape_mismatches) == 17 and "(12 more)" in str(err.value)  # first few, then a count
-
-    deep = megatron_cpu.gpt(megatron_cpu.config(num_layers=3), seed=43)
-    save_megatron_checkpoint(deep, tmp_path / "deep", iteration=2)
-    with pytest.raises(WeightsMismatchError, match=r"decoder\.layers\.\S+ \(checkpoint \(3, "):
-        load_inference_weights(model, tmp_path / "deep")
-
-    state = megatron_cpu.gpt(seed=44).state_dict()
-    state.pop("output_layer.weight")
-    state["extra.weight"] = torch.zeros(2)
-    torch.save(state, tmp_path / "partial.pt")
-    with pytest.raises(WeightsMismatchError, match=r"1 missing: output_layer\.weight; 1 unexpected: extra\.weight"):
-        load_inference_weights(model, tmp_path / "partial.pt")
-    _assert_same_state(_state(model), before)  # every failure above left the model untouched
-
-    load_inference_weights(model, tmp_path / "partial.pt", strict=False)  # tolerated: loads the rest
-    assert torch.equal(model.embedding.word_embeddings.weight, state["embedding.word_embeddings.weight"])
-    assert torch.equal(model.output_layer.weight, before["output_layer.weight"])
-
-    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
-    with pytest.raises(ValueError, match="not a weights-only torch state-dict"):
-        load_inference_weights(model, tmp_path / "junk.pt")
-    with pytest.raises(TypeError, match="load_dir must be a path"):
-        load_inference_weights(model, 42)
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
-        load_inference_weights([], tmp_path / "partial.pt")
-
-
-def test_dist_checkpoint_missing_keys_strict_and_tolerated(megatron_cpu, tmp_path, caplog):
-    from megatron.core import dist_checkpointing
-
-    from megatron_rl_patches import load_inference_weights
-    from megatron_rl_patches.inference import WeightsMismatchError
-
-    source = megatron_cpu.gpt(seed=51)
-    sharded = source.sharded_state_dict()
-    sharded.pop("output_layer.weight")
-    dist_checkpointing.save({"model": sharded}, str(tmp_path))
-    model = megatron_cpu.gpt(seed=52)
-    before = _state(model)
-    with pytest.raises(WeightsMismatchError, match=r"1 missing: output_layer\.weight"):
-        load_inference_weights(model, tmp_path)
-    _assert_same_state(_state(model), before)
-    with caplog.at_level("WARNING", logger="megatron_rl_patches"):
-        assert load_inference_weights(model, tmp_path, strict=False) == 0
-    assert "1 missing key(s) keep their values (output_layer.weight)" in caplog.text
-    assert torch.equal(model.output_layer.weight, before["output_layer.weight"])
-    assert torch.equal(model.embedding.word_embeddings.weight, source.embedding.word_embeddings.weight)
 
 
 # ---------------------------------------------------------------------------- forward-only helper
@@ -517,14 +350,14 @@ def slime_standin(tmp_path):
             del sys.modules[name]
 
 
-def test_role_switch_builds_listed_roles_inference_only(megatron_cpu, slime_standin, tmp_path, monkeypatch):
+def test_role_switch_builds_listed_roles_inference_only(megatron_cpu, slime_standin, tmp_path, monkeypatch, weights_kit):
     import megatron_rl_patches
     from megatron.core.distributed import DistributedDataParallel
 
     model_module, checkpoint = slime_standin
     monkeypatch.delenv("MEGATRON_RL_PATCHES_INFERENCE_ROLES", raising=False)
     teacher = megatron_cpu.gpt(seed=71)
-    save_megatron_checkpoint(teacher, tmp_path / "teacher", iteration=9)
+    weights_kit.save(teacher, tmp_path / "teacher", iteration=9)
     args = argparse.Namespace(load=str(tmp_path / "teacher"), bf16=False, seed=72, finetune=False)
     checkpoint.ARGS = args
 
@@ -536,7 +369,7 @@ def test_role_switch_builds_listed_roles_inference_only(megatron_cpu, slime_stan
     assert isinstance(model, list) and len(model) == 1 and model[0].role == "teacher"
     assert model[0]._mrp_inference_only and not _ddp_anywhere(model[0])
     assert all(not p.requires_grad for p in model[0].parameters())
-    _assert_same_state(_state(model[0]), _state(teacher))
+    weights_kit.assert_same(weights_kit.state(model[0]), weights_kit.state(teacher))
     assert checkpoint.CALLS == []  # the upstream loader (optimizer, RNG) never ran
 
     model, optimizer, _, iteration = model_module.initialize_model_and_optimizer(args)  # actor: upstream
@@ -553,7 +386,7 @@ def test_role_switch_builds_listed_roles_inference_only(megatron_cpu, slime_stan
     args.prm_teacher_load, args.finetune = str(tmp_path / "prm.pt"), True
     model, optimizer, _, iteration = model_module.initialize_model_and_optimizer(args, role="prm_teacher")
     assert optimizer is None and iteration == 0
-    _assert_same_state(_state(model[0]), _state(prm))
+    weights_kit.assert_same(weights_kit.state(model[0]), weights_kit.state(prm))
 
     megatron_rl_patches.revert()
     model, optimizer, _, _ = model_module.initialize_model_and_optimizer(args, role="ref")
