@@ -24,6 +24,7 @@ _LAZY = {
     "topk_ids": "megatron_rl_patches.ops.topk",
     "topk_logprobs": "megatron_rl_patches.ops.topk",
     "topk_opd_loss": "megatron_rl_patches.ops.topk",
+    "topk_kl": "megatron_rl_patches.ops.topk",
     "log_prob_output_processor": "megatron_rl_patches.megatron.processors",
     "topk_output_processor": "megatron_rl_patches.megatron.processors",
 }
