@@ -101,6 +101,18 @@ def _column_marks(cols: torch.Tensor, owned: torch.Tensor, c0: int, width: int) 
     return local.clamp(0, max(width - 1, 0)), inside
 
 
+def _marks(x: torch.Tensor, local: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """[r, c] bool: the columns of the ids that fall in this tile. Ids outside it were clamped onto
+    tile columns, so marks are added up (a plain scatter could let them overwrite a real mark)."""
+    return torch.zeros(x.shape, dtype=torch.int32, device=x.device).scatter_add_(1, local, inside.to(torch.int32)) > 0
+
+
+def _replace_at(dz: torch.Tensor, local: torch.Tensor, inside: torch.Tensor, value: torch.Tensor) -> None:
+    """dz[row, local] = value where `inside`, as an added difference (duplicate clamped columns add 0)."""
+    current = dz.gather(1, local)
+    dz.scatter_add_(1, local, torch.where(inside, value - current, 0.0))
+
+
 def _tile_loop(h_full: torch.Tensor, weight: torch.Tensor, spec: _Spec, dtype: torch.dtype):
     """(rows, cols, x) for every logits tile, x = h[rows]·weight[cols]ᵀ in the compute dtype."""
     n_rows = h_full.size(0)
@@ -184,7 +196,7 @@ class _LMHeadLogProbs(torch.autograd.Function):
         x_target = torch.zeros(n_rows, dtype=dtype, device=hidden.device)
         for rows, cs, x in _tile_loop(h_full, weight, spec, dtype):
             local, inside = _column_marks(cols[rows], owned[rows], cs.start, x.size(1))
-            marked = torch.zeros_like(x, dtype=torch.bool).scatter_(1, local[:, None], inside[:, None])
+            marked = _marks(x, local[:, None], inside[:, None])
             x_target[rows] += torch.where(inside, x.gather(1, local[:, None]).squeeze(1), 0.0)
             subset = keep_mask[rows, cs] if masked else None
             stats.add(rows, x, _vocab.scale_rows(scale, rows), marked, subset, torch.empty_like(x))
@@ -251,8 +263,7 @@ class _LMHeadLogProbs(torch.autograd.Function):
                     u_t = u.gather(1, local[:, None]).squeeze(1)
                     p_t = torch.exp(u_t - log_s[rows])
                     exact = exact - b[rows] * torch.where(p_t > 0, p_t * (u_t - mean[rows]), 0.0)
-                current = dz.gather(1, local[:, None]).squeeze(1)
-                dz.scatter_(1, local[:, None], torch.where(inside, exact, current)[:, None])
+                _replace_at(dz, local[:, None], inside[:, None], exact[:, None])
             _accumulate(grad_h, grad_w, dz, h_full[rows], weight[cs], rows, cs)
         return _finish_grads(grad_h, grad_w, hidden, weight, spec) + none
 
@@ -406,7 +417,7 @@ class _LMHeadTopk(torch.autograd.Function):
         x_ids = torch.zeros(n_rows, k, dtype=dtype, device=hidden.device)
         for rows, cs, x in _tile_loop(h_full, weight, spec, dtype):
             local, inside = _column_marks(cols[rows], owned[rows], cs.start, x.size(1))
-            marked = torch.zeros_like(x, dtype=torch.bool).scatter_(1, local, inside)
+            marked = _marks(x, local, inside)
             x_ids[rows] += torch.where(inside, x.gather(1, local), 0.0)
             stats.add(rows, x, _vocab.scale_rows(scale, rows), marked, ~marked, torch.empty_like(x))
         out = _combine_topk(stats, x_ids, scale, spec)
@@ -446,12 +457,10 @@ class _LMHeadTopk(torch.autograd.Function):
             dz = p * -total[rows, None]  # dlogp_i/dz_j = [i==j] - p_j ; dtail/dz_j = [j in tail]·p_j/P_tail - p_j
             local, inside = _column_marks(cols[rows], owned[rows], cs.start, x.size(1))
             if g_tail is not None:
-                in_ids = torch.zeros_like(x, dtype=torch.bool).scatter_(1, local, inside)
+                in_ids = _marks(x, local, inside)
                 tail_p = torch.exp((x - tail_shift[rows, None]) * sc - log_tail_sum[rows, None])
                 dz += torch.where(in_ids, 0.0, tail_p * g_tail[rows, None])
-            p_ids = p.gather(1, local)
-            current = dz.gather(1, local)
-            dz.scatter_(1, local, torch.where(inside, g[rows] - p_ids * total[rows, None], current))
+            _replace_at(dz, local, inside, g[rows] - p.gather(1, local) * total[rows, None])
             dz *= sc
             _accumulate(grad_h, grad_w, dz, h_full[rows], weight[cs], rows, cs)
         return _finish_grads(grad_h, grad_w, hidden, weight, spec) + none
