@@ -1,11 +1,11 @@
-"""Real megatron-core on CPU: a gloo world, model-parallel state, tiny GPT models, DDP wrappers,
-batches and the real forward-backward schedule. Used by the pytest plugin and the CPU demo."""
+"""Real megatron-core on CPU: a gloo world, model-parallel state, tiny GPT and HybridModel models,
+DDP wrappers, batches and the real forward-backward schedule. Used by the pytest plugin and the CPU demo."""
 from __future__ import annotations
 
 import contextlib
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -15,6 +15,11 @@ from megatron_rl_patches.testing.shims import cpu_shims
 
 TINY_VOCAB = 64
 TINY_SEQ = 16
+MODEL_KINDS = ("gpt", "hybrid")
+
+
+class ModelKindUnavailable(ImportError):
+    """The installed megatron-core cannot build this model kind (tests skip with its message)."""
 
 
 def _free_port() -> int:
@@ -87,41 +92,72 @@ def tiny_gpt_config(**overrides: Any) -> Any:
     return TransformerConfig(**values)
 
 
-def build_tiny_gpt(
-    config: Any = None,
-    *,
+def _seeded_model_kwargs(
     vocab_size: int = TINY_VOCAB,
     seq_length: int = TINY_SEQ,
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: int | None = None,
     seed: int | None = 0,
-) -> Any:
-    """A real GPTModel with the local (non Transformer Engine) layer spec; `seed` fixes the weights."""
+) -> dict[str, Any]:
+    """The language-model constructor keywords shared by every kind; seeds torch when `seed` is set."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size, max_sequence_length=seq_length, pre_process=pre_process, post_process=post_process
+    )
+    if vp_stage is not None:
+        kwargs["vp_stage"] = vp_stage
+    return kwargs
+
+
+def build_tiny_gpt(config: Any = None, **kwargs: Any) -> Any:
+    """A real GPTModel with the local (non Transformer Engine) layer spec. Keywords: vocab_size,
+    seq_length, pre_process, post_process, vp_stage, seed (fixes the weights; default 0)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    if seed is not None:
-        torch.manual_seed(seed)
-    kwargs: dict[str, Any] = {"vp_stage": vp_stage} if vp_stage is not None else {}
     return GPTModel(
         config=config if config is not None else tiny_gpt_config(),
         transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=vocab_size,
-        max_sequence_length=seq_length,
-        pre_process=pre_process,
-        post_process=post_process,
-        **kwargs,
+        **_seeded_model_kwargs(**kwargs),
     )
 
 
-def tiny_gpt_provider(config: Any = None, **kwargs: Any) -> Callable[..., Any]:
-    """A Megatron-LM style `model_provider(pre_process, post_process, vp_stage=None)`."""
+def build_tiny_hybrid(config: Any = None, *, layer_pattern: str | None = None, **kwargs: Any) -> Any:
+    """A real HybridModel of attention ('*') and MLP ('-') layers with local modules (other keywords as
+    `build_tiny_gpt`); the pattern defaults to '*-' repeated over `config.num_layers`.
+    ModelKindUnavailable before megatron-core 0.18."""
+    from megatron_rl_patches.testing import tiny_hybrid
+
+    config = config if config is not None else tiny_gpt_config()
+    if layer_pattern is None:
+        layer_pattern = ("*-" * config.num_layers)[: config.num_layers]
+    return tiny_hybrid.build(config, layer_pattern, **_seeded_model_kwargs(**kwargs))
+
+
+def build_tiny_model(kind: str = "gpt", config: Any = None, **kwargs: Any) -> Any:
+    """`build_tiny_gpt` or `build_tiny_hybrid` by `kind` (one of MODEL_KINDS), same keywords."""
+    builders = {"gpt": build_tiny_gpt, "hybrid": build_tiny_hybrid}
+    if kind not in builders:
+        raise ValueError(f"kind must be one of {MODEL_KINDS}, got {kind!r}")
+    return builders[kind](config, **kwargs)
+
+
+def tiny_provider(kind: str = "gpt", config: Any = None, **kwargs: Any) -> Callable[..., Any]:
+    """A Megatron-LM style `model_provider(pre_process, post_process, vp_stage=None)` of `kind`."""
 
     def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> Any:
-        return build_tiny_gpt(config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, **kwargs)
+        return build_tiny_model(
+            kind, config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, **kwargs
+        )
 
     return model_provider
+
+
+def tiny_gpt_provider(config: Any = None, **kwargs: Any) -> Callable[..., Any]:
+    """A Megatron-LM style `model_provider(pre_process, post_process, vp_stage=None)` of tiny GPTs."""
+    return tiny_provider("gpt", config, **kwargs)
 
 
 def wrap_ddp(model: Any, **ddp_flags: Any) -> Any:
@@ -205,14 +241,33 @@ def sgd_step(model_chunks: Sequence[Any], lr: float = 0.1) -> None:
 
 @dataclass
 class MegatronCPU:
-    """Handle given by `megatron_on_cpu()` / the `megatron_cpu` fixture: factories in one place."""
+    """Handle given by `megatron_on_cpu()` / the `megatron_cpu` fixture: factories in one place.
+    `model` / `model_provider` build `kind` ("gpt" or "hybrid"; see `with_kind`)."""
 
     seed: int = 1234
+    kind: str = "gpt"
     config = staticmethod(tiny_gpt_config)
     gpt = staticmethod(build_tiny_gpt)
+    hybrid = staticmethod(build_tiny_hybrid)
     provider = staticmethod(tiny_gpt_provider)
     ddp = staticmethod(wrap_ddp)
     batch = staticmethod(make_batch)
     forward = staticmethod(gpt_forward)
     run_schedule = staticmethod(run_schedule)
     sgd_step = staticmethod(sgd_step)
+
+    def model(self, config: Any = None, **kwargs: Any) -> Any:
+        """A tiny model of this handle's kind (same keywords as `build_tiny_gpt`)."""
+        return build_tiny_model(self.kind, config, **kwargs)
+
+    def model_provider(self, config: Any = None, **kwargs: Any) -> Callable[..., Any]:
+        """A Megatron-LM style provider of this handle's kind."""
+        return tiny_provider(self.kind, config, **kwargs)
+
+    def with_kind(self, kind: str) -> "MegatronCPU":
+        """The same handle building `kind`; ModelKindUnavailable if megatron-core cannot build it."""
+        if kind not in MODEL_KINDS:
+            raise ValueError(f"kind must be one of {MODEL_KINDS}, got {kind!r}")
+        if kind == "hybrid":
+            import megatron_rl_patches.testing.tiny_hybrid  # noqa: F401  (raises ModelKindUnavailable)
+        return replace(self, kind=kind)

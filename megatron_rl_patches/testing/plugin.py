@@ -27,6 +27,18 @@ def tiny_gpt(megatron_cpu: Any) -> Callable[..., Any]:
     return megatron_cpu.gpt
 
 
+@pytest.fixture(params=("gpt", "hybrid"))
+def megatron_cpu_kind(request: pytest.FixtureRequest, megatron_cpu: Any) -> Any:
+    """`megatron_cpu` once per model kind: its `model()` / `model_provider()` build a tiny GPTModel,
+    then a tiny HybridModel (attention + MLP layers); skipped where megatron-core lacks the kind."""
+    from megatron_rl_patches.testing.megatron_cpu import ModelKindUnavailable
+
+    try:
+        return megatron_cpu.with_kind(request.param)
+    except ModelKindUnavailable as exc:
+        pytest.skip(str(exc))
+
+
 @pytest.fixture
 def fake_ddp(request: pytest.FixtureRequest) -> Callable[..., Any]:
     """Factory of DDP stand-ins; with pytest-mock installed their hook and sync methods are spies."""

@@ -1,6 +1,17 @@
 """Test-only shims that let megatron-core run on CPU (it hard-codes CUDA in a few places).
 
-Never used by library code: only by the pytest plugin and the CPU demo.
+Never used by library code: only by the pytest plugin and the CPU demo. What each shim is for:
+- `torch.cuda.current_device` / `synchronize`, CUDA factory calls (`device="cuda"`) and the CUDA
+  RNG tracker's `fork`: every megatron-core release (model build, DDP buffers).
+- `torch.cuda.current_stream` / `default_stream` / `Stream` / `stream` / `Event`: 0.19's
+  `start_grad_sync` waits on the current stream; Megatron-LM's `get_model` builds DDP under a
+  side stream. On CPU work is already ordered, so every wait or record is a no-op.
+- `torch.cuda.memory_*` / `max_memory_*` / `memory_stats` / `reset_peak_memory_stats` /
+  `empty_cache`: Megatron-LM's `train()` reports and frees CUDA memory (reported as 0 / {}).
+- `torch.nn.Module.cuda`: Megatron-LM's `get_model` moves the model to the GPU (a no-op here).
+- `torch.Tensor.type()`: megatron-core's optimizers compare type names (`'torch.cuda.FloatTensor'`)
+  to pick main params and check grads; CPU tensors report the `torch.cuda.*` name (no argument
+  only; conversions are untouched).
 """
 from __future__ import annotations
 
@@ -9,6 +20,8 @@ from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+_MISSING = object()
 
 
 class CudaToCpuMode(TorchFunctionMode):
@@ -22,27 +35,131 @@ class CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class CpuEvent:
+    """Stands in for `torch.cuda.Event`: CPU work is ordered, so it is always complete."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end_event: "CpuEvent") -> float:
+        return 0.0
+
+
+class CpuStream:
+    """Stands in for `torch.cuda.Stream`: waits and records are no-ops; usable as a context."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        self.device = torch.device("cpu")
+        self.priority = priority
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def record_event(self, event: CpuEvent | None = None) -> CpuEvent:
+        return event if event is not None else CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self) -> "CpuStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_CPU_STREAM = CpuStream()
+
+
 def _null_fork(self: Any, name: str = "") -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def cpu_shims() -> Iterator[None]:
-    """Patch torch.cuda.current_device/synchronize, the CUDA RNG tracker's fork and CUDA factory
-    calls for the duration of the block; everything is restored on exit."""
+def _module_cuda(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
+    return self
+
+
+_TENSOR_TYPE = torch.Tensor.type
+
+
+def _tensor_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+    """`Tensor.type()` naming CPU tensors `torch.cuda.*`; with a `torch.cuda.*` string, converts on CPU."""
+    if dtype is None and not kwargs:
+        name = _TENSOR_TYPE(self)
+        if self.device.type == "cpu" and not name.startswith("torch.cuda."):
+            return "torch.cuda." + name[len("torch."):]
+        return name
+    if isinstance(dtype, str) and dtype.startswith("torch.cuda."):
+        dtype = "torch." + dtype[len("torch.cuda."):]
+    return _TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
+
+
+def _zero(*args: Any, **kwargs: Any) -> int:
+    return 0
+
+
+def _none(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _shim_table() -> list[tuple[Any, str, Any]]:
+    """(owner, attribute, replacement) for every shim, in one place."""
     from megatron.core.tensor_parallel import random as mcore_random
 
-    saved = [
-        (torch.cuda, "current_device", torch.cuda.current_device),
-        (torch.cuda, "synchronize", torch.cuda.synchronize),
-        (mcore_random.CudaRNGStatesTracker, "fork", mcore_random.CudaRNGStatesTracker.fork),
+    cuda = torch.cuda
+    table: list[tuple[Any, str, Any]] = [
+        (cuda, "current_device", lambda: "cpu"),
+        (cuda, "synchronize", _none),
+        (mcore_random.CudaRNGStatesTracker, "fork", _null_fork),
+        (cuda, "Stream", CpuStream),
+        (cuda, "Event", CpuEvent),
+        (cuda, "current_stream", lambda device=None: _CPU_STREAM),
+        (cuda, "default_stream", lambda device=None: _CPU_STREAM),
+        (cuda, "stream", lambda stream=None: contextlib.nullcontext(stream)),
+        (cuda, "memory_stats", lambda device=None: {}),
+        (cuda, "empty_cache", _none),
+        (cuda, "reset_peak_memory_stats", _none),
+        (torch.nn.Module, "cuda", _module_cuda),
+        (torch.Tensor, "type", _tensor_type),
     ]
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
-    mcore_random.CudaRNGStatesTracker.fork = _null_fork  # type: ignore[assignment]
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        table.append((cuda, name, _zero))
+    return table
+
+
+@contextlib.contextmanager
+def cpu_shims() -> Iterator[None]:
+    """Apply every shim listed in the module docstring and redirect CUDA factory calls to CPU for the
+    duration of the block; every attribute is restored (or removed, if it was inherited) on exit."""
+    table = _shim_table()
+    saved = [(owner, name, vars(owner).get(name, _MISSING)) for owner, name, _ in table]
     try:
+        for owner, name, replacement in table:
+            setattr(owner, name, replacement)
         with CudaToCpuMode():
             yield
     finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
+        for owner, name, value in reversed(saved):
+            if value is _MISSING:
+                if name in vars(owner):
+                    delattr(owner, name)
+            else:
+                setattr(owner, name, value)

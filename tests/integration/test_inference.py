@@ -26,11 +26,11 @@ def _ddp_anywhere(chunk) -> bool:
 # ---------------------------------------------------------------------------- the build
 
 
-def test_inference_build_is_frozen_and_matches_the_trainable_build_in_eval(megatron_cpu):
+def test_inference_build_is_frozen_and_matches_the_trainable_build_in_eval(megatron_cpu_kind):
     from megatron_rl_patches import build_inference_model
 
-    config = megatron_cpu.config(**DROPOUT)
-    chunks = build_inference_model(megatron_cpu.provider(config, seed=4))
+    config = megatron_cpu_kind.config(**DROPOUT)
+    chunks = build_inference_model(megatron_cpu_kind.model_provider(config, seed=4))
     assert len(chunks) == 1
     chunk = chunks[0]
     assert not _ddp_anywhere(chunk)
@@ -39,31 +39,31 @@ def test_inference_build_is_frozen_and_matches_the_trainable_build_in_eval(megat
     assert params and all(not p.requires_grad for p in params)
     assert all(not hasattr(p, "main_grad") and p.grad is None for p in params)
 
-    trainable = megatron_cpu.ddp(megatron_cpu.gpt(megatron_cpu.config(**DROPOUT), seed=4))
+    trainable = megatron_cpu_kind.ddp(megatron_cpu_kind.model(megatron_cpu_kind.config(**DROPOUT), seed=4))
     assert any(hasattr(p, "main_grad") for p in trainable.parameters())  # the cost we avoid
     trainable.eval()
-    batch = megatron_cpu.batch(seed=1)
+    batch = megatron_cpu_kind.batch(seed=1)
 
     chunk.train()  # what slime's forward_only() does after each pass
     assert not any(m.training for m in chunk.modules())
-    first = megatron_cpu.forward(chunk, batch)
-    second = megatron_cpu.forward(chunk, batch)
-    expected = megatron_cpu.forward(trainable, batch)
+    first = megatron_cpu_kind.forward(chunk, batch)
+    second = megatron_cpu_kind.forward(chunk, batch)
+    expected = megatron_cpu_kind.forward(trainable, batch)
     # dropout 0.5 would make two train-mode passes differ: equal outputs prove eval mode
     assert torch.equal(first, second)
     assert torch.equal(first, expected)
     assert not first.requires_grad
 
 
-def test_bf16_build_is_wrapped_in_float16module(megatron_cpu):
+def test_bf16_build_is_wrapped_in_float16module(megatron_cpu_kind):
     from megatron.core.transformer.module import Float16Module
 
     from megatron_rl_patches import build_inference_model
 
     def bf16():
-        return megatron_cpu.config(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+        return megatron_cpu_kind.config(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
 
-    (chunk,) = build_inference_model(megatron_cpu.provider(bf16(), seed=2))
+    (chunk,) = build_inference_model(megatron_cpu_kind.model_provider(bf16(), seed=2))
     assert isinstance(chunk, Float16Module) and not _ddp_anywhere(chunk)
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in chunk.parameters())
     chunk.train(True)
@@ -71,37 +71,38 @@ def test_bf16_build_is_wrapped_in_float16module(megatron_cpu):
     chunk.module.train()  # the inner module is locked too
     assert not chunk.module.training
 
-    reference = Float16Module(bf16(), megatron_cpu.gpt(bf16(), seed=2)).eval()
-    batch = megatron_cpu.batch(seed=3)
-    out = megatron_cpu.forward(chunk, batch)
+    reference = Float16Module(bf16(), megatron_cpu_kind.model(bf16(), seed=2)).eval()
+    batch = megatron_cpu_kind.batch(seed=3)
+    out = megatron_cpu_kind.forward(chunk, batch)
     assert out.dtype == torch.float32
-    assert torch.equal(out, megatron_cpu.forward(reference, batch))
+    assert torch.equal(out, megatron_cpu_kind.forward(reference, batch))
 
 
-def test_explicit_config_decides_the_float16_wrap(megatron_cpu):
+def test_explicit_config_decides_the_float16_wrap(megatron_cpu_kind):
     from megatron.core.transformer.module import Float16Module
 
     from megatron_rl_patches import build_inference_model
 
     (chunk,) = build_inference_model(
-        megatron_cpu.provider(seed=0), config=megatron_cpu.config(bf16=True, pipeline_dtype=torch.bfloat16)
+        megatron_cpu_kind.model_provider(seed=0),
+        config=megatron_cpu_kind.config(bf16=True, pipeline_dtype=torch.bfloat16),
     )
     assert isinstance(chunk, Float16Module)
     assert all(p.dtype == torch.bfloat16 for p in chunk.parameters())
 
 
-def test_frozen_chunks_refuse_training_paths_and_survive_copies(megatron_cpu):
+def test_frozen_chunks_refuse_training_paths_and_survive_copies(megatron_cpu_kind):
     from megatron.core.distributed import finalize_model_grads
 
     from megatron_rl_patches import build_inference_model
     from megatron_rl_patches.inference import InferenceOnlyError, assert_trainable, is_inference_only
 
-    (chunk,) = build_inference_model(megatron_cpu.provider(seed=0))
+    (chunk,) = build_inference_model(megatron_cpu_kind.model_provider(seed=0))
     with pytest.raises(InferenceOnlyError, match="inference-only"):
         assert_trainable([chunk])
     with pytest.raises(TypeError, match="chunk 1"):  # InferenceOnlyError is a TypeError
-        assert_trainable([megatron_cpu.gpt(), chunk])
-    assert_trainable([megatron_cpu.ddp(megatron_cpu.gpt())])  # trainable chunks pass
+        assert_trainable([megatron_cpu_kind.model(), chunk])
+    assert_trainable([megatron_cpu_kind.ddp(megatron_cpu_kind.model())])  # trainable chunks pass
     with pytest.raises(InferenceOnlyError, match="zero_grad_buffer"):
         chunk.zero_grad_buffer()
     with pytest.raises(InferenceOnlyError, match="finish_grad_sync"):
@@ -183,18 +184,18 @@ def _logits_step(data_iterator, model):
     return gpt_forward(model, batch), batch["labels"]
 
 
-def test_inference_forward_returns_logits_and_log_probs(megatron_cpu):
+def test_inference_forward_returns_logits_and_log_probs(megatron_cpu_kind):
     from megatron_rl_patches import build_inference_model
     from megatron_rl_patches.inference import inference_forward, token_log_probs
 
-    chunks = build_inference_model(megatron_cpu.provider(seed=61))
-    batches = [megatron_cpu.batch(seed=i) for i in range(3)]
+    chunks = build_inference_model(megatron_cpu_kind.model_provider(seed=61))
+    batches = [megatron_cpu_kind.batch(seed=i) for i in range(3)]
     sizes = dict(num_microbatches=3, seq_length=16, micro_batch_size=2)
 
     logits = inference_forward(chunks, iter(batches), _logits_step, **sizes)
     assert len(logits) == 3
     for out, batch in zip(logits, batches):
-        assert torch.equal(out, megatron_cpu.forward(chunks[0], batch))
+        assert torch.equal(out, megatron_cpu_kind.forward(chunks[0], batch))
         assert not out.requires_grad
 
     temperature = 0.7
@@ -212,21 +213,25 @@ def test_inference_forward_returns_logits_and_log_probs(megatron_cpu):
         inference_forward(chunks, iter(batches), _logits_step, num_microbatches=0, seq_length=16, micro_batch_size=2)
     with pytest.raises(TypeError, match="needs the target token ids"):
         inference_forward(
-            chunks, iter(batches), lambda it, m: megatron_cpu.forward(m, next(it)), collect=token_log_probs(), **sizes
+            chunks,
+            iter(batches),
+            lambda it, m: megatron_cpu_kind.forward(m, next(it)),
+            collect=token_log_probs(),
+            **sizes,
         )
 
 
 # ---------------------------------------------------------------------------- memory report on a real model
 
 
-def test_memory_formula_matches_counted_grad_buffer_up_to_named_padding(megatron_cpu):
+def test_memory_formula_matches_counted_grad_buffer_up_to_named_padding(megatron_cpu_kind):
     from megatron_rl_patches import build_inference_model, training_state_bytes
     from megatron_rl_patches.inference import format_report
 
-    model = megatron_cpu.gpt(seed=0)
+    model = megatron_cpu_kind.model(seed=0)
     n = sum(p.numel() for p in model.parameters())
 
-    plain = training_state_bytes(megatron_cpu.ddp(model))
+    plain = training_state_bytes(megatron_cpu_kind.ddp(model))
     assert plain.num_params == n and plain.dp == 1 and not plain.distributed_optimizer
     assert (plain.param_dtype, plain.grad_dtype) == ("fp32", "fp32")
     assert plain.counted_grad_buffer == plain.grad_buffer == 4 * n  # no padding without the dist. optimizer
@@ -234,7 +239,7 @@ def test_memory_formula_matches_counted_grad_buffer_up_to_named_padding(megatron
     assert plain.main_params == 0 and plain.adam_m == plain.adam_v == 4 * n and plain.total == 12 * n
 
     flags = dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=4000)
-    sharded = training_state_bytes(megatron_cpu.ddp(megatron_cpu.gpt(seed=0), **flags))
+    sharded = training_state_bytes(megatron_cpu_kind.ddp(megatron_cpu_kind.model(seed=0), **flags))
     assert sharded.distributed_optimizer and sharded.grad_buffer == 4 * n
     assert sharded.grad_buffer_padding > 0
     assert sharded.counted_grad_buffer - sharded.grad_buffer == sum(sharded.padding.values())
@@ -243,11 +248,11 @@ def test_memory_formula_matches_counted_grad_buffer_up_to_named_padding(megatron
     text = format_report(sharded)
     assert "padding" in text and f"{sharded.grad_buffer_padding:,} B" in text
 
-    config = megatron_cpu.config(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+    config = megatron_cpu_kind.config(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
     from megatron.core.transformer.module import Float16Module
 
-    wrapped = Float16Module(config, megatron_cpu.gpt(config, seed=0))
-    ddp16 = megatron_cpu.ddp(wrapped, grad_reduce_in_fp32=True)
+    wrapped = Float16Module(config, megatron_cpu_kind.model(config, seed=0))
+    ddp16 = megatron_cpu_kind.ddp(wrapped, grad_reduce_in_fp32=True)
     bf16 = training_state_bytes(ddp16)
     assert (bf16.param_dtype, bf16.grad_dtype) == ("bf16", "fp32") and bf16.total == 16 * n
     assert bf16.counted_grad_buffer == 4 * n
@@ -258,17 +263,19 @@ def test_memory_formula_matches_counted_grad_buffer_up_to_named_padding(megatron
     assert is_ddp_like(ddp16) and has_grad_buffers(ddp16)
     assert not is_ddp_like(wrapped) and not has_grad_buffers(wrapped)
     chain = [type(m).__name__ for m in iter_wrapped(ddp16)]
-    assert chain == ["DistributedDataParallel", "Float16Module", "GPTModel"]
+    model_class = {"gpt": "GPTModel", "hybrid": "HybridModel"}[megatron_cpu_kind.kind]
+    assert chain == ["DistributedDataParallel", "Float16Module", model_class]
     assert unwrap(ddp16) is wrapped.module and unwrap(wrapped.module) is wrapped.module
 
-    frozen = build_inference_model(megatron_cpu.provider(config, seed=0))
+    frozen = build_inference_model(megatron_cpu_kind.model_provider(config, seed=0))
     estimate = training_state_bytes(frozen)  # what training this build would add
     assert estimate.num_params == n and estimate.param_dtype == "bf16" and estimate.counted_grad_buffer is None
     assert not is_ddp_like(frozen[0]) and unwrap(frozen[0]) is frozen[0].module  # no DDP hooks to toggle
-    assert training_state_bytes(megatron_cpu.ddp(frozen[0].module)).num_params == 0  # DDP of a frozen model: no buffer
+    frozen_ddp = megatron_cpu_kind.ddp(frozen[0].module)
+    assert training_state_bytes(frozen_ddp).num_params == 0  # DDP of a frozen model: no buffer
 
     with pytest.raises(ValueError, match="dp=8 contradicts the DDP model"):
-        training_state_bytes(megatron_cpu.ddp(megatron_cpu.gpt(seed=0)), dp=8)
+        training_state_bytes(megatron_cpu_kind.ddp(megatron_cpu_kind.model(seed=0)), dp=8)
 
 
 # ---------------------------------------------------------------------------- the role switch

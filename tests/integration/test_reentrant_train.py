@@ -60,18 +60,18 @@ def assert_rollouts_learn(results: list[dict]) -> None:
     assert not torch.equal(results[0]["grads"][0], results[1]["grads"][0])
 
 
-def test_unpatched_second_rollout_fails_both_ways(megatron_cpu, standins):
+def test_unpatched_second_rollout_fails_both_ways(megatron_cpu_kind, standins):
     rollouts, slime_model = standins
-    chunks = rollouts.build_chunks(megatron_cpu)
-    rollouts.run_rollout(slime_model.train, 0, chunks, megatron_cpu)
+    chunks = rollouts.build_chunks(megatron_cpu_kind)
+    rollouts.run_rollout(slime_model.train, 0, chunks, megatron_cpu_kind)
 
     with pytest.raises(AssertionError, match="no_sync_func must be None"):
-        rollouts.run_rollout(slime_model.train, 1, chunks, megatron_cpu)
+        rollouts.run_rollout(slime_model.train, 1, chunks, megatron_cpu_kind)
 
     config = chunks[0].config
     config.no_sync_func = config.grad_sync_func = config.param_sync_func = None
     with pytest.raises(KeyError) as excinfo:
-        rollouts.run_rollout(slime_model.train, 1, chunks, megatron_cpu)
+        rollouts.run_rollout(slime_model.train, 1, chunks, megatron_cpu_kind)
     assert excinfo.traceback[-1].name == "disable_forward_pre_hook"
     assert excinfo.value.args[0] is chunks[0].module  # upstream indexes the handles by module
 
@@ -80,19 +80,20 @@ def test_unpatched_second_rollout_fails_both_ways(megatron_cpu, standins):
         chunks[0].enable_forward_pre_hook()
 
 
-def test_reentrant_train_matches_a_by_hand_control(megatron_cpu, standins):
+def test_reentrant_train_matches_a_by_hand_control(megatron_cpu_kind, standins):
     rollouts, slime_model = standins
     guarded = reentrant_train(slime_model.train)
-    patched = rollouts.run_rollouts(guarded, rollouts.build_chunks(megatron_cpu), megatron_cpu)
-    control = rollouts.run_rollouts(slime_model.train, rollouts.build_chunks(megatron_cpu), megatron_cpu, by_hand=True)
+    env = megatron_cpu_kind
+    patched = rollouts.run_rollouts(guarded, rollouts.build_chunks(env), env)
+    control = rollouts.run_rollouts(slime_model.train, rollouts.build_chunks(env), env, by_hand=True)
     assert_rollouts_learn(patched)
     assert_same_rollouts(patched, control)  # rollout 1 included: first-call behaviour unchanged
 
 
-def test_two_chunks_through_the_registry_patches(megatron_cpu, standins):
+def test_two_chunks_through_the_registry_patches(megatron_cpu_kind, standins):
     rollouts, slime_model = standins
-    control_chunks = rollouts.build_chunks(megatron_cpu, 2)
-    control = rollouts.run_rollouts(slime_model.train, control_chunks, megatron_cpu, by_hand=True)
+    control_chunks = rollouts.build_chunks(megatron_cpu_kind, 2)
+    control = rollouts.run_rollouts(slime_model.train, control_chunks, megatron_cpu_kind, by_hand=True)
 
     statuses = megatron_rl_patches.apply(only=["ddp_hooks", "train_reentry"])
     applied = {s.target for s in statuses if s.status == "applied"}
@@ -100,8 +101,8 @@ def test_two_chunks_through_the_registry_patches(megatron_cpu, standins):
     assert {f"{SLIME_MODEL}:{name}" for name in helpers} <= applied
     assert sum("DistributedDataParallel" in t for t in applied) == 2
 
-    chunks = rollouts.build_chunks(megatron_cpu, 2)
-    patched = rollouts.run_rollouts(slime_model.train, chunks, megatron_cpu)
+    chunks = rollouts.build_chunks(megatron_cpu_kind, 2)
+    patched = rollouts.run_rollouts(slime_model.train, chunks, megatron_cpu_kind)
     config = chunks[0].config
     assert config is chunks[1].config
     assert config.no_sync_func == [c.no_sync for c in chunks]
@@ -111,30 +112,30 @@ def test_two_chunks_through_the_registry_patches(megatron_cpu, standins):
     assert_same_rollouts(patched, control)
 
 
-def test_failed_rollout_restores_state_and_the_next_one_runs(megatron_cpu, standins):
+def test_failed_rollout_restores_state_and_the_next_one_runs(megatron_cpu_kind, standins):
     rollouts, slime_model = standins
     train = reentrant_train(slime_model.train)
-    chunks = rollouts.build_chunks(megatron_cpu)
-    rollouts.run_rollout(train, 0, chunks, megatron_cpu)
+    chunks = rollouts.build_chunks(megatron_cpu_kind)
+    rollouts.run_rollout(train, 0, chunks, megatron_cpu_kind)
     config = chunks[0].config
     entry = (config.no_sync_func, config.grad_sync_func, config.param_sync_func)
 
     slime_model.set_args(fail_at_step=1)  # after the hooks were re-enabled
     with pytest.raises(slime_model.InjectedFailure):
-        rollouts.run_rollout(train, 1, chunks, megatron_cpu)
+        rollouts.run_rollout(train, 1, chunks, megatron_cpu_kind)
     assert (config.no_sync_func, config.grad_sync_func, config.param_sync_func) == entry
     assert config.no_sync_func is entry[0]
     assert not chunks[0].remove_forward_pre_hook_handles  # disabled, as at entry
 
     slime_model.set_args()
-    result = rollouts.run_rollout(train, 2, chunks, megatron_cpu)
+    result = rollouts.run_rollout(train, 2, chunks, megatron_cpu_kind)
     assert all(torch.isfinite(l).all() for l in result["losses"])
 
 
 @pytest.mark.parametrize("param_sync", [True, False])
-def test_ddp_hooks_patch_on_real_ddp(megatron_cpu, mocker, param_sync):
+def test_ddp_hooks_patch_on_real_ddp(megatron_cpu_kind, mocker, param_sync):
     megatron_rl_patches.apply(only="ddp_hooks")
-    ddp = megatron_cpu.ddp(megatron_cpu.gpt(), **OVERLAP)
+    ddp = megatron_cpu_kind.ddp(megatron_cpu_kind.model(), **OVERLAP)
     modules = set(ddp.module.modules())
     assert set(ddp.remove_forward_pre_hook_handles) == modules  # construction unchanged
     sync = mocker.spy(ddp, "start_param_sync")

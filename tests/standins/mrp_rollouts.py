@@ -13,9 +13,10 @@ STEPS, MICROBATCHES, ROLLOUTS = 2, 2, 3
 
 
 def build_chunks(handle: Any, num_chunks: int = 1, seed: int = 0) -> list[Any]:
-    """Real DDP chunks around tiny GPTs sharing one TransformerConfig, as virtual-pipeline chunks do."""
+    """Real DDP chunks around tiny models of the handle's kind sharing one TransformerConfig, as
+    virtual-pipeline chunks do."""
     config = handle.config()
-    return [handle.ddp(handle.gpt(config, seed=seed + i), **OVERLAP) for i in range(num_chunks)]
+    return [handle.ddp(handle.model(config, seed=seed + i), **OVERLAP) for i in range(num_chunks)]
 
 
 def rollout_data(rollout_id: int, handle: Any) -> list[list[dict]]:

@@ -1,0 +1,64 @@
+"""The CPU shims: stream/event/memory stand-ins behave as no-ops, type names read `torch.cuda.*`,
+and every patched attribute is restored (or removed again) on exit, also after an error."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.megatron
+
+
+def _snapshot() -> dict:
+    from megatron_rl_patches.testing.shims import _shim_table
+
+    return {(id(owner), name): vars(owner).get(name, "<absent>") for owner, name, _ in _shim_table()}
+
+
+def test_streams_events_and_memory_are_cpu_no_ops():
+    from megatron_rl_patches.testing.shims import cpu_shims
+
+    with cpu_shims():
+        current = torch.cuda.current_stream()
+        assert current is torch.cuda.current_stream(0) is torch.cuda.default_stream()
+        side = torch.cuda.Stream(device=torch.cuda.current_device())
+        event = side.record_event()
+        assert current.wait_event(event) is None and current.wait_stream(side) is None
+        assert event.query() and event.wait(current) is None and event.elapsed_time(event) == 0.0
+        with torch.cuda.stream(side) as entered:  # Megatron-LM's get_model builds DDP like this
+            assert entered is side
+            made = torch.ones(2, device="cuda")
+        assert made.device.type == "cpu"
+        timed = torch.cuda.Event(enable_timing=True)
+        assert timed.record() is None and timed.synchronize() is None
+        assert torch.cuda.memory_allocated() == torch.cuda.max_memory_reserved(0) == 0
+        assert torch.cuda.memory_stats() == {} and torch.cuda.empty_cache() is None
+        assert torch.cuda.reset_peak_memory_stats() is None and torch.cuda.synchronize() is None
+
+
+def test_module_cuda_and_tensor_type_names():
+    from megatron_rl_patches.testing.shims import cpu_shims
+
+    layer = torch.nn.Linear(2, 2)
+    with cpu_shims():
+        assert layer.cuda(torch.cuda.current_device()) is layer and layer.weight.device.type == "cpu"
+        assert layer.weight.type() == "torch.cuda.FloatTensor"  # what megatron's optimizers compare
+        assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+        converted = torch.ones(2).type("torch.cuda.DoubleTensor")
+        assert converted.dtype == torch.float64 and converted.device.type == "cpu"
+        assert torch.ones(2).type(torch.int32).dtype == torch.int32
+    assert layer.weight.type() == "torch.FloatTensor"
+
+
+def test_everything_is_restored_on_exit_and_after_an_error():
+    from megatron_rl_patches.testing.shims import cpu_shims
+
+    before = _snapshot()
+    assert "type" not in vars(torch.Tensor)  # inherited from the C base class
+    with cpu_shims():
+        assert _snapshot() != before
+        assert "type" in vars(torch.Tensor)
+    assert _snapshot() == before and "type" not in vars(torch.Tensor)
+
+    with pytest.raises(ZeroDivisionError):
+        with cpu_shims():
+            1 / 0
+    assert _snapshot() == before
+    assert torch.ones(1, device="cpu").type() == "torch.FloatTensor"
