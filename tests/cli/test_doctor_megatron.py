@@ -25,6 +25,7 @@ def doctor(capsys, *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
+@pytest.mark.megatron  # needs an installed megatron-core: runs in every lane
 def test_doctor_reports_the_megatron_in_use(capsys):
     info = megatron_version.megatron_info()
     code, out = doctor(capsys, "--json")
@@ -40,6 +41,7 @@ def test_doctor_reports_the_megatron_in_use(capsys):
         assert (t["versions"], t["installed"], t["tested"]) == (megatron_version.SUPPORTED, m["version"], m["tested"])
         assert (t["status"], t["code"]) == ("skipped", "not_selected")
 
+    assert not [p for p in report["problems"] if "megatron" in p], report["problems"]  # nothing out of range
     code, text = doctor(capsys)
     assert f"megatron-core        {m['version']} (installed distribution: {m['location']})" in text
     assert f"supported '{megatron_version.SUPPORTED}': {m['tested']}" in text
@@ -82,6 +84,7 @@ def test_doctor_reports_a_source_checkout(tmp_path):
     assert "0.20.0rc0: in range, not run" in text
 
 
+@pytest.mark.megatron
 def test_doctor_says_out_of_range(capsys, clean_patch_state):
     found = megatron_version.megatron_info()
     clean_patch_state.setattr(megatron_version, "megatron_info",
