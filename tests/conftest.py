@@ -15,7 +15,11 @@ from hypothesis import settings
 # CI runs the property tests with a fixed example sequence (a red run must mean a real failure
 # that reproduces); locally they keep exploring new examples.
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
-if os.environ.get("CI"):
+# `HYPOTHESIS_PROFILE=long`: a local soak of the property tests (tens of times more examples).
+settings.register_profile("long", max_examples=3000, deadline=None, print_blob=True)
+if os.environ.get("HYPOTHESIS_PROFILE"):
+    settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
+elif os.environ.get("CI"):
     settings.load_profile("ci")
 
 # The smallest module with slime's train() and hook-helper signatures (patch `train_reentry`).

@@ -119,6 +119,105 @@ def local_columns(ids: torch.Tensor, first_id: int, n_valid: int) -> tuple[torch
 
 # ------------------------------------------------------------------------ validation
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# int64 and int32 are what models emit; the narrow ones are fine for ids too. The wide unsigned
+# types have almost no kernels (comparisons, gather) in torch and are refused by name.
+ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def check_float_tensor(value: object, name: str, shape_hint: str) -> torch.Tensor:
+    """A floating tensor of a dtype the ops compute in (fp16/bf16/fp32/fp64), with data."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {shape_hint}, got {type(value).__name__}")
+    if value.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be a floating tensor (float16/bfloat16/float32/float64), got dtype {value.dtype}; "
+            f"convert it first, e.g. {name}.float()"
+        )
+    check_has_data(value, name)
+    return value
+
+
+def check_id_tensor(value: object, name: str, shape_hint: str) -> torch.Tensor:
+    """An integer tensor of token ids (int64/int32/int16/int8/uint8), with data."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {shape_hint} of global token ids, got {type(value).__name__}")
+    if value.dtype not in ID_DTYPES:
+        raise TypeError(f"{name} must be an integer tensor of ids (int64 or int32), got dtype {value.dtype}; "
+                        f"convert it with {name}.long()")
+    check_has_data(value, name)
+    return value
+
+
+def check_has_data(value: torch.Tensor, name: str) -> None:
+    """Meta tensors have a shape but no values: nothing can be computed from them."""
+    if value.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device (a shape without data); pass a materialized tensor")
+
+
+def check_inplace_target(logits: torch.Tensor) -> None:
+    """`inplace_backward=True` writes the gradient into the logits' storage: refuse storage a
+    leaf owns (a leaf, or a view of one, e.g. a parameter or `leaf.view(...)`) and rows or
+    columns that overlap in memory (stride 0), for every T."""
+    base = logits._base if logits._base is not None else logits
+    if (logits.requires_grad and logits.is_leaf) or (base.requires_grad and base.is_leaf):
+        raise ValueError(
+            "inplace_backward=True would overwrite a leaf tensor's values (the logits are a leaf or a view of "
+            "one) with its gradient; use it only for logits produced by the model (a non-leaf), or pass "
+            "inplace_backward=False"
+        )
+    n_rows, local_vocab = logits.shape
+    overlapping_cols = local_vocab > 1 and logits.stride(1) != 1
+    overlapping_rows = n_rows > 1 and logits.stride(0) < local_vocab
+    if overlapping_cols or overlapping_rows:
+        raise ValueError(
+            f"inplace_backward=True needs logits whose elements do not overlap in memory "
+            f"(strides {logits.stride()}); pass logits.contiguous() or inplace_backward=False"
+        )
+
+
+def reject_double_backward(backward: Callable) -> Callable:
+    """Decorator for an autograd Function's backward that is not itself differentiable: with
+    `create_graph=True` (grad mode on inside backward) raise instead of returning a gradient
+    silently cut from the graph (what `once_differentiable` does); else run without grad."""
+
+    def wrapped(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{type(ctx).__name__.removesuffix('Backward')}: backward with create_graph=True (double backward, "
+                "e.g. a gradient penalty) is not supported by this op; compute the penalty on a "
+                "differentiable reference, or call backward without create_graph"
+            )
+        return backward(ctx, *grads)
+
+    wrapped.__name__, wrapped.__doc__ = backward.__name__, backward.__doc__
+    return wrapped
+
+
+def bad_row_codes(raw_max: torch.Tensor) -> torch.Tensor:
+    """Per row: BAD_NONFINITE for NaN/+inf logits (raw_max maps NaN to +inf), BAD_ALL_NEG_INF for
+    rows without any finite logit, else 0."""
+    return torch.where(torch.isposinf(raw_max), BAD_NONFINITE, torch.where(torch.isneginf(raw_max), BAD_ALL_NEG_INF, 0))
+
+
+BAD_NONFINITE, BAD_ALL_NEG_INF, BAD_KEPT_NEG_INF = 1, 2, 3
+BAD_MESSAGES = {
+    BAD_NONFINITE: "contain NaN or +inf (finite values and -inf are accepted)",
+    BAD_ALL_NEG_INF: "are entirely -inf (no token has any probability)",
+    BAD_KEPT_NEG_INF: "have only -inf logits among the kept ids (keep_mask plus the target)",
+}
+
+
+def bad_rows_error(op: str, name: str, bad: torch.Tensor) -> ValueError:
+    """ValueError naming the first bad rows of `name` (every rank sees the same codes)."""
+    first = int(torch.nonzero(bad)[0, 0])
+    code = int(bad[first])
+    rows = torch.nonzero(bad == code).squeeze(1)[:8].tolist()
+    return ValueError(
+        f"{op}: {name} rows {rows} {BAD_MESSAGES[code]} ({int((bad != 0).sum())} bad row(s) in total); "
+        f"fix the {name} of those rows before the loss"
+    )
+
 
 class DeviceChecks:
     """Content checks (ranges, signs, NaN rows) read back with one host sync for all of them.
@@ -179,15 +278,24 @@ def check_chunk_size(chunk_size: object) -> int | None:
     return int(chunk_size)
 
 
+def smallest_temperature(dtype: torch.dtype = torch.float32) -> float:
+    """The smallest temperature whose 1/τ is finite in the compute dtype (float32 unless fp64)."""
+    return 1.0 / torch.finfo(compute_dtype(dtype)).max
+
+
 def check_temperature(
-    temperature: object, lead: Sequence[int], device: torch.device, checks: DeviceChecks
+    temperature: object, lead: Sequence[int], device: torch.device, checks: DeviceChecks,
+    dtype: torch.dtype = torch.float32,
 ) -> float | torch.Tensor:
     """A float, or a tensor of shape [] or `lead` (one value per token) flattened to [T].
 
-    Values (finite, > 0) of a tensor are checked through `checks`; a temperature that requires
-    grad is rejected: it is a sampling constant, and no gradient is computed for it.
+    Values (finite, > 0, and 1/τ finite in the compute dtype of `dtype` inputs) of a tensor are
+    checked through `checks`; a temperature that requires grad is rejected: it is a sampling
+    constant, and no gradient is computed for it.
     """
     lead = tuple(lead)
+    math_dtype = compute_dtype(dtype)
+    smallest = smallest_temperature(dtype)
     if isinstance(temperature, torch.Tensor):
         if not temperature.is_floating_point():
             raise TypeError(f"temperature must be a float or a floating tensor, got dtype {temperature.dtype}")
@@ -200,10 +308,18 @@ def check_temperature(
             raise ValueError("temperature must not require grad (it is a sampling constant); pass .detach()")
         if temperature.device != device:
             raise ValueError(f"temperature is on {temperature.device} but the logits on {device}; move it there")
+        check_has_data(temperature, "temperature")
         flat = temperature.reshape(-1) if temperature.dim() else temperature
         checks.require(
             torch.isfinite(flat) & (flat > 0),
             lambda: ValueError("temperature must be finite and > 0 for every token; check the per-token temperatures"),
+        )
+        checks.require(
+            torch.isfinite(1.0 / flat.to(math_dtype)),
+            lambda: ValueError(
+                f"temperature must be >= {smallest:.6g} for every token (smaller ones make 1/temperature overflow "
+                f"{math_dtype}); check the per-token temperatures"
+            ),
         )
         return flat
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
@@ -212,6 +328,11 @@ def check_temperature(
         )
     if not (math.isfinite(float(temperature)) and float(temperature) > 0):
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    if 1.0 / float(temperature) > torch.finfo(math_dtype).max:  # host arithmetic: no device sync
+        raise ValueError(
+            f"temperature must be >= {smallest:.6g} (the smallest whose 1/temperature is finite in {math_dtype}), "
+            f"got {temperature}"
+        )
     return float(temperature)
 
 

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
-
 from megatron_rl_patches.ops import _vocab
 from megatron_rl_patches.ops._dist import vocab_start
 
@@ -22,13 +20,6 @@ __all__ = ["log_probs_and_entropy"]
 # rows of the per-token statistics (see _LogProbEntropy)
 _STATS = (_M, _LOG_S, _MEAN, _M_KEPT, _LOG_S_KEPT) = (0, 1, 2, 3, 4)
 
-# error codes per row, reported by the first bad rows
-_BAD_NONFINITE, _BAD_ALL_NEG_INF, _BAD_KEPT_NEG_INF = 1, 2, 3
-_BAD_MESSAGES = {
-    _BAD_NONFINITE: "contain NaN or +inf (finite values and -inf are accepted)",
-    _BAD_ALL_NEG_INF: "are entirely -inf (no token has any probability)",
-    _BAD_KEPT_NEG_INF: "have only -inf logits among the kept ids (keep_mask plus the target)",
-}
 
 
 @dataclass(frozen=True)
@@ -74,8 +65,7 @@ class _LogProbEntropy(torch.autograd.Function):
         x_target = vs.marked[:, 0]
 
         stats = torch.zeros((len(_STATS), n_rows), dtype=dtype, device=logits.device)
-        big = vs.raw_max
-        bad = torch.where(torch.isposinf(big), _BAD_NONFINITE, torch.where(torch.isneginf(big), _BAD_ALL_NEG_INF, 0))
+        bad = _vocab.bad_row_codes(vs.raw_max)
         stats[_M] = vs.shift
         u_target = _vocab.mul_scale(x_target - vs.shift, scale)
         # S = S_other + e^u_t; log p = u_t - log S stays exact as p -> 1 (log1p inside logaddexp)
@@ -93,8 +83,8 @@ class _LogProbEntropy(torch.autograd.Function):
             u_kept = _vocab.mul_scale(x_target - vs.subset_shift, scale)
             stats[_LOG_S_KEPT] = torch.logaddexp(vs.subset_sum.log(), u_kept)
             log_probs = u_kept - stats[_LOG_S_KEPT]
-            bad = torch.where((bad == 0) & torch.isneginf(stats[_LOG_S_KEPT]), _BAD_KEPT_NEG_INF, bad)
-        checks.require(bad == 0, lambda: _bad_rows_error(bad))
+            bad = torch.where((bad == 0) & torch.isneginf(stats[_LOG_S_KEPT]), _vocab.BAD_KEPT_NEG_INF, bad)
+        checks.require(bad == 0, lambda: _vocab.bad_rows_error("log_probs_and_entropy", "logits", bad))
         checks.raise_first()  # the forward's host sync: input checks and bad rows at once
         entropy = stats[_LOG_S] - stats[_MEAN] if spec.with_entropy else stats.new_empty(0)
 
@@ -127,7 +117,7 @@ class _LogProbEntropy(torch.autograd.Function):
         return log_probs, entropy
 
     @staticmethod
-    @once_differentiable
+    @_vocab.reject_double_backward
     def backward(ctx, grad_log_probs, grad_entropy):  # type: ignore[override]
         logits, target_cols, stats, keep_mask, temperature = ctx.saved_tensors
         spec: _Spec = ctx.spec
@@ -238,36 +228,19 @@ def _target_entries(x_target, st, scale, a, b, masked) -> torch.Tensor:
     return grad
 
 
-def _bad_rows_error(bad: torch.Tensor) -> ValueError:
-    """ValueError naming the first bad rows (every rank sees the same codes)."""
-    first = int(torch.nonzero(bad)[0, 0])
-    code = int(bad[first])
-    rows = torch.nonzero(bad == code).squeeze(1)[:8].tolist()
-    return ValueError(
-        f"log_probs_and_entropy: logits rows {rows} {_BAD_MESSAGES[code]} "
-        f"({int((bad != 0).sum())} bad row(s) in total); fix the logits of those rows before the loss"
-    )
-
-
 def _check_inputs(
     logits, tokens, tp_group, temperature, chunk_size, keep_mask, vocab_size, inplace_backward
 ) -> tuple[_vocab.DeviceChecks, float | torch.Tensor]:
     """Raise TypeError/ValueError naming the argument; checks of tensor values come back deferred
     (read with the forward's one host sync). Returns them and the checked temperature."""
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits must be a torch.Tensor [T, V_local], got {type(logits).__name__}")
-    if not logits.is_floating_point():
-        raise TypeError(f"logits must be a floating tensor (fp16/bf16/fp32/fp64), got dtype {logits.dtype}")
+    _vocab.check_float_tensor(logits, "logits", "[T, V_local]")
     if logits.dim() != 2:
         raise ValueError(
             f"logits must be 2-D [T, V_local], got shape {tuple(logits.shape)}; flatten batch/sequence "
             f"dims first, e.g. logits.reshape(-1, logits.size(-1))"
         )
     n_rows, local_vocab = logits.shape
-    if not isinstance(tokens, torch.Tensor):
-        raise TypeError(f"tokens must be a torch.Tensor [T] of global token ids, got {type(tokens).__name__}")
-    if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
-        raise TypeError(f"tokens must be an integer tensor (int64/int32), got dtype {tokens.dtype}")
+    _vocab.check_id_tensor(tokens, "tokens", "[T]")
     if tokens.shape != (n_rows,):
         raise ValueError(
             f"tokens must have shape [T] = ({n_rows},) to match logits {tuple(logits.shape)}, "
@@ -290,7 +263,7 @@ def _check_inputs(
         )
 
     checks.require(~outside, tokens_error)
-    temperature = _vocab.check_temperature(temperature, (n_rows,), logits.device, checks)
+    temperature = _vocab.check_temperature(temperature, (n_rows,), logits.device, checks, logits.dtype)
     _vocab.check_chunk_size(chunk_size)
     if keep_mask is not None:
         if not isinstance(keep_mask, torch.Tensor) or keep_mask.dtype != torch.bool:
@@ -303,16 +276,7 @@ def _check_inputs(
         if keep_mask.device != logits.device:
             raise ValueError(f"keep_mask is on {keep_mask.device} but logits on {logits.device}")
     if inplace_backward:
-        if logits.requires_grad and logits.is_leaf:
-            raise ValueError(
-                "inplace_backward=True would overwrite a leaf tensor's values with its gradient; use it only "
-                "for logits produced by the model (a non-leaf), or pass inplace_backward=False"
-            )
-        if n_rows > 1 and (logits.stride(1) != 1 or logits.stride(0) < local_vocab):
-            raise ValueError(
-                f"inplace_backward=True needs logits whose rows do not overlap in memory "
-                f"(strides {logits.stride()}); pass logits.contiguous() or inplace_backward=False"
-            )
+        _vocab.check_inplace_target(logits)
     return checks, temperature
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron_rl_patches.ops import _dist
 from megatron_rl_patches.ops import _vocab
 
-__all__ = ["topk_ids", "topk_logprobs", "topk_opd_loss"]
+__all__ = ["topk_ids", "topk_logprobs", "topk_kl", "topk_opd_loss"]
 
 KL_KINDS = ("reverse", "forward", "mixed")
 _NEG_INF = float("-inf")
@@ -30,10 +30,7 @@ Weights = Union[torch.Tensor, Sequence[float], None]
 
 # ----------------------------------------------------------------------------- validation
 def _check_logits(logits: object, name: str, tp_group: Optional[dist.ProcessGroup]) -> tuple[torch.Size, int]:
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape [T, V_local], got {type(logits).__name__}")
-    if not logits.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {logits.dtype}; pass the model's logits")
+    _vocab.check_float_tensor(logits, name, "of shape [T, V_local]")
     if logits.dim() < 2 or logits.shape[-1] == 0:
         raise ValueError(
             f"{name} must have shape [T, V_local] (or [..., V_local]) with V_local > 0, got {tuple(logits.shape)}"
@@ -51,10 +48,7 @@ def _check_k(k: int, vocab: int, name: str = "k") -> None:
 
 
 def _check_ids(ids: object, lead: torch.Size, vocab: int, checks: _vocab.DeviceChecks) -> int:
-    if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"ids must be a torch.Tensor of global vocab ids [T, k], got {type(ids).__name__}")
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise TypeError(f"ids must be an integer tensor (torch.long), got dtype {ids.dtype}")
+    _vocab.check_id_tensor(ids, "ids", "[T, k]")
     if ids.dim() != len(lead) + 1 or ids.shape[:-1] != lead or ids.shape[-1] == 0:
         raise ValueError(
             f"ids must have shape {tuple(lead) + ('k',)} (the logits' leading dims, then k >= 1), "
@@ -81,26 +75,29 @@ def _check_int_k(k: object) -> int:
 
 
 # ----------------------------------------------------------------------------- top-k ids
-def _local_topk(x: torch.Tensor, k: int, sentinel: int, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's k best columns per row, ties at the cut resolved towards lower ids; missing
-    candidates (fewer than k valid columns) are padded with (-inf, sentinel).
-
-    torch.topk picks arbitrarily among columns equal to the k-th value. Only rows where such a
-    column is left out need a fix (one host sync finds them): their tied slots, the last of the
-    descending result, become the lowest columns equal to the cut, found by a search in the
-    running count of those columns. O(V) per tied row, vectorized over rows, `chunk_rows` at a time.
-    """
+def _local_topk(x: torch.Tensor, k: int, sentinel: int) -> tuple[torch.Tensor, ...]:
+    """This rank's k best columns per row (values, columns), padded with (-inf, sentinel) where
+    it has fewer than k valid columns, plus what :func:`_fix_ties` needs: the k+1 best values
+    and whether a column equal to the cut was left out (torch.topk picks arbitrarily among those)."""
     rows, cols = x.shape
     keep = min(k, cols)
     values = x.new_full((rows, k), _NEG_INF)
     index = torch.full((rows, k), sentinel, dtype=torch.long, device=x.device)
     if keep == 0:
-        return values, index
+        return values, index, None, None
     top, at = torch.topk(x, min(keep + 1, cols), dim=-1)
     values[:, :keep], index[:, :keep] = top[:, :keep], at[:, :keep]
     if top.size(1) == keep:
-        return values, index
-    tied_rows = torch.nonzero(top[:, keep - 1] == top[:, keep]).squeeze(1)  # NaN cut: no tie
+        return values, index, None, None
+    return values, index, top, top[:, keep - 1] == top[:, keep]  # NaN cut: no tie
+
+
+def _fix_ties(x: torch.Tensor, index: torch.Tensor, top: torch.Tensor, tied_rows: torch.Tensor, chunk_rows: int) -> None:
+    """Ties at the cut resolved towards lower ids, in place: in the rows where a column equal to
+    the cut was left out, the tied slots (the last of the descending result) become the lowest
+    columns equal to the cut, found by a search in the running count of those columns. O(V) per
+    tied row, vectorized over rows, `chunk_rows` at a time."""
+    keep = top.size(1) - 1
     for start, stop in _vocab.row_chunks(tied_rows.numel(), chunk_rows):
         sel = tied_rows[start:stop]
         cut = top[sel, keep - 1 : keep]
@@ -108,8 +105,7 @@ def _local_topk(x: torch.Tensor, k: int, sentinel: int, chunk_rows: int) -> tupl
         rank = tied.to(torch.int32).cumsum(dim=1).masked_fill_(~tied, 1)  # 1, 2, ... over tied slots
         running = torch.cumsum(x[sel] == cut, dim=1, dtype=torch.int32)
         lowest = torch.searchsorted(running, rank)  # the rank-th column equal to the cut
-        index[sel, :keep] = torch.where(tied, lowest, at[sel, :keep])
-    return values, index
+        index[sel, :keep] = torch.where(tied, lowest, index[sel, :keep])
 
 
 def _merge_candidates(values: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -141,12 +137,21 @@ def topk_ids(
         flat = logits.detach().reshape(-1, local_vocab)
         offset = _dist.vocab_start(local_vocab, tp_group)
         valid = _vocab.valid_local_columns(local_vocab, vocab, tp_group)
-        # per chunk: an int32 [rows, V] running count of the columns equal to the cut
-        chunk_rows = _vocab.default_chunk_rows(valid, flat.device, torch.int32)
-        values, index = _local_topk(flat[:, :valid], k, vocab - offset, chunk_rows)
-        ids = index + offset
+        values, index, top, tied = _local_topk(flat[:, :valid], k, vocab - offset)
         values = _dist.all_gather_last_dim(values, tp_group)
-        ids = _dist.all_gather_last_dim(ids, tp_group)
+        # NaN and +inf rank first in every rank's local top-k, so the gathered candidates show them.
+        bad = _vocab.bad_row_codes(torch.where(torch.isnan(values).any(dim=-1), math.inf, values.amax(dim=-1)))
+        # The call's one host sync, an O(T) copy: bad rows (the same on every rank), this rank's tied rows.
+        flags = torch.stack([bad, tied.to(bad.dtype) if tied is not None else torch.zeros_like(bad)])
+        bad_codes, tied_flags = flags.to("cpu", copy=True).tolist()
+        if any(bad_codes):
+            raise _vocab.bad_rows_error("topk_ids", "logits", torch.tensor(bad_codes))
+        tied_rows = [row for row, flag in enumerate(tied_flags) if flag]
+        if tied_rows:
+            # per chunk: an int32 [rows, V] running count of the columns equal to the cut
+            chunk_rows = _vocab.default_chunk_rows(valid, flat.device, torch.int32)
+            _fix_ties(flat[:, :valid], index, top, torch.tensor(tied_rows, device=flat.device), chunk_rows)
+        ids = _dist.all_gather_last_dim(index + offset, tp_group)
         ids = _merge_candidates(values, ids, k)
     return ids.reshape(*lead, k)
 
@@ -160,6 +165,8 @@ class _Spec:
     first_id: int  # global id of local column 0
     n_valid: int  # local columns that are real vocab ids
     chunk_rows: int
+    op: str = "topk_logprobs"  # the public op and its logits argument, for messages
+    arg: str = "logits"
 
 
 class _TopkLogprobs(torch.autograd.Function):
@@ -179,12 +186,16 @@ class _TopkLogprobs(torch.autograd.Function):
         ids: torch.Tensor,
         tau: Temperature,
         spec: _Spec,
+        checks: _vocab.DeviceChecks,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = _vocab.compute_dtype(logits.dtype)
         scale = _vocab.row_scale(tau, logits.size(0), dtype)
         local, owned = _vocab.local_columns(ids, spec.first_id, spec.n_valid)
         stats_spec = _vocab.StatsSpec(spec.group, spec.n_valid, spec.chunk_rows, rest=False, subset=True)
         vs = _vocab.vocab_stats(logits, local, owned, scale, stats_spec)
+        bad = _vocab.bad_row_codes(vs.raw_max)
+        checks.require(bad == 0, lambda: _vocab.bad_rows_error(spec.op, spec.arg, bad))
+        checks.raise_first()  # the call's one host sync: input checks and bad rows at once
         u_ids = (vs.marked - vs.shift.unsqueeze(1)) * scale
         # 0 unless the tail has its own shift
         tail_offset = _vocab.mul_scale(vs.subset_shift - vs.shift, scale)
@@ -202,15 +213,15 @@ class _TopkLogprobs(torch.autograd.Function):
         return logp, tail
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_vocab.reject_double_backward
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx,
         grad_logp: Optional[torch.Tensor],
         grad_tail: Optional[torch.Tensor],
-    ) -> tuple[Optional[torch.Tensor], None, None, None]:
+    ) -> tuple[Optional[torch.Tensor], None, None, None, None]:
         logits, ids, stats, tau_tensor = ctx.saved_tensors
         if not ctx.needs_input_grad[0] or (grad_logp is None and grad_tail is None):
-            return None, None, None, None
+            return None, None, None, None, None
         spec: _Spec = ctx.spec
         n_rows, local_vocab = logits.shape
         nv = spec.n_valid
@@ -262,7 +273,7 @@ class _TopkLogprobs(torch.autograd.Function):
             if isinstance(sc, torch.Tensor) or sc != 1.0:
                 p.mul_(sc)
             grad[start:stop, :nv] = p[:, :nv]
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def _topk_logprobs_checked(
@@ -273,13 +284,14 @@ def _topk_logprobs_checked(
     vocab_size: object,
     chunk_size: object,
     checks: _vocab.DeviceChecks,
+    op: str = "topk_logprobs",
+    name: str = "logits",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Size, int]:
-    lead, local_vocab = _check_logits(logits, "logits", tp_group)
+    lead, local_vocab = _check_logits(logits, name, tp_group)
     vocab = _vocab.global_vocab(local_vocab, tp_group, vocab_size)
     k = _check_ids(ids, lead, vocab, checks)
-    tau = _vocab.check_temperature(temperature, lead, logits.device, checks)
+    tau = _vocab.check_temperature(temperature, lead, logits.device, checks, logits.dtype)
     chunk_rows = _vocab.check_chunk_size(chunk_size)
-    checks.raise_first()  # one host sync for every value check of the call
     n_valid = _vocab.valid_local_columns(local_vocab, vocab, tp_group)
     dtype = _vocab.compute_dtype(logits.dtype)
     spec = _Spec(
@@ -287,9 +299,11 @@ def _topk_logprobs_checked(
         first_id=_dist.vocab_start(local_vocab, tp_group),
         n_valid=n_valid,
         chunk_rows=chunk_rows or _vocab.default_chunk_rows(n_valid + 1, logits.device, dtype),
+        op=op,
+        arg=name,
     )
     flat_ids = ids.reshape(-1, k).to(device=logits.device, dtype=torch.long)
-    logp, tail = _TopkLogprobs.apply(logits.reshape(-1, local_vocab), flat_ids, tau, spec)
+    logp, tail = _TopkLogprobs.apply(logits.reshape(-1, local_vocab), flat_ids, tau, spec, checks)
     return logp, tail, lead, k
 
 
@@ -349,12 +363,21 @@ def _kl_rows(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
     return terms.sum(dim=-1)
 
 
+def _check_logprob_values(values: torch.Tensor, name: str, checks: _vocab.DeviceChecks) -> None:
+    """Log-probabilities: <= 0 and not NaN; -inf (probability 0) is legal."""
+    ok = ~torch.isnan(values) & (values <= 0)
+    checks.require(ok, lambda: ValueError(
+        f"{name} must be log-probabilities (<= 0, -inf allowed, no NaN or +inf); found "
+        f"{values[~ok].flatten()[0].item()} at {torch.nonzero(~ok)[0].tolist()}; pass log-probs, not logits"
+    ))
+
+
 def _check_teachers(
-    teacher_logprobs: object, teacher_tail_logprobs: object, ids_shape: torch.Size
+    teacher_logprobs: object, teacher_tail_logprobs: object, ids_shape: torch.Size, checks: _vocab.DeviceChecks
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Teacher tensors as [n, *ids_shape] and [n, *ids_shape[:-1]] (tail None when derived)."""
-    if not isinstance(teacher_logprobs, torch.Tensor) or not teacher_logprobs.is_floating_point():
-        raise TypeError("teacher_logprobs must be a floating tensor [n_teachers, T, k] or [T, k]")
+    """Teacher tensors as [n, *ids_shape] and [n, *ids_shape[:-1]] (tail None when derived);
+    their values (log-probabilities) checked through `checks`."""
+    _vocab.check_float_tensor(teacher_logprobs, "teacher_logprobs", "[n_teachers, T, k] or [T, k]")
     if teacher_logprobs.shape == ids_shape:
         teacher_logprobs = teacher_logprobs.unsqueeze(0)
         single = True
@@ -367,10 +390,10 @@ def _check_teachers(
         )
     if teacher_logprobs.shape[0] == 0:
         raise ValueError("teacher_logprobs must hold at least one teacher, got n_teachers = 0")
+    _check_logprob_values(teacher_logprobs.detach(), "teacher_logprobs", checks)
     if teacher_tail_logprobs is None:
         return teacher_logprobs, None
-    if not isinstance(teacher_tail_logprobs, torch.Tensor) or not teacher_tail_logprobs.is_floating_point():
-        raise TypeError("teacher_tail_logprobs must be a floating tensor [n_teachers, T] or [T], or None")
+    _vocab.check_float_tensor(teacher_tail_logprobs, "teacher_tail_logprobs", "[n_teachers, T] or [T], or None")
     expected = tuple(teacher_logprobs.shape[:-1])[1:] if single else tuple(teacher_logprobs.shape[:-1])
     if tuple(teacher_tail_logprobs.shape) != expected:
         raise ValueError(
@@ -378,6 +401,7 @@ def _check_teachers(
             f"{tuple(teacher_logprobs.shape[1:] if single else teacher_logprobs.shape)}, "
             f"got {tuple(teacher_tail_logprobs.shape)}"
         )
+    _check_logprob_values(teacher_tail_logprobs.detach(), "teacher_tail_logprobs", checks)
     tail = teacher_tail_logprobs.unsqueeze(0) if single else teacher_tail_logprobs
     return teacher_logprobs, tail
 
@@ -390,6 +414,7 @@ def _check_weights(
     if weights is None:
         return torch.full((n,), -math.log(n), dtype=dtype, device=device)
     if isinstance(weights, torch.Tensor):
+        _vocab.check_has_data(weights, "teacher_weights")
         w = weights.detach().to(device=device, dtype=torch.float64)
     else:
         try:
@@ -406,7 +431,95 @@ def _check_weights(
     checks.require(total > 0, lambda: ValueError(
         "teacher_weights must not all be zero: give at least one teacher a positive weight"
     ))
+    checks.require(torch.isfinite(total), lambda: ValueError(
+        f"teacher_weights must have a finite sum (got {w.tolist()}, whose sum overflows); scale them down, "
+        "only their ratios matter"
+    ))
     return torch.log(w / total).to(dtype)
+
+
+def _check_mixture(
+    teacher_logprobs: object, teacher_tail: object, bucket_shape: torch.Size, weights: Weights,
+    dtype: torch.dtype, device: torch.device, checks: _vocab.DeviceChecks,
+) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """The teachers' buckets ([n, ..., k], tails or None) and the log mixture weights [n]."""
+    teachers, tails = _check_teachers(teacher_logprobs, teacher_tail, bucket_shape, checks)
+    return teachers, tails, _check_weights(weights, teachers.shape[0], dtype, device, checks)
+
+
+def _check_kl_options(kl: object, mix: object) -> float:
+    if not isinstance(kl, str) or kl not in KL_KINDS:
+        raise ValueError(f"kl must be one of {KL_KINDS}, got {kl!r}")
+    if isinstance(mix, bool) or not isinstance(mix, numbers.Real) or not 0.0 <= float(mix) <= 1.0:
+        raise ValueError(f"mix must be a float in [0, 1] (the forward-KL share of kl='mixed'), got {mix!r}")
+    return float(mix)
+
+
+def _bucket_kl(
+    log_p: torch.Tensor,
+    teachers: torch.Tensor,
+    teacher_tails: Optional[torch.Tensor],
+    log_w: torch.Tensor,
+    kl: str,
+    mix: float,
+) -> torch.Tensor:
+    """Per-row KL between the student's buckets `log_p` [R, k+1] and the teacher mixture (teachers
+    [n, ..., k] in their source dtype, tails [n, ...] or None: derived)."""
+    n, k, source_dtype = teachers.shape[0], teachers.shape[-1], teachers.dtype
+    dtype = log_p.dtype
+    teachers = teachers.detach().to(device=log_p.device, dtype=dtype).reshape(n, -1, k)
+    if teacher_tails is None:
+        teacher_tails = _derived_tail(teachers, source_dtype)
+    else:
+        teacher_tails = teacher_tails.detach().to(device=log_p.device, dtype=dtype).reshape(n, -1)
+    log_qs = torch.cat([teachers, teacher_tails[..., None]], dim=-1)
+    log_q = log_qs[0] if n == 1 else torch.logsumexp(log_qs + log_w[:, None, None], dim=0)
+    if kl == "reverse" or (kl == "mixed" and mix == 0.0):
+        return _kl_rows(log_p, log_q)
+    if kl == "forward" or mix == 1.0:
+        return _kl_rows(log_q, log_p)
+    # computed apart so that 0·inf never appears for mix in {0, 1}
+    return mix * _kl_rows(log_q, log_p) + (1.0 - mix) * _kl_rows(log_p, log_q)
+
+
+def topk_kl(
+    student_logprobs: torch.Tensor,
+    student_tail: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    teacher_tail: Optional[torch.Tensor] = None,
+    *,
+    teacher_weights: Weights = None,
+    kl: str = "reverse",
+    mix: float = 0.5,
+) -> torch.Tensor:
+    """Per-token KL [T] between (k+1)-bucket distributions that are already computed: the
+    student's log-probs at the k ids [T, k] and its tail [T] (from `topk_logprobs` or
+    `lm_head_topk_logprobs`), against the teachers' [T, k] or [n, T, k] (tails [T] / [n, T], or
+    None: derived stably from their k log-probs). Options as `topk_opd_loss`; the gradient flows
+    to the student's buckets only."""
+    mix = _check_kl_options(kl, mix)
+    _vocab.check_float_tensor(student_logprobs, "student_logprobs", "[T, k]")
+    _vocab.check_float_tensor(student_tail, "student_tail", "[T]")
+    if student_logprobs.dim() < 1 or student_logprobs.shape[-1] == 0:
+        raise ValueError(f"student_logprobs must have shape [T, k] with k >= 1, got {tuple(student_logprobs.shape)}")
+    lead = student_logprobs.shape[:-1]
+    if student_tail.shape != lead:
+        raise ValueError(
+            f"student_tail must have shape {tuple(lead)} to match student_logprobs {tuple(student_logprobs.shape)}, "
+            f"got {tuple(student_tail.shape)}"
+        )
+    if student_tail.dtype != student_logprobs.dtype or student_tail.device != student_logprobs.device:
+        raise ValueError("student_tail must have student_logprobs' dtype and device (both come from one top-k op)")
+    checks = _vocab.DeviceChecks()
+    _check_logprob_values(student_logprobs.detach(), "student_logprobs", checks)
+    _check_logprob_values(student_tail.detach(), "student_tail", checks)
+    dtype = _vocab.compute_dtype(student_logprobs.dtype)
+    teachers, teacher_tails, log_w = _check_mixture(teacher_logprobs, teacher_tail, student_logprobs.shape,
+                                                    teacher_weights, dtype, student_logprobs.device, checks)
+    checks.raise_first()  # one host sync for every value check
+    k = student_logprobs.shape[-1]
+    log_p = torch.cat([student_logprobs.reshape(-1, k).to(dtype), student_tail.reshape(-1, 1).to(dtype)], dim=1)
+    return _bucket_kl(log_p, teachers, teacher_tails, log_w, kl, mix).reshape(lead)
 
 
 def topk_opd_loss(
@@ -425,6 +538,8 @@ def topk_opd_loss(
 ) -> torch.Tensor:
     """Per-token KL [T] between the student's and the teacher mixture's (k+1)-bucket
     distributions (the k ids plus one tail bucket); gradient flows to the student logits only.
+    The same as ``topk_kl(*topk_logprobs(student_logits, ids, ...), teacher_logprobs, ...)``,
+    with one host sync for all checks.
 
     kl: "reverse" sum p (log p - log q), "forward" sum q (log q - log p), "mixed"
     mix·forward + (1 - mix)·reverse. The mixture is q = sum_j w_j q_j (w normalized, default
@@ -432,37 +547,15 @@ def topk_opd_loss(
     dtype's epsilon. Zero-probability buckets: 0·log 0 = 0; a bucket with zero probability on
     the reference side only makes that token's KL +inf (that bucket gives no gradient).
     """
-    if not isinstance(kl, str) or kl not in KL_KINDS:
-        raise ValueError(f"kl must be one of {KL_KINDS}, got {kl!r}")
-    if isinstance(mix, bool) or not isinstance(mix, numbers.Real) or not 0.0 <= float(mix) <= 1.0:
-        raise ValueError(f"mix must be a float in [0, 1] (the forward-KL share of kl='mixed'), got {mix!r}")
+    mix = _check_kl_options(kl, mix)
     lead, _ = _check_logits(student_logits, "student_logits", tp_group)
-    if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"ids must be a torch.Tensor of global vocab ids [T, k], got {type(ids).__name__}")
-    teachers, teacher_tails = _check_teachers(teacher_logprobs, teacher_tail_logprobs, ids.shape)
-    dtype = _vocab.compute_dtype(student_logits.dtype)
+    _vocab.check_id_tensor(ids, "ids", "[T, k]")
     checks = _vocab.DeviceChecks()
-    log_w = _check_weights(teacher_weights, teachers.shape[0], dtype, student_logits.device, checks)
-
+    dtype = _vocab.compute_dtype(student_logits.dtype)
+    teachers, teacher_tails, log_w = _check_mixture(teacher_logprobs, teacher_tail_logprobs, ids.shape,
+                                                    teacher_weights, dtype, student_logits.device, checks)
     logp, tail, lead, k = _topk_logprobs_checked(
-        student_logits, ids, tp_group, temperature, vocab_size, chunk_size, checks
+        student_logits, ids, tp_group, temperature, vocab_size, chunk_size, checks, "topk_opd_loss", "student_logits"
     )
     log_p = torch.cat([logp, tail[:, None]], dim=1)
-
-    n, source_dtype = teachers.shape[0], teachers.dtype
-    teachers = teachers.detach().to(device=student_logits.device, dtype=dtype).reshape(n, -1, k)
-    if teacher_tails is None:
-        teacher_tails = _derived_tail(teachers, source_dtype)
-    else:
-        teacher_tails = teacher_tails.detach().to(device=student_logits.device, dtype=dtype).reshape(n, -1)
-    log_qs = torch.cat([teachers, teacher_tails[..., None]], dim=-1)
-    log_q = log_qs[0] if n == 1 else torch.logsumexp(log_qs + log_w[:, None, None], dim=0)
-
-    mix = float(mix)
-    if kl == "reverse" or (kl == "mixed" and mix == 0.0):
-        loss = _kl_rows(log_p, log_q)
-    elif kl == "forward" or mix == 1.0:
-        loss = _kl_rows(log_q, log_p)
-    else:  # computed apart so that 0·inf never appears for mix in {0, 1}
-        loss = mix * _kl_rows(log_q, log_p) + (1.0 - mix) * _kl_rows(log_p, log_q)
-    return loss.reshape(lead)
+    return _bucket_kl(log_p, teachers, teacher_tails, log_w, kl, mix).reshape(lead)

@@ -408,7 +408,7 @@ def _bad_calls():
     loss = lambda **kw: topk_opd_loss(**{"student_logits": x, "ids": ids, "teacher_logprobs": tlp, **kw})  # noqa: E731
     return x, [
         (lambda: topk_ids(x.numpy(), 3), TypeError, "logits must be a torch.Tensor"),
-        (lambda: topk_ids(x.long(), 3), TypeError, "floating-point"),
+        (lambda: topk_ids(x.long(), 3), TypeError, "floating"),
         (lambda: topk_ids(x[0], 3), ValueError, r"logits must have shape \[T, V_local\]"),
         (lambda: topk_ids(x, 0), ValueError, "k must be a positive int"),
         (lambda: topk_ids(x, True), ValueError, "k must be a positive int"),
@@ -431,7 +431,7 @@ def _bad_calls():
         (lambda: loss(mix=1.5), ValueError, r"mix must be a float in \[0, 1\]"),
         (lambda: loss(teacher_logprobs=tlp[:, :3]), ValueError, "teacher_logprobs must have shape"),
         (lambda: loss(teacher_logprobs=tlp[:0]), ValueError, "at least one teacher"),
-        (lambda: loss(teacher_logprobs=tlp.tolist()), TypeError, "teacher_logprobs must be a floating tensor"),
+        (lambda: loss(teacher_logprobs=tlp.tolist()), TypeError, "teacher_logprobs must be a torch.Tensor"),
         (lambda: loss(teacher_tail_logprobs=ttail[0]), ValueError, "teacher_tail_logprobs must have shape"),
         (lambda: loss(teacher_weights=[1.0, -1.0]), ValueError, "teacher_weights must be finite and >= 0"),
         (lambda: loss(teacher_weights=[0.0, 0.0]), ValueError, "teacher_weights must not all be zero"),

@@ -76,7 +76,9 @@ def assert_logprobs_close(actual, expected, rel=1e-6):
 
 
 def assert_grad_close(actual, expected, rel=1e-6):
-    tol = rel * expected.abs().max().clamp_min(1e-30)
+    # Floor: when every entry is ~1e-18 (one confident token, p = 1 - 1e-18), fp32 noise of ~1e-17
+    # is meaningless next to the upstream gradient's own scale (|dL/dlogp| ~ 1).
+    tol = rel * expected.abs().max().clamp_min(1e-6)
     err = (actual.double() - expected).abs().max()
     assert err <= tol, f"gradient error {err.item():.3g} > {rel} x largest reference entry ({tol.item():.3g})"
 

@@ -1,0 +1,23 @@
+"""Bitwise equality with the results recorded from the reference commit (golden_cases.py): the
+validation added for bad inputs and the top-k OPD split (topk_logprobs + topk_kl) change no bit."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import golden_cases  # noqa: E402
+
+RECORDED = torch.load(HERE / "data" / "golden_ops.pt")
+NOW = golden_cases.cases()
+
+
+@pytest.mark.parametrize("key", sorted(RECORDED))
+def test_bitwise_equal_to_the_reference(key):
+    before, after = RECORDED[key], NOW[key]
+    assert before.dtype == after.dtype and before.shape == after.shape
+    assert torch.equal(before.nan_to_num(), after.nan_to_num()), key
