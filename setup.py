@@ -5,6 +5,7 @@ PEP 660 editable installs do not carry them; `megatron-rl-patches startup instal
 """
 import os
 import re
+import shutil
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -29,6 +30,10 @@ class BuildPyWithStartupFiles(build_py):
     lists them (pip then removes them on uninstall)."""
 
     def run(self):
+        # Start from an empty build_lib: setuptools reuses build/lib between builds, so a module
+        # moved or deleted in the tree (cli.py -> cli/) would otherwise ship in the next wheel.
+        if not getattr(self, "editable_mode", False) and os.path.isdir(self.build_lib):
+            shutil.rmtree(self.build_lib)
         super().run()
         for name in STARTUP_FILES:
             self.copy_file(os.path.join(HERE, STARTUP_DIR, name), os.path.join(self.build_lib, name))

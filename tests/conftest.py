@@ -3,6 +3,7 @@ weights-only loading tests (model state snapshots, Megatron-LM style checkpoints
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -141,3 +142,74 @@ def save_checkpoint(model: Any, root: Any, iteration: int, **common: Any) -> Any
 def weights_kit() -> SimpleNamespace:
     """`state(module)`, `assert_same(a, b)`, `save(model, root, iteration, **common) -> iter dir`."""
     return SimpleNamespace(state=model_state, assert_same=assert_same_state, save=save_checkpoint)
+
+
+# ---------------------------------------------------------------------------- built wheel
+
+REPO = Path(__file__).resolve().parents[1]
+# What a wheel is built from (a copy: pip writes egg-info and build/ into the tree it builds).
+WHEEL_SOURCES = ("setup.py", "setup.cfg", "pyproject.toml", "README.md", "LICENSE", "startup", "megatron_rl_patches")
+# Left in the copy's build/lib as an earlier build of an older tree would: none may ship.
+STALE_BUILD_FILES = ("megatron_rl_patches/cli.py", "megatron_rl_patches/_removed_module.py")
+
+
+def copy_source_tree(dest: Path) -> Path:
+    """Copy what a wheel is built from into `dest` (no caches, no egg-info); returns `dest`."""
+    for name in WHEEL_SOURCES:
+        path = REPO / name
+        if path.is_dir():
+            shutil.copytree(path, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+        elif path.exists():
+            shutil.copy2(path, dest / name)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def source_tree_copier():
+    """`copy_source_tree(dest) -> dest`, for fixtures of any scope."""
+    return copy_source_tree
+
+
+def _build_tools_missing() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    try:
+        setuptools = Version(version("setuptools"))
+    except PackageNotFoundError:
+        return "setuptools is not installed in this venv"
+    if setuptools < Version("64"):
+        return f"setuptools {setuptools} < 64"
+    if setuptools < Version("70.1"):  # older setuptools build wheels through the `wheel` package
+        try:
+            version("wheel")
+        except PackageNotFoundError:
+            return "the `wheel` package is not installed in this venv"
+    return None
+
+
+@pytest.fixture(scope="session")
+def built_wheel(tmp_path_factory) -> SimpleNamespace:
+    """One wheel per session, built from a copy of the tree whose build/lib holds stale modules of
+    an earlier build: `.path` (the .whl) and `.source` (the copy it was built from)."""
+    import subprocess
+
+    missing = _build_tools_missing()
+    if missing:
+        pytest.skip(f"cannot build the wheel without isolation: {missing}")
+    src = copy_source_tree(tmp_path_factory.mktemp("src"))
+    for name in STALE_BUILD_FILES:
+        stale = src / "build" / "lib" / name
+        stale.parent.mkdir(parents=True, exist_ok=True)
+        stale.write_text("raise ImportError('a stale module from an earlier build')\n")
+    out = tmp_path_factory.mktemp("wheelhouse")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PIP_", "MEGATRON_RL_PATCHES"))}
+    environ.update(PIP_NO_INPUT="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)],
+        env=environ, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (path,) = out.glob("megatron_rl_patches-*.whl")
+    return SimpleNamespace(path=path, source=src)

@@ -18,6 +18,8 @@ import time
 import traceback
 from typing import Any, Callable, Iterable, Sequence
 
+from megatron_rl_patches.presentation import dict_cells, text_table
+
 MIB = 1 << 20
 _RESULT = "@@bench-result@@ "
 
@@ -221,30 +223,9 @@ def _worker() -> int:
 # ------------------------------------------------------------------------------- outputs
 
 
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-    return str(value)
-
-
 def format_table(rows: Sequence[dict], columns: Sequence[str], title: str | None = None) -> str:
     """A fixed-width text table of `columns` (missing values shown as '-')."""
-    cells = [[_cell(row.get(col)) for col in columns] for row in rows]
-    widths = [max([len(col)] + [len(r[i]) for r in cells]) for i, col in enumerate(columns)]
-    lines = [title] if title else []
-    lines.append("  ".join(col.ljust(w) for col, w in zip(columns, widths)))
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
-    return "\n".join(lines)
-
-
-def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
-    """The same table in Markdown (for docs)."""
-    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    out += ["| " + " | ".join(_cell(row.get(col)) for col in columns) + " |" for row in rows]
-    return "\n".join(out)
+    return text_table(columns, dict_cells(rows, columns), title=title)
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[str], title: str | None = None) -> None:

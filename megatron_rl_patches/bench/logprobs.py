@@ -20,12 +20,12 @@ from megatron_rl_patches.bench.common import (
     MemoryProbe,
     SavedBytes,
     best_time,
-    markdown_table,
     plot_grouped_bars,
     print_table,
     run_cases,
     write_csv,
 )
+from megatron_rl_patches.presentation import dict_cells, markdown_table
 
 QUICK_SHAPES = [(256, 2048)]
 FULL_SHAPES = [(1024, 32000), (4096, 32000)]
@@ -253,7 +253,7 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
         os.makedirs(out_dir, exist_ok=True)
         write_csv(rows, os.path.join(out_dir, "logprobs.csv"))
         with open(os.path.join(out_dir, "logprobs.md"), "w") as fh:
-            fh.write(markdown_table(rows, COLUMNS) + "\n")
+            fh.write(markdown_table(COLUMNS, dict_cells(rows, COLUMNS)) + "\n")
         plotted = [dict(r, label=f"{r['shape']}\n{r['task']}") for r in rows if "time_s" in r]
         plot_grouped_bars(
             plotted, os.path.join(out_dir, "logprobs.png"), group="label", series="implementation",

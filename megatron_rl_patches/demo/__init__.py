@@ -1,47 +1,5 @@
-"""`megatron-rl-patches demo`: a real tiny megatron-core RL loop, with and without the patches.
+"""The demo app: a real tiny megatron-core RL loop, with and without the patches.
 
-The actor is a tiny GPTModel in real DDP (overlap-grad-reduce, distributed optimizer,
-overlap-param-gather) trained by a Megatron-style train() called once per rollout; the teachers
-are built inference-only; the loss uses the memory-optimal log-prob path and top-k OPD.
-On CPU it runs megatron-core through the test kit's shims (never used by library code).
+`megatron-rl-patches demo` (megatron_rl_patches.cli.demo) runs it; `loop` holds the loop,
+`session` one run, `measure` the memory counters, `report` the summary text.
 """
-from __future__ import annotations
-
-import argparse
-import json
-import sys
-from dataclasses import fields
-
-from megatron_rl_patches.demo.loop import DemoConfig
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = DemoConfig()
-    parser.add_argument("--rollouts", type=int, default=defaults.rollouts, help="train() calls (>= 1)")
-    parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps per rollout")
-    parser.add_argument("--teachers", type=int, default=defaults.teachers, help="inference-only teachers")
-    parser.add_argument("--topk", type=int, default=defaults.topk, help="k of the top-k OPD term")
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--no-patches", action="store_true", help="run without megatron-rl-patches")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-
-
-def run(args: argparse.Namespace) -> int:
-    overrides = {f.name: getattr(args, f.name) for f in fields(DemoConfig) if hasattr(args, f.name)}
-    cfg = DemoConfig(**overrides)
-    if cfg.rollouts < 1 or cfg.steps < 1 or cfg.teachers < 1 or not 0 < cfg.topk < cfg.vocab_size:
-        print(
-            f"demo: need --rollouts >= 1, --steps >= 1, --teachers >= 1 and 0 < --topk < {cfg.vocab_size}",
-            file=sys.stderr,
-        )
-        return 2
-    from megatron_rl_patches.demo.session import run_demo
-
-    summary = run_demo(cfg, patches=not args.no_patches, progress=True)
-    if args.json:
-        print(json.dumps(summary, indent=2))
-    else:
-        from megatron_rl_patches.demo.report import format_summary
-
-        print(format_summary(summary))
-    return 0 if summary["ok"] else 1

@@ -1,9 +1,7 @@
 """The demo's summary as a human-readable table."""
 from __future__ import annotations
 
-
-def _mib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**20:.3f} MiB"
+from megatron_rl_patches.presentation import mib as _mib
 
 
 def format_summary(summary: dict) -> str:

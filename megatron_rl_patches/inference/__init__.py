@@ -20,7 +20,6 @@ _LAZY = {
     "token_log_probs": "forward",
     "training_state_bytes": "memory",
     "TrainingStateBytes": "memory",
-    "format_report": "memory",
     "initialize_model_and_optimizer_wrapper": "roles",
 }
 

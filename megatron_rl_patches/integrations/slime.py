@@ -55,10 +55,17 @@ def calculate_log_probs_and_entropy(
     group; log-probs come back as ``[T, 1]`` (``(0,)`` when T = 0); entropy ``[T]`` or None;
     ``chunk_size <= 0`` means no chunking preference; padded vocab columns are scored as slime does.
     """
+    import numbers
+
     import torch.distributed as dist
 
     from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
 
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)):
+        raise TypeError(
+            f"chunk_size must be an int (rows per chunk; <= 0: no preference) or None, got "
+            f"{type(chunk_size).__name__} {chunk_size!r}"
+        )
     if tp_group is None and dist.is_available() and dist.is_initialized():
         tp_group = dist.group.WORLD
     log_prob, entropy = log_probs_and_entropy(

@@ -16,6 +16,7 @@ Layouts of the local rows:
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -42,6 +43,39 @@ class Piece:
     offset: int
 
 
+def _whole(name: str, value: Any) -> int:
+    """`value` as an int when it is a whole number type (int, numpy or 0-d integer tensor; not bool)."""
+    is_bool = isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool)
+    try:
+        if is_bool:
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}; pass a whole number") from None
+
+
+def _lengths(name: str, values: Any) -> tuple[int, ...]:
+    """Per-sample token counts from a sequence of ints or a 1-D integer tensor."""
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1:
+            raise TypeError(f"{name} must be a 1-D integer tensor or a sequence of ints, got a tensor of shape "
+                            f"{list(values.shape)}")
+        values = list(values)
+    elif isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of ints (one per sample), got {type(values).__name__}")
+    lengths = tuple(_whole(f"{name}[{i}]", value) for i, value in enumerate(values))
+    negative = [i for i, n in enumerate(lengths) if n < 0]
+    if negative:
+        raise ValueError(f"{name}[{negative[0]}] must be >= 0, got {lengths[negative[0]]}")
+    return lengths
+
+
+def _check_rows(name: str, values: Any) -> None:
+    if not isinstance(values, torch.Tensor) or values.dim() < 1:
+        got = "a 0-d tensor" if isinstance(values, torch.Tensor) else type(values).__name__
+        raise TypeError(f"{name} must be a tensor with one row per local token ([T, ...]), got {got}")
+
+
 @dataclass(frozen=True)
 class PackedLayout:
     """Where each sample's rows sit in this rank's logits. Validated on construction."""
@@ -55,8 +89,14 @@ class PackedLayout:
     max_seq_len: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "total_lengths", tuple(int(n) for n in self.total_lengths))
-        object.__setattr__(self, "response_lengths", tuple(int(n) for n in self.response_lengths))
+        object.__setattr__(self, "total_lengths", _lengths("total_lengths", self.total_lengths))
+        object.__setattr__(self, "response_lengths", _lengths("response_lengths", self.response_lengths))
+        object.__setattr__(self, "cp_size", _whole("cp_size", self.cp_size))
+        object.__setattr__(self, "cp_rank", _whole("cp_rank", self.cp_rank))
+        if self.max_seq_len is not None:
+            object.__setattr__(self, "max_seq_len", _whole("max_seq_len", self.max_seq_len))
+        if not isinstance(self.allgather_cp, bool):
+            raise TypeError(f"allgather_cp must be True or False, got {self.allgather_cp!r}")
         if len(self.total_lengths) != len(self.response_lengths):
             raise ValueError(
                 f"total_lengths ({len(self.total_lengths)} samples) and response_lengths "
@@ -111,6 +151,7 @@ def _zigzag_halves(layout: PackedLayout, total_length: int) -> list[tuple[int, i
 
 def response_pieces(layout: PackedLayout, num_rows: int) -> list[list[Piece]]:
     """Per sample, the local row ranges holding its response log-prob rows, in response order."""
+    num_rows = _whole("num_rows", num_rows)
     pieces: list[list[Piece]] = []
     base = 0  # local (no CP, zigzag) or global (allgather-CP) first row of the sample
     lo_global, hi_global = layout.cp_rank * num_rows, (layout.cp_rank + 1) * num_rows
@@ -151,7 +192,11 @@ def shifted_targets(
     """Target id of every local logits row (the sample's next token; 0 where there is none)."""
     if len(tokens) != len(layout.total_lengths):
         raise ValueError(f"got {len(tokens)} token tensors for {len(layout.total_lengths)} samples")
+    num_rows = _whole("num_rows", num_rows)
     for i, (tok, total) in enumerate(zip(tokens, layout.total_lengths)):
+        if not isinstance(tok, torch.Tensor) or tok.dtype == torch.bool or tok.is_floating_point() or tok.is_complex():
+            got = f"dtype {tok.dtype}" if isinstance(tok, torch.Tensor) else type(tok).__name__
+            raise TypeError(f"tokens[{i}] must be an integer tensor of token ids (int64/int32), got {got}")
         if tok.dim() != 1 or tok.numel() != total:
             raise ValueError(f"sample {i}: tokens must be 1-D of total_length {total}, got shape {tuple(tok.shape)}")
     device = device if device is not None else (tokens[0].device if len(tokens) else "cpu")
@@ -179,6 +224,7 @@ def shifted_targets(
 
 def split_responses(values: torch.Tensor, layout: PackedLayout) -> list[torch.Tensor]:
     """Per sample, this rank's response rows of a per-row tensor (``[T, ...]``), in response order."""
+    _check_rows("values", values)
     out = []
     for pieces in response_pieces(layout, values.size(0)):
         parts = [values[p.start : p.stop] for p in pieces]
@@ -196,6 +242,7 @@ def response_log_probs_and_entropy(
     """
     from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
 
+    _check_rows("logits", logits)
     targets = shifted_targets(tokens, layout, logits.size(0), device=logits.device)
     log_probs, entropy = log_probs_and_entropy(logits, targets, **kwargs)
     return split_responses(log_probs, layout), (split_responses(entropy, layout) if entropy is not None else None)

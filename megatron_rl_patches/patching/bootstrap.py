@@ -16,12 +16,31 @@ def has_run() -> bool:
     return _done
 
 
-def _say(message: str) -> None:
-    """One stderr line, from the first rank only (every rank would print the same)."""
-    from megatron_rl_patches._log import launcher_rank
+_LINE_LIMIT = 2000  # characters of one start-up message
 
-    if launcher_rank() == 0:
-        sys.stderr.write(f"megatron-rl-patches: {message}\n")
+
+def _say(message: str) -> None:
+    """One stderr line, from the first rank only (every rank would print the same). Never raises:
+    stderr may be closed (None) or unwritable, and the user's program must start regardless."""
+    try:
+        from megatron_rl_patches._log import launcher_rank
+
+        if launcher_rank() == 0 and sys.stderr is not None:
+            cut = message if len(message) <= _LINE_LIMIT else f"{message[: _LINE_LIMIT - 3]}..."
+            sys.stderr.write(f"megatron-rl-patches: {cut}\n")
+            sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - nowhere left to report it
+        pass
+
+
+def _strict() -> bool:
+    """MEGATRON_RL_PATCHES_STRICT, read as False when its value is itself the error reported."""
+    from megatron_rl_patches.patching import env
+
+    try:
+        return env.is_strict()
+    except ValueError:
+        return False
 
 
 # The composition root: where the registry of every known patch is built. A string, so this
@@ -45,9 +64,9 @@ def run(registry_factory: str = DEFAULT_REGISTRY) -> None:
         registry = pkgutil.resolve_name(registry_factory)()
         try:
             registry.apply()
-        except ValueError as exc:  # bad selection: one line now; in strict mode, also at import
+        except ValueError as exc:  # bad selection or yes/no value: one line now; strict: also at import
             _say(f"no patch applied at start-up: {exc}")
-            if env.is_strict():
+            if _strict():
                 registry.poison_imports(ValueError(f"{exc} ({env.STRICT} is set)"))
     except BaseException as exc:  # noqa: BLE001 - start-up must go on whatever happens
         _say(f"start-up patching disabled: {type(exc).__name__}: {exc}")

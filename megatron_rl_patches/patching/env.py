@@ -8,7 +8,7 @@ import os
 # treat this name specially either way).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
 SELECT = "MEGATRON_RL_PATCHES"
 DISABLE = "MEGATRON_RL_PATCHES_DISABLE"
@@ -20,10 +20,46 @@ VARIABLES = (SELECT, DISABLE, STRICT, INFERENCE_ROLES, ALLOW_UNTESTED)
 DEFAULT_INFERENCE_ROLES = ("prm_teacher", "teacher")
 _OFF = {"", "0", "false", "no", "off", "none"}
 _ALL = {"1", "all", "true", "yes", "on"}
+# The yes/no variables (STRICT, ALLOW_UNTESTED) accept exactly these; anything else is an error.
+_YES = ("1", "true", "yes", "on")
+_NO = ("0", "false", "no", "off", "")
 
 
 def _environ(environ: Mapping[str, str] | None) -> Mapping[str, str]:
-    return os.environ if environ is None else environ
+    if environ is None:
+        return os.environ
+    if not callable(getattr(environ, "get", None)):
+        raise TypeError(
+            f"environ must be a mapping of variable names to strings (like os.environ), got {type(environ).__name__}"
+        )
+    return environ
+
+
+def _get(environ: Mapping[str, str] | None, name: str) -> str | None:
+    """The variable's value (None when unset); TypeError naming it when a mapping holds a non-string."""
+    value = _environ(environ).get(name)
+    if value is not None and not isinstance(value, str):
+        raise TypeError(
+            f"environ[{name!r}] must be a string (environment values are), got {type(value).__name__} {_cut(repr(value))}"
+        )
+    return value
+
+
+def _cut(text: str, limit: int = 40) -> str:
+    """`text`, shortened to `limit` characters with '...' (a pasted megabyte must not flood stderr)."""
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def _flag(environ: Mapping[str, str] | None, name: str) -> bool:
+    """A yes/no variable; ValueError listing the accepted values for anything else."""
+    value = _get(environ, name) or ""
+    word = value.strip().lower()
+    if word in _YES or word in _NO:
+        return word in _YES
+    raise ValueError(
+        f"{name}={_cut(value)!r} is not a yes/no value: use {'/'.join(_YES)} to turn it on, "
+        f"{'/'.join(_NO[:-1])} or \"\" (unset) to turn it off"
+    )
 
 
 def split_names(value: str | Sequence[str] | None) -> list[str]:
@@ -42,12 +78,12 @@ def split_names(value: str | Sequence[str] | None) -> list[str]:
 
 def is_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """True when MEGATRON_RL_PATCHES asks for patching at start-up (unset, '' or '0' = off)."""
-    return _environ(environ).get(SELECT, "").strip().lower() not in _OFF
+    return (_get(environ, SELECT) or "").strip().lower() not in _OFF
 
 
 def selected_names(environ: Mapping[str, str] | None = None) -> list[str] | None:
     """Names MEGATRON_RL_PATCHES lists, or None when it means 'every patch' (or is off)."""
-    value = _environ(environ).get(SELECT, "").strip()
+    value = (_get(environ, SELECT) or "").strip()
     if value.lower() in _OFF or value.lower() in _ALL:
         return None
     return split_names(value)
@@ -55,32 +91,34 @@ def selected_names(environ: Mapping[str, str] | None = None) -> list[str] | None
 
 def disabled_names(environ: Mapping[str, str] | None = None) -> list[str]:
     """Names MEGATRON_RL_PATCHES_DISABLE lists (removed from any selection but `only=`)."""
-    return split_names(_environ(environ).get(DISABLE))
+    return split_names(_get(environ, DISABLE))
 
 
 def is_strict(environ: Mapping[str, str] | None = None) -> bool:
     """MEGATRON_RL_PATCHES_STRICT=1: patch problems raise instead of warning."""
-    return _environ(environ).get(STRICT, "").strip().lower() in _ALL
+    return _flag(environ, STRICT)
 
 
 def allows_untested(environ: Mapping[str, str] | None = None) -> bool:
     """MEGATRON_RL_PATCHES_ALLOW_UNTESTED=1: apply patches outside their supported version range."""
-    return _environ(environ).get(ALLOW_UNTESTED, "").strip().lower() in _ALL
+    return _flag(environ, ALLOW_UNTESTED)
 
 
 def inference_roles(environ: Mapping[str, str] | None = None) -> list[str]:
     """Roles built inference-only; unset means the default teacher roles, '' means none."""
-    value = _environ(environ).get(INFERENCE_ROLES)
+    value = _get(environ, INFERENCE_ROLES)
     return list(DEFAULT_INFERENCE_ROLES) if value is None else split_names(value)
 
 
+_LISTED = 5  # unknown names an error message shows (each cut by _cut)
+
+
 def _check_known(source: str, names: Sequence[str], known: Sequence[str]) -> None:
-    unknown = [name for name in names if name not in known]
+    unknown = list(dict.fromkeys(name for name in names if name not in known))
     if unknown:
-        raise ValueError(
-            f"unknown patch name(s) {', '.join(map(repr, unknown))} in {source}; "
-            f"valid names: {', '.join(known)}"
-        )
+        shown = ", ".join(repr(_cut(name)) for name in unknown[:_LISTED])
+        more = f" and {len(unknown) - _LISTED} more" if len(unknown) > _LISTED else ""
+        raise ValueError(f"unknown patch name(s) {shown}{more} in {source}; valid names: {', '.join(known)}")
 
 
 def resolve_selection(
@@ -115,16 +153,27 @@ def resolve_selection(
 
 
 def summary(environ: Mapping[str, str] | None = None) -> dict[str, object]:
-    """The raw variables and what they mean, for `megatron-rl-patches doctor`."""
+    """The raw variables and what they mean, for `megatron-rl-patches doctor`; a yes/no variable
+    with an unknown value reads as None, its error in "errors"."""
     env = _environ(environ)
     names = selected_names(env)
     enabled = is_enabled(env)
+    errors: list[str] = []
+
+    def flag(read: Callable[[Mapping[str, str]], bool]) -> bool | None:
+        try:
+            return read(env)
+        except ValueError as exc:
+            errors.append(str(exc))
+            return None
+
     return {
         "variables": {name: env.get(name) for name in VARIABLES},
         "enabled_at_startup": enabled,
         "selects": None if not enabled else "all" if names is None else names,
         "disabled": disabled_names(env),
-        "strict": is_strict(env),
-        "allow_untested": allows_untested(env),
+        "strict": flag(is_strict),
+        "allow_untested": flag(allows_untested),
         "inference_roles": inference_roles(env),
+        "errors": errors,
     }

@@ -226,7 +226,7 @@ def test_inference_forward_returns_logits_and_log_probs(megatron_cpu_kind):
 
 def test_memory_formula_matches_counted_grad_buffer_up_to_named_padding(megatron_cpu_kind):
     from megatron_rl_patches import build_inference_model, training_state_bytes
-    from megatron_rl_patches.inference import format_report
+    from megatron_rl_patches.presentation import memory_report as format_report
 
     model = megatron_cpu_kind.model(seed=0)
     n = sum(p.numel() for p in model.parameters())

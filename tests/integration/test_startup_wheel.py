@@ -1,6 +1,7 @@
 """Zero-code start-up from a real wheel in a fresh virtual environment.
 
-The wheel is built once per session from a copy of the source tree; a fresh venv gets it with
+The wheel is built once per session from a copy of the source tree (the `built_wheel` fixture
+of tests/conftest.py, shared with the wheel-contents test); a fresh venv gets it with
 --no-deps and sees the running venv's torch / megatron-core / wrapt / packaging through a path
 line in a .pth (cheap; nothing is copied). Every check runs `python -c ...` in that venv.
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -24,28 +24,8 @@ from megatron_rl_patches.patching import startup
 pytestmark = [pytest.mark.slow, pytest.mark.megatron]
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = ("setup.py", "setup.cfg", "pyproject.toml", "README.md", "LICENSE", "startup", "megatron_rl_patches")
 HEAVY = ("torch", "megatron", "wrapt", "packaging", "numpy")
 DDP = "megatron.core.distributed.distributed_data_parallel"
-
-
-def _build_tools_missing() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    from packaging.version import Version
-
-    try:
-        setuptools = Version(version("setuptools"))
-    except PackageNotFoundError:
-        return "setuptools is not installed in this venv"
-    if setuptools < Version("64"):
-        return f"setuptools {setuptools} < 64"
-    if setuptools < Version("70.1"):  # older setuptools build wheels through the `wheel` package
-        try:
-            version("wheel")
-        except PackageNotFoundError:
-            return "the `wheel` package is not installed in this venv"
-    return None
 
 
 def clean_env(**variables: str) -> dict[str, str]:
@@ -74,22 +54,8 @@ def ours(stderr: str) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def wheel(tmp_path_factory) -> Path:
-    missing = _build_tools_missing()
-    if missing:
-        pytest.skip(f"cannot build the wheel without isolation: {missing}")
-    src = tmp_path_factory.mktemp("src")
-    for name in SOURCES:
-        path = REPO / name
-        if path.is_dir():
-            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        else:
-            shutil.copy2(path, src / name)
-    out = tmp_path_factory.mktemp("wheelhouse")
-    proc = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (built,) = out.glob("megatron_rl_patches-*.whl")
-    return built
+def wheel(built_wheel) -> Path:
+    return built_wheel.path
 
 
 def make_venv(root: Path, *extra_paths: str) -> tuple[Path, Path]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -18,7 +17,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = ("setup.py", "setup.cfg", "pyproject.toml", "README.md", "LICENSE", "startup", "megatron_rl_patches")
 
 pytestmark = [pytest.mark.slow]
 
@@ -30,16 +28,9 @@ def _environ(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
+def source(tmp_path_factory, source_tree_copier) -> Path:
     """A copy of the source tree (pip writes egg-info into the tree it prepares)."""
-    src = tmp_path_factory.mktemp("src")
-    for name in SOURCES:
-        path = REPO / name
-        if path.is_dir():
-            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
-        else:
-            shutil.copy2(path, src / name)
-    return src
+    return source_tree_copier(tmp_path_factory.mktemp("src"))
 
 
 def would_install(python: str, requirement: str, **extra_env: str) -> dict[str, str]:

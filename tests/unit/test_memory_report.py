@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rl_patches.inference.memory import format_report, human_bytes, training_state_bytes
+from megatron_rl_patches.inference.memory import training_state_bytes
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -99,40 +99,15 @@ def test_bad_inputs_raise_clearly(value, kwargs, error, match):
         training_state_bytes(value, **kwargs)
 
 
-def test_report_table_and_json():
-    report = training_state_bytes(27e9)
-    text = format_report(report)
-    assert "432.00 GB" in text and "16.00" in text and "inference-only" in text
-    lines = text.splitlines()
-    total = next(line for line in lines if line.startswith("total beyond the weights"))
-    assert total.split()[-6:] == ["432.00", "GB", "0", "B", "432.00", "GB"]
-    data = json.loads(json.dumps(report.as_dict()))
+def test_report_as_json():
+    data = json.loads(json.dumps(training_state_bytes(27e9).as_dict()))
     assert data["total"] == 432 * 10**9 and data["saved"] == data["total"] and data["bytes_per_param"] == 16.0
-
-
-def test_human_bytes_uses_decimal_units():
-    assert human_bytes(432e9) == "432.00 GB"
-    assert human_bytes(1.5e12) == "1.50 TB"
-    assert human_bytes(999) == "999 B"
-    assert human_bytes(0) == "0 B"
 
 
 def test_memory_module_imports_no_torch():
     code = (
-        "import sys, megatron_rl_patches.memory_cli, megatron_rl_patches.inference.memory; "
+        "import sys, megatron_rl_patches.cli.memory, megatron_rl_patches.inference.memory; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
-
-
-def test_docs_show_the_generated_tables():
-    from pathlib import Path
-
-    from megatron_rl_patches.inference.memory import docs_reports, markdown_table
-
-    page = (Path(__file__).resolve().parents[2] / "docs" / "inference-only.md").read_text()
-    for dtype in ("bf16", "fp32"):
-        block = page.split(f"<!-- memory-table:{dtype} -->\n", 1)[1].split("<!-- /memory-table -->", 1)[0]
-        assert block.strip() == markdown_table(docs_reports(dtype))
-    assert "| 27B | 1 | no | 54.00 GB | 108.00 GB | 108.00 GB | 108.00 GB | 108.00 GB | **432.00 GB**" in page

@@ -4,7 +4,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
+import tempfile
+
+from megatron_rl_patches.cli._common import OK, PROBLEM, UsageError
 
 BENCHMARKS = {
     "logprobs": "megatron_rl_patches.bench.logprobs",
@@ -19,7 +23,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", help="write CSV files and PNG plots (needs the [bench] extra) here")
 
 
+def check_output_folder(path: str) -> None:
+    """Create `path` if needed and prove a file can be written there, before any benchmark runs."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--out {path}: not a folder; pass a folder for the CSV files and plots")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--out {path}: cannot write there ({exc.strerror or exc}); pass a writable folder") from None
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.out:
+        check_output_folder(args.out)
     names = list(BENCHMARKS) if args.which == "all" else [args.which]
     failed = []
     for name in names:
@@ -33,4 +51,4 @@ def run(args: argparse.Namespace) -> int:
         plots = importlib.util.find_spec("matplotlib") is not None
         print(f"CSV files{' and PNG plots' if plots else ''} written to {args.out}"
               + ("" if plots else " (no plots: install the [bench] extra for matplotlib)"))
-    return 1 if failed else 0
+    return PROBLEM if failed else OK

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megatron_rl_patches import memory_cli
+from megatron_rl_patches.cli import memory as memory_cli
 
 
 def run_cli(argv, capsys):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 
 from megatron_rl_patches._args import positive_int
-from megatron_rl_patches.inference.memory import format_report, training_state_bytes
+from megatron_rl_patches.cli._common import OK, UsageError
+from megatron_rl_patches.inference.memory import training_state_bytes
+from megatron_rl_patches.presentation import memory_report
 
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 _COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*$", re.IGNORECASE)
@@ -39,17 +40,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--params", required=True, type=parse_param_count, metavar="N",
         help="number of model parameters, e.g. 27e9 or 27B",
     )
-    parser.add_argument("--dp", type=_positive, default=1, help="data-parallel size (default 1)")
+    parser.add_argument("--dp", type=_positive, default=1, help="data-parallel size")
     parser.add_argument(
         "--distributed-optimizer", action="store_true",
         help="optimizer state sharded over the data-parallel ranks (Megatron's distributed optimizer)",
     )
     parser.add_argument(
-        "--param-dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="weights (default bf16)"
+        "--param-dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="weights"
     )
     parser.add_argument(
         "--grad-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-        help="grad buffer (default fp32, Megatron's grad_reduce_in_fp32); else the weights' dtype",
+        help="grad buffer: fp32 (Megatron's grad_reduce_in_fp32) or the weights' dtype",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON object (bytes)")
 
@@ -64,7 +65,6 @@ def run(args: argparse.Namespace) -> int:
             grad_dtype=args.grad_dtype,
         )
     except (TypeError, ValueError) as exc:
-        print(f"megatron-rl-patches memory: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
-    return 0
+        raise UsageError(str(exc)) from None
+    print(json.dumps(report.as_dict(), indent=2) if args.json else memory_report(report))
+    return OK

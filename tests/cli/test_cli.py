@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl_patches import cli
+from megatron_rl_patches.cli.targets import find_module
 from megatron_rl_patches.integrations import default_registry
 from megatron_rl_patches.patching import registry, startup
 
@@ -18,19 +19,10 @@ REPO = Path(__file__).resolve().parents[2]
 PATCH_NAMES = {"ddp_hooks", "train_reentry", "inference_roles", "slime_logprobs", "gpt_output_processor"}
 
 
-@pytest.fixture(autouse=True)
-def clean(clean_patch_state):
-    return clean_patch_state
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_list_json(capsys):
-    code, out, _ = run(capsys, "list", "--json")
+def test_list_json(cli_run):
+    code, out, _ = cli_run("list", "--json")
     assert code == 0
     rows = json.loads(out)
     assert {row["name"] for row in rows} == PATCH_NAMES
@@ -39,28 +31,30 @@ def test_list_json(capsys):
     assert {row["target"].rsplit(".", 1)[1] for row in ddp} == {"enable_forward_pre_hook", "disable_forward_pre_hook"}
     assert all(row["requires"] == "megatron-core" and row["versions"] == ">=0.13,<0.21" for row in ddp)
     assert all(row["status"] == "skipped" and row["reason"] == "not selected" for row in rows)
-    assert set(rows[0]) == {"name", "target", "requires", "versions", "installed", "description", "status", "reason"}
+    assert all(row["code"] == "not_selected" for row in rows)
+    assert set(rows[0]) == {"name", "target", "requires", "versions", "installed", "description", "status", "code",
+                            "reason"}
 
 
-def test_list_text_shows_every_target(capsys):
-    code, out, _ = run(capsys, "list")
+def test_list_text_shows_every_target(cli_run):
+    code, out, _ = cli_run("list")
     assert code == 0
     assert all(patch.target in out for patch in default_registry().patches())
 
 
-def test_list_apply_uses_the_environment(capsys, clean):
-    code, out, err = run(capsys, "list", "--apply", "--json")
+def test_list_apply_uses_the_environment(cli_run, clean):
+    code, out, err = cli_run("list", "--apply", "--json")
     assert code == 0 and "start-up applies nothing" in err
     assert {row["status"] for row in json.loads(out)} == {"skipped"}
 
     clean.setenv("MEGATRON_RL_PATCHES", "slime_logprobs")
-    code, out, _ = run(capsys, "list", "--apply", "--json")
+    code, out, _ = cli_run("list", "--apply", "--json")
     states = {(row["name"], row["status"]) for row in json.loads(out)}
     assert code == 0 and ("slime_logprobs", "pending") in states
     assert {status for name, status in states if name != "slime_logprobs"} == {"skipped"}
 
     clean.setenv("MEGATRON_RL_PATCHES", "bogus")
-    code, out, err = run(capsys, "list", "--apply")
+    code, out, err = cli_run("list", "--apply")
     assert code == 2 and "'bogus'" in err and out == ""
 
 
@@ -70,8 +64,8 @@ def no_site_files(clean, tmp_path):
     return tmp_path
 
 
-def test_doctor_json(capsys, no_site_files):
-    code, out, _ = run(capsys, "doctor", "--json")
+def test_doctor_json(cli_run, no_site_files):
+    code, out, _ = cli_run("doctor", "--json")
     report = json.loads(out)
     assert code == 0, report["problems"]
     assert report["python"]["version"] == ".".join(map(str, sys.version_info[:3]))
@@ -85,10 +79,10 @@ def test_doctor_json(capsys, no_site_files):
     assert report["startup"]["pth_installed"] is False and report["problems"] == []
 
 
-def test_doctor_reports_problems(capsys, no_site_files, clean):
+def test_doctor_reports_problems(cli_run, no_site_files, clean):
     clean.setenv("MEGATRON_RL_PATCHES", "ddp_hooks,bogus")
     (no_site_files / startup.PTH_NAME).write_text("import something_else\n")
-    code, out, _ = run(capsys, "doctor", "--json")
+    code, out, _ = cli_run("doctor", "--json")
     report = json.loads(out)
     assert code == 1
     assert report["environment"]["error"] and "'bogus'" in report["environment"]["error"]
@@ -102,7 +96,7 @@ def test_doctor_reports_problems(capsys, no_site_files, clean):
     clean.setenv("MEGATRON_RL_PATCHES", "ddp_hooks")
     (no_site_files / startup.PTH_NAME).unlink()
     startup.install(str(no_site_files))
-    code, out, _ = run(capsys, "doctor")
+    code, out, _ = cli_run("doctor")
     assert code == 1 and "OUT OF RANGE" in out and "megatron-core 0.9.0 is outside" in out
 
 
@@ -113,40 +107,40 @@ def test_find_module_does_not_run_package_inits(tmp_path, clean):
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "sub" / "leaf.py").write_text("")
     clean.syspath_prepend(str(tmp_path))
-    assert cli.find_module("explosive_pkg.sub.leaf") == (True, None)
-    assert cli.find_module("explosive_pkg.sub.missing")[0] is False
-    assert cli.find_module("explosive_pkg.sub.leaf.deeper") == (False, "explosive_pkg.sub.leaf is a module, not a package")
-    assert cli.find_module("no_such_top_level_pkg") == (False, "no_such_top_level_pkg is not installed")
+    assert find_module("explosive_pkg.sub.leaf") == (True, None)
+    assert find_module("explosive_pkg.sub.missing")[0] is False
+    assert find_module("explosive_pkg.sub.leaf.deeper") == (False, "explosive_pkg.sub.leaf is a module, not a package")
+    assert find_module("no_such_top_level_pkg") == (False, "no_such_top_level_pkg is not installed")
     assert not any(name.startswith("explosive_pkg") for name in sys.modules)
-    assert cli.find_module("json.decoder") == (True, None)
+    assert find_module("json.decoder") == (True, None)
 
 
-def test_startup_install_remove(capsys, tmp_path):
+def test_startup_install_remove(cli_run, tmp_path):
     site = str(tmp_path)
-    code, out, err = run(capsys, "startup", "install", "--site", site)
+    code, out, err = cli_run("startup", "install", "--site", site)
     assert code == 0 and out.count("written") == 2
     assert "not a site directory" in err
     for name, text in startup.CONTENTS.items():
         assert (tmp_path / name).read_text() == text
-    code, out, _ = run(capsys, "startup", "install", "--site", site)
+    code, out, _ = cli_run("startup", "install", "--site", site)
     assert code == 0 and out.count("unchanged") == 2
-    code, out, _ = run(capsys, "startup", "remove", "--site", site)
+    code, out, _ = cli_run("startup", "remove", "--site", site)
     assert code == 0 and out.count("removed") == 2 and list(tmp_path.iterdir()) == []
-    code, out, _ = run(capsys, "startup", "remove", "--site", site)
+    code, out, _ = cli_run("startup", "remove", "--site", site)
     assert code == 0 and out.count("absent") == 2
 
 
-def test_startup_refuses_foreign_files_and_bad_dirs(capsys, tmp_path):
+def test_startup_refuses_foreign_files_and_bad_dirs(cli_run, tmp_path):
     foreign = tmp_path / startup.START_NAME
     foreign.write_text("somebody_else:run\n")
     for action in ("install", "remove"):
-        code, out, err = run(capsys, "startup", action, "--site", str(tmp_path))
+        code, out, err = cli_run("startup", action, "--site", str(tmp_path))
         assert code == 1 and "refusing" in err and str(foreign) in err
     assert foreign.read_text() == "somebody_else:run\n"
     assert not (tmp_path / startup.PTH_NAME).exists()  # nothing half-done
-    code, _, err = run(capsys, "startup", "install", "--site", str(tmp_path / "missing"))
+    code, _, err = cli_run("startup", "install", "--site", str(tmp_path / "missing"))
     assert code == 2 and "does not exist" in err
-    code, _, err = run(capsys, "startup", "reinstall")
+    code, _, err = cli_run("startup", "reinstall")
     assert code == 2 and "invalid choice" in err
 
 
@@ -155,19 +149,19 @@ def test_startup_texts_match_the_shipped_files():
         assert (REPO / "startup" / name).read_text() == text
 
 
-def test_missing_subcommand_module_exits_2(capsys, clean, tmp_path):
+def test_missing_subcommand_module_exits_2(cli_run, clean, tmp_path):
     clean.setitem(cli.COMMANDS, "ghost", ("megatron_rl_patches.no_such_module", "not here yet"))
-    code, _, err = run(capsys, "ghost", "--anything")
+    code, _, err = cli_run("ghost", "--anything")
     assert code == 2 and "ghost" in err and "megatron_rl_patches.no_such_module" in err
     # a module that exists but misses one of its own dependencies is a failure, not a usage error
     (tmp_path / "needs_dep_cmd.py").write_text("import no_such_dependency_xyz\n")
     clean.syspath_prepend(str(tmp_path))
     clean.setitem(cli.COMMANDS, "needy", ("needs_dep_cmd", "help"))
-    code, _, err = run(capsys, "needy")
+    code, _, err = cli_run("needy")
     assert code == 1 and "no_such_dependency_xyz" in err
 
 
-def test_lazy_subcommand_module_is_loaded_and_run(capsys, clean, tmp_path):
+def test_lazy_subcommand_module_is_loaded_and_run(cli_run, clean, tmp_path):
     (tmp_path / "echo_cmd.py").write_text(
         textwrap.dedent(
             """
@@ -182,21 +176,21 @@ def test_lazy_subcommand_module_is_loaded_and_run(capsys, clean, tmp_path):
     )
     clean.syspath_prepend(str(tmp_path))
     clean.setitem(cli.COMMANDS, "echo", ("echo_cmd", "echo"))
-    code, out, _ = run(capsys, "echo", "--times", "2")
+    code, out, _ = cli_run("echo", "--times", "2")
     assert code == 3 and out.split() == ["echo", "echo"]
-    code, _, err = run(capsys, "echo", "--times", "x")
+    code, _, err = cli_run("echo", "--times", "x")
     assert code == 2 and "invalid int value" in err
     assert "echo_cmd" in sys.modules
     sys.modules.pop("echo_cmd")
-    code, out, _ = run(capsys, "list", "--json")  # other commands never import it
+    code, out, _ = cli_run("list", "--json")  # other commands never import it
     assert code == 0 and "echo_cmd" not in sys.modules
 
 
-def test_usage_errors_and_version(capsys):
-    assert run(capsys, "nonsense")[0] == 2
-    code, _, err = run(capsys)
+def test_usage_errors_and_version(cli_run):
+    assert cli_run("nonsense")[0] == 2
+    code, _, err = cli_run()
     assert code == 2 and "COMMAND" in err
-    code, out, _ = run(capsys, "--version")
+    code, out, _ = cli_run("--version")
     assert code == 0 and out.strip() == f"megatron-rl-patches {__import__('megatron_rl_patches').__version__}"
 
 
