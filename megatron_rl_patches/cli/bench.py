@@ -14,6 +14,7 @@ BENCHMARKS = {
     "logprobs": "megatron_rl_patches.bench.logprobs",
     "topk": "megatron_rl_patches.bench.topk",
     "reentrant": "megatron_rl_patches.bench.reentrant",
+    "fused": "megatron_rl_patches.bench.fused",
 }
 
 
