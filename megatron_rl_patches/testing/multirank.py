@@ -18,11 +18,31 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        queue.put((rank, "ok", _pack(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - the parent re-raises with this traceback
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         dist.destroy_process_group()
+
+
+def _pack(result: Any) -> bytes:
+    """The result as bytes (torch.save): tensors travel by value, not as shared-memory handles
+    that vanish when this rank's process exits before the parent reads them."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(result, buffer)
+    return buffer.getvalue()
+
+
+def _unpack(payload: bytes) -> Any:
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(payload), weights_only=False)
 
 
 def run_multirank(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
@@ -48,12 +68,12 @@ def run_multirank(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
         for _ in procs:
             try:
                 rank, kind, value = queue.get(timeout=timeout)
-            except Exception:  # queue.Empty: a rank died without reporting
+            except Exception as exc:  # queue.Empty: a rank died without reporting
                 codes = [proc.exitcode for proc in procs]
-                errors.append(f"no result within {timeout}s; exit codes by rank: {codes}")
+                errors.append(f"no result within {timeout}s ({type(exc).__name__}: {exc}); exit codes by rank: {codes}")
                 break
             if kind == "ok":
-                results[rank] = value
+                results[rank] = _unpack(value)
             else:
                 errors.append(f"rank {rank}:\n{value}")
         for proc in procs:
