@@ -226,6 +226,17 @@ def _restore(entry: _Entry) -> None:
             disable_hooks(chunk, param_sync=False)
 
 
+def stop_interval_timer() -> None:
+    """Megatron-LM's train() starts its global 'interval-time' timer and leaves it running when it
+    returns, so a second call asserts 'timer has already been started'. Stop it (no collective):
+    the time between rollouts is not training time. A no-op without Megatron-LM's global timers."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    timers = getattr(global_vars, "_GLOBAL_TIMERS", None)
+    timer = getattr(timers, "_timers", {}).get("interval-time")
+    if timer is not None and getattr(timer, "_started", False):
+        timer.stop()
+
+
 def find_model_chunks(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any] | None:
     """The model chunks of a call to `fn`: the argument named `model` or `model_chunks`, else the
     first argument that is a DDP module or a sequence of them. None when the call does not fit
@@ -270,6 +281,7 @@ def call_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     if key in active:  # an outer wrapper already guards this train()
         return fn(*args, **kwargs)
     entry = _enter(chunks)
+    stop_interval_timer()
     token = _guarded.set(active | {key})
     try:
         return fn(*args, **kwargs)

@@ -520,3 +520,27 @@ def test_missing_train_is_skipped_with_the_reason(monkeypatch):
     statuses = {s.target: s for s in megatron_rl_patches.apply(only="train_reentry")}
     assert statuses[f"{SLIME_MODEL}:train"].status == "skipped"
     assert "not found" in statuses[f"{SLIME_MODEL}:train"].reason
+
+
+@pytest.mark.megatron
+def test_guard_stops_megatron_lms_running_interval_timer(megatron_cpu, monkeypatch):
+    """Megatron-LM's train() leaves its global 'interval-time' timer running; a second train()
+    then asserts 'timer has already been started'. The guard stops it on entry (megatron-core's
+    real Timers, installed where Megatron-LM keeps them)."""
+    import types
+
+    from megatron.core.timers import Timers
+
+    timers = Timers(log_level=0, log_option="minmax")
+    timers("interval-time", log_level=0).start(barrier=False)
+    global_vars = types.ModuleType("megatron.training.global_vars")
+    global_vars._GLOBAL_TIMERS = timers
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    with pytest.raises(AssertionError, match="timer has already been started"):
+        timers("interval-time", log_level=0).start(barrier=False)  # what the second train() hit
+    reentrant.stop_interval_timer()
+    timers("interval-time", log_level=0).start(barrier=False)  # a second call can start it again
+    reentrant.stop_interval_timer()
+    reentrant.stop_interval_timer()  # idempotent; and a no-op without Megatron-LM's timers:
+    monkeypatch.delitem(sys.modules, "megatron.training.global_vars")
+    reentrant.stop_interval_timer()
