@@ -1,17 +1,19 @@
 """Test-only shims that let megatron-core run on CPU (it hard-codes CUDA in a few places).
 
-Never used by library code: only by the pytest plugin and the CPU demo. What each shim is for:
-- `torch.cuda.current_device` / `synchronize`, CUDA factory calls (`device="cuda"`) and the CUDA
-  RNG tracker's `fork`: every megatron-core release (model build, DDP buffers).
-- `torch.cuda.current_stream` / `default_stream` / `Stream` / `stream` / `Event`: 0.19's
-  `start_grad_sync` waits on the current stream; Megatron-LM's `get_model` builds DDP under a
-  side stream. On CPU work is already ordered, so every wait or record is a no-op.
-- `torch.cuda.memory_*` / `max_memory_*` / `memory_stats` / `reset_peak_memory_stats` /
-  `empty_cache`: Megatron-LM's `train()` reports and frees CUDA memory (reported as 0 / {}).
-- `torch.nn.Module.cuda`: Megatron-LM's `get_model` moves the model to the GPU (a no-op here).
+Never used by library code: only by the pytest plugin, the CPU demo and the Megatron-LM session.
+Each shim, and what needs it (checked by removing one at a time; `torch.cuda` functions that
+already work on CPU, such as `stream()`, `Event`, `empty_cache` and the `memory_*` counters, are
+left alone):
+- `torch.cuda.current_device`, CUDA factory calls (`device="cuda"`) and the CUDA RNG tracker's
+  `fork`: every megatron-core release (model build, DDP buffers).
+- `torch.cuda.synchronize`: megatron-core's timers (Megatron-LM's train()).
+- `torch.cuda.current_stream` / `Stream`: 0.19's `start_grad_sync` waits on the current stream;
+  Megatron-LM's `get_model` (0.19) builds DDP under a side stream. CPU work is already ordered,
+  so every wait or record is a no-op.
+- `torch.nn.Module.cuda`: Megatron-LM's `get_model` (0.19) moves the model to the GPU (no-op here).
 - `torch.Tensor.type()`: megatron-core's optimizers compare type names (`'torch.cuda.FloatTensor'`)
-  to pick main params and check grads; CPU tensors report the `torch.cuda.*` name (no argument
-  only; conversions are untouched).
+  to build the distributed optimizer and check grads; CPU tensors report the `torch.cuda.*` name
+  (no argument only; conversions are untouched).
 """
 from __future__ import annotations
 
@@ -36,10 +38,7 @@ class CudaToCpuMode(TorchFunctionMode):
 
 
 class CpuEvent:
-    """Stands in for `torch.cuda.Event`: CPU work is ordered, so it is always complete."""
-
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
-        self.enable_timing = enable_timing
+    """What `CpuStream.record_event` returns: CPU work is ordered, so it is always complete."""
 
     def record(self, stream: Any = None) -> None:
         return None
@@ -53,12 +52,9 @@ class CpuEvent:
     def query(self) -> bool:
         return True
 
-    def elapsed_time(self, end_event: "CpuEvent") -> float:
-        return 0.0
-
 
 class CpuStream:
-    """Stands in for `torch.cuda.Stream`: waits and records are no-ops; usable as a context."""
+    """Stands in for `torch.cuda.Stream` (and the current stream): waits and records are no-ops."""
 
     def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
         self.device = torch.device("cpu")
@@ -78,12 +74,6 @@ class CpuStream:
 
     def query(self) -> bool:
         return True
-
-    def __enter__(self) -> "CpuStream":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 _CPU_STREAM = CpuStream()
@@ -112,42 +102,24 @@ def _tensor_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = Fal
     return _TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
 
 
-def _zero(*args: Any, **kwargs: Any) -> int:
-    return 0
-
-
-def _none(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
 def _shim_table() -> list[tuple[Any, str, Any]]:
     """(owner, attribute, replacement) for every shim, in one place."""
     from megatron.core.tensor_parallel import random as mcore_random
 
-    cuda = torch.cuda
-    table: list[tuple[Any, str, Any]] = [
-        (cuda, "current_device", lambda: "cpu"),
-        (cuda, "synchronize", _none),
+    return [
+        (torch.cuda, "current_device", lambda: "cpu"),
+        (torch.cuda, "synchronize", lambda *args, **kwargs: None),
         (mcore_random.CudaRNGStatesTracker, "fork", _null_fork),
-        (cuda, "Stream", CpuStream),
-        (cuda, "Event", CpuEvent),
-        (cuda, "current_stream", lambda device=None: _CPU_STREAM),
-        (cuda, "default_stream", lambda device=None: _CPU_STREAM),
-        (cuda, "stream", lambda stream=None: contextlib.nullcontext(stream)),
-        (cuda, "memory_stats", lambda device=None: {}),
-        (cuda, "empty_cache", _none),
-        (cuda, "reset_peak_memory_stats", _none),
+        (torch.cuda, "Stream", CpuStream),
+        (torch.cuda, "current_stream", lambda device=None: _CPU_STREAM),
         (torch.nn.Module, "cuda", _module_cuda),
         (torch.Tensor, "type", _tensor_type),
     ]
-    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
-        table.append((cuda, name, _zero))
-    return table
 
 
 @contextlib.contextmanager
 def cpu_shims() -> Iterator[None]:
-    """Apply every shim listed in the module docstring and redirect CUDA factory calls to CPU for the
+    """Apply the shims listed in the module docstring and redirect CUDA factory calls to CPU for the
     duration of the block; every attribute is restored (or removed, if it was inherited) on exit."""
     table = _shim_table()
     saved = [(owner, name, vars(owner).get(name, _MISSING)) for owner, name, _ in table]

@@ -3,8 +3,6 @@
 use_distributed_optimizer and overlap_param_gather."""
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -190,16 +188,10 @@ def test_env_var_patches_a_fresh_process(tmp_path):
     """MEGATRON_RL_PATCHES=all in a new interpreter: the start-up bootstrap (the installed .pth
     calls it; the dev venv has no .pth, so the script calls bootstrap.run() first) patches the
     stand-in train() and DDP on import; 1 and 2 chunks, 3 rollouts each, against a control."""
-    out = tmp_path / "rollouts.pt"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_RL_PATCHES")}
-    env.update(MEGATRON_RL_PATCHES="all", PYTHONPATH=os.pathsep.join([str(STANDINS), str(ROOT)]))
-    proc = subprocess.run(
-        [sys.executable, str(STANDINS / "mrp_rollouts.py"), str(out)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = torch.load(out, weights_only=False)
-    status = {s["target"]: s["status"] for s in result["statuses"]}
+    from megatron_rl_patches.testing.fresh_process import run_with_patches
+
+    result = run_with_patches(STANDINS / "mrp_rollouts.py", tmp_path / "rollouts.pt", [STANDINS, ROOT], timeout=180)
+    status = result["status"]
     for name in ("train", "enable_forward_pre_hook", "disable_forward_pre_hook"):
         assert status[f"{SLIME_MODEL}:{name}"] == "applied"
     ddp = "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel"

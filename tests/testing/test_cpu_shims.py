@@ -1,4 +1,4 @@
-"""The CPU shims: stream/event/memory stand-ins behave as no-ops, type names read `torch.cuda.*`,
+"""The CPU shims: the stream stand-ins behave as no-ops, type names read `torch.cuda.*`,
 and every patched attribute is restored (or removed again) on exit, also after an error."""
 import pytest
 import torch
@@ -12,25 +12,22 @@ def _snapshot() -> dict:
     return {(id(owner), name): vars(owner).get(name, "<absent>") for owner, name, _ in _shim_table()}
 
 
-def test_streams_events_and_memory_are_cpu_no_ops():
+def test_streams_are_cpu_no_ops_and_what_works_on_cpu_is_left_alone():
     from megatron_rl_patches.testing.shims import cpu_shims
 
+    untouched = {name: getattr(torch.cuda, name) for name in ("stream", "Event", "empty_cache", "memory_allocated")}
     with cpu_shims():
         current = torch.cuda.current_stream()
-        assert current is torch.cuda.current_stream(0) is torch.cuda.default_stream()
+        assert current is torch.cuda.current_stream(0)
         side = torch.cuda.Stream(device=torch.cuda.current_device())
         event = side.record_event()
         assert current.wait_event(event) is None and current.wait_stream(side) is None
-        assert event.query() and event.wait(current) is None and event.elapsed_time(event) == 0.0
-        with torch.cuda.stream(side) as entered:  # Megatron-LM's get_model builds DDP like this
-            assert entered is side
+        assert event.query() and event.wait(current) is None and side.synchronize() is None
+        with torch.cuda.stream(side):  # torch's own context: Megatron-LM's get_model builds DDP so
             made = torch.ones(2, device="cuda")
         assert made.device.type == "cpu"
-        timed = torch.cuda.Event(enable_timing=True)
-        assert timed.record() is None and timed.synchronize() is None
-        assert torch.cuda.memory_allocated() == torch.cuda.max_memory_reserved(0) == 0
-        assert torch.cuda.memory_stats() == {} and torch.cuda.empty_cache() is None
-        assert torch.cuda.reset_peak_memory_stats() is None and torch.cuda.synchronize() is None
+        assert torch.cuda.synchronize() is None
+        assert {name: getattr(torch.cuda, name) for name in untouched} == untouched
 
 
 def test_module_cuda_and_tensor_type_names():
