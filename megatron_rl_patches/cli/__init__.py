@@ -26,10 +26,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("megatron_rl_patches.cli.demo", "a tiny real megatron-core RL loop, with and without the patches"),
     "bench": ("megatron_rl_patches.cli.bench", "benchmarks: log-prob and top-k losses (memory, time), re-entrant wrapper cost"),
     "memory": ("megatron_rl_patches.cli.memory", "training-state bytes an inference-only build saves"),
+    "run": ("megatron_rl_patches.cli.run", "run a command whose Python processes all apply the patches at start-up"),
 }
 
 # Commands whose --help ends with the environment variables (they read them).
-READS_ENVIRONMENT = ("list", "doctor", "startup")
+READS_ENVIRONMENT = ("list", "doctor", "startup", "run")
 
 # Exit status when the reader of stdout went away (`... | head`): the shells' 128 + SIGPIPE.
 BROKEN_PIPE = 141

@@ -28,11 +28,13 @@ REPORT = textwrap.dedent(
 
 
 def launched(command: list[str], patches: str | None = "ddp_hooks", **extra_env: str) -> subprocess.CompletedProcess:
-    """Run `command` through launcher.run in a fresh process (the launcher execs it)."""
+    """Run `command` through the real CLI command, `megatron-rl-patches run`, in a fresh process
+    (which execs the command)."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_RL_PATCHES")}
     environ.update(extra_env)
-    driver = f"import sys; from megatron_rl_patches.patching import launcher; sys.exit(launcher.run({command!r}, {patches!r}))"
-    return subprocess.run([sys.executable, "-c", driver], env=environ, capture_output=True, text=True, timeout=300)
+    selection = [] if patches is None else ["--patches", patches]
+    cli = [sys.executable, "-m", "megatron_rl_patches", "run", *selection, "--", *command]
+    return subprocess.run(cli, env=environ, capture_output=True, text=True, timeout=300)
 
 
 def test_plain_python_child_runs_the_bootstrap_without_any_startup_file():
@@ -70,6 +72,24 @@ def test_exit_code_and_missing_command():
     assert launched([sys.executable, "-c", "raise SystemExit(7)"]).returncode == 7
     proc = launched(["no-such-command-mrp"])
     assert proc.returncode == 127 and "command not found: no-such-command-mrp" in proc.stderr
+
+
+def test_usage_errors_exit_2_and_run_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    child = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    for patches in ("ddp_hooks,bogus", " "):
+        proc = launched(child, patches=patches)
+        assert proc.returncode == 2 and "megatron-rl-patches run:" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl_patches", "run"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no command given" in proc.stderr
+    assert not marker.exists()
+
+
+def test_selection_defaults_to_the_environment_then_all():
+    inherited = launched([sys.executable, "-c", REPORT], patches=None, MEGATRON_RL_PATCHES="train_reentry")
+    assert json.loads(inherited.stdout.strip().splitlines()[-1])["selection"] == "train_reentry"
+    default = launched([sys.executable, "-c", REPORT], patches=None)
+    assert json.loads(default.stdout.strip().splitlines()[-1])["selection"] == "all"
 
 
 def test_bad_selection_is_refused_before_anything_runs(tmp_path):
