@@ -2,7 +2,9 @@
 
 The actor is a tiny GPTModel in real DDP (overlap-grad-reduce, distributed optimizer,
 overlap-param-gather) trained by a Megatron-style train() called once per rollout; the teachers
-are built inference-only; the loss uses the memory-optimal log-prob path and top-k OPD.
+are built inference-only; every log-prob, entropy and top-k bucket comes from hidden states through
+the fused output processors. `--no-patches` runs the same loop as a user without the package writes
+it (plain builds, losses on full logits): rollout 1 matches, rollout 2 hits the re-entry crash.
 On CPU it runs megatron-core through the test kit's shims (never used by library code).
 """
 from __future__ import annotations
@@ -23,7 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--teachers", type=int, default=defaults.teachers, help="inference-only teachers")
     parser.add_argument("--topk", type=int, default=defaults.topk, help="k of the top-k OPD term")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the models and the data")
-    parser.add_argument("--no-patches", action="store_true", help="run without megatron-rl-patches")
+    parser.add_argument(
+        "--no-patches", action="store_true",
+        help="run without megatron-rl-patches: no patch applied, teachers built as trainable DDP models, "
+             "losses in plain torch on full logits (only the CPU test kit's shims remain)",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 

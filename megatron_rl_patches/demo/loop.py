@@ -1,9 +1,10 @@
-"""The demo's RL loop: a tiny real megatron-core GPT actor, trained by a Megatron-style train()
-once per rollout, distilled on-policy towards inference-only teachers."""
+"""The demo's RL loop, shared by both routes: the configuration, a Megatron-style train() written
+for one call per job, on-policy sampling and the reward baseline. What differs between running
+with and without the package (builds, scoring, loss) is in `package_route` and `plain_route`."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -31,6 +32,7 @@ class DemoConfig:
     lr: float = 1.0
     device: str = "cpu"  # "cuda" when the session runs on a GPU
     teacher_init_std: float = 0.3
+    tile_rows: int = 16  # rows per logits tile of the fused ops (real sizes: their default, 1024)
     seed: int = 0
 
 
@@ -41,14 +43,6 @@ class RolloutResult:
     opd_kl: float
     entropy: float
     logprob: float
-
-
-@dataclass
-class DemoState:
-    config: DemoConfig
-    actor: list
-    teachers: list
-    results: list[RolloutResult] = field(default_factory=list)
 
 
 def megatron_style_train(
@@ -94,22 +88,17 @@ def megatron_style_train(
     return per_step
 
 
-def build_models(cfg: DemoConfig) -> tuple[list, list]:
-    """The actor in real DDP (overlap + distributed-optimizer flags); teachers inference-only."""
-    from megatron_rl_patches import build_inference_model
+def build_actor(cfg: DemoConfig) -> Any:
+    """The actor's GPTModel, on the run's device (both routes wrap it in the same DDP)."""
+    return kit.build_tiny_gpt(vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed).to(cfg.device)
 
-    actor_model = kit.build_tiny_gpt(vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed)
-    actor = [kit.wrap_ddp(actor_model.to(cfg.device), **ACTOR_DDP_FLAGS)]
-    # Teachers with a larger init scale have peaked next-token distributions, far from the
-    # near-uniform fresh actor: the distillation signal is visible within a few steps.
-    teacher_config = kit.tiny_gpt_config(init_method_std=cfg.teacher_init_std)
-    teachers = [
-        build_inference_model(
-            kit.tiny_gpt_provider(teacher_config, vocab_size=cfg.vocab_size, seq_length=cfg.seq_length, seed=cfg.seed + 100 + j)
-        )[0]
-        for j in range(cfg.teachers)
-    ]
-    return actor, teachers
+
+def teacher_provider(cfg: DemoConfig, index: int) -> Callable:
+    """Teacher `index`'s model provider. A larger init scale gives peaked next-token distributions,
+    far from the near-uniform fresh actor: the distillation signal shows within a few steps."""
+    config = kit.tiny_gpt_config(init_method_std=cfg.teacher_init_std)
+    return kit.tiny_gpt_provider(config, vocab_size=cfg.vocab_size, seq_length=cfg.seq_length,
+                                 seed=cfg.seed + 100 + index)
 
 
 def _shifted_targets(tokens: torch.Tensor) -> torch.Tensor:
@@ -133,67 +122,31 @@ def sample(model: Any, cfg: DemoConfig, gen: torch.Generator) -> dict:
     return batch
 
 
-@torch.no_grad()
-def score_with_teachers(batch: dict, actor: Any, teachers: Sequence[Any], cfg: DemoConfig) -> None:
-    """Top-k ids from the old policy, teachers' full-vocab log-probs at those ids + tail, and the
-    per-token reward log q_teacher(y) - log p_old(y) for the sampled token."""
-    from megatron_rl_patches import log_probs_and_entropy, topk_ids, topk_logprobs
-
-    targets = batch["labels"].reshape(-1)
-    old_logits = kit.gpt_forward(actor, batch).float().reshape(-1, cfg.vocab_size)
-    old_logp, _ = log_probs_and_entropy(old_logits, targets, temperature=cfg.temperature)
-    teacher_logits = [kit.gpt_forward(t, batch).float().reshape(-1, cfg.vocab_size) for t in teachers]
-    ids = topk_ids(teacher_logits[0] if cfg.ids_from == "teacher" else old_logits, cfg.topk)
-    teacher_lp, teacher_tail, teacher_tok = [], [], []
-    for logits in teacher_logits:
-        lp, tail = topk_logprobs(logits, ids, temperature=cfg.temperature)
-        teacher_lp.append(lp)
-        teacher_tail.append(tail)
-        teacher_tok.append(log_probs_and_entropy(logits, targets, temperature=cfg.temperature)[0])
-    mixture_tok = torch.logsumexp(torch.stack(teacher_tok), 0) - math.log(len(teachers))
-    batch.update(
-        topk_ids=ids,
-        teacher_logprobs=torch.stack(teacher_lp),
-        teacher_tails=torch.stack(teacher_tail),
-        advantages=_centered(mixture_tok - old_logp, batch["loss_mask"].reshape(-1)).reshape(batch["tokens"].shape),
-    )
-
-
-def _centered(reward: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def centered(reward: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Reward minus its mean over the response tokens (a baseline: lower-variance gradient)."""
     return (reward - (reward * mask).sum() / mask.sum().clamp_min(1.0)) * mask
 
 
-def make_forward_step(cfg: DemoConfig) -> Callable:
-    """Forward step for the schedule: policy-gradient term with the teacher reward plus the top-k
-    OPD term; log-prob and entropy (a metric: coefficient 0) from the memory-optimal Function."""
-    from megatron_rl_patches import log_probs_and_entropy, topk_opd_loss
+def teacher_advantages(batch: dict, old_logp: torch.Tensor, teacher_token_logps: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-token advantage [b, s]: log q_mix(y) - log p_old(y) for the sampled token y, where q_mix
+    is the uniform mixture of the teachers, minus its mean over the response tokens."""
+    mixture = torch.logsumexp(torch.stack([lp.reshape(-1) for lp in teacher_token_logps]), 0)
+    mixture = mixture - math.log(len(teacher_token_logps))
+    reward = mixture - old_logp.reshape(-1)
+    return centered(reward, batch["loss_mask"].reshape(-1)).reshape(batch["tokens"].shape)
 
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        logits = kit.gpt_forward(model, batch)
 
-        def loss_func(output: torch.Tensor):
-            flat = output.reshape(-1, cfg.vocab_size)
-            mask = batch["loss_mask"].reshape(-1)
-            logp, entropy = log_probs_and_entropy(
-                flat, batch["labels"].reshape(-1), temperature=cfg.temperature,
-                with_entropy=True, entropy_requires_grad=False,
-            )
-            opd = topk_opd_loss(
-                flat, batch["topk_ids"], batch["teacher_logprobs"], batch["teacher_tails"],
-                temperature=cfg.temperature,
-            )
-            pg = -batch["advantages"].reshape(-1) * logp  # REINFORCE with the teacher reward
-            denom = mask.sum().clamp_min(1.0)
-            loss = ((cfg.pg_coef * pg + cfg.opd_coef * opd) * mask).sum() / denom
-            return loss, {
-                "loss": loss.detach().clone(),
-                "opd_kl": (opd.detach() * mask).sum() / denom,
-                "entropy": (entropy * mask).sum() / denom,
-                "logprob": (logp.detach() * mask).sum() / denom,
-            }
-
-        return logits, loss_func
-
-    return forward_step
+def rl_loss(cfg: DemoConfig, batch: dict, logp: torch.Tensor, entropy: torch.Tensor, opd: torch.Tensor):
+    """The actor's loss from per-token terms (each [b*s] or [b, s]): REINFORCE with the teacher
+    reward plus the top-k OPD term, averaged over response tokens; entropy is a metric only."""
+    logp, entropy, opd = (t.reshape(-1) for t in (logp, entropy, opd))
+    mask = batch["loss_mask"].reshape(-1)
+    denom = mask.sum().clamp_min(1.0)
+    pg = -batch["advantages"].reshape(-1) * logp
+    loss = ((cfg.pg_coef * pg + cfg.opd_coef * opd) * mask).sum() / denom
+    return loss, {
+        "loss": loss.detach().clone(),
+        "opd_kl": (opd.detach() * mask).sum() / denom,
+        "entropy": (entropy.detach() * mask).sum() / denom,
+        "logprob": (logp.detach() * mask).sum() / denom,
+    }

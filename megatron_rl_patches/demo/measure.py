@@ -1,12 +1,11 @@
-"""The demo's memory figures: what the inference-only teachers did not allocate, and the bytes the
-log-prob path keeps for backward compared with naive autograd."""
+"""The demo's memory figures: what the inference-only teachers did not allocate, and the
+vocabulary-wide tensors (logits and their tiles) scoring and training allocate."""
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from megatron_rl_patches.bench.common import SavedBytes
 from megatron_rl_patches.demo.loop import DemoConfig
 from megatron_rl_patches.testing import megatron_cpu as kit
 
@@ -66,31 +65,54 @@ def teacher_savings(teachers: Sequence[Any], cfg: DemoConfig) -> dict[str, Any]:
     }
 
 
-def logprob_saved_bytes(cfg: DemoConfig, tokens_per_batch: int = 512) -> dict[str, int]:
-    """Bytes saved for backward on one [T, V] batch: naive autograd vs ours (entropy as a metric,
-    and with an entropy gradient). The logits are counted when they are saved."""
-    from megatron_rl_patches import log_probs_and_entropy
+class VocabWideTensors:
+    """Watches the tensors ops allocate (a torch dispatch mode; views and in-place results are not
+    allocations): the largest one whose last dimension is the vocabulary, and the bytes of all of
+    them. The logits route allocates [b, s, V] logits per forward; the fused route only tiles."""
 
-    gen = torch.Generator().manual_seed(cfg.seed)
-    logits = torch.randn(tokens_per_batch, cfg.vocab_size, generator=gen, requires_grad=True)
-    targets = torch.randint(0, cfg.vocab_size, (tokens_per_batch,), generator=gen)
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+        self.largest_bytes = 0
+        self.largest_shape: tuple[int, ...] = ()
+        self.total_bytes = 0
 
-    def naive() -> Any:
-        logp_all = torch.log_softmax(logits, dim=-1)
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-        return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
+    def record(self, tensor: torch.Tensor) -> None:
+        if tensor.dim() < 2 or tensor.shape[-1] != self.vocab:
+            return
+        size = tensor.numel() * tensor.element_size()
+        self.total_bytes += size
+        if size > self.largest_bytes:
+            self.largest_bytes, self.largest_shape = size, tuple(tensor.shape)
 
-    def saved_bytes(fn: Callable[[], Any]) -> int:
-        with SavedBytes() as saved:
-            fn()
-        return saved.bytes
+    def __enter__(self) -> "VocabWideTensors":
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
 
-    return {
-        "tokens": tokens_per_batch,
-        "vocab": cfg.vocab_size,
-        "naive": saved_bytes(naive),
-        "ours_entropy_metric": saved_bytes(
-            lambda: log_probs_and_entropy(logits, targets, with_entropy=True, entropy_requires_grad=False)
-        ),
-        "ours_entropy_grad": saved_bytes(lambda: log_probs_and_entropy(logits, targets, with_entropy=True)),
-    }
+        watch = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if not any(ret.alias_info is not None for ret in func._schema.returns):
+                    for value in tree_flatten(out)[0]:
+                        if isinstance(value, torch.Tensor):
+                            watch.record(value)
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"largest_bytes": self.largest_bytes, "largest_shape": list(self.largest_shape),
+                "total_bytes": self.total_bytes}
+
+
+def logits_bytes_per_microbatch(cfg: DemoConfig) -> dict[str, int]:
+    """fp32 [b*s, V] logits the logits route allocates per micro-batch: the actor's training
+    forward, its old-policy forward while scoring, and one forward per teacher."""
+    one = cfg.micro_batch_size * cfg.seq_length * cfg.vocab_size * 4
+    return {"one_forward": one, "actor": 2 * one, "teachers": cfg.teachers * one, "total": (2 + cfg.teachers) * one}

@@ -1,37 +1,92 @@
-"""The demo's summary as a human-readable table."""
+"""The demo's summary as text: what ran, what crashed, what the package did, what it saves."""
 from __future__ import annotations
 
-from megatron_rl_patches.presentation import mib as _mib
+from megatron_rl_patches.presentation import human_bytes, mib, text_table
+
+
+def _header(summary: dict) -> list[str]:
+    cfg = summary["config"]
+    lines = [f"megatron-rl-patches demo: {summary['route']} ({summary['device']})"]
+    if summary["patches_applied"]:
+        lines.append("patches (megatron_rl_patches.apply(only=[...]), wrapt post-import hooks):")
+        for patch in summary["patches_applied"]:
+            why = f" ({patch['reason']})" if patch["reason"] else ""
+            lines.append(f"  {patch['name']}: {patch['status']}{why} - {patch['description']}")
+    else:
+        lines.append("patches: none applied; no builder, wrapper or loss of the package used "
+                     "(only the CPU test kit's shims, which let megatron-core run without a GPU)")
+    for piece in summary["package_pieces"]:
+        lines.append(f"  uses {piece}")
+    lines.append(f"rollouts completed: {summary['rollouts_completed']} / {cfg['rollouts']}"
+                 f" (train() called once per rollout)")
+    return lines
+
+
+def _rollouts(summary: dict) -> list[str]:
+    if not summary["rollouts"]:
+        return []
+    rows = [[str(r["rollout"])] + [f"{r[key]:.4f}" for key in ("loss", "opd_kl", "entropy", "logprob")]
+            for r in summary["rollouts"]]
+    return [text_table(("rollout", "loss", "OPD KL", "entropy", "log-prob"), rows, numeric=True, rule=False)]
+
+
+def _error(summary: dict) -> list[str]:
+    error = summary["error"]
+    if not error:
+        return []
+    lines = [f"rollout {error['rollout']} failed: {error['type']}: {error['message']}"]
+    if error["reentry_crash"] and not summary["patches"]:
+        lines.append("  This is the re-entry crash: megatron-core's train() setup is not safe to run a "
+                     "second time. Run the demo without --no-patches to see the package fix it.")
+    elif error["reentry_crash"]:
+        lines.append("  This is the re-entry crash, WITH the patches applied: please report it.")
+    return lines
+
+
+def _memory(summary: dict) -> list[str]:
+    cfg, t = summary["config"], summary["teachers"]
+    per = t["trainable_build_bytes_per_teacher"]
+    trainable = (f"a trainable build holds {mib(per['grad_buffer'])} grad buffer + {mib(per['optimizer_state'])} "
+                 f"Adam state each (formula {mib(t['formula_bytes_per_teacher'])})")
+    if summary["patches"]:
+        lines = [f"teachers ({t['count']} x {t['params_per_teacher']:,} params, inference-only): hold "
+                 f"{mib(t['allocated_bytes'])} of grads; {trainable}; saved {mib(t['saved_bytes'])}"]
+    else:
+        lines = [f"teachers ({t['count']} x {t['params_per_teacher']:,} params, trainable builds in DDP): hold "
+                 f"{mib(t['allocated_bytes'])} of grad buffers, and an optimizer would add its state; {trainable}"]
+    logits, watch = summary["logits_bytes_per_microbatch"], summary["vocab_wide_tensors"]
+    tokens = cfg["micro_batch_size"] * cfg["seq_length"]
+    shape = "x".join(map(str, watch["largest_shape"])) or "none"
+    if summary["patches"]:
+        lines.append(
+            f"[T, V] logits never allocated per micro-batch (T = {tokens}, V = {cfg['vocab_size']}, fp32): "
+            f"actor {mib(logits['actor'])} (training and old-policy forwards), teachers "
+            f"{mib(logits['teachers'])}; largest vocab-wide tensor allocated while scoring and training: "
+            f"[{shape}] ({mib(watch['largest_bytes'])}, a logits tile of {cfg['tile_rows']} rows; "
+            f"{mib(watch['total_bytes'])} of tiles in all)")
+    else:
+        lines.append(
+            f"[T, V] logits allocated while scoring and training: {mib(watch['total_bytes'])} in all, "
+            f"largest [{shape}] ({mib(watch['largest_bytes'])}); per micro-batch {mib(logits['total'])}")
+    return lines + _real_models(summary)
+
+
+def _real_models(summary: dict) -> list[str]:
+    real = summary["real_models"]
+    n = summary["config"]["teachers"]
+    rows = [[r["model"], str(r["dp"]), "yes" if r["distributed_optimizer"] else "no",
+             human_bytes(r["per_teacher_bytes"]), human_bytes(r["saved_bytes"])] for r in real["teachers"]]
+    lines = [text_table(("model", "DP", "dist. opt.", "per teacher", f"{n} teachers"), rows,
+                        title="at real size, per GPU: training state inference-only teachers do not hold "
+                              "(bf16 weights, fp32 grads, Adam; `megatron-rl-patches memory`)")]
+    rows = [[r["model"], f"{r['vocab']:,} ({r['vocab_from']})", human_bytes(r["actor_logits_bytes"]),
+             human_bytes(r["teacher_logits_bytes"]), human_bytes(r["fused_bytes_per_model"])] for r in real["logits"]]
+    tokens = real["logits"][0]["tokens"]
+    lines.append(text_table(("model", "V", "actor logits", f"{n} teachers' logits", "fused, per model"), rows,
+                            title=f"at real size, per micro-batch of {tokens:,} tokens (TP = 1): bf16 [T, V] "
+                                  "logits the fused processors never allocate"))
+    return lines
 
 
 def format_summary(summary: dict) -> str:
-    cfg = summary["config"]
-    lines = [
-        f"megatron-rl-patches demo ({'with' if summary['patches'] else 'WITHOUT'} patches, {summary['device']})",
-        f"rollouts completed: {summary['rollouts_completed']} / {cfg['rollouts']}",
-    ]
-    if summary["rollouts"]:
-        lines.append(f"{'rollout':>8} {'loss':>10} {'OPD KL':>10} {'entropy':>10} {'log-prob':>10}")
-        for r in summary["rollouts"]:
-            lines.append(f"{r['rollout']:>8} {r['loss']:>10.4f} {r['opd_kl']:>10.4f} {r['entropy']:>10.4f} {r['logprob']:>10.4f}")
-    error = summary["error"]
-    if error:
-        lines.append(
-            f"rollout {error['rollout']} failed: {error['type']}: {error['message']}\n"
-            "  This is the re-entry crash megatron-rl-patches fixes: run the demo without --no-patches."
-        )
-    t = summary["teachers"]
-    per = t["trainable_build_bytes_per_teacher"]
-    lines += [
-        f"teachers ({t['count']} x {t['params_per_teacher']:,} params, inference-only): "
-        f"saved {_mib(t['saved_bytes'])} = {t['count']} x (grad buffer {_mib(per['grad_buffer'])} "
-        f"+ Adam state {_mib(per['optimizer_state'])}) counted on a trainable build "
-        f"(formula {_mib(t['formula_bytes_per_teacher'])} each); allocated {_mib(t['allocated_bytes'])}",
-    ]
-    lp = summary["logprob_saved_bytes"]
-    lines.append(
-        f"log-prob path, bytes saved for backward on [{lp['tokens']}, {lp['vocab']}] logits: "
-        f"naive {_mib(lp['naive'])}, ours {_mib(lp['ours_entropy_metric'])} (entropy metric), "
-        f"{_mib(lp['ours_entropy_grad'])} (entropy with grad)"
-    )
-    return "\n".join(lines)
+    return "\n".join(_header(summary) + _rollouts(summary) + _error(summary) + _memory(summary))
