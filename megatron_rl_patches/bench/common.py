@@ -22,6 +22,16 @@ from megatron_rl_patches.presentation import dict_cells, text_table
 
 MIB = 1 << 20
 _RESULT = "@@bench-result@@ "
+# On CPU memory is the resident set's high-water mark, which moves in allocator-sized steps:
+# below this many bytes per U its figures are noise and are left out (quick runs). The CUDA
+# allocator's peak is exact.
+RSS_RESOLUTION = 64 << 20
+BELOW_RESOLUTION = "memory below measurement resolution (U < 64 MiB)"
+
+
+def memory_resolved(unit_bytes: int, device: str) -> bool:
+    """Whether peak figures in units of `unit_bytes` mean anything on `device`."""
+    return device.startswith("cuda") or unit_bytes >= RSS_RESOLUTION
 
 
 # ------------------------------------------------------------------------------- memory

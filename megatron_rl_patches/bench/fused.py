@@ -29,9 +29,6 @@ IMPLS = (("naive autograd", "naive"), ("logits path", "logits"), ("ours (fused)"
 # not fit in this much memory.
 EXPECTED_PEAK_U = {"naive": 4.8, "logits": 1.8, "fused": 0.3}
 MEMORY_BUDGET = 14 << 30
-# The resident-set measure moves in allocator-sized steps: below this much per U its memory
-# figures are noise, so they are left out (quick runs).
-RESOLUTION = 64 << 20
 COLUMNS = ("shape", "implementation", "excess_peak_U", "excess_peak_MiB", "time_s", "time_vs_logits", "note")
 OPD_COLUMNS = ("shape", "teachers", "implementation", "teacher_logits_MiB", "excess_peak_U", "note")
 TOPK = 16
@@ -83,7 +80,7 @@ def logprob_case(probe: common.MemoryProbe, *, impl: str, T: int, V: int, H: int
 
     sync = torch.cuda.synchronize if probe.cuda else None
     seconds = common.best_time(step, repeat=repeat, warmup=0, sync=sync)
-    return {"excess_bytes": peak - unavoidable, "time_s": seconds, "peak_reset": probe.peak_reset}
+    return {"excess_bytes": peak - unavoidable, "time_s": seconds, "peak_reset": probe.peak_reset, "device": device}
 
 
 def opd_case(probe: common.MemoryProbe, *, impl: str, teachers: int, T: int, V: int, H: int,
@@ -129,7 +126,8 @@ def opd_case(probe: common.MemoryProbe, *, impl: str, teachers: int, T: int, V: 
     loss.backward()
     peak = probe.peak()
     unavoidable = hidden.grad.nbytes + weight.grad.nbytes
-    return {"excess_bytes": peak - unavoidable, "teacher_logits_bytes": teacher_bytes, "peak_reset": probe.peak_reset}
+    return {"excess_bytes": peak - unavoidable, "teacher_logits_bytes": teacher_bytes, "peak_reset": probe.peak_reset,
+            "device": device}
 
 
 def _median_runs(target: str, kwargs: dict, runs: int) -> dict:
@@ -199,8 +197,8 @@ def _logprob_rows(shapes, H: int, runs: int) -> list[dict]:
                 row["note"] = f"error: {result['error']}"[:200]
             else:
                 row["time_s"] = result["time_s"]
-                if unit < RESOLUTION:
-                    row["note"] = "memory below measurement resolution (U < 64 MiB)"
+                if not common.memory_resolved(unit, result["device"]):
+                    row["note"] = common.BELOW_RESOLUTION
                 else:
                     row.update(excess_peak_U=result["excess_bytes"] / unit, excess_peak_MiB=result["excess_bytes"] / common.MIB)
                 if not result["peak_reset"]:
@@ -225,8 +223,8 @@ def _opd_rows(shapes, H: int) -> list[dict]:
                     row["note"] = f"error: {result['error']}"[:200]
                 else:
                     row["teacher_logits_MiB"] = result["teacher_logits_bytes"] / common.MIB
-                    if T * V * 4 < RESOLUTION:
-                        row["note"] = "memory below measurement resolution (U < 64 MiB)"
+                    if not common.memory_resolved(T * V * 4, result["device"]):
+                        row["note"] = common.BELOW_RESOLUTION
                     else:
                         row["excess_peak_U"] = result["excess_bytes"] / (T * V * 4)
                 rows.append(row)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from megatron_rl_patches.bench import common
 from megatron_rl_patches.bench.common import (
     MemoryProbe,
     SavedBytes,
@@ -43,7 +44,6 @@ VARIANTS = [
     ("ours", "ours", "metric", False),
     ("ours, in-place grad", "ours", "metric", True),
 ]
-TASKS = {"grad": "log-prob + entropy, both with grad", "metric": "log-prob with grad, entropy as a metric"}
 COLUMNS = ["shape", "task", "implementation", "saved_U", "held_U", "peak_U", "time_s", "time_vs_naive",
            "peak_vs_naive", "note"]
 
@@ -133,26 +133,6 @@ def _make_loss(impl: str, task: str, inplace: bool):
     raise ValueError(f"unknown implementation {impl!r}")
 
 
-def _start_megatron_tp1() -> Any:
-    """A world-size-1 gloo group and Megatron's parallel state (vocab_parallel_cross_entropy uses the TP group)."""
-    import socket
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-
-    def stop() -> None:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-
-    return stop
-
-
 # ------------------------------------------------------------------------ one case (worker side)
 
 
@@ -161,8 +141,12 @@ def logprob_case(probe: MemoryProbe, *, impl: str, task: str, inplace: bool, T: 
     """Measure one (implementation, task) at one shape; runs inside the bench worker process."""
     import torch
 
-    stop = _start_megatron_tp1() if impl == "mcore" else None
-    try:
+    import contextlib
+
+    from megatron_rl_patches.testing.megatron_cpu import megatron_world
+
+    # megatron-core's vocab_parallel_cross_entropy reads the TP group: a world of size 1 for it.
+    with megatron_world(device) if impl == "mcore" else contextlib.nullcontext():
         loss_fn = _make_loss(impl, task, inplace)
         g = torch.Generator().manual_seed(seed)
         h = torch.randn(T, hidden, generator=g).to(device).requires_grad_()
@@ -193,11 +177,8 @@ def logprob_case(probe: MemoryProbe, *, impl: str, task: str, inplace: bool, T: 
             torch.autograd.grad(loss_fn(x, tokens, a, b), x)
 
         seconds = best_time(step, repeat=repeat, warmup=warmup, sync=sync, setup=fresh_logits)
-    finally:
-        if stop is not None:
-            stop()
     return {"saved_bytes": saved.bytes, "held_bytes": held, "peak_bytes": peak, "time_s": seconds,
-            "peak_reset": peak_reset}
+            "peak_reset": peak_reset, "device": device}
 
 
 # ------------------------------------------------------------------------ the benchmark
@@ -234,8 +215,12 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
                 row["note"] = f"error: {result['error']}"[:200]
             else:
                 row.update(result)
-                row.update(saved_U=result["saved_bytes"] / unit, held_U=result["held_bytes"] / unit,
-                           peak_U=result["peak_bytes"] / unit)
+                row["saved_U"] = result["saved_bytes"] / unit  # counted exactly: autograd's saved tensors
+                if common.memory_resolved(unit, result["device"]):
+                    row.update(held_U=result["held_bytes"] / unit, peak_U=result["peak_bytes"] / unit)
+                else:
+                    row["note"] = common.BELOW_RESOLUTION
+                    row["peak_bytes"] = None
                 if impl == "mcore":
                     row["note"] = "log-prob only; overwrites the logits with the softmax"
                 if not result.get("peak_reset", True):
@@ -246,7 +231,8 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
                       and r["impl"] == "naive" and "time_s" in r), None)
         if naive and "time_s" in row:
             row["time_vs_naive"] = row["time_s"] / naive["time_s"]
-            row["peak_vs_naive"] = row["peak_bytes"] / naive["peak_bytes"] if naive["peak_bytes"] > 0 else None
+            if row.get("peak_bytes") and naive.get("peak_bytes"):
+                row["peak_vs_naive"] = row["peak_bytes"] / naive["peak_bytes"]
     print_table(rows, COLUMNS, title=f"log-prob + entropy losses, CPU 1 thread, fp32 (U = T·V·4 bytes)"
                                       f"{' [quick]' if quick else ''}")
     if out_dir:

@@ -26,8 +26,19 @@ def test_bench_quick_writes_csv_and_png_for_every_benchmark(tmp_path, capsys):
     assert {row["impl"] for row in topk} == {"naive", "ours"} and not any(row.get("error") for row in topk)
     traffic = _rows(tmp_path / "topk_traffic.csv")
     assert all(float(row["ratio"]) < 1 for row in traffic)
+    assert all("below measurement resolution" in row["note"] and not row.get("peak_MiB") for row in topk)
+    logprobs = _rows(tmp_path / "logprobs.csv")
+    measured = [row for row in logprobs if row["time_s"]]
+    assert measured and all(not row.get("peak_U") and not row.get("held_U") and float(row["saved_U"]) > 0 for row in measured)
     reentrant = {row["case"]: row for row in _rows(tmp_path / "reentrant.csv")}
     assert all(float(row["patched_us"]) > 0 for row in reentrant.values())
+    # the unpatched crash is reported as one, and no overhead is ever negative or NaN
+    crash = reentrant["repeated disable_forward_pre_hook"]
+    assert crash["note"] == "unpatched: crashes (KeyError)" and crash["unpatched_us"] == crash["overhead_us"] == ""
+    overheads = [row["overhead_us"] for row in reentrant.values() if row["overhead_us"]]
+    assert all(float(value) >= 0 for value in overheads)
+    assert all(row["note"] == "difference below timing noise" for row in reentrant.values()
+               if row["unpatched_us"] and not row["overhead_us"])
 
 
 def test_bench_rejects_an_unknown_benchmark(capsys):

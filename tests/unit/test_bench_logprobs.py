@@ -15,7 +15,10 @@ def test_quick_run_writes_csv_and_ours_saves_less_than_naive(tmp_path):
     with open(tmp_path / "logprobs.csv") as fh:
         table = list(csv.DictReader(fh))
     assert len(table) == len(rows)
-    assert {"implementation", "task", "saved_U", "held_U", "peak_U", "time_s"} <= set(table[0])
+    assert {"implementation", "task", "saved_U", "time_s", "note"} <= set(table[0])
+    # resident-set figures at the quick shape (U = 2 MiB) are noise: left out, and the row says so
+    assert all(not row.get("peak_U") and not row.get("held_U") for row in table)
+    assert all("below measurement resolution" in row["note"] for row in table if row["time_s"])
     assert (tmp_path / "logprobs.md").read_text().count("\n") == len(rows) + 2
     assert (tmp_path / "logprobs.png").stat().st_size > 0
 
