@@ -81,16 +81,18 @@ else
 	$(VENV_NEW)/bin/python -m pytest -m megatron $(PYTEST_ARGS)
 endif
 
+# Each version's result line, and the name of every failing test. megatron-core is installed
+# without its dependencies (the lane venv has torch); Megatron-LM's training package (in the
+# wheels from 0.17 on) also needs PyYAML.
+LANE_PYTEST = python -m pytest -q -rf -m megatron $(PYTEST_ARGS) | grep -E "^FAILED|^ERROR|(passed|failed|error)"
 test-versions: $(STAMP_OLD) $(STAMP_NEW)
 	@for v in $(VERSIONS_OLD); do \
 	  $(VENV_OLD)/bin/pip install -q --no-deps --target .lanes/mcore-$$v megatron-core==$$v && \
-	  PYTHONPATH=.lanes/mcore-$$v $(VENV_OLD)/bin/python -m pytest -q -m megatron $(PYTEST_ARGS) \
-	    | tail -1 | sed "s/^/megatron-core $$v: /"; \
+	  PYTHONPATH=.lanes/mcore-$$v $(VENV_OLD)/bin/$(LANE_PYTEST) | sed "s/^/megatron-core $$v: /"; \
 	done
 	@for v in $(VERSIONS_NEW); do \
-	  $(VENV_NEW)/bin/pip install -q --no-deps --target .lanes/mcore-$$v megatron-core==$$v && \
-	  PYTHONPATH=.lanes/mcore-$$v $(VENV_NEW)/bin/python -m pytest -q -m megatron $(PYTEST_ARGS) \
-	    | tail -1 | sed "s/^/megatron-core $$v: /"; \
+	  $(VENV_NEW)/bin/pip install -q --no-deps --target .lanes/mcore-$$v megatron-core==$$v pyyaml && \
+	  PYTHONPATH=.lanes/mcore-$$v $(VENV_NEW)/bin/$(LANE_PYTEST) | sed "s/^/megatron-core $$v: /"; \
 	done
 
 bench: $(STAMP)

@@ -21,7 +21,11 @@ SUPPORTED = ">=0.13,<0.21"
 # three on every CI run; `make test-versions` ran the others once (date in docs/compatibility.md).
 TESTED: dict[str, str] = {
     "0.13.1": "make test (oldest lane, Python 3.11)",
+    "0.14.0": "make test-versions (run once, Python 3.11)",
+    "0.15.3": "make test-versions (run once, Python 3.11)",
     "0.16.1": "make test (main lane, Python 3.11)",
+    "0.17.1": "make test-versions (run once, Python 3.12)",
+    "0.18.2": "make test-versions (run once, Python 3.12)",
     "0.19.2": "make test (newest lane, Python 3.12)",
 }
 
