@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from megatron_rl_patches.cli._common import OK, PROBLEM, UsageError
+
+ROUTES = ("both", "package", "plain")
+# Without the package the loop fails on its second train() call: two rollouts show it.
+PLAIN_ROLLOUTS_IN_BOTH = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,8 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topk", type=int, default=defaults.topk, help="k of the top-k OPD term")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the models and the data")
     parser.add_argument(
+        "--route", choices=ROUTES, default="both",
+        help="both: first without the package (up to the rollout that crashes), then with it; "
+             "package: with it only; plain: without it only",
+    )
+    parser.add_argument(
         "--no-patches", action="store_true",
-        help="run without megatron-rl-patches: no patch applied, teachers built as trainable DDP models, "
+        help="the same as --route plain: no patch applied, teachers built as trainable DDP models, "
              "losses in plain torch on full logits (only the CPU test kit's shims remain)",
     )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -42,13 +51,22 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"need --rollouts >= 1, --steps >= 1, --teachers >= 1 and 0 < --topk < {cfg.vocab_size}"
         )
+    route = "plain" if args.no_patches else args.route
+    if args.no_patches and args.route not in ("both", "plain"):
+        raise UsageError(f"--no-patches contradicts --route {args.route}")
+    from megatron_rl_patches.demo.report import format_comparison, format_summary
     from megatron_rl_patches.demo.session import run_demo
 
-    summary = run_demo(cfg, patches=not args.no_patches, progress=True)
+    if route != "both":
+        summary = run_demo(cfg, patches=route == "package", progress=True)
+        print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+        return OK if summary["ok"] else PROBLEM
+    plain = run_demo(replace(cfg, rollouts=min(cfg.rollouts, PLAIN_ROLLOUTS_IN_BOTH)), patches=False, progress=True)
+    if not args.json:
+        print(format_summary(plain, real_models=False) + "\n", flush=True)
+    package = run_demo(cfg, patches=True, progress=True)
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps({"without_package": plain, "with_package": package}, indent=2))
     else:
-        from megatron_rl_patches.demo.report import format_summary
-
-        print(format_summary(summary))
-    return OK if summary["ok"] else PROBLEM
+        print(format_summary(package) + "\n\n" + format_comparison(plain, package))
+    return OK if package["ok"] else PROBLEM

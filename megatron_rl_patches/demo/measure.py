@@ -67,20 +67,18 @@ def teacher_savings(teachers: Sequence[Any], cfg: DemoConfig) -> dict[str, Any]:
 
 class VocabWideTensors:
     """Watches the tensors ops allocate (a torch dispatch mode; views and in-place results are not
-    allocations): the largest one whose last dimension is the vocabulary, and the bytes of all of
-    them. The logits route allocates [b, s, V] logits per forward; the fused route only tiles."""
+    allocations) for the largest one whose last dimension is the vocabulary. The logits route
+    allocates [b, s, V] logits per forward; the fused route only logits tiles."""
 
     def __init__(self, vocab: int):
         self.vocab = vocab
         self.largest_bytes = 0
         self.largest_shape: tuple[int, ...] = ()
-        self.total_bytes = 0
 
     def record(self, tensor: torch.Tensor) -> None:
         if tensor.dim() < 2 or tensor.shape[-1] != self.vocab:
             return
         size = tensor.numel() * tensor.element_size()
-        self.total_bytes += size
         if size > self.largest_bytes:
             self.largest_bytes, self.largest_shape = size, tuple(tensor.shape)
 
@@ -107,8 +105,7 @@ class VocabWideTensors:
         self._mode.__exit__(*exc)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"largest_bytes": self.largest_bytes, "largest_shape": list(self.largest_shape),
-                "total_bytes": self.total_bytes}
+        return {"largest_bytes": self.largest_bytes, "largest_shape": list(self.largest_shape)}
 
 
 def logits_bytes_per_microbatch(cfg: DemoConfig) -> dict[str, int]:

@@ -36,8 +36,8 @@ def _error(summary: dict) -> list[str]:
         return []
     lines = [f"rollout {error['rollout']} failed: {error['type']}: {error['message']}"]
     if error["reentry_crash"] and not summary["patches"]:
-        lines.append("  This is the re-entry crash: megatron-core's train() setup is not safe to run a "
-                     "second time. Run the demo without --no-patches to see the package fix it.")
+        lines.append("  This is the re-entry crash megatron-rl-patches fixes: the set-up in a Megatron-style "
+                     "train() is not safe to run a second time.")
     elif error["reentry_crash"]:
         lines.append("  This is the re-entry crash, WITH the patches applied: please report it.")
     return lines
@@ -62,13 +62,13 @@ def _memory(summary: dict) -> list[str]:
             f"[T, V] logits never allocated per micro-batch (T = {tokens}, V = {cfg['vocab_size']}, fp32): "
             f"actor {mib(logits['actor'])} (training and old-policy forwards), teachers "
             f"{mib(logits['teachers'])}; largest vocab-wide tensor allocated while scoring and training: "
-            f"[{shape}] ({mib(watch['largest_bytes'])}, a logits tile of {cfg['tile_rows']} rows; "
-            f"{mib(watch['total_bytes'])} of tiles in all)")
+            f"[{shape}] ({mib(watch['largest_bytes'])}, a logits tile of {cfg['tile_rows']} rows)")
     else:
         lines.append(
-            f"[T, V] logits allocated while scoring and training: {mib(watch['total_bytes'])} in all, "
-            f"largest [{shape}] ({mib(watch['largest_bytes'])}); per micro-batch {mib(logits['total'])}")
-    return lines + _real_models(summary)
+            f"[T, V] logits allocated while scoring and training: {mib(logits['total'])} per micro-batch "
+            f"(T = {tokens}, V = {cfg['vocab_size']}, fp32: the actor's two forwards and each teacher's); "
+            f"largest vocab-wide tensor [{shape}] ({mib(watch['largest_bytes'])})")
+    return lines
 
 
 def _real_models(summary: dict) -> list[str]:
@@ -88,5 +88,27 @@ def _real_models(summary: dict) -> list[str]:
     return lines
 
 
-def format_summary(summary: dict) -> str:
-    return "\n".join(_header(summary) + _rollouts(summary) + _error(summary) + _memory(summary))
+def format_summary(summary: dict, real_models: bool = True) -> str:
+    """One route's summary; `real_models`: with the tables scaled to real model sizes."""
+    parts = _header(summary) + _rollouts(summary) + _error(summary) + _memory(summary)
+    return "\n".join(parts + (_real_models(summary) if real_models else []))
+
+
+def format_comparison(plain: dict, package: dict) -> str:
+    """The closing lines of a run of both routes: what crashed without the package, what it did."""
+    lines = ["in short:"]
+    error = plain["error"]
+    if error and error["reentry_crash"]:
+        lines.append(f"  without the package: train() crashed on rollout {error['rollout']} "
+                     f"({error['type']}), the re-entry crash")
+    elif error:
+        lines.append(f"  without the package: rollout {error['rollout']} failed ({error['type']}), "
+                     "which is not the re-entry crash")
+    else:
+        lines.append(f"  without the package: {plain['rollouts_completed']} rollouts, no crash")
+    lines.append(f"  with it: {package['rollouts_completed']} / {package['config']['rollouts']} rollouts"
+                 + (f", then {package['error']['type']} on rollout {package['error']['rollout']}" if package["error"] else ""))
+    if plain["rollouts"] and package["rollouts"]:
+        a, b = plain["rollouts"][0]["loss"], package["rollouts"][0]["loss"]
+        lines.append(f"  rollout 1 loss: {a:.6f} on full logits, {b:.6f} from hidden states (the same computation)")
+    return "\n".join(lines)

@@ -84,6 +84,15 @@ def test_text_summary_names_what_ran_and_what_crashed(summaries):
     assert "none applied" in plain and "This is the re-entry crash" in plain
 
 
+def test_both_routes_end_with_what_crashed_and_what_the_package_did(summaries):
+    from megatron_rl_patches.demo.report import format_comparison, format_summary
+
+    text = format_comparison(summaries[False], summaries[True])
+    assert "without the package: train() crashed on rollout 2 (AssertionError), the re-entry crash" in text
+    assert "with it: 2 / 2 rollouts" in text and "(the same computation)" in text
+    assert "at real size" not in format_summary(summaries[False], real_models=False)
+
+
 def test_only_known_reentry_failures_are_called_reentry_crashes():
     from megatron_rl_patches.demo.report import _error
     from megatron_rl_patches.demo.session import describe_error
@@ -128,3 +137,4 @@ def test_demo_rejects_bad_arguments():
     from megatron_rl_patches.cli import main
 
     assert main(["demo", "--rollouts", "0"]) == 2
+    assert main(["demo", "--no-patches", "--route", "package"]) == 2
