@@ -12,6 +12,7 @@ import torch
 from megatron_rl_patches.demo import loop, measure, package_route, plain_route, scale
 from megatron_rl_patches.demo.loop import DemoConfig, RolloutResult
 from megatron_rl_patches.testing.megatron_cpu import megatron_world
+from megatron_rl_patches.testing.vocab_watch import VocabWideTensors
 
 # The two ways a second train() call fails on megatron-core without the patches: the no_sync
 # assert of Megatron-LM's / slime's train(), and DDP's hook removal finding no handle.
@@ -51,7 +52,7 @@ def _patch_report(route: Any) -> list[dict[str, str]]:
 
 
 def _rollout_batches(cfg: DemoConfig, actor: list, teachers: list, route: Any, gen: torch.Generator,
-                     watch: measure.VocabWideTensors, bar: Any) -> list[list[dict]]:
+                     watch: VocabWideTensors, bar: Any) -> list[list[dict]]:
     """Sample (the stand-in for the rollout engine: logits for one position at a time) and score."""
     step_batches = []
     for _ in range(cfg.steps):
@@ -80,7 +81,7 @@ def run_demo(cfg: DemoConfig, patches: bool = True, progress: bool = False) -> d
     error = None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = replace(cfg, device=device)
-    watch = measure.VocabWideTensors(cfg.vocab_size)
+    watch = VocabWideTensors(cfg.vocab_size)
     try:
         with megatron_world(device):
             actor, teachers = route.build_models(cfg)
