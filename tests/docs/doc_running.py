@@ -68,7 +68,7 @@ def cli_commands(block: Block) -> Iterator[tuple[str, str]]:
         command = lines[i][2:]
         while command.endswith("\\"):
             i += 1
-            command = command[:-1] + " " + lines[i].strip()
+            command = command[:-1].rstrip() + " " + lines[i].strip()
         i += 1
         output = []
         while i < len(lines) and not lines[i].startswith("$ "):
