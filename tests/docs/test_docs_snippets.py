@@ -1,0 +1,109 @@
+"""Every fenced block of README.md and docs/*.md is true: python blocks run (each page in its own
+namespace of small real objects, doc_namespaces.py), CLI blocks print what they show, output blocks
+match what their code prints, signature listings match the functions. Blocks that cannot run here
+are marked `<!-- docs-test: skip: reason -->` and reported as skipped tests with that reason."""
+from __future__ import annotations
+
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from doc_blocks import Block, all_blocks  # noqa: E402
+from doc_namespaces import MEGATRON_OUTPUTS, OUTPUTS, PAGES, Page  # noqa: E402
+from doc_running import (  # noqa: E402
+    assert_output,
+    cli_commands,
+    listed_signatures,
+    run_cli,
+    run_python,
+    signature_mismatches,
+)
+
+BLOCKS = all_blocks()
+PAGE_KINDS = ("python", "cli", "output")
+
+
+def _by_kind(kind: str) -> list[Block]:
+    return [b for b in BLOCKS if b.kind == kind]
+
+
+def _page_params() -> list:
+    pages = sorted({b.page for b in BLOCKS if b.kind in PAGE_KINDS and not (b.kind == "output" and b.detail)})
+    marks = lambda page: [pytest.mark.megatron] if PAGES.get(page, Page()).megatron else []  # noqa: E731
+    return [pytest.param(page, marks=marks(page), id=page) for page in pages]
+
+
+def test_every_block_is_runnable_or_marked():
+    unmarked = [f"{b.where} ({b.lang or 'no language'}){': ' + b.detail if b.detail else ''}" for b in BLOCKS if b.kind == "unmarked"]
+    assert not unmarked, (
+        "blocks that are neither python, a prompted CLI call with its output, nor marked "
+        "`<!-- docs-test: skip: reason -->` / `output` / `output-of: NAME` / `signatures`:\n" + "\n".join(unmarked)
+    )
+
+
+def test_every_skip_has_a_reason_and_every_producer_exists():
+    assert all(b.detail for b in _by_kind("skip")), [b.where for b in _by_kind("skip") if not b.detail]
+    named = {b.detail for b in _by_kind("output") if b.detail}
+    assert named <= set(OUTPUTS), named - set(OUTPUTS)
+
+
+def test_the_extraction_sees_every_fence_kind():
+    """Guards the extractor itself: a regression that found no blocks would pass everything else."""
+    kinds = {b.kind for b in BLOCKS}
+    assert {"python", "cli", "output", "skip", "signatures"} <= kinds
+    assert len(_by_kind("python")) >= 10
+
+
+@pytest.mark.parametrize("block", _by_kind("skip"), ids=lambda b: b.where)
+def test_skipped_block(block):
+    pytest.skip(f"{block.where}: {block.detail}")
+
+
+@pytest.mark.parametrize("page", _page_params())
+def test_page_blocks_run_and_print_what_they_show(page):
+    setup = PAGES.get(page, Page())
+    blocks = [b for b in BLOCKS if b.page == page and b.kind in PAGE_KINDS and not (b.kind == "output" and b.detail)]
+    printed, ran = None, []
+    with ExitStack() as stack:
+        namespace = {"__name__": f"docs:{page}", **setup.build(stack)}
+        replace = setup.replace(namespace)
+        for block in blocks:
+            if block.kind == "python":
+                setup.before(block, namespace)
+                printed = run_python(block, namespace, replace)
+            elif block.kind == "cli":
+                for command, shown in cli_commands(block):
+                    code, printed = run_cli(command)
+                    assert code == 0, f"{block.where}: `{command}` exited {code}"
+                    assert_output(Block(block.page, block.line, "", shown, "output"), printed, f"`{command}`")
+            else:
+                assert printed is not None, f"{block.where}: an output block with no runnable block above it"
+                assert_output(block, printed, "the block above")
+            ran.append(block.where)
+        setup.finish(namespace)
+    assert ran
+
+
+def _output_params() -> list:
+    blocks = [b for b in _by_kind("output") if b.detail]
+    return [
+        pytest.param(b, marks=[pytest.mark.megatron] if b.detail in MEGATRON_OUTPUTS else [], id=b.where) for b in blocks
+    ]
+
+
+@pytest.mark.parametrize("block", _output_params())
+def test_produced_output_is_what_the_page_shows(block):
+    assert_output(block, OUTPUTS[block.detail](), f"the producer {block.detail!r}")
+
+
+@pytest.mark.parametrize("block", _by_kind("signatures"), ids=lambda b: b.where)
+def test_signature_listing_matches_the_functions(block):
+    import megatron_rl_patches
+
+    listed = listed_signatures(block.text)
+    assert listed, f"{block.where}: no signatures found"
+    problems = [p for name, args in listed.items() for p in signature_mismatches(name, args, getattr(megatron_rl_patches, name))]
+    assert not problems, f"{block.where}:\n" + "\n".join(problems)
