@@ -206,9 +206,9 @@ def topk_opd(stack: ExitStack) -> dict:
 
 
 def topk_opd_before(block: Any, ns: dict) -> None:
-    """The megatron GPT fragment's `student` / `teachers` are the example's GPTs, not the pure
-    torch example's linear layers above it."""
-    if "response_logits(student, batch)" in block.text:
+    """The megatron GPT fragments' `student` / `teachers` / `batch` are the example's GPTs and
+    samples, not the pure torch example's linear layers above them."""
+    if "response_logits(student, batch)" in block.text or "topk_output_processor" in block.text:
         ns.update(ns["_gpt_example"])
 
 

@@ -63,7 +63,8 @@ def test_skipped_block(block):
 
 
 @pytest.mark.parametrize("page", _page_params())
-def test_page_blocks_run_and_print_what_they_show(page):
+def test_page_blocks_run_and_print_what_they_show(page, clean_patch_state):
+    """Each page's blocks in order, in one namespace; patches a page applies are reset after it."""
     setup = PAGES.get(page, Page())
     blocks = [b for b in BLOCKS if b.page == page and b.kind in PAGE_KINDS and not (b.kind == "output" and b.detail)]
     printed, ran = None, []
