@@ -9,11 +9,14 @@ Memory is the process's resident high-water mark (CPU; glibc told to return larg
 once with MALLOC_MMAP_THRESHOLD_) or the CUDA allocator's peak, minus the gradients every
 implementation must produce (grad_weight V·H and grad_hidden T·H): the *excess* peak, in
 U = T·V·4 bytes. Time: forward + backward down to hidden and weight, best of a few runs.
+The OPD step (one run per case) reports the same excess, the bytes of the largest teacher [T, V]
+logits tensor and the step's time. `run(only="logprob" | "opd")` runs one part.
 """
 from __future__ import annotations
 
 import os
 import statistics
+import time
 from typing import Any
 
 from megatron_rl_patches.bench import common
@@ -30,7 +33,10 @@ IMPLS = (("naive autograd", "naive"), ("logits path", "logits"), ("ours (fused)"
 EXPECTED_PEAK_U = {"naive": 4.8, "logits": 1.8, "fused": 0.3}
 MEMORY_BUDGET = 14 << 30
 COLUMNS = ("shape", "implementation", "excess_peak_U", "excess_peak_MiB", "time_s", "time_vs_logits", "note")
-OPD_COLUMNS = ("shape", "teachers", "implementation", "teacher_logits_MiB", "excess_peak_U", "note")
+OPD_COLUMNS = ("shape", "teachers", "implementation", "teacher_logits_MiB", "excess_peak_U", "excess_peak_MiB",
+               "time_s", "time_vs_logits", "note")
+# The two parts `run(only=...)` (CLI: `bench fused --only PART`) can be limited to.
+PARTS = ("logprob", "opd")
 TOPK = 16
 
 
@@ -98,6 +104,7 @@ def opd_case(probe: common.MemoryProbe, *, impl: str, teachers: int, T: int, V: 
                        for _ in range(teachers)]
     teacher_hidden = hidden.detach()
     probe.start()
+    started = time.perf_counter()
     teacher_bytes = 0
     if impl == "logits":
         logits = hidden @ weight.T
@@ -124,10 +131,13 @@ def opd_case(probe: common.MemoryProbe, *, impl: str, teachers: int, T: int, V: 
         student_lp, student_tail = lm_head_topk_logprobs(hidden, weight, ids)
         loss = topk_kl(student_lp, student_tail, teacher_lp, teacher_tail).sum()
     loss.backward()
+    if probe.cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
     peak = probe.peak()
     unavoidable = hidden.grad.nbytes + weight.grad.nbytes
-    return {"excess_bytes": peak - unavoidable, "teacher_logits_bytes": teacher_bytes, "peak_reset": probe.peak_reset,
-            "device": device}
+    return {"excess_bytes": peak - unavoidable, "teacher_logits_bytes": teacher_bytes, "time_s": seconds,
+            "peak_reset": probe.peak_reset, "device": device}
 
 
 def _median_runs(target: str, kwargs: dict, runs: int) -> dict:
@@ -144,37 +154,53 @@ def _fits(impl: str, T: int, V: int, H: int) -> bool:
     return EXPECTED_PEAK_U[impl] * T * V * 4 + 2 * (V + T) * H * 4 < MEMORY_BUDGET
 
 
-def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
-    """Both tables; CSV, markdown and PNG into `out_dir` when given."""
+def run(quick: bool = False, out_dir: str | None = None, only: str | None = None) -> list[dict]:
+    """Both tables (or the one part named by `only`, one of PARTS); CSV, markdown and PNG into
+    `out_dir` when given."""
+    if only is not None and only not in PARTS:
+        raise ValueError(f"only must be one of {PARTS} or None (both parts), got {only!r}")
     plan = QUICK if quick else FULL
     H, runs = plan["hidden"], plan["runs"]
     saved_threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # workers inherit it: freed [T, V] blocks leave the RSS
     try:
-        rows = _logprob_rows(plan["shapes"], H, runs)
-        opd_rows = _opd_rows(plan["shapes"][:2] if not quick else plan["shapes"], H)
+        rows = _logprob_rows(plan["shapes"], H, runs) if only in (None, "logprob") else []
+        opd_shapes = plan["shapes"][:2] if not quick else plan["shapes"]
+        opd_rows = _opd_rows(opd_shapes, H) if only in (None, "opd") else []
     finally:
         if saved_threshold is None:
             os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
         else:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = saved_threshold
     title = f"fused LM head: log-prob + entropy with grads, CPU 1 thread, fp32, H={H} (U = T·V·4)"
-    common.print_table(rows, COLUMNS, title=title + (" [quick]" if quick else ""))
-    common.print_table(opd_rows, OPD_COLUMNS, title=f"top-k OPD step (k={TOPK}): teachers + student")
+    tables = [(rows, COLUMNS, "fused", title + (" [quick]" if quick else "")),
+              (opd_rows, OPD_COLUMNS, "fused_opd", f"top-k OPD step (k={TOPK}): teachers + student, H={H}")]
+    tables = [table for table in tables if table[0]]
+    for table_rows, columns, _, table_title in tables:
+        common.print_table(table_rows, columns, title=table_title)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        common.write_csv(rows, os.path.join(out_dir, "fused.csv"))
-        common.write_csv(opd_rows, os.path.join(out_dir, "fused_opd.csv"))
+        for table_rows, _, name, _ in tables:
+            common.write_csv(table_rows, os.path.join(out_dir, f"{name}.csv"))
         with open(os.path.join(out_dir, "fused.md"), "w") as fh:
-            fh.write(markdown_table(COLUMNS, dict_cells(rows, COLUMNS)) + "\n\n"
-                     + markdown_table(OPD_COLUMNS, dict_cells(opd_rows, OPD_COLUMNS)) + "\n")
+            fh.write("\n\n".join(markdown_table(columns, dict_cells(table_rows, columns))
+                                  for table_rows, columns, _, _ in tables) + "\n")
         measured = [r for r in rows if "time_s" in r]
-        common.plot_grouped_bars(
-            measured, os.path.join(out_dir, "fused.png"), group="shape", series="implementation",
-            values=["excess_peak_U", "time_s"], titles=["excess peak memory (U)", "fwd+bwd time (s)"],
-            suptitle=f"log-prob + entropy from hidden states (CPU, 1 thread, fp32, H={H})",
-        )
+        if measured:
+            common.plot_grouped_bars(
+                measured, os.path.join(out_dir, "fused.png"), group="shape", series="implementation",
+                values=["excess_peak_U", "time_s"], titles=["excess peak memory (U)", "fwd+bwd time (s)"],
+                suptitle=f"log-prob + entropy from hidden states (CPU, 1 thread, fp32, H={H})",
+            )
     return rows + opd_rows
+
+
+def _ratios_to_logits_path(rows: list[dict], same_case) -> None:
+    """time_vs_logits on every timed row: its time over the logits path's in the same case."""
+    for row in rows:
+        logits = next((r for r in rows if same_case(r, row) and r["implementation"] == "logits path"), {})
+        if "time_s" in row and "time_s" in logits:
+            row["time_vs_logits"] = row["time_s"] / logits["time_s"]
 
 
 def _logprob_rows(shapes, H: int, runs: int) -> list[dict]:
@@ -204,10 +230,7 @@ def _logprob_rows(shapes, H: int, runs: int) -> list[dict]:
                 if not result["peak_reset"]:
                     row["note"] = "peak = process lifetime peak"
             rows.append(row)
-        logits = next((r for r in rows if r["shape"] == f"{T}x{V}" and r["implementation"] == "logits path"), {})
-        for row in rows:
-            if row["shape"] == f"{T}x{V}" and "time_s" in row and "time_s" in logits:
-                row["time_vs_logits"] = row["time_s"] / logits["time_s"]
+    _ratios_to_logits_path(rows, lambda a, b: a["shape"] == b["shape"])
     return rows
 
 
@@ -223,9 +246,14 @@ def _opd_rows(shapes, H: int) -> list[dict]:
                     row["note"] = f"error: {result['error']}"[:200]
                 else:
                     row["teacher_logits_MiB"] = result["teacher_logits_bytes"] / common.MIB
+                    row["time_s"] = result["time_s"]
                     if not common.memory_resolved(T * V * 4, result["device"]):
                         row["note"] = common.BELOW_RESOLUTION
                     else:
-                        row["excess_peak_U"] = result["excess_bytes"] / (T * V * 4)
+                        row.update(excess_peak_U=result["excess_bytes"] / (T * V * 4),
+                                   excess_peak_MiB=result["excess_bytes"] / common.MIB)
+                    if not result["peak_reset"]:
+                        row["note"] = "peak = process lifetime peak"
                 rows.append(row)
+    _ratios_to_logits_path(rows, lambda a, b: (a["shape"], a["teachers"]) == (b["shape"], b["teachers"]))
     return rows

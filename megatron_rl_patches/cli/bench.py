@@ -1,4 +1,4 @@
-"""`megatron-rl-patches bench [logprobs|topk|reentrant|all] [--quick] [--out DIR]`."""
+"""`megatron-rl-patches bench [logprobs|topk|reentrant|fused|all] [--quick] [--out DIR] [--only PART]`."""
 from __future__ import annotations
 
 import argparse
@@ -16,12 +16,17 @@ BENCHMARKS = {
     "reentrant": "megatron_rl_patches.bench.reentrant",
     "fused": "megatron_rl_patches.bench.fused",
 }
+# `bench fused --only PART` (megatron_rl_patches.bench.fused.PARTS, kept here so --help imports no torch)
+FUSED_PARTS = ("logprob", "opd")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("which", nargs="?", default="all", choices=[*BENCHMARKS, "all"], help="which benchmark")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: seconds, for smoke tests")
     parser.add_argument("--out", metavar="DIR", help="write CSV files and PNG plots (needs the [bench] extra) here")
+    parser.add_argument("--only", choices=FUSED_PARTS, metavar="PART",
+                        help=f"bench fused only: run one part, {' or '.join(FUSED_PARTS)} "
+                             "(log-prob + entropy, or the top-k OPD step with 1 and 2 teachers)")
 
 
 def check_output_folder(path: str) -> None:
@@ -37,12 +42,15 @@ def check_output_folder(path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.only is not None and args.which != "fused":
+        raise UsageError(f"--only {args.only} selects a part of `bench fused`; run `bench fused --only {args.only}`")
     if args.out:
         check_output_folder(args.out)
     names = list(BENCHMARKS) if args.which == "all" else [args.which]
     failed = []
     for name in names:
-        rows = importlib.import_module(BENCHMARKS[name]).run(quick=args.quick, out_dir=args.out)
+        options = {"only": args.only} if args.only is not None else {}
+        rows = importlib.import_module(BENCHMARKS[name]).run(quick=args.quick, out_dir=args.out, **options)
         errors = [row["error"] for row in rows if row.get("error")]
         if errors:
             failed.append(name)

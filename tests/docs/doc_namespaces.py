@@ -193,7 +193,7 @@ def topk_example_module() -> Any:
 
 
 def topk_opd(stack: ExitStack) -> dict:
-    megatron_world(stack)
+    kit = megatron_world(stack)
     example = topk_example_module()
     student = example.build_student(0)
     return {"_gpt_example": {
@@ -202,14 +202,30 @@ def topk_opd(stack: ExitStack) -> dict:
         "teachers": example.build_teachers(100),
         "optimizer": torch.optim.Adam(student.parameters(), lr=example.LR),
         "batch": example.sample(student, batch_seed=0, gen=torch.Generator().manual_seed(0)),
-    }}
+    }, "_fused_route": _fused_route_names(kit)}
+
+
+def _fused_route_names(kit: Any) -> dict:
+    """The fused-route fragment's names: a DDP GPT student and teacher providers, vocab 128 (> k = 64)."""
+    vocab = 128
+    batch = kit.batch(vocab_size=vocab, seed=0)
+    return {
+        "student": kit.ddp(kit.gpt(vocab_size=vocab, seed=0)),
+        "teacher_providers": [kit.provider(vocab_size=vocab, seed=7 + j) for j in range(2)],
+        "tokens": batch["tokens"],
+        "position_ids": batch["position_ids"],
+        "attention_mask": batch["attention_mask"],
+        "loss_mask": torch.ones(batch["tokens"].shape),
+    }
 
 
 def topk_opd_before(block: Any, ns: dict) -> None:
     """The megatron GPT fragments' `student` / `teachers` / `batch` are the example's GPTs and
     samples, not the pure torch example's linear layers above them."""
-    if "response_logits(student, batch)" in block.text or "topk_output_processor" in block.text:
+    if "response_logits(student, batch)" in block.text:
         ns.update(ns["_gpt_example"])
+    elif "topk_output_processor" in block.text:
+        ns.update(ns["_fused_route"])
 
 
 def topk_opd_finish(ns: dict) -> None:
