@@ -116,7 +116,7 @@ def _target_device() -> torch.device | None:
     if not torch.cuda.is_available():
         return None
     current = torch.cuda.current_device()
-    # an int normally; the test kit's CPU shims make it "cpu"
+    # an int normally, though it may name a device (e.g. "cpu")
     return torch.device("cuda", current) if isinstance(current, int) else torch.device(current)
 
 
