@@ -22,41 +22,47 @@ if os.environ.get("HYPOTHESIS_PROFILE"):
 elif os.environ.get("CI"):
     settings.load_profile("ci")
 
-# The smallest module with slime's train() and hook-helper signatures (patch `train_reentry`).
-FAKE_SLIME_MODEL = '''
-def train(rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_microbatches,
-          global_batch_sizes):
-    return "original"
+# ---------------------------------------------------------------------------- the slime stand-in
+
+STANDINS = Path(__file__).resolve().parent / "standins"
+SLIME_STANDIN_MODEL = STANDINS / "slime" / "backends" / "megatron_utils" / "model.py"
 
 
-def enable_forward_pre_hook(model_chunks):
-    return "original"
+def _slime_modules() -> list[str]:
+    return [name for name in sys.modules if name.split(".")[0] == "slime"]
 
 
-def disable_forward_pre_hook(model_chunks, param_sync=True):
-    return "original"
-'''
-
-
-def write_fake_slime(root: Path, model_source: str = FAKE_SLIME_MODEL) -> Path:
-    """Write `slime/backends/megatron_utils/model.py` (with package inits) under `root`."""
-    pkg = root / "slime" / "backends" / "megatron_utils"
-    pkg.mkdir(parents=True, exist_ok=True)
-    for folder in (root / "slime", root / "slime" / "backends", pkg):
-        (folder / "__init__.py").write_text("")
-    (pkg / "model.py").write_text(model_source)
+def write_slime_standin(root: Path, model_source: str | None = None) -> Path:
+    """Copy the stand-in `slime` package (tests/standins/slime) under `root`, its model.py replaced
+    by `model_source` when given (a variant: a renamed function, a changed signature); returns `root`."""
+    shutil.copytree(STANDINS / "slime", root / "slime", ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+    if model_source is not None:
+        (root / SLIME_STANDIN_MODEL.relative_to(STANDINS)).write_text(model_source)
     return root
 
 
 @pytest.fixture(scope="session")
-def fake_slime_writer():
-    """`write_fake_slime(root, model_source=FAKE_SLIME_MODEL) -> root`, for any fixture scope."""
-    return write_fake_slime
+def slime_standin_writer():
+    """`write_slime_standin(root, model_source=None) -> root`, for any fixture scope."""
+    return write_slime_standin
 
 
 @pytest.fixture(scope="session")
-def fake_slime_source() -> str:
-    return FAKE_SLIME_MODEL
+def slime_standin_source() -> str:
+    """The source of the stand-in's `slime.backends.megatron_utils.model`."""
+    return SLIME_STANDIN_MODEL.read_text()
+
+
+@pytest.fixture
+def slime_standin(monkeypatch):
+    """The stand-in `slime` package importable (tests/standins on sys.path, returned); `slime`
+    modules imported before are set aside meanwhile and the stand-in's are dropped afterwards."""
+    saved = {name: sys.modules.pop(name) for name in _slime_modules()}
+    monkeypatch.syspath_prepend(str(STANDINS))
+    yield STANDINS
+    for name in _slime_modules():
+        del sys.modules[name]
+    sys.modules.update(saved)
 
 
 @pytest.fixture
@@ -192,7 +198,8 @@ def _build_tools_missing() -> str | None:
 @pytest.fixture(scope="session")
 def built_wheel(tmp_path_factory) -> SimpleNamespace:
     """One wheel per session, built from a copy of the tree whose build/lib holds stale modules of
-    an earlier build: `.path` (the .whl) and `.source` (the copy it was built from)."""
+    an earlier build: `.path` (the .whl), `.source` (the copy it was built from) and `.stale` (the
+    stale modules' paths under build/lib)."""
     import subprocess
 
     missing = _build_tools_missing()
@@ -212,4 +219,4 @@ def built_wheel(tmp_path_factory) -> SimpleNamespace:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (path,) = out.glob("megatron_rl_patches-*.whl")
-    return SimpleNamespace(path=path, source=src)
+    return SimpleNamespace(path=path, source=src, stale=STALE_BUILD_FILES)

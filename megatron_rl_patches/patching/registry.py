@@ -363,10 +363,13 @@ class Registry:
                                 OPTIONAL_MISSING)
             return _refuse(slot, PatchTargetMissing,
                            f"{patch.target} not found: {patch.module} has no attribute path '{patch.qualname}'", MISSING)
-        key = slot.wrapper_key()
-        if wrapt.find_wrapper(original, predicate=lambda w: getattr(getattr(w, "_self_wrapper", None), "__mrp_key__", None) == key):
-            slot.active = True  # already wrapped (by another registry or copy of the package): never twice
-            return slot.set(APPLIED, "already wrapped")
+        holder = wrapt.find_wrapper(original, predicate=lambda w: self._same_work(w, slot))
+        if holder is not None:
+            # never twice: wrapped by another registry or copy of the package, or a module bound
+            # another target's wrapper at import (`from x import f` while x.f was patched)
+            slot.active = True
+            key = holder._self_wrapper.__mrp_key__
+            return slot.set(APPLIED, "already wrapped" + ("" if key == slot.wrapper_key() else f" (bound from {key[1]})"))
         problem_signature = signature_problem(patch, original)
         if problem_signature:
             return _refuse(slot, PatchSignatureMismatch, problem_signature, SIGNATURE)
@@ -385,6 +388,18 @@ class Registry:
             warn_once(f"'{patch.name}' {note}, as {env.ALLOW_UNTESTED} / allow_untested asked")
             return slot.set(APPLIED, note, UNTESTED)
         slot.set(APPLIED)
+
+
+    def _same_work(self, wrapper: Any, slot: _Slot) -> bool:
+        """Whether `wrapper` is one of ours doing `slot`'s work: its own key, or another target of
+        the same patch installing the same wrapper."""
+        key = getattr(getattr(wrapper, "_self_wrapper", None), "__mrp_key__", None)
+        if key is None:
+            return False
+        if key == slot.wrapper_key():
+            return True
+        other = self._catalog().get(key)
+        return other is not None and other.patch.name == slot.patch.name and other.patch.wrapper == slot.patch.wrapper
 
 
 def _guard(slot: _Slot) -> Callable[..., Any]:

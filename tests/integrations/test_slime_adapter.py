@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
-import types
 
 import pytest
 import torch
@@ -142,29 +140,14 @@ def test_wrapper_binds_to_the_installed_forks_parameter_order(monkeypatch):
     assert calls == [True]
 
 
-def _fake_slime(monkeypatch):
-    """Install slime's two module paths holding a stand-in with slime's signature."""
+def test_registry_patch_replaces_both_slime_names(slime_standin):
+    import slime.backends.megatron_utils.loss
+    import slime.utils.ppo_utils
 
-    def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
-                                        log_prob_keep_mask=None, with_entropy_grad=True):
-        return "slime's own"
-
-    names = ["slime", "slime.utils", "slime.utils.ppo_utils", "slime.backends", "slime.backends.megatron_utils",
-             "slime.backends.megatron_utils.loss"]
-    modules = {name: types.ModuleType(name) for name in names}
-    modules["slime.utils.ppo_utils"].calculate_log_probs_and_entropy = calculate_log_probs_and_entropy
-    modules["slime.backends.megatron_utils.loss"].calculate_log_probs_and_entropy = calculate_log_probs_and_entropy
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    return modules
-
-
-def test_registry_patch_replaces_both_slime_names(monkeypatch):
     from megatron_rl_patches.integrations import default_registry
 
     registry = default_registry()
-
-    modules = _fake_slime(monkeypatch)
+    modules = {module.__name__: module for module in (slime.utils.ppo_utils, slime.backends.megatron_utils.loss)}
     logits, tokens, *_ = make(T=4, V=7)
     try:
         statuses = registry.apply(only="slime_logprobs", strict=True)
@@ -175,7 +158,8 @@ def test_registry_patch_replaces_both_slime_names(monkeypatch):
             torch.testing.assert_close(lp, expected[0], rtol=0, atol=0)
     finally:
         registry.revert("slime_logprobs")
-    assert modules["slime.utils.ppo_utils"].calculate_log_probs_and_entropy(logits, tokens, None) == "slime's own"
+    for module in modules.values():
+        assert module.calculate_log_probs_and_entropy(logits, tokens, None) == slime.utils.ppo_utils.SLIMES_OWN
 
 
 def test_importing_the_integration_stays_light():

@@ -175,16 +175,6 @@ STARTUP_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def fake_slime_root(tmp_path):
-    pkg = tmp_path / "slime" / "backends" / "megatron_utils"
-    pkg.mkdir(parents=True)
-    for folder in (tmp_path / "slime", tmp_path / "slime" / "backends", pkg):
-        (folder / "__init__.py").write_text("")
-    (pkg / "model.py").write_text("def train(rollout_id, model, optimizer, opt_param_scheduler, data_iterator):\n    pass\n")
-    return tmp_path
-
-
 def run_startup(root, **variables):
     environ = child_env(**variables)
     environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), environ.get("PYTHONPATH")]))
@@ -192,8 +182,8 @@ def run_startup(root, **variables):
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_startup_unknown_name_one_stderr_line_and_exit_0(fake_slime_root):
-    proc, result = run_startup(fake_slime_root, MEGATRON_RL_PATCHES="ddp_hooks,bogus")
+def test_startup_unknown_name_one_stderr_line_and_exit_0(slime_standin):
+    proc, result = run_startup(slime_standin, MEGATRON_RL_PATCHES="ddp_hooks,bogus")
     assert proc.returncode == 0
     lines = proc.stderr.splitlines()
     assert len(lines) == 1, proc.stderr
@@ -201,8 +191,8 @@ def test_startup_unknown_name_one_stderr_line_and_exit_0(fake_slime_root):
     assert result == {"ran": True, "import": "ok"}  # not strict: nothing raises later either
 
 
-def test_startup_strict_unknown_name_raises_at_first_import_of_a_target(fake_slime_root):
-    proc, result = run_startup(fake_slime_root, MEGATRON_RL_PATCHES="bogus", MEGATRON_RL_PATCHES_STRICT="1")
+def test_startup_strict_unknown_name_raises_at_first_import_of_a_target(slime_standin):
+    proc, result = run_startup(slime_standin, MEGATRON_RL_PATCHES="bogus", MEGATRON_RL_PATCHES_STRICT="1")
     assert proc.returncode == 0
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert result["import"].startswith("ValueError: ") and "'bogus'" in result["import"]

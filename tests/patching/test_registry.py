@@ -121,6 +121,27 @@ def test_apply_n_times_is_one_layer_and_revert_is_exact(standin, catalog):
     assert our_layers(module.train) == 1 and module.train.__wrapped__ is original
 
 
+def test_a_name_bound_from_another_target_of_the_same_patch_is_not_wrapped_twice(standin, catalog, tmp_path):
+    """slime's loss module binds ppo_utils' function at import: patched first, it must keep one layer."""
+    alias = f"{standin}_alias"
+    (tmp_path / f"{alias}.py").write_text(f"from {standin} import train\n")
+    spy = Spy()
+    catalog(Patch("train_reentry", f"{standin}:train", spy, "d", requires=None),
+            Patch("train_reentry", f"{alias}:train", spy, "d", requires=None))
+    reg.apply()
+    try:
+        module = importlib.import_module(alias)  # imports the source first (patched there), then binds
+        assert module.train is sys.modules[standin].train and our_layers(module.train) == 1
+        assert statuses()[f"{alias}:train"] == ("applied", f"already wrapped (bound from {standin}:train)")
+        assert module.train(3, None, None) == ("spy", ("original", 3))
+        reg.revert()
+        assert module.train(3, None, None) == ("original", 3)
+        reg.apply()
+        assert our_layers(module.train) == 1 and module.train(3, None, None)[0] == "spy"
+    finally:
+        sys.modules.pop(alias, None)
+
+
 def test_reference_captured_while_patched_follows_the_state(standin, catalog):
     spy = Spy()
     catalog(Patch("train_reentry", f"{standin}:train", spy, "d", requires=None))

@@ -25,13 +25,14 @@ def clean(clean_patch_state):
 
 
 @pytest.fixture
-def fake_slime(tmp_path, clean, fake_slime_writer, fake_slime_source):
-    """Writes a stand-in slime package; call with the model module's source; imports it.
-    Another stand-in already imported by other tests is set aside and put back afterwards."""
+def fake_slime(tmp_path, clean, slime_standin_writer, slime_standin_source):
+    """Writes a copy of the stand-in slime package; call with the model module's source (a variant
+    of the stand-in's); imports it. slime modules imported by other tests are set aside and put
+    back afterwards."""
     saved = {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] == "slime"}
 
-    def make(source: str = fake_slime_source):
-        fake_slime_writer(tmp_path, source)
+    def make(source: str = slime_standin_source):
+        slime_standin_writer(tmp_path, source)
         clean.syspath_prepend(str(tmp_path))
         return importlib.import_module(SLIME_MODULE)
 
@@ -153,8 +154,8 @@ def test_version_checked_when_the_module_is_imported_later(clean, tmp_path):
         sys.modules.pop(name, None)
 
 
-def test_missing_target_attribute(fake_slime, fake_slime_source, caplog):
-    module = fake_slime(fake_slime_source.replace("def enable_forward_pre_hook", "def renamed_enable"))
+def test_missing_target_attribute(fake_slime, slime_standin_source, caplog):
+    module = fake_slime(slime_standin_source.replace("def enable_forward_pre_hook", "def renamed_enable"))
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
         REG.apply(only="train_reentry")
     found = {s.target: s for s in REG.applied() if s.target.startswith(SLIME_MODULE)}
@@ -169,8 +170,8 @@ def test_missing_target_attribute(fake_slime, fake_slime_source, caplog):
     assert not hasattr(module, "enable_forward_pre_hook")
 
 
-def test_changed_signature(fake_slime, fake_slime_source):
-    changed = fake_slime_source.replace("def train(rollout_id, model,", "def train(step, models,")
+def test_changed_signature(fake_slime, slime_standin_source):
+    changed = slime_standin_source.replace("def train(rollout_id, model,", "def train(step, models,")
     module = fake_slime(changed)
     original = module.train
     REG.apply(only="train_reentry")

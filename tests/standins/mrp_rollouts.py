@@ -65,12 +65,13 @@ def _main(out: str) -> None:
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
     from slime.backends.megatron_utils import model as slime_model
 
-    statuses = [s.as_dict() for s in megatron_rl_patches.applied()]
     wrapped = isinstance(slime_model.train, wrapt.FunctionWrapper)
     patched, control = {}, {}
     with megatron_on_cpu() as handle:
         for num_chunks in (1, 2):
             patched[num_chunks] = run_rollouts(slime_model.train, build_chunks(handle, num_chunks), handle)
+        # after the runs: the stand-in imports megatron-core (a DDP target) only when it trains
+        statuses = [s.as_dict() for s in megatron_rl_patches.applied()]
         megatron_rl_patches.revert()
         for num_chunks in (1, 2):
             chunks = build_chunks(handle, num_chunks)

@@ -1,22 +1,25 @@
-"""Test stand-in for `slime.backends.megatron_utils.model`: a Megatron-style train() on real
-megatron-core (CPU), with the steps that break when it runs once per rollout.
+"""Test stand-in for `slime.backends.megatron_utils.model`, the one every test uses (tests put
+tests/standins on sys.path, or copy this package to write a variant): slime's names and
+signatures, and a Megatron-style train() on real megatron-core (CPU) with the steps that break
+when it runs once per rollout.
 
 Like Megatron-LM's and slime's train(): the `config.no_sync_func is None` assert and the
 sync-function install, forward pre-hooks disabled at entry, enabled after step 0 and disabled at
 exit through module-level helpers, the real forward-backward schedule with
 `finalize_model_grads`, and a tiny SGD on `main_grad` standing in for the distributed optimizer.
+Like slime, `initialize_model_and_optimizer(args, role)` builds a DDP-wrapped model from
+`.model_provider` and loads it through `.checkpoint`. torch and megatron-core are imported inside
+the functions: importing this module is cheap (start-up and registry tests import it).
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Sequence
 
-import torch
-from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-from megatron.core.utils import get_model_config
-
-from megatron_rl_patches.testing.megatron_cpu import lm_loss_forward_step, run_schedule, sgd_step
+from .checkpoint import load_checkpoint
+from .model_provider import get_model_provider_func
 
 
 @dataclass
@@ -55,16 +58,22 @@ class MainGradSGD:
         self.lr = lr
 
     def step(self, model: Sequence[Any]) -> None:
+        from megatron_rl_patches.testing.megatron_cpu import sgd_step
+
         sgd_step(model, lr=self.lr)
 
 
 def enable_forward_pre_hook(model_chunks: Sequence[Any]) -> None:
+    from megatron.core.distributed import DistributedDataParallel
+
     for chunk in model_chunks:
         assert isinstance(chunk, DistributedDataParallel)
         chunk.enable_forward_pre_hook()
 
 
 def disable_forward_pre_hook(model_chunks: Sequence[Any], param_sync: bool = True) -> None:
+    from megatron.core.distributed import DistributedDataParallel
+
     for chunk in model_chunks:
         assert isinstance(chunk, DistributedDataParallel)
         chunk.disable_forward_pre_hook(param_sync=param_sync)
@@ -74,9 +83,11 @@ def _one_or_list(items: list[Any]) -> Any:
     return items[0] if len(items) == 1 else items
 
 
-def _forward_backward_per_chunk(model: Sequence[Any], batches: Sequence[dict], config: Any) -> list[torch.Tensor]:
+def _forward_backward_per_chunk(model: Sequence[Any], batches: Sequence[dict], config: Any) -> list[Any]:
     """Several independent chunks without a virtual pipeline (which needs PP > 1): every chunk
     runs every micro-batch, grad sync held back by its own no_sync until the last one."""
+    from megatron_rl_patches.testing.megatron_cpu import lm_loss_forward_step
+
     no_sync = config.no_sync_func
     if not isinstance(no_sync, list):
         no_sync = [contextlib.nullcontext] * len(model)
@@ -93,22 +104,24 @@ def _forward_backward_per_chunk(model: Sequence[Any], batches: Sequence[dict], c
     return losses
 
 
-def _main_grads(model: Sequence[Any]) -> torch.Tensor:
+def _main_grads(model: Sequence[Any]) -> Any:
+    import torch
+
     params = [p for chunk in model for p in chunk.module.parameters()]
     return torch.cat([p.main_grad.detach().flatten().clone() for p in params])
 
 
-def train(
-    rollout_id: int,
-    model: list[Any],
-    optimizer: MainGradSGD,
-    opt_param_scheduler: Any,
-    data_iterator: Sequence[Sequence[dict]],
-    num_microbatches: Sequence[int],
-    global_batch_sizes: Sequence[int] | None = None,
-) -> dict[str, Any]:
-    """Train on one rollout: `data_iterator[step]` holds that step's micro-batches. Returns the
-    losses and the main grads of every step (slime returns nothing; the tests need them)."""
+def train(rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_microbatches,
+          global_batch_sizes=None):
+    """Train on one rollout: `data_iterator[step]` holds that step's micro-batches (`model`: a
+    list of DDP chunks, `optimizer`: a MainGradSGD). Returns the losses and the main grads of
+    every step (slime returns nothing; the tests need them)."""
+    import torch
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
+
+    from megatron_rl_patches.testing.megatron_cpu import lm_loss_forward_step, run_schedule
+
     args = get_args()
     if len(data_iterator) != len(num_microbatches):
         raise ValueError(f"{len(data_iterator)} steps of data but num_microbatches has {len(num_microbatches)}")
@@ -161,3 +174,18 @@ def train(
     if hooks_on:
         disable_forward_pre_hook(model)
     return {"rollout_id": rollout_id, "losses": losses, "grads": grads}
+
+
+def setup_model_and_optimizer(args: Any, role: str = "actor") -> tuple[list[Any], Any, Any]:
+    from megatron_rl_patches.testing.megatron_cpu import wrap_ddp
+
+    model = [wrap_ddp(get_model_provider_func(args, role)())]
+    return model, SimpleNamespace(kind="optimizer"), SimpleNamespace(kind="scheduler")
+
+
+def initialize_model_and_optimizer(args: Any, role: str = "actor") -> tuple[list[Any], Any, Any, int]:
+    """slime's signature: (model, optimizer, scheduler, iteration), chunk 0 tagged with its role."""
+    model, optimizer, opt_param_scheduler = setup_model_and_optimizer(args, role)
+    setattr(model[0], "role", role)
+    iteration, _ = load_checkpoint(model, optimizer, opt_param_scheduler, {}, False)
+    return model, optimizer, opt_param_scheduler, iteration

@@ -3,7 +3,6 @@
 use_distributed_optimizer and overlap_param_gather."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,28 +14,20 @@ from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = pytest.mark.megatron
 
-ROOT = Path(__file__).resolve().parents[2]
-STANDINS = ROOT / "tests" / "standins"
+ROOT = Path(__file__).resolve().parents[1]
 SLIME_MODEL = "slime.backends.megatron_utils.model"
 OVERLAP = dict(overlap_grad_reduce=True, use_distributed_optimizer=True, overlap_param_gather=True)
 
 
 @pytest.fixture
-def standins(monkeypatch):
-    """The stand-in `slime` package importable; any other `slime` modules set aside meanwhile
-    (other tests write their own stand-ins) and ours dropped afterwards."""
-    saved = {name: mod for name, mod in sys.modules.items() if name == "slime" or name.startswith("slime.")}
-    for name in saved:
-        del sys.modules[name]
-    monkeypatch.syspath_prepend(str(STANDINS))
+def standins(slime_standin):
+    """The stand-in `slime` package importable (the `slime_standin` fixture): the rollout drivers
+    and the stand-in model module, its train() flags reset."""
     import mrp_rollouts
     from slime.backends.megatron_utils import model as slime_model
 
     slime_model.set_args()
-    yield mrp_rollouts, slime_model
-    for name in [n for n in sys.modules if n == "slime" or n.startswith("slime.")]:
-        del sys.modules[name]
-    sys.modules.update(saved)
+    return mrp_rollouts, slime_model
 
 
 def assert_same_rollouts(actual: list[dict], expected: list[dict]) -> None:
@@ -184,13 +175,13 @@ def test_param_sync_without_hooks_all_gathers_the_shards():
         assert torch.all(bucket0[:half] == 1) and torch.all(bucket0[half:] == 2)
 
 
-def test_env_var_patches_a_fresh_process(tmp_path):
+def test_env_var_patches_a_fresh_process(tmp_path, slime_standin):
     """MEGATRON_RL_PATCHES=all in a new interpreter: the start-up bootstrap (the installed .pth
     calls it; the dev venv has no .pth, so the script calls bootstrap.run() first) patches the
     stand-in train() and DDP on import; 1 and 2 chunks, 3 rollouts each, against a control."""
     from megatron_rl_patches.testing.fresh_process import run_with_patches
 
-    result = run_with_patches(STANDINS / "mrp_rollouts.py", tmp_path / "rollouts.pt", [STANDINS, ROOT], timeout=180)
+    result = run_with_patches(slime_standin / "mrp_rollouts.py", tmp_path / "rollouts.pt", [slime_standin, ROOT], timeout=180)
     status = result["status"]
     for name in ("train", "enable_forward_pre_hook", "disable_forward_pre_hook"):
         assert status[f"{SLIME_MODEL}:{name}"] == "applied"

@@ -1,4 +1,5 @@
-"""training_state_bytes: the per-rank training-state formula, against an independent reference."""
+"""training_state_bytes: the per-rank training-state formula, against an independent reference and
+against the grad buffer real megatron-core allocates."""
 import json
 import math
 import subprocess
@@ -111,3 +112,61 @@ def test_memory_module_imports_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.megatron
+def test_memory_formula_matches_counted_grad_buffer_up_to_named_padding(megatron_cpu_kind):
+    """The formula against the grad buffer real megatron-core allocates (CPU)."""
+    import torch
+
+    from megatron_rl_patches import build_inference_model, training_state_bytes
+    from megatron_rl_patches.presentation import memory_report as format_report
+
+    model = megatron_cpu_kind.model(seed=0)
+    n = sum(p.numel() for p in model.parameters())
+
+    plain = training_state_bytes(megatron_cpu_kind.ddp(model))
+    assert plain.num_params == n and plain.dp == 1 and not plain.distributed_optimizer
+    assert (plain.param_dtype, plain.grad_dtype) == ("fp32", "fp32")
+    assert plain.counted_grad_buffer == plain.grad_buffer == 4 * n  # no padding without the dist. optimizer
+    assert plain.grad_buffer_padding == 0 and sum(plain.padding.values()) == 0
+    assert plain.main_params == 0 and plain.adam_m == plain.adam_v == 4 * n and plain.total == 12 * n
+
+    flags = dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=4000)
+    sharded = training_state_bytes(megatron_cpu_kind.ddp(megatron_cpu_kind.model(seed=0), **flags))
+    assert sharded.distributed_optimizer and sharded.grad_buffer == 4 * n
+    assert sharded.grad_buffer_padding > 0
+    assert sharded.counted_grad_buffer - sharded.grad_buffer == sum(sharded.padding.values())
+    assert all(value >= 0 for value in sharded.padding.values())
+    assert sharded.padding["bucket end (multiple of lcm(dp, 128))"] > 0
+    text = format_report(sharded)
+    assert "padding" in text and f"{sharded.grad_buffer_padding:,} B" in text
+
+    config = megatron_cpu_kind.config(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+    from megatron.core.transformer.module import Float16Module
+
+    wrapped = Float16Module(config, megatron_cpu_kind.model(config, seed=0))
+    ddp16 = megatron_cpu_kind.ddp(wrapped, grad_reduce_in_fp32=True)
+    bf16 = training_state_bytes(ddp16)
+    assert (bf16.param_dtype, bf16.grad_dtype) == ("bf16", "fp32") and bf16.total == 16 * n
+    assert bf16.counted_grad_buffer == 4 * n
+
+    # the shared chunk helpers on real wrappers: both DDP checks hold on DDP only, unwrap strips both
+    from megatron_rl_patches._chunks import has_grad_buffers, is_ddp_like, iter_wrapped, unwrap
+
+    assert is_ddp_like(ddp16) and has_grad_buffers(ddp16)
+    assert not is_ddp_like(wrapped) and not has_grad_buffers(wrapped)
+    chain = [type(m).__name__ for m in iter_wrapped(ddp16)]
+    model_class = {"gpt": "GPTModel", "hybrid": "HybridModel"}[megatron_cpu_kind.kind]
+    assert chain == ["DistributedDataParallel", "Float16Module", model_class]
+    assert unwrap(ddp16) is wrapped.module and unwrap(wrapped.module) is wrapped.module
+
+    frozen = build_inference_model(megatron_cpu_kind.model_provider(config, seed=0))
+    estimate = training_state_bytes(frozen)  # what training this build would add
+    assert estimate.num_params == n and estimate.param_dtype == "bf16" and estimate.counted_grad_buffer is None
+    assert not is_ddp_like(frozen[0]) and unwrap(frozen[0]) is frozen[0].module  # no DDP hooks to toggle
+    frozen_ddp = megatron_cpu_kind.ddp(frozen[0].module)
+    assert training_state_bytes(frozen_ddp).num_params == 0  # DDP of a frozen model: no buffer
+
+    with pytest.raises(ValueError, match="dp=8 contradicts the DDP model"):
+        training_state_bytes(megatron_cpu_kind.ddp(megatron_cpu_kind.model(seed=0)), dp=8)
