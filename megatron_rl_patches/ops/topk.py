@@ -69,9 +69,7 @@ def _check_ids(ids: object, lead: torch.Size, vocab: int, checks: _vocab.DeviceC
 
 
 def _check_int_k(k: object) -> int:
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or int(k) < 1:
-        raise ValueError(f"k must be a positive int, got {k!r}")
-    return int(k)
+    return _vocab.check_positive_int(k, "k")
 
 
 # ----------------------------------------------------------------------------- top-k ids
