@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl_patches.ops import _dist, _vocab
-from megatron_rl_patches.ops._lm_head_tiles import RowStats, logits_tile, spans, tile_shape
+from megatron_rl_patches.ops._lm_head_tiles import RowStats, logits_tile, tile_shape
 
 __all__ = ["lm_head_log_probs_and_entropy", "lm_head_topk_ids", "lm_head_topk_logprobs"]
 
@@ -109,9 +109,9 @@ def _tile_loop(h_full: torch.Tensor, weight: torch.Tensor, spec: _vocab.OpSpec, 
     n_rows = h_full.size(0)
     row_tile, col_tile = tile_shape(n_rows, spec.n_valid, h_full.device, spec.chunk_rows)
     buf = torch.empty(row_tile, col_tile, dtype=dtype, device=h_full.device)
-    for r0, r1 in spans(n_rows, row_tile):
+    for r0, r1 in _vocab.row_chunks(n_rows, row_tile):
         h = h_full[r0:r1]
-        for c0, c1 in spans(spec.n_valid, col_tile):
+        for c0, c1 in _vocab.row_chunks(spec.n_valid, col_tile):
             yield slice(r0, r1), slice(c0, c1), logits_tile(h, weight[c0:c1], buf[: r1 - r0, : c1 - c0])
 
 
