@@ -335,46 +335,55 @@ def check_temperature(
     constant, and no gradient is computed for it.
     """
     lead = tuple(lead)
-    math_dtype = compute_dtype(dtype)
-    smallest = smallest_temperature(dtype)
     if isinstance(temperature, torch.Tensor):
-        if not temperature.is_floating_point():
-            raise TypeError(f"temperature must be a float or a floating tensor, got dtype {temperature.dtype}")
-        if temperature.shape not in ((), lead):
-            raise ValueError(
-                f"temperature tensor must have shape [] or {list(lead)} (one value per token), "
-                f"got {list(temperature.shape)}"
-            )
-        if temperature.requires_grad:
-            raise ValueError("temperature must not require grad (it is a sampling constant); pass .detach()")
-        if temperature.device != device:
-            raise ValueError(f"temperature is on {temperature.device} but the logits on {device}; move it there")
-        check_has_data(temperature, "temperature")
-        flat = temperature.reshape(-1) if temperature.dim() else temperature
-        checks.require(
-            torch.isfinite(flat) & (flat > 0),
-            lambda: ValueError("temperature must be finite and > 0 for every token; check the per-token temperatures"),
-        )
-        checks.require(
-            torch.isfinite(1.0 / flat.to(math_dtype)),
-            lambda: ValueError(
-                f"temperature must be >= {smallest:.6g} for every token (smaller ones make 1/temperature overflow "
-                f"{math_dtype}); check the per-token temperatures"
-            ),
-        )
-        return flat
+        return _check_temperature_tensor(temperature, lead, device, checks, dtype)
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(
             f"temperature must be a float or a tensor of shape {list(lead)}, got {type(temperature).__name__}"
         )
     if not (math.isfinite(float(temperature)) and float(temperature) > 0):
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    math_dtype = compute_dtype(dtype)
     if 1.0 / float(temperature) > torch.finfo(math_dtype).max:  # host arithmetic: no device sync
         raise ValueError(
-            f"temperature must be >= {smallest:.6g} (the smallest whose 1/temperature is finite in {math_dtype}), "
-            f"got {temperature}"
+            f"temperature must be >= {smallest_temperature(dtype):.6g} (the smallest whose 1/temperature is finite "
+            f"in {math_dtype}), got {temperature}"
         )
     return float(temperature)
+
+
+def _check_temperature_tensor(
+    temperature: torch.Tensor, lead: tuple[int, ...], device: torch.device, checks: DeviceChecks, dtype: torch.dtype
+) -> torch.Tensor:
+    """A per-token temperature tensor: its form here, its values (finite, > 0, 1/τ finite in the
+    compute dtype) through `checks`; flattened to [T] (shape [] kept)."""
+    math_dtype = compute_dtype(dtype)
+    smallest = smallest_temperature(dtype)
+    if not temperature.is_floating_point():
+        raise TypeError(f"temperature must be a float or a floating tensor, got dtype {temperature.dtype}")
+    if temperature.shape not in ((), lead):
+        raise ValueError(
+            f"temperature tensor must have shape [] or {list(lead)} (one value per token), "
+            f"got {list(temperature.shape)}"
+        )
+    if temperature.requires_grad:
+        raise ValueError("temperature must not require grad (it is a sampling constant); pass .detach()")
+    if temperature.device != device:
+        raise ValueError(f"temperature is on {temperature.device} but the logits on {device}; move it there")
+    check_has_data(temperature, "temperature")
+    flat = temperature.reshape(-1) if temperature.dim() else temperature
+    checks.require(
+        torch.isfinite(flat) & (flat > 0),
+        lambda: ValueError("temperature must be finite and > 0 for every token; check the per-token temperatures"),
+    )
+    checks.require(
+        torch.isfinite(1.0 / flat.to(math_dtype)),
+        lambda: ValueError(
+            f"temperature must be >= {smallest:.6g} for every token (smaller ones make 1/temperature overflow "
+            f"{math_dtype}); check the per-token temperatures"
+        ),
+    )
+    return flat
 
 
 # ------------------------------------------------------------------------ the streaming core

@@ -289,6 +289,16 @@ def allgather_cp_to_zigzag(
     detached data is used and the outputs do not require grad. Every rank must make the same
     choice, which holds when all ranks run the same code.
     """
+    mine = _allgather_pieces(values, layout, num_rows, group)
+    if layout.cp_size == 1 or not values:  # nothing to move (no samples: the same on every rank)
+        return list(values)
+    return _move_to_zigzag_pieces(values, layout, mine, group)
+
+
+def _allgather_pieces(
+    values: Sequence[torch.Tensor], layout: PackedLayout, num_rows: int, group: dist.ProcessGroup | None
+) -> list[list[Piece]]:
+    """This rank's allgather-CP pieces per sample, checked against the group and the `values`."""
     if not layout.allgather_cp:
         raise ValueError("allgather_cp_to_zigzag needs a layout with allgather_cp=True")
     cp_size = 1 if group is None else dist.get_world_size(group)
@@ -303,9 +313,13 @@ def allgather_cp_to_zigzag(
             raise ValueError(
                 f"sample {i}: expected {rows} rows on this rank (its allgather-CP pieces), got {value.size(0)}"
             )
-    if layout.cp_size == 1 or not values:  # nothing to move (no samples: the same on every rank)
-        return list(values)
+    return mine
 
+
+def _move_to_zigzag_pieces(
+    values: Sequence[torch.Tensor], layout: PackedLayout, mine: list[list[Piece]], group: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
+    """Every full response rebuilt on every rank from each rank's pieces; this rank's zigzag pieces."""
     starts = [0, *itertools.accumulate(layout.response_lengths)]
     flat = torch.cat(list(values))
     device, trailing = flat.device, tuple(flat.shape[1:])
@@ -321,6 +335,8 @@ def allgather_cp_to_zigzag(
     zig = response_pieces(zig_layout, sum(zig_layout.sample_rows(t) for t in layout.total_lengths))
     zig_at = positions(zig)
     full = flat.new_zeros((starts[-1], *trailing)).index_put((mine_at,), flat)
+    # SUM all-reduce over the CP group: each response row is nonzero on exactly one rank (the
+    # one holding it under allgather-CP), so the sum is every full response on every rank
     if full.requires_grad:  # some input requires grad
         import torch.distributed.nn.functional as dist_nn
 
