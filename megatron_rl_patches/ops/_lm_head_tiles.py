@@ -7,11 +7,10 @@ ops do. Everything here is local to one rank; the ops combine ranks with one MAX
 from __future__ import annotations
 
 import math
-from typing import Iterator
 
 import torch
 
-NEG_FLOOR = -1.0e4  # exp of anything below is 0 in fp32/fp64; keeps 0·(-inf) out of q·u
+from megatron_rl_patches.ops._vocab import NEG_FLOOR, local_row_max, shifted_rows
 
 # Bytes of one [rows, cols] fp32 logits tile. Rows are many so W's tile is reused across them
 # (the matmuls run near peak); columns few enough that the 2-3 tile buffers stay small next to
@@ -27,11 +26,6 @@ def tile_shape(n_rows: int, n_cols: int, device: torch.device, chunk_rows: int |
     rows = max(1, min(n_rows, chunk_rows or MAX_TILE_ROWS))
     cols = max(1, min(max(n_cols, 1), budget // (4 * rows)))
     return rows, cols
-
-
-def spans(n: int, step: int) -> Iterator[tuple[int, int]]:
-    for start in range(0, n, step):
-        yield start, min(n, start + step)
 
 
 def logits_tile(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -61,46 +55,42 @@ class RowStats:
         the subset sum (the targets, the top-k ids); `subset` [r, c] bool: the subset's columns
         (its max counts marked ones too). -inf columns add nothing; NaN/+inf rows show up as a
         +inf shift, which the caller reports."""
-        srow = scale.squeeze(1) if isinstance(scale, torch.Tensor) else scale  # [r] or a float
-        old = self.shift[rows]
-        new = torch.maximum(old, _row_max(x))
-        safe = torch.where(torch.isfinite(new), new, 0.0)
-        delta = _log_factor(old, safe, srow)
-        factor = torch.where(torch.isfinite(old), delta.exp(), 0.0)
-        u = _shifted(x, safe, scale, buf)
-        e = torch.exp(u)
-        if marked is not None:
-            e.masked_fill_(marked, 0.0)
-        if self.moment is not None:
-            moment = (e * u.clamp_min_(NEG_FLOOR)).sum(dim=1)
-            self.moment[rows] = factor * (self.moment[rows] + self.rest[rows] * delta) + moment
-        self.rest[rows] = self.rest[rows] * factor + e.sum(dim=1)
-        self.shift[rows] = new
+        row_scale = scale.squeeze(1) if isinstance(scale, torch.Tensor) else scale  # [r] or a float
+        self._fold_unmarked(rows, x, scale, row_scale, marked, buf)
         if self.sub_shift is not None:
-            sub_x = x.masked_fill(~subset, -math.inf)
-            sub_old = self.sub_shift[rows]
-            sub_new = torch.maximum(sub_old, _row_max(sub_x))
-            sub_safe = torch.where(torch.isfinite(sub_new), sub_new, 0.0)
-            sub_factor = torch.where(torch.isfinite(sub_old), _log_factor(sub_old, sub_safe, srow).exp(), 0.0)
-            sub_e = _shifted(sub_x, sub_safe, scale, buf).exp_()
-            if marked is not None:
-                sub_e.masked_fill_(marked, 0.0)
-            self.sub_sum[rows] = self.sub_sum[rows] * sub_factor + sub_e.sum(dim=1)
-            self.sub_shift[rows] = sub_new
+            self._fold_subset(rows, x, scale, row_scale, marked, subset, buf)
 
+    def _fold_unmarked(self, rows: slice, x: torch.Tensor, scale, row_scale, marked: torch.Tensor | None,
+                       buf: torch.Tensor) -> None:
+        """rest and moment over the unmarked columns, moved to the new running max."""
+        old_shift = self.shift[rows]
+        new_shift = torch.maximum(old_shift, local_row_max(x, x.dtype))
+        safe_shift = torch.where(torch.isfinite(new_shift), new_shift, 0.0)
+        log_factor = _log_factor(old_shift, safe_shift, row_scale)
+        factor = torch.where(torch.isfinite(old_shift), log_factor.exp(), 0.0)
+        shifted = shifted_rows(x, safe_shift, scale, out=buf)
+        exps = torch.exp(shifted)
+        if marked is not None:
+            exps.masked_fill_(marked, 0.0)
+        if self.moment is not None:
+            moment = (exps * shifted.clamp_min_(NEG_FLOOR)).sum(dim=1)
+            self.moment[rows] = factor * (self.moment[rows] + self.rest[rows] * log_factor) + moment
+        self.rest[rows] = self.rest[rows] * factor + exps.sum(dim=1)
+        self.shift[rows] = new_shift
 
-def _row_max(x: torch.Tensor) -> torch.Tensor:
-    """Per-row max with NaN mapped to +inf (so a MAX all-reduce keeps it)."""
-    m = x.amax(dim=1)
-    return torch.where(torch.isnan(m), math.inf, m)
-
-
-def _shifted(x: torch.Tensor, shift: torch.Tensor, scale, out: torch.Tensor) -> torch.Tensor:
-    """(x - shift)·s into `out`: subtracting first keeps entries near the max exact."""
-    torch.sub(x, shift.unsqueeze(1), out=out)
-    if isinstance(scale, torch.Tensor) or scale != 1.0:
-        out.mul_(scale)
-    return out
+    def _fold_subset(self, rows: slice, x: torch.Tensor, scale, row_scale, marked: torch.Tensor | None,
+                     subset: torch.Tensor, buf: torch.Tensor) -> None:
+        """The subset's exp-sum with its own running max (the marked columns count for the max)."""
+        subset_x = x.masked_fill(~subset, -math.inf)
+        old_shift = self.sub_shift[rows]
+        new_shift = torch.maximum(old_shift, local_row_max(subset_x, x.dtype))
+        safe_shift = torch.where(torch.isfinite(new_shift), new_shift, 0.0)
+        factor = torch.where(torch.isfinite(old_shift), _log_factor(old_shift, safe_shift, row_scale).exp(), 0.0)
+        exps = shifted_rows(subset_x, safe_shift, scale, out=buf).exp_()
+        if marked is not None:
+            exps.masked_fill_(marked, 0.0)
+        self.sub_sum[rows] = self.sub_sum[rows] * factor + exps.sum(dim=1)
+        self.sub_shift[rows] = new_shift
 
 
 def _log_factor(old: torch.Tensor, new: torch.Tensor, scale) -> torch.Tensor:

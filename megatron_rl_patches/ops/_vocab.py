@@ -149,6 +149,44 @@ def check_id_tensor(value: object, name: str, shape_hint: str) -> torch.Tensor:
     return value
 
 
+def check_tokens_shape(tokens: object, n_rows: int, device: torch.device, shape_note: str, holder: str) -> torch.Tensor:
+    """Target ids: an id tensor of shape [T] on `device` (`holder` names the tensor that sets it)."""
+    check_id_tensor(tokens, "tokens", "[T]")
+    if tokens.shape != (n_rows,):
+        raise ValueError(f"tokens must have shape [T] = ({n_rows},) {shape_note}, got {tuple(tokens.shape)}")
+    if tokens.device != device:
+        raise ValueError(f"tokens are on {tokens.device} but {holder} on {device}; move them together")
+    return tokens
+
+
+def require_tokens_in_vocab(tokens: torch.Tensor, vocab: int, checks: DeviceChecks) -> None:
+    """Every target id in [0, vocab), checked through `checks` (read with the forward's host sync)."""
+    outside = (tokens < 0) | (tokens >= vocab)
+
+    def tokens_error() -> ValueError:
+        bad = torch.nonzero(outside).squeeze(1)[:8].tolist()
+        return ValueError(
+            f"tokens must be global ids in [0, {vocab}); rows {bad} are outside (e.g. {int(tokens[bad[0]])}); "
+            f"mask padding targets with a valid id such as 0 and drop those rows from the loss"
+        )
+
+    checks.require(~outside, tokens_error)
+
+
+def check_keep_mask(keep_mask: object, shape: tuple[int, int], device: torch.device, holder: str) -> None:
+    """None, or a bool tensor [T, V_local] on `device` (`holder` names the tensor that sets both)."""
+    if keep_mask is None:
+        return
+    if not isinstance(keep_mask, torch.Tensor) or keep_mask.dtype != torch.bool:
+        got = keep_mask.dtype if isinstance(keep_mask, torch.Tensor) else type(keep_mask).__name__
+        raise TypeError(f"keep_mask must be a bool tensor [T, V_local], got {got}")
+    if keep_mask.shape != shape:
+        raise ValueError(f"keep_mask must have shape [T, V_local] = {tuple(shape)} (as {holder}), "
+                         f"got {tuple(keep_mask.shape)}")
+    if keep_mask.device != device:
+        raise ValueError(f"keep_mask is on {keep_mask.device} but {holder} on {device}; move them together")
+
+
 def check_has_data(value: torch.Tensor, name: str) -> None:
     """Meta tensors have a shape but no values: nothing can be computed from them."""
     if value.device.type == "meta":
@@ -268,14 +306,17 @@ def global_vocab(local_vocab: int, group: dist.ProcessGroup | None, vocab_size: 
     return int(vocab_size)
 
 
+def check_positive_int(value: object, name: str, meaning: str = "") -> int:
+    """`value` as an int >= 1 (bool refused), else ValueError naming `name` (and its `meaning`)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
+        raise ValueError(f"{name} must be a positive int{meaning}, got {value!r}")
+    return int(value)
+
+
 def check_chunk_size(chunk_size: object) -> int | None:
     if chunk_size is None:
         return None
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or int(chunk_size) < 1:
-        raise ValueError(
-            f"chunk_size must be a positive int (rows per chunk) or None (byte-budget default), got {chunk_size!r}"
-        )
-    return int(chunk_size)
+    return check_positive_int(chunk_size, "chunk_size", " (rows per chunk) or None (byte-budget default)")
 
 
 def smallest_temperature(dtype: torch.dtype = torch.float32) -> float:
@@ -294,49 +335,93 @@ def check_temperature(
     constant, and no gradient is computed for it.
     """
     lead = tuple(lead)
-    math_dtype = compute_dtype(dtype)
-    smallest = smallest_temperature(dtype)
     if isinstance(temperature, torch.Tensor):
-        if not temperature.is_floating_point():
-            raise TypeError(f"temperature must be a float or a floating tensor, got dtype {temperature.dtype}")
-        if temperature.shape not in ((), lead):
-            raise ValueError(
-                f"temperature tensor must have shape [] or {list(lead)} (one value per token), "
-                f"got {list(temperature.shape)}"
-            )
-        if temperature.requires_grad:
-            raise ValueError("temperature must not require grad (it is a sampling constant); pass .detach()")
-        if temperature.device != device:
-            raise ValueError(f"temperature is on {temperature.device} but the logits on {device}; move it there")
-        check_has_data(temperature, "temperature")
-        flat = temperature.reshape(-1) if temperature.dim() else temperature
-        checks.require(
-            torch.isfinite(flat) & (flat > 0),
-            lambda: ValueError("temperature must be finite and > 0 for every token; check the per-token temperatures"),
-        )
-        checks.require(
-            torch.isfinite(1.0 / flat.to(math_dtype)),
-            lambda: ValueError(
-                f"temperature must be >= {smallest:.6g} for every token (smaller ones make 1/temperature overflow "
-                f"{math_dtype}); check the per-token temperatures"
-            ),
-        )
-        return flat
+        return _check_temperature_tensor(temperature, lead, device, checks, dtype)
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(
             f"temperature must be a float or a tensor of shape {list(lead)}, got {type(temperature).__name__}"
         )
     if not (math.isfinite(float(temperature)) and float(temperature) > 0):
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    math_dtype = compute_dtype(dtype)
     if 1.0 / float(temperature) > torch.finfo(math_dtype).max:  # host arithmetic: no device sync
         raise ValueError(
-            f"temperature must be >= {smallest:.6g} (the smallest whose 1/temperature is finite in {math_dtype}), "
-            f"got {temperature}"
+            f"temperature must be >= {smallest_temperature(dtype):.6g} (the smallest whose 1/temperature is finite "
+            f"in {math_dtype}), got {temperature}"
         )
     return float(temperature)
 
 
+def _check_temperature_tensor(
+    temperature: torch.Tensor, lead: tuple[int, ...], device: torch.device, checks: DeviceChecks, dtype: torch.dtype
+) -> torch.Tensor:
+    """A per-token temperature tensor: its form here, its values (finite, > 0, 1/τ finite in the
+    compute dtype) through `checks`; flattened to [T] (shape [] kept)."""
+    math_dtype = compute_dtype(dtype)
+    smallest = smallest_temperature(dtype)
+    if not temperature.is_floating_point():
+        raise TypeError(f"temperature must be a float or a floating tensor, got dtype {temperature.dtype}")
+    if temperature.shape not in ((), lead):
+        raise ValueError(
+            f"temperature tensor must have shape [] or {list(lead)} (one value per token), "
+            f"got {list(temperature.shape)}"
+        )
+    if temperature.requires_grad:
+        raise ValueError("temperature must not require grad (it is a sampling constant); pass .detach()")
+    if temperature.device != device:
+        raise ValueError(f"temperature is on {temperature.device} but the logits on {device}; move it there")
+    check_has_data(temperature, "temperature")
+    flat = temperature.reshape(-1) if temperature.dim() else temperature
+    checks.require(
+        torch.isfinite(flat) & (flat > 0),
+        lambda: ValueError("temperature must be finite and > 0 for every token; check the per-token temperatures"),
+    )
+    checks.require(
+        torch.isfinite(1.0 / flat.to(math_dtype)),
+        lambda: ValueError(
+            f"temperature must be >= {smallest:.6g} for every token (smaller ones make 1/temperature overflow "
+            f"{math_dtype}); check the per-token temperatures"
+        ),
+    )
+    return flat
+
+
 # ------------------------------------------------------------------------ the streaming core
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """Options of one call of a vocab-parallel op (log-probs, top-k; on logits or the fused LM
+    head), fixed before its autograd Function runs."""
+
+    group: dist.ProcessGroup | None
+    first_id: int  # global id of local column 0 (of local vocab row 0 of the weight)
+    n_valid: int  # local columns that are real vocab ids
+    chunk_rows: int | None  # rows per chunk; the fused LM head: None = its tile budget
+    op: str  # the public op and its logits argument, for messages
+    arg: str = "logits"
+    with_entropy: bool = False
+    entropy_grad: bool = False
+    inplace_backward: bool = False
+    sequence_parallel: bool = False  # the fused LM head's hidden rows are sharded over the group
+
+
+def op_spec(
+    local_vocab: int, group: dist.ProcessGroup | None, vocab_size: int | None, chunk_rows: int | None, op: str,
+    **options: object,
+) -> OpSpec:
+    """The :class:`OpSpec` of a call on this rank's `local_vocab` columns (`vocab_size` checked)."""
+    return OpSpec(group=group, first_id=vocab_start(local_vocab, group),
+                  n_valid=valid_local_columns(local_vocab, vocab_size, group), chunk_rows=chunk_rows, op=op,
+                  **options)  # type: ignore[arg-type]
+
+
+def logits_chunk_rows(chunk_size: int | None, local_vocab: int, group: dist.ProcessGroup | None,
+                      vocab_size: int | None, logits: torch.Tensor) -> int:
+    """Rows per chunk of the logits ops: `chunk_size`, or the byte budget of one [rows, n_valid + 1]
+    buffer of the compute dtype."""
+    n_valid = valid_local_columns(local_vocab, vocab_size, group)
+    return chunk_size or default_chunk_rows(n_valid + 1, logits.device, compute_dtype(logits.dtype))
 
 
 @dataclass(frozen=True)
@@ -366,6 +451,19 @@ class VocabStats:
     far_rows: list[int]  # the rows whose subset has its own shift, ascending (host side, for backward)
 
 
+@dataclass
+class _LocalSums:
+    """This rank's per-row results before the cross-rank combine: every sum uses this rank's own
+    row max as shift. Sums not asked for by the spec are empty tensors."""
+
+    row_max: torch.Tensor  # local row max (NaN -> +inf, -inf without any column)
+    subset_max: torch.Tensor  # local max of the subset's logits
+    rest: torch.Tensor
+    moment: torch.Tensor
+    subset_sum: torch.Tensor
+    marked: torch.Tensor  # [T, k] the marked logits, 0 where another rank owns the column
+
+
 def vocab_stats(
     logits: torch.Tensor,
     marked: torch.Tensor,
@@ -382,93 +480,154 @@ def vocab_stats(
     row max as shift; after the loop one MAX all-reduce gives the global maxima, the sums are
     rescaled to them and one SUM all-reduce of a packed [T, c] tensor combines them.
     """
-    n_rows = logits.size(0)
-    dtype = compute_dtype(logits.dtype)
-    dev = logits.device
-    nv = spec.n_valid
-    empty = torch.empty(0, dtype=dtype, device=dev)
-    m_loc = torch.empty(n_rows, dtype=dtype, device=dev)
-    sub_max = torch.empty(n_rows, dtype=dtype, device=dev) if spec.subset else empty
-    rest = torch.empty(n_rows, dtype=dtype, device=dev) if spec.rest else empty
-    moment = torch.empty(n_rows, dtype=dtype, device=dev) if spec.moment else empty
-    sub_sum = torch.empty(n_rows, dtype=dtype, device=dev) if spec.subset else empty
-    # the marked logits, exact: 0 on ranks not owning them, so the SUM all-reduce gathers them
-    picked = logits.gather(1, torch.where(owned, marked, 0)) if logits.size(1) else logits.new_zeros(marked.shape)
-    marked_x = torch.where(owned, picked.to(dtype), 0.0)
-
-    width = min(spec.chunk_rows, n_rows)
-    u_buf = torch.empty((width, nv + 1), dtype=dtype, device=dev)  # column nv: sink of `marked`
-    e_buf = torch.empty((width, nv + 1), dtype=dtype, device=dev) if spec.moment else u_buf
-    for start, stop in row_chunks(n_rows, spec.chunk_rows):
-        x = logits[start:stop, :nv]
-        sc = scale_rows(scale, slice(start, stop))
-        u, e = u_buf[: stop - start], e_buf[: stop - start]
-        m = local_row_max(x, dtype)
-        m_loc[start:stop] = m
-        if spec.subset and keep_mask is not None:
-            sub_max[start:stop] = local_row_max(x.masked_fill(~keep_mask[start:stop, :nv], -math.inf), dtype)
-        shifted_rows(x, finite_or_zero(m), sc, out=u[:, :nv])
-        u.scatter_(1, marked[start:stop], -math.inf)  # marked columns drop out of every sum
-        if spec.subset and keep_mask is None:
-            sub_max[start:stop] = finite_or_zero(m) + local_row_max(u[:, :nv], dtype) / (
-                sc.squeeze(1) if isinstance(sc, torch.Tensor) else sc
-            )
-        torch.exp(u, out=e)
-        if spec.rest:
-            torch.sum(e[:, :nv], dim=1, out=rest[start:stop])
-        if spec.moment:
-            u.clamp_min_(NEG_FLOOR)  # e = 0 there: e·u stays 0 for -inf logits instead of NaN
-            moment[start:stop] = torch.linalg.vecdot(e[:, :nv], u[:, :nv])
-        if spec.subset:
-            kept = e[:, :nv] if keep_mask is None else e[:, :nv].masked_fill_(~keep_mask[start:stop, :nv], 0.0)
-            torch.sum(kept, dim=1, out=sub_sum[start:stop])
-
-    if spec.subset and spec.marked_in_subset_max:
-        sub_max = torch.maximum(sub_max, torch.where(owned, marked_x, -math.inf).amax(dim=1))
-    # a fresh tensor: m_loc itself is still needed as the local shift
-    maxima = all_reduce_max_(torch.stack([m_loc, sub_max] if spec.subset else [m_loc]), spec.group)
+    sums = _local_sums(logits, marked, owned, scale, spec, keep_mask)
+    maxima = _global_maxima(sums, owned, spec)
     raw_max = maxima[0]
     shift = finite_or_zero(raw_max)
-    subset_shift, far, far_list = None, None, []
+    subset_shift, far, far_rows = None, None, []
     if spec.subset:
-        sub_global = maxima[1]
-        far = torch.isfinite(sub_global) & (mul_scale(shift - sub_global, scale) > SHARED_SHIFT_LIMIT)
-        subset_shift = torch.where(far, sub_global, shift)
-        # the one host sync of this function (reading the rows back follows at once); the same
-        # rows on every rank, since the maxima are global
-        far_rows = torch.nonzero(far).squeeze(1)
-        far_list = far_rows.tolist()
-        if far_list:
-            sub_sum[far_rows] = _far_subset_sums(logits, far_rows, subset_shift, scale, marked, keep_mask, spec)
-
+        subset_shift, far, far_index, far_rows = _subset_shift(maxima[1], shift, scale)
+        if far_rows:
+            sums.subset_sum[far_index] = _far_subset_sums(logits, far_index, subset_shift, scale, marked, keep_mask, spec)
     if tp_size(spec.group) > 1:
-        # this rank's sums used its own max as shift: move them to the global one (d <= 0; the
-        # cap only matters for rows without any finite local value, whose sums are 0)
-        d = mul_scale(finite_or_zero(m_loc) - shift, scale).clamp_max_(0.0)
-        f = torch.exp(d)
-        columns = [marked_x]
-        if spec.rest:
-            columns.append(rest * f)
-        if spec.moment:
-            columns.append(f * (moment + d * rest))  # Σ e^(u+d)·(u+d)
-        if spec.subset:
-            columns.append(torch.where(far, sub_sum, sub_sum * f))
-        summed = all_reduce_sum_(torch.cat([c.reshape(n_rows, -1) for c in columns], dim=1), spec.group)
-        k = marked_x.size(1)
-        marked_x, out = summed[:, :k], iter(summed[:, k:].unbind(1))
-        rest = next(out) if spec.rest else rest
-        moment = next(out) if spec.moment else moment
-        sub_sum = next(out) if spec.subset else sub_sum
+        _combine_over_ranks(sums, shift, far, scale, spec)
     return VocabStats(
         raw_max=raw_max,
         shift=shift,
-        marked=marked_x,
-        rest=rest if spec.rest else None,
-        moment=moment if spec.moment else None,
+        marked=sums.marked,
+        rest=sums.rest if spec.rest else None,
+        moment=sums.moment if spec.moment else None,
         subset_shift=subset_shift,
-        subset_sum=sub_sum if spec.subset else None,
-        far_rows=far_list,
+        subset_sum=sums.subset_sum if spec.subset else None,
+        far_rows=far_rows,
     )
+
+
+def _local_sums(
+    logits: torch.Tensor,
+    marked: torch.Tensor,
+    owned: torch.Tensor,
+    scale: float | torch.Tensor,
+    spec: StatsSpec,
+    keep_mask: torch.Tensor | None,
+) -> _LocalSums:
+    """The per-chunk statistics of every row of this rank's vocab shard, chunk by chunk."""
+    n_rows, n_valid = logits.size(0), spec.n_valid
+    dtype = compute_dtype(logits.dtype)
+    sums = _empty_sums(n_rows, dtype, logits.device, spec)
+    # the marked logits, exact: 0 on ranks not owning them, so the SUM all-reduce gathers them
+    picked = logits.gather(1, torch.where(owned, marked, 0)) if logits.size(1) else logits.new_zeros(marked.shape)
+    sums.marked = torch.where(owned, picked.to(dtype), 0.0)
+
+    width = min(spec.chunk_rows, n_rows)
+    shifted_buf = torch.empty((width, n_valid + 1), dtype=dtype, device=logits.device)  # column n_valid: sink of `marked`
+    exps_buf = torch.empty((width, n_valid + 1), dtype=dtype, device=logits.device) if spec.moment else shifted_buf
+    for start, stop in row_chunks(n_rows, spec.chunk_rows):
+        rows = slice(start, stop)
+        _chunk_sums(
+            logits[rows, :n_valid], marked[rows], None if keep_mask is None else keep_mask[rows, :n_valid],
+            scale_rows(scale, rows), spec, sums, rows, shifted_buf[: stop - start], exps_buf[: stop - start],
+        )
+    return sums
+
+
+def _empty_sums(n_rows: int, dtype: torch.dtype, device: torch.device, spec: StatsSpec) -> _LocalSums:
+    """Uninitialized per-row outputs of the chunk passes (empty for the sums not asked for)."""
+    empty = torch.empty(0, dtype=dtype, device=device)
+
+    def per_row(wanted: bool) -> torch.Tensor:
+        return torch.empty(n_rows, dtype=dtype, device=device) if wanted else empty
+
+    return _LocalSums(row_max=per_row(True), subset_max=per_row(spec.subset), rest=per_row(spec.rest),
+                      moment=per_row(spec.moment), subset_sum=per_row(spec.subset), marked=empty)
+
+
+def _chunk_sums(
+    chunk: torch.Tensor,
+    marked: torch.Tensor,
+    kept: torch.Tensor | None,
+    chunk_scale: float | torch.Tensor,
+    spec: StatsSpec,
+    sums: _LocalSums,
+    rows: slice,
+    shifted: torch.Tensor,
+    exps: torch.Tensor,
+) -> None:
+    """One chunk's local maxima and exp-sums into `sums[rows]`; `shifted`/`exps` are
+    [rows, n_valid + 1] scratch buffers (the same one when no moment is asked for)."""
+    n_valid = chunk.size(1)
+    chunk_max = local_row_max(chunk, sums.row_max.dtype)
+    sums.row_max[rows] = chunk_max
+    if spec.subset and kept is not None:
+        sums.subset_max[rows] = local_row_max(chunk.masked_fill(~kept, -math.inf), sums.row_max.dtype)
+    shifted_rows(chunk, finite_or_zero(chunk_max), chunk_scale, out=shifted[:, :n_valid])
+    shifted.scatter_(1, marked, -math.inf)  # marked columns drop out of every sum
+    if spec.subset and kept is None:  # the subset: every unmarked column, its max back in logit units
+        sums.subset_max[rows] = finite_or_zero(chunk_max) + local_row_max(shifted[:, :n_valid], sums.row_max.dtype) / (
+            chunk_scale.squeeze(1) if isinstance(chunk_scale, torch.Tensor) else chunk_scale
+        )
+    torch.exp(shifted, out=exps)
+    if spec.rest:
+        torch.sum(exps[:, :n_valid], dim=1, out=sums.rest[rows])
+    if spec.moment:
+        shifted.clamp_min_(NEG_FLOOR)  # exps = 0 there: exps·shifted stays 0 for -inf logits instead of NaN
+        sums.moment[rows] = torch.linalg.vecdot(exps[:, :n_valid], shifted[:, :n_valid])
+    if spec.subset:
+        subset_exps = exps[:, :n_valid] if kept is None else exps[:, :n_valid].masked_fill_(~kept, 0.0)
+        torch.sum(subset_exps, dim=1, out=sums.subset_sum[rows])
+
+
+def _global_maxima(sums: _LocalSums, owned: torch.Tensor, spec: StatsSpec) -> torch.Tensor:
+    """[1 or 2, T]: the global row max (and subset max), the same on every rank."""
+    subset_max = sums.subset_max
+    if spec.subset and spec.marked_in_subset_max:
+        subset_max = torch.maximum(subset_max, torch.where(owned, sums.marked, -math.inf).amax(dim=1))
+    # MAX all-reduce over the tensor-parallel group: each rank's maxima over its vocab shard give
+    # the full-vocab maxima, the shifts every rank's sums are moved to. A fresh tensor: row_max
+    # itself stays this rank's shift, needed for the rescale.
+    return all_reduce_max_(torch.stack([sums.row_max, subset_max] if spec.subset else [sums.row_max]), spec.group)
+
+
+def _subset_shift(
+    subset_max: torch.Tensor, shift: torch.Tensor, scale: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """The subset's shift per row (`shift`, or the subset's own global max where it lies more
+    than SHARED_SHIFT_LIMIT below), which rows have their own (mask, index tensor, host list)."""
+    far = torch.isfinite(subset_max) & (mul_scale(shift - subset_max, scale) > SHARED_SHIFT_LIMIT)
+    subset_shift = torch.where(far, subset_max, shift)
+    far_index = torch.nonzero(far).squeeze(1)
+    # the one host sync of vocab_stats; the same rows on every rank, since the maxima are global
+    return subset_shift, far, far_index, far_index.tolist()
+
+
+def _combine_over_ranks(
+    sums: _LocalSums, shift: torch.Tensor, far: torch.Tensor | None, scale: float | torch.Tensor, spec: StatsSpec
+) -> None:
+    """Every rank's sums moved to the global shifts and added up over the ranks, in place."""
+    n_rows = shift.size(0)
+    # this rank's sums used its own max as shift: move them to the global one (d <= 0; the cap
+    # only matters for rows without any finite local value, whose sums are 0)
+    log_factor = mul_scale(finite_or_zero(sums.row_max) - shift, scale).clamp_max_(0.0)
+    factor = torch.exp(log_factor)
+    columns = [sums.marked]
+    if spec.rest:
+        columns.append(sums.rest * factor)
+    if spec.moment:
+        columns.append(factor * (sums.moment + log_factor * sums.rest))  # Σ e^(u+d)·(u+d)
+    if spec.subset:  # far rows already use the global subset max as shift
+        columns.append(torch.where(far, sums.subset_sum, sums.subset_sum * factor))
+    # SUM all-reduce over the tensor-parallel group of one packed [T, k + c] tensor: the partial
+    # sums over each rank's vocab shard add up to full-vocab sums, and the marked logits (0 on
+    # the ranks not owning them) come back from their owners.
+    summed = all_reduce_sum_(torch.cat([c.reshape(n_rows, -1) for c in columns], dim=1), spec.group)
+    k = sums.marked.size(1)
+    sums.marked, combined = summed[:, :k], iter(summed[:, k:].unbind(1))
+    if spec.rest:
+        sums.rest = next(combined)
+    if spec.moment:
+        sums.moment = next(combined)
+    if spec.subset:
+        sums.subset_sum = next(combined)
 
 
 def _far_subset_sums(
@@ -481,17 +640,19 @@ def _far_subset_sums(
     spec: StatsSpec,
 ) -> torch.Tensor:
     """Subset exp-sums of the given rows with their own (global) subset shift, chunk by chunk."""
-    nv = spec.n_valid
+    n_valid = spec.n_valid
     dtype = compute_dtype(logits.dtype)
     sums = torch.empty(rows.numel(), dtype=dtype, device=logits.device)
-    buf = torch.empty((min(spec.chunk_rows, rows.numel()), nv + 1), dtype=dtype, device=logits.device)
+    exps_buf = torch.empty((min(spec.chunk_rows, rows.numel()), n_valid + 1), dtype=dtype, device=logits.device)
     for start, stop in row_chunks(rows.numel(), spec.chunk_rows):
-        idx = rows[start:stop]
-        own = buf[: stop - start]
-        shifted_rows(logits[idx, :nv], shift[idx], scale_rows(scale, idx), out=own[:, :nv])
-        own.scatter_(1, marked[idx], -math.inf).exp_()
-        body = own[:, :nv] if keep_mask is None else own[:, :nv].masked_fill_(~keep_mask[idx, :nv], 0.0)
-        torch.sum(body, dim=1, out=sums[start:stop])
+        chunk_rows = rows[start:stop]
+        exps = exps_buf[: stop - start]
+        shifted_rows(logits[chunk_rows, :n_valid], shift[chunk_rows], scale_rows(scale, chunk_rows), out=exps[:, :n_valid])
+        exps.scatter_(1, marked[chunk_rows], -math.inf).exp_()
+        subset_exps = exps[:, :n_valid]
+        if keep_mask is not None:
+            subset_exps = subset_exps.masked_fill_(~keep_mask[chunk_rows, :n_valid], 0.0)
+        torch.sum(subset_exps, dim=1, out=sums[start:stop])
     return sums
 
 

@@ -13,26 +13,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from megatron_rl_patches.ops import _vocab
-from megatron_rl_patches.ops._dist import vocab_start
 
 __all__ = ["log_probs_and_entropy"]
 
 # rows of the per-token statistics (see _LogProbEntropy)
 _STATS = (_M, _LOG_S, _MEAN, _M_KEPT, _LOG_S_KEPT) = (0, 1, 2, 3, 4)
-
-
-
-@dataclass(frozen=True)
-class _Spec:
-    """Options of one call, fixed before the Function runs."""
-
-    group: dist.ProcessGroup | None
-    first_id: int  # global id of local column 0
-    n_valid: int  # local columns that are real vocab ids
-    chunk_rows: int
-    with_entropy: bool
-    entropy_grad: bool
-    inplace_backward: bool
 
 
 class _LogProbEntropy(torch.autograd.Function):
@@ -48,70 +33,18 @@ class _LogProbEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, tokens, keep_mask, temperature, spec, checks):  # type: ignore[override]
-        n_rows = logits.size(0)
-        dtype = _vocab.compute_dtype(logits.dtype)
         masked = keep_mask is not None
-        scale = _vocab.row_scale(temperature, n_rows, dtype)
+        scale = _vocab.row_scale(temperature, logits.size(0), _vocab.compute_dtype(logits.dtype))
         cols, owned = _vocab.local_columns(tokens, spec.first_id, spec.n_valid)
-        vs = _vocab.vocab_stats(
-            logits,
-            cols.unsqueeze(1),
-            owned.unsqueeze(1),
-            scale,
-            _vocab.StatsSpec(spec.group, spec.n_valid, spec.chunk_rows, moment=spec.with_entropy,
-                             subset=masked, marked_in_subset_max=True),
-            keep_mask,
-        )
-        x_target = vs.marked[:, 0]
-
-        stats = torch.zeros((len(_STATS), n_rows), dtype=dtype, device=logits.device)
-        bad = _vocab.bad_row_codes(vs.raw_max)
-        stats[_M] = vs.shift
-        u_target = _vocab.mul_scale(x_target - vs.shift, scale)
-        # S = S_other + e^u_t; log p = u_t - log S stays exact as p -> 1 (log1p inside logaddexp)
-        stats[_LOG_S] = torch.logaddexp(vs.rest.log(), u_target)
-        log_probs = u_target - stats[_LOG_S]
-        if spec.with_entropy:
-            # Ā = E_p[u] (target term added back); H = log S - Ā. Saving Ā, not H, keeps
-            # log p + H = u - Ā exact for near-uniform rows in backward.
-            p_target = log_probs.exp()
-            stats[_MEAN] = vs.moment * stats[_LOG_S].neg().exp() + torch.where(
-                p_target > 0, p_target * u_target, 0.0
-            )
-        if masked:
-            stats[_M_KEPT] = vs.subset_shift
-            u_kept = _vocab.mul_scale(x_target - vs.subset_shift, scale)
-            stats[_LOG_S_KEPT] = torch.logaddexp(vs.subset_sum.log(), u_kept)
-            log_probs = u_kept - stats[_LOG_S_KEPT]
-            bad = torch.where((bad == 0) & torch.isneginf(stats[_LOG_S_KEPT]), _vocab.BAD_KEPT_NEG_INF, bad)
-        checks.require(bad == 0, lambda: _vocab.bad_rows_error("log_probs_and_entropy", "logits", bad))
+        stats_spec = _vocab.StatsSpec(spec.group, spec.n_valid, spec.chunk_rows, moment=spec.with_entropy,
+                                      subset=masked, marked_in_subset_max=True)
+        vocab = _vocab.vocab_stats(logits, cols.unsqueeze(1), owned.unsqueeze(1), scale, stats_spec, keep_mask)
+        stats, log_probs, bad = _token_stats(vocab, scale, spec.with_entropy, masked)
+        checks.require(bad == 0, lambda: _vocab.bad_rows_error(spec.op, spec.arg, bad))
         checks.raise_first()  # the forward's host sync: input checks and bad rows at once
         entropy = stats[_LOG_S] - stats[_MEAN] if spec.with_entropy else stats.new_empty(0)
-
-        needed = []
-        if not masked or spec.entropy_grad:
-            needed += [_M, _LOG_S]
-        if spec.entropy_grad:
-            needed.append(_MEAN)
-        if masked:
-            needed += [_M_KEPT, _LOG_S_KEPT]
-        ctx.stat_rows = {index: i for i, index in enumerate(needed)}
-        ctx.spec = spec
-        ctx.masked = masked
-        ctx.kept_far_rows = vs.far_rows  # rows whose kept ids have their own shift (host list)
-        ctx.tensor_temperature = isinstance(temperature, torch.Tensor)
-        ctx.temperature = None if ctx.tensor_temperature else temperature
-        ctx.set_materialize_grads(False)
-        # int32 local target column (-1: another rank owns it) instead of the int64 ids; the
-        # statistics are <= 5 numbers per token: <= 24 B/token in all
-        target_cols = torch.where(owned, cols, -1).to(torch.int32)
-        ctx.save_for_backward(
-            logits,
-            target_cols,
-            stats[needed].contiguous(),  # the [5, T] scratch itself is freed
-            keep_mask,
-            temperature if ctx.tensor_temperature else None,
-        )
+        _save_for_backward(ctx, logits, torch.where(owned, cols, -1), stats, keep_mask, temperature, spec,
+                           vocab.far_rows)
         if not spec.entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return log_probs, entropy
@@ -120,112 +53,218 @@ class _LogProbEntropy(torch.autograd.Function):
     @_vocab.reject_double_backward
     def backward(ctx, grad_log_probs, grad_entropy):  # type: ignore[override]
         logits, target_cols, stats, keep_mask, temperature = ctx.saved_tensors
-        spec: _Spec = ctx.spec
+        spec: _vocab.OpSpec = ctx.spec
         grad_entropy = grad_entropy if spec.entropy_grad else None
         if grad_log_probs is None and grad_entropy is None:
             return None, None, None, None, None, None
-        n_rows, local_vocab = logits.shape
+        n_rows = logits.size(0)
         dtype = _vocab.compute_dtype(logits.dtype)
-        dev = logits.device
-        nv = spec.n_valid
-        masked = ctx.masked
         scale = _vocab.row_scale(temperature if ctx.tensor_temperature else ctx.temperature, n_rows, dtype)
         owned = target_cols >= 0
-        at_target = (torch.arange(n_rows, device=dev), target_cols.clamp_min(0).long())
-        st = {index: stats[i] for index, i in ctx.stat_rows.items()}
+        at_target = (torch.arange(n_rows, device=logits.device), target_cols.clamp_min(0).long())
+        token_stats = {index: stats[i] for index, i in ctx.stat_rows.items()}
         # read before the gradient (maybe the logits' own storage) is written; rows whose target
         # another rank owns read column 0 and are never used
         x_target = logits[at_target].to(dtype)
-
-        if spec.inplace_backward:
-            # the caller allowed us to overwrite the logits: bump their version so any other
-            # node that saved them fails autograd's check instead of reading the gradient
-            torch.autograd.graph.increment_version(logits)
-            grad = logits.detach()
-        else:
-            grad = torch.empty_like(logits)
-        if nv < local_vocab:
-            grad[:, nv:].zero_()
-
-        # dL/dx = a·s·(onehot - p_kept) - b·s·p·(log p + H), a = dL/dlogp, b = dL/dH, s = 1/τ.
-        # Per-row factors for the chunk passes (the target entries are rewritten exactly below):
+        grad = _gradient_buffer(logits, spec)
+        # dL/dx = a·s·(onehot - p_kept) - b·s·p·(log p + H), a = dL/dlogp, b = dL/dH, s = 1/τ;
+        # the chunk passes write every entry, the target entries are rewritten exactly below
         a = _vocab.mul_scale(grad_log_probs.to(dtype), scale) if grad_log_probs is not None else None
         b = _vocab.mul_scale(grad_entropy.to(dtype), scale) if grad_entropy is not None else None
-        far_rows: list[int] = []
+        masked_a = keep_mask if ctx.masked else None
         if b is None:
-            shift = st[_M] if not masked else st[_M_KEPT]
-            # -a·p = -(a/S)·e^u; masked: -a·e^(u_kept - log S_kept) on kept ids
-            row_mul = -a * st[_LOG_S].neg().exp() if not masked else -a
+            _log_prob_grad_pass(logits, grad, masked_a, token_stats, scale, a, spec)
         else:
-            shift = st[_M]
-            inv_s = st[_LOG_S].neg().exp()
-            # p·(-b·(u - Ā) - a·p_kept/p) = e^u·(row_mul·u + row_add [- a·e^(-log S_kept) on kept ids])
-            row_mul = -b * inv_s
-            row_add = b * st[_MEAN] * inv_s
-            if a is not None and not masked:
-                row_add = row_add - a * inv_s
-            if a is not None and masked:
-                same = st[_M_KEPT] == st[_M]  # kept ids share the full shift: p_kept = e^u·e^(-log S_kept)
-                limit = _vocab.SHARED_SHIFT_LIMIT
-                kept_coef = torch.where(same, a * st[_LOG_S_KEPT].clamp_min(-limit).neg().exp(), 0.0)
-                far_rows = ctx.kept_far_rows  # the other rows: their kept ids get their own exp
-
-        width = min(spec.chunk_rows, n_rows)
-        u_buf = torch.empty((width, nv), dtype=dtype, device=dev)
-        q_buf = torch.empty((width, nv), dtype=dtype, device=dev) if b is not None else None
-        w_buf = torch.empty((width, nv), dtype=dtype, device=dev) if far_rows else None
-        for start, stop in _vocab.row_chunks(n_rows, spec.chunk_rows):
-            x = logits[start:stop, :nv]
-            out = grad[start:stop, :nv]
-            sc = _vocab.scale_rows(scale, slice(start, stop))
-            u = u_buf[: stop - start]
-            _vocab.shifted_rows(x, shift[start:stop], sc, out=u)
-            kept = keep_mask[start:stop, :nv] if masked and a is not None else None
-
-            if b is None:
-                if kept is not None:
-                    u.sub_(st[_LOG_S_KEPT][start:stop].unsqueeze(1)).exp_().masked_fill_(~kept, 0.0)
-                else:
-                    u.exp_()
-                torch.mul(u, row_mul[start:stop].unsqueeze(1), out=out)
-                continue
-            q = q_buf[: stop - start]
-            torch.exp(u, out=q)
-            u.clamp_min_(_vocab.NEG_FLOOR)  # q = 0 there: keep q·u at 0, not 0·inf = NaN
-            u.mul_(row_mul[start:stop].unsqueeze(1)).add_(row_add[start:stop].unsqueeze(1))
-            far = None
-            if kept is not None:
-                u.sub_(kept * kept_coef[start:stop].unsqueeze(1))
-                far = _vocab.rows_in_chunk(far_rows, start, stop, dev)
-            if far is not None:  # computed before `out` (maybe the logits themselves) is written
-                own = w_buf[: stop - start if isinstance(far, slice) else far.numel()]
-                i = slice(start, stop)
-                _vocab.own_shift_exp(x[far], st[_M_KEPT][i][far], st[_LOG_S_KEPT][i][far],
-                                     _vocab.scale_rows(sc, far), out=own)
-                own.masked_fill_(~kept[far], 0.0).mul_(a[i][far].unsqueeze(1))
-            torch.mul(q, u, out=out)
-            if far is not None:
-                out[far] = (out[far].to(dtype) - own).to(out.dtype)
+            factors = _entropy_factors(token_stats, a, b, ctx.masked, ctx.kept_far_rows)
+            _entropy_grad_pass(logits, grad, masked_a if a is not None else None, token_stats, scale, factors, spec)
         if a is not None:
-            exact = _target_entries(x_target, st, scale, a, b, masked)
+            exact = _target_entries(x_target, token_stats, scale, a, b, ctx.masked)
             grad[at_target] = torch.where(owned, exact.to(grad.dtype), grad[at_target])
         return grad, None, None, None, None, None
 
 
-def _target_entries(x_target, st, scale, a, b, masked) -> torch.Tensor:
+# ----------------------------------------------------------------------------- forward steps
+
+
+def _token_stats(
+    vocab: _vocab.VocabStats, scale: float | torch.Tensor, with_entropy: bool, masked: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The [5, T] per-token statistics (rows _M ... _LOG_S_KEPT), the log-probs and the bad-row
+    codes, from the combined vocab statistics (target logit summed apart)."""
+    x_target = vocab.marked[:, 0]
+    stats = torch.zeros((len(_STATS), x_target.size(0)), dtype=vocab.shift.dtype, device=vocab.shift.device)
+    bad = _vocab.bad_row_codes(vocab.raw_max)
+    stats[_M] = vocab.shift
+    u_target = _vocab.mul_scale(x_target - vocab.shift, scale)
+    # S = S_other + e^u_t; log p = u_t - log S stays exact as p -> 1 (log1p inside logaddexp)
+    stats[_LOG_S] = torch.logaddexp(vocab.rest.log(), u_target)
+    log_probs = u_target - stats[_LOG_S]
+    if with_entropy:
+        # Ā = E_p[u] (target term added back); H = log S - Ā. Saving Ā, not H, keeps
+        # log p + H = u - Ā exact for near-uniform rows in backward.
+        p_target = log_probs.exp()
+        stats[_MEAN] = vocab.moment * stats[_LOG_S].neg().exp() + torch.where(p_target > 0, p_target * u_target, 0.0)
+    if masked:
+        stats[_M_KEPT] = vocab.subset_shift
+        u_kept = _vocab.mul_scale(x_target - vocab.subset_shift, scale)
+        stats[_LOG_S_KEPT] = torch.logaddexp(vocab.subset_sum.log(), u_kept)
+        log_probs = u_kept - stats[_LOG_S_KEPT]
+        bad = torch.where((bad == 0) & torch.isneginf(stats[_LOG_S_KEPT]), _vocab.BAD_KEPT_NEG_INF, bad)
+    return stats, log_probs, bad
+
+
+def _save_for_backward(ctx, logits, target_cols, stats, keep_mask, temperature, spec, kept_far_rows) -> None:
+    """Keep the logits and only the statistics rows backward reads (<= 24 B/token in all)."""
+    masked = keep_mask is not None
+    needed = []
+    if not masked or spec.entropy_grad:
+        needed += [_M, _LOG_S]
+    if spec.entropy_grad:
+        needed.append(_MEAN)
+    if masked:
+        needed += [_M_KEPT, _LOG_S_KEPT]
+    ctx.stat_rows = {index: i for i, index in enumerate(needed)}
+    ctx.spec = spec
+    ctx.masked = masked
+    ctx.kept_far_rows = kept_far_rows  # rows whose kept ids have their own shift (host list)
+    ctx.tensor_temperature = isinstance(temperature, torch.Tensor)
+    ctx.temperature = None if ctx.tensor_temperature else temperature
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(
+        logits,
+        target_cols.to(torch.int32),  # int32 local target column (-1: another rank owns it), not int64 ids
+        stats[needed].contiguous(),  # the [5, T] scratch itself is freed
+        keep_mask,
+        temperature if ctx.tensor_temperature else None,
+    )
+
+
+# ----------------------------------------------------------------------------- backward steps
+
+
+def _gradient_buffer(logits: torch.Tensor, spec: _vocab.OpSpec) -> torch.Tensor:
+    """Where the gradient goes: the logits' own storage with `inplace_backward`, else a fresh
+    tensor; padded columns (ids >= vocab_size) get 0."""
+    if spec.inplace_backward:
+        # the caller allowed us to overwrite the logits: bump their version so any other
+        # node that saved them fails autograd's check instead of reading the gradient
+        torch.autograd.graph.increment_version(logits)
+        grad = logits.detach()
+    else:
+        grad = torch.empty_like(logits)
+    if spec.n_valid < logits.size(1):
+        grad[:, spec.n_valid :].zero_()
+    return grad
+
+
+def _log_prob_grad_pass(logits, grad, keep_mask, token_stats, scale, a, spec: _vocab.OpSpec) -> None:
+    """Without an entropy gradient: every entry gets -a·p (-a·p_kept on the kept ids, 0 on the
+    others), i.e. -(a/S)·e^u, or -a·e^(u_kept - log S_kept) when masked."""
+    masked = keep_mask is not None
+    shift = token_stats[_M_KEPT] if masked else token_stats[_M]
+    row_mul = -a if masked else -a * token_stats[_LOG_S].neg().exp()
+    n_rows, n_valid = logits.size(0), spec.n_valid
+    probs_buf = torch.empty((min(spec.chunk_rows, n_rows), n_valid), dtype=shift.dtype, device=logits.device)
+    for start, stop in _vocab.row_chunks(n_rows, spec.chunk_rows):
+        rows = slice(start, stop)
+        probs = probs_buf[: stop - start]
+        _vocab.shifted_rows(logits[rows, :n_valid], shift[rows], _vocab.scale_rows(scale, rows), out=probs)
+        if masked:
+            probs.sub_(token_stats[_LOG_S_KEPT][rows].unsqueeze(1)).exp_().masked_fill_(~keep_mask[rows, :n_valid], 0.0)
+        else:
+            probs.exp_()
+        torch.mul(probs, row_mul[rows].unsqueeze(1), out=grad[rows, :n_valid])
+
+
+@dataclass
+class _EntropyFactors:
+    """Per-row factors of the entropy-gradient pass: every entry gets
+    e^u·(row_mul·u + row_add), minus a·p_kept on the kept ids (kept_coef·e^u where the kept ids
+    share the full shift; a second exp with their own shift on `far_rows`)."""
+
+    row_mul: torch.Tensor
+    row_add: torch.Tensor
+    a: torch.Tensor | None
+    kept_coef: torch.Tensor | None
+    far_rows: list[int]
+
+
+def _entropy_factors(token_stats, a, b, masked: bool, kept_far_rows: list[int]) -> _EntropyFactors:
+    """p·(-b·(u - Ā) - a·p_kept/p) = e^u·(row_mul·u + row_add [- a·e^(-log S_kept) on kept ids])."""
+    inv_s = token_stats[_LOG_S].neg().exp()
+    row_mul = -b * inv_s
+    row_add = b * token_stats[_MEAN] * inv_s
+    kept_coef, far_rows = None, []
+    if a is not None and not masked:
+        row_add = row_add - a * inv_s
+    if a is not None and masked:
+        same = token_stats[_M_KEPT] == token_stats[_M]  # kept ids share the full shift: p_kept = e^u·e^(-log S_kept)
+        limit = _vocab.SHARED_SHIFT_LIMIT
+        kept_coef = torch.where(same, a * token_stats[_LOG_S_KEPT].clamp_min(-limit).neg().exp(), 0.0)
+        far_rows = kept_far_rows  # the other rows: their kept ids get their own exp
+    return _EntropyFactors(row_mul, row_add, a, kept_coef, far_rows)
+
+
+def _entropy_grad_pass(logits, grad, keep_mask, token_stats, scale, factors: _EntropyFactors,
+                       spec: _vocab.OpSpec) -> None:
+    """With an entropy gradient, chunk by chunk; `keep_mask` only when masked and the log-prob
+    has a gradient too."""
+    n_rows, n_valid = logits.size(0), spec.n_valid
+    dtype, device = factors.row_mul.dtype, logits.device
+    width = min(spec.chunk_rows, n_rows)
+    shifted_buf = torch.empty((width, n_valid), dtype=dtype, device=device)
+    exps_buf = torch.empty((width, n_valid), dtype=dtype, device=device)
+    own_buf = torch.empty((width, n_valid), dtype=dtype, device=device) if factors.far_rows else None
+    for start, stop in _vocab.row_chunks(n_rows, spec.chunk_rows):
+        rows = slice(start, stop)
+        chunk = logits[rows, :n_valid]
+        chunk_scale = _vocab.scale_rows(scale, rows)
+        shifted, exps = shifted_buf[: stop - start], exps_buf[: stop - start]
+        _vocab.shifted_rows(chunk, token_stats[_M][rows], chunk_scale, out=shifted)
+        torch.exp(shifted, out=exps)
+        shifted.clamp_min_(_vocab.NEG_FLOOR)  # exps = 0 there: keep exps·u at 0, not 0·inf = NaN
+        shifted.mul_(factors.row_mul[rows].unsqueeze(1)).add_(factors.row_add[rows].unsqueeze(1))
+        kept = keep_mask[rows, :n_valid] if keep_mask is not None else None
+        far = None
+        if kept is not None:
+            shifted.sub_(kept * factors.kept_coef[rows].unsqueeze(1))
+            far = _vocab.rows_in_chunk(factors.far_rows, start, stop, device)
+        if far is not None:  # computed before the gradient (maybe the logits themselves) is written
+            own = own_buf[: stop - start if isinstance(far, slice) else far.numel()]
+            _far_kept_term(chunk[far], kept[far], token_stats, rows, far, chunk_scale, factors.a, out=own)
+        out = grad[rows, :n_valid]
+        torch.mul(exps, shifted, out=out)
+        if far is not None:
+            out[far] = (out[far].to(dtype) - own).to(out.dtype)
+
+
+def _far_kept_term(chunk, kept, token_stats, rows: slice, far, chunk_scale, a, out: torch.Tensor) -> None:
+    """a·p_kept on the kept ids of the rows whose kept ids have their own shift (a second exp)."""
+    _vocab.own_shift_exp(chunk, token_stats[_M_KEPT][rows][far], token_stats[_LOG_S_KEPT][rows][far],
+                         _vocab.scale_rows(chunk_scale, far), out=out)
+    out.masked_fill_(~kept, 0.0).mul_(a[rows][far].unsqueeze(1))
+
+
+def _target_entries(x_target, token_stats, scale, a, b, masked) -> torch.Tensor:
     """The gradient at each row's own target, with 1 - p as -expm1(log p).
 
     a·(1 - p) computed as a - a·p loses all relative precision as p -> 1 (confident tokens); the
     chunk passes write that entry first, then this exact value replaces it.
     """
-    u_target = _vocab.mul_scale(x_target - st[_M], scale) if _M in st else None
-    log_p = u_target - st[_LOG_S] if u_target is not None else None
-    log_p_kept = _vocab.mul_scale(x_target - st[_M_KEPT], scale) - st[_LOG_S_KEPT] if masked else log_p
+    u_target = _vocab.mul_scale(x_target - token_stats[_M], scale) if _M in token_stats else None
+    log_p = u_target - token_stats[_LOG_S] if u_target is not None else None
+    if masked:
+        log_p_kept = _vocab.mul_scale(x_target - token_stats[_M_KEPT], scale) - token_stats[_LOG_S_KEPT]
+    else:
+        log_p_kept = log_p
     grad = a * -torch.expm1(log_p_kept)
     if b is not None:  # -b·p·(log p + H) = -b·p·(u - Ā)
-        term = torch.where(torch.isneginf(log_p), 0.0, log_p.exp() * (u_target - st[_MEAN]))
+        term = torch.where(torch.isneginf(log_p), 0.0, log_p.exp() * (u_target - token_stats[_MEAN]))
         grad = grad - b * term
     return grad
+
+
+# ----------------------------------------------------------------------------- validation
 
 
 def _check_inputs(
@@ -240,41 +279,16 @@ def _check_inputs(
             f"dims first, e.g. logits.reshape(-1, logits.size(-1))"
         )
     n_rows, local_vocab = logits.shape
-    _vocab.check_id_tensor(tokens, "tokens", "[T]")
-    if tokens.shape != (n_rows,):
-        raise ValueError(
-            f"tokens must have shape [T] = ({n_rows},) to match logits {tuple(logits.shape)}, "
-            f"got {tuple(tokens.shape)}"
-        )
-    if tokens.device != logits.device:
-        raise ValueError(f"tokens are on {tokens.device} but logits on {logits.device}; move them together")
+    _vocab.check_tokens_shape(tokens, n_rows, logits.device, f"to match logits {tuple(logits.shape)}", "logits")
     _vocab.check_group(tp_group)
     if local_vocab == 0:
         raise ValueError("logits have no vocab columns (V_local = 0)")
     vocab = _vocab.global_vocab(local_vocab, tp_group, vocab_size)
     checks = _vocab.DeviceChecks()
-    outside = (tokens < 0) | (tokens >= vocab)
-
-    def tokens_error() -> ValueError:
-        bad = torch.nonzero(outside).squeeze(1)[:8].tolist()
-        return ValueError(
-            f"tokens must be global ids in [0, {vocab}); rows {bad} are outside (e.g. {int(tokens[bad[0]])}); "
-            f"mask padding targets with a valid id such as 0 and drop those rows from the loss"
-        )
-
-    checks.require(~outside, tokens_error)
+    _vocab.require_tokens_in_vocab(tokens, vocab, checks)
     temperature = _vocab.check_temperature(temperature, (n_rows,), logits.device, checks, logits.dtype)
     _vocab.check_chunk_size(chunk_size)
-    if keep_mask is not None:
-        if not isinstance(keep_mask, torch.Tensor) or keep_mask.dtype != torch.bool:
-            got = keep_mask.dtype if isinstance(keep_mask, torch.Tensor) else type(keep_mask).__name__
-            raise TypeError(f"keep_mask must be a bool tensor [T, V_local], got {got}")
-        if keep_mask.shape != logits.shape:
-            raise ValueError(
-                f"keep_mask must have the logits' shape {tuple(logits.shape)}, got {tuple(keep_mask.shape)}"
-            )
-        if keep_mask.device != logits.device:
-            raise ValueError(f"keep_mask is on {keep_mask.device} but logits on {logits.device}")
+    _vocab.check_keep_mask(keep_mask, logits.shape, logits.device, "the logits")
     if inplace_backward:
         _vocab.check_inplace_target(logits)
     return checks, temperature
@@ -306,13 +320,10 @@ def log_probs_and_entropy(
     checks, tau = _check_inputs(logits, tokens, tp_group, temperature, chunk_size, keep_mask, vocab_size,
                                 inplace_backward)
     local_vocab = logits.size(1)
-    n_valid = _vocab.valid_local_columns(local_vocab, vocab_size, tp_group)
-    dtype = _vocab.compute_dtype(logits.dtype)
-    spec = _Spec(
-        group=tp_group,
-        first_id=vocab_start(local_vocab, tp_group),
-        n_valid=n_valid,
-        chunk_rows=chunk_size or _vocab.default_chunk_rows(n_valid + 1, logits.device, dtype),
+    spec = _vocab.op_spec(
+        local_vocab, tp_group, vocab_size,
+        _vocab.logits_chunk_rows(chunk_size, local_vocab, tp_group, vocab_size, logits),
+        "log_probs_and_entropy",
         with_entropy=bool(with_entropy),
         entropy_grad=bool(with_entropy and entropy_requires_grad),
         inplace_backward=bool(inplace_backward),

@@ -142,6 +142,16 @@ class PackedLayout:
         return total_length if self.qkv_format == "thd" else self.max_seq_len  # type: ignore[return-value]
 
 
+@dataclass(frozen=True)
+class _Run:
+    """Local rows ``[local_start, local_start + length)`` are rows ``[sample_start, ...)`` of one
+    sample, each predicting the sample's next token (so every row lies below ``total - 1``)."""
+
+    local_start: int
+    sample_start: int
+    length: int
+
+
 def _zigzag_halves(layout: PackedLayout, total_length: int) -> list[tuple[int, int]]:
     """(first global row in the sample, first local row relative to the sample) of both chunks."""
     chunk = layout.zigzag_chunk(total_length)
@@ -149,76 +159,95 @@ def _zigzag_halves(layout: PackedLayout, total_length: int) -> list[tuple[int, i
     return [(k * chunk, half * chunk) for half, k in enumerate(ranks)]
 
 
+def _check_rows_fit(layout: PackedLayout, num_rows: int) -> None:
+    """The layout's rows must fit the logits: this rank's `num_rows`, or the packed sequence
+    split over every CP rank under allgather-CP."""
+    if layout.allgather_cp and layout.cp_size > 1:
+        needed, held = sum(layout.total_lengths), layout.cp_size * num_rows
+        holder = f"{layout.cp_size} CP ranks x {num_rows} local rows"
+    else:
+        needed, held = sum(layout.sample_rows(total) for total in layout.total_lengths), num_rows
+        holder = f"{num_rows} local rows"
+    if needed > held:
+        raise ValueError(f"the layout needs {needed} rows but the logits hold {held} ({holder}); "
+                         f"check total_lengths / cp_size / qkv_format against the model input")
+
+
+def _zigzag_runs(layout: PackedLayout, total: int, base: int) -> list[_Run]:
+    """This rank's two CP chunks of a sample whose local rows start at `base`."""
+    chunk = layout.zigzag_chunk(total)
+    runs = []
+    for sample_start, local_start in _zigzag_halves(layout, total):
+        stop = min(total - 1, sample_start + chunk)
+        if sample_start < stop:
+            runs.append(_Run(base + local_start, sample_start, stop - sample_start))
+    return runs
+
+
+def _contiguous_runs(total: int, base: int, first_row: int, num_rows: int) -> list[_Run]:
+    """The part of a sample at packed rows ``[base, base + total - 1)`` that falls in this rank's
+    rows ``[first_row, first_row + num_rows)``."""
+    start, stop = max(base, first_row), min(base + total - 1, first_row + num_rows)
+    return [_Run(start - first_row, start - base, stop - start)] if start < stop else []
+
+
+def _sample_runs(layout: PackedLayout, num_rows: int) -> list[list[_Run]]:
+    """Per sample, the local rows of this rank that predict one of its tokens: the one walk over
+    the three layouts (no CP, zigzag CP, allgather-CP)."""
+    num_rows = _whole("num_rows", num_rows)
+    _check_rows_fit(layout, num_rows)
+    allgather = layout.allgather_cp and layout.cp_size > 1
+    first_row = layout.cp_rank * num_rows if allgather else 0  # first packed row this rank holds
+    runs: list[list[_Run]] = []
+    base = 0  # first row of the sample: local (no CP, zigzag) or packed (allgather-CP)
+    for total in layout.total_lengths:
+        if layout.zigzag:
+            runs.append(_zigzag_runs(layout, total, base))
+        else:
+            runs.append(_contiguous_runs(total, base, first_row, num_rows))
+        base += total if allgather else layout.sample_rows(total)
+    return runs
+
+
 def response_pieces(layout: PackedLayout, num_rows: int) -> list[list[Piece]]:
     """Per sample, the local row ranges holding its response log-prob rows, in response order."""
-    num_rows = _whole("num_rows", num_rows)
     pieces: list[list[Piece]] = []
-    base = 0  # local (no CP, zigzag) or global (allgather-CP) first row of the sample
-    lo_global, hi_global = layout.cp_rank * num_rows, (layout.cp_rank + 1) * num_rows
-    for total, response in zip(layout.total_lengths, layout.response_lengths):
-        first, last = total - response - 1, total - 1  # response rows within the sample
-        mine: list[Piece] = []
-        if layout.zigzag:
-            chunk = layout.zigzag_chunk(total)
-            for global_start, local_start in _zigzag_halves(layout, total):
-                s, e = max(first, global_start), min(last, global_start + chunk)
-                if s < e:
-                    start = base + local_start + s - global_start
-                    mine.append(Piece(start, start + e - s, s - first))
-            base += 2 * chunk
-        elif layout.allgather_cp and layout.cp_size > 1:
-            s, e = max(base + first, lo_global), min(base + last, hi_global)
-            if s < e:
-                mine.append(Piece(s - lo_global, e - lo_global, s - base - first))
-            base += total
-        else:
-            if response:
-                mine.append(Piece(base + first, base + last, 0))
-            base += layout.sample_rows(total)
+    for runs, total, response in zip(_sample_runs(layout, num_rows), layout.total_lengths, layout.response_lengths):
+        first, last = total - response - 1, total - 1  # rows of the sample that predict the response
+        mine = []
+        for run in runs:
+            start, stop = max(first, run.sample_start), min(last, run.sample_start + run.length)
+            if start < stop:
+                local = run.local_start + start - run.sample_start
+                mine.append(Piece(local, local + stop - start, start - first))
         pieces.append(mine)
-    if layout.allgather_cp and layout.cp_size > 1:
-        if base > layout.cp_size * num_rows:
-            raise ValueError(f"the packed sequence has {base} rows but {layout.cp_size} CP ranks x {num_rows} "
-                             f"local rows hold only {layout.cp_size * num_rows}")
-    elif base > num_rows:
-        raise ValueError(f"the layout needs {base} local rows but the logits have {num_rows}; "
-                         f"check total_lengths / cp_size / qkv_format against the model input")
     return pieces
 
 
-def shifted_targets(
-    tokens: Sequence[torch.Tensor], layout: PackedLayout, num_rows: int, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """Target id of every local logits row (the sample's next token; 0 where there is none)."""
+def _check_sample_tokens(tokens: Sequence[torch.Tensor], layout: PackedLayout) -> None:
     if len(tokens) != len(layout.total_lengths):
         raise ValueError(f"got {len(tokens)} token tensors for {len(layout.total_lengths)} samples")
-    num_rows = _whole("num_rows", num_rows)
     for i, (tok, total) in enumerate(zip(tokens, layout.total_lengths)):
         if not isinstance(tok, torch.Tensor) or tok.dtype == torch.bool or tok.is_floating_point() or tok.is_complex():
             got = f"dtype {tok.dtype}" if isinstance(tok, torch.Tensor) else type(tok).__name__
             raise TypeError(f"tokens[{i}] must be an integer tensor of token ids (int64/int32), got {got}")
         if tok.dim() != 1 or tok.numel() != total:
             raise ValueError(f"sample {i}: tokens must be 1-D of total_length {total}, got shape {tuple(tok.shape)}")
+
+
+def shifted_targets(
+    tokens: Sequence[torch.Tensor], layout: PackedLayout, num_rows: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Target id of every local logits row (the sample's next token; 0 where there is none)."""
+    _check_sample_tokens(tokens, layout)
+    num_rows = _whole("num_rows", num_rows)
+    runs_per_sample = _sample_runs(layout, num_rows)
     device = device if device is not None else (tokens[0].device if len(tokens) else "cpu")
     targets = torch.zeros(num_rows, dtype=torch.long, device=device)
-    allgather = layout.allgather_cp and layout.cp_size > 1
-    lo = layout.cp_rank * num_rows if allgather else 0  # first packed row this rank holds
-    base = 0  # first row of the sample: local (no CP, zigzag) or packed (allgather-CP)
-    for tok, total in zip(tokens, layout.total_lengths):
-        if layout.zigzag:
-            chunk = layout.zigzag_chunk(total)
-            for global_start, local_start in _zigzag_halves(layout, total):
-                e = min(total - 1, global_start + chunk)
-                if global_start < e:
-                    start = base + local_start
-                    targets[start : start + e - global_start] = tok[global_start + 1 : e + 1]
-        else:  # rows [base, base + total - 1) predict tok[1:]; keep the part in [lo, lo + num_rows)
-            s, e = max(base, lo), min(base + total - 1, lo + num_rows)
-            if s < e:
-                targets[s - lo : e - lo] = tok[s - base + 1 : e - base + 1]
-        base += layout.sample_rows(total)
-        if not allgather and base > num_rows:
-            raise ValueError(f"the layout needs at least {base} local rows but the logits have {num_rows}")
+    for tok, runs in zip(tokens, runs_per_sample):
+        for run in runs:
+            targets[run.local_start : run.local_start + run.length] = (
+                tok[run.sample_start + 1 : run.sample_start + run.length + 1])
     return targets
 
 
@@ -260,6 +289,16 @@ def allgather_cp_to_zigzag(
     detached data is used and the outputs do not require grad. Every rank must make the same
     choice, which holds when all ranks run the same code.
     """
+    mine = _allgather_pieces(values, layout, num_rows, group)
+    if layout.cp_size == 1 or not values:  # nothing to move (no samples: the same on every rank)
+        return list(values)
+    return _move_to_zigzag_pieces(values, layout, mine, group)
+
+
+def _allgather_pieces(
+    values: Sequence[torch.Tensor], layout: PackedLayout, num_rows: int, group: dist.ProcessGroup | None
+) -> list[list[Piece]]:
+    """This rank's allgather-CP pieces per sample, checked against the group and the `values`."""
     if not layout.allgather_cp:
         raise ValueError("allgather_cp_to_zigzag needs a layout with allgather_cp=True")
     cp_size = 1 if group is None else dist.get_world_size(group)
@@ -274,9 +313,13 @@ def allgather_cp_to_zigzag(
             raise ValueError(
                 f"sample {i}: expected {rows} rows on this rank (its allgather-CP pieces), got {value.size(0)}"
             )
-    if layout.cp_size == 1 or not values:  # nothing to move (no samples: the same on every rank)
-        return list(values)
+    return mine
 
+
+def _move_to_zigzag_pieces(
+    values: Sequence[torch.Tensor], layout: PackedLayout, mine: list[list[Piece]], group: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
+    """Every full response rebuilt on every rank from each rank's pieces; this rank's zigzag pieces."""
     starts = [0, *itertools.accumulate(layout.response_lengths)]
     flat = torch.cat(list(values))
     device, trailing = flat.device, tuple(flat.shape[1:])
@@ -292,6 +335,8 @@ def allgather_cp_to_zigzag(
     zig = response_pieces(zig_layout, sum(zig_layout.sample_rows(t) for t in layout.total_lengths))
     zig_at = positions(zig)
     full = flat.new_zeros((starts[-1], *trailing)).index_put((mine_at,), flat)
+    # SUM all-reduce over the CP group: each response row is nonzero on exactly one rank (the
+    # one holding it under allgather-CP), so the sum is every full response on every rank
     if full.requires_grad:  # some input requires grad
         import torch.distributed.nn.functional as dist_nn
 

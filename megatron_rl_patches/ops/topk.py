@@ -69,9 +69,7 @@ def _check_ids(ids: object, lead: torch.Size, vocab: int, checks: _vocab.DeviceC
 
 
 def _check_int_k(k: object) -> int:
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or int(k) < 1:
-        raise ValueError(f"k must be a positive int, got {k!r}")
-    return int(k)
+    return _vocab.check_positive_int(k, "k")
 
 
 # ----------------------------------------------------------------------------- top-k ids
@@ -116,6 +114,20 @@ def _merge_candidates(values: torch.Tensor, ids: torch.Tensor, k: int) -> torch.
     return ids.gather(-1, best)
 
 
+def _bad_or_tied_rows(values: torch.Tensor, tied: Optional[torch.Tensor]) -> list[int]:
+    """Raise for rows with NaN/+inf or no finite logit; else this rank's rows with ties at the cut.
+
+    NaN and +inf rank first in every rank's local top-k, so the gathered candidate `values` show
+    them. The call's one host sync, an O(T) copy: bad rows (the same on every rank), tied rows.
+    """
+    bad = _vocab.bad_row_codes(torch.where(torch.isnan(values).any(dim=-1), math.inf, values.amax(dim=-1)))
+    flags = torch.stack([bad, tied.to(bad.dtype) if tied is not None else torch.zeros_like(bad)])
+    bad_codes, tied_flags = flags.to("cpu", copy=True).tolist()
+    if any(bad_codes):
+        raise _vocab.bad_rows_error("topk_ids", "logits", torch.tensor(bad_codes))
+    return [row for row, flag in enumerate(tied_flags) if flag]
+
+
 def topk_ids(
     logits: torch.Tensor,
     k: int,
@@ -138,37 +150,22 @@ def topk_ids(
         offset = _dist.vocab_start(local_vocab, tp_group)
         valid = _vocab.valid_local_columns(local_vocab, vocab, tp_group)
         values, index, top, tied = _local_topk(flat[:, :valid], k, vocab - offset)
+        # all-gather over the tensor-parallel group of every rank's k candidate values per row
+        # (O(T·k·tp)): each rank then merges the same candidates into the same global top-k
         values = _dist.all_gather_last_dim(values, tp_group)
-        # NaN and +inf rank first in every rank's local top-k, so the gathered candidates show them.
-        bad = _vocab.bad_row_codes(torch.where(torch.isnan(values).any(dim=-1), math.inf, values.amax(dim=-1)))
-        # The call's one host sync, an O(T) copy: bad rows (the same on every rank), this rank's tied rows.
-        flags = torch.stack([bad, tied.to(bad.dtype) if tied is not None else torch.zeros_like(bad)])
-        bad_codes, tied_flags = flags.to("cpu", copy=True).tolist()
-        if any(bad_codes):
-            raise _vocab.bad_rows_error("topk_ids", "logits", torch.tensor(bad_codes))
-        tied_rows = [row for row, flag in enumerate(tied_flags) if flag]
+        tied_rows = _bad_or_tied_rows(values, tied)
         if tied_rows:
             # per chunk: an int32 [rows, V] running count of the columns equal to the cut
             chunk_rows = _vocab.default_chunk_rows(valid, flat.device, torch.int32)
             _fix_ties(flat[:, :valid], index, top, torch.tensor(tied_rows, device=flat.device), chunk_rows)
+        # all-gather over the tensor-parallel group of the candidates' global ids, in the order
+        # of the values gathered above
         ids = _dist.all_gather_last_dim(index + offset, tp_group)
         ids = _merge_candidates(values, ids, k)
     return ids.reshape(*lead, k)
 
 
 # ----------------------------------------------------------------------------- top-k log-probs
-@dataclass(frozen=True)
-class _Spec:
-    """Options of one top-k log-prob call, fixed before the Function runs."""
-
-    group: Optional[dist.ProcessGroup]
-    first_id: int  # global id of local column 0
-    n_valid: int  # local columns that are real vocab ids
-    chunk_rows: int
-    op: str = "topk_logprobs"  # the public op and its logits argument, for messages
-    arg: str = "logits"
-
-
 class _TopkLogprobs(torch.autograd.Function):
     """(log p at ids, log tail mass) over the full (vocab-parallel) vocabulary.
 
@@ -185,29 +182,29 @@ class _TopkLogprobs(torch.autograd.Function):
         logits: torch.Tensor,
         ids: torch.Tensor,
         tau: Temperature,
-        spec: _Spec,
+        spec: _vocab.OpSpec,
         checks: _vocab.DeviceChecks,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = _vocab.compute_dtype(logits.dtype)
         scale = _vocab.row_scale(tau, logits.size(0), dtype)
         local, owned = _vocab.local_columns(ids, spec.first_id, spec.n_valid)
         stats_spec = _vocab.StatsSpec(spec.group, spec.n_valid, spec.chunk_rows, rest=False, subset=True)
-        vs = _vocab.vocab_stats(logits, local, owned, scale, stats_spec)
-        bad = _vocab.bad_row_codes(vs.raw_max)
+        vocab = _vocab.vocab_stats(logits, local, owned, scale, stats_spec)
+        bad = _vocab.bad_row_codes(vocab.raw_max)
         checks.require(bad == 0, lambda: _vocab.bad_rows_error(spec.op, spec.arg, bad))
         checks.raise_first()  # the call's one host sync: input checks and bad rows at once
-        u_ids = (vs.marked - vs.shift.unsqueeze(1)) * scale
+        u_ids = (vocab.marked - vocab.shift.unsqueeze(1)) * scale
         # 0 unless the tail has its own shift
-        tail_offset = _vocab.mul_scale(vs.subset_shift - vs.shift, scale)
-        log_tail_sum = vs.subset_sum.log()
+        tail_offset = _vocab.mul_scale(vocab.subset_shift - vocab.shift, scale)
+        log_tail_sum = vocab.subset_sum.log()
         log_sum = torch.logaddexp(log_tail_sum + tail_offset, torch.logsumexp(u_ids, dim=1))
         logp = u_ids - log_sum.unsqueeze(1)
         tail = tail_offset + log_tail_sum - log_sum
 
-        ctx.spec, ctx.tail_far_rows = spec, vs.far_rows
+        ctx.spec, ctx.tail_far_rows = spec, vocab.far_rows
         ctx.tau_value = tau if not isinstance(tau, torch.Tensor) else None
         tau_tensor = tau if isinstance(tau, torch.Tensor) else logits.new_empty(0)
-        stats = torch.stack([vs.shift, log_sum, vs.subset_shift, log_tail_sum], dim=1)
+        stats = torch.stack([vocab.shift, log_sum, vocab.subset_shift, log_tail_sum], dim=1)
         ctx.save_for_backward(logits, ids, stats, tau_tensor)
         ctx.set_materialize_grads(False)
         return logp, tail
@@ -222,58 +219,78 @@ class _TopkLogprobs(torch.autograd.Function):
         logits, ids, stats, tau_tensor = ctx.saved_tensors
         if not ctx.needs_input_grad[0] or (grad_logp is None and grad_tail is None):
             return None, None, None, None, None
-        spec: _Spec = ctx.spec
-        n_rows, local_vocab = logits.shape
-        nv = spec.n_valid
-        dtype = stats.dtype
-        scale = _vocab.row_scale(tau_tensor if ctx.tau_value is None else ctx.tau_value, n_rows, dtype)
-        local, owned = _vocab.local_columns(ids, spec.first_id, nv)
-        shift, log_sum, tail_shift, log_tail_sum = stats.unbind(1)
-
-        g = grad_logp.to(dtype) if grad_logp is not None else stats.new_zeros(ids.shape)
-        # An empty tail (log mass -inf) is a constant: it gets no gradient.
-        tail_finite = torch.isfinite(log_tail_sum)
-        g_tail = torch.where(tail_finite, grad_tail.to(dtype), 0.0) if grad_tail is not None else None
-        total = g.sum(dim=1) + (g_tail if g_tail is not None else 0.0)
-        # dlogp_i/dz_j = [i == j] - p_j ; dtail/dz_j = [j not in ids]·p_j/P_tail - p_j ; dz/dx = 1/τ.
-        # Every column gets p_j·row_coef; tails sharing the shift M add p_j/P_tail = p_j·S/S_tail there,
-        # tails with their own shift (far rows) get exp((x - tail_shift)/τ - log S_tail), a second exp.
-        row_coef = -total
-        far_rows: list[int] = []
-        if g_tail is not None:
-            shared = (tail_shift == shift) & tail_finite
-            ratio = torch.exp(log_sum - torch.where(shared, log_tail_sum, log_sum))
-            row_coef = row_coef + torch.where(shared, g_tail * ratio, 0.0)
-            far_rows = ctx.tail_far_rows
-        # the ids' entries, written last: g_i - p_i·total (no tail term)
-        at_ids = torch.where(owned, local, 0)
-
+        spec: _vocab.OpSpec = ctx.spec
+        scale = _vocab.row_scale(tau_tensor if ctx.tau_value is None else ctx.tau_value, logits.size(0), stats.dtype)
+        local, owned = _vocab.local_columns(ids, spec.first_id, spec.n_valid)
+        factors = _topk_grad_factors(grad_logp, grad_tail, stats, ids.shape, ctx.tail_far_rows)
         grad = torch.empty_like(logits)
-        if nv < local_vocab:
-            grad[:, nv:].zero_()
-        width = min(spec.chunk_rows, n_rows)
-        buf = torch.empty((width, nv + 1), dtype=dtype, device=logits.device)  # column nv: sink for ids
-        w_buf = torch.empty((width, nv), dtype=dtype, device=logits.device) if far_rows else None
-        for start, stop in _vocab.row_chunks(n_rows, spec.chunk_rows):
-            x = logits[start:stop, :nv]
-            sc = _vocab.scale_rows(scale, slice(start, stop))
-            p = buf[: stop - start]
-            _vocab.shifted_rows(x, shift[start:stop], sc, out=p[:, :nv])
-            p.sub_(log_sum[start:stop].unsqueeze(1)).exp_()
-            p_ids = p[:, :nv].gather(1, at_ids[start:stop]) if nv else p.new_zeros(at_ids[start:stop].shape)
-            p.mul_(row_coef[start:stop].unsqueeze(1))
-            far = _vocab.rows_in_chunk(far_rows, start, stop, logits.device)
-            if far is not None:
-                i = slice(start, stop)
-                w = w_buf[: stop - start if isinstance(far, slice) else far.numel()]
-                _vocab.own_shift_exp(x[far], tail_shift[i][far], log_tail_sum[i][far],
-                                     _vocab.scale_rows(sc, far), out=w)
-                p[far, :nv] += w.mul_(g_tail[i][far].unsqueeze(1))
-            p.scatter_(1, local[start:stop], g[start:stop] - p_ids * total[start:stop].unsqueeze(1))
-            if isinstance(sc, torch.Tensor) or sc != 1.0:
-                p.mul_(sc)
-            grad[start:stop, :nv] = p[:, :nv]
+        if spec.n_valid < logits.size(1):
+            grad[:, spec.n_valid :].zero_()
+        _topk_grad_pass(logits, grad, local, torch.where(owned, local, 0), stats, scale, factors, spec)
         return grad, None, None, None, None
+
+
+@dataclass
+class _TopkGradFactors:
+    """Per-row factors of the top-k backward. dlogp_i/dz_j = [i == j] - p_j ; dtail/dz_j =
+    [j not in ids]·p_j/P_tail - p_j ; dz/dx = 1/τ. Every column gets p_j·row_coef; tails sharing
+    the shift M add p_j/P_tail = p_j·S/S_tail there, tails with their own shift (`far_rows`) get
+    exp((x - tail_shift)/τ - log S_tail), a second exp; the ids' entries are g_i - p_i·total."""
+
+    grad_ids: torch.Tensor  # [T, k]
+    grad_tail: Optional[torch.Tensor]  # [T], 0 for an empty tail
+    total: torch.Tensor  # Σ_i g_i + g_tail
+    row_coef: torch.Tensor
+    far_rows: list[int]
+
+
+def _topk_grad_factors(grad_logp, grad_tail, stats: torch.Tensor, ids_shape: torch.Size,
+                       tail_far_rows: list[int]) -> _TopkGradFactors:
+    dtype = stats.dtype
+    shift, log_sum, tail_shift, log_tail_sum = stats.unbind(1)
+    grad_ids = grad_logp.to(dtype) if grad_logp is not None else stats.new_zeros(ids_shape)
+    # An empty tail (log mass -inf) is a constant: it gets no gradient.
+    tail_finite = torch.isfinite(log_tail_sum)
+    g_tail = torch.where(tail_finite, grad_tail.to(dtype), 0.0) if grad_tail is not None else None
+    total = grad_ids.sum(dim=1) + (g_tail if g_tail is not None else 0.0)
+    row_coef = -total
+    far_rows: list[int] = []
+    if g_tail is not None:
+        shared = (tail_shift == shift) & tail_finite
+        ratio = torch.exp(log_sum - torch.where(shared, log_tail_sum, log_sum))
+        row_coef = row_coef + torch.where(shared, g_tail * ratio, 0.0)
+        far_rows = tail_far_rows
+    return _TopkGradFactors(grad_ids, g_tail, total, row_coef, far_rows)
+
+
+def _topk_grad_pass(logits, grad, local, at_ids, stats, scale, factors: _TopkGradFactors,
+                    spec: _vocab.OpSpec) -> None:
+    """The gradient chunk by chunk: softmax recomputed, times the row factors, the ids' entries
+    written last (`local`: their columns, the sink column where another rank owns them)."""
+    n_rows, n_valid = logits.size(0), spec.n_valid
+    shift, log_sum, tail_shift, log_tail_sum = stats.unbind(1)
+    width = min(spec.chunk_rows, n_rows)
+    probs_buf = torch.empty((width, n_valid + 1), dtype=stats.dtype, device=logits.device)  # column n_valid: sink for ids
+    tail_buf = torch.empty((width, n_valid), dtype=stats.dtype, device=logits.device) if factors.far_rows else None
+    for start, stop in _vocab.row_chunks(n_rows, spec.chunk_rows):
+        rows = slice(start, stop)
+        chunk = logits[rows, :n_valid]
+        chunk_scale = _vocab.scale_rows(scale, rows)
+        probs = probs_buf[: stop - start]
+        _vocab.shifted_rows(chunk, shift[rows], chunk_scale, out=probs[:, :n_valid])
+        probs.sub_(log_sum[rows].unsqueeze(1)).exp_()
+        p_ids = probs[:, :n_valid].gather(1, at_ids[rows]) if n_valid else probs.new_zeros(at_ids[rows].shape)
+        probs.mul_(factors.row_coef[rows].unsqueeze(1))
+        far = _vocab.rows_in_chunk(factors.far_rows, start, stop, logits.device)
+        if far is not None:
+            tail_probs = tail_buf[: stop - start if isinstance(far, slice) else far.numel()]
+            _vocab.own_shift_exp(chunk[far], tail_shift[rows][far], log_tail_sum[rows][far],
+                                 _vocab.scale_rows(chunk_scale, far), out=tail_probs)
+            probs[far, :n_valid] += tail_probs.mul_(factors.grad_tail[rows][far].unsqueeze(1))
+        probs.scatter_(1, local[rows], factors.grad_ids[rows] - p_ids * factors.total[rows].unsqueeze(1))
+        if isinstance(chunk_scale, torch.Tensor) or chunk_scale != 1.0:
+            probs.mul_(chunk_scale)
+        grad[rows, :n_valid] = probs[:, :n_valid]
 
 
 def _topk_logprobs_checked(
@@ -291,17 +308,8 @@ def _topk_logprobs_checked(
     vocab = _vocab.global_vocab(local_vocab, tp_group, vocab_size)
     k = _check_ids(ids, lead, vocab, checks)
     tau = _vocab.check_temperature(temperature, lead, logits.device, checks, logits.dtype)
-    chunk_rows = _vocab.check_chunk_size(chunk_size)
-    n_valid = _vocab.valid_local_columns(local_vocab, vocab, tp_group)
-    dtype = _vocab.compute_dtype(logits.dtype)
-    spec = _Spec(
-        group=tp_group,
-        first_id=_dist.vocab_start(local_vocab, tp_group),
-        n_valid=n_valid,
-        chunk_rows=chunk_rows or _vocab.default_chunk_rows(n_valid + 1, logits.device, dtype),
-        op=op,
-        arg=name,
-    )
+    chunk_rows = _vocab.logits_chunk_rows(_vocab.check_chunk_size(chunk_size), local_vocab, tp_group, vocab, logits)
+    spec = _vocab.op_spec(local_vocab, tp_group, vocab, chunk_rows, op, arg=name)
     flat_ids = ids.reshape(-1, k).to(device=logits.device, dtype=torch.long)
     logp, tail = _TopkLogprobs.apply(logits.reshape(-1, local_vocab), flat_ids, tau, spec, checks)
     return logp, tail, lead, k

@@ -3,6 +3,7 @@ from a reference commit (`python tests/ops/golden_cases.py OUT.pt`) and compared
 test_golden.py, so refactors of the ops cannot change a single bit of their results."""
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -46,8 +47,240 @@ def cases() -> dict[str, torch.Tensor]:
                                      teacher_weights=[0.3, 0.7], kl=kl, mix=0.4)
                 loss.sum().backward()
                 out[f"opd/{name}/{kl}/{tails}"], out[f"opd_grad/{name}/{kl}/{tails}"] = loss.detach(), logits.grad
+    _logprob_modes(out, g)
+    _topk_modes(out, g)
+    _lm_head_modes(out, g)
+    _packing_modes(out)
+    return out
+
+
+def _logprob_modes(out: dict[str, torch.Tensor], g: torch.Generator) -> None:
+    """log_probs_and_entropy modes the first sweep leaves out: gradient of the log-prob only
+    (plain and masked, with far-shift kept rows), entropy without gradient, in-place backward."""
+    from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
+
+    for name, dtype, scale in (("fp32", torch.float32, 3.0), ("big", torch.float32, 40.0), ("fp16", torch.float16, 3.0)):
+        T, V = 19, 53
+        base = (torch.randn(T, V, generator=g, dtype=torch.float64) * scale).to(dtype)
+        base[1, -1] = 90.0  # row 1: the kept ids lie far below the row max (their own shift)
+        tokens = torch.randint(0, V - 3, (T,), generator=g)
+        keep = torch.rand(T, V, generator=g) < 0.3
+        keep[1] = False
+        keep[1, :4] = True
+        tokens[1] = 2
+        a = torch.randn(T, generator=g, dtype=torch.float64)
+        b = torch.randn(T, generator=g, dtype=torch.float64) * 0.3
+        for label, kwargs, use_b in (
+            ("lp_only", {}, False), ("keep_lp_only", {"keep_mask": keep}, False),
+            ("keep_ent", {"keep_mask": keep, "with_entropy": True}, True),
+            ("keep_tau_chunk", {"keep_mask": keep, "with_entropy": True, "temperature": 1.3, "chunk_size": 3}, True),
+            ("ent_nograd", {"with_entropy": True, "entropy_requires_grad": False}, False),
+            ("keep_ent_nograd", {"keep_mask": keep, "with_entropy": True, "entropy_requires_grad": False}, False),
+            ("inplace", {"with_entropy": True, "inplace_backward": True, "chunk_size": 4}, True),
+            ("inplace_keep", {"keep_mask": keep, "inplace_backward": True, "vocab_size": 50}, False),
+            ("ent_grad_only", {"with_entropy": True}, "only"),
+        ):
+            leaf = base.clone().requires_grad_()
+            logits = leaf * 1  # a non-leaf: in-place backward may overwrite it
+            lp, ent = log_probs_and_entropy(logits, tokens, **kwargs)
+            loss = (a.to(lp.dtype) * lp).sum() if use_b != "only" else lp.new_zeros(())
+            if use_b:
+                loss = loss + (b.to(ent.dtype) * ent).sum()
+            loss.backward()
+            out[f"lp/{name}/{label}"] = lp.detach()
+            if ent is not None:
+                out[f"ent/{name}/{label}"] = ent.detach()
+            out[f"lp_grad/{name}/{label}"] = leaf.grad
+
+
+def _topk_modes(out: dict[str, torch.Tensor], g: torch.Generator) -> None:
+    """top-k log-probs with a tail far below the ids, per-token temperature, chunks, one gradient
+    at a time; topk_ids with ties and padding."""
+    from megatron_rl_patches.ops.topk import topk_ids, topk_logprobs
+
+    T, V, k = 17, 41, 4
+    base = torch.randn(T, V, generator=g, dtype=torch.float64) * 3.0
+    base[2, :k] += 80.0  # row 2: the tail lies far below the ids (its own shift)
+    base[3] = torch.round(base[3])  # ties at the cut
+    base[4] = 1.0
+    for name, dtype in (("fp32", torch.float32), ("fp64", torch.float64), ("bf16", torch.bfloat16)):
+        logits0 = base.to(dtype)
+        ids = topk_ids(logits0, k, vocab_size=V - 2)
+        out[f"topk_ids_pad/{name}"] = ids
+        tau = torch.rand(T, generator=g, dtype=torch.float64) + 0.5
+        weights = torch.randn(T, k, generator=g, dtype=torch.float64)
+        for label, kwargs, grads in (("tau_chunk", {"temperature": tau.float() if dtype == torch.bfloat16 else tau.to(dtype),
+                                                    "chunk_size": 5, "vocab_size": V - 2}, "both"),
+                                     ("lp_only", {}, "lp"), ("tail_only", {"temperature": 1.7}, "tail")):
+            logits = logits0.clone().requires_grad_()
+            tlp, tail = topk_logprobs(logits, ids, **kwargs)
+            loss = tlp.new_zeros(())
+            if grads in ("both", "lp"):
+                loss = loss + (weights.to(tlp.dtype) * tlp).sum()
+            if grads in ("both", "tail"):
+                loss = loss + 0.7 * tail.sum()
+            loss.backward()
+            out[f"topk_lp/{name}/{label}"], out[f"topk_tail/{name}/{label}"] = tlp.detach(), tail.detach()
+            out[f"topk_grad/{name}/{label}"] = logits.grad
+
+
+def _lm_head_modes(out: dict[str, torch.Tensor], g: torch.Generator) -> None:
+    """The fused LM head: log-probs/entropy in every mode, top-k ids and top-k log-probs."""
+    from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy, lm_head_topk_ids, lm_head_topk_logprobs
+
+    T, H, V, k = 21, 9, 47, 4
+    for name, dtype in (("fp32", torch.float32), ("fp64", torch.float64), ("bf16", torch.bfloat16)):
+        hidden0 = (torch.randn(T, H, generator=g, dtype=torch.float64) * 2).to(dtype)
+        weight0 = torch.randn(V, H, generator=g, dtype=torch.float64).to(dtype)
+        tokens = torch.randint(0, V - 3, (T,), generator=g)
+        keep = torch.rand(T, V, generator=g) < 0.3
+        tau = torch.rand(T, generator=g, dtype=torch.float64) + 0.5
+        a = torch.randn(T, generator=g, dtype=torch.float64)
+        b = torch.randn(T, generator=g, dtype=torch.float64) * 0.3
+        tau_t = tau.float() if dtype == torch.bfloat16 else tau.to(dtype)
+        for label, kwargs, use_b in (
+            ("plain", {"with_entropy": True}, True), ("lp_only", {}, False),
+            ("tau", {"with_entropy": True, "temperature": tau_t, "chunk_size": 4}, True),
+            ("keep", {"with_entropy": True, "keep_mask": keep, "vocab_size": V - 3}, True),
+            ("keep_lp_only", {"keep_mask": keep, "temperature": 0.8}, False),
+            ("ent_nograd", {"with_entropy": True, "entropy_requires_grad": False}, False),
+        ):
+            hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+            lp, ent = lm_head_log_probs_and_entropy(hidden, weight, tokens, **kwargs)
+            loss = (a.to(lp.dtype) * lp).sum()
+            if use_b:
+                loss = loss + (b.to(ent.dtype) * ent).sum()
+            loss.backward()
+            out[f"lmh_lp/{name}/{label}"] = lp.detach()
+            if ent is not None:
+                out[f"lmh_ent/{name}/{label}"] = ent.detach()
+            out[f"lmh_grad_h/{name}/{label}"], out[f"lmh_grad_w/{name}/{label}"] = hidden.grad, weight.grad
+        if dtype != torch.float64:
+            ids = lm_head_topk_ids(hidden0, weight0, k, vocab_size=V - 3, chunk_size=5)
+            out[f"lmh_topk_ids/{name}"] = ids
+        else:
+            ids = torch.stack([torch.randperm(V - 3, generator=g)[:k] for _ in range(T)])
+        for label, kwargs in (("plain", {}), ("tau", {"temperature": tau_t, "vocab_size": V - 3, "chunk_size": 6})):
+            hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+            tlp, tail = lm_head_topk_logprobs(hidden, weight, ids, **kwargs)
+            (tlp.sum() * 0.5 + tail.sum()).backward()
+            out[f"lmh_topk_lp/{name}/{label}"], out[f"lmh_topk_tail/{name}/{label}"] = tlp.detach(), tail.detach()
+            out[f"lmh_topk_grad_h/{name}/{label}"], out[f"lmh_topk_grad_w/{name}/{label}"] = hidden.grad, weight.grad
+
+
+def _packing_modes(out: dict[str, torch.Tensor]) -> None:
+    """Response pieces and shifted targets of every layout, as integer tensors."""
+    from megatron_rl_patches.ops.packing import PackedLayout, response_pieces, shifted_targets
+
+    totals, responses = (9, 4, 13, 6), (3, 0, 5, 5)
+    tokens = [torch.arange(100 * i, 100 * i + n) for i, n in enumerate(totals)]
+    layouts = {"thd": (PackedLayout(totals, responses), sum(totals) + 2),
+               "bshd": (PackedLayout(totals, responses, qkv_format="bshd", max_seq_len=14), 4 * 14)}
+    for cp in (2, 3):
+        for rank in range(cp):
+            zig = PackedLayout(totals, responses, cp_size=cp, cp_rank=rank)
+            layouts[f"zigzag{cp}/{rank}"] = (zig, sum(zig.sample_rows(t) for t in totals))
+            zig_bshd = PackedLayout(totals, responses, cp_size=cp, cp_rank=rank, qkv_format="bshd", max_seq_len=14)
+            layouts[f"zigzag_bshd{cp}/{rank}"] = (zig_bshd, sum(zig_bshd.sample_rows(t) for t in totals))
+            rows = -(-sum(totals) // cp)
+            layouts[f"allgather{cp}/{rank}"] = (PackedLayout(totals, responses, cp_size=cp, cp_rank=rank,
+                                                             allgather_cp=True), rows)
+    for label, (layout, rows) in layouts.items():
+        pieces = [(i, p.start, p.stop, p.offset) for i, sample in enumerate(response_pieces(layout, rows)) for p in sample]
+        out[f"pieces/{label}"] = torch.tensor(pieces, dtype=torch.long).reshape(-1, 4)
+        out[f"targets/{label}"] = shifted_targets(tokens, layout, rows)
+
+
+def tp_cases(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """This rank's outputs and gradients of the vocab-parallel ops on its vocab shard (run on
+    `world_size` gloo ranks by test_golden_tp.py): the cross-rank combine is recorded too."""
+    import torch.distributed as dist
+
+    from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy, lm_head_topk_ids, lm_head_topk_logprobs
+    from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
+    from megatron_rl_patches.ops.topk import topk_ids, topk_logprobs, topk_opd_loss
+
+    group = dist.group.WORLD
+    out: dict[str, torch.Tensor] = {}
+    g = torch.Generator().manual_seed(7)
+    T, V_LOCAL, H, k = 16, 13, 7, 4
+    vocab = V_LOCAL * world_size
+    shard = slice(rank * V_LOCAL, (rank + 1) * V_LOCAL)
+    for name, dtype in (("fp32", torch.float32), ("fp64", torch.float64), ("bf16", torch.bfloat16)):
+        full = torch.randn(T, vocab, generator=g, dtype=torch.float64) * 3.0
+        full[1, -1] = 90.0  # row 1: kept ids and the top-k tail far below the row max
+        full[2, :] = -math.inf
+        full[2, 5] = 0.5  # row 2: one finite logit, on rank 0 only
+        tokens = torch.randint(0, vocab - 3, (T,), generator=g)
+        tokens[1], tokens[2] = 2, 5
+        keep = torch.rand(T, vocab, generator=g) < 0.3
+        keep[1] = False
+        keep[1, :4] = True
+        a = torch.randn(T, generator=g, dtype=torch.float64)
+        b = torch.randn(T, generator=g, dtype=torch.float64) * 0.3
+        tau = torch.rand(T, generator=g, dtype=torch.float64) + 0.5
+        tau_t = tau.float() if dtype == torch.bfloat16 else tau.to(dtype)
+        base = full.to(dtype)[:, shard].contiguous()
+        for label, kwargs, use_b in (
+            ("plain", {"with_entropy": True}, True), ("lp_only", {}, False),
+            ("keep", {"with_entropy": True, "keep_mask": keep[:, shard]}, True),
+            ("keep_lp_only", {"keep_mask": keep[:, shard], "temperature": tau_t}, False),
+            ("tau_vocab", {"with_entropy": True, "temperature": tau_t, "vocab_size": vocab - 3, "chunk_size": 3}, True),
+            ("ent_nograd", {"with_entropy": True, "entropy_requires_grad": False}, False),
+        ):
+            logits = base.clone().requires_grad_()
+            lp, ent = log_probs_and_entropy(logits, tokens, tp_group=group, **kwargs)
+            loss = (a.to(lp.dtype) * lp).sum() + ((b.to(ent.dtype) * ent).sum() if use_b else 0.0)
+            loss.backward()
+            out[f"lp/{name}/{label}"], out[f"lp_grad/{name}/{label}"] = lp.detach(), logits.grad
+            if ent is not None:
+                out[f"ent/{name}/{label}"] = ent.detach()
+        finite = full.clone()
+        finite[2] = torch.arange(vocab, dtype=torch.float64)
+        finite[3] = 1.0  # ties across ranks
+        finite_base = finite.to(dtype)[:, shard].contiguous()
+        ids = topk_ids(finite_base, k, tp_group=group, vocab_size=vocab - 3)
+        out[f"topk_ids/{name}"] = ids
+        logits = finite_base.clone().requires_grad_()
+        tlp, tail = topk_logprobs(logits, ids, tp_group=group, temperature=tau_t, vocab_size=vocab - 3)
+        (tlp.sum() * 0.5 + tail.sum()).backward()
+        out[f"topk_lp/{name}"], out[f"topk_tail/{name}"], out[f"topk_grad/{name}"] = tlp.detach(), tail.detach(), logits.grad
+        teachers = torch.log_softmax(finite * 0.7, -1).gather(-1, ids).to(dtype)
+        logits = finite_base.clone().requires_grad_()
+        loss = topk_opd_loss(logits, ids, teachers, kl="mixed", mix=0.3, tp_group=group, chunk_size=5)
+        loss.sum().backward()
+        out[f"opd/{name}"], out[f"opd_grad/{name}"] = loss.detach(), logits.grad
+
+        hidden0 = (torch.randn(T, H, generator=g, dtype=torch.float64) * 2).to(dtype)
+        weight0 = torch.randn(vocab, H, generator=g, dtype=torch.float64).to(dtype)[shard].contiguous()
+        for sp in (False, True):
+            rows = slice(rank * T // world_size, (rank + 1) * T // world_size) if sp else slice(None)
+            for label, kwargs in (("plain", {"with_entropy": True}),
+                                  ("keep_tau", {"with_entropy": True, "keep_mask": keep[:, shard], "temperature": tau_t,
+                                                "vocab_size": vocab - 3, "chunk_size": 5})):
+                hidden, weight = hidden0[rows].clone().requires_grad_(), weight0.clone().requires_grad_()
+                lp, ent = lm_head_log_probs_and_entropy(hidden, weight, tokens, tp_group=group, sequence_parallel=sp,
+                                                        **kwargs)
+                ((a.to(lp.dtype) * lp).sum() + (b.to(ent.dtype) * ent).sum()).backward()
+                key = f"{name}/sp{int(sp)}/{label}"
+                out[f"lmh_lp/{key}"], out[f"lmh_ent/{key}"] = lp.detach(), ent.detach()
+                out[f"lmh_grad_h/{key}"], out[f"lmh_grad_w/{key}"] = hidden.grad, weight.grad
+            if dtype != torch.float64:
+                ids = lm_head_topk_ids(hidden0[rows], weight0, k, tp_group=group, sequence_parallel=sp, vocab_size=vocab - 3)
+                out[f"lmh_topk_ids/{name}/sp{int(sp)}"] = ids
+            hidden, weight = hidden0[rows].clone().requires_grad_(), weight0.clone().requires_grad_()
+            tlp, tail = lm_head_topk_logprobs(hidden, weight, ids, tp_group=group, sequence_parallel=sp, temperature=0.8,
+                                              vocab_size=vocab - 3)
+            (tlp.sum() * 0.5 + tail.sum()).backward()
+            key = f"{name}/sp{int(sp)}"
+            out[f"lmh_topk_lp/{key}"], out[f"lmh_topk_tail/{key}"] = tlp.detach(), tail.detach()
+            out[f"lmh_topk_grad_h/{key}"], out[f"lmh_topk_grad_w/{key}"] = hidden.grad, weight.grad
     return out
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 2:  # OUT.pt TP_OUT.pt: the tensor-parallel cases on 2 gloo ranks too
+        from megatron_rl_patches.testing.multirank import run_multirank
+
+        torch.save(run_multirank(tp_cases, 2), sys.argv[2])
     torch.save(cases(), sys.argv[1])

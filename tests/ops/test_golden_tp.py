@@ -1,0 +1,27 @@
+"""Bitwise equality of the vocab-parallel ops on 2 gloo ranks with the results recorded from the
+reference commit (golden_cases.tp_cases): the cross-rank combine of every op changes no bit."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl_patches.testing.multirank import run_multirank
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import golden_cases  # noqa: E402
+
+pytestmark = pytest.mark.multirank
+
+
+def test_tp2_bitwise_equal_to_the_reference():
+    recorded = torch.load(HERE / "data" / "golden_ops_tp.pt")
+    now = run_multirank(golden_cases.tp_cases, 2)
+    for rank, (before_rank, after_rank) in enumerate(zip(recorded, now)):
+        for key, before in before_rank.items():
+            after = after_rank[key]
+            assert before.dtype == after.dtype and before.shape == after.shape, (rank, key)
+            assert torch.equal(before.nan_to_num(), after.nan_to_num()), (rank, key)
