@@ -30,7 +30,7 @@ STAMP_OLD = $(VENV_OLD)/.installed
 STAMP_NEW = $(VENV_NEW)/.installed
 DEPS = setup.cfg setup.py pyproject.toml
 
-.PHONY: venv demo test test-main test-oldest test-newest test-versions bench clean
+.PHONY: venv demo test test-main test-oldest test-newest test-versions test-source bench clean
 
 venv: $(STAMP)
 
@@ -94,6 +94,13 @@ test-versions: $(STAMP_OLD) $(STAMP_NEW)
 	  $(VENV_NEW)/bin/pip install -q --no-deps --target .lanes/mcore-$$v megatron-core==$$v pyyaml && \
 	  PYTHONPATH=.lanes/mcore-$$v $(VENV_NEW)/bin/$(LANE_PYTEST) | sed "s/^/megatron-core $$v: /"; \
 	done
+
+# The megatron tests against a Megatron-LM source checkout (e.g. main), not in CI:
+#   make test-source CHECKOUT=/path/to/Megatron-LM
+test-source: $(STAMP_NEW)
+	@test -d "$(CHECKOUT)/megatron/core" || { echo "usage: make test-source CHECKOUT=/path/to/Megatron-LM"; exit 2; }
+	@$(VENV_NEW)/bin/pip install -q --no-deps --target .lanes/source-deps pyyaml
+	@PYTHONPATH=$(abspath $(CHECKOUT)):.lanes/source-deps $(VENV_NEW)/bin/$(LANE_PYTEST) | sed "s|^|$(CHECKOUT): |"
 
 bench: $(STAMP)
 	$(VENV)/bin/megatron-rl-patches bench --out bench-out

@@ -54,6 +54,8 @@ def test_tested_means_a_lane_ran_it(version, label):
 def test_running_lane_version_is_recorded_as_tested():
     """Every lane's own megatron-core must be in TESTED (else the matrix lies about it)."""
     info = megatron_version.megatron_info()
+    if info.origin == "source":
+        pytest.skip("a source checkout on PYTHONPATH (a one-off run of main), not a lane's installed release")
     assert info.origin == "distribution" and info.version is not None
     assert megatron_version.tested_label(info.version) == "tested", f"add {info.version} to megatron_version.TESTED"
 
