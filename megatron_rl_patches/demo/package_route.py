@@ -77,11 +77,14 @@ def score_with_teachers(batch: dict, actor: Any, teachers: Sequence[Any], cfg: D
     + tail and at the sampled tokens, the old policy's log-probs: all from hidden states."""
     from megatron_rl_patches import log_prob_output_processor
 
-    options = dict(temperature=cfg.temperature, chunk_size=cfg.tile_rows)
-    old_logp = _forward(actor, batch, log_prob_output_processor(**options))["log_probs"]
-    scored, ids = [], None
-    if cfg.ids_from == "student":
-        ids = _forward(actor, batch, _processors(cfg, select=True, entropy=False))["topk_ids"]
+    ids = None
+    if cfg.ids_from == "student":  # one old-policy forward gives the ids and the log-probs
+        old = _forward(actor, batch, _processors(cfg, select=True, entropy=False))
+        old_logp, ids = old["log_probs"], old["topk_ids"]
+    else:
+        options = dict(temperature=cfg.temperature, chunk_size=cfg.tile_rows)
+        old_logp = _forward(actor, batch, log_prob_output_processor(**options))["log_probs"]
+    scored = []
     for teacher in teachers:
         if ids is None:  # the first teacher selects the ids, the others score them
             out = _forward(teacher, batch, _processors(cfg, select=True, entropy=False))

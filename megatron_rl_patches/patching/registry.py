@@ -389,7 +389,6 @@ class Registry:
             return slot.set(APPLIED, note, UNTESTED)
         slot.set(APPLIED)
 
-
     def _same_work(self, wrapper: Any, slot: _Slot) -> bool:
         """Whether `wrapper` is one of ours doing `slot`'s work: its own key, or another target of
         the same patch installing the same wrapper."""

@@ -62,6 +62,19 @@ def test_plain_route_is_the_same_loop_and_hits_the_reentry_crash(summaries):
     assert plain["teachers"]["allocated_bytes"] > 0  # trainable builds hold grad buffers
 
 
+def test_student_chosen_ids_give_the_same_rollout_on_both_routes():
+    """ids_from="student": the package route takes the ids and the old log-probs from one fused
+    forward of the actor; the plain route from its logits. Same numbers."""
+    from megatron_rl_patches.demo.loop import DemoConfig
+    from megatron_rl_patches.demo.session import run_demo
+
+    cfg = DemoConfig(rollouts=1, steps=1, ids_from="student")
+    package, plain = (run_demo(cfg, patches=patches) for patches in (True, False))
+    assert package["ok"] and plain["ok"]
+    for key in ("loss", "opd_kl", "entropy", "logprob"):
+        assert plain["rollouts"][0][key] == pytest.approx(package["rollouts"][0][key], rel=1e-5, abs=1e-6)
+
+
 def test_real_model_rows_use_the_memory_commands_formula(summaries):
     from megatron_rl_patches import training_state_bytes
 
