@@ -1,14 +1,9 @@
-"""The streaming core shared by the vocab-parallel ops (log-prob/entropy and top-k).
-
-:func:`vocab_stats` walks ``[T, V_local]`` logits in row chunks and returns, per row and the same
-on every tensor-parallel rank, the max and the exp-sums a softmax needs, with one MAX and one SUM
-all-reduce of O(T) values per call and no host sync unless a subset sum is asked for (then one).
-Around it: dtype, chunk budget, validation shared by both ops, and :class:`DeviceChecks`, which
-reads every content check of a call back in one host sync.
+"""What the vocab-parallel ops share around the statistics core (:mod:`._stats`): chunk budgets,
+local columns of global ids, validation, :class:`DeviceChecks` (every content check of a call
+read back in one host sync) and :class:`OpSpec`, the options of one call.
 """
 from __future__ import annotations
 
-import bisect
 import math
 import numbers
 from dataclasses import dataclass
@@ -17,7 +12,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches.ops._dist import all_reduce_max_, all_reduce_sum_, tp_size, vocab_start
+from megatron_rl_patches.ops._dist import tp_size, vocab_start
+# the numeric helpers the ops share live in the statistics core; re-exported for the ops' callers
+from megatron_rl_patches.ops._stats import NEG_FLOOR, compute_dtype, finite_or_zero, row_scale  # noqa: F401
 
 # Bytes of one [rows, V_local] working buffer of the compute dtype. CPU: 2 MiB (16 rows at
 # V = 32000) keeps the few-buffer working set in L2/L3 while each chunk's small ops stay cheap
@@ -27,22 +24,9 @@ from megatron_rl_patches.ops._dist import all_reduce_max_, all_reduce_sum_, tp_s
 CPU_CHUNK_BYTES = 2 << 20
 CUDA_CHUNK_BYTES = 128 << 20
 
-# A subset (kept ids, top-k tail) reuses the full-vocab exp(u) while its max lies within this
-# distance (scaled units) of the row max. u is rounded at its magnitude g, costing ~g·eps in the
-# subset's log-sum, which matters when the subset's own log-probs are near 0; rows whose subset
-# lies further below get a second exp with the subset max as shift.
-SHARED_SHIFT_LIMIT = 2.0
-# Finite stand-in for -inf shifted logits where e^u * u would otherwise be 0 * -inf = NaN;
-# exp of anything below it is exactly 0 in float32 and float64.
-NEG_FLOOR = -1.0e4
 
 
 # ------------------------------------------------------------------------ dtype, chunks, scale
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the math runs in: fp64 for fp64 logits, fp32 for every other float."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def default_chunk_rows(n_cols: int, device: torch.device | str, dtype: torch.dtype = torch.float32) -> int:
@@ -63,50 +47,6 @@ def valid_local_columns(local_vocab: int, vocab_size: int | None, group: dist.Pr
     if vocab_size is None:
         return local_vocab
     return max(0, min(local_vocab, vocab_size - vocab_start(local_vocab, group)))
-
-
-def row_scale(temperature: float | torch.Tensor, n_rows: int, dtype: torch.dtype) -> float | torch.Tensor:
-    """1/temperature as a float, or as a [n_rows, 1] tensor of `dtype` for a tensor temperature."""
-    if isinstance(temperature, torch.Tensor):
-        return (1.0 / temperature.to(dtype)).expand(n_rows).reshape(n_rows, 1)
-    return 1.0 / float(temperature)
-
-
-def scale_rows(scale: float | torch.Tensor, rows: slice | torch.Tensor) -> float | torch.Tensor:
-    """The scale of some rows (a float applies to every row)."""
-    return scale[rows] if isinstance(scale, torch.Tensor) else scale
-
-
-def mul_scale(values: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
-    """Per-row `values` [rows] times their scale."""
-    return values * (scale.squeeze(1) if isinstance(scale, torch.Tensor) else scale)
-
-
-def local_row_max(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Per-row max as `dtype`; NaN mapped to +inf so a MAX all-reduce keeps it; -inf with no column."""
-    if x.size(1) == 0:
-        return torch.full((x.size(0),), -math.inf, dtype=dtype, device=x.device)
-    m = x.amax(dim=1).to(dtype)
-    return torch.where(torch.isnan(m), math.inf, m)
-
-
-def finite_or_zero(m: torch.Tensor) -> torch.Tensor:
-    """Non-finite row maxima (empty or invalid rows) replaced by 0 so shifts stay finite."""
-    return torch.where(torch.isfinite(m), m, 0.0)
-
-
-def shifted_rows(
-    x: torch.Tensor, shift: torch.Tensor, scale: float | torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    """``out = (x - shift) * scale`` with a per-row `shift` in unscaled units.
-
-    Subtracting before scaling keeps entries near the row max exact (Sterbenz), where the
-    probability mass is; ``x*scale - shift*scale`` would round both terms at the logits' magnitude.
-    """
-    torch.sub(x, shift.unsqueeze(1), out=out)
-    if isinstance(scale, torch.Tensor) or scale != 1.0:
-        out.mul_(scale)
-    return out
 
 
 def local_columns(ids: torch.Tensor, first_id: int, n_valid: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -422,255 +362,3 @@ def logits_chunk_rows(chunk_size: int | None, local_vocab: int, group: dist.Proc
     buffer of the compute dtype."""
     n_valid = valid_local_columns(local_vocab, vocab_size, group)
     return chunk_size or default_chunk_rows(n_valid + 1, logits.device, compute_dtype(logits.dtype))
-
-
-@dataclass(frozen=True)
-class StatsSpec:
-    """What :func:`vocab_stats` computes for one call."""
-
-    group: dist.ProcessGroup | None
-    n_valid: int  # local columns that are real vocab ids
-    chunk_rows: int
-    rest: bool = True  # the exp-sum over the unmarked columns
-    moment: bool = False  # Σ e^u·u over the unmarked columns (entropy; needs `rest`)
-    subset: bool = False  # an exp-sum over the subset, with its own shift where needed
-    marked_in_subset_max: bool = False  # the marked columns count for the subset's max
-
-
-@dataclass
-class VocabStats:
-    """Per-row results of :func:`vocab_stats`, identical on every rank (u = (x - shift)·scale)."""
-
-    raw_max: torch.Tensor  # row max of the logits: NaN -> +inf, -inf for a row without any finite value
-    shift: torch.Tensor  # raw_max, non-finite values replaced by 0
-    marked: torch.Tensor  # [T, k] logits at the marked columns, from the ranks owning them
-    rest: torch.Tensor | None  # Σ e^u over the unmarked columns
-    moment: torch.Tensor | None  # Σ e^u·u over the unmarked columns
-    subset_shift: torch.Tensor | None  # `shift`, or the subset's own max where that lies far below
-    subset_sum: torch.Tensor | None  # Σ exp((x - subset_shift)·scale) over the unmarked subset columns
-    far_rows: list[int]  # the rows whose subset has its own shift, ascending (host side, for backward)
-
-
-@dataclass
-class _LocalSums:
-    """This rank's per-row results before the cross-rank combine: every sum uses this rank's own
-    row max as shift. Sums not asked for by the spec are empty tensors."""
-
-    row_max: torch.Tensor  # local row max (NaN -> +inf, -inf without any column)
-    subset_max: torch.Tensor  # local max of the subset's logits
-    rest: torch.Tensor
-    moment: torch.Tensor
-    subset_sum: torch.Tensor
-    marked: torch.Tensor  # [T, k] the marked logits, 0 where another rank owns the column
-
-
-def vocab_stats(
-    logits: torch.Tensor,
-    marked: torch.Tensor,
-    owned: torch.Tensor,
-    scale: float | torch.Tensor,
-    spec: StatsSpec,
-    keep_mask: torch.Tensor | None = None,
-) -> VocabStats:
-    """Softmax statistics of ``logits [T, V_local]`` (vocab sharded over ``spec.group``).
-
-    `marked` [T, k]: local columns summed apart (the target, the top-k ids) as given by
-    :func:`local_columns`; `owned` says which this rank holds. The subset is ``keep_mask`` minus
-    the marked columns (every unmarked column without a mask). Each chunk uses this rank's own
-    row max as shift; after the loop one MAX all-reduce gives the global maxima, the sums are
-    rescaled to them and one SUM all-reduce of a packed [T, c] tensor combines them.
-    """
-    sums = _local_sums(logits, marked, owned, scale, spec, keep_mask)
-    maxima = _global_maxima(sums, owned, spec)
-    raw_max = maxima[0]
-    shift = finite_or_zero(raw_max)
-    subset_shift, far, far_rows = None, None, []
-    if spec.subset:
-        subset_shift, far, far_index, far_rows = _subset_shift(maxima[1], shift, scale)
-        if far_rows:
-            sums.subset_sum[far_index] = _far_subset_sums(logits, far_index, subset_shift, scale, marked, keep_mask, spec)
-    if tp_size(spec.group) > 1:
-        _combine_over_ranks(sums, shift, far, scale, spec)
-    return VocabStats(
-        raw_max=raw_max,
-        shift=shift,
-        marked=sums.marked,
-        rest=sums.rest if spec.rest else None,
-        moment=sums.moment if spec.moment else None,
-        subset_shift=subset_shift,
-        subset_sum=sums.subset_sum if spec.subset else None,
-        far_rows=far_rows,
-    )
-
-
-def _local_sums(
-    logits: torch.Tensor,
-    marked: torch.Tensor,
-    owned: torch.Tensor,
-    scale: float | torch.Tensor,
-    spec: StatsSpec,
-    keep_mask: torch.Tensor | None,
-) -> _LocalSums:
-    """The per-chunk statistics of every row of this rank's vocab shard, chunk by chunk."""
-    n_rows, n_valid = logits.size(0), spec.n_valid
-    dtype = compute_dtype(logits.dtype)
-    sums = _empty_sums(n_rows, dtype, logits.device, spec)
-    # the marked logits, exact: 0 on ranks not owning them, so the SUM all-reduce gathers them
-    picked = logits.gather(1, torch.where(owned, marked, 0)) if logits.size(1) else logits.new_zeros(marked.shape)
-    sums.marked = torch.where(owned, picked.to(dtype), 0.0)
-
-    width = min(spec.chunk_rows, n_rows)
-    shifted_buf = torch.empty((width, n_valid + 1), dtype=dtype, device=logits.device)  # column n_valid: sink of `marked`
-    exps_buf = torch.empty((width, n_valid + 1), dtype=dtype, device=logits.device) if spec.moment else shifted_buf
-    for start, stop in row_chunks(n_rows, spec.chunk_rows):
-        rows = slice(start, stop)
-        _chunk_sums(
-            logits[rows, :n_valid], marked[rows], None if keep_mask is None else keep_mask[rows, :n_valid],
-            scale_rows(scale, rows), spec, sums, rows, shifted_buf[: stop - start], exps_buf[: stop - start],
-        )
-    return sums
-
-
-def _empty_sums(n_rows: int, dtype: torch.dtype, device: torch.device, spec: StatsSpec) -> _LocalSums:
-    """Uninitialized per-row outputs of the chunk passes (empty for the sums not asked for)."""
-    empty = torch.empty(0, dtype=dtype, device=device)
-
-    def per_row(wanted: bool) -> torch.Tensor:
-        return torch.empty(n_rows, dtype=dtype, device=device) if wanted else empty
-
-    return _LocalSums(row_max=per_row(True), subset_max=per_row(spec.subset), rest=per_row(spec.rest),
-                      moment=per_row(spec.moment), subset_sum=per_row(spec.subset), marked=empty)
-
-
-def _chunk_sums(
-    chunk: torch.Tensor,
-    marked: torch.Tensor,
-    kept: torch.Tensor | None,
-    chunk_scale: float | torch.Tensor,
-    spec: StatsSpec,
-    sums: _LocalSums,
-    rows: slice,
-    shifted: torch.Tensor,
-    exps: torch.Tensor,
-) -> None:
-    """One chunk's local maxima and exp-sums into `sums[rows]`; `shifted`/`exps` are
-    [rows, n_valid + 1] scratch buffers (the same one when no moment is asked for)."""
-    n_valid = chunk.size(1)
-    chunk_max = local_row_max(chunk, sums.row_max.dtype)
-    sums.row_max[rows] = chunk_max
-    if spec.subset and kept is not None:
-        sums.subset_max[rows] = local_row_max(chunk.masked_fill(~kept, -math.inf), sums.row_max.dtype)
-    shifted_rows(chunk, finite_or_zero(chunk_max), chunk_scale, out=shifted[:, :n_valid])
-    shifted.scatter_(1, marked, -math.inf)  # marked columns drop out of every sum
-    if spec.subset and kept is None:  # the subset: every unmarked column, its max back in logit units
-        sums.subset_max[rows] = finite_or_zero(chunk_max) + local_row_max(shifted[:, :n_valid], sums.row_max.dtype) / (
-            chunk_scale.squeeze(1) if isinstance(chunk_scale, torch.Tensor) else chunk_scale
-        )
-    torch.exp(shifted, out=exps)
-    if spec.rest:
-        torch.sum(exps[:, :n_valid], dim=1, out=sums.rest[rows])
-    if spec.moment:
-        shifted.clamp_min_(NEG_FLOOR)  # exps = 0 there: exps·shifted stays 0 for -inf logits instead of NaN
-        sums.moment[rows] = torch.linalg.vecdot(exps[:, :n_valid], shifted[:, :n_valid])
-    if spec.subset:
-        subset_exps = exps[:, :n_valid] if kept is None else exps[:, :n_valid].masked_fill_(~kept, 0.0)
-        torch.sum(subset_exps, dim=1, out=sums.subset_sum[rows])
-
-
-def _global_maxima(sums: _LocalSums, owned: torch.Tensor, spec: StatsSpec) -> torch.Tensor:
-    """[1 or 2, T]: the global row max (and subset max), the same on every rank."""
-    subset_max = sums.subset_max
-    if spec.subset and spec.marked_in_subset_max:
-        subset_max = torch.maximum(subset_max, torch.where(owned, sums.marked, -math.inf).amax(dim=1))
-    # MAX all-reduce over the tensor-parallel group: each rank's maxima over its vocab shard give
-    # the full-vocab maxima, the shifts every rank's sums are moved to. A fresh tensor: row_max
-    # itself stays this rank's shift, needed for the rescale.
-    return all_reduce_max_(torch.stack([sums.row_max, subset_max] if spec.subset else [sums.row_max]), spec.group)
-
-
-def _subset_shift(
-    subset_max: torch.Tensor, shift: torch.Tensor, scale: float | torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """The subset's shift per row (`shift`, or the subset's own global max where it lies more
-    than SHARED_SHIFT_LIMIT below), which rows have their own (mask, index tensor, host list)."""
-    far = torch.isfinite(subset_max) & (mul_scale(shift - subset_max, scale) > SHARED_SHIFT_LIMIT)
-    subset_shift = torch.where(far, subset_max, shift)
-    far_index = torch.nonzero(far).squeeze(1)
-    # the one host sync of vocab_stats; the same rows on every rank, since the maxima are global
-    return subset_shift, far, far_index, far_index.tolist()
-
-
-def _combine_over_ranks(
-    sums: _LocalSums, shift: torch.Tensor, far: torch.Tensor | None, scale: float | torch.Tensor, spec: StatsSpec
-) -> None:
-    """Every rank's sums moved to the global shifts and added up over the ranks, in place."""
-    n_rows = shift.size(0)
-    # this rank's sums used its own max as shift: move them to the global one (d <= 0; the cap
-    # only matters for rows without any finite local value, whose sums are 0)
-    log_factor = mul_scale(finite_or_zero(sums.row_max) - shift, scale).clamp_max_(0.0)
-    factor = torch.exp(log_factor)
-    columns = [sums.marked]
-    if spec.rest:
-        columns.append(sums.rest * factor)
-    if spec.moment:
-        columns.append(factor * (sums.moment + log_factor * sums.rest))  # Σ e^(u+d)·(u+d)
-    if spec.subset:  # far rows already use the global subset max as shift
-        columns.append(torch.where(far, sums.subset_sum, sums.subset_sum * factor))
-    # SUM all-reduce over the tensor-parallel group of one packed [T, k + c] tensor: the partial
-    # sums over each rank's vocab shard add up to full-vocab sums, and the marked logits (0 on
-    # the ranks not owning them) come back from their owners.
-    summed = all_reduce_sum_(torch.cat([c.reshape(n_rows, -1) for c in columns], dim=1), spec.group)
-    k = sums.marked.size(1)
-    sums.marked, combined = summed[:, :k], iter(summed[:, k:].unbind(1))
-    if spec.rest:
-        sums.rest = next(combined)
-    if spec.moment:
-        sums.moment = next(combined)
-    if spec.subset:
-        sums.subset_sum = next(combined)
-
-
-def _far_subset_sums(
-    logits: torch.Tensor,
-    rows: torch.Tensor,
-    shift: torch.Tensor,
-    scale: float | torch.Tensor,
-    marked: torch.Tensor,
-    keep_mask: torch.Tensor | None,
-    spec: StatsSpec,
-) -> torch.Tensor:
-    """Subset exp-sums of the given rows with their own (global) subset shift, chunk by chunk."""
-    n_valid = spec.n_valid
-    dtype = compute_dtype(logits.dtype)
-    sums = torch.empty(rows.numel(), dtype=dtype, device=logits.device)
-    exps_buf = torch.empty((min(spec.chunk_rows, rows.numel()), n_valid + 1), dtype=dtype, device=logits.device)
-    for start, stop in row_chunks(rows.numel(), spec.chunk_rows):
-        chunk_rows = rows[start:stop]
-        exps = exps_buf[: stop - start]
-        shifted_rows(logits[chunk_rows, :n_valid], shift[chunk_rows], scale_rows(scale, chunk_rows), out=exps[:, :n_valid])
-        exps.scatter_(1, marked[chunk_rows], -math.inf).exp_()
-        subset_exps = exps[:, :n_valid]
-        if keep_mask is not None:
-            subset_exps = subset_exps.masked_fill_(~keep_mask[chunk_rows, :n_valid], 0.0)
-        torch.sum(subset_exps, dim=1, out=sums[start:stop])
-    return sums
-
-
-def rows_in_chunk(rows: list[int], start: int, stop: int, device: torch.device) -> slice | torch.Tensor | None:
-    """Which of the ascending `rows` lie in [start, stop), counted from `start`: None (none),
-    ``slice(None)`` (all: views, no copies), or an index tensor on `device` (no host sync)."""
-    lo, hi = bisect.bisect_left(rows, start), bisect.bisect_left(rows, stop)
-    if lo == hi:
-        return None
-    if hi - lo == stop - start:
-        return slice(None)
-    return torch.tensor(rows[lo:hi], device=device) - start
-
-
-def own_shift_exp(
-    x: torch.Tensor, shift: torch.Tensor, log_offset: torch.Tensor, scale: float | torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    """``out = exp((x - shift)·scale - log_offset)`` per row: backward's second exp for the rows
-    whose subset has its own shift."""
-    shifted_rows(x, shift, scale, out=out)
-    return out.sub_(log_offset.unsqueeze(1)).exp_()

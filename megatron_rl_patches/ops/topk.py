@@ -16,8 +16,9 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches.ops import _dist
-from megatron_rl_patches.ops import _vocab
+from megatron_rl_patches.ops import _dist, _vocab
+from megatron_rl_patches.ops._functions import TopkLogprobs
+from megatron_rl_patches.ops.kernels import resolve_backend
 
 __all__ = ["topk_ids", "topk_logprobs", "topk_kl", "topk_opd_loss"]
 
@@ -166,133 +167,6 @@ def topk_ids(
 
 
 # ----------------------------------------------------------------------------- top-k log-probs
-class _TopkLogprobs(torch.autograd.Function):
-    """(log p at ids, log tail mass) over the full (vocab-parallel) vocabulary.
-
-    Per row, u = (x - M)/τ: the tail (columns not in ids) is summed apart, with the tail's own max
-    as shift where it lies far below M, so its log-mass stays exact down to any size; the ids'
-    logits come back exactly from their owner ranks. Saves the logits, the ids and four floats per
-    row (M, log S, tail shift, tail log-sum); backward recomputes the softmax chunk by chunk and
-    needs no collective and no host sync.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
-        logits: torch.Tensor,
-        ids: torch.Tensor,
-        tau: Temperature,
-        spec: _vocab.OpSpec,
-        checks: _vocab.DeviceChecks,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        dtype = _vocab.compute_dtype(logits.dtype)
-        scale = _vocab.row_scale(tau, logits.size(0), dtype)
-        local, owned = _vocab.local_columns(ids, spec.first_id, spec.n_valid)
-        stats_spec = _vocab.StatsSpec(spec.group, spec.n_valid, spec.chunk_rows, rest=False, subset=True)
-        vocab = _vocab.vocab_stats(logits, local, owned, scale, stats_spec)
-        bad = _vocab.bad_row_codes(vocab.raw_max)
-        checks.require(bad == 0, lambda: _vocab.bad_rows_error(spec.op, spec.arg, bad))
-        checks.raise_first()  # the call's one host sync: input checks and bad rows at once
-        u_ids = (vocab.marked - vocab.shift.unsqueeze(1)) * scale
-        # 0 unless the tail has its own shift
-        tail_offset = _vocab.mul_scale(vocab.subset_shift - vocab.shift, scale)
-        log_tail_sum = vocab.subset_sum.log()
-        log_sum = torch.logaddexp(log_tail_sum + tail_offset, torch.logsumexp(u_ids, dim=1))
-        logp = u_ids - log_sum.unsqueeze(1)
-        tail = tail_offset + log_tail_sum - log_sum
-
-        ctx.spec, ctx.tail_far_rows = spec, vocab.far_rows
-        ctx.tau_value = tau if not isinstance(tau, torch.Tensor) else None
-        tau_tensor = tau if isinstance(tau, torch.Tensor) else logits.new_empty(0)
-        stats = torch.stack([vocab.shift, log_sum, vocab.subset_shift, log_tail_sum], dim=1)
-        ctx.save_for_backward(logits, ids, stats, tau_tensor)
-        ctx.set_materialize_grads(False)
-        return logp, tail
-
-    @staticmethod
-    @_vocab.reject_double_backward
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
-        grad_logp: Optional[torch.Tensor],
-        grad_tail: Optional[torch.Tensor],
-    ) -> tuple[Optional[torch.Tensor], None, None, None, None]:
-        logits, ids, stats, tau_tensor = ctx.saved_tensors
-        if not ctx.needs_input_grad[0] or (grad_logp is None and grad_tail is None):
-            return None, None, None, None, None
-        spec: _vocab.OpSpec = ctx.spec
-        scale = _vocab.row_scale(tau_tensor if ctx.tau_value is None else ctx.tau_value, logits.size(0), stats.dtype)
-        local, owned = _vocab.local_columns(ids, spec.first_id, spec.n_valid)
-        factors = _topk_grad_factors(grad_logp, grad_tail, stats, ids.shape, ctx.tail_far_rows)
-        grad = torch.empty_like(logits)
-        if spec.n_valid < logits.size(1):
-            grad[:, spec.n_valid :].zero_()
-        _topk_grad_pass(logits, grad, local, torch.where(owned, local, 0), stats, scale, factors, spec)
-        return grad, None, None, None, None
-
-
-@dataclass
-class _TopkGradFactors:
-    """Per-row factors of the top-k backward. dlogp_i/dz_j = [i == j] - p_j ; dtail/dz_j =
-    [j not in ids]·p_j/P_tail - p_j ; dz/dx = 1/τ. Every column gets p_j·row_coef; tails sharing
-    the shift M add p_j/P_tail = p_j·S/S_tail there, tails with their own shift (`far_rows`) get
-    exp((x - tail_shift)/τ - log S_tail), a second exp; the ids' entries are g_i - p_i·total."""
-
-    grad_ids: torch.Tensor  # [T, k]
-    grad_tail: Optional[torch.Tensor]  # [T], 0 for an empty tail
-    total: torch.Tensor  # Σ_i g_i + g_tail
-    row_coef: torch.Tensor
-    far_rows: list[int]
-
-
-def _topk_grad_factors(grad_logp, grad_tail, stats: torch.Tensor, ids_shape: torch.Size,
-                       tail_far_rows: list[int]) -> _TopkGradFactors:
-    dtype = stats.dtype
-    shift, log_sum, tail_shift, log_tail_sum = stats.unbind(1)
-    grad_ids = grad_logp.to(dtype) if grad_logp is not None else stats.new_zeros(ids_shape)
-    # An empty tail (log mass -inf) is a constant: it gets no gradient.
-    tail_finite = torch.isfinite(log_tail_sum)
-    g_tail = torch.where(tail_finite, grad_tail.to(dtype), 0.0) if grad_tail is not None else None
-    total = grad_ids.sum(dim=1) + (g_tail if g_tail is not None else 0.0)
-    row_coef = -total
-    far_rows: list[int] = []
-    if g_tail is not None:
-        shared = (tail_shift == shift) & tail_finite
-        ratio = torch.exp(log_sum - torch.where(shared, log_tail_sum, log_sum))
-        row_coef = row_coef + torch.where(shared, g_tail * ratio, 0.0)
-        far_rows = tail_far_rows
-    return _TopkGradFactors(grad_ids, g_tail, total, row_coef, far_rows)
-
-
-def _topk_grad_pass(logits, grad, local, at_ids, stats, scale, factors: _TopkGradFactors,
-                    spec: _vocab.OpSpec) -> None:
-    """The gradient chunk by chunk: softmax recomputed, times the row factors, the ids' entries
-    written last (`local`: their columns, the sink column where another rank owns them)."""
-    n_rows, n_valid = logits.size(0), spec.n_valid
-    shift, log_sum, tail_shift, log_tail_sum = stats.unbind(1)
-    width = min(spec.chunk_rows, n_rows)
-    probs_buf = torch.empty((width, n_valid + 1), dtype=stats.dtype, device=logits.device)  # column n_valid: sink for ids
-    tail_buf = torch.empty((width, n_valid), dtype=stats.dtype, device=logits.device) if factors.far_rows else None
-    for start, stop in _vocab.row_chunks(n_rows, spec.chunk_rows):
-        rows = slice(start, stop)
-        chunk = logits[rows, :n_valid]
-        chunk_scale = _vocab.scale_rows(scale, rows)
-        probs = probs_buf[: stop - start]
-        _vocab.shifted_rows(chunk, shift[rows], chunk_scale, out=probs[:, :n_valid])
-        probs.sub_(log_sum[rows].unsqueeze(1)).exp_()
-        p_ids = probs[:, :n_valid].gather(1, at_ids[rows]) if n_valid else probs.new_zeros(at_ids[rows].shape)
-        probs.mul_(factors.row_coef[rows].unsqueeze(1))
-        far = _vocab.rows_in_chunk(factors.far_rows, start, stop, logits.device)
-        if far is not None:
-            tail_probs = tail_buf[: stop - start if isinstance(far, slice) else far.numel()]
-            _vocab.own_shift_exp(chunk[far], tail_shift[rows][far], log_tail_sum[rows][far],
-                                 _vocab.scale_rows(chunk_scale, far), out=tail_probs)
-            probs[far, :n_valid] += tail_probs.mul_(factors.grad_tail[rows][far].unsqueeze(1))
-        probs.scatter_(1, local[rows], factors.grad_ids[rows] - p_ids * factors.total[rows].unsqueeze(1))
-        if isinstance(chunk_scale, torch.Tensor) or chunk_scale != 1.0:
-            probs.mul_(chunk_scale)
-        grad[rows, :n_valid] = probs[:, :n_valid]
-
-
 def _topk_logprobs_checked(
     logits: torch.Tensor,
     ids: torch.Tensor,
@@ -303,6 +177,7 @@ def _topk_logprobs_checked(
     checks: _vocab.DeviceChecks,
     op: str = "topk_logprobs",
     name: str = "logits",
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Size, int]:
     lead, local_vocab = _check_logits(logits, name, tp_group)
     vocab = _vocab.global_vocab(local_vocab, tp_group, vocab_size)
@@ -311,7 +186,8 @@ def _topk_logprobs_checked(
     chunk_rows = _vocab.logits_chunk_rows(_vocab.check_chunk_size(chunk_size), local_vocab, tp_group, vocab, logits)
     spec = _vocab.op_spec(local_vocab, tp_group, vocab, chunk_rows, op, arg=name)
     flat_ids = ids.reshape(-1, k).to(device=logits.device, dtype=torch.long)
-    logp, tail = _TopkLogprobs.apply(logits.reshape(-1, local_vocab), flat_ids, tau, spec, checks)
+    chosen = resolve_backend(backend, logits.device)
+    logp, tail = TopkLogprobs.apply(flat_ids, tau, spec, checks, chosen, logits.reshape(-1, local_vocab))
     return logp, tail, lead, k
 
 
@@ -323,6 +199,7 @@ def topk_logprobs(
     temperature: Temperature = 1.0,
     vocab_size: Optional[int] = None,
     chunk_size: Optional[int] = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs (normalized over the full vocab, logits / temperature) at `ids` [T, k] and the
     log of the remaining mass [T], from the complement's log-sum-exp; differentiable.
@@ -332,7 +209,7 @@ def topk_logprobs(
     float32 (float64 for float64 logits). `chunk_size` is rows per chunk (None: automatic).
     """
     logp, tail, lead, k = _topk_logprobs_checked(
-        logits, ids, tp_group, temperature, vocab_size, chunk_size, _vocab.DeviceChecks()
+        logits, ids, tp_group, temperature, vocab_size, chunk_size, _vocab.DeviceChecks(), backend=backend
     )
     return logp.reshape(*lead, k), tail.reshape(lead)
 
@@ -543,6 +420,7 @@ def topk_opd_loss(
     temperature: Temperature = 1.0,
     vocab_size: Optional[int] = None,
     chunk_size: Optional[int] = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Per-token KL [T] between the student's and the teacher mixture's (k+1)-bucket
     distributions (the k ids plus one tail bucket); gradient flows to the student logits only.
@@ -563,7 +441,8 @@ def topk_opd_loss(
     teachers, teacher_tails, log_w = _check_mixture(teacher_logprobs, teacher_tail_logprobs, ids.shape,
                                                     teacher_weights, dtype, student_logits.device, checks)
     logp, tail, lead, k = _topk_logprobs_checked(
-        student_logits, ids, tp_group, temperature, vocab_size, chunk_size, checks, "topk_opd_loss", "student_logits"
+        student_logits, ids, tp_group, temperature, vocab_size, chunk_size, checks, "topk_opd_loss", "student_logits",
+        backend,
     )
     log_p = torch.cat([logp, tail[:, None]], dim=1)
     return _bucket_kl(log_p, teachers, teacher_tails, log_w, kl, mix).reshape(lead)
