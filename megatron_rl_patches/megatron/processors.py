@@ -134,8 +134,10 @@ def _tp_group(output_layer: torch.nn.Module):
 
 
 def _check_common(temperature: float, vocab_size: int | None, chunk_size: int | None) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float > 0, got {temperature!r}")
+    from megatron_rl_patches.ops._vocab import check_scalar_temperature
+
+    # float64: only the value's own range here; the op checks 1/τ against the hidden states' dtype
+    check_scalar_temperature(temperature, torch.float64, "a float > 0 (per-token values go in the context)")
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0):
         raise ValueError(f"vocab_size must be a positive int (the real, unpadded vocabulary) or None, got {vocab_size!r}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
