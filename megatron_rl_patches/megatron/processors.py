@@ -10,7 +10,9 @@ and folds a MuP output multiplier into the temperature.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -20,9 +22,27 @@ _LOGPROB_CONTEXT = ("keep_mask", "temperature")
 _TOPK_CONTEXT = ("ids", "temperature")
 
 
+# The output layer whose forward pre-hooks already ran for the forward under way: the backport
+# for megatron-core < 0.18 calls the layer (hooks included) to capture its input.
+_PRE_HOOKS_RAN: ContextVar[torch.nn.Module | None] = ContextVar("megatron_rl_patches_pre_hooks_ran", default=None)
+
+
+@contextmanager
+def output_layer_pre_hooks_ran(output_layer: torch.nn.Module) -> Iterator[None]:
+    """Inside: `wait_for_output_weight(output_layer, ...)` runs no hook (they ran once already)."""
+    token = _PRE_HOOKS_RAN.set(output_layer)
+    try:
+        yield
+    finally:
+        _PRE_HOOKS_RAN.reset(token)
+
+
 def wait_for_output_weight(output_layer: torch.nn.Module, hidden_states: torch.Tensor) -> None:
-    """Run the output layer's forward pre-hooks, as calling it would: with overlap-param-gather
-    DDP's hook waits there for the layer's parameter all-gather (reading first gives stale weights)."""
+    """Run the output layer's forward pre-hooks once per forward, as calling it would: with
+    overlap-param-gather DDP's hook waits there for the layer's parameter all-gather (reading
+    first gives stale weights)."""
+    if _PRE_HOOKS_RAN.get() is output_layer:
+        return
     with_kwargs = getattr(output_layer, "_forward_pre_hooks_with_kwargs", {})
     for hook_id, hook in list(output_layer._forward_pre_hooks.items()):
         if hook_id in with_kwargs:
