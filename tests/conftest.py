@@ -14,7 +14,8 @@ from hypothesis import settings
 
 # CI runs the property tests with a fixed example sequence (a red run must mean a real failure
 # that reproduces); locally they keep exploring new examples.
-settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+# max_examples is fixed so the property tests together stay under 60 s on the main lane.
+settings.register_profile("ci", max_examples=150, derandomize=True, database=None, print_blob=True)
 # `HYPOTHESIS_PROFILE=long`: a local soak of the property tests (tens of times more examples).
 settings.register_profile("long", max_examples=3000, deadline=None, print_blob=True)
 if os.environ.get("HYPOTHESIS_PROFILE"):

@@ -76,6 +76,8 @@ def _unusable_value(value: Any, expected: Any) -> str | None:
         return type(value).__name__
     if value.is_meta:
         return "a meta tensor (no data)"
+    if value.layout != torch.strided:  # copy_ from sparse fails half-way, after earlier entries were written
+        return f"a {value.layout} tensor: save dense weights (.to_dense())"
     if value.shape != expected.shape:
         return None  # reported as a shape mismatch
     if value.is_complex() != expected.is_complex():  # copy_ would drop the imaginary part silently

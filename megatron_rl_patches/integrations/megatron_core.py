@@ -106,6 +106,8 @@ def _hidden_states_before_output_layer(model: Any, wrapped: Any, args: tuple, kw
     def stop_here(hidden_states: Any, *unused: Any, **unused_kw: Any) -> Any:
         raise _OutputLayerReached(hidden_states)
 
+    missing = object()
+    own = layer.__dict__.get("forward", missing)  # a forward the user set on the instance: restored after
     layer.forward = stop_here  # an instance attribute: the class's forward is untouched
     try:
         wrapped(*args, **kwargs)
@@ -113,7 +115,10 @@ def _hidden_states_before_output_layer(model: Any, wrapped: Any, args: tuple, kw
         return reached.hidden_states
     finally:
         if layer.__dict__.get("forward") is stop_here:
-            del layer.forward
+            if own is missing:
+                del layer.forward
+            else:
+                layer.__dict__["forward"] = own
     raise RuntimeError("GPTModel.forward returned without calling its output layer; cannot run output_processor")
 
 
@@ -144,6 +149,14 @@ def gpt_forward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
     given = bound.arguments
     hidden_states = _hidden_states_before_output_layer(instance, wrapped, args, kwargs)
     output_weight = instance.shared_embedding_or_output_weight() if instance.share_embeddings_and_output_weights else None
+    from megatron_rl_patches.megatron.processors import output_layer_pre_hooks_ran
+
+    with output_layer_pre_hooks_ran(instance.output_layer):  # the call above ran them: once per forward
+        return _call_processor(processor, instance, given, hidden_states, output_weight, context)
+
+
+def _call_processor(processor: Any, instance: Any, given: dict, hidden_states: Any, output_weight: Any, context: Any) -> Any:
+    """The processor called with the keywords megatron-core 0.18 passes."""
     return processor(
         hidden_states=hidden_states,
         output_layer=instance.output_layer,

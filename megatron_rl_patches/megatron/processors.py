@@ -10,7 +10,9 @@ and folds a MuP output multiplier into the temperature.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -20,9 +22,27 @@ _LOGPROB_CONTEXT = ("keep_mask", "temperature")
 _TOPK_CONTEXT = ("ids", "temperature")
 
 
+# The output layer whose forward pre-hooks already ran for the forward under way: the backport
+# for megatron-core < 0.18 calls the layer (hooks included) to capture its input.
+_PRE_HOOKS_RAN: ContextVar[torch.nn.Module | None] = ContextVar("megatron_rl_patches_pre_hooks_ran", default=None)
+
+
+@contextmanager
+def output_layer_pre_hooks_ran(output_layer: torch.nn.Module) -> Iterator[None]:
+    """Inside: `wait_for_output_weight(output_layer, ...)` runs no hook (they ran once already)."""
+    token = _PRE_HOOKS_RAN.set(output_layer)
+    try:
+        yield
+    finally:
+        _PRE_HOOKS_RAN.reset(token)
+
+
 def wait_for_output_weight(output_layer: torch.nn.Module, hidden_states: torch.Tensor) -> None:
-    """Run the output layer's forward pre-hooks, as calling it would: with overlap-param-gather
-    DDP's hook waits there for the layer's parameter all-gather (reading first gives stale weights)."""
+    """Run the output layer's forward pre-hooks once per forward, as calling it would: with
+    overlap-param-gather DDP's hook waits there for the layer's parameter all-gather (reading
+    first gives stale weights)."""
+    if _PRE_HOOKS_RAN.get() is output_layer:
+        return
     with_kwargs = getattr(output_layer, "_forward_pre_hooks_with_kwargs", {})
     for hook_id, hook in list(output_layer._forward_pre_hooks.items()):
         if hook_id in with_kwargs:
@@ -134,8 +154,10 @@ def _tp_group(output_layer: torch.nn.Module):
 
 
 def _check_common(temperature: float, vocab_size: int | None, chunk_size: int | None) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float > 0, got {temperature!r}")
+    from megatron_rl_patches.ops._vocab import check_scalar_temperature
+
+    # float64: only the value's own range here; the op checks 1/τ against the hidden states' dtype
+    check_scalar_temperature(temperature, torch.float64, "a float > 0 (per-token values go in the context)")
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0):
         raise ValueError(f"vocab_size must be a positive int (the real, unpadded vocabulary) or None, got {vocab_size!r}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):

@@ -277,19 +277,30 @@ def check_temperature(
     lead = tuple(lead)
     if isinstance(temperature, torch.Tensor):
         return _check_temperature_tensor(temperature, lead, device, checks, dtype)
+    return check_scalar_temperature(temperature, dtype, f"a float or a tensor of shape {list(lead)}")
+
+
+def check_scalar_temperature(temperature: object, dtype: torch.dtype = torch.float32, expected: str = "a float") -> float:
+    """A real number temperature as a float: finite, > 0, and 1/τ finite in the compute dtype of
+    `dtype` inputs; else TypeError/ValueError naming it (`expected` describes what is accepted)."""
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(
-            f"temperature must be a float or a tensor of shape {list(lead)}, got {type(temperature).__name__}"
-        )
-    if not (math.isfinite(float(temperature)) and float(temperature) > 0):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+        raise TypeError(f"temperature must be {expected}, got {type(temperature).__name__}")
+    try:
+        value = float(temperature)
+    except OverflowError:  # a Python int (or Fraction) beyond float range, e.g. 10**400
+        raise ValueError(
+            "temperature must be finite and > 0, got a number beyond the float range (|temperature| >= 2**1024); "
+            "pass a float"
+        ) from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"temperature must be finite and > 0, got {value}")
     math_dtype = compute_dtype(dtype)
-    if 1.0 / float(temperature) > torch.finfo(math_dtype).max:  # host arithmetic: no device sync
+    if 1.0 / value > torch.finfo(math_dtype).max:  # host arithmetic: no device sync
         raise ValueError(
             f"temperature must be >= {smallest_temperature(dtype):.6g} (the smallest whose 1/temperature is finite "
-            f"in {math_dtype}), got {temperature}"
+            f"in {math_dtype}), got {value}"
         )
-    return float(temperature)
+    return value
 
 
 def _check_temperature_tensor(
