@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl_patches.ops import _stats, _vocab
+from megatron_rl_patches.ops import _checks, _stats, _vocab
 from megatron_rl_patches.ops.kernels import Backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
 
@@ -41,13 +41,13 @@ def _scale(ctx, tau_tensor: torch.Tensor | None, n_rows: int, dtype: torch.dtype
     return _stats.row_scale(tau_tensor if ctx.tensor_tau else ctx.tau, n_rows, dtype)
 
 
-def _check_rows(stats: _stats.RowStats, spec: _vocab.OpSpec, checks: _vocab.DeviceChecks,
+def _check_rows(stats: _stats.RowStats, spec: _vocab.OpSpec, checks: _checks.DeviceChecks,
                 kept_log_sum: torch.Tensor | None = None) -> None:
     """Bad rows (NaN/+inf, all -inf, no finite kept logit) join the call's checks; one host sync."""
-    bad = _vocab.bad_row_codes(stats.shift)
+    bad = _checks.bad_row_codes(stats.shift)
     if kept_log_sum is not None:
-        bad = torch.where((bad == 0) & torch.isneginf(kept_log_sum), _vocab.BAD_KEPT_NEG_INF, bad)
-    checks.require(bad == 0, lambda: _vocab.bad_rows_error(spec.op, spec.arg, bad))
+        bad = torch.where((bad == 0) & torch.isneginf(kept_log_sum), _checks.BAD_KEPT_NEG_INF, bad)
+    checks.require(bad == 0, lambda: _checks.bad_rows_error(spec.op, spec.arg, bad))
     checks.raise_first()  # the call's one host sync: input checks and bad rows at once
 
 

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches.ops import _dist, _vocab
+from megatron_rl_patches.ops import _checks, _dist, _vocab
 from megatron_rl_patches.ops._functions import LogProbEntropy, TopkLogprobs
 from megatron_rl_patches.ops.kernels import resolve_backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows
@@ -28,40 +28,14 @@ from megatron_rl_patches.ops.kernels.torch_tiles import tiles
 __all__ = ["lm_head_log_probs_and_entropy", "lm_head_topk_ids", "lm_head_topk_logprobs"]
 
 
-# ----------------------------------------------------------------------------- validation
-
-
-def _check_common(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size) -> tuple[int, int, int]:
-    """(local rows, global rows, global vocab); TypeError/ValueError naming the argument."""
-    _vocab.check_float_tensor(hidden, "hidden", "[T, H] (under sequence parallelism this rank's [T/tp, H])")
-    _vocab.check_float_tensor(weight, "weight", "[V_local, H] (this rank's vocab shard of the output weight)")
-    if hidden.dim() != 2:
-        raise ValueError(f"hidden must be 2-D [T, H], got shape {tuple(hidden.shape)}; flatten [s, b, h] first")
-    if weight.dim() != 2 or weight.size(1) != hidden.size(1) or weight.size(0) == 0:
-        raise ValueError(
-            f"weight must be [V_local, H] with H = {hidden.size(1)} (hidden's last dim) and V_local > 0, "
-            f"got shape {tuple(weight.shape)}"
-        )
-    if weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise ValueError(
-            f"hidden and weight must share dtype and device, got {hidden.dtype}/{hidden.device} and "
-            f"{weight.dtype}/{weight.device}"
-        )
-    if not isinstance(sequence_parallel, bool):
-        raise TypeError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
-    _vocab.check_group(tp_group)
-    _vocab.check_chunk_size(chunk_size)
-    vocab = _vocab.global_vocab(weight.size(0), tp_group, vocab_size)
-    rows = hidden.size(0) * (_dist.tp_size(tp_group) if sequence_parallel else 1)
-    return hidden.size(0), rows, vocab
-
-
 def _spec(hidden, weight, tp_group, sequence_parallel, vocab, chunk_size, op, **extra) -> _vocab.OpSpec:
     return _vocab.op_spec(weight.size(0), tp_group, vocab, chunk_size, op, arg=_LOGITS,
                           sequence_parallel=bool(sequence_parallel and _dist.tp_size(tp_group) > 1), **extra)
 
 
 _LOGITS = "logits (hidden @ weight.T)"  # what the messages call the logits that never exist
+
+
 
 
 # ----------------------------------------------------------------------------- log-probs + entropy
@@ -88,12 +62,12 @@ def lm_head_log_probs_and_entropy(
     global ids of every row. Gradients flow to hidden and weight. `chunk_size`: rows per tile
     (None: a byte budget). Outputs fp32 (fp64 for fp64 inputs); entropy None unless `with_entropy`.
     """
-    _, n_rows, vocab = _check_common(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
-    checks = _vocab.DeviceChecks()
-    _vocab.check_tokens_shape(tokens, n_rows, hidden.device, "(all rows, also under sequence parallelism)", "hidden")
-    _vocab.require_tokens_in_vocab(tokens, vocab, checks)
-    tau = _vocab.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
-    _vocab.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
+    _, n_rows, vocab = _checks.check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
+    checks = _checks.DeviceChecks()
+    _checks.check_tokens_shape(tokens, n_rows, hidden.device, "(all rows, also under sequence parallelism)", "hidden")
+    _checks.require_tokens_in_vocab(tokens, vocab, checks)
+    tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
+    _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
     spec = _spec(hidden, weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_log_probs_and_entropy",
                  with_entropy=bool(with_entropy), entropy_grad=bool(with_entropy and entropy_requires_grad))
     chosen = resolve_backend(backend, hidden.device)
@@ -129,13 +103,11 @@ def lm_head_topk_ids(
     logits per row, descending, ties to the lower id; no gradient. A positive temperature does
     not change the order (accepted for symmetry with `lm_head_topk_logprobs`). Each rank keeps a
     running top-k per row tile; ranks all-gather k candidates each (O(T·k·tp))."""
-    from megatron_rl_patches.ops.topk import _check_int_k, _check_k
-
-    _, n_rows, vocab = _check_common(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
-    k = _check_int_k(k)
-    _check_k(k, vocab)
-    checks = _vocab.DeviceChecks()
-    _vocab.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
+    _, n_rows, vocab = _checks.check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
+    k = _checks.check_int_k(k)
+    _checks.check_k(k, vocab)
+    checks = _checks.DeviceChecks()
+    _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     if hidden.dtype == torch.float64:
         raise TypeError("lm_head_topk_ids ranks fp32/bf16/fp16 logits; for fp64 inputs use topk_ids(hidden @ weight.T, k)")
     spec = _spec(hidden, weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_ids")
@@ -144,8 +116,8 @@ def lm_head_topk_ids(
         # MAX all-reduce over the tensor-parallel group of the local row maxima: the full-vocab
         # max tells rows with NaN/+inf or without any finite logit apart on every rank alike
         _dist.all_reduce_max_(row_max, spec.group)
-        bad = _vocab.bad_row_codes(row_max)
-        checks.require(bad == 0, lambda: _vocab.bad_rows_error(spec.op, spec.arg, bad))
+        bad = _checks.bad_row_codes(row_max)
+        checks.require(bad == 0, lambda: _checks.bad_rows_error(spec.op, spec.arg, bad))
         checks.raise_first()  # the call's one host sync
         # all-gather over the tensor-parallel group of every rank's k best keys per row
         # (O(T·k·tp)): the k best of them are the global top-k, the same on every rank
@@ -187,12 +159,10 @@ def lm_head_topk_logprobs(
     normalized over the full vocab, and the log of the remaining mass [T] (the complement's own
     log-sum-exp, never log(1 − Σp)). Gradients flow to hidden and weight (a student); call under
     no_grad for a teacher."""
-    from megatron_rl_patches.ops.topk import _check_ids
-
-    _, n_rows, vocab = _check_common(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
-    checks = _vocab.DeviceChecks()
-    k = _check_ids(ids, torch.Size([n_rows]), vocab, checks)
-    tau = _vocab.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
+    _, n_rows, vocab = _checks.check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
+    checks = _checks.DeviceChecks()
+    k = _checks.check_ids(ids, torch.Size([n_rows]), vocab, checks)
+    tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     spec = _spec(hidden, weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_logprobs")
     flat = ids.reshape(n_rows, k).to(device=hidden.device, dtype=torch.long)
     chosen = resolve_backend(backend, hidden.device)

@@ -11,41 +11,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches.ops import _vocab
+from megatron_rl_patches.ops import _checks, _vocab
 from megatron_rl_patches.ops._functions import LogProbEntropy
 from megatron_rl_patches.ops.kernels import resolve_backend
 
 __all__ = ["log_probs_and_entropy"]
-
-# ----------------------------------------------------------------------------- validation
-
-
-def _check_inputs(
-    logits, tokens, tp_group, temperature, chunk_size, keep_mask, vocab_size, inplace_backward
-) -> tuple[_vocab.DeviceChecks, float | torch.Tensor]:
-    """Raise TypeError/ValueError naming the argument; checks of tensor values come back deferred
-    (read with the forward's one host sync). Returns them and the checked temperature."""
-    _vocab.check_float_tensor(logits, "logits", "[T, V_local]")
-    if logits.dim() != 2:
-        raise ValueError(
-            f"logits must be 2-D [T, V_local], got shape {tuple(logits.shape)}; flatten batch/sequence "
-            f"dims first, e.g. logits.reshape(-1, logits.size(-1))"
-        )
-    n_rows, local_vocab = logits.shape
-    _vocab.check_tokens_shape(tokens, n_rows, logits.device, f"to match logits {tuple(logits.shape)}", "logits")
-    _vocab.check_group(tp_group)
-    if local_vocab == 0:
-        raise ValueError("logits have no vocab columns (V_local = 0)")
-    vocab = _vocab.global_vocab(local_vocab, tp_group, vocab_size)
-    checks = _vocab.DeviceChecks()
-    _vocab.require_tokens_in_vocab(tokens, vocab, checks)
-    temperature = _vocab.check_temperature(temperature, (n_rows,), logits.device, checks, logits.dtype)
-    _vocab.check_chunk_size(chunk_size)
-    _vocab.check_keep_mask(keep_mask, logits.shape, logits.device, "the logits")
-    if inplace_backward:
-        _vocab.check_inplace_target(logits)
-    return checks, temperature
-
 
 def log_probs_and_entropy(
     logits: torch.Tensor,
@@ -72,7 +42,7 @@ def log_probs_and_entropy(
     fp64 logits); entropy is None unless `with_entropy`. `backend`: see
     :func:`megatron_rl_patches.ops.kernels.resolve_backend`.
     """
-    checks, tau = _check_inputs(logits, tokens, tp_group, temperature, chunk_size, keep_mask, vocab_size,
+    checks, tau = _checks.check_logprobs_inputs(logits, tokens, tp_group, temperature, chunk_size, keep_mask, vocab_size,
                                 inplace_backward)
     local_vocab = logits.size(1)
     spec = _vocab.op_spec(

@@ -11,9 +11,8 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_rl_patches import log_probs_and_entropy, topk_ids, topk_logprobs, topk_opd_loss
-from megatron_rl_patches.ops import _vocab
 from megatron_rl_patches.ops import _stats
-from megatron_rl_patches.ops._vocab import DeviceChecks, local_columns
+from megatron_rl_patches.ops._checks import DeviceChecks
 
 INF = math.inf
 
