@@ -19,9 +19,9 @@ def bind(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> inspect.Boun
     return bound
 
 
-def positive_int(name: str, value: Any) -> int:
+def positive_int(name: str, value: Any, meaning: str = "") -> int:
     """`value` as an int when it is an integer >= 1 (bool excluded, numpy integers accepted);
-    ValueError naming `name` otherwise."""
+    ValueError naming `name` (and what it means) otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        raise ValueError(f"{name} must be a positive int{meaning}, got {value!r}")
     return int(value)

@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
+from megatron_rl_patches._args import positive_int
+
 __all__ = ["log_prob_output_processor", "topk_output_processor"]
 
 _LOGPROB_CONTEXT = ("keep_mask", "temperature")
@@ -77,6 +79,18 @@ def _logit_multiplier(config: Any) -> float:
     return float(mult)
 
 
+def _check_options(temperature: object, vocab_size: object, chunk_size: object) -> None:
+    """The options a processor is built with, checked as the ops check them, before any forward."""
+    from megatron_rl_patches.ops._checks import check_scalar_temperature
+
+    # float64: only the value's own range here; the op checks 1/τ against the hidden states' dtype
+    check_scalar_temperature(temperature, torch.float64, "a float > 0 (per-token values go in the context)")
+    if vocab_size is not None:
+        positive_int("vocab_size", vocab_size, " (the real, unpadded vocabulary) or None")
+    if chunk_size is not None:
+        positive_int("chunk_size", chunk_size, " or None")
+
+
 def _per_token(value: torch.Tensor, name: str, batch: int, seq: int) -> torch.Tensor:
     """A [b, s, ...] per-token tensor as [s*b, ...] rows, in the hidden states' (s, b) order."""
     if not isinstance(value, torch.Tensor) or value.dim() < 2 or tuple(value.shape[:2]) != (batch, seq):
@@ -102,12 +116,12 @@ class _Call:
         self.temperature = temperature / _logit_multiplier(config)
         per_token = context.get("temperature")
         if per_token is not None:
-            # logits/τ_row = (h/τ_row)·Wᵀ: scaling the [T, H] rows costs no [T, V] copy.
+            # one route for per-token temperatures: the op takes τ [T] for every (global) row and
+            # checks its values with the call's one host sync
             rows = _per_token(per_token, "output_processor_context['temperature']", batch, seq)
-            rows = _local_rows(rows, self)
-            if not torch.is_floating_point(rows) or not bool(torch.all(torch.isfinite(rows) & (rows > 0))):
-                raise ValueError("output_processor_context['temperature'] must hold finite values > 0")
-            self.hidden = self.hidden / rows.to(self.hidden.dtype).unsqueeze(1)
+            if not isinstance(rows, torch.Tensor) or not torch.is_floating_point(rows):
+                raise TypeError("output_processor_context['temperature'] must be a floating tensor [b, s]")
+            self.temperature = rows.detach() * self.temperature
         self.labels = None if labels is None else _per_token(labels, "labels", batch, seq)
 
     @property
@@ -123,17 +137,6 @@ class _Call:
         if rows is None:
             return None
         return rows.reshape(self.seq, self.batch, *rows.shape[1:]).transpose(0, 1)
-
-
-def _local_rows(rows: torch.Tensor, call: _Call) -> torch.Tensor:
-    """Under sequence parallelism this rank's hidden rows are its [s/tp] slice of the sequence."""
-    if not call.sequence_parallel or call.tp_world == 1:
-        return rows
-    import torch.distributed as dist
-
-    per_rank = rows.size(0) // call.tp_world
-    rank = dist.get_rank(call.tp_group)
-    return rows[rank * per_rank : (rank + 1) * per_rank]
 
 
 def _tp_group(output_layer: torch.nn.Module):
@@ -153,17 +156,6 @@ def _tp_group(output_layer: torch.nn.Module):
     return group
 
 
-def _check_common(temperature: float, vocab_size: int | None, chunk_size: int | None) -> None:
-    from megatron_rl_patches.ops._vocab import check_scalar_temperature
-
-    # float64: only the value's own range here; the op checks 1/τ against the hidden states' dtype
-    check_scalar_temperature(temperature, torch.float64, "a float > 0 (per-token values go in the context)")
-    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0):
-        raise ValueError(f"vocab_size must be a positive int (the real, unpadded vocabulary) or None, got {vocab_size!r}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-
-
 def log_prob_output_processor(
     *,
     temperature: float = 1.0,
@@ -177,7 +169,7 @@ def log_prob_output_processor(
     token at `temperature`, from the hidden states (no logits). `output_processor_context` may be a
     dict with "keep_mask" ([b, s, V/tp] bool: ids the log-prob is normalized over) and
     "temperature" ([b, s] per-token temperatures, multiplied with `temperature`)."""
-    _check_common(temperature, vocab_size, chunk_size)
+    _check_options(temperature, vocab_size, chunk_size)
 
     def process(*, hidden_states, output_layer, output_weight=None, labels=None, config=None, context=None, **_):
         from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy
@@ -218,9 +210,9 @@ def topk_output_processor(
     {"topk_ids": [b, s, k] (when it selects them), "topk_log_probs": [b, s, k], "tail": [b, s]}.
     With `k` it selects each token's top-k ids (a student); with `output_processor_context=
     {"ids": [b, s, k]}` it scores those ids instead (a teacher scoring the student's ids)."""
-    _check_common(temperature, vocab_size, chunk_size)
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k <= 0):
-        raise ValueError(f"k must be a positive int (ids to select) or None (ids from the context), got {k!r}")
+    _check_options(temperature, vocab_size, chunk_size)
+    if k is not None:
+        positive_int("k", k, " (ids to select) or None (ids from the context)")
 
     def process(*, hidden_states, output_layer, output_weight=None, labels=None, config=None, context=None, **_):
         from megatron_rl_patches.ops.lm_head import lm_head_topk_ids, lm_head_topk_logprobs

@@ -9,67 +9,19 @@ streaming core (one MAX and one SUM all-reduce per call) is shared with the log-
 from __future__ import annotations
 
 import math
-import numbers
-from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches.ops import _dist
-from megatron_rl_patches.ops import _vocab
+from megatron_rl_patches.ops import _checks, _dist, _vocab
+from megatron_rl_patches.ops._checks import Temperature, Weights
+from megatron_rl_patches.ops._functions import TopkLogprobs
+from megatron_rl_patches.ops.kernels import resolve_backend
 
 __all__ = ["topk_ids", "topk_logprobs", "topk_kl", "topk_opd_loss"]
 
-KL_KINDS = ("reverse", "forward", "mixed")
 _NEG_INF = float("-inf")
-
-Temperature = Union[float, torch.Tensor]
-Weights = Union[torch.Tensor, Sequence[float], None]
-
-
-# ----------------------------------------------------------------------------- validation
-def _check_logits(logits: object, name: str, tp_group: Optional[dist.ProcessGroup]) -> tuple[torch.Size, int]:
-    _vocab.check_float_tensor(logits, name, "of shape [T, V_local]")
-    if logits.dim() < 2 or logits.shape[-1] == 0:
-        raise ValueError(
-            f"{name} must have shape [T, V_local] (or [..., V_local]) with V_local > 0, got {tuple(logits.shape)}"
-        )
-    _vocab.check_group(tp_group)
-    return logits.shape[:-1], logits.shape[-1]
-
-
-def _check_k(k: int, vocab: int, name: str = "k") -> None:
-    if k >= vocab:
-        raise ValueError(
-            f"{name} must be smaller than the vocabulary size {vocab} (global, after vocab_size) so that "
-            f"the tail bucket is not empty, got {k}; use a smaller k"
-        )
-
-
-def _check_ids(ids: object, lead: torch.Size, vocab: int, checks: _vocab.DeviceChecks) -> int:
-    _vocab.check_id_tensor(ids, "ids", "[T, k]")
-    if ids.dim() != len(lead) + 1 or ids.shape[:-1] != lead or ids.shape[-1] == 0:
-        raise ValueError(
-            f"ids must have shape {tuple(lead) + ('k',)} (the logits' leading dims, then k >= 1), "
-            f"got {tuple(ids.shape)}"
-        )
-    k = ids.shape[-1]
-    _check_k(k, vocab, "ids.shape[-1] (k)")
-    inside = (ids >= 0) & (ids < vocab)
-    checks.require(inside, lambda: ValueError(
-        f"ids must be global vocab ids in [0, {vocab}), found {ids[~inside][0].item()}; check vocab_size and tp_group"
-    ))
-    if k > 1:
-        ordered = ids.sort(dim=-1).values
-        checks.require(ordered[..., 1:] != ordered[..., :-1], lambda: ValueError(
-            "ids must not repeat within a row (each id is one bucket); deduplicate them, e.g. use topk_ids"
-        ))
-    return k
-
-
-def _check_int_k(k: object) -> int:
-    return _vocab.check_positive_int(k, "k")
 
 
 # ----------------------------------------------------------------------------- top-k ids
@@ -120,11 +72,11 @@ def _bad_or_tied_rows(values: torch.Tensor, tied: Optional[torch.Tensor]) -> lis
     NaN and +inf rank first in every rank's local top-k, so the gathered candidate `values` show
     them. The call's one host sync, an O(T) copy: bad rows (the same on every rank), tied rows.
     """
-    bad = _vocab.bad_row_codes(torch.where(torch.isnan(values).any(dim=-1), math.inf, values.amax(dim=-1)))
+    bad = _checks.bad_row_codes(torch.where(torch.isnan(values).any(dim=-1), math.inf, values.amax(dim=-1)))
     flags = torch.stack([bad, tied.to(bad.dtype) if tied is not None else torch.zeros_like(bad)])
     bad_codes, tied_flags = flags.to("cpu", copy=True).tolist()
     if any(bad_codes):
-        raise _vocab.bad_rows_error("topk_ids", "logits", torch.tensor(bad_codes))
+        raise _checks.bad_rows_error("topk_ids", "logits", torch.tensor(bad_codes))
     return [row for row, flag in enumerate(tied_flags) if flag]
 
 
@@ -141,10 +93,10 @@ def topk_ids(
     (O(T·k·tp) communication); every rank returns the same ids. Padded columns (ids >=
     `vocab_size`) are never selected. No gradient.
     """
-    lead, local_vocab = _check_logits(logits, "logits", tp_group)
-    k = _check_int_k(k)
-    vocab = _vocab.global_vocab(local_vocab, tp_group, vocab_size)
-    _check_k(k, vocab)
+    lead, local_vocab = _checks.check_logits(logits, "logits", tp_group)
+    k = _checks.check_int_k(k)
+    vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
+    _checks.check_k(k, vocab)
     with torch.no_grad():
         flat = logits.detach().reshape(-1, local_vocab)
         offset = _dist.vocab_start(local_vocab, tp_group)
@@ -166,133 +118,6 @@ def topk_ids(
 
 
 # ----------------------------------------------------------------------------- top-k log-probs
-class _TopkLogprobs(torch.autograd.Function):
-    """(log p at ids, log tail mass) over the full (vocab-parallel) vocabulary.
-
-    Per row, u = (x - M)/τ: the tail (columns not in ids) is summed apart, with the tail's own max
-    as shift where it lies far below M, so its log-mass stays exact down to any size; the ids'
-    logits come back exactly from their owner ranks. Saves the logits, the ids and four floats per
-    row (M, log S, tail shift, tail log-sum); backward recomputes the softmax chunk by chunk and
-    needs no collective and no host sync.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
-        logits: torch.Tensor,
-        ids: torch.Tensor,
-        tau: Temperature,
-        spec: _vocab.OpSpec,
-        checks: _vocab.DeviceChecks,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        dtype = _vocab.compute_dtype(logits.dtype)
-        scale = _vocab.row_scale(tau, logits.size(0), dtype)
-        local, owned = _vocab.local_columns(ids, spec.first_id, spec.n_valid)
-        stats_spec = _vocab.StatsSpec(spec.group, spec.n_valid, spec.chunk_rows, rest=False, subset=True)
-        vocab = _vocab.vocab_stats(logits, local, owned, scale, stats_spec)
-        bad = _vocab.bad_row_codes(vocab.raw_max)
-        checks.require(bad == 0, lambda: _vocab.bad_rows_error(spec.op, spec.arg, bad))
-        checks.raise_first()  # the call's one host sync: input checks and bad rows at once
-        u_ids = (vocab.marked - vocab.shift.unsqueeze(1)) * scale
-        # 0 unless the tail has its own shift
-        tail_offset = _vocab.mul_scale(vocab.subset_shift - vocab.shift, scale)
-        log_tail_sum = vocab.subset_sum.log()
-        log_sum = torch.logaddexp(log_tail_sum + tail_offset, torch.logsumexp(u_ids, dim=1))
-        logp = u_ids - log_sum.unsqueeze(1)
-        tail = tail_offset + log_tail_sum - log_sum
-
-        ctx.spec, ctx.tail_far_rows = spec, vocab.far_rows
-        ctx.tau_value = tau if not isinstance(tau, torch.Tensor) else None
-        tau_tensor = tau if isinstance(tau, torch.Tensor) else logits.new_empty(0)
-        stats = torch.stack([vocab.shift, log_sum, vocab.subset_shift, log_tail_sum], dim=1)
-        ctx.save_for_backward(logits, ids, stats, tau_tensor)
-        ctx.set_materialize_grads(False)
-        return logp, tail
-
-    @staticmethod
-    @_vocab.reject_double_backward
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
-        grad_logp: Optional[torch.Tensor],
-        grad_tail: Optional[torch.Tensor],
-    ) -> tuple[Optional[torch.Tensor], None, None, None, None]:
-        logits, ids, stats, tau_tensor = ctx.saved_tensors
-        if not ctx.needs_input_grad[0] or (grad_logp is None and grad_tail is None):
-            return None, None, None, None, None
-        spec: _vocab.OpSpec = ctx.spec
-        scale = _vocab.row_scale(tau_tensor if ctx.tau_value is None else ctx.tau_value, logits.size(0), stats.dtype)
-        local, owned = _vocab.local_columns(ids, spec.first_id, spec.n_valid)
-        factors = _topk_grad_factors(grad_logp, grad_tail, stats, ids.shape, ctx.tail_far_rows)
-        grad = torch.empty_like(logits)
-        if spec.n_valid < logits.size(1):
-            grad[:, spec.n_valid :].zero_()
-        _topk_grad_pass(logits, grad, local, torch.where(owned, local, 0), stats, scale, factors, spec)
-        return grad, None, None, None, None
-
-
-@dataclass
-class _TopkGradFactors:
-    """Per-row factors of the top-k backward. dlogp_i/dz_j = [i == j] - p_j ; dtail/dz_j =
-    [j not in ids]·p_j/P_tail - p_j ; dz/dx = 1/τ. Every column gets p_j·row_coef; tails sharing
-    the shift M add p_j/P_tail = p_j·S/S_tail there, tails with their own shift (`far_rows`) get
-    exp((x - tail_shift)/τ - log S_tail), a second exp; the ids' entries are g_i - p_i·total."""
-
-    grad_ids: torch.Tensor  # [T, k]
-    grad_tail: Optional[torch.Tensor]  # [T], 0 for an empty tail
-    total: torch.Tensor  # Σ_i g_i + g_tail
-    row_coef: torch.Tensor
-    far_rows: list[int]
-
-
-def _topk_grad_factors(grad_logp, grad_tail, stats: torch.Tensor, ids_shape: torch.Size,
-                       tail_far_rows: list[int]) -> _TopkGradFactors:
-    dtype = stats.dtype
-    shift, log_sum, tail_shift, log_tail_sum = stats.unbind(1)
-    grad_ids = grad_logp.to(dtype) if grad_logp is not None else stats.new_zeros(ids_shape)
-    # An empty tail (log mass -inf) is a constant: it gets no gradient.
-    tail_finite = torch.isfinite(log_tail_sum)
-    g_tail = torch.where(tail_finite, grad_tail.to(dtype), 0.0) if grad_tail is not None else None
-    total = grad_ids.sum(dim=1) + (g_tail if g_tail is not None else 0.0)
-    row_coef = -total
-    far_rows: list[int] = []
-    if g_tail is not None:
-        shared = (tail_shift == shift) & tail_finite
-        ratio = torch.exp(log_sum - torch.where(shared, log_tail_sum, log_sum))
-        row_coef = row_coef + torch.where(shared, g_tail * ratio, 0.0)
-        far_rows = tail_far_rows
-    return _TopkGradFactors(grad_ids, g_tail, total, row_coef, far_rows)
-
-
-def _topk_grad_pass(logits, grad, local, at_ids, stats, scale, factors: _TopkGradFactors,
-                    spec: _vocab.OpSpec) -> None:
-    """The gradient chunk by chunk: softmax recomputed, times the row factors, the ids' entries
-    written last (`local`: their columns, the sink column where another rank owns them)."""
-    n_rows, n_valid = logits.size(0), spec.n_valid
-    shift, log_sum, tail_shift, log_tail_sum = stats.unbind(1)
-    width = min(spec.chunk_rows, n_rows)
-    probs_buf = torch.empty((width, n_valid + 1), dtype=stats.dtype, device=logits.device)  # column n_valid: sink for ids
-    tail_buf = torch.empty((width, n_valid), dtype=stats.dtype, device=logits.device) if factors.far_rows else None
-    for start, stop in _vocab.row_chunks(n_rows, spec.chunk_rows):
-        rows = slice(start, stop)
-        chunk = logits[rows, :n_valid]
-        chunk_scale = _vocab.scale_rows(scale, rows)
-        probs = probs_buf[: stop - start]
-        _vocab.shifted_rows(chunk, shift[rows], chunk_scale, out=probs[:, :n_valid])
-        probs.sub_(log_sum[rows].unsqueeze(1)).exp_()
-        p_ids = probs[:, :n_valid].gather(1, at_ids[rows]) if n_valid else probs.new_zeros(at_ids[rows].shape)
-        probs.mul_(factors.row_coef[rows].unsqueeze(1))
-        far = _vocab.rows_in_chunk(factors.far_rows, start, stop, logits.device)
-        if far is not None:
-            tail_probs = tail_buf[: stop - start if isinstance(far, slice) else far.numel()]
-            _vocab.own_shift_exp(chunk[far], tail_shift[rows][far], log_tail_sum[rows][far],
-                                 _vocab.scale_rows(chunk_scale, far), out=tail_probs)
-            probs[far, :n_valid] += tail_probs.mul_(factors.grad_tail[rows][far].unsqueeze(1))
-        probs.scatter_(1, local[rows], factors.grad_ids[rows] - p_ids * factors.total[rows].unsqueeze(1))
-        if isinstance(chunk_scale, torch.Tensor) or chunk_scale != 1.0:
-            probs.mul_(chunk_scale)
-        grad[rows, :n_valid] = probs[:, :n_valid]
-
-
 def _topk_logprobs_checked(
     logits: torch.Tensor,
     ids: torch.Tensor,
@@ -300,18 +125,20 @@ def _topk_logprobs_checked(
     temperature: object,
     vocab_size: object,
     chunk_size: object,
-    checks: _vocab.DeviceChecks,
+    checks: _checks.DeviceChecks,
     op: str = "topk_logprobs",
     name: str = "logits",
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Size, int]:
-    lead, local_vocab = _check_logits(logits, name, tp_group)
-    vocab = _vocab.global_vocab(local_vocab, tp_group, vocab_size)
-    k = _check_ids(ids, lead, vocab, checks)
-    tau = _vocab.check_temperature(temperature, lead, logits.device, checks, logits.dtype)
-    chunk_rows = _vocab.logits_chunk_rows(_vocab.check_chunk_size(chunk_size), local_vocab, tp_group, vocab, logits)
+    lead, local_vocab = _checks.check_logits(logits, name, tp_group)
+    vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
+    k = _checks.check_ids(ids, lead, vocab, checks)
+    tau = _checks.check_temperature(temperature, lead, logits.device, checks, logits.dtype)
+    chunk_rows = _vocab.logits_chunk_rows(_checks.check_chunk_size(chunk_size), local_vocab, tp_group, vocab, logits)
     spec = _vocab.op_spec(local_vocab, tp_group, vocab, chunk_rows, op, arg=name)
     flat_ids = ids.reshape(-1, k).to(device=logits.device, dtype=torch.long)
-    logp, tail = _TopkLogprobs.apply(logits.reshape(-1, local_vocab), flat_ids, tau, spec, checks)
+    chosen = resolve_backend(backend, logits.device)
+    logp, tail = TopkLogprobs.apply(flat_ids, tau, spec, checks, chosen, logits.reshape(-1, local_vocab))
     return logp, tail, lead, k
 
 
@@ -323,6 +150,7 @@ def topk_logprobs(
     temperature: Temperature = 1.0,
     vocab_size: Optional[int] = None,
     chunk_size: Optional[int] = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs (normalized over the full vocab, logits / temperature) at `ids` [T, k] and the
     log of the remaining mass [T], from the complement's log-sum-exp; differentiable.
@@ -332,7 +160,7 @@ def topk_logprobs(
     float32 (float64 for float64 logits). `chunk_size` is rows per chunk (None: automatic).
     """
     logp, tail, lead, k = _topk_logprobs_checked(
-        logits, ids, tp_group, temperature, vocab_size, chunk_size, _vocab.DeviceChecks()
+        logits, ids, tp_group, temperature, vocab_size, chunk_size, _checks.DeviceChecks(), backend=backend
     )
     return logp.reshape(*lead, k), tail.reshape(lead)
 
@@ -369,98 +197,6 @@ def _kl_rows(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
     terms = torch.where(a_pos & b_pos, torch.exp(la) * (la - lb), 0.0)
     terms = torch.where(a_pos & ~b_pos, math.inf, terms)
     return terms.sum(dim=-1)
-
-
-def _check_logprob_values(values: torch.Tensor, name: str, checks: _vocab.DeviceChecks) -> None:
-    """Log-probabilities: <= 0 and not NaN; -inf (probability 0) is legal."""
-    ok = ~torch.isnan(values) & (values <= 0)
-    checks.require(ok, lambda: ValueError(
-        f"{name} must be log-probabilities (<= 0, -inf allowed, no NaN or +inf); found "
-        f"{values[~ok].flatten()[0].item()} at {torch.nonzero(~ok)[0].tolist()}; pass log-probs, not logits"
-    ))
-
-
-def _check_teachers(
-    teacher_logprobs: object, teacher_tail_logprobs: object, ids_shape: torch.Size, checks: _vocab.DeviceChecks
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Teacher tensors as [n, *ids_shape] and [n, *ids_shape[:-1]] (tail None when derived);
-    their values (log-probabilities) checked through `checks`."""
-    _vocab.check_float_tensor(teacher_logprobs, "teacher_logprobs", "[n_teachers, T, k] or [T, k]")
-    if teacher_logprobs.shape == ids_shape:
-        teacher_logprobs = teacher_logprobs.unsqueeze(0)
-        single = True
-    elif teacher_logprobs.dim() == len(ids_shape) + 1 and teacher_logprobs.shape[1:] == ids_shape:
-        single = False
-    else:
-        raise ValueError(
-            f"teacher_logprobs must have shape {tuple(ids_shape)} (one teacher) or "
-            f"(n_teachers, *{tuple(ids_shape)}), like ids; got {tuple(teacher_logprobs.shape)}"
-        )
-    if teacher_logprobs.shape[0] == 0:
-        raise ValueError("teacher_logprobs must hold at least one teacher, got n_teachers = 0")
-    _check_logprob_values(teacher_logprobs.detach(), "teacher_logprobs", checks)
-    if teacher_tail_logprobs is None:
-        return teacher_logprobs, None
-    _vocab.check_float_tensor(teacher_tail_logprobs, "teacher_tail_logprobs", "[n_teachers, T] or [T], or None")
-    expected = tuple(teacher_logprobs.shape[:-1])[1:] if single else tuple(teacher_logprobs.shape[:-1])
-    if tuple(teacher_tail_logprobs.shape) != expected:
-        raise ValueError(
-            f"teacher_tail_logprobs must have shape {expected} to match teacher_logprobs "
-            f"{tuple(teacher_logprobs.shape[1:] if single else teacher_logprobs.shape)}, "
-            f"got {tuple(teacher_tail_logprobs.shape)}"
-        )
-    _check_logprob_values(teacher_tail_logprobs.detach(), "teacher_tail_logprobs", checks)
-    tail = teacher_tail_logprobs.unsqueeze(0) if single else teacher_tail_logprobs
-    return teacher_logprobs, tail
-
-
-def _check_weights(
-    weights: Weights, n: int, dtype: torch.dtype, device: torch.device, checks: _vocab.DeviceChecks
-) -> torch.Tensor:
-    """Log of the teacher weights normalized to sum 1 ([n]; uniform when None); their values are
-    checked through `checks`."""
-    if weights is None:
-        return torch.full((n,), -math.log(n), dtype=dtype, device=device)
-    if isinstance(weights, torch.Tensor):
-        _vocab.check_has_data(weights, "teacher_weights")
-        w = weights.detach().to(device=device, dtype=torch.float64)
-    else:
-        try:
-            w = torch.tensor([float(x) for x in weights], dtype=torch.float64, device=device)
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"teacher_weights must be a sequence of {n} numbers or a tensor [{n}], got {weights!r}"
-            ) from None
-    if w.shape != (n,):
-        raise ValueError(f"teacher_weights must have shape ({n},), one weight per teacher, got {tuple(w.shape)}")
-    checks.require(torch.isfinite(w) & (w >= 0),
-                   lambda: ValueError(f"teacher_weights must be finite and >= 0, got {w.tolist()}"))
-    total = w.sum()
-    checks.require(total > 0, lambda: ValueError(
-        "teacher_weights must not all be zero: give at least one teacher a positive weight"
-    ))
-    checks.require(torch.isfinite(total), lambda: ValueError(
-        f"teacher_weights must have a finite sum (got {w.tolist()}, whose sum overflows); scale them down, "
-        "only their ratios matter"
-    ))
-    return torch.log(w / total).to(dtype)
-
-
-def _check_mixture(
-    teacher_logprobs: object, teacher_tail: object, bucket_shape: torch.Size, weights: Weights,
-    dtype: torch.dtype, device: torch.device, checks: _vocab.DeviceChecks,
-) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """The teachers' buckets ([n, ..., k], tails or None) and the log mixture weights [n]."""
-    teachers, tails = _check_teachers(teacher_logprobs, teacher_tail, bucket_shape, checks)
-    return teachers, tails, _check_weights(weights, teachers.shape[0], dtype, device, checks)
-
-
-def _check_kl_options(kl: object, mix: object) -> float:
-    if not isinstance(kl, str) or kl not in KL_KINDS:
-        raise ValueError(f"kl must be one of {KL_KINDS}, got {kl!r}")
-    if isinstance(mix, bool) or not isinstance(mix, numbers.Real) or not 0.0 <= float(mix) <= 1.0:
-        raise ValueError(f"mix must be a float in [0, 1] (the forward-KL share of kl='mixed'), got {mix!r}")
-    return float(mix)
 
 
 def _bucket_kl(
@@ -505,9 +241,9 @@ def topk_kl(
     `lm_head_topk_logprobs`), against the teachers' [T, k] or [n, T, k] (tails [T] / [n, T], or
     None: derived stably from their k log-probs). Options as `topk_opd_loss`; the gradient flows
     to the student's buckets only."""
-    mix = _check_kl_options(kl, mix)
-    _vocab.check_float_tensor(student_logprobs, "student_logprobs", "[T, k]")
-    _vocab.check_float_tensor(student_tail, "student_tail", "[T]")
+    mix = _checks.check_kl_options(kl, mix)
+    _checks.check_float_tensor(student_logprobs, "student_logprobs", "[T, k]")
+    _checks.check_float_tensor(student_tail, "student_tail", "[T]")
     if student_logprobs.dim() < 1 or student_logprobs.shape[-1] == 0:
         raise ValueError(f"student_logprobs must have shape [T, k] with k >= 1, got {tuple(student_logprobs.shape)}")
     lead = student_logprobs.shape[:-1]
@@ -518,11 +254,11 @@ def topk_kl(
         )
     if student_tail.dtype != student_logprobs.dtype or student_tail.device != student_logprobs.device:
         raise ValueError("student_tail must have student_logprobs' dtype and device (both come from one top-k op)")
-    checks = _vocab.DeviceChecks()
-    _check_logprob_values(student_logprobs.detach(), "student_logprobs", checks)
-    _check_logprob_values(student_tail.detach(), "student_tail", checks)
+    checks = _checks.DeviceChecks()
+    _checks.check_logprob_values(student_logprobs.detach(), "student_logprobs", checks)
+    _checks.check_logprob_values(student_tail.detach(), "student_tail", checks)
     dtype = _vocab.compute_dtype(student_logprobs.dtype)
-    teachers, teacher_tails, log_w = _check_mixture(teacher_logprobs, teacher_tail, student_logprobs.shape,
+    teachers, teacher_tails, log_w = _checks.check_mixture(teacher_logprobs, teacher_tail, student_logprobs.shape,
                                                     teacher_weights, dtype, student_logprobs.device, checks)
     checks.raise_first()  # one host sync for every value check
     k = student_logprobs.shape[-1]
@@ -543,6 +279,7 @@ def topk_opd_loss(
     temperature: Temperature = 1.0,
     vocab_size: Optional[int] = None,
     chunk_size: Optional[int] = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Per-token KL [T] between the student's and the teacher mixture's (k+1)-bucket
     distributions (the k ids plus one tail bucket); gradient flows to the student logits only.
@@ -555,15 +292,16 @@ def topk_opd_loss(
     dtype's epsilon. Zero-probability buckets: 0·log 0 = 0; a bucket with zero probability on
     the reference side only makes that token's KL +inf (that bucket gives no gradient).
     """
-    mix = _check_kl_options(kl, mix)
-    lead, _ = _check_logits(student_logits, "student_logits", tp_group)
-    _vocab.check_id_tensor(ids, "ids", "[T, k]")
-    checks = _vocab.DeviceChecks()
+    mix = _checks.check_kl_options(kl, mix)
+    lead, _ = _checks.check_logits(student_logits, "student_logits", tp_group)
+    _checks.check_id_tensor(ids, "ids", "[T, k]")
+    checks = _checks.DeviceChecks()
     dtype = _vocab.compute_dtype(student_logits.dtype)
-    teachers, teacher_tails, log_w = _check_mixture(teacher_logprobs, teacher_tail_logprobs, ids.shape,
+    teachers, teacher_tails, log_w = _checks.check_mixture(teacher_logprobs, teacher_tail_logprobs, ids.shape,
                                                     teacher_weights, dtype, student_logits.device, checks)
     logp, tail, lead, k = _topk_logprobs_checked(
-        student_logits, ids, tp_group, temperature, vocab_size, chunk_size, checks, "topk_opd_loss", "student_logits"
+        student_logits, ids, tp_group, temperature, vocab_size, chunk_size, checks, "topk_opd_loss", "student_logits",
+        backend,
     )
     log_p = torch.cat([logp, tail[:, None]], dim=1)
     return _bucket_kl(log_p, teachers, teacher_tails, log_w, kl, mix).reshape(lead)

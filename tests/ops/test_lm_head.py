@@ -17,7 +17,7 @@ from megatron_rl_patches import (
     topk_logprobs,
     topk_opd_loss,
 )
-from megatron_rl_patches.ops import _lm_head_tiles
+from megatron_rl_patches.ops.kernels import torch_tiles as _lm_head_tiles
 
 
 def inputs(T=29, H=12, V=157, scale=2.0, dtype=torch.float32, seed=0):
@@ -111,7 +111,7 @@ def test_entropy_as_a_metric_does_no_backward_work(monkeypatch):
     h, w, tokens, a, _ = inputs()
     calls = []
     real = _lm_head_tiles.logits_tile
-    monkeypatch.setattr("megatron_rl_patches.ops.lm_head.logits_tile", lambda *args: calls.append(1) or real(*args))
+    monkeypatch.setattr("megatron_rl_patches.ops.kernels.torch_tiles.logits_tile", lambda *args: calls.append(1) or real(*args))
     hh = h.clone().requires_grad_()
     lp, ent = lm_head_log_probs_and_entropy(hh, w, tokens, with_entropy=True, entropy_requires_grad=False)
     forward_tiles = len(calls)

@@ -1,5 +1,5 @@
-"""The shared streaming core (ops/_vocab.py) and what both vocab-parallel ops get from it:
-float64-checked statistics, a constant number of host syncs per call, one validation behaviour."""
+"""The shared statistics core (ops/_stats.py) and what every vocab-parallel op gets from it:
+float64-checked statistics under any tiling, one host sync per call, one validation behaviour."""
 from __future__ import annotations
 
 import math
@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_rl_patches import log_probs_and_entropy, topk_ids, topk_logprobs, topk_opd_loss
-from megatron_rl_patches.ops import _vocab
-from megatron_rl_patches.ops._vocab import DeviceChecks, StatsSpec, local_columns, vocab_stats
+from megatron_rl_patches.ops import _stats
+from megatron_rl_patches.ops._checks import DeviceChecks
 
 INF = math.inf
 
@@ -65,7 +65,7 @@ def _lp_inputs(T=40, V=64, seed=0):
 
 @pytest.mark.parametrize("masked", [False, True])
 def test_log_probs_host_syncs_do_not_grow_with_chunks(masked):
-    """Forward: one sync (validation), two with keep_mask (the far-row search); backward: none."""
+    """Forward: one sync (validation and bad rows at once), with or without keep_mask; backward: none."""
     logits, tokens, keep, tau = _lp_inputs()
     counts = {}
     for chunk in (1, 7, None):
@@ -76,7 +76,7 @@ def test_log_probs_host_syncs_do_not_grow_with_chunks(masked):
         counts[chunk] = (fwd, bwd)
     assert counts[1] == counts[7] == counts[None], counts
     fwd, bwd = counts[1]
-    assert len(fwd) == (2 if masked else 1), fwd
+    assert len(fwd) == 1, fwd
     assert bwd == []
 
 
@@ -99,14 +99,29 @@ def test_topk_host_syncs_do_not_grow_with_chunks():
         counts[chunk] = (fwd, bwd, loss_fwd, loss_bwd)
     assert counts[1] == counts[7] == counts[None], counts
     fwd, bwd, loss_fwd, loss_bwd = counts[1]
-    # one for all value checks (ids, temperature, weights), one for the far-tail rows
-    assert len(fwd) == 2 and len(loss_fwd) == 2, (fwd, loss_fwd)
+    # one for all value checks (ids, temperature, weights) and bad rows at once
+    assert len(fwd) == 1 and len(loss_fwd) == 1, (fwd, loss_fwd)
     assert bwd == [] and loss_bwd == []
     ids_syncs, _ = count_syncs(lambda: topk_ids(logits.bfloat16(), k))
     assert ids_syncs == ["_to_copy"], ids_syncs  # bad rows and the rows with a tie at the cut, at once
 
 
-# ------------------------------------------------------------------------ vocab_stats vs float64
+# ------------------------------------------------------------------------ the fold vs float64
+
+
+def _fold_in_tiles(logits, marked, keep, scale, row_tile, col_tile, moment):
+    """RowStats of `logits` folded tile by tile (row_tile x col_tile), as any backend may tile."""
+    T, V = logits.shape
+    stats = _stats.RowStats.empty(T, marked.size(1), torch.float32, logits.device, moment=moment, subset=True)
+    owned = torch.ones_like(marked, dtype=torch.bool)
+    for r0 in range(0, T, row_tile):
+        rows = slice(r0, min(T, r0 + row_tile))
+        for c0 in range(0, V, col_tile):
+            cols = slice(c0, min(V, c0 + col_tile))
+            marks = _stats.column_marks(marked[rows], owned[rows], c0, cols.stop - c0)
+            _stats.fold_tile(stats, rows, logits[rows, cols], _stats.scale_rows(scale, rows), marks,
+                             keep[rows, cols] if keep is not None else None)
+    return stats
 
 
 @settings(max_examples=30, deadline=None)
@@ -115,12 +130,13 @@ def test_topk_host_syncs_do_not_grow_with_chunks():
     V=st.integers(2, 40),
     k=st.integers(1, 3),
     seed=st.integers(0, 2**31 - 1),
-    chunk=st.integers(1, 5),
+    row_tile=st.integers(1, 5),
+    col_tile=st.integers(1, 41),
     gap=st.sampled_from([0.0, 1.0, 30.0, 150.0]),
     masked=st.booleans(),
     per_token=st.booleans(),
 )
-def test_vocab_stats_match_float64(T, V, k, seed, chunk, gap, masked, per_token):
+def test_folded_statistics_match_float64_under_any_tiling(T, V, k, seed, row_tile, col_tile, gap, masked, per_token):
     k = min(k, V - 1)
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(T, V, generator=g) * 2
@@ -129,34 +145,29 @@ def test_vocab_stats_match_float64(T, V, k, seed, chunk, gap, masked, per_token)
     # lift the marked columns by `gap`: the subset lies about that far below the row max
     logits.scatter_add_(1, marked, torch.full((T, k), gap))
     tau = torch.rand(T, generator=g) + 0.5 if per_token else 0.8
-    scale = _vocab.row_scale(tau, T, torch.float32)
-    local, owned = local_columns(marked, 0, V)
-    spec = StatsSpec(None, V, chunk, moment=True, subset=True, marked_in_subset_max=masked)
-    vs = vocab_stats(logits, local, owned, scale, spec, keep)
+    scale = _stats.row_scale(tau, T, torch.float32)
+    stats = _fold_in_tiles(logits, marked, keep, scale, row_tile, col_tile, moment=True)
 
     s64 = 1.0 / (tau.double()[:, None] if per_token else tau)
     z = logits.double() * s64
     is_marked = torch.zeros_like(z, dtype=torch.bool).scatter(1, marked, True)
     u = z - z.amax(1, keepdim=True)
     e = torch.where(is_marked, 0.0, u.exp())
+    # the subset: the kept columns (the marked ones count for its max), else the tail
     subset = ~is_marked & (keep if masked else True)
-    assert torch.equal(vs.raw_max, logits.amax(1)) and torch.equal(vs.shift, vs.raw_max)
-    assert torch.equal(vs.marked, logits.gather(1, marked))
+    assert torch.equal(stats.shift, logits.amax(1))
+    assert torch.equal(stats.marked, logits.gather(1, marked))
     # full-shift sums: accurate relative to the row's whole mass (terms far below it round at |u|·eps)
     total = u.exp().sum(1)
-    assert bool(((vs.rest.double() - e.sum(1)).abs() <= 1e-6 * total).all())
-    assert bool(((vs.moment.double() - (e * u).sum(1)).abs() <= 1e-6 * total).all())  # E_p[u] to 1e-6
-    # the subset sum with its returned shift, exact even e^-150 below the row max: relative to
-    # itself (the top-k tail), or with the marked columns counted (log-prob over kept ids)
-    c = vs.subset_shift.double()[:, None] * s64
+    assert bool(((stats.rest.double() - e.sum(1)).abs() <= 1e-6 * total).all())
+    assert bool(((stats.moment.double() - (e * u).sum(1)).abs() <= 1e-6 * total).all())  # E_p[u] to 1e-6
+    # the subset's own max and its sum with it: exact even e^-150 below the row max
+    in_max = subset | (is_marked & masked)
+    assert torch.equal(stats.sub_shift, torch.where(in_max, logits, -INF).amax(1))
+    c = stats.sub_shift.double()[:, None] * s64
     ref = torch.where(subset, (z - c).exp(), 0.0).sum(1)
     scale_of = ref + (torch.where(is_marked, (z - c).exp(), 0.0).sum(1) if masked else 0.0)
-    assert bool(((vs.subset_sum.double() - ref).abs() <= 1e-6 * scale_of).all())
-    # the row max is the shift unless the subset max lies more than SHARED_SHIFT_LIMIT below it
-    sub_max = torch.where(subset | (is_marked & masked), z, -INF).amax(1)
-    far = torch.isfinite(sub_max) & ((z.amax(1) - sub_max) > _vocab.SHARED_SHIFT_LIMIT)
-    assert torch.equal(vs.subset_shift != vs.shift, far)
-    assert vs.far_rows == torch.nonzero(far).squeeze(1).tolist()
+    assert bool(((stats.sub_sum.double() - ref).abs() <= 1e-6 * scale_of.clamp_min(1e-30)).all())
 
 
 @pytest.mark.parametrize("chunk", [1, 4, None])

@@ -1,0 +1,150 @@
+"""The two autograd Functions of every vocabulary op, over either source (logits, or hidden states
+with an output-weight shard) and any backend: forward = backend statistics, combine over ranks,
+finalize; backward = gradient factors, backend gradients. Nothing [T, V]-sized is kept: the
+source's tensors and a few numbers per token (see :mod:`._stats`).
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_rl_patches.ops import _checks, _stats, _vocab
+from megatron_rl_patches.ops.kernels import Backend
+from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
+
+
+def _source(spec: _vocab.OpSpec, tensors: tuple[torch.Tensor, ...]) -> Source:
+    if len(tensors) == 1:
+        return Source(spec.n_valid, spec.chunk_rows, logits=tensors[0], inplace=spec.inplace_backward)
+    hidden, weight = tensors
+    return Source(spec.n_valid, spec.chunk_rows, hidden=gather_rows(hidden, spec.group, spec.sequence_parallel),
+                  weight=weight)
+
+
+def _finish(grads: tuple[torch.Tensor | None, ...], tensors: tuple[torch.Tensor, ...],
+            spec: _vocab.OpSpec) -> tuple[torch.Tensor | None, ...]:
+    """Gradients in the inputs' dtypes; dL/dh summed over the tensor-parallel ranks."""
+    if len(tensors) == 1:
+        return grads
+    grad_h, grad_w = grads
+    if grad_h is not None:
+        grad_h = reduce_rows(grad_h, spec.group, spec.sequence_parallel).to(tensors[0].dtype)
+    return grad_h, (grad_w.to(tensors[1].dtype) if grad_w is not None else None)
+
+
+def _save_tau(ctx, tau: float | torch.Tensor) -> torch.Tensor | None:
+    ctx.tensor_tau = isinstance(tau, torch.Tensor)
+    ctx.tau = None if ctx.tensor_tau else tau
+    return tau if ctx.tensor_tau else None
+
+
+def _scale(ctx, tau_tensor: torch.Tensor | None, n_rows: int, dtype: torch.dtype) -> float | torch.Tensor:
+    return _stats.row_scale(tau_tensor if ctx.tensor_tau else ctx.tau, n_rows, dtype)
+
+
+def _check_rows(stats: _stats.RowStats, spec: _vocab.OpSpec, checks: _checks.DeviceChecks,
+                kept_log_sum: torch.Tensor | None = None) -> None:
+    """Bad rows (NaN/+inf, all -inf, no finite kept logit) join the call's checks; one host sync."""
+    bad = _checks.bad_row_codes(stats.shift)
+    if kept_log_sum is not None:
+        bad = torch.where((bad == 0) & torch.isneginf(kept_log_sum), _checks.BAD_KEPT_NEG_INF, bad)
+    checks.require(bad == 0, lambda: _checks.bad_rows_error(spec.op, spec.arg, bad))
+    checks.raise_first()  # the call's one host sync: input checks and bad rows at once
+
+
+class LogProbEntropy(torch.autograd.Function):
+    """log p(target) (over the kept ids when masked) and entropy H of softmax(x/τ)."""
+
+    @staticmethod
+    def forward(ctx, tokens, keep_mask, tau, spec: _vocab.OpSpec, checks, backend: Backend, *tensors):  # type: ignore[override]
+        source = _source(spec, tensors)
+        dtype = _stats.compute_dtype(source.first.dtype)
+        masked = keep_mask is not None
+        scale = _stats.row_scale(tau, source.n_rows, dtype)
+        cols, owned = _vocab.local_columns(tokens, spec.first_id, spec.n_valid)
+        stats = _stats.RowStats.empty(source.n_rows, 1, dtype, source.first.device, moment=spec.with_entropy,
+                                      subset=masked)
+        stats = backend.row_stats(source, stats, cols[:, None], owned[:, None], keep_mask, scale)
+        stats = _stats.combine_over_ranks(stats, scale, spec.group)
+        out = _stats.log_prob_outputs(stats, scale)
+        _check_rows(stats, spec, checks, out.log_s_kept if masked else None)
+        entropy = out.entropy if spec.with_entropy else out.log_probs.new_empty(0)
+        # what backward reads: the kept shift and log-sum always; the full ones and Ā with an
+        # entropy gradient or without a mask (≤ 20 B/token)
+        full = spec.entropy_grad or not masked
+        saved = ([out.shift, out.log_s] if full else []) + ([out.mean] if spec.entropy_grad else [])
+        if masked:
+            saved += [out.shift_kept, out.log_s_kept]
+        ctx.spec, ctx.masked, ctx.backend, ctx.n_tensors = spec, masked, backend, len(tensors)
+        ctx.set_materialize_grads(False)
+        # int32 local target column (-1: another rank owns it), not int64 ids
+        ctx.save_for_backward(*tensors, torch.where(owned, cols, -1).to(torch.int32), torch.stack(saved), keep_mask,
+                              _save_tau(ctx, tau))
+        if not spec.entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return out.log_probs, entropy
+
+    @staticmethod
+    @_vocab.reject_double_backward
+    def backward(ctx, grad_log_probs, grad_entropy):  # type: ignore[override]
+        *tensors, target_cols, saved, keep_mask, tau = ctx.saved_tensors
+        spec: _vocab.OpSpec = ctx.spec
+        none = (None,) * 6
+        grad_entropy = grad_entropy if spec.entropy_grad else None
+        if (grad_log_probs is None and grad_entropy is None) or not any(ctx.needs_input_grad[6:]):
+            return none + (None,) * ctx.n_tensors
+        source = _source(spec, tuple(tensors))
+        scale = _scale(ctx, tau, source.n_rows, saved.dtype)
+        out = _saved_log_prob_outputs(list(saved.unbind(0)), spec.entropy_grad, ctx.masked)
+        factors = _stats.log_prob_grad_factors(out, grad_log_probs, grad_entropy, scale, target_cols.long().clamp_min(0),
+                                               target_cols >= 0, ctx.masked)
+        grads = ctx.backend.apply_grad(source, factors, scale, keep_mask if ctx.masked else None,
+                                       tuple(ctx.needs_input_grad[6:]))
+        return none + _finish(grads, tuple(tensors), spec)
+
+
+def _saved_log_prob_outputs(saved: list[torch.Tensor], entropy_grad: bool, masked: bool) -> _stats.LogProbOutputs:
+    """The statistics LogProbEntropy saved, back in their named places (absent ones None)."""
+    full = entropy_grad or not masked
+    shift, log_s = (saved.pop(0), saved.pop(0)) if full else (None, None)
+    mean = saved.pop(0) if entropy_grad else None
+    shift_kept, log_s_kept = (saved.pop(0), saved.pop(0)) if masked else (shift, log_s)
+    return _stats.LogProbOutputs(None, shift, log_s, mean, shift_kept, log_s_kept)
+
+
+class TopkLogprobs(torch.autograd.Function):
+    """(log p at ids [T, k], log tail mass [T]) over the full (vocab-parallel) vocabulary."""
+
+    @staticmethod
+    def forward(ctx, ids, tau, spec: _vocab.OpSpec, checks, backend: Backend, *tensors):  # type: ignore[override]
+        source = _source(spec, tensors)
+        dtype = _stats.compute_dtype(source.first.dtype)
+        scale = _stats.row_scale(tau, source.n_rows, dtype)
+        cols, owned = _vocab.local_columns(ids, spec.first_id, spec.n_valid)
+        stats = _stats.RowStats.empty(source.n_rows, ids.size(1), dtype, source.first.device, rest=False, subset=True)
+        stats = backend.row_stats(source, stats, cols, owned, None, scale)
+        stats = _stats.combine_over_ranks(stats, scale, spec.group)
+        _check_rows(stats, spec, checks)
+        out = _stats.topk_outputs(stats, scale)
+        ctx.spec, ctx.backend, ctx.n_tensors = spec, backend, len(tensors)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*tensors, ids, torch.stack([out.shift, out.log_sum, out.tail_shift, out.log_tail_sum]),
+                              _save_tau(ctx, tau))
+        return out.logp, out.tail
+
+    @staticmethod
+    @_vocab.reject_double_backward
+    def backward(ctx, grad_logp, grad_tail):  # type: ignore[override]
+        *tensors, ids, saved, tau = ctx.saved_tensors
+        spec: _vocab.OpSpec = ctx.spec
+        none = (None,) * 5
+        if (grad_logp is None and grad_tail is None) or not any(ctx.needs_input_grad[5:]):
+            return none + (None,) * ctx.n_tensors
+        source = _source(spec, tuple(tensors))
+        scale = _scale(ctx, tau, source.n_rows, saved.dtype)
+        shift, log_sum, tail_shift, log_tail_sum = saved.unbind(0)
+        out = _stats.TopkOutputs(torch.zeros(ids.shape, dtype=saved.dtype, device=saved.device), None, shift, log_sum,
+                                 tail_shift, log_tail_sum)
+        cols, owned = _vocab.local_columns(ids, spec.first_id, spec.n_valid)
+        factors = _stats.topk_grad_factors(out, grad_logp, grad_tail, scale, cols, owned)
+        grads = ctx.backend.apply_grad(source, factors, scale, None, tuple(ctx.needs_input_grad[5:]))
+        return none + _finish(grads, tuple(tensors), spec)

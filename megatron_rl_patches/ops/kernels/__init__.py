@@ -1,0 +1,79 @@
+"""Backends of the vocabulary ops: each produces row statistics (forward) and gradients from saved
+row factors (backward) for a source of logits (see :mod:`megatron_rl_patches.ops._stats` for the
+contract). ``torch`` (tiles of torch ops, every device) is built in; more register by name.
+
+Choice per call: the op's ``backend=`` argument, else ``MEGATRON_RL_PATCHES_BACKEND``, else
+``auto`` (the first registered backend that claims the tensors' device, ``torch`` last).
+"""
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import torch
+
+from megatron_rl_patches.ops.kernels.sources import Source
+from megatron_rl_patches.ops._stats import GradFactors, RowStats
+
+BACKEND_ENV = "MEGATRON_RL_PATCHES_BACKEND"
+
+
+class Backend(Protocol):
+    """What a backend provides (see the contract in :mod:`megatron_rl_patches.ops._stats`)."""
+
+    name: str
+
+    def available(self, device: torch.device) -> str | None:
+        """None when it can run on `device`, else why not (one line, for the error)."""
+
+    def claims(self, device: torch.device) -> bool:
+        """Whether ``auto`` should pick it for tensors on `device`."""
+
+    def row_stats(self, source: Source, stats: RowStats, cols: torch.Tensor, owned: torch.Tensor,
+                  keep_mask: torch.Tensor | None, scale: float | torch.Tensor) -> RowStats:
+        """Fold every tile of the source's vocabulary shard into `stats` (empty, with the sums
+        wanted) and return it: `cols`/`owned` [T, k] the marked ids' local columns."""
+
+    def apply_grad(self, source: Source, factors: GradFactors, scale: float | torch.Tensor,
+                   keep_mask: torch.Tensor | None, needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
+        """The gradients of the source's tensors (`needs` says which) in the compute dtype: the
+        logits' gradient, or (dL/dh for every gathered row, dL/dW)."""
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend) -> None:
+    """Make `backend` selectable by its name (registered later = tried earlier by ``auto``)."""
+    _REGISTRY[backend.name] = backend
+
+
+def backend_names() -> tuple[str, ...]:
+    return ("auto", *_REGISTRY)
+
+
+def resolve_backend(name: object, device: torch.device) -> Backend:
+    """The backend for a call on `device`: `name`, or the environment's choice, or ``auto``."""
+    if name is None or name == "auto":
+        name = os.environ.get(BACKEND_ENV, "").strip() or "auto"
+        where = f"{BACKEND_ENV}={name!r}"
+    else:
+        where = f"backend={name!r}"
+    if not isinstance(name, str) or name not in backend_names():
+        raise ValueError(f"{where} is not a backend; choose one of {', '.join(backend_names())}")
+    if name == "auto":
+        return next(b for b in reversed(_REGISTRY.values()) if b.claims(device) and b.available(device) is None)
+    backend = _REGISTRY[name]
+    why = backend.available(device)
+    if why is not None:
+        raise ValueError(f"{where} cannot run on {device}: {why}; choose backend='torch' or 'auto'")
+    return backend
+
+
+def _register_builtins() -> None:
+    from megatron_rl_patches.ops.kernels.torch_tiles import TorchTiles
+
+    register_backend(TorchTiles())
+
+
+_register_builtins()

@@ -1,0 +1,129 @@
+"""The torch backend: tiles of torch ops on any device (the CPU path and the reference).
+
+Logits sources are walked in row chunks of whole rows; hidden-state sources in (row × vocab)
+tiles x = h·Wᵀ computed on the fly, never [T, V]. Each tile is folded into the row statistics
+(forward) or turned into dL/dx by the shared formula (backward, tile recomputed).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from megatron_rl_patches.ops._stats import GradFactors, RowStats, column_marks, fold_tile, scale_rows, tile_grad
+from megatron_rl_patches.ops.kernels.sources import Source
+
+# Bytes of one [rows, cols] fp32 logits tile of a hidden-state source. Rows are many so W's tile
+# is reused across them (the matmuls run near peak); columns few enough that the 2-3 tile
+# buffers stay small next to one copy of the logits.
+CPU_TILE_BYTES = 8 << 20
+CUDA_TILE_BYTES = 256 << 20
+MAX_TILE_ROWS = 1024
+
+
+def tile_shape(n_rows: int, n_cols: int, device: torch.device, chunk_rows: int | None) -> tuple[int, int]:
+    """(rows, cols) of a logits tile: `chunk_rows` rows (or up to MAX_TILE_ROWS), columns to fill the budget."""
+    budget = CUDA_TILE_BYTES if device.type == "cuda" else CPU_TILE_BYTES
+    rows = max(1, min(n_rows, chunk_rows or MAX_TILE_ROWS))
+    cols = max(1, min(max(n_cols, 1), budget // (4 * rows)))
+    return rows, cols
+
+
+def spans(n: int, step: int) -> Iterator[tuple[int, int]]:
+    """(start, stop) ranges covering ``range(n)`` in steps of `step`."""
+    for start in range(0, n, step):
+        yield start, min(n, start + step)
+
+
+def logits_tile(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """x = h·wᵀ in the inputs' dtype, returned in the compute dtype (`out`'s)."""
+    if h.dtype == out.dtype:
+        return torch.matmul(h, w.t(), out=out)
+    out.copy_(torch.matmul(h, w.t()))
+    return out
+
+
+def tiles(source: Source, dtype: torch.dtype) -> Iterator[tuple[slice, slice, torch.Tensor]]:
+    """(rows, cols, x) for every tile of the source's valid columns."""
+    n_rows, n_valid = source.n_rows, source.n_valid
+    if n_valid == 0:  # a rank holding only vocabulary padding: no tile, nothing to fold
+        return
+    if not source.fused:
+        for r0, r1 in spans(n_rows, source.chunk_rows):
+            yield slice(r0, r1), slice(0, n_valid), source.logits[r0:r1, :n_valid]
+        return
+    row_tile, col_tile = tile_shape(n_rows, n_valid, source.hidden.device, source.chunk_rows)
+    buf = torch.empty(row_tile, col_tile, dtype=dtype, device=source.hidden.device)
+    for r0, r1 in spans(n_rows, row_tile):
+        h = source.hidden[r0:r1]
+        for c0, c1 in spans(n_valid, col_tile):
+            yield slice(r0, r1), slice(c0, c1), logits_tile(h, source.weight[c0:c1], buf[: r1 - r0, : c1 - c0])
+
+
+class TorchTiles:
+    """The built-in backend: every device, every dtype."""
+
+    name = "torch"
+
+    def available(self, device: torch.device) -> str | None:
+        return None
+
+    def claims(self, device: torch.device) -> bool:
+        return True
+
+    def row_stats(self, source: Source, stats: RowStats, cols: torch.Tensor, owned: torch.Tensor,
+                  keep_mask: torch.Tensor | None, scale: float | torch.Tensor) -> RowStats:
+        for rows, tile_cols, x in tiles(source, stats.shift.dtype):
+            marks = column_marks(cols[rows], owned[rows], tile_cols.start, x.size(1))
+            subset = keep_mask[rows, tile_cols] if keep_mask is not None else None
+            fold_tile(stats, rows, x, scale_rows(scale, rows), marks, subset)
+        return stats
+
+    def apply_grad(self, source: Source, factors: GradFactors, scale: float | torch.Tensor,
+                   keep_mask: torch.Tensor | None, needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
+        dtype = factors.dtype
+        if not source.fused:
+            grad = _logits_grad_buffer(source)
+            for rows, cols, x in tiles(source, dtype):
+                subset = keep_mask[rows, cols] if keep_mask is not None else None
+                grad[rows, cols] = tile_grad(x, cols.start, scale_rows(scale, rows), factors.rows(rows), subset)
+            return (grad,)
+        hidden, weight = source.hidden, source.weight
+        grad_h = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if needs[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if needs[1] else None
+        for rows, cols, x in tiles(source, dtype):
+            subset = keep_mask[rows, cols] if keep_mask is not None else None
+            dz = tile_grad(x, cols.start, scale_rows(scale, rows), factors.rows(rows), subset)
+            _accumulate(grad_h, grad_w, dz, hidden[rows], weight[cols], rows, cols)
+        return grad_h, grad_w
+
+
+def _logits_grad_buffer(source: Source) -> torch.Tensor:
+    """Where the logits' gradient goes: their own storage when allowed, else a fresh tensor;
+    padded columns (ids >= vocab_size) get 0."""
+    logits = source.logits
+    if source.inplace:
+        # the caller allowed us to overwrite the logits: bump their version so any other node
+        # that saved them fails autograd's check instead of reading the gradient
+        torch.autograd.graph.increment_version(logits)
+        grad = logits.detach()
+    else:
+        grad = torch.empty_like(logits)
+    if source.n_valid < logits.size(1):
+        grad[:, source.n_valid :].zero_()
+    return grad
+
+
+def _accumulate(grad_h, grad_w, dz: torch.Tensor, h: torch.Tensor, w: torch.Tensor, rows: slice, cols: slice) -> None:
+    """grad_h[rows] += dz·w, grad_w[cols] += dzᵀ·h (matmuls in the inputs' dtype)."""
+    if h.dtype == dz.dtype:
+        if grad_h is not None:
+            grad_h[rows].addmm_(dz, w)
+        if grad_w is not None:
+            grad_w[cols].addmm_(dz.t(), h)
+        return
+    dz = dz.to(h.dtype)
+    if grad_h is not None:
+        grad_h[rows] += torch.matmul(dz, w)
+    if grad_w is not None:
+        grad_w[cols] += torch.matmul(dz.t(), h)
