@@ -5,12 +5,12 @@ reduce from the backward hooks of the "last microbatch" of a schedule call. A lo
 several schedule calls per optimizer step (split train-step APIs, hand-written accumulation)
 gets one "last microbatch" per call:
 
-- 0.14 and later count `register_grad_ready` per parameter (`per_param_grad_ready_counts`), learn
+- 0.16.0 and later count `register_grad_ready` per parameter (`per_param_grad_ready_counts`), learn
   the counts of the first step (`golden_per_param_grad_ready_counts`, recorded by `reset()`) and
   start the reduce when a later step's counts equal them: a step with more calls than the first
   reduces before its last backward (silently wrong gradients), one with fewer never reduces
   (`finish_grad_sync`: "Communication call has not been issued for this bucket").
-- 0.13 keeps a `params_with_grad` set and asserts "Cannot set grad twice": any step with two or
+- 0.13.0 - 0.15.3 keep a `params_with_grad` set and assert "Cannot set grad twice": any step with two or
   more calls fails in its second call.
 
 Inside a window the bucket groups' `register_grad_ready` and `start_grad_sync` are shadowed by
@@ -84,7 +84,7 @@ def _check_nothing_in_flight(window: _Window) -> None:
 
 
 def _clear_counts(group: Any) -> None:
-    """Drop the readiness bookkeeping of the current step (0.14+: counts; 0.13: a set)."""
+    """Drop the readiness bookkeeping of the current step (0.16+: counts; 0.13 - 0.15: a set)."""
     if isinstance(getattr(group, "per_param_grad_ready_counts", None), dict):
         group.per_param_grad_ready_counts = {}
     if isinstance(getattr(group, "params_with_grad", None), set):
@@ -133,7 +133,7 @@ def _finish(window: _Window, args: tuple, kwargs: dict) -> Any:
     if window.explicit_depth == 0:
         _uninstall(window)
     _start_reduce(window)
-    # upstream's finish sees a handle on every group: on a first step (0.14+) its own
+    # upstream's finish sees a handle on every group: on a first step (0.16+) its own
     # start_grad_sync returns early, then it waits; 0.19 marks the group finished
     return type(window.chunk).finish_grad_sync(window.chunk, *args, **kwargs)
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from megatron_rl_patches.testing.megatron_cpu import gpt_forward, make_batch
+from megatron_rl_patches.testing.megatron_cpu import gpt_forward, make_batch, tiny_gpt_config  # noqa: F401
 
 Windows = Sequence[Sequence[int]]
 
@@ -89,10 +89,11 @@ def schedule_call(setup: LoopSetup, batches: list[dict], step: Callable) -> None
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     micro_batch_size, seq_length = batches[0]["tokens"].shape
-    data = iter(batches)
+    # the interleaved schedule reads one iterator per model chunk, each over every microbatch
+    data = [iter(batches) for _ in setup.chunks]
     get_forward_backward_func()(
         forward_step_func=step,
-        data_iterator=[data] * len(setup.chunks) if len(setup.chunks) > 1 else data,
+        data_iterator=data if len(data) > 1 else data[0],
         model=setup.chunks,
         num_microbatches=len(batches),
         seq_length=seq_length,
