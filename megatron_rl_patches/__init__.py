@@ -17,6 +17,7 @@ _LAZY = {
     "applied": "megatron_rl_patches.integrations",
     "PatchStatus": "megatron_rl_patches.patching.records",
     "reentrant_train": "megatron_rl_patches.reentrant",
+    "accumulation_window": "megatron_rl_patches.windows",
     "build_inference_model": "megatron_rl_patches.inference",
     "load_inference_weights": "megatron_rl_patches.inference",
     "training_state_bytes": "megatron_rl_patches.inference",
