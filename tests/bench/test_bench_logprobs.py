@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import csv
 
+import pytest
 import torch
 
 from megatron_rl_patches.bench import common
 from megatron_rl_patches.bench.logprobs import QUICK_SHAPES, VARIANTS, run
+
+pytestmark = pytest.mark.slow  # ~30 s: the real benchmark at its smallest shapes
 
 
 def test_quick_run_writes_csv_and_ours_saves_less_than_naive(tmp_path):
