@@ -35,13 +35,13 @@ def _is_ours(init: Any) -> bool:
 
 
 def _wrap(module: Any) -> None:
-    import wrapt
+    from megatron_rl_patches.patching.wrappers import FunctionWrapper
 
     with _lock:
         init = getattr(module, "init", None)
         if not _state["armed"] or init is None or _is_ours(init):
             return
-        module.init = wrapt.FunctionWrapper(init, init_wrapper)
+        module.init = FunctionWrapper(init, init_wrapper)
 
 
 def arm() -> None:
