@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from decimal import Decimal
+from fractions import Fraction
 
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.cli._common import OK, UsageError
 from megatron_rl_patches.inference.memory import training_state_bytes
 from megatron_rl_patches.presentation import memory_report
 
-_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_SUFFIXES = {"": 0, "k": 3, "m": 6, "b": 9, "g": 9, "t": 12}  # powers of ten
+_MAX_DIGITS = 30  # a count beyond 10**30 parameters is a typo (and 1e999999999 must not be expanded)
 _COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*$", re.IGNORECASE)
 
 
@@ -22,8 +25,12 @@ def parse_param_count(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"invalid parameter count {text!r}: use a number such as 27e9, 27B, 7.5B or 1500M"
         )
-    value = float(match.group(1)) * _SUFFIXES[match.group(2).lower()]
-    if value < 1 or not value.is_integer():
+    # Exact, not float: 8.03 * 1e9 is 8030000000.000001 in binary floating point.
+    number, power = Decimal(match.group(1)), _SUFFIXES[match.group(2).lower()]
+    if number.adjusted() + power >= _MAX_DIGITS:
+        raise argparse.ArgumentTypeError(f"invalid parameter count {text!r}: must be below 1e{_MAX_DIGITS}")
+    value = Fraction(number) * 10**power if number and number.adjusted() + power >= 0 else Fraction(0)  # < 1 anyway
+    if value < 1 or value.denominator != 1:
         raise argparse.ArgumentTypeError(f"invalid parameter count {text!r}: must be a whole number >= 1")
     return int(value)
 

@@ -1,7 +1,9 @@
 """`megatron-rl-patches run [--patches all|NAMES] -- COMMAND [ARGS...]`: run COMMAND so that every
 Python process it starts applies the patches at start-up, in any kind of install.
 
-The command replaces this process (exec): its exit code, signals and output are its own.
+The command replaces this process (exec): its exit code, signals and output are its own. Every
+MEGATRON_RL_PATCHES* variable is checked before anything starts (a bad one: exit 2); a command
+that cannot be started exits as in a shell: 127 not found, 126 found but not executable.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="all|NAMES",
         default=None,
         help="patches to apply in the children: 'all' or comma-separated names "
-             "(default: $MEGATRON_RL_PATCHES when set, else all)",
+             "(default: $MEGATRON_RL_PATCHES when it is 'all' or names patches, all when it is unset "
+             "or empty; an off value such as 0 is refused)",
     )
     parser.add_argument(
         "child_command",
@@ -36,5 +39,5 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("no command given: megatron-rl-patches run [--patches all|NAMES] -- COMMAND [ARGS...]")
     try:
         return launcher.run(command, args.patches)
-    except ValueError as exc:  # an unknown patch name, an empty --patches
+    except ValueError as exc:  # a list naming no or unknown patches, a bad MEGATRON_RL_PATCHES* value
         raise UsageError(str(exc)) from None

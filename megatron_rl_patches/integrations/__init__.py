@@ -7,6 +7,7 @@ package's public ones.
 """
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     from megatron_rl_patches.patching.registry import Registry
 
 _default: Registry | None = None
+_building = threading.Lock()
 
 
 def all_patches() -> list[Patch]:
@@ -26,11 +28,12 @@ def all_patches() -> list[Patch]:
 def default_registry() -> Registry:
     """The process-wide registry of every patch this package knows (built once)."""
     global _default
-    if _default is None:
-        from megatron_rl_patches.patching.registry import Registry
+    with _building:  # threads racing the first apply() must all get the same registry
+        if _default is None:
+            from megatron_rl_patches.patching.registry import Registry
 
-        _default = Registry(all_patches)
-    return _default
+            _default = Registry(all_patches)
+        return _default
 
 
 def apply(only: Any = None, exclude: Any = None, strict: bool | None = None, allow_untested: bool | None = None,

@@ -68,5 +68,10 @@ def run(registry_factory: str = DEFAULT_REGISTRY) -> None:
             _say(f"no patch applied at start-up: {exc}")
             if _strict():
                 registry.poison_imports(ValueError(f"{exc} ({env.STRICT} is set)"))
+        for read in (env.backend, env.checked_inference_roles):  # read later, by the ops and the roles
+            try:
+                read()
+            except ValueError as exc:
+                _say(str(exc))
     except BaseException as exc:  # noqa: BLE001 - start-up must go on whatever happens
         _say(f"start-up patching disabled: {type(exc).__name__}: {exc}")

@@ -1,8 +1,8 @@
 """The life cycle of patch records: apply, revert, statuses, post-import hooks, version guards.
 
 A :class:`Registry` holds records (from ``records``) and their state. A record is installed with
-a wrapt FunctionWrapper when its module is imported (at once if it already is) and removed with
-``wrapt.unwrap_object``. Every wrapper consults a per-target switch, so a reference captured by
+a wrapt FunctionWrapper that pickles like its original (``wrappers``) when its module is imported
+(at once if it already is) and removed with ``wrapt.unwrap_object``. Every wrapper consults a per-target switch, so a reference captured by
 ``from x import f`` while patched behaves like the original once reverted. This module knows
 nothing of Megatron nor of which patches exist: ``megatron_rl_patches.integrations`` assembles
 the default registry.
@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import wrapt
 
 from megatron_rl_patches._log import logger, warn_once
-from megatron_rl_patches.patching import env
+from megatron_rl_patches.patching import env, wrappers
 from megatron_rl_patches.patching.records import (  # noqa: F401 - re-exported: the errors' documented home
     APPLIED,
     DISABLED,
@@ -375,7 +375,7 @@ class Registry:
             return _refuse(slot, PatchSignatureMismatch, problem_signature, SIGNATURE)
         try:
             slot.impl = patch.wrapper if callable(patch.wrapper) else self._resolve(patch.wrapper)
-            slot.handle = wrapt.wrap_function_wrapper(owner, attribute, _guard(slot))
+            slot.handle = wrappers.wrap(owner, attribute, _guard(slot))
         except Exception as exc:
             slot.set(FAILED, f"{type(exc).__name__}: {exc}", ERROR)
             if slot.strict:

@@ -38,13 +38,17 @@ def test_fp32_weights_and_sharded_optimizer(capsys):
 @pytest.mark.parametrize(
     "text, value",
     [("27e9", 27 * 10**9), ("27B", 27 * 10**9), ("7.5b", 7_500_000_000), ("1500M", 1_500_000_000),
-     ("70000000000", 70 * 10**9), ("2.7e10", 27 * 10**9), ("1T", 10**12), ("3k", 3000)],
+     ("70000000000", 70 * 10**9), ("2.7e10", 27 * 10**9), ("1T", 10**12), ("3k", 3000),
+     # real sizes that are not exact in binary floating point (8.03 * 1e9 = 8030000000.000001)
+     ("8.03B", 8_030_000_000), ("0.56B", 560_000_000), ("1.1b", 1_100_000_000), ("6.74B", 6_740_000_000),
+     ("123456789012345678901", 123456789012345678901), ("0.001e12", 10**9)],
 )
 def test_param_counts(text, value):
     assert memory_cli.parse_param_count(text) == value
 
 
-@pytest.mark.parametrize("text", ["abc", "0", "1.5", "-3", "27 bn", ""])
+@pytest.mark.parametrize("text", ["abc", "0", "1.5", "-3", "27 bn", "", "8.0300000001B", "0.5", "1e-3",
+                                  "1e999999999", "1e-999999999", "nan", "inf"])
 def test_bad_param_counts(text):
     with pytest.raises(argparse.ArgumentTypeError, match="invalid parameter count"):
         memory_cli.parse_param_count(text)
