@@ -129,7 +129,8 @@ def test_an_empty_pythonpath_entry_still_means_the_current_directory(tmp_path):
     (here / "mrp_local_mod.py").write_text("VALUE = 'found'\n")
     (elsewhere / "s.py").write_text("import mrp_local_mod\nprint(mrp_local_mod.VALUE)\n")
     environ = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_RL_PATCHES")}
-    environ["PYTHONPATH"] = os.pathsep.join([*filter(None, [os.environ.get("PYTHONPATH")]), ""])
+    # an explicit empty entry (the issue's `PYTHONPATH=:`); a wholly empty PYTHONPATH adds nothing
+    environ["PYTHONPATH"] = os.pathsep.join([*filter(None, [os.environ.get("PYTHONPATH")]), "", ""])
     plain = subprocess.run([sys.executable, str(elsewhere / "s.py")], cwd=here, env=environ,
                            capture_output=True, text=True, timeout=120)
     proc = subprocess.run([sys.executable, "-m", "megatron_rl_patches", "run", "--", sys.executable,
