@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches.ops import _checks, _dist, _vocab
+from megatron_rl_patches.ops import _checks, _dist, _divergences, _vocab
 from megatron_rl_patches.ops._checks import Temperature, Weights
 from megatron_rl_patches.ops._functions import TopkLogprobs
 from megatron_rl_patches.ops.kernels import resolve_backend
@@ -184,31 +184,16 @@ def _derived_tail(logprobs: torch.Tensor, source_dtype: torch.dtype) -> torch.Te
     return _log1mexp(covered).clamp(min=floor)
 
 
-def _kl_rows(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
-    """sum_b a_b (log a_b - log b_b) with 0·log 0 = 0 and +inf where b_b = 0 < a_b.
-
-    Built with where() on finite stand-ins so -inf entries give neither NaN values nor NaN
-    gradients; an infinite bucket contributes no gradient.
-    """
-    a_pos = log_a > _NEG_INF
-    b_pos = log_b > _NEG_INF
-    la = torch.where(a_pos, log_a, 0.0)
-    lb = torch.where(b_pos, log_b, 0.0)
-    terms = torch.where(a_pos & b_pos, torch.exp(la) * (la - lb), 0.0)
-    terms = torch.where(a_pos & ~b_pos, math.inf, terms)
-    return terms.sum(dim=-1)
-
-
-def _bucket_kl(
+def _bucket_divergence(
     log_p: torch.Tensor,
     teachers: torch.Tensor,
     teacher_tails: Optional[torch.Tensor],
     log_w: torch.Tensor,
-    kl: str,
-    mix: float,
+    choice: tuple[str, float, float, float],
 ) -> torch.Tensor:
-    """Per-row KL between the student's buckets `log_p` [R, k+1] and the teacher mixture (teachers
-    [n, ..., k] in their source dtype, tails [n, ...] or None: derived)."""
+    """Per-row divergence between the student's buckets `log_p` [R, k+1] and the teacher mixture
+    (teachers [n, ..., k] in their source dtype, tails [n, ...] or None: derived); `choice` is
+    (name, β, α, mix) from :func:`_checks.resolve_divergence`."""
     n, k, source_dtype = teachers.shape[0], teachers.shape[-1], teachers.dtype
     dtype = log_p.dtype
     teachers = teachers.detach().to(device=log_p.device, dtype=dtype).reshape(n, -1, k)
@@ -218,12 +203,7 @@ def _bucket_kl(
         teacher_tails = teacher_tails.detach().to(device=log_p.device, dtype=dtype).reshape(n, -1)
     log_qs = torch.cat([teachers, teacher_tails[..., None]], dim=-1)
     log_q = log_qs[0] if n == 1 else torch.logsumexp(log_qs + log_w[:, None, None], dim=0)
-    if kl == "reverse" or (kl == "mixed" and mix == 0.0):
-        return _kl_rows(log_p, log_q)
-    if kl == "forward" or mix == 1.0:
-        return _kl_rows(log_q, log_p)
-    # computed apart so that 0·inf never appears for mix in {0, 1}
-    return mix * _kl_rows(log_q, log_p) + (1.0 - mix) * _kl_rows(log_p, log_q)
+    return _divergences.bucket_divergence(choice[0], log_p, log_q, *choice[1:])
 
 
 def topk_kl(
@@ -233,15 +213,18 @@ def topk_kl(
     teacher_tail: Optional[torch.Tensor] = None,
     *,
     teacher_weights: Weights = None,
-    kl: str = "reverse",
-    mix: float = 0.5,
+    divergence: Optional[str] = None,
+    beta: float = 0.5,
+    alpha: float = 0.1,
+    kl: Optional[str] = None,
+    mix: Optional[float] = None,
 ) -> torch.Tensor:
-    """Per-token KL [T] between (k+1)-bucket distributions that are already computed: the
+    """Per-token divergence [T] between (k+1)-bucket distributions that are already computed: the
     student's log-probs at the k ids [T, k] and its tail [T] (from `topk_logprobs` or
     `lm_head_topk_logprobs`), against the teachers' [T, k] or [n, T, k] (tails [T] / [n, T], or
     None: derived stably from their k log-probs). Options as `topk_opd_loss`; the gradient flows
     to the student's buckets only."""
-    mix = _checks.check_kl_options(kl, mix)
+    choice = _checks.resolve_divergence(divergence, beta, alpha, kl, mix)
     _checks.check_float_tensor(student_logprobs, "student_logprobs", "[T, k]")
     _checks.check_float_tensor(student_tail, "student_tail", "[T]")
     if student_logprobs.dim() < 1 or student_logprobs.shape[-1] == 0:
@@ -263,7 +246,7 @@ def topk_kl(
     checks.raise_first()  # one host sync for every value check
     k = student_logprobs.shape[-1]
     log_p = torch.cat([student_logprobs.reshape(-1, k).to(dtype), student_tail.reshape(-1, 1).to(dtype)], dim=1)
-    return _bucket_kl(log_p, teachers, teacher_tails, log_w, kl, mix).reshape(lead)
+    return _bucket_divergence(log_p, teachers, teacher_tails, log_w, choice).reshape(lead)
 
 
 def topk_opd_loss(
@@ -273,26 +256,33 @@ def topk_opd_loss(
     teacher_tail_logprobs: Optional[torch.Tensor] = None,
     *,
     teacher_weights: Weights = None,
-    kl: str = "reverse",
-    mix: float = 0.5,
+    divergence: Optional[str] = None,
+    beta: float = 0.5,
+    alpha: float = 0.1,
+    kl: Optional[str] = None,
+    mix: Optional[float] = None,
     tp_group: Optional[dist.ProcessGroup] = None,
     temperature: Temperature = 1.0,
     vocab_size: Optional[int] = None,
     chunk_size: Optional[int] = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Per-token KL [T] between the student's and the teacher mixture's (k+1)-bucket
+    """Per-token divergence [T] between the student's and the teacher mixture's (k+1)-bucket
     distributions (the k ids plus one tail bucket); gradient flows to the student logits only.
     The same as ``topk_kl(*topk_logprobs(student_logits, ids, ...), teacher_logprobs, ...)``,
     with one host sync for all checks.
 
-    kl: "reverse" sum p (log p - log q), "forward" sum q (log q - log p), "mixed"
-    mix·forward + (1 - mix)·reverse. The mixture is q = sum_j w_j q_j (w normalized, default
-    uniform); teacher tails default to log(1 - sum_k q_j), computed stably and floored at the
-    dtype's epsilon. Zero-probability buckets: 0·log 0 = 0; a bucket with zero probability on
-    the reference side only makes that token's KL +inf (that bucket gives no gradient).
+    divergence (None: "reverse_kl"): one of "forward_kl" KL(q‖p), "reverse_kl" KL(p‖q), "jsd"
+    (weight `beta` on the teacher; 0: forward, 1: reverse KL), "skew_forward_kl",
+    "skew_reverse_kl" (own share `alpha`), "tv" (docs/distillation.md). The deprecated
+    kl="reverse" / "forward" / "mixed" (mix·forward + (1 − mix)·reverse) still work with a
+    DeprecationWarning; giving both is a TypeError. The mixture is q = sum_j w_j q_j (w
+    normalized, default uniform); teacher tails default to log(1 - sum_k q_j), computed stably
+    and floored at the dtype's epsilon. Zero-probability buckets: 0·log 0 = 0; a bucket with
+    zero probability on the reference side only makes that token's KL +inf (that bucket gives
+    no gradient).
     """
-    mix = _checks.check_kl_options(kl, mix)
+    choice = _checks.resolve_divergence(divergence, beta, alpha, kl, mix)
     lead, _ = _checks.check_logits(student_logits, "student_logits", tp_group)
     _checks.check_id_tensor(ids, "ids", "[T, k]")
     checks = _checks.DeviceChecks()
@@ -304,4 +294,4 @@ def topk_opd_loss(
         backend,
     )
     log_p = torch.cat([logp, tail[:, None]], dim=1)
-    return _bucket_kl(log_p, teachers, teacher_tails, log_w, kl, mix).reshape(lead)
+    return _bucket_divergence(log_p, teachers, teacher_tails, log_w, choice).reshape(lead)
