@@ -297,7 +297,9 @@ def check_k(k: int, vocab: int, name: str = "k") -> None:
         )
 
 
-def check_ids(ids: object, lead: torch.Size, vocab: int, checks: DeviceChecks) -> int:
+def check_ids(ids: object, lead: torch.Size, vocab: int, checks: DeviceChecks, ids_mask: object = None) -> int:
+    """k of ids [*lead, k]; with `ids_mask` (bool, ids' shape) only the True slots are checked
+    (in range, no repeats within a row): the others are padding, whatever their value."""
     check_id_tensor(ids, "ids", "[T, k]")
     if ids.dim() != len(lead) + 1 or ids.shape[:-1] != lead or ids.shape[-1] == 0:
         raise ValueError(
@@ -306,16 +308,35 @@ def check_ids(ids: object, lead: torch.Size, vocab: int, checks: DeviceChecks) -
         )
     k = ids.shape[-1]
     check_k(k, vocab, "ids.shape[-1] (k)")
+    check_ids_mask(ids_mask, ids)
     inside = (ids >= 0) & (ids < vocab)
+    if ids_mask is not None:
+        inside |= ~ids_mask
     checks.require(inside, lambda: ValueError(
         f"ids must be global vocab ids in [0, {vocab}), found {ids[~inside][0].item()}; check vocab_size and tp_group"
+        + ("" if ids_mask is None else " (only slots where ids_mask is True are read)")
     ))
     if k > 1:
-        ordered = ids.sort(dim=-1).values
+        distinct = ids.to(torch.long)
+        if ids_mask is not None:  # padding as distinct values no id has
+            distinct = torch.where(ids_mask, distinct, vocab + torch.arange(k, device=ids.device))
+        ordered = distinct.sort(dim=-1).values
         checks.require(ordered[..., 1:] != ordered[..., :-1], lambda: ValueError(
             "ids must not repeat within a row (each id is one bucket); deduplicate them, e.g. use topk_ids"
         ))
     return k
+
+
+def check_ids_mask(ids_mask: object, ids: torch.Tensor, name: str = "ids") -> None:
+    """None, or a bool tensor of `ids`' shape and device (True: a real id; False: padding)."""
+    if ids_mask is None:
+        return
+    if not isinstance(ids_mask, torch.Tensor) or ids_mask.dtype != torch.bool:
+        raise TypeError(f"ids_mask must be a bool tensor (True: a real id, False: padding) or None, "
+                        f"got {type(ids_mask).__name__ if not isinstance(ids_mask, torch.Tensor) else ids_mask.dtype}")
+    if ids_mask.shape != ids.shape or ids_mask.device != ids.device:
+        raise ValueError(f"ids_mask must have {name}' shape {tuple(ids.shape)} and device {ids.device}, "
+                         f"got {tuple(ids_mask.shape)} on {ids_mask.device}")
 
 
 def check_int_k(k: object) -> int:
