@@ -26,6 +26,7 @@ _LAZY = {
     "topk_logprobs": "megatron_rl_patches.ops.topk",
     "topk_opd_loss": "megatron_rl_patches.ops.topk",
     "topk_kl": "megatron_rl_patches.ops.topk",
+    "union_ids": "megatron_rl_patches.ops.topk",
     "lm_head_log_probs_and_entropy": "megatron_rl_patches.ops.lm_head",
     "lm_head_topk_ids": "megatron_rl_patches.ops.lm_head",
     "lm_head_topk_logprobs": "megatron_rl_patches.ops.lm_head",

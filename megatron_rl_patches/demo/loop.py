@@ -25,7 +25,7 @@ class DemoConfig:
     vocab_size: int = 64
     teachers: int = 2
     topk: int = 8
-    ids_from: str = "teacher"  # whose top-k ids the OPD buckets use: "teacher" (the first) or "student"
+    ids_from: str = "teacher"  # whose top-k ids the OPD buckets use: "teacher" (the first), "student" or "union"
     opd_coef: float = 1.0
     pg_coef: float = 0.1
     temperature: float = 1.0

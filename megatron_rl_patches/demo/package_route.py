@@ -63,22 +63,24 @@ def _forward(model: Any, batch: dict, processor: Callable, context: dict | None 
                  output_processor=processor, output_processor_context=context)
 
 
-def _processors(cfg: DemoConfig, *, select: bool, entropy: bool) -> Callable:
+def _processors(cfg: DemoConfig, *, select: bool, entropy: bool, union: bool = False) -> Callable:
     from megatron_rl_patches import log_prob_output_processor, topk_output_processor
 
     options = dict(temperature=cfg.temperature, chunk_size=cfg.tile_rows)
-    topk = topk_output_processor(k=cfg.topk if select else None, **options)
+    topk = topk_output_processor(k=cfg.topk if select else None, union=union, **options)
     return _both(topk, log_prob_output_processor(with_entropy=entropy, entropy_requires_grad=False, **options))
 
 
 @torch.no_grad()
 def score_with_teachers(batch: dict, actor: Any, teachers: Sequence[Any], cfg: DemoConfig) -> None:
-    """Top-k ids (the first teacher's or the old policy's), every teacher's log-probs at those ids
-    + tail and at the sampled tokens, the old policy's log-probs: all from hidden states."""
+    """Top-k ids (the first teacher's, the old policy's, or their union), every teacher's log-probs
+    at those ids + tail and at the sampled tokens, the old policy's log-probs: all from hidden
+    states. Union: the old policy's ids go to the first teacher's pass, which adds its own top-k
+    (padding masked); the other teachers score the union with the mask."""
     from megatron_rl_patches import log_prob_output_processor
 
-    ids = None
-    if cfg.ids_from == "student":  # one old-policy forward gives the ids and the log-probs
+    ids = mask = None
+    if cfg.ids_from in ("student", "union"):  # one old-policy forward gives the ids and the log-probs
         old = _forward(actor, batch, _processors(cfg, select=True, entropy=False))
         old_logp, ids = old["log_probs"], old["topk_ids"]
     else:
@@ -86,15 +88,18 @@ def score_with_teachers(batch: dict, actor: Any, teachers: Sequence[Any], cfg: D
         old_logp = _forward(actor, batch, log_prob_output_processor(**options))["log_probs"]
     scored = []
     for teacher in teachers:
-        if ids is None:  # the first teacher selects the ids, the others score them
-            out = _forward(teacher, batch, _processors(cfg, select=True, entropy=False))
-            ids = out["topk_ids"]
-        else:
-            out = _forward(teacher, batch, _processors(cfg, select=False, entropy=False), {"ids": ids})
+        if ids is None or (cfg.ids_from == "union" and mask is None):  # the first teacher selects
+            union = cfg.ids_from == "union"
+            out = _forward(teacher, batch, _processors(cfg, select=True, entropy=False, union=union),
+                           {"ids": ids} if union else None)
+            ids, mask = out["topk_ids"], out.get("ids_mask")
+        else:  # the others score them
+            out = _forward(teacher, batch, _processors(cfg, select=False, entropy=False), {"ids": ids, "ids_mask": mask})
         scored.append(out)
-    k = cfg.topk
+    k = ids.shape[-1]
     batch.update(
         topk_ids=ids,
+        ids_mask=mask,
         teacher_logprobs=torch.stack([out["topk_log_probs"].reshape(-1, k) for out in scored]),
         teacher_tails=torch.stack([out["tail"].reshape(-1) for out in scored]),
         advantages=loop.teacher_advantages(batch, old_logp, [out["log_probs"] for out in scored]),
@@ -110,11 +115,13 @@ def make_forward_step(cfg: DemoConfig) -> Callable:
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = _forward(model, batch, processor, {"ids": batch["topk_ids"]})
+        output = _forward(model, batch, processor, {"ids": batch["topk_ids"], "ids_mask": batch["ids_mask"]})
 
         def loss_func(out: dict):
-            opd = topk_kl(out["topk_log_probs"].reshape(-1, cfg.topk), out["tail"].reshape(-1),
-                          batch["teacher_logprobs"], batch["teacher_tails"])
+            k = batch["topk_ids"].shape[-1]
+            mask = None if batch["ids_mask"] is None else batch["ids_mask"].reshape(-1, k)
+            opd = topk_kl(out["topk_log_probs"].reshape(-1, k), out["tail"].reshape(-1),
+                          batch["teacher_logprobs"], batch["teacher_tails"], ids_mask=mask)
             return loop.rl_loss(cfg, batch, out["log_probs"], out["entropy"], opd)
 
         return output, loss_func

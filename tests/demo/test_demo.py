@@ -75,6 +75,21 @@ def test_student_chosen_ids_give_the_same_rollout_on_both_routes():
         assert plain["rollouts"][0][key] == pytest.approx(package["rollouts"][0][key], rel=1e-5, abs=1e-6)
 
 
+def test_union_ids_give_the_same_rollout_on_both_routes():
+    """ids_from="union": the student's top-k go to the first teacher's pass, which adds its own
+    (padding masked); the plain route builds the same union by hand on logits. Same numbers."""
+    from megatron_rl_patches.demo.loop import DemoConfig
+    from megatron_rl_patches.demo.session import run_demo
+
+    cfg = DemoConfig(rollouts=1, steps=1, ids_from="union")
+    package, plain = (run_demo(cfg, patches=patches) for patches in (True, False))
+    assert package["ok"] and plain["ok"]
+    for key in ("loss", "opd_kl", "entropy", "logprob"):
+        assert plain["rollouts"][0][key] == pytest.approx(package["rollouts"][0][key], rel=1e-5, abs=1e-6)
+    student = run_demo(DemoConfig(rollouts=1, steps=1, ids_from="student"), patches=True)
+    assert package["rollouts"][0]["opd_kl"] > student["rollouts"][0]["opd_kl"]  # more buckets: a finer KL
+
+
 def test_real_model_rows_use_the_memory_commands_formula(summaries):
     from megatron_rl_patches import training_state_bytes
 
