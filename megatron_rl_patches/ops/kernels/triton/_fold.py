@@ -23,6 +23,7 @@ def row_stats_kernel(
     K: tl.constexpr, FUSED: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_REST: tl.constexpr,
     HAS_MOMENT: tl.constexpr, HAS_SUB: tl.constexpr, HAS_KEEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Outputs are [splits, n_rows] (out_marked [splits, n_rows, K], zero-filled by the host: a
     mark is stored only by the split holding its column). `marks` [n_rows, K] int32: the marked
@@ -48,7 +49,7 @@ def row_stats_kernel(
         cols = c0 + tl.arange(0, BLOCK_N)
         col_ok = cols < c_end
         x = logits_tile(src, weight, rows64, row_ok, cols, col_ok, n_hidden, s_src_r, s_src_c, s_w_r, s_w_c,
-                        FUSED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
+                        FUSED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, DOT_PRECISION)
         # the marked columns (k ids per row, k small): their logits stored, and they leave every sum
         marked = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int1)
         for kk in range(K):

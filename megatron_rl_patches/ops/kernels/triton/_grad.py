@@ -25,6 +25,7 @@ def grad_tile_kernel(
     HAS_SUB: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_MARK_ALPHA: tl.constexpr,
     HAS_ETA: tl.constexpr, HAS_DELTA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Rows [row_begin, row_end) of the source; out row r - row_begin. Factors are per row ([T])
     or per mark ([T, K] row-major); absent ones are flagged off (their pointers unused)."""
@@ -40,7 +41,7 @@ def grad_tile_kernel(
     else:
         s = tl.zeros((BLOCK_M,), dtype=tl.float32) + scale_value
     x = logits_tile(src, weight, rows64, row_ok, cols, col_ok, n_hidden, s_src_r, s_src_c, s_w_r, s_w_c,
-                    FUSED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)
+                    FUSED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, DOT_PRECISION)
     dz = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # e^(u - L)·(alpha + beta·max(u, NEG_FLOOR)), u = (x - shift)·s
     u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -38,11 +38,12 @@ def expm1(y):
 @triton.jit
 def logits_tile(src, weight, rows64, row_ok, cols, col_ok, n_hidden, s_src_r, s_src_c, s_w_r, s_w_c,
                 FUSED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                DOT_FP32: tl.constexpr):
+                DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The fp32 tile x [BLOCK_M, BLOCK_N] of rows `rows64` and columns `cols`: loaded from the
     logits `src`, or (FUSED) ``src[rows] @ weight[cols]ᵀ`` over the hidden size in BLOCK_K
     chunks, fp32 accumulation (ieee for fp32 inputs, as torch's default matmul; bf16/fp16 inputs
-    take the tensor cores). Entries outside the valid rows/columns are -inf: they count for
+    take the tensor cores; DOT_PRECISION is "ieee" for fp32 inputs, the default "tf32" otherwise,
+    where it is ignored). Entries outside the valid rows/columns are -inf: they count for
     no max and add e^-inf = 0 to every sum. DOT_FP32: operands upcast before tl.dot (exact for
     bf16/fp16 values; set under the interpreter only, whose tl.dot multiplies bf16's storage bits
     as integers in triton 3.7.1)."""
@@ -60,7 +61,7 @@ def logits_tile(src, weight, rows64, row_ok, cols, col_ok, n_hidden, s_src_r, s_
             if DOT_FP32:
                 h = h.to(tl.float32)
                 w = w.to(tl.float32)
-            acc = tl.dot(h, w, acc, input_precision="ieee")
+            acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
         x = acc
     else:
         x = tl.load(src + rows64[:, None] * s_src_r + cols64[None, :] * s_src_c, mask=ok, other=0.0).to(tl.float32)

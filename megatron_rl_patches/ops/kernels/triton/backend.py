@@ -48,10 +48,13 @@ class Blocks:
     warps: int
     stages: int
 
-    def launch(self) -> dict[str, int | bool]:
-        # the interpreter's tl.dot mishandles bf16 (see _tiles.logits_tile): upcast there only
+    def launch(self, dtype: torch.dtype) -> dict[str, int | bool | str]:
+        """Kernel keywords for inputs of `dtype`: fp32 products in ieee precision (torch's default
+        for matmuls), and, under the interpreter only, operands upcast before tl.dot (its bf16
+        dot is wrong, see _tiles.logits_tile)."""
         return {"BLOCK_M": self.m, "BLOCK_N": self.n, "BLOCK_K": self.k, "num_warps": self.warps,
-                "num_stages": self.stages, "DOT_FP32": INTERPRETED}
+                "num_stages": self.stages, "DOT_FP32": INTERPRETED,
+                "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
 
 
 def blocks(device: torch.device, fused: bool) -> Blocks:
@@ -155,7 +158,7 @@ class TritonTiles:
             n_rows, n_valid, n_hidden, cols_per_split, scale_v, *strides, s_keep_r, s_keep_c,
             K=k, FUSED=source.fused, ROW_SCALE=scale_t is not None, HAS_REST=parts.rest is not None,
             HAS_MOMENT=parts.moment is not None, HAS_SUB=parts.sub_shift is not None, HAS_KEEP=keep is not None,
-            **b.launch(),
+            **b.launch(source.first.dtype),
         )
         merged = merge_splits(parts, splits, scale)
         for name in ("shift", "marked", "rest", "moment", "sub_shift", "sub_sum"):
@@ -226,7 +229,7 @@ class TritonTiles:
             HAS_BETA=f.beta is not None, HAS_SUB=f.sub_shift is not None, HAS_GAMMA=f.gamma is not None,
             HAS_KEEP=keep is not None and f.gamma is not None, HAS_MARK_ALPHA=f.mark_alpha is not None,
             HAS_ETA=f.eta is not None, HAS_DELTA=f.delta is not None,
-            **b.launch(),
+            **b.launch(source.first.dtype),
         )
 
 
