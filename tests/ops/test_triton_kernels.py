@@ -71,6 +71,16 @@ def test_topk_kernels_match_float64_and_torch(fused, dtype, grads):
         _check(got, kit.topk_run(x, backend="torch", **kwargs), names, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_hidden_backward_in_many_column_blocks_matches(dtype):
+    """chunk_size caps the dz block (chunk_size·V entries): here 4·67/24 -> 11 columns, 7 blocks,
+    each adding to dh and writing its own rows of dW."""
+    x = kit.make_inputs(dtype, V=V, n_valid=PADDED, seed=8)
+    kwargs = dict(fused=True, dtype=dtype, entropy=True, masked=True, row_tau=True, n_valid=PADDED)
+    want = kit.log_prob_run(x, backend=None, **kwargs)
+    _check(kit.log_prob_run(x, backend="triton", chunk_size=4, **kwargs), want, LOG_PROB_NAMES, dtype)
+
+
 def test_inplace_backward_writes_the_logits_storage_and_matches():
     x = kit.make_inputs(torch.float32, V=V, n_valid=PADDED, seed=2)
     kwargs = dict(fused=False, dtype=torch.float32, entropy=True, masked=False, row_tau=True, n_valid=PADDED)

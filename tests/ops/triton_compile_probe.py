@@ -14,7 +14,7 @@ from megatron_rl_patches.ops.kernels.triton import backend
 from megatron_rl_patches.ops.kernels.triton._fold import row_stats_kernel
 from megatron_rl_patches.ops.kernels.triton._grad import grad_tile_kernel
 
-INTS = {"n_rows", "n_valid", "n_hidden", "cols_per_split", "row_begin", "row_end"}
+INTS = {"n_rows", "n_valid", "n_hidden", "cols_per_split", "row_begin", "row_end", "col_begin", "col_end"}
 
 
 def _signature(fn, pointers: dict[str, str], consts: dict) -> dict[str, str]:

@@ -68,7 +68,7 @@ def _logits64(tensors: tuple[torch.Tensor, ...], n_valid: int) -> torch.Tensor:
 
 def log_prob_run(x: Inputs, *, backend: str | None, fused: bool, dtype: torch.dtype, entropy: bool, masked: bool,
                  row_tau: bool, n_valid: int, lp_grad: bool = True, entropy_grad: bool = True,
-                 inplace: bool = False) -> list[torch.Tensor]:
+                 inplace: bool = False, chunk_size: int | None = None) -> list[torch.Tensor]:
     """[log_probs, entropy (or empty), grads...] as float64 CPU tensors. backend None: the float64
     reference by plain autograd on the valid columns."""
     tau = x.tau if row_tau else 0.7
@@ -81,6 +81,7 @@ def log_prob_run(x: Inputs, *, backend: str | None, fused: bool, dtype: torch.dt
         ent = -(logp_all.exp() * logp_all).sum(-1) if entropy else lp.new_empty(0)
     else:
         kwargs = dict(with_entropy=entropy, entropy_requires_grad=entropy_grad, vocab_size=n_valid, backend=backend,
+                      chunk_size=chunk_size,
                       temperature=tau.to(DEVICE) if row_tau else tau,
                       keep_mask=x.keep.to(DEVICE) if masked else None)
         if fused:

@@ -4,8 +4,8 @@ formed in registers and stored once.
 
 Grid: (row blocks, column blocks), one tile per program, no reduction across programs. For a
 logits source the output is the logits' gradient (possibly the logits' own storage: each program
-reads its tile before writing it); for a hidden-state source it is dz of a chunk of rows, which
-the host turns into dh = dz·W and dW += dzᵀ·h with two matmuls (see backend.py).
+reads its tile before writing it); for a hidden-state source it is dz of a block of columns, which
+the host turns into dW[cols] = dzᵀ·h and dh += dz·W[cols] with two matmuls (see backend.py).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from megatron_rl_patches.ops.kernels.triton._tiles import NEG_FLOOR, expm1, logi
 def grad_tile_kernel(
     src, weight, keep, marks, scale_ptr, out,
     f_shift, f_log_sum, f_alpha, f_beta, f_sub_shift, f_log_sub, f_gamma, f_mark_alpha, f_eta, f_delta,
-    row_begin, row_end, n_valid, n_hidden, scale_value,
+    row_begin, row_end, col_begin, col_end, n_hidden, scale_value,
     s_src_r, s_src_c, s_w_r, s_w_c, s_keep_r, s_keep_c, s_out_r, s_out_c,
     K: tl.constexpr, FUSED: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_ALPHA: tl.constexpr, HAS_BETA: tl.constexpr,
     HAS_SUB: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_MARK_ALPHA: tl.constexpr,
@@ -27,15 +27,16 @@ def grad_tile_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Rows [row_begin, row_end) of the source; out row r - row_begin. Factors are per row ([T])
-    or per mark ([T, K] row-major); absent ones are flagged off (their pointers unused)."""
+    """Rows [row_begin, row_end) and columns [col_begin, col_end) of the source; out[r - row_begin,
+    c - col_begin]. Factors are per row ([T]) or per mark ([T, K] row-major, marks as local
+    columns of the whole shard); absent ones are flagged off (their pointers unused)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = row_begin + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
     rows64 = rows.to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n_valid
+    cols = col_begin + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < col_end
     if ROW_SCALE:
         s = tl.load(scale_ptr + rows64, mask=row_ok, other=1.0).to(tl.float32)
     else:
@@ -95,5 +96,6 @@ def grad_tile_kernel(
         marked_value += tl.where(hit, value, 0.0)
     dz = tl.where(marked, marked_value, dz)
     out_rows = (rows - row_begin).to(tl.int64)
-    tl.store(out + out_rows[:, None] * s_out_r + cols[None, :].to(tl.int64) * s_out_c,
+    out_cols = (cols - col_begin).to(tl.int64)
+    tl.store(out + out_rows[:, None] * s_out_r + out_cols[None, :] * s_out_c,
              dz.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])

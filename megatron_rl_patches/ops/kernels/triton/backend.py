@@ -8,11 +8,13 @@ folds its tiles online (for a hidden-state source x = h·Wᵀ is recomputed in r
 
 Backward (:mod:`._grad`): one kernel writes dL/dx of every tile once. For materialized logits
 that is the logits' gradient (in their own storage with ``inplace``). For a hidden-state source
-it is dz of a chunk of rows ([chunk, V_local] in the inputs' dtype, a byte budget of rows), and
-two cuBLAS matmuls give dh[chunk] = dz·W and dW += dzᵀ·h[chunk]: deterministic (fixed chunks,
-fixed order), the recompute being the one extra T·H·V matmul of the fused head (4/3 of the
-unfused flops); a single-pass Triton dh/dW would need either atomics (not deterministic) or a
-[rows, H] read-modify-write per vocabulary tile.
+it is dz of a block of columns ([T, width] in the inputs' dtype, `width` from a byte budget), and
+two cuBLAS matmuls give dW[block] = dzᵀ·h (each row of dW made once, written in the weight's
+dtype) and dh += dz·W[block] (fp32 accumulator, T·H·4 B): deterministic (fixed blocks, fixed
+order), the recompute being the one extra T·H·V matmul of the fused head (4/3 of the unfused
+flops). Excess memory: the dz block (256 MiB on CUDA) + dh's fp32 accumulator and one [T, H]
+matmul result, about 0.03-0.06 U at V = 151936. A single-pass Triton dh/dW would need atomics
+(not deterministic) or a [rows, H] read-modify-write per vocabulary tile.
 
 fp64 inputs go to the torch tiles (tl.dot has no fp64 path on every GPU; fp64 is a reference
 dtype here, not a training one).
@@ -176,39 +178,45 @@ class TritonTiles:
             raise ValueError("GradFactors with mark_alpha but no alpha: the marked e^(u - L) term needs the full shift")
         if not source.fused:
             grad = _logits_grad_buffer(source)
-            self._grad_tiles(source, factors, scale, keep_mask, grad, 0, source.n_rows)
+            self._grad_tiles(source, factors, scale, keep_mask, grad, 0, source.n_rows, 0, source.n_valid)
             return (grad,)
         hidden, weight = source.hidden, source.weight
         n_rows, n_valid, dtype = source.n_rows, source.n_valid, factors.dtype
+        half = hidden.dtype in (torch.bfloat16, torch.float16)
+        # dh accumulates over column blocks (fp32: T·H·4 B, H/V of one U); each row of dW is made
+        # once by one matmul, so it is written in the weight's dtype directly (the cast the
+        # Function would do), not through a [V, H] fp32 buffer
         grad_h = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if needs[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if needs[1] else None
+        grad_w = None
+        if needs[1]:
+            grad_w = torch.empty(weight.shape, dtype=weight.dtype if half else dtype, device=weight.device)
+            grad_w[n_valid:].zero_()
         if n_rows == 0 or n_valid == 0:
-            return grad_h, grad_w
-        # dz in the inputs' dtype (bf16 for bf16 inputs: the matmuls' operand, as in the torch tiles)
-        dz_dtype = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float16) else dtype
-        budget = CUDA_TILE_BYTES if hidden.device.type == "cuda" else CPU_TILE_BYTES
-        chunk = source.chunk_rows or max(1, budget // (dz_dtype.itemsize * n_valid))
-        buf = torch.empty(min(chunk, n_rows), n_valid, dtype=dz_dtype, device=hidden.device)
-        w = weight[:n_valid]
-        for r0, r1 in spans(n_rows, chunk):
-            dz = buf[: r1 - r0]
-            self._grad_tiles(source, factors, scale, keep_mask, dz, r0, r1)
-            if grad_h is not None:
-                if dz.dtype == dtype:
-                    torch.matmul(dz, w, out=grad_h[r0:r1])
-                else:
-                    grad_h[r0:r1] = torch.matmul(dz, w)
             if grad_w is not None:
-                if dz.dtype == dtype:
-                    grad_w[:n_valid].addmm_(dz.t(), hidden[r0:r1])
+                grad_w.zero_()
+            return grad_h, grad_w
+        dz_dtype = hidden.dtype if half else dtype  # the matmuls' operand, as in the torch tiles
+        budget = CUDA_TILE_BYTES if hidden.device.type == "cuda" else CPU_TILE_BYTES
+        # the op's chunk_size (rows per tile elsewhere) caps the block at chunk_size·V_local entries
+        entries = source.chunk_rows * n_valid if source.chunk_rows else budget // dz_dtype.itemsize
+        width = max(1, entries // n_rows)
+        buf = torch.empty(n_rows, min(width, n_valid), dtype=dz_dtype, device=hidden.device)
+        for c0, c1 in spans(n_valid, width):
+            dz = buf[:, : c1 - c0]
+            self._grad_tiles(source, factors, scale, keep_mask, dz, 0, n_rows, c0, c1)
+            if grad_w is not None:
+                torch.matmul(dz.t(), hidden, out=grad_w[c0:c1])
+            if grad_h is not None:
+                if half:
+                    grad_h += torch.matmul(dz, weight[c0:c1])
                 else:
-                    grad_w[:n_valid] += torch.matmul(dz.t(), hidden[r0:r1])
+                    grad_h.addmm_(dz, weight[c0:c1])
         return grad_h, grad_w
 
     def _grad_tiles(self, source: Source, f: GradFactors, scale: float | torch.Tensor,
-                    keep_mask: torch.Tensor | None, out: torch.Tensor, r0: int, r1: int) -> None:
-        """dL/dx of rows [r0, r1) into `out` (its row 0 = source row r0), valid columns only."""
-        if r1 <= r0 or source.n_valid == 0:
+                    keep_mask: torch.Tensor | None, out: torch.Tensor, r0: int, r1: int, c0: int, c1: int) -> None:
+        """dL/dx of rows [r0, r1) and valid columns [c0, c1) into `out` (its [0, 0] = source [r0, c0])."""
+        if r1 <= r0 or c1 <= c0:
             return
         device = source.first.device
         b = blocks(device, source.fused)
@@ -218,13 +226,13 @@ class TritonTiles:
         scale_t, scale_v = _scale_args(scale, f.dtype)
         k = f.cols.size(1)
         per_mark = [None if t is None else t.expand(f.cols.shape).contiguous() for t in (f.mark_alpha, f.eta, f.delta)]
-        grid = (triton.cdiv(r1 - r0, b.m), triton.cdiv(source.n_valid, b.n))
+        grid = (triton.cdiv(r1 - r0, b.m), triton.cdiv(c1 - c0, b.n))
         grad_tile_kernel[grid](
             src, weight, keep if keep is not None else dummy, _marks(f.cols, f.owned) if k else dummy,
             scale_t if scale_t is not None else dummy, out,
             *(_or(t, dummy) for t in (f.shift, f.log_sum, f.alpha, f.beta, f.sub_shift, f.log_sub_sum, f.gamma)),
             *(_or(t, dummy) for t in per_mark),
-            r0, r1, source.n_valid, n_hidden, scale_v, *strides, s_keep_r, s_keep_c, out.stride(0), out.stride(1),
+            r0, r1, c0, c1, n_hidden, scale_v, *strides, s_keep_r, s_keep_c, out.stride(0), out.stride(1),
             K=k, FUSED=source.fused, ROW_SCALE=scale_t is not None, HAS_ALPHA=f.alpha is not None,
             HAS_BETA=f.beta is not None, HAS_SUB=f.sub_shift is not None, HAS_GAMMA=f.gamma is not None,
             HAS_KEEP=keep is not None and f.gamma is not None, HAS_MARK_ALPHA=f.mark_alpha is not None,
