@@ -24,8 +24,8 @@ FUSED_PARTS = ("logprob", "opd")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("which", nargs="?", default="all", choices=[*BENCHMARKS, "gpu", "all"],
-                        help="which benchmark (gpu: every implementation on a CUDA device, not part of all)")
+    # `gpu` (every implementation on a CUDA device) is not part of `all`
+    parser.add_argument("which", nargs="?", default="all", choices=[*BENCHMARKS, "gpu", "all"], help="which benchmark")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: seconds, for smoke tests")
     parser.add_argument("--out", metavar="DIR", help="write CSV files and PNG plots (needs the [bench] extra) here")
     parser.add_argument("--only", choices=FUSED_PARTS, metavar="PART",
