@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("megatron_rl_patches.cli.doctor", "megatron-core in use, per-patch support, environment, start-up files"),
     "startup": ("megatron_rl_patches.cli.startup", "install or remove the start-up file (editable installs)"),
     "demo": ("megatron_rl_patches.cli.demo", "a tiny real megatron-core RL loop, with and without the patches"),
-    "bench": ("megatron_rl_patches.cli.bench", "benchmarks: log-prob and top-k losses (memory, time), re-entrant wrapper cost"),
+    "bench": ("megatron_rl_patches.cli.bench", "benchmarks: log-prob and top-k losses (memory, time), re-entrant wrapper cost; gpu: every implementation on CUDA"),
     "memory": ("megatron_rl_patches.cli.memory", "training-state bytes an inference-only build saves"),
     "run": ("megatron_rl_patches.cli.run", "run a command whose Python processes all apply the patches at start-up"),
 }

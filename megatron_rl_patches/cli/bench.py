@@ -1,4 +1,7 @@
-"""`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|all] [--quick] [--out DIR] [--only PART]`."""
+"""`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|gpu|all] [--quick] [--out DIR] [--only PART]`.
+
+`bench gpu` (not part of `all`) needs a CUDA device; without one it says so in one line and
+exits non-zero."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +11,7 @@ import os
 import sys
 import tempfile
 
-from megatron_rl_patches.cli._common import OK, PROBLEM, UsageError
+from megatron_rl_patches.cli._common import OK, PROBLEM, UsageError, say
 
 BENCHMARKS = {
     "logprobs": "megatron_rl_patches.bench.logprobs",
@@ -22,7 +25,8 @@ FUSED_PARTS = ("logprob", "opd")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("which", nargs="?", default="all", choices=[*BENCHMARKS, "all"], help="which benchmark")
+    # `gpu` (every implementation on a CUDA device) is not part of `all`
+    parser.add_argument("which", nargs="?", default="all", choices=[*BENCHMARKS, "gpu", "all"], help="which benchmark")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: seconds, for smoke tests")
     parser.add_argument("--out", metavar="DIR", help="write CSV files and PNG plots (needs the [bench] extra) here")
     parser.add_argument("--only", choices=FUSED_PARTS, metavar="PART",
@@ -45,6 +49,8 @@ def check_output_folder(path: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.only is not None and args.which != "fused":
         raise UsageError(f"--only {args.only} selects a part of `bench fused`; run `bench fused --only {args.only}`")
+    if args.which == "gpu":
+        return _run_gpu(args)
     if args.out:
         check_output_folder(args.out)
     names = list(BENCHMARKS) if args.which == "all" else [args.which]
@@ -62,3 +68,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"CSV files{' and PNG plots' if plots else ''} written to {args.out}"
               + ("" if plots else " (no plots: install the [bench] extra for matplotlib)"))
     return PROBLEM if failed else OK
+
+
+def _run_gpu(args: argparse.Namespace) -> int:
+    """`bench gpu`: refuses in one line without CUDA, before anything else."""
+    from megatron_rl_patches.bench import gpu
+
+    why = gpu.cuda_missing()
+    if why is not None:
+        say("bench gpu", why)
+        return PROBLEM
+    if args.out:
+        check_output_folder(args.out)
+    rows = gpu.run(quick=args.quick, out_dir=args.out)
+    errors = [row["note"] for row in rows if str(row.get("note", "")).startswith("error")]
+    for error in errors[:3]:
+        say("bench gpu", error)
+    return PROBLEM if errors else OK
