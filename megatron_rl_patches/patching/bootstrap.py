@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import sys
 
+from megatron_rl_patches.patching import DEFAULT_REGISTRY, load_registry
+
 _done = False
 
 
@@ -43,11 +45,6 @@ def _strict() -> bool:
         return False
 
 
-# The composition root: where the registry of every known patch is built. A string, so this
-# layer names no integration; replaceable for tests and for embedders with their own registry.
-DEFAULT_REGISTRY = "megatron_rl_patches.integrations:default_registry"
-
-
 def run(registry_factory: str = DEFAULT_REGISTRY) -> None:
     """Apply what the environment selects. Idempotent: a venv can execute the same .pth twice."""
     global _done
@@ -59,9 +56,7 @@ def run(registry_factory: str = DEFAULT_REGISTRY) -> None:
 
         if not env.is_enabled():
             return
-        import pkgutil
-
-        registry = pkgutil.resolve_name(registry_factory)()
+        registry = load_registry(registry_factory)
         try:
             registry.apply()
         except ValueError as exc:  # bad selection or yes/no value: one line now; strict: also at import
