@@ -14,8 +14,9 @@ from typing import Mapping, Sequence
 
 from megatron_rl_patches.patching import env, load_registry
 
-LAUNCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch")
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAUNCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")  # holds only sitecustomize
+# the folder holding the megatron_rl_patches package (four levels up from this file)
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 ROOT_VARIABLE = "MEGATRON_RL_PATCHES_LAUNCHER_ROOT"
 
 
