@@ -108,12 +108,13 @@ def target_rows() -> tuple[list[dict[str, Any]], list[str]]:
 
 
 def _startup_section(environment: dict[str, Any]) -> tuple[dict[str, Any], bool | None, list[str]]:
-    from megatron_rl_patches.patching import bootstrap, env, startup
+    from megatron_rl_patches.patching import env
+    from megatron_rl_patches.patching.startup import files as startup_files, hook
 
     problems = []
-    files = [f for d in startup.site_dirs() for f in startup.inspect_dir(d) if f.present]
-    pth_installed = any(f.ours and f.path.endswith(startup.PTH_NAME) for f in files)
-    problems += [f"{f.path} exists but is not megatron-rl-patches' start-up file" for f in files if not f.ours]
+    found = [f for d in startup_files.site_dirs() for f in startup_files.inspect_dir(d) if f.present]
+    pth_installed = any(f.ours and f.path.endswith(startup_files.PTH_NAME) for f in found)
+    problems += [f"{f.path} exists but is not megatron-rl-patches' start-up file" for f in found if not f.ours]
     editable = _editable_install()
     if environment["enabled_at_startup"] and not pth_installed:
         problems.append(
@@ -123,9 +124,9 @@ def _startup_section(environment: dict[str, Any]) -> tuple[dict[str, Any], bool 
         )
     section = {
         "pth_installed": pth_installed,
-        "files": [f.as_dict() for f in files],
-        "site_dirs": startup.site_dirs(),
-        "bootstrap_ran": bootstrap.has_run(),
+        "files": [f.as_dict() for f in found],
+        "site_dirs": startup_files.site_dirs(),
+        "bootstrap_ran": hook.has_run(),
     }
     return section, editable, problems
 

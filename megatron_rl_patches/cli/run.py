@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl_patches.patching import launcher
+    from megatron_rl_patches.patching.startup import launcher
 
     command = list(args.child_command)
     if command[:1] == ["--"]:

@@ -19,19 +19,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl_patches.patching import startup
+    from megatron_rl_patches.patching.startup import files
 
     try:
-        done = startup.install(args.site) if args.action == "install" else startup.remove(args.site)
+        done = files.install(args.site) if args.action == "install" else files.remove(args.site)
     except NotADirectoryError as exc:
         raise UsageError(str(exc)) from None
-    except (startup.ForeignStartupFile, OSError) as exc:
+    except (files.ForeignStartupFile, OSError) as exc:
         say("startup", str(exc))
         return PROBLEM
     for path, what in done:
         print(f"{what:<9} {path}")
     site_dir = os.path.dirname(done[0][0])
-    if args.action == "install" and not startup.is_site_dir(site_dir):
+    if args.action == "install" and not files.is_site_dir(site_dir):
         print(
             f"note: {site_dir} is not a site directory of {sys.executable}; only interpreters "
             "that read .pth files from it will run the start-up hook",

@@ -13,7 +13,8 @@ import pytest
 from megatron_rl_patches import cli
 from megatron_rl_patches.cli.targets import find_module
 from megatron_rl_patches.integrations import default_registry
-from megatron_rl_patches.patching import registry, startup
+from megatron_rl_patches.patching import registry
+from megatron_rl_patches.patching.startup import files as startup
 
 REPO = Path(__file__).resolve().parents[2]
 PATCH_NAMES = {"ddp_hooks", "train_reentry", "inference_roles", "slime_logprobs", "gpt_output_processor",
@@ -145,9 +146,19 @@ def test_startup_refuses_foreign_files_and_bad_dirs(cli_run, tmp_path):
     assert code == 2 and "invalid choice" in err
 
 
-def test_startup_texts_match_the_shipped_files():
+def test_startup_install_replaces_an_earlier_releases_files(cli_run, tmp_path):
+    """Files an earlier release wrote (the hook at patching.bootstrap) are ours: replaced, and
+    that old path still runs the hook meanwhile."""
+    for name, (text,) in startup.EARLIER_CONTENTS.items():
+        (tmp_path / name).write_text(text)
+    code, out, _ = cli_run("startup", "install", "--site", str(tmp_path))
+    assert code == 0 and out.count("written") == 2
     for name, text in startup.CONTENTS.items():
-        assert (REPO / "startup" / name).read_text() == text
+        assert (tmp_path / name).read_text() == text
+    from megatron_rl_patches.patching import bootstrap
+    from megatron_rl_patches.patching.startup import hook
+
+    assert bootstrap.run is hook.run
 
 
 def test_missing_subcommand_module_exits_2(cli_run, clean, tmp_path):

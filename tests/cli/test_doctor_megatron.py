@@ -11,7 +11,7 @@ import pytest
 
 from megatron_rl_patches import cli
 from megatron_rl_patches.integrations import default_registry, megatron_version
-from megatron_rl_patches.patching import startup
+from megatron_rl_patches.patching.startup import files as startup
 
 
 @pytest.fixture(autouse=True)

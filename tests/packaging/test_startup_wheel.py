@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl_patches.patching import startup
+from megatron_rl_patches.patching.startup import files as startup
 
 pytestmark = [pytest.mark.slow, pytest.mark.megatron]
 
@@ -138,7 +138,7 @@ def test_variable_unset_imports_nothing_heavy(venv):
     proc = py(python, "import json, sys; print(json.dumps(sorted(sys.modules)))")
     assert proc.returncode == 0 and proc.stderr == ""
     modules = json.loads(proc.stdout)
-    assert "megatron_rl_patches.patching.bootstrap" in modules  # the start-up file did run
+    assert "megatron_rl_patches.patching.startup.hook" in modules  # the start-up file did run
     assert not [m for m in modules if m.split(".")[0] in HEAVY]
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl_patches.patching import startup
+from megatron_rl_patches.patching.startup import files as startup
 
 REPO = Path(__file__).resolve().parents[2]
 

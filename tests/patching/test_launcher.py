@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl_patches.patching import launcher
+from megatron_rl_patches.patching.startup import launcher
 
 # What a child reports: was the package's bootstrap run, and with which selection.
 REPORT = textwrap.dedent(
     """
     import json, os, sys
-    boot = sys.modules.get("megatron_rl_patches.patching.bootstrap")
+    boot = sys.modules.get("megatron_rl_patches.patching.startup.hook")
     print(json.dumps({"bootstrap_ran": bool(boot and boot.has_run()),
                       "selection": os.environ.get("MEGATRON_RL_PATCHES"),
                       "sitecustomize": getattr(sys.modules.get("sitecustomize"), "__file__", None),
@@ -38,7 +38,7 @@ def launched(command: list[str], patches: str | None = "ddp_hooks", **extra_env:
 
 
 def test_plain_python_child_runs_the_bootstrap_without_any_startup_file():
-    from megatron_rl_patches.patching import startup
+    from megatron_rl_patches.patching.startup import files as startup
 
     installed = [f.path for d in startup.site_dirs() for f in startup.inspect_dir(d) if f.present]
     proc = launched([sys.executable, "-c", REPORT])

@@ -11,7 +11,7 @@ import sysconfig
 
 import pytest
 
-from megatron_rl_patches.patching import startup
+from megatron_rl_patches.patching.startup import files as startup
 
 # After our .pth ran: the user's program (prints "ran") and the default registry's statuses.
 PROGRAM = (

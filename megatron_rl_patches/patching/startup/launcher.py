@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 from typing import Mapping, Sequence
 
-from megatron_rl_patches.patching import env
+from megatron_rl_patches.patching import env, load_registry
 
-LAUNCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch")
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAUNCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")  # holds only sitecustomize
+# the folder holding the megatron_rl_patches package (four levels up from this file)
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 ROOT_VARIABLE = "MEGATRON_RL_PATCHES_LAUNCHER_ROOT"
 
 
@@ -33,9 +34,7 @@ def launch_environment(patches: str | None, environ: Mapping[str, str] | None = 
         raise ValueError(f"{env.SELECT}={child[env.SELECT]!r} disables patching; unset it or pass --patches")
     elif not env.is_enabled(child):
         child[env.SELECT] = "all"
-    from megatron_rl_patches.integrations import default_registry
-
-    env.check(default_registry().patch_names(), child)
+    env.check(load_registry().patch_names(), child)
     child["PYTHONPATH"] = _with_launch_dir(child.get("PYTHONPATH", ""))
     child[ROOT_VARIABLE] = PACKAGE_ROOT
     return child

@@ -16,14 +16,14 @@ def _run_ours() -> None:
         if package_root and package_root not in sys.path:
             sys.path.append(package_root)
     try:
-        from megatron_rl_patches.patching import bootstrap
+        from megatron_rl_patches.patching.startup import hook
     except Exception as exc:  # noqa: BLE001 - the child must run regardless
         try:
             sys.stderr.write(f"megatron-rl-patches: launcher could not import the package: {exc}\n")
         except Exception:  # noqa: BLE001 - stderr closed or full
             pass
         return
-    bootstrap.run()
+    hook.run()
 
 
 def _run_shadowed() -> None:

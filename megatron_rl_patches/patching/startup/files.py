@@ -1,8 +1,8 @@
-"""The start-up files (.pth, and .start for Python >= 3.15) that run the bootstrap in every process.
+"""The start-up files (.pth, and .start for Python >= 3.15) that run the hook in every process.
 
-Wheels install them; editable installs (PEP 660) do not, so `megatron-rl-patches startup
-install|remove` writes and removes them here. The texts must equal the files in startup/ that
-setup.py ships (a test checks it).
+The one source of their text: setup.py writes the wheel's copies from CONTENTS, and editable
+installs (PEP 660), which get none from pip, write and remove them with `megatron-rl-patches
+startup install|remove`. This module imports only the standard library (setup.py runs it).
 """
 from __future__ import annotations
 
@@ -19,9 +19,18 @@ START_NAME = "megatron_rl_patches.start"
 CONTENTS = {
     PTH_NAME: (
         'import importlib.util; importlib.util.find_spec("megatron_rl_patches") and '
-        '__import__("megatron_rl_patches.patching.bootstrap").patching.bootstrap.run()\n'
+        '__import__("megatron_rl_patches.patching.startup.hook").patching.startup.hook.run()\n'
     ),
-    START_NAME: "megatron_rl_patches.patching.bootstrap:run\n",
+    START_NAME: "megatron_rl_patches.patching.startup.hook:run\n",
+}
+# What earlier releases wrote (the hook lived in patching.bootstrap, which still forwards to it):
+# ours too, so `startup install` replaces them and `startup remove` removes them.
+EARLIER_CONTENTS = {
+    PTH_NAME: (
+        'import importlib.util; importlib.util.find_spec("megatron_rl_patches") and '
+        '__import__("megatron_rl_patches.patching.bootstrap").patching.bootstrap.run()\n',
+    ),
+    START_NAME: ("megatron_rl_patches.patching.bootstrap:run\n",),
 }
 
 
@@ -31,14 +40,16 @@ class ForeignStartupFile(FileExistsError):
 
 @dataclass(frozen=True)
 class StartupFile:
-    """One start-up file in one site directory: present? ours?"""
+    """One start-up file in one site directory: present? ours (this release's or an earlier one's)?
+    current (this release's text)?"""
 
     path: str
     present: bool
     ours: bool
+    current: bool = False
 
     def as_dict(self) -> dict[str, object]:
-        return {"path": self.path, "present": self.present, "ours": self.ours}
+        return {"path": self.path, "present": self.present, "ours": self.ours, "current": self.current}
 
 
 def default_site_dir() -> str:
@@ -58,12 +69,12 @@ def site_dirs() -> list[str]:
     return list(seen.values())
 
 
-def _is_ours(path: str, name: str) -> bool:
+def _text(path: str) -> str | None:
     try:
         with open(path, encoding="utf-8") as handle:
-            return handle.read().strip() == CONTENTS[name].strip()
+            return handle.read().strip()
     except (OSError, UnicodeDecodeError):
-        return False
+        return None
 
 
 def inspect_dir(site_dir: str) -> list[StartupFile]:
@@ -72,7 +83,10 @@ def inspect_dir(site_dir: str) -> list[StartupFile]:
     for name in CONTENTS:
         path = os.path.join(site_dir, name)
         present = os.path.lexists(path)
-        found.append(StartupFile(path, present, present and _is_ours(path, name)))
+        text = _text(path) if present else None
+        current = text == CONTENTS[name].strip()
+        ours = current or text in {earlier.strip() for earlier in EARLIER_CONTENTS[name]}
+        found.append(StartupFile(path, present, present and ours, present and current))
     return found
 
 
@@ -106,7 +120,7 @@ def install(site_dir: str | None = None) -> list[tuple[str, str]]:
     _refuse_foreign(files, "overwrite")
     done = []
     for name, state in zip(CONTENTS, files):
-        if state.ours:
+        if state.current:
             done.append((state.path, "unchanged"))
             continue
         tmp = f"{state.path}.tmp{os.getpid()}"  # not *.pth: site never reads a half-written file
