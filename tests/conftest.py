@@ -157,7 +157,7 @@ REPO = Path(__file__).resolve().parents[1]
 # What a wheel is built from (a copy: pip writes egg-info and build/ into the tree it builds).
 WHEEL_SOURCES = ("setup.py", "setup.cfg", "pyproject.toml", "README.md", "LICENSE", "startup", "megatron_rl_patches")
 # Left in the copy's build/lib as an earlier build of an older tree would: none may ship.
-STALE_BUILD_FILES = ("megatron_rl_patches/cli.py", "megatron_rl_patches/_removed_module.py")
+STALE_BUILD_FILES = ("megatron_rl_patches/apps/cli.py", "megatron_rl_patches/_removed_module.py")
 
 
 def copy_source_tree(dest: Path) -> Path:

@@ -256,7 +256,7 @@ def padding_report() -> str:
     """docs/inference-only.md: the tiny model's grad-buffer lines with the distributed optimizer,
     overlap_grad_reduce and bucket_size=4000."""
     from megatron_rl_patches import training_state_bytes
-    from megatron_rl_patches.presentation import memory_report
+    from megatron_rl_patches.apps.presentation import memory_report
 
     with ExitStack() as stack:
         kit = megatron_world(stack)

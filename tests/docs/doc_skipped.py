@@ -41,7 +41,7 @@ def _has(module: str, name: str, where: str) -> None:
 
 
 def _shell_checks(text: str, where: str) -> list[Check]:
-    from megatron_rl_patches.cli import COMMANDS
+    from megatron_rl_patches.apps.cli import COMMANDS
     from megatron_rl_patches.integrations import all_patches
     from megatron_rl_patches.patching import env
 

@@ -102,7 +102,7 @@ def test_wheel_ships_the_startup_files(wheel):
         entry_points = archive.read(record.replace("RECORD", "entry_points.txt")).decode()
     assert {startup.PTH_NAME, startup.START_NAME} <= listed  # so pip uninstall removes them
     assert "megatron_rl_patches/py.typed" in names
-    assert "megatron-rl-patches = megatron_rl_patches.cli:main" in entry_points
+    assert "megatron-rl-patches = megatron_rl_patches.apps.cli:main" in entry_points
 
 
 def test_variable_set_patches_megatron_without_code(venv):
