@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megatron_rl_patches.patching.records import Patch, PatchStatus
+    from megatron_rl_patches.patching.records import Patch, PatchStatuses
     from megatron_rl_patches.patching.registry import Registry
 
 _default: Registry | None = None
@@ -34,7 +34,7 @@ def default_registry() -> Registry:
 
 
 def apply(only: Any = None, exclude: Any = None, strict: bool | None = None, allow_untested: bool | None = None,
-          *, environ: Any = None) -> list[PatchStatus]:
+          *, environ: Any = None) -> PatchStatuses:
     """Apply the selected patches (see :meth:`Registry.apply`): idempotent, additive. In a Ray
     driver, ray.init() then warns when its runtime_env would not carry the patches to the actors."""
     statuses = default_registry().apply(only, exclude, strict, allow_untested, environ=environ)
@@ -44,7 +44,7 @@ def apply(only: Any = None, exclude: Any = None, strict: bool | None = None, all
     return statuses
 
 
-def revert(only: Any = None) -> list[PatchStatus]:
+def revert(only: Any = None) -> PatchStatuses:
     """Remove the patches (all, or those named), restoring the originals exactly. Idempotent."""
     statuses = default_registry().revert(only)
     if only is None:
@@ -54,7 +54,8 @@ def revert(only: Any = None) -> list[PatchStatus]:
     return statuses
 
 
-def applied() -> list[PatchStatus]:
-    """One status per (patch, target): applied / pending / skipped / failed, with a reason."""
+def applied() -> PatchStatuses:
+    """One status per (patch, target): applied / pending / skipped / failed, with a reason; printed,
+    one line per patch."""
     return default_registry().applied()
 
