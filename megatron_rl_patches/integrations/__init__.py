@@ -56,6 +56,9 @@ def revert(only: Any = None) -> PatchStatuses:
 
 def applied() -> PatchStatuses:
     """One status per (patch, target): applied / pending / skipped / failed, with a reason; printed,
-    one line per patch."""
+    one line per patch. Warns once when MEGATRON_RL_PATCHES is set but start-up patching did not run."""
+    from megatron_rl_patches.patching import bootstrap
+
+    bootstrap.warn_if_not_run()
     return default_registry().applied()
 
