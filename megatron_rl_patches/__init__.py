@@ -7,6 +7,7 @@ a public name that needs them is first used.
 from __future__ import annotations
 
 from megatron_rl_patches._lazy import lazy_getattr
+from megatron_rl_patches.patching.bootstrap import warn_on_first_import
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,10 @@ __all__ = sorted([*_LAZY, "__version__"])
 
 
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())
+
+# MEGATRON_RL_PATCHES set where the start-up hook never ran (an editable install): say so once.
+warn_on_first_import()
+del warn_on_first_import
 
 
 def __dir__() -> list[str]:

@@ -9,16 +9,12 @@ if TYPE_CHECKING:
 
 
 def human_bytes(count: float) -> str:
-    """Decimal units (1 GB = 1e9 B), as the issue's 432 GB figure uses."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    """Binary units (1 KiB = 1024 B, 1 GiB = 2**30 B): the one unit system of every byte count the
+    package prints (demo, CLI, benchmarks, docs)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(count) >= scale:
             return f"{count / scale:,.2f} {unit}"
     return f"{int(count):,} B"
-
-
-def mib(count: float) -> str:
-    """Binary mebibytes with three decimals (the demo's tiny models)."""
-    return f"{count / 2**20:.3f} MiB"
 
 
 def cell(value: Any) -> str:

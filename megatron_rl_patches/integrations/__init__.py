@@ -11,7 +11,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megatron_rl_patches.patching.records import Patch, PatchStatus
+    from megatron_rl_patches.patching.records import Patch, PatchStatuses
     from megatron_rl_patches.patching.registry import Registry
 
 _default: Registry | None = None
@@ -37,7 +37,7 @@ def default_registry() -> Registry:
 
 
 def apply(only: Any = None, exclude: Any = None, strict: bool | None = None, allow_untested: bool | None = None,
-          *, environ: Any = None) -> list[PatchStatus]:
+          *, environ: Any = None) -> PatchStatuses:
     """Apply the selected patches (see :meth:`Registry.apply`): idempotent, additive. In a Ray
     driver, ray.init() then warns when its runtime_env would not carry the patches to the actors."""
     statuses = default_registry().apply(only, exclude, strict, allow_untested, environ=environ)
@@ -47,7 +47,7 @@ def apply(only: Any = None, exclude: Any = None, strict: bool | None = None, all
     return statuses
 
 
-def revert(only: Any = None) -> list[PatchStatus]:
+def revert(only: Any = None) -> PatchStatuses:
     """Remove the patches (all, or those named), restoring the originals exactly. Idempotent."""
     statuses = default_registry().revert(only)
     if only is None:
@@ -57,7 +57,11 @@ def revert(only: Any = None) -> list[PatchStatus]:
     return statuses
 
 
-def applied() -> list[PatchStatus]:
-    """One status per (patch, target): applied / pending / skipped / failed, with a reason."""
+def applied() -> PatchStatuses:
+    """One status per (patch, target): applied / pending / skipped / failed, with a reason; printed,
+    one line per patch. Warns once when MEGATRON_RL_PATCHES is set but start-up patching did not run."""
+    from megatron_rl_patches.patching import bootstrap
+
+    bootstrap.warn_if_not_run()
     return default_registry().applied()
 

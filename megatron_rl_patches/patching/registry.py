@@ -42,6 +42,7 @@ from megatron_rl_patches.patching.records import (  # noqa: F401 - re-exported: 
     PatchError,
     PatchSignatureMismatch,
     PatchStatus,
+    PatchStatuses,
     PatchTargetMissing,
     PatchVersionUnsupported,
 )
@@ -195,11 +196,11 @@ class Registry:
         with self._lock:
             return [slot.patch for slot in self._catalog().values()]
 
-    def applied(self) -> list[PatchStatus]:
+    def applied(self) -> PatchStatuses:
         """The real state of every (patch, target): applied / pending / skipped / failed."""
         with self._lock:
             self._retry_deferred()
-            return [slot.as_status() for slot in self._catalog().values()]
+            return PatchStatuses(slot.as_status() for slot in self._catalog().values())
 
     def entries(self) -> list[tuple[Patch, PatchStatus]]:
         """Every record with its current status, in declaration order (for `list`)."""
@@ -216,7 +217,7 @@ class Registry:
         allow_untested: bool | None = None,
         *,
         environ: Mapping[str, str] | None = None,
-    ) -> list[PatchStatus]:
+    ) -> PatchStatuses:
         """Apply the selected patches (idempotent, additive); returns the statuses of those selected.
 
         With no arguments: the names MEGATRON_RL_PATCHES lists, else every patch, less
@@ -257,9 +258,9 @@ class Registry:
                     errors.append(exc)
             if errors:
                 raise errors[0]
-            return [slot.as_status() for slot in slots]
+            return PatchStatuses(slot.as_status() for slot in slots)
 
-    def revert(self, only: str | Sequence[str] | None = None) -> list[PatchStatus]:
+    def revert(self, only: str | Sequence[str] | None = None) -> PatchStatuses:
         """Remove the patches (all, or those named), restoring the original objects. Idempotent."""
         with self._lock:
             names = set(env.resolve_selection(self.patch_names(), only, environ={})) if only is not None else None
@@ -277,7 +278,7 @@ class Registry:
                     slot.handle = slot.owner = None
                 if in_play:
                     slot.set(SKIPPED, reason, REVERTED)
-            return [slot.as_status() for slot in slots]
+            return PatchStatuses(slot.as_status() for slot in slots)
 
     def reset(self) -> None:
         """Revert everything and forget statuses and hooks' pending work (test isolation)."""

@@ -24,7 +24,7 @@ from megatron_rl_patches.apps.presentation import dict_cells, markdown_table
 
 QUICK = {"shapes": [(256, 2048)], "hidden": 64, "runs": 1}
 FULL = {"shapes": [(1024, 32000), (4096, 32000), (16384, 32000)], "hidden": 1024, "runs": 3}
-# At the largest shape only the fused op and the logits path run (naive needs ~4.8 U = 10 GB and
+# At the largest shape only the fused op and the logits path run (naive needs ~4.8 U = 9.4 GiB and
 # minutes per run on one thread; its ratio is already clear at the smaller shapes).
 SKIP_NAIVE_FROM_T = 16384
 IMPLS = (("naive autograd", "naive"), ("logits path", "logits"), ("ours (fused)", "fused"))

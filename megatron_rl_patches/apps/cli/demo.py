@@ -21,7 +21,7 @@ PLAIN_ROLLOUTS_IN_BOTH = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from megatron_rl_patches.apps.demo.loop import DemoConfig
+    from megatron_rl_patches.apps.demo.config import DemoConfig
 
     defaults = DemoConfig()
     parser.add_argument("--rollouts", type=int, default=defaults.rollouts, help="train() calls (>= 1)")
@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl_patches.apps.demo.loop import DemoConfig
+    from megatron_rl_patches.apps.demo.config import DemoConfig
 
     overrides = {f.name: getattr(args, f.name) for f in fields(DemoConfig) if hasattr(args, f.name)}
     cfg = DemoConfig(**overrides)

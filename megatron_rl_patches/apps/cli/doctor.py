@@ -119,8 +119,10 @@ def _startup_section(environment: dict[str, Any]) -> tuple[dict[str, Any], bool 
     if environment["enabled_at_startup"] and not pth_installed:
         problems.append(
             f"{env.SELECT} is set but no start-up file is installed in this interpreter's site "
-            f"directories, so nothing applies without code; run `{PROG} startup install`"
+            f"directories, so nothing applies without code"
             + (" (editable installs do not get it from pip)" if editable else "")
+            + f"; start the job with the launcher `{PROG} run -- COMMAND ...` (any install, writes "
+            f"nothing), or run `{PROG} startup install` once to add the start-up file here"
         )
     section = {
         "pth_installed": pth_installed,

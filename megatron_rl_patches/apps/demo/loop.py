@@ -1,4 +1,4 @@
-"""The demo's RL loop, shared by both routes: the configuration, a Megatron-style train() written
+"""The demo's RL loop, shared by both routes: a Megatron-style train() written
 for one call per job, on-policy sampling and the reward baseline. What differs between running
 with and without the package (builds, scoring, loss) is in `package_route` and `plain_route`."""
 from __future__ import annotations
@@ -9,31 +9,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from megatron_rl_patches.apps.demo.config import DemoConfig  # noqa: F401 - the loop's configuration, re-exported
 from megatron_rl_patches.testing import megatron_cpu as kit
 
 ACTOR_DDP_FLAGS = dict(overlap_grad_reduce=True, use_distributed_optimizer=True, overlap_param_gather=True)
-
-
-@dataclass
-class DemoConfig:
-    rollouts: int = 4
-    steps: int = 2  # optimizer steps per rollout
-    microbatches: int = 2
-    micro_batch_size: int = 4
-    prompt_length: int = 4
-    seq_length: int = 16
-    vocab_size: int = 64
-    teachers: int = 2
-    topk: int = 8
-    ids_from: str = "teacher"  # whose top-k ids the OPD buckets use: "teacher" (the first), "student" or "union"
-    opd_coef: float = 1.0
-    pg_coef: float = 0.1
-    temperature: float = 1.0
-    lr: float = 1.0
-    device: str = "cpu"  # "cuda" when the session runs on a GPU
-    teacher_init_std: float = 0.3
-    tile_rows: int = 16  # rows per logits tile of the fused ops (real sizes: their default, 1024)
-    seed: int = 0
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The demo's summary as text: what ran, what crashed, what the package did, what it saves."""
 from __future__ import annotations
 
-from megatron_rl_patches.apps.presentation import human_bytes, mib, text_table
+from megatron_rl_patches.apps.presentation import human_bytes, text_table
 
 
 def _header(summary: dict) -> list[str]:
@@ -43,48 +43,59 @@ def _error(summary: dict) -> list[str]:
     return lines
 
 
+def _trainable_build(t: dict) -> str:
+    """What one trainable build of a teacher allocates beyond its weights, measured, with the formula."""
+    per = t["trainable_build_bytes_per_teacher"]
+    total = per["grad_buffer"] + per["optimizer_state"]
+    formula = t["formula_bytes_per_teacher"]
+    agrees = "the `memory` formula gives the same" if formula == total else f"the `memory` formula: {human_bytes(formula)}"
+    return (f"  one trainable build, measured (megatron-core DDP + Adam): {human_bytes(per['grad_buffer'])} grad "
+            f"buffer + {human_bytes(per['optimizer_state'])} Adam m and v = {human_bytes(total)} ({agrees})")
+
+
 def _memory(summary: dict) -> list[str]:
     cfg, t = summary["config"], summary["teachers"]
-    per = t["trainable_build_bytes_per_teacher"]
-    trainable = (f"a trainable build holds {mib(per['grad_buffer'])} grad buffer + {mib(per['optimizer_state'])} "
-                 f"Adam state each (formula {mib(t['formula_bytes_per_teacher'])})")
+    models = f"{t['count']} teachers of {t['params_per_teacher']:,} parameters each"
     if summary["patches"]:
-        lines = [f"teachers ({t['count']} x {t['params_per_teacher']:,} params, inference-only): hold "
-                 f"{mib(t['allocated_bytes'])} of grads; {trainable}; saved {mib(t['saved_bytes'])}"]
+        lines = [f"{models}, built inference-only: grads and optimizer state they hold: "
+                 f"{human_bytes(t['allocated_bytes'])}", _trainable_build(t),
+                 f"  saved by the {t['count']} inference-only builds: {human_bytes(t['saved_bytes'])}"]
     else:
-        lines = [f"teachers ({t['count']} x {t['params_per_teacher']:,} params, trainable builds in DDP): hold "
-                 f"{mib(t['allocated_bytes'])} of grad buffers, and an optimizer would add its state; {trainable}"]
+        lines = [f"{models}, built trainable in DDP: grad buffers they hold: {human_bytes(t['allocated_bytes'])} "
+                 "(an optimizer would add its state)", _trainable_build(t)]
     logits, watch = summary["logits_bytes_per_microbatch"], summary["vocab_wide_tensors"]
     tokens = cfg["micro_batch_size"] * cfg["seq_length"]
     shape = "x".join(map(str, watch["largest_shape"])) or "none"
+    sizes = f"T = {tokens} tokens per micro-batch, V = {cfg['vocab_size']}, fp32"
+    forwards = (f"{human_bytes(logits['one_forward'])} per forward x {2 + cfg['teachers']} forwards (the actor's "
+                f"training and old-policy forwards, one per teacher) = {human_bytes(logits['total'])} per micro-batch")
     if summary["patches"]:
-        lines.append(
-            f"[T, V] logits never allocated per micro-batch (T = {tokens}, V = {cfg['vocab_size']}, fp32): "
-            f"actor {mib(logits['actor'])} (training and old-policy forwards), teachers "
-            f"{mib(logits['teachers'])}; largest vocab-wide tensor allocated while scoring and training: "
-            f"[{shape}] ({mib(watch['largest_bytes'])}, a logits tile of {cfg['tile_rows']} rows)")
+        lines.append(f"[T, V] logits never allocated ({sizes}): {forwards}")
+        lines.append(f"  largest vocab-wide tensor allocated while scoring and training: a [{shape}] logits tile "
+                     f"of {cfg['tile_rows']} rows, {human_bytes(watch['largest_bytes'])}")
     else:
-        lines.append(
-            f"[T, V] logits allocated while scoring and training: {mib(logits['total'])} per micro-batch "
-            f"(T = {tokens}, V = {cfg['vocab_size']}, fp32: the actor's two forwards and each teacher's); "
-            f"largest vocab-wide tensor [{shape}] ({mib(watch['largest_bytes'])})")
+        lines.append(f"[T, V] logits allocated ({sizes}): {forwards}")
     return lines
 
 
 def _real_models(summary: dict) -> list[str]:
     real = summary["real_models"]
     n = summary["config"]["teachers"]
-    rows = [[r["model"], str(r["dp"]), "yes" if r["distributed_optimizer"] else "no",
+    rows = [[r["model"], f"{r['params']:,}", str(r["dp"]), "yes" if r["distributed_optimizer"] else "no",
              human_bytes(r["per_teacher_bytes"]), human_bytes(r["saved_bytes"])] for r in real["teachers"]]
-    lines = [text_table(("model", "DP", "dist. opt.", "per teacher", f"{n} teachers"), rows,
-                        title="at real size, per GPU: training state inference-only teachers do not hold "
-                              "(bf16 weights, fp32 grads, Adam; `megatron-rl-patches memory`)")]
+    lines = [text_table(("model", "parameters", "DP", "dist. opt.", "per teacher", f"{n} teachers"), rows,
+                        title="at real size, per GPU: training state inference-only teachers do not hold (fp32 "
+                              "grads, fp32 main params, Adam m and v; bf16 weights not counted; "
+                              "`megatron-rl-patches memory`)")]
+    first = real["logits"][0]
     rows = [[r["model"], f"{r['vocab']:,} ({r['vocab_from']})", human_bytes(r["actor_logits_bytes"]),
              human_bytes(r["teacher_logits_bytes"]), human_bytes(r["fused_bytes_per_model"])] for r in real["logits"]]
-    tokens = real["logits"][0]["tokens"]
-    lines.append(text_table(("model", "V", "actor logits", f"{n} teachers' logits", "fused, per model"), rows,
-                            title=f"at real size, per micro-batch of {tokens:,} tokens (TP = 1): bf16 [T, V] "
-                                  "logits the fused processors never allocate"))
+    lines.append(text_table(
+        ("model", "V (vocabulary of)", "actor logits", f"{n} teachers' logits", "fused outputs, per model"), rows,
+        title=f"at real size, per micro-batch of {first['tokens']:,} tokens per GPU (TP = 1): the bf16 [T, V] logits "
+              "the fused processors never allocate, and what they keep instead"))
+    lines.append(f"  fused outputs: T x (k+1) fp32 values per model, the top-{first['topk']} log-probs and the "
+                 "tail of each token (the same for any V)")
     return lines
 
 

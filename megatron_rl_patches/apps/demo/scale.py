@@ -25,6 +25,7 @@ REAL_MODELS = (
 LAYOUTS = ((1, False), (8, True))
 TOKENS_PER_MICROBATCH = 16_384  # per rank, tensor parallelism 1
 LOGITS_BYTES = 2  # bf16
+FUSED_BYTES = 4  # fp32 top-k bucket log-probs and tail
 
 
 def teacher_rows(teachers: int) -> list[dict[str, Any]]:
@@ -35,7 +36,7 @@ def teacher_rows(teachers: int) -> list[dict[str, Any]]:
         for dp, distributed in LAYOUTS:
             state = training_state_bytes(model.params, dp=dp, distributed_optimizer=distributed,
                                          param_dtype="bf16", grad_dtype="fp32")
-            rows.append({"model": model.name, "dp": dp, "distributed_optimizer": distributed,
+            rows.append({"model": model.name, "params": model.params, "dp": dp, "distributed_optimizer": distributed,
                          "per_teacher_bytes": state.total, "saved_bytes": teachers * state.total})
     return rows
 
@@ -46,7 +47,7 @@ def logits_rows(teachers: int, topk: int, tokens: int = TOKENS_PER_MICROBATCH) -
     rows = []
     for model in REAL_MODELS:
         one = tokens * model.vocab * LOGITS_BYTES
-        rows.append({"model": model.name, "vocab": model.vocab, "vocab_from": model.vocab_from, "tokens": tokens,
+        rows.append({"model": model.name, "params": model.params, "vocab": model.vocab, "vocab_from": model.vocab_from, "tokens": tokens,
                      "actor_logits_bytes": one, "teacher_logits_bytes": teachers * one,
-                     "fused_bytes_per_model": tokens * (topk + 1) * 4})
+                     "topk": topk, "fused_bytes_per_model": tokens * (topk + 1) * FUSED_BYTES})
     return rows

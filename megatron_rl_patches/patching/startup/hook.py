@@ -18,6 +18,59 @@ def has_run() -> bool:
     return _done
 
 
+# Imports that are about to run the hook (the .pth line, the launcher's sitecustomize, a script
+# calling run()) or are the CLI (whose `doctor` reports it, and whose `run` is the fix): silent.
+_SILENT_IMPORTS = ("megatron_rl_patches.patching", "megatron_rl_patches.apps",
+                   "megatron_rl_patches.__main__")
+
+
+def not_run_notice() -> str | None:
+    """Why MEGATRON_RL_PATCHES does nothing in this process: it is set, but the start-up hook did
+    not run (an editable install has no start-up file). None when that is not the case."""
+    from megatron_rl_patches.patching import env
+
+    try:
+        if _done or not env.is_enabled():
+            return None
+    except TypeError:
+        return None
+    value = env._cut(str(env._get(None, env.SELECT)))
+    return (
+        f"{env.SELECT}={value!r} is set but start-up patching did not run in this process (no start-up "
+        f"file: an editable install has none), so the variable alone patches nothing; start the job "
+        f"with the launcher `megatron-rl-patches run -- COMMAND ...` (any install, writes nothing), or "
+        f"run `megatron-rl-patches startup install` once to add the start-up file to this environment"
+    )
+
+
+def warn_if_not_run() -> None:
+    """One warning (rank 0, once per process) when :func:`not_run_notice` has something to say."""
+    notice = not_run_notice()
+    if notice is not None:
+        from megatron_rl_patches._log import warn_once
+
+        warn_once(notice)
+
+
+def warn_on_first_import() -> None:
+    """:func:`warn_if_not_run` for the package's first import, unless that import is one of
+    _SILENT_IMPORTS or `python -m megatron_rl_patches` (read from the import system's and
+    runpy's frames: the name being imported or run)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code, names = frame.f_code.co_name, frame.f_locals
+        if code == "_find_and_load" and _silent(str(names.get("name", ""))):
+            return
+        if code == "_run_module_as_main" and names.get("mod_name") == "megatron_rl_patches":  # the CLI
+            return
+        frame = frame.f_back
+    warn_if_not_run()
+
+
+def _silent(name: str) -> bool:
+    return any(name == silent or name.startswith(f"{silent}.") for silent in _SILENT_IMPORTS)
+
+
 _LINE_LIMIT = 2000  # characters of one start-up message
 
 

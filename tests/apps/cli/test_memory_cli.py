@@ -20,7 +20,7 @@ def test_default_table_matches_the_issue(capsys):
     assert code == 0 and err == ""
     assert "27,000,000,000 parameters, bf16 weights, fp32 grads, DP=1" in out
     total = next(line for line in out.splitlines() if line.startswith("total beyond the weights"))
-    assert total.split()[-6:] == ["432.00", "GB", "0", "B", "432.00", "GB"]
+    assert total.split()[-6:] == ["402.33", "GiB", "0", "B", "402.33", "GiB"]  # 432e9 B
     per_param = next(line for line in out.splitlines() if line.startswith("bytes per parameter"))
     assert per_param.split()[-3:] == ["16.00", "0.00", "16.00"]
 

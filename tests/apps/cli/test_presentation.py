@@ -17,10 +17,10 @@ REPO = Path(__file__).resolve().parents[3]
 
 def test_memory_report_table():
     text = memory_report(training_state_bytes(27e9))
-    assert "432.00 GB" in text and "inference-only" in text
+    assert "402.33 GiB" in text and "inference-only" in text
     lines = text.splitlines()
     total = next(line for line in lines if line.startswith("total beyond the weights"))
-    assert total.split()[-6:] == ["432.00", "GB", "0", "B", "432.00", "GB"]
+    assert total.split()[-6:] == ["402.33", "GiB", "0", "B", "402.33", "GiB"]  # 432e9 B
     per_param = next(line for line in lines if line.startswith("bytes per parameter"))
     assert per_param.split()[-3:] == ["16.00", "0.00", "16.00"]
 
@@ -31,9 +31,11 @@ def test_docs_show_the_memory_report_as_printed():
     assert printed in page
 
 
-def test_human_bytes_uses_decimal_units():
-    assert human_bytes(432e9) == "432.00 GB"
-    assert human_bytes(1.5e12) == "1.50 TB"
+def test_human_bytes_uses_binary_units():
+    assert human_bytes(432e9) == "402.33 GiB"
+    assert human_bytes(1.5 * 2**40) == "1.50 TiB"
+    assert human_bytes(123_392) == "120.50 KiB"
+    assert human_bytes(2**20) == "1.00 MiB"
     assert human_bytes(999) == "999 B"
     assert human_bytes(0) == "0 B"
 
@@ -51,7 +53,7 @@ def test_docs_show_the_generated_tables():
     for dtype in ("bf16", "fp32"):
         block = page.split(f"<!-- memory-table:{dtype} -->\n", 1)[1].split("<!-- /memory-table -->", 1)[0]
         assert block.strip() == memory_markdown_table(docs_memory_reports(dtype))
-    assert "| 27B | 1 | no | 54.00 GB | 108.00 GB | 108.00 GB | 108.00 GB | 108.00 GB | **432.00 GB**" in page
+    assert "| 27B | 1 | no | 50.29 GiB | 100.58 GiB | 100.58 GiB | 100.58 GiB | 100.58 GiB | **402.33 GiB**" in page
     assert "memory_markdown_table(docs_memory_reports())` in `megatron_rl_patches.apps.presentation`" in page.replace("\n", " ")
 
 
