@@ -7,7 +7,7 @@ a public name that needs them is first used.
 from __future__ import annotations
 
 from megatron_rl_patches._lazy import lazy_getattr
-from megatron_rl_patches.patching.bootstrap import warn_on_first_import
+from megatron_rl_patches.patching.startup.hook import warn_on_first_import
 
 __version__ = "0.1.0"
 

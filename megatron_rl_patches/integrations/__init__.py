@@ -60,8 +60,8 @@ def revert(only: Any = None) -> PatchStatuses:
 def applied() -> PatchStatuses:
     """One status per (patch, target): applied / pending / skipped / failed, with a reason; printed,
     one line per patch. Warns once when MEGATRON_RL_PATCHES is set but start-up patching did not run."""
-    from megatron_rl_patches.patching import bootstrap
+    from megatron_rl_patches.patching.startup import hook
 
-    bootstrap.warn_if_not_run()
+    hook.warn_if_not_run()
     return default_registry().applied()
 

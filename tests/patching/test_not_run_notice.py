@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from megatron_rl_patches.patching import startup
+from megatron_rl_patches.patching.startup import files as startup
 
 NOTICE = "start-up patching did not run"
 FIXES = ("megatron-rl-patches run -- ", "megatron-rl-patches startup install")
 CHILD = ("import megatron_rl_patches as m, json, sys; s = m.applied(); m.applied(); "
-         "print(json.dumps([sys.modules['megatron_rl_patches.patching.bootstrap'].has_run(), "
+         "print(json.dumps([sys.modules['megatron_rl_patches.patching.startup.hook'].has_run(), "
          "sorted({x.code for x in s})]))")
 
 

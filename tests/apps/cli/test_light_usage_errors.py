@@ -9,7 +9,7 @@ import sys
 import textwrap
 import time
 
-from megatron_rl_patches import cli
+from megatron_rl_patches.apps import cli
 
 HEAVY = ("torch", "megatron", "numpy", "triton")
 
