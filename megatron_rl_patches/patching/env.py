@@ -20,7 +20,6 @@ VARIABLES = (SELECT, DISABLE, STRICT, INFERENCE_ROLES, ALLOW_UNTESTED, BACKEND)
 
 BACKENDS = ("torch", "triton")
 
-DEFAULT_INFERENCE_ROLES = ("prm_teacher", "teacher")
 _OFF = {"", "0", "false", "no", "off", "none"}
 _ALL = {"1", "all", "true", "yes", "on"}
 # The yes/no variables (STRICT, ALLOW_UNTESTED) accept exactly these; anything else is an error.
@@ -113,10 +112,11 @@ def allows_untested(environ: Mapping[str, str] | None = None) -> bool:
     return _flag(environ, ALLOW_UNTESTED)
 
 
-def inference_roles(environ: Mapping[str, str] | None = None) -> list[str]:
-    """Roles built inference-only; unset means the default teacher roles, '' means none."""
+def role_names(environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """The role names MEGATRON_RL_PATCHES_INFERENCE_ROLES lists ('' means none); None when unset
+    (the integration that reads it has its default roles)."""
     value = _get(environ, INFERENCE_ROLES)
-    return list(DEFAULT_INFERENCE_ROLES) if value is None else split_names(value)
+    return None if value is None else split_names(value)
 
 
 def backend(environ: Mapping[str, str] | None = None) -> str | None:
@@ -128,18 +128,19 @@ def backend(environ: Mapping[str, str] | None = None) -> str | None:
     raise ValueError(f"{BACKEND}={_cut(value)!r} is not a backend: use {' or '.join(BACKENDS)}, or unset it")
 
 
-def checked_inference_roles(environ: Mapping[str, str] | None = None) -> list[str]:
-    """:func:`inference_roles`, refusing a value that names no role or a name that is not an
-    identifier (ValueError naming the variable); '' still means none."""
+def checked_role_names(environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """:func:`role_names`, refusing a value that names no role or a name that is not an
+    identifier (ValueError naming the variable); '' still means none. Syntax only: which roles
+    exist is the framework's business."""
     value = _get(environ, INFERENCE_ROLES)
-    roles = inference_roles(environ)
-    if value is not None and value and not roles:
-        raise ValueError(f"{INFERENCE_ROLES}={_cut(value)!r} names no role: list role names (e.g. "
-                         f"{','.join(DEFAULT_INFERENCE_ROLES)}), set it to \"\" for none, or unset it for the default")
-    bad = [role for role in roles if not role.isidentifier()]
+    roles = role_names(environ)
+    if value and not roles:
+        raise ValueError(f"{INFERENCE_ROLES}={_cut(value)!r} names no role: list role names (comma-separated), "
+                         f"set it to \"\" for none, or unset it for the default")
+    bad = [role for role in roles or () if not role.isidentifier()]
     if bad:
         raise ValueError(f"{INFERENCE_ROLES}={_cut(value or '')!r}: {_cut(bad[0])!r} is not a role name; role names "
-                         f"are identifiers (letters, digits, '_'), comma-separated, e.g. {','.join(DEFAULT_INFERENCE_ROLES)}")
+                         f"are identifiers (letters, digits, '_'), comma-separated")
     return roles
 
 
@@ -200,7 +201,7 @@ def check(known: Sequence[str], environ: Mapping[str, str] | None = None) -> lis
     is_strict(environ)
     allows_untested(environ)
     backend(environ)
-    checked_inference_roles(environ)
+    checked_role_names(environ)
     if not chosen:
         raise ValueError(f"{DISABLE}={_cut(disabled)!r} leaves out every patch selected: nothing would be "
                          f"applied; unset it or select other patches")
@@ -229,7 +230,7 @@ def summary(environ: Mapping[str, str] | None = None) -> dict[str, object]:
         "disabled": disabled_names(env),
         "strict": read(is_strict),
         "allow_untested": read(allows_untested),
-        "inference_roles": inference_roles(env),
+        "inference_roles": role_names(env),  # None: unset (the framework's default roles)
         "backend": read(backend),
         "errors": errors,
     }

@@ -94,10 +94,10 @@ def test_strict_variable(value, strict):
     assert env.is_strict({} if value is None else {env.STRICT: value}) is strict
 
 
-def test_inference_roles_default_empty_and_list():
-    assert env.inference_roles({}) == ["prm_teacher", "teacher"]
-    assert env.inference_roles({env.INFERENCE_ROLES: ""}) == []
-    assert env.inference_roles({env.INFERENCE_ROLES: "ref, teacher"}) == ["ref", "teacher"]
+def test_role_names_unset_empty_and_list():
+    assert env.role_names({}) is None  # the framework's default roles (slime's: tests/integrations)
+    assert env.role_names({env.INFERENCE_ROLES: ""}) == []
+    assert env.role_names({env.INFERENCE_ROLES: "ref, teacher"}) == ["ref", "teacher"]
 
 
 def test_summary_reports_raw_and_parsed_values():
