@@ -155,13 +155,14 @@ def _check_known(source: str, names: Sequence[str], known: Sequence[str]) -> Non
         raise ValueError(f"unknown patch name(s) {shown}{more} in {source}; valid names: {', '.join(known)}")
 
 
-def resolve_selection(
+def selection(
     known: Sequence[str],
     only: str | Sequence[str] | None = None,
     exclude: str | Sequence[str] | None = None,
     environ: Mapping[str, str] | None = None,
-) -> list[str]:
-    """The patch names to apply, in `known` order.
+) -> dict[str, str | None]:
+    """Each name of `known`, in order, with its fate: None when selected, else why not — "" when
+    nothing asked for it, "disabled by ..." when `exclude` or MEGATRON_RL_PATCHES_DISABLE removed it.
 
     `only` beats MEGATRON_RL_PATCHES, which beats "every patch"; MEGATRON_RL_PATCHES_DISABLE
     drops names unless `only` is given; `exclude` always drops. Unknown names in whatever is
@@ -170,10 +171,11 @@ def resolve_selection(
     """
     only_names = split_names(only) if only is not None else None
     exclude_names = split_names(exclude)
+    disabled: list[str] = []
     if only_names is not None:
         _check_known("only=", only_names, known)
         _check_known("exclude=", exclude_names, known)
-        chosen = set(only_names)
+        asked = set(only_names)
     else:
         env_names = selected_names(environ)
         disabled = disabled_names(environ)
@@ -181,9 +183,26 @@ def resolve_selection(
             _check_known(SELECT, env_names, known)
         _check_known(DISABLE, disabled, known)
         _check_known("exclude=", exclude_names, known)
-        chosen = set(known if env_names is None else env_names) - set(disabled)
-    chosen -= set(exclude_names)
-    return [name for name in dict.fromkeys(known) if name in chosen]
+        asked = set(known if env_names is None else env_names)
+    fates: dict[str, str | None] = {}
+    for name in dict.fromkeys(known):
+        if name in exclude_names:
+            fates[name] = "disabled by exclude="
+        elif name in disabled:
+            fates[name] = f"disabled by {DISABLE}"
+        else:
+            fates[name] = None if name in asked else ""
+    return fates
+
+
+def resolve_selection(
+    known: Sequence[str],
+    only: str | Sequence[str] | None = None,
+    exclude: str | Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> list[str]:
+    """The patch names to apply, in `known` order (see :func:`selection`)."""
+    return [name for name, fate in selection(known, only, exclude, environ).items() if fate is None]
 
 
 def check(known: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:

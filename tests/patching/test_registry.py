@@ -13,6 +13,7 @@ import wrapt
 
 from megatron_rl_patches.patching import registry
 from megatron_rl_patches.patching.registry import Patch, Registry
+from megatron_rl_patches.patching.wrappers import patch_key
 
 
 class _Current:
@@ -83,10 +84,7 @@ def catalog(monkeypatch):
 
 
 def our_layers(obj) -> int:
-    return sum(
-        getattr(getattr(entry, "_self_wrapper", None), "__mrp_key__", None) is not None
-        for entry in wrapt.wrapper_chain(obj)
-    )
+    return sum(patch_key(entry) is not None for entry in wrapt.wrapper_chain(obj))
 
 
 def statuses() -> dict[str, tuple[str, str]]:
@@ -301,3 +299,39 @@ def test_apply_rejects_arguments_of_the_wrong_type(catalog):
         reg.apply(strict="no")
     with pytest.raises(TypeError, match="patch names"):
         reg.apply(only=123)
+
+
+def test_revert_after_the_attribute_was_replaced_leaves_the_replacement(standin, catalog):
+    module = importlib.import_module(standin)
+    spy = Spy()
+    catalog(Patch("train_reentry", f"{standin}:train", spy, "d", requires=None))
+    reg.apply()
+    captured = module.train
+
+    def replacement(*args, **kwargs):  # put there wholesale, with no link to ours (wrapt: not found)
+        return ("replacement", args)
+
+    module.train = replacement
+    assert [(s.status, s.reason) for s in reg.revert()] == [("skipped", "reverted")]
+    assert module.train is replacement and captured(1, None, None) == ("original", 1)
+    assert spy.calls == []
+
+
+def test_a_target_lookup_that_raises_is_a_failed_status_not_a_broken_import(tmp_path, monkeypatch, catalog):
+    """A module-level __getattr__ raising something other than AttributeError is no missing target
+    (wrapt's PathResolutionError): the record fails, the import goes on; strict raises."""
+    name = f"standin_mod_{next(_counter)}"
+    (tmp_path / f"{name}.py").write_text("def __getattr__(name):\n    raise RuntimeError(f'lazy {name} broke')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    catalog(Patch("train_reentry", f"{name}:train", Spy(), "d", requires=None))
+    try:
+        reg.apply()
+        importlib.import_module(name)
+        status, reason = statuses()[f"{name}:train"]
+        assert status == "failed" and reason == "RuntimeError: lazy train broke"
+        reg.reset()
+        with pytest.raises(registry.PatchError, match="'train_reentry' failed on") as caught:
+            reg.apply(strict=True)  # the module is imported: installed (and raised) at once
+        assert isinstance(caught.value.__cause__, RuntimeError)
+    finally:
+        sys.modules.pop(name, None)
