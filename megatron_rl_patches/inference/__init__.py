@@ -1,6 +1,7 @@
 """Inference-only builds for frozen roles (teacher, reference, PRM teacher): model chunks with no
-DDP wrapper, grad buffer or optimizer, weights-only loading, forward-only passes, the
-`inference_roles` patch, and the training-state memory report.
+DDP wrapper, grad buffer or optimizer, weights-only loading, forward-only passes and the
+training-state memory report (slime's `inference_roles` patch uses them:
+`megatron_rl_patches.integrations.slime_roles`).
 
 Names resolve lazily: `megatron-rl-patches memory` imports the memory report without torch.
 """
@@ -20,7 +21,6 @@ _LAZY = {
     "token_log_probs": "forward",
     "training_state_bytes": "memory",
     "TrainingStateBytes": "memory",
-    "initialize_model_and_optimizer_wrapper": "roles",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,9 +1,9 @@
 """Which target gets which wrapper, per framework, and the default registry built from them.
 
-Each framework module declares its records and owns their wrappers (named as "module:function"
-strings, resolved when the target module is imported). Importing this package imports nothing
-heavy: the registry is built on first use. `apply`, `revert` and `applied` here are the
-package's public ones.
+Each framework module declares its records (module-level tuples, named in RECORDS) and owns
+their wrappers (named as "module:function" strings, resolved when the target module is
+imported). Importing this package imports nothing heavy: the registry is built on first use.
+`apply`, `revert` and `applied` here are the package's public ones.
 """
 from __future__ import annotations
 
@@ -18,11 +18,24 @@ _default: Registry | None = None
 _building = threading.Lock()
 
 
-def all_patches() -> list[Patch]:
-    from megatron_rl_patches.integrations import megatron_core, megatron_lm, slime
+# Every integration's records, one row per record list: "module:attribute" below this package,
+# the way entry points name them. A new framework is one new module and one row here. Rows are in
+# listing order: a patch name is listed where it first appears (the newest last).
+RECORDS = (
+    "megatron_core:PATCHES",
+    "megatron_lm:PATCHES",
+    "slime:PATCHES",
+    "megatron_core:OUTPUT_PROCESSOR_PATCHES",
+    "megatron_core:WINDOW_PATCHES",
+)
 
-    return [*megatron_core.PATCHES, *megatron_lm.PATCHES, *slime.PATCHES,
-            *megatron_core.OUTPUT_PROCESSOR_PATCHES, *megatron_core.WINDOW_PATCHES]
+
+def all_patches() -> list[Patch]:
+    """The records of every row of RECORDS, in order (imports the integration modules, which
+    import nothing heavy)."""
+    import pkgutil
+
+    return [patch for row in RECORDS for patch in pkgutil.resolve_name(f"{__name__}.{row}")]
 
 
 def default_registry() -> Registry:

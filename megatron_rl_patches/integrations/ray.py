@@ -30,18 +30,23 @@ def init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     return wrapped(*args, **kwargs)
 
 
+KEY = ("ray", "ray:init")  # marks our wrapper (not a registry record: the registry never sees it)
+
+
 def _is_ours(init: Any) -> bool:
-    return getattr(init, "_self_wrapper", None) is init_wrapper  # wrapt keeps the wrapper there
+    from megatron_rl_patches.patching.wrappers import patch_key
+
+    return patch_key(init) == KEY
 
 
 def _wrap(module: Any) -> None:
-    from megatron_rl_patches.patching.wrappers import FunctionWrapper
+    from megatron_rl_patches.patching.wrappers import wrap
 
     with _lock:
         init = getattr(module, "init", None)
         if not _state["armed"] or init is None or _is_ours(init):
             return
-        module.init = FunctionWrapper(init, init_wrapper)
+        wrap(module, "init", init_wrapper, key=KEY)
 
 
 def arm() -> None:
@@ -68,4 +73,6 @@ def disarm() -> None:
         ray = sys.modules.get("ray")
         init = getattr(ray, "init", None) if ray is not None else None
         if init is not None and _is_ours(init):
-            ray.init = init.__wrapped__
+            import wrapt
+
+            wrapt.unwrap_object(ray, "init", init)

@@ -15,7 +15,7 @@ PATCHES = (
     Patch(
         name="inference_roles",
         target=f"{MODEL}:initialize_model_and_optimizer",
-        wrapper="megatron_rl_patches.inference:initialize_model_and_optimizer_wrapper",
+        wrapper="megatron_rl_patches.integrations.slime_roles:initialize_model_and_optimizer_wrapper",
         description="roles in MEGATRON_RL_PATCHES_INFERENCE_ROLES built inference-only",
         requires=None,
         params=("args", "role"),

@@ -20,7 +20,6 @@ VARIABLES = (SELECT, DISABLE, STRICT, INFERENCE_ROLES, ALLOW_UNTESTED, BACKEND)
 
 BACKENDS = ("torch", "triton")
 
-DEFAULT_INFERENCE_ROLES = ("prm_teacher", "teacher")
 _OFF = {"", "0", "false", "no", "off", "none"}
 _ALL = {"1", "all", "true", "yes", "on"}
 # The yes/no variables (STRICT, ALLOW_UNTESTED) accept exactly these; anything else is an error.
@@ -113,10 +112,11 @@ def allows_untested(environ: Mapping[str, str] | None = None) -> bool:
     return _flag(environ, ALLOW_UNTESTED)
 
 
-def inference_roles(environ: Mapping[str, str] | None = None) -> list[str]:
-    """Roles built inference-only; unset means the default teacher roles, '' means none."""
+def role_names(environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """The role names MEGATRON_RL_PATCHES_INFERENCE_ROLES lists ('' means none); None when unset
+    (the integration that reads it has its default roles)."""
     value = _get(environ, INFERENCE_ROLES)
-    return list(DEFAULT_INFERENCE_ROLES) if value is None else split_names(value)
+    return None if value is None else split_names(value)
 
 
 def backend(environ: Mapping[str, str] | None = None) -> str | None:
@@ -128,18 +128,19 @@ def backend(environ: Mapping[str, str] | None = None) -> str | None:
     raise ValueError(f"{BACKEND}={_cut(value)!r} is not a backend: use {' or '.join(BACKENDS)}, or unset it")
 
 
-def checked_inference_roles(environ: Mapping[str, str] | None = None) -> list[str]:
-    """:func:`inference_roles`, refusing a value that names no role or a name that is not an
-    identifier (ValueError naming the variable); '' still means none."""
+def checked_role_names(environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """:func:`role_names`, refusing a value that names no role or a name that is not an
+    identifier (ValueError naming the variable); '' still means none. Syntax only: which roles
+    exist is the framework's business."""
     value = _get(environ, INFERENCE_ROLES)
-    roles = inference_roles(environ)
-    if value is not None and value and not roles:
-        raise ValueError(f"{INFERENCE_ROLES}={_cut(value)!r} names no role: list role names (e.g. "
-                         f"{','.join(DEFAULT_INFERENCE_ROLES)}), set it to \"\" for none, or unset it for the default")
-    bad = [role for role in roles if not role.isidentifier()]
+    roles = role_names(environ)
+    if value and not roles:
+        raise ValueError(f"{INFERENCE_ROLES}={_cut(value)!r} names no role: list role names (comma-separated), "
+                         f"set it to \"\" for none, or unset it for the default")
+    bad = [role for role in roles or () if not role.isidentifier()]
     if bad:
         raise ValueError(f"{INFERENCE_ROLES}={_cut(value or '')!r}: {_cut(bad[0])!r} is not a role name; role names "
-                         f"are identifiers (letters, digits, '_'), comma-separated, e.g. {','.join(DEFAULT_INFERENCE_ROLES)}")
+                         f"are identifiers (letters, digits, '_'), comma-separated")
     return roles
 
 
@@ -154,13 +155,14 @@ def _check_known(source: str, names: Sequence[str], known: Sequence[str]) -> Non
         raise ValueError(f"unknown patch name(s) {shown}{more} in {source}; valid names: {', '.join(known)}")
 
 
-def resolve_selection(
+def selection(
     known: Sequence[str],
     only: str | Sequence[str] | None = None,
     exclude: str | Sequence[str] | None = None,
     environ: Mapping[str, str] | None = None,
-) -> list[str]:
-    """The patch names to apply, in `known` order.
+) -> dict[str, str | None]:
+    """Each name of `known`, in order, with its fate: None when selected, else why not — "" when
+    nothing asked for it, "disabled by ..." when `exclude` or MEGATRON_RL_PATCHES_DISABLE removed it.
 
     `only` beats MEGATRON_RL_PATCHES, which beats "every patch"; MEGATRON_RL_PATCHES_DISABLE
     drops names unless `only` is given; `exclude` always drops. Unknown names in whatever is
@@ -169,10 +171,11 @@ def resolve_selection(
     """
     only_names = split_names(only) if only is not None else None
     exclude_names = split_names(exclude)
+    disabled: list[str] = []
     if only_names is not None:
         _check_known("only=", only_names, known)
         _check_known("exclude=", exclude_names, known)
-        chosen = set(only_names)
+        asked = set(only_names)
     else:
         env_names = selected_names(environ)
         disabled = disabled_names(environ)
@@ -180,9 +183,26 @@ def resolve_selection(
             _check_known(SELECT, env_names, known)
         _check_known(DISABLE, disabled, known)
         _check_known("exclude=", exclude_names, known)
-        chosen = set(known if env_names is None else env_names) - set(disabled)
-    chosen -= set(exclude_names)
-    return [name for name in dict.fromkeys(known) if name in chosen]
+        asked = set(known if env_names is None else env_names)
+    fates: dict[str, str | None] = {}
+    for name in dict.fromkeys(known):
+        if name in exclude_names:
+            fates[name] = "disabled by exclude="
+        elif name in disabled:
+            fates[name] = f"disabled by {DISABLE}"
+        else:
+            fates[name] = None if name in asked else ""
+    return fates
+
+
+def resolve_selection(
+    known: Sequence[str],
+    only: str | Sequence[str] | None = None,
+    exclude: str | Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> list[str]:
+    """The patch names to apply, in `known` order (see :func:`selection`)."""
+    return [name for name, fate in selection(known, only, exclude, environ).items() if fate is None]
 
 
 def check(known: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:
@@ -200,7 +220,7 @@ def check(known: Sequence[str], environ: Mapping[str, str] | None = None) -> lis
     is_strict(environ)
     allows_untested(environ)
     backend(environ)
-    checked_inference_roles(environ)
+    checked_role_names(environ)
     if not chosen:
         raise ValueError(f"{DISABLE}={_cut(disabled)!r} leaves out every patch selected: nothing would be "
                          f"applied; unset it or select other patches")
@@ -229,7 +249,7 @@ def summary(environ: Mapping[str, str] | None = None) -> dict[str, object]:
         "disabled": disabled_names(env),
         "strict": read(is_strict),
         "allow_untested": read(allows_untested),
-        "inference_roles": inference_roles(env),
+        "inference_roles": role_names(env),  # None: unset (the framework's default roles)
         "backend": read(backend),
         "errors": errors,
     }

@@ -2,10 +2,11 @@
 
 A :class:`Registry` holds records (from ``records``) and their state. A record is installed with
 a wrapt FunctionWrapper that pickles like its original (``wrappers``) when its module is imported
-(at once if it already is) and removed with ``wrapt.unwrap_object``. Every wrapper consults a per-target switch, so a reference captured by
-``from x import f`` while patched behaves like the original once reverted. This module knows
-nothing of Megatron nor of which patches exist: ``megatron_rl_patches.integrations`` assembles
-the default registry.
+(at once if it already is) and removed with ``wrapt.unwrap_object``. Every wrapper is enabled by
+a per-target switch, so a reference captured by ``from x import f`` while patched behaves like
+the original once reverted. Each record's outcome is decided once (``_Outcome``) and then
+recorded, raised (strict) or warned. This module knows nothing of Megatron nor of which patches
+exist: ``megatron_rl_patches.integrations`` assembles the default registry.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import inspect
 import pkgutil
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import wrapt
@@ -154,7 +155,6 @@ class _Slot:
     handle: Any = None  # the installed FunctionWrapper
     owner: Any = None
     attribute: str = ""
-    impl: Callable[..., Any] | None = field(default=None, repr=False)
 
     def set(self, status: str, reason: str = "", code: str = OK) -> None:
         self.status, self.reason, self.code = status, reason, code
@@ -237,19 +237,16 @@ class Registry:
         allow_untested = env.allows_untested(environ) if allow_untested is None else allow_untested
         with self._lock:
             self._retry_deferred()
-            chosen = set(env.resolve_selection(self.patch_names(), only, exclude, environ))
-            dropped = {name: "disabled by exclude=" for name in env.split_names(exclude)}
-            if only is None:
-                for name in env.disabled_names(environ):
-                    dropped.setdefault(name, f"disabled by {env.DISABLE}")
-            slots = [slot for slot in self._catalog().values() if slot.patch.name in chosen]
+            fates = env.selection(self.patch_names(), only, exclude, environ)
+            slots = [slot for slot in self._catalog().values() if fates[slot.patch.name] is None]
             for slot in self._catalog().values():
-                if slot.patch.name in chosen:
+                fate = fates[slot.patch.name]
+                if fate is None:
                     slot.selected, slot.strict, slot.allow_untested = True, strict, allow_untested
                     if slot.status != APPLIED:
                         slot.set(PENDING, f"waiting for the import of {slot.patch.module}", WAITING)
-                elif not slot.selected and slot.patch.name in dropped:
-                    slot.set(SKIPPED, dropped[slot.patch.name], DISABLED)
+                elif fate and not slot.selected:  # removed by exclude= or DISABLE (not merely unasked)
+                    slot.set(SKIPPED, fate, DISABLED)
             errors: list[PatchError] = []
             for module_name in dict.fromkeys(slot.patch.module for slot in slots):
                 try:
@@ -272,8 +269,10 @@ class Registry:
                 reason = "reverted"
                 if slot.handle is not None:
                     try:
-                        wrapt.unwrap_object(slot.owner, slot.attribute, slot.handle, missing_ok=True)
-                    except Exception as exc:  # a non-wrapt wrapper was put over ours: ours stays, inert
+                        wrapt.unwrap_object(slot.owner, slot.attribute, slot.handle)
+                    except wrapt.WrapperNotFoundError:  # the attribute was replaced: nothing of ours there
+                        pass
+                    except wrapt.WrapperNotOutermostError as exc:  # a non-wrapt wrapper over ours: ours stays, inert
                         reason = f"reverted; an inert wrapper stays under a foreign one ({exc})"
                     slot.handle = slot.owner = None
                 if in_play:
@@ -346,54 +345,62 @@ class Registry:
                 warn_once(str(exc))
 
     def _install(self, slot: _Slot, module: Any) -> None:
-        """Wrap one target of an imported module; record the outcome."""
-        patch = slot.patch
+        """Wrap one target of an imported module; record the outcome (strict: raise its error)."""
         if slot.status == APPLIED:
             return
+        try:
+            outcome = self._outcome(slot, module)
+        except Exception as exc:  # a post-import hook must not break the user's import: a status
+            outcome = _failure(slot.patch, exc)
+        slot.set(outcome.status, outcome.reason, outcome.code)
+        if outcome.error is not None and slot.strict:
+            raise outcome.error
+        if outcome.warning:
+            warn_once(outcome.warning)
+
+    def _outcome(self, slot: _Slot, module: Any) -> _Outcome:
+        """What installing `slot`'s record on `module` comes to (wrapping it when it can)."""
+        patch = slot.patch
         native = native_version(patch)
         if native is not None:
-            return slot.set(SKIPPED, f"{patch.requires} {native} provides this itself", NATIVE)
+            return _Outcome(SKIPPED, f"{patch.requires} {native} provides this itself", NATIVE)
         problem = version_problem(patch)
         if problem and not slot.allow_untested:
-            return _refuse(slot, PatchVersionUnsupported, problem, VERSION)
+            return _refusal(patch, PatchVersionUnsupported, problem, VERSION)
         try:
             owner, attribute, original = wrapt.resolve_path(module, patch.qualname)
-        except Exception:
+        except wrapt.PathResolutionError:
             if patch.optional:
-                return slot.set(SKIPPED, f"{patch.target} not found (an optional alias: nothing to patch there)",
+                return _Outcome(SKIPPED, f"{patch.target} not found (an optional alias: nothing to patch there)",
                                 OPTIONAL_MISSING)
-            return _refuse(slot, PatchTargetMissing,
-                           f"{patch.target} not found: {patch.module} has no attribute path '{patch.qualname}'", MISSING)
+            return _refusal(patch, PatchTargetMissing,
+                            f"{patch.target} not found: {patch.module} has no attribute path '{patch.qualname}'",
+                            MISSING)
         holder = wrapt.find_wrapper(original, predicate=lambda w: self._same_work(w, slot))
         if holder is not None:
-            # never twice: wrapped by another registry or copy of the package, or a module bound
-            # another target's wrapper at import (`from x import f` while x.f was patched)
+            # never twice: wrapped by another registry, or a module bound another target's wrapper
+            # at import (`from x import f` while x.f was patched)
             slot.active = True
-            key = holder._self_wrapper.__mrp_key__
-            return slot.set(APPLIED, "already wrapped" + ("" if key == slot.wrapper_key() else f" (bound from {key[1]})"))
+            key = wrappers.patch_key(holder)
+            return _Outcome(APPLIED, "already wrapped" + ("" if key == slot.wrapper_key() else f" (bound from {key[1]})"))
         problem_signature = signature_problem(patch, original)
         if problem_signature:
-            return _refuse(slot, PatchSignatureMismatch, problem_signature, SIGNATURE)
-        try:
-            slot.impl = patch.wrapper if callable(patch.wrapper) else self._resolve(patch.wrapper)
-            slot.handle = wrappers.wrap(owner, attribute, _guard(slot))
-        except Exception as exc:
-            slot.set(FAILED, f"{type(exc).__name__}: {exc}", ERROR)
-            if slot.strict:
-                raise PatchError(f"'{patch.name}' failed on {patch.target}: {exc}") from exc
-            warn_once(f"'{patch.name}' failed on {patch.target}: {type(exc).__name__}: {exc}")
-            return
+            return _refusal(patch, PatchSignatureMismatch, problem_signature, SIGNATURE)
+        impl = patch.wrapper if callable(patch.wrapper) else self._resolve(patch.wrapper)
+        # wrapt calls `impl` while the slot is active, else the original: a reference captured
+        # while patched (`from x import f`) passes through once reverted
+        slot.handle = wrappers.wrap(owner, attribute, impl, enabled=lambda: slot.active, key=slot.wrapper_key())
         slot.owner, slot.attribute, slot.active = owner, attribute, True
         if problem:
             note = f"applied outside its supported range '{patch.versions}' ({patch.requires} {patch_version(patch)})"
-            warn_once(f"'{patch.name}' {note}, as {env.ALLOW_UNTESTED} / allow_untested asked")
-            return slot.set(APPLIED, note, UNTESTED)
-        slot.set(APPLIED)
+            return _Outcome(APPLIED, note, UNTESTED,
+                            warning=f"'{patch.name}' {note}, as {env.ALLOW_UNTESTED} / allow_untested asked")
+        return _Outcome(APPLIED)
 
     def _same_work(self, wrapper: Any, slot: _Slot) -> bool:
         """Whether `wrapper` is one of ours doing `slot`'s work: its own key, or another target of
         the same patch installing the same wrapper."""
-        key = getattr(getattr(wrapper, "_self_wrapper", None), "__mrp_key__", None)
+        key = wrappers.patch_key(wrapper)
         if key is None:
             return False
         if key == slot.wrapper_key():
@@ -402,21 +409,24 @@ class Registry:
         return other is not None and other.patch.name == slot.patch.name and other.patch.wrapper == slot.patch.wrapper
 
 
-def _guard(slot: _Slot) -> Callable[..., Any]:
-    """The wrapt wrapper installed for a slot: the record's wrapper while active, else a pass-through."""
+@dataclass(frozen=True)
+class _Outcome:
+    """What installing one record came to: its status, and for a problem the error strict mode
+    raises (otherwise `warning` is logged once)."""
 
-    def guard(wrapped, instance, args, kwargs):
-        impl = slot.impl
-        if not slot.active or impl is None:
-            return wrapped(*args, **kwargs)
-        return impl(wrapped, instance, args, kwargs)
-
-    guard.__mrp_key__ = slot.wrapper_key()  # type: ignore[attr-defined]
-    return guard
+    status: str
+    reason: str = ""
+    code: str = OK
+    error: PatchError | None = None
+    warning: str = ""
 
 
-def _refuse(slot: _Slot, error: type[PatchError], reason: str, code: str) -> None:
-    slot.set(SKIPPED, reason, code)
-    if slot.strict:
-        raise error(reason)
-    warn_once(f"'{slot.patch.name}' skipped: {reason}")
+def _refusal(patch: Patch, error: type[PatchError], reason: str, code: str) -> _Outcome:
+    return _Outcome(SKIPPED, reason, code, error(reason), f"'{patch.name}' skipped: {reason}")
+
+
+def _failure(patch: Patch, exc: Exception) -> _Outcome:
+    error = PatchError(f"'{patch.name}' failed on {patch.target}: {exc}")
+    error.__cause__ = exc
+    return _Outcome(FAILED, f"{type(exc).__name__}: {exc}", ERROR, error,
+                    f"'{patch.name}' failed on {patch.target}: {type(exc).__name__}: {exc}")

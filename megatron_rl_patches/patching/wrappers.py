@@ -48,12 +48,33 @@ class BoundFunctionWrapper(_Reducible, wrapt.BoundFunctionWrapper):
     """What a :class:`FunctionWrapper` becomes when looked up on a class or an instance."""
 
 
+Key = tuple[str, str]  # (patch name, target): which record installed a wrapper
+
+
 class FunctionWrapper(_Reducible, wrapt.FunctionWrapper):
-    """A wrapt FunctionWrapper that pickles and copies like the function it wraps."""
+    """A wrapt FunctionWrapper that pickles and copies like the function it wraps, and carries the
+    key of the record that installed it (see :func:`patch_key`)."""
 
     __bound_function_wrapper__ = BoundFunctionWrapper
 
+    def __init__(self, wrapped: Any, wrapper: Callable[..., Any], enabled: Any = None, key: Key | None = None):
+        super().__init__(wrapped, wrapper, enabled)
+        # wrapt's documented way to keep an attribute on the proxy itself (not on the wrapped
+        # function): a name starting with `_self_`; its bound wrappers read it from here.
+        self._self_patch_key = key
 
-def wrap(owner: Any, attribute: str, wrapper: Callable[..., Any]) -> FunctionWrapper:
-    """`wrapt.wrap_function_wrapper` with a :class:`FunctionWrapper`; `wrapt.unwrap_object` removes it."""
-    return wrapt.wrap_object(owner, attribute, FunctionWrapper, (wrapper,))
+
+def patch_key(obj: Any) -> Key | None:
+    """The key given to :func:`wrap` when `obj` is one of our wrappers (or one bound from it),
+    else None. By type: a foreign proxy over ours would forward the attribute lookup."""
+    if isinstance(obj, (FunctionWrapper, BoundFunctionWrapper)):
+        return obj._self_patch_key
+    return None
+
+
+def wrap(owner: Any, attribute: str, wrapper: Callable[..., Any], *, enabled: Callable[[], bool] | None = None,
+         key: Key | None = None) -> FunctionWrapper:
+    """`wrapt.wrap_function_wrapper` with a :class:`FunctionWrapper`: `wrapper` runs while
+    `enabled()` is true (else the original is called), `key` names the record;
+    `wrapt.unwrap_object` removes it."""
+    return wrapt.wrap_object(owner, attribute, FunctionWrapper, (wrapper,), {"enabled": enabled, "key": key})

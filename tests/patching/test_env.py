@@ -89,15 +89,27 @@ def test_explicit_arguments_beat_the_environment():
     ]
 
 
+def test_selection_gives_each_name_one_fate_with_its_reason():
+    environ = {env.SELECT: "ddp_hooks,train_reentry,inference_roles", env.DISABLE: "train_reentry,ddp_hooks"}
+    assert env.selection(KNOWN, exclude="ddp_hooks", environ=environ) == {
+        "ddp_hooks": "disabled by exclude=",  # exclude= named first, though DISABLE lists it too
+        "train_reentry": f"disabled by {env.DISABLE}",
+        "inference_roles": None,  # selected
+        "slime_logprobs": "",  # nothing asked for it: nothing to explain
+    }
+    assert env.selection(KNOWN, only="train_reentry", environ=environ) == {
+        "ddp_hooks": "", "train_reentry": None, "inference_roles": "", "slime_logprobs": ""}
+
+
 @pytest.mark.parametrize(("value", "strict"), [(None, False), ("", False), ("0", False), ("1", True), ("true", True)])
 def test_strict_variable(value, strict):
     assert env.is_strict({} if value is None else {env.STRICT: value}) is strict
 
 
-def test_inference_roles_default_empty_and_list():
-    assert env.inference_roles({}) == ["prm_teacher", "teacher"]
-    assert env.inference_roles({env.INFERENCE_ROLES: ""}) == []
-    assert env.inference_roles({env.INFERENCE_ROLES: "ref, teacher"}) == ["ref", "teacher"]
+def test_role_names_unset_empty_and_list():
+    assert env.role_names({}) is None  # the framework's default roles (slime's: tests/integrations)
+    assert env.role_names({env.INFERENCE_ROLES: ""}) == []
+    assert env.role_names({env.INFERENCE_ROLES: "ref, teacher"}) == ["ref", "teacher"]
 
 
 def test_summary_reports_raw_and_parsed_values():

@@ -51,7 +51,7 @@ def test_environ_must_be_a_mapping(clean_patch_state):
 
 def test_inference_roles_value_must_be_a_string():
     with pytest.raises(TypeError, match="MEGATRON_RL_PATCHES_INFERENCE_ROLES"):
-        env.inference_roles({env.INFERENCE_ROLES: ["teacher"]})
+        env.role_names({env.INFERENCE_ROLES: ["teacher"]})
 
 
 @pytest.mark.parametrize("value", ["x" * 100_000, ",".join(["bogus"] * 20_000), ",".join(f"n{i}" for i in range(20_000))])

@@ -13,6 +13,7 @@ import wrapt
 
 from megatron_rl_patches.patching import registry
 from megatron_rl_patches.patching.registry import Patch, Registry
+from megatron_rl_patches.patching.wrappers import patch_key
 
 
 class _Current:
@@ -83,10 +84,7 @@ def catalog(monkeypatch):
 
 
 def our_layers(obj) -> int:
-    return sum(
-        getattr(getattr(entry, "_self_wrapper", None), "__mrp_key__", None) is not None
-        for entry in wrapt.wrapper_chain(obj)
-    )
+    return sum(patch_key(entry) is not None for entry in wrapt.wrapper_chain(obj))
 
 
 def statuses() -> dict[str, tuple[str, str]]:
@@ -243,21 +241,26 @@ def test_same_problem_on_two_targets_warns_once(standin, catalog, caplog):
     assert {s.status for s in reg.applied()} == {"skipped"}
 
 
-def test_foreign_wrapper_on_top_leaves_ours_inert(standin, catalog):
+@pytest.mark.parametrize("linked", [True, False])
+def test_revert_under_a_foreign_wrapper_or_a_replacement(standin, catalog, linked):
+    """A plain closure put over ours (linked by __wrapped__: wrapt cannot splice it out) leaves ours
+    inert beneath it; an attribute replaced wholesale (no link: wrapt finds nothing of ours) stays."""
     module = importlib.import_module(standin)
     spy = Spy()
     catalog(Patch("train_reentry", f"{standin}:train", spy, "d", requires=None))
     reg.apply()
     patched = module.train
 
-    def foreign(*args, **kwargs):  # a plain closure: not removable through, not wrapt
+    def foreign(*args, **kwargs):
         return ("foreign", patched(*args, **kwargs))
 
-    foreign.__wrapped__ = patched
+    if linked:
+        foreign.__wrapped__ = patched
     module.train = foreign
-    result = reg.revert()
-    assert result[0].status == "skipped" and "inert" in result[0].reason
-    assert module.train(1, None, None) == ("foreign", ("original", 1))
+    (result,) = reg.revert()
+    assert result.status == "skipped"
+    assert ("inert" in result.reason) if linked else (result.reason == "reverted")
+    assert module.train is foreign and module.train(1, None, None) == ("foreign", ("original", 1))
     assert spy.calls == []
 
 
@@ -301,3 +304,23 @@ def test_apply_rejects_arguments_of_the_wrong_type(catalog):
         reg.apply(strict="no")
     with pytest.raises(TypeError, match="patch names"):
         reg.apply(only=123)
+
+
+def test_a_target_lookup_that_raises_is_a_failed_status_not_a_broken_import(tmp_path, monkeypatch, catalog):
+    """A module-level __getattr__ raising something other than AttributeError is no missing target
+    (wrapt's PathResolutionError): the record fails, the import goes on; strict raises."""
+    name = f"standin_mod_{next(_counter)}"
+    (tmp_path / f"{name}.py").write_text("def __getattr__(name):\n    raise RuntimeError(f'lazy {name} broke')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    catalog(Patch("train_reentry", f"{name}:train", Spy(), "d", requires=None))
+    try:
+        reg.apply()
+        importlib.import_module(name)
+        status, reason = statuses()[f"{name}:train"]
+        assert status == "failed" and reason == "RuntimeError: lazy train broke"
+        reg.reset()
+        with pytest.raises(registry.PatchError, match="'train_reentry' failed on") as caught:
+            reg.apply(strict=True)  # the module is imported: installed (and raised) at once
+        assert isinstance(caught.value.__cause__, RuntimeError)
+    finally:
+        sys.modules.pop(name, None)

@@ -65,6 +65,7 @@ def _child(steps: list[str]) -> None:
     import wrapt
 
     from megatron_rl_patches.patching.registry import Registry
+    from megatron_rl_patches.patching.wrappers import patch_key
 
     def spy(wrapped, instance, args, kwargs):
         return "spy"
@@ -93,7 +94,7 @@ def _child(steps: list[str]) -> None:
             return "original"
 
     def ours(entry):
-        return getattr(getattr(entry, "_self_wrapper", None), "__mrp_key__", None) is not None
+        return patch_key(entry) is not None
 
     def innermost(obj):
         while ours(obj):

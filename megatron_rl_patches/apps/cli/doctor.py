@@ -135,9 +135,12 @@ def _startup_section(environment: dict[str, Any]) -> tuple[dict[str, Any], bool 
 
 def _environment_section() -> tuple[dict[str, Any], list[str]]:
     from megatron_rl_patches.integrations import default_registry
+    from megatron_rl_patches.integrations.slime_roles import DEFAULT_INFERENCE_ROLES
     from megatron_rl_patches.patching import env
 
     environment: dict[str, Any] = env.summary()
+    if environment["inference_roles"] is None:  # unset: slime's default roles
+        environment["inference_roles"] = list(DEFAULT_INFERENCE_ROLES)
     problems = list(environment["errors"])
     try:
         names = default_registry().patch_names()

@@ -116,7 +116,7 @@ def run(registry_factory: str = DEFAULT_REGISTRY) -> None:
             _say(f"no patch applied at start-up: {exc}")
             if _strict():
                 registry.poison_imports(ValueError(f"{exc} ({env.STRICT} is set)"))
-        for read in (env.backend, env.checked_inference_roles):  # read later, by the ops and the roles
+        for read in (env.backend, env.checked_role_names):  # read later, by the ops and the roles
             try:
                 read()
             except ValueError as exc:

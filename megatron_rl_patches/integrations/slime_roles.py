@@ -1,6 +1,7 @@
-"""The `inference_roles` patch: slime's initialize_model_and_optimizer(args, role) builds the
-roles listed in MEGATRON_RL_PATCHES_INFERENCE_ROLES inference-only and returns
-(model, None, None, iteration) like upstream; every other role goes through upstream unchanged.
+"""The `inference_roles` patch, slime's wrapper: slime's initialize_model_and_optimizer(args, role)
+builds the roles listed in MEGATRON_RL_PATCHES_INFERENCE_ROLES (default: slime's teacher roles)
+inference-only and returns (model, None, None, iteration) like upstream; every other role goes
+through upstream unchanged.
 
 Assumptions about slime (slime.backends.megatron_utils.model, checked against its public code):
 the module imports `get_model_provider_func(args, role)` (older releases: `(args)`) from
@@ -13,12 +14,24 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from megatron_rl_patches._args import bind
-from megatron_rl_patches.patching import env
 from megatron_rl_patches._log import logger
+from megatron_rl_patches.patching import env
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+# slime's frozen roles, built inference-only when MEGATRON_RL_PATCHES_INFERENCE_ROLES is unset.
+DEFAULT_INFERENCE_ROLES = ("prm_teacher", "teacher")
+
+
+def inference_roles(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Roles built inference-only: those MEGATRON_RL_PATCHES_INFERENCE_ROLES lists; unset means
+    the default teacher roles, '' means none."""
+    names = env.role_names(environ)
+    return list(DEFAULT_INFERENCE_ROLES) if names is None else names
 
 
 def _provider(factory: Callable[..., Any], run_args: Any, role: str) -> Callable[..., Any]:
@@ -75,7 +88,7 @@ def initialize_model_and_optimizer_wrapper(
     if bound is None:
         return wrapped(*args, **kwargs)
     run_args, role = bound.arguments.get("args"), bound.arguments.get("role")
-    if role not in env.inference_roles():
+    if role not in inference_roles():
         return wrapped(*args, **kwargs)
     module = sys.modules.get(getattr(wrapped, "__module__", ""))
     factory = getattr(module, "get_model_provider_func", None)

@@ -1,0 +1,232 @@
+"""DESIGN.md's layer picture, checked on the source: every import of every module of the package
+(top level and inside functions, read with `ast`), mapped to rooms, against the rules
+
+- `ops` imports no `patching`, `integrations`, app, `testing`, nor megatron (third-party `megatron.*`);
+- nothing in the library (everything but the apps and `testing`) imports an app or `testing`;
+- `patching` imports no `integrations` (it names the default registry by a string);
+- no cycle between rooms (a room may import itself).
+
+The checker is tested on small synthetic graphs too, so a rule that can no longer fail shows."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import megatron_rl_patches
+
+PACKAGE = "megatron_rl_patches"
+ROOT = Path(megatron_rl_patches.__file__).resolve().parent
+
+# Sub-packages / modules -> room. A module is in the room of its first name below the package.
+ROOMS = {
+    "ops": "ops",
+    "patching": "patching",
+    "integrations": "integrations",
+    "inference": "inference",
+    "megatron": "processors",  # megatron/ holds only the output processors (issue 20 item 6 renames it)
+    "processors": "processors",
+    "testing": "testing",
+    # leaves and small rooms of their own
+    "reentrant": "reentrant",
+    "windows": "windows",
+    "_chunks": "_chunks",
+    "_args": "_args",
+    "_log": "_log",
+    "_lazy": "_lazy",
+}
+# The apps: under apps/ (issue 20 item 6); their former names at the package root still count
+# as apps, so one put back there is held to the same rules.
+APPS = {"apps", "cli", "demo", "bench", "presentation", "__main__"}
+MEGATRON = "megatron-core"  # the room of third-party `megatron.*` imports
+LIBRARY_EXEMPT = {"testing"} | {"apps"}  # rooms the "no app, no testing" rule does not bind
+
+# Known violations, each removed by a named issue item: (importing room, imported room) -> why.
+EXCEPTIONS: dict[tuple[str, str], str] = {}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_names(tree: ast.AST, module: str, is_package: bool) -> set[str]:
+    """Every module name an import statement anywhere in `tree` names: `import a.b` gives a.b,
+    `from a import b` gives a and a.b (b may be a submodule; unknown names are dropped later)."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def package_graph() -> dict[str, set[str]]:
+    """module -> modules it imports: ours (when they exist) and third-party `megatron.*`."""
+    files = {module_name(path): path for path in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        names = imported_names(ast.parse(path.read_text(), str(path)), module, path.name == "__init__.py")
+        graph[module] = {n for n in names if n in files or n == "megatron" or n.startswith("megatron.")}
+    return graph
+
+
+def room(module: str) -> str:
+    if module == "megatron" or module.startswith("megatron."):
+        return MEGATRON
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "root"  # the package's lazy public names
+    if parts[1] in APPS:
+        return "apps"
+    if parts[1] not in ROOMS:
+        raise KeyError(f"{module} is in no room: add {parts[1]!r} to ROOMS or APPS in {__file__}")
+    return ROOMS[parts[1]]
+
+
+def room_graph(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
+    """(importing room, imported room) -> the module-level imports that make that edge."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for module, targets in graph.items():
+        for target in sorted(targets):
+            edges.setdefault((room(module), room(target)), []).append(f"{module} -> {target}")
+    return edges
+
+
+def cycles(edges: dict[tuple[str, str], list[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one room (Tarjan's algorithm)."""
+    successors: dict[str, set[str]] = {}
+    for a, b in edges:
+        successors.setdefault(a, set())
+        successors.setdefault(b, set())
+        if a != b:
+            successors[a].add(b)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(successors[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(successors):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def violations(edges: dict[tuple[str, str], list[str]], exceptions: dict[tuple[str, str], str]) -> list[str]:
+    """Every broken rule, one line per (room edge), with the imports that make it."""
+    forbidden = {("ops", target) for target in ("patching", "integrations", "apps", "testing", MEGATRON)}
+    forbidden.add(("patching", "integrations"))
+    rooms = {name for edge in edges for name in edge}
+    forbidden.update((source, target) for source in rooms - LIBRARY_EXEMPT for target in ("apps", "testing"))
+    problems = [
+        f"{a} must not import {b}: {', '.join(edges[a, b][:3])}"
+        for a, b in sorted(edges)
+        if (a, b) in forbidden and (a, b) not in exceptions
+    ]
+    allowed = {edge: why for edge, why in edges.items() if edge not in exceptions}
+    problems += [f"import cycle between rooms {' <-> '.join(component)}" for component in cycles(allowed)]
+    return problems
+
+
+# ------------------------------------------------------------------ the package itself
+
+
+def test_the_package_follows_the_layer_rules():
+    assert violations(room_graph(package_graph()), EXCEPTIONS) == []
+
+
+def test_every_exception_is_still_needed():
+    edges = room_graph(package_graph())
+    assert [edge for edge in EXCEPTIONS if edge not in edges] == []
+
+
+def test_function_level_and_relative_imports_are_read():
+    tree = ast.parse("def f():\n    from .records import Patch\n    import megatron.core\nfrom . import env\n")
+    names = imported_names(tree, f"{PACKAGE}.patching.registry", is_package=False)
+    assert {f"{PACKAGE}.patching.records", "megatron.core", f"{PACKAGE}.patching.env"} <= names
+
+
+def test_every_module_has_a_room():
+    assert all(room(module) for module in package_graph())
+
+
+# ------------------------------------------------------------------ the checker on synthetic graphs
+
+
+def synthetic(*pairs: str) -> dict[tuple[str, str], list[str]]:
+    """'a.b -> c.d' lines (modules below the package) as a room graph."""
+    graph: dict[str, set[str]] = {}
+    for pair in pairs:
+        source, target = (f"{PACKAGE}.{side.strip()}" for side in pair.split("->"))
+        graph.setdefault(source, set()).add(target)
+    return room_graph(graph)
+
+
+def test_a_clean_graph_passes():
+    edges = synthetic("integrations.slime -> inference.build", "inference.build -> ops.logprobs",
+                      "cli.run -> integrations.slime", "cli.run -> testing.plugin", "ops.topk -> ops.logprobs")
+    assert violations(edges, {}) == []
+
+
+@pytest.mark.parametrize(("pairs", "expected"), [
+    (("ops.topk -> patching.env",), "ops must not import patching"),
+    (("inference.build -> cli.run",), "inference must not import apps"),
+    (("windows -> apps.bench.windows",), "windows must not import apps"),
+    (("reentrant -> testing.fake_ddp",), "reentrant must not import testing"),
+    (("patching.launcher -> integrations",), "patching must not import integrations"),
+    (("integrations.slime -> inference.build", "inference.roles -> integrations.slime"),
+     "import cycle between rooms inference <-> integrations"),
+    (("reentrant -> windows", "windows -> _log", "_log -> reentrant"), "import cycle between rooms _log <-> reentrant <-> windows"),
+])
+def test_a_broken_rule_is_reported(pairs, expected):
+    found = violations(synthetic(*pairs), {})
+    assert any(line.startswith(expected) for line in found), found
+
+
+def test_ops_importing_megatron_is_reported():
+    edges = room_graph({f"{PACKAGE}.ops.lm_head": {"megatron.core.parallel_state"}})
+    assert violations(edges, {}) == [f"ops must not import {MEGATRON}: {PACKAGE}.ops.lm_head -> megatron.core.parallel_state"]
+
+
+def test_an_exception_silences_only_its_own_edge():
+    edges = synthetic("inference.build -> cli.run", "inference.build -> demo.loop", "ops.topk -> testing.plugin")
+    found = violations(edges, {("inference", "apps"): "issue N item M"})
+    assert found == [f"ops must not import testing: {PACKAGE}.ops.topk -> {PACKAGE}.testing.plugin"]
+
+
+def test_a_room_importing_itself_is_no_cycle():
+    assert violations(synthetic("ops.topk -> ops.logprobs", "ops.logprobs -> ops.topk"), {}) == []
+
+
+def test_a_module_outside_every_room_fails_loudly():
+    with pytest.raises(KeyError, match="in no room"):
+        room(f"{PACKAGE}.newthing.module")
