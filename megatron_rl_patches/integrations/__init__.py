@@ -17,9 +17,10 @@ _default: Registry | None = None
 
 
 def all_patches() -> list[Patch]:
-    from megatron_rl_patches.integrations import megatron_core, megatron_lm, slime
+    from megatron_rl_patches.integrations import megatron_core, megatron_lm, slime, verl
 
-    return [*megatron_core.PATCHES, *megatron_lm.PATCHES, *slime.PATCHES, *megatron_core.OUTPUT_PROCESSOR_PATCHES]
+    return [*megatron_core.PATCHES, *megatron_lm.PATCHES, *slime.PATCHES, *megatron_core.OUTPUT_PROCESSOR_PATCHES,
+            *verl.PATCHES]
 
 
 def default_registry() -> Registry:

@@ -375,7 +375,8 @@ class Registry:
             return _refuse(slot, PatchSignatureMismatch, problem_signature, SIGNATURE)
         try:
             slot.impl = patch.wrapper if callable(patch.wrapper) else self._resolve(patch.wrapper)
-            slot.handle = wrapt.wrap_function_wrapper(owner, attribute, _guard(slot))
+            factory = self._resolve(patch.wrapper_class) if patch.wrapper_class else wrapt.FunctionWrapper
+            slot.handle = wrapt.wrap_object(owner, attribute, factory, (_guard(slot),))
         except Exception as exc:
             slot.set(FAILED, f"{type(exc).__name__}: {exc}", ERROR)
             if slot.strict:
@@ -411,6 +412,7 @@ def _guard(slot: _Slot) -> Callable[..., Any]:
         return impl(wrapped, instance, args, kwargs)
 
     guard.__mrp_key__ = slot.wrapper_key()  # type: ignore[attr-defined]
+    guard.__mrp_active__ = lambda: slot.active and slot.impl is not None  # type: ignore[attr-defined]
     return guard
 
 

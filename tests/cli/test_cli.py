@@ -16,7 +16,8 @@ from megatron_rl_patches.integrations import default_registry
 from megatron_rl_patches.patching import registry, startup
 
 REPO = Path(__file__).resolve().parents[2]
-PATCH_NAMES = {"ddp_hooks", "train_reentry", "inference_roles", "slime_logprobs", "gpt_output_processor"}
+PATCH_NAMES = {"ddp_hooks", "train_reentry", "inference_roles", "slime_logprobs", "gpt_output_processor",
+              "verl_fused_logprobs", "verl_topk_kd"}
 
 
 

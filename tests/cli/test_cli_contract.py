@@ -15,7 +15,8 @@ from megatron_rl_patches import cli
 from megatron_rl_patches.cli.targets import shown_status
 from megatron_rl_patches.patching import env, records
 
-PATCH_NAMES = {"ddp_hooks", "train_reentry", "inference_roles", "slime_logprobs", "gpt_output_processor"}
+PATCH_NAMES = {"ddp_hooks", "train_reentry", "inference_roles", "slime_logprobs", "gpt_output_processor",
+              "verl_fused_logprobs", "verl_topk_kd"}
 
 
 
