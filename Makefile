@@ -102,7 +102,7 @@ test-verl:
 	    MRP_MISSING_LANE=verl MRP_MISSING_LANE_REASON="verl 0.9.1 could not be installed into $(VERL_LANE)" \
 	    $(VENV)/bin/python -m pytest -q -p no:cacheprovider tools/lane_unavailable.py; fi; \
 	else \
-	  PYTHONPATH=$(abspath $(VERL_LANE)) $(VENV_NEW)/bin/python -m pytest -m verl $(PYTEST_ARGS) tests/integrations/verl_lane; \
+	  PYTHONPATH=$(abspath $(VERL_LANE)) $(VENV_NEW)/bin/python -m pytest -m verl $(PYTEST_ARGS) tests/integrations/verl_lane tests/docs; \
 	fi
 
 # Each version's result line, and the name of every failing test. megatron-core is installed
