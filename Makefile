@@ -1,6 +1,6 @@
 # Two commands on a fresh machine: `make demo` and `make test`.
 #
-# Test lanes (`make test` runs all three; each lane's venv is built on first use):
+# Test lanes (`make test` runs all four; each lane's venv is built on first use):
 #   main    .venv            Python 3.11, megatron-core 0.16.1: every test
 #   oldest  .venv-mcore013   Python 3.11, megatron-core 0.13.1: tests marked `megatron`
 #   newest  .venv-mcore019   Python 3.12, megatron-core 0.19.2: tests marked `megatron` or
@@ -8,6 +8,9 @@
 #                            megatron.training, so the real Megatron-LM train() runs here; torch's
 #                            CUDA wheel brings triton, whose kernels run on CPU under
 #                            TRITON_INTERPRET=1, exported for that pytest process only)
+#   verl    .venv-mcore019 + .lanes/verl: verl 0.9.1 and the modules its engine and
+#                            distillation files import (tools/verl-lane.txt), --no-deps:
+#                            tests marked `verl`
 #
 # On a CUDA machine (not part of `make test`; installs nothing, uses $(GPU_PYTHON) as it is):
 #   make test-gpu    tests marked megatron, triton or gpu on CUDA (Triton compiled, no interpreter)
@@ -39,7 +42,7 @@ STAMP_OLD = $(VENV_OLD)/.installed
 STAMP_NEW = $(VENV_NEW)/.installed
 DEPS = setup.cfg setup.py pyproject.toml
 
-.PHONY: venv demo test test-main test-oldest test-newest test-versions test-source test-gpu bench bench-gpu clean
+.PHONY: venv demo test test-main test-oldest test-newest test-verl test-versions test-source test-gpu bench bench-gpu clean
 
 venv: $(STAMP)
 
@@ -69,6 +72,7 @@ test:
 	$(MAKE) --no-print-directory test-main || status=1; \
 	$(MAKE) --no-print-directory test-oldest || status=1; \
 	$(MAKE) --no-print-directory test-newest || status=1; \
+	$(MAKE) --no-print-directory test-verl || status=1; \
 	exit $$status
 
 test-main: $(STAMP)
@@ -89,6 +93,26 @@ else
 	$(MAKE) --no-print-directory $(STAMP_NEW)
 	TRITON_INTERPRET=1 $(VENV_NEW)/bin/python -m pytest -m "megatron or triton" $(PYTEST_ARGS)
 endif
+
+# verl 0.9.1 on the newest lane's venv, installed --no-deps into .lanes/verl so that venv's torch
+# and megatron-core stay as they are (first build ~2 min, then a stamp). Loud skip when the lane
+# cannot be built; under CI=true a failing test naming the lane.
+VERL_LANE = .lanes/verl
+VERL_STAMP = $(VERL_LANE)/.installed
+$(VERL_STAMP): tools/verl-lane.txt
+	rm -rf $(VERL_LANE)
+	$(VENV_NEW)/bin/pip install -q --no-deps --target $(VERL_LANE) -r tools/verl-lane.txt
+	touch $(VERL_STAMP)
+
+test-verl:
+	@if [ -z "$(PYTHON_NEW)" ] || ! $(MAKE) --no-print-directory $(STAMP_NEW) $(VERL_STAMP); then \
+	  echo "*** SKIPPED LANE verl (verl 0.9.1 on megatron-core 0.19.2): the lane could not be built (Python 3.12 and tools/verl-lane.txt from the package index) ***"; \
+	  if [ -n "$$CI" ]; then $(MAKE) --no-print-directory $(STAMP) && \
+	    MRP_MISSING_LANE=verl MRP_MISSING_LANE_REASON="verl 0.9.1 could not be installed into $(VERL_LANE)" \
+	    $(VENV)/bin/python -m pytest -q -p no:cacheprovider tools/lane_unavailable.py; fi; \
+	else \
+	  PYTHONPATH=$(abspath $(VERL_LANE)) $(VENV_NEW)/bin/python -m pytest -m verl $(PYTEST_ARGS) tests/integrations/verl_lane tests/docs; \
+	fi
 
 # Each version's result line, and the name of every failing test. megatron-core is installed
 # without its dependencies (the lane venv has torch); Megatron-LM's training package (in the

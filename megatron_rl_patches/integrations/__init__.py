@@ -27,6 +27,7 @@ RECORDS = (
     "slime:PATCHES",
     "megatron_core:OUTPUT_PROCESSOR_PATCHES",
     "megatron_core:WINDOW_PATCHES",
+    "verl:PATCHES",
 )
 
 

@@ -54,6 +54,7 @@ OUTPUT_PROCESSOR_PATCHES = (
         version_finder=VERSION_FINDER,
         native=">=0.18.0rc0",
         params=("self", "input_ids", "position_ids", "attention_mask"),
+        wrapper_class="megatron_rl_patches.integrations.gpt_signature:OutputProcessorForward",
     ),
 )
 

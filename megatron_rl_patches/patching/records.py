@@ -51,6 +51,9 @@ class Patch:
     # checkout); None: the installed distribution's metadata.
     version_finder: str | None = None
     native: str = ""  # PEP 440 specifier of the versions that provide the feature themselves
+    # "module:Class": a wrapt.FunctionWrapper subclass to install instead of FunctionWrapper (e.g.
+    # one that reports the signature the wrapper accepts); "": plain wrapt.FunctionWrapper.
+    wrapper_class: str = ""
 
     @property
     def module(self) -> str:

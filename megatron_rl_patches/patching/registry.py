@@ -389,7 +389,9 @@ class Registry:
         impl = patch.wrapper if callable(patch.wrapper) else self._resolve(patch.wrapper)
         # wrapt calls `impl` while the slot is active, else the original: a reference captured
         # while patched (`from x import f`) passes through once reverted
-        slot.handle = wrappers.wrap(owner, attribute, impl, enabled=lambda: slot.active, key=slot.wrapper_key())
+        wrapper_class = self._resolve(patch.wrapper_class) if patch.wrapper_class else wrappers.FunctionWrapper
+        slot.handle = wrappers.wrap(owner, attribute, impl, enabled=lambda: slot.active, key=slot.wrapper_key(),
+                                    wrapper_class=wrapper_class)
         slot.owner, slot.attribute, slot.active = owner, attribute, True
         if problem:
             note = f"applied outside its supported range '{patch.versions}' ({patch.requires} {patch_version(patch)})"

@@ -62,6 +62,12 @@ class FunctionWrapper(_Reducible, wrapt.FunctionWrapper):
         # wrapt's documented way to keep an attribute on the proxy itself (not on the wrapped
         # function): a name starting with `_self_`; its bound wrappers read it from here.
         self._self_patch_key = key
+        self._self_patch_enabled = enabled
+
+    def patch_active(self) -> bool:
+        """Whether the wrapper function runs now (`enabled` given to :func:`wrap`, called)."""
+        enabled = self._self_patch_enabled
+        return True if enabled is None else bool(enabled() if callable(enabled) else enabled)
 
 
 def patch_key(obj: Any) -> Key | None:
@@ -73,8 +79,8 @@ def patch_key(obj: Any) -> Key | None:
 
 
 def wrap(owner: Any, attribute: str, wrapper: Callable[..., Any], *, enabled: Callable[[], bool] | None = None,
-         key: Key | None = None) -> FunctionWrapper:
-    """`wrapt.wrap_function_wrapper` with a :class:`FunctionWrapper`: `wrapper` runs while
-    `enabled()` is true (else the original is called), `key` names the record;
+         key: Key | None = None, wrapper_class: type[FunctionWrapper] = FunctionWrapper) -> FunctionWrapper:
+    """`wrapt.wrap_function_wrapper` with a :class:`FunctionWrapper` (or a subclass): `wrapper` runs
+    while `enabled()` is true (else the original is called), `key` names the record;
     `wrapt.unwrap_object` removes it."""
-    return wrapt.wrap_object(owner, attribute, FunctionWrapper, (wrapper,), {"enabled": enabled, "key": key})
+    return wrapt.wrap_object(owner, attribute, wrapper_class, (wrapper,), {"enabled": enabled, "key": key})

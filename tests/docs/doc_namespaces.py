@@ -4,7 +4,8 @@
 order (a block sees what the blocks above it defined); `before(block, ns)` may rebind names for
 one block (two examples on a page that use one name for different things); `replace` maps literal strings in the
 blocks to real values (e.g. a checkpoint path); `finish(ns)` runs after the last block (e.g. calls
-a test function the page defines). `megatron=True`: the page needs megatron-core (marker).
+a test function the page defines). `megatron=True`: the page needs megatron-core (marker);
+`verl=True`: it needs verl (marker `verl`, skipped where verl is not importable).
 `OUTPUTS[name]()` returns the text a `docs-test: output-of: name` block must show.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ from doc_blocks import REPO
 class Page:
     build: Callable[[ExitStack], dict] = lambda stack: {}
     megatron: bool = False
+    verl: bool = False  # needs verl: runs in the verl lane (`make test-verl`), skipped elsewhere
     before: Callable[[Any, dict], None] = lambda block, ns: None
     replace: Callable[[dict], dict] = lambda ns: {}
     finish: Callable[[dict], None] = lambda ns: None
@@ -236,6 +238,7 @@ PAGES: dict[str, Page] = {
     "docs/testing.md": Page(testing, megatron=True, finish=testing_finish),
     "docs/fused-lm-head.md": Page(fused_lm_head, megatron=True, finish=fused_lm_head_finish),
     "docs/topk-opd.md": Page(topk_opd, megatron=True, before=topk_opd_before, finish=topk_opd_finish),
+    "docs/recipes.md": Page(verl=True),
 }
 
 

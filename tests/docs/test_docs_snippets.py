@@ -33,7 +33,10 @@ def _by_kind(kind: str) -> list[Block]:
 
 def _page_params() -> list:
     pages = sorted({b.page for b in BLOCKS if b.kind in PAGE_KINDS and not (b.kind == "output" and b.detail)})
-    marks = lambda page: [pytest.mark.megatron] if PAGES.get(page, Page()).megatron else []  # noqa: E731
+    def marks(page: str) -> list:
+        setup = PAGES.get(page, Page())
+        return [pytest.mark.megatron] * setup.megatron + [pytest.mark.verl] * setup.verl
+
     return [pytest.param(page, marks=marks(page), id=page) for page in pages]
 
 
@@ -75,6 +78,8 @@ def test_skipped_block_still_parses_and_names_what_exists(block):
 def test_page_blocks_run_and_print_what_they_show(page, clean_patch_state):
     """Each page's blocks in order, in one namespace; patches a page applies are reset after it."""
     setup = PAGES.get(page, Page())
+    if setup.verl:
+        pytest.importorskip("verl", reason=f"{page} needs verl: run `make test-verl` (the verl lane)")
     blocks = [b for b in BLOCKS if b.page == page and b.kind in PAGE_KINDS and not (b.kind == "output" and b.detail)]
     printed, ran = None, []
     with ExitStack() as stack:

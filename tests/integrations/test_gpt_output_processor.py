@@ -16,7 +16,8 @@ pytestmark = pytest.mark.megatron
 def _native() -> bool:
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    return "output_processor" in inspect.signature(GPTModel.forward).parameters
+    # unwrap: while `gpt_output_processor` is applied the wrapper reports the keywords too
+    return "output_processor" in inspect.signature(inspect.unwrap(GPTModel.forward)).parameters
 
 
 def _gpt(megatron_cpu, tied: bool):
@@ -103,3 +104,22 @@ def test_revert_restores_the_original_forward(megatron_cpu, clean_patch_state):
     megatron_rl_patches.apply(only="gpt_output_processor")
     megatron_rl_patches.revert()
     assert vars(GPTModel)["forward"] is original
+
+
+def test_signature_reports_the_backported_keywords_and_revert_restores_it(megatron_cpu, clean_patch_state):
+    """Code that detects the hook by signature (verl 0.9.1's `_supports_output_processor_hook`,
+    `inspect.signature(model.forward)`, which follows `__wrapped__`) sees it while applied."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    if _native():
+        pytest.skip("this megatron-core has output_processor natively")
+    original = inspect.signature(GPTModel.forward)
+    megatron_rl_patches.apply(only="gpt_output_processor")
+    model = _gpt(megatron_cpu, tied=False)
+    captured = model.forward
+    for forward in (GPTModel.forward, model.forward):
+        assert {"output_processor", "output_processor_context"} <= set(inspect.signature(forward).parameters)
+    assert "output_processor" not in inspect.signature(inspect.unwrap(GPTModel.forward)).parameters  # megatron's own
+    megatron_rl_patches.revert()
+    assert inspect.signature(GPTModel.forward) == original
+    assert "output_processor" not in inspect.signature(captured).parameters  # a reference kept from before

@@ -70,7 +70,7 @@ def _step(rank: int, world_size: int, wait: bool):
     reference, _ = _one_step_then_score(rank, overlap=False, fused=False)  # synchronous gathers, logits path
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    native = "output_processor" in inspect.signature(GPTModel.forward).parameters
+    native = "output_processor" in inspect.signature(inspect.unwrap(GPTModel.forward)).parameters  # not the wrapper's
     return fused, reference, pending, native
 
 

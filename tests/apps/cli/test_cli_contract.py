@@ -16,7 +16,7 @@ from megatron_rl_patches.apps.cli.targets import shown_status
 from megatron_rl_patches.patching import env, records
 
 PATCH_NAMES = {"ddp_hooks", "train_reentry", "inference_roles", "slime_logprobs", "gpt_output_processor",
-              "grad_windows"}
+              "grad_windows", "verl_fused_logprobs", "verl_topk_kd"}
 
 
 

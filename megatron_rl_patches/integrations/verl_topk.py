@@ -1,0 +1,132 @@
+"""`verl_topk_kd`: verl's Megatron top-k distillation loss as the exact (k+1)-bucket forward KL.
+
+verl 0.9.1's `compute_forward_kl_topk` (`verl/trainer/distillation/megatron/losses.py`) sums
+q_i·(log q_i − log p_i) over the teacher's top-k ids only, with both log-probs clamped at
+`log_prob_min_clamp`; its minimum is Q·log Q < 0 (Q: the teacher's top-k mass), and verl's
+registered loss then clamps the result at 0 (`verl/trainer/distillation/losses.py`), so once
+the student is close to the teacher those tokens give no loss and no gradient (verl RFC #7856).
+Here the teacher's remaining mass and the student's remaining mass (from its full logits) form
+a (k+1)-th bucket: the KL is >= 0 and exact, so that clamp never bites.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+KEYS = ("distillation_losses", "student_mass", "teacher_mass", "overlap_count", "overlap_token_advantage")
+
+REPLACED = (
+    "verl_topk_kd: verl's compute_forward_kl_topk (verl.trainer.distillation.megatron.losses: top-k sum "
+    "without a tail, zero-clamped by verl's loss) is replaced by the exact (k+1)-bucket forward KL with "
+    "the teachers' and the student's tail buckets: distillation loss values differ from verl's; "
+    "set MEGATRON_RL_PATCHES_DISABLE=verl_topk_kd to keep verl's"
+)
+
+
+def _tp_group() -> Any:
+    """Megatron's tensor-parallel group, or None (the ops' "no TP") at TP = 1."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    return group if dist.is_initialized() and dist.get_world_size(group) > 1 else None
+
+
+def _padded_rows(ids: torch.Tensor) -> torch.Tensor:
+    """Rows whose ids repeat: verl pads TP/CP alignment rows with all-zero ids (no top-k there)."""
+    if ids.shape[-1] < 2:
+        return torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    ordered = ids.sort(dim=-1).values
+    return (ordered[:, 1:] == ordered[:, :-1]).any(dim=-1)
+
+
+def exact_forward_kl_topk(
+    student_logits: torch.Tensor,
+    teacher_log_probs: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    log_prob_min_clamp: float | None = None,
+    tp_group: Any = None,
+) -> dict[str, torch.Tensor]:
+    """verl's five outputs, each [b, s], for student logits [b, s, V/tp] and the teacher's top-k
+    log-probs / ids [b, s, k]: the forward KL between (k+1)-bucket distributions (gradient to the
+    student's logits), the student's and teacher's top-k mass, and verl's overlap diagnostics.
+    `log_prob_min_clamp` floors the teacher's log-probs, as verl does; the student's are exact (a
+    clamp there is what zeroes verl's gradients). Rows with repeated ids (verl's padding) give 0."""
+    from megatron_rl_patches.ops.topk import topk_ids, topk_kl, topk_logprobs
+
+    lead, k = student_logits.shape[:-1], teacher_ids.shape[-1]
+    if teacher_ids.shape[:-1] != lead or teacher_log_probs.shape != teacher_ids.shape:
+        raise ValueError(
+            f"teacher ids {tuple(teacher_ids.shape)} and log-probs {tuple(teacher_log_probs.shape)} must be "
+            f"[{', '.join(map(str, lead))}, k] like the student's logits {tuple(student_logits.shape)}"
+        )
+    logits = student_logits.reshape(-1, student_logits.shape[-1])
+    ids = teacher_ids.reshape(-1, k).to(device=logits.device, dtype=torch.long)
+    teacher = teacher_log_probs.reshape(-1, k).to(device=logits.device, dtype=torch.float32)
+    if log_prob_min_clamp is not None:
+        teacher = teacher.clamp_min(float(log_prob_min_clamp))
+    padded = _padded_rows(ids)
+    if bool(padded.any()):  # any valid distinct ids and log-probs; these rows are zeroed below
+        stand_in = torch.arange(k, device=ids.device).expand_as(ids)
+        ids = torch.where(padded[:, None], stand_in, ids)
+        teacher = torch.where(padded[:, None], torch.full_like(teacher, -math.log(k + 1)), teacher)
+    student, student_tail = topk_logprobs(logits, ids, tp_group=tp_group)
+    loss = topk_kl(student, student_tail, teacher, kl="forward")
+    loss = torch.where(padded, torch.zeros_like(loss), loss)
+    with torch.no_grad():
+        keep = (~padded).to(student.dtype)
+        q = teacher.exp()
+        per_id = q * (teacher - student)
+        student_top = topk_ids(logits, k, tp_group=tp_group)
+        overlap = (ids.unsqueeze(-1) == student_top.unsqueeze(-2)).any(dim=-1) & ~padded[:, None]
+        count = overlap.sum(dim=-1)
+        advantage = (-per_id * overlap).sum(dim=-1) / count.clamp_min(1)
+        out = {
+            "student_mass": student.exp().sum(dim=-1) * keep,
+            "teacher_mass": q.sum(dim=-1) * keep,
+            "overlap_count": count,
+            "overlap_token_advantage": torch.where(count > 0, advantage, torch.zeros_like(advantage)),
+        }
+    result = {"distillation_losses": loss, **out}
+    return {key: result[key].reshape(lead) for key in KEYS}
+
+
+def compute_forward_kl_topk(student_logits: Any, teacher_topk_log_probs: Any, teacher_topk_ids: Any, config: Any,
+                            data_format: str) -> dict[str, torch.Tensor]:
+    """verl 0.9.1's `compute_forward_kl_topk` signature and result (five [b, s/cp] tensors) on the
+    exact (k+1)-bucket KL. The teacher's nested [b, s, k] tensors are split for context
+    parallelism by verl's own helpers, as verl does."""
+    from verl.models.mcore.util import preprocess_bshd_engine, preprocess_thd_engine
+
+    if not (getattr(teacher_topk_log_probs, "is_nested", False) and getattr(teacher_topk_ids, "is_nested", False)):
+        raise ValueError("verl_topk_kd: teacher_topk_log_probs and teacher_topk_ids must be nested tensors, as verl "
+                         "0.9.1 passes them (data['teacher_logprobs'], data['teacher_ids'])")
+    if data_format not in ("thd", "bshd"):
+        raise ValueError(f"verl_topk_kd: data_format must be 'thd' or 'bshd', got {data_format!r}")
+    split = preprocess_thd_engine if data_format == "thd" else preprocess_bshd_engine
+    log_probs = split(teacher_topk_log_probs, pre_process=True)[0]
+    ids = split(teacher_topk_ids, pre_process=True)[0]
+    if not log_probs.shape[:2] == ids.shape[:2] == student_logits.shape[:2]:
+        raise ValueError(
+            f"verl_topk_kd: teacher top-k {tuple(ids.shape)} after the CP split does not match the student's "
+            f"logits {tuple(student_logits.shape)} in [b, s]"
+        )
+    clamp = getattr(getattr(config, "distillation_loss", None), "log_prob_min_clamp", None)
+    return exact_forward_kl_topk(student_logits, log_probs, ids, clamp, _tp_group())
+
+
+def compute_forward_kl_topk_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for `verl_topk_kd`: arguments bound to verl's own signature; logs once (rank 0)."""
+    import inspect
+
+    from megatron_rl_patches._log import warn_once
+
+    try:
+        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    except TypeError:
+        return wrapped(*args, **kwargs)  # verl's own error message for a bad call
+    bound.apply_defaults()
+    warn_once(REPLACED)
+    return compute_forward_kl_topk(**bound.arguments)

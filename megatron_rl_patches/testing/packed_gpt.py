@@ -1,0 +1,61 @@
+"""A tiny GPTModel that takes packed (`thd`) input on CPU, as frameworks feed it (verl's engine
+packs every micro-batch). megatron-core's local DotProductAttention refuses `packed_seq_params`
+(only Transformer Engine's CUDA attention takes them); this test-only stand-in masks attention
+to stay causal within each packed sequence and otherwise runs megatron's own code."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_rl_patches.testing.megatron_cpu import TINY_VOCAB, tiny_gpt_config
+
+
+def _packed_attention_class() -> type:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class PackedDotProductAttention(DotProductAttention):
+        """DotProductAttention with packed sequences: a block-diagonal causal mask from cu_seqlens."""
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None, **kwargs: Any):
+            if packed_seq_params is not None:
+                cu = packed_seq_params.cu_seqlens_q_padded
+                cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+                rows = query.size(0)
+                lengths = cu.diff().to(torch.long)
+                sequence = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+                if sequence.numel() != rows:
+                    raise ValueError(f"cu_seqlens cover {sequence.numel()} rows, the packed input has {rows}")
+                causal = torch.ones(rows, rows, dtype=torch.bool).tril()
+                attention_mask = ~(causal & (sequence[:, None] == sequence[None, :]))[None, None]
+                if query.dim() == 3:  # megatron squeezes the dummy batch of `thd` input: [t, np, hn]
+                    query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, None, **kwargs)
+
+    return PackedDotProductAttention
+
+
+def packed_gpt_spec() -> Any:
+    """megatron-core's local GPT layer spec with the packed-input attention stand-in."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = _packed_attention_class()
+    return spec
+
+
+def build_packed_gpt(vocab_size: int = TINY_VOCAB, seq_length: int = 64, seed: int = 0, config: Any = None,
+                     share_embeddings: bool = False, **config_overrides: Any) -> Any:
+    """A real GPTModel (RoPE, like the models verl trains) that accepts packed `thd` input on CPU."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    torch.manual_seed(seed)
+    return GPTModel(
+        config=config if config is not None else tiny_gpt_config(**config_overrides),
+        transformer_layer_spec=packed_gpt_spec(),
+        vocab_size=vocab_size,
+        max_sequence_length=seq_length,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=share_embeddings,
+    )
