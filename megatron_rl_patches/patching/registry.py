@@ -389,7 +389,8 @@ class Registry:
         impl = patch.wrapper if callable(patch.wrapper) else self._resolve(patch.wrapper)
         # wrapt calls `impl` while the slot is active, else the original: a reference captured
         # while patched (`from x import f`) passes through once reverted
-        wrapper_class = self._resolve(patch.wrapper_class) if patch.wrapper_class else wrappers.FunctionWrapper
+        # the proxy class is machinery, not a wrapper: resolved as named, never through `resolve`
+        wrapper_class = pkgutil.resolve_name(patch.wrapper_class) if patch.wrapper_class else wrappers.FunctionWrapper
         slot.handle = wrappers.wrap(owner, attribute, impl, enabled=lambda: slot.active, key=slot.wrapper_key(),
                                     wrapper_class=wrapper_class)
         slot.owner, slot.attribute, slot.active = owner, attribute, True
