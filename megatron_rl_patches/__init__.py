@@ -31,6 +31,8 @@ _LAZY = {
     "lm_head_divergence": "megatron_rl_patches.ops.divergence",
     "log_prob_output_processor": "megatron_rl_patches.megatron.processors",
     "topk_output_processor": "megatron_rl_patches.megatron.processors",
+    "hidden_output_processor": "megatron_rl_patches.megatron.distill",
+    "divergence_output_processor": "megatron_rl_patches.megatron.distill",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])
