@@ -7,44 +7,28 @@ dense float64 route on the models' logits; training on jsd lowers the loss; no [
 ever created, in forward or backward (`testing.vocab_watch`)."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import megatron_rl_patches
-from megatron_rl_patches import build_inference_model, divergence_output_processor, hidden_output_processor
+from megatron_rl_patches import divergence_output_processor, hidden_output_processor
 from megatron_rl_patches.ops._divergences import DIVERGENCES
 from megatron_rl_patches.testing.divergence_reference import dense_divergence
 from megatron_rl_patches.testing.vocab_watch import VocabWideTensors
 
+sys.path.insert(0, str(Path(__file__).parent))
+# the same student (DDP, Megatron's Adam) and inference-only teachers as the top-k training test
+from test_fused_topk_training import BATCH, SEQ, TEACHER_WEIGHTS, VOCAB, _args, _backward, _student, _teachers  # noqa: E402
+
 pytestmark = pytest.mark.megatron
 
-VOCAB = 100  # no other dimension of these models is 100: a last dim of this size is a vocabulary dim
-BATCH, SEQ = 8, 16
 ROWS = BATCH * SEQ  # T
 CHUNK_ROWS = 16  # the op's row tiles: [16, V] logits tiles at most, never [T, V]
-TEACHER_WEIGHTS = [0.7, 0.3]
 STEPS = 8
 OPTIONS = dict(beta=0.4, alpha=0.2, teacher_weights=TEACHER_WEIGHTS, temperature=0.9)
-
-
-def _student(kit):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    config = kit.config(init_method_std=0.3)
-    ddp = kit.ddp(kit.gpt(config, vocab_size=VOCAB, seq_length=SEQ, seed=0), overlap_grad_reduce=True)
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=0.0), [ddp])
-    return ddp, optimizer
-
-
-def _teachers(kit):
-    """Wider than the student, with sharp opinions of their own (std 0.3): inference-only builds."""
-    config = kit.config(hidden_size=64, init_method_std=0.3)
-    return [build_inference_model(kit.provider(config, vocab_size=VOCAB, seq_length=SEQ, seed=1 + j))[0]
-            for j in range(len(TEACHER_WEIGHTS))]
-
-
-def _args(batch):
-    return batch["tokens"], batch["position_ids"], batch["attention_mask"]
 
 
 def _fused_loss(student, teachers, batch, divergence) -> torch.Tensor:
@@ -64,13 +48,6 @@ def _dense_loss(student, teachers, batch, divergence) -> torch.Tensor:
         teacher_logits = [t(*_args(batch)).double().reshape(ROWS, VOCAB) for t in teachers]
     return dense_divergence(logits.double().reshape(ROWS, VOCAB), teacher_logits, divergence=divergence,
                             **OPTIONS).mean()
-
-
-def _backward(ddp, loss) -> torch.Tensor:
-    ddp.zero_grad_buffer()
-    loss.backward()
-    ddp.finish_grad_sync()
-    return torch.cat([p.main_grad.reshape(-1).clone() for p in ddp.parameters()])
 
 
 def test_two_teacher_full_vocabulary_distillation_without_logits(megatron_cpu, clean_patch_state):
