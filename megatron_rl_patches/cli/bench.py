@@ -1,4 +1,4 @@
-"""`megatron-rl-patches bench [logprobs|topk|reentrant|fused|all] [--quick] [--out DIR] [--only PART]`."""
+"""`megatron-rl-patches bench [logprobs|topk|reentrant|fused|distill|all] [--quick] [--out DIR] [--only PART]`."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +15,7 @@ BENCHMARKS = {
     "topk": "megatron_rl_patches.bench.topk",
     "reentrant": "megatron_rl_patches.bench.reentrant",
     "fused": "megatron_rl_patches.bench.fused",
+    "distill": "megatron_rl_patches.bench.distill",
 }
 # `bench fused --only PART` (megatron_rl_patches.bench.fused.PARTS, kept here so --help imports no torch)
 FUSED_PARTS = ("logprob", "opd")
