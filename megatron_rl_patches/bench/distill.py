@@ -23,6 +23,8 @@ QUICK = {"tokens": [256], "vocab": 2048, "hidden": 64}
 FULL = {"tokens": [1024, 4096], "vocab": 32000, "hidden": 1024}
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tv")
 IMPLS = (("dense (logits)", "dense"), ("ours (lm_head_divergence)", "ours"))
+SHORT = {"forward_kl": "fkl", "reverse_kl": "rkl", "jsd": "jsd", "skew_forward_kl": "sfkl", "skew_reverse_kl": "srkl",
+         "tv": "tv"}  # the plot's group labels
 COLUMNS = ("T", "teachers", "divergence", "implementation", "excess_peak_U", "excess_peak_MiB", "time_s",
            "time_vs_dense", "note")
 
@@ -115,7 +117,7 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
         with open(os.path.join(out_dir, "distill.md"), "w") as fh:
             fh.write(markdown_table(COLUMNS, dict_cells(rows, COLUMNS)) + "\n")
         largest = max(plan["tokens"])  # one T in the plot: 12 groups stay readable
-        measured = [dict(r, case=f"{r['teachers']}t {r['divergence']}") for r in rows
+        measured = [dict(r, case=f"{SHORT[r['divergence']]}\n{r['teachers']}t") for r in rows
                     if "time_s" in r and r["T"] == largest]
         if measured:
             common.plot_grouped_bars(
