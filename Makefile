@@ -3,9 +3,15 @@
 # Test lanes (`make test` runs all three; each lane's venv is built on first use):
 #   main    .venv            Python 3.11, megatron-core 0.16.1: every test
 #   oldest  .venv-mcore013   Python 3.11, megatron-core 0.13.1: tests marked `megatron`
-#   newest  .venv-mcore019   Python 3.12, megatron-core 0.19.2: tests marked `megatron`
-#                            (megatron-core >= 0.17 needs Python >= 3.12; its wheel ships
-#                            megatron.training, so the real Megatron-LM train() runs here)
+#   newest  .venv-mcore019   Python 3.12, megatron-core 0.19.2: tests marked `megatron` or
+#                            `triton` (megatron-core >= 0.17 needs Python >= 3.12; its wheel ships
+#                            megatron.training, so the real Megatron-LM train() runs here; torch's
+#                            CUDA wheel brings triton, whose kernels run on CPU under
+#                            TRITON_INTERPRET=1, exported for that pytest process only)
+#
+# On a CUDA machine (not part of `make test`; installs nothing, uses $(GPU_PYTHON) as it is):
+#   make test-gpu    tests marked megatron, triton or gpu on CUDA (Triton compiled, no interpreter)
+#   make bench-gpu   `megatron-rl-patches bench gpu` into bench-gpu-out/
 PYTHON ?= python3
 VENV ?= .venv
 VENV_OLD ?= .venv-mcore013
@@ -17,6 +23,9 @@ PYTHON_NEW ?= $(shell tools/find-python 3.12)
 # torch 2.13: on Python 3.11 this index serves a CPU build; on 3.12 the CUDA build (it runs on CPU).
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
+# The interpreter of the GPU targets: whatever has torch with CUDA there (nothing is installed).
+GPU_PYTHON ?= python3
+GPU_ENV = env -u TRITON_INTERPRET PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}
 # Extra megatron-core releases run once by `make test-versions` (not in CI): old ones on 3.11,
 # new ones on 3.12, each installed into its own folder and put first on PYTHONPATH.
 VERSIONS_OLD ?= 0.14.0 0.15.3
@@ -30,7 +39,7 @@ STAMP_OLD = $(VENV_OLD)/.installed
 STAMP_NEW = $(VENV_NEW)/.installed
 DEPS = setup.cfg setup.py pyproject.toml
 
-.PHONY: venv demo test test-main test-oldest test-newest test-versions test-source bench clean
+.PHONY: venv demo test test-main test-oldest test-newest test-versions test-source test-gpu bench bench-gpu clean
 
 venv: $(STAMP)
 
@@ -78,7 +87,7 @@ ifeq ($(PYTHON_NEW),)
 	  $(VENV)/bin/python -m pytest -q -p no:cacheprovider tools/lane_unavailable.py; fi
 else
 	$(MAKE) --no-print-directory $(STAMP_NEW)
-	$(VENV_NEW)/bin/python -m pytest -m megatron $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(VENV_NEW)/bin/python -m pytest -m "megatron or triton" $(PYTEST_ARGS)
 endif
 
 # Each version's result line, and the name of every failing test. megatron-core is installed
@@ -101,6 +110,17 @@ test-source: $(STAMP_NEW)
 	@test -d "$(CHECKOUT)/megatron/core" || { echo "usage: make test-source CHECKOUT=/path/to/Megatron-LM"; exit 2; }
 	@$(VENV_NEW)/bin/pip install -q --no-deps --target .lanes/source-deps pyyaml
 	@PYTHONPATH=$(abspath $(CHECKOUT)):.lanes/source-deps $(VENV_NEW)/bin/$(LANE_PYTEST) | sed "s|^|$(CHECKOUT): |"
+
+# The GPU lane: refuses in one line where torch sees no CUDA device.
+CUDA_CHECK = $(GPU_ENV) $(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
+	'make: this target needs a CUDA device (torch ' + torch.__version__ + ' sees none)')"
+test-gpu:
+	@$(CUDA_CHECK)
+	$(GPU_ENV) $(GPU_PYTHON) -m pytest -m "megatron or triton or gpu" $(PYTEST_ARGS)
+
+bench-gpu:
+	@$(CUDA_CHECK)
+	$(GPU_ENV) $(GPU_PYTHON) -m megatron_rl_patches bench gpu --out bench-gpu-out
 
 bench: $(STAMP)
 	$(VENV)/bin/megatron-rl-patches bench --out bench-out

@@ -1,18 +1,20 @@
-"""Build hooks: ship the start-up files (.pth, and .start for Python >= 3.15) at the wheel root,
-and put them in the sdist so a wheel built from it has them too.
+"""Build hooks: write the start-up files (.pth, and .start for Python >= 3.15) at the wheel root,
+from their one source (megatron_rl_patches/patching/startup/files.py, read without importing the
+package), so a wheel built from a checkout or from the sdist has them.
 
 PEP 660 editable installs do not carry them; `megatron-rl-patches startup install` covers that.
 """
 import os
 import re
+import runpy
 import shutil
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-STARTUP_DIR = "startup"
-STARTUP_FILES = ("megatron_rl_patches.pth", "megatron_rl_patches.start")
 HERE = os.path.dirname(os.path.abspath(__file__))
+STARTUP_SOURCE = os.path.join("megatron_rl_patches", "patching", "startup", "files.py")
+STARTUP_CONTENTS = runpy.run_path(os.path.join(HERE, STARTUP_SOURCE))["CONTENTS"]
 # The repository's planned public home (setup.cfg's `url`): relative links in the README become
 # absolute ones there, so they work on a package index page too.
 REPOSITORY = "https://github.com/megatron-rl-patches/megatron-rl-patches"
@@ -26,7 +28,7 @@ def long_description() -> str:
 
 
 class BuildPyWithStartupFiles(build_py):
-    """Copies the start-up files to build_lib's root and reports them, so the wheel's RECORD
+    """Writes the start-up files at build_lib's root and reports them, so the wheel's RECORD
     lists them (pip then removes them on uninstall)."""
 
     def run(self):
@@ -35,21 +37,17 @@ class BuildPyWithStartupFiles(build_py):
         if not getattr(self, "editable_mode", False) and os.path.isdir(self.build_lib):
             shutil.rmtree(self.build_lib)
         super().run()
-        for name in STARTUP_FILES:
-            self.copy_file(os.path.join(HERE, STARTUP_DIR, name), os.path.join(self.build_lib, name))
-
-    def get_source_files(self):  # what the sdist collects: without them a wheel from it fails
-        return super().get_source_files() + [os.path.join(STARTUP_DIR, name) for name in STARTUP_FILES]
+        for name, text in STARTUP_CONTENTS.items():
+            with open(os.path.join(self.build_lib, name), "w", encoding="utf-8") as handle:
+                handle.write(text)
 
     def get_outputs(self, include_bytecode=True):
-        return super().get_outputs(include_bytecode) + [
-            os.path.join(self.build_lib, name) for name in STARTUP_FILES
-        ]
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, name) for name in STARTUP_CONTENTS]
 
     def get_output_mapping(self):
         mapping = super().get_output_mapping()
-        for name in STARTUP_FILES:
-            mapping[os.path.join(self.build_lib, name)] = os.path.join(STARTUP_DIR, name)
+        for name in STARTUP_CONTENTS:
+            mapping[os.path.join(self.build_lib, name)] = STARTUP_SOURCE
         return mapping
 
 

@@ -83,7 +83,8 @@ def distill_step(
         teacher_logits = [response_logits(teacher, batch) for teacher in teachers]
         logprobs, tails = zip(*(topk_logprobs(t, ids) for t in teacher_logits))
     loss = topk_opd_loss(
-        logits, ids, torch.stack(logprobs), torch.stack(tails), teacher_weights=list(TEACHER_WEIGHTS), kl="reverse"
+        logits, ids, torch.stack(logprobs), torch.stack(tails), teacher_weights=list(TEACHER_WEIGHTS),
+        divergence="reverse_kl",
     ).mean()
     optimizer.zero_grad()
     loss.backward()

@@ -7,6 +7,7 @@ a public name that needs them is first used.
 from __future__ import annotations
 
 from megatron_rl_patches._lazy import lazy_getattr
+from megatron_rl_patches.patching.startup.hook import warn_on_first_import
 
 __version__ = "0.1.0"
 
@@ -17,6 +18,7 @@ _LAZY = {
     "applied": "megatron_rl_patches.integrations",
     "PatchStatus": "megatron_rl_patches.patching.records",
     "reentrant_train": "megatron_rl_patches.reentrant",
+    "accumulation_window": "megatron_rl_patches.windows",
     "build_inference_model": "megatron_rl_patches.inference",
     "load_inference_weights": "megatron_rl_patches.inference",
     "training_state_bytes": "megatron_rl_patches.inference",
@@ -25,6 +27,7 @@ _LAZY = {
     "topk_logprobs": "megatron_rl_patches.ops.topk",
     "topk_opd_loss": "megatron_rl_patches.ops.topk",
     "topk_kl": "megatron_rl_patches.ops.topk",
+    "union_ids": "megatron_rl_patches.ops.topk",
     "lm_head_log_probs_and_entropy": "megatron_rl_patches.ops.lm_head",
     "lm_head_topk_ids": "megatron_rl_patches.ops.lm_head",
     "lm_head_topk_logprobs": "megatron_rl_patches.ops.lm_head",
@@ -39,6 +42,10 @@ __all__ = sorted([*_LAZY, "__version__"])
 
 
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())
+
+# MEGATRON_RL_PATCHES set where the start-up hook never ran (an editable install): say so once.
+warn_on_first_import()
+del warn_on_first_import
 
 
 def __dir__() -> list[str]:

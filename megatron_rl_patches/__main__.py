@@ -1,3 +1,3 @@
-from megatron_rl_patches.cli import main
+from megatron_rl_patches.apps.cli import main
 
 raise SystemExit(main())

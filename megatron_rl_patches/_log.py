@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 
 logger = logging.getLogger("megatron_rl_patches")
 
@@ -13,6 +14,7 @@ logger = logging.getLogger("megatron_rl_patches")
 RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 _warned: set[str] = set()
+_warned_lock = threading.Lock()
 
 
 def launcher_rank(environ=None) -> int:
@@ -35,9 +37,10 @@ def is_rank_zero() -> bool:
 
 def warn_once(message: str) -> None:
     """One warning line per distinct message per process, from rank 0 only (debug elsewhere)."""
-    if message in _warned:
-        return
-    _warned.add(message)
+    with _warned_lock:
+        if message in _warned:
+            return
+        _warned.add(message)
     if is_rank_zero():
         logger.warning("megatron-rl-patches: %s", message)
     else:

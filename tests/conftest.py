@@ -157,7 +157,7 @@ REPO = Path(__file__).resolve().parents[1]
 # What a wheel is built from (a copy: pip writes egg-info and build/ into the tree it builds).
 WHEEL_SOURCES = ("setup.py", "setup.cfg", "pyproject.toml", "README.md", "LICENSE", "startup", "megatron_rl_patches")
 # Left in the copy's build/lib as an earlier build of an older tree would: none may ship.
-STALE_BUILD_FILES = ("megatron_rl_patches/cli.py", "megatron_rl_patches/_removed_module.py")
+STALE_BUILD_FILES = ("megatron_rl_patches/apps/cli.py", "megatron_rl_patches/_removed_module.py")
 
 
 def copy_source_tree(dest: Path) -> Path:
@@ -221,3 +221,21 @@ def built_wheel(tmp_path_factory) -> SimpleNamespace:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (path,) = out.glob("megatron_rl_patches-*.whl")
     return SimpleNamespace(path=path, source=src, stale=STALE_BUILD_FILES)
+
+
+# ---------------------------------------------------------------------------- the GPU lane
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run only where torch sees a CUDA device (`make test-gpu`); elsewhere
+    they are skipped, never needed by `make test`."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: run `make test-gpu` on a GPU machine")
+    for item in gpu_items:
+        item.add_marker(skip)

@@ -49,7 +49,7 @@ def test_import_package_is_light():
 
 def test_startup_hook_with_variable_unset_is_light():
     result = probe(
-        "import megatron_rl_patches.patching.bootstrap as b; b.run()",
+        "import megatron_rl_patches.patching.startup.hook as b; b.run()",
         extra="b.has_run()",
     )
     assert result["extra"] is True
@@ -59,21 +59,22 @@ def test_startup_hook_with_variable_unset_is_light():
         "megatron_rl_patches",
         "megatron_rl_patches._lazy",
         "megatron_rl_patches.patching",
-        "megatron_rl_patches.patching.bootstrap",
+        "megatron_rl_patches.patching.startup",
+        "megatron_rl_patches.patching.startup.hook",
         "megatron_rl_patches.patching.env",
     }
 
 
 @pytest.mark.parametrize("value", ["", "0"])
 def test_startup_hook_with_variable_off_is_light(value):
-    result = probe("import megatron_rl_patches.patching.bootstrap as b; b.run()", MEGATRON_RL_PATCHES=value)
+    result = probe("import megatron_rl_patches.patching.startup.hook as b; b.run()", MEGATRON_RL_PATCHES=value)
     assert outside_stdlib(result) == set(), result["new"]
 
 
 def test_startup_hook_with_variable_set_only_registers_hooks():
     # The patches land when megatron is imported; start-up itself loads no torch or megatron.
     result = probe(
-        "import megatron_rl_patches.patching.bootstrap as b; b.run()\n"
+        "import megatron_rl_patches.patching.startup.hook as b; b.run()\n"
         "import wrapt.importer as w",
         extra="sorted(w._post_import_hooks)",
         MEGATRON_RL_PATCHES="all",

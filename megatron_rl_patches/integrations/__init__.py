@@ -7,33 +7,37 @@ package's public ones.
 """
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megatron_rl_patches.patching.records import Patch, PatchStatus
+    from megatron_rl_patches.patching.records import Patch, PatchStatuses
     from megatron_rl_patches.patching.registry import Registry
 
 _default: Registry | None = None
+_building = threading.Lock()
 
 
 def all_patches() -> list[Patch]:
     from megatron_rl_patches.integrations import megatron_core, megatron_lm, slime
 
-    return [*megatron_core.PATCHES, *megatron_lm.PATCHES, *slime.PATCHES, *megatron_core.OUTPUT_PROCESSOR_PATCHES]
+    return [*megatron_core.PATCHES, *megatron_lm.PATCHES, *slime.PATCHES,
+            *megatron_core.OUTPUT_PROCESSOR_PATCHES, *megatron_core.WINDOW_PATCHES]
 
 
 def default_registry() -> Registry:
     """The process-wide registry of every patch this package knows (built once)."""
     global _default
-    if _default is None:
-        from megatron_rl_patches.patching.registry import Registry
+    with _building:  # threads racing the first apply() must all get the same registry
+        if _default is None:
+            from megatron_rl_patches.patching.registry import Registry
 
-        _default = Registry(all_patches)
-    return _default
+            _default = Registry(all_patches)
+        return _default
 
 
 def apply(only: Any = None, exclude: Any = None, strict: bool | None = None, allow_untested: bool | None = None,
-          *, environ: Any = None) -> list[PatchStatus]:
+          *, environ: Any = None) -> PatchStatuses:
     """Apply the selected patches (see :meth:`Registry.apply`): idempotent, additive. In a Ray
     driver, ray.init() then warns when its runtime_env would not carry the patches to the actors."""
     statuses = default_registry().apply(only, exclude, strict, allow_untested, environ=environ)
@@ -43,7 +47,7 @@ def apply(only: Any = None, exclude: Any = None, strict: bool | None = None, all
     return statuses
 
 
-def revert(only: Any = None) -> list[PatchStatus]:
+def revert(only: Any = None) -> PatchStatuses:
     """Remove the patches (all, or those named), restoring the originals exactly. Idempotent."""
     statuses = default_registry().revert(only)
     if only is None:
@@ -53,7 +57,11 @@ def revert(only: Any = None) -> list[PatchStatus]:
     return statuses
 
 
-def applied() -> list[PatchStatus]:
-    """One status per (patch, target): applied / pending / skipped / failed, with a reason."""
+def applied() -> PatchStatuses:
+    """One status per (patch, target): applied / pending / skipped / failed, with a reason; printed,
+    one line per patch. Warns once when MEGATRON_RL_PATCHES is set but start-up patching did not run."""
+    from megatron_rl_patches.patching.startup import hook
+
+    hook.warn_if_not_run()
     return default_registry().applied()
 

@@ -1,5 +1,6 @@
-"""megatron-core: DistributedDataParallel forward-pre-hook toggles made idempotent, and
-GPTModel's `output_processor` keyword backported to releases before 0.18."""
+"""megatron-core: DistributedDataParallel forward-pre-hook toggles made idempotent, gradient
+accumulation windows over several schedule calls, and GPTModel's `output_processor` keyword
+backported to releases before 0.18."""
 from __future__ import annotations
 
 import inspect
@@ -10,6 +11,13 @@ from megatron_rl_patches.patching.records import Patch
 
 DDP = "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel"
 GPT = "megatron.core.models.gpt.gpt_model:GPTModel"
+# get_forward_backward_func() returns one of these, looked up in the module at call time
+SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+SCHEDULE_FUNCTIONS = (
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_without_interleaving",
+    "forward_backward_pipelining_with_interleaving",
+)
 # The version in use, also for a source checkout with no distribution metadata.
 VERSION_FINDER = "megatron_rl_patches.integrations.megatron_version:installed_version"
 PROCESSOR_KEYWORDS = ("output_processor", "output_processor_context")
@@ -49,6 +57,21 @@ OUTPUT_PROCESSOR_PATCHES = (
     ),
 )
 
+# Accumulation windows (the work is in megatron_rl_patches.windows), newest last.
+WINDOW_PATCHES = tuple(
+    Patch(
+        name="grad_windows",
+        target=f"{SCHEDULES}:{function}",
+        wrapper="megatron_rl_patches.integrations.megatron_core:schedule_wrapper",
+        description="schedule calls with finalize_model_grads_func unset accumulate until the next "
+        "finish_grad_sync (overlap_grad_reduce reduces once, at the window's end)",
+        versions=SUPPORTED,
+        version_finder=VERSION_FINDER,
+        params=("model", "forward_only"),
+    )
+    for function in SCHEDULE_FUNCTIONS
+)
+
 
 def _method_call(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> tuple[Any, inspect.BoundArguments] | None:
     """(chunk, arguments) of a call to a DDP method, bound or through the class (`self` in the
@@ -85,6 +108,27 @@ def disable_forward_pre_hook_wrapper(wrapped: Any, instance: Any, args: tuple, k
     chunk, bound = call
     param_sync = bool(bound.arguments.get("param_sync", True))
     return disable_with(chunk, param_sync, lambda: wrapped(*args, **kwargs))
+
+
+def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """`grad_windows`: a training schedule call with `config.finalize_model_grads_func` unset is part
+    of an accumulation window that ends at the next finish_grad_sync / finalize_model_grads
+    (see megatron_rl_patches.windows); any other call runs unchanged."""
+    from megatron_rl_patches._args import bind
+
+    bound = bind(wrapped, args, kwargs)
+    if bound is None or bound.arguments.get("forward_only") or bound.arguments.get("model") is None:
+        return wrapped(*args, **kwargs)
+    from megatron_rl_patches._chunks import as_chunks
+    from megatron_rl_patches.reentrant import model_config
+    from megatron_rl_patches.windows import open_auto_windows, overlaps_grad_reduce
+
+    chunks = [chunk for chunk in as_chunks(bound.arguments["model"]) if overlaps_grad_reduce(chunk)]
+    if chunks:
+        config = model_config(chunks[0])
+        if config is not None and getattr(config, "finalize_model_grads_func", None) is None:
+            open_auto_windows(chunks)
+    return wrapped(*args, **kwargs)
 
 
 class _OutputLayerReached(Exception):

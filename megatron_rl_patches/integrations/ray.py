@@ -3,9 +3,11 @@ ran in this process, `ray.init` warns (once) when its runtime_env does not pass
 MEGATRON_RL_PATCHES to the workers. Nothing else about Ray is changed."""
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 _state = {"armed": False, "hooked": False}
+_lock = threading.RLock()  # apply()/revert() from several threads, and ray's import hook
 
 ADVICE = (
     "patches were applied with apply() in this Ray driver, but apply() does not reach Ray's worker "
@@ -33,25 +35,27 @@ def _is_ours(init: Any) -> bool:
 
 
 def _wrap(module: Any) -> None:
-    import wrapt
+    from megatron_rl_patches.patching.wrappers import FunctionWrapper
 
-    init = getattr(module, "init", None)
-    if not _state["armed"] or init is None or _is_ours(init):
-        return
-    module.init = wrapt.FunctionWrapper(init, init_wrapper)
+    with _lock:
+        init = getattr(module, "init", None)
+        if not _state["armed"] or init is None or _is_ours(init):
+            return
+        module.init = FunctionWrapper(init, init_wrapper)
 
 
 def arm() -> None:
     """Called by apply(): from now on ray.init checks its runtime_env (Ray imported now or later)."""
     import sys
 
-    _state["armed"] = True
-    if "ray" in sys.modules:
-        _wrap(sys.modules["ray"])
-    if not _state["hooked"]:  # fires on every later import of ray (also after a re-import)
+    with _lock:
+        _state["armed"] = True
+        if "ray" in sys.modules:
+            _wrap(sys.modules["ray"])
+        hook, _state["hooked"] = not _state["hooked"], True
+    if hook:  # fires on every later import of ray (also after a re-import)
         import wrapt
 
-        _state["hooked"] = True
         wrapt.register_post_import_hook(_wrap, "ray")
 
 
@@ -59,8 +63,9 @@ def disarm() -> None:
     """Called by revert(): ray.init is itself again (the wrapper, if installed, is removed)."""
     import sys
 
-    _state["armed"] = False
-    ray = sys.modules.get("ray")
-    init = getattr(ray, "init", None) if ray is not None else None
-    if init is not None and _is_ours(init):
-        ray.init = init.__wrapped__
+    with _lock:
+        _state["armed"] = False
+        ray = sys.modules.get("ray")
+        init = getattr(ray, "init", None) if ray is not None else None
+        if init is not None and _is_ours(init):
+            ray.init = init.__wrapped__

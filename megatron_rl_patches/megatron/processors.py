@@ -21,7 +21,7 @@ from megatron_rl_patches._args import positive_int
 __all__ = ["log_prob_output_processor", "topk_output_processor"]
 
 _LOGPROB_CONTEXT = ("keep_mask", "temperature")
-_TOPK_CONTEXT = ("ids", "temperature")
+_TOPK_CONTEXT = ("ids", "ids_mask", "temperature")
 
 
 # The output layer whose forward pre-hooks already ran for the forward under way: the backport
@@ -202,6 +202,7 @@ def log_prob_output_processor(
 def topk_output_processor(
     *,
     k: int | None = None,
+    union: bool = False,
     temperature: float = 1.0,
     vocab_size: int | None = None,
     chunk_size: int | None = None,
@@ -209,32 +210,47 @@ def topk_output_processor(
     """A processor returning the (k+1)-bucket top-k view of the next-token distribution:
     {"topk_ids": [b, s, k] (when it selects them), "topk_log_probs": [b, s, k], "tail": [b, s]}.
     With `k` it selects each token's top-k ids (a student); with `output_processor_context=
-    {"ids": [b, s, k]}` it scores those ids instead (a teacher scoring the student's ids)."""
+    {"ids": [b, s, k]}` (and "ids_mask" [b, s, k] for padded ids) it scores those ids instead
+    (a teacher scoring the student's ids). With `union=True`, `k` and context ids (the
+    student's), it selects its own top-k and scores the union (`union_ids`: the given ids
+    first), returned as "topk_ids" and "ids_mask" [b, s, k_given + k] (docs/distillation.md)."""
     _check_options(temperature, vocab_size, chunk_size)
     if k is not None:
         positive_int("k", k, " (ids to select) or None (ids from the context)")
+    if not isinstance(union, bool):
+        raise TypeError(f"union must be True or False, got {union!r}")
 
     def process(*, hidden_states, output_layer, output_weight=None, labels=None, config=None, context=None, **_):
         from megatron_rl_patches.ops.lm_head import lm_head_topk_ids, lm_head_topk_logprobs
+        from megatron_rl_patches.ops.topk import union_ids
 
         ctx = _context(context, _TOPK_CONTEXT)
-        ids = ctx.get("ids")
-        if (ids is None) == (k is None):
+        ids, mask = ctx.get("ids"), ctx.get("ids_mask")
+        if union and (ids is None or k is None or mask is not None):
+            raise ValueError(
+                "topk_output_processor(union=True) needs k= (its own top-k) and output_processor_context="
+                "{'ids': [b, s, k]} (the student's, unpadded: no 'ids_mask')"
+            )
+        if not union and (ids is None) == (k is None):
             raise ValueError(
                 "topk_output_processor needs exactly one source of ids: k= (select the top-k) or "
-                "output_processor_context={'ids': [b, s, k]} (score given ids)"
+                "output_processor_context={'ids': [b, s, k]} (score given ids); both with union=True"
             )
         call = _Call(hidden_states, output_layer, output_weight, None, config, temperature, ctx)
         options = dict(tp_group=call.tp_group, sequence_parallel=call.sequence_parallel,
                        temperature=call.temperature, vocab_size=vocab_size, chunk_size=chunk_size)
         result: dict[str, torch.Tensor] = {}
-        if ids is None:
+        rows = None if ids is None else _per_token(ids, "output_processor_context['ids']", call.batch, call.seq)
+        rows_mask = None if mask is None else _per_token(mask, "output_processor_context['ids_mask']", call.batch,
+                                                         call.seq)
+        if k is not None:
             with torch.no_grad():
-                rows = lm_head_topk_ids(call.hidden, call.weight, k, **options)
+                own = lm_head_topk_ids(call.hidden, call.weight, k, **options)
+            rows, rows_mask = union_ids(rows.to(own.device), own) if union else (own, None)
             result["topk_ids"] = call.to_batch(rows)
-        else:
-            rows = _per_token(ids, "output_processor_context['ids']", call.batch, call.seq)
-        log_probs, tail = lm_head_topk_logprobs(call.hidden, call.weight, rows, **options)
+            if union:
+                result["ids_mask"] = call.to_batch(rows_mask)
+        log_probs, tail = lm_head_topk_logprobs(call.hidden, call.weight, rows, ids_mask=rows_mask, **options)
         result["topk_log_probs"] = call.to_batch(log_probs)
         result["tail"] = call.to_batch(tail)
         return result

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.ops._dist import tp_size
+from megatron_rl_patches.ops._divergences import DEFAULT_DIVERGENCE, MIXED_KL, check_divergence
 from megatron_rl_patches.ops._stats import compute_dtype
 
 Temperature = Union[float, torch.Tensor]
@@ -295,7 +297,9 @@ def check_k(k: int, vocab: int, name: str = "k") -> None:
         )
 
 
-def check_ids(ids: object, lead: torch.Size, vocab: int, checks: DeviceChecks) -> int:
+def check_ids(ids: object, lead: torch.Size, vocab: int, checks: DeviceChecks, ids_mask: object = None) -> int:
+    """k of ids [*lead, k]; with `ids_mask` (bool, ids' shape) only the True slots are checked
+    (in range, no repeats within a row): the others are padding, whatever their value."""
     check_id_tensor(ids, "ids", "[T, k]")
     if ids.dim() != len(lead) + 1 or ids.shape[:-1] != lead or ids.shape[-1] == 0:
         raise ValueError(
@@ -304,16 +308,35 @@ def check_ids(ids: object, lead: torch.Size, vocab: int, checks: DeviceChecks) -
         )
     k = ids.shape[-1]
     check_k(k, vocab, "ids.shape[-1] (k)")
+    check_ids_mask(ids_mask, ids)
     inside = (ids >= 0) & (ids < vocab)
+    if ids_mask is not None:
+        inside |= ~ids_mask
     checks.require(inside, lambda: ValueError(
         f"ids must be global vocab ids in [0, {vocab}), found {ids[~inside][0].item()}; check vocab_size and tp_group"
+        + ("" if ids_mask is None else " (only slots where ids_mask is True are read)")
     ))
     if k > 1:
-        ordered = ids.sort(dim=-1).values
+        distinct = ids.to(torch.long)
+        if ids_mask is not None:  # padding as distinct values no id has
+            distinct = torch.where(ids_mask, distinct, vocab + torch.arange(k, device=ids.device))
+        ordered = distinct.sort(dim=-1).values
         checks.require(ordered[..., 1:] != ordered[..., :-1], lambda: ValueError(
             "ids must not repeat within a row (each id is one bucket); deduplicate them, e.g. use topk_ids"
         ))
     return k
+
+
+def check_ids_mask(ids_mask: object, ids: torch.Tensor, name: str = "ids") -> None:
+    """None, or a bool tensor of `ids`' shape and device (True: a real id; False: padding)."""
+    if ids_mask is None:
+        return
+    if not isinstance(ids_mask, torch.Tensor) or ids_mask.dtype != torch.bool:
+        raise TypeError(f"ids_mask must be a bool tensor (True: a real id, False: padding) or None, "
+                        f"got {type(ids_mask).__name__ if not isinstance(ids_mask, torch.Tensor) else ids_mask.dtype}")
+    if ids_mask.shape != ids.shape or ids_mask.device != ids.device:
+        raise ValueError(f"ids_mask must have {name}' shape {tuple(ids.shape)} and device {ids.device}, "
+                         f"got {tuple(ids_mask.shape)} on {ids_mask.device}")
 
 
 def check_int_k(k: object) -> int:
@@ -412,6 +435,29 @@ def check_kl_options(kl: object, mix: object) -> float:
     return float(mix)
 
 
+_KL_NAMES = {"reverse": "reverse_kl", "forward": "forward_kl", "mixed": MIXED_KL}
+
+
+def resolve_divergence(divergence: object, beta: object, alpha: object, kl: object,
+                       mix: object) -> tuple[str, float, float, float]:
+    """(name, β, α, mix) of the top-k losses' divergence arguments. `divergence=` supersedes the
+    deprecated `kl=`/`mix=`: giving both is a TypeError; `kl=`/`mix=` alone warn
+    (DeprecationWarning) and map to reverse_kl / forward_kl / the mixed form (internal name
+    MIXED_KL); nothing given is reverse_kl."""
+    legacy = [name for name, value in (("kl", kl), ("mix", mix)) if value is not None]
+    if divergence is not None and legacy:
+        raise TypeError(f"give divergence= or the deprecated {'/'.join(n + '=' for n in legacy)}, not both; "
+                        f"divergence= supersedes them (kl='forward' is divergence='forward_kl')")
+    if not legacy:
+        return (*check_divergence(DEFAULT_DIVERGENCE if divergence is None else divergence, beta, alpha), 0.5)
+    warnings.warn("kl=/mix= are deprecated: use divergence= ('reverse_kl', 'forward_kl', 'jsd', ...); "
+                  "kl='reverse' is divergence='reverse_kl', kl='forward' divergence='forward_kl'",
+                  DeprecationWarning, stacklevel=3)
+    mix = check_kl_options("reverse" if kl is None else kl, 0.5 if mix is None else mix)
+    _, beta, alpha = check_divergence(DEFAULT_DIVERGENCE, beta, alpha)
+    return _KL_NAMES["reverse" if kl is None else kl], beta, alpha, mix
+
+
 
 # ------------------------------------------------------------------------ the fused LM head
 
@@ -480,8 +526,6 @@ class VocabularyMismatchError(ValueError):
 
 def check_divergence_options(divergence: object, beta: object, alpha: object) -> tuple[str, float, float]:
     """(name, β, α) checked by the divergence family's one check (named errors, see _divergences)."""
-    from megatron_rl_patches.ops._divergences import check_divergence
-
     return check_divergence(divergence, beta, alpha)
 
 

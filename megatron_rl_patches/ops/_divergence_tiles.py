@@ -19,28 +19,19 @@ which needs the row constants of :data:`CONSTANTS`, summed in the same pass as t
                                                dD/dz = p·(a − lm − K − α·(p/M − C))
 - tv           ½·Σ|q − p|,  C = Σ sign(q − p)·p     dD/dz = ½·p·(C − sign(q − p))
 
-(jsd with β = 0 / 1 and the skews with α = 0 are the plain KLs and run as those.) Ids outside
+(jsd with β = 0 / 1 and the skews with α = 0 are the plain KLs and run as those:
+:func:`megatron_rl_patches.ops._divergences.plain_form`.) Ids outside
 keep_mask have a = b = −inf: their terms and gradients are 0, never NaN.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
+from megatron_rl_patches.ops._divergences import log_mixture
 from megatron_rl_patches.ops._stats import RowStats, _moved, finite_or_zero, per_row, shifted_rows
 
 # The row constants each divergence's pass sums beside its value (what backward reads).
 CONSTANTS = {"forward_kl": 0, "reverse_kl": 1, "jsd": 1, "skew_forward_kl": 1, "skew_reverse_kl": 2, "tv": 1}
-
-
-def effective(name: str, beta: float, alpha: float) -> str:
-    """The divergence that runs: jsd at β = 0 / 1 is forward / reverse KL, a skew at α = 0 its KL."""
-    if name == "jsd" and beta in (0.0, 1.0):
-        return "forward_kl" if beta == 0.0 else "reverse_kl"
-    if name.startswith("skew_") and alpha == 0.0:
-        return name.removeprefix("skew_")
-    return name
 
 
 def one_pass(name: str, n_teachers: int) -> bool:
@@ -96,11 +87,6 @@ def mixture_(log_ps: list[torch.Tensor], log_w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _own_mixture(x: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
-    """log(weight·e^x + (1 − weight)·e^y) (0 < weight < 1)."""
-    return torch.logaddexp(x + math.log(weight), y + math.log1p(-weight))
-
-
 # ----------------------------------------------------------------------------- pass 2: row sums
 
 
@@ -117,14 +103,14 @@ def row_sums(name: str, a: torch.Tensor, b: torch.Tensor, beta: float, alpha: fl
         p, q = a.exp(), b.exp()
         return [0.5 * (q - p).abs_().sum(dim=1), dot(torch.sign(q - p), p)]
     if name == "jsd":
-        lm = _own_mixture(b, a, beta)
+        lm = log_mixture(b, a, beta)
         k = dot(a.exp(), _zero_outside(a - lm, kept))
         return [beta * dot(b.exp(), _zero_outside(b - lm, kept)) + (1 - beta) * k, k]
     if name == "skew_forward_kl":
-        lm = _own_mixture(b, a, alpha)
+        lm = log_mixture(b, a, alpha)
         c = _zero_outside((a + b - lm).exp_(), kept).sum(dim=1)  # Σ q·p/M
         return [dot(b.exp(), _zero_outside(b - lm, kept)), c]
-    lm = _own_mixture(a, b, alpha)  # skew_reverse_kl
+    lm = log_mixture(a, b, alpha)  # skew_reverse_kl
     k = dot(a.exp(), _zero_outside(a - lm, kept))
     return [k, k, _zero_outside((2 * a - lm).exp_(), kept).sum(dim=1)]  # Σ p²/M
 
@@ -142,13 +128,13 @@ def student_grad(name: str, a: torch.Tensor, b: torch.Tensor, consts: list[torch
     if name == "reverse_kl":
         return p.mul_(_zero_outside((a - b).sub_(c0), kept))
     if name == "jsd":
-        lm = _own_mixture(b, a, beta)
+        lm = log_mixture(b, a, beta)
         return p.mul_(_zero_outside((a - lm).sub_(c0), kept)).mul_(1 - beta)
     if name == "skew_forward_kl":
-        lm = _own_mixture(b, a, alpha)
+        lm = log_mixture(b, a, alpha)
         return p.mul_(_zero_outside((b - lm).exp_().neg_().add_(c0), kept)).mul_(1 - alpha)
     if name == "skew_reverse_kl":
-        lm = _own_mixture(a, b, alpha)
+        lm = log_mixture(a, b, alpha)
         ratio = (a - lm).exp_().sub_(consts[1][:, None]).mul_(alpha)  # α·(p/M − C)
         return p.mul_(_zero_outside((a - lm).sub_(c0).sub_(ratio), kept))
     # tv

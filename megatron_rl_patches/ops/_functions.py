@@ -112,39 +112,43 @@ def _saved_log_prob_outputs(saved: list[torch.Tensor], entropy_grad: bool, maske
 
 
 class TopkLogprobs(torch.autograd.Function):
-    """(log p at ids [T, k], log tail mass [T]) over the full (vocab-parallel) vocabulary."""
+    """(log p at ids [T, k], log tail mass [T]) over the full (vocab-parallel) vocabulary. Slots
+    where `valid` [T, k] (or None: all) is False are padding: log p -inf, no gradient, their
+    columns in the tail."""
 
     @staticmethod
-    def forward(ctx, ids, tau, spec: _vocab.OpSpec, checks, backend: Backend, *tensors):  # type: ignore[override]
+    def forward(ctx, ids, valid, tau, spec: _vocab.OpSpec, checks, backend: Backend, *tensors):  # type: ignore[override]
         source = _source(spec, tensors)
         dtype = _stats.compute_dtype(source.first.dtype)
         scale = _stats.row_scale(tau, source.n_rows, dtype)
-        cols, owned = _vocab.local_columns(ids, spec.first_id, spec.n_valid)
+        cols, owned = _vocab.local_columns(ids, spec.first_id, spec.n_valid, valid)
         stats = _stats.RowStats.empty(source.n_rows, ids.size(1), dtype, source.first.device, rest=False, subset=True)
         stats = backend.row_stats(source, stats, cols, owned, None, scale)
         stats = _stats.combine_over_ranks(stats, scale, spec.group)
         _check_rows(stats, spec, checks)
-        out = _stats.topk_outputs(stats, scale)
+        out = _stats.topk_outputs(stats, scale, valid)
         ctx.spec, ctx.backend, ctx.n_tensors = spec, backend, len(tensors)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*tensors, ids, torch.stack([out.shift, out.log_sum, out.tail_shift, out.log_tail_sum]),
-                              _save_tau(ctx, tau))
+        ctx.save_for_backward(*tensors, ids, valid, torch.stack([out.shift, out.log_sum, out.tail_shift,
+                                                                 out.log_tail_sum]), _save_tau(ctx, tau))
         return out.logp, out.tail
 
     @staticmethod
     @_vocab.reject_double_backward
     def backward(ctx, grad_logp, grad_tail):  # type: ignore[override]
-        *tensors, ids, saved, tau = ctx.saved_tensors
+        *tensors, ids, valid, saved, tau = ctx.saved_tensors
         spec: _vocab.OpSpec = ctx.spec
-        none = (None,) * 5
-        if (grad_logp is None and grad_tail is None) or not any(ctx.needs_input_grad[5:]):
+        none = (None,) * 6
+        if (grad_logp is None and grad_tail is None) or not any(ctx.needs_input_grad[6:]):
             return none + (None,) * ctx.n_tensors
         source = _source(spec, tuple(tensors))
         scale = _scale(ctx, tau, source.n_rows, saved.dtype)
         shift, log_sum, tail_shift, log_tail_sum = saved.unbind(0)
         out = _stats.TopkOutputs(torch.zeros(ids.shape, dtype=saved.dtype, device=saved.device), None, shift, log_sum,
                                  tail_shift, log_tail_sum)
-        cols, owned = _vocab.local_columns(ids, spec.first_id, spec.n_valid)
+        if valid is not None and grad_logp is not None:  # padding: a constant -inf, no gradient
+            grad_logp = grad_logp.masked_fill(~valid, 0.0)
+        cols, owned = _vocab.local_columns(ids, spec.first_id, spec.n_valid, valid)
         factors = _stats.topk_grad_factors(out, grad_logp, grad_tail, scale, cols, owned)
-        grads = ctx.backend.apply_grad(source, factors, scale, None, tuple(ctx.needs_input_grad[5:]))
+        grads = ctx.backend.apply_grad(source, factors, scale, None, tuple(ctx.needs_input_grad[6:]))
         return none + _finish(grads, tuple(tensors), spec)

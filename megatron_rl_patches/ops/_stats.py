@@ -287,12 +287,15 @@ class TopkOutputs:
     log_tail_sum: torch.Tensor
 
 
-def topk_outputs(stats: RowStats, scale: float | torch.Tensor) -> TopkOutputs:
+def topk_outputs(stats: RowStats, scale: float | torch.Tensor, valid: torch.Tensor | None = None) -> TopkOutputs:
     """(k+1) buckets from combined statistics whose marked columns are the ids and whose subset is
     the tail (every other column): the tail is summed with its own max as shift, so its log-mass
-    stays exact down to any size (never log(1 - Σp))."""
+    stays exact down to any size (never log(1 - Σp)). Slots not `valid` (padding of a masked ids
+    tensor, never marked: their column's mass is in the tail) get log-prob -inf."""
     shift, tail_shift = stats.safe_shift, finite_or_zero(stats.sub_shift)
     u_ids = (stats.marked - shift.unsqueeze(1)) * scale
+    if valid is not None:
+        u_ids = u_ids.masked_fill(~valid, -math.inf)
     tail_offset = (tail_shift - shift) * per_row(scale)
     log_tail_sum = stats.sub_sum.log()
     log_sum = torch.logaddexp(log_tail_sum + tail_offset, torch.logsumexp(u_ids, dim=1))

@@ -47,11 +47,15 @@ def valid_local_columns(local_vocab: int, vocab_size: int | None, group: dist.Pr
     return max(0, min(local_vocab, vocab_size - vocab_start(local_vocab, group)))
 
 
-def local_columns(ids: torch.Tensor, first_id: int, n_valid: int) -> tuple[torch.Tensor, torch.Tensor]:
+def local_columns(ids: torch.Tensor, first_id: int, n_valid: int,
+                  valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Local column of global `ids`, and whether this rank owns them; ids of other ranks (and
-    padding) point at column `n_valid`, a sink column of the chunk buffers, so writes need no mask."""
+    padding) point at column `n_valid`, a sink column of the chunk buffers, so writes need no mask.
+    Slots where `valid` (bool, ids' shape) is False are owned by no rank: never marked."""
     local = ids.to(torch.long) - first_id
     owned = (local >= 0) & (local < n_valid)
+    if valid is not None:
+        owned &= valid
     return torch.where(owned, local, n_valid), owned
 
 

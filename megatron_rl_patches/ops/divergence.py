@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab
 from megatron_rl_patches.ops import _divergence_tiles as tiles_math
-from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE
+from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE, plain_form
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
 from megatron_rl_patches.ops.kernels.torch_tiles import _accumulate, tiles
 
@@ -72,7 +72,7 @@ def lm_head_divergence(
     _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
     spec = _vocab.op_spec(weight.size(0), tp_group, vocab, chunk_size, "lm_head_divergence", arg=_LOGITS,
                           sequence_parallel=bool(sequence_parallel and _dist.tp_size(tp_group) > 1))
-    plan = (tiles_math.effective(name, beta, alpha), beta, alpha)
+    plan = (plain_form(name, beta, alpha), beta, alpha)
     flat = [t.detach() for pair in teachers for t in pair]  # teachers get no gradient
     return LmHeadDivergence.apply(plan, spec, checks, keep_mask, tau, log_w, hidden, weight, *flat)
 

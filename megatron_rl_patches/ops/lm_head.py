@@ -148,6 +148,7 @@ def lm_head_topk_logprobs(
     weight: torch.Tensor,
     ids: torch.Tensor,
     *,
+    ids_mask: Optional[torch.Tensor] = None,
     tp_group: Optional[dist.ProcessGroup] = None,
     sequence_parallel: bool = False,
     temperature: float | torch.Tensor = 1.0,
@@ -158,12 +159,13 @@ def lm_head_topk_logprobs(
     """`topk_logprobs(hidden @ weight.T, ids, ...)` without the logits: log-probs at ids [T, k]
     normalized over the full vocab, and the log of the remaining mass [T] (the complement's own
     log-sum-exp, never log(1 − Σp)). Gradients flow to hidden and weight (a student); call under
-    no_grad for a teacher."""
+    no_grad for a teacher. `ids_mask` as in `topk_logprobs` (padded slots: -inf, mass in the tail)."""
     _, n_rows, vocab = _checks.check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
     checks = _checks.DeviceChecks()
-    k = _checks.check_ids(ids, torch.Size([n_rows]), vocab, checks)
+    k = _checks.check_ids(ids, torch.Size([n_rows]), vocab, checks, ids_mask)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     spec = _spec(hidden, weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_logprobs")
     flat = ids.reshape(n_rows, k).to(device=hidden.device, dtype=torch.long)
+    valid = None if ids_mask is None else ids_mask.reshape(n_rows, k).to(hidden.device)
     chosen = resolve_backend(backend, hidden.device)
-    return TopkLogprobs.apply(flat, tau, spec, checks, chosen, hidden, weight)
+    return TopkLogprobs.apply(flat, valid, tau, spec, checks, chosen, hidden, weight)

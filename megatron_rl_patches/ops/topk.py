@@ -14,12 +14,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches.ops import _checks, _dist, _vocab
+from megatron_rl_patches.ops import _checks, _dist, _divergences, _vocab
 from megatron_rl_patches.ops._checks import Temperature, Weights
 from megatron_rl_patches.ops._functions import TopkLogprobs
 from megatron_rl_patches.ops.kernels import resolve_backend
 
-__all__ = ["topk_ids", "topk_logprobs", "topk_kl", "topk_opd_loss"]
+__all__ = ["topk_ids", "union_ids", "topk_logprobs", "topk_kl", "topk_opd_loss"]
 
 _NEG_INF = float("-inf")
 
@@ -117,6 +117,34 @@ def topk_ids(
     return ids.reshape(*lead, k)
 
 
+# ----------------------------------------------------------------------------- union of id sets
+PAD_ID = -1  # the id of union_ids' padded slots: no op reads it without the mask (an error there)
+
+
+def union_ids(student_ids: torch.Tensor, teacher_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The union of two id sets per row, as (ids [..., k_s + k_t] int64, ids_mask [..., k_s + k_t]
+    bool): the student's ids first, in their order, then the teacher's ids the student lacks, in
+    theirs, then padding (id -1, mask False) up to the fixed width. Pass both to the ops
+    (`topk_logprobs(..., ids_mask=)`, `lm_head_topk_logprobs`, `topk_kl`, `topk_opd_loss`): the
+    padded slots are empty buckets and the tail stays exact. Ids within each set must not repeat
+    (as `topk_ids` returns them); no gradient, no host sync."""
+    _checks.check_id_tensor(student_ids, "student_ids", "[T, k]")
+    _checks.check_id_tensor(teacher_ids, "teacher_ids", "[T, k]")
+    if (student_ids.dim() < 1 or student_ids.shape[:-1] != teacher_ids.shape[:-1]
+            or student_ids.dim() != teacher_ids.dim() or student_ids.device != teacher_ids.device):
+        raise ValueError(
+            f"student_ids and teacher_ids must share their leading dims and device ([..., k_s] and [..., k_t]), "
+            f"got {tuple(student_ids.shape)} on {student_ids.device} and {tuple(teacher_ids.shape)} on {teacher_ids.device}"
+        )
+    student, teacher = student_ids.long(), teacher_ids.long()
+    # [..., k_t, k_s] comparison: O(T·k_t·k_s) bools, fine for top-k sizes
+    new = ~(teacher[..., :, None] == student[..., None, :]).any(dim=-1)
+    first = torch.sort((~new).to(torch.int8), dim=-1, stable=True).indices  # the new ids first, in order
+    new = new.gather(-1, first)
+    teacher = torch.where(new, teacher.gather(-1, first), PAD_ID)
+    return torch.cat([student, teacher], dim=-1), torch.cat([torch.ones_like(student, dtype=torch.bool), new], dim=-1)
+
+
 # ----------------------------------------------------------------------------- top-k log-probs
 def _topk_logprobs_checked(
     logits: torch.Tensor,
@@ -129,16 +157,18 @@ def _topk_logprobs_checked(
     op: str = "topk_logprobs",
     name: str = "logits",
     backend: str = "auto",
+    ids_mask: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Size, int]:
     lead, local_vocab = _checks.check_logits(logits, name, tp_group)
     vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
-    k = _checks.check_ids(ids, lead, vocab, checks)
+    k = _checks.check_ids(ids, lead, vocab, checks, ids_mask)
     tau = _checks.check_temperature(temperature, lead, logits.device, checks, logits.dtype)
     chunk_rows = _vocab.logits_chunk_rows(_checks.check_chunk_size(chunk_size), local_vocab, tp_group, vocab, logits)
     spec = _vocab.op_spec(local_vocab, tp_group, vocab, chunk_rows, op, arg=name)
     flat_ids = ids.reshape(-1, k).to(device=logits.device, dtype=torch.long)
+    valid = None if ids_mask is None else ids_mask.reshape(-1, k).to(logits.device)
     chosen = resolve_backend(backend, logits.device)
-    logp, tail = TopkLogprobs.apply(flat_ids, tau, spec, checks, chosen, logits.reshape(-1, local_vocab))
+    logp, tail = TopkLogprobs.apply(flat_ids, valid, tau, spec, checks, chosen, logits.reshape(-1, local_vocab))
     return logp, tail, lead, k
 
 
@@ -146,6 +176,7 @@ def topk_logprobs(
     logits: torch.Tensor,
     ids: torch.Tensor,
     *,
+    ids_mask: Optional[torch.Tensor] = None,
     tp_group: Optional[dist.ProcessGroup] = None,
     temperature: Temperature = 1.0,
     vocab_size: Optional[int] = None,
@@ -158,9 +189,12 @@ def topk_logprobs(
     `tp_group`/`vocab_size` as in `log_probs_and_entropy`: logits [T, V_local] sharded over
     `tp_group` (None: no tensor parallelism), ids global, padded columns excluded. Output is
     float32 (float64 for float64 logits). `chunk_size` is rows per chunk (None: automatic).
+    `ids_mask` (bool, ids' shape; e.g. from `union_ids`): False slots are padding, whatever
+    their id: log-prob -inf with no gradient, and their mass stays in the tail.
     """
     logp, tail, lead, k = _topk_logprobs_checked(
-        logits, ids, tp_group, temperature, vocab_size, chunk_size, _checks.DeviceChecks(), backend=backend
+        logits, ids, tp_group, temperature, vocab_size, chunk_size, _checks.DeviceChecks(), backend=backend,
+        ids_mask=ids_mask,
     )
     return logp.reshape(*lead, k), tail.reshape(lead)
 
@@ -184,46 +218,31 @@ def _derived_tail(logprobs: torch.Tensor, source_dtype: torch.dtype) -> torch.Te
     return _log1mexp(covered).clamp(min=floor)
 
 
-def _kl_rows(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
-    """sum_b a_b (log a_b - log b_b) with 0·log 0 = 0 and +inf where b_b = 0 < a_b.
-
-    Built with where() on finite stand-ins so -inf entries give neither NaN values nor NaN
-    gradients; an infinite bucket contributes no gradient.
-    """
-    a_pos = log_a > _NEG_INF
-    b_pos = log_b > _NEG_INF
-    la = torch.where(a_pos, log_a, 0.0)
-    lb = torch.where(b_pos, log_b, 0.0)
-    terms = torch.where(a_pos & b_pos, torch.exp(la) * (la - lb), 0.0)
-    terms = torch.where(a_pos & ~b_pos, math.inf, terms)
-    return terms.sum(dim=-1)
-
-
-def _bucket_kl(
+def _bucket_divergence(
     log_p: torch.Tensor,
     teachers: torch.Tensor,
     teacher_tails: Optional[torch.Tensor],
     log_w: torch.Tensor,
-    kl: str,
-    mix: float,
+    choice: tuple[str, float, float, float],
+    valid: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Per-row KL between the student's buckets `log_p` [R, k+1] and the teacher mixture (teachers
-    [n, ..., k] in their source dtype, tails [n, ...] or None: derived)."""
+    """Per-row divergence between the student's buckets `log_p` [R, k+1] and the teacher mixture
+    (teachers [n, ..., k] in their source dtype, tails [n, ...] or None: derived); `choice` is
+    (name, β, α, mix) from :func:`_checks.resolve_divergence`. Id buckets not `valid` [R, k]
+    are empty (-inf) on every side."""
     n, k, source_dtype = teachers.shape[0], teachers.shape[-1], teachers.dtype
     dtype = log_p.dtype
     teachers = teachers.detach().to(device=log_p.device, dtype=dtype).reshape(n, -1, k)
+    if valid is not None:
+        teachers = teachers.masked_fill(~valid, _NEG_INF)
+        log_p = torch.cat([log_p[:, :k].masked_fill(~valid, _NEG_INF), log_p[:, k:]], dim=1)
     if teacher_tails is None:
         teacher_tails = _derived_tail(teachers, source_dtype)
     else:
         teacher_tails = teacher_tails.detach().to(device=log_p.device, dtype=dtype).reshape(n, -1)
     log_qs = torch.cat([teachers, teacher_tails[..., None]], dim=-1)
     log_q = log_qs[0] if n == 1 else torch.logsumexp(log_qs + log_w[:, None, None], dim=0)
-    if kl == "reverse" or (kl == "mixed" and mix == 0.0):
-        return _kl_rows(log_p, log_q)
-    if kl == "forward" or mix == 1.0:
-        return _kl_rows(log_q, log_p)
-    # computed apart so that 0·inf never appears for mix in {0, 1}
-    return mix * _kl_rows(log_q, log_p) + (1.0 - mix) * _kl_rows(log_p, log_q)
+    return _divergences.bucket_divergence(choice[0], log_p, log_q, *choice[1:])
 
 
 def topk_kl(
@@ -233,15 +252,20 @@ def topk_kl(
     teacher_tail: Optional[torch.Tensor] = None,
     *,
     teacher_weights: Weights = None,
-    kl: str = "reverse",
-    mix: float = 0.5,
+    divergence: Optional[str] = None,
+    beta: float = 0.5,
+    alpha: float = 0.1,
+    ids_mask: Optional[torch.Tensor] = None,
+    kl: Optional[str] = None,
+    mix: Optional[float] = None,
 ) -> torch.Tensor:
-    """Per-token KL [T] between (k+1)-bucket distributions that are already computed: the
+    """Per-token divergence [T] between (k+1)-bucket distributions that are already computed: the
     student's log-probs at the k ids [T, k] and its tail [T] (from `topk_logprobs` or
     `lm_head_topk_logprobs`), against the teachers' [T, k] or [n, T, k] (tails [T] / [n, T], or
     None: derived stably from their k log-probs). Options as `topk_opd_loss`; the gradient flows
-    to the student's buckets only."""
-    mix = _checks.check_kl_options(kl, mix)
+    to the student's buckets only. `ids_mask` (bool [T, k]): buckets where it is False are
+    padding, empty for the student and every teacher whatever values they hold."""
+    choice = _checks.resolve_divergence(divergence, beta, alpha, kl, mix)
     _checks.check_float_tensor(student_logprobs, "student_logprobs", "[T, k]")
     _checks.check_float_tensor(student_tail, "student_tail", "[T]")
     if student_logprobs.dim() < 1 or student_logprobs.shape[-1] == 0:
@@ -254,6 +278,7 @@ def topk_kl(
         )
     if student_tail.dtype != student_logprobs.dtype or student_tail.device != student_logprobs.device:
         raise ValueError("student_tail must have student_logprobs' dtype and device (both come from one top-k op)")
+    _checks.check_ids_mask(ids_mask, student_logprobs, "student_logprobs")
     checks = _checks.DeviceChecks()
     _checks.check_logprob_values(student_logprobs.detach(), "student_logprobs", checks)
     _checks.check_logprob_values(student_tail.detach(), "student_tail", checks)
@@ -263,7 +288,8 @@ def topk_kl(
     checks.raise_first()  # one host sync for every value check
     k = student_logprobs.shape[-1]
     log_p = torch.cat([student_logprobs.reshape(-1, k).to(dtype), student_tail.reshape(-1, 1).to(dtype)], dim=1)
-    return _bucket_kl(log_p, teachers, teacher_tails, log_w, kl, mix).reshape(lead)
+    valid = None if ids_mask is None else ids_mask.reshape(-1, k)
+    return _bucket_divergence(log_p, teachers, teacher_tails, log_w, choice, valid).reshape(lead)
 
 
 def topk_opd_loss(
@@ -273,26 +299,35 @@ def topk_opd_loss(
     teacher_tail_logprobs: Optional[torch.Tensor] = None,
     *,
     teacher_weights: Weights = None,
-    kl: str = "reverse",
-    mix: float = 0.5,
+    divergence: Optional[str] = None,
+    beta: float = 0.5,
+    alpha: float = 0.1,
+    ids_mask: Optional[torch.Tensor] = None,
+    kl: Optional[str] = None,
+    mix: Optional[float] = None,
     tp_group: Optional[dist.ProcessGroup] = None,
     temperature: Temperature = 1.0,
     vocab_size: Optional[int] = None,
     chunk_size: Optional[int] = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Per-token KL [T] between the student's and the teacher mixture's (k+1)-bucket
+    """Per-token divergence [T] between the student's and the teacher mixture's (k+1)-bucket
     distributions (the k ids plus one tail bucket); gradient flows to the student logits only.
     The same as ``topk_kl(*topk_logprobs(student_logits, ids, ...), teacher_logprobs, ...)``,
     with one host sync for all checks.
 
-    kl: "reverse" sum p (log p - log q), "forward" sum q (log q - log p), "mixed"
-    mix·forward + (1 - mix)·reverse. The mixture is q = sum_j w_j q_j (w normalized, default
-    uniform); teacher tails default to log(1 - sum_k q_j), computed stably and floored at the
-    dtype's epsilon. Zero-probability buckets: 0·log 0 = 0; a bucket with zero probability on
-    the reference side only makes that token's KL +inf (that bucket gives no gradient).
+    divergence (None: "reverse_kl"): one of "forward_kl" KL(q‖p), "reverse_kl" KL(p‖q), "jsd"
+    (weight `beta` on the teacher; 0: forward, 1: reverse KL), "skew_forward_kl",
+    "skew_reverse_kl" (own share `alpha`), "tv" (docs/distillation.md). The deprecated
+    kl="reverse" / "forward" / "mixed" (mix·forward + (1 − mix)·reverse) still work with a
+    DeprecationWarning; giving both is a TypeError. The mixture is q = sum_j w_j q_j (w
+    normalized, default uniform); teacher tails default to log(1 - sum_k q_j), computed stably
+    and floored at the dtype's epsilon. Zero-probability buckets: 0·log 0 = 0; a bucket with
+    zero probability on the reference side only makes that token's KL +inf (that bucket gives
+    no gradient). `ids_mask` (bool, ids' shape; e.g. from `union_ids`): padded slots, as in
+    `topk_logprobs`, empty buckets for every model.
     """
-    mix = _checks.check_kl_options(kl, mix)
+    choice = _checks.resolve_divergence(divergence, beta, alpha, kl, mix)
     lead, _ = _checks.check_logits(student_logits, "student_logits", tp_group)
     _checks.check_id_tensor(ids, "ids", "[T, k]")
     checks = _checks.DeviceChecks()
@@ -301,7 +336,8 @@ def topk_opd_loss(
                                                     teacher_weights, dtype, student_logits.device, checks)
     logp, tail, lead, k = _topk_logprobs_checked(
         student_logits, ids, tp_group, temperature, vocab_size, chunk_size, checks, "topk_opd_loss", "student_logits",
-        backend,
+        backend, ids_mask,
     )
     log_p = torch.cat([logp, tail[:, None]], dim=1)
-    return _bucket_kl(log_p, teachers, teacher_tails, log_w, kl, mix).reshape(lead)
+    valid = None if ids_mask is None else ids_mask.reshape(-1, k).to(log_p.device)
+    return _bucket_divergence(log_p, teachers, teacher_tails, log_w, choice, valid).reshape(lead)

@@ -1,1 +1,19 @@
-"""Patch machinery: records, selection, start-up hook. Knows nothing of Megatron."""
+"""Patch machinery: records, selection, start-up hook. Knows nothing of Megatron nor of which
+patches exist: the registry of every known patch is named here by a string, resolved when used."""
+from __future__ import annotations
+
+TYPE_CHECKING = False  # not `typing`'s: this package is imported at every interpreter start-up
+if TYPE_CHECKING:
+    from megatron_rl_patches.patching.registry import Registry
+
+# The composition root: the function of no argument that builds the registry of every known
+# patch. A "module:attribute" string, so this layer imports no integration; replaceable for tests
+# and for embedders with their own registry.
+DEFAULT_REGISTRY = "megatron_rl_patches.integrations:default_registry"
+
+
+def load_registry(factory: str = DEFAULT_REGISTRY) -> Registry:
+    """The registry `factory` ("module:function") returns; the default one unless told."""
+    import pkgutil
+
+    return pkgutil.resolve_name(factory)()

@@ -15,7 +15,10 @@ DISABLE = "MEGATRON_RL_PATCHES_DISABLE"
 STRICT = "MEGATRON_RL_PATCHES_STRICT"
 INFERENCE_ROLES = "MEGATRON_RL_PATCHES_INFERENCE_ROLES"
 ALLOW_UNTESTED = "MEGATRON_RL_PATCHES_ALLOW_UNTESTED"
-VARIABLES = (SELECT, DISABLE, STRICT, INFERENCE_ROLES, ALLOW_UNTESTED)
+BACKEND = "MEGATRON_RL_PATCHES_BACKEND"
+VARIABLES = (SELECT, DISABLE, STRICT, INFERENCE_ROLES, ALLOW_UNTESTED, BACKEND)
+
+BACKENDS = ("torch", "triton")
 
 DEFAULT_INFERENCE_ROLES = ("prm_teacher", "teacher")
 _OFF = {"", "0", "false", "no", "off", "none"}
@@ -76,6 +79,12 @@ def split_names(value: str | Sequence[str] | None) -> list[str]:
     return [item.strip() for item in items if item and item.strip()]
 
 
+def is_off(environ: Mapping[str, str] | None = None) -> bool:
+    """True when MEGATRON_RL_PATCHES is set to an explicit "off" word (0, false, no, off, none)."""
+    word = (_get(environ, SELECT) or "").strip().lower()
+    return bool(word) and word in _OFF
+
+
 def is_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """True when MEGATRON_RL_PATCHES asks for patching at start-up (unset, '' or '0' = off)."""
     return (_get(environ, SELECT) or "").strip().lower() not in _OFF
@@ -108,6 +117,30 @@ def inference_roles(environ: Mapping[str, str] | None = None) -> list[str]:
     """Roles built inference-only; unset means the default teacher roles, '' means none."""
     value = _get(environ, INFERENCE_ROLES)
     return list(DEFAULT_INFERENCE_ROLES) if value is None else split_names(value)
+
+
+def backend(environ: Mapping[str, str] | None = None) -> str | None:
+    """MEGATRON_RL_PATCHES_BACKEND: "torch" or "triton"; None when unset or "" (the ops choose)."""
+    value = _get(environ, BACKEND) or ""
+    word = value.strip().lower()
+    if not word or word in BACKENDS:
+        return word or None
+    raise ValueError(f"{BACKEND}={_cut(value)!r} is not a backend: use {' or '.join(BACKENDS)}, or unset it")
+
+
+def checked_inference_roles(environ: Mapping[str, str] | None = None) -> list[str]:
+    """:func:`inference_roles`, refusing a value that names no role or a name that is not an
+    identifier (ValueError naming the variable); '' still means none."""
+    value = _get(environ, INFERENCE_ROLES)
+    roles = inference_roles(environ)
+    if value is not None and value and not roles:
+        raise ValueError(f"{INFERENCE_ROLES}={_cut(value)!r} names no role: list role names (e.g. "
+                         f"{','.join(DEFAULT_INFERENCE_ROLES)}), set it to \"\" for none, or unset it for the default")
+    bad = [role for role in roles if not role.isidentifier()]
+    if bad:
+        raise ValueError(f"{INFERENCE_ROLES}={_cut(value or '')!r}: {_cut(bad[0])!r} is not a role name; role names "
+                         f"are identifiers (letters, digits, '_'), comma-separated, e.g. {','.join(DEFAULT_INFERENCE_ROLES)}")
+    return roles
 
 
 _LISTED = 5  # unknown names an error message shows (each cut by _cut)
@@ -152,17 +185,39 @@ def resolve_selection(
     return [name for name in dict.fromkeys(known) if name in chosen]
 
 
+def check(known: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:
+    """Every variable of ours in `environ`, checked as `megatron-rl-patches run` passes them on:
+    names known, yes/no words, the backend, the roles' syntax, and a selection that names some
+    patch. Returns the patch names selected; ValueError naming the variable otherwise."""
+    environ = _environ(environ)
+    select = _get(environ, SELECT) or ""
+    if select.strip().lower() not in _OFF | _ALL and not selected_names(environ):
+        raise ValueError(f"{SELECT}={_cut(select)!r} names no patch: use all or patch names ({', '.join(known)})")
+    disabled = _get(environ, DISABLE) or ""
+    if disabled.strip() and not disabled_names(environ):
+        raise ValueError(f"{DISABLE}={_cut(disabled)!r} names no patch: list patch names to leave out, or unset it")
+    chosen = resolve_selection(known, environ=environ)
+    is_strict(environ)
+    allows_untested(environ)
+    backend(environ)
+    checked_inference_roles(environ)
+    if not chosen:
+        raise ValueError(f"{DISABLE}={_cut(disabled)!r} leaves out every patch selected: nothing would be "
+                         f"applied; unset it or select other patches")
+    return chosen
+
+
 def summary(environ: Mapping[str, str] | None = None) -> dict[str, object]:
-    """The raw variables and what they mean, for `megatron-rl-patches doctor`; a yes/no variable
-    with an unknown value reads as None, its error in "errors"."""
+    """The raw variables and what they mean, for `megatron-rl-patches doctor`; a yes/no or backend
+    variable with an unknown value reads as None, its error in "errors"."""
     env = _environ(environ)
     names = selected_names(env)
     enabled = is_enabled(env)
     errors: list[str] = []
 
-    def flag(read: Callable[[Mapping[str, str]], bool]) -> bool | None:
+    def read(reader: Callable[[Mapping[str, str]], object]) -> object:
         try:
-            return read(env)
+            return reader(env)
         except ValueError as exc:
             errors.append(str(exc))
             return None
@@ -172,8 +227,9 @@ def summary(environ: Mapping[str, str] | None = None) -> dict[str, object]:
         "enabled_at_startup": enabled,
         "selects": None if not enabled else "all" if names is None else names,
         "disabled": disabled_names(env),
-        "strict": flag(is_strict),
-        "allow_untested": flag(allows_untested),
+        "strict": read(is_strict),
+        "allow_untested": read(allows_untested),
         "inference_roles": inference_roles(env),
+        "backend": read(backend),
         "errors": errors,
     }

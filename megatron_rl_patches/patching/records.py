@@ -73,3 +73,48 @@ class PatchStatus:
 
     def as_dict(self) -> dict[str, str]:
         return asdict(self)
+
+
+class PatchStatuses(list):
+    """What apply() / applied() / revert() return: a list of :class:`PatchStatus` (one per patch
+    and target) that prints as one line per patch: its name, how many of its targets are in each
+    status, and each distinct reason once."""
+
+    def lines(self) -> list[str]:
+        """One line per patch, in the order of the list."""
+        by_patch: dict[str, list[PatchStatus]] = {}
+        for status in self:
+            by_patch.setdefault(status.name, []).append(status)
+        width = max((len(name) for name in by_patch), default=0)
+        return [f"{name:<{width}}  {_patch_line(statuses)}" for name, statuses in by_patch.items()]
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines()) if self else "no patch"
+
+    __repr__ = __str__
+
+
+def _patch_line(statuses: list[PatchStatus]) -> str:
+    """'applied 2/2 targets', or 'pending 1/2, skipped 1/2 targets (skipped: why)'."""
+    total = len(statuses)
+    counts: dict[str, int] = {}
+    for status in statuses:
+        counts[status.status] = counts.get(status.status, 0) + 1
+    line = ", ".join(f"{word} {count}/{total}" for word, count in counts.items())
+    line += " target" if total == 1 else " targets"
+    reasons = [f"{word}: {why}" if len(counts) > 1 else why
+               for word in counts if (why := _reasons([s for s in statuses if s.status == word]))]
+    return f"{line} ({'; '.join(reasons)})" if reasons else line
+
+
+def _reasons(statuses: list[PatchStatus]) -> str:
+    """The distinct reasons of `statuses`, once each; the modules pending targets wait for, in one phrase."""
+    awaited, others = [], []
+    for status in statuses:
+        module = status.target.partition(":")[0]
+        if status.code == WAITING and status.reason == f"waiting for the import of {module}":
+            awaited.append(module)
+        elif status.reason:
+            others.append(status.reason)
+    parts = [f"waiting for the import of {', '.join(dict.fromkeys(awaited))}"] if awaited else []
+    return "; ".join([*parts, *dict.fromkeys(others)])

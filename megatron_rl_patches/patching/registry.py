@@ -1,8 +1,8 @@
 """The life cycle of patch records: apply, revert, statuses, post-import hooks, version guards.
 
 A :class:`Registry` holds records (from ``records``) and their state. A record is installed with
-a wrapt FunctionWrapper when its module is imported (at once if it already is) and removed with
-``wrapt.unwrap_object``. Every wrapper consults a per-target switch, so a reference captured by
+a wrapt FunctionWrapper that pickles like its original (``wrappers``) when its module is imported
+(at once if it already is) and removed with ``wrapt.unwrap_object``. Every wrapper consults a per-target switch, so a reference captured by
 ``from x import f`` while patched behaves like the original once reverted. This module knows
 nothing of Megatron nor of which patches exist: ``megatron_rl_patches.integrations`` assembles
 the default registry.
@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import wrapt
 
 from megatron_rl_patches._log import logger, warn_once
-from megatron_rl_patches.patching import env
+from megatron_rl_patches.patching import env, wrappers
 from megatron_rl_patches.patching.records import (  # noqa: F401 - re-exported: the errors' documented home
     APPLIED,
     DISABLED,
@@ -42,6 +42,7 @@ from megatron_rl_patches.patching.records import (  # noqa: F401 - re-exported: 
     PatchError,
     PatchSignatureMismatch,
     PatchStatus,
+    PatchStatuses,
     PatchTargetMissing,
     PatchVersionUnsupported,
 )
@@ -195,11 +196,11 @@ class Registry:
         with self._lock:
             return [slot.patch for slot in self._catalog().values()]
 
-    def applied(self) -> list[PatchStatus]:
+    def applied(self) -> PatchStatuses:
         """The real state of every (patch, target): applied / pending / skipped / failed."""
         with self._lock:
             self._retry_deferred()
-            return [slot.as_status() for slot in self._catalog().values()]
+            return PatchStatuses(slot.as_status() for slot in self._catalog().values())
 
     def entries(self) -> list[tuple[Patch, PatchStatus]]:
         """Every record with its current status, in declaration order (for `list`)."""
@@ -216,7 +217,7 @@ class Registry:
         allow_untested: bool | None = None,
         *,
         environ: Mapping[str, str] | None = None,
-    ) -> list[PatchStatus]:
+    ) -> PatchStatuses:
         """Apply the selected patches (idempotent, additive); returns the statuses of those selected.
 
         With no arguments: the names MEGATRON_RL_PATCHES lists, else every patch, less
@@ -257,9 +258,9 @@ class Registry:
                     errors.append(exc)
             if errors:
                 raise errors[0]
-            return [slot.as_status() for slot in slots]
+            return PatchStatuses(slot.as_status() for slot in slots)
 
-    def revert(self, only: str | Sequence[str] | None = None) -> list[PatchStatus]:
+    def revert(self, only: str | Sequence[str] | None = None) -> PatchStatuses:
         """Remove the patches (all, or those named), restoring the original objects. Idempotent."""
         with self._lock:
             names = set(env.resolve_selection(self.patch_names(), only, environ={})) if only is not None else None
@@ -277,7 +278,7 @@ class Registry:
                     slot.handle = slot.owner = None
                 if in_play:
                     slot.set(SKIPPED, reason, REVERTED)
-            return [slot.as_status() for slot in slots]
+            return PatchStatuses(slot.as_status() for slot in slots)
 
     def reset(self) -> None:
         """Revert everything and forget statuses and hooks' pending work (test isolation)."""
@@ -375,7 +376,7 @@ class Registry:
             return _refuse(slot, PatchSignatureMismatch, problem_signature, SIGNATURE)
         try:
             slot.impl = patch.wrapper if callable(patch.wrapper) else self._resolve(patch.wrapper)
-            slot.handle = wrapt.wrap_function_wrapper(owner, attribute, _guard(slot))
+            slot.handle = wrappers.wrap(owner, attribute, _guard(slot))
         except Exception as exc:
             slot.set(FAILED, f"{type(exc).__name__}: {exc}", ERROR)
             if slot.strict:

@@ -11,15 +11,11 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_rl_patches.testing.model_kinds import MODEL_KINDS, ModelKindUnavailable  # noqa: F401 (re-exported)
 from megatron_rl_patches.testing.shims import cpu_shims
 
 TINY_VOCAB = 64
 TINY_SEQ = 16
-MODEL_KINDS = ("gpt", "hybrid")
-
-
-class ModelKindUnavailable(ImportError):
-    """The installed megatron-core cannot build this model kind (tests skip with its message)."""
 
 
 def _free_port() -> int:
@@ -269,5 +265,5 @@ class MegatronCPU:
         if kind not in MODEL_KINDS:
             raise ValueError(f"kind must be one of {MODEL_KINDS}, got {kind!r}")
         if kind == "hybrid":
-            import megatron_rl_patches.testing.tiny_hybrid  # noqa: F401  (raises ModelKindUnavailable)
+            import megatron_rl_patches.testing.tiny_hybrid  # noqa: F401  (its import raises ModelKindUnavailable)
         return replace(self, kind=kind)

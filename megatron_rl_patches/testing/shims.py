@@ -11,6 +11,8 @@ left alone):
   Megatron-LM's `get_model` (0.19) builds DDP under a side stream. CPU work is already ordered,
   so every wait or record is a no-op.
 - `torch.nn.Module.cuda`: Megatron-LM's `get_model` (0.19) moves the model to the GPU (no-op here).
+- `Tensor.cuda()` (through the factory mode): 0.13's pipelined schedules build a token counter
+  with `torch.tensor(0).cuda()` (identity on CPU).
 - `torch.Tensor.type()`: megatron-core's optimizers compare type names (`'torch.cuda.FloatTensor'`)
   to build the distributed optimizer and check grads; CPU tensors report the `torch.cuda.*` name
   (no argument only; conversions are untouched).
@@ -27,10 +29,13 @@ _MISSING = object()
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """Redirect tensor factory calls that ask for a CUDA device (device="cuda", an int) to CPU."""
+    """Redirect tensor factory calls that ask for a CUDA device (device="cuda", an int) to CPU;
+    `Tensor.cuda()` returns the tensor itself."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
         device = kwargs.get("device")
         if device is not None and (isinstance(device, int) or "cuda" in str(device)):
             kwargs = {**kwargs, "device": "cpu"}

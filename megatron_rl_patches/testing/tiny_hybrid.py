@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl_patches.testing.megatron_cpu import ModelKindUnavailable
+from megatron_rl_patches.testing.model_kinds import ModelKindUnavailable
 
 try:
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules

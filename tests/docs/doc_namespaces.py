@@ -65,21 +65,11 @@ def saved_teacher(stack: ExitStack, provider: Callable[..., Any]) -> str:
 
 
 def readme(stack: ExitStack) -> dict:
-    kit = megatron_world(stack)
-    batch = kit.batch(seed=0)
-    rows, vocab = 12, 64
-    return {
-        "logits": lm_head_logits(rows, vocab),
-        "tokens": token_ids(rows, vocab),
-        "tp_group": None,
-        "model_provider": kit.provider(),
-        "teacher_checkpoint": saved_teacher(stack, kit.provider(seed=7)),
-        "model": kit.gpt(seed=0),
-        "input_ids": batch["tokens"],
-        "labels": batch["labels"],
-        "position_ids": batch["position_ids"],
-        "attention_mask": batch["attention_mask"],
-    }
+    """README's fragments define their own inputs; only the checkpoint behind `load_dir=` is the
+    test's (written inside a megatron world of its own, torn down before the page runs)."""
+    with ExitStack() as world:
+        kit = megatron_world(world)
+        return {"teacher_checkpoint": saved_teacher(stack, kit.provider(seed=7))}
 
 
 # ---------------------------------------------------------------------------- docs/inference-only.md
@@ -256,7 +246,7 @@ def padding_report() -> str:
     """docs/inference-only.md: the tiny model's grad-buffer lines with the distributed optimizer,
     overlap_grad_reduce and bucket_size=4000."""
     from megatron_rl_patches import training_state_bytes
-    from megatron_rl_patches.presentation import memory_report
+    from megatron_rl_patches.apps.presentation import memory_report
 
     with ExitStack() as stack:
         kit = megatron_world(stack)

@@ -94,7 +94,7 @@ def environment(values: dict[str, str]) -> Iterator[None]:
 def run_cli(command: str) -> tuple[int, str]:
     """`[NAME=value ...] megatron-rl-patches ARGS` (or `python -m megatron_rl_patches ARGS`) through
     the CLI's `main` in this process; returns (exit code, stdout)."""
-    from megatron_rl_patches.cli import main
+    from megatron_rl_patches.apps.cli import main
 
     words = shlex.split(command)
     env = {}

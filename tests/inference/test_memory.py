@@ -107,7 +107,7 @@ def test_report_as_json():
 
 def test_memory_module_imports_no_torch():
     code = (
-        "import sys, megatron_rl_patches.cli.memory, megatron_rl_patches.inference.memory; "
+        "import sys, megatron_rl_patches.apps.cli.memory, megatron_rl_patches.inference.memory; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -120,7 +120,7 @@ def test_memory_formula_matches_counted_grad_buffer_up_to_named_padding(megatron
     import torch
 
     from megatron_rl_patches import build_inference_model, training_state_bytes
-    from megatron_rl_patches.presentation import memory_report as format_report
+    from megatron_rl_patches.apps.presentation import memory_report as format_report
 
     model = megatron_cpu_kind.model(seed=0)
     n = sum(p.numel() for p in model.parameters())

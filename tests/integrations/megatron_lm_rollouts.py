@@ -7,7 +7,7 @@ import sys
 
 
 def main(out: str) -> None:
-    from megatron_rl_patches.patching import bootstrap
+    from megatron_rl_patches.patching.startup import hook as bootstrap
 
     bootstrap.run()  # what the installed .pth does at start-up (not installed in a dev checkout)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl_patches.patching import startup
+from megatron_rl_patches.patching.startup import files as startup
 
 pytestmark = [pytest.mark.slow, pytest.mark.megatron]
 
@@ -102,7 +102,7 @@ def test_wheel_ships_the_startup_files(wheel):
         entry_points = archive.read(record.replace("RECORD", "entry_points.txt")).decode()
     assert {startup.PTH_NAME, startup.START_NAME} <= listed  # so pip uninstall removes them
     assert "megatron_rl_patches/py.typed" in names
-    assert "megatron-rl-patches = megatron_rl_patches.cli:main" in entry_points
+    assert "megatron-rl-patches = megatron_rl_patches.apps.cli:main" in entry_points
 
 
 def test_variable_set_patches_megatron_without_code(venv):
@@ -138,7 +138,7 @@ def test_variable_unset_imports_nothing_heavy(venv):
     proc = py(python, "import json, sys; print(json.dumps(sorted(sys.modules)))")
     assert proc.returncode == 0 and proc.stderr == ""
     modules = json.loads(proc.stdout)
-    assert "megatron_rl_patches.patching.bootstrap" in modules  # the start-up file did run
+    assert "megatron_rl_patches.patching.startup.hook" in modules  # the start-up file did run
     assert not [m for m in modules if m.split(".")[0] in HEAVY]
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl_patches.patching import startup
+from megatron_rl_patches.patching.startup import files as startup
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,7 +29,7 @@ def test_wheel_modules_equal_the_source_tree(built_wheel):
     with zipfile.ZipFile(built_wheel.path) as archive:
         names = archive.namelist()
     shipped = {name for name in names if name.endswith(".py")}
-    assert "megatron_rl_patches/cli/__init__.py" in shipped
+    assert "megatron_rl_patches/apps/cli/__init__.py" in shipped
     assert shipped == source, {"stale": sorted(shipped - source), "missing": sorted(source - shipped)}
     for stale in built_wheel.stale:
         assert stale not in shipped

@@ -161,7 +161,7 @@ def test_strict_variable_is_the_default_and_the_argument_wins(clean_registry, mo
 STARTUP_SCRIPT = textwrap.dedent(
     """
     import json, sys
-    import megatron_rl_patches.patching.bootstrap as bootstrap
+    import megatron_rl_patches.patching.startup.hook as bootstrap
     bootstrap.run(); bootstrap.run()  # a venv executes the .pth twice
     result = {"ran": bootstrap.has_run()}
     try:
@@ -210,11 +210,11 @@ def test_launcher_rank_reads_the_usual_variables():
 
 def test_start_up_messages_come_from_rank_zero_only():
     quiet = subprocess.run(
-        [sys.executable, "-c", "import megatron_rl_patches.patching.bootstrap as b; b.run()"],
+        [sys.executable, "-c", "import megatron_rl_patches.patching.startup.hook as b; b.run()"],
         env=child_env(MEGATRON_RL_PATCHES="bogus", RANK="1"), capture_output=True, text=True, timeout=60,
     )
     loud = subprocess.run(
-        [sys.executable, "-c", "import megatron_rl_patches.patching.bootstrap as b; b.run()"],
+        [sys.executable, "-c", "import megatron_rl_patches.patching.startup.hook as b; b.run()"],
         env=child_env(MEGATRON_RL_PATCHES="bogus", RANK="0"), capture_output=True, text=True, timeout=60,
     )
     assert quiet.returncode == loud.returncode == 0
@@ -224,7 +224,7 @@ def test_start_up_messages_come_from_rank_zero_only():
 
 def test_a_left_over_start_up_line_is_silent_without_the_package(tmp_path):
     """An editable install removed after `startup install` leaves the .pth behind: no traceback."""
-    from megatron_rl_patches.patching import startup
+    from megatron_rl_patches.patching.startup import files as startup
 
     line = startup.CONTENTS[startup.PTH_NAME]
     proc = subprocess.run(

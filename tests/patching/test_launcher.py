@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl_patches.patching import launcher
+from megatron_rl_patches.patching.startup import launcher
 
 # What a child reports: was the package's bootstrap run, and with which selection.
 REPORT = textwrap.dedent(
     """
     import json, os, sys
-    boot = sys.modules.get("megatron_rl_patches.patching.bootstrap")
+    boot = sys.modules.get("megatron_rl_patches.patching.startup.hook")
     print(json.dumps({"bootstrap_ran": bool(boot and boot.has_run()),
                       "selection": os.environ.get("MEGATRON_RL_PATCHES"),
                       "sitecustomize": getattr(sys.modules.get("sitecustomize"), "__file__", None),
@@ -38,7 +38,7 @@ def launched(command: list[str], patches: str | None = "ddp_hooks", **extra_env:
 
 
 def test_plain_python_child_runs_the_bootstrap_without_any_startup_file():
-    from megatron_rl_patches.patching import startup
+    from megatron_rl_patches.patching.startup import files as startup
 
     installed = [f.path for d in startup.site_dirs() for f in startup.inspect_dir(d) if f.present]
     proc = launched([sys.executable, "-c", REPORT])
@@ -71,7 +71,71 @@ def test_a_childs_own_sitecustomize_still_runs(tmp_path):
 def test_exit_code_and_missing_command():
     assert launched([sys.executable, "-c", "raise SystemExit(7)"]).returncode == 7
     proc = launched(["no-such-command-mrp"])
-    assert proc.returncode == 127 and "command not found: no-such-command-mrp" in proc.stderr
+    assert proc.returncode == 127 and proc.stderr == "megatron-rl-patches run: no-such-command-mrp: command not found\n"
+
+
+def _garbage(path):
+    path.write_bytes(b"\x7fELF not really a program")
+    path.chmod(0o755)
+
+
+def _missing_interpreter(path):
+    path.write_text("#!/no/such/interpreter-mrp\necho hi\n")
+    path.chmod(0o755)
+
+
+def _without_run_bit(path):
+    path.write_text("#!/bin/sh\necho hi\n")
+    path.chmod(0o644)
+
+
+@pytest.mark.parametrize("make, code, message", [
+    (lambda path: path.mkdir(), 126, "Is a directory"),
+    (_without_run_bit, 126, "Permission denied"),
+    (_garbage, 126, "Exec format error"),
+    (_missing_interpreter, 126, "bad interpreter: No such file or directory"),
+    (lambda path: None, 127, "No such file or directory"),
+])
+def test_a_command_that_cannot_be_executed_exits_like_the_shell(tmp_path, make, code, message):
+    """126 when the file is there but cannot run, 127 when it is not: one line, no traceback."""
+    make(tmp_path / "x")
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl_patches", "run", "--patches", "ddp_hooks", "--", "./x"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code and proc.stderr == f"megatron-rl-patches run: ./x: {message}\n", proc.stderr
+
+
+def test_a_file_on_path_without_the_run_bit_is_permission_denied(tmp_path):
+    _without_run_bit(tmp_path / "mrp-not-runnable")
+    environ = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl_patches", "run", "--", "mrp-not-runnable"],
+                          env=environ, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 126 and proc.stderr.endswith(": mrp-not-runnable: Permission denied\n"), proc.stderr
+
+
+@pytest.mark.parametrize("given, passed_on", [
+    (None, []), ("", []), (":", ["", ""]), ("/a::/b", ["/a", "", "/b"]), ("/a:", ["/a", ""]),
+])
+def test_pythonpath_is_passed_on_entry_for_entry(given, passed_on):
+    """An empty entry means the current directory to Python: kept; none added when there was none."""
+    environ = {} if given is None else {"PYTHONPATH": given.replace(":", os.pathsep)}
+    child = launcher.launch_environment(None, environ=environ)
+    assert child["PYTHONPATH"].split(os.pathsep) == [launcher.LAUNCH_DIR, *passed_on]
+
+
+def test_an_empty_pythonpath_entry_still_means_the_current_directory(tmp_path):
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir()
+    elsewhere.mkdir()
+    (here / "mrp_local_mod.py").write_text("VALUE = 'found'\n")
+    (elsewhere / "s.py").write_text("import mrp_local_mod\nprint(mrp_local_mod.VALUE)\n")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_RL_PATCHES")}
+    # an explicit empty entry (the issue's `PYTHONPATH=:`); a wholly empty PYTHONPATH adds nothing
+    environ["PYTHONPATH"] = os.pathsep.join([*filter(None, [os.environ.get("PYTHONPATH")]), "", ""])
+    plain = subprocess.run([sys.executable, str(elsewhere / "s.py")], cwd=here, env=environ,
+                           capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl_patches", "run", "--", sys.executable,
+                           str(elsewhere / "s.py")], cwd=here, env=environ, capture_output=True, text=True, timeout=120)
+    assert plain.stdout == proc.stdout == "found\n", (plain.stderr, proc.stderr)
 
 
 def test_usage_errors_exit_2_and_run_nothing(tmp_path):

@@ -11,7 +11,7 @@ import sysconfig
 
 import pytest
 
-from megatron_rl_patches.patching import startup
+from megatron_rl_patches.patching.startup import files as startup
 
 # After our .pth ran: the user's program (prints "ran") and the default registry's statuses.
 PROGRAM = (
@@ -68,3 +68,15 @@ def test_unknown_strict_value_applies_nothing_with_one_line(startup_dir, value):
     assert ran == "ran" and json.loads(statuses) == ["skipped"]  # nothing selected, nothing pending
     (line,) = proc.stderr.splitlines()
     assert f"MEGATRON_RL_PATCHES_STRICT={value!r}" in line and "1/true/yes/on" in line and "0/false/no/off" in line
+
+
+@pytest.mark.parametrize("variable, value", [("MEGATRON_RL_PATCHES_BACKEND", "cuda"),
+                                             ("MEGATRON_RL_PATCHES_INFERENCE_ROLES", "prm-teacher")])
+def test_a_bad_backend_or_role_list_warns_one_line_and_patches_anyway(startup_dir, variable, value):
+    """What the launcher refuses, a plain start-up reports once and goes on (patches applied)."""
+    proc = start(startup_dir, MEGATRON_RL_PATCHES="all", **{variable: value})
+    assert proc.returncode == 0
+    ran, statuses = proc.stdout.splitlines()
+    assert ran == "ran" and "pending" in json.loads(statuses)
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("megatron-rl-patches: ") and f"{variable}={value!r}" in line

@@ -54,7 +54,7 @@ def run_rollouts(
 
 
 def _main(out: str) -> None:
-    from megatron_rl_patches.patching import bootstrap
+    from megatron_rl_patches.patching.startup import hook as bootstrap
 
     bootstrap.run()  # what the installed .pth does at start-up (not installed in the dev venv)
 

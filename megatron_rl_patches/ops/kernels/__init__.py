@@ -1,6 +1,7 @@
 """Backends of the vocabulary ops: each produces row statistics (forward) and gradients from saved
 row factors (backward) for a source of logits (see :mod:`megatron_rl_patches.ops._stats` for the
-contract). ``torch`` (tiles of torch ops, every device) is built in; more register by name.
+contract). ``torch`` (tiles of torch ops, every device) and ``triton`` (Triton kernels: CUDA, or
+CPU under ``TRITON_INTERPRET=1``) are built in; more register by name.
 
 Choice per call: the op's ``backend=`` argument, else ``MEGATRON_RL_PATCHES_BACKEND``, else
 ``auto`` (the first registered backend that claims the tensors' device, ``torch`` last).
@@ -72,8 +73,12 @@ def resolve_backend(name: object, device: torch.device) -> Backend:
 
 def _register_builtins() -> None:
     from megatron_rl_patches.ops.kernels.torch_tiles import TorchTiles
+    from megatron_rl_patches.ops.kernels.triton import LazyTritonTiles
 
     register_backend(TorchTiles())
+    # always registered (a lazy proxy: nothing of triton is imported here), so that a forced
+    # backend='triton' without triton says why it cannot run instead of "not a backend"
+    register_backend(LazyTritonTiles())
 
 
 _register_builtins()

@@ -1,0 +1,298 @@
+"""Shared benchmark plumbing: per-case memory in a fresh process, saved-for-backward bytes, timing,
+and the table / CSV / PNG outputs.
+
+A case is a module-level function ``fn(probe: MemoryProbe, **kwargs) -> dict`` named
+``"package.module:function"``. :func:`run_cases` runs each case in a fresh Python process (so
+one case's allocator state cannot leak into the next) and returns the dicts it produced.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Callable, Iterable, Sequence
+
+from megatron_rl_patches.apps.presentation import dict_cells, text_table
+
+MIB = 1 << 20
+_RESULT = "@@bench-result@@ "
+# On CPU memory is the resident set's high-water mark, which moves in allocator-sized steps:
+# below this many bytes per U its figures are noise and are left out (quick runs). The CUDA
+# allocator's peak is exact.
+RSS_RESOLUTION = 64 << 20
+BELOW_RESOLUTION = "memory below measurement resolution (U < 64 MiB)"
+
+
+def memory_resolved(unit_bytes: int, device: str) -> bool:
+    """Whether peak figures in units of `unit_bytes` mean anything on `device`."""
+    return device.startswith("cuda") or unit_bytes >= RSS_RESOLUTION
+
+
+# ------------------------------------------------------------------------------- memory
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as fh:
+            match = re.search(rf"^{field}:\s+(\d+) kB", fh.read(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
+def _rss_bytes() -> int:
+    kib = _proc_status_kib("VmRSS")
+    if kib is not None:
+        return kib * 1024
+    import psutil  # non-Linux fallback
+
+    return psutil.Process().memory_info().rss
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (Linux >= 4.0: write 5 to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return False
+    return _proc_status_kib("VmHWM") is not None
+
+
+def _peak_rss_bytes() -> int:
+    kib = _proc_status_kib("VmHWM")
+    if kib is not None:
+        return kib * 1024
+    import resource
+
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+class MemoryProbe:
+    """Memory above a baseline taken by :meth:`start`: the CUDA caching allocator's counters on
+    GPU, the process's resident set on CPU (peak via the kernel's high-water mark, reset at
+    start where Linux allows; otherwise the lifetime peak, meaningful in a fresh process)."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        import torch
+
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.peak_reset = False
+        self._base = 0
+
+    def start(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            self.peak_reset = True
+        else:
+            self.peak_reset = _reset_peak_rss()
+            self._base = _rss_bytes()
+
+    def current(self) -> int:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.memory_allocated(self.device) - self._base
+        return _rss_bytes() - self._base
+
+    def peak(self) -> int:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - self._base
+        return _peak_rss_bytes() - self._base
+
+
+class SavedBytes:
+    """Bytes autograd saves for backward inside the block, each storage counted once.
+
+    Storages of `ignore` (e.g. weights that exist anyway) are not counted.
+    """
+
+    def __init__(self, ignore: Iterable[Any] = ()) -> None:
+        self._ignore = {t.untyped_storage().data_ptr() for t in ignore}
+        self.storages: dict[int, int] = {}
+        self._hooks: Any = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def _pack(self, tensor: Any) -> Any:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self._ignore:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    def __enter__(self) -> "SavedBytes":
+        import torch
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def best_time(fn: Callable[[], Any], *, repeat: int = 3, warmup: int = 1, sync: Callable[[], Any] | None = None,
+              setup: Callable[[], Any] | None = None) -> float:
+    """Shortest wall time of ``fn(setup())`` (or ``fn()``) over `repeat` runs, after `warmup` runs."""
+    times = []
+    for i in range(warmup + repeat):
+        arg = setup() if setup is not None else None
+        if sync:
+            sync()
+        start = time.perf_counter()
+        fn(arg) if setup is not None else fn()
+        if sync:
+            sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        del arg
+    return min(times)
+
+
+# ------------------------------------------------------------------------------- processes
+
+
+def run_case_here(target: str, kwargs: dict) -> dict:
+    """Import ``module:function`` and call it with a fresh :class:`MemoryProbe`."""
+    fn = pkgutil.resolve_name(target)
+    return fn(MemoryProbe(kwargs.get("device", "cpu")), **kwargs)
+
+
+def run_cases(cases: Sequence[dict], *, isolate: bool = True, threads: int = 1, timeout: float = 900.0) -> list[dict]:
+    """Run ``{"target": "mod:fn", "kwargs": {...}}`` cases in fresh Python processes.
+
+    `isolate=True`: one process per case. `isolate=False` (quick runs: one interpreter start
+    instead of many) shares one process, which is only honoured where the peak-RSS mark can be
+    reset between cases (Linux); elsewhere cases stay isolated. Returns one dict per case (its
+    result, or ``{"error": ...}``). `threads` sets torch's intra-op threads in the worker.
+    """
+    if not isolate and not _reset_peak_rss():  # this OS cannot reset the peak-RSS mark between cases
+        isolate = True
+    batches = [[case] for case in cases] if isolate else [list(cases)]
+    results: list[dict] = []
+    for batch in batches:
+        results += _run_batch(batch, threads, timeout * len(batch))
+    return results
+
+
+def _run_batch(batch: list[dict], threads: int, timeout: float) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    payload = json.dumps({"cases": [{"target": c["target"], "kwargs": c.get("kwargs", {})} for c in batch],
+                          "threads": threads})
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "megatron_rl_patches.apps.bench.common"], input=payload, capture_output=True,
+            text=True, timeout=timeout, env=env,
+        )
+    except subprocess.TimeoutExpired:
+        return [{"error": f"timed out after {timeout:.0f}s"} for _ in batch]
+    found = [json.loads(line[len(_RESULT):]) for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
+    if len(found) < len(batch):
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        found += [{"error": f"worker exit {proc.returncode}: {tail}"}] * (len(batch) - len(found))
+    return found
+
+
+def _worker() -> int:
+    request = json.loads(sys.stdin.read())
+    import gc
+
+    import torch
+
+    torch.set_num_threads(int(request.get("threads", 1)))
+    for case in request["cases"]:
+        try:
+            result = run_case_here(case["target"], case["kwargs"])
+        except Exception as exc:  # the parent reports it in the table
+            traceback.print_exc()
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        sys.stdout.write(_RESULT + json.dumps(result) + "\n")
+        sys.stdout.flush()
+        gc.collect()
+    return 0
+
+
+# ------------------------------------------------------------------------------- outputs
+
+
+def format_table(rows: Sequence[dict], columns: Sequence[str], title: str | None = None) -> str:
+    """A fixed-width text table of `columns` (missing values shown as '-')."""
+    return text_table(columns, dict_cells(rows, columns), title=title)
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[str], title: str | None = None) -> None:
+    """Print :func:`format_table` (benchmarks are CLI output)."""
+    print(format_table(rows, columns, title), flush=True)
+
+
+def write_csv(rows: Sequence[dict], path: str, columns: Sequence[str] | None = None) -> str:
+    """Write rows to `path` (columns: the given ones, else every key in first-seen order)."""
+    if columns is None:
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({col: row.get(col, "") for col in columns})
+    return path
+
+
+def plot_grouped_bars(
+    rows: Sequence[dict], path: str, *, group: str, series: str, values: Sequence[str], titles: Sequence[str],
+    suptitle: str = "", ylabel: str = "",
+) -> str | None:
+    """One panel per entry of `values`: bars of each `series` within each `group`. Needs matplotlib
+    (imported here only); returns the path, or None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    groups = list(dict.fromkeys(str(row[group]) for row in rows))
+    names = list(dict.fromkeys(str(row[series]) for row in rows))
+    fig, axes = plt.subplots(1, len(values), figsize=(5.5 * len(values), 4.2), squeeze=False)
+    width = 0.8 / max(1, len(names))
+    for ax, value, title in zip(axes[0], values, titles):
+        for i, name in enumerate(names):
+            heights = []
+            for g in groups:
+                match = [r for r in rows if str(r[group]) == g and str(r[series]) == name]
+                v = match[0].get(value) if match else None
+                heights.append(float(v) if isinstance(v, (int, float)) else 0.0)
+            ax.bar([j + i * width for j in range(len(groups))], heights, width, label=name)
+        ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(groups))])
+        ax.set_xticklabels(groups, fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    raise SystemExit(_worker())

@@ -1,0 +1,295 @@
+"""`bench gpu`: log-prob + entropy with gradients from hidden states on one CUDA device, every
+implementation side by side: naive autograd, the logits path (matmul + our logits op), ours on
+the torch tiles, ours on the Triton kernels, verl's Triton kernel and Liger-Kernel's fused linear
+cross-entropy where importable (else "not installed"), and top-k (k = 64) ids + log-probs + tail.
+
+bf16 inputs, TP = 1. Memory: the CUDA allocator's peak during forward + backward minus what was
+allocated before, minus the gradients every implementation must produce (dW + dh): the *excess*
+peak, in U = T·V·4 bytes and GiB. Time: median over interleaved runs (implementation order
+rotates within each round, so clock and thermal drift spread over all of them). A case that runs
+out of memory is recorded as "OOM" and the run goes on.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from megatron_rl_patches.apps.bench import common
+from megatron_rl_patches.apps.presentation import dict_cells, markdown_table
+
+GIB = 1 << 30
+FULL = {"tokens": (4096, 16384, 65536), "hidden": 4096, "vocab": 151936, "runs": 5}
+QUICK = {"tokens": (512,), "hidden": 256, "vocab": 8192, "runs": 2}
+TOPK = 64
+COLUMNS = ("T", "implementation", "time_ms", "time_vs_logits", "excess_peak_U", "excess_peak_GiB", "note")
+OOM = "OOM"
+NOT_INSTALLED = "not installed"
+
+
+def cuda_missing() -> str | None:
+    """Why this machine cannot run `bench gpu` (one line), or None."""
+    try:
+        import torch
+    except ImportError:
+        return "needs torch with CUDA; torch is not installed"
+    if not torch.cuda.is_available():
+        return f"needs a CUDA device; torch {torch.__version__} sees none (CUDA build: {torch.version.cuda or 'no'})"
+    return None
+
+
+# ----------------------------------------------------------------------------- implementations
+
+
+@dataclass(frozen=True)
+class Inputs:
+    hidden: Any
+    weight: Any
+    tokens: Any
+    grad_lp: Any
+    grad_ent: Any
+
+
+def make_inputs(T: int, H: int, V: int, device: str, dtype: Any) -> Inputs:
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(T, H, device=device, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(V, H, device=device, generator=g) * H**-0.5 * 2).to(dtype).requires_grad_()
+    tokens = torch.randint(0, V, (T,), device=device, generator=g)
+    return Inputs(hidden, weight, tokens, torch.randn(T, device=device, generator=g),
+                  torch.randn(T, device=device, generator=g) * 0.1)
+
+
+def _naive(x: Inputs):
+    import torch
+
+    logp_all = torch.log_softmax((x.hidden @ x.weight.T).float(), dim=-1)
+    lp = logp_all.gather(1, x.tokens[:, None]).squeeze(1)
+    return lp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def _logits_path(x: Inputs):
+    from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
+
+    return log_probs_and_entropy((x.hidden @ x.weight.T).float(), x.tokens, with_entropy=True)
+
+
+def _ours(backend: str) -> Callable[[Inputs], Any]:
+    def run(x: Inputs):
+        from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy
+
+        return lm_head_log_probs_and_entropy(x.hidden, x.weight, x.tokens, with_entropy=True, backend=backend)
+
+    return run
+
+
+def _ours_topk(backend: str) -> Callable[[Inputs], Any]:
+    def run(x: Inputs):
+        import torch
+
+        from megatron_rl_patches.ops.lm_head import lm_head_topk_ids, lm_head_topk_logprobs
+
+        with torch.no_grad():
+            ids = lm_head_topk_ids(x.hidden, x.weight, TOPK)
+        lp, tail = lm_head_topk_logprobs(x.hidden, x.weight, ids, backend=backend)
+        return lp.mean(1), tail  # weighted like log-prob and entropy by the driver
+
+    return run
+
+
+def _verl(x: Inputs):
+    from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+
+    lp, ent = linear_cross_entropy(x.hidden, x.weight, x.tokens, 1.0, "none")
+    return lp, ent
+
+
+def _liger(x: Inputs):
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    # Liger returns the reduced loss -Σ log p only (no per-token values, no entropy)
+    loss = LigerFusedLinearCrossEntropyFunction.apply(x.hidden, x.weight, x.tokens, None, None, -100, 0.0, 0.0, "sum")
+    loss = loss[0] if isinstance(loss, tuple) else loss
+    return -loss, None
+
+
+def implementations() -> list[tuple[str, Callable[[Inputs], Any], str | None]]:
+    """(label, function, module that must import or None) for every row of a token count."""
+    return [
+        ("naive autograd", _naive, None),
+        ("logits path", _logits_path, None),
+        ("ours, torch tiles", _ours("torch"), None),
+        ("ours, triton", _ours("triton"), "triton"),
+        ("verl triton kernel", _verl, "verl.utils.kernel.linear_cross_entropy"),
+        ("liger fused linear CE (log-prob only)", _liger, "liger_kernel.ops.fused_linear_cross_entropy"),
+        (f"top-k {TOPK} ids + log-probs + tail, torch tiles", _ours_topk("torch"), None),
+        (f"top-k {TOPK} ids + log-probs + tail, triton", _ours_topk("triton"), "triton"),
+    ]
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def importable(module: str | None) -> bool:
+    if module is None:
+        return True
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except Exception:  # ImportError, or a package broken against this torch: either way not usable
+        return False
+    return True
+
+
+def is_oom(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def measure_once(fn: Callable[[Inputs], Any], x: Inputs, probe: common.MemoryProbe, sync: Callable[[], None],
+                 clock: Callable[[], float]) -> dict:
+    """One forward + backward: {"time_s", "excess_bytes"} or {"oom": True} or {"error": text}."""
+    import gc
+
+    x.hidden.grad = x.weight.grad = None
+    gc.collect()
+    probe.start()
+    try:
+        sync()
+        started = clock()
+        lp, ent = fn(x)
+        loss = (lp * x.grad_lp).sum() + ((ent * x.grad_ent).sum() if ent is not None else 0.0)
+        loss.backward()
+        sync()
+        seconds = clock() - started
+    except Exception as exc:  # OOM is a result; anything else is reported in the row
+        lp = ent = loss = None
+        x.hidden.grad = x.weight.grad = None
+        if is_oom(exc):
+            return {"oom": True}
+        return {"error": f"{type(exc).__name__}: {exc}"[:200]}
+    unavoidable = sum(t.grad.nbytes for t in (x.hidden, x.weight) if t.grad is not None)
+    result = {"time_s": seconds, "excess_bytes": probe.peak() - unavoidable if probe.cuda else None}
+    del lp, ent, loss
+    x.hidden.grad = x.weight.grad = None
+    return result
+
+
+def summarize(T: int, V: int, label: str, results: list[dict], skip_note: str | None = None) -> dict:
+    """One table row from the runs of one implementation at one token count."""
+    row: dict[str, Any] = {"T": T, "implementation": label, "note": skip_note or ""}
+    if skip_note is not None:
+        return row
+    if any(r.get("oom") for r in results):
+        row["note"] = OOM
+        return row
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        row["note"] = f"error: {errors[0]}"
+        return row
+    row["time_ms"] = statistics.median(r["time_s"] for r in results) * 1e3
+    excess = [r["excess_bytes"] for r in results if r.get("excess_bytes") is not None]
+    if excess:
+        peak = max(excess)
+        row.update(excess_peak_U=peak / (T * V * 4), excess_peak_GiB=peak / GIB)
+    return row
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """time_vs_logits: each timed row's median time over the logits path's at the same T."""
+    for row in rows:
+        base = next((r for r in rows if r["T"] == row["T"] and r["implementation"] == "logits path"), {})
+        if "time_ms" in row and "time_ms" in base:
+            row["time_vs_logits"] = row["time_ms"] / base["time_ms"]
+    return rows
+
+
+def run_token_count(T: int, H: int, V: int, runs: int, device: str, dtype: Any,
+                    impls: list[tuple[str, Callable[[Inputs], Any], str | None]]) -> list[dict]:
+    """Every implementation at one T: one warm-up each, then `runs` rounds in rotating order."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    probe = common.MemoryProbe(device)
+    import time
+
+    try:
+        x = make_inputs(T, H, V, device, dtype)
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        return [summarize(T, V, label, [{"oom": True}]) for label, _, _ in impls]
+    usable = [(label, fn) for label, fn, module in impls if importable(module)]
+    skipped = {label: NOT_INSTALLED for label, _, module in impls if not importable(module)}
+    results: dict[str, list[dict]] = {label: [] for label, _ in usable}
+    for label, fn in usable:  # warm-up (compiles kernels); an OOM here stands for every run
+        first = measure_once(fn, x, probe, sync, time.perf_counter)
+        if "oom" in first or "error" in first:
+            results[label].append(first)
+        _free(cuda)
+    for round_index in range(runs):
+        order = usable[round_index % max(1, len(usable)):] + usable[: round_index % max(1, len(usable))]
+        for label, fn in order:
+            if results[label] and ("oom" in results[label][0] or "error" in results[label][0]):
+                continue
+            results[label].append(measure_once(fn, x, probe, sync, time.perf_counter))
+            _free(cuda)
+    del x
+    _free(cuda)
+    return [summarize(T, V, label, results.get(label, []), skipped.get(label)) for label, _, _ in impls]
+
+
+def _free(cuda: bool) -> None:
+    import gc
+
+    gc.collect()
+    if cuda:
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def write_outputs(rows: list[dict], out_dir: str, title: str) -> list[str]:
+    """gpu.csv, gpu.md (title + markdown table) and gpu.png (when matplotlib imports)."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [common.write_csv(rows, os.path.join(out_dir, "gpu.csv"), COLUMNS)]
+    md = os.path.join(out_dir, "gpu.md")
+    with open(md, "w") as fh:
+        fh.write(f"{title}\n\n{markdown_table(COLUMNS, dict_cells(rows, COLUMNS))}\n")
+    paths.append(md)
+    timed = [dict(r, T=str(r["T"])) for r in rows if "time_ms" in r]
+    if timed:
+        png = common.plot_grouped_bars(timed, os.path.join(out_dir, "gpu.png"), group="T", series="implementation",
+                                       values=["time_ms", "excess_peak_U"],
+                                       titles=["fwd+bwd time (ms, median)", "excess peak (U = T·V·4 B)"],
+                                       suptitle=title)
+        if png:
+            paths.append(png)
+    return paths
+
+
+def run(quick: bool = False, out_dir: str | None = None, device: str = "cuda") -> list[dict]:
+    """The table on `device` (CUDA; tests pass "cpu" with tiny shapes, memory then unmeasured)."""
+    import torch
+
+    plan = QUICK if quick else FULL
+    H, V = plan["hidden"], plan["vocab"]
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+    title = (f"log-prob + entropy with grads from hidden states, bf16, H={H}, V={V}, TP=1, {name}, "
+             f"torch {torch.__version__}" + (" [quick]" if quick else ""))
+    rows: list[dict] = []
+    for T in plan["tokens"]:
+        rows += run_token_count(T, H, V, plan["runs"], device, torch.bfloat16, implementations())
+    rows = with_ratios(rows)
+    common.print_table(rows, COLUMNS, title=title)
+    if out_dir:
+        write_outputs(rows, out_dir, title)
+    return rows

@@ -1,0 +1,88 @@
+"""`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|distill|gpu|all] [--quick] [--out DIR] [--only PART]`.
+
+`bench gpu` (not part of `all`) needs a CUDA device; without one it says so in one line and
+exits non-zero."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+import tempfile
+
+from megatron_rl_patches.apps.cli._common import OK, PROBLEM, UsageError, say
+
+BENCHMARKS = {
+    "logprobs": "megatron_rl_patches.apps.bench.logprobs",
+    "topk": "megatron_rl_patches.apps.bench.topk",
+    "reentrant": "megatron_rl_patches.apps.bench.reentrant",
+    "fused": "megatron_rl_patches.apps.bench.fused",
+    "windows": "megatron_rl_patches.apps.bench.windows",
+    "distill": "megatron_rl_patches.apps.bench.distill",
+}
+# `bench fused --only PART` (megatron_rl_patches.apps.bench.fused.PARTS, kept here so --help imports no torch)
+FUSED_PARTS = ("logprob", "opd")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # `gpu` (every implementation on a CUDA device) is not part of `all`
+    parser.add_argument("which", nargs="?", default="all", choices=[*BENCHMARKS, "gpu", "all"], help="which benchmark")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: seconds, for smoke tests")
+    parser.add_argument("--out", metavar="DIR", help="write CSV files and PNG plots (needs the [bench] extra) here")
+    parser.add_argument("--only", choices=FUSED_PARTS, metavar="PART",
+                        help=f"bench fused only: run one part, {' or '.join(FUSED_PARTS)} "
+                             "(log-prob + entropy, or the top-k OPD step with 1 and 2 teachers)")
+
+
+def check_output_folder(path: str) -> None:
+    """Create `path` if needed and prove a file can be written there, before any benchmark runs."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--out {path}: not a folder; pass a folder for the CSV files and plots")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--out {path}: cannot write there ({exc.strerror or exc}); pass a writable folder") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.only is not None and args.which != "fused":
+        raise UsageError(f"--only {args.only} selects a part of `bench fused`; run `bench fused --only {args.only}`")
+    if args.which == "gpu":
+        return _run_gpu(args)
+    if args.out:
+        check_output_folder(args.out)
+    names = list(BENCHMARKS) if args.which == "all" else [args.which]
+    failed = []
+    for name in names:
+        options = {"only": args.only} if args.only is not None else {}
+        rows = importlib.import_module(BENCHMARKS[name]).run(quick=args.quick, out_dir=args.out, **options)
+        errors = [row["error"] for row in rows if row.get("error")]
+        if errors:
+            failed.append(name)
+            print(f"bench {name}: {len(errors)} case(s) failed: {errors[0]}", file=sys.stderr)
+        print()
+    if args.out:
+        plots = importlib.util.find_spec("matplotlib") is not None
+        print(f"CSV files{' and PNG plots' if plots else ''} written to {args.out}"
+              + ("" if plots else " (no plots: install the [bench] extra for matplotlib)"))
+    return PROBLEM if failed else OK
+
+
+def _run_gpu(args: argparse.Namespace) -> int:
+    """`bench gpu`: refuses in one line without CUDA, before anything else."""
+    from megatron_rl_patches.apps.bench import gpu
+
+    why = gpu.cuda_missing()
+    if why is not None:
+        say("bench gpu", why)
+        return PROBLEM
+    if args.out:
+        check_output_folder(args.out)
+    rows = gpu.run(quick=args.quick, out_dir=args.out)
+    errors = [row["note"] for row in rows if str(row.get("note", "")).startswith("error")]
+    for error in errors[:3]:
+        say("bench gpu", error)
+    return PROBLEM if errors else OK

@@ -1,0 +1,250 @@
+"""`megatron-rl-patches doctor`: the megatron-core in use (where from, version, tested or not), per
+patch its supported range / tested label / status, the environment and the start-up files."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from typing import Any
+
+from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG
+from megatron_rl_patches.apps.cli.targets import STATUS_HELP, find_module, shown_status
+
+# Installed distributions `doctor` reports. megatron-core, an optional extra, also gets its own
+# section: the code in use may be a source checkout with no distribution.
+DISTRIBUTIONS = ("torch", "megatron-core", "wrapt", "packaging", "megatron-rl-patches")
+REQUIRED = ("torch", "wrapt", "packaging")
+_SHOWN_VALUE = 120  # characters of an environment variable's value shown in the text report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = f"{parser.description}\n\n{STATUS_HELP}\nExit code 1 when a problem is found."
+    parser.add_argument("--json", action="store_true", help="print a JSON object")
+
+
+def _editable_install() -> bool | None:
+    """Whether megatron-rl-patches is installed in editable mode (None: not installed)."""
+    import importlib.metadata
+
+    # A source checkout's *.egg-info on sys.path is listed too: the installer's record decides.
+    dists = list(importlib.metadata.distributions(name="megatron-rl-patches"))
+    for dist in dists:
+        text = dist.read_text("direct_url.json")
+        if text:
+            try:
+                return bool(json.loads(text).get("dir_info", {}).get("editable", False))
+            except (ValueError, AttributeError):
+                return None
+    return False if dists else None
+
+
+def megatron_section() -> tuple[dict[str, Any], list[str]]:
+    """Where megatron-core comes from, its version and whether a test lane ran it; problems."""
+    from megatron_rl_patches.integrations import megatron_version
+
+    info = megatron_version.megatron_info()
+    label = megatron_version.tested_label(info.version)
+    section = {
+        "version": info.version,
+        "origin": info.origin,
+        "location": info.location,
+        "supported": megatron_version.SUPPORTED,
+        "tested": label,
+        "tested_versions": dict(megatron_version.TESTED),
+    }
+    problems = []
+    if info.origin is None:
+        problems.append(
+            "megatron-core not found (no installed distribution, no source checkout on sys.path): install "
+            "megatron-rl-patches[megatron] or put a Megatron-LM checkout on PYTHONPATH"
+        )
+    elif info.version is None:
+        problems.append(f"cannot read the megatron-core version of {info.location} (package_info.py)")
+    return section, problems  # out of range: each guarded patch reports it
+
+
+def target_rows() -> tuple[list[dict[str, Any]], list[str]]:
+    """Per (patch, target): module found, supported range, tested label, status; and problems."""
+    from megatron_rl_patches.integrations import default_registry, megatron_version
+    from megatron_rl_patches.patching import registry
+
+    problems: list[str] = []
+    modules: dict[str, tuple[bool, str | None]] = {}
+    rows = []
+    for patch, status in default_registry().entries():
+        if patch.module not in modules:
+            modules[patch.module] = find_module(patch.module)
+        found, why = modules[patch.module]
+        version = registry.patch_version(patch)
+        guarded = bool(patch.requires and patch.versions)
+        problem = registry.version_problem(patch) if guarded else None
+        native = registry.native_version(patch) is not None
+        if problem and found and not native:
+            problems.append(f"'{patch.name}': {problem}")
+        tested = None
+        if guarded and patch.requires == megatron_version.DISTRIBUTION:
+            tested = megatron_version.tested_label(version, patch.versions)
+        rows.append(
+            {
+                "name": patch.name,
+                "target": patch.target,
+                "module_found": found,
+                "module_problem": why,
+                "requires": patch.requires,
+                "versions": patch.versions,
+                "installed": version,
+                "in_range": None if version is None or not patch.versions else problem is None,
+                "tested": tested,
+                "native": native,
+                "status": status.status,
+                "code": status.code,
+                "reason": status.reason,
+                "shown": shown_status(status),
+            }
+        )
+    return rows, list(dict.fromkeys(problems))
+
+
+def _startup_section(environment: dict[str, Any]) -> tuple[dict[str, Any], bool | None, list[str]]:
+    from megatron_rl_patches.patching import env
+    from megatron_rl_patches.patching.startup import files as startup_files, hook
+
+    problems = []
+    found = [f for d in startup_files.site_dirs() for f in startup_files.inspect_dir(d) if f.present]
+    pth_installed = any(f.ours and f.path.endswith(startup_files.PTH_NAME) for f in found)
+    problems += [f"{f.path} exists but is not megatron-rl-patches' start-up file" for f in found if not f.ours]
+    editable = _editable_install()
+    if environment["enabled_at_startup"] and not pth_installed:
+        problems.append(
+            f"{env.SELECT} is set but no start-up file is installed in this interpreter's site "
+            f"directories, so nothing applies without code"
+            + (" (editable installs do not get it from pip)" if editable else "")
+            + f"; start the job with the launcher `{PROG} run -- COMMAND ...` (any install, writes "
+            f"nothing), or run `{PROG} startup install` once to add the start-up file here"
+        )
+    section = {
+        "pth_installed": pth_installed,
+        "files": [f.as_dict() for f in found],
+        "site_dirs": startup_files.site_dirs(),
+        "bootstrap_ran": hook.has_run(),
+    }
+    return section, editable, problems
+
+
+def _environment_section() -> tuple[dict[str, Any], list[str]]:
+    from megatron_rl_patches.integrations import default_registry
+    from megatron_rl_patches.patching import env
+
+    environment: dict[str, Any] = env.summary()
+    problems = list(environment["errors"])
+    try:
+        names = default_registry().patch_names()
+        environment["resolved"] = env.resolve_selection(names) if environment["enabled_at_startup"] else []
+        environment["error"] = None
+    except ValueError as exc:
+        environment["resolved"], environment["error"] = None, str(exc)
+        problems.append(str(exc))
+    return environment, problems
+
+
+def collect() -> dict[str, Any]:
+    """Everything `doctor` reports, as a JSON-ready dict, with a list of problems found."""
+    import megatron_rl_patches
+    from megatron_rl_patches.patching.registry import installed_version
+
+    problems: list[str] = []
+    packages = {name: installed_version(name) for name in DISTRIBUTIONS}
+    problems += [f"{name} is not installed (a dependency of megatron-rl-patches)" for name in REQUIRED
+                 if packages[name] is None]
+    megatron, found = megatron_section()
+    targets, target_problems = target_rows()
+    environment, env_problems = _environment_section()
+    startup_files, editable, startup_problems = _startup_section(environment)
+    problems += found + target_problems + env_problems + startup_problems
+    return {
+        "python": {"version": platform.python_version(), "executable": sys.executable},
+        "packages": packages,
+        "package": {
+            "version": megatron_rl_patches.__version__,
+            "location": os.path.dirname(megatron_rl_patches.__file__ or ""),
+            "editable": editable,
+        },
+        "megatron": megatron,
+        "targets": targets,
+        "environment": environment,
+        "startup": startup_files,
+        "problems": list(dict.fromkeys(problems)),
+    }
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "-"
+    text = str(value)
+    return text if len(text) <= _SHOWN_VALUE else f"{text[:_SHOWN_VALUE - 3]}... ({len(text):,} characters)"
+
+
+def _megatron_lines(m: dict[str, Any]) -> list[str]:
+    if m["origin"] is None:
+        return ["megatron-core        not found"]
+    where = "installed distribution" if m["origin"] == "distribution" else "source checkout"
+    lines = [f"megatron-core        {_show(m['version'])} ({where}: {m['location']})"]
+    lane = m["tested_versions"].get(m["version"] or "")
+    lines.append(f"{'':<21}supported '{m['supported']}': {m['tested']}" + (f" ({lane})" if lane else ""))
+    return lines
+
+
+def _target_lines(t: dict[str, Any]) -> list[str]:
+    found = "module found" if t["module_found"] else f"module not found ({t['module_problem']})"
+    if t["requires"] and t["versions"]:
+        tested = t["tested"] or {True: "in range", False: "out of range", None: "version unknown"}[t["in_range"]]
+        support = f"supported {t['requires']} '{t['versions']}'; {_show(t['installed'])}: {tested}"
+        if t["native"]:
+            support += " (provides the feature itself)"
+        elif tested == "out of range":
+            support = support.replace("out of range", "OUT OF RANGE")
+    else:
+        support = "no version guard (the parameter list is checked)"
+    lines = [f"  {t['name']:<20} {t['shown']:<8} {t['target']}", f"  {'':<29} {found}; {support}"]
+    if t["reason"] and t["shown"] not in ("off", "applied"):
+        lines.append(f"  {'':<29} {t['shown']}: {t['reason']}")
+    return lines
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The text `doctor` prints."""
+    py = report["python"]
+    lines = [f"python               {py['version']} ({py['executable']})"]
+    lines += [f"{name:<20} {_show(version)}" for name, version in report["packages"].items()]
+    pkg = report["package"]
+    lines.append(f"package location     {pkg['location']}" + (" (editable)" if pkg["editable"] else ""))
+    lines += _megatron_lines(report["megatron"])
+    lines.append("patches (status, target; module, supported range, tested):")
+    for target in report["targets"]:
+        lines += _target_lines(target)
+    e = report["environment"]
+    lines.append("environment:")
+    lines += [f"  {name}={_show(value)}" for name, value in e["variables"].items()]
+    selects = "nothing at start-up" if not e["enabled_at_startup"] else (e["error"] or ", ".join(e["resolved"]))
+    lines.append(f"  start-up applies: {_show(selects)}")
+    lines.append(f"  strict: {_show(e['strict'])}; allow untested: {_show(e['allow_untested'])}; "
+                 f"inference roles: {', '.join(e['inference_roles']) or '-'}")
+    s = report["startup"]
+    lines.append("start-up files:")
+    lines += [f"  {f['path']}" + ("" if f["ours"] else " (NOT OURS)") for f in s["files"]] or ["  none installed"]
+    lines.append(f"  start-up hook ran in this process: {s['bootstrap_ran']}")
+    lines.append("problems:" if report["problems"] else "no problems found")
+    lines += [f"  - {problem}" for problem in report["problems"]]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = collect()
+    if args.json:
+        report["targets"] = [{k: v for k, v in t.items() if k != "shown"} for t in report["targets"]]
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+    return PROBLEM if report["problems"] else OK

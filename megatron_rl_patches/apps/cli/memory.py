@@ -1,0 +1,77 @@
+"""`megatron-rl-patches memory`: per-rank bytes of training state (grad buffer, fp32 main params,
+Adam m and v) that an inference-only build of a frozen model does not allocate."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from decimal import Decimal
+from fractions import Fraction
+
+from megatron_rl_patches._args import positive_int
+from megatron_rl_patches.apps.cli._common import OK, UsageError
+from megatron_rl_patches.inference.memory import training_state_bytes
+from megatron_rl_patches.apps.presentation import memory_report
+
+_SUFFIXES = {"": 0, "k": 3, "m": 6, "b": 9, "g": 9, "t": 12}  # powers of ten
+_MAX_DIGITS = 30  # a count beyond 10**30 parameters is a typo (and 1e999999999 must not be expanded)
+_COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*$", re.IGNORECASE)
+
+
+def parse_param_count(text: str) -> int:
+    """'27e9', '27B', '7b', '1.5M', '70000000000' -> a whole number of parameters."""
+    match = _COUNT.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"invalid parameter count {text!r}: use a number such as 27e9, 27B, 7.5B or 1500M"
+        )
+    # Exact, not float: 8.03 * 1e9 is 8030000000.000001 in binary floating point.
+    number, power = Decimal(match.group(1)), _SUFFIXES[match.group(2).lower()]
+    if number.adjusted() + power >= _MAX_DIGITS:
+        raise argparse.ArgumentTypeError(f"invalid parameter count {text!r}: must be below 1e{_MAX_DIGITS}")
+    value = Fraction(number) * 10**power if number and number.adjusted() + power >= 0 else Fraction(0)  # < 1 anyway
+    if value < 1 or value.denominator != 1:
+        raise argparse.ArgumentTypeError(f"invalid parameter count {text!r}: must be a whole number >= 1")
+    return int(value)
+
+
+def _positive(text: str) -> int:
+    try:
+        return positive_int("--dp", int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid data-parallel size {text!r}: must be an integer >= 1") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--params", required=True, type=parse_param_count, metavar="N",
+        help="number of model parameters, e.g. 27e9 or 27B",
+    )
+    parser.add_argument("--dp", type=_positive, default=1, help="data-parallel size")
+    parser.add_argument(
+        "--distributed-optimizer", action="store_true",
+        help="optimizer state sharded over the data-parallel ranks (Megatron's distributed optimizer)",
+    )
+    parser.add_argument(
+        "--param-dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="weights"
+    )
+    parser.add_argument(
+        "--grad-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+        help="grad buffer: fp32 (Megatron's grad_reduce_in_fp32) or the weights' dtype",
+    )
+    parser.add_argument("--json", action="store_true", help="print a JSON object (bytes)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        report = training_state_bytes(
+            args.params,
+            dp=args.dp,
+            distributed_optimizer=args.distributed_optimizer,
+            param_dtype=args.param_dtype,
+            grad_dtype=args.grad_dtype,
+        )
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    print(json.dumps(report.as_dict(), indent=2) if args.json else memory_report(report))
+    return OK

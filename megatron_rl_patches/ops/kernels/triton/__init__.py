@@ -1,0 +1,49 @@
+"""The ``triton`` backend of the vocabulary ops, behind a proxy: importing this package imports
+no triton; the kernels (:mod:`.backend`) load on first use.
+
+``available(device)`` is None on CUDA (not ROCm) with triton importable, and on CPU when
+``TRITON_INTERPRET=1`` was set before the kernels were first imported (Triton picks its
+interpreter when a kernel is decorated); ``claims(device)``: CUDA, not ROCm, so ``auto`` picks
+the kernels there and keeps the torch tiles on CPU.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+
+class LazyTritonTiles:
+    """Stands for :class:`.backend.TritonTiles` until a call needs it."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._real: Any = None
+        self._import_error: str | None = None
+
+    def _load(self) -> Any:
+        if self._real is None and self._import_error is None:
+            try:
+                module = importlib.import_module("megatron_rl_patches.ops.kernels.triton.backend")
+            except ImportError as exc:  # triton absent or broken: say so when the backend is asked for
+                self._import_error = f"triton cannot be imported ({type(exc).__name__}: {exc})"
+            else:
+                self._real = module.TritonTiles()
+        return self._real
+
+    def available(self, device: torch.device) -> str | None:
+        if device.type == "cuda" and torch.version.hip:
+            return f"ROCm (torch.version.hip={torch.version.hip}) is not supported by these kernels"
+        real = self._load()
+        return self._import_error if real is None else real.available(device)
+
+    def claims(self, device: torch.device) -> bool:
+        return device.type == "cuda" and not torch.version.hip
+
+    def row_stats(self, *args: Any, **kwargs: Any) -> Any:
+        return self._load().row_stats(*args, **kwargs)
+
+    def apply_grad(self, *args: Any, **kwargs: Any) -> Any:
+        return self._load().apply_grad(*args, **kwargs)

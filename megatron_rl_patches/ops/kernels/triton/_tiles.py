@@ -1,0 +1,68 @@
+"""Triton building blocks shared by the forward and backward kernels: one logits tile (loaded, or
+recomputed as h·Wᵀ with fp32 accumulation), a finiteness test and an accurate expm1.
+
+Kept to plain tl.load / tl.dot / tl.where / tl.exp patterns that both the GPU compiler (triton
+3.6, 3.7) and the interpreter (TRITON_INTERPRET=1) accept.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# _stats.NEG_FLOOR: the finite stand-in for -inf shifted logits in e^u·u (0·(-inf) would be NaN)
+NEG_FLOOR: tl.constexpr = tl.constexpr(-1.0e4)
+
+
+@triton.jit
+def finite(v):
+    """|v| < inf (False for NaN and ±inf)."""
+    return tl.abs(v) < float("inf")
+
+
+@triton.jit
+def expm1(y):
+    """e^y - 1 without cancellation near 0: a Taylor polynomial (Horner, 9 terms: relative error
+    below fp32's epsilon) for |y| < 0.5, else exp(y) - 1 (losing at most ~1.5 bits there).
+    libdevice's expm1 exists only on the GPU, not in the interpreter."""
+    poly = 1.0 + y / 9.0
+    poly = 1.0 + y / 8.0 * poly
+    poly = 1.0 + y / 7.0 * poly
+    poly = 1.0 + y / 6.0 * poly
+    poly = 1.0 + y / 5.0 * poly
+    poly = 1.0 + y / 4.0 * poly
+    poly = 1.0 + y / 3.0 * poly
+    poly = 1.0 + y / 2.0 * poly
+    return tl.where(tl.abs(y) < 0.5, y * poly, tl.exp(y) - 1.0)
+
+
+@triton.jit
+def logits_tile(src, weight, rows64, row_ok, cols, col_ok, n_hidden, s_src_r, s_src_c, s_w_r, s_w_c,
+                FUSED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The fp32 tile x [BLOCK_M, BLOCK_N] of rows `rows64` and columns `cols`: loaded from the
+    logits `src`, or (FUSED) ``src[rows] @ weight[cols]ᵀ`` over the hidden size in BLOCK_K
+    chunks, fp32 accumulation (ieee for fp32 inputs, as torch's default matmul; bf16/fp16 inputs
+    take the tensor cores; DOT_PRECISION is "ieee" for fp32 inputs, the default "tf32" otherwise,
+    where it is ignored). Entries outside the valid rows/columns are -inf: they count for
+    no max and add e^-inf = 0 to every sum. DOT_FP32: operands upcast before tl.dot (exact for
+    bf16/fp16 values; set under the interpreter only, whose tl.dot multiplies bf16's storage bits
+    as integers in triton 3.7.1)."""
+    ok = row_ok[:, None] & col_ok[None, :]
+    cols64 = cols.to(tl.int64)
+    if FUSED:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, n_hidden, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < n_hidden
+            h = tl.load(src + rows64[:, None] * s_src_r + ks[None, :] * s_src_c,
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(weight + cols64[None, :] * s_w_r + ks[:, None] * s_w_c,
+                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if DOT_FP32:
+                h = h.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
+        x = acc
+    else:
+        x = tl.load(src + rows64[:, None] * s_src_r + cols64[None, :] * s_src_c, mask=ok, other=0.0).to(tl.float32)
+    return tl.where(ok, x, float("-inf"))

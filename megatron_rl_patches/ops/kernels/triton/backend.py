@@ -1,0 +1,272 @@
+"""The Triton backend: the row statistics (forward) and the gradients (backward) of the backend
+contract (:mod:`megatron_rl_patches.ops._stats`) as Triton kernels, CUDA tensors (or CPU tensors
+under Triton's interpreter, for tests).
+
+Forward (:mod:`._fold`): one kernel per call, grid (row blocks × vocabulary splits); each program
+folds its tiles online (for a hidden-state source x = h·Wᵀ is recomputed in registers with
+``tl.dot``, never stored) and the splits are merged here with the cross-rank combine's rescaling.
+
+Backward (:mod:`._grad`): one kernel writes dL/dx of every tile once. For materialized logits
+that is the logits' gradient (in their own storage with ``inplace``). For a hidden-state source
+it is dz of a block of columns ([T, width] in the inputs' dtype, `width` from a byte budget), and
+two cuBLAS matmuls give dW[block] = dzᵀ·h (each row of dW made once, written in the weight's
+dtype) and dh += dz·W[block] (fp32 accumulator, T·H·4 B): deterministic (fixed blocks, fixed
+order), the recompute being the one extra T·H·V matmul of the fused head (4/3 of the unfused
+flops). Excess memory: the dz block (256 MiB on CUDA) + dh's fp32 accumulator and one [T, H]
+matmul result, about 0.03-0.06 U at V = 151936. A single-pass Triton dh/dW would need atomics
+(not deterministic) or a [rows, H] read-modify-write per vocabulary tile.
+
+fp64 inputs go to the torch tiles (tl.dot has no fp64 path on every GPU; fp64 is a reference
+dtype here, not a training one).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from megatron_rl_patches.ops._stats import GradFactors, RowStats, _moved, finite_or_zero, per_row
+from megatron_rl_patches.ops.kernels.sources import Source
+from megatron_rl_patches.ops.kernels.torch_tiles import (
+    CPU_TILE_BYTES, CUDA_TILE_BYTES, TorchTiles, _logits_grad_buffer, spans,
+)
+from megatron_rl_patches.ops.kernels.triton._fold import row_stats_kernel
+from megatron_rl_patches.ops.kernels.triton._grad import grad_tile_kernel
+
+# Triton picks the interpreter when a kernel is decorated, i.e. when this module is imported.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on", "y")
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Tile sizes and launch options of one kernel family on one device."""
+
+    m: int
+    n: int
+    k: int
+    warps: int
+    stages: int
+
+    def launch(self, dtype: torch.dtype) -> dict[str, int | bool | str]:
+        """Kernel keywords for inputs of `dtype`: fp32 products in ieee precision (torch's default
+        for matmuls), and, under the interpreter only, operands upcast before tl.dot (its bf16
+        dot is wrong, see _tiles.logits_tile)."""
+        return {"BLOCK_M": self.m, "BLOCK_N": self.n, "BLOCK_K": self.k, "num_warps": self.warps,
+                "num_stages": self.stages, "DOT_FP32": INTERPRETED,
+                "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
+
+
+def blocks(device: torch.device, fused: bool) -> Blocks:
+    """Untuned defaults (no GPU has run them yet): fused tiles sized for the tensor cores, logits
+    tiles wide rows for bandwidth; the interpreter gets the smallest legal tiles (tl.dot needs 16)."""
+    if device.type != "cuda" or INTERPRETED:
+        return Blocks(16, 16, 16, 1, 1)
+    return Blocks(64, 128, 64, 8, 3) if fused else Blocks(16, 512, 16, 8, 2)
+
+
+def splits_for(n_rows: int, n_cols: int, b: Blocks, device: torch.device) -> int:
+    """Vocabulary splits of the forward grid: enough programs for two waves of the GPU's SMs.
+    Under the interpreter up to 2, so the split merge is exercised by the tests."""
+    row_blocks = math.ceil(n_rows / b.m)
+    col_tiles = math.ceil(n_cols / b.n)
+    if device.type == "cuda" and not INTERPRETED:
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 2 * row_blocks
+    return max(1, min(col_tiles, math.ceil(target / row_blocks)))
+
+
+def _scale_args(scale: float | torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor | None, float]:
+    if isinstance(scale, torch.Tensor):
+        return scale.reshape(-1).to(dtype).contiguous(), 1.0
+    return None, float(scale)
+
+
+def _marks(cols: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
+    """[T, k] int32 local columns, -1 where another rank owns the id."""
+    return torch.where(owned, cols, -1).to(torch.int32).contiguous()
+
+
+def _keep_arg(keep_mask: torch.Tensor | None) -> tuple[torch.Tensor | None, int, int]:
+    if keep_mask is None:
+        return None, 0, 0
+    keep = keep_mask.view(torch.int8) if keep_mask.dtype == torch.bool else (keep_mask != 0).to(torch.int8)
+    return keep, keep.stride(0), keep.stride(1)
+
+
+def _src_args(source: Source) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, int]:
+    """(src, weight, hidden size, src strides, weight strides): the weight is a dummy for logits."""
+    if source.fused:
+        h, w = source.hidden, source.weight
+        return h, w, h.size(1), h.stride(0), h.stride(1), w.stride(0), w.stride(1)
+    x = source.logits
+    return x, x, 0, x.stride(0), x.stride(1), 0, 0
+
+
+class TritonTiles:
+    """The ``triton`` backend (see the module docstring)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._torch = TorchTiles()
+
+    def available(self, device: torch.device) -> str | None:
+        if device.type == "cuda":
+            if torch.version.hip:
+                return f"ROCm (torch.version.hip={torch.version.hip}) is not supported by these kernels"
+            return None
+        if device.type == "cpu":
+            if INTERPRETED:
+                return None
+            return ("CPU tensors run Triton kernels only under its interpreter: set TRITON_INTERPRET=1 before "
+                    "megatron_rl_patches.ops.kernels.triton is first imported")
+        return f"Triton kernels run on CUDA tensors, not on {device.type}"
+
+    def claims(self, device: torch.device) -> bool:
+        return device.type == "cuda" and not torch.version.hip
+
+    # ------------------------------------------------------------------------- forward
+
+    def row_stats(self, source: Source, stats: RowStats, cols: torch.Tensor, owned: torch.Tensor,
+                  keep_mask: torch.Tensor | None, scale: float | torch.Tensor) -> RowStats:
+        """Overwrites `stats` (which must be empty, as the contract hands it) with the shard's statistics."""
+        dtype = stats.shift.dtype
+        if dtype == torch.float64 or source.first.dtype == torch.float64:
+            return self._torch.row_stats(source, stats, cols, owned, keep_mask, scale)
+        n_rows, n_valid, k = source.n_rows, source.n_valid, cols.size(1)
+        if n_rows == 0 or n_valid == 0:
+            return stats
+        device = source.first.device
+        b = blocks(device, source.fused)
+        splits = splits_for(n_rows, n_valid, b, device)
+        cols_per_split = math.ceil(math.ceil(n_valid / splits) / b.n) * b.n
+        splits = math.ceil(n_valid / cols_per_split)
+        parts = RowStats.empty(splits * n_rows, k, dtype, device, rest=stats.rest is not None,
+                               moment=stats.moment is not None, subset=stats.sub_shift is not None)
+        dummy = parts.shift
+        src, weight, n_hidden, *strides = _src_args(source)
+        keep, s_keep_r, s_keep_c = _keep_arg(keep_mask)
+        scale_t, scale_v = _scale_args(scale, dtype)
+        grid = (triton.cdiv(n_rows, b.m), splits)
+        row_stats_kernel[grid](
+            src, weight, keep if keep is not None else dummy, _marks(cols, owned) if k else dummy,
+            scale_t if scale_t is not None else dummy,
+            parts.shift, _or(parts.rest, dummy), _or(parts.moment, dummy), _or(parts.sub_shift, dummy),
+            _or(parts.sub_sum, dummy), parts.marked,
+            n_rows, n_valid, n_hidden, cols_per_split, scale_v, *strides, s_keep_r, s_keep_c,
+            K=k, FUSED=source.fused, ROW_SCALE=scale_t is not None, HAS_REST=parts.rest is not None,
+            HAS_MOMENT=parts.moment is not None, HAS_SUB=parts.sub_shift is not None, HAS_KEEP=keep is not None,
+            **b.launch(source.first.dtype),
+        )
+        merged = merge_splits(parts, splits, scale)
+        for name in ("shift", "marked", "rest", "moment", "sub_shift", "sub_sum"):
+            if getattr(stats, name) is not None:
+                getattr(stats, name).copy_(getattr(merged, name))
+        return stats
+
+    # ------------------------------------------------------------------------- backward
+
+    def apply_grad(self, source: Source, factors: GradFactors, scale: float | torch.Tensor,
+                   keep_mask: torch.Tensor | None, needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
+        if factors.dtype == torch.float64 or source.first.dtype == torch.float64:
+            return self._torch.apply_grad(source, factors, scale, keep_mask, needs)
+        if factors.mark_alpha is not None and factors.alpha is None:
+            raise ValueError("GradFactors with mark_alpha but no alpha: the marked e^(u - L) term needs the full shift")
+        if not source.fused:
+            grad = _logits_grad_buffer(source)
+            self._grad_tiles(source, factors, scale, keep_mask, grad, 0, source.n_rows, 0, source.n_valid)
+            return (grad,)
+        hidden, weight = source.hidden, source.weight
+        n_rows, n_valid, dtype = source.n_rows, source.n_valid, factors.dtype
+        half = hidden.dtype in (torch.bfloat16, torch.float16)
+        # dh accumulates over column blocks (fp32: T·H·4 B, H/V of one U); each row of dW is made
+        # once by one matmul, so it is written in the weight's dtype directly (the cast the
+        # Function would do), not through a [V, H] fp32 buffer
+        grad_h = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if needs[0] else None
+        grad_w = None
+        if needs[1]:
+            grad_w = torch.empty(weight.shape, dtype=weight.dtype if half else dtype, device=weight.device)
+            grad_w[n_valid:].zero_()
+        if n_rows == 0 or n_valid == 0:
+            if grad_w is not None:
+                grad_w.zero_()
+            return grad_h, grad_w
+        dz_dtype = hidden.dtype if half else dtype  # the matmuls' operand, as in the torch tiles
+        budget = CUDA_TILE_BYTES if hidden.device.type == "cuda" else CPU_TILE_BYTES
+        # the op's chunk_size (rows per tile elsewhere) caps the block at chunk_size·V_local entries
+        entries = source.chunk_rows * n_valid if source.chunk_rows else budget // dz_dtype.itemsize
+        width = max(1, entries // n_rows)
+        buf = torch.empty(n_rows, min(width, n_valid), dtype=dz_dtype, device=hidden.device)
+        for c0, c1 in spans(n_valid, width):
+            dz = buf[:, : c1 - c0]
+            self._grad_tiles(source, factors, scale, keep_mask, dz, 0, n_rows, c0, c1)
+            if grad_w is not None:
+                torch.matmul(dz.t(), hidden, out=grad_w[c0:c1])
+            if grad_h is not None:
+                if half:
+                    grad_h += torch.matmul(dz, weight[c0:c1])
+                else:
+                    grad_h.addmm_(dz, weight[c0:c1])
+        return grad_h, grad_w
+
+    def _grad_tiles(self, source: Source, f: GradFactors, scale: float | torch.Tensor,
+                    keep_mask: torch.Tensor | None, out: torch.Tensor, r0: int, r1: int, c0: int, c1: int) -> None:
+        """dL/dx of rows [r0, r1) and valid columns [c0, c1) into `out` (its [0, 0] = source [r0, c0])."""
+        if r1 <= r0 or c1 <= c0:
+            return
+        device = source.first.device
+        b = blocks(device, source.fused)
+        dummy = f.log_sum if f.log_sum is not None else f.log_sub_sum
+        src, weight, n_hidden, *strides = _src_args(source)
+        keep, s_keep_r, s_keep_c = _keep_arg(keep_mask)
+        scale_t, scale_v = _scale_args(scale, f.dtype)
+        k = f.cols.size(1)
+        per_mark = [None if t is None else t.expand(f.cols.shape).contiguous() for t in (f.mark_alpha, f.eta, f.delta)]
+        grid = (triton.cdiv(r1 - r0, b.m), triton.cdiv(c1 - c0, b.n))
+        grad_tile_kernel[grid](
+            src, weight, keep if keep is not None else dummy, _marks(f.cols, f.owned) if k else dummy,
+            scale_t if scale_t is not None else dummy, out,
+            *(_or(t, dummy) for t in (f.shift, f.log_sum, f.alpha, f.beta, f.sub_shift, f.log_sub_sum, f.gamma)),
+            *(_or(t, dummy) for t in per_mark),
+            r0, r1, c0, c1, n_hidden, scale_v, *strides, s_keep_r, s_keep_c, out.stride(0), out.stride(1),
+            K=k, FUSED=source.fused, ROW_SCALE=scale_t is not None, HAS_ALPHA=f.alpha is not None,
+            HAS_BETA=f.beta is not None, HAS_SUB=f.sub_shift is not None, HAS_GAMMA=f.gamma is not None,
+            HAS_KEEP=keep is not None and f.gamma is not None, HAS_MARK_ALPHA=f.mark_alpha is not None,
+            HAS_ETA=f.eta is not None, HAS_DELTA=f.delta is not None,
+            **b.launch(source.first.dtype),
+        )
+
+
+def _or(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+    """A kernel argument for an optional tensor (flagged off in the kernel when absent)."""
+    return dummy if t is None else t.contiguous()
+
+
+def merge_splits(parts: RowStats, splits: int, scale: float | torch.Tensor) -> RowStats:
+    """The statistics of `splits` vocabulary splits ([splits·T] rows, split-major) merged into one
+    per row: each split's sums moved to the maximum shift over splits (as the cross-rank combine)."""
+    if splits == 1:
+        return parts
+    n_rows = parts.shift.size(0) // splits
+    s_row = per_row(scale)
+
+    def view(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.reshape(splits, n_rows, *t.shape[1:])
+
+    shift = view(parts.shift)
+    out = RowStats(shift=shift.amax(0), marked=view(parts.marked).sum(0))
+    if parts.rest is not None:
+        log_factor, factor = _moved(shift, finite_or_zero(out.shift), s_row)
+        rest = view(parts.rest)
+        out.rest = (rest * factor).sum(0)
+        if parts.moment is not None:
+            out.moment = (factor * (view(parts.moment) + rest * log_factor)).sum(0)
+    if parts.sub_shift is not None:
+        sub_shift = view(parts.sub_shift)
+        out.sub_shift = sub_shift.amax(0)
+        out.sub_sum = (view(parts.sub_sum) * _moved(sub_shift, finite_or_zero(out.sub_shift), s_row)[1]).sum(0)
+    return out

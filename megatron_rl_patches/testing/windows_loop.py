@@ -1,0 +1,153 @@
+"""Split train-step loops on real megatron-core (CPU): several schedule calls per optimizer step,
+as NeMo-RL's split train step and SkyRL's forward_backward/optim_step do. Used by the
+accumulation-window tests and `bench windows`.
+
+A window is a list of schedule calls, each given as its number of microbatches: `[[1, 1], [1, 1, 1]]`
+is two optimizer steps, of 2 then 3 calls of one microbatch. Data depends on (rank, window, call,
+microbatch) only, so a run and its synchronous reference (`overlap_grad_reduce=False`) see the same.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from megatron_rl_patches.testing.megatron_cpu import gpt_forward, make_batch, tiny_gpt_config  # noqa: F401
+
+Windows = Sequence[Sequence[int]]
+
+
+@dataclass
+class LoopSetup:
+    """What one run builds: DDP chunks (one, or one per virtual stage) and an optional optimizer."""
+
+    chunks: list[Any]
+    optimizer: Any = None
+    config: Any = None
+    forward_steps: list[int] = field(default_factory=lambda: [0])  # microbatches run so far
+
+
+def build(env: Any, ddp_flags: dict, optimizer: str | None = None, *, virtual: int | None = None,
+          lr: float = 0.05, seed: int = 0) -> LoopSetup:
+    """Tiny GPT chunks (a list of `virtual` ones for the interleaved schedule) in real DDP with
+    `ddp_flags`, and Megatron's optimizer ("sgd" / "adam", distributed when the flags say so)."""
+    from megatron.core import parallel_state
+
+    config = env.config()
+    stages = range(virtual) if virtual else [None]
+    chunks = []
+    for vp_stage in stages:
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage) if vp_stage is not None \
+            else parallel_state.is_pipeline_first_stage()
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage) if vp_stage is not None \
+            else parallel_state.is_pipeline_last_stage()
+        model = env.gpt(config, pre_process=pre, post_process=post, vp_stage=vp_stage, seed=seed)
+        chunks.append(env.ddp(model, **ddp_flags))
+    setup = LoopSetup(chunks=chunks, config=config)
+    if optimizer is not None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        opt_config = OptimizerConfig(optimizer=optimizer, lr=lr, clip_grad=0.0,
+                                     use_distributed_optimizer=bool(ddp_flags.get("use_distributed_optimizer")))
+        setup.optimizer = get_megatron_optimizer(opt_config, chunks)
+    no_sync = [chunk.no_sync for chunk in chunks]
+    config.no_sync_func = no_sync if len(chunks) > 1 else no_sync[0]
+    config.finalize_model_grads_func = None
+    return setup
+
+
+def batch_seed(rank: int, window: int, call: int, microbatch: int) -> int:
+    return 100_000 * rank + 1_000 * window + 10 * call + microbatch
+
+
+def forward_step(setup: LoopSetup, skip_embedding: bool = False) -> Callable:
+    """A schedule forward step: mean next-token loss; with `skip_embedding` the decoder input is
+    the embedding's output detached, so the position embedding gets no gradient."""
+
+    def step(data_iterator: Iterator[dict], model: Any) -> tuple[torch.Tensor, Callable]:
+        setup.forward_steps[0] += 1
+        batch = next(data_iterator)
+        if skip_embedding and getattr(model.module, "pre_process", False):
+            embedded = model.module.embedding(batch["tokens"], batch["position_ids"]).detach()
+            output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                           decoder_input=embedded, labels=batch["labels"])
+        else:
+            output = gpt_forward(model, batch, labels=True)
+
+        def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            loss = out.float().mean()
+            return loss, {"lm loss": loss.detach()}
+
+        return output, loss_func
+
+    return step
+
+
+def schedule_call(setup: LoopSetup, batches: list[dict], step: Callable) -> None:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    micro_batch_size, seq_length = batches[0]["tokens"].shape
+    # the interleaved schedule reads one iterator per model chunk, each over every microbatch
+    data = [iter(batches) for _ in setup.chunks]
+    get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=data if len(data) > 1 else data[0],
+        model=setup.chunks,
+        num_microbatches=len(batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+    )
+
+
+def own_grad(chunk: Any) -> torch.Tensor:
+    """The reduced gradient this rank owns: the whole buffer, or its shard of every bucket under
+    the distributed optimizer (the rest of the buffer holds unreduced data after reduce-scatter)."""
+    parts = []
+    sharded = chunk.ddp_config.use_distributed_optimizer
+    world = torch.distributed.get_world_size(chunk.intra_dp_cp_group) if hasattr(chunk, "intra_dp_cp_group") \
+        else torch.distributed.get_world_size()
+    rank = torch.distributed.get_rank(chunk.intra_dp_cp_group) if hasattr(chunk, "intra_dp_cp_group") \
+        else torch.distributed.get_rank()
+    for buffer in chunk.buffers:
+        for bucket in buffer.buckets:
+            data = bucket.grad_data
+            if sharded:
+                size = data.numel() // world
+                data = data[rank * size:(rank + 1) * size]
+            parts.append(data.detach().clone())
+    return torch.cat(parts)
+
+
+def params_of(setup: LoopSetup) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().clone() for chunk in setup.chunks for p in chunk.module.parameters()])
+
+
+def run_windows(setup: LoopSetup, windows: Windows, *, rank: int, window_cm: Callable[[], Any] | None = None,
+                skip_embedding_in: Sequence[int] = (), finalize_in_call: bool = False) -> dict:
+    """Run each window (zero grads, its schedule calls, finalize_model_grads, optimizer step if any);
+    return the own-shard grads per window and the parameters at the end. `window_cm()` wraps each
+    window's calls (accumulation_window); `finalize_in_call` sets config.finalize_model_grads_func
+    (one call per window, as Megatron-LM's train_step)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    grads = []
+    for w, calls in enumerate(windows):
+        for chunk in setup.chunks:
+            chunk.zero_grad_buffer()
+        if setup.optimizer is not None:
+            setup.optimizer.zero_grad()
+        step = forward_step(setup, skip_embedding=w in skip_embedding_in)
+        setup.config.finalize_model_grads_func = finalize_model_grads if finalize_in_call else None
+        with window_cm() if window_cm is not None else contextlib.nullcontext():
+            for c, count in enumerate(calls):
+                batches = [make_batch(seed=batch_seed(rank, w, c, m)) for m in range(count)]
+                schedule_call(setup, batches, step)
+        if not finalize_in_call:
+            finalize_model_grads(setup.chunks)
+        grads.append(torch.cat([own_grad(chunk) for chunk in setup.chunks]))
+        if setup.optimizer is not None:
+            setup.optimizer.step()
+    setup.config.finalize_model_grads_func = None
+    return {"grads": grads, "params": params_of(setup)}

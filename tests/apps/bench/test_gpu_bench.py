@@ -1,0 +1,98 @@
+"""`bench gpu`: the refusal without CUDA (one line, non-zero exit, no traceback) and the CPU-side
+logic run for real on CPU with tiny shapes — interleaved runs, OOM recorded and the run going
+on, rows for packages that are not installed, ratios, CSV / markdown / PNG outputs."""
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl_patches.apps.bench import gpu
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: bench gpu would run")
+def test_bench_gpu_refuses_without_cuda_in_one_line():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl_patches", "bench", "gpu", "--quick"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("megatron-rl-patches bench gpu: needs a CUDA device")
+
+
+def _out_of_memory(x):
+    # what the CUDA allocator raises; a real OOM needs a GPU
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
+
+
+def _broken(x):
+    raise RuntimeError("kernel exploded")
+
+
+def test_token_count_rows_record_oom_missing_packages_and_errors_and_go_on():
+    impls = [
+        ("naive autograd", gpu._naive, None),
+        ("logits path", gpu._logits_path, None),
+        ("oom stand-in", _out_of_memory, None),
+        ("ours, torch tiles", gpu._ours("torch"), None),
+        ("absent package", gpu._verl, "a_package_that_is_not_installed"),
+        ("broken", _broken, None),
+        ("top-k torch tiles", gpu._ours_topk("torch"), None),
+    ]
+    rows = gpu.with_ratios(gpu.run_token_count(32, 16, 80, 3, "cpu", torch.float32, impls))
+    by_label = {row["implementation"]: row for row in rows}
+    assert [row["implementation"] for row in rows] == [label for label, _, _ in impls]
+    assert by_label["oom stand-in"]["note"] == gpu.OOM and "time_ms" not in by_label["oom stand-in"]
+    assert by_label["absent package"]["note"] == gpu.NOT_INSTALLED
+    assert by_label["broken"]["note"] == "error: RuntimeError: kernel exploded"
+    for label in ("naive autograd", "logits path", "ours, torch tiles", "top-k torch tiles"):
+        row = by_label[label]
+        assert row["time_ms"] > 0 and row["note"] == "", row
+        assert "excess_peak_U" not in row  # CPU: the CUDA allocator's peak is not measured
+    assert by_label["logits path"]["time_vs_logits"] == 1.0
+    assert by_label["ours, torch tiles"]["time_vs_logits"] > 0
+
+
+def test_measure_once_counts_the_excess_over_the_gradients():
+    x = gpu.make_inputs(8, 16, 40, "cpu", torch.float32)
+
+    class Probe:  # the allocator's answer on CUDA: here a known peak of 1 MiB above the start
+        cuda = True
+
+        def start(self):
+            pass
+
+        def peak(self):
+            return 1 << 20
+
+    result = gpu.measure_once(gpu._naive, x, Probe(), lambda: None, iter([1.0, 1.25]).__next__)
+    grads = x.hidden.numel() * 4 + x.weight.numel() * 4
+    assert result == {"time_s": 0.25, "excess_bytes": (1 << 20) - grads}
+    assert x.hidden.grad is None and x.weight.grad is None  # freed for the next run
+
+
+def test_outputs_are_csv_markdown_and_png(tmp_path):
+    rows = gpu.with_ratios([
+        {"T": 4096, "implementation": "logits path", "time_ms": 10.0, "excess_peak_U": 1.5, "excess_peak_GiB": 3.7,
+         "note": ""},
+        {"T": 4096, "implementation": "ours, triton", "time_ms": 12.0, "excess_peak_U": 0.05,
+         "excess_peak_GiB": 0.1, "note": ""},
+        {"T": 65536, "implementation": "naive autograd", "note": gpu.OOM},
+    ])
+    paths = gpu.write_outputs(rows, str(tmp_path), "title line")
+    with open(tmp_path / "gpu.csv") as fh:
+        table = list(csv.DictReader(fh))
+    assert list(table[0]) == list(gpu.COLUMNS)
+    assert table[1]["time_vs_logits"] == "1.2" and table[2]["note"] == "OOM"
+    md = (tmp_path / "gpu.md").read_text()
+    assert md.startswith("title line\n\n| T | implementation |") and "| OOM |" in md
+    pytest.importorskip("matplotlib")
+    assert str(tmp_path / "gpu.png") in paths and (tmp_path / "gpu.png").stat().st_size > 0

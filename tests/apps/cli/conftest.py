@@ -1,0 +1,22 @@
+"""CLI tests: a clean patch state for every test, and `cli(*argv) -> (exit code, stdout, stderr)`."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def clean(clean_patch_state):
+    return clean_patch_state
+
+
+@pytest.fixture
+def cli_run(capsys):
+    """Run `megatron-rl-patches *argv` in this process; returns (exit code, stdout, stderr)."""
+    from megatron_rl_patches.apps.cli import main
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

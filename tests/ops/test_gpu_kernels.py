@@ -1,0 +1,57 @@
+"""On a CUDA device (`make test-gpu`; skipped elsewhere): ``auto`` picks the Triton kernels, they
+match a float64 reference at a mid-size bf16 shape, and the fused head's excess peak memory stays
+under 0.1 U (the logits path needs more than 1 U)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl_patches import lm_head_log_probs_and_entropy
+from megatron_rl_patches.ops import kernels
+
+pytestmark = [pytest.mark.gpu, pytest.mark.triton]
+CUDA = torch.device("cuda")
+
+
+def _inputs(T: int, H: int, V: int, seed: int = 0):
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    hidden = torch.randn(T, H, device=CUDA, generator=g).bfloat16()
+    weight = (torch.randn(V, H, device=CUDA, generator=g) * H**-0.5 * 2).bfloat16()
+    tokens = torch.randint(0, V - 5, (T,), device=CUDA, generator=g)
+    return hidden, weight, tokens, torch.randn(T, device=CUDA, generator=g), torch.randn(T, device=CUDA, generator=g)
+
+
+def test_auto_picks_the_kernels_on_cuda():
+    assert kernels.resolve_backend("auto", CUDA).name == "triton"
+
+
+def test_kernels_match_float64_at_a_mid_size_shape():
+    hidden, weight, tokens, a, b = _inputs(2048, 1024, 32003)
+    tau = torch.rand(2048, device=CUDA) + 0.5
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = lm_head_log_probs_and_entropy(h, w, tokens, with_entropy=True, temperature=tau, vocab_size=31998,
+                                            backend="triton")
+    ((lp * a).sum() + (ent * b).sum()).backward()
+    hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    logp_all = torch.log_softmax((hd @ wd[:31998].t()) / tau.double()[:, None], -1)
+    ref_lp = logp_all.gather(1, tokens[:, None]).squeeze(1)
+    ref_ent = -(logp_all.exp() * logp_all).sum(-1)
+    ((ref_lp * a.double()).sum() + (ref_ent * b.double()).sum()).backward()
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=1e-4)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=0, atol=1e-4)
+    for got, want in ((h.grad, hd.grad), (w.grad, wd.grad)):
+        assert float((got.double() - want).abs().max()) <= 2e-2 * max(1.0, float(want.abs().max()))
+
+
+def test_fused_excess_peak_is_under_a_tenth_of_the_logits():
+    T, H, V = 32768, 512, 65536
+    hidden, weight, tokens, a, b = _inputs(T, H, V)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    lp, ent = lm_head_log_probs_and_entropy(h, w, tokens, with_entropy=True, backend="triton")
+    ((lp * a).sum() + (ent * b).sum()).backward()
+    torch.cuda.synchronize()
+    excess = torch.cuda.max_memory_allocated() - base - h.grad.nbytes - w.grad.nbytes
+    assert excess <= 0.1 * T * V * 4, f"excess peak {excess / (T * V * 4):.3f} U"

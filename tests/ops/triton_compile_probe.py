@@ -1,0 +1,62 @@
+"""Compile the Triton kernels ahead of time for NVIDIA targets, no GPU needed (triton's own
+ptxas): proof that the GPU compiler, not only the interpreter, accepts them. Run as a script
+without TRITON_INTERPRET: ``python triton_compile_probe.py ARCH...`` prints one line per variant."""
+from __future__ import annotations
+
+import itertools
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from megatron_rl_patches.ops.kernels.triton import backend
+from megatron_rl_patches.ops.kernels.triton._fold import row_stats_kernel
+from megatron_rl_patches.ops.kernels.triton._grad import grad_tile_kernel
+
+INTS = {"n_rows", "n_valid", "n_hidden", "cols_per_split", "row_begin", "row_end", "col_begin", "col_end"}
+
+
+def _signature(fn, pointers: dict[str, str], consts: dict) -> dict[str, str]:
+    def kind(name: str) -> str:
+        if name in consts:
+            return "constexpr"
+        if name in pointers:
+            return pointers[name]
+        if name in INTS or name.startswith("s_"):
+            return "i32"
+        return "fp32" if name == "scale_value" else "*fp32"
+
+    return {name: kind(name) for name in fn.arg_names}
+
+
+def compile_variant(fn, arch: int, dtype: str, fused: bool, flags: dict[str, bool], k: int) -> str:
+    import torch
+
+    b = backend.blocks(torch.device("cuda"), fused)
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    consts = {**flags, "K": k, "FUSED": fused, **b.launch(torch_dtype)}
+    options = {"num_warps": consts.pop("num_warps"), "num_stages": consts.pop("num_stages")}
+    consts["DOT_FP32"] = False  # the GPU path, whatever this process's interpreter setting
+    pointers = {"src": f"*{dtype}", "weight": f"*{dtype}", "keep": "*i8", "marks": "*i32", "out": f"*{dtype}"}
+    source = ASTSource(fn=fn, signature=_signature(fn, pointers, consts),
+                       constexprs={(fn.arg_names.index(name),): value for name, value in consts.items()})
+    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    assert kernel.asm.get("cubin"), "no cubin"
+    return f"sm_{arch} {fn.__name__} {dtype} fused={fused} k={k} all_flags={all(flags.values())}: ok"
+
+
+FOLD_FLAGS = ("ROW_SCALE", "HAS_REST", "HAS_MOMENT", "HAS_SUB", "HAS_KEEP")
+GRAD_FLAGS = ("ROW_SCALE", "HAS_ALPHA", "HAS_BETA", "HAS_SUB", "HAS_GAMMA", "HAS_KEEP", "HAS_MARK_ALPHA", "HAS_ETA",
+              "HAS_DELTA")
+
+
+def main(arches: list[int]) -> None:
+    for arch, dtype, fused, on in itertools.product(arches, ("bf16", "fp32"), (True, False), (True, False)):
+        k = 4 if on else 1
+        print(compile_variant(row_stats_kernel, arch, dtype, fused, dict.fromkeys(FOLD_FLAGS, on), k), flush=True)
+        print(compile_variant(grad_tile_kernel, arch, dtype, fused, dict.fromkeys(GRAD_FLAGS, on), k), flush=True)
+
+
+if __name__ == "__main__":
+    main([int(a) for a in sys.argv[1:]] or [80, 90])

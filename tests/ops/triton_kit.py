@@ -1,0 +1,128 @@
+"""Shared by the Triton kernel tests: the device they run on (CUDA when present, else CPU under
+Triton's interpreter), inputs, float64 references and the two public routes (logits, hidden)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from megatron_rl_patches import (
+    lm_head_log_probs_and_entropy, lm_head_topk_logprobs, log_probs_and_entropy, topk_logprobs,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def require_kernels() -> None:
+    """Skip the calling module where the kernels cannot run: no triton, or CPU without the
+    interpreter chosen before the kernels were imported (the Makefile exports TRITON_INTERPRET=1)."""
+    pytest.importorskip("triton", reason="triton is not installed on this lane")
+    from megatron_rl_patches.ops.kernels.triton import backend
+
+    why = backend.TritonTiles().available(DEVICE)
+    if why is not None:
+        pytest.skip(f"Triton kernels cannot run here: {why}", allow_module_level=True)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    hidden: torch.Tensor  # [T, H] float64 (values exact in the case's dtype)
+    weight: torch.Tensor  # [V, H]
+    tokens: torch.Tensor
+    keep: torch.Tensor  # [T, V] bool, the target always kept
+    tau: torch.Tensor  # [T]
+    ids: torch.Tensor  # [T, k] distinct ids below the valid vocabulary
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+def make_inputs(dtype: torch.dtype, T: int = 24, H: int = 40, V: int = 72, n_valid: int = 72, k: int = 5,
+                seed: int = 0) -> Inputs:
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(T, H, generator=g) * 1.5).to(dtype).double()
+    weight = (torch.randn(V, H, generator=g) * H**-0.5 * 2).to(dtype).double()
+    tokens = torch.randint(0, n_valid, (T,), generator=g)
+    keep = torch.rand(T, V, generator=g) < 0.5
+    keep[torch.arange(T), tokens] = True
+    tau = torch.rand(T, generator=g) + 0.5
+    ids = torch.stack([torch.randperm(n_valid, generator=g)[:k] for _ in range(T)])
+    return Inputs(hidden, weight, tokens, keep, tau, ids, torch.randn(T, generator=g), torch.randn(T, generator=g))
+
+
+def leaves(x: Inputs, dtype: torch.dtype, fused: bool, reference: bool) -> tuple[torch.Tensor, ...]:
+    """The route's differentiable inputs: (hidden, weight) or (logits,) in `dtype` on DEVICE; for
+    the reference the same values as float64 on CPU (logits rounded to `dtype` first, as given)."""
+    if fused:
+        tensors = (x.hidden, x.weight)
+    else:
+        tensors = ((x.hidden.to(dtype) @ x.weight.to(dtype).t()).double(),)
+    if reference:
+        return tuple(t.clone().requires_grad_() for t in tensors)
+    return tuple(t.to(dtype).to(DEVICE).requires_grad_() for t in tensors)
+
+
+def _logits64(tensors: tuple[torch.Tensor, ...], n_valid: int) -> torch.Tensor:
+    return tensors[0] @ tensors[1][:n_valid].t() if len(tensors) == 2 else tensors[0][:, :n_valid]
+
+
+def log_prob_run(x: Inputs, *, backend: str | None, fused: bool, dtype: torch.dtype, entropy: bool, masked: bool,
+                 row_tau: bool, n_valid: int, lp_grad: bool = True, entropy_grad: bool = True,
+                 inplace: bool = False, chunk_size: int | None = None) -> list[torch.Tensor]:
+    """[log_probs, entropy (or empty), grads...] as float64 CPU tensors. backend None: the float64
+    reference by plain autograd on the valid columns."""
+    tau = x.tau if row_tau else 0.7
+    tensors = leaves(x, dtype, fused, backend is None)
+    if backend is None:
+        z = _logits64(tensors, n_valid) / (tau[:, None] if row_tau else tau)
+        logp_all = torch.log_softmax(z, -1)
+        kept = torch.log_softmax(z.masked_fill(~x.keep[:, :n_valid], -torch.inf), -1) if masked else logp_all
+        lp = kept.gather(1, x.tokens[:, None]).squeeze(1)
+        ent = -(logp_all.exp() * logp_all).sum(-1) if entropy else lp.new_empty(0)
+    else:
+        kwargs = dict(with_entropy=entropy, entropy_requires_grad=entropy_grad, vocab_size=n_valid, backend=backend,
+                      chunk_size=chunk_size,
+                      temperature=tau.to(DEVICE) if row_tau else tau,
+                      keep_mask=x.keep.to(DEVICE) if masked else None)
+        if fused:
+            lp, ent = lm_head_log_probs_and_entropy(*tensors, x.tokens.to(DEVICE), **kwargs)
+        else:
+            lp, ent = log_probs_and_entropy(*tensors, x.tokens.to(DEVICE), inplace_backward=inplace, **kwargs)
+        ent = ent if entropy else lp.new_empty(0)
+    loss = (lp * x.a.to(lp)).sum() if lp_grad else 0.0
+    if entropy and entropy_grad:
+        loss = loss + (ent * x.b.to(ent)).sum()
+    loss.backward()
+    return [t.detach().double().cpu() for t in (lp, ent, *(leaf.grad for leaf in tensors))]
+
+
+def topk_run(x: Inputs, *, backend: str | None, fused: bool, dtype: torch.dtype, n_valid: int,
+             grads: tuple[float, float] = (0.3, 1.0)) -> list[torch.Tensor]:
+    """[log p at ids, log tail mass, grads...] as float64 CPU tensors (backend None: float64 reference)."""
+    tensors = leaves(x, dtype, fused, backend is None)
+    if backend is None:
+        logp_all = torch.log_softmax(_logits64(tensors, n_valid) / x.tau[:, None], -1)
+        lp = logp_all.gather(1, x.ids)
+        tail = torch.logsumexp(logp_all.scatter(1, x.ids, -torch.inf), -1)
+    else:
+        kwargs = dict(temperature=x.tau.to(DEVICE), vocab_size=n_valid, backend=backend)
+        op = lm_head_topk_logprobs if fused else topk_logprobs
+        lp, tail = op(*tensors, x.ids.to(DEVICE), **kwargs)
+    loss = 0.0
+    if grads[0]:
+        loss = lp.sum() * grads[0]
+    if grads[1]:
+        loss = loss + tail.sum() * grads[1]
+    loss.backward()
+    return [t.detach().double().cpu() for t in (lp, tail, *(leaf.grad for leaf in tensors))]
+
+
+def assert_close(got: list[torch.Tensor], want: list[torch.Tensor], names: tuple[str, ...], rel: float) -> None:
+    """Each pair within `rel` times the larger of 1 and the reference's largest magnitude."""
+    for name, g, w in zip(names, got, want):
+        assert g.shape == w.shape, (name, g.shape, w.shape)
+        if w.numel() == 0:
+            continue
+        scale = max(1.0, float(w.abs().max()))
+        err = float((g - w).abs().max())
+        assert err <= rel * scale, f"{name}: max error {err:.3g} > {rel:g} x {scale:.3g}"

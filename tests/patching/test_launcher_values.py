@@ -1,0 +1,102 @@
+"""`megatron-rl-patches run` over odd values of --patches and of every variable it passes on
+(empty, whitespace, unicode, duplicates, conflicting DISABLE), one real launch per case: the exit
+code, the one stderr line of a refusal (naming what is wrong), and which patches the child applied."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_rl_patches.integrations import default_registry
+
+ALL = tuple(default_registry().patch_names())
+OTHERS = tuple(name for name in ALL if name != "ddp_hooks")
+REPORT = ("import json, megatron_rl_patches as m; "
+          "print(json.dumps(sorted({s.name for s in m.applied() if s.status in ('applied', 'pending')})))")
+
+SELECT, DISABLE = "MEGATRON_RL_PATCHES", "MEGATRON_RL_PATCHES_DISABLE"
+STRICT, UNTESTED = "MEGATRON_RL_PATCHES_STRICT", "MEGATRON_RL_PATCHES_ALLOW_UNTESTED"
+BACKEND, ROLES = "MEGATRON_RL_PATCHES_BACKEND", "MEGATRON_RL_PATCHES_INFERENCE_ROLES"
+
+# (case id, --patches or None, variables) -> applied names (exit 0) or the text of the refusal (exit 2)
+CASES = [
+    ("nothing-set", None, {}, ALL),
+    ("select-empty", None, {SELECT: ""}, ALL),
+    ("select-whitespace", None, {SELECT: " \t "}, ALL),
+    ("select-0", None, {SELECT: "0"}, "MEGATRON_RL_PATCHES='0' disables patching; unset it or pass --patches"),
+    ("select-off", None, {SELECT: " Off "}, "disables patching"),
+    ("select-ALL", None, {SELECT: "ALL"}, ALL),
+    ("select-duplicates", None, {SELECT: "ddp_hooks, ddp_hooks,ddp_hooks"}, ("ddp_hooks",)),
+    ("select-spaced-pair", None, {SELECT: " ddp_hooks , train_reentry "}, ("ddp_hooks", "train_reentry")),
+    ("select-commas", None, {SELECT: " , ,"}, "MEGATRON_RL_PATCHES=' , ,' names no patch"),
+    ("select-unicode", None, {SELECT: "ddp_höoks"}, "unknown patch name(s) 'ddp_höoks' in MEGATRON_RL_PATCHES"),
+    ("patches-empty", "", {}, "--patches names no patch"),
+    ("patches-commas", " , ", {}, "--patches names no patch"),
+    ("patches-duplicates", "ddp_hooks,,ddp_hooks", {}, ("ddp_hooks",)),
+    ("patches-beat-select-0", "ddp_hooks", {SELECT: "0"}, ("ddp_hooks",)),
+    ("patches-fullwidth", "ｄｄｐ_hooks", {}, "unknown patch name(s)"),
+    ("disable-typo", None, {DISABLE: "ddp_hook"}, "unknown patch name(s) 'ddp_hook' in MEGATRON_RL_PATCHES_DISABLE"),
+    ("disable-one", None, {DISABLE: "ddp_hooks"}, OTHERS),
+    ("disable-duplicates", None, {DISABLE: "ddp_hooks , ddp_hooks"}, OTHERS),
+    ("disable-empty", None, {DISABLE: ""}, ALL),
+    ("disable-commas", None, {DISABLE: " , "}, "MEGATRON_RL_PATCHES_DISABLE=' , ' names no patch"),
+    ("disable-zero-width", None, {DISABLE: "ddp_hooks\u200b"}, "in MEGATRON_RL_PATCHES_DISABLE"),
+    ("disable-conflicts-patches", "ddp_hooks", {DISABLE: "ddp_hooks"}, "leaves out every patch selected"),
+    ("disable-conflicts-select", None, {SELECT: "ddp_hooks", DISABLE: "ddp_hooks"}, "leaves out every patch"),
+    ("disable-everything", None, {DISABLE: ",".join(ALL)}, "leaves out every patch selected"),
+    ("disable-part-of-patches", "ddp_hooks,train_reentry", {DISABLE: "ddp_hooks"}, ("train_reentry",)),
+    ("strict-yes", None, {STRICT: " YES "}, ALL),
+    ("strict-whitespace", None, {STRICT: "  "}, ALL),
+    ("strict-maybe", None, {STRICT: "maybe"}, "MEGATRON_RL_PATCHES_STRICT='maybe' is not a yes/no value"),
+    ("strict-fullwidth-1", None, {STRICT: "１"}, "MEGATRON_RL_PATCHES_STRICT='１'"),
+    ("untested-on", None, {UNTESTED: "on"}, ALL),
+    ("untested-2", None, {UNTESTED: "2"}, "MEGATRON_RL_PATCHES_ALLOW_UNTESTED='2' is not a yes/no value"),
+    ("backend-triton", None, {BACKEND: "triton"}, ALL),
+    ("backend-spaced-upper", None, {BACKEND: " TORCH "}, ALL),
+    ("backend-empty", None, {BACKEND: ""}, ALL),
+    ("backend-cuda", None, {BACKEND: "cuda"}, "MEGATRON_RL_PATCHES_BACKEND='cuda' is not a backend: use torch or triton"),
+    ("backend-greek-o", None, {BACKEND: "tοrch"}, "MEGATRON_RL_PATCHES_BACKEND="),
+    ("roles-custom", None, {ROLES: "teacher, ref_model"}, ALL),
+    ("roles-empty", None, {ROLES: ""}, ALL),
+    ("roles-duplicates", None, {ROLES: "teacher,teacher"}, ALL),
+    ("roles-unicode-identifier", None, {ROLES: "教师"}, ALL),
+    ("roles-commas", None, {ROLES: " , "}, "MEGATRON_RL_PATCHES_INFERENCE_ROLES=' , ' names no role"),
+    ("roles-dash", None, {ROLES: "teacher,prm-teacher"}, "'prm-teacher' is not a role name"),
+]
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """Every case launched at once (each launch starts two interpreters)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_RL_PATCHES")}
+    procs = {}
+    for case, patches, variables, _ in CASES:
+        marker = tmp_path_factory.mktemp(case) / "started"
+        selection = [] if patches is None else ["--patches", patches]
+        child = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close(); {REPORT}"]
+        procs[case] = (marker, subprocess.Popen(
+            [sys.executable, "-m", "megatron_rl_patches", "run", *selection, "--", *child],
+            env={**base, **variables}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8",
+        ))
+    return {case: (proc.wait(timeout=300), *proc.communicate(), marker.exists()) for case, (marker, proc) in procs.items()}
+
+
+@pytest.mark.parametrize("case, patches, variables, expected", CASES, ids=[case[0] for case in CASES])
+def test_launch(launches, case, patches, variables, expected):
+    code, out, err, started = launches[case]
+    if isinstance(expected, str):
+        assert (code, started) == (2, False), (out, err)
+        assert err.count("\n") == 1 and err.startswith("megatron-rl-patches run: ") and expected in err, err
+    else:
+        assert (code, started) == (0, True), err
+        assert json.loads(out.strip().splitlines()[-1]) == sorted(expected), err
+
+
+def test_the_table_covers_every_variable_the_launcher_passes_on():
+    from megatron_rl_patches.patching import env
+
+    covered = {name for _, _, variables, _ in CASES for name in variables}
+    assert covered == set(env.VARIABLES)
