@@ -76,3 +76,21 @@ def test_no_vocabulary_wide_tensor(monkeypatch, divergence):
         value.sum().backward()
     assert watch.largest_bytes == 0 and h.grad is not None  # tiles of 32 columns: no [., V] tensor at all
     assert value.shape == (T,)
+
+
+def test_bfloat16_inputs_match_their_float32_logits_and_empty_rows_work():
+    hidden, weight, teachers, _, _, grad_out = make_inputs(2, dtype=torch.float32)
+    (th0, tw0), (th1, tw1) = teachers
+    bf = [t.bfloat16() for t in (hidden, weight, th0, tw0, th1, tw1)]
+    h = bf[0].clone().requires_grad_()
+    value = lm_head_divergence(h, bf[1], [bf[2], bf[4]], [bf[3], bf[5]], divergence="jsd")
+    value.sum().backward()
+    assert value.dtype == torch.float32 and h.grad.dtype == torch.bfloat16 and torch.isfinite(h.grad.float()).all()
+    # the same bf16 values in fp32: only the bf16 rounding of each logits tile differs
+    want = lm_head_divergence(*(t.float() for t in bf[:2]), [bf[2].float(), bf[4].float()],
+                              [bf[3].float(), bf[5].float()], divergence="jsd")
+    assert float((value.detach() - want).abs().max()) <= 2e-2 * float(want.abs().max())
+    empty = torch.zeros(0, hidden.size(1), requires_grad=True)
+    out = lm_head_divergence(empty, weight, th0[:0], tw0, divergence="tv")
+    out.sum().backward()
+    assert out.shape == (0,) and empty.grad.shape == empty.shape
