@@ -31,8 +31,11 @@ _LAZY = {
     "lm_head_log_probs_and_entropy": "megatron_rl_patches.ops.lm_head",
     "lm_head_topk_ids": "megatron_rl_patches.ops.lm_head",
     "lm_head_topk_logprobs": "megatron_rl_patches.ops.lm_head",
+    "lm_head_divergence": "megatron_rl_patches.ops.divergence",
     "log_prob_output_processor": "megatron_rl_patches.megatron.processors",
     "topk_output_processor": "megatron_rl_patches.megatron.processors",
+    "hidden_output_processor": "megatron_rl_patches.megatron.distill",
+    "divergence_output_processor": "megatron_rl_patches.megatron.distill",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])

@@ -7,6 +7,8 @@ from megatron_rl_patches._lazy import lazy_getattr
 _LAZY = {
     "log_prob_output_processor": "megatron_rl_patches.megatron.processors",
     "topk_output_processor": "megatron_rl_patches.megatron.processors",
+    "hidden_output_processor": "megatron_rl_patches.megatron.distill",
+    "divergence_output_processor": "megatron_rl_patches.megatron.distill",
 }
 __all__ = sorted(_LAZY)
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())

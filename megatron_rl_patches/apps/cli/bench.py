@@ -1,4 +1,4 @@
-"""`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|gpu|all] [--quick] [--out DIR] [--only PART]`.
+"""`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|distill|gpu|all] [--quick] [--out DIR] [--only PART]`.
 
 `bench gpu` (not part of `all`) needs a CUDA device; without one it says so in one line and
 exits non-zero."""
@@ -19,6 +19,7 @@ BENCHMARKS = {
     "reentrant": "megatron_rl_patches.apps.bench.reentrant",
     "fused": "megatron_rl_patches.apps.bench.fused",
     "windows": "megatron_rl_patches.apps.bench.windows",
+    "distill": "megatron_rl_patches.apps.bench.distill",
 }
 # `bench fused --only PART` (megatron_rl_patches.apps.bench.fused.PARTS, kept here so --help imports no torch)
 FUSED_PARTS = ("logprob", "opd")

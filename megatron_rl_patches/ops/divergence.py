@@ -1,0 +1,203 @@
+"""Exact full-vocabulary divergences between a student and one or more teachers, straight from each
+model's final hidden states and (vocab-parallel) output weight: no model's [T, V] logits ever
+exist, in forward or backward.
+
+Forward, pass 1 walks the vocabulary tiles of every model together (x = h·Wᵀ per tile) and folds
+each model's normalizer (running max + Σ e^u: the statistics core's fold); forward / reverse KL
+against one teacher fold their cross term beside it with the same online rescaling (one pass).
+Ranks combine every model's statistics (one MAX and one SUM all-reduce of O(T) per model, plus
+one SUM for the cross term). Every other case needs every normalizer before its terms (the
+teachers' mixture, jsd's M, the skews' mixtures, |q − p|): pass 2 recomputes the tiles of every
+model and sums the value and the row constants backward needs (one SUM all-reduce). Backward
+recomputes the tiles of the student and the teachers (teachers without grad) and accumulates
+dL/dh_s and dL/dW_s. In T·H·V/tp matmuls with n teachers: one pass 2 forward + 4 backward
+(dense: 4); two passes 2(1+n) forward + (1+n) + 2 backward (dense: (1+n) + 2); memory per rank
+and the choice against top-k in docs/distillation.md ("Full vocabulary").
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab
+from megatron_rl_patches.ops import _divergence_tiles as tiles_math
+from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE, plain_form
+from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
+from megatron_rl_patches.ops.kernels.torch_tiles import _accumulate, tiles
+
+__all__ = ["lm_head_divergence"]
+
+Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
+_LOGITS = "logits (hidden @ weight.T)"
+
+
+def lm_head_divergence(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_hidden: Tensors,
+    teacher_weight: Tensors,
+    *,
+    divergence: str = DEFAULT_DIVERGENCE,
+    beta: float = DEFAULT_BETA,
+    alpha: float = DEFAULT_ALPHA,
+    teacher_weights: Optional[Union[torch.Tensor, Sequence[float]]] = None,
+    temperature: float | torch.Tensor = 1.0,
+    vocab_size: Optional[int] = None,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    sequence_parallel: bool = False,
+    keep_mask: Optional[torch.Tensor] = None,
+    chunk_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Per-token divergence [T] between the student's softmax(h·Wᵀ/τ) and the teachers' mixture.
+
+    hidden [T, H_s] and weight [V_local, H_s]: the student (under `sequence_parallel` this rank's
+    [T/tp, H_s] rows, gathered inside); teacher_hidden [T, H_t] and teacher_weight [V_local, H_t]
+    one teacher, or equal-length sequences of them mixed in probability space with
+    `teacher_weights` (≥ 0, summing to 1; None: equal). Every model shares the vocabulary, its TP
+    sharding and `temperature` (a float or per-token [T]). `divergence`: forward_kl = KL(q‖p_s),
+    reverse_kl = KL(p_s‖q), jsd (β), skew_forward_kl / skew_reverse_kl (α), tv (see
+    :mod:`megatron_rl_patches.ops._divergences`). `keep_mask` [T, V_local] bool: every model's
+    distribution renormalized over the kept ids, the divergence between those. Gradients flow to
+    hidden and weight only; outputs fp32 (fp64 for fp64 inputs). `chunk_size`: rows per tile.
+    """
+    _, n_rows, vocab = _checks.check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
+    name, beta, alpha = _checks.check_divergence_options(divergence, beta, alpha)
+    checks = _checks.DeviceChecks()
+    teachers = _checks.check_teacher_models(teacher_hidden, teacher_weight, hidden, weight, checks)
+    dtype = _stats.compute_dtype(hidden.dtype)
+    log_w = _checks.check_teacher_mixture_weights(teacher_weights, len(teachers), dtype, hidden.device, checks)
+    tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
+    _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
+    spec = _vocab.op_spec(weight.size(0), tp_group, vocab, chunk_size, "lm_head_divergence", arg=_LOGITS,
+                          sequence_parallel=bool(sequence_parallel and _dist.tp_size(tp_group) > 1))
+    plan = (plain_form(name, beta, alpha), beta, alpha)
+    flat = [t.detach() for pair in teachers for t in pair]  # teachers get no gradient
+    return LmHeadDivergence.apply(plan, spec, checks, keep_mask, tau, log_w, hidden, weight, *flat)
+
+
+def _sources(spec: _vocab.OpSpec, tensors: Sequence[torch.Tensor]) -> list[Source]:
+    """One tile source per model (student first), every hidden row gathered."""
+    return [Source(spec.n_valid, spec.chunk_rows, hidden=gather_rows(h, spec.group, spec.sequence_parallel), weight=w)
+            for h, w in zip(tensors[0::2], tensors[1::2])]
+
+
+def _walk(sources: list[Source], dtype: torch.dtype, keep_mask: torch.Tensor | None):
+    """(rows, cols, [x per model], kept) for every tile, every model's tile the same columns;
+    ids outside keep_mask set to −inf in every model's tile."""
+    for parts in zip(*(tiles(s, dtype) for s in sources)):
+        rows, cols = parts[0][0], parts[0][1]
+        xs = [x for _, _, x in parts]
+        kept = keep_mask[rows, cols] if keep_mask is not None else None
+        if kept is not None:
+            for x in xs:
+                x.masked_fill_(~kept, float("-inf"))
+        yield rows, cols, xs, kept
+
+
+def _normalizers(sources, dtype, scale, keep_mask, spec, checks, name):
+    """Pass 1: every model's (shift, log S) combined over the ranks, and the cross term of a
+    one-pass KL (else None); bad rows of any model raise here (the call's one host sync)."""
+    n_rows, device = sources[0].n_rows, sources[0].hidden.device
+    stats = [_stats.RowStats.empty(n_rows, 0, dtype, device) for _ in sources]
+    single = tiles_math.one_pass(name, len(sources) - 1)
+    lead = 1 if name == "forward_kl" else 0  # whose probabilities weigh the cross term
+    cross = torch.zeros(n_rows, dtype=dtype, device=device) if single else None
+    for rows, _, xs, kept in _walk(sources, dtype, keep_mask):
+        s_rows = _stats.scale_rows(scale, rows)
+        old = stats[lead].shift[rows].clone() if single else None
+        for st, x in zip(stats, xs):
+            _stats.fold_tile(st, rows, x, s_rows, None, None)
+        if single:
+            tiles_math.fold_cross(cross, rows, old, stats[lead], xs[lead], xs[1 - lead], s_rows, kept)
+    local_lead_shift = stats[lead].shift
+    combined = [_stats.combine_over_ranks(st, scale, spec.group) for st in stats]
+    if single and _dist.tp_size(spec.group) > 1:
+        # SUM all-reduce over the tensor-parallel group of the cross term, each rank's moved to
+        # the lead model's global max (as the core moves its sums)
+        _, factor = _stats._moved(local_lead_shift, combined[lead].safe_shift, _stats.per_row(scale))
+        cross = _dist.all_reduce_sum_(cross * factor, spec.group)
+    if keep_mask is not None:  # finite logits and a -inf max: no id kept in that row, on any rank
+        empty = torch.isneginf(combined[0].shift)
+        checks.require(~empty, lambda: ValueError(
+            f"{spec.op}: keep_mask keeps no vocabulary id in rows {torch.nonzero(empty).squeeze(1)[:8].tolist()}; "
+            "keep at least one id per row (or drop those rows from the loss)"))
+    for j, st in enumerate(combined):
+        bad = _checks.bad_row_codes(st.shift)
+        what = spec.arg if j == 0 else f"teacher {j - 1}'s logits (teacher_hidden @ teacher_weight.T)"
+        checks.require(bad == 0, lambda bad=bad, what=what: _checks.bad_rows_error(spec.op, what, bad))
+    checks.raise_first()
+    return [st.safe_shift for st in combined], [st.rest.log() for st in combined], cross
+
+
+def _tile_log_probs(xs, rows, shifts, log_sums, scale, log_w):
+    """(a, b): the student's and the teachers' mixture's log-probs of one tile (over the tiles)."""
+    lps = [tiles_math.log_probs_(x, shifts[j][rows], log_sums[j][rows], scale) for j, x in enumerate(xs)]
+    return lps[0], tiles_math.mixture_(lps[1:], log_w)
+
+
+class LmHeadDivergence(torch.autograd.Function):
+    """The per-token divergence; saved: the models' tensors (alive anyway), ≤ 2(1+n)+2 per token."""
+
+    @staticmethod
+    def forward(ctx, plan, spec: _vocab.OpSpec, checks, keep_mask, tau, log_w, *tensors):  # type: ignore[override]
+        name, beta, alpha = plan
+        sources = _sources(spec, tensors)
+        dtype = _stats.compute_dtype(tensors[0].dtype)
+        scale = _stats.row_scale(tau, sources[0].n_rows, dtype)
+        shifts, log_sums, cross = _normalizers(sources, dtype, scale, keep_mask, spec, checks, name)
+        if cross is not None:
+            value = tiles_math.one_pass_value(name, cross, shifts, log_sums, scale)
+            consts = [value] if name == "reverse_kl" else []
+        else:
+            sums = None
+            for rows, _, xs, kept in _walk(sources, dtype, keep_mask):
+                a, b = _tile_log_probs(xs, rows, shifts, log_sums, _stats.scale_rows(scale, rows), log_w)
+                part = torch.stack(tiles_math.row_sums(name, a, b, beta, alpha, kept), dim=1)
+                if sums is None:
+                    sums = torch.zeros(sources[0].n_rows, part.size(1), dtype=dtype, device=part.device)
+                sums[rows] += part
+            if sums is None:  # this rank holds only vocabulary padding
+                sums = torch.zeros(sources[0].n_rows, 1 + tiles_math.CONSTANTS[name], dtype=dtype,
+                                   device=tensors[0].device)
+            # SUM all-reduce over the tensor-parallel group: each rank's vocab shard adds its
+            # columns' share of the value and of every row constant
+            sums = _dist.all_reduce_sum_(sums, spec.group)
+            value, consts = sums[:, 0].clone(), list(sums[:, 1:].unbind(1))
+        ctx.plan, ctx.spec, ctx.n_tensors = plan, spec, len(tensors)
+        ctx.set_materialize_grads(False)
+        tau_saved = tau if isinstance(tau, torch.Tensor) else None
+        ctx.tau = None if tau_saved is not None else tau
+        ctx.save_for_backward(*tensors, torch.stack(shifts + log_sums + consts), keep_mask, tau_saved, log_w)
+        return value
+
+    @staticmethod
+    @_vocab.reject_double_backward
+    def backward(ctx, grad_value):  # type: ignore[override]
+        *tensors, saved, keep_mask, tau, log_w = ctx.saved_tensors
+        none = (None,) * 6
+        if grad_value is None or not any(ctx.needs_input_grad[6:8]):
+            return none + (None,) * ctx.n_tensors
+        name, beta, alpha = ctx.plan
+        spec: _vocab.OpSpec = ctx.spec
+        sources = _sources(spec, tensors)
+        n_models, dtype = len(sources), saved.dtype
+        scale = _stats.row_scale(tau if tau is not None else ctx.tau, sources[0].n_rows, dtype)
+        rows_saved = list(saved.unbind(0))
+        shifts, log_sums, consts = rows_saved[:n_models], rows_saved[n_models:2 * n_models], rows_saved[2 * n_models:]
+        # dL/dx = g·s·dD/dz per row (z = x·s)
+        row_factor = grad_value.to(dtype) * _stats.per_row(scale)
+        hidden, weight = sources[0].hidden, sources[0].weight
+        grad_h = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if ctx.needs_input_grad[6] else None
+        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if ctx.needs_input_grad[7] else None
+        for rows, cols, xs, kept in _walk(sources, dtype, keep_mask):
+            a, b = _tile_log_probs(xs, rows, shifts, log_sums, _stats.scale_rows(scale, rows), log_w)
+            dz = tiles_math.student_grad(name, a, b, [c[rows] for c in consts], beta, alpha, kept)
+            dz.mul_(row_factor[rows, None])
+            _accumulate(grad_h, grad_w, dz, hidden[rows], weight[cols], rows, cols)
+        if grad_h is not None:
+            grad_h = reduce_rows(grad_h, spec.group, spec.sequence_parallel).to(tensors[0].dtype)
+        if grad_w is not None:
+            grad_w = grad_w.to(tensors[1].dtype)
+        return none + (grad_h, grad_w) + (None,) * (ctx.n_tensors - 2)
