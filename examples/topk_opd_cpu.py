@@ -10,8 +10,9 @@ machine, initialize Megatron as usual instead of entering `megatron_on_cpu()`.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -99,7 +100,7 @@ def distill_step(
     return loss.item(), full_kl.item(), teacher_mass.item()
 
 
-def main(steps: int = 8, seed: int = 0, on_step: Optional[Callable[[StepRecord], Any]] = None) -> list[float]:
+def main(steps: int = 8, seed: int = 0, on_step: Callable[[StepRecord], Any] | None = None) -> list[float]:
     """Distill for `steps` steps and return the per-step top-k OPD losses."""
     for name, value, low in (("steps", steps, 1), ("seed", seed, 0)):
         if isinstance(value, bool) or not isinstance(value, int):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import inspect
 import numbers
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def bind(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> inspect.BoundArguments | None:

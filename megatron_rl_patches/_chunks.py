@@ -7,7 +7,8 @@ no object can be an instance of a class whose module was never imported.
 from __future__ import annotations
 
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 # megatron-core DistributedDataParallel's forward-pre-hook / param-sync API (0.13 to 0.16+)
 DDP_HOOK_ATTRS = ("remove_forward_pre_hook_handles", "use_forward_hook", "start_param_sync")

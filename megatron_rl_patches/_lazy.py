@@ -6,10 +6,11 @@ import importlib
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, Callable
+    from collections.abc import Callable
+    from typing import Any
 
 
-def lazy_getattr(package: str, names: dict[str, str], namespace: dict) -> "Callable[[str], Any]":
+def lazy_getattr(package: str, names: dict[str, str], namespace: dict) -> Callable[[str], Any]:
     """`names` maps a public name to the module defining it (absolute, or relative to `package`
     when it has no dot); resolved values are cached in `namespace` (the package's globals())."""
 

@@ -12,8 +12,9 @@ import contextvars
 import functools
 import inspect
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from megatron_rl_patches._chunks import DDP_HOOK_ATTRS, as_chunks, is_ddp_like, iter_wrapped
 from megatron_rl_patches._log import logger, warn_once

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from megatron_rl_patches._chunks import as_chunks
 
@@ -59,7 +60,7 @@ class _Window:
         return self.auto or self.explicit_depth > 0
 
 
-_windows: "weakref.WeakKeyDictionary[Any, _Window]" = weakref.WeakKeyDictionary()
+_windows: weakref.WeakKeyDictionary[Any, _Window] = weakref.WeakKeyDictionary()
 
 
 def bucket_groups(chunk: Any) -> list[Any]:

@@ -2,7 +2,8 @@
 tables, the training-state memory report. Library modules compute; only this module formats."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from megatron_rl_patches.inference.memory import TrainingStateBytes

@@ -8,15 +8,15 @@ import inspect
 import os
 import sys
 import warnings
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from megatron_rl_patches._chunks import has_grad_buffers
+from megatron_rl_patches._log import logger
 from megatron_rl_patches.inference.guard import freeze_chunk
 from megatron_rl_patches.inference.paths import resolve_checkpoint
-from megatron_rl_patches._log import logger
-
 
 # modules defining a DistributedDataParallel (megatron-core's, torch's), looked up in sys.modules
 _DDP_MODULES = ("megatron.core.distributed.distributed_data_parallel", "torch.nn.parallel.distributed")

@@ -8,8 +8,9 @@ import contextlib
 import json
 import logging
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

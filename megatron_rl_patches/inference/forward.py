@@ -2,7 +2,8 @@
 training), collecting one output per micro-batch: logits by default, or log-probs."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 

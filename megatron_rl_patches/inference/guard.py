@@ -8,7 +8,6 @@ from typing import Any
 from megatron_rl_patches._chunks import as_chunks, iter_wrapped
 from megatron_rl_patches._log import logger
 
-
 MARKER = "_mrp_inference_only"
 
 # DistributedDataParallel methods that only make sense for a trainable chunk: on a frozen chunk

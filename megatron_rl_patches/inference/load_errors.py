@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 SHOW = 5  # offending keys / files named in a message; the rest are counted
 

@@ -4,12 +4,14 @@ or a plain torch state-dict file. Everything is checked before anything is copie
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from megatron_rl_patches._chunks import module_chunks, unwrap
+from megatron_rl_patches._log import logger
 from megatron_rl_patches.inference.load_errors import (  # noqa: F401 - WeightsMismatchError re-exported
     SHOW,
     CheckpointReadError,
@@ -20,8 +22,6 @@ from megatron_rl_patches.inference.load_errors import (  # noqa: F401 - WeightsM
     shown,
 )
 from megatron_rl_patches.inference.paths import resolve_checkpoint
-from megatron_rl_patches._log import logger
-
 
 
 def _model_keys(count: int) -> list[str]:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import logger

@@ -3,7 +3,8 @@ enable/disable_forward_pre_hook(model_chunks) helpers (Megatron-LM and slime bot
 wrappers they install. The work itself is in :mod:`megatron_rl_patches.reentrant`."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from megatron_rl_patches.patching.records import Patch
 

@@ -16,12 +16,19 @@ first pipeline stage, tied or not).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from megatron_rl_patches.megatron.processors import (
-    _Call, _check_options, _context, _logit_multiplier, _per_token, _tp_group, wait_for_output_weight,
+    _Call,
+    _check_options,
+    _context,
+    _logit_multiplier,
+    _per_token,
+    _tp_group,
+    wait_for_output_weight,
 )
 
 __all__ = ["hidden_output_processor", "divergence_output_processor"]

@@ -10,9 +10,10 @@ and folds a MuP output multiplier into the temperature.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from typing import Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -279,7 +280,7 @@ def _check_temperature_tensor(
 
 
 # ------------------------------------------------------------------------ top-k and the OPD loss
-def check_logits(logits: object, name: str, tp_group: Optional[dist.ProcessGroup]) -> tuple[torch.Size, int]:
+def check_logits(logits: object, name: str, tp_group: dist.ProcessGroup | None) -> tuple[torch.Size, int]:
     check_float_tensor(logits, name, "of shape [T, V_local]")
     if logits.dim() < 2 or logits.shape[-1] == 0:
         raise ValueError(
@@ -354,7 +355,7 @@ def check_logprob_values(values: torch.Tensor, name: str, checks: DeviceChecks) 
 
 def check_teachers(
     teacher_logprobs: object, teacher_tail_logprobs: object, ids_shape: torch.Size, checks: DeviceChecks
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Teacher tensors as [n, *ids_shape] and [n, *ids_shape[:-1]] (tail None when derived);
     their values (log-probabilities) checked through `checks`."""
     check_float_tensor(teacher_logprobs, "teacher_logprobs", "[n_teachers, T, k] or [T, k]")
@@ -421,7 +422,7 @@ def check_weights(
 def check_mixture(
     teacher_logprobs: object, teacher_tail: object, bucket_shape: torch.Size, weights: Weights,
     dtype: torch.dtype, device: torch.device, checks: DeviceChecks,
-) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The teachers' buckets ([n, ..., k], tails or None) and the log mixture weights [n]."""
     teachers, tails = check_teachers(teacher_logprobs, teacher_tail, bucket_shape, checks)
     return teachers, tails, check_weights(weights, teachers.shape[0], dtype, device, checks)

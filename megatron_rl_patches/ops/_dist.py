@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 
 
-
 def tp_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

@@ -4,13 +4,14 @@ read back in one host sync) and :class:`OpSpec`, the options of one call.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl_patches.ops._dist import vocab_start
+
 # the numeric helpers the ops share live in the statistics core; re-exported for the ops' callers
 from megatron_rl_patches.ops._stats import compute_dtype
 

@@ -7,7 +7,8 @@ of these limits.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.checkpoint

@@ -16,7 +16,8 @@ and the choice against top-k in docs/distillation.md ("Full vocabulary").
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -42,13 +43,13 @@ def lm_head_divergence(
     divergence: str = DEFAULT_DIVERGENCE,
     beta: float = DEFAULT_BETA,
     alpha: float = DEFAULT_ALPHA,
-    teacher_weights: Optional[Union[torch.Tensor, Sequence[float]]] = None,
+    teacher_weights: torch.Tensor | Sequence[float] | None = None,
     temperature: float | torch.Tensor = 1.0,
-    vocab_size: Optional[int] = None,
-    tp_group: Optional[dist.ProcessGroup] = None,
+    vocab_size: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
-    keep_mask: Optional[torch.Tensor] = None,
-    chunk_size: Optional[int] = None,
+    keep_mask: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Per-token divergence [T] between the student's softmax(h·Wᵀ/τ) and the teachers' mixture.
 

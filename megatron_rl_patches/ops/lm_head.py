@@ -14,7 +14,6 @@ the top-k ops on `hidden @ weight.T` (docs/fused-lm-head.md).
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -45,16 +44,16 @@ def lm_head_log_probs_and_entropy(
     weight: torch.Tensor,
     tokens: torch.Tensor,
     *,
-    tp_group: Optional[dist.ProcessGroup] = None,
+    tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
     temperature: float | torch.Tensor = 1.0,
     with_entropy: bool = False,
     entropy_requires_grad: bool = True,
-    keep_mask: Optional[torch.Tensor] = None,
-    vocab_size: Optional[int] = None,
-    chunk_size: Optional[int] = None,
+    keep_mask: torch.Tensor | None = None,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
     backend: str = "auto",
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`log_probs_and_entropy(hidden @ weight.T, tokens, ...)` without the logits.
 
     hidden [T, H] (under `sequence_parallel` this rank's [T/tp, H] rows, gathered inside), weight
@@ -93,11 +92,11 @@ def lm_head_topk_ids(
     weight: torch.Tensor,
     k: int,
     *,
-    tp_group: Optional[dist.ProcessGroup] = None,
+    tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
     temperature: float | torch.Tensor = 1.0,
-    vocab_size: Optional[int] = None,
-    chunk_size: Optional[int] = None,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """`topk_ids(hidden @ weight.T, k, ...)` without the logits: global ids [T, k] of the k largest
     logits per row, descending, ties to the lower id; no gradient. A positive temperature does
@@ -148,12 +147,12 @@ def lm_head_topk_logprobs(
     weight: torch.Tensor,
     ids: torch.Tensor,
     *,
-    ids_mask: Optional[torch.Tensor] = None,
-    tp_group: Optional[dist.ProcessGroup] = None,
+    ids_mask: torch.Tensor | None = None,
+    tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
     temperature: float | torch.Tensor = 1.0,
-    vocab_size: Optional[int] = None,
-    chunk_size: Optional[int] = None,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`topk_logprobs(hidden @ weight.T, ids, ...)` without the logits: log-probs at ids [T, k]

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

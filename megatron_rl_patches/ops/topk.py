@@ -9,7 +9,6 @@ streaming core (one MAX and one SUM all-reduce per call) is shared with the log-
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -66,7 +65,7 @@ def _merge_candidates(values: torch.Tensor, ids: torch.Tensor, k: int) -> torch.
     return ids.gather(-1, best)
 
 
-def _bad_or_tied_rows(values: torch.Tensor, tied: Optional[torch.Tensor]) -> list[int]:
+def _bad_or_tied_rows(values: torch.Tensor, tied: torch.Tensor | None) -> list[int]:
     """Raise for rows with NaN/+inf or no finite logit; else this rank's rows with ties at the cut.
 
     NaN and +inf rank first in every rank's local top-k, so the gathered candidate `values` show
@@ -84,8 +83,8 @@ def topk_ids(
     logits: torch.Tensor,
     k: int,
     *,
-    tp_group: Optional[dist.ProcessGroup] = None,
-    vocab_size: Optional[int] = None,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """Global vocab ids of the k largest logits per row, descending (ties: lower id first).
 
@@ -149,7 +148,7 @@ def union_ids(student_ids: torch.Tensor, teacher_ids: torch.Tensor) -> tuple[tor
 def _topk_logprobs_checked(
     logits: torch.Tensor,
     ids: torch.Tensor,
-    tp_group: Optional[dist.ProcessGroup],
+    tp_group: dist.ProcessGroup | None,
     temperature: object,
     vocab_size: object,
     chunk_size: object,
@@ -157,7 +156,7 @@ def _topk_logprobs_checked(
     op: str = "topk_logprobs",
     name: str = "logits",
     backend: str = "auto",
-    ids_mask: Optional[torch.Tensor] = None,
+    ids_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Size, int]:
     lead, local_vocab = _checks.check_logits(logits, name, tp_group)
     vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
@@ -176,11 +175,11 @@ def topk_logprobs(
     logits: torch.Tensor,
     ids: torch.Tensor,
     *,
-    ids_mask: Optional[torch.Tensor] = None,
-    tp_group: Optional[dist.ProcessGroup] = None,
+    ids_mask: torch.Tensor | None = None,
+    tp_group: dist.ProcessGroup | None = None,
     temperature: Temperature = 1.0,
-    vocab_size: Optional[int] = None,
-    chunk_size: Optional[int] = None,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs (normalized over the full vocab, logits / temperature) at `ids` [T, k] and the
@@ -221,10 +220,10 @@ def _derived_tail(logprobs: torch.Tensor, source_dtype: torch.dtype) -> torch.Te
 def _bucket_divergence(
     log_p: torch.Tensor,
     teachers: torch.Tensor,
-    teacher_tails: Optional[torch.Tensor],
+    teacher_tails: torch.Tensor | None,
     log_w: torch.Tensor,
     choice: tuple[str, float, float, float],
-    valid: Optional[torch.Tensor] = None,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-row divergence between the student's buckets `log_p` [R, k+1] and the teacher mixture
     (teachers [n, ..., k] in their source dtype, tails [n, ...] or None: derived); `choice` is
@@ -249,15 +248,15 @@ def topk_kl(
     student_logprobs: torch.Tensor,
     student_tail: torch.Tensor,
     teacher_logprobs: torch.Tensor,
-    teacher_tail: Optional[torch.Tensor] = None,
+    teacher_tail: torch.Tensor | None = None,
     *,
     teacher_weights: Weights = None,
-    divergence: Optional[str] = None,
+    divergence: str | None = None,
     beta: float = 0.5,
     alpha: float = 0.1,
-    ids_mask: Optional[torch.Tensor] = None,
-    kl: Optional[str] = None,
-    mix: Optional[float] = None,
+    ids_mask: torch.Tensor | None = None,
+    kl: str | None = None,
+    mix: float | None = None,
 ) -> torch.Tensor:
     """Per-token divergence [T] between (k+1)-bucket distributions that are already computed: the
     student's log-probs at the k ids [T, k] and its tail [T] (from `topk_logprobs` or
@@ -296,19 +295,19 @@ def topk_opd_loss(
     student_logits: torch.Tensor,
     ids: torch.Tensor,
     teacher_logprobs: torch.Tensor,
-    teacher_tail_logprobs: Optional[torch.Tensor] = None,
+    teacher_tail_logprobs: torch.Tensor | None = None,
     *,
     teacher_weights: Weights = None,
-    divergence: Optional[str] = None,
+    divergence: str | None = None,
     beta: float = 0.5,
     alpha: float = 0.1,
-    ids_mask: Optional[torch.Tensor] = None,
-    kl: Optional[str] = None,
-    mix: Optional[float] = None,
-    tp_group: Optional[dist.ProcessGroup] = None,
+    ids_mask: torch.Tensor | None = None,
+    kl: str | None = None,
+    mix: float | None = None,
+    tp_group: dist.ProcessGroup | None = None,
     temperature: Temperature = 1.0,
-    vocab_size: Optional[int] = None,
-    chunk_size: Optional[int] = None,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Per-token divergence [T] between the student's and the teacher mixture's (k+1)-bucket

@@ -2,8 +2,9 @@
 the registry applies them, the CLI shows them)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 APPLIED, PENDING, SKIPPED, FAILED = "applied", "pending", "skipped", "failed"
 

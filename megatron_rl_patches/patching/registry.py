@@ -14,8 +14,9 @@ import inspect
 import pkgutil
 import sys
 import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import wrapt
 

@@ -4,7 +4,7 @@ plain autograd through log_softmax. The reference of the tests (in float64) and 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -18,9 +18,9 @@ def dense_divergence(
     divergence: str = "reverse_kl",
     beta: float = 0.5,
     alpha: float = 0.1,
-    teacher_weights: Optional[Sequence[float]] = None,
+    teacher_weights: Sequence[float] | None = None,
     temperature: float | torch.Tensor = 1.0,
-    keep_mask: Optional[torch.Tensor] = None,
+    keep_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-row divergence [T] of softmax(student/τ) from the teachers' mixture (probability space),
     each distribution restricted to the kept ids when `keep_mask` [T, V] is given."""

@@ -7,12 +7,13 @@ when `use_forward_hook`, `disable_forward_pre_hook` raising KeyError when called
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 
 class _Handle:
-    def __init__(self, owner: "FakeDDP") -> None:
+    def __init__(self, owner: FakeDDP) -> None:
         self.owner = owner
 
     def remove(self) -> None:
@@ -38,7 +39,7 @@ class FakeDDP:
         return iter(self.submodules)
 
     @property
-    def module(self) -> "FakeDDP":
+    def module(self) -> FakeDDP:
         return self
 
     def enable_forward_pre_hook(self) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ def megatron_world(
     pipeline_parallel: int = 1,
     virtual_pipeline: int | None = None,
     seed: int = 1234,
-) -> Iterator["MegatronCPU"]:
+) -> Iterator[MegatronCPU]:
     """A process group of world size 1 (unless one exists: gloo on "cpu" with the CPU shims, NCCL on
     "cuda") and Megatron's parallel state; on exit everything it set up is torn down."""
     from megatron.core import parallel_state
@@ -65,7 +66,7 @@ def megatron_on_cpu(
     pipeline_parallel: int = 1,
     virtual_pipeline: int | None = None,
     seed: int = 1234,
-) -> contextlib.AbstractContextManager["MegatronCPU"]:
+) -> contextlib.AbstractContextManager[MegatronCPU]:
     """`megatron_world("cpu", ...)`: gloo, Megatron's parallel state and the CPU shims, torn down
     on exit so tests stay independent."""
     return megatron_world("cpu", tensor_parallel, pipeline_parallel, virtual_pipeline, seed)
@@ -260,7 +261,7 @@ class MegatronCPU:
         """A Megatron-LM style provider of this handle's kind."""
         return tiny_provider(self.kind, config, **kwargs)
 
-    def with_kind(self, kind: str) -> "MegatronCPU":
+    def with_kind(self, kind: str) -> MegatronCPU:
         """The same handle building `kind`; ModelKindUnavailable if megatron-core cannot build it."""
         if kind not in MODEL_KINDS:
             raise ValueError(f"kind must be one of {MODEL_KINDS}, got {kind!r}")

@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 from unittest import mock
 
 import torch

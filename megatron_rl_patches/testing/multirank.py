@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import tempfile
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple, queue: Any) -> None:

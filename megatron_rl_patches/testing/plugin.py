@@ -5,7 +5,8 @@ megatron load only when a fixture is used. pytest-mock is optional.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 

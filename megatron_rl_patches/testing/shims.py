@@ -20,7 +20,8 @@ left alone):
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode

@@ -32,7 +32,7 @@ class VocabWideTensors:
         if size > self.largest_bytes:
             self.largest_bytes, self.largest_shape = size, tuple(tensor.shape)
 
-    def __enter__(self) -> "VocabWideTensors":
+    def __enter__(self) -> VocabWideTensors:
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_flatten
 

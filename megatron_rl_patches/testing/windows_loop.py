@@ -9,8 +9,9 @@ microbatch) only, so a run and its synchronous reference (`overlap_grad_reduce=F
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 

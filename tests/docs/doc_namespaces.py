@@ -16,13 +16,13 @@ import io
 import runpy
 import sys
 import tempfile
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-
 from doc_blocks import REPO
 
 

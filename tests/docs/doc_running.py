@@ -9,7 +9,8 @@ import io
 import os
 import re
 import shlex
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from doc_blocks import CLI_PROGRAMS, REPO, Block
 

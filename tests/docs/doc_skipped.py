@@ -8,8 +8,8 @@ import ast
 import importlib
 import re
 import shlex
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 Check = Callable[[], None]

@@ -13,7 +13,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from doc_blocks import Block, all_blocks  # noqa: E402
 from doc_namespaces import MEGATRON_OUTPUTS, OUTPUTS, PAGES, Page  # noqa: E402
-from doc_skipped import skipped_block_checks  # noqa: E402
 from doc_running import (  # noqa: E402
     assert_output,
     cli_commands,
@@ -22,6 +21,7 @@ from doc_running import (  # noqa: E402
     run_python,
     signature_mismatches,
 )
+from doc_skipped import skipped_block_checks  # noqa: E402
 
 BLOCKS = all_blocks()
 PAGE_KINDS = ("python", "cli", "output")

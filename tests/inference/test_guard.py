@@ -14,7 +14,7 @@ def test_frozen_chunks_refuse_training_paths_and_survive_copies(megatron_cpu_kin
     from megatron.core.distributed import finalize_model_grads
 
     from megatron_rl_patches import build_inference_model
-    from megatron_rl_patches.inference import InferenceOnlyError, assert_trainable, is_inference_only
+    from megatron_rl_patches.inference import InferenceOnlyError, assert_trainable
 
     (chunk,) = build_inference_model(megatron_cpu_kind.model_provider(seed=0))
     with pytest.raises(InferenceOnlyError, match="inference-only"):

@@ -20,8 +20,9 @@ def slime_modules(slime_standin):
 
 
 def test_role_switch_builds_listed_roles_inference_only(megatron_cpu, slime_modules, tmp_path, monkeypatch, weights_kit, ddp_anywhere):
-    import megatron_rl_patches
     from megatron.core.distributed import DistributedDataParallel
+
+    import megatron_rl_patches
 
     model_module, checkpoint = slime_modules
     monkeypatch.delenv("MEGATRON_RL_PATCHES_INFERENCE_ROLES", raising=False)
@@ -63,8 +64,9 @@ def test_role_switch_builds_listed_roles_inference_only(megatron_cpu, slime_modu
 
 
 def test_role_switch_bf16_and_non_megatron_dirs(megatron_cpu, slime_modules, tmp_path, monkeypatch):
-    import megatron_rl_patches
     from megatron.core.transformer.module import Float16Module
+
+    import megatron_rl_patches
 
     model_module, checkpoint = slime_modules
     monkeypatch.setenv("MEGATRON_RL_PATCHES_INFERENCE_ROLES", "teacher")

@@ -136,7 +136,12 @@ def test_packed_and_zigzag_rows_share_the_labels_layout(megatron_cpu, cp):
     layout, its per-sample responses equal the packing helpers' logits path."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
-    from megatron_rl_patches.ops.packing import PackedLayout, response_log_probs_and_entropy, shifted_targets, split_responses
+    from megatron_rl_patches.ops.packing import (
+        PackedLayout,
+        response_log_probs_and_entropy,
+        shifted_targets,
+        split_responses,
+    )
 
     g = torch.Generator().manual_seed(8)
     totals, responses = (7, 11, 5), (3, 6, 2)

@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the spawned ranks import it too
 import windows_scenarios as ws  # noqa: E402
+
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]

@@ -8,8 +8,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from megatron_rl_patches import (
-    lm_head_log_probs_and_entropy, lm_head_topk_logprobs, log_probs_and_entropy, topk_logprobs, topk_opd_loss,
+    lm_head_log_probs_and_entropy,
+    lm_head_topk_logprobs,
+    log_probs_and_entropy,
+    topk_logprobs,
+    topk_opd_loss,
 )
 from megatron_rl_patches.ops import _stats, kernels
 

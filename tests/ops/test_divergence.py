@@ -15,7 +15,16 @@ from megatron_rl_patches.testing.vocab_watch import VocabWideTensors
 
 sys.path.insert(0, str(Path(__file__).parent))
 from divergence_cases import (  # noqa: E402
-    DIVERGENCES, TILE_BYTES, T, V_PADDED, assert_float32, assert_float64, is_nontrivial, make_inputs, ours, reference,
+    DIVERGENCES,
+    TILE_BYTES,
+    V_PADDED,
+    T,
+    assert_float32,
+    assert_float64,
+    is_nontrivial,
+    make_inputs,
+    ours,
+    reference,
 )
 
 

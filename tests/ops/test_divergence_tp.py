@@ -14,8 +14,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from divergence_cases import (  # noqa: E402
-    DIVERGENCES, T, TILE_BYTES, V_PADDED, assert_float64, make_inputs, ours, reference,
+    DIVERGENCES,
+    TILE_BYTES,
+    V_PADDED,
+    T,
+    assert_float64,
+    make_inputs,
+    ours,
+    reference,
 )
+
 from megatron_rl_patches.testing.multirank import run_multirank  # noqa: E402
 
 pytestmark = pytest.mark.multirank
@@ -51,8 +59,9 @@ class _OutputLayer(torch.nn.Module):
 
 def _processor_case(rank, group):
     """jsd of two teachers through the processors, every hidden state sequence-parallel."""
-    from megatron_rl_patches import divergence_output_processor, hidden_output_processor
     from divergence_cases import ALPHA, BETA, CHUNK_ROWS, VOCAB, mixture
+
+    from megatron_rl_patches import divergence_output_processor, hidden_output_processor
 
     hidden, weight, teachers, _, tau, grad_out = _shard(rank, make_inputs(2), True)
     states = [hidden_output_processor()(hidden_states=th.reshape(SEQ // WORLD, BATCH, -1),

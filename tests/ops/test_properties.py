@@ -12,10 +12,9 @@ import math
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-
-from megatron_rl_patches import log_probs_and_entropy, topk_logprobs
 from property_kit import SETTINGS, close, generator, logits_case, min_tau, snapshot, tau64, temperature, unchanged
 
+from megatron_rl_patches import log_probs_and_entropy, topk_logprobs
 
 
 def _reference(x64: torch.Tensor, tokens: torch.Tensor, tau, keep, n_valid: int):

@@ -10,7 +10,19 @@ import math
 import torch
 from hypothesis import event, given
 from hypothesis import strategies as st
-from property_kit import CHUNKS, DTYPES, FLOATS, SETTINGS, close, generator, layout, min_tau, snapshot, tau64, temperature, unchanged
+from property_kit import (
+    CHUNKS,
+    DTYPES,
+    FLOATS,
+    SETTINGS,
+    close,
+    generator,
+    layout,
+    snapshot,
+    tau64,
+    temperature,
+    unchanged,
+)
 
 from megatron_rl_patches import lm_head_log_probs_and_entropy, lm_head_topk_ids, lm_head_topk_logprobs
 

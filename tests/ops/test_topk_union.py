@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_divergences import ref_divergence
 
 from megatron_rl_patches import lm_head_topk_logprobs, topk_ids, topk_kl, topk_logprobs, topk_opd_loss, union_ids
 from megatron_rl_patches.ops._divergences import DIVERGENCES
-from test_divergences import ref_divergence
 
 INF = float("inf")
 T, V, H, K = 10, 90, 12, 5

@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from megatron_rl_patches import (
-    lm_head_log_probs_and_entropy, lm_head_topk_logprobs, log_probs_and_entropy, topk_logprobs,
+    lm_head_log_probs_and_entropy,
+    lm_head_topk_logprobs,
+    log_probs_and_entropy,
+    topk_logprobs,
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from megatron_rl_patches.patching import registry
 from megatron_rl_patches.integrations import default_registry
+from megatron_rl_patches.patching import registry
 from megatron_rl_patches.patching.registry import Patch, Registry
 
 REG = default_registry()  # the real catalog

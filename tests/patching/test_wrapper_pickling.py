@@ -98,8 +98,9 @@ def test_ray_init_wrapper_pickles_by_reference(monkeypatch):
 
 @pytest.mark.megatron
 def test_patched_gpt_forward_pickles_in_process():
-    import megatron_rl_patches as mrp
     from megatron.core.models.gpt.gpt_model import GPTModel
+
+    import megatron_rl_patches as mrp
 
     original = vars(GPTModel)["forward"]
     mrp.apply(only="gpt_output_processor")

@@ -6,7 +6,8 @@ patches from the environment (MEGATRON_RL_PATCHES), then an unpatched by-hand co
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 OVERLAP = dict(overlap_grad_reduce=True, use_distributed_optimizer=True, overlap_param_gather=True)
 STEPS, MICROBATCHES, ROLLOUTS = 2, 2, 3
@@ -60,10 +61,10 @@ def _main(out: str) -> None:
 
     import torch
     import wrapt
+    from slime.backends.megatron_utils import model as slime_model
 
     import megatron_rl_patches
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
-    from slime.backends.megatron_utils import model as slime_model
 
     wrapped = isinstance(slime_model.train, wrapt.FunctionWrapper)
     patched, control = {}, {}

@@ -16,7 +16,8 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from megatron_rl_patches.apps.presentation import dict_cells, text_table
 
@@ -138,7 +139,7 @@ class SavedBytes:
             self.storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    def __enter__(self) -> "SavedBytes":
+    def __enter__(self) -> SavedBytes:
         import torch
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 from megatron_rl_patches.apps.bench import common
 from megatron_rl_patches.apps.presentation import dict_cells, markdown_table

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from megatron_rl_patches.apps.bench import common
 from megatron_rl_patches.apps.presentation import dict_cells, markdown_table

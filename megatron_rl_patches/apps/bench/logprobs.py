@@ -139,9 +139,9 @@ def _make_loss(impl: str, task: str, inplace: bool):
 def logprob_case(probe: MemoryProbe, *, impl: str, task: str, inplace: bool, T: int, V: int, hidden: int = HIDDEN,
                  repeat: int = 3, warmup: int = 1, seed: int = 0, device: str = "cpu") -> dict:
     """Measure one (implementation, task) at one shape; runs inside the bench worker process."""
-    import torch
-
     import contextlib
+
+    import torch
 
     from megatron_rl_patches.testing.megatron_cpu import megatron_world
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from megatron_rl_patches.apps.bench import common
 

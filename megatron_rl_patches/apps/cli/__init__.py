@@ -12,7 +12,8 @@ import importlib
 import os
 import sys
 import textwrap
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG, USAGE, HelpFormatter, UsageError, say
 

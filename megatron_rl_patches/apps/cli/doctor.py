@@ -109,7 +109,8 @@ def target_rows() -> tuple[list[dict[str, Any]], list[str]]:
 
 def _startup_section(environment: dict[str, Any]) -> tuple[dict[str, Any], bool | None, list[str]]:
     from megatron_rl_patches.patching import env
-    from megatron_rl_patches.patching.startup import files as startup_files, hook
+    from megatron_rl_patches.patching.startup import files as startup_files
+    from megatron_rl_patches.patching.startup import hook
 
     problems = []
     found = [f for d in startup_files.site_dirs() for f in startup_files.inspect_dir(d) if f.present]

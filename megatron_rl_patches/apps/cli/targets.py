@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 import textwrap
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from megatron_rl_patches.patching import records
 

@@ -4,8 +4,9 @@ with and without the package (builds, scoring, loss) is in `package_route` and `
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -2,7 +2,8 @@
 [T, V] logits the logits route allocates per micro-batch."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

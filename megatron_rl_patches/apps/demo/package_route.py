@@ -4,7 +4,8 @@ and every log-prob, entropy and top-k bucket taken from hidden states by the fus
 processors (no [T, V] logits while scoring or training)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

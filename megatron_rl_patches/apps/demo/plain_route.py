@@ -5,7 +5,8 @@ test kit's shims (which let megatron-core run without a GPU) remain."""
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

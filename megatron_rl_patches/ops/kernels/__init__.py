@@ -13,8 +13,8 @@ from typing import Protocol
 
 import torch
 
-from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops._stats import GradFactors, RowStats
+from megatron_rl_patches.ops.kernels.sources import Source
 
 BACKEND_ENV = "MEGATRON_RL_PATCHES_BACKEND"
 

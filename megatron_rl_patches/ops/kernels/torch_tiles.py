@@ -6,7 +6,7 @@ tiles x = h·Wᵀ computed on the fly, never [T, V]. Each tile is folded into th
 """
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

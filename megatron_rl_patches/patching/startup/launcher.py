@@ -10,7 +10,7 @@ opentelemetry-instrument do: signals and exit codes are the command's own.
 from __future__ import annotations
 
 import os
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from megatron_rl_patches.patching import env, load_registry
 

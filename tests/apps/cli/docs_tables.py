@@ -2,7 +2,7 @@
 use them: test_presentation.py keeps the page equal to them)."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from megatron_rl_patches.apps.presentation import human_bytes, markdown_table
 from megatron_rl_patches.inference.memory import TrainingStateBytes

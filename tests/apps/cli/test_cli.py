@@ -13,7 +13,6 @@ import pytest
 from megatron_rl_patches.apps import cli
 from megatron_rl_patches.apps.cli.targets import find_module
 from megatron_rl_patches.integrations import default_registry
-from megatron_rl_patches.patching import registry
 from megatron_rl_patches.patching.startup import files as startup
 
 REPO = Path(__file__).resolve().parents[3]

@@ -10,9 +10,10 @@ import torch
 pytest.importorskip("verl", reason="verl is not installed: run `make test-verl` (the verl lane)")
 pytestmark = pytest.mark.verl
 
-import megatron_rl_patches  # noqa: E402
 import verl.models.mcore.registry  # noqa: E402,F401  (bound by name before any patch: see verl_kit)
 import verl_kit as kit  # noqa: E402
+
+import megatron_rl_patches  # noqa: E402
 from megatron_rl_patches.testing.packed_gpt import build_packed_gpt  # noqa: E402
 from megatron_rl_patches.testing.vocab_watch import VocabWideTensors  # noqa: E402
 
@@ -36,7 +37,6 @@ def _model(**kwargs):
 def _apply() -> None:
     names = ["verl_fused_logprobs"] + ([] if _native_hook() else ["gpt_output_processor"])
     megatron_rl_patches.apply(only=names)  # pending until verl's modules are imported, or applied
-    import verl.models.mcore.registry  # noqa: F401  (imports model_forward_fused too)
 
     statuses = megatron_rl_patches.applied()
     assert {s.status for s in statuses if s.name == "verl_fused_logprobs"} == {"applied"}

@@ -12,11 +12,12 @@ import torch
 pytest.importorskip("verl", reason="verl is not installed: run `make test-verl` (the verl lane)")
 pytestmark = pytest.mark.verl
 
-import megatron_rl_patches  # noqa: E402
 import verl.trainer.distillation.losses as verl_losses  # noqa: E402
 import verl.trainer.distillation.megatron.losses as megatron_losses  # noqa: E402
-from megatron_rl_patches.integrations.verl_topk import KEYS, REPLACED, exact_forward_kl_topk  # noqa: E402
 from verl_kit import nested  # noqa: E402
+
+import megatron_rl_patches  # noqa: E402
+from megatron_rl_patches.integrations.verl_topk import KEYS, REPLACED, exact_forward_kl_topk  # noqa: E402
 
 VOCAB, K, PROMPT, RESPONSE = 512, 16, 4, 10
 LENGTHS = (PROMPT + RESPONSE, PROMPT + RESPONSE)

@@ -31,7 +31,11 @@ import triton
 from megatron_rl_patches.ops._stats import GradFactors, RowStats, _moved, finite_or_zero, per_row
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.kernels.torch_tiles import (
-    CPU_TILE_BYTES, CUDA_TILE_BYTES, TorchTiles, _logits_grad_buffer, spans,
+    CPU_TILE_BYTES,
+    CUDA_TILE_BYTES,
+    TorchTiles,
+    _logits_grad_buffer,
+    spans,
 )
 from megatron_rl_patches.ops.kernels.triton._fold import row_stats_kernel
 from megatron_rl_patches.ops.kernels.triton._grad import grad_tile_kernel

@@ -14,9 +14,10 @@ the functions: importing this module is cheap (start-up and registry tests impor
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any
 
 from .checkpoint import load_checkpoint
 from .model_provider import get_model_provider_func
@@ -186,6 +187,6 @@ def setup_model_and_optimizer(args: Any, role: str = "actor") -> tuple[list[Any]
 def initialize_model_and_optimizer(args: Any, role: str = "actor") -> tuple[list[Any], Any, Any, int]:
     """slime's signature: (model, optimizer, scheduler, iteration), chunk 0 tagged with its role."""
     model, optimizer, opt_param_scheduler = setup_model_and_optimizer(args, role)
-    setattr(model[0], "role", role)
+    model[0].role = role
     iteration, _ = load_checkpoint(model, optimizer, opt_param_scheduler, {}, False)
     return model, optimizer, opt_param_scheduler, iteration

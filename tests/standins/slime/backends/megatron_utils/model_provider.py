@@ -2,7 +2,8 @@
 style provider (here a tiny GPT on CPU)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def get_model_provider_func(args: Any, role: str = "actor") -> Callable[..., Any]:
