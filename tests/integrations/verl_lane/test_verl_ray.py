@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.verl, pytest.mark.slow]
 def runtime_env() -> dict:
     """What a verl driver passes to ray.init: the selection, and (for an install without the
     wheel's start-up file, e.g. editable or PYTHONPATH) the launcher's start-up folder."""
-    from megatron_rl_patches.patching.launcher import ROOT_VARIABLE, launch_environment
+    from megatron_rl_patches.patching.startup.launcher import ROOT_VARIABLE, launch_environment
 
     child = launch_environment("verl_fused_logprobs,verl_topk_kd")
     return {"env_vars": {name: child[name] for name in ("MEGATRON_RL_PATCHES", "PYTHONPATH", ROOT_VARIABLE)}}
