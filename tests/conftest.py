@@ -36,7 +36,8 @@ def _slime_modules() -> list[str]:
 def write_slime_standin(root: Path, model_source: str | None = None) -> Path:
     """Copy the stand-in `slime` package (tests/standins/slime) under `root`, its model.py replaced
     by `model_source` when given (a variant: a renamed function, a changed signature); returns `root`."""
-    shutil.copytree(STANDINS / "slime", root / "slime", ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+    shutil.copytree(STANDINS / "slime", root / "slime", ignore=shutil.ignore_patterns("__pycache__"),
+                    dirs_exist_ok=True)
     if model_source is not None:
         (root / SLIME_STANDIN_MODEL.relative_to(STANDINS)).write_text(model_source)
     return root

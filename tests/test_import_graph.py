@@ -205,7 +205,8 @@ def test_a_clean_graph_passes():
     (("patching.launcher -> integrations",), "patching must not import integrations"),
     (("integrations.slime -> inference.build", "inference.roles -> integrations.slime"),
      "import cycle between rooms inference <-> integrations"),
-    (("reentrant -> windows", "windows -> _log", "_log -> reentrant"), "import cycle between rooms _log <-> reentrant <-> windows"),
+    (("reentrant -> windows", "windows -> _log", "_log -> reentrant"),
+     "import cycle between rooms _log <-> reentrant <-> windows"),
 ])
 def test_a_broken_rule_is_reported(pairs, expected):
     found = violations(synthetic(*pairs), {})
@@ -214,7 +215,8 @@ def test_a_broken_rule_is_reported(pairs, expected):
 
 def test_ops_importing_megatron_is_reported():
     edges = room_graph({f"{PACKAGE}.ops.lm_head": {"megatron.core.parallel_state"}})
-    assert violations(edges, {}) == [f"ops must not import {MEGATRON}: {PACKAGE}.ops.lm_head -> megatron.core.parallel_state"]
+    assert violations(edges, {}) == [
+        f"ops must not import {MEGATRON}: {PACKAGE}.ops.lm_head -> megatron.core.parallel_state"]
 
 
 def test_an_exception_silences_only_its_own_edge():

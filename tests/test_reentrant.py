@@ -354,7 +354,7 @@ def test_applying_twice_wraps_once_and_nested_guards_do_the_work_once(train_modu
     enter = mocker.spy(reentrant, "_enter")
     outer = reentrant_train(lambda model: rollout(once, model))
     model = [fake_ddp()]
-    for rollout_id in range(3):
+    for _rollout_id in range(3):
         outer(model)
     assert enter.call_count == 3
 

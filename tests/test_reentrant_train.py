@@ -44,7 +44,7 @@ def assert_same_rollouts(actual: list[dict], expected: list[dict]) -> None:
 def assert_rollouts_learn(results: list[dict]) -> None:
     """Every rollout ran every step with finite, non-zero grads that change between rollouts."""
     for result in results:
-        assert len(result["losses"]) == 2 and all(torch.isfinite(l).all() for l in result["losses"])
+        assert len(result["losses"]) == 2 and all(torch.isfinite(loss).all() for loss in result["losses"])
         assert all(g.abs().sum() > 0 for g in result["grads"])
     assert not torch.equal(results[0]["grads"][0], results[1]["grads"][0])
 
@@ -118,7 +118,7 @@ def test_failed_rollout_restores_state_and_the_next_one_runs(megatron_cpu_kind, 
 
     slime_model.set_args()
     result = rollouts.run_rollout(train, 2, chunks, megatron_cpu_kind)
-    assert all(torch.isfinite(l).all() for l in result["losses"])
+    assert all(torch.isfinite(loss).all() for loss in result["losses"])
 
 
 @pytest.mark.parametrize("param_sync", [True, False])
@@ -181,7 +181,8 @@ def test_env_var_patches_a_fresh_process(tmp_path, slime_standin):
     stand-in train() and DDP on import; 1 and 2 chunks, 3 rollouts each, against a control."""
     from megatron_rl_patches.testing.fresh_process import run_with_patches
 
-    result = run_with_patches(slime_standin / "mrp_rollouts.py", tmp_path / "rollouts.pt", [slime_standin, ROOT], timeout=180)
+    result = run_with_patches(slime_standin / "mrp_rollouts.py", tmp_path / "rollouts.pt", [slime_standin, ROOT],
+                              timeout=180)
     status = result["status"]
     for name in ("train", "enable_forward_pre_hook", "disable_forward_pre_hook"):
         assert status[f"{SLIME_MODEL}:{name}"] == "applied"

@@ -296,7 +296,8 @@ def _check_state_keys(modules: list[torch.nn.Module], names: list[str], request:
             )
 
 
-def _prepare(modules: list[torch.nn.Module], names: list[str], path: Path, strict: bool) -> tuple[Any, list[dict[str, dict]]]:
+def _prepare(modules: list[torch.nn.Module], names: list[str], path: Path,
+             strict: bool) -> tuple[Any, list[dict[str, dict]]]:
     """Every check that needs no tensor data; the load strategy and the read batches."""
     _read_config(path)
     index = _read_index(path)

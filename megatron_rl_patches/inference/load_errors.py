@@ -76,10 +76,12 @@ def copying_into_model(path: str | os.PathLike[str]) -> Iterator[None]:
     except CheckpointReadError:
         raise
     except Exception as exc:
-        raise CheckpointReadError(path, f"copying into the model failed ({describe(exc)})", weights_undefined=True) from exc
+        raise CheckpointReadError(path, f"copying into the model failed ({describe(exc)})",
+                                  weights_undefined=True) from exc
 
 
-def check_fit(path: str | os.PathLike[str], missing: Sequence[str], unexpected: Sequence[str], shapes: Sequence[str], strict: bool) -> None:
+def check_fit(path: str | os.PathLike[str], missing: Sequence[str], unexpected: Sequence[str], shapes: Sequence[str],
+              strict: bool) -> None:
     """Raise WeightsMismatchError on any shape mismatch, or on missing/unexpected keys when
     `strict`; else warn once about the tolerated keys. Runs before anything is copied."""
     if shapes or (strict and (missing or unexpected)):

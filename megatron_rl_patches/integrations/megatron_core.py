@@ -193,14 +193,16 @@ def gpt_forward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
     bound.apply_defaults()
     given = bound.arguments
     hidden_states = _hidden_states_before_output_layer(instance, wrapped, args, kwargs)
-    output_weight = instance.shared_embedding_or_output_weight() if instance.share_embeddings_and_output_weights else None
+    output_weight = (instance.shared_embedding_or_output_weight() if instance.share_embeddings_and_output_weights
+                     else None)
     from megatron_rl_patches.megatron.processors import output_layer_pre_hooks_ran
 
     with output_layer_pre_hooks_ran(instance.output_layer):  # the call above ran them: once per forward
         return _call_processor(processor, instance, given, hidden_states, output_weight, context)
 
 
-def _call_processor(processor: Any, instance: Any, given: dict, hidden_states: Any, output_weight: Any, context: Any) -> Any:
+def _call_processor(processor: Any, instance: Any, given: dict, hidden_states: Any, output_weight: Any,
+                    context: Any) -> Any:
     """The processor called with the keywords megatron-core 0.18 passes."""
     return processor(
         hidden_states=hidden_states,

@@ -94,7 +94,8 @@ def divergence_output_processor(
         ctx = _context(context, _DIVERGENCE_CONTEXT)
         if "teacher_hidden" not in ctx or "teacher_weight" not in ctx:
             raise ValueError("divergence_output_processor needs output_processor_context={'teacher_hidden': ..., "
-                             "'teacher_weight': ...}: the teachers' hidden_output_processor() results and output weights")
+                             "'teacher_weight': ...}: the teachers' hidden_output_processor() results "
+                             "and output weights")
         _no_mup(config, "divergence_output_processor")
         call = _Call(hidden_states, output_layer, output_weight, None, config, temperature, ctx)
         keep_mask = ctx.get("keep_mask")

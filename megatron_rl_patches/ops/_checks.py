@@ -8,7 +8,6 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -18,8 +17,8 @@ from megatron_rl_patches.ops._dist import tp_size
 from megatron_rl_patches.ops._divergences import DEFAULT_DIVERGENCE, MIXED_KL, check_divergence
 from megatron_rl_patches.ops._stats import compute_dtype
 
-Temperature = Union[float, torch.Tensor]
-Weights = Union[torch.Tensor, Sequence[float], None]
+Temperature = float | torch.Tensor
+Weights = torch.Tensor | Sequence[float] | None
 _NEG_INF = float("-inf")
 KL_KINDS = ("reverse", "forward", "mixed")
 
@@ -221,7 +220,8 @@ def check_temperature(
     return check_scalar_temperature(temperature, dtype, f"a float or a tensor of shape {list(lead)}")
 
 
-def check_scalar_temperature(temperature: object, dtype: torch.dtype = torch.float32, expected: str = "a float") -> float:
+def check_scalar_temperature(temperature: object, dtype: torch.dtype = torch.float32,
+                             expected: str = "a float") -> float:
     """A real number temperature as a float: finite, > 0, and 1/τ finite in the compute dtype of
     `dtype` inputs; else TypeError/ValueError naming it (`expected` describes what is accepted)."""
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
@@ -583,7 +583,8 @@ def check_teacher_mixture_weights(weights: Weights, n: int, dtype: torch.dtype, 
         return log_w
 
     def error(total: float) -> ValueError:
-        return ValueError(f"teacher_weights must sum to 1 (the mixture's probabilities), got {list(map(float, weights))} "
+        return ValueError("teacher_weights must sum to 1 (the mixture's probabilities), "
+                          f"got {list(map(float, weights))} "
                           f"(sum {total}); divide them by their sum")
 
     if isinstance(weights, torch.Tensor):

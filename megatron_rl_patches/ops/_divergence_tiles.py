@@ -72,7 +72,8 @@ def one_pass_value(name: str, cross: torch.Tensor, shifts: list[torch.Tensor], l
 # ----------------------------------------------------------------------------- log-probs of a tile
 
 
-def log_probs_(x: torch.Tensor, shift: torch.Tensor, log_sum: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+def log_probs_(x: torch.Tensor, shift: torch.Tensor, log_sum: torch.Tensor,
+               scale: float | torch.Tensor) -> torch.Tensor:
     """x's log-probs written over x: (x − shift)·s − log S (subtract first: exact near the max)."""
     return shifted_rows(x, shift, scale, out=x).sub_(log_sum[:, None])
 

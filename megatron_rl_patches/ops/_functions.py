@@ -95,8 +95,8 @@ class LogProbEntropy(torch.autograd.Function):
         source = _source(spec, tuple(tensors))
         scale = _scale(ctx, tau, source.n_rows, saved.dtype)
         out = _saved_log_prob_outputs(list(saved.unbind(0)), spec.entropy_grad, ctx.masked)
-        factors = _stats.log_prob_grad_factors(out, grad_log_probs, grad_entropy, scale, target_cols.long().clamp_min(0),
-                                               target_cols >= 0, ctx.masked)
+        factors = _stats.log_prob_grad_factors(out, grad_log_probs, grad_entropy, scale,
+                                               target_cols.long().clamp_min(0), target_cols >= 0, ctx.masked)
         grads = ctx.backend.apply_grad(source, factors, scale, keep_mask if ctx.masked else None,
                                        tuple(ctx.needs_input_grad[6:]))
         return none + _finish(grads, tuple(tensors), spec)

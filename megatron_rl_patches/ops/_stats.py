@@ -164,7 +164,8 @@ def fold_tile(stats: RowStats, rows: slice, x: torch.Tensor, scale: float | torc
     if stats.rest is not None:
         new_shift = torch.maximum(stats.shift[rows], local_row_max(x, dtype))
         log_factor, factor = _moved(stats.shift[rows], finite_or_zero(new_shift), s_row)
-        shifted = shifted_rows(x, finite_or_zero(new_shift), scale, out=torch.empty(x.shape, dtype=dtype, device=x.device))
+        shifted = shifted_rows(x, finite_or_zero(new_shift), scale,
+                               out=torch.empty(x.shape, dtype=dtype, device=x.device))
         exps = torch.exp(shifted)
         if marked is not None:
             exps.masked_fill_(marked, 0.0)

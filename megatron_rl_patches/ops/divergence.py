@@ -17,7 +17,6 @@ and the choice against top-k in docs/distillation.md ("Full vocabulary").
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -30,7 +29,7 @@ from megatron_rl_patches.ops.kernels.torch_tiles import _accumulate, tiles
 
 __all__ = ["lm_head_divergence"]
 
-Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
+Tensors = torch.Tensor | Sequence[torch.Tensor]
 _LOGITS = "logits (hidden @ weight.T)"
 
 

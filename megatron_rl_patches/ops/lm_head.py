@@ -108,10 +108,12 @@ def lm_head_topk_ids(
     checks = _checks.DeviceChecks()
     _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     if hidden.dtype == torch.float64:
-        raise TypeError("lm_head_topk_ids ranks fp32/bf16/fp16 logits; for fp64 inputs use topk_ids(hidden @ weight.T, k)")
+        raise TypeError("lm_head_topk_ids ranks fp32/bf16/fp16 logits; "
+                        "for fp64 inputs use topk_ids(hidden @ weight.T, k)")
     spec = _spec(hidden, weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_ids")
     with torch.no_grad():
-        best, row_max = _running_topk_keys(gather_rows(hidden.detach(), spec.group, spec.sequence_parallel), weight.detach(), k, spec)
+        best, row_max = _running_topk_keys(gather_rows(hidden.detach(), spec.group, spec.sequence_parallel),
+                                           weight.detach(), k, spec)
         # MAX all-reduce over the tensor-parallel group of the local row maxima: the full-vocab
         # max tells rows with NaN/+inf or without any finite logit apart on every rank alike
         _dist.all_reduce_max_(row_max, spec.group)

@@ -42,8 +42,8 @@ def log_probs_and_entropy(
     fp64 logits); entropy is None unless `with_entropy`. `backend`: see
     :func:`megatron_rl_patches.ops.kernels.resolve_backend`.
     """
-    checks, tau = _checks.check_logprobs_inputs(logits, tokens, tp_group, temperature, chunk_size, keep_mask, vocab_size,
-                                inplace_backward)
+    checks, tau = _checks.check_logprobs_inputs(logits, tokens, tp_group, temperature, chunk_size, keep_mask,
+                                                vocab_size, inplace_backward)
     local_vocab = logits.size(1)
     spec = _vocab.op_spec(
         local_vocab, tp_group, vocab_size,

@@ -41,7 +41,8 @@ def _local_topk(x: torch.Tensor, k: int, sentinel: int) -> tuple[torch.Tensor, .
     return values, index, top, top[:, keep - 1] == top[:, keep]  # NaN cut: no tie
 
 
-def _fix_ties(x: torch.Tensor, index: torch.Tensor, top: torch.Tensor, tied_rows: torch.Tensor, chunk_rows: int) -> None:
+def _fix_ties(x: torch.Tensor, index: torch.Tensor, top: torch.Tensor, tied_rows: torch.Tensor,
+              chunk_rows: int) -> None:
     """Ties at the cut resolved towards lower ids, in place: in the rows where a column equal to
     the cut was left out, the tied slots (the last of the descending result) become the lowest
     columns equal to the cut, found by a search in the running count of those columns. O(V) per
@@ -133,7 +134,8 @@ def union_ids(student_ids: torch.Tensor, teacher_ids: torch.Tensor) -> tuple[tor
             or student_ids.dim() != teacher_ids.dim() or student_ids.device != teacher_ids.device):
         raise ValueError(
             f"student_ids and teacher_ids must share their leading dims and device ([..., k_s] and [..., k_t]), "
-            f"got {tuple(student_ids.shape)} on {student_ids.device} and {tuple(teacher_ids.shape)} on {teacher_ids.device}"
+            f"got {tuple(student_ids.shape)} on {student_ids.device} "
+            f"and {tuple(teacher_ids.shape)} on {teacher_ids.device}"
         )
     student, teacher = student_ids.long(), teacher_ids.long()
     # [..., k_t, k_s] comparison: O(T·k_t·k_s) bools, fine for top-k sizes

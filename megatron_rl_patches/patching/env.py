@@ -42,7 +42,8 @@ def _get(environ: Mapping[str, str] | None, name: str) -> str | None:
     value = _environ(environ).get(name)
     if value is not None and not isinstance(value, str):
         raise TypeError(
-            f"environ[{name!r}] must be a string (environment values are), got {type(value).__name__} {_cut(repr(value))}"
+            f"environ[{name!r}] must be a string (environment values are), "
+            f"got {type(value).__name__} {_cut(repr(value))}"
         )
     return value
 

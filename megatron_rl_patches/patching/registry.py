@@ -172,7 +172,8 @@ class Registry:
     callable returning one (called on first use, so building a registry imports nothing);
     `resolve` turns a record's "module:qualname" wrapper reference into the callable."""
 
-    def __init__(self, records: Iterable[Patch] | Callable[[], Iterable[Patch]], *, resolve: Resolver = pkgutil.resolve_name):
+    def __init__(self, records: Iterable[Patch] | Callable[[], Iterable[Patch]], *,
+                 resolve: Resolver = pkgutil.resolve_name):
         self._records = records
         self._resolve = resolve
         self._lock = threading.RLock()
@@ -232,7 +233,8 @@ class Registry:
             raise TypeError(f"strict must be True, False or None (the {env.STRICT} variable), got {strict!r}")
         if allow_untested is not None and not isinstance(allow_untested, bool):
             raise TypeError(
-                f"allow_untested must be True, False or None (the {env.ALLOW_UNTESTED} variable), got {allow_untested!r}"
+                f"allow_untested must be True, False or None (the {env.ALLOW_UNTESTED} variable), "
+                f"got {allow_untested!r}"
             )
         strict = env.is_strict(environ) if strict is None else strict
         allow_untested = env.allows_untested(environ) if allow_untested is None else allow_untested
@@ -383,7 +385,8 @@ class Registry:
             # at import (`from x import f` while x.f was patched)
             slot.active = True
             key = wrappers.patch_key(holder)
-            return _Outcome(APPLIED, "already wrapped" + ("" if key == slot.wrapper_key() else f" (bound from {key[1]})"))
+            return _Outcome(APPLIED,
+                            "already wrapped" + ("" if key == slot.wrapper_key() else f" (bound from {key[1]})"))
         problem_signature = signature_problem(patch, original)
         if problem_signature:
             return _refusal(patch, PatchSignatureMismatch, problem_signature, SIGNATURE)

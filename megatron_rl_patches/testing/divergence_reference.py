@@ -48,9 +48,11 @@ def dense_divergence(
     def kl(log_x: torch.Tensor, x: torch.Tensor, log_y: torch.Tensor) -> torch.Tensor:
         return (x * (log_x - log_y)).sum(dim=-1)
 
-    if divergence == "forward_kl" or (divergence == "jsd" and beta == 0.0) or (divergence == "skew_forward_kl" and alpha == 0.0):
+    if (divergence == "forward_kl" or (divergence == "jsd" and beta == 0.0)
+            or (divergence == "skew_forward_kl" and alpha == 0.0)):
         return kl(b, q, a)
-    if divergence == "reverse_kl" or (divergence == "jsd" and beta == 1.0) or (divergence == "skew_reverse_kl" and alpha == 0.0):
+    if (divergence == "reverse_kl" or (divergence == "jsd" and beta == 1.0)
+            or (divergence == "skew_reverse_kl" and alpha == 0.0)):
         return kl(a, p, b)
     if divergence == "jsd":
         m = mix(b, a, beta)

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches.testing.model_kinds import MODEL_KINDS, ModelKindUnavailable  # noqa: F401 (re-exported)
+from megatron_rl_patches.testing.model_kinds import MODEL_KINDS
+from megatron_rl_patches.testing.model_kinds import ModelKindUnavailable as ModelKindUnavailable  # re-exported
 from megatron_rl_patches.testing.shims import cpu_shims
 
 TINY_VOCAB = 64

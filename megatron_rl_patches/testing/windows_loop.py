@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.testing.megatron_cpu import gpt_forward, make_batch, tiny_gpt_config  # noqa: F401
+from megatron_rl_patches.testing.megatron_cpu import gpt_forward, make_batch
+from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config as tiny_gpt_config
 
 Windows = Sequence[Sequence[int]]
 

@@ -148,7 +148,8 @@ def signature_mismatches(name: str, listed: ast.arguments, real: Any) -> list[st
         problems.append(f"{name}: parameters {[s[0] for s in shown]} shown, {[p.name for p in params]} real")
         return problems
     for (arg, kind, default), param in zip(shown, params):
-        if param.kind != kind and not (kind == inspect.Parameter.POSITIONAL_OR_KEYWORD and param.kind == param.POSITIONAL_ONLY):
+        if param.kind != kind and not (kind == inspect.Parameter.POSITIONAL_OR_KEYWORD
+                                       and param.kind == param.POSITIONAL_ONLY):
             problems.append(f"{name}: {arg} shown {kind.description}, real {param.kind.description}")
         has_default = param.default is not inspect.Parameter.empty
         if (default is not None) != has_default:

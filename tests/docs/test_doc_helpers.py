@@ -43,7 +43,8 @@ def test_page_blocks_read_indented_fences_and_markers(tmp_path, monkeypatch):
 def test_cli_commands_join_continuations_and_pair_outputs():
     text = "$ A=1 megatron-rl-patches memory \\\n    --params 5\nline 1\nline 2\n$ megatron-rl-patches list\nx\n"
     pairs = list(cli_commands(Block("p.md", 1, "", text, "cli")))
-    assert pairs == [("A=1 megatron-rl-patches memory --params 5", "line 1\nline 2\n"), ("megatron-rl-patches list", "x\n")]
+    assert pairs == [("A=1 megatron-rl-patches memory --params 5", "line 1\nline 2\n"),
+                     ("megatron-rl-patches list", "x\n")]
 
 
 def test_signature_listing_finds_wrong_names_kinds_and_defaults():

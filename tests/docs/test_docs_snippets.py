@@ -41,7 +41,8 @@ def _page_params() -> list:
 
 
 def test_every_block_is_runnable_or_marked():
-    unmarked = [f"{b.where} ({b.lang or 'no language'}){': ' + b.detail if b.detail else ''}" for b in BLOCKS if b.kind == "unmarked"]
+    unmarked = [f"{b.where} ({b.lang or 'no language'}){': ' + b.detail if b.detail else ''}"
+                for b in BLOCKS if b.kind == "unmarked"]
     assert not unmarked, (
         "blocks that are neither python, a prompted CLI call with its output, nor marked "
         "`<!-- docs-test: skip: reason -->` / `output` / `output-of: NAME` / `signatures`:\n" + "\n".join(unmarked)
@@ -105,7 +106,8 @@ def test_page_blocks_run_and_print_what_they_show(page, clean_patch_state):
 def _output_params() -> list:
     blocks = [b for b in _by_kind("output") if b.detail]
     return [
-        pytest.param(b, marks=[pytest.mark.megatron] if b.detail in MEGATRON_OUTPUTS else [], id=b.where) for b in blocks
+        pytest.param(b, marks=[pytest.mark.megatron] if b.detail in MEGATRON_OUTPUTS else [], id=b.where)
+        for b in blocks
     ]
 
 
@@ -120,5 +122,6 @@ def test_signature_listing_matches_the_functions(block):
 
     listed = listed_signatures(block.text)
     assert listed, f"{block.where}: no signatures found"
-    problems = [p for name, args in listed.items() for p in signature_mismatches(name, args, getattr(megatron_rl_patches, name))]
+    problems = [p for name, args in listed.items()
+                for p in signature_mismatches(name, args, getattr(megatron_rl_patches, name))]
     assert not problems, f"{block.where}:\n" + "\n".join(problems)

@@ -19,7 +19,8 @@ def slime_modules(slime_standin):
     return model, checkpoint
 
 
-def test_role_switch_builds_listed_roles_inference_only(megatron_cpu, slime_modules, tmp_path, monkeypatch, weights_kit, ddp_anywhere):
+def test_role_switch_builds_listed_roles_inference_only(megatron_cpu, slime_modules, tmp_path, monkeypatch, weights_kit,
+                                                        ddp_anywhere):
     from megatron.core.distributed import DistributedDataParallel
 
     import megatron_rl_patches

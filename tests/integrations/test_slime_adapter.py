@@ -136,7 +136,8 @@ def test_wrapper_binds_to_the_installed_forks_parameter_order(monkeypatch):
         return "original"
 
     # a non-default value for a parameter the adapter does not know: slime's own function runs
-    assert calculate_log_probs_and_entropy_wrapper(fork_used, None, (logits, tokens, None, True, True), {}) == "original"
+    assert calculate_log_probs_and_entropy_wrapper(fork_used, None, (logits, tokens, None, True, True),
+                                                   {}) == "original"
     assert calls == [True]
 
 

@@ -62,9 +62,10 @@ def _cases(env: Any, rank: int, cases: dict, virtual: int | None = None, skip_no
     out = {}
     for name, case in cases.items():
         windows, flags, optimizer, skip = case if isinstance(case, tuple) else (case, {}, None, ())
-        build = lambda mode_flags: wl.build(env, {**flags, **mode_flags}, optimizer, virtual=virtual)  # noqa: E731
-        run = lambda setup, cm: wl.run_windows(setup, windows, rank=rank, window_cm=cm,  # noqa: E731
-                                               skip_embedding_in=skip)
+        build = lambda mode_flags, flags=flags, optimizer=optimizer: wl.build(  # noqa: E731
+            env, {**flags, **mode_flags}, optimizer, virtual=virtual)
+        run = lambda setup, cm, windows=windows, skip=skip: wl.run_windows(  # noqa: E731
+            setup, windows, rank=rank, window_cm=cm, skip_embedding_in=skip)
         out[name] = {mode: skip_none if mode == "none" and skip_none else _run_mode(env, mode, run, build)
                      for mode in MODES}
     return out
@@ -154,7 +155,7 @@ def _cost(env: Any, rank: int) -> dict:
     for mode in MODES:
         counts: dict = {}
 
-        def run(setup: Any, cm: Any) -> dict:
+        def run(setup: Any, cm: Any, counts: dict = counts) -> dict:
             with _counting(counts):
                 return wl.run_windows(setup, [[1, 1]] * 3, rank=rank, window_cm=cm)
 
@@ -194,7 +195,8 @@ def _semantics(env: Any, rank: int) -> dict:
             from megatron.core.pipeline_parallel import get_forward_backward_func
 
             get_forward_backward_func()(forward_step_func=wl.forward_step(setup), data_iterator=iter(batches),
-                                        model=setup.chunks, num_microbatches=1, seq_length=batches[0]["tokens"].shape[1],
+                                        model=setup.chunks, num_microbatches=1,
+                                        seq_length=batches[0]["tokens"].shape[1],
                                         micro_batch_size=1, forward_only=True)
         else:
             wl.schedule_call(setup, batches, wl.forward_step(setup))
@@ -298,6 +300,7 @@ def run_all(rank: int, world_size: int) -> dict:
     for label, virtual in (("pp", None), ("vpp", 2)):
         with megatron_world("cpu", pipeline_parallel=2, virtual_pipeline=virtual) as env:
             extra = {"virtual_pipeline_model_parallel_size": virtual} if virtual else {}
-            env.config = lambda **kw: tiny_gpt_config(num_layers=4, pipeline_model_parallel_size=2, **extra)
+            env.config = lambda extra=extra, **kw: tiny_gpt_config(num_layers=4, pipeline_model_parallel_size=2,
+                                                                   **extra)
             out[label] = _cases(env, rank, PP_CASES, virtual=virtual, skip_none=PP_HANG if old else "")
     return out

@@ -82,7 +82,8 @@ def assert_float64(got, want, what) -> None:
 def assert_float32(got, want, what) -> None:
     value, gh, gw = (t.double() for t in got)
     ref, rgh, rgw, _ = want
-    assert bool(((value - ref).abs() <= 1e-5 * ref.abs().clamp_min(1.0)).all()), (what, float((value - ref).abs().max()))
+    assert bool(((value - ref).abs() <= 1e-5 * ref.abs().clamp_min(1.0)).all()), (
+        what, float((value - ref).abs().max()))
     for g, r, name in ((gh, rgh, "grad_hidden"), (gw, rgw, "grad_weight")):
         assert float((g - r).abs().max()) <= 1e-4 * float(r.abs().max()), (what, name, float((g - r).abs().max()))
 

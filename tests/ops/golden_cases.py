@@ -45,8 +45,10 @@ def cases() -> dict[str, torch.Tensor]:
         b = torch.randn(T, generator=g, dtype=torch.float64) * 0.3
         keep = torch.rand(T, V, generator=g) < 0.5
         tau = torch.rand(T, generator=g, dtype=torch.float64) + 0.5
-        for label, kwargs in (("plain", {}), ("tau", {"temperature": 0.7}), ("tautensor", {"temperature": tau.to(dtype) if dtype != torch.bfloat16 else tau.float()}),
-                              ("keep", {"keep_mask": keep}), ("chunk", {"chunk_size": 4}), ("vocab", {"vocab_size": 120})):
+        for label, kwargs in (("plain", {}), ("tau", {"temperature": 0.7}),
+                              ("tautensor", {"temperature": tau.to(dtype) if dtype != torch.bfloat16 else tau.float()}),
+                              ("keep", {"keep_mask": keep}), ("chunk", {"chunk_size": 4}),
+                              ("vocab", {"vocab_size": 120})):
             logits = base.clone().requires_grad_()
             lp, ent = log_probs_and_entropy(logits, tokens, with_entropy=True, **kwargs)
             ((a.to(lp.dtype) * lp).sum() + (b.to(ent.dtype) * ent).sum()).backward()
@@ -58,7 +60,8 @@ def cases() -> dict[str, torch.Tensor]:
         logits = base.clone().requires_grad_()
         tlp, tail = topk_logprobs(logits, ids, temperature=0.9)
         ((torch.randn(T, k, generator=g, dtype=torch.float64).to(tlp.dtype) * tlp).sum() + tail.sum()).backward()
-        out[f"topk_lp/{name}"], out[f"topk_tail/{name}"], out[f"topk_grad/{name}"] = tlp.detach(), tail.detach(), logits.grad
+        out[f"topk_lp/{name}"], out[f"topk_tail/{name}"], out[f"topk_grad/{name}"] = (
+            tlp.detach(), tail.detach(), logits.grad)
         teachers = torch.stack([torch.log_softmax(base.double() * w, -1).gather(-1, ids) for w in (0.8, 1.3)]).to(dtype)
         t_tail = torch.log1p(-teachers.double().exp().sum(-1).clamp(max=1 - 1e-6)).to(dtype)
         for kl in ("reverse", "forward", "mixed"):
@@ -80,7 +83,8 @@ def _logprob_modes(out: dict[str, torch.Tensor], g: torch.Generator) -> None:
     (plain and masked, with far-shift kept rows), entropy without gradient, in-place backward."""
     from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
 
-    for name, dtype, scale in (("fp32", torch.float32, 3.0), ("big", torch.float32, 40.0), ("fp16", torch.float16, 3.0)):
+    for name, dtype, scale in (("fp32", torch.float32, 3.0), ("big", torch.float32, 40.0),
+                               ("fp16", torch.float16, 3.0)):
         T, V = 19, 53
         base = (torch.randn(T, V, generator=g, dtype=torch.float64) * scale).to(dtype)
         base[1, -1] = 90.0  # row 1: the kept ids lie far below the row max (their own shift)
@@ -130,8 +134,9 @@ def _topk_modes(out: dict[str, torch.Tensor], g: torch.Generator) -> None:
         out[f"topk_ids_pad/{name}"] = ids
         tau = torch.rand(T, generator=g, dtype=torch.float64) + 0.5
         weights = torch.randn(T, k, generator=g, dtype=torch.float64)
-        for label, kwargs, grads in (("tau_chunk", {"temperature": tau.float() if dtype == torch.bfloat16 else tau.to(dtype),
-                                                    "chunk_size": 5, "vocab_size": V - 2}, "both"),
+        for label, kwargs, grads in (("tau_chunk",
+                                      {"temperature": tau.float() if dtype == torch.bfloat16 else tau.to(dtype),
+                                       "chunk_size": 5, "vocab_size": V - 2}, "both"),
                                      ("lp_only", {}, "lp"), ("tail_only", {"temperature": 1.7}, "tail")):
             logits = logits0.clone().requires_grad_()
             tlp, tail = topk_logprobs(logits, ids, **kwargs)
@@ -207,7 +212,8 @@ def _packing_modes(out: dict[str, torch.Tensor]) -> None:
             layouts[f"allgather{cp}/{rank}"] = (PackedLayout(totals, responses, cp_size=cp, cp_rank=rank,
                                                              allgather_cp=True), rows)
     for label, (layout, rows) in layouts.items():
-        pieces = [(i, p.start, p.stop, p.offset) for i, sample in enumerate(response_pieces(layout, rows)) for p in sample]
+        pieces = [(i, p.start, p.stop, p.offset)
+                  for i, sample in enumerate(response_pieces(layout, rows)) for p in sample]
         out[f"pieces/{label}"] = torch.tensor(pieces, dtype=torch.long).reshape(-1, 4)
         out[f"targets/{label}"] = shifted_targets(tokens, layout, rows)
 
@@ -265,7 +271,8 @@ def tp_cases(rank: int, world_size: int) -> dict[str, torch.Tensor]:
         logits = finite_base.clone().requires_grad_()
         tlp, tail = topk_logprobs(logits, ids, tp_group=group, temperature=tau_t, vocab_size=vocab - 3)
         (tlp.sum() * 0.5 + tail.sum()).backward()
-        out[f"topk_lp/{name}"], out[f"topk_tail/{name}"], out[f"topk_grad/{name}"] = tlp.detach(), tail.detach(), logits.grad
+        out[f"topk_lp/{name}"], out[f"topk_tail/{name}"], out[f"topk_grad/{name}"] = (
+            tlp.detach(), tail.detach(), logits.grad)
         teachers = torch.log_softmax(finite * 0.7, -1).gather(-1, ids).to(dtype)
         logits = finite_base.clone().requires_grad_()
         loss = topk_opd_loss(logits, ids, teachers, kl="mixed", mix=0.3, tp_group=group, chunk_size=5)
@@ -287,11 +294,12 @@ def tp_cases(rank: int, world_size: int) -> dict[str, torch.Tensor]:
                 out[f"lmh_lp/{key}"], out[f"lmh_ent/{key}"] = lp.detach(), ent.detach()
                 out[f"lmh_grad_h/{key}"], out[f"lmh_grad_w/{key}"] = hidden.grad, weight.grad
             if dtype != torch.float64:
-                ids = lm_head_topk_ids(hidden0[rows], weight0, k, tp_group=group, sequence_parallel=sp, vocab_size=vocab - 3)
+                ids = lm_head_topk_ids(hidden0[rows], weight0, k, tp_group=group, sequence_parallel=sp,
+                                       vocab_size=vocab - 3)
                 out[f"lmh_topk_ids/{name}/sp{int(sp)}"] = ids
             hidden, weight = hidden0[rows].clone().requires_grad_(), weight0.clone().requires_grad_()
-            tlp, tail = lm_head_topk_logprobs(hidden, weight, ids, tp_group=group, sequence_parallel=sp, temperature=0.8,
-                                              vocab_size=vocab - 3)
+            tlp, tail = lm_head_topk_logprobs(hidden, weight, ids, tp_group=group, sequence_parallel=sp,
+                                              temperature=0.8, vocab_size=vocab - 3)
             (tlp.sum() * 0.5 + tail.sum()).backward()
             key = f"{name}/sp{int(sp)}"
             out[f"lmh_topk_lp/{key}"], out[f"lmh_topk_tail/{key}"] = tlp.detach(), tail.detach()

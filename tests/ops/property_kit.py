@@ -104,7 +104,8 @@ def close(got: torch.Tensor, want: torch.Tensor, magnitude: float, dtype: torch.
         tol = torch.maximum(2e-2 * want.abs().clamp_min(1.0), torch.tensor(2.0**-7 * magnitude))
     else:
         eps = 1e-13 if dtype == torch.float64 else 2e-6
-        tol = torch.maximum(1e-5 * want.abs().clamp_min(1.0) * (dtype != torch.float64), torch.tensor(eps * (1.0 + magnitude)))
+        tol = torch.maximum(1e-5 * want.abs().clamp_min(1.0) * (dtype != torch.float64),
+                            torch.tensor(eps * (1.0 + magnitude)))
     both_inf = torch.isinf(want) & (got == want)
     return bool((both_inf | ((got - want).abs() <= tol)).all())
 

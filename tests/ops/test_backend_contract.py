@@ -56,7 +56,8 @@ class Float64Rows:
         self.calls["apply_grad"] += 1
         dtype = factors.dtype
         if source.fused:
-            grads = [torch.zeros(source.hidden.shape, dtype=torch.float64), torch.zeros(source.weight.shape, dtype=torch.float64)]
+            grads = [torch.zeros(source.hidden.shape, dtype=torch.float64),
+                     torch.zeros(source.weight.shape, dtype=torch.float64)]
         else:
             grads = [torch.zeros(source.logits.shape, dtype=torch.float64)]
         for rows, x in self._tiles(source):

@@ -67,7 +67,8 @@ def test_inplace_backward_refuses_overlapping_columns_at_call_time_for_one_row()
 
 @pytest.mark.parametrize(
     ("value", "pattern"),
-    [(math.nan, r"rows \[3\] contain NaN or \+inf"), (INF, r"rows \[3\] contain NaN or \+inf"), (None, r"rows \[3\] are entirely -inf")],
+    [(math.nan, r"rows \[3\] contain NaN or \+inf"), (INF, r"rows \[3\] contain NaN or \+inf"),
+     (None, r"rows \[3\] are entirely -inf")],
     ids=["nan", "posinf", "all-neginf"],
 )
 def test_topk_ops_reject_bad_rows(value, pattern):
@@ -147,7 +148,8 @@ def test_opd_rejects_weights_that_are_not_finite_or_overflow(weights, pattern):
 # ----------------------------------------------------------------------- 9: 1/temperature overflow
 
 
-@pytest.mark.parametrize("tau", [1e-39, torch.tensor(1e-39), torch.full((6,), 1e-39)], ids=["float", "0-d", "per-token"])
+@pytest.mark.parametrize("tau", [1e-39, torch.tensor(1e-39), torch.full((6,), 1e-39)],
+                         ids=["float", "0-d", "per-token"])
 def test_temperature_whose_inverse_overflows_is_rejected(tau):
     logits, tokens = _inputs(V=8)
     with pytest.raises(ValueError, match=r"temperature must be >= 2\.9\d*e-39"):
@@ -155,7 +157,8 @@ def test_temperature_whose_inverse_overflows_is_rejected(tau):
     with pytest.raises(ValueError, match=r"temperature must be >= 2\.9\d*e-39"):
         topk_logprobs(logits, topk_ids(logits, 2), temperature=tau)
     # fp64 logits compute in fp64: the same temperature is fine there
-    lp, _ = log_probs_and_entropy(logits.double(), tokens, temperature=tau if not isinstance(tau, torch.Tensor) else tau.double())
+    lp, _ = log_probs_and_entropy(logits.double(), tokens,
+                                  temperature=tau if not isinstance(tau, torch.Tensor) else tau.double())
     assert bool(torch.isfinite(lp).all() | torch.isneginf(lp).all())
 
 

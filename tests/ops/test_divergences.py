@@ -139,7 +139,8 @@ def test_neg_inf_buckets_give_no_nan_values_or_gradients(name):
     logits = torch.randn(4, 30, generator=gen, dtype=torch.float64)
     logits[0, 3] = -INF  # the student's bucket at id 3 of row 0 has probability 0
     ids = torch.tensor([[3, 4, 5]] * 4)
-    tlp = torch.log_softmax(torch.randn(2, 4, 30, generator=gen, dtype=torch.float64), -1).gather(-1, ids.expand(2, 4, 3))
+    tlp = torch.log_softmax(torch.randn(2, 4, 30, generator=gen, dtype=torch.float64), -1).gather(
+        -1, ids.expand(2, 4, 3))
     ttail = torch.log1p(-tlp.exp().sum(-1))
     tlp[:, 1, 0] = -INF  # both teachers 0 on a bucket where the student is not
     tlp[:, 2, 1] = -INF

@@ -63,7 +63,8 @@ OPTIONS = [
 def _options(opt, T, V, tokens, dtype):
     kw = dict(opt)
     if kw.get("temperature") == "per-token":
-        kw["temperature"] = (torch.rand(T, generator=torch.Generator().manual_seed(9), dtype=torch.float64) + 0.5).to(dtype)
+        kw["temperature"] = (torch.rand(T, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+                             + 0.5).to(dtype)
     if kw.get("keep_mask"):
         keep = torch.rand(T, V, generator=torch.Generator().manual_seed(10)) < 0.5
         kw["keep_mask"] = keep.scatter_(1, tokens[:, None], True)
@@ -111,7 +112,8 @@ def test_entropy_as_a_metric_does_no_backward_work(monkeypatch):
     h, w, tokens, a, _ = inputs()
     calls = []
     real = _lm_head_tiles.logits_tile
-    monkeypatch.setattr("megatron_rl_patches.ops.kernels.torch_tiles.logits_tile", lambda *args: calls.append(1) or real(*args))
+    monkeypatch.setattr("megatron_rl_patches.ops.kernels.torch_tiles.logits_tile",
+                        lambda *args: calls.append(1) or real(*args))
     hh = h.clone().requires_grad_()
     lp, ent = lm_head_log_probs_and_entropy(hh, w, tokens, with_entropy=True, entropy_requires_grad=False)
     forward_tiles = len(calls)

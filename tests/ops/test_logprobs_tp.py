@@ -52,7 +52,8 @@ def _float64_reference(logits, tokens, a, b, keep=None, temperature=1.0, vocab_s
     lp = logp_all.gather(1, tokens[:, None]).squeeze(1)
     ((lp * a.double()).sum() + (ent * b.double()).sum()).backward()
     grad = torch.zeros(logits.shape, dtype=torch.float64)
-    grad[:, : z.size(1)] = x.grad / (temperature.double()[:, None] if isinstance(temperature, torch.Tensor) else temperature)
+    grad[:, : z.size(1)] = x.grad / (temperature.double()[:, None] if isinstance(temperature, torch.Tensor)
+                                     else temperature)
     return lp.detach(), ent.detach(), grad
 
 

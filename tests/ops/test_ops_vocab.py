@@ -70,9 +70,9 @@ def test_log_probs_host_syncs_do_not_grow_with_chunks(masked):
     counts = {}
     for chunk in (1, 7, None):
         x = logits.clone().requires_grad_()
-        fwd, (lp, ent) = count_syncs(lambda: log_probs_and_entropy(
+        fwd, (lp, ent) = count_syncs(lambda x=x, chunk=chunk: log_probs_and_entropy(
             x, tokens, with_entropy=True, temperature=tau, chunk_size=chunk, keep_mask=keep if masked else None))
-        bwd, _ = count_syncs(lambda: ((lp * 1.5).sum() + ent.sum()).backward())
+        bwd, _ = count_syncs(lambda lp=lp, ent=ent: ((lp * 1.5).sum() + ent.sum()).backward())
         counts[chunk] = (fwd, bwd)
     assert counts[1] == counts[7] == counts[None], counts
     fwd, bwd = counts[1]
@@ -91,11 +91,11 @@ def test_topk_host_syncs_do_not_grow_with_chunks():
     counts = {}
     for chunk in (1, 7, None):
         x = logits.clone().requires_grad_()
-        fwd, (lp, tail) = count_syncs(lambda: topk_logprobs(x, ids, temperature=tau, chunk_size=chunk))
-        bwd, _ = count_syncs(lambda: (lp.sum() + tail.sum()).backward())
-        loss_fwd, loss = count_syncs(lambda: topk_opd_loss(x, ids, teachers, teacher_weights=torch.tensor([1.0, 3.0]),
-                                                           kl="mixed", temperature=tau, chunk_size=chunk))
-        loss_bwd, _ = count_syncs(lambda: loss.sum().backward())
+        fwd, (lp, tail) = count_syncs(lambda x=x, chunk=chunk: topk_logprobs(x, ids, temperature=tau, chunk_size=chunk))
+        bwd, _ = count_syncs(lambda lp=lp, tail=tail: (lp.sum() + tail.sum()).backward())
+        loss_fwd, loss = count_syncs(lambda x=x, chunk=chunk: topk_opd_loss(
+            x, ids, teachers, teacher_weights=torch.tensor([1.0, 3.0]), kl="mixed", temperature=tau, chunk_size=chunk))
+        loss_bwd, _ = count_syncs(lambda loss=loss: loss.sum().backward())
         counts[chunk] = (fwd, bwd, loss_fwd, loss_bwd)
     assert counts[1] == counts[7] == counts[None], counts
     fwd, bwd, loss_fwd, loss_bwd = counts[1]

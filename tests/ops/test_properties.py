@@ -77,10 +77,12 @@ def test_topk_logprobs_refuses_or_matches_float64(data):
     T, V = x.shape
     k = data.draw(st.integers(1, max(1, V)))
     g = generator(data.draw)
-    ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
+    ids = (torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(T)]) if T
+           else torch.zeros(0, k, dtype=torch.long))
     ids = ids.to(data.draw(st.sampled_from([torch.int64, torch.int32, torch.uint16]))).to(x.device)
     tau = temperature(data.draw, T)
-    differentiable = x.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16) and x.device.type != "meta"
+    differentiable = (x.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+                      and x.device.type != "meta")
     logits = x.clone().requires_grad_() if differentiable else x
     before = snapshot(x, ids, tau, logits)
     try:

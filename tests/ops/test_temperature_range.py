@@ -38,7 +38,8 @@ CALLS = {
     "log_probs_and_entropy": lambda h, w, z, t, i, q, tau: log_probs_and_entropy(z, t, temperature=tau),
     "topk_logprobs": lambda h, w, z, t, i, q, tau: topk_logprobs(z, i, temperature=tau),
     "topk_opd_loss": lambda h, w, z, t, i, q, tau: topk_opd_loss(z, i, q, temperature=tau),
-    "lm_head_log_probs_and_entropy": lambda h, w, z, t, i, q, tau: lm_head_log_probs_and_entropy(h, w, t, temperature=tau),
+    "lm_head_log_probs_and_entropy": lambda h, w, z, t, i, q, tau: lm_head_log_probs_and_entropy(
+        h, w, t, temperature=tau),
     "lm_head_topk_ids": lambda h, w, z, t, i, q, tau: lm_head_topk_ids(h, w, 2, temperature=tau),
     "lm_head_topk_logprobs": lambda h, w, z, t, i, q, tau: lm_head_topk_logprobs(h, w, i, temperature=tau),
     "log_prob_output_processor": lambda h, w, z, t, i, q, tau: log_prob_output_processor(temperature=tau),

@@ -117,7 +117,8 @@ def test_topk_logprobs_match_float64_reference(T, V, data, scale, chunk, tau):
     seed = data.draw(st.integers(0, 2**16))
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, V, generator=gen) * scale
-    ids = torch.stack([torch.randperm(V, generator=gen)[:k] for _ in range(T)]) if T else torch.empty(0, k, dtype=torch.long)
+    ids = (torch.stack([torch.randperm(V, generator=gen)[:k] for _ in range(T)]) if T
+           else torch.empty(0, k, dtype=torch.long))
     temperature = torch.rand(T, generator=gen) + 0.5 if tau == "per-token" else tau
     lp, tail = topk_logprobs(x, ids, temperature=temperature, chunk_size=chunk)
     ref_lp, ref_tail = ref_buckets(x, ids, temperature)
@@ -160,7 +161,8 @@ def test_topk_logprobs_gradients_match_float64_autograd():
     z = xd / tau.double()[:, None]
     logp = torch.log_softmax(z, -1)
     keep = torch.ones_like(z, dtype=torch.bool).scatter(-1, ids, False)
-    ((logp.gather(-1, ids) * g_lp).sum() + (torch.logsumexp(logp.masked_fill(~keep, -INF), -1) * g_tail).sum()).backward()
+    ((logp.gather(-1, ids) * g_lp).sum()
+     + (torch.logsumexp(logp.masked_fill(~keep, -INF), -1) * g_tail).sum()).backward()
     for chunk in (1, 4, None):
         x.grad = None
         lp, tail = topk_logprobs(x, ids, temperature=tau, chunk_size=chunk)
@@ -253,7 +255,8 @@ def test_full_vocab_limit_k_equals_v_minus_1():
     with torch.no_grad():
         tlp, ttail = topk_logprobs(teacher, ids)
     full = torch.nn.functional.kl_div(
-        torch.log_softmax(teacher.double(), -1), torch.log_softmax(x.detach().double(), -1), log_target=True, reduction="none"
+        torch.log_softmax(teacher.double(), -1), torch.log_softmax(x.detach().double(), -1), log_target=True,
+        reduction="none"
     ).sum(-1)
     for tail_arg in (ttail, None):
         loss = topk_opd_loss(x, ids, tlp, tail_arg)
@@ -394,7 +397,8 @@ def test_per_token_layouts_leading_dims_zigzag_and_cp_shards():
     chunks = torch.arange(B * S).chunk(4)
     for rank in range(2):
         rows = torch.cat([chunks[rank], chunks[3 - rank]])
-        local = topk_opd_loss(x.reshape(-1, V)[rows], ids.reshape(-1, k)[rows], tlp[:, rows], ttail[:, rows], kl="mixed")
+        local = topk_opd_loss(x.reshape(-1, V)[rows], ids.reshape(-1, k)[rows], tlp[:, rows], ttail[:, rows],
+                              kl="mixed")
         torch.testing.assert_close(local, flat[rows])
 
 
@@ -418,9 +422,11 @@ def _bad_calls():
         (lambda: topk_logprobs(x, ids[:3]), ValueError, "ids must have shape"),
         (lambda: topk_logprobs(x, ids.clamp(max=-1)), ValueError, r"ids must be global vocab ids in \[0, 20\)"),
         (lambda: topk_logprobs(x, ids + 20), ValueError, r"ids must be global vocab ids in \[0, 20\)"),
-        (lambda: topk_logprobs(x, ids, vocab_size=10), ValueError, r"ids must be global vocab ids in \[0, 10\)|smaller"),
+        (lambda: topk_logprobs(x, ids, vocab_size=10), ValueError,
+         r"ids must be global vocab ids in \[0, 10\)|smaller"),
         (lambda: topk_logprobs(x, dup), ValueError, "ids must not repeat within a row"),
-        (lambda: topk_logprobs(x, torch.randperm(20).expand(4, 20)), ValueError, r"ids.shape\[-1\] \(k\) must be smaller"),
+        (lambda: topk_logprobs(x, torch.randperm(20).expand(4, 20)), ValueError,
+         r"ids.shape\[-1\] \(k\) must be smaller"),
         (lambda: topk_logprobs(x, ids, temperature=0.0), ValueError, "temperature must be finite and > 0"),
         (lambda: topk_logprobs(x, ids, temperature=float("nan")), ValueError, "temperature must be finite and > 0"),
         (lambda: topk_logprobs(x, ids, temperature=torch.tensor([1.0, 1.0, -1.0, 1.0])), ValueError, "every token"),

@@ -20,7 +20,8 @@ def _inputs():
     # padding holds real ids of both shards (and repeats of real ids): none may be marked
     garbage = torch.randint(0, VOCAB, ids.shape, generator=gen)
     ids = torch.where(mask, ids, garbage)
-    g_lp, g_tail = torch.randn(T, 2 * K, generator=gen, dtype=torch.float64), torch.randn(T, generator=gen, dtype=torch.float64)
+    g_lp, g_tail = (torch.randn(T, 2 * K, generator=gen, dtype=torch.float64),
+                    torch.randn(T, generator=gen, dtype=torch.float64))
     return hidden, weight, teachers, ids, mask, g_lp, g_tail
 
 

@@ -1,4 +1,5 @@
-"""The Triton kernels compile for NVIDIA Hopper (sm_90, the H100/H200 the project's GPU runs use) with this machine's triton, down to
+"""The Triton kernels compile for NVIDIA Hopper (sm_90, the H100/H200 the project's GPU runs use)
+with this machine's triton, down to
 a cubin, in a fresh process without the interpreter: the interpreter accepts programs the GPU
 compiler rejects, so the interpreter tests alone would not show it. (The GPU machine's triton 3.6
 is checked only where a GPU is lent; see docs/kernels.md.)"""

@@ -120,6 +120,7 @@ def test_source_checkout_needs_nothing_installed(source, tmp_path):
     """Megatron from a checkout on PYTHONPATH (no distribution): nothing megatron is installed."""
     checkout = tmp_path / "Megatron-LM"
     (checkout / "megatron" / "core").mkdir(parents=True)
-    (checkout / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 20\nPATCH = 0\nPRE_RELEASE = 'rc0'\n")
+    (checkout / "megatron" / "core" / "package_info.py").write_text(
+        "MAJOR = 0\nMINOR = 20\nPATCH = 0\nPRE_RELEASE = 'rc0'\n")
     plan = would_install(sys.executable, str(source), PYTHONPATH=str(checkout))
     assert "megatron-core" not in plan and "torch" not in plan

@@ -109,17 +109,16 @@ def test_variable_set_patches_megatron_without_code(venv):
     python, site, _ = venv
     proc = py(
         python,
-        """
+        f"""
         import json, sys
         import wrapt.importer
-        hooks = len(wrapt.importer._post_import_hooks.get("%s", []))
+        hooks = len(wrapt.importer._post_import_hooks.get("{DDP}", []))
         from megatron.core.distributed import DistributedDataParallel as D
         print(hasattr(D.enable_forward_pre_hook, '__wrapped__'))
         import megatron_rl_patches
-        print(json.dumps({"hooks": hooks, "file": megatron_rl_patches.__file__,
-                          "statuses": [s.as_dict() for s in megatron_rl_patches.applied()]}))
-        """
-        % DDP,
+        print(json.dumps({{"hooks": hooks, "file": megatron_rl_patches.__file__,
+                          "statuses": [s.as_dict() for s in megatron_rl_patches.applied()]}}))
+        """,
         MEGATRON_RL_PATCHES="all",
     )
     assert proc.returncode == 0, proc.stderr

@@ -190,7 +190,8 @@ STARTUP_SCRIPT = textwrap.dedent(
 def run_startup(root, **variables):
     environ = child_env(**variables)
     environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), environ.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", STARTUP_SCRIPT], env=environ, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", STARTUP_SCRIPT], env=environ, capture_output=True, text=True,
+                          timeout=120)
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
 
 

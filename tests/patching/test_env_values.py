@@ -54,7 +54,8 @@ def test_inference_roles_value_must_be_a_string():
         env.role_names({env.INFERENCE_ROLES: ["teacher"]})
 
 
-@pytest.mark.parametrize("value", ["x" * 100_000, ",".join(["bogus"] * 20_000), ",".join(f"n{i}" for i in range(20_000))])
+@pytest.mark.parametrize("value", ["x" * 100_000, ",".join(["bogus"] * 20_000),
+                                   ",".join(f"n{i}" for i in range(20_000))])
 def test_unknown_names_are_deduplicated_and_cut(value):
     with pytest.raises(ValueError) as caught:
         env.resolve_selection(["ddp_hooks"], environ={env.SELECT: value})

@@ -144,7 +144,8 @@ def test_usage_errors_exit_2_and_run_nothing(tmp_path):
     for patches in ("ddp_hooks,bogus", " "):
         proc = launched(child, patches=patches)
         assert proc.returncode == 2 and "megatron-rl-patches run:" in proc.stderr, proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl_patches", "run"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl_patches", "run"], capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 2 and "no command given" in proc.stderr
     assert not marker.exists()
 

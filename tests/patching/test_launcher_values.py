@@ -57,7 +57,8 @@ CASES = [
     ("backend-triton", None, {BACKEND: "triton"}, ALL),
     ("backend-spaced-upper", None, {BACKEND: " TORCH "}, ALL),
     ("backend-empty", None, {BACKEND: ""}, ALL),
-    ("backend-cuda", None, {BACKEND: "cuda"}, "MEGATRON_RL_PATCHES_BACKEND='cuda' is not a backend: use torch or triton"),
+    ("backend-cuda", None, {BACKEND: "cuda"},
+     "MEGATRON_RL_PATCHES_BACKEND='cuda' is not a backend: use torch or triton"),
     ("backend-greek-o", None, {BACKEND: "tοrch"}, "MEGATRON_RL_PATCHES_BACKEND="),
     ("roles-custom", None, {ROLES: "teacher, ref_model"}, ALL),
     ("roles-empty", None, {ROLES: ""}, ALL),
@@ -81,7 +82,8 @@ def launches(tmp_path_factory):
             [sys.executable, "-m", "megatron_rl_patches", "run", *selection, "--", *child],
             env={**base, **variables}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8",
         ))
-    return {case: (proc.wait(timeout=300), *proc.communicate(), marker.exists()) for case, (marker, proc) in procs.items()}
+    return {case: (proc.wait(timeout=300), *proc.communicate(), marker.exists())
+            for case, (marker, proc) in procs.items()}
 
 
 @pytest.mark.parametrize("case, patches, variables, expected", CASES, ids=[case[0] for case in CASES])

@@ -274,7 +274,8 @@ def test_already_imported_target_lands_immediately(standin, catalog):
 def test_apply_from_inside_the_target_modules_own_import_lands_afterwards(tmp_path, monkeypatch, catalog):
     """apply() while the target module is still executing must not give up on its patches."""
     name = f"standin_mod_{next(_counter)}"
-    (tmp_path / f"{name}.py").write_text("import mrp_test_registry\nmrp_test_registry.registry.apply()\n" + MODULE_SOURCE)
+    (tmp_path / f"{name}.py").write_text(
+        "import mrp_test_registry\nmrp_test_registry.registry.apply()\n" + MODULE_SOURCE)
     monkeypatch.syspath_prepend(str(tmp_path))
     spy = Spy()
     holder = types.ModuleType("mrp_test_registry")  # how the module reaches this test's registry

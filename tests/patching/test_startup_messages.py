@@ -52,7 +52,8 @@ def test_bad_selection_is_one_line(startup_dir):
     assert line.startswith("megatron-rl-patches: no patch applied at start-up") and "'bogus'" in line
 
 
-@pytest.mark.parametrize("value", ["x" * 100_000, ",".join(["bogus"] * 16_000), ",".join(f"n{i}" for i in range(20_000))])
+@pytest.mark.parametrize("value", ["x" * 100_000, ",".join(["bogus"] * 16_000),
+                                   ",".join(f"n{i}" for i in range(20_000))])
 def test_a_huge_selection_prints_a_short_line(startup_dir, value):
     proc = start(startup_dir, MEGATRON_RL_PATCHES=value)
     (line,) = proc.stderr.splitlines()

@@ -226,7 +226,8 @@ def _logprob_rows(shapes, H: int, runs: int) -> list[dict]:
                 if not common.memory_resolved(unit, result["device"]):
                     row["note"] = common.BELOW_RESOLUTION
                 else:
-                    row.update(excess_peak_U=result["excess_bytes"] / unit, excess_peak_MiB=result["excess_bytes"] / common.MIB)
+                    row.update(excess_peak_U=result["excess_bytes"] / unit,
+                               excess_peak_MiB=result["excess_bytes"] / common.MIB)
                 if not result["peak_reset"]:
                     row["note"] = "peak = process lifetime peak"
             rows.append(row)

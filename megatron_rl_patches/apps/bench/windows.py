@@ -77,7 +77,8 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
         sync = statistics.median(samples[(load, VARIANTS[0])])
         rows += [_row(load, variant, samples[(load, variant)], sync) for variant in VARIANTS]
     columns = ["load", "variant", "median_ms", "spread_ms", "vs_sync", "note"]
-    common.print_table(rows, columns, title=f"accumulation windows: ms per optimizer step, 2 gloo ranks, {rounds} rounds")
+    common.print_table(rows, columns,
+                       title=f"accumulation windows: ms per optimizer step, 2 gloo ranks, {rounds} rounds")
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         common.write_csv(rows, os.path.join(out_dir, "windows.csv"), columns)

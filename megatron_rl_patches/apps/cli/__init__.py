@@ -22,12 +22,16 @@ __all__ = ["COMMANDS", "OK", "PROBLEM", "PROG", "USAGE", "UsageError", "build_pa
 # command -> (module providing add_arguments / run, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "list": ("megatron_rl_patches.apps.cli.listing", "patches, their targets, version ranges and statuses"),
-    "doctor": ("megatron_rl_patches.apps.cli.doctor", "megatron-core in use, per-patch support, environment, start-up files"),
+    "doctor": ("megatron_rl_patches.apps.cli.doctor",
+               "megatron-core in use, per-patch support, environment, start-up files"),
     "startup": ("megatron_rl_patches.apps.cli.startup", "install or remove the start-up file (editable installs)"),
     "demo": ("megatron_rl_patches.apps.cli.demo", "a tiny real megatron-core RL loop, with and without the patches"),
-    "bench": ("megatron_rl_patches.apps.cli.bench", "benchmarks: log-prob and top-k losses (memory, time), re-entrant wrapper cost; gpu: every implementation on CUDA"),
+    "bench": ("megatron_rl_patches.apps.cli.bench",
+              "benchmarks: log-prob and top-k losses (memory, time), re-entrant wrapper cost; "
+              "gpu: every implementation on CUDA"),
     "memory": ("megatron_rl_patches.apps.cli.memory", "training-state bytes an inference-only build saves"),
-    "run": ("megatron_rl_patches.apps.cli.run", "run a command whose Python processes all apply the patches at start-up"),
+    "run": ("megatron_rl_patches.apps.cli.run",
+            "run a command whose Python processes all apply the patches at start-up"),
 }
 
 # Commands whose --help ends with the environment variables (they read them).

@@ -1,4 +1,5 @@
-"""`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|distill|gpu|all] [--quick] [--out DIR] [--only PART]`.
+"""`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|distill|gpu|all]
+[--quick] [--out DIR] [--only PART]`.
 
 `bench gpu` (not part of `all`) needs a CUDA device; without one it says so in one line and
 exits non-zero."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.apps.demo.config import DemoConfig  # noqa: F401 - the loop's configuration, re-exported
+from megatron_rl_patches.apps.demo.config import DemoConfig as DemoConfig  # the loop's configuration, re-exported
 from megatron_rl_patches.testing import megatron_cpu as kit
 
 ACTOR_DDP_FLAGS = dict(overlap_grad_reduce=True, use_distributed_optimizer=True, overlap_param_gather=True)
@@ -107,7 +107,8 @@ def centered(reward: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (reward - (reward * mask).sum() / mask.sum().clamp_min(1.0)) * mask
 
 
-def teacher_advantages(batch: dict, old_logp: torch.Tensor, teacher_token_logps: Sequence[torch.Tensor]) -> torch.Tensor:
+def teacher_advantages(batch: dict, old_logp: torch.Tensor,
+                       teacher_token_logps: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-token advantage [b, s]: log q_mix(y) - log p_old(y) for the sampled token y, where q_mix
     is the uniform mixture of the teachers, minus its mean over the response tokens."""
     mixture = torch.logsumexp(torch.stack([lp.reshape(-1) for lp in teacher_token_logps]), 0)

@@ -95,7 +95,8 @@ def score_with_teachers(batch: dict, actor: Any, teachers: Sequence[Any], cfg: D
                            {"ids": ids} if union else None)
             ids, mask = out["topk_ids"], out.get("ids_mask")
         else:  # the others score them
-            out = _forward(teacher, batch, _processors(cfg, select=False, entropy=False), {"ids": ids, "ids_mask": mask})
+            out = _forward(teacher, batch, _processors(cfg, select=False, entropy=False),
+                           {"ids": ids, "ids_mask": mask})
         scored.append(out)
     k = ids.shape[-1]
     batch.update(

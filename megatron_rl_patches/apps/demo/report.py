@@ -48,7 +48,8 @@ def _trainable_build(t: dict) -> str:
     per = t["trainable_build_bytes_per_teacher"]
     total = per["grad_buffer"] + per["optimizer_state"]
     formula = t["formula_bytes_per_teacher"]
-    agrees = "the `memory` formula gives the same" if formula == total else f"the `memory` formula: {human_bytes(formula)}"
+    agrees = ("the `memory` formula gives the same" if formula == total
+              else f"the `memory` formula: {human_bytes(formula)}")
     return (f"  one trainable build, measured (megatron-core DDP + Adam): {human_bytes(per['grad_buffer'])} grad "
             f"buffer + {human_bytes(per['optimizer_state'])} Adam m and v = {human_bytes(total)} ({agrees})")
 
@@ -118,7 +119,8 @@ def format_comparison(plain: dict, package: dict) -> str:
     else:
         lines.append(f"  without the package: {plain['rollouts_completed']} rollouts, no crash")
     lines.append(f"  with it: {package['rollouts_completed']} / {package['config']['rollouts']} rollouts"
-                 + (f", then {package['error']['type']} on rollout {package['error']['rollout']}" if package["error"] else ""))
+                 + (f", then {package['error']['type']} on rollout {package['error']['rollout']}"
+                    if package["error"] else ""))
     if plain["rollouts"] and package["rollouts"]:
         a, b = plain["rollouts"][0]["loss"], package["rollouts"][0]["loss"]
         lines.append(f"  rollout 1 loss: {a:.6f} on full logits, {b:.6f} from hidden states (the same computation)")

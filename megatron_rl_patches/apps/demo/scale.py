@@ -47,7 +47,8 @@ def logits_rows(teachers: int, topk: int, tokens: int = TOKENS_PER_MICROBATCH) -
     rows = []
     for model in REAL_MODELS:
         one = tokens * model.vocab * LOGITS_BYTES
-        rows.append({"model": model.name, "params": model.params, "vocab": model.vocab, "vocab_from": model.vocab_from, "tokens": tokens,
+        rows.append({"model": model.name, "params": model.params, "vocab": model.vocab, "vocab_from": model.vocab_from,
+                     "tokens": tokens,
                      "actor_logits_bytes": one, "teacher_logits_bytes": teachers * one,
                      "topk": topk, "fused_bytes_per_model": tokens * (topk + 1) * FUSED_BYTES})
     return rows

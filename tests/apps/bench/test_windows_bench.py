@@ -10,7 +10,8 @@ pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 
 def test_windows_bench_quick(tmp_path):
     rows = windows.run(quick=True, out_dir=str(tmp_path))
-    assert [(row["load"], row["variant"]) for row in rows] == [(load, v) for load in windows.LOADS for v in windows.VARIANTS]
+    assert [(row["load"], row["variant"]) for row in rows] == [
+        (load, v) for load in windows.LOADS for v in windows.VARIANTS]
     patched = [row for row in rows if row["variant"] == "overlap + grad_windows"]
     assert all(row["median_ms"] > 0 and row["vs_sync"] > 0 for row in patched)
     with open(tmp_path / "windows.csv", newline="") as fh:

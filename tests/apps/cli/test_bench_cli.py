@@ -29,7 +29,8 @@ def test_bench_quick_writes_csv_and_png_for_every_benchmark(tmp_path, capsys):
     assert all("below measurement resolution" in row["note"] and not row.get("peak_MiB") for row in topk)
     logprobs = _rows(tmp_path / "logprobs.csv")
     measured = [row for row in logprobs if row["time_s"]]
-    assert measured and all(not row.get("peak_U") and not row.get("held_U") and float(row["saved_U"]) > 0 for row in measured)
+    assert measured and all(not row.get("peak_U") and not row.get("held_U") and float(row["saved_U"]) > 0
+                            for row in measured)
     reentrant = {row["case"]: row for row in _rows(tmp_path / "reentrant.csv")}
     assert all(float(row["patched_us"]) > 0 for row in reentrant.values())
     # the unpatched crash is reported as one, and no overhead is ever negative or NaN

@@ -65,7 +65,8 @@ def test_usage_errors_exit_2(capsys):
 
 @pytest.mark.parametrize("text", ["0", "-2", "1.5", "two", ""])
 def test_bad_dp_is_a_usage_error(text):
-    with pytest.raises(argparse.ArgumentTypeError, match=f"invalid data-parallel size {text!r}: must be an integer >= 1"):
+    with pytest.raises(argparse.ArgumentTypeError,
+                       match=f"invalid data-parallel size {text!r}: must be an integer >= 1"):
         memory_cli._positive(text)
     assert memory_cli._positive(" 8 ") == 8
 

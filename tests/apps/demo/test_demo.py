@@ -58,7 +58,8 @@ def test_plain_route_is_the_same_loop_and_hits_the_reentry_crash(summaries):
     for key in ("loss", "opd_kl", "entropy", "logprob"):
         assert plain["rollouts"][0][key] == pytest.approx(package["rollouts"][0][key], rel=1e-5, abs=1e-6)
     cfg = plain["config"]
-    assert plain["vocab_wide_tensors"]["largest_bytes"] == cfg["micro_batch_size"] * cfg["seq_length"] * cfg["vocab_size"] * 4
+    assert (plain["vocab_wide_tensors"]["largest_bytes"]
+            == cfg["micro_batch_size"] * cfg["seq_length"] * cfg["vocab_size"] * 4)
     assert plain["teachers"]["allocated_bytes"] > 0  # trainable builds hold grad buffers
 
 

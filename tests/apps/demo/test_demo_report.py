@@ -25,7 +25,8 @@ def summary(patches: bool) -> dict:
     largest = [cfg.tile_rows, cfg.vocab_size] if patches else [cfg.micro_batch_size * cfg.seq_length, cfg.vocab_size]
     return {
         "ok": patches, "patches": patches, "route": "with" if patches else "without", "device": "cpu",
-        "patches_applied": [{"name": "ddp_hooks", "status": "applied", "reason": "", "description": "d"}] if patches else [],
+        "patches_applied": ([{"name": "ddp_hooks", "status": "applied", "reason": "", "description": "d"}]
+                            if patches else []),
         "package_pieces": [], "config": asdict(cfg), "rollouts_completed": 1, "rollouts": [],
         "error": None,
         "teachers": {"count": cfg.teachers, "params_per_teacher": PARAMS, "trainable_build_bytes_per_teacher": measured,
@@ -34,7 +35,8 @@ def summary(patches: bool) -> dict:
         "vocab_wide_tensors": {"largest_shape": largest, "largest_bytes": largest[0] * largest[1] * 4},
         "logits_bytes_per_microbatch": {"one_forward": one, "actor": 2 * one, "teachers": cfg.teachers * one,
                                         "total": (2 + cfg.teachers) * one},
-        "real_models": {"teachers": scale.teacher_rows(cfg.teachers), "logits": scale.logits_rows(cfg.teachers, cfg.topk)},
+        "real_models": {"teachers": scale.teacher_rows(cfg.teachers),
+                        "logits": scale.logits_rows(cfg.teachers, cfg.topk)},
     }
 
 
@@ -50,7 +52,8 @@ def test_binary_units_only_and_no_line_repeats_a_figure(patches):
 def test_real_size_rows_state_their_parameter_counts_and_what_each_column_counts():
     text = format_summary(summary(True))
     for model in scale.REAL_MODELS:
-        row = next(line for line in text.splitlines() if line.startswith(f"{model.name} ") and f"{model.params:,}" in line)
+        row = next(line for line in text.splitlines()
+                   if line.startswith(f"{model.name} ") and f"{model.params:,}" in line)
         assert "GiB" in row
     assert "fused outputs, per model" in text and "T x (k+1) fp32 values per model" in text
     assert "576.00 KiB" in text  # 16,384 tokens x 9 buckets x 4 B, the same for both vocabularies
@@ -60,9 +63,11 @@ def test_real_size_rows_state_their_parameter_counts_and_what_each_column_counts
 def test_the_teachers_lines_say_what_they_count():
     package, plain = format_summary(summary(True)), format_summary(summary(False))
     assert "grads and optimizer state they hold: 0 B" in package
-    assert "117.50 KiB grad buffer + 235.00 KiB Adam m and v = 352.50 KiB (the `memory` formula gives the same)" in package
+    assert ("117.50 KiB grad buffer + 235.00 KiB Adam m and v = 352.50 KiB "
+            "(the `memory` formula gives the same)") in package
     assert "saved by the 2 inference-only builds: 705.00 KiB" in package
     assert "grad buffers they hold: 235.00 KiB" in plain
     assert ("[T, V] logits allocated (T = 64 tokens per micro-batch, V = 64, fp32): 16.00 KiB per forward x 4 "
-            "forwards (the actor's training and old-policy forwards, one per teacher) = 64.00 KiB per micro-batch") in plain
+            "forwards (the actor's training and old-policy forwards, one per teacher) "
+            "= 64.00 KiB per micro-batch") in plain
     assert "at real size" in format_summary(summary(True)) and format_comparison(summary(False), summary(True))
