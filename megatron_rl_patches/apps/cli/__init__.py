@@ -43,7 +43,6 @@ BROKEN_PIPE = 141
 
 def environment_help() -> str:
     """The environment variables the patches read, one per line (the epilog of --help)."""
-    from megatron_rl_patches.integrations.slime_roles import DEFAULT_INFERENCE_ROLES
     from megatron_rl_patches.patching import env
 
     meaning = {
@@ -51,8 +50,8 @@ def environment_help() -> str:
                     'at start-up; unset, "" or "0": off',
         env.DISABLE: "comma-separated patch names removed from any selection",
         env.STRICT: '1/true/yes/on: patch problems raise instead of warning (0/false/no/off/"": warn)',
-        env.INFERENCE_ROLES: f"roles built inference-only (unset: {','.join(DEFAULT_INFERENCE_ROLES)}; "
-                             '"": none)',
+        env.INFERENCE_ROLES: "roles built inference-only (unset: slime's teacher roles, which `doctor` "
+                             'lists; "": none)',
         env.ALLOW_UNTESTED: "1: apply patches outside their supported megatron-core range "
                             "(one warning each)",
     }
