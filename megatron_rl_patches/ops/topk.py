@@ -108,6 +108,7 @@ def topk_ids(
         if tied_rows:
             # per chunk: an int32 [rows, V] running count of the columns equal to the cut
             chunk_rows = _vocab.default_chunk_rows(valid, flat.device, torch.int32)
+            assert top is not None  # ties come with the k+1 best values
             _fix_ties(flat[:, :valid], index, top, torch.tensor(tied_rows, device=flat.device), chunk_rows)
         # all-gather over the tensor-parallel group of the candidates' global ids, in the order
         # of the values gathered above
