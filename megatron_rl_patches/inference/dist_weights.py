@@ -10,7 +10,7 @@ import logging
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -302,7 +302,7 @@ def _prepare(modules: list[torch.nn.Module], names: list[str], path: Path,
     _read_config(path)
     index = _read_index(path)
     # Built once: the key walk only reads it, the load request is this same dict minus missing keys.
-    sharded = {name: module.sharded_state_dict() for name, module in zip(names, modules)}
+    sharded = {name: cast(Any, module).sharded_state_dict() for name, module in zip(names, modules)}
     missing = _fit(path, index, _ShardedKeys(sharded), strict)
     request = {name: _drop_keys(state, set(missing)) for name, state in sharded.items()}
     _check_state_keys(modules, names, request)
@@ -320,6 +320,7 @@ def load_dist(modules: list[torch.nn.Module], names: list[str], path: Path, stri
             "loading a torch_dist checkpoint needs torch.distributed initialized (the same process "
             "groups the model was built under); initialize it first"
         )
+    batches: list[dict[str, dict]]
     strategy, batches = None, []
     failure: Exception | None = None
     try:

@@ -56,7 +56,7 @@ def check_id_tensor(value: object, name: str, shape_hint: str) -> torch.Tensor:
 
 def check_tokens_shape(tokens: object, n_rows: int, device: torch.device, shape_note: str, holder: str) -> torch.Tensor:
     """Target ids: an id tensor of shape [T] on `device` (`holder` names the tensor that sets it)."""
-    check_id_tensor(tokens, "tokens", "[T]")
+    tokens = check_id_tensor(tokens, "tokens", "[T]")
     if tokens.shape != (n_rows,):
         raise ValueError(f"tokens must have shape [T] = ({n_rows},) {shape_note}, got {tuple(tokens.shape)}")
     if tokens.device != device:
@@ -281,7 +281,7 @@ def _check_temperature_tensor(
 
 # ------------------------------------------------------------------------ top-k and the OPD loss
 def check_logits(logits: object, name: str, tp_group: dist.ProcessGroup | None) -> tuple[torch.Size, int]:
-    check_float_tensor(logits, name, "of shape [T, V_local]")
+    logits = check_float_tensor(logits, name, "of shape [T, V_local]")
     if logits.dim() < 2 or logits.shape[-1] == 0:
         raise ValueError(
             f"{name} must have shape [T, V_local] (or [..., V_local]) with V_local > 0, got {tuple(logits.shape)}"
@@ -301,7 +301,7 @@ def check_k(k: int, vocab: int, name: str = "k") -> None:
 def check_ids(ids: object, lead: torch.Size, vocab: int, checks: DeviceChecks, ids_mask: object = None) -> int:
     """k of ids [*lead, k]; with `ids_mask` (bool, ids' shape) only the True slots are checked
     (in range, no repeats within a row): the others are padding, whatever their value."""
-    check_id_tensor(ids, "ids", "[T, k]")
+    ids = check_id_tensor(ids, "ids", "[T, k]")
     if ids.dim() != len(lead) + 1 or ids.shape[:-1] != lead or ids.shape[-1] == 0:
         raise ValueError(
             f"ids must have shape {tuple(lead) + ('k',)} (the logits' leading dims, then k >= 1), "
@@ -309,7 +309,7 @@ def check_ids(ids: object, lead: torch.Size, vocab: int, checks: DeviceChecks, i
         )
     k = ids.shape[-1]
     check_k(k, vocab, "ids.shape[-1] (k)")
-    check_ids_mask(ids_mask, ids)
+    ids_mask = check_ids_mask(ids_mask, ids)
     inside = (ids >= 0) & (ids < vocab)
     if ids_mask is not None:
         inside |= ~ids_mask
@@ -328,16 +328,17 @@ def check_ids(ids: object, lead: torch.Size, vocab: int, checks: DeviceChecks, i
     return k
 
 
-def check_ids_mask(ids_mask: object, ids: torch.Tensor, name: str = "ids") -> None:
+def check_ids_mask(ids_mask: object, ids: torch.Tensor, name: str = "ids") -> torch.Tensor | None:
     """None, or a bool tensor of `ids`' shape and device (True: a real id; False: padding)."""
     if ids_mask is None:
-        return
+        return None
     if not isinstance(ids_mask, torch.Tensor) or ids_mask.dtype != torch.bool:
         raise TypeError(f"ids_mask must be a bool tensor (True: a real id, False: padding) or None, "
                         f"got {type(ids_mask).__name__ if not isinstance(ids_mask, torch.Tensor) else ids_mask.dtype}")
     if ids_mask.shape != ids.shape or ids_mask.device != ids.device:
         raise ValueError(f"ids_mask must have {name}' shape {tuple(ids.shape)} and device {ids.device}, "
                          f"got {tuple(ids_mask.shape)} on {ids_mask.device}")
+    return ids_mask
 
 
 def check_int_k(k: object) -> int:
@@ -358,7 +359,7 @@ def check_teachers(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Teacher tensors as [n, *ids_shape] and [n, *ids_shape[:-1]] (tail None when derived);
     their values (log-probabilities) checked through `checks`."""
-    check_float_tensor(teacher_logprobs, "teacher_logprobs", "[n_teachers, T, k] or [T, k]")
+    teacher_logprobs = check_float_tensor(teacher_logprobs, "teacher_logprobs", "[n_teachers, T, k] or [T, k]")
     if teacher_logprobs.shape == ids_shape:
         teacher_logprobs = teacher_logprobs.unsqueeze(0)
         single = True
@@ -374,7 +375,7 @@ def check_teachers(
     check_logprob_values(teacher_logprobs.detach(), "teacher_logprobs", checks)
     if teacher_tail_logprobs is None:
         return teacher_logprobs, None
-    check_float_tensor(teacher_tail_logprobs, "teacher_tail_logprobs", "[n_teachers, T] or [T], or None")
+    teacher_tail_logprobs = check_float_tensor(teacher_tail_logprobs, "teacher_tail_logprobs", "[n_teachers, T] or [T], or None")
     expected = tuple(teacher_logprobs.shape[:-1])[1:] if single else tuple(teacher_logprobs.shape[:-1])
     if tuple(teacher_tail_logprobs.shape) != expected:
         raise ValueError(
@@ -456,6 +457,7 @@ def resolve_divergence(divergence: object, beta: object, alpha: object, kl: obje
                   DeprecationWarning, stacklevel=3)
     mix = check_kl_options("reverse" if kl is None else kl, 0.5 if mix is None else mix)
     _, beta, alpha = check_divergence(DEFAULT_DIVERGENCE, beta, alpha)
+    assert kl is None or isinstance(kl, str)  # check_kl_options accepted it
     return _KL_NAMES["reverse" if kl is None else kl], beta, alpha, mix
 
 
@@ -552,8 +554,8 @@ def check_teacher_models(teacher_hidden: object, teacher_weight: object, hidden:
     models = []
     for j, (h, w) in enumerate(zip(hs, ws)):
         hn, wn = ("teacher_hidden", "teacher_weight") if single_h else (f"teacher_hidden[{j}]", f"teacher_weight[{j}]")
-        check_float_tensor(h, hn, "[T, H_t] (the teacher's final hidden states, rows as hidden's)")
-        check_float_tensor(w, wn, "[V_local, H_t] (the teacher's vocab shard of its output weight)")
+        h = check_float_tensor(h, hn, "[T, H_t] (the teacher's final hidden states, rows as hidden's)")
+        w = check_float_tensor(w, wn, "[V_local, H_t] (the teacher's vocab shard of its output weight)")
         if h.dim() != 2 or h.shape[0] != hidden.shape[0]:
             raise ValueError(f"{hn} must be [T, H_t] with T = {hidden.shape[0]} (hidden's rows, the same tokens), "
                              f"got shape {tuple(h.shape)}")
@@ -568,8 +570,10 @@ def check_teacher_models(teacher_hidden: object, teacher_weight: object, hidden:
         if h.dtype != w.dtype or h.device != hidden.device or w.device != hidden.device:
             raise ValueError(f"{hn} and {wn} must share one dtype and the student's device {hidden.device}, got "
                              f"{h.dtype}/{h.device} and {w.dtype}/{w.device}")
-        checks.require(torch.isfinite(h), lambda hn=hn: ValueError(
-            f"{hn} has non-finite values (NaN or inf); the teacher's forward diverged: check its inputs and weights"))
+        def nonfinite(hn: str = hn) -> ValueError:
+            return ValueError(f"{hn} has non-finite values (NaN or inf); the teacher's forward diverged: "
+                              f"check its inputs and weights")
+        checks.require(torch.isfinite(h), nonfinite)
         models.append((h, w))
     return models
 
@@ -588,8 +592,8 @@ def check_teacher_mixture_weights(weights: Weights, n: int, dtype: torch.dtype, 
                           f"(sum {total}); divide them by their sum")
 
     if isinstance(weights, torch.Tensor):
-        total = weights.detach().to(torch.float64).sum()
-        checks.require((total - 1).abs() <= 1e-6, lambda: error(float(total)))
+        total_t = weights.detach().to(torch.float64).sum()
+        checks.require((total_t - 1).abs() <= 1e-6, lambda: error(float(total_t)))
     else:  # numbers on the host: no device sync to wait for
         total = math.fsum(float(x) for x in weights)
         if not abs(total - 1) <= 1e-6:

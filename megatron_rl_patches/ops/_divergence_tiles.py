@@ -126,6 +126,7 @@ def student_grad(name: str, a: torch.Tensor, b: torch.Tensor, consts: list[torch
     p = a.exp()
     if name == "forward_kl":
         return p.sub_(b.exp())
+    assert c0 is not None  # every other divergence has row constants
     if name == "reverse_kl":
         return p.mul_(_zero_outside((a - b).sub_(c0), kept))
     if name == "jsd":

@@ -34,11 +34,11 @@ def _finish(grads: tuple[torch.Tensor | None, ...], tensors: tuple[torch.Tensor,
 def _save_tau(ctx, tau: float | torch.Tensor) -> torch.Tensor | None:
     ctx.tensor_tau = isinstance(tau, torch.Tensor)
     ctx.tau = None if ctx.tensor_tau else tau
-    return tau if ctx.tensor_tau else None
+    return tau if isinstance(tau, torch.Tensor) else None
 
 
 def _scale(ctx, tau_tensor: torch.Tensor | None, n_rows: int, dtype: torch.dtype) -> float | torch.Tensor:
-    return _stats.row_scale(tau_tensor if ctx.tensor_tau else ctx.tau, n_rows, dtype)
+    return _stats.row_scale(tau_tensor if tau_tensor is not None else ctx.tau, n_rows, dtype)
 
 
 def _check_rows(stats: _stats.RowStats, spec: _vocab.OpSpec, checks: _checks.DeviceChecks,
@@ -55,7 +55,7 @@ class LogProbEntropy(torch.autograd.Function):
     """log p(target) (over the kept ids when masked) and entropy H of softmax(x/τ)."""
 
     @staticmethod
-    def forward(ctx, tokens, keep_mask, tau, spec: _vocab.OpSpec, checks, backend: Backend, *tensors):  # type: ignore[override]
+    def forward(ctx, tokens, keep_mask, tau, spec: _vocab.OpSpec, checks, backend: Backend, *tensors):
         source = _source(spec, tensors)
         dtype = _stats.compute_dtype(source.first.dtype)
         masked = keep_mask is not None
@@ -66,12 +66,16 @@ class LogProbEntropy(torch.autograd.Function):
         stats = backend.row_stats(source, stats, cols[:, None], owned[:, None], keep_mask, scale)
         stats = _stats.combine_over_ranks(stats, scale, spec.group)
         out = _stats.log_prob_outputs(stats, scale)
+        assert out.log_probs is not None and out.shift is not None and out.log_s is not None  # computed here
         _check_rows(stats, spec, checks, out.log_s_kept if masked else None)
         entropy = out.entropy if spec.with_entropy else out.log_probs.new_empty(0)
         # what backward reads: the kept shift and log-sum always; the full ones and Ā with an
         # entropy gradient or without a mask (≤ 20 B/token)
         full = spec.entropy_grad or not masked
-        saved = ([out.shift, out.log_s] if full else []) + ([out.mean] if spec.entropy_grad else [])
+        saved = [out.shift, out.log_s] if full else []
+        if spec.entropy_grad:
+            assert out.mean is not None  # an entropy gradient comes with the entropy's moment
+            saved.append(out.mean)
         if masked:
             saved += [out.shift_kept, out.log_s_kept]
         ctx.spec, ctx.masked, ctx.backend, ctx.n_tensors = spec, masked, backend, len(tensors)
@@ -85,7 +89,7 @@ class LogProbEntropy(torch.autograd.Function):
 
     @staticmethod
     @_vocab.reject_double_backward
-    def backward(ctx, grad_log_probs, grad_entropy):  # type: ignore[override]
+    def backward(ctx, grad_log_probs, grad_entropy):
         *tensors, target_cols, saved, keep_mask, tau = ctx.saved_tensors
         spec: _vocab.OpSpec = ctx.spec
         none = (None,) * 6
@@ -108,6 +112,7 @@ def _saved_log_prob_outputs(saved: list[torch.Tensor], entropy_grad: bool, maske
     shift, log_s = (saved.pop(0), saved.pop(0)) if full else (None, None)
     mean = saved.pop(0) if entropy_grad else None
     shift_kept, log_s_kept = (saved.pop(0), saved.pop(0)) if masked else (shift, log_s)
+    assert shift_kept is not None and log_s_kept is not None  # without a mask the full ones were saved
     return _stats.LogProbOutputs(None, shift, log_s, mean, shift_kept, log_s_kept)
 
 
@@ -117,7 +122,7 @@ class TopkLogprobs(torch.autograd.Function):
     columns in the tail."""
 
     @staticmethod
-    def forward(ctx, ids, valid, tau, spec: _vocab.OpSpec, checks, backend: Backend, *tensors):  # type: ignore[override]
+    def forward(ctx, ids, valid, tau, spec: _vocab.OpSpec, checks, backend: Backend, *tensors):
         source = _source(spec, tensors)
         dtype = _stats.compute_dtype(source.first.dtype)
         scale = _stats.row_scale(tau, source.n_rows, dtype)
@@ -135,7 +140,7 @@ class TopkLogprobs(torch.autograd.Function):
 
     @staticmethod
     @_vocab.reject_double_backward
-    def backward(ctx, grad_logp, grad_tail):  # type: ignore[override]
+    def backward(ctx, grad_logp, grad_tail):
         *tensors, ids, valid, saved, tau = ctx.saved_tensors
         spec: _vocab.OpSpec = ctx.spec
         none = (None,) * 6

@@ -125,10 +125,13 @@ class RowStats:
               moment: bool = False, subset: bool = False) -> RowStats:
         """Statistics of no column yet, with the sums asked for."""
 
-        def full(value: float, wanted: bool = True, shape: tuple[int, ...] = (n_rows,)) -> torch.Tensor | None:
-            return torch.full(shape, value, dtype=dtype, device=device) if wanted else None
+        def need(value: float, shape: tuple[int, ...] = (n_rows,)) -> torch.Tensor:
+            return torch.full(shape, value, dtype=dtype, device=device)
 
-        return cls(shift=full(-math.inf), marked=full(0.0, shape=(n_rows, k)), rest=full(0.0, rest or moment),
+        def full(value: float, wanted: bool = True, shape: tuple[int, ...] = (n_rows,)) -> torch.Tensor | None:
+            return need(value, shape) if wanted else None
+
+        return cls(shift=need(-math.inf), marked=need(0.0, (n_rows, k)), rest=full(0.0, rest or moment),
                    moment=full(0.0, moment), sub_shift=full(-math.inf, subset), sub_sum=full(0.0, subset))
 
     @property
@@ -184,6 +187,7 @@ def _fold_subset(stats: RowStats, rows: slice, x: torch.Tensor, scale, s_row, ma
                  subset: torch.Tensor | None) -> None:
     """The subset's exp-sum over its unmarked columns, with its own running max."""
     dtype = stats.shift.dtype
+    assert stats.sub_shift is not None and stats.sub_sum is not None  # folded only with a subset
     if subset is not None:  # kept ids: the marked target is always kept and counts for the max
         sub_x = x.masked_fill(~(subset if marked is None else subset | marked), -math.inf)
     elif marked is not None:  # the tail: every unmarked column
@@ -243,15 +247,16 @@ class LogProbOutputs:
     log S - Ā; saving Ā, not H, keeps log p + H = u - Ā exact for near-uniform rows), and the
     statistics backward needs. Without a mask the kept shift and log-sum are the full ones."""
 
-    log_probs: torch.Tensor
-    shift: torch.Tensor
-    log_s: torch.Tensor
+    log_probs: torch.Tensor | None  # None: rebuilt from what backward saved
+    shift: torch.Tensor | None
+    log_s: torch.Tensor | None
     mean: torch.Tensor | None
     shift_kept: torch.Tensor
     log_s_kept: torch.Tensor
 
     @property
     def entropy(self) -> torch.Tensor:
+        assert self.log_s is not None and self.mean is not None  # the entropy needs the moment summed
         return self.log_s - self.mean
 
 
@@ -261,6 +266,7 @@ def log_prob_outputs(stats: RowStats, scale: float | torch.Tensor) -> LogProbOut
     x_t = stats.marked[:, 0]
     shift = stats.safe_shift
     u_t = (x_t - shift) * s_row
+    assert stats.rest is not None  # the target's statistics always sum the rest
     log_s = torch.logaddexp(stats.rest.log(), u_t)  # S = S_other + e^u_t: log p stays exact as p -> 1
     log_p = u_t - log_s
     mean = None
@@ -269,6 +275,7 @@ def log_prob_outputs(stats: RowStats, scale: float | torch.Tensor) -> LogProbOut
         mean = stats.moment * (-log_s).exp() + torch.where(p_t > 0, p_t * u_t, 0.0)
     if stats.sub_sum is None:
         return LogProbOutputs(log_p, shift, log_s, mean, shift, log_s)
+    assert stats.sub_shift is not None  # kept with sub_sum
     shift_kept = finite_or_zero(stats.sub_shift)
     u_kt = (x_t - shift_kept) * s_row
     log_s_kept = torch.logaddexp(stats.sub_sum.log(), u_kt)
@@ -281,7 +288,7 @@ class TopkOutputs:
     shift and log-sum, the tail's own shift and log-sum."""
 
     logp: torch.Tensor
-    tail: torch.Tensor
+    tail: torch.Tensor | None  # None: rebuilt from what backward saved
     shift: torch.Tensor
     log_sum: torch.Tensor
     tail_shift: torch.Tensor
@@ -293,6 +300,7 @@ def topk_outputs(stats: RowStats, scale: float | torch.Tensor, valid: torch.Tens
     the tail (every other column): the tail is summed with its own max as shift, so its log-mass
     stays exact down to any size (never log(1 - Σp)). Slots not `valid` (padding of a masked ids
     tensor, never marked: their column's mass is in the tail) get log-prob -inf."""
+    assert stats.sub_shift is not None and stats.sub_sum is not None  # the tail is the subset
     shift, tail_shift = stats.safe_shift, finite_or_zero(stats.sub_shift)
     u_ids = (stats.marked - shift.unsqueeze(1)) * scale
     if valid is not None:
@@ -337,7 +345,9 @@ class GradFactors:
 
     @property
     def dtype(self) -> torch.dtype:
-        return (self.log_sum if self.log_sum is not None else self.log_sub_sum).dtype
+        log_sum = self.log_sum if self.log_sum is not None else self.log_sub_sum
+        assert log_sum is not None  # some exp term is always there
+        return log_sum.dtype
 
     def rows(self, rows: slice | torch.Tensor) -> GradFactors:
         """The factors of some rows."""
@@ -354,7 +364,10 @@ def log_prob_grad_factors(out: LogProbOutputs, grad_log_probs: torch.Tensor | No
     dtype = out.log_s_kept.dtype
     a = grad_log_probs.to(dtype) * s_row if grad_log_probs is not None else None
     b = grad_entropy.to(dtype) * s_row if grad_entropy is not None else None
-    alpha = b * out.mean if b is not None else None  # -b·p·(u - Ā) = p·(b·Ā - b·u)
+    alpha = None
+    if b is not None:
+        assert out.mean is not None  # the entropy's grad needs the moment
+        alpha = b * out.mean  # -b·p·(u - Ā) = p·(b·Ā - b·u)
     mark_alpha = alpha
     if a is not None and not masked:  # p_kept = p: -a·p joins the e^(u - L) term
         alpha = -a if alpha is None else alpha - a
@@ -403,10 +416,12 @@ def tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Tensor, f: G
     buf = torch.empty(x.shape, dtype=dtype, device=x.device)
     dz = None
     if f.alpha is not None:
+        assert f.shift is not None and f.log_sum is not None  # set with alpha
         u = shifted_rows(x, f.shift, scale, out=buf)
         dz = torch.exp(u - f.log_sum[:, None])
         dz.mul_(f.alpha[:, None] if f.beta is None else f.alpha[:, None] + f.beta[:, None] * u.clamp_min(NEG_FLOOR))
     if f.gamma is not None:
+        assert f.sub_shift is not None and f.log_sub_sum is not None  # set with gamma
         sub = shifted_rows(x, f.sub_shift, scale, out=buf).sub_(f.log_sub_sum[:, None]).exp_()
         if subset is not None:
             sub.masked_fill_(~subset, 0.0)
@@ -418,11 +433,13 @@ def tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Tensor, f: G
     x_m = x.gather(1, local).to(dtype)
     value = torch.zeros_like(x_m)
     if f.mark_alpha is not None:
+        assert f.shift is not None and f.log_sum is not None  # set with mark_alpha
         u_m = (x_m - f.shift[:, None]) * scale
         coef = f.mark_alpha if f.beta is None else f.mark_alpha + f.beta[:, None] * u_m.clamp_min(NEG_FLOOR)
         value = torch.exp(u_m - f.log_sum[:, None]) * coef
     if f.eta is not None:
         sub_shift, log_sub = (f.sub_shift, f.log_sub_sum) if f.sub_shift is not None else (f.shift, f.log_sum)
+        assert sub_shift is not None and log_sub is not None  # eta comes with one of the two
         value = value - f.eta * torch.expm1((x_m - sub_shift[:, None]) * scale - log_sub[:, None])
     if f.delta is not None:
         value = value + f.delta

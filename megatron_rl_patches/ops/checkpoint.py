@@ -30,7 +30,7 @@ def checkpoint_loss(fn: Callable[..., R], /, *args: Any, preserve_rng_state: boo
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     bound = functools.partial(fn, **kwargs) if kwargs else fn
-    return torch.utils.checkpoint.checkpoint(  # type: ignore[return-value]
+    return torch.utils.checkpoint.checkpoint(
         bound, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state
     )
 

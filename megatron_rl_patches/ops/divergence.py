@@ -110,6 +110,7 @@ def _normalizers(sources, dtype, scale, keep_mask, spec, checks, name):
         for st, x in zip(stats, xs):
             _stats.fold_tile(st, rows, x, s_rows, None, None)
         if single:
+            assert cross is not None and old is not None  # made when single
             tiles_math.fold_cross(cross, rows, old, stats[lead], xs[lead], xs[1 - lead], s_rows, kept)
     local_lead_shift = stats[lead].shift
     combined = [_stats.combine_over_ranks(st, scale, spec.group) for st in stats]
@@ -117,6 +118,7 @@ def _normalizers(sources, dtype, scale, keep_mask, spec, checks, name):
         # SUM all-reduce over the tensor-parallel group of the cross term, each rank's moved to
         # the lead model's global max (as the core moves its sums)
         _, factor = _stats._moved(local_lead_shift, combined[lead].safe_shift, _stats.per_row(scale))
+        assert cross is not None  # made when single
         cross = _dist.all_reduce_sum_(cross * factor, spec.group)
     if keep_mask is not None:  # finite logits and a -inf max: no id kept in that row, on any rank
         empty = torch.isneginf(combined[0].shift)
@@ -128,7 +130,11 @@ def _normalizers(sources, dtype, scale, keep_mask, spec, checks, name):
         what = spec.arg if j == 0 else f"teacher {j - 1}'s logits (teacher_hidden @ teacher_weight.T)"
         checks.require(bad == 0, lambda bad=bad, what=what: _checks.bad_rows_error(spec.op, what, bad))
     checks.raise_first()
-    return [st.safe_shift for st in combined], [st.rest.log() for st in combined], cross
+    log_sums = []
+    for st in combined:
+        assert st.rest is not None  # folded with the rest's sum
+        log_sums.append(st.rest.log())
+    return [st.safe_shift for st in combined], log_sums, cross
 
 
 def _tile_log_probs(xs, rows, shifts, log_sums, scale, log_w):
@@ -141,7 +147,7 @@ class LmHeadDivergence(torch.autograd.Function):
     """The per-token divergence; saved: the models' tensors (alive anyway), ≤ 2(1+n)+2 per token."""
 
     @staticmethod
-    def forward(ctx, plan, spec: _vocab.OpSpec, checks, keep_mask, tau, log_w, *tensors):  # type: ignore[override]
+    def forward(ctx, plan, spec: _vocab.OpSpec, checks, keep_mask, tau, log_w, *tensors):
         name, beta, alpha = plan
         sources = _sources(spec, tensors)
         dtype = _stats.compute_dtype(tensors[0].dtype)
@@ -174,7 +180,7 @@ class LmHeadDivergence(torch.autograd.Function):
 
     @staticmethod
     @_vocab.reject_double_backward
-    def backward(ctx, grad_value):  # type: ignore[override]
+    def backward(ctx, grad_value):
         *tensors, saved, keep_mask, tau, log_w = ctx.saved_tensors
         none = (None,) * 6
         if grad_value is None or not any(ctx.needs_input_grad[6:8]):
@@ -189,6 +195,7 @@ class LmHeadDivergence(torch.autograd.Function):
         # dL/dx = g·s·dD/dz per row (z = x·s)
         row_factor = grad_value.to(dtype) * _stats.per_row(scale)
         hidden, weight = sources[0].hidden, sources[0].weight
+        assert hidden is not None and weight is not None  # the sources are fused
         grad_h = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if ctx.needs_input_grad[6] else None
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if ctx.needs_input_grad[7] else None
         for rows, cols, xs, kept in _walk(sources, dtype, keep_mask):

@@ -134,6 +134,7 @@ class PackedLayout:
     def zigzag_chunk(self, total_length: int) -> int:
         """Rows per CP chunk of one sample under zigzag CP."""
         length = total_length if self.qkv_format == "thd" else self.max_seq_len
+        assert length is not None  # bshd packing has a max_seq_len
         return -(-length // (2 * self.cp_size))
 
     def sample_rows(self, total_length: int) -> int:

@@ -24,7 +24,7 @@ _NEG_INF = float("-inf")
 
 
 # ----------------------------------------------------------------------------- top-k ids
-def _local_topk(x: torch.Tensor, k: int, sentinel: int) -> tuple[torch.Tensor, ...]:
+def _local_topk(x: torch.Tensor, k: int, sentinel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """This rank's k best columns per row (values, columns), padded with (-inf, sentinel) where
     it has fewer than k valid columns, plus what :func:`_fix_ties` needs: the k+1 best values
     and whether a column equal to the cut was left out (torch.topk picks arbitrarily among those)."""
@@ -109,6 +109,7 @@ def topk_ids(
         if tied_rows:
             # per chunk: an int32 [rows, V] running count of the columns equal to the cut
             chunk_rows = _vocab.default_chunk_rows(valid, flat.device, torch.int32)
+            assert top is not None  # ties come with the k+1 best values
             _fix_ties(flat[:, :valid], index, top, torch.tensor(tied_rows, device=flat.device), chunk_rows)
         # all-gather over the tensor-parallel group of the candidates' global ids, in the order
         # of the values gathered above

@@ -385,6 +385,7 @@ class Registry:
             # at import (`from x import f` while x.f was patched)
             slot.active = True
             key = wrappers.patch_key(holder)
+            assert key is not None  # _same_work matched one of ours
             return _Outcome(APPLIED,
                             "already wrapped" + ("" if key == slot.wrapper_key() else f" (bound from {key[1]})"))
         problem_signature = signature_problem(patch, original)

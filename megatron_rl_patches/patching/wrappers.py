@@ -13,7 +13,7 @@ import copy
 import pkgutil
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, SupportsIndex
 
 import wrapt
 
@@ -23,7 +23,7 @@ class _Reducible:
 
     __wrapped__: Any
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         wrapped = self.__wrapped__
         if isinstance(wrapped, types.FunctionType):
             return pkgutil.resolve_name, (f"{wrapped.__module__}:{wrapped.__qualname__}",)

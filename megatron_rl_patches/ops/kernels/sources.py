@@ -33,7 +33,9 @@ class Source:
 
     @property
     def first(self) -> torch.Tensor:
-        return self.hidden if self.fused else self.logits
+        first = self.hidden if self.fused else self.logits
+        assert first is not None  # logits, or the fused head's hidden
+        return first
 
     @property
     def n_rows(self) -> int:

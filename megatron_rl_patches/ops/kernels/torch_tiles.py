@@ -49,9 +49,11 @@ def tiles(source: Source, dtype: torch.dtype) -> Iterator[tuple[slice, slice, to
     if n_valid == 0:  # a rank holding only vocabulary padding: no tile, nothing to fold
         return
     if not source.fused:
+        assert source.logits is not None and source.chunk_rows is not None  # logits come with their chunk
         for r0, r1 in spans(n_rows, source.chunk_rows):
             yield slice(r0, r1), slice(0, n_valid), source.logits[r0:r1, :n_valid]
         return
+    assert source.hidden is not None and source.weight is not None  # fused
     row_tile, col_tile = tile_shape(n_rows, n_valid, source.hidden.device, source.chunk_rows)
     buf = torch.empty(row_tile, col_tile, dtype=dtype, device=source.hidden.device)
     for r0, r1 in spans(n_rows, row_tile):
@@ -89,6 +91,7 @@ class TorchTiles:
                 grad[rows, cols] = tile_grad(x, cols.start, scale_rows(scale, rows), factors.rows(rows), subset)
             return (grad,)
         hidden, weight = source.hidden, source.weight
+        assert hidden is not None and weight is not None  # fused
         grad_h = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if needs[0] else None
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if needs[1] else None
         for rows, cols, x in tiles(source, dtype):
@@ -102,6 +105,7 @@ def _logits_grad_buffer(source: Source) -> torch.Tensor:
     """Where the logits' gradient goes: their own storage when allowed, else a fresh tensor;
     padded columns (ids >= vocab_size) get 0."""
     logits = source.logits
+    assert logits is not None  # not fused
     if source.inplace:
         # the caller allowed us to overwrite the logits: bump their version so any other node
         # that saved them fails autograd's check instead of reading the gradient

@@ -7,6 +7,7 @@ It never raises: Python's site machinery would print a traceback (twice in a ven
 from __future__ import annotations
 
 import sys
+import types
 
 from megatron_rl_patches.patching import DEFAULT_REGISTRY, load_registry
 
@@ -56,7 +57,7 @@ def warn_on_first_import() -> None:
     """:func:`warn_if_not_run` for the package's first import, unless that import is one of
     _SILENT_IMPORTS or `python -m megatron_rl_patches` (read from the import system's and
     runpy's frames: the name being imported or run)."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         code, names = frame.f_code.co_name, frame.f_locals
         if code == "_find_and_load" and _silent(str(names.get("name", ""))):

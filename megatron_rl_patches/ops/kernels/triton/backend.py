@@ -105,8 +105,10 @@ def _src_args(source: Source) -> tuple[torch.Tensor, torch.Tensor, int, int, int
     """(src, weight, hidden size, src strides, weight strides): the weight is a dummy for logits."""
     if source.fused:
         h, w = source.hidden, source.weight
+        assert h is not None and w is not None  # fused
         return h, w, h.size(1), h.stride(0), h.stride(1), w.stride(0), w.stride(1)
     x = source.logits
+    assert x is not None  # not fused
     return x, x, 0, x.stride(0), x.stride(1), 0, 0
 
 
@@ -185,6 +187,7 @@ class TritonTiles:
             self._grad_tiles(source, factors, scale, keep_mask, grad, 0, source.n_rows, 0, source.n_valid)
             return (grad,)
         hidden, weight = source.hidden, source.weight
+        assert hidden is not None and weight is not None  # fused
         n_rows, n_valid, dtype = source.n_rows, source.n_valid, factors.dtype
         half = hidden.dtype in (torch.bfloat16, torch.float16)
         # dh accumulates over column blocks (fp32: T·H·4 B, H/V of one U); each row of dW is made
@@ -225,6 +228,7 @@ class TritonTiles:
         device = source.first.device
         b = blocks(device, source.fused)
         dummy = f.log_sum if f.log_sum is not None else f.log_sub_sum
+        assert dummy is not None  # some exp term is always there
         src, weight, n_hidden, *strides = _src_args(source)
         keep, s_keep_r, s_keep_c = _keep_arg(keep_mask)
         scale_t, scale_v = _scale_args(scale, f.dtype)
@@ -258,8 +262,8 @@ def merge_splits(parts: RowStats, splits: int, scale: float | torch.Tensor) -> R
     n_rows = parts.shift.size(0) // splits
     s_row = per_row(scale)
 
-    def view(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.reshape(splits, n_rows, *t.shape[1:])
+    def view(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(splits, n_rows, *t.shape[1:])
 
     shift = view(parts.shift)
     out = RowStats(shift=shift.amax(0), marked=view(parts.marked).sum(0))
@@ -270,6 +274,7 @@ def merge_splits(parts: RowStats, splits: int, scale: float | torch.Tensor) -> R
         if parts.moment is not None:
             out.moment = (factor * (view(parts.moment) + rest * log_factor)).sum(0)
     if parts.sub_shift is not None:
+        assert parts.sub_sum is not None  # kept with sub_shift
         sub_shift = view(parts.sub_shift)
         out.sub_shift = sub_shift.amax(0)
         out.sub_sum = (view(parts.sub_sum) * _moved(sub_shift, finite_or_zero(out.sub_shift), s_row)[1]).sum(0)
