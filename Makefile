@@ -76,7 +76,8 @@ test:
 	exit $$status
 
 test-main: $(STAMP)
-	@status=0; $(VENV)/bin/ruff check . || status=1; $(VENV)/bin/python -m pytest $(PYTEST_ARGS) || status=1; exit $$status
+	@status=0; $(VENV)/bin/ruff check . || status=1; $(VENV)/bin/mypy || status=1; \
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS) || status=1; exit $$status
 
 # Only what touches megatron-core runs again; the pure math does not depend on its version.
 test-oldest: $(STAMP_OLD)

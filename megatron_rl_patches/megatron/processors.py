@@ -133,10 +133,8 @@ class _Call:
 
         return dist.get_world_size(self.tp_group)
 
-    def to_batch(self, rows: torch.Tensor | None) -> torch.Tensor | None:
+    def to_batch(self, rows: torch.Tensor) -> torch.Tensor:
         """[s*b, ...] rows back to [b, s, ...]."""
-        if rows is None:
-            return None
         return rows.reshape(self.seq, self.batch, *rows.shape[1:]).transpose(0, 1)
 
 
@@ -182,6 +180,7 @@ def log_prob_output_processor(
         keep_mask = ctx.get("keep_mask")
         if keep_mask is not None:
             keep_mask = _per_token(keep_mask, "output_processor_context['keep_mask']", call.batch, call.seq)
+        assert call.labels is not None  # checked above: labels were given
         log_probs, entropy = lm_head_log_probs_and_entropy(
             call.hidden,
             call.weight,
@@ -195,7 +194,7 @@ def log_prob_output_processor(
             vocab_size=vocab_size,
             chunk_size=chunk_size,
         )
-        return {"log_probs": call.to_batch(log_probs), "entropy": call.to_batch(entropy)}
+        return {"log_probs": call.to_batch(log_probs), "entropy": None if entropy is None else call.to_batch(entropy)}
 
     return process
 
@@ -247,10 +246,15 @@ def topk_output_processor(
         if k is not None:
             with torch.no_grad():
                 own = lm_head_topk_ids(call.hidden, call.weight, k, **options)
-            rows, rows_mask = union_ids(rows.to(own.device), own) if union else (own, None)
-            result["topk_ids"] = call.to_batch(rows)
             if union:
-                result["ids_mask"] = call.to_batch(rows_mask)
+                assert rows is not None  # checked above: union needs the student's ids
+                rows, union_mask = union_ids(rows.to(own.device), own)
+                result["ids_mask"] = call.to_batch(union_mask)
+                rows_mask = union_mask
+            else:
+                rows, rows_mask = own, None
+            result["topk_ids"] = call.to_batch(rows)
+        assert rows is not None  # checked above: ids from k= or from the context
         log_probs, tail = lm_head_topk_logprobs(call.hidden, call.weight, rows, ids_mask=rows_mask, **options)
         result["topk_log_probs"] = call.to_batch(log_probs)
         result["tail"] = call.to_batch(tail)

@@ -375,7 +375,9 @@ def check_teachers(
     check_logprob_values(teacher_logprobs.detach(), "teacher_logprobs", checks)
     if teacher_tail_logprobs is None:
         return teacher_logprobs, None
-    teacher_tail_logprobs = check_float_tensor(teacher_tail_logprobs, "teacher_tail_logprobs", "[n_teachers, T] or [T], or None")
+    teacher_tail_logprobs = check_float_tensor(
+        teacher_tail_logprobs, "teacher_tail_logprobs", "[n_teachers, T] or [T], or None"
+    )
     expected = tuple(teacher_logprobs.shape[:-1])[1:] if single else tuple(teacher_logprobs.shape[:-1])
     if tuple(teacher_tail_logprobs.shape) != expected:
         raise ValueError(

@@ -24,7 +24,9 @@ _NEG_INF = float("-inf")
 
 
 # ----------------------------------------------------------------------------- top-k ids
-def _local_topk(x: torch.Tensor, k: int, sentinel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def _local_topk(
+    x: torch.Tensor, k: int, sentinel: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """This rank's k best columns per row (values, columns), padded with (-inf, sentinel) where
     it has fewer than k valid columns, plus what :func:`_fix_ties` needs: the k+1 best values
     and whether a column equal to the cut was left out (torch.topk picks arbitrarily among those)."""
