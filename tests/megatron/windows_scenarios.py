@@ -29,6 +29,20 @@ DP_CASES: dict[str, tuple[list, dict, str | None, tuple[int, ...]]] = {
     "param-gather-adam": (STEPS, {"use_distributed_optimizer": True, "overlap_param_gather": True}, "adam", ()),
 }
 PP_CASES = {"2,1": [[2, 2], [2]], "2,3": [[2, 2], [2, 2, 2]]}
+# Issue 29: finishes inside a window, then a next window; force_all_reduce (from 0.16) on the
+# distributed optimizer, the whole buffer compared. name -> (windows, ddp flags, finalize kwargs)
+_IN, _TWICE = [1, "finalize", 1], [1, "finish", "finish", 1]
+_DISTOPT, _FORCE = {"use_distributed_optimizer": True}, {"force_all_reduce": True}
+FINISH_CASES: dict[str, tuple[list, dict, dict]] = {
+    "finalize-inside": ([_IN, [1, 1]], {}, {}),
+    "finish-twice": ([_TWICE, [1, 1]], {}, {}),
+    "distopt-finalize-inside": ([_IN, [1, 1]], _DISTOPT, {}),
+    "distopt-finish-twice": ([_TWICE, [1]], _DISTOPT, {}),
+    "force": ([[1], [1]], _DISTOPT, _FORCE),
+    "force-split": ([[1, 1], [1, 1, 1]], _DISTOPT, _FORCE),
+    "force-finalize-inside": ([_IN, [1, 1]], _DISTOPT, _FORCE),
+}
+FORCE_FROM = (0, 16)  # finalize_model_grads(force_all_reduce=) exists from megatron-core 0.16
 STANDINS = Path(__file__).resolve().parents[1] / "standins"
 
 
@@ -56,7 +70,9 @@ def _run_mode(env: Any, mode: str, run: Callable[[Any], dict], build: Callable[[
 PP_HANG = "hang: one stage asserts 'Cannot set grad twice' in backward, the other waits in a p2p receive"
 
 
-def _cases(env: Any, rank: int, cases: dict, virtual: int | None = None, skip_none: str = "") -> dict:
+def _cases(env: Any, rank: int, cases: dict, virtual: int | None = None, skip_none: str = "",
+           run_kwargs: dict | None = None) -> dict:
+    """Every mode of every case; `run_kwargs[name]` go to that case's run_windows."""
     from megatron_rl_patches.testing import windows_loop as wl
 
     out = {}
@@ -64,11 +80,30 @@ def _cases(env: Any, rank: int, cases: dict, virtual: int | None = None, skip_no
         windows, flags, optimizer, skip = case if isinstance(case, tuple) else (case, {}, None, ())
         build = lambda mode_flags, flags=flags, optimizer=optimizer: wl.build(  # noqa: E731
             env, {**flags, **mode_flags}, optimizer, virtual=virtual)
-        run = lambda setup, cm, windows=windows, skip=skip: wl.run_windows(  # noqa: E731
-            setup, windows, rank=rank, window_cm=cm, skip_embedding_in=skip)
+
+        def run(setup: Any, cm: Any, windows: list = windows, skip: tuple = skip,
+                extra: dict = (run_kwargs or {}).get(name, {})) -> dict:
+            return wl.run_windows(setup, windows, rank=rank, window_cm=cm, skip_embedding_in=skip, **extra)
+
         out[name] = {mode: skip_none if mode == "none" and skip_none else _run_mode(env, mode, run, build)
                      for mode in MODES}
     return out
+
+
+def run_finishes(rank: int, world_size: int) -> dict:
+    """FINISH_CASES on this rank (DP = world size); the force_all_reduce cases only where
+    megatron-core's finalize_model_grads takes the argument."""
+    from megatron.core import package_info
+
+    from megatron_rl_patches.testing.megatron_cpu import megatron_world
+
+    version = (int(package_info.MAJOR), int(package_info.MINOR))
+    cases = {name: case for name, case in FINISH_CASES.items() if not case[2] or version >= FORCE_FROM}
+    dp_cases = {name: (windows, flags, None, ()) for name, (windows, flags, _) in cases.items()}
+    run_kwargs = {name: {"finalize_kwargs": kwargs, "whole_buffer": bool(kwargs)}
+                  for name, (_, _, kwargs) in cases.items()}
+    with megatron_world("cpu") as env:
+        return {"version": package_info.__version__, "cases": _cases(env, rank, dp_cases, run_kwargs=run_kwargs)}
 
 
 # ------------------------------------------------------------------ dispatch point and cost
