@@ -108,14 +108,17 @@ def test_no_added_collective_or_host_sync(lane):
 
 
 def test_window_semantics(lane):
-    """Nesting: only the outermost exit starts the reduce. An exception inside: nothing in flight,
-    nothing shadowed, no counts; the next windows equal the reference. No backward: nothing
-    started. Opening a window while a reduce is in flight: a named error."""
+    """Nesting: only the outermost exit ends the block; the reduce waits for the next finish (its
+    arguments decide it), the chunk deferring until then, and a block opened before it joins. An
+    exception inside: nothing in flight, nothing shadowed, no counts; the next windows equal the
+    reference. No backward: nothing started. Opening a window while a reduce is in flight: a named
+    error."""
     clean = {"in_flight": False, "shadowed": False, "counts": 0}
+    deferring = {"in_flight": False, "shadowed": True, "counts": 0}
     for out in lane:
         sem = out["semantics"]
-        assert sem["after_inner_exit"] == {"in_flight": False, "shadowed": True, "counts": 0}
-        assert sem["after_outer_exit"] == {"in_flight": True, "shadowed": False, "counts": 0}
+        assert sem["after_inner_exit"] == sem["after_outer_exit"] == sem["after_rejoin"] == deferring
+        assert sem["after_finalize"] == clean
         assert sem["open_in_flight"].startswith("AccumulationWindowError")
         assert torch.equal(sem["nested"], sem["ref"]["grads"][0])
         assert sem["after_exception"] == clean and sem["after_no_backward"] == clean

@@ -44,6 +44,8 @@ def _assert_equal(result, reference, what: str) -> None:
 def test_finishes_equal_the_synchronous_reference(lane, case, mode):
     if ws.FINISH_CASES[case][2] and _version(lane) < ws.FORCE_FROM:
         pytest.skip("finalize_model_grads has no force_all_reduce before megatron-core 0.16")
+    if mode == "patch" and case in ws.WINDOW_ONLY:
+        pytest.skip("a finish right after a finish is outside grad_windows' windows (upstream's overlap)")
     for rank, out in enumerate(lane):
         modes = out["cases"][case]
         _assert_equal(modes[mode], modes["ref"], f"rank {rank} {case} {mode}")
