@@ -24,38 +24,23 @@ def lane(request) -> list[dict]:
     return run_multirank(ws.run_finishes, request.param, timeout=300)
 
 
-def _version(lane: list[dict]) -> tuple[int, int]:
-    major, minor = lane[0]["version"].split(".")[:2]
-    return int(major), int(minor)
-
-
-def _assert_equal(result, reference, what: str) -> None:
-    assert not isinstance(result, str), f"{what}: {result}"
-    assert not isinstance(reference, str), f"{what}: the reference failed: {reference}"
-    assert len(result["grads"]) == len(reference["grads"]), what
-    for w, (got, want) in enumerate(zip(result["grads"], reference["grads"])):
-        assert torch.equal(got, want), f"{what}, window {w}: max |Δ| {(got - want).abs().max():.3g}"
-    assert torch.equal(result["params"], reference["params"]), f"{what}: parameters differ"
-    assert not any(result["in_flight"]), f"{what}: a reduce is still in flight after finalize: {result['in_flight']}"
-
-
 @pytest.mark.parametrize("case", list(ws.FINISH_CASES))
 @pytest.mark.parametrize("mode", ["patch", "window"])
 def test_finishes_equal_the_synchronous_reference(lane, case, mode):
-    if ws.FINISH_CASES[case][2] and _version(lane) < ws.FORCE_FROM:
-        pytest.skip("finalize_model_grads has no force_all_reduce before megatron-core 0.16")
+    if case in lane[0]["skipped"]:
+        pytest.skip(lane[0]["skipped"][case])
     if mode == "patch" and case in ws.WINDOW_ONLY:
         pytest.skip("a finish right after a finish is outside grad_windows' windows (upstream's overlap)")
     for rank, out in enumerate(lane):
         modes = out["cases"][case]
-        _assert_equal(modes[mode], modes["ref"], f"rank {rank} {case} {mode}")
+        ws.assert_equal(modes[mode], modes["ref"], f"rank {rank} {case} {mode}")
 
 
 def test_unpatched_overlap_all_reduces_a_forced_first_step(lane):
     """What the fix matches: upstream's own overlap honours force_all_reduce on the first step,
     which finish_grad_sync starts (later steps start from a backward hook, without the argument)."""
-    if _version(lane) < ws.FORCE_FROM:
-        pytest.skip("finalize_model_grads has no force_all_reduce before megatron-core 0.16")
+    if "force" in lane[0]["skipped"]:
+        pytest.skip(lane[0]["skipped"]["force"])
     for rank, out in enumerate(lane):
         modes = out["cases"]["force"]
         assert not isinstance(modes["none"], str), modes["none"]
