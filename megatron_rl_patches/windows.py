@@ -16,23 +16,28 @@ gets one "last microbatch" per call:
 Inside a window the bucket groups' `register_grad_ready` and `start_grad_sync` are shadowed by
 instance attributes that do nothing (the DDP backward hook, the schedules' `grad_sync_func` and
 the bucket groups themselves call them through the instance), and the chunk's `finish_grad_sync`
-by one that starts every bucket group's reduce, then lets upstream's own finish wait for it.
-Counts gathered in a window are dropped, so `reset()` never learns golden counts from one and a
-later ordinary step keeps upstream's exact overlap. No collective and no host sync is added:
-the window's one reduce per bucket group replaces the one upstream would have started.
+by one that starts every bucket group's reduce with the finish's own arguments (`force_all_reduce`
+where megatron-core has it), then lets upstream's own finish wait for it. Counts gathered in a
+window are dropped, so `reset()` never learns golden counts from one and a later ordinary step
+keeps upstream's exact overlap. No collective and no host sync is added: the window's one reduce
+per bucket group replaces the one upstream would have started.
 
 `accumulation_window(model)` opens a window for a `with` block; the `grad_windows` patch opens one
-at every schedule call made with `config.finalize_model_grads_func` unset, until the next
-`finish_grad_sync` (which `finalize_model_grads` calls per chunk).
+at every schedule call made with `config.finalize_model_grads_func` unset. Either ends at the
+chunk's next `finish_grad_sync` (which `finalize_model_grads` calls per chunk): the reduce starts
+there, when its arguments are known, never at a block's exit.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_rl_patches._args import bind
 from megatron_rl_patches._chunks import as_chunks
 
 # Bucket-group methods shadowed during a window (the names exist in megatron-core 0.13 - 0.20).
@@ -51,13 +56,12 @@ class _Window:
     chunk: Any
     groups: list[Any]
     explicit_depth: int = 0  # nested accumulation_window blocks on this chunk
-    auto: bool = False  # opened by a schedule call (grad_windows); ends at finish_grad_sync
+    # ends at the chunk's next finish_grad_sync: opened by a schedule call (grad_windows), or an
+    # accumulation_window block left with gradients pending
+    until_finish: bool = False
     pending: bool = False  # a gradient became ready since the window's last reduce
+    finished_inside: bool = False  # a finish_grad_sync ran inside an accumulation_window block
     shadows: list[tuple[Any, str]] = field(default_factory=list)
-
-    @property
-    def is_open(self) -> bool:
-        return self.auto or self.explicit_depth > 0
 
 
 _windows: weakref.WeakKeyDictionary[Any, _Window] = weakref.WeakKeyDictionary()
@@ -92,12 +96,32 @@ def _clear_counts(group: Any) -> None:
         group.params_with_grad = set()
 
 
-def _start_reduce(window: _Window) -> None:
+@functools.cache
+def _parameter_names(function: Any) -> frozenset[str]:
+    return frozenset(inspect.signature(function).parameters)
+
+
+def _start_arguments(window: _Window, args: tuple, kwargs: dict) -> dict | None:
+    """The arguments of a chunk's finish_grad_sync call that its bucket groups' start_grad_sync
+    also takes (`force_all_reduce` from 0.16; none in 0.13); None when the call does not fit."""
+    bound = bind(type(window.chunk).finish_grad_sync, (window.chunk, *args), kwargs)
+    if bound is None:
+        return None
+    accepted = _parameter_names(type(window.groups[0]).start_grad_sync) if window.groups else frozenset()
+    return {name: value for name, value in bound.arguments.items() if name != "self" and name in accepted}
+
+
+def _start_reduce(window: _Window, arguments: dict) -> None:
     """Start every bucket group's reduce (upstream's own start_grad_sync, unshadowed)."""
     for group in window.groups:
         _clear_counts(group)
+        # 0.19+: a group's finish_grad_sync returns at once while grad_reduce_finished is set
+        # (only reset() clears it): this reduce must still be waited for
+        if getattr(group, "grad_reduce_finished", False):
+            group.grad_reduce_finished = False
+    for group in window.groups:
         if group.grad_reduce_handle is None:
-            type(group).start_grad_sync(group)
+            type(group).start_grad_sync(group, **arguments)
     window.pending = False
 
 
@@ -128,15 +152,21 @@ def _uninstall(window: _Window) -> None:
 
 
 def _finish(window: _Window, args: tuple, kwargs: dict) -> Any:
-    """The chunk's finish_grad_sync during a window: the window's reduce is started here (as the
-    synchronous reference does), then upstream's finish waits for it."""
-    window.auto = False
+    """The chunk's finish_grad_sync during a window: the window's reduce is started here with the
+    finish's arguments (as the synchronous reference does), then upstream's finish waits for it."""
+    upstream = type(window.chunk).finish_grad_sync
+    arguments = _start_arguments(window, args, kwargs)
+    if arguments is None:  # upstream raises its own TypeError; nothing started, the window unchanged
+        return upstream(window.chunk, *args, **kwargs)
+    window.until_finish = False
     if window.explicit_depth == 0:
         _uninstall(window)
-    _start_reduce(window)
+    else:
+        window.finished_inside = True
+    _start_reduce(window, arguments)
     # upstream's finish sees a handle on every group: on a first step (0.16+) its own
     # start_grad_sync returns early, then it waits; 0.19 marks the group finished
-    return type(window.chunk).finish_grad_sync(window.chunk, *args, **kwargs)
+    return upstream(window.chunk, *args, **kwargs)
 
 
 def _open(chunk: Any) -> _Window | None:
@@ -157,13 +187,7 @@ def open_auto_windows(chunks: list[Any]) -> None:
     for chunk in chunks:
         window = _open(chunk)
         if window is not None:
-            window.auto = True
-
-
-def in_window(chunk: Any) -> bool:
-    """True while `chunk`'s gradient reduce is deferred to a window's end."""
-    window = _windows.get(chunk)
-    return window is not None and window.is_open
+            window.until_finish = True
 
 
 def _ddp_chunks(model: Any) -> list[Any]:
@@ -183,17 +207,15 @@ def _close_explicit(window: _Window, failed: bool) -> None:
     if window.explicit_depth > 0:
         return
     if failed:  # discard: nothing started, nothing half-reduced, counts cleared
-        window.auto = False
         for group in window.groups:
             _clear_counts(group)
         window.pending = False
+    # the reduce waits for the next finish_grad_sync, whose arguments it needs (force_all_reduce),
+    # the window deferring until then; after a finish inside, that finish reduces again, as the
+    # synchronous path does (upstream's own finish would skip it, or assert, by version)
+    window.until_finish = window.pending or (window.finished_inside and not failed)
+    if not window.until_finish:
         _uninstall(window)
-        return
-    pending = window.pending
-    window.auto = False
-    _uninstall(window)
-    if pending:  # the window's real end: the reduce starts now, finish_grad_sync waits for it
-        _start_reduce(window)
 
 
 @contextlib.contextmanager
@@ -202,8 +224,9 @@ def accumulation_window(model: Any) -> Iterator[None]:
 
     Inside the block, backward hooks never start a reduce, whatever the number of schedule calls.
     A `finish_grad_sync` / `finalize_model_grads` inside the block reduces what was accumulated
-    so far (as with `overlap_grad_reduce=False`) and the block goes on deferring; leaving the block
-    starts the reduce of gradients accumulated since, and the next finish waits for it. Nested
+    so far (as with `overlap_grad_reduce=False`) and the block goes on deferring; gradients
+    accumulated since are reduced by the next finish after the block, with its arguments
+    (`force_all_reduce`); until then the chunk keeps deferring. Nested
     blocks act at the outermost exit only. If the block raises, nothing is started and the chunks
     are back to upstream behaviour (zero the grad buffers before the next window). Chunks without
     `overlap_grad_reduce` are left alone. Works with or without `apply()`.

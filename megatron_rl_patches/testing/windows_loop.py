@@ -3,8 +3,10 @@ as NeMo-RL's split train step and SkyRL's forward_backward/optim_step do. Used b
 accumulation-window tests and `bench windows`.
 
 A window is a list of schedule calls, each given as its number of microbatches: `[[1, 1], [1, 1, 1]]`
-is two optimizer steps, of 2 then 3 calls of one microbatch. Data depends on (rank, window, call,
-microbatch) only, so a run and its synchronous reference (`overlap_grad_reduce=False`) see the same.
+is two optimizer steps, of 2 then 3 calls of one microbatch. `FINALIZE` / `FINISH` in a window's
+list call `finalize_model_grads` / every chunk's `finish_grad_sync` there, inside the window:
+`[[1, FINALIZE, 1]]`. Data depends on (rank, window, call, microbatch) only, so a run and its
+synchronous reference (`overlap_grad_reduce=False`) see the same.
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ import torch
 from megatron_rl_patches.testing.megatron_cpu import gpt_forward, make_batch
 from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config as tiny_gpt_config
 
-Windows = Sequence[Sequence[int]]
+FINALIZE = "finalize"  # finalize_model_grads(chunks, **finalize_kwargs) inside the window
+FINISH = "finish"  # chunk.finish_grad_sync(**finalize_kwargs) on every chunk inside the window
+Windows = Sequence[Sequence[int | str]]
 
 
 @dataclass
@@ -103,11 +107,12 @@ def schedule_call(setup: LoopSetup, batches: list[dict], step: Callable) -> None
     )
 
 
-def own_grad(chunk: Any) -> torch.Tensor:
+def own_grad(chunk: Any, whole_buffer: bool = False) -> torch.Tensor:
     """The reduced gradient this rank owns: the whole buffer, or its shard of every bucket under
-    the distributed optimizer (the rest of the buffer holds unreduced data after reduce-scatter)."""
+    the distributed optimizer (the rest of the buffer holds unreduced data after reduce-scatter,
+    all of it with `whole_buffer`: a force_all_reduce step reduces every element)."""
     parts = []
-    sharded = chunk.ddp_config.use_distributed_optimizer
+    sharded = chunk.ddp_config.use_distributed_optimizer and not whole_buffer
     world = torch.distributed.get_world_size(chunk.intra_dp_cp_group) if hasattr(chunk, "intra_dp_cp_group") \
         else torch.distributed.get_world_size()
     rank = torch.distributed.get_rank(chunk.intra_dp_cp_group) if hasattr(chunk, "intra_dp_cp_group") \
@@ -126,15 +131,26 @@ def params_of(setup: LoopSetup) -> torch.Tensor:
     return torch.cat([p.detach().flatten().clone() for chunk in setup.chunks for p in chunk.module.parameters()])
 
 
+def reduce_in_flight(setup: LoopSetup) -> bool:
+    """True while some bucket group of the run still has a gradient reduce started and not waited for."""
+    from megatron_rl_patches.windows import bucket_groups
+
+    return any(group.grad_reduce_handle is not None for chunk in setup.chunks for group in bucket_groups(chunk))
+
+
 def run_windows(setup: LoopSetup, windows: Windows, *, rank: int, window_cm: Callable[[], Any] | None = None,
-                skip_embedding_in: Sequence[int] = (), finalize_in_call: bool = False) -> dict:
+                skip_embedding_in: Sequence[int] = (), finalize_in_call: bool = False,
+                finalize_kwargs: dict | None = None, whole_buffer: bool = False) -> dict:
     """Run each window (zero grads, its schedule calls, finalize_model_grads, optimizer step if any);
-    return the own-shard grads per window and the parameters at the end. `window_cm()` wraps each
-    window's calls (accumulation_window); `finalize_in_call` sets config.finalize_model_grads_func
-    (one call per window, as Megatron-LM's train_step)."""
+    return the own-shard grads per window (`whole_buffer`: every element), whether a reduce was
+    still in flight after each window's finalize, and the parameters at the end. `window_cm()` wraps
+    each window's calls (accumulation_window); `finalize_in_call` sets config.finalize_model_grads_func
+    (one call per window, as Megatron-LM's train_step); `finalize_kwargs` go to every finalize and
+    finish (force_all_reduce)."""
     from megatron.core.distributed import finalize_model_grads
 
-    grads = []
+    kwargs = finalize_kwargs or {}
+    grads, in_flight = [], []
     for w, calls in enumerate(windows):
         for chunk in setup.chunks:
             chunk.zero_grad_buffer()
@@ -144,12 +160,19 @@ def run_windows(setup: LoopSetup, windows: Windows, *, rank: int, window_cm: Cal
         setup.config.finalize_model_grads_func = finalize_model_grads if finalize_in_call else None
         with window_cm() if window_cm is not None else contextlib.nullcontext():
             for c, count in enumerate(calls):
-                batches = [make_batch(seed=batch_seed(rank, w, c, m)) for m in range(count)]
-                schedule_call(setup, batches, step)
+                if count == FINALIZE:
+                    finalize_model_grads(setup.chunks, **kwargs)
+                elif count == FINISH:
+                    for chunk in setup.chunks:
+                        chunk.finish_grad_sync(**kwargs)
+                else:
+                    batches = [make_batch(seed=batch_seed(rank, w, c, m)) for m in range(int(count))]
+                    schedule_call(setup, batches, step)
         if not finalize_in_call:
-            finalize_model_grads(setup.chunks)
-        grads.append(torch.cat([own_grad(chunk) for chunk in setup.chunks]))
+            finalize_model_grads(setup.chunks, **kwargs)
+        in_flight.append(reduce_in_flight(setup))
+        grads.append(torch.cat([own_grad(chunk, whole_buffer) for chunk in setup.chunks]))
         if setup.optimizer is not None:
             setup.optimizer.step()
     setup.config.finalize_model_grads_func = None
-    return {"grads": grads, "params": params_of(setup)}
+    return {"grads": grads, "in_flight": in_flight, "params": params_of(setup)}

@@ -33,15 +33,6 @@ def _version(lane: list[dict]) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def _assert_equal(result, reference, what: str) -> None:
-    assert not isinstance(result, str), f"{what}: {result}"
-    assert not isinstance(reference, str), f"{what}: the reference failed: {reference}"
-    assert len(result["grads"]) == len(reference["grads"])
-    for w, (got, want) in enumerate(zip(result["grads"], reference["grads"])):
-        assert torch.equal(got, want), f"{what}, window {w}: max |Δ| {(got - want).abs().max():.3g}"
-    assert torch.equal(result["params"], reference["params"]), f"{what}: parameters differ"
-
-
 def _max_diff(result, reference) -> float:
     return max(float((a - b).abs().max()) for a, b in zip(result["grads"], reference["grads"]))
 
@@ -52,7 +43,7 @@ def _max_diff(result, reference) -> float:
 def test_fixed_equals_the_synchronous_reference(lane, group, case, mode):
     for rank, out in enumerate(lane):
         modes = out[group][case]
-        _assert_equal(modes[mode], modes["ref"], f"rank {rank} {group} {case} {mode}")
+        ws.assert_equal(modes[mode], modes["ref"], f"rank {rank} {group} {case} {mode}")
 
 
 def test_reproduction_without_the_fix(lane):
@@ -63,12 +54,12 @@ def test_reproduction_without_the_fix(lane):
     for name in crashes:
         assert crash in dp[name]["none"], (name, dp[name]["none"])
     assert "mb2,1" not in crashes  # several microbatches in ONE call: upstream is right
-    _assert_equal(dp["mb2,1"]["none"], dp["mb2,1"]["ref"], "mb2,1 unpatched")
+    ws.assert_equal(dp["mb2,1"]["none"], dp["mb2,1"]["ref"], "mb2,1 unpatched")
     if _version(lane) < (0, 16):  # params_with_grad: every window of >= 2 calls fails in its 2nd call
         assert set(crashes) == set(ws.DP_CASES) - {"mb2,1"}
         return
     assert {"2,1", "mb-change", "unused-param"} <= set(crashes)
-    _assert_equal(dp["2,2"]["none"], dp["2,2"]["ref"], "2,2 unpatched")  # steady windows are right
+    ws.assert_equal(dp["2,2"]["none"], dp["2,2"]["ref"], "2,2 unpatched")  # steady windows are right
     for name in ("2,3", "1,2", "sgd", "adam", "distopt-adam", "param-gather-adam"):  # silently wrong
         for out in lane:
             modes = out["dp"][name]
@@ -108,19 +99,23 @@ def test_no_added_collective_or_host_sync(lane):
 
 
 def test_window_semantics(lane):
-    """Nesting: only the outermost exit starts the reduce. An exception inside: nothing in flight,
-    nothing shadowed, no counts; the next windows equal the reference. No backward: nothing
-    started. Opening a window while a reduce is in flight: a named error."""
+    """Nesting: only the outermost exit ends the block; the reduce waits for the next finish (its
+    arguments decide it), the chunk deferring until then, and a block opened before it joins. An
+    exception inside: nothing in flight, nothing shadowed, no counts; the next windows equal the
+    reference. No backward: nothing started. Opening a window while a reduce is in flight: a named
+    error. A finish with an argument upstream does not take: its TypeError, the window unchanged."""
     clean = {"in_flight": False, "shadowed": False, "counts": 0}
+    deferring = {"in_flight": False, "shadowed": True, "counts": 0}
     for out in lane:
         sem = out["semantics"]
-        assert sem["after_inner_exit"] == {"in_flight": False, "shadowed": True, "counts": 0}
-        assert sem["after_outer_exit"] == {"in_flight": True, "shadowed": False, "counts": 0}
+        assert sem["after_inner_exit"] == sem["after_outer_exit"] == sem["after_rejoin"] == deferring
+        assert "not_an_argument" in sem["bad_finish"] and sem["after_bad_finish"] == deferring
+        assert sem["after_finalize"] == clean
         assert sem["open_in_flight"].startswith("AccumulationWindowError")
         assert torch.equal(sem["nested"], sem["ref"]["grads"][0])
         assert sem["after_exception"] == clean and sem["after_no_backward"] == clean
-        _assert_equal(sem["exception_then"], sem["ref2"], "after an exception")
-        _assert_equal(sem["no_backward_then"], sem["ref2"], "after a window with no backward")
+        ws.assert_equal(sem["exception_then"], sem["ref2"], "after an exception")
+        ws.assert_equal(sem["no_backward_then"], sem["ref2"], "after a window with no backward")
 
 
 def test_reentrant_train_with_changing_microbatch_counts(lane):

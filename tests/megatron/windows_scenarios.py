@@ -29,7 +29,37 @@ DP_CASES: dict[str, tuple[list, dict, str | None, tuple[int, ...]]] = {
     "param-gather-adam": (STEPS, {"use_distributed_optimizer": True, "overlap_param_gather": True}, "adam", ()),
 }
 PP_CASES = {"2,1": [[2, 2], [2]], "2,3": [[2, 2], [2, 2, 2]]}
+# Issue 29: finishes inside a window, then a next window; force_all_reduce (from 0.16) on the
+# distributed optimizer, the whole buffer compared. name -> (windows, ddp flags, finalize kwargs)
+_IN, _TWICE = [1, "finalize", 1], [1, "finish", "finish", 1]
+_DISTOPT, _FORCE = {"use_distributed_optimizer": True}, {"force_all_reduce": True}
+FINISH_CASES: dict[str, tuple[list, dict, dict]] = {
+    "finalize-inside": ([_IN, [1, 1]], {}, {}),
+    "finish-twice": ([_TWICE, [1, 1]], {}, {}),
+    "finalize-last": ([[1, 1, "finalize"], [1]], {}, {}),
+    "distopt-finish-twice": ([_TWICE, [1]], _DISTOPT, {}),
+    "force": ([[1], [1]], _DISTOPT, _FORCE),
+    "force-split": ([[1, 1], [1, 1, 1]], _DISTOPT, _FORCE),
+    "force-finalize-inside": ([_IN, [1, 1]], _DISTOPT, _FORCE),
+    "force-finalize-last": ([[1, "finalize"], [1]], _DISTOPT, _FORCE),
+}
+FORCE_FROM = (0, 16)  # finalize_model_grads(force_all_reduce=) exists from megatron-core 0.16
+# A finish right after a finish is outside grad_windows' windows (each ends at its finish):
+# upstream's overlap handles it (0.13 asserts), so these run in accumulation_window only.
+WINDOW_ONLY = {"finish-twice", "distopt-finish-twice", "finalize-last", "force-finalize-last"}
 STANDINS = Path(__file__).resolve().parents[1] / "standins"
+
+
+def assert_equal(result: Any, reference: Any, what: str) -> None:
+    """A run_windows result equals the reference bit for bit (grads per window, parameters), and
+    no reduce was left in flight after any window's finalize."""
+    assert not isinstance(result, str), f"{what}: {result}"
+    assert not isinstance(reference, str), f"{what}: the reference failed: {reference}"
+    assert len(result["grads"]) == len(reference["grads"]), what
+    for w, (got, want) in enumerate(zip(result["grads"], reference["grads"])):
+        assert torch.equal(got, want), f"{what}, window {w}: max |Δ| {(got - want).abs().max():.3g}"
+    assert torch.equal(result["params"], reference["params"]), f"{what}: parameters differ"
+    assert not any(result["in_flight"]), f"{what}: a reduce still in flight after finalize: {result['in_flight']}"
 
 
 def _describe(exc: BaseException) -> str:
@@ -56,7 +86,9 @@ def _run_mode(env: Any, mode: str, run: Callable[[Any], dict], build: Callable[[
 PP_HANG = "hang: one stage asserts 'Cannot set grad twice' in backward, the other waits in a p2p receive"
 
 
-def _cases(env: Any, rank: int, cases: dict, virtual: int | None = None, skip_none: str = "") -> dict:
+def _cases(env: Any, rank: int, cases: dict, virtual: int | None = None, skip_none: str = "",
+           run_kwargs: dict | None = None, modes: Callable[[str], tuple] = lambda name: MODES) -> dict:
+    """`modes(name)` of every case; `run_kwargs[name]` go to that case's run_windows."""
     from megatron_rl_patches.testing import windows_loop as wl
 
     out = {}
@@ -64,11 +96,42 @@ def _cases(env: Any, rank: int, cases: dict, virtual: int | None = None, skip_no
         windows, flags, optimizer, skip = case if isinstance(case, tuple) else (case, {}, None, ())
         build = lambda mode_flags, flags=flags, optimizer=optimizer: wl.build(  # noqa: E731
             env, {**flags, **mode_flags}, optimizer, virtual=virtual)
-        run = lambda setup, cm, windows=windows, skip=skip: wl.run_windows(  # noqa: E731
-            setup, windows, rank=rank, window_cm=cm, skip_embedding_in=skip)
+        case_kwargs = (run_kwargs or {}).get(name, {})
+
+        def run(setup: Any, cm: Any, windows: list = windows, skip: tuple = skip, extra: dict = case_kwargs) -> dict:
+            return wl.run_windows(setup, windows, rank=rank, window_cm=cm, skip_embedding_in=skip, **extra)
+
         out[name] = {mode: skip_none if mode == "none" and skip_none else _run_mode(env, mode, run, build)
-                     for mode in MODES}
+                     for mode in modes(name)}
     return out
+
+
+def run_finishes(rank: int, world_size: int) -> dict:
+    """FINISH_CASES on this rank (DP = world size); the force_all_reduce cases only where they
+    can change something (listed under "skipped" with the reason otherwise)."""
+    from megatron.core import package_info
+
+    from megatron_rl_patches.testing.megatron_cpu import megatron_world
+
+    version = (int(package_info.MAJOR), int(package_info.MINOR))
+    skipped = {}
+    for name, (_, _, kwargs) in FINISH_CASES.items():
+        if kwargs and version < FORCE_FROM:
+            skipped[name] = "finalize_model_grads has no force_all_reduce before megatron-core 0.16"
+        elif kwargs and world_size == 1:
+            skipped[name] = "one rank: a reduce-scatter is an all-reduce"
+    cases = {name: case for name, case in FINISH_CASES.items() if name not in skipped}
+    dp_cases = {name: (windows, flags, None, ()) for name, (windows, flags, _) in cases.items()}
+    run_kwargs = {name: {"finalize_kwargs": kwargs, "whole_buffer": bool(kwargs)}
+                  for name, (_, _, kwargs) in cases.items()}
+
+    def modes(name: str) -> tuple:  # unpatched overlap only where the test compares it
+        return ("ref", "window") if name in WINDOW_ONLY else ("ref", "none", "patch", "window") if name == "force" \
+            else ("ref", "patch", "window")
+
+    with megatron_world("cpu") as env:
+        return {"version": package_info.__version__, "skipped": skipped,
+                "cases": _cases(env, rank, dp_cases, run_kwargs=run_kwargs, modes=modes)}
 
 
 # ------------------------------------------------------------------ dispatch point and cost
@@ -214,15 +277,28 @@ def _semantics(env: Any, rank: int) -> dict:
             call(setup, 0, 1)
         out["after_inner_exit"] = _state(chunk)
         call(setup, 0, 2)
+        try:  # a finish that does not fit upstream's signature: upstream's TypeError, nothing started
+            chunk.finish_grad_sync(not_an_argument=True)
+            out["bad_finish"] = "no error"
+        except TypeError as exc:
+            out["bad_finish"] = _describe(exc)
+        out["after_bad_finish"] = _state(chunk)
     out["after_outer_exit"] = _state(chunk)
-    try:  # a window cannot open while the previous one's reduce is in flight
+    with window(setup):  # the left window still defers to the next finish: a new block joins it
+        pass
+    out["after_rejoin"] = _state(chunk)
+    finalize_model_grads(setup.chunks)
+    out["nested"] = wl.own_grad(chunk)
+    out["after_finalize"] = _state(chunk)
+    chunk.zero_grad_buffer()
+    chunk.start_grad_sync()  # upstream's own reduce, in flight
+    try:  # a window cannot open while a reduce is in flight
         with window(setup):
             pass
         out["open_in_flight"] = "no error"
     except Exception as exc:  # noqa: BLE001
         out["open_in_flight"] = _describe(exc)
-    finalize_model_grads(setup.chunks)
-    out["nested"] = wl.own_grad(chunk)
+    chunk.finish_grad_sync()
 
     setup = wl.build(env, {"overlap_grad_reduce": True})  # an exception inside, then two windows
     setup.chunks[0].zero_grad_buffer()
