@@ -461,6 +461,12 @@ def marked_grad(x_m: torch.Tensor, scale: float | torch.Tensor, f: GradFactors) 
 # caller-owned buffers. Their results equal the general steps' bit for bit.
 
 
+def tail_only(stats: RowStats) -> bool:
+    """Whether a fold sums only the complement of the marked ids (the top-k tail) and no rest:
+    the top-k log-prob op, which :func:`fold_tail_tile` serves."""
+    return stats.rest is None and stats.sub_shift is not None
+
+
 def target_only(stats: RowStats | GradFactors) -> bool:
     """Whether a call has one marked column per row (the target) and no subset: the log-prob op
     without keep_mask, which the specialized steps serve."""
@@ -495,7 +501,9 @@ def fold_target_tile(stats: RowStats, rows: slice, x: torch.Tensor, scale: float
     replace_marked(u, local, inside, NEG_FLOOR)
     torch.exp(u, out=exps)
     if stats.moment is not None:
-        moment = torch.linalg.vecdot(exps, u.clamp_min_(NEG_FLOOR))  # -inf logits: e^u·u = 0, not NaN
+        # Σ e^u·u as vecdot computes it (product, then row sum), the product written over u: no
+        # fresh tile-sized temporary (a large allocation is fresh pages, faulted in each time)
+        moment = torch.mul(exps, u.clamp_min_(NEG_FLOOR), out=u).sum(dim=1)  # -inf logits: e^u·u = 0, not NaN
         stats.moment[rows] = factor * (stats.moment[rows] + stats.rest[rows] * log_factor) + moment
     stats.rest[rows] = stats.rest[rows] * factor + exps.sum(dim=1)
     stats.shift[rows] = new_shift
@@ -516,4 +524,58 @@ def target_tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Tenso
         torch.sub(u, f.log_sum[:, None], out=out).exp_()
         out.mul_(u.clamp_min_(NEG_FLOOR).mul_(f.beta[:, None]).add_(f.alpha[:, None]))
     replace_marked(out, local, inside, value)
+    return out
+
+
+def fold_tail_tile(stats: RowStats, rows: slice, x: torch.Tensor, scale: float | torch.Tensor,
+                   marks: tuple[torch.Tensor, torch.Tensor], u: torch.Tensor) -> None:
+    """:func:`fold_tile` for :func:`tail_only` statistics (the subset: every unmarked column), in
+    the buffer `u` (x's shape, the stats' dtype): x copied once with its marked columns set to
+    -inf, so one max and one exp serve the tail; the full max from the tail's and the marks'."""
+    dtype = stats.shift.dtype
+    s_row = per_row(scale)
+    local, inside = marks
+    assert stats.sub_shift is not None and stats.sub_sum is not None  # tail_only
+    x_m = x.gather(1, local).to(dtype)
+    stats.marked[rows] += torch.where(inside, x_m, 0.0)
+    u.copy_(x)
+    # marked columns to -inf; ids of other tiles (clamped onto a column) leave it as is, in any order
+    u.scatter_reduce_(1, local, torch.where(inside, -math.inf, math.inf).to(dtype), reduce="amin")
+    tail_max = local_row_max(u, dtype)
+    marked_max = local_row_max(torch.where(inside, x_m, -math.inf), dtype)
+    stats.shift[rows] = torch.maximum(stats.shift[rows], torch.maximum(tail_max, marked_max))
+    new_shift = torch.maximum(stats.sub_shift[rows], tail_max)
+    _, factor = _moved(stats.sub_shift[rows], finite_or_zero(new_shift), s_row)
+    shifted_rows(u, finite_or_zero(new_shift), scale, out=u).exp_()
+    stats.sub_sum[rows] = stats.sub_sum[rows] * factor + u.sum(dim=1)
+    stats.sub_shift[rows] = new_shift
+
+
+def buffered_tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Tensor, f: GradFactors,
+                       out: torch.Tensor, u: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+    """:func:`tile_grad` without a subset (keep mask), written into `out` (maybe x's own storage)
+    with the buffers `u` and `sub` (all x's shape, the factors' dtype), the marked entries
+    cleared by a scatter instead of a [r, c] marks mask. The same operations, so the same bits."""
+    local, inside = column_marks(f.cols, f.owned, first_col, x.size(1))
+    value = marked_grad(x.gather(1, local).to(f.dtype), scale, f)  # x is read before out is written
+    if f.gamma is not None:
+        assert f.sub_shift is not None and f.log_sub_sum is not None  # set with gamma
+        shifted_rows(x, f.sub_shift, scale, out=sub).sub_(f.log_sub_sum[:, None]).exp_().mul_(f.gamma[:, None])
+    if f.alpha is not None:
+        assert f.shift is not None and f.log_sum is not None  # set with alpha
+        shifted_rows(x, f.shift, scale, out=u)
+        torch.sub(u, f.log_sum[:, None], out=out).exp_()
+        if f.beta is None:
+            out.mul_(f.alpha[:, None])
+        else:
+            out.mul_(u.clamp_min_(NEG_FLOOR).mul_(f.beta[:, None]).add_(f.alpha[:, None]))
+        if f.gamma is not None:
+            out.add_(sub)
+    elif f.gamma is not None:
+        out.copy_(sub)
+    else:
+        out.zero_()
+    # marked entries to 0 (a product with 0; ids clamped from other tiles multiply by 1), then added
+    out.scatter_reduce_(1, local, torch.where(inside, 0.0, 1.0).to(out.dtype), reduce="prod")
+    out.scatter_add_(1, local, torch.where(inside, value, 0.0).to(out.dtype))
     return out

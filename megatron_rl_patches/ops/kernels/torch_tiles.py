@@ -13,10 +13,13 @@ import torch
 from megatron_rl_patches.ops._stats import (
     GradFactors,
     RowStats,
+    buffered_tile_grad,
     column_marks,
+    fold_tail_tile,
     fold_target_tile,
     fold_tile,
     scale_rows,
+    tail_only,
     target_only,
     target_tile_grad,
     tile_grad,
@@ -87,6 +90,12 @@ class TorchTiles:
                   keep_mask: torch.Tensor | None, scale: float | torch.Tensor) -> RowStats:
         if keep_mask is None and target_only(stats):
             return _target_row_stats(source, stats, cols, owned, scale)
+        if keep_mask is None and tail_only(stats):
+            work = _TileBuffers(source, stats.shift.dtype, 1)
+            for rows, tile_cols, x in tiles(source, stats.shift.dtype):
+                marks = column_marks(cols[rows], owned[rows], tile_cols.start, x.size(1))
+                fold_tail_tile(stats, rows, x, scale_rows(scale, rows), marks, work.get(0, x))
+            return stats
         for rows, tile_cols, x in tiles(source, stats.shift.dtype):
             marks = column_marks(cols[rows], owned[rows], tile_cols.start, x.size(1))
             subset = keep_mask[rows, tile_cols] if keep_mask is not None else None
@@ -97,7 +106,7 @@ class TorchTiles:
                    keep_mask: torch.Tensor | None, needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
         dtype = factors.dtype
         fast = keep_mask is None and target_only(factors)
-        work = _TileBuffers(source, dtype, 2 if source.fused else int(factors.beta is not None))
+        work = _TileBuffers(source, dtype, 3 if source.fused else 2 if keep_mask is None else 0)
         if not source.fused:
             grad = _logits_grad_buffer(source)
             for rows, cols, x in tiles(source, dtype):
@@ -105,6 +114,10 @@ class TorchTiles:
                 if fast and grad.dtype == dtype:
                     u = work.get(0, x) if f.beta is not None else None
                     target_tile_grad(x, cols.start, scale_rows(scale, rows), f, grad[rows, cols], u)
+                    continue
+                if keep_mask is None and grad.dtype == dtype:
+                    buffered_tile_grad(x, cols.start, scale_rows(scale, rows), f, grad[rows, cols], work.get(0, x),
+                                       work.get(1, x))
                     continue
                 subset = keep_mask[rows, cols] if keep_mask is not None else None
                 grad[rows, cols] = tile_grad(x, cols.start, scale_rows(scale, rows), f, subset)
@@ -117,6 +130,9 @@ class TorchTiles:
             f = factors.rows(rows)
             if fast:
                 dz = target_tile_grad(x, cols.start, scale_rows(scale, rows), f, work.get(0, x), work.get(1, x))
+            elif keep_mask is None:
+                dz = buffered_tile_grad(x, cols.start, scale_rows(scale, rows), f, work.get(0, x), work.get(1, x),
+                                        work.get(2, x))
             else:
                 subset = keep_mask[rows, cols] if keep_mask is not None else None
                 dz = tile_grad(x, cols.start, scale_rows(scale, rows), f, subset)
