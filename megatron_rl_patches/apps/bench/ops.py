@@ -70,9 +70,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def measure(baseline: str | None, shape: dict, runs: int, ops: tuple[str, ...] = OPS, repeats: int = 1,
+def measure(baseline: str | None, shape: dict, runs: int, ops: tuple[str, ...] | None = None, repeats: int = 1,
             timeout: float = 900.0) -> list[dict]:
-    """Interleaved medians over `runs` rounds: per op today's and the baseline's seconds."""
+    """Interleaved medians over `runs` rounds: per op (default :data:`OPS`) today's and the
+    baseline's seconds."""
+    ops = OPS if ops is None else ops
     sides = {"today": package_root()}
     with tempfile.TemporaryDirectory(prefix="bench-ops-") as tmp:
         if baseline is not None:
@@ -91,13 +93,14 @@ def measure(baseline: str | None, shape: dict, runs: int, ops: tuple[str, ...] =
         rows.append({"op": op, "today_s": today, "baseline_s": base, "today_vs_baseline": _ratio(today, base),
                      "note": ""})
     by_op = {row["op"]: row for row in rows}
-    slime = by_op["slime_logprobs"]["today_s"]
+    slime = by_op.get("slime_logprobs", {}).get("today_s")
     for op in ("log_probs_and_entropy", "log_probs_and_entropy_inplace"):
-        if op in by_op:
+        if op in by_op and slime:
             by_op[op]["note"] = f"{_ratio(by_op[op]['today_s'], slime)}x slime's Function"
-    if "lm_head_log_probs_and_entropy" in by_op:
+    logits_path = by_op.get("logits_path", {}).get("today_s")
+    if "lm_head_log_probs_and_entropy" in by_op and logits_path:
         fused = by_op["lm_head_log_probs_and_entropy"]
-        fused["note"] = f"{_ratio(fused['today_s'], by_op['logits_path']['today_s'])}x the logits path"
+        fused["note"] = f"{_ratio(fused['today_s'], logits_path)}x the logits path"
     return rows
 
 
