@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab
 from megatron_rl_patches.ops import _divergence_tiles as tiles_math
-from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE, plain_form
+from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE, Plan
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
 from megatron_rl_patches.ops.kernels.torch_tiles import _accumulate, tiles
 
@@ -72,7 +72,7 @@ def lm_head_divergence(
     _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
     spec = _vocab.op_spec(weight.size(0), tp_group, vocab, chunk_size, "lm_head_divergence", arg=_LOGITS,
                           sequence_parallel=bool(sequence_parallel and _dist.tp_size(tp_group) > 1))
-    plan = (plain_form(name, beta, alpha), beta, alpha)
+    plan = Plan.of(name, beta, alpha)
     flat = [t.detach() for pair in teachers for t in pair]  # teachers get no gradient
     return LmHeadDivergence.apply(plan, spec, checks, keep_mask, tau, log_w, hidden, weight, *flat)
 
@@ -96,13 +96,13 @@ def _walk(sources: list[Source], dtype: torch.dtype, keep_mask: torch.Tensor | N
         yield rows, cols, xs, kept
 
 
-def _normalizers(sources, dtype, scale, keep_mask, spec, checks, name):
+def _normalizers(sources, dtype, scale, keep_mask, spec, checks, plan: Plan):
     """Pass 1: every model's (shift, log S) combined over the ranks, and the cross term of a
     one-pass KL (else None); bad rows of any model raise here (the call's one host sync)."""
     n_rows, device = sources[0].n_rows, sources[0].hidden.device
     stats = [_stats.RowStats.empty(n_rows, 0, dtype, device) for _ in sources]
-    single = tiles_math.one_pass(name, len(sources) - 1)
-    lead = 1 if name == "forward_kl" else 0  # whose probabilities weigh the cross term
+    single = tiles_math.one_pass(plan, len(sources) - 1)
+    lead = 1 if plan.row.name == "forward_kl" else 0  # whose probabilities weigh the cross term
     cross = torch.zeros(n_rows, dtype=dtype, device=device) if single else None
     for rows, _, xs, kept in _walk(sources, dtype, keep_mask):
         s_rows = _stats.scale_rows(scale, rows)
@@ -148,33 +148,29 @@ class LmHeadDivergence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan, spec: _vocab.OpSpec, checks, keep_mask, tau, log_w, *tensors):
-        name, beta, alpha = plan
         sources = _sources(spec, tensors)
         dtype = _stats.compute_dtype(tensors[0].dtype)
         scale = _stats.row_scale(tau, sources[0].n_rows, dtype)
-        shifts, log_sums, cross = _normalizers(sources, dtype, scale, keep_mask, spec, checks, name)
+        shifts, log_sums, cross = _normalizers(sources, dtype, scale, keep_mask, spec, checks, plan)
         if cross is not None:
-            value = tiles_math.one_pass_value(name, cross, shifts, log_sums, scale)
-            consts = [value] if name == "reverse_kl" else []
+            value = tiles_math.one_pass_value(plan.row.name, cross, shifts, log_sums, scale)
+            sums = value[:, None]
         else:
-            sums = None
+            # no tile on a rank holding only vocabulary padding: its share stays 0
+            sums = torch.zeros(sources[0].n_rows, tiles_math.n_sums(plan), dtype=dtype, device=tensors[0].device)
             for rows, _, xs, kept in _walk(sources, dtype, keep_mask):
                 a, b = _tile_log_probs(xs, rows, shifts, log_sums, _stats.scale_rows(scale, rows), log_w)
-                part = torch.stack(tiles_math.row_sums(name, a, b, beta, alpha, kept), dim=1)
-                if sums is None:
-                    sums = torch.zeros(sources[0].n_rows, part.size(1), dtype=dtype, device=part.device)
-                sums[rows] += part
-            if sums is None:  # this rank holds only vocabulary padding
-                sums = torch.zeros(sources[0].n_rows, 1 + tiles_math.CONSTANTS[name], dtype=dtype,
-                                   device=tensors[0].device)
+                sums[rows] += tiles_math.row_sums(plan, a, b, kept)
             # SUM all-reduce over the tensor-parallel group: each rank's vocab shard adds its
             # columns' share of the value and of every row constant
             sums = _dist.all_reduce_sum_(sums, spec.group)
-            value, consts = sums[:, 0].clone(), list(sums[:, 1:].unbind(1))
+            value = sums[:, 0].clone()
         ctx.plan, ctx.spec, ctx.n_tensors = plan, spec, len(tensors)
         ctx.set_materialize_grads(False)
         tau_saved = tau if isinstance(tau, torch.Tensor) else None
         ctx.tau = None if tau_saved is not None else tau
+        constant = tiles_math.grad_constant(plan, sums)
+        consts = [] if constant is None else [constant]
         ctx.save_for_backward(*tensors, torch.stack(shifts + log_sums + consts), keep_mask, tau_saved, log_w)
         return value
 
@@ -185,7 +181,7 @@ class LmHeadDivergence(torch.autograd.Function):
         none = (None,) * 6
         if grad_value is None or not any(ctx.needs_input_grad[6:8]):
             return none + (None,) * ctx.n_tensors
-        name, beta, alpha = ctx.plan
+        plan: Plan = ctx.plan
         spec: _vocab.OpSpec = ctx.spec
         sources = _sources(spec, tensors)
         n_models, dtype = len(sources), saved.dtype
@@ -200,7 +196,7 @@ class LmHeadDivergence(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if ctx.needs_input_grad[7] else None
         for rows, cols, xs, kept in _walk(sources, dtype, keep_mask):
             a, b = _tile_log_probs(xs, rows, shifts, log_sums, _stats.scale_rows(scale, rows), log_w)
-            dz = tiles_math.student_grad(name, a, b, [c[rows] for c in consts], beta, alpha, kept)
+            dz = tiles_math.student_grad(plan, a, b, consts[0][rows] if consts else None, kept)
             dz.mul_(row_factor[rows, None])
             _accumulate(grad_h, grad_w, dz, hidden[rows], weight[cols], rows, cols)
         if grad_h is not None:
