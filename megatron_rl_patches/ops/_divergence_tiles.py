@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl_patches.ops._divergences import FINITE, SAFE, EntryOps, Plan, sum_parts
+from megatron_rl_patches.ops._divergences import FINITE, SAFE, Entries, EntryOps, Plan, sum_parts
 from megatron_rl_patches.ops._stats import RowStats, _moved, finite_or_zero, per_row, shifted_rows
 
 
@@ -43,7 +43,10 @@ def fold_cross(cross: torch.Tensor, rows: slice, old_shift: torch.Tensor, lead: 
     new_shift = finite_or_zero(lead.shift[rows])
     _, factor = _moved(old_shift, new_shift, per_row(scale))
     weights = shifted_rows(x_lead, new_shift, scale, out=torch.empty_like(x_lead)).exp_()
-    diff = _zero_outside(torch.sub(x_lead, x_other).mul_(scale), kept)
+    diff = torch.sub(x_lead, x_other)
+    if isinstance(scale, torch.Tensor) or scale != 1.0:
+        diff.mul_(scale)
+    _zero_outside(diff, kept)
     cross[rows] = cross[rows] * factor + torch.linalg.vecdot(weights, diff)
 
 
@@ -90,7 +93,7 @@ def n_sums(plan: Plan) -> int:
 
 def row_sums(plan: Plan, a: torch.Tensor, b: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
     """[r, n_sums]: the tile's share of the value (and of G = Σ g) from the table's formula."""
-    parts, grad = plan.row.formula(_ops(kept), a, b, plan.weight, True)
+    parts, grad = plan.row.formula(Entries(a, b, _ops(kept)), plan.weight, True)
     value = sum_parts(parts)
     return torch.stack([value, grad.sum(dim=1)] if n_sums(plan) == 2 else [value], dim=1)
 
@@ -107,7 +110,8 @@ def grad_constant(plan: Plan, sums: torch.Tensor) -> torch.Tensor | None:
 def student_grad(plan: Plan, a: torch.Tensor, b: torch.Tensor, constant: torch.Tensor | None,
                  kept: torch.Tensor | None) -> torch.Tensor:
     """dD/dz_s = g − p·G of the tile [r, c] (G per row [r], None: 0)."""
-    grad = plan.grad_terms(a, b, _ops(kept))
+    e = Entries(a, b, _ops(kept))
+    grad = plan.grad_terms(e)
     if constant is None:
         return grad
-    return grad.addcmul_(a.exp(), constant[:, None], value=-1.0)
+    return grad.addcmul_(e.p, constant[:, None], value=-1.0)

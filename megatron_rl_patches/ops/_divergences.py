@@ -71,14 +71,6 @@ def _safe(log_x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pos, torch.where(pos, log_x, 0.0)
 
 
-def kl_terms(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
-    """a·(log a − log b) per entry: 0 where a = 0 (0·log 0 = 0), +inf where b = 0 < a (no gradient)."""
-    a_pos, la = _safe(log_a)
-    b_pos, lb = _safe(log_b)
-    terms = torch.where(a_pos & b_pos, torch.exp(la) * (la - lb), 0.0)
-    return torch.where(a_pos & ~b_pos, math.inf, terms)
-
-
 def log_mixture(log_a: torch.Tensor, log_b: torch.Tensor, weight_a: float) -> torch.Tensor:
     """log(w·a + (1 − w)·b) per entry, in log space (logaddexp of log a + log w and log b +
     log(1 − w)); -inf where both are 0, with no gradient there. w = 0 / 1 give log b / log a."""
@@ -98,31 +90,62 @@ def _safe_ratio(log_x: torch.Tensor, log_y: torch.Tensor, log_m: torch.Tensor) -
     return torch.where(pos, torch.exp(torch.where(pos, log_x + log_y - log_m, 0.0)), 0.0)
 
 
+def _safe_kl(log_x: torch.Tensor, x: torch.Tensor, log_y: torch.Tensor) -> torch.Tensor:
+    """x·(log x − log y) per entry (x = e^(log x) at hand): 0 where x = 0 (0·log 0 = 0), +inf
+    where y = 0 < x (no gradient)."""
+    x_pos, lx = _safe(log_x)
+    y_pos, ly = _safe(log_y)
+    terms = torch.where(x_pos & y_pos, x * (lx - ly), 0.0)
+    return torch.where(x_pos & ~y_pos, math.inf, terms)
+
+
 @dataclass(frozen=True)
 class EntryOps:
     """The entry primitives a formula is written in: :data:`SAFE` for entries that may be -inf
     (buckets, masked ids), :data:`FINITE` for tiles whose log-probs are all finite (fewer passes)."""
 
-    kl: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # x·(log x − log y)
+    kl: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # x·(log x − log y), x given
     mix: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # log(w·x + (1 − w)·y)
     ratio: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # x·y/m
 
 
-SAFE = EntryOps(kl=kl_terms, mix=log_mixture, ratio=_safe_ratio)
+SAFE = EntryOps(kl=_safe_kl, mix=log_mixture, ratio=_safe_ratio)
 FINITE = EntryOps(
-    kl=lambda lx, ly: torch.exp(lx).mul_(lx - ly),
+    kl=lambda lx, x, ly: torch.sub(lx, ly).mul_(x),
     mix=lambda lx, ly, w: torch.logaddexp(lx + math.log(w), ly + math.log1p(-w)),
     ratio=lambda lx, ly, lm: torch.add(lx, ly).sub_(lm).exp_(),
 )
 
 
+class Entries:
+    """The log-probs a (student) and b (teacher) of some entries, with p = e^a and q = e^b made
+    once on first use (a formula may need either, both, or neither)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, ops: EntryOps) -> None:
+        self.a, self.b, self.ops = a, b, ops
+        self._p: torch.Tensor | None = None
+        self._q: torch.Tensor | None = None
+
+    @property
+    def p(self) -> torch.Tensor:
+        if self._p is None:
+            self._p = torch.exp(self.a)
+        return self._p
+
+    @property
+    def q(self) -> torch.Tensor:
+        if self._q is None:
+            self._q = torch.exp(self.b)
+        return self._q
+
+
 # ----------------------------------------------------------------------------- the table
-Formula = Callable[[EntryOps, torch.Tensor, torch.Tensor, float, bool], tuple[Parts, torch.Tensor]]
+Formula = Callable[[Entries, float, bool], tuple[Parts, torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class Divergence:
-    """One row of the table: `formula(ops, a, b, w, value)` → (terms as weighted parts, empty when
+    """One row of the table: `formula(entries, w, value)` → (terms as weighted parts, empty when
     not `value`; gradient terms g), w the row's `parameter` (β, α or unused). `constant`: how a
     route knows G = Σ g: ``"sum"`` (summed beside the value), ``"zero"`` (g sums to 0 by
     construction), ``"value"`` (G is the divergence itself)."""
@@ -133,42 +156,42 @@ class Divergence:
     constant: str
 
 
-def _forward(ops: EntryOps, a, b, w, value):
-    return ([(1.0, ops.kl(b, a))] if value else []), torch.exp(a) - torch.exp(b)  # −q, plus p
+def _forward(e: Entries, w, value):
+    return ([(1.0, e.ops.kl(e.b, e.q, e.a))] if value else []), e.p - e.q  # −q, plus p
 
 
-def _reverse(ops: EntryOps, a, b, w, value):
-    k = ops.kl(a, b)  # p·(a − b): the term, and ∂/∂a minus p
+def _reverse(e: Entries, w, value):
+    k = e.ops.kl(e.a, e.p, e.b)  # p·(a − b): the term, and ∂/∂a minus p
     return ([(1.0, k)] if value else []), k
 
 
-def _mixed(ops: EntryOps, a, b, beta, value):
-    rev = ops.kl(a, b)
-    grad = (torch.exp(a) - torch.exp(b)).mul_(1.0 - beta).add_(rev, alpha=beta)
-    return ([(1.0 - beta, ops.kl(b, a)), (beta, rev)] if value else []), grad
+def _mixed(e: Entries, beta, value):
+    rev = e.ops.kl(e.a, e.p, e.b)
+    grad = torch.sub(e.p, e.q).mul_(1.0 - beta).add_(rev, alpha=beta)
+    return ([(1.0 - beta, e.ops.kl(e.b, e.q, e.a)), (beta, rev)] if value else []), grad
 
 
-def _jsd(ops: EntryOps, a, b, beta, value):
-    lm = ops.mix(b, a, beta)
-    k = ops.kl(a, lm)  # ∂/∂a of the whole: (1 − β)·p·(a − lm), plus a multiple of p
-    return ([(beta, ops.kl(b, lm)), (1.0 - beta, k)] if value else []), k.mul(1.0 - beta)
+def _jsd(e: Entries, beta, value):
+    lm = e.ops.mix(e.b, e.a, beta)
+    k = e.ops.kl(e.a, e.p, lm)  # ∂/∂a of the whole: (1 − β)·p·(a − lm), plus a multiple of p
+    return ([(beta, e.ops.kl(e.b, e.q, lm)), (1.0 - beta, k)] if value else []), k.mul(1.0 - beta)
 
 
-def _skew_forward(ops: EntryOps, a, b, alpha, value):
-    lm = ops.mix(b, a, alpha)
-    return ([(1.0, ops.kl(b, lm))] if value else []), ops.ratio(b, a, lm).mul_(alpha - 1.0)  # −(1−α)·q·p/M
+def _skew_forward(e: Entries, alpha, value):
+    lm = e.ops.mix(e.b, e.a, alpha)
+    return ([(1.0, e.ops.kl(e.b, e.q, lm))] if value else []), e.ops.ratio(e.b, e.a, lm).mul_(alpha - 1.0)
 
 
-def _skew_reverse(ops: EntryOps, a, b, alpha, value):
-    lm = ops.mix(a, b, alpha)
-    k = ops.kl(a, lm)  # + (1 − α)·p·q/M
-    return ([(1.0, k)] if value else []), k.add(ops.ratio(a, b, lm), alpha=1.0 - alpha)
+def _skew_reverse(e: Entries, alpha, value):
+    lm = e.ops.mix(e.a, e.b, alpha)
+    k = e.ops.kl(e.a, e.p, lm)  # + (1 − α)·p·q/M
+    return ([(1.0, k)] if value else []), k.add(e.ops.ratio(e.a, e.b, lm), alpha=1.0 - alpha)
 
 
-def _tv(ops: EntryOps, a, b, w, value):
-    p, q = torch.exp(a), torch.exp(b)
-    grad = torch.sign(p - q).mul_(p).mul_(0.5)
-    return ([(0.5, (q - p).abs_())] if value else []), grad
+def _tv(e: Entries, w, value):
+    diff = e.p - e.q
+    grad = torch.sign(diff).mul_(e.p).mul_(0.5)
+    return ([(0.5, diff.abs_())] if value else []), grad
 
 
 TABLE = {row.name: row for row in (
@@ -205,11 +228,11 @@ class Plan:
         row = TABLE[plain_form(name, beta, alpha)]
         return cls(row, beta if row.parameter == "beta" else alpha if row.parameter == "alpha" else 0.0)
 
-    def parts(self, a: torch.Tensor, b: torch.Tensor, ops: EntryOps = SAFE) -> Parts:
-        return self.row.formula(ops, a, b, self.weight, True)[0]
+    def parts(self, e: Entries) -> Parts:
+        return self.row.formula(e, self.weight, True)[0]
 
-    def grad_terms(self, a: torch.Tensor, b: torch.Tensor, ops: EntryOps = SAFE) -> torch.Tensor:
-        return self.row.formula(ops, a, b, self.weight, False)[1]
+    def grad_terms(self, e: Entries) -> torch.Tensor:
+        return self.row.formula(e, self.weight, False)[1]
 
 
 def sum_parts(parts: Parts) -> torch.Tensor:
@@ -226,7 +249,7 @@ def sum_parts(parts: Parts) -> torch.Tensor:
 def bucket_divergence(plan: Plan, log_s: torch.Tensor, log_t: torch.Tensor) -> torch.Tensor:
     """Per-row divergence between two bucket distributions [R, K] (normalized log-probs, -inf
     allowed; the teacher detached by the caller); autograd gives the gradient."""
-    return sum_parts(plan.parts(log_s, log_t))
+    return sum_parts(plan.parts(Entries(log_s, log_t, SAFE)))
 
 
 def check_renormalize(renormalize: object) -> bool:

@@ -145,10 +145,10 @@ def test_table_gradient_terms_are_the_autograd_gradient(name, beta, alpha, ops):
     z.requires_grad_(True)
     log_s = torch.log_softmax(z, -1)
     plan = _divergences.Plan.of(name, beta, alpha)
-    value = _divergences.sum_parts(plan.parts(log_s, log_t))
+    value = _divergences.sum_parts(plan.parts(_divergences.Entries(log_s, log_t, _divergences.SAFE)))
     value.sum().backward()
     with torch.no_grad():
-        g = plan.grad_terms(log_s, log_t, getattr(_divergences, ops))
+        g = plan.grad_terms(_divergences.Entries(log_s, log_t, getattr(_divergences, ops)))
         expected = g - log_s.exp() * g.sum(-1, keepdim=True)
         constant = {"zero": torch.zeros(6, dtype=torch.float64), "value": value, "sum": g.sum(-1)}[plan.row.constant]
     torch.testing.assert_close(z.grad, expected, rtol=1e-12, atol=1e-12)
@@ -237,3 +237,68 @@ def test_bad_arguments_are_named_and_change_nothing(kwargs, error, match):
 def test_check_divergence_returns_floats():
     assert check_divergence("jsd", 1, 0) == ("jsd", 1.0, 0.0)
     assert isinstance(check_divergence("tv")[1], float)
+
+
+# ----------------------------------------------------------------------------- renormalize=
+@pytest.mark.parametrize("weights", [[1.0], [0.2, 1.0, 3.0]])
+@pytest.mark.parametrize("name,beta", [("mixed_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.3), ("tv", 0.5)])
+def test_renormalized_buckets_match_float64_reference(name, beta, weights):
+    gen = torch.Generator().manual_seed(12)
+    logits = torch.randn(T, V, generator=gen, dtype=torch.float64).mul(2)
+    ids = topk_ids(logits, K)
+    tlp, ttail = teachers_at(ids, len(weights), seed=13, dtype=torch.float64)
+    ref, ref_grad = ref_loss(logits, ids, tlp, None, weights, name, beta, 0.1, renormalize=True)
+    options = dict(divergence=name, beta=beta, teacher_weights=weights, renormalize=True)
+    for tails in (ttail, None):  # the tails play no part once dropped
+        x = logits.clone().requires_grad_(True)
+        loss = topk_opd_loss(x, ids, tlp, tails, **options)
+        loss.sum().backward()
+        assert_matches(loss, x.grad, ref, ref_grad, torch.float64)
+        x = logits.clone().requires_grad_(True)
+        split = topk_kl(*topk_logprobs(x, ids), tlp, tails, **options)
+        split.sum().backward()
+        assert_matches(split, x.grad, ref, ref_grad, torch.float64)
+    assert (topk_opd_loss(logits, ids, tlp, ttail, divergence=name, beta=beta, teacher_weights=weights)
+            - ref).abs().max() > 1e-6  # the tail changes the loss: renormalize= is not ignored
+
+
+def test_nemo_rl_topk_loss_is_the_full_vocabulary_loss_over_the_kept_ids():
+    """NeMo-RL's default (mixed KL, weight 0.5, renormalized over the top-k, no tail) on the bucket
+    route equals lm_head_divergence with keep_mask = the same ids: one row, both routes."""
+    from megatron_rl_patches import lm_head_divergence
+
+    gen = torch.Generator().manual_seed(14)
+    h, th = torch.randn(T, 8, generator=gen, dtype=torch.float64), torch.randn(T, 8, generator=gen, dtype=torch.float64)
+    w, tw = torch.randn(V, 8, generator=gen, dtype=torch.float64), torch.randn(V, 8, generator=gen, dtype=torch.float64)
+    x = (h @ w.T).requires_grad_(True)
+    teacher = th @ tw.T
+    ids = topk_ids(teacher, K)  # the teacher's top-k, as NeMo-RL picks them
+    tlp, _ = topk_logprobs(teacher, ids)
+    buckets = topk_opd_loss(x, ids, tlp, divergence="mixed_kl", beta=0.5, renormalize=True)
+    buckets.sum().backward()
+    keep = torch.zeros(T, V, dtype=torch.bool).scatter_(1, ids, True)
+    hh = h.clone().requires_grad_(True)
+    fused = lm_head_divergence(hh, w, th, tw, divergence="mixed_kl", beta=0.5, keep_mask=keep)
+    fused.sum().backward()
+    torch.testing.assert_close(buckets.detach(), fused.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(x.grad @ w, hh.grad, rtol=1e-9, atol=1e-11)  # dL/dh = dL/dx · W
+
+
+def test_renormalize_with_ids_mask_ignores_padded_slots():
+    logits, ids, tlp, ttail = _inputs()
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[:, -2:] = False
+    garbage = ids.clone()
+    garbage[:, -2:] = 0  # padded slots hold any id
+    masked = topk_opd_loss(logits, garbage, tlp, ttail, ids_mask=mask, renormalize=True)
+    kept = topk_opd_loss(logits, ids[:, :-2], tlp[..., :-2], ttail, renormalize=True)
+    torch.testing.assert_close(masked, kept, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_renormalize_must_be_a_bool(bad):
+    logits, ids, tlp, ttail = _inputs()
+    with pytest.raises(TypeError, match="renormalize must be True"):
+        topk_opd_loss(logits, ids, tlp, ttail, renormalize=bad)
+    with pytest.raises(TypeError, match="renormalize must be True"):
+        topk_kl(*topk_logprobs(logits, ids), tlp, ttail, renormalize=bad)
