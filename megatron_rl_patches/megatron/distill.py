@@ -30,6 +30,7 @@ from megatron_rl_patches.megatron.processors import (
     _tp_group,
     wait_for_output_weight,
 )
+from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE
 
 __all__ = ["hidden_output_processor", "divergence_output_processor"]
 
@@ -69,9 +70,9 @@ def hidden_output_processor() -> Callable[..., torch.Tensor]:
 
 def divergence_output_processor(
     *,
-    divergence: str = "reverse_kl",
-    beta: float = 0.5,
-    alpha: float = 0.1,
+    divergence: str = DEFAULT_DIVERGENCE,
+    beta: float = DEFAULT_BETA,
+    alpha: float = DEFAULT_ALPHA,
     teacher_weights: Sequence[float] | torch.Tensor | None = None,
     temperature: float = 1.0,
     vocab_size: int | None = None,
