@@ -94,9 +94,9 @@ def n_sums(plan: Plan) -> int:
 
 def row_sums(plan: Plan, a: torch.Tensor, b: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
     """[r, n_sums]: the tile's share of the value (and of G = Σ g) from the table's formula."""
-    parts, grad = plan.row.formula(Entries(a, b, _ops(kept)), plan.weight, True)
+    parts, grad = plan.row.formula(Entries(a, b, _ops(kept)), plan.weight, True, n_sums(plan) == 2)
     value = sum_parts(parts)
-    return torch.stack([value, grad.sum(dim=1)] if n_sums(plan) == 2 else [value], dim=1)
+    return torch.stack([value] if grad is None else [value, grad.sum(dim=1)], dim=1)
 
 
 def grad_constant(plan: Plan, sums: torch.Tensor) -> torch.Tensor | None:
