@@ -18,6 +18,7 @@ from megatron_rl_patches.apps.cli._common import OK, PROBLEM, UsageError
 ROUTES = ("both", "package", "plain")
 # Without the package the loop fails on its second train() call: two rollouts show it.
 PLAIN_ROLLOUTS_IN_BOTH = 2
+SEEDS = 2**32  # --seed in [0, SEEDS): every seed the demo derives from it fits torch's generators
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"need --rollouts >= 1, --steps >= 1, --teachers >= 1 and 0 < --topk < {cfg.vocab_size}"
         )
+    if not 0 <= cfg.seed < SEEDS:
+        raise UsageError(f"--seed must be in 0 .. 2**32 - 1 (got {cfg.seed}): pass a smaller seed")
     route = "plain" if args.no_patches else args.route
     if args.no_patches and args.route not in ("both", "plain"):
         raise UsageError(f"--no-patches contradicts --route {args.route}")
