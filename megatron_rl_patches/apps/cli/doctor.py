@@ -227,7 +227,7 @@ def _target_lines(t: dict[str, Any]) -> list[str]:
     else:
         support = "no version guard (the parameter list is checked)"
     lines = [f"  {t['name']:<20} {t['shown']:<8} {t['target']}", f"  {'':<29} {found}; {support}"]
-    if t["reason"] and t["shown"] not in ("off", "applied"):
+    if t["reason"] and t["shown"] not in ("off", "reverted", "applied"):
         lines.append(f"  {'':<29} {t['shown']}: {t['reason']}")
     return lines
 
