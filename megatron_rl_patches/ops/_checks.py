@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.ops._dist import tp_size
-from megatron_rl_patches.ops._divergences import DEFAULT_DIVERGENCE, MIXED_KL, check_divergence
+from megatron_rl_patches.ops._divergences import DEFAULT_BETA, DEFAULT_DIVERGENCE, check_divergence
 from megatron_rl_patches.ops._stats import compute_dtype
 
 Temperature = float | torch.Tensor
@@ -518,28 +518,30 @@ def check_kl_options(kl: object, mix: object) -> float:
     return float(mix)
 
 
-_KL_NAMES = {"reverse": "reverse_kl", "forward": "forward_kl", "mixed": MIXED_KL}
+_KL_NAMES = {"reverse": "reverse_kl", "forward": "forward_kl", "mixed": "mixed_kl"}
 
 
 def resolve_divergence(divergence: object, beta: object, alpha: object, kl: object,
-                       mix: object) -> tuple[str, float, float, float]:
-    """(name, β, α, mix) of the top-k losses' divergence arguments. `divergence=` supersedes the
+                       mix: object) -> tuple[str, float, float]:
+    """(name, β, α) of the top-k losses' divergence arguments. `divergence=` supersedes the
     deprecated `kl=`/`mix=`: giving both is a TypeError; `kl=`/`mix=` alone warn
-    (DeprecationWarning) and map to reverse_kl / forward_kl / the mixed form (internal name
-    MIXED_KL); nothing given is reverse_kl."""
+    (DeprecationWarning) and map to reverse_kl / forward_kl / mixed_kl with β = 1 − mix (mix was
+    the forward share); nothing given is reverse_kl."""
     legacy = [name for name, value in (("kl", kl), ("mix", mix)) if value is not None]
     if divergence is not None and legacy:
         raise TypeError(f"give divergence= or the deprecated {'/'.join(n + '=' for n in legacy)}, not both; "
                         f"divergence= supersedes them (kl='forward' is divergence='forward_kl')")
     if not legacy:
-        return (*check_divergence(DEFAULT_DIVERGENCE if divergence is None else divergence, beta, alpha), 0.5)
-    warnings.warn("kl=/mix= are deprecated: use divergence= ('reverse_kl', 'forward_kl', 'jsd', ...); "
-                  "kl='reverse' is divergence='reverse_kl', kl='forward' divergence='forward_kl'",
+        return check_divergence(DEFAULT_DIVERGENCE if divergence is None else divergence, beta, alpha)
+    warnings.warn("kl=/mix= are deprecated: use divergence= ('reverse_kl', 'forward_kl', 'mixed_kl', 'jsd', ...); "
+                  "kl='reverse' is divergence='reverse_kl', kl='forward' divergence='forward_kl', "
+                  "kl='mixed', mix=m divergence='mixed_kl', beta=1 - m",
                   DeprecationWarning, stacklevel=3)
-    mix = check_kl_options("reverse" if kl is None else kl, 0.5 if mix is None else mix)
+    mix = check_kl_options("reverse" if kl is None else kl, 1.0 - DEFAULT_BETA if mix is None else mix)
     _, beta, alpha = check_divergence(DEFAULT_DIVERGENCE, beta, alpha)
     assert kl is None or isinstance(kl, str)  # check_kl_options accepted it
-    return _KL_NAMES["reverse" if kl is None else kl], beta, alpha, mix
+    name = _KL_NAMES["reverse" if kl is None else kl]
+    return name, (1.0 - mix if name == "mixed_kl" else beta), alpha
 
 
 

@@ -1,43 +1,30 @@
 """Tile math of the full-vocabulary divergences (:func:`megatron_rl_patches.lm_head_divergence`).
 
 Notation per row: a = log p_s (the student's log-probs), b = log q (the teachers' mixture,
-log q = logsumexp_j(log w_j + log p_j)), p = e^a, q = e^b, lm = log M of a divergence's own
-mixture. Once every model's normalizer is known a tile's a and b are exact, and each divergence
-is a row sum of an elementwise term; its gradient to the student's logits z_s is
+log q = logsumexp_j(log w_j + log p_j)), p = e^a. Once every model's normalizer is known a
+tile's a and b are exact, and the divergence's table row
+(:data:`megatron_rl_patches.ops._divergences.TABLE`, the same formula the top-k buckets use)
+gives its terms and gradient terms g per column; the gradient to the student's logits is
 
-    dD/dz_k = g_k − p_k·Σ_v g_v,   g_v = ∂(term_v)/∂a_v   (since ∂a_v/∂z_k = δ_vk − p_k),
+    dD/dz_k = g_k − p_k·G,   G = Σ_v g_v   (since ∂a_v/∂z_k = δ_vk − p_k),
 
-which needs the row constants of :data:`CONSTANTS`, summed in the same pass as the value:
-
-- forward_kl   Σ q(b − a)                      dD/dz = p − q
-- reverse_kl   Σ p(a − b) = K                  dD/dz = p·(a − b − K)
-- jsd          β·Σ q(b − lm) + (1−β)·K,  K = Σ p(a − lm), lm = log(β·q + (1−β)·p)
-                                               dD/dz = (1−β)·p·(a − lm − K)
-- skew_forward_kl  Σ q(b − lm),  lm = log(α·q + (1−α)·p),  C = Σ q·p/M
-                                               dD/dz = (1−α)·p·(C − q/M)
-- skew_reverse_kl  K = Σ p(a − lm),  lm = log(α·p + (1−α)·q),  C = Σ p²/M
-                                               dD/dz = p·(a − lm − K − α·(p/M − C))
-- tv           ½·Σ|q − p|,  C = Σ sign(q − p)·p     dD/dz = ½·p·(C − sign(q − p))
-
-(jsd with β = 0 / 1 and the skews with α = 0 are the plain KLs and run as those:
-:func:`megatron_rl_patches.ops._divergences.plain_form`.) Ids outside
-keep_mask have a = b = −inf: their terms and gradients are 0, never NaN.
+with G summed beside the value in the same pass (or known: 0 for forward KL, whose g = p − q,
+and the value itself for reverse KL, whose g = p·(a − b)). Forward / reverse KL against one
+teacher fold their cross term online instead (one pass). Ids outside keep_mask have
+a = b = −inf: their terms and gradients are 0, never NaN (the -inf-safe primitives).
 """
 from __future__ import annotations
 
 import torch
 
-from megatron_rl_patches.ops._divergences import log_mixture
+from megatron_rl_patches.ops._divergences import FINITE, SAFE, Entries, EntryOps, Plan, sum_parts
 from megatron_rl_patches.ops._stats import RowStats, _moved, finite_or_zero, per_row, shifted_rows
 
-# The row constants each divergence's pass sums beside its value (what backward reads).
-CONSTANTS = {"forward_kl": 0, "reverse_kl": 1, "jsd": 1, "skew_forward_kl": 1, "skew_reverse_kl": 2, "tv": 1}
 
-
-def one_pass(name: str, n_teachers: int) -> bool:
+def one_pass(plan: Plan, n_teachers: int) -> bool:
     """Forward / reverse KL against one teacher need no normalizer beforehand: their cross term
     is folded with online rescaling beside the normalizers. Everything else needs a second pass."""
-    return n_teachers == 1 and name in ("forward_kl", "reverse_kl")
+    return n_teachers == 1 and plan.row.name in ("forward_kl", "reverse_kl")
 
 
 def _zero_outside(t: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
@@ -56,7 +43,10 @@ def fold_cross(cross: torch.Tensor, rows: slice, old_shift: torch.Tensor, lead: 
     new_shift = finite_or_zero(lead.shift[rows])
     _, factor = _moved(old_shift, new_shift, per_row(scale))
     weights = shifted_rows(x_lead, new_shift, scale, out=torch.empty_like(x_lead)).exp_()
-    diff = _zero_outside(torch.sub(x_lead, x_other).mul_(scale), kept)
+    diff = torch.sub(x_lead, x_other)
+    if isinstance(scale, torch.Tensor) or scale != 1.0:
+        diff.mul_(scale)
+    _zero_outside(diff, kept)
     cross[rows] = cross[rows] * factor + torch.linalg.vecdot(weights, diff)
 
 
@@ -91,53 +81,37 @@ def mixture_(log_ps: list[torch.Tensor], log_w: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- pass 2: row sums
 
 
-def row_sums(name: str, a: torch.Tensor, b: torch.Tensor, beta: float, alpha: float,
-             kept: torch.Tensor | None) -> list[torch.Tensor]:
-    """[value, constants...] summed over the tile's columns, each [r] (see the module docstring)."""
-    dot = torch.linalg.vecdot
-    if name == "forward_kl":
-        return [dot(b.exp(), _zero_outside(b - a, kept))]
-    if name == "reverse_kl":
-        kl = dot(a.exp(), _zero_outside(a - b, kept))
-        return [kl, kl]
-    if name == "tv":
-        p, q = a.exp(), b.exp()
-        return [0.5 * (q - p).abs_().sum(dim=1), dot(torch.sign(q - p), p)]
-    if name == "jsd":
-        lm = log_mixture(b, a, beta)
-        k = dot(a.exp(), _zero_outside(a - lm, kept))
-        return [beta * dot(b.exp(), _zero_outside(b - lm, kept)) + (1 - beta) * k, k]
-    if name == "skew_forward_kl":
-        lm = log_mixture(b, a, alpha)
-        c = _zero_outside((a + b - lm).exp_(), kept).sum(dim=1)  # Σ q·p/M
-        return [dot(b.exp(), _zero_outside(b - lm, kept)), c]
-    lm = log_mixture(a, b, alpha)  # skew_reverse_kl
-    k = dot(a.exp(), _zero_outside(a - lm, kept))
-    return [k, k, _zero_outside((2 * a - lm).exp_(), kept).sum(dim=1)]  # Σ p²/M
+def _ops(kept: torch.Tensor | None) -> EntryOps:
+    """Masked ids are -inf in every model's tile: only then are the -inf-safe primitives needed."""
+    return FINITE if kept is None else SAFE
+
+
+def n_sums(plan: Plan) -> int:
+    """How many row sums pass 2 gathers: the value, and G unless the row knows it otherwise."""
+    return 2 if plan.row.constant == "sum" else 1
+
+
+def row_sums(plan: Plan, a: torch.Tensor, b: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    """[r, n_sums]: the tile's share of the value (and of G = Σ g) from the table's formula."""
+    parts, grad = plan.row.formula(Entries(a, b, _ops(kept)), plan.weight, True)
+    value = sum_parts(parts)
+    return torch.stack([value, grad.sum(dim=1)] if n_sums(plan) == 2 else [value], dim=1)
+
+
+def grad_constant(plan: Plan, sums: torch.Tensor) -> torch.Tensor | None:
+    """G per row from the gathered sums [T, n_sums] (None: G = 0)."""
+    constant = plan.row.constant
+    return None if constant == "zero" else sums[:, 0] if constant == "value" else sums[:, 1]
 
 
 # ----------------------------------------------------------------------------- backward
 
 
-def student_grad(name: str, a: torch.Tensor, b: torch.Tensor, consts: list[torch.Tensor], beta: float, alpha: float,
+def student_grad(plan: Plan, a: torch.Tensor, b: torch.Tensor, constant: torch.Tensor | None,
                  kept: torch.Tensor | None) -> torch.Tensor:
-    """dD/dz_s of the tile [r, c] (consts: the row constants of :func:`row_sums`, each [r])."""
-    c0 = consts[0][:, None] if consts else None
-    p = a.exp()
-    if name == "forward_kl":
-        return p.sub_(b.exp())
-    assert c0 is not None  # every other divergence has row constants
-    if name == "reverse_kl":
-        return p.mul_(_zero_outside((a - b).sub_(c0), kept))
-    if name == "jsd":
-        lm = log_mixture(b, a, beta)
-        return p.mul_(_zero_outside((a - lm).sub_(c0), kept)).mul_(1 - beta)
-    if name == "skew_forward_kl":
-        lm = log_mixture(b, a, alpha)
-        return p.mul_(_zero_outside((b - lm).exp_().neg_().add_(c0), kept)).mul_(1 - alpha)
-    if name == "skew_reverse_kl":
-        lm = log_mixture(a, b, alpha)
-        ratio = (a - lm).exp_().sub_(consts[1][:, None]).mul_(alpha)  # α·(p/M − C)
-        return p.mul_(_zero_outside((a - lm).sub_(c0).sub_(ratio), kept))
-    # tv
-    return p.mul_(torch.sign(b.exp().sub_(p)).neg_().add_(c0)).mul_(0.5)
+    """dD/dz_s = g − p·G of the tile [r, c] (G per row [r], None: 0)."""
+    e = Entries(a, b, _ops(kept))
+    grad = plan.grad_terms(e)
+    if constant is None:
+        return grad
+    return grad.addcmul_(e.p, constant[:, None], value=-1.0)

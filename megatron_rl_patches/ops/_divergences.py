@@ -1,30 +1,39 @@
-"""The divergence family, shared by the top-k + tail buckets and the full-vocabulary route.
+"""The divergence family: ONE table row per divergence, evaluated by the top-k + tail buckets and
+by the full-vocabulary tiles alike.
 
 Names (s: the student, t: the teacher or the teachers' mixture):
 
 - ``forward_kl`` = KL(p_t‖p_s); ``reverse_kl`` = KL(p_s‖p_t);
-- ``jsd`` = β·KL(p_t‖M) + (1−β)·KL(p_s‖M), M = β·p_t + (1−β)·p_s for 0 < β < 1; β = 0 is
-  forward KL and β = 1 reverse KL (the generalized-JSD convention);
+- ``mixed_kl`` = (1−β)·KL(p_t‖p_s) + β·KL(p_s‖p_t), β the reverse KL's share (NeMo-RL's default
+  top-k loss is β = 0.5 with ``renormalize=True``);
+- ``jsd`` = β·KL(p_t‖M) + (1−β)·KL(p_s‖M), M = β·p_t + (1−β)·p_s for 0 < β < 1;
 - ``skew_forward_kl`` = KL(p_t‖α·p_t + (1−α)·p_s); ``skew_reverse_kl`` = KL(p_s‖α·p_s + (1−α)·p_t),
   0 ≤ α < 1 (α = 0: the plain KL);
 - ``tv`` = ½·Σ|p_t − p_s|.
 
-Every one is a sum over buckets (or vocabulary columns) of an elementwise term of the two
-log-probabilities (:func:`divergence_terms`), so a route sums the terms of its buckets, or of
-its vocabulary tiles once every normalizer is known. Mixtures are formed in log space
-(:func:`log_mixture`); 0·log 0 = 0; -inf entries give neither NaN values nor NaN gradients.
+β = 0 is forward KL and β = 1 reverse KL for both β-divergences (the generalized-JSD
+convention). A row's :attr:`Divergence.formula` gives, from the normalized log-probs a = log p_s
+and b = log q of some entries (buckets or vocabulary columns), the divergence's terms per entry
+(as weighted parts, each summed apart) and its gradient terms g = ∂D/∂a per entry, up to a
+multiple of p (which the softmax cancels). The gradient to the student's logits is then, per row
+and times 1/τ, dD/dz = g − p·G with the row constant G = Σ g (:attr:`Divergence.constant`).
+0·log 0 = 0; -inf entries give neither NaN values nor NaN gradients (:data:`SAFE`).
 """
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tv")
+DIVERGENCES = ("forward_kl", "reverse_kl", "mixed_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tv")
 DEFAULT_DIVERGENCE = "reverse_kl"
 DEFAULT_BETA = 0.5
 DEFAULT_ALPHA = 0.1
+
+Parts = list[tuple[float, torch.Tensor]]
 
 
 def _real(name: str, value: object, meaning: str) -> float:
@@ -45,7 +54,7 @@ def check_divergence(divergence: object, beta: object = DEFAULT_BETA,
         raise TypeError(f"divergence must be a str, one of {DIVERGENCES}, got {divergence!r}")
     if divergence not in DIVERGENCES:
         raise ValueError(f"unknown divergence {divergence!r}; use one of {DIVERGENCES}")
-    beta = _real("beta", beta, "the teacher's weight in jsd's mixture M = β·p_t + (1−β)·p_s")
+    beta = _real("beta", beta, "jsd's teacher weight in M = β·p_t + (1−β)·p_s, mixed_kl's reverse-KL share")
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1] (0: forward KL, 1: reverse KL), got {beta!r}")
     alpha = _real("alpha", alpha, "the skew KLs' own share in their mixture")
@@ -54,25 +63,12 @@ def check_divergence(divergence: object, beta: object = DEFAULT_BETA,
     return divergence, beta, alpha
 
 
-# ----------------------------------------------------------------------------- elementwise terms
-# Internal: today's kl="mixed" form, mix·forward + (1 − mix)·reverse, reachable through the
-# deprecated kl=/mix= arguments only.
-MIXED_KL = "mixed_kl"
-
-
+# ----------------------------------------------------------------------------- entry primitives
 def _safe(log_x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x > 0, log x with 0 standing in for -inf): where() on finite stand-ins keeps -inf entries
     out of every NaN value and NaN gradient."""
     pos = log_x > -math.inf
     return pos, torch.where(pos, log_x, 0.0)
-
-
-def kl_terms(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
-    """a·(log a − log b) per entry: 0 where a = 0 (0·log 0 = 0), +inf where b = 0 < a (no gradient)."""
-    a_pos, la = _safe(log_a)
-    b_pos, lb = _safe(log_b)
-    terms = torch.where(a_pos & b_pos, torch.exp(la) * (la - lb), 0.0)
-    return torch.where(a_pos & ~b_pos, math.inf, terms)
 
 
 def log_mixture(log_a: torch.Tensor, log_b: torch.Tensor, weight_a: float) -> torch.Tensor:
@@ -88,79 +84,182 @@ def log_mixture(log_a: torch.Tensor, log_b: torch.Tensor, weight_a: float) -> to
     return torch.where(empty, -math.inf, mixed)
 
 
-def plain_form(name: str, beta: float, alpha: float, mix: float = 0.5) -> str:
-    """The name computed at the edge values: jsd's β = 0 / 1 are forward / reverse KL (by
-    convention: the formula's limit there is 0), skew KLs with α = 0 the plain KLs, the mixed
-    form with mix = 1 / 0 forward / reverse KL (so 0·inf never appears)."""
-    if name == "jsd" and beta in (0.0, 1.0):
+def _safe_ratio(log_x: torch.Tensor, log_y: torch.Tensor, log_m: torch.Tensor) -> torch.Tensor:
+    """x·y/m per entry, 0 where x or y is 0 (m > 0 there)."""
+    pos = (log_x > -math.inf) & (log_y > -math.inf)
+    return torch.where(pos, torch.exp(torch.where(pos, log_x + log_y - log_m, 0.0)), 0.0)
+
+
+def _safe_kl(log_x: torch.Tensor, x: torch.Tensor, log_y: torch.Tensor) -> torch.Tensor:
+    """x·(log x − log y) per entry (x = e^(log x) at hand): 0 where x = 0 (0·log 0 = 0), +inf
+    where y = 0 < x (no gradient)."""
+    x_pos, lx = _safe(log_x)
+    y_pos, ly = _safe(log_y)
+    terms = torch.where(x_pos & y_pos, x * (lx - ly), 0.0)
+    return torch.where(x_pos & ~y_pos, math.inf, terms)
+
+
+@dataclass(frozen=True)
+class EntryOps:
+    """The entry primitives a formula is written in: :data:`SAFE` for entries that may be -inf
+    (buckets, masked ids), :data:`FINITE` for tiles whose log-probs are all finite (fewer passes)."""
+
+    kl: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # x·(log x − log y), x given
+    mix: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # log(w·x + (1 − w)·y)
+    ratio: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # x·y/m
+
+
+SAFE = EntryOps(kl=_safe_kl, mix=log_mixture, ratio=_safe_ratio)
+FINITE = EntryOps(
+    kl=lambda lx, x, ly: torch.sub(lx, ly).mul_(x),
+    mix=lambda lx, ly, w: torch.logaddexp(lx + math.log(w), ly + math.log1p(-w)),
+    ratio=lambda lx, ly, lm: torch.add(lx, ly).sub_(lm).exp_(),
+)
+
+
+class Entries:
+    """The log-probs a (student) and b (teacher) of some entries, with p = e^a and q = e^b made
+    once on first use (a formula may need either, both, or neither)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, ops: EntryOps) -> None:
+        self.a, self.b, self.ops = a, b, ops
+        self._p: torch.Tensor | None = None
+        self._q: torch.Tensor | None = None
+
+    @property
+    def p(self) -> torch.Tensor:
+        if self._p is None:
+            self._p = torch.exp(self.a)
+        return self._p
+
+    @property
+    def q(self) -> torch.Tensor:
+        if self._q is None:
+            self._q = torch.exp(self.b)
+        return self._q
+
+
+# ----------------------------------------------------------------------------- the table
+Formula = Callable[[Entries, float, bool], tuple[Parts, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """One row of the table: `formula(entries, w, value)` → (terms as weighted parts, empty when
+    not `value`; gradient terms g), w the row's `parameter` (β, α or unused). `constant`: how a
+    route knows G = Σ g: ``"sum"`` (summed beside the value), ``"zero"`` (g sums to 0 by
+    construction), ``"value"`` (G is the divergence itself)."""
+
+    name: str
+    parameter: str | None
+    formula: Formula
+    constant: str
+
+
+def _forward(e: Entries, w, value):
+    return ([(1.0, e.ops.kl(e.b, e.q, e.a))] if value else []), e.p - e.q  # −q, plus p
+
+
+def _reverse(e: Entries, w, value):
+    k = e.ops.kl(e.a, e.p, e.b)  # p·(a − b): the term, and ∂/∂a minus p
+    return ([(1.0, k)] if value else []), k
+
+
+def _mixed(e: Entries, beta, value):
+    rev = e.ops.kl(e.a, e.p, e.b)
+    grad = torch.sub(e.p, e.q).mul_(1.0 - beta).add_(rev, alpha=beta)
+    return ([(1.0 - beta, e.ops.kl(e.b, e.q, e.a)), (beta, rev)] if value else []), grad
+
+
+def _jsd(e: Entries, beta, value):
+    lm = e.ops.mix(e.b, e.a, beta)
+    k = e.ops.kl(e.a, e.p, lm)  # ∂/∂a of the whole: (1 − β)·p·(a − lm), plus a multiple of p
+    return ([(beta, e.ops.kl(e.b, e.q, lm)), (1.0 - beta, k)] if value else []), k.mul(1.0 - beta)
+
+
+def _skew_forward(e: Entries, alpha, value):
+    lm = e.ops.mix(e.b, e.a, alpha)
+    return ([(1.0, e.ops.kl(e.b, e.q, lm))] if value else []), e.ops.ratio(e.b, e.a, lm).mul_(alpha - 1.0)
+
+
+def _skew_reverse(e: Entries, alpha, value):
+    lm = e.ops.mix(e.a, e.b, alpha)
+    k = e.ops.kl(e.a, e.p, lm)  # + (1 − α)·p·q/M
+    return ([(1.0, k)] if value else []), k.add(e.ops.ratio(e.a, e.b, lm), alpha=1.0 - alpha)
+
+
+def _tv(e: Entries, w, value):
+    diff = e.p - e.q
+    grad = torch.sign(diff).mul_(e.p).mul_(0.5)
+    return ([(0.5, diff.abs_())] if value else []), grad
+
+
+TABLE = {row.name: row for row in (
+    Divergence("forward_kl", None, _forward, "zero"),
+    Divergence("reverse_kl", None, _reverse, "value"),
+    Divergence("mixed_kl", "beta", _mixed, "sum"),
+    Divergence("jsd", "beta", _jsd, "sum"),
+    Divergence("skew_forward_kl", "alpha", _skew_forward, "sum"),
+    Divergence("skew_reverse_kl", "alpha", _skew_reverse, "sum"),
+    Divergence("tv", None, _tv, "sum"),
+)}
+
+
+def plain_form(name: str, beta: float, alpha: float) -> str:
+    """The name computed at the edge values: jsd's and mixed_kl's β = 0 / 1 are forward / reverse
+    KL (for jsd by convention: the formula's limit there is 0), skew KLs with α = 0 the plain KLs
+    (so 0·inf never appears)."""
+    if name in ("jsd", "mixed_kl") and beta in (0.0, 1.0):
         return "forward_kl" if beta == 0.0 else "reverse_kl"
     if name in ("skew_forward_kl", "skew_reverse_kl") and alpha == 0.0:
         return name[len("skew_"):]
-    if name == MIXED_KL and mix in (0.0, 1.0):
-        return "forward_kl" if mix == 1.0 else "reverse_kl"
     return name
 
 
-def divergence_terms(name: str, log_s: torch.Tensor, log_t: torch.Tensor, beta: float = DEFAULT_BETA,
-                     alpha: float = DEFAULT_ALPHA, mix: float = 0.5) -> torch.Tensor:
-    """The divergence's term per entry (bucket or vocabulary column) from normalized log-probs of
-    the student `log_s` and the teacher `log_t` (same shape; the teacher detached by the caller):
-    the divergence is their sum over the last dim. Arguments checked by :func:`check_divergence`.
-    Edge values take the plain forms exactly (jsd's β = 0 / 1, skew α = 0, mix = 0 / 1)."""
-    name = plain_form(name, beta, alpha, mix)
-    if name == MIXED_KL:  # 0 < mix < 1: both terms, each finite or +inf
-        return mix * kl_terms(log_t, log_s) + (1.0 - mix) * kl_terms(log_s, log_t)
-    if name == "forward_kl":
-        return kl_terms(log_t, log_s)
-    if name == "reverse_kl":
-        return kl_terms(log_s, log_t)
-    if name == "jsd":
-        log_m = log_mixture(log_t, log_s, beta)
-        return beta * kl_terms(log_t, log_m) + (1.0 - beta) * kl_terms(log_s, log_m)
-    if name == "skew_forward_kl":
-        return kl_terms(log_t, log_mixture(log_t, log_s, alpha))
-    if name == "skew_reverse_kl":
-        return kl_terms(log_s, log_mixture(log_s, log_t, alpha))
-    if name == "tv":
-        return 0.5 * (torch.exp(log_t) - torch.exp(log_s)).abs()
-    raise ValueError(f"unknown divergence {name!r}; use one of {DIVERGENCES}")
+@dataclass(frozen=True)
+class Plan:
+    """A checked divergence choice at its plain form: the table row and its parameter's value."""
+
+    row: Divergence
+    weight: float
+
+    @classmethod
+    def of(cls, name: str, beta: float = DEFAULT_BETA, alpha: float = DEFAULT_ALPHA) -> Plan:
+        row = TABLE[plain_form(name, beta, alpha)]
+        return cls(row, beta if row.parameter == "beta" else alpha if row.parameter == "alpha" else 0.0)
+
+    def parts(self, e: Entries) -> Parts:
+        return self.row.formula(e, self.weight, True)[0]
+
+    def grad_terms(self, e: Entries) -> torch.Tensor:
+        return self.row.formula(e, self.weight, False)[1]
 
 
-def bucket_divergence(name: str, log_s: torch.Tensor, log_t: torch.Tensor, beta: float = DEFAULT_BETA,
-                      alpha: float = DEFAULT_ALPHA, mix: float = 0.5) -> torch.Tensor:
-    """Per-row divergence between two bucket distributions [R, K] (the k ids and the tail). The
-    mixed form sums each KL apart (the operation order of the recorded golden values)."""
-    if plain_form(name, beta, alpha, mix) == MIXED_KL:
-        return mix * kl_terms(log_t, log_s).sum(dim=-1) + (1.0 - mix) * kl_terms(log_s, log_t).sum(dim=-1)
-    return divergence_terms(name, log_s, log_t, beta, alpha, mix).sum(dim=-1)
+def sum_parts(parts: Parts) -> torch.Tensor:
+    """Σ_i w_i·(Σ over the last dim of part_i): each part summed apart (the order of the golden values)."""
+    total = None
+    for weight, part in parts:
+        s = part.sum(dim=-1)
+        s = s if weight == 1.0 else weight * s
+        total = s if total is None else total + s
+    assert total is not None  # every row has a part
+    return total
 
 
-def student_log_grad_terms(name: str, log_s: torch.Tensor, log_t: torch.Tensor, beta: float = DEFAULT_BETA,
-                           alpha: float = DEFAULT_ALPHA, mix: float = 0.5) -> torch.Tensor:
-    """g = ∂D/∂(log p_s) per entry, the entries taken as independent; the gradient to the
-    student's logits is then dD/dz_j = g_j − p_s,j·Σ_i g_i (per row, times 1/τ), what a route
-    that recomputes vocabulary tiles needs. Entries with a +inf term or p_s = p_t = 0 get 0."""
-    s_pos, ls = _safe(log_s)
-    t_pos, lt = _safe(log_t)
-    s, t = torch.where(s_pos, torch.exp(ls), 0.0), torch.where(t_pos, torch.exp(lt), 0.0)
-    name = plain_form(name, beta, alpha, mix)
-    reverse = torch.where(t_pos, s * (ls - lt + 1.0), 0.0)  # s·(log s − log t + 1)
-    forward = torch.where(s_pos, -t, 0.0)  # −t
-    if name == "forward_kl":
-        return forward
-    if name == "reverse_kl":
-        return reverse
-    if name == MIXED_KL:
-        return mix * forward + (1.0 - mix) * reverse
-    if name == "tv":
-        return 0.5 * torch.sign(s - t) * s
-    if name == "jsd":  # (1 − β)·s·(log s − log M)
-        m_pos, lm = _safe(log_mixture(log_t, log_s, beta))
-        return torch.where(m_pos, (1.0 - beta) * s * (ls - lm), 0.0)
-    if name == "skew_forward_kl":  # −t·(1 − α)·s / M, M = α·t + (1 − α)·s
-        m_pos, lm = _safe(log_mixture(log_t, log_s, alpha))
-        return torch.where(m_pos & s_pos, -(1.0 - alpha) * t * torch.exp(ls - lm), 0.0)
-    if name == "skew_reverse_kl":  # s·(log s − log M) + s·(1 − α)·t / M, M = α·s + (1 − α)·t
-        m_pos, lm = _safe(log_mixture(log_s, log_t, alpha))
-        return torch.where(m_pos, s * (ls - lm) + torch.where(t_pos, (1.0 - alpha) * s * torch.exp(lt - lm), 0.0), 0.0)
-    raise ValueError(f"unknown divergence {name!r}; use one of {DIVERGENCES}")
+def bucket_divergence(plan: Plan, log_s: torch.Tensor, log_t: torch.Tensor) -> torch.Tensor:
+    """Per-row divergence between two bucket distributions [R, K] (normalized log-probs, -inf
+    allowed; the teacher detached by the caller); autograd gives the gradient."""
+    return sum_parts(plan.parts(Entries(log_s, log_t, SAFE)))
+
+
+def check_renormalize(renormalize: object) -> bool:
+    """`renormalize=` of the top-k losses: True or False (TypeError naming it otherwise)."""
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize must be True (drop the tail, renormalize over the k ids: NeMo-RL's "
+                        f"convention) or False (k ids + tail bucket), got {renormalize!r}")
+    return renormalize
+
+
+def renormalized(log_p: torch.Tensor) -> torch.Tensor:
+    """log-probs renormalized over the last dim (NeMo-RL's top-k convention: no tail bucket)."""
+    return log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)

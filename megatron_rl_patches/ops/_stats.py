@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl_patches.ops._dist import all_reduce_max_, all_reduce_sum_, tp_size
+from megatron_rl_patches.ops.steps import moved as _moved
+from megatron_rl_patches.ops.steps import moved_stats
 
 # Finite stand-in for -inf shifted logits where e^u·u would otherwise be 0·(-inf) = NaN; exp of
 # anything below it is exactly 0 in float32 and float64.
@@ -139,14 +141,6 @@ class RowStats:
         return finite_or_zero(self.shift)
 
 
-def _moved(old: torch.Tensor, new_safe: torch.Tensor, s_row: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log factor, factor) moving sums taken at shift `old` to `new_safe`: (old - new)·s and its
-    exp; (0, 0) where nothing was summed yet (old = -inf)."""
-    started = torch.isfinite(old)
-    log_factor = torch.where(started, (old - new_safe) * s_row, 0.0)
-    return log_factor, torch.where(started, log_factor.exp(), 0.0)
-
-
 def fold_tile(stats: RowStats, rows: slice, x: torch.Tensor, scale: float | torch.Tensor,
               marks: tuple[torch.Tensor, torch.Tensor] | None, subset: torch.Tensor | None) -> None:
     """Fold the tile x [r, c] (rows `rows`, any float dtype) into `stats`, in place.
@@ -215,14 +209,9 @@ def combine_over_ranks(stats: RowStats, scale: float | torch.Tensor, group: dist
     # the full-vocab maxima, the shifts every rank's sums are moved to
     shifts = all_reduce_max_(local.clone(), group)
     n_rows = stats.shift.size(0)
-    columns = [stats.marked]
-    if stats.rest is not None:
-        log_factor, factor = _moved(local[0], finite_or_zero(shifts[0]), s_row)
-        columns.append(stats.rest * factor)
-        if stats.moment is not None:
-            columns.append(factor * (stats.moment + stats.rest * log_factor))  # Σ e^(u+d)·(u+d)
-    if stats.sub_sum is not None:
-        columns.append(stats.sub_sum * _moved(local[1], finite_or_zero(shifts[1]), s_row)[1])
+    moved = moved_stats(stats, finite_or_zero(shifts[0]),
+                        finite_or_zero(shifts[1]) if stats.sub_shift is not None else None, s_row)
+    columns = [t for t in (stats.marked, moved.rest, moved.moment, moved.sub_sum) if t is not None]
     # SUM all-reduce over the tensor-parallel group of one packed [T, k + c] tensor: the partial
     # sums over each rank's vocab shard add up to full-vocab sums, and the marked logits (0 on
     # the ranks not owning them) come back from their owners

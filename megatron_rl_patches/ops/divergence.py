@@ -23,9 +23,11 @@ import torch.distributed as dist
 
 from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab
 from megatron_rl_patches.ops import _divergence_tiles as tiles_math
-from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE, plain_form
+from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE, Plan
+from megatron_rl_patches.ops.kernels import Backend, resolve_backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
-from megatron_rl_patches.ops.kernels.torch_tiles import _accumulate, tiles
+from megatron_rl_patches.ops.kernels.torch_tiles import TorchTiles, tiles
+from megatron_rl_patches.ops.steps import accumulate, moved, require_good_rows, save_tau, saved_scale
 
 __all__ = ["lm_head_divergence"]
 
@@ -49,6 +51,7 @@ def lm_head_divergence(
     sequence_parallel: bool = False,
     keep_mask: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Per-token divergence [T] between the student's softmax(h·Wᵀ/τ) and the teachers' mixture.
 
@@ -62,6 +65,9 @@ def lm_head_divergence(
     :mod:`megatron_rl_patches.ops._divergences`). `keep_mask` [T, V_local] bool: every model's
     distribution renormalized over the kept ids, the divergence between those. Gradients flow to
     hidden and weight only; outputs fp32 (fp64 for fp64 inputs). `chunk_size`: rows per tile.
+    `backend` ("auto", "torch", "triton"; as the other vocabulary ops) folds every model's
+    normalizer when the divergence needs a second pass; the one-pass KLs, the masked case, pass 2
+    and backward run the table's formula on torch tiles (the matmuls dominate them).
     """
     _, n_rows, vocab = _checks.check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
     name, beta, alpha = _checks.check_divergence_options(divergence, beta, alpha)
@@ -73,9 +79,10 @@ def lm_head_divergence(
     _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
     spec = _vocab.op_spec(weight.size(0), tp_group, vocab, chunk_size, "lm_head_divergence", arg=_LOGITS,
                           sequence_parallel=bool(sequence_parallel and _dist.tp_size(tp_group) > 1))
-    plan = (plain_form(name, beta, alpha), beta, alpha)
+    plan = Plan.of(name, beta, alpha)
+    chosen = resolve_backend(backend, hidden.device)
     flat = [t.detach() for pair in teachers for t in pair]  # teachers get no gradient
-    return LmHeadDivergence.apply(plan, spec, checks, keep_mask, tau, log_w, hidden, weight, *flat)
+    return LmHeadDivergence.apply((plan, chosen), spec, checks, keep_mask, tau, log_w, hidden, weight, *flat)
 
 
 def _sources(spec: _vocab.OpSpec, tensors: Sequence[torch.Tensor]) -> list[Source]:
@@ -97,28 +104,39 @@ def _walk(sources: list[Source], dtype: torch.dtype, keep_mask: torch.Tensor | N
         yield rows, cols, xs, kept
 
 
-def _normalizers(sources, dtype, scale, keep_mask, spec, checks, name):
+def _backend_stats(sources, dtype, scale, backend: Backend) -> list[_stats.RowStats]:
+    """Every model's normalizer (max, Σ e^u) over this rank's shard, folded by the backend."""
+    n_rows, device = sources[0].n_rows, sources[0].first.device
+    no_marks = torch.zeros(n_rows, 0, dtype=torch.long, device=device)
+    return [backend.row_stats(src, _stats.RowStats.empty(n_rows, 0, dtype, device), no_marks,
+                              no_marks.bool(), None, scale) for src in sources]
+
+
+def _normalizers(sources, dtype, scale, keep_mask, spec, checks, plan: Plan, backend: Backend):
     """Pass 1: every model's (shift, log S) combined over the ranks, and the cross term of a
     one-pass KL (else None); bad rows of any model raise here (the call's one host sync)."""
-    n_rows, device = sources[0].n_rows, sources[0].hidden.device
-    stats = [_stats.RowStats.empty(n_rows, 0, dtype, device) for _ in sources]
-    single = tiles_math.one_pass(name, len(sources) - 1)
-    lead = 1 if name == "forward_kl" else 0  # whose probabilities weigh the cross term
+    n_rows, device = sources[0].n_rows, sources[0].first.device
+    single = tiles_math.one_pass(plan, len(sources) - 1)
+    lead = 1 if plan.row.name == "forward_kl" else 0  # whose probabilities weigh the cross term
     cross = torch.zeros(n_rows, dtype=dtype, device=device) if single else None
-    for rows, _, xs, kept in _walk(sources, dtype, keep_mask):
-        s_rows = _stats.scale_rows(scale, rows)
-        old = stats[lead].shift[rows].clone() if single else None
-        for st, x in zip(stats, xs):
-            _stats.fold_tile(st, rows, x, s_rows, None, None)
-        if single:
-            assert cross is not None and old is not None  # made when single
-            tiles_math.fold_cross(cross, rows, old, stats[lead], xs[lead], xs[1 - lead], s_rows, kept)
+    if single or keep_mask is not None or isinstance(backend, TorchTiles):
+        stats = [_stats.RowStats.empty(n_rows, 0, dtype, device) for _ in sources]
+        for rows, _, xs, kept in _walk(sources, dtype, keep_mask):
+            s_rows = _stats.scale_rows(scale, rows)
+            old = stats[lead].shift[rows].clone() if single else None
+            for st, x in zip(stats, xs):
+                _stats.fold_tile(st, rows, x, s_rows, None, None)
+            if single:
+                assert cross is not None and old is not None  # made when single
+                tiles_math.fold_cross(cross, rows, old, stats[lead], xs[lead], xs[1 - lead], s_rows, kept)
+    else:
+        stats = _backend_stats(sources, dtype, scale, backend)
     local_lead_shift = stats[lead].shift
     combined = [_stats.combine_over_ranks(st, scale, spec.group) for st in stats]
     if single and _dist.tp_size(spec.group) > 1:
         # SUM all-reduce over the tensor-parallel group of the cross term, each rank's moved to
         # the lead model's global max (as the core moves its sums)
-        _, factor = _stats._moved(local_lead_shift, combined[lead].safe_shift, _stats.per_row(scale))
+        _, factor = moved(local_lead_shift, combined[lead].safe_shift, _stats.per_row(scale))
         assert cross is not None  # made when single
         cross = _dist.all_reduce_sum_(cross * factor, spec.group)
     if keep_mask is not None:  # finite logits and a -inf max: no id kept in that row, on any rank
@@ -127,9 +145,8 @@ def _normalizers(sources, dtype, scale, keep_mask, spec, checks, name):
             f"{spec.op}: keep_mask keeps no vocabulary id in rows {torch.nonzero(empty).squeeze(1)[:8].tolist()}; "
             "keep at least one id per row (or drop those rows from the loss)"))
     for j, st in enumerate(combined):
-        bad = _checks.bad_row_codes(st.shift)
         what = spec.arg if j == 0 else f"teacher {j - 1}'s logits (teacher_hidden @ teacher_weight.T)"
-        checks.require(bad == 0, lambda bad=bad, what=what: _checks.bad_rows_error(spec.op, what, bad))
+        require_good_rows(checks, st.shift, spec.op, what)
     checks.raise_first()
     log_sums = []
     for st in combined:
@@ -148,35 +165,30 @@ class LmHeadDivergence(torch.autograd.Function):
     """The per-token divergence; saved: the models' tensors (alive anyway), ≤ 2(1+n)+2 per token."""
 
     @staticmethod
-    def forward(ctx, plan, spec: _vocab.OpSpec, checks, keep_mask, tau, log_w, *tensors):
-        name, beta, alpha = plan
+    def forward(ctx, choice, spec: _vocab.OpSpec, checks, keep_mask, tau, log_w, *tensors):
+        plan, backend = choice
         sources = _sources(spec, tensors)
         dtype = _stats.compute_dtype(tensors[0].dtype)
         scale = _stats.row_scale(tau, sources[0].n_rows, dtype)
-        shifts, log_sums, cross = _normalizers(sources, dtype, scale, keep_mask, spec, checks, name)
+        shifts, log_sums, cross = _normalizers(sources, dtype, scale, keep_mask, spec, checks, plan, backend)
         if cross is not None:
-            value = tiles_math.one_pass_value(name, cross, shifts, log_sums, scale)
-            consts = [value] if name == "reverse_kl" else []
+            value = tiles_math.one_pass_value(plan.row.name, cross, shifts, log_sums, scale)
+            sums = value[:, None]
         else:
-            sums = None
+            # no tile on a rank holding only vocabulary padding: its share stays 0
+            sums = torch.zeros(sources[0].n_rows, tiles_math.n_sums(plan), dtype=dtype, device=tensors[0].device)
             for rows, _, xs, kept in _walk(sources, dtype, keep_mask):
                 a, b = _tile_log_probs(xs, rows, shifts, log_sums, _stats.scale_rows(scale, rows), log_w)
-                part = torch.stack(tiles_math.row_sums(name, a, b, beta, alpha, kept), dim=1)
-                if sums is None:
-                    sums = torch.zeros(sources[0].n_rows, part.size(1), dtype=dtype, device=part.device)
-                sums[rows] += part
-            if sums is None:  # this rank holds only vocabulary padding
-                sums = torch.zeros(sources[0].n_rows, 1 + tiles_math.CONSTANTS[name], dtype=dtype,
-                                   device=tensors[0].device)
+                sums[rows] += tiles_math.row_sums(plan, a, b, kept)
             # SUM all-reduce over the tensor-parallel group: each rank's vocab shard adds its
             # columns' share of the value and of every row constant
             sums = _dist.all_reduce_sum_(sums, spec.group)
-            value, consts = sums[:, 0].clone(), list(sums[:, 1:].unbind(1))
+            value = sums[:, 0].clone()
         ctx.plan, ctx.spec, ctx.n_tensors = plan, spec, len(tensors)
         ctx.set_materialize_grads(False)
-        tau_saved = tau if isinstance(tau, torch.Tensor) else None
-        ctx.tau = None if tau_saved is not None else tau
-        ctx.save_for_backward(*tensors, torch.stack(shifts + log_sums + consts), keep_mask, tau_saved, log_w)
+        constant = tiles_math.grad_constant(plan, sums)
+        consts = [] if constant is None else [constant]
+        ctx.save_for_backward(*tensors, torch.stack(shifts + log_sums + consts), keep_mask, save_tau(ctx, tau), log_w)
         return value
 
     @staticmethod
@@ -186,11 +198,11 @@ class LmHeadDivergence(torch.autograd.Function):
         none = (None,) * 6
         if grad_value is None or not any(ctx.needs_input_grad[6:8]):
             return none + (None,) * ctx.n_tensors
-        name, beta, alpha = ctx.plan
+        plan: Plan = ctx.plan
         spec: _vocab.OpSpec = ctx.spec
         sources = _sources(spec, tensors)
         n_models, dtype = len(sources), saved.dtype
-        scale = _stats.row_scale(tau if tau is not None else ctx.tau, sources[0].n_rows, dtype)
+        scale = saved_scale(ctx, tau, sources[0].n_rows, dtype)
         rows_saved = list(saved.unbind(0))
         shifts, log_sums, consts = rows_saved[:n_models], rows_saved[n_models:2 * n_models], rows_saved[2 * n_models:]
         # dL/dx = g·s·dD/dz per row (z = x·s)
@@ -201,9 +213,9 @@ class LmHeadDivergence(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if ctx.needs_input_grad[7] else None
         for rows, cols, xs, kept in _walk(sources, dtype, keep_mask):
             a, b = _tile_log_probs(xs, rows, shifts, log_sums, _stats.scale_rows(scale, rows), log_w)
-            dz = tiles_math.student_grad(name, a, b, [c[rows] for c in consts], beta, alpha, kept)
+            dz = tiles_math.student_grad(plan, a, b, consts[0][rows] if consts else None, kept)
             dz.mul_(row_factor[rows, None])
-            _accumulate(grad_h, grad_w, dz, hidden[rows], weight[cols], rows, cols)
+            accumulate(grad_h, grad_w, dz, hidden[rows], weight[cols], rows, cols)
         if grad_h is not None:
             grad_h = reduce_rows(grad_h, spec.group, spec.sequence_parallel).to(tensors[0].dtype)
         if grad_w is not None:

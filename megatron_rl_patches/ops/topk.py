@@ -227,26 +227,29 @@ def _bucket_divergence(
     teachers: torch.Tensor,
     teacher_tails: torch.Tensor | None,
     log_w: torch.Tensor,
-    choice: tuple[str, float, float, float],
+    plan: _divergences.Plan,
     valid: torch.Tensor | None = None,
+    renormalize: bool = False,
 ) -> torch.Tensor:
     """Per-row divergence between the student's buckets `log_p` [R, k+1] and the teacher mixture
-    (teachers [n, ..., k] in their source dtype, tails [n, ...] or None: derived); `choice` is
-    (name, β, α, mix) from :func:`_checks.resolve_divergence`. Id buckets not `valid` [R, k]
-    are empty (-inf) on every side."""
+    (teachers [n, ..., k] in their source dtype, tails [n, ...] or None: derived). Id buckets not
+    `valid` [R, k] are empty (-inf) on every side. `renormalize`: the tails dropped and every
+    model renormalized over its k ids before the teachers are mixed."""
     n, k, source_dtype = teachers.shape[0], teachers.shape[-1], teachers.dtype
     dtype = log_p.dtype
     teachers = teachers.detach().to(device=log_p.device, dtype=dtype).reshape(n, -1, k)
     if valid is not None:
         teachers = teachers.masked_fill(~valid, _NEG_INF)
         log_p = torch.cat([log_p[:, :k].masked_fill(~valid, _NEG_INF), log_p[:, k:]], dim=1)
-    if teacher_tails is None:
-        teacher_tails = _derived_tail(teachers, source_dtype)
+    if renormalize:
+        log_p, log_qs = _divergences.renormalized(log_p[:, :k]), _divergences.renormalized(teachers)
+    elif teacher_tails is None:
+        log_qs = torch.cat([teachers, _derived_tail(teachers, source_dtype)[..., None]], dim=-1)
     else:
-        teacher_tails = teacher_tails.detach().to(device=log_p.device, dtype=dtype).reshape(n, -1)
-    log_qs = torch.cat([teachers, teacher_tails[..., None]], dim=-1)
+        tails = teacher_tails.detach().to(device=log_p.device, dtype=dtype).reshape(n, -1)
+        log_qs = torch.cat([teachers, tails[..., None]], dim=-1)
     log_q = log_qs[0] if n == 1 else torch.logsumexp(log_qs + log_w[:, None, None], dim=0)
-    return _divergences.bucket_divergence(choice[0], log_p, log_q, *choice[1:])
+    return _divergences.bucket_divergence(plan, log_p, log_q)
 
 
 def topk_kl(
@@ -257,8 +260,9 @@ def topk_kl(
     *,
     teacher_weights: Weights = None,
     divergence: str | None = None,
-    beta: float = 0.5,
-    alpha: float = 0.1,
+    beta: float = _divergences.DEFAULT_BETA,
+    alpha: float = _divergences.DEFAULT_ALPHA,
+    renormalize: bool = False,
     ids_mask: torch.Tensor | None = None,
     kl: str | None = None,
     mix: float | None = None,
@@ -269,7 +273,8 @@ def topk_kl(
     None: derived stably from their k log-probs). Options as `topk_opd_loss`; the gradient flows
     to the student's buckets only. `ids_mask` (bool [T, k]): buckets where it is False are
     padding, empty for the student and every teacher whatever values they hold."""
-    choice = _checks.resolve_divergence(divergence, beta, alpha, kl, mix)
+    plan = _divergences.Plan.of(*_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
+    renormalize = _divergences.check_renormalize(renormalize)
     _checks.check_float_tensor(student_logprobs, "student_logprobs", "[T, k]")
     _checks.check_float_tensor(student_tail, "student_tail", "[T]")
     if student_logprobs.dim() < 1 or student_logprobs.shape[-1] == 0:
@@ -293,7 +298,7 @@ def topk_kl(
     k = student_logprobs.shape[-1]
     log_p = torch.cat([student_logprobs.reshape(-1, k).to(dtype), student_tail.reshape(-1, 1).to(dtype)], dim=1)
     valid = None if ids_mask is None else ids_mask.reshape(-1, k)
-    return _bucket_divergence(log_p, teachers, teacher_tails, log_w, choice, valid).reshape(lead)
+    return _bucket_divergence(log_p, teachers, teacher_tails, log_w, plan, valid, renormalize).reshape(lead)
 
 
 def topk_opd_loss(
@@ -304,8 +309,9 @@ def topk_opd_loss(
     *,
     teacher_weights: Weights = None,
     divergence: str | None = None,
-    beta: float = 0.5,
-    alpha: float = 0.1,
+    beta: float = _divergences.DEFAULT_BETA,
+    alpha: float = _divergences.DEFAULT_ALPHA,
+    renormalize: bool = False,
     ids_mask: torch.Tensor | None = None,
     kl: str | None = None,
     mix: float | None = None,
@@ -334,7 +340,8 @@ def topk_opd_loss(
     shape; e.g. from `union_ids`): padded slots, as in `topk_logprobs`, empty buckets for every
     model.
     """
-    choice = _checks.resolve_divergence(divergence, beta, alpha, kl, mix)
+    plan = _divergences.Plan.of(*_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
+    renormalize = _divergences.check_renormalize(renormalize)
     lead, _ = _checks.check_logits(student_logits, "student_logits", tp_group)
     _checks.check_id_tensor(ids, "ids", "[T, k]")
     checks = _checks.DeviceChecks()
@@ -347,4 +354,4 @@ def topk_opd_loss(
     )
     log_p = torch.cat([logp, tail[:, None]], dim=1)
     valid = None if ids_mask is None else ids_mask.reshape(-1, k).to(log_p.device)
-    return _bucket_divergence(log_p, teachers, teacher_tails, log_w, choice, valid).reshape(lead)
+    return _bucket_divergence(log_p, teachers, teacher_tails, log_w, plan, valid, renormalize).reshape(lead)

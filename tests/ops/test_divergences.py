@@ -11,46 +11,17 @@ import torch
 from megatron_rl_patches import topk_ids, topk_kl, topk_logprobs, topk_opd_loss
 from megatron_rl_patches.ops import _divergences
 from megatron_rl_patches.ops._divergences import DIVERGENCES, check_divergence
+from megatron_rl_patches.testing.divergence_reference import bucket_loss, reference_divergence
 
 INF = float("inf")
 T, V, K = 9, 120, 6
 
 
 # ----------------------------------------------------------------------------- float64 reference
-def _kl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.where(a > 0, a * (a.log() - b.log()), 0.0).sum(-1)
-
-
-def ref_divergence(name: str, p: torch.Tensor, q: torch.Tensor, beta: float, alpha: float) -> torch.Tensor:
-    """Per-row divergence of probability vectors p (student), q (teacher), straight from the definitions."""
-    if name == "jsd" and beta in (0.0, 1.0):
-        name = "forward_kl" if beta == 0.0 else "reverse_kl"
-    if name == "forward_kl":
-        return _kl(q, p)
-    if name == "reverse_kl":
-        return _kl(p, q)
-    if name == "jsd":
-        m = beta * q + (1 - beta) * p
-        return beta * _kl(q, m) + (1 - beta) * _kl(p, m)
-    if name == "skew_forward_kl":
-        return _kl(q, alpha * q + (1 - alpha) * p)
-    if name == "skew_reverse_kl":
-        return _kl(p, alpha * p + (1 - alpha) * q)
-    assert name == "tv"
-    return 0.5 * (q - p).abs().sum(-1)
-
-
-def ref_loss(logits, ids, teacher_lp, teacher_tail, weights, name, beta, alpha):
-    """float64 loss and logits' gradient: p, q_j as dense (k+1)-vectors, q = Σ_j w_j q_j."""
-    x = logits.detach().double().requires_grad_(True)
-    p_ids = torch.softmax(x, dim=-1).gather(-1, ids)
-    p = torch.cat([p_ids, (1 - p_ids.sum(-1))[..., None]], dim=-1)
-    qs = torch.cat([teacher_lp.double().exp(), teacher_tail.double().exp()[..., None]], dim=-1)
-    w = torch.tensor(weights, dtype=torch.float64)
-    q = (w[:, None, None] * qs).sum(0) / w.sum()
-    loss = ref_divergence(name, p, q, beta, alpha)
-    loss.sum().backward()
-    return loss.detach(), x.grad
+def ref_loss(logits, ids, teacher_lp, teacher_tail, weights, name, beta, alpha, renormalize=False):
+    """float64 loss and logits' gradient from the one reference (testing/divergence_reference.py)."""
+    return bucket_loss(logits, ids, teacher_lp, teacher_tail, divergence=name, beta=beta, alpha=alpha,
+                       teacher_weights=weights, renormalize=renormalize)
 
 
 def teachers_at(ids, n, seed, dtype):
@@ -77,6 +48,7 @@ def assert_matches(loss, grad, ref, ref_grad, dtype):
 SETTINGS = [(name, 0.5, 0.1) for name in DIVERGENCES] + [
     ("jsd", 0.0, 0.1), ("jsd", 1.0, 0.1), ("jsd", 0.9, 0.1),
     ("skew_forward_kl", 0.5, 0.0), ("skew_reverse_kl", 0.5, 0.0), ("skew_reverse_kl", 0.5, 0.7),
+    ("mixed_kl", 0.0, 0.1), ("mixed_kl", 1.0, 0.1), ("mixed_kl", 0.2, 0.1),
 ]
 
 
@@ -154,24 +126,35 @@ def test_neg_inf_buckets_give_no_nan_values_or_gradients(name):
     p = torch.softmax(x.detach(), -1).gather(-1, ids)
     p = torch.cat([p, 1 - p.sum(-1, keepdim=True)], -1)
     q = (0.5 * torch.cat([tlp.exp(), ttail.exp()[..., None]], -1)).sum(0)
-    ref = ref_divergence(name, p, q, 0.5, 0.1)
+    ref = reference_divergence(name, p.log(), q.log(), 0.5, 0.1)
     assert torch.equal(torch.isfinite(ref), finite)
     torch.testing.assert_close(loss[finite].detach(), ref[finite], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("name,beta,alpha", SETTINGS + [(_divergences.MIXED_KL, 0.5, 0.1)])
-def test_student_log_grad_terms_are_the_autograd_gradient(name, beta, alpha):
-    """g = ∂D/∂log p_s per entry gives the logits' gradient g − p·Σg (what a tile route uses)."""
+@pytest.mark.parametrize("ops", ["SAFE", "FINITE"])
+@pytest.mark.parametrize("name,beta,alpha", SETTINGS)
+def test_table_gradient_terms_are_the_autograd_gradient(name, beta, alpha, ops):
+    """The table's g (what the tile route uses: dD/dz = g − p·Σg) equals autograd through the
+    table's own terms (what the bucket route uses), and the row constant shortcuts hold."""
     gen = torch.Generator().manual_seed(9)
-    z = torch.randn(6, 7, generator=gen, dtype=torch.float64).requires_grad_(True)
-    log_t = torch.log_softmax(torch.randn(6, 7, generator=gen, dtype=torch.float64), -1)
-    log_t[0, 2] = -INF  # a teacher zero
+    z = torch.randn(6, 7, generator=gen, dtype=torch.float64)
+    log_t = torch.randn(6, 7, generator=gen, dtype=torch.float64)
+    if ops == "SAFE":  # a masked id (the tile route's keep_mask): zero for both models
+        z[0, 2] = log_t[0, 2] = -INF
+    log_t = torch.log_softmax(log_t, -1)
+    z.requires_grad_(True)
     log_s = torch.log_softmax(z, -1)
-    _divergences.bucket_divergence(name, log_s, log_t, beta, alpha, 0.3).sum().backward()
+    plan = _divergences.Plan.of(name, beta, alpha)
+    value = _divergences.sum_parts(plan.parts(_divergences.Entries(log_s, log_t, _divergences.SAFE)))
+    value.sum().backward()
     with torch.no_grad():
-        g = _divergences.student_log_grad_terms(name, log_s, log_t, beta, alpha, 0.3)
+        g = plan.grad_terms(_divergences.Entries(log_s, log_t, getattr(_divergences, ops)))
         expected = g - log_s.exp() * g.sum(-1, keepdim=True)
+        constant = {"zero": torch.zeros(6, dtype=torch.float64), "value": value, "sum": g.sum(-1)}[plan.row.constant]
     torch.testing.assert_close(z.grad, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g.sum(-1), constant, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(value, reference_divergence(name, log_s.detach(), log_t, beta, alpha),
+                               rtol=1e-12, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -199,6 +182,8 @@ def test_deprecated_kl_and_mix_map_onto_the_family(kl, mix, expected):
     want = fwd if m == 1.0 else rev if m == 0.0 else m * fwd + (1 - m) * rev
     torch.testing.assert_close(old, want, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(split, old)
+    current = topk_opd_loss(logits, ids, tlp, ttail, divergence="mixed_kl", beta=1 - m)
+    assert torch.equal(old, current)  # kl="mixed", mix=m is the mixed_kl row with β = 1 − m
 
 
 def test_default_is_reverse_kl_without_warning():
@@ -252,3 +237,68 @@ def test_bad_arguments_are_named_and_change_nothing(kwargs, error, match):
 def test_check_divergence_returns_floats():
     assert check_divergence("jsd", 1, 0) == ("jsd", 1.0, 0.0)
     assert isinstance(check_divergence("tv")[1], float)
+
+
+# ----------------------------------------------------------------------------- renormalize=
+@pytest.mark.parametrize("weights", [[1.0], [0.2, 1.0, 3.0]])
+@pytest.mark.parametrize("name,beta", [("mixed_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.3), ("tv", 0.5)])
+def test_renormalized_buckets_match_float64_reference(name, beta, weights):
+    gen = torch.Generator().manual_seed(12)
+    logits = torch.randn(T, V, generator=gen, dtype=torch.float64).mul(2)
+    ids = topk_ids(logits, K)
+    tlp, ttail = teachers_at(ids, len(weights), seed=13, dtype=torch.float64)
+    ref, ref_grad = ref_loss(logits, ids, tlp, None, weights, name, beta, 0.1, renormalize=True)
+    options = dict(divergence=name, beta=beta, teacher_weights=weights, renormalize=True)
+    for tails in (ttail, None):  # the tails play no part once dropped
+        x = logits.clone().requires_grad_(True)
+        loss = topk_opd_loss(x, ids, tlp, tails, **options)
+        loss.sum().backward()
+        assert_matches(loss, x.grad, ref, ref_grad, torch.float64)
+        x = logits.clone().requires_grad_(True)
+        split = topk_kl(*topk_logprobs(x, ids), tlp, tails, **options)
+        split.sum().backward()
+        assert_matches(split, x.grad, ref, ref_grad, torch.float64)
+    assert (topk_opd_loss(logits, ids, tlp, ttail, divergence=name, beta=beta, teacher_weights=weights)
+            - ref).abs().max() > 1e-6  # the tail changes the loss: renormalize= is not ignored
+
+
+def test_nemo_rl_topk_loss_is_the_full_vocabulary_loss_over_the_kept_ids():
+    """NeMo-RL's default (mixed KL, weight 0.5, renormalized over the top-k, no tail) on the bucket
+    route equals lm_head_divergence with keep_mask = the same ids: one row, both routes."""
+    from megatron_rl_patches import lm_head_divergence
+
+    gen = torch.Generator().manual_seed(14)
+    h, th = torch.randn(T, 8, generator=gen, dtype=torch.float64), torch.randn(T, 8, generator=gen, dtype=torch.float64)
+    w, tw = torch.randn(V, 8, generator=gen, dtype=torch.float64), torch.randn(V, 8, generator=gen, dtype=torch.float64)
+    x = (h @ w.T).requires_grad_(True)
+    teacher = th @ tw.T
+    ids = topk_ids(teacher, K)  # the teacher's top-k, as NeMo-RL picks them
+    tlp, _ = topk_logprobs(teacher, ids)
+    buckets = topk_opd_loss(x, ids, tlp, divergence="mixed_kl", beta=0.5, renormalize=True)
+    buckets.sum().backward()
+    keep = torch.zeros(T, V, dtype=torch.bool).scatter_(1, ids, True)
+    hh = h.clone().requires_grad_(True)
+    fused = lm_head_divergence(hh, w, th, tw, divergence="mixed_kl", beta=0.5, keep_mask=keep)
+    fused.sum().backward()
+    torch.testing.assert_close(buckets.detach(), fused.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(x.grad @ w, hh.grad, rtol=1e-9, atol=1e-11)  # dL/dh = dL/dx · W
+
+
+def test_renormalize_with_ids_mask_ignores_padded_slots():
+    logits, ids, tlp, ttail = _inputs()
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[:, -2:] = False
+    garbage = ids.clone()
+    garbage[:, -2:] = 0  # padded slots hold any id
+    masked = topk_opd_loss(logits, garbage, tlp, ttail, ids_mask=mask, renormalize=True)
+    kept = topk_opd_loss(logits, ids[:, :-2], tlp[..., :-2], ttail, renormalize=True)
+    torch.testing.assert_close(masked, kept, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_renormalize_must_be_a_bool(bad):
+    logits, ids, tlp, ttail = _inputs()
+    with pytest.raises(TypeError, match="renormalize must be True"):
+        topk_opd_loss(logits, ids, tlp, ttail, renormalize=bad)
+    with pytest.raises(TypeError, match="renormalize must be True"):
+        topk_kl(*topk_logprobs(logits, ids), tlp, ttail, renormalize=bad)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from megatron_rl_patches import topk_ids, topk_logprobs, topk_opd_loss
 from megatron_rl_patches.ops.topk import _derived_tail, _log1mexp
+from megatron_rl_patches.testing.divergence_reference import bucket_loss
 
 # Tests of the deprecated kl=/mix= (and of forms reachable only through them): opted out of the
 # suite-wide "the package's deprecations are errors" filter (pyproject.toml).
@@ -36,24 +37,11 @@ def ref_buckets(logits, ids, temperature=1.0, vocab_size=None):
 
 
 def ref_loss(student_logits, ids, teacher_lp, teacher_tail, weights, kl, mix=0.5, temperature=1.0):
-    """float64 autograd reference in probability space: p, q_j as (k+1)-vectors, q = sum w_j q_j."""
-    x = student_logits.detach().double().requires_grad_(True)
-    z = x / (temperature.double()[:, None] if isinstance(temperature, torch.Tensor) else temperature)
-    p_ids = torch.softmax(z, dim=-1).gather(-1, ids)
-    p = torch.cat([p_ids, (1 - p_ids.sum(-1))[..., None]], dim=-1)
-    tq = teacher_lp.double().exp()
-    if tq.dim() == ids.dim():
-        tq = tq[None]
-        teacher_tail = None if teacher_tail is None else teacher_tail[None]
-    tail = 1 - tq.sum(-1) if teacher_tail is None else teacher_tail.double().exp()
-    qs = torch.cat([tq, tail[..., None]], dim=-1)
-    w = torch.ones(qs.shape[0], dtype=torch.float64) if weights is None else torch.tensor(weights, dtype=torch.float64)
-    q = (w[:, None, None] * qs).sum(0) / w.sum()
-    rev = (p * (p.log() - q.log())).sum(-1)
-    fwd = (q * (q.log() - p.log())).sum(-1)
-    loss = {"reverse": rev, "forward": fwd, "mixed": mix * fwd + (1 - mix) * rev}[kl]
-    loss.sum().backward()
-    return loss.detach(), x.grad
+    """float64 autograd reference (the one in testing/divergence_reference.py) under the
+    deprecated kl= names: kl="mixed" is mixed_kl with β = 1 − mix."""
+    name = {"reverse": "reverse_kl", "forward": "forward_kl", "mixed": "mixed_kl"}[kl]
+    return bucket_loss(student_logits, ids, teacher_lp, teacher_tail, divergence=name, beta=1 - mix,
+                       teacher_weights=weights, temperature=temperature)
 
 
 def teacher_tensors(n, T, V, ids, seed, scale=2.0):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_divergences import ref_divergence
 
 from megatron_rl_patches import lm_head_topk_logprobs, topk_ids, topk_kl, topk_logprobs, topk_opd_loss, union_ids
 from megatron_rl_patches.ops._divergences import DIVERGENCES
+from megatron_rl_patches.testing.divergence_reference import reference_divergence
 
 INF = float("inf")
 T, V, H, K = 10, 90, 12, 5
@@ -116,7 +116,7 @@ def _dense_loss(z, ids, mask, teacher_logits, weights, name, beta, alpha):
     p = dense_buckets(z, ids, mask).exp()
     qs = torch.stack([dense_buckets(t, ids, mask).exp() for t in teacher_logits])
     w = torch.tensor(weights, dtype=torch.float64)
-    return ref_divergence(name, p, (w[:, None, None] * qs).sum(0) / w.sum(), beta, alpha)
+    return reference_divergence(name, p.log(), ((w[:, None, None] * qs).sum(0) / w.sum()).log(), beta, alpha)
 
 
 @pytest.mark.parametrize("route", ["logits", "fused"])

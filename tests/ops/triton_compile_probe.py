@@ -56,6 +56,9 @@ def main(arches: list[int]) -> None:
         k = 4 if on else 1
         print(compile_variant(row_stats_kernel, arch, dtype, fused, dict.fromkeys(FOLD_FLAGS, on), k), flush=True)
         print(compile_variant(grad_tile_kernel, arch, dtype, fused, dict.fromkeys(GRAD_FLAGS, on), k), flush=True)
+    for arch, dtype in itertools.product(arches, ("bf16", "fp32")):  # lm_head_divergence's normalizers
+        flags = {**dict.fromkeys(FOLD_FLAGS, False), "HAS_REST": True}
+        print(compile_variant(row_stats_kernel, arch, dtype, True, flags, 0), flush=True)
 
 
 if __name__ == "__main__":

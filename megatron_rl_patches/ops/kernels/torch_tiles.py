@@ -12,6 +12,7 @@ import torch
 
 from megatron_rl_patches.ops._stats import GradFactors, RowStats, column_marks, fold_tile, scale_rows, tile_grad
 from megatron_rl_patches.ops.kernels.sources import Source
+from megatron_rl_patches.ops.steps import accumulate
 
 # Bytes of one [rows, cols] fp32 logits tile of a hidden-state source. Rows are many so W's tile
 # is reused across them (the matmuls run near peak); columns few enough that the 2-3 tile
@@ -97,7 +98,7 @@ class TorchTiles:
         for rows, cols, x in tiles(source, dtype):
             subset = keep_mask[rows, cols] if keep_mask is not None else None
             dz = tile_grad(x, cols.start, scale_rows(scale, rows), factors.rows(rows), subset)
-            _accumulate(grad_h, grad_w, dz, hidden[rows], weight[cols], rows, cols)
+            accumulate(grad_h, grad_w, dz, hidden[rows], weight[cols], rows, cols)
         return grad_h, grad_w
 
 
@@ -116,18 +117,3 @@ def _logits_grad_buffer(source: Source) -> torch.Tensor:
     if source.n_valid < logits.size(1):
         grad[:, source.n_valid :].zero_()
     return grad
-
-
-def _accumulate(grad_h, grad_w, dz: torch.Tensor, h: torch.Tensor, w: torch.Tensor, rows: slice, cols: slice) -> None:
-    """grad_h[rows] += dz·w, grad_w[cols] += dzᵀ·h (matmuls in the inputs' dtype)."""
-    if h.dtype == dz.dtype:
-        if grad_h is not None:
-            grad_h[rows].addmm_(dz, w)
-        if grad_w is not None:
-            grad_w[cols].addmm_(dz.t(), h)
-        return
-    dz = dz.to(h.dtype)
-    if grad_h is not None:
-        grad_h[rows] += torch.matmul(dz, w)
-    if grad_w is not None:
-        grad_w[cols] += torch.matmul(dz.t(), h)

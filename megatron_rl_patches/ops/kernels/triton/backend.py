@@ -21,6 +21,7 @@ dtype here, not a training one).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from megatron_rl_patches.ops._stats import GradFactors, RowStats, _moved, finite_or_zero, per_row
+from megatron_rl_patches.ops._stats import GradFactors, RowStats, finite_or_zero, per_row
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.kernels.torch_tiles import (
     CPU_TILE_BYTES,
@@ -39,6 +40,7 @@ from megatron_rl_patches.ops.kernels.torch_tiles import (
 )
 from megatron_rl_patches.ops.kernels.triton._fold import row_stats_kernel
 from megatron_rl_patches.ops.kernels.triton._grad import grad_tile_kernel
+from megatron_rl_patches.ops.steps import moved_stats
 
 # Triton picks the interpreter when a kernel is decorated, i.e. when this module is imported.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on", "y")
@@ -256,26 +258,19 @@ def _or(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
 
 def merge_splits(parts: RowStats, splits: int, scale: float | torch.Tensor) -> RowStats:
     """The statistics of `splits` vocabulary splits ([splits·T] rows, split-major) merged into one
-    per row: each split's sums moved to the maximum shift over splits (as the cross-rank combine)."""
+    per row: each split's sums moved to the maximum shift over splits and added (the step the
+    cross-rank combine takes, :func:`megatron_rl_patches.ops.steps.moved_stats`)."""
     if splits == 1:
         return parts
     n_rows = parts.shift.size(0) // splits
-    s_row = per_row(scale)
-
-    def view(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(splits, n_rows, *t.shape[1:])
-
-    shift = view(parts.shift)
-    out = RowStats(shift=shift.amax(0), marked=view(parts.marked).sum(0))
-    if parts.rest is not None:
-        log_factor, factor = _moved(shift, finite_or_zero(out.shift), s_row)
-        rest = view(parts.rest)
-        out.rest = (rest * factor).sum(0)
-        if parts.moment is not None:
-            out.moment = (factor * (view(parts.moment) + rest * log_factor)).sum(0)
-    if parts.sub_shift is not None:
-        assert parts.sub_sum is not None  # kept with sub_shift
-        sub_shift = view(parts.sub_shift)
-        out.sub_shift = sub_shift.amax(0)
-        out.sub_sum = (view(parts.sub_sum) * _moved(sub_shift, finite_or_zero(out.sub_shift), s_row)[1]).sum(0)
-    return out
+    views = RowStats(**{f.name: None if getattr(parts, f.name) is None
+                        else getattr(parts, f.name).reshape(splits, n_rows, *getattr(parts, f.name).shape[1:])
+                        for f in dataclasses.fields(RowStats)})
+    shift = views.shift.amax(0)
+    sub_shift = views.sub_shift.amax(0) if views.sub_shift is not None else None
+    moved = moved_stats(views, finite_or_zero(shift), None if sub_shift is None else finite_or_zero(sub_shift),
+                        per_row(scale))
+    return RowStats(shift=shift, marked=views.marked.sum(0),
+                    rest=None if moved.rest is None else moved.rest.sum(0),
+                    moment=None if moved.moment is None else moved.moment.sum(0),
+                    sub_shift=sub_shift, sub_sum=None if moved.sub_sum is None else moved.sub_sum.sum(0))
