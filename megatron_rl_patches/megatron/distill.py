@@ -30,10 +30,11 @@ from megatron_rl_patches.megatron.processors import (
     _tp_group,
     wait_for_output_weight,
 )
+from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE
 
 __all__ = ["hidden_output_processor", "divergence_output_processor"]
 
-_DIVERGENCE_CONTEXT = ("teacher_hidden", "teacher_weight", "keep_mask", "temperature")
+_DIVERGENCE_CONTEXT = ("teacher_hidden", "teacher_weight", "keep_mask", "temperature", "row_mask")
 
 
 def _no_mup(config: Any, who: str) -> None:
@@ -69,9 +70,9 @@ def hidden_output_processor() -> Callable[..., torch.Tensor]:
 
 def divergence_output_processor(
     *,
-    divergence: str = "reverse_kl",
-    beta: float = 0.5,
-    alpha: float = 0.1,
+    divergence: str = DEFAULT_DIVERGENCE,
+    beta: float = DEFAULT_BETA,
+    alpha: float = DEFAULT_ALPHA,
     teacher_weights: Sequence[float] | torch.Tensor | None = None,
     temperature: float = 1.0,
     vocab_size: int | None = None,
@@ -81,8 +82,9 @@ def divergence_output_processor(
     final hidden states ([b, s, H_t], e.g. from :func:`hidden_output_processor`) and output
     weights ([V/tp, H_t], the same vocabulary sharding as the student's) come through
     `output_processor_context={"teacher_hidden": t or [t...], "teacher_weight": w or [w...]}`,
-    optionally with "keep_mask" ([b, s, V/tp] bool) and "temperature" ([b, s], multiplied with
-    `temperature`). Options as :func:`megatron_rl_patches.lm_head_divergence`."""
+    optionally with "keep_mask" ([b, s, V/tp] bool), "temperature" ([b, s], multiplied with
+    `temperature`) and "row_mask" ([b, s] bool, e.g. the response tokens: the other tokens'
+    divergence is 0 and they never meet the head). Options as :func:`megatron_rl_patches.lm_head_divergence`."""
     from megatron_rl_patches.ops._checks import check_divergence_options
 
     check_divergence_options(divergence, beta, alpha)
@@ -101,11 +103,15 @@ def divergence_output_processor(
         keep_mask = ctx.get("keep_mask")
         if keep_mask is not None:
             keep_mask = _per_token(keep_mask, "output_processor_context['keep_mask']", call.batch, call.seq)
+        row_mask = ctx.get("row_mask")
+        if row_mask is not None:
+            row_mask = _per_token(row_mask, "output_processor_context['row_mask']", call.batch, call.seq)
         value = lm_head_divergence(
             call.hidden, call.weight, _teacher_rows(ctx["teacher_hidden"], call), ctx["teacher_weight"],
             divergence=divergence, beta=beta, alpha=alpha, teacher_weights=teacher_weights,
             temperature=call.temperature, vocab_size=vocab_size, tp_group=call.tp_group,
             sequence_parallel=call.sequence_parallel, keep_mask=keep_mask, chunk_size=chunk_size,
+            row_mask=row_mask,
         )
         return call.to_batch(value)
 

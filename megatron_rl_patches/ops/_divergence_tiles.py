@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from megatron_rl_patches.ops._divergences import FINITE, SAFE, Entries, EntryOps, Plan, sum_parts
-from megatron_rl_patches.ops._stats import RowStats, _moved, finite_or_zero, per_row, shifted_rows
+from megatron_rl_patches.ops._stats import RowStats, finite_or_zero, per_row, shifted_rows
+from megatron_rl_patches.ops.steps import moved
 
 
 def one_pass(plan: Plan, n_teachers: int) -> bool:
@@ -41,7 +42,7 @@ def fold_cross(cross: torch.Tensor, rows: slice, old_shift: torch.Tensor, lead: 
     lead model's running max: rescaled by e^((m_old − m_new)·s) as `lead`'s fold (already done
     for this tile, from `old_shift`) moved it, exactly as the core rescales its sums."""
     new_shift = finite_or_zero(lead.shift[rows])
-    _, factor = _moved(old_shift, new_shift, per_row(scale))
+    _, factor = moved(old_shift, new_shift, per_row(scale))
     weights = shifted_rows(x_lead, new_shift, scale, out=torch.empty_like(x_lead)).exp_()
     diff = torch.sub(x_lead, x_other)
     if isinstance(scale, torch.Tensor) or scale != 1.0:
@@ -93,9 +94,9 @@ def n_sums(plan: Plan) -> int:
 
 def row_sums(plan: Plan, a: torch.Tensor, b: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
     """[r, n_sums]: the tile's share of the value (and of G = Σ g) from the table's formula."""
-    parts, grad = plan.row.formula(Entries(a, b, _ops(kept)), plan.weight, True)
+    parts, grad = plan.row.formula(Entries(a, b, _ops(kept)), plan.weight, True, n_sums(plan) == 2)
     value = sum_parts(parts)
-    return torch.stack([value, grad.sum(dim=1)] if n_sums(plan) == 2 else [value], dim=1)
+    return torch.stack([value] if grad is None else [value, grad.sum(dim=1)], dim=1)
 
 
 def grad_constant(plan: Plan, sums: torch.Tensor) -> torch.Tensor | None:

@@ -140,15 +140,15 @@ class Entries:
 
 
 # ----------------------------------------------------------------------------- the table
-Formula = Callable[[Entries, float, bool], tuple[Parts, torch.Tensor]]
+Formula = Callable[[Entries, float, bool, bool], tuple[Parts, torch.Tensor | None]]
 
 
 @dataclass(frozen=True)
 class Divergence:
-    """One row of the table: `formula(entries, w, value)` → (terms as weighted parts, empty when
-    not `value`; gradient terms g), w the row's `parameter` (β, α or unused). `constant`: how a
-    route knows G = Σ g: ``"sum"`` (summed beside the value), ``"zero"`` (g sums to 0 by
-    construction), ``"value"`` (G is the divergence itself)."""
+    """One row of the table: `formula(entries, w, value, grad)` → (the terms as weighted parts,
+    empty when not `value`; the gradient terms g, None when not `grad`), w the row's
+    `parameter` (β, α or unused). `constant`: how a route knows G = Σ g: ``"sum"`` (summed beside
+    the value), ``"zero"`` (g sums to 0 by construction), ``"value"`` (G is the divergence itself)."""
 
     name: str
     parameter: str | None
@@ -156,42 +156,43 @@ class Divergence:
     constant: str
 
 
-def _forward(e: Entries, w, value):
-    return ([(1.0, e.ops.kl(e.b, e.q, e.a))] if value else []), e.p - e.q  # −q, plus p
+def _forward(e: Entries, w, value, grad):
+    return ([(1.0, e.ops.kl(e.b, e.q, e.a))] if value else []), (e.p - e.q if grad else None)  # −q, plus p
 
 
-def _reverse(e: Entries, w, value):
+def _reverse(e: Entries, w, value, grad):
     k = e.ops.kl(e.a, e.p, e.b)  # p·(a − b): the term, and ∂/∂a minus p
-    return ([(1.0, k)] if value else []), k
+    return ([(1.0, k)] if value else []), (k if grad else None)
 
 
-def _mixed(e: Entries, beta, value):
+def _mixed(e: Entries, beta, value, grad):
     rev = e.ops.kl(e.a, e.p, e.b)
-    grad = torch.sub(e.p, e.q).mul_(1.0 - beta).add_(rev, alpha=beta)
-    return ([(1.0 - beta, e.ops.kl(e.b, e.q, e.a)), (beta, rev)] if value else []), grad
+    g = torch.sub(e.p, e.q).mul_(1.0 - beta).add_(rev, alpha=beta) if grad else None
+    return ([(1.0 - beta, e.ops.kl(e.b, e.q, e.a)), (beta, rev)] if value else []), g
 
 
-def _jsd(e: Entries, beta, value):
+def _jsd(e: Entries, beta, value, grad):
     lm = e.ops.mix(e.b, e.a, beta)
     k = e.ops.kl(e.a, e.p, lm)  # ∂/∂a of the whole: (1 − β)·p·(a − lm), plus a multiple of p
-    return ([(beta, e.ops.kl(e.b, e.q, lm)), (1.0 - beta, k)] if value else []), k.mul(1.0 - beta)
+    return ([(beta, e.ops.kl(e.b, e.q, lm)), (1.0 - beta, k)] if value else []), (k.mul(1.0 - beta) if grad else None)
 
 
-def _skew_forward(e: Entries, alpha, value):
+def _skew_forward(e: Entries, alpha, value, grad):
     lm = e.ops.mix(e.b, e.a, alpha)
-    return ([(1.0, e.ops.kl(e.b, e.q, lm))] if value else []), e.ops.ratio(e.b, e.a, lm).mul_(alpha - 1.0)
+    g = e.ops.ratio(e.b, e.a, lm).mul_(alpha - 1.0) if grad else None  # −(1 − α)·q·p/M
+    return ([(1.0, e.ops.kl(e.b, e.q, lm))] if value else []), g
 
 
-def _skew_reverse(e: Entries, alpha, value):
+def _skew_reverse(e: Entries, alpha, value, grad):
     lm = e.ops.mix(e.a, e.b, alpha)
     k = e.ops.kl(e.a, e.p, lm)  # + (1 − α)·p·q/M
-    return ([(1.0, k)] if value else []), k.add(e.ops.ratio(e.a, e.b, lm), alpha=1.0 - alpha)
+    return ([(1.0, k)] if value else []), (k.add(e.ops.ratio(e.a, e.b, lm), alpha=1.0 - alpha) if grad else None)
 
 
-def _tv(e: Entries, w, value):
+def _tv(e: Entries, w, value, grad):
     diff = e.p - e.q
-    grad = torch.sign(diff).mul_(e.p).mul_(0.5)
-    return ([(0.5, diff.abs_())] if value else []), grad
+    g = torch.sign(diff).mul_(e.p).mul_(0.5) if grad else None
+    return ([(0.5, diff.abs_())] if value else []), g
 
 
 TABLE = {row.name: row for row in (
@@ -229,10 +230,12 @@ class Plan:
         return cls(row, beta if row.parameter == "beta" else alpha if row.parameter == "alpha" else 0.0)
 
     def parts(self, e: Entries) -> Parts:
-        return self.row.formula(e, self.weight, True)[0]
+        return self.row.formula(e, self.weight, True, False)[0]
 
     def grad_terms(self, e: Entries) -> torch.Tensor:
-        return self.row.formula(e, self.weight, False)[1]
+        grad = self.row.formula(e, self.weight, False, True)[1]
+        assert grad is not None  # asked for
+        return grad
 
 
 def sum_parts(parts: Parts) -> torch.Tensor:

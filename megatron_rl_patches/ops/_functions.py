@@ -79,6 +79,7 @@ class LogProbEntropy(torch.autograd.Function):
         if masked:
             saved += [out.shift_kept, out.log_s_kept]
         ctx.spec, ctx.masked, ctx.backend, ctx.n_tensors = spec, masked, backend, len(tensors)
+        ctx.finite = stats.finite
         ctx.set_materialize_grads(False)
         # int32 local target column (-1: another rank owns it), not int64 ids
         ctx.save_for_backward(*tensors, torch.where(owned, cols, -1).to(torch.int32), torch.stack(saved), keep_mask,
@@ -101,6 +102,7 @@ class LogProbEntropy(torch.autograd.Function):
         out = _saved_log_prob_outputs(list(saved.unbind(0)), spec.entropy_grad, ctx.masked)
         factors = _stats.log_prob_grad_factors(out, grad_log_probs, grad_entropy, scale,
                                                target_cols.long().clamp_min(0), target_cols >= 0, ctx.masked)
+        factors.finite = ctx.finite
         grads = ctx.backend.apply_grad(source, factors, scale, keep_mask if ctx.masked else None,
                                        tuple(ctx.needs_input_grad[6:]))
         return none + _finish(grads, tuple(tensors), spec)

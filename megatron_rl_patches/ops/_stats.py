@@ -121,6 +121,7 @@ class RowStats:
     moment: torch.Tensor | None = None
     sub_shift: torch.Tensor | None = None
     sub_sum: torch.Tensor | None = None
+    finite: bool = False  # known: no -inf logit was folded (this rank), so backward may skip a clamp
 
     @classmethod
     def empty(cls, n_rows: int, k: int, dtype: torch.dtype, device: torch.device, *, rest: bool = True,
@@ -224,6 +225,7 @@ def combine_over_ranks(stats: RowStats, scale: float | torch.Tensor, group: dist
         moment=next(sums) if stats.moment is not None else None,
         sub_shift=shifts[1] if stats.sub_shift is not None else None,
         sub_sum=next(sums) if stats.sub_sum is not None else None,
+        finite=stats.finite,
     )
 
 
@@ -331,6 +333,7 @@ class GradFactors:
     gamma: torch.Tensor | None = None
     eta: torch.Tensor | None = None  # [T, k]
     delta: torch.Tensor | None = None  # [T, k]
+    finite: bool = False  # no -inf logit in these rows (the clamp at NEG_FLOOR may be skipped)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -341,7 +344,7 @@ class GradFactors:
     def rows(self, rows: slice | torch.Tensor) -> GradFactors:
         """The factors of some rows."""
         return replace(self, **{f.name: getattr(self, f.name)[rows] for f in fields(self)
-                                if getattr(self, f.name) is not None})
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
 def log_prob_grad_factors(out: LogProbOutputs, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None,
@@ -419,7 +422,16 @@ def tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Tensor, f: G
     if dz is None:
         dz = buf.zero_()
     local, inside = column_marks(f.cols, f.owned, first_col, x.size(1))
-    x_m = x.gather(1, local).to(dtype)
+    value = marked_grad(x.gather(1, local).to(dtype), scale, f)
+    # the marked entries replaced: cleared, then added (ids clamped onto a column add 0; a plain
+    # scatter could let them overwrite a real mark, and an added difference would round)
+    dz.masked_fill_(marks_mask(dz.shape, local, inside), 0.0)
+    dz.scatter_add_(1, local, torch.where(inside, value, 0.0))
+    return dz
+
+
+def marked_grad(x_m: torch.Tensor, scale: float | torch.Tensor, f: GradFactors) -> torch.Tensor:
+    """dL/dx at the marked columns [r, k] from their logits `x_m` (see :class:`GradFactors`)."""
     value = torch.zeros_like(x_m)
     if f.mark_alpha is not None:
         assert f.shift is not None and f.log_sum is not None  # set with mark_alpha
@@ -432,8 +444,79 @@ def tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Tensor, f: G
         value = value - f.eta * torch.expm1((x_m - sub_shift[:, None]) * scale - log_sub[:, None])
     if f.delta is not None:
         value = value + f.delta
-    # the marked entries replaced: cleared, then added (ids clamped onto a column add 0; a plain
-    # scatter could let them overwrite a real mark, and an added difference would round)
-    dz.masked_fill_(marks_mask(dz.shape, local, inside), 0.0)
-    dz.scatter_add_(1, local, torch.where(inside, value, 0.0))
-    return dz
+    return value
+
+
+# ----------------------------------------------------------------------------- specialized steps
+# The same statistics and gradients as fold_tile / tile_grad for the common calls, chosen once per
+# call (see :func:`target_only`): each element exponentiated once per pass, no marks mask, no
+# clamp pass, into caller-owned buffers. Their results equal the general steps' bit for bit.
+
+
+def target_only(stats: RowStats | GradFactors) -> bool:
+    """Whether a call has one marked column per row (the target) and no subset: the log-prob op
+    without keep_mask, which the specialized steps serve."""
+    if isinstance(stats, RowStats):
+        return stats.marked.size(1) == 1 and stats.rest is not None and stats.sub_shift is None
+    return (stats.cols.size(1) == 1 and stats.alpha is not None and stats.gamma is None and stats.delta is None
+            and stats.sub_shift is None)
+
+
+def replace_marked(tile: torch.Tensor, local: torch.Tensor, inside: torch.Tensor, value: torch.Tensor | float) -> None:
+    """tile[row, local] = value where `inside`, in place; one column per row (k = 1), so the
+    entries not inside are written back unchanged and no mask is built."""
+    if not isinstance(value, torch.Tensor):
+        value = torch.full(local.shape, value, dtype=tile.dtype, device=tile.device)
+    tile.scatter_(1, local, torch.where(inside, value.to(tile.dtype), tile.gather(1, local)))
+
+
+def fold_target_tile(stats: RowStats, rows: slice, x: torch.Tensor, scale: float | torch.Tensor,
+                     marks: tuple[torch.Tensor, torch.Tensor], u: torch.Tensor, exps: torch.Tensor) -> None:
+    """:func:`fold_tile` for one marked column (the target) and no subset, in the buffers `u` and
+    `exps` (x's shape, the stats' dtype). The target's u becomes NEG_FLOOR, so it drops out of
+    the sums (e^u = 0) without a mask. A -inf logit leaves its row's moment NaN (0·-inf):
+    :func:`neg_inf_rows` finds those rows for the general step to fold again."""
+    dtype = stats.shift.dtype
+    s_row = per_row(scale)
+    local, inside = marks
+    assert stats.rest is not None  # target_only
+    stats.marked[rows] += torch.where(inside, x.gather(1, local).to(dtype), 0.0)
+    old = stats.shift[rows]
+    new_shift = torch.maximum(old, local_row_max(x, dtype))
+    log_factor, factor = _moved(old, finite_or_zero(new_shift), s_row)
+    shifted_rows(x, finite_or_zero(new_shift), scale, out=u)
+    replace_marked(u, local, inside, NEG_FLOOR)
+    torch.exp(u, out=exps)
+    if stats.moment is not None:
+        moment = torch.linalg.vecdot(exps, u)
+        stats.moment[rows] = factor * (stats.moment[rows] + stats.rest[rows] * log_factor) + moment
+    stats.rest[rows] = stats.rest[rows] * factor + exps.sum(dim=1)
+    stats.shift[rows] = new_shift
+
+
+def neg_inf_rows(stats: RowStats) -> torch.Tensor:
+    """Rows whose moment the specialized fold left NaN (a -inf logit; their shift is finite)."""
+    if stats.moment is None:
+        return torch.zeros(stats.shift.shape, dtype=torch.bool, device=stats.shift.device)
+    return torch.isnan(stats.moment) & torch.isfinite(stats.shift)
+
+
+def target_tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Tensor, f: GradFactors,
+                     out: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+    """:func:`tile_grad` for :func:`target_only` factors, written into `out` (x's shape; may be
+    x's own storage); `u` a buffer of x's shape, needed only with an entropy term (beta). Set
+    ``f.finite`` only for rows without -inf logits: then the NEG_FLOOR clamp pass is skipped."""
+    assert f.alpha is not None and f.shift is not None and f.log_sum is not None  # target_only
+    local, inside = column_marks(f.cols, f.owned, first_col, x.size(1))
+    value = marked_grad(x.gather(1, local).to(f.dtype), scale, f)  # before out (maybe x) is written
+    if f.beta is None:
+        shifted_rows(x, f.shift, scale, out=out).sub_(f.log_sum[:, None]).exp_().mul_(f.alpha[:, None])
+    else:
+        assert u is not None  # the entropy term needs u apart from the exps
+        shifted_rows(x, f.shift, scale, out=u)
+        torch.sub(u, f.log_sum[:, None], out=out).exp_()
+        if not f.finite:
+            u.clamp_min_(NEG_FLOOR)
+        out.mul_(u.mul_(f.beta[:, None]).add_(f.alpha[:, None]))
+    replace_marked(out, local, inside, value)
+    return out

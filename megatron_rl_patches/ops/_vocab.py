@@ -60,6 +60,32 @@ def local_columns(ids: torch.Tensor, first_id: int, n_valid: int,
     return torch.where(owned, local, n_valid), owned
 
 
+# ------------------------------------------------------------------------ row selection
+
+
+def select_rows(row_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The selected rows' indices [n] (int64, ascending) of a [T] bool `row_mask`, or None for
+    every row. One host sync (the count sets the shapes)."""
+    if row_mask is None:
+        return None
+    return torch.nonzero(row_mask).squeeze(1)
+
+
+def take_rows(value: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+    """`value`'s selected rows (dim 0); `value` as is when it is None or every row is selected."""
+    if value is None or rows is None:
+        return value
+    return value.index_select(0, rows)
+
+
+def scatter_rows(values: torch.Tensor, rows: torch.Tensor | None, n_rows: int) -> torch.Tensor:
+    """[n_rows, ...] zeros with `values` [n, ...] at `rows` (differentiable in `values`: the
+    unselected rows get no gradient); `values` as is when every row is selected."""
+    if rows is None:
+        return values
+    return values.new_zeros((n_rows, *values.shape[1:])).index_copy(0, rows, values)
+
+
 # ------------------------------------------------------------------------ autograd
 
 

@@ -52,6 +52,7 @@ def lm_head_divergence(
     keep_mask: torch.Tensor | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
+    row_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token divergence [T] between the student's softmax(h·Wᵀ/τ) and the teachers' mixture.
 
@@ -68,6 +69,8 @@ def lm_head_divergence(
     `backend` ("auto", "torch", "triton"; as the other vocabulary ops) folds every model's
     normalizer when the divergence needs a second pass; the one-pass KLs, the masked case, pass 2
     and backward run the table's formula on torch tiles (the matmuls dominate them).
+    `row_mask` [T] bool (the gathered rows under sequence parallelism; the same on every rank):
+    only the selected rows meet the weights; the others' divergence is 0 with no gradient.
     """
     _, n_rows, vocab = _checks.check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
     name, beta, alpha = _checks.check_divergence_options(divergence, beta, alpha)
@@ -81,13 +84,19 @@ def lm_head_divergence(
                           sequence_parallel=bool(sequence_parallel and _dist.tp_size(tp_group) > 1))
     plan = Plan.of(name, beta, alpha)
     chosen = resolve_backend(backend, hidden.device)
+    rows = _vocab.select_rows(_checks.check_row_mask(row_mask, n_rows, hidden.device, "the (gathered) hidden rows"))
     flat = [t.detach() for pair in teachers for t in pair]  # teachers get no gradient
-    return LmHeadDivergence.apply((plan, chosen), spec, checks, keep_mask, tau, log_w, hidden, weight, *flat)
+    if isinstance(tau, torch.Tensor) and rows is not None:
+        tau = tau.index_select(0, rows)
+    value = LmHeadDivergence.apply((plan, chosen, rows), spec, checks, _vocab.take_rows(keep_mask, rows), tau, log_w,
+                                   hidden, weight, *flat)
+    return _vocab.scatter_rows(value, rows, n_rows)
 
 
-def _sources(spec: _vocab.OpSpec, tensors: Sequence[torch.Tensor]) -> list[Source]:
-    """One tile source per model (student first), every hidden row gathered."""
-    return [Source(spec.n_valid, spec.chunk_rows, hidden=gather_rows(h, spec.group, spec.sequence_parallel), weight=w)
+def _sources(spec: _vocab.OpSpec, tensors: Sequence[torch.Tensor], selected: torch.Tensor | None) -> list[Source]:
+    """One tile source per model (student first), every hidden row gathered, then the selected ones."""
+    return [Source(spec.n_valid, spec.chunk_rows, weight=w,
+                   hidden=_vocab.take_rows(gather_rows(h, spec.group, spec.sequence_parallel), selected))
             for h, w in zip(tensors[0::2], tensors[1::2])]
 
 
@@ -166,8 +175,8 @@ class LmHeadDivergence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, choice, spec: _vocab.OpSpec, checks, keep_mask, tau, log_w, *tensors):
-        plan, backend = choice
-        sources = _sources(spec, tensors)
+        plan, backend, selected = choice
+        sources = _sources(spec, tensors, selected)
         dtype = _stats.compute_dtype(tensors[0].dtype)
         scale = _stats.row_scale(tau, sources[0].n_rows, dtype)
         shifts, log_sums, cross = _normalizers(sources, dtype, scale, keep_mask, spec, checks, plan, backend)
@@ -184,7 +193,7 @@ class LmHeadDivergence(torch.autograd.Function):
             # columns' share of the value and of every row constant
             sums = _dist.all_reduce_sum_(sums, spec.group)
             value = sums[:, 0].clone()
-        ctx.plan, ctx.spec, ctx.n_tensors = plan, spec, len(tensors)
+        ctx.plan, ctx.selected, ctx.spec, ctx.n_tensors = plan, selected, spec, len(tensors)
         ctx.set_materialize_grads(False)
         constant = tiles_math.grad_constant(plan, sums)
         consts = [] if constant is None else [constant]
@@ -200,7 +209,7 @@ class LmHeadDivergence(torch.autograd.Function):
             return none + (None,) * ctx.n_tensors
         plan: Plan = ctx.plan
         spec: _vocab.OpSpec = ctx.spec
-        sources = _sources(spec, tensors)
+        sources = _sources(spec, tensors, ctx.selected)
         n_models, dtype = len(sources), saved.dtype
         scale = saved_scale(ctx, tau, sources[0].n_rows, dtype)
         rows_saved = list(saved.unbind(0))
@@ -217,6 +226,8 @@ class LmHeadDivergence(torch.autograd.Function):
             dz.mul_(row_factor[rows, None])
             accumulate(grad_h, grad_w, dz, hidden[rows], weight[cols], rows, cols)
         if grad_h is not None:
+            n_gathered = tensors[0].size(0) * (_dist.tp_size(spec.group) if spec.sequence_parallel else 1)
+            grad_h = _vocab.scatter_rows(grad_h, ctx.selected, n_gathered)
             grad_h = reduce_rows(grad_h, spec.group, spec.sequence_parallel).to(tensors[0].dtype)
         if grad_w is not None:
             grad_w = grad_w.to(tensors[1].dtype)

@@ -1,6 +1,6 @@
 """hidden_output_processor and divergence_output_processor called as GPTModel calls them, with a
 plain output layer (no megatron-core needed): layouts ([s, b] rows in, [b, s] out), equality with
-lm_head_divergence on the same rows, per-token temperature and keep_mask through the context, and
+lm_head_divergence on the same rows, per-token temperature, keep_mask and row_mask through the context, and
 their named errors (at build time for options, at call time for the context)."""
 from __future__ import annotations
 
@@ -62,6 +62,20 @@ def test_divergence_processor_equals_the_op_on_the_rows():
     assert torch.allclose(rows(out), want, rtol=1e-12, atol=1e-14)
     out.sum().backward()
     assert hidden.grad is not None and student.weight.grad is not None
+
+
+def test_row_mask_in_the_context_selects_response_rows():
+    student, teachers, hidden, states = _setup()
+    teacher_hidden = [hidden_output_processor()(hidden_states=s, output_layer=t) for s, t in zip(states, teachers)]
+    response = torch.zeros(B, S, dtype=torch.bool)
+    response[:, 2:] = True
+    context = {"teacher_hidden": teacher_hidden, "teacher_weight": [t.weight.detach() for t in teachers]}
+    processor = divergence_output_processor(divergence="jsd")
+    every = processor(hidden_states=hidden, output_layer=student, context=context)
+    out = processor(hidden_states=hidden, output_layer=student, context={**context, "row_mask": response})
+    assert torch.equal(out[response], every[response]) and not out[~response].any()
+    out.sum().backward()
+    assert not hidden.grad.transpose(0, 1)[~response].any() and hidden.grad.transpose(0, 1)[response].abs().sum() > 0
 
 
 def test_one_teacher_as_tensors():

@@ -302,3 +302,36 @@ def test_renormalize_must_be_a_bool(bad):
         topk_opd_loss(logits, ids, tlp, ttail, renormalize=bad)
     with pytest.raises(TypeError, match="renormalize must be True"):
         topk_kl(*topk_logprobs(logits, ids), tlp, ttail, renormalize=bad)
+
+
+# ----------------------------------------------------------------------------- row_mask= on the fused route
+@pytest.mark.parametrize("name,n", [("reverse_kl", 1), ("jsd", 2)])
+def test_lm_head_divergence_row_mask_selects_rows(name, n):
+    """Selected rows: the all-rows values and hidden gradients (bit for bit with the same tiles);
+    unselected rows: 0, no gradient; dW as the all-rows dW with their upstream gradient 0."""
+    from megatron_rl_patches import lm_head_divergence
+
+    gen = torch.Generator().manual_seed(15)
+    h, w = torch.randn(T, 8, generator=gen), torch.randn(V, 8, generator=gen)
+    teachers = [(torch.randn(T, 8, generator=gen), torch.randn(V, 8, generator=gen)) for _ in range(n)]
+    mask = torch.rand(T, generator=gen) < 0.5
+    mask[0] = True
+    upstream = torch.rand(T, generator=gen) + 0.5
+
+    def run(row_mask, grad):
+        hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = lm_head_divergence(hh, ww, [t[0] for t in teachers], [t[1] for t in teachers], divergence=name,
+                                 chunk_size=1, row_mask=row_mask)
+        out.backward(grad)
+        return out.detach(), hh.grad, ww.grad
+
+    full, full_h, _ = run(None, upstream)
+    _, _, zeroed_w = run(None, upstream * mask)
+    sel, sel_h, sel_w = run(mask, upstream)
+    assert torch.equal(sel[mask], full[mask]) and bool((sel[~mask] == 0).all())
+    assert torch.equal(sel_h[mask], full_h[mask]) and bool((sel_h[~mask] == 0).all())
+    torch.testing.assert_close(sel_w, zeroed_w, rtol=1e-5, atol=1e-6)
+    none, none_h, none_w = run(torch.zeros(T, dtype=torch.bool), upstream)
+    assert not none.any() and not none_h.any() and not none_w.any()
+    with pytest.raises(TypeError, match="row_mask must be a bool tensor"):
+        run(mask.long(), upstream)

@@ -44,7 +44,7 @@ def _reference(models, **options):
     return [t.detach() for t in (loss, h.grad, w.grad)]
 
 
-@pytest.mark.parametrize("divergence,n", [("jsd", 1), ("tv", 2), ("mixed_kl", 1), ("skew_reverse_kl", 2)])
+@pytest.mark.parametrize("divergence,n", [("jsd", 1), ("skew_reverse_kl", 2)])
 def test_triton_normalizers_match_torch_and_float64(divergence, n, monkeypatch):
     from megatron_rl_patches.ops import divergence as op
 

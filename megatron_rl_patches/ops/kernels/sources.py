@@ -5,7 +5,7 @@ under sequence parallelism, summing dL/dh over the ranks) is done here, outside 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,14 @@ class Source:
     @property
     def n_rows(self) -> int:
         return self.first.size(0)
+
+    def take(self, rows: torch.Tensor) -> Source:
+        """The same source over some rows only (a copy of those rows of the logits or hidden)."""
+        if self.fused:
+            assert self.hidden is not None  # fused
+            return replace(self, hidden=self.hidden.index_select(0, rows), inplace=False)
+        assert self.logits is not None  # not fused
+        return replace(self, logits=self.logits.index_select(0, rows), inplace=False)
 
 
 def gather_rows(hidden: torch.Tensor, group: dist.ProcessGroup | None, sequence_parallel: bool) -> torch.Tensor:

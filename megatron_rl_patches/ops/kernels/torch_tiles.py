@@ -10,7 +10,18 @@ from collections.abc import Iterator
 
 import torch
 
-from megatron_rl_patches.ops._stats import GradFactors, RowStats, column_marks, fold_tile, scale_rows, tile_grad
+from megatron_rl_patches.ops._stats import (
+    GradFactors,
+    RowStats,
+    column_marks,
+    fold_target_tile,
+    fold_tile,
+    neg_inf_rows,
+    scale_rows,
+    target_only,
+    target_tile_grad,
+    tile_grad,
+)
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.steps import accumulate
 
@@ -76,6 +87,8 @@ class TorchTiles:
 
     def row_stats(self, source: Source, stats: RowStats, cols: torch.Tensor, owned: torch.Tensor,
                   keep_mask: torch.Tensor | None, scale: float | torch.Tensor) -> RowStats:
+        if keep_mask is None and target_only(stats):
+            return _target_row_stats(source, stats, cols, owned, scale)
         for rows, tile_cols, x in tiles(source, stats.shift.dtype):
             marks = column_marks(cols[rows], owned[rows], tile_cols.start, x.size(1))
             subset = keep_mask[rows, tile_cols] if keep_mask is not None else None
@@ -85,21 +98,70 @@ class TorchTiles:
     def apply_grad(self, source: Source, factors: GradFactors, scale: float | torch.Tensor,
                    keep_mask: torch.Tensor | None, needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
         dtype = factors.dtype
+        fast = keep_mask is None and target_only(factors)
+        work = _TileBuffers(source, dtype, 2 if source.fused else int(factors.beta is not None))
         if not source.fused:
             grad = _logits_grad_buffer(source)
             for rows, cols, x in tiles(source, dtype):
+                f = factors.rows(rows)
+                if fast and grad.dtype == dtype:
+                    target_tile_grad(x, cols.start, scale_rows(scale, rows), f, grad[rows, cols], work.get(0, x))
+                    continue
                 subset = keep_mask[rows, cols] if keep_mask is not None else None
-                grad[rows, cols] = tile_grad(x, cols.start, scale_rows(scale, rows), factors.rows(rows), subset)
+                grad[rows, cols] = tile_grad(x, cols.start, scale_rows(scale, rows), f, subset)
             return (grad,)
         hidden, weight = source.hidden, source.weight
         assert hidden is not None and weight is not None  # fused
         grad_h = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if needs[0] else None
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if needs[1] else None
         for rows, cols, x in tiles(source, dtype):
-            subset = keep_mask[rows, cols] if keep_mask is not None else None
-            dz = tile_grad(x, cols.start, scale_rows(scale, rows), factors.rows(rows), subset)
+            f = factors.rows(rows)
+            if fast:
+                dz = target_tile_grad(x, cols.start, scale_rows(scale, rows), f, work.get(0, x), work.get(1, x))
+            else:
+                subset = keep_mask[rows, cols] if keep_mask is not None else None
+                dz = tile_grad(x, cols.start, scale_rows(scale, rows), f, subset)
             accumulate(grad_h, grad_w, dz, hidden[rows], weight[cols], rows, cols)
         return grad_h, grad_w
+
+
+class _TileBuffers:
+    """`count` reusable tile-sized buffers of one call, each viewed contiguous at a tile's shape."""
+
+    def __init__(self, source: Source, dtype: torch.dtype, count: int) -> None:
+        first = source.first
+        if source.fused:
+            rows, cols = tile_shape(source.n_rows, source.n_valid, first.device, source.chunk_rows)
+        else:
+            rows, cols = min(source.n_rows, source.chunk_rows or source.n_rows), source.n_valid
+        self._flat = [torch.empty(max(rows, 1) * max(cols, 1), dtype=dtype, device=first.device) for _ in range(count)]
+
+    def get(self, index: int, like: torch.Tensor) -> torch.Tensor | None:
+        if index >= len(self._flat):
+            return None
+        return self._flat[index][: like.numel()].view(like.shape)
+
+
+def _target_row_stats(source: Source, stats: RowStats, cols: torch.Tensor, owned: torch.Tensor,
+                      scale: float | torch.Tensor) -> RowStats:
+    """The log-prob op's statistics through the specialized fold; rows with a -inf logit (their
+    moment NaN) folded again by the general step. Sets ``stats.finite``."""
+    dtype = stats.shift.dtype
+    work = _TileBuffers(source, dtype, 2)
+    for rows, tile_cols, x in tiles(source, dtype):
+        marks = column_marks(cols[rows], owned[rows], tile_cols.start, x.size(1))
+        fold_target_tile(stats, rows, x, scale_rows(scale, rows), marks, work.get(0, x), work.get(1, x))
+    redo = torch.nonzero(neg_inf_rows(stats)).squeeze(1)
+    stats.finite = stats.moment is not None and redo.numel() == 0  # the one host sync (count)
+    if redo.numel():
+        part = RowStats.empty(redo.numel(), 1, dtype, redo.device, moment=True)
+        sub = source.take(redo)
+        for rows, tile_cols, x in tiles(sub, dtype):
+            marks = column_marks(cols[redo][rows], owned[redo][rows], tile_cols.start, x.size(1))
+            fold_tile(part, rows, x, scale_rows(scale_rows(scale, redo), rows), marks, None)
+        for name in ("shift", "marked", "rest", "moment"):
+            getattr(stats, name)[redo] = getattr(part, name)
+    return stats
 
 
 def _logits_grad_buffer(source: Source) -> torch.Tensor:

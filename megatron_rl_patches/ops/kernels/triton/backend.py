@@ -263,9 +263,16 @@ def merge_splits(parts: RowStats, splits: int, scale: float | torch.Tensor) -> R
     if splits == 1:
         return parts
     n_rows = parts.shift.size(0) // splits
-    views = RowStats(**{f.name: None if getattr(parts, f.name) is None
-                        else getattr(parts, f.name).reshape(splits, n_rows, *getattr(parts, f.name).shape[1:])
-                        for f in dataclasses.fields(RowStats)})
+
+    def view(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(splits, n_rows, *t.shape[1:])
+
+    def view_opt(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else view(t)
+
+    views = dataclasses.replace(parts, shift=view(parts.shift), marked=view(parts.marked), rest=view_opt(parts.rest),
+                                moment=view_opt(parts.moment), sub_shift=view_opt(parts.sub_shift),
+                                sub_sum=view_opt(parts.sub_sum))
     shift = views.shift.amax(0)
     sub_shift = views.sub_shift.amax(0) if views.sub_shift is not None else None
     moved = moved_stats(views, finite_or_zero(shift), None if sub_shift is None else finite_or_zero(sub_shift),
@@ -273,4 +280,5 @@ def merge_splits(parts: RowStats, splits: int, scale: float | torch.Tensor) -> R
     return RowStats(shift=shift, marked=views.marked.sum(0),
                     rest=None if moved.rest is None else moved.rest.sum(0),
                     moment=None if moved.moment is None else moved.moment.sum(0),
-                    sub_shift=sub_shift, sub_sum=None if moved.sub_sum is None else moved.sub_sum.sum(0))
+                    sub_shift=sub_shift, sub_sum=None if moved.sub_sum is None else moved.sub_sum.sum(0),
+                    finite=parts.finite)
