@@ -121,7 +121,6 @@ class RowStats:
     moment: torch.Tensor | None = None
     sub_shift: torch.Tensor | None = None
     sub_sum: torch.Tensor | None = None
-    finite: bool = False  # known: no -inf logit was folded (this rank), so backward may skip a clamp
 
     @classmethod
     def empty(cls, n_rows: int, k: int, dtype: torch.dtype, device: torch.device, *, rest: bool = True,
@@ -225,7 +224,6 @@ def combine_over_ranks(stats: RowStats, scale: float | torch.Tensor, group: dist
         moment=next(sums) if stats.moment is not None else None,
         sub_shift=shifts[1] if stats.sub_shift is not None else None,
         sub_sum=next(sums) if stats.sub_sum is not None else None,
-        finite=stats.finite,
     )
 
 
@@ -333,7 +331,6 @@ class GradFactors:
     gamma: torch.Tensor | None = None
     eta: torch.Tensor | None = None  # [T, k]
     delta: torch.Tensor | None = None  # [T, k]
-    finite: bool = False  # no -inf logit in these rows (the clamp at NEG_FLOOR may be skipped)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -344,7 +341,7 @@ class GradFactors:
     def rows(self, rows: slice | torch.Tensor) -> GradFactors:
         """The factors of some rows."""
         return replace(self, **{f.name: getattr(self, f.name)[rows] for f in fields(self)
-                                if isinstance(getattr(self, f.name), torch.Tensor)})
+                                if getattr(self, f.name) is not None})
 
 
 def log_prob_grad_factors(out: LogProbOutputs, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None,
@@ -449,8 +446,8 @@ def marked_grad(x_m: torch.Tensor, scale: float | torch.Tensor, f: GradFactors) 
 
 # ----------------------------------------------------------------------------- specialized steps
 # The same statistics and gradients as fold_tile / tile_grad for the common calls, chosen once per
-# call (see :func:`target_only`): each element exponentiated once per pass, no marks mask, no
-# clamp pass, into caller-owned buffers. Their results equal the general steps' bit for bit.
+# call (see :func:`target_only`): each element exponentiated once per pass, no marks mask, into
+# caller-owned buffers. Their results equal the general steps' bit for bit.
 
 
 def target_only(stats: RowStats | GradFactors) -> bool:
@@ -474,8 +471,7 @@ def fold_target_tile(stats: RowStats, rows: slice, x: torch.Tensor, scale: float
                      marks: tuple[torch.Tensor, torch.Tensor], u: torch.Tensor, exps: torch.Tensor) -> None:
     """:func:`fold_tile` for one marked column (the target) and no subset, in the buffers `u` and
     `exps` (x's shape, the stats' dtype). The target's u becomes NEG_FLOOR, so it drops out of
-    the sums (e^u = 0) without a mask. A -inf logit leaves its row's moment NaN (0·-inf):
-    :func:`neg_inf_rows` finds those rows for the general step to fold again."""
+    the sums (e^u = 0) without a mask."""
     dtype = stats.shift.dtype
     s_row = per_row(scale)
     local, inside = marks
@@ -488,24 +484,16 @@ def fold_target_tile(stats: RowStats, rows: slice, x: torch.Tensor, scale: float
     replace_marked(u, local, inside, NEG_FLOOR)
     torch.exp(u, out=exps)
     if stats.moment is not None:
-        moment = torch.linalg.vecdot(exps, u)
+        moment = torch.linalg.vecdot(exps, u.clamp_min_(NEG_FLOOR))  # -inf logits: e^u·u = 0, not NaN
         stats.moment[rows] = factor * (stats.moment[rows] + stats.rest[rows] * log_factor) + moment
     stats.rest[rows] = stats.rest[rows] * factor + exps.sum(dim=1)
     stats.shift[rows] = new_shift
 
 
-def neg_inf_rows(stats: RowStats) -> torch.Tensor:
-    """Rows whose moment the specialized fold left NaN (a -inf logit; their shift is finite)."""
-    if stats.moment is None:
-        return torch.zeros(stats.shift.shape, dtype=torch.bool, device=stats.shift.device)
-    return torch.isnan(stats.moment) & torch.isfinite(stats.shift)
-
-
 def target_tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Tensor, f: GradFactors,
                      out: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
     """:func:`tile_grad` for :func:`target_only` factors, written into `out` (x's shape; may be
-    x's own storage); `u` a buffer of x's shape, needed only with an entropy term (beta). Set
-    ``f.finite`` only for rows without -inf logits: then the NEG_FLOOR clamp pass is skipped."""
+    x's own storage); `u` a buffer of x's shape, needed only with an entropy term (beta)."""
     assert f.alpha is not None and f.shift is not None and f.log_sum is not None  # target_only
     local, inside = column_marks(f.cols, f.owned, first_col, x.size(1))
     value = marked_grad(x.gather(1, local).to(f.dtype), scale, f)  # before out (maybe x) is written
@@ -515,8 +503,6 @@ def target_tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Tenso
         assert u is not None  # the entropy term needs u apart from the exps
         shifted_rows(x, f.shift, scale, out=u)
         torch.sub(u, f.log_sum[:, None], out=out).exp_()
-        if not f.finite:
-            u.clamp_min_(NEG_FLOOR)
-        out.mul_(u.mul_(f.beta[:, None]).add_(f.alpha[:, None]))
+        out.mul_(u.clamp_min_(NEG_FLOOR).mul_(f.beta[:, None]).add_(f.alpha[:, None]))
     replace_marked(out, local, inside, value)
     return out

@@ -45,6 +45,7 @@ def _step(op: str, T: int, V: int, H: int, k: int) -> Callable[[], None]:
     def lp_entropy(inplace: bool) -> None:
         leaf, x = logits_leaf()
         lp, ent = logprobs.log_probs_and_entropy(x, tokens, with_entropy=True, inplace_backward=inplace)
+        assert ent is not None  # with_entropy
         torch.autograd.backward([(a * lp).sum() + (b * ent).sum()], inputs=[x])
 
     def slime() -> None:
@@ -74,6 +75,7 @@ def _step(op: str, T: int, V: int, H: int, k: int) -> Callable[[], None]:
             logp, tail = lm_head.lm_head_topk_logprobs(h, w, ids)
             torch.autograd.backward([logp.sum() + (a * tail).sum()], inputs=[h, w])
             return
+        assert ent is not None  # with_entropy
         torch.autograd.backward([(a * lp).sum() + (b * ent).sum()], inputs=[h, w])
 
     steps: dict[str, Callable[[], None]] = {

@@ -5,7 +5,7 @@ under sequence parallelism, summing dL/dh over the ranks) is done here, outside 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,8 @@ class Source:
     """Logits [T, V_local] (`logits`), or ``hidden [T, H] @ weight[V_local, H].T`` (every row of
     hidden, gathered); only the first `n_valid` columns are real vocabulary ids. `chunk_rows`:
     rows per tile (None: the backend's budget); `inplace`: the logits' gradient may be written
-    into their own storage."""
+    into their own storage; `shape_rows`: the row count tiles are shaped for (a row selection
+    tiles its rows as all rows are, so each row's values keep their bits)."""
 
     n_valid: int
     chunk_rows: int | None
@@ -26,6 +27,7 @@ class Source:
     hidden: torch.Tensor | None = None
     weight: torch.Tensor | None = None
     inplace: bool = False
+    shape_rows: int | None = None  # rows the tile shape is chosen for (None: n_rows); a row selection keeps all's
 
     @property
     def fused(self) -> bool:
@@ -40,14 +42,6 @@ class Source:
     @property
     def n_rows(self) -> int:
         return self.first.size(0)
-
-    def take(self, rows: torch.Tensor) -> Source:
-        """The same source over some rows only (a copy of those rows of the logits or hidden)."""
-        if self.fused:
-            assert self.hidden is not None  # fused
-            return replace(self, hidden=self.hidden.index_select(0, rows), inplace=False)
-        assert self.logits is not None  # not fused
-        return replace(self, logits=self.logits.index_select(0, rows), inplace=False)
 
 
 def gather_rows(hidden: torch.Tensor, group: dist.ProcessGroup | None, sequence_parallel: bool) -> torch.Tensor:

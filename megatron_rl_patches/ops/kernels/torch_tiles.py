@@ -16,7 +16,6 @@ from megatron_rl_patches.ops._stats import (
     column_marks,
     fold_target_tile,
     fold_tile,
-    neg_inf_rows,
     scale_rows,
     target_only,
     target_tile_grad,
@@ -66,7 +65,7 @@ def tiles(source: Source, dtype: torch.dtype) -> Iterator[tuple[slice, slice, to
             yield slice(r0, r1), slice(0, n_valid), source.logits[r0:r1, :n_valid]
         return
     assert source.hidden is not None and source.weight is not None  # fused
-    row_tile, col_tile = tile_shape(n_rows, n_valid, source.hidden.device, source.chunk_rows)
+    row_tile, col_tile = tile_shape(source.shape_rows or n_rows, n_valid, source.hidden.device, source.chunk_rows)
     buf = torch.empty(row_tile, col_tile, dtype=dtype, device=source.hidden.device)
     for r0, r1 in spans(n_rows, row_tile):
         h = source.hidden[r0:r1]
@@ -105,7 +104,8 @@ class TorchTiles:
             for rows, cols, x in tiles(source, dtype):
                 f = factors.rows(rows)
                 if fast and grad.dtype == dtype:
-                    target_tile_grad(x, cols.start, scale_rows(scale, rows), f, grad[rows, cols], work.get(0, x))
+                    u = work.get(0, x) if f.beta is not None else None
+                    target_tile_grad(x, cols.start, scale_rows(scale, rows), f, grad[rows, cols], u)
                     continue
                 subset = keep_mask[rows, cols] if keep_mask is not None else None
                 grad[rows, cols] = tile_grad(x, cols.start, scale_rows(scale, rows), f, subset)
@@ -131,36 +131,23 @@ class _TileBuffers:
     def __init__(self, source: Source, dtype: torch.dtype, count: int) -> None:
         first = source.first
         if source.fused:
-            rows, cols = tile_shape(source.n_rows, source.n_valid, first.device, source.chunk_rows)
+            rows, cols = tile_shape(source.shape_rows or source.n_rows, source.n_valid, first.device, source.chunk_rows)
         else:
             rows, cols = min(source.n_rows, source.chunk_rows or source.n_rows), source.n_valid
         self._flat = [torch.empty(max(rows, 1) * max(cols, 1), dtype=dtype, device=first.device) for _ in range(count)]
 
-    def get(self, index: int, like: torch.Tensor) -> torch.Tensor | None:
-        if index >= len(self._flat):
-            return None
+    def get(self, index: int, like: torch.Tensor) -> torch.Tensor:
         return self._flat[index][: like.numel()].view(like.shape)
 
 
 def _target_row_stats(source: Source, stats: RowStats, cols: torch.Tensor, owned: torch.Tensor,
                       scale: float | torch.Tensor) -> RowStats:
-    """The log-prob op's statistics through the specialized fold; rows with a -inf logit (their
-    moment NaN) folded again by the general step. Sets ``stats.finite``."""
+    """The log-prob op's statistics through the specialized fold, in two reusable tile buffers."""
     dtype = stats.shift.dtype
     work = _TileBuffers(source, dtype, 2)
     for rows, tile_cols, x in tiles(source, dtype):
         marks = column_marks(cols[rows], owned[rows], tile_cols.start, x.size(1))
         fold_target_tile(stats, rows, x, scale_rows(scale, rows), marks, work.get(0, x), work.get(1, x))
-    redo = torch.nonzero(neg_inf_rows(stats)).squeeze(1)
-    stats.finite = stats.moment is not None and redo.numel() == 0  # the one host sync (count)
-    if redo.numel():
-        part = RowStats.empty(redo.numel(), 1, dtype, redo.device, moment=True)
-        sub = source.take(redo)
-        for rows, tile_cols, x in tiles(sub, dtype):
-            marks = column_marks(cols[redo][rows], owned[redo][rows], tile_cols.start, x.size(1))
-            fold_tile(part, rows, x, scale_rows(scale_rows(scale, redo), rows), marks, None)
-        for name in ("shift", "marked", "rest", "moment"):
-            getattr(stats, name)[redo] = getattr(part, name)
     return stats
 
 

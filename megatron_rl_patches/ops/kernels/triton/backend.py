@@ -280,5 +280,4 @@ def merge_splits(parts: RowStats, splits: int, scale: float | torch.Tensor) -> R
     return RowStats(shift=shift, marked=views.marked.sum(0),
                     rest=None if moved.rest is None else moved.rest.sum(0),
                     moment=None if moved.moment is None else moved.moment.sum(0),
-                    sub_shift=sub_shift, sub_sum=None if moved.sub_sum is None else moved.sub_sum.sum(0),
-                    finite=parts.finite)
+                    sub_shift=sub_shift, sub_sum=None if moved.sub_sum is None else moved.sub_sum.sum(0))
