@@ -34,6 +34,7 @@ ROOMS = {
     "_chunks": "_chunks",
     "_args": "_args",
     "_log": "_log",
+    "_backend_env": "_backend_env",
     "_lazy": "_lazy",
 }
 # The apps: under apps/ (issue 20 item 6); their former names at the package root still count

@@ -62,6 +62,7 @@ def test_startup_hook_with_variable_unset_is_light():
         "megatron_rl_patches.patching.startup",
         "megatron_rl_patches.patching.startup.hook",
         "megatron_rl_patches.patching.env",
+        "megatron_rl_patches._backend_env",  # the backend variable's one parser (standard library only)
     }
 
 

@@ -73,7 +73,7 @@ def exact_forward_kl_topk(
         ids = torch.where(padded[:, None], stand_in, ids)
         teacher = torch.where(padded[:, None], torch.full_like(teacher, -math.log(k + 1)), teacher)
     student, student_tail = topk_logprobs(logits, ids, tp_group=tp_group)
-    loss = topk_kl(student, student_tail, teacher, kl="forward")
+    loss = topk_kl(student, student_tail, teacher, divergence="forward_kl")
     loss = torch.where(padded, torch.zeros_like(loss), loss)
     with torch.no_grad():
         keep = (~padded).to(student.dtype)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from types import FrameType
 
 import torch
 import torch.distributed as dist
@@ -166,27 +168,57 @@ class DeviceChecks:
 
     ``require`` keeps a device-side flag; ``raise_first`` syncs once and raises the first failed
     check's error (built only then, so messages may inspect the data). A host sync per check
-    stalls the GPU queue each time.
+    stalls the GPU queue each time. ``warn_unless`` queues a warning read back with the same sync.
     """
+
+    _MAX_WARNINGS = 16  # their flags travel as bits of the one integer read back
 
     def __init__(self) -> None:
         self._checks: list[tuple[torch.Tensor, Callable[[], Exception]]] = []
+        self._warnings: list[tuple[torch.Tensor, Callable[[], Warning]]] = []
 
     def require(self, ok: torch.Tensor, error: Callable[[], Exception]) -> None:
         """Every element of the bool tensor `ok` must be true, else ``raise error()``."""
         if ok.numel():
             self._checks.append((ok.all(), error))
 
+    def warn_unless(self, ok: torch.Tensor, warning: Callable[[], Warning]) -> None:
+        """Every element of `ok` should be true, else ``warnings.warn(warning())`` at the sync."""
+        if ok.numel():
+            if len(self._warnings) == self._MAX_WARNINGS:
+                raise RuntimeError(f"DeviceChecks holds at most {self._MAX_WARNINGS} warnings per call")
+            self._warnings.append((ok.all(), warning))
+
     def raise_first(self) -> None:
-        """One host sync: raise the first failed check's error, if any; forget all checks."""
+        """One host sync: raise the first failed check's error, if any, else issue every failed
+        warning (as called from the op's caller); forget all checks."""
         checks, self._checks = self._checks, []
-        if not checks:
+        notes, self._warnings = self._warnings, []
+        if not checks and not notes:
             return
-        device = checks[0][0].device
+        device = (checks or notes)[0][0].device
         failed = torch.stack([~ok.to(device) for ok, _ in checks] + [torch.ones((), dtype=torch.bool, device=device)])
-        first = int(failed.to(torch.int32).argmax())  # argmax returns the first maximal index
+        code = failed.to(torch.int64).argmax()  # argmax returns the first maximal index
+        if notes:  # the warnings' flags as bits above the index: still one number to read back
+            bits = torch.stack([~ok.to(device) for ok, _ in notes]).to(torch.int64)
+            code = code + (len(checks) + 1) * (bits << torch.arange(len(notes), device=device)).sum()
+        first, flags = divmod(int(code), len(checks) + 1)[::-1]
         if first < len(checks):
             raise checks[first][1]()
+        for index, (_, warning) in enumerate(notes):
+            if flags >> index & 1:
+                warnings.warn(warning(), stacklevel=caller_stacklevel())
+
+
+def caller_stacklevel() -> int:
+    """`warnings.warn`'s stacklevel, for its caller, that names the first frame outside this
+    package and torch (an op's caller, also from inside an autograd Function)."""
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("megatron_rl_patches",
+                                                                                         "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def check_group(group: dist.ProcessGroup | None) -> None:
@@ -407,36 +439,82 @@ def check_teachers(
     return teacher_logprobs, tail
 
 
-def check_weights(
-    weights: Weights, n: int, dtype: torch.dtype, device: torch.device, checks: DeviceChecks
-) -> torch.Tensor:
-    """Log of the teacher weights normalized to sum 1 ([n]; uniform when None); their values are
-    checked through `checks`."""
-    if weights is None:
-        return torch.full((n,), -math.log(n), dtype=dtype, device=device)
+_WEIGHT_SUM_TOLERANCE = 1e-6  # how far from 1 the teachers' mixture weights may sum
+
+
+def _read_weights(weights: object, n: int, device: torch.device) -> tuple[torch.Tensor, list[float] | None]:
+    """The weights as float64 [n] on `device`, and their host values when they came as numbers
+    (an iterator is read once); TypeError for a str (not read as digits) or non-numbers."""
     if isinstance(weights, torch.Tensor):
         check_has_data(weights, "teacher_weights")
         w = weights.detach().to(device=device, dtype=torch.float64)
+        values = None
     else:
         try:
-            w = torch.tensor([float(x) for x in weights], dtype=torch.float64, device=device)
+            if isinstance(weights, (str, bytes)):
+                raise TypeError
+            values = [float(x) for x in weights]  # type: ignore[attr-defined]
         except (TypeError, ValueError):
             raise TypeError(
                 f"teacher_weights must be a sequence of {n} numbers or a tensor [{n}], got {weights!r}"
             ) from None
+        w = torch.tensor(values, dtype=torch.float64, device=device)
     if w.shape != (n,):
         raise ValueError(f"teacher_weights must have shape ({n},), one weight per teacher, got {tuple(w.shape)}")
-    checks.require(torch.isfinite(w) & (w >= 0),
-                   lambda: ValueError(f"teacher_weights must be finite and >= 0, got {w.tolist()}"))
+    return w, values
+
+
+def check_weights(weights: Weights | Iterable[float], n: int, dtype: torch.dtype, device: torch.device,
+                  checks: DeviceChecks, *, renormalize_for_one_release: bool = False) -> torch.Tensor:
+    """Log of the teachers' mixture weights [n] (equal when None). The one policy of every op: the
+    weights are the mixture's probabilities, finite, >= 0 and summing to 1 within 1e-6, never
+    renormalized silently. `renormalize_for_one_release` (topk_kl / topk_opd_loss, which used to
+    renormalize): a sum != 1 is divided out with a FutureWarning (read with the call's one sync);
+    the next release refuses it."""
+    if weights is None:
+        return torch.full((n,), -math.log(n), dtype=dtype, device=device)
+    w, values = _read_weights(weights, n, device)
+    shown = values if values is not None else w  # the message reads a tensor only when it is raised
+    checks.require(torch.isfinite(w) & (w >= 0), lambda: ValueError(
+        f"teacher_weights must be finite and >= 0, got {_listed(shown)}"
+    ))
     total = w.sum()
     checks.require(total > 0, lambda: ValueError(
         "teacher_weights must not all be zero: give at least one teacher a positive weight"
     ))
     checks.require(torch.isfinite(total), lambda: ValueError(
-        f"teacher_weights must have a finite sum (got {w.tolist()}, whose sum overflows); scale them down, "
-        "only their ratios matter"
+        f"teacher_weights must have a finite sum (got {_listed(shown)}, whose sum overflows); divide them by "
+        "their sum"
     ))
+    if renormalize_for_one_release:
+        def renormalized() -> FutureWarning:  # reads no tensor: a warning costs no second sync
+            total_text = f"sum to {sum(values):g}, not 1" if values is not None else "do not sum to 1"
+            return FutureWarning(
+                f"teacher_weights {total_text}: divided by their sum today, a ValueError in the next release "
+                "(the weights are the mixture's probabilities); pass weights / sum(weights)"
+            )
+
+        if values is None:
+            checks.warn_unless(~torch.isfinite(total) | (total <= 0) | ((total - 1).abs() <= _WEIGHT_SUM_TOLERANCE),
+                               renormalized)
+        elif 0 < sum(values) < math.inf and not abs(math.fsum(values) - 1) <= _WEIGHT_SUM_TOLERANCE:
+            warnings.warn(renormalized(), stacklevel=caller_stacklevel())
+        return torch.log(w / total).to(dtype)
+
+    def not_one() -> ValueError:
+        return ValueError(f"teacher_weights must sum to 1 (the mixture's probabilities), got {_listed(shown)} "
+                          f"(sum {sum(_listed(shown)):g}); divide them by their sum")
+
+    if values is not None:  # numbers on the host: no device sync to wait for
+        if math.isfinite(sum(values)) and not abs(math.fsum(values) - 1) <= _WEIGHT_SUM_TOLERANCE:
+            raise not_one()
+    else:
+        checks.require((total - 1).abs() <= _WEIGHT_SUM_TOLERANCE, not_one)
     return torch.log(w / total).to(dtype)
+
+
+def _listed(values: list[float] | torch.Tensor) -> list[float]:
+    return values if isinstance(values, list) else [float(x) for x in values.tolist()]
 
 
 def check_mixture(
@@ -445,7 +523,8 @@ def check_mixture(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The teachers' buckets ([n, ..., k], tails or None) and the log mixture weights [n]."""
     teachers, tails = check_teachers(teacher_logprobs, teacher_tail, bucket_shape, checks)
-    return teachers, tails, check_weights(weights, teachers.shape[0], dtype, device, checks)
+    return teachers, tails, check_weights(weights, teachers.shape[0], dtype, device, checks,
+                                          renormalize_for_one_release=True)
 
 
 def check_kl_options(kl: object, mix: object) -> float:
@@ -597,26 +676,3 @@ def check_teacher_models(teacher_hidden: object, teacher_weight: object, hidden:
         checks.require(torch.isfinite(h), nonfinite)
         models.append((h, w))
     return models
-
-
-def check_teacher_mixture_weights(weights: Weights, n: int, dtype: torch.dtype, device: torch.device,
-                                  checks: DeviceChecks) -> torch.Tensor:
-    """Log of the teachers' mixture weights [n] (equal when None): :func:`check_weights`' checks,
-    and a sum of 1 (within 1e-6) — a mixture's probabilities, never renormalized silently."""
-    log_w = check_weights(weights, n, dtype, device, checks)
-    if weights is None:
-        return log_w
-
-    def error(total: float) -> ValueError:
-        return ValueError("teacher_weights must sum to 1 (the mixture's probabilities), "
-                          f"got {list(map(float, weights))} "
-                          f"(sum {total}); divide them by their sum")
-
-    if isinstance(weights, torch.Tensor):
-        total_t = weights.detach().to(torch.float64).sum()
-        checks.require((total_t - 1).abs() <= 1e-6, lambda: error(float(total_t)))
-    else:  # numbers on the host: no device sync to wait for
-        total = math.fsum(float(x) for x in weights)
-        if not abs(total - 1) <= 1e-6:
-            raise error(total)
-    return log_w

@@ -59,7 +59,8 @@ def lm_head_divergence(
     hidden [T, H_s] and weight [V_local, H_s]: the student (under `sequence_parallel` this rank's
     [T/tp, H_s] rows, gathered inside); teacher_hidden [T, H_t] and teacher_weight [V_local, H_t]
     one teacher, or equal-length sequences of them mixed in probability space with
-    `teacher_weights` (≥ 0, summing to 1; None: equal). Every model shares the vocabulary, its TP
+    `teacher_weights`, the mixture's probabilities (≥ 0, summing to 1 within 1e-6, never
+    renormalized; None: equal; the same policy as `topk_kl`). Every model shares the vocabulary, its TP
     sharding and `temperature` (a float or per-token [T]). `divergence`: forward_kl = KL(q‖p_s),
     reverse_kl = KL(p_s‖q), jsd (β), skew_forward_kl / skew_reverse_kl (α), tv (see
     :mod:`megatron_rl_patches.ops._divergences`). `keep_mask` [T, V_local] bool: every model's
@@ -76,7 +77,7 @@ def lm_head_divergence(
     checks = _checks.DeviceChecks()
     teachers = _checks.check_teacher_models(teacher_hidden, teacher_weight, hidden, weight, checks)
     dtype = _stats.compute_dtype(hidden.dtype)
-    log_w = _checks.check_teacher_mixture_weights(teacher_weights, len(teachers), dtype, hidden.device, checks)
+    log_w = _checks.check_weights(teacher_weights, len(teachers), dtype, hidden.device, checks)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
     spec = _vocab.op_spec(weight.size(0), tp_group, vocab, chunk_size, "lm_head_divergence", arg=_LOGITS,

@@ -362,13 +362,16 @@ def topk_opd_loss(
     (weight `beta` on the teacher; 0: forward, 1: reverse KL), "skew_forward_kl",
     "skew_reverse_kl" (own share `alpha`), "tv" (docs/distillation.md). The deprecated
     kl="reverse" / "forward" / "mixed" (mix·forward + (1 − mix)·reverse) still work with a
-    DeprecationWarning; giving both is a TypeError. The mixture is q = sum_j w_j q_j (w
-    normalized, default uniform); teacher tails default to log(1 - sum_k q_j), computed stably
-    and floored at the dtype's epsilon. Zero-probability buckets: 0·log 0 = 0; a bucket with
-    zero probability on the reference side only makes that token's KL +inf (that bucket gives
-    no gradient). `ids_mask` (bool, ids' shape; e.g. from `union_ids`): padded slots, as in
-    `topk_logprobs`, empty buckets for every model. `row_mask` (bool, the student logits'
-    leading shape): only those rows are computed; the others' divergence is 0 with no gradient.
+    DeprecationWarning; giving both is a TypeError. The mixture is q = sum_j w_j q_j with
+    `teacher_weights` w the mixture's probabilities (>= 0, summing to 1 within 1e-6; None:
+    uniform; a str is refused, an iterator read once), as for `lm_head_divergence`; a sum != 1 is
+    still divided out, with a FutureWarning, and refused from the next release. Teacher tails
+    default to log(1 - sum_k q_j), computed stably and floored at the dtype's epsilon.
+    Zero-probability buckets: 0·log 0 = 0; a bucket with zero probability on the reference side
+    only makes that token's KL +inf (that bucket gives no gradient). `ids_mask` (bool, ids'
+    shape; e.g. from `union_ids`): padded slots, as in `topk_logprobs`, empty buckets for every
+    model. `row_mask` (bool, the student logits' leading shape): only those rows are computed;
+    the others' divergence is 0 with no gradient.
     """
     plan = _divergences.Plan.of(*_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
     renormalize = _divergences.check_renormalize(renormalize)

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import os
 
+from megatron_rl_patches._backend_env import AUTO, parse_backend
+from megatron_rl_patches._backend_env import VARIABLE as BACKEND
+
 # Not `from typing import TYPE_CHECKING`: this module runs at every interpreter start-up and
 # importing typing costs more than everything else the start-up hook does (type checkers
 # treat this name specially either way).
@@ -15,10 +18,7 @@ DISABLE = "MEGATRON_RL_PATCHES_DISABLE"
 STRICT = "MEGATRON_RL_PATCHES_STRICT"
 INFERENCE_ROLES = "MEGATRON_RL_PATCHES_INFERENCE_ROLES"
 ALLOW_UNTESTED = "MEGATRON_RL_PATCHES_ALLOW_UNTESTED"
-BACKEND = "MEGATRON_RL_PATCHES_BACKEND"
 VARIABLES = (SELECT, DISABLE, STRICT, INFERENCE_ROLES, ALLOW_UNTESTED, BACKEND)
-
-BACKENDS = ("torch", "triton")
 
 _OFF = {"", "0", "false", "no", "off", "none"}
 _ALL = {"1", "all", "true", "yes", "on"}
@@ -121,12 +121,10 @@ def role_names(environ: Mapping[str, str] | None = None) -> list[str] | None:
 
 
 def backend(environ: Mapping[str, str] | None = None) -> str | None:
-    """MEGATRON_RL_PATCHES_BACKEND: "torch" or "triton"; None when unset or "" (the ops choose)."""
-    value = _get(environ, BACKEND) or ""
-    word = value.strip().lower()
-    if not word or word in BACKENDS:
-        return word or None
-    raise ValueError(f"{BACKEND}={_cut(value)!r} is not a backend: use {' or '.join(BACKENDS)}, or unset it")
+    """MEGATRON_RL_PATCHES_BACKEND: "torch" or "triton"; None when unset, "" or "auto" (the ops
+    choose). The ops read it with the same parser (:mod:`megatron_rl_patches._backend_env`)."""
+    word = parse_backend(_get(environ, BACKEND))
+    return None if word == AUTO else word
 
 
 def checked_role_names(environ: Mapping[str, str] | None = None) -> list[str] | None:
@@ -148,12 +146,28 @@ def checked_role_names(environ: Mapping[str, str] | None = None) -> list[str] | 
 _LISTED = 5  # unknown names an error message shows (each cut by _cut)
 
 
-def _check_known(source: str, names: Sequence[str], known: Sequence[str]) -> None:
+def _suggestions(unknown: Sequence[str], known: Sequence[str]) -> str:
+    """' (did you mean ddp_hooks?)' for the unknown names with a close known one; '' when none has."""
+    import difflib  # only on this error path: start-up stays light
+
+    close = {name: difflib.get_close_matches(name.strip().lower(), known, n=1, cutoff=0.6) for name in unknown}
+    found = {name: match[0] for name, match in close.items() if match}
+    if not found:
+        return ""
+    if len(unknown) == 1:
+        return f" (did you mean {found[unknown[0]]}?)"
+    return f" (did you mean {', '.join(f'{match} for {_cut(name)!r}' for name, match in found.items())}?)"
+
+
+def check_names(source: str, names: Sequence[str], known: Sequence[str]) -> None:
+    """ValueError naming `source` (the variable or argument the names came from), the unknown
+    names, the close known ones ("did you mean ddp_hooks?") and every valid name."""
     unknown = list(dict.fromkeys(name for name in names if name not in known))
     if unknown:
         shown = ", ".join(repr(_cut(name)) for name in unknown[:_LISTED])
         more = f" and {len(unknown) - _LISTED} more" if len(unknown) > _LISTED else ""
-        raise ValueError(f"unknown patch name(s) {shown}{more} in {source}; valid names: {', '.join(known)}")
+        raise ValueError(f"unknown patch name(s) {shown}{more} in {source}{_suggestions(unknown[:_LISTED], known)}; "
+                         f"valid names: {', '.join(known)}")
 
 
 def selection(
@@ -174,16 +188,16 @@ def selection(
     exclude_names = split_names(exclude)
     disabled: list[str] = []
     if only_names is not None:
-        _check_known("only=", only_names, known)
-        _check_known("exclude=", exclude_names, known)
+        check_names("only=", only_names, known)
+        check_names("exclude=", exclude_names, known)
         asked = set(only_names)
     else:
         env_names = selected_names(environ)
         disabled = disabled_names(environ)
         if env_names is not None:
-            _check_known(SELECT, env_names, known)
-        _check_known(DISABLE, disabled, known)
-        _check_known("exclude=", exclude_names, known)
+            check_names(SELECT, env_names, known)
+        check_names(DISABLE, disabled, known)
+        check_names("exclude=", exclude_names, known)
         asked = set(known if env_names is None else env_names)
     fates: dict[str, str | None] = {}
     for name in dict.fromkeys(known):

@@ -19,6 +19,14 @@ MISSING, OPTIONAL_MISSING, SIGNATURE, ERROR, REVERTED, OK = (
 REASON_CODES = (NOT_SELECTED, DISABLED, WAITING, NATIVE, VERSION, UNTESTED, MISSING, OPTIONAL_MISSING,
                 SIGNATURE, ERROR, REVERTED, OK)
 
+# One word per state (PatchStatus.state), what every printed list shows. A `skipped` status whose
+# code is a choice or an expected absence reads as its own word, so `skipped` and `failed` are
+# printed only for a problem.
+OFF, REVERTED_STATE, NATIVE_STATE, NOT_APPLICABLE = "off", "reverted", "native", "n/a"
+STATES = (APPLIED, PENDING, OFF, REVERTED_STATE, NATIVE_STATE, NOT_APPLICABLE, SKIPPED, FAILED)
+_SKIPPED_ON_PURPOSE = {NOT_SELECTED: OFF, DISABLED: OFF, REVERTED: REVERTED_STATE, NATIVE: NATIVE_STATE,
+                       OPTIONAL_MISSING: NOT_APPLICABLE}
+
 
 class PatchError(RuntimeError):
     """A selected patch could not be applied (raised in strict mode only)."""
@@ -75,6 +83,14 @@ class PatchStatus:
     reason: str = ""
     code: str = ""  # machine-readable reason: one of REASON_CODES
 
+    @property
+    def state(self) -> str:
+        """The one word for this state (see STATES): the status itself, except for a `skipped`
+        that is no problem — `off` (not selected or disabled), `reverted`, `native`, `n/a`."""
+        if self.status == SKIPPED:
+            return _SKIPPED_ON_PURPOSE.get(self.code, SKIPPED)
+        return self.status
+
     def as_dict(self) -> dict[str, str]:
         return asdict(self)
 
@@ -99,15 +115,15 @@ class PatchStatuses(list):
 
 
 def _patch_line(statuses: list[PatchStatus]) -> str:
-    """'applied 2/2 targets', or 'pending 1/2, skipped 1/2 targets (skipped: why)'."""
+    """'applied 2/2 targets', or 'pending 1/2, skipped 1/2 targets (skipped: why)' (state words)."""
     total = len(statuses)
     counts: dict[str, int] = {}
     for status in statuses:
-        counts[status.status] = counts.get(status.status, 0) + 1
+        counts[status.state] = counts.get(status.state, 0) + 1
     line = ", ".join(f"{word} {count}/{total}" for word, count in counts.items())
     line += " target" if total == 1 else " targets"
     reasons = [f"{word}: {why}" if len(counts) > 1 else why
-               for word in counts if (why := _reasons([s for s in statuses if s.status == word]))]
+               for word in counts if (why := _reasons([s for s in statuses if s.state == word]))]
     return f"{line} ({'; '.join(reasons)})" if reasons else line
 
 

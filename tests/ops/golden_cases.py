@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -67,8 +68,10 @@ def cases() -> dict[str, torch.Tensor]:
         for kl in ("reverse", "forward", "mixed"):
             for tails in ("given", "derived"):
                 logits = base.clone().requires_grad_()
-                loss = topk_opd_loss(logits, ids, teachers, t_tail if tails == "given" else None,
-                                     teacher_weights=[0.3, 0.7], kl=kl, mix=0.4)
+                with warnings.catch_warnings():  # cases recorded with the deprecated kl=/mix=
+                    warnings.filterwarnings("ignore", "kl=/mix= are deprecated", DeprecationWarning)
+                    loss = topk_opd_loss(logits, ids, teachers, t_tail if tails == "given" else None,
+                                         teacher_weights=[0.3, 0.7], kl=kl, mix=0.4)
                 loss.sum().backward()
                 out[f"opd/{name}/{kl}/{tails}"], out[f"opd_grad/{name}/{kl}/{tails}"] = loss.detach(), logits.grad
     _logprob_modes(out, g)

@@ -45,6 +45,6 @@ def test_counts_per_status_and_each_reason_once():
     assert str(statuses).splitlines() == [
         f"train_reentry  pending 2/3, applied 1/3 targets (pending: waiting for the import of {module})",
         "ddp_hooks      skipped 2/2 targets (megatron-core 0.9 is outside '>=0.13')",
-        "grad_windows   skipped 1/1 target (not selected)",
+        "grad_windows   off 1/1 target (not selected)",  # not selected is no problem: its own word
     ]
     assert str(PatchStatuses()) == "no patch"

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import pkgutil
 import re
 import subprocess
 import sys
+import textwrap
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -256,12 +258,64 @@ def write_csv(rows: Sequence[dict], path: str, columns: Sequence[str] | None = N
     return path
 
 
+# Every plot whose panels are in U says what U is (issue 29: the unit was only in the tables).
+U_NOTE = "U = T·V·4 bytes (one fp32 copy of the [T, V] logits)"
+_LABEL_WIDTH = 16  # characters per line of an x label: wrapped, so neighbours do not overlap
+
+
+def _uses_u(texts: Sequence[str]) -> bool:
+    return any(re.search(r"(^|[\s(/])U(\b|$)", text) for text in texts)
+
+
+def grouped_bars_figure(
+    rows: Sequence[dict], *, group: str, series: str, values: Sequence[str], titles: Sequence[str],
+    suptitle: str = "", ylabel: str = "", missing_label: str = "",
+) -> Any:
+    """The figure of :func:`plot_grouped_bars` (matplotlib imported by the caller). A series with
+    no number for a group gets `missing_label` written where its bar would be (e.g. "crashes")."""
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys(str(row[group]) for row in rows))
+    names = list(dict.fromkeys(str(row[series]) for row in rows))
+    labels = ["\n".join(line for part in g.split("\n") for line in textwrap.wrap(part, _LABEL_WIDTH) or [part])
+              for g in groups]
+    longest = max((len(line) for label in labels for line in label.splitlines()), default=1)
+    panel = max(5.5, len(groups) * max(0.6, 0.08 * longest) + 1.5)  # inches: room for every label
+    fig, axes = plt.subplots(1, len(values), figsize=(panel * len(values), 4.2), squeeze=False)
+    width = 0.8 / max(1, len(names))
+    for ax, value, title in zip(axes[0], values, titles):
+        for i, name in enumerate(names):
+            heights, missing = [], []
+            for j, g in enumerate(groups):
+                match = [r for r in rows if str(r[group]) == g and str(r[series]) == name]
+                v = match[0].get(value) if match else None
+                number = isinstance(v, (int, float)) and math.isfinite(v)
+                heights.append(float(v) if number else 0.0)
+                if match and not number:
+                    missing.append(j + i * width)
+            ax.bar([j + i * width for j in range(len(groups))], heights, width, label=name)
+            for x in missing if missing_label else ():
+                ax.text(x, 0, f" {missing_label}", rotation=90, ha="center", va="bottom", fontsize=8)
+        ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(groups))])
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if _uses_u([*titles, ylabel]) and U_NOTE not in suptitle:
+        suptitle = f"{suptitle}\n{U_NOTE}" if suptitle else U_NOTE
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
 def plot_grouped_bars(
     rows: Sequence[dict], path: str, *, group: str, series: str, values: Sequence[str], titles: Sequence[str],
-    suptitle: str = "", ylabel: str = "",
+    suptitle: str = "", ylabel: str = "", missing_label: str = "",
 ) -> str | None:
-    """One panel per entry of `values`: bars of each `series` within each `group`. Needs matplotlib
-    (imported here only); returns the path, or None when matplotlib is missing."""
+    """One panel per entry of `values`: bars of each `series` within each `group`, written to
+    `path`. Needs matplotlib (imported here only); returns the path, or None when it is missing."""
     try:
         import matplotlib
 
@@ -269,27 +323,8 @@ def plot_grouped_bars(
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    groups = list(dict.fromkeys(str(row[group]) for row in rows))
-    names = list(dict.fromkeys(str(row[series]) for row in rows))
-    fig, axes = plt.subplots(1, len(values), figsize=(5.5 * len(values), 4.2), squeeze=False)
-    width = 0.8 / max(1, len(names))
-    for ax, value, title in zip(axes[0], values, titles):
-        for i, name in enumerate(names):
-            heights = []
-            for g in groups:
-                match = [r for r in rows if str(r[group]) == g and str(r[series]) == name]
-                v = match[0].get(value) if match else None
-                heights.append(float(v) if isinstance(v, (int, float)) else 0.0)
-            ax.bar([j + i * width for j in range(len(groups))], heights, width, label=name)
-        ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(groups))])
-        ax.set_xticklabels(groups, fontsize=8)
-        ax.set_title(title, fontsize=10)
-        ax.set_ylabel(ylabel)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    if suptitle:
-        fig.suptitle(suptitle, fontsize=11)
-    fig.tight_layout()
+    fig = grouped_bars_figure(rows, group=group, series=series, values=values, titles=titles, suptitle=suptitle,
+                              ylabel=ylabel, missing_label=missing_label)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path

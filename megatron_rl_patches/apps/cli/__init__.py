@@ -43,6 +43,7 @@ BROKEN_PIPE = 141
 
 def environment_help() -> str:
     """The environment variables the patches read, one per line (the epilog of --help)."""
+    from megatron_rl_patches._backend_env import MEANING as BACKEND_MEANING
     from megatron_rl_patches.patching import env
 
     meaning = {
@@ -50,10 +51,13 @@ def environment_help() -> str:
                     'at start-up; unset, "" or "0": off',
         env.DISABLE: "comma-separated patch names removed from any selection",
         env.STRICT: '1/true/yes/on: patch problems raise instead of warning (0/false/no/off/"": warn)',
-        env.INFERENCE_ROLES: "roles built inference-only (unset: slime's teacher roles, which `doctor` "
-                             'lists; "": none)',
+        # the roles are integrations.slime_roles.DEFAULT_INFERENCE_ROLES (a test holds them equal; not
+        # imported here: --help of every command, the plain demo's included, imports no integration)
+        env.INFERENCE_ROLES: "comma-separated roles built inference-only (unset: slime's teacher roles "
+                             'prm_teacher,teacher; "": none)',
         env.ALLOW_UNTESTED: "1: apply patches outside their supported megatron-core range "
                             "(one warning each)",
+        env.BACKEND: BACKEND_MEANING,
     }
     lines = ["environment variables:"]
     for name in env.VARIABLES:

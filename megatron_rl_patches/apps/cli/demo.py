@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import fields, replace
 
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, UsageError
@@ -18,6 +19,7 @@ from megatron_rl_patches.apps.cli._common import OK, PROBLEM, UsageError
 ROUTES = ("both", "package", "plain")
 # Without the package the loop fails on its second train() call: two rollouts show it.
 PLAIN_ROLLOUTS_IN_BOTH = 2
+SEEDS = 2**32  # --seed in [0, SEEDS): every seed the demo derives from it fits torch's generators
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +46,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
+def heading(route: str, rollouts: int) -> str:
+    """The line shown before a route runs (and before its progress bars)."""
+    if route == "plain":
+        return (f"== without the package: up to {rollouts} rollout(s) of the loop as written without it "
+                f"(rollout 2 is expected to crash) ==")
+    return f"== with the package: {rollouts} rollout(s) of the same loop, patched =="
+
+
+def _status(line: str) -> None:
+    """A progress line on stderr, where the bars are, at once (stdout may be a JSON report)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from megatron_rl_patches.apps.demo.config import DemoConfig
 
@@ -53,19 +68,27 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"need --rollouts >= 1, --steps >= 1, --teachers >= 1 and 0 < --topk < {cfg.vocab_size}"
         )
+    if not 0 <= cfg.seed < SEEDS:
+        raise UsageError(f"--seed must be in 0 .. 2**32 - 1 (got {cfg.seed}): pass a smaller seed")
     route = "plain" if args.no_patches else args.route
     if args.no_patches and args.route not in ("both", "plain"):
         raise UsageError(f"--no-patches contradicts --route {args.route}")
+    # on screen at once: the imports below take seconds (torch, megatron-core)
+    _status("starting megatron-core on CPU (the first imports take about 10 s) ...")
     from megatron_rl_patches.apps.demo.report import format_comparison, format_summary
     from megatron_rl_patches.apps.demo.session import run_demo
 
     if route != "both":
+        _status(heading(route, cfg.rollouts))
         summary = run_demo(cfg, patches=route == "package", progress=True)
         print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
         return OK if summary["ok"] else PROBLEM
-    plain = run_demo(replace(cfg, rollouts=min(cfg.rollouts, PLAIN_ROLLOUTS_IN_BOTH)), patches=False, progress=True)
+    plain_cfg = replace(cfg, rollouts=min(cfg.rollouts, PLAIN_ROLLOUTS_IN_BOTH))
+    _status(heading("plain", plain_cfg.rollouts))
+    plain = run_demo(plain_cfg, patches=False, progress=True)
     if not args.json:
         print(format_summary(plain, real_models=False) + "\n", flush=True)
+    _status(heading("package", cfg.rollouts))
     package = run_demo(cfg, patches=True, progress=True)
     if args.json:
         print(json.dumps({"without_package": plain, "with_package": package}, indent=2))

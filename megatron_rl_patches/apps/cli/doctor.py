@@ -17,6 +17,8 @@ from megatron_rl_patches.apps.cli.targets import STATUS_HELP, find_module, shown
 DISTRIBUTIONS = ("torch", "megatron-core", "wrapt", "packaging", "megatron-rl-patches")
 REQUIRED = ("torch", "wrapt", "packaging")
 _SHOWN_VALUE = 120  # characters of an environment variable's value shown in the text report
+# the variables holding comma-separated names: shown cut between names, never inside one
+LISTS = ("MEGATRON_RL_PATCHES", "MEGATRON_RL_PATCHES_DISABLE", "MEGATRON_RL_PATCHES_INFERENCE_ROLES")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -190,6 +192,19 @@ def _show(value: Any) -> str:
     return text if len(text) <= _SHOWN_VALUE else f"{text[:_SHOWN_VALUE - 3]}... ({len(text):,} characters)"
 
 
+def _show_names(value: str | None) -> str:
+    """A comma-separated list cut after its last whole name that fits (never mid-name)."""
+    if value is None or len(value) <= _SHOWN_VALUE:
+        return _show(value)
+    kept = ""
+    for name in value.split(","):
+        longer = f"{kept},{name}" if kept else name
+        if len(longer) > _SHOWN_VALUE - 4:
+            break
+        kept = longer
+    return f"{kept},... ({len(value):,} characters)"
+
+
 def _megatron_lines(m: dict[str, Any]) -> list[str]:
     if m["origin"] is None:
         return ["megatron-core        not found"]
@@ -212,7 +227,7 @@ def _target_lines(t: dict[str, Any]) -> list[str]:
     else:
         support = "no version guard (the parameter list is checked)"
     lines = [f"  {t['name']:<20} {t['shown']:<8} {t['target']}", f"  {'':<29} {found}; {support}"]
-    if t["reason"] and t["shown"] not in ("off", "applied"):
+    if t["reason"] and t["shown"] not in ("off", "reverted", "applied"):
         lines.append(f"  {'':<29} {t['shown']}: {t['reason']}")
     return lines
 
@@ -230,9 +245,13 @@ def format_report(report: dict[str, Any]) -> str:
         lines += _target_lines(target)
     e = report["environment"]
     lines.append("environment:")
-    lines += [f"  {name}={_show(value)}" for name, value in e["variables"].items()]
-    selects = "nothing at start-up" if not e["enabled_at_startup"] else (e["error"] or ", ".join(e["resolved"]))
-    lines.append(f"  start-up applies: {_show(selects)}")
+    lines += [f"  {name}={_show_names(value) if name in LISTS else _show(value)}"
+              for name, value in e["variables"].items()]
+    if not e["enabled_at_startup"]:
+        selects = "nothing at start-up"
+    else:
+        selects = "nothing (see the problems below)" if e["error"] else ", ".join(e["resolved"])
+    lines.append(f"  start-up applies: {selects}")
     lines.append(f"  strict: {_show(e['strict'])}; allow untested: {_show(e['allow_untested'])}; "
                  f"inference roles: {', '.join(e['inference_roles']) or '-'}")
     s = report["startup"]

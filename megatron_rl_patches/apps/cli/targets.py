@@ -12,20 +12,15 @@ from megatron_rl_patches.patching import records
 
 
 def shown_status(status: records.PatchStatus) -> str:
-    """The word `list` and `doctor` show: `off` (not selected), `native` (megatron-core has the
-    feature), `n/a` (an optional alias this version lacks); else the status itself, so `skipped`
-    and `failed` always mean a problem. Display only: applied() and --json keep the status."""
-    if status.code in (records.NOT_SELECTED, records.DISABLED, records.REVERTED):
-        return "off"
-    if status.code == records.NATIVE:
-        return "native"
-    if status.code == records.OPTIONAL_MISSING:
-        return "n/a"
-    return status.status
+    """The word `list` and `doctor` show: :attr:`PatchStatus.state` (`off`, `reverted`, `native`,
+    `n/a` for a skipped target that is no problem), so `skipped` and `failed` always mean a
+    problem. Display only: applied() and --json keep the status and its code."""
+    return status.state
 
 
 STATUS_HELP = textwrap.fill(
-    "STATUS: applied; pending (its module is not imported yet); off (not selected); native "
+    "STATUS: applied; pending (its module is not imported yet); off (not selected or disabled); "
+    "reverted (revert() removed it); native "
     "(megatron-core provides the feature); n/a (an optional alias this version lacks); skipped or "
     "failed (a problem: the reason says which).", 78
 )

@@ -19,10 +19,13 @@ from megatron_rl_patches.testing.vocab_watch import VocabWideTensors
 _REENTRY_SIGNS = (("AssertionError", "no_sync_func must be None"), ("KeyError", "disable_forward_pre_hook"))
 
 
+PROGRESS_UNIT = "steps"  # a rollout's bar counts its optimizer steps as their batches are sampled
+
+
 def _progress(total: int, desc: str, enabled: bool) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, disable=not enabled, leave=False, file=sys.stderr)
+    return tqdm(total=total, desc=desc, unit=PROGRESS_UNIT, disable=not enabled, leave=False, file=sys.stderr)
 
 
 def describe_error(exc: BaseException, rollout: int) -> dict[str, Any]:
@@ -62,8 +65,8 @@ def _rollout_batches(cfg: DemoConfig, actor: list, teachers: list, route: Any, g
             with watch:
                 route.score_with_teachers(batch, actor[0], teachers, cfg)
             batches.append(batch)
-            bar.update(1)
         step_batches.append(batches)
+        bar.update(1)
     return step_batches
 
 
@@ -89,7 +92,7 @@ def run_demo(cfg: DemoConfig, patches: bool = True, progress: bool = False) -> d
             forward_step = route.make_forward_step(cfg)
             gen = torch.Generator().manual_seed(cfg.seed)
             for rollout in range(1, cfg.rollouts + 1):
-                bar = _progress(cfg.steps * cfg.microbatches + 1, f"rollout {rollout}/{cfg.rollouts}", progress)
+                bar = _progress(cfg.steps, f"rollout {rollout}/{cfg.rollouts}", progress)
                 step_batches = _rollout_batches(cfg, actor, teachers, route, gen, watch, bar)
                 try:
                     with watch:

@@ -8,15 +8,15 @@ Choice per call: the op's ``backend=`` argument, else ``MEGATRON_RL_PATCHES_BACK
 """
 from __future__ import annotations
 
-import os
 from typing import Protocol
 
 import torch
 
+from megatron_rl_patches._backend_env import AUTO, VARIABLE, environment_backend
 from megatron_rl_patches.ops._stats import GradFactors, RowStats
 from megatron_rl_patches.ops.kernels.sources import Source
 
-BACKEND_ENV = "MEGATRON_RL_PATCHES_BACKEND"
+BACKEND_ENV = VARIABLE
 
 
 class Backend(Protocol):
@@ -55,14 +55,15 @@ def backend_names() -> tuple[str, ...]:
 
 def resolve_backend(name: object, device: torch.device) -> Backend:
     """The backend for a call on `device`: `name`, or the environment's choice, or ``auto``."""
-    if name is None or name == "auto":
-        name = os.environ.get(BACKEND_ENV, "").strip() or "auto"
+    if name is None or name == AUTO:
+        # the launcher and `doctor` read the variable with this same parser (case, spaces, "auto")
+        name = environment_backend(known=_REGISTRY)
         where = f"{BACKEND_ENV}={name!r}"
     else:
         where = f"backend={name!r}"
     if not isinstance(name, str) or name not in backend_names():
         raise ValueError(f"{where} is not a backend; choose one of {', '.join(backend_names())}")
-    if name == "auto":
+    if name == AUTO:
         return next(b for b in reversed(_REGISTRY.values()) if b.claims(device) and b.available(device) is None)
     backend = _REGISTRY[name]
     why = backend.available(device)

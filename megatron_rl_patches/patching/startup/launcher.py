@@ -29,6 +29,9 @@ def launch_environment(patches: str | None, environ: Mapping[str, str] | None = 
     if patches is not None:
         if not isinstance(patches, str) or not env.split_names(patches):
             raise ValueError(f"--patches names no patch: pass 'all' or comma-separated patch names, got {patches!r}")
+        names = env.selected_names({env.SELECT: patches})  # None: "all" (or another word for every patch)
+        if names is not None:
+            env.check_names("--patches", names, load_registry().patch_names())
         child[env.SELECT] = patches.strip()
     elif env.is_off(child):
         raise ValueError(f"{env.SELECT}={child[env.SELECT]!r} disables patching; unset it or pass --patches")

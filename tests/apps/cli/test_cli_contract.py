@@ -105,7 +105,7 @@ def test_list_shows_off_for_patches_not_selected(cli_run):
     "status, code, word",
     [
         ("skipped", records.NOT_SELECTED, "off"), ("skipped", records.DISABLED, "off"),
-        ("skipped", records.REVERTED, "off"), ("skipped", records.NATIVE, "native"),
+        ("skipped", records.REVERTED, "reverted"), ("skipped", records.NATIVE, "native"),
         ("skipped", records.OPTIONAL_MISSING, "n/a"), ("skipped", records.VERSION, "skipped"),
         ("skipped", records.SIGNATURE, "skipped"), ("skipped", records.MISSING, "skipped"),
         ("failed", records.ERROR, "failed"), ("applied", records.OK, "applied"),

@@ -1,0 +1,67 @@
+"""The benchmark plots read without the table (issue 29, docs/bench/reentrant.png): x labels do not
+overlap, a time the unpatched call cannot have is labelled ("crashes"), and every plot in U says
+what U is."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from megatron_rl_patches.apps.bench import common
+
+matplotlib = pytest.importorskip("matplotlib")
+matplotlib.use("Agg")
+
+ROWS = [  # the shape of bench reentrant's rows: long case names, one unpatched time missing
+    {"case": "train() guard, 2 chunks", "variant": "unpatched", "us": 0.2},
+    {"case": "train() guard, 2 chunks", "variant": "patched", "us": 56.0},
+    {"case": "DDP hook disable+enable cycle", "variant": "unpatched", "us": 439.0},
+    {"case": "DDP hook disable+enable cycle", "variant": "patched", "us": 705.0},
+    {"case": "repeated disable_forward_pre_hook", "variant": "unpatched", "us": None},
+    {"case": "repeated disable_forward_pre_hook", "variant": "patched", "us": 49.8},
+]
+
+
+def _figure(**options):
+    return common.grouped_bars_figure(ROWS, group="case", series="variant", values=["us"], **options)
+
+
+def test_x_labels_do_not_overlap():
+    import matplotlib.pyplot as plt
+
+    fig = _figure(titles=["µs per call"])
+    fig.canvas.draw()
+    boxes = [label.get_window_extent() for label in fig.axes[0].get_xticklabels()]
+    assert len(boxes) == 3
+    assert not any(a.overlaps(b) for a, b in itertools.combinations(boxes, 2))
+    plt.close(fig)
+
+
+def test_a_missing_bar_is_labelled_where_it_would_be():
+    import matplotlib.pyplot as plt
+
+    fig = _figure(titles=["µs per call"], missing_label="crashes")
+    texts = [t for t in fig.axes[0].texts if t.get_text().strip() == "crashes"]
+    assert len(texts) == 1 and 1.5 < texts[0].get_position()[0] < 2.5  # the third group
+    plt.close(fig)
+
+
+@pytest.mark.parametrize(("titles", "ylabel", "expected"), [
+    (["peak memory (U)"], "", True), (["saved for backward / U"], "", True), (["fwd+bwd time (s)"], "", False),
+    (["time"], "bytes in U", True),
+])
+def test_a_plot_in_u_says_what_u_is(titles, ylabel, expected):
+    import matplotlib.pyplot as plt
+
+    fig = _figure(titles=titles, ylabel=ylabel, suptitle="a benchmark")
+    title = fig._suptitle.get_text()
+    assert (common.U_NOTE in title) == expected and title.startswith("a benchmark")
+    plt.close(fig)
+
+
+def test_reentrant_plot_labels_the_unpatched_crash(tmp_path):
+    from megatron_rl_patches.apps.bench import reentrant
+
+    rows = [{"case": "repeated disable_forward_pre_hook", "unpatched_us": None, "patched_us": 50.0}]
+    path = reentrant.plot(rows, str(tmp_path / "reentrant.png"))
+    assert path is not None and (tmp_path / "reentrant.png").stat().st_size > 0

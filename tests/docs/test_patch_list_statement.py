@@ -1,0 +1,32 @@
+"""README's patch paragraph and docs/patching.md's table list every patch, in the registry's order:
+the registry is the one source of the patch list (issue 29: the README named 6 of 8, the table 4)."""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from doc_blocks import REPO  # noqa: E402
+
+from megatron_rl_patches.integrations import default_registry
+
+NAMES = default_registry().patch_names()
+
+
+def _named(text: str) -> list[str]:
+    """The patch names `text` shows in backticks, in order, once each."""
+    return list(dict.fromkeys(word for word in re.findall(r"`([a-z_]+)`", text) if word in NAMES))
+
+
+def test_the_readme_paragraph_names_every_patch_in_order():
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    paragraph = text.split("\nPatches: ", 1)[1].split("\n\n", 1)[0]
+    assert _named(paragraph) == list(NAMES)
+
+
+def test_the_patching_table_has_one_row_per_patch_in_order():
+    text = (REPO / "docs" / "patching.md").read_text(encoding="utf-8")
+    table = text.split("## The patches", 1)[1].split("\n\n", 2)[1]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert [re.match(r"\| `([a-z_]+)`", row).group(1) for row in rows] == list(NAMES)
