@@ -31,7 +31,7 @@ def device_weight_bytes(params: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def _pin(host: torch.Tensor, nbytes_total: list[int]) -> torch.Tensor:
+def pin_host_copy(host: torch.Tensor, nbytes_total: list[int]) -> torch.Tensor:
     """Pinned copy of `host` when CUDA is present; pageable with one warning if pinning fails."""
     try:
         return host.pin_memory()
@@ -69,7 +69,7 @@ class HostWeights:
             # storage becomes the "device" storage, so keep a separate copy
             host = host.clone() if not self.cuda else host.contiguous()
             if self.cuda:
-                host = _pin(host, total)
+                host = pin_host_copy(host, total)
                 self.pinned = total[0] >= 0
             self.host[id(param)] = host
             self.params[id(param)] = param
