@@ -26,6 +26,7 @@ _LAZY = {
     "residency_report": "residency",
     "ResidencyReport": "residency",
     "RESIDENCY_MODES": "residency",
+    "release_streamed": "residency",
     "ResidencyBudget": "residency_budget",
 }
 

@@ -194,7 +194,9 @@ class Residency:
                 for k, unit in enumerate(units):
                     for module in unit.modules:
                         module.register_forward_pre_hook(functools.partial(self._enter, ci, k))
-                    unit.modules[-1].register_forward_hook(functools.partial(self._leave, ci, k), always_call=True)
+                    # on an exception the chunk's own hook below releases it: the output-processor
+                    # backport stops GPTModel at its output layer by raising, then reads the weight
+                    unit.modules[-1].register_forward_hook(functools.partial(self._leave, ci, k))
             chunk.register_forward_hook(functools.partial(self._end_forward, ci), always_call=True)
 
     def _enter(self, ci: int, k: int, module: torch.nn.Module, args: Any) -> None:
@@ -218,8 +220,14 @@ class Residency:
 
     def _end_forward(self, ci: int, module: torch.nn.Module, args: Any, output: Any) -> None:
         """After the chunk's forward (or its exception): nothing brought in for it stays."""
-        for unit in self.chunk_units[ci]:
-            self._finish(unit)
+        self.release_streamed(ci)
+
+    def release_streamed(self, ci: int | None = None) -> None:
+        """Release what the stream schedule brought in (prefetched pieces included) and nobody holds."""
+        for index, units in enumerate(self.chunk_units):
+            if ci is None or index == ci:
+                for unit in units:
+                    self._finish(unit)
 
     def _finish(self, unit: Unit) -> None:
         if unit.streamed:
@@ -325,6 +333,14 @@ def hold(module: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         owner.unhold(units)
+
+
+def release_streamed(chunks: Any) -> None:
+    """Send back to host every weight of a swap/stream build that no hold() or on_device() keeps:
+    for callers that run its layers themselves (a chunk's own forward does this on return)."""
+    owner = residency_of(_modules(chunks, "chunks"))
+    if owner is not None:
+        owner.release_streamed()
 
 
 def note_activation_bytes(chunks: Any, nbytes: int) -> None:
