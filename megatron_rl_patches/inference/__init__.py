@@ -27,6 +27,7 @@ _LAZY = {
     "ResidencyReport": "residency",
     "RESIDENCY_MODES": "residency",
     "release_streamed": "residency",
+    "weights_on_host": "residency",
     "ResidencyBudget": "residency_budget",
 }
 
