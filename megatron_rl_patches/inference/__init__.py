@@ -21,6 +21,14 @@ _LAZY = {
     "token_log_probs": "forward",
     "training_state_bytes": "memory",
     "TrainingStateBytes": "memory",
+    "on_device": "residency",
+    "hold": "residency",
+    "residency_report": "residency_report",
+    "ResidencyReport": "residency_report",
+    "RESIDENCY_MODES": "residency",
+    "release_streamed": "residency",
+    "weights_on_host": "residency",
+    "ResidencyBudget": "residency_budget",
 }
 
 __all__ = sorted(_LAZY)
