@@ -22,6 +22,7 @@ _LAZY = {
     "build_inference_model": "megatron_rl_patches.inference",
     "load_inference_weights": "megatron_rl_patches.inference",
     "training_state_bytes": "megatron_rl_patches.inference",
+    "score_layer_major": "megatron_rl_patches.inference",
     "log_probs_and_entropy": "megatron_rl_patches.ops.logprobs",
     "topk_ids": "megatron_rl_patches.ops.topk",
     "topk_logprobs": "megatron_rl_patches.ops.topk",

@@ -25,12 +25,14 @@ def check_budget(activation_budget: object) -> int | None:
     """`activation_budget` as bytes (an int >= 0) or None; ValueError otherwise."""
     if activation_budget is None:
         return None
-    if isinstance(activation_budget, bool) or not isinstance(activation_budget, numbers.Integral) or activation_budget < 0:
-        raise ValueError(
-            f"activation_budget must be None (keep every micro-batch's hidden states on the device) or "
-            f"an int >= 0 of device bytes (beyond it they wait in host memory), got {activation_budget!r}"
-        )
-    return int(activation_budget)
+    if isinstance(activation_budget, numbers.Integral) and not isinstance(activation_budget, bool):
+        budget = int(activation_budget)
+        if budget >= 0:
+            return budget
+    raise ValueError(
+        f"activation_budget must be None (keep every micro-batch's hidden states on the device) or "
+        f"an int >= 0 of device bytes (beyond it they wait in host memory), got {activation_budget!r}"
+    )
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -85,8 +85,9 @@ def run_decoder_layer(
     """Layer `index` of the decoder on `hidden_states`, through the decoder's own forward with the
     captured call's other arguments; the final norm runs after the last layer only."""
     args, kwargs = call
-    restricted: dict[str, Any] = {"layers": torch.nn.ModuleList([decoder.layers[index]])}
-    if index < len(decoder.layers) - 1:
+    layers: Any = decoder.layers
+    restricted: dict[str, Any] = {"layers": torch.nn.ModuleList([layers[index]])}
+    if index < len(layers) - 1:
         restricted.update({name: _NO_NORM for name in FINAL_NORM_NAMES if getattr(decoder, name, None) is not None})
     with _shadowed(decoder, **restricted):
         output = decoder(*args, **{**kwargs, "hidden_states": hidden_states})

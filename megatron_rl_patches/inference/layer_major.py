@@ -67,13 +67,13 @@ def _the_chunk(chunks: Any) -> torch.nn.Module:
             "score_layer_major needs the whole model in one chunk (pre_process and post_process both True): "
             "pipeline parallelism is not supported"
         )
-    decoder = getattr(model, "decoder", None)
-    if not isinstance(decoder, torch.nn.Module) or not isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList):
+    decoder, layers = getattr(model, "decoder", None), getattr(getattr(model, "decoder", None), "layers", None)
+    if not isinstance(decoder, torch.nn.Module) or not isinstance(layers, torch.nn.ModuleList):
         raise TypeError(
             f"score_layer_major supports megatron-core's GPTModel (and HybridModel on megatron-core >= 0.18): "
             f"a model with a .decoder holding .layers; got {type(model).__name__}"
         )
-    if len(decoder.layers) == 0:
+    if len(layers) == 0:
         raise ValueError(f"{type(model).__name__} has no decoder layers on this rank: nothing to score layer-major")
     return chunk
 
@@ -104,7 +104,8 @@ def _check_batches(batches: Any) -> list[Mapping[str, Any]]:
     first = batches[0]
     for index, batch in enumerate(batches):
         if not isinstance(batch, Mapping):
-            raise TypeError(f"batches[{index}] must be a dict of the model's forward keywords, got {type(batch).__name__}")
+            raise TypeError(
+                f"batches[{index}] must be a dict of the model's forward keywords, got {type(batch).__name__}")
         reserved = sorted(set(batch) & set(_RESERVED_KEYS))
         if reserved:
             raise ValueError(
@@ -135,7 +136,8 @@ def _structure(value: Any) -> str:
 def _contexts(output_processor: Any, context: Any, count: int) -> list[Any]:
     """One output_processor_context per micro-batch (a list or tuple gives one each)."""
     if output_processor is not None and not callable(output_processor):
-        raise TypeError(f"output_processor must be callable (e.g. log_prob_output_processor()), got {output_processor!r}")
+        raise TypeError(
+            f"output_processor must be callable (e.g. log_prob_output_processor()), got {output_processor!r}")
     if output_processor is None:
         if context is not None:
             raise ValueError("output_processor_context was given without an output_processor")
