@@ -22,6 +22,12 @@ _LAZY = {
     "token_log_probs": "forward",
     "training_state_bytes": "memory",
     "TrainingStateBytes": "memory",
+    "on_device": "residency",
+    "hold": "residency",
+    "residency_report": "residency",
+    "ResidencyReport": "residency",
+    "RESIDENCY_MODES": "residency",
+    "ResidencyBudget": "residency_budget",
 }
 
 __all__ = sorted(_LAZY)

@@ -16,7 +16,10 @@ import torch
 from megatron_rl_patches._chunks import has_grad_buffers
 from megatron_rl_patches._log import logger
 from megatron_rl_patches.inference.guard import freeze_chunk
+from megatron_rl_patches.inference.host_init import host_initialization
 from megatron_rl_patches.inference.paths import resolve_checkpoint
+from megatron_rl_patches.inference.residency import attach_residency, check_residency_args
+from megatron_rl_patches.inference.residency_budget import ResidencyBudget
 
 # modules defining a DistributedDataParallel (megatron-core's, torch's), looked up in sys.modules
 _DDP_MODULES = ("megatron.core.distributed.distributed_data_parallel", "torch.nn.parallel.distributed")
@@ -127,6 +130,9 @@ def build_inference_model(
     config: Any = None,
     load_dir: str | os.PathLike[str] | None = None,
     strict: bool = True,
+    residency: str = "resident",
+    prefetch: int = 1,
+    budget: ResidencyBudget | None = None,
 ) -> list[torch.nn.Module]:
     """Model chunks for forward passes only: one per virtual pipeline stage, on the current
     device, Float16Module-wrapped for bf16/fp16, eval mode (kept under later `.train()` calls),
@@ -135,7 +141,14 @@ def build_inference_model(
     `model_provider(pre_process, post_process, vp_stage=None)` follows Megatron-LM (`vp_stage`
     passed only when accepted); `config` (default: the model's own `.config`) decides the
     Float16Module wrap; `load_dir` loads weights only (see load_inference_weights).
+
+    `residency`: "resident" (on the device for the whole job), "swap" (host memory; the whole
+    model on the device inside `on_device(chunks)` or for each forward) or "stream" (host memory;
+    each layer brought in just before it runs, `prefetch` layers ahead, released after); `budget`:
+    a ResidencyBudget shared with other swap/stream builds. Swap/stream builds are made and
+    loaded in host memory, never on the device whole. See inference/residency.py.
     """
+    mode = check_residency_args(residency, prefetch, budget)
     if not callable(model_provider):
         raise TypeError(
             f"model_provider must be callable as model_provider(pre_process, post_process, "
@@ -147,14 +160,16 @@ def build_inference_model(
     if load_dir is not None:
         resolve_checkpoint(load_dir)  # a wrong path fails before the model is built
     device = _target_device()
+    on_host = mode != "resident"
     chunks: list[torch.nn.Module] = []
     for vp_stage, pre, post in _pipeline_stages():
-        model = _call_provider(model_provider, vp_stage, pre, post)
+        with host_initialization(on_host and device is not None):
+            model = _call_provider(model_provider, vp_stage, pre, post)
         if model_type is not None:
             model.model_type = model_type
         for param in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-        if device is not None:
+        if device is not None and not on_host:
             model.to(device)
         chunk_config = config if config is not None else getattr(model, "config", None)
         if chunk_config is not None and (getattr(chunk_config, "fp16", False) or getattr(chunk_config, "bf16", False)):
@@ -169,4 +184,7 @@ def build_inference_model(
         from megatron_rl_patches.inference.weights import load_inference_weights
 
         load_inference_weights(chunks, load_dir, strict=strict)
+    if on_host:
+        name = getattr(model_provider, "__name__", type(model_provider).__name__)
+        attach_residency(chunks, mode, prefetch=prefetch, budget=budget, device=device, name=name)
     return chunks
