@@ -4,6 +4,7 @@ present) beyond it, brought back to the device just before the micro-batch's nex
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,11 +44,18 @@ class ActivationStore:
     """Slots of hidden states by micro-batch index; `put` keeps a tensor on its device if it fits
     the budget, else copies it to host memory; `take` returns it on its device and frees the slot."""
 
-    def __init__(self, budget: int | None) -> None:
+    def __init__(self, budget: int | None, on_change: Callable[[int], None] | None = None) -> None:
         self.stats = ActivationStats(budget=budget)
         self._slots: dict[int, tuple[torch.Tensor, torch.device, bool]] = {}
         self._device_bytes = 0
         self._host_bytes = 0
+        self._on_change = on_change  # told the device bytes after every change
+
+    def _device_change(self, nbytes: int) -> None:
+        self._device_bytes += nbytes
+        self.stats.device_bytes_peak = max(self.stats.device_bytes_peak, self._device_bytes)
+        if self._on_change is not None:
+            self._on_change(self._device_bytes)
 
     def put(self, index: int, tensor: torch.Tensor) -> None:
         if index in self._slots:
@@ -56,8 +64,7 @@ class ActivationStore:
         budget = self.stats.budget
         if budget is None or self._device_bytes + size <= budget:
             self._slots[index] = (tensor, tensor.device, True)
-            self._device_bytes += size
-            self.stats.device_bytes_peak = max(self.stats.device_bytes_peak, self._device_bytes)
+            self._device_change(size)
             return
         # a real copy even when the device is the CPU, so the spill path is the same everywhere;
         # non_blocking: the copy back is queued on the same stream, after this one
@@ -73,11 +80,17 @@ class ActivationStore:
         tensor, device, on_device = self._slots.pop(index)
         size = _nbytes(tensor)
         if on_device:
-            self._device_bytes -= size
+            self._device_change(-size)
             return tensor
         self._host_bytes -= size
         self.stats.bytes_to_device += size
         return tensor.to(device, non_blocking=tensor.is_pinned())
+
+    def clear(self) -> None:
+        """Drop every slot (after the last stage, or on an error)."""
+        self._slots.clear()
+        self._host_bytes = 0
+        self._device_change(-self._device_bytes)
 
     def __len__(self) -> int:
         return len(self._slots)

@@ -1,9 +1,10 @@
 """A language model's decoder run one layer at a time through its own forward: the inputs the
 model hands its decoder (embedding output, rotary embedding, attention mask, packed_seq_params)
-captured from the model's own forward, one layer run by the decoder's forward restricted to that
-layer, and the model's own post-processing (final norm, output layer or output_processor)
-resumed on given hidden states. Nothing of GPTModel's or HybridModel's forward is copied, so what
-they do between layers (viewless tensors, RNG and quantization contexts) stays theirs.
+captured from the model's own forward; one layer run by the decoder's forward restricted to that
+layer (no final norm); the model's own forward resumed on given hidden states with a decoder of
+no layers (its final norm, then the output layer or output_processor). Nothing of GPTModel's or
+HybridModel's forward is copied, so what they do between layers (viewless tensors, RNG and
+quantization contexts) stays theirs.
 
 Works on modules whose decoder has `layers` and a final norm named `final_layernorm` (megatron-core's
 TransformerBlock) or `final_norm` (HybridStack), and calls it with `hidden_states=` as a keyword.
@@ -46,17 +47,8 @@ def _shadowed(module: torch.nn.Module, **attributes: Any) -> Iterator[None]:
                 module.__dict__[name] = value
 
 
-# stands in for the final norm before the last layer (megatron-core 0.19 requires a Module there)
+# stands in for the final norm while one layer runs (megatron-core 0.19 requires a Module there)
 _NO_NORM = torch.nn.Identity()
-
-
-def final_norm(decoder: torch.nn.Module) -> torch.nn.Module | None:
-    """The decoder's final norm module, or None when it has none (or it is not a module)."""
-    for name in FINAL_NORM_NAMES:
-        norm = getattr(decoder, name, None)
-        if isinstance(norm, torch.nn.Module):
-            return norm
-    return None
 
 
 def capture_decoder_call(decoder: torch.nn.Module, model_call: Callable[[], Any]) -> tuple[tuple, dict]:
@@ -83,12 +75,11 @@ def run_decoder_layer(
     decoder: torch.nn.Module, index: int, call: tuple[tuple, dict], hidden_states: torch.Tensor
 ) -> torch.Tensor:
     """Layer `index` of the decoder on `hidden_states`, through the decoder's own forward with the
-    captured call's other arguments; the final norm runs after the last layer only."""
+    captured call's other arguments and without its final norm."""
     args, kwargs = call
     layers: Any = decoder.layers
     restricted: dict[str, Any] = {"layers": torch.nn.ModuleList([layers[index]])}
-    if index < len(layers) - 1:
-        restricted.update({name: _NO_NORM for name in FINAL_NORM_NAMES if getattr(decoder, name, None) is not None})
+    restricted.update({name: _NO_NORM for name in FINAL_NORM_NAMES if getattr(decoder, name, None) is not None})
     with _shadowed(decoder, **restricted):
         output = decoder(*args, **{**kwargs, "hidden_states": hidden_states})
     if not isinstance(output, torch.Tensor):
@@ -102,11 +93,8 @@ def run_decoder_layer(
 def finish_model_call(
     decoder: torch.nn.Module, model_call: Callable[..., Any], hidden_states: torch.Tensor
 ) -> Any:
-    """The model's forward (`model_call(decoder_input=...)`) with the decoder's result given: the
-    embedding is skipped (decoder_input is set), the output layer or processor runs as usual."""
-
-    def decoded(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return hidden_states
-
-    with _shadowed(decoder, forward=decoded):
+    """The model's forward (`model_call(decoder_input=...)`) on the last layer's `hidden_states`:
+    the embedding is skipped (decoder_input is set), the decoder runs with no layers (its final
+    norm only), the output layer or processor as usual."""
+    with _shadowed(decoder, layers=torch.nn.ModuleList()):
         return model_call(decoder_input=hidden_states)

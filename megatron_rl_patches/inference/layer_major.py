@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,23 +19,16 @@ import torch
 from megatron_rl_patches._chunks import has_grad_buffers, is_ddp_like, iter_wrapped, module_chunks, unwrap
 from megatron_rl_patches.inference.activation_store import ActivationStats, ActivationStore, check_budget
 from megatron_rl_patches.inference.decoder_steps import (
+    FINAL_NORM_NAMES,
     capture_decoder_call,
-    final_norm,
     finish_model_call,
     run_decoder_layer,
 )
+from megatron_rl_patches.inference.residency import hold, note_activation_bytes, on_device, residency_report
 
 # keywords score_layer_major sets itself on every call of the model
 _RESERVED_KEYS = ("decoder_input", "inference_context", "inference_params", "output_processor",
                   "output_processor_context")
-
-
-def _hold() -> Callable[[torch.nn.Module], contextlib.AbstractContextManager[Any]]:
-    try:  # TEMPORARY until the residency branch is merged
-        from megatron_rl_patches.inference.residency import hold
-    except ImportError:
-        return lambda module: contextlib.nullcontext()
-    return hold
 
 
 def _the_chunk(chunks: Any) -> torch.nn.Module:
@@ -165,15 +158,31 @@ def _check_processor_hook(model: torch.nn.Module) -> None:
         )
 
 
-@contextlib.contextmanager
-def _held(modules: Sequence[torch.nn.Module | None]) -> Iterator[None]:
-    """Every given module's weights on the device for the block (residency `hold`)."""
-    hold = _hold()
-    with contextlib.ExitStack() as stack:
-        for module in modules:
-            if module is not None:
-                stack.enter_context(hold(module))
-        yield
+class _StageHolds:
+    """The weights of each stage (embedding, layer i, head) held on the device while the stage runs
+    over every micro-batch, and those of the next `lookahead` stages held already, so their copy
+    overlaps this stage's compute (residency `hold`: one copy per held piece, none for resident)."""
+
+    def __init__(self, stages: list[list[torch.nn.Module]], lookahead: int) -> None:
+        self._stages, self._lookahead = stages, lookahead
+        self._open: dict[int, list[contextlib.AbstractContextManager[Any]]] = {}
+
+    def enter(self, index: int) -> None:
+        for ahead in range(index, min(index + 1 + self._lookahead, len(self._stages))):
+            if ahead not in self._open:
+                self._open[ahead] = []
+                for module in self._stages[ahead]:
+                    held = hold(module)
+                    held.__enter__()
+                    self._open[ahead].append(held)
+
+    def leave(self, index: int) -> None:
+        for held in reversed(self._open.pop(index, [])):
+            held.__exit__(None, None, None)
+
+    def close(self) -> None:
+        for index in sorted(self._open, reverse=True):
+            self.leave(index)
 
 
 @torch.no_grad()
@@ -193,17 +202,18 @@ def score_layer_major(
     the model's forward keywords, same keys and kinds of value in each. `output_processor_context`:
     one context, or a list with one per micro-batch. `activation_budget`: device bytes for the
     hidden states kept between layers (None: no limit); beyond it they wait in host memory.
-    `stats` (optional) receives the activation bytes (see residency_report).
+    `stats` (an ActivationStats, optional) receives the activation bytes and the bytes spilled to
+    host; a swap or stream build's residency_report shows the device activation bytes too.
     """
     chunk = _the_chunk(chunks)
     batch_list = _check_batches(batches)
     contexts = _contexts(output_processor, output_processor_context, len(batch_list))
-    budget = check_budget(activation_budget)
+    store = ActivationStore(check_budget(activation_budget),
+                            on_change=functools.partial(note_activation_bytes, [chunk]))
     model = unwrap(chunk)
     if output_processor is not None:
         _check_processor_hook(model)
     decoder = model.decoder
-    store = ActivationStore(budget)
 
     def model_call(index: int) -> Callable[..., Any]:
         extra = {} if output_processor is None else {
@@ -211,19 +221,33 @@ def score_layer_major(
         return functools.partial(chunk, **batch_list[index], **extra)
 
     calls = [model_call(index) for index in range(len(batch_list))]
-    tied = getattr(model, "share_embeddings_and_output_weights", False)
-    embedding, output_layer = getattr(model, "embedding", None), getattr(model, "output_layer", None)
-    with _held([embedding]):
-        decoder_calls = [capture_decoder_call(decoder, call) for call in calls]
-    for index, (_, kwargs) in enumerate(decoder_calls):
-        store.put(index, kwargs.pop("hidden_states"))
-    last = len(decoder.layers) - 1
-    for layer_index, layer in enumerate(decoder.layers):
-        with _held([layer, final_norm(decoder) if layer_index == last else None]):
-            for index, decoder_call in enumerate(decoder_calls):
-                store.put(index, run_decoder_layer(decoder, layer_index, decoder_call, store.take(index)))
-    with _held([output_layer, embedding if tied else None]):
-        outputs = [finish_model_call(decoder, call, store.take(index)) for index, call in enumerate(calls)]
+    holds = _StageHolds(_stages(model), residency_report([chunk]).prefetch)
+    try:
+        with on_device([chunk]):  # a swap model: in once for the whole rollout
+            holds.enter(0)
+            decoder_calls = [capture_decoder_call(decoder, call) for call in calls]
+            for index, (_, kwargs) in enumerate(decoder_calls):
+                store.put(index, kwargs.pop("hidden_states"))
+            holds.leave(0)
+            for layer_index in range(len(decoder.layers)):
+                holds.enter(layer_index + 1)
+                for index, decoder_call in enumerate(decoder_calls):
+                    store.put(index, run_decoder_layer(decoder, layer_index, decoder_call, store.take(index)))
+                holds.leave(layer_index + 1)
+            holds.enter(len(decoder.layers) + 1)
+            outputs = [finish_model_call(decoder, call, store.take(index)) for index, call in enumerate(calls)]
+    finally:
+        holds.close()
+        store.clear()
     if stats is not None:
         stats.__dict__.update(store.stats.__dict__)
     return outputs
+
+
+def _stages(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
+    """The modules each stage runs, in order: embedding, every decoder layer, the head (final norm
+    and output layer; residency's head piece includes a tied embedding weight)."""
+    decoder: Any = model.decoder
+    head = [getattr(decoder, name, None) for name in FINAL_NORM_NAMES] + [getattr(model, "output_layer", None)]
+    stages = [[getattr(model, "embedding", None)], *([layer] for layer in decoder.layers), head]
+    return [[m for m in stage if isinstance(m, torch.nn.Module)] for stage in stages]

@@ -205,3 +205,38 @@ def test_a_model_without_the_processor_hook_is_refused(megatron_cpu_kind, clean_
         pytest.skip(f"{type(model).__name__} has the output_processor hook natively here")
     with pytest.raises(TypeError, match="has no output_processor keyword"):
         score_layer_major(chunks, _batches(megatron_cpu_kind), output_processor=log_prob_output_processor())
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_stream_build_copies_each_piece_once_per_rollout(megatron_cpu_kind, prefetch):
+    from megatron_rl_patches import residency_report
+    from megatron_rl_patches.inference.residency_storage import device_weight_bytes
+
+    env = megatron_cpu_kind
+    config = env.config(num_layers=3)
+    resident = megatron_rl_patches.build_inference_model(env.model_provider(config, seed=15))
+    chunks = megatron_rl_patches.build_inference_model(env.model_provider(config, seed=15), residency="stream",
+                                                       prefetch=prefetch)
+    batches = [{k: v for k, v in batch.items() if k != "labels"} for batch in _batches(env)]
+    model = chunks[0]
+    pieces = [model.embedding, *model.decoder.layers, model.output_layer]
+    largest = max(sum(p.numel() * p.element_size() for p in piece.parameters()) for piece in pieces)
+    seen: list[int] = []
+    for piece in pieces:  # the device weight bytes whenever a piece starts
+        piece.register_forward_pre_hook(lambda module, args: seen.append(device_weight_bytes(model.parameters())))
+
+    stats = ActivationStats()
+    got = score_layer_major(chunks, batches, stats=stats)
+
+    _assert_identical(got, _per_micro_batch(resident[0], batches))
+    report = residency_report(chunks)
+    assert report.copies_by_unit == {"embedding": 1, "layer0": 1, "layer1": 1, "layer2": 1, "head": 1}
+    assert device_weight_bytes(model.parameters()) == 0  # nothing left on the device after the rollout
+    assert len(seen) == 3 * len(pieces)
+    assert max(seen) <= (prefetch + 1) * largest + 64  # + the final norm riding with the head
+    assert report.peak_activation_bytes == stats.device_bytes_peak == sum(16 * size * 32 * 4 for size in SIZES)
+    assert report.activation_bytes == 0
+
+    copies = report.copies
+    _per_micro_batch(chunks[0], batches)  # per micro-batch: every piece once per micro-batch
+    assert residency_report(chunks).copies - copies == len(SIZES) * 5
