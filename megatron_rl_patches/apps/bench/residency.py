@@ -10,6 +10,7 @@ the resident build: `overlap` = copy time hidden / copy time.
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any
@@ -103,7 +104,7 @@ def measure(plan: dict, device: str = "cpu", repeat: int = 3) -> list[dict]:
             chunks = build_inference_model(tiny_gpt_provider(_config(plan, cuda), vocab_size=plan["vocab"],
                                                              seq_length=plan["seq"]), residency=residency)
             before = residency_report(chunks)
-            seconds = common.best_time(lambda: _rollout(mode, chunks, batches), repeat=repeat, sync=sync)
+            seconds = common.best_time(functools.partial(_rollout, mode, chunks, batches), repeat=repeat, sync=sync)
             report = residency_report(chunks)
             runs = repeat + 1  # best_time's warm-up run included
             layer, head = _pieces_bytes(chunks[0])
