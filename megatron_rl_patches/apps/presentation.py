@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from megatron_rl_patches.inference.memory import TrainingStateBytes
+    from megatron_rl_patches.inference.residency_plan import ResidencyPlan
 
 
 def human_bytes(count: float) -> str:
@@ -87,3 +88,19 @@ def memory_report(report: TrainingStateBytes) -> str:
         )
         lines += [f"  padding, {name}: {value:,} B" for name, value in report.padding.items()]
     return "\n".join(lines)
+
+
+def residency_table(plan: ResidencyPlan, chosen: str) -> str:
+    """Weight bytes per residency mode (`memory --residency`), the chosen mode marked."""
+    header = (
+        f"Weights per rank by residency: {plan.layers} layers of {human_bytes(plan.layer_bytes)}, embedding "
+        f"{human_bytes(plan.embedding_bytes)}, output layer {human_bytes(plan.output_bytes)}, prefetch {plan.prefetch}"
+    )
+    rows = [
+        [("* " if m.mode == chosen else "  ") + m.mode, human_bytes(m.device_peak),
+         human_bytes(m.device_between_phases), human_bytes(m.host)]
+        for m in plan.modes
+    ]
+    table = text_table(("mode", "device (peak)", "device (between phases)", "host"), rows, numeric=True, rule=False)
+    note = "host bytes are per data-parallel rank: each rank keeps its own pinned copy of its shard"
+    return "\n".join([header, "", table, "", note])

@@ -27,6 +27,8 @@ _LAZY = {
     "residency_report": "residency",
     "ResidencyReport": "residency",
     "RESIDENCY_MODES": "residency",
+    "release_streamed": "residency",
+    "weights_on_host": "residency",
     "ResidencyBudget": "residency_budget",
 }
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches._chunks import as_chunks, has_grad_buffers
+from megatron_rl_patches._chunks import as_chunks, has_grad_buffers, unwrap
 from megatron_rl_patches.inference.guard import is_inference_only
 from megatron_rl_patches.inference.residency_budget import ResidencyBudget
 from megatron_rl_patches.inference.residency_storage import HostWeights, device_weight_bytes, log_fallback
@@ -184,9 +184,19 @@ class Residency:
 
     # ------------------------------------------------------------------ hooks
 
+    def chunk_index(self, chunk: torch.nn.Module) -> int:
+        """Which of this build's chunks `chunk` is (the chunk or the model it wraps)."""
+        for index, (outer, inner) in enumerate(zip(self.chunks, self.inner)):
+            if chunk is outer or chunk is inner:
+                return index
+        raise ValueError(f"{type(chunk).__name__} is not a model chunk of {self.name!r}")
+
     def _install_hooks(self, chunks: list[torch.nn.Module]) -> None:
+        self.chunks = list(chunks)
+        self.inner = [unwrap(chunk) for chunk in chunks]
         for ci, chunk in enumerate(chunks):
             object.__setattr__(chunk, ATTR, self)
+            object.__setattr__(self.inner[ci], ATTR, self)
             units = self.chunk_units[ci]
             if self.mode == "swap":
                 chunk.register_forward_pre_hook(functools.partial(self._enter, ci, 0))
@@ -194,7 +204,9 @@ class Residency:
                 for k, unit in enumerate(units):
                     for module in unit.modules:
                         module.register_forward_pre_hook(functools.partial(self._enter, ci, k))
-                    unit.modules[-1].register_forward_hook(functools.partial(self._leave, ci, k), always_call=True)
+                    # on an exception the chunk's own hook below releases it: the output-processor
+                    # backport stops GPTModel at its output layer by raising, then reads the weight
+                    unit.modules[-1].register_forward_hook(functools.partial(self._leave, ci, k))
             chunk.register_forward_hook(functools.partial(self._end_forward, ci), always_call=True)
 
     def _enter(self, ci: int, k: int, module: torch.nn.Module, args: Any) -> None:
@@ -218,8 +230,14 @@ class Residency:
 
     def _end_forward(self, ci: int, module: torch.nn.Module, args: Any, output: Any) -> None:
         """After the chunk's forward (or its exception): nothing brought in for it stays."""
-        for unit in self.chunk_units[ci]:
-            self._finish(unit)
+        self.release_streamed(ci)
+
+    def release_streamed(self, ci: int | None = None) -> None:
+        """Release what the stream schedule brought in (prefetched pieces included) and nobody holds."""
+        for index, units in enumerate(self.chunk_units):
+            if ci is None or index == ci:
+                for unit in units:
+                    self._finish(unit)
 
     def _finish(self, unit: Unit) -> None:
         if unit.streamed:
@@ -279,19 +297,12 @@ def on_device(chunks: Any) -> Iterator[None]:
     if owner is None or owner.mode != "swap":
         yield
         return
-    units = [unit for chunk in as_chunks(chunks) for unit in owner.chunk_units[_chunk_index(owner, chunk)]]
+    units = [unit for chunk in as_chunks(chunks) for unit in owner.chunk_units[owner.chunk_index(chunk)]]
     owner.hold(units)
     try:
         yield
     finally:
         owner.unhold(units)
-
-
-def _chunk_index(owner: Residency, chunk: torch.nn.Module) -> int:
-    for index, units in enumerate(owner.chunk_units):
-        if any(unit.modules[0] is chunk for unit in units) or getattr(chunk, ATTR, None) is owner:
-            return index
-    raise ValueError("chunk is not part of this build")
 
 
 def _covering(module: torch.nn.Module) -> tuple[Residency, list[Unit]] | None:
@@ -325,6 +336,43 @@ def hold(module: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         owner.unhold(units)
+
+
+@contextlib.contextmanager
+def weights_on_host(chunks: Any) -> Iterator[None]:
+    """Inside: a swap/stream build's parameters are their host copies (not the device storage), so
+    a loader writes the weights where they live; a resident build: a no-op. Nothing may be on the
+    device meanwhile (no hold, on_device block or forward under way)."""
+    owner = residency_of(_modules(chunks, "chunks"))
+    if owner is None:
+        yield
+        return
+    for unit in owner.units:
+        if unit.cached:
+            owner.evict(unit)
+    busy = [unit.name for unit in owner.units if unit.active]
+    if busy:
+        raise RuntimeError(
+            f"cannot load weights into {owner.name!r} while {', '.join(busy)} are on the device (a hold(), "
+            "on_device() or forward is under way): load before or after it"
+        )
+    params, hosts = owner.host.params, owner.host.host
+    saved = {key: param.data for key, param in params.items()}
+    for key, param in params.items():
+        param.data = hosts[key]
+    try:
+        yield
+    finally:
+        for key, param in params.items():
+            param.data = saved[key]
+
+
+def release_streamed(chunks: Any) -> None:
+    """Send back to host every weight of a swap/stream build that no hold() or on_device() keeps:
+    for callers that run its layers themselves (a chunk's own forward does this on return)."""
+    owner = residency_of(_modules(chunks, "chunks"))
+    if owner is not None:
+        owner.release_streamed()
 
 
 def note_activation_bytes(chunks: Any, nbytes: int) -> None:

@@ -140,9 +140,12 @@ def load_inference_weights(
     the first offending keys) when the checkpoint does not fit, CheckpointReadError (a ValueError
     naming the path) when its content is unreadable (truncated, corrupt, not tensors).
     """
-    modules = [unwrap(chunk) for chunk in module_chunks(model, "model")]
+    chunks = module_chunks(model, "model")
+    modules = [unwrap(chunk) for chunk in chunks]
     kind, path, found = resolve_checkpoint(load_dir, iteration)
-    with torch.no_grad():
+    from megatron_rl_patches.inference.residency import weights_on_host
+
+    with torch.no_grad(), weights_on_host(chunks):  # swap/stream builds: into their host copies
         if kind == "dist":
             from megatron_rl_patches.inference.dist_weights import load_dist
 

@@ -1,7 +1,8 @@
 """The `inference_roles` patch, slime's wrapper: slime's initialize_model_and_optimizer(args, role)
 builds the roles listed in MEGATRON_RL_PATCHES_INFERENCE_ROLES (default: slime's teacher roles)
 inference-only and returns (model, None, None, iteration) like upstream; every other role goes
-through upstream unchanged.
+through upstream unchanged. An entry `role:swap` or `role:stream` keeps that role's weights in
+host memory (inference/residency.py).
 
 Assumptions about slime (slime.backends.megatron_utils.model, checked against its public code):
 the module imports `get_model_provider_func(args, role)` (older releases: `(args)`) from
@@ -109,14 +110,21 @@ def initialize_model_and_optimizer_wrapper(
     path, step = weights_source(run_args, role)
     if not _delegated(path, step, module):
         resolve_checkpoint(path, step)  # a wrong path fails before the model is built
-    chunks = build_inference_model(_provider(factory, run_args, role), model_type=ModelType.encoder_or_decoder)
-    iteration = _load(chunks, run_args, path, step, module)
+    from megatron_rl_patches.inference.residency import weights_on_host
+
+    residency = env.role_residencies().get(role, "resident")
+    chunks = build_inference_model(
+        _provider(factory, run_args, role), model_type=ModelType.encoder_or_decoder, residency=residency
+    )
+    with weights_on_host(chunks):  # swap/stream: slime's own loader (delegated) writes the host copies too
+        iteration = _load(chunks, run_args, path, step, module)
     chunks[0].role = role  # slime tags chunk 0 with its role for logging
     if getattr(run_args, "finetune", False):  # Megatron-LM's load_checkpoint reports 0 then too
         iteration = 0
     logger.info(
-        "megatron-rl-patches: role %r built inference-only (%d chunk(s), no grad buffer, no optimizer)",
+        "megatron-rl-patches: role %r built inference-only (%d chunk(s), no grad buffer, no optimizer, %s)",
         role,
         len(chunks),
+        residency,
     )
     return chunks, None, None, iteration

@@ -16,6 +16,8 @@ STRICT = "MEGATRON_RL_PATCHES_STRICT"
 INFERENCE_ROLES = "MEGATRON_RL_PATCHES_INFERENCE_ROLES"
 ALLOW_UNTESTED = "MEGATRON_RL_PATCHES_ALLOW_UNTESTED"
 BACKEND = "MEGATRON_RL_PATCHES_BACKEND"
+# residencies a role may name (inference/residency.py RESIDENCY_MODES; this module imports no torch)
+RESIDENCIES = ("resident", "swap", "stream")
 VARIABLES = (SELECT, DISABLE, STRICT, INFERENCE_ROLES, ALLOW_UNTESTED, BACKEND)
 
 BACKENDS = ("torch", "triton")
@@ -115,9 +117,16 @@ def allows_untested(environ: Mapping[str, str] | None = None) -> bool:
 
 def role_names(environ: Mapping[str, str] | None = None) -> list[str] | None:
     """The role names MEGATRON_RL_PATCHES_INFERENCE_ROLES lists ('' means none); None when unset
-    (the integration that reads it has its default roles)."""
+    (the integration that reads it has its default roles). Each entry is `role` or `role:residency`."""
     value = _get(environ, INFERENCE_ROLES)
-    return None if value is None else split_names(value)
+    return None if value is None else [item.partition(":")[0].strip() for item in split_names(value)]
+
+
+def role_residencies(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Residency per role from MEGATRON_RL_PATCHES_INFERENCE_ROLES entries `role:residency`
+    (e.g. 'prm_teacher:stream,teacher:swap'); roles listed without one are absent (resident)."""
+    entries = [item.partition(":") for item in split_names(_get(environ, INFERENCE_ROLES))]
+    return {name.strip(): mode.strip().lower() for name, colon, mode in entries if colon}
 
 
 def backend(environ: Mapping[str, str] | None = None) -> str | None:
@@ -142,6 +151,12 @@ def checked_role_names(environ: Mapping[str, str] | None = None) -> list[str] | 
     if bad:
         raise ValueError(f"{INFERENCE_ROLES}={_cut(value or '')!r}: {_cut(bad[0])!r} is not a role name; role names "
                          f"are identifiers (letters, digits, '_'), comma-separated")
+    modes = role_residencies(environ)
+    wrong = [(role, mode) for role, mode in modes.items() if mode not in RESIDENCIES]
+    if wrong:
+        raise ValueError(f"{INFERENCE_ROLES}={_cut(value or '')!r}: role {_cut(wrong[0][0])!r} has residency "
+                         f"{_cut(wrong[0][1])!r}; use role:{'|'.join(RESIDENCIES)} (e.g. teacher:stream), or the "
+                         "role alone for resident")
     return roles
 
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Callable
 from decimal import Decimal
 from fractions import Fraction
 
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.apps.cli._common import OK, UsageError
-from megatron_rl_patches.apps.presentation import memory_report
+from megatron_rl_patches.apps.presentation import memory_report, residency_table
 from megatron_rl_patches.inference.memory import training_state_bytes
+from megatron_rl_patches.inference.residency_plan import MODES, residency_plan
 
 _SUFFIXES = {"": 0, "k": 3, "m": 6, "b": 9, "g": 9, "t": 12}  # powers of ten
 _MAX_DIGITS = 30  # a count beyond 10**30 parameters is a typo (and 1e999999999 must not be expanded)
@@ -59,7 +61,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--grad-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
         help="grad buffer: fp32 (Megatron's grad_reduce_in_fp32) or the weights' dtype",
     )
+    parser.add_argument(
+        "--residency", choices=MODES, default=None,
+        help="also print the weights' device and host bytes per residency mode (this one marked); needs --layers",
+    )
+    parser.add_argument("--layers", type=_count("--layers"), default=None, help="transformer layers (with --residency)")
+    parser.add_argument("--prefetch", type=_count("--prefetch", minimum=0), default=1,
+                        help="layers copied ahead when streaming")
+    parser.add_argument("--vocab", type=_count("--vocab"), default=None, help="vocabulary size (with --hidden)")
+    parser.add_argument("--hidden", type=_count("--hidden"), default=None, help="hidden size (with --vocab)")
+    parser.add_argument("--tied", action="store_true", help="input and output embeddings share one weight")
+    parser.add_argument("--tp", type=_count("--tp"), default=1, help="tensor-parallel size (each rank holds a shard)")
     parser.add_argument("--json", action="store_true", help="print a JSON object (bytes)")
+
+
+def _count(flag: str, minimum: int = 1) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum`, the error naming `flag`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"invalid {flag} {text!r}: must be an integer >= {minimum}")
+        return value
+
+    return parse
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,5 +100,18 @@ def run(args: argparse.Namespace) -> int:
         )
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    print(json.dumps(report.as_dict(), indent=2) if args.json else memory_report(report))
+    if args.residency is None:
+        print(json.dumps(report.as_dict(), indent=2) if args.json else memory_report(report))
+        return OK
+    if args.layers is None:
+        raise UsageError("--residency needs --layers N (the model's transformer layers)")
+    try:
+        plan = residency_plan(args.params, layers=args.layers, prefetch=args.prefetch, param_dtype=args.param_dtype,
+                              vocab_size=args.vocab, hidden_size=args.hidden, tied=args.tied, tp=args.tp)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        print(json.dumps({**report.as_dict(), "residency": args.residency, "residency_plan": plan.as_dict()}, indent=2))
+    else:
+        print(memory_report(report) + "\n\n" + residency_table(plan, args.residency))
     return OK
