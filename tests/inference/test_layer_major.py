@@ -240,3 +240,19 @@ def test_stream_build_copies_each_piece_once_per_rollout(megatron_cpu_kind, pref
     copies = report.copies
     _per_micro_batch(chunks[0], batches)  # per micro-batch: every piece once per micro-batch
     assert residency_report(chunks).copies - copies == len(SIZES) * 5
+
+
+def test_swap_build_comes_in_once_per_rollout(megatron_cpu, clean_patch_state):
+    from megatron_rl_patches import residency_report
+    from megatron_rl_patches.inference.residency_storage import device_weight_bytes
+
+    megatron_rl_patches.apply(only="gpt_output_processor")
+    provider = megatron_cpu.provider(megatron_cpu.config(num_layers=2), seed=16)
+    resident = megatron_rl_patches.build_inference_model(provider)
+    chunks = megatron_rl_patches.build_inference_model(provider, residency="swap")
+    batches = _batches(megatron_cpu)
+    processor = log_prob_output_processor(with_entropy=True)
+    got = score_layer_major(chunks, batches, output_processor=processor)
+    _assert_identical(got, _per_micro_batch(resident[0], batches, output_processor=processor))
+    assert residency_report(chunks).copies_by_unit == {"chunk0": 1}
+    assert device_weight_bytes(chunks[0].parameters()) == 0
