@@ -256,3 +256,22 @@ def test_swap_build_comes_in_once_per_rollout(megatron_cpu, clean_patch_state):
     _assert_identical(got, _per_micro_batch(resident[0], batches, output_processor=processor))
     assert residency_report(chunks).copies_by_unit == {"chunk0": 1}
     assert device_weight_bytes(chunks[0].parameters()) == 0
+
+
+def test_bf16_float16module_stream_build_with_processor(megatron_cpu, clean_patch_state):
+    from megatron_rl_patches import residency_report
+
+    megatron_rl_patches.apply(only="gpt_output_processor")
+    config = megatron_cpu.config(num_layers=2, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+    resident = megatron_rl_patches.build_inference_model(megatron_cpu.provider(config, seed=18))
+    chunks = megatron_rl_patches.build_inference_model(megatron_cpu.provider(config, seed=18), residency="stream")
+    assert type(chunks[0]).__name__ == "Float16Module"
+    batches = _batches(megatron_cpu)
+    logits_batches = [{k: v for k, v in batch.items() if k != "labels"} for batch in batches]
+    got = score_layer_major(chunks, logits_batches, activation_budget=0)
+    _assert_identical(got, _per_micro_batch(resident[0], logits_batches))
+    assert got[0].dtype == torch.float32  # Float16Module's upcast of the last stage, as per micro-batch
+    processor = topk_output_processor(k=4)
+    _assert_identical(score_layer_major(chunks, batches, output_processor=processor),
+                      _per_micro_batch(resident[0], batches, output_processor=processor))
+    assert set(residency_report(chunks).copies_by_unit.values()) == {2}  # two rollouts, one copy each

@@ -14,8 +14,12 @@ def _tp_worker(rank: int, world_size: int) -> dict:
     import torch
 
     import megatron_rl_patches
-    from megatron_rl_patches import build_inference_model, log_prob_output_processor, residency_report
-    from megatron_rl_patches import score_layer_major
+    from megatron_rl_patches import (
+        build_inference_model,
+        log_prob_output_processor,
+        residency_report,
+        score_layer_major,
+    )
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
     megatron_rl_patches.apply(only="gpt_output_processor")
