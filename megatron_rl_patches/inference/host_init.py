@@ -4,7 +4,7 @@ build must never hold the whole model on the device."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -39,3 +39,25 @@ def host_initialization(active: bool) -> Iterator[None]:
         return
     with _HostFactories():
         yield
+
+
+def move_all_but(chunks: Iterable[torch.nn.Module], device: torch.device, kept: set[int]) -> None:
+    """Move what a host-built model needs on the device, except the parameters whose ids are in
+    `kept` (their host copies are managed by residency): other parameters, buffers, and plain
+    tensor attributes (e.g. a rotary embedding's `inv_freq`, which `Module.to` does not move)."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            for name, param in module.named_parameters(recurse=False):
+                if id(param) not in kept and param.device != device:
+                    moved = param.data.to(device)
+                    if torch._has_compatible_shallow_copy_type(param, moved):  # as Module._apply decides
+                        param.data = moved
+                    else:
+                        module._parameters[name] = torch.nn.Parameter(moved, requires_grad=param.requires_grad)
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer.device != device:
+                    module._buffers[name] = buffer.to(device)
+            for name, value in list(vars(module).items()):
+                plain = isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
+                if plain and value.device != device:
+                    object.__setattr__(module, name, value.to(device))

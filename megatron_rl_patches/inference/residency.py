@@ -17,6 +17,7 @@ import torch
 
 from megatron_rl_patches._chunks import as_chunks, has_grad_buffers, unwrap
 from megatron_rl_patches.inference.guard import is_inference_only
+from megatron_rl_patches.inference.host_init import move_all_but
 from megatron_rl_patches.inference.residency_budget import ResidencyBudget
 from megatron_rl_patches.inference.residency_storage import HostWeights, device_weight_bytes, log_fallback
 from megatron_rl_patches.inference.residency_units import Unit, stream_units, whole_unit
@@ -97,7 +98,9 @@ class Residency:
                     f"budget of {budget.bytes} bytes is in use; {name!r} needs {rest_bytes} bytes that stay "
                     "on the device"
                 )
-        self.host = HostWeights([p for unit in self.units for p in unit.params], device)
+        streamed = [p for unit in self.units for p in unit.params]
+        move_all_but(chunks, device, {id(p) for p in streamed})
+        self.host = HostWeights(streamed, device)
         self.counts: dict[int, int] = {}
         self.device_bytes = rest_bytes
         self.peak_device_bytes = rest_bytes

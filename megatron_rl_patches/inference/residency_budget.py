@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import numbers
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -25,14 +26,14 @@ class ResidencyBudget:
         self.in_use: int = 0
         self.peak: int = 0
         self.evictions: int = 0
-        self._members: list[Residency] = []
+        self._members: weakref.WeakSet[Residency] = weakref.WeakSet()  # a dropped model leaves
         self._clock: Iterator[int] = itertools.count(1)
 
     def __repr__(self) -> str:
         return f"ResidencyBudget(bytes={self.bytes}, in_use={self.in_use}, peak={self.peak})"
 
     def join(self, member: Residency) -> None:
-        self._members.append(member)
+        self._members.add(member)
 
     def tick(self) -> int:
         """A use stamp: larger = more recently used."""

@@ -124,7 +124,7 @@ def role_names(environ: Mapping[str, str] | None = None) -> list[str] | None:
 
 def role_residencies(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Residency per role from MEGATRON_RL_PATCHES_INFERENCE_ROLES entries `role:residency`
-    (e.g. 'prm_teacher:stream,teacher:swap'); roles listed without one are absent (resident)."""
+    (e.g. 'judge:stream,ref:swap'); roles listed without one are absent (resident)."""
     entries = [item.partition(":") for item in split_names(_get(environ, INFERENCE_ROLES))]
     return {name.strip(): mode.strip().lower() for name, colon, mode in entries if colon}
 
@@ -155,7 +155,7 @@ def checked_role_names(environ: Mapping[str, str] | None = None) -> list[str] | 
     wrong = [(role, mode) for role, mode in modes.items() if mode not in RESIDENCIES]
     if wrong:
         raise ValueError(f"{INFERENCE_ROLES}={_cut(value or '')!r}: role {_cut(wrong[0][0])!r} has residency "
-                         f"{_cut(wrong[0][1])!r}; use role:{'|'.join(RESIDENCIES)} (e.g. teacher:stream), or the "
+                         f"{_cut(wrong[0][1])!r}; use role:{'|'.join(RESIDENCIES)} (e.g. ref:stream), or the "
                          "role alone for resident")
     return roles
 

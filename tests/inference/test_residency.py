@@ -191,3 +191,28 @@ def test_weights_load_into_host_memory(megatron_cpu, tmp_path, residency):
     assert device_weight_bytes(chunks[0].parameters()) == 0
     batch = env.batch(seed=6)
     assert torch.equal(env.forward(chunks[0], batch), env.forward(source[0], batch))
+
+
+def test_virtual_pipeline_chunks_stream_each_their_own_layers(megatron_cpu, monkeypatch):
+    from megatron.core import parallel_state
+
+    env = megatron_cpu
+    monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda *a, **k: 0)
+    inner = env.model_provider(env.config(num_layers=2), seed=3)
+
+    def provider(pre_process, post_process, vp_stage=None):  # whole models: each chunk runs alone here
+        return inner(True, True)
+
+    chunks = build_inference_model(provider, residency="stream")
+    names = [unit.name for unit in chunks[0]._mrp_residency.units]
+    assert names == ["embedding", "layer0", "layer1", "head", "chunk1.embedding", "chunk1.layer0", "chunk1.layer1",
+                     "chunk1.head"]
+    swap = build_inference_model(provider, residency="swap")
+    with on_device(swap[1]):
+        assert device_weight_bytes(swap[1].parameters()) == _nbytes(swap[1])
+        assert device_weight_bytes(swap[0].parameters()) == 0
+        env.forward(swap[0], env.batch(seed=1))  # chunk 0 swaps in and out on its own
+        assert device_weight_bytes(swap[0].parameters()) == 0
+    assert residency_report(swap).copies_by_unit == {"chunk0": 1, "chunk1": 1}

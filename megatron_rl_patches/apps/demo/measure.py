@@ -56,7 +56,16 @@ def teacher_savings(teachers: Sequence[Any], cfg: DemoConfig) -> dict[str, Any]:
         raise RuntimeError("the trainable build measured is not the teachers' architecture")
     formula = trainable.pop("formula")
     held = sum(_allocated_training_state(t) for t in teachers)
+    from megatron_rl_patches import residency_report
+
+    reports = [residency_report(t) for t in teachers]
     return {
+        "residency": {
+            "mode": reports[0].mode,
+            "peak_device_weight_bytes": sum(r.peak_device_weight_bytes for r in reports),
+            "resident_weight_bytes": sum(r.resident_weight_bytes for r in reports),
+            "host_bytes": sum(r.host_bytes for r in reports),
+        },
         "count": len(teachers),
         "params_per_teacher": params,
         "trainable_build_bytes_per_teacher": trainable,

@@ -40,11 +40,13 @@ def stop() -> None:
 
 
 def build_models(cfg: DemoConfig) -> tuple[list, list]:
-    """The actor in real DDP (overlap + distributed-optimizer flags); teachers inference-only."""
+    """The actor in real DDP (overlap + distributed-optimizer flags); teachers inference-only, their
+    weights in host memory and streamed to the device layer by layer."""
     from megatron_rl_patches import build_inference_model
 
     actor = [kit.wrap_ddp(loop.build_actor(cfg), **loop.ACTOR_DDP_FLAGS)]
-    teachers = [build_inference_model(loop.teacher_provider(cfg, j))[0] for j in range(cfg.teachers)]
+    teachers = [build_inference_model(loop.teacher_provider(cfg, j), residency="stream")[0]
+                for j in range(cfg.teachers)]
     return actor, teachers
 
 

@@ -61,6 +61,12 @@ def _memory(summary: dict) -> list[str]:
         lines = [f"{models}, built inference-only: grads and optimizer state they hold: "
                  f"{human_bytes(t['allocated_bytes'])}", _trainable_build(t),
                  f"  saved by the {t['count']} inference-only builds: {human_bytes(t['saved_bytes'])}"]
+        residency = t.get("residency")
+        if residency and residency["mode"] != "resident":
+            how = {"stream": "streamed layer by layer", "swap": "swapped in whole"}[residency["mode"]]
+            lines.append(f"  their weights live in host memory, {how}: at most "
+                         f"{human_bytes(residency['peak_device_weight_bytes'])} on the device vs "
+                         f"{human_bytes(residency['resident_weight_bytes'])} for resident builds")
     else:
         lines = [f"{models}, built trainable in DDP: grad buffers they hold: {human_bytes(t['allocated_bytes'])} "
                  "(an optimizer would add its state)", _trainable_build(t)]

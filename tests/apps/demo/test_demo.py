@@ -46,6 +46,9 @@ def test_package_route_completes_every_rollout_without_logits(summaries):
     assert teachers["saved_bytes"] == teachers["count"] * (counted["grad_buffer"] + counted["optimizer_state"])
     # fp32 weights, DP=1, no distributed optimizer: 4 B grad + 8 B Adam per parameter, no padding
     assert teachers["formula_bytes_per_teacher"] == counted["total"] == 12 * teachers["params_per_teacher"]
+    streamed = teachers["residency"]  # the teachers' weights live in host memory, streamed per layer
+    assert streamed["mode"] == "stream" and streamed["host_bytes"] == streamed["resident_weight_bytes"]
+    assert 0 < streamed["peak_device_weight_bytes"] < streamed["resident_weight_bytes"]
     assert all(status.status != "applied" for status in default_registry().applied())  # the demo reverts
 
 
