@@ -19,6 +19,7 @@ _LAZY = {
     "CheckpointReadError": "load_errors",
     "inference_forward": "forward",
     "score_layer_major": "layer_major",
+    "ActivationStats": "activation_store",
     "token_log_probs": "forward",
     "training_state_bytes": "memory",
     "TrainingStateBytes": "memory",

@@ -174,6 +174,31 @@ def test_bad_input_is_refused_and_the_model_left_usable(megatron_cpu, clean_patc
     _assert_identical(score_layer_major(chunks, batches), _per_micro_batch(chunks[0], batches))
 
 
+def test_an_error_mid_rollout_leaves_nothing_on_the_device(megatron_cpu, clean_patch_state):
+    from megatron_rl_patches import residency_report
+    from megatron_rl_patches.inference.residency_storage import device_weight_bytes
+
+    megatron_rl_patches.apply(only="gpt_output_processor")
+    provider = megatron_cpu.provider(megatron_cpu.config(num_layers=2), seed=19)
+    resident = megatron_rl_patches.build_inference_model(provider)
+    chunks = megatron_rl_patches.build_inference_model(provider, residency="stream")
+    batches = _batches(megatron_cpu)
+    calls = []
+
+    def fails_on_the_second(**kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("processor failed")
+        return kwargs["hidden_states"].sum()
+
+    with pytest.raises(RuntimeError, match="processor failed") as failure:
+        score_layer_major(chunks, batches, output_processor=fails_on_the_second)
+    # released by the scorer itself, not by the collector: the traceback (and its frames) is alive
+    assert failure.tb is not None and device_weight_bytes(chunks[0].parameters()) == 0
+    assert residency_report(chunks).activation_bytes == 0 and _clean(chunks[0].decoder)
+    _assert_identical(score_layer_major(chunks, batches), _per_micro_batch(resident[0], batches))
+
+
 def test_models_that_are_not_one_frozen_chunk_are_refused(megatron_cpu, monkeypatch):
     from megatron.core import parallel_state
 
