@@ -6,12 +6,14 @@ crosses the bus once per rollout).
 Bytes come from the residency report (storage sizes: exact on CPU too); on CPU host and device
 are the same memory, so the times show the bookkeeping, not the bus. On CUDA the copy time of a
 mode (bytes moved / measured pinned host-to-device bandwidth) is set against the time it adds over
-the resident build: `overlap` = copy time hidden / copy time.
+the resident build: `overlap` = copy time hidden / copy time. The modes run interleaved, one
+rollout each per round: read the ratios of medians.
 """
 from __future__ import annotations
 
 import functools
 import os
+import statistics
 import time
 from typing import Any
 
@@ -24,7 +26,7 @@ FULL = {"layers": 8, "hidden": 256, "heads": 8, "vocab": 4096, "seq": 128, "micr
 # the GPU goal (issue 31): >= 1B parameters, >= 64k tokens per rollout, bf16
 GPU = {"layers": 20, "hidden": 2048, "heads": 16, "vocab": 32768, "seq": 4096, "micro_batches": 16, "batch": 1}
 COLUMNS = ("mode", "device_weights_MiB", "vs_resident", "within_2_layers_head", "copies", "moved_MiB",
-           "activations_MiB", "time_ms", "time_vs_resident", "overlap", "note")
+           "activations_MiB", "time_ms", "spread_ms", "time_vs_resident", "overlap", "note")
 MIB = float(1 << 20)
 
 
@@ -86,8 +88,19 @@ def _h2d_bytes_per_s(device: str) -> float | None:
     return host.numel() / seconds
 
 
-def measure(plan: dict, device: str = "cpu", repeat: int = 3) -> list[dict]:
-    """One row per mode (run in this process; the caller sets up nothing)."""
+def _timed(fn: Any, sync: Any) -> float:
+    if sync:
+        sync()
+    start = time.perf_counter()
+    fn()
+    if sync:
+        sync()
+    return time.perf_counter() - start
+
+
+def measure(plan: dict, device: str = "cpu", rounds: int = 5) -> list[dict]:
+    """One row per mode (in this process): the modes' rollouts interleaved, one each per round
+    after a warm-up round; the median time and its min-max spread."""
     import torch
 
     from megatron_rl_patches.inference import build_inference_model, residency_report
@@ -99,27 +112,33 @@ def measure(plan: dict, device: str = "cpu", repeat: int = 3) -> list[dict]:
         batches = _batches(plan, device)
         bandwidth = _h2d_bytes_per_s(device)
         sync = (lambda: torch.cuda.synchronize(device)) if cuda else None
-        for mode in MODES:
-            residency = mode.split(" ")[0]
-            chunks = build_inference_model(tiny_gpt_provider(_config(plan, cuda), vocab_size=plan["vocab"],
-                                                             seq_length=plan["seq"]), residency=residency)
-            before = residency_report(chunks)
-            seconds = common.best_time(functools.partial(_rollout, mode, chunks, batches), repeat=repeat, sync=sync)
+        provider = tiny_gpt_provider(_config(plan, cuda), vocab_size=plan["vocab"], seq_length=plan["seq"])
+        builds = {mode: build_inference_model(provider, residency=mode.split(" ")[0]) for mode in MODES}
+        before = {mode: residency_report(chunks) for mode, chunks in builds.items()}
+        samples: dict[str, list[float]] = {mode: [] for mode in MODES}
+        for round_index in range(rounds + 1):
+            for mode, chunks in builds.items():
+                seconds = _timed(functools.partial(_rollout, mode, chunks, batches), sync)
+                if round_index:  # the first round warms up
+                    samples[mode].append(seconds)
+        for mode, chunks in builds.items():
             report = residency_report(chunks)
-            runs = repeat + 1  # best_time's warm-up run included
             layer, head = _pieces_bytes(chunks[0])
+            runs = rounds + 1
             rows.append({
                 "mode": mode, "peak_device_weight_bytes": report.peak_device_weight_bytes,
                 "resident_weight_bytes": report.resident_weight_bytes,
                 "device_weights_MiB": report.peak_device_weight_bytes / MIB,
                 "vs_resident": report.peak_device_weight_bytes / report.resident_weight_bytes,
                 "within_2_layers_head": report.peak_device_weight_bytes <= 2 * layer + head,
-                "copies": (report.copies - before.copies) // runs,
-                "moved_MiB": (report.bytes_moved - before.bytes_moved) / runs / MIB,
-                "activations_MiB": report.peak_activation_bytes / MIB, "time_ms": seconds * 1e3,
+                "copies": (report.copies - before[mode].copies) // runs,
+                "moved_MiB": (report.bytes_moved - before[mode].bytes_moved) / runs / MIB,
+                "activations_MiB": report.peak_activation_bytes / MIB,
+                "time_ms": statistics.median(samples[mode]) * 1e3,
+                "spread_ms": f"{min(samples[mode]) * 1e3:.0f}-{max(samples[mode]) * 1e3:.0f}",
                 "bandwidth": bandwidth, "note": "",
             })
-            del chunks
+        del builds
     resident = rows[0]["time_ms"]
     for row in rows:
         row["time_vs_resident"] = row["time_ms"] / resident
@@ -140,7 +159,7 @@ def run(quick: bool = False, out_dir: str | None = None, device: str | None = No
     plan = QUICK if quick else (GPU if device.startswith("cuda") else FULL)
     started = time.perf_counter()
     try:
-        rows = measure(plan, device, repeat=1 if quick else 3)
+        rows = measure(plan, device, rounds=1 if quick else 5)
     except Exception as exc:  # one row saying why, as the other benchmarks do
         rows = [{"mode": "all", "error": f"{type(exc).__name__}: {exc}", "note": f"error: {exc}"}]
     tokens = plan["micro_batches"] * plan["batch"] * plan["seq"]
@@ -154,8 +173,9 @@ def run(quick: bool = False, out_dir: str | None = None, device: str | None = No
         with open(os.path.join(out_dir, "residency.md"), "w") as fh:
             fh.write(f"{title}\n\n{markdown_table(COLUMNS, dict_cells(rows, COLUMNS))}\n")
         if "error" not in rows[0]:
-            common.plot_grouped_bars(
-                rows, os.path.join(out_dir, "residency.png"), group="mode", series="mode",
+            common.plot_grouped_bars(  # one bar per mode
+                [dict(row, build="") for row in rows], os.path.join(out_dir, "residency.png"), group="mode",
+                series="build",
                 values=["vs_resident", "time_vs_resident"],
                 titles=["device weight bytes / resident", "rollout time / resident"], suptitle=title,
             )
