@@ -174,7 +174,7 @@ def run(quick: bool = False, out_dir: str | None = None, device: str | None = No
             fh.write(f"{title}\n\n{markdown_table(COLUMNS, dict_cells(rows, COLUMNS))}\n")
         if "error" not in rows[0]:
             common.plot_grouped_bars(  # one bar per mode
-                [dict(row, build="") for row in rows], os.path.join(out_dir, "residency.png"), group="mode",
+                [dict(row, build="one rollout") for row in rows], os.path.join(out_dir, "residency.png"), group="mode",
                 series="build",
                 values=["vs_resident", "time_vs_resident"],
                 titles=["device weight bytes / resident", "rollout time / resident"], suptitle=title,
