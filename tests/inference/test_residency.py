@@ -203,7 +203,7 @@ def test_virtual_pipeline_chunks_stream_each_their_own_layers(megatron_cpu, monk
     inner = env.model_provider(env.config(num_layers=2), seed=3)
 
     def provider(pre_process, post_process, vp_stage=None):  # whole models: each chunk runs alone here
-        return inner(True, True)
+        return inner(True, True, vp_stage)
 
     chunks = build_inference_model(provider, residency="stream")
     names = [unit.name for unit in chunks[0]._mrp_residency.units]
