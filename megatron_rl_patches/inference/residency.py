@@ -10,7 +10,6 @@ import functools
 import numbers
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -24,7 +23,6 @@ from megatron_rl_patches.inference.residency_units import Unit, stream_units, wh
 
 RESIDENCY_MODES = ("resident", "swap", "stream")
 ATTR = "_mrp_residency"
-DP_NOTE = "host_bytes is per data-parallel rank: each rank keeps its own (pinned) host copy of its shard"
 
 _CONTROLLERS: weakref.WeakSet[Residency] = weakref.WeakSet()
 
@@ -284,7 +282,7 @@ def attach_residency(chunks: Sequence[torch.nn.Module], residency: str, *, prefe
     return chunks
 
 
-def _modules(chunks: Any, argument: str) -> list[torch.nn.Module]:
+def module_list(chunks: Any, argument: str) -> list[torch.nn.Module]:
     found = as_chunks(chunks)
     if not found or not all(isinstance(c, torch.nn.Module) for c in found):
         raise TypeError(f"{argument} must be a torch.nn.Module or a list of model chunks, got {type(chunks).__name__}")
@@ -295,7 +293,7 @@ def _modules(chunks: Any, argument: str) -> list[torch.nn.Module]:
 def on_device(chunks: Any) -> Iterator[None]:
     """A scoring phase: a swap model's weights stay on the device inside (one copy in, one
     release out). A stream model keeps streaming (nothing held); a resident model: a no-op."""
-    _modules(chunks, "chunks")
+    module_list(chunks, "chunks")
     owner = residency_of(chunks)
     if owner is None or owner.mode != "swap":
         yield
@@ -346,7 +344,7 @@ def weights_on_host(chunks: Any) -> Iterator[None]:
     """Inside: a swap/stream build's parameters are their host copies (not the device storage), so
     a loader writes the weights where they live; a resident build: a no-op. Nothing may be on the
     device meanwhile (no hold, on_device block or forward under way)."""
-    owner = residency_of(_modules(chunks, "chunks"))
+    owner = residency_of(module_list(chunks, "chunks"))
     if owner is None:
         yield
         return
@@ -373,7 +371,7 @@ def weights_on_host(chunks: Any) -> Iterator[None]:
 def release_streamed(chunks: Any) -> None:
     """Send back to host every weight of a swap/stream build that no hold() or on_device() keeps:
     for callers that run its layers themselves (a chunk's own forward does this on return)."""
-    owner = residency_of(_modules(chunks, "chunks"))
+    owner = residency_of(module_list(chunks, "chunks"))
     if owner is not None:
         owner.release_streamed()
 
@@ -384,53 +382,3 @@ def note_activation_bytes(chunks: Any, nbytes: int) -> None:
     if owner is not None:
         owner.activation_bytes = int(nbytes)
         owner.peak_activation_bytes = max(owner.peak_activation_bytes, int(nbytes))
-
-
-@dataclass(frozen=True)
-class ResidencyReport:
-    """Where a build's weights are: device bytes now and at peak (weights; activations apart),
-    host bytes (per data-parallel rank), copies made and bytes moved host to device."""
-
-    mode: str
-    prefetch: int
-    device_weight_bytes: int
-    peak_device_weight_bytes: int
-    resident_weight_bytes: int  # what the same model holds on the device built resident
-    activation_bytes: int
-    peak_activation_bytes: int
-    host_bytes: int
-    host_pinned: bool
-    copies: int
-    bytes_moved: int
-    copies_by_unit: dict[str, int] = field(default_factory=dict)
-    budget: dict[str, int] | None = None
-    note: str = DP_NOTE
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def residency_report(chunks: Any) -> ResidencyReport:
-    """The residency figures of a build (`build_inference_model`'s chunks)."""
-    found = _modules(chunks, "chunks")
-    params = [p for chunk in found for p in chunk.parameters()]
-    now = device_weight_bytes(params)
-    owner = residency_of(found)
-    if owner is None:
-        return ResidencyReport("resident", 0, now, now, now, 0, 0, 0, False, 0, 0)
-    return ResidencyReport(
-        mode=owner.mode,
-        prefetch=owner.prefetch,
-        device_weight_bytes=now,
-        peak_device_weight_bytes=owner.peak_device_bytes,
-        resident_weight_bytes=owner.resident_bytes,
-        activation_bytes=owner.activation_bytes,
-        peak_activation_bytes=owner.peak_activation_bytes,
-        host_bytes=owner.host.nbytes,
-        host_pinned=owner.host.pinned,
-        copies=owner.copies,
-        bytes_moved=owner.bytes_moved,
-        copies_by_unit={unit.name: unit.copies for unit in owner.units},
-        budget=None if owner.budget is None else owner.budget.as_dict(),
-    )
-
