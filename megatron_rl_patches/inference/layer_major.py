@@ -24,7 +24,7 @@ from megatron_rl_patches.inference.decoder_steps import (
     finish_model_call,
     run_decoder_layer,
 )
-from megatron_rl_patches.inference.residency import hold, note_activation_bytes, on_device, residency_report
+from megatron_rl_patches.inference.residency import hold, note_activation_bytes, on_device, residency_of
 
 # keywords score_layer_major sets itself on every call of the model
 _RESERVED_KEYS = ("decoder_input", "inference_context", "inference_params", "output_processor",
@@ -221,7 +221,8 @@ def score_layer_major(
         return functools.partial(chunk, **batch_list[index], **extra)
 
     calls = [model_call(index) for index in range(len(batch_list))]
-    holds = _StageHolds(_stages(model), residency_report([chunk]).prefetch)
+    owner = residency_of([chunk])  # None for a resident build: holds are no-ops, nothing to prefetch
+    holds = _StageHolds(_stages(model), owner.prefetch if owner is not None else 0)
     try:
         with on_device([chunk]):  # a swap model: in once for the whole rollout
             holds.enter(0)
