@@ -27,6 +27,7 @@ _LAZY = {
     "ResidencyBudget": "megatron_rl_patches.inference",
     "residency_report": "megatron_rl_patches.inference",
     "ResidencyReport": "megatron_rl_patches.inference",
+    "score_layer_major": "megatron_rl_patches.inference",
     "log_probs_and_entropy": "megatron_rl_patches.ops.logprobs",
     "topk_ids": "megatron_rl_patches.ops.topk",
     "topk_logprobs": "megatron_rl_patches.ops.topk",

@@ -18,6 +18,8 @@ _LAZY = {
     "WeightsMismatchError": "load_errors",
     "CheckpointReadError": "load_errors",
     "inference_forward": "forward",
+    "score_layer_major": "layer_major",
+    "ActivationStats": "activation_store",
     "token_log_probs": "forward",
     "training_state_bytes": "memory",
     "TrainingStateBytes": "memory",

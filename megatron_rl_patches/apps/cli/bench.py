@@ -1,4 +1,4 @@
-"""`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|distill|gpu|all]
+"""`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|distill|residency|gpu|all]
 [--quick] [--out DIR] [--only PART]`; `bench ops [--baseline REV] [--T N] [--V N] [--H N] [--runs N]`.
 
 `bench gpu` (not part of `all`) needs a CUDA device; without one it says so in one line and
@@ -21,6 +21,7 @@ BENCHMARKS = {
     "fused": "megatron_rl_patches.apps.bench.fused",
     "windows": "megatron_rl_patches.apps.bench.windows",
     "distill": "megatron_rl_patches.apps.bench.distill",
+    "residency": "megatron_rl_patches.apps.bench.residency",
 }
 # `bench fused --only PART` (megatron_rl_patches.apps.bench.fused.PARTS, kept here so --help imports no torch)
 FUSED_PARTS = ("logprob", "opd")
