@@ -51,9 +51,9 @@ def per_sample(output: dict, args: Any, total_lengths: list[int], response_lengt
     if with_entropy and entropy is None:
         raise RuntimeError("slime_fused: entropy was asked of a forward pass run without it; please report this")
     allgather_cp = bool(getattr(args, "allgather_cp", False))
-    log_prob_list, entropy_list = loss._extract_per_sample(
-        log_probs, entropy.reshape(-1) if with_entropy else None, total_lengths, response_lengths, allgather_cp
-    )
+    entropy_rows = entropy.reshape(-1) if with_entropy and entropy is not None else None
+    log_prob_list, entropy_list = loss._extract_per_sample(log_probs, entropy_rows, total_lengths, response_lengths,
+                                                           allgather_cp)
     result = {"log_probs": log_prob_list}
     if with_entropy:
         result["entropy"] = entropy_list
