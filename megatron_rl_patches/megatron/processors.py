@@ -21,8 +21,8 @@ from megatron_rl_patches._args import positive_int
 
 __all__ = ["log_prob_output_processor", "topk_output_processor"]
 
-_LOGPROB_CONTEXT = ("keep_mask", "temperature")
-_TOPK_CONTEXT = ("ids", "ids_mask", "temperature")
+_LOGPROB_CONTEXT = ("keep_mask", "temperature", "row_mask")
+_TOPK_CONTEXT = ("ids", "ids_mask", "temperature", "row_mask")
 
 
 # The output layer whose forward pre-hooks already ran for the forward under way: the backport
@@ -100,6 +100,13 @@ def _per_token(value: torch.Tensor, name: str, batch: int, seq: int) -> torch.Te
     return value.transpose(0, 1).reshape(batch * seq, *value.shape[2:])
 
 
+def _row_mask(ctx: Mapping[str, Any], call: _Call) -> torch.Tensor | None:
+    """The context's "row_mask" [b, s] (e.g. the response tokens: masked response tokens still
+    need their log-probs) as rows, or None: only those rows meet the output weight."""
+    mask = ctx.get("row_mask")
+    return None if mask is None else _per_token(mask, "output_processor_context['row_mask']", call.batch, call.seq)
+
+
 class _Call:
     """What every processor call needs: rows of hidden states, the weight, the parallel layout."""
 
@@ -166,7 +173,8 @@ def log_prob_output_processor(
     """A processor for `GPTModel.forward(..., labels=targets [b, s], output_processor=...)` that
     returns {"log_probs": [b, s], "entropy": [b, s] or None}: log p(label) and the entropy per
     token at `temperature`, from the hidden states (no logits). `output_processor_context` may be a
-    dict with "keep_mask" ([b, s, V/tp] bool: ids the log-prob is normalized over) and
+    dict with "row_mask" ([b, s] bool: only these tokens are computed, e.g. the response tokens;
+    the others are 0 with no gradient), "keep_mask" ([b, s, V/tp] bool: ids the log-prob is normalized over) and
     "temperature" ([b, s] per-token temperatures, multiplied with `temperature`)."""
     _check_options(temperature, vocab_size, chunk_size)
 
@@ -193,6 +201,7 @@ def log_prob_output_processor(
             keep_mask=keep_mask,
             vocab_size=vocab_size,
             chunk_size=chunk_size,
+            row_mask=_row_mask(ctx, call),
         )
         return {"log_probs": call.to_batch(log_probs), "entropy": None if entropy is None else call.to_batch(entropy)}
 
@@ -238,7 +247,8 @@ def topk_output_processor(
             )
         call = _Call(hidden_states, output_layer, output_weight, None, config, temperature, ctx)
         options = dict(tp_group=call.tp_group, sequence_parallel=call.sequence_parallel,
-                       temperature=call.temperature, vocab_size=vocab_size, chunk_size=chunk_size)
+                       temperature=call.temperature, vocab_size=vocab_size, chunk_size=chunk_size,
+                       row_mask=_row_mask(ctx, call))
         result: dict[str, torch.Tensor] = {}
         rows = None if ids is None else _per_token(ids, "output_processor_context['ids']", call.batch, call.seq)
         rows_mask = None if mask is None else _per_token(mask, "output_processor_context['ids_mask']", call.batch,

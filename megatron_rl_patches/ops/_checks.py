@@ -92,6 +92,23 @@ def check_keep_mask(keep_mask: object, shape: tuple[int, int], device: torch.dev
         raise ValueError(f"keep_mask is on {keep_mask.device} but {holder} on {device}; move them together")
 
 
+def check_row_mask(row_mask: object, n_rows: int, device: torch.device, holder: str) -> torch.Tensor | None:
+    """None, or the rows an op computes: a bool tensor [T] on `device` (`holder` names the tensor
+    whose rows it selects). Returned as given; nothing is copied."""
+    if row_mask is None:
+        return None
+    if not isinstance(row_mask, torch.Tensor) or row_mask.dtype != torch.bool:
+        got = f"dtype {row_mask.dtype}" if isinstance(row_mask, torch.Tensor) else type(row_mask).__name__
+        raise TypeError(f"row_mask must be a bool tensor [T] (True: compute this row), got {got}; "
+                        f"build it with e.g. response_mask.bool()")
+    if row_mask.shape != (n_rows,):
+        raise ValueError(f"row_mask must have shape [T] = ({n_rows},), one flag per row of {holder}, "
+                         f"got {tuple(row_mask.shape)}; flatten [b, s] masks with row_mask.reshape(-1)")
+    if row_mask.device != device:
+        raise ValueError(f"row_mask is on {row_mask.device} but {holder} on {device}; move them together")
+    return row_mask
+
+
 def check_has_data(value: torch.Tensor, name: str) -> None:
     """Meta tensors have a shape but no values: nothing can be computed from them."""
     if value.device.type == "meta":

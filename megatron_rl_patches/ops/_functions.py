@@ -7,28 +7,59 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl_patches.ops import _checks, _stats, _vocab
+from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab
 from megatron_rl_patches.ops.kernels import Backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
 
 
-def _source(spec: _vocab.OpSpec, tensors: tuple[torch.Tensor, ...]) -> Source:
+def _source(spec: _vocab.OpSpec, tensors: tuple[torch.Tensor, ...], rows: torch.Tensor | None) -> Source:
+    """The op's source over the selected `rows` (None: every row). Logits rows are copied out
+    (the copy is private, so its storage takes the gradient); hidden rows are gathered under
+    sequence parallelism first, then selected, and tiled as for every row (the same bits)."""
     if len(tensors) == 1:
+        if rows is not None:
+            return Source(spec.n_valid, spec.chunk_rows, logits=tensors[0].index_select(0, rows), inplace=True)
         return Source(spec.n_valid, spec.chunk_rows, logits=tensors[0], inplace=spec.inplace_backward)
     hidden, weight = tensors
-    return Source(spec.n_valid, spec.chunk_rows, hidden=gather_rows(hidden, spec.group, spec.sequence_parallel),
-                  weight=weight)
+    gathered = gather_rows(hidden, spec.group, spec.sequence_parallel)
+    return Source(spec.n_valid, spec.chunk_rows, hidden=_vocab.take_rows(gathered, rows), weight=weight,
+                  shape_rows=gathered.size(0))
 
 
 def _finish(grads: tuple[torch.Tensor | None, ...], tensors: tuple[torch.Tensor, ...],
-            spec: _vocab.OpSpec) -> tuple[torch.Tensor | None, ...]:
-    """Gradients in the inputs' dtypes; dL/dh summed over the tensor-parallel ranks."""
+            spec: _vocab.OpSpec, rows: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Gradients in the inputs' dtypes, the unselected rows' zero; dL/dh summed over the
+    tensor-parallel ranks."""
     if len(tensors) == 1:
-        return grads
+        return grads if rows is None or grads[0] is None else (_logits_grad_rows(tensors[0], grads[0], rows, spec),)
     grad_h, grad_w = grads
     if grad_h is not None:
+        grad_h = _vocab.scatter_rows(grad_h, rows, _all_rows(spec, tensors))
         grad_h = reduce_rows(grad_h, spec.group, spec.sequence_parallel).to(tensors[0].dtype)
     return grad_h, (grad_w.to(tensors[1].dtype) if grad_w is not None else None)
+
+
+def _logits_grad_rows(logits: torch.Tensor, grad: torch.Tensor, rows: torch.Tensor,
+                      spec: _vocab.OpSpec) -> torch.Tensor:
+    """The selected rows' logits gradient in a [T, V_local] one (zero elsewhere): the logits' own
+    storage with `inplace_backward`, else a fresh tensor."""
+    if spec.inplace_backward:
+        torch.autograd.graph.increment_version(logits)
+        full = logits.detach()
+        unselected = torch.ones(full.size(0), dtype=torch.bool, device=full.device).index_fill_(0, rows, False)
+        full.masked_fill_(unselected[:, None], 0.0)
+    else:
+        full = torch.zeros_like(logits)
+    return full.index_copy_(0, rows, grad.to(full.dtype))
+
+
+# the Functions' arguments before the source tensors: targets, mask, τ, spec, checks, backend, rows
+_N_OPTIONS = 7
+
+
+def _all_rows(spec: _vocab.OpSpec, tensors: tuple[torch.Tensor, ...]) -> int:
+    """Rows of the op's outputs: every (gathered) row, selected or not."""
+    return tensors[0].size(0) * (_dist.tp_size(spec.group) if spec.sequence_parallel else 1)
 
 
 def _save_tau(ctx, tau: float | torch.Tensor) -> torch.Tensor | None:
@@ -41,12 +72,14 @@ def _scale(ctx, tau_tensor: torch.Tensor | None, n_rows: int, dtype: torch.dtype
     return _stats.row_scale(tau_tensor if tau_tensor is not None else ctx.tau, n_rows, dtype)
 
 
-def _check_rows(stats: _stats.RowStats, spec: _vocab.OpSpec, checks: _checks.DeviceChecks,
-                kept_log_sum: torch.Tensor | None = None) -> None:
-    """Bad rows (NaN/+inf, all -inf, no finite kept logit) join the call's checks; one host sync."""
+def _check_rows(stats: _stats.RowStats, spec: _vocab.OpSpec, checks: _checks.DeviceChecks, rows: torch.Tensor | None,
+                n_rows: int, kept_log_sum: torch.Tensor | None = None) -> None:
+    """Bad rows (NaN/+inf, all -inf, no finite kept logit) among the selected ones join the
+    call's checks, named by their row of all `n_rows`; one host sync."""
     bad = _checks.bad_row_codes(stats.shift)
     if kept_log_sum is not None:
         bad = torch.where((bad == 0) & torch.isneginf(kept_log_sum), _checks.BAD_KEPT_NEG_INF, bad)
+    bad = _vocab.scatter_rows(bad, rows, n_rows)
     checks.require(bad == 0, lambda: _checks.bad_rows_error(spec.op, spec.arg, bad))
     checks.raise_first()  # the call's one host sync: input checks and bad rows at once
 
@@ -55,8 +88,10 @@ class LogProbEntropy(torch.autograd.Function):
     """log p(target) (over the kept ids when masked) and entropy H of softmax(x/τ)."""
 
     @staticmethod
-    def forward(ctx, tokens, keep_mask, tau, spec: _vocab.OpSpec, checks, backend: Backend, *tensors):
-        source = _source(spec, tensors)
+    def forward(ctx, tokens, keep_mask, tau, spec: _vocab.OpSpec, checks, backend: Backend, rows, *tensors):
+        """`rows`: the selected rows (None: all); tokens, keep_mask and a per-row τ are theirs."""
+        source = _source(spec, tensors, rows)
+        n_rows = _all_rows(spec, tensors)
         dtype = _stats.compute_dtype(source.first.dtype)
         masked = keep_mask is not None
         scale = _stats.row_scale(tau, source.n_rows, dtype)
@@ -67,7 +102,7 @@ class LogProbEntropy(torch.autograd.Function):
         stats = _stats.combine_over_ranks(stats, scale, spec.group)
         out = _stats.log_prob_outputs(stats, scale)
         assert out.log_probs is not None and out.shift is not None and out.log_s is not None  # computed here
-        _check_rows(stats, spec, checks, out.log_s_kept if masked else None)
+        _check_rows(stats, spec, checks, rows, n_rows, out.log_s_kept if masked else None)
         entropy = out.entropy if spec.with_entropy else out.log_probs.new_empty(0)
         # what backward reads: the kept shift and log-sum always; the full ones and Ā with an
         # entropy gradient or without a mask (≤ 20 B/token)
@@ -82,28 +117,30 @@ class LogProbEntropy(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         # int32 local target column (-1: another rank owns it), not int64 ids
         ctx.save_for_backward(*tensors, torch.where(owned, cols, -1).to(torch.int32), torch.stack(saved), keep_mask,
-                              _save_tau(ctx, tau))
+                              _save_tau(ctx, tau), rows)
+        entropy = _vocab.scatter_rows(entropy, rows, n_rows) if spec.with_entropy else entropy
         if not spec.entropy_grad:
             ctx.mark_non_differentiable(entropy)
-        return out.log_probs, entropy
+        return _vocab.scatter_rows(out.log_probs, rows, n_rows), entropy
 
     @staticmethod
     @_vocab.reject_double_backward
     def backward(ctx, grad_log_probs, grad_entropy):
-        *tensors, target_cols, saved, keep_mask, tau = ctx.saved_tensors
+        *tensors, target_cols, saved, keep_mask, tau, rows = ctx.saved_tensors
         spec: _vocab.OpSpec = ctx.spec
-        none = (None,) * 6
+        none = (None,) * _N_OPTIONS
         grad_entropy = grad_entropy if spec.entropy_grad else None
-        if (grad_log_probs is None and grad_entropy is None) or not any(ctx.needs_input_grad[6:]):
+        if (grad_log_probs is None and grad_entropy is None) or not any(ctx.needs_input_grad[_N_OPTIONS:]):
             return none + (None,) * ctx.n_tensors
-        source = _source(spec, tuple(tensors))
+        grad_log_probs, grad_entropy = _vocab.take_rows(grad_log_probs, rows), _vocab.take_rows(grad_entropy, rows)
+        source = _source(spec, tuple(tensors), rows)
         scale = _scale(ctx, tau, source.n_rows, saved.dtype)
         out = _saved_log_prob_outputs(list(saved.unbind(0)), spec.entropy_grad, ctx.masked)
         factors = _stats.log_prob_grad_factors(out, grad_log_probs, grad_entropy, scale,
                                                target_cols.long().clamp_min(0), target_cols >= 0, ctx.masked)
         grads = ctx.backend.apply_grad(source, factors, scale, keep_mask if ctx.masked else None,
-                                       tuple(ctx.needs_input_grad[6:]))
-        return none + _finish(grads, tuple(tensors), spec)
+                                       tuple(ctx.needs_input_grad[_N_OPTIONS:]))
+        return none + _finish(grads, tuple(tensors), spec, rows)
 
 
 def _saved_log_prob_outputs(saved: list[torch.Tensor], entropy_grad: bool, masked: bool) -> _stats.LogProbOutputs:
@@ -122,31 +159,35 @@ class TopkLogprobs(torch.autograd.Function):
     columns in the tail."""
 
     @staticmethod
-    def forward(ctx, ids, valid, tau, spec: _vocab.OpSpec, checks, backend: Backend, *tensors):
-        source = _source(spec, tensors)
+    def forward(ctx, ids, valid, tau, spec: _vocab.OpSpec, checks, backend: Backend, rows, *tensors):
+        """`rows`: the selected rows (None: all); ids, valid and a per-row τ are theirs."""
+        source = _source(spec, tensors, rows)
+        n_rows = _all_rows(spec, tensors)
         dtype = _stats.compute_dtype(source.first.dtype)
         scale = _stats.row_scale(tau, source.n_rows, dtype)
         cols, owned = _vocab.local_columns(ids, spec.first_id, spec.n_valid, valid)
         stats = _stats.RowStats.empty(source.n_rows, ids.size(1), dtype, source.first.device, rest=False, subset=True)
         stats = backend.row_stats(source, stats, cols, owned, None, scale)
         stats = _stats.combine_over_ranks(stats, scale, spec.group)
-        _check_rows(stats, spec, checks)
+        _check_rows(stats, spec, checks, rows, n_rows)
         out = _stats.topk_outputs(stats, scale, valid)
         ctx.spec, ctx.backend, ctx.n_tensors = spec, backend, len(tensors)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*tensors, ids, valid, torch.stack([out.shift, out.log_sum, out.tail_shift,
-                                                                 out.log_tail_sum]), _save_tau(ctx, tau))
-        return out.logp, out.tail
+                                                                 out.log_tail_sum]), _save_tau(ctx, tau), rows)
+        assert out.tail is not None  # computed here
+        return _vocab.scatter_rows(out.logp, rows, n_rows), _vocab.scatter_rows(out.tail, rows, n_rows)
 
     @staticmethod
     @_vocab.reject_double_backward
     def backward(ctx, grad_logp, grad_tail):
-        *tensors, ids, valid, saved, tau = ctx.saved_tensors
+        *tensors, ids, valid, saved, tau, rows = ctx.saved_tensors
         spec: _vocab.OpSpec = ctx.spec
-        none = (None,) * 6
-        if (grad_logp is None and grad_tail is None) or not any(ctx.needs_input_grad[6:]):
+        none = (None,) * _N_OPTIONS
+        if (grad_logp is None and grad_tail is None) or not any(ctx.needs_input_grad[_N_OPTIONS:]):
             return none + (None,) * ctx.n_tensors
-        source = _source(spec, tuple(tensors))
+        grad_logp, grad_tail = _vocab.take_rows(grad_logp, rows), _vocab.take_rows(grad_tail, rows)
+        source = _source(spec, tuple(tensors), rows)
         scale = _scale(ctx, tau, source.n_rows, saved.dtype)
         shift, log_sum, tail_shift, log_tail_sum = saved.unbind(0)
         out = _stats.TopkOutputs(torch.zeros(ids.shape, dtype=saved.dtype, device=saved.device), None, shift, log_sum,
@@ -155,5 +196,5 @@ class TopkLogprobs(torch.autograd.Function):
             grad_logp = grad_logp.masked_fill(~valid, 0.0)
         cols, owned = _vocab.local_columns(ids, spec.first_id, spec.n_valid, valid)
         factors = _stats.topk_grad_factors(out, grad_logp, grad_tail, scale, cols, owned)
-        grads = ctx.backend.apply_grad(source, factors, scale, None, tuple(ctx.needs_input_grad[6:]))
-        return none + _finish(grads, tuple(tensors), spec)
+        grads = ctx.backend.apply_grad(source, factors, scale, None, tuple(ctx.needs_input_grad[_N_OPTIONS:]))
+        return none + _finish(grads, tuple(tensors), spec, rows)

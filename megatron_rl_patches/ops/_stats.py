@@ -430,7 +430,16 @@ def tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Tensor, f: G
     if dz is None:
         dz = buf.zero_()
     local, inside = column_marks(f.cols, f.owned, first_col, x.size(1))
-    x_m = x.gather(1, local).to(dtype)
+    value = marked_grad(x.gather(1, local).to(dtype), scale, f)
+    # the marked entries replaced: cleared, then added (ids clamped onto a column add 0; a plain
+    # scatter could let them overwrite a real mark, and an added difference would round)
+    dz.masked_fill_(marks_mask(dz.shape, local, inside), 0.0)
+    dz.scatter_add_(1, local, torch.where(inside, value, 0.0))
+    return dz
+
+
+def marked_grad(x_m: torch.Tensor, scale: float | torch.Tensor, f: GradFactors) -> torch.Tensor:
+    """dL/dx at the marked columns [r, k] from their logits `x_m` (see :class:`GradFactors`)."""
     value = torch.zeros_like(x_m)
     if f.mark_alpha is not None:
         assert f.shift is not None and f.log_sum is not None  # set with mark_alpha
@@ -443,8 +452,130 @@ def tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Tensor, f: G
         value = value - f.eta * torch.expm1((x_m - sub_shift[:, None]) * scale - log_sub[:, None])
     if f.delta is not None:
         value = value + f.delta
-    # the marked entries replaced: cleared, then added (ids clamped onto a column add 0; a plain
-    # scatter could let them overwrite a real mark, and an added difference would round)
-    dz.masked_fill_(marks_mask(dz.shape, local, inside), 0.0)
-    dz.scatter_add_(1, local, torch.where(inside, value, 0.0))
-    return dz
+    return value
+
+
+# ----------------------------------------------------------------------------- specialized steps
+# The same statistics and gradients as fold_tile / tile_grad for the common calls, chosen once per
+# call (see :func:`target_only`): each element exponentiated once per pass, no marks mask, into
+# caller-owned buffers. Their results equal the general steps' bit for bit.
+
+
+def tail_only(stats: RowStats) -> bool:
+    """Whether a fold sums only the complement of the marked ids (the top-k tail) and no rest:
+    the top-k log-prob op, which :func:`fold_tail_tile` serves."""
+    return stats.rest is None and stats.sub_shift is not None
+
+
+def target_only(stats: RowStats | GradFactors) -> bool:
+    """Whether a call has one marked column per row (the target) and no subset: the log-prob op
+    without keep_mask, which the specialized steps serve."""
+    if isinstance(stats, RowStats):
+        return stats.marked.size(1) == 1 and stats.rest is not None and stats.sub_shift is None
+    return (stats.cols.size(1) == 1 and stats.alpha is not None and stats.gamma is None and stats.delta is None
+            and stats.sub_shift is None)
+
+
+def replace_marked(tile: torch.Tensor, local: torch.Tensor, inside: torch.Tensor, value: torch.Tensor | float) -> None:
+    """tile[row, local] = value where `inside`, in place; one column per row (k = 1), so the
+    entries not inside are written back unchanged and no mask is built."""
+    if not isinstance(value, torch.Tensor):
+        value = torch.full(local.shape, value, dtype=tile.dtype, device=tile.device)
+    tile.scatter_(1, local, torch.where(inside, value.to(tile.dtype), tile.gather(1, local)))
+
+
+def fold_target_tile(stats: RowStats, rows: slice, x: torch.Tensor, scale: float | torch.Tensor,
+                     marks: tuple[torch.Tensor, torch.Tensor], u: torch.Tensor, exps: torch.Tensor) -> None:
+    """:func:`fold_tile` for one marked column (the target) and no subset, in the buffers `u` and
+    `exps` (x's shape, the stats' dtype). The target's u becomes NEG_FLOOR, so it drops out of
+    the sums (e^u = 0) without a mask."""
+    dtype = stats.shift.dtype
+    s_row = per_row(scale)
+    local, inside = marks
+    assert stats.rest is not None  # target_only
+    stats.marked[rows] += torch.where(inside, x.gather(1, local).to(dtype), 0.0)
+    old = stats.shift[rows]
+    new_shift = torch.maximum(old, local_row_max(x, dtype))
+    log_factor, factor = _moved(old, finite_or_zero(new_shift), s_row)
+    shifted_rows(x, finite_or_zero(new_shift), scale, out=u)
+    replace_marked(u, local, inside, NEG_FLOOR)
+    torch.exp(u, out=exps)
+    if stats.moment is not None:
+        # Σ e^u·u as vecdot computes it (product, then row sum), the product written over u: no
+        # fresh tile-sized temporary (a large allocation is fresh pages, faulted in each time)
+        moment = torch.mul(exps, u.clamp_min_(NEG_FLOOR), out=u).sum(dim=1)  # -inf logits: e^u·u = 0, not NaN
+        stats.moment[rows] = factor * (stats.moment[rows] + stats.rest[rows] * log_factor) + moment
+    stats.rest[rows] = stats.rest[rows] * factor + exps.sum(dim=1)
+    stats.shift[rows] = new_shift
+
+
+def target_tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Tensor, f: GradFactors,
+                     out: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+    """:func:`tile_grad` for :func:`target_only` factors, written into `out` (x's shape; may be
+    x's own storage); `u` a buffer of x's shape, needed only with an entropy term (beta)."""
+    assert f.alpha is not None and f.shift is not None and f.log_sum is not None  # target_only
+    local, inside = column_marks(f.cols, f.owned, first_col, x.size(1))
+    value = marked_grad(x.gather(1, local).to(f.dtype), scale, f)  # before out (maybe x) is written
+    if f.beta is None:
+        shifted_rows(x, f.shift, scale, out=out).sub_(f.log_sum[:, None]).exp_().mul_(f.alpha[:, None])
+    else:
+        assert u is not None  # the entropy term needs u apart from the exps
+        shifted_rows(x, f.shift, scale, out=u)
+        torch.sub(u, f.log_sum[:, None], out=out).exp_()
+        out.mul_(u.clamp_min_(NEG_FLOOR).mul_(f.beta[:, None]).add_(f.alpha[:, None]))
+    replace_marked(out, local, inside, value)
+    return out
+
+
+def fold_tail_tile(stats: RowStats, rows: slice, x: torch.Tensor, scale: float | torch.Tensor,
+                   marks: tuple[torch.Tensor, torch.Tensor], u: torch.Tensor) -> None:
+    """:func:`fold_tile` for :func:`tail_only` statistics (the subset: every unmarked column), in
+    the buffer `u` (x's shape, the stats' dtype): x copied once with its marked columns set to
+    -inf, so one max and one exp serve the tail; the full max from the tail's and the marks'."""
+    dtype = stats.shift.dtype
+    s_row = per_row(scale)
+    local, inside = marks
+    assert stats.sub_shift is not None and stats.sub_sum is not None  # tail_only
+    x_m = x.gather(1, local).to(dtype)
+    stats.marked[rows] += torch.where(inside, x_m, 0.0)
+    u.copy_(x)
+    # marked columns to -inf; ids of other tiles (clamped onto a column) leave it as is, in any order
+    u.scatter_reduce_(1, local, torch.where(inside, -math.inf, math.inf).to(dtype), reduce="amin")
+    tail_max = local_row_max(u, dtype)
+    marked_max = local_row_max(torch.where(inside, x_m, -math.inf), dtype)
+    stats.shift[rows] = torch.maximum(stats.shift[rows], torch.maximum(tail_max, marked_max))
+    new_shift = torch.maximum(stats.sub_shift[rows], tail_max)
+    _, factor = _moved(stats.sub_shift[rows], finite_or_zero(new_shift), s_row)
+    shifted_rows(u, finite_or_zero(new_shift), scale, out=u).exp_()
+    stats.sub_sum[rows] = stats.sub_sum[rows] * factor + u.sum(dim=1)
+    stats.sub_shift[rows] = new_shift
+
+
+def buffered_tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Tensor, f: GradFactors,
+                       out: torch.Tensor, u: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+    """:func:`tile_grad` without a subset (keep mask), written into `out` (maybe x's own storage)
+    with the buffers `u` and `sub` (all x's shape, the factors' dtype), the marked entries
+    cleared by a scatter instead of a [r, c] marks mask. The same operations, so the same bits."""
+    local, inside = column_marks(f.cols, f.owned, first_col, x.size(1))
+    value = marked_grad(x.gather(1, local).to(f.dtype), scale, f)  # x is read before out is written
+    if f.gamma is not None:
+        assert f.sub_shift is not None and f.log_sub_sum is not None  # set with gamma
+        shifted_rows(x, f.sub_shift, scale, out=sub).sub_(f.log_sub_sum[:, None]).exp_().mul_(f.gamma[:, None])
+    if f.alpha is not None:
+        assert f.shift is not None and f.log_sum is not None  # set with alpha
+        shifted_rows(x, f.shift, scale, out=u)
+        torch.sub(u, f.log_sum[:, None], out=out).exp_()
+        if f.beta is None:
+            out.mul_(f.alpha[:, None])
+        else:
+            out.mul_(u.clamp_min_(NEG_FLOOR).mul_(f.beta[:, None]).add_(f.alpha[:, None]))
+        if f.gamma is not None:
+            out.add_(sub)
+    elif f.gamma is not None:
+        out.copy_(sub)
+    else:
+        out.zero_()
+    # marked entries to 0 (a product with 0; ids clamped from other tiles multiply by 1), then added
+    out.scatter_reduce_(1, local, torch.where(inside, 0.0, 1.0).to(out.dtype), reduce="prod")
+    out.scatter_add_(1, local, torch.where(inside, value, 0.0).to(out.dtype))
+    return out

@@ -53,6 +53,7 @@ def lm_head_log_probs_and_entropy(
     vocab_size: int | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
+    row_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`log_probs_and_entropy(hidden @ weight.T, tokens, ...)` without the logits.
 
@@ -60,17 +61,23 @@ def lm_head_log_probs_and_entropy(
     this rank's vocab shard [V_local, H] (the output layer's, or the tied embedding), tokens [T]
     global ids of every row. Gradients flow to hidden and weight. `chunk_size`: rows per tile
     (None: a byte budget). Outputs fp32 (fp64 for fp64 inputs); entropy None unless `with_entropy`.
+    `row_mask` [T] bool (all rows, also under sequence parallelism; the same on every rank): only
+    these rows meet the weight — one gather of their hidden rows — the others' outputs are 0 with
+    no gradient (dW as if their upstream gradient were 0), and the time follows the selected rows.
     """
     _, n_rows, vocab = _checks.check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
     checks = _checks.DeviceChecks()
     _checks.check_tokens_shape(tokens, n_rows, hidden.device, "(all rows, also under sequence parallelism)", "hidden")
-    _checks.require_tokens_in_vocab(tokens, vocab, checks)
+    rows = _vocab.select_rows(_checks.check_row_mask(row_mask, n_rows, hidden.device, "hidden (all rows)"), tp_group)
+    _checks.require_tokens_in_vocab(_vocab.unselected_as(tokens, row_mask), vocab, checks)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
     spec = _spec(hidden, weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_log_probs_and_entropy",
                  with_entropy=bool(with_entropy), entropy_grad=bool(with_entropy and entropy_requires_grad))
     chosen = resolve_backend(backend, hidden.device)
-    log_probs, entropy = LogProbEntropy.apply(tokens, keep_mask, tau, spec, checks, chosen, hidden, weight)
+    log_probs, entropy = LogProbEntropy.apply(_vocab.take_rows(tokens, rows), _vocab.take_rows(keep_mask, rows),
+                                              _vocab.take_row_values(tau, rows), spec, checks, chosen, rows,
+                                              hidden, weight)
     return log_probs, (entropy if with_entropy else None)
 
 
@@ -97,11 +104,13 @@ def lm_head_topk_ids(
     temperature: float | torch.Tensor = 1.0,
     vocab_size: int | None = None,
     chunk_size: int | None = None,
+    row_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`topk_ids(hidden @ weight.T, k, ...)` without the logits: global ids [T, k] of the k largest
     logits per row, descending, ties to the lower id; no gradient. A positive temperature does
     not change the order (accepted for symmetry with `lm_head_topk_logprobs`). Each rank keeps a
-    running top-k per row tile; ranks all-gather k candidates each (O(T·k·tp))."""
+    running top-k per row tile; ranks all-gather k candidates each (O(T·k·tp)). `row_mask` [T]
+    as in `lm_head_log_probs_and_entropy`: unselected rows get ids 0."""
     _, n_rows, vocab = _checks.check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
     k = _checks.check_int_k(k)
     _checks.check_k(k, vocab)
@@ -111,28 +120,30 @@ def lm_head_topk_ids(
         raise TypeError("lm_head_topk_ids ranks fp32/bf16/fp16 logits; "
                         "for fp64 inputs use topk_ids(hidden @ weight.T, k)")
     spec = _spec(hidden, weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_ids")
+    rows = _vocab.select_rows(_checks.check_row_mask(row_mask, n_rows, hidden.device, "hidden (all rows)"), tp_group)
     with torch.no_grad():
-        best, row_max = _running_topk_keys(gather_rows(hidden.detach(), spec.group, spec.sequence_parallel),
-                                           weight.detach(), k, spec)
+        gathered = gather_rows(hidden.detach(), spec.group, spec.sequence_parallel)
+        best, row_max = _running_topk_keys(_vocab.take_rows(gathered, rows), weight.detach(), k, spec, n_rows)
         # MAX all-reduce over the tensor-parallel group of the local row maxima: the full-vocab
         # max tells rows with NaN/+inf or without any finite logit apart on every rank alike
         _dist.all_reduce_max_(row_max, spec.group)
-        bad = _checks.bad_row_codes(row_max)
+        bad = _vocab.scatter_rows(_checks.bad_row_codes(row_max), rows, n_rows)
         checks.require(bad == 0, lambda: _checks.bad_rows_error(spec.op, spec.arg, bad))
         checks.raise_first()  # the call's one host sync
         # all-gather over the tensor-parallel group of every rank's k best keys per row
         # (O(T·k·tp)): the k best of them are the global top-k, the same on every rank
         best = torch.topk(_dist.all_gather_last_dim(best, spec.group), k, dim=1).values
-        return _ID_MASK - (best & _ID_MASK)
+        return _vocab.scatter_rows(_ID_MASK - (best & _ID_MASK), rows, n_rows)
 
 
-def _running_topk_keys(h_full, weight, k: int, spec: _vocab.OpSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's k best (value, id) keys per row over its logits tiles, and its row max (NaN
-    as +inf)."""
+def _running_topk_keys(h_full, weight, k: int, spec: _vocab.OpSpec,
+                       shape_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's k best (value, id) keys per row over its logits tiles (shaped for
+    `shape_rows` rows), and its row max (NaN as +inf)."""
     n_rows = h_full.size(0)
     best = torch.full((n_rows, k), torch.iinfo(torch.int64).min, dtype=torch.int64, device=h_full.device)
     row_max = torch.full((n_rows,), -math.inf, device=h_full.device)
-    source = Source(spec.n_valid, spec.chunk_rows, hidden=h_full, weight=weight)
+    source = Source(spec.n_valid, spec.chunk_rows, hidden=h_full, weight=weight, shape_rows=shape_rows)
     for rows, cols, x in tiles(source, torch.float32):
         ids = torch.arange(cols.start, cols.stop, device=x.device) + spec.first_id
         keys = (_sortable(x) << _ID_BITS) | (_ID_MASK - ids)  # larger key: larger value, then lower id
@@ -156,17 +167,21 @@ def lm_head_topk_logprobs(
     vocab_size: int | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
+    row_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`topk_logprobs(hidden @ weight.T, ids, ...)` without the logits: log-probs at ids [T, k]
     normalized over the full vocab, and the log of the remaining mass [T] (the complement's own
     log-sum-exp, never log(1 − Σp)). Gradients flow to hidden and weight (a student); call under
-    no_grad for a teacher. `ids_mask` as in `topk_logprobs` (padded slots: -inf, mass in the tail)."""
+    no_grad for a teacher. `ids_mask` as in `topk_logprobs` (padded slots: -inf, mass in the tail).
+    `row_mask` [T] as in `lm_head_log_probs_and_entropy` (unselected rows: 0, no gradient)."""
     _, n_rows, vocab = _checks.check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
     checks = _checks.DeviceChecks()
-    k = _checks.check_ids(ids, torch.Size([n_rows]), vocab, checks, ids_mask)
+    k = _checks.check_ids(_vocab.unselected_as(ids, row_mask), torch.Size([n_rows]), vocab, checks, ids_mask)
+    rows = _vocab.select_rows(_checks.check_row_mask(row_mask, n_rows, hidden.device, "hidden (all rows)"), tp_group)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     spec = _spec(hidden, weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_logprobs")
     flat = ids.reshape(n_rows, k).to(device=hidden.device, dtype=torch.long)
     valid = None if ids_mask is None else ids_mask.reshape(n_rows, k).to(hidden.device)
     chosen = resolve_backend(backend, hidden.device)
-    return TopkLogprobs.apply(flat, valid, tau, spec, checks, chosen, hidden, weight)
+    return TopkLogprobs.apply(_vocab.take_rows(flat, rows), _vocab.take_rows(valid, rows),
+                              _vocab.take_row_values(tau, rows), spec, checks, chosen, rows, hidden, weight)

@@ -30,6 +30,7 @@ def log_probs_and_entropy(
     vocab_size: int | None = None,
     inplace_backward: bool = False,
     backend: str = "auto",
+    row_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log p(target) and entropy of softmax(logits/τ) over a vocab sharded on `tp_group`.
 
@@ -40,10 +41,14 @@ def log_probs_and_entropy(
     `inplace_backward=True` the gradient is written into the logits' storage: nothing else may
     need those logits in backward (autograd raises if something does). Outputs are fp32 (fp64 for
     fp64 logits); entropy is None unless `with_entropy`. `backend`: see
-    :func:`megatron_rl_patches.ops.kernels.resolve_backend`.
+    :func:`megatron_rl_patches.ops.kernels.resolve_backend`. `row_mask` [T] bool: compute only
+    these rows (e.g. the response tokens; the same mask on every tensor-parallel rank): the other
+    rows' log-prob and entropy are 0 and give no gradient, their targets are not read; the
+    selected rows' values and gradients are those of a call without the mask, bit for bit.
     """
-    checks, tau = _checks.check_logprobs_inputs(logits, tokens, tp_group, temperature, chunk_size, keep_mask,
-                                                vocab_size, inplace_backward)
+    checks, tau = _checks.check_logprobs_inputs(logits, _vocab.unselected_as(tokens, row_mask), tp_group,
+                                                temperature, chunk_size, keep_mask, vocab_size, inplace_backward)
+    rows = _vocab.select_rows(_checks.check_row_mask(row_mask, logits.size(0), logits.device, "logits"), tp_group)
     local_vocab = logits.size(1)
     spec = _vocab.op_spec(
         local_vocab, tp_group, vocab_size,
@@ -54,5 +59,6 @@ def log_probs_and_entropy(
         inplace_backward=bool(inplace_backward),
     )
     chosen = resolve_backend(backend, logits.device)
-    log_probs, entropy = LogProbEntropy.apply(tokens, keep_mask, tau, spec, checks, chosen, logits)
+    log_probs, entropy = LogProbEntropy.apply(_vocab.take_rows(tokens, rows), _vocab.take_rows(keep_mask, rows),
+                                              _vocab.take_row_values(tau, rows), spec, checks, chosen, rows, logits)
     return log_probs, (entropy if with_entropy else None)

@@ -88,19 +88,23 @@ def topk_ids(
     *,
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
+    row_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Global vocab ids of the k largest logits per row, descending (ties: lower id first).
 
     Vocab-parallel: each rank takes its local top-k and the ranks all-gather k candidates each
     (O(T·k·tp) communication); every rank returns the same ids. Padded columns (ids >=
-    `vocab_size`) are never selected. No gradient.
+    `vocab_size`) are never selected. No gradient. `row_mask` (bool, the logits' leading shape;
+    the same on every rank): only those rows are ranked, the others get ids 0.
     """
     lead, local_vocab = _checks.check_logits(logits, "logits", tp_group)
     k = _checks.check_int_k(k)
     vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
     _checks.check_k(k, vocab)
+    rows = _select(row_mask, lead, logits.device, tp_group)
     with torch.no_grad():
-        flat = logits.detach().reshape(-1, local_vocab)
+        every = logits.detach().reshape(-1, local_vocab)
+        flat = _vocab.take_rows(every, rows)
         offset = _dist.vocab_start(local_vocab, tp_group)
         valid = _vocab.valid_local_columns(local_vocab, vocab, tp_group)
         values, index, top, tied = _local_topk(flat[:, :valid], k, vocab - offset)
@@ -116,8 +120,17 @@ def topk_ids(
         # all-gather over the tensor-parallel group of the candidates' global ids, in the order
         # of the values gathered above
         ids = _dist.all_gather_last_dim(index + offset, tp_group)
-        ids = _merge_candidates(values, ids, k)
+        ids = _vocab.scatter_rows(_merge_candidates(values, ids, k), rows, every.size(0))
     return ids.reshape(*lead, k)
+
+
+def _select(row_mask: object, lead: torch.Size, device: torch.device, group: dist.ProcessGroup | None,
+            holder: str = "logits") -> torch.Tensor | None:
+    """The selected rows of a `row_mask` shaped as the logits' leading dims (flattened), or None."""
+    n_rows = math.prod(lead)
+    if isinstance(row_mask, torch.Tensor) and row_mask.shape == lead:
+        row_mask = row_mask.reshape(n_rows)
+    return _vocab.select_rows(_checks.check_row_mask(row_mask, n_rows, device, holder), group)
 
 
 # ----------------------------------------------------------------------------- union of id sets
@@ -162,18 +175,33 @@ def _topk_logprobs_checked(
     name: str = "logits",
     backend: str = "auto",
     ids_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Size, int]:
+    row_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Size, int, torch.Tensor | None]:
+    """(log-probs [R, k], tail [R], leading dims, k, selected rows or None): R = every row."""
     lead, local_vocab = _checks.check_logits(logits, name, tp_group)
     vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
-    k = _checks.check_ids(ids, lead, vocab, checks, ids_mask)
+    rows = _select(row_mask, lead, logits.device, tp_group, name)
+    flat_mask = None if rows is None else torch.zeros(math.prod(lead), dtype=torch.bool,
+                                                       device=logits.device).index_fill_(0, rows, True)
+    k = _checks.check_ids(_unselected_ids(ids, flat_mask, lead), lead, vocab, checks, ids_mask)
     tau = _checks.check_temperature(temperature, lead, logits.device, checks, logits.dtype)
     chunk_rows = _vocab.logits_chunk_rows(_checks.check_chunk_size(chunk_size), local_vocab, tp_group, vocab, logits)
     spec = _vocab.op_spec(local_vocab, tp_group, vocab, chunk_rows, op, arg=name)
     flat_ids = ids.reshape(-1, k).to(device=logits.device, dtype=torch.long)
     valid = None if ids_mask is None else ids_mask.reshape(-1, k).to(logits.device)
     chosen = resolve_backend(backend, logits.device)
-    logp, tail = TopkLogprobs.apply(flat_ids, valid, tau, spec, checks, chosen, logits.reshape(-1, local_vocab))
-    return logp, tail, lead, k
+    tau = _vocab.take_row_values(tau.reshape(-1) if isinstance(tau, torch.Tensor) else tau, rows)
+    logp, tail = TopkLogprobs.apply(_vocab.take_rows(flat_ids, rows), _vocab.take_rows(valid, rows), tau, spec,
+                                    checks, chosen, rows, logits.reshape(-1, local_vocab))
+    return logp, tail, lead, k, rows
+
+
+def _unselected_ids(ids: object, flat_mask: torch.Tensor | None, lead: torch.Size) -> object:
+    """ids with the unselected rows' slots replaced by valid distinct ids (see _vocab.unselected_as)."""
+    if (flat_mask is None or not isinstance(ids, torch.Tensor) or ids.shape[:-1] != lead
+            or ids.device != flat_mask.device):
+        return ids
+    return _vocab.unselected_as(ids.reshape(flat_mask.numel(), -1), flat_mask).reshape(ids.shape)
 
 
 def topk_logprobs(
@@ -186,6 +214,7 @@ def topk_logprobs(
     vocab_size: int | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
+    row_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs (normalized over the full vocab, logits / temperature) at `ids` [T, k] and the
     log of the remaining mass [T], from the complement's log-sum-exp; differentiable.
@@ -194,11 +223,13 @@ def topk_logprobs(
     `tp_group` (None: no tensor parallelism), ids global, padded columns excluded. Output is
     float32 (float64 for float64 logits). `chunk_size` is rows per chunk (None: automatic).
     `ids_mask` (bool, ids' shape; e.g. from `union_ids`): False slots are padding, whatever
-    their id: log-prob -inf with no gradient, and their mass stays in the tail.
+    their id: log-prob -inf with no gradient, and their mass stays in the tail. `row_mask` (bool,
+    the logits' leading shape; the same on every rank): only those rows are computed, the
+    others' outputs are 0 with no gradient and their ids are not read.
     """
-    logp, tail, lead, k = _topk_logprobs_checked(
+    logp, tail, lead, k, _ = _topk_logprobs_checked(
         logits, ids, tp_group, temperature, vocab_size, chunk_size, _checks.DeviceChecks(), backend=backend,
-        ids_mask=ids_mask,
+        ids_mask=ids_mask, row_mask=row_mask,
     )
     return logp.reshape(*lead, k), tail.reshape(lead)
 
@@ -314,6 +345,7 @@ def topk_opd_loss(
     vocab_size: int | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
+    row_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token divergence [T] between the student's and the teacher mixture's (k+1)-bucket
     distributions (the k ids plus one tail bucket); gradient flows to the student logits only.
@@ -329,7 +361,8 @@ def topk_opd_loss(
     and floored at the dtype's epsilon. Zero-probability buckets: 0·log 0 = 0; a bucket with
     zero probability on the reference side only makes that token's KL +inf (that bucket gives
     no gradient). `ids_mask` (bool, ids' shape; e.g. from `union_ids`): padded slots, as in
-    `topk_logprobs`, empty buckets for every model.
+    `topk_logprobs`, empty buckets for every model. `row_mask` (bool, the student logits'
+    leading shape): only those rows are computed; the others' divergence is 0 with no gradient.
     """
     choice = _checks.resolve_divergence(divergence, beta, alpha, kl, mix)
     lead, _ = _checks.check_logits(student_logits, "student_logits", tp_group)
@@ -338,10 +371,17 @@ def topk_opd_loss(
     dtype = _vocab.compute_dtype(student_logits.dtype)
     teachers, teacher_tails, log_w = _checks.check_mixture(teacher_logprobs, teacher_tail_logprobs, ids.shape,
                                                     teacher_weights, dtype, student_logits.device, checks)
-    logp, tail, lead, k = _topk_logprobs_checked(
+    logp, tail, lead, k, rows = _topk_logprobs_checked(
         student_logits, ids, tp_group, temperature, vocab_size, chunk_size, checks, "topk_opd_loss", "student_logits",
-        backend, ids_mask,
+        backend, ids_mask, row_mask,
     )
-    log_p = torch.cat([logp, tail[:, None]], dim=1)
-    valid = None if ids_mask is None else ids_mask.reshape(-1, k).to(log_p.device)
-    return _bucket_divergence(log_p, teachers, teacher_tails, log_w, choice, valid).reshape(lead)
+    log_p = _vocab.take_rows(torch.cat([logp, tail[:, None]], dim=1), rows)
+    assert log_p is not None  # a tensor
+    valid = None if ids_mask is None else _vocab.take_rows(ids_mask.reshape(-1, k).to(log_p.device), rows)
+    if rows is not None:
+        n = teachers.shape[0]
+        teachers = teachers.reshape(n, -1, k).index_select(1, rows.to(teachers.device))
+        if teacher_tails is not None:
+            teacher_tails = teacher_tails.reshape(n, -1).index_select(1, rows.to(teacher_tails.device))
+    value = _bucket_divergence(log_p, teachers, teacher_tails, log_w, choice, valid)
+    return _vocab.scatter_rows(value, rows, math.prod(lead)).reshape(lead)

@@ -1,5 +1,5 @@
 """`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|distill|gpu|all]
-[--quick] [--out DIR] [--only PART]`.
+[--quick] [--out DIR] [--only PART]`; `bench ops [--baseline REV] [--T N] [--V N] [--H N] [--runs N]`.
 
 `bench gpu` (not part of `all`) needs a CUDA device; without one it says so in one line and
 exits non-zero."""
@@ -26,14 +26,31 @@ BENCHMARKS = {
 FUSED_PARTS = ("logprob", "opd")
 
 
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}: must be an integer >= 1")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # `gpu` (every implementation on a CUDA device) is not part of `all`
-    parser.add_argument("which", nargs="?", default="all", choices=[*BENCHMARKS, "gpu", "all"], help="which benchmark")
+    parser.add_argument("which", nargs="?", default="all", choices=[*BENCHMARKS, "gpu", "ops", "all"],
+                        help="which benchmark (`ops`: today's vocabulary ops against --baseline REV, not in `all`)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: seconds, for smoke tests")
     parser.add_argument("--out", metavar="DIR", help="write CSV files and PNG plots (needs the [bench] extra) here")
     parser.add_argument("--only", choices=FUSED_PARTS, metavar="PART",
                         help=f"bench fused only: run one part, {' or '.join(FUSED_PARTS)} "
                              "(log-prob + entropy, or the top-k OPD step with 1 and 2 teachers)")
+    ops = parser.add_argument_group("bench ops")
+    ops.add_argument("--baseline", metavar="REV", help="bench ops: the git revision to compare with (e.g. main)")
+    for flag, default, meaning in (("--T", 1024, "tokens"), ("--V", 8192, "vocabulary"), ("--H", 256, "hidden size"),
+                                   ("--runs", 3, "interleaved runs per op and side (medians)")):
+        ops.add_argument(flag, type=_count, default=default, metavar="N", help=f"bench ops: {meaning}")
 
 
 def check_output_folder(path: str) -> None:
@@ -53,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--only {args.only} selects a part of `bench fused`; run `bench fused --only {args.only}`")
     if args.which == "gpu":
         return _run_gpu(args)
+    if args.which == "ops":
+        return _run_ops(args)
     if args.out:
         check_output_folder(args.out)
     names = list(BENCHMARKS) if args.which == "all" else [args.which]
@@ -87,3 +106,17 @@ def _run_gpu(args: argparse.Namespace) -> int:
     for error in errors[:3]:
         say("bench gpu", error)
     return PROBLEM if errors else OK
+
+
+def _run_ops(args: argparse.Namespace) -> int:
+    """`bench ops`: interleaved per-op times of today's package and --baseline's."""
+    from megatron_rl_patches.apps.bench import ops
+
+    if args.out:
+        check_output_folder(args.out)
+    shape = {"T": args.T, "V": args.V, "H": args.H, "k": 8}
+    try:
+        rows = ops.run_ops(args.baseline, shape, args.runs, args.out)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return PROBLEM if any(row["today_s"] is None for row in rows) else OK

@@ -18,7 +18,8 @@ class Source:
     """Logits [T, V_local] (`logits`), or ``hidden [T, H] @ weight[V_local, H].T`` (every row of
     hidden, gathered); only the first `n_valid` columns are real vocabulary ids. `chunk_rows`:
     rows per tile (None: the backend's budget); `inplace`: the logits' gradient may be written
-    into their own storage."""
+    into their own storage; `shape_rows`: the row count tiles are shaped for (a row selection
+    tiles its rows as all rows are, so each row's values keep their bits)."""
 
     n_valid: int
     chunk_rows: int | None
@@ -26,6 +27,7 @@ class Source:
     hidden: torch.Tensor | None = None
     weight: torch.Tensor | None = None
     inplace: bool = False
+    shape_rows: int | None = None  # rows the tile shape is chosen for (None: n_rows); a row selection keeps all's
 
     @property
     def fused(self) -> bool:

@@ -10,7 +10,20 @@ from collections.abc import Iterator
 
 import torch
 
-from megatron_rl_patches.ops._stats import GradFactors, RowStats, column_marks, fold_tile, scale_rows, tile_grad
+from megatron_rl_patches.ops._stats import (
+    GradFactors,
+    RowStats,
+    buffered_tile_grad,
+    column_marks,
+    fold_tail_tile,
+    fold_target_tile,
+    fold_tile,
+    scale_rows,
+    tail_only,
+    target_only,
+    target_tile_grad,
+    tile_grad,
+)
 from megatron_rl_patches.ops.kernels.sources import Source
 
 # Bytes of one [rows, cols] fp32 logits tile of a hidden-state source. Rows are many so W's tile
@@ -54,7 +67,7 @@ def tiles(source: Source, dtype: torch.dtype) -> Iterator[tuple[slice, slice, to
             yield slice(r0, r1), slice(0, n_valid), source.logits[r0:r1, :n_valid]
         return
     assert source.hidden is not None and source.weight is not None  # fused
-    row_tile, col_tile = tile_shape(n_rows, n_valid, source.hidden.device, source.chunk_rows)
+    row_tile, col_tile = tile_shape(source.shape_rows or n_rows, n_valid, source.hidden.device, source.chunk_rows)
     buf = torch.empty(row_tile, col_tile, dtype=dtype, device=source.hidden.device)
     for r0, r1 in spans(n_rows, row_tile):
         h = source.hidden[r0:r1]
@@ -75,6 +88,14 @@ class TorchTiles:
 
     def row_stats(self, source: Source, stats: RowStats, cols: torch.Tensor, owned: torch.Tensor,
                   keep_mask: torch.Tensor | None, scale: float | torch.Tensor) -> RowStats:
+        if keep_mask is None and target_only(stats):
+            return _target_row_stats(source, stats, cols, owned, scale)
+        if keep_mask is None and tail_only(stats):
+            work = _TileBuffers(source, stats.shift.dtype, 1)
+            for rows, tile_cols, x in tiles(source, stats.shift.dtype):
+                marks = column_marks(cols[rows], owned[rows], tile_cols.start, x.size(1))
+                fold_tail_tile(stats, rows, x, scale_rows(scale, rows), marks, work.get(0, x))
+            return stats
         for rows, tile_cols, x in tiles(source, stats.shift.dtype):
             marks = column_marks(cols[rows], owned[rows], tile_cols.start, x.size(1))
             subset = keep_mask[rows, tile_cols] if keep_mask is not None else None
@@ -84,21 +105,65 @@ class TorchTiles:
     def apply_grad(self, source: Source, factors: GradFactors, scale: float | torch.Tensor,
                    keep_mask: torch.Tensor | None, needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
         dtype = factors.dtype
+        fast = keep_mask is None and target_only(factors)
+        work = _TileBuffers(source, dtype, 3 if source.fused else 2 if keep_mask is None else 0)
         if not source.fused:
             grad = _logits_grad_buffer(source)
             for rows, cols, x in tiles(source, dtype):
+                f = factors.rows(rows)
+                if fast and grad.dtype == dtype:
+                    u = work.get(0, x) if f.beta is not None else None
+                    target_tile_grad(x, cols.start, scale_rows(scale, rows), f, grad[rows, cols], u)
+                    continue
+                if keep_mask is None and grad.dtype == dtype:
+                    buffered_tile_grad(x, cols.start, scale_rows(scale, rows), f, grad[rows, cols], work.get(0, x),
+                                       work.get(1, x))
+                    continue
                 subset = keep_mask[rows, cols] if keep_mask is not None else None
-                grad[rows, cols] = tile_grad(x, cols.start, scale_rows(scale, rows), factors.rows(rows), subset)
+                grad[rows, cols] = tile_grad(x, cols.start, scale_rows(scale, rows), f, subset)
             return (grad,)
         hidden, weight = source.hidden, source.weight
         assert hidden is not None and weight is not None  # fused
         grad_h = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if needs[0] else None
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if needs[1] else None
         for rows, cols, x in tiles(source, dtype):
-            subset = keep_mask[rows, cols] if keep_mask is not None else None
-            dz = tile_grad(x, cols.start, scale_rows(scale, rows), factors.rows(rows), subset)
+            f = factors.rows(rows)
+            if fast:
+                dz = target_tile_grad(x, cols.start, scale_rows(scale, rows), f, work.get(0, x), work.get(1, x))
+            elif keep_mask is None:
+                dz = buffered_tile_grad(x, cols.start, scale_rows(scale, rows), f, work.get(0, x), work.get(1, x),
+                                        work.get(2, x))
+            else:
+                subset = keep_mask[rows, cols] if keep_mask is not None else None
+                dz = tile_grad(x, cols.start, scale_rows(scale, rows), f, subset)
             _accumulate(grad_h, grad_w, dz, hidden[rows], weight[cols], rows, cols)
         return grad_h, grad_w
+
+
+class _TileBuffers:
+    """`count` reusable tile-sized buffers of one call, each viewed contiguous at a tile's shape."""
+
+    def __init__(self, source: Source, dtype: torch.dtype, count: int) -> None:
+        first = source.first
+        if source.fused:
+            rows, cols = tile_shape(source.shape_rows or source.n_rows, source.n_valid, first.device, source.chunk_rows)
+        else:
+            rows, cols = min(source.n_rows, source.chunk_rows or source.n_rows), source.n_valid
+        self._flat = [torch.empty(max(rows, 1) * max(cols, 1), dtype=dtype, device=first.device) for _ in range(count)]
+
+    def get(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        return self._flat[index][: like.numel()].view(like.shape)
+
+
+def _target_row_stats(source: Source, stats: RowStats, cols: torch.Tensor, owned: torch.Tensor,
+                      scale: float | torch.Tensor) -> RowStats:
+    """The log-prob op's statistics through the specialized fold, in two reusable tile buffers."""
+    dtype = stats.shift.dtype
+    work = _TileBuffers(source, dtype, 2)
+    for rows, tile_cols, x in tiles(source, dtype):
+        marks = column_marks(cols[rows], owned[rows], tile_cols.start, x.size(1))
+        fold_target_tile(stats, rows, x, scale_rows(scale, rows), marks, work.get(0, x), work.get(1, x))
+    return stats
 
 
 def _logits_grad_buffer(source: Source) -> torch.Tensor:

@@ -1,0 +1,115 @@
+"""One timed op of `bench ops`, run as a script in its own process: ``python ops_worker.py
+'{"op": ..., "T": ..., "V": ..., "H": ..., "k": ..., "repeats": ...}'``. It imports the ops from
+whatever ``megatron_rl_patches`` is first on PYTHONPATH (today's or a baseline revision's), and
+nothing else of the package, so one worker times every revision alike. Prints one JSON line."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+
+
+def _slime_function():
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slime_reference.py")
+    spec = importlib.util.spec_from_file_location("slime_reference", here)
+    assert spec is not None and spec.loader is not None  # the file beside this one
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SoftmaxKeeping
+
+
+def _step(op: str, T: int, V: int, H: int, k: int) -> Callable[[], None]:
+    """A closure running `op` once (forward and, where it has one, backward) on fresh inputs."""
+    import torch
+
+    from megatron_rl_patches.ops import lm_head, logprobs, topk
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, V, (T,), generator=g)
+    a, b = torch.randn(T, generator=g), torch.randn(T, generator=g)
+    fused = op.startswith("lm_head") or op == "logits_path"
+    if fused:
+        hidden = torch.randn(T, H, generator=g)
+        weight = torch.randn(V, H, generator=g) / H**0.5
+    else:
+        base = torch.randn(T, V, generator=g) * 3
+    ids = torch.arange(k) * (V // k) + torch.randint(0, V // k, (T, 1), generator=g)  # k distinct ids per row
+
+    def logits_leaf():
+        leaf = base.clone().requires_grad_(True)
+        return leaf, leaf * 1.0  # a non-leaf, as a model's logits
+
+    def lp_entropy(inplace: bool) -> None:
+        leaf, x = logits_leaf()
+        lp, ent = logprobs.log_probs_and_entropy(x, tokens, with_entropy=True, inplace_backward=inplace)
+        assert ent is not None  # with_entropy
+        torch.autograd.backward([(a * lp).sum() + (b * ent).sum()], inputs=[x])
+
+    def slime() -> None:
+        leaf, x = logits_leaf()
+        lp, ent = _slime_function().apply(x, tokens, True)
+        torch.autograd.backward([(a * lp).sum() + (b * ent).sum()], inputs=[x])
+
+    def topk_lp() -> None:
+        leaf, x = logits_leaf()
+        logp, tail = topk.topk_logprobs(x, ids)
+        torch.autograd.backward([logp.sum() + (a * tail).sum()], inputs=[x])
+
+    def kl() -> None:
+        student = torch.log_softmax(torch.randn(T, k + 1, generator=g), dim=1).requires_grad_(True)
+        teacher = torch.log_softmax(torch.randn(T, k + 1, generator=g), dim=1)
+        for _ in range(20):
+            value = topk.topk_kl(student[:, :k], student[:, k], teacher[:, :k], teacher[:, k], kl="reverse")
+            value.sum().backward()
+
+    def head(kind: str) -> None:
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        if kind == "logits_path":
+            lp, ent = logprobs.log_probs_and_entropy(h @ w.t(), tokens, with_entropy=True)
+        elif kind == "lp":
+            lp, ent = lm_head.lm_head_log_probs_and_entropy(h, w, tokens, with_entropy=True)
+        else:
+            logp, tail = lm_head.lm_head_topk_logprobs(h, w, ids)
+            torch.autograd.backward([logp.sum() + (a * tail).sum()], inputs=[h, w])
+            return
+        assert ent is not None  # with_entropy
+        torch.autograd.backward([(a * lp).sum() + (b * ent).sum()], inputs=[h, w])
+
+    steps: dict[str, Callable[[], None]] = {
+        "log_probs_and_entropy": lambda: lp_entropy(False),
+        "log_probs_and_entropy_inplace": lambda: lp_entropy(True),
+        "slime_logprobs": slime,
+        "topk_ids": lambda: topk.topk_ids(base, k),
+        "topk_logprobs": topk_lp,
+        "topk_kl": kl,
+        "lm_head_log_probs_and_entropy": lambda: head("lp"),
+        "logits_path": lambda: head("logits_path"),
+        "lm_head_topk_ids": lambda: lm_head.lm_head_topk_ids(hidden, weight, k),
+        "lm_head_topk_logprobs": lambda: head("topk"),
+    }
+    return steps[op]
+
+
+def main(argv: list[str]) -> int:
+    import warnings
+
+    import torch
+
+    warnings.simplefilter("ignore")
+    case = json.loads(argv[0])
+    torch.set_num_threads(case.get("threads", 1))
+    step = _step(case["op"], case["T"], case["V"], case["H"], case["k"])
+    best = float("inf")
+    for _ in range(case.get("repeats", 1)):
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+    print(json.dumps({"op": case["op"], "time_s": best}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
