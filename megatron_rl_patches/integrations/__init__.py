@@ -29,6 +29,7 @@ RECORDS = (
     "megatron_core:WINDOW_PATCHES",
     "verl:PATCHES",
     "slime_fused:PATCHES",
+    "slime_opd:PATCHES",
 )
 
 

@@ -50,14 +50,26 @@ PATCHES = (
 )
 
 
+@dataclass(frozen=True)
+class TopkRequest:
+    """Top-k buckets asked of the fused call beside the log-probs: the student's own top-`k` ids,
+    or the ids in the batch's per-sample `ids_key` ([R, k] each) scored; `keys` are the
+    per-sample batch keys the step needs beyond slime's own."""
+
+    k: int | None = None
+    ids_key: str | None = None
+    keys: tuple[str, ...] = ()
+
+
 @dataclass
 class Plan:
     """What the fused model call of one slime step needs: slime's args, whether entropy is wanted
-    (and its gradient), and the micro-batch `get_batch` returned last."""
+    (and its gradient), top-k buckets if asked, and the micro-batch `get_batch` returned last."""
 
     args: Any
     with_entropy: bool
     entropy_requires_grad: bool
+    topk: TopkRequest | None = None
     batch: dict | None = field(default=None, repr=False)
 
 
@@ -111,7 +123,8 @@ def _bind(wrapped: Any, args: tuple, kwargs: dict) -> inspect.BoundArguments | N
     return bound
 
 
-def _run(plan: Plan | None, wrapped: Any, args: tuple, kwargs: dict) -> Any:
+def run_planned(plan: Plan | None, wrapped: Any, args: tuple, kwargs: dict) -> Any:
+    """`wrapped(*args, **kwargs)` with `plan` as the fused plan of the slime step it runs (None: none)."""
     token = _PLAN.set(plan)
     try:
         return wrapped(*args, **kwargs)
@@ -123,8 +136,8 @@ def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
     """wrapt wrapper for `forward_only(f, args, model, ...)`: a fused plan when `f` is slime's
     log-prob callback and the configuration is servable."""
     bound = _bind(wrapped, args, kwargs)
-    if bound is None:
-        return wrapped(*args, **kwargs)  # slime's own error
+    if bound is None or _PLAN.get() is not None:  # slime's own error; a pass planned by slime_opd
+        return wrapped(*args, **kwargs)
     slime_args, f = bound.arguments["args"], bound.arguments["f"]
     name = getattr(f, "__name__", type(f).__name__)
     reason = unservable(slime_args)
@@ -136,9 +149,9 @@ def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
         reason = "top-p replay (rollout_top_p != 1: its keep-mask is dense [T, V])"
     if reason is not None:
         fall_back(reason)
-        return _run(None, wrapped, args, kwargs)
+        return run_planned(None, wrapped, args, kwargs)
     with_entropy = bool(getattr(slime_args, "use_rollout_entropy", False))
-    return _run(Plan(slime_args, with_entropy, False), wrapped, args, kwargs)
+    return run_planned(Plan(slime_args, with_entropy, False), wrapped, args, kwargs)
 
 
 def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -151,16 +164,25 @@ def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dic
     reason = unservable(slime_args)
     if reason is not None:
         fall_back(reason)
-        return _run(None, wrapped, args, kwargs)
+        return run_planned(None, wrapped, args, kwargs)
+    from megatron_rl_patches.integrations.slime_opd import step_request
+
     with_entropy = getattr(slime_args, "loss_type", "policy_loss") != "sft_loss"
     grad = with_entropy and getattr(slime_args, "entropy_coef", 0.0) != 0
-    return _run(Plan(slime_args, with_entropy, grad), wrapped, args, kwargs)
+    return run_planned(Plan(slime_args, with_entropy, grad, step_request(slime_args)), wrapped, args, kwargs)
 
 
 def get_batch_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper for slime's `get_batch`: the batch is noted for the fused model call."""
-    batch = wrapped(*args, **kwargs)
+    """wrapt wrapper for slime's `get_batch`: the batch (with the keys a top-k request needs) is
+    noted for the fused model call."""
     plan = _PLAN.get()
+    if plan is not None and plan.topk is not None and plan.topk.keys:
+        bound = _bind(wrapped, args, kwargs)
+        if bound is not None:
+            keys = list(bound.arguments["keys"])
+            bound.arguments["keys"] = keys + [key for key in plan.topk.keys if key not in keys]
+            args, kwargs = bound.args, bound.kwargs
+    batch = wrapped(*args, **kwargs)
     if plan is not None:
         plan.batch = batch
     return batch
@@ -251,14 +273,18 @@ class FusedModel:
         length = tokens.size(1)
         labels = shifted_targets(batch, length, tokens.device, allgather_cp)
         rows = response_rows(batch, length, tokens.device, allgather_cp)
-        processor = log_prob_output_processor(
-            temperature=float(getattr(plan.args, "rollout_temperature", 1.0)),
-            with_entropy=plan.with_entropy,
-            entropy_requires_grad=plan.entropy_requires_grad,
-            chunk_size=_chunk_size(plan.args),
-        )
+        options = dict(temperature=float(getattr(plan.args, "rollout_temperature", 1.0)),
+                       chunk_size=_chunk_size(plan.args))
+        processor = log_prob_output_processor(with_entropy=plan.with_entropy,
+                                              entropy_requires_grad=plan.entropy_requires_grad, **options)
+        context: dict = row_context(rows[None])
+        if plan.topk is not None:
+            from megatron_rl_patches.integrations.slime_topk import topk_context, with_topk
+
+            topk_ctx = topk_context(plan.topk, batch, length, tokens.device, allgather_cp)
+            processor = with_topk(processor, plan.topk.k, options, topk_ctx)
         out = self._model(**{**kwargs, "labels": labels[None]}, output_processor=processor,
-                          output_processor_context=row_context(rows[None]))
+                          output_processor_context=context)
         return FusedOutput(out)
 
 
@@ -267,12 +293,10 @@ def _chunk_size(args: Any) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-def row_context(rows: Any) -> dict | None:
-    """The processor context restricting the head to response rows, where the processors take
-    `row_mask` (rows outside responses are never read by slime's slicing either way)."""
-    from megatron_rl_patches.megatron import processors
-
-    return {"row_mask": rows} if getattr(processors, "ROW_MASK", False) else None
+def row_context(rows: Any) -> dict:
+    """The processor context restricting the head to response rows (masked response tokens
+    included; rows outside responses are never read by slime's slicing)."""
+    return {"row_mask": rows}
 
 
 def log_probs_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

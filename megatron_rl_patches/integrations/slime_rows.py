@@ -31,11 +31,17 @@ def shifted_targets(batch: dict, length: int, device: Any, allgather_cp: bool) -
                                               batch["response_lengths"], allgather_cp)
 
 
-def response_rows(batch: dict, length: int, device: Any, allgather_cp: bool) -> torch.Tensor:
-    """[T] bool: the local rows slime's slicing reads (every response token, loss-masked or not)."""
+def response_positions(batch: dict, length: int, device: Any, allgather_cp: bool) -> list[torch.Tensor]:
+    """Per sample, the local row indices slime's slicing reads for its response."""
     positions = torch.arange(length, device=device)
     pieces, _ = slime_loss()._extract_per_sample(positions, None, batch["total_lengths"], batch["response_lengths"],
                                                  allgather_cp)
+    return list(pieces)
+
+
+def response_rows(batch: dict, length: int, device: Any, allgather_cp: bool) -> torch.Tensor:
+    """[T] bool: the local rows slime's slicing reads (every response token, loss-masked or not)."""
+    pieces = response_positions(batch, length, device, allgather_cp)
     rows = torch.zeros(length, dtype=torch.bool, device=device)
     if pieces:
         rows[torch.cat(pieces)] = True
