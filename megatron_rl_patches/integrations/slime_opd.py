@@ -2,7 +2,7 @@
 switched on by MEGATRON_RL_PATCHES_OPD_TEACHERS (slime_opd_settings) with slime's custom loss:
 
     --loss-type custom_loss --custom-loss-function-path \
-        megatron_rl_patches.integrations.slime_opd:topk_opd_policy_loss
+        megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss
 
 Teachers are loaded after the actor's `init`: same-architecture ones the slime way (checkpoints
 loaded into the actor and kept as host snapshots, swapped in with one restore per teacher per
@@ -54,7 +54,8 @@ def step_request(args: Any) -> TopkRequest | None:
 
 def check_args(args: Any) -> None:
     """slime's flags top-k OPD needs, checked before the first step."""
-    if getattr(args, "loss_type", None) != "custom_loss" or getattr(args, "custom_loss_function_path", None) != LOSS_PATH:
+    custom = getattr(args, "loss_type", None) == "custom_loss"
+    if not custom or getattr(args, "custom_loss_function_path", None) != LOSS_PATH:
         raise ValueError(f"{TEACHERS} is set: top-k OPD needs slime's flags --loss-type custom_loss "
                          f"--custom-loss-function-path {LOSS_PATH} (got --loss-type {args.loss_type}); "
                          f"or unset {TEACHERS}")

@@ -16,7 +16,7 @@ COEF = PREFIX + "COEF"
 POLICY_WEIGHT = PREFIX + "POLICY_WEIGHT"
 RESIDENCY = PREFIX + "RESIDENCY"
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tv")
-LOSS_PATH = "megatron_rl_patches.integrations.slime_opd:topk_opd_policy_loss"
+LOSS_PATH = "megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss"
 
 
 @dataclass(frozen=True)

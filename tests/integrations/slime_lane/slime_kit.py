@@ -153,3 +153,75 @@ def reference(model: list[Any], data: dict, temperature: float) -> tuple[list[to
     finally:
         handle.remove()
     return log_probs, entropies
+
+
+def actor(args: Any, model: list[Any], teachers: dict[str, int], monkeypatch: Any) -> Any:
+    """slime's `MegatronTrainRayActor` with what its `init` sets for training (args, model, the
+    weight snapshots of slime's TensorBackuper, active tag "actor"); its checkpoint reader gives
+    each teacher path the tiny GPT's weights from that path's seed (the lane has no checkpoints)."""
+    from slime.backends.megatron_utils import actor as slime_actor
+    from slime.backends.megatron_utils.update_weight.common import named_params_and_buffers
+    from slime.utils.tensor_backper import TensorBackuper
+
+    def load_checkpoint(chunks: list[Any], *_: Any, **__: Any) -> tuple[int, int]:
+        gen = torch.Generator().manual_seed(teachers[args.load])
+        with torch.no_grad():
+            for p in chunks[0].parameters():
+                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+        return 0, 0
+
+    monkeypatch.setattr(slime_actor, "load_checkpoint", load_checkpoint)
+    instance = slime_actor.MegatronTrainRayActor.__new__(slime_actor.MegatronTrainRayActor)
+    instance.args, instance.model, instance.role = args, model, "actor"
+    instance.weights_backuper = TensorBackuper.create(
+        source_getter=lambda: named_params_and_buffers(args, model, convert_to_global_name=True), single_tag=None)
+    instance._active_model_tag = "actor"
+    instance.weights_backuper.backup("actor")
+    return instance
+
+
+def dense_topk_opd(args: Any, model: list[Any], snapshots: list[list[torch.Tensor]], data: dict, ids: list[torch.Tensor],
+                   weights: Sequence[float], temperature: float) -> tuple[torch.Tensor, Any]:
+    """float64 reference of the first step's OPD loss (forward KL of the teachers' mixture to the
+    student over the k+1 buckets, mean over each sample's unmasked tokens, / samples) from dense
+    [R, V] log-softmaxes; the student in float64 with autograd (its .grad are filled)."""
+    gpt = model[0]
+    while hasattr(gpt, "module"):
+        gpt = gpt.module
+
+    def copy_of(values: list[torch.Tensor]) -> Any:
+        module = provider_func(args)().double()
+        with torch.no_grad():
+            for p, value in zip(module.parameters(), values):
+                p.copy_(value)
+        return module
+
+    def logps(module: Any) -> list[torch.Tensor]:
+        out = []
+        for tokens, response in zip(data["tokens"], data["response_lengths"]):
+            n = tokens.numel()
+            causal = torch.ones(n, n, dtype=torch.bool).tril().logical_not()[None, None]
+            logits = module(tokens[None], torch.arange(n)[None], causal)[0].double() / temperature
+            out.append(torch.log_softmax(logits, dim=-1)[n - response - 1: n - 1])
+        return out
+
+    student = copy_of([p.detach() for p in gpt.parameters()])
+    teachers = []
+    for snapshot in snapshots:
+        with torch.no_grad():
+            teachers.append(logps(copy_of(snapshot)))
+    w = torch.tensor(weights, dtype=torch.float64)
+    w = w / w.sum()
+    total = torch.zeros((), dtype=torch.float64)
+    students = logps(student)
+    for s, (sample_ids, mask) in enumerate(zip(ids, data["loss_masks"])):
+        buckets = []
+        for logp in [students[s], *[t[s] for t in teachers]]:
+            at = logp.gather(-1, sample_ids)
+            buckets.append(torch.cat([at, torch.log1p(-at.exp().sum(-1, keepdim=True).clamp(max=1 - 1e-15))], -1))
+        mix = torch.log((w[:, None, None] * torch.stack([b.exp() for b in buckets[1:]])).sum(0))
+        kl = (mix.exp() * (mix - buckets[0])).sum(-1)
+        total = total + (kl * mask).sum() / mask.sum().clamp(min=1)
+    total = total / len(ids)
+    total.backward()
+    return total, student
