@@ -273,8 +273,8 @@ class FusedModel:
         length = tokens.size(1)
         labels = shifted_targets(batch, length, tokens.device, allgather_cp)
         rows = response_rows(batch, length, tokens.device, allgather_cp)
-        options = dict(temperature=float(getattr(plan.args, "rollout_temperature", 1.0)),
-                       chunk_size=_chunk_size(plan.args))
+        options: dict[str, Any] = dict(temperature=float(getattr(plan.args, "rollout_temperature", 1.0)),
+                                       chunk_size=_chunk_size(plan.args))
         processor = log_prob_output_processor(with_entropy=plan.with_entropy,
                                               entropy_requires_grad=plan.entropy_requires_grad, **options)
         context: dict = row_context(rows[None])

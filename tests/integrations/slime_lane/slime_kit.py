@@ -180,7 +180,8 @@ def actor(args: Any, model: list[Any], teachers: dict[str, int], monkeypatch: An
     return instance
 
 
-def dense_topk_opd(args: Any, model: list[Any], snapshots: list[list[torch.Tensor]], data: dict, ids: list[torch.Tensor],
+def dense_topk_opd(args: Any, model: list[Any], snapshots: list[list[torch.Tensor]], data: dict,
+                   ids: list[torch.Tensor],
                    weights: Sequence[float], temperature: float) -> tuple[torch.Tensor, Any]:
     """float64 reference of the first step's OPD loss (forward KL of the teachers' mixture to the
     student over the k+1 buckets, mean over each sample's unmasked tokens, / samples) from dense

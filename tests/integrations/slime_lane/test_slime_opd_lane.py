@@ -71,7 +71,8 @@ def test_topk_opd_two_teachers_first_step_equals_dense_float64(slime_cpu, monkey
         assert watch.largest_shape is None or watch.largest_shape[-2] <= 4, watch.as_dict()
     loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
     grad_error = max((g.double() - r.grad).abs().max().item() for g, r in zip(grads, student.parameters()))
-    print(f"slime_opd vs dense float64: loss {float(expected):.6f}, |Δloss| {loss_error:.2e}, max |Δgrad| {grad_error:.2e}")
+    print(f"slime_opd vs dense float64: loss {float(expected):.6f}, |Δloss| {loss_error:.2e}, "
+          f"max |Δgrad| {grad_error:.2e}")
     assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
     for g, r in zip(grads, student.parameters()):
         torch.testing.assert_close(g.double(), r.grad, rtol=1e-4, atol=1e-6)
