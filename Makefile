@@ -42,7 +42,7 @@ STAMP_OLD = $(VENV_OLD)/.installed
 STAMP_NEW = $(VENV_NEW)/.installed
 DEPS = setup.cfg setup.py pyproject.toml
 
-.PHONY: venv demo test test-main test-oldest test-newest test-verl test-versions test-source test-gpu bench bench-gpu clean
+.PHONY: venv demo test test-main test-oldest test-newest test-verl test-slime test-versions test-source test-gpu bench bench-gpu clean
 
 venv: $(STAMP)
 
@@ -113,6 +113,20 @@ test-verl:
 	    $(VENV)/bin/python -m pytest -q -p no:cacheprovider tools/lane_unavailable.py; fi; \
 	else \
 	  PYTHONPATH=$(abspath $(VERL_LANE)) $(VENV_NEW)/bin/python -m pytest -m verl $(PYTEST_ARGS) tests/integrations/verl_lane tests/docs; \
+	fi
+
+# slime 624b824a's real train()/forward_only on CPU (not part of `make test`):
+#   make test-slime SLIME=/path/to/slime MEGATRON_LM=/path/to/Megatron-LM   (checkouts or bare git dirs)
+# Both commits are exported into .lanes/slime (tools/slime-lane checks they exist); without SLIME the
+# lane is skipped loudly.
+SLIME_LANE = .lanes/slime
+test-slime: $(STAMP)
+	@if [ -z "$(SLIME)" ]; then \
+	  echo "*** SKIPPED LANE slime: make test-slime SLIME=/path/to/slime MEGATRON_LM=/path/to/Megatron-LM ***"; \
+	else \
+	  PIP=$(VENV)/bin/pip tools/slime-lane "$(SLIME)" "$(MEGATRON_LM)" $(SLIME_LANE) && \
+	  PYTHONPATH=$(CURDIR):$(abspath $(SLIME_LANE))/slime:$(abspath $(SLIME_LANE))/megatron-lm:$(abspath $(SLIME_LANE))/deps \
+	    $(VENV)/bin/python -W ignore::DeprecationWarning -m pytest -m slime $(PYTEST_ARGS) tests/integrations/slime_lane; \
 	fi
 
 # Each version's result line, and the name of every failing test. megatron-core is installed

@@ -28,6 +28,8 @@ RECORDS = (
     "megatron_core:OUTPUT_PROCESSOR_PATCHES",
     "megatron_core:WINDOW_PATCHES",
     "verl:PATCHES",
+    "slime_fused:PATCHES",
+    "slime_opd:PATCHES",
 )
 
 

@@ -1,0 +1,315 @@
+"""`slime_fused`: slime's forward steps on the package's output processors, so the last pipeline
+stage returns per-token log-probs and entropy straight from the hidden states: no [1, T, V] logits.
+
+slime (624b824a) builds its `forward_step` closures inside `forward_only` and `train_one_step`; the
+records reach them through the names those closures look up at call time in slime's model module:
+`get_batch` (the micro-batch is noted), `get_forward_backward_func` (the step is given a model
+whose call adds `labels=`, `output_processor=` and `output_processor_context=`). slime's
+`get_log_probs_and_entropy` then slices the processor's [1, T] results with slime's own helpers
+(thd packing, zigzag and allgather context parallelism), so every loss keeps slime's semantics.
+What the route cannot serve goes to slime's own logits path with one log line naming the feature.
+"""
+from __future__ import annotations
+
+import contextvars
+import inspect
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_rl_patches.patching.records import Patch
+
+MODEL = "slime.backends.megatron_utils.model"
+LOSS = "slime.backends.megatron_utils.loss"
+HERE = "megatron_rl_patches.integrations.slime_fused"
+FALLBACK = "slime_fused: {feature}: this step uses slime's own logits path"
+
+logger = logging.getLogger("megatron_rl_patches")
+
+
+def _record(target: str, wrapper: str, description: str, params: tuple[str, ...], optional: bool = False) -> Patch:
+    return Patch(name="slime_fused", target=target, wrapper=f"{HERE}:{wrapper}", description=description,
+                 requires=None, params=params, optional=optional)
+
+
+PATCHES = (
+    _record(f"{MODEL}:forward_only", "forward_only_wrapper", "slime's forward_only on the fused log-prob processor",
+            ("f", "args", "model", "data_iterator", "num_microbatches", "store_prefix")),
+    _record(f"{MODEL}:train_one_step", "train_one_step_wrapper", "slime's train_one_step on the fused processor",
+            ("args", "rollout_id", "step_id", "data_iterator", "model", "optimizer")),
+    _record(f"{MODEL}:get_batch", "get_batch_wrapper", "the micro-batch noted for the fused model call",
+            ("data_iterator", "keys")),
+    _record(f"{MODEL}:get_forward_backward_func", "schedule_wrapper",
+            "slime's forward step given a model that calls the output processor", ()),
+    _record(f"{LOSS}:get_log_probs_and_entropy", "log_probs_wrapper",
+            "slime's response slicing on the processor's per-token results",
+            ("logits", "args", "unconcat_tokens", "total_lengths", "response_lengths", "with_entropy")),
+    _record("slime.backends.megatron_utils.actor:forward_only", "forward_only_wrapper",
+            "the same, where slime's actor bound forward_only at import", ("f", "args", "model"), optional=True),
+)
+
+
+@dataclass(frozen=True)
+class TopkRequest:
+    """Top-k buckets asked of the fused call beside the log-probs: the student's own top-`k` ids,
+    or the ids in the batch's per-sample `ids_key` ([R, k] each) scored; `keys` are the
+    per-sample batch keys the step needs beyond slime's own."""
+
+    k: int | None = None
+    ids_key: str | None = None
+    keys: tuple[str, ...] = ()
+
+
+@dataclass
+class Plan:
+    """What the fused model call of one slime step needs: slime's args, whether entropy is wanted
+    (and its gradient), top-k buckets if asked, and the micro-batch `get_batch` returned last."""
+
+    args: Any
+    with_entropy: bool
+    entropy_requires_grad: bool
+    topk: TopkRequest | None = None
+    batch: dict | None = field(default=None, repr=False)
+
+
+_PLAN: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("megatron_rl_patches_slime_plan", default=None)
+_SAID: set[str] = set()
+
+
+def fall_back(feature: str) -> None:
+    """One log line per feature and process: the step goes to slime's own logits path."""
+    if feature not in _SAID:
+        _SAID.add(feature)
+        logger.warning(FALLBACK.format(feature=feature))
+
+
+class FusedOutput(dict):
+    """The processor's dict ({"log_probs": [1, T], "entropy": [1, T] or None}) with what slime's
+    loss code reads off `logits`: `.device`, `.sum()` (slime adds `0 * logits.sum()` to keep the
+    graph connected) and `.dtype` (float32, so Float16Module passes it through)."""
+
+    @property
+    def device(self) -> Any:
+        return self["log_probs"].device
+
+    @property
+    def dtype(self) -> Any:
+        return self["log_probs"].dtype
+
+    def sum(self) -> Any:
+        return self["log_probs"].sum()
+
+
+def unservable(args: Any) -> str | None:
+    """The feature of slime's configuration the fused route cannot serve, or None."""
+    if getattr(args, "rollout_top_p", 1.0) != 1.0:
+        return "top-p replay (rollout_top_p != 1: its keep-mask is dense [T, V])"
+    if getattr(args, "enable_mtp_training", False):
+        return "MTP training (enable_mtp_training)"
+    if os.environ.get("ENABLE_ROUTING_REPLAY", "0") == "1":
+        return "routing replay (ENABLE_ROUTING_REPLAY=1)"
+    if getattr(args, "loss_type", "policy_loss") == "value_loss":
+        return "the critic's value head (loss_type value_loss)"
+    return None
+
+
+def _bind(wrapped: Any, args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
+    try:
+        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return bound
+
+
+def run_planned(plan: Plan | None, wrapped: Any, args: tuple, kwargs: dict) -> Any:
+    """`wrapped(*args, **kwargs)` with `plan` as the fused plan of the slime step it runs (None: none)."""
+    token = _PLAN.set(plan)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _PLAN.reset(token)
+
+
+def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for `forward_only(f, args, model, ...)`: a fused plan when `f` is slime's
+    log-prob callback and the configuration is servable."""
+    bound = _bind(wrapped, args, kwargs)
+    if bound is None or _PLAN.get() is not None:  # slime's own error; a pass planned by slime_opd
+        return wrapped(*args, **kwargs)
+    slime_args, f = bound.arguments["args"], bound.arguments["f"]
+    name = getattr(f, "__name__", type(f).__name__)
+    reason = unservable(slime_args)
+    if name == "get_values":
+        reason = "the critic's value head (forward_only with get_values)"
+    elif name != "get_log_probs_and_entropy":
+        reason = f"a forward_only callback other than get_log_probs_and_entropy ({name})"
+    elif bound.arguments.get("use_rollout_top_p_replay") and getattr(slime_args, "rollout_top_p", 1.0) != 1.0:
+        reason = "top-p replay (rollout_top_p != 1: its keep-mask is dense [T, V])"
+    if reason is not None:
+        fall_back(reason)
+        return run_planned(None, wrapped, args, kwargs)
+    with_entropy = bool(getattr(slime_args, "use_rollout_entropy", False))
+    return run_planned(Plan(slime_args, with_entropy, False), wrapped, args, kwargs)
+
+
+def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for `train_one_step(args, ...)`: entropy (with its gradient only when
+    `entropy_coef != 0`, as slime's `with_entropy_grad`) unless the loss is slime's SFT loss."""
+    bound = _bind(wrapped, args, kwargs)
+    if bound is None:
+        return wrapped(*args, **kwargs)
+    slime_args = bound.arguments["args"]
+    reason = unservable(slime_args)
+    if reason is not None:
+        fall_back(reason)
+        return run_planned(None, wrapped, args, kwargs)
+    from megatron_rl_patches.integrations.slime_opd import step_request
+
+    with_entropy = getattr(slime_args, "loss_type", "policy_loss") != "sft_loss"
+    grad = with_entropy and getattr(slime_args, "entropy_coef", 0.0) != 0
+    return run_planned(Plan(slime_args, with_entropy, grad, step_request(slime_args)), wrapped, args, kwargs)
+
+
+def get_batch_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for slime's `get_batch`: the batch (with the keys a top-k request needs) is
+    noted for the fused model call."""
+    plan = _PLAN.get()
+    if plan is not None and plan.topk is not None and plan.topk.keys:
+        bound = _bind(wrapped, args, kwargs)
+        if bound is not None:
+            keys = list(bound.arguments["keys"])
+            bound.arguments["keys"] = keys + [key for key in plan.topk.keys if key not in keys]
+            args, kwargs = bound.args, bound.kwargs
+    batch = wrapped(*args, **kwargs)
+    if plan is not None:
+        plan.batch = batch
+    return batch
+
+
+def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for `get_forward_backward_func()`: inside a fused plan, the schedule it
+    returns runs slime's forward step with the fused model."""
+    schedule = wrapped(*args, **kwargs)
+    plan = _PLAN.get()
+    if plan is None:
+        return schedule
+
+    def fused_schedule(*call_args: Any, **call_kwargs: Any) -> Any:
+        if "forward_step_func" in call_kwargs:
+            call_kwargs["forward_step_func"] = fused_step(call_kwargs["forward_step_func"], plan)
+        elif call_args:
+            call_args = (fused_step(call_args[0], plan), *call_args[1:])
+        return schedule(*call_args, **call_kwargs)
+
+    return fused_schedule
+
+
+def fused_step(step: Any, plan: Plan) -> Any:
+    """slime's forward step, given the fused model (the combined-1F1B schedule plan excepted)."""
+
+    def forward_step(data_iterator: Any, model: Any, *rest: Any, **kwargs: Any) -> Any:
+        if kwargs.get("return_schedule_plan") or (rest and rest[0] is True):
+            fall_back("the combined-1F1B schedule plan (model.build_schedule_plan)")
+            return step(data_iterator, model, *rest, **kwargs)
+        return step(data_iterator, FusedModel(model, plan), *rest, **kwargs)
+
+    return forward_step
+
+
+def _accepts_processor(model: Any) -> bool:
+    inner = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    try:
+        parameters = inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "output_processor" in parameters and "output_processor_context" in parameters
+
+
+class FusedModel:
+    """A model chunk whose call runs the log-prob output processor on the response rows of the
+    noted micro-batch; every attribute is the chunk's own."""
+
+    def __init__(self, model: Any, plan: Plan):
+        self._model, self._plan = model, plan
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        batch = self._plan.batch
+        if args or batch is None or "input_ids" not in kwargs:
+            fall_back("a forward step that does not call model(input_ids=...) after get_batch")
+            return self._model(*args, **kwargs)
+        if batch.get("multimodal_train_inputs"):
+            fall_back("multimodal inputs (multimodal_train_inputs)")
+            return self._model(*args, **kwargs)
+        if "mtp_kwargs" in kwargs:
+            fall_back("MTP training (mtp_kwargs)")
+            return self._model(*args, **kwargs)
+        if not _accepts_processor(self._model):
+            fall_back("a model without GPTModel's output_processor keyword (apply gpt_output_processor "
+                      "on megatron-core < 0.18)")
+            return self._model(*args, **kwargs)
+        return self._fused(kwargs, batch)
+
+    def _fused(self, kwargs: dict, batch: dict) -> FusedOutput:
+        from megatron_rl_patches.integrations.slime_rows import response_rows, shifted_targets
+        from megatron_rl_patches.megatron.processors import log_prob_output_processor
+
+        plan, tokens = self._plan, kwargs["input_ids"]
+        allgather_cp = bool(getattr(plan.args, "allgather_cp", False))
+        packed = kwargs.get("packed_seq_params")
+        if allgather_cp and getattr(packed, "qkv_format", "thd") != "thd":
+            raise ValueError(
+                "slime_fused: --allgather-cp needs packed thd batches (slime's get_batch builds them); this "
+                f"micro-batch is {getattr(packed, 'qkv_format', None)!r}: drop --allgather-cp or pack as thd"
+            )
+        if tokens.dim() != 2 or tokens.size(0) != 1:
+            raise ValueError(f"slime_fused: slime packs every micro-batch as [1, T] tokens, got {tuple(tokens.shape)}")
+        length = tokens.size(1)
+        labels = shifted_targets(batch, length, tokens.device, allgather_cp)
+        rows = response_rows(batch, length, tokens.device, allgather_cp)
+        options: dict[str, Any] = dict(temperature=float(getattr(plan.args, "rollout_temperature", 1.0)),
+                                       chunk_size=_chunk_size(plan.args))
+        processor = log_prob_output_processor(with_entropy=plan.with_entropy,
+                                              entropy_requires_grad=plan.entropy_requires_grad, **options)
+        context: dict = row_context(rows[None])
+        if plan.topk is not None:
+            from megatron_rl_patches.integrations.slime_topk import topk_context, with_topk
+
+            topk_ctx = topk_context(plan.topk, batch, length, tokens.device, allgather_cp)
+            processor = with_topk(processor, plan.topk.k, options, topk_ctx)
+        out = self._model(**{**kwargs, "labels": labels[None]}, output_processor=processor,
+                          output_processor_context=context)
+        return FusedOutput(out)
+
+
+def _chunk_size(args: Any) -> int | None:
+    value = getattr(args, "log_probs_chunk_size", -1)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def row_context(rows: Any) -> dict:
+    """The processor context restricting the head to response rows (masked response tokens
+    included; rows outside responses are never read by slime's slicing)."""
+    return {"row_mask": rows}
+
+
+def log_probs_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for slime's `get_log_probs_and_entropy`: a fused output is sliced per sample
+    with slime's helpers; logits go to slime's function."""
+    bound = _bind(wrapped, args, kwargs)
+    if bound is None or not isinstance(bound.arguments["logits"], FusedOutput):
+        return wrapped(*args, **kwargs)
+    from megatron_rl_patches.integrations.slime_rows import per_sample
+
+    values = bound.arguments
+    if values.get("top_p_token_ids") is not None:
+        raise RuntimeError("slime_fused: top-p replay reached a fused output; please report this (the route "
+                           "should have fallen back to slime's logits path)")
+    return per_sample(values["logits"], values["args"], values["total_lengths"], values["response_lengths"],
+                      bool(values["with_entropy"]))

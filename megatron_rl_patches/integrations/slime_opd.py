@@ -1,0 +1,234 @@
+"""`slime_opd`: top-k multi-teacher on-policy distillation inside slime's own actor (624b824a),
+switched on by MEGATRON_RL_PATCHES_OPD_TEACHERS (slime_opd_settings) with slime's custom loss:
+
+    --loss-type custom_loss --custom-loss-function-path \
+        megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss
+
+Teachers are loaded after the actor's `init`: same-architecture ones the slime way (checkpoints
+loaded into the actor and kept as host snapshots, swapped in with one restore per teacher per
+step), others as separate inference-only models (`build_inference_model`). Before slime's
+`train_actor`, the actor's own top-k pass selects the ids, each teacher scores them (exact tail
+bucket): [R, k] per sample and teacher reach `train_one_step`'s batch. Nothing [T, V] is built.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from megatron_rl_patches.integrations.slime_fused import TopkRequest
+from megatron_rl_patches.integrations.slime_opd_settings import (
+    LOSS_PATH,
+    RESIDENCY,
+    TEACHERS,
+    OpdSettings,
+    Teacher,
+    opd_settings,
+)
+from megatron_rl_patches.patching.records import Patch
+
+ACTOR = "slime.backends.megatron_utils.actor:MegatronTrainRayActor"
+HERE = "megatron_rl_patches.integrations.slime_opd"
+IDS, TEACHER_LOGPROBS, TEACHER_TAILS = "opd_topk_ids", "opd_teacher_logprobs", "opd_teacher_tails"
+STEP_REQUEST = TopkRequest(ids_key=IDS, keys=(IDS, TEACHER_LOGPROBS, TEACHER_TAILS))
+ATTRIBUTE = "_megatron_rl_patches_opd_teachers"
+
+PATCHES = (
+    Patch(name="slime_opd", target=f"{ACTOR}.init", wrapper=f"{HERE}:init_wrapper",
+          description="top-k OPD teachers loaded after slime's actor init (MEGATRON_RL_PATCHES_OPD_TEACHERS)",
+          requires=None, params=("self", "args", "role", "with_ref", "with_opd_teacher")),
+    Patch(name="slime_opd", target=f"{ACTOR}.train_actor", wrapper=f"{HERE}:train_actor_wrapper",
+          description="the actor's top-k ids, then every teacher's scores, before slime's train_actor",
+          requires=None, params=("self", "rollout_id", "rollout_data")),
+)
+
+
+def step_request(args: Any) -> TopkRequest | None:
+    """The top-k request of slime's training step: the student scores the rollout's ids when
+    top-k OPD is on and slime's loss is this module's."""
+    if opd_settings() is None or getattr(args, "custom_loss_function_path", None) != LOSS_PATH:
+        return None
+    return STEP_REQUEST if getattr(args, "loss_type", None) == "custom_loss" else None
+
+
+def check_args(args: Any) -> None:
+    """slime's flags top-k OPD needs, checked before the first step."""
+    custom = getattr(args, "loss_type", None) == "custom_loss"
+    if not custom or getattr(args, "custom_loss_function_path", None) != LOSS_PATH:
+        raise ValueError(f"{TEACHERS} is set: top-k OPD needs slime's flags --loss-type custom_loss "
+                         f"--custom-loss-function-path {LOSS_PATH} (got --loss-type {args.loss_type}); "
+                         f"or unset {TEACHERS}")
+    if getattr(args, "context_parallel_size", 1) > 1:
+        raise ValueError(f"{TEACHERS} is set with --context-parallel-size {args.context_parallel_size}: top-k OPD "
+                         "serves context parallelism 1 only; drop context parallelism or unset it")
+
+
+def _unwrap(chunk: Any) -> Any:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _load_function(spec: str) -> Any:
+    import importlib
+
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _separate_teacher(args: Any, teacher: Teacher, residency: str | None) -> list[Any]:
+    from megatron_rl_patches.inference import build_inference_model
+
+    provider = _load_function(teacher.provider or "")(args)
+    options: dict[str, Any] = {"load_dir": teacher.path}
+    if residency is not None:
+        if "residency" not in inspect.signature(build_inference_model).parameters:
+            raise ValueError(f"{RESIDENCY}={residency!r}: this build_inference_model takes no residency=; unset it")
+        options["residency"] = residency
+    return build_inference_model(provider, **options)
+
+
+def _check_snapshot(actor: Any, tag: str, teacher: Teacher) -> None:
+    own, other = actor.weights_backuper.get("actor"), actor.weights_backuper.get(tag)
+    wrong = [name for name in own if name not in other or other[name].shape != own[name].shape]
+    if wrong:
+        raise ValueError(f"{TEACHERS}: teacher {teacher.path} does not have the actor's shapes ({wrong[:3]}): "
+                         "a teacher of another architecture or vocabulary needs PATH@module:function")
+
+
+def load_teachers(actor: Any, settings: OpdSettings) -> list[Any]:
+    """Each teacher as a snapshot tag of the actor (same architecture) or separate model chunks;
+    the actor's own weights are active again afterwards."""
+    check_args(actor.args)
+    vocab = _unwrap(actor.model[-1]).vocab_size
+    loaded: list[Any] = []
+    for index, teacher in enumerate(settings.teachers):
+        if teacher.same_architecture:
+            tag = f"opd_teacher_{index}"
+            actor.load_other_checkpoint(tag, teacher.path)
+            _check_snapshot(actor, tag, teacher)
+            loaded.append(tag)
+        else:
+            chunks = _separate_teacher(actor.args, teacher, settings.residency)
+            teacher_vocab = _unwrap(chunks[-1]).vocab_size
+            if teacher_vocab != vocab:
+                raise ValueError(f"{TEACHERS}: teacher {teacher.path} has vocabulary {teacher_vocab}, the actor "
+                                 f"{vocab}: top-k OPD compares the same token ids; use a teacher with the actor's "
+                                 "tokenizer")
+            loaded.append(chunks)
+    actor._switch_model("actor")
+    return loaded
+
+
+def init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for the actor's `init`: top-k OPD's teachers loaded after slime's own."""
+    result = wrapped(*args, **kwargs)
+    settings = opd_settings()
+    if settings is not None and getattr(instance, "role", "actor") == "actor" and hasattr(instance, "model"):
+        setattr(instance, ATTRIBUTE, load_teachers(instance, settings))
+    return result
+
+
+def _collect(output: dict, *, total_lengths: list[int], response_lengths: list[int], **_: Any) -> tuple:
+    from megatron_rl_patches.integrations.slime_topk import per_sample_rows
+
+    batch = {"total_lengths": total_lengths, "response_lengths": response_lengths}
+    result = {key: [t.detach() for t in per_sample_rows(output[key], batch)]
+              for key in ("topk_ids", "topk_log_probs", "tail") if key in output}
+    return torch.empty((0,), device=output["log_probs"].device), result
+
+
+def topk_pass(args: Any, model: list[Any], rollout_data: dict, request: TopkRequest) -> dict[str, list[torch.Tensor]]:
+    """slime's `forward_only` over the rollout with the fused route's top-k request."""
+    from slime.backends.megatron_utils import model as slime_model
+    from slime.backends.megatron_utils.data import get_data_iterator
+
+    from megatron_rl_patches.integrations.slime_fused import Plan, run_planned
+
+    iterator = get_data_iterator(rollout_data)
+    plan = Plan(args, with_entropy=False, entropy_requires_grad=False, topk=request)
+    return run_planned(plan, slime_model.forward_only, (_collect, args, model, iterator,
+                                                        rollout_data["num_microbatches"]), {})
+
+
+def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> None:
+    """The actor's top-k ids (first, never skipped), then each teacher's [R, k] scores and [R]
+    tails, stacked per sample as [n, R, k] / [n, R] into the rollout data."""
+    if actor._active_model_tag != "actor":
+        actor._switch_model("actor")
+    ids = topk_pass(actor.args, actor.model, rollout_data, TopkRequest(k=settings.k)).get("topk_ids")
+    if ids is None:  # not the last pipeline stage: the ids live there only
+        return
+    rollout_data[IDS] = ids
+    scores, tails = [], []
+    for teacher in getattr(actor, ATTRIBUTE):
+        model = actor.model
+        if isinstance(teacher, str):
+            actor._switch_model(teacher)
+        else:
+            model = teacher
+        out = topk_pass(actor.args, model, rollout_data, TopkRequest(ids_key=IDS, keys=(IDS,)))
+        scores.append(out["topk_log_probs"])
+        tails.append(out["tail"])
+    actor._switch_model("actor")
+    rollout_data[TEACHER_LOGPROBS] = [torch.stack(per_teacher) for per_teacher in zip(*scores)]
+    rollout_data[TEACHER_TAILS] = [torch.stack(per_teacher) for per_teacher in zip(*tails)]
+
+
+def train_actor_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for the actor's `train_actor(rollout_id, rollout_data)`: teachers scored first."""
+    settings = opd_settings()
+    if settings is not None and hasattr(instance, ATTRIBUTE):
+        rollout_data = kwargs["rollout_data"] if "rollout_data" in kwargs else args[1]
+        score_teachers(instance, rollout_data, settings)
+    return wrapped(*args, **kwargs)
+
+
+def student_buckets(args: Any, batch: dict, logits: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The student's [N, k] log-probs at the rollout's ids and [N] tails over the batch's response
+    tokens: from the fused output, or (slime's logits path) from the logits by the top-k op."""
+    from megatron_rl_patches.integrations.slime_topk import packed_ids, per_sample_rows
+
+    if isinstance(logits, dict):
+        if "topk_log_probs" not in logits:
+            raise RuntimeError("slime_opd: the fused step ran without the top-k request; please report this")
+        logp, tail = logits["topk_log_probs"], logits["tail"]
+    else:
+        from megatron.core import parallel_state
+
+        from megatron_rl_patches.integrations.slime_rows import response_positions
+        from megatron_rl_patches.ops.topk import topk_logprobs
+
+        rows = logits.reshape(-1, logits.shape[-1])
+        positions = response_positions(batch, rows.shape[0], rows.device, bool(args.allgather_cp))
+        group = parallel_state.get_tensor_model_parallel_group()
+        group = group if torch.distributed.get_world_size(group) > 1 else None
+        logp, tail = topk_logprobs(rows, packed_ids(batch[IDS], positions, rows.shape[0]), tp_group=group,
+                                   temperature=float(args.rollout_temperature))
+        logp, tail = logp[None], tail[None]
+    return torch.cat(per_sample_rows(logp, batch)), torch.cat(per_sample_rows(tail, batch))
+
+
+def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean: Any) -> tuple[Any, dict]:
+    """slime's custom loss: POLICY_WEIGHT · slime's policy loss + COEF · the top-k divergence
+    between the student and the teachers' mixture (topk_kl; its per-token values averaged per
+    sample by slime's `sum_of_sample_mean`), logged as "opd_topk_loss"."""
+    from slime.backends.megatron_utils.loss import policy_loss_function
+
+    from megatron_rl_patches.ops.topk import topk_kl
+
+    settings = opd_settings()
+    if settings is None or batch.get(TEACHER_LOGPROBS) is None:
+        raise ValueError(f"{LOSS_PATH} needs top-k OPD's teacher scores: set {TEACHERS} and apply the slime_opd "
+                         "patch (megatron_rl_patches.apply(only=['slime_fused', 'slime_opd', ...]))")
+    loss, log = policy_loss_function(args, batch, logits, sum_of_sample_mean)
+    student, student_tail = student_buckets(args, batch, logits)
+    teachers = torch.cat(batch[TEACHER_LOGPROBS], dim=1).to(student)
+    tails = torch.cat(batch[TEACHER_TAILS], dim=1).to(student)
+    weights = None if settings.weights is None else torch.tensor(settings.weights, dtype=torch.float64)
+    divergence = topk_kl(student, student_tail, teachers, tails, teacher_weights=weights,
+                         divergence=settings.divergence)
+    opd = sum_of_sample_mean(divergence)
+    log["opd_topk_loss"] = opd.clone().detach()
+    return settings.policy_weight * loss + settings.coef * opd, log

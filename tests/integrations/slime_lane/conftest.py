@@ -1,0 +1,40 @@
+"""The slime lane (`make test-slime SLIME=... MEGATRON_LM=...`): slime 624b824a's real train(),
+forward_only and losses on CPU over real megatron-core 0.16.1 and Megatron-LM 1dcf0daf's
+`megatron/training`. Skips loudly where slime is not importable (every other lane)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(__file__)
+SKIP = ("*** SKIPPED LANE slime: slime is not importable; run `make test-slime SLIME=/path/to/slime "
+        "MEGATRON_LM=/path/to/Megatron-LM` ***")
+_SPEC = importlib.util.find_spec("slime")
+# the real source (the main suite's stand-ins in tests/standins/slime have no actor.py)
+AVAILABLE = _SPEC is not None and os.path.isfile(
+    os.path.join(os.path.dirname(_SPEC.origin or ""), "backends", "megatron_utils", "actor.py"))
+
+if AVAILABLE:
+    sys.path.insert(0, HERE)
+    import slime_standins
+
+    slime_standins.install()
+
+
+def pytest_report_header(config):
+    return None if AVAILABLE else SKIP
+
+
+@pytest.fixture
+def slime_cpu(clean_patch_state):
+    """Megatron on CPU (gloo, parallel state, CPU shims) and slime's CPU accelerator."""
+    if not AVAILABLE:
+        pytest.skip(SKIP)
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    slime_standins.cpu_accelerator()
+    with megatron_on_cpu() as env:
+        yield env

@@ -1,0 +1,228 @@
+"""The slime lane's kit: slime's own arguments (Megatron-LM's parser with slime's extra-args
+provider), slime's `setup_model_and_optimizer` (real DDP and distributed optimizer) around the
+test kit's packed tiny GPT, a rollout as slime's actor hands it to `train()` / `forward_only`, and
+float64 references. The only substitution: slime's model provider (it builds from an HF config
+with Transformer Engine specs) is the packed tiny GPT."""
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+from unittest import mock
+
+import torch
+
+VOCAB = 64
+SEQ = 64
+PROMPTS = (5, 7, 4, 6)  # prompt lengths of the 4 samples of a rollout
+RESPONSES = (6, 3, 8, 5)
+
+ARGV: tuple[str, ...] = (
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),
+    "--max-position-embeddings", str(SEQ), "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "0.01",
+    "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--transformer-impl", "local",
+    "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+    "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--attention-dropout", "0",
+    "--hidden-dropout", "0", "--position-embedding-type", "rope", "--distributed-backend", "gloo",
+    "--vocab-size", str(VOCAB), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "3",
+    "--hf-checkpoint", "none", "--load", "none", "--data-pad-size-multiplier", "1", "--no-rope-fusion",
+)  # fmt: skip
+
+
+def slime_args(*extra: str, **values: Any) -> Any:
+    """slime's argument namespace (Megatron-LM's parse_args + validate_args with slime's provider)."""
+    from megatron.training.arguments import parse_args, validate_args
+    from slime.utils.arguments import get_slime_extra_args_provider
+
+    with mock.patch.object(sys, "argv", ["slime-lane", *ARGV, *extra]):
+        args = parse_args(extra_args_provider=get_slime_extra_args_provider())
+    validate_args(args)
+    args.padded_vocab_size = VOCAB
+    args.eps_clip_high = args.eps_clip if args.eps_clip_high is None else args.eps_clip_high  # slime_validate_args
+    for name, value in values.items():
+        setattr(args, name, value)
+    return args
+
+
+@contextlib.contextmanager
+def slime_session(*extra: str, **values: Any) -> Iterator[Any]:
+    """Megatron-LM's globals set from slime's arguments (torn down on exit); yields the args."""
+    from megatron.core import num_microbatches_calculator
+    from megatron.training import global_vars
+
+    args = slime_args(*extra, **values)
+    global_vars.set_global_variables(args, build_tokenizer=False)
+    try:
+        yield args
+    finally:
+        global_vars.destroy_global_vars()
+        num_microbatches_calculator.destroy_num_microbatches_calculator()
+
+
+def provider_func(args: Any, role: str = "actor") -> Any:
+    """Stands for slime's `get_model_provider_func`: the packed tiny GPT, config from args."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    def provider(pre_process: bool = True, post_process: bool = True, vp_stage: Any = None, config: Any = None,
+                 **_: Any) -> Any:
+        config = config if config is not None else core_transformer_config_from_args(args)
+        return build_packed_gpt(vocab_size=VOCAB, seq_length=SEQ, seed=0, config=config)
+
+    return provider
+
+
+def build(args: Any) -> tuple[list[Any], Any, Any]:
+    """slime's own `setup_model_and_optimizer(args, "actor")` on the tiny GPT."""
+    from slime.backends.megatron_utils import model as slime_model
+
+    with mock.patch.object(slime_model, "get_model_provider_func", provider_func):
+        return slime_model.setup_model_and_optimizer(args, "actor")
+
+
+def rollout(seed: int, old_log_probs: Sequence[torch.Tensor] | None = None) -> dict[str, Any]:
+    """One rollout's per-sample data as slime's actor passes it to train(): tokens, masks
+    (one masked response token per sample), advantages, old log-probs; 2 micro-batches of 2."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, VOCAB, (p + r,), generator=gen) for p, r in zip(PROMPTS, RESPONSES)]
+    masks = []
+    for r in RESPONSES:
+        mask = torch.ones(r, dtype=torch.int)
+        mask[r // 2] = 0
+        masks.append(mask)
+    data = {
+        "tokens": tokens,
+        "total_lengths": [p + r for p, r in zip(PROMPTS, RESPONSES)],
+        "response_lengths": list(RESPONSES),
+        "loss_masks": masks,
+        "advantages": [torch.randn(r, generator=gen) for r in RESPONSES],
+        "micro_batch_indices": [[0, 1], [2, 3]],
+    }
+    if old_log_probs is not None:
+        data["log_probs"] = list(old_log_probs)
+    return data
+
+
+def iterators(data: dict) -> list[Any]:
+    from slime.backends.megatron_utils.data import DataIterator
+
+    return [DataIterator(data, data["micro_batch_indices"])]
+
+
+def log_probs(args: Any, model: list[Any], data: dict) -> dict[str, list[torch.Tensor]]:
+    """slime's real `forward_only(get_log_probs_and_entropy, ...)` over the rollout."""
+    from slime.backends.megatron_utils import loss as slime_loss
+    from slime.backends.megatron_utils import model as slime_model
+
+    return slime_model.forward_only(slime_loss.get_log_probs_and_entropy, args, model, iterators(data),
+                                    [len(data["micro_batch_indices"])])
+
+
+def train(args: Any, rollout_id: int, model: list[Any], optimizer: Any, scheduler: Any, data: dict) -> None:
+    """slime's real `train()` for one step over the rollout's micro-batches."""
+    from slime.backends.megatron_utils import model as slime_model
+
+    slime_model.train(rollout_id, model, optimizer, scheduler, iterators(data), [len(data["micro_batch_indices"])],
+                      [len(data["tokens"])])
+
+
+def reference(model: list[Any], data: dict, temperature: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """float64 log p(response token) and entropy per sample from the model's logits, one sample at
+    a time with the output layer in float64."""
+    from megatron_rl_patches.testing.megatron_cpu import gpt_forward  # noqa: F401  (kit import check)
+
+    gpt = model[0]
+    while hasattr(gpt, "module"):
+        gpt = gpt.module
+    log_probs, entropies = [], []
+    captured: dict[str, torch.Tensor] = {}
+    handle = gpt.output_layer.register_forward_hook(lambda m, i, o: captured.__setitem__("h", i[0]))
+    try:
+        with torch.no_grad():
+            for tokens, response in zip(data["tokens"], data["response_lengths"]):
+                n = tokens.numel()
+                causal = torch.ones(n, n, dtype=torch.bool).tril().logical_not()[None, None]
+                gpt(tokens[None], torch.arange(n)[None], causal)
+                hidden = captured["h"][:, 0].double()
+                logits = hidden @ gpt.output_layer.weight.double().T / temperature
+                logp = torch.log_softmax(logits, dim=-1)[n - response - 1: n - 1]
+                log_probs.append(logp.gather(-1, tokens[n - response:, None])[:, 0])
+                entropies.append(-(logp.exp() * logp).sum(-1))
+    finally:
+        handle.remove()
+    return log_probs, entropies
+
+
+def actor(args: Any, model: list[Any], teachers: dict[str, int], monkeypatch: Any) -> Any:
+    """slime's `MegatronTrainRayActor` with what its `init` sets for training (args, model, the
+    weight snapshots of slime's TensorBackuper, active tag "actor"); its checkpoint reader gives
+    each teacher path the tiny GPT's weights from that path's seed (the lane has no checkpoints)."""
+    from slime.backends.megatron_utils import actor as slime_actor
+    from slime.backends.megatron_utils.update_weight.common import named_params_and_buffers
+    from slime.utils.tensor_backper import TensorBackuper
+
+    def load_checkpoint(chunks: list[Any], *_: Any, **__: Any) -> tuple[int, int]:
+        gen = torch.Generator().manual_seed(teachers[args.load])
+        with torch.no_grad():
+            for p in chunks[0].parameters():
+                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+        return 0, 0
+
+    monkeypatch.setattr(slime_actor, "load_checkpoint", load_checkpoint)
+    instance = slime_actor.MegatronTrainRayActor.__new__(slime_actor.MegatronTrainRayActor)
+    instance.args, instance.model, instance.role = args, model, "actor"
+    instance.weights_backuper = TensorBackuper.create(
+        source_getter=lambda: named_params_and_buffers(args, model, convert_to_global_name=True), single_tag=None)
+    instance._active_model_tag = "actor"
+    instance.weights_backuper.backup("actor")
+    return instance
+
+
+def dense_topk_opd(args: Any, model: list[Any], snapshots: list[list[torch.Tensor]], data: dict,
+                   ids: list[torch.Tensor],
+                   weights: Sequence[float], temperature: float) -> tuple[torch.Tensor, Any]:
+    """float64 reference of the first step's OPD loss (forward KL of the teachers' mixture to the
+    student over the k+1 buckets, mean over each sample's unmasked tokens, / samples) from dense
+    [R, V] log-softmaxes; the student in float64 with autograd (its .grad are filled)."""
+    gpt = model[0]
+    while hasattr(gpt, "module"):
+        gpt = gpt.module
+
+    def copy_of(values: list[torch.Tensor]) -> Any:
+        module = provider_func(args)().double()
+        with torch.no_grad():
+            for p, value in zip(module.parameters(), values):
+                p.copy_(value)
+        return module
+
+    def logps(module: Any) -> list[torch.Tensor]:
+        out = []
+        for tokens, response in zip(data["tokens"], data["response_lengths"]):
+            n = tokens.numel()
+            causal = torch.ones(n, n, dtype=torch.bool).tril().logical_not()[None, None]
+            logits = module(tokens[None], torch.arange(n)[None], causal)[0].double() / temperature
+            out.append(torch.log_softmax(logits, dim=-1)[n - response - 1: n - 1])
+        return out
+
+    student = copy_of([p.detach() for p in gpt.parameters()])
+    teachers = []
+    for snapshot in snapshots:
+        with torch.no_grad():
+            teachers.append(logps(copy_of(snapshot)))
+    w = torch.tensor(weights, dtype=torch.float64)
+    w = w / w.sum()
+    total = torch.zeros((), dtype=torch.float64)
+    students = logps(student)
+    for s, (sample_ids, mask) in enumerate(zip(ids, data["loss_masks"])):
+        buckets = []
+        for logp in [students[s], *[t[s] for t in teachers]]:
+            at = logp.gather(-1, sample_ids)
+            buckets.append(torch.cat([at, torch.log1p(-at.exp().sum(-1, keepdim=True).clamp(max=1 - 1e-15))], -1))
+        mix = torch.log((w[:, None, None] * torch.stack([b.exp() for b in buckets[1:]])).sum(0))
+        kl = (mix.exp() * (mix - buckets[0])).sum(-1)
+        total = total + (kl * mask).sum() / mask.sum().clamp(min=1)
+    total = total / len(ids)
+    total.backward()
+    return total, student

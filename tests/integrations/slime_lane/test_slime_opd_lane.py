@@ -1,0 +1,78 @@
+"""slime 624b824a's actor and train_one_step with top-k multi-teacher OPD (`slime_opd`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slime
+
+import megatron_rl_patches  # noqa: E402
+
+LOSS = "megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss"
+TEMPERATURE = 0.8
+WEIGHTS = (0.3, 0.7)
+K = 4
+
+
+def _opd_env(monkeypatch, **extra: str) -> None:
+    values = {"TEACHERS": "teacher-a,teacher-b", "WEIGHTS": ",".join(map(str, WEIGHTS)), "K": str(K),
+              "DIVERGENCE": "forward_kl", "POLICY_WEIGHT": "0", "COEF": "1", **extra}
+    for name, value in values.items():
+        monkeypatch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
+
+
+def test_topk_opd_two_teachers_first_step_equals_dense_float64(slime_cpu, monkeypatch):
+    import slime_kit as kit
+    import slime_standins
+    from slime.backends.megatron_utils import model as slime_model
+
+    from megatron_rl_patches.integrations import slime_opd
+    from megatron_rl_patches.integrations.slime_opd_settings import opd_settings
+    from megatron_rl_patches.testing.vocab_watch import VocabWideTensors
+
+    slime_standins.cpu_pinned_memory(monkeypatch)
+    _opd_env(monkeypatch)
+    megatron_rl_patches.apply(only=["slime_fused", "gpt_output_processor", "slime_opd"])
+    with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", LOSS,
+                           rollout_temperature=TEMPERATURE, log_probs_chunk_size=4) as args:
+        model, optimizer, scheduler = kit.build(args)
+        actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2}, monkeypatch)
+        setattr(actor, slime_opd.ATTRIBUTE, slime_opd.load_teachers(actor, opd_settings()))
+        gpt = model[0].module
+        snapshots = []
+        for tag in ("opd_teacher_0", "opd_teacher_1"):
+            actor._switch_model(tag)
+            snapshots.append([p.detach().clone() for p in gpt.parameters()])
+        actor._switch_model("actor")
+        data = kit.rollout(0)
+        old = kit.log_probs(args, model, data)
+        data = kit.rollout(0, old["log_probs"])
+        data["num_microbatches"] = [len(data["micro_batch_indices"])]
+        with VocabWideTensors(vocab=kit.VOCAB) as scoring:
+            slime_opd.score_teachers(actor, data, opd_settings())
+        assert actor._active_model_tag == "actor"
+        ids = data[slime_opd.IDS]
+        assert [tuple(i.shape) for i in ids] == [(r, K) for r in kit.RESPONSES]
+        assert [tuple(t.shape) for t in data[slime_opd.TEACHER_LOGPROBS]] == [(2, r, K) for r in kit.RESPONSES]
+        expected, student = kit.dense_topk_opd(args, model, snapshots, data, ids, WEIGHTS, TEMPERATURE)
+        for chunk in model:
+            chunk.train()
+        grads: list[torch.Tensor] = []
+        optimizer_step = optimizer.step
+
+        def step_noting_grads(*a, **k):  # the reduced gradients, before the optimizer consumes them
+            grads.extend(p.main_grad.clone() for p in gpt.parameters())
+            return optimizer_step(*a, **k)
+
+        monkeypatch.setattr(optimizer, "step", step_noting_grads)
+        with VocabWideTensors(vocab=kit.VOCAB) as step:
+            losses, _ = slime_model.train_one_step(args, 0, 0, kit.iterators(data), model, optimizer, scheduler, 2, 4)
+    for watch in (scoring, step):  # nothing [T, V]: at most one tile of log_probs_chunk_size rows
+        assert watch.largest_shape is None or watch.largest_shape[-2] <= 4, watch.as_dict()
+    loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
+    grad_error = max((g.double() - r.grad).abs().max().item() for g, r in zip(grads, student.parameters()))
+    print(f"slime_opd vs dense float64: loss {float(expected):.6f}, |Δloss| {loss_error:.2e}, "
+          f"max |Δgrad| {grad_error:.2e}")
+    assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
+    for g, r in zip(grads, student.parameters()):
+        torch.testing.assert_close(g.double(), r.grad, rtol=1e-4, atol=1e-6)

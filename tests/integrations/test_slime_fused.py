@@ -1,0 +1,78 @@
+"""`slime_fused`'s mechanics without slime's source: the fallback decisions and their one log line,
+the combined-1F1B and multimodal fallbacks, and what slime's loss code reads off a fused output
+(the lane, tests/integrations/slime_lane, runs slime's real code)."""
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+import torch
+
+from megatron_rl_patches.integrations import slime_fused
+
+
+@pytest.fixture(autouse=True)
+def fresh_log(monkeypatch):
+    monkeypatch.setattr(slime_fused, "_SAID", set())
+
+
+def _args(**values):
+    base = dict(rollout_top_p=1.0, enable_mtp_training=False, loss_type="policy_loss")
+    return types.SimpleNamespace(**{**base, **values})
+
+
+@pytest.mark.parametrize("values, feature", [
+    ({"rollout_top_p": 0.9}, "top-p replay"),
+    ({"enable_mtp_training": True}, "MTP training"),
+    ({"loss_type": "value_loss"}, "critic's value head"),
+])
+def test_unservable_names_the_feature(values, feature):
+    assert feature in slime_fused.unservable(_args(**values))
+    assert slime_fused.unservable(_args()) is None
+
+
+def test_routing_replay_is_unservable(monkeypatch):
+    monkeypatch.setenv("ENABLE_ROUTING_REPLAY", "1")
+    assert "routing replay" in slime_fused.unservable(_args())
+
+
+def test_schedule_plan_goes_to_the_real_model_with_one_log_line(caplog):
+    seen = []
+    step = slime_fused.fused_step(lambda it, model, **kw: seen.append(model), slime_fused.Plan(_args(), True, False))
+    real = object()
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        step(None, real, return_schedule_plan=True)
+        step(None, real, return_schedule_plan=True)
+        step(None, real)
+    assert seen[0] is real and seen[1] is real and isinstance(seen[2], slime_fused.FusedModel)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "combined-1F1B" in lines[0]
+
+
+def test_multimodal_batch_calls_the_model_unchanged(caplog):
+    calls = []
+    plan = slime_fused.Plan(_args(), True, False, batch={"multimodal_train_inputs": {"pixel_values": 1}})
+    model = slime_fused.FusedModel(lambda **kw: calls.append(kw) or "logits", plan)
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        assert model(input_ids=torch.zeros(1, 3, dtype=torch.long), labels=None) == "logits"
+    assert calls == [{"input_ids": calls[0]["input_ids"], "labels": None}]
+    assert "multimodal inputs" in caplog.records[0].getMessage()
+
+
+def test_fused_output_answers_what_slimes_loss_reads():
+    log_probs = torch.randn(1, 5, requires_grad=True)
+    out = slime_fused.FusedOutput({"log_probs": log_probs, "entropy": None})
+    assert out.device == log_probs.device and out.dtype == torch.float32
+    (0 * out.sum()).backward()
+    assert log_probs.grad is not None and torch.equal(log_probs.grad, torch.zeros(1, 5))
+
+
+def test_logits_go_to_slimes_own_function():
+    def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, response_lengths,
+                                  with_entropy=False):
+        return "slime's"
+
+    assert slime_fused.log_probs_wrapper(get_log_probs_and_entropy, None, (torch.zeros(1, 2, 3),),
+                                         dict(args=None, unconcat_tokens=[], total_lengths=[],
+                                              response_lengths=[])) == "slime's"
