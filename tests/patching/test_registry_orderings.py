@@ -31,6 +31,7 @@ ORDERINGS = [  # every interleaving of the import with apply < revert < re-apply
 # as slime's loss module does with ppo_utils' function: imported while patched, it holds the
 # other target's wrapper (a captured reference) and must not get a second layer.
 ALIASES = {
+    "slime.backends.megatron_utils.actor:forward_only": "slime.backends.megatron_utils.model:forward_only",
     "slime.backends.megatron_utils.loss:calculate_log_probs_and_entropy":
         "slime.utils.ppo_utils:calculate_log_probs_and_entropy",
     "verl.models.mcore.registry:fused_forward_model_engine":

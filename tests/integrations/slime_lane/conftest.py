@@ -13,9 +13,10 @@ HERE = os.path.dirname(__file__)
 SKIP = ("*** SKIPPED LANE slime: slime is not importable; run `make test-slime SLIME=/path/to/slime "
         "MEGATRON_LM=/path/to/Megatron-LM` ***")
 _SPEC = importlib.util.find_spec("slime")
-# the real source (the main suite's stand-ins in tests/standins/slime have no actor.py)
+# the real source (the main suite's stand-ins in tests/standins/slime say STAND_IN = True)
 AVAILABLE = _SPEC is not None and os.path.isfile(
-    os.path.join(os.path.dirname(_SPEC.origin or ""), "backends", "megatron_utils", "actor.py"))
+    os.path.join(os.path.dirname(_SPEC.origin or ""), "backends", "megatron_utils", "actor.py")) and \
+    "STAND_IN = True" not in open(_SPEC.origin or os.devnull).read()
 
 if AVAILABLE:
     sys.path.insert(0, HERE)
