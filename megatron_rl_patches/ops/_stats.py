@@ -11,13 +11,21 @@ states) runs the same four named steps:
 4. **gradient** (:func:`tile_grad`): dL/dx of one recomputed tile from saved per-row
    :class:`GradFactors` — the same formula for every op.
 
-The backend contract. A backend (torch tiles, a Triton kernel, a float64 test backend) turns a
-*source* of logits (materialized logits, or hidden states and an output-weight shard) into
+The backend contract (the ``Backend`` Protocol in :mod:`megatron_rl_patches.ops.kernels`). A
+backend (torch tiles, Triton kernels, a float64 test backend) has a ``name``, says whether it can
+run on a device (``available(device)``: None, or why not) and whether ``auto`` should pick it
+(``claims(device)``), and turns a :class:`~megatron_rl_patches.ops.kernels.sources.Source` of
+logits (materialized logits, or hidden states and an output-weight shard) into
 
-- forward: ``row_stats(source, marks, subset, scale, want) -> RowStats`` over the rank's whole
-  vocabulary shard — the result of folding every tile of the shard, in any order and tiling;
-- backward: ``apply_grad(source, factors, scale, keep_mask) -> gradients`` (the logits' gradient,
-  or ``(dh, dW)``), where each tile's dL/dx is :func:`tile_grad`'s formula.
+- forward: ``row_stats(source, stats, cols, owned, keep_mask, scale) -> RowStats``: every tile of
+  the rank's vocabulary shard folded into `stats` (empty, with the sums wanted), in any order and
+  tiling; `cols`/`owned` [T, k] are the marked ids' local columns;
+- backward: ``apply_grad(source, factors, scale, keep_mask, needs) -> gradients`` in the compute
+  dtype (the logits' gradient, or ``(dh for every gathered row, dW)``; `needs` says which), where
+  each tile's dL/dx is :func:`tile_grad`'s formula.
+
+The steps a backend shares with the ops (moving sums to a new max, accumulating dh/dW, the saved
+temperature, the bad-row check) are public in :mod:`megatron_rl_patches.ops.steps`.
 
 Combine, finalize, the autograd Functions and every public op are shared; a backend computes
 nothing else. Units: ``u = (x - shift)·s`` with s = 1/τ per row; subtracting before scaling
