@@ -552,9 +552,22 @@ def buffered_tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Ten
                        out: torch.Tensor, u: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
     """:func:`tile_grad` without a subset (keep mask), written into `out` (maybe x's own storage)
     with the buffers `u` and `sub` (all x's shape, the factors' dtype), the marked entries
-    cleared by a scatter instead of a [r, c] marks mask. The same operations, so the same bits."""
+    cleared by a scatter instead of a [r, c] marks mask; the top-k tail's two terms share one exp."""
     local, inside = column_marks(f.cols, f.owned, first_col, x.size(1))
     value = marked_grad(x.gather(1, local).to(f.dtype), scale, f)  # x is read before out is written
+    if f.gamma is not None and f.alpha is not None and f.beta is None:
+        tail_grad(x, scale, f, out)  # the top-k tail: one exp per element
+    else:
+        _exp_terms(x, scale, f, out, u, sub)
+    # marked entries to 0 (a product with 0; ids clamped from other tiles multiply by 1), then added
+    out.scatter_reduce_(1, local, torch.where(inside, 0.0, 1.0).to(out.dtype), reduce="prod")
+    out.scatter_add_(1, local, torch.where(inside, value, 0.0).to(out.dtype))
+    return out
+
+
+def _exp_terms(x: torch.Tensor, scale: float | torch.Tensor, f: GradFactors, out: torch.Tensor, u: torch.Tensor,
+               sub: torch.Tensor) -> None:
+    """The unmarked entries of :func:`buffered_tile_grad`: each exp term on its own shift."""
     if f.gamma is not None:
         assert f.sub_shift is not None and f.log_sub_sum is not None  # set with gamma
         shifted_rows(x, f.sub_shift, scale, out=sub).sub_(f.log_sub_sum[:, None]).exp_().mul_(f.gamma[:, None])
@@ -572,7 +585,14 @@ def buffered_tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Ten
         out.copy_(sub)
     else:
         out.zero_()
-    # marked entries to 0 (a product with 0; ids clamped from other tiles multiply by 1), then added
-    out.scatter_reduce_(1, local, torch.where(inside, 0.0, 1.0).to(out.dtype), reduce="prod")
-    out.scatter_add_(1, local, torch.where(inside, value, 0.0).to(out.dtype))
-    return out
+
+
+def tail_grad(x: torch.Tensor, scale: float | torch.Tensor, f: GradFactors, out: torch.Tensor) -> torch.Tensor:
+    """The unmarked entries alpha·p_j + gamma·p_j/P_tail of a top-k tile (the tail: every unmarked
+    column) with one exp: p_j = P_tail·e^(u'_j - L'), and u'_j - L' <= 0 there, so nothing overflows
+    however far the tail lies below the row max. Written into `out` (maybe x's own storage)."""
+    assert f.alpha is not None and f.shift is not None and f.log_sum is not None  # the full softmax
+    assert f.gamma is not None and f.sub_shift is not None and f.log_sub_sum is not None  # the tail
+    tail_mass = ((f.sub_shift - f.shift) * per_row(scale) + f.log_sub_sum - f.log_sum).exp_()
+    coef = tail_mass.mul_(f.alpha).add_(f.gamma)
+    return shifted_rows(x, f.sub_shift, scale, out=out).sub_(f.log_sub_sum[:, None]).exp_().mul_(coef[:, None])
