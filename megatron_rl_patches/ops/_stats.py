@@ -556,7 +556,7 @@ def buffered_tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Ten
     local, inside = column_marks(f.cols, f.owned, first_col, x.size(1))
     value = marked_grad(x.gather(1, local).to(f.dtype), scale, f)  # x is read before out is written
     if f.gamma is not None and f.alpha is not None and f.beta is None:
-        tail_grad(x, scale, f, out)  # the top-k tail: one exp per element
+        tail_grad(x, scale, f, (local, inside), out)  # the top-k tail: one exp per element
     else:
         _exp_terms(x, scale, f, out, u, sub)
     # marked entries to 0 (a product with 0; ids clamped from other tiles multiply by 1), then added
@@ -587,12 +587,18 @@ def _exp_terms(x: torch.Tensor, scale: float | torch.Tensor, f: GradFactors, out
         out.zero_()
 
 
-def tail_grad(x: torch.Tensor, scale: float | torch.Tensor, f: GradFactors, out: torch.Tensor) -> torch.Tensor:
+def tail_grad(x: torch.Tensor, scale: float | torch.Tensor, f: GradFactors, marks: tuple[torch.Tensor, torch.Tensor],
+              out: torch.Tensor) -> torch.Tensor:
     """The unmarked entries alpha·p_j + gamma·p_j/P_tail of a top-k tile (the tail: every unmarked
-    column) with one exp: p_j = P_tail·e^(u'_j - L'), and u'_j - L' <= 0 there, so nothing overflows
-    however far the tail lies below the row max. Written into `out` (maybe x's own storage)."""
+    column) with one exp: p_j = P_tail·e^(u'_j - L') with u'_j - L' <= 0 there; the marked columns
+    (`marks`, far above a far tail) are set to -inf before the exp, so nothing overflows. Their
+    entries are 0, to be replaced. Written into `out` (maybe x's own storage)."""
     assert f.alpha is not None and f.shift is not None and f.log_sum is not None  # the full softmax
     assert f.gamma is not None and f.sub_shift is not None and f.log_sub_sum is not None  # the tail
+    local, inside = marks
     tail_mass = ((f.sub_shift - f.shift) * per_row(scale) + f.log_sub_sum - f.log_sum).exp_()
     coef = tail_mass.mul_(f.alpha).add_(f.gamma)
-    return shifted_rows(x, f.sub_shift, scale, out=out).sub_(f.log_sub_sum[:, None]).exp_().mul_(coef[:, None])
+    u = shifted_rows(x, f.sub_shift, scale, out=out)
+    # marked columns to -inf; ids of other tiles (clamped onto a column) leave it as is
+    u.scatter_reduce_(1, local, torch.where(inside, -math.inf, math.inf).to(u.dtype), reduce="amin")
+    return u.sub_(f.log_sub_sum[:, None]).exp_().mul_(coef[:, None])
