@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.megatron.processors import (
-    _Call,
-    _check_options,
-    _context,
-    _logit_multiplier,
-    _per_token,
-    _tp_group,
+    ProcessorCall,
+    check_options,
+    logit_multiplier,
+    output_tp_group,
+    read_context,
+    token_rows,
     wait_for_output_weight,
 )
 from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE
@@ -40,7 +40,7 @@ _DIVERGENCE_CONTEXT = ("teacher_hidden", "teacher_weight", "keep_mask", "tempera
 def _no_mup(config: Any, who: str) -> None:
     """A MuP output multiplier scales one model's logits only; the divergence's one temperature
     cannot express that, so it is refused rather than applied to every model."""
-    if _logit_multiplier(config) != 1.0:
+    if logit_multiplier(config) != 1.0:
         raise ValueError(f"{who}: config.use_mup scales this model's logits by mup_output_mult, which the "
                          "full-vocabulary divergence cannot apply to one model only; disable use_mup for distillation")
 
@@ -60,7 +60,7 @@ def hidden_output_processor() -> Callable[..., torch.Tensor]:
         # all-gather must be waited for, as calling the output layer would
         wait_for_output_weight(output_layer, hidden_states)
         sequence_parallel = bool(getattr(output_layer, "sequence_parallel", False))
-        rows = gather_rows(hidden_states.detach(), _tp_group(output_layer), sequence_parallel)
+        rows = gather_rows(hidden_states.detach(), output_tp_group(output_layer), sequence_parallel)
         # a copy, [b, s, H] contiguous: the hidden states megatron-core hands over may live in a
         # buffer that the model's next forward reuses
         return rows.transpose(0, 1).clone(memory_format=torch.contiguous_format)
@@ -88,24 +88,24 @@ def divergence_output_processor(
     from megatron_rl_patches.ops._checks import check_divergence_options
 
     check_divergence_options(divergence, beta, alpha)
-    _check_options(temperature, vocab_size, chunk_size)
+    check_options(temperature, vocab_size, chunk_size)
 
     def process(*, hidden_states, output_layer, output_weight=None, config=None, context=None, **_):
         from megatron_rl_patches.ops.divergence import lm_head_divergence
 
-        ctx = _context(context, _DIVERGENCE_CONTEXT)
+        ctx = read_context(context, _DIVERGENCE_CONTEXT)
         if "teacher_hidden" not in ctx or "teacher_weight" not in ctx:
             raise ValueError("divergence_output_processor needs output_processor_context={'teacher_hidden': ..., "
                              "'teacher_weight': ...}: the teachers' hidden_output_processor() results "
                              "and output weights")
         _no_mup(config, "divergence_output_processor")
-        call = _Call(hidden_states, output_layer, output_weight, None, config, temperature, ctx)
+        call = ProcessorCall(hidden_states, output_layer, output_weight, None, config, temperature, ctx)
         keep_mask = ctx.get("keep_mask")
         if keep_mask is not None:
-            keep_mask = _per_token(keep_mask, "output_processor_context['keep_mask']", call.batch, call.seq)
+            keep_mask = token_rows(keep_mask, "output_processor_context['keep_mask']", call.batch, call.seq)
         row_mask = ctx.get("row_mask")
         if row_mask is not None:
-            row_mask = _per_token(row_mask, "output_processor_context['row_mask']", call.batch, call.seq)
+            row_mask = token_rows(row_mask, "output_processor_context['row_mask']", call.batch, call.seq)
         value = lm_head_divergence(
             call.hidden, call.weight, _teacher_rows(ctx["teacher_hidden"], call), ctx["teacher_weight"],
             divergence=divergence, beta=beta, alpha=alpha, teacher_weights=teacher_weights,
@@ -118,7 +118,7 @@ def divergence_output_processor(
     return process
 
 
-def _teacher_rows(teacher_hidden: Any, call: _Call) -> torch.Tensor | list[torch.Tensor]:
+def _teacher_rows(teacher_hidden: Any, call: ProcessorCall) -> torch.Tensor | list[torch.Tensor]:
     """[b, s, H_t] per teacher as the student's rows: (s, b) order, this rank's sequence slice
     under sequence parallelism (the op gathers every model's rows alike)."""
     single = isinstance(teacher_hidden, torch.Tensor)
@@ -128,7 +128,7 @@ def _teacher_rows(teacher_hidden: Any, call: _Call) -> torch.Tensor | list[torch
     rows = []
     for j, hidden in enumerate([teacher_hidden] if single else teacher_hidden):
         name = "output_processor_context['teacher_hidden']" + ("" if single else f"[{j}]")
-        flat = _per_token(hidden, name, call.batch, call.seq)
+        flat = token_rows(hidden, name, call.batch, call.seq)
         if call.sequence_parallel:
             import torch.distributed as dist
 

@@ -54,7 +54,7 @@ def wait_for_output_weight(output_layer: torch.nn.Module, hidden_states: torch.T
             hook(output_layer, (hidden_states,))
 
 
-def _context(context: Any, allowed: tuple[str, ...]) -> Mapping[str, Any]:
+def read_context(context: Any, allowed: tuple[str, ...]) -> Mapping[str, Any]:
     if context is None:
         return {}
     if not isinstance(context, Mapping):
@@ -67,7 +67,7 @@ def _context(context: Any, allowed: tuple[str, ...]) -> Mapping[str, Any]:
     return context
 
 
-def _logit_multiplier(config: Any) -> float:
+def logit_multiplier(config: Any) -> float:
     """megatron-core's MuP output multiplier (logits *= mup_output_mult when use_mup), else 1."""
     if not getattr(config, "use_mup", False):
         return 1.0
@@ -80,7 +80,7 @@ def _logit_multiplier(config: Any) -> float:
     return float(mult)
 
 
-def _check_options(temperature: object, vocab_size: object, chunk_size: object) -> None:
+def check_options(temperature: object, vocab_size: object, chunk_size: object) -> None:
     """The options a processor is built with, checked as the ops check them, before any forward."""
     from megatron_rl_patches.ops._checks import check_scalar_temperature
 
@@ -92,7 +92,7 @@ def _check_options(temperature: object, vocab_size: object, chunk_size: object) 
         positive_int("chunk_size", chunk_size, " or None")
 
 
-def _per_token(value: torch.Tensor, name: str, batch: int, seq: int) -> torch.Tensor:
+def token_rows(value: torch.Tensor, name: str, batch: int, seq: int) -> torch.Tensor:
     """A [b, s, ...] per-token tensor as [s*b, ...] rows, in the hidden states' (s, b) order."""
     if not isinstance(value, torch.Tensor) or value.dim() < 2 or tuple(value.shape[:2]) != (batch, seq):
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -100,37 +100,37 @@ def _per_token(value: torch.Tensor, name: str, batch: int, seq: int) -> torch.Te
     return value.transpose(0, 1).reshape(batch * seq, *value.shape[2:])
 
 
-def _row_mask(ctx: Mapping[str, Any], call: _Call) -> torch.Tensor | None:
+def _row_mask(ctx: Mapping[str, Any], call: ProcessorCall) -> torch.Tensor | None:
     """The context's "row_mask" [b, s] (e.g. the response tokens: masked response tokens still
     need their log-probs) as rows, or None: only those rows meet the output weight."""
     mask = ctx.get("row_mask")
-    return None if mask is None else _per_token(mask, "output_processor_context['row_mask']", call.batch, call.seq)
+    return None if mask is None else token_rows(mask, "output_processor_context['row_mask']", call.batch, call.seq)
 
 
-class _Call:
+class ProcessorCall:
     """What every processor call needs: rows of hidden states, the weight, the parallel layout."""
 
     def __init__(self, hidden_states, output_layer, output_weight, labels, config, temperature, context):
         if hidden_states.dim() != 3:
             raise ValueError(f"hidden_states must be [s, b, h], got shape {tuple(hidden_states.shape)}")
         self.sequence_parallel = bool(getattr(output_layer, "sequence_parallel", False))
-        self.tp_group = _tp_group(output_layer)
+        self.tp_group = output_tp_group(output_layer)
         local_seq, batch, _ = hidden_states.shape
         seq = local_seq * (self.tp_world if self.sequence_parallel else 1)
         self.batch, self.seq = batch, seq
         wait_for_output_weight(output_layer, hidden_states)
         self.weight = output_weight if output_weight is not None else output_layer.weight
         self.hidden = hidden_states.reshape(local_seq * batch, hidden_states.size(-1))
-        self.temperature = temperature / _logit_multiplier(config)
-        per_token = context.get("temperature")
-        if per_token is not None:
+        self.temperature = temperature / logit_multiplier(config)
+        tau = context.get("temperature")
+        if tau is not None:
             # one route for per-token temperatures: the op takes τ [T] for every (global) row and
             # checks its values with the call's one host sync
-            rows = _per_token(per_token, "output_processor_context['temperature']", batch, seq)
+            rows = token_rows(tau, "output_processor_context['temperature']", batch, seq)
             if not isinstance(rows, torch.Tensor) or not torch.is_floating_point(rows):
                 raise TypeError("output_processor_context['temperature'] must be a floating tensor [b, s]")
             self.temperature = rows.detach() * self.temperature
-        self.labels = None if labels is None else _per_token(labels, "labels", batch, seq)
+        self.labels = None if labels is None else token_rows(labels, "labels", batch, seq)
 
     @property
     def tp_world(self) -> int:
@@ -145,7 +145,7 @@ class _Call:
         return rows.reshape(self.seq, self.batch, *rows.shape[1:]).transpose(0, 1)
 
 
-def _tp_group(output_layer: torch.nn.Module):
+def output_tp_group(output_layer: torch.nn.Module):
     """The output layer's tensor-parallel group, or None at TP = 1 (the ops' "no TP")."""
     import torch.distributed as dist
 
@@ -176,18 +176,18 @@ def log_prob_output_processor(
     dict with "row_mask" ([b, s] bool: only these tokens are computed, e.g. the response tokens;
     the others are 0 with no gradient), "keep_mask" ([b, s, V/tp] bool: ids the log-prob is normalized over) and
     "temperature" ([b, s] per-token temperatures, multiplied with `temperature`)."""
-    _check_options(temperature, vocab_size, chunk_size)
+    check_options(temperature, vocab_size, chunk_size)
 
     def process(*, hidden_states, output_layer, output_weight=None, labels=None, config=None, context=None, **_):
         from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy
 
-        ctx = _context(context, _LOGPROB_CONTEXT)
+        ctx = read_context(context, _LOGPROB_CONTEXT)
         if labels is None:
             raise ValueError("log_prob_output_processor needs labels=[b, s] target ids in GPTModel.forward")
-        call = _Call(hidden_states, output_layer, output_weight, labels, config, temperature, ctx)
+        call = ProcessorCall(hidden_states, output_layer, output_weight, labels, config, temperature, ctx)
         keep_mask = ctx.get("keep_mask")
         if keep_mask is not None:
-            keep_mask = _per_token(keep_mask, "output_processor_context['keep_mask']", call.batch, call.seq)
+            keep_mask = token_rows(keep_mask, "output_processor_context['keep_mask']", call.batch, call.seq)
         assert call.labels is not None  # checked above: labels were given
         log_probs, entropy = lm_head_log_probs_and_entropy(
             call.hidden,
@@ -223,7 +223,7 @@ def topk_output_processor(
     (a teacher scoring the student's ids). With `union=True`, `k` and context ids (the
     student's), it selects its own top-k and scores the union (`union_ids`: the given ids
     first), returned as "topk_ids" and "ids_mask" [b, s, k_given + k] (docs/distillation.md)."""
-    _check_options(temperature, vocab_size, chunk_size)
+    check_options(temperature, vocab_size, chunk_size)
     if k is not None:
         positive_int("k", k, " (ids to select) or None (ids from the context)")
     if not isinstance(union, bool):
@@ -233,7 +233,7 @@ def topk_output_processor(
         from megatron_rl_patches.ops.lm_head import lm_head_topk_ids, lm_head_topk_logprobs
         from megatron_rl_patches.ops.topk import union_ids
 
-        ctx = _context(context, _TOPK_CONTEXT)
+        ctx = read_context(context, _TOPK_CONTEXT)
         ids, mask = ctx.get("ids"), ctx.get("ids_mask")
         if union and (ids is None or k is None or mask is not None):
             raise ValueError(
@@ -245,13 +245,13 @@ def topk_output_processor(
                 "topk_output_processor needs exactly one source of ids: k= (select the top-k) or "
                 "output_processor_context={'ids': [b, s, k]} (score given ids); both with union=True"
             )
-        call = _Call(hidden_states, output_layer, output_weight, None, config, temperature, ctx)
+        call = ProcessorCall(hidden_states, output_layer, output_weight, None, config, temperature, ctx)
         options = dict(tp_group=call.tp_group, sequence_parallel=call.sequence_parallel,
                        temperature=call.temperature, vocab_size=vocab_size, chunk_size=chunk_size,
                        row_mask=_row_mask(ctx, call))
         result: dict[str, torch.Tensor] = {}
-        rows = None if ids is None else _per_token(ids, "output_processor_context['ids']", call.batch, call.seq)
-        rows_mask = None if mask is None else _per_token(mask, "output_processor_context['ids_mask']", call.batch,
+        rows = None if ids is None else token_rows(ids, "output_processor_context['ids']", call.batch, call.seq)
+        rows_mask = None if mask is None else token_rows(mask, "output_processor_context['ids_mask']", call.batch,
                                                          call.seq)
         if k is not None:
             with torch.no_grad():

@@ -21,7 +21,6 @@ from megatron_rl_patches.ops._stats import compute_dtype
 
 Temperature = float | torch.Tensor
 Weights = torch.Tensor | Sequence[float] | None
-_NEG_INF = float("-inf")
 KL_KINDS = ("reverse", "forward", "mixed")
 
 

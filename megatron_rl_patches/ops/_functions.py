@@ -10,6 +10,7 @@ import torch
 from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab
 from megatron_rl_patches.ops.kernels import Backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
+from megatron_rl_patches.ops.steps import require_good_rows, save_tau, saved_scale
 
 
 def _source(spec: _vocab.OpSpec, tensors: tuple[torch.Tensor, ...], rows: torch.Tensor | None) -> Source:
@@ -62,25 +63,10 @@ def _all_rows(spec: _vocab.OpSpec, tensors: tuple[torch.Tensor, ...]) -> int:
     return tensors[0].size(0) * (_dist.tp_size(spec.group) if spec.sequence_parallel else 1)
 
 
-def _save_tau(ctx, tau: float | torch.Tensor) -> torch.Tensor | None:
-    ctx.tensor_tau = isinstance(tau, torch.Tensor)
-    ctx.tau = None if ctx.tensor_tau else tau
-    return tau if isinstance(tau, torch.Tensor) else None
-
-
-def _scale(ctx, tau_tensor: torch.Tensor | None, n_rows: int, dtype: torch.dtype) -> float | torch.Tensor:
-    return _stats.row_scale(tau_tensor if tau_tensor is not None else ctx.tau, n_rows, dtype)
-
-
-def _check_rows(stats: _stats.RowStats, spec: _vocab.OpSpec, checks: _checks.DeviceChecks, rows: torch.Tensor | None,
+def _check_rows(shift: torch.Tensor, spec: _vocab.OpSpec, checks: _checks.DeviceChecks, rows: torch.Tensor | None,
                 n_rows: int, kept_log_sum: torch.Tensor | None = None) -> None:
-    """Bad rows (NaN/+inf, all -inf, no finite kept logit) among the selected ones join the
-    call's checks, named by their row of all `n_rows`; one host sync."""
-    bad = _checks.bad_row_codes(stats.shift)
-    if kept_log_sum is not None:
-        bad = torch.where((bad == 0) & torch.isneginf(kept_log_sum), _checks.BAD_KEPT_NEG_INF, bad)
-    bad = _vocab.scatter_rows(bad, rows, n_rows)
-    checks.require(bad == 0, lambda: _checks.bad_rows_error(spec.op, spec.arg, bad))
+    """Bad rows among the selected ones join the call's checks, then its one host sync."""
+    require_good_rows(checks, shift, spec.op, spec.arg, kept_log_sum=kept_log_sum, rows=rows, n_rows=n_rows)
     checks.raise_first()  # the call's one host sync: input checks and bad rows at once
 
 
@@ -102,7 +88,7 @@ class LogProbEntropy(torch.autograd.Function):
         stats = _stats.combine_over_ranks(stats, scale, spec.group)
         out = _stats.log_prob_outputs(stats, scale)
         assert out.log_probs is not None and out.shift is not None and out.log_s is not None  # computed here
-        _check_rows(stats, spec, checks, rows, n_rows, out.log_s_kept if masked else None)
+        _check_rows(stats.shift, spec, checks, rows, n_rows, out.log_s_kept if masked else None)
         entropy = out.entropy if spec.with_entropy else out.log_probs.new_empty(0)
         # what backward reads: the kept shift and log-sum always; the full ones and Ā with an
         # entropy gradient or without a mask (≤ 20 B/token)
@@ -117,7 +103,7 @@ class LogProbEntropy(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         # int32 local target column (-1: another rank owns it), not int64 ids
         ctx.save_for_backward(*tensors, torch.where(owned, cols, -1).to(torch.int32), torch.stack(saved), keep_mask,
-                              _save_tau(ctx, tau), rows)
+                              save_tau(ctx, tau), rows)
         entropy = _vocab.scatter_rows(entropy, rows, n_rows) if spec.with_entropy else entropy
         if not spec.entropy_grad:
             ctx.mark_non_differentiable(entropy)
@@ -134,7 +120,7 @@ class LogProbEntropy(torch.autograd.Function):
             return none + (None,) * ctx.n_tensors
         grad_log_probs, grad_entropy = _vocab.take_rows(grad_log_probs, rows), _vocab.take_rows(grad_entropy, rows)
         source = _source(spec, tuple(tensors), rows)
-        scale = _scale(ctx, tau, source.n_rows, saved.dtype)
+        scale = saved_scale(ctx, tau, source.n_rows, saved.dtype)
         out = _saved_log_prob_outputs(list(saved.unbind(0)), spec.entropy_grad, ctx.masked)
         factors = _stats.log_prob_grad_factors(out, grad_log_probs, grad_entropy, scale,
                                                target_cols.long().clamp_min(0), target_cols >= 0, ctx.masked)
@@ -169,12 +155,12 @@ class TopkLogprobs(torch.autograd.Function):
         stats = _stats.RowStats.empty(source.n_rows, ids.size(1), dtype, source.first.device, rest=False, subset=True)
         stats = backend.row_stats(source, stats, cols, owned, None, scale)
         stats = _stats.combine_over_ranks(stats, scale, spec.group)
-        _check_rows(stats, spec, checks, rows, n_rows)
+        _check_rows(stats.shift, spec, checks, rows, n_rows)
         out = _stats.topk_outputs(stats, scale, valid)
         ctx.spec, ctx.backend, ctx.n_tensors = spec, backend, len(tensors)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*tensors, ids, valid, torch.stack([out.shift, out.log_sum, out.tail_shift,
-                                                                 out.log_tail_sum]), _save_tau(ctx, tau), rows)
+                                                                 out.log_tail_sum]), save_tau(ctx, tau), rows)
         assert out.tail is not None  # computed here
         return _vocab.scatter_rows(out.logp, rows, n_rows), _vocab.scatter_rows(out.tail, rows, n_rows)
 
@@ -188,7 +174,7 @@ class TopkLogprobs(torch.autograd.Function):
             return none + (None,) * ctx.n_tensors
         grad_logp, grad_tail = _vocab.take_rows(grad_logp, rows), _vocab.take_rows(grad_tail, rows)
         source = _source(spec, tuple(tensors), rows)
-        scale = _scale(ctx, tau, source.n_rows, saved.dtype)
+        scale = saved_scale(ctx, tau, source.n_rows, saved.dtype)
         shift, log_sum, tail_shift, log_tail_sum = saved.unbind(0)
         out = _stats.TopkOutputs(torch.zeros(ids.shape, dtype=saved.dtype, device=saved.device), None, shift, log_sum,
                                  tail_shift, log_tail_sum)

@@ -11,13 +11,21 @@ states) runs the same four named steps:
 4. **gradient** (:func:`tile_grad`): dL/dx of one recomputed tile from saved per-row
    :class:`GradFactors` — the same formula for every op.
 
-The backend contract. A backend (torch tiles, a Triton kernel, a float64 test backend) turns a
-*source* of logits (materialized logits, or hidden states and an output-weight shard) into
+The backend contract (the ``Backend`` Protocol in :mod:`megatron_rl_patches.ops.kernels`). A
+backend (torch tiles, Triton kernels, a float64 test backend) has a ``name``, says whether it can
+run on a device (``available(device)``: None, or why not) and whether ``auto`` should pick it
+(``claims(device)``), and turns a :class:`~megatron_rl_patches.ops.kernels.sources.Source` of
+logits (materialized logits, or hidden states and an output-weight shard) into
 
-- forward: ``row_stats(source, marks, subset, scale, want) -> RowStats`` over the rank's whole
-  vocabulary shard — the result of folding every tile of the shard, in any order and tiling;
-- backward: ``apply_grad(source, factors, scale, keep_mask) -> gradients`` (the logits' gradient,
-  or ``(dh, dW)``), where each tile's dL/dx is :func:`tile_grad`'s formula.
+- forward: ``row_stats(source, stats, cols, owned, keep_mask, scale) -> RowStats``: every tile of
+  the rank's vocabulary shard folded into `stats` (empty, with the sums wanted), in any order and
+  tiling; `cols`/`owned` [T, k] are the marked ids' local columns;
+- backward: ``apply_grad(source, factors, scale, keep_mask, needs) -> gradients`` in the compute
+  dtype (the logits' gradient, or ``(dh for every gathered row, dW)``; `needs` says which), where
+  each tile's dL/dx is :func:`tile_grad`'s formula.
+
+The steps a backend shares with the ops (moving sums to a new max, accumulating dh/dW, the saved
+temperature, the bad-row check) are public in :mod:`megatron_rl_patches.ops.steps`.
 
 Combine, finalize, the autograd Functions and every public op are shared; a backend computes
 nothing else. Units: ``u = (x - shift)·s`` with s = 1/τ per row; subtracting before scaling
@@ -544,9 +552,22 @@ def buffered_tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Ten
                        out: torch.Tensor, u: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
     """:func:`tile_grad` without a subset (keep mask), written into `out` (maybe x's own storage)
     with the buffers `u` and `sub` (all x's shape, the factors' dtype), the marked entries
-    cleared by a scatter instead of a [r, c] marks mask. The same operations, so the same bits."""
+    cleared by a scatter instead of a [r, c] marks mask; the top-k tail's two terms share one exp."""
     local, inside = column_marks(f.cols, f.owned, first_col, x.size(1))
     value = marked_grad(x.gather(1, local).to(f.dtype), scale, f)  # x is read before out is written
+    if f.gamma is not None and f.alpha is not None and f.beta is None:
+        tail_grad(x, scale, f, (local, inside), out)  # the top-k tail: one exp per element
+    else:
+        _exp_terms(x, scale, f, out, u, sub)
+    # marked entries to 0 (a product with 0; ids clamped from other tiles multiply by 1), then added
+    out.scatter_reduce_(1, local, torch.where(inside, 0.0, 1.0).to(out.dtype), reduce="prod")
+    out.scatter_add_(1, local, torch.where(inside, value, 0.0).to(out.dtype))
+    return out
+
+
+def _exp_terms(x: torch.Tensor, scale: float | torch.Tensor, f: GradFactors, out: torch.Tensor, u: torch.Tensor,
+               sub: torch.Tensor) -> None:
+    """The unmarked entries of :func:`buffered_tile_grad`: each exp term on its own shift."""
     if f.gamma is not None:
         assert f.sub_shift is not None and f.log_sub_sum is not None  # set with gamma
         shifted_rows(x, f.sub_shift, scale, out=sub).sub_(f.log_sub_sum[:, None]).exp_().mul_(f.gamma[:, None])
@@ -564,7 +585,20 @@ def buffered_tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Ten
         out.copy_(sub)
     else:
         out.zero_()
-    # marked entries to 0 (a product with 0; ids clamped from other tiles multiply by 1), then added
-    out.scatter_reduce_(1, local, torch.where(inside, 0.0, 1.0).to(out.dtype), reduce="prod")
-    out.scatter_add_(1, local, torch.where(inside, value, 0.0).to(out.dtype))
-    return out
+
+
+def tail_grad(x: torch.Tensor, scale: float | torch.Tensor, f: GradFactors, marks: tuple[torch.Tensor, torch.Tensor],
+              out: torch.Tensor) -> torch.Tensor:
+    """The unmarked entries alpha·p_j + gamma·p_j/P_tail of a top-k tile (the tail: every unmarked
+    column) with one exp: p_j = P_tail·e^(u'_j - L') with u'_j - L' <= 0 there; the marked columns
+    (`marks`, far above a far tail) are set to -inf before the exp, so nothing overflows. Their
+    entries are 0, to be replaced. Written into `out` (maybe x's own storage)."""
+    assert f.alpha is not None and f.shift is not None and f.log_sum is not None  # the full softmax
+    assert f.gamma is not None and f.sub_shift is not None and f.log_sub_sum is not None  # the tail
+    local, inside = marks
+    tail_mass = ((f.sub_shift - f.shift) * per_row(scale) + f.log_sub_sum - f.log_sum).exp_()
+    coef = tail_mass.mul_(f.alpha).add_(f.gamma)
+    u = shifted_rows(x, f.sub_shift, scale, out=out)
+    # marked columns to -inf; ids of other tiles (clamped onto a column) leave it as is
+    u.scatter_reduce_(1, local, torch.where(inside, -math.inf, math.inf).to(u.dtype), reduce="amin")
+    return u.sub_(f.log_sub_sum[:, None]).exp_().mul_(coef[:, None])

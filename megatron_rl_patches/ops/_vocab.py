@@ -1,6 +1,6 @@
 """What the vocab-parallel ops share around the statistics core (:mod:`._stats`): chunk budgets,
-local columns of global ids, validation, :class:`DeviceChecks` (every content check of a call
-read back in one host sync) and :class:`OpSpec`, the options of one call.
+local columns of global ids, row selection, the no-double-backward guard and :class:`OpSpec`, the
+options of one call (the input checks and :class:`DeviceChecks` live in :mod:`._checks`).
 """
 from __future__ import annotations
 
@@ -177,6 +177,16 @@ def op_spec(
     return OpSpec(group=group, first_id=vocab_start(local_vocab, group),
                   n_valid=valid_local_columns(local_vocab, vocab_size, group), chunk_rows=chunk_rows, op=op,
                   **options)  # type: ignore[arg-type]
+
+
+HEAD_LOGITS = "logits (hidden @ weight.T)"  # what the fused heads' messages call the logits that never exist
+
+
+def head_spec(weight: torch.Tensor, group: dist.ProcessGroup | None, sequence_parallel: bool,
+              vocab_size: int | None, chunk_size: int | None, op: str, **options: object) -> OpSpec:
+    """The :class:`OpSpec` of a fused-head call on the output-weight shard `weight` [V_local, H]."""
+    return op_spec(weight.size(0), group, vocab_size, chunk_size, op, arg=HEAD_LOGITS,
+                   sequence_parallel=bool(sequence_parallel and tp_size(group) > 1), **options)
 
 
 def logits_chunk_rows(chunk_size: int | None, local_vocab: int, group: dist.ProcessGroup | None,

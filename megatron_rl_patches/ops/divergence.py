@@ -32,7 +32,6 @@ from megatron_rl_patches.ops.steps import accumulate, moved, require_good_rows, 
 __all__ = ["lm_head_divergence"]
 
 Tensors = torch.Tensor | Sequence[torch.Tensor]
-_LOGITS = "logits (hidden @ weight.T)"
 
 
 def lm_head_divergence(
@@ -80,8 +79,7 @@ def lm_head_divergence(
     log_w = _checks.check_weights(teacher_weights, len(teachers), dtype, hidden.device, checks)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
-    spec = _vocab.op_spec(weight.size(0), tp_group, vocab, chunk_size, "lm_head_divergence", arg=_LOGITS,
-                          sequence_parallel=bool(sequence_parallel and _dist.tp_size(tp_group) > 1))
+    spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_divergence")
     plan = Plan.of(name, beta, alpha)
     chosen = resolve_backend(backend, hidden.device)
     rows = _vocab.select_rows(_checks.check_row_mask(row_mask, n_rows, hidden.device, "the (gathered) hidden rows"))

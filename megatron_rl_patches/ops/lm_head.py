@@ -23,18 +23,9 @@ from megatron_rl_patches.ops._functions import LogProbEntropy, TopkLogprobs
 from megatron_rl_patches.ops.kernels import resolve_backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows
 from megatron_rl_patches.ops.kernels.torch_tiles import tiles
+from megatron_rl_patches.ops.steps import require_good_rows
 
 __all__ = ["lm_head_log_probs_and_entropy", "lm_head_topk_ids", "lm_head_topk_logprobs"]
-
-
-def _spec(hidden, weight, tp_group, sequence_parallel, vocab, chunk_size, op, **extra) -> _vocab.OpSpec:
-    return _vocab.op_spec(weight.size(0), tp_group, vocab, chunk_size, op, arg=_LOGITS,
-                          sequence_parallel=bool(sequence_parallel and _dist.tp_size(tp_group) > 1), **extra)
-
-
-_LOGITS = "logits (hidden @ weight.T)"  # what the messages call the logits that never exist
-
-
 
 
 # ----------------------------------------------------------------------------- log-probs + entropy
@@ -72,7 +63,7 @@ def lm_head_log_probs_and_entropy(
     _checks.require_tokens_in_vocab(_vocab.unselected_as(tokens, row_mask), vocab, checks)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
-    spec = _spec(hidden, weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_log_probs_and_entropy",
+    spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_log_probs_and_entropy",
                  with_entropy=bool(with_entropy), entropy_grad=bool(with_entropy and entropy_requires_grad))
     chosen = resolve_backend(backend, hidden.device)
     log_probs, entropy = LogProbEntropy.apply(_vocab.take_rows(tokens, rows), _vocab.take_rows(keep_mask, rows),
@@ -119,7 +110,7 @@ def lm_head_topk_ids(
     if hidden.dtype == torch.float64:
         raise TypeError("lm_head_topk_ids ranks fp32/bf16/fp16 logits; "
                         "for fp64 inputs use topk_ids(hidden @ weight.T, k)")
-    spec = _spec(hidden, weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_ids")
+    spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_ids")
     rows = _vocab.select_rows(_checks.check_row_mask(row_mask, n_rows, hidden.device, "hidden (all rows)"), tp_group)
     with torch.no_grad():
         gathered = gather_rows(hidden.detach(), spec.group, spec.sequence_parallel)
@@ -127,8 +118,7 @@ def lm_head_topk_ids(
         # MAX all-reduce over the tensor-parallel group of the local row maxima: the full-vocab
         # max tells rows with NaN/+inf or without any finite logit apart on every rank alike
         _dist.all_reduce_max_(row_max, spec.group)
-        bad = _vocab.scatter_rows(_checks.bad_row_codes(row_max), rows, n_rows)
-        checks.require(bad == 0, lambda: _checks.bad_rows_error(spec.op, spec.arg, bad))
+        require_good_rows(checks, row_max, spec.op, spec.arg, rows=rows, n_rows=n_rows)
         checks.raise_first()  # the call's one host sync
         # all-gather over the tensor-parallel group of every rank's k best keys per row
         # (O(T·k·tp)): the k best of them are the global top-k, the same on every rank
@@ -179,7 +169,7 @@ def lm_head_topk_logprobs(
     k = _checks.check_ids(_vocab.unselected_as(ids, row_mask), torch.Size([n_rows]), vocab, checks, ids_mask)
     rows = _vocab.select_rows(_checks.check_row_mask(row_mask, n_rows, hidden.device, "hidden (all rows)"), tp_group)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
-    spec = _spec(hidden, weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_logprobs")
+    spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_logprobs")
     flat = ids.reshape(n_rows, k).to(device=hidden.device, dtype=torch.long)
     valid = None if ids_mask is None else ids_mask.reshape(n_rows, k).to(hidden.device)
     chosen = resolve_backend(backend, hidden.device)

@@ -71,10 +71,17 @@ def saved_scale(ctx: Any, tau_tensor: torch.Tensor | None, n_rows: int, dtype: t
     return row_scale(tau_tensor if tau_tensor is not None else ctx.tau, n_rows, dtype)
 
 
-def require_good_rows(checks: DeviceChecks, shift: torch.Tensor, op: str, what: str) -> None:
-    """Rows of `what` with NaN/+inf or no finite logit (from their combined max) join the call's
-    checks, raised at its one host sync."""
-    from megatron_rl_patches.ops._checks import bad_row_codes, bad_rows_error
+def require_good_rows(checks: DeviceChecks, shift: torch.Tensor, op: str, what: str, *,
+                      kept_log_sum: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                      n_rows: int = 0) -> None:
+    """Rows of `what` with NaN/+inf or no finite logit (from their combined max), or no finite kept
+    logit (`kept_log_sum` -inf), join the call's checks, raised at its one host sync; with `rows`
+    (the selected rows of `n_rows`) they are named by their row of all."""
+    from megatron_rl_patches.ops._checks import BAD_KEPT_NEG_INF, bad_row_codes, bad_rows_error
+    from megatron_rl_patches.ops._vocab import scatter_rows
 
     bad = bad_row_codes(shift)
+    if kept_log_sum is not None:
+        bad = torch.where((bad == 0) & torch.isneginf(kept_log_sum), BAD_KEPT_NEG_INF, bad)
+    bad = scatter_rows(bad, rows, n_rows)
     checks.require(bad == 0, lambda: bad_rows_error(op, what, bad))

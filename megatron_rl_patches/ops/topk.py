@@ -4,7 +4,8 @@ an exact tail bucket, and the (k+1)-bucket KL to a mixture of teachers (docs/top
 Everything is per token, so packed `thd`, CP-zigzag and allgather-CP tensors all work as long as
 every input uses the same token layout; nothing here shifts tokens. Memory stays O(T·k) beyond
 the logits: rows are processed in chunks and backward recomputes the softmax chunk by chunk. The
-streaming core (one MAX and one SUM all-reduce per call) is shared with the log-prob op: :mod:`._vocab`.
+statistics core (one MAX and one SUM all-reduce per call) is shared with the log-prob op: :mod:`._stats`,
+run by a backend of :mod:`.kernels` inside the autograd Functions of :mod:`._functions`.
 """
 from __future__ import annotations
 

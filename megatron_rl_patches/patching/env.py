@@ -55,6 +55,11 @@ def _cut(text: str, limit: int = 40) -> str:
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
+def shown_value(name: str, environ: Mapping[str, str] | None = None) -> str:
+    """The variable `name`'s value as messages show it: cut to a readable length."""
+    return _cut(str(_get(environ, name)))
+
+
 def _flag(environ: Mapping[str, str] | None, name: str) -> bool:
     """A yes/no variable; ValueError listing the accepted values for anything else."""
     value = _get(environ, name) or ""

@@ -40,7 +40,8 @@ PARTS = ("logprob", "opd")
 TOPK = 16
 
 
-def _inputs(T: int, V: int, H: int, device: str, seed: int = 0):
+def head_inputs(T: int, V: int, H: int, device: str, seed: int = 0):
+    """Seeded fused-head bench inputs: (hidden [T, H], weight [V, H], tokens, a, b)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -74,7 +75,7 @@ def logprob_case(probe: common.MemoryProbe, *, impl: str, T: int, V: int, H: int
     """One (implementation, shape): excess peak and time; runs in a fresh worker process."""
     import torch
 
-    hidden, weight, tokens, a, b = _inputs(T, V, H, device)
+    hidden, weight, tokens, a, b = head_inputs(T, V, H, device)
     probe.start()
     _loss(impl, hidden, weight, tokens, a, b).backward()
     peak = probe.peak()
@@ -98,7 +99,7 @@ def opd_case(probe: common.MemoryProbe, *, impl: str, teachers: int, T: int, V: 
 
     from megatron_rl_patches.ops.topk import topk_ids, topk_kl, topk_logprobs, topk_opd_loss
 
-    hidden, weight, _, _, _ = _inputs(T, V, H, device)
+    hidden, weight, _, _, _ = head_inputs(T, V, H, device)
     g = torch.Generator().manual_seed(1)
     teacher_weights = [(weight.detach() + 0.2 * torch.randn(V, H, generator=g).to(device) * H**-0.5)
                        for _ in range(teachers)]

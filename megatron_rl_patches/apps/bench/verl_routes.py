@@ -14,7 +14,7 @@ import types
 from typing import Any
 
 from megatron_rl_patches.apps.bench import common
-from megatron_rl_patches.apps.bench.fused import _inputs
+from megatron_rl_patches.apps.bench.fused import head_inputs
 
 ROUTES = ("verl unfused", "verl fused + ours")
 SHAPE = {"T": 4096, "V": 32000, "H": 1024}
@@ -58,9 +58,9 @@ def route_case(probe: common.MemoryProbe, *, route: str, T: int, V: int, H: int,
 
     impl = {"verl unfused": _unfused, "verl fused + ours": _fused}[route]
     with megatron_on_cpu():
-        small = _inputs(8, 64, 16, "cpu")  # imports and first-call set-up stay out of the peak
+        small = head_inputs(8, 64, 16, "cpu")  # imports and first-call set-up stay out of the peak
         impl(*small[:3], temperature)
-        hidden, weight, tokens, a, b = _inputs(T, V, H, "cpu")
+        hidden, weight, tokens, a, b = head_inputs(T, V, H, "cpu")
 
         def step(_: Any = None) -> None:
             hidden.grad = weight.grad = None

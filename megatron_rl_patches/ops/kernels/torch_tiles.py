@@ -24,6 +24,7 @@ from megatron_rl_patches.ops._stats import (
     target_tile_grad,
     tile_grad,
 )
+from megatron_rl_patches.ops._vocab import row_chunks
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.steps import accumulate
 
@@ -43,12 +44,6 @@ def tile_shape(n_rows: int, n_cols: int, device: torch.device, chunk_rows: int |
     return rows, cols
 
 
-def spans(n: int, step: int) -> Iterator[tuple[int, int]]:
-    """(start, stop) ranges covering ``range(n)`` in steps of `step`."""
-    for start in range(0, n, step):
-        yield start, min(n, start + step)
-
-
 def logits_tile(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """x = h·wᵀ in the inputs' dtype, returned in the compute dtype (`out`'s)."""
     if h.dtype == out.dtype:
@@ -64,15 +59,15 @@ def tiles(source: Source, dtype: torch.dtype) -> Iterator[tuple[slice, slice, to
         return
     if not source.fused:
         assert source.logits is not None and source.chunk_rows is not None  # logits come with their chunk
-        for r0, r1 in spans(n_rows, source.chunk_rows):
+        for r0, r1 in row_chunks(n_rows, source.chunk_rows):
             yield slice(r0, r1), slice(0, n_valid), source.logits[r0:r1, :n_valid]
         return
     assert source.hidden is not None and source.weight is not None  # fused
     row_tile, col_tile = tile_shape(source.shape_rows or n_rows, n_valid, source.hidden.device, source.chunk_rows)
     buf = torch.empty(row_tile, col_tile, dtype=dtype, device=source.hidden.device)
-    for r0, r1 in spans(n_rows, row_tile):
+    for r0, r1 in row_chunks(n_rows, row_tile):
         h = source.hidden[r0:r1]
-        for c0, c1 in spans(n_valid, col_tile):
+        for c0, c1 in row_chunks(n_valid, col_tile):
             yield slice(r0, r1), slice(c0, c1), logits_tile(h, source.weight[c0:c1], buf[: r1 - r0, : c1 - c0])
 
 
@@ -109,7 +104,7 @@ class TorchTiles:
         fast = keep_mask is None and target_only(factors)
         work = _TileBuffers(source, dtype, 3 if source.fused else 2 if keep_mask is None else 0)
         if not source.fused:
-            grad = _logits_grad_buffer(source)
+            grad = logits_grad_buffer(source)
             for rows, cols, x in tiles(source, dtype):
                 f = factors.rows(rows)
                 if fast and grad.dtype == dtype:
@@ -167,7 +162,7 @@ def _target_row_stats(source: Source, stats: RowStats, cols: torch.Tensor, owned
     return stats
 
 
-def _logits_grad_buffer(source: Source) -> torch.Tensor:
+def logits_grad_buffer(source: Source) -> torch.Tensor:
     """Where the logits' gradient goes: their own storage when allowed, else a fresh tensor;
     padded columns (ids >= vocab_size) get 0."""
     logits = source.logits

@@ -35,7 +35,7 @@ def not_run_notice() -> str | None:
             return None
     except TypeError:
         return None
-    value = env._cut(str(env._get(None, env.SELECT)))
+    value = env.shown_value(env.SELECT)
     return (
         f"{env.SELECT}={value!r} is set but start-up patching did not run in this process (no start-up "
         f"file: an editable install has none), so the variable alone patches nothing; start the job "

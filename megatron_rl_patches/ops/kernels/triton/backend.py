@@ -30,13 +30,13 @@ import torch
 import triton
 
 from megatron_rl_patches.ops._stats import GradFactors, RowStats, finite_or_zero, per_row
+from megatron_rl_patches.ops._vocab import row_chunks
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.kernels.torch_tiles import (
     CPU_TILE_BYTES,
     CUDA_TILE_BYTES,
     TorchTiles,
-    _logits_grad_buffer,
-    spans,
+    logits_grad_buffer,
 )
 from megatron_rl_patches.ops.kernels.triton._fold import row_stats_kernel
 from megatron_rl_patches.ops.kernels.triton._grad import grad_tile_kernel
@@ -185,7 +185,7 @@ class TritonTiles:
         if factors.mark_alpha is not None and factors.alpha is None:
             raise ValueError("GradFactors with mark_alpha but no alpha: the marked e^(u - L) term needs the full shift")
         if not source.fused:
-            grad = _logits_grad_buffer(source)
+            grad = logits_grad_buffer(source)
             self._grad_tiles(source, factors, scale, keep_mask, grad, 0, source.n_rows, 0, source.n_valid)
             return (grad,)
         hidden, weight = source.hidden, source.weight
@@ -210,7 +210,7 @@ class TritonTiles:
         entries = source.chunk_rows * n_valid if source.chunk_rows else budget // dz_dtype.itemsize
         width = max(1, entries // n_rows)
         buf = torch.empty(n_rows, min(width, n_valid), dtype=dz_dtype, device=hidden.device)
-        for c0, c1 in spans(n_valid, width):
+        for c0, c1 in row_chunks(n_valid, width):
             dz = buf[:, : c1 - c0]
             self._grad_tiles(source, factors, scale, keep_mask, dz, 0, n_rows, c0, c1)
             if grad_w is not None:
