@@ -13,9 +13,7 @@ bucket): [R, k] per sample and teacher reach `train_one_step`'s batch. Nothing [
 from __future__ import annotations
 
 import inspect
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl_patches.integrations.slime_fused import TopkRequest
 from megatron_rl_patches.integrations.slime_opd_settings import (
@@ -27,6 +25,9 @@ from megatron_rl_patches.integrations.slime_opd_settings import (
     opd_settings,
 )
 from megatron_rl_patches.patching.records import Patch
+
+if TYPE_CHECKING:  # torch is imported by the functions that run: `list` and `doctor` read PATCHES cheaply
+    import torch
 
 ACTOR = "slime.backends.megatron_utils.actor:MegatronTrainRayActor"
 HERE = "megatron_rl_patches.integrations.slime_opd"
@@ -131,6 +132,8 @@ def init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _collect(output: dict, *, total_lengths: list[int], response_lengths: list[int], **_: Any) -> tuple:
+    import torch
+
     from megatron_rl_patches.integrations.slime_topk import per_sample_rows
 
     batch = {"total_lengths": total_lengths, "response_lengths": response_lengths}
@@ -155,6 +158,8 @@ def topk_pass(args: Any, model: list[Any], rollout_data: dict, request: TopkRequ
 def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> None:
     """The actor's top-k ids (first, never skipped), then each teacher's [R, k] scores and [R]
     tails, stacked per sample as [n, R, k] / [n, R] into the rollout data."""
+    import torch
+
     if actor._active_model_tag != "actor":
         actor._switch_model("actor")
     ids = topk_pass(actor.args, actor.model, rollout_data, TopkRequest(k=settings.k)).get("topk_ids")
@@ -188,6 +193,8 @@ def train_actor_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
 def student_buckets(args: Any, batch: dict, logits: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """The student's [N, k] log-probs at the rollout's ids and [N] tails over the batch's response
     tokens: from the fused output, or (slime's logits path) from the logits by the top-k op."""
+    import torch
+
     from megatron_rl_patches.integrations.slime_topk import packed_ids, per_sample_rows
 
     if isinstance(logits, dict):
@@ -214,6 +221,7 @@ def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean
     """slime's custom loss: POLICY_WEIGHT · slime's policy loss + COEF · the top-k divergence
     between the student and the teachers' mixture (topk_kl; its per-token values averaged per
     sample by slime's `sum_of_sample_mean`), logged as "opd_topk_loss"."""
+    import torch
     from slime.backends.megatron_utils.loss import policy_loss_function
 
     from megatron_rl_patches.ops.topk import topk_kl
