@@ -130,4 +130,14 @@ def format_comparison(plain: dict, package: dict) -> str:
     if plain["rollouts"] and package["rollouts"]:
         a, b = plain["rollouts"][0]["loss"], package["rollouts"][0]["loss"]
         lines.append(f"  rollout 1 loss: {a:.6f} on full logits, {b:.6f} from hidden states (the same computation)")
+    lines.extend(SLIME_LINES)
     return "\n".join(lines)
+
+
+# What a slime user switches on for the same (docs/recipes.md, the slime section).
+SLIME_LINES = (
+    "  in slime: MEGATRON_RL_PATCHES=all (train_reentry, slime_logprobs, slime_fused: no logits in its "
+    "forward steps, response rows only);",
+    "    top-k multi-teacher OPD: MEGATRON_RL_PATCHES_OPD_TEACHERS=PATH,PATH plus --loss-type custom_loss "
+    "--custom-loss-function-path megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss",
+)

@@ -71,3 +71,16 @@ def test_the_teachers_lines_say_what_they_count():
             "forwards (the actor's training and old-policy forwards, one per teacher) "
             "= 64.00 KiB per micro-batch") in plain
     assert "at real size" in format_summary(summary(True)) and format_comparison(summary(False), summary(True))
+
+
+def test_the_closing_lines_name_what_a_slime_user_switches_on():
+    from megatron_rl_patches.integrations.slime_opd_settings import TEACHERS
+    from megatron_rl_patches.patching.env import SELECT
+
+    text = format_comparison(summary(False), summary(True))
+    assert f"{SELECT}=all" in text and "slime_fused" in text and f"{TEACHERS}=" in text
+    # the loss path named is the one slime can load (module path, last dot: slime's load_function)
+    assert "megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss" in text
+    from megatron_rl_patches.integrations import slime_opd
+
+    assert callable(slime_opd.topk_opd_policy_loss)
