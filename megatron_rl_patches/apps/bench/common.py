@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from megatron_rl_patches.apps.presentation import dict_cells, text_table
+from megatron_rl_patches.apps.presentation import dict_cells, markdown_table, text_table
 
 MIB = 1 << 20
 _RESULT = "@@bench-result@@ "
@@ -256,6 +256,16 @@ def write_csv(rows: Sequence[dict], path: str, columns: Sequence[str] | None = N
         for row in rows:
             writer.writerow({col: row.get(col, "") for col in columns})
     return path
+
+
+def write_tables(rows: Sequence[dict], columns: Sequence[str], out_dir: str, name: str,
+                 title: str | None = None) -> None:
+    """`name`.csv (every field) and `name`.md (`columns`, under `title` when given) into `out_dir`."""
+    os.makedirs(out_dir, exist_ok=True)
+    write_csv(rows, os.path.join(out_dir, f"{name}.csv"))
+    table = markdown_table(columns, dict_cells(rows, columns))
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as fh:
+        fh.write((f"{title}\n\n{table}" if title else table) + "\n")
 
 
 # Every plot whose panels are in U says what U is (issue 29: the unit was only in the tables).

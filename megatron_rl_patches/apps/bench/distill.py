@@ -16,7 +16,6 @@ import os
 import time
 
 from megatron_rl_patches.apps.bench import common
-from megatron_rl_patches.apps.presentation import dict_cells, markdown_table
 
 QUICK = {"tokens": [256], "vocab": 2048, "hidden": 64}
 FULL = {"tokens": [1024, 4096], "vocab": 32000, "hidden": 1024}
@@ -111,10 +110,7 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
              f"(U = T·V·4)" + (" [quick]" if quick else ""))
     common.print_table(rows, COLUMNS, title=title)
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        common.write_csv(rows, os.path.join(out_dir, "distill.csv"))
-        with open(os.path.join(out_dir, "distill.md"), "w") as fh:
-            fh.write(markdown_table(COLUMNS, dict_cells(rows, COLUMNS)) + "\n")
+        common.write_tables(rows, COLUMNS, out_dir, "distill")
         largest = max(plan["tokens"])  # one T in the plot: 12 groups stay readable
         measured = [dict(r, case=f"{SHORT[r['divergence']]}\n{r['teachers']}t") for r in rows
                     if "time_s" in r and r["T"] == largest]

@@ -24,9 +24,8 @@ from megatron_rl_patches.apps.bench.common import (
     plot_grouped_bars,
     print_table,
     run_cases,
-    write_csv,
+    write_tables,
 )
-from megatron_rl_patches.apps.presentation import dict_cells, markdown_table
 
 QUICK_SHAPES = [(256, 2048)]
 FULL_SHAPES = [(1024, 32000), (4096, 32000)]
@@ -200,10 +199,7 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     print_table(rows, COLUMNS, title=f"log-prob + entropy losses, CPU 1 thread, fp32 (U = T·V·4 bytes)"
                                       f"{' [quick]' if quick else ''}")
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        write_csv(rows, os.path.join(out_dir, "logprobs.csv"))
-        with open(os.path.join(out_dir, "logprobs.md"), "w") as fh:
-            fh.write(markdown_table(COLUMNS, dict_cells(rows, COLUMNS)) + "\n")
+        write_tables(rows, COLUMNS, out_dir, "logprobs")
         plotted = [dict(r, label=f"{r['shape']}\n{r['task']}") for r in rows if "time_s" in r]
         plot_grouped_bars(
             plotted, os.path.join(out_dir, "logprobs.png"), group="label", series="implementation",

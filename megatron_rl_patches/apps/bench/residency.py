@@ -18,7 +18,6 @@ import time
 from typing import Any
 
 from megatron_rl_patches.apps.bench import common
-from megatron_rl_patches.apps.presentation import dict_cells, markdown_table
 
 MODES = ("resident", "swap", "stream", "stream + layer-major")
 QUICK = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 64, "seq": 16, "micro_batches": 3, "batch": 2}
@@ -168,10 +167,7 @@ def run(quick: bool = False, out_dir: str | None = None, device: str | None = No
              f" ({time.perf_counter() - started:.0f} s)" + (" [quick]" if quick else ""))
     common.print_table(rows, COLUMNS, title=title)
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        common.write_csv(rows, os.path.join(out_dir, "residency.csv"))
-        with open(os.path.join(out_dir, "residency.md"), "w") as fh:
-            fh.write(f"{title}\n\n{markdown_table(COLUMNS, dict_cells(rows, COLUMNS))}\n")
+        common.write_tables(rows, COLUMNS, out_dir, "residency", title=title)
         if "error" not in rows[0]:
             common.plot_grouped_bars(  # one bar per mode
                 [dict(row, build="one rollout") for row in rows], os.path.join(out_dir, "residency.png"), group="mode",
