@@ -513,15 +513,83 @@ def target_tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Tenso
     assert f.alpha is not None and f.shift is not None and f.log_sum is not None  # target_only
     local, inside = column_marks(f.cols, f.owned, first_col, x.size(1))
     value = marked_grad(x.gather(1, local).to(f.dtype), scale, f)  # before out (maybe x) is written
-    if f.beta is None:
-        shifted_rows(x, f.shift, scale, out=out).sub_(f.log_sum[:, None]).exp_().mul_(f.alpha[:, None])
+    return target_rows_grad(x, scale, TargetRows(f.shift, f.log_sum, f.alpha, f.beta, local, inside, value), out, u)
+
+
+@dataclass
+class TargetRows:
+    """What :func:`target_rows_grad` needs of some rows: their :class:`GradFactors` shift,
+    log-sum, alpha and beta, the target's column in the tile (`local`, `inside`: see
+    :func:`column_marks`) and its exact gradient `value` [r, 1]. Sliced per tile by `rows`."""
+
+    shift: torch.Tensor
+    log_sum: torch.Tensor
+    alpha: torch.Tensor
+    beta: torch.Tensor | None
+    local: torch.Tensor
+    inside: torch.Tensor
+    value: torch.Tensor
+
+    def rows(self, rows: slice) -> TargetRows:
+        return TargetRows(self.shift[rows], self.log_sum[rows], self.alpha[rows],
+                          None if self.beta is None else self.beta[rows], self.local[rows], self.inside[rows],
+                          self.value[rows])
+
+
+def target_rows_grad(x: torch.Tensor, scale: float | torch.Tensor, t: TargetRows, out: torch.Tensor,
+                     u: torch.Tensor | None) -> torch.Tensor:
+    """The body of :func:`target_tile_grad` with the target's column and gradient given (read
+    from x before `out`, maybe x's storage, is written)."""
+    if t.beta is None:
+        shifted_rows(x, t.shift, scale, out=out).sub_(t.log_sum[:, None]).exp_().mul_(t.alpha[:, None])
     else:
         assert u is not None  # the entropy term needs u apart from the exps
-        shifted_rows(x, f.shift, scale, out=u)
-        torch.sub(u, f.log_sum[:, None], out=out).exp_()
-        out.mul_(u.clamp_min_(NEG_FLOOR).mul_(f.beta[:, None]).add_(f.alpha[:, None]))
-    replace_marked(out, local, inside, value)
+        shifted_rows(x, t.shift, scale, out=u)
+        torch.sub(u, t.log_sum[:, None], out=out).exp_()
+        out.mul_(u.clamp_min_(NEG_FLOOR).mul_(t.beta[:, None]).add_(t.alpha[:, None]))
+    replace_marked(out, t.local, t.inside, t.value)
     return out
+
+
+def target_rows(x: torch.Tensor, scale: float | torch.Tensor, f: GradFactors) -> TargetRows:
+    """:class:`TargetRows` of every row of a source of whole rows (`x`: all its logits, the
+    valid columns): the target's column and exact gradient taken once, not per tile."""
+    assert f.alpha is not None and f.shift is not None and f.log_sum is not None  # target_only
+    local, inside = column_marks(f.cols, f.owned, 0, x.size(1))
+    value = marked_grad(x.gather(1, local).to(f.dtype), scale, f)
+    return TargetRows(f.shift, f.log_sum, f.alpha, f.beta, local, inside, value)
+
+
+def fold_target_rows(stats: RowStats, rows: slice, x: torch.Tensor, scale: float | torch.Tensor,
+                     marks: tuple[torch.Tensor, torch.Tensor], u: torch.Tensor, exps: torch.Tensor) -> None:
+    """:func:`fold_target_tile` for a tile of whole rows that no other tile holds (a logits
+    source) and whose marked logits are already in ``stats.marked``: the rows start empty, so
+    nothing is moved and the sums are written in place; the same bits as the running fold."""
+    assert stats.rest is not None  # target_only
+    local, inside = marks
+    row_max = local_row_max(x, stats.shift.dtype)
+    shifted_rows(x, finite_or_zero(row_max), scale, out=u)
+    replace_marked(u, local, inside, NEG_FLOOR)
+    torch.exp(u, out=exps)
+    if stats.moment is not None:  # as in fold_target_tile
+        torch.sum(torch.mul(exps, u.clamp_min_(NEG_FLOOR), out=u), dim=1, out=stats.moment[rows])
+    torch.sum(exps, dim=1, out=stats.rest[rows])
+    stats.shift[rows] = row_max
+
+
+def fold_tail_rows(stats: RowStats, rows: slice, x: torch.Tensor, scale: float | torch.Tensor,
+                   marks: tuple[torch.Tensor, torch.Tensor], marked_max: torch.Tensor, u: torch.Tensor) -> None:
+    """:func:`fold_tail_tile` for a tile of whole rows that no other tile holds (a logits source)
+    whose marked logits are already in ``stats.marked`` and whose largest owned marked logit is
+    `marked_max` [r]: nothing is moved; the same bits as the running fold."""
+    assert stats.sub_shift is not None and stats.sub_sum is not None  # tail_only
+    local, inside = marks
+    u.copy_(x)
+    u.scatter_reduce_(1, local, torch.where(inside, -math.inf, math.inf).to(u.dtype), reduce="amin")
+    tail_max = local_row_max(u, stats.shift.dtype)
+    stats.shift[rows] = torch.maximum(tail_max, marked_max)
+    stats.sub_shift[rows] = tail_max
+    torch.sum(shifted_rows(u, finite_or_zero(tail_max), scale, out=u).exp_(), dim=1, out=stats.sub_sum[rows])
 
 
 def fold_tail_tile(stats: RowStats, rows: slice, x: torch.Tensor, scale: float | torch.Tensor,
@@ -555,6 +623,16 @@ def buffered_tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Ten
     cleared by a scatter instead of a [r, c] marks mask; the top-k tail's two terms share one exp."""
     local, inside = column_marks(f.cols, f.owned, first_col, x.size(1))
     value = marked_grad(x.gather(1, local).to(f.dtype), scale, f)  # x is read before out is written
+    return marked_rows_grad(x, scale, f, (local, inside), value, out, u, sub)
+
+
+def marked_rows_grad(x: torch.Tensor, scale: float | torch.Tensor, f: GradFactors,
+                     marks: tuple[torch.Tensor, torch.Tensor], value: torch.Tensor, out: torch.Tensor, u: torch.Tensor,
+                     sub: torch.Tensor) -> torch.Tensor:
+    """The body of :func:`buffered_tile_grad` with the marked columns (`marks`, see
+    :func:`column_marks`) and their exact gradient `value` given (read from x before `out`,
+    maybe x's storage, is written)."""
+    local, inside = marks
     if f.gamma is not None and f.alpha is not None and f.beta is None:
         tail_grad(x, scale, f, (local, inside), out)  # the top-k tail: one exp per element
     else:

@@ -6,6 +6,7 @@ tiles x = h·Wᵀ computed on the fly, never [T, V]. Each tile is folded into th
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -15,12 +16,19 @@ from megatron_rl_patches.ops._stats import (
     RowStats,
     buffered_tile_grad,
     column_marks,
+    fold_tail_rows,
     fold_tail_tile,
+    fold_target_rows,
     fold_target_tile,
     fold_tile,
+    local_row_max,
+    marked_grad,
+    marked_rows_grad,
     scale_rows,
     tail_only,
     target_only,
+    target_rows,
+    target_rows_grad,
     target_tile_grad,
     tile_grad,
 )
@@ -88,6 +96,13 @@ class TorchTiles:
             return _target_row_stats(source, stats, cols, owned, scale)
         if keep_mask is None and tail_only(stats):
             work = _TileBuffers(source, stats.shift.dtype, 1)
+            if not source.fused and source.n_valid > 0:
+                local, inside, x_m = _whole_row_marks(source, stats, cols, owned)
+                marked_max = local_row_max(torch.where(inside, x_m, -math.inf), stats.shift.dtype)
+                for rows, _, x in tiles(source, stats.shift.dtype):
+                    fold_tail_rows(stats, rows, x, scale_rows(scale, rows), (local[rows], inside[rows]),
+                                   marked_max[rows], work.get(0, x))
+                return stats
             for rows, tile_cols, x in tiles(source, stats.shift.dtype):
                 marks = column_marks(cols[rows], owned[rows], tile_cols.start, x.size(1))
                 fold_tail_tile(stats, rows, x, scale_rows(scale, rows), marks, work.get(0, x))
@@ -104,16 +119,27 @@ class TorchTiles:
         fast = keep_mask is None and target_only(factors)
         work = _TileBuffers(source, dtype, 3 if source.fused else 2 if keep_mask is None else 0)
         if not source.fused:
+            targets = None
+            assert source.logits is not None  # not fused
+            if fast and source.n_valid > 0 and source.logits.dtype == dtype:
+                # whole rows: the target's column and gradient taken once, before anything is written
+                targets = target_rows(source.logits[:, : source.n_valid], scale, factors)
+            marked = None
+            if not fast and keep_mask is None and source.n_valid > 0 and source.logits.dtype == dtype:
+                # whole rows: the marked columns and their gradient taken once, before anything is written
+                local, inside = column_marks(factors.cols, factors.owned, 0, source.n_valid)
+                value = marked_grad(source.logits[:, : source.n_valid].gather(1, local).to(dtype), scale, factors)
+                marked = (local, inside, value)
             grad = logits_grad_buffer(source)
             for rows, cols, x in tiles(source, dtype):
-                f = factors.rows(rows)
-                if fast and grad.dtype == dtype:
-                    u = work.get(0, x) if f.beta is not None else None
-                    target_tile_grad(x, cols.start, scale_rows(scale, rows), f, grad[rows, cols], u)
+                if targets is not None:
+                    u = work.get(0, x) if factors.beta is not None else None
+                    target_rows_grad(x, scale_rows(scale, rows), targets.rows(rows), grad[rows, cols], u)
                     continue
-                if keep_mask is None and grad.dtype == dtype:
-                    buffered_tile_grad(x, cols.start, scale_rows(scale, rows), f, grad[rows, cols], work.get(0, x),
-                                       work.get(1, x))
+                f = factors.rows(rows)
+                if marked is not None:
+                    marked_rows_grad(x, scale_rows(scale, rows), f, (marked[0][rows], marked[1][rows]),
+                                     marked[2][rows], grad[rows, cols], work.get(0, x), work.get(1, x))
                     continue
                 subset = keep_mask[rows, cols] if keep_mask is not None else None
                 grad[rows, cols] = tile_grad(x, cols.start, scale_rows(scale, rows), f, subset)
@@ -156,10 +182,27 @@ def _target_row_stats(source: Source, stats: RowStats, cols: torch.Tensor, owned
     """The log-prob op's statistics through the specialized fold, in two reusable tile buffers."""
     dtype = stats.shift.dtype
     work = _TileBuffers(source, dtype, 2)
+    if not source.fused and source.n_valid > 0:
+        local, inside, _ = _whole_row_marks(source, stats, cols, owned)
+        for rows, _, x in tiles(source, dtype):
+            fold_target_rows(stats, rows, x, scale_rows(scale, rows), (local[rows], inside[rows]), work.get(0, x),
+                             work.get(1, x))
+        return stats
     for rows, tile_cols, x in tiles(source, dtype):
         marks = column_marks(cols[rows], owned[rows], tile_cols.start, x.size(1))
         fold_target_tile(stats, rows, x, scale_rows(scale, rows), marks, work.get(0, x), work.get(1, x))
     return stats
+
+
+def _whole_row_marks(source: Source, stats: RowStats, cols: torch.Tensor,
+                     owned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A logits source holds whole rows in every tile, so its marked logits are gathered once for
+    every row and added to ``stats.marked``, not tile by tile: (local column, inside, x_m)."""
+    assert source.logits is not None  # not fused
+    local, inside = column_marks(cols, owned, 0, source.n_valid)
+    x_m = source.logits[:, : source.n_valid].gather(1, local).to(stats.shift.dtype)
+    stats.marked += torch.where(inside, x_m, 0.0)
+    return local, inside, x_m
 
 
 def logits_grad_buffer(source: Source) -> torch.Tensor:
