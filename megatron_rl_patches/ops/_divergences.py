@@ -95,7 +95,7 @@ def _safe_kl(log_x: torch.Tensor, x: torch.Tensor, log_y: torch.Tensor) -> torch
     where y = 0 < x (no gradient)."""
     x_pos, lx = _safe(log_x)
     y_pos, ly = _safe(log_y)
-    terms = torch.where(x_pos & y_pos, x * (lx - ly), 0.0)
+    terms = x * (lx - ly)  # 0 where x = 0: x is e^(log x) and both logs are finite stand-ins
     return torch.where(x_pos & ~y_pos, math.inf, terms)
 
 

@@ -21,8 +21,11 @@ def _slime_function():
     return module.SoftmaxKeeping
 
 
-def _step(op: str, T: int, V: int, H: int, k: int) -> Callable[[], None]:
-    """A closure running `op` once (forward and, where it has one, backward) on fresh inputs."""
+def _step(op: str, T: int, V: int, H: int, k: int) -> Callable[[], float]:
+    """A closure running `op` once on fresh inputs: forward and, where it has one, backward to the
+    gradient of its inputs (``autograd.grad``: no ``.grad`` accumulation, which would copy a
+    gradient that shares the logits' storage); returns the seconds of that alone, the inputs'
+    preparation (a [T, V] clone) not counted."""
     import torch
 
     from megatron_rl_patches.ops import lm_head, logprobs, topk
@@ -42,52 +45,80 @@ def _step(op: str, T: int, V: int, H: int, k: int) -> Callable[[], None]:
         leaf = base.clone().requires_grad_(True)
         return leaf, leaf * 1.0  # a non-leaf, as a model's logits
 
-    def lp_entropy(inplace: bool) -> None:
-        leaf, x = logits_leaf()
-        lp, ent = logprobs.log_probs_and_entropy(x, tokens, with_entropy=True, inplace_backward=inplace)
-        assert ent is not None  # with_entropy
-        torch.autograd.backward([(a * lp).sum() + (b * ent).sum()], inputs=[x])
+    def timed(run: Callable[[], object]) -> float:
+        start = time.perf_counter()
+        run()
+        return time.perf_counter() - start
 
-    def slime() -> None:
-        leaf, x = logits_leaf()
-        lp, ent = _slime_function().apply(x, tokens, True)
-        torch.autograd.backward([(a * lp).sum() + (b * ent).sum()], inputs=[x])
+    def grad_of(loss: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+        torch.autograd.grad(loss, inputs)
 
-    def topk_lp() -> None:
+    def lp_entropy(inplace: bool) -> float:
         leaf, x = logits_leaf()
-        logp, tail = topk.topk_logprobs(x, ids)
-        torch.autograd.backward([logp.sum() + (a * tail).sum()], inputs=[x])
 
-    def kl() -> None:
+        def run() -> None:
+            lp, ent = logprobs.log_probs_and_entropy(x, tokens, with_entropy=True, inplace_backward=inplace)
+            assert ent is not None  # with_entropy
+            grad_of((a * lp).sum() + (b * ent).sum(), [x])
+
+        return timed(run)
+
+    def slime() -> float:
+        leaf, x = logits_leaf()
+
+        def run() -> None:
+            lp, ent = _slime_function().apply(x, tokens, True)
+            grad_of((a * lp).sum() + (b * ent).sum(), [x])
+
+        return timed(run)
+
+    def topk_lp() -> float:
+        leaf, x = logits_leaf()
+
+        def run() -> None:
+            logp, tail = topk.topk_logprobs(x, ids)
+            grad_of(logp.sum() + (a * tail).sum(), [x])
+
+        return timed(run)
+
+    def kl() -> float:
         student = torch.log_softmax(torch.randn(T, k + 1, generator=g), dim=1).requires_grad_(True)
         teacher = torch.log_softmax(torch.randn(T, k + 1, generator=g), dim=1)
-        for _ in range(20):
-            value = topk.topk_kl(student[:, :k], student[:, k], teacher[:, :k], teacher[:, k], kl="reverse")
-            value.sum().backward()
 
-    def head(kind: str) -> None:
+        def run() -> None:
+            for _ in range(20):
+                value = topk.topk_kl(student[:, :k], student[:, k], teacher[:, :k], teacher[:, k], kl="reverse")
+                grad_of(value.sum(), [student])
+
+        return timed(run)
+
+    def head(kind: str) -> float:
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        if kind == "logits_path":
-            lp, ent = logprobs.log_probs_and_entropy(h @ w.t(), tokens, with_entropy=True)
-        elif kind == "lp":
-            lp, ent = lm_head.lm_head_log_probs_and_entropy(h, w, tokens, with_entropy=True)
-        else:
-            logp, tail = lm_head.lm_head_topk_logprobs(h, w, ids)
-            torch.autograd.backward([logp.sum() + (a * tail).sum()], inputs=[h, w])
-            return
-        assert ent is not None  # with_entropy
-        torch.autograd.backward([(a * lp).sum() + (b * ent).sum()], inputs=[h, w])
 
-    steps: dict[str, Callable[[], None]] = {
+        def run() -> None:
+            if kind == "logits_path":
+                lp, ent = logprobs.log_probs_and_entropy(h @ w.t(), tokens, with_entropy=True)
+            elif kind == "lp":
+                lp, ent = lm_head.lm_head_log_probs_and_entropy(h, w, tokens, with_entropy=True)
+            else:
+                logp, tail = lm_head.lm_head_topk_logprobs(h, w, ids)
+                grad_of(logp.sum() + (a * tail).sum(), [h, w])
+                return
+            assert ent is not None  # with_entropy
+            grad_of((a * lp).sum() + (b * ent).sum(), [h, w])
+
+        return timed(run)
+
+    steps: dict[str, Callable[[], float]] = {
         "log_probs_and_entropy": lambda: lp_entropy(False),
         "log_probs_and_entropy_inplace": lambda: lp_entropy(True),
         "slime_logprobs": slime,
-        "topk_ids": lambda: topk.topk_ids(base, k),
+        "topk_ids": lambda: timed(lambda: topk.topk_ids(base, k)),
         "topk_logprobs": topk_lp,
         "topk_kl": kl,
         "lm_head_log_probs_and_entropy": lambda: head("lp"),
         "logits_path": lambda: head("logits_path"),
-        "lm_head_topk_ids": lambda: lm_head.lm_head_topk_ids(hidden, weight, k),
+        "lm_head_topk_ids": lambda: timed(lambda: lm_head.lm_head_topk_ids(hidden, weight, k)),
         "lm_head_topk_logprobs": lambda: head("topk"),
     }
     return steps[op]
@@ -104,9 +135,7 @@ def main(argv: list[str]) -> int:
     step = _step(case["op"], case["T"], case["V"], case["H"], case["k"])
     best = float("inf")
     for _ in range(case.get("repeats", 1)):
-        start = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, step())
     print(json.dumps({"op": case["op"], "time_s": best}))
     return 0
 
