@@ -188,25 +188,31 @@ class DeviceChecks:
                 raise RuntimeError(f"DeviceChecks holds at most {self._MAX_WARNINGS} warnings per call")
             self._warnings.append((ok.all(), warning))
 
-    def raise_first(self) -> None:
+    def raise_first(self, read: torch.Tensor | None = None) -> list[int]:
         """One host sync: raise the first failed check's error, if any, else issue every failed
-        warning (as called from the op's caller); forget all checks."""
+        warning (as called from the op's caller); forget all checks. `read` (an integer or bool
+        tensor the op needs on the host) comes back in the same copy, as a flat list."""
         checks, self._checks = self._checks, []
         notes, self._warnings = self._warnings, []
         if not checks and not notes:
-            return
+            return [] if read is None else read.reshape(-1).to("cpu", torch.int64, copy=True).tolist()
         device = (checks or notes)[0][0].device
         failed = torch.stack([~ok.to(device) for ok, _ in checks] + [torch.ones((), dtype=torch.bool, device=device)])
         code = failed.to(torch.int64).argmax()  # argmax returns the first maximal index
         if notes:  # the warnings' flags as bits above the index: still one number to read back
             bits = torch.stack([~ok.to(device) for ok, _ in notes]).to(torch.int64)
             code = code + (len(checks) + 1) * (bits << torch.arange(len(notes), device=device)).sum()
-        first, flags = divmod(int(code), len(checks) + 1)[::-1]
+        if read is None:
+            host = [int(code)]
+        else:  # the number and `read` in one copy
+            host = torch.cat([code.reshape(1), read.reshape(-1).to(device, torch.int64)]).to("cpu", copy=True).tolist()
+        first, flags = divmod(host[0], len(checks) + 1)[::-1]
         if first < len(checks):
             raise checks[first][1]()
         for index, (_, warning) in enumerate(notes):
             if flags >> index & 1:
                 warnings.warn(warning(), stacklevel=caller_stacklevel())
+        return host[1:]
 
 
 def caller_stacklevel() -> int:
