@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches.ops import _checks, _stats, _vocab, topk_select
+from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab, topk_checks, topk_select
 from megatron_rl_patches.ops._functions import LogProbEntropy, TopkLogprobs
 from megatron_rl_patches.ops.kernels import resolve_backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows
@@ -27,6 +27,32 @@ __all__ = ["lm_head_log_probs_and_entropy", "lm_head_topk_ids", "lm_head_topk_lo
 
 
 # ----------------------------------------------------------------------------- log-probs + entropy
+
+def check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size) -> tuple[int, int, int]:
+    """The fused head's (and `lm_head_divergence`'s) shared inputs: (local rows, global rows, global
+    vocab); TypeError/ValueError naming the argument."""
+    _checks.check_float_tensor(hidden, "hidden", "[T, H] (under sequence parallelism this rank's [T/tp, H])")
+    _checks.check_float_tensor(weight, "weight", "[V_local, H] (this rank's vocab shard of the output weight)")
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be 2-D [T, H], got shape {tuple(hidden.shape)}; flatten [s, b, h] first")
+    if weight.dim() != 2 or weight.size(1) != hidden.size(1) or weight.size(0) == 0:
+        raise ValueError(
+            f"weight must be [V_local, H] with H = {hidden.size(1)} (hidden's last dim) and V_local > 0, "
+            f"got shape {tuple(weight.shape)}"
+        )
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(
+            f"hidden and weight must share dtype and device, got {hidden.dtype}/{hidden.device} and "
+            f"{weight.dtype}/{weight.device}"
+        )
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
+    _checks.check_group(tp_group)
+    _checks.check_chunk_size(chunk_size)
+    vocab = _checks.global_vocab(weight.size(0), tp_group, vocab_size)
+    rows = hidden.size(0) * (_dist.tp_size(tp_group) if sequence_parallel else 1)
+    return hidden.size(0), rows, vocab
+
 
 def lm_head_log_probs_and_entropy(
     hidden: torch.Tensor,
@@ -54,7 +80,7 @@ def lm_head_log_probs_and_entropy(
     these rows meet the weight — one gather of their hidden rows — the others' outputs are 0 with
     no gradient (dW as if their upstream gradient were 0), and the time follows the selected rows.
     """
-    _, n_rows, vocab = _checks.check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
+    _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
     checks = _checks.DeviceChecks()
     _checks.check_tokens_shape(tokens, n_rows, hidden.device, "(all rows, also under sequence parallelism)", "hidden")
     rows = _vocab.select_rows(_checks.check_row_mask(row_mask, n_rows, hidden.device, "hidden (all rows)"), tp_group)
@@ -91,9 +117,9 @@ def lm_head_topk_ids(
     running top-k per row tile (:mod:`.topk_select`, as `topk_ids`; exact in every dtype, fp64
     included); ranks all-gather k candidates each (O(T·k·tp)). `row_mask` [T] as in
     `lm_head_log_probs_and_entropy`: unselected rows get ids 0."""
-    _, n_rows, vocab = _checks.check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
-    k = _checks.check_int_k(k)
-    _checks.check_k(k, vocab)
+    _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
+    k = topk_checks.check_int_k(k)
+    topk_checks.check_k(k, vocab)
     checks = _checks.DeviceChecks()
     _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_ids")
@@ -160,9 +186,9 @@ def lm_head_topk_logprobs(
     log-sum-exp, never log(1 − Σp)). Gradients flow to hidden and weight (a student); call under
     no_grad for a teacher. `ids_mask` as in `topk_logprobs` (padded slots: -inf, mass in the tail).
     `row_mask` [T] as in `lm_head_log_probs_and_entropy` (unselected rows: 0, no gradient)."""
-    _, n_rows, vocab = _checks.check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
+    _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
     checks = _checks.DeviceChecks()
-    k = _checks.check_ids(_vocab.unselected_as(ids, row_mask), torch.Size([n_rows]), vocab, checks, ids_mask)
+    k = topk_checks.check_ids(_vocab.unselected_as(ids, row_mask), torch.Size([n_rows]), vocab, checks, ids_mask)
     rows = _vocab.select_rows(_checks.check_row_mask(row_mask, n_rows, hidden.device, "hidden (all rows)"), tp_group)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_logprobs")

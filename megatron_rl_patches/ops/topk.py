@@ -14,7 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches.ops import _checks, _dist, _divergences, _vocab, topk_select
+from megatron_rl_patches.ops import _checks, _dist, _divergences, _vocab, topk_checks, topk_select
 from megatron_rl_patches.ops._checks import Temperature, Weights
 from megatron_rl_patches.ops._functions import TopkLogprobs
 from megatron_rl_patches.ops.kernels import resolve_backend
@@ -43,10 +43,10 @@ def topk_ids(
     `vocab_size`) are never selected. No gradient. `row_mask` (bool, the logits' leading shape;
     the same on every rank): only those rows are ranked, the others get ids 0.
     """
-    lead, local_vocab = _checks.check_logits(logits, "logits", tp_group)
-    k = _checks.check_int_k(k)
+    lead, local_vocab = topk_checks.check_logits(logits, "logits", tp_group)
+    k = topk_checks.check_int_k(k)
     vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
-    _checks.check_k(k, vocab)
+    topk_checks.check_k(k, vocab)
     rows = _select(row_mask, lead, logits.device, tp_group)
     with torch.no_grad():
         every = logits.detach().reshape(-1, local_vocab)
@@ -126,12 +126,12 @@ def _topk_logprobs_checked(
     row_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Size, int, torch.Tensor | None]:
     """(log-probs [R, k], tail [R], leading dims, k, selected rows or None): R = every row."""
-    lead, local_vocab = _checks.check_logits(logits, name, tp_group)
+    lead, local_vocab = topk_checks.check_logits(logits, name, tp_group)
     vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
     rows = _select(row_mask, lead, logits.device, tp_group, name)
     flat_mask = None if rows is None else torch.zeros(math.prod(lead), dtype=torch.bool,
                                                        device=logits.device).index_fill_(0, rows, True)
-    k = _checks.check_ids(_unselected_ids(ids, flat_mask, lead), lead, vocab, checks, ids_mask)
+    k = topk_checks.check_ids(_unselected_ids(ids, flat_mask, lead), lead, vocab, checks, ids_mask)
     tau = _checks.check_temperature(temperature, lead, logits.device, checks, logits.dtype)
     chunk_rows = _vocab.logits_chunk_rows(_checks.check_chunk_size(chunk_size), local_vocab, tp_group, vocab, logits)
     spec = _vocab.op_spec(local_vocab, tp_group, vocab, chunk_rows, op, arg=name)
@@ -252,7 +252,7 @@ def topk_kl(
     None: derived stably from their k log-probs). Options as `topk_opd_loss`; the gradient flows
     to the student's buckets only. `ids_mask` (bool [T, k]): buckets where it is False are
     padding, empty for the student and every teacher whatever values they hold."""
-    plan = _divergences.Plan.of(*_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
+    plan = _divergences.Plan.of(*topk_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
     renormalize = _divergences.check_renormalize(renormalize)
     _checks.check_float_tensor(student_logprobs, "student_logprobs", "[T, k]")
     _checks.check_float_tensor(student_tail, "student_tail", "[T]")
@@ -266,12 +266,12 @@ def topk_kl(
         )
     if student_tail.dtype != student_logprobs.dtype or student_tail.device != student_logprobs.device:
         raise ValueError("student_tail must have student_logprobs' dtype and device (both come from one top-k op)")
-    _checks.check_ids_mask(ids_mask, student_logprobs, "student_logprobs")
+    topk_checks.check_ids_mask(ids_mask, student_logprobs, "student_logprobs")
     checks = _checks.DeviceChecks()
-    _checks.check_logprob_values(student_logprobs.detach(), "student_logprobs", checks)
-    _checks.check_logprob_values(student_tail.detach(), "student_tail", checks)
+    topk_checks.check_logprob_values(student_logprobs.detach(), "student_logprobs", checks)
+    topk_checks.check_logprob_values(student_tail.detach(), "student_tail", checks)
     dtype = _vocab.compute_dtype(student_logprobs.dtype)
-    teachers, teacher_tails, log_w = _checks.check_mixture(teacher_logprobs, teacher_tail, student_logprobs.shape,
+    teachers, teacher_tails, log_w = topk_checks.check_mixture(teacher_logprobs, teacher_tail, student_logprobs.shape,
                                                     teacher_weights, dtype, student_logprobs.device, checks)
     checks.raise_first()  # one host sync for every value check
     k = student_logprobs.shape[-1]
@@ -321,13 +321,13 @@ def topk_opd_loss(
     model. `row_mask` (bool, the student logits' leading shape): only those rows are computed;
     the others' divergence is 0 with no gradient.
     """
-    plan = _divergences.Plan.of(*_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
+    plan = _divergences.Plan.of(*topk_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
     renormalize = _divergences.check_renormalize(renormalize)
-    lead, _ = _checks.check_logits(student_logits, "student_logits", tp_group)
+    lead, _ = topk_checks.check_logits(student_logits, "student_logits", tp_group)
     _checks.check_id_tensor(ids, "ids", "[T, k]")
     checks = _checks.DeviceChecks()
     dtype = _vocab.compute_dtype(student_logits.dtype)
-    teachers, teacher_tails, log_w = _checks.check_mixture(teacher_logprobs, teacher_tail_logprobs, ids.shape,
+    teachers, teacher_tails, log_w = topk_checks.check_mixture(teacher_logprobs, teacher_tail_logprobs, ids.shape,
                                                     teacher_weights, dtype, student_logits.device, checks)
     logp, tail, lead, k, rows = _topk_logprobs_checked(
         student_logits, ids, tp_group, temperature, vocab_size, chunk_size, checks, "topk_opd_loss", "student_logits",
