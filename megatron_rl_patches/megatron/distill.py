@@ -85,7 +85,7 @@ def divergence_output_processor(
     optionally with "keep_mask" ([b, s, V/tp] bool), "temperature" ([b, s], multiplied with
     `temperature`) and "row_mask" ([b, s] bool, e.g. the response tokens: the other tokens'
     divergence is 0 and they never meet the head). Options as :func:`megatron_rl_patches.lm_head_divergence`."""
-    from megatron_rl_patches.ops._checks import check_divergence_options
+    from megatron_rl_patches.ops.divergence_checks import check_divergence_options
 
     check_divergence_options(divergence, beta, alpha)
     check_options(temperature, vocab_size, chunk_size)

@@ -1,6 +1,10 @@
-"""Every argument check of the vocabulary ops, in one room: type and shape checks raise
-TypeError/ValueError naming the argument and what to do; checks of tensor values are queued on
-a :class:`DeviceChecks` and read back with the call's one host sync. Nothing here changes an input.
+"""The check primitives every vocabulary op uses: type and shape checks that raise
+TypeError/ValueError naming the argument and what to do, temperature, the teachers' mixture
+weights (one policy for `topk_kl` and `lm_head_divergence`), bad-row codes, and
+:class:`DeviceChecks`, which queues checks of tensor values and reads them back with the call's
+one host sync. Each op's own bundle lives beside it (`logprobs.check_logprobs_inputs`,
+`lm_head.check_lm_head_inputs`, :mod:`.topk_checks`, :mod:`.divergence_checks`). Nothing here
+changes an input.
 """
 from __future__ import annotations
 
@@ -16,15 +20,10 @@ import torch.distributed as dist
 
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.ops._dist import tp_size
-from megatron_rl_patches.ops._divergences import DEFAULT_BETA, DEFAULT_DIVERGENCE, check_divergence
 from megatron_rl_patches.ops._stats import compute_dtype
 
 Temperature = float | torch.Tensor
 Weights = torch.Tensor | Sequence[float] | None
-KL_KINDS = ("reverse", "forward", "mixed")
-
-
-
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # int64 and int32 are what models emit; the narrow ones are fine for ids too. The wide unsigned
 # types have almost no kernels (comparisons, gather) in torch and are refused by name.
@@ -188,25 +187,31 @@ class DeviceChecks:
                 raise RuntimeError(f"DeviceChecks holds at most {self._MAX_WARNINGS} warnings per call")
             self._warnings.append((ok.all(), warning))
 
-    def raise_first(self) -> None:
+    def raise_first(self, read: torch.Tensor | None = None) -> list[int]:
         """One host sync: raise the first failed check's error, if any, else issue every failed
-        warning (as called from the op's caller); forget all checks."""
+        warning (as called from the op's caller); forget all checks. `read` (an integer or bool
+        tensor the op needs on the host) comes back in the same copy, as a flat list."""
         checks, self._checks = self._checks, []
         notes, self._warnings = self._warnings, []
         if not checks and not notes:
-            return
+            return [] if read is None else read.reshape(-1).to("cpu", torch.int64, copy=True).tolist()
         device = (checks or notes)[0][0].device
         failed = torch.stack([~ok.to(device) for ok, _ in checks] + [torch.ones((), dtype=torch.bool, device=device)])
         code = failed.to(torch.int64).argmax()  # argmax returns the first maximal index
         if notes:  # the warnings' flags as bits above the index: still one number to read back
             bits = torch.stack([~ok.to(device) for ok, _ in notes]).to(torch.int64)
             code = code + (len(checks) + 1) * (bits << torch.arange(len(notes), device=device)).sum()
-        first, flags = divmod(int(code), len(checks) + 1)[::-1]
+        if read is None:
+            host = [int(code)]
+        else:  # the number and `read` in one copy
+            host = torch.cat([code.reshape(1), read.reshape(-1).to(device, torch.int64)]).to("cpu", copy=True).tolist()
+        first, flags = divmod(host[0], len(checks) + 1)[::-1]
         if first < len(checks):
             raise checks[first][1]()
         for index, (_, warning) in enumerate(notes):
             if flags >> index & 1:
                 warnings.warn(warning(), stacklevel=caller_stacklevel())
+        return host[1:]
 
 
 def caller_stacklevel() -> int:
@@ -326,118 +331,6 @@ def _check_temperature_tensor(
     return flat
 
 
-
-# ------------------------------------------------------------------------ top-k and the OPD loss
-def check_logits(logits: object, name: str, tp_group: dist.ProcessGroup | None) -> tuple[torch.Size, int]:
-    logits = check_float_tensor(logits, name, "of shape [T, V_local]")
-    if logits.dim() < 2 or logits.shape[-1] == 0:
-        raise ValueError(
-            f"{name} must have shape [T, V_local] (or [..., V_local]) with V_local > 0, got {tuple(logits.shape)}"
-        )
-    check_group(tp_group)
-    return logits.shape[:-1], logits.shape[-1]
-
-
-def check_k(k: int, vocab: int, name: str = "k") -> None:
-    if k >= vocab:
-        raise ValueError(
-            f"{name} must be smaller than the vocabulary size {vocab} (global, after vocab_size) so that "
-            f"the tail bucket is not empty, got {k}; use a smaller k"
-        )
-
-
-def check_ids(ids: object, lead: torch.Size, vocab: int, checks: DeviceChecks, ids_mask: object = None) -> int:
-    """k of ids [*lead, k]; with `ids_mask` (bool, ids' shape) only the True slots are checked
-    (in range, no repeats within a row): the others are padding, whatever their value."""
-    ids = check_id_tensor(ids, "ids", "[T, k]")
-    if ids.dim() != len(lead) + 1 or ids.shape[:-1] != lead or ids.shape[-1] == 0:
-        raise ValueError(
-            f"ids must have shape {tuple(lead) + ('k',)} (the logits' leading dims, then k >= 1), "
-            f"got {tuple(ids.shape)}"
-        )
-    k = ids.shape[-1]
-    check_k(k, vocab, "ids.shape[-1] (k)")
-    ids_mask = check_ids_mask(ids_mask, ids)
-    inside = (ids >= 0) & (ids < vocab)
-    if ids_mask is not None:
-        inside |= ~ids_mask
-    checks.require(inside, lambda: ValueError(
-        f"ids must be global vocab ids in [0, {vocab}), found {ids[~inside][0].item()}; check vocab_size and tp_group"
-        + ("" if ids_mask is None else " (only slots where ids_mask is True are read)")
-    ))
-    if k > 1:
-        distinct = ids.to(torch.long)
-        if ids_mask is not None:  # padding as distinct values no id has
-            distinct = torch.where(ids_mask, distinct, vocab + torch.arange(k, device=ids.device))
-        ordered = distinct.sort(dim=-1).values
-        checks.require(ordered[..., 1:] != ordered[..., :-1], lambda: ValueError(
-            "ids must not repeat within a row (each id is one bucket); deduplicate them, e.g. use topk_ids"
-        ))
-    return k
-
-
-def check_ids_mask(ids_mask: object, ids: torch.Tensor, name: str = "ids") -> torch.Tensor | None:
-    """None, or a bool tensor of `ids`' shape and device (True: a real id; False: padding)."""
-    if ids_mask is None:
-        return None
-    if not isinstance(ids_mask, torch.Tensor) or ids_mask.dtype != torch.bool:
-        raise TypeError(f"ids_mask must be a bool tensor (True: a real id, False: padding) or None, "
-                        f"got {type(ids_mask).__name__ if not isinstance(ids_mask, torch.Tensor) else ids_mask.dtype}")
-    if ids_mask.shape != ids.shape or ids_mask.device != ids.device:
-        raise ValueError(f"ids_mask must have {name}' shape {tuple(ids.shape)} and device {ids.device}, "
-                         f"got {tuple(ids_mask.shape)} on {ids_mask.device}")
-    return ids_mask
-
-
-def check_int_k(k: object) -> int:
-    return positive_int("k", k)
-
-
-def check_logprob_values(values: torch.Tensor, name: str, checks: DeviceChecks) -> None:
-    """Log-probabilities: <= 0 and not NaN; -inf (probability 0) is legal."""
-    ok = values <= 0  # False at NaN and +inf
-    checks.require(ok, lambda: ValueError(
-        f"{name} must be log-probabilities (<= 0, -inf allowed, no NaN or +inf); found "
-        f"{values[~ok].flatten()[0].item()} at {torch.nonzero(~ok)[0].tolist()}; pass log-probs, not logits"
-    ))
-
-
-def check_teachers(
-    teacher_logprobs: object, teacher_tail_logprobs: object, ids_shape: torch.Size, checks: DeviceChecks
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Teacher tensors as [n, *ids_shape] and [n, *ids_shape[:-1]] (tail None when derived);
-    their values (log-probabilities) checked through `checks`."""
-    teacher_logprobs = check_float_tensor(teacher_logprobs, "teacher_logprobs", "[n_teachers, T, k] or [T, k]")
-    if teacher_logprobs.shape == ids_shape:
-        teacher_logprobs = teacher_logprobs.unsqueeze(0)
-        single = True
-    elif teacher_logprobs.dim() == len(ids_shape) + 1 and teacher_logprobs.shape[1:] == ids_shape:
-        single = False
-    else:
-        raise ValueError(
-            f"teacher_logprobs must have shape {tuple(ids_shape)} (one teacher) or "
-            f"(n_teachers, *{tuple(ids_shape)}), like ids; got {tuple(teacher_logprobs.shape)}"
-        )
-    if teacher_logprobs.shape[0] == 0:
-        raise ValueError("teacher_logprobs must hold at least one teacher, got n_teachers = 0")
-    check_logprob_values(teacher_logprobs.detach(), "teacher_logprobs", checks)
-    if teacher_tail_logprobs is None:
-        return teacher_logprobs, None
-    teacher_tail_logprobs = check_float_tensor(
-        teacher_tail_logprobs, "teacher_tail_logprobs", "[n_teachers, T] or [T], or None"
-    )
-    expected = tuple(teacher_logprobs.shape[:-1])[1:] if single else tuple(teacher_logprobs.shape[:-1])
-    if tuple(teacher_tail_logprobs.shape) != expected:
-        raise ValueError(
-            f"teacher_tail_logprobs must have shape {expected} to match teacher_logprobs "
-            f"{tuple(teacher_logprobs.shape[1:] if single else teacher_logprobs.shape)}, "
-            f"got {tuple(teacher_tail_logprobs.shape)}"
-        )
-    check_logprob_values(teacher_tail_logprobs.detach(), "teacher_tail_logprobs", checks)
-    tail = teacher_tail_logprobs.unsqueeze(0) if single else teacher_tail_logprobs
-    return teacher_logprobs, tail
-
-
 _WEIGHT_SUM_TOLERANCE = 1e-6  # how far from 1 the teachers' mixture weights may sum
 
 
@@ -516,162 +409,4 @@ def _listed(values: list[float] | torch.Tensor) -> list[float]:
     return values if isinstance(values, list) else [float(x) for x in values.tolist()]
 
 
-def check_mixture(
-    teacher_logprobs: object, teacher_tail: object, bucket_shape: torch.Size, weights: Weights,
-    dtype: torch.dtype, device: torch.device, checks: DeviceChecks,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The teachers' buckets ([n, ..., k], tails or None) and the log mixture weights [n]."""
-    teachers, tails = check_teachers(teacher_logprobs, teacher_tail, bucket_shape, checks)
-    return teachers, tails, check_weights(weights, teachers.shape[0], dtype, device, checks,
-                                          renormalize_for_one_release=True)
-
-
-def check_kl_options(kl: object, mix: object) -> float:
-    if not isinstance(kl, str) or kl not in KL_KINDS:
-        raise ValueError(f"kl must be one of {KL_KINDS}, got {kl!r}")
-    if isinstance(mix, bool) or not isinstance(mix, numbers.Real) or not 0.0 <= float(mix) <= 1.0:
-        raise ValueError(f"mix must be a float in [0, 1] (the forward-KL share of kl='mixed'), got {mix!r}")
-    return float(mix)
-
-
-_KL_NAMES = {"reverse": "reverse_kl", "forward": "forward_kl", "mixed": "mixed_kl"}
-
-
-def resolve_divergence(divergence: object, beta: object, alpha: object, kl: object,
-                       mix: object) -> tuple[str, float, float]:
-    """(name, β, α) of the top-k losses' divergence arguments. `divergence=` supersedes the
-    deprecated `kl=`/`mix=`: giving both is a TypeError; `kl=`/`mix=` alone warn
-    (DeprecationWarning) and map to reverse_kl / forward_kl / mixed_kl with β = 1 − mix (mix was
-    the forward share); nothing given is reverse_kl."""
-    legacy = [name for name, value in (("kl", kl), ("mix", mix)) if value is not None]
-    if divergence is not None and legacy:
-        raise TypeError(f"give divergence= or the deprecated {'/'.join(n + '=' for n in legacy)}, not both; "
-                        f"divergence= supersedes them (kl='forward' is divergence='forward_kl')")
-    if not legacy:
-        return check_divergence(DEFAULT_DIVERGENCE if divergence is None else divergence, beta, alpha)
-    warnings.warn("kl=/mix= are deprecated: use divergence= ('reverse_kl', 'forward_kl', 'mixed_kl', 'jsd', ...); "
-                  "kl='reverse' is divergence='reverse_kl', kl='forward' divergence='forward_kl', "
-                  "kl='mixed', mix=m divergence='mixed_kl', beta=1 - m",
-                  DeprecationWarning, stacklevel=3)
-    mix = check_kl_options("reverse" if kl is None else kl, 1.0 - DEFAULT_BETA if mix is None else mix)
-    _, beta, alpha = check_divergence(DEFAULT_DIVERGENCE, beta, alpha)
-    assert kl is None or isinstance(kl, str)  # check_kl_options accepted it
-    name = _KL_NAMES["reverse" if kl is None else kl]
-    return name, (1.0 - mix if name == "mixed_kl" else beta), alpha
-
-
-
-# ------------------------------------------------------------------------ the fused LM head
-
-
-def check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size) -> tuple[int, int, int]:
-    """(local rows, global rows, global vocab); TypeError/ValueError naming the argument."""
-    check_float_tensor(hidden, "hidden", "[T, H] (under sequence parallelism this rank's [T/tp, H])")
-    check_float_tensor(weight, "weight", "[V_local, H] (this rank's vocab shard of the output weight)")
-    if hidden.dim() != 2:
-        raise ValueError(f"hidden must be 2-D [T, H], got shape {tuple(hidden.shape)}; flatten [s, b, h] first")
-    if weight.dim() != 2 or weight.size(1) != hidden.size(1) or weight.size(0) == 0:
-        raise ValueError(
-            f"weight must be [V_local, H] with H = {hidden.size(1)} (hidden's last dim) and V_local > 0, "
-            f"got shape {tuple(weight.shape)}"
-        )
-    if weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise ValueError(
-            f"hidden and weight must share dtype and device, got {hidden.dtype}/{hidden.device} and "
-            f"{weight.dtype}/{weight.device}"
-        )
-    if not isinstance(sequence_parallel, bool):
-        raise TypeError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
-    check_group(tp_group)
-    check_chunk_size(chunk_size)
-    vocab = global_vocab(weight.size(0), tp_group, vocab_size)
-    rows = hidden.size(0) * (tp_size(tp_group) if sequence_parallel else 1)
-    return hidden.size(0), rows, vocab
-
-
-# ------------------------------------------------------------------------ log-probs on logits
-
-
-def check_logprobs_inputs(
-    logits, tokens, tp_group, temperature, chunk_size, keep_mask, vocab_size, inplace_backward
-) -> tuple[DeviceChecks, float | torch.Tensor]:
-    """Raise TypeError/ValueError naming the argument; checks of tensor values come back deferred
-    (read with the forward's one host sync). Returns them and the checked temperature."""
-    check_float_tensor(logits, "logits", "[T, V_local]")
-    if logits.dim() != 2:
-        raise ValueError(
-            f"logits must be 2-D [T, V_local], got shape {tuple(logits.shape)}; flatten batch/sequence "
-            f"dims first, e.g. logits.reshape(-1, logits.size(-1))"
-        )
-    n_rows, local_vocab = logits.shape
-    check_tokens_shape(tokens, n_rows, logits.device, f"to match logits {tuple(logits.shape)}", "logits")
-    check_group(tp_group)
-    if local_vocab == 0:
-        raise ValueError("logits have no vocab columns (V_local = 0)")
-    vocab = global_vocab(local_vocab, tp_group, vocab_size)
-    checks = DeviceChecks()
-    require_tokens_in_vocab(tokens, vocab, checks)
-    temperature = check_temperature(temperature, (n_rows,), logits.device, checks, logits.dtype)
-    check_chunk_size(chunk_size)
-    check_keep_mask(keep_mask, logits.shape, logits.device, "the logits")
-    if inplace_backward:
-        check_inplace_target(logits)
-    return checks, temperature
-
-
-
-
 # ------------------------------------------------------------------------ full-vocabulary divergences
-class VocabularyMismatchError(ValueError):
-    """A teacher's output weight does not share the student's vocabulary or TP sharding."""
-
-
-def check_divergence_options(divergence: object, beta: object, alpha: object) -> tuple[str, float, float]:
-    """(name, β, α) checked by the divergence family's one check (named errors, see _divergences)."""
-    return check_divergence(divergence, beta, alpha)
-
-
-def _as_models(value: object, name: str) -> tuple[list[object], bool]:
-    if isinstance(value, torch.Tensor):
-        return [value], True
-    if isinstance(value, (list, tuple)):
-        return list(value), False
-    raise TypeError(f"{name} must be a tensor (one teacher) or a list/tuple of tensors (several), "
-                    f"got {type(value).__name__}")
-
-
-def check_teacher_models(teacher_hidden: object, teacher_weight: object, hidden: torch.Tensor, weight: torch.Tensor,
-                         checks: DeviceChecks) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """[(teacher_hidden_j, teacher_weight_j)]: each [T, H_t] / [V_local, H_t] with the student's rows,
-    vocabulary shard and device; VocabularyMismatchError for another V_local; finite hidden
-    states checked through `checks`."""
-    hs, single_h = _as_models(teacher_hidden, "teacher_hidden")
-    ws, single_w = _as_models(teacher_weight, "teacher_weight")
-    if single_h != single_w or len(hs) != len(ws) or not hs:
-        raise ValueError(f"teacher_hidden and teacher_weight must both be one tensor or sequences of the same "
-                         f"length >= 1 (one pair per teacher), got {len(hs)} hidden and {len(ws)} weights")
-    models = []
-    for j, (h, w) in enumerate(zip(hs, ws)):
-        hn, wn = ("teacher_hidden", "teacher_weight") if single_h else (f"teacher_hidden[{j}]", f"teacher_weight[{j}]")
-        h = check_float_tensor(h, hn, "[T, H_t] (the teacher's final hidden states, rows as hidden's)")
-        w = check_float_tensor(w, wn, "[V_local, H_t] (the teacher's vocab shard of its output weight)")
-        if h.dim() != 2 or h.shape[0] != hidden.shape[0]:
-            raise ValueError(f"{hn} must be [T, H_t] with T = {hidden.shape[0]} (hidden's rows, the same tokens), "
-                             f"got shape {tuple(h.shape)}")
-        if w.dim() != 2 or w.shape[1] != h.shape[1]:
-            raise ValueError(f"{wn} must be [V_local, H_t] with H_t = {h.shape[1]} ({hn}'s last dim), "
-                             f"got shape {tuple(w.shape)}")
-        if w.shape[0] != weight.shape[0]:
-            raise VocabularyMismatchError(
-                f"{wn} holds {w.shape[0]} vocabulary rows but the student's weight {weight.shape[0]}: every model "
-                f"must share the vocabulary and its tensor-parallel sharding (same padded size, same tp); pad or "
-                f"re-shard the teacher's output weight like the student's")
-        if h.dtype != w.dtype or h.device != hidden.device or w.device != hidden.device:
-            raise ValueError(f"{hn} and {wn} must share one dtype and the student's device {hidden.device}, got "
-                             f"{h.dtype}/{h.device} and {w.dtype}/{w.device}")
-        def nonfinite(hn: str = hn) -> ValueError:
-            return ValueError(f"{hn} has non-finite values (NaN or inf); the teacher's forward diverged: "
-                              f"check its inputs and weights")
-        checks.require(torch.isfinite(h), nonfinite)
-        models.append((h, w))
-    return models

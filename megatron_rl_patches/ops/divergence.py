@@ -21,12 +21,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab
+from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab, divergence_checks
 from megatron_rl_patches.ops import _divergence_tiles as tiles_math
 from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE, Plan
 from megatron_rl_patches.ops.kernels import Backend, resolve_backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
 from megatron_rl_patches.ops.kernels.torch_tiles import TorchTiles, tiles
+from megatron_rl_patches.ops.lm_head import check_lm_head_inputs
 from megatron_rl_patches.ops.steps import accumulate, moved, require_good_rows, save_tau, saved_scale
 
 __all__ = ["lm_head_divergence"]
@@ -71,10 +72,10 @@ def lm_head_divergence(
     `row_mask` [T] bool (the gathered rows under sequence parallelism; the same on every rank):
     only the selected rows meet the weights; the others' divergence is 0 with no gradient.
     """
-    _, n_rows, vocab = _checks.check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
-    name, beta, alpha = _checks.check_divergence_options(divergence, beta, alpha)
+    _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
+    name, beta, alpha = divergence_checks.check_divergence_options(divergence, beta, alpha)
     checks = _checks.DeviceChecks()
-    teachers = _checks.check_teacher_models(teacher_hidden, teacher_weight, hidden, weight, checks)
+    teachers = divergence_checks.check_teacher_models(teacher_hidden, teacher_weight, hidden, weight, checks)
     dtype = _stats.compute_dtype(hidden.dtype)
     log_w = _checks.check_weights(teacher_weights, len(teachers), dtype, hidden.device, checks)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)

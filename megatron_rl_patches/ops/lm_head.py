@@ -13,22 +13,46 @@ the top-k ops on `hidden @ weight.T` (docs/fused-lm-head.md).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches.ops import _checks, _dist, _vocab
+from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab, topk_checks, topk_select
 from megatron_rl_patches.ops._functions import LogProbEntropy, TopkLogprobs
 from megatron_rl_patches.ops.kernels import resolve_backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows
-from megatron_rl_patches.ops.kernels.torch_tiles import tiles
+from megatron_rl_patches.ops.kernels.torch_tiles import tile_shape, tiles
 from megatron_rl_patches.ops.steps import require_good_rows
 
 __all__ = ["lm_head_log_probs_and_entropy", "lm_head_topk_ids", "lm_head_topk_logprobs"]
 
 
 # ----------------------------------------------------------------------------- log-probs + entropy
+
+def check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size) -> tuple[int, int, int]:
+    """The fused head's (and `lm_head_divergence`'s) shared inputs: (local rows, global rows, global
+    vocab); TypeError/ValueError naming the argument."""
+    _checks.check_float_tensor(hidden, "hidden", "[T, H] (under sequence parallelism this rank's [T/tp, H])")
+    _checks.check_float_tensor(weight, "weight", "[V_local, H] (this rank's vocab shard of the output weight)")
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be 2-D [T, H], got shape {tuple(hidden.shape)}; flatten [s, b, h] first")
+    if weight.dim() != 2 or weight.size(1) != hidden.size(1) or weight.size(0) == 0:
+        raise ValueError(
+            f"weight must be [V_local, H] with H = {hidden.size(1)} (hidden's last dim) and V_local > 0, "
+            f"got shape {tuple(weight.shape)}"
+        )
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(
+            f"hidden and weight must share dtype and device, got {hidden.dtype}/{hidden.device} and "
+            f"{weight.dtype}/{weight.device}"
+        )
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
+    _checks.check_group(tp_group)
+    _checks.check_chunk_size(chunk_size)
+    vocab = _checks.global_vocab(weight.size(0), tp_group, vocab_size)
+    rows = hidden.size(0) * (_dist.tp_size(tp_group) if sequence_parallel else 1)
+    return hidden.size(0), rows, vocab
+
 
 def lm_head_log_probs_and_entropy(
     hidden: torch.Tensor,
@@ -56,7 +80,7 @@ def lm_head_log_probs_and_entropy(
     these rows meet the weight — one gather of their hidden rows — the others' outputs are 0 with
     no gradient (dW as if their upstream gradient were 0), and the time follows the selected rows.
     """
-    _, n_rows, vocab = _checks.check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
+    _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
     checks = _checks.DeviceChecks()
     _checks.check_tokens_shape(tokens, n_rows, hidden.device, "(all rows, also under sequence parallelism)", "hidden")
     rows = _vocab.select_rows(_checks.check_row_mask(row_mask, n_rows, hidden.device, "hidden (all rows)"), tp_group)
@@ -75,16 +99,6 @@ def lm_head_log_probs_and_entropy(
 # ----------------------------------------------------------------------------- top-k
 
 
-def _sortable(x: torch.Tensor) -> torch.Tensor:
-    """int64 keys ordered as the fp32 values (−0 = +0), for exact (value desc, id asc) selection."""
-    bits = (x.float() + 0.0).view(torch.int32).to(torch.int64)
-    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
-_ID_BITS = 32
-_ID_MASK = (1 << _ID_BITS) - 1
-
-
 def lm_head_topk_ids(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -100,49 +114,57 @@ def lm_head_topk_ids(
     """`topk_ids(hidden @ weight.T, k, ...)` without the logits: global ids [T, k] of the k largest
     logits per row, descending, ties to the lower id; no gradient. A positive temperature does
     not change the order (accepted for symmetry with `lm_head_topk_logprobs`). Each rank keeps a
-    running top-k per row tile; ranks all-gather k candidates each (O(T·k·tp)). `row_mask` [T]
-    as in `lm_head_log_probs_and_entropy`: unselected rows get ids 0."""
-    _, n_rows, vocab = _checks.check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
-    k = _checks.check_int_k(k)
-    _checks.check_k(k, vocab)
+    running top-k per row tile (:mod:`.topk_select`, as `topk_ids`; exact in every dtype, fp64
+    included); ranks all-gather k candidates each (O(T·k·tp)). `row_mask` [T] as in
+    `lm_head_log_probs_and_entropy`: unselected rows get ids 0."""
+    _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
+    k = topk_checks.check_int_k(k)
+    topk_checks.check_k(k, vocab)
     checks = _checks.DeviceChecks()
     _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
-    if hidden.dtype == torch.float64:
-        raise TypeError("lm_head_topk_ids ranks fp32/bf16/fp16 logits; "
-                        "for fp64 inputs use topk_ids(hidden @ weight.T, k)")
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_ids")
     rows = _vocab.select_rows(_checks.check_row_mask(row_mask, n_rows, hidden.device, "hidden (all rows)"), tp_group)
     with torch.no_grad():
-        gathered = gather_rows(hidden.detach(), spec.group, spec.sequence_parallel)
-        best, row_max = _running_topk_keys(_vocab.take_rows(gathered, rows), weight.detach(), k, spec, n_rows)
-        # MAX all-reduce over the tensor-parallel group of the local row maxima: the full-vocab
-        # max tells rows with NaN/+inf or without any finite logit apart on every rank alike
-        _dist.all_reduce_max_(row_max, spec.group)
-        require_good_rows(checks, row_max, spec.op, spec.arg, rows=rows, n_rows=n_rows)
-        checks.raise_first()  # the call's one host sync
-        # all-gather over the tensor-parallel group of every rank's k best keys per row
-        # (O(T·k·tp)): the k best of them are the global top-k, the same on every rank
-        best = torch.topk(_dist.all_gather_last_dim(best, spec.group), k, dim=1).values
-        return _vocab.scatter_rows(_ID_MASK - (best & _ID_MASK), rows, n_rows)
+        h = _vocab.take_rows(gather_rows(hidden.detach(), spec.group, spec.sequence_parallel), rows)
+        dtype = _stats.compute_dtype(hidden.dtype)
+        source = Source(spec.n_valid, spec.chunk_rows, hidden=h, weight=weight.detach(), shape_rows=n_rows)
+        run = topk_select.RunningTopk.empty(h.size(0), k, dtype, h.device, sentinel=vocab)
+        for tile_rows, cols, x in tiles(source, dtype):
+            topk_select.fold_tile(run, tile_rows, x, spec.first_id + cols.start)
+        run = topk_select.over_ranks(run, spec.group)
+        require_good_rows(checks, run.row_max, spec.op, spec.arg, rows=rows, n_rows=n_rows)
+        ambiguous = checks.raise_first(read=topk_select.ambiguous_rows(run))  # the call's one host sync
+        tied = [row for row, flag in enumerate(ambiguous) if flag]
+        if tied:
+            def row_tiles(listed: list[int], index: torch.Tensor) -> topk_select.Tiles:
+                return _recomputed_rows(source, listed, index, dtype)
+
+            topk_select.exact_rows(run, tied, row_tiles, spec.first_id, spec.group)
+        return _vocab.scatter_rows(run.ids, rows, n_rows)
 
 
-def _running_topk_keys(h_full, weight, k: int, spec: _vocab.OpSpec,
-                       shape_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's k best (value, id) keys per row over its logits tiles (shaped for
-    `shape_rows` rows), and its row max (NaN as +inf)."""
-    n_rows = h_full.size(0)
-    best = torch.full((n_rows, k), torch.iinfo(torch.int64).min, dtype=torch.int64, device=h_full.device)
-    row_max = torch.full((n_rows,), -math.inf, device=h_full.device)
-    source = Source(spec.n_valid, spec.chunk_rows, hidden=h_full, weight=weight, shape_rows=shape_rows)
-    for rows, cols, x in tiles(source, torch.float32):
-        ids = torch.arange(cols.start, cols.stop, device=x.device) + spec.first_id
-        keys = (_sortable(x) << _ID_BITS) | (_ID_MASK - ids)  # larger key: larger value, then lower id
-        take = min(k, keys.size(1))
-        candidates = torch.cat([best[rows], torch.topk(keys, take, dim=1).values], dim=1)
-        best[rows] = torch.topk(candidates, k, dim=1).values
-        tile_max = x.amax(dim=1)
-        row_max[rows] = torch.maximum(row_max[rows], torch.where(torch.isnan(tile_max), math.inf, tile_max))
-    return best, row_max
+def _recomputed_rows(source: Source, listed: list[int], index: torch.Tensor,
+                     dtype: torch.dtype) -> topk_select.Tiles:
+    """The logits tiles of the rows `listed` (ascending; `index` on the device) as (positions in
+    the list, columns, x): each
+    recomputed in the row tile it had (the same h·Wᵀ call shape, so the same bits: a BLAS rounds a
+    row differently with another row count)."""
+    assert source.hidden is not None  # fused
+    row_tile, _ = tile_shape(source.shape_rows or source.n_rows, source.n_valid, source.hidden.device,
+                             source.chunk_rows)
+    chunk_of = [row // row_tile for row in listed]
+    start = 0
+    while start < len(chunk_of):
+        stop = start
+        while stop < len(chunk_of) and chunk_of[stop] == chunk_of[start]:
+            stop += 1
+        r0 = chunk_of[start] * row_tile
+        part = Source(source.n_valid, source.chunk_rows, hidden=source.hidden[r0: r0 + row_tile],
+                      weight=source.weight, shape_rows=source.shape_rows)
+        local = index[start:stop] - r0
+        for _, cols, x in tiles(part, dtype):
+            yield slice(start, stop), cols, x[local]
+        start = stop
 
 
 def lm_head_topk_logprobs(
@@ -164,9 +186,9 @@ def lm_head_topk_logprobs(
     log-sum-exp, never log(1 − Σp)). Gradients flow to hidden and weight (a student); call under
     no_grad for a teacher. `ids_mask` as in `topk_logprobs` (padded slots: -inf, mass in the tail).
     `row_mask` [T] as in `lm_head_log_probs_and_entropy` (unselected rows: 0, no gradient)."""
-    _, n_rows, vocab = _checks.check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
+    _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
     checks = _checks.DeviceChecks()
-    k = _checks.check_ids(_vocab.unselected_as(ids, row_mask), torch.Size([n_rows]), vocab, checks, ids_mask)
+    k = topk_checks.check_ids(_vocab.unselected_as(ids, row_mask), torch.Size([n_rows]), vocab, checks, ids_mask)
     rows = _vocab.select_rows(_checks.check_row_mask(row_mask, n_rows, hidden.device, "hidden (all rows)"), tp_group)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_logprobs")

@@ -17,6 +17,33 @@ from megatron_rl_patches.ops.kernels import resolve_backend
 
 __all__ = ["log_probs_and_entropy"]
 
+def check_logprobs_inputs(
+    logits, tokens, tp_group, temperature, chunk_size, keep_mask, vocab_size, inplace_backward
+) -> tuple[_checks.DeviceChecks, float | torch.Tensor]:
+    """Raise TypeError/ValueError naming the argument; checks of tensor values come back deferred
+    (read with the forward's one host sync). Returns them and the checked temperature."""
+    _checks.check_float_tensor(logits, "logits", "[T, V_local]")
+    if logits.dim() != 2:
+        raise ValueError(
+            f"logits must be 2-D [T, V_local], got shape {tuple(logits.shape)}; flatten batch/sequence "
+            f"dims first, e.g. logits.reshape(-1, logits.size(-1))"
+        )
+    n_rows, local_vocab = logits.shape
+    _checks.check_tokens_shape(tokens, n_rows, logits.device, f"to match logits {tuple(logits.shape)}", "logits")
+    _checks.check_group(tp_group)
+    if local_vocab == 0:
+        raise ValueError("logits have no vocab columns (V_local = 0)")
+    vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
+    checks = _checks.DeviceChecks()
+    _checks.require_tokens_in_vocab(tokens, vocab, checks)
+    temperature = _checks.check_temperature(temperature, (n_rows,), logits.device, checks, logits.dtype)
+    _checks.check_chunk_size(chunk_size)
+    _checks.check_keep_mask(keep_mask, logits.shape, logits.device, "the logits")
+    if inplace_backward:
+        _checks.check_inplace_target(logits)
+    return checks, temperature
+
+
 def log_probs_and_entropy(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -46,7 +73,7 @@ def log_probs_and_entropy(
     rows' log-prob and entropy are 0 and give no gradient, their targets are not read; the
     selected rows' values and gradients are those of a call without the mask, bit for bit.
     """
-    checks, tau = _checks.check_logprobs_inputs(logits, _vocab.unselected_as(tokens, row_mask), tp_group,
+    checks, tau = check_logprobs_inputs(logits, _vocab.unselected_as(tokens, row_mask), tp_group,
                                                 temperature, chunk_size, keep_mask, vocab_size, inplace_backward)
     rows = _vocab.select_rows(_checks.check_row_mask(row_mask, logits.size(0), logits.device, "logits"), tp_group)
     local_vocab = logits.size(1)

@@ -14,10 +14,11 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches.ops import _checks, _dist, _divergences, _vocab
+from megatron_rl_patches.ops import _checks, _dist, _divergences, _vocab, topk_checks, topk_select
 from megatron_rl_patches.ops._checks import Temperature, Weights
 from megatron_rl_patches.ops._functions import TopkLogprobs
 from megatron_rl_patches.ops.kernels import resolve_backend
+from megatron_rl_patches.ops.steps import require_good_rows
 
 __all__ = ["topk_ids", "union_ids", "topk_logprobs", "topk_kl", "topk_opd_loss"]
 
@@ -25,62 +26,6 @@ _NEG_INF = float("-inf")
 
 
 # ----------------------------------------------------------------------------- top-k ids
-def _local_topk(
-    x: torch.Tensor, k: int, sentinel: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """This rank's k best columns per row (values, columns), padded with (-inf, sentinel) where
-    it has fewer than k valid columns, plus what :func:`_fix_ties` needs: the k+1 best values
-    and whether a column equal to the cut was left out (torch.topk picks arbitrarily among those)."""
-    rows, cols = x.shape
-    keep = min(k, cols)
-    values = x.new_full((rows, k), _NEG_INF)
-    index = torch.full((rows, k), sentinel, dtype=torch.long, device=x.device)
-    if keep == 0:
-        return values, index, None, None
-    top, at = torch.topk(x, min(keep + 1, cols), dim=-1)
-    values[:, :keep], index[:, :keep] = top[:, :keep], at[:, :keep]
-    if top.size(1) == keep:
-        return values, index, None, None
-    return values, index, top, top[:, keep - 1] == top[:, keep]  # NaN cut: no tie
-
-
-def _fix_ties(x: torch.Tensor, index: torch.Tensor, top: torch.Tensor, tied_rows: torch.Tensor,
-              chunk_rows: int) -> None:
-    """Ties at the cut resolved towards lower ids, in place: in the rows where a column equal to
-    the cut was left out, the tied slots (the last of the descending result) become the lowest
-    columns equal to the cut, found by a search in the running count of those columns. O(V) per
-    tied row, vectorized over rows, `chunk_rows` at a time."""
-    keep = top.size(1) - 1
-    for start, stop in _vocab.row_chunks(tied_rows.numel(), chunk_rows):
-        sel = tied_rows[start:stop]
-        cut = top[sel, keep - 1 : keep]
-        tied = top[sel, :keep] == cut  # a suffix of each row
-        rank = tied.to(torch.int32).cumsum(dim=1).masked_fill_(~tied, 1)  # 1, 2, ... over tied slots
-        running = torch.cumsum(x[sel] == cut, dim=1, dtype=torch.int32)
-        lowest = torch.searchsorted(running, rank)  # the rank-th column equal to the cut
-        index[sel, :keep] = torch.where(tied, lowest, index[sel, :keep])
-
-
-def _merge_candidates(values: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
-    """The k best (value descending, then id ascending) among each row's candidates."""
-    by_id = ids.argsort(dim=-1)
-    values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)
-    best = torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
-    return ids.gather(-1, best)
-
-
-def _bad_or_tied_rows(values: torch.Tensor, tied: torch.Tensor | None) -> list[int]:
-    """Raise for rows with NaN/+inf or no finite logit; else this rank's rows with ties at the cut.
-
-    NaN and +inf rank first in every rank's local top-k, so the gathered candidate `values` show
-    them. The call's one host sync, an O(T) copy: bad rows (the same on every rank), tied rows.
-    """
-    bad = _checks.bad_row_codes(torch.where(torch.isnan(values).any(dim=-1), math.inf, values.amax(dim=-1)))
-    flags = torch.stack([bad, tied.to(bad.dtype) if tied is not None else torch.zeros_like(bad)])
-    bad_codes, tied_flags = flags.to("cpu", copy=True).tolist()
-    if any(bad_codes):
-        raise _checks.bad_rows_error("topk_ids", "logits", torch.tensor(bad_codes))
-    return [row for row, flag in enumerate(tied_flags) if flag]
 
 
 def topk_ids(
@@ -98,30 +43,32 @@ def topk_ids(
     `vocab_size`) are never selected. No gradient. `row_mask` (bool, the logits' leading shape;
     the same on every rank): only those rows are ranked, the others get ids 0.
     """
-    lead, local_vocab = _checks.check_logits(logits, "logits", tp_group)
-    k = _checks.check_int_k(k)
+    lead, local_vocab = topk_checks.check_logits(logits, "logits", tp_group)
+    k = topk_checks.check_int_k(k)
     vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
-    _checks.check_k(k, vocab)
+    topk_checks.check_k(k, vocab)
     rows = _select(row_mask, lead, logits.device, tp_group)
     with torch.no_grad():
         every = logits.detach().reshape(-1, local_vocab)
-        flat = _vocab.take_rows(every, rows)
-        offset = _dist.vocab_start(local_vocab, tp_group)
-        valid = _vocab.valid_local_columns(local_vocab, vocab, tp_group)
-        values, index, top, tied = _local_topk(flat[:, :valid], k, vocab - offset)
-        # all-gather over the tensor-parallel group of every rank's k candidate values per row
-        # (O(T·k·tp)): each rank then merges the same candidates into the same global top-k
-        values = _dist.all_gather_last_dim(values, tp_group)
-        tied_rows = _bad_or_tied_rows(values, tied)
-        if tied_rows:
-            # per chunk: an int32 [rows, V] running count of the columns equal to the cut
-            chunk_rows = _vocab.default_chunk_rows(valid, flat.device, torch.int32)
-            assert top is not None  # ties come with the k+1 best values
-            _fix_ties(flat[:, :valid], index, top, torch.tensor(tied_rows, device=flat.device), chunk_rows)
-        # all-gather over the tensor-parallel group of the candidates' global ids, in the order
-        # of the values gathered above
-        ids = _dist.all_gather_last_dim(index + offset, tp_group)
-        ids = _vocab.scatter_rows(_merge_candidates(values, ids, k), rows, every.size(0))
+        x = _vocab.take_rows(every, rows)[:, : _vocab.valid_local_columns(local_vocab, vocab, tp_group)]
+        first_id = _dist.vocab_start(local_vocab, tp_group)
+        run = topk_select.RunningTopk.empty(x.size(0), k, x.dtype, x.device, sentinel=vocab)
+        if x.size(1):  # a rank holding only vocabulary padding has no candidate
+            topk_select.fold_tile(run, slice(0, x.size(0)), x, first_id)
+        run = topk_select.over_ranks(run, tp_group)
+        checks = _checks.DeviceChecks()
+        require_good_rows(checks, run.row_max, "topk_ids", "logits", rows=rows, n_rows=every.size(0))
+        ambiguous = checks.raise_first(read=topk_select.ambiguous_rows(run))  # the call's one host sync
+        tied = [row for row, flag in enumerate(ambiguous) if flag]
+        if tied:
+            chunk = _vocab.default_chunk_rows(x.size(1), x.device, torch.int64)
+
+            def row_tiles(listed: list[int], index: torch.Tensor) -> topk_select.Tiles:
+                for start, stop in _vocab.row_chunks(index.numel(), chunk):
+                    yield slice(start, stop), slice(0, x.size(1)), x[index[start:stop]]
+
+            topk_select.exact_rows(run, tied, row_tiles, first_id, tp_group)
+        ids = _vocab.scatter_rows(run.ids, rows, every.size(0))
     return ids.reshape(*lead, k)
 
 
@@ -179,12 +126,12 @@ def _topk_logprobs_checked(
     row_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Size, int, torch.Tensor | None]:
     """(log-probs [R, k], tail [R], leading dims, k, selected rows or None): R = every row."""
-    lead, local_vocab = _checks.check_logits(logits, name, tp_group)
+    lead, local_vocab = topk_checks.check_logits(logits, name, tp_group)
     vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
     rows = _select(row_mask, lead, logits.device, tp_group, name)
     flat_mask = None if rows is None else torch.zeros(math.prod(lead), dtype=torch.bool,
                                                        device=logits.device).index_fill_(0, rows, True)
-    k = _checks.check_ids(_unselected_ids(ids, flat_mask, lead), lead, vocab, checks, ids_mask)
+    k = topk_checks.check_ids(_unselected_ids(ids, flat_mask, lead), lead, vocab, checks, ids_mask)
     tau = _checks.check_temperature(temperature, lead, logits.device, checks, logits.dtype)
     chunk_rows = _vocab.logits_chunk_rows(_checks.check_chunk_size(chunk_size), local_vocab, tp_group, vocab, logits)
     spec = _vocab.op_spec(local_vocab, tp_group, vocab, chunk_rows, op, arg=name)
@@ -305,7 +252,7 @@ def topk_kl(
     None: derived stably from their k log-probs). Options as `topk_opd_loss`; the gradient flows
     to the student's buckets only. `ids_mask` (bool [T, k]): buckets where it is False are
     padding, empty for the student and every teacher whatever values they hold."""
-    plan = _divergences.Plan.of(*_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
+    plan = _divergences.Plan.of(*topk_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
     renormalize = _divergences.check_renormalize(renormalize)
     _checks.check_float_tensor(student_logprobs, "student_logprobs", "[T, k]")
     _checks.check_float_tensor(student_tail, "student_tail", "[T]")
@@ -319,12 +266,12 @@ def topk_kl(
         )
     if student_tail.dtype != student_logprobs.dtype or student_tail.device != student_logprobs.device:
         raise ValueError("student_tail must have student_logprobs' dtype and device (both come from one top-k op)")
-    _checks.check_ids_mask(ids_mask, student_logprobs, "student_logprobs")
+    topk_checks.check_ids_mask(ids_mask, student_logprobs, "student_logprobs")
     checks = _checks.DeviceChecks()
-    _checks.check_logprob_values(student_logprobs.detach(), "student_logprobs", checks)
-    _checks.check_logprob_values(student_tail.detach(), "student_tail", checks)
+    topk_checks.check_logprob_values(student_logprobs.detach(), "student_logprobs", checks)
+    topk_checks.check_logprob_values(student_tail.detach(), "student_tail", checks)
     dtype = _vocab.compute_dtype(student_logprobs.dtype)
-    teachers, teacher_tails, log_w = _checks.check_mixture(teacher_logprobs, teacher_tail, student_logprobs.shape,
+    teachers, teacher_tails, log_w = topk_checks.check_mixture(teacher_logprobs, teacher_tail, student_logprobs.shape,
                                                     teacher_weights, dtype, student_logprobs.device, checks)
     checks.raise_first()  # one host sync for every value check
     k = student_logprobs.shape[-1]
@@ -374,13 +321,13 @@ def topk_opd_loss(
     model. `row_mask` (bool, the student logits' leading shape): only those rows are computed;
     the others' divergence is 0 with no gradient.
     """
-    plan = _divergences.Plan.of(*_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
+    plan = _divergences.Plan.of(*topk_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
     renormalize = _divergences.check_renormalize(renormalize)
-    lead, _ = _checks.check_logits(student_logits, "student_logits", tp_group)
+    lead, _ = topk_checks.check_logits(student_logits, "student_logits", tp_group)
     _checks.check_id_tensor(ids, "ids", "[T, k]")
     checks = _checks.DeviceChecks()
     dtype = _vocab.compute_dtype(student_logits.dtype)
-    teachers, teacher_tails, log_w = _checks.check_mixture(teacher_logprobs, teacher_tail_logprobs, ids.shape,
+    teachers, teacher_tails, log_w = topk_checks.check_mixture(teacher_logprobs, teacher_tail_logprobs, ids.shape,
                                                     teacher_weights, dtype, student_logits.device, checks)
     logp, tail, lead, k, rows = _topk_logprobs_checked(
         student_logits, ids, tp_group, temperature, vocab_size, chunk_size, checks, "topk_opd_loss", "student_logits",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_rl_patches import lm_head_divergence
-from megatron_rl_patches.ops._checks import VocabularyMismatchError
+from megatron_rl_patches.ops.divergence_checks import VocabularyMismatchError
 
 T, H, H_T, V = 6, 4, 5, 20
 

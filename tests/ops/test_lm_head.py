@@ -170,6 +170,22 @@ def test_topk_ids_equal_the_logits_op_ties_included(dtype):
 
 @pytest.mark.parametrize("tile_bytes", [None, 512], ids=["one-tile", "many-vocab-tiles"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_topk_ids_tie_in_every_vocab_tile_is_exact_in_every_dtype(dtype, tile_bytes, monkeypatch):
+    """Integer-valued h and W: logits exact in any dtype and tied in blocks, so most vocabulary
+    tiles cut inside a block of equal values; fp64 is ranked exactly too (no fp32 key)."""
+    if tile_bytes:
+        monkeypatch.setattr(_lm_head_tiles, "CPU_TILE_BYTES", tile_bytes)
+    g = torch.Generator().manual_seed(5)
+    h = torch.randint(-2, 3, (30, 4), generator=g).to(dtype)
+    w = torch.randint(-1, 2, (250, 4), generator=g).to(dtype)
+    stable = torch.sort((h @ w.T).double(), dim=1, descending=True, stable=True).indices
+    for k in (1, 6, 40):
+        for chunk in (None, 7):
+            assert torch.equal(lm_head_topk_ids(h, w, k, chunk_size=chunk), stable[:, :k]), (k, chunk)
+
+
+@pytest.mark.parametrize("tile_bytes", [None, 512], ids=["one-tile", "many-vocab-tiles"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_topk_logprobs_and_tail_match(dtype, tile_bytes, monkeypatch):
     if tile_bytes:  # ids outside a vocab tile must not disturb the marks of those inside it
         monkeypatch.setattr(_lm_head_tiles, "CPU_TILE_BYTES", tile_bytes)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_rl_patches import log_probs_and_entropy, topk_ids, topk_logprobs, topk_opd_loss
-from megatron_rl_patches.ops import _stats
+from megatron_rl_patches.ops import _stats, topk_select
 from megatron_rl_patches.ops._checks import DeviceChecks
 
 # Tests of the deprecated kl=/mix= (and of forms reachable only through them): opted out of the
@@ -269,6 +269,23 @@ def _stable_topk(x, k):
     return torch.sort(x.double(), dim=-1, descending=True, stable=True).indices[:, :k]
 
 
+def _select_in_tiles(x, k, width, chunk):
+    """topk_select over column tiles `width` wide, ambiguous rows re-ranked `chunk` rows at a time."""
+    run = topk_select.RunningTopk.empty(x.size(0), k, x.dtype, x.device, sentinel=x.size(1))
+    for c0 in range(0, x.size(1), width):
+        topk_select.fold_tile(run, slice(0, x.size(0)), x[:, c0:c0 + width], c0)
+    tied = [row for row, flag in enumerate(topk_select.ambiguous_rows(run).tolist()) if flag]
+
+    def row_tiles(listed, index):
+        for r0 in range(0, len(listed), chunk):
+            for c0 in range(0, x.size(1), width):
+                yield slice(r0, r0 + chunk), slice(c0, c0 + width), x[index[r0:r0 + chunk], c0:c0 + width]
+
+    if tied:
+        topk_select.exact_rows(run, tied, row_tiles, 0, None)
+    return run.ids
+
+
 def test_topk_ids_bf16_ties_at_realistic_sizes():
     """bf16 logits tie at the k-th value in most rows: ids equal a stable sort, lower id first."""
     g = torch.Generator().manual_seed(3)
@@ -277,24 +294,13 @@ def test_topk_ids_bf16_ties_at_realistic_sizes():
     assert (top[:, 31] == top[:, 32]).float().mean() > 0.2  # the case this guards: many tied cuts
     for k in (1, 8, 32):
         assert torch.equal(topk_ids(x, k), _stable_topk(x, k))
-    # tiny chunks for the tie fix, whole blocks of equal values, -inf ties, k past the real columns
+    # whole blocks of equal values and -inf ties, walked in narrow column tiles (as the fused
+    # head walks them): every tile's cut ambiguous, the exact re-rank in row chunks of 1, 3, 100
     y = torch.randint(0, 3, (40, 50), generator=g).bfloat16()
     y[::3, 10:] = -INF
-    from megatron_rl_patches.ops.topk import _fix_ties, _local_topk
-
-    def same_set(a, b):
-        return torch.equal(a.sort(dim=1).values, b.sort(dim=1).values)
-
-    def local_topk(x, k, sentinel, chunk):
-        values, index, top, tied = _local_topk(x, k, sentinel)
-        if tied is not None and bool(tied.any()):
-            _fix_ties(x, index, top, tied.nonzero().squeeze(1), chunk)
-        return values, index
-
-    for chunk in (1, 3, 100):  # the local pick is a set (topk_ids orders the merged candidates)
-        values, index = local_topk(y, 12, 999, chunk)
-        assert same_set(index, _stable_topk(y, 12)) and torch.equal(values, y.gather(1, index))
-    values, index = local_topk(y[:, :5], 8, 77, 2)
-    assert same_set(index[:, :5], _stable_topk(y[:, :5], 5)) and bool((index[:, 5:] == 77).all())
-    assert bool((values[:, 5:] == -INF).all())
+    for width in (1, 4, 7, 50):
+        for chunk in (1, 3, 100):
+            assert torch.equal(_select_in_tiles(y, 12, width, chunk), _stable_topk(y, 12)), (width, chunk)
+    assert torch.equal(topk_ids(y, 12), _stable_topk(y, 12))
+    assert torch.equal(topk_ids(y.double(), 49), _stable_topk(y, 49))  # k = all but one column, fp64
     assert torch.equal(topk_ids(torch.zeros(4, 20, dtype=torch.bfloat16), 6), torch.arange(6).expand(4, 6))
