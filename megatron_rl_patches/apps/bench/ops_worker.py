@@ -33,7 +33,7 @@ def _step(op: str, T: int, V: int, H: int, k: int) -> Callable[[], float]:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, V, (T,), generator=g)
     a, b = torch.randn(T, generator=g), torch.randn(T, generator=g)
-    fused = op.startswith("lm_head") or op == "logits_path"
+    fused = op.startswith("lm_head") or op == "logits_path"  # hidden states and an output weight
     if fused:
         hidden = torch.randn(T, H, generator=g)
         weight = torch.randn(V, H, generator=g) / H**0.5
@@ -92,6 +92,29 @@ def _step(op: str, T: int, V: int, H: int, k: int) -> Callable[[], float]:
 
         return timed(run)
 
+    def kl_jsd() -> float:
+        student = torch.log_softmax(torch.randn(T, k + 1, generator=g), dim=1).requires_grad_(True)
+        teacher = torch.log_softmax(torch.randn(T, k + 1, generator=g), dim=1)
+
+        def run() -> None:
+            for _ in range(20):
+                value = topk.topk_kl(student[:, :k], student[:, k], teacher[:, :k], teacher[:, k], divergence="jsd")
+                grad_of(value.sum(), [student])
+
+        return timed(run)
+
+    def divergence(name: str) -> float:
+        from megatron_rl_patches.ops.divergence import lm_head_divergence
+
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        teacher_h = torch.randn(T, H, generator=g)
+        teacher_w = torch.randn(V, H, generator=g) / H**0.5
+
+        def run() -> None:
+            grad_of((a * lm_head_divergence(h, w, teacher_h, teacher_w, divergence=name)).sum(), [h, w])
+
+        return timed(run)
+
     def head(kind: str) -> float:
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
 
@@ -120,6 +143,9 @@ def _step(op: str, T: int, V: int, H: int, k: int) -> Callable[[], float]:
         "logits_path": lambda: head("logits_path"),
         "lm_head_topk_ids": lambda: timed(lambda: lm_head.lm_head_topk_ids(hidden, weight, k)),
         "lm_head_topk_logprobs": lambda: head("topk"),
+        "topk_kl_jsd": kl_jsd,
+        "lm_head_divergence_jsd": lambda: divergence("jsd"),
+        "lm_head_divergence_forward_kl": lambda: divergence("forward_kl"),
     }
     return steps[op]
 
