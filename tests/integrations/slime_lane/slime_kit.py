@@ -38,7 +38,7 @@ def slime_args(*extra: str, **values: Any) -> Any:
     with mock.patch.object(sys, "argv", ["slime-lane", *ARGV, *extra]):
         args = parse_args(extra_args_provider=get_slime_extra_args_provider())
     validate_args(args)
-    args.padded_vocab_size = VOCAB
+    args.padded_vocab_size = args.vocab_size
     args.eps_clip_high = args.eps_clip if args.eps_clip_high is None else args.eps_clip_high  # slime_validate_args
     for name, value in values.items():
         setattr(args, name, value)
@@ -61,7 +61,7 @@ def slime_session(*extra: str, **values: Any) -> Iterator[Any]:
 
 
 def provider_func(args: Any, role: str = "actor") -> Any:
-    """Stands for slime's `get_model_provider_func`: the packed tiny GPT, config from args."""
+    """Stands for slime's `get_model_provider_func`: the packed tiny GPT, config and sizes from args."""
     from megatron.training.arguments import core_transformer_config_from_args
 
     from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
@@ -69,7 +69,8 @@ def provider_func(args: Any, role: str = "actor") -> Any:
     def provider(pre_process: bool = True, post_process: bool = True, vp_stage: Any = None, config: Any = None,
                  **_: Any) -> Any:
         config = config if config is not None else core_transformer_config_from_args(args)
-        return build_packed_gpt(vocab_size=VOCAB, seq_length=SEQ, seed=0, config=config)
+        return build_packed_gpt(vocab_size=args.padded_vocab_size, seq_length=args.max_position_embeddings, seed=0,
+                                config=config)
 
     return provider
 
@@ -82,23 +83,26 @@ def build(args: Any) -> tuple[list[Any], Any, Any]:
         return slime_model.setup_model_and_optimizer(args, "actor")
 
 
-def rollout(seed: int, old_log_probs: Sequence[torch.Tensor] | None = None) -> dict[str, Any]:
+def rollout(seed: int, old_log_probs: Sequence[torch.Tensor] | None = None, *, prompts: Sequence[int] = PROMPTS,
+            responses: Sequence[int] = RESPONSES, vocab: int = VOCAB,
+            micro_batches: Sequence[Sequence[int]] = ((0, 1), (2, 3))) -> dict[str, Any]:
     """One rollout's per-sample data as slime's actor passes it to train(): tokens, masks
-    (one masked response token per sample), advantages, old log-probs; 2 micro-batches of 2."""
+    (one masked response token per sample), advantages, old log-probs; by default 4 samples in
+    2 micro-batches of 2."""
     gen = torch.Generator().manual_seed(seed)
-    tokens = [torch.randint(0, VOCAB, (p + r,), generator=gen) for p, r in zip(PROMPTS, RESPONSES)]
+    tokens = [torch.randint(0, vocab, (p + r,), generator=gen) for p, r in zip(prompts, responses)]
     masks = []
-    for r in RESPONSES:
+    for r in responses:
         mask = torch.ones(r, dtype=torch.int)
         mask[r // 2] = 0
         masks.append(mask)
     data = {
         "tokens": tokens,
-        "total_lengths": [p + r for p, r in zip(PROMPTS, RESPONSES)],
-        "response_lengths": list(RESPONSES),
+        "total_lengths": [p + r for p, r in zip(prompts, responses)],
+        "response_lengths": list(responses),
         "loss_masks": masks,
-        "advantages": [torch.randn(r, generator=gen) for r in RESPONSES],
-        "micro_batch_indices": [[0, 1], [2, 3]],
+        "advantages": [torch.randn(r, generator=gen) for r in responses],
+        "micro_batch_indices": [list(indices) for indices in micro_batches],
     }
     if old_log_probs is not None:
         data["log_probs"] = list(old_log_probs)
