@@ -250,6 +250,14 @@ class FusedModel:
         if "mtp_kwargs" in kwargs:
             fall_back("MTP training (mtp_kwargs)")
             return self._model(*args, **kwargs)
+        layout = batch_layout(kwargs.get("packed_seq_params"))
+        if layout != "thd":
+            if getattr(self._plan.args, "allgather_cp", False):
+                raise ValueError(
+                    "slime_fused: --allgather-cp needs packed thd batches (slime's get_batch builds them); this "
+                    f"micro-batch is {layout!r}: drop --allgather-cp or pack as thd")
+            fall_back(f"{layout} batches (packed_seq_params.qkv_format != 'thd': the route slices thd packing)")
+            return self._model(*args, **kwargs)
         if not _accepts_processor(self._model):
             fall_back("a model without GPTModel's output_processor keyword (apply gpt_output_processor "
                       "on megatron-core < 0.18)")
@@ -262,12 +270,6 @@ class FusedModel:
 
         plan, tokens = self._plan, kwargs["input_ids"]
         allgather_cp = bool(getattr(plan.args, "allgather_cp", False))
-        packed = kwargs.get("packed_seq_params")
-        if allgather_cp and getattr(packed, "qkv_format", "thd") != "thd":
-            raise ValueError(
-                "slime_fused: --allgather-cp needs packed thd batches (slime's get_batch builds them); this "
-                f"micro-batch is {getattr(packed, 'qkv_format', None)!r}: drop --allgather-cp or pack as thd"
-            )
         if tokens.dim() != 2 or tokens.size(0) != 1:
             raise ValueError(f"slime_fused: slime packs every micro-batch as [1, T] tokens, got {tuple(tokens.shape)}")
         length = tokens.size(1)
@@ -286,6 +288,13 @@ class FusedModel:
         out = self._model(**{**kwargs, "labels": labels[None]}, output_processor=processor,
                           output_processor_context=context)
         return FusedOutput(out)
+
+
+def batch_layout(packed_seq_params: Any) -> str:
+    """The micro-batch's qkv layout: its `packed_seq_params.qkv_format`, "bshd" without packing."""
+    if packed_seq_params is None:
+        return "bshd"
+    return str(getattr(packed_seq_params, "qkv_format", "thd"))
 
 
 def _chunk_size(args: Any) -> int | None:

@@ -76,3 +76,47 @@ def test_logits_go_to_slimes_own_function():
     assert slime_fused.log_probs_wrapper(get_log_probs_and_entropy, None, (torch.zeros(1, 2, 3),),
                                          dict(args=None, unconcat_tokens=[], total_lengths=[],
                                               response_lengths=[])) == "slime's"
+
+
+def _bshd_params():
+    return types.SimpleNamespace(qkv_format="bshd")
+
+
+class _ProcessorModel:
+    """A model chunk whose forward takes the output processor (GPTModel's keywords); calls noted."""
+
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, input_ids, labels=None, packed_seq_params=None, output_processor=None,
+                output_processor_context=None):
+        self.calls.append(dict(input_ids=input_ids, packed_seq_params=packed_seq_params, labels=labels,
+                               output_processor=output_processor))
+        return "logits"
+
+    __call__ = forward
+
+
+@pytest.mark.parametrize("packed", [_bshd_params(), None], ids=["qkv_format=bshd", "no packed_seq_params"])
+def test_bshd_batch_calls_the_model_unchanged_with_one_log_line(caplog, packed):
+    inner = _ProcessorModel()
+    plan = slime_fused.Plan(_args(allgather_cp=False), True, False, batch={"tokens": None})
+    model = slime_fused.FusedModel(inner, plan)
+    tokens = torch.zeros(2, 3, dtype=torch.long)
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        assert model(input_ids=tokens, packed_seq_params=packed) == "logits"
+        assert model(input_ids=tokens, packed_seq_params=packed) == "logits"
+    unchanged = dict(input_ids=tokens, packed_seq_params=packed, labels=None, output_processor=None)
+    assert inner.calls == [unchanged] * 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "bshd" in lines[0] and "slime's own logits path" in lines[0], lines
+
+
+@pytest.mark.parametrize("packed", [_bshd_params(), None], ids=["qkv_format=bshd", "no packed_seq_params"])
+def test_allgather_cp_with_a_bshd_batch_is_a_clear_error(packed):
+    plan = slime_fused.Plan(_args(allgather_cp=True), True, False, batch={"tokens": None})
+    inner = _ProcessorModel()
+    model = slime_fused.FusedModel(inner, plan)
+    with pytest.raises(ValueError, match="--allgather-cp needs packed thd"):
+        model(input_ids=torch.zeros(1, 3, dtype=torch.long), packed_seq_params=packed)
+    assert inner.calls == []

@@ -1,6 +1,7 @@
 """slime 624b824a's real train() / forward_only / train_one_step with the package's slime patches."""
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -144,3 +145,37 @@ def test_fallback_logs_the_feature_once_and_keeps_slimes_numbers(slime_cpu, capl
     for a, r in zip(first["log_probs"], ref[0]):
         torch.testing.assert_close(a.double(), r, rtol=0, atol=2e-5)
 
+
+def test_bshd_batch_falls_back_with_one_log_line_and_slimes_numbers(slime_cpu, caplog, monkeypatch):
+    """slime 624b824a packs thd; a bshd micro-batch (a fork's get_batch without packing: here slime's
+    batch with its packed_seq_params dropped) goes to slime's own logits path, said once."""
+    from slime.backends.megatron_utils import model as slime_model
+
+    from megatron_rl_patches.integrations import slime_fused
+
+    kit = _kit()
+    get_batch = slime_model.get_batch
+
+    @functools.wraps(get_batch)  # slime's signature, which slime_fused's guard checks
+    def bshd_batch(*args, **kwargs):
+        batch = get_batch(*args, **kwargs)
+        batch["packed_seq_params"] = None
+        return batch
+
+    monkeypatch.setattr(slime_model, "get_batch", bshd_batch)
+    monkeypatch.setattr(slime_fused, "_SAID", set())
+    with kit.slime_session(rollout_temperature=TEMPERATURE) as args:
+        model, _, _ = kit.build(args)
+        data = kit.rollout(0)
+        plain = kit.log_probs(args, model, data)
+        megatron_rl_patches.apply(only=FUSED)
+        try:
+            with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+                fused = kit.log_probs(args, model, data)
+                kit.log_probs(args, model, data)
+        finally:
+            megatron_rl_patches.revert()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slime_fused:")]
+    assert len(lines) == 1 and "bshd" in lines[0], lines
+    for a, b in zip(plain["log_probs"], fused["log_probs"], strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
