@@ -53,12 +53,15 @@ PATCHES = (
 @dataclass(frozen=True)
 class TopkRequest:
     """Top-k buckets asked of the fused call beside the log-probs: the student's own top-`k` ids,
-    or the ids in the batch's per-sample `ids_key` ([R, k] each) scored; `keys` are the
-    per-sample batch keys the step needs beyond slime's own."""
+    or the ids in the batch's per-sample `ids_key` ([R, k] each) scored (padded where the
+    per-sample bool `mask_key` is False), or with `union` its own top-`k` joined to those ids
+    (`union_ids`); `keys` are the per-sample batch keys the step needs beyond slime's own."""
 
     k: int | None = None
     ids_key: str | None = None
     keys: tuple[str, ...] = ()
+    mask_key: str | None = None
+    union: bool = False
 
 
 @dataclass
@@ -284,7 +287,7 @@ class FusedModel:
             from megatron_rl_patches.integrations.slime_topk import topk_context, with_topk
 
             topk_ctx = topk_context(plan.topk, batch, length, tokens.device, allgather_cp)
-            processor = with_topk(processor, plan.topk.k, options, topk_ctx)
+            processor = with_topk(processor, plan.topk.k, options, topk_ctx, union=plan.topk.union)
         out = self._model(**{**kwargs, "labels": labels[None]}, output_processor=processor,
                           output_processor_context=context)
         return FusedOutput(out)
