@@ -67,13 +67,15 @@ class TopkRequest:
 @dataclass
 class Plan:
     """What the fused model call of one slime step needs: slime's args, whether entropy is wanted
-    (and its gradient), top-k buckets if asked, and the micro-batch `get_batch` returned last."""
+    (and its gradient), top-k buckets if asked, and the micro-batch `get_batch` returned last.
+    `fused=False`: a step on slime's own logits path that still fetches the request's batch keys."""
 
     args: Any
     with_entropy: bool
     entropy_requires_grad: bool
     topk: TopkRequest | None = None
     batch: dict | None = field(default=None, repr=False)
+    fused: bool = True
 
 
 _PLAN: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("megatron_rl_patches_slime_plan", default=None)
@@ -164,15 +166,17 @@ def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dic
     if bound is None:
         return wrapped(*args, **kwargs)
     slime_args = bound.arguments["args"]
-    reason = unservable(slime_args)
-    if reason is not None:
-        fall_back(reason)
-        return run_planned(None, wrapped, args, kwargs)
     from megatron_rl_patches.integrations.slime_opd import step_request
 
+    request = step_request(slime_args)
+    reason = unservable(slime_args)
+    if reason is not None:  # slime's logits path; a top-k loss still needs its batch keys
+        fall_back(reason)
+        plan = None if request is None else Plan(slime_args, False, False, request, fused=False)
+        return run_planned(plan, wrapped, args, kwargs)
     with_entropy = getattr(slime_args, "loss_type", "policy_loss") != "sft_loss"
     grad = with_entropy and getattr(slime_args, "entropy_coef", 0.0) != 0
-    return run_planned(Plan(slime_args, with_entropy, grad, step_request(slime_args)), wrapped, args, kwargs)
+    return run_planned(Plan(slime_args, with_entropy, grad, request), wrapped, args, kwargs)
 
 
 def get_batch_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -196,7 +200,7 @@ def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
     returns runs slime's forward step with the fused model."""
     schedule = wrapped(*args, **kwargs)
     plan = _PLAN.get()
-    if plan is None:
+    if plan is None or not plan.fused:
         return schedule
 
     def fused_schedule(*call_args: Any, **call_kwargs: Any) -> Any:

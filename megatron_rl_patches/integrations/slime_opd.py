@@ -237,8 +237,10 @@ def student_buckets(args: Any, batch: dict, logits: Any) -> tuple[torch.Tensor, 
         group = group if torch.distributed.get_world_size(group) > 1 else None
         mask = batch.get(IDS_MASK)
         mask = None if mask is None else packed_ids(mask, positions, rows.shape[0], dtype=torch.bool)
+        responses = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+        responses[torch.cat(positions)] = True  # the other rows' ids are placeholders (0), never read
         logp, tail = topk_logprobs(rows, packed_ids(batch[IDS], positions, rows.shape[0]), ids_mask=mask,
-                                   tp_group=group, temperature=float(args.rollout_temperature))
+                                   tp_group=group, temperature=float(args.rollout_temperature), row_mask=responses)
         logp, tail = logp[None], tail[None]
     return torch.cat(per_sample_rows(logp, batch)), torch.cat(per_sample_rows(tail, batch))
 

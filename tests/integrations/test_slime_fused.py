@@ -120,3 +120,27 @@ def test_allgather_cp_with_a_bshd_batch_is_a_clear_error(packed):
     with pytest.raises(ValueError, match="--allgather-cp needs packed thd"):
         model(input_ids=torch.zeros(1, 3, dtype=torch.long), packed_seq_params=packed)
     assert inner.calls == []
+
+
+def test_a_fallen_back_train_step_still_fetches_a_top_k_losss_batch_keys(monkeypatch, caplog):
+    """slime's logits path for the step (one log line), the schedule untouched, the OPD keys fetched."""
+    from megatron_rl_patches.integrations import slime_opd
+
+    request = slime_fused.TopkRequest(ids_key="opd_ids", keys=("opd_ids",))
+    monkeypatch.setattr(slime_opd, "step_request", lambda args: request)
+    schedule, seen = object(), {}
+
+    def get_batch(data_iterator, keys):
+        return {"keys": list(keys)}
+
+    def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer):
+        seen["schedule"] = slime_fused.schedule_wrapper(lambda: schedule, None, (), {})
+        seen["batch"] = slime_fused.get_batch_wrapper(get_batch, None, (None, ["tokens"]), {})
+
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        slime_fused.train_one_step_wrapper(train_one_step, None, (_args(rollout_top_p=0.9), 0, 0, None, None, None), {})
+    assert seen["schedule"] is schedule and seen["batch"] == {"keys": ["tokens", "opd_ids"]}
+    assert "top-p replay" in caplog.records[0].getMessage()
+    monkeypatch.setattr(slime_opd, "step_request", lambda args: None)
+    slime_fused.train_one_step_wrapper(train_one_step, None, (_args(rollout_top_p=0.9), 0, 0, None, None, None), {})
+    assert seen["batch"] == {"keys": ["tokens"]}

@@ -38,13 +38,16 @@ def _union_as_float64_selects(kit, args, student_values, teacher_values, data, i
     assert widened, "no row's union is wider than the student's ids: the test would not see a wrong union"
 
 
-@pytest.mark.parametrize("ids_from", ["student", "union"])
-def test_topk_opd_two_teachers_first_step_equals_dense_float64(slime_cpu, monkeypatch, ids_from):
+@pytest.mark.parametrize("ids_from, step_route", [("student", "fused"), ("union", "fused"), ("student", "logits"),
+                                                   ("union", "logits")])
+def test_topk_opd_two_teachers_first_step_equals_dense_float64(slime_cpu, monkeypatch, ids_from, step_route):
+    """Teachers scored on the fused route; the training step on it, or on slime's logits path (as
+    any fallback of slime_fused sends it: here a configuration the route is told it cannot serve)."""
     import slime_kit as kit
     import slime_standins
     from slime.backends.megatron_utils import model as slime_model
 
-    from megatron_rl_patches.integrations import slime_opd
+    from megatron_rl_patches.integrations import slime_fused, slime_opd
     from megatron_rl_patches.integrations.slime_opd_settings import opd_settings
     from megatron_rl_patches.testing.vocab_watch import VocabWideTensors
 
@@ -88,14 +91,18 @@ def test_topk_opd_two_teachers_first_step_equals_dense_float64(slime_cpu, monkey
             return optimizer_step(*a, **k)
 
         monkeypatch.setattr(optimizer, "step", step_noting_grads)
+        if step_route == "logits":
+            monkeypatch.setattr(slime_fused, "unservable", lambda _: "a feature of this test's configuration")
         with VocabWideTensors(vocab=kit.VOCAB) as step:
             losses, _ = slime_model.train_one_step(args, 0, 0, kit.iterators(data), model, optimizer, scheduler, 2, 4)
-    for watch in (scoring, step):  # nothing [T, V]: at most one tile of log_probs_chunk_size rows
+    for watch in (scoring, step) if step_route == "fused" else (scoring,):  # nothing [T, V]: one tile at most
         assert math.prod(watch.largest_shape[:-1]) <= 4, watch.as_dict()
+    if step_route == "logits":  # the step really ran on slime's logits: [T, V] of a micro-batch
+        assert math.prod(step.largest_shape[:-1]) >= min(kit.PROMPTS) + min(kit.RESPONSES), step.as_dict()
     loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
     grad_error = max((g.double() - r.grad).abs().max().item() for g, r in zip(grads, student.parameters()))
-    print(f"slime_opd ({ids_from} ids) vs dense float64: loss {float(expected):.6f}, |Δloss| {loss_error:.2e}, "
-          f"max |Δgrad| {grad_error:.2e}")
+    print(f"slime_opd ({ids_from} ids, {step_route} step) vs dense float64: loss {float(expected):.6f}, "
+          f"|Δloss| {loss_error:.2e}, max |Δgrad| {grad_error:.2e}")
     assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
     for g, r in zip(grads, student.parameters()):
         torch.testing.assert_close(g.double(), r.grad, rtol=1e-4, atol=1e-6)
