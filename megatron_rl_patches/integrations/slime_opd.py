@@ -139,8 +139,14 @@ def init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     return result
 
 
-def _collect(output: dict, *, total_lengths: list[int], response_lengths: list[int], **_: Any) -> tuple:
+def collect_topk(output: Any, *, total_lengths: list[int], response_lengths: list[int], **_: Any) -> tuple:
+    """slime's forward_only callback for a top-k pass: the buckets per sample (detached)."""
     import torch
+
+    if not isinstance(output, dict):
+        raise RuntimeError("slime_opd: a top-k pass fell back to slime's logits path (the slime_fused log line "
+                           "names why); top-k OPD scores the student's ids and the teachers on the fused route "
+                           "only: remove that feature from the configuration or unset MEGATRON_RL_PATCHES_OPD_TEACHERS")
 
     from megatron_rl_patches.integrations.slime_topk import per_sample_rows
 
@@ -159,7 +165,7 @@ def topk_pass(args: Any, model: list[Any], rollout_data: dict, request: TopkRequ
 
     iterator = get_data_iterator(rollout_data)
     plan = Plan(args, with_entropy=False, entropy_requires_grad=False, topk=request)
-    return run_planned(plan, slime_model.forward_only, (_collect, args, model, iterator,
+    return run_planned(plan, slime_model.forward_only, (collect_topk, args, model, iterator,
                                                         rollout_data["num_microbatches"]), {})
 
 

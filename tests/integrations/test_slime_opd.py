@@ -119,3 +119,9 @@ def test_packed_mask_places_each_sample_on_its_rows_and_pads_false():
     expected = torch.zeros(7, 2, dtype=torch.bool)
     expected[1], expected[2], expected[5] = masks[0][0], masks[0][1], masks[1][0]
     assert packed.dtype == torch.bool and torch.equal(packed, expected)
+
+
+def test_a_top_k_pass_served_logits_is_a_clear_error():
+    """A teacher's top-k pass that slime_fused sent to slime's logits path (a fallback) has no buckets."""
+    with pytest.raises(RuntimeError, match="fell back to slime's logits path"):
+        slime_opd.collect_topk(torch.zeros(1, 5, 8), total_lengths=[5], response_lengths=[2])
