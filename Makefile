@@ -42,7 +42,7 @@ STAMP_OLD = $(VENV_OLD)/.installed
 STAMP_NEW = $(VENV_NEW)/.installed
 DEPS = setup.cfg setup.py pyproject.toml
 
-.PHONY: venv demo test test-main test-oldest test-newest test-verl test-slime test-versions test-source test-gpu bench bench-gpu clean
+.PHONY: venv demo test test-main test-oldest test-newest test-verl test-slime test-versions test-source test-gpu bench bench-gpu bench-slime clean
 
 venv: $(STAMP)
 
@@ -128,6 +128,14 @@ test-slime: $(STAMP)
 	  PYTHONPATH=$(CURDIR):$(abspath $(SLIME_LANE))/slime:$(abspath $(SLIME_LANE))/megatron-lm:$(abspath $(SLIME_LANE))/deps \
 	    $(VENV)/bin/python -W ignore::DeprecationWarning -m pytest -m slime $(PYTEST_ARGS) tests/integrations/slime_lane; \
 	fi
+
+# Memory and time of slime's own step, unpatched against slime_fused (docs/benchmarks.md, "slime step"):
+#   make bench-slime SLIME=/path/to/slime MEGATRON_LM=/path/to/Megatron-LM [BENCH_SLIME_ARGS="--rounds 5"]
+BENCH_SLIME_ARGS ?= --rounds 3
+bench-slime: $(STAMP)
+	@test -n "$(SLIME)" || { echo "bench-slime: SLIME=/path/to/slime MEGATRON_LM=/path/to/Megatron-LM are needed" >&2; exit 2; }
+	PIP=$(VENV)/bin/pip tools/slime-lane "$(SLIME)" "$(MEGATRON_LM)" $(SLIME_LANE)
+	tools/slime-bench $(VENV)/bin/python $(SLIME_LANE) --out bench-out $(BENCH_SLIME_ARGS)
 
 # Each version's result line, and the name of every failing test. megatron-core is installed
 # without its dependencies (the lane venv has torch); Megatron-LM's training package (in the

@@ -53,24 +53,29 @@ PATCHES = (
 @dataclass(frozen=True)
 class TopkRequest:
     """Top-k buckets asked of the fused call beside the log-probs: the student's own top-`k` ids,
-    or the ids in the batch's per-sample `ids_key` ([R, k] each) scored; `keys` are the
-    per-sample batch keys the step needs beyond slime's own."""
+    or the ids in the batch's per-sample `ids_key` ([R, k] each) scored (padded where the
+    per-sample bool `mask_key` is False), or with `union` its own top-`k` joined to those ids
+    (`union_ids`); `keys` are the per-sample batch keys the step needs beyond slime's own."""
 
     k: int | None = None
     ids_key: str | None = None
     keys: tuple[str, ...] = ()
+    mask_key: str | None = None
+    union: bool = False
 
 
 @dataclass
 class Plan:
     """What the fused model call of one slime step needs: slime's args, whether entropy is wanted
-    (and its gradient), top-k buckets if asked, and the micro-batch `get_batch` returned last."""
+    (and its gradient), top-k buckets if asked, and the micro-batch `get_batch` returned last.
+    `fused=False`: a step on slime's own logits path that still fetches the request's batch keys."""
 
     args: Any
     with_entropy: bool
     entropy_requires_grad: bool
     topk: TopkRequest | None = None
     batch: dict | None = field(default=None, repr=False)
+    fused: bool = True
 
 
 _PLAN: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("megatron_rl_patches_slime_plan", default=None)
@@ -161,15 +166,17 @@ def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dic
     if bound is None:
         return wrapped(*args, **kwargs)
     slime_args = bound.arguments["args"]
-    reason = unservable(slime_args)
-    if reason is not None:
-        fall_back(reason)
-        return run_planned(None, wrapped, args, kwargs)
     from megatron_rl_patches.integrations.slime_opd import step_request
 
+    request = step_request(slime_args)
+    reason = unservable(slime_args)
+    if reason is not None:  # slime's logits path; a top-k loss still needs its batch keys
+        fall_back(reason)
+        plan = None if request is None else Plan(slime_args, False, False, request, fused=False)
+        return run_planned(plan, wrapped, args, kwargs)
     with_entropy = getattr(slime_args, "loss_type", "policy_loss") != "sft_loss"
     grad = with_entropy and getattr(slime_args, "entropy_coef", 0.0) != 0
-    return run_planned(Plan(slime_args, with_entropy, grad, step_request(slime_args)), wrapped, args, kwargs)
+    return run_planned(Plan(slime_args, with_entropy, grad, request), wrapped, args, kwargs)
 
 
 def get_batch_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -193,7 +200,7 @@ def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
     returns runs slime's forward step with the fused model."""
     schedule = wrapped(*args, **kwargs)
     plan = _PLAN.get()
-    if plan is None:
+    if plan is None or not plan.fused:
         return schedule
 
     def fused_schedule(*call_args: Any, **call_kwargs: Any) -> Any:
@@ -250,6 +257,14 @@ class FusedModel:
         if "mtp_kwargs" in kwargs:
             fall_back("MTP training (mtp_kwargs)")
             return self._model(*args, **kwargs)
+        layout = batch_layout(kwargs.get("packed_seq_params"))
+        if layout != "thd":
+            if getattr(self._plan.args, "allgather_cp", False):
+                raise ValueError(
+                    "slime_fused: --allgather-cp needs packed thd batches (slime's get_batch builds them); this "
+                    f"micro-batch is {layout!r}: drop --allgather-cp or pack as thd")
+            fall_back(f"{layout} batches (packed_seq_params.qkv_format != 'thd': the route slices thd packing)")
+            return self._model(*args, **kwargs)
         if not _accepts_processor(self._model):
             fall_back("a model without GPTModel's output_processor keyword (apply gpt_output_processor "
                       "on megatron-core < 0.18)")
@@ -262,12 +277,6 @@ class FusedModel:
 
         plan, tokens = self._plan, kwargs["input_ids"]
         allgather_cp = bool(getattr(plan.args, "allgather_cp", False))
-        packed = kwargs.get("packed_seq_params")
-        if allgather_cp and getattr(packed, "qkv_format", "thd") != "thd":
-            raise ValueError(
-                "slime_fused: --allgather-cp needs packed thd batches (slime's get_batch builds them); this "
-                f"micro-batch is {getattr(packed, 'qkv_format', None)!r}: drop --allgather-cp or pack as thd"
-            )
         if tokens.dim() != 2 or tokens.size(0) != 1:
             raise ValueError(f"slime_fused: slime packs every micro-batch as [1, T] tokens, got {tuple(tokens.shape)}")
         length = tokens.size(1)
@@ -282,10 +291,17 @@ class FusedModel:
             from megatron_rl_patches.integrations.slime_topk import topk_context, with_topk
 
             topk_ctx = topk_context(plan.topk, batch, length, tokens.device, allgather_cp)
-            processor = with_topk(processor, plan.topk.k, options, topk_ctx)
+            processor = with_topk(processor, plan.topk.k, options, topk_ctx, union=plan.topk.union)
         out = self._model(**{**kwargs, "labels": labels[None]}, output_processor=processor,
                           output_processor_context=context)
         return FusedOutput(out)
+
+
+def batch_layout(packed_seq_params: Any) -> str:
+    """The micro-batch's qkv layout: its `packed_seq_params.qkv_format`, "bshd" without packing."""
+    if packed_seq_params is None:
+        return "bshd"
+    return str(getattr(packed_seq_params, "qkv_format", "thd"))
 
 
 def _chunk_size(args: Any) -> int | None:

@@ -8,7 +8,10 @@ Teachers are loaded after the actor's `init`: same-architecture ones the slime w
 loaded into the actor and kept as host snapshots, swapped in with one restore per teacher per
 step), others as separate inference-only models (`build_inference_model`). Before slime's
 `train_actor`, the actor's own top-k pass selects the ids, each teacher scores them (exact tail
-bucket): [R, k] per sample and teacher reach `train_one_step`'s batch. Nothing [T, V] is built.
+bucket): [R, k] per sample and teacher reach `train_one_step`'s batch. With
+MEGATRON_RL_PATCHES_OPD_IDS_FROM=union the first teacher's pass also selects its own top-k and
+scores the union with the student's ids ([R, 2k] with a padding mask), which every other model
+scores. Nothing [T, V] is built.
 """
 from __future__ import annotations
 
@@ -32,7 +35,9 @@ if TYPE_CHECKING:  # torch is imported by the functions that run: `list` and `do
 ACTOR = "slime.backends.megatron_utils.actor:MegatronTrainRayActor"
 HERE = "megatron_rl_patches.integrations.slime_opd"
 IDS, TEACHER_LOGPROBS, TEACHER_TAILS = "opd_topk_ids", "opd_teacher_logprobs", "opd_teacher_tails"
+IDS_MASK = "opd_topk_ids_mask"
 STEP_REQUEST = TopkRequest(ids_key=IDS, keys=(IDS, TEACHER_LOGPROBS, TEACHER_TAILS))
+UNION_STEP_REQUEST = TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS))
 ATTRIBUTE = "_megatron_rl_patches_opd_teachers"
 
 PATCHES = (
@@ -46,11 +51,14 @@ PATCHES = (
 
 
 def step_request(args: Any) -> TopkRequest | None:
-    """The top-k request of slime's training step: the student scores the rollout's ids when
-    top-k OPD is on and slime's loss is this module's."""
-    if opd_settings() is None or getattr(args, "custom_loss_function_path", None) != LOSS_PATH:
+    """The top-k request of slime's training step: the student scores the rollout's ids (with
+    their padding mask for a union) when top-k OPD is on and slime's loss is this module's."""
+    settings = opd_settings()
+    if settings is None or getattr(args, "custom_loss_function_path", None) != LOSS_PATH:
         return None
-    return STEP_REQUEST if getattr(args, "loss_type", None) == "custom_loss" else None
+    if getattr(args, "loss_type", None) != "custom_loss":
+        return None
+    return UNION_STEP_REQUEST if settings.ids_from == "union" else STEP_REQUEST
 
 
 def check_args(args: Any) -> None:
@@ -131,14 +139,20 @@ def init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     return result
 
 
-def _collect(output: dict, *, total_lengths: list[int], response_lengths: list[int], **_: Any) -> tuple:
+def collect_topk(output: Any, *, total_lengths: list[int], response_lengths: list[int], **_: Any) -> tuple:
+    """slime's forward_only callback for a top-k pass: the buckets per sample (detached)."""
     import torch
+
+    if not isinstance(output, dict):
+        raise RuntimeError("slime_opd: a top-k pass fell back to slime's logits path (the slime_fused log line "
+                           "names why); top-k OPD scores the student's ids and the teachers on the fused route "
+                           "only: remove that feature from the configuration or unset MEGATRON_RL_PATCHES_OPD_TEACHERS")
 
     from megatron_rl_patches.integrations.slime_topk import per_sample_rows
 
     batch = {"total_lengths": total_lengths, "response_lengths": response_lengths}
     result = {key: [t.detach() for t in per_sample_rows(output[key], batch)]
-              for key in ("topk_ids", "topk_log_probs", "tail") if key in output}
+              for key in ("topk_ids", "ids_mask", "topk_log_probs", "tail") if key in output}
     return torch.empty((0,), device=output["log_probs"].device), result
 
 
@@ -151,13 +165,24 @@ def topk_pass(args: Any, model: list[Any], rollout_data: dict, request: TopkRequ
 
     iterator = get_data_iterator(rollout_data)
     plan = Plan(args, with_entropy=False, entropy_requires_grad=False, topk=request)
-    return run_planned(plan, slime_model.forward_only, (_collect, args, model, iterator,
+    return run_planned(plan, slime_model.forward_only, (collect_topk, args, model, iterator,
                                                         rollout_data["num_microbatches"]), {})
+
+
+def _teacher_requests(settings: OpdSettings) -> tuple[TopkRequest, TopkRequest]:
+    """The first teacher's request and the others': all score the student's ids, or (union) the
+    first selects its own top-k and scores the union, which the others score with its mask."""
+    if settings.ids_from == "union":
+        return (TopkRequest(k=settings.k, ids_key=IDS, keys=(IDS,), union=True),
+                TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_MASK)))
+    scoring = TopkRequest(ids_key=IDS, keys=(IDS,))
+    return scoring, scoring
 
 
 def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> None:
     """The actor's top-k ids (first, never skipped), then each teacher's [R, k] scores and [R]
-    tails, stacked per sample as [n, R, k] / [n, R] into the rollout data."""
+    tails, stacked per sample as [n, R, k] / [n, R] into the rollout data (for a union, the
+    first teacher's pass replaces the ids by the union [R, 2k] and adds its padding mask)."""
     import torch
 
     if actor._active_model_tag != "actor":
@@ -166,14 +191,18 @@ def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> Non
     if ids is None:  # not the last pipeline stage: the ids live there only
         return
     rollout_data[IDS] = ids
+    rollout_data.pop(IDS_MASK, None)
+    first, others = _teacher_requests(settings)
     scores, tails = [], []
-    for teacher in getattr(actor, ATTRIBUTE):
+    for index, teacher in enumerate(getattr(actor, ATTRIBUTE)):
         model = actor.model
         if isinstance(teacher, str):
             actor._switch_model(teacher)
         else:
             model = teacher
-        out = topk_pass(actor.args, model, rollout_data, TopkRequest(ids_key=IDS, keys=(IDS,)))
+        out = topk_pass(actor.args, model, rollout_data, others if index else first)
+        if "ids_mask" in out:
+            rollout_data[IDS], rollout_data[IDS_MASK] = out["topk_ids"], out["ids_mask"]
         scores.append(out["topk_log_probs"])
         tails.append(out["tail"])
     actor._switch_model("actor")
@@ -191,8 +220,9 @@ def train_actor_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
 
 
 def student_buckets(args: Any, batch: dict, logits: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The student's [N, k] log-probs at the rollout's ids and [N] tails over the batch's response
-    tokens: from the fused output, or (slime's logits path) from the logits by the top-k op."""
+    """The student's [N, k] log-probs at the rollout's ids (padded slots of a union -inf) and [N]
+    tails over the batch's response tokens: from the fused output, or (slime's logits path) from
+    the logits by the top-k op."""
     import torch
 
     from megatron_rl_patches.integrations.slime_topk import packed_ids, per_sample_rows
@@ -211,8 +241,12 @@ def student_buckets(args: Any, batch: dict, logits: Any) -> tuple[torch.Tensor, 
         positions = response_positions(batch, rows.shape[0], rows.device, bool(args.allgather_cp))
         group = parallel_state.get_tensor_model_parallel_group()
         group = group if torch.distributed.get_world_size(group) > 1 else None
-        logp, tail = topk_logprobs(rows, packed_ids(batch[IDS], positions, rows.shape[0]), tp_group=group,
-                                   temperature=float(args.rollout_temperature))
+        mask = batch.get(IDS_MASK)
+        mask = None if mask is None else packed_ids(mask, positions, rows.shape[0], dtype=torch.bool)
+        responses = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+        responses[torch.cat(positions)] = True  # the other rows' ids are placeholders (0), never read
+        logp, tail = topk_logprobs(rows, packed_ids(batch[IDS], positions, rows.shape[0]), ids_mask=mask,
+                                   tp_group=group, temperature=float(args.rollout_temperature), row_mask=responses)
         logp, tail = logp[None], tail[None]
     return torch.cat(per_sample_rows(logp, batch)), torch.cat(per_sample_rows(tail, batch))
 
@@ -235,8 +269,10 @@ def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean
     teachers = torch.cat(batch[TEACHER_LOGPROBS], dim=1).to(student)
     tails = torch.cat(batch[TEACHER_TAILS], dim=1).to(student)
     weights = None if settings.weights is None else torch.tensor(settings.weights, dtype=torch.float64)
+    mask = batch.get(IDS_MASK)
+    mask = None if mask is None else torch.cat(mask).to(device=student.device, dtype=torch.bool)
     divergence = topk_kl(student, student_tail, teachers, tails, teacher_weights=weights,
-                         divergence=settings.divergence)
+                         divergence=settings.divergence, ids_mask=mask)
     opd = sum_of_sample_mean(divergence)
     log["opd_topk_loss"] = opd.clone().detach()
     return settings.policy_weight * loss + settings.coef * opd, log

@@ -15,6 +15,8 @@ DIVERGENCE = PREFIX + "DIVERGENCE"
 COEF = PREFIX + "COEF"
 POLICY_WEIGHT = PREFIX + "POLICY_WEIGHT"
 RESIDENCY = PREFIX + "RESIDENCY"
+IDS_FROM = PREFIX + "IDS_FROM"
+IDS_SOURCES = ("student", "union")
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tv")
 LOSS_PATH = "megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss"
 
@@ -35,7 +37,9 @@ class Teacher:
 @dataclass(frozen=True)
 class OpdSettings:
     """What the OPD flow does: teachers, mixture weights (None: uniform), k, divergence, the OPD
-    term's coefficient, the weight of slime's policy loss, and the separate teachers' residency."""
+    term's coefficient, the weight of slime's policy loss, the separate teachers' residency, and
+    whose top-k ids make the buckets ("student", or "union": the student's and the first
+    teacher's, 2k per token with a padding mask, as docs/distillation.md defines it)."""
 
     teachers: tuple[Teacher, ...]
     weights: tuple[float, ...] | None = None
@@ -44,6 +48,7 @@ class OpdSettings:
     coef: float = 1.0
     policy_weight: float = 1.0
     residency: str | None = None
+    ids_from: str = "student"
 
 
 def _teacher(entry: str) -> Teacher:
@@ -106,6 +111,10 @@ def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
     divergence = env.get(DIVERGENCE, "").strip() or "reverse_kl"
     if divergence not in DIVERGENCES:
         raise ValueError(f"{DIVERGENCE}={divergence!r}: expected one of {list(DIVERGENCES)}")
+    ids_from = env.get(IDS_FROM, "").strip() or "student"
+    if ids_from not in IDS_SOURCES:
+        raise ValueError(f"{IDS_FROM}={ids_from!r}: expected one of {list(IDS_SOURCES)} (whose top-k ids make the "
+                         "buckets: the student's, or the student's and the first teacher's)")
     return OpdSettings(teachers=teachers, weights=_weights(env, len(teachers)), k=_k(env), divergence=divergence,
                        coef=_number(env, COEF, 1.0), policy_weight=_number(env, POLICY_WEIGHT, 1.0),
-                       residency=env.get(RESIDENCY, "").strip() or None)
+                       residency=env.get(RESIDENCY, "").strip() or None, ids_from=ids_from)

@@ -24,6 +24,8 @@ def test_settings_parsed():
     assert s.teachers == (Teacher("/a"), Teacher("/b", "pkg.mod:provider"))
     assert s.teachers[0].same_architecture and not s.teachers[1].same_architecture
     assert (s.weights, s.k, s.divergence, s.coef, s.policy_weight) == ((1.0, 3.0), 8, "jsd", 0.5, 2.0)
+    assert s.ids_from == "student"
+    assert opd_settings({P + "TEACHERS": "/a", P + "IDS_FROM": "union"}).ids_from == "union"
 
 
 @pytest.mark.parametrize("env, named", [
@@ -35,6 +37,7 @@ def test_settings_parsed():
     ({P + "TEACHERS": "/a", P + "DIVERGENCE": "kl"}, P + "DIVERGENCE"),
     ({P + "TEACHERS": "/a@noprovider"}, P + "TEACHERS"),
     ({P + "TEACHERS": "/a", P + "COEF": "nan"}, P + "COEF"),
+    ({P + "TEACHERS": "/a", P + "IDS_FROM": "teacher"}, P + "IDS_FROM"),
 ])
 def test_bad_settings_name_the_variable(env, named):
     with pytest.raises(ValueError, match=named):
@@ -60,6 +63,10 @@ def test_step_request_only_with_teachers_and_this_loss(monkeypatch):
     monkeypatch.setenv(P + "TEACHERS", "/a")
     assert slime_opd.step_request(_args()) is slime_opd.STEP_REQUEST
     assert slime_opd.step_request(_args(custom_loss_function_path="x.y")) is None
+    monkeypatch.setenv(P + "IDS_FROM", "union")
+    request = slime_opd.step_request(_args())
+    assert request is slime_opd.UNION_STEP_REQUEST and request.mask_key == slime_opd.IDS_MASK
+    assert slime_opd.IDS_MASK in request.keys
 
 
 class _Actor:
@@ -104,3 +111,17 @@ def test_packed_ids_place_each_sample_on_its_rows():
     assert torch.equal(ids, expected)
     with pytest.raises(ValueError, match="expected \\[2, 2\\]"):
         packed_ids([torch.zeros(3, 2)], [torch.tensor([0, 1])], 4)
+
+
+def test_packed_mask_places_each_sample_on_its_rows_and_pads_false():
+    masks = [torch.tensor([[True, False], [True, True]]), torch.tensor([[False, True]])]
+    packed = packed_ids(masks, [torch.tensor([1, 2]), torch.tensor([5])], 7, dtype=torch.bool)
+    expected = torch.zeros(7, 2, dtype=torch.bool)
+    expected[1], expected[2], expected[5] = masks[0][0], masks[0][1], masks[1][0]
+    assert packed.dtype == torch.bool and torch.equal(packed, expected)
+
+
+def test_a_top_k_pass_served_logits_is_a_clear_error():
+    """A teacher's top-k pass that slime_fused sent to slime's logits path (a fallback) has no buckets."""
+    with pytest.raises(RuntimeError, match="fell back to slime's logits path"):
+        slime_opd.collect_topk(torch.zeros(1, 5, 8), total_lengths=[5], response_lengths=[2])

@@ -6,6 +6,7 @@ with Transformer Engine specs) is the packed tiny GPT."""
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -38,7 +39,7 @@ def slime_args(*extra: str, **values: Any) -> Any:
     with mock.patch.object(sys, "argv", ["slime-lane", *ARGV, *extra]):
         args = parse_args(extra_args_provider=get_slime_extra_args_provider())
     validate_args(args)
-    args.padded_vocab_size = VOCAB
+    args.padded_vocab_size = args.vocab_size
     args.eps_clip_high = args.eps_clip if args.eps_clip_high is None else args.eps_clip_high  # slime_validate_args
     for name, value in values.items():
         setattr(args, name, value)
@@ -61,7 +62,7 @@ def slime_session(*extra: str, **values: Any) -> Iterator[Any]:
 
 
 def provider_func(args: Any, role: str = "actor") -> Any:
-    """Stands for slime's `get_model_provider_func`: the packed tiny GPT, config from args."""
+    """Stands for slime's `get_model_provider_func`: the packed tiny GPT, config and sizes from args."""
     from megatron.training.arguments import core_transformer_config_from_args
 
     from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
@@ -69,7 +70,8 @@ def provider_func(args: Any, role: str = "actor") -> Any:
     def provider(pre_process: bool = True, post_process: bool = True, vp_stage: Any = None, config: Any = None,
                  **_: Any) -> Any:
         config = config if config is not None else core_transformer_config_from_args(args)
-        return build_packed_gpt(vocab_size=VOCAB, seq_length=SEQ, seed=0, config=config)
+        return build_packed_gpt(vocab_size=args.padded_vocab_size, seq_length=args.max_position_embeddings, seed=0,
+                                config=config)
 
     return provider
 
@@ -82,23 +84,26 @@ def build(args: Any) -> tuple[list[Any], Any, Any]:
         return slime_model.setup_model_and_optimizer(args, "actor")
 
 
-def rollout(seed: int, old_log_probs: Sequence[torch.Tensor] | None = None) -> dict[str, Any]:
+def rollout(seed: int, old_log_probs: Sequence[torch.Tensor] | None = None, *, prompts: Sequence[int] = PROMPTS,
+            responses: Sequence[int] = RESPONSES, vocab: int = VOCAB,
+            micro_batches: Sequence[Sequence[int]] = ((0, 1), (2, 3))) -> dict[str, Any]:
     """One rollout's per-sample data as slime's actor passes it to train(): tokens, masks
-    (one masked response token per sample), advantages, old log-probs; 2 micro-batches of 2."""
+    (one masked response token per sample), advantages, old log-probs; by default 4 samples in
+    2 micro-batches of 2."""
     gen = torch.Generator().manual_seed(seed)
-    tokens = [torch.randint(0, VOCAB, (p + r,), generator=gen) for p, r in zip(PROMPTS, RESPONSES)]
+    tokens = [torch.randint(0, vocab, (p + r,), generator=gen) for p, r in zip(prompts, responses)]
     masks = []
-    for r in RESPONSES:
+    for r in responses:
         mask = torch.ones(r, dtype=torch.int)
         mask[r // 2] = 0
         masks.append(mask)
     data = {
         "tokens": tokens,
-        "total_lengths": [p + r for p, r in zip(PROMPTS, RESPONSES)],
-        "response_lengths": list(RESPONSES),
+        "total_lengths": [p + r for p, r in zip(prompts, responses)],
+        "response_lengths": list(responses),
         "loss_masks": masks,
-        "advantages": [torch.randn(r, generator=gen) for r in RESPONSES],
-        "micro_batch_indices": [[0, 1], [2, 3]],
+        "advantages": [torch.randn(r, generator=gen) for r in responses],
+        "micro_batch_indices": [list(indices) for indices in micro_batches],
     }
     if old_log_probs is not None:
         data["log_probs"] = list(old_log_probs)
@@ -180,48 +185,53 @@ def actor(args: Any, model: list[Any], teachers: dict[str, int], monkeypatch: An
     return instance
 
 
+def float64_copy(args: Any, values: list[torch.Tensor]) -> Any:
+    """The tiny GPT in float64 holding `values` (its parameters in order)."""
+    module = provider_func(args)().double()
+    with torch.no_grad():
+        for p, value in zip(module.parameters(), values):
+            p.copy_(value)
+    return module
+
+
+def response_logps(module: Any, data: dict, temperature: float) -> list[torch.Tensor]:
+    """Per sample, the dense [R, V] log-softmax (logits / temperature) at the response's rows."""
+    out = []
+    for tokens, response in zip(data["tokens"], data["response_lengths"]):
+        n = tokens.numel()
+        causal = torch.ones(n, n, dtype=torch.bool).tril().logical_not()[None, None]
+        logits = module(tokens[None], torch.arange(n)[None], causal)[0].double() / temperature
+        out.append(torch.log_softmax(logits, dim=-1)[n - response - 1: n - 1])
+    return out
+
+
 def dense_topk_opd(args: Any, model: list[Any], snapshots: list[list[torch.Tensor]], data: dict,
-                   ids: list[torch.Tensor],
-                   weights: Sequence[float], temperature: float) -> tuple[torch.Tensor, Any]:
+                   ids: list[torch.Tensor], weights: Sequence[float], temperature: float,
+                   masks: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
     """float64 reference of the first step's OPD loss (forward KL of the teachers' mixture to the
     student over the k+1 buckets, mean over each sample's unmasked tokens, / samples) from dense
-    [R, V] log-softmaxes; the student in float64 with autograd (its .grad are filled)."""
+    [R, V] log-softmaxes; the student in float64 with autograd (its .grad are filled). `masks`
+    (per sample, ids' shape): only the True ids are buckets, the rest of the mass is the tail."""
     gpt = model[0]
     while hasattr(gpt, "module"):
         gpt = gpt.module
-
-    def copy_of(values: list[torch.Tensor]) -> Any:
-        module = provider_func(args)().double()
-        with torch.no_grad():
-            for p, value in zip(module.parameters(), values):
-                p.copy_(value)
-        return module
-
-    def logps(module: Any) -> list[torch.Tensor]:
-        out = []
-        for tokens, response in zip(data["tokens"], data["response_lengths"]):
-            n = tokens.numel()
-            causal = torch.ones(n, n, dtype=torch.bool).tril().logical_not()[None, None]
-            logits = module(tokens[None], torch.arange(n)[None], causal)[0].double() / temperature
-            out.append(torch.log_softmax(logits, dim=-1)[n - response - 1: n - 1])
-        return out
-
-    student = copy_of([p.detach() for p in gpt.parameters()])
+    student = float64_copy(args, [p.detach() for p in gpt.parameters()])
     teachers = []
     for snapshot in snapshots:
         with torch.no_grad():
-            teachers.append(logps(copy_of(snapshot)))
+            teachers.append(response_logps(float64_copy(args, snapshot), data, temperature))
     w = torch.tensor(weights, dtype=torch.float64)
     w = w / w.sum()
     total = torch.zeros((), dtype=torch.float64)
-    students = logps(student)
+    students = response_logps(student, data, temperature)
     for s, (sample_ids, mask) in enumerate(zip(ids, data["loss_masks"])):
+        real = torch.ones_like(sample_ids, dtype=torch.bool) if masks is None else masks[s]
         buckets = []
         for logp in [students[s], *[t[s] for t in teachers]]:
-            at = logp.gather(-1, sample_ids)
+            at = logp.gather(-1, sample_ids.clamp(min=0)).masked_fill(~real, -math.inf)
             buckets.append(torch.cat([at, torch.log1p(-at.exp().sum(-1, keepdim=True).clamp(max=1 - 1e-15))], -1))
         mix = torch.log((w[:, None, None] * torch.stack([b.exp() for b in buckets[1:]])).sum(0))
-        kl = (mix.exp() * (mix - buckets[0])).sum(-1)
+        kl = torch.where(mix.isneginf(), 0.0, mix.exp() * (mix - buckets[0])).sum(-1)  # 0·log 0 = 0
         total = total + (kl * mask).sum() / mask.sum().clamp(min=1)
     total = total / len(ids)
     total.backward()

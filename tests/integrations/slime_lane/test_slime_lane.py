@@ -1,7 +1,9 @@
 """slime 624b824a's real train() / forward_only / train_one_step with the package's slime patches."""
 from __future__ import annotations
 
+import functools
 import logging
+import math
 
 import pytest
 import torch
@@ -81,18 +83,39 @@ def test_fused_matches_slimes_logits_path_and_float64(slime_cpu):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
-def test_fused_route_builds_no_vocab_wide_rows(slime_cpu):
+def _watched_forward_and_train(kit, patches: list[str]):
+    """The [T, V] watch over slime's forward_only and train() with `patches` applied (chunks of 4 rows)."""
     from megatron_rl_patches.testing.vocab_watch import VocabWideTensors
 
-    kit = _kit()
-    megatron_rl_patches.apply(only=FUSED)
+    if patches:
+        megatron_rl_patches.apply(only=patches)
     with kit.slime_session(log_probs_chunk_size=4) as args:
         model, optimizer, scheduler = kit.build(args)
         data = kit.rollout(0)
         with VocabWideTensors(vocab=kit.VOCAB) as watch:
             kit.log_probs(args, model, data)
             kit.train(args, 0, model, optimizer, scheduler, kit.rollout(0))
-    assert watch.largest_shape and watch.largest_shape[-2] <= 4, watch.as_dict()
+    return watch
+
+
+def _rows(shape: tuple[int, ...]) -> int:
+    """Vocabulary-wide rows of a tensor of `shape` ([s, b, V] and [b, s, V] alike)."""
+    return math.prod(shape[:-1])
+
+
+def test_fused_route_builds_no_vocab_wide_rows(slime_cpu):
+    watch = _watched_forward_and_train(_kit(), FUSED)
+    assert watch.largest_shape and _rows(watch.largest_shape) <= 4, watch.as_dict()
+
+
+def test_vocab_watch_sees_the_logits_of_slimes_unpatched_route(slime_cpu):
+    """The negative control: the same watch on slime's own route sees its [1, T, V] logits (T: a
+    micro-batch's packed tokens), slime's log-prob chunking notwithstanding; a blind watch fails here."""
+    kit = _kit()
+    data = kit.rollout(0)
+    packed = max(sum(data["total_lengths"][i] for i in batch) for batch in data["micro_batch_indices"])
+    watch = _watched_forward_and_train(kit, [])
+    assert _rows(watch.largest_shape) >= packed, (packed, watch.as_dict())
 
 
 @pytest.mark.parametrize("feature, values, env", [
@@ -121,3 +144,38 @@ def test_fallback_logs_the_feature_once_and_keeps_slimes_numbers(slime_cpu, capl
     assert len(lines) == 1 and feature in lines[0], lines
     for a, r in zip(first["log_probs"], ref[0]):
         torch.testing.assert_close(a.double(), r, rtol=0, atol=2e-5)
+
+
+def test_bshd_batch_falls_back_with_one_log_line_and_slimes_numbers(slime_cpu, caplog, monkeypatch):
+    """slime 624b824a packs thd; a bshd micro-batch (a fork's get_batch without packing: here slime's
+    batch with its packed_seq_params dropped) goes to slime's own logits path, said once."""
+    from slime.backends.megatron_utils import model as slime_model
+
+    from megatron_rl_patches.integrations import slime_fused
+
+    kit = _kit()
+    get_batch = slime_model.get_batch
+
+    @functools.wraps(get_batch)  # slime's signature, which slime_fused's guard checks
+    def bshd_batch(*args, **kwargs):
+        batch = get_batch(*args, **kwargs)
+        batch["packed_seq_params"] = None
+        return batch
+
+    monkeypatch.setattr(slime_model, "get_batch", bshd_batch)
+    monkeypatch.setattr(slime_fused, "_SAID", set())
+    with kit.slime_session(rollout_temperature=TEMPERATURE) as args:
+        model, _, _ = kit.build(args)
+        data = kit.rollout(0)
+        plain = kit.log_probs(args, model, data)
+        megatron_rl_patches.apply(only=FUSED)
+        try:
+            with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+                fused = kit.log_probs(args, model, data)
+                kit.log_probs(args, model, data)
+        finally:
+            megatron_rl_patches.revert()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slime_fused:")]
+    assert len(lines) == 1 and "bshd" in lines[0], lines
+    for a, b in zip(plain["log_probs"], fused["log_probs"], strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)

@@ -1,6 +1,8 @@
 """slime 624b824a's actor and train_one_step with top-k multi-teacher OPD (`slime_opd`)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -21,17 +23,37 @@ def _opd_env(monkeypatch, **extra: str) -> None:
         monkeypatch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
 
 
-def test_topk_opd_two_teachers_first_step_equals_dense_float64(slime_cpu, monkeypatch):
+def _union_as_float64_selects(kit, args, student_values, teacher_values, data, ids, masks) -> None:
+    """Each row's union is the student's top-K (first) and the first teacher's, as float64 ranks them."""
+    student = kit.response_logps(kit.float64_copy(args, student_values), data, TEMPERATURE)
+    teacher = kit.response_logps(kit.float64_copy(args, teacher_values), data, TEMPERATURE)
+    widened = 0
+    for s_logp, t_logp, sample_ids, mask in zip(student, teacher, ids, masks, strict=True):
+        own, theirs = s_logp.topk(K).indices, t_logp.topk(K).indices
+        for row in range(sample_ids.shape[0]):
+            assert set(sample_ids[row, :K].tolist()) == set(own[row].tolist())
+            union = set(own[row].tolist()) | set(theirs[row].tolist())
+            assert set(sample_ids[row][mask[row]].tolist()) == union and mask[row].sum() == len(union)
+            widened += len(union) > K
+    assert widened, "no row's union is wider than the student's ids: the test would not see a wrong union"
+
+
+@pytest.mark.parametrize("ids_from, step_route", [("student", "fused"), ("union", "fused"), ("student", "logits"),
+                                                   ("union", "logits")])
+def test_topk_opd_two_teachers_first_step_equals_dense_float64(slime_cpu, monkeypatch, ids_from, step_route):
+    """Teachers scored on the fused route; the training step on it, or on slime's logits path (as
+    any fallback of slime_fused sends it: here a configuration the route is told it cannot serve)."""
     import slime_kit as kit
     import slime_standins
     from slime.backends.megatron_utils import model as slime_model
 
-    from megatron_rl_patches.integrations import slime_opd
+    from megatron_rl_patches.integrations import slime_fused, slime_opd
     from megatron_rl_patches.integrations.slime_opd_settings import opd_settings
     from megatron_rl_patches.testing.vocab_watch import VocabWideTensors
 
     slime_standins.cpu_pinned_memory(monkeypatch)
-    _opd_env(monkeypatch)
+    _opd_env(monkeypatch, IDS_FROM=ids_from)
+    width = 2 * K if ids_from == "union" else K
     megatron_rl_patches.apply(only=["slime_fused", "gpt_output_processor", "slime_opd"])
     with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", LOSS,
                            rollout_temperature=TEMPERATURE, log_probs_chunk_size=4) as args:
@@ -51,10 +73,14 @@ def test_topk_opd_two_teachers_first_step_equals_dense_float64(slime_cpu, monkey
         with VocabWideTensors(vocab=kit.VOCAB) as scoring:
             slime_opd.score_teachers(actor, data, opd_settings())
         assert actor._active_model_tag == "actor"
-        ids = data[slime_opd.IDS]
-        assert [tuple(i.shape) for i in ids] == [(r, K) for r in kit.RESPONSES]
-        assert [tuple(t.shape) for t in data[slime_opd.TEACHER_LOGPROBS]] == [(2, r, K) for r in kit.RESPONSES]
-        expected, student = kit.dense_topk_opd(args, model, snapshots, data, ids, WEIGHTS, TEMPERATURE)
+        ids, masks = data[slime_opd.IDS], data.get(slime_opd.IDS_MASK)
+        assert [tuple(i.shape) for i in ids] == [(r, width) for r in kit.RESPONSES]
+        assert [tuple(t.shape) for t in data[slime_opd.TEACHER_LOGPROBS]] == [(2, r, width) for r in kit.RESPONSES]
+        assert (masks is not None) == (ids_from == "union")
+        if masks is not None:
+            _union_as_float64_selects(kit, args, [p.detach() for p in gpt.parameters()], snapshots[0], data, ids,
+                                      masks)
+        expected, student = kit.dense_topk_opd(args, model, snapshots, data, ids, WEIGHTS, TEMPERATURE, masks)
         for chunk in model:
             chunk.train()
         grads: list[torch.Tensor] = []
@@ -65,14 +91,18 @@ def test_topk_opd_two_teachers_first_step_equals_dense_float64(slime_cpu, monkey
             return optimizer_step(*a, **k)
 
         monkeypatch.setattr(optimizer, "step", step_noting_grads)
+        if step_route == "logits":
+            monkeypatch.setattr(slime_fused, "unservable", lambda _: "a feature of this test's configuration")
         with VocabWideTensors(vocab=kit.VOCAB) as step:
             losses, _ = slime_model.train_one_step(args, 0, 0, kit.iterators(data), model, optimizer, scheduler, 2, 4)
-    for watch in (scoring, step):  # nothing [T, V]: at most one tile of log_probs_chunk_size rows
-        assert watch.largest_shape is None or watch.largest_shape[-2] <= 4, watch.as_dict()
+    for watch in (scoring, step) if step_route == "fused" else (scoring,):  # nothing [T, V]: one tile at most
+        assert math.prod(watch.largest_shape[:-1]) <= 4, watch.as_dict()
+    if step_route == "logits":  # the step really ran on slime's logits: [T, V] of a micro-batch
+        assert math.prod(step.largest_shape[:-1]) >= min(kit.PROMPTS) + min(kit.RESPONSES), step.as_dict()
     loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
     grad_error = max((g.double() - r.grad).abs().max().item() for g, r in zip(grads, student.parameters()))
-    print(f"slime_opd vs dense float64: loss {float(expected):.6f}, |Δloss| {loss_error:.2e}, "
-          f"max |Δgrad| {grad_error:.2e}")
+    print(f"slime_opd ({ids_from} ids, {step_route} step) vs dense float64: loss {float(expected):.6f}, "
+          f"|Δloss| {loss_error:.2e}, max |Δgrad| {grad_error:.2e}")
     assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
     for g, r in zip(grads, student.parameters()):
         torch.testing.assert_close(g.double(), r.grad, rtol=1e-4, atol=1e-6)

@@ -1,0 +1,169 @@
+"""Memory and time of slime's own step, unpatched (slime's logits path) against `slime_fused`:
+slime 624b824a's real `forward_only(get_log_probs_and_entropy)` and `train()` on the lane's tiny
+packed GPT, one micro-batch of T packed tokens, vocabulary V (`tools/slime-bench`).
+
+Each (round, route) runs in a fresh process (the package's bench worker); rounds interleave the
+routes. Memory is the package's bench method (apps/bench/common.MemoryProbe: the resident set on
+CPU, glibc told to return large blocks at once), in U = 4·T·V bytes (one fp32 [T, V] logits):
+`held` is what is alive when the backward of the step's micro-batch starts, `peak` the high-water
+mark over a whole train step (forward, backward, optimizer) or a whole forward_only. Train steps
+go through slime's own `train()` loop, several steps in one call: each step's gradients are
+finalized before the next (calling `train_one_step` on its own leaves the overlapped grad reduce
+outstanding, and the next step asserts "Should not have multiple communication calls outstanding").
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+from unittest import mock
+
+from megatron_rl_patches.apps.bench import common
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FUSED = ["slime_fused", "gpt_output_processor"]
+ROUTES = ("unpatched", "slime_fused")
+COLUMNS = ("route", "forward_only_s", "train_step_s", "held_U", "peak_U", "forward_only_peak_U",
+           "forward_only_vs_unpatched", "train_step_vs_unpatched")
+
+
+def _model_argv(T: int, V: int, hidden: int, layers: int, heads: int) -> tuple[str, ...]:
+    return ("--seq-length", str(T), "--max-position-embeddings", str(T), "--vocab-size", str(V), "--hidden-size",
+            str(hidden), "--num-layers", str(layers), "--num-attention-heads", str(heads))
+
+
+def _replicated(data: dict, steps: int, samples: int) -> dict:
+    """`steps` copies of a one-step rollout, one micro-batch of `samples` per step."""
+    out = {key: list(value) * steps for key, value in data.items() if key != "micro_batch_indices"}
+    out["micro_batch_indices"] = [[step * samples + i for i in range(samples)] for step in range(steps)]
+    return out
+
+
+def step_case(probe: common.MemoryProbe, *, route: str, T: int, V: int, hidden: int, layers: int, heads: int,
+              samples: int, prompt: int, steps: int, device: str = "cpu") -> dict:
+    """One route in this (fresh) process: `steps` forward_only calls, then slime's train() over
+    `steps` steps; times of every call after the first, memory of the last."""
+    sys.path.insert(0, HERE)
+    import slime_kit as kit
+    import slime_standins
+
+    slime_standins.install()
+    from megatron.core.pipeline_parallel import schedules
+    from slime.backends.megatron_utils import model as slime_model
+
+    import megatron_rl_patches
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    with megatron_on_cpu():
+        slime_standins.cpu_accelerator()
+        if route == "slime_fused":
+            megatron_rl_patches.apply(only=FUSED)
+        with kit.slime_session(*_model_argv(T, V, hidden, layers, heads)) as args:
+            model, optimizer, scheduler = kit.build(args)
+            response = T // samples - prompt
+            data = kit.rollout(0, prompts=(prompt,) * samples, responses=(response,) * samples, vocab=V,
+                               micro_batches=(tuple(range(samples)),))
+            forward_times = []
+            for call in range(steps):
+                if call == steps - 1:
+                    probe.start()
+                start = time.perf_counter()
+                out = kit.log_probs(args, model, data)
+                forward_times.append(time.perf_counter() - start)
+            forward_peak = probe.peak()
+            step_data = _replicated({**data, "log_probs": out["log_probs"]}, steps, samples)
+            record: dict[str, list] = {"times": [], "held": [], "peak": []}
+            train_one_step, backward_step = slime_model.train_one_step, schedules.backward_step
+
+            def measured_step(*a: Any, **k: Any) -> Any:
+                probe.start()
+                start = time.perf_counter()
+                result = train_one_step(*a, **k)
+                record["times"].append(time.perf_counter() - start)
+                record["peak"].append(probe.peak())
+                return result
+
+            def noted_backward(*a: Any, **k: Any) -> Any:
+                record["held"].append(probe.current())
+                return backward_step(*a, **k)
+
+            with mock.patch.object(slime_model, "train_one_step", measured_step), \
+                    mock.patch.object(schedules, "backward_step", noted_backward):
+                slime_model.train(0, model, optimizer, scheduler, kit.iterators(step_data), [1] * steps,
+                                  [samples] * steps)
+        megatron_rl_patches.revert()
+    return {"forward_only_s": statistics.median(forward_times[1:]), "train_step_s": statistics.median(
+        record["times"][1:]), "held_bytes": record["held"][-1], "peak_bytes": record["peak"][-1],
+        "forward_only_peak_bytes": forward_peak, "peak_reset": probe.peak_reset, "device": device}
+
+
+def run(*, rounds: int, T: int, V: int, hidden: int, layers: int, heads: int, samples: int, prompt: int, steps: int,
+        out_dir: str | None) -> list[dict]:
+    """`rounds` interleaved rounds of both routes (the order alternates), medians over rounds,
+    and each round's fused/unpatched time ratio (their median)."""
+    shape = dict(T=T, V=V, hidden=hidden, layers=layers, heads=heads, samples=samples, prompt=prompt, steps=steps)
+    results: dict[str, list[dict]] = {route: [] for route in ROUTES}
+    saved_threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # workers inherit it: freed [T, V] blocks leave the RSS
+    try:
+        for index in range(rounds):
+            for route in ROUTES if index % 2 == 0 else ROUTES[::-1]:
+                case = {"target": "slime_step_bench:step_case", "kwargs": dict(route=route, **shape)}
+                result = common.run_cases([case], isolate=True, threads=1)[0]
+                if "error" in result:
+                    raise RuntimeError(f"slime step bench, {route}: {result['error']}")
+                print(f"round {index + 1}/{rounds} {route}: {result}", flush=True)
+                results[route].append(result)
+    finally:
+        if saved_threshold is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved_threshold
+    unit = 4 * T * V
+    rows = []
+    for route in ROUTES:
+        runs = results[route]
+        row: dict[str, Any] = {"route": route, **shape, "U_bytes": unit, "rounds": rounds}
+        for key in ("forward_only_s", "train_step_s"):
+            row[key] = statistics.median(r[key] for r in runs)
+            row[f"{key[:-2]}_vs_unpatched"] = statistics.median(
+                r[key] / base[key] for r, base in zip(runs, results["unpatched"]))
+        for key in ("held", "peak", "forward_only_peak"):
+            row[f"{key}_bytes"] = statistics.median(r[f"{key}_bytes"] for r in runs)
+            row[f"{key}_U"] = row[f"{key}_bytes"] / unit
+        row["peak_reset"] = all(r["peak_reset"] for r in runs)
+        rows.append(row)
+    title = (f"slime 624b824a step, T={T} (packed: {samples} x {T // samples}, prompts {prompt}), V={V}, "
+             f"hidden {hidden}, {layers} layer(s), {heads} head(s); CPU 1 thread, fp32; medians of {rounds} "
+             f"interleaved rounds (U = 4·T·V bytes)")
+    common.print_table(rows, COLUMNS, title=title)
+    if out_dir:
+        common.write_tables(rows, COLUMNS, out_dir, "slime_step", title=title)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=4096, help="T: packed tokens of the step's micro-batch")
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=1)
+    parser.add_argument("--samples", type=int, default=4, help="samples packed into the micro-batch")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens of each sample")
+    parser.add_argument("--steps", type=int, default=3, help="calls per process (the first is not timed)")
+    parser.add_argument("--out", default=None, help="folder for slime_step.csv and slime_step.md")
+    opts = parser.parse_args(argv)
+    if opts.steps < 2 or opts.rounds < 1 or opts.tokens % opts.samples or opts.tokens // opts.samples <= opts.prompt:
+        parser.error("--steps >= 2, --rounds >= 1, --tokens a multiple of --samples, each sample longer than --prompt")
+    run(rounds=opts.rounds, T=opts.tokens, V=opts.vocab, hidden=opts.hidden, layers=opts.layers, heads=opts.heads,
+        samples=opts.samples, prompt=opts.prompt, steps=opts.steps, out_dir=opts.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
