@@ -500,7 +500,9 @@ def fold_target_tile(stats: RowStats, rows: slice, x: torch.Tensor, scale: float
     if stats.moment is not None:
         # Σ e^u·u as vecdot computes it (product, then row sum), the product written over u: no
         # fresh tile-sized temporary (a large allocation is fresh pages, faulted in each time)
-        moment = torch.mul(exps, u.clamp_min_(NEG_FLOOR), out=u).sum(dim=1)  # -inf logits: e^u·u = 0, not NaN
+        # -inf logits give e^u·u = 0·(-inf) = NaN: nansum counts them as the 0 they are (the same
+        # bits as a sum, and no clamping pass; NaN logits are bad rows, raised by the call)
+        moment = torch.mul(exps, u, out=u).nansum(dim=1)
         stats.moment[rows] = factor * (stats.moment[rows] + stats.rest[rows] * log_factor) + moment
     stats.rest[rows] = stats.rest[rows] * factor + exps.sum(dim=1)
     stats.shift[rows] = new_shift
@@ -576,7 +578,7 @@ def fold_target_rows(stats: RowStats, rows: slice, x: torch.Tensor, scale: float
     replace_marked(u, local, inside, NEG_FLOOR)
     torch.exp(u, out=exps)
     if stats.moment is not None:  # as in fold_target_tile
-        torch.sum(torch.mul(exps, u.clamp_min_(NEG_FLOOR), out=u), dim=1, out=stats.moment[rows])
+        torch.nansum(torch.mul(exps, u, out=u), dim=1, out=stats.moment[rows])
     torch.sum(exps, dim=1, out=stats.rest[rows])
     stats.shift[rows] = row_max
 
