@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab, topk_checks, topk_select
 from megatron_rl_patches.ops._functions import LogProbEntropy, TopkLogprobs
-from megatron_rl_patches.ops.kernels import resolve_backend
+from megatron_rl_patches.ops.kernels import resolve_backend, topk_step
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows
 from megatron_rl_patches.ops.kernels.torch_tiles import tile_shape, tiles
 from megatron_rl_patches.ops.steps import require_good_rows
@@ -110,13 +110,14 @@ def lm_head_topk_ids(
     vocab_size: int | None = None,
     chunk_size: int | None = None,
     row_mask: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """`topk_ids(hidden @ weight.T, k, ...)` without the logits: global ids [T, k] of the k largest
     logits per row, descending, ties to the lower id; no gradient. A positive temperature does
     not change the order (accepted for symmetry with `lm_head_topk_logprobs`). Each rank keeps a
     running top-k per row tile (:mod:`.topk_select`, as `topk_ids`; exact in every dtype, fp64
     included); ranks all-gather k candidates each (O(T·k·tp)). `row_mask` [T] as in
-    `lm_head_log_probs_and_entropy`: unselected rows get ids 0."""
+    `lm_head_log_probs_and_entropy`: unselected rows get ids 0. `backend` as the other ops."""
     _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
     k = topk_checks.check_int_k(k)
     topk_checks.check_k(k, vocab)
@@ -129,8 +130,7 @@ def lm_head_topk_ids(
         dtype = _stats.compute_dtype(hidden.dtype)
         source = Source(spec.n_valid, spec.chunk_rows, hidden=h, weight=weight.detach(), shape_rows=n_rows)
         run = topk_select.RunningTopk.empty(h.size(0), k, dtype, h.device, sentinel=vocab)
-        for tile_rows, cols, x in tiles(source, dtype):
-            topk_select.fold_tile(run, tile_rows, x, spec.first_id + cols.start)
+        run = topk_step(resolve_backend(backend, hidden.device))(source, run, spec.first_id)
         run = topk_select.over_ranks(run, spec.group)
         require_good_rows(checks, run.row_max, spec.op, spec.arg, rows=rows, n_rows=n_rows)
         ambiguous = checks.raise_first(read=topk_select.ambiguous_rows(run))  # the call's one host sync

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from megatron_rl_patches.ops import _checks, _dist, _divergences, _vocab, topk_checks, topk_select
 from megatron_rl_patches.ops._checks import Temperature, Weights
 from megatron_rl_patches.ops._functions import TopkLogprobs
-from megatron_rl_patches.ops.kernels import resolve_backend
+from megatron_rl_patches.ops.kernels import resolve_backend, topk_step
+from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.steps import require_good_rows
 
 __all__ = ["topk_ids", "union_ids", "topk_logprobs", "topk_kl", "topk_opd_loss"]
@@ -35,13 +36,15 @@ def topk_ids(
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
     row_mask: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Global vocab ids of the k largest logits per row, descending (ties: lower id first).
 
     Vocab-parallel: each rank takes its local top-k and the ranks all-gather k candidates each
     (O(T·k·tp) communication); every rank returns the same ids. Padded columns (ids >=
     `vocab_size`) are never selected. No gradient. `row_mask` (bool, the logits' leading shape;
-    the same on every rank): only those rows are ranked, the others get ids 0.
+    the same on every rank): only those rows are ranked, the others get ids 0. `backend` as the
+    other vocabulary ops (the selection of :mod:`.topk_select`; Triton: one kernel, exact ties).
     """
     lead, local_vocab = topk_checks.check_logits(logits, "logits", tp_group)
     k = topk_checks.check_int_k(k)
@@ -53,8 +56,8 @@ def topk_ids(
         x = _vocab.take_rows(every, rows)[:, : _vocab.valid_local_columns(local_vocab, vocab, tp_group)]
         first_id = _dist.vocab_start(local_vocab, tp_group)
         run = topk_select.RunningTopk.empty(x.size(0), k, x.dtype, x.device, sentinel=vocab)
-        if x.size(1):  # a rank holding only vocabulary padding has no candidate
-            topk_select.fold_tile(run, slice(0, x.size(0)), x, first_id)
+        source = Source(x.size(1), max(1, x.size(0)), logits=x)
+        run = topk_step(resolve_backend(backend, logits.device))(source, run, first_id)
         run = topk_select.over_ranks(run, tp_group)
         checks = _checks.DeviceChecks()
         require_good_rows(checks, run.row_max, "topk_ids", "logits", rows=rows, n_rows=every.size(0))

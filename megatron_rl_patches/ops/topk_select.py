@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl_patches.ops import _dist
-from megatron_rl_patches.ops._stats import local_row_max
 
 Tiles = Iterator[tuple[slice, slice, torch.Tensor]]  # (rows, local columns, x) as kernels.torch_tiles.tiles
 
@@ -34,6 +33,7 @@ class RunningTopk:
     ids: torch.Tensor  # [T, k] int64; `sentinel` where fewer than k columns were seen
     ambiguous: torch.Tensor  # [T]
     row_max: torch.Tensor  # [T]
+    sentinel: int  # an id past the vocabulary: sorts after every real id of equal value
 
     @classmethod
     def empty(cls, n_rows: int, k: int, dtype: torch.dtype, device: torch.device, sentinel: int) -> RunningTopk:
@@ -41,7 +41,7 @@ class RunningTopk:
             return torch.full(shape, value, dtype=dtype, device=device)
 
         return cls(full((n_rows, k), -math.inf), torch.full((n_rows, k), sentinel, dtype=torch.long, device=device),
-                   full((n_rows,), -math.inf), full((n_rows,), -math.inf))
+                   full((n_rows,), -math.inf), full((n_rows,), -math.inf), sentinel)
 
 
 def best_of(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +63,18 @@ def fold_tile(run: RunningTopk, rows: slice, x: torch.Tensor, first_id: int) -> 
         top, at = top[:, :k], at[:, :k]
     run.values[rows], run.ids[rows] = best_of(torch.cat([run.values[rows], top.to(run.values.dtype)], dim=1),
                                               torch.cat([run.ids[rows], at + first_id], dim=1), k)
-    run.row_max[rows] = torch.maximum(run.row_max[rows], local_row_max(x, run.row_max.dtype))
+    # the tile's max is its first value (torch.topk ranks NaN first): no pass of its own
+    first = top[:, 0].to(run.row_max.dtype)
+    run.row_max[rows] = torch.maximum(run.row_max[rows], torch.where(torch.isnan(first), math.inf, first))
+
+
+def fold_tiles(run: RunningTopk, tiles: Tiles, first_id: int) -> RunningTopk:
+    """Every tile (rows, local columns, x) of a source folded into `run`: the torch tiles' top-k
+    step (a backend's ``topk``)."""
+    for rows, cols, x in tiles:
+        if x.size(1):
+            fold_tile(run, rows, x, first_id + cols.start)
+    return run
 
 
 def over_ranks(run: RunningTopk, group: dist.ProcessGroup | None) -> RunningTopk:
@@ -75,7 +86,7 @@ def over_ranks(run: RunningTopk, group: dist.ProcessGroup | None) -> RunningTopk
     k = run.values.size(1)
     values, ids = best_of(_dist.all_gather_last_dim(run.values, group), _dist.all_gather_last_dim(run.ids, group), k)
     maxima = _dist.all_reduce_max_(torch.stack([run.ambiguous, run.row_max]), group)
-    return RunningTopk(values, ids, maxima[0], maxima[1])
+    return RunningTopk(values, ids, maxima[0], maxima[1], run.sentinel)
 
 
 def ambiguous_rows(run: RunningTopk) -> torch.Tensor:

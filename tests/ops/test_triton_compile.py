@@ -25,6 +25,7 @@ def test_every_kernel_variant_compiles_to_a_cubin(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
-    # per arch: 2 dtypes x fused or not x flags on or off x 2 kernels, and lm_head_divergence's
-    # normalizer variant (row_stats_kernel, fused, k=0) in each dtype
-    assert len(lines) == 2 * 2 * 2 * 2 + 2 and all(line.endswith(": ok") for line in lines), proc.stdout
+    # per arch: 2 dtypes x fused or not x flags on or off x 2 kernels, lm_head_divergence's
+    # normalizer variant (row_stats_kernel, fused, k=0) in each dtype, and the top-k id kernel in
+    # each dtype, fused or not
+    assert len(lines) == 2 * 2 * 2 * 2 + 2 + 2 * 2 and all(line.endswith(": ok") for line in lines), proc.stdout

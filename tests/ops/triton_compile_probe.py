@@ -13,8 +13,10 @@ from triton.compiler import ASTSource
 from megatron_rl_patches.ops.kernels.triton import backend
 from megatron_rl_patches.ops.kernels.triton._fold import row_stats_kernel
 from megatron_rl_patches.ops.kernels.triton._grad import grad_tile_kernel
+from megatron_rl_patches.ops.kernels.triton._topk import topk_tile_kernel
 
-INTS = {"n_rows", "n_valid", "n_hidden", "cols_per_split", "row_begin", "row_end", "col_begin", "col_end"}
+INTS = {"n_rows", "n_valid", "n_hidden", "cols_per_split", "row_begin", "row_end", "col_begin", "col_end",
+        "first_id", "sentinel"}
 
 
 def _signature(fn, pointers: dict[str, str], consts: dict) -> dict[str, str]:
@@ -38,7 +40,8 @@ def compile_variant(fn, arch: int, dtype: str, fused: bool, flags: dict[str, boo
     consts = {**flags, "K": k, "FUSED": fused, **b.launch(torch_dtype)}
     options = {"num_warps": consts.pop("num_warps"), "num_stages": consts.pop("num_stages")}
     consts["DOT_FP32"] = False  # the GPU path, whatever this process's interpreter setting
-    pointers = {"src": f"*{dtype}", "weight": f"*{dtype}", "keep": "*i8", "marks": "*i32", "out": f"*{dtype}"}
+    pointers = {"src": f"*{dtype}", "weight": f"*{dtype}", "keep": "*i8", "marks": "*i32", "out": f"*{dtype}",
+                "out_ids": "*i64"}
     source = ASTSource(fn=fn, signature=_signature(fn, pointers, consts),
                        constexprs={(fn.arg_names.index(name),): value for name, value in consts.items()})
     kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
@@ -59,6 +62,8 @@ def main(arches: list[int]) -> None:
     for arch, dtype in itertools.product(arches, ("bf16", "fp32")):  # lm_head_divergence's normalizers
         flags = {**dict.fromkeys(FOLD_FLAGS, False), "HAS_REST": True}
         print(compile_variant(row_stats_kernel, arch, dtype, True, flags, 0), flush=True)
+    for arch, dtype, fused in itertools.product(arches, ("bf16", "fp32"), (True, False)):  # the top-k ids
+        print(compile_variant(topk_tile_kernel, arch, dtype, fused, {}, 8), flush=True)
 
 
 if __name__ == "__main__":

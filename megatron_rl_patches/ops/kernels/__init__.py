@@ -8,13 +8,17 @@ Choice per call: the op's ``backend=`` argument, else ``MEGATRON_RL_PATCHES_BACK
 """
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from megatron_rl_patches._backend_env import AUTO, VARIABLE, environment_backend
 from megatron_rl_patches.ops._stats import GradFactors, RowStats
 from megatron_rl_patches.ops.kernels.sources import Source
+
+if TYPE_CHECKING:
+    from megatron_rl_patches.ops.topk_select import RunningTopk
 
 BACKEND_ENV = VARIABLE
 
@@ -39,6 +43,17 @@ class Backend(Protocol):
                    keep_mask: torch.Tensor | None, needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
         """The gradients of the source's tensors (`needs` says which) in the compute dtype: the
         logits' gradient, or (dL/dh for every gathered row, dL/dW)."""
+
+    # Optional: `topk(source, run, first_id) -> RunningTopk`, the source's k best ids merged into
+    # `run` (see :mod:`megatron_rl_patches.ops.topk_select`; a column a tile left out at a tied cut
+    # raises `run.ambiguous` to that value). A backend without it gets the torch tiles' (topk_step).
+
+
+def topk_step(backend: Backend) -> Callable[[Source, RunningTopk, int], RunningTopk]:
+    """The backend's top-k id step, or the torch tiles' when it has none (a backend registered
+    before the top-k ops took `backend=`)."""
+    step = getattr(backend, "topk", None)
+    return step if step is not None else _REGISTRY["torch"].topk  # type: ignore[attr-defined]
 
 
 _REGISTRY: dict[str, Backend] = {}

@@ -35,6 +35,7 @@ from megatron_rl_patches.ops._stats import (
 from megatron_rl_patches.ops._vocab import row_chunks
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.steps import accumulate
+from megatron_rl_patches.ops.topk_select import RunningTopk, fold_tiles
 
 # Bytes of one [rows, cols] fp32 logits tile of a hidden-state source. Rows are many so W's tile
 # is reused across them (the matmuls run near peak); columns few enough that the 2-3 tile
@@ -160,6 +161,14 @@ class TorchTiles:
                 dz = tile_grad(x, cols.start, scale_rows(scale, rows), f, subset)
             accumulate(grad_h, grad_w, dz, hidden[rows], weight[cols], rows, cols)
         return grad_h, grad_w
+
+
+    def topk(self, source: Source, run: RunningTopk, first_id: int) -> RunningTopk:
+        if not source.fused:  # whole rows: one torch.topk over every row at once
+            assert source.logits is not None  # not fused
+            x = source.logits[:, : source.n_valid]
+            return fold_tiles(run, iter([(slice(0, x.size(0)), slice(0, x.size(1)), x)]), first_id)
+        return fold_tiles(run, tiles(source, run.values.dtype), first_id)
 
 
 class _TileBuffers:

@@ -47,3 +47,6 @@ class LazyTritonTiles:
 
     def apply_grad(self, *args: Any, **kwargs: Any) -> Any:
         return self._load().apply_grad(*args, **kwargs)
+
+    def topk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._load().topk(*args, **kwargs)

@@ -40,7 +40,9 @@ from megatron_rl_patches.ops.kernels.torch_tiles import (
 )
 from megatron_rl_patches.ops.kernels.triton._fold import row_stats_kernel
 from megatron_rl_patches.ops.kernels.triton._grad import grad_tile_kernel
+from megatron_rl_patches.ops.kernels.triton._topk import topk_tile_kernel
 from megatron_rl_patches.ops.steps import moved_stats
+from megatron_rl_patches.ops.topk_select import RunningTopk, best_of
 
 # Triton picks the interpreter when a kernel is decorated, i.e. when this module is imported.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on", "y")
@@ -175,6 +177,32 @@ class TritonTiles:
             if getattr(stats, name) is not None:
                 getattr(stats, name).copy_(getattr(merged, name))
         return stats
+
+    # ------------------------------------------------------------------------- top-k ids
+
+    def topk(self, source: Source, run: RunningTopk, first_id: int) -> RunningTopk:
+        """Every tile's k best (value desc, id asc, exact: no ambiguous cut) merged into `run`
+        (empty, as the top-k ops hand it); fp64 goes to the torch tiles."""
+        if source.first.dtype == torch.float64:
+            return self._torch.topk(source, run, first_id)
+        n_rows, n_valid, k = source.n_rows, source.n_valid, run.values.size(1)
+        if n_rows == 0 or n_valid == 0:
+            return run
+        device = source.first.device
+        b = blocks(device, source.fused)
+        tiles = triton.cdiv(n_valid, b.n)
+        values = torch.empty(n_rows, tiles * k, dtype=torch.float32, device=device)
+        ids = torch.empty(n_rows, tiles * k, dtype=torch.long, device=device)
+        tile_max = torch.empty(tiles, n_rows, dtype=torch.float32, device=device)
+        src, weight, n_hidden, *strides = _src_args(source)
+        topk_tile_kernel[(triton.cdiv(n_rows, b.m), tiles)](
+            src, weight, values, ids, tile_max, n_rows, n_valid, n_hidden, first_id, run.sentinel, *strides,
+            K=k, FUSED=source.fused, **b.launch(source.first.dtype),
+        )
+        best_values, best_ids = best_of(torch.cat([run.values.float(), values], dim=1),
+                                        torch.cat([run.ids, ids], dim=1), k)
+        return RunningTopk(best_values.to(run.values.dtype), best_ids, run.ambiguous,
+                           torch.maximum(run.row_max, tile_max.amax(dim=0).to(run.row_max.dtype)), run.sentinel)
 
     # ------------------------------------------------------------------------- backward
 

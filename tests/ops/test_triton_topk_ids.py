@@ -1,0 +1,58 @@
+"""topk_ids / lm_head_topk_ids with backend="triton" (one kernel: each tile's k best by value, then
+lowest id; the tiles merged in that order) equal a stable float64 sort, ties included, and the
+torch tiles; bad rows raise the same error. CUDA when present, else Triton's interpreter."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import triton_kit as kit  # noqa: E402
+
+from megatron_rl_patches import lm_head_topk_ids, topk_ids  # noqa: E402
+
+pytestmark = pytest.mark.triton
+kit.require_kernels()
+
+
+def _stable(x: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.sort(x.double().cpu(), dim=1, descending=True, stable=True).indices[:, :k]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_ties_and_padding_equal_a_stable_sort(dtype):
+    """Integer logits: blocks of ties at every cut; -inf runs; vocab_size drops the last columns."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (37, 70), generator=g).to(dtype)
+    x[::4, 20:] = -torch.inf
+    for k in (1, 5, 17):
+        got = topk_ids(x.to(kit.DEVICE), k, backend="triton").cpu()
+        assert torch.equal(got, _stable(x, k)), k
+        assert torch.equal(got, topk_ids(x, k, backend="torch"))
+    assert torch.equal(topk_ids(x.to(kit.DEVICE), 9, vocab_size=60, backend="triton").cpu(), _stable(x[:, :60], 9))
+
+
+def test_fused_head_equals_the_stable_sort_of_its_logits():
+    """Integer-valued h and W (exact logits): the kernel's h·Wᵀ tiles, several vocabulary tiles per row."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randint(-2, 3, (21, 16), generator=g).float()
+    w = torch.randint(-1, 2, (53, 16), generator=g).float()
+    for k in (1, 4, 12):
+        got = lm_head_topk_ids(h.to(kit.DEVICE), w.to(kit.DEVICE), k, backend="triton").cpu()
+        assert torch.equal(got, _stable(h @ w.T, k)), k
+    rows = torch.arange(21) % 3 == 0
+    got = lm_head_topk_ids(h.to(kit.DEVICE), w.to(kit.DEVICE), 4, row_mask=rows.to(kit.DEVICE), backend="triton")
+    assert torch.equal(got.cpu()[rows], _stable(h @ w.T, 4)[rows]) and bool((got.cpu()[~rows] == 0).all())
+
+
+def test_bad_rows_raise_as_on_the_torch_tiles():
+    x = torch.randn(6, 30)
+    x[2, 5] = torch.nan
+    with pytest.raises(ValueError, match=r"rows \[2\]") as triton_error:
+        topk_ids(x.to(kit.DEVICE), 3, backend="triton")
+    with pytest.raises(ValueError) as torch_error:
+        topk_ids(x, 3, backend="torch")
+    assert str(triton_error.value) == str(torch_error.value)
