@@ -426,13 +426,22 @@ def tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Tensor, f: G
         dz = sub if dz is None else dz.add_(sub)
     if dz is None:
         dz = buf.zero_()
-    local, inside = column_marks(f.cols, f.owned, first_col, x.size(1))
-    value = marked_grad(x.gather(1, local).to(dtype), scale, f)
+    local, inside, value = marked_entries(x, first_col, scale, f)
     # the marked entries replaced: cleared, then added (ids clamped onto a column add 0; a plain
     # scatter could let them overwrite a real mark, and an added difference would round)
     dz.masked_fill_(marks_mask(dz.shape, local, inside), 0.0)
     dz.scatter_add_(1, local, torch.where(inside, value, 0.0))
     return dz
+
+
+def marked_entries(x: torch.Tensor, first_col: int, scale: float | torch.Tensor,
+                   f: GradFactors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The marked columns of a tile x whose first column is `first_col` (`local`, `inside`: see
+    :func:`column_marks`) and their exact gradient [r, k], read from x: call it before anything
+    writes a gradient into x's storage. With `first_col` 0 and x every valid column of a source of
+    whole rows, once per call for every tile."""
+    local, inside = column_marks(f.cols, f.owned, first_col, x.size(1))
+    return local, inside, marked_grad(x.gather(1, local).to(f.dtype), scale, f)
 
 
 def marked_grad(x_m: torch.Tensor, scale: float | torch.Tensor, f: GradFactors) -> torch.Tensor:
@@ -512,10 +521,8 @@ def target_tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Tenso
                      out: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
     """:func:`tile_grad` for :func:`target_only` factors, written into `out` (x's shape; may be
     x's own storage); `u` a buffer of x's shape, needed only with an entropy term (beta)."""
-    assert f.alpha is not None and f.shift is not None and f.log_sum is not None  # target_only
-    local, inside = column_marks(f.cols, f.owned, first_col, x.size(1))
-    value = marked_grad(x.gather(1, local).to(f.dtype), scale, f)  # before out (maybe x) is written
-    return target_rows_grad(x, scale, TargetRows.of(f, local, inside, value), out, u)
+    # the marks read before out (maybe x) is written
+    return target_rows_grad(x, scale, TargetRows.of(f, *marked_entries(x, first_col, scale, f)), out, u)
 
 
 @dataclass
@@ -557,13 +564,6 @@ def target_rows_grad(x: torch.Tensor, scale: float | torch.Tensor, t: TargetRows
         out.mul_(u.clamp_min_(NEG_FLOOR).mul_(t.beta_s[:, None]).add_(t.alpha_s[:, None]))
     replace_marked(out, t.local, t.inside, t.value)
     return out
-
-
-def target_rows(x: torch.Tensor, scale: float | torch.Tensor, f: GradFactors) -> TargetRows:
-    """:class:`TargetRows` of every row of a source of whole rows (`x`: all its logits, the
-    valid columns): the target's column and exact gradient taken once, not per tile."""
-    local, inside = column_marks(f.cols, f.owned, 0, x.size(1))
-    return TargetRows.of(f, local, inside, marked_grad(x.gather(1, local).to(f.dtype), scale, f))
 
 
 def fold_target_rows(stats: RowStats, rows: slice, x: torch.Tensor, scale: float | torch.Tensor,
@@ -627,8 +627,7 @@ def buffered_tile_grad(x: torch.Tensor, first_col: int, scale: float | torch.Ten
     """:func:`tile_grad` without a subset (keep mask), written into `out` (maybe x's own storage)
     with the buffers `u` and `sub` (all x's shape, the factors' dtype), the marked entries
     cleared by a scatter instead of a [r, c] marks mask; the top-k tail's two terms share one exp."""
-    local, inside = column_marks(f.cols, f.owned, first_col, x.size(1))
-    value = marked_grad(x.gather(1, local).to(f.dtype), scale, f)  # x is read before out is written
+    local, inside, value = marked_entries(x, first_col, scale, f)  # x is read before out is written
     return marked_rows_grad(x, scale, f, (local, inside), value, out, u, sub)
 
 

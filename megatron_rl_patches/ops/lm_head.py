@@ -13,6 +13,8 @@ the top-k ops on `hidden @ weight.T` (docs/fused-lm-head.md).
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -146,19 +148,15 @@ def lm_head_topk_ids(
 def _recomputed_rows(source: Source, listed: list[int], index: torch.Tensor,
                      dtype: torch.dtype) -> topk_select.Tiles:
     """The logits tiles of the rows `listed` (ascending; `index` on the device) as (positions in
-    the list, columns, x): each
-    recomputed in the row tile it had (the same h·Wᵀ call shape, so the same bits: a BLAS rounds a
-    row differently with another row count)."""
+    the list, columns, x): each recomputed in the row tile it had (the same h·Wᵀ call shape, so
+    the same bits: a BLAS rounds a row differently with another row count)."""
     assert source.hidden is not None  # fused
     row_tile, _ = tile_shape(source.shape_rows or source.n_rows, source.n_valid, source.hidden.device,
                              source.chunk_rows)
-    chunk_of = [row // row_tile for row in listed]
     start = 0
-    while start < len(chunk_of):
-        stop = start
-        while stop < len(chunk_of) and chunk_of[stop] == chunk_of[start]:
-            stop += 1
-        r0 = chunk_of[start] * row_tile
+    for chunk, members in itertools.groupby(listed, key=lambda row: row // row_tile):
+        stop = start + len(list(members))
+        r0 = chunk * row_tile
         part = Source(source.n_valid, source.chunk_rows, hidden=source.hidden[r0: r0 + row_tile],
                       weight=source.weight, shape_rows=source.shape_rows)
         local = index[start:stop] - r0

@@ -14,6 +14,7 @@ import torch
 from megatron_rl_patches.ops._stats import (
     GradFactors,
     RowStats,
+    TargetRows,
     buffered_tile_grad,
     column_marks,
     fold_tail_rows,
@@ -22,12 +23,11 @@ from megatron_rl_patches.ops._stats import (
     fold_target_tile,
     fold_tile,
     local_row_max,
-    marked_grad,
+    marked_entries,
     marked_rows_grad,
     scale_rows,
     tail_only,
     target_only,
-    target_rows,
     target_rows_grad,
     target_tile_grad,
     tile_grad,
@@ -120,17 +120,12 @@ class TorchTiles:
         fast = keep_mask is None and target_only(factors)
         work = _TileBuffers(source, dtype, 3 if source.fused else 2 if keep_mask is None else 0)
         if not source.fused:
-            targets = None
             assert source.logits is not None  # not fused
-            if fast and source.n_valid > 0 and source.logits.dtype == dtype:
-                # whole rows: the target's column and gradient taken once, before anything is written
-                targets = target_rows(source.logits[:, : source.n_valid], scale, factors)
+            # whole rows: the marked columns and their gradient taken once, before anything is written
             marked = None
-            if not fast and keep_mask is None and source.n_valid > 0 and source.logits.dtype == dtype:
-                # whole rows: the marked columns and their gradient taken once, before anything is written
-                local, inside = column_marks(factors.cols, factors.owned, 0, source.n_valid)
-                value = marked_grad(source.logits[:, : source.n_valid].gather(1, local).to(dtype), scale, factors)
-                marked = (local, inside, value)
+            if keep_mask is None and source.n_valid > 0 and source.logits.dtype == dtype:
+                marked = marked_entries(source.logits[:, : source.n_valid], 0, scale, factors)
+            targets = TargetRows.of(factors, *marked) if fast and marked is not None else None
             grad = logits_grad_buffer(source)
             for rows, cols, x in tiles(source, dtype):
                 if targets is not None:
@@ -138,7 +133,7 @@ class TorchTiles:
                     target_rows_grad(x, scale_rows(scale, rows), targets.rows(rows), grad[rows, cols], u)
                     continue
                 f = factors.rows(rows)
-                if marked is not None:
+                if marked is not None:  # not target_only
                     marked_rows_grad(x, scale_rows(scale, rows), f, (marked[0][rows], marked[1][rows]),
                                      marked[2][rows], grad[rows, cols], work.get(0, x), work.get(1, x))
                     continue
