@@ -2,8 +2,10 @@
 value descending, ties to the lower id, exact in every dtype (fp64 included), from any source of
 logits tiles (row chunks of materialized logits, or h·Wᵀ tiles of the fused head).
 
-Each tile gives its k+1 best values (``torch.topk``, one pass); its k best join the row's running
-candidates, merged by (value desc, id asc). ``torch.topk`` picks arbitrarily among values equal to
+Each tile gives its k+1 best values; its k best join the row's running candidates, merged by
+(value desc, id asc). A wide tile is first cut to the blocks that can hold its k best (one max
+pass over blocks of BLOCK columns; the k best blocks by their max hold every value above the
+(k+1)-th block max), so ``torch.topk`` sorts k·BLOCK candidates instead of the whole tile. ``torch.topk`` picks arbitrarily among values equal to
 a tile's cut, so a tile whose k-th and (k+1)-th values are equal records that value as ambiguous.
 A row is exact unless its final cut equals such a value (rare: equal logits at the k-th place);
 those rows are re-ranked exactly, column by column (:func:`exact_rows`). Ranks all-gather their k
@@ -52,13 +54,28 @@ def best_of(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tens
     return values.gather(-1, best), ids.gather(-1, best)
 
 
+BLOCK = 32  # columns per block of the prefilter: its max pass runs at memory speed on CPU
+BLOCKS_PER_SLOT = 4  # a tile is prefiltered when it holds at least this many blocks per slot (k+1)
+
+
 def fold_tile(run: RunningTopk, rows: slice, x: torch.Tensor, first_id: int) -> None:
     """One tile x [r, c] whose first column is global id `first_id` into the running top-k."""
     k = run.values.size(1)
-    top, at = torch.topk(x, min(k + 1, x.size(1)), dim=1)
+    n_blocks = x.size(1) // BLOCK
+    if n_blocks >= BLOCKS_PER_SLOT * (k + 1) and x.size(0):
+        body = n_blocks * BLOCK
+        if body < x.size(1):  # the last, partial block: a tile of its own
+            fold_tile(run, rows, x[:, body:], first_id + body)
+        top, at, outside = _block_candidates(x[:, :body], k, n_blocks)
+    else:
+        top, at = torch.topk(x, min(k + 1, x.size(1)), dim=1)
+        outside = None
     if top.size(1) > k:
         cut = top[:, k - 1]
-        tied = torch.where(cut == top[:, k], cut, -math.inf).to(run.ambiguous.dtype)
+        tie = cut == top[:, k]
+        if outside is not None:  # a value outside the candidate blocks can equal the cut, never pass it
+            tie |= cut <= outside
+        tied = torch.where(tie, cut, -math.inf).to(run.ambiguous.dtype)
         run.ambiguous[rows] = torch.maximum(run.ambiguous[rows], tied)
         top, at = top[:, :k], at[:, :k]
     run.values[rows], run.ids[rows] = best_of(torch.cat([run.values[rows], top.to(run.values.dtype)], dim=1),
@@ -66,6 +83,21 @@ def fold_tile(run: RunningTopk, rows: slice, x: torch.Tensor, first_id: int) -> 
     # the tile's max is its first value (torch.topk ranks NaN first): no pass of its own
     first = top[:, 0].to(run.row_max.dtype)
     run.row_max[rows] = torch.maximum(run.row_max[rows], torch.where(torch.isnan(first), math.inf, first))
+
+
+def _block_candidates(x: torch.Tensor, k: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The k+1 best values of x [r, n_blocks·BLOCK] among its k best blocks by block max, their
+    columns, and the largest block max left out [r]. Every value of x above that max is in the
+    k best blocks (each of them holds a value at least as large), so the k best values are
+    exact unless the cut equals it (the caller marks those rows ambiguous). NaN: torch.topk ranks
+    a NaN block max first, so a NaN still reaches the row max."""
+    blocks = x.unflatten(1, (n_blocks, BLOCK))
+    block_top, block_at = torch.topk(blocks.amax(dim=2), k + 1, dim=1)
+    chosen = block_at[:, :k]
+    candidates = blocks.gather(1, chosen[:, :, None].expand(-1, -1, BLOCK)).flatten(1)
+    top, at = torch.topk(candidates, k + 1, dim=1)
+    at = chosen.gather(1, at // BLOCK) * BLOCK + at % BLOCK
+    return top, at, block_top[:, k]
 
 
 def fold_tiles(run: RunningTopk, tiles: Tiles, first_id: int) -> RunningTopk:
