@@ -5,10 +5,11 @@ logits tiles (row chunks of materialized logits, or h·Wᵀ tiles of the fused h
 Each tile gives its k+1 best values; its k best join the row's running candidates, merged by
 (value desc, id asc). A wide tile is first cut to the blocks that can hold its k best (one max
 pass over blocks of BLOCK columns; the k best blocks by their max hold every value above the
-(k+1)-th block max), so ``torch.topk`` sorts k·BLOCK candidates instead of the whole tile. ``torch.topk`` picks arbitrarily among values equal to
-a tile's cut, so a tile whose k-th and (k+1)-th values are equal records that value as ambiguous.
-A row is exact unless its final cut equals such a value (rare: equal logits at the k-th place);
-those rows are re-ranked exactly, column by column (:func:`exact_rows`). Ranks all-gather their k
+(k+1)-th block max), so ``torch.topk`` ranks k·BLOCK candidates instead of the whole tile.
+``torch.topk`` picks arbitrarily among values equal to a tile's cut, so a tile whose k-th value
+equals its (k+1)-th, or the largest block max left out, records that value as ambiguous. A row
+is exact unless its final cut equals such a value (rare: equal logits at the k-th place); those
+rows are re-ranked exactly, column by column (:func:`exact_rows`). Ranks all-gather their k
 candidates and merge them alike (O(T·k·tp)), so every rank returns the same ids. Bad rows (NaN,
 +inf, or no finite logit) and the ambiguous rows come back with the call's one host sync.
 """
