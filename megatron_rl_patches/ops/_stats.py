@@ -471,8 +471,9 @@ def marked_grad(x_m: torch.Tensor, scale: float | torch.Tensor, f: GradFactors) 
 
 # ----------------------------------------------------------------------------- specialized steps
 # The same statistics and gradients as fold_tile / tile_grad for the common calls, chosen once per
-# call (see :func:`target_only`): each element exponentiated once per pass, no marks mask, into
-# caller-owned buffers. Their results equal the general steps' bit for bit.
+# call (see :func:`target_only`): each element exponentiated once per pass, in powers of 2 (exp2,
+# see base2), no marks mask, into caller-owned buffers. Their results equal the general steps' to
+# the rounding of exp2 against exp (tests compare both routes against float64).
 
 
 def tail_only(stats: RowStats) -> bool:
