@@ -30,6 +30,7 @@ RECORDS = (
     "verl:PATCHES",
     "slime_fused:PATCHES",
     "slime_opd:PATCHES",
+    "verl_rows:PATCHES",
 )
 
 

@@ -6,7 +6,8 @@
   flat [s*b] tensors, the output weight read only after the output layer's forward pre-hooks ran
   (overlap-param-gather), entropy (and its gradient) only when verl's engine asks
   (`calculate_entropy`). verl's `fused_forward_model_engine` factory is wrapped to pass that flag
-  down and to undo a "legacy" fused mode cached on a model before the patch was active.
+  down and to undo a "legacy" fused mode cached on a model before the patch was active. Only the
+  rows verl reads (its responses, its loss mask) meet the output weight: see `verl_rows.py`.
 - `verl_topk_kd`: `compute_forward_kl_topk` of verl's Megatron losses, where verl looks it up at
   call time (`verl/trainer/distillation/losses.py::compute_topk_loss`), becomes the exact
   (k+1)-bucket forward KL; see `verl_topk.py`.
@@ -96,6 +97,7 @@ def fused_output_processor(*, hidden_states: Any, output_layer: Any, output_weig
     import torch
     from verl.utils.model import CausalLMOutputForPPO
 
+    from megatron_rl_patches.integrations.verl_rows import packed_row_mask
     from megatron_rl_patches.megatron.processors import log_prob_output_processor
 
     asked = _CALCULATE_ENTROPY.get()
@@ -105,8 +107,9 @@ def fused_output_processor(*, hidden_states: Any, output_layer: Any, output_weig
         with_entropy=with_entropy,
         entropy_requires_grad=with_entropy and torch.is_grad_enabled(),
     )
+    rows = packed_row_mask(labels)  # the rows verl reads, in a noted forward_step (verl_rows.py)
     result = process(hidden_states=hidden_states, output_layer=output_layer, output_weight=output_weight,
-                     labels=labels, config=config, context=None)
+                     labels=labels, config=config, context=None if rows is None else {"row_mask": rows})
     output = CausalLMOutputForPPO(loss=None, logits=None, past_key_values=None, hidden_states=hidden_states,
                                   attentions=None)
     output.log_probs = _flat(result["log_probs"])

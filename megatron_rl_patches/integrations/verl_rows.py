@@ -1,0 +1,163 @@
+"""verl (0.9.x): on the fused log-prob route only the rows verl reads meet the output weight.
+
+verl's engine `forward_step` packs a micro-batch (nested `input_ids`, prompt then response per
+sample) and reads the log-probs and entropy of the responses only: `no_padding_2_padding` takes,
+per sequence, the `resp_len` rows before its last one; a loss reads the rows its `loss_mask`
+selects. The fused forward (`fused_forward_model_engine_inner`) gets no response spans, so:
+
+1. `forward_step` is wrapped to note which rows of each sequence are read (:func:`read_rows`):
+   the response rows of `no_padding_2_padding` (when the batch has "prompts" and "responses"),
+   and the rows the loss mask selects, in either alignment (position t read at row t, or at row
+   t - 1 where it is the next token). A batch with neither gives no selection (every row).
+2. verl's own `preprocess_thd_engine`, when it packs the labels (`need_roll=True`), packs those
+   rows with the same arguments (roll, context-parallel layout, fp8 and bucket padding), so the
+   row mask lines up with the labels row for row; padding rows are never selected.
+3. the fused processor passes it as `row_mask`: unselected rows are 0 with no gradient.
+
+`MEGATRON_RL_PATCHES_VERL_ROWS=all` turns the selection off (a custom loss reading other rows).
+"""
+from __future__ import annotations
+
+import contextvars
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from megatron_rl_patches.patching.records import Patch
+
+ENGINE = "verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead.forward_step"
+PACKER = "verl.models.mcore.model_forward_fused:preprocess_thd_engine"
+VERSIONS = ">=0.9.0,<0.10"
+ROWS_ENV = "MEGATRON_RL_PATCHES_VERL_ROWS"
+
+PATCHES = (
+    Patch(
+        name="verl_fused_logprobs",
+        target=ENGINE,
+        wrapper="megatron_rl_patches.integrations.verl_rows:forward_step_wrapper",
+        description="verl's engine forward_step notes the rows verl reads (responses, loss mask) for the fused route",
+        requires="verl",
+        versions=VERSIONS,
+        optional=True,
+        params=("self", "batch_iter", "model", "logits_processor_func", "postprocess_micro_batch_func"),
+    ),
+    Patch(
+        name="verl_fused_logprobs",
+        target=PACKER,
+        wrapper="megatron_rl_patches.integrations.verl_rows:packer_wrapper",
+        description="verl's label packing packs the read rows alike: the fused processor's row mask",
+        requires="verl",
+        versions=VERSIONS,
+        optional=True,
+        params=("input_ids", "pre_process", "need_roll"),
+    ),
+)
+
+# The read rows of the micro-batch in the current forward_step, nested like its input_ids but
+# shifted to token positions (see :func:`read_rows`); None: every row.
+_PENDING: contextvars.ContextVar[Any] = contextvars.ContextVar("megatron_rl_patches_verl_rows", default=None)
+# The packed row mask of the current fused forward, shaped like the packed labels; None: every row.
+_PACKED: contextvars.ContextVar[Any] = contextvars.ContextVar("megatron_rl_patches_verl_row_mask", default=None)
+
+
+def _lengths(value: Any) -> Any:
+    return value.offsets().diff()
+
+
+def read_rows(batch: Any) -> Any:
+    """[b, j] nested bool, aligned with the micro-batch's nested `input_ids`: row r of a sequence
+    (the row predicting token r + 1) is True when verl may read it; None when the batch says
+    nothing about it (every row is computed) or is not in verl's nested (no-padding) layout."""
+    import torch
+
+    input_ids = batch.get("input_ids", None) if hasattr(batch, "get") else None
+    if not isinstance(input_ids, torch.Tensor) or not input_ids.is_nested:
+        return None
+    lengths = _lengths(input_ids).tolist()
+    rows = [torch.zeros(n, dtype=torch.bool, device=input_ids.device) for n in lengths]
+    told = False
+    responses = _response_lengths(batch)
+    if responses is not None:
+        told = True
+        for row, n, r in zip(rows, lengths, responses):
+            row[max(0, n - r - 1): n - 1] = True  # no_padding_2_padding's slice
+    loss_mask = batch.get("loss_mask", None)
+    if isinstance(loss_mask, torch.Tensor) and loss_mask.is_nested and _lengths(loss_mask).tolist() == lengths:
+        told = True
+        for row, mask in zip(rows, loss_mask.unbind()):
+            mask = mask.to(device=row.device, dtype=torch.bool)
+            row |= mask  # position t read at row t
+            row[:-1] |= mask[1:]  # token t + 1 read at row t
+    return torch.nested.nested_tensor(rows, layout=torch.jagged) if told else None
+
+
+def _response_lengths(batch: Any) -> list[int] | None:
+    """Per sequence, the response length `no_padding_2_padding` slices (or None: no responses)."""
+    import torch
+
+    prompts, responses = batch.get("prompts", None), batch.get("responses", None)
+    if not isinstance(prompts, torch.Tensor) or not isinstance(responses, torch.Tensor):
+        return None
+    if responses.is_nested:
+        return [int(n) for n in _lengths(responses).tolist()]
+    attention_mask = batch.get("attention_mask", None)
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.is_nested:
+        return None
+    return [int(n) for n in attention_mask[:, prompts.shape[1]:].sum(dim=1).tolist()]
+
+
+class _Noting(Iterator[Any]):
+    """`batch_iter` as forward_step takes it: each micro-batch's read rows noted as it is taken."""
+
+    def __init__(self, inner: Iterator[Any]) -> None:
+        self._inner = inner
+
+    def __next__(self) -> Any:
+        batch = next(self._inner)
+        _PENDING.set(read_rows(batch))
+        return batch
+
+
+def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper on `MegatronEngineWithLMHead.forward_step(batch_iter, model, ...)`."""
+    if os.environ.get(ROWS_ENV, "").strip().lower() == "all":
+        return wrapped(*args, **kwargs)
+    if args:
+        args = (_Noting(iter(args[0])),) + tuple(args[1:])
+    elif "batch_iter" in kwargs:
+        kwargs = dict(kwargs, batch_iter=_Noting(iter(kwargs["batch_iter"])))
+    else:
+        return wrapped(*args, **kwargs)  # not verl's call: its own error
+    pending, packed = _PENDING.set(None), _PACKED.set(None)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _PENDING.reset(pending)
+        _PACKED.reset(packed)
+
+
+def packer_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper on verl's `preprocess_thd_engine`: packing the labels (need_roll=True) in a
+    noted forward_step packs the read rows alike, for the fused processor."""
+    result = wrapped(*args, **kwargs)
+    rows = _PENDING.get()
+    if rows is None or not kwargs.get("need_roll", False) or not args:
+        return result
+    labels = args[0]
+    if getattr(labels, "is_nested", False) and _lengths(labels).tolist() == _lengths(rows).tolist():
+        import torch
+
+        # token positions: the packer rolls each sequence by one (row r takes token r + 1)
+        shifted = [torch.roll(r, 1).to(device=labels.device, dtype=labels.dtype) for r in rows.unbind()]
+        tokens = torch.nested.nested_tensor(shifted, layout=torch.jagged)
+        packed = wrapped(tokens, *args[1:], **kwargs)[0]
+        _PACKED.set(packed != 0)
+    return result
+
+
+def packed_row_mask(labels: Any) -> Any:
+    """The current fused forward's row mask if it lines up with the processor's `labels`, else None."""
+    mask = _PACKED.get()
+    if mask is None or getattr(labels, "shape", None) != mask.shape:
+        return None
+    return mask
