@@ -30,27 +30,19 @@ PACKER = "verl.models.mcore.model_forward_fused:preprocess_thd_engine"
 VERSIONS = ">=0.9.0,<0.10"
 ROWS_ENV = "MEGATRON_RL_PATCHES_VERL_ROWS"
 
+def _record(target: str, wrapper: str, description: str, params: tuple[str, ...]) -> Patch:
+    """A `verl_fused_logprobs` record of this module (optional: another verl layout may lack it)."""
+    return Patch(name="verl_fused_logprobs", target=target,
+                 wrapper=f"megatron_rl_patches.integrations.verl_rows:{wrapper}", description=description,
+                 requires="verl", versions=VERSIONS, optional=True, params=params)
+
+
 PATCHES = (
-    Patch(
-        name="verl_fused_logprobs",
-        target=ENGINE,
-        wrapper="megatron_rl_patches.integrations.verl_rows:forward_step_wrapper",
-        description="verl's engine forward_step notes the rows verl reads (responses, loss mask) for the fused route",
-        requires="verl",
-        versions=VERSIONS,
-        optional=True,
-        params=("self", "batch_iter", "model", "logits_processor_func", "postprocess_micro_batch_func"),
-    ),
-    Patch(
-        name="verl_fused_logprobs",
-        target=PACKER,
-        wrapper="megatron_rl_patches.integrations.verl_rows:packer_wrapper",
-        description="verl's label packing packs the read rows alike: the fused processor's row mask",
-        requires="verl",
-        versions=VERSIONS,
-        optional=True,
-        params=("input_ids", "pre_process", "need_roll"),
-    ),
+    _record(ENGINE, "forward_step_wrapper",
+            "verl's engine forward_step notes the rows verl reads (responses, loss mask) for the fused route",
+            ("self", "batch_iter", "model", "logits_processor_func", "postprocess_micro_batch_func")),
+    _record(PACKER, "packer_wrapper", "verl's label packing packs the read rows alike: the fused processor's row mask",
+            ("input_ids", "pre_process", "need_roll")),
 )
 
 # The read rows of the micro-batch in the current forward_step, nested like its input_ids but
