@@ -114,12 +114,13 @@ def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
     """wrapt wrapper on `MegatronEngineWithLMHead.forward_step(batch_iter, model, ...)`."""
     if os.environ.get(ROWS_ENV, "").strip().lower() == "all":
         return wrapped(*args, **kwargs)
-    if args:
-        args = (_Noting(iter(args[0])),) + tuple(args[1:])
-    elif "batch_iter" in kwargs:
-        kwargs = dict(kwargs, batch_iter=_Noting(iter(kwargs["batch_iter"])))
-    else:
+    batch_iter = args[0] if args else kwargs.get("batch_iter")
+    if batch_iter is None or not hasattr(batch_iter, "__iter__"):
         return wrapped(*args, **kwargs)  # not verl's call: its own error
+    if args:
+        args = (_Noting(iter(batch_iter)),) + tuple(args[1:])
+    else:
+        kwargs = dict(kwargs, batch_iter=_Noting(iter(batch_iter)))
     pending, packed = _PENDING.set(None), _PACKED.set(None)
     try:
         return wrapped(*args, **kwargs)

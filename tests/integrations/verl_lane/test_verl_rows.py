@@ -139,3 +139,10 @@ def test_read_rows_of_a_padded_attention_mask_batch():
     rows = verl_rows.read_rows(micro).unbind()
     assert rows[0].tolist() == [False, False, True, True, True, False]
     assert rows[1].tolist() == [False, True, True, False]
+
+
+def test_no_batch_iterator_is_verls_own_error(verl_cpu):
+    """forward_step without an iterator fails as verl's own code does (next() of None), not in the wrapper."""
+    _apply()
+    with pytest.raises(TypeError, match="not an iterator"):
+        kit.engine(True).forward_step(None, _model(), None, None)
