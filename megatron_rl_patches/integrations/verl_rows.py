@@ -10,8 +10,10 @@ selects. The fused forward (`fused_forward_model_engine_inner`) gets no response
    and the rows the loss mask selects, in either alignment (position t read at row t, or at row
    t - 1 where it is the next token). A batch with neither gives no selection (every row).
 2. verl's own `preprocess_thd_engine`, when it packs the labels (`need_roll=True`), packs those
-   rows with the same arguments (roll, context-parallel layout, fp8 and bucket padding), so the
-   row mask lines up with the labels row for row; padding rows are never selected.
+   rows with the same arguments less the roll (context-parallel layout, fp8 and bucket padding):
+   the row mask lines up with the packed hidden states row for row; padding rows are never
+   selected. (verl's roll is its own business: on one CP rank it rolls the packed buffer as a
+   whole, so a sequence's last label is the next sequence's first token; no reader uses it.)
 3. the fused processor passes it as `row_mask`: unselected rows are 0 with no gradient.
 
 `MEGATRON_RL_PATCHES_VERL_ROWS=all` turns the selection off (a custom loss reading other rows).
@@ -45,42 +47,49 @@ PATCHES = (
             ("input_ids", "pre_process", "need_roll")),
 )
 
-# The read rows of the micro-batch in the current forward_step, nested like its input_ids but
-# shifted to token positions (see :func:`read_rows`); None: every row.
+# The rows verl reads in the current forward_step and the micro-batch's sequence lengths: a flat
+# bool [total] on the host, row-aligned with its nested input_ids (see :func:`read_rows`); None:
+# every row.
 _PENDING: contextvars.ContextVar[Any] = contextvars.ContextVar("megatron_rl_patches_verl_rows", default=None)
 # The packed row mask of the current fused forward, shaped like the packed labels; None: every row.
 _PACKED: contextvars.ContextVar[Any] = contextvars.ContextVar("megatron_rl_patches_verl_row_mask", default=None)
 
 
-def _lengths(value: Any) -> Any:
-    return value.offsets().diff()
+def _lengths(value: Any) -> list[int]:
+    return [int(n) for n in value.offsets().diff().tolist()]
 
 
 def read_rows(batch: Any) -> Any:
-    """[b, j] nested bool, aligned with the micro-batch's nested `input_ids`: row r of a sequence
-    (the row predicting token r + 1) is True when verl may read it; None when the batch says
-    nothing about it (every row is computed) or is not in verl's nested (no-padding) layout."""
+    """[total] bool on the host, the rows of the micro-batch's nested `input_ids` end to end: row r
+    of a sequence (the row predicting token r + 1) is True when verl may read it; None when the
+    batch says nothing about it (every row is computed) or is not in verl's nested (no-padding)
+    layout. Built with whole-batch host ops: nothing per sequence reaches the device."""
     import torch
 
     input_ids = batch.get("input_ids", None) if hasattr(batch, "get") else None
     if not isinstance(input_ids, torch.Tensor) or not input_ids.is_nested:
         return None
-    lengths = _lengths(input_ids).tolist()
-    rows = [torch.zeros(n, dtype=torch.bool, device=input_ids.device) for n in lengths]
+    lengths = torch.tensor(_lengths(input_ids), dtype=torch.long)
+    ends = lengths.cumsum(0)
+    total = int(ends[-1]) if len(ends) else 0
+    rows = torch.zeros(total, dtype=torch.bool)
     told = False
     responses = _response_lengths(batch)
-    if responses is not None:
+    if responses is not None:  # no_padding_2_padding's slice: the resp_len rows before the last
         told = True
-        for row, n, r in zip(rows, lengths, responses):
-            row[max(0, n - r - 1): n - 1] = True  # no_padding_2_padding's slice
+        first = (ends - 1 - torch.tensor(responses, dtype=torch.long)).clamp_min(ends - lengths)
+        count = ends - 1 - first
+        rows[torch.repeat_interleave(first, count.clamp_min(0)) + _ranks(count.clamp_min(0))] = True
     loss_mask = batch.get("loss_mask", None)
-    if isinstance(loss_mask, torch.Tensor) and loss_mask.is_nested and _lengths(loss_mask).tolist() == lengths:
+    if isinstance(loss_mask, torch.Tensor) and loss_mask.is_nested and _lengths(loss_mask) == lengths.tolist():
         told = True
-        for row, mask in zip(rows, loss_mask.unbind()):
-            mask = mask.to(device=row.device, dtype=torch.bool)
-            row |= mask  # position t read at row t
-            row[:-1] |= mask[1:]  # token t + 1 read at row t
-    return torch.nested.nested_tensor(rows, layout=torch.jagged) if told else None
+        mask = loss_mask.values().to(device="cpu", dtype=torch.bool)
+        rows |= mask  # position t read at row t
+        following = torch.zeros_like(mask)
+        following[:-1] = mask[1:]  # token t + 1 read at row t ...
+        following[ends[ends > 0] - 1] = False  # ... within the sequence
+        rows |= following
+    return rows if told else None
 
 
 def _response_lengths(batch: Any) -> list[int] | None:
@@ -91,11 +100,19 @@ def _response_lengths(batch: Any) -> list[int] | None:
     if not isinstance(prompts, torch.Tensor) or not isinstance(responses, torch.Tensor):
         return None
     if responses.is_nested:
-        return [int(n) for n in _lengths(responses).tolist()]
+        return _lengths(responses)
     attention_mask = batch.get("attention_mask", None)
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.is_nested:
         return None
     return [int(n) for n in attention_mask[:, prompts.shape[1]:].sum(dim=1).tolist()]
+
+
+def _ranks(count: Any) -> Any:
+    """0, 1, ..., count_i - 1 for each i, end to end."""
+    import torch
+
+    starts = torch.repeat_interleave(count.cumsum(0) - count, count)
+    return torch.arange(int(count.sum())) - starts
 
 
 class _Noting(Iterator[Any]):
@@ -106,7 +123,8 @@ class _Noting(Iterator[Any]):
 
     def __next__(self) -> Any:
         batch = next(self._inner)
-        _PENDING.set(read_rows(batch))
+        rows = read_rows(batch)
+        _PENDING.set(None if rows is None else (rows, _lengths(batch["input_ids"])))
         return batch
 
 
@@ -131,19 +149,21 @@ def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
 
 def packer_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper on verl's `preprocess_thd_engine`: packing the labels (need_roll=True) in a
-    noted forward_step packs the read rows alike, for the fused processor."""
+    noted forward_step packs the read rows alike (unrolled), for the fused processor."""
     result = wrapped(*args, **kwargs)
-    rows = _PENDING.get()
-    if rows is None or not kwargs.get("need_roll", False) or not args:
+    pending = _PENDING.get()
+    if pending is None or not kwargs.get("need_roll", False) or not args:
         return result
+    rows, lengths_read = pending
     labels = args[0]
-    if getattr(labels, "is_nested", False) and _lengths(labels).tolist() == _lengths(rows).tolist():
+    if getattr(labels, "is_nested", False) and _lengths(labels) == lengths_read:
         import torch
 
-        # token positions: the packer rolls each sequence by one (row r takes token r + 1)
-        shifted = [torch.roll(r, 1).to(device=labels.device, dtype=labels.dtype) for r in rows.unbind()]
-        tokens = torch.nested.nested_tensor(shifted, layout=torch.jagged)
-        packed = wrapped(tokens, *args[1:], **kwargs)[0]
+        # the flags are per row, i.e. per input position as the hidden states are packed: the
+        # labels' arguments without their roll (verl rolls the labels alone)
+        values = rows.to(device=labels.device, dtype=labels.dtype)
+        flags = torch.nested.nested_tensor_from_jagged(values, offsets=labels.offsets())
+        packed = wrapped(flags, *args[1:], **dict(kwargs, need_roll=False))[0]
         _PACKED.set(packed != 0)
     return result
 

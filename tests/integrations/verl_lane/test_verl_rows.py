@@ -64,15 +64,41 @@ def _read(output, micro):
 @pytest.fixture
 def head_rows(monkeypatch):
     """How many rows each fused-head call computed (its row_mask's count, or all rows)."""
-    seen = []
+    seen, masks = _Seen(), []
     real = lm_head.lm_head_log_probs_and_entropy
 
     def counted(hidden, *args, row_mask=None, **kwargs):
         seen.append(hidden.size(0) if row_mask is None else int(row_mask.sum()))
+        masks.append(row_mask)
         return real(hidden, *args, row_mask=row_mask, **kwargs)
 
     monkeypatch.setattr(lm_head, "lm_head_log_probs_and_entropy", counted)
+    seen.masks = masks
     return seen
+
+
+class _Seen(list):
+    masks: list
+
+
+def test_the_packed_mask_is_each_sequences_read_rows_in_order(verl_cpu, head_rows):
+    """Sequences that differ at their last row (read in one, not in the other): the head's row mask
+    is each sequence's read rows, end to end, the last row included only where its loss mask
+    holds the last token (the roll's wrap-around: a sequence's first token carries its last row)."""
+    _apply()
+    micro = _rl_batch()
+    seqs = micro["input_ids"].unbind()
+    second = torch.zeros(seqs[1].numel())
+    second[PROMPTS[1]: seqs[1].numel() - 2] = 1.0
+    micro["loss_mask"] = kit.nested([micro["loss_mask"].unbind()[0], second])
+    kit.forward_step(kit.engine(True), _model(), micro)
+    expected = []
+    for n, p, last in zip(kit.LENGTHS, PROMPTS, (True, False)):
+        row = torch.zeros(n, dtype=torch.bool)
+        row[p - 1: n - 1] = True
+        row[n - 1] = last
+        expected.append(row)
+    assert torch.equal(head_rows.masks[0].cpu(), torch.cat(expected))
 
 
 @pytest.mark.parametrize("masked_tail", [0, 3], ids=["loss-mask-all", "loss-mask-tail-off"])
@@ -136,9 +162,20 @@ def test_read_rows_of_a_padded_attention_mask_batch():
     attention = torch.tensor([[1, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 0, 0]])  # responses of 3 and 2
     micro = tu.get_tensordict({"input_ids": ids, "prompts": prompts, "responses": torch.zeros(2, 4, dtype=torch.long),
                                "attention_mask": attention}, {})
-    rows = verl_rows.read_rows(micro).unbind()
-    assert rows[0].tolist() == [False, False, True, True, True, False]
-    assert rows[1].tolist() == [False, True, True, False]
+    rows = verl_rows.read_rows(micro).tolist()
+    assert rows[:6] == [False, False, True, True, True, False]
+    assert rows[6:] == [False, True, True, False]
+
+
+def test_read_rows_of_the_loss_mask_stay_inside_each_sequence():
+    """A loss mask on the first token of a sequence selects that row, never the row before it,
+    which is the previous sequence's last (its rolled filler)."""
+    from verl.utils import tensordict_utils as tu
+
+    ids = kit.nested([torch.arange(4), torch.arange(3), torch.arange(2)])
+    loss = kit.nested([torch.tensor([0, 0, 1, 0]), torch.tensor([1, 0, 0]), torch.tensor([0, 1])])
+    rows = verl_rows.read_rows(tu.get_tensordict({"input_ids": ids, "loss_mask": loss}, {})).tolist()
+    assert rows == [False, True, True, False, True, False, False, True, True]
 
 
 def test_no_batch_iterator_is_verls_own_error(verl_cpu):
