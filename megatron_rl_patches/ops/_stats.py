@@ -24,6 +24,11 @@ logits (materialized logits, or hidden states and an output-weight shard) into
   dtype (the logits' gradient, or ``(dh for every gathered row, dW)``; `needs` says which), where
   each tile's dL/dx is :func:`tile_grad`'s formula.
 
+Two optional groups: ``topk(source, run, first_id)`` (the top-k ids; without it the torch tiles'),
+and :class:`~megatron_rl_patches.ops.kernels.DivergenceKernels` (``serves_divergence``,
+``divergence_sums``, ``divergence_grad``: lm_head_divergence's pass 2 and backward, the divergence
+table's terms; without them the torch tiles evaluate the table).
+
 The steps a backend shares with the ops (moving sums to a new max, accumulating dh/dW, the saved
 temperature, the bad-row check) are public in :mod:`megatron_rl_patches.ops.steps`.
 

@@ -10,9 +10,11 @@ one SUM for the cross term). Every other case needs every normalizer before its 
 teachers' mixture, jsd's M, the skews' mixtures, |q − p|): pass 2 recomputes the tiles of every
 model and sums the value and the row constants backward needs (one SUM all-reduce). Backward
 recomputes the tiles of the student and the teachers (teachers without grad) and accumulates
-dL/dh_s and dL/dW_s. In T·H·V/tp matmuls with n teachers: one pass 2 forward + 4 backward
-(dense: 4); two passes 2(1+n) forward + (1+n) + 2 backward (dense: (1+n) + 2); memory per rank
-and the choice against top-k in docs/distillation.md ("Full vocabulary").
+dL/dh_s and dL/dW_s. A backend with the optional divergence steps (the Triton kernels, one
+teacher) takes pass 2 and the backward's tiles
+(:class:`~megatron_rl_patches.ops.kernels.DivergenceKernels`). In T·H·V/tp matmuls with n
+teachers: one pass 2 forward + 4 backward (dense: 4); two passes 2(1+n) forward + (1+n) + 2
+backward (dense: (1+n) + 2); memory per rank and the choice against top-k in docs/distillation.md ("Full vocabulary").
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch.distributed as dist
 from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab, divergence_checks
 from megatron_rl_patches.ops import _divergence_tiles as tiles_math
 from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE, Plan
-from megatron_rl_patches.ops.kernels import Backend, resolve_backend
+from megatron_rl_patches.ops.kernels import Backend, divergence_step, resolve_backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
 from megatron_rl_patches.ops.kernels.torch_tiles import TorchTiles, tiles
 from megatron_rl_patches.ops.lm_head import check_lm_head_inputs
@@ -66,9 +68,11 @@ def lm_head_divergence(
     :mod:`megatron_rl_patches.ops._divergences`). `keep_mask` [T, V_local] bool: every model's
     distribution renormalized over the kept ids, the divergence between those. Gradients flow to
     hidden and weight only; outputs fp32 (fp64 for fp64 inputs). `chunk_size`: rows per tile.
-    `backend` ("auto", "torch", "triton"; as the other vocabulary ops) folds every model's
-    normalizer when the divergence needs a second pass; the one-pass KLs, the masked case, pass 2
-    and backward run the table's formula on torch tiles (the matmuls dominate them).
+    `backend` ("auto", "torch", "triton"; as the other vocabulary ops): with "triton" and one
+    teacher of the student's dtype (not fp64) pass 2 and the backward are kernels (the table's
+    terms on tiles recomputed in registers), and every model's normalizer is folded by the
+    kernels when the divergence needs a second pass and no keep_mask; the one-pass KLs' pass 1,
+    the masked pass 1 and the teachers' mixture run on torch tiles.
     `row_mask` [T] bool (the gathered rows under sequence parallelism; the same on every rank):
     only the selected rows meet the weights; the others' divergence is 0 with no gradient.
     """
@@ -169,6 +173,28 @@ def _tile_log_probs(xs, rows, shifts, log_sums, scale, log_w):
     return lps[0], tiles_math.mixture_(lps[1:], log_w)
 
 
+def _norms(shifts: list[torch.Tensor], log_sums: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Each model's [2, T] (shift, log S): what a backend's divergence step reads."""
+    return tuple(torch.stack([shift, log_sum]) for shift, log_sum in zip(shifts, log_sums))
+
+
+def _tile_grads(sources, plan: Plan, shifts, log_sums, consts, scale, row_factor, keep_mask, log_w,
+                needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dL/dh, dL/dW) of the student on torch tiles: dz = (g − p·G)·row_factor per tile, the
+    table's gradient terms, accumulated by two matmuls."""
+    dtype = shifts[0].dtype
+    hidden, weight = sources[0].hidden, sources[0].weight
+    assert hidden is not None and weight is not None  # the sources are fused
+    grad_h = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if needs[0] else None
+    grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if needs[1] else None
+    for rows, cols, xs, kept in _walk(sources, dtype, keep_mask):
+        a, b = _tile_log_probs(xs, rows, shifts, log_sums, _stats.scale_rows(scale, rows), log_w)
+        dz = tiles_math.student_grad(plan, a, b, consts[0][rows] if consts else None, kept)
+        dz.mul_(row_factor[rows, None])
+        accumulate(grad_h, grad_w, dz, hidden[rows], weight[cols], rows, cols)
+    return grad_h, grad_w
+
+
 class LmHeadDivergence(torch.autograd.Function):
     """The per-token divergence; saved: the models' tensors (alive anyway), ≤ 2(1+n)+2 per token."""
 
@@ -183,16 +209,22 @@ class LmHeadDivergence(torch.autograd.Function):
             value = tiles_math.one_pass_value(plan.row.name, cross, shifts, log_sums, scale)
             sums = value[:, None]
         else:
-            # no tile on a rank holding only vocabulary padding: its share stays 0
-            sums = torch.zeros(sources[0].n_rows, tiles_math.n_sums(plan), dtype=dtype, device=tensors[0].device)
-            for rows, _, xs, kept in _walk(sources, dtype, keep_mask):
-                a, b = _tile_log_probs(xs, rows, shifts, log_sums, _stats.scale_rows(scale, rows), log_w)
-                sums[rows] += tiles_math.row_sums(plan, a, b, kept)
+            kernels = divergence_step(backend, sources[0], sources[1:])
+            if kernels is not None:
+                sums = kernels.divergence_sums(sources[0], sources[1], _norms(shifts, log_sums), plan, scale,
+                                               keep_mask)[:, :tiles_math.n_sums(plan)].contiguous()
+            else:
+                # no tile on a rank holding only vocabulary padding: its share stays 0
+                sums = torch.zeros(sources[0].n_rows, tiles_math.n_sums(plan), dtype=dtype, device=tensors[0].device)
+                for rows, _, xs, kept in _walk(sources, dtype, keep_mask):
+                    a, b = _tile_log_probs(xs, rows, shifts, log_sums, _stats.scale_rows(scale, rows), log_w)
+                    sums[rows] += tiles_math.row_sums(plan, a, b, kept)
             # SUM all-reduce over the tensor-parallel group: each rank's vocab shard adds its
             # columns' share of the value and of every row constant
             sums = _dist.all_reduce_sum_(sums, spec.group)
             value = sums[:, 0].clone()
         ctx.plan, ctx.selected, ctx.spec, ctx.n_tensors = plan, selected, spec, len(tensors)
+        ctx.backend = backend
         ctx.set_materialize_grads(False)
         constant = tiles_math.grad_constant(plan, sums)
         consts = [] if constant is None else [constant]
@@ -215,15 +247,14 @@ class LmHeadDivergence(torch.autograd.Function):
         shifts, log_sums, consts = rows_saved[:n_models], rows_saved[n_models:2 * n_models], rows_saved[2 * n_models:]
         # dL/dx = g·s·dD/dz per row (z = x·s)
         row_factor = grad_value.to(dtype) * _stats.per_row(scale)
-        hidden, weight = sources[0].hidden, sources[0].weight
-        assert hidden is not None and weight is not None  # the sources are fused
-        grad_h = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if ctx.needs_input_grad[6] else None
-        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if ctx.needs_input_grad[7] else None
-        for rows, cols, xs, kept in _walk(sources, dtype, keep_mask):
-            a, b = _tile_log_probs(xs, rows, shifts, log_sums, _stats.scale_rows(scale, rows), log_w)
-            dz = tiles_math.student_grad(plan, a, b, consts[0][rows] if consts else None, kept)
-            dz.mul_(row_factor[rows, None])
-            accumulate(grad_h, grad_w, dz, hidden[rows], weight[cols], rows, cols)
+        kernels = divergence_step(ctx.backend, sources[0], sources[1:])
+        if kernels is not None:
+            grad_h, grad_w = kernels.divergence_grad(sources[0], sources[1], _norms(shifts, log_sums), plan, scale,
+                                                     keep_mask, consts[0] if consts else None,
+                                                     row_factor.contiguous(), ctx.needs_input_grad[6:8])
+        else:
+            grad_h, grad_w = _tile_grads(sources, plan, shifts, log_sums, consts, scale, row_factor, keep_mask, log_w,
+                                         ctx.needs_input_grad[6:8])
         if grad_h is not None:
             n_gathered = tensors[0].size(0) * (_dist.tp_size(spec.group) if spec.sequence_parallel else 1)
             grad_h = _vocab.scatter_rows(grad_h, ctx.selected, n_gathered)

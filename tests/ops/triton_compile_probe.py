@@ -10,13 +10,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from megatron_rl_patches.ops._divergences import DIVERGENCES
 from megatron_rl_patches.ops.kernels.triton import backend
+from megatron_rl_patches.ops.kernels.triton._divergence import divergence_tile_kernel
 from megatron_rl_patches.ops.kernels.triton._fold import row_stats_kernel
 from megatron_rl_patches.ops.kernels.triton._grad import grad_tile_kernel
 from megatron_rl_patches.ops.kernels.triton._topk import topk_tile_kernel
 
 INTS = {"n_rows", "n_valid", "n_hidden", "cols_per_split", "row_begin", "row_end", "col_begin", "col_end",
-        "first_id", "sentinel"}
+        "first_id", "sentinel", "n_hidden_s", "n_hidden_t"}
+FLOATS = {"scale_value", "w", "log_w", "log_1mw"}
 
 
 def _signature(fn, pointers: dict[str, str], consts: dict) -> dict[str, str]:
@@ -27,26 +30,28 @@ def _signature(fn, pointers: dict[str, str], consts: dict) -> dict[str, str]:
             return pointers[name]
         if name in INTS or name.startswith("s_"):
             return "i32"
-        return "fp32" if name == "scale_value" else "*fp32"
+        return "fp32" if name in FLOATS else "*fp32"
 
     return {name: kind(name) for name in fn.arg_names}
 
 
-def compile_variant(fn, arch: int, dtype: str, fused: bool, flags: dict[str, bool], k: int) -> str:
+def compile_variant(fn, arch: int, dtype: str, fused: bool, flags: dict, k: int | None) -> str:
     import torch
 
     b = backend.blocks(torch.device("cuda"), fused)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    consts = {**flags, "K": k, "FUSED": fused, **b.launch(torch_dtype)}
+    consts = {**flags, **({} if k is None else {"K": k, "FUSED": fused}), **b.launch(torch_dtype)}
     options = {"num_warps": consts.pop("num_warps"), "num_stages": consts.pop("num_stages")}
     consts["DOT_FP32"] = False  # the GPU path, whatever this process's interpreter setting
     pointers = {"src": f"*{dtype}", "weight": f"*{dtype}", "keep": "*i8", "marks": "*i32", "out": f"*{dtype}",
-                "out_ids": "*i64"}
+                "out_ids": "*i64", **{name: f"*{dtype}" for name in ("h_s", "w_s", "h_t", "w_t")}}
+    if fn is divergence_tile_kernel and not flags["GRAD"]:
+        pointers["out"] = "*fp32"  # pass 2's row sums
     source = ASTSource(fn=fn, signature=_signature(fn, pointers, consts),
                        constexprs={(fn.arg_names.index(name),): value for name, value in consts.items()})
     kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     assert kernel.asm.get("cubin"), "no cubin"
-    return f"sm_{arch} {fn.__name__} {dtype} fused={fused} k={k} all_flags={all(flags.values())}: ok"
+    return f"sm_{arch} {fn.__name__} {dtype} fused={fused} k={k} flags={flags}: ok"
 
 
 FOLD_FLAGS = ("ROW_SCALE", "HAS_REST", "HAS_MOMENT", "HAS_SUB", "HAS_KEEP")
@@ -64,6 +69,15 @@ def main(arches: list[int]) -> None:
         print(compile_variant(row_stats_kernel, arch, dtype, True, flags, 0), flush=True)
     for arch, dtype, fused in itertools.product(arches, ("bf16", "fp32"), (True, False)):  # the top-k ids
         print(compile_variant(topk_tile_kernel, arch, dtype, fused, {}, 8), flush=True)
+    # lm_head_divergence's pass 2 and backward: both modes with every flag on in each dtype, and
+    # every table row once
+    jsd = DIVERGENCES.index("jsd")
+    for arch, dtype, grad in itertools.product(arches, ("bf16", "fp32"), (False, True)):
+        flags = {"DIV": jsd, "GRAD": grad, "HAS_CONSTANT": grad, "ROW_SCALE": True, "HAS_KEEP": True}
+        print(compile_variant(divergence_tile_kernel, arch, dtype, True, flags, None), flush=True)
+    for arch, div in itertools.product(arches, range(len(DIVERGENCES))):
+        flags = {"DIV": div, "GRAD": True, "HAS_CONSTANT": False, "ROW_SCALE": False, "HAS_KEEP": False}
+        print(compile_variant(divergence_tile_kernel, arch, "fp32", True, flags, None), flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ Choice per call: the op's ``backend=`` argument, else ``MEGATRON_RL_PATCHES_BACK
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -18,6 +18,7 @@ from megatron_rl_patches.ops._stats import GradFactors, RowStats
 from megatron_rl_patches.ops.kernels.sources import Source
 
 if TYPE_CHECKING:
+    from megatron_rl_patches.ops._divergences import Plan
     from megatron_rl_patches.ops.topk_select import RunningTopk
 
 BACKEND_ENV = VARIABLE
@@ -47,6 +48,7 @@ class Backend(Protocol):
     # Optional: `topk(source, run, first_id) -> RunningTopk`, the source's k best ids merged into
     # `run` (see :mod:`megatron_rl_patches.ops.topk_select`; a column a tile left out at a tied cut
     # raises `run.ambiguous` to that value). A backend without it gets the torch tiles' (topk_step).
+    # Optional: the steps of :class:`DivergenceKernels` (lm_head_divergence's pass 2 and backward).
 
 
 def topk_step(backend: Backend) -> Callable[[Source, RunningTopk, int], RunningTopk]:
@@ -54,6 +56,32 @@ def topk_step(backend: Backend) -> Callable[[Source, RunningTopk, int], RunningT
     before the top-k ops took `backend=`)."""
     step = getattr(backend, "topk", None)
     return step if step is not None else _REGISTRY["torch"].topk  # type: ignore[attr-defined]
+
+
+class DivergenceKernels(Protocol):
+    """A backend's optional steps of lm_head_divergence (one pair of sources, student and teacher,
+    each model's normalizers `norms` [2, T]: shifts then log S, combined over the ranks). The
+    per-entry terms are the divergence table's (:mod:`megatron_rl_patches.ops._divergences`);
+    without these steps the torch tiles evaluate it."""
+
+    def serves_divergence(self, student: Source, teachers: list[Source]) -> bool:
+        """Whether it takes a call with these sources (else the torch tiles do)."""
+
+    def divergence_sums(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, ...], plan: Plan,
+                        scale: float | torch.Tensor, keep_mask: torch.Tensor | None) -> torch.Tensor:
+        """[T, 2]: this shard's share of the divergence and of G = Σ g per row (pass 2)."""
+
+    def divergence_grad(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, ...], plan: Plan,
+                        scale: float | torch.Tensor, keep_mask: torch.Tensor | None, constant: torch.Tensor | None,
+                        row_factor: torch.Tensor, needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
+        """(dL/dh, dL/dW) of the student from dz = (g − p·G)·row_factor (G = `constant`, None: 0)."""
+
+
+def divergence_step(backend: Backend, student: Source, teachers: list[Source]) -> DivergenceKernels | None:
+    """The backend when it serves lm_head_divergence's pass 2 and backward for these sources,
+    else None (the torch tiles evaluate the table's formula)."""
+    serves = getattr(backend, "serves_divergence", None)
+    return cast(DivergenceKernels, backend) if serves is not None and serves(student, teachers) else None
 
 
 _REGISTRY: dict[str, Backend] = {}

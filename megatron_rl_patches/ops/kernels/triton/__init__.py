@@ -50,3 +50,12 @@ class LazyTritonTiles:
 
     def topk(self, *args: Any, **kwargs: Any) -> Any:
         return self._load().topk(*args, **kwargs)
+
+    def serves_divergence(self, *args: Any, **kwargs: Any) -> Any:
+        return self._load().serves_divergence(*args, **kwargs)
+
+    def divergence_sums(self, *args: Any, **kwargs: Any) -> Any:
+        return self._load().divergence_sums(*args, **kwargs)
+
+    def divergence_grad(self, *args: Any, **kwargs: Any) -> Any:
+        return self._load().divergence_grad(*args, **kwargs)

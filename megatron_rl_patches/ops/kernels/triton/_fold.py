@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from megatron_rl_patches.ops.kernels.triton._tiles import NEG_FLOOR, finite, logits_tile
+from megatron_rl_patches.ops.kernels.triton._tiles import NEG_FLOOR, finite, logits_tile, row_scales
 
 
 @triton.jit
@@ -33,10 +33,7 @@ def row_stats_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
     rows64 = rows.to(tl.int64)
-    if ROW_SCALE:
-        s = tl.load(scale_ptr + rows64, mask=row_ok, other=1.0).to(tl.float32)
-    else:
-        s = tl.zeros((BLOCK_M,), dtype=tl.float32) + scale_value
+    s = row_scales(scale_ptr, scale_value, rows64, row_ok, ROW_SCALE, BLOCK_M)
     shift = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     rest = tl.zeros((BLOCK_M,), dtype=tl.float32)
     moment = tl.zeros((BLOCK_M,), dtype=tl.float32)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from megatron_rl_patches.ops.kernels.triton._tiles import NEG_FLOOR, expm1, logits_tile
+from megatron_rl_patches.ops.kernels.triton._tiles import NEG_FLOOR, expm1, logits_tile, row_scales
 
 
 @triton.jit
@@ -37,10 +37,7 @@ def grad_tile_kernel(
     rows64 = rows.to(tl.int64)
     cols = col_begin + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < col_end
-    if ROW_SCALE:
-        s = tl.load(scale_ptr + rows64, mask=row_ok, other=1.0).to(tl.float32)
-    else:
-        s = tl.zeros((BLOCK_M,), dtype=tl.float32) + scale_value
+    s = row_scales(scale_ptr, scale_value, rows64, row_ok, ROW_SCALE, BLOCK_M)
     x = logits_tile(src, weight, rows64, row_ok, cols, col_ok, n_hidden, s_src_r, s_src_c, s_w_r, s_w_c,
                     FUSED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, DOT_PRECISION)
     dz = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -20,6 +20,16 @@ def finite(v):
 
 
 @triton.jit
+def row_scales(scale_ptr, scale_value, rows64, row_ok, ROW_SCALE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """1/τ of each row of the block: per row from `scale_ptr` (ROW_SCALE), else `scale_value`."""
+    if ROW_SCALE:
+        s = tl.load(scale_ptr + rows64, mask=row_ok, other=1.0).to(tl.float32)
+    else:
+        s = tl.zeros((BLOCK_M,), dtype=tl.float32) + scale_value
+    return s
+
+
+@triton.jit
 def expm1(y):
     """e^y - 1 without cancellation near 0: a Taylor polynomial (Horner, 9 terms: relative error
     below fp32's epsilon) for |y| < 0.5, else exp(y) - 1 (losing at most ~1.5 bits there).

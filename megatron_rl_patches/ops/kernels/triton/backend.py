@@ -24,11 +24,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import triton
 
+from megatron_rl_patches.ops._divergences import DIVERGENCES, Plan
 from megatron_rl_patches.ops._stats import GradFactors, RowStats, finite_or_zero, per_row
 from megatron_rl_patches.ops._vocab import row_chunks
 from megatron_rl_patches.ops.kernels.sources import Source
@@ -38,6 +40,7 @@ from megatron_rl_patches.ops.kernels.torch_tiles import (
     TorchTiles,
     logits_grad_buffer,
 )
+from megatron_rl_patches.ops.kernels.triton._divergence import divergence_tile_kernel
 from megatron_rl_patches.ops.kernels.triton._fold import row_stats_kernel
 from megatron_rl_patches.ops.kernels.triton._grad import grad_tile_kernel
 from megatron_rl_patches.ops.kernels.triton._topk import topk_tile_kernel
@@ -216,39 +219,9 @@ class TritonTiles:
             grad = logits_grad_buffer(source)
             self._grad_tiles(source, factors, scale, keep_mask, grad, 0, source.n_rows, 0, source.n_valid)
             return (grad,)
-        hidden, weight = source.hidden, source.weight
-        assert hidden is not None and weight is not None  # fused
-        n_rows, n_valid, dtype = source.n_rows, source.n_valid, factors.dtype
-        half = hidden.dtype in (torch.bfloat16, torch.float16)
-        # dh accumulates over column blocks (fp32: T·H·4 B, H/V of one U); each row of dW is made
-        # once by one matmul, so it is written in the weight's dtype directly (the cast the
-        # Function would do), not through a [V, H] fp32 buffer
-        grad_h = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if needs[0] else None
-        grad_w = None
-        if needs[1]:
-            grad_w = torch.empty(weight.shape, dtype=weight.dtype if half else dtype, device=weight.device)
-            grad_w[n_valid:].zero_()
-        if n_rows == 0 or n_valid == 0:
-            if grad_w is not None:
-                grad_w.zero_()
-            return grad_h, grad_w
-        dz_dtype = hidden.dtype if half else dtype  # the matmuls' operand, as in the torch tiles
-        budget = CUDA_TILE_BYTES if hidden.device.type == "cuda" else CPU_TILE_BYTES
-        # the op's chunk_size (rows per tile elsewhere) caps the block at chunk_size·V_local entries
-        entries = source.chunk_rows * n_valid if source.chunk_rows else budget // dz_dtype.itemsize
-        width = max(1, entries // n_rows)
-        buf = torch.empty(n_rows, min(width, n_valid), dtype=dz_dtype, device=hidden.device)
-        for c0, c1 in row_chunks(n_valid, width):
-            dz = buf[:, : c1 - c0]
-            self._grad_tiles(source, factors, scale, keep_mask, dz, 0, n_rows, c0, c1)
-            if grad_w is not None:
-                torch.matmul(dz.t(), hidden, out=grad_w[c0:c1])
-            if grad_h is not None:
-                if half:
-                    grad_h += torch.matmul(dz, weight[c0:c1])
-                else:
-                    grad_h.addmm_(dz, weight[c0:c1])
-        return grad_h, grad_w
+        return column_block_grads(source, factors.dtype, needs,
+                                  lambda dz, c0, c1: self._grad_tiles(source, factors, scale, keep_mask, dz, 0,
+                                                                      source.n_rows, c0, c1))
 
     def _grad_tiles(self, source: Source, f: GradFactors, scale: float | torch.Tensor,
                     keep_mask: torch.Tensor | None, out: torch.Tensor, r0: int, r1: int, c0: int, c1: int) -> None:
@@ -277,6 +250,110 @@ class TritonTiles:
             HAS_ETA=f.eta is not None, HAS_DELTA=f.delta is not None,
             **b.launch(source.first.dtype),
         )
+
+
+    # ------------------------------------------------------------------------- lm_head_divergence
+
+    def serves_divergence(self, student: Source, teachers: list[Source]) -> bool:
+        """Whether :meth:`divergence_sums` / :meth:`divergence_grad` take this call: one teacher of
+        the student's dtype, not fp64 (the teachers' mixture and fp64 run on the torch tiles)."""
+        return (len(teachers) == 1 and student.first.dtype != torch.float64
+                and teachers[0].first.dtype == student.first.dtype)
+
+    def divergence_sums(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, torch.Tensor],
+                        plan: Plan, scale: float | torch.Tensor, keep_mask: torch.Tensor | None) -> torch.Tensor:
+        """[T, 2]: this shard's share of the divergence and of G = Σ g per row (pass 2); `norms`:
+        each model's [2, T] (shifts, log S) combined over the ranks."""
+        n_rows, n_valid, device = student.n_rows, student.n_valid, student.first.device
+        if n_rows == 0 or n_valid == 0:
+            return torch.zeros(n_rows, 2, dtype=norms[0].dtype, device=device)
+        b = blocks(device, True)
+        splits = splits_for(n_rows, n_valid, b, device)
+        cols_per_split = math.ceil(math.ceil(n_valid / splits) / b.n) * b.n
+        splits = math.ceil(n_valid / cols_per_split)
+        parts = torch.empty(splits, n_rows, 2, dtype=norms[0].dtype, device=device)
+        self._divergence_tiles(student, teacher, norms, plan, scale, keep_mask, None, None, parts,
+                               (triton.cdiv(n_rows, b.m), splits), 0, n_valid, cols_per_split, grad=False)
+        return parts.sum(0)  # the splits in a fixed order
+
+    def divergence_grad(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, torch.Tensor],
+                        plan: Plan, scale: float | torch.Tensor, keep_mask: torch.Tensor | None,
+                        constant: torch.Tensor | None, row_factor: torch.Tensor,
+                        needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
+        """(dL/dh, dL/dW) of the student: dz = (g − p·G)·row_factor per tile (G = `constant`, None:
+        0), turned into both gradients block of columns by block."""
+        b = blocks(student.first.device, True)
+
+        def write_dz(dz: torch.Tensor, c0: int, c1: int) -> None:
+            grid = (triton.cdiv(student.n_rows, b.m), triton.cdiv(c1 - c0, b.n))
+            self._divergence_tiles(student, teacher, norms, plan, scale, keep_mask, constant, row_factor, dz, grid,
+                                   c0, c1, b.n, grad=True)
+
+        return column_block_grads(student, norms[0].dtype, needs, write_dz)
+
+    def _divergence_tiles(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, torch.Tensor],
+                          plan: Plan, scale: float | torch.Tensor, keep_mask: torch.Tensor | None,
+                          constant: torch.Tensor | None, row_factor: torch.Tensor | None, out: torch.Tensor,
+                          grid: tuple[int, int], c0: int, c1: int, cols_per_split: int, *, grad: bool) -> None:
+        dtype = norms[0].dtype
+        b = blocks(student.first.device, True)
+        dummy = norms[0]
+        keep, s_keep_r, s_keep_c = _keep_arg(keep_mask)
+        scale_t, scale_v = _scale_args(scale, dtype)
+        w = plan.weight
+        inside = 0.0 < w < 1.0  # log w and log(1 − w) are read only by the mixtures, whose w is inside
+        h_s, w_s, n_s, *s_strides = _src_args(student)
+        h_t, w_t, n_t, *t_strides = _src_args(teacher)
+        divergence_tile_kernel[grid](
+            h_s, w_s, h_t, w_t, norms[0].contiguous(), norms[1].contiguous(), keep if keep is not None else dummy,
+            scale_t if scale_t is not None else dummy, _or(constant, dummy), _or(row_factor, dummy), out,
+            student.n_rows, c0, c1, cols_per_split, n_s, n_t, scale_v, w,
+            math.log(w) if inside else 0.0, math.log1p(-w) if inside else 0.0,
+            *s_strides, *t_strides, s_keep_r, s_keep_c,
+            out.stride(0) if grad else 0, out.stride(1) if grad else 0,
+            DIV=DIVERGENCES.index(plan.row.name), GRAD=grad, HAS_CONSTANT=constant is not None,
+            ROW_SCALE=scale_t is not None, HAS_KEEP=keep is not None, **b.launch(student.first.dtype),
+        )
+
+
+def column_block_grads(source: Source, dtype: torch.dtype, needs: tuple[bool, ...],
+                       write_dz: Callable[[torch.Tensor, int, int], None]) -> tuple[torch.Tensor | None, ...]:
+    """(dL/dh, dL/dW) of a hidden-state source from dz written block of columns by block:
+    `write_dz(dz, c0, c1)` fills dz [T, c1 − c0] for the valid columns [c0, c1), then two matmuls
+    give dW[c0:c1] = dzᵀ·h and dh += dz·W[c0:c1] (see the module docstring)."""
+    hidden, weight = source.hidden, source.weight
+    assert hidden is not None and weight is not None  # fused
+    n_rows, n_valid = source.n_rows, source.n_valid
+    half = hidden.dtype in (torch.bfloat16, torch.float16)
+    # dh accumulates over column blocks (fp32: T·H·4 B, H/V of one U); each row of dW is made
+    # once by one matmul, so it is written in the weight's dtype directly (the cast the
+    # Function would do), not through a [V, H] fp32 buffer
+    grad_h = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if needs[0] else None
+    grad_w = None
+    if needs[1]:
+        grad_w = torch.empty(weight.shape, dtype=weight.dtype if half else dtype, device=weight.device)
+        grad_w[n_valid:].zero_()
+    if n_rows == 0 or n_valid == 0:
+        if grad_w is not None:
+            grad_w.zero_()
+        return grad_h, grad_w
+    dz_dtype = hidden.dtype if half else dtype  # the matmuls' operand, as in the torch tiles
+    budget = CUDA_TILE_BYTES if hidden.device.type == "cuda" else CPU_TILE_BYTES
+    # the op's chunk_size (rows per tile elsewhere) caps the block at chunk_size·V_local entries
+    entries = source.chunk_rows * n_valid if source.chunk_rows else budget // dz_dtype.itemsize
+    width = max(1, entries // n_rows)
+    buf = torch.empty(n_rows, min(width, n_valid), dtype=dz_dtype, device=hidden.device)
+    for c0, c1 in row_chunks(n_valid, width):
+        dz = buf[:, : c1 - c0]
+        write_dz(dz, c0, c1)
+        if grad_w is not None:
+            torch.matmul(dz.t(), hidden, out=grad_w[c0:c1])
+        if grad_h is not None:
+            if half:
+                grad_h += torch.matmul(dz, weight[c0:c1])
+            else:
+                grad_h.addmm_(dz, weight[c0:c1])
+    return grad_h, grad_w
 
 
 def _or(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
