@@ -9,8 +9,8 @@ gives its terms and gradient terms g per column; the gradient to the student's l
     dD/dz_k = g_k − p_k·G,   G = Σ_v g_v   (since ∂a_v/∂z_k = δ_vk − p_k),
 
 with G summed beside the value in the same pass (or known: 0 for forward KL, whose g = p − q,
-and the value itself for reverse KL, whose g = p·(a − b)). Forward / reverse KL against one
-teacher fold their cross term online instead (one pass). Ids outside keep_mask have
+and the value itself for reverse KL, whose g = p·(a − b)). Forward / reverse KL and mixed_kl
+against one teacher fold their cross terms online instead (one pass). Ids outside keep_mask have
 a = b = −inf: their terms and gradients are 0, never NaN (the -inf-safe primitives).
 """
 from __future__ import annotations
@@ -22,10 +22,15 @@ from megatron_rl_patches.ops._stats import RowStats, finite_or_zero, per_row, sh
 from megatron_rl_patches.ops.steps import moved
 
 
-def one_pass(plan: Plan, n_teachers: int) -> bool:
-    """Forward / reverse KL against one teacher need no normalizer beforehand: their cross term
-    is folded with online rescaling beside the normalizers. Everything else needs a second pass."""
-    return n_teachers == 1 and plan.row.name in ("forward_kl", "reverse_kl")
+def cross_leads(plan: Plan, n_teachers: int) -> tuple[int, ...]:
+    """Whose probabilities weigh each cross term the divergence folds in pass 1 (0: the student,
+    1: the teacher); () when it needs a second pass. Forward KL, reverse KL and their mixture
+    mixed_kl against one teacher need no normalizer beforehand: their cross terms fold with online
+    rescaling beside the normalizers (one pass, 2 of the 8 matmul-sized recomputes saved).
+    Everything else (the teachers' mixture, M, |q − p|) needs a second pass."""
+    if n_teachers != 1:
+        return ()
+    return {"forward_kl": (1,), "reverse_kl": (0,), "mixed_kl": (1, 0)}.get(plan.row.name, ())
 
 
 def _zero_outside(t: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
@@ -51,13 +56,22 @@ def fold_cross(cross: torch.Tensor, rows: slice, old_shift: torch.Tensor, lead: 
     cross[rows] = cross[rows] * factor + torch.linalg.vecdot(weights, diff)
 
 
-def one_pass_value(name: str, cross: torch.Tensor, shifts: list[torch.Tensor], log_sums: list[torch.Tensor],
-                   scale: float | torch.Tensor) -> torch.Tensor:
-    """KL from the folded cross term: forward KL(t‖s) = cross/S_t − (m_t − m_s)·s − log S_t + log S_s
-    (cross weighted by the teacher), reverse KL likewise with the roles swapped."""
-    lead, other = (1, 0) if name == "forward_kl" else (0, 1)
-    return (cross * torch.exp(-log_sums[lead]) - (shifts[lead] - shifts[other]) * per_row(scale)
-            - log_sums[lead] + log_sums[other])
+def one_pass_sums(plan: Plan, crosses: list[torch.Tensor], shifts: list[torch.Tensor], log_sums: list[torch.Tensor],
+                  scale: float | torch.Tensor) -> torch.Tensor:
+    """[T, n_sums] (the value, and G when the row sums it) from the folded cross terms (in
+    :func:`cross_leads`' order). KL(lead‖other) = cross/S_lead − (m_lead − m_other)·s − log S_lead
+    + log S_other, cross weighted by the lead's probabilities; mixed_kl = (1 − β)·forward + β·reverse,
+    its G = Σ g = β·reverse (forward KL's g sums to 0)."""
+    kls = []
+    for cross, lead in zip(crosses, cross_leads(plan, 1)):
+        other = 1 - lead
+        kls.append(cross * torch.exp(-log_sums[lead]) - (shifts[lead] - shifts[other]) * per_row(scale)
+                   - log_sums[lead] + log_sums[other])
+    if plan.row.name != "mixed_kl":
+        return kls[0][:, None]
+    forward, reverse = kls
+    beta = plan.weight
+    return torch.stack([(1.0 - beta) * forward + beta * reverse, beta * reverse], dim=1)
 
 
 # ----------------------------------------------------------------------------- log-probs of a tile

@@ -4,9 +4,9 @@ exist, in forward or backward.
 
 Forward, pass 1 walks the vocabulary tiles of every model together (x = h·Wᵀ per tile) and folds
 each model's normalizer (running max + Σ e^u: the statistics core's fold); forward / reverse KL
-against one teacher fold their cross term beside it with the same online rescaling (one pass).
-Ranks combine every model's statistics (one MAX and one SUM all-reduce of O(T) per model, plus
-one SUM for the cross term). Every other case needs every normalizer before its terms (the
+and mixed_kl against one teacher fold their cross terms beside it with the same online rescaling
+(one pass). Ranks combine every model's statistics (one MAX and one SUM all-reduce of O(T) per
+model, plus one SUM for the cross terms). Every other case needs every normalizer before its terms (the
 teachers' mixture, jsd's M, the skews' mixtures, |q − p|): pass 2 recomputes the tiles of every
 model and sums the value and the row constants backward needs (one SUM all-reduce). Backward
 recomputes the tiles of the student and the teachers (teachers without grad) and accumulates
@@ -125,32 +125,30 @@ def _backend_stats(sources, dtype, scale, backend: Backend) -> list[_stats.RowSt
 
 
 def _normalizers(sources, dtype, scale, keep_mask, spec, checks, plan: Plan, backend: Backend):
-    """Pass 1: every model's (shift, log S) combined over the ranks, and the cross term of a
-    one-pass KL (else None); bad rows of any model raise here (the call's one host sync)."""
+    """Pass 1: every model's (shift, log S) combined over the ranks, and the cross terms of a
+    one-pass divergence (else None); bad rows of any model raise here (the call's one host sync)."""
     n_rows, device = sources[0].n_rows, sources[0].first.device
-    single = tiles_math.one_pass(plan, len(sources) - 1)
-    lead = 1 if plan.row.name == "forward_kl" else 0  # whose probabilities weigh the cross term
-    cross = torch.zeros(n_rows, dtype=dtype, device=device) if single else None
-    if single or keep_mask is not None or isinstance(backend, TorchTiles):
+    leads = tiles_math.cross_leads(plan, len(sources) - 1)  # whose probabilities weigh each cross term
+    crosses = torch.zeros(len(leads), n_rows, dtype=dtype, device=device)
+    if leads or keep_mask is not None or isinstance(backend, TorchTiles):
         stats = [_stats.RowStats.empty(n_rows, 0, dtype, device) for _ in sources]
         for rows, _, xs, kept in _walk(sources, dtype, keep_mask):
             s_rows = _stats.scale_rows(scale, rows)
-            old = stats[lead].shift[rows].clone() if single else None
+            olds = [stats[lead].shift[rows].clone() for lead in leads]
             for st, x in zip(stats, xs):
                 _stats.fold_tile(st, rows, x, s_rows, None, None)
-            if single:
-                assert cross is not None and old is not None  # made when single
+            for cross, lead, old in zip(crosses, leads, olds):
                 tiles_math.fold_cross(cross, rows, old, stats[lead], xs[lead], xs[1 - lead], s_rows, kept)
     else:
         stats = _backend_stats(sources, dtype, scale, backend)
-    local_lead_shift = stats[lead].shift
+    local_shifts = [stats[lead].shift for lead in leads]
     combined = [_stats.combine_over_ranks(st, scale, spec.group) for st in stats]
-    if single and _dist.tp_size(spec.group) > 1:
-        # SUM all-reduce over the tensor-parallel group of the cross term, each rank's moved to
-        # the lead model's global max (as the core moves its sums)
-        _, factor = moved(local_lead_shift, combined[lead].safe_shift, _stats.per_row(scale))
-        assert cross is not None  # made when single
-        cross = _dist.all_reduce_sum_(cross * factor, spec.group)
+    if leads and _dist.tp_size(spec.group) > 1:
+        # SUM all-reduce over the tensor-parallel group of the cross terms (one call for all), each
+        # rank's moved to its lead model's global max (as the core moves its sums)
+        factors = [moved(local, combined[lead].safe_shift, _stats.per_row(scale))[1]
+                   for local, lead in zip(local_shifts, leads)]
+        crosses = _dist.all_reduce_sum_(crosses * torch.stack(factors), spec.group)
     if keep_mask is not None:  # finite logits and a -inf max: no id kept in that row, on any rank
         empty = torch.isneginf(combined[0].shift)
         checks.require(~empty, lambda: ValueError(
@@ -164,7 +162,7 @@ def _normalizers(sources, dtype, scale, keep_mask, spec, checks, plan: Plan, bac
     for st in combined:
         assert st.rest is not None  # folded with the rest's sum
         log_sums.append(st.rest.log())
-    return [st.safe_shift for st in combined], log_sums, cross
+    return [st.safe_shift for st in combined], log_sums, (list(crosses) if leads else None)
 
 
 def _tile_log_probs(xs, rows, shifts, log_sums, scale, log_w):
@@ -204,10 +202,10 @@ class LmHeadDivergence(torch.autograd.Function):
         sources = _sources(spec, tensors, selected)
         dtype = _stats.compute_dtype(tensors[0].dtype)
         scale = _stats.row_scale(tau, sources[0].n_rows, dtype)
-        shifts, log_sums, cross = _normalizers(sources, dtype, scale, keep_mask, spec, checks, plan, backend)
-        if cross is not None:
-            value = tiles_math.one_pass_value(plan.row.name, cross, shifts, log_sums, scale)
-            sums = value[:, None]
+        shifts, log_sums, crosses = _normalizers(sources, dtype, scale, keep_mask, spec, checks, plan, backend)
+        if crosses is not None:
+            sums = tiles_math.one_pass_sums(plan, crosses, shifts, log_sums, scale)
+            value = sums[:, 0].clone()
         else:
             kernels = divergence_step(backend, sources[0], sources[1:])
             if kernels is not None:

@@ -103,3 +103,25 @@ def test_bfloat16_inputs_match_their_float32_logits_and_empty_rows_work():
     out = lm_head_divergence(empty, weight, th0[:0], tw0, divergence="tv")
     out.sum().backward()
     assert out.shape == (0,) and empty.grad.shape == empty.shape
+
+
+def test_mixed_kl_against_one_teacher_takes_one_pass(monkeypatch):
+    """mixed_kl folds both KLs' cross terms in pass 1 (as forward and reverse KL fold one): its
+    forward recomputes each model's tiles once, a divergence with a second pass (jsd) twice; with
+    two teachers mixed_kl needs the mixture's normalizer first and takes two passes too."""
+    calls = []
+    real = torch_tiles.logits_tile
+    monkeypatch.setattr(torch_tiles, "logits_tile", lambda *a: calls.append(1) or real(*a))
+    hidden, weight, teachers, _, tau, _ = make_inputs(2)
+
+    def tiles_of(divergence: str, n: int) -> int:
+        calls.clear()
+        ths, tws = [t[0] for t in teachers[:n]], [t[1] for t in teachers[:n]]
+        lm_head_divergence(hidden, weight, ths, tws, divergence=divergence, beta=0.3, temperature=tau)
+        return len(calls)
+
+    one_pass = tiles_of("forward_kl", 1)
+    assert one_pass > 0
+    assert tiles_of("mixed_kl", 1) == one_pass == tiles_of("reverse_kl", 1)
+    assert tiles_of("jsd", 1) == 2 * one_pass
+    assert tiles_of("mixed_kl", 2) == tiles_of("jsd", 2) == 3 * one_pass  # 3 models, 2 passes
