@@ -22,7 +22,7 @@ from megatron_rl_patches.apps.presentation import dict_cells, markdown_table
 OPS = ("log_probs_and_entropy", "log_probs_and_entropy_inplace", "topk_ids", "topk_logprobs", "topk_kl",
        "lm_head_log_probs_and_entropy", "lm_head_topk_ids", "lm_head_topk_logprobs",
        # added after aaec6bb (a baseline without them shows "-"): the divergence family
-       "topk_kl_jsd", "lm_head_divergence_jsd", "lm_head_divergence_forward_kl")
+       "topk_kl_jsd", "lm_head_divergence_jsd", "lm_head_divergence_forward_kl", "lm_head_divergence_mixed_kl")
 REFERENCES = ("slime_logprobs", "logits_path")
 DEFAULT_SHAPE = {"T": 1024, "V": 8192, "H": 256, "k": 8}
 COLUMNS = ["op", "today_s", "baseline_s", "today_vs_baseline", "note"]

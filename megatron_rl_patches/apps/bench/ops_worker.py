@@ -137,6 +137,7 @@ def _step(op: str, T: int, V: int, H: int, k: int) -> Callable[[], float]:
         "topk_kl_jsd": lambda: kl(divergence="jsd"),
         "lm_head_divergence_jsd": lambda: divergence("jsd"),
         "lm_head_divergence_forward_kl": lambda: divergence("forward_kl"),
+        "lm_head_divergence_mixed_kl": lambda: divergence("mixed_kl"),
     }
     return steps[op]
 
