@@ -75,3 +75,60 @@ def test_two_vocabulary_shards_equal_the_float64_reference():
             ref[-1] = ref[-1][cols] if fused else ref[-1][:, cols]
             names = ("values", "second", "grad_0", "grad_1")
             kit.assert_close(got, ref, names, 2e-5)
+
+
+DIVERGENCE_CASES = ("jsd", "tv", "reverse_kl")
+
+
+def _teacher(x: kit.Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(17)
+    return (torch.randn(T, 16, generator=g, dtype=torch.float64),
+            torch.randn(V, 16, generator=g, dtype=torch.float64) * 0.6)
+
+
+def _rank_divergences(rank: int, world_size: int) -> list[list[torch.Tensor]]:
+    import torch.distributed as dist
+
+    from megatron_rl_patches import lm_head_divergence
+    from megatron_rl_patches.ops.kernels.triton import backend
+
+    served = []  # the kernels' steps that ran in this rank (no test passes on the torch fallback)
+    for step in ("divergence_sums", "divergence_grad"):
+        real = getattr(backend.TritonTiles, step)
+        setattr(backend.TritonTiles, step,
+                lambda self, *a, _real=real, _step=step: served.append(_step) or _real(self, *a))
+    x = _inputs()
+    th, tw = _teacher(x)
+    cols = slice(rank * (V // world_size), (rank + 1) * (V // world_size))
+    out = []
+    for divergence in DIVERGENCE_CASES:
+        h = x.hidden.float().requires_grad_()
+        w = x.weight[cols].float().requires_grad_()
+        value = lm_head_divergence(h, w, th.float(), tw[cols].float(), divergence=divergence, beta=0.3,
+                                   keep_mask=x.keep[:, cols], temperature=x.tau.float(), vocab_size=VOCAB,
+                                   tp_group=dist.group.WORLD, backend="triton")
+        (value * x.a.float()).sum().backward()
+        out.append([t.detach().double() for t in (value, h.grad, w.grad)])
+    assert served == ["divergence_sums", "divergence_grad"] * 2 + ["divergence_grad"], served
+    return out
+
+
+def test_divergence_kernels_over_two_vocabulary_shards_equal_the_float64_reference():
+    """lm_head_divergence's pass 2 and backward kernels per shard (padding on the second), the
+    row sums and dL/dh summed over the ranks: the float64 TP = 1 dense reference."""
+    from megatron_rl_patches.testing.divergence_reference import dense_divergence
+
+    x = _inputs()
+    th, tw = _teacher(x)
+    want = []
+    for divergence in DIVERGENCE_CASES:
+        h, w = x.hidden.clone().requires_grad_(), x.weight.clone().requires_grad_()
+        value = dense_divergence((h @ w.T)[:, :VOCAB], [(th @ tw.T)[:, :VOCAB]], divergence=divergence, beta=0.3,
+                                 temperature=x.tau.double(), keep_mask=x.keep[:, :VOCAB])
+        (value * x.a.double()).sum().backward()
+        want.append([value.detach(), h.grad, w.grad])
+    per = V // 2
+    for rank, cases in enumerate(run_multirank(_rank_divergences, 2, timeout=300)):
+        for got, ref in zip(cases, want):
+            ref = [ref[0], ref[1], ref[2][rank * per:(rank + 1) * per]]
+            kit.assert_close(got, ref, ("value", "grad_hidden", "grad_weight"), 2e-5)
