@@ -70,25 +70,24 @@ def read_rows(batch: Any) -> Any:
     if not isinstance(input_ids, torch.Tensor) or not input_ids.is_nested:
         return None
     lengths = torch.tensor(_lengths(input_ids), dtype=torch.long)
-    ends = lengths.cumsum(0)
-    total = int(ends[-1]) if len(ends) else 0
-    rows = torch.zeros(total, dtype=torch.bool)
+    # per row: its sequence's length n and its place in the sequence (0 .. n - 1)
+    n = torch.repeat_interleave(lengths, lengths)
+    place = torch.arange(n.numel()) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    rows = torch.zeros(n.numel(), dtype=torch.bool)
     told = False
     responses = _response_lengths(batch)
     if responses is not None:  # no_padding_2_padding's slice: the resp_len rows before the last
         told = True
-        first = (ends - 1 - torch.tensor(responses, dtype=torch.long)).clamp_min(ends - lengths)
-        count = ends - 1 - first
-        rows[torch.repeat_interleave(first, count.clamp_min(0)) + _ranks(count.clamp_min(0))] = True
+        r = torch.repeat_interleave(torch.tensor(responses, dtype=torch.long), lengths)
+        rows |= (place >= n - r - 1) & (place < n - 1)
     loss_mask = batch.get("loss_mask", None)
     if isinstance(loss_mask, torch.Tensor) and loss_mask.is_nested and _lengths(loss_mask) == lengths.tolist():
         told = True
         mask = loss_mask.values().to(device="cpu", dtype=torch.bool)
         rows |= mask  # position t read at row t
         following = torch.zeros_like(mask)
-        following[:-1] = mask[1:]  # token t + 1 read at row t ...
-        following[ends[ends > 0] - 1] = False  # ... within the sequence
-        rows |= following
+        following[:-1] = mask[1:]  # token t + 1 read at row t, within the sequence
+        rows |= following & (place < n - 1)
     return rows if told else None
 
 
@@ -105,14 +104,6 @@ def _response_lengths(batch: Any) -> list[int] | None:
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.is_nested:
         return None
     return [int(n) for n in attention_mask[:, prompts.shape[1]:].sum(dim=1).tolist()]
-
-
-def _ranks(count: Any) -> Any:
-    """0, 1, ..., count_i - 1 for each i, end to end."""
-    import torch
-
-    starts = torch.repeat_interleave(count.cumsum(0) - count, count)
-    return torch.arange(int(count.sum())) - starts
 
 
 class _Noting(Iterator[Any]):

@@ -62,26 +62,25 @@ def _read(output, micro):
 
 
 @pytest.fixture
-def head_rows(monkeypatch):
-    """How many rows each fused-head call computed (its row_mask's count, or all rows)."""
-    seen, masks = _Seen(), []
+def head_masks(monkeypatch):
+    """Each fused-head call's row_mask (None: every row of its hidden states)."""
+    masks = []
     real = lm_head.lm_head_log_probs_and_entropy
 
-    def counted(hidden, *args, row_mask=None, **kwargs):
-        seen.append(hidden.size(0) if row_mask is None else int(row_mask.sum()))
-        masks.append(row_mask)
+    def noted(hidden, *args, row_mask=None, **kwargs):
+        masks.append(torch.ones(hidden.size(0), dtype=torch.bool) if row_mask is None else row_mask)
         return real(hidden, *args, row_mask=row_mask, **kwargs)
 
-    monkeypatch.setattr(lm_head, "lm_head_log_probs_and_entropy", counted)
-    seen.masks = masks
-    return seen
+    monkeypatch.setattr(lm_head, "lm_head_log_probs_and_entropy", noted)
+    return masks
 
 
-class _Seen(list):
-    masks: list
+def _computed(masks) -> list[int]:
+    """How many rows each fused-head call computed."""
+    return [int(mask.sum()) for mask in masks]
 
 
-def test_the_packed_mask_is_each_sequences_read_rows_in_order(verl_cpu, head_rows):
+def test_the_packed_mask_is_each_sequences_read_rows_in_order(verl_cpu, head_masks):
     """Sequences that differ at their last row (read in one, not in the other): the head's row mask
     is each sequence's read rows, end to end, the last row included only where its loss mask
     holds the last token (the roll's wrap-around: a sequence's first token carries its last row)."""
@@ -98,11 +97,11 @@ def test_the_packed_mask_is_each_sequences_read_rows_in_order(verl_cpu, head_row
         row[p - 1: n - 1] = True
         row[n - 1] = last
         expected.append(row)
-    assert torch.equal(head_rows.masks[0].cpu(), torch.cat(expected))
+    assert torch.equal(head_masks[0].cpu(), torch.cat(expected))
 
 
 @pytest.mark.parametrize("masked_tail", [0, 3], ids=["loss-mask-all", "loss-mask-tail-off"])
-def test_only_read_rows_meet_the_head_and_match_every_row(verl_cpu, head_rows, monkeypatch, masked_tail):
+def test_only_read_rows_meet_the_head_and_match_every_row(verl_cpu, head_masks, monkeypatch, masked_tail):
     _apply()
     model = _model()
     micro = _rl_batch(masked_tail)
@@ -112,7 +111,7 @@ def test_only_read_rows_meet_the_head_and_match_every_row(verl_cpu, head_rows, m
     responses = [n - p for n, p in zip(kit.LENGTHS, PROMPTS)]
     # each response's rows, plus the last row while the loss mask holds the last token (a mask
     # read in either alignment: position t at row t)
-    assert head_rows == [sum(r + (masked_tail == 0) for r in responses), sum(kit.LENGTHS)]
+    assert _computed(head_masks) == [sum(r + (masked_tail == 0) for r in responses), sum(kit.LENGTHS)]
     got, want = _read(selected, micro), _read(every, micro)
     for key in got:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=2e-6)
@@ -142,14 +141,14 @@ def test_gradients_through_the_read_rows_match_every_row(verl_cpu, monkeypatch):
         torch.testing.assert_close(selected[name], every[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_a_batch_without_responses_or_loss_mask_selects_every_row(verl_cpu, head_rows):
+def test_a_batch_without_responses_or_loss_mask_selects_every_row(verl_cpu, head_masks):
     _apply()
     model = _model()
     micro = kit.batch(temperature=TEMPERATURE)
     del micro["loss_mask"]
     assert verl_rows.read_rows(micro) is None
     kit.forward_step(kit.engine(True), model, kit.batch(temperature=TEMPERATURE))  # loss mask all ones
-    assert head_rows == [sum(kit.LENGTHS)]
+    assert _computed(head_masks) == [sum(kit.LENGTHS)]
 
 
 def test_read_rows_of_a_padded_attention_mask_batch():
