@@ -90,6 +90,13 @@ def splits_for(n_rows: int, n_cols: int, b: Blocks, device: torch.device) -> int
     return max(1, min(col_tiles, math.ceil(target / row_blocks)))
 
 
+def column_splits(n_rows: int, n_cols: int, b: Blocks, device: torch.device) -> tuple[int, int]:
+    """(splits, columns per split) of the forward grid: :func:`splits_for`'s count, each split a
+    whole number of BLOCK_N tiles (so the last may come out fewer)."""
+    cols_per_split = math.ceil(math.ceil(n_cols / splits_for(n_rows, n_cols, b, device)) / b.n) * b.n
+    return math.ceil(n_cols / cols_per_split), cols_per_split
+
+
 def _scale_args(scale: float | torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor | None, float]:
     if isinstance(scale, torch.Tensor):
         return scale.reshape(-1).to(dtype).contiguous(), 1.0
@@ -155,9 +162,7 @@ class TritonTiles:
             return stats
         device = source.first.device
         b = blocks(device, source.fused)
-        splits = splits_for(n_rows, n_valid, b, device)
-        cols_per_split = math.ceil(math.ceil(n_valid / splits) / b.n) * b.n
-        splits = math.ceil(n_valid / cols_per_split)
+        splits, cols_per_split = column_splits(n_rows, n_valid, b, device)
         parts = RowStats.empty(splits * n_rows, k, dtype, device, rest=stats.rest is not None,
                                moment=stats.moment is not None, subset=stats.sub_shift is not None)
         dummy = parts.shift
@@ -260,7 +265,7 @@ class TritonTiles:
         return (len(teachers) == 1 and student.first.dtype != torch.float64
                 and teachers[0].first.dtype == student.first.dtype)
 
-    def divergence_sums(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, torch.Tensor],
+    def divergence_sums(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, ...],
                         plan: Plan, scale: float | torch.Tensor, keep_mask: torch.Tensor | None) -> torch.Tensor:
         """[T, 2]: this shard's share of the divergence and of G = Σ g per row (pass 2); `norms`:
         each model's [2, T] (shifts, log S) combined over the ranks."""
@@ -268,15 +273,13 @@ class TritonTiles:
         if n_rows == 0 or n_valid == 0:
             return torch.zeros(n_rows, 2, dtype=norms[0].dtype, device=device)
         b = blocks(device, True)
-        splits = splits_for(n_rows, n_valid, b, device)
-        cols_per_split = math.ceil(math.ceil(n_valid / splits) / b.n) * b.n
-        splits = math.ceil(n_valid / cols_per_split)
+        splits, cols_per_split = column_splits(n_rows, n_valid, b, device)
         parts = torch.empty(splits, n_rows, 2, dtype=norms[0].dtype, device=device)
-        self._divergence_tiles(student, teacher, norms, plan, scale, keep_mask, None, None, parts,
+        self._divergence_tiles(student, teacher, norms, plan, scale, keep_mask, None, None, parts, b,
                                (triton.cdiv(n_rows, b.m), splits), 0, n_valid, cols_per_split, grad=False)
         return parts.sum(0)  # the splits in a fixed order
 
-    def divergence_grad(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, torch.Tensor],
+    def divergence_grad(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, ...],
                         plan: Plan, scale: float | torch.Tensor, keep_mask: torch.Tensor | None,
                         constant: torch.Tensor | None, row_factor: torch.Tensor,
                         needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
@@ -286,17 +289,17 @@ class TritonTiles:
 
         def write_dz(dz: torch.Tensor, c0: int, c1: int) -> None:
             grid = (triton.cdiv(student.n_rows, b.m), triton.cdiv(c1 - c0, b.n))
-            self._divergence_tiles(student, teacher, norms, plan, scale, keep_mask, constant, row_factor, dz, grid,
-                                   c0, c1, b.n, grad=True)
+            self._divergence_tiles(student, teacher, norms, plan, scale, keep_mask, constant, row_factor, dz, b,
+                                   grid, c0, c1, b.n, grad=True)
 
         return column_block_grads(student, norms[0].dtype, needs, write_dz)
 
-    def _divergence_tiles(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, torch.Tensor],
+    def _divergence_tiles(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, ...],
                           plan: Plan, scale: float | torch.Tensor, keep_mask: torch.Tensor | None,
                           constant: torch.Tensor | None, row_factor: torch.Tensor | None, out: torch.Tensor,
-                          grid: tuple[int, int], c0: int, c1: int, cols_per_split: int, *, grad: bool) -> None:
+                          b: Blocks, grid: tuple[int, int], c0: int, c1: int, cols_per_split: int, *,
+                          grad: bool) -> None:
         dtype = norms[0].dtype
-        b = blocks(student.first.device, True)
         dummy = norms[0]
         keep, s_keep_r, s_keep_c = _keep_arg(keep_mask)
         scale_t, scale_v = _scale_args(scale, dtype)
