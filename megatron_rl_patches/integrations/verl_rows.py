@@ -70,24 +70,29 @@ def read_rows(batch: Any) -> Any:
     if not isinstance(input_ids, torch.Tensor) or not input_ids.is_nested:
         return None
     lengths = torch.tensor(_lengths(input_ids), dtype=torch.long)
-    # per row: its sequence's length n and its place in the sequence (0 .. n - 1)
-    n = torch.repeat_interleave(lengths, lengths)
-    place = torch.arange(n.numel()) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
-    rows = torch.zeros(n.numel(), dtype=torch.bool)
+    ends = lengths.cumsum(0)
+    total = int(ends[-1]) if len(ends) else 0
+    rows = torch.zeros(total, dtype=torch.bool)
     told = False
     responses = _response_lengths(batch)
     if responses is not None:  # no_padding_2_padding's slice: the resp_len rows before the last
         told = True
-        r = torch.repeat_interleave(torch.tensor(responses, dtype=torch.long), lengths)
-        rows |= (place >= n - r - 1) & (place < n - 1)
+        first = torch.maximum(ends - 1 - torch.tensor(responses, dtype=torch.long), ends - lengths)
+        some = first < ends - 1
+        # the intervals [first, last) marked by +1 / -1 and a running sum (one pass over the rows)
+        edges = torch.zeros(total + 1, dtype=torch.int32)
+        edges.index_add_(0, first[some], torch.ones(int(some.sum()), dtype=torch.int32))
+        edges.index_add_(0, ends[some] - 1, torch.full((int(some.sum()),), -1, dtype=torch.int32))
+        rows |= edges.cumsum(0, dtype=torch.int32)[:total] > 0
     loss_mask = batch.get("loss_mask", None)
     if isinstance(loss_mask, torch.Tensor) and loss_mask.is_nested and _lengths(loss_mask) == lengths.tolist():
         told = True
         mask = loss_mask.values().to(device="cpu", dtype=torch.bool)
         rows |= mask  # position t read at row t
         following = torch.zeros_like(mask)
-        following[:-1] = mask[1:]  # token t + 1 read at row t, within the sequence
-        rows |= following & (place < n - 1)
+        following[:-1] = mask[1:]  # token t + 1 read at row t ...
+        following[ends[lengths > 0] - 1] = False  # ... within the sequence
+        rows |= following
     return rows if told else None
 
 
