@@ -31,6 +31,7 @@ RECORDS = (
     "slime_fused:PATCHES",
     "slime_opd:PATCHES",
     "verl_rows:PATCHES",
+    "megatron_core:HEAD_PATCHES",
 )
 
 

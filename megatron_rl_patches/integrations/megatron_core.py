@@ -11,6 +11,11 @@ from megatron_rl_patches.patching.records import Patch
 
 DDP = "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel"
 GPT = "megatron.core.models.gpt.gpt_model:GPTModel"
+HYBRID = "megatron.core.models.hybrid.hybrid_model:HybridModel"
+MTP = "megatron.core.transformer.multi_token_prediction"
+# process_mtp_loss (megatron-core >= 0.18) as the fused MTP loss calls it
+MTP_LOSS_PARAMS = ("hidden_states", "labels", "loss_mask", "output_layer", "output_weight", "runtime_gather_output",
+                   "is_training", "compute_language_model_loss", "config")
 # get_forward_backward_func() returns one of these, looked up in the module at call time
 SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 SCHEDULE_FUNCTIONS = (
@@ -20,7 +25,6 @@ SCHEDULE_FUNCTIONS = (
 )
 # The version in use, also for a source checkout with no distribution metadata.
 VERSION_FINDER = "megatron_rl_patches.integrations.megatron_version:installed_version"
-PROCESSOR_KEYWORDS = ("output_processor", "output_processor_context")
 
 PATCHES = (
     Patch(
@@ -55,6 +59,47 @@ OUTPUT_PROCESSOR_PATCHES = (
         native=">=0.18.0rc0",
         params=("self", "input_ids", "position_ids", "attention_mask"),
         wrapper_class="megatron_rl_patches.integrations.gpt_signature:OutputProcessorForward",
+    ),
+)
+
+# The fused head for HybridModel and for the MTP heads (issue 39), newest last.
+HEAD_PATCHES = (
+    Patch(
+        name="hybrid_output_processor",
+        target=f"{HYBRID}.forward",
+        wrapper="megatron_rl_patches.integrations.processor_backport:hybrid_forward_wrapper",
+        description="HybridModel.forward(output_processor=, output_processor_context=) as GPTModel's",
+        versions=SUPPORTED,
+        version_finder=VERSION_FINDER,
+        native_params=("output_processor", "output_processor_context"),
+        params=("self", "input_ids", "position_ids", "attention_mask", "decoder_input", "labels"),
+        wrapper_class="megatron_rl_patches.integrations.gpt_signature:OutputProcessorForward",
+    ),
+    *(
+        Patch(
+            name="mtp_output_processor",
+            target=target,
+            wrapper="megatron_rl_patches.megatron.mtp_loss:process_mtp_loss_wrapper",
+            description="the MTP heads' cross-entropy from their hidden states through the fused head: no logits",
+            versions=SUPPORTED,
+            version_finder=VERSION_FINDER,
+            params=MTP_LOSS_PARAMS,
+            optional=True,
+        )
+        # optional: releases before 0.18 compute the MTP loss inline (no such function); the models
+        # bind it at import, so a model module imported before apply() holds megatron's own
+        for target in (f"{MTP}:process_mtp_loss", f"{GPT.partition(':')[0]}:process_mtp_loss",
+                       f"{HYBRID.partition(':')[0]}:process_mtp_loss")
+    ),
+    Patch(
+        name="mtp_output_processor",
+        target=f"{MTP}:_compute_mtp_acceptance_counts",
+        wrapper="megatron_rl_patches.megatron.mtp_loss:acceptance_counts_wrapper",
+        description="the MTP acceptance counts from the fused head's top-1 ids (no logits)",
+        versions=SUPPORTED,
+        version_finder=VERSION_FINDER,
+        params=("mtp_logits", "mtp_labels", "loss_mask", "output_layer", "runtime_gather_output"),
+        optional=True,
     ),
 )
 
@@ -132,93 +177,9 @@ def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
     return wrapped(*args, **kwargs)
 
 
-class _OutputLayerReached(Exception):
-    """Raised by the stand-in output-layer forward: carries the hidden states it was given."""
-
-    def __init__(self, hidden_states: Any) -> None:
-        super().__init__("output layer reached")
-        self.hidden_states = hidden_states
-
-
-def _hidden_states_before_output_layer(model: Any, wrapped: Any, args: tuple, kwargs: dict) -> Any:
-    """Run GPTModel.forward up to its output layer and return what the layer would get.
-
-    The layer is called as usual (so its forward pre-hooks run, DDP's param-gather wait among
-    them); only its `forward` is replaced, for this call, by one that stops the model there.
-    """
-    layer = model.output_layer
-
-    def stop_here(hidden_states: Any, *unused: Any, **unused_kw: Any) -> Any:
-        raise _OutputLayerReached(hidden_states)
-
-    missing = object()
-    own = layer.__dict__.get("forward", missing)  # a forward the user set on the instance: restored after
-    layer.forward = stop_here  # an instance attribute: the class's forward is untouched
-    try:
-        wrapped(*args, **kwargs)
-    except _OutputLayerReached as reached:
-        return reached.hidden_states
-    finally:
-        if layer.__dict__.get("forward") is stop_here:
-            if own is missing:
-                del layer.forward
-            else:
-                layer.__dict__["forward"] = own
-    raise RuntimeError("GPTModel.forward returned without calling its output layer; cannot run output_processor")
-
-
 def gpt_forward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """`gpt_output_processor`: the processor gets the output layer's inputs in place of the logits
     and its result is returned, with the keywords megatron-core 0.18 passes."""
-    if not any(name in kwargs for name in PROCESSOR_KEYWORDS):
-        return wrapped(*args, **kwargs)
-    signature = inspect.signature(wrapped)
-    if "output_processor" in signature.parameters:  # this megatron-core has the hook itself
-        return wrapped(*args, **kwargs)
-    kwargs = dict(kwargs)
-    processor = kwargs.pop("output_processor", None)
-    context = kwargs.pop("output_processor_context", None)
-    if processor is None:
-        return wrapped(*args, **kwargs)
-    if not callable(processor):
-        raise TypeError(f"output_processor must be callable (see log_prob_output_processor), got {processor!r}")
-    if not instance.post_process:  # not the last pipeline stage: hidden states go on, as natively
-        return wrapped(*args, **kwargs)
-    if getattr(instance.config, "mtp_num_layers", None):
-        raise ValueError(
-            "output_processor with multi-token prediction (config.mtp_num_layers) is not backported to "
-            "megatron-core < 0.18: the MTP heads also call the output layer; upgrade or drop output_processor"
-        )
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    given = bound.arguments
-    hidden_states = _hidden_states_before_output_layer(instance, wrapped, args, kwargs)
-    output_weight = (instance.shared_embedding_or_output_weight() if instance.share_embeddings_and_output_weights
-                     else None)
-    from megatron_rl_patches.megatron.processors import output_layer_pre_hooks_ran
+    from megatron_rl_patches.integrations.processor_backport import forward_with_processor
 
-    with output_layer_pre_hooks_ran(instance.output_layer):  # the call above ran them: once per forward
-        return _call_processor(processor, instance, given, hidden_states, output_weight, context)
-
-
-def _call_processor(processor: Any, instance: Any, given: dict, hidden_states: Any, output_weight: Any,
-                    context: Any) -> Any:
-    """The processor called with the keywords megatron-core 0.18 passes."""
-    return processor(
-        hidden_states=hidden_states,
-        output_layer=instance.output_layer,
-        output_weight=output_weight,
-        labels=given.get("labels"),
-        loss_mask=given.get("loss_mask"),
-        input_ids=given.get("input_ids"),
-        position_ids=given.get("position_ids"),
-        attention_mask=given.get("attention_mask"),
-        decoder_input=given.get("decoder_input"),
-        inference_context=given.get("inference_context"),
-        packed_seq_params=given.get("packed_seq_params"),
-        runtime_gather_output=given.get("runtime_gather_output"),
-        context=context,
-        compute_language_model_loss=instance.compute_language_model_loss,
-        scale_logits=lambda logits: logits,  # releases before 0.18 have no MuP logit scaling
-        config=instance.config,
-    )
+    return forward_with_processor(wrapped, instance, args, kwargs)

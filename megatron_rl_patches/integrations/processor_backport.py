@@ -1,0 +1,131 @@
+"""megatron-core >= 0.18's `output_processor=` / `output_processor_context=` keywords for a language
+model's forward that lacks them: GPTModel before 0.18 (patch `gpt_output_processor`) and
+HybridModel / MambaModel on every release that has it (patch `hybrid_output_processor`).
+
+The model's own forward runs up to its output layer; the layer is called as usual (its forward
+pre-hooks run, DDP's param-gather wait among them) but its `forward` is replaced, for this call,
+by one that stops the model there. The processor then gets those hidden states with the keywords
+megatron-core 0.18 passes, and its result is returned. Where the model has multi-token prediction
+heads, their loss must not call the output layer (it would be taken for the main head's call):
+patch `mtp_output_processor` routes it through the fused head.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from megatron_rl_patches.integrations.gpt_signature import KEYWORDS as PROCESSOR_KEYWORDS
+
+
+class _OutputLayerReached(Exception):
+    """Raised by the stand-in output-layer forward: carries the hidden states it was given."""
+
+    def __init__(self, hidden_states: Any) -> None:
+        super().__init__("output layer reached")
+        self.hidden_states = hidden_states
+
+
+def _hidden_states_before_output_layer(model: Any, wrapped: Any, args: tuple, kwargs: dict) -> Any:
+    """Run the model's forward up to its output layer and return what the layer would get."""
+    layer = model.output_layer
+
+    def stop_here(hidden_states: Any, *unused: Any, **unused_kw: Any) -> Any:
+        raise _OutputLayerReached(hidden_states)
+
+    missing = object()
+    own = layer.__dict__.get("forward", missing)  # a forward the user set on the instance: restored after
+    layer.forward = stop_here  # an instance attribute: the class's forward is untouched
+    try:
+        wrapped(*args, **kwargs)
+    except _OutputLayerReached as reached:
+        return reached.hidden_states
+    finally:
+        if layer.__dict__.get("forward") is stop_here:
+            if own is missing:
+                del layer.forward
+            else:
+                layer.__dict__["forward"] = own
+    raise RuntimeError(
+        f"{type(model).__name__}.forward returned without calling its output layer; cannot run output_processor"
+    )
+
+
+def _mtp_runs(model: Any) -> bool:
+    """Whether this forward computes multi-token-prediction losses on this stage."""
+    return bool(getattr(model.config, "mtp_num_layers", None)) and bool(getattr(model, "mtp_process", True))
+
+
+def _check_mtp(model: Any, wrapped: Any) -> None:
+    """The MTP heads' loss must not call the output layer: only the fused MTP loss qualifies."""
+    if not _mtp_runs(model):
+        return
+    from megatron_rl_patches.megatron.mtp_loss import fused_mtp_loss_in_effect
+
+    function = getattr(wrapped, "__func__", wrapped)
+    if not fused_mtp_loss_in_effect(getattr(function, "__globals__", {})):
+        raise ValueError(
+            f"output_processor with multi-token prediction (config.mtp_num_layers) on this {type(model).__name__} "
+            "needs the MTP heads' loss routed through the fused head (patch mtp_output_processor, in `all`, "
+            "megatron-core >= 0.18): apply it too, or drop output_processor"
+        )
+
+
+def forward_with_processor(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """The model's forward with the backported keywords: the processor gets the output layer's
+    inputs in place of the logits and its result is returned; a call without them, or a forward
+    that has them itself, runs unchanged."""
+    if not any(name in kwargs for name in PROCESSOR_KEYWORDS):
+        return wrapped(*args, **kwargs)
+    signature = inspect.signature(wrapped)
+    if "output_processor" in signature.parameters:  # this megatron-core has the hook itself
+        return wrapped(*args, **kwargs)
+    kwargs = dict(kwargs)
+    processor = kwargs.pop("output_processor", None)
+    context = kwargs.pop("output_processor_context", None)
+    if processor is None:
+        return wrapped(*args, **kwargs)
+    if not callable(processor):
+        raise TypeError(f"output_processor must be callable (see log_prob_output_processor), got {processor!r}")
+    if not instance.post_process:  # not the last pipeline stage: hidden states go on, as natively
+        return wrapped(*args, **kwargs)
+    _check_mtp(instance, wrapped)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    given = bound.arguments
+    hidden_states = _hidden_states_before_output_layer(instance, wrapped, args, kwargs)
+    output_weight = (instance.shared_embedding_or_output_weight() if instance.share_embeddings_and_output_weights
+                     else None)
+    from megatron_rl_patches.megatron.processors import output_layer_pre_hooks_ran
+
+    with output_layer_pre_hooks_ran(instance.output_layer):  # the call above ran them: once per forward
+        return _call_processor(processor, instance, given, hidden_states, output_weight, context)
+
+
+def _call_processor(processor: Any, instance: Any, given: dict, hidden_states: Any, output_weight: Any,
+                    context: Any) -> Any:
+    """The processor called with the keywords megatron-core 0.18 passes."""
+    scale = getattr(instance, "_scale_logits", None)  # MuP scaling (0.19+); none before
+    return processor(
+        hidden_states=hidden_states,
+        output_layer=instance.output_layer,
+        output_weight=output_weight,
+        labels=given.get("labels"),
+        loss_mask=given.get("loss_mask"),
+        input_ids=given.get("input_ids"),
+        position_ids=given.get("position_ids"),
+        attention_mask=given.get("attention_mask"),
+        decoder_input=given.get("decoder_input"),
+        inference_context=given.get("inference_context"),
+        packed_seq_params=given.get("packed_seq_params"),
+        runtime_gather_output=given.get("runtime_gather_output"),
+        context=context,
+        compute_language_model_loss=instance.compute_language_model_loss,
+        scale_logits=scale if callable(scale) else (lambda logits: logits),
+        config=instance.config,
+    )
+
+
+def hybrid_forward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """`hybrid_output_processor`: HybridModel.forward(output_processor=, output_processor_context=)
+    as GPTModel.forward has them on megatron-core >= 0.18."""
+    return forward_with_processor(wrapped, instance, args, kwargs)
