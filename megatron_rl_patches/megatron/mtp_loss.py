@@ -117,5 +117,7 @@ def fused_mtp_loss_in_effect(namespace: Mapping[str, Any]) -> bool:
     from megatron_rl_patches.patching import wrappers
 
     function = namespace.get("process_mtp_loss")
+    if not isinstance(function, wrappers.FunctionWrapper):
+        return False
     key = wrappers.patch_key(function)
     return key is not None and key[0] == PATCH_NAME and function.patch_active()
