@@ -5,13 +5,16 @@ HybridModel / MambaModel on every release that has it (patch `hybrid_output_proc
 The model's own forward runs up to its output layer; the layer is called as usual (its forward
 pre-hooks run, DDP's param-gather wait among them) but its `forward` is replaced, for this call,
 by one that stops the model there. The processor then gets those hidden states with the keywords
-megatron-core 0.18 passes, and its result is returned. Where the model has multi-token prediction
-heads, their loss must not call the output layer (it would be taken for the main head's call):
-patch `mtp_output_processor` routes it through the fused head.
+megatron-core 0.18 passes, and its result is returned. Multi-token prediction heads: from 0.18 on
+their loss is `process_mtp_loss`, which must be patch `mtp_output_processor`'s (it never calls the
+output layer); before 0.18 the forward calls the output layer once per MTP depth before the main
+head, and those calls get the fused head (`FusedHeadLogits`) and its cross-entropy instead.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 from megatron_rl_patches.integrations.gpt_signature import KEYWORDS as PROCESSOR_KEYWORDS
@@ -25,26 +28,44 @@ class _OutputLayerReached(Exception):
         self.hidden_states = hidden_states
 
 
-def _hidden_states_before_output_layer(model: Any, wrapped: Any, args: tuple, kwargs: dict) -> Any:
-    """Run the model's forward up to its output layer and return what the layer would get."""
-    layer = model.output_layer
+@contextlib.contextmanager
+def _on_instance(module: Any, **attributes: Any) -> Iterator[None]:
+    """Instance attributes of `module` for the block (the class's are untouched); what the
+    instance held before is put back."""
+    missing = object()
+    saved = {name: module.__dict__.get(name, missing) for name in attributes}
+    module.__dict__.update(attributes)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is missing:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = value
 
-    def stop_here(hidden_states: Any, *unused: Any, **unused_kw: Any) -> Any:
+
+def _hidden_states_before_output_layer(model: Any, wrapped: Any, args: tuple, kwargs: dict, mtp_depths: int) -> Any:
+    """Run the model's forward up to its output layer and return what the layer would get. The
+    first `mtp_depths` calls of the layer (the MTP heads of megatron-core < 0.18, which call it
+    before the main head) get the fused head instead of logits, and so does their loss."""
+    from megatron_rl_patches.megatron.mtp_loss import FusedHeadLogits, fused_loss
+
+    layer = model.output_layer
+    heads: list[None] = []
+
+    def stop_here(hidden_states: Any, *unused: Any, weight: Any = None, **unused_kw: Any) -> Any:
+        if len(heads) < mtp_depths:
+            heads.append(None)
+            return FusedHeadLogits(hidden_states, layer, weight, model.config), None
         raise _OutputLayerReached(hidden_states)
 
-    missing = object()
-    own = layer.__dict__.get("forward", missing)  # a forward the user set on the instance: restored after
-    layer.forward = stop_here  # an instance attribute: the class's forward is untouched
-    try:
-        wrapped(*args, **kwargs)
-    except _OutputLayerReached as reached:
-        return reached.hidden_states
-    finally:
-        if layer.__dict__.get("forward") is stop_here:
-            if own is missing:
-                del layer.forward
-            else:
-                layer.__dict__["forward"] = own
+    loss = {"compute_language_model_loss": fused_loss(model.compute_language_model_loss)} if mtp_depths else {}
+    with _on_instance(layer, forward=stop_here), _on_instance(model, **loss):
+        try:
+            wrapped(*args, **kwargs)
+        except _OutputLayerReached as reached:
+            return reached.hidden_states
     raise RuntimeError(
         f"{type(model).__name__}.forward returned without calling its output layer; cannot run output_processor"
     )
@@ -55,19 +76,24 @@ def _mtp_runs(model: Any) -> bool:
     return bool(getattr(model.config, "mtp_num_layers", None)) and bool(getattr(model, "mtp_process", True))
 
 
-def _check_mtp(model: Any, wrapped: Any) -> None:
-    """The MTP heads' loss must not call the output layer: only the fused MTP loss qualifies."""
+def _inline_mtp_depths(model: Any, wrapped: Any) -> int:
+    """How many MTP heads call the output layer before the main head in this forward: megatron-core
+    < 0.18 computes their loss inline (the backport serves them through the fused head); from 0.18
+    on `process_mtp_loss` does, which must be patch `mtp_output_processor`'s (0: nothing inline)."""
     if not _mtp_runs(model):
-        return
+        return 0
     from megatron_rl_patches.megatron.mtp_loss import fused_mtp_loss_in_effect
 
-    function = getattr(wrapped, "__func__", wrapped)
-    if not fused_mtp_loss_in_effect(getattr(function, "__globals__", {})):
+    namespace = getattr(getattr(wrapped, "__func__", wrapped), "__globals__", {})
+    if "process_mtp_loss" not in namespace:
+        return int(model.config.mtp_num_layers)
+    if not fused_mtp_loss_in_effect(namespace):
         raise ValueError(
             f"output_processor with multi-token prediction (config.mtp_num_layers) on this {type(model).__name__} "
-            "needs the MTP heads' loss routed through the fused head (patch mtp_output_processor, in `all`, "
-            "megatron-core >= 0.18): apply it too, or drop output_processor"
+            "needs the MTP heads' loss routed through the fused head (patch mtp_output_processor, in `all`): "
+            "apply it too, or drop output_processor"
         )
+    return 0
 
 
 def forward_with_processor(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -88,11 +114,11 @@ def forward_with_processor(wrapped: Any, instance: Any, args: tuple, kwargs: dic
         raise TypeError(f"output_processor must be callable (see log_prob_output_processor), got {processor!r}")
     if not instance.post_process:  # not the last pipeline stage: hidden states go on, as natively
         return wrapped(*args, **kwargs)
-    _check_mtp(instance, wrapped)
+    mtp_depths = _inline_mtp_depths(instance, wrapped)
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
     given = bound.arguments
-    hidden_states = _hidden_states_before_output_layer(instance, wrapped, args, kwargs)
+    hidden_states = _hidden_states_before_output_layer(instance, wrapped, args, kwargs, mtp_depths)
     output_weight = (instance.shared_embedding_or_output_weight() if instance.share_embeddings_and_output_weights
                      else None)
     from megatron_rl_patches.megatron.processors import output_layer_pre_hooks_ran

@@ -70,7 +70,10 @@ class _FusedOutputLayer:
         return getattr(self._layer, name)
 
 
-def _fused_loss(original: Callable[[torch.Tensor, Any], torch.Tensor]) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+def fused_loss(original: Callable[[torch.Tensor, Any], torch.Tensor]) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+    """`compute_language_model_loss` that takes :class:`FusedHeadLogits` through the fused head
+    (any other logits to `original`)."""
+
     def compute_language_model_loss(labels: torch.Tensor, logits: Any) -> torch.Tensor:
         if isinstance(logits, FusedHeadLogits):
             return logits.cross_entropy(labels)
@@ -89,7 +92,7 @@ def process_mtp_loss_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
         return wrapped(*args, **kwargs)
     given = bound.arguments
     given["output_layer"] = _FusedOutputLayer(given["output_layer"], given["config"])
-    given["compute_language_model_loss"] = _fused_loss(given["compute_language_model_loss"])
+    given["compute_language_model_loss"] = fused_loss(given["compute_language_model_loss"])
     if given.get("scale_logits_fn") is not None:  # MuP: folded into the fused head's temperature
         given["scale_logits_fn"] = None
     return wrapped(*bound.args, **bound.kwargs)

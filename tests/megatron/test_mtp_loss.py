@@ -1,4 +1,6 @@
-"""Patch `mtp_output_processor` on a real tiny GPTModel with two MTP depths (megatron-core >= 0.18):
+"""A processor on a model with MTP heads builds no [T, V] on every lane (megatron-core < 0.18: the
+GPT backport serves the inline MTP heads through the fused head), and patch `mtp_output_processor`
+on a real tiny GPTModel with two MTP depths (megatron-core >= 0.18):
 the MTP heads' loss through the fused head equals megatron's own `process_mtp_loss` on logits —
 the step's loss, every parameter's gradient and the logged MTP loss and acceptance counts — tied
 and untied, with `mtp_detach_heads` and per-token loss; and a step with MTP and an output
@@ -16,6 +18,39 @@ pytestmark = [pytest.mark.megatron, pytest.mark.layout("mtp")]
 V, B, S = 100, 2, 16  # V differs from every other width of the tiny model (2h = 64 is MTP's eh_proj input)
 T = B * S
 TILE_ROWS = 8
+
+
+def test_processor_with_mtp_heads_equals_the_logits_route_without_vocab_wide_tensors(megatron_cpu,
+                                                                                   clean_patch_state, monkeypatch):
+    """Every lane: megatron's logits route (main head and MTP heads) against an output processor on
+    the main head with the MTP heads through the fused head (the backport's inline route before
+    0.18, `mtp_output_processor` from 0.18 on): the same gradients, and only row tiles of logits."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from megatron_rl_patches.ops.kernels import torch_tiles
+
+    env = megatron_cpu
+    MTPLossLoggingHelper.tracker = {}
+    monkeypatch.setattr(torch_tiles, "MAX_TILE_ROWS", TILE_ROWS)
+    model = _model(env)
+    batch = _batch(env, seed=6)
+    with VocabWideTensors(V) as logits_route:
+        want_loss, want = _step(model, batch)
+    assert logits_route.largest_bytes >= T * V * 4, logits_route.as_dict()  # the control: [T, V] logits
+    want_logged = _tracked(MTPLossLoggingHelper)
+    MTPLossLoggingHelper.tracker = {}
+
+    megatron_rl_patches.apply(only=["gpt_output_processor", "mtp_output_processor"])
+    with VocabWideTensors(V) as fused_route:
+        got_loss, got = _step(model, batch, log_prob_output_processor(chunk_size=TILE_ROWS))
+    assert fused_route.largest_shape == (TILE_ROWS, V), fused_route.as_dict()
+    assert torch.allclose(got_loss, want_loss, rtol=1e-6)
+    assert _same(got, want)
+    assert any(name.startswith("mtp.") and g.abs().sum() > 0 for name, g in got.items())
+    logged = _tracked(MTPLossLoggingHelper)
+    assert logged.keys() == want_logged.keys() and all(torch.allclose(logged[k], want_logged[k], rtol=1e-6)
+                                                       for k in logged)
+    MTPLossLoggingHelper.tracker = {}
 
 
 @pytest.fixture
