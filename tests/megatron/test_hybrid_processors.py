@@ -221,3 +221,41 @@ def test_detected_by_signature_native_or_skipped_with_the_reason(monkeypatch, ow
     assert status.status == "skipped" and status.code == code, status
     assert ("output_processor" in status.reason) if code == registry.NATIVE else ("expects" in status.reason)
     assert vars(owner)["forward"] is original
+
+
+@pytest.mark.layout("mtp")
+def test_hybrid_model_with_mtp_heads_through_the_fused_head(hybrid, monkeypatch):
+    """HybridModel with two MTP depths ("*-/*-/*-"): a processor needs `mtp_output_processor` (refused
+    without it, before the forward), and with it the step equals megatron's logits route —
+    gradients and logged MTP loss — building only row tiles of logits, never [T, V]."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from megatron_rl_patches.ops.kernels import torch_tiles
+    from megatron_rl_patches.testing import tiny_hybrid
+    from megatron_rl_patches.testing.vocab_watch import VocabWideTensors
+
+    vocab, rows, tile = 100, B * S, 8  # a vocabulary unlike every other width (MTP's eh_proj takes 2h = 64)
+    monkeypatch.setattr(torch_tiles, "MAX_TILE_ROWS", tile)
+    torch.manual_seed(0)
+    model = tiny_hybrid.build(hybrid.config(num_layers=2, mtp_num_layers=2, mtp_loss_scaling_factor=0.3),
+                              "*-/*-/*-", vocab_size=vocab, max_sequence_length=S)
+    batch = hybrid.batch(B, S, vocab, seed=11)
+    processor = log_prob_output_processor(chunk_size=tile)
+    with pytest.raises(ValueError, match="mtp_output_processor"):
+        model(*_args(batch), labels=batch["labels"], output_processor=processor)
+
+    MTPLossLoggingHelper.tracker = {}
+    with VocabWideTensors(vocab) as logits_route:
+        model(*_args(batch), labels=batch["labels"]).mean().backward()
+    assert logits_route.largest_bytes >= rows * vocab * 4  # the control: [T, V] logits
+    want, want_logged = _grads(model), dict(MTPLossLoggingHelper.tracker)["loss_values"].clone()
+
+    MTPLossLoggingHelper.tracker = {}
+    megatron_rl_patches.apply(only=["hybrid_output_processor", "mtp_output_processor"])
+    with VocabWideTensors(vocab) as fused_route:
+        (-model(*_args(batch), labels=batch["labels"], output_processor=processor)["log_probs"].mean()).backward()
+    assert fused_route.largest_shape == (tile, vocab), fused_route.as_dict()
+    got = _grads(model)
+    assert _same_grads(got, want) and any(name.startswith("mtp.") for name in got)
+    assert torch.allclose(MTPLossLoggingHelper.tracker["loss_values"], want_logged, rtol=1e-6)
+    MTPLossLoggingHelper.tracker = {}
