@@ -262,7 +262,7 @@ def format_report(report: dict[str, Any]) -> str:
         selects = "nothing (see the problems below)" if e["error"] else ", ".join(e["resolved"])
     lines.append(f"  start-up applies: {selects}")
     lines.append(f"  strict: {_show(e['strict'])}; allow untested: {_show(e['allow_untested'])}; "
-                 f"inference roles: {', '.join(e['inference_roles']) or '-'}")
+                 f"inference roles: {_roles(e) or '-'}")
     s = report["startup"]
     lines.append("start-up files:")
     lines += [f"  {f['path']}" + ("" if f["ours"] else " (NOT OURS)") for f in s["files"]] or ["  none installed"]
@@ -270,6 +270,14 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append("problems:" if report["problems"] else "no problems found")
     lines += [f"  - {problem}" for problem in report["problems"]]
     return "\n".join(lines)
+
+
+def _roles(environment: dict[str, Any]) -> str:
+    """The inference roles as the variable gives them: `role:residency` where one is named."""
+    from megatron_rl_patches.patching import env
+
+    modes = env.role_residencies(environment["variables"]) if environment["inference_roles"] else {}
+    return ", ".join(f"{role}:{modes[role]}" if role in modes else role for role in environment["inference_roles"])
 
 
 def run(args: argparse.Namespace) -> int:

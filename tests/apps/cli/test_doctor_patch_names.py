@@ -61,3 +61,9 @@ def test_doctor_reports_what_run_and_the_patches_refuse(cli_run, monkeypatch, va
         assert report["environment"]["inference_roles"] == []  # not slime's defaults: the value is wrong
     else:
         assert report["environment"]["opd"] == variables
+
+
+def test_doctor_shows_each_roles_residency(cli_run, monkeypatch):
+    monkeypatch.setenv(env.INFERENCE_ROLES, "prm_teacher:stream,teacher:swap,ref")
+    code, out, _ = cli_run("doctor")
+    assert "inference roles: prm_teacher:stream, teacher:swap, ref" in out, out
