@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab
+from megatron_rl_patches.ops._rows import scatter_rows, take_rows
 from megatron_rl_patches.ops.kernels import Backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
 from megatron_rl_patches.ops.steps import require_good_rows, save_tau, saved_scale
@@ -23,7 +24,7 @@ def _source(spec: _vocab.OpSpec, tensors: tuple[torch.Tensor, ...], rows: torch.
         return Source(spec.n_valid, spec.chunk_rows, logits=tensors[0], inplace=spec.inplace_backward)
     hidden, weight = tensors
     gathered = gather_rows(hidden, spec.group, spec.sequence_parallel)
-    return Source(spec.n_valid, spec.chunk_rows, hidden=_vocab.take_rows(gathered, rows), weight=weight,
+    return Source(spec.n_valid, spec.chunk_rows, hidden=take_rows(gathered, rows), weight=weight,
                   shape_rows=gathered.size(0))
 
 
@@ -35,7 +36,7 @@ def _finish(grads: tuple[torch.Tensor | None, ...], tensors: tuple[torch.Tensor,
         return grads if rows is None or grads[0] is None else (_logits_grad_rows(tensors[0], grads[0], rows, spec),)
     grad_h, grad_w = grads
     if grad_h is not None:
-        grad_h = _vocab.scatter_rows(grad_h, rows, _all_rows(spec, tensors))
+        grad_h = scatter_rows(grad_h, rows, _all_rows(spec, tensors))
         grad_h = reduce_rows(grad_h, spec.group, spec.sequence_parallel).to(tensors[0].dtype)
     return grad_h, (grad_w.to(tensors[1].dtype) if grad_w is not None else None)
 
@@ -104,10 +105,10 @@ class LogProbEntropy(torch.autograd.Function):
         # int32 local target column (-1: another rank owns it), not int64 ids
         ctx.save_for_backward(*tensors, torch.where(owned, cols, -1).to(torch.int32), torch.stack(saved), keep_mask,
                               save_tau(ctx, tau), rows)
-        entropy = _vocab.scatter_rows(entropy, rows, n_rows) if spec.with_entropy else entropy
+        entropy = scatter_rows(entropy, rows, n_rows) if spec.with_entropy else entropy
         if not spec.entropy_grad:
             ctx.mark_non_differentiable(entropy)
-        return _vocab.scatter_rows(out.log_probs, rows, n_rows), entropy
+        return scatter_rows(out.log_probs, rows, n_rows), entropy
 
     @staticmethod
     @_vocab.reject_double_backward
@@ -118,7 +119,7 @@ class LogProbEntropy(torch.autograd.Function):
         grad_entropy = grad_entropy if spec.entropy_grad else None
         if (grad_log_probs is None and grad_entropy is None) or not any(ctx.needs_input_grad[_N_OPTIONS:]):
             return none + (None,) * ctx.n_tensors
-        grad_log_probs, grad_entropy = _vocab.take_rows(grad_log_probs, rows), _vocab.take_rows(grad_entropy, rows)
+        grad_log_probs, grad_entropy = take_rows(grad_log_probs, rows), take_rows(grad_entropy, rows)
         source = _source(spec, tuple(tensors), rows)
         scale = saved_scale(ctx, tau, source.n_rows, saved.dtype)
         out = _saved_log_prob_outputs(list(saved.unbind(0)), spec.entropy_grad, ctx.masked)
@@ -162,7 +163,7 @@ class TopkLogprobs(torch.autograd.Function):
         ctx.save_for_backward(*tensors, ids, valid, torch.stack([out.shift, out.log_sum, out.tail_shift,
                                                                  out.log_tail_sum]), save_tau(ctx, tau), rows)
         assert out.tail is not None  # computed here
-        return _vocab.scatter_rows(out.logp, rows, n_rows), _vocab.scatter_rows(out.tail, rows, n_rows)
+        return scatter_rows(out.logp, rows, n_rows), scatter_rows(out.tail, rows, n_rows)
 
     @staticmethod
     @_vocab.reject_double_backward
@@ -172,7 +173,7 @@ class TopkLogprobs(torch.autograd.Function):
         none = (None,) * _N_OPTIONS
         if (grad_logp is None and grad_tail is None) or not any(ctx.needs_input_grad[_N_OPTIONS:]):
             return none + (None,) * ctx.n_tensors
-        grad_logp, grad_tail = _vocab.take_rows(grad_logp, rows), _vocab.take_rows(grad_tail, rows)
+        grad_logp, grad_tail = take_rows(grad_logp, rows), take_rows(grad_tail, rows)
         source = _source(spec, tuple(tensors), rows)
         scale = saved_scale(ctx, tau, source.n_rows, saved.dtype)
         shift, log_sum, tail_shift, log_tail_sum = saved.unbind(0)

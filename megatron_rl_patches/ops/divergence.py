@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab, divergence_checks
 from megatron_rl_patches.ops import _divergence_tiles as tiles_math
 from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE, Plan
+from megatron_rl_patches.ops._rows import RowSelection, scatter_rows, take_rows
 from megatron_rl_patches.ops.kernels import Backend, divergence_step, resolve_backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
 from megatron_rl_patches.ops.kernels.torch_tiles import TorchTiles, tiles
@@ -87,19 +88,17 @@ def lm_head_divergence(
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_divergence")
     plan = Plan.of(name, beta, alpha)
     chosen = resolve_backend(backend, hidden.device)
-    rows = _vocab.select_rows(_checks.check_row_mask(row_mask, n_rows, hidden.device, "the (gathered) hidden rows"))
+    selection = RowSelection.of(row_mask, n_rows, hidden.device, "the (gathered) hidden rows", tp_group)
     flat = [t.detach() for pair in teachers for t in pair]  # teachers get no gradient
-    if isinstance(tau, torch.Tensor) and rows is not None:
-        tau = tau.index_select(0, rows)
-    value = LmHeadDivergence.apply((plan, chosen, rows), spec, checks, _vocab.take_rows(keep_mask, rows), tau, log_w,
-                                   hidden, weight, *flat)
-    return _vocab.scatter_rows(value, rows, n_rows)
+    value = LmHeadDivergence.apply((plan, chosen, selection.rows), spec, checks, selection.take(keep_mask),
+                                   selection.take_values(tau), log_w, hidden, weight, *flat)
+    return selection.scatter(value)
 
 
 def _sources(spec: _vocab.OpSpec, tensors: Sequence[torch.Tensor], selected: torch.Tensor | None) -> list[Source]:
     """One tile source per model (student first), every hidden row gathered, then the selected ones."""
     return [Source(spec.n_valid, spec.chunk_rows, weight=w,
-                   hidden=_vocab.take_rows(gather_rows(h, spec.group, spec.sequence_parallel), selected))
+                   hidden=take_rows(gather_rows(h, spec.group, spec.sequence_parallel), selected))
             for h, w in zip(tensors[0::2], tensors[1::2])]
 
 
@@ -255,7 +254,7 @@ class LmHeadDivergence(torch.autograd.Function):
                                          ctx.needs_input_grad[6:8])
         if grad_h is not None:
             n_gathered = tensors[0].size(0) * (_dist.tp_size(spec.group) if spec.sequence_parallel else 1)
-            grad_h = _vocab.scatter_rows(grad_h, ctx.selected, n_gathered)
+            grad_h = scatter_rows(grad_h, ctx.selected, n_gathered)
             grad_h = reduce_rows(grad_h, spec.group, spec.sequence_parallel).to(tensors[0].dtype)
         if grad_w is not None:
             grad_w = grad_w.to(tensors[1].dtype)

@@ -78,7 +78,7 @@ def require_good_rows(checks: DeviceChecks, shift: torch.Tensor, op: str, what: 
     logit (`kept_log_sum` -inf), join the call's checks, raised at its one host sync; with `rows`
     (the selected rows of `n_rows`) they are named by their row of all."""
     from megatron_rl_patches.ops._checks import BAD_KEPT_NEG_INF, bad_row_codes, bad_rows_error
-    from megatron_rl_patches.ops._vocab import scatter_rows
+    from megatron_rl_patches.ops._rows import scatter_rows
 
     bad = bad_row_codes(shift)
     if kept_log_sum is not None:
