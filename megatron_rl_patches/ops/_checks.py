@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.ops._dist import tp_size
-from megatron_rl_patches.ops._stats import compute_dtype
+from megatron_rl_patches.ops._dtype import compute_dtype
+from megatron_rl_patches.ops._rows import scatter_rows
 
 Temperature = float | torch.Tensor
 Weights = torch.Tensor | Sequence[float] | None
@@ -142,6 +143,19 @@ def bad_rows_error(op: str, name: str, bad: torch.Tensor) -> ValueError:
         f"{op}: {name} rows {rows} {BAD_MESSAGES[code]} ({int((bad != 0).sum())} bad row(s) in total); "
         f"fix the {name} of those rows before the loss"
     )
+
+
+def require_good_rows(checks: DeviceChecks, shift: torch.Tensor, op: str, what: str, *,
+                      kept_log_sum: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                      n_rows: int = 0) -> None:
+    """Rows of `what` with NaN/+inf or no finite logit (from their combined max), or no finite kept
+    logit (`kept_log_sum` -inf), join the call's checks, raised at its one host sync; with `rows`
+    (the selected rows of `n_rows`) they are named by their row of all."""
+    bad = bad_row_codes(shift)
+    if kept_log_sum is not None:
+        bad = torch.where((bad == 0) & torch.isneginf(kept_log_sum), BAD_KEPT_NEG_INF, bad)
+    bad = scatter_rows(bad, rows, n_rows)
+    checks.require(bad == 0, lambda: bad_rows_error(op, what, bad))
 
 
 class DeviceChecks:

@@ -5,13 +5,25 @@ source's tensors and a few numbers per token (see :mod:`._stats`).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab
 from megatron_rl_patches.ops._rows import scatter_rows, take_rows
 from megatron_rl_patches.ops.kernels import Backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
-from megatron_rl_patches.ops.steps import require_good_rows, save_tau, saved_scale
+
+
+def save_tau(ctx: Any, tau: float | torch.Tensor) -> torch.Tensor | None:
+    """Keep a float temperature on `ctx`; return a tensor one for save_for_backward (else None)."""
+    ctx.tau = None if isinstance(tau, torch.Tensor) else tau
+    return tau if isinstance(tau, torch.Tensor) else None
+
+
+def saved_scale(ctx: Any, tau_tensor: torch.Tensor | None, n_rows: int, dtype: torch.dtype) -> float | torch.Tensor:
+    """The backward's 1/τ from what :func:`save_tau` kept."""
+    return _stats.row_scale(tau_tensor if tau_tensor is not None else ctx.tau, n_rows, dtype)
 
 
 def _source(spec: _vocab.OpSpec, tensors: tuple[torch.Tensor, ...], rows: torch.Tensor | None) -> Source:
@@ -67,7 +79,7 @@ def _all_rows(spec: _vocab.OpSpec, tensors: tuple[torch.Tensor, ...]) -> int:
 def _check_rows(shift: torch.Tensor, spec: _vocab.OpSpec, checks: _checks.DeviceChecks, rows: torch.Tensor | None,
                 n_rows: int, kept_log_sum: torch.Tensor | None = None) -> None:
     """Bad rows among the selected ones join the call's checks, then its one host sync."""
-    require_good_rows(checks, shift, spec.op, spec.arg, kept_log_sum=kept_log_sum, rows=rows, n_rows=n_rows)
+    _checks.require_good_rows(checks, shift, spec.op, spec.arg, kept_log_sum=kept_log_sum, rows=rows, n_rows=n_rows)
     checks.raise_first()  # the call's one host sync: input checks and bad rows at once
 
 

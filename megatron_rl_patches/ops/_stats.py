@@ -29,8 +29,10 @@ and :class:`~megatron_rl_patches.ops.kernels.DivergenceKernels` (``serves_diverg
 ``divergence_sums``, ``divergence_grad``: lm_head_divergence's pass 2 and backward, the divergence
 table's terms; without them the torch tiles evaluate the table).
 
-The steps a backend shares with the ops (moving sums to a new max, accumulating dh/dW, the saved
-temperature, the bad-row check) are public in :mod:`megatron_rl_patches.ops.steps`.
+The steps a backend shares with the ops: moving sums to a new max (:func:`moved`,
+:func:`moved_stats`, here), accumulating dh/dW (``kernels.torch_tiles.accumulate``), the saved
+temperature (``_functions.save_tau`` / ``saved_scale``), the bad-row check
+(``_checks.require_good_rows``).
 
 Combine, finalize, the autograd Functions and every public op are shared; a backend computes
 nothing else. Units: ``u = (x - shift)·s`` with s = 1/τ per row; subtracting before scaling
@@ -45,8 +47,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl_patches.ops._dist import all_reduce_max_, all_reduce_sum_, tp_size
-from megatron_rl_patches.ops.steps import moved as _moved
-from megatron_rl_patches.ops.steps import moved_stats
 
 # Finite stand-in for -inf shifted logits where e^u·u would otherwise be 0·(-inf) = NaN; exp of
 # anything below it is exactly 0 in float32 and float64.
@@ -56,11 +56,6 @@ LN2 = math.log(2.0)
 
 
 # ----------------------------------------------------------------------------- small numerics
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the math runs in: fp64 for fp64 inputs, fp32 for every other float."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def row_scale(temperature: float | torch.Tensor, n_rows: int, dtype: torch.dtype) -> float | torch.Tensor:
@@ -181,7 +176,7 @@ def fold_tile(stats: RowStats, rows: slice, x: torch.Tensor, scale: float | torc
         marked = marks_mask(x.shape, local, inside)
     if stats.rest is not None:
         new_shift = torch.maximum(stats.shift[rows], local_row_max(x, dtype))
-        log_factor, factor = _moved(stats.shift[rows], finite_or_zero(new_shift), s_row)
+        log_factor, factor = moved(stats.shift[rows], finite_or_zero(new_shift), s_row)
         shifted = shifted_rows(x, finite_or_zero(new_shift), scale,
                                out=torch.empty(x.shape, dtype=dtype, device=x.device))
         exps = torch.exp(shifted)
@@ -210,13 +205,39 @@ def _fold_subset(stats: RowStats, rows: slice, x: torch.Tensor, scale, s_row, ma
     else:
         sub_x = x
     new_shift = torch.maximum(stats.sub_shift[rows], local_row_max(sub_x, dtype))
-    _, factor = _moved(stats.sub_shift[rows], finite_or_zero(new_shift), s_row)
+    _, factor = moved(stats.sub_shift[rows], finite_or_zero(new_shift), s_row)
     exps = shifted_rows(sub_x, finite_or_zero(new_shift), scale,
                         out=torch.empty(x.shape, dtype=dtype, device=x.device)).exp_()
     if marked is not None:
         exps.masked_fill_(marked, 0.0)
     stats.sub_sum[rows] = stats.sub_sum[rows] * factor + exps.sum(dim=1)
     stats.sub_shift[rows] = new_shift
+
+
+def moved(old: torch.Tensor, new_safe: torch.Tensor, s_row: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log factor, factor) moving sums taken at shift `old` to `new_safe`: (old - new)·s and its
+    exp; (0, 0) where nothing was summed yet (old = -inf)."""
+    started = torch.isfinite(old)
+    log_factor = torch.where(started, (old - new_safe) * s_row, 0.0)
+    return log_factor, torch.where(started, log_factor.exp(), 0.0)
+
+
+def moved_stats(stats: RowStats, shift: torch.Tensor, sub_shift: torch.Tensor | None,
+                s_row: float | torch.Tensor) -> RowStats:
+    """`stats` with every exp-sum moved to the (finite or zero) shifts `shift` / `sub_shift`, which
+    broadcast against them (a [T] max over splits [S, T], or the global max over ranks): summing
+    moved statistics over splits or ranks merges them."""
+    out = replace(stats, shift=shift)
+    if stats.rest is not None:
+        log_factor, factor = moved(stats.shift, shift, s_row)
+        out.rest = stats.rest * factor
+        if stats.moment is not None:
+            out.moment = factor * (stats.moment + stats.rest * log_factor)  # Σ e^(u+d)·(u+d)
+    if stats.sub_sum is not None:
+        assert stats.sub_shift is not None and sub_shift is not None  # kept with sub_sum
+        out.sub_shift = sub_shift
+        out.sub_sum = stats.sub_sum * moved(stats.sub_shift, sub_shift, s_row)[1]
+    return out
 
 
 def combine_over_ranks(stats: RowStats, scale: float | torch.Tensor, group: dist.ProcessGroup | None) -> RowStats:
@@ -516,7 +537,7 @@ def fold_target_tile(stats: RowStats, rows: slice, x: torch.Tensor, scale: float
     stats.marked[rows] += torch.where(inside, x.gather(1, local).to(dtype), 0.0)
     old = stats.shift[rows]
     new_shift = torch.maximum(old, local_row_max(x, dtype))
-    log_factor, factor = _moved(old, finite_or_zero(new_shift), s_row)
+    log_factor, factor = moved(old, finite_or_zero(new_shift), s_row)
     shifted_rows(x, finite_or_zero(new_shift), base2(scale), out=u)
     replace_marked(u, local, inside, NEG_FLOOR)
     torch.exp2(u, out=exps)
@@ -631,7 +652,7 @@ def fold_tail_tile(stats: RowStats, rows: slice, x: torch.Tensor, scale: float |
     marked_max = local_row_max(torch.where(inside, x_m, -math.inf), dtype)
     stats.shift[rows] = torch.maximum(stats.shift[rows], torch.maximum(tail_max, marked_max))
     new_shift = torch.maximum(stats.sub_shift[rows], tail_max)
-    _, factor = _moved(stats.sub_shift[rows], finite_or_zero(new_shift), s_row)
+    _, factor = moved(stats.sub_shift[rows], finite_or_zero(new_shift), s_row)
     shifted_rows(u, finite_or_zero(new_shift), base2(scale), out=u).exp2_()
     stats.sub_sum[rows] = stats.sub_sum[rows] * factor + u.sum(dim=1)
     stats.sub_shift[rows] = new_shift

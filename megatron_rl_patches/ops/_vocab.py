@@ -11,9 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl_patches.ops._dist import tp_size, vocab_start
-
-# the numeric helpers the ops share live in the statistics core; re-exported for the ops' callers
-from megatron_rl_patches.ops._stats import compute_dtype
+from megatron_rl_patches.ops._dtype import compute_dtype
 
 # Bytes of one [rows, V_local] working buffer of the compute dtype. CPU: 4 MiB (32 rows at
 # V = 32000) keeps the few-buffer working set in L3 while each chunk's small ops stay cheap next

@@ -26,12 +26,12 @@ import torch.distributed as dist
 from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab, divergence_checks
 from megatron_rl_patches.ops import _divergence_tiles as tiles_math
 from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE, Plan
+from megatron_rl_patches.ops._functions import save_tau, saved_scale
 from megatron_rl_patches.ops._rows import RowSelection, scatter_rows, take_rows
 from megatron_rl_patches.ops.kernels import Backend, divergence_step, resolve_backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
-from megatron_rl_patches.ops.kernels.torch_tiles import TorchTiles, tiles
+from megatron_rl_patches.ops.kernels.torch_tiles import TorchTiles, accumulate, tiles
 from megatron_rl_patches.ops.lm_head import check_lm_head_inputs
-from megatron_rl_patches.ops.steps import accumulate, moved, require_good_rows, save_tau, saved_scale
 
 __all__ = ["lm_head_divergence"]
 
@@ -145,7 +145,7 @@ def _normalizers(sources, dtype, scale, keep_mask, spec, checks, plan: Plan, bac
     if leads and _dist.tp_size(spec.group) > 1:
         # SUM all-reduce over the tensor-parallel group of the cross terms (one call for all), each
         # rank's moved to its lead model's global max (as the core moves its sums)
-        factors = [moved(local, combined[lead].safe_shift, _stats.per_row(scale))[1]
+        factors = [_stats.moved(local, combined[lead].safe_shift, _stats.per_row(scale))[1]
                    for local, lead in zip(local_shifts, leads)]
         crosses = _dist.all_reduce_sum_(crosses * torch.stack(factors), spec.group)
     if keep_mask is not None:  # finite logits and a -inf max: no id kept in that row, on any rank
@@ -155,7 +155,7 @@ def _normalizers(sources, dtype, scale, keep_mask, spec, checks, plan: Plan, bac
             "keep at least one id per row (or drop those rows from the loss)"))
     for j, st in enumerate(combined):
         what = spec.arg if j == 0 else f"teacher {j - 1}'s logits (teacher_hidden @ teacher_weight.T)"
-        require_good_rows(checks, st.shift, spec.op, what)
+        _checks.require_good_rows(checks, st.shift, spec.op, what)
     checks.raise_first()
     log_sums = []
     for st in combined:

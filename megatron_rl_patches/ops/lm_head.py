@@ -24,7 +24,6 @@ from megatron_rl_patches.ops._rows import RowSelection, unselected_as
 from megatron_rl_patches.ops.kernels import resolve_backend, topk_step
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows
 from megatron_rl_patches.ops.kernels.torch_tiles import tile_shape, tiles
-from megatron_rl_patches.ops.steps import require_good_rows
 
 __all__ = ["lm_head_log_probs_and_entropy", "lm_head_topk_ids", "lm_head_topk_logprobs"]
 
@@ -136,7 +135,7 @@ def lm_head_topk_ids(
         run = topk_select.RunningTopk.empty(h.size(0), k, dtype, h.device, sentinel=vocab)
         run = topk_step(resolve_backend(backend, hidden.device))(source, run, spec.first_id)
         run = topk_select.over_ranks(run, spec.group)
-        require_good_rows(checks, run.row_max, spec.op, spec.arg, rows=rows, n_rows=n_rows)
+        _checks.require_good_rows(checks, run.row_max, spec.op, spec.arg, rows=rows, n_rows=n_rows)
         ambiguous = checks.raise_first(read=topk_select.ambiguous_rows(run))  # the call's one host sync
         tied = [row for row, flag in enumerate(ambiguous) if flag]
         if tied:

@@ -20,7 +20,6 @@ from megatron_rl_patches.ops._functions import TopkLogprobs
 from megatron_rl_patches.ops._rows import RowSelection, unselected_as
 from megatron_rl_patches.ops.kernels import resolve_backend, topk_step
 from megatron_rl_patches.ops.kernels.sources import Source
-from megatron_rl_patches.ops.steps import require_good_rows
 
 __all__ = ["topk_ids", "union_ids", "topk_logprobs", "topk_kl", "topk_opd_loss"]
 
@@ -62,7 +61,7 @@ def topk_ids(
         run = topk_step(resolve_backend(backend, logits.device))(source, run, first_id)
         run = topk_select.over_ranks(run, tp_group)
         checks = _checks.DeviceChecks()
-        require_good_rows(checks, run.row_max, "topk_ids", "logits", rows=rows, n_rows=every.size(0))
+        _checks.require_good_rows(checks, run.row_max, "topk_ids", "logits", rows=rows, n_rows=every.size(0))
         ambiguous = checks.raise_first(read=topk_select.ambiguous_rows(run))  # the call's one host sync
         tied = [row for row, flag in enumerate(ambiguous) if flag]
         if tied:

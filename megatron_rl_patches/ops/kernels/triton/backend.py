@@ -31,7 +31,7 @@ import torch
 import triton
 
 from megatron_rl_patches.ops._divergences import DIVERGENCES, Plan
-from megatron_rl_patches.ops._stats import GradFactors, RowStats, finite_or_zero, per_row
+from megatron_rl_patches.ops._stats import GradFactors, RowStats, finite_or_zero, moved_stats, per_row
 from megatron_rl_patches.ops._vocab import row_chunks
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.kernels.torch_tiles import (
@@ -44,7 +44,6 @@ from megatron_rl_patches.ops.kernels.triton._divergence import divergence_tile_k
 from megatron_rl_patches.ops.kernels.triton._fold import row_stats_kernel
 from megatron_rl_patches.ops.kernels.triton._grad import grad_tile_kernel
 from megatron_rl_patches.ops.kernels.triton._topk import topk_tile_kernel
-from megatron_rl_patches.ops.steps import moved_stats
 from megatron_rl_patches.ops.topk_select import RunningTopk, best_of
 
 # Triton picks the interpreter when a kernel is decorated, i.e. when this module is imported.
@@ -367,7 +366,7 @@ def _or(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
 def merge_splits(parts: RowStats, splits: int, scale: float | torch.Tensor) -> RowStats:
     """The statistics of `splits` vocabulary splits ([splits·T] rows, split-major) merged into one
     per row: each split's sums moved to the maximum shift over splits and added (the step the
-    cross-rank combine takes, :func:`megatron_rl_patches.ops.steps.moved_stats`)."""
+    cross-rank combine takes, :func:`megatron_rl_patches.ops._stats.moved_stats`)."""
     if splits == 1:
         return parts
     n_rows = parts.shift.size(0) // splits
