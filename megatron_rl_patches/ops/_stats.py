@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl_patches.ops._dist import all_reduce_max_, all_reduce_sum_, tp_size
+from megatron_rl_patches.ops._dtype import compute_dtype as compute_dtype  # the ops read it here
 
 # Finite stand-in for -inf shifted logits where e^u·u would otherwise be 0·(-inf) = NaN; exp of
 # anything below it is exactly 0 in float32 and float64.
