@@ -11,23 +11,9 @@ states) runs the same four named steps:
 4. **gradient** (:func:`tile_grad`): dL/dx of one recomputed tile from saved per-row
    :class:`GradFactors` — the same formula for every op.
 
-The backend contract (the ``Backend`` Protocol in :mod:`megatron_rl_patches.ops.kernels`). A
-backend (torch tiles, Triton kernels, a float64 test backend) has a ``name``, says whether it can
-run on a device (``available(device)``: None, or why not) and whether ``auto`` should pick it
-(``claims(device)``), and turns a :class:`~megatron_rl_patches.ops.kernels.sources.Source` of
-logits (materialized logits, or hidden states and an output-weight shard) into
-
-- forward: ``row_stats(source, stats, cols, owned, keep_mask, scale) -> RowStats``: every tile of
-  the rank's vocabulary shard folded into `stats` (empty, with the sums wanted), in any order and
-  tiling; `cols`/`owned` [T, k] are the marked ids' local columns;
-- backward: ``apply_grad(source, factors, scale, keep_mask, needs) -> gradients`` in the compute
-  dtype (the logits' gradient, or ``(dh for every gathered row, dW)``; `needs` says which), where
-  each tile's dL/dx is :func:`tile_grad`'s formula.
-
-Two optional groups: ``topk(source, run, first_id)`` (the top-k ids; without it the torch tiles'),
-and :class:`~megatron_rl_patches.ops.kernels.DivergenceKernels` (``serves_divergence``,
-``divergence_sums``, ``divergence_grad``: lm_head_divergence's pass 2 and backward, the divergence
-table's terms; without them the torch tiles evaluate the table).
+A backend (the contract, public in :mod:`megatron_rl_patches.ops.kernels`) runs fold over a
+source's tiles (``row_stats``) and the gradient formula over them (``apply_grad``), from the
+:class:`RowStats` and :class:`GradFactors` defined here.
 
 The steps a backend shares with the ops: moving sums to a new max (:func:`moved`,
 :func:`moved_stats`, here), accumulating dh/dW (``kernels.torch_tiles.accumulate``), the saved

@@ -30,7 +30,7 @@ from megatron_rl_patches.ops._functions import save_tau, saved_scale
 from megatron_rl_patches.ops._rows import RowSelection, scatter_rows, take_rows
 from megatron_rl_patches.ops.kernels import Backend, divergence_step, resolve_backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
-from megatron_rl_patches.ops.kernels.torch_tiles import TorchTiles, accumulate, tiles
+from megatron_rl_patches.ops.kernels.torch_tiles import accumulate, tiles
 from megatron_rl_patches.ops.lm_head import check_lm_head_inputs
 
 __all__ = ["lm_head_divergence"]
@@ -87,7 +87,7 @@ def lm_head_divergence(
     _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_divergence")
     plan = Plan.of(name, beta, alpha)
-    chosen = resolve_backend(backend, hidden.device)
+    chosen = resolve_backend(backend, hidden.device, hidden.dtype)
     selection = RowSelection.of(row_mask, n_rows, hidden.device, "the (gathered) hidden rows", tp_group)
     flat = [t.detach() for pair in teachers for t in pair]  # teachers get no gradient
     value = LmHeadDivergence.apply((plan, chosen, selection.rows), spec, checks, selection.take(keep_mask),
@@ -129,7 +129,7 @@ def _normalizers(sources, dtype, scale, keep_mask, spec, checks, plan: Plan, bac
     n_rows, device = sources[0].n_rows, sources[0].first.device
     leads = tiles_math.cross_leads(plan, len(sources) - 1)  # whose probabilities weigh each cross term
     crosses = torch.zeros(len(leads), n_rows, dtype=dtype, device=device)
-    if leads or keep_mask is not None or isinstance(backend, TorchTiles):
+    if leads or keep_mask is not None or backend.divergence_pass1_on_tiles:
         stats = [_stats.RowStats.empty(n_rows, 0, dtype, device) for _ in sources]
         for rows, _, xs, kept in _walk(sources, dtype, keep_mask):
             s_rows = _stats.scale_rows(scale, rows)
@@ -206,7 +206,7 @@ class LmHeadDivergence(torch.autograd.Function):
             sums = tiles_math.one_pass_sums(plan, crosses, shifts, log_sums, scale)
             value = sums[:, 0].clone()
         else:
-            kernels = divergence_step(backend, sources[0], sources[1:])
+            kernels = divergence_step(backend, sources[0], sources[1:], plan)
             if kernels is not None:
                 sums = kernels.divergence_sums(sources[0], sources[1], _norms(shifts, log_sums), plan, scale,
                                                keep_mask)[:, :tiles_math.n_sums(plan)].contiguous()
@@ -244,7 +244,7 @@ class LmHeadDivergence(torch.autograd.Function):
         shifts, log_sums, consts = rows_saved[:n_models], rows_saved[n_models:2 * n_models], rows_saved[2 * n_models:]
         # dL/dx = g·s·dD/dz per row (z = x·s)
         row_factor = grad_value.to(dtype) * _stats.per_row(scale)
-        kernels = divergence_step(ctx.backend, sources[0], sources[1:])
+        kernels = divergence_step(ctx.backend, sources[0], sources[1:], plan)
         if kernels is not None:
             grad_h, grad_w = kernels.divergence_grad(sources[0], sources[1], _norms(shifts, log_sums), plan, scale,
                                                      keep_mask, consts[0] if consts else None,

@@ -91,7 +91,7 @@ def lm_head_log_probs_and_entropy(
     _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_log_probs_and_entropy",
                  with_entropy=bool(with_entropy), entropy_grad=bool(with_entropy and entropy_requires_grad))
-    chosen = resolve_backend(backend, hidden.device)
+    chosen = resolve_backend(backend, hidden.device, hidden.dtype)
     log_probs, entropy = LogProbEntropy.apply(selection.take(tokens), selection.take(keep_mask),
                                               selection.take_values(tau), spec, checks, chosen, selection.rows,
                                               hidden, weight)
@@ -133,7 +133,7 @@ def lm_head_topk_ids(
         dtype = _stats.compute_dtype(hidden.dtype)
         source = Source(spec.n_valid, spec.chunk_rows, hidden=h, weight=weight.detach(), shape_rows=n_rows)
         run = topk_select.RunningTopk.empty(h.size(0), k, dtype, h.device, sentinel=vocab)
-        run = topk_step(resolve_backend(backend, hidden.device))(source, run, spec.first_id)
+        run = topk_step(resolve_backend(backend, hidden.device, hidden.dtype))(source, run, spec.first_id)
         run = topk_select.over_ranks(run, spec.group)
         _checks.require_good_rows(checks, run.row_max, spec.op, spec.arg, rows=rows, n_rows=n_rows)
         ambiguous = checks.raise_first(read=topk_select.ambiguous_rows(run))  # the call's one host sync
@@ -193,6 +193,6 @@ def lm_head_topk_logprobs(
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_logprobs")
     flat = ids.reshape(n_rows, k).to(device=hidden.device, dtype=torch.long)
     valid = None if ids_mask is None else ids_mask.reshape(n_rows, k).to(hidden.device)
-    chosen = resolve_backend(backend, hidden.device)
+    chosen = resolve_backend(backend, hidden.device, hidden.dtype)
     return TopkLogprobs.apply(selection.take(flat), selection.take(valid), selection.take_values(tau), spec, checks,
                               chosen, selection.rows, hidden, weight)

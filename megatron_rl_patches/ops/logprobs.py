@@ -86,7 +86,7 @@ def log_probs_and_entropy(
         entropy_grad=bool(with_entropy and entropy_requires_grad),
         inplace_backward=bool(inplace_backward),
     )
-    chosen = resolve_backend(backend, logits.device)
+    chosen = resolve_backend(backend, logits.device, logits.dtype)
     log_probs, entropy = LogProbEntropy.apply(selection.take(tokens), selection.take(keep_mask),
                                               selection.take_values(tau), spec, checks, chosen, selection.rows, logits)
     return log_probs, (entropy if with_entropy else None)

@@ -58,7 +58,7 @@ def topk_ids(
         first_id = _dist.vocab_start(local_vocab, tp_group)
         run = topk_select.RunningTopk.empty(x.size(0), k, x.dtype, x.device, sentinel=vocab)
         source = Source(x.size(1), max(1, x.size(0)), logits=x)
-        run = topk_step(resolve_backend(backend, logits.device))(source, run, first_id)
+        run = topk_step(resolve_backend(backend, logits.device, logits.dtype))(source, run, first_id)
         run = topk_select.over_ranks(run, tp_group)
         checks = _checks.DeviceChecks()
         _checks.require_good_rows(checks, run.row_max, "topk_ids", "logits", rows=rows, n_rows=every.size(0))
@@ -139,7 +139,7 @@ def _topk_logprobs_checked(
     spec = _vocab.op_spec(local_vocab, tp_group, vocab, chunk_rows, op, arg=name)
     flat_ids = ids.reshape(-1, k).to(device=logits.device, dtype=torch.long)
     valid = None if ids_mask is None else ids_mask.reshape(-1, k).to(logits.device)
-    chosen = resolve_backend(backend, logits.device)
+    chosen = resolve_backend(backend, logits.device, logits.dtype)
     tau = selection.take_values(tau.reshape(-1) if isinstance(tau, torch.Tensor) else tau)
     logp, tail = TopkLogprobs.apply(selection.take(flat_ids), selection.take(valid), tau, spec,
                                     checks, chosen, selection.rows, logits.reshape(-1, local_vocab))

@@ -33,6 +33,7 @@ from megatron_rl_patches.ops._stats import (
     tile_grad,
 )
 from megatron_rl_patches.ops._vocab import row_chunks
+from megatron_rl_patches.ops.kernels.contract import Backend
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.topk_select import RunningTopk, fold_tiles
 
@@ -94,10 +95,11 @@ def tiles(source: Source, dtype: torch.dtype) -> Iterator[tuple[slice, slice, to
             yield slice(r0, r1), slice(c0, c1), logits_tile(h, source.weight[c0:c1], buf[: r1 - r0, : c1 - c0])
 
 
-class TorchTiles:
+class TorchTiles(Backend):
     """The built-in backend: every device, every dtype."""
 
     name = "torch"
+    divergence_pass1_on_tiles = True
 
     def available(self, device: torch.device) -> str | None:
         return None
