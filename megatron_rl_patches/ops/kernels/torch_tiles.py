@@ -14,27 +14,29 @@ import torch
 from megatron_rl_patches.ops._stats import (
     GradFactors,
     RowStats,
-    TargetRows,
-    buffered_tile_grad,
     column_marks,
-    fold_tail_rows,
-    fold_tail_tile,
-    fold_target_rows,
-    fold_target_tile,
     fold_tile,
     local_row_max,
     marked_entries,
-    marked_rows_grad,
     scale_rows,
-    tail_only,
-    target_only,
-    target_rows_grad,
-    target_tile_grad,
     tile_grad,
 )
 from megatron_rl_patches.ops._vocab import row_chunks
 from megatron_rl_patches.ops.kernels.contract import Backend
 from megatron_rl_patches.ops.kernels.sources import Source
+from megatron_rl_patches.ops.kernels.torch_fast_paths import (
+    TargetRows,
+    buffered_tile_grad,
+    fold_tail_rows,
+    fold_tail_tile,
+    fold_target_rows,
+    fold_target_tile,
+    marked_rows_grad,
+    tail_only,
+    target_only,
+    target_rows_grad,
+    target_tile_grad,
+)
 from megatron_rl_patches.ops.topk_select import RunningTopk, fold_tiles
 
 # Bytes of one [rows, cols] fp32 logits tile of a hidden-state source. Rows are many so W's tile
