@@ -14,6 +14,7 @@ from megatron_rl_patches import (
     topk_opd_loss,
 )
 from megatron_rl_patches.ops import _stats, kernels
+from megatron_rl_patches.testing.logprob_reference import reference_log_probs
 
 
 class Float64Rows:
@@ -106,11 +107,7 @@ def test_log_probs_and_entropy_on_a_registered_backend_match_float64(float64_bac
     assert float64_backend.calls == {"row_stats": 1, "apply_grad": 1}
 
     hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    z = (hd @ wd.t()) / tau.double()[:, None]
-    logp_all = torch.log_softmax(z, -1)
-    kept = torch.log_softmax(z.masked_fill(~keep, -torch.inf), -1) if masked else logp_all
-    ref_lp = kept.gather(1, tokens[:, None]).squeeze(1)
-    ref_ent = -(logp_all.exp() * logp_all).sum(-1)
+    ref_lp, ref_ent = reference_log_probs(hd @ wd.t(), tokens, temperature=tau, keep_mask=keep if masked else None)
     ((ref_lp * a.double()).sum() + (ref_ent * b.double()).sum()).backward()
     torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=1e-5)
     torch.testing.assert_close(ent.double(), ref_ent, rtol=0, atol=1e-5)
