@@ -8,7 +8,6 @@ its decoder one layer at a time, its final norm, output layer or output_processo
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
@@ -166,7 +165,7 @@ class _StageHolds:
 
     def __init__(self, stages: list[list[torch.nn.Module]], lookahead: int) -> None:
         self._stages, self._lookahead = stages, lookahead
-        self._open: dict[int, list[Callable[[], None]]] = {}
+        self._open: dict[int, list[Callable[[], object]]] = {}
 
     def enter(self, index: int) -> None:
         self._hold(index, required=True)
@@ -177,7 +176,7 @@ class _StageHolds:
     def _hold(self, index: int, required: bool) -> bool:
         if index in self._open:
             return True
-        releases: list[Callable[[], None]] = []
+        releases: list[Callable[[], object]] = []
         try:
             for module in self._stages[index]:
                 if required:

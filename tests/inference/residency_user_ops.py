@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import copy
 import sys
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np

@@ -8,8 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl_patches import ResidencyBudget, build_inference_model, hold, on_device, residency_report
-from megatron_rl_patches import score_layer_major
+from megatron_rl_patches import (
+    ResidencyBudget,
+    build_inference_model,
+    hold,
+    on_device,
+    residency_report,
+    score_layer_major,
+)
 from megatron_rl_patches.inference.residency_storage import device_weight_bytes
 
 pytestmark = pytest.mark.megatron
