@@ -129,3 +129,20 @@ def test_layer_major_prefetch_waits_for_room_in_a_tight_budget(megatron_cpu, pre
     assert all(torch.equal(a, b) for a, b in zip(per_batch, want))
     assert budget.peak <= budget.bytes and budget.in_use == 0
     assert device_weight_bytes(chunks[0].parameters()) == 0
+
+
+def test_a_load_between_phases_reaches_a_swap_model_its_budget_keeps_cached(megatron_cpu):
+    env = megatron_cpu
+    reference, other = _build(env)[0], _build(env, seed=8)[0]
+    size = sum(p.numel() * p.element_size() for p in reference.parameters())
+    budget = ResidencyBudget(2 * size)
+    chunk = _build(env, "swap", budget=budget)[0]
+    batch = env.batch(seed=9)
+    with torch.no_grad():
+        assert torch.equal(_call(chunk, batch), _call(reference, batch))
+        assert device_weight_bytes(chunk.parameters()) == size  # cached on the device between phases
+        assert all(p.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
+                   for p, h in zip(chunk.parameters(), chunk._mrp_residency.host.snapshot().values()))
+        chunk.load_state_dict(other.state_dict())  # writes the host copies: the cached copy is stale
+        assert torch.equal(_call(chunk, batch), _call(other, batch))
+    assert residency_report([chunk]).copies == 2 and budget.in_use == size
