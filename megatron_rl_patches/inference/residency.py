@@ -2,7 +2,12 @@
 built), "swap" (in host memory; the whole model on the device for a phase or a forward) or
 "stream" (in host memory; each layer, the embedding and the head brought in just before they run,
 `prefetch` layers ahead, and released after). `hold(module)` pins pieces for a caller that
-schedules the work itself (layer-major scoring); `ResidencyBudget` caps several builds together."""
+schedules the work itself (layer-major scoring); `ResidencyBudget` caps several builds together.
+
+Between uses a parameter's `.data` is its host copy (residency_storage.py), so user code never
+meets a released storage. Each piece is reference-counted, and each chunk forward runs in a scope
+whose pieces are released however it ends (BaseException included), so nested and re-entrant
+forwards keep what their callers still use."""
 from __future__ import annotations
 
 import contextlib
@@ -453,8 +458,9 @@ def _covering(module: torch.nn.Module) -> tuple[Residency, list[Unit]] | None:
 @contextlib.contextmanager
 def hold(module: torch.nn.Module) -> Iterator[None]:
     """Keep the weights of `module` (a layer, the embedding, the head, a chunk) on the device
-    inside: one host-to-device copy for the whole block, however many forwards run in it, and the
-    stream hooks leave it alone. Nested holds are counted. A no-op for a resident model."""
+    inside: one host-to-device copy for the whole block, however many forwards run in it (their
+    hooks only count their use, and prefetch nothing). Nested holds are counted. A no-op for a
+    resident model."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(
             f"hold(module) needs a torch.nn.Module (a layer or chunk of a model), got {type(module).__name__}"
