@@ -160,13 +160,24 @@ class HostWeights:
                 event = torch.cuda.Event()
                 event.record(self.side_stream)
         for param in params:
-            param.data = self.slots[id(param)].device  # type: ignore[assignment]
+            slot = self.slots[id(param)]
+            param.data = slot.device  # type: ignore[assignment]
+            slot.version = param._version
         return event, sum(nbytes_of(slot.host) for slot in fresh)
 
     def put_back(self, param: torch.nn.Parameter, keep: bool) -> int:
         """`param` reads its host copy again; its device copy is kept (cached) when `keep`, else
-        freed. Returns the device bytes freed."""
+        freed. What user code did to the weight while it was on the device is kept: a replaced
+        `.data` (`.double()` inside a hold) becomes the host copy, a write through the Parameter
+        (`load_state_dict` inside a hold) is copied back. Returns the device bytes freed."""
         slot = self.slots[id(param)]
+        if slot.device is None or not _same_storage(param.data, slot.device):
+            freed = self.drop(param)
+            slot.host = self._home(param)
+            slot.version = param._version
+            return freed
+        if param._version != slot.version:
+            slot.host.copy_(slot.device)
         param.data = slot.host
         slot.version = param._version
         return 0 if keep else self.drop(param)

@@ -146,3 +146,20 @@ def test_a_load_between_phases_reaches_a_swap_model_its_budget_keeps_cached(mega
         chunk.load_state_dict(other.state_dict())  # writes the host copies: the cached copy is stale
         assert torch.equal(_call(chunk, batch), _call(other, batch))
     assert residency_report([chunk]).copies == 2 and budget.in_use == size
+
+
+@pytest.mark.parametrize("residency", ["swap", "stream"])
+def test_writes_while_the_weights_are_on_the_device_are_kept(megatron_cpu, residency):
+    env = megatron_cpu
+    other = _build(env, seed=8)[0]
+    chunks = _build(env, residency)
+    batch = env.batch(seed=10)
+    with on_device(chunks) if residency == "swap" else hold(chunks[0]):
+        chunks[0].load_state_dict(other.state_dict())  # into the device copies
+    with torch.no_grad():
+        assert torch.equal(_call(chunks[0], batch), _call(other, batch))
+        with on_device(chunks) if residency == "swap" else hold(chunks[0]):
+            chunks[0].double()  # replaces .data on the device
+        assert all(p.dtype == torch.float64 for p in chunks[0].parameters())
+        assert device_weight_bytes(chunks[0].parameters()) == 0
+        assert torch.equal(_call(chunks[0], batch), _call(other.double(), batch))
