@@ -62,7 +62,7 @@ CASES = [
     ("backend-greek-o", None, {BACKEND: "tοrch"}, "MEGATRON_RL_PATCHES_BACKEND="),
     ("roles-custom", None, {ROLES: "teacher, ref_model"}, ALL),
     ("roles-empty", None, {ROLES: ""}, ALL),
-    ("roles-duplicates", None, {ROLES: "teacher,teacher"}, ALL),
+    ("roles-duplicates", None, {ROLES: "teacher:swap,teacher:stream"}, "lists role 'teacher' more than once"),
     ("roles-unicode-identifier", None, {ROLES: "教师"}, ALL),
     ("roles-commas", None, {ROLES: " , "}, "MEGATRON_RL_PATCHES_INFERENCE_ROLES=' , ' names no role"),
     ("roles-dash", None, {ROLES: "teacher,prm-teacher"}, "'prm-teacher' is not a role name"),

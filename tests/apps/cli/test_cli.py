@@ -92,7 +92,7 @@ def test_doctor_reports_problems(cli_run, no_site_files, clean):
     assert "is not megatron-rl-patches' start-up file" in problems
     assert "no start-up file is installed" in problems and "startup install" in problems
 
-    from megatron_rl_patches.integrations import megatron_version
+    from megatron_rl_patches.integrations.megatron import version as megatron_version
 
     clean.setattr(megatron_version, "installed_version", lambda: "0.9.0")
     clean.setenv("MEGATRON_RL_PATCHES", "ddp_hooks")
