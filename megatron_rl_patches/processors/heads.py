@@ -100,11 +100,35 @@ def token_rows(value: torch.Tensor, name: str, batch: int, seq: int) -> torch.Te
     return value.transpose(0, 1).reshape(batch * seq, *value.shape[2:])
 
 
-def _row_mask(ctx: Mapping[str, Any], call: ProcessorCall) -> torch.Tensor | None:
-    """The context's "row_mask" [b, s] (e.g. the response tokens: masked response tokens still
-    need their log-probs) as rows, or None: only those rows meet the output weight."""
-    mask = ctx.get("row_mask")
-    return None if mask is None else token_rows(mask, "output_processor_context['row_mask']", call.batch, call.seq)
+# The row selection the processor calls of one `one_row_selection()` share: [mask given, selection].
+_SHARED_ROWS: ContextVar[list | None] = ContextVar("megatron_rl_patches_shared_rows", default=None)
+
+
+@contextmanager
+def one_row_selection() -> Iterator[None]:
+    """Inside: processor calls given the same "row_mask" tensor share one row selection (one host
+    sync and one tensor-parallel check for every op they run)."""
+    token = _SHARED_ROWS.set([])
+    try:
+        yield
+    finally:
+        _SHARED_ROWS.reset(token)
+
+
+def _row_mask(ctx: Mapping[str, Any], call: ProcessorCall) -> Any:
+    """The selection of the context's "row_mask" [b, s] (e.g. the response tokens: masked response
+    tokens still need their log-probs) over the call's rows, built once and passed as every op's
+    `row_mask`: only those rows meet the output weight."""
+    from megatron_rl_patches.ops._rows import RowSelection
+
+    mask, shared = ctx.get("row_mask"), _SHARED_ROWS.get()
+    if shared and shared[0] is mask:
+        return shared[1]
+    rows = None if mask is None else token_rows(mask, "output_processor_context['row_mask']", call.batch, call.seq)
+    selection = RowSelection.of(rows, call.batch * call.seq, call.hidden.device, "hidden (all rows)", call.tp_group)
+    if shared is not None:
+        shared[:] = [mask, selection]
+    return selection
 
 
 class ProcessorCall:
@@ -130,6 +154,10 @@ class ProcessorCall:
             if not isinstance(rows, torch.Tensor) or not torch.is_floating_point(rows):
                 raise TypeError("output_processor_context['temperature'] must be a floating tensor [b, s]")
             self.temperature = rows.detach() * self.temperature
+        else:  # checked once here for every op of the call
+            from megatron_rl_patches.ops._checks import checked_temperature
+
+            self.temperature = checked_temperature(self.temperature, hidden_states.dtype)
         self.labels = None if labels is None else token_rows(labels, "labels", batch, seq)
 
     @property

@@ -17,7 +17,6 @@ POLICY_WEIGHT = PREFIX + "POLICY_WEIGHT"
 RESIDENCY = PREFIX + "RESIDENCY"
 IDS_FROM = PREFIX + "IDS_FROM"
 IDS_SOURCES = ("student", "union")
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tv")
 # slime's --custom-loss-function-path for top-k OPD: the documented path (users type it), and the
 # loss's module path since integrations/slime/ became a package; both are accepted.
 LOSS_PATH = "megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss"
@@ -132,6 +131,8 @@ def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
     if not teachers:
         raise ValueError(f"{TEACHERS}={raw!r} names no teacher: give comma-separated checkpoint paths "
                          "(PATH or PATH@module:function), or unset it to switch top-k OPD off")
+    from megatron_rl_patches.ops._divergences import DIVERGENCES  # the table's rows (mixed_kl included)
+
     divergence = env.get(DIVERGENCE, "").strip() or "reverse_kl"
     if divergence not in DIVERGENCES:
         raise ValueError(f"{DIVERGENCE}={divergence!r}: expected one of {list(DIVERGENCES)}")

@@ -13,14 +13,19 @@ def with_topk(log_prob: Callable, k: int | None, options: dict, topk_context: di
     """The log-prob processor's dict plus "topk_log_probs" [b, s, k] and "tail" [b, s] (and
     "topk_ids" when `k` selects them, "ids_mask" with `union`); both read the same hidden states
     and the same row mask."""
-    from megatron_rl_patches.processors.heads import output_layer_pre_hooks_ran, topk_output_processor
+    from megatron_rl_patches.processors.heads import (
+        one_row_selection,
+        output_layer_pre_hooks_ran,
+        topk_output_processor,
+    )
 
     topk = topk_output_processor(k=k, union=union, **options)
 
     def process(*, output_layer: Any, context: dict | None = None, **kwargs: Any) -> dict:
-        result = dict(log_prob(output_layer=output_layer, context=context, **kwargs))
-        with output_layer_pre_hooks_ran(output_layer):  # the log-prob call ran them for this forward
-            result.update(topk(output_layer=output_layer, context={**(context or {}), **topk_context}, **kwargs))
+        with one_row_selection():  # one host sync and one tensor-parallel check for the three ops
+            result = dict(log_prob(output_layer=output_layer, context=context, **kwargs))
+            with output_layer_pre_hooks_ran(output_layer):  # the log-prob call ran them for this forward
+                result.update(topk(output_layer=output_layer, context={**(context or {}), **topk_context}, **kwargs))
         return result
 
     return process

@@ -151,3 +151,12 @@ def test_a_top_k_pass_served_logits_is_a_clear_error():
     """A teacher's top-k pass that slime_fused sent to slime's logits path (a fallback) has no buckets."""
     with pytest.raises(RuntimeError, match="fell back to slime's logits path"):
         slime_opd.collect_topk(torch.zeros(1, 5, 8), total_lengths=[5], response_lengths=[2])
+
+
+def test_every_divergence_of_the_table_is_a_setting():
+    from megatron_rl_patches.ops._divergences import TABLE
+
+    env = {"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher"}
+    for name in TABLE:
+        settings = opd_settings({**env, "MEGATRON_RL_PATCHES_OPD_DIVERGENCE": name})
+        assert settings is not None and settings.divergence == name
