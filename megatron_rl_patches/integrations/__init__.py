@@ -36,6 +36,8 @@ ORDER = (
     "verl_topk_kd",
     "slime_fused",
     "slime_opd",
+    "hybrid_output_processor",
+    "mtp_output_processor",
 )
 
 
