@@ -46,8 +46,13 @@ def _positive(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--params", required=True, type=parse_param_count, metavar="N",
-        help="number of model parameters, e.g. 27e9 or 27B",
+        "--params", type=parse_param_count, metavar="N",
+        help="number of model parameters, e.g. 27e9 or 27B (or --hf)",
+    )
+    parser.add_argument(
+        "--hf", metavar="PATH", default=None,
+        help="a Hugging Face checkpoint directory (or its config.json): per-GPU weights at --tp/--pp/--ep "
+             "by residency mode, from the config alone",
     )
     parser.add_argument("--dp", type=_positive, default=1, help="data-parallel size")
     parser.add_argument(
@@ -72,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=_count("--hidden"), default=None, help="hidden size (with --vocab)")
     parser.add_argument("--tied", action="store_true", help="input and output embeddings share one weight")
     parser.add_argument("--tp", type=_count("--tp"), default=1, help="tensor-parallel size (each rank holds a shard)")
+    parser.add_argument("--pp", type=_count("--pp"), default=1, help="pipeline-parallel size (with --hf)")
+    parser.add_argument("--ep", type=_count("--ep"), default=1, help="expert-parallel size (with --hf)")
     parser.add_argument("--json", action="store_true", help="print a JSON object (bytes)")
 
 
@@ -90,6 +97,14 @@ def _count(flag: str, minimum: int = 1) -> Callable[[str], int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.params is None) == (args.hf is None):
+        raise UsageError("give --params N (a parameter count) or --hf PATH (a Hugging Face checkpoint), one of them")
+    if args.hf is not None:
+        from megatron_rl_patches.apps.cli.memory_hf import run_hf
+
+        return run_hf(args)
+    if (args.pp, args.ep) != (1, 1):
+        raise UsageError("--pp and --ep need --hf PATH (the layers and experts come from its config.json)")
     try:
         report = training_state_bytes(
             args.params,
