@@ -59,7 +59,12 @@ def build_inference_model_from_hf(
     from megatron_rl_patches._args import positive_int
     from megatron_rl_patches.inference.build import build_inference_model
     from megatron_rl_patches.inference.hf.load import checked_index, load_hf_weights
-    from megatron_rl_patches.inference.hf.model import checkpoint_dtype, model_provider, padded_vocab, transformer_config
+    from megatron_rl_patches.inference.hf.model import (
+        checkpoint_dtype,
+        model_provider,
+        padded_vocab,
+        transformer_config,
+    )
 
     mode = check_residency_args(residency, prefetch, budget)
     root = checkpoint_dir(path)
@@ -76,7 +81,7 @@ def build_inference_model_from_hf(
     chunks = build_inference_model(provider, residency=mode, prefetch=prefetch, budget=budget)
     load_hf_weights(chunks, root, arch, vocab)
     for chunk in chunks:
-        chunk.hf_vocab_size = arch.vocab_size  # the real vocab, for the ops' vocab_size=
+        setattr(chunk, "hf_vocab_size", arch.vocab_size)  # noqa: B010 - the real vocab, for the ops' vocab_size=
     return chunks
 
 

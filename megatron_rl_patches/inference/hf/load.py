@@ -52,7 +52,8 @@ def _plan(modules: list[torch.nn.Module], arch: HFArchitecture) -> list[tuple[to
 
     ep_offset = 0
     if arch.is_moe:
-        ep_offset = ps.get_expert_model_parallel_rank() * (arch.num_experts // ps.get_expert_model_parallel_world_size())
+        per_rank = arch.num_experts // ps.get_expert_model_parallel_world_size()
+        ep_offset = ps.get_expert_model_parallel_rank() * per_rank
     plan = []
     for module in modules:
         numbers = _layer_numbers(module)
@@ -76,8 +77,8 @@ def load_hf_weights(model: Any, root: Path, arch: HFArchitecture, padded_vocab: 
             rank, size = _ranks(src.expert)
             value = shard(arch, src, [read_tensor(index[name]) for name in src.hf_names], rank, size, padded_vocab)
             if tuple(value.shape) != tuple(target.shape):
+                made = f"{key} from {', '.join(src.hf_names)}"
                 raise WeightsMismatchError(repr(str(root)), [], [], [
-                    f"{key} from {', '.join(src.hf_names)} (converted {tuple(value.shape)}, model {tuple(target.shape)})"
-                ])
+                    f"{made} (converted {tuple(value.shape)}, model {tuple(target.shape)})"])
             target.copy_(value)
     logger.info("megatron-rl-patches: loaded %d Hugging Face tensors from %s", len(index), root)
