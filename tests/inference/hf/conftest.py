@@ -10,10 +10,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def transformers():
     return pytest.importorskip(
-        "transformers", reason="the reference forward needs transformers (the `hf` test extra: pip install "
+        "transformers", reason="the reference forward needs transformers (the `hf-test` extra: pip install "
         "'megatron-rl-patches[hf-test]')"
     )
 

@@ -128,3 +128,16 @@ def test_a_checkpoint_written_without_transformers_loads_every_tensor(megatron_c
                        tensors["model.layers.0.post_attention_layernorm.weight"])
     assert torch.equal(state["output_layer.weight"][:1001], tensors["lm_head.weight"])
     assert not state["output_layer.weight"][1001:].any()  # Megatron's padding rows: zeros
+
+
+def test_dtype_follows_the_checkpoint_unless_given(megatron_cpu, tmp_path):
+    """config.json's dtype (bfloat16 here) is the default: a Float16Module-wrapped bf16 build whose
+    weights are the file's rounded once; dtype=torch.float32 keeps them exact."""
+    tensors = write_tiny_checkpoint(tmp_path, tiny_hf_config("qwen3", dtype="bfloat16"))
+    want = tensors["model.layers.0.self_attn.o_proj.weight"]
+    bf16 = build_inference_model_from_hf(tmp_path)[0]
+    weight = bf16.module.decoder.layers[0].self_attention.linear_proj.weight
+    assert type(bf16).__name__ == "Float16Module" and weight.dtype == torch.bfloat16
+    assert torch.equal(weight, want.to(torch.bfloat16))
+    fp32 = build_inference_model_from_hf(tmp_path, dtype=torch.float32)[0]
+    assert torch.equal(fp32.decoder.layers[0].self_attention.linear_proj.weight, want)

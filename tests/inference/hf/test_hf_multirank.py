@@ -8,7 +8,7 @@ import torch
 
 from megatron_rl_patches.testing.multirank import run_multirank
 
-pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow, pytest.mark.usefixtures("transformers")]
+pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 
 VOCAB, SEQ = 1001, 12
 
@@ -76,7 +76,7 @@ def _worker(rank: int, world_size: int, dense: str, moe: str, batch: dict) -> di
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(transformers, tmp_path_factory):
     from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, tiny_hf_config, write_tiny_checkpoint
     from megatron_rl_patches.testing.megatron_cpu import make_batch
 
