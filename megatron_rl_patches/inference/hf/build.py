@@ -36,6 +36,30 @@ def _check_parallel(arch: Any) -> None:
         raise ValueError(f"{arch.source}: {'; '.join(problems)}; choose parallel sizes that divide the model")
 
 
+def _check_budget(root: Any, mode: str, budget: ResidencyBudget | None, dtype: torch.dtype) -> None:
+    """A budget smaller than what this rank must hold on the device at once (swap: its whole
+    shard; stream: its largest piece, a layer or the embedding / output layer) is refused before
+    the build: config.json gives the sizes."""
+    if budget is None or mode == "resident":
+        return
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl_patches.inference.hf.plan import hf_memory_plan
+
+    plan = hf_memory_plan(root, tp=ps.get_tensor_model_parallel_world_size(),
+                          pp=ps.get_pipeline_model_parallel_world_size(),
+                          ep=ps.get_expert_model_parallel_world_size(), param_dtype=dtype)
+    stage, last = ps.get_pipeline_model_parallel_rank(), plan.pp - 1
+    pieces = [plan.layer_params, plan.embedding_params if stage == 0 else 0, plan.output_params if stage == last else 0]
+    need = (plan.stage_params[stage] if mode == "swap" else max(pieces)) * torch.empty((), dtype=dtype).element_size()
+    if need > budget.bytes:
+        raise ValueError(
+            f"{str(root)!r} does not fit budget={budget!r} with residency={mode!r}: this rank needs {need} device "
+            f"bytes at once ({'its whole shard' if mode == 'swap' else 'its largest layer or embedding'}); raise "
+            "the budget, use residency='stream', or split the model over more tensor / pipeline ranks"
+        )
+
+
 def build_inference_model_from_hf(
     path: str | os.PathLike[str],
     *,
@@ -54,7 +78,8 @@ def build_inference_model_from_hf(
     is padded as Megatron-LM pads it (`make_vocab_size_divisible_by` x TP, zero rows): pass the
     real `vocab_size` (hf_vocab_size(path)) to the ops so the padding gets no probability mass.
     Bad input (a path that is no checkpoint directory, an unserved family, missing, unlisted or
-    mis-shaped weight files) is refused before the model is built.
+    mis-shaped weight files, a `budget` this rank's pieces cannot fit) is refused before the model
+    is built.
     """
     from megatron_rl_patches._args import positive_int
     from megatron_rl_patches.inference.build import build_inference_model
@@ -74,6 +99,7 @@ def build_inference_model_from_hf(
     divisible_by = positive_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by)
     _check_parallel(arch)
     checked_index(root, arch)  # the files fit config.json: nothing is built otherwise
+    _check_budget(root, mode, budget, weights_dtype)
     from megatron.core import parallel_state as ps
 
     vocab = padded_vocab(arch.vocab_size, divisible_by, ps.get_tensor_model_parallel_world_size())

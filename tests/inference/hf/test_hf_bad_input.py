@@ -141,3 +141,22 @@ def test_dtype_follows_the_checkpoint_unless_given(megatron_cpu, tmp_path):
     assert torch.equal(weight, want.to(torch.bfloat16))
     fp32 = build_inference_model_from_hf(tmp_path, dtype=torch.float32)[0]
     assert torch.equal(fp32.decoder.layers[0].self_attention.linear_proj.weight, want)
+
+
+def test_a_budget_the_teacher_cannot_fit_even_streamed(megatron_cpu, no_build, tmp_path):
+    from megatron_rl_patches import ResidencyBudget
+
+    write_tiny_checkpoint(tmp_path, tiny_hf_config("qwen3"))
+    # fp32: the largest piece is the padded output layer, 1024 x 32 + 32 (final norm) parameters
+    largest = (1024 * 32 + 32) * 4
+    with pytest.raises(ValueError, match=rf"does not fit budget=.* residency='stream': this rank needs {largest} "):
+        build_inference_model_from_hf(tmp_path, residency="stream", budget=ResidencyBudget(largest - 1))
+    with pytest.raises(ValueError, match=r"residency='swap': .* \(its whole shard\)"):
+        build_inference_model_from_hf(tmp_path, residency="swap", budget=ResidencyBudget(largest))
+
+
+def test_a_budget_that_fits_the_largest_piece_streams(megatron_cpu, tmp_path):
+    from megatron_rl_patches import ResidencyBudget
+
+    write_tiny_checkpoint(tmp_path, tiny_hf_config("qwen3"))
+    build_inference_model_from_hf(tmp_path, residency="stream", budget=ResidencyBudget((1024 * 32 + 32) * 4))
