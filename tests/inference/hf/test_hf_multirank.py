@@ -1,4 +1,4 @@
-"""Hugging Face teachers at TP=2, PP=2 and EP=2 (one spawned 2-rank gloo world, several worlds of
+"""Hugging Face teachers at TP=2 (Qwen3, Qwen2's biases, Qwen3-MoE's experts), PP=2 and EP=2 (one spawned 2-rank gloo world, several worlds of
 parallel state in turn): log-probs of the logits route and the fused processor equal transformers'
 forward to 1e-5 on the ranks that hold them; sizes that do not divide the model are refused."""
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _scores(chunks, batch, tp_group):
     return {"logits": routed[0]["log_probs"].double(), "fused": fused[0].double()}
 
 
-def _worker(rank: int, world_size: int, dense: str, moe: str, batch: dict) -> dict:
+def _worker(rank: int, world_size: int, dense: str, moe: str, qwen2: str, batch: dict) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe import moe_utils
 
@@ -56,6 +56,11 @@ def _worker(rank: int, world_size: int, dense: str, moe: str, batch: dict) -> di
         results["tp2"] = _scores(chunks, batch, ps.get_tensor_model_parallel_group())
         results["tp2_stream"] = _scores(build_inference_model_from_hf(dense, residency="stream", dtype=torch.float32),
                                         batch, ps.get_tensor_model_parallel_group())
+        # q/k/v biases split with their heads; experts split over the expert tensor-parallel group
+        results["tp2_qwen2"] = _scores(build_inference_model_from_hf(qwen2, dtype=torch.float32), batch,
+                                       ps.get_tensor_model_parallel_group())
+        results["tp2_moe"] = _scores(build_inference_model_from_hf(moe, dtype=torch.float32), batch,
+                                     ps.get_tensor_model_parallel_group())
     with megatron_on_cpu(pipeline_parallel=2):
         chunks = build_inference_model_from_hf(dense, dtype=torch.float32)
         results["pp2_layers"] = len(chunks[0].decoder.layers)
@@ -83,14 +88,15 @@ def world(transformers, tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     dense = save_tiny_hf(root / "dense", "qwen3", seed=7)
     moe = save_tiny_hf(root / "moe", "qwen3_moe", seed=8)
+    qwen2 = save_tiny_hf(root / "qwen2", "qwen2", seed=9)
     write_tiny_checkpoint(root / "dense_3layers", tiny_hf_config("qwen3", num_hidden_layers=3))
     batch = make_batch(batch_size=2, seq_length=SEQ, vocab_size=VOCAB, seed=4)
     reference = {}
-    for name, model in (("dense", dense), ("moe", moe)):
+    for name, model in (("dense", dense), ("moe", moe), ("qwen2", qwen2)):
         with torch.no_grad():
             full = torch.log_softmax(model(batch["tokens"]).logits.double(), dim=-1)
         reference[name] = full.gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
-    results = run_multirank(_worker, 2, str(root / "dense"), str(root / "moe"), batch, timeout=600)
+    results = run_multirank(_worker, 2, str(root / "dense"), str(root / "moe"), str(root / "qwen2"), batch, timeout=600)
     return results, reference
 
 
@@ -105,6 +111,14 @@ def test_tp2_equals_transformers_on_every_rank(world):
         for key in ("tp2", "tp2_stream"):
             assert set(result[key]) == {"logits", "fused"}
             assert all(err < 1e-5 for err in _close(result[key], reference["dense"]).values()), key
+
+
+def test_tp2_qwen2_biases_and_moe_experts_equal_transformers(world):
+    results, reference = world
+    for result in results:
+        for key, model in (("tp2_qwen2", "qwen2"), ("tp2_moe", "moe")):
+            errors = _close(result[key], reference[model])
+            assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), (key, errors)
 
 
 def test_pp2_equals_transformers_on_the_last_stage(world):
