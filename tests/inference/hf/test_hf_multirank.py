@@ -1,4 +1,5 @@
-"""Hugging Face teachers at TP=2 (Qwen3, Qwen2's biases, Qwen3-MoE's experts), PP=2 and EP=2 (one spawned 2-rank gloo world, several worlds of
+"""Hugging Face teachers at TP=2 (Qwen3, Qwen2's biases, Qwen3-MoE's experts),
+PP=2 and EP=2 (one spawned 2-rank gloo world, several worlds of
 parallel state in turn): log-probs of the logits route and the fused processor equal transformers'
 forward to 1e-5 on the ranks that hold them; sizes that do not divide the model are refused."""
 from __future__ import annotations
