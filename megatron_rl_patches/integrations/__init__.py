@@ -54,6 +54,15 @@ def all_patches() -> list[Patch]:
     return sorted(records, key=lambda patch: ORDER.index(patch.name))
 
 
+def check_settings(environ: Any = None) -> None:
+    """Every framework's own variables, read as its patches read them (top-k OPD's
+    MEGATRON_RL_PATCHES_OPD_*): a ValueError naming the variable at fault. `run`, the start-up
+    hook and `doctor` call this (patching names it by a string, SETTINGS_CHECK)."""
+    from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
+
+    opd_settings(environ)
+
+
 def default_registry() -> Registry:
     """The process-wide registry of every patch this package knows (built once)."""
     global _default
