@@ -90,6 +90,30 @@ def check_options(temperature: object, vocab_size: object, chunk_size: object) -
         positive_int("vocab_size", vocab_size, " (the real, unpadded vocabulary) or None")
     if chunk_size is not None:
         positive_int("chunk_size", chunk_size, " or None")
+    hint_missing_hook()
+
+
+GPT_MODULE = "megatron.core.models.gpt.gpt_model"
+
+
+def hint_missing_hook() -> None:
+    """One warning, when a processor is built, if the loaded GPTModel cannot take it: megatron-core
+    < 0.18 without the `gpt_output_processor` patch (its forward would raise a bare TypeError on
+    `output_processor=`). Looks only at a module already imported: imports nothing."""
+    import inspect
+    import sys
+
+    gpt = getattr(sys.modules.get(GPT_MODULE), "GPTModel", None)
+    try:
+        parameters = inspect.signature(gpt.forward).parameters if gpt is not None else None
+    except (TypeError, ValueError):
+        return
+    if parameters is not None and "output_processor" not in parameters:
+        from megatron_rl_patches._log import warn_once
+
+        warn_once("GPTModel.forward of this megatron-core has no output_processor keyword (added in 0.18): "
+                  "apply the gpt_output_processor patch before calling the model with a processor, e.g. "
+                  "megatron_rl_patches.apply(only=['gpt_output_processor']) (it is in MEGATRON_RL_PATCHES=all)")
 
 
 def token_rows(value: torch.Tensor, name: str, batch: int, seq: int) -> torch.Tensor:
