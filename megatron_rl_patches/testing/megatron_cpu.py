@@ -33,9 +33,14 @@ def megatron_world(
     pipeline_parallel: int = 1,
     virtual_pipeline: int | None = None,
     seed: int = 1234,
+    *,
+    context_parallel: int = 1,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: int | None = None,
 ) -> Iterator[MegatronCPU]:
     """A process group of world size 1 (unless one exists: gloo on "cpu" with the CPU shims, NCCL on
-    "cuda") and Megatron's parallel state; on exit everything it set up is torn down."""
+    "cuda") and Megatron's parallel state; on exit everything it set up is torn down. Inside a
+    multi-rank world (`run_multirank`) the sizes split its ranks (TP, CP, EP, PP, the rest DP)."""
     from megatron.core import parallel_state
 
     cuda = device.startswith("cuda")
@@ -51,6 +56,9 @@ def megatron_world(
         tensor_parallel,
         pipeline_parallel,
         virtual_pipeline_model_parallel_size=virtual_pipeline,
+        context_parallel_size=context_parallel,
+        expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=expert_tensor_parallel,
     )
     torch.manual_seed(seed)
     try:
@@ -67,10 +75,12 @@ def megatron_on_cpu(
     pipeline_parallel: int = 1,
     virtual_pipeline: int | None = None,
     seed: int = 1234,
+    **parallel: Any,
 ) -> contextlib.AbstractContextManager[MegatronCPU]:
     """`megatron_world("cpu", ...)`: gloo, Megatron's parallel state and the CPU shims, torn down
-    on exit so tests stay independent."""
-    return megatron_world("cpu", tensor_parallel, pipeline_parallel, virtual_pipeline, seed)
+    on exit so tests stay independent (keywords context_parallel, expert_parallel,
+    expert_tensor_parallel as `megatron_world`)."""
+    return megatron_world("cpu", tensor_parallel, pipeline_parallel, virtual_pipeline, seed, **parallel)
 
 
 def tiny_gpt_config(**overrides: Any) -> Any:
@@ -109,15 +119,16 @@ def _seeded_model_kwargs(
     return kwargs
 
 
-def build_tiny_gpt(config: Any = None, **kwargs: Any) -> Any:
-    """A real GPTModel with the local (non Transformer Engine) layer spec. Keywords: vocab_size,
-    seq_length, pre_process, post_process, vp_stage, seed (fixes the weights; default 0)."""
+def build_tiny_gpt(config: Any = None, layer_spec: Any = None, **kwargs: Any) -> Any:
+    """A real GPTModel with `layer_spec` (default: the local, non Transformer Engine layer spec).
+    Keywords: vocab_size, seq_length, pre_process, post_process, vp_stage, seed (fixes the
+    weights; default 0)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     return GPTModel(
         config=config if config is not None else tiny_gpt_config(),
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=layer_spec if layer_spec is not None else get_gpt_layer_local_spec(),
         **_seeded_model_kwargs(**kwargs),
     )
 
