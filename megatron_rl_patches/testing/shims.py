@@ -16,6 +16,8 @@ left alone):
 - `torch.Tensor.type()`: megatron-core's optimizers compare type names (`'torch.cuda.FloatTensor'`)
   to build the distributed optimizer and check grads; CPU tensors report the `torch.cuda.*` name
   (no argument only; conversions are untouched).
+- `moe_utils.te_general_gemm` = None: megatron-core < 0.17 without Transformer Engine leaves the
+  name undefined and its MoE router's gating linear raises `NameError` (None: the torch matmul).
 """
 from __future__ import annotations
 
@@ -111,8 +113,10 @@ def _tensor_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = Fal
 def _shim_table() -> list[tuple[Any, str, Any]]:
     """(owner, attribute, replacement) for every shim, in one place."""
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import moe_utils
 
     return [
+        (moe_utils, "te_general_gemm", None),
         (torch.cuda, "current_device", lambda: "cpu"),
         (torch.cuda, "synchronize", lambda *args, **kwargs: None),
         (mcore_random.CudaRNGStatesTracker, "fork", _null_fork),
