@@ -220,15 +220,17 @@ def run_schedule(
     forward_step: Callable = lm_loss_forward_step,
     forward_only: bool = False,
 ) -> list[dict]:
-    """One global batch through megatron-core's real forward-backward schedule."""
+    """One global batch through megatron-core's real forward-backward schedule (one data
+    iterator over `batches` per model chunk: the interleaved schedule reads each chunk's own)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     first = batches[0]
     micro_batch_size, seq_length = first["tokens"].shape
+    chunks = list(model_chunks)
     return get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(batches),
-        model=list(model_chunks),
+        data_iterator=[iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches),
+        model=chunks,
         num_microbatches=len(batches),
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
