@@ -119,16 +119,18 @@ def _seeded_model_kwargs(
     return kwargs
 
 
-def build_tiny_gpt(config: Any = None, layer_spec: Any = None, **kwargs: Any) -> Any:
-    """A real GPTModel with `layer_spec` (default: the local, non Transformer Engine layer spec).
-    Keywords: vocab_size, seq_length, pre_process, post_process, vp_stage, seed (fixes the
-    weights; default 0)."""
+def build_tiny_gpt(config: Any = None, layer_spec: Any = None, position_embedding_type: str = "learned_absolute",
+                   **kwargs: Any) -> Any:
+    """A real GPTModel with `layer_spec` (default: the local, non Transformer Engine layer spec)
+    and `position_embedding_type` ("learned_absolute" or "rope"). Keywords: vocab_size,
+    seq_length, pre_process, post_process, vp_stage, seed (fixes the weights; default 0)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     return GPTModel(
         config=config if config is not None else tiny_gpt_config(),
         transformer_layer_spec=layer_spec if layer_spec is not None else get_gpt_layer_local_spec(),
+        position_embedding_type=position_embedding_type,
         **_seeded_model_kwargs(**kwargs),
     )
 

@@ -37,7 +37,8 @@ _MISSING = object()
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """Redirect tensor factory calls that ask for a CUDA device (device="cuda", an int) to CPU;
+    """Redirect tensor factory calls that ask for a CUDA device (device="cuda", an int) to CPU,
+    drop `pin_memory=True` (megatron-core's RoPE under context parallelism pins its chunk ids);
     `Tensor.cuda()` returns the tensor itself."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -47,6 +48,8 @@ class CudaToCpuMode(TorchFunctionMode):
         device = kwargs.get("device")
         if device is not None and (isinstance(device, int) or "cuda" in str(device)):
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):  # no pinned-memory allocator without an accelerator
+            kwargs = {**kwargs, "pin_memory": False}
         return func(*args, **kwargs)
 
 

@@ -16,6 +16,8 @@ CP = 2
 REL = 1e-5  # fp32 rounding against the CP=1 reference
 PACKED = [8, 12, 4]  # each a multiple of 2*CP: zigzag cuts every sequence into 2*CP chunks
 CASES = ("zigzag-bshd", "contiguous-bshd", "zigzag-thd", "contiguous-thd")
+# megatron-core's RoPE takes each rank's positions in the zigzag layout (bshd and thd alike)
+GPT_CASES = (*CASES, "zigzag-bshd-rope", "zigzag-thd-rope")
 
 
 def _error(got, want) -> float:
@@ -89,74 +91,101 @@ def _gpt_batch(form: str):
     return make_batch(batch_size=2, seq_length=16, seed=5)
 
 
-def _gpt_checks(env, rank: int) -> dict:
-    """A CP=2 GPTModel (the kit's attention) against the CP=1 model (megatron's local attention):
-    per-token losses, every parameter's gradient (summed over the CP ranks), and the fused
-    log-prob processor's log-probs and entropy with their gradients."""
-    import torch
+def _forward(model, batch, **kwargs):
+    return model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                 packed_seq_params=batch.get("packed_seq_params"), **kwargs)
+
+
+def _grads(model, reduce: bool) -> dict:
+    """Every parameter's gradient (summed over the ranks with `reduce`); zeroes them."""
     import torch.distributed as dist
 
-    from megatron_rl_patches import log_prob_output_processor, log_probs_and_entropy
-    from megatron_rl_patches.testing.cp_attention import cp_layer_spec
-    from megatron_rl_patches.testing.cp_layout import gather_rows, split_batch, split_rows
+    out = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.clone()
+        if reduce:
+            dist.all_reduce(grad)
+        out[name] = grad
+    model.zero_grad()
+    return out
+
+
+def _gpt_case(case: str):
+    """(layout, batch, cu_seqlens or None, per-token weights, position embedding type) of a case."""
+    import torch
+
+    layout, form, *rope = case.split("-")
+    batch = _gpt_batch(form)
+    cu = batch["packed_seq_params"].cu_seqlens_q if form == "thd" else None
+    weights = torch.randn(batch["tokens"].shape, generator=torch.Generator().manual_seed(7))
+    return layout, batch, cu, weights, "rope" if rope else "learned_absolute"
+
+
+def _gpt_references(env) -> dict:
+    """The CP=1 model (megatron's local attention; packed: the kit's block-diagonal mask around it)
+    in a CP=1 world (megatron's RoPE splits its positions by the parallel state's CP size): the
+    per-token losses, their gradients, the logits path's log-probs and entropy, their gradients."""
+    from megatron_rl_patches import log_probs_and_entropy
     from megatron_rl_patches.testing.packed_gpt import packed_gpt_spec
 
-    def forward(model, batch, **kwargs):
-        return model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                     packed_seq_params=batch.get("packed_seq_params"), **kwargs)
-
-    def grads(model, reduce: bool) -> dict:
-        out = {}
-        for name, param in model.named_parameters():
-            grad = param.grad.clone()
-            if reduce:
-                dist.all_reduce(grad)
-            out[name] = grad
-        model.zero_grad()
-        return out
-
-    processor = log_prob_output_processor(with_entropy=True)
-    results = {}
-    for case in CASES:
-        layout, form = case.split("-")
-        batch = _gpt_batch(form)
-        cu = batch["packed_seq_params"].cu_seqlens_q if form == "thd" else None
-        weights = torch.randn(batch["tokens"].shape, generator=torch.Generator().manual_seed(7))
-        reference = env.gpt(env.config(), layer_spec=packed_gpt_spec() if form == "thd" else None, seed=3)
-        model = env.gpt(env.config(context_parallel_size=CP), layer_spec=cp_layer_spec(layout), seed=3)
-        loss = forward(reference, batch, labels=batch["labels"])
+    refs = {}
+    for case in GPT_CASES:
+        _, batch, cu, weights, positions = _gpt_case(case)
+        reference = env.gpt(env.config(), layer_spec=packed_gpt_spec() if cu is not None else None, seed=3,
+                            position_embedding_type=positions)
+        loss = _forward(reference, batch, labels=batch["labels"])
         (weights * loss).sum().backward()
-        want_grads = grads(reference, reduce=False)
-        logits = forward(reference, batch)
+        loss_grads = _grads(reference, reduce=False)
+        logits = _forward(reference, batch)
         lp, ent = log_probs_and_entropy(logits.reshape(-1, logits.size(-1)), batch["labels"].reshape(-1),
                                         with_entropy=True)
         (weights.reshape(-1) * (lp + 0.5 * ent)).sum().backward()
-        want_scored = grads(reference, reduce=False)
+        refs[case] = (loss.detach(), loss_grads, lp.detach().view_as(loss), ent.detach().view_as(loss),
+                      _grads(reference, reduce=False))
+    return refs
 
+
+def _gpt_checks(env, rank: int, refs: dict) -> dict:
+    """A CP=2 GPTModel (the kit's attention) against the CP=1 model: per-token losses, every
+    parameter's gradient (summed over the CP ranks), and the fused log-prob processor's log-probs
+    and entropy with their gradients."""
+    import torch
+
+    from megatron_rl_patches import log_prob_output_processor
+    from megatron_rl_patches.testing.cp_attention import cp_layer_spec
+    from megatron_rl_patches.testing.cp_layout import gather_rows, split_batch, split_rows
+
+    processor = log_prob_output_processor(with_entropy=True)
+    results = {}
+    for case in GPT_CASES:
+        layout, batch, cu, weights, positions = _gpt_case(case)
+        loss, want_grads, lp, ent, want_scored = refs[case]
+        model = env.gpt(env.config(context_parallel_size=CP), layer_spec=cp_layer_spec(layout), seed=3,
+                        position_embedding_type=positions)
         local = split_batch(batch, layout, rank, CP, cu)
         local_weights = split_rows(weights, 1, layout, rank, CP, cu)
-        got_loss = forward(model, local, labels=local["labels"])
+        got_loss = _forward(model, local, labels=local["labels"])
         (local_weights * got_loss).sum().backward()
-        got_grads = grads(model, reduce=True)
-        scored = forward(model, local, labels=local["labels"], output_processor=processor)
+        got_grads = _grads(model, reduce=True)
+        scored = _forward(model, local, labels=local["labels"], output_processor=processor)
         (local_weights * (scored["log_probs"] + 0.5 * scored["entropy"])).sum().backward()
-        got_scored = grads(model, reduce=True)
+        got_scored = _grads(model, reduce=True)
 
         def back(x, layout=layout, cu=cu):
             return gather_rows(x.detach(), 1, layout, cu_seqlens=cu)
 
         results[case] = {
-            "loss": _error(back(got_loss), loss.detach()),
+            "loss": _error(back(got_loss), loss),
             "grads": max(_error(got_grads[n], want_grads[n]) for n in want_grads),
-            "log_probs": _error(back(scored["log_probs"]), lp.detach().view_as(loss)),
-            "entropy": _error(back(scored["entropy"]), ent.detach().view_as(loss)),
+            "log_probs": _error(back(scored["log_probs"]), lp),
+            "entropy": _error(back(scored["entropy"]), ent),
             "scored_grads": max(_error(got_scored[n], want_scored[n]) for n in want_scored),
             "same_names": sorted(got_grads) == sorted(want_grads),
         }
         other = "contiguous" if layout == "zigzag" else "zigzag"
         wrong = split_batch(batch, other, rank, CP, cu)
         with torch.no_grad():  # rows split zigzag read back as contiguous, or the other way round
-            results[case + " wrong order"] = _error(back(forward(model, wrong, labels=wrong["labels"])), loss.detach())
+            results[case + " wrong order"] = _error(back(_forward(model, wrong, labels=wrong["labels"])), loss)
     return results
 
 
@@ -165,8 +194,10 @@ def _cp_world(rank: int, world_size: int) -> dict:
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
     megatron_rl_patches.apply(only="gpt_output_processor")  # `native` on >= 0.18
+    with megatron_on_cpu() as env:
+        refs = _gpt_references(env)
     with megatron_on_cpu(context_parallel=world_size) as env:
-        return {"attention": _attention_checks(env, rank), "gpt": _gpt_checks(env, rank)}
+        return {"attention": _attention_checks(env, rank), "gpt": _gpt_checks(env, rank, refs)}
 
 
 @pytest.fixture(scope="module")
@@ -175,11 +206,12 @@ def cp_world() -> list[dict]:
 
 
 def _marks(case: str) -> list:
-    layout, form = case.split("-")
-    return [pytest.mark.layout("cp2-zigzag" if layout == "zigzag" else "cp2-allgather", form)]
+    layout, form, *rope = case.split("-")
+    return [pytest.mark.layout("cp2-zigzag" if layout == "zigzag" else "cp2-allgather", form, *rope)]
 
 
 PARAMS = [pytest.param(case, id=case, marks=_marks(case)) for case in CASES]
+GPT_PARAMS = [pytest.param(case, id=case, marks=_marks(case)) for case in GPT_CASES]
 
 
 @pytest.mark.parametrize("case", PARAMS)
@@ -190,7 +222,7 @@ def test_attention_equals_megatron_local_attention_at_cp1(cp_world, case):
         assert result["attention"][case + " wrong order"] > 1e-2  # the check sees a wrong chunk order
 
 
-@pytest.mark.parametrize("case", PARAMS)
+@pytest.mark.parametrize("case", GPT_PARAMS)
 def test_cp2_gpt_trains_and_scores_like_cp1(cp_world, case):
     for result in cp_world:
         figures = result["gpt"][case]
