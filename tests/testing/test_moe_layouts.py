@@ -157,7 +157,7 @@ def _ep2_checks(rank: int) -> dict:
     """EP=2 × expert-DP=2 (experts 2e, 2e+1 on expert rank e) against the EP=1 model with the same
     weights, each rank scoring its own batch: log-probs, dense grads per rank, expert grads summed
     over the expert group (the allgather dispatcher brings its ranks' tokens to each expert);
-    fused = logits at EP=2, also through inference_forward."""
+    fused = logits at EP=2, also through inference_forward; real DDP reduces over DP and expert-DP."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -170,6 +170,11 @@ def _ep2_checks(rank: int) -> dict:
         reference = build_tiny_moe_gpt(seed=1)
         ref_grads, ref_lp = _scored_grads(reference, _logits_path, batch, weights)
         state = {name: p.detach().clone() for name, p in reference.named_parameters()}
+        mean_grads = {}  # the gradient of the mean over all ranks' objectives (what DDP reduces to)
+        for name, grad in ref_grads.items():
+            mean_grads[name] = grad.clone()
+            dist.all_reduce(mean_grads[name])
+            mean_grads[name] /= dist.get_world_size()
     out: dict = {}
     with megatron_on_cpu(expert_parallel=EP):
         expert_rank = parallel_state.get_expert_model_parallel_rank()
@@ -191,6 +196,7 @@ def _ep2_checks(rank: int) -> dict:
             }
         batches = [make_batch(seed=30 + 2 * rank + i) for i in range(2)]
         out["inference"] = _compare_routes(_inference_routes([model], batches))
+        out["ddp"] = _ddp_reduced_error(model, batch, weights, mean_grads, expert_rank, per_rank)
         with torch.no_grad():  # negative control: expert rank 1's experts change what rank 0 scores too
             for name, param in model.named_parameters():
                 if "local_experts" in name and expert_rank == 1:
@@ -198,6 +204,22 @@ def _ep2_checks(rank: int) -> dict:
             changed, _ = _fused_path(model, batch)
         out["changed experts"] = _error(changed, ref_lp)
     return out
+
+
+def _ddp_reduced_error(model, batch, weights, mean_grads: dict, expert_rank: int, per_rank: int) -> float:
+    """Real DDP around the EP=2 model (expert data parallel = 2): after finish_grad_sync the dense
+    gradients are averaged over the 4 data-parallel ranks and the experts' over their expert-DP
+    group, so every main_grad is the gradient of the mean objective of all ranks."""
+    from megatron_rl_patches.testing.megatron_cpu import wrap_ddp
+    from megatron_rl_patches.testing.moe_gpt import global_expert_name
+
+    ddp = wrap_ddp(model)
+    ddp.zero_grad_buffer()
+    lp, ent = _fused_path(ddp, batch)
+    (weights * (lp + 0.5 * ent)).sum().backward()
+    ddp.finish_grad_sync()
+    return max(_error(p.main_grad, mean_grads[global_expert_name(n, expert_rank, per_rank)])
+               for n, p in model.named_parameters())
 
 
 def _pipelined_checks(rank: int, expert_parallel: int) -> dict:
@@ -240,6 +262,7 @@ def test_ep2_equals_ep1_and_fused_equals_logits(moe_world):
         for label in ("logits", "fused"):
             assert ep2[label]["experts"] == 2 * 2 * 2  # layers x local experts x fc
             assert max(ep2[label]["log_probs"], ep2[label]["grads"]) <= REL, (label, ep2[label])
+        assert ep2["ddp"] <= REL, ep2["ddp"]
         figures = dict(ep2["inference"])
         assert figures.pop("collected") == [2, 2, 2]
         assert max(figures.values()) <= REL, figures
