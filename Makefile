@@ -112,7 +112,7 @@ test-verl:
 	    MRP_MISSING_LANE=verl MRP_MISSING_LANE_REASON="verl 0.9.1 could not be installed into $(VERL_LANE)" \
 	    $(VENV)/bin/python -m pytest -q -p no:cacheprovider tools/lane_unavailable.py; fi; \
 	else \
-	  PYTHONPATH=$(abspath $(VERL_LANE)) $(VENV_NEW)/bin/python -m pytest -m verl $(PYTEST_ARGS) tests/integrations/verl_lane tests/docs; \
+	  PYTHONPATH=$(abspath $(VERL_LANE)) $(VENV_NEW)/bin/python -m pytest -m verl $(PYTEST_ARGS) tests/integrations/verl/lane tests/docs; \
 	fi
 
 # slime 624b824a's real train()/forward_only on CPU (not part of `make test`):
@@ -126,7 +126,7 @@ test-slime: $(STAMP)
 	else \
 	  PIP=$(VENV)/bin/pip tools/slime-lane "$(SLIME)" "$(MEGATRON_LM)" $(SLIME_LANE) && \
 	  PYTHONPATH=$(CURDIR):$(abspath $(SLIME_LANE))/slime:$(abspath $(SLIME_LANE))/megatron-lm:$(abspath $(SLIME_LANE))/deps \
-	    $(VENV)/bin/python -W ignore::DeprecationWarning -m pytest -m slime $(PYTEST_ARGS) tests/integrations/slime_lane; \
+	    $(VENV)/bin/python -W ignore::DeprecationWarning -m pytest -m slime $(PYTEST_ARGS) tests/integrations/slime/lane; \
 	fi
 
 # Memory and time of slime's own step, unpatched against slime_fused (docs/benchmarks.md, "slime step"):

@@ -38,10 +38,10 @@ _LAZY = {
     "lm_head_topk_ids": "megatron_rl_patches.ops.lm_head",
     "lm_head_topk_logprobs": "megatron_rl_patches.ops.lm_head",
     "lm_head_divergence": "megatron_rl_patches.ops.divergence",
-    "log_prob_output_processor": "megatron_rl_patches.megatron.processors",
-    "topk_output_processor": "megatron_rl_patches.megatron.processors",
-    "hidden_output_processor": "megatron_rl_patches.megatron.distill",
-    "divergence_output_processor": "megatron_rl_patches.megatron.distill",
+    "log_prob_output_processor": "megatron_rl_patches.processors.heads",
+    "topk_output_processor": "megatron_rl_patches.processors.heads",
+    "hidden_output_processor": "megatron_rl_patches.processors.distill",
+    "divergence_output_processor": "megatron_rl_patches.processors.distill",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])

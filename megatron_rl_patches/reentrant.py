@@ -1,7 +1,7 @@
 """Make a Megatron-style train() callable once per rollout.
 
 Three pieces, usable alone or through the registry patches `ddp_hooks` and `train_reentry`
-(their wrappers live in ``integrations.megatron_core`` and ``integrations.train_reentry``):
+(their wrappers live in ``integrations.megatron.core`` and ``integrations.megatron.train_reentry``):
 idempotent forward-pre-hook toggles for DDP-like model chunks (`enable_hooks`, `disable_hooks`),
 a guard that clears the chunks' own sync functions from the shared config before train() installs
 them again (and puts config and hook state back if train() raises), and `reentrant_train`.

@@ -240,3 +240,17 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA device: run `make test-gpu` on a GPU machine")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+def _ddp_anywhere(chunk) -> bool:
+    import torch
+    from megatron.core.distributed import DistributedDataParallel
+
+    ddp_types = (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)
+    return any(isinstance(m, ddp_types) for m in chunk.modules())
+
+
+@pytest.fixture
+def ddp_anywhere():
+    """`ddp_anywhere(chunk) -> bool`: a DDP wrapper (megatron-core's or torch's) anywhere in the chunk."""
+    return _ddp_anywhere

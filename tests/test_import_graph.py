@@ -25,8 +25,8 @@ ROOMS = {
     "patching": "patching",
     "integrations": "integrations",
     "inference": "inference",
-    "megatron": "processors",  # megatron/ holds only the output processors (issue 20 item 6 renames it)
-    "processors": "processors",
+    "processors": "processors",  # output processors and the GPT `output_processor` backport
+    "megatron": "processors",  # the processors' earlier path, kept as an alias package (users type it)
     "testing": "testing",
     # leaves and small rooms of their own
     "reentrant": "reentrant",
@@ -36,6 +36,7 @@ ROOMS = {
     "_log": "_log",
     "_backend_env": "_backend_env",
     "_lazy": "_lazy",
+    "_aliases": "_aliases",
 }
 # The apps: under apps/ (issue 20 item 6); their former names at the package root still count
 # as apps, so one put back there is held to the same rules.

@@ -12,7 +12,7 @@ import wrapt
 
 import megatron_rl_patches
 from megatron_rl_patches import reentrant
-from megatron_rl_patches.integrations import megatron_core
+from megatron_rl_patches.integrations.megatron import core as megatron_core
 from megatron_rl_patches.patching import registry
 from megatron_rl_patches.reentrant import disable_hooks, enable_hooks, reentrant_train
 from megatron_rl_patches.testing.fake_ddp import FakeDDP, fake_config

@@ -1,7 +1,7 @@
 """Inference-only builds for frozen roles (teacher, reference, PRM teacher): model chunks with no
 DDP wrapper, grad buffer or optimizer, weights-only loading, forward-only passes and the
 training-state memory report (slime's `inference_roles` patch uses them:
-`megatron_rl_patches.integrations.slime_roles`).
+`megatron_rl_patches.integrations.slime.roles`).
 
 Names resolve lazily: `megatron-rl-patches memory` imports the memory report without torch.
 """

@@ -8,7 +8,6 @@ its decoder one layer at a time, its final norm, output layer or output_processo
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
@@ -24,7 +23,7 @@ from megatron_rl_patches.inference.decoder_steps import (
     finish_model_call,
     run_decoder_layer,
 )
-from megatron_rl_patches.inference.residency import hold, note_activation_bytes, on_device, residency_of
+from megatron_rl_patches.inference.residency import hold, hold_if_room, note_activation_bytes, on_device, residency_of
 
 # keywords score_layer_major sets itself on every call of the model
 _RESERVED_KEYS = ("decoder_input", "inference_context", "inference_params", "output_processor",
@@ -152,33 +151,55 @@ def _check_processor_hook(model: torch.nn.Module) -> None:
         return
     if "output_processor" not in parameters and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
         raise TypeError(
-            f"{type(model).__name__}.forward has no output_processor keyword: on megatron-core < 0.18 apply the "
-            "gpt_output_processor patch (megatron_rl_patches.apply(only='gpt_output_processor')); "
-            "HybridModel has no such hook: score it without output_processor (logits)"
+            f"{type(model).__name__}.forward has no output_processor keyword: apply the gpt_output_processor "
+            "patch (GPTModel on megatron-core < 0.18) or hybrid_output_processor (HybridModel), e.g. "
+            "megatron_rl_patches.apply(only=['gpt_output_processor', 'hybrid_output_processor'])"
         )
 
 
 class _StageHolds:
     """The weights of each stage (embedding, layer i, head) held on the device while the stage runs
     over every micro-batch, and those of the next `lookahead` stages held already, so their copy
-    overlaps this stage's compute (residency `hold`: one copy per held piece, none for resident)."""
+    overlaps this stage's compute (residency `hold`: one copy per held piece, none for resident).
+    A look-ahead hold the budget has no room for now waits until its stage starts."""
 
     def __init__(self, stages: list[list[torch.nn.Module]], lookahead: int) -> None:
         self._stages, self._lookahead = stages, lookahead
-        self._open: dict[int, list[contextlib.AbstractContextManager[Any]]] = {}
+        self._open: dict[int, list[Callable[[], object]]] = {}
 
     def enter(self, index: int) -> None:
-        for ahead in range(index, min(index + 1 + self._lookahead, len(self._stages))):
-            if ahead not in self._open:
-                self._open[ahead] = []
-                for module in self._stages[ahead]:
+        self._hold(index, required=True)
+        for ahead in range(index + 1, min(index + 1 + self._lookahead, len(self._stages))):
+            if not self._hold(ahead, required=False):
+                break
+
+    def _hold(self, index: int, required: bool) -> bool:
+        if index in self._open:
+            return True
+        releases: list[Callable[[], object]] = []
+        try:
+            for module in self._stages[index]:
+                if required:
                     held = hold(module)
                     held.__enter__()
-                    self._open[ahead].append(held)
+                    releases.append(functools.partial(held.__exit__, None, None, None))
+                    continue
+                release = hold_if_room(module)
+                if release is None:
+                    for done in reversed(releases):
+                        done()
+                    return False
+                releases.append(release)
+        except BaseException:
+            for done in reversed(releases):
+                done()
+            raise
+        self._open[index] = releases
+        return True
 
     def leave(self, index: int) -> None:
-        for held in reversed(self._open.pop(index, [])):
-            held.__exit__(None, None, None)
+        for release in reversed(self._open.pop(index, [])):
+            release()
 
     def close(self) -> None:
         for index in sorted(self._open, reverse=True):

@@ -85,6 +85,11 @@ def residency_plan(
             f"num_params={n:,} leaves nothing for the layers after the embedding and output layer "
             f"({embedding + output:,} parameters): check --params, --vocab and --hidden"
         )
+    if in_layers < layers:
+        raise ValueError(
+            f"num_params={n:,} leaves {in_layers:,} parameters for {layers:,} layers, fewer than one per layer: "
+            "check --params (the whole model's count, e.g. 27e9) and --layers"
+        )
     per_layer = -(-in_layers // layers)
     weights = -(-n * size // tp)
     layer_bytes = -(-per_layer * size // tp)

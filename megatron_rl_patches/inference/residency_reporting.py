@@ -38,9 +38,11 @@ class ResidencyReport:
 def residency_report(chunks: Any) -> ResidencyReport:
     """The residency figures of a build (`build_inference_model`'s chunks)."""
     found = module_list(chunks, "chunks")
+    owner = residency_of(found)
+    if owner is not None:
+        owner.adopt_idle()  # host copies user code replaced (.double(), .to()) are counted as host bytes
     params = [p for chunk in found for p in chunk.parameters()]
     now = device_weight_bytes(params)
-    owner = residency_of(found)
     if owner is None:
         return ResidencyReport("resident", 0, now, now, now, 0, 0, 0, False, 0, 0)
     return ResidencyReport(

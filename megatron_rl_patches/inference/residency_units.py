@@ -17,8 +17,8 @@ class Unit:
     name: str
     modules: list[torch.nn.Module]
     params: list[torch.nn.Parameter]
-    holds: int = 0  # hold() / on_device() count: while > 0 the hooks leave it alone
-    streamed: bool = False  # brought in by the stream schedule or an implicit swap; released by it
+    refs: int = 0  # uses now: holds and forwards (nested and re-entrant ones each count)
+    holds: int = 0  # of which hold() / on_device(): while > 0 its forwards do not prefetch
     event: object = None  # pending CUDA copy event
     copies: int = 0
     cached: bool = False  # kept on the device by a budget after its use, evictable
@@ -30,7 +30,7 @@ class Unit:
 
     @property
     def active(self) -> bool:
-        return self.holds > 0 or self.streamed
+        return self.refs > 0
 
 
 def _unique(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:

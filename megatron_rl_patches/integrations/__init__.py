@@ -1,14 +1,16 @@
 """Which target gets which wrapper, per framework, and the default registry built from them.
 
-Each framework module declares its records (module-level tuples, named in RECORDS) and owns
-their wrappers (named as "module:function" strings, resolved when the target module is
-imported). Importing this package imports nothing heavy: the registry is built on first use.
-`apply`, `revert` and `applied` here are the package's public ones.
+One package per framework (FRAMEWORKS): its `patches` module declares all its records (PATCHES)
+and its other modules own the wrappers (named as "module:function" strings, resolved when the
+target module is imported). Importing this package imports nothing heavy: the registry is built
+on first use. `apply`, `revert` and `applied` here are the package's public ones.
 """
 from __future__ import annotations
 
 import threading
 from typing import TYPE_CHECKING, Any
+
+from megatron_rl_patches import _aliases
 
 if TYPE_CHECKING:
     from megatron_rl_patches.patching.records import Patch, PatchStatuses
@@ -18,28 +20,47 @@ _default: Registry | None = None
 _building = threading.Lock()
 
 
-# Every integration's records, one row per record list: "module:attribute" below this package,
-# the way entry points name them. A new framework is one new module and one row here. Rows are in
-# listing order: a patch name is listed where it first appears (the newest last).
-RECORDS = (
-    "megatron_core:PATCHES",
-    "megatron_lm:PATCHES",
-    "slime:PATCHES",
-    "megatron_core:OUTPUT_PROCESSOR_PATCHES",
-    "megatron_core:WINDOW_PATCHES",
-    "verl:PATCHES",
-    "slime_fused:PATCHES",
-    "slime_opd:PATCHES",
-    "verl_rows:PATCHES",
+# The framework packages below this one, each with a `patches` module defining PATCHES. A new
+# framework is one new package, one row here and its patch names in ORDER.
+FRAMEWORKS = ("megatron", "slime", "verl")
+# Patch names in listing order (listings, messages, the order records are applied in): the first
+# release's first, the newest last. Records of one name keep their framework's declaration order.
+ORDER = (
+    "ddp_hooks",
+    "train_reentry",
+    "inference_roles",
+    "slime_logprobs",
+    "gpt_output_processor",
+    "grad_windows",
+    "verl_fused_logprobs",
+    "verl_topk_kd",
+    "slime_fused",
+    "slime_opd",
+    "hybrid_output_processor",
+    "mtp_output_processor",
 )
 
 
 def all_patches() -> list[Patch]:
-    """The records of every row of RECORDS, in order (imports the integration modules, which
-    import nothing heavy)."""
-    import pkgutil
+    """Every framework's records, ordered by ORDER (imports the `patches` modules, which import
+    nothing heavy). A patch name missing from ORDER is an error, not a silent last place."""
+    import importlib
 
-    return [patch for row in RECORDS for patch in pkgutil.resolve_name(f"{__name__}.{row}")]
+    records = [patch for framework in FRAMEWORKS
+               for patch in importlib.import_module(f"{__name__}.{framework}.patches").PATCHES]
+    unordered = sorted({patch.name for patch in records} - set(ORDER))
+    if unordered:
+        raise RuntimeError(f"patch names {unordered} are not in {__name__}.ORDER: add them there")
+    return sorted(records, key=lambda patch: ORDER.index(patch.name))
+
+
+def check_settings(environ: Any = None) -> None:
+    """Every framework's own variables, read as its patches read them (top-k OPD's
+    MEGATRON_RL_PATCHES_OPD_*): a ValueError naming the variable at fault. `run`, the start-up
+    hook and `doctor` call this (patching names it by a string, SETTINGS_CHECK)."""
+    from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
+
+    opd_settings(environ)
 
 
 def default_registry() -> Registry:
@@ -82,3 +103,21 @@ def applied() -> PatchStatuses:
     hook.warn_if_not_run()
     return default_registry().applied()
 
+
+# Module paths from before one package per framework. The custom-loss path that
+# slime's --custom-loss-function-path names stays silent: users type it.
+_aliases.install(__name__, {
+    "megatron_core": "megatron_rl_patches.integrations.megatron.core",
+    "megatron_lm": "megatron_rl_patches.integrations.megatron.patches",
+    "megatron_version": "megatron_rl_patches.integrations.megatron.version",
+    "train_reentry": "megatron_rl_patches.integrations.megatron.train_reentry",
+    "gpt_signature": "megatron_rl_patches.processors.gpt_signature",
+    "slime_fused": "megatron_rl_patches.integrations.slime.fused",
+    "slime_opd": "megatron_rl_patches.integrations.slime.opd",
+    "slime_opd_settings": "megatron_rl_patches.integrations.slime.opd_settings",
+    "slime_roles": "megatron_rl_patches.integrations.slime.roles",
+    "slime_rows": "megatron_rl_patches.integrations.slime.rows",
+    "slime_topk": "megatron_rl_patches.integrations.slime.topk",
+    "verl_rows": "megatron_rl_patches.integrations.verl.rows",
+    "verl_topk": "megatron_rl_patches.integrations.verl.topk",
+}, silent=("slime_opd",))

@@ -1,14 +1,20 @@
-"""Output processors for megatron-core's GPTModel (`output_processor=`), on every supported
-version (patch `gpt_output_processor` backports the keyword to releases before 0.18)."""
+"""The output processors' earlier home: `megatron_rl_patches.megatron.<name>` and its modules
+`processors` and `distill` are `megatron_rl_patches.processors`' (no warning: users type these
+paths). New code imports `megatron_rl_patches.processors`."""
 from __future__ import annotations
 
-from megatron_rl_patches._lazy import lazy_getattr
+from typing import Any
 
-_LAZY = {
-    "log_prob_output_processor": "megatron_rl_patches.megatron.processors",
-    "topk_output_processor": "megatron_rl_patches.megatron.processors",
-    "hidden_output_processor": "megatron_rl_patches.megatron.distill",
-    "divergence_output_processor": "megatron_rl_patches.megatron.distill",
-}
-__all__ = sorted(_LAZY)
-__getattr__ = lazy_getattr(__name__, _LAZY, globals())
+import megatron_rl_patches.processors as _processors
+from megatron_rl_patches import _aliases
+
+__all__ = _processors.__all__
+
+
+def __getattr__(name: str) -> Any:
+    return getattr(_processors, name)  # resolved lazily there (not a global named `processors`: the module is)
+
+
+_aliases.install(__name__, {"processors": "megatron_rl_patches.processors.heads",
+                            "distill": "megatron_rl_patches.processors.distill"},
+                 silent=("processors", "distill"))

@@ -1,0 +1,36 @@
+"""The vocabulary ops: per-token log-probs, entropy, top-k buckets and divergences over
+vocab-parallel logits, or straight from the final hidden states and the output weight (the fused
+LM head), at the memory floor. Importing this package is cheap; each op loads on first use.
+
+- on logits [T, V_local]: :func:`log_probs_and_entropy`, :func:`topk_ids`, :func:`topk_logprobs`,
+  :func:`topk_opd_loss`; on computed buckets: :func:`topk_kl`, :func:`union_ids`;
+- the fused LM head (hidden [T, H], weight [V_local, H]): :func:`lm_head_log_probs_and_entropy`,
+  :func:`lm_head_topk_ids`, :func:`lm_head_topk_logprobs`, :func:`lm_head_divergence`;
+- modules: :mod:`.packing` (packed sequences and context parallelism), :mod:`.checkpoint`
+  (activation checkpointing of a loss), :mod:`.kernels` (the backends and their contract).
+"""
+from __future__ import annotations
+
+from megatron_rl_patches._lazy import lazy_getattr
+
+# public name -> module that defines it (resolved on first access)
+_LAZY = {
+    "log_probs_and_entropy": "logprobs",
+    "topk_ids": "topk",
+    "topk_logprobs": "topk",
+    "topk_opd_loss": "topk",
+    "topk_kl": "topk",
+    "union_ids": "topk",
+    "lm_head_log_probs_and_entropy": "lm_head",
+    "lm_head_topk_ids": "lm_head",
+    "lm_head_topk_logprobs": "lm_head",
+    "lm_head_divergence": "divergence",
+}
+
+__all__ = sorted(_LAZY)
+
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
+
+
+def __dir__() -> list[str]:
+    return sorted([*_LAZY, "checkpoint", "kernels", "packing"])

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.ops._dist import tp_size
-from megatron_rl_patches.ops._stats import compute_dtype
+from megatron_rl_patches.ops._dtype import compute_dtype
+from megatron_rl_patches.ops._rows import scatter_rows
 
 Temperature = float | torch.Tensor
 Weights = torch.Tensor | Sequence[float] | None
@@ -92,23 +93,6 @@ def check_keep_mask(keep_mask: object, shape: tuple[int, int], device: torch.dev
         raise ValueError(f"keep_mask is on {keep_mask.device} but {holder} on {device}; move them together")
 
 
-def check_row_mask(row_mask: object, n_rows: int, device: torch.device, holder: str) -> torch.Tensor | None:
-    """None, or the rows an op computes: a bool tensor [T] on `device` (`holder` names the tensor
-    whose rows it selects). Returned as given; nothing is copied."""
-    if row_mask is None:
-        return None
-    if not isinstance(row_mask, torch.Tensor) or row_mask.dtype != torch.bool:
-        got = f"dtype {row_mask.dtype}" if isinstance(row_mask, torch.Tensor) else type(row_mask).__name__
-        raise TypeError(f"row_mask must be a bool tensor [T] (True: compute this row), got {got}; "
-                        f"build it with e.g. response_mask.bool()")
-    if row_mask.shape != (n_rows,):
-        raise ValueError(f"row_mask must have shape [T] = ({n_rows},), one flag per row of {holder}, "
-                         f"got {tuple(row_mask.shape)}; flatten [b, s] masks with row_mask.reshape(-1)")
-    if row_mask.device != device:
-        raise ValueError(f"row_mask is on {row_mask.device} but {holder} on {device}; move them together")
-    return row_mask
-
-
 def check_has_data(value: torch.Tensor, name: str) -> None:
     """Meta tensors have a shape but no values: nothing can be computed from them."""
     if value.device.type == "meta":
@@ -159,6 +143,19 @@ def bad_rows_error(op: str, name: str, bad: torch.Tensor) -> ValueError:
         f"{op}: {name} rows {rows} {BAD_MESSAGES[code]} ({int((bad != 0).sum())} bad row(s) in total); "
         f"fix the {name} of those rows before the loss"
     )
+
+
+def require_good_rows(checks: DeviceChecks, shift: torch.Tensor, op: str, what: str, *,
+                      kept_log_sum: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                      n_rows: int = 0) -> None:
+    """Rows of `what` with NaN/+inf or no finite logit (from their combined max), or no finite kept
+    logit (`kept_log_sum` -inf), join the call's checks, raised at its one host sync; with `rows`
+    (the selected rows of `n_rows`) they are named by their row of all."""
+    bad = bad_row_codes(shift)
+    if kept_log_sum is not None:
+        bad = torch.where((bad == 0) & torch.isneginf(kept_log_sum), BAD_KEPT_NEG_INF, bad)
+    bad = scatter_rows(bad, rows, n_rows)
+    checks.require(bad == 0, lambda: bad_rows_error(op, what, bad))
 
 
 class DeviceChecks:
@@ -268,9 +265,28 @@ def check_temperature(
     constant, and no gradient is computed for it.
     """
     lead = tuple(lead)
+    if isinstance(temperature, CheckedTemperature) and temperature.math_dtype == compute_dtype(dtype):
+        return float(temperature)  # a processor call checked it once for every op it runs
     if isinstance(temperature, torch.Tensor):
         return _check_temperature_tensor(temperature, lead, device, checks, dtype)
     return check_scalar_temperature(temperature, dtype, f"a float or a tensor of shape {list(lead)}")
+
+
+class CheckedTemperature(float):
+    """A scalar temperature :func:`check_scalar_temperature` accepted for inputs computing in
+    `math_dtype`: the ops running in one processor call take it without checking it again."""
+
+    math_dtype: torch.dtype
+
+    def __new__(cls, value: float, math_dtype: torch.dtype) -> CheckedTemperature:
+        checked = super().__new__(cls, value)
+        checked.math_dtype = math_dtype
+        return checked
+
+
+def checked_temperature(temperature: object, dtype: torch.dtype) -> CheckedTemperature:
+    """`temperature` checked once (:func:`check_scalar_temperature`) for inputs of `dtype`."""
+    return CheckedTemperature(check_scalar_temperature(temperature, dtype), compute_dtype(dtype))
 
 
 def check_scalar_temperature(temperature: object, dtype: torch.dtype = torch.float32,

@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rl_patches.ops._divergences import FINITE, SAFE, Entries, EntryOps, Plan, sum_parts
-from megatron_rl_patches.ops._stats import RowStats, finite_or_zero, per_row, shifted_rows
-from megatron_rl_patches.ops.steps import moved
+from megatron_rl_patches.ops._stats import RowStats, finite_or_zero, moved, per_row, shifted_rows
 
 
 def cross_leads(plan: Plan, n_teachers: int) -> tuple[int, ...]:

@@ -18,6 +18,13 @@ and b = log q of some entries (buckets or vocabulary columns), the divergence's 
 multiple of p (which the softmax cancels). The gradient to the student's logits is then, per row
 and times 1/τ, dD/dz = g − p·G with the row constant G = Σ g (:attr:`Divergence.constant`).
 0·log 0 = 0; -inf entries give neither NaN values nor NaN gradients (:data:`SAFE`).
+
+To add a divergence: one row in :data:`TABLE` (its formula: the terms per entry and g; how G is
+known; its parameter), which names it everywhere (:data:`DIVERGENCES` is the table's order; the
+slime settings and `bench distill` read it), its edge values in :func:`plain_form` if any, a
+float64 definition in ``megatron_rl_patches/testing/divergence_reference.py``; and, for the Triton
+kernels to take it, a branch of ``entry_terms`` and its name in ``KERNEL_DIVERGENCES`` beside it
+(ops/kernels/triton/_divergence.py): until then the torch tiles evaluate it on every backend.
 """
 from __future__ import annotations
 
@@ -28,7 +35,6 @@ from dataclasses import dataclass
 
 import torch
 
-DIVERGENCES = ("forward_kl", "reverse_kl", "mixed_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tv")
 DEFAULT_DIVERGENCE = "reverse_kl"
 DEFAULT_BETA = 0.5
 DEFAULT_ALPHA = 0.1
@@ -204,6 +210,7 @@ TABLE = {row.name: row for row in (
     Divergence("skew_reverse_kl", "alpha", _skew_reverse, "sum"),
     Divergence("tv", None, _tv, "sum"),
 )}
+DIVERGENCES = tuple(TABLE)  # every divergence the ops take, in the table's order
 
 
 def plain_form(name: str, beta: float, alpha: float) -> str:

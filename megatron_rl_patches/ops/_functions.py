@@ -5,12 +5,25 @@ source's tensors and a few numbers per token (see :mod:`._stats`).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab
+from megatron_rl_patches.ops._rows import scatter_rows, take_rows
 from megatron_rl_patches.ops.kernels import Backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
-from megatron_rl_patches.ops.steps import require_good_rows, save_tau, saved_scale
+
+
+def save_tau(ctx: Any, tau: float | torch.Tensor) -> torch.Tensor | None:
+    """Keep a float temperature on `ctx`; return a tensor one for save_for_backward (else None)."""
+    ctx.tau = None if isinstance(tau, torch.Tensor) else tau
+    return tau if isinstance(tau, torch.Tensor) else None
+
+
+def saved_scale(ctx: Any, tau_tensor: torch.Tensor | None, n_rows: int, dtype: torch.dtype) -> float | torch.Tensor:
+    """The backward's 1/τ from what :func:`save_tau` kept."""
+    return _stats.row_scale(tau_tensor if tau_tensor is not None else ctx.tau, n_rows, dtype)
 
 
 def _source(spec: _vocab.OpSpec, tensors: tuple[torch.Tensor, ...], rows: torch.Tensor | None) -> Source:
@@ -23,7 +36,7 @@ def _source(spec: _vocab.OpSpec, tensors: tuple[torch.Tensor, ...], rows: torch.
         return Source(spec.n_valid, spec.chunk_rows, logits=tensors[0], inplace=spec.inplace_backward)
     hidden, weight = tensors
     gathered = gather_rows(hidden, spec.group, spec.sequence_parallel)
-    return Source(spec.n_valid, spec.chunk_rows, hidden=_vocab.take_rows(gathered, rows), weight=weight,
+    return Source(spec.n_valid, spec.chunk_rows, hidden=take_rows(gathered, rows), weight=weight,
                   shape_rows=gathered.size(0))
 
 
@@ -35,7 +48,7 @@ def _finish(grads: tuple[torch.Tensor | None, ...], tensors: tuple[torch.Tensor,
         return grads if rows is None or grads[0] is None else (_logits_grad_rows(tensors[0], grads[0], rows, spec),)
     grad_h, grad_w = grads
     if grad_h is not None:
-        grad_h = _vocab.scatter_rows(grad_h, rows, _all_rows(spec, tensors))
+        grad_h = scatter_rows(grad_h, rows, _all_rows(spec, tensors))
         grad_h = reduce_rows(grad_h, spec.group, spec.sequence_parallel).to(tensors[0].dtype)
     return grad_h, (grad_w.to(tensors[1].dtype) if grad_w is not None else None)
 
@@ -66,7 +79,7 @@ def _all_rows(spec: _vocab.OpSpec, tensors: tuple[torch.Tensor, ...]) -> int:
 def _check_rows(shift: torch.Tensor, spec: _vocab.OpSpec, checks: _checks.DeviceChecks, rows: torch.Tensor | None,
                 n_rows: int, kept_log_sum: torch.Tensor | None = None) -> None:
     """Bad rows among the selected ones join the call's checks, then its one host sync."""
-    require_good_rows(checks, shift, spec.op, spec.arg, kept_log_sum=kept_log_sum, rows=rows, n_rows=n_rows)
+    _checks.require_good_rows(checks, shift, spec.op, spec.arg, kept_log_sum=kept_log_sum, rows=rows, n_rows=n_rows)
     checks.raise_first()  # the call's one host sync: input checks and bad rows at once
 
 
@@ -104,10 +117,10 @@ class LogProbEntropy(torch.autograd.Function):
         # int32 local target column (-1: another rank owns it), not int64 ids
         ctx.save_for_backward(*tensors, torch.where(owned, cols, -1).to(torch.int32), torch.stack(saved), keep_mask,
                               save_tau(ctx, tau), rows)
-        entropy = _vocab.scatter_rows(entropy, rows, n_rows) if spec.with_entropy else entropy
+        entropy = scatter_rows(entropy, rows, n_rows) if spec.with_entropy else entropy
         if not spec.entropy_grad:
             ctx.mark_non_differentiable(entropy)
-        return _vocab.scatter_rows(out.log_probs, rows, n_rows), entropy
+        return scatter_rows(out.log_probs, rows, n_rows), entropy
 
     @staticmethod
     @_vocab.reject_double_backward
@@ -118,7 +131,7 @@ class LogProbEntropy(torch.autograd.Function):
         grad_entropy = grad_entropy if spec.entropy_grad else None
         if (grad_log_probs is None and grad_entropy is None) or not any(ctx.needs_input_grad[_N_OPTIONS:]):
             return none + (None,) * ctx.n_tensors
-        grad_log_probs, grad_entropy = _vocab.take_rows(grad_log_probs, rows), _vocab.take_rows(grad_entropy, rows)
+        grad_log_probs, grad_entropy = take_rows(grad_log_probs, rows), take_rows(grad_entropy, rows)
         source = _source(spec, tuple(tensors), rows)
         scale = saved_scale(ctx, tau, source.n_rows, saved.dtype)
         out = _saved_log_prob_outputs(list(saved.unbind(0)), spec.entropy_grad, ctx.masked)
@@ -162,7 +175,7 @@ class TopkLogprobs(torch.autograd.Function):
         ctx.save_for_backward(*tensors, ids, valid, torch.stack([out.shift, out.log_sum, out.tail_shift,
                                                                  out.log_tail_sum]), save_tau(ctx, tau), rows)
         assert out.tail is not None  # computed here
-        return _vocab.scatter_rows(out.logp, rows, n_rows), _vocab.scatter_rows(out.tail, rows, n_rows)
+        return scatter_rows(out.logp, rows, n_rows), scatter_rows(out.tail, rows, n_rows)
 
     @staticmethod
     @_vocab.reject_double_backward
@@ -172,7 +185,7 @@ class TopkLogprobs(torch.autograd.Function):
         none = (None,) * _N_OPTIONS
         if (grad_logp is None and grad_tail is None) or not any(ctx.needs_input_grad[_N_OPTIONS:]):
             return none + (None,) * ctx.n_tensors
-        grad_logp, grad_tail = _vocab.take_rows(grad_logp, rows), _vocab.take_rows(grad_tail, rows)
+        grad_logp, grad_tail = take_rows(grad_logp, rows), take_rows(grad_tail, rows)
         source = _source(spec, tuple(tensors), rows)
         scale = saved_scale(ctx, tau, source.n_rows, saved.dtype)
         shift, log_sum, tail_shift, log_tail_sum = saved.unbind(0)

@@ -1,20 +1,17 @@
 """What the vocab-parallel ops share around the statistics core (:mod:`._stats`): chunk budgets,
-local columns of global ids, row selection, the no-double-backward guard and :class:`OpSpec`, the
+local columns of global ids (the row selection: :mod:`._rows`), the no-double-backward guard and :class:`OpSpec`, the
 options of one call (the input checks and :class:`DeviceChecks` live in :mod:`._checks`).
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar, cast, overload
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches.ops._dist import all_reduce_max_, tp_size, vocab_start
-
-# the numeric helpers the ops share live in the statistics core; re-exported for the ops' callers
-from megatron_rl_patches.ops._stats import compute_dtype
+from megatron_rl_patches.ops._dist import tp_size, vocab_start
+from megatron_rl_patches.ops._dtype import compute_dtype
 
 # Bytes of one [rows, V_local] working buffer of the compute dtype. CPU: 4 MiB (32 rows at
 # V = 32000) keeps the few-buffer working set in L3 while each chunk's small ops stay cheap next
@@ -60,72 +57,6 @@ def local_columns(ids: torch.Tensor, first_id: int, n_valid: int,
     if valid is not None:
         owned &= valid
     return torch.where(owned, local, n_valid), owned
-
-
-# ------------------------------------------------------------------------ row selection
-
-_Ids = TypeVar("_Ids")
-
-
-def select_rows(row_mask: torch.Tensor | None, group: dist.ProcessGroup | None = None) -> torch.Tensor | None:
-    """The selected rows' indices [n] (int64, ascending) of a [T] bool `row_mask`, or None for
-    every row. One host sync (the count sets the shapes). With tensor parallelism the mask must
-    be the same on every rank (the ops all-reduce per-row values): one MAX all-reduce of four
-    numbers (the count and a checksum of the indices, and their negatives) checks it."""
-    if row_mask is None:
-        return None
-    rows = torch.nonzero(row_mask).squeeze(1)
-    if tp_size(group) > 1:
-        mine = torch.stack([rows.new_tensor(rows.numel()), (rows * 2654435761 % 1000003).sum()]).to(torch.float64)
-        # MAX all-reduce over the tensor-parallel group of (n, sum, -n, -sum): equal maxima and
-        # minima on every rank, or some rank's mask differs
-        both = all_reduce_max_(torch.cat([mine, -mine]), group)
-        if not torch.equal(both[:2], -both[2:]):
-            raise ValueError("row_mask differs across the tensor-parallel ranks (its count or rows); pass the same "
-                             "[T] mask on every rank of tp_group (under sequence parallelism: over the gathered rows)")
-    return rows
-
-
-@overload
-def take_rows(value: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor: ...
-
-
-@overload
-def take_rows(value: None, rows: torch.Tensor | None) -> None: ...
-
-
-def take_rows(value: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
-    """`value`'s selected rows (dim 0); `value` as is when it is None or every row is selected."""
-    if value is None or rows is None:
-        return value
-    return value.index_select(0, rows)
-
-
-def take_row_values(value: float | torch.Tensor, rows: torch.Tensor | None) -> float | torch.Tensor:
-    """A per-row argument (a temperature: a float, a 0-d or a [T] tensor) for the selected rows."""
-    if rows is None or not isinstance(value, torch.Tensor) or value.dim() == 0 or value.numel() == 1:
-        return value
-    return value.reshape(-1).index_select(0, rows)
-
-
-def unselected_as(ids: _Ids, row_mask: object) -> _Ids:
-    """`ids` [T] or [T, k] with the unselected rows' entries replaced by valid distinct ids (0..k-1:
-    those rows are never computed, so their targets need not be ids); `ids` as given when either
-    argument is not a well-formed tensor yet (the op's checks then name it)."""
-    if not (isinstance(ids, torch.Tensor) and isinstance(row_mask, torch.Tensor) and row_mask.dtype == torch.bool
-            and ids.dim() in (1, 2) and row_mask.shape == ids.shape[:1] and row_mask.device == ids.device):
-        return ids
-    if ids.dim() == 1:
-        return cast(_Ids, ids.masked_fill(~row_mask, 0))
-    return cast(_Ids, torch.where(row_mask[:, None], ids, torch.arange(ids.size(1), device=ids.device).to(ids.dtype)))
-
-
-def scatter_rows(values: torch.Tensor, rows: torch.Tensor | None, n_rows: int) -> torch.Tensor:
-    """[n_rows, ...] zeros with `values` [n, ...] at `rows` (differentiable in `values`: the
-    unselected rows get no gradient); `values` as is when every row is selected."""
-    if rows is None:
-        return values
-    return values.new_zeros((n_rows, *values.shape[1:])).index_copy(0, rows, values)
 
 
 # ------------------------------------------------------------------------ autograd

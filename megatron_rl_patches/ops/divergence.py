@@ -26,11 +26,12 @@ import torch.distributed as dist
 from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab, divergence_checks
 from megatron_rl_patches.ops import _divergence_tiles as tiles_math
 from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE, Plan
+from megatron_rl_patches.ops._functions import save_tau, saved_scale
+from megatron_rl_patches.ops._rows import RowSelection, scatter_rows, take_rows
 from megatron_rl_patches.ops.kernels import Backend, divergence_step, resolve_backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
-from megatron_rl_patches.ops.kernels.torch_tiles import TorchTiles, tiles
+from megatron_rl_patches.ops.kernels.torch_tiles import accumulate, tiles
 from megatron_rl_patches.ops.lm_head import check_lm_head_inputs
-from megatron_rl_patches.ops.steps import accumulate, moved, require_good_rows, save_tau, saved_scale
 
 __all__ = ["lm_head_divergence"]
 
@@ -86,20 +87,18 @@ def lm_head_divergence(
     _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_divergence")
     plan = Plan.of(name, beta, alpha)
-    chosen = resolve_backend(backend, hidden.device)
-    rows = _vocab.select_rows(_checks.check_row_mask(row_mask, n_rows, hidden.device, "the (gathered) hidden rows"))
+    chosen = resolve_backend(backend, hidden.device, hidden.dtype)
+    selection = RowSelection.of(row_mask, n_rows, hidden.device, "the (gathered) hidden rows", tp_group)
     flat = [t.detach() for pair in teachers for t in pair]  # teachers get no gradient
-    if isinstance(tau, torch.Tensor) and rows is not None:
-        tau = tau.index_select(0, rows)
-    value = LmHeadDivergence.apply((plan, chosen, rows), spec, checks, _vocab.take_rows(keep_mask, rows), tau, log_w,
-                                   hidden, weight, *flat)
-    return _vocab.scatter_rows(value, rows, n_rows)
+    value = LmHeadDivergence.apply((plan, chosen, selection.rows), spec, checks, selection.take(keep_mask),
+                                   selection.take_values(tau), log_w, hidden, weight, *flat)
+    return selection.scatter(value)
 
 
 def _sources(spec: _vocab.OpSpec, tensors: Sequence[torch.Tensor], selected: torch.Tensor | None) -> list[Source]:
     """One tile source per model (student first), every hidden row gathered, then the selected ones."""
     return [Source(spec.n_valid, spec.chunk_rows, weight=w,
-                   hidden=_vocab.take_rows(gather_rows(h, spec.group, spec.sequence_parallel), selected))
+                   hidden=take_rows(gather_rows(h, spec.group, spec.sequence_parallel), selected))
             for h, w in zip(tensors[0::2], tensors[1::2])]
 
 
@@ -130,7 +129,7 @@ def _normalizers(sources, dtype, scale, keep_mask, spec, checks, plan: Plan, bac
     n_rows, device = sources[0].n_rows, sources[0].first.device
     leads = tiles_math.cross_leads(plan, len(sources) - 1)  # whose probabilities weigh each cross term
     crosses = torch.zeros(len(leads), n_rows, dtype=dtype, device=device)
-    if leads or keep_mask is not None or isinstance(backend, TorchTiles):
+    if leads or keep_mask is not None or backend.divergence_pass1_on_tiles:
         stats = [_stats.RowStats.empty(n_rows, 0, dtype, device) for _ in sources]
         for rows, _, xs, kept in _walk(sources, dtype, keep_mask):
             s_rows = _stats.scale_rows(scale, rows)
@@ -146,7 +145,7 @@ def _normalizers(sources, dtype, scale, keep_mask, spec, checks, plan: Plan, bac
     if leads and _dist.tp_size(spec.group) > 1:
         # SUM all-reduce over the tensor-parallel group of the cross terms (one call for all), each
         # rank's moved to its lead model's global max (as the core moves its sums)
-        factors = [moved(local, combined[lead].safe_shift, _stats.per_row(scale))[1]
+        factors = [_stats.moved(local, combined[lead].safe_shift, _stats.per_row(scale))[1]
                    for local, lead in zip(local_shifts, leads)]
         crosses = _dist.all_reduce_sum_(crosses * torch.stack(factors), spec.group)
     if keep_mask is not None:  # finite logits and a -inf max: no id kept in that row, on any rank
@@ -156,7 +155,7 @@ def _normalizers(sources, dtype, scale, keep_mask, spec, checks, plan: Plan, bac
             "keep at least one id per row (or drop those rows from the loss)"))
     for j, st in enumerate(combined):
         what = spec.arg if j == 0 else f"teacher {j - 1}'s logits (teacher_hidden @ teacher_weight.T)"
-        require_good_rows(checks, st.shift, spec.op, what)
+        _checks.require_good_rows(checks, st.shift, spec.op, what)
     checks.raise_first()
     log_sums = []
     for st in combined:
@@ -207,7 +206,7 @@ class LmHeadDivergence(torch.autograd.Function):
             sums = tiles_math.one_pass_sums(plan, crosses, shifts, log_sums, scale)
             value = sums[:, 0].clone()
         else:
-            kernels = divergence_step(backend, sources[0], sources[1:])
+            kernels = divergence_step(backend, sources[0], sources[1:], plan)
             if kernels is not None:
                 sums = kernels.divergence_sums(sources[0], sources[1], _norms(shifts, log_sums), plan, scale,
                                                keep_mask)[:, :tiles_math.n_sums(plan)].contiguous()
@@ -245,7 +244,7 @@ class LmHeadDivergence(torch.autograd.Function):
         shifts, log_sums, consts = rows_saved[:n_models], rows_saved[n_models:2 * n_models], rows_saved[2 * n_models:]
         # dL/dx = g·s·dD/dz per row (z = x·s)
         row_factor = grad_value.to(dtype) * _stats.per_row(scale)
-        kernels = divergence_step(ctx.backend, sources[0], sources[1:])
+        kernels = divergence_step(ctx.backend, sources[0], sources[1:], plan)
         if kernels is not None:
             grad_h, grad_w = kernels.divergence_grad(sources[0], sources[1], _norms(shifts, log_sums), plan, scale,
                                                      keep_mask, consts[0] if consts else None,
@@ -255,7 +254,7 @@ class LmHeadDivergence(torch.autograd.Function):
                                          ctx.needs_input_grad[6:8])
         if grad_h is not None:
             n_gathered = tensors[0].size(0) * (_dist.tp_size(spec.group) if spec.sequence_parallel else 1)
-            grad_h = _vocab.scatter_rows(grad_h, ctx.selected, n_gathered)
+            grad_h = scatter_rows(grad_h, ctx.selected, n_gathered)
             grad_h = reduce_rows(grad_h, spec.group, spec.sequence_parallel).to(tensors[0].dtype)
         if grad_w is not None:
             grad_w = grad_w.to(tensors[1].dtype)

@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab, topk_checks, topk_select
 from megatron_rl_patches.ops._functions import LogProbEntropy, TopkLogprobs
+from megatron_rl_patches.ops._rows import RowSelection, unselected_as
 from megatron_rl_patches.ops.kernels import resolve_backend, topk_step
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows
 from megatron_rl_patches.ops.kernels.torch_tiles import tile_shape, tiles
-from megatron_rl_patches.ops.steps import require_good_rows
 
 __all__ = ["lm_head_log_probs_and_entropy", "lm_head_topk_ids", "lm_head_topk_logprobs"]
 
@@ -85,15 +85,15 @@ def lm_head_log_probs_and_entropy(
     _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
     checks = _checks.DeviceChecks()
     _checks.check_tokens_shape(tokens, n_rows, hidden.device, "(all rows, also under sequence parallelism)", "hidden")
-    rows = _vocab.select_rows(_checks.check_row_mask(row_mask, n_rows, hidden.device, "hidden (all rows)"), tp_group)
-    _checks.require_tokens_in_vocab(_vocab.unselected_as(tokens, row_mask), vocab, checks)
+    selection = RowSelection.of(row_mask, n_rows, hidden.device, "hidden (all rows)", tp_group)
+    _checks.require_tokens_in_vocab(unselected_as(tokens, selection), vocab, checks)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_log_probs_and_entropy",
                  with_entropy=bool(with_entropy), entropy_grad=bool(with_entropy and entropy_requires_grad))
-    chosen = resolve_backend(backend, hidden.device)
-    log_probs, entropy = LogProbEntropy.apply(_vocab.take_rows(tokens, rows), _vocab.take_rows(keep_mask, rows),
-                                              _vocab.take_row_values(tau, rows), spec, checks, chosen, rows,
+    chosen = resolve_backend(backend, hidden.device, hidden.dtype)
+    log_probs, entropy = LogProbEntropy.apply(selection.take(tokens), selection.take(keep_mask),
+                                              selection.take_values(tau), spec, checks, chosen, selection.rows,
                                               hidden, weight)
     return log_probs, (entropy if with_entropy else None)
 
@@ -126,15 +126,16 @@ def lm_head_topk_ids(
     checks = _checks.DeviceChecks()
     _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_ids")
-    rows = _vocab.select_rows(_checks.check_row_mask(row_mask, n_rows, hidden.device, "hidden (all rows)"), tp_group)
+    selection = RowSelection.of(row_mask, n_rows, hidden.device, "hidden (all rows)", tp_group)
+    rows = selection.rows
     with torch.no_grad():
-        h = _vocab.take_rows(gather_rows(hidden.detach(), spec.group, spec.sequence_parallel), rows)
+        h = selection.take(gather_rows(hidden.detach(), spec.group, spec.sequence_parallel))
         dtype = _stats.compute_dtype(hidden.dtype)
         source = Source(spec.n_valid, spec.chunk_rows, hidden=h, weight=weight.detach(), shape_rows=n_rows)
         run = topk_select.RunningTopk.empty(h.size(0), k, dtype, h.device, sentinel=vocab)
-        run = topk_step(resolve_backend(backend, hidden.device))(source, run, spec.first_id)
+        run = topk_step(resolve_backend(backend, hidden.device, hidden.dtype))(source, run, spec.first_id)
         run = topk_select.over_ranks(run, spec.group)
-        require_good_rows(checks, run.row_max, spec.op, spec.arg, rows=rows, n_rows=n_rows)
+        _checks.require_good_rows(checks, run.row_max, spec.op, spec.arg, rows=rows, n_rows=n_rows)
         ambiguous = checks.raise_first(read=topk_select.ambiguous_rows(run))  # the call's one host sync
         tied = [row for row, flag in enumerate(ambiguous) if flag]
         if tied:
@@ -142,7 +143,7 @@ def lm_head_topk_ids(
                 return _recomputed_rows(source, listed, index, dtype)
 
             topk_select.exact_rows(run, tied, row_tiles, spec.first_id, spec.group)
-        return _vocab.scatter_rows(run.ids, rows, n_rows)
+        return selection.scatter(run.ids)
 
 
 def _recomputed_rows(source: Source, listed: list[int], index: torch.Tensor,
@@ -186,12 +187,12 @@ def lm_head_topk_logprobs(
     `row_mask` [T] as in `lm_head_log_probs_and_entropy` (unselected rows: 0, no gradient)."""
     _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
     checks = _checks.DeviceChecks()
-    k = topk_checks.check_ids(_vocab.unselected_as(ids, row_mask), torch.Size([n_rows]), vocab, checks, ids_mask)
-    rows = _vocab.select_rows(_checks.check_row_mask(row_mask, n_rows, hidden.device, "hidden (all rows)"), tp_group)
+    k = topk_checks.check_ids(unselected_as(ids, row_mask), torch.Size([n_rows]), vocab, checks, ids_mask)
+    selection = RowSelection.of(row_mask, n_rows, hidden.device, "hidden (all rows)", tp_group)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_logprobs")
     flat = ids.reshape(n_rows, k).to(device=hidden.device, dtype=torch.long)
     valid = None if ids_mask is None else ids_mask.reshape(n_rows, k).to(hidden.device)
-    chosen = resolve_backend(backend, hidden.device)
-    return TopkLogprobs.apply(_vocab.take_rows(flat, rows), _vocab.take_rows(valid, rows),
-                              _vocab.take_row_values(tau, rows), spec, checks, chosen, rows, hidden, weight)
+    chosen = resolve_backend(backend, hidden.device, hidden.dtype)
+    return TopkLogprobs.apply(selection.take(flat), selection.take(valid), selection.take_values(tau), spec, checks,
+                              chosen, selection.rows, hidden, weight)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron_rl_patches.ops import _checks, _vocab
 from megatron_rl_patches.ops._functions import LogProbEntropy
+from megatron_rl_patches.ops._rows import RowSelection, unselected_as
 from megatron_rl_patches.ops.kernels import resolve_backend
 
 __all__ = ["log_probs_and_entropy"]
@@ -73,9 +74,9 @@ def log_probs_and_entropy(
     rows' log-prob and entropy are 0 and give no gradient, their targets are not read; the
     selected rows' values and gradients are those of a call without the mask, bit for bit.
     """
-    checks, tau = check_logprobs_inputs(logits, _vocab.unselected_as(tokens, row_mask), tp_group,
-                                                temperature, chunk_size, keep_mask, vocab_size, inplace_backward)
-    rows = _vocab.select_rows(_checks.check_row_mask(row_mask, logits.size(0), logits.device, "logits"), tp_group)
+    checks, tau = check_logprobs_inputs(logits, unselected_as(tokens, row_mask), tp_group,
+                                        temperature, chunk_size, keep_mask, vocab_size, inplace_backward)
+    selection = RowSelection.of(row_mask, logits.size(0), logits.device, "logits", tp_group)
     local_vocab = logits.size(1)
     spec = _vocab.op_spec(
         local_vocab, tp_group, vocab_size,
@@ -85,7 +86,7 @@ def log_probs_and_entropy(
         entropy_grad=bool(with_entropy and entropy_requires_grad),
         inplace_backward=bool(inplace_backward),
     )
-    chosen = resolve_backend(backend, logits.device)
-    log_probs, entropy = LogProbEntropy.apply(_vocab.take_rows(tokens, rows), _vocab.take_rows(keep_mask, rows),
-                                              _vocab.take_row_values(tau, rows), spec, checks, chosen, rows, logits)
+    chosen = resolve_backend(backend, logits.device, logits.dtype)
+    log_probs, entropy = LogProbEntropy.apply(selection.take(tokens), selection.take(keep_mask),
+                                              selection.take_values(tau), spec, checks, chosen, selection.rows, logits)
     return log_probs, (entropy if with_entropy else None)

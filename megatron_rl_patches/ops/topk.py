@@ -17,9 +17,9 @@ import torch.distributed as dist
 from megatron_rl_patches.ops import _checks, _dist, _divergences, _vocab, topk_checks, topk_select
 from megatron_rl_patches.ops._checks import Temperature, Weights
 from megatron_rl_patches.ops._functions import TopkLogprobs
+from megatron_rl_patches.ops._rows import RowSelection, unselected_as
 from megatron_rl_patches.ops.kernels import resolve_backend, topk_step
 from megatron_rl_patches.ops.kernels.sources import Source
-from megatron_rl_patches.ops.steps import require_good_rows
 
 __all__ = ["topk_ids", "union_ids", "topk_logprobs", "topk_kl", "topk_opd_loss"]
 
@@ -50,17 +50,18 @@ def topk_ids(
     k = topk_checks.check_int_k(k)
     vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
     topk_checks.check_k(k, vocab)
-    rows = _select(row_mask, lead, logits.device, tp_group)
+    selection = _select(row_mask, lead, logits.device, tp_group)
+    rows = selection.rows
     with torch.no_grad():
         every = logits.detach().reshape(-1, local_vocab)
-        x = _vocab.take_rows(every, rows)[:, : _vocab.valid_local_columns(local_vocab, vocab, tp_group)]
+        x = selection.take(every)[:, : _vocab.valid_local_columns(local_vocab, vocab, tp_group)]
         first_id = _dist.vocab_start(local_vocab, tp_group)
         run = topk_select.RunningTopk.empty(x.size(0), k, x.dtype, x.device, sentinel=vocab)
         source = Source(x.size(1), max(1, x.size(0)), logits=x)
-        run = topk_step(resolve_backend(backend, logits.device))(source, run, first_id)
+        run = topk_step(resolve_backend(backend, logits.device, logits.dtype))(source, run, first_id)
         run = topk_select.over_ranks(run, tp_group)
         checks = _checks.DeviceChecks()
-        require_good_rows(checks, run.row_max, "topk_ids", "logits", rows=rows, n_rows=every.size(0))
+        _checks.require_good_rows(checks, run.row_max, "topk_ids", "logits", rows=rows, n_rows=every.size(0))
         ambiguous = checks.raise_first(read=topk_select.ambiguous_rows(run))  # the call's one host sync
         tied = [row for row, flag in enumerate(ambiguous) if flag]
         if tied:
@@ -71,17 +72,17 @@ def topk_ids(
                     yield slice(start, stop), slice(0, x.size(1)), x[index[start:stop]]
 
             topk_select.exact_rows(run, tied, row_tiles, first_id, tp_group)
-        ids = _vocab.scatter_rows(run.ids, rows, every.size(0))
+        ids = selection.scatter(run.ids)
     return ids.reshape(*lead, k)
 
 
 def _select(row_mask: object, lead: torch.Size, device: torch.device, group: dist.ProcessGroup | None,
-            holder: str = "logits") -> torch.Tensor | None:
-    """The selected rows of a `row_mask` shaped as the logits' leading dims (flattened), or None."""
+            holder: str = "logits") -> RowSelection:
+    """The selection of a `row_mask` shaped as the logits' leading dims (flattened)."""
     n_rows = math.prod(lead)
     if isinstance(row_mask, torch.Tensor) and row_mask.shape == lead:
         row_mask = row_mask.reshape(n_rows)
-    return _vocab.select_rows(_checks.check_row_mask(row_mask, n_rows, device, holder), group)
+    return RowSelection.of(row_mask, n_rows, device, holder, group)
 
 
 # ----------------------------------------------------------------------------- union of id sets
@@ -127,32 +128,30 @@ def _topk_logprobs_checked(
     backend: str = "auto",
     ids_mask: torch.Tensor | None = None,
     row_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Size, int, torch.Tensor | None]:
-    """(log-probs [R, k], tail [R], leading dims, k, selected rows or None): R = every row."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Size, int, RowSelection]:
+    """(log-probs [R, k], tail [R], leading dims, k, the row selection): R = every row."""
     lead, local_vocab = topk_checks.check_logits(logits, name, tp_group)
     vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
-    rows = _select(row_mask, lead, logits.device, tp_group, name)
-    flat_mask = None if rows is None else torch.zeros(math.prod(lead), dtype=torch.bool,
-                                                       device=logits.device).index_fill_(0, rows, True)
-    k = topk_checks.check_ids(_unselected_ids(ids, flat_mask, lead), lead, vocab, checks, ids_mask)
+    selection = _select(row_mask, lead, logits.device, tp_group, name)
+    k = topk_checks.check_ids(_unselected_ids(ids, selection.mask, lead), lead, vocab, checks, ids_mask)
     tau = _checks.check_temperature(temperature, lead, logits.device, checks, logits.dtype)
     chunk_rows = _vocab.logits_chunk_rows(_checks.check_chunk_size(chunk_size), local_vocab, tp_group, vocab, logits)
     spec = _vocab.op_spec(local_vocab, tp_group, vocab, chunk_rows, op, arg=name)
     flat_ids = ids.reshape(-1, k).to(device=logits.device, dtype=torch.long)
     valid = None if ids_mask is None else ids_mask.reshape(-1, k).to(logits.device)
-    chosen = resolve_backend(backend, logits.device)
-    tau = _vocab.take_row_values(tau.reshape(-1) if isinstance(tau, torch.Tensor) else tau, rows)
-    logp, tail = TopkLogprobs.apply(_vocab.take_rows(flat_ids, rows), _vocab.take_rows(valid, rows), tau, spec,
-                                    checks, chosen, rows, logits.reshape(-1, local_vocab))
-    return logp, tail, lead, k, rows
+    chosen = resolve_backend(backend, logits.device, logits.dtype)
+    tau = selection.take_values(tau.reshape(-1) if isinstance(tau, torch.Tensor) else tau)
+    logp, tail = TopkLogprobs.apply(selection.take(flat_ids), selection.take(valid), tau, spec,
+                                    checks, chosen, selection.rows, logits.reshape(-1, local_vocab))
+    return logp, tail, lead, k, selection
 
 
 def _unselected_ids(ids: object, flat_mask: torch.Tensor | None, lead: torch.Size) -> object:
-    """ids with the unselected rows' slots replaced by valid distinct ids (see _vocab.unselected_as)."""
+    """ids with the unselected rows' slots replaced by valid distinct ids (see _rows.unselected_as)."""
     if (flat_mask is None or not isinstance(ids, torch.Tensor) or ids.shape[:-1] != lead
             or ids.device != flat_mask.device):
         return ids
-    return _vocab.unselected_as(ids.reshape(flat_mask.numel(), -1), flat_mask).reshape(ids.shape)
+    return unselected_as(ids.reshape(flat_mask.numel(), -1), flat_mask).reshape(ids.shape)
 
 
 def topk_logprobs(
@@ -332,17 +331,17 @@ def topk_opd_loss(
     dtype = _vocab.compute_dtype(student_logits.dtype)
     teachers, teacher_tails, log_w = topk_checks.check_mixture(teacher_logprobs, teacher_tail_logprobs, ids.shape,
                                                     teacher_weights, dtype, student_logits.device, checks)
-    logp, tail, lead, k, rows = _topk_logprobs_checked(
+    logp, tail, lead, k, selection = _topk_logprobs_checked(
         student_logits, ids, tp_group, temperature, vocab_size, chunk_size, checks, "topk_opd_loss", "student_logits",
         backend, ids_mask, row_mask,
     )
-    log_p = _vocab.take_rows(torch.cat([logp, tail[:, None]], dim=1), rows)
-    assert log_p is not None  # a tensor
-    valid = None if ids_mask is None else _vocab.take_rows(ids_mask.reshape(-1, k).to(log_p.device), rows)
+    rows = selection.rows
+    log_p = selection.take(torch.cat([logp, tail[:, None]], dim=1))
+    valid = None if ids_mask is None else selection.take(ids_mask.reshape(-1, k).to(log_p.device))
     if rows is not None:
         n = teachers.shape[0]
         teachers = teachers.reshape(n, -1, k).index_select(1, rows.to(teachers.device))
         if teacher_tails is not None:
             teacher_tails = teacher_tails.reshape(n, -1).index_select(1, rows.to(teacher_tails.device))
     value = _bucket_divergence(log_p, teachers, teacher_tails, log_w, plan, valid, renormalize)
-    return _vocab.scatter_rows(value, rows, math.prod(lead)).reshape(lead)
+    return selection.scatter(value).reshape(lead)

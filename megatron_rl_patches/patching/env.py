@@ -154,6 +154,10 @@ def checked_role_names(environ: Mapping[str, str] | None = None) -> list[str] | 
     if bad:
         raise ValueError(f"{INFERENCE_ROLES}={_cut(value or '')!r}: {_cut(bad[0])!r} is not a role name; role names "
                          f"are identifiers (letters, digits, '_'), comma-separated")
+    twice = [role for index, role in enumerate(roles or ()) if role in (roles or ())[:index]]
+    if twice:
+        raise ValueError(f"{INFERENCE_ROLES}={_cut(value or '')!r} lists role {_cut(twice[0])!r} more than once; "
+                         "list each role once (role, or role:residency)")
     modes = role_residencies(environ)
     wrong = [(role, mode) for role, mode in modes.items() if mode not in RESIDENCIES]
     if wrong:
@@ -284,7 +288,7 @@ def summary(environ: Mapping[str, str] | None = None) -> dict[str, object]:
         "disabled": disabled_names(env),
         "strict": read(is_strict),
         "allow_untested": read(allows_untested),
-        "inference_roles": role_names(env),  # None: unset (the framework's default roles)
+        "inference_roles": read(checked_role_names),  # None: unset (the framework's default roles) or wrong
         "backend": read(backend),
         "errors": errors,
     }

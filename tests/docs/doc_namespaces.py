@@ -67,11 +67,9 @@ def saved_teacher(stack: ExitStack, provider: Callable[..., Any]) -> str:
 
 
 def readme(stack: ExitStack) -> dict:
-    """README's fragments define their own inputs; only the checkpoint behind `load_dir=` is the
-    test's (written inside a megatron world of its own, torn down before the page runs)."""
-    with ExitStack() as world:
-        kit = megatron_world(world)
-        return {"teacher_checkpoint": saved_teacher(stack, kit.provider(seed=7))}
+    """README's fragments define their own inputs: the test gives them nothing (each also runs
+    alone in a fresh process, test_readme_as_written.py)."""
+    return {}
 
 
 # ---------------------------------------------------------------------------- docs/inference-only.md
@@ -227,7 +225,7 @@ def topk_opd_finish(ns: dict) -> None:
 
 
 PAGES: dict[str, Page] = {
-    "README.md": Page(readme, megatron=True, replace=lambda ns: {'"/ckpt/teacher"': repr(ns["teacher_checkpoint"])}),
+    "README.md": Page(readme, megatron=True),
     "docs/inference-only.md": Page(
         inference_only,
         megatron=True,

@@ -80,7 +80,7 @@ def test_page_blocks_run_and_print_what_they_show(page, clean_patch_state):
     """Each page's blocks in order, in one namespace; patches a page applies are reset after it."""
     setup = PAGES.get(page, Page())
     if setup.verl:
-        pytest.importorskip("verl", reason=f"{page} needs verl: run `make test-verl` (the verl lane)")
+        pytest.importorskip("verl.models", reason=f"{page} needs verl: run `make test-verl` (the verl lane)")
     blocks = [b for b in BLOCKS if b.page == page and b.kind in PAGE_KINDS and not (b.kind == "output" and b.detail)]
     printed, ran = None, []
     with ExitStack() as stack:

@@ -30,3 +30,20 @@ def test_the_patching_table_has_one_row_per_patch_in_order():
     table = text.split("## The patches", 1)[1].split("\n\n", 2)[1]
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     assert [re.match(r"\| `([a-z_]+)`", row).group(1) for row in rows] == list(NAMES)
+
+
+def test_the_compatibility_table_names_every_patch():
+    text = (REPO / "docs" / "compatibility.md").read_text(encoding="utf-8")
+    table = text.split("## Frameworks whose functions are patched", 1)[1].split("\n\n", 1)[0]
+    named = {re.search(r"`([a-z_]+)` \|\s*$", line).group(1) for line in table.splitlines()
+             if line.startswith("| ") and re.search(r"`([a-z_]+)` \|\s*$", line)}
+    assert named == set(NAMES)
+
+
+def test_the_compatibility_page_gives_the_extra_range_of_setup_cfg():
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    pin = next(line.strip() for line in config["options.extras_require"]["megatron"].splitlines() if line.strip())
+    assert f"`{pin}`" in (REPO / "docs" / "compatibility.md").read_text(encoding="utf-8")

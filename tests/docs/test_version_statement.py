@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from doc_blocks import REPO  # noqa: E402
 
-from megatron_rl_patches.integrations.megatron_version import SUPPORTED, TESTED
+from megatron_rl_patches.integrations.megatron.version import SUPPORTED, TESTED
 
 PAGES = ("README.md", "docs/index.md", "docs/compatibility.md")
 RANGE = re.compile(r"\b0\.13\b(?:\.\d+)?\s+(?:to|through|up to)\s+(?:main's\s+)?0\.(\d+)\b")

@@ -14,6 +14,7 @@ from megatron_rl_patches import (
     topk_opd_loss,
 )
 from megatron_rl_patches.ops import _stats, kernels
+from megatron_rl_patches.testing.logprob_reference import reference_log_probs
 
 
 class Float64Rows:
@@ -106,11 +107,7 @@ def test_log_probs_and_entropy_on_a_registered_backend_match_float64(float64_bac
     assert float64_backend.calls == {"row_stats": 1, "apply_grad": 1}
 
     hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    z = (hd @ wd.t()) / tau.double()[:, None]
-    logp_all = torch.log_softmax(z, -1)
-    kept = torch.log_softmax(z.masked_fill(~keep, -torch.inf), -1) if masked else logp_all
-    ref_lp = kept.gather(1, tokens[:, None]).squeeze(1)
-    ref_ent = -(logp_all.exp() * logp_all).sum(-1)
+    ref_lp, ref_ent = reference_log_probs(hd @ wd.t(), tokens, temperature=tau, keep_mask=keep if masked else None)
     ((ref_lp * a.double()).sum() + (ref_ent * b.double()).sum()).backward()
     torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=1e-5)
     torch.testing.assert_close(ent.double(), ref_ent, rtol=0, atol=1e-5)
@@ -153,3 +150,51 @@ def test_unknown_or_unavailable_backends_are_named_errors(monkeypatch):
     monkeypatch.setenv(kernels.BACKEND_ENV, "torch")
     lp, _ = log_probs_and_entropy(hidden @ weight.t(), tokens)
     assert lp.shape == tokens.shape
+
+
+def test_a_backend_of_the_earlier_protocol_keeps_working_and_auto_sees_its_claim():
+    plain = Float64Rows()  # no base class: available(device) / claims(device) only
+    registered = kernels.register_backend(plain)
+    try:
+        assert isinstance(registered, kernels.Backend) and registered.topk is None  # the torch tiles' top-k
+        assert kernels.resolve_backend(plain.name, torch.device("cpu"), torch.float32) is registered
+        hidden, weight, tokens, _, _ = _inputs()
+        log_probs_and_entropy(hidden @ weight.t(), tokens)  # auto: it does not claim the CPU
+        assert plain.calls["row_stats"] == 0
+    finally:
+        kernels._REGISTRY.pop(plain.name)
+    claiming = Float64Rows()
+    claiming.claims = lambda device: device.type == "cpu"
+    kernels.register_backend(claiming)
+    try:
+        lp, _ = log_probs_and_entropy(hidden @ weight.t(), tokens)  # auto picks it: its claim, for any dtype
+        assert claiming.calls["row_stats"] == 1
+        torch.testing.assert_close(lp, log_probs_and_entropy(hidden @ weight.t(), tokens, backend="torch")[0],
+                                   rtol=0, atol=1e-5)
+    finally:
+        kernels._REGISTRY.pop(claiming.name)
+
+
+class Float64Only(Float64Rows, kernels.Backend):
+    """A backend of the base class that `auto` picks for float64 inputs only (it sees the dtype)."""
+
+    name = "float64-only"
+
+    def claims_for(self, device, dtype):
+        return dtype == torch.float64
+
+
+def test_auto_sees_the_dtype_and_defaults_fill_the_optional_members():
+    backend = Float64Only()
+    assert kernels.register_backend(backend) is backend
+    try:
+        hidden, weight, tokens, _, _ = _inputs()
+        lp32, _ = log_probs_and_entropy(hidden @ weight.t(), tokens)
+        assert backend.calls["row_stats"] == 0
+        lp64, _ = log_probs_and_entropy((hidden @ weight.t()).double(), tokens)
+        assert backend.calls["row_stats"] == 1 and lp64.dtype == torch.float64
+        torch.testing.assert_close(lp64.float(), lp32, rtol=0, atol=1e-5)
+        assert kernels.topk_step(backend) == kernels.resolve_backend("torch", torch.device("cpu")).topk
+        assert not backend.serves_divergence(None, [], None)
+    finally:
+        kernels._REGISTRY.pop(backend.name)

@@ -10,46 +10,23 @@ from hypothesis import strategies as st
 
 from megatron_rl_patches.ops import _vocab
 from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
+from megatron_rl_patches.testing.logprob_reference import kept_ids, reference_log_probs, scaled_logits
 
 # ---------------------------------------------------------------- float64 references
 
 
-def _scaled(logits, temperature, vocab_size):
-    z = logits.double()
-    if isinstance(temperature, torch.Tensor):
-        z = z / temperature.double().reshape(-1, 1)
-    else:
-        z = z / temperature
-    return z if vocab_size is None else z[:, :vocab_size]
-
-
-def _kept(keep_mask, tokens, n_cols):
-    kept = keep_mask[:, :n_cols].clone()
-    kept[torch.arange(tokens.numel()), tokens] = True
-    return kept
-
-
-def reference(logits, tokens, *, temperature=1.0, keep_mask=None, vocab_size=None):
-    """Unfused float64 log-prob (over kept ids) and entropy (full distribution), autograd-able."""
-    z = _scaled(logits, temperature, vocab_size)
-    logp_all = torch.log_softmax(z, dim=-1)
-    p = logp_all.exp()
-    entropy = -torch.where(p > 0, p * logp_all, 0.0).sum(-1)
-    if keep_mask is not None:
-        z = z.masked_fill(~_kept(keep_mask, tokens, z.size(1)), -math.inf)
-        logp_all = torch.log_softmax(z, dim=-1)
-    return logp_all.gather(1, tokens.long().unsqueeze(1)).squeeze(1), entropy
+reference = reference_log_probs  # the one float64 reference (megatron_rl_patches.testing)
 
 
 def reference_grad(logits, tokens, a, b, *, temperature=1.0, keep_mask=None, vocab_size=None):
     """Closed-form float64 dL/dlogits of L = Σ a·logp + b·H; -inf entries contribute 0."""
-    z = _scaled(logits, temperature, vocab_size)
+    z = scaled_logits(logits, temperature, vocab_size)
     p = torch.softmax(z, dim=-1)
     logp = torch.where(p > 0, torch.log_softmax(z, dim=-1), 0.0)
     entropy = -(p * logp).sum(-1, keepdim=True)
     pk = p
     if keep_mask is not None:
-        pk = torch.softmax(z.masked_fill(~_kept(keep_mask, tokens, z.size(1)), -math.inf), dim=-1)
+        pk = torch.softmax(z.masked_fill(~kept_ids(keep_mask, tokens, z.size(1)), -math.inf), dim=-1)
     onehot = torch.zeros_like(z)
     onehot[torch.arange(tokens.numel()), tokens] = 1.0
     g = a.double()[:, None] * (onehot - pk) - b.double()[:, None] * p * (logp + entropy)

@@ -57,7 +57,7 @@ def test_metadata_requires_no_megatron_core(source):
     assert not any(line.lower().startswith("megatron") for line in requires)
     assert "torch" in requires  # unpinned: an installed torch of any version satisfies it
     # bounded like the patches' supported range (issue 29: no upper bound although support stops)
-    from megatron_rl_patches.integrations.megatron_version import SUPPORTED
+    from megatron_rl_patches.integrations.megatron.version import SUPPORTED
 
     assert config["options.extras_require"]["megatron"].strip() == f"megatron-core{SUPPORTED}" == \
         "megatron-core>=0.13,<0.21"

@@ -112,6 +112,16 @@ def test_role_names_unset_empty_and_list():
     assert env.role_names({env.INFERENCE_ROLES: "ref, teacher"}) == ["ref", "teacher"]
 
 
+@pytest.mark.parametrize("value", ["teacher:swap,teacher:stream", "teacher,teacher:stream", "teacher, teacher"])
+def test_a_role_listed_twice_is_refused_naming_the_variable(value):
+    """issue 38: the last entry silently won."""
+    with pytest.raises(ValueError, match=f"{env.INFERENCE_ROLES}=.*lists role 'teacher' more than once"):
+        env.checked_role_names({env.INFERENCE_ROLES: value})
+    assert "more than once" in env.summary({env.INFERENCE_ROLES: value})["errors"][0]
+    roles = env.checked_role_names({env.INFERENCE_ROLES: "teacher:swap,prm_teacher:stream"})
+    assert roles == ["teacher", "prm_teacher"]
+
+
 def test_summary_reports_raw_and_parsed_values():
     summary = env.summary({env.SELECT: "ddp_hooks", env.STRICT: "1"})
     assert summary["variables"][env.SELECT] == "ddp_hooks"

@@ -45,7 +45,7 @@ def fake_slime(tmp_path, clean, slime_standin_writer, slime_standin_source):
 def fake_version(monkeypatch, version: str | None, distribution: str = "megatron-core") -> None:
     """Pretend `distribution` has `version`, for plain records and for the megatron records'
     version finder (which reads the code in use, also from a source checkout)."""
-    from megatron_rl_patches.integrations import megatron_version
+    from megatron_rl_patches.integrations.megatron import version as megatron_version
 
     real = registry.installed_version
     monkeypatch.setattr(registry, "installed_version", lambda d: version if d == distribution else real(d))
@@ -125,7 +125,7 @@ def test_real_ddp_target_skipped_for_old_megatron_core(clean, caplog):
     assert len(warnings) == 1 and "ALLOW_UNTESTED" in warnings[0]
     REG.revert()
 
-    from megatron_rl_patches.integrations import megatron_version
+    from megatron_rl_patches.integrations.megatron import version as megatron_version
 
     clean.setattr(registry, "installed_version", real_installed_version)  # the real one is in range
     clean.setattr(megatron_version, "installed_version", lambda: megatron_version.megatron_info().version)

@@ -136,7 +136,7 @@ def test_patched_gpt_forward_pickles_under_start_up_patching():
                           env=environ, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    from megatron_rl_patches.integrations.megatron_version import megatron_info
+    from megatron_rl_patches.integrations.megatron.version import megatron_info
 
     if not report["wrapped"]:
         pytest.skip(f"megatron-core {megatron_info().version} has output_processor natively: nothing is wrapped")

@@ -143,7 +143,7 @@ def test_moe_inference_forward_with_processors(megatron_cpu, clean_patch_state):
 
 
 def test_processor_output_carries_device_and_dtype():
-    from megatron_rl_patches.megatron.processor_output import ProcessorOutput
+    from megatron_rl_patches.processors.output import ProcessorOutput
 
     out = ProcessorOutput(entropy=None, log_probs=torch.zeros(2, 3, dtype=torch.float64))
     assert out.device == torch.device("cpu") and out.dtype == torch.float64 and dict(out) == dict(out.items())

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from megatron_rl_patches.integrations import verl_rows
+from megatron_rl_patches.integrations.verl import rows as verl_rows
 
 
 def nested(parts: list[torch.Tensor]) -> torch.Tensor:

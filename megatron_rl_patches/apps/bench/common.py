@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -185,32 +186,67 @@ def run_cases(cases: Sequence[dict], *, isolate: bool = True, threads: int = 1, 
     `isolate=True`: one process per case. `isolate=False` (quick runs: one interpreter start
     instead of many) shares one process, which is only honoured where the peak-RSS mark can be
     reset between cases (Linux); elsewhere cases stay isolated. Returns one dict per case (its
-    result, or ``{"error": ...}``). `threads` sets torch's intra-op threads in the worker.
+    result, or ``{"error": ...}``). `threads` sets torch's intra-op threads in the worker. A line
+    on stderr marks each case as it ends, so a long benchmark shows progress.
     """
     if not isolate and not _reset_peak_rss():  # this OS cannot reset the peak-RSS mark between cases
         isolate = True
     batches = [[case] for case in cases] if isolate else [list(cases)]
+    progress = _Progress(len(cases))
     results: list[dict] = []
     for batch in batches:
-        results += _run_batch(batch, threads, timeout * len(batch))
+        results += _run_batch(batch, threads, timeout * len(batch), progress)
     return results
 
 
-def _run_batch(batch: list[dict], threads: int, timeout: float) -> list[dict]:
+class _Progress:
+    """`  case 3/12 done (4.1 s): fn T=1024 V=8192` on stderr as each case ends."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.since = total, 0, time.perf_counter()
+
+    def case_ended(self, case: dict, result: dict) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        target = case["target"].rpartition(":")[2]
+        shape = " ".join(f"{k}={v}" for k, v in case.get("kwargs", {}).items() if isinstance(v, (int, str)))
+        state = "failed" if result.get("error") else "done"
+        print(f"  case {self.done}/{self.total} {state} ({now - self.since:.1f} s): {target} {shape}".rstrip(),
+              file=sys.stderr, flush=True)
+        self.since = now
+
+
+def _run_batch(batch: list[dict], threads: int, timeout: float, progress: _Progress) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     payload = json.dumps({"cases": [{"target": c["target"], "kwargs": c.get("kwargs", {})} for c in batch],
                           "threads": threads})
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl_patches.apps.bench.common"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    stderr: list[str] = []
+    reader = threading.Thread(target=lambda: stderr.extend(proc.stderr or ()), daemon=True)
+    reader.start()
+    found: list[dict] = []
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "megatron_rl_patches.apps.bench.common"], input=payload, capture_output=True,
-            text=True, timeout=timeout, env=env,
-        )
-    except subprocess.TimeoutExpired:
-        return [{"error": f"timed out after {timeout:.0f}s"} for _ in batch]
-    found = [json.loads(line[len(_RESULT):]) for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
+        assert proc.stdin is not None and proc.stdout is not None  # both are pipes
+        proc.stdin.write(payload)
+        proc.stdin.close()
+        for line in proc.stdout:  # results stream in as the worker finishes each case
+            if line.startswith(_RESULT):
+                found.append(json.loads(line[len(_RESULT):]))
+                progress.case_ended(batch[len(found) - 1], found[-1])
+        proc.wait()
+    finally:
+        timed_out = not timer.is_alive() and proc.returncode is not None and proc.returncode < 0
+        timer.cancel()
+        reader.join(timeout=5)
     if len(found) < len(batch):
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
-        found += [{"error": f"worker exit {proc.returncode}: {tail}"}] * (len(batch) - len(found))
+        why = (f"timed out after {timeout:.0f}s" if timed_out else
+               f"worker exit {proc.returncode}: " + " | ".join("".join(stderr).strip().splitlines()[-5:]))
+        for case in batch[len(found):]:
+            found.append({"error": why})
+            progress.case_ended(case, found[-1])
     return found
 
 
@@ -273,33 +309,51 @@ U_NOTE = "U = T·V·4 bytes (one fp32 copy of the [T, V] logits)"
 _LABEL_WIDTH = 16  # characters per line of an x label: wrapped, so neighbours do not overlap
 
 
+NO_FIGURES = "no figures in this run: see the table's notes (--quick shapes are below memory resolution on CPU)"
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _wrapped(label: str) -> str:
+    """`label` on lines of about _LABEL_WIDTH characters, broken between words only (a name such
+    as disable_forward_pre_hook stays whole)."""
+    return "\n".join(line for part in label.split("\n")
+                     for line in textwrap.wrap(part, _LABEL_WIDTH, break_long_words=False, break_on_hyphens=False)
+                     or [part])
+
+
 def _uses_u(texts: Sequence[str]) -> bool:
     return any(re.search(r"(^|[\s(/])U(\b|$)", text) for text in texts)
 
 
 def grouped_bars_figure(
     rows: Sequence[dict], *, group: str, series: str, values: Sequence[str], titles: Sequence[str],
-    suptitle: str = "", ylabel: str = "", missing_label: str = "",
+    suptitle: str = "", ylabel: str = "", missing_label: str = "not measured", empty_note: str = NO_FIGURES,
 ) -> Any:
     """The figure of :func:`plot_grouped_bars` (matplotlib imported by the caller). A series with
-    no number for a group gets `missing_label` written where its bar would be (e.g. "crashes")."""
+    no number for a group gets `missing_label` written where its bar would be (e.g. "crashes"); a
+    panel with no number at all says `empty_note` instead of showing an empty axis."""
     import matplotlib.pyplot as plt
 
     groups = list(dict.fromkeys(str(row[group]) for row in rows))
     names = list(dict.fromkeys(str(row[series]) for row in rows))
-    labels = ["\n".join(line for part in g.split("\n") for line in textwrap.wrap(part, _LABEL_WIDTH) or [part])
-              for g in groups]
+    labels = [_wrapped(g) for g in groups]
     longest = max((len(line) for label in labels for line in label.splitlines()), default=1)
     panel = max(5.5, len(groups) * max(0.6, 0.08 * longest) + 1.5)  # inches: room for every label
     fig, axes = plt.subplots(1, len(values), figsize=(panel * len(values), 4.2), squeeze=False)
     width = 0.8 / max(1, len(names))
     for ax, value, title in zip(axes[0], values, titles):
+        if not any(_finite(r.get(value)) for r in rows):  # e.g. memory below resolution in --quick
+            ax.text(0.5, 0.5, empty_note, transform=ax.transAxes, ha="center", va="center", fontsize=9, wrap=True)
+            ax.set_yticks([])
         for i, name in enumerate(names):
             heights, missing = [], []
             for j, g in enumerate(groups):
                 match = [r for r in rows if str(r[group]) == g and str(r[series]) == name]
                 v = match[0].get(value) if match else None
-                number = isinstance(v, (int, float)) and math.isfinite(v)
+                number = _finite(v)
                 heights.append(float(v) if number else 0.0)
                 if match and not number:
                     missing.append(j + i * width)
@@ -311,7 +365,8 @@ def grouped_bars_figure(
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if len(names) > 1:  # one series needs no legend (an empty-looking box otherwise)
+        axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if _uses_u([*titles, ylabel]) and U_NOTE not in suptitle:
         suptitle = f"{suptitle}\n{U_NOTE}" if suptitle else U_NOTE
     if suptitle:
@@ -322,7 +377,7 @@ def grouped_bars_figure(
 
 def plot_grouped_bars(
     rows: Sequence[dict], path: str, *, group: str, series: str, values: Sequence[str], titles: Sequence[str],
-    suptitle: str = "", ylabel: str = "", missing_label: str = "",
+    suptitle: str = "", ylabel: str = "", missing_label: str = "not measured", empty_note: str = NO_FIGURES,
 ) -> str | None:
     """One panel per entry of `values`: bars of each `series` within each `group`, written to
     `path`. Needs matplotlib (imported here only); returns the path, or None when it is missing."""
@@ -334,7 +389,7 @@ def plot_grouped_bars(
     except ImportError:
         return None
     fig = grouped_bars_figure(rows, group=group, series=series, values=values, titles=titles, suptitle=suptitle,
-                              ylabel=ylabel, missing_label=missing_label)
+                              ylabel=ylabel, missing_label=missing_label, empty_note=empty_note)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -19,10 +19,13 @@ from megatron_rl_patches.apps.bench import common
 
 QUICK = {"tokens": [256], "vocab": 2048, "hidden": 64}
 FULL = {"tokens": [1024, 4096], "vocab": 32000, "hidden": 1024}
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tv")
 IMPLS = (("dense (logits)", "dense"), ("ours (lm_head_divergence)", "ours"))
-SHORT = {"forward_kl": "fkl", "reverse_kl": "rkl", "jsd": "jsd", "skew_forward_kl": "sfkl", "skew_reverse_kl": "srkl",
-         "tv": "tv"}  # the plot's group labels
+
+
+def short(divergence: str) -> str:
+    """The plot's group label: the initials of a divergence's words, its last word whole (fkl, sfkl, tv)."""
+    *words, last = divergence.split("_")
+    return "".join(word[0] for word in words) + last
 COLUMNS = ("T", "teachers", "divergence", "implementation", "excess_peak_U", "excess_peak_MiB", "time_s",
            "time_vs_dense", "note")
 
@@ -70,6 +73,8 @@ def case(probe: common.MemoryProbe, *, impl: str, divergence: str, teachers: int
 def _rows(plan: dict, isolate: bool) -> list[dict]:
     """One row per (T, teachers, divergence, route); every case in a fresh process when `isolate`
     (quick runs share one: figures below the memory resolution anyway)."""
+    from megatron_rl_patches.ops._divergences import DIVERGENCES  # every row of the table
+
     V, H = plan["vocab"], plan["hidden"]
     rows = [{"T": T, "V": V, "H": H, "teachers": teachers, "divergence": divergence, "implementation": label,
              "impl": impl, "note": ""}
@@ -112,7 +117,7 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     if out_dir:
         common.write_tables(rows, COLUMNS, out_dir, "distill")
         largest = max(plan["tokens"])  # one T in the plot: 12 groups stay readable
-        measured = [dict(r, case=f"{SHORT[r['divergence']]}\n{r['teachers']}t") for r in rows
+        measured = [dict(r, case=f"{short(r['divergence'])}\n{r['teachers']}t") for r in rows
                     if "time_s" in r and r["T"] == largest]
         if measured:
             common.plot_grouped_bars(

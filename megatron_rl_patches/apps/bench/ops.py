@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 
 from megatron_rl_patches.apps.bench.common import plot_grouped_bars, print_table
 from megatron_rl_patches.apps.presentation import dict_cells, markdown_table
@@ -106,15 +107,26 @@ def measure(baseline: str | None, shape: dict, runs: int, ops: tuple[str, ...] |
     return rows
 
 
-def write_outputs(rows: list[dict], out_dir: str, title: str) -> list[str]:
+def _described(rev: str) -> str:
+    """`rev` with its commit's date and subject, so a plot's reader need not know the hash."""
+    try:
+        line = subprocess.run(["git", "log", "-1", "--format=%h %cs: %s", rev], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        line = ""
+    return textwrap.shorten(line, 60, placeholder="…") if line else rev
+
+
+def write_outputs(rows: list[dict], out_dir: str, title: str, baseline: str | None = None) -> list[str]:
     """ops.md (the table) and, with matplotlib, ops.png (seconds per op, today and baseline)."""
     written = []
     path = os.path.join(out_dir, "ops.md")
     with open(path, "w") as fh:
         fh.write(f"{title}\n\n{markdown_table(COLUMNS, dict_cells(rows, COLUMNS))}\n")
     written.append(path)
-    bars = [{"op": r["op"], "side": side, "time_s": r[f"{side}_s"]} for r in rows for side in ("today", "baseline")
-            if r[f"{side}_s"] is not None]
+    names = {"today": "this checkout", "baseline": f"baseline {_described(baseline)}" if baseline else "baseline"}
+    bars = [{"op": r["op"], "side": names[side], "time_s": r[f"{side}_s"]} for r in rows
+            for side in ("today", "baseline")]  # a side without a time shows "not measured"
     png = plot_grouped_bars(bars, os.path.join(out_dir, "ops.png"), group="op", series="side", values=["time_s"],
                             titles=[title], ylabel="seconds (median)")
     if png:
@@ -129,6 +141,6 @@ def run_ops(baseline: str | None, shape: dict, runs: int, out_dir: str | None, r
     rows = measure(baseline, shape, runs, repeats=repeats)
     print_table(rows, COLUMNS, title)
     if out_dir:
-        for path in write_outputs(rows, out_dir, title):
+        for path in write_outputs(rows, out_dir, title, baseline):
             print(f"wrote {path}")
     return rows

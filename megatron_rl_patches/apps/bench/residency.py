@@ -173,6 +173,10 @@ def run(quick: bool = False, out_dir: str | None = None, device: str | None = No
                 [dict(row, build="one rollout") for row in rows], os.path.join(out_dir, "residency.png"), group="mode",
                 series="build",
                 values=["vs_resident", "time_vs_resident"],
-                titles=["device weight bytes / resident", "rollout time / resident"], suptitle=title,
+                titles=["device weight bytes / resident",
+                        "rollout time / resident" + ("\n(CPU: bookkeeping only, no copies to time)"
+                                                     if not device.startswith("cuda") else "")],
+                suptitle=title + ("\nOn CPU the times measure the package's bookkeeping, not host-device copies: "
+                                  "time residency on a GPU (bench gpu)" if not device.startswith("cuda") else ""),
             )
     return rows

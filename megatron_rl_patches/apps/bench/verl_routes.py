@@ -42,7 +42,7 @@ def _fused(hidden, weight, tokens, temperature):
     import torch
     from verl.models.mcore.model_forward_fused import FusedOutputProcessorContext
 
-    from megatron_rl_patches.integrations.verl import fused_output_processor
+    from megatron_rl_patches.integrations.verl.fused import fused_output_processor
 
     layer = torch.nn.Module()
     layer.weight = weight

@@ -51,7 +51,7 @@ def environment_help() -> str:
                     'at start-up; unset, "" or "0": off',
         env.DISABLE: "comma-separated patch names removed from any selection",
         env.STRICT: '1/true/yes/on: patch problems raise instead of warning (0/false/no/off/"": warn)',
-        # the roles are integrations.slime_roles.DEFAULT_INFERENCE_ROLES (a test holds them equal; not
+        # the roles are integrations.slime.roles.DEFAULT_INFERENCE_ROLES (a test holds them equal; not
         # imported here: --help of every command, the plain demo's included, imports no integration)
         env.INFERENCE_ROLES: "comma-separated roles built inference-only (unset: slime's teacher roles "
                              'prm_teacher,teacher; "": none)',

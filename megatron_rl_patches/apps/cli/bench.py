@@ -1,5 +1,6 @@
 """`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|distill|residency|gpu|all]
 [--quick] [--out DIR] [--only PART]`; `bench ops [--baseline REV] [--T N] [--V N] [--H N] [--runs N]`.
+An option of one benchmark given to another is a usage error (exit 2), never silently ignored.
 
 `bench gpu` (not part of `all`) needs a CUDA device; without one it says so in one line and
 exits non-zero."""
@@ -23,6 +24,12 @@ BENCHMARKS = {
     "distill": "megatron_rl_patches.apps.bench.distill",
     "residency": "megatron_rl_patches.apps.bench.residency",
 }
+# `bench ops` only: (flag, default, meaning); every other benchmark refuses them
+OPS_OPTIONS = (("--T", 1024, "tokens"), ("--V", 8192, "vocabulary"), ("--H", 256, "hidden size"),
+               ("--runs", 3, "interleaved runs per op and side (medians)"))
+# Rough wall time of each full benchmark on a 2-core CPU (docs/benchmarks.md); --quick takes seconds.
+DURATIONS = {"logprobs": "2-4 min", "topk": "1-2 min", "reentrant": "1 min", "fused": "5-6 min",
+             "windows": "1 min", "distill": "2-3 min", "residency": "1-2 min"}
 # `bench fused --only PART` (megatron_rl_patches.apps.bench.fused.PARTS, kept here so --help imports no torch)
 FUSED_PARTS = ("logprob", "opd")
 
@@ -49,9 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(log-prob + entropy, or the top-k OPD step with 1 and 2 teachers)")
     ops = parser.add_argument_group("bench ops")
     ops.add_argument("--baseline", metavar="REV", help="bench ops: the git revision to compare with (e.g. main)")
-    for flag, default, meaning in (("--T", 1024, "tokens"), ("--V", 8192, "vocabulary"), ("--H", 256, "hidden size"),
-                                   ("--runs", 3, "interleaved runs per op and side (medians)")):
-        ops.add_argument(flag, type=_count, default=default, metavar="N", help=f"bench ops: {meaning}")
+    for flag, default, meaning in OPS_OPTIONS:
+        # default None: a value given to any other benchmark is a usage error, not silently ignored
+        ops.add_argument(flag, type=_count, default=None, metavar="N", help=f"bench ops: {meaning} (default {default})")
 
 
 def check_output_folder(path: str) -> None:
@@ -66,9 +73,23 @@ def check_output_folder(path: str) -> None:
         raise UsageError(f"--out {path}: cannot write there ({exc.strerror or exc}); pass a writable folder") from None
 
 
-def run(args: argparse.Namespace) -> int:
+def check_options(args: argparse.Namespace) -> None:
+    """Options that belong to one benchmark are refused (exit 2) by every other one."""
     if args.only is not None and args.which != "fused":
         raise UsageError(f"--only {args.only} selects a part of `bench fused`; run `bench fused --only {args.only}`")
+    if args.which == "ops":
+        if args.quick:
+            raise UsageError("bench ops has no --quick: make it smaller with --T, --V, --H and --runs")
+        return
+    given = [flag for flag, *_ in OPS_OPTIONS if getattr(args, flag[2:]) is not None]
+    given += ["--baseline"] if args.baseline is not None else []
+    if given:
+        raise UsageError(f"{', '.join(given)} belong{'s' if len(given) == 1 else ''} to `bench ops`; "
+                         f"`bench {args.which}` takes --quick, --out and (bench fused) --only")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_options(args)
     if args.which == "gpu":
         return _run_gpu(args)
     if args.which == "ops":
@@ -79,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     failed = []
     for name in names:
         options = {"only": args.only} if args.only is not None else {}
+        took = "seconds" if args.quick else f"about {DURATIONS[name]} on 2 CPU cores; --quick takes seconds"
+        print(f"bench {name}: running ({took}); a line per case as it ends", file=sys.stderr, flush=True)
         rows = importlib.import_module(BENCHMARKS[name]).run(quick=args.quick, out_dir=args.out, **options)
         errors = [row["error"] for row in rows if row.get("error")]
         if errors:
@@ -115,9 +138,11 @@ def _run_ops(args: argparse.Namespace) -> int:
 
     if args.out:
         check_output_folder(args.out)
-    shape = {"T": args.T, "V": args.V, "H": args.H, "k": 8}
+    given = {flag[2:]: getattr(args, flag[2:]) for flag, *_ in OPS_OPTIONS}
+    value = {flag[2:]: given[flag[2:]] if given[flag[2:]] is not None else default for flag, default, _ in OPS_OPTIONS}
+    shape = {"T": value["T"], "V": value["V"], "H": value["H"], "k": 8}
     try:
-        rows = ops.run_ops(args.baseline, shape, args.runs, args.out)
+        rows = ops.run_ops(args.baseline, shape, value["runs"], args.out)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return PROBLEM if any(row["today_s"] is None for row in rows) else OK

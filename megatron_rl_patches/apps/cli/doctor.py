@@ -44,7 +44,7 @@ def _editable_install() -> bool | None:
 
 def megatron_section() -> tuple[dict[str, Any], list[str]]:
     """Where megatron-core comes from, its version and whether a test lane ran it; problems."""
-    from megatron_rl_patches.integrations import megatron_version
+    from megatron_rl_patches.integrations.megatron import version as megatron_version
 
     info = megatron_version.megatron_info()
     label = megatron_version.tested_label(info.version)
@@ -69,7 +69,8 @@ def megatron_section() -> tuple[dict[str, Any], list[str]]:
 
 def target_rows() -> tuple[list[dict[str, Any]], list[str]]:
     """Per (patch, target): module found, supported range, tested label, status; and problems."""
-    from megatron_rl_patches.integrations import default_registry, megatron_version
+    from megatron_rl_patches.integrations import default_registry
+    from megatron_rl_patches.integrations.megatron import version as megatron_version
     from megatron_rl_patches.patching import registry
 
     problems: list[str] = []
@@ -138,13 +139,20 @@ def _startup_section(environment: dict[str, Any]) -> tuple[dict[str, Any], bool 
 
 def _environment_section() -> tuple[dict[str, Any], list[str]]:
     from megatron_rl_patches.integrations import default_registry
-    from megatron_rl_patches.integrations.slime_roles import DEFAULT_INFERENCE_ROLES
-    from megatron_rl_patches.patching import env
+    from megatron_rl_patches.integrations.slime.opd_settings import PREFIX as OPD_PREFIX
+    from megatron_rl_patches.integrations.slime.roles import DEFAULT_INFERENCE_ROLES
+    from megatron_rl_patches.patching import check_settings, env
 
     environment: dict[str, Any] = env.summary()
-    if environment["inference_roles"] is None:  # unset: slime's default roles
-        environment["inference_roles"] = list(DEFAULT_INFERENCE_ROLES)
+    if environment["inference_roles"] is None:  # unset: slime's default roles; wrong: none (in the problems)
+        unset = environment["variables"][env.INFERENCE_ROLES] is None
+        environment["inference_roles"] = list(DEFAULT_INFERENCE_ROLES) if unset else []
     problems = list(environment["errors"])
+    environment["opd"] = {name: value for name, value in sorted(os.environ.items()) if name.startswith(OPD_PREFIX)}
+    try:
+        check_settings()  # the frameworks' own variables, as `run` and slime_opd check them
+    except ValueError as exc:
+        problems.append(str(exc))
     try:
         names = default_registry().patch_names()
         environment["resolved"] = env.resolve_selection(names) if environment["enabled_at_startup"] else []
@@ -253,7 +261,7 @@ def format_report(report: dict[str, Any]) -> str:
         selects = "nothing (see the problems below)" if e["error"] else ", ".join(e["resolved"])
     lines.append(f"  start-up applies: {selects}")
     lines.append(f"  strict: {_show(e['strict'])}; allow untested: {_show(e['allow_untested'])}; "
-                 f"inference roles: {', '.join(e['inference_roles']) or '-'}")
+                 f"inference roles: {_roles(e) or '-'}")
     s = report["startup"]
     lines.append("start-up files:")
     lines += [f"  {f['path']}" + ("" if f["ours"] else " (NOT OURS)") for f in s["files"]] or ["  none installed"]
@@ -261,6 +269,14 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append("problems:" if report["problems"] else "no problems found")
     lines += [f"  - {problem}" for problem in report["problems"]]
     return "\n".join(lines)
+
+
+def _roles(environment: dict[str, Any]) -> str:
+    """The inference roles as the variable gives them: `role:residency` where one is named."""
+    from megatron_rl_patches.patching import env
+
+    modes = env.role_residencies(environment["variables"]) if environment["inference_roles"] else {}
+    return ", ".join(f"{role}:{modes[role]}" if role in modes else role for role in environment["inference_roles"])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -66,12 +66,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also print the weights' device and host bytes per residency mode (this one marked); needs --layers",
     )
     parser.add_argument("--layers", type=_count("--layers"), default=None, help="transformer layers (with --residency)")
-    parser.add_argument("--prefetch", type=_count("--prefetch", minimum=0), default=1,
-                        help="layers copied ahead when streaming")
-    parser.add_argument("--vocab", type=_count("--vocab"), default=None, help="vocabulary size (with --hidden)")
-    parser.add_argument("--hidden", type=_count("--hidden"), default=None, help="hidden size (with --vocab)")
-    parser.add_argument("--tied", action="store_true", help="input and output embeddings share one weight")
-    parser.add_argument("--tp", type=_count("--tp"), default=1, help="tensor-parallel size (each rank holds a shard)")
+    parser.add_argument("--prefetch", type=_count("--prefetch", minimum=0), default=None,
+                        help="layers copied ahead when streaming (with --residency; default 1)")
+    parser.add_argument("--vocab", type=_count("--vocab"), default=None,
+                        help="vocabulary size (with --residency and --hidden)")
+    parser.add_argument("--hidden", type=_count("--hidden"), default=None,
+                        help="hidden size (with --residency and --vocab)")
+    parser.add_argument("--tied", action="store_true",
+                        help="input and output embeddings share one weight (with --residency)")
+    parser.add_argument("--tp", type=_count("--tp"), default=None,
+                        help="tensor-parallel size, each rank holds a shard (with --residency; default 1)")
     parser.add_argument("--json", action="store_true", help="print a JSON object (bytes)")
 
 
@@ -89,7 +93,16 @@ def _count(flag: str, minimum: int = 1) -> Callable[[str], int]:
     return parse
 
 
+# The options only the residency plan reads: without --residency each is a usage error, not ignored.
+RESIDENCY_OPTIONS = ("--layers", "--prefetch", "--vocab", "--hidden", "--tied", "--tp")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.residency is None:
+        given = [flag for flag in RESIDENCY_OPTIONS if getattr(args, flag[2:]) not in (None, False)]
+        if given:
+            raise UsageError(f"{', '.join(given)} only size{'s' if len(given) == 1 else ''} the residency plan: "
+                             "add --residency resident|swap|stream (and --layers N)")
     try:
         report = training_state_bytes(
             args.params,
@@ -106,8 +119,9 @@ def run(args: argparse.Namespace) -> int:
     if args.layers is None:
         raise UsageError("--residency needs --layers N (the model's transformer layers)")
     try:
-        plan = residency_plan(args.params, layers=args.layers, prefetch=args.prefetch, param_dtype=args.param_dtype,
-                              vocab_size=args.vocab, hidden_size=args.hidden, tied=args.tied, tp=args.tp)
+        plan = residency_plan(args.params, layers=args.layers, prefetch=1 if args.prefetch is None else args.prefetch,
+                              param_dtype=args.param_dtype, vocab_size=args.vocab, hidden_size=args.hidden,
+                              tied=args.tied, tp=args.tp or 1)
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     if args.json:

@@ -93,7 +93,9 @@ def _real_models(summary: dict) -> list[str]:
     lines = [text_table(("model", "parameters", "DP", "dist. opt.", "per teacher", f"{n} teachers"), rows,
                         title="at real size, per GPU: training state inference-only teachers do not hold (fp32 "
                               "grads, fp32 main params, Adam m and v; bf16 weights not counted; "
-                              "`megatron-rl-patches memory`)")]
+                              "`megatron-rl-patches memory`) - for a loop that builds its teachers as "
+                              "models of their own, as this demo does (upstream slime swaps teacher "
+                              "weights into the actor instead and holds no such state)")]
     first = real["logits"][0]
     rows = [[r["model"], f"{r['vocab']:,} ({r['vocab_from']})", human_bytes(r["actor_logits_bytes"]),
              human_bytes(r["teacher_logits_bytes"]), human_bytes(r["fused_bytes_per_model"])] for r in real["logits"]]
@@ -137,7 +139,8 @@ def format_comparison(plain: dict, package: dict) -> str:
 # What a slime user switches on for the same (docs/recipes.md, the slime section).
 SLIME_LINES = (
     "  in slime: MEGATRON_RL_PATCHES=all (train_reentry, slime_logprobs, slime_fused: no logits in its "
-    "forward steps, response rows only);",
+    "forward steps, response rows only) - the logits savings above; the teachers' training-state "
+    "savings only in forks that build a teacher role (upstream slime swaps teacher weights into the actor);",
     "    top-k multi-teacher OPD: MEGATRON_RL_PATCHES_OPD_TEACHERS=PATH,PATH plus --loss-type custom_loss "
     "--custom-loss-function-path megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss",
 )

@@ -1,103 +1,100 @@
-"""Backends of the vocabulary ops: each produces row statistics (forward) and gradients from saved
-row factors (backward) for a source of logits (see :mod:`megatron_rl_patches.ops._stats` for the
-contract). ``torch`` (tiles of torch ops, every device) and ``triton`` (Triton kernels: CUDA, or
-CPU under ``TRITON_INTERPRET=1``) are built in; more register by name.
+"""Backends of the vocabulary ops, and the contract every backend implements (public here).
 
-Choice per call: the op's ``backend=`` argument, else ``MEGATRON_RL_PATCHES_BACKEND``, else
-``auto`` (the first registered backend that claims the tensors' device, ``torch`` last).
+A backend (the torch tiles, the Triton kernels, a float64 test backend) turns a
+:class:`~megatron_rl_patches.ops.kernels.sources.Source` of logits (materialized logits, or hidden
+states and an output-weight shard) into per-row statistics and gradients; everything else (the
+cross-rank combine, the outputs, the autograd Functions, every public op) is shared, so a backend
+computes nothing else. Subclass :class:`Backend` and :func:`register_backend` it:
+
+- ``name``; ``available(device)``: None when it can run there, else why not (one line);
+  ``claims(device)``: whether ``auto`` should pick it. ``available_for(device, dtype)`` /
+  ``claims_for(device, dtype)`` see the inputs' dtype too (default: the device-only answers);
+- forward: ``row_stats(source, stats, cols, owned, keep_mask, scale) -> RowStats``: every tile of
+  the rank's vocabulary shard folded into `stats` (empty, with the sums wanted), in any order and
+  tiling; `cols`/`owned` [T, k] are the marked ids' local columns;
+- backward: ``apply_grad(source, factors, scale, keep_mask, needs) -> gradients`` in the compute
+  dtype (the logits' gradient, or ``(dh for every gathered row, dW)``; `needs` says which), each
+  tile's dL/dx being ``_stats.tile_grad``'s formula from the saved :class:`GradFactors`;
+- optional (the base class's defaults): ``topk(source, run, first_id)``, the top-k ids (default:
+  the torch tiles'); ``serves_divergence(student, teachers, plan)`` (default False) with
+  ``divergence_sums`` / ``divergence_grad``, lm_head_divergence's pass 2 and backward (the
+  divergence table's terms; when not served the torch tiles evaluate the table).
+
+Units: ``u = (x - shift)·s`` with s = 1/τ per row. ``torch`` (tiles of torch ops, every device and
+dtype) and ``triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) are built in. Choice per call:
+the op's ``backend=`` argument, else ``MEGATRON_RL_PATCHES_BACKEND``, else ``auto`` (the last
+registered backend that claims the inputs' device and dtype, ``torch`` last). A backend written
+against the earlier protocol (a plain class with ``available(device)`` / ``claims(device)``, no
+base class) still registers: its members are read once, at registration.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_rl_patches._backend_env import AUTO, VARIABLE, environment_backend
 from megatron_rl_patches.ops._stats import GradFactors, RowStats
+from megatron_rl_patches.ops.kernels.contract import Backend
 from megatron_rl_patches.ops.kernels.sources import Source
 
 if TYPE_CHECKING:
     from megatron_rl_patches.ops._divergences import Plan
     from megatron_rl_patches.ops.topk_select import RunningTopk
 
+__all__ = ["Backend", "GradFactors", "RowStats", "Source", "BACKEND_ENV", "register_backend", "resolve_backend",
+           "backend_names", "topk_step", "divergence_step"]
+
 BACKEND_ENV = VARIABLE
 
 
-class Backend(Protocol):
-    """What a backend provides (see the contract in :mod:`megatron_rl_patches.ops._stats`)."""
+class _Registered(Backend):
+    """A backend written against the earlier protocol (no base class): its members, read once."""
 
-    name: str
+    _OPTIONAL = ("topk", "serves_divergence", "divergence_sums", "divergence_grad")  # the defaults otherwise
 
-    def available(self, device: torch.device) -> str | None:
-        """None when it can run on `device`, else why not (one line, for the error)."""
-
-    def claims(self, device: torch.device) -> bool:
-        """Whether ``auto`` should pick it for tensors on `device`."""
-
-    def row_stats(self, source: Source, stats: RowStats, cols: torch.Tensor, owned: torch.Tensor,
-                  keep_mask: torch.Tensor | None, scale: float | torch.Tensor) -> RowStats:
-        """Fold every tile of the source's vocabulary shard into `stats` (empty, with the sums
-        wanted) and return it: `cols`/`owned` [T, k] the marked ids' local columns."""
-
-    def apply_grad(self, source: Source, factors: GradFactors, scale: float | torch.Tensor,
-                   keep_mask: torch.Tensor | None, needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
-        """The gradients of the source's tensors (`needs` says which) in the compute dtype: the
-        logits' gradient, or (dL/dh for every gathered row, dL/dW)."""
-
-    # Optional: `topk(source, run, first_id) -> RunningTopk`, the source's k best ids merged into
-    # `run` (see :mod:`megatron_rl_patches.ops.topk_select`; a column a tile left out at a tied cut
-    # raises `run.ambiguous` to that value). A backend without it gets the torch tiles' (topk_step).
-    # Optional: the steps of :class:`DivergenceKernels` (lm_head_divergence's pass 2 and backward).
+    def __init__(self, backend: Any) -> None:
+        self.wrapped = backend
+        self.name = backend.name
+        self.available, self.claims = backend.available, backend.claims  # type: ignore[method-assign]
+        self.row_stats, self.apply_grad = backend.row_stats, backend.apply_grad  # type: ignore[method-assign]
+        for member in self._OPTIONAL:
+            if hasattr(backend, member):
+                setattr(self, member, getattr(backend, member))
 
 
 def topk_step(backend: Backend) -> Callable[[Source, RunningTopk, int], RunningTopk]:
-    """The backend's top-k id step, or the torch tiles' when it has none (a backend registered
-    before the top-k ops took `backend=`)."""
-    step = getattr(backend, "topk", None)
-    return step if step is not None else _REGISTRY["torch"].topk  # type: ignore[attr-defined]
+    """The backend's top-k id step (the torch tiles' unless it has its own)."""
+    step = backend.topk if backend.topk is not None else _REGISTRY["torch"].topk
+    assert step is not None  # the torch tiles have one
+    return step
 
 
-class DivergenceKernels(Protocol):
-    """A backend's optional steps of lm_head_divergence (one pair of sources, student and teacher,
-    each model's normalizers `norms` [2, T]: shifts then log S, combined over the ranks). The
-    per-entry terms are the divergence table's (:mod:`megatron_rl_patches.ops._divergences`);
-    without these steps the torch tiles evaluate it."""
-
-    def serves_divergence(self, student: Source, teachers: list[Source]) -> bool:
-        """Whether it takes a call with these sources (else the torch tiles do)."""
-
-    def divergence_sums(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, ...], plan: Plan,
-                        scale: float | torch.Tensor, keep_mask: torch.Tensor | None) -> torch.Tensor:
-        """[T, 2]: this shard's share of the divergence and of G = Σ g per row (pass 2)."""
-
-    def divergence_grad(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, ...], plan: Plan,
-                        scale: float | torch.Tensor, keep_mask: torch.Tensor | None, constant: torch.Tensor | None,
-                        row_factor: torch.Tensor, needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
-        """(dL/dh, dL/dW) of the student from dz = (g − p·G)·row_factor (G = `constant`, None: 0)."""
-
-
-def divergence_step(backend: Backend, student: Source, teachers: list[Source]) -> DivergenceKernels | None:
-    """The backend when it serves lm_head_divergence's pass 2 and backward for these sources,
-    else None (the torch tiles evaluate the table's formula)."""
-    serves = getattr(backend, "serves_divergence", None)
-    return cast(DivergenceKernels, backend) if serves is not None and serves(student, teachers) else None
+def divergence_step(backend: Backend, student: Source, teachers: list[Source], plan: Plan) -> Backend | None:
+    """The backend when it serves lm_head_divergence's pass 2 and backward for these sources and
+    this table row, else None (the torch tiles evaluate the table's formula)."""
+    return backend if backend.serves_divergence(student, teachers, plan) else None
 
 
 _REGISTRY: dict[str, Backend] = {}
 
 
-def register_backend(backend: Backend) -> None:
-    """Make `backend` selectable by its name (registered later = tried earlier by ``auto``)."""
-    _REGISTRY[backend.name] = backend
+def register_backend(backend: Backend | Any) -> Backend:
+    """Make `backend` selectable by its name (registered later = tried earlier by ``auto``); a
+    backend without the base class is read once here. Returns what the ops will call."""
+    registered = backend if isinstance(backend, Backend) else _Registered(backend)
+    _REGISTRY[registered.name] = registered
+    return registered
 
 
 def backend_names() -> tuple[str, ...]:
     return ("auto", *_REGISTRY)
 
 
-def resolve_backend(name: object, device: torch.device) -> Backend:
-    """The backend for a call on `device`: `name`, or the environment's choice, or ``auto``."""
+def resolve_backend(name: object, device: torch.device, dtype: torch.dtype | None = None) -> Backend:
+    """The backend for a call on `device` with inputs of `dtype` (None: any): `name`, or the
+    environment's choice, or ``auto``."""
     if name is None or name == AUTO:
         # the launcher and `doctor` read the variable with this same parser (case, spaces, "auto")
         name = environment_backend(known=_REGISTRY)
@@ -107,12 +104,13 @@ def resolve_backend(name: object, device: torch.device) -> Backend:
     if not isinstance(name, str) or name not in backend_names():
         raise ValueError(f"{where} is not a backend; choose one of {', '.join(backend_names())}")
     if name == AUTO:
-        return next(b for b in reversed(_REGISTRY.values()) if b.claims(device) and b.available(device) is None)
+        return next(b for b in reversed(_REGISTRY.values())
+                    if b.claims_for(device, dtype) and b.available_for(device, dtype) is None).loaded()
     backend = _REGISTRY[name]
-    why = backend.available(device)
+    why = backend.available_for(device, dtype)
     if why is not None:
         raise ValueError(f"{where} cannot run on {device}: {why}; choose backend='torch' or 'auto'")
-    return backend
+    return backend.loaded()
 
 
 def _register_builtins() -> None:

@@ -14,27 +14,29 @@ import torch
 from megatron_rl_patches.ops._stats import (
     GradFactors,
     RowStats,
+    column_marks,
+    fold_tile,
+    local_row_max,
+    marked_entries,
+    scale_rows,
+    tile_grad,
+)
+from megatron_rl_patches.ops._vocab import row_chunks
+from megatron_rl_patches.ops.kernels.contract import Backend
+from megatron_rl_patches.ops.kernels.sources import Source
+from megatron_rl_patches.ops.kernels.torch_fast_paths import (
     TargetRows,
     buffered_tile_grad,
-    column_marks,
     fold_tail_rows,
     fold_tail_tile,
     fold_target_rows,
     fold_target_tile,
-    fold_tile,
-    local_row_max,
-    marked_entries,
     marked_rows_grad,
-    scale_rows,
     tail_only,
     target_only,
     target_rows_grad,
     target_tile_grad,
-    tile_grad,
 )
-from megatron_rl_patches.ops._vocab import row_chunks
-from megatron_rl_patches.ops.kernels.sources import Source
-from megatron_rl_patches.ops.steps import accumulate
 from megatron_rl_patches.ops.topk_select import RunningTopk, fold_tiles
 
 # Bytes of one [rows, cols] fp32 logits tile of a hidden-state source. Rows are many so W's tile
@@ -44,6 +46,21 @@ CPU_TILE_BYTES = 8 << 20
 CUDA_TILE_BYTES = 256 << 20
 MAX_TILE_ROWS = 1024
 
+
+def accumulate(grad_h: torch.Tensor | None, grad_w: torch.Tensor | None, dz: torch.Tensor, h: torch.Tensor,
+               w: torch.Tensor, rows: slice, cols: slice) -> None:
+    """grad_h[rows] += dz·w, grad_w[cols] += dzᵀ·h (matmuls in the inputs' dtype)."""
+    if h.dtype == dz.dtype:
+        if grad_h is not None:
+            grad_h[rows].addmm_(dz, w)
+        if grad_w is not None:
+            grad_w[cols].addmm_(dz.t(), h)
+        return
+    dz = dz.to(h.dtype)
+    if grad_h is not None:
+        grad_h[rows] += torch.matmul(dz, w)
+    if grad_w is not None:
+        grad_w[cols] += torch.matmul(dz.t(), h)
 
 def tile_shape(n_rows: int, n_cols: int, device: torch.device, chunk_rows: int | None) -> tuple[int, int]:
     """(rows, cols) of a logits tile: `chunk_rows` rows (or up to MAX_TILE_ROWS), columns to fill the budget."""
@@ -80,10 +97,11 @@ def tiles(source: Source, dtype: torch.dtype) -> Iterator[tuple[slice, slice, to
             yield slice(r0, r1), slice(c0, c1), logits_tile(h, source.weight[c0:c1], buf[: r1 - r0, : c1 - c0])
 
 
-class TorchTiles:
+class TorchTiles(Backend):
     """The built-in backend: every device, every dtype."""
 
     name = "torch"
+    divergence_pass1_on_tiles = True
 
     def available(self, device: torch.device) -> str | None:
         return None

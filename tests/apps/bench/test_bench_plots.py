@@ -65,3 +65,34 @@ def test_reentrant_plot_labels_the_unpatched_crash(tmp_path):
     rows = [{"case": "repeated disable_forward_pre_hook", "unpatched_us": None, "patched_us": 50.0}]
     path = reentrant.plot(rows, str(tmp_path / "reentrant.png"))
     assert path is not None and (tmp_path / "reentrant.png").stat().st_size > 0
+
+
+def test_labels_break_between_words_only():
+    import matplotlib.pyplot as plt
+
+    fig = _figure(titles=["µs per call"])
+    words = {w for row in ROWS for w in row["case"].split()}
+    for label in fig.axes[0].get_xticklabels():
+        assert all(line.split() and set(line.split()) <= words for line in label.get_text().splitlines())
+    assert any("disable_forward_pre_hook" in label.get_text() for label in fig.axes[0].get_xticklabels())
+    plt.close(fig)
+
+
+def test_a_bar_missing_without_a_reason_says_not_measured():
+    import matplotlib.pyplot as plt
+
+    fig = _figure(titles=["µs per call"])
+    assert [t.get_text().strip() for t in fig.axes[0].texts] == ["not measured"]
+    plt.close(fig)
+
+
+def test_a_panel_without_any_number_says_so_and_one_series_has_no_legend():
+    import matplotlib.pyplot as plt
+
+    rows = [{"case": c, "variant": "ours", "peak": None, "us": 1.0} for c in ("a", "b")]
+    fig = common.grouped_bars_figure(rows, group="case", series="variant", values=["peak", "us"],
+                                     titles=["peak (U)", "µs"])
+    assert any(t.get_text() == common.NO_FIGURES for t in fig.axes[0].texts)
+    assert not any(t.get_text() == common.NO_FIGURES for t in fig.axes[1].texts)
+    assert all(ax.get_legend() is None for ax in fig.axes)
+    plt.close(fig)

@@ -17,7 +17,8 @@ from megatron_rl_patches.patching.startup import files as startup
 
 REPO = Path(__file__).resolve().parents[3]
 PATCH_NAMES = {"ddp_hooks", "train_reentry", "inference_roles", "slime_logprobs", "gpt_output_processor",
-              "grad_windows", "verl_fused_logprobs", "verl_topk_kd", "slime_fused", "slime_opd"}
+              "grad_windows", "verl_fused_logprobs", "verl_topk_kd", "slime_fused", "slime_opd",
+              "hybrid_output_processor", "mtp_output_processor"}
 
 
 
@@ -91,7 +92,7 @@ def test_doctor_reports_problems(cli_run, no_site_files, clean):
     assert "is not megatron-rl-patches' start-up file" in problems
     assert "no start-up file is installed" in problems and "startup install" in problems
 
-    from megatron_rl_patches.integrations import megatron_version
+    from megatron_rl_patches.integrations.megatron import version as megatron_version
 
     clean.setattr(megatron_version, "installed_version", lambda: "0.9.0")
     clean.setenv("MEGATRON_RL_PATCHES", "ddp_hooks")

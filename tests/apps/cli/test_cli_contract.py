@@ -120,7 +120,7 @@ def test_display_words_keep_skipped_for_problems(status, code, word):
 def test_list_shows_native_where_megatron_core_has_the_feature(cli_run, clean):
     import megatron.core.models.gpt.gpt_model  # noqa: F401 - the target module is imported
 
-    from megatron_rl_patches.integrations import megatron_version
+    from megatron_rl_patches.integrations.megatron import version as megatron_version
 
     clean.setattr(megatron_version, "installed_version", lambda: "0.19.2")  # provides output_processor
     clean.setenv(env.SELECT, "gpt_output_processor")

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from megatron_rl_patches.apps import cli
-from megatron_rl_patches.integrations import default_registry, megatron_version
+from megatron_rl_patches.integrations import default_registry
+from megatron_rl_patches.integrations.megatron import version as megatron_version
 from megatron_rl_patches.patching.startup import files as startup
 
 

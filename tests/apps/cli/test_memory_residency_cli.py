@@ -55,6 +55,11 @@ def test_json_output(capsys):
         (["--residency", "stream", "--layers", "4", "--vocab", "1000"], "give vocab_size and hidden_size together"),
         (["--residency", "stream", "--layers", "4", "--vocab", "10000000", "--hidden", "10000"],
          "leaves nothing for the layers"),
+        (["--residency", "stream", "--layers", "100", "--params", "10"], "fewer than one per layer"),
+        (["--layers", "4"], "--layers only sizes the residency plan"),
+        (["--prefetch", "2"], "--prefetch only sizes"),
+        (["--tied", "--tp", "2"], "--tied, --tp only size the residency plan"),
+        (["--vocab", "1000", "--hidden", "64"], "--vocab, --hidden only size"),
     ],
 )
 def test_usage_errors(capsys, argv, message):

@@ -152,7 +152,8 @@ def test_plain_route_uses_no_piece_of_the_package():
         "from megatron_rl_patches.apps.cli import main\n"
         "code = main(['demo', '--rollouts', '2', '--steps', '1', '--json', '--no-patches'])\n"
         "used = sorted(m for m in sys.modules if m.startswith(('megatron_rl_patches.ops', "
-        "'megatron_rl_patches.megatron', 'megatron_rl_patches.inference.build', 'megatron_rl_patches.reentrant', "
+        "'megatron_rl_patches.megatron', 'megatron_rl_patches.processors', 'megatron_rl_patches.inference.build', "
+        "'megatron_rl_patches.reentrant', "
         "'megatron_rl_patches.integrations', 'megatron_rl_patches.patching.registry')))\n"
         "print('USED', json.dumps(used)); sys.exit(code)\n"
     )

@@ -74,13 +74,13 @@ def test_the_teachers_lines_say_what_they_count():
 
 
 def test_the_closing_lines_name_what_a_slime_user_switches_on():
-    from megatron_rl_patches.integrations.slime_opd_settings import TEACHERS
+    from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS
     from megatron_rl_patches.patching.env import SELECT
 
     text = format_comparison(summary(False), summary(True))
     assert f"{SELECT}=all" in text and "slime_fused" in text and f"{TEACHERS}=" in text
     # the loss path named is the one slime can load (module path, last dot: slime's load_function)
     assert "megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss" in text
-    from megatron_rl_patches.integrations import slime_opd
+    from megatron_rl_patches.integrations.slime import opd as slime_opd
 
     assert callable(slime_opd.topk_opd_policy_loss)

@@ -13,9 +13,12 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches.ops.kernels.contract import Backend
 
-class LazyTritonTiles:
-    """Stands for :class:`.backend.TritonTiles` until a call needs it."""
+
+class LazyTritonTiles(Backend):
+    """Stands for :class:`.backend.TritonTiles` until a call needs it: the registry answers
+    `available` / `claims` here and hands the ops the loaded backend (:meth:`loaded`)."""
 
     name = "triton"
 
@@ -42,20 +45,12 @@ class LazyTritonTiles:
     def claims(self, device: torch.device) -> bool:
         return device.type == "cuda" and not torch.version.hip
 
-    def row_stats(self, *args: Any, **kwargs: Any) -> Any:
-        return self._load().row_stats(*args, **kwargs)
+    def claims_for(self, device: torch.device, dtype: torch.dtype | None) -> bool:
+        """fp64 inputs are left to the torch tiles (tl.dot has no fp64 path on every GPU)."""
+        return self.claims(device) and dtype != torch.float64
 
-    def apply_grad(self, *args: Any, **kwargs: Any) -> Any:
-        return self._load().apply_grad(*args, **kwargs)
-
-    def topk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._load().topk(*args, **kwargs)
-
-    def serves_divergence(self, *args: Any, **kwargs: Any) -> Any:
-        return self._load().serves_divergence(*args, **kwargs)
-
-    def divergence_sums(self, *args: Any, **kwargs: Any) -> Any:
-        return self._load().divergence_sums(*args, **kwargs)
-
-    def divergence_grad(self, *args: Any, **kwargs: Any) -> Any:
-        return self._load().divergence_grad(*args, **kwargs)
+    def loaded(self) -> Backend:
+        real = self._load()
+        if real is None:  # available() said why before any call gets here
+            raise ValueError(f"backend 'triton' cannot run: {self._import_error}")
+        return real

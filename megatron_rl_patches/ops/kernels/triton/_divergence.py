@@ -18,17 +18,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from megatron_rl_patches.ops._divergences import DIVERGENCES
 from megatron_rl_patches.ops.kernels.triton._tiles import logits_tile, row_scales
 
-# the kernels' DIV codes: the table's rows by their place in DIVERGENCES
-FORWARD_KL: tl.constexpr = tl.constexpr(DIVERGENCES.index("forward_kl"))
-REVERSE_KL: tl.constexpr = tl.constexpr(DIVERGENCES.index("reverse_kl"))
-MIXED_KL: tl.constexpr = tl.constexpr(DIVERGENCES.index("mixed_kl"))
-JSD: tl.constexpr = tl.constexpr(DIVERGENCES.index("jsd"))
-SKEW_FORWARD_KL: tl.constexpr = tl.constexpr(DIVERGENCES.index("skew_forward_kl"))
-SKEW_REVERSE_KL: tl.constexpr = tl.constexpr(DIVERGENCES.index("skew_reverse_kl"))
-TV: tl.constexpr = tl.constexpr(DIVERGENCES.index("tv"))
+# The divergence table's rows entry_terms computes, one branch each; a row's DIV code is its place
+# here. A row not listed is not served (serves_divergence): the torch tiles evaluate it.
+KERNEL_DIVERGENCES = ("forward_kl", "reverse_kl", "mixed_kl", "jsd", "skew_forward_kl", "skew_reverse_kl", "tv")
+FORWARD_KL: tl.constexpr = tl.constexpr(KERNEL_DIVERGENCES.index("forward_kl"))
+REVERSE_KL: tl.constexpr = tl.constexpr(KERNEL_DIVERGENCES.index("reverse_kl"))
+MIXED_KL: tl.constexpr = tl.constexpr(KERNEL_DIVERGENCES.index("mixed_kl"))
+JSD: tl.constexpr = tl.constexpr(KERNEL_DIVERGENCES.index("jsd"))
+SKEW_FORWARD_KL: tl.constexpr = tl.constexpr(KERNEL_DIVERGENCES.index("skew_forward_kl"))
+SKEW_REVERSE_KL: tl.constexpr = tl.constexpr(KERNEL_DIVERGENCES.index("skew_reverse_kl"))
+TV: tl.constexpr = tl.constexpr(KERNEL_DIVERGENCES.index("tv"))
 
 
 @triton.jit
@@ -77,10 +78,12 @@ def entry_terms(a, b, w, log_w, log_1mw, DIV: tl.constexpr):
         lm = log_mix(a, b, log_w, log_1mw)
         term = p * (a - lm)
         g = term + (1.0 - w) * tl.exp(a + b - lm)
-    else:  # TV
+    elif DIV == TV:
         d = p - q
         term = 0.5 * tl.abs(d)
         g = 0.5 * p * tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+    else:
+        tl.static_assert(False, "entry_terms: no branch for this DIV code (see KERNEL_DIVERGENCES)")
     return term, g, p
 
 

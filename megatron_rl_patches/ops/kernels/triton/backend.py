@@ -30,9 +30,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from megatron_rl_patches.ops._divergences import DIVERGENCES, Plan
-from megatron_rl_patches.ops._stats import GradFactors, RowStats, finite_or_zero, per_row
+from megatron_rl_patches.ops._divergences import Plan
+from megatron_rl_patches.ops._stats import GradFactors, RowStats, finite_or_zero, moved_stats, per_row
 from megatron_rl_patches.ops._vocab import row_chunks
+from megatron_rl_patches.ops.kernels.contract import Backend
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.kernels.torch_tiles import (
     CPU_TILE_BYTES,
@@ -40,11 +41,10 @@ from megatron_rl_patches.ops.kernels.torch_tiles import (
     TorchTiles,
     logits_grad_buffer,
 )
-from megatron_rl_patches.ops.kernels.triton._divergence import divergence_tile_kernel
+from megatron_rl_patches.ops.kernels.triton._divergence import KERNEL_DIVERGENCES, divergence_tile_kernel
 from megatron_rl_patches.ops.kernels.triton._fold import row_stats_kernel
 from megatron_rl_patches.ops.kernels.triton._grad import grad_tile_kernel
 from megatron_rl_patches.ops.kernels.triton._topk import topk_tile_kernel
-from megatron_rl_patches.ops.steps import moved_stats
 from megatron_rl_patches.ops.topk_select import RunningTopk, best_of
 
 # Triton picks the interpreter when a kernel is decorated, i.e. when this module is imported.
@@ -126,7 +126,7 @@ def _src_args(source: Source) -> tuple[torch.Tensor, torch.Tensor, int, int, int
     return x, x, 0, x.stride(0), x.stride(1), 0, 0
 
 
-class TritonTiles:
+class TritonTiles(Backend):
     """The ``triton`` backend (see the module docstring)."""
 
     name = "triton"
@@ -259,11 +259,12 @@ class TritonTiles:
 
     # ------------------------------------------------------------------------- lm_head_divergence
 
-    def serves_divergence(self, student: Source, teachers: list[Source]) -> bool:
-        """Whether :meth:`divergence_sums` / :meth:`divergence_grad` take this call: one teacher of
-        the student's dtype, not fp64 (the teachers' mixture and fp64 run on the torch tiles)."""
-        return (len(teachers) == 1 and student.first.dtype != torch.float64
-                and teachers[0].first.dtype == student.first.dtype)
+    def serves_divergence(self, student: Source, teachers: list[Source], plan: Plan) -> bool:
+        """Whether :meth:`divergence_sums` / :meth:`divergence_grad` take this call: a table row
+        the kernels have a branch for (KERNEL_DIVERGENCES), one teacher of the student's dtype,
+        not fp64 (the teachers' mixture and fp64 run on the torch tiles)."""
+        return (plan.row.name in KERNEL_DIVERGENCES and len(teachers) == 1
+                and student.first.dtype != torch.float64 and teachers[0].first.dtype == student.first.dtype)
 
     def divergence_sums(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, ...],
                         plan: Plan, scale: float | torch.Tensor, keep_mask: torch.Tensor | None) -> torch.Tensor:
@@ -314,7 +315,7 @@ class TritonTiles:
             math.log(w) if inside else 0.0, math.log1p(-w) if inside else 0.0,
             *s_strides, *t_strides, s_keep_r, s_keep_c,
             out.stride(0) if grad else 0, out.stride(1) if grad else 0,
-            DIV=DIVERGENCES.index(plan.row.name), GRAD=grad, HAS_CONSTANT=constant is not None,
+            DIV=KERNEL_DIVERGENCES.index(plan.row.name), GRAD=grad, HAS_CONSTANT=constant is not None,
             ROW_SCALE=scale_t is not None, HAS_KEEP=keep is not None, **b.launch(student.first.dtype),
         )
 
@@ -367,7 +368,7 @@ def _or(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
 def merge_splits(parts: RowStats, splits: int, scale: float | torch.Tensor) -> RowStats:
     """The statistics of `splits` vocabulary splits ([splits·T] rows, split-major) merged into one
     per row: each split's sums moved to the maximum shift over splits and added (the step the
-    cross-rank combine takes, :func:`megatron_rl_patches.ops.steps.moved_stats`)."""
+    cross-rank combine takes, :func:`megatron_rl_patches.ops._stats.moved_stats`)."""
     if splits == 1:
         return parts
     n_rows = parts.shift.size(0) // splits

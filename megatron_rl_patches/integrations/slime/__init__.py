@@ -1,0 +1,17 @@
+"""slime (624b824a): its records (`patches`), and the modules that do the work: the log-prob
+adapter (`logprobs`), inference-only roles (`roles`), the fused route (`fused`, slicing with
+slime's helpers in `rows`, top-k buckets in `topk`), the step plan both the fused route and top-k
+OPD use (`plan`) and top-k OPD (`opd`, settings in `opd_settings`).
+
+`megatron_rl_patches.integrations.slime.calculate_log_probs_and_entropy` (a path users type) is
+the adapter's function."""
+from __future__ import annotations
+
+from megatron_rl_patches._lazy import lazy_getattr
+
+_LAZY = {
+    "calculate_log_probs_and_entropy": "logprobs",
+    "calculate_log_probs_and_entropy_wrapper": "logprobs",
+}
+__all__ = sorted(_LAZY)
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

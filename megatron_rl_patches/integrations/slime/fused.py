@@ -1,0 +1,275 @@
+"""`slime_fused`: slime's forward steps on the package's output processors, so the last pipeline
+stage returns per-token log-probs and entropy straight from the hidden states: no [1, T, V] logits.
+
+slime (624b824a) builds its `forward_step` closures inside `forward_only` and `train_one_step`; the
+records reach them through the names those closures look up at call time in slime's model module:
+`get_batch` (the micro-batch is noted), `get_forward_backward_func` (the step is given a model
+whose call adds `labels=`, `output_processor=` and `output_processor_context=`). slime's
+`get_log_probs_and_entropy` then slices the processor's [1, T] results with slime's own helpers
+(thd packing, zigzag and allgather context parallelism), so every loss keeps slime's semantics.
+What the route cannot serve goes to slime's own logits path with one log line naming the feature.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from typing import Any
+
+from megatron_rl_patches.integrations.slime.plan import Plan, current_plan, run_planned, step_request
+
+FALLBACK = "slime_fused: {feature}: this step uses slime's own logits path"
+
+logger = logging.getLogger("megatron_rl_patches")
+_SAID: set[str] = set()
+
+
+def fall_back(feature: str) -> None:
+    """One log line per feature and process: the step goes to slime's own logits path."""
+    if feature not in _SAID:
+        _SAID.add(feature)
+        logger.warning(FALLBACK.format(feature=feature))
+
+
+class FusedOutput(dict):
+    """The processor's dict ({"log_probs": [1, T], "entropy": [1, T] or None}) with what slime's
+    loss code reads off `logits`: `.device`, `.sum()` (slime adds `0 * logits.sum()` to keep the
+    graph connected) and `.dtype` (float32, so Float16Module passes it through)."""
+
+    @property
+    def device(self) -> Any:
+        return self["log_probs"].device
+
+    @property
+    def dtype(self) -> Any:
+        return self["log_probs"].dtype
+
+    def sum(self) -> Any:
+        return self["log_probs"].sum()
+
+
+def unservable(args: Any) -> str | None:
+    """The feature of slime's configuration the fused route cannot serve, or None."""
+    if getattr(args, "rollout_top_p", 1.0) != 1.0:
+        return "top-p replay (rollout_top_p != 1: its keep-mask is dense [T, V])"
+    if getattr(args, "enable_mtp_training", False):
+        return "MTP training (enable_mtp_training)"
+    if os.environ.get("ENABLE_ROUTING_REPLAY", "0") == "1":
+        return "routing replay (ENABLE_ROUTING_REPLAY=1)"
+    if getattr(args, "loss_type", "policy_loss") == "value_loss":
+        return "the critic's value head (loss_type value_loss)"
+    return None
+
+
+def _bind(wrapped: Any, args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
+    try:
+        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return bound
+
+
+def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for `forward_only(f, args, model, ...)`: a fused plan when `f` is slime's
+    log-prob callback and the configuration is servable."""
+    bound = _bind(wrapped, args, kwargs)
+    if bound is None or current_plan() is not None:  # slime's own error; a pass planned by slime_opd
+        return wrapped(*args, **kwargs)
+    slime_args, f = bound.arguments["args"], bound.arguments["f"]
+    name = getattr(f, "__name__", type(f).__name__)
+    reason = unservable(slime_args)
+    if name == "get_values":
+        reason = "the critic's value head (forward_only with get_values)"
+    elif name != "get_log_probs_and_entropy":
+        reason = f"a forward_only callback other than get_log_probs_and_entropy ({name})"
+    elif bound.arguments.get("use_rollout_top_p_replay") and getattr(slime_args, "rollout_top_p", 1.0) != 1.0:
+        reason = "top-p replay (rollout_top_p != 1: its keep-mask is dense [T, V])"
+    if reason is not None:
+        fall_back(reason)
+        return run_planned(None, wrapped, args, kwargs)
+    with_entropy = bool(getattr(slime_args, "use_rollout_entropy", False))
+    return run_planned(Plan(slime_args, with_entropy, False), wrapped, args, kwargs)
+
+
+def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for `train_one_step(args, ...)`: entropy (with its gradient only when
+    `entropy_coef != 0`, as slime's `with_entropy_grad`) unless the loss is slime's SFT loss."""
+    bound = _bind(wrapped, args, kwargs)
+    if bound is None:
+        return wrapped(*args, **kwargs)
+    slime_args = bound.arguments["args"]
+    request = step_request(slime_args)
+    reason = unservable(slime_args)
+    if reason is not None:  # slime's logits path; a top-k loss still needs its batch keys
+        fall_back(reason)
+        plan = None if request is None else Plan(slime_args, False, False, request, fused=False)
+        return run_planned(plan, wrapped, args, kwargs)
+    with_entropy = getattr(slime_args, "loss_type", "policy_loss") != "sft_loss"
+    grad = with_entropy and getattr(slime_args, "entropy_coef", 0.0) != 0
+    return run_planned(Plan(slime_args, with_entropy, grad, request), wrapped, args, kwargs)
+
+
+def get_batch_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for slime's `get_batch`: the batch (with the keys a top-k request needs) is
+    noted for the fused model call."""
+    plan = current_plan()
+    if plan is not None and plan.topk is not None and plan.topk.keys:
+        bound = _bind(wrapped, args, kwargs)
+        if bound is not None:
+            keys = list(bound.arguments["keys"])
+            bound.arguments["keys"] = keys + [key for key in plan.topk.keys if key not in keys]
+            args, kwargs = bound.args, bound.kwargs
+    batch = wrapped(*args, **kwargs)
+    if plan is not None:
+        plan.batch = batch
+    return batch
+
+
+def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for `get_forward_backward_func()`: inside a fused plan, the schedule it
+    returns runs slime's forward step with the fused model."""
+    schedule = wrapped(*args, **kwargs)
+    plan = current_plan()
+    if plan is None or not plan.fused:
+        return schedule
+
+    def fused_schedule(*call_args: Any, **call_kwargs: Any) -> Any:
+        if "forward_step_func" in call_kwargs:
+            call_kwargs["forward_step_func"] = fused_step(call_kwargs["forward_step_func"], plan)
+        elif call_args:
+            call_args = (fused_step(call_args[0], plan), *call_args[1:])
+        return schedule(*call_args, **call_kwargs)
+
+    return fused_schedule
+
+
+def fused_step(step: Any, plan: Plan) -> Any:
+    """slime's forward step, given the fused model (the combined-1F1B schedule plan excepted)."""
+
+    def forward_step(data_iterator: Any, model: Any, *rest: Any, **kwargs: Any) -> Any:
+        if kwargs.get("return_schedule_plan") or (rest and rest[0] is True):
+            fall_back("the combined-1F1B schedule plan (model.build_schedule_plan)")
+            return step(data_iterator, model, *rest, **kwargs)
+        return step(data_iterator, FusedModel(model, plan), *rest, **kwargs)
+
+    return forward_step
+
+
+def _inner(model: Any) -> Any:
+    """The language model under DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def is_last_stage(model: Any) -> bool:
+    """Whether this chunk computes the output layer (GPTModel's `post_process`): only the last
+    pipeline stage (per virtual stage with VPP) has log-probs to return."""
+    return bool(getattr(_inner(model), "post_process", True))
+
+
+def _accepts_processor(model: Any) -> bool:
+    inner = _inner(model)
+    try:
+        parameters = inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "output_processor" in parameters and "output_processor_context" in parameters
+
+
+class FusedModel:
+    """A model chunk whose call runs the log-prob output processor on the response rows of the
+    noted micro-batch; every attribute is the chunk's own."""
+
+    def __init__(self, model: Any, plan: Plan):
+        self._model, self._plan = model, plan
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not is_last_stage(self._model):  # its hidden states go to the next stage: the plain call
+            return self._model(*args, **kwargs)
+        batch = self._plan.batch
+        if args or batch is None or "input_ids" not in kwargs:
+            fall_back("a forward step that does not call model(input_ids=...) after get_batch")
+            return self._model(*args, **kwargs)
+        if batch.get("multimodal_train_inputs"):
+            fall_back("multimodal inputs (multimodal_train_inputs)")
+            return self._model(*args, **kwargs)
+        if "mtp_kwargs" in kwargs:
+            fall_back("MTP training (mtp_kwargs)")
+            return self._model(*args, **kwargs)
+        layout = batch_layout(kwargs.get("packed_seq_params"))
+        if layout != "thd":
+            if getattr(self._plan.args, "allgather_cp", False):
+                raise ValueError(
+                    "slime_fused: --allgather-cp needs packed thd batches (slime's get_batch builds them); this "
+                    f"micro-batch is {layout!r}: drop --allgather-cp or pack as thd")
+            fall_back(f"{layout} batches (packed_seq_params.qkv_format != 'thd': the route slices thd packing)")
+            return self._model(*args, **kwargs)
+        if not _accepts_processor(self._model):
+            fall_back("a model without GPTModel's output_processor keyword (apply gpt_output_processor "
+                      "on megatron-core < 0.18)")
+            return self._model(*args, **kwargs)
+        return self._fused(kwargs, batch)
+
+    def _fused(self, kwargs: dict, batch: dict) -> FusedOutput:
+        from megatron_rl_patches.integrations.slime.rows import response_rows, shifted_targets
+        from megatron_rl_patches.processors.heads import log_prob_output_processor
+
+        plan, tokens = self._plan, kwargs["input_ids"]
+        allgather_cp = bool(getattr(plan.args, "allgather_cp", False))
+        if tokens.dim() != 2 or tokens.size(0) != 1:
+            raise ValueError(f"slime_fused: slime packs every micro-batch as [1, T] tokens, got {tuple(tokens.shape)}")
+        length = tokens.size(1)
+        labels = shifted_targets(batch, length, tokens.device, allgather_cp)
+        rows = response_rows(batch, length, tokens.device, allgather_cp)
+        options: dict[str, Any] = dict(temperature=float(getattr(plan.args, "rollout_temperature", 1.0)),
+                                       chunk_size=_chunk_size(plan.args))
+        processor = log_prob_output_processor(with_entropy=plan.with_entropy,
+                                              entropy_requires_grad=plan.entropy_requires_grad, **options)
+        context: dict = row_context(rows[None])
+        if plan.topk is not None:
+            from megatron_rl_patches.integrations.slime.topk import topk_context, with_topk
+
+            topk_ctx = topk_context(plan.topk, batch, length, tokens.device, allgather_cp)
+            processor = with_topk(processor, plan.topk.k, options, topk_ctx, union=plan.topk.union)
+        out = self._model(**{**kwargs, "labels": labels[None]}, output_processor=processor,
+                          output_processor_context=context)
+        return FusedOutput(out)
+
+
+def batch_layout(packed_seq_params: Any) -> str:
+    """The micro-batch's qkv layout: its `packed_seq_params.qkv_format`, "bshd" without packing."""
+    if packed_seq_params is None:
+        return "bshd"
+    return str(getattr(packed_seq_params, "qkv_format", "thd"))
+
+
+def _chunk_size(args: Any) -> int | None:
+    value = getattr(args, "log_probs_chunk_size", -1)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def row_context(rows: Any) -> dict:
+    """The processor context restricting the head to response rows (masked response tokens
+    included; rows outside responses are never read by slime's slicing)."""
+    return {"row_mask": rows}
+
+
+def log_probs_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for slime's `get_log_probs_and_entropy`: a fused output is sliced per sample
+    with slime's helpers; logits go to slime's function."""
+    bound = _bind(wrapped, args, kwargs)
+    if bound is None or not isinstance(bound.arguments["logits"], FusedOutput):
+        return wrapped(*args, **kwargs)
+    from megatron_rl_patches.integrations.slime.rows import per_sample
+
+    values = bound.arguments
+    if values.get("top_p_token_ids") is not None:
+        raise RuntimeError("slime_fused: top-p replay reached a fused output; please report this (the route "
+                           "should have fallen back to slime's logits path)")
+    return per_sample(values["logits"], values["args"], values["total_lengths"], values["response_lengths"],
+                      bool(values["with_entropy"]))

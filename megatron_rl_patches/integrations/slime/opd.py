@@ -1,0 +1,283 @@
+"""`slime_opd`: top-k multi-teacher on-policy distillation inside slime's own actor (624b824a),
+switched on by MEGATRON_RL_PATCHES_OPD_TEACHERS (`opd_settings`) with slime's custom loss:
+
+    --loss-type custom_loss --custom-loss-function-path \
+        megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss
+
+Teachers are loaded after the actor's `init`: same-architecture ones the slime way (checkpoints
+loaded into the actor and kept as host snapshots, swapped in with one restore per teacher per
+step), others as separate inference-only models (`build_inference_model`). Before slime's
+`train_actor`, the actor's own top-k pass selects the ids, each teacher scores them (exact tail
+bucket): [R, k] per sample and teacher reach `train_one_step`'s batch. With
+MEGATRON_RL_PATCHES_OPD_IDS_FROM=union the first teacher's pass also selects its own top-k and
+scores the union with the student's ids ([R, 2k] with a padding mask), which every other model
+scores. Nothing [T, V] is built.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any
+
+from megatron_rl_patches.integrations.slime.opd_settings import (
+    LOSS_PATH,
+    LOSS_PATHS,
+    RESIDENCY,
+    TEACHERS,
+    OpdSettings,
+    Teacher,
+    opd_settings,
+)
+from megatron_rl_patches.integrations.slime.plan import (
+    IDS,
+    IDS_MASK,
+    OPD_KEYS,
+    TEACHER_LOGPROBS,
+    TEACHER_TAILS,
+    Plan,
+    TopkRequest,
+    run_planned,
+)
+
+if TYPE_CHECKING:  # torch is imported by the functions that run: `list` and `doctor` read PATCHES cheaply
+    import torch
+
+ATTRIBUTE = "_megatron_rl_patches_opd_teachers"
+
+
+def check_args(args: Any) -> None:
+    """slime's flags top-k OPD needs, checked before the first step."""
+    custom = getattr(args, "loss_type", None) == "custom_loss"
+    if not custom or getattr(args, "custom_loss_function_path", None) not in LOSS_PATHS:
+        raise ValueError(f"{TEACHERS} is set: top-k OPD needs slime's flags --loss-type custom_loss "
+                         f"--custom-loss-function-path {LOSS_PATH} (got --loss-type {args.loss_type}); "
+                         f"or unset {TEACHERS}")
+    if getattr(args, "context_parallel_size", 1) > 1:
+        raise ValueError(f"{TEACHERS} is set with --context-parallel-size {args.context_parallel_size}: top-k OPD "
+                         "serves context parallelism 1 only; drop context parallelism or unset it")
+
+
+def _unwrap(chunk: Any) -> Any:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _load_function(spec: str) -> Any:
+    """The provider function `module:function` names (its syntax checked with the settings)."""
+    import importlib
+
+    module, _, name = spec.partition(":")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{TEACHERS}: teacher provider {spec!r} cannot be loaded ({type(exc).__name__}: {exc}); "
+                         "name an importable module:function") from exc
+    if not callable(function):
+        raise ValueError(f"{TEACHERS}: teacher provider {spec!r} is a {type(function).__name__}, not a function "
+                         "returning a Megatron model provider")
+    return function
+
+
+def _separate_teacher(args: Any, teacher: Teacher, residency: str | None) -> list[Any]:
+    from megatron_rl_patches.inference import build_inference_model
+
+    provider = _load_function(teacher.provider or "")(args)
+    options: dict[str, Any] = {"load_dir": teacher.path}
+    if residency is not None:
+        if "residency" not in inspect.signature(build_inference_model).parameters:
+            raise ValueError(f"{RESIDENCY}={residency!r}: this build_inference_model takes no residency=; unset it")
+        options["residency"] = residency
+    return build_inference_model(provider, **options)
+
+
+def _check_snapshot(actor: Any, tag: str, teacher: Teacher) -> None:
+    own, other = actor.weights_backuper.get("actor"), actor.weights_backuper.get(tag)
+    wrong = [name for name in own if name not in other or other[name].shape != own[name].shape]
+    if wrong:
+        raise ValueError(f"{TEACHERS}: teacher {teacher.path} does not have the actor's shapes ({wrong[:3]}): "
+                         "a teacher of another architecture or vocabulary needs PATH@module:function")
+
+
+def load_teachers(actor: Any, settings: OpdSettings) -> list[Any]:
+    """Each teacher as a snapshot tag of the actor (same architecture) or separate model chunks;
+    the actor's own weights are active again afterwards."""
+    check_args(actor.args)
+    vocab = _unwrap(actor.model[-1]).vocab_size
+    loaded: list[Any] = []
+    for index, teacher in enumerate(settings.teachers):
+        if teacher.same_architecture:
+            tag = f"opd_teacher_{index}"
+            actor.load_other_checkpoint(tag, teacher.path)
+            _check_snapshot(actor, tag, teacher)
+            loaded.append(tag)
+        else:
+            chunks = _separate_teacher(actor.args, teacher, settings.residency)
+            teacher_vocab = _unwrap(chunks[-1]).vocab_size
+            if teacher_vocab != vocab:
+                raise ValueError(f"{TEACHERS}: teacher {teacher.path} has vocabulary {teacher_vocab}, the actor "
+                                 f"{vocab}: top-k OPD compares the same token ids; use a teacher with the actor's "
+                                 "tokenizer")
+            loaded.append(chunks)
+    actor._switch_model("actor")
+    return loaded
+
+
+def init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for the actor's `init`: top-k OPD's teachers loaded after slime's own."""
+    result = wrapped(*args, **kwargs)
+    settings = opd_settings()
+    if settings is not None and getattr(instance, "role", "actor") == "actor" and hasattr(instance, "model"):
+        setattr(instance, ATTRIBUTE, load_teachers(instance, settings))
+    return result
+
+
+def collect_topk(output: Any, *, total_lengths: list[int], response_lengths: list[int], **_: Any) -> tuple:
+    """slime's forward_only callback for a top-k pass: the buckets per sample (detached)."""
+    import torch
+
+    if not isinstance(output, dict):
+        raise RuntimeError("slime_opd: a top-k pass fell back to slime's logits path (the slime_fused log line "
+                           "names why); top-k OPD scores the student's ids and the teachers on the fused route "
+                           "only: remove that feature from the configuration or unset MEGATRON_RL_PATCHES_OPD_TEACHERS")
+
+    from megatron_rl_patches.integrations.slime.topk import per_sample_rows
+
+    batch = {"total_lengths": total_lengths, "response_lengths": response_lengths}
+    result = {key: [t.detach() for t in per_sample_rows(output[key], batch)]
+              for key in ("topk_ids", "ids_mask", "topk_log_probs", "tail") if key in output}
+    return torch.empty((0,), device=output["log_probs"].device), result
+
+
+def topk_pass(args: Any, model: list[Any], rollout_data: dict, request: TopkRequest) -> dict[str, list[torch.Tensor]]:
+    """slime's `forward_only` over the rollout with the fused route's top-k request."""
+    from slime.backends.megatron_utils import model as slime_model
+    from slime.backends.megatron_utils.data import get_data_iterator
+
+    iterator = get_data_iterator(rollout_data)
+    plan = Plan(args, with_entropy=False, entropy_requires_grad=False, topk=request)
+    return run_planned(plan, slime_model.forward_only, (collect_topk, args, model, iterator,
+                                                        rollout_data["num_microbatches"]), {})
+
+
+def _teacher_requests(settings: OpdSettings) -> tuple[TopkRequest, TopkRequest]:
+    """The first teacher's request and the others': all score the student's ids, or (union) the
+    first selects its own top-k and scores the union, which the others score with its mask."""
+    if settings.ids_from == "union":
+        return (TopkRequest(k=settings.k, ids_key=IDS, keys=(IDS,), union=True),
+                TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_MASK)))
+    scoring = TopkRequest(ids_key=IDS, keys=(IDS,))
+    return scoring, scoring
+
+
+def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> None:
+    """The actor's top-k ids (first, never skipped), then each teacher's [R, k] scores and [R]
+    tails, stacked per sample as [n, R, k] / [n, R] into the rollout data (for a union, the
+    first teacher's pass replaces the ids by the union [R, 2k] and adds its padding mask)."""
+    import torch
+
+    if actor._active_model_tag != "actor":
+        actor._switch_model("actor")
+    ids = topk_pass(actor.args, actor.model, rollout_data, TopkRequest(k=settings.k)).get("topk_ids")
+    if ids is None:  # not the last pipeline stage: the ids live there only
+        return
+    rollout_data[IDS] = ids
+    rollout_data.pop(IDS_MASK, None)
+    first, others = _teacher_requests(settings)
+    scores, tails = [], []
+    for index, teacher in enumerate(getattr(actor, ATTRIBUTE)):
+        model = actor.model
+        if isinstance(teacher, str):
+            actor._switch_model(teacher)
+        else:
+            model = teacher
+        out = topk_pass(actor.args, model, rollout_data, others if index else first)
+        if "ids_mask" in out:
+            rollout_data[IDS], rollout_data[IDS_MASK] = out["topk_ids"], out["ids_mask"]
+        scores.append(out["topk_log_probs"])
+        tails.append(out["tail"])
+    actor._switch_model("actor")
+    rollout_data[TEACHER_LOGPROBS] = [torch.stack(per_teacher) for per_teacher in zip(*scores)]
+    rollout_data[TEACHER_TAILS] = [torch.stack(per_teacher) for per_teacher in zip(*tails)]
+
+
+def train_actor_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for the actor's `train_actor(rollout_id, rollout_data)`: teachers scored first."""
+    settings = opd_settings()
+    if settings is not None and hasattr(instance, ATTRIBUTE):
+        rollout_data = kwargs["rollout_data"] if "rollout_data" in kwargs else args[1]
+        score_teachers(instance, rollout_data, settings)
+    return wrapped(*args, **kwargs)
+
+
+def log_rollout_data_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for slime's `log_rollout_data(rollout_id, args, rollout_data)`: slime averages
+    every tensor list outside its ignore sets, and top-k OPD's fields are no metric (int64 ids and a
+    bool mask have no mean; [n, R, k] scores do not concatenate across samples): slime logs the
+    rollout data without them. The training steps still read them (the dict itself is unchanged)."""
+    from megatron_rl_patches._args import bind
+
+    bound = bind(wrapped, args, kwargs)
+    data = None if bound is None else bound.arguments.get("rollout_data")
+    if bound is None or not isinstance(data, dict) or not any(key in data for key in OPD_KEYS):
+        return wrapped(*args, **kwargs)
+    bound.arguments["rollout_data"] = {key: value for key, value in data.items() if key not in OPD_KEYS}
+    return wrapped(*bound.args, **bound.kwargs)
+
+
+def student_buckets(args: Any, batch: dict, logits: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The student's [N, k] log-probs at the rollout's ids (padded slots of a union -inf) and [N]
+    tails over the batch's response tokens: from the fused output, or (slime's logits path) from
+    the logits by the top-k op."""
+    import torch
+
+    from megatron_rl_patches.integrations.slime.topk import packed_ids, per_sample_rows
+
+    if isinstance(logits, dict):
+        if "topk_log_probs" not in logits:
+            raise RuntimeError("slime_opd: the fused step ran without the top-k request; please report this")
+        logp, tail = logits["topk_log_probs"], logits["tail"]
+    else:
+        from megatron.core import parallel_state
+
+        from megatron_rl_patches.integrations.slime.rows import response_positions
+        from megatron_rl_patches.ops.topk import topk_logprobs
+
+        rows = logits.reshape(-1, logits.shape[-1])
+        positions = response_positions(batch, rows.shape[0], rows.device, bool(args.allgather_cp))
+        group = parallel_state.get_tensor_model_parallel_group()
+        group = group if torch.distributed.get_world_size(group) > 1 else None
+        mask = batch.get(IDS_MASK)
+        mask = None if mask is None else packed_ids(mask, positions, rows.shape[0], dtype=torch.bool)
+        responses = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+        responses[torch.cat(positions)] = True  # the other rows' ids are placeholders (0), never read
+        logp, tail = topk_logprobs(rows, packed_ids(batch[IDS], positions, rows.shape[0]), ids_mask=mask,
+                                   tp_group=group, temperature=float(args.rollout_temperature), row_mask=responses)
+        logp, tail = logp[None], tail[None]
+    return torch.cat(per_sample_rows(logp, batch)), torch.cat(per_sample_rows(tail, batch))
+
+
+def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean: Any) -> tuple[Any, dict]:
+    """slime's custom loss: POLICY_WEIGHT · slime's policy loss + COEF · the top-k divergence
+    between the student and the teachers' mixture (topk_kl; its per-token values averaged per
+    sample by slime's `sum_of_sample_mean`), logged as "opd_topk_loss"."""
+    import torch
+    from slime.backends.megatron_utils.loss import policy_loss_function
+
+    from megatron_rl_patches.ops.topk import topk_kl
+
+    settings = opd_settings()
+    if settings is None or batch.get(TEACHER_LOGPROBS) is None:
+        raise ValueError(f"{LOSS_PATH} needs top-k OPD's teacher scores: set {TEACHERS} and apply the slime_opd "
+                         "patch (megatron_rl_patches.apply(only=['slime_fused', 'slime_opd', ...]))")
+    loss, log = policy_loss_function(args, batch, logits, sum_of_sample_mean)
+    student, student_tail = student_buckets(args, batch, logits)
+    teachers = torch.cat(batch[TEACHER_LOGPROBS], dim=1).to(student)
+    tails = torch.cat(batch[TEACHER_TAILS], dim=1).to(student)
+    weights = None if settings.weights is None else torch.tensor(settings.weights, dtype=torch.float64)
+    mask = batch.get(IDS_MASK)
+    mask = None if mask is None else torch.cat(mask).to(device=student.device, dtype=torch.bool)
+    divergence = topk_kl(student, student_tail, teachers, tails, teacher_weights=weights,
+                         divergence=settings.divergence, ids_mask=mask)
+    opd = sum_of_sample_mean(divergence)
+    log["opd_topk_loss"] = opd.clone().detach()
+    return settings.policy_weight * loss + settings.coef * opd, log

@@ -1,0 +1,145 @@
+"""The settings of slime's top-k multi-teacher OPD (`slime_opd`), read from the environment so
+slime's own command line stays unchanged; every bad value is a ValueError naming the variable."""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+PREFIX = "MEGATRON_RL_PATCHES_OPD_"
+TEACHERS = PREFIX + "TEACHERS"
+WEIGHTS = PREFIX + "WEIGHTS"
+K = PREFIX + "K"
+DIVERGENCE = PREFIX + "DIVERGENCE"
+COEF = PREFIX + "COEF"
+POLICY_WEIGHT = PREFIX + "POLICY_WEIGHT"
+RESIDENCY = PREFIX + "RESIDENCY"
+IDS_FROM = PREFIX + "IDS_FROM"
+IDS_SOURCES = ("student", "union")
+# slime's --custom-loss-function-path for top-k OPD: the documented path (users type it), and the
+# loss's module path since integrations/slime/ became a package; both are accepted.
+LOSS_PATH = "megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss"
+LOSS_PATHS = (LOSS_PATH, "megatron_rl_patches.integrations.slime.opd.topk_opd_policy_loss")
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """One teacher: a checkpoint path, and for another architecture the `module:function` that
+    returns its Megatron model provider (called with slime's args)."""
+
+    path: str
+    provider: str | None = None
+
+    @property
+    def same_architecture(self) -> bool:
+        return self.provider is None
+
+
+@dataclass(frozen=True)
+class OpdSettings:
+    """What the OPD flow does: teachers, mixture weights (None: uniform), k, divergence, the OPD
+    term's coefficient, the weight of slime's policy loss, the separate teachers' residency, and
+    whose top-k ids make the buckets ("student", or "union": the student's and the first
+    teacher's, 2k per token with a padding mask, as docs/distillation.md defines it)."""
+
+    teachers: tuple[Teacher, ...]
+    weights: tuple[float, ...] | None = None
+    k: int = 16
+    divergence: str = "reverse_kl"
+    coef: float = 1.0
+    policy_weight: float = 1.0
+    residency: str | None = None
+    ids_from: str = "student"
+
+
+def _is_provider(spec: str) -> bool:
+    """`module:function`: a dotted module name and a function name, both non-empty identifiers."""
+    module, colon, function = spec.partition(":")
+    return bool(colon) and all(part.isidentifier() for part in module.split(".")) and function.isidentifier()
+
+
+def _teacher(entry: str) -> Teacher:
+    path, at, provider = entry.partition("@")
+    if not path.strip() or (at and not _is_provider(provider.strip())):
+        raise ValueError(f"{TEACHERS} entry {entry!r}: expected PATH (same architecture as the actor) or "
+                         "PATH@module:function (a provider for another architecture, e.g. "
+                         "/ckpt/teacher@my_models:teacher_provider)")
+    return Teacher(path.strip(), provider.strip() or None)
+
+
+def _residency(env: Mapping[str, str]) -> str | None:
+    from megatron_rl_patches.patching.env import RESIDENCIES
+
+    raw = env.get(RESIDENCY, "").strip().lower()
+    if raw and raw not in RESIDENCIES:
+        raise ValueError(f"{RESIDENCY}={raw!r}: expected one of {list(RESIDENCIES)} (the residency of the "
+                         "PATH@module:function teachers), or unset it for resident")
+    return raw or None
+
+
+def _number(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a finite number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={raw!r}: expected a finite number")
+    return value
+
+
+def _k(env: Mapping[str, str]) -> int:
+    raw = env.get(K, "").strip() or "16"
+    try:
+        k = int(raw)
+    except ValueError:
+        k = 0
+    if k <= 0:
+        raise ValueError(f"{K}={raw!r}: expected an integer k > 0 (the student's top-k ids per token)")
+    return k
+
+
+def _weights(env: Mapping[str, str], count: int) -> tuple[float, ...] | None:
+    raw = env.get(WEIGHTS, "").strip()
+    if not raw:
+        return None
+    try:
+        weights = tuple(float(w) for w in raw.split(","))
+    except ValueError:
+        raise ValueError(f"{WEIGHTS}={raw!r}: expected comma-separated numbers, one per teacher") from None
+    if len(weights) != count:
+        raise ValueError(f"{WEIGHTS}={raw!r} gives {len(weights)} weights for {count} teachers in {TEACHERS}: "
+                         "give one weight per teacher (or unset it for uniform weights)")
+    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"{WEIGHTS}={raw!r}: weights must be finite, >= 0, with a positive sum")
+    if abs(math.fsum(weights) - 1) > 1e-6:  # the package's policy: the mixture's probabilities, never rescaled
+        scaled = ",".join(f"{w / math.fsum(weights):g}" for w in weights)
+        raise ValueError(f"{WEIGHTS}={raw!r} sums to {math.fsum(weights):g}: the weights are the teachers' mixture "
+                         f"probabilities and must sum to 1 (e.g. {scaled})")
+    return weights
+
+
+def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
+    """The settings from the environment, or None when MEGATRON_RL_PATCHES_OPD_TEACHERS is unset
+    (slime's flow untouched)."""
+    env = os.environ if env is None else env
+    raw = env.get(TEACHERS)
+    if raw is None:
+        return None
+    teachers = tuple(_teacher(entry) for entry in raw.split(",") if entry.strip())
+    if not teachers:
+        raise ValueError(f"{TEACHERS}={raw!r} names no teacher: give comma-separated checkpoint paths "
+                         "(PATH or PATH@module:function), or unset it to switch top-k OPD off")
+    from megatron_rl_patches.ops._divergences import DIVERGENCES  # the table's rows (mixed_kl included)
+
+    divergence = env.get(DIVERGENCE, "").strip() or "reverse_kl"
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"{DIVERGENCE}={divergence!r}: expected one of {list(DIVERGENCES)}")
+    ids_from = env.get(IDS_FROM, "").strip() or "student"
+    if ids_from not in IDS_SOURCES:
+        raise ValueError(f"{IDS_FROM}={ids_from!r}: expected one of {list(IDS_SOURCES)} (whose top-k ids make the "
+                         "buckets: the student's, or the student's and the first teacher's)")
+    return OpdSettings(teachers=teachers, weights=_weights(env, len(teachers)), k=_k(env), divergence=divergence,
+                       coef=_number(env, COEF, 1.0), policy_weight=_number(env, POLICY_WEIGHT, 1.0),
+                       residency=_residency(env), ids_from=ids_from)

@@ -1,0 +1,77 @@
+"""Every slime record in one place (slime 624b824a, and forks vendoring its module names): train()
+re-entry, inference-only roles, the log-prob adapter, the fused route (`slime_fused`) and top-k
+OPD (`slime_opd`). The listing order is `integrations.ORDER`'s.
+
+slime ships no version metadata we can rely on, so these records carry no version range; the
+parameter lists are the guard.
+"""
+from __future__ import annotations
+
+from megatron_rl_patches.integrations.megatron.train_reentry import train_reentry_patches
+from megatron_rl_patches.patching.records import Patch
+
+HERE = "megatron_rl_patches.integrations.slime"
+MODEL = "slime.backends.megatron_utils.model"
+LOSS = "slime.backends.megatron_utils.loss"
+ACTOR = "slime.backends.megatron_utils.actor"
+METRICS = "slime.observability.train_metric_utils"
+SLIME_TRAIN_PARAMS = ("rollout_id", "model", "optimizer", "opt_param_scheduler", "data_iterator")
+SLIME_LOGPROB_PARAMS = ("logits", "tokens", "tp_group")
+
+
+def _fused(target: str, wrapper: str, description: str, params: tuple[str, ...], optional: bool = False) -> Patch:
+    return Patch(name="slime_fused", target=target, wrapper=f"{HERE}.fused:{wrapper}", description=description,
+                 requires=None, params=params, optional=optional)
+
+
+PATCHES = (
+    *train_reentry_patches(MODEL, SLIME_TRAIN_PARAMS, "slime"),
+    Patch(
+        name="inference_roles",
+        target=f"{MODEL}:initialize_model_and_optimizer",
+        wrapper=f"{HERE}.roles:initialize_model_and_optimizer_wrapper",
+        description="roles in MEGATRON_RL_PATCHES_INFERENCE_ROLES built inference-only",
+        requires=None,
+        params=("args", "role"),
+    ),
+    Patch(
+        name="slime_logprobs",
+        target="slime.utils.ppo_utils:calculate_log_probs_and_entropy",
+        wrapper=f"{HERE}.logprobs:calculate_log_probs_and_entropy_wrapper",
+        description="slime's log-prob/entropy replaced by the memory-optimal Function",
+        requires=None,
+        params=SLIME_LOGPROB_PARAMS,
+    ),
+    Patch(
+        name="slime_logprobs",
+        target=f"{LOSS}:calculate_log_probs_and_entropy",
+        optional=True,
+        wrapper=f"{HERE}.logprobs:calculate_log_probs_and_entropy_wrapper",
+        description="the same, where slime's loss module bound the name at import",
+        requires=None,
+        params=SLIME_LOGPROB_PARAMS,
+    ),
+    _fused(f"{MODEL}:forward_only", "forward_only_wrapper", "slime's forward_only on the fused log-prob processor",
+           ("f", "args", "model", "data_iterator", "num_microbatches", "store_prefix")),
+    _fused(f"{MODEL}:train_one_step", "train_one_step_wrapper", "slime's train_one_step on the fused processor",
+           ("args", "rollout_id", "step_id", "data_iterator", "model", "optimizer")),
+    _fused(f"{MODEL}:get_batch", "get_batch_wrapper", "the micro-batch noted for the fused model call",
+           ("data_iterator", "keys")),
+    _fused(f"{MODEL}:get_forward_backward_func", "schedule_wrapper",
+           "slime's forward step given a model that calls the output processor", ()),
+    _fused(f"{LOSS}:get_log_probs_and_entropy", "log_probs_wrapper",
+           "slime's response slicing on the processor's per-token results",
+           ("logits", "args", "unconcat_tokens", "total_lengths", "response_lengths", "with_entropy")),
+    _fused(f"{ACTOR}:forward_only", "forward_only_wrapper",
+           "the same, where slime's actor bound forward_only at import", ("f", "args", "model"), optional=True),
+    Patch(name="slime_opd", target=f"{ACTOR}:MegatronTrainRayActor.init", wrapper=f"{HERE}.opd:init_wrapper",
+          description="top-k OPD teachers loaded after slime's actor init (MEGATRON_RL_PATCHES_OPD_TEACHERS)",
+          requires=None, params=("self", "args", "role", "with_ref", "with_opd_teacher")),
+    Patch(name="slime_opd", target=f"{ACTOR}:MegatronTrainRayActor.train_actor",
+          wrapper=f"{HERE}.opd:train_actor_wrapper",
+          description="the actor's top-k ids, then every teacher's scores, before slime's train_actor",
+          requires=None, params=("self", "rollout_id", "rollout_data")),
+    Patch(name="slime_opd", target=f"{METRICS}:log_rollout_data", wrapper=f"{HERE}.opd:log_rollout_data_wrapper",
+          description="top-k OPD's rollout-data fields (ids, teacher scores) kept out of slime's rollout metrics",
+          requires=None, params=("rollout_id", "args", "rollout_data")),
+)

@@ -1,0 +1,75 @@
+"""The plan of one slime step on the fused route, shared by `fused` (which runs it) and `opd`
+(which asks it for top-k buckets): what the fused model call needs (`Plan`, `TopkRequest`), the
+plan of the step under way (`run_planned`, `current_plan`), and the rollout-data keys top-k OPD
+adds with the request its training step makes (`step_request`)."""
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_rl_patches.integrations.slime.opd_settings import LOSS_PATHS, opd_settings
+
+
+@dataclass(frozen=True)
+class TopkRequest:
+    """Top-k buckets asked of the fused call beside the log-probs: the student's own top-`k` ids,
+    or the ids in the batch's per-sample `ids_key` ([R, k] each) scored (padded where the
+    per-sample bool `mask_key` is False), or with `union` its own top-`k` joined to those ids
+    (`union_ids`); `keys` are the per-sample batch keys the step needs beyond slime's own."""
+
+    k: int | None = None
+    ids_key: str | None = None
+    keys: tuple[str, ...] = ()
+    mask_key: str | None = None
+    union: bool = False
+
+
+@dataclass
+class Plan:
+    """What the fused model call of one slime step needs: slime's args, whether entropy is wanted
+    (and its gradient), top-k buckets if asked, and the micro-batch `get_batch` returned last.
+    `fused=False`: a step on slime's own logits path that still fetches the request's batch keys."""
+
+    args: Any
+    with_entropy: bool
+    entropy_requires_grad: bool
+    topk: TopkRequest | None = None
+    batch: dict | None = field(default=None, repr=False)
+    fused: bool = True
+
+
+# The per-sample keys top-k OPD adds to slime's rollout data: the ids scored ([R, k], or [R, 2k]
+# with their padding mask for a union), and per teacher the scores [n, R, k] and tails [n, R].
+IDS, TEACHER_LOGPROBS, TEACHER_TAILS = "opd_topk_ids", "opd_teacher_logprobs", "opd_teacher_tails"
+IDS_MASK = "opd_topk_ids_mask"
+OPD_KEYS = (IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS)
+STEP_REQUEST = TopkRequest(ids_key=IDS, keys=(IDS, TEACHER_LOGPROBS, TEACHER_TAILS))
+UNION_STEP_REQUEST = TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS))
+
+_PLAN: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("megatron_rl_patches_slime_plan", default=None)
+
+
+def current_plan() -> Plan | None:
+    """The plan of the slime step under way (None: none, or a step left on slime's own path)."""
+    return _PLAN.get()
+
+
+def run_planned(plan: Plan | None, wrapped: Any, args: tuple, kwargs: dict) -> Any:
+    """`wrapped(*args, **kwargs)` with `plan` as the fused plan of the slime step it runs (None: none)."""
+    token = _PLAN.set(plan)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _PLAN.reset(token)
+
+
+def step_request(args: Any) -> TopkRequest | None:
+    """The top-k request of slime's training step: the student scores the rollout's ids (with
+    their padding mask for a union) when top-k OPD is on and slime's loss is top-k OPD's."""
+    settings = opd_settings()
+    if settings is None or getattr(args, "custom_loss_function_path", None) not in LOSS_PATHS:
+        return None
+    if getattr(args, "loss_type", None) != "custom_loss":
+        return None
+    return UNION_STEP_REQUEST if settings.ids_from == "union" else STEP_REQUEST

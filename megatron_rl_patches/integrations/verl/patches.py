@@ -1,0 +1,47 @@
+"""Every verl record in one place (verl 0.9.x; 0.9.1 tested, the Megatron engine layout of 0.8+):
+`verl_fused_logprobs` (the processor, in `fused`; the rows verl reads, in `rows`) and
+`verl_topk_kd` (in `topk`). The listing order is `integrations.ORDER`'s. Every record is a no-op
+until verl's module is imported (post-import hooks)."""
+from __future__ import annotations
+
+from megatron_rl_patches.patching.records import Patch
+
+HERE = "megatron_rl_patches.integrations.verl"
+FUSED = "verl.models.mcore.model_forward_fused"
+ENGINE = "verl.workers.engine.megatron.transformer_impl:MegatronEngineWithLMHead.forward_step"
+PACKER = f"{FUSED}:preprocess_thd_engine"
+VERSIONS = ">=0.9.0,<0.10"
+_PROCESSOR_PARAMS = ("hidden_states", "output_layer", "output_weight", "labels", "context", "config")
+
+
+def _fused(target: str, wrapper: str, description: str, params: tuple[str, ...], optional: bool = False) -> Patch:
+    """A `verl_fused_logprobs` record (optional ones: another verl layout may lack the target)."""
+    return Patch(name="verl_fused_logprobs", target=target, wrapper=f"{HERE}.{wrapper}", description=description,
+                 requires="verl", versions=VERSIONS, optional=optional, params=params)
+
+
+PATCHES = (
+    _fused(f"{FUSED}:fused_output_processor", "fused:fused_output_processor_wrapper",
+           "verl's fused output processor (Triton, CUDA only) replaced by the fused LM-head processor",
+           _PROCESSOR_PARAMS),
+    _fused(f"{FUSED}:fused_forward_model_engine", "fused:fused_engine_factory_wrapper",
+           "verl's fused engine forward passes calculate_entropy down and drops a stale 'legacy' mode",
+           ("vision_model",)),
+    _fused("verl.models.mcore.registry:fused_forward_model_engine", "fused:fused_engine_factory_wrapper",
+           "the same, where verl's model registry bound the name at import", ("vision_model",), optional=True),
+    Patch(
+        name="verl_topk_kd",
+        target="verl.trainer.distillation.megatron.losses:compute_forward_kl_topk",
+        wrapper=f"{HERE}.topk:compute_forward_kl_topk_wrapper",
+        description="verl's clamped top-k forward KL replaced by the exact (k+1)-bucket KL (with a tail)",
+        requires="verl",
+        versions=VERSIONS,
+        params=("student_logits", "teacher_topk_log_probs", "teacher_topk_ids", "config", "data_format"),
+    ),
+    _fused(ENGINE, "rows:forward_step_wrapper",
+           "verl's engine forward_step notes the rows verl reads (responses, loss mask) for the fused route",
+           ("self", "batch_iter", "model", "logits_processor_func", "postprocess_micro_batch_func"), optional=True),
+    _fused(PACKER, "rows:packer_wrapper",
+           "verl's label packing packs the read rows alike: the fused processor's row mask",
+           ("input_ids", "pre_process", "need_roll"), optional=True),
+)

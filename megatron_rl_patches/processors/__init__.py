@@ -1,0 +1,16 @@
+"""Output processors for megatron-core's GPTModel (`output_processor=`), on every supported
+version: the log-prob and top-k heads (`heads`), the distillation ones (`distill`), and the
+keyword's backport to releases before 0.18 (`gpt_backport`, `gpt_signature`; patch
+`gpt_output_processor`)."""
+from __future__ import annotations
+
+from megatron_rl_patches._lazy import lazy_getattr
+
+_LAZY = {
+    "log_prob_output_processor": "megatron_rl_patches.processors.heads",
+    "topk_output_processor": "megatron_rl_patches.processors.heads",
+    "hidden_output_processor": "megatron_rl_patches.processors.distill",
+    "divergence_output_processor": "megatron_rl_patches.processors.distill",
+}
+__all__ = sorted(_LAZY)
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

@@ -1,0 +1,69 @@
+"""`doctor` and patch names: an unknown name fails with the close one suggested; a long patch
+list is shown by whole names, shortened."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_rl_patches.apps import cli
+from megatron_rl_patches.apps.cli import doctor
+from megatron_rl_patches.integrations import default_registry
+from megatron_rl_patches.patching import env
+
+
+def test_doctor_fails_on_an_unknown_name_and_suggests_the_close_one(cli_run, monkeypatch):
+    monkeypatch.setenv(env.SELECT, "ddp_hook,train_reentry")
+    code, out, _ = cli_run("doctor", "--json")
+    assert code == cli.PROBLEM
+    problems = json.loads(out)["problems"]
+    assert any("'ddp_hook'" in p and "did you mean ddp_hooks?" in p for p in problems), problems
+
+
+def test_doctor_shows_a_long_patch_list_by_whole_names():
+    names = default_registry().patch_names()
+    value = ",".join(names * 2)
+    text = doctor.format_report({**_report(value), "problems": []})
+    (line,) = [line for line in text.splitlines() if line.strip().startswith(f"{env.SELECT}=")]
+    shown = line.strip().split("=", 1)[1]
+    words = shown.split(" (")[0].rstrip(".").rstrip(", ").split(",")
+    assert all(word.strip() in names for word in words if word.strip() not in ("", "...")), shown
+    assert f"{len(value):,} characters" in shown and len(shown) < len(value) / 1.5
+
+
+def _report(select: str) -> dict:
+    import os
+
+    os.environ[env.SELECT] = select
+    try:
+        return doctor.collect()
+    finally:
+        del os.environ[env.SELECT]
+
+
+@pytest.mark.parametrize("variables, says", [
+    ({env.INFERENCE_ROLES: "teacher:strem"}, "has residency 'strem'"),
+    ({env.INFERENCE_ROLES: "teacher:"}, "has residency ''"),
+    ({env.INFERENCE_ROLES: "tea cher"}, "is not a role name"),
+    ({env.INFERENCE_ROLES: "teacher,teacher:swap"}, "more than once"),
+    ({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/t", "MEGATRON_RL_PATCHES_OPD_IDS_FROM": "teacher"},
+     "MEGATRON_RL_PATCHES_OPD_IDS_FROM='teacher'"),
+    ({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/a,/b", "MEGATRON_RL_PATCHES_OPD_WEIGHTS": "1,1"}, "must sum to 1"),
+])
+def test_doctor_reports_what_run_and_the_patches_refuse(cli_run, monkeypatch, variables, says):
+    """issue 38: doctor --json found no problem in values `run` or slime_opd refuse."""
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    code, out, _ = cli_run("doctor", "--json")
+    report = json.loads(out)
+    assert code == cli.PROBLEM and any(says in p for p in report["problems"]), report["problems"]
+    if env.INFERENCE_ROLES in variables:
+        assert report["environment"]["inference_roles"] == []  # not slime's defaults: the value is wrong
+    else:
+        assert report["environment"]["opd"] == variables
+
+
+def test_doctor_shows_each_roles_residency(cli_run, monkeypatch):
+    monkeypatch.setenv(env.INFERENCE_ROLES, "prm_teacher:stream,teacher:swap,ref")
+    code, out, _ = cli_run("doctor")
+    assert "inference roles: prm_teacher:stream, teacher:swap, ref" in out, out

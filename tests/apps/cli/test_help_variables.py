@@ -1,0 +1,30 @@
+"""--help describes every environment variable: the backend's meaning and slime's default roles."""
+from __future__ import annotations
+
+from megatron_rl_patches.integrations.slime.roles import DEFAULT_INFERENCE_ROLES
+from megatron_rl_patches.patching import env
+
+
+def _variable_help(text: str) -> dict[str, str]:
+    """The epilog's variables -> their description, joined into one line each."""
+    described: dict[str, list[str]] = {}
+    current = None
+    for line in text.split("environment variables:")[1].split("exit codes:")[0].splitlines():
+        if line.startswith("  ") and not line.startswith("    "):
+            current = line.strip()
+            described[current] = []
+        elif current and line.strip():
+            described[current].append(line.strip())
+    return {name: " ".join(words) for name, words in described.items()}
+
+
+def test_help_describes_every_variable_the_backend_and_the_default_roles(cli_run):
+    code, out, _ = cli_run("--help")
+    assert code == 0
+    described = _variable_help(out)
+    assert set(described) == set(env.VARIABLES)
+    assert all(described.values()), [name for name, text in described.items() if not text]
+    backend = described[env.BACKEND]
+    assert all(word in backend for word in ("torch", "triton", "auto", "backend="))
+    roles = described[env.INFERENCE_ROLES]
+    assert all(role in roles for role in DEFAULT_INFERENCE_ROLES), roles

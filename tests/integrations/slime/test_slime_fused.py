@@ -1,0 +1,182 @@
+"""`slime_fused`'s mechanics without slime's source: the fallback decisions and their one log line,
+the combined-1F1B and multimodal fallbacks, and what slime's loss code reads off a fused output
+(the lane, tests/integrations/slime/lane, runs slime's real code)."""
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+import torch
+
+from megatron_rl_patches.integrations.slime import fused as slime_fused
+
+
+@pytest.fixture(autouse=True)
+def fresh_log(monkeypatch):
+    monkeypatch.setattr(slime_fused, "_SAID", set())
+
+
+def _args(**values):
+    base = dict(rollout_top_p=1.0, enable_mtp_training=False, loss_type="policy_loss")
+    return types.SimpleNamespace(**{**base, **values})
+
+
+@pytest.mark.parametrize("values, feature", [
+    ({"rollout_top_p": 0.9}, "top-p replay"),
+    ({"enable_mtp_training": True}, "MTP training"),
+    ({"loss_type": "value_loss"}, "critic's value head"),
+])
+def test_unservable_names_the_feature(values, feature):
+    assert feature in slime_fused.unservable(_args(**values))
+    assert slime_fused.unservable(_args()) is None
+
+
+def test_routing_replay_is_unservable(monkeypatch):
+    monkeypatch.setenv("ENABLE_ROUTING_REPLAY", "1")
+    assert "routing replay" in slime_fused.unservable(_args())
+
+
+def test_schedule_plan_goes_to_the_real_model_with_one_log_line(caplog):
+    seen = []
+    step = slime_fused.fused_step(lambda it, model, **kw: seen.append(model), slime_fused.Plan(_args(), True, False))
+    real = object()
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        step(None, real, return_schedule_plan=True)
+        step(None, real, return_schedule_plan=True)
+        step(None, real)
+    assert seen[0] is real and seen[1] is real and isinstance(seen[2], slime_fused.FusedModel)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "combined-1F1B" in lines[0]
+
+
+def test_multimodal_batch_calls_the_model_unchanged(caplog):
+    calls = []
+    plan = slime_fused.Plan(_args(), True, False, batch={"multimodal_train_inputs": {"pixel_values": 1}})
+    model = slime_fused.FusedModel(lambda **kw: calls.append(kw) or "logits", plan)
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        assert model(input_ids=torch.zeros(1, 3, dtype=torch.long), labels=None) == "logits"
+    assert calls == [{"input_ids": calls[0]["input_ids"], "labels": None}]
+    assert "multimodal inputs" in caplog.records[0].getMessage()
+
+
+def test_fused_output_answers_what_slimes_loss_reads():
+    log_probs = torch.randn(1, 5, requires_grad=True)
+    out = slime_fused.FusedOutput({"log_probs": log_probs, "entropy": None})
+    assert out.device == log_probs.device and out.dtype == torch.float32
+    (0 * out.sum()).backward()
+    assert log_probs.grad is not None and torch.equal(log_probs.grad, torch.zeros(1, 5))
+
+
+def test_logits_go_to_slimes_own_function():
+    def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, response_lengths,
+                                  with_entropy=False):
+        return "slime's"
+
+    assert slime_fused.log_probs_wrapper(get_log_probs_and_entropy, None, (torch.zeros(1, 2, 3),),
+                                         dict(args=None, unconcat_tokens=[], total_lengths=[],
+                                              response_lengths=[])) == "slime's"
+
+
+def _bshd_params():
+    return types.SimpleNamespace(qkv_format="bshd")
+
+
+class _ProcessorModel:
+    """A model chunk whose forward takes the output processor (GPTModel's keywords); calls noted."""
+
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, input_ids, labels=None, packed_seq_params=None, output_processor=None,
+                output_processor_context=None):
+        self.calls.append(dict(input_ids=input_ids, packed_seq_params=packed_seq_params, labels=labels,
+                               output_processor=output_processor))
+        return "logits"
+
+    __call__ = forward
+
+
+@pytest.mark.parametrize("packed", [_bshd_params(), None], ids=["qkv_format=bshd", "no packed_seq_params"])
+def test_bshd_batch_calls_the_model_unchanged_with_one_log_line(caplog, packed):
+    inner = _ProcessorModel()
+    plan = slime_fused.Plan(_args(allgather_cp=False), True, False, batch={"tokens": None})
+    model = slime_fused.FusedModel(inner, plan)
+    tokens = torch.zeros(2, 3, dtype=torch.long)
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        assert model(input_ids=tokens, packed_seq_params=packed) == "logits"
+        assert model(input_ids=tokens, packed_seq_params=packed) == "logits"
+    unchanged = dict(input_ids=tokens, packed_seq_params=packed, labels=None, output_processor=None)
+    assert inner.calls == [unchanged] * 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "bshd" in lines[0] and "slime's own logits path" in lines[0], lines
+
+
+@pytest.mark.parametrize("packed", [_bshd_params(), None], ids=["qkv_format=bshd", "no packed_seq_params"])
+def test_allgather_cp_with_a_bshd_batch_is_a_clear_error(packed):
+    plan = slime_fused.Plan(_args(allgather_cp=True), True, False, batch={"tokens": None})
+    inner = _ProcessorModel()
+    model = slime_fused.FusedModel(inner, plan)
+    with pytest.raises(ValueError, match="--allgather-cp needs packed thd"):
+        model(input_ids=torch.zeros(1, 3, dtype=torch.long), packed_seq_params=packed)
+    assert inner.calls == []
+
+
+def test_a_fallen_back_train_step_still_fetches_a_top_k_losss_batch_keys(monkeypatch, caplog):
+    """slime's logits path for the step (one log line), the schedule untouched, the OPD keys fetched."""
+    from megatron_rl_patches.integrations.slime.plan import TopkRequest
+
+    request = TopkRequest(ids_key="opd_ids", keys=("opd_ids",))
+    monkeypatch.setattr(slime_fused, "step_request", lambda args: request)
+    schedule, seen = object(), {}
+
+    def get_batch(data_iterator, keys):
+        return {"keys": list(keys)}
+
+    def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer):
+        seen["schedule"] = slime_fused.schedule_wrapper(lambda: schedule, None, (), {})
+        seen["batch"] = slime_fused.get_batch_wrapper(get_batch, None, (None, ["tokens"]), {})
+
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        slime_fused.train_one_step_wrapper(train_one_step, None, (_args(rollout_top_p=0.9), 0, 0, None, None, None), {})
+    assert seen["schedule"] is schedule and seen["batch"] == {"keys": ["tokens", "opd_ids"]}
+    assert "top-p replay" in caplog.records[0].getMessage()
+    monkeypatch.setattr(slime_fused, "step_request", lambda args: None)
+    slime_fused.train_one_step_wrapper(train_one_step, None, (_args(rollout_top_p=0.9), 0, 0, None, None, None), {})
+    assert seen["batch"] == {"keys": ["tokens"]}
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("topk", [False, True], ids=["log-probs", "top-k OPD (ids live on the last stage)"])
+def test_a_non_last_pipeline_stage_gets_the_plain_model_call(megatron_cpu, clean_patch_state, monkeypatch, topk):
+    """issue 40: at PP=2 stage 0's chunk (a real GPTModel, post_process=False) returned its hidden
+    states wrapped in FusedOutput ("dictionary update sequence element #0 has length 1"), and a
+    top-k step asked stage 0 for ids only the last stage holds. The chunk gets the plain call."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    import megatron_rl_patches
+    from megatron_rl_patches.integrations.slime import plan as slime_plan
+    from megatron_rl_patches.integrations.slime import rows
+
+    megatron_rl_patches.apply(only="gpt_output_processor")  # as slime's lane runs megatron-core 0.16
+    length = 8
+    # slime's row helpers, which a non-last stage must not need (the lane runs slime's own)
+    monkeypatch.setattr(rows, "shifted_targets", lambda batch, n, device, ag: torch.zeros(n, dtype=torch.long))
+    monkeypatch.setattr(rows, "response_rows", lambda batch, n, device, ag: torch.ones(n, dtype=torch.bool))
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_rl_patches.testing.packed_gpt import packed_gpt_spec
+
+    torch.manual_seed(3)  # stage 0 of a 2-stage pipeline: no output layer, thd input as slime packs it
+    stage0 = GPTModel(config=megatron_cpu.config(), transformer_layer_spec=packed_gpt_spec(), vocab_size=64,
+                      max_sequence_length=length, position_embedding_type="rope", post_process=False)
+    request = slime_plan.STEP_REQUEST if topk else None
+    plan = slime_fused.Plan(_args(allgather_cp=False), True, False, request, batch={"tokens": None})
+    cu = torch.tensor([0, length], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=length,
+                             max_seqlen_kv=length)
+    tokens = torch.randint(0, 64, (1, length))
+    call = dict(input_ids=tokens, position_ids=torch.arange(length)[None], attention_mask=None)
+    out = slime_fused.FusedModel(stage0, plan)(**call, packed_seq_params=packed)
+    assert isinstance(out, torch.Tensor) and not isinstance(out, dict)
+    torch.testing.assert_close(out, stage0(**call, packed_seq_params=packed), rtol=0, atol=0)
