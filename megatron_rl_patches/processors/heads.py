@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._args import positive_int
+from megatron_rl_patches.processors.output import ProcessorOutput
 
 __all__ = ["log_prob_output_processor", "topk_output_processor"]
 
@@ -255,7 +256,8 @@ def log_prob_output_processor(
             chunk_size=chunk_size,
             row_mask=_row_mask(ctx, call),
         )
-        return {"log_probs": call.to_batch(log_probs), "entropy": None if entropy is None else call.to_batch(entropy)}
+        return ProcessorOutput(log_probs=call.to_batch(log_probs),
+                               entropy=None if entropy is None else call.to_batch(entropy))
 
     return process
 
@@ -301,7 +303,7 @@ def topk_output_processor(
         options = dict(tp_group=call.tp_group, sequence_parallel=call.sequence_parallel,
                        temperature=call.temperature, vocab_size=vocab_size, chunk_size=chunk_size,
                        row_mask=_row_mask(ctx, call))
-        result: dict[str, torch.Tensor] = {}
+        result: dict[str, torch.Tensor] = ProcessorOutput()
         rows = None if ids is None else token_rows(ids, "output_processor_context['ids']", call.batch, call.seq)
         rows_mask = None if mask is None else token_rows(mask, "output_processor_context['ids_mask']", call.batch,
                                                          call.seq)
