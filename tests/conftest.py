@@ -229,7 +229,11 @@ def built_wheel(tmp_path_factory) -> SimpleNamespace:
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` run only where torch sees a CUDA device (`make test-gpu`); elsewhere
-    they are skipped, never needed by `make test`."""
+    they are skipped, never needed by `make test`. A test that runs once per model kind
+    (`megatron_cpu_kind`) carries `layout("hybrid")` in its HybridModel run (docs/layouts.md)."""
+    for item in items:
+        if getattr(getattr(item, "callspec", None), "params", {}).get("megatron_cpu_kind") == "hybrid":
+            item.add_marker(pytest.mark.layout("hybrid"))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

@@ -165,6 +165,7 @@ def _param_sync_on_two_ranks(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.multirank
+@pytest.mark.layout("distopt")
 def test_param_sync_without_hooks_all_gathers_the_shards():
     ranks = run_multirank(_param_sync_on_two_ranks, 2, timeout=90)
     for rank, out in enumerate(ranks):

@@ -20,6 +20,9 @@ left alone):
   parallelism. Under SP the shim builds the same torch norm and marks its parameters
   `sequence_parallel`, as Transformer Engine's and Apex's norms do, so `finalize_model_grads`
   sums their gradients over the tensor-parallel group (each rank saw a slice of the sequence).
+- `tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`: activation recompute
+  (`recompute_granularity`) saves and restores the CUDA RNG state around each recomputed layer;
+  on CPU there is none (the CPU generator's state, which megatron saves itself, stands in).
 - `moe_utils.te_general_gemm` = None: megatron-core < 0.17 without Transformer Engine leaves the
   name undefined and its MoE router's gating linear raises `NameError` (None: the torch matmul).
 """
@@ -99,6 +102,14 @@ def _null_fork(self: Any, name: str = "") -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def _cpu_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_no_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 def _module_cuda(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
     return self
 
@@ -144,6 +155,8 @@ def _shim_table() -> list[tuple[Any, str, Any]]:
         (torch.cuda, "current_device", lambda: "cpu"),
         (torch.cuda, "synchronize", lambda *args, **kwargs: None),
         (mcore_random.CudaRNGStatesTracker, "fork", _null_fork),
+        (mcore_random, "_get_cuda_rng_state", _cpu_rng_state),
+        (mcore_random, "_set_cuda_rng_state", _set_no_cuda_rng_state),
         (torch.cuda, "Stream", CpuStream),
         (torch.cuda, "current_stream", lambda device=None: _CPU_STREAM),
         (torch.nn.Module, "cuda", _module_cuda),

@@ -50,6 +50,7 @@ def _dense_loss(student, teachers, batch, divergence) -> torch.Tensor:
                             **OPTIONS).mean()
 
 
+@pytest.mark.layout("bshd")
 def test_two_teacher_full_vocabulary_distillation_without_logits(megatron_cpu, clean_patch_state):
     megatron_rl_patches.apply(only="gpt_output_processor")  # `native` on megatron-core >= 0.18
     student, optimizer = _student(megatron_cpu)

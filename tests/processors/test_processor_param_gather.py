@@ -13,7 +13,7 @@ import pytest
 
 from megatron_rl_patches.testing.multirank import run_multirank
 
-pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
+pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow, pytest.mark.layout("distopt")]
 
 
 def _one_step_then_score(rank: int, overlap: bool, fused: bool):

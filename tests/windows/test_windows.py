@@ -37,8 +37,16 @@ def _max_diff(result, reference) -> float:
     return max(float((a - b).abs().max()) for a, b in zip(result["grads"], reference["grads"]))
 
 
-@pytest.mark.parametrize("group,case", [*[("dp", name) for name in ws.DP_CASES],
-                                        *[(pp, name) for pp in ("pp", "vpp") for name in ws.PP_CASES]])
+def _layouts(group: str, case: str) -> list:
+    """The layout(...) marker of a scenario (docs/layouts.md): the pipelines, the distributed optimizer."""
+    if group != "dp":
+        return [pytest.mark.layout("pp2", "vpp2") if group == "vpp" else pytest.mark.layout("pp2")]
+    return [pytest.mark.layout("distopt")] if ws.DP_CASES[case][1].get("use_distributed_optimizer") else []
+
+
+@pytest.mark.parametrize("group,case", [pytest.param(group, name, marks=_layouts(group, name))
+                                        for group, names in (("dp", ws.DP_CASES), ("pp", ws.PP_CASES),
+                                                             ("vpp", ws.PP_CASES)) for name in names])
 @pytest.mark.parametrize("mode", FIXED)
 def test_fixed_equals_the_synchronous_reference(lane, group, case, mode):
     for rank, out in enumerate(lane):
@@ -118,6 +126,7 @@ def test_window_semantics(lane):
         ws.assert_equal(sem["no_backward_then"], sem["ref2"], "after a window with no backward")
 
 
+@pytest.mark.layout("distopt")
 def test_reentrant_train_with_changing_microbatch_counts(lane):
     for out in lane:
         patched, reference = out["reentry"]["patched"], out["reentry"]["ref"]

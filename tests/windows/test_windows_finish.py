@@ -24,7 +24,8 @@ def lane(request) -> list[dict]:
     return run_multirank(ws.run_finishes, request.param, timeout=300)
 
 
-@pytest.mark.parametrize("case", list(ws.FINISH_CASES))
+@pytest.mark.parametrize("case", [pytest.param(name, marks=pytest.mark.layout("distopt")) if flags.get("use_distributed_optimizer")
+                                  else name for name, (_, flags, _) in ws.FINISH_CASES.items()])
 @pytest.mark.parametrize("mode", ["patch", "window"])
 def test_finishes_equal_the_synchronous_reference(lane, case, mode):
     if case in lane[0]["skipped"]:

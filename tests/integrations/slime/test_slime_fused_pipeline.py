@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
+pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow, pytest.mark.layout("pp2", "thd")]
 
 LENGTHS = (5, 7)  # two packed sequences in one micro-batch
 

@@ -1,0 +1,159 @@
+"""docs/layouts.md, kept true: every cell of the feature x layout matrix is ✅ (with the node ids of
+the tests that prove it), `refused` (the error quoted, with the test that shows it), `n.a.` (with
+the reason) or ⬜ (untested: their number is recorded here, so it only goes down knowingly). One
+`pytest --collect-only` subprocess over every named node id checks that each is collected and that
+a ✅ cell's tests carry a `layout(...)` marker naming the cell's layout."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+PAGE = REPO / "docs" / "layouts.md"
+UNTESTED = 90  # the ⬜ cells of docs/layouts.md today: lower it when a cell gets its test
+VALUES = ("✅", "refused", "n.a.", "⬜")
+NOTE = re.compile(r"^- (F\d+-L\d+(?:, F\d+-L\d+)*): (.+)$")
+CELL_ID = re.compile(r"F\d+-L\d+")
+TICKED = re.compile(r"`([^`]+)`")
+
+
+@dataclass
+class Matrix:
+    layouts: dict[str, tuple[str, str]] = field(default_factory=dict)  # L-id -> (title, marker name)
+    features: dict[str, str] = field(default_factory=dict)  # F-id -> title
+    cells: dict[str, str] = field(default_factory=dict)  # "F1-L2" -> value
+    notes: dict[str, str] = field(default_factory=dict)  # "F1-L2" -> note text
+    problems: list[str] = field(default_factory=list)
+
+
+def _row(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def _tables(text: str) -> list[list[list[str]]]:
+    tables, current = [], []
+    for line in text.splitlines():
+        if line.startswith("|"):
+            if not re.fullmatch(r"\|[\s:|-]+\|?", line.strip()):
+                current.append(_row(line))
+        elif current:
+            tables.append(current)
+            current = []
+    if current:
+        tables.append(current)
+    return tables
+
+
+def parse(text: str) -> Matrix:
+    """The page's layout legend (| L-id | layout | marker | ...), matrix and cell notes."""
+    matrix = Matrix()
+    for table in _tables(text):
+        head = table[0]
+        if head[:3] == ["id", "layout", "marker"]:
+            for cells in table[1:]:
+                matrix.layouts[cells[0]] = (cells[1], cells[2].strip("`"))
+        elif head and head[0] == "feature":
+            columns = [cell.split()[0] for cell in head[1:]]
+            for cells in table[1:]:
+                feature = cells[0].split()[0]
+                matrix.features[feature] = cells[0]
+                if len(cells) != len(head):
+                    matrix.problems.append(f"row {feature}: {len(cells) - 1} cells for {len(columns)} layouts")
+                for column, value in zip(columns, cells[1:]):
+                    matrix.cells[f"{feature}-{column}"] = value
+    for line in text.splitlines():
+        match = NOTE.match(line)
+        if match:
+            for cell in CELL_ID.findall(match.group(1)):
+                if cell in matrix.notes:
+                    matrix.problems.append(f"{cell}: two notes")
+                matrix.notes[cell] = match.group(2)
+    return matrix
+
+
+def node_ids(note: str) -> list[str]:
+    return [tick for tick in TICKED.findall(note) if "::" in tick]
+
+
+@pytest.fixture(scope="module")
+def matrix() -> Matrix:
+    return parse(PAGE.read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def collected(matrix, tmp_path_factory) -> dict[str, list[str]]:
+    """{node id: layout names} of every node id the page names, from one collect-only run."""
+    wanted = sorted({nid for cell, note in matrix.notes.items()
+                     if matrix.cells.get(cell) in ("✅", "refused") for nid in node_ids(note)})
+    out = tmp_path_factory.mktemp("layouts") / "marks.json"
+    env = {**os.environ, "LAYOUT_MARKS_OUT": str(out),
+           "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "layout_marks",
+                           "-p", "no:cacheprovider", *wanted], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_the_page_has_a_legend_and_a_full_matrix(matrix):
+    assert not matrix.problems, matrix.problems
+    assert len(matrix.layouts) >= 14 and len(matrix.features) >= 14, (matrix.layouts, matrix.features)
+    assert len(matrix.cells) == len(matrix.layouts) * len(matrix.features)
+    blank = [cell for cell, value in matrix.cells.items() if value not in VALUES]
+    assert not blank, f"cells neither ✅, refused, n.a. nor ⬜: {blank}"
+
+
+def test_every_decided_cell_has_its_note_and_no_other_cell_has_one(matrix):
+    missing = [cell for cell, value in matrix.cells.items() if value != "⬜" and cell not in matrix.notes]
+    stray = [cell for cell in matrix.notes if matrix.cells.get(cell, "⬜") == "⬜"]
+    assert not missing, f"cells without their note (tests, error or reason): {missing}"
+    assert not stray, f"notes of cells that are ⬜ or not in the matrix: {stray}"
+    for cell, note in matrix.notes.items():
+        value, ids = matrix.cells[cell], node_ids(note)
+        if value == "✅":
+            assert ids, f"{cell} is ✅ without a test's node id: {note}"
+        elif value == "refused":
+            quoted = [tick for tick in TICKED.findall(note) if "::" not in tick]
+            assert ids and quoted, f"{cell} is refused without the error quoted and its test: {note}"
+        else:
+            assert len(note.split()) >= 4, f"{cell} is n.a. without a reason: {note}"
+
+
+def test_every_named_test_is_collected_and_a_proof_carries_its_layout(matrix, collected):
+    unknown, unmarked = [], []
+    for cell, note in sorted(matrix.notes.items()):
+        value = matrix.cells[cell]
+        marker = matrix.layouts[cell.split("-")[1]][1]
+        for nid in node_ids(note):
+            if nid not in collected:
+                unknown.append(f"{cell}: {nid}")
+            elif value == "✅" and marker not in collected[nid]:
+                unmarked.append(f"{cell}: {nid} carries layout{tuple(collected[nid])}, not {marker!r}")
+    assert not unknown, "node ids not collected:\n" + "\n".join(unknown)
+    assert not unmarked, "proofs without the cell's layout marker:\n" + "\n".join(unmarked)
+
+
+def test_the_untested_count_only_goes_down_knowingly(matrix):
+    counts = {value: sum(v == value for v in matrix.cells.values()) for value in VALUES}
+    print("docs/layouts.md:", ", ".join(f"{value} {n}" for value, n in counts.items()))
+    assert counts["⬜"] == UNTESTED, (
+        f"{counts['⬜']} cells are ⬜ untested, UNTESTED records {UNTESTED}: set it to the page's count "
+        "(lower when a cell got its test; a cell that lost its proof needs a reason)")
+
+
+def test_the_parser_sees_a_blank_cell_and_a_proof_without_an_id():
+    """Negative control: the checks above fail on a page with a blank cell or a bare ✅."""
+    page = ("| id | layout | marker |\n|---|---|---|\n| L1 | TP | `tp2` |\n| L2 | SP | `sp` |\n\n"
+            "| feature | L1 TP | L2 SP |\n|---|---|---|\n| F1 thing | ✅ |  |\n\n- F1-L1: no test named\n")
+    matrix = parse(page)
+    assert matrix.cells == {"F1-L1": "✅", "F1-L2": ""}
+    assert [c for c, v in matrix.cells.items() if v not in VALUES] == ["F1-L2"]
+    assert node_ids(matrix.notes["F1-L1"]) == []

@@ -1,0 +1,148 @@
+"""The output processors (log-prob + entropy, top-k buckets, divergence from a teacher) on a real
+tiny GPTModel under activation recompute (`recompute_granularity="full"`, every layer recomputed
+in backward: the layer calls are counted) and in bf16 (Float16Module, bf16 parameters): values and
+every parameter's gradient equal the model's own logits path (at recompute: the same model without
+recompute). Negative controls: the call count of a model without recompute, and the logits path at
+another temperature, which each comparison tells apart."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megatron_rl_patches
+from megatron_rl_patches import (
+    divergence_output_processor,
+    hidden_output_processor,
+    log_prob_output_processor,
+    log_probs_and_entropy,
+    topk_logprobs,
+    topk_output_processor,
+)
+from megatron_rl_patches.testing.divergence_reference import dense_divergence
+
+pytestmark = pytest.mark.megatron
+PROCESSORS = ("log-prob", "top-k", "divergence")
+B, S, V, K = 2, 16, 64, 4
+# the divergence against the float64 dense route: fp32 rounding of values ~1e-3
+REL = {"log-prob": 2e-6, "top-k": 2e-6, "divergence": 5e-5}
+OTHER_TEMPERATURE = 1.5
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+BF16 = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+
+
+def _args(batch):
+    return batch["tokens"], batch["position_ids"], batch["attention_mask"]
+
+
+def _fused(model, teacher, batch, which: str, temperature: float = 1.0) -> torch.Tensor:
+    """What the processor returns, as one tensor per token ([b, s] or [b, s, k + 1])."""
+    if which == "log-prob":
+        out = model(*_args(batch), labels=batch["labels"],
+                    output_processor=log_prob_output_processor(temperature=temperature, with_entropy=True))
+        return out["log_probs"] + 0.5 * out["entropy"]
+    if which == "top-k":
+        out = model(*_args(batch), output_processor=topk_output_processor(k=K, temperature=temperature))
+        return torch.cat([out["topk_log_probs"], out["tail"][..., None]], dim=-1)
+    with torch.no_grad():
+        hidden = teacher(*_args(batch), output_processor=hidden_output_processor())
+    weight = _unwrapped(teacher).output_layer.weight
+    # Float16Module hands the bf16 hidden states back upcast to fp32 (lossless): the pair must share a dtype
+    hidden = hidden.to(weight.dtype)
+    return model(*_args(batch), output_processor=divergence_output_processor(divergence="jsd", beta=0.4,
+                                                                            temperature=temperature),
+                 output_processor_context={"teacher_hidden": hidden, "teacher_weight": weight})
+
+
+def _from_logits(model, teacher, batch, which: str, temperature: float = 1.0) -> torch.Tensor:
+    """The same from the model's logits [b, s, V] (top-k at the ids the logits' own top-k picks)."""
+    rows = model(*_args(batch)).reshape(B * S, V)
+    if which == "log-prob":
+        lp, ent = log_probs_and_entropy(rows, batch["labels"].reshape(-1), temperature=temperature, with_entropy=True)
+        return (lp + 0.5 * ent).view(B, S)
+    if which == "top-k":
+        ids = (rows.detach() / temperature).topk(K, dim=-1).indices
+        lp, tail = topk_logprobs(rows, ids, temperature=temperature)
+        return torch.cat([lp, tail[:, None]], dim=-1).view(B, S, K + 1)
+    with torch.no_grad():
+        teacher_rows = teacher(*_args(batch)).reshape(B * S, V)
+    dense = dense_divergence(rows.double(), [teacher_rows.double()], divergence="jsd", beta=0.4,
+                             temperature=temperature)
+    return dense.view(B, S)
+
+
+def _unwrapped(model):
+    return getattr(model, "module", model)
+
+
+def _scored(model, route, teacher, batch, which: str, temperature: float = 1.0) -> tuple[torch.Tensor, dict]:
+    """The route's values and the gradients of a weighted sum of them; zeroes the gradients."""
+    values = route(model, teacher, batch, which, temperature)
+    weights = torch.randn(values.shape, generator=torch.Generator().manual_seed(5)).to(values.dtype)
+    (weights * values).sum().backward()
+    grads = {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return values.detach().float(), grads
+
+
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest difference relative to the reference's largest magnitude."""
+    return float((got - want).abs().max()) / float(want.abs().max())
+
+
+def _grad_error(got: dict, want: dict) -> float:
+    assert got.keys() == want.keys() and got, (sorted(got), sorted(want))
+    return max(_error(got[name], want[name]) for name in want)
+
+
+def _teacher(env, **config):
+    teacher = env.gpt(env.config(**config), seed=9)
+    return teacher.eval().requires_grad_(False)
+
+
+def _count_layer_calls(model) -> list[int]:
+    calls = [0]
+    for layer in model.decoder.layers:
+        layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.layout("recompute")
+@pytest.mark.parametrize("which", PROCESSORS)
+def test_processors_under_full_activation_recompute(megatron_cpu, clean_patch_state, which):
+    megatron_rl_patches.apply(only="gpt_output_processor")  # `native` on megatron-core >= 0.18
+    env = megatron_cpu
+    recomputed, plain = env.gpt(env.config(**RECOMPUTE), seed=3), env.gpt(seed=3)
+    teacher, batch = _teacher(env), env.batch(seed=7)
+    recomputed_calls, plain_calls = _count_layer_calls(recomputed), _count_layer_calls(plain)
+
+    got, got_grads = _scored(recomputed, _fused, teacher, batch, which)
+    layers = len(recomputed.decoder.layers)
+    assert recomputed_calls[0] == 2 * layers  # each layer again in backward: recompute really ran
+    want, want_grads = _scored(plain, _from_logits, teacher, batch, which)
+    assert plain_calls[0] == layers  # the control: without recompute, once
+    same_route, same_route_grads = _scored(recomputed, _from_logits, teacher, batch, which)
+    assert _error(got, want) <= REL[which] and _grad_error(got_grads, want_grads) <= REL[which]
+    assert _error(same_route, want) <= REL[which] and _grad_error(same_route_grads, want_grads) <= REL[which]
+    other, other_grads = _scored(plain, _from_logits, teacher, batch, which, temperature=OTHER_TEMPERATURE)
+    assert _error(got, other) > 1e-2 and _grad_error(got_grads, other_grads) > 1e-2  # the comparison sees it
+
+
+@pytest.mark.layout("bf16")
+@pytest.mark.parametrize("which", PROCESSORS)
+def test_processors_on_a_bf16_float16module(megatron_cpu, clean_patch_state, which):
+    from megatron.core.transformer.module import Float16Module
+
+    megatron_rl_patches.apply(only="gpt_output_processor")
+    env = megatron_cpu
+    config = env.config(**BF16)
+    model = Float16Module(config, env.gpt(config, seed=3))
+    teacher = Float16Module(config, _teacher(env, **BF16))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    batch = env.batch(seed=7)
+
+    got, got_grads = _scored(model, _fused, teacher, batch, which)
+    want, want_grads = _scored(model, _from_logits, teacher, batch, which)
+    assert _error(got, want) <= REL[which], _error(got, want)
+    assert _grad_error(got_grads, want_grads) <= 1e-2, _grad_error(got_grads, want_grads)  # bf16 gradients
+    other, other_grads = _scored(model, _from_logits, teacher, batch, which, temperature=OTHER_TEMPERATURE)
+    assert _error(got, other) > 1e-2 and _grad_error(got_grads, other_grads) > 5e-2
