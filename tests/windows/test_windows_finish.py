@@ -24,8 +24,11 @@ def lane(request) -> list[dict]:
     return run_multirank(ws.run_finishes, request.param, timeout=300)
 
 
-@pytest.mark.parametrize("case", [pytest.param(name, marks=pytest.mark.layout("distopt")) if flags.get("use_distributed_optimizer")
-                                  else name for name, (_, flags, _) in ws.FINISH_CASES.items()])
+DISTOPT = pytest.mark.layout("distopt")  # docs/layouts.md
+
+
+@pytest.mark.parametrize("case", [pytest.param(name, marks=[DISTOPT] if flags.get("use_distributed_optimizer") else [])
+                                  for name, (_, flags, _) in ws.FINISH_CASES.items()])
 @pytest.mark.parametrize("mode", ["patch", "window"])
 def test_finishes_equal_the_synchronous_reference(lane, case, mode):
     if case in lane[0]["skipped"]:
