@@ -28,7 +28,8 @@ DDP = "megatron.core.distributed.distributed_data_parallel:DistributedDataParall
 SHIMS = {
     "torch.cuda.current_device", "torch.cuda.synchronize", "CudaRNGStatesTracker.fork", "torch.cuda.Stream",
     "torch.cuda.current_stream", "Module.cuda", "Tensor.type", "WrappedTorchNorm.__new__",
-    "megatron.core.transformer.moe.moe_utils.te_general_gemm", "megatron.core.tensor_parallel.random._get_cuda_rng_state",
+    "megatron.core.transformer.moe.moe_utils.te_general_gemm",
+    "megatron.core.tensor_parallel.random._get_cuda_rng_state",
     "megatron.core.tensor_parallel.random._set_cuda_rng_state",
 }  # fmt: skip
 
