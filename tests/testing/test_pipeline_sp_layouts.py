@@ -1,5 +1,6 @@
 """The kit's sequence-parallel, pipeline and virtual-pipeline worlds (one 2-rank gloo world for the
-module) with the fused log-prob processor against the logits path, values and every gradient:
+module) with the fused log-prob and top-k processors against the logits path, values and every
+gradient (top-k: the ids too; its control, the processor at another temperature):
 - TP=2 + SP on a real GPTModel (the kit's norm shim marks the norms `sequence_parallel`): also
   against the same model without SP, its norm gradients summed over the TP group as
   `finalize_model_grads` does (unsummed, they differ: the negative control);
@@ -14,6 +15,7 @@ from megatron_rl_patches.testing.multirank import run_multirank
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 REL = 2e-6
 MICRO_BATCHES = 4
+K = 4
 
 
 def _error(got, want) -> float:
@@ -56,6 +58,47 @@ def _objective(scores: dict, weights):
     return (weights * (scores["log_probs"] + 0.5 * scores["entropy"])).sum()
 
 
+def _topk_scores(route: str, model, batch, tp_group=None):
+    """{"ids" [b, s, K], "values" [b, s, K + 1]: the top-K log-probs and the tail} by the logits path
+    or the fused processor ("hot": the processor at temperature 0.8, the negative control)."""
+    import torch
+
+    from megatron_rl_patches import topk_ids, topk_logprobs, topk_output_processor
+
+    args = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
+    if route in ("fused", "hot"):
+        out = model(*args, output_processor=topk_output_processor(k=K, temperature=0.8 if route == "hot" else 1.0))
+        if not model.post_process:
+            return out
+        return {"ids": out["topk_ids"], "values": torch.cat([out["topk_log_probs"], out["tail"][..., None]], dim=-1)}
+    logits = model(*args)
+    if not model.post_process:
+        return logits
+    rows = logits.reshape(-1, logits.size(-1))
+    ids = topk_ids(rows.detach(), K, tp_group=tp_group)
+    lp, tail = topk_logprobs(rows, ids, tp_group=tp_group)
+    shape = batch["labels"].shape
+    return {"ids": ids.view(*shape, K), "values": torch.cat([lp, tail[:, None]], dim=-1).view(*shape, K + 1)}
+
+
+def _topk_objective(scores: dict, weights):
+    return (weights[..., None] * scores["values"]).sum()
+
+
+def _sp_topk_checks(sp, batch, weights, tp) -> dict:
+    """The top-K processor on the SP model against its logits path: ids, values, every gradient."""
+    import torch
+
+    results = {}
+    for route in ("logits", "fused", "hot"):
+        scores = _topk_scores(route, sp, batch, tp)
+        _topk_objective(scores, weights).backward()
+        results[route] = (scores["ids"], scores["values"].detach(), _grads(sp))
+    (want_ids, want, want_grads), (ids, got, grads) = results["logits"], results["fused"]
+    return {"ids": torch.equal(ids, want_ids), "fused vs logits": (_error(got, want), _grad_error(grads, want_grads)),
+            "hot": _grad_error(results["hot"][2], want_grads)}
+
+
 def _sp_checks(rank: int, world_size: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -85,16 +128,24 @@ def _sp_checks(rank: int, world_size: int) -> dict:
         out["sp vs plain"] = (_error(results["logits"][0], results["plain"][0]),
                               _grad_error(summed, results["plain"][1]))
         out["unsummed norms"] = _grad_error(results["logits"][1], results["plain"][1])
+        out["topk"] = _sp_topk_checks(sp, batch, weights, tp)
     return out
 
 
-def _pipeline_step(route: str):
+def _pipeline_step(route: str, kind: str = "log-prob"):
     def step(iterator, model):
         batch = next(iterator)
-        output = _scores(route, model, batch)
+        if kind == "top-k":
+            output = _topk_scores(route, model, batch)
 
-        def loss_func(scores):
-            return _objective(scores, batch["weights"]), {"log_probs": scores["log_probs"].detach()}
+            def loss_func(scores):
+                return _topk_objective(scores, batch["weights"]), {"log_probs": scores["values"].detach(),
+                                                                   "ids": scores["ids"]}
+        else:
+            output = _scores(route, model, batch)
+
+            def loss_func(scores):
+                return _objective(scores, batch["weights"]), {"log_probs": scores["log_probs"].detach()}
 
         return output, loss_func
 
@@ -116,19 +167,26 @@ def _pipeline_checks(rank: int, world_size: int, virtual: int | None) -> dict:
         config = tiny_pipeline_config(world_size, virtual)
         chunks = pipeline_chunks(tiny_provider("gpt", config, seed=6))
         runs = {}
-        for route in ("logits", "fused", "wrong labels"):
-            reported = run_schedule(chunks, batches, _pipeline_step(route))
+        for kind, route in (("log-prob", "logits"), ("log-prob", "fused"), ("log-prob", "wrong labels"),
+                            ("top-k", "logits"), ("top-k", "fused"), ("top-k", "hot")):
+            reported = run_schedule(chunks, batches, _pipeline_step(route, kind))
             grads: dict = {}
             for j, chunk in enumerate(chunks):
                 grads.update({f"{j}.{name}": g for name, g in _grads(chunk).items()})
-            runs[route] = (torch.cat([r["log_probs"] for r in reported]) if reported else None, grads)
+            ids = torch.cat([r["ids"] for r in reported]) if reported and kind == "top-k" else None
+            runs[kind, route] = (torch.cat([r["log_probs"] for r in reported]) if reported else None, grads, ids)
         last = is_last_stage()
+        lp, topk = ("log-prob", "logits"), ("top-k", "logits")
         out = {"last": last, "chunks": len(chunks),
-               "grads": _grad_error(runs["fused"][1], runs["logits"][1]),
-               "wrong labels grads": _grad_error(runs["wrong labels"][1], runs["logits"][1])}
+               "grads": _grad_error(runs["log-prob", "fused"][1], runs[lp][1]),
+               "wrong labels grads": _grad_error(runs["log-prob", "wrong labels"][1], runs[lp][1]),
+               "topk grads": _grad_error(runs["top-k", "fused"][1], runs[topk][1]),
+               "hot grads": _grad_error(runs["top-k", "hot"][1], runs[topk][1])}
         if last:
-            out["log_probs"] = _error(runs["fused"][0], runs["logits"][0])
-            out["wrong labels"] = _error(runs["wrong labels"][0], runs["logits"][0])
+            out["log_probs"] = _error(runs["log-prob", "fused"][0], runs[lp][0])
+            out["wrong labels"] = _error(runs["log-prob", "wrong labels"][0], runs[lp][0])
+            out["topk values"] = _error(runs["top-k", "fused"][0], runs[topk][0])
+            out["topk ids"] = torch.equal(runs["top-k", "fused"][2], runs[topk][2])
         return out
 
 
@@ -156,6 +214,15 @@ def test_sequence_parallel_gpt_fused_equals_logits_and_plain_tp(layouts_world):
         assert sp["unsummed norms"] > 1e-3  # negative control: each SP rank saw half the sequence
 
 
+@pytest.mark.layout("tp2", "sp")
+def test_sequence_parallel_gpt_topk_processor_equals_logits(layouts_world):
+    for result in layouts_world:
+        topk = result["sp"]["topk"]
+        assert topk["ids"], topk
+        assert max(topk["fused vs logits"]) <= REL, topk
+        assert topk["hot"] > 1e-3, topk  # negative control: another temperature is seen
+
+
 @pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("pp2")),
                                     pytest.param("vpp", marks=pytest.mark.layout("pp2", "vpp2"))])
 def test_pipelined_fused_equals_logits_through_the_schedule(layouts_world, layout):
@@ -166,3 +233,13 @@ def test_pipelined_fused_equals_logits_through_the_schedule(layouts_world, layou
         assert result["grads"] <= REL, result
         assert result["wrong labels grads"] > 1e-3, result  # the first stage sees the last stage's loss
     assert results[1]["log_probs"] <= REL and results[1]["wrong labels"] > 1e-3, results[1]
+
+
+@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("pp2")),
+                                    pytest.param("vpp", marks=pytest.mark.layout("pp2", "vpp2"))])
+def test_pipelined_topk_processor_equals_logits_through_the_schedule(layouts_world, layout):
+    results = [result[layout] for result in layouts_world]
+    for result in results:
+        assert result["topk grads"] <= REL, result
+        assert result["hot grads"] > 1e-3, result  # the first stage sees the last stage's temperature
+    assert results[1]["topk ids"] and results[1]["topk values"] <= REL, results[1]
