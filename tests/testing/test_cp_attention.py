@@ -2,8 +2,10 @@
 against megatron-core's own local DotProductAttention on the full sequence at CP=1 (values and the
 gradients of query, key and value), in both layouts (zigzag, contiguous = slime's allgather-cp),
 `bshd` and packed `thd`; then a CP=2 GPTModel trains (per-token losses and every parameter's
-gradient) and scores through the fused log-prob processor like the CP=1 model. Negative
-controls: rows in the wrong chunk order give a different answer."""
+gradient) and scores through the fused log-prob processor like the CP=1 model, and the top-k
+processor on each rank's rows equals the CP model's logits path (ids, values, gradients).
+Negative controls: rows in the wrong chunk order give a different answer; the top-k processor at
+another temperature too."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +15,7 @@ from megatron_rl_patches.testing.multirank import run_multirank
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 
 CP = 2
+TOPK = 4
 REL = 1e-5  # fp32 rounding against the CP=1 reference
 PACKED = [8, 12, 4]  # each a multiple of 2*CP: zigzag cuts every sequence into 2*CP chunks
 CASES = ("zigzag-bshd", "contiguous-bshd", "zigzag-thd", "contiguous-thd")
@@ -182,11 +185,42 @@ def _gpt_checks(env, rank: int, refs: dict) -> dict:
             "scored_grads": max(_error(got_scored[n], want_scored[n]) for n in want_scored),
             "same_names": sorted(got_grads) == sorted(want_grads),
         }
+        results[case].update(_topk_checks(model, local, local_weights))
         other = "contiguous" if layout == "zigzag" else "zigzag"
         wrong = split_batch(batch, other, rank, CP, cu)
         with torch.no_grad():  # rows split zigzag read back as contiguous, or the other way round
             results[case + " wrong order"] = _error(back(_forward(model, wrong, labels=wrong["labels"])), loss)
     return results
+
+
+def _topk_checks(model, local: dict, local_weights) -> dict:
+    """The top-k processor on this CP rank's rows against the CP model's own logits path: the ids
+    (a bool), the log-probs and tail, every gradient summed over the CP ranks; "topk_hot" (the
+    processor at temperature 0.8) is the negative control and is popped by the test."""
+    import torch
+
+    from megatron_rl_patches import topk_ids, topk_logprobs, topk_output_processor
+
+    def run(temperature=None):
+        if temperature is None:
+            rows = _forward(model, local)
+            rows = rows.reshape(-1, rows.size(-1))
+            ids = topk_ids(rows.detach(), TOPK)
+            lp, tail = topk_logprobs(rows, ids)
+            values = torch.cat([lp, tail[:, None]], dim=-1).view(*local["tokens"].shape, TOPK + 1)
+            ids = ids.view(*local["tokens"].shape, TOPK)
+        else:
+            out = _forward(model, local, output_processor=topk_output_processor(k=TOPK, temperature=temperature))
+            ids, values = out["topk_ids"], torch.cat([out["topk_log_probs"], out["tail"][..., None]], dim=-1)
+        (local_weights[..., None] * values).sum().backward()
+        return ids, values.detach(), _grads(model, reduce=True)
+
+    want_ids, want, want_grads = run()
+    ids, got, grads = run(1.0)
+    _, _, hot_grads = run(0.8)
+    return {"topk_ids": 0.0 if torch.equal(ids, want_ids) else 1.0, "topk_values": _error(got, want),
+            "topk_grads": max(_error(grads[n], want_grads[n]) for n in want_grads),
+            "topk_hot": max(_error(hot_grads[n], want_grads[n]) for n in want_grads)}
 
 
 def _cp_world(rank: int, world_size: int) -> dict:
@@ -227,5 +261,6 @@ def test_cp2_gpt_trains_and_scores_like_cp1(cp_world, case):
     for result in cp_world:
         figures = result["gpt"][case]
         assert figures.pop("same_names")
+        assert figures.pop("topk_hot") > 1e-3  # the top-k comparison sees another temperature
         assert max(figures.values()) <= REL, figures
         assert result["gpt"][case + " wrong order"] > 1e-2
