@@ -3,9 +3,10 @@ against megatron-core's own local DotProductAttention on the full sequence at CP
 gradients of query, key and value), in both layouts (zigzag, contiguous = slime's allgather-cp),
 `bshd` and packed `thd`; then a CP=2 GPTModel trains (per-token losses and every parameter's
 gradient) and scores through the fused log-prob processor like the CP=1 model, and the top-k
-processor on each rank's rows equals the CP model's logits path (ids, values, gradients).
+processor on each rank's rows equals the CP model's logits path (ids, values, gradients), the
+divergence processor from a CP teacher the dense float64 divergence (values, gradients).
 Negative controls: rows in the wrong chunk order give a different answer; the top-k processor at
-another temperature too."""
+another temperature, the divergence at another beta too."""
 from __future__ import annotations
 
 import pytest
@@ -17,6 +18,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 CP = 2
 TOPK = 4
 REL = 1e-5  # fp32 rounding against the CP=1 reference
+REL_DIVERGENCE = 5e-5  # the fp32 divergence of small values against the float64 dense route
 PACKED = [8, 12, 4]  # each a multiple of 2*CP: zigzag cuts every sequence into 2*CP chunks
 CASES = ("zigzag-bshd", "contiguous-bshd", "zigzag-thd", "contiguous-thd")
 # megatron-core's RoPE takes each rank's positions in the zigzag layout (bshd and thd alike)
@@ -186,6 +188,9 @@ def _gpt_checks(env, rank: int, refs: dict) -> dict:
             "same_names": sorted(got_grads) == sorted(want_grads),
         }
         results[case].update(_topk_checks(model, local, local_weights))
+        teacher = env.gpt(env.config(context_parallel_size=CP), layer_spec=cp_layer_spec(layout), seed=4,
+                          position_embedding_type=positions).requires_grad_(False)
+        results[case].update(_divergence_checks(model, teacher, local, local_weights))
         other = "contiguous" if layout == "zigzag" else "zigzag"
         wrong = split_batch(batch, other, rank, CP, cu)
         with torch.no_grad():  # rows split zigzag read back as contiguous, or the other way round
@@ -221,6 +226,44 @@ def _topk_checks(model, local: dict, local_weights) -> dict:
     return {"topk_ids": 0.0 if torch.equal(ids, want_ids) else 1.0, "topk_values": _error(got, want),
             "topk_grads": max(_error(grads[n], want_grads[n]) for n in want_grads),
             "topk_hot": max(_error(hot_grads[n], want_grads[n]) for n in want_grads)}
+
+
+def _divergence_checks(model, teacher, local: dict, local_weights) -> dict:
+    """The divergence processor (jsd from a CP teacher's hidden states on the same rows) against the
+    dense float64 divergence of the two models' logits: values, every student gradient summed over
+    the CP ranks; "divergence_beta" (another beta) is the negative control, popped by the test."""
+    import torch
+
+    from megatron_rl_patches import divergence_output_processor, hidden_output_processor
+    from megatron_rl_patches.testing.divergence_reference import dense_divergence
+
+    with torch.no_grad():
+        hidden = _forward(teacher, local, output_processor=hidden_output_processor())
+        teacher_rows = _forward(teacher, local)
+        teacher_rows = teacher_rows.reshape(-1, teacher_rows.size(-1)).double()
+    context = {"teacher_hidden": hidden, "teacher_weight": teacher.output_layer.weight}
+
+    def run(fused: bool, beta: float = 0.4):
+        if fused:
+            values = _forward(model, local, output_processor=divergence_output_processor(divergence="jsd", beta=beta),
+                              output_processor_context=context)
+        else:
+            rows = _forward(model, local)
+            values = dense_divergence(rows.reshape(-1, rows.size(-1)).double(), [teacher_rows], divergence="jsd",
+                                      beta=beta).view(local["tokens"].shape)
+        (local_weights * values).sum().backward()
+        return values.detach().double(), _grads(model, reduce=True)
+
+    want, want_grads = run(False)
+    got, grads = run(True)
+    _, beta_grads = run(False, beta=0.6)
+    return {"divergence": _relative(got, want),
+            "divergence_grads": max(_relative(grads[n], want_grads[n]) for n in want_grads),
+            "divergence_beta": max(_relative(beta_grads[n], want_grads[n]) for n in want_grads)}
+
+
+def _relative(got, want) -> float:
+    return float((got - want).abs().max()) / max(float(want.abs().max()), 1e-30)
 
 
 def _cp_world(rank: int, world_size: int) -> dict:
@@ -262,5 +305,8 @@ def test_cp2_gpt_trains_and_scores_like_cp1(cp_world, case):
         figures = result["gpt"][case]
         assert figures.pop("same_names")
         assert figures.pop("topk_hot") > 1e-3  # the top-k comparison sees another temperature
+        assert figures.pop("divergence_beta") > 1e-2  # the divergence comparison sees another beta
+        divergence = (figures.pop("divergence"), figures.pop("divergence_grads"))
+        assert max(divergence) <= REL_DIVERGENCE, divergence
         assert max(figures.values()) <= REL, figures
         assert result["gpt"][case + " wrong order"] > 1e-2
