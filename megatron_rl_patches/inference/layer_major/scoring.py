@@ -4,7 +4,7 @@ moves each layer's weights to the device once per rollout instead of once per mi
 
 The model's own forward does the work: its embedding and rotary embedding once per micro-batch,
 its decoder one layer at a time, its final norm, output layer or output_processor at the end
-(inference/decoder_steps.py); results equal `chunk(**batch, output_processor=...)` bit for bit.
+(layer_major/decoder_steps.py); results equal `chunk(**batch, output_processor=...)` bit for bit.
 """
 from __future__ import annotations
 
@@ -16,14 +16,20 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._chunks import has_grad_buffers, is_ddp_like, iter_wrapped, module_chunks, unwrap
-from megatron_rl_patches.inference.activation_store import ActivationStats, ActivationStore, check_budget
-from megatron_rl_patches.inference.decoder_steps import (
+from megatron_rl_patches.inference.layer_major.activation_store import ActivationStats, ActivationStore, check_budget
+from megatron_rl_patches.inference.layer_major.decoder_steps import (
     FINAL_NORM_NAMES,
     capture_decoder_call,
     finish_model_call,
     run_decoder_layer,
 )
-from megatron_rl_patches.inference.residency import hold, hold_if_room, note_activation_bytes, on_device, residency_of
+from megatron_rl_patches.inference.residency.placement import (
+    hold,
+    hold_if_room,
+    note_activation_bytes,
+    on_device,
+    residency_of,
+)
 
 # keywords score_layer_major sets itself on every call of the model
 _RESERVED_KEYS = ("decoder_input", "inference_context", "inference_params", "output_processor",

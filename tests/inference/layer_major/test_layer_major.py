@@ -8,7 +8,7 @@ import torch
 
 import megatron_rl_patches
 from megatron_rl_patches import log_prob_output_processor, score_layer_major, topk_output_processor
-from megatron_rl_patches.inference.activation_store import ActivationStats
+from megatron_rl_patches.inference.layer_major.activation_store import ActivationStats
 
 pytestmark = pytest.mark.megatron
 
@@ -176,7 +176,7 @@ def test_bad_input_is_refused_and_the_model_left_usable(megatron_cpu, clean_patc
 
 def test_an_error_mid_rollout_leaves_nothing_on_the_device(megatron_cpu, clean_patch_state):
     from megatron_rl_patches import residency_report
-    from megatron_rl_patches.inference.residency_storage import device_weight_bytes
+    from megatron_rl_patches.inference.residency.storage import device_weight_bytes
 
     megatron_rl_patches.apply(only="gpt_output_processor")
     provider = megatron_cpu.provider(megatron_cpu.config(num_layers=2), seed=19)
@@ -235,7 +235,7 @@ def test_a_model_without_the_processor_hook_is_refused(megatron_cpu_kind, clean_
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_stream_build_copies_each_piece_once_per_rollout(megatron_cpu_kind, prefetch):
     from megatron_rl_patches import residency_report
-    from megatron_rl_patches.inference.residency_storage import device_weight_bytes
+    from megatron_rl_patches.inference.residency.storage import device_weight_bytes
 
     env = megatron_cpu_kind
     config = env.config(num_layers=3)
@@ -269,7 +269,7 @@ def test_stream_build_copies_each_piece_once_per_rollout(megatron_cpu_kind, pref
 
 def test_swap_build_comes_in_once_per_rollout(megatron_cpu, clean_patch_state):
     from megatron_rl_patches import residency_report
-    from megatron_rl_patches.inference.residency_storage import device_weight_bytes
+    from megatron_rl_patches.inference.residency.storage import device_weight_bytes
 
     megatron_rl_patches.apply(only="gpt_output_processor")
     provider = megatron_cpu.provider(megatron_cpu.config(num_layers=2), seed=16)

@@ -16,7 +16,7 @@ from megatron_rl_patches import (
     residency_report,
     score_layer_major,
 )
-from megatron_rl_patches.inference.residency_storage import device_weight_bytes
+from megatron_rl_patches.inference.residency.storage import device_weight_bytes
 
 pytestmark = pytest.mark.megatron
 LAYERS = 3

@@ -15,7 +15,7 @@ from megatron_rl_patches import (
     log_prob_output_processor,
     topk_output_processor,
 )
-from megatron_rl_patches.inference.residency_storage import device_weight_bytes
+from megatron_rl_patches.inference.residency.storage import device_weight_bytes
 
 pytestmark = pytest.mark.megatron
 MODES = ["swap", "stream"]

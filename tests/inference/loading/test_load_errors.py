@@ -34,7 +34,7 @@ def test_the_message_names_the_path_and_what_became_of_the_model():
 def test_torch_checkpoint_exception_is_summarized_by_its_first_failing_rank():
     from torch.distributed.checkpoint import CheckpointException
 
-    from megatron_rl_patches.inference.load_errors import describe
+    from megatron_rl_patches.inference.loading.errors import describe
 
     failure = CheckpointException("load failed", {1: (OSError(22, "Invalid argument"), None)})
     assert describe(failure) == "rank 1: OSError: [Errno 22] Invalid argument"

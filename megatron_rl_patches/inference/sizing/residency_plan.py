@@ -11,9 +11,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from megatron_rl_patches._args import positive_int
-from megatron_rl_patches.inference.memory import DTYPE_BYTES, dtype_name
+from megatron_rl_patches.inference.residency.modes import RESIDENCY_MODES
+from megatron_rl_patches.inference.sizing.memory import DTYPE_BYTES, dtype_name
 
-MODES = ("resident", "swap", "stream")
+MODES = RESIDENCY_MODES  # the `memory --residency` choices
 
 
 @dataclass(frozen=True)

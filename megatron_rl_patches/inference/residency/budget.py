@@ -6,11 +6,19 @@ import itertools
 import numbers
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from megatron_rl_patches.inference.residency import Residency
-    from megatron_rl_patches.inference.residency_units import Unit
+    from megatron_rl_patches.inference.residency.units import Unit
+
+
+class Member(Protocol):
+    """What the budget needs of a build it caps (placement.Residency is one): its units kept on the
+    device after use, and a way to give one of them back."""
+
+    def cached_units(self) -> list[Unit]: ...
+
+    def evict(self, unit: Unit) -> None: ...
 
 
 class ResidencyBudget:
@@ -26,13 +34,13 @@ class ResidencyBudget:
         self.in_use: int = 0
         self.peak: int = 0
         self.evictions: int = 0
-        self._members: weakref.WeakSet[Residency] = weakref.WeakSet()  # a dropped model leaves
+        self._members: weakref.WeakSet[Member] = weakref.WeakSet()  # a dropped model leaves
         self._clock: Iterator[int] = itertools.count(1)
 
     def __repr__(self) -> str:
         return f"ResidencyBudget(bytes={self.bytes}, in_use={self.in_use}, peak={self.peak})"
 
-    def join(self, member: Residency) -> None:
+    def join(self, member: Member) -> None:
         self._members.add(member)
 
     def tick(self) -> int:
@@ -55,7 +63,7 @@ class ResidencyBudget:
             self.evictions += 1
         return True
 
-    def _lru_cached(self) -> tuple[Residency, Unit] | None:
+    def _lru_cached(self) -> tuple[Member, Unit] | None:
         candidates = [
             (unit.last_used, id(unit), member, unit) for member in self._members for unit in member.cached_units()
         ]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_rl_patches import ResidencyBudget, build_inference_model, on_device, residency_report
-from megatron_rl_patches.inference.residency_storage import device_weight_bytes
+from megatron_rl_patches.inference.residency.storage import device_weight_bytes
 
 pytestmark = pytest.mark.megatron
 

@@ -11,7 +11,7 @@ import pytest
 from megatron_rl_patches.testing.fresh_process import run_with_patches
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # the repository root
 
 
 @pytest.mark.parametrize("residency", ["swap", "stream"])

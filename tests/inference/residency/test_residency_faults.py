@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megatron_rl_patches import ResidencyBudget, build_inference_model, residency_report
-from megatron_rl_patches.inference.residency import attach_residency
-from megatron_rl_patches.inference.residency_storage import device_weight_bytes
+from megatron_rl_patches.inference.residency.placement import attach_residency
+from megatron_rl_patches.inference.residency.storage import device_weight_bytes
 
 pytestmark = pytest.mark.megatron
 
@@ -138,7 +138,7 @@ def test_train_and_optimizers_are_refused_as_for_any_inference_build(megatron_cp
 
 
 def test_pinning_failure_falls_back_to_pageable_with_a_warning(monkeypatch):
-    from megatron_rl_patches.inference import residency_storage
+    from megatron_rl_patches.inference.residency import storage as residency_storage
 
     def refuse(self):
         raise RuntimeError("cannot pin")

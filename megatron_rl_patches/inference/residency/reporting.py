@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from megatron_rl_patches.inference.residency import module_list, residency_of
-from megatron_rl_patches.inference.residency_storage import device_weight_bytes
+from megatron_rl_patches.inference.residency.placement import module_list, residency_of
+from megatron_rl_patches.inference.residency.storage import device_weight_bytes
 
 DP_NOTE = "host_bytes is per data-parallel rank: each rank keeps its own (pinned) host copy of its shard"
 

@@ -19,7 +19,7 @@ def test_roles_get_their_residency(megatron_cpu, slime_standin, tmp_path, monkey
 
     import megatron_rl_patches
     from megatron_rl_patches import residency_report
-    from megatron_rl_patches.inference.residency_storage import device_weight_bytes
+    from megatron_rl_patches.inference.residency.storage import device_weight_bytes
 
     teacher = megatron_cpu.gpt(seed=71).eval()
     weights_kit.save(teacher, tmp_path / "teacher", iteration=9)
@@ -44,7 +44,7 @@ def test_roles_get_their_residency(megatron_cpu, slime_standin, tmp_path, monkey
 
 def test_load_after_a_stream_build_writes_the_host_copies(megatron_cpu, tmp_path):
     from megatron_rl_patches import build_inference_model, hold, load_inference_weights
-    from megatron_rl_patches.inference.residency_storage import device_weight_bytes
+    from megatron_rl_patches.inference.residency.storage import device_weight_bytes
 
     source = megatron_cpu.gpt(seed=11).eval()
     torch.save(source.state_dict(), tmp_path / "w.pt")
@@ -80,7 +80,10 @@ def test_role_grammar_errors_name_the_variable(value, message):
 
 
 def test_the_grammar_knows_every_residency():
-    pytest.importorskip("torch")
-    from megatron_rl_patches.inference.residency import RESIDENCY_MODES
+    from megatron_rl_patches import inference
+    from megatron_rl_patches.inference.residency import placement
+    from megatron_rl_patches.inference.sizing import residency_plan
 
-    assert env.RESIDENCIES == RESIDENCY_MODES
+    assert env.RESIDENCIES == inference.RESIDENCY_MODES
+    # one definition: the builds, the planner and the public name share the tuple
+    assert residency_plan.MODES is inference.RESIDENCY_MODES is placement.RESIDENCY_MODES

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rl_patches.inference.memory import training_state_bytes
+from megatron_rl_patches.inference.sizing.memory import training_state_bytes
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -107,7 +107,7 @@ def test_report_as_json():
 
 def test_memory_module_imports_no_torch():
     code = (
-        "import sys, megatron_rl_patches.apps.cli.memory, megatron_rl_patches.inference.memory; "
+        "import sys, megatron_rl_patches.apps.cli.memory, megatron_rl_patches.inference.sizing.memory; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

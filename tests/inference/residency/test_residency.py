@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_rl_patches import build_inference_model, hold, on_device, residency_report
-from megatron_rl_patches.inference.residency_storage import device_weight_bytes
+from megatron_rl_patches.inference.residency.storage import device_weight_bytes
 
 pytestmark = pytest.mark.megatron
 LAYERS = 4

@@ -14,14 +14,14 @@ from typing import Any, cast
 
 import torch
 
-from megatron_rl_patches.inference.load_errors import (
+from megatron_rl_patches.inference.loading.errors import (
     CheckpointReadError,
     check_fit,
     copying_into_model,
     describe,
     shown,
 )
-from megatron_rl_patches.inference.paths import DIST_METADATA
+from megatron_rl_patches.inference.loading.paths import DIST_METADATA
 
 # checkpoint keys that are not model weights: a training checkpoint holds them beside the model
 _NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine_state")

@@ -4,7 +4,7 @@ built), "swap" (in host memory; the whole model on the device for a phase or a f
 `prefetch` layers ahead, and released after). `hold(module)` pins pieces for a caller that
 schedules the work itself (layer-major scoring); `ResidencyBudget` caps several builds together.
 
-Between uses a parameter's `.data` is its host copy (residency_storage.py), so user code never
+Between uses a parameter's `.data` is its host copy (residency/storage.py), so user code never
 meets a released storage. Each piece is reference-counted, and each chunk forward runs in a scope
 whose pieces are released however it ends (BaseException included), so nested and re-entrant
 forwards keep what their callers still use."""
@@ -22,12 +22,12 @@ import torch
 
 from megatron_rl_patches._chunks import as_chunks, has_grad_buffers, unwrap
 from megatron_rl_patches.inference.guard import is_inference_only
-from megatron_rl_patches.inference.host_init import move_all_but
-from megatron_rl_patches.inference.residency_budget import ResidencyBudget
-from megatron_rl_patches.inference.residency_storage import HostWeights, device_weight_bytes, log_fallback, nbytes_of
-from megatron_rl_patches.inference.residency_units import Unit, stream_units, whole_unit
+from megatron_rl_patches.inference.residency.budget import ResidencyBudget
+from megatron_rl_patches.inference.residency.host_init import move_all_but
+from megatron_rl_patches.inference.residency.modes import RESIDENCY_MODES
+from megatron_rl_patches.inference.residency.storage import HostWeights, device_weight_bytes, log_fallback, nbytes_of
+from megatron_rl_patches.inference.residency.units import Unit, stream_units, whole_unit
 
-RESIDENCY_MODES = ("resident", "swap", "stream")
 ATTR = "_mrp_residency"
 
 _CONTROLLERS: weakref.WeakSet[Residency] = weakref.WeakSet()

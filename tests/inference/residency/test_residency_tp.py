@@ -16,7 +16,7 @@ def _tp_worker(rank: int, world_size: int, tmp: str) -> dict:
     import torch
 
     from megatron_rl_patches import build_inference_model, residency_report
-    from megatron_rl_patches.inference.residency_storage import device_weight_bytes
+    from megatron_rl_patches.inference.residency.storage import device_weight_bytes
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
     with megatron_on_cpu(tensor_parallel=world_size) as env:

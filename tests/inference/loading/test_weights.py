@@ -92,7 +92,7 @@ def test_common_state_is_never_unpickled(megatron_cpu, tmp_path, weights_kit):
 
 def test_staged_batches_load_the_same_weights(megatron_cpu, tmp_path, weights_kit, monkeypatch):
     from megatron_rl_patches import load_inference_weights
-    from megatron_rl_patches.inference import dist_weights
+    from megatron_rl_patches.inference.loading import torch_dist as dist_weights
 
     source = megatron_cpu.gpt(_swiglu(megatron_cpu), seed=6)
     weights_kit.save(source, tmp_path, iteration=1)
@@ -263,7 +263,8 @@ def test_damaged_storage_files_are_refused_before_anything_is_written(megatron_c
 
 def test_a_read_failing_half_way_says_the_weights_are_undefined(megatron_cpu, tmp_path, weights_kit, monkeypatch):
     from megatron_rl_patches import load_inference_weights
-    from megatron_rl_patches.inference import CheckpointReadError, dist_weights
+    from megatron_rl_patches.inference import CheckpointReadError
+    from megatron_rl_patches.inference.loading import torch_dist as dist_weights
 
     source = megatron_cpu.gpt(seed=63)
     path = weights_kit.save(source, tmp_path, iteration=1)
@@ -345,7 +346,7 @@ def _load_on_two_ranks(rank: int, world_size: int, checkpoint: str) -> dict:
     collectively: rank 1 must make matching empty calls); then rank 1's model does not fit the
     checkpoint, and rank 0 must fail too instead of waiting for it."""
     from megatron_rl_patches import load_inference_weights
-    from megatron_rl_patches.inference import dist_weights
+    from megatron_rl_patches.inference.loading import torch_dist as dist_weights
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
     out: dict = {}
@@ -379,7 +380,7 @@ def test_ranks_with_different_batch_counts_and_a_failing_rank(megatron_cpu, tmp_
 
 
 def test_the_default_strategy_deprecation_is_silenced_only_inside(caplog):
-    from megatron_rl_patches.inference.dist_weights import _quiet_default_strategy
+    from megatron_rl_patches.inference.loading.torch_dist import _quiet_default_strategy
 
     log = logging.getLogger("megatron.core.dist_checkpointing.serialization")
     message = "megatron.core.dist_checkpointing.serialization.get_default_load_sharded_strategy is deprecated"

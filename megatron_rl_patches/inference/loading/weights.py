@@ -1,5 +1,5 @@
 """Weights-only loading for inference-only chunks: the model's sharded state dict from a
-megatron-core torch_dist checkpoint (dist_weights: no optimizer, scheduler, RNG or common state),
+megatron-core torch_dist checkpoint (torch_dist.py: no optimizer, scheduler, RNG or common state),
 or a plain torch state-dict file. Everything is checked before anything is copied."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from megatron_rl_patches._chunks import module_chunks, unwrap
 from megatron_rl_patches._log import logger
-from megatron_rl_patches.inference.load_errors import (  # noqa: F401 - WeightsMismatchError re-exported
+from megatron_rl_patches.inference.loading.errors import (  # noqa: F401 - WeightsMismatchError re-exported
     SHOW,
     CheckpointReadError,
     WeightsMismatchError,
@@ -21,7 +21,7 @@ from megatron_rl_patches.inference.load_errors import (  # noqa: F401 - WeightsM
     describe,
     shown,
 )
-from megatron_rl_patches.inference.paths import resolve_checkpoint
+from megatron_rl_patches.inference.loading.paths import resolve_checkpoint
 
 
 def _model_keys(count: int) -> list[str]:
@@ -143,11 +143,11 @@ def load_inference_weights(
     chunks = module_chunks(model, "model")
     modules = [unwrap(chunk) for chunk in chunks]
     kind, path, found = resolve_checkpoint(load_dir, iteration)
-    from megatron_rl_patches.inference.residency import weights_on_host
+    from megatron_rl_patches.inference.residency.placement import weights_on_host
 
     with torch.no_grad(), weights_on_host(chunks):  # swap/stream builds: into their host copies
         if kind == "dist":
-            from megatron_rl_patches.inference.dist_weights import load_dist
+            from megatron_rl_patches.inference.loading.torch_dist import load_dist
 
             load_dist(modules, _model_keys(len(modules)), path, bool(strict))
         else:

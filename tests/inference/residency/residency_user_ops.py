@@ -24,7 +24,7 @@ def _same_state(a: dict, b: dict) -> bool:
 
 def main(out: str, mode: str) -> None:
     from megatron_rl_patches import build_inference_model, residency_report
-    from megatron_rl_patches.inference.residency_storage import device_weight_bytes
+    from megatron_rl_patches.inference.residency.storage import device_weight_bytes
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu, tiny_gpt_config, tiny_gpt_provider
 
     # a Megatron model holds process-group handles, which cannot be copied (the resident build's

@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-from megatron_rl_patches.inference.load_errors import CheckpointReadError
+from megatron_rl_patches.inference.loading.errors import CheckpointReadError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 DIST_METADATA = "metadata.json"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl_patches.inference.host_init import host_initialization, move_all_but
+from megatron_rl_patches.inference.residency.host_init import host_initialization, move_all_but
 
 
 def test_cuda_factories_land_on_the_cpu_inside_the_redirect():
