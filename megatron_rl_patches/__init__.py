@@ -20,6 +20,8 @@ _LAZY = {
     "reentrant_train": "megatron_rl_patches.reentrant",
     "accumulation_window": "megatron_rl_patches.windows",
     "build_inference_model": "megatron_rl_patches.inference",
+    "build_inference_model_from_hf": "megatron_rl_patches.inference",
+    "check_teacher_vocab": "megatron_rl_patches.inference",
     "load_inference_weights": "megatron_rl_patches.inference",
     "training_state_bytes": "megatron_rl_patches.inference",
     "on_device": "megatron_rl_patches.inference",

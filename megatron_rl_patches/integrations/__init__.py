@@ -36,6 +36,8 @@ ORDER = (
     "verl_topk_kd",
     "slime_fused",
     "slime_opd",
+    "hybrid_output_processor",
+    "mtp_output_processor",
 )
 
 
@@ -50,6 +52,15 @@ def all_patches() -> list[Patch]:
     if unordered:
         raise RuntimeError(f"patch names {unordered} are not in {__name__}.ORDER: add them there")
     return sorted(records, key=lambda patch: ORDER.index(patch.name))
+
+
+def check_settings(environ: Any = None) -> None:
+    """Every framework's own variables, read as its patches read them (top-k OPD's
+    MEGATRON_RL_PATCHES_OPD_*): a ValueError naming the variable at fault. `run`, the start-up
+    hook and `doctor` call this (patching names it by a string, SETTINGS_CHECK)."""
+    from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
+
+    opd_settings(environ)
 
 
 def default_registry() -> Registry:

@@ -17,3 +17,15 @@ def load_registry(factory: str = DEFAULT_REGISTRY) -> Registry:
     import pkgutil
 
     return pkgutil.resolve_name(factory)()
+
+
+# The frameworks' own settings variables (e.g. top-k OPD's), checked by `run` and the start-up hook
+# as their patches read them: "module:function" of an `environ` mapping, for the same reason.
+SETTINGS_CHECK = "megatron_rl_patches.integrations:check_settings"
+
+
+def check_settings(environ: object = None, check: str = SETTINGS_CHECK) -> None:
+    """ValueError naming the framework variable at fault in `environ` (default: this process's)."""
+    import pkgutil
+
+    pkgutil.resolve_name(check)(environ)

@@ -60,6 +60,9 @@ class Patch:
     # checkout); None: the installed distribution's metadata.
     version_finder: str | None = None
     native: str = ""  # PEP 440 specifier of the versions that provide the feature themselves
+    # parameter names whose presence in the target's signature means it provides the feature itself
+    # (a release not known yet, e.g. one that merged the upstream change): `native`, nothing wrapped
+    native_params: tuple[str, ...] = ()
     # "module:Class": a wrapt.FunctionWrapper subclass to install instead of FunctionWrapper (e.g.
     # one that reports the signature the wrapper accepts); "": plain wrapt.FunctionWrapper.
     wrapper_class: str = ""

@@ -134,6 +134,17 @@ def signature_problem(patch: Patch, original: Any) -> str | None:
     )
 
 
+def native_signature(patch: Patch, original: Any) -> bool:
+    """Whether `original` already accepts every one of `patch.native_params`."""
+    if not patch.native_params:
+        return False
+    try:
+        names = inspect.signature(original).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(name in names for name in patch.native_params)
+
+
 def _initializing(module: Any) -> bool:
     return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
@@ -388,6 +399,8 @@ class Registry:
             assert key is not None  # _same_work matched one of ours
             return _Outcome(APPLIED,
                             "already wrapped" + ("" if key == slot.wrapper_key() else f" (bound from {key[1]})"))
+        if native_signature(patch, original):
+            return _Outcome(SKIPPED, f"{patch.target} has ({', '.join(patch.native_params)}) itself", NATIVE)
         problem_signature = signature_problem(patch, original)
         if problem_signature:
             return _refusal(patch, PatchSignatureMismatch, problem_signature, SIGNATURE)

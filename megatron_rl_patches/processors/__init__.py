@@ -1,7 +1,8 @@
-"""Output processors for megatron-core's GPTModel (`output_processor=`), on every supported
-version: the log-prob and top-k heads (`heads`), the distillation ones (`distill`), and the
-keyword's backport to releases before 0.18 (`gpt_backport`, `gpt_signature`; patch
-`gpt_output_processor`)."""
+"""Output processors for megatron-core's GPTModel and HybridModel (`output_processor=`), on every
+supported version: the log-prob and top-k heads (`heads`), the distillation ones (`distill`), the
+keyword's backport (`backport`, `gpt_backport`, `gpt_signature`; patches `gpt_output_processor`
+for GPTModel before 0.18 and `hybrid_output_processor`), and the MTP heads' loss through the
+fused head (`mtp_loss`; patch `mtp_output_processor`)."""
 from __future__ import annotations
 
 from megatron_rl_patches._lazy import lazy_getattr

@@ -20,6 +20,7 @@ REPORT = ("import json, megatron_rl_patches as m; "
 SELECT, DISABLE = "MEGATRON_RL_PATCHES", "MEGATRON_RL_PATCHES_DISABLE"
 STRICT, UNTESTED = "MEGATRON_RL_PATCHES_STRICT", "MEGATRON_RL_PATCHES_ALLOW_UNTESTED"
 BACKEND, ROLES = "MEGATRON_RL_PATCHES_BACKEND", "MEGATRON_RL_PATCHES_INFERENCE_ROLES"
+OPD = "MEGATRON_RL_PATCHES_OPD_"
 
 # (case id, --patches or None, variables) -> applied names (exit 0) or the text of the refusal (exit 2)
 CASES = [
@@ -66,6 +67,11 @@ CASES = [
     ("roles-unicode-identifier", None, {ROLES: "教师"}, ALL),
     ("roles-commas", None, {ROLES: " , "}, "MEGATRON_RL_PATCHES_INFERENCE_ROLES=' , ' names no role"),
     ("roles-dash", None, {ROLES: "teacher,prm-teacher"}, "'prm-teacher' is not a role name"),
+    # a framework's own variables, as its patch reads them (issue 38: top-k OPD's were read at the first step)
+    ("opd-ids-from", None, {OPD + "TEACHERS": "/ckpt/t", OPD + "IDS_FROM": "teacher"},
+     "MEGATRON_RL_PATCHES_OPD_IDS_FROM='teacher'"),
+    ("opd-weights", None, {OPD + "TEACHERS": "/a,/b", OPD + "WEIGHTS": "2,3"},
+     "MEGATRON_RL_PATCHES_OPD_WEIGHTS='2,3' sums to 5"),
 ]
 
 
@@ -101,4 +107,4 @@ def test_the_table_covers_every_variable_the_launcher_passes_on():
     from megatron_rl_patches.patching import env
 
     covered = {name for _, _, variables, _ in CASES for name in variables}
-    assert covered == set(env.VARIABLES)
+    assert {name for name in covered if not name.startswith(OPD)} == set(env.VARIABLES)

@@ -72,10 +72,12 @@ def test_unknown_strict_value_applies_nothing_with_one_line(startup_dir, value):
 
 
 @pytest.mark.parametrize("variable, value", [("MEGATRON_RL_PATCHES_BACKEND", "cuda"),
-                                             ("MEGATRON_RL_PATCHES_INFERENCE_ROLES", "prm-teacher")])
+                                             ("MEGATRON_RL_PATCHES_INFERENCE_ROLES", "prm-teacher"),
+                                             ("MEGATRON_RL_PATCHES_OPD_IDS_FROM", "teacher")])
 def test_a_bad_backend_or_role_list_warns_one_line_and_patches_anyway(startup_dir, variable, value):
     """What the launcher refuses, a plain start-up reports once and goes on (patches applied)."""
-    proc = start(startup_dir, MEGATRON_RL_PATCHES="all", **{variable: value})
+    opd = {"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/t"} if "_OPD_" in variable else {}
+    proc = start(startup_dir, MEGATRON_RL_PATCHES="all", **opd, **{variable: value})
     assert proc.returncode == 0
     ran, statuses = proc.stdout.splitlines()
     assert ran == "ran" and "pending" in json.loads(statuses)

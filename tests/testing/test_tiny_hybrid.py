@@ -71,3 +71,5 @@ def test_bad_patterns_and_kinds_are_rejected(megatron_cpu):
         megatron_cpu.hybrid(layer_pattern="*-*")
     with pytest.raises(TypeError, match="layer_pattern must be a non-empty str"):
         megatron_cpu.hybrid(layer_pattern="")
+    with pytest.raises(ValueError, match="has 2 MTP depths but config.mtp_num_layers is None"):
+        megatron_cpu.hybrid(layer_pattern="*-/*-/*-")

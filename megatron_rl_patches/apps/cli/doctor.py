@@ -140,9 +140,8 @@ def _startup_section(environment: dict[str, Any]) -> tuple[dict[str, Any], bool 
 def _environment_section() -> tuple[dict[str, Any], list[str]]:
     from megatron_rl_patches.integrations import default_registry
     from megatron_rl_patches.integrations.slime.opd_settings import PREFIX as OPD_PREFIX
-    from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
     from megatron_rl_patches.integrations.slime.roles import DEFAULT_INFERENCE_ROLES
-    from megatron_rl_patches.patching import env
+    from megatron_rl_patches.patching import check_settings, env
 
     environment: dict[str, Any] = env.summary()
     if environment["inference_roles"] is None:  # unset: slime's default roles; wrong: none (in the problems)
@@ -151,7 +150,7 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
     problems = list(environment["errors"])
     environment["opd"] = {name: value for name, value in sorted(os.environ.items()) if name.startswith(OPD_PREFIX)}
     try:
-        opd_settings()  # the check slime_opd makes before the first step
+        check_settings()  # the frameworks' own variables, as `run` and slime_opd check them
     except ValueError as exc:
         problems.append(str(exc))
     try:

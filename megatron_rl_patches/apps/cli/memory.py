@@ -46,8 +46,13 @@ def _positive(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--params", required=True, type=parse_param_count, metavar="N",
-        help="number of model parameters, e.g. 27e9 or 27B",
+        "--params", type=parse_param_count, metavar="N",
+        help="number of model parameters, e.g. 27e9 or 27B (or --hf)",
+    )
+    parser.add_argument(
+        "--hf", metavar="PATH", default=None,
+        help="a Hugging Face checkpoint directory (or its config.json): per-GPU weights at --tp/--pp/--ep "
+             "by residency mode, from the config alone",
     )
     parser.add_argument("--dp", type=_positive, default=1, help="data-parallel size")
     parser.add_argument(
@@ -76,6 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="input and output embeddings share one weight (with --residency)")
     parser.add_argument("--tp", type=_count("--tp"), default=None,
                         help="tensor-parallel size, each rank holds a shard (with --residency; default 1)")
+    parser.add_argument("--pp", type=_count("--pp"), default=1, help="pipeline-parallel size (with --hf)")
+    parser.add_argument("--ep", type=_count("--ep"), default=1, help="expert-parallel size (with --hf)")
     parser.add_argument("--json", action="store_true", help="print a JSON object (bytes)")
 
 
@@ -98,6 +105,19 @@ RESIDENCY_OPTIONS = ("--layers", "--prefetch", "--vocab", "--hidden", "--tied", 
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.params is None) == (args.hf is None):
+        raise UsageError("give --params N (a parameter count) or --hf PATH (a Hugging Face checkpoint), one of them")
+    if args.hf is not None:
+        given = [flag for flag in ("--layers", "--vocab", "--hidden", "--tied")
+                 if getattr(args, flag[2:]) not in (None, False)]
+        if given:
+            raise UsageError(f"{', '.join(given)}: --hf PATH reads the model's shape from its config.json; drop them")
+        from megatron_rl_patches.apps.cli.memory_hf import run_hf
+
+        args.tp, args.prefetch = args.tp or 1, 1 if args.prefetch is None else args.prefetch
+        return run_hf(args)
+    if (args.pp, args.ep) != (1, 1):
+        raise UsageError("--pp and --ep need --hf PATH (the layers and experts come from its config.json)")
     if args.residency is None:
         given = [flag for flag in RESIDENCY_OPTIONS if getattr(args, flag[2:]) not in (None, False)]
         if given:

@@ -157,9 +157,9 @@ def _check_processor_hook(model: torch.nn.Module) -> None:
         return
     if "output_processor" not in parameters and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
         raise TypeError(
-            f"{type(model).__name__}.forward has no output_processor keyword: on megatron-core < 0.18 apply the "
-            "gpt_output_processor patch (megatron_rl_patches.apply(only='gpt_output_processor')); "
-            "HybridModel has no such hook: score it without output_processor (logits)"
+            f"{type(model).__name__}.forward has no output_processor keyword: apply the gpt_output_processor "
+            "patch (GPTModel on megatron-core < 0.18) or hybrid_output_processor (HybridModel), e.g. "
+            "megatron_rl_patches.apply(only=['gpt_output_processor', 'hybrid_output_processor'])"
         )
 
 

@@ -13,6 +13,12 @@ CORE = "megatron_rl_patches.integrations.megatron.core"
 BACKPORT = "megatron_rl_patches.processors.gpt_backport"
 DDP = "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel"
 GPT = "megatron.core.models.gpt.gpt_model:GPTModel"
+HYBRID = "megatron.core.models.hybrid.hybrid_model:HybridModel"
+MTP = "megatron.core.transformer.multi_token_prediction"
+MTP_LOSS = "megatron_rl_patches.processors.mtp_loss"
+# process_mtp_loss (megatron-core >= 0.18) as the fused MTP loss calls it
+MTP_LOSS_PARAMS = ("hidden_states", "labels", "loss_mask", "output_layer", "output_weight", "runtime_gather_output",
+                   "is_training", "compute_language_model_loss", "config")
 TRAINING = "megatron.training.training"
 # get_forward_backward_func() returns one of these, looked up in the module at call time
 SCHEDULES = "megatron.core.pipeline_parallel.schedules"
@@ -68,5 +74,43 @@ PATCHES = (
             params=("model", "forward_only"),
         )
         for function in SCHEDULE_FUNCTIONS
+    ),
+    # The fused head for HybridModel and for the MTP heads (issue 39).
+    Patch(
+        name="hybrid_output_processor",
+        target=f"{HYBRID}.forward",
+        wrapper="megatron_rl_patches.processors.backport:hybrid_forward_wrapper",
+        description="HybridModel.forward(output_processor=, output_processor_context=) as GPTModel's",
+        versions=SUPPORTED,
+        version_finder=VERSION_FINDER,
+        native_params=("output_processor", "output_processor_context"),
+        params=("self", "input_ids", "position_ids", "attention_mask", "decoder_input", "labels"),
+        wrapper_class="megatron_rl_patches.processors.gpt_signature:OutputProcessorForward",
+    ),
+    *(
+        Patch(
+            name="mtp_output_processor",
+            target=target,
+            wrapper=f"{MTP_LOSS}:process_mtp_loss_wrapper",
+            description="the MTP heads' cross-entropy from their hidden states through the fused head: no logits",
+            versions=SUPPORTED,
+            version_finder=VERSION_FINDER,
+            params=MTP_LOSS_PARAMS,
+            optional=True,
+        )
+        # optional: releases before 0.18 compute the MTP loss inline (no such function); the models
+        # bind it at import, so a model module imported before apply() holds megatron's own
+        for target in (f"{MTP}:process_mtp_loss", f"{GPT.partition(':')[0]}:process_mtp_loss",
+                       f"{HYBRID.partition(':')[0]}:process_mtp_loss")
+    ),
+    Patch(
+        name="mtp_output_processor",
+        target=f"{MTP}:_compute_mtp_acceptance_counts",
+        wrapper=f"{MTP_LOSS}:acceptance_counts_wrapper",
+        description="the MTP acceptance counts from the fused head's top-1 ids (no logits)",
+        versions=SUPPORTED,
+        version_finder=VERSION_FINDER,
+        params=("mtp_logits", "mtp_labels", "loss_mask", "output_layer", "runtime_gather_output"),
+        optional=True,
     ),
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import types
 
-from megatron_rl_patches.patching import DEFAULT_REGISTRY, load_registry
+from megatron_rl_patches.patching import DEFAULT_REGISTRY, check_settings, load_registry
 
 _done = False
 
@@ -117,7 +117,8 @@ def run(registry_factory: str = DEFAULT_REGISTRY) -> None:
             _say(f"no patch applied at start-up: {exc}")
             if _strict():
                 registry.poison_imports(ValueError(f"{exc} ({env.STRICT} is set)"))
-        for read in (env.backend, env.checked_role_names):  # read later, by the ops and the roles
+        # read later, by the ops, the roles and the frameworks' patches (top-k OPD's variables)
+        for read in (env.backend, env.checked_role_names, check_settings):
             try:
                 read()
             except ValueError as exc:

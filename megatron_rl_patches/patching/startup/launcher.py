@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
-from megatron_rl_patches.patching import env, load_registry
+from megatron_rl_patches.patching import check_settings, env, load_registry
 
 LAUNCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")  # holds only sitecustomize
 # the folder holding the megatron_rl_patches package (four levels up from this file)
@@ -38,6 +38,7 @@ def launch_environment(patches: str | None, environ: Mapping[str, str] | None = 
     elif not env.is_enabled(child):
         child[env.SELECT] = "all"
     env.check(load_registry().patch_names(), child)
+    check_settings(child)
     child["PYTHONPATH"] = _with_launch_dir(child.get("PYTHONPATH", ""))
     child[ROOT_VARIABLE] = PACKAGE_ROOT
     return child

@@ -67,10 +67,12 @@ def test_losses_with_labels_equal_per_micro_batch(megatron_cpu):
     _assert_identical(score_layer_major(chunks, batches), _per_micro_batch(chunks[0], batches))
 
 
-def test_processors_equal_per_micro_batch_bit_for_bit(megatron_cpu, clean_patch_state):
-    megatron_rl_patches.apply(only="gpt_output_processor")  # `native` on megatron-core >= 0.18
-    chunks = megatron_rl_patches.build_inference_model(megatron_cpu.provider(megatron_cpu.config(num_layers=3), seed=7))
-    batches = _batches(megatron_cpu)
+def test_processors_equal_per_micro_batch_bit_for_bit(megatron_cpu_kind, clean_patch_state):
+    # GPTModel's hook (`native` on megatron-core >= 0.18) and HybridModel's
+    megatron_rl_patches.apply(only=["gpt_output_processor", "hybrid_output_processor"])
+    env = megatron_cpu_kind
+    chunks = megatron_rl_patches.build_inference_model(env.model_provider(env.config(num_layers=3), seed=7))
+    batches = _batches(env)
 
     processor = log_prob_output_processor(temperature=0.7, with_entropy=True)
     got = score_layer_major(chunks, batches, output_processor=processor)

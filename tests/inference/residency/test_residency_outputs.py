@@ -1,6 +1,7 @@
 """Swap and stream builds give the resident build's outputs bit for bit through the fused output
 processors: log-probs and entropy, top-k buckets of a teacher scoring a student's ids, and a
-full-vocabulary divergence that reads the teacher's hidden states and output weight."""
+full-vocabulary divergence that reads the teacher's hidden states and output weight. GPTModel, and
+HybridModel (patch `hybrid_output_processor`) where megatron-core has it."""
 from __future__ import annotations
 
 import pytest
@@ -19,6 +20,8 @@ from megatron_rl_patches.inference.residency.storage import device_weight_bytes
 
 pytestmark = pytest.mark.megatron
 MODES = ["swap", "stream"]
+# GPTModel's hook (`native` on >= 0.18) and HybridModel's
+PROCESSOR_PATCHES = ["gpt_output_processor", "hybrid_output_processor"]
 
 
 def _teacher(env, residency="resident"):
@@ -30,9 +33,9 @@ def _args(batch):
 
 
 @pytest.mark.parametrize("residency", MODES)
-def test_fused_log_probs_and_top_k_buckets_equal_the_resident_build(megatron_cpu, clean_patch_state, residency):
-    megatron_rl_patches.apply(only="gpt_output_processor")  # `native` on >= 0.18
-    env = megatron_cpu
+def test_fused_log_probs_and_top_k_buckets_equal_the_resident_build(megatron_cpu_kind, clean_patch_state, residency):
+    megatron_rl_patches.apply(only=PROCESSOR_PATCHES)
+    env = megatron_cpu_kind
     reference, teacher = _teacher(env), _teacher(env, residency)
     batch = env.batch(seed=8)
     processor = log_prob_output_processor(temperature=0.7, with_entropy=True)
@@ -52,9 +55,9 @@ def test_fused_log_probs_and_top_k_buckets_equal_the_resident_build(megatron_cpu
 
 
 @pytest.mark.parametrize("residency", MODES)
-def test_divergence_from_a_streamed_teacher_equals_the_resident_one(megatron_cpu, clean_patch_state, residency):
-    megatron_rl_patches.apply(only="gpt_output_processor")
-    env = megatron_cpu
+def test_divergence_from_a_streamed_teacher_equals_the_resident_one(megatron_cpu_kind, clean_patch_state, residency):
+    megatron_rl_patches.apply(only=PROCESSOR_PATCHES)
+    env = megatron_cpu_kind
     student = env.model(env.config(num_layers=2), seed=1)
     reference, teacher = _teacher(env), _teacher(env, residency)
     batch = env.batch(seed=9)

@@ -1,0 +1,47 @@
+"""`megatron-rl-patches memory --hf PATH`: a Hugging Face checkpoint's per-GPU weights at TP / PP /
+EP by residency mode (from its config.json alone), and the training state a trainable build of
+that shard would add (the table of `memory --params`)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from megatron_rl_patches.apps.cli._common import OK, UsageError
+from megatron_rl_patches.apps.presentation import human_bytes, memory_report, text_table
+from megatron_rl_patches.inference.hf.plan import HFMemoryPlan, hf_memory_plan
+from megatron_rl_patches.inference.memory import training_state_bytes
+
+
+def plan_table(plan: HFMemoryPlan, chosen: str | None) -> str:
+    """Per-GPU weights of the inference-only build by residency mode, the chosen one marked."""
+    moe = f", {plan.active_params:,} active per token" if plan.active_params != plan.total_params else ""
+    header = [
+        f"{plan.source} ({plan.model_type}): {plan.total_params:,} parameters{moe}; vocab padded to "
+        f"{plan.padded_vocab:,}",
+        f"Per GPU at TP={plan.tp} PP={plan.pp} EP={plan.ep} ({plan.param_dtype}): {plan.gpu_params:,} parameters "
+        f"({plan.layers_per_stage} layers of {plan.layer_params:,}, embedding {plan.embedding_params:,} on the "
+        f"first stage, output layer {plan.output_params:,} on the last), prefetch {plan.prefetch}",
+    ]
+    rows = [
+        [("* " if m.mode == chosen else "  ") + m.mode, human_bytes(m.device_peak),
+         human_bytes(m.device_between_phases), human_bytes(m.host)]
+        for m in plan.modes
+    ]
+    table = text_table(("mode", "device (peak)", "device (between phases)", "host"), rows, numeric=True, rule=False)
+    note = "per GPU of the pipeline stage holding the most; host bytes per data-parallel rank"
+    return "\n".join([*header, "", table, "", note])
+
+
+def run_hf(args: argparse.Namespace) -> int:
+    try:
+        plan = hf_memory_plan(args.hf, tp=args.tp, pp=args.pp, ep=args.ep, param_dtype=args.param_dtype,
+                              prefetch=args.prefetch)
+        report = training_state_bytes(plan.gpu_params, dp=args.dp, distributed_optimizer=args.distributed_optimizer,
+                                      param_dtype=args.param_dtype, grad_dtype=args.grad_dtype)
+    except (TypeError, ValueError, FileNotFoundError) as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        print(json.dumps({**report.as_dict(), "residency": args.residency, "hf_plan": plan.as_dict()}, indent=2))
+    else:
+        print(plan_table(plan, args.residency) + "\n\n" + memory_report(report))
+    return OK

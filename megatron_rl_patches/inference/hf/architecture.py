@@ -1,0 +1,181 @@
+"""A Hugging Face checkpoint's architecture from its config.json alone (JSON, no torch, no
+transformers): the families the converter serves, the fields it reads, and what it refuses.
+The memory planner (`megatron-rl-patches memory --hf`) and the builder share it."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CONFIG = "config.json"
+
+# model_type -> (q/k/v biases, per-head q/k RMSNorm, mixture of experts)
+FAMILIES: dict[str, tuple[bool, bool, bool]] = {
+    "llama": (False, False, False),
+    "qwen2": (True, False, False),
+    "qwen3": (False, True, False),
+    "qwen3_moe": (False, True, True),
+}
+
+
+class UnsupportedCheckpointError(ValueError):
+    """A config.json the converter cannot serve (a family or a feature it does not map)."""
+
+
+def checkpoint_dir(path: Any, argument: str = "path") -> Path:
+    """The directory of a Hugging Face checkpoint, checked before anything else looks at it:
+    converters treat strings that are not directories as hub ids and go to the network."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{argument} must be a path (str or os.PathLike) to a Hugging Face checkpoint directory, "
+                        f"got {type(path).__name__}")
+    root = Path(os.fspath(path)).expanduser()
+    if not root.is_dir():
+        what = "does not exist" if not root.exists() else "is not a directory"
+        raise FileNotFoundError(
+            f"{argument} {str(root)!r} {what}; pass a local Hugging Face checkpoint directory (config.json and "
+            "*.safetensors; download it first, e.g. `huggingface-cli download ORG/NAME --local-dir DIR`)"
+        )
+    if not (root / CONFIG).is_file():
+        raise FileNotFoundError(
+            f"{argument} {str(root)!r} has no {CONFIG}; pass the directory that holds the checkpoint's "
+            f"{CONFIG} and *.safetensors files"
+        )
+    return root
+
+
+def read_config(path: Any, argument: str = "path") -> dict[str, Any]:
+    """config.json of a checkpoint directory (or the file itself) as a dict."""
+    source = Path(os.fspath(path)).expanduser() if isinstance(path, (str, os.PathLike)) else None
+    file = source if source is not None and source.is_file() else checkpoint_dir(path, argument) / CONFIG
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{str(file)!r} is not a readable JSON config ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(file)!r} holds a JSON {type(data).__name__}, expected an object")
+    return data
+
+
+@dataclass(frozen=True)
+class HFArchitecture:
+    """The fields of config.json the Megatron build needs (a decoder-only, RMSNorm, SwiGLU,
+    RoPE transformer)."""
+
+    source: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    norm_eps: float
+    rope_theta: float
+    max_positions: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn_hidden_size: int = 0
+    norm_topk_prob: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def _field(config: dict[str, Any], source: str, *names: str, default: Any = None) -> Any:
+    for name in names:
+        if config.get(name) is not None:
+            return config[name]
+    if default is not None:
+        return default
+    raise ValueError(f"{source}: config.json has no {' / '.join(names)}; is it a complete Hugging Face config?")
+
+
+def _count(config: dict[str, Any], source: str, *names: str, default: Any = None) -> int:
+    value = _field(config, source, *names, default=default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{source}: config.json's {names[0]} must be a positive integer, got {value!r}")
+    return value
+
+
+def _rope_theta(config: dict[str, Any], source: str) -> float:
+    """transformers 5.x keeps RoPE under rope_parameters; 4.x had rope_theta / rope_scaling."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", None):
+        raise UnsupportedCheckpointError(
+            f"{source}: RoPE scaling {kind!r} is not mapped by the converter (only plain RoPE); "
+            "build this teacher with build_inference_model and your own model provider"
+        )
+    return float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
+
+
+def _refuse_unmapped(config: dict[str, Any], source: str, moe: bool) -> None:
+    act = config.get("hidden_act", "silu")
+    problems = []
+    if act != "silu":
+        problems.append(f"hidden_act={act!r} (SwiGLU with silu only)")
+    if config.get("use_sliding_window"):
+        problems.append("use_sliding_window=true")
+    if moe and config.get("mlp_only_layers"):
+        problems.append(f"mlp_only_layers={config['mlp_only_layers']!r} (every layer must be MoE)")
+    if moe and config.get("decoder_sparse_step", 1) != 1:
+        problems.append(f"decoder_sparse_step={config['decoder_sparse_step']!r} (every layer must be MoE)")
+    if config.get("mlp_bias"):
+        problems.append("mlp_bias=true")
+    if problems:
+        raise UnsupportedCheckpointError(
+            f"{source}: the converter does not map {', '.join(problems)}; build this teacher with "
+            "build_inference_model and your own model provider"
+        )
+
+
+def architecture(config: dict[str, Any], source: str = "config.json") -> HFArchitecture:
+    """An HFArchitecture from a config.json dict; UnsupportedCheckpointError naming the family or
+    the feature the converter does not map."""
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        raise UnsupportedCheckpointError(
+            f"{source}: model_type {model_type!r} (architectures {config.get('architectures')}) is not served "
+            f"by the Hugging Face converter, which maps {', '.join(sorted(FAMILIES))}; build this teacher with "
+            "build_inference_model and your own model provider"
+        )
+    default_bias, qk_norm, moe = FAMILIES[model_type]
+    _refuse_unmapped(config, source, moe)
+    hidden = _count(config, source, "hidden_size")
+    heads = _count(config, source, "num_attention_heads")
+    kv_heads = _count(config, source, "num_key_value_heads", default=heads)
+    if heads % kv_heads:
+        raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    return HFArchitecture(
+        source=source,
+        model_type=model_type,
+        vocab_size=_count(config, source, "vocab_size"),
+        hidden_size=hidden,
+        num_layers=_count(config, source, "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=_count(config, source, "head_dim", default=hidden // heads),
+        ffn_hidden_size=_count(config, source, "intermediate_size"),
+        norm_eps=float(_field(config, source, "rms_norm_eps", default=1e-6)),
+        rope_theta=_rope_theta(config, source),
+        max_positions=_count(config, source, "max_position_embeddings", default=4096),
+        tied=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=bool(config.get("attention_bias", default_bias)),
+        qk_norm=qk_norm,
+        num_experts=_count(config, source, "num_experts", "num_local_experts") if moe else 0,
+        experts_per_token=_count(config, source, "num_experts_per_tok") if moe else 0,
+        expert_ffn_hidden_size=_count(config, source, "moe_intermediate_size") if moe else 0,
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+    )
+
+
+def read_architecture(path: Any, argument: str = "path") -> HFArchitecture:
+    """The architecture of the checkpoint directory `path` (or of a config.json file)."""
+    return architecture(read_config(path, argument), source=str(path))

@@ -1,0 +1,100 @@
+"""Tiny Hugging Face checkpoints made on the spot, nothing downloaded: with transformers' own
+classes (`save_tiny_hf`: the model is the reference forward), or without transformers from a
+config dict and random tensors (`write_tiny_checkpoint`: for loader and layout tests). Every
+tensor is random (a norm left at 1 or a bias at 0 would hide a mis-mapped one)."""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HF_KINDS = ("qwen3", "qwen3_moe", "llama", "qwen2")
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+
+
+def tiny_hf_config(kind: str = "qwen3", **overrides: Any) -> dict[str, Any]:
+    """A config.json dict of a tiny model of `kind`: 2 layers, hidden 32, 4 query and 2 key/value
+    heads, vocab 1001 (not a multiple of 128: Megatron pads it), untied output layer."""
+    if kind not in HF_KINDS:
+        raise ValueError(f"kind must be one of {HF_KINDS}, got {kind!r}")
+    config: dict[str, Any] = dict(
+        model_type=kind, vocab_size=1001, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
+        max_position_embeddings=64, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        hidden_act="silu", dtype="float32",
+    )
+    if kind == "qwen2":
+        del config["head_dim"]
+    if kind == "qwen3_moe":
+        config.update(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+    config.update(overrides)
+    return config
+
+
+def write_safetensors(file: str | Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A safetensors file of `tensors` (contiguous CPU tensors of a float dtype)."""
+    header: dict[str, Any] = {}
+    blobs, offset = [], 0
+    for name, tensor in tensors.items():
+        data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(file, "wb") as handle:
+        handle.write(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+
+
+def write_tiny_checkpoint(directory: str | Path, config: dict[str, Any], seed: int = 0,
+                          shards: int = 1) -> dict[str, torch.Tensor]:
+    """config.json and random safetensors weights (in `shards` files with an index when > 1) of
+    the architecture `config` describes, into `directory`; returns the tensors. No transformers."""
+    from megatron_rl_patches.inference.hf.architecture import architecture
+    from megatron_rl_patches.inference.hf.names import checkpoint_tensors
+
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {
+        name: torch.randn(shape, generator=gen) * 0.2 + (1.0 if len(shape) == 1 else 0.0)
+        for name, shape in checkpoint_tensors(architecture(config)).items()
+    }
+    (root / "config.json").write_text(json.dumps(config))
+    if shards == 1:
+        write_safetensors(root / "model.safetensors", tensors)
+        return tensors
+    names = list(tensors)
+    weight_map = {}
+    for index in range(shards):
+        file = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[index::shards]
+        write_safetensors(root / file, {name: tensors[name] for name in part})
+        weight_map.update({name: file for name in part})
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return tensors
+
+
+def save_tiny_hf(directory: str | Path, kind: str = "qwen3", seed: int = 0, **overrides: Any) -> Any:
+    """A tiny transformers model of `kind` (config as tiny_hf_config), every parameter random,
+    saved with save_pretrained into `directory`; returns the model (float32, eval) as the reference.
+    Needs transformers."""
+    import transformers
+
+    values = tiny_hf_config(kind, **overrides)
+    model_type = values.pop("model_type")
+    values.pop("dtype")
+    classes = {"qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "llama": "Llama", "qwen2": "Qwen2"}[model_type]
+    config = getattr(transformers, f"{classes}Config")(**values)
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{classes}ForCausalLM")(config).float().eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param) * 0.2 + (1.0 if param.ndim == 1 else 0.0))
+    model.save_pretrained(directory)
+    return model

@@ -1,0 +1,28 @@
+"""Fixtures of the Hugging Face teacher tests: transformers (skipped with the reason where it is
+missing), no network, and megatron-core's MoE router on CPU."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    return pytest.importorskip(
+        "transformers", reason="the reference forward needs transformers (the `hf-test` extra: pip install "
+        "'megatron-rl-patches[hf-test]')"
+    )
+
+
+@pytest.fixture
+def moe_router_on_cpu(monkeypatch):
+    """megatron-core < 0.17 without Transformer Engine names `te_general_gemm` in its router's
+    gating linear without defining it (NameError): define it as absent, as its import fallback meant."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        monkeypatch.setattr(moe_utils, "te_general_gemm", None, raising=False)
