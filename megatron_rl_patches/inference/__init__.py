@@ -15,8 +15,8 @@ from megatron_rl_patches._lazy import lazy_getattr
 
 _LAZY = {
     "build_inference_model": "build",
-    "build_inference_model_from_hf": "hf",
-    "check_teacher_vocab": "hf",
+    "build_inference_model_from_hf": "build_hf",
+    "check_teacher_vocab": "megatron_rl_patches.inference.loading.hf.vocab",
     "InferenceOnlyError": "guard",
     "assert_trainable": "guard",
     "is_inference_only": "guard",

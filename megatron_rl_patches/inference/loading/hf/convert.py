@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rl_patches.inference.hf.architecture import HFArchitecture
+from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 

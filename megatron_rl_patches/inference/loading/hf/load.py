@@ -10,11 +10,11 @@ import torch
 
 from megatron_rl_patches._chunks import module_chunks, unwrap
 from megatron_rl_patches._log import logger
-from megatron_rl_patches.inference.hf.architecture import HFArchitecture
-from megatron_rl_patches.inference.hf.convert import Source, shard, source
-from megatron_rl_patches.inference.hf.files import TensorEntry, read_tensor, tensor_index
-from megatron_rl_patches.inference.hf.names import IGNORED_SUFFIXES, checkpoint_tensors
-from megatron_rl_patches.inference.load_errors import WeightsMismatchError, copying_into_model
+from megatron_rl_patches.inference.loading.errors import WeightsMismatchError, copying_into_model
+from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
+from megatron_rl_patches.inference.loading.hf.convert import Source, shard, source
+from megatron_rl_patches.inference.loading.hf.files import TensorEntry, read_tensor, tensor_index
+from megatron_rl_patches.inference.loading.hf.names import IGNORED_SUFFIXES, checkpoint_tensors
 
 
 def checked_index(root: Path, arch: HFArchitecture) -> dict[str, TensorEntry]:
@@ -67,7 +67,7 @@ def _plan(modules: list[torch.nn.Module], arch: HFArchitecture) -> list[tuple[to
 def load_hf_weights(model: Any, root: Path, arch: HFArchitecture, padded_vocab: int) -> None:
     """Copy the checkpoint at `root` into `model` (chunks built from `arch`); everything that can be
     checked without reading weights is checked before the first copy."""
-    from megatron_rl_patches.inference.residency import weights_on_host
+    from megatron_rl_patches.inference.residency.placement import weights_on_host
 
     chunks = module_chunks(model, "model")
     index = checked_index(root, arch)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.inference.hf.architecture import HFArchitecture
+from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

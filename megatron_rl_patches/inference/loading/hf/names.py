@@ -3,7 +3,7 @@ config.json alone: the loader checks a checkpoint against it before reading any 
 memory planner counts parameters from it."""
 from __future__ import annotations
 
-from megatron_rl_patches.inference.hf.architecture import HFArchitecture
+from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 
 # tensors some exporters write that carry no weights (recomputed by the model)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

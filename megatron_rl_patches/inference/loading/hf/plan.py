@@ -6,7 +6,7 @@ Per GPU: a layer's matrices are split over TP (experts over EP, then over TP: me
 expert tensor-parallel size defaults to TP), its norms and router are whole on every rank; the
 first pipeline stage holds the embedding and the last the output layer (a tied output layer is a
 second copy when PP > 1), both of Megatron's padded vocab (a multiple of 128 x TP). Residency
-as in inference/residency_plan.py, on the pipeline stage that holds the most."""
+as in inference/sizing/residency_plan.py, on the pipeline stage that holds the most."""
 from __future__ import annotations
 
 import os
@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from megatron_rl_patches._args import positive_int
-from megatron_rl_patches.inference.hf.architecture import HFArchitecture, read_architecture
-from megatron_rl_patches.inference.hf.names import checkpoint_tensors
-from megatron_rl_patches.inference.memory import DTYPE_BYTES, dtype_name
-from megatron_rl_patches.inference.residency_plan import ResidencyBytes
+from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, read_architecture
+from megatron_rl_patches.inference.loading.hf.names import checkpoint_tensors
+from megatron_rl_patches.inference.sizing.memory import DTYPE_BYTES, dtype_name
+from megatron_rl_patches.inference.sizing.residency_plan import ResidencyBytes
 
 VOCAB_DIVISOR = 128  # Megatron-LM's default make_vocab_size_divisible_by
 

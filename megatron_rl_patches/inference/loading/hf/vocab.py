@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megatron_rl_patches.inference.hf.architecture import read_config
-from megatron_rl_patches.inference.load_errors import shown
+from megatron_rl_patches.inference.loading.errors import shown
+from megatron_rl_patches.inference.loading.hf.architecture import read_config
 
 TOKENIZER = "tokenizer.json"
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megatron_rl_patches import build_inference_model_from_hf
-from megatron_rl_patches.inference.hf import UnsupportedCheckpointError
-from megatron_rl_patches.inference.load_errors import WeightsMismatchError
+from megatron_rl_patches.inference.loading.errors import WeightsMismatchError
+from megatron_rl_patches.inference.loading.hf import UnsupportedCheckpointError
 from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_safetensors, write_tiny_checkpoint
 
 pytestmark = pytest.mark.megatron

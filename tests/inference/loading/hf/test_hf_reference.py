@@ -15,7 +15,7 @@ from megatron_rl_patches import (
     log_prob_output_processor,
     topk_output_processor,
 )
-from megatron_rl_patches.inference.hf.files import read_tensor, tensor_index
+from megatron_rl_patches.inference.loading.hf.files import read_tensor, tensor_index
 from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
 from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, write_safetensors
 from megatron_rl_patches.testing.megatron_cpu import make_batch

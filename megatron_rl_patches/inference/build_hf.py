@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.inference.hf.architecture import checkpoint_dir, read_architecture, read_config
-from megatron_rl_patches.inference.residency import check_residency_args
-from megatron_rl_patches.inference.residency_budget import ResidencyBudget
+from megatron_rl_patches.inference.loading.hf.architecture import checkpoint_dir, read_architecture, read_config
+from megatron_rl_patches.inference.residency.budget import ResidencyBudget
+from megatron_rl_patches.inference.residency.placement import check_residency_args
 
 
 def _check_parallel(arch: Any) -> None:
@@ -44,7 +44,7 @@ def _check_budget(root: Any, mode: str, budget: ResidencyBudget | None, dtype: t
         return
     from megatron.core import parallel_state as ps
 
-    from megatron_rl_patches.inference.hf.plan import hf_memory_plan
+    from megatron_rl_patches.inference.loading.hf.plan import hf_memory_plan
 
     plan = hf_memory_plan(root, tp=ps.get_tensor_model_parallel_world_size(),
                           pp=ps.get_pipeline_model_parallel_world_size(),
@@ -83,8 +83,8 @@ def build_inference_model_from_hf(
     """
     from megatron_rl_patches._args import positive_int
     from megatron_rl_patches.inference.build import build_inference_model
-    from megatron_rl_patches.inference.hf.load import checked_index, load_hf_weights
-    from megatron_rl_patches.inference.hf.model import (
+    from megatron_rl_patches.inference.loading.hf.load import checked_index, load_hf_weights
+    from megatron_rl_patches.inference.loading.hf.model import (
         checkpoint_dtype,
         model_provider,
         padded_vocab,

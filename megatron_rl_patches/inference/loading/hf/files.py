@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_rl_patches.inference.load_errors import shown
+from megatron_rl_patches.inference.loading.errors import shown
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -7,8 +7,8 @@ from __future__ import annotations
 from megatron_rl_patches._lazy import lazy_getattr
 
 _LAZY = {
-    "build_inference_model_from_hf": "build",
-    "hf_vocab_size": "build",
+    "build_inference_model_from_hf": "megatron_rl_patches.inference.build_hf",
+    "hf_vocab_size": "megatron_rl_patches.inference.build_hf",
     "check_teacher_vocab": "vocab",
     "read_architecture": "architecture",
     "HFArchitecture": "architecture",
