@@ -1,4 +1,4 @@
-"""DESIGN.md's layer picture, checked on the source: every import of every module of the package
+"""docs/design.md's layer picture, checked on the source: every import of every module of the package
 (top level and inside functions, read with `ast`), mapped to rooms, against the rules
 
 - `ops` imports no `patching`, `integrations`, app, `testing`, nor megatron (third-party `megatron.*`);
