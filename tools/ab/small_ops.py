@@ -9,8 +9,15 @@ import time
 
 import torch
 
-from megatron_rl_patches import (lm_head_divergence, lm_head_log_probs_and_entropy, lm_head_topk_ids,
-                                 lm_head_topk_logprobs, log_probs_and_entropy, topk_ids, topk_logprobs)
+from megatron_rl_patches import (
+    lm_head_divergence,
+    lm_head_log_probs_and_entropy,
+    lm_head_topk_ids,
+    lm_head_topk_logprobs,
+    log_probs_and_entropy,
+    topk_ids,
+    topk_logprobs,
+)
 
 torch.set_num_threads(1)
 g = torch.Generator().manual_seed(0)
