@@ -14,6 +14,7 @@ DROPOUT = dict(hidden_dropout=0.5, attention_dropout=0.5)
 # ---------------------------------------------------------------------------- the build
 
 
+@pytest.mark.layout("bshd")
 def test_inference_build_is_frozen_and_matches_the_trainable_build_in_eval(megatron_cpu_kind, ddp_anywhere):
     from megatron_rl_patches import build_inference_model
 
@@ -43,6 +44,7 @@ def test_inference_build_is_frozen_and_matches_the_trainable_build_in_eval(megat
     assert not first.requires_grad
 
 
+@pytest.mark.layout("bf16")
 def test_bf16_build_is_wrapped_in_float16module(megatron_cpu_kind, ddp_anywhere):
     from megatron.core.transformer.module import Float16Module
 

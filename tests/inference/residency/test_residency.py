@@ -169,6 +169,7 @@ def test_tied_embeddings_keep_one_host_copy(megatron_cpu, residency):
         assert after.bytes_moved == _nbytes(chunks[0]) + _nbytes(model.embedding.word_embeddings)
 
 
+@pytest.mark.layout("bf16")
 def test_bf16_stream_build_equals_the_resident_build(megatron_cpu):
     env = megatron_cpu
     bf16 = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)

@@ -18,7 +18,7 @@ from megatron_rl_patches import (
 )
 from megatron_rl_patches.inference.residency.storage import device_weight_bytes
 
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron, pytest.mark.layout("bshd")]
 MODES = ["swap", "stream"]
 # GPTModel's hook (`native` on >= 0.18) and HybridModel's
 PROCESSOR_PATCHES = ["gpt_output_processor", "hybrid_output_processor"]

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_rl_patches.testing.multirank import run_multirank
 
-pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
+pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow, pytest.mark.layout("tp2")]
 
 
 def _tp_worker(rank: int, world_size: int, tmp: str) -> dict:

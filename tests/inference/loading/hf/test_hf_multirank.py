@@ -1,7 +1,8 @@
 """Hugging Face teachers at TP=2 (Qwen3, Qwen2's biases, Qwen3-MoE's experts),
 PP=2 and EP=2 (one spawned 2-rank gloo world, several worlds of
 parallel state in turn): log-probs of the logits route and the fused processor equal transformers'
-forward to 1e-5 on the ranks that hold them; sizes that do not divide the model are refused."""
+forward to 1e-5 on the ranks that hold them, for resident builds and (TP=2, PP=2, EP=2) swap and
+stream builds; sizes that do not divide the model are refused."""
 from __future__ import annotations
 
 import pytest
@@ -66,12 +67,18 @@ def _worker(rank: int, world_size: int, dense: str, moe: str, qwen2: str, batch:
         chunks = build_inference_model_from_hf(dense, dtype=torch.float32)
         results["pp2_layers"] = len(chunks[0].decoder.layers)
         results["pp2"] = _scores(chunks, batch, None)
+        for residency in ("swap", "stream"):  # each stage moves only its own layers
+            results[f"pp2_{residency}"] = _scores(
+                build_inference_model_from_hf(dense, residency=residency, dtype=torch.float32), batch, None)
     with megatron_on_cpu():
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
         chunks = build_inference_model_from_hf(moe, dtype=torch.float32)
         results["ep2_experts"] = len(chunks[0].decoder.layers[0].mlp.experts.local_experts)
         results["ep2"] = _scores(chunks, batch, None)
+        for residency in ("swap", "stream"):  # each expert rank moves only its own experts
+            results[f"ep2_{residency}"] = _scores(
+                build_inference_model_from_hf(moe, residency=residency, dtype=torch.float32), batch, None)
     with megatron_on_cpu(pipeline_parallel=2):
         try:
             build_inference_model_from_hf(dense + "_3layers")
@@ -105,6 +112,7 @@ def _close(scores, want):
     return {route: (got - want).abs().max().item() for route, got in scores.items()}
 
 
+@pytest.mark.layout("tp2")
 def test_tp2_equals_transformers_on_every_rank(world):
     results, reference = world
     for result in results:
@@ -122,19 +130,25 @@ def test_tp2_qwen2_biases_and_moe_experts_equal_transformers(world):
             assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), (key, errors)
 
 
-def test_pp2_equals_transformers_on_the_last_stage(world):
+@pytest.mark.layout("pp2")
+@pytest.mark.parametrize("residency", ["resident", "swap", "stream"])
+def test_pp2_equals_transformers_on_the_last_stage(world, residency):
     results, reference = world
+    key = "pp2" if residency == "resident" else f"pp2_{residency}"
     assert [r["pp2_layers"] for r in results] == [1, 1]
-    assert results[0]["pp2"] == {}
-    errors = _close(results[1]["pp2"], reference["dense"])
+    assert results[0][key] == {}
+    errors = _close(results[1][key], reference["dense"])
     assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), errors
 
 
-def test_ep2_moe_equals_transformers(world):
+@pytest.mark.layout("ep2")
+@pytest.mark.parametrize("residency", ["resident", "swap", "stream"])
+def test_ep2_moe_equals_transformers(world, residency):
     results, reference = world
+    key = "ep2" if residency == "resident" else f"ep2_{residency}"
     assert [r["ep2_experts"] for r in results] == [2, 2]  # 4 experts, 2 per rank
     for result in results:
-        errors = _close(result["ep2"], reference["moe"])
+        errors = _close(result[key], reference["moe"])
         assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), errors
 
 
