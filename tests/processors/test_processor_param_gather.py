@@ -1,8 +1,9 @@
 """overlap-param-gather: with the distributed optimizer, DDP's forward pre-hook of each module waits
 for that module's parameter all-gather. The fused processor reads the output weight without calling
 the output layer, so it must wait itself. DP = 2 (gloo), the real distributed optimizer, the untied
-output weight alone in the last-gathered bucket group, one optimizer step, then the next forward
-through the processor: fused = the logits path, and no all-gather is left pending. Without the wait
+output weight alone in the last-gathered bucket group, one optimizer step, then the next forwards
+through the log-prob and top-k processors: fused = the logits path, and no all-gather is left
+pending. Without the wait
 (megatron-core >= 0.18 calls the processor in place of the output layer) the output weight's
 all-gather is still pending after the forward: it was read before the updated shards arrived."""
 from __future__ import annotations
@@ -45,12 +46,17 @@ def _one_step_then_score(rank: int, overlap: bool, fused: bool):
         with torch.no_grad():
             if fused:
                 scores = ddp(*args, labels=batch["labels"], output_processor=processor)["log_probs"].reshape(-1)
+                topk = ddp(*args, output_processor=processors.topk_output_processor(k=4))
+                topk = torch.cat([topk["topk_log_probs"], topk["tail"][..., None]], dim=-1)
             else:
                 logits = ddp(*args)
-                scores, _ = megatron_rl_patches.log_probs_and_entropy(logits.reshape(-1, logits.size(-1)),
-                                                                       batch["labels"].reshape(-1))
+                rows = logits.reshape(-1, logits.size(-1))
+                scores, _ = megatron_rl_patches.log_probs_and_entropy(rows, batch["labels"].reshape(-1))
+                lp, tail = megatron_rl_patches.topk_logprobs(rows, megatron_rl_patches.topk_ids(rows, 4))
+                topk = torch.cat([lp, tail[:, None]], dim=-1)
         pending = [group.param_gather_handle is not None for group in getattr(ddp, "bucket_groups", [])]
-        return scores.tolist(), pending or pending_after_training
+        # the log-probs, then the top-4 log-probs and tail of every token (a wrong id changes them too)
+        return scores.tolist() + topk.reshape(-1).tolist(), pending or pending_after_training
 
 
 def _step(rank: int, world_size: int, wait: bool):
