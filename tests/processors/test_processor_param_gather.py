@@ -3,9 +3,9 @@ for that module's parameter all-gather. The fused processor reads the output wei
 the output layer, so it must wait itself. DP = 2 (gloo), the real distributed optimizer, the untied
 output weight alone in the last-gathered bucket group, one optimizer step, then the next forwards
 through the log-prob and top-k processors: fused = the logits path, and no all-gather is left
-pending. Without the wait
-(megatron-core >= 0.18 calls the processor in place of the output layer) the output weight's
-all-gather is still pending after the forward: it was read before the updated shards arrived."""
+pending. Without the wait (megatron-core >= 0.18 calls the processor in place of the output layer)
+the output weight's all-gather is still pending after the forward: it was read before the updated
+shards arrived."""
 from __future__ import annotations
 
 import inspect
