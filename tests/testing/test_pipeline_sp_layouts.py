@@ -1,6 +1,7 @@
 """The kit's sequence-parallel, pipeline and virtual-pipeline worlds (one 2-rank gloo world for the
 module) with the fused log-prob and top-k processors against the logits path, values and every
-gradient (top-k: the ids too; its control, the processor at another temperature):
+gradient (top-k: the ids too; its control, the processor at another temperature), and (pipelines)
+the divergence processor against the dense float64 divergence (its control: another beta):
 - TP=2 + SP on a real GPTModel (the kit's norm shim marks the norms `sequence_parallel`): also
   against the same model without SP, its norm gradients summed over the TP group as
   `finalize_model_grads` does (unsummed, they differ: the negative control);
@@ -14,6 +15,7 @@ from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 REL = 2e-6
+REL_DIVERGENCE = 5e-5  # the fp32 divergence of small values against the float64 dense route
 MICRO_BATCHES = 4
 K = 4
 
@@ -81,6 +83,28 @@ def _topk_scores(route: str, model, batch, tp_group=None):
     return {"ids": ids.view(*shape, K), "values": torch.cat([lp, tail[:, None]], dim=-1).view(*shape, K + 1)}
 
 
+def _divergence_scores(route: str, model, batch):
+    """{"values": [b, s]} the jsd from a teacher given by its hidden states and output weight (in the
+    batch), by the divergence processor or the dense float64 route on the logits ("beta": the
+    processor at another beta, the negative control)."""
+    from megatron_rl_patches import divergence_output_processor
+    from megatron_rl_patches.testing.divergence_reference import dense_divergence
+
+    args = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
+    teacher = {"teacher_hidden": batch["teacher_hidden"], "teacher_weight": batch["teacher_weight"]}
+    if route in ("fused", "beta"):
+        processor = divergence_output_processor(divergence="jsd", beta=0.6 if route == "beta" else 0.4)
+        out = model(*args, output_processor=processor, output_processor_context=teacher)
+        return {"values": out} if model.post_process else out
+    logits = model(*args)
+    if not model.post_process:
+        return logits
+    rows = logits.reshape(-1, logits.size(-1)).double()
+    teacher_rows = (batch["teacher_hidden"].reshape(rows.size(0), -1) @ batch["teacher_weight"].T).double()
+    values = dense_divergence(rows, [teacher_rows], divergence="jsd", beta=0.4)
+    return {"values": values.view(batch["labels"].shape).float()}
+
+
 def _topk_objective(scores: dict, weights):
     return (weights[..., None] * scores["values"]).sum()
 
@@ -135,7 +159,12 @@ def _sp_checks(rank: int, world_size: int) -> dict:
 def _pipeline_step(route: str, kind: str = "log-prob"):
     def step(iterator, model):
         batch = next(iterator)
-        if kind == "top-k":
+        if kind == "divergence":
+            output = _divergence_scores(route, model, batch)
+
+            def loss_func(scores):
+                return (batch["weights"] * scores["values"]).sum(), {"log_probs": scores["values"].detach()}
+        elif kind == "top-k":
             output = _topk_scores(route, model, batch)
 
             def loss_func(scores):
@@ -162,13 +191,16 @@ def _pipeline_checks(rank: int, world_size: int, virtual: int | None) -> dict:
     for i in range(MICRO_BATCHES):
         batch = make_batch(seed=60 + i)
         batch["weights"] = torch.randn(2, 16, generator=torch.Generator().manual_seed(70 + i))
+        batch["teacher_hidden"] = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(80 + i))
+        batch["teacher_weight"] = torch.randn(64, 32, generator=torch.Generator().manual_seed(90)) / 4
         batches.append(batch)
     with megatron_on_cpu(pipeline_parallel=world_size, virtual_pipeline=virtual):
         config = tiny_pipeline_config(world_size, virtual)
         chunks = pipeline_chunks(tiny_provider("gpt", config, seed=6))
         runs = {}
         for kind, route in (("log-prob", "logits"), ("log-prob", "fused"), ("log-prob", "wrong labels"),
-                            ("top-k", "logits"), ("top-k", "fused"), ("top-k", "hot")):
+                            ("top-k", "logits"), ("top-k", "fused"), ("top-k", "hot"),
+                            ("divergence", "logits"), ("divergence", "fused"), ("divergence", "beta")):
             reported = run_schedule(chunks, batches, _pipeline_step(route, kind))
             grads: dict = {}
             for j, chunk in enumerate(chunks):
@@ -176,17 +208,20 @@ def _pipeline_checks(rank: int, world_size: int, virtual: int | None) -> dict:
             ids = torch.cat([r["ids"] for r in reported]) if reported and kind == "top-k" else None
             runs[kind, route] = (torch.cat([r["log_probs"] for r in reported]) if reported else None, grads, ids)
         last = is_last_stage()
-        lp, topk = ("log-prob", "logits"), ("top-k", "logits")
+        lp, topk, dv = ("log-prob", "logits"), ("top-k", "logits"), ("divergence", "logits")
         out = {"last": last, "chunks": len(chunks),
                "grads": _grad_error(runs["log-prob", "fused"][1], runs[lp][1]),
                "wrong labels grads": _grad_error(runs["log-prob", "wrong labels"][1], runs[lp][1]),
                "topk grads": _grad_error(runs["top-k", "fused"][1], runs[topk][1]),
-               "hot grads": _grad_error(runs["top-k", "hot"][1], runs[topk][1])}
+               "hot grads": _grad_error(runs["top-k", "hot"][1], runs[topk][1]),
+               "divergence grads": _grad_error(runs["divergence", "fused"][1], runs[dv][1]),
+               "beta grads": _grad_error(runs["divergence", "beta"][1], runs[dv][1])}
         if last:
             out["log_probs"] = _error(runs["log-prob", "fused"][0], runs[lp][0])
             out["wrong labels"] = _error(runs["log-prob", "wrong labels"][0], runs[lp][0])
             out["topk values"] = _error(runs["top-k", "fused"][0], runs[topk][0])
             out["topk ids"] = torch.equal(runs["top-k", "fused"][2], runs[topk][2])
+            out["divergence"] = _error(runs["divergence", "fused"][0], runs[dv][0])
         return out
 
 
@@ -243,3 +278,13 @@ def test_pipelined_topk_processor_equals_logits_through_the_schedule(layouts_wor
         assert result["topk grads"] <= REL, result
         assert result["hot grads"] > 1e-3, result  # the first stage sees the last stage's temperature
     assert results[1]["topk ids"] and results[1]["topk values"] <= REL, results[1]
+
+
+@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("pp2")),
+                                    pytest.param("vpp", marks=pytest.mark.layout("pp2", "vpp2"))])
+def test_pipelined_divergence_processor_equals_the_dense_route_through_the_schedule(layouts_world, layout):
+    results = [result[layout] for result in layouts_world]
+    for result in results:
+        assert result["divergence grads"] <= REL_DIVERGENCE, result
+        assert result["beta grads"] > 1e-3, result  # the first stage sees the last stage's beta
+    assert results[1]["divergence"] <= REL_DIVERGENCE, results[1]
