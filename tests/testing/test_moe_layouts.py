@@ -1,6 +1,7 @@
 """MoE models in the kit (experts, top-k routing, the allgather dispatcher) and the fused output
 processors on them: at EP=1 in-process; at EP=2 (against the EP=1 model with the same experts),
-and through `inference_forward` at PP=2, in one 2-rank gloo world. `inference_forward` with a
+and through `inference_forward` at PP=2, in one 2-rank gloo world; at EP=2 also the divergence
+processor against the dense float64 route. `inference_forward` with a
 processor on an MoE model used to crash on megatron-core 0.13-0.17 (the schedule reads
 `output_tensor.device` when `num_moe_experts` is set; a plain dict has none) and, pipelined,
 leave the other stages waiting in p2p."""
@@ -13,6 +14,7 @@ from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = pytest.mark.megatron
 REL = 2e-6
+REL_DIVERGENCE = 5e-5  # the fp32 divergence against the float64 dense route
 SEQ = 16
 EP = PP = 2
 WORLD = 4  # EP=2 x expert-DP=2; PP=2 x DP=2; PP=2 x EP=2
@@ -196,6 +198,7 @@ def _ep2_checks(rank: int) -> dict:
             }
         batches = [make_batch(seed=30 + 2 * rank + i) for i in range(2)]
         out["inference"] = _compare_routes(_inference_routes([model], batches))
+        out["divergence"] = _divergence_checks(model, batch, weights)
         out["ddp"] = _ddp_reduced_error(model, batch, weights, mean_grads, expert_rank, per_rank)
         with torch.no_grad():  # negative control: expert rank 1's experts change what rank 0 scores too
             for name, param in model.named_parameters():
@@ -204,6 +207,37 @@ def _ep2_checks(rank: int) -> dict:
             changed, _ = _fused_path(model, batch)
         out["changed experts"] = _error(changed, ref_lp)
     return out
+
+
+def _divergence_checks(model, batch, weights) -> dict:
+    """The divergence processor (jsd from a teacher given by its hidden states and output weight)
+    on the EP=2 model against the dense float64 route on its logits: values and every gradient;
+    "beta" (the dense route at another beta) is the negative control."""
+    from megatron_rl_patches import divergence_output_processor
+    from megatron_rl_patches.testing.divergence_reference import dense_divergence
+
+    gen = torch.Generator().manual_seed(50)
+    hidden, teacher_weight = torch.randn(2, SEQ, 32, generator=gen), torch.randn(64, 32, generator=gen) / 4
+    teacher_rows = (hidden.reshape(-1, 32) @ teacher_weight.T).double()
+
+    def run(fused: bool, beta: float = 0.4):
+        if fused:
+            values = _forward(model, batch, output_processor=divergence_output_processor(divergence="jsd", beta=beta),
+                              output_processor_context={"teacher_hidden": hidden, "teacher_weight": teacher_weight})
+        else:
+            rows = _forward(model, batch).reshape(-1, 64).double()
+            values = dense_divergence(rows, [teacher_rows], divergence="jsd", beta=beta).view_as(weights)
+        (weights * values).sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        return values.detach().double(), grads
+
+    want, want_grads = run(False)
+    got, grads = run(True)
+    _, beta_grads = run(False, beta=0.6)
+    assert grads.keys() == want_grads.keys()
+    return {"values": _error(got, want), "grads": max(_error(grads[n], want_grads[n]) for n in want_grads),
+            "beta": max(_error(beta_grads[n], want_grads[n]) for n in want_grads)}
 
 
 def _ddp_reduced_error(model, batch, weights, mean_grads: dict, expert_rank: int, per_rank: int) -> float:
@@ -267,6 +301,16 @@ def test_ep2_equals_ep1_and_fused_equals_logits(moe_world):
         assert figures.pop("collected") == [2, 2, 2]
         assert max(figures.values()) <= REL, figures
     assert moe_world[0]["ep2"]["changed experts"] > 1e-3  # rank 0 sees rank 1's experts
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.layout("moe", "ep2")
+def test_ep2_divergence_processor_equals_the_dense_route(moe_world):
+    for result in moe_world:
+        divergence = result["ep2"]["divergence"]
+        assert max(divergence["values"], divergence["grads"]) <= REL_DIVERGENCE, divergence
+        assert divergence["beta"] > 1e-4, divergence  # the comparison sees another beta
 
 
 @pytest.mark.multirank
