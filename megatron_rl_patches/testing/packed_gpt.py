@@ -46,8 +46,10 @@ def packed_gpt_spec() -> Any:
 
 
 def build_packed_gpt(vocab_size: int = TINY_VOCAB, seq_length: int = 64, seed: int = 0, config: Any = None,
-                     share_embeddings: bool = False, **config_overrides: Any) -> Any:
-    """A real GPTModel (RoPE, like the models verl trains) that accepts packed `thd` input on CPU."""
+                     share_embeddings: bool = False, pre_process: bool = True, post_process: bool = True,
+                     **config_overrides: Any) -> Any:
+    """A real GPTModel (RoPE, like the models verl trains) that accepts packed `thd` input on CPU;
+    `pre_process` / `post_process` as Megatron's model providers pass them to a pipeline stage."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     torch.manual_seed(seed)
@@ -58,4 +60,6 @@ def build_packed_gpt(vocab_size: int = TINY_VOCAB, seq_length: int = 64, seed: i
         max_sequence_length=seq_length,
         position_embedding_type="rope",
         share_embeddings_and_output_weights=share_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
     )

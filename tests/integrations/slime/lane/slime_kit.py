@@ -32,8 +32,10 @@ ARGV: tuple[str, ...] = (
 
 
 def slime_args(*extra: str, **values: Any) -> Any:
-    """slime's argument namespace (Megatron-LM's parse_args + validate_args with slime's provider)."""
-    from megatron.training.arguments import parse_args, validate_args
+    """slime's argument namespace (Megatron-LM's parse_args with slime's provider, then slime's
+    Megatron validate_args: Megatron-LM's own and slime's additions, e.g. variable sequence lengths)."""
+    from megatron.training.arguments import parse_args
+    from slime.backends.megatron_utils.arguments import validate_args  # Megatron-LM's, then slime's (varlen)
     from slime.utils.arguments import get_slime_extra_args_provider
 
     with mock.patch.object(sys, "argv", ["slime-lane", *ARGV, *extra]):
@@ -71,7 +73,7 @@ def provider_func(args: Any, role: str = "actor") -> Any:
                  **_: Any) -> Any:
         config = config if config is not None else core_transformer_config_from_args(args)
         return build_packed_gpt(vocab_size=args.padded_vocab_size, seq_length=args.max_position_embeddings, seed=0,
-                                config=config)
+                                config=config, pre_process=pre_process, post_process=post_process)
 
     return provider
 

@@ -1,0 +1,113 @@
+"""One rank of a slime lane world (`run_multirank` spawns each rank as a fresh interpreter): the
+stand-ins installed, Megatron's parallel state on gloo, slime's arguments for the layout. What a
+rank runs is a function of this module, so spawned ranks import it by name."""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+HERE = os.path.dirname(__file__)
+OPD_LOSS = "megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss"
+OPD_ENV = {"TEACHERS": "teacher-a,teacher-b", "WEIGHTS": "0.3,0.7", "K": "4", "DIVERGENCE": "forward_kl",
+           "POLICY_WEIGHT": "0", "COEF": "1"}
+TEMPERATURE = 0.8
+
+
+@contextlib.contextmanager
+def lane_rank(rank: int, world_size: int, *, pipeline: int = 1) -> Iterator[Any]:
+    """The rank's lane setup (as the lane's conftest for one rank); yields a pytest MonkeyPatch."""
+    from _pytest.monkeypatch import MonkeyPatch
+
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import slime_standins
+
+    slime_standins.install()
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    slime_standins.cpu_accelerator()
+    patch = MonkeyPatch()
+    patch.setenv("RANK", str(rank))  # Megatron-LM's parse_args reads the world from the launcher's variables
+    patch.setenv("WORLD_SIZE", str(world_size))
+    slime_standins.cpu_pinned_memory(patch)
+    try:
+        with megatron_on_cpu(pipeline_parallel=pipeline):
+            yield patch
+    finally:
+        patch.undo()
+
+
+def _stage_state(model: list[Any]) -> dict[str, Any]:
+    gpt = model[0]
+    while hasattr(gpt, "module"):
+        gpt = gpt.module
+    return {name: p.detach().clone() for name, p in gpt.named_parameters()}
+
+
+def opd_train_actor(rank: int, world_size: int, pipeline: int) -> dict[str, Any]:
+    """slime_opd with two snapshot teachers through slime's real `MegatronTrainRayActor.train_actor`
+    (slime's log-probs, advantages, `log_rollout_data`, `train()`), on `pipeline` stages. Returns
+    this stage's named parameters (actor and each teacher, before the step), its reduced gradients
+    and, on the last stage, the ids scored and the step's losses."""
+    with lane_rank(rank, world_size, pipeline=pipeline) as patch:
+        import slime_kit as kit
+        import torch
+        from megatron.core import parallel_state
+        from slime.backends.megatron_utils import model as slime_model
+        from slime.observability.profile_utils import TrainProfiler
+        from slime.observability.timer import Timer
+
+        import megatron_rl_patches
+        from megatron_rl_patches.integrations.slime import opd as slime_opd
+        from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
+
+        for name, value in OPD_ENV.items():
+            patch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
+        megatron_rl_patches.apply(only=["slime_fused", "gpt_output_processor", "slime_opd"])
+        try:
+            with kit.slime_session("--pipeline-model-parallel-size", str(pipeline), "--loss-type", "custom_loss",
+                                   "--custom-loss-function-path", OPD_LOSS, rollout_temperature=TEMPERATURE,
+                                   log_probs_chunk_size=4, use_critic=False) as args:  # slime_validate_args
+                model, optimizer, scheduler = kit.build(args)
+                actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2}, patch)
+                setattr(actor, slime_opd.ATTRIBUTE, slime_opd.load_teachers(actor, opd_settings()))
+                actor.prof, actor.rollout_data_postprocess = TrainProfiler(args), None
+                actor.optimizer, actor.opt_param_scheduler = optimizer, scheduler
+                actor.weight_updater = type("NoServer", (), {"pop_metrics": staticmethod(dict)})()
+                Timer().start("train_wait")  # what slime's init leaves running (its with_defer)
+                states = {}
+                for tag in ("opd_teacher_0", "opd_teacher_1", "actor"):
+                    actor._switch_model(tag)
+                    states[tag] = _stage_state(model)
+                data = kit.rollout(0)
+                data.update(rewards=[1.0, 0.0, 0.5, -1.0], num_microbatches=[len(data["micro_batch_indices"])],
+                            global_batch_sizes=[len(data["tokens"])])
+                Timer().seq_lens = data["total_lengths"]  # what slime's process_rollout_data notes
+                grads: dict[str, torch.Tensor] = {}
+                gpt = model[0].module
+                optimizer_step = optimizer.step
+
+                def step_noting_grads(*a, **k):  # the reduced gradients, before the optimizer consumes them
+                    grads.update({name: p.main_grad.clone() for name, p in gpt.named_parameters()})
+                    return optimizer_step(*a, **k)
+
+                patch.setattr(optimizer, "step", step_noting_grads)
+                losses: list[dict] = []
+                train_one_step = slime_model.train_one_step
+
+                def noting_losses(*a, **k):
+                    result = train_one_step(*a, **k)
+                    losses.append(dict(result[0]))
+                    return result
+
+                patch.setattr(slime_model, "train_one_step", noting_losses)
+                actor.train_actor(0, data)
+                last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+                return {"states": states, "grads": grads, "losses": losses if last else None,
+                        "ids": data.get(slime_opd.IDS), "keys": sorted(k for k in data if k.startswith("opd_")),
+                        "active": actor._active_model_tag}
+        finally:
+            megatron_rl_patches.revert()

@@ -1,0 +1,75 @@
+"""slime_opd through slime 624b824a's real `MegatronTrainRayActor.train_actor` (issue 40) at one
+rank and at pipeline parallelism 2 (2 gloo ranks, each a fresh interpreter): slime's own
+log-prob pass, advantages, `log_rollout_data` (which must not see the int64 ids) and `train()`,
+with two snapshot teachers. The first step's OPD loss and every gradient against dense float64
+over the stages' weights put back together. At PP=2 the stages agree to run every teacher's
+pipelined pass (before the fix stage 1 ran them alone and waited)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slime
+
+WEIGHTS = (0.3, 0.7)
+
+
+def _whole(stages: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Per-stage named tensors under the whole model's names (stage-local layer numbers shifted)."""
+    whole, offset = {}, 0
+    for stage in stages:
+        layers = {int(m.group(1)) for name in stage if (m := re.match(r"decoder\.layers\.(\d+)\.", name))}
+        for name, value in stage.items():
+            if (m := re.match(r"decoder\.layers\.(\d+)\.", name)) is not None:
+                name = f"decoder.layers.{int(m.group(1)) + offset}.{name[m.end():]}"
+            assert name not in whole, name
+            whole[name] = value
+        offset += len(layers)
+    return whole
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["pp1", "pp2"])
+def world(request):
+    import slime_ranks  # the lane folder is on sys.path (conftest)
+
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    return request.param, run_multirank(slime_ranks.opd_train_actor, request.param, request.param, timeout=300)
+
+
+def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
+    import slime_kit as kit
+    import slime_ranks
+
+    from megatron_rl_patches.integrations.slime import opd as slime_opd
+
+    pipeline, ranks = world
+    last = ranks[-1]
+    for stage in ranks:
+        assert stage["active"] == "actor"
+    for stage in ranks[:-1]:  # the ids and teacher buckets live on the last stage only
+        assert stage["keys"] == [] and stage["losses"] is None
+    assert last["keys"] == sorted([slime_opd.IDS, slime_opd.TEACHER_LOGPROBS, slime_opd.TEACHER_TAILS])
+    states = {tag: _whole([stage["states"][tag] for stage in ranks]) for tag in ranks[0]["states"]}
+    grads = _whole([stage["grads"] for stage in ranks])
+    with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS) as args:
+        full = kit.provider_func(args)()
+        names = [name for name, _ in full.named_parameters()]
+        assert sorted(names) == sorted(states["actor"]) == sorted(grads)
+        with torch.no_grad():
+            for name, p in full.named_parameters():
+                p.copy_(states["actor"][name])
+        snapshots = [[states[tag][name] for name in names] for tag in ("opd_teacher_0", "opd_teacher_1")]
+        data = kit.rollout(0)
+        expected, student = kit.dense_topk_opd(args, [full], snapshots, data, last["ids"], WEIGHTS,
+                                               slime_ranks.TEMPERATURE)
+    (losses,) = last["losses"]
+    loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
+    grad_error = max((grads[name].double() - p.grad).abs().max().item() for name, p in student.named_parameters())
+    print(f"slime_opd train_actor PP={pipeline} vs dense float64: loss {float(expected):.6f}, "
+          f"|Δloss| {loss_error:.2e}, max |Δgrad| {grad_error:.2e}")
+    assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
+    for name, p in student.named_parameters():
+        torch.testing.assert_close(grads[name].double(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
