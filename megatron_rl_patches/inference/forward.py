@@ -2,7 +2,7 @@
 training), collecting one output per micro-batch: logits by default, or log-probs."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,7 +13,10 @@ from megatron_rl_patches._chunks import module_chunks
 Collect = Callable[[torch.Tensor, Any], Any]
 
 
-def _default_collect(output: torch.Tensor, extra: Any) -> torch.Tensor:
+def _default_collect(output: Any, extra: Any) -> Any:
+    """The output detached: a tensor (logits), or each tensor of an output processor's dict."""
+    if isinstance(output, Mapping):
+        return {key: value.detach() if isinstance(value, torch.Tensor) else value for key, value in output.items()}
     return output.detach()
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._args import positive_int
+from megatron_rl_patches.processors.output import ProcessorOutput
 
 __all__ = ["log_prob_output_processor", "topk_output_processor"]
 
@@ -90,6 +91,30 @@ def check_options(temperature: object, vocab_size: object, chunk_size: object) -
         positive_int("vocab_size", vocab_size, " (the real, unpadded vocabulary) or None")
     if chunk_size is not None:
         positive_int("chunk_size", chunk_size, " or None")
+    hint_missing_hook()
+
+
+GPT_MODULE = "megatron.core.models.gpt.gpt_model"
+
+
+def hint_missing_hook() -> None:
+    """One warning, when a processor is built, if the loaded GPTModel cannot take it: megatron-core
+    < 0.18 without the `gpt_output_processor` patch (its forward would raise a bare TypeError on
+    `output_processor=`). Looks only at a module already imported: imports nothing."""
+    import inspect
+    import sys
+
+    gpt = getattr(sys.modules.get(GPT_MODULE), "GPTModel", None)
+    try:
+        parameters = inspect.signature(gpt.forward).parameters if gpt is not None else None
+    except (TypeError, ValueError):
+        return
+    if parameters is not None and "output_processor" not in parameters:
+        from megatron_rl_patches._log import warn_once
+
+        warn_once("GPTModel.forward of this megatron-core has no output_processor keyword (added in 0.18): "
+                  "apply the gpt_output_processor patch before calling the model with a processor, e.g. "
+                  "megatron_rl_patches.apply(only=['gpt_output_processor']) (it is in MEGATRON_RL_PATCHES=all)")
 
 
 def token_rows(value: torch.Tensor, name: str, batch: int, seq: int) -> torch.Tensor:
@@ -231,7 +256,8 @@ def log_prob_output_processor(
             chunk_size=chunk_size,
             row_mask=_row_mask(ctx, call),
         )
-        return {"log_probs": call.to_batch(log_probs), "entropy": None if entropy is None else call.to_batch(entropy)}
+        return ProcessorOutput(log_probs=call.to_batch(log_probs),
+                               entropy=None if entropy is None else call.to_batch(entropy))
 
     return process
 
@@ -277,7 +303,7 @@ def topk_output_processor(
         options = dict(tp_group=call.tp_group, sequence_parallel=call.sequence_parallel,
                        temperature=call.temperature, vocab_size=vocab_size, chunk_size=chunk_size,
                        row_mask=_row_mask(ctx, call))
-        result: dict[str, torch.Tensor] = {}
+        result: dict[str, torch.Tensor] = ProcessorOutput()
         rows = None if ids is None else token_rows(ids, "output_processor_context['ids']", call.batch, call.seq)
         rows_mask = None if mask is None else token_rows(mask, "output_processor_context['ids_mask']", call.batch,
                                                          call.seq)

@@ -33,9 +33,14 @@ def megatron_world(
     pipeline_parallel: int = 1,
     virtual_pipeline: int | None = None,
     seed: int = 1234,
+    *,
+    context_parallel: int = 1,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: int | None = None,
 ) -> Iterator[MegatronCPU]:
     """A process group of world size 1 (unless one exists: gloo on "cpu" with the CPU shims, NCCL on
-    "cuda") and Megatron's parallel state; on exit everything it set up is torn down."""
+    "cuda") and Megatron's parallel state; on exit everything it set up is torn down. Inside a
+    multi-rank world (`run_multirank`) the sizes split its ranks (TP, CP, EP, PP, the rest DP)."""
     from megatron.core import parallel_state
 
     cuda = device.startswith("cuda")
@@ -51,6 +56,9 @@ def megatron_world(
         tensor_parallel,
         pipeline_parallel,
         virtual_pipeline_model_parallel_size=virtual_pipeline,
+        context_parallel_size=context_parallel,
+        expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=expert_tensor_parallel,
     )
     torch.manual_seed(seed)
     try:
@@ -67,10 +75,12 @@ def megatron_on_cpu(
     pipeline_parallel: int = 1,
     virtual_pipeline: int | None = None,
     seed: int = 1234,
+    **parallel: Any,
 ) -> contextlib.AbstractContextManager[MegatronCPU]:
     """`megatron_world("cpu", ...)`: gloo, Megatron's parallel state and the CPU shims, torn down
-    on exit so tests stay independent."""
-    return megatron_world("cpu", tensor_parallel, pipeline_parallel, virtual_pipeline, seed)
+    on exit so tests stay independent (keywords context_parallel, expert_parallel,
+    expert_tensor_parallel as `megatron_world`)."""
+    return megatron_world("cpu", tensor_parallel, pipeline_parallel, virtual_pipeline, seed, **parallel)
 
 
 def tiny_gpt_config(**overrides: Any) -> Any:
@@ -109,15 +119,18 @@ def _seeded_model_kwargs(
     return kwargs
 
 
-def build_tiny_gpt(config: Any = None, **kwargs: Any) -> Any:
-    """A real GPTModel with the local (non Transformer Engine) layer spec. Keywords: vocab_size,
+def build_tiny_gpt(config: Any = None, layer_spec: Any = None, position_embedding_type: str = "learned_absolute",
+                   **kwargs: Any) -> Any:
+    """A real GPTModel with `layer_spec` (default: the local, non Transformer Engine layer spec)
+    and `position_embedding_type` ("learned_absolute" or "rope"). Keywords: vocab_size,
     seq_length, pre_process, post_process, vp_stage, seed (fixes the weights; default 0)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     return GPTModel(
         config=config if config is not None else tiny_gpt_config(),
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=layer_spec if layer_spec is not None else get_gpt_layer_local_spec(),
+        position_embedding_type=position_embedding_type,
         **_seeded_model_kwargs(**kwargs),
     )
 
@@ -209,15 +222,17 @@ def run_schedule(
     forward_step: Callable = lm_loss_forward_step,
     forward_only: bool = False,
 ) -> list[dict]:
-    """One global batch through megatron-core's real forward-backward schedule."""
+    """One global batch through megatron-core's real forward-backward schedule (one data
+    iterator over `batches` per model chunk: the interleaved schedule reads each chunk's own)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     first = batches[0]
     micro_batch_size, seq_length = first["tokens"].shape
+    chunks = list(model_chunks)
     return get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(batches),
-        model=list(model_chunks),
+        data_iterator=[iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches),
+        model=chunks,
         num_microbatches=len(batches),
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,

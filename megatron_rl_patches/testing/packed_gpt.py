@@ -63,3 +63,24 @@ def build_packed_gpt(vocab_size: int = TINY_VOCAB, seq_length: int = 64, seed: i
         pre_process=pre_process,
         post_process=post_process,
     )
+
+
+def make_packed_batch(lengths: list[int], vocab_size: int = TINY_VOCAB, seed: int = 0) -> dict:
+    """Sequences of `lengths` packed into one `thd` stream: tokens, labels, position_ids [1, T]
+    (positions restart at each sequence), attention_mask None, packed_seq_params (cu_seqlens)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if not lengths or any(not isinstance(n, int) or n < 1 for n in lengths):
+        raise ValueError(f"lengths must be a non-empty list of ints >= 1, got {lengths!r}")
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (1, sum(lengths) + 1), generator=gen)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    return {
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+        "attention_mask": None,
+        "packed_seq_params": params,
+    }

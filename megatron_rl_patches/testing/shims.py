@@ -16,10 +16,17 @@ left alone):
 - `torch.Tensor.type()`: megatron-core's optimizers compare type names (`'torch.cuda.FloatTensor'`)
   to build the distributed optimizer and check grads; CPU tensors report the `torch.cuda.*` name
   (no argument only; conversions are untouched).
+- `WrappedTorchNorm.__new__` (the local spec's norm without Apex): it asserts against sequence
+  parallelism. Under SP the shim builds the same torch norm and marks its parameters
+  `sequence_parallel`, as Transformer Engine's and Apex's norms do, so `finalize_model_grads`
+  sums their gradients over the tensor-parallel group (each rank saw a slice of the sequence).
+- `moe_utils.te_general_gemm` = None: megatron-core < 0.17 without Transformer Engine leaves the
+  name undefined and its MoE router's gating linear raises `NameError` (None: the torch matmul).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,7 +37,8 @@ _MISSING = object()
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """Redirect tensor factory calls that ask for a CUDA device (device="cuda", an int) to CPU;
+    """Redirect tensor factory calls that ask for a CUDA device (device="cuda", an int) to CPU,
+    drop `pin_memory=True` (megatron-core's RoPE under context parallelism pins its chunk ids);
     `Tensor.cuda()` returns the tensor itself."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -40,6 +48,8 @@ class CudaToCpuMode(TorchFunctionMode):
         device = kwargs.get("device")
         if device is not None and (isinstance(device, int) or "cuda" in str(device)):
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):  # no pinned-memory allocator without an accelerator
+            kwargs = {**kwargs, "pin_memory": False}
         return func(*args, **kwargs)
 
 
@@ -108,11 +118,29 @@ def _tensor_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = Fal
     return _TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
 
 
+def _torch_norm_serving_sp(original_new: Any) -> Any:
+    def new(cls: type, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(config, "sequence_parallel", False):
+            return original_new(cls, config, hidden_size, *args, **kwargs)
+        plain = copy.copy(config)  # a shallow copy: no __post_init__ re-run
+        plain.sequence_parallel = False
+        norm = original_new(cls, plain, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    return staticmethod(new)
+
+
 def _shim_table() -> list[tuple[Any, str, Any]]:
     """(owner, attribute, replacement) for every shim, in one place."""
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     return [
+        (moe_utils, "te_general_gemm", None),
+        (WrappedTorchNorm, "__new__", _torch_norm_serving_sp(WrappedTorchNorm.__new__)),
         (torch.cuda, "current_device", lambda: "cpu"),
         (torch.cuda, "synchronize", lambda *args, **kwargs: None),
         (mcore_random.CudaRNGStatesTracker, "fork", _null_fork),

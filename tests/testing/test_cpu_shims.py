@@ -59,3 +59,26 @@ def test_everything_is_restored_on_exit_and_after_an_error():
             _ = 1 / 0
     assert _snapshot() == before
     assert torch.ones(1, device="cpu").type() == "torch.FloatTensor"
+
+
+def test_the_moe_router_takes_the_torch_matmul():
+    """megatron-core < 0.17 without Transformer Engine leaves `te_general_gemm` undefined and its
+    router raises NameError; under the shims it is None (the router's torch branch)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_rl_patches.testing.shims import cpu_shims
+
+    with cpu_shims():
+        assert moe_utils.te_general_gemm is None
+        weight, rows = torch.randn(4, 8), torch.randn(3, 8)
+        logits = moe_utils.router_gating_linear(rows, weight, None, torch.float32) if _takes_bias() else \
+            moe_utils.router_gating_linear(rows, weight, torch.float32)
+        torch.testing.assert_close(logits, rows @ weight.t())
+
+
+def _takes_bias() -> bool:
+    import inspect
+
+    from megatron.core.transformer.moe import moe_utils
+
+    return "bias" in inspect.signature(moe_utils.router_gating_linear).parameters

@@ -1,0 +1,231 @@
+"""The kit's CPU context-parallel attention at CP=2 (one gloo world of 2 ranks for the module):
+against megatron-core's own local DotProductAttention on the full sequence at CP=1 (values and the
+gradients of query, key and value), in both layouts (zigzag, contiguous = slime's allgather-cp),
+`bshd` and packed `thd`; then a CP=2 GPTModel trains (per-token losses and every parameter's
+gradient) and scores through the fused log-prob processor like the CP=1 model. Negative
+controls: rows in the wrong chunk order give a different answer."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_rl_patches.testing.multirank import run_multirank
+
+pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
+
+CP = 2
+REL = 1e-5  # fp32 rounding against the CP=1 reference
+PACKED = [8, 12, 4]  # each a multiple of 2*CP: zigzag cuts every sequence into 2*CP chunks
+CASES = ("zigzag-bshd", "contiguous-bshd", "zigzag-thd", "contiguous-thd")
+# megatron-core's RoPE takes each rank's positions in the zigzag layout (bshd and thd alike)
+GPT_CASES = (*CASES, "zigzag-bshd-rope", "zigzag-thd-rope")
+
+
+def _error(got, want) -> float:
+    """Largest difference relative to the reference's scale (>= 1)."""
+    return float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
+
+
+def _attention_checks(env, rank: int) -> dict:
+    """ContextParallelAttention at CP=2 against megatron-core's DotProductAttention at CP=1."""
+    import torch
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    reference = DotProductAttention(env.config(num_query_groups=2), 1, AttnMaskType.causal, "self")
+    config = env.config(num_query_groups=2, context_parallel_size=CP)
+    gen = torch.Generator().manual_seed(0)
+    seq, batch, heads, groups, dim = 16, 2, 4, 2, 8
+    cu = torch.tensor([0, *torch.tensor(PACKED).cumsum(0).tolist()], dtype=torch.int32)
+    results = {}
+    for case in CASES:
+        layout, form = case.split("-")
+        packed = form == "thd"
+        rows, b = (sum(PACKED), 1) if packed else (seq, batch)
+        q = torch.randn(rows, b, heads, dim, generator=gen)
+        k, v = (torch.randn(rows, b, groups, dim, generator=gen) for _ in range(2))
+        grad_out = torch.randn(rows, b, heads * dim, generator=gen)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if packed:  # the reference: the local attention on each sequence alone
+            bounds = cu.tolist()
+            want = torch.cat([reference(*(t[s:e] for t in leaves), None) for s, e in zip(bounds[:-1], bounds[1:])])
+        else:
+            want = reference(*leaves, None)
+        want.backward(grad_out)
+
+        where = cu if packed else None
+        got = _run_cp_attention(config, rank, (q, k, v), grad_out, layout, layout, where)
+        results[case] = [_error(g, w) for g, w in zip(got, [want, *(t.grad for t in leaves)])]
+        other = "contiguous" if layout == "zigzag" else "zigzag"
+        results[case + " wrong order"] = _error(
+            _run_cp_attention(config, rank, (q, k, v), grad_out, other, layout, where)[0], want)
+    return results
+
+
+def _run_cp_attention(config, rank: int, full: tuple, grad_out, split_layout: str, attention_layout: str, cu):
+    """The CP attention's output and query/key/value gradients, rows split in `split_layout` and
+    gathered back as `attention_layout` (the same, unless the negative control swaps them)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_rl_patches.testing.cp_attention import ContextParallelAttention
+    from megatron_rl_patches.testing.cp_layout import gather_rows, split_rows
+
+    attention = ContextParallelAttention(config, 1, AttnMaskType.causal, "self", layout=attention_layout)
+    local = [split_rows(t, 0, split_layout, rank, CP, cu) for t in full]
+    if cu is not None:  # megatron hands packed rows to the core attention as [t, np, hn]
+        local = [t.squeeze(1) for t in local]
+    local = [t.clone().requires_grad_() for t in local]
+    params = None if cu is None else PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    out = attention(*local, None, packed_seq_params=params)
+    out.backward(split_rows(grad_out, 0, split_layout, rank, CP, cu))
+    back = [gather_rows(x, 0, attention_layout, cu_seqlens=cu) for x in [out, *(t.grad for t in local)]]
+    return back if cu is None else [back[0]] + [g.unsqueeze(1) for g in back[1:]]
+
+
+def _gpt_batch(form: str):
+    from megatron_rl_patches.testing.megatron_cpu import make_batch
+    from megatron_rl_patches.testing.packed_gpt import make_packed_batch
+
+    if form == "thd":
+        return make_packed_batch(PACKED, seed=5)
+    return make_batch(batch_size=2, seq_length=16, seed=5)
+
+
+def _forward(model, batch, **kwargs):
+    return model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                 packed_seq_params=batch.get("packed_seq_params"), **kwargs)
+
+
+def _grads(model, reduce: bool) -> dict:
+    """Every parameter's gradient (summed over the ranks with `reduce`); zeroes them."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.clone()
+        if reduce:
+            dist.all_reduce(grad)
+        out[name] = grad
+    model.zero_grad()
+    return out
+
+
+def _gpt_case(case: str):
+    """(layout, batch, cu_seqlens or None, per-token weights, position embedding type) of a case."""
+    import torch
+
+    layout, form, *rope = case.split("-")
+    batch = _gpt_batch(form)
+    cu = batch["packed_seq_params"].cu_seqlens_q if form == "thd" else None
+    weights = torch.randn(batch["tokens"].shape, generator=torch.Generator().manual_seed(7))
+    return layout, batch, cu, weights, "rope" if rope else "learned_absolute"
+
+
+def _gpt_references(env) -> dict:
+    """The CP=1 model (megatron's local attention; packed: the kit's block-diagonal mask around it)
+    in a CP=1 world (megatron's RoPE splits its positions by the parallel state's CP size): the
+    per-token losses, their gradients, the logits path's log-probs and entropy, their gradients."""
+    from megatron_rl_patches import log_probs_and_entropy
+    from megatron_rl_patches.testing.packed_gpt import packed_gpt_spec
+
+    refs = {}
+    for case in GPT_CASES:
+        _, batch, cu, weights, positions = _gpt_case(case)
+        reference = env.gpt(env.config(), layer_spec=packed_gpt_spec() if cu is not None else None, seed=3,
+                            position_embedding_type=positions)
+        loss = _forward(reference, batch, labels=batch["labels"])
+        (weights * loss).sum().backward()
+        loss_grads = _grads(reference, reduce=False)
+        logits = _forward(reference, batch)
+        lp, ent = log_probs_and_entropy(logits.reshape(-1, logits.size(-1)), batch["labels"].reshape(-1),
+                                        with_entropy=True)
+        (weights.reshape(-1) * (lp + 0.5 * ent)).sum().backward()
+        refs[case] = (loss.detach(), loss_grads, lp.detach().view_as(loss), ent.detach().view_as(loss),
+                      _grads(reference, reduce=False))
+    return refs
+
+
+def _gpt_checks(env, rank: int, refs: dict) -> dict:
+    """A CP=2 GPTModel (the kit's attention) against the CP=1 model: per-token losses, every
+    parameter's gradient (summed over the CP ranks), and the fused log-prob processor's log-probs
+    and entropy with their gradients."""
+    import torch
+
+    from megatron_rl_patches import log_prob_output_processor
+    from megatron_rl_patches.testing.cp_attention import cp_layer_spec
+    from megatron_rl_patches.testing.cp_layout import gather_rows, split_batch, split_rows
+
+    processor = log_prob_output_processor(with_entropy=True)
+    results = {}
+    for case in GPT_CASES:
+        layout, batch, cu, weights, positions = _gpt_case(case)
+        loss, want_grads, lp, ent, want_scored = refs[case]
+        model = env.gpt(env.config(context_parallel_size=CP), layer_spec=cp_layer_spec(layout), seed=3,
+                        position_embedding_type=positions)
+        local = split_batch(batch, layout, rank, CP, cu)
+        local_weights = split_rows(weights, 1, layout, rank, CP, cu)
+        got_loss = _forward(model, local, labels=local["labels"])
+        (local_weights * got_loss).sum().backward()
+        got_grads = _grads(model, reduce=True)
+        scored = _forward(model, local, labels=local["labels"], output_processor=processor)
+        (local_weights * (scored["log_probs"] + 0.5 * scored["entropy"])).sum().backward()
+        got_scored = _grads(model, reduce=True)
+
+        def back(x, layout=layout, cu=cu):
+            return gather_rows(x.detach(), 1, layout, cu_seqlens=cu)
+
+        results[case] = {
+            "loss": _error(back(got_loss), loss),
+            "grads": max(_error(got_grads[n], want_grads[n]) for n in want_grads),
+            "log_probs": _error(back(scored["log_probs"]), lp),
+            "entropy": _error(back(scored["entropy"]), ent),
+            "scored_grads": max(_error(got_scored[n], want_scored[n]) for n in want_scored),
+            "same_names": sorted(got_grads) == sorted(want_grads),
+        }
+        other = "contiguous" if layout == "zigzag" else "zigzag"
+        wrong = split_batch(batch, other, rank, CP, cu)
+        with torch.no_grad():  # rows split zigzag read back as contiguous, or the other way round
+            results[case + " wrong order"] = _error(back(_forward(model, wrong, labels=wrong["labels"])), loss)
+    return results
+
+
+def _cp_world(rank: int, world_size: int) -> dict:
+    import megatron_rl_patches
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    megatron_rl_patches.apply(only="gpt_output_processor")  # `native` on >= 0.18
+    with megatron_on_cpu() as env:
+        refs = _gpt_references(env)
+    with megatron_on_cpu(context_parallel=world_size) as env:
+        return {"attention": _attention_checks(env, rank), "gpt": _gpt_checks(env, rank, refs)}
+
+
+@pytest.fixture(scope="module")
+def cp_world() -> list[dict]:
+    return run_multirank(_cp_world, CP, timeout=300)
+
+
+def _marks(case: str) -> list:
+    layout, form, *rope = case.split("-")
+    return [pytest.mark.layout("cp2-zigzag" if layout == "zigzag" else "cp2-allgather", form, *rope)]
+
+
+PARAMS = [pytest.param(case, id=case, marks=_marks(case)) for case in CASES]
+GPT_PARAMS = [pytest.param(case, id=case, marks=_marks(case)) for case in GPT_CASES]
+
+
+@pytest.mark.parametrize("case", PARAMS)
+def test_attention_equals_megatron_local_attention_at_cp1(cp_world, case):
+    for result in cp_world:
+        out, grad_q, grad_k, grad_v = result["attention"][case]
+        assert max(out, grad_q, grad_k, grad_v) <= REL, (out, grad_q, grad_k, grad_v)
+        assert result["attention"][case + " wrong order"] > 1e-2  # the check sees a wrong chunk order
+
+
+@pytest.mark.parametrize("case", GPT_PARAMS)
+def test_cp2_gpt_trains_and_scores_like_cp1(cp_world, case):
+    for result in cp_world:
+        figures = result["gpt"][case]
+        assert figures.pop("same_names")
+        assert max(figures.values()) <= REL, figures
+        assert result["gpt"][case + " wrong order"] > 1e-2
