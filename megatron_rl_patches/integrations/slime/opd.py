@@ -51,9 +51,10 @@ def check_args(args: Any) -> None:
         raise ValueError(f"{TEACHERS} is set: top-k OPD needs slime's flags --loss-type custom_loss "
                          f"--custom-loss-function-path {LOSS_PATH} (got --loss-type {args.loss_type}); "
                          f"or unset {TEACHERS}")
-    if getattr(args, "context_parallel_size", 1) > 1:
-        raise ValueError(f"{TEACHERS} is set with --context-parallel-size {args.context_parallel_size}: top-k OPD "
-                         "serves context parallelism 1 only; drop context parallelism or unset it")
+    if getattr(args, "context_parallel_size", 1) > 1 and getattr(args, "allgather_cp", False):
+        raise ValueError(f"{TEACHERS} is set with --allgather-cp at --context-parallel-size "
+                         f"{args.context_parallel_size}: top-k OPD serves slime's zigzag context parallelism "
+                         "(the ids and buckets follow each rank's zigzag rows); drop --allgather-cp or unset it")
 
 
 def _unwrap(chunk: Any) -> Any:

@@ -17,7 +17,7 @@ TEMPERATURE = 0.8
 
 
 @contextlib.contextmanager
-def lane_rank(rank: int, world_size: int, *, pipeline: int = 1) -> Iterator[Any]:
+def lane_rank(rank: int, world_size: int, *, pipeline: int = 1, context: int = 1) -> Iterator[Any]:
     """The rank's lane setup (as the lane's conftest for one rank); yields a pytest MonkeyPatch."""
     from _pytest.monkeypatch import MonkeyPatch
 
@@ -32,9 +32,10 @@ def lane_rank(rank: int, world_size: int, *, pipeline: int = 1) -> Iterator[Any]
     patch = MonkeyPatch()
     patch.setenv("RANK", str(rank))  # Megatron-LM's parse_args reads the world from the launcher's variables
     patch.setenv("WORLD_SIZE", str(world_size))
+    patch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron-LM's validate_args wants it at TP or CP > 1
     slime_standins.cpu_pinned_memory(patch)
     try:
-        with megatron_on_cpu(pipeline_parallel=pipeline):
+        with megatron_on_cpu(pipeline_parallel=pipeline, context_parallel=context):
             yield patch
     finally:
         patch.undo()
@@ -47,12 +48,35 @@ def _stage_state(model: list[Any]) -> dict[str, Any]:
     return {name: p.detach().clone() for name, p in gpt.named_parameters()}
 
 
-def opd_train_actor(rank: int, world_size: int, pipeline: int) -> dict[str, Any]:
+def _response_rows(data: dict) -> list[list[int]] | None:
+    """Per sample, the response rows this context-parallel rank holds, in slime's zigzag order
+    (slime's own offsets); None without context parallelism."""
+    from megatron.core import parallel_state
+    from slime.backends.megatron_utils.cp_utils import get_logits_and_tokens_offset_with_cp
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    rows = []
+    for total, response in zip(data["total_lengths"], data["response_lengths"]):
+        _, _, logits, _ = get_logits_and_tokens_offset_with_cp(total, response)
+        start = total - response - 1  # the logits row of the first response token
+        rows.append([row - start for lo, hi in logits for row in range(lo, hi)])
+    return rows
+
+
+def _whole_gradients(context: int) -> dict[str, bool]:
+    """With context parallelism the data-parallel group spans the CP ranks, and the distributed
+    optimizer would leave each rank the reduced gradients of its own shard only: the test reads
+    every gradient, so those worlds keep whole reduced gradients (the plain optimizer)."""
+    return {"use_distributed_optimizer": False, "overlap_param_gather": False} if context > 1 else {}
+
+
+def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1) -> dict[str, Any]:
     """slime_opd with two snapshot teachers through slime's real `MegatronTrainRayActor.train_actor`
     (slime's log-probs, advantages, `log_rollout_data`, `train()`), on `pipeline` stages. Returns
     this stage's named parameters (actor and each teacher, before the step), its reduced gradients
     and, on the last stage, the ids scored and the step's losses."""
-    with lane_rank(rank, world_size, pipeline=pipeline) as patch:
+    with lane_rank(rank, world_size, pipeline=pipeline, context=context) as patch:
         import slime_kit as kit
         import torch
         from megatron.core import parallel_state
@@ -68,9 +92,11 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int) -> dict[str, Any]
             patch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
         megatron_rl_patches.apply(only=["slime_fused", "gpt_output_processor", "slime_opd"])
         try:
-            with kit.slime_session("--pipeline-model-parallel-size", str(pipeline), "--loss-type", "custom_loss",
+            with kit.slime_session("--pipeline-model-parallel-size", str(pipeline), "--context-parallel-size",
+                                   str(context), "--loss-type", "custom_loss",
                                    "--custom-loss-function-path", OPD_LOSS, rollout_temperature=TEMPERATURE,
-                                   log_probs_chunk_size=4, use_critic=False) as args:  # slime_validate_args
+                                   log_probs_chunk_size=4, use_critic=False,  # slime_validate_args
+                                   **_whole_gradients(context)) as args:
                 model, optimizer, scheduler = kit.build(args)
                 actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2}, patch)
                 setattr(actor, slime_opd.ATTRIBUTE, slime_opd.load_teachers(actor, opd_settings()))
@@ -107,7 +133,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int) -> dict[str, Any]
                 actor.train_actor(0, data)
                 last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                 return {"states": states, "grads": grads, "losses": losses if last else None,
-                        "ids": data.get(slime_opd.IDS), "keys": sorted(k for k in data if k.startswith("opd_")),
+                        "ids": data.get(slime_opd.IDS), "rows": _response_rows(data),
+                        "keys": sorted(k for k in data if k.startswith("opd_")),
                         "active": actor._active_model_tag}
         finally:
             megatron_rl_patches.revert()

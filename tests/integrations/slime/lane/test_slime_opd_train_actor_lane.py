@@ -30,13 +30,36 @@ def _whole(stages: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return whole
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["pp1", "pp2"])
+def _whole_ids(ranks: list[dict], context: int) -> list[torch.Tensor]:
+    """Per sample, the [R, k] ids of the whole response from the last stage's context-parallel
+    ranks (each holds its zigzag rows, listed by `rows`)."""
+    last = ranks[-context:]
+    if context == 1:
+        return last[0]["ids"]
+    whole = []
+    for sample, pieces in enumerate(zip(*(rank["ids"] for rank in last))):
+        rows = [rank["rows"][sample] for rank in last]
+        ids = torch.full((sum(map(len, rows)), pieces[0].shape[-1]), -1, dtype=torch.long)
+        for piece, at in zip(pieces, rows):
+            ids[at] = piece
+        assert (ids >= 0).all(), "the context-parallel ranks' rows do not cover the response"
+        whole.append(ids)
+    return whole
+
+
+# (pipeline, context): ranks = pipeline · context, the context-parallel ranks of a stage adjacent
+LAYOUTS = {"pp1": (1, 1), "pp2": (2, 1), "cp2": (1, 2)}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
 def world(request):
     import slime_ranks  # the lane folder is on sys.path (conftest)
 
     from megatron_rl_patches.testing.multirank import run_multirank
 
-    return request.param, run_multirank(slime_ranks.opd_train_actor, request.param, request.param, timeout=300)
+    pipeline, context = LAYOUTS[request.param]
+    return pipeline, context, run_multirank(slime_ranks.opd_train_actor, pipeline * context, pipeline, context,
+                                            timeout=300)
 
 
 def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
@@ -45,15 +68,17 @@ def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
 
     from megatron_rl_patches.integrations.slime import opd as slime_opd
 
-    pipeline, ranks = world
+    pipeline, context, ranks = world
     last = ranks[-1]
     for stage in ranks:
         assert stage["active"] == "actor"
-    for stage in ranks[:-1]:  # the ids and teacher buckets live on the last stage only
+    for stage in ranks[:-context]:  # the ids and teacher buckets live on the last stage only
         assert stage["keys"] == [] and stage["losses"] is None
-    assert last["keys"] == sorted([slime_opd.IDS, slime_opd.TEACHER_LOGPROBS, slime_opd.TEACHER_TAILS])
-    states = {tag: _whole([stage["states"][tag] for stage in ranks]) for tag in ranks[0]["states"]}
-    grads = _whole([stage["grads"] for stage in ranks])
+    for rank in ranks[-context:]:
+        assert rank["keys"] == sorted([slime_opd.IDS, slime_opd.TEACHER_LOGPROBS, slime_opd.TEACHER_TAILS])
+    stages = ranks[::context]  # one context-parallel rank per stage holds the stage's weights (replicated)
+    states = {tag: _whole([stage["states"][tag] for stage in stages]) for tag in ranks[0]["states"]}
+    grads = _whole([stage["grads"] for stage in stages])
     with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS) as args:
         full = kit.provider_func(args)()
         names = [name for name, _ in full.named_parameters()]
@@ -63,12 +88,12 @@ def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
                 p.copy_(states["actor"][name])
         snapshots = [[states[tag][name] for name in names] for tag in ("opd_teacher_0", "opd_teacher_1")]
         data = kit.rollout(0)
-        expected, student = kit.dense_topk_opd(args, [full], snapshots, data, last["ids"], WEIGHTS,
+        expected, student = kit.dense_topk_opd(args, [full], snapshots, data, _whole_ids(ranks, context), WEIGHTS,
                                                slime_ranks.TEMPERATURE)
     (losses,) = last["losses"]
     loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
     grad_error = max((grads[name].double() - p.grad).abs().max().item() for name, p in student.named_parameters())
-    print(f"slime_opd train_actor PP={pipeline} vs dense float64: loss {float(expected):.6f}, "
+    print(f"slime_opd train_actor PP={pipeline} CP={context} vs dense float64: loss {float(expected):.6f}, "
           f"|Δloss| {loss_error:.2e}, max |Δgrad| {grad_error:.2e}")
     assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
     for name, p in student.named_parameters():
