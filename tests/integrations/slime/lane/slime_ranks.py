@@ -17,7 +17,7 @@ TEMPERATURE = 0.8
 
 
 @contextlib.contextmanager
-def lane_rank(rank: int, world_size: int, *, pipeline: int = 1, context: int = 1) -> Iterator[Any]:
+def lane_rank(rank: int, world_size: int, *, pipeline: int = 1, context: int = 1, tensor: int = 1) -> Iterator[Any]:
     """The rank's lane setup (as the lane's conftest for one rank); yields a pytest MonkeyPatch."""
     from _pytest.monkeypatch import MonkeyPatch
 
@@ -35,17 +35,27 @@ def lane_rank(rank: int, world_size: int, *, pipeline: int = 1, context: int = 1
     patch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron-LM's validate_args wants it at TP or CP > 1
     slime_standins.cpu_pinned_memory(patch)
     try:
-        with megatron_on_cpu(pipeline_parallel=pipeline, context_parallel=context):
+        with megatron_on_cpu(tensor_parallel=tensor, pipeline_parallel=pipeline, context_parallel=context):
             yield patch
     finally:
         patch.undo()
 
 
-def _stage_state(model: list[Any]) -> dict[str, Any]:
+def _unwrapped(model: list[Any]) -> Any:
     gpt = model[0]
     while hasattr(gpt, "module"):
         gpt = gpt.module
-    return {name: p.detach().clone() for name, p in gpt.named_parameters()}
+    return gpt
+
+
+def _stage_state(model: list[Any]) -> dict[str, Any]:
+    return {name: p.detach().clone() for name, p in _unwrapped(model).named_parameters()}
+
+
+def _partition_dims(model: list[Any]) -> dict[str, int | None]:
+    """Per parameter, the dimension tensor parallelism splits (None: replicated)."""
+    return {name: p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+            for name, p in _unwrapped(model).named_parameters()}
 
 
 def _response_rows(data: dict) -> list[list[int]] | None:
@@ -71,12 +81,12 @@ def _whole_gradients(context: int) -> dict[str, bool]:
     return {"use_distributed_optimizer": False, "overlap_param_gather": False} if context > 1 else {}
 
 
-def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1) -> dict[str, Any]:
+def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1, tensor: int = 1) -> dict[str, Any]:
     """slime_opd with two snapshot teachers through slime's real `MegatronTrainRayActor.train_actor`
     (slime's log-probs, advantages, `log_rollout_data`, `train()`), on `pipeline` stages. Returns
     this stage's named parameters (actor and each teacher, before the step), its reduced gradients
     and, on the last stage, the ids scored and the step's losses."""
-    with lane_rank(rank, world_size, pipeline=pipeline, context=context) as patch:
+    with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor) as patch:
         import slime_kit as kit
         import torch
         from megatron.core import parallel_state
@@ -93,9 +103,10 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1)
         megatron_rl_patches.apply(only=["slime_fused", "gpt_output_processor", "slime_opd"])
         try:
             with kit.slime_session("--pipeline-model-parallel-size", str(pipeline), "--context-parallel-size",
-                                   str(context), "--loss-type", "custom_loss",
-                                   "--custom-loss-function-path", OPD_LOSS, rollout_temperature=TEMPERATURE,
-                                   log_probs_chunk_size=4, use_critic=False,  # slime_validate_args
+                                   str(context), "--tensor-model-parallel-size", str(tensor), "--loss-type",
+                                   "custom_loss", "--custom-loss-function-path", OPD_LOSS,
+                                   rollout_temperature=TEMPERATURE, log_probs_chunk_size=4,
+                                   use_critic=False,  # what slime_validate_args sets
                                    **_whole_gradients(context)) as args:
                 model, optimizer, scheduler = kit.build(args)
                 actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2}, patch)
@@ -134,7 +145,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1)
                 last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                 return {"states": states, "grads": grads, "losses": losses if last else None,
                         "ids": data.get(slime_opd.IDS), "rows": _response_rows(data),
-                        "keys": sorted(k for k in data if k.startswith("opd_")),
+                        "keys": sorted(k for k in data if k.startswith("opd_")), "split": _partition_dims(model),
                         "active": actor._active_model_tag}
         finally:
             megatron_rl_patches.revert()

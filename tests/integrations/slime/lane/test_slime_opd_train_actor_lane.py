@@ -1,8 +1,10 @@
 """slime_opd through slime 624b824a's real `MegatronTrainRayActor.train_actor` (issue 40) at one
-rank and at pipeline parallelism 2 (2 gloo ranks, each a fresh interpreter): slime's own
+rank, TP=2, PP=2, CP=2 zigzag, PP=2×CP=2 and TP=2×PP=2×CP=2 (up to 8 gloo ranks, each a fresh
+interpreter): slime's own
 log-prob pass, advantages, `log_rollout_data` (which must not see the int64 ids) and `train()`,
 with two snapshot teachers. The first step's OPD loss and every gradient against dense float64
-over the stages' weights put back together. At PP=2 the stages agree to run every teacher's
+over the ranks' weights put back together (stages joined, tensor-parallel shards concatenated;
+the ids from each context-parallel rank's zigzag rows). At PP=2 the stages agree to run every teacher's
 pipelined pass (before the fix stage 1 ran them alone and waited)."""
 from __future__ import annotations
 
@@ -30,10 +32,16 @@ def _whole(stages: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return whole
 
 
-def _whole_ids(ranks: list[dict], context: int) -> list[torch.Tensor]:
+def _unsplit(shards: list[dict[str, torch.Tensor]], split: dict[str, int | None]) -> dict[str, torch.Tensor]:
+    """One stage's named tensors from its tensor-parallel ranks' shards (replicated ones: rank 0's)."""
+    return {name: shards[0][name] if split[name] is None else torch.cat([s[name] for s in shards], split[name])
+            for name in shards[0]}
+
+
+def _whole_ids(ranks: list[dict], context: int, tensor: int) -> list[torch.Tensor]:
     """Per sample, the [R, k] ids of the whole response from the last stage's context-parallel
-    ranks (each holds its zigzag rows, listed by `rows`)."""
-    last = ranks[-context:]
+    ranks (each holds its zigzag rows, listed by `rows`; its tensor-parallel ranks hold the same)."""
+    last = ranks[-context * tensor::tensor]
     if context == 1:
         return last[0]["ids"]
     whole = []
@@ -47,8 +55,10 @@ def _whole_ids(ranks: list[dict], context: int) -> list[torch.Tensor]:
     return whole
 
 
-# (pipeline, context): ranks = pipeline · context, the context-parallel ranks of a stage adjacent
-LAYOUTS = {"pp1": (1, 1), "pp2": (2, 1), "cp2": (1, 2)}
+# (pipeline, context, tensor): ranks = pipeline · context · tensor in Megatron's order (tp fastest,
+# then cp; pp slowest)
+LAYOUTS = {"pp1": (1, 1, 1), "pp2": (2, 1, 1), "cp2": (1, 2, 1), "tp2": (1, 1, 2), "pp2cp2": (2, 2, 1),
+           "tp2pp2cp2": (2, 2, 2)}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -57,9 +67,9 @@ def world(request):
 
     from megatron_rl_patches.testing.multirank import run_multirank
 
-    pipeline, context = LAYOUTS[request.param]
-    return pipeline, context, run_multirank(slime_ranks.opd_train_actor, pipeline * context, pipeline, context,
-                                            timeout=300)
+    pipeline, context, tensor = LAYOUTS[request.param]
+    return pipeline, context, tensor, run_multirank(slime_ranks.opd_train_actor, pipeline * context * tensor,
+                                                    pipeline, context, tensor, timeout=300)
 
 
 def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
@@ -68,17 +78,23 @@ def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
 
     from megatron_rl_patches.integrations.slime import opd as slime_opd
 
-    pipeline, context, ranks = world
-    last = ranks[-1]
+    pipeline, context, tensor, ranks = world
+    last, per_stage = ranks[-1], context * tensor
     for stage in ranks:
         assert stage["active"] == "actor"
-    for stage in ranks[:-context]:  # the ids and teacher buckets live on the last stage only
+    for stage in ranks[:-per_stage]:  # the ids and teacher buckets live on the last stage only
         assert stage["keys"] == [] and stage["losses"] is None
-    for rank in ranks[-context:]:
+    for rank in ranks[-per_stage:]:
         assert rank["keys"] == sorted([slime_opd.IDS, slime_opd.TEACHER_LOGPROBS, slime_opd.TEACHER_TAILS])
-    stages = ranks[::context]  # one context-parallel rank per stage holds the stage's weights (replicated)
-    states = {tag: _whole([stage["states"][tag] for stage in stages]) for tag in ranks[0]["states"]}
-    grads = _whole([stage["grads"] for stage in stages])
+    # per stage, its first context-parallel rank's tensor-parallel shards (CP ranks replicate the weights)
+    stages = [ranks[first:first + tensor] for first in range(0, len(ranks), per_stage)]
+
+    def whole(field, tag=None):
+        return _whole([_unsplit([r[field] if tag is None else r[field][tag] for r in shards], shards[0]["split"])
+                       for shards in stages])
+
+    states = {tag: whole("states", tag) for tag in ranks[0]["states"]}
+    grads = whole("grads")
     with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS) as args:
         full = kit.provider_func(args)()
         names = [name for name, _ in full.named_parameters()]
@@ -88,12 +104,12 @@ def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
                 p.copy_(states["actor"][name])
         snapshots = [[states[tag][name] for name in names] for tag in ("opd_teacher_0", "opd_teacher_1")]
         data = kit.rollout(0)
-        expected, student = kit.dense_topk_opd(args, [full], snapshots, data, _whole_ids(ranks, context), WEIGHTS,
-                                               slime_ranks.TEMPERATURE)
+        ids = _whole_ids(ranks, context, tensor)
+        expected, student = kit.dense_topk_opd(args, [full], snapshots, data, ids, WEIGHTS, slime_ranks.TEMPERATURE)
     (losses,) = last["losses"]
     loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
     grad_error = max((grads[name].double() - p.grad).abs().max().item() for name, p in student.named_parameters())
-    print(f"slime_opd train_actor PP={pipeline} CP={context} vs dense float64: loss {float(expected):.6f}, "
+    print(f"slime_opd train_actor PP={pipeline} CP={context} TP={tensor} vs dense float64: loss {float(expected):.6f}, "
           f"|Δloss| {loss_error:.2e}, max |Δgrad| {grad_error:.2e}")
     assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
     for name, p in student.named_parameters():
