@@ -53,9 +53,11 @@ def _cp_spec(layout: str) -> Any:
 
 def build_packed_gpt(vocab_size: int = TINY_VOCAB, seq_length: int = 64, seed: int = 0, config: Any = None,
                      share_embeddings: bool = False, pre_process: bool = True, post_process: bool = True,
-                     context_parallel_layout: str | None = None, **config_overrides: Any) -> Any:
+                     context_parallel_layout: str | None = None, vp_stage: int | None = None,
+                     **config_overrides: Any) -> Any:
     """A real GPTModel (RoPE, like the models verl trains) that accepts packed `thd` input on CPU;
-    `pre_process` / `post_process` as Megatron's model providers pass them to a pipeline stage;
+    `pre_process` / `post_process` / `vp_stage` as Megatron's model providers pass them to a
+    pipeline stage (and virtual stage);
     `context_parallel_layout` ("zigzag" / "contiguous"): the kit's CPU context-parallel attention."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -70,6 +72,7 @@ def build_packed_gpt(vocab_size: int = TINY_VOCAB, seq_length: int = 64, seed: i
         share_embeddings_and_output_weights=share_embeddings,
         pre_process=pre_process,
         post_process=post_process,
+        vp_stage=vp_stage,
     )
 
 

@@ -78,7 +78,7 @@ def provider_func(args: Any, role: str = "actor") -> Any:
         layout = "zigzag" if args.context_parallel_size > 1 else None  # slime's get_batch: zigzag thd
         return build_packed_gpt(vocab_size=args.padded_vocab_size, seq_length=args.max_position_embeddings, seed=0,
                                 config=config, pre_process=pre_process, post_process=post_process,
-                                context_parallel_layout=layout)
+                                context_parallel_layout=layout, vp_stage=vp_stage)
 
     return provider
 
@@ -178,7 +178,7 @@ def actor(args: Any, model: list[Any], teachers: dict[str, int], monkeypatch: An
     def load_checkpoint(chunks: list[Any], *_: Any, **__: Any) -> tuple[int, int]:
         gen = torch.Generator().manual_seed(teachers[args.load])
         with torch.no_grad():
-            for p in chunks[0].parameters():
+            for p in (p for chunk in chunks for p in chunk.parameters()):  # every virtual-pipeline chunk
                 p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
         return 0, 0
 

@@ -17,7 +17,8 @@ TEMPERATURE = 0.8
 
 
 @contextlib.contextmanager
-def lane_rank(rank: int, world_size: int, *, pipeline: int = 1, context: int = 1, tensor: int = 1) -> Iterator[Any]:
+def lane_rank(rank: int, world_size: int, *, pipeline: int = 1, context: int = 1, tensor: int = 1,
+              virtual: int | None = None) -> Iterator[Any]:
     """The rank's lane setup (as the lane's conftest for one rank); yields a pytest MonkeyPatch."""
     from _pytest.monkeypatch import MonkeyPatch
 
@@ -35,27 +36,37 @@ def lane_rank(rank: int, world_size: int, *, pipeline: int = 1, context: int = 1
     patch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron-LM's validate_args wants it at TP or CP > 1
     slime_standins.cpu_pinned_memory(patch)
     try:
-        with megatron_on_cpu(tensor_parallel=tensor, pipeline_parallel=pipeline, context_parallel=context):
+        with megatron_on_cpu(tensor_parallel=tensor, pipeline_parallel=pipeline, virtual_pipeline=virtual,
+                             context_parallel=context):
             yield patch
     finally:
         patch.undo()
 
 
-def _unwrapped(model: list[Any]) -> Any:
-    gpt = model[0]
-    while hasattr(gpt, "module"):
-        gpt = gpt.module
-    return gpt
+def _named(model: list[Any]) -> dict[str, Any]:
+    """The parameters of every model chunk of this rank under the whole model's names (a layer by
+    its global `layer_number`, whatever the pipeline or virtual-pipeline split)."""
+    named = {}
+    for chunk in model:
+        while hasattr(chunk, "module"):
+            chunk = chunk.module
+        for name, p in chunk.named_parameters():
+            if name.startswith("decoder.layers."):
+                index, rest = name[len("decoder.layers."):].split(".", 1)
+                name = f"decoder.layers.{chunk.decoder.layers[int(index)].layer_number - 1}.{rest}"
+            assert name not in named, name
+            named[name] = p
+    return named
 
 
 def _stage_state(model: list[Any]) -> dict[str, Any]:
-    return {name: p.detach().clone() for name, p in _unwrapped(model).named_parameters()}
+    return {name: p.detach().clone() for name, p in _named(model).items()}
 
 
 def _partition_dims(model: list[Any]) -> dict[str, int | None]:
     """Per parameter, the dimension tensor parallelism splits (None: replicated)."""
     return {name: p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
-            for name, p in _unwrapped(model).named_parameters()}
+            for name, p in _named(model).items()}
 
 
 def _response_rows(data: dict) -> list[list[int]] | None:
@@ -81,12 +92,18 @@ def _whole_gradients(context: int) -> dict[str, bool]:
     return {"use_distributed_optimizer": False, "overlap_param_gather": False} if context > 1 else {}
 
 
-def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1, tensor: int = 1) -> dict[str, Any]:
+def virtual_args(virtual: int | None) -> tuple[str, ...]:
+    """slime's flags for `virtual` model chunks per pipeline rank (one layer each)."""
+    return () if virtual is None else ("--num-layers", str(2 * virtual), "--num-layers-per-virtual-pipeline-stage", "1")
+
+
+def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1, tensor: int = 1,
+                    virtual: int | None = None) -> dict[str, Any]:
     """slime_opd with two snapshot teachers through slime's real `MegatronTrainRayActor.train_actor`
     (slime's log-probs, advantages, `log_rollout_data`, `train()`), on `pipeline` stages. Returns
     this stage's named parameters (actor and each teacher, before the step), its reduced gradients
     and, on the last stage, the ids scored and the step's losses."""
-    with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor) as patch:
+    with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual) as patch:
         import slime_kit as kit
         import torch
         from megatron.core import parallel_state
@@ -104,7 +121,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
         try:
             with kit.slime_session("--pipeline-model-parallel-size", str(pipeline), "--context-parallel-size",
                                    str(context), "--tensor-model-parallel-size", str(tensor), "--loss-type",
-                                   "custom_loss", "--custom-loss-function-path", OPD_LOSS,
+                                   "custom_loss", "--custom-loss-function-path", OPD_LOSS, *virtual_args(virtual),
                                    rollout_temperature=TEMPERATURE, log_probs_chunk_size=4,
                                    use_critic=False,  # what slime_validate_args sets
                                    **_whole_gradients(context)) as args:
@@ -124,11 +141,10 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                             global_batch_sizes=[len(data["tokens"])])
                 Timer().seq_lens = data["total_lengths"]  # what slime's process_rollout_data notes
                 grads: dict[str, torch.Tensor] = {}
-                gpt = model[0].module
                 optimizer_step = optimizer.step
 
                 def step_noting_grads(*a, **k):  # the reduced gradients, before the optimizer consumes them
-                    grads.update({name: p.main_grad.clone() for name, p in gpt.named_parameters()})
+                    grads.update({name: p.main_grad.clone() for name, p in _named(model).items()})
                     return optimizer_step(*a, **k)
 
                 patch.setattr(optimizer, "step", step_noting_grads)

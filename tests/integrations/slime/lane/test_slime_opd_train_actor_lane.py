@@ -1,6 +1,6 @@
 """slime_opd through slime 624b824a's real `MegatronTrainRayActor.train_actor` (issue 40) at one
-rank, TP=2, PP=2, CP=2 zigzag, PP=2×CP=2 and TP=2×PP=2×CP=2 (up to 8 gloo ranks, each a fresh
-interpreter): slime's own log-prob pass, advantages, `log_rollout_data` (which must not see the
+rank, TP=2, PP=2, PP=2×VPP=2, CP=2 zigzag, PP=2×CP=2 and TP=2×PP=2×CP=2 (up to 8 gloo ranks, each
+a fresh interpreter): slime's own log-prob pass, advantages, `log_rollout_data` (which must not see the
 int64 ids) and `train()`, with two snapshot teachers. The first step's OPD loss and every gradient
 against dense float64 over the ranks' weights put back together (stages joined, tensor-parallel
 shards concatenated; the ids from each context-parallel rank's zigzag rows). With pipeline
@@ -8,7 +8,6 @@ parallelism the stages agree to run every teacher's pipelined pass (before the f
 ran them alone and waited: no result within 300 s)."""
 from __future__ import annotations
 
-import re
 import sys
 
 import pytest
@@ -20,16 +19,11 @@ WEIGHTS = (0.3, 0.7)
 
 
 def _whole(stages: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Per-stage named tensors under the whole model's names (stage-local layer numbers shifted)."""
-    whole, offset = {}, 0
+    """The stages' named tensors (already under the whole model's names) in one dict."""
+    whole: dict[str, torch.Tensor] = {}
     for stage in stages:
-        layers = {int(m.group(1)) for name in stage if (m := re.match(r"decoder\.layers\.(\d+)\.", name))}
-        for name, value in stage.items():
-            if (m := re.match(r"decoder\.layers\.(\d+)\.", name)) is not None:
-                name = f"decoder.layers.{int(m.group(1)) + offset}.{name[m.end():]}"
-            assert name not in whole, name
-            whole[name] = value
-        offset += len(layers)
+        assert not set(whole) & set(stage), sorted(set(whole) & set(stage))
+        whole.update(stage)
     return whole
 
 
@@ -56,10 +50,10 @@ def _whole_ids(ranks: list[dict], context: int, tensor: int) -> list[torch.Tenso
     return whole
 
 
-# (pipeline, context, tensor): ranks = pipeline · context · tensor in Megatron's order (tp fastest,
-# then cp; pp slowest)
-LAYOUTS = {"pp1": (1, 1, 1), "pp2": (2, 1, 1), "cp2": (1, 2, 1), "tp2": (1, 1, 2), "pp2cp2": (2, 2, 1),
-           "tp2pp2cp2": (2, 2, 2)}
+# (pipeline, context, tensor, virtual chunks): ranks = pipeline · context · tensor in Megatron's
+# order (tp fastest, then cp; pp slowest)
+LAYOUTS = {"pp1": (1, 1, 1, None), "pp2": (2, 1, 1, None), "cp2": (1, 2, 1, None), "tp2": (1, 1, 2, None),
+           "pp2vpp2": (2, 1, 1, 2), "pp2cp2": (2, 2, 1, None), "tp2pp2cp2": (2, 2, 2, None)}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -70,9 +64,9 @@ def world(request):
 
     from megatron_rl_patches.testing.multirank import run_multirank
 
-    pipeline, context, tensor = LAYOUTS[request.param]
-    return pipeline, context, tensor, run_multirank(slime_ranks.opd_train_actor, pipeline * context * tensor,
-                                                    pipeline, context, tensor, timeout=300)
+    pipeline, context, tensor, virtual = LAYOUTS[request.param]
+    return pipeline, context, tensor, virtual, run_multirank(
+        slime_ranks.opd_train_actor, pipeline * context * tensor, pipeline, context, tensor, virtual, timeout=300)
 
 
 def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
@@ -81,7 +75,7 @@ def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
 
     from megatron_rl_patches.integrations.slime import opd as slime_opd
 
-    pipeline, context, tensor, ranks = world
+    pipeline, context, tensor, virtual, ranks = world
     last, per_stage = ranks[-1], context * tensor
     for stage in ranks:
         assert stage["active"] == "actor"
@@ -98,7 +92,8 @@ def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
 
     states = {tag: whole("states", tag) for tag in ranks[0]["states"]}
     grads = whole("grads")
-    with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS) as args:
+    with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS,
+                           *slime_ranks.virtual_args(virtual)[:2]) as args:  # the whole model: its layers
         full = kit.provider_func(args)()
         names = [name for name, _ in full.named_parameters()]
         assert sorted(names) == sorted(states["actor"]) == sorted(grads)
@@ -112,7 +107,8 @@ def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
     (losses,) = last["losses"]
     loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
     grad_error = max((grads[name].double() - p.grad).abs().max().item() for name, p in student.named_parameters())
-    print(f"slime_opd train_actor PP={pipeline} CP={context} TP={tensor} vs dense float64: loss {float(expected):.6f}, "
+    print(f"slime_opd train_actor PP={pipeline} VPP={virtual} CP={context} TP={tensor} vs dense float64: "
+          f"loss {float(expected):.6f}, "
           f"|Δloss| {loss_error:.2e}, max |Δgrad| {grad_error:.2e}")
     assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
     for name, p in student.named_parameters():
