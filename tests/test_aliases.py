@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from megatron_rl_patches import _aliases, integrations, megatron
+from megatron_rl_patches import _aliases, inference, integrations, megatron
 
 TYPED = {  # path users type -> what it must be
     "megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss":
@@ -64,10 +64,12 @@ def probed() -> dict:
 
 
 def test_the_old_paths_are_installed():
-    assert integrations.__name__ and megatron.__name__  # both packages install their tables on import
+    assert integrations.__name__ and megatron.__name__ and inference.__name__  # each installs its table on import
     moved = _aliases.moved_paths()
     assert {"megatron_rl_patches.integrations.slime_fused", "megatron_rl_patches.integrations.verl_rows",
-            "megatron_rl_patches.integrations.megatron_core", "megatron_rl_patches.megatron.processors"} <= set(moved)
+            "megatron_rl_patches.integrations.megatron_core", "megatron_rl_patches.megatron.processors",
+            "megatron_rl_patches.inference.residency_storage", "megatron_rl_patches.inference.memory",
+            "megatron_rl_patches.inference.dist_weights"} <= set(moved)
     silent = {old for old, (_, warns) in moved.items() if not warns}
     assert silent == {"megatron_rl_patches.integrations.slime_opd", "megatron_rl_patches.megatron.processors",
                       "megatron_rl_patches.megatron.distill"}
@@ -111,3 +113,18 @@ def test_the_suite_treats_the_deprecation_as_an_error():
     sys.modules.pop("megatron_rl_patches.integrations.verl_topk", None)
     with pytest.raises(DeprecationWarning, match="integrations.verl_topk moved to"):
         import megatron_rl_patches.integrations.verl_topk  # noqa: F401
+
+
+def test_the_inference_modules_that_became_packages_keep_their_names():
+    """`inference.residency` and `inference.layer_major` were modules; as packages they still give
+    the names they defined (lazily: the residency modes come without torch)."""
+    from megatron_rl_patches.inference import layer_major, residency
+    from megatron_rl_patches.inference.layer_major import scoring
+    from megatron_rl_patches.inference.residency import placement
+
+    for name in ("on_device", "hold", "hold_if_room", "weights_on_host", "release_streamed", "attach_residency",
+                 "residency_of", "check_residency_args", "module_list", "note_activation_bytes", "Residency", "ATTR",
+                 "RESIDENCY_MODES"):
+        assert getattr(residency, name) is getattr(placement, name), name
+    assert layer_major.score_layer_major is scoring.score_layer_major
+    assert residency.ResidencyBudget is inference.ResidencyBudget

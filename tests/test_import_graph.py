@@ -1,10 +1,12 @@
-"""DESIGN.md's layer picture, checked on the source: every import of every module of the package
+"""docs/design.md's layer picture, checked on the source: every import of every module of the package
 (top level and inside functions, read with `ast`), mapped to rooms, against the rules
 
 - `ops` imports no `patching`, `integrations`, app, `testing`, nor megatron (third-party `megatron.*`);
 - nothing in the library (everything but the apps and `testing`) imports an app or `testing`;
 - `patching` imports no `integrations` (it names the default registry by a string);
-- no cycle between rooms (a room may import itself).
+- no cycle between rooms (a room may import itself);
+- no cycle between modules inside a room either (function-level and `TYPE_CHECKING` imports count:
+  a cycle hidden in a function is still two modules that cannot be understood apart).
 
 The checker is tested on small synthetic graphs too, so a rule that can no longer fail shows."""
 from __future__ import annotations
@@ -81,6 +83,72 @@ def package_graph() -> dict[str, set[str]]:
         names = imported_names(ast.parse(path.read_text(), str(path)), module, path.name == "__init__.py")
         graph[module] = {n for n in names if n in files or n == "megatron" or n.startswith("megatron.")}
     return graph
+
+
+def module_graph() -> dict[str, set[str]]:
+    """module -> modules of the package it imports, read precisely: `from pkg import sub` is an
+    edge to the submodule `pkg.sub` only (not to `pkg`'s `__init__`); `from pkg import name` (not a
+    module) and `import pkg` are edges to `pkg`."""
+    files = {module_name(path): path for path in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        is_package = path.name == "__init__.py"
+        package = module if is_package else module.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                for alias in node.names:
+                    found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base)
+        graph[module] = {name for name in found if name in files and name != module}
+    return graph
+
+
+def module_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (iterative Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, successors = work[-1]
+            nxt = next(successors, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
 
 
 def room(module: str) -> str:
@@ -164,6 +232,22 @@ def violations(edges: dict[tuple[str, str], list[str]], exceptions: dict[tuple[s
 
 def test_the_package_follows_the_layer_rules():
     assert violations(room_graph(package_graph()), EXCEPTIONS) == []
+
+
+def test_no_cycle_between_modules_inside_a_room():
+    assert module_cycles(module_graph()) == []
+
+
+def test_an_in_room_cycle_is_found_also_through_functions_and_type_checking(tmp_path):
+    """The rule can fail: a synthetic room whose two modules import each other, one of them only
+    inside a function and the other only under TYPE_CHECKING."""
+    graph = {f"{PACKAGE}.ops.a": {f"{PACKAGE}.ops.b"}, f"{PACKAGE}.ops.b": {f"{PACKAGE}.ops.a"},
+             f"{PACKAGE}.ops.c": {f"{PACKAGE}.ops.a"}}
+    assert module_cycles(graph) == [[f"{PACKAGE}.ops.a", f"{PACKAGE}.ops.b"]]
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n"
+              "def f():\n    from megatron_rl_patches.ops import b\n")
+    names = imported_names(ast.parse(source), f"{PACKAGE}.ops.a", is_package=False)
+    assert f"{PACKAGE}.ops.b" in names and f"{PACKAGE}.ops.b.B" in names
 
 
 def test_every_exception_is_still_needed():

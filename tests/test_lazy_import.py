@@ -98,3 +98,16 @@ def test_lazy_public_names_resolve_on_first_use():
 
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         megatron_rl_patches.nope  # noqa: B018
+
+
+def test_the_residency_modes_and_the_sizing_formulas_come_without_torch():
+    """The `memory` CLI's imports: the one residency-modes tuple and the formulas, torch-free, through
+    the public name and the residency package alike."""
+    result = probe(
+        "from megatron_rl_patches.inference import RESIDENCY_MODES as a\n"
+        "from megatron_rl_patches.inference.residency import RESIDENCY_MODES as b\n"
+        "from megatron_rl_patches.inference.sizing import memory, residency_plan",
+        extra="[a is b is residency_plan.MODES, list(a)]",
+    )
+    assert result["extra"] == [True, ["resident", "swap", "stream"]]
+    assert outside_stdlib(result) == set(), result["new"]

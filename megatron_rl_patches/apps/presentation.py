@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megatron_rl_patches.inference.memory import TrainingStateBytes
-    from megatron_rl_patches.inference.residency_plan import ResidencyPlan
+    from megatron_rl_patches.inference.sizing.memory import TrainingStateBytes
+    from megatron_rl_patches.inference.sizing.residency_plan import ResidencyPlan
 
 
 def human_bytes(count: float) -> str:

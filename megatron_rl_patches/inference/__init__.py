@@ -3,36 +3,40 @@ DDP wrapper, grad buffer or optimizer, weights-only loading, forward-only passes
 training-state memory report (slime's `inference_roles` patch uses them:
 `megatron_rl_patches.integrations.slime.roles`).
 
-Names resolve lazily: `megatron-rl-patches memory` imports the memory report without torch.
+Rooms by concept: `residency/` (where the weights live between uses), `loading/` (weights-only
+reads), `layer_major/` (layer-major scoring), `sizing/` (memory formulas, torch-free); `build`,
+`forward` and `guard` tie them together. Names resolve lazily: `megatron-rl-patches memory`
+imports the memory report without torch.
 """
 from __future__ import annotations
 
+from megatron_rl_patches import _aliases
 from megatron_rl_patches._lazy import lazy_getattr
 
 _LAZY = {
     "build_inference_model": "build",
-    "build_inference_model_from_hf": "hf",
-    "check_teacher_vocab": "hf",
+    "build_inference_model_from_hf": "build_hf",
+    "check_teacher_vocab": "megatron_rl_patches.inference.loading.hf.vocab",
     "InferenceOnlyError": "guard",
     "assert_trainable": "guard",
     "is_inference_only": "guard",
-    "load_inference_weights": "weights",
-    "WeightsMismatchError": "load_errors",
-    "CheckpointReadError": "load_errors",
+    "load_inference_weights": "megatron_rl_patches.inference.loading.weights",
+    "WeightsMismatchError": "megatron_rl_patches.inference.loading.errors",
+    "CheckpointReadError": "megatron_rl_patches.inference.loading.errors",
     "inference_forward": "forward",
-    "score_layer_major": "layer_major",
-    "ActivationStats": "activation_store",
     "token_log_probs": "forward",
-    "training_state_bytes": "memory",
-    "TrainingStateBytes": "memory",
-    "on_device": "residency",
-    "hold": "residency",
-    "residency_report": "residency_reporting",
-    "ResidencyReport": "residency_reporting",
-    "RESIDENCY_MODES": "residency",
-    "release_streamed": "residency",
-    "weights_on_host": "residency",
-    "ResidencyBudget": "residency_budget",
+    "score_layer_major": "megatron_rl_patches.inference.layer_major.scoring",
+    "ActivationStats": "megatron_rl_patches.inference.layer_major.activation_store",
+    "training_state_bytes": "megatron_rl_patches.inference.sizing.memory",
+    "TrainingStateBytes": "megatron_rl_patches.inference.sizing.memory",
+    "on_device": "megatron_rl_patches.inference.residency.placement",
+    "hold": "megatron_rl_patches.inference.residency.placement",
+    "release_streamed": "megatron_rl_patches.inference.residency.placement",
+    "weights_on_host": "megatron_rl_patches.inference.residency.placement",
+    "RESIDENCY_MODES": "megatron_rl_patches.inference.residency.modes",
+    "residency_report": "megatron_rl_patches.inference.residency.reporting",
+    "ResidencyReport": "megatron_rl_patches.inference.residency.reporting",
+    "ResidencyBudget": "megatron_rl_patches.inference.residency.budget",
 }
 
 __all__ = sorted(_LAZY)
@@ -43,3 +47,22 @@ __getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 def __dir__() -> list[str]:
     return sorted([*__all__, *globals()])
+
+
+# Module paths from before the rooms by concept (`inference.residency` and `inference.layer_major`
+# are the packages now and keep their public names).
+_aliases.install(__name__, {
+    "activation_store": "megatron_rl_patches.inference.layer_major.activation_store",
+    "decoder_steps": "megatron_rl_patches.inference.layer_major.decoder_steps",
+    "dist_weights": "megatron_rl_patches.inference.loading.torch_dist",
+    "host_init": "megatron_rl_patches.inference.residency.host_init",
+    "load_errors": "megatron_rl_patches.inference.loading.errors",
+    "memory": "megatron_rl_patches.inference.sizing.memory",
+    "paths": "megatron_rl_patches.inference.loading.paths",
+    "residency_budget": "megatron_rl_patches.inference.residency.budget",
+    "residency_plan": "megatron_rl_patches.inference.sizing.residency_plan",
+    "residency_reporting": "megatron_rl_patches.inference.residency.reporting",
+    "residency_storage": "megatron_rl_patches.inference.residency.storage",
+    "residency_units": "megatron_rl_patches.inference.residency.units",
+    "weights": "megatron_rl_patches.inference.loading.weights",
+})

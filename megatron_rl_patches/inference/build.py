@@ -16,10 +16,10 @@ import torch
 from megatron_rl_patches._chunks import has_grad_buffers
 from megatron_rl_patches._log import logger
 from megatron_rl_patches.inference.guard import freeze_chunk
-from megatron_rl_patches.inference.host_init import host_initialization
-from megatron_rl_patches.inference.paths import resolve_checkpoint
-from megatron_rl_patches.inference.residency import attach_residency, check_residency_args
-from megatron_rl_patches.inference.residency_budget import ResidencyBudget
+from megatron_rl_patches.inference.loading.paths import resolve_checkpoint
+from megatron_rl_patches.inference.residency.budget import ResidencyBudget
+from megatron_rl_patches.inference.residency.host_init import host_initialization
+from megatron_rl_patches.inference.residency.placement import attach_residency, check_residency_args
 
 # modules defining a DistributedDataParallel (megatron-core's, torch's), looked up in sys.modules
 _DDP_MODULES = ("megatron.core.distributed.distributed_data_parallel", "torch.nn.parallel.distributed")
@@ -146,7 +146,7 @@ def build_inference_model(
     model on the device inside `on_device(chunks)` or for each forward) or "stream" (host memory;
     each layer brought in just before it runs, `prefetch` layers ahead, released after); `budget`:
     a ResidencyBudget shared with other swap/stream builds. Swap/stream builds are made and
-    loaded in host memory, never on the device whole. See inference/residency.py.
+    loaded in host memory, never on the device whole. See inference/residency/placement.py.
     """
     mode = check_residency_args(residency, prefetch, budget)
     if not callable(model_provider):
@@ -181,7 +181,7 @@ def build_inference_model(
         sum(p.numel() for chunk in chunks for p in chunk.parameters()),
     )
     if load_dir is not None:
-        from megatron_rl_patches.inference.weights import load_inference_weights
+        from megatron_rl_patches.inference.loading.weights import load_inference_weights
 
         load_inference_weights(chunks, load_dir, strict=strict)
     if on_host:

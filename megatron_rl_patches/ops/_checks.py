@@ -65,15 +65,21 @@ def check_tokens_shape(tokens: object, n_rows: int, device: torch.device, shape_
     return tokens
 
 
-def require_tokens_in_vocab(tokens: torch.Tensor, vocab: int, checks: DeviceChecks) -> None:
-    """Every target id in [0, vocab), checked through `checks` (read with the forward's host sync)."""
+def require_tokens_in_vocab(tokens: torch.Tensor, vocab: int, checks: DeviceChecks,
+                            group: dist.ProcessGroup | None = None) -> None:
+    """Every target id in [0, vocab), checked through `checks` (read with the forward's host sync).
+    Without a TP group an id beyond the columns may mean a vocab shard passed without `tp_group`:
+    the error says so, beside the padding advice."""
     outside = (tokens < 0) | (tokens >= vocab)
 
     def tokens_error() -> ValueError:
         bad = torch.nonzero(outside).squeeze(1)[:8].tolist()
+        example = int(tokens[bad[0]])
+        shard = ("; if these are one rank's vocab shard [T, V/tp] of a tensor-parallel model, pass tp_group "
+                 "(the ids are global, up to V)" if group is None and example >= vocab else "")
         return ValueError(
-            f"tokens must be global ids in [0, {vocab}); rows {bad} are outside (e.g. {int(tokens[bad[0]])}); "
-            f"mask padding targets with a valid id such as 0 and drop those rows from the loss"
+            f"tokens must be global ids in [0, {vocab}); rows {bad} are outside (e.g. {example}){shard}; "
+            f"otherwise mask padding targets with a valid id such as 0 and drop those rows from the loss"
         )
 
     checks.require(~outside, tokens_error)

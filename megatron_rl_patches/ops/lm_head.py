@@ -50,6 +50,11 @@ def check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
     _checks.check_group(tp_group)
+    if sequence_parallel and tp_group is None:
+        raise ValueError(
+            "sequence_parallel=True needs tp_group: the tensor-parallel group whose ranks each hold T/tp rows "
+            "of hidden; tp_group=None means no tensor parallelism, where sequence_parallel must be False"
+        )
     _checks.check_chunk_size(chunk_size)
     vocab = _checks.global_vocab(weight.size(0), tp_group, vocab_size)
     rows = hidden.size(0) * (_dist.tp_size(tp_group) if sequence_parallel else 1)
@@ -86,7 +91,7 @@ def lm_head_log_probs_and_entropy(
     checks = _checks.DeviceChecks()
     _checks.check_tokens_shape(tokens, n_rows, hidden.device, "(all rows, also under sequence parallelism)", "hidden")
     selection = RowSelection.of(row_mask, n_rows, hidden.device, "hidden (all rows)", tp_group)
-    _checks.require_tokens_in_vocab(unselected_as(tokens, selection), vocab, checks)
+    _checks.require_tokens_in_vocab(unselected_as(tokens, selection), vocab, checks, tp_group)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_log_probs_and_entropy",

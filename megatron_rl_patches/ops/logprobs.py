@@ -36,7 +36,7 @@ def check_logprobs_inputs(
         raise ValueError("logits have no vocab columns (V_local = 0)")
     vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
     checks = _checks.DeviceChecks()
-    _checks.require_tokens_in_vocab(tokens, vocab, checks)
+    _checks.require_tokens_in_vocab(tokens, vocab, checks, tp_group)
     temperature = _checks.check_temperature(temperature, (n_rows,), logits.device, checks, logits.dtype)
     _checks.check_chunk_size(chunk_size)
     _checks.check_keep_mask(keep_mask, logits.shape, logits.device, "the logits")

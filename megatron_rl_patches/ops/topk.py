@@ -308,9 +308,16 @@ def topk_opd_loss(
     The same as ``topk_kl(*topk_logprobs(student_logits, ids, ...), teacher_logprobs, ...)``,
     with one host sync for all checks.
 
+    Shapes: student_logits [T, V_local] (this rank's vocab shard under `tp_group`; any leading
+    shape [*rows, V_local] works, T = rows); ids [T, k] global vocabulary ids; teacher_logprobs
+    [T, k] for one teacher or [n, T, k] (each teacher's full-vocabulary log-probs at `ids`);
+    teacher_tail_logprobs None, [T] or [n, T]; teacher_weights [n]; ids_mask [T, k] bool;
+    row_mask [T] bool. Returns [T].
+
     divergence (None: "reverse_kl"): one of "forward_kl" KL(q‖p), "reverse_kl" KL(p‖q), "jsd"
     (weight `beta` on the teacher; 0: forward, 1: reverse KL), "skew_forward_kl",
-    "skew_reverse_kl" (own share `alpha`), "tv" (docs/distillation.md). The deprecated
+    "skew_reverse_kl" (own share `alpha`), "tv", "mixed_kl" (β·reverse + (1 − β)·forward, β =
+    `beta`) (docs/distillation.md). The deprecated
     kl="reverse" / "forward" / "mixed" (mix·forward + (1 − mix)·reverse) still work with a
     DeprecationWarning; giving both is a TypeError. The mixture is q = sum_j w_j q_j with
     `teacher_weights` w the mixture's probabilities (>= 0, summing to 1 within 1e-6; None:
@@ -327,6 +334,9 @@ def topk_opd_loss(
     renormalize = _divergences.check_renormalize(renormalize)
     lead, _ = topk_checks.check_logits(student_logits, "student_logits", tp_group)
     _checks.check_id_tensor(ids, "ids", "[T, k]")
+    if ids.dim() < 1 or tuple(ids.shape[:-1]) != tuple(lead):  # before the teachers are compared with ids
+        raise ValueError(f"ids must have shape [*rows, k] with rows {tuple(lead)} of student_logits "
+                         f"{tuple(student_logits.shape)}, got {tuple(ids.shape)}")
     checks = _checks.DeviceChecks()
     dtype = _vocab.compute_dtype(student_logits.dtype)
     teachers, teacher_tails, log_w = topk_checks.check_mixture(teacher_logprobs, teacher_tail_logprobs, ids.shape,

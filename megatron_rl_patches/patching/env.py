@@ -18,7 +18,7 @@ DISABLE = "MEGATRON_RL_PATCHES_DISABLE"
 STRICT = "MEGATRON_RL_PATCHES_STRICT"
 INFERENCE_ROLES = "MEGATRON_RL_PATCHES_INFERENCE_ROLES"
 ALLOW_UNTESTED = "MEGATRON_RL_PATCHES_ALLOW_UNTESTED"
-# residencies a role may name (inference/residency.py RESIDENCY_MODES; this module imports no torch)
+# residencies a role may name (inference/residency/modes.py RESIDENCY_MODES; this module imports no torch)
 RESIDENCIES = ("resident", "swap", "stream")
 VARIABLES = (SELECT, DISABLE, STRICT, INFERENCE_ROLES, ALLOW_UNTESTED, BACKEND)
 

@@ -162,8 +162,9 @@ class ProcessorCall:
     def __init__(self, hidden_states, output_layer, output_weight, labels, config, temperature, context):
         if hidden_states.dim() != 3:
             raise ValueError(f"hidden_states must be [s, b, h], got shape {tuple(hidden_states.shape)}")
-        self.sequence_parallel = bool(getattr(output_layer, "sequence_parallel", False))
         self.tp_group = output_tp_group(output_layer)
+        # sequence parallelism shards rows over the TP ranks: at TP = 1 (no group) there is nothing to gather
+        self.sequence_parallel = bool(getattr(output_layer, "sequence_parallel", False)) and self.tp_group is not None
         local_seq, batch, _ = hidden_states.shape
         seq = local_seq * (self.tp_world if self.sequence_parallel else 1)
         self.batch, self.seq = batch, seq

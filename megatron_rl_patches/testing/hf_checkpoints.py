@@ -55,8 +55,8 @@ def write_tiny_checkpoint(directory: str | Path, config: dict[str, Any], seed: i
                           shards: int = 1) -> dict[str, torch.Tensor]:
     """config.json and random safetensors weights (in `shards` files with an index when > 1) of
     the architecture `config` describes, into `directory`; returns the tensors. No transformers."""
-    from megatron_rl_patches.inference.hf.architecture import architecture
-    from megatron_rl_patches.inference.hf.names import checkpoint_tensors
+    from megatron_rl_patches.inference.loading.hf.architecture import architecture
+    from megatron_rl_patches.inference.loading.hf.names import checkpoint_tensors
 
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)

@@ -53,17 +53,37 @@ def environment_help() -> str:
         env.STRICT: '1/true/yes/on: patch problems raise instead of warning (0/false/no/off/"": warn)',
         # the roles are integrations.slime.roles.DEFAULT_INFERENCE_ROLES (a test holds them equal; not
         # imported here: --help of every command, the plain demo's included, imports no integration)
-        env.INFERENCE_ROLES: "comma-separated roles built inference-only (unset: slime's teacher roles "
-                             'prm_teacher,teacher; "": none)',
+        env.INFERENCE_ROLES: "comma-separated roles built inference-only, each once (unset: slime's teacher "
+                             'roles prm_teacher,teacher; "": none); role:mode keeps its weights off the device, '
+                             "mode resident, swap or stream (e.g. teacher:swap,prm_teacher:stream)",
         env.ALLOW_UNTESTED: "1: apply patches outside their supported megatron-core range "
                             "(one warning each)",
         env.BACKEND: BACKEND_MEANING,
     }
+    meaning.update(PATCH_VARIABLES)
     lines = ["environment variables:"]
-    for name in env.VARIABLES:
+    for name in (*env.VARIABLES, *PATCH_VARIABLES):
         lines.append(f"  {name}")
         lines.append(textwrap.fill(meaning.get(name, ""), 78, initial_indent=" " * 6, subsequent_indent=" " * 6))
     return "\n".join(lines)
+
+
+# Variables one patch reads when it runs (names kept here as text: --help imports no integration;
+# a test holds them equal to the integrations' own names).
+_OPD = "MEGATRON_RL_PATCHES_OPD_"
+PATCH_VARIABLES = {
+    f"{_OPD}TEACHERS": "slime_opd: comma-separated teachers, PATH (the actor's architecture) or "
+                       "PATH@module:function; set in the training actors' environment (--train-env-vars)",
+    f"{_OPD}WEIGHTS": "slime_opd: mixture weights, one per teacher, summing to 1 (unset: uniform)",
+    f"{_OPD}K": "slime_opd: the student's top-k ids per token (default 16)",
+    f"{_OPD}DIVERGENCE": "slime_opd: reverse_kl (default), forward_kl, jsd, skew_forward_kl, skew_reverse_kl, "
+                         "tv or mixed_kl",
+    f"{_OPD}COEF": "slime_opd: weight of the top-k divergence (default 1.0)",
+    f"{_OPD}POLICY_WEIGHT": "slime_opd: weight of slime's policy loss (default 1.0)",
+    f"{_OPD}RESIDENCY": "slime_opd: resident (default), swap or stream, for PATH@module:function teachers",
+    f"{_OPD}IDS_FROM": "slime_opd: student (default) or union (the student's and the first teacher's top-k)",
+    "MEGATRON_RL_PATCHES_VERL_ROWS": "verl_fused_logprobs: all computes every row, not only the rows verl reads",
+}
 
 
 class CommandUnavailable(Exception):

@@ -12,8 +12,8 @@ from fractions import Fraction
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.apps.cli._common import OK, UsageError
 from megatron_rl_patches.apps.presentation import memory_report, residency_table
-from megatron_rl_patches.inference.memory import training_state_bytes
-from megatron_rl_patches.inference.residency_plan import MODES, residency_plan
+from megatron_rl_patches.inference.sizing.memory import training_state_bytes
+from megatron_rl_patches.inference.sizing.residency_plan import MODES, residency_plan
 
 _SUFFIXES = {"": 0, "k": 3, "m": 6, "b": 9, "g": 9, "t": 12}  # powers of ten
 _MAX_DIGITS = 30  # a count beyond 10**30 parameters is a typo (and 1e999999999 must not be expanded)

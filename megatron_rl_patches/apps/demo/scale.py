@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl_patches.inference.memory import training_state_bytes
+from megatron_rl_patches.inference.sizing.memory import training_state_bytes
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 builds the roles listed in MEGATRON_RL_PATCHES_INFERENCE_ROLES (default: slime's teacher roles)
 inference-only and returns (model, None, None, iteration) like upstream; every other role goes
 through upstream unchanged. An entry `role:swap` or `role:stream` keeps that role's weights in
-host memory (inference/residency.py).
+host memory (inference/residency/).
 
 Assumptions about slime (slime.backends.megatron_utils.model, checked against its public code):
 the module imports `get_model_provider_func(args, role)` (older releases: `(args)`) from
@@ -61,7 +61,7 @@ def weights_source(run_args: Any, role: str) -> tuple[str, int | None]:
 
 
 def _load(chunks: list[Any], run_args: Any, path: str, step: int | None, module: Any) -> int:
-    from megatron_rl_patches.inference.weights import load_inference_weights
+    from megatron_rl_patches.inference.loading.weights import load_inference_weights
 
     if _delegated(path, step, module):
         # Not a Megatron checkpoint (e.g. a HuggingFace directory: slime loads those through
@@ -77,7 +77,7 @@ def _load(chunks: list[Any], run_args: Any, path: str, step: int | None, module:
 
 
 def _delegated(path: str, step: int | None, module: Any) -> bool:
-    from megatron_rl_patches.inference.paths import is_foreign_directory
+    from megatron_rl_patches.inference.loading.paths import is_foreign_directory
 
     return step is None and callable(getattr(module, "load_checkpoint", None)) and is_foreign_directory(path)
 
@@ -105,12 +105,12 @@ def initialize_model_and_optimizer_wrapper(
     from megatron.core.enums import ModelType
 
     from megatron_rl_patches.inference.build import build_inference_model
-    from megatron_rl_patches.inference.paths import resolve_checkpoint
+    from megatron_rl_patches.inference.loading.paths import resolve_checkpoint
 
     path, step = weights_source(run_args, role)
     if not _delegated(path, step, module):
         resolve_checkpoint(path, step)  # a wrong path fails before the model is built
-    from megatron_rl_patches.inference.residency import weights_on_host
+    from megatron_rl_patches.inference.residency.placement import weights_on_host
 
     residency = env.role_residencies().get(role, "resident")
     chunks = build_inference_model(

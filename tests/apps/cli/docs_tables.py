@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megatron_rl_patches.apps.presentation import human_bytes, markdown_table
-from megatron_rl_patches.inference.memory import TrainingStateBytes
+from megatron_rl_patches.inference.sizing.memory import TrainingStateBytes
 
 MEMORY_COLUMNS = (
     "model", "DP", "distributed optimizer", "weights (both builds)", "grad buffer", "fp32 main params", "Adam m",
@@ -29,7 +29,7 @@ def memory_markdown_table(reports: Sequence[tuple[str, TrainingStateBytes]]) -> 
 
 def docs_memory_reports(param_dtype: str = "bf16") -> list[tuple[str, TrainingStateBytes]]:
     """The 7B / 27B / 70B rows at DP=1 and at DP=8 with the distributed optimizer (fp32 grads)."""
-    from megatron_rl_patches.inference.memory import training_state_bytes
+    from megatron_rl_patches.inference.sizing.memory import training_state_bytes
 
     return [
         (f"{size}B", training_state_bytes(size * 10**9, dp=dp, distributed_optimizer=dp > 1, param_dtype=param_dtype))

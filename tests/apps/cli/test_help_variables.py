@@ -22,7 +22,16 @@ def test_help_describes_every_variable_the_backend_and_the_default_roles(cli_run
     code, out, _ = cli_run("--help")
     assert code == 0
     described = _variable_help(out)
-    assert set(described) == set(env.VARIABLES)
+    from megatron_rl_patches.apps.cli import PATCH_VARIABLES
+    from megatron_rl_patches.integrations.slime import opd_settings
+    from megatron_rl_patches.integrations.verl.rows import ROWS_ENV
+
+    opd = {value for name, value in vars(opd_settings).items()
+           if name.isupper() and isinstance(value, str) and value.startswith(opd_settings.PREFIX)
+           and value != opd_settings.PREFIX}
+    assert set(PATCH_VARIABLES) == opd | {ROWS_ENV}
+    assert set(described) == set(env.VARIABLES) | set(PATCH_VARIABLES)
+    assert "role:mode" in described[env.INFERENCE_ROLES] and "each once" in described[env.INFERENCE_ROLES]
     assert all(described.values()), [name for name, text in described.items() if not text]
     backend = described[env.BACKEND]
     assert all(word in backend for word in ("torch", "triton", "auto", "backend="))

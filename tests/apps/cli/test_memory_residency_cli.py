@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megatron_rl_patches.inference.residency_plan import residency_plan
+from megatron_rl_patches.inference.sizing.residency_plan import residency_plan
 
 
 def run_cli(argv, capsys):

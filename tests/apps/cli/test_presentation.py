@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 from megatron_rl_patches.apps.presentation import human_bytes, markdown_table, memory_report, text_table
-from megatron_rl_patches.inference.memory import training_state_bytes
+from megatron_rl_patches.inference.sizing.memory import training_state_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))
 from docs_tables import docs_memory_reports, memory_markdown_table  # noqa: E402
@@ -57,7 +57,7 @@ def test_docs_show_the_generated_tables():
 def test_library_modules_do_not_format():
     """Formatting lives in presentation (and the apps): no library module defines these any more."""
     import megatron_rl_patches.inference as inference
-    import megatron_rl_patches.inference.memory as memory
+    import megatron_rl_patches.inference.sizing.memory as memory
 
     for name in ("human_bytes", "format_report", "markdown_table", "docs_reports"):
         assert not hasattr(memory, name), name

@@ -1,0 +1,116 @@
+"""build_inference_model_from_hf: a frozen teacher (or reference, PRM teacher) from a Hugging Face
+checkpoint directory in one call: its architecture from config.json, the model built by
+build_inference_model on megatron-core's local spec, its weights from the safetensors files."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from megatron_rl_patches.inference.loading.hf.architecture import checkpoint_dir, read_architecture, read_config
+from megatron_rl_patches.inference.residency.budget import ResidencyBudget
+from megatron_rl_patches.inference.residency.placement import check_residency_args
+
+
+def _check_parallel(arch: Any) -> None:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError(
+            "build_inference_model_from_hf needs megatron-core's model-parallel state: call "
+            "megatron.core.parallel_state.initialize_model_parallel(...) first"
+        )
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    ep = ps.get_expert_model_parallel_world_size()
+    problems = []
+    if arch.num_kv_heads % tp:
+        problems.append(f"num_key_value_heads={arch.num_kv_heads} is not a multiple of the tensor-parallel size {tp}")
+    if arch.num_layers % pp:
+        problems.append(f"num_hidden_layers={arch.num_layers} is not a multiple of the pipeline-parallel size {pp}")
+    if arch.is_moe and arch.num_experts % ep:
+        problems.append(f"{arch.num_experts} experts are not a multiple of the expert-parallel size {ep}")
+    if not arch.is_moe and ep > 1:
+        problems.append(f"expert-parallel size {ep} with a dense model")
+    if problems:
+        raise ValueError(f"{arch.source}: {'; '.join(problems)}; choose parallel sizes that divide the model")
+
+
+def _check_budget(root: Any, mode: str, budget: ResidencyBudget | None, dtype: torch.dtype) -> None:
+    """A budget smaller than what this rank must hold on the device at once (swap: its whole
+    shard; stream: its largest piece, a layer or the embedding / output layer) is refused before
+    the build: config.json gives the sizes."""
+    if budget is None or mode == "resident":
+        return
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl_patches.inference.loading.hf.plan import hf_memory_plan
+
+    plan = hf_memory_plan(root, tp=ps.get_tensor_model_parallel_world_size(),
+                          pp=ps.get_pipeline_model_parallel_world_size(),
+                          ep=ps.get_expert_model_parallel_world_size(), param_dtype=dtype)
+    stage, last = ps.get_pipeline_model_parallel_rank(), plan.pp - 1
+    pieces = [plan.layer_params, plan.embedding_params if stage == 0 else 0, plan.output_params if stage == last else 0]
+    need = (plan.stage_params[stage] if mode == "swap" else max(pieces)) * torch.empty((), dtype=dtype).element_size()
+    if need > budget.bytes:
+        raise ValueError(
+            f"{str(root)!r} does not fit budget={budget!r} with residency={mode!r}: this rank needs {need} device "
+            f"bytes at once ({'its whole shard' if mode == 'swap' else 'its largest layer or embedding'}); raise "
+            "the budget, use residency='stream', or split the model over more tensor / pipeline ranks"
+        )
+
+
+def build_inference_model_from_hf(
+    path: str | os.PathLike[str],
+    *,
+    residency: str = "resident",
+    prefetch: int = 1,
+    budget: ResidencyBudget | None = None,
+    dtype: Any = None,
+    make_vocab_size_divisible_by: int = 128,
+) -> list[torch.nn.Module]:
+    """Inference-only chunks (see build_inference_model) of the Hugging Face checkpoint directory
+    `path` (config.json + *.safetensors; pickle files are never read) at the tensor / pipeline /
+    expert parallel sizes of megatron.core.parallel_state. Families: llama, qwen2, qwen3,
+    qwen3_moe (UnsupportedCheckpointError otherwise).
+
+    `dtype`: the weights' dtype (default: the checkpoint's own, config.json's `dtype`); the vocab
+    is padded as Megatron-LM pads it (`make_vocab_size_divisible_by` x TP, zero rows): pass the
+    real `vocab_size` (hf_vocab_size(path)) to the ops so the padding gets no probability mass.
+    Bad input (a path that is no checkpoint directory, an unserved family, missing, unlisted or
+    mis-shaped weight files, a `budget` this rank's pieces cannot fit) is refused before the model
+    is built.
+    """
+    from megatron_rl_patches._args import positive_int
+    from megatron_rl_patches.inference.build import build_inference_model
+    from megatron_rl_patches.inference.loading.hf.load import checked_index, load_hf_weights
+    from megatron_rl_patches.inference.loading.hf.model import (
+        checkpoint_dtype,
+        model_provider,
+        padded_vocab,
+        transformer_config,
+    )
+
+    mode = check_residency_args(residency, prefetch, budget)
+    root = checkpoint_dir(path)
+    config_dict = read_config(root)
+    arch = read_architecture(root)
+    weights_dtype = checkpoint_dtype(config_dict, dtype)
+    divisible_by = positive_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by)
+    _check_parallel(arch)
+    checked_index(root, arch)  # the files fit config.json: nothing is built otherwise
+    _check_budget(root, mode, budget, weights_dtype)
+    from megatron.core import parallel_state as ps
+
+    vocab = padded_vocab(arch.vocab_size, divisible_by, ps.get_tensor_model_parallel_world_size())
+    provider = model_provider(arch, transformer_config(arch, weights_dtype), vocab)
+    chunks = build_inference_model(provider, residency=mode, prefetch=prefetch, budget=budget)
+    load_hf_weights(chunks, root, arch, vocab)
+    for chunk in chunks:
+        setattr(chunk, "hf_vocab_size", arch.vocab_size)  # noqa: B010 - the real vocab, for the ops' vocab_size=
+    return chunks
+
+
+def hf_vocab_size(path: str | os.PathLike[str]) -> int:
+    """config.json's vocab_size of the checkpoint directory `path` (the real vocab, unpadded)."""
+    return read_architecture(path).vocab_size

@@ -1,0 +1,25 @@
+"""Teachers from Hugging Face checkpoints: config.json -> a Megatron local-spec build, safetensors
+-> its weights (the package's own converter; no pickle read, no network, transformers not needed).
+
+Names resolve lazily: the memory planner reads config.json without torch."""
+from __future__ import annotations
+
+from megatron_rl_patches._lazy import lazy_getattr
+
+_LAZY = {
+    "build_inference_model_from_hf": "megatron_rl_patches.inference.build_hf",
+    "hf_vocab_size": "megatron_rl_patches.inference.build_hf",
+    "check_teacher_vocab": "vocab",
+    "read_architecture": "architecture",
+    "HFArchitecture": "architecture",
+    "UnsupportedCheckpointError": "architecture",
+    "hf_memory_plan": "plan",
+}
+
+__all__ = sorted(_LAZY)
+
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, *globals()])

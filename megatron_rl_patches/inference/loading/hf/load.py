@@ -1,0 +1,84 @@
+"""Load a Hugging Face checkpoint into inference-only local-spec chunks: the checkpoint's tensor
+list checked against config.json before any weight is read, then one tensor at a time read,
+fused, sharded for this rank and copied (into the host copies of swap/stream builds)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_rl_patches._chunks import module_chunks, unwrap
+from megatron_rl_patches._log import logger
+from megatron_rl_patches.inference.loading.errors import WeightsMismatchError, copying_into_model
+from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
+from megatron_rl_patches.inference.loading.hf.convert import Source, shard, source
+from megatron_rl_patches.inference.loading.hf.files import TensorEntry, read_tensor, tensor_index
+from megatron_rl_patches.inference.loading.hf.names import IGNORED_SUFFIXES, checkpoint_tensors
+
+
+def checked_index(root: Path, arch: HFArchitecture) -> dict[str, TensorEntry]:
+    """The checkpoint's tensors, refused (WeightsMismatchError naming the path) when any expected
+    one is missing, an unknown one is present, or a shape differs from config.json's."""
+    index = tensor_index(root)
+    expected = checkpoint_tensors(arch)
+    optional = {"lm_head.weight"} if arch.tied else set()  # some tied checkpoints still store it
+    missing = [name for name in expected if name not in index]
+    unexpected = [name for name in index
+                  if name not in expected and name not in optional and not name.endswith(IGNORED_SUFFIXES)]
+    shapes = [f"{name} (checkpoint {index[name].shape}, config.json {shape})"
+              for name, shape in expected.items() if name in index and index[name].shape != shape]
+    if missing or unexpected or shapes:
+        raise WeightsMismatchError(repr(str(root)), missing, unexpected, shapes)
+    return index
+
+
+def _layer_numbers(module: torch.nn.Module) -> dict[int, int]:
+    decoder = getattr(module, "decoder", None)
+    layers = getattr(decoder, "layers", [])
+    return {i: int(layer.layer_number) - 1 for i, layer in enumerate(layers)}
+
+
+def _ranks(expert: bool) -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    if expert:
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def _plan(modules: list[torch.nn.Module], arch: HFArchitecture) -> list[tuple[torch.Tensor, str, Source]]:
+    from megatron.core import parallel_state as ps
+
+    ep_offset = 0
+    if arch.is_moe:
+        per_rank = arch.num_experts // ps.get_expert_model_parallel_world_size()
+        ep_offset = ps.get_expert_model_parallel_rank() * per_rank
+    plan = []
+    for module in modules:
+        numbers = _layer_numbers(module)
+        for key, target in module.state_dict(keep_vars=True).items():
+            if key.endswith("_extra_state") or not isinstance(target, torch.Tensor):
+                continue
+            plan.append((target, key, source(arch, key, numbers, ep_offset)))
+    return plan
+
+
+def load_hf_weights(model: Any, root: Path, arch: HFArchitecture, padded_vocab: int) -> None:
+    """Copy the checkpoint at `root` into `model` (chunks built from `arch`); everything that can be
+    checked without reading weights is checked before the first copy."""
+    from megatron_rl_patches.inference.residency.placement import weights_on_host
+
+    chunks = module_chunks(model, "model")
+    index = checked_index(root, arch)
+    plan = _plan([unwrap(chunk) for chunk in chunks], arch)
+    with torch.no_grad(), weights_on_host(chunks), copying_into_model(root):
+        for target, key, src in plan:
+            rank, size = _ranks(src.expert)
+            value = shard(arch, src, [read_tensor(index[name]) for name in src.hf_names], rank, size, padded_vocab)
+            if tuple(value.shape) != tuple(target.shape):
+                made = f"{key} from {', '.join(src.hf_names)}"
+                raise WeightsMismatchError(repr(str(root)), [], [], [
+                    f"{made} (converted {tuple(value.shape)}, model {tuple(target.shape)})"])
+            target.copy_(value)
+    logger.info("megatron-rl-patches: loaded %d Hugging Face tensors from %s", len(index), root)

@@ -1,0 +1,114 @@
+"""The Megatron side of a Hugging Face architecture: a TransformerConfig at the job's parallel
+sizes and a model provider on megatron-core's local (non Transformer Engine) spec."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def checkpoint_dtype(config: dict[str, Any], dtype: Any) -> torch.dtype:
+    """`dtype` when given, else the checkpoint's own (config.json's dtype / torch_dtype), else fp32."""
+    if dtype is None:
+        dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype.removeprefix("torch."))
+    if dtype not in _DTYPES.values():
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16 (or None: the checkpoint's "
+                         f"own), got {dtype!r}")
+    return dtype
+
+
+def padded_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron-LM's vocab padding: up to a multiple of `divisible_by` x tensor-parallel size."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_config(arch: HFArchitecture, dtype: torch.dtype) -> Any:
+    """megatron-core's TransformerConfig for `arch` at the parallel sizes of parallel_state."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    values: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # every weight is overwritten by the checkpoint
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        sequence_parallel=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    if arch.is_moe:
+        values.update(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.experts_per_token,
+            moe_ffn_hidden_size=arch.expert_ffn_hidden_size,
+            moe_router_score_function="softmax",
+            # softmax over the top-k logits = the renormalized top-k probabilities (norm_topk_prob)
+            moe_router_pre_softmax=not arch.norm_topk_prob,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,
+            # gloo has no all-to-all: the allgather dispatcher where there is no GPU
+            moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+        )
+    return TransformerConfig(**values)
+
+
+def model_provider(arch: HFArchitecture, config: Any, vocab_size: int) -> Callable[..., Any]:
+    """A Megatron-LM style provider of GPTModel chunks on the local spec (`vocab_size` padded)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    spec = get_gpt_layer_local_spec(
+        num_experts=arch.num_experts or None, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm,
+        normalization="RMSNorm",
+    )
+
+    def provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> Any:
+        extra = {} if vp_stage is None else {"vp_stage": vp_stage}
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab_size,
+            max_sequence_length=arch.max_positions,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=arch.tied,
+            position_embedding_type="rope",
+            rotary_base=arch.rope_theta,
+            **extra,
+        )
+
+    provider.__name__ = f"hf_{arch.model_type}"
+    return provider

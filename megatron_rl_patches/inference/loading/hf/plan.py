@@ -1,0 +1,122 @@
+"""Per-GPU weight bytes of a Hugging Face checkpoint's inference-only build at TP / PP / EP, per
+residency mode, from config.json alone (`megatron-rl-patches memory --hf`): plan a 27B or a
+235B-A22B teacher before downloading its weights. Imports nothing heavy (no torch).
+
+Per GPU: a layer's matrices are split over TP (experts over EP, then over TP: megatron-core's
+expert tensor-parallel size defaults to TP), its norms and router are whole on every rank; the
+first pipeline stage holds the embedding and the last the output layer (a tied output layer is a
+second copy when PP > 1), both of Megatron's padded vocab (a multiple of 128 x TP). Residency
+as in inference/sizing/residency_plan.py, on the pipeline stage that holds the most."""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from megatron_rl_patches._args import positive_int
+from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, read_architecture
+from megatron_rl_patches.inference.loading.hf.names import checkpoint_tensors
+from megatron_rl_patches.inference.sizing.memory import DTYPE_BYTES, dtype_name
+from megatron_rl_patches.inference.sizing.residency_plan import ResidencyBytes
+
+VOCAB_DIVISOR = 128  # Megatron-LM's default make_vocab_size_divisible_by
+
+
+@dataclass(frozen=True)
+class HFMemoryPlan:
+    """Parameters and bytes per GPU (the pipeline stage holding the most) for one layout."""
+
+    source: str
+    model_type: str
+    total_params: int  # the checkpoint's, unpadded
+    active_params: int  # per token: a MoE layer runs experts_per_token of its experts
+    padded_vocab: int
+    tp: int
+    pp: int
+    ep: int
+    param_dtype: str
+    prefetch: int
+    layers_per_stage: int
+    layer_params: int  # one layer, per GPU
+    embedding_params: int  # per GPU of the first stage
+    output_params: int  # per GPU of the last stage (the output layer and the final norm)
+    stage_params: tuple[int, ...]  # per GPU, by pipeline stage
+    modes: tuple[ResidencyBytes, ...]
+
+    @property
+    def gpu_params(self) -> int:
+        return max(self.stage_params)
+
+    def mode(self, name: str) -> ResidencyBytes:
+        return next(m for m in self.modes if m.mode == name)
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.update(gpu_params=self.gpu_params, modes={m.mode: m.as_dict() for m in self.modes})
+        return data
+
+
+def _layer_params(arch: HFArchitecture, tp: int, ep: int) -> tuple[int, int, int]:
+    """One layer's parameters per GPU, and its experts' parameters (all of them, active ones)."""
+    h, hd = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
+    split = (q + 2 * kv) * h + q * h + ((q + 2 * kv) if arch.qkv_bias else 0)
+    whole = 2 * h + (2 * hd if arch.qk_norm else 0)
+    expert = 3 * h * arch.expert_ffn_hidden_size
+    if arch.is_moe:
+        whole += arch.num_experts * h  # the router
+        per_gpu = -(-split // tp) + whole + (arch.num_experts // ep) * -(-expert // tp)
+        return per_gpu, arch.num_experts * expert, arch.experts_per_token * expert
+    split += 3 * h * arch.ffn_hidden_size
+    return -(-split // tp) + whole, 0, 0
+
+
+def hf_memory_plan(
+    path: str | os.PathLike[str], *, tp: int = 1, pp: int = 1, ep: int = 1, param_dtype: Any = "bf16",
+    prefetch: int = 1,
+) -> HFMemoryPlan:
+    """The plan for the checkpoint directory (or config.json) at `path`."""
+    arch = read_architecture(path)
+    tp, pp, ep = (positive_int(name, value) for name, value in (("tp", tp), ("pp", pp), ("ep", ep)))
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0 (layers copied ahead), got {prefetch!r}")
+    if ep > 1 and not arch.is_moe:
+        raise ValueError(f"ep={ep} with a dense model ({arch.model_type}): expert parallelism needs experts")
+    if arch.is_moe and arch.num_experts % ep:
+        raise ValueError(f"ep={ep} does not divide the {arch.num_experts} experts of {path}")
+    if pp > arch.num_layers:
+        raise ValueError(f"pp={pp} exceeds the {arch.num_layers} layers of {path}")
+    size = DTYPE_BYTES[dtype_name(param_dtype, "param_dtype")]
+    total = sum(_product(shape) for shape in checkpoint_tensors(arch).values())
+    layer, experts, active_experts = _layer_params(arch, tp, ep)
+    vocab = -(-arch.vocab_size // (VOCAB_DIVISOR * tp)) * VOCAB_DIVISOR * tp
+    table = vocab // tp * arch.hidden_size
+    embedding = table
+    output = (0 if arch.tied and pp == 1 else table) + arch.hidden_size  # + the final norm
+    per_stage = -(-arch.num_layers // pp)
+    stages = []
+    for stage in range(pp):
+        ends = (embedding if stage == 0 else 0) + (output if stage == pp - 1 else 0)
+        stages.append(per_stage * layer + ends)
+    weights = max(stages) * size
+    stream = max(
+        min(stages[s] * size, (min(prefetch, per_stage - 1) + 1) * layer * size
+            + max(embedding if s == 0 else 0, output if s == pp - 1 else 0) * size)
+        for s in range(pp)
+    )
+    return HFMemoryPlan(
+        source=str(path), model_type=arch.model_type, total_params=total,
+        active_params=total - arch.num_layers * (experts - active_experts), padded_vocab=vocab,
+        tp=tp, pp=pp, ep=ep, param_dtype=dtype_name(param_dtype, "param_dtype"), prefetch=prefetch,
+        layers_per_stage=per_stage, layer_params=layer, embedding_params=embedding, output_params=output,
+        stage_params=tuple(stages),
+        modes=(ResidencyBytes("resident", weights, weights, 0), ResidencyBytes("swap", weights, 0, weights),
+               ResidencyBytes("stream", stream, 0, weights)),
+    )
+
+
+def _product(shape: tuple[int, ...]) -> int:
+    out = 1
+    for dim in shape:
+        out *= dim
+    return out

@@ -1,0 +1,72 @@
+"""The teacher's vocabulary against the student's, checked before the first step: the same
+vocab_size (config.json), and where both checkpoints carry a tokenizer.json, the same ids.
+A teacher with another tokenizer scores other tokens: its log-probs would be silently wrong."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from megatron_rl_patches.inference.loading.errors import shown
+from megatron_rl_patches.inference.loading.hf.architecture import read_config
+
+TOKENIZER = "tokenizer.json"
+
+
+def _token_ids(root: Path) -> dict[str, int] | None:
+    """token -> id of a tokenizer.json (its model vocab and added tokens), None when absent."""
+    file = root / TOKENIZER
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{str(file)!r} is not a readable tokenizer.json ({type(exc).__name__}: {exc})") from None
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    ids = dict(vocab) if isinstance(vocab, dict) else {str(tok[0]): i for i, tok in enumerate(vocab)}  # Unigram: a list
+    for added in data.get("added_tokens") or []:
+        ids[str(added["content"])] = int(added["id"])
+    return ids
+
+
+def _vocab_size(value: Any, argument: str) -> tuple[int, Path | None]:
+    if isinstance(value, bool):
+        raise TypeError(f"{argument} must be a vocab size (int) or a Hugging Face checkpoint directory, got a bool")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"{argument} must be a positive vocab size, got {value}")
+        return value, None
+    if isinstance(value, (str, os.PathLike)):
+        size = read_config(value, argument).get("vocab_size")
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise ValueError(f"{argument} {str(value)!r}: config.json has no integer vocab_size")
+        return size, Path(os.fspath(value)).expanduser()
+    raise TypeError(f"{argument} must be a vocab size (int) or a Hugging Face checkpoint directory, "
+                    f"got {type(value).__name__}")
+
+
+def check_teacher_vocab(teacher: str | os.PathLike[str], student: int | str | os.PathLike[str]) -> int:
+    """Refuse (ValueError naming both) a teacher checkpoint whose vocab_size differs from the
+    student's (`student`: its real, unpadded vocab size or its Hugging Face directory), or whose
+    tokenizer.json maps tokens to other ids than the student's (when both have one). Returns the
+    shared vocab size: pass it as the ops' `vocab_size=` so Megatron's padding rows get no mass."""
+    teacher_size, teacher_dir = _vocab_size(teacher, "teacher")
+    student_size, student_dir = _vocab_size(student, "student")
+    if teacher_size != student_size:
+        raise ValueError(
+            f"teacher {str(teacher)!r} has vocab_size={teacher_size} but the student "
+            f"{'at ' + repr(str(student)) if student_dir else ''} has vocab_size={student_size}: a teacher must share "
+            "the student's tokenizer (teachers with another tokenizer are not served)"
+        )
+    if teacher_dir is None or student_dir is None:
+        return teacher_size
+    teacher_ids, student_ids = _token_ids(teacher_dir), _token_ids(student_dir)
+    if teacher_ids is None or student_ids is None or teacher_ids == student_ids:
+        return teacher_size
+    differ = sorted(t for t in set(teacher_ids) | set(student_ids) if teacher_ids.get(t) != student_ids.get(t))
+    shown_diffs = [f"{t!r}: teacher {teacher_ids.get(t)}, student {student_ids.get(t)}" for t in differ]
+    raise ValueError(
+        f"the tokenizers of teacher {str(teacher)!r} and student {str(student)!r} differ on {len(differ)} token(s) "
+        f"({shown(shown_diffs)}): a teacher must share the student's tokenizer"
+    )

@@ -1,0 +1,162 @@
+"""Bad input to build_inference_model_from_hf, each refused with the path and what to do before
+any model is built (nothing allocated): no directory, no config.json, a family or feature the
+converter does not map, pickle-only, missing, unlisted, truncated or mis-shaped weight files,
+parallel sizes that do not divide the model. Checkpoints written without transformers."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_rl_patches import build_inference_model_from_hf
+from megatron_rl_patches.inference.loading.errors import WeightsMismatchError
+from megatron_rl_patches.inference.loading.hf import UnsupportedCheckpointError
+from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_safetensors, write_tiny_checkpoint
+
+pytestmark = pytest.mark.megatron
+
+
+@pytest.fixture
+def no_build(monkeypatch):
+    """Fails the test if the model is built: every refusal comes first."""
+    import megatron_rl_patches.inference.build as build
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was built before the input was refused")
+
+    monkeypatch.setattr(build, "build_inference_model", refuse)
+
+
+def test_a_path_that_is_not_a_directory(megatron_cpu, no_build, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"'Qwen/Qwen3-8B' does not exist; pass a local Hugging Face"):
+        build_inference_model_from_hf("Qwen/Qwen3-8B")  # a hub id is not fetched
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        build_inference_model_from_hf(tmp_path / "file")
+    with pytest.raises(TypeError, match="path must be a path"):
+        build_inference_model_from_hf(3)
+
+
+def test_no_config_json(megatron_cpu, no_build, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"has no config.json; pass the directory"):
+        build_inference_model_from_hf(tmp_path)
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    ({"model_type": "gemma3", "architectures": ["Gemma3ForCausalLM"]},
+     r"model_type 'gemma3' \(architectures \['Gemma3ForCausalLM'\]\) is not served .* llama, qwen2, qwen3, qwen3_moe"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, r"RoPE scaling 'llama3' is not mapped"),
+    ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
+])
+def test_unserved_family_or_feature(megatron_cpu, no_build, tmp_path, overrides, match):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config("qwen3", **overrides)))
+    with pytest.raises(UnsupportedCheckpointError, match=match):
+        build_inference_model_from_hf(tmp_path)
+
+
+def test_pickle_only_checkpoint_is_never_read(megatron_cpu, no_build, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config("qwen3")))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(FileNotFoundError, match=r"no model.safetensors .* pytorch_model.bin: pickle files are never"):
+        build_inference_model_from_hf(tmp_path)
+
+
+def test_missing_and_unlisted_weight_files(megatron_cpu, no_build, tmp_path):
+    write_tiny_checkpoint(tmp_path, tiny_hf_config("qwen3"), shards=2)
+    (tmp_path / "model-00002-of-00002.safetensors").rename(tmp_path / "elsewhere")
+    with pytest.raises(FileNotFoundError, match=r"lacks 1 weight file\(s\) .*: model-00002-of-00002.safetensors"):
+        build_inference_model_from_hf(tmp_path)
+    (tmp_path / "elsewhere").rename(tmp_path / "model-00002-of-00002.safetensors")
+    write_safetensors(tmp_path / "stale.safetensors", {"x": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"1 safetensors file\(s\) its .* does not list: stale.safetensors; remove"):
+        build_inference_model_from_hf(tmp_path)
+
+
+def test_missing_extra_and_misshapen_tensors(megatron_cpu, no_build, tmp_path):
+    tensors = write_tiny_checkpoint(tmp_path, tiny_hf_config("qwen3"))
+    tensors.pop("model.layers.1.self_attn.k_norm.weight")
+    tensors["model.layers.2.mlp.up_proj.weight"] = torch.zeros(48, 32)
+    tensors["model.norm.weight"] = torch.zeros(31)
+    write_safetensors(tmp_path / "model.safetensors", tensors)
+    with pytest.raises(WeightsMismatchError) as caught:
+        build_inference_model_from_hf(tmp_path)
+    assert caught.value.missing == ["model.layers.1.self_attn.k_norm.weight"]
+    assert caught.value.unexpected == ["model.layers.2.mlp.up_proj.weight"]
+    assert caught.value.shape_mismatches == ["model.norm.weight (checkpoint (31,), config.json (32,))"]
+    assert str(tmp_path) in str(caught.value)
+
+
+def test_truncated_file(megatron_cpu, no_build, tmp_path):
+    write_tiny_checkpoint(tmp_path, tiny_hf_config("qwen3"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-100])
+    with pytest.raises(ValueError, match=r"model.safetensors' is truncated .* download it again"):
+        build_inference_model_from_hf(tmp_path)
+
+
+def test_without_model_parallel_state(megatron_cpu, no_build, tmp_path):
+    write_tiny_checkpoint(tmp_path, tiny_hf_config("qwen3", num_hidden_layers=3))
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+        build_inference_model_from_hf(tmp_path)
+    parallel_state.initialize_model_parallel(1, 1)
+
+
+def test_bad_options(megatron_cpu, no_build, tmp_path):
+    write_tiny_checkpoint(tmp_path, tiny_hf_config("qwen3"))
+    with pytest.raises(ValueError, match="dtype must be"):
+        build_inference_model_from_hf(tmp_path, dtype="int8")
+    with pytest.raises(ValueError, match="residency"):
+        build_inference_model_from_hf(tmp_path, residency="elsewhere")
+    with pytest.raises(ValueError, match="make_vocab_size_divisible_by"):
+        build_inference_model_from_hf(tmp_path, make_vocab_size_divisible_by=0)
+
+
+def test_a_checkpoint_written_without_transformers_loads_every_tensor(megatron_cpu, tmp_path):
+    """The loader alone (no reference): every parameter of the build comes from the file, sharded
+    checkpoints included (values checked on three of them)."""
+    tensors = write_tiny_checkpoint(tmp_path, tiny_hf_config("qwen3"), shards=3)
+    chunk = build_inference_model_from_hf(tmp_path)[0]
+    assert chunk.hf_vocab_size == 1001
+    state = chunk.state_dict()
+    assert torch.equal(state["decoder.layers.1.input_layernorm.weight"],
+                       tensors["model.layers.1.input_layernorm.weight"])
+    assert torch.equal(state["decoder.layers.0.pre_mlp_layernorm.weight"],
+                       tensors["model.layers.0.post_attention_layernorm.weight"])
+    assert torch.equal(state["output_layer.weight"][:1001], tensors["lm_head.weight"])
+    assert not state["output_layer.weight"][1001:].any()  # Megatron's padding rows: zeros
+
+
+def test_dtype_follows_the_checkpoint_unless_given(megatron_cpu, tmp_path):
+    """config.json's dtype (bfloat16 here) is the default: a Float16Module-wrapped bf16 build whose
+    weights are the file's rounded once; dtype=torch.float32 keeps them exact."""
+    tensors = write_tiny_checkpoint(tmp_path, tiny_hf_config("qwen3", dtype="bfloat16"))
+    want = tensors["model.layers.0.self_attn.o_proj.weight"]
+    bf16 = build_inference_model_from_hf(tmp_path)[0]
+    weight = bf16.module.decoder.layers[0].self_attention.linear_proj.weight
+    assert type(bf16).__name__ == "Float16Module" and weight.dtype == torch.bfloat16
+    assert torch.equal(weight, want.to(torch.bfloat16))
+    fp32 = build_inference_model_from_hf(tmp_path, dtype=torch.float32)[0]
+    assert torch.equal(fp32.decoder.layers[0].self_attention.linear_proj.weight, want)
+
+
+def test_a_budget_the_teacher_cannot_fit_even_streamed(megatron_cpu, no_build, tmp_path):
+    from megatron_rl_patches import ResidencyBudget
+
+    write_tiny_checkpoint(tmp_path, tiny_hf_config("qwen3"))
+    # fp32: the largest piece is the padded output layer, 1024 x 32 + 32 (final norm) parameters
+    largest = (1024 * 32 + 32) * 4
+    with pytest.raises(ValueError, match=rf"does not fit budget=.* residency='stream': this rank needs {largest} "):
+        build_inference_model_from_hf(tmp_path, residency="stream", budget=ResidencyBudget(largest - 1))
+    with pytest.raises(ValueError, match=r"residency='swap': .* \(its whole shard\)"):
+        build_inference_model_from_hf(tmp_path, residency="swap", budget=ResidencyBudget(largest))
+
+
+def test_a_budget_that_fits_the_largest_piece_streams(megatron_cpu, tmp_path):
+    from megatron_rl_patches import ResidencyBudget
+
+    write_tiny_checkpoint(tmp_path, tiny_hf_config("qwen3"))
+    build_inference_model_from_hf(tmp_path, residency="stream", budget=ResidencyBudget((1024 * 32 + 32) * 4))
