@@ -45,19 +45,34 @@ def packed_gpt_spec() -> Any:
     return spec
 
 
+def _cp_spec(layout: str) -> Any:
+    from megatron_rl_patches.testing.cp_attention import cp_layer_spec
+
+    return cp_layer_spec(layout)
+
+
 def build_packed_gpt(vocab_size: int = TINY_VOCAB, seq_length: int = 64, seed: int = 0, config: Any = None,
-                     share_embeddings: bool = False, **config_overrides: Any) -> Any:
-    """A real GPTModel (RoPE, like the models verl trains) that accepts packed `thd` input on CPU."""
+                     share_embeddings: bool = False, pre_process: bool = True, post_process: bool = True,
+                     context_parallel_layout: str | None = None, vp_stage: int | None = None,
+                     **config_overrides: Any) -> Any:
+    """A real GPTModel (RoPE, like the models verl trains) that accepts packed `thd` input on CPU;
+    `pre_process` / `post_process` / `vp_stage` as Megatron's model providers pass them to a
+    pipeline stage (and virtual stage);
+    `context_parallel_layout` ("zigzag" / "contiguous"): the kit's CPU context-parallel attention."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     torch.manual_seed(seed)
+    spec = packed_gpt_spec() if context_parallel_layout is None else _cp_spec(context_parallel_layout)
     return GPTModel(
         config=config if config is not None else tiny_gpt_config(**config_overrides),
-        transformer_layer_spec=packed_gpt_spec(),
+        transformer_layer_spec=spec,
         vocab_size=vocab_size,
         max_sequence_length=seq_length,
         position_embedding_type="rope",
         share_embeddings_and_output_weights=share_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
     )
 
 

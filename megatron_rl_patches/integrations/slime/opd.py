@@ -51,9 +51,10 @@ def check_args(args: Any) -> None:
         raise ValueError(f"{TEACHERS} is set: top-k OPD needs slime's flags --loss-type custom_loss "
                          f"--custom-loss-function-path {LOSS_PATH} (got --loss-type {args.loss_type}); "
                          f"or unset {TEACHERS}")
-    if getattr(args, "context_parallel_size", 1) > 1:
-        raise ValueError(f"{TEACHERS} is set with --context-parallel-size {args.context_parallel_size}: top-k OPD "
-                         "serves context parallelism 1 only; drop context parallelism or unset it")
+    if getattr(args, "context_parallel_size", 1) > 1 and getattr(args, "allgather_cp", False):
+        raise ValueError(f"{TEACHERS} is set with --allgather-cp at --context-parallel-size "
+                         f"{args.context_parallel_size}: top-k OPD serves slime's zigzag context parallelism "
+                         "(the ids and buckets follow each rank's zigzag rows); drop --allgather-cp or unset it")
 
 
 def _unwrap(chunk: Any) -> Any:
@@ -169,19 +170,48 @@ def _teacher_requests(settings: OpdSettings) -> tuple[TopkRequest, TopkRequest]:
     return scoring, scoring
 
 
+def _last_stage() -> bool:
+    """Whether this rank holds the last pipeline stage (True without pipeline parallelism)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_world_size() == 1 or \
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def pipeline_agrees(flag: bool) -> bool:
+    """`flag` held by every stage of this rank's pipeline (an all-reduce MIN over the pipeline
+    group), so all stages enter or skip the same pipelined passes."""
+    import torch
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_pipeline_model_parallel_group()
+    if torch.distributed.get_world_size(group) == 1:
+        return flag
+    device = "cuda" if torch.distributed.get_backend(group) == "nccl" else "cpu"
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(value.item())
+
+
 def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> None:
     """The actor's top-k ids (first, never skipped), then each teacher's [R, k] scores and [R]
     tails, stacked per sample as [n, R, k] / [n, R] into the rollout data (for a union, the
-    first teacher's pass replaces the ids by the union [R, 2k] and adds its padding mask)."""
+    first teacher's pass replaces the ids by the union [R, 2k] and adds its padding mask). With
+    pipeline parallelism every stage runs every pass; the rollout data of the last stage only
+    receives the fields (the other stages' training steps read none of them)."""
     import torch
 
     if actor._active_model_tag != "actor":
         actor._switch_model("actor")
     ids = topk_pass(actor.args, actor.model, rollout_data, TopkRequest(k=settings.k)).get("topk_ids")
-    if ids is None:  # not the last pipeline stage: the ids live there only
+    # Every pipeline stage takes part in each teacher's pipelined pass, in the same order; the ids
+    # live on the last stage only, so whether the passes run is the last stage's answer, agreed.
+    if not pipeline_agrees(ids is not None or not _last_stage()):
         return
-    rollout_data[IDS] = ids
-    rollout_data.pop(IDS_MASK, None)
+    last = ids is not None
+    if last:
+        rollout_data[IDS] = ids
+        rollout_data.pop(IDS_MASK, None)
     first, others = _teacher_requests(settings)
     scores, tails = [], []
     for index, teacher in enumerate(getattr(actor, ATTRIBUTE)):
@@ -191,11 +221,15 @@ def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> Non
         else:
             model = teacher
         out = topk_pass(actor.args, model, rollout_data, others if index else first)
+        if not last:  # a stage before the last: its hidden states went on, it has no buckets
+            continue
         if "ids_mask" in out:
             rollout_data[IDS], rollout_data[IDS_MASK] = out["topk_ids"], out["ids_mask"]
         scores.append(out["topk_log_probs"])
         tails.append(out["tail"])
     actor._switch_model("actor")
+    if not last:
+        return
     rollout_data[TEACHER_LOGPROBS] = [torch.stack(per_teacher) for per_teacher in zip(*scores)]
     rollout_data[TEACHER_TAILS] = [torch.stack(per_teacher) for per_teacher in zip(*tails)]
 

@@ -77,8 +77,10 @@ def test_slime_flags_checked_before_the_first_step():
         slime_opd.check_args(_args(custom_loss_function_path=path))
     with pytest.raises(ValueError, match="--custom-loss-function-path"):
         slime_opd.check_args(_args(loss_type="policy_loss"))
-    with pytest.raises(ValueError, match="context-parallel-size"):
-        slime_opd.check_args(_args(context_parallel_size=2))
+    slime_opd.check_args(_args(context_parallel_size=2, allgather_cp=False))  # slime's zigzag: served
+    with pytest.raises(ValueError, match="--allgather-cp at --context-parallel-size 2"):
+        slime_opd.check_args(_args(context_parallel_size=2, allgather_cp=True))
+    slime_opd.check_args(_args(context_parallel_size=1, allgather_cp=True))  # no CP: nothing to redistribute
 
 
 def test_step_request_only_with_teachers_and_this_loss(monkeypatch):

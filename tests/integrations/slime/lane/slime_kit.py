@@ -32,13 +32,18 @@ ARGV: tuple[str, ...] = (
 
 
 def slime_args(*extra: str, **values: Any) -> Any:
-    """slime's argument namespace (Megatron-LM's parse_args + validate_args with slime's provider)."""
-    from megatron.training.arguments import parse_args, validate_args
+    """slime's argument namespace (Megatron-LM's parse_args with slime's provider, then slime's
+    Megatron validate_args: Megatron-LM's own and slime's additions, e.g. variable sequence lengths)."""
+    from megatron.training import arguments
+    from megatron.training.arguments import parse_args
+    from slime.backends.megatron_utils.arguments import validate_args  # Megatron-LM's, then slime's (varlen)
     from slime.utils.arguments import get_slime_extra_args_provider
 
     with mock.patch.object(sys, "argv", ["slime-lane", *ARGV, *extra]):
         args = parse_args(extra_args_provider=get_slime_extra_args_provider())
-    validate_args(args)
+    # Megatron-LM asks the GPU's architecture when TP or CP > 1 (CPU: Hopper's answer, for this call only)
+    with mock.patch.object(arguments, "get_device_arch_version", lambda: 9):
+        validate_args(args)
     args.padded_vocab_size = args.vocab_size
     args.eps_clip_high = args.eps_clip if args.eps_clip_high is None else args.eps_clip_high  # slime_validate_args
     for name, value in values.items():
@@ -70,8 +75,10 @@ def provider_func(args: Any, role: str = "actor") -> Any:
     def provider(pre_process: bool = True, post_process: bool = True, vp_stage: Any = None, config: Any = None,
                  **_: Any) -> Any:
         config = config if config is not None else core_transformer_config_from_args(args)
+        layout = "zigzag" if args.context_parallel_size > 1 else None  # slime's get_batch: zigzag thd
         return build_packed_gpt(vocab_size=args.padded_vocab_size, seq_length=args.max_position_embeddings, seed=0,
-                                config=config)
+                                config=config, pre_process=pre_process, post_process=post_process,
+                                context_parallel_layout=layout, vp_stage=vp_stage)
 
     return provider
 
@@ -171,7 +178,7 @@ def actor(args: Any, model: list[Any], teachers: dict[str, int], monkeypatch: An
     def load_checkpoint(chunks: list[Any], *_: Any, **__: Any) -> tuple[int, int]:
         gen = torch.Generator().manual_seed(teachers[args.load])
         with torch.no_grad():
-            for p in chunks[0].parameters():
+            for p in (p for chunk in chunks for p in chunk.parameters()):  # every virtual-pipeline chunk
                 p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
         return 0, 0
 

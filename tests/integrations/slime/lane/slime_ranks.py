@@ -1,0 +1,167 @@
+"""One rank of a slime lane world (`run_multirank` spawns each rank as a fresh interpreter): the
+stand-ins installed, Megatron's parallel state on gloo, slime's arguments for the layout. What a
+rank runs is a function of this module, so spawned ranks import it by name."""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+HERE = os.path.dirname(__file__)
+OPD_LOSS = "megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss"
+OPD_ENV = {"TEACHERS": "teacher-a,teacher-b", "WEIGHTS": "0.3,0.7", "K": "4", "DIVERGENCE": "forward_kl",
+           "POLICY_WEIGHT": "0", "COEF": "1"}
+TEMPERATURE = 0.8
+
+
+@contextlib.contextmanager
+def lane_rank(rank: int, world_size: int, *, pipeline: int = 1, context: int = 1, tensor: int = 1,
+              virtual: int | None = None) -> Iterator[Any]:
+    """The rank's lane setup (as the lane's conftest for one rank); yields a pytest MonkeyPatch."""
+    from _pytest.monkeypatch import MonkeyPatch
+
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import slime_standins
+
+    slime_standins.install()
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    slime_standins.cpu_accelerator()
+    patch = MonkeyPatch()
+    patch.setenv("RANK", str(rank))  # Megatron-LM's parse_args reads the world from the launcher's variables
+    patch.setenv("WORLD_SIZE", str(world_size))
+    patch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron-LM's validate_args wants it at TP or CP > 1
+    slime_standins.cpu_pinned_memory(patch)
+    try:
+        with megatron_on_cpu(tensor_parallel=tensor, pipeline_parallel=pipeline, virtual_pipeline=virtual,
+                             context_parallel=context):
+            yield patch
+    finally:
+        patch.undo()
+
+
+def _named(model: list[Any]) -> dict[str, Any]:
+    """The parameters of every model chunk of this rank under the whole model's names (a layer by
+    its global `layer_number`, whatever the pipeline or virtual-pipeline split)."""
+    named = {}
+    for chunk in model:
+        while hasattr(chunk, "module"):
+            chunk = chunk.module
+        for name, p in chunk.named_parameters():
+            if name.startswith("decoder.layers."):
+                index, rest = name[len("decoder.layers."):].split(".", 1)
+                name = f"decoder.layers.{chunk.decoder.layers[int(index)].layer_number - 1}.{rest}"
+            assert name not in named, name
+            named[name] = p
+    return named
+
+
+def _stage_state(model: list[Any]) -> dict[str, Any]:
+    return {name: p.detach().clone() for name, p in _named(model).items()}
+
+
+def _partition_dims(model: list[Any]) -> dict[str, int | None]:
+    """Per parameter, the dimension tensor parallelism splits (None: replicated)."""
+    return {name: p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+            for name, p in _named(model).items()}
+
+
+def _response_rows(data: dict) -> list[list[int]] | None:
+    """Per sample, the response rows this context-parallel rank holds, in slime's zigzag order
+    (slime's own offsets); None without context parallelism."""
+    from megatron.core import parallel_state
+    from slime.backends.megatron_utils.cp_utils import get_logits_and_tokens_offset_with_cp
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    rows = []
+    for total, response in zip(data["total_lengths"], data["response_lengths"]):
+        _, _, logits, _ = get_logits_and_tokens_offset_with_cp(total, response)
+        start = total - response - 1  # the logits row of the first response token
+        rows.append([row - start for lo, hi in logits for row in range(lo, hi)])
+    return rows
+
+
+def _whole_gradients(context: int) -> dict[str, bool]:
+    """With context parallelism the data-parallel group spans the CP ranks, and the distributed
+    optimizer would leave each rank the reduced gradients of its own shard only: the test reads
+    every gradient, so those worlds keep whole reduced gradients (the plain optimizer)."""
+    return {"use_distributed_optimizer": False, "overlap_param_gather": False} if context > 1 else {}
+
+
+def virtual_args(virtual: int | None) -> tuple[str, ...]:
+    """slime's flags for `virtual` model chunks per pipeline rank (one layer each)."""
+    return () if virtual is None else ("--num-layers", str(2 * virtual), "--num-layers-per-virtual-pipeline-stage", "1")
+
+
+def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1, tensor: int = 1,
+                    virtual: int | None = None) -> dict[str, Any]:
+    """slime_opd with two snapshot teachers through slime's real `MegatronTrainRayActor.train_actor`
+    (slime's log-probs, advantages, `log_rollout_data`, `train()`), on `pipeline` stages. Returns
+    this stage's named parameters (actor and each teacher, before the step), its reduced gradients
+    and, on the last stage, the ids scored and the step's losses."""
+    with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual) as patch:
+        import slime_kit as kit
+        import torch
+        from megatron.core import parallel_state
+        from slime.backends.megatron_utils import model as slime_model
+        from slime.observability.profile_utils import TrainProfiler
+        from slime.observability.timer import Timer
+
+        import megatron_rl_patches
+        from megatron_rl_patches.integrations.slime import opd as slime_opd
+        from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
+
+        for name, value in OPD_ENV.items():
+            patch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
+        megatron_rl_patches.apply(only=["slime_fused", "gpt_output_processor", "slime_opd"])
+        try:
+            with kit.slime_session("--pipeline-model-parallel-size", str(pipeline), "--context-parallel-size",
+                                   str(context), "--tensor-model-parallel-size", str(tensor), "--loss-type",
+                                   "custom_loss", "--custom-loss-function-path", OPD_LOSS, *virtual_args(virtual),
+                                   rollout_temperature=TEMPERATURE, log_probs_chunk_size=4,
+                                   use_critic=False,  # what slime_validate_args sets
+                                   **_whole_gradients(context)) as args:
+                model, optimizer, scheduler = kit.build(args)
+                actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2}, patch)
+                setattr(actor, slime_opd.ATTRIBUTE, slime_opd.load_teachers(actor, opd_settings()))
+                actor.prof, actor.rollout_data_postprocess = TrainProfiler(args), None
+                actor.optimizer, actor.opt_param_scheduler = optimizer, scheduler
+                actor.weight_updater = type("NoServer", (), {"pop_metrics": staticmethod(dict)})()
+                Timer().start("train_wait")  # what slime's init leaves running (its with_defer)
+                states = {}
+                for tag in ("opd_teacher_0", "opd_teacher_1", "actor"):
+                    actor._switch_model(tag)
+                    states[tag] = _stage_state(model)
+                data = kit.rollout(0)
+                data.update(rewards=[1.0, 0.0, 0.5, -1.0], num_microbatches=[len(data["micro_batch_indices"])],
+                            global_batch_sizes=[len(data["tokens"])])
+                Timer().seq_lens = data["total_lengths"]  # what slime's process_rollout_data notes
+                grads: dict[str, torch.Tensor] = {}
+                optimizer_step = optimizer.step
+
+                def step_noting_grads(*a, **k):  # the reduced gradients, before the optimizer consumes them
+                    grads.update({name: p.main_grad.clone() for name, p in _named(model).items()})
+                    return optimizer_step(*a, **k)
+
+                patch.setattr(optimizer, "step", step_noting_grads)
+                losses: list[dict] = []
+                train_one_step = slime_model.train_one_step
+
+                def noting_losses(*a, **k):
+                    result = train_one_step(*a, **k)
+                    losses.append(dict(result[0]))
+                    return result
+
+                patch.setattr(slime_model, "train_one_step", noting_losses)
+                actor.train_actor(0, data)
+                last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+                return {"states": states, "grads": grads, "losses": losses if last else None,
+                        "ids": data.get(slime_opd.IDS), "rows": _response_rows(data),
+                        "keys": sorted(k for k in data if k.startswith("opd_")), "split": _partition_dims(model),
+                        "active": actor._active_model_tag}
+        finally:
+            megatron_rl_patches.revert()

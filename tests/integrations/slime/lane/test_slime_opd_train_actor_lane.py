@@ -1,0 +1,115 @@
+"""slime_opd through slime 624b824a's real `MegatronTrainRayActor.train_actor` (issue 40) at one
+rank, TP=2, PP=2, PP=2×VPP=2, CP=2 zigzag, PP=2×CP=2 and TP=2×PP=2×CP=2 (up to 8 gloo ranks, each
+a fresh interpreter): slime's own log-prob pass, advantages, `log_rollout_data` (which must not see the
+int64 ids) and `train()`, with two snapshot teachers. The first step's OPD loss and every gradient
+against dense float64 over the ranks' weights put back together (stages joined, tensor-parallel
+shards concatenated; the ids from each context-parallel rank's zigzag rows). With pipeline
+parallelism the stages agree to run every teacher's pipelined pass (before the fix the last stage
+ran them alone and waited: no result within 300 s)."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slime
+
+WEIGHTS = (0.3, 0.7)
+
+
+def _whole(stages: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The stages' named tensors (already under the whole model's names) in one dict."""
+    whole: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        assert not set(whole) & set(stage), sorted(set(whole) & set(stage))
+        whole.update(stage)
+    return whole
+
+
+def _unsplit(shards: list[dict[str, torch.Tensor]], split: dict[str, int | None]) -> dict[str, torch.Tensor]:
+    """One stage's named tensors from its tensor-parallel ranks' shards (replicated ones: rank 0's)."""
+    return {name: shards[0][name] if split[name] is None else torch.cat([s[name] for s in shards], split[name])
+            for name in shards[0]}
+
+
+def _whole_ids(ranks: list[dict], context: int, tensor: int) -> list[torch.Tensor]:
+    """Per sample, the [R, k] ids of the whole response from the last stage's context-parallel
+    ranks (each holds its zigzag rows, listed by `rows`; its tensor-parallel ranks hold the same)."""
+    last = ranks[-context * tensor::tensor]
+    if context == 1:
+        return last[0]["ids"]
+    whole = []
+    for sample, pieces in enumerate(zip(*(rank["ids"] for rank in last))):
+        rows = [rank["rows"][sample] for rank in last]
+        ids = torch.full((sum(map(len, rows)), pieces[0].shape[-1]), -1, dtype=torch.long)
+        for piece, at in zip(pieces, rows):
+            ids[at] = piece
+        assert (ids >= 0).all(), "the context-parallel ranks' rows do not cover the response"
+        whole.append(ids)
+    return whole
+
+
+# (pipeline, context, tensor, virtual chunks): ranks = pipeline · context · tensor in Megatron's
+# order (tp fastest, then cp; pp slowest)
+LAYOUTS = {"pp1": (1, 1, 1, None), "pp2": (2, 1, 1, None), "cp2": (1, 2, 1, None), "tp2": (1, 1, 2, None),
+           "pp2vpp2": (2, 1, 1, 2), "pp2cp2": (2, 2, 1, None), "tp2pp2cp2": (2, 2, 2, None)}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def world(request):
+    if "slime_standins" not in sys.modules:  # the lane's conftest installs them where slime's source is found
+        pytest.skip("slime is not importable; run `make test-slime SLIME=... MEGATRON_LM=...`")
+    import slime_ranks  # the lane folder is on sys.path (conftest)
+
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    pipeline, context, tensor, virtual = LAYOUTS[request.param]
+    return pipeline, context, tensor, virtual, run_multirank(
+        slime_ranks.opd_train_actor, pipeline * context * tensor, pipeline, context, tensor, virtual, timeout=300)
+
+
+def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
+    import slime_kit as kit
+    import slime_ranks
+
+    from megatron_rl_patches.integrations.slime import opd as slime_opd
+
+    pipeline, context, tensor, virtual, ranks = world
+    last, per_stage = ranks[-1], context * tensor
+    for stage in ranks:
+        assert stage["active"] == "actor"
+    for stage in ranks[:-per_stage]:  # the ids and teacher buckets live on the last stage only
+        assert stage["keys"] == [] and stage["losses"] is None
+    for rank in ranks[-per_stage:]:
+        assert rank["keys"] == sorted([slime_opd.IDS, slime_opd.TEACHER_LOGPROBS, slime_opd.TEACHER_TAILS])
+    # per stage, its first context-parallel rank's tensor-parallel shards (CP ranks replicate the weights)
+    stages = [ranks[first:first + tensor] for first in range(0, len(ranks), per_stage)]
+
+    def whole(field, tag=None):
+        return _whole([_unsplit([r[field] if tag is None else r[field][tag] for r in shards], shards[0]["split"])
+                       for shards in stages])
+
+    states = {tag: whole("states", tag) for tag in ranks[0]["states"]}
+    grads = whole("grads")
+    with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS,
+                           *slime_ranks.virtual_args(virtual)[:2]) as args:  # the whole model: its layers
+        full = kit.provider_func(args)()
+        names = [name for name, _ in full.named_parameters()]
+        assert sorted(names) == sorted(states["actor"]) == sorted(grads)
+        with torch.no_grad():
+            for name, p in full.named_parameters():
+                p.copy_(states["actor"][name])
+        snapshots = [[states[tag][name] for name in names] for tag in ("opd_teacher_0", "opd_teacher_1")]
+        data = kit.rollout(0)
+        ids = _whole_ids(ranks, context, tensor)
+        expected, student = kit.dense_topk_opd(args, [full], snapshots, data, ids, WEIGHTS, slime_ranks.TEMPERATURE)
+    (losses,) = last["losses"]
+    loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
+    grad_error = max((grads[name].double() - p.grad).abs().max().item() for name, p in student.named_parameters())
+    print(f"slime_opd train_actor PP={pipeline} VPP={virtual} CP={context} TP={tensor} vs dense float64: "
+          f"loss {float(expected):.6f}, "
+          f"|Δloss| {loss_error:.2e}, max |Δgrad| {grad_error:.2e}")
+    assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
+    for name, p in student.named_parameters():
+        torch.testing.assert_close(grads[name].double(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
