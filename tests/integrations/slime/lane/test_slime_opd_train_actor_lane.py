@@ -56,7 +56,13 @@ LAYOUTS = {"pp1": (1, 1, 1, None), "pp2": (2, 1, 1, None), "cp2": (1, 2, 1, None
            "pp2vpp2": (2, 1, 1, 2), "pp2cp2": (2, 2, 1, None), "tp2pp2cp2": (2, 2, 2, None)}
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+# docs/layouts.md: slime packs thd; its context parallelism is megatron-core's zigzag
+MARKS = {"pp1": ("thd",), "pp2": ("pp2", "thd"), "cp2": ("cp2-zigzag", "thd"), "tp2": ("tp2", "thd"),
+         "pp2vpp2": ("pp2", "vpp2", "thd"), "pp2cp2": ("pp2", "cp2-zigzag", "thd"),
+         "tp2pp2cp2": ("tp2", "pp2", "cp2-zigzag", "thd")}
+
+
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.layout(*MARKS[name])) for name in LAYOUTS])
 def world(request):
     if "slime_standins" not in sys.modules:  # the lane's conftest installs them where slime's source is found
         pytest.skip("slime is not importable; run `make test-slime SLIME=... MEGATRON_LM=...`")
