@@ -4,7 +4,8 @@ gradients of query, key and value), in both layouts (zigzag, contiguous = slime'
 `bshd` and packed `thd`; then a CP=2 GPTModel trains (per-token losses and every parameter's
 gradient) and scores through the fused log-prob processor like the CP=1 model, and the top-k
 processor on each rank's rows equals the CP model's logits path (ids, values, gradients), the
-divergence processor from a CP teacher the dense float64 divergence (values, gradients).
+divergence processor from a CP teacher the dense float64 divergence (values, gradients); the
+resident, swap and stream inference builds of the CP model give its logits bit for bit.
 Negative controls: rows in the wrong chunk order give a different answer; the top-k processor at
 another temperature, the divergence at another beta too."""
 from __future__ import annotations
@@ -191,6 +192,7 @@ def _gpt_checks(env, rank: int, refs: dict) -> dict:
         teacher = env.gpt(env.config(context_parallel_size=CP), layer_spec=cp_layer_spec(layout), seed=4,
                           position_embedding_type=positions).requires_grad_(False)
         results[case].update(_divergence_checks(model, teacher, local, local_weights))
+        results[case]["builds"] = _build_checks(env, layout, positions, local)
         other = "contiguous" if layout == "zigzag" else "zigzag"
         wrong = split_batch(batch, other, rank, CP, cu)
         with torch.no_grad():  # rows split zigzag read back as contiguous, or the other way round
@@ -266,6 +268,25 @@ def _relative(got, want) -> float:
     return float((got - want).abs().max()) / max(float(want.abs().max()), 1e-30)
 
 
+def _build_checks(env, layout: str, positions: str, local: dict) -> float:
+    """The inference builds at CP=2 (rows as each rank holds them): the resident build's logits
+    against the trainable model's in eval, swap and stream against resident (bitwise: 0.0)."""
+    import torch
+
+    from megatron_rl_patches.inference import build_inference_model
+    from megatron_rl_patches.testing.cp_attention import cp_layer_spec
+
+    def provider(pre_process=True, post_process=True, vp_stage=None):
+        return env.gpt(env.config(context_parallel_size=CP), layer_spec=cp_layer_spec(layout), seed=3,
+                       position_embedding_type=positions)
+
+    with torch.no_grad():
+        want = _forward(provider().eval(), local)
+        outs = [_forward(build_inference_model(provider, residency=mode)[0], local)
+                for mode in ("resident", "swap", "stream")]
+    return max(float((out - want).abs().max()) for out in outs)
+
+
 def _cp_world(rank: int, world_size: int) -> dict:
     import megatron_rl_patches
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
@@ -304,6 +325,7 @@ def test_cp2_gpt_trains_and_scores_like_cp1(cp_world, case):
     for result in cp_world:
         figures = result["gpt"][case]
         assert figures.pop("same_names")
+        assert figures.pop("builds") == 0.0  # resident = trainable in eval, swap = stream = resident
         assert figures.pop("topk_hot") > 1e-3  # the top-k comparison sees another temperature
         assert figures.pop("divergence_beta") > 1e-2  # the divergence comparison sees another beta
         divergence = (figures.pop("divergence"), figures.pop("divergence_grads"))
