@@ -5,7 +5,8 @@ gradients of query, key and value), in both layouts (zigzag, contiguous = slime'
 gradient) and scores through the fused log-prob processor like the CP=1 model, and the top-k
 processor on each rank's rows equals the CP model's logits path (ids, values, gradients), the
 divergence processor from a CP teacher the dense float64 divergence (values, gradients); the
-resident, swap and stream inference builds of the CP model give its logits bit for bit.
+resident, swap and stream inference builds of the CP model, and layer-major scoring of a stream
+build, give its logits bit for bit.
 Negative controls: rows in the wrong chunk order give a different answer; the top-k processor at
 another temperature, the divergence at another beta too."""
 from __future__ import annotations
@@ -269,11 +270,12 @@ def _relative(got, want) -> float:
 
 
 def _build_checks(env, layout: str, positions: str, local: dict) -> float:
-    """The inference builds at CP=2 (rows as each rank holds them): the resident build's logits
-    against the trainable model's in eval, swap and stream against resident (bitwise: 0.0)."""
+    """The inference builds at CP=2 (rows as each rank holds them): the logits of the resident,
+    swap and stream builds and of score_layer_major on a stream build against the trainable
+    model's in eval (bitwise: 0.0)."""
     import torch
 
-    from megatron_rl_patches.inference import build_inference_model
+    from megatron_rl_patches.inference import build_inference_model, score_layer_major
     from megatron_rl_patches.testing.cp_attention import cp_layer_spec
 
     def provider(pre_process=True, post_process=True, vp_stage=None):
@@ -284,6 +286,9 @@ def _build_checks(env, layout: str, positions: str, local: dict) -> float:
         want = _forward(provider().eval(), local)
         outs = [_forward(build_inference_model(provider, residency=mode)[0], local)
                 for mode in ("resident", "swap", "stream")]
+    keywords = {"input_ids": local["tokens"], "position_ids": local["position_ids"],
+                "attention_mask": local["attention_mask"], "packed_seq_params": local.get("packed_seq_params")}
+    outs += score_layer_major(build_inference_model(provider, residency="stream"), [keywords])
     return max(float((out - want).abs().max()) for out in outs)
 
 
