@@ -92,6 +92,7 @@ def _all_cases(rank, world_size):
     return results
 
 
+@pytest.mark.layout("tp2", "sp")
 def test_tp2_matches_dense_float64():
     results = run_multirank(_all_cases, WORLD, timeout=300)
     rows, per = V_PADDED // WORLD, T // WORLD

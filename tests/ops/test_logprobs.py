@@ -201,6 +201,7 @@ def test_negative_infinity_entries_are_legal():
     assert_grad_close(grad, reference_grad(logits, tokens, a.clone().index_fill_(0, torch.tensor([0]), 0.0), b))
 
 
+@pytest.mark.layout("bf16")
 def test_bf16_logits_math_in_fp32():
     logits, tokens, a, b = make(T=16, V=128, seed=14)
     low = logits.bfloat16()

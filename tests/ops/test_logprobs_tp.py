@@ -196,6 +196,7 @@ def _check(results: list[dict[str, float]]) -> None:
                 assert err <= 1e-6, f"rank {rank}: {name} = {err:.3g}"
 
 
+@pytest.mark.layout("tp2")
 def test_tp2_equals_tp1_and_slime_adapter_at_tp2():
     results = run_multirank(_tp_worker, 2)
     assert any(name.startswith("slime/") for name in results[0])

@@ -171,6 +171,7 @@ def test_topk_logprobs_gradients_match_float64_autograd():
         assert_close_rel(x.grad, xd.grad)
 
 
+@pytest.mark.layout("bf16")
 def test_topk_logprobs_bf16_logits_and_padded_vocab():
     gen = torch.Generator().manual_seed(4)
     x = (torch.randn(5, 64, generator=gen) * 4).to(torch.bfloat16).requires_grad_(True)

@@ -88,6 +88,7 @@ def _tp2_worker(rank, world_size, sizes):
     return out
 
 
+@pytest.mark.layout("tp2")
 @pytest.mark.multirank
 def test_tp2_equals_tp1():
     logits, ties, tau, teachers, g_lp, g_tail = _inputs()

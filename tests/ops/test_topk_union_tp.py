@@ -65,6 +65,7 @@ def _dense(hidden, weight, ids, mask, g_lp, g_tail):
     return lp.detach(), tail.detach(), z.grad
 
 
+@pytest.mark.layout("tp2")
 @pytest.mark.multirank
 def test_masked_union_ids_tp2_equal_tp1_and_dense():
     hidden, weight, teachers, ids, mask, g_lp, g_tail = _inputs()
