@@ -225,6 +225,26 @@ def test_loss_and_grads_match_float64_reference(kl, n, weights, derived):
     assert_close_rel(x.grad, ref_grad)
 
 
+@pytest.mark.layout("bf16")
+def test_loss_on_bf16_logits_matches_float64_of_the_same_logits():
+    """bf16 student logits: the loss in fp32 and the gradient in the logits' dtype equal the float64
+    reference on the same (bf16-valued) logits, to fp32 and bf16 rounding."""
+    gen = torch.Generator().manual_seed(8)
+    T, V, k = 9, 120, 6
+    x = (torch.randn(T, V, generator=gen) * 2).to(torch.bfloat16).requires_grad_(True)
+    ids = topk_ids(x, k)
+    tlp, ttail = teacher_tensors(2, T, V, ids, seed=13)
+    loss = topk_opd_loss(x, ids, tlp, ttail, kl="mixed", mix=0.3)
+    loss.sum().backward()
+    assert loss.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+    ref, ref_grad = ref_loss(x.detach().float(), ids, tlp, ttail, None, "mixed", mix=0.3)
+    assert_close_rel(loss, ref)
+    assert_close_rel(x.grad, ref_grad, rel=1e-2)  # the gradient rounded to bf16
+    other, _ = ref_loss(x.detach().float(), ids, tlp, ttail, None, "mixed", mix=0.6)
+    with pytest.raises(AssertionError):  # the check sees another mix
+        assert_close_rel(loss, other)
+
+
 def test_per_token_temperature_in_loss():
     gen = torch.Generator().manual_seed(6)
     T, V, k = 7, 90, 5
