@@ -170,11 +170,12 @@ def test_tied_embeddings_keep_one_host_copy(megatron_cpu, residency):
 
 
 @pytest.mark.layout("bf16")
-def test_bf16_stream_build_equals_the_resident_build(megatron_cpu):
+@pytest.mark.parametrize("residency", ["swap", "stream"])
+def test_bf16_build_equals_the_resident_build(megatron_cpu, residency):
     env = megatron_cpu
     bf16 = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
     reference = _build(env, config=bf16)
-    chunks = _build(env, "stream", config=bf16)
+    chunks = _build(env, residency, config=bf16)
     assert type(chunks[0]).__name__ == "Float16Module"
     batch = env.batch(seed=5)
     out = env.forward(chunks[0], batch)
