@@ -222,7 +222,36 @@ def _pipeline_checks(rank: int, world_size: int, virtual: int | None) -> dict:
             out["topk values"] = _error(runs["top-k", "fused"][0], runs[topk][0])
             out["topk ids"] = torch.equal(runs["top-k", "fused"][2], runs[topk][2])
             out["divergence"] = _error(runs["divergence", "fused"][0], runs[dv][0])
+        out["builds"] = _build_checks(tiny_provider("gpt", config, seed=6), batches, chunks)
         return out
+
+
+def _build_checks(provider, batches, trainable) -> dict:
+    """The resident, swap and stream inference builds of the same pipeline (this rank's chunks),
+    through the forward-only schedule with the log-prob processor: the last stage's log-probs
+    against the trainable chunks' (in eval) through the same schedule (None off the last stage)."""
+    import torch
+
+    from megatron_rl_patches.inference import build_inference_model
+
+    for chunk in trainable:
+        chunk.eval()
+    with torch.no_grad():
+        reported = run_schedule_forward_only(trainable, batches)
+    want = torch.cat([r["log_probs"] for r in reported]) if reported else None
+    out = {}
+    for mode in ("resident", "swap", "stream"):
+        chunks = build_inference_model(provider, residency=mode)
+        with torch.no_grad():
+            reported = run_schedule_forward_only(chunks, batches)
+        out[mode] = (len(chunks), _error(torch.cat([r["log_probs"] for r in reported]), want) if reported else None)
+    return out
+
+
+def run_schedule_forward_only(chunks, batches):
+    from megatron_rl_patches.testing.megatron_cpu import run_schedule
+
+    return run_schedule(chunks, batches, _pipeline_step("fused"), forward_only=True)
 
 
 def _layouts_world(rank: int, world_size: int) -> dict:
@@ -268,6 +297,18 @@ def test_pipelined_fused_equals_logits_through_the_schedule(layouts_world, layou
         assert result["grads"] <= REL, result
         assert result["wrong labels grads"] > 1e-3, result  # the first stage sees the last stage's loss
     assert results[1]["log_probs"] <= REL and results[1]["wrong labels"] > 1e-3, results[1]
+
+
+@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("pp2")),
+                                    pytest.param("vpp", marks=pytest.mark.layout("pp2", "vpp2"))])
+def test_pipelined_inference_builds_score_like_the_trainable_chunks(layouts_world, layout):
+    """Each residency's build holds this rank's chunks (2 with virtual stages) and scores through the
+    forward-only schedule like the trainable chunks in eval (the comparison sees wrong labels: above)."""
+    results = [result[layout]["builds"] for result in layouts_world]
+    chunks = 2 if layout == "vpp" else 1
+    assert results[0] == {mode: (chunks, None) for mode in ("resident", "swap", "stream")}
+    for mode, (count, error) in results[1].items():
+        assert count == chunks and error <= REL, (mode, error)
 
 
 @pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("pp2")),
