@@ -144,6 +144,10 @@ def test_every_named_test_is_collected_and_a_proof_carries_its_layout(matrix, co
 def test_the_untested_count_only_goes_down_knowingly(matrix):
     counts = {value: sum(v == value for v in matrix.cells.values()) for value in VALUES}
     print("docs/layouts.md:", ", ".join(f"{value} {n}" for value, n in counts.items()))
+    stated = re.search(r"^Counts: ✅ (\d+), refused (\d+), n\.a\. (\d+), ⬜ (\d+)\.$", PAGE.read_text(encoding="utf-8"),
+                       re.MULTILINE)
+    assert stated and tuple(map(int, stated.groups())) == tuple(counts.values()), (
+        f"the page's Counts line must read: Counts: {', '.join(f'{v} {n}' for v, n in counts.items())}.")
     assert counts["⬜"] == UNTESTED, (
         f"{counts['⬜']} cells are ⬜ untested, UNTESTED records {UNTESTED}: set it to the page's count "
         "(lower when a cell got its test; a cell that lost its proof needs a reason)")
