@@ -28,6 +28,8 @@ DDP = "megatron.core.distributed.distributed_data_parallel:DistributedDataParall
 SHIMS = {
     "torch.cuda.current_device", "torch.cuda.synchronize", "CudaRNGStatesTracker.fork", "torch.cuda.Stream",
     "torch.cuda.current_stream", "Module.cuda", "Tensor.type",
+    # the layout kit's: the MoE router without Transformer Engine (< 0.17), the torch norm under SP
+    "megatron.core.transformer.moe.moe_utils.te_general_gemm", "WrappedTorchNorm.__new__",
 }  # fmt: skip
 
 
