@@ -27,8 +27,10 @@ TRAINING = "megatron.training.training"
 DDP = "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel"
 SHIMS = {
     "torch.cuda.current_device", "torch.cuda.synchronize", "CudaRNGStatesTracker.fork", "torch.cuda.Stream",
-    "torch.cuda.current_stream", "Module.cuda", "Tensor.type", "WrappedTorchNorm.__new__",
-    "megatron.core.transformer.moe.moe_utils.te_general_gemm",
+    "torch.cuda.current_stream", "Module.cuda", "Tensor.type",
+    # the layout kit's: the MoE router without Transformer Engine (< 0.17), the torch norm under SP
+    "megatron.core.transformer.moe.moe_utils.te_general_gemm", "WrappedTorchNorm.__new__",
+    # activation recompute's CUDA RNG state
     "megatron.core.tensor_parallel.random._get_cuda_rng_state",
     "megatron.core.tensor_parallel.random._set_cuda_rng_state",
 }  # fmt: skip
