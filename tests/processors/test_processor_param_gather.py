@@ -2,8 +2,8 @@
 for that module's parameter all-gather. The fused processor reads the output weight without calling
 the output layer, so it must wait itself. DP = 2 (gloo), the real distributed optimizer, the untied
 output weight alone in the last-gathered bucket group, one optimizer step, then the next forwards
-through the log-prob and top-k processors: fused = the logits path, and no all-gather is left
-pending. Without the wait (megatron-core >= 0.18 calls the processor in place of the output layer)
+through the log-prob, top-k and divergence processors: fused = the logits path, and no all-gather
+is left pending. Without the wait (megatron-core >= 0.18 calls the processor in place of the output layer)
 the output weight's all-gather is still pending after the forward: it was read before the updated
 shards arrived."""
 from __future__ import annotations
@@ -24,6 +24,7 @@ def _one_step_then_score(rank: int, overlap: bool, fused: bool):
 
     import megatron_rl_patches
     from megatron_rl_patches.processors import heads as processors
+    from megatron_rl_patches.testing.divergence_reference import dense_divergence
     from megatron_rl_patches.testing.megatron_cpu import megatron_world
 
     with megatron_world("cpu") as kit:
@@ -35,6 +36,9 @@ def _one_step_then_score(rank: int, overlap: bool, fused: bool):
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.05, use_distributed_optimizer=True,
                                                            clip_grad=0.0), [ddp])
         batch = kit.batch(seed=rank)
+        gen = torch.Generator().manual_seed(40 + rank)  # a teacher given by its hidden states and output weight
+        teacher = {"teacher_hidden": torch.randn(2, 16, 32, generator=gen),
+                   "teacher_weight": torch.randn(64, 32, generator=gen) / 4}
         args = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
         processor = processors.log_prob_output_processor()
         ddp.zero_grad_buffer()
@@ -48,15 +52,20 @@ def _one_step_then_score(rank: int, overlap: bool, fused: bool):
                 scores = ddp(*args, labels=batch["labels"], output_processor=processor)["log_probs"].reshape(-1)
                 topk = ddp(*args, output_processor=processors.topk_output_processor(k=4))
                 topk = torch.cat([topk["topk_log_probs"], topk["tail"][..., None]], dim=-1)
+                divergence = ddp(*args, output_processor=megatron_rl_patches.divergence_output_processor(
+                    divergence="jsd"), output_processor_context=teacher)
             else:
                 logits = ddp(*args)
                 rows = logits.reshape(-1, logits.size(-1))
                 scores, _ = megatron_rl_patches.log_probs_and_entropy(rows, batch["labels"].reshape(-1))
                 lp, tail = megatron_rl_patches.topk_logprobs(rows, megatron_rl_patches.topk_ids(rows, 4))
                 topk = torch.cat([lp, tail[:, None]], dim=-1)
+                teacher_rows = (teacher["teacher_hidden"].reshape(rows.size(0), -1) @ teacher["teacher_weight"].T)
+                divergence = dense_divergence(rows.double(), [teacher_rows.double()], divergence="jsd")
         pending = [group.param_gather_handle is not None for group in getattr(ddp, "bucket_groups", [])]
         # the log-probs, then the top-4 log-probs and tail of every token (a wrong id changes them too)
-        return scores.tolist() + topk.reshape(-1).tolist(), pending or pending_after_training
+        return (scores.tolist() + topk.reshape(-1).tolist() + divergence.reshape(-1).tolist(),
+                pending or pending_after_training)
 
 
 def _step(rank: int, world_size: int, wait: bool):
