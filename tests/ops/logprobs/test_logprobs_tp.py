@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
+from megatron_rl_patches.testing.logprob_reference import reference_log_probs
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = pytest.mark.multirank
@@ -39,22 +40,10 @@ def _full_inputs(world_size: int, seed: int = 0):
 
 
 def _float64_reference(logits, tokens, a, b, keep=None, temperature=1.0, vocab_size=None):
-    z = logits.double() / (temperature.double()[:, None] if isinstance(temperature, torch.Tensor) else temperature)
-    z = z if vocab_size is None else z[:, :vocab_size]
-    x = z.detach().requires_grad_()
-    logp_all = torch.log_softmax(x, -1)
-    p = logp_all.exp()
-    ent = -torch.where(p > 0, p * logp_all, 0.0).sum(-1)
-    if keep is not None:
-        kept = keep[:, : z.size(1)].clone()
-        kept[torch.arange(T), tokens] = True
-        logp_all = torch.log_softmax(x.masked_fill(~kept, -math.inf), -1)
-    lp = logp_all.gather(1, tokens[:, None]).squeeze(1)
+    leaf = logits.detach().double().requires_grad_()
+    lp, ent = reference_log_probs(leaf, tokens, temperature=temperature, keep_mask=keep, vocab_size=vocab_size)
     ((lp * a.double()).sum() + (ent * b.double()).sum()).backward()
-    grad = torch.zeros(logits.shape, dtype=torch.float64)
-    grad[:, : z.size(1)] = x.grad / (temperature.double()[:, None] if isinstance(temperature, torch.Tensor)
-                                     else temperature)
-    return lp.detach(), ent.detach(), grad
+    return lp.detach(), ent.detach(), leaf.grad
 
 
 class _CountAllReduce:

@@ -15,16 +15,12 @@ from hypothesis import strategies as st
 from property_kit import SETTINGS, close, generator, logits_case, min_tau, snapshot, tau64, temperature, unchanged
 
 from megatron_rl_patches import log_probs_and_entropy, topk_logprobs
+from megatron_rl_patches.testing.logprob_reference import reference_log_probs
 
 
 def _reference(x64: torch.Tensor, tokens: torch.Tensor, tau, keep, n_valid: int):
     """float64 log p(target) (over kept ids) and entropy, from the same rounded inputs."""
-    z = x64[:, :n_valid] / tau64(tau)
-    logp_all = torch.log_softmax(z, -1)
-    entropy = -(torch.where(logp_all > -math.inf, logp_all.exp() * logp_all, 0.0)).sum(-1)
-    kept_z = z if keep is None else z.masked_fill(~keep[:, :n_valid], -math.inf)
-    logp = torch.log_softmax(kept_z, -1).gather(1, tokens[:, None]).squeeze(1)
-    return logp, entropy
+    return reference_log_probs(x64, tokens, temperature=tau64(tau), keep_mask=keep, vocab_size=n_valid)
 
 
 @SETTINGS

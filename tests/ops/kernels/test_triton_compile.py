@@ -20,7 +20,7 @@ def test_every_kernel_variant_compiles_to_a_cubin(tmp_path):
     pytest.importorskip("triton", reason="triton is not installed on this lane")
     environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     environ["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from an earlier run's cache
-    environ["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1]), environ.get("PYTHONPATH", "")])
+    environ["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[2]), environ.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, str(HERE / "triton_compile_probe.py"), "90"], env=environ,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_rl_patches import log_probs_and_entropy, topk_ids, topk_logprobs, topk_opd_loss
 from megatron_rl_patches.ops import _stats, topk_select
 from megatron_rl_patches.ops._checks import DeviceChecks
+from megatron_rl_patches.testing.logprob_reference import scaled_logits
 
 # Tests of the deprecated kl=/mix= (and of forms reachable only through them): opted out of the
 # suite-wide "the package's deprecations are errors" filter (pyproject.toml).
@@ -186,7 +187,7 @@ def test_topk_far_tails_values_and_gradients_match_float64(chunk):
     tau = torch.rand(T, generator=g) + 0.5
     g_lp, g_tail = torch.randn(T, k, generator=g), torch.randn(T, generator=g)
     xd = x.double().requires_grad_(True)
-    logp = torch.log_softmax(xd / tau.double()[:, None], -1)
+    logp = torch.log_softmax(scaled_logits(xd, tau, None), -1)
     rest = torch.ones_like(logp, dtype=torch.bool).scatter(1, ids, False)
     ref_lp, ref_tail = logp.gather(1, ids), torch.logsumexp(logp.masked_fill(~rest, -INF), -1)
     ((ref_lp * g_lp).sum() + (ref_tail * g_tail).sum()).backward()

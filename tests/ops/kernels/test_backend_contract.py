@@ -14,7 +14,7 @@ from megatron_rl_patches import (
     topk_opd_loss,
 )
 from megatron_rl_patches.ops import _stats, kernels
-from megatron_rl_patches.testing.logprob_reference import reference_log_probs
+from megatron_rl_patches.testing.logprob_reference import reference_log_probs, scaled_logits
 
 
 class Float64Rows:
@@ -126,7 +126,7 @@ def test_topk_ops_on_a_registered_backend_match_float64(float64_backend, fused):
         lp, tail = topk_logprobs(h @ w.t(), ids, temperature=tau, backend=float64_backend.name)
     (lp.sum() * 0.3 + tail.sum()).backward()
     hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    logp_all = torch.log_softmax((hd @ wd.t()) / tau.double()[:, None], -1)
+    logp_all = torch.log_softmax(scaled_logits(hd @ wd.t(), tau, None), -1)
     ref_lp = logp_all.gather(1, ids)
     ref_tail = torch.log1p(-ref_lp.exp().sum(-1))
     (ref_lp.sum() * 0.3 + ref_tail.sum()).backward()

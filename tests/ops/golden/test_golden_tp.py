@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multirank
 
 
 def test_tp2_bitwise_equal_to_the_reference():
-    recorded = torch.load(HERE / "data" / "golden_ops_tp.pt")
+    recorded = torch.load(golden_cases.DATA / "golden_ops_tp.pt")
     now = run_multirank(golden_cases.tp_cases, 2)
     for rank, (before_rank, after_rank) in enumerate(zip(recorded, now)):
         for key, before in before_rank.items():

@@ -13,6 +13,7 @@ from megatron_rl_patches import (
     log_probs_and_entropy,
     topk_logprobs,
 )
+from megatron_rl_patches.testing.logprob_reference import reference_log_probs, scaled_logits
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -77,11 +78,9 @@ def log_prob_run(x: Inputs, *, backend: str | None, fused: bool, dtype: torch.dt
     tau = x.tau if row_tau else 0.7
     tensors = leaves(x, dtype, fused, backend is None)
     if backend is None:
-        z = _logits64(tensors, n_valid) / (tau[:, None] if row_tau else tau)
-        logp_all = torch.log_softmax(z, -1)
-        kept = torch.log_softmax(z.masked_fill(~x.keep[:, :n_valid], -torch.inf), -1) if masked else logp_all
-        lp = kept.gather(1, x.tokens[:, None]).squeeze(1)
-        ent = -(logp_all.exp() * logp_all).sum(-1) if entropy else lp.new_empty(0)
+        lp, ent = reference_log_probs(_logits64(tensors, n_valid), x.tokens, temperature=tau,
+                                      keep_mask=x.keep if masked else None)
+        ent = ent if entropy else lp.new_empty(0)
     else:
         kwargs = dict(with_entropy=entropy, entropy_requires_grad=entropy_grad, vocab_size=n_valid, backend=backend,
                       chunk_size=chunk_size,
@@ -104,7 +103,7 @@ def topk_run(x: Inputs, *, backend: str | None, fused: bool, dtype: torch.dtype,
     """[log p at ids, log tail mass, grads...] as float64 CPU tensors (backend None: float64 reference)."""
     tensors = leaves(x, dtype, fused, backend is None)
     if backend is None:
-        logp_all = torch.log_softmax(_logits64(tensors, n_valid) / x.tau[:, None], -1)
+        logp_all = torch.log_softmax(scaled_logits(_logits64(tensors, n_valid), x.tau, None), -1)
         lp = logp_all.gather(1, x.ids)
         tail = torch.logsumexp(logp_all.scatter(1, x.ids, -torch.inf), -1)
     else:

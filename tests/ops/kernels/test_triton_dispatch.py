@@ -16,7 +16,7 @@ from megatron_rl_patches.ops import kernels
 from megatron_rl_patches.ops.kernels.triton import LazyTritonTiles
 
 pytestmark = pytest.mark.triton
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 

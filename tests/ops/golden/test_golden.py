@@ -12,7 +12,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import golden_cases  # noqa: E402
 
-RECORDED = torch.load(HERE / "data" / "golden_ops.pt")
+RECORDED = torch.load(golden_cases.DATA / "golden_ops.pt")
 NOW = golden_cases.cases()
 
 

@@ -25,6 +25,7 @@ from property_kit import (
 )
 
 from megatron_rl_patches import lm_head_log_probs_and_entropy, lm_head_topk_ids, lm_head_topk_logprobs
+from megatron_rl_patches.testing.logprob_reference import reference_log_probs
 
 REFUSED = (ValueError, TypeError)
 
@@ -87,10 +88,7 @@ def test_lm_head_log_probs_refuses_or_matches_float64(data):
     unchanged(before)
     n = vocab_size or V
     z = _logits64(hidden, weight, tau)[:, :n]
-    logp_all = torch.log_softmax(z, -1)
-    want_ent = -(torch.where(logp_all > -math.inf, logp_all.exp() * logp_all, 0.0)).sum(-1)
-    kept = z if keep is None else z.masked_fill(~keep[:, :n], -math.inf)
-    want_lp = torch.log_softmax(kept, -1).gather(1, tokens.long()[:, None]).squeeze(1)
+    want_lp, want_ent = reference_log_probs(z, tokens.long(), keep_mask=keep)
     event("compared")
     finite_rows = torch.isfinite(z).all(-1)  # NaN/inf hidden rows: refused, or NaN out; not compared
     magnitude = _magnitude(z)
