@@ -68,7 +68,9 @@ def head_masks(monkeypatch):
     real = lm_head.lm_head_log_probs_and_entropy
 
     def noted(hidden, *args, row_mask=None, **kwargs):
-        masks.append(torch.ones(hidden.size(0), dtype=torch.bool) if row_mask is None else row_mask)
+        # the processors hand the op the call's one row selection (its .mask), or a plain mask
+        mask = getattr(row_mask, "mask", row_mask)
+        masks.append(torch.ones(hidden.size(0), dtype=torch.bool) if mask is None else mask)
         return real(hidden, *args, row_mask=row_mask, **kwargs)
 
     monkeypatch.setattr(lm_head, "lm_head_log_probs_and_entropy", noted)
