@@ -39,6 +39,7 @@ ROOMS = {
     "_backend_env": "_backend_env",
     "_lazy": "_lazy",
     "_aliases": "_aliases",
+    "_shadow": "_shadow",
 }
 # The apps: under apps/ (issue 20 item 6); their former names at the package root still count
 # as apps, so one put back there is held to the same rules.

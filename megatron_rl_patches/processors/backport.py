@@ -12,11 +12,10 @@ head, and those calls get the fused head (`FusedHeadLogits`) and its cross-entro
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Iterator
 from typing import Any
 
+from megatron_rl_patches._shadow import shadowed
 from megatron_rl_patches.processors.gpt_signature import KEYWORDS as PROCESSOR_KEYWORDS
 
 
@@ -26,23 +25,6 @@ class _OutputLayerReached(Exception):
     def __init__(self, hidden_states: Any) -> None:
         super().__init__("output layer reached")
         self.hidden_states = hidden_states
-
-
-@contextlib.contextmanager
-def _on_instance(module: Any, **attributes: Any) -> Iterator[None]:
-    """Instance attributes of `module` for the block (the class's are untouched); what the
-    instance held before is put back."""
-    missing = object()
-    saved = {name: module.__dict__.get(name, missing) for name in attributes}
-    module.__dict__.update(attributes)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is missing:
-                module.__dict__.pop(name, None)
-            else:
-                module.__dict__[name] = value
 
 
 def _hidden_states_before_output_layer(model: Any, wrapped: Any, args: tuple, kwargs: dict, mtp_depths: int) -> Any:
@@ -61,7 +43,7 @@ def _hidden_states_before_output_layer(model: Any, wrapped: Any, args: tuple, kw
         raise _OutputLayerReached(hidden_states)
 
     loss = {"compute_language_model_loss": fused_loss(model.compute_language_model_loss)} if mtp_depths else {}
-    with _on_instance(layer, forward=stop_here), _on_instance(model, **loss):
+    with shadowed(layer, forward=stop_here), shadowed(model, **loss):
         try:
             wrapped(*args, **kwargs)
         except _OutputLayerReached as reached:

@@ -11,11 +11,12 @@ TransformerBlock) or `final_norm` (HybridStack), and calls it with `hidden_state
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from megatron_rl_patches._shadow import shadowed
 
 # the decoder's final norm: TransformerBlock (GPTModel), HybridStack (HybridModel)
 FINAL_NORM_NAMES = ("final_layernorm", "final_norm")
@@ -29,24 +30,6 @@ class _DecoderReached(Exception):
         self.call_args, self.call_kwargs = args, kwargs
 
 
-@contextlib.contextmanager
-def _shadowed(module: torch.nn.Module, **attributes: Any) -> Iterator[None]:
-    """Instance attributes of `module` for the block: nn.Module looks in `_modules` only when normal
-    lookup fails, so an entry in `__dict__` shadows a submodule or method without unregistering it
-    (parameters, state dict and hooks unchanged); what was in `__dict__` before is put back."""
-    missing = object()
-    saved = {name: module.__dict__.get(name, missing) for name in attributes}
-    module.__dict__.update(attributes)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is missing:
-                module.__dict__.pop(name, None)
-            else:
-                module.__dict__[name] = value
-
-
 # stands in for the final norm while one layer runs (megatron-core 0.19 requires a Module there)
 _NO_NORM = torch.nn.Identity()
 
@@ -58,7 +41,7 @@ def capture_decoder_call(decoder: torch.nn.Module, model_call: Callable[[], Any]
     def stop_here(*args: Any, **kwargs: Any) -> Any:
         raise _DecoderReached(args, kwargs)
 
-    with _shadowed(decoder, forward=stop_here):
+    with shadowed(decoder, forward=stop_here):
         try:
             model_call()
         except _DecoderReached as reached:
@@ -80,7 +63,7 @@ def run_decoder_layer(
     layers: Any = decoder.layers
     restricted: dict[str, Any] = {"layers": torch.nn.ModuleList([layers[index]])}
     restricted.update({name: _NO_NORM for name in FINAL_NORM_NAMES if getattr(decoder, name, None) is not None})
-    with _shadowed(decoder, **restricted):
+    with shadowed(decoder, **restricted):
         output = decoder(*args, **{**kwargs, "hidden_states": hidden_states})
     if not isinstance(output, torch.Tensor):
         raise TypeError(
@@ -96,5 +79,5 @@ def finish_model_call(
     """The model's forward (`model_call(decoder_input=...)`) on the last layer's `hidden_states`:
     the embedding is skipped (decoder_input is set), the decoder runs with no layers (its final
     norm only), the output layer or processor as usual."""
-    with _shadowed(decoder, layers=torch.nn.ModuleList()):
+    with shadowed(decoder, layers=torch.nn.ModuleList()):
         return model_call(decoder_input=hidden_states)
