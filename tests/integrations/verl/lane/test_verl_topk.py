@@ -4,7 +4,6 @@ Megatron losses, called where verl's `compute_topk_loss` looks it up) and its re
 from __future__ import annotations
 
 import logging
-import types
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ pytestmark = pytest.mark.verl
 
 import verl.trainer.distillation.losses as verl_losses  # noqa: E402
 import verl.trainer.distillation.megatron.losses as megatron_losses  # noqa: E402
-from verl_kit import nested  # noqa: E402
+from verl_kit import distillation_config, nested  # noqa: E402
 
 import megatron_rl_patches  # noqa: E402
 from megatron_rl_patches.integrations.verl.topk import KEYS, REPLACED, exact_forward_kl_topk  # noqa: E402
@@ -24,13 +23,7 @@ LENGTHS = (PROMPT + RESPONSE, PROMPT + RESPONSE)
 
 
 def _config(clamp=-10.0):
-    from verl.workers.config import DistillationConfig, DistillationLossConfig
-
-    try:
-        return DistillationConfig(distillation_loss=DistillationLossConfig(loss_mode="forward_kl_topk", topk=K,
-                                                                           log_prob_min_clamp=clamp))
-    except Exception:  # a config class that needs more fields: verl only reads these two
-        return types.SimpleNamespace(distillation_loss=types.SimpleNamespace(topk=K, log_prob_min_clamp=clamp))
+    return distillation_config(K, clamp)
 
 
 def _inputs(sharper: float = 1.5, seed: int = 0):

@@ -6,6 +6,7 @@ binds `fused_forward_model_engine` by name at import, and a wrapper bound there 
 would outlive the registry's `reset()` between tests as an inert copy."""
 from __future__ import annotations
 
+import math
 import types
 from typing import Any
 
@@ -81,3 +82,55 @@ def reference(model: Any, micro_batch: Any, temperature: float) -> tuple[list[to
 def rows(value: torch.Tensor) -> list[torch.Tensor]:
     """A verl nested [b, j] output as one tensor per sequence."""
     return list(value.unbind())
+
+
+def distillation_config(topk: int, clamp: float | None = -10.0, **loss_fields: Any) -> Any:
+    """verl's DistillationConfig for its top-k forward KL (`forward_kl_topk`, k = `topk`)."""
+    from verl.workers.config import DistillationConfig, DistillationLossConfig
+
+    try:
+        return DistillationConfig(distillation_loss=DistillationLossConfig(
+            loss_mode="forward_kl_topk", topk=topk, log_prob_min_clamp=clamp, **loss_fields))
+    except Exception:  # a config class that needs more fields: verl only reads these
+        return types.SimpleNamespace(distillation_loss=types.SimpleNamespace(
+            topk=topk, log_prob_min_clamp=clamp, **loss_fields))
+
+
+def rl_batch(prompts: tuple[int, ...], responses: tuple[int, ...], vocab: int = VOCAB, temperature: float = 0.7,
+             seed: int = 0, **extra: Any) -> Any:
+    """A verl actor micro-batch as its trainer hands it to the Megatron engine (no padding): nested
+    prompt + response `input_ids`, `loss_mask` on the responses, `prompts` / `responses` (what
+    `no_padding_2_padding` slices by), the PPO fields (`response_mask`, `old_log_probs`,
+    `advantages`) and the global-batch numbers verl's losses normalize by; `extra` non-tensor keys."""
+    from verl.utils import tensordict_utils as tu
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, vocab, (p + r,), generator=gen) for p, r in zip(prompts, responses)]
+    per_response = {
+        "response_mask": [torch.ones(r) for r in responses],
+        # near a fresh model's log-probs (about -log V): PPO ratios inside and outside the clip range
+        "old_log_probs": [-math.log(vocab) + 0.1 * torch.randn(r, generator=gen) for r in responses],
+        "advantages": [torch.randn(r, generator=gen) for r in responses],
+    }
+    tensors = {
+        "input_ids": nested(ids),
+        "loss_mask": nested([torch.cat([torch.zeros(p), torch.ones(r)]) for p, r in zip(prompts, responses)]),
+        "prompts": nested([seq[:p] for seq, p in zip(ids, prompts)]),
+        "responses": nested([seq[p:] for seq, p in zip(ids, prompts)]),
+        "temperature": torch.full((len(ids),), temperature),
+        **{key: nested(rows) for key, rows in per_response.items()},
+    }
+    non_tensor = {"dp_size": 1, "batch_num_tokens": sum(responses), "global_batch_size": len(ids),
+                  "num_micro_batch": 1, **extra}
+    return tu.get_tensordict(tensors, non_tensor)
+
+
+def train_step(eng: Any, model: Any, micro_batch: Any, loss_function: Any, logits_processor_func: Any = None) -> tuple:
+    """verl's real `forward_step` and then its `postprocess_micro_batch_func` with `loss_function`
+    (as `forward_backward_batch` binds them): (model output, the loss megatron would backpropagate)."""
+    import functools
+
+    post = functools.partial(eng.postprocess_micro_batch_func, forward_only=False, loss_function=loss_function)
+    output, finish = eng.forward_step(iter([micro_batch]), model, logits_processor_func, post)
+    loss, _ = finish(output)
+    return output, loss

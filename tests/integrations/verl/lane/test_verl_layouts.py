@@ -1,0 +1,271 @@
+"""verl 0.9.1's real Megatron engine at the layouts of real jobs, in one 2-rank gloo world: TP=2,
+TP=2 + SP and CP=2. verl's static context parallelism packs every sequence zigzag
+(`MegatronEngine._get_context_parallel_layout`: "contiguous" only for DeepSeek-V4's hybrid
+attention, whose PackedSeqParams field megatron-core 0.19.2 lacks), so CP=2 runs the kit's CPU
+attention in the zigzag layout.
+
+At each layout, on one model, verl's `forward_step` (its `preprocess_thd_engine` packing and CP
+slicing, its fused or unfused forward, `postprocess_thd_engine`) and `postprocess_micro_batch_func`
+with verl's `ppo_loss` (entropy bonus on):
+- `verl_fused_logprobs` against verl's own unpatched logits path (use_fused_kernels=False): the
+  log-probs and entropy verl reads, the loss and every gradient (summed over the CP ranks); the
+  rows verl never reads are not computed (zero); log-probs and entropy against float64 of the
+  model at TP=1/CP=1, and at CP=2 the summed gradients against the CP=1 model's.
+- `verl_topk_kd` through verl's top-k distillation (`distillation_ppo_loss` as the logits processor
+  and the loss): the per-token KL against the dense float64 (k+1)-bucket KL of the TP=1/CP=1
+  model, and its gradients against the same dense KL computed in the same layout from verl's
+  vocab-parallel logits.
+Negative controls: a CP model whose attention reads the rows in the other layout than verl's
+packing (contiguous) is far from float64; the dense KL without the tail buckets (verl's sum) too."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("verl.models", reason="verl is not installed: run `make test-verl` (the verl lane)")
+pytestmark = [pytest.mark.verl, pytest.mark.multirank]
+
+import verl_kit as kit  # noqa: E402
+
+from megatron_rl_patches.testing.multirank import run_multirank  # noqa: E402
+
+WORLD = 2
+PROMPTS, RESPONSES = (6, 5), (17, 12)
+TOPK = 8
+TEMPERATURE = 0.7
+ENTROPY_COEFF = 0.3
+REL = 2e-5  # fp32 rounding: against verl's own fp32 path and against float64
+CONTROL = 1e-3  # what a negative control must at least be off by
+LAYOUTS = {  # name: (megatron_on_cpu keywords, model config keywords, kit CP attention layout)
+    "tp2": (dict(tensor_parallel=2), dict(tensor_model_parallel_size=2), None),
+    "sp": (dict(tensor_parallel=2), dict(tensor_model_parallel_size=2, sequence_parallel=True), None),
+    "cp2-zigzag": (dict(context_parallel=2), dict(context_parallel_size=2), "zigzag"),
+}
+
+
+def _relative(got, want) -> float:
+    """Largest difference relative to the reference's largest magnitude."""
+    return float((got.double() - want.double()).abs().max()) / max(float(want.double().abs().max()), 1e-30)
+
+
+def _model(config: dict, attention: str | None):
+    from verl.models.mcore.model_forward_fused import patch_fused_forward
+
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    model = build_packed_gpt(vocab_size=kit.VOCAB, seed=3, context_parallel_layout=attention, **config)
+    patch_fused_forward(model)  # what verl's engine does at build time
+    return model
+
+
+def _actor_config():
+    from verl.workers.config import McoreActorConfig
+
+    return McoreActorConfig(strategy="megatron", ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=1,
+                            use_dynamic_bsz=False, rollout_n=1, entropy_coeff=ENTROPY_COEFF)
+
+
+def _grads(model, group=None) -> dict:
+    """Every parameter's gradient (summed over `group`); zeroes them."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            grad = param.grad.clone()
+            if group is not None:
+                dist.all_reduce(grad, group=group)
+            out[name] = grad
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _response_rows(value, prompts=PROMPTS, last: bool = False) -> list:
+    """Per sequence, the rows verl's losses read (response tokens predicted from row P-1 on), the
+    sequence's last row (no next token) left out unless `last`."""
+    return [row[p - 1:] if last else row[p - 1:-1] for row, p in zip(value.unbind(), prompts)]
+
+
+def _policy_step(fused: bool, model, group=None) -> dict:
+    """verl's forward_step + postprocess with ppo_loss: outputs, loss and gradients."""
+    import functools
+
+    from verl.workers.utils.losses import ppo_loss
+
+    batch = kit.rl_batch(PROMPTS, RESPONSES, temperature=TEMPERATURE, calculate_entropy=True)
+    loss_function = functools.partial(ppo_loss, _actor_config())
+    output, loss = kit.train_step(kit.engine(fused), model, batch, loss_function)
+    loss.backward()
+    return {"log_probs": output["log_probs"].detach(), "entropy": output["entropy"].detach(),
+            "loss": loss.detach(), "grads": _grads(model, group)}
+
+
+def _teacher():
+    """A teacher's top-k (nested [b, n, k] log-probs and ids) for every position of the batch."""
+    import torch
+
+    gen = torch.Generator().manual_seed(11)
+    top = [torch.log_softmax(1.5 * torch.randn(p + r, kit.VOCAB, generator=gen), -1).topk(TOPK, -1)
+           for p, r in zip(PROMPTS, RESPONSES)]
+    return kit.nested([t.values for t in top]), kit.nested([t.indices for t in top])
+
+
+def dense_forward_kl_topk(student_logits, data, data_format: str, tail: bool = True) -> dict:
+    """verl's top-k logits-processor contract, computed densely in float64: the student's full
+    logits (gathered over TP), the teacher's top-k split by verl's own `preprocess_thd_engine`,
+    the (k+1)-bucket forward KL (`tail=False`: verl's top-k sum alone). Padding rows give 0."""
+    import torch
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    from verl.models.mcore.util import preprocess_thd_engine
+
+    assert data_format == "thd"
+    log_p = torch.log_softmax(gather_from_tensor_model_parallel_region(student_logits).double(), dim=-1)
+    q = preprocess_thd_engine(data["teacher_logprobs"], pre_process=True)[0].double()
+    ids = preprocess_thd_engine(data["teacher_ids"], pre_process=True)[0]
+    padded = (ids.sort(-1).values.diff(dim=-1) == 0).any(-1)  # verl's alignment rows: all-zero ids
+    ids = torch.where(padded[..., None], torch.arange(TOPK).expand_as(ids), ids)
+    q = torch.where(padded[..., None], torch.full_like(q, -math.log(TOPK + 1)), q)
+    p = log_p.gather(-1, ids)
+    kl = (q.exp() * (q - p)).sum(-1)
+    if tail:
+        q_tail, p_tail = torch.log1p(-q.exp().sum(-1)), torch.log1p(-p.exp().sum(-1))
+        kl = kl + q_tail.exp() * (q_tail - p_tail)
+    keep = (~padded).double()
+    with torch.no_grad():
+        overlap = (ids[..., None] == log_p.topk(TOPK, -1).indices[..., None, :]).any(-1) & ~padded[..., None]
+        count = overlap.sum(-1)
+        advantage = (-(q.exp() * (q - p)) * overlap).sum(-1) / count.clamp_min(1)
+    return {"distillation_losses": kl * keep, "student_mass": p.exp().sum(-1) * keep,
+            "teacher_mass": q.exp().sum(-1) * keep, "overlap_count": count, "overlap_token_advantage": advantage}
+
+
+def _distillation_step(model, dense: bool = False, tail: bool = True, group=None) -> dict:
+    """verl's top-k distillation step (unfused forward: the logits processor gets the student's
+    vocab-parallel logits): the per-token KL verl gathers and the gradients of its loss."""
+    import functools
+
+    from verl.trainer.distillation import distillation_ppo_loss
+
+    log_probs, ids = _teacher()
+    batch = kit.rl_batch(PROMPTS, RESPONSES, temperature=1.0, distillation_use_topk=True, distillation_only=True)
+    batch["teacher_logprobs"], batch["teacher_ids"] = log_probs, ids
+    config = kit.distillation_config(TOPK, use_task_rewards=False, use_policy_gradient=False, loss_max_clamp=None)
+    loss_function = functools.partial(distillation_ppo_loss, config=_actor_config(), distillation_config=config)
+    processor = functools.partial(dense_forward_kl_topk, tail=tail) if dense else loss_function
+    output, loss = kit.train_step(kit.engine(False), model, batch, loss_function, processor)
+    loss.backward()
+    return {"kl": output["distillation_losses"].detach(), "grads": _grads(model, group)}
+
+
+def _references() -> dict:
+    """At TP=1, CP=1 (the model the layouts split): float64 log-probs and entropy from the model's
+    logits one sequence at a time, verl's unpatched ppo_loss step (loss, gradients) and the dense
+    float64 top-k KL."""
+    import megatron_rl_patches
+
+    model = _model({}, None)
+    megatron_rl_patches.revert()
+    step = _policy_step(False, model)
+    batch = kit.rl_batch(PROMPTS, RESPONSES, temperature=TEMPERATURE)
+    log_probs, entropies = kit.reference(model, batch, TEMPERATURE)
+    return {"log_probs": [lp[p - 1:-1] for lp, p in zip(log_probs, PROMPTS)],
+            "entropy": [e[p - 1:-1] for e, p in zip(entropies, PROMPTS)],
+            "loss": step["loss"], "grads": step["grads"], "kl": _response_rows(_distillation_step(model, True)["kl"])}
+
+
+def _layout_checks(name: str, refs: dict) -> dict:
+    import torch
+    from megatron.core import parallel_state
+
+    import megatron_rl_patches
+
+    _, config, attention = LAYOUTS[name]
+    cp = attention is not None
+    group = parallel_state.get_context_parallel_group() if cp else None
+    model = _model(config, attention)
+    megatron_rl_patches.revert()
+    plain = _policy_step(False, model, group)
+    megatron_rl_patches.apply(only=["verl_fused_logprobs", "verl_topk_kd"])
+    fused = _policy_step(True, model, group)
+    out = {
+        "log_probs": max(_relative(g, w) for g, w in zip(_response_rows(fused["log_probs"], last=True),
+                                                         _response_rows(plain["log_probs"], last=True))),
+        "entropy": max(_relative(g, w) for g, w in zip(_response_rows(fused["entropy"], last=True),
+                                                       _response_rows(plain["entropy"], last=True))),
+        "log_probs_float64": max(_relative(g, w) for g, w in zip(_response_rows(fused["log_probs"]),
+                                                                 refs["log_probs"])),
+        "entropy_float64": max(_relative(g, w) for g, w in zip(_response_rows(fused["entropy"]), refs["entropy"])),
+        "unread_rows": max(float(row[:p - 1].abs().max()) for row, p in zip(fused["log_probs"].unbind(), PROMPTS)),
+        "loss": _relative(fused["loss"], plain["loss"]),
+        "loss_unsplit": _relative(fused["loss"], refs["loss"]),
+        "grads": max(_relative(fused["grads"][n], plain["grads"][n]) for n in plain["grads"]),
+        "same_names": sorted(fused["grads"]) == sorted(plain["grads"]) and len(plain["grads"]) > 4,
+    }
+    if cp:  # the CP ranks' gradients add up to the unsplit model's
+        out["grads_unsplit"] = max(_relative(fused["grads"][n], refs["grads"][n]) for n in refs["grads"])
+    patched = _distillation_step(model, group=group)
+    dense = _distillation_step(model, dense=True, group=group)
+    out["kl_float64"] = max(_relative(g, w) for g, w in zip(_response_rows(patched["kl"]), refs["kl"]))
+    out["kl_grads"] = max(_relative(patched["grads"][n], dense["grads"][n]) for n in dense["grads"])
+    no_tail = _distillation_step(model, dense=True, tail=False, group=group)
+    out["control_no_tail"] = max(_relative(g, w) for g, w in zip(_response_rows(no_tail["kl"]), refs["kl"]))
+    out["control_no_tail_grads"] = max(_relative(no_tail["grads"][n], dense["grads"][n]) for n in dense["grads"])
+    if cp:  # the other row layout than verl's packing: the attention sees the wrong neighbours
+        other = "contiguous" if attention == "zigzag" else "zigzag"
+        with torch.no_grad():
+            wrong = kit.forward_step(kit.engine(True), _model(config, other),
+                                     kit.rl_batch(PROMPTS, RESPONSES, temperature=TEMPERATURE))
+        out["control_wrong_layout"] = max(_relative(g, w) for g, w in zip(_response_rows(wrong["log_probs"]),
+                                                                          refs["log_probs"]))
+    megatron_rl_patches.revert()
+    return out
+
+
+def _world(rank: int, world_size: int) -> dict:
+    import verl.models.mcore.registry  # noqa: F401  (bound by name before any patch: see verl_kit)
+
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    with megatron_on_cpu():
+        refs = _references()
+    results = {}
+    for name, (parallel, _, _) in LAYOUTS.items():
+        with megatron_on_cpu(**parallel):
+            results[name] = _layout_checks(name, refs)
+    return results
+
+
+@pytest.fixture(scope="module")
+def layouts_world() -> list[dict]:
+    return run_multirank(_world, WORLD, timeout=300)
+
+
+PARAMS = [pytest.param(name, id=name, marks=pytest.mark.layout(name, "thd")) for name in LAYOUTS]
+
+
+@pytest.mark.parametrize("layout", PARAMS)
+def test_fused_route_equals_verls_logits_path_and_float64(layouts_world, layout):
+    for rank, result in enumerate(layouts_world):
+        got = result[layout]
+        print(layout, rank, {k: v for k, v in got.items() if not k.startswith(("kl", "control"))})
+        assert got["same_names"]
+        for key in ("log_probs", "entropy", "log_probs_float64", "entropy_float64", "loss", "loss_unsplit",
+                    "grads", *(["grads_unsplit"] if "grads_unsplit" in got else [])):
+            assert got[key] < REL, (layout, rank, key, got[key])
+        assert got["unread_rows"] == 0.0  # the rows verl never reads met no output weight
+
+
+@pytest.mark.parametrize("layout", PARAMS)
+def test_topk_kd_equals_dense_float64(layouts_world, layout):
+    for rank, result in enumerate(layouts_world):
+        got = result[layout]
+        print(layout, rank, {k: v for k, v in got.items() if k.startswith(("kl", "control"))})
+        assert got["kl_float64"] < REL and got["kl_grads"] < REL, (layout, rank, got)
+        assert min(got["control_no_tail"], got["control_no_tail_grads"]) > CONTROL  # it sees the tail buckets
+
+
+@pytest.mark.parametrize("layout", [p for p in PARAMS if "cp" in p.id])
+def test_a_wrong_cp_row_layout_is_far_from_float64(layouts_world, layout):
+    for result in layouts_world:
+        assert result[layout]["control_wrong_layout"] > CONTROL
