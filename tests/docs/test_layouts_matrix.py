@@ -5,6 +5,7 @@ the reason) or ⬜ (untested: their number is recorded here, so it only goes dow
 a ✅ cell's tests carry a `layout(...)` marker naming the cell's layout."""
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -23,6 +24,7 @@ VALUES = ("✅", "refused", "n.a.", "⬜")
 NOTE = re.compile(r"^- (F\d+-L\d+(?:, F\d+-L\d+)*): (.+)$")
 CELL_ID = re.compile(r"F\d+-L\d+")
 TICKED = re.compile(r"`([^`]+)`")
+VERL_LANE = "(the verl lane)"  # a note whose node ids are collected only where verl is importable
 
 
 @dataclass
@@ -88,19 +90,46 @@ def matrix() -> Matrix:
     return parse(PAGE.read_text(encoding="utf-8"))
 
 
-@pytest.fixture(scope="module")
-def collected(matrix, tmp_path_factory) -> dict[str, list[str]]:
-    """{node id: layout names} of every node id the page names, from one collect-only run."""
-    wanted = sorted({nid for cell, note in matrix.notes.items()
-                     if matrix.cells.get(cell) in ("✅", "refused") for nid in node_ids(note)})
-    out = tmp_path_factory.mktemp("layouts") / "marks.json"
+def _collect(ids: set[str], tmp: Path) -> dict[str, list[str]]:
+    """{node id: layout names} of the collected ones among `ids`, from one collect-only subprocess."""
+    out = tmp / "marks.json"
     env = {**os.environ, "LAYOUT_MARKS_OUT": str(out),
            "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "layout_marks",
-                           "-p", "no:cacheprovider", *wanted], cwd=REPO, env=env, capture_output=True, text=True,
+                           "-p", "no:cacheprovider", *sorted(ids)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+def proofs(matrix: Matrix, verl_lane: bool) -> set[str]:
+    """The node ids named by ✅ and refused cells: those of notes marked "(the verl lane)" (their
+    modules collect only where verl is importable) with `verl_lane`, the others without."""
+    return {nid for cell, note in matrix.notes.items()
+            if matrix.cells.get(cell) in ("✅", "refused") and (VERL_LANE in note) == verl_lane
+            for nid in node_ids(note)}
+
+
+@pytest.fixture(scope="module")
+def collected(matrix, tmp_path_factory) -> dict[str, list[str]]:
+    """{node id: layout names} of every node id the page names outside the verl lane."""
+    return _collect(proofs(matrix, verl_lane=False), tmp_path_factory.mktemp("layouts"))
+
+
+def _cell_problems(matrix: Matrix, collected: dict[str, list[str]], verl_lane: bool) -> tuple[list[str], list[str]]:
+    """(node ids not collected, ✅ proofs without the cell's layout marker) among the notes of one lane."""
+    unknown, unmarked = [], []
+    for cell, note in sorted(matrix.notes.items()):
+        if (VERL_LANE in note) != verl_lane:
+            continue
+        value = matrix.cells[cell]
+        marker = matrix.layouts[cell.split("-")[1]][1]
+        for nid in node_ids(note):
+            if nid not in collected:
+                unknown.append(f"{cell}: {nid}")
+            elif value == "✅" and marker not in collected[nid]:
+                unmarked.append(f"{cell}: {nid} carries layout{tuple(collected[nid])}, not {marker!r}")
+    return unknown, unmarked
 
 
 def test_the_page_has_a_legend_and_a_full_matrix(matrix):
@@ -128,17 +157,64 @@ def test_every_decided_cell_has_its_note_and_no_other_cell_has_one(matrix):
 
 
 def test_every_named_test_is_collected_and_a_proof_carries_its_layout(matrix, collected):
-    unknown, unmarked = [], []
-    for cell, note in sorted(matrix.notes.items()):
-        value = matrix.cells[cell]
-        marker = matrix.layouts[cell.split("-")[1]][1]
-        for nid in node_ids(note):
-            if nid not in collected:
-                unknown.append(f"{cell}: {nid}")
-            elif value == "✅" and marker not in collected[nid]:
-                unmarked.append(f"{cell}: {nid} carries layout{tuple(collected[nid])}, not {marker!r}")
+    unknown, unmarked = _cell_problems(matrix, collected, verl_lane=False)
     assert not unknown, "node ids not collected:\n" + "\n".join(unknown)
     assert not unmarked, "proofs without the cell's layout marker:\n" + "\n".join(unmarked)
+
+
+def _verl_importable() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("verl.models") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.verl
+def test_the_verl_lanes_proofs_are_collected_with_their_layouts(matrix, tmp_path):
+    """On the verl lane (`make test-verl` runs tests/docs too): the verl-lane node ids collected,
+    each ✅ one carrying its cell's layout marker."""
+    if not _verl_importable():
+        pytest.skip("verl is not installed: the verl lane (`make test-verl`) checks these ids")
+    wanted = proofs(matrix, verl_lane=True)
+    assert wanted, f"no note says {VERL_LANE!r}"
+    unknown, unmarked = _cell_problems(matrix, _collect(wanted, tmp_path), verl_lane=True)
+    assert not unknown, "node ids not collected:\n" + "\n".join(unknown)
+    assert not unmarked, "proofs without the cell's layout marker:\n" + "\n".join(unmarked)
+
+
+def static_problems(nid: str, marker: str) -> list[str]:
+    """Without importing the module (verl is missing here): the node id's file and test function
+    exist, and the module puts a `layout(...)` marker on its tests and names `marker` in a string."""
+    path, _, name = nid.partition("::")
+    name, param = name.partition("[")[0], name.partition("[")[2].rstrip("]")
+    file = REPO / path
+    if not file.is_file():
+        return [f"{nid}: no file {path}"]
+    tree = ast.parse(file.read_text(encoding="utf-8"))
+    problems = []
+    if not any(isinstance(node, ast.FunctionDef) and node.name == name for node in tree.body):
+        problems.append(f"{nid}: no test function {name} in {path}")
+    if not any(isinstance(node, ast.Attribute) and node.attr == "layout" for node in ast.walk(tree)):
+        problems.append(f"{nid}: {path} puts no layout(...) marker on its tests")
+    strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    for wanted in filter(None, (marker, param)):
+        if wanted not in strings:
+            problems.append(f"{nid}: {path} never names {wanted!r}")
+    return problems
+
+
+def test_the_verl_lanes_proofs_exist_where_verl_is_missing(matrix):
+    """Everywhere (a static check): every verl-lane node id names an existing test function in a
+    module that marks layouts and names the cell's layout marker (and the parameter id)."""
+    problems = []
+    for cell, note in sorted(matrix.notes.items()):
+        if VERL_LANE in note and matrix.cells[cell] in ("✅", "refused"):
+            marker = matrix.layouts[cell.split("-")[1]][1] if matrix.cells[cell] == "✅" else ""
+            for nid in node_ids(note):
+                problems += static_problems(nid, marker)
+    assert not problems, "\n".join(problems)
 
 
 def test_the_untested_count_only_goes_down_knowingly(matrix):

@@ -37,10 +37,16 @@ TEMPERATURE = 0.7
 ENTROPY_COEFF = 0.3
 REL = 2e-5  # fp32 rounding: against verl's own fp32 path and against float64
 CONTROL = 1e-3  # what a negative control must at least be off by
-LAYOUTS = {  # name: (megatron_on_cpu keywords, model config keywords, kit CP attention layout)
-    "tp2": (dict(tensor_parallel=2), dict(tensor_model_parallel_size=2), None),
-    "sp": (dict(tensor_parallel=2), dict(tensor_model_parallel_size=2, sequence_parallel=True), None),
-    "cp2-zigzag": (dict(context_parallel=2), dict(context_parallel_size=2), "zigzag"),
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+TP2 = dict(tensor_model_parallel_size=2)
+# name: (megatron_on_cpu keywords, model config keywords, kit CP attention layout, layout markers)
+LAYOUTS = {
+    "tp2": (dict(tensor_parallel=2), TP2, None, ("tp2", "thd", "bshd")),
+    "sp": (dict(tensor_parallel=2), dict(TP2, sequence_parallel=True), None, ("sp", "thd")),
+    "cp2-zigzag": (dict(context_parallel=2), dict(context_parallel_size=2), "zigzag", ("cp2-zigzag", "thd")),
+    "ep2": (dict(expert_parallel=2), dict(expert_parallel=2), None, ("ep2", "moe", "thd")),
+    "recompute": (dict(tensor_parallel=2), dict(TP2, **RECOMPUTE), None, ("recompute", "tp2", "thd")),
+    "bf16": (dict(tensor_parallel=2), dict(TP2, bf16=True), None, ("bf16", "tp2", "thd")),
 }
 
 
@@ -49,12 +55,30 @@ def _relative(got, want) -> float:
     return float((got.double() - want.double()).abs().max()) / max(float(want.double().abs().max()), 1e-30)
 
 
-def _model(config: dict, attention: str | None):
+def _model(name: str, attention: str | None = None):
+    """The layout's model as verl's engine holds it: a packed GPTModel (MoE at ep2; bf16 in
+    Float16Module), fused forward patched at build time as verl's engine does."""
+    import torch
     from verl.models.mcore.model_forward_fused import patch_fused_forward
 
+    from megatron_rl_patches.testing.megatron_cpu import build_tiny_gpt
     from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
 
-    model = build_packed_gpt(vocab_size=kit.VOCAB, seed=3, context_parallel_layout=attention, **config)
+    config = dict(LAYOUTS[name][1]) if name in LAYOUTS else {}
+    if name == "ep2":  # the kit's MoE spec with its CPU attention (at CP=1 it takes packed thd as is)
+        from megatron_rl_patches.testing.cp_attention import cp_layer_spec
+        from megatron_rl_patches.testing.moe_gpt import moe_layer_spec, tiny_moe_config
+
+        model = build_tiny_gpt(tiny_moe_config(**config), cp_layer_spec("contiguous", moe_layer_spec()),
+                               position_embedding_type="rope", vocab_size=kit.VOCAB, seq_length=64, seed=3)
+    elif config.pop("bf16", False):
+        from megatron.core.transformer.module import Float16Module
+
+        config.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+        inner = build_packed_gpt(vocab_size=kit.VOCAB, seed=3, **config)
+        model = Float16Module(inner.config, inner)
+    else:
+        model = build_packed_gpt(vocab_size=kit.VOCAB, seed=3, context_parallel_layout=attention, **config)
     patch_fused_forward(model)  # what verl's engine does at build time
     return model
 
@@ -113,16 +137,17 @@ def _teacher():
 
 def dense_forward_kl_topk(student_logits, data, data_format: str, tail: bool = True) -> dict:
     """verl's top-k logits-processor contract, computed densely in float64: the student's full
-    logits (gathered over TP), the teacher's top-k split by verl's own `preprocess_thd_engine`,
-    the (k+1)-bucket forward KL (`tail=False`: verl's top-k sum alone). Padding rows give 0."""
+    logits (gathered over TP), the teacher's top-k split by verl's own `preprocess_thd_engine` /
+    `preprocess_bshd_engine`, the (k+1)-bucket forward KL (`tail=False`: verl's top-k sum alone).
+    Padding rows give 0."""
     import torch
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-    from verl.models.mcore.util import preprocess_thd_engine
+    from verl.models.mcore.util import preprocess_bshd_engine, preprocess_thd_engine
 
-    assert data_format == "thd"
+    split = preprocess_thd_engine if data_format == "thd" else preprocess_bshd_engine
     log_p = torch.log_softmax(gather_from_tensor_model_parallel_region(student_logits).double(), dim=-1)
-    q = preprocess_thd_engine(data["teacher_logprobs"], pre_process=True)[0].double()
-    ids = preprocess_thd_engine(data["teacher_ids"], pre_process=True)[0]
+    q = split(data["teacher_logprobs"], pre_process=True)[0].double()
+    ids = split(data["teacher_ids"], pre_process=True)[0]
     padded = (ids.sort(-1).values.diff(dim=-1) == 0).any(-1)  # verl's alignment rows: all-zero ids
     ids = torch.where(padded[..., None], torch.arange(TOPK).expand_as(ids), ids)
     q = torch.where(padded[..., None], torch.full_like(q, -math.log(TOPK + 1)), q)
@@ -140,9 +165,23 @@ def dense_forward_kl_topk(student_logits, data, data_format: str, tail: bool = T
             "teacher_mass": q.exp().sum(-1) * keep, "overlap_count": count, "overlap_token_advantage": advantage}
 
 
-def _distillation_step(model, dense: bool = False, tail: bool = True, group=None) -> dict:
+def _causal_padding_mask(module, args, kwargs):
+    """verl's bshd batches carry a [b, s] padding mask (True: a token), which Transformer Engine's
+    attention takes; megatron's local attention takes [b, 1, s, s] (True: masked): causal within
+    the tokens."""
+    import torch
+
+    valid = kwargs.get("attention_mask")
+    if isinstance(valid, torch.Tensor) and valid.dim() == 2:
+        causal = torch.ones(valid.shape[1], valid.shape[1], dtype=torch.bool).tril()
+        kwargs["attention_mask"] = ~(valid[:, None, :, None] & valid[:, None, None, :] & causal)
+    return args, kwargs
+
+
+def _distillation_step(model, dense: bool = False, tail: bool = True, group=None, thd: bool = True) -> dict:
     """verl's top-k distillation step (unfused forward: the logits processor gets the student's
-    vocab-parallel logits): the per-token KL verl gathers and the gradients of its loss."""
+    vocab-parallel logits; `thd=False`: verl's bshd batches, use_remove_padding=False): the
+    per-token KL verl gathers and the gradients of its loss."""
     import functools
 
     from verl.trainer.distillation import distillation_ppo_loss
@@ -153,71 +192,100 @@ def _distillation_step(model, dense: bool = False, tail: bool = True, group=None
     config = kit.distillation_config(TOPK, use_task_rewards=False, use_policy_gradient=False, loss_max_clamp=None)
     loss_function = functools.partial(distillation_ppo_loss, config=_actor_config(), distillation_config=config)
     processor = functools.partial(dense_forward_kl_topk, tail=tail) if dense else loss_function
-    output, loss = kit.train_step(kit.engine(False), model, batch, loss_function, processor)
+    eng = kit.engine(False)
+    eng.engine_config.use_remove_padding = thd
+    hook = None if thd else model.register_forward_pre_hook(_causal_padding_mask, with_kwargs=True)
+    output, loss = kit.train_step(eng, model, batch, loss_function, processor)
     loss.backward()
-    return {"kl": output["distillation_losses"].detach(), "grads": _grads(model, group)}
+    if hook is not None:
+        hook.remove()
+    return {"kl": _response_rows(output["distillation_losses"].detach()), "grads": _grads(model, group)}
 
 
-def _references() -> dict:
-    """At TP=1, CP=1 (the model the layouts split): float64 log-probs and entropy from the model's
-    logits one sequence at a time, verl's unpatched ppo_loss step (loss, gradients) and the dense
-    float64 top-k KL."""
-    import megatron_rl_patches
-
-    model = _model({}, None)
-    megatron_rl_patches.revert()
-    step = _policy_step(False, model)
+def _float64(model) -> dict:
+    """float64 log-probs and entropy from the model's own logits, one sequence at a time."""
     batch = kit.rl_batch(PROMPTS, RESPONSES, temperature=TEMPERATURE)
     log_probs, entropies = kit.reference(model, batch, TEMPERATURE)
     return {"log_probs": [lp[p - 1:-1] for lp, p in zip(log_probs, PROMPTS)],
-            "entropy": [e[p - 1:-1] for e, p in zip(entropies, PROMPTS)],
-            "loss": step["loss"], "grads": step["grads"], "kl": _response_rows(_distillation_step(model, True)["kl"])}
+            "entropy": [e[p - 1:-1] for e, p in zip(entropies, PROMPTS)]}
+
+
+def _references() -> dict:
+    """At TP=1, CP=1 (the model the dense layouts split): float64 log-probs and entropy, verl's
+    unpatched ppo_loss step (loss, gradients) and the dense float64 top-k KL."""
+    import megatron_rl_patches
+
+    model = _model("unsplit")
+    megatron_rl_patches.revert()
+    step = _policy_step(False, model)
+    kl = _distillation_step(model, dense=True)["kl"]
+    return {**_float64(model), "loss": step["loss"], "grads": step["grads"], "kl": kl}
+
+
+def _unwrapped(model):
+    return getattr(model, "module", model)  # Float16Module holds the GPTModel as .module
+
+
+def _rows_error(got: list, want: list) -> float:
+    return max(_relative(g, w) for g, w in zip(got, want))
+
+
+def _grads_error(got: dict, want: dict) -> float:
+    return max(_relative(got[name], want[name]) for name in want)
 
 
 def _layout_checks(name: str, refs: dict) -> dict:
-    import torch
     from megatron.core import parallel_state
 
     import megatron_rl_patches
 
-    _, config, attention = LAYOUTS[name]
-    cp = attention is not None
-    group = parallel_state.get_context_parallel_group() if cp else None
-    model = _model(config, attention)
+    attention = LAYOUTS[name][2]
+    group = parallel_state.get_context_parallel_group() if attention else None
+    model = _model(name, attention)
+    if name in ("ep2", "bf16"):  # another model than the unsplit one: float64 of its own logits
+        refs = _float64(model)
     megatron_rl_patches.revert()
     plain = _policy_step(False, model, group)
     megatron_rl_patches.apply(only=["verl_fused_logprobs", "verl_topk_kd"])
+    calls = []
+    counter = _unwrapped(model).decoder.layers[0].register_forward_hook(lambda *_: calls.append(1))
     fused = _policy_step(True, model, group)
-    out = {
-        "log_probs": max(_relative(g, w) for g, w in zip(_response_rows(fused["log_probs"], last=True),
-                                                         _response_rows(plain["log_probs"], last=True))),
-        "entropy": max(_relative(g, w) for g, w in zip(_response_rows(fused["entropy"], last=True),
-                                                       _response_rows(plain["entropy"], last=True))),
-        "log_probs_float64": max(_relative(g, w) for g, w in zip(_response_rows(fused["log_probs"]),
-                                                                 refs["log_probs"])),
-        "entropy_float64": max(_relative(g, w) for g, w in zip(_response_rows(fused["entropy"]), refs["entropy"])),
+    counter.remove()
+    out = {key: _rows_error(_response_rows(fused[key], last=True), _response_rows(plain[key], last=True))
+           for key in ("log_probs", "entropy")}
+    out.update({f"{key}_float64": _rows_error(_response_rows(fused[key]), refs[key])
+                for key in ("log_probs", "entropy")})
+    out.update({
         "unread_rows": max(float(row[:p - 1].abs().max()) for row, p in zip(fused["log_probs"].unbind(), PROMPTS)),
         "loss": _relative(fused["loss"], plain["loss"]),
-        "loss_unsplit": _relative(fused["loss"], refs["loss"]),
-        "grads": max(_relative(fused["grads"][n], plain["grads"][n]) for n in plain["grads"]),
+        "grads": _grads_error(fused["grads"], plain["grads"]),
         "same_names": sorted(fused["grads"]) == sorted(plain["grads"]) and len(plain["grads"]) > 4,
-    }
-    if cp:  # the CP ranks' gradients add up to the unsplit model's
-        out["grads_unsplit"] = max(_relative(fused["grads"][n], refs["grads"][n]) for n in refs["grads"])
-    patched = _distillation_step(model, group=group)
-    dense = _distillation_step(model, dense=True, group=group)
-    out["kl_float64"] = max(_relative(g, w) for g, w in zip(_response_rows(patched["kl"]), refs["kl"]))
-    out["kl_grads"] = max(_relative(patched["grads"][n], dense["grads"][n]) for n in dense["grads"])
+        "layer_calls": len(calls),  # forward, and again in backward under activation recompute
+    })
+    if "grads" in refs:  # the same weights as the unsplit model: its loss, and at CP its gradients
+        out["loss_unsplit"] = _relative(fused["loss"], refs["loss"])
+        if attention:  # the CP ranks' gradients add up to the unsplit model's
+            out["grads_unsplit"] = _grads_error(fused["grads"], refs["grads"])
+    for form in ("thd", "bshd") if name == "tp2" else ("thd",):
+        thd = form == "thd"
+        patched = _distillation_step(model, group=group, thd=thd)
+        dense = _distillation_step(model, dense=True, group=group, thd=thd)
+        suffix = "" if thd else "_bshd"
+        out["kl" + suffix] = _rows_error(patched["kl"], dense["kl"])
+        out["kl_grads" + suffix] = _grads_error(patched["grads"], dense["grads"])
+        if "kl" in refs:
+            out["kl_float64" + suffix] = _rows_error(patched["kl"], refs["kl"])
     no_tail = _distillation_step(model, dense=True, tail=False, group=group)
-    out["control_no_tail"] = max(_relative(g, w) for g, w in zip(_response_rows(no_tail["kl"]), refs["kl"]))
-    out["control_no_tail_grads"] = max(_relative(no_tail["grads"][n], dense["grads"][n]) for n in dense["grads"])
-    if cp:  # the other row layout than verl's packing: the attention sees the wrong neighbours
+    out["control_no_tail"] = _rows_error(no_tail["kl"], dense["kl"])
+    out["control_no_tail_grads"] = _grads_error(no_tail["grads"], dense["grads"])
+    if attention:  # the other row layout than verl's packing: the attention sees the wrong neighbours
+        import torch
+
         other = "contiguous" if attention == "zigzag" else "zigzag"
         with torch.no_grad():
-            wrong = kit.forward_step(kit.engine(True), _model(config, other),
+            wrong = kit.forward_step(kit.engine(True), _model(name, other),
                                      kit.rl_batch(PROMPTS, RESPONSES, temperature=TEMPERATURE))
-        out["control_wrong_layout"] = max(_relative(g, w) for g, w in zip(_response_rows(wrong["log_probs"]),
-                                                                          refs["log_probs"]))
+        out["control_wrong_layout"] = _rows_error(_response_rows(wrong["log_probs"]), refs["log_probs"])
     megatron_rl_patches.revert()
     return out
 
@@ -230,7 +298,7 @@ def _world(rank: int, world_size: int) -> dict:
     with megatron_on_cpu():
         refs = _references()
     results = {}
-    for name, (parallel, _, _) in LAYOUTS.items():
+    for name, (parallel, *_) in LAYOUTS.items():
         with megatron_on_cpu(**parallel):
             results[name] = _layout_checks(name, refs)
     return results
@@ -241,28 +309,39 @@ def layouts_world() -> list[dict]:
     return run_multirank(_world, WORLD, timeout=300)
 
 
-PARAMS = [pytest.param(name, id=name, marks=pytest.mark.layout(name, "thd")) for name in LAYOUTS]
+PARAMS = [pytest.param(name, id=name, marks=pytest.mark.layout(*marks)) for name, (*_, marks) in LAYOUTS.items()]
+
+
+FUSED = ("log_probs", "entropy", "loss", "grads", "log_probs_float64", "entropy_float64", "loss_unsplit",
+         "grads_unsplit")
+
+
+def _over(got: dict, keys, tolerance: float) -> dict:
+    return {key: got[key] for key in keys if key in got and not got[key] < tolerance}
 
 
 @pytest.mark.parametrize("layout", PARAMS)
 def test_fused_route_equals_verls_logits_path_and_float64(layouts_world, layout):
     for rank, result in enumerate(layouts_world):
         got = result[layout]
-        print(layout, rank, {k: v for k, v in got.items() if not k.startswith(("kl", "control"))})
-        assert got["same_names"]
-        for key in ("log_probs", "entropy", "log_probs_float64", "entropy_float64", "loss", "loss_unsplit",
-                    "grads", *(["grads_unsplit"] if "grads_unsplit" in got else [])):
-            assert got[key] < REL, (layout, rank, key, got[key])
+        print(layout, rank, {key: got[key] for key in FUSED if key in got})
+        assert got["same_names"] and {"log_probs", "entropy", "loss", "grads", "log_probs_float64"} <= set(got)
+        assert not _over(got, FUSED, REL), (layout, rank)
         assert got["unread_rows"] == 0.0  # the rows verl never reads met no output weight
+        # activation recompute ran the first layer again in backward (the other layouts: once)
+        assert got["layer_calls"] == (2 if layout == "recompute" else 1)
 
 
 @pytest.mark.parametrize("layout", PARAMS)
 def test_topk_kd_equals_dense_float64(layouts_world, layout):
     for rank, result in enumerate(layouts_world):
         got = result[layout]
-        print(layout, rank, {k: v for k, v in got.items() if k.startswith(("kl", "control"))})
-        assert got["kl_float64"] < REL and got["kl_grads"] < REL, (layout, rank, got)
-        assert min(got["control_no_tail"], got["control_no_tail_grads"]) > CONTROL  # it sees the tail buckets
+        kd = [key for key in got if key.startswith("kl")]
+        print(layout, rank, {key: got[key] for key in kd})
+        assert {"kl", "kl_grads"} <= set(kd), kd
+        assert not _over(got, kd, REL), (layout, rank)
+        # negative control: the dense KL without the tail buckets (verl's own sum) is told apart
+        assert min(got["control_no_tail"], got["control_no_tail_grads"]) > CONTROL
 
 
 @pytest.mark.parametrize("layout", [p for p in PARAMS if "cp" in p.id])

@@ -65,14 +65,17 @@ def forward_step(eng: Any, model: Any, micro_batch: Any) -> dict:
 
 
 def reference(model: Any, micro_batch: Any, temperature: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """float64 log p(next token) and entropy per sequence, from the model's own logits run one
-    sequence at a time (no packing). The last position has no next token (verl's label there is
-    a rolled filler its losses never read): compare positions [:-1]."""
+    """float64 log p(next token) and entropy per sequence, from the model's own logits (gathered
+    over tensor parallelism) run one sequence at a time (no packing). The last position has no
+    next token (verl's label there is a rolled filler its losses never read): compare [:-1]."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
     log_probs, entropies = [], []
     for seq in micro_batch["input_ids"].unbind():
         n = seq.numel()
         causal = torch.ones(n, n, dtype=torch.bool).tril().logical_not()[None, None]
-        logits = model(seq[None], torch.arange(n)[None], causal)[0].double() / temperature
+        logits = gather_from_tensor_model_parallel_region(model(seq[None], torch.arange(n)[None], causal))
+        logits = logits[0].double() / temperature
         logp = torch.log_softmax(logits, dim=-1)
         log_probs.append(logp.gather(-1, torch.roll(seq, -1)[:, None])[:, 0])
         entropies.append(-(logp.exp() * logp).sum(-1))
