@@ -137,3 +137,37 @@ def train_step(eng: Any, model: Any, micro_batch: Any, loss_function: Any, logit
     output, finish = eng.forward_step(iter([micro_batch]), model, logits_processor_func, post)
     loss, _ = finish(output)
     return output, loss
+
+
+def actor_config(entropy_coeff: float = 0.0) -> Any:
+    """verl's Megatron actor config (PPO, token-mean) with `entropy_coeff`."""
+    from verl.workers.config import McoreActorConfig
+
+    return McoreActorConfig(strategy="megatron", ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=1,
+                            use_dynamic_bsz=False, rollout_n=1, entropy_coeff=entropy_coeff)
+
+
+def grads(model: Any, group: Any = None) -> dict:
+    """Every parameter's gradient (summed over the process `group` when given); zeroes them."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            grad = param.grad.clone()
+            if group is not None:
+                dist.all_reduce(grad, group=group)
+            out[name] = grad
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest difference relative to the reference's largest magnitude."""
+    return float((got.double() - want.double()).abs().max()) / max(float(want.double().abs().max()), 1e-30)
+
+
+def response_rows(value: torch.Tensor, prompts: tuple[int, ...], last: bool = False) -> list[torch.Tensor]:
+    """Per sequence of a nested [b, j] output, the rows verl's losses read (the response tokens,
+    predicted from row P-1 on); the sequence's last row (no next token) only with `last`."""
+    return [row[p - 1:] if last else row[p - 1:-1] for row, p in zip(value.unbind(), prompts)]

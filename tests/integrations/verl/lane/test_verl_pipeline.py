@@ -1,0 +1,131 @@
+"""verl 0.9.1's real Megatron engine with pipeline parallelism, in one 2-rank gloo world: PP=2 and
+PP=2 x 2 virtual stages. verl's `forward_step` and `postprocess_micro_batch_func` (ppo_loss with
+the entropy bonus) run inside megatron-core's own forward-backward schedule as verl's
+`forward_backward_batch` calls it (`make_batch_generator`, seq_length=1 with variable_seq_lengths,
+two micro-batches): the stages before the last hand their hidden states on, the last one meets
+`verl_fused_logprobs`. Against verl's own unpatched logits path on the same chunks: each
+micro-batch's log-probs and entropy and loss (last stage) and every chunk's gradients (every
+stage). Negative control: another micro-batch's log-probs are told apart."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("verl.models", reason="verl is not installed: run `make test-verl` (the verl lane)")
+pytestmark = [pytest.mark.verl, pytest.mark.multirank]
+
+import verl_kit as kit  # noqa: E402
+
+from megatron_rl_patches.testing.multirank import run_multirank  # noqa: E402
+
+WORLD = 2
+PROMPTS, RESPONSES = (6, 5), (17, 12)
+MICRO_BATCHES = 2
+TEMPERATURE = 0.7
+ENTROPY_COEFF = 0.3
+REL = 2e-5
+CONTROL = 1e-3
+LAYOUTS = {"vpp2": 2, "pp2": None}  # name: virtual stages per pipeline stage
+
+
+def _chunks(virtual: int | None) -> tuple[list, object]:
+    """This rank's model chunks (verl's fused forward patched on each, as its engine does) and their config."""
+    from verl.models.mcore.model_forward_fused import patch_fused_forward
+
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+    from megatron_rl_patches.testing.pipeline import pipeline_chunks, tiny_pipeline_config
+
+    # what verl's engine sets for its pipelines: shapes travel with the activations, overlapped p2p
+    # under VPP (the dense model dispatches no tokens; megatron refuses its default allgather
+    # dispatcher beside variable lengths)
+    config = tiny_pipeline_config(2, virtual, variable_seq_lengths=True, batch_p2p_comm=False,
+                                  overlap_p2p_comm=virtual is not None, moe_token_dispatcher_type="alltoall")
+
+    def provider(pre_process=True, post_process=True, vp_stage=None):
+        model = build_packed_gpt(vocab_size=kit.VOCAB, seed=3, config=config, pre_process=pre_process,
+                                 post_process=post_process, vp_stage=vp_stage)
+        patch_fused_forward(model)
+        return model
+
+    return pipeline_chunks(provider), config
+
+
+def _schedule(fused: bool, chunks: list, config) -> dict:
+    """One global batch of verl micro-batches through megatron-core's schedule as verl runs it."""
+    import functools
+
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from verl.utils.megatron.pipeline_parallel import make_batch_generator
+    from verl.workers.utils.losses import ppo_loss
+
+    eng = kit.engine(fused, tf_config=config)
+    loss_function = functools.partial(ppo_loss, kit.actor_config(ENTROPY_COEFF))
+    post = functools.partial(eng.postprocess_micro_batch_func, forward_only=False, loss_function=loss_function)
+    step = functools.partial(eng.forward_step, logits_processor_func=loss_function, postprocess_micro_batch_func=post)
+    micro_batches = [kit.rl_batch(PROMPTS, RESPONSES, temperature=TEMPERATURE, seed=seed, calculate_entropy=True,
+                                  num_micro_batch=MICRO_BATCHES) for seed in range(MICRO_BATCHES)]
+    reduced = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=make_batch_generator(micro_batches, vpp_size=len(chunks)),
+        model=chunks, num_microbatches=MICRO_BATCHES, seq_length=1, micro_batch_size=1, forward_only=False)
+    grads = {f"chunk{i}.{name}": g for i, chunk in enumerate(chunks) for name, g in kit.grads(chunk).items()}
+    return {"reduced": reduced, "grads": grads}
+
+
+def _rows(reduced: list, key: str, last: bool = True) -> list:
+    return [row for out in reduced for row in kit.response_rows(out["model_output"][key], PROMPTS, last)]
+
+
+def _checks(virtual: int | None) -> dict:
+    import megatron_rl_patches
+
+    chunks, config = _chunks(virtual)
+    megatron_rl_patches.revert()
+    plain = _schedule(False, chunks, config)
+    megatron_rl_patches.apply(only="verl_fused_logprobs")
+    fused = _schedule(True, chunks, config)
+    megatron_rl_patches.revert()
+    out = {"grads": max(kit.relative(fused["grads"][n], plain["grads"][n]) for n in plain["grads"]),
+           "same_names": sorted(fused["grads"]) == sorted(plain["grads"]) and len(plain["grads"]) > 2,
+           "last_stage": bool(plain["reduced"])}
+    if plain["reduced"]:  # the last stage: the micro-batches' outputs and losses
+        for key in ("log_probs", "entropy"):
+            pairs = zip(_rows(fused["reduced"], key), _rows(plain["reduced"], key))
+            out[key] = max(kit.relative(got, want) for got, want in pairs)
+        out["loss"] = max(abs(f["loss"] - p["loss"]) / abs(p["loss"])
+                          for f, p in zip(fused["reduced"], plain["reduced"]))
+        # rows per micro-batch, sequence by sequence: the first sequence of the second micro-batch
+        other = _rows(plain["reduced"], "log_probs")[len(PROMPTS)]
+        out["control_other_micro_batch"] = kit.relative(other, _rows(fused["reduced"], "log_probs")[0])
+        out["unread_rows"] = max(float(row[:p - 1].abs().max()) for o in fused["reduced"]
+                                 for row, p in zip(o["model_output"]["log_probs"].unbind(), PROMPTS))
+        out["micro_batches"] = len(fused["reduced"])
+    return out
+
+
+def _world(rank: int, world_size: int) -> dict:
+    import verl.models.mcore.registry  # noqa: F401  (bound by name before any patch: see verl_kit)
+
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    results = {}
+    for name, virtual in LAYOUTS.items():
+        with megatron_on_cpu(pipeline_parallel=2, virtual_pipeline=virtual):
+            results[name] = _checks(virtual)
+    return results
+
+
+@pytest.fixture(scope="module")
+def pipeline_world() -> list[dict]:
+    return run_multirank(_world, WORLD, timeout=300)
+
+
+@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("pp2", "thd")),
+                                    pytest.param("vpp2", marks=pytest.mark.layout("vpp2", "pp2", "thd"))])
+def test_pipelined_fused_route_equals_verls_logits_path(pipeline_world, layout):
+    first, last = (result[layout] for result in pipeline_world)
+    print(layout, first, last)
+    assert not first["last_stage"] and last["last_stage"] and last["micro_batches"] == MICRO_BATCHES
+    for stage in (first, last):
+        assert stage["same_names"] and stage["grads"] < REL, stage
+    assert max(last["log_probs"], last["entropy"], last["loss"]) < REL, last
+    assert last["unread_rows"] == 0.0  # the rows verl never reads met no output weight
+    assert last["control_other_micro_batch"] > CONTROL  # the comparison tells the micro-batches apart
