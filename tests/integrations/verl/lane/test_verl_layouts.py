@@ -27,17 +27,12 @@ pytest.importorskip("verl.models", reason="verl is not installed: run `make test
 pytestmark = [pytest.mark.verl, pytest.mark.multirank]
 
 import verl_kit as kit  # noqa: E402
+from verl_kit import CONTROL, ENTROPY_COEFF, PROMPTS, REL, RESPONSES, TEMPERATURE  # noqa: E402
 
 from megatron_rl_patches.testing.multirank import run_multirank  # noqa: E402
 
-WORLD = 2
-PROMPTS, RESPONSES = (6, 5), (17, 12)
 TOPK = 8
-TEMPERATURE = 0.7
-ENTROPY_COEFF = 0.3
-REL = 2e-5  # fp32 rounding: against verl's own fp32 path and against float64
 BF16_GRADS = 2.0 ** -8  # bf16 parameters hold bf16 gradients: one bf16 step of the largest
-CONTROL = 1e-3  # what a negative control must at least be off by
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 TP2 = dict(tensor_model_parallel_size=2)
 # name: (megatron_on_cpu keywords, model config keywords, kit CP attention layout, layout markers)
@@ -319,7 +314,7 @@ def _world(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def layouts_world() -> list[dict]:
-    return run_multirank(_world, WORLD, timeout=300)
+    return run_multirank(_world, 2, timeout=300)
 
 
 PARAMS = [pytest.param(name, id=name, marks=pytest.mark.layout(*marks)) for name, (*_, marks) in LAYOUTS.items()]

@@ -14,16 +14,11 @@ pytest.importorskip("verl.models", reason="verl is not installed: run `make test
 pytestmark = [pytest.mark.verl, pytest.mark.multirank]
 
 import verl_kit as kit  # noqa: E402
+from verl_kit import CONTROL, ENTROPY_COEFF, PROMPTS, REL, RESPONSES, TEMPERATURE  # noqa: E402
 
 from megatron_rl_patches.testing.multirank import run_multirank  # noqa: E402
 
-WORLD = 2
-PROMPTS, RESPONSES = (6, 5), (17, 12)
 MICRO_BATCHES = 2
-TEMPERATURE = 0.7
-ENTROPY_COEFF = 0.3
-REL = 2e-5
-CONTROL = 1e-3
 LAYOUTS = {"vpp2": 2, "pp2": None}  # name: virtual stages per pipeline stage
 
 
@@ -115,7 +110,7 @@ def _world(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def pipeline_world() -> list[dict]:
-    return run_multirank(_world, WORLD, timeout=300)
+    return run_multirank(_world, 2, timeout=300)
 
 
 @pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("pp2", "thd")),

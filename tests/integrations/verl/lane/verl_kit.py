@@ -14,6 +14,12 @@ import torch
 
 VOCAB = 512
 LENGTHS = (23, 17)
+# the layout worlds' actor batch: prompt and response lengths, sampling temperature, PPO entropy bonus
+PROMPTS, RESPONSES = (6, 5), (17, 12)
+TEMPERATURE = 0.7
+ENTROPY_COEFF = 0.3
+REL = 2e-5  # fp32 rounding: against verl's own fp32 path and against float64
+CONTROL = 1e-3  # what a negative control must at least be off by
 
 
 def nested(rows: list[torch.Tensor]) -> torch.Tensor:
