@@ -52,6 +52,7 @@ def test_reentrant_train_matches_the_by_hand_control(lane, layout):
                 assert len(got[key]) == len(want[key]) == tl.ROLLOUT_STEPS
                 for a, b in zip(got[key], want[key]):
                     assert torch.equal(a, b), (rank, key, got["rollout_id"], (a - b).abs().max())
+        assert torch.equal(out["params"]["patched"], out["params"]["control"]), f"rank {rank}: parameters differ"
         assert all(g.abs().sum() > 0 for result in patched for g in result["grads"])  # every step learned
         assert not torch.equal(patched[0]["grads"][0], patched[1]["grads"][0])  # rollouts differ
         # negative control: upstream's second call stops at its own first install
@@ -89,6 +90,8 @@ def test_each_layout_runs_what_it_names(lane, layout):
         assert (facts["sequence_parallel"] > 0) == (layout == "sp")
         assert facts["rows"] == (8 if layout.startswith("cp2") else 16)  # a context-parallel rank's half
         assert facts["dtypes"] == (["torch.bfloat16"] if layout == "bf16" else ["torch.float32"])
+        if layout == "bf16":  # Megatron's mixed-precision optimizer: fp32 main parameters
+            assert facts["optimizers"] == ["Float16OptimizerWithFloat16Params"], facts["optimizers"]
         experts = {name.split("local_experts.")[1].split(".")[0] for name in shapes if "local_experts." in name}
         assert experts == ({"0", "1"} if layout == "ep2" else set())  # 2 of 4 experts on each rank
         assert any(name.startswith("mtp.") for name in with_grad) == (layout == "mtp")

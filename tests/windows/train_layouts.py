@@ -165,9 +165,9 @@ def reentry(env: Any, layout: Layout, config_of: Callable[[], Any], batch: Calla
         return train(rollout_id, model, slime_model.MainGradSGD(0.1), None, data, [len(s) for s in data])
 
     out: dict = {}
-    guarded, model = reentrant_train(slime_model.train), chunks()
+    guarded, patched_model = reentrant_train(slime_model.train), chunks()
     try:
-        out["patched"] = [run(guarded, model, r) for r in range(ROLLOUTS)]
+        out["patched"] = [run(guarded, patched_model, r) for r in range(ROLLOUTS)]
     except Exception as exc:  # noqa: BLE001
         out["patched"] = describe(exc)
     model = chunks()
@@ -181,7 +181,14 @@ def reentry(env: Any, layout: Layout, config_of: Callable[[], Any], batch: Calla
         mrp_rollouts.rebuild_by_hand(model)
         control.append(run(slime_model.train, model, rollout_id))
     out["control"] = control
+    out["params"] = {"patched": _params(patched_model), "control": _params(model)}
     return out
+
+
+def _params(chunks: list[Any]) -> Any:
+    import torch
+
+    return torch.cat([p.detach().float().flatten() for chunk in chunks for p in chunk.module.parameters()])
 
 
 # ------------------------------------------------------------------ F2: accumulation windows
@@ -249,6 +256,8 @@ def facts(setup: Any, layer_calls: list[int]) -> dict:
         "rows": int(setup.batch(seed=0)["tokens"].shape[1]),
         "layer_calls_per_microbatch": layer_calls[0] / sum(len(step) for step in STEPS),
         "layers": len(_decoder_layers(setup.chunks)),
+        "optimizers": sorted({type(opt).__name__ for opt in getattr(setup.optimizer, "chained_optimizers",
+                                                                      [setup.optimizer])}),
     }
 
 
