@@ -5,7 +5,7 @@ before 0.18 the step goes to slime's logits path with the line saying why. On CP
 and its pre-process and post-process nodes run (`forward_impl`, around the real decoder): the same
 log-probs and gradients as the fused model call, no [T, V] tensor (the plain plan's logits are the
 watch's control). The full plan's schedule (expert-parallel overlap, alltoall dispatcher, CUDA
-streams) runs in `make test-gpu` (tests/gpu/test_slime_fused_schedule_plan_gpu.py)."""
+streams) runs in `make test-gpu` (test_slime_fused_schedule_plan_gpu.py)."""
 from __future__ import annotations
 
 import inspect
