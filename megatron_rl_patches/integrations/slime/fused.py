@@ -235,6 +235,10 @@ class FusedModel:
             fall_back(f"a model whose {_called(method)} lacks GPTModel's output_processor keyword (apply "
                       "gpt_output_processor on megatron-core < 0.18)")
             return plain(*args, **kwargs)
+        if kwargs.get("mtp_kwargs") and mtp_heads_build_logits(self._model):
+            from megatron_rl_patches._log import warn_once
+
+            warn_once(MTP_LOGITS)
         return self._fused(kwargs, batch, plain)
 
     def _fused(self, kwargs: dict, batch: dict, call: Any) -> FusedOutput:
@@ -271,6 +275,26 @@ def fused_output(processor: Any) -> Any:
         return FusedOutput(processor(**kwargs))
 
     return process
+
+
+MTP_LOGITS = ("slime_fused: MTP training on this megatron-core computes the MTP heads' loss in process_mtp_loss "
+              "from [T, V] logits: apply patch mtp_output_processor too (it is in `all`)")
+
+
+def mtp_heads_build_logits(model: Any) -> bool:
+    """Whether this chunk's MTP heads would project [T, V] logits beside the fused main head: on
+    megatron-core >= 0.18 (`process_mtp_loss` in the model's module) unless patch
+    `mtp_output_processor` is in effect; before 0.18 the GPT backport serves them."""
+    import sys
+
+    from megatron_rl_patches.processors.mtp_loss import fused_mtp_loss_in_effect
+
+    inner = _inner(model)
+    if not getattr(getattr(inner, "config", None), "mtp_num_layers", None):
+        return False
+    module = sys.modules.get(type(inner).__module__)
+    namespace = vars(module) if module is not None else {}
+    return "process_mtp_loss" in namespace and not fused_mtp_loss_in_effect(namespace)
 
 
 def _called(method: str) -> str:

@@ -245,3 +245,26 @@ def test_a_non_last_pipeline_stage_gets_the_plain_model_call(megatron_cpu, clean
     out = slime_fused.FusedModel(stage0, plan)(**call, packed_seq_params=packed)
     assert isinstance(out, torch.Tensor) and not isinstance(out, dict)
     torch.testing.assert_close(out, stage0(**call, packed_seq_params=packed), rtol=0, atol=0)
+
+
+@pytest.mark.megatron
+def test_mtp_heads_building_logits_are_named_until_mtp_output_processor_is_applied(megatron_cpu, clean_patch_state):
+    """A real GPTModel with one MTP head: from megatron-core 0.18 on its heads' loss is
+    `process_mtp_loss` on [T, V] logits unless patch `mtp_output_processor` is applied; before 0.18
+    the GPT backport serves the inline heads."""
+    from megatron.core.models.gpt import gpt_model
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+
+    import megatron_rl_patches
+
+    config = megatron_cpu.config(mtp_num_layers=1)
+    spec = get_gpt_layer_local_spec()
+    model = gpt_model.GPTModel(config=config, transformer_layer_spec=spec, vocab_size=100, max_sequence_length=16,
+                               mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
+    native = hasattr(gpt_model, "process_mtp_loss")
+    assert slime_fused.mtp_heads_build_logits(model) is native
+    megatron_rl_patches.apply(only=["mtp_output_processor"])
+    assert slime_fused.mtp_heads_build_logits(model) is False
+    plain = gpt_model.GPTModel(config=megatron_cpu.config(), transformer_layer_spec=spec, vocab_size=100,
+                               max_sequence_length=16)
+    assert slime_fused.mtp_heads_build_logits(plain) is False
