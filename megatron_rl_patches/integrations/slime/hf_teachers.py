@@ -1,8 +1,9 @@
-"""Teachers (slime_opd's, and `inference_roles`' frozen roles) from Hugging Face directories of another architecture than the actor's:
-the routing decision (a `PATH` whose config.json shapes the same model as the actor goes slime's
-way, into the actor's buffers; one that differs is built by `build_inference_model_from_hf` as a
-separate inference-only model on the actor's tensor / pipeline / expert split), the vocabulary
-check against the student before anything is built, and the build.
+"""Teachers (slime_opd's, and `inference_roles`' frozen roles) from Hugging Face directories of
+another architecture than the actor's: the routing decision (a `PATH` whose config.json shapes
+the same model as the actor goes slime's way, into the actor's buffers; one that differs is
+built by `build_inference_model_from_hf` as a separate inference-only model on the actor's
+tensor / pipeline / expert split), the vocabulary check against the student before anything is
+built, and the build.
 
 Every rank reads the files; they agree on each decision by a collective before acting on it, so a
 rank that sees another file system fails with the others instead of leaving them waiting."""
@@ -192,9 +193,10 @@ def build_hf_teacher(args: Any, path: str, residency: str | None, student: int |
         make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None) or 128,
         core_attention=packed_core_attention(args))
     for chunk in chunks:
-        while hasattr(chunk, "module"):
-            chunk = chunk.module
+        inner: Any = chunk
+        while hasattr(inner, "module"):
+            inner = inner.module
         for name in SCHEDULE_FIELDS:
             if hasattr(actor_config, name):
-                setattr(chunk.config, name, getattr(actor_config, name))
+                setattr(inner.config, name, getattr(actor_config, name))
     return chunks

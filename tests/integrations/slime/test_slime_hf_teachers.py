@@ -72,7 +72,8 @@ def test_the_route_follows_the_shape_of_the_model(tmp_path):
         (hf_teachers.HF, ["qk_norm: teacher False, actor True"])
     route, differences = hf_teachers.local_route(_config_dir(tmp_path, "moe", kind="qwen3_moe"), args, what)
     assert route == hf_teachers.HF and "num_experts: teacher 4, actor 0" in differences
-    assert hf_teachers.local_route(_config_dir(tmp_path, "vocab", vocab_size=VOCAB + 1), args, what)[0] == hf_teachers.HF
+    vocab = _config_dir(tmp_path, "vocab", vocab_size=VOCAB + 1)
+    assert hf_teachers.local_route(vocab, args, what)[0] == hf_teachers.HF
     # Megatron checkpoints and paths slime's own loader reports on stay slime's
     megatron = tmp_path / "megatron"
     megatron.mkdir()
@@ -174,7 +175,8 @@ def test_a_teacher_of_another_size_scores_the_students_ids_as_transformers(megat
     out = scored(real_vocab_size(chunk))
     want_logp = full.gather(-1, ids)
     want_tail = torch.log1p(-want_logp.exp().sum(-1))
-    errors = {"log_probs": (out["log_probs"].double() - full.gather(-1, batch["labels"][..., None])[..., 0]).abs().max(),
+    want_labels = full.gather(-1, batch["labels"][..., None])[..., 0]
+    errors = {"log_probs": (out["log_probs"].double() - want_labels).abs().max(),
               "topk": (out["topk_log_probs"].double() - want_logp).abs().max(),
               "tail": (out["tail"].double() - want_tail).abs().max()}
     print("other-architecture teacher vs transformers:", {k: f"{float(v):.1e}" for k, v in errors.items()})
