@@ -19,7 +19,7 @@ _ROUTES = (SNAPSHOT, HF)
 # (None where derived in `actor_shape`).
 SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "intermediate_size", "num_experts", "moe_intermediate_size", "vocab_size", "qk_norm", "qkv_bias",
-                "tie_word_embeddings")
+                "tie_word_embeddings", "rope_theta", "rms_norm_eps")
 
 
 def hf_shape(config: dict[str, Any]) -> dict[str, Any]:
@@ -40,6 +40,9 @@ def hf_shape(config: dict[str, Any]) -> dict[str, Any]:
         "num_experts": experts,
         "moe_intermediate_size": config.get("moe_intermediate_size") if experts else None,
         "vocab_size": config.get("vocab_size"),
+        # not shapes, but the snapshot route would run the teacher with the actor's values
+        "rope_theta": (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta"),
+        "rms_norm_eps": config.get("rms_norm_eps"),
     }
     if "tie_word_embeddings" in config:  # transformers' default differs by family: compared where written
         shape["tie_word_embeddings"] = bool(config["tie_word_embeddings"])
@@ -69,6 +72,8 @@ def actor_shape(args: Any) -> dict[str, Any]:
         "tie_word_embeddings": not getattr(args, "untie_embeddings_and_output_weights", False),
         "qkv_bias": bool(getattr(args, "add_qkv_bias", False)),
         "qk_norm": bool(getattr(args, "qk_layernorm", False)),
+        "rope_theta": getattr(args, "rotary_base", None),
+        "rms_norm_eps": getattr(args, "norm_epsilon", None),
     }
 
 

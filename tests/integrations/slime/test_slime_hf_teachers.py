@@ -74,6 +74,10 @@ def test_the_route_follows_the_shape_of_the_model(tmp_path):
     assert route == hf_teachers.HF and "num_experts: teacher 4, actor 0" in differences
     vocab = _config_dir(tmp_path, "vocab", vocab_size=VOCAB + 1)
     assert hf_teachers.local_route(vocab, args, what)[0] == hf_teachers.HF
+    # the same shapes, another RoPE base: slime's route would run it with the actor's
+    rope = _config_dir(tmp_path, "rope", rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    assert hf_teachers.local_route(rope, _actor_args(rotary_base=10000, norm_epsilon=1e-6), what) == \
+        (hf_teachers.HF, ["rope_theta: teacher 1000000.0, actor 10000"])
     # Megatron checkpoints and paths slime's own loader reports on stay slime's
     megatron = tmp_path / "megatron"
     megatron.mkdir()
