@@ -60,6 +60,8 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype) -> Any:
         perform_initialization=False,  # every weight is overwritten by the checkpoint
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        # with virtual pipeline stages each chunk must know them (its layers' offsets)
+        virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         sequence_parallel=False,
         bias_activation_fusion=False,

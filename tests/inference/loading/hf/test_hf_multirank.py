@@ -1,9 +1,9 @@
 """Hugging Face teachers at TP=2 (Qwen3, Qwen2's biases, Qwen3-MoE's experts), PP=2 (every
-family; slime_opd's teacher of another size on the actor's split) and EP=2 (one spawned 2-rank
-gloo world, several worlds of parallel state in turn): log-probs of the logits route and the
-fused processor equal transformers' forward to 1e-5 on the ranks that hold them, for resident
-builds and (TP=2, PP=2, EP=2) swap and stream builds; sizes that do not divide the model are
-refused."""
+family; slime_opd's teacher of another size on the actor's split), PP=2xVPP=2 and EP=2 (one
+spawned 2-rank gloo world, several worlds of parallel state in turn): log-probs of the logits
+route and the fused processor equal transformers' forward to 1e-5 on the ranks that hold them,
+for resident builds and (TP=2, PP=2, EP=2) swap and stream builds; sizes that do not divide the
+model are refused."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 VOCAB, SEQ = 1001, 12
 
 
-def _scores(chunks, batch, tp_group):
+def _scores(chunks, batch, tp_group, microbatches=1):
     """{"logits": [b, s], "fused": [b, s]} through megatron-core's forward-only schedule (empty
     off the last pipeline stage)."""
     from megatron_rl_patches import log_prob_output_processor
@@ -33,10 +33,13 @@ def _scores(chunks, batch, tp_group):
         out = model(*args, labels=batch["labels"], output_processor=log_prob_output_processor(vocab_size=VOCAB))
         return out["log_probs"] if isinstance(out, dict) else out  # the schedule's MoE path needs a tensor
 
-    options = dict(num_microbatches=1, seq_length=SEQ, micro_batch_size=2)
-    routed = inference_forward(chunks, iter([None]), logits_step,
+    def steps():  # the same batch in each micro-batch (virtual stages: an iterator per chunk)
+        return [iter([None] * microbatches) for _ in chunks] if len(chunks) > 1 else iter([None] * microbatches)
+
+    options = dict(num_microbatches=microbatches, seq_length=SEQ, micro_batch_size=2)
+    routed = inference_forward(chunks, steps(), logits_step,
                                collect=token_log_probs(tp_group=tp_group, vocab_size=VOCAB), **options)
-    fused = inference_forward(chunks, iter([None]), fused_step, collect=lambda out, _: out, **options)
+    fused = inference_forward(chunks, steps(), fused_step, collect=lambda out, _: out, **options)
     if not routed:
         return {}
     return {"logits": routed[0]["log_probs"].double(), "fused": fused[0].double()}
@@ -99,6 +102,10 @@ def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
         (chunks,) = opd.load_teachers(_slime_actor(2), opd_settings({TEACHERS: f"{root}/other"}))
         results["pp2_other_layers"] = [layer.layer_number for layer in chunks[0].decoder.layers]
         results["pp2_other"] = _scores(chunks, batch, None)
+    with megatron_on_cpu(pipeline_parallel=2, virtual_pipeline=2):  # each chunk its own layers
+        chunks = build_inference_model_from_hf(f"{root}/other", dtype=torch.float32)
+        results["vpp2_layers"] = [[layer.layer_number for layer in chunk.decoder.layers] for chunk in chunks]
+        results["vpp2"] = _scores(chunks, batch, None, microbatches=2)
     with megatron_on_cpu():
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
@@ -190,6 +197,17 @@ def test_slime_opd_teacher_of_another_size_takes_the_actors_pipeline_split(world
     assert [r["pp2_other_layers"] for r in results] == [[1, 2], [3, 4]]
     assert results[0]["pp2_other"] == {}
     errors = _close(results[1]["pp2_other"], reference["other"])
+    assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), errors
+
+
+@pytest.mark.layout("pp2", "vpp2")
+def test_pp2_vpp2_chunks_take_their_own_layers(world):
+    """Before the fix every virtual chunk of a stage built that stage's first layers ([1, 2] twice
+    on stage 0): the TransformerConfig had no virtual pipeline size."""
+    results, reference = world
+    assert [r["vpp2_layers"] for r in results] == [[[1], [3]], [[2], [4]]]
+    assert results[0]["vpp2"] == {}
+    errors = _close(results[1]["vpp2"], reference["other"])
     assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), errors
 
 
