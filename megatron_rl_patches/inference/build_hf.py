@@ -26,8 +26,10 @@ def _check_parallel(arch: Any) -> None:
     problems = []
     if arch.num_kv_heads % tp:
         problems.append(f"num_key_value_heads={arch.num_kv_heads} is not a multiple of the tensor-parallel size {tp}")
-    if arch.num_layers % pp:
-        problems.append(f"num_hidden_layers={arch.num_layers} is not a multiple of the pipeline-parallel size {pp}")
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    if arch.num_layers % (pp * vpp):
+        stages = f"the pipeline-parallel size {pp}" + (f" x {vpp} virtual stages" if vpp > 1 else "")
+        problems.append(f"num_hidden_layers={arch.num_layers} is not a multiple of {stages}")
     if arch.is_moe and arch.num_experts % ep:
         problems.append(f"{arch.num_experts} experts are not a multiple of the expert-parallel size {ep}")
     if not arch.is_moe and ep > 1:

@@ -179,7 +179,7 @@ def check_vocab(path: str, student: int | str, what: str) -> None:
 
 # The actor's schedule settings the teacher's config must share: slime's forward_only reads the
 # p2p shapes and batching from the model it runs (packed batches have variable lengths).
-SCHEDULE_FIELDS = ("variable_seq_lengths", "batch_p2p_comm", "batch_p2p_sync")
+SCHEDULE_FIELDS = ("variable_seq_lengths", "batch_p2p_comm", "batch_p2p_sync", "microbatch_group_size_per_vp_stage")
 
 
 def build_hf_teacher(args: Any, path: str, residency: str | None, student: int | str, actor_config: Any,

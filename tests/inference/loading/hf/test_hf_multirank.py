@@ -106,6 +106,11 @@ def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
         chunks = build_inference_model_from_hf(f"{root}/other", dtype=torch.float32)
         results["vpp2_layers"] = [[layer.layer_number for layer in chunk.decoder.layers] for chunk in chunks]
         results["vpp2"] = _scores(chunks, batch, None, microbatches=2)
+        try:
+            build_inference_model_from_hf(dense)  # 2 layers over 4 virtual stages
+            results["vpp2_refused"] = None
+        except ValueError as exc:
+            results["vpp2_refused"] = str(exc)
     with megatron_on_cpu():
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
@@ -226,3 +231,5 @@ def test_sizes_that_do_not_divide_the_model_are_refused(world):
     results, _ = world
     for result in results:
         assert "num_hidden_layers=3 is not a multiple of the pipeline-parallel size 2" in result["refused"]
+        assert "num_hidden_layers=2 is not a multiple of the pipeline-parallel size 2 x 2 virtual stages" in \
+            result["vpp2_refused"]
