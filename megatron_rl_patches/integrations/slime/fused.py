@@ -254,6 +254,9 @@ class FusedModel:
         rows = response_rows(batch, length, tokens.device, allgather_cp)
         options: dict[str, Any] = dict(temperature=float(getattr(plan.args, "rollout_temperature", 1.0)),
                                        chunk_size=_chunk_size(plan.args))
+        real_vocab = real_vocab_size(self._model)
+        if real_vocab is not None:  # a model built from a Hugging Face checkpoint: its padding rows get no mass
+            options["vocab_size"] = real_vocab
         processor = log_prob_output_processor(with_entropy=plan.with_entropy,
                                               entropy_requires_grad=plan.entropy_requires_grad, **options)
         context: dict = row_context(rows[None])
@@ -299,6 +302,17 @@ def mtp_heads_build_logits(model: Any) -> bool:
 
 def _called(method: str) -> str:
     return "model" if method == "forward" else f"model.{method}"
+
+
+def real_vocab_size(model: Any) -> int | None:
+    """The unpadded vocab a chunk (or a wrapper of it) built by build_inference_model_from_hf
+    carries as `hf_vocab_size`; None for other models (slime scores their padded columns)."""
+    while model is not None:
+        size = getattr(model, "__dict__", {}).get("hf_vocab_size")
+        if size is not None:
+            return int(size)
+        model = getattr(model, "module", None)
+    return None
 
 
 def batch_layout(packed_seq_params: Any) -> str:

@@ -245,10 +245,19 @@ def dense_topk_opd(args: Any, model: list[Any], snapshots: list[list[torch.Tenso
     for snapshot in snapshots:
         with torch.no_grad():
             teachers.append(response_logps(float64_copy(args, snapshot), data, temperature))
+    total = dense_opd_loss(response_logps(student, data, temperature), teachers, data, ids, weights, masks)
+    total.backward()
+    return total, student
+
+
+def dense_opd_loss(students: list[torch.Tensor], teachers: list[list[torch.Tensor]], data: dict,
+                   ids: list[torch.Tensor], weights: Sequence[float],
+                   masks: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """The first step's OPD loss (as `dense_topk_opd`) from per-sample dense [R, V] log-softmaxes:
+    the student's and, per teacher, its own (any model: a snapshot or another architecture)."""
     w = torch.tensor(weights, dtype=torch.float64)
     w = w / w.sum()
     total = torch.zeros((), dtype=torch.float64)
-    students = response_logps(student, data, temperature)
     for s, (sample_ids, mask) in enumerate(zip(ids, data["loss_masks"])):
         real = torch.ones_like(sample_ids, dtype=torch.bool) if masks is None else masks[s]
         buckets = []
@@ -258,6 +267,4 @@ def dense_topk_opd(args: Any, model: list[Any], snapshots: list[list[torch.Tenso
         mix = torch.log((w[:, None, None] * torch.stack([b.exp() for b in buckets[1:]])).sum(0))
         kl = torch.where(mix.isneginf(), 0.0, mix.exp() * (mix - buckets[0])).sum(-1)  # 0·log 0 = 0
         total = total + (kl * mask).sum() / mask.sum().clamp(min=1)
-    total = total / len(ids)
-    total.backward()
-    return total, student
+    return total / len(ids)
