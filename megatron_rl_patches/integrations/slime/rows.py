@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 LOSS = "slime.backends.megatron_utils.loss"
-HELPERS = ("_build_shifted_tokens", "_extract_per_sample", "_allgather_cp_redistribute")
+HELPERS = ("_build_shifted_tokens", "_extract_per_sample", "_allgather_cp_redistribute", "slice_log_prob_with_cp")
 
 
 def slime_loss() -> Any:

@@ -21,27 +21,35 @@ def replays_top_p(args: Any) -> bool:
 
 def kept_context(batch: dict, length: int, device: Any) -> dict[str, torch.Tensor] | None:
     """The processor context keys ("kept_ids", "kept_positions", "kept_row_mask" [1, T]) of the
-    micro-batch's nuclei, in its packed (context-parallel size 1) rows; None when the batch carries
-    none (slime fetched no top-p keys: the step's loss does not replay them)."""
-    from megatron_rl_patches.integrations.slime.rows import response_positions
+    micro-batch's nuclei on its local packed rows (context parallelism 1 or zigzag: slime's own
+    slicing picks each sample's rows and their response tokens); None when the batch carries none
+    (slime fetched no top-p keys: the step's loss does not replay them)."""
+    from megatron_rl_patches.integrations.slime.rows import response_positions, slime_loss
 
     if batch.get(IDS) is None or batch.get(OFFSETS) is None:
         return None
     pieces = response_positions(batch, length, device, False)
     ids_out, positions_out = [], []
     row_mask = torch.zeros(length, dtype=torch.bool, device=device)
-    for rows, ids, offsets in zip(pieces, batch[IDS], batch[OFFSETS], strict=True):
+    for rows, ids, offsets, total, response in zip(pieces, batch[IDS], batch[OFFSETS], batch["total_lengths"],
+                                                   batch["response_lengths"], strict=True):
         ids = torch.as_tensor(ids, dtype=torch.long).to(device)
         offsets = torch.as_tensor(offsets, dtype=torch.long).to(device)
-        n = min(rows.numel(), max(offsets.numel() - 1, 0))  # tokens past the offsets keep the full vocabulary
-        counts = offsets[1: n + 1] - offsets[:n]
-        if bool((counts < 0).any()) or (n and int(offsets[n]) > ids.numel()):
+        # the response token of each local row, in the order slime's slicing reads the rows
+        tokens = slime_loss().slice_log_prob_with_cp(torch.arange(response, device=device), total, response)
+        if tokens.numel() != rows.numel():
+            raise RuntimeError(f"slime_fused: {rows.numel()} local response rows but {tokens.numel()} response tokens "
+                               "of a sample; please report this")
+        replayed = tokens < offsets.numel() - 1  # tokens past the offsets keep the full vocabulary
+        rows, tokens = rows[replayed], tokens[replayed]
+        counts = offsets[tokens + 1] - offsets[tokens]
+        if bool((counts < 0).any()) or (tokens.numel() and int(offsets[tokens + 1].max()) > ids.numel()):
             raise ValueError(f"slime_fused: {OFFSETS} must be non-decreasing and end within {IDS} "
                              f"({ids.numel()} ids), got {offsets.tolist()}")
-        row_mask[rows[:n]] = True
-        first = torch.repeat_interleave(offsets[:n] - (counts.cumsum(0) - counts), counts)
+        row_mask[rows] = True
+        first = torch.repeat_interleave(offsets[tokens] - (counts.cumsum(0) - counts), counts)
         ids_out.append(ids[first + torch.arange(first.numel(), device=device)])
-        positions_out.append(torch.repeat_interleave(rows[:n], counts))
+        positions_out.append(torch.repeat_interleave(rows, counts))
     empty = torch.zeros(0, dtype=torch.long, device=device)
     return {"kept_ids": torch.cat([empty, *ids_out]), "kept_positions": torch.cat([empty, *positions_out]),
             "kept_row_mask": row_mask[None]}

@@ -23,7 +23,7 @@ def _args(**values):
 
 
 @pytest.mark.parametrize("values, feature", [
-    ({"rollout_top_p": 0.9, "context_parallel_size": 2}, "top-p replay under context parallelism"),
+    ({"rollout_top_p": 0.9, "allgather_cp": True}, "top-p replay with --allgather-cp"),
     ({"enable_mtp_training": True}, "MTP training"),
     ({"loss_type": "value_loss"}, "critic's value head"),
 ])
@@ -34,11 +34,12 @@ def test_unservable_names_the_feature(values, feature):
 
 def test_routing_replay_and_top_p_replay_are_served(monkeypatch):
     """issue 40: no fallback for routing replay (slime's window is around the fused call) nor for
-    top-p replay at context-parallel size 1 (the lane compares both with slime's own path)."""
+    top-p replay at context-parallel size 1 and zigzag (the lane compares both with slime's own path)."""
     monkeypatch.setenv("ENABLE_ROUTING_REPLAY", "1")
     monkeypatch.setenv("ROUTING_REPLAY_STAGE", "replay_forward")
     assert slime_fused.unservable(_args()) is None
-    assert slime_fused.unservable(_args(rollout_top_p=0.9, context_parallel_size=1)) is None
+    for cp in (1, 2):
+        assert slime_fused.unservable(_args(rollout_top_p=0.9, context_parallel_size=cp, allgather_cp=False)) is None
 
 
 def test_schedule_plan_goes_to_the_real_model_with_one_log_line(caplog):

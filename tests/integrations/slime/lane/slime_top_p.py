@@ -56,7 +56,7 @@ def renormalized(logps: list[torch.Tensor], data: dict) -> list[torch.Tensor]:
     return out
 
 
-def forward_and_step(kit, fused: bool, *extra: str):
+def forward_and_step(kit, fused: bool, *extra: str, reference: bool = True):
     from slime.backends.megatron_utils import loss as slime_loss
     from slime.backends.megatron_utils import model as slime_model
 
@@ -72,14 +72,17 @@ def forward_and_step(kit, fused: bool, *extra: str):
             gpt = model[0]
             while hasattr(gpt, "module"):
                 gpt = gpt.module
-            student = kit.float64_copy(args, [p.detach() for p in gpt.parameters()])
+            student = kit.float64_copy(args, [p.detach() for p in gpt.parameters()]) if reference else None
             with VocabWideTensors(vocab=kit.VOCAB) as watch:
                 out = slime_model.forward_only(slime_loss.get_log_probs_and_entropy, args, model,
                                                kit.iterators(data), [len(data["micro_batch_indices"])],
                                                use_rollout_top_p_replay=True)
-            with torch.no_grad():
-                logps = kit.response_logps(student, data, TEMPERATURE)
+            with torch.no_grad():  # the float64 model is whole: one rank's reference only
+                logps = kit.response_logps(student, data, TEMPERATURE) if reference else None
             step_data = nuclei(kit.rollout(0, [lp + 0.05 for lp in out["log_probs"]]), 5)
+            # slime's actor hands the step this rank's context-parallel slice of per-token values
+            step_data["advantages"] = [slime_loss.slice_log_prob_with_cp(a, t, r) for a, t, r in zip(
+                step_data["advantages"], step_data["total_lengths"], step_data["response_lengths"])]
             for chunk in model:
                 chunk.train()
             losses, grad_norm = slime_model.train_one_step(args, 0, 0, kit.iterators(step_data), model, optimizer,
@@ -90,17 +93,19 @@ def forward_and_step(kit, fused: bool, *extra: str):
     return out, logps, data, losses, grad_norm, weights, watch
 
 
-def tp_rank(rank: int, world_size: int) -> dict[str, Any]:
-    """One rank of a TP = `world_size` world: slime's unpatched route, then the fused one, from the
-    same fresh weights (the vocab, and so the nuclei, spread over both shards)."""
+def world_rank(rank: int, world_size: int, tensor: int, context: int) -> dict[str, Any]:
+    """One rank of a TP = `tensor` × CP = `context` (zigzag) world: slime's unpatched route, then
+    the fused one, from the same fresh weights (under TP the vocab, and so each nucleus, spreads
+    over the shards; under CP each rank holds two chunks of every sample's rows)."""
     from slime_ranks import lane_rank
 
-    with lane_rank(rank, world_size, tensor=world_size):
+    with lane_rank(rank, world_size, tensor=tensor, context=context):
         import slime_kit as kit
 
         result = {}
         for fused in (False, True):
-            out, _, _, losses, grad_norm, weights, _ = forward_and_step(kit, fused, "--tensor-model-parallel-size",
-                                                                        str(world_size))
+            out, _, _, losses, grad_norm, weights, _ = forward_and_step(
+                kit, fused, "--tensor-model-parallel-size", str(tensor), "--context-parallel-size", str(context),
+                reference=False)
             result[fused] = {"out": out, "losses": losses, "grad_norm": grad_norm, "weights": weights}
         return result

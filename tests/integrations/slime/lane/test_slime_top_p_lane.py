@@ -54,14 +54,16 @@ def test_top_p_replay_fused_matches_slime_and_float64(slime_cpu, caplog):
     assert fused_watch.largest_shape and math.prod(fused_watch.largest_shape[:-1]) <= 4, fused_watch.as_dict()
 
 
-@pytest.mark.layout("tp2")
-def test_top_p_replay_fused_matches_slime_at_tp2(slime_cpu):
-    """Two gloo ranks, the vocabulary (and each nucleus) split over the shards: slime's own route
-    and the fused one (the kept logits joined by one all-reduce) agree on every rank."""
+@pytest.mark.parametrize("tensor, context", [pytest.param(2, 1, marks=pytest.mark.layout("tp2", "thd")),
+                                             pytest.param(1, 2, marks=pytest.mark.layout("cp2-zigzag", "thd"))])
+def test_top_p_replay_fused_matches_slime_at_tp2_and_cp2(slime_cpu, tensor, context):
+    """Two gloo ranks: at TP=2 the vocabulary (and each nucleus) is split over the shards (the kept
+    logits joined by one all-reduce), at CP=2 each rank holds two zigzag chunks of every sample
+    (the nuclei follow slime's own slicing); slime's route and the fused one agree on every rank."""
     from megatron_rl_patches.testing.multirank import run_multirank
 
     _, top_p = _kits()
-    for rank, result in enumerate(run_multirank(top_p.tp_rank, 2, timeout=300)):
+    for rank, result in enumerate(run_multirank(top_p.world_rank, 2, tensor, context, timeout=300)):
         plain, fused = result[False], result[True]
         for key in ("log_probs", "entropy"):
             for a, b in zip(plain["out"][key], fused["out"][key], strict=True):
