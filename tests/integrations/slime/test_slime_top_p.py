@@ -55,3 +55,37 @@ def test_bad_offsets_are_refused_and_no_keys_give_no_context(cp1_slicing):
         kept_context(_batch(rollout_top_p_token_ids=[[1], []], rollout_top_p_token_offsets=[[0, 1, 3], [0]]), 11,
                      "cpu")
     assert kept_context(_batch(), 11, "cpu") is None
+
+
+@pytest.mark.megatron
+def test_top_p_and_top_k_buckets_in_one_fused_call(megatron_cpu, clean_patch_state):
+    """top-p replay beside top-k OPD (`with_topk`): the kept-set keys reach the log-prob processor
+    only (the top-k one accepts none of them), and each result equals its processor run alone."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    import megatron_rl_patches
+    from megatron_rl_patches import log_prob_output_processor, topk_output_processor
+    from megatron_rl_patches.integrations.slime.topk import with_topk
+
+    megatron_rl_patches.apply(only="gpt_output_processor")
+    torch.manual_seed(0)
+    model = GPTModel(config=megatron_cpu.config(), transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
+                     max_sequence_length=16)
+    batch = megatron_cpu.batch(seed=3)
+    call = dict(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=batch["attention_mask"],
+                labels=batch["labels"])
+    rows = torch.ones(batch["labels"].shape, dtype=torch.bool)
+    kept = {"kept_ids": torch.tensor([3, 9, 9, 40]), "kept_positions": torch.tensor([0, 0, 5, 17]),
+            "kept_row_mask": rows & (torch.arange(16) < 8)}
+    log_prob = log_prob_output_processor(with_entropy=True)
+    with torch.no_grad():
+        both = model(**call, output_processor=with_topk(log_prob, 3, {}, {}),
+                     output_processor_context={"row_mask": rows, **kept})
+        alone = model(**call, output_processor=log_prob, output_processor_context={"row_mask": rows, **kept})
+        topk = model(**call, output_processor=topk_output_processor(k=3), output_processor_context={"row_mask": rows})
+    for key in ("log_probs", "entropy", "kept_log_probs"):
+        torch.testing.assert_close(both[key], alone[key], rtol=0, atol=0)
+    for key in ("topk_ids", "topk_log_probs", "tail"):
+        torch.testing.assert_close(both[key], topk[key], rtol=0, atol=1e-6)
+    assert float((both["kept_log_probs"] - both["log_probs"]).abs().max()) > 1e-2
