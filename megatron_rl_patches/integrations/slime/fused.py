@@ -18,10 +18,8 @@ from typing import Any
 from megatron_rl_patches.integrations.slime.plan import Plan, current_plan, run_planned, step_request
 
 FALLBACK = "slime_fused: {feature}: this step uses slime's own logits path"
-# routing replay needs nothing of the route: slime's window (ROUTING_REPLAY_STAGE) is set around
-# the model call, which the fused call is, and the router's patched compute_topk pops the routes
-TOP_P_ALLGATHER_CP = ("top-p replay with --allgather-cp (rollout_top_p != 1: the fused route maps the nuclei to packed "
-                  "rows at context-parallel size 1 and zigzag only)")
+TOP_P_ALLGATHER_CP = ("top-p replay with --allgather-cp (rollout_top_p != 1: the fused route maps the nuclei to "
+                      "packed rows at context-parallel size 1 and zigzag only)")
 
 logger = logging.getLogger("megatron_rl_patches")
 _SAID: set[str] = set()
@@ -52,7 +50,10 @@ class FusedOutput(dict):
 
 
 def unservable(args: Any) -> str | None:
-    """The feature of slime's configuration the fused route cannot serve, or None."""
+    """The feature of slime's configuration the fused route cannot serve, or None. Routing replay
+    (ENABLE_ROUTING_REPLAY=1) needs nothing of the route: slime sets its ROUTING_REPLAY_STAGE window
+    around the model call, which the fused call is, and the router's patched compute_topk pops the
+    recorded routes."""
     if getattr(args, "rollout_top_p", 1.0) != 1.0 and getattr(args, "allgather_cp", False):
         return TOP_P_ALLGATHER_CP
     if getattr(args, "enable_mtp_training", False):
