@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from typing import Any
 
 from megatron_rl_patches.integrations.slime.plan import Plan, current_plan, run_planned, step_request
 
 FALLBACK = "slime_fused: {feature}: this step uses slime's own logits path"
+TOP_P_ALLGATHER_CP = ("top-p replay with --allgather-cp (rollout_top_p != 1: the fused route maps the nuclei to "
+                      "packed rows at context-parallel size 1 and zigzag only)")
 
 logger = logging.getLogger("megatron_rl_patches")
 _SAID: set[str] = set()
@@ -49,11 +50,12 @@ class FusedOutput(dict):
 
 
 def unservable(args: Any) -> str | None:
-    """The feature of slime's configuration the fused route cannot serve, or None."""
-    if getattr(args, "rollout_top_p", 1.0) != 1.0:
-        return "top-p replay (rollout_top_p != 1: its keep-mask is dense [T, V])"
-    if os.environ.get("ENABLE_ROUTING_REPLAY", "0") == "1":
-        return "routing replay (ENABLE_ROUTING_REPLAY=1)"
+    """The feature of slime's configuration the fused route cannot serve, or None. Routing replay
+    (ENABLE_ROUTING_REPLAY=1) needs nothing of the route: slime sets its ROUTING_REPLAY_STAGE window
+    around the model call, which the fused call is, and the router's patched compute_topk pops the
+    recorded routes."""
+    if getattr(args, "rollout_top_p", 1.0) != 1.0 and getattr(args, "allgather_cp", False):
+        return TOP_P_ALLGATHER_CP
     if getattr(args, "loss_type", "policy_loss") == "value_loss":
         return "the critic's value head (loss_type value_loss)"
     return None
@@ -81,8 +83,6 @@ def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
         reason = "the critic's value head (forward_only with get_values)"
     elif name != "get_log_probs_and_entropy":
         reason = f"a forward_only callback other than get_log_probs_and_entropy ({name})"
-    elif bound.arguments.get("use_rollout_top_p_replay") and getattr(slime_args, "rollout_top_p", 1.0) != 1.0:
-        reason = "top-p replay (rollout_top_p != 1: its keep-mask is dense [T, V])"
     if reason is not None:
         fall_back(reason)
         return run_planned(None, wrapped, args, kwargs)
@@ -260,6 +260,7 @@ class FusedModel:
         processor = log_prob_output_processor(with_entropy=plan.with_entropy,
                                               entropy_requires_grad=plan.entropy_requires_grad, **options)
         context: dict = row_context(rows[None])
+        context.update(top_p_context(plan.args, batch, length, tokens.device))
         if plan.topk is not None:
             from megatron_rl_patches.integrations.slime.topk import topk_context, with_topk
 
@@ -333,6 +334,14 @@ def row_context(rows: Any) -> dict:
     return {"row_mask": rows}
 
 
+def top_p_context(args: Any, batch: dict, length: int, device: Any) -> dict:
+    """The kept-set keys of the processor context when slime replays the rollout's top-p nuclei."""
+    from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
+
+    kept = kept_context(batch, length, device) if replays_top_p(args) else None
+    return kept or {}
+
+
 def log_probs_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for slime's `get_log_probs_and_entropy`: a fused output is sliced per sample
     with slime's helpers; logits go to slime's function."""
@@ -342,8 +351,11 @@ def log_probs_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     from megatron_rl_patches.integrations.slime.rows import per_sample
 
     values = bound.arguments
-    if values.get("top_p_token_ids") is not None:
-        raise RuntimeError("slime_fused: top-p replay reached a fused output; please report this (the route "
-                           "should have fallen back to slime's logits path)")
+    key = "log_probs"
+    if values.get("top_p_token_ids") is not None and values.get("top_p_token_offsets") is not None:
+        key = "kept_log_probs"  # slime renormalizes over the nucleus here; entropy stays unmasked
+        if key not in values["logits"]:
+            raise RuntimeError("slime_fused: top-p replay reached a fused output computed without the batch's "
+                               "nuclei (rollout_top_p_token_ids); please report this")
     return per_sample(values["logits"], values["args"], values["total_lengths"], values["response_lengths"],
-                      bool(values["with_entropy"]))
+                      bool(values["with_entropy"]), key)

@@ -23,7 +23,7 @@ def _args(**values):
 
 
 @pytest.mark.parametrize("values, feature", [
-    ({"rollout_top_p": 0.9}, "top-p replay"),
+    ({"rollout_top_p": 0.9, "allgather_cp": True}, "top-p replay with --allgather-cp"),
     ({"loss_type": "value_loss"}, "critic's value head"),
 ])
 def test_unservable_names_the_feature(values, feature):
@@ -36,9 +36,14 @@ def test_mtp_training_is_served():
     assert slime_fused.unservable(_args(enable_mtp_training=True)) is None
 
 
-def test_routing_replay_is_unservable(monkeypatch):
+def test_routing_replay_and_top_p_replay_are_served(monkeypatch):
+    """issue 40: no fallback for routing replay (slime's window is around the fused call) nor for
+    top-p replay at context-parallel size 1 and zigzag (the lane compares both with slime's own path)."""
     monkeypatch.setenv("ENABLE_ROUTING_REPLAY", "1")
-    assert "routing replay" in slime_fused.unservable(_args())
+    monkeypatch.setenv("ROUTING_REPLAY_STAGE", "replay_forward")
+    assert slime_fused.unservable(_args()) is None
+    for cp in (1, 2):
+        assert slime_fused.unservable(_args(rollout_top_p=0.9, context_parallel_size=cp, allgather_cp=False)) is None
 
 
 def test_schedule_plan_goes_to_the_real_model_with_one_log_line(caplog):
@@ -203,11 +208,13 @@ def test_a_fallen_back_train_step_still_fetches_a_top_k_losss_batch_keys(monkeyp
         seen["batch"] = slime_fused.get_batch_wrapper(get_batch, None, (None, ["tokens"]), {})
 
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
-        slime_fused.train_one_step_wrapper(train_one_step, None, (_args(rollout_top_p=0.9), 0, 0, None, None, None), {})
+        slime_fused.train_one_step_wrapper(train_one_step, None, (_args(loss_type="value_loss"), 0, 0, None, None,
+                                                                  None), {})
     assert seen["schedule"] is schedule and seen["batch"] == {"keys": ["tokens", "opd_ids"]}
-    assert "top-p replay" in caplog.records[0].getMessage()
+    assert "critic's value head" in caplog.records[0].getMessage()
     monkeypatch.setattr(slime_fused, "step_request", lambda args: None)
-    slime_fused.train_one_step_wrapper(train_one_step, None, (_args(rollout_top_p=0.9), 0, 0, None, None, None), {})
+    slime_fused.train_one_step_wrapper(train_one_step, None, (_args(loss_type="value_loss"), 0, 0, None, None,
+                                                              None), {})
     assert seen["batch"] == {"keys": ["tokens"]}
 
 
