@@ -270,7 +270,9 @@ def _mtp_world(rank: int, world_size: int) -> dict:
             hybrid_refs = {which: _logits_route(which, hybrid, batch, teacher, weights, tp) for which in PROCESSORS}
 
         statuses = megatron_rl_patches.apply(only=PATCHES)
-        out["statuses"] = {s.name: s.state for s in statuses}
+        out["statuses"] = {}
+        for status in statuses:  # per patch: its targets' states (an optional alias may be n/a)
+            out["statuses"].setdefault(status.name, set()).add(status.state)
         out["processors"] = _processor_checks(model, batch, teacher, weights, tp, refs)
         out["builds"] = _build_checks(provider, batches, teacher, refs_by_batch)
         if native_mtp_loss:
@@ -306,7 +308,7 @@ def test_processors_with_mtp_heads_equal_the_logits_path(mtp_world, which):
     """Values, top-k ids and every gradient (the MTP heads' too: their loss rides on the main head's
     hidden states) on both TP ranks; the control (wrong labels, another temperature or beta) is seen."""
     for result in mtp_world:
-        assert result["statuses"]["gpt_output_processor"] in ("applied", "native"), result["statuses"]
+        assert result["statuses"]["gpt_output_processor"] <= {"applied", "native"}, result["statuses"]
         check = result["processors"][which]
         tolerance = REL_DIVERGENCE if which == "divergence" else REL
         assert check["values"] <= tolerance and check["grads"] <= tolerance and check["ids"], check
@@ -347,7 +349,8 @@ def test_fused_mtp_loss_equals_process_mtp_loss_on_logits_at_tp2(mtp_world):
     gradient, logged MTP losses; another MTP loss scale is seen (the control)."""
     _skip_without(mtp_world, "mtp loss", "megatron-core < 0.18 computes the MTP loss inline (no process_mtp_loss)")
     for result in mtp_world:
-        assert result["statuses"]["mtp_output_processor"] == "applied", result["statuses"]
+        states = result["statuses"]["mtp_output_processor"]  # 0.18 has no acceptance counts to patch: n/a
+        assert "applied" in states and states <= {"applied", "n/a"}, result["statuses"]
         check = result["mtp loss"]
         assert check["loss"] <= REL and check["grads"] <= REL and check["logged"], check
         assert check["control"] > 1e-3, check
@@ -359,7 +362,7 @@ def test_hybrid_model_processors_equal_the_logits_path_at_tp2(mtp_world, which):
     """megatron-core >= 0.18: HybridModel with `hybrid_output_processor`, every processor at TP=2."""
     _skip_without(mtp_world, "hybrid", "HybridModel needs megatron-core >= 0.18")
     for result in mtp_world:
-        assert result["statuses"]["hybrid_output_processor"] in ("applied", "native"), result["statuses"]
+        assert result["statuses"]["hybrid_output_processor"] <= {"applied", "native"}, result["statuses"]
         check = result["hybrid"][which]
         tolerance = REL_DIVERGENCE if which == "divergence" else REL
         assert check["values"] <= tolerance and check["grads"] <= tolerance and check["ids"], check
