@@ -195,12 +195,15 @@ def make_batch(batch_size: int = 2, seq_length: int = TINY_SEQ, vocab_size: int 
 
 
 def gpt_forward(model: Any, batch: dict, labels: bool = False) -> torch.Tensor:
-    """Logits [b, s, V] (or per-token losses [b, s] with `labels=True`)."""
+    """Logits [b, s, V] (or per-token losses [b, s] with `labels=True`; a batch's "loss_mask" then
+    goes along: the MTP heads' loss reads it)."""
+    extra = {"loss_mask": batch["loss_mask"]} if labels and "loss_mask" in batch else {}
     return model(
         batch["tokens"],
         batch["position_ids"],
         batch["attention_mask"],
         labels=batch["labels"] if labels else None,
+        **extra,
     )
 
 

@@ -24,8 +24,10 @@ def lane_rank(rank: int, world_size: int, *, pipeline: int = 1, context: int = 1
 
     if HERE not in sys.path:
         sys.path.insert(0, HERE)
+    import slime_megatron_patch
     import slime_standins
 
+    slime_megatron_patch.install()
     slime_standins.install()
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 

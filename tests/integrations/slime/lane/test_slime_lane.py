@@ -121,7 +121,6 @@ def test_vocab_watch_sees_the_logits_of_slimes_unpatched_route(slime_cpu):
 
 @pytest.mark.parametrize("feature, values, env", [
     ("top-p replay", {"rollout_top_p": 0.9}, {}),
-    ("MTP training", {"enable_mtp_training": True}, {}),
     ("routing replay", {}, {"ENABLE_ROUTING_REPLAY": "1"}),
     ("critic's value head", {"loss_type": "value_loss"}, {}),
 ])
