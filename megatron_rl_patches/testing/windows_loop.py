@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.testing.megatron_cpu import gpt_forward, make_batch
+from megatron_rl_patches.testing.megatron_cpu import check_interleaved_p2p, gpt_forward, make_batch
 from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config as tiny_gpt_config
 
 FINALIZE = "finalize"  # finalize_model_grads(chunks, **finalize_kwargs) inside the window
@@ -107,6 +107,7 @@ def forward_step(setup: LoopSetup, skip_embedding: bool = False) -> Callable:
 def schedule_call(setup: LoopSetup, batches: list[dict], step: Callable) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    check_interleaved_p2p(setup.chunks)
     micro_batch_size, seq_length = batches[0]["tokens"].shape
     # the interleaved schedule reads one iterator per model chunk, each over every microbatch
     data = [iter(batches) for _ in setup.chunks]

@@ -50,7 +50,7 @@ LAYOUTS: dict[str, Layout] = {
     "pp2": Layout(world={"pipeline_parallel": 2}, config={"pipeline_model_parallel_size": 2}, features=("F1",)),
     "vpp2": Layout(world={"pipeline_parallel": 2, "virtual_pipeline": 2},
                    config={"num_layers": 4, "pipeline_model_parallel_size": 2,
-                           "virtual_pipeline_model_parallel_size": 2}, features=("F1",)),
+                           "virtual_pipeline_model_parallel_size": 2, "batch_p2p_comm": False}, features=("F1",)),
     "cp2-zigzag": Layout(world={"context_parallel": 2}, config={"context_parallel_size": 2}, cp_layout="zigzag"),
     "cp2-allgather": Layout(world={"context_parallel": 2}, config={"context_parallel_size": 2},
                             cp_layout="contiguous"),
