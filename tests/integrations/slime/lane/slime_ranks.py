@@ -24,8 +24,10 @@ def lane_rank(rank: int, world_size: int, *, pipeline: int = 1, context: int = 1
 
     if HERE not in sys.path:
         sys.path.insert(0, HERE)
+    import slime_megatron_patch
     import slime_standins
 
+    slime_megatron_patch.install()
     slime_standins.install()
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
@@ -98,11 +100,13 @@ def virtual_args(virtual: int | None) -> tuple[str, ...]:
 
 
 def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1, tensor: int = 1,
-                    virtual: int | None = None) -> dict[str, Any]:
+                    virtual: int | None = None, hf_teacher: str | None = None) -> dict[str, Any]:
     """slime_opd with two snapshot teachers through slime's real `MegatronTrainRayActor.train_actor`
     (slime's log-probs, advantages, `log_rollout_data`, `train()`), on `pipeline` stages. Returns
-    this stage's named parameters (actor and each teacher, before the step), its reduced gradients
-    and, on the last stage, the ids scored and the step's losses."""
+    this stage's named parameters (actor and each snapshot teacher, before the step), its reduced
+    gradients and, on the last stage, the ids scored and the step's losses. `hf_teacher`: the
+    second teacher is this Hugging Face directory of another architecture (its layers on the kit's
+    packed-input attention, which stands for Transformer Engine's on CPU)."""
     with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual) as patch:
         import slime_kit as kit
         import torch
@@ -117,6 +121,12 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
 
         for name, value in OPD_ENV.items():
             patch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
+        if hf_teacher is not None:
+            from megatron_rl_patches.integrations.slime import hf_teachers
+            from megatron_rl_patches.testing.packed_gpt import packed_attention_class
+
+            patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"teacher-a,{hf_teacher}")
+            patch.setattr(hf_teachers, "packed_core_attention", lambda args: packed_attention_class())
         megatron_rl_patches.apply(only=["slime_fused", "gpt_output_processor", "slime_opd"])
         try:
             with kit.slime_session("--pipeline-model-parallel-size", str(pipeline), "--context-parallel-size",
@@ -127,13 +137,14 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                                    **_whole_gradients(context)) as args:
                 model, optimizer, scheduler = kit.build(args)
                 actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2}, patch)
-                setattr(actor, slime_opd.ATTRIBUTE, slime_opd.load_teachers(actor, opd_settings()))
+                teachers = slime_opd.load_teachers(actor, opd_settings())
+                setattr(actor, slime_opd.ATTRIBUTE, teachers)
                 actor.prof, actor.rollout_data_postprocess = TrainProfiler(args), None
                 actor.optimizer, actor.opt_param_scheduler = optimizer, scheduler
                 actor.weight_updater = type("NoServer", (), {"pop_metrics": staticmethod(dict)})()
                 Timer().start("train_wait")  # what slime's init leaves running (its with_defer)
                 states = {}
-                for tag in ("opd_teacher_0", "opd_teacher_1", "actor"):
+                for tag in [*(t for t in teachers if isinstance(t, str)), "actor"]:
                     actor._switch_model(tag)
                     states[tag] = _stage_state(model)
                 data = kit.rollout(0)
@@ -162,6 +173,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 return {"states": states, "grads": grads, "losses": losses if last else None,
                         "ids": data.get(slime_opd.IDS), "rows": _response_rows(data),
                         "keys": sorted(k for k in data if k.startswith("opd_")), "split": _partition_dims(model),
-                        "active": actor._active_model_tag}
+                        "active": actor._active_model_tag,
+                        "hf_layers": [[layer.layer_number for layer in chunk.decoder.layers]
+                                      for t in teachers if not isinstance(t, str) for chunk in t]}
         finally:
             megatron_rl_patches.revert()
