@@ -54,11 +54,13 @@ def _cp_spec(layout: str) -> Any:
 def build_packed_gpt(vocab_size: int = TINY_VOCAB, seq_length: int = 64, seed: int = 0, config: Any = None,
                      share_embeddings: bool = False, pre_process: bool = True, post_process: bool = True,
                      context_parallel_layout: str | None = None, vp_stage: int | None = None,
-                     **config_overrides: Any) -> Any:
+                     position_embedding_type: str = "rope", **config_overrides: Any) -> Any:
     """A real GPTModel (RoPE, like the models verl trains) that accepts packed `thd` input on CPU;
     `pre_process` / `post_process` / `vp_stage` as Megatron's model providers pass them to a
     pipeline stage (and virtual stage);
-    `context_parallel_layout` ("zigzag" / "contiguous"): the kit's CPU context-parallel attention."""
+    `context_parallel_layout` ("zigzag" / "contiguous"): the kit's CPU context-parallel attention
+    (megatron-core's `thd` RoPE cuts each sequence in zigzag: a "contiguous" model takes
+    `position_embedding_type="none"`, as slime's allgather-CP models bring their own positions)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     torch.manual_seed(seed)
@@ -68,7 +70,7 @@ def build_packed_gpt(vocab_size: int = TINY_VOCAB, seq_length: int = 64, seed: i
         transformer_layer_spec=spec,
         vocab_size=vocab_size,
         max_sequence_length=seq_length,
-        position_embedding_type="rope",
+        position_embedding_type=position_embedding_type,
         share_embeddings_and_output_weights=share_embeddings,
         pre_process=pre_process,
         post_process=post_process,

@@ -75,10 +75,13 @@ def provider_func(args: Any, role: str = "actor") -> Any:
     def provider(pre_process: bool = True, post_process: bool = True, vp_stage: Any = None, config: Any = None,
                  **_: Any) -> Any:
         config = config if config is not None else core_transformer_config_from_args(args)
-        layout = "zigzag" if args.context_parallel_size > 1 else None  # slime's get_batch: zigzag thd
+        layout = None  # slime's get_batch: zigzag thd, or with --allgather-cp the stream's contiguous slices
+        if args.context_parallel_size > 1:
+            layout = "contiguous" if args.allgather_cp else "zigzag"
         return build_packed_gpt(vocab_size=args.padded_vocab_size, seq_length=args.max_position_embeddings, seed=0,
                                 config=config, pre_process=pre_process, post_process=post_process,
-                                context_parallel_layout=layout, vp_stage=vp_stage)
+                                context_parallel_layout=layout, vp_stage=vp_stage,
+                                position_embedding_type=args.position_embedding_type)
 
     return provider
 

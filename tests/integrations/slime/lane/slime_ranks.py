@@ -97,12 +97,30 @@ def virtual_args(virtual: int | None) -> tuple[str, ...]:
     return () if virtual is None else ("--num-layers", str(2 * virtual), "--num-layers-per-virtual-pipeline-stage", "1")
 
 
+# An allgather-CP model (slime 624b824a serves --allgather-cp for DSA architectures only, checked by
+# `_validate_allgather_cp_supported` against the HF config): the lane declares one. The tiny GPT has
+# no positional embedding there (megatron-core's thd RoPE cuts each sequence in zigzag; a DSA model
+# brings its own positions).
+DSA_CONFIG = {"architectures": ["DeepseekV32ForCausalLM"]}
+ALLGATHER_CP = ("--allgather-cp", "--position-embedding-type", "none")
+
+
+def declared_dsa(args: Any) -> None:
+    """slime's own allgather-CP check, passed by the declared DSA architecture."""
+    from types import SimpleNamespace
+
+    from slime.backends.megatron_utils.arguments import _validate_allgather_cp_supported
+
+    _validate_allgather_cp_supported(args, SimpleNamespace(**DSA_CONFIG))
+
+
 def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1, tensor: int = 1,
-                    virtual: int | None = None) -> dict[str, Any]:
+                    virtual: int | None = None, flags: tuple[str, ...] = (), rollouts: int = 1) -> dict[str, Any]:
     """slime_opd with two snapshot teachers through slime's real `MegatronTrainRayActor.train_actor`
-    (slime's log-probs, advantages, `log_rollout_data`, `train()`), on `pipeline` stages. Returns
-    this stage's named parameters (actor and each teacher, before the step), its reduced gradients
-    and, on the last stage, the ids scored and the step's losses."""
+    (slime's log-probs, advantages, `log_rollout_data`, `train()`), on `pipeline` stages, with
+    slime's extra `flags`; `rollouts` train_actor calls in a row (re-entry). Returns this stage's
+    named parameters (actor and each teacher, before the first step), its reduced gradients of the
+    first step and, on the last stage, the ids scored first and every step's losses."""
     with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual) as patch:
         import slime_kit as kit
         import torch
@@ -117,14 +135,17 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
 
         for name, value in OPD_ENV.items():
             patch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
-        megatron_rl_patches.apply(only=["slime_fused", "gpt_output_processor", "slime_opd"])
+        megatron_rl_patches.apply(only=["train_reentry", "slime_fused", "gpt_output_processor", "slime_opd"])
         try:
             with kit.slime_session("--pipeline-model-parallel-size", str(pipeline), "--context-parallel-size",
                                    str(context), "--tensor-model-parallel-size", str(tensor), "--loss-type",
                                    "custom_loss", "--custom-loss-function-path", OPD_LOSS, *virtual_args(virtual),
+                                   *flags,
                                    rollout_temperature=TEMPERATURE, log_probs_chunk_size=4,
                                    use_critic=False,  # what slime_validate_args sets
                                    **_whole_gradients(context)) as args:
+                if args.allgather_cp:
+                    declared_dsa(args)
                 model, optimizer, scheduler = kit.build(args)
                 actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2}, patch)
                 setattr(actor, slime_opd.ATTRIBUTE, slime_opd.load_teachers(actor, opd_settings()))
@@ -143,8 +164,9 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 grads: dict[str, torch.Tensor] = {}
                 optimizer_step = optimizer.step
 
-                def step_noting_grads(*a, **k):  # the reduced gradients, before the optimizer consumes them
-                    grads.update({name: p.main_grad.clone() for name, p in _named(model).items()})
+                def step_noting_grads(*a, **k):  # the first reduced gradients, before the optimizer consumes them
+                    if not grads:
+                        grads.update({name: p.main_grad.clone() for name, p in _named(model).items()})
                     return optimizer_step(*a, **k)
 
                 patch.setattr(optimizer, "step", step_noting_grads)
@@ -158,9 +180,16 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
 
                 patch.setattr(slime_model, "train_one_step", noting_losses)
                 actor.train_actor(0, data)
+                first = data
+                for rollout_id in range(1, rollouts):  # re-entry: slime's train() and the teacher passes again
+                    data = kit.rollout(rollout_id)
+                    data.update(rewards=[1.0, 0.0, 0.5, -1.0], num_microbatches=[len(data["micro_batch_indices"])],
+                                global_batch_sizes=[len(data["tokens"])])
+                    actor.train_actor(rollout_id, data)
                 last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                 return {"states": states, "grads": grads, "losses": losses if last else None,
-                        "ids": data.get(slime_opd.IDS), "rows": _response_rows(data),
+                        "ids": first.get(slime_opd.IDS), "rows": _response_rows(first),
+                        "last_ids": data.get(slime_opd.IDS),
                         "keys": sorted(k for k in data if k.startswith("opd_")), "split": _partition_dims(model),
                         "active": actor._active_model_tag}
         finally:
