@@ -69,6 +69,21 @@ def _partition_dims(model: list[Any]) -> dict[str, int | None]:
             for name, p in _named(model).items()}
 
 
+def first_grads(patch: Any, optimizer: Any, model: list[Any]) -> dict[str, Any]:
+    """Filled at the first optimizer step with this rank's reduced gradients (`main_grad`, before
+    the optimizer consumes them)."""
+    grads: dict[str, Any] = {}
+    step = optimizer.step
+
+    def step_noting_grads(*args: Any, **kwargs: Any) -> Any:
+        if not grads:
+            grads.update({name: p.main_grad.clone() for name, p in _named(model).items()})
+        return step(*args, **kwargs)
+
+    patch.setattr(optimizer, "step", step_noting_grads)
+    return grads
+
+
 def _response_rows(data: dict) -> list[list[int]] | None:
     """Per sample, the response rows this context-parallel rank holds, in slime's zigzag order
     (slime's own offsets); None without context parallelism."""
@@ -123,7 +138,6 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
     first step and, on the last stage, the ids scored first and every step's losses."""
     with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual) as patch:
         import slime_kit as kit
-        import torch
         from megatron.core import parallel_state
         from slime.backends.megatron_utils import model as slime_model
         from slime.observability.profile_utils import TrainProfiler
@@ -161,15 +175,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 data.update(rewards=[1.0, 0.0, 0.5, -1.0], num_microbatches=[len(data["micro_batch_indices"])],
                             global_batch_sizes=[len(data["tokens"])])
                 Timer().seq_lens = data["total_lengths"]  # what slime's process_rollout_data notes
-                grads: dict[str, torch.Tensor] = {}
-                optimizer_step = optimizer.step
-
-                def step_noting_grads(*a, **k):  # the first reduced gradients, before the optimizer consumes them
-                    if not grads:
-                        grads.update({name: p.main_grad.clone() for name, p in _named(model).items()})
-                    return optimizer_step(*a, **k)
-
-                patch.setattr(optimizer, "step", step_noting_grads)
+                grads = first_grads(patch, optimizer, model)
                 losses: list[dict] = []
                 train_one_step = slime_model.train_one_step
 
@@ -194,3 +200,60 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                         "active": actor._active_model_tag}
         finally:
             megatron_rl_patches.revert()
+
+
+FUSED = ["slime_fused", "gpt_output_processor"]
+
+
+def _old_log_probs(args: Any, data: dict, log_probs: list[Any]) -> dict:
+    """The rollout again with slime's log-probs (shifted) as its old log-probs, and the advantages
+    in the rows this rank's log-probs hold (slime's actor slices them so with context parallelism)."""
+    import slime_kit as kit
+    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+
+    step = kit.rollout(0, [lp + 0.05 for lp in log_probs])
+    step["advantages"] = [slice_log_prob_with_cp(a, total, response) for a, total, response in
+                          zip(step["advantages"], data["total_lengths"], data["response_lengths"])]
+    return step
+
+
+def fused_and_plain(rank: int, world_size: int, pipeline: int = 1, context: int = 1, tensor: int = 1,
+                    flags: tuple[str, ...] = ()) -> dict[str, Any]:
+    """slime's real forward_only (log-probs, entropy) and train_one_step (losses, this rank's
+    reduced gradients) from the same fresh weights, unpatched and with slime_fused, at the layout
+    (every data-parallel rank holds the whole rollout)."""
+    with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor) as patch:
+        import slime_kit as kit
+        from megatron.core import parallel_state
+        from slime.backends.megatron_utils import model as slime_model
+
+        import megatron_rl_patches
+
+        routes: dict[str, Any] = {}
+        for route in ("plain", "fused"):
+            if route == "fused":
+                megatron_rl_patches.apply(only=FUSED)
+            try:
+                with kit.slime_session("--pipeline-model-parallel-size", str(pipeline), "--context-parallel-size",
+                                       str(context), "--tensor-model-parallel-size", str(tensor), *flags,
+                                       rollout_temperature=TEMPERATURE, use_rollout_entropy=True, entropy_coef=0.01,
+                                       log_probs_chunk_size=4, **_whole_gradients(context)) as args:
+                    if args.allgather_cp:
+                        declared_dsa(args)
+                    model, optimizer, scheduler = kit.build(args)
+                    data = kit.rollout(0)
+                    out = kit.log_probs(args, model, data)
+                    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+                    step = _old_log_probs(args, data, out["log_probs"]) if last else kit.rollout(0)
+                    for chunk in model:
+                        chunk.train()
+                    grads = first_grads(patch, optimizer, model)
+                    data_parallel = parallel_state.get_data_parallel_world_size()
+                    losses, grad_norm = slime_model.train_one_step(args, 0, 0, kit.iterators(step), model, optimizer,
+                                                                   scheduler, 2, 4 * data_parallel)
+                    routes[route] = {"log_probs": out.get("log_probs"), "entropy": out.get("entropy"),
+                                     "losses": {k: float(v) for k, v in losses.items()}, "grad_norm": grad_norm,
+                                     "grads": grads, "params": {name: p.dtype for name, p in _named(model).items()}}
+            finally:
+                megatron_rl_patches.revert()
+        return routes
