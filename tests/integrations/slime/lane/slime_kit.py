@@ -215,7 +215,7 @@ def response_logps(module: Any, data: dict, temperature: float) -> list[torch.Te
     return out
 
 
-def dense_topk_opd(args: Any, model: list[Any], snapshots: list[list[torch.Tensor]], data: dict,
+def dense_topk_opd(args: Any, model: list[Any], snapshots: list[Any], data: dict,
                    ids: list[torch.Tensor], weights: Sequence[float], temperature: float,
                    masks: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
     """float64 reference of the first step's OPD loss (forward KL of the teachers' mixture to the
@@ -227,9 +227,10 @@ def dense_topk_opd(args: Any, model: list[Any], snapshots: list[list[torch.Tenso
         gpt = gpt.module
     student = float64_copy(args, [p.detach() for p in gpt.parameters()])
     teachers = []
-    for snapshot in snapshots:
+    for snapshot in snapshots:  # a snapshot of the actor's parameters, or a float64 teacher module
         with torch.no_grad():
-            teachers.append(response_logps(float64_copy(args, snapshot), data, temperature))
+            module = float64_copy(args, snapshot) if isinstance(snapshot, list) else snapshot
+            teachers.append(response_logps(module, data, temperature))
     w = torch.tensor(weights, dtype=torch.float64)
     w = w / w.sum()
     total = torch.zeros((), dtype=torch.float64)

@@ -129,13 +129,57 @@ def declared_dsa(args: Any) -> None:
     _validate_allgather_cp_supported(args, SimpleNamespace(**DSA_CONFIG))
 
 
+# The separate-architecture teacher (`PATH@slime_ranks:wide_teacher`): the packed tiny GPT wider
+# and deeper than the actor, the same vocabulary, built inference-only on the actor's PP split.
+WIDE = {"hidden_size": 48, "ffn_hidden_size": 192, "kv_channels": 12, "num_layers": 4}
+
+
+def wide_config(args: Any) -> Any:
+    import dataclasses
+
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    return dataclasses.replace(core_transformer_config_from_args(args), **WIDE)
+
+
+def wide_teacher(args: Any) -> Any:
+    """The `module:function` of the separate teacher: its Megatron model provider."""
+    import functools
+
+    import slime_kit as kit
+
+    return functools.partial(kit.provider_func(args), config=wide_config(args))
+
+
+def save_wide_teacher(args: Any, path: str) -> None:
+    """A torch_dist checkpoint of the wide teacher (seeded weights) from this world (the test saves
+    it at one rank; a PP=2 world loads it resharded, as jobs load teachers saved at other layouts)."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl_patches.inference import build_inference_model
+
+    chunks = build_inference_model(wide_teacher(args))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in (p for chunk in chunks for p in chunk.parameters()):
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+    module = chunks[0]
+    while hasattr(module, "module"):
+        module = module.module
+    os.makedirs(path, exist_ok=True)
+    dist_checkpointing.save({"model": module.sharded_state_dict()}, path)
+
+
 def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1, tensor: int = 1,
-                    virtual: int | None = None, flags: tuple[str, ...] = (), rollouts: int = 1) -> dict[str, Any]:
+                    virtual: int | None = None, flags: tuple[str, ...] = (), rollouts: int = 1,
+                    wide_path: str | None = None) -> dict[str, Any]:
     """slime_opd with two snapshot teachers through slime's real `MegatronTrainRayActor.train_actor`
     (slime's log-probs, advantages, `log_rollout_data`, `train()`), on `pipeline` stages, with
     slime's extra `flags`; `rollouts` train_actor calls in a row (re-entry). Returns this stage's
     named parameters (actor and each teacher, before the first step), its reduced gradients of the
-    first step and, on the last stage, the ids scored first and every step's losses."""
+    first step and, on the last stage, the ids scored first and every step's losses. `wide_path`:
+    the second teacher is `wide_path@slime_ranks:wide_teacher` (`save_wide_teacher`'s checkpoint)."""
     with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual) as patch:
         import slime_kit as kit
         from megatron.core import parallel_state
@@ -149,6 +193,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
 
         for name, value in OPD_ENV.items():
             patch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
+        if wide_path is not None:
+            patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"teacher-a,{wide_path}@slime_ranks:wide_teacher")
         megatron_rl_patches.apply(only=["train_reentry", "slime_fused", "gpt_output_processor", "slime_opd"])
         try:
             with kit.slime_session("--pipeline-model-parallel-size", str(pipeline), "--context-parallel-size",
@@ -163,12 +209,16 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 model, optimizer, scheduler = kit.build(args)
                 actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2}, patch)
                 setattr(actor, slime_opd.ATTRIBUTE, slime_opd.load_teachers(actor, opd_settings()))
+                separate = [_stage_state(t) for t in getattr(actor, slime_opd.ATTRIBUTE) if not isinstance(t, str)]
                 actor.prof, actor.rollout_data_postprocess = TrainProfiler(args), None
                 actor.optimizer, actor.opt_param_scheduler = optimizer, scheduler
                 actor.weight_updater = type("NoServer", (), {"pop_metrics": staticmethod(dict)})()
                 Timer().start("train_wait")  # what slime's init leaves running (its with_defer)
                 states = {}
                 for tag in ("opd_teacher_0", "opd_teacher_1", "actor"):
+                    if wide_path is not None and tag == "opd_teacher_1":
+                        states[tag] = separate[0]
+                        continue
                     actor._switch_model(tag)
                     states[tag] = _stage_state(model)
                 data = kit.rollout(0)
