@@ -36,11 +36,12 @@ def _packed_attention_class() -> type:
     return PackedDotProductAttention
 
 
-def packed_gpt_spec() -> Any:
-    """megatron-core's local GPT layer spec with the packed-input attention stand-in."""
+def packed_gpt_spec(num_experts: int | None = None) -> Any:
+    """megatron-core's local GPT layer spec with the packed-input attention stand-in (an MoE MLP
+    of `num_experts` SequentialMLP experts when given)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     spec.submodules.self_attention.submodules.core_attention = _packed_attention_class()
     return spec
 
@@ -64,7 +65,10 @@ def build_packed_gpt(vocab_size: int = TINY_VOCAB, seq_length: int = 64, seed: i
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     torch.manual_seed(seed)
-    spec = packed_gpt_spec() if context_parallel_layout is None else _cp_spec(context_parallel_layout)
+    experts = getattr(config, "num_moe_experts", None)
+    if experts and context_parallel_layout is not None:
+        raise ValueError("build_packed_gpt: an MoE config with context_parallel_layout is not served by the kit")
+    spec = packed_gpt_spec(experts) if context_parallel_layout is None else _cp_spec(context_parallel_layout)
     return GPTModel(
         config=config if config is not None else tiny_gpt_config(**config_overrides),
         transformer_layer_spec=spec,

@@ -18,7 +18,7 @@ TEMPERATURE = 0.8
 
 @contextlib.contextmanager
 def lane_rank(rank: int, world_size: int, *, pipeline: int = 1, context: int = 1, tensor: int = 1,
-              virtual: int | None = None) -> Iterator[Any]:
+              virtual: int | None = None, expert: int = 1) -> Iterator[Any]:
     """The rank's lane setup (as the lane's conftest for one rank); yields a pytest MonkeyPatch."""
     from _pytest.monkeypatch import MonkeyPatch
 
@@ -37,7 +37,7 @@ def lane_rank(rank: int, world_size: int, *, pipeline: int = 1, context: int = 1
     slime_standins.cpu_pinned_memory(patch)
     try:
         with megatron_on_cpu(tensor_parallel=tensor, pipeline_parallel=pipeline, virtual_pipeline=virtual,
-                             context_parallel=context):
+                             context_parallel=context, expert_parallel=expert):
             yield patch
     finally:
         patch.undo()
@@ -46,14 +46,21 @@ def lane_rank(rank: int, world_size: int, *, pipeline: int = 1, context: int = 1
 def _named(model: list[Any]) -> dict[str, Any]:
     """The parameters of every model chunk of this rank under the whole model's names (a layer by
     its global `layer_number`, whatever the pipeline or virtual-pipeline split)."""
+    from megatron.core import parallel_state
+
+    from megatron_rl_patches.testing.moe_gpt import global_expert_name
+
     named = {}
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
     for chunk in model:
         while hasattr(chunk, "module"):
             chunk = chunk.module
+        experts = getattr(chunk.config, "num_moe_experts", None) or 1
         for name, p in chunk.named_parameters():
             if name.startswith("decoder.layers."):
                 index, rest = name[len("decoder.layers."):].split(".", 1)
                 name = f"decoder.layers.{chunk.decoder.layers[int(index)].layer_number - 1}.{rest}"
+            name = global_expert_name(name, ep_rank, experts // parallel_state.get_expert_model_parallel_world_size())
             assert name not in named, name
             named[name] = p
     return named
@@ -100,11 +107,12 @@ def _response_rows(data: dict) -> list[list[int]] | None:
     return rows
 
 
-def _whole_gradients(context: int) -> dict[str, bool]:
-    """With context parallelism the data-parallel group spans the CP ranks, and the distributed
-    optimizer would leave each rank the reduced gradients of its own shard only: the test reads
-    every gradient, so those worlds keep whole reduced gradients (the plain optimizer)."""
-    return {"use_distributed_optimizer": False, "overlap_param_gather": False} if context > 1 else {}
+def _whole_gradients(replicas: int) -> dict[str, bool]:
+    """With `replicas` > 1 ranks in the data-parallel group (with context parallelism it spans the
+    CP ranks) the distributed optimizer would leave each rank the reduced gradients of its own
+    shard only (the rest: its own, pre-scaled): the test reads every gradient, so those worlds keep
+    whole reduced gradients (the plain optimizer)."""
+    return {"use_distributed_optimizer": False, "overlap_param_gather": False} if replicas > 1 else {}
 
 
 def virtual_args(virtual: int | None) -> tuple[str, ...]:
@@ -171,16 +179,29 @@ def save_wide_teacher(args: Any, path: str) -> None:
     dist_checkpointing.save({"model": module.sharded_state_dict()}, path)
 
 
+def actor_rollout(seed: int) -> dict:
+    """A rollout as slime's rollout manager hands it to `train_actor` (rewards, micro-batch counts;
+    every data-parallel rank holds the whole rollout, so the step's global batch counts them all)."""
+    import slime_kit as kit
+    from megatron.core import parallel_state
+
+    data = kit.rollout(seed)
+    data.update(rewards=[1.0, 0.0, 0.5, -1.0], num_microbatches=[len(data["micro_batch_indices"])],
+                global_batch_sizes=[len(data["tokens"]) * parallel_state.get_data_parallel_world_size()])
+    return data
+
+
 def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1, tensor: int = 1,
                     virtual: int | None = None, flags: tuple[str, ...] = (), rollouts: int = 1,
-                    wide_path: str | None = None) -> dict[str, Any]:
+                    wide_path: str | None = None, expert: int = 1) -> dict[str, Any]:
     """slime_opd with two snapshot teachers through slime's real `MegatronTrainRayActor.train_actor`
     (slime's log-probs, advantages, `log_rollout_data`, `train()`), on `pipeline` stages, with
     slime's extra `flags`; `rollouts` train_actor calls in a row (re-entry). Returns this stage's
     named parameters (actor and each teacher, before the first step), its reduced gradients of the
     first step and, on the last stage, the ids scored first and every step's losses. `wide_path`:
     the second teacher is `wide_path@slime_ranks:wide_teacher` (`save_wide_teacher`'s checkpoint)."""
-    with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual) as patch:
+    with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual,
+                   expert=expert) as patch:
         import slime_kit as kit
         from megatron.core import parallel_state
         from slime.backends.megatron_utils import model as slime_model
@@ -203,7 +224,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                                    *flags,
                                    rollout_temperature=TEMPERATURE, log_probs_chunk_size=4,
                                    use_critic=False,  # what slime_validate_args sets
-                                   **_whole_gradients(context)) as args:
+                                   **_whole_gradients(context * expert),  # EP=2: DP=2 here
+                                   **(MOE_VALUES if expert > 1 else {})) as args:
                 if args.allgather_cp:
                     declared_dsa(args)
                 model, optimizer, scheduler = kit.build(args)
@@ -221,9 +243,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                         continue
                     actor._switch_model(tag)
                     states[tag] = _stage_state(model)
-                data = kit.rollout(0)
-                data.update(rewards=[1.0, 0.0, 0.5, -1.0], num_microbatches=[len(data["micro_batch_indices"])],
-                            global_batch_sizes=[len(data["tokens"])])
+                data = actor_rollout(0)
                 Timer().seq_lens = data["total_lengths"]  # what slime's process_rollout_data notes
                 grads = first_grads(patch, optimizer, model)
                 losses: list[dict] = []
@@ -238,9 +258,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 actor.train_actor(0, data)
                 first = data
                 for rollout_id in range(1, rollouts):  # re-entry: slime's train() and the teacher passes again
-                    data = kit.rollout(rollout_id)
-                    data.update(rewards=[1.0, 0.0, 0.5, -1.0], num_microbatches=[len(data["micro_batch_indices"])],
-                                global_batch_sizes=[len(data["tokens"])])
+                    data = actor_rollout(rollout_id)
                     actor.train_actor(rollout_id, data)
                 last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                 return {"states": states, "grads": grads, "losses": losses if last else None,
@@ -267,12 +285,22 @@ def _old_log_probs(args: Any, data: dict, log_probs: list[Any]) -> dict:
     return step
 
 
+# An MoE student at EP=2: slime's validate_args turns the allgather dispatcher into alltoall (for
+# variable sequence lengths); the alltoall dispatcher's split-size all_to_all does not run on gloo,
+# so the lane sets allgather back after slime's validation (MOE_VALUES), with the kit's CPU router shim;
+# megatron-core refuses allgather with variable sequence lengths, which only size the pipeline's
+# sends (this world has one stage), so they are off too.
+EP2 = ("--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+       "--moe-ffn-hidden-size", "64", "--moe-router-load-balancing-type", "none", "--disable-bias-linear")
+MOE_VALUES = {"moe_token_dispatcher_type": "allgather", "variable_seq_lengths": False}
+
+
 def fused_and_plain(rank: int, world_size: int, pipeline: int = 1, context: int = 1, tensor: int = 1,
-                    flags: tuple[str, ...] = ()) -> dict[str, Any]:
+                    flags: tuple[str, ...] = (), expert: int = 1) -> dict[str, Any]:
     """slime's real forward_only (log-probs, entropy) and train_one_step (losses, this rank's
     reduced gradients) from the same fresh weights, unpatched and with slime_fused, at the layout
     (every data-parallel rank holds the whole rollout)."""
-    with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor) as patch:
+    with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, expert=expert) as patch:
         import slime_kit as kit
         from megatron.core import parallel_state
         from slime.backends.megatron_utils import model as slime_model
@@ -287,7 +315,8 @@ def fused_and_plain(rank: int, world_size: int, pipeline: int = 1, context: int 
                 with kit.slime_session("--pipeline-model-parallel-size", str(pipeline), "--context-parallel-size",
                                        str(context), "--tensor-model-parallel-size", str(tensor), *flags,
                                        rollout_temperature=TEMPERATURE, use_rollout_entropy=True, entropy_coef=0.01,
-                                       log_probs_chunk_size=4, **_whole_gradients(context)) as args:
+                                       log_probs_chunk_size=4, **_whole_gradients(context),
+                                       **(MOE_VALUES if expert > 1 else {})) as args:
                     if args.allgather_cp:
                         declared_dsa(args)
                     model, optimizer, scheduler = kit.build(args)
@@ -301,7 +330,8 @@ def fused_and_plain(rank: int, world_size: int, pipeline: int = 1, context: int 
                     data_parallel = parallel_state.get_data_parallel_world_size()
                     losses, grad_norm = slime_model.train_one_step(args, 0, 0, kit.iterators(step), model, optimizer,
                                                                    scheduler, 2, 4 * data_parallel)
-                    routes[route] = {"log_probs": out.get("log_probs"), "entropy": out.get("entropy"),
+                    routes[route] = {"dispatcher": args.moe_token_dispatcher_type,
+                                     "log_probs": out.get("log_probs"), "entropy": out.get("entropy"),
                                      "losses": {k: float(v) for k, v in losses.items()}, "grad_norm": grad_norm,
                                      "grads": grads, "params": {name: p.dtype for name, p in _named(model).items()}}
             finally:

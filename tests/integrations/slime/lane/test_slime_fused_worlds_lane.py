@@ -17,8 +17,12 @@ pytestmark = pytest.mark.slime
 
 NOPE = ("--position-embedding-type", "none")
 RECOMPUTE = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
-# name: (ranks, pipeline, context, tensor, slime's extra flags, layout markers)
+EP2 = ("--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+       "--moe-ffn-hidden-size", "64", "--moe-router-load-balancing-type", "none", "--disable-bias-linear")
+# name: (ranks, pipeline, context, tensor, slime's extra flags, layout markers); "ep2": an MoE
+# student, slime's alltoall dispatcher set back to allgather (slime_ranks.MOE_VALUES)
 WORLDS = {
+    "ep2": (2, 1, 1, 1, EP2, ("ep2", "thd")),
     "tp2sp": (2, 1, 1, 2, ("--sequence-parallel",), ("tp2", "sp", "thd")),
     "cp2": (2, 1, 2, 1, (), ("cp2-zigzag", "thd")),
     "cp2ag": (2, 1, 2, 1, ("--allgather-cp", *NOPE), ("cp2-allgather", "thd")),
@@ -38,8 +42,10 @@ def world(request):
     from megatron_rl_patches.testing.multirank import run_multirank
 
     ranks, pipeline, context, tensor, flags, _ = WORLDS[request.param]
+    assert EP2 == slime_ranks.EP2
+    expert = 2 if flags == EP2 else 1
     return request.param, run_multirank(slime_ranks.fused_and_plain, ranks, pipeline, context, tensor, flags,
-                                        timeout=300)
+                                        expert, timeout=300)
 
 
 def _tolerance(name: str) -> dict:
@@ -78,6 +84,10 @@ def test_fused_equals_slimes_logits_path_on_every_rank(slime_cpu, world):
     assert "log_probs" in largest and "grads" in largest
     if name == "bf16":  # the layout ran: Float16Module holds bf16 parameters
         assert torch.bfloat16 in set(ranks[0]["plain"]["params"].values())
+    if name == "ep2":  # the layout ran: each rank holds 2 of the 4 experts, dispatched by allgather
+        assert ranks[0]["plain"]["dispatcher"] == "allgather"
+        assert any("local_experts.1." in key for key in ranks[0]["plain"]["grads"])
+        assert not any("local_experts.2." in key for key in ranks[0]["plain"]["grads"])
     said = ", ".join(f"max |Δ{key}| {value:.2e}" for key, value in largest.items())
     print(f"slime_fused vs slime's logits path [{name}]: {said}")
 

@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+EP2 = ("--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+       "--moe-ffn-hidden-size", "64", "--moe-router-load-balancing-type", "none", "--disable-bias-linear")
 NOPE = ("--position-embedding-type", "none")
 ALLGATHER_CP = ("--allgather-cp", *NOPE)  # slime_ranks.ALLGATHER_CP (lane-only import)
 pytestmark = pytest.mark.slime
@@ -57,14 +59,15 @@ def _whole_ids(ranks: list[dict], context: int, tensor: int) -> list[torch.Tenso
 # (the lane declares a DSA architecture to slime's own check, slime_ranks.DSA_CONFIG).
 LAYOUTS = {"pp1": (1, 1, 1, None, ()), "pp2": (2, 1, 1, None, ()), "cp2": (1, 2, 1, None, ()),
            "tp2": (1, 1, 2, None, ()), "tp2sp": (1, 1, 2, None, ("--sequence-parallel",)),
-           "cp2ag": (1, 2, 1, None, ALLGATHER_CP), "pp2vpp2": (2, 1, 1, 2, ()), "pp2cp2": (2, 2, 1, None, ()),
+           "cp2ag": (1, 2, 1, None, ALLGATHER_CP), "ep2": (1, 1, 1, None, EP2), "pp2vpp2": (2, 1, 1, 2, ()),
+           "pp2cp2": (2, 2, 1, None, ()),
            "tp2pp2cp2": (2, 2, 2, None, ())}
 ROLLOUTS = 3  # train_actor re-entered: the teacher passes and slime's train() of rollouts 0, 1, 2
 
 
 # docs/layouts.md: slime packs thd; its context parallelism is megatron-core's zigzag or (--allgather-cp) contiguous
 MARKS = {"pp1": ("thd",), "pp2": ("pp2", "thd"), "cp2": ("cp2-zigzag", "thd"), "tp2": ("tp2", "thd"),
-         "tp2sp": ("tp2", "sp", "thd"), "cp2ag": ("cp2-allgather", "thd"),
+         "tp2sp": ("tp2", "sp", "thd"), "cp2ag": ("cp2-allgather", "thd"), "ep2": ("ep2", "thd"),
          "pp2vpp2": ("pp2", "vpp2", "thd"), "pp2cp2": ("pp2", "cp2-zigzag", "thd"),
          "tp2pp2cp2": ("tp2", "pp2", "cp2-zigzag", "thd")}
 
@@ -78,10 +81,16 @@ def world(request):
     from megatron_rl_patches.testing.multirank import run_multirank
 
     pipeline, context, tensor, virtual, flags = LAYOUTS[request.param]
-    assert ALLGATHER_CP == slime_ranks.ALLGATHER_CP
+    assert ALLGATHER_CP == slime_ranks.ALLGATHER_CP and EP2 == slime_ranks.EP2
+    expert = _experts(flags)
     return pipeline, context, tensor, virtual, flags, run_multirank(
-        slime_ranks.opd_train_actor, pipeline * context * tensor, pipeline, context, tensor, virtual, flags, ROLLOUTS,
-        timeout=300)
+        slime_ranks.opd_train_actor, pipeline * context * tensor * expert, pipeline, context, tensor, virtual, flags,
+        ROLLOUTS, None, expert, timeout=300)
+
+
+def _experts(flags: tuple[str, ...]) -> int:
+    """The expert-parallel size (the EP=2 world is DP=2: each rank holds the whole rollout)."""
+    return 2 if flags == EP2 else 1
 
 
 def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
@@ -91,7 +100,8 @@ def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
     from megatron_rl_patches.integrations.slime import opd as slime_opd
 
     pipeline, context, tensor, virtual, flags, ranks = world
-    last, per_stage = ranks[-1], context * tensor
+    expert = _experts(flags)
+    last, per_stage = ranks[-1], context * tensor * expert
     for stage in ranks:
         assert stage["active"] == "actor"
     for stage in ranks[:-per_stage]:  # the ids and teacher buckets live on the last stage only
@@ -102,14 +112,20 @@ def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
     stages = [ranks[first:first + tensor] for first in range(0, len(ranks), per_stage)]
 
     def whole(field, tag=None):
-        return _whole([_unsplit([r[field] if tag is None else r[field][tag] for r in shards], shards[0]["split"])
-                       for shards in stages])
+        def of(rank):
+            return rank[field] if tag is None else rank[field][tag]
+
+        if expert > 1:  # one stage, its experts split over the EP ranks, the rest replicated (rank 0's kept)
+            return {name: value for rank in reversed(ranks) for name, value in of(rank).items()}
+        return _whole([_unsplit([of(r) for r in shards], shards[0]["split"]) for shards in stages])
 
     states = {tag: whole("states", tag) for tag in ranks[0]["states"]}
     grads = whole("grads")
     with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS,
                            *slime_ranks.virtual_args(virtual)[:2],  # the whole model: its layers
-                           *(NOPE if NOPE[0] in flags else ())) as args:  # and its positions
+                           *(NOPE if NOPE[0] in flags else ()),  # and its positions
+                           *(EP2[:4] + EP2[6:] if expert > 1 else ()),  # and all experts on one rank
+                           **(slime_ranks.MOE_VALUES if expert > 1 else {})) as args:
         full = kit.provider_func(args)()
         names = [name for name, _ in full.named_parameters()]
         assert sorted(names) == sorted(states["actor"]) == sorted(grads)
