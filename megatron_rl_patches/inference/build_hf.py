@@ -26,8 +26,10 @@ def _check_parallel(arch: Any) -> None:
     problems = []
     if arch.num_kv_heads % tp:
         problems.append(f"num_key_value_heads={arch.num_kv_heads} is not a multiple of the tensor-parallel size {tp}")
-    if arch.num_layers % pp:
-        problems.append(f"num_hidden_layers={arch.num_layers} is not a multiple of the pipeline-parallel size {pp}")
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    if arch.num_layers % (pp * vpp):
+        stages = f"the pipeline-parallel size {pp}" + (f" x {vpp} virtual stages" if vpp > 1 else "")
+        problems.append(f"num_hidden_layers={arch.num_layers} is not a multiple of {stages}")
     if arch.is_moe and arch.num_experts % ep:
         problems.append(f"{arch.num_experts} experts are not a multiple of the expert-parallel size {ep}")
     if not arch.is_moe and ep > 1:
@@ -68,6 +70,7 @@ def build_inference_model_from_hf(
     budget: ResidencyBudget | None = None,
     dtype: Any = None,
     make_vocab_size_divisible_by: int = 128,
+    core_attention: type | None = None,
 ) -> list[torch.nn.Module]:
     """Inference-only chunks (see build_inference_model) of the Hugging Face checkpoint directory
     `path` (config.json + *.safetensors; pickle files are never read) at the tensor / pipeline /
@@ -79,7 +82,9 @@ def build_inference_model_from_hf(
     real `vocab_size` (hf_vocab_size(path)) to the ops so the padding gets no probability mass.
     Bad input (a path that is no checkpoint directory, an unserved family, missing, unlisted or
     mis-shaped weight files, a `budget` this rank's pieces cannot fit) is refused before the model
-    is built.
+    is built. `core_attention`: the attention core class of the layers (default: megatron-core's
+    local one, which refuses packed `thd` batches; e.g. Transformer Engine's TEDotProductAttention
+    where a framework packs them, as slime does). It holds no weights: the mapping is the same.
     """
     from megatron_rl_patches._args import positive_int
     from megatron_rl_patches.inference.build import build_inference_model
@@ -92,6 +97,9 @@ def build_inference_model_from_hf(
     )
 
     mode = check_residency_args(residency, prefetch, budget)
+    if core_attention is not None and not isinstance(core_attention, type):
+        raise TypeError(f"core_attention must be an attention core class (e.g. TEDotProductAttention) or None, "
+                        f"got {type(core_attention).__name__}")
     root = checkpoint_dir(path)
     config_dict = read_config(root)
     arch = read_architecture(root)
@@ -103,7 +111,7 @@ def build_inference_model_from_hf(
     from megatron.core import parallel_state as ps
 
     vocab = padded_vocab(arch.vocab_size, divisible_by, ps.get_tensor_model_parallel_world_size())
-    provider = model_provider(arch, transformer_config(arch, weights_dtype), vocab)
+    provider = model_provider(arch, transformer_config(arch, weights_dtype), vocab, core_attention)
     chunks = build_inference_model(provider, residency=mode, prefetch=prefetch, budget=budget)
     load_hf_weights(chunks, root, arch, vocab)
     for chunk in chunks:

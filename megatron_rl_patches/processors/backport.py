@@ -58,11 +58,20 @@ def _mtp_runs(model: Any) -> bool:
     return bool(getattr(model.config, "mtp_num_layers", None)) and bool(getattr(model, "mtp_process", True))
 
 
-def _inline_mtp_depths(model: Any, wrapped: Any) -> int:
-    """How many MTP heads call the output layer before the main head in this forward: megatron-core
-    < 0.18 computes their loss inline (the backport serves them through the fused head); from 0.18
-    on `process_mtp_loss` does, which must be patch `mtp_output_processor`'s (0: nothing inline)."""
-    if not _mtp_runs(model):
+def _mtp_labels_given(given: dict) -> bool:
+    """Whether this forward's MTP heads run: always on megatron-core's own forward; with slime's
+    Megatron patch (a `mtp_kwargs` keyword) only when `mtp_kwargs` carries `mtp_labels`."""
+    if "mtp_kwargs" not in given:
+        return True
+    return (given["mtp_kwargs"] or {}).get("mtp_labels") is not None
+
+
+def _inline_mtp_depths(model: Any, wrapped: Any, given: dict) -> int:
+    """How many MTP heads call the output layer before the main head in this forward (`given`: its
+    bound arguments): megatron-core < 0.18 computes their loss inline (the backport serves them
+    through the fused head); from 0.18 on `process_mtp_loss` does, which must be patch
+    `mtp_output_processor`'s (0: nothing inline)."""
+    if not _mtp_runs(model) or not _mtp_labels_given(given):
         return 0
     from megatron_rl_patches.processors.mtp_loss import fused_mtp_loss_in_effect
 
@@ -96,10 +105,10 @@ def forward_with_processor(wrapped: Any, instance: Any, args: tuple, kwargs: dic
         raise TypeError(f"output_processor must be callable (see log_prob_output_processor), got {processor!r}")
     if not instance.post_process:  # not the last pipeline stage: hidden states go on, as natively
         return wrapped(*args, **kwargs)
-    mtp_depths = _inline_mtp_depths(instance, wrapped)
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
     given = bound.arguments
+    mtp_depths = _inline_mtp_depths(instance, wrapped, given)
     hidden_states = _hidden_states_before_output_layer(instance, wrapped, args, kwargs, mtp_depths)
     output_weight = (instance.shared_embedding_or_output_weight() if instance.share_embeddings_and_output_weights
                      else None)

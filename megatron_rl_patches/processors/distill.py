@@ -107,7 +107,8 @@ def divergence_output_processor(
         if row_mask is not None:
             row_mask = token_rows(row_mask, "output_processor_context['row_mask']", call.batch, call.seq)
         value = lm_head_divergence(
-            call.hidden, call.weight, _teacher_rows(ctx["teacher_hidden"], call), ctx["teacher_weight"],
+            call.hidden, call.weight, _teacher_rows(ctx["teacher_hidden"], ctx["teacher_weight"], call),
+            ctx["teacher_weight"],
             divergence=divergence, beta=beta, alpha=alpha, teacher_weights=teacher_weights,
             temperature=call.temperature, vocab_size=vocab_size, tp_group=call.tp_group,
             sequence_parallel=call.sequence_parallel, keep_mask=keep_mask, chunk_size=chunk_size,
@@ -118,17 +119,20 @@ def divergence_output_processor(
     return process
 
 
-def _teacher_rows(teacher_hidden: Any, call: ProcessorCall) -> torch.Tensor | list[torch.Tensor]:
+def _teacher_rows(teacher_hidden: Any, teacher_weight: Any, call: ProcessorCall) -> torch.Tensor | list[torch.Tensor]:
     """[b, s, H_t] per teacher as the student's rows: (s, b) order, this rank's sequence slice
-    under sequence parallelism (the op gathers every model's rows alike)."""
+    under sequence parallelism (the op gathers every model's rows alike), in the dtype of the
+    teacher's output weight (see `_in_weight_dtype`)."""
     single = isinstance(teacher_hidden, torch.Tensor)
     if not single and not isinstance(teacher_hidden, (list, tuple)):
         raise TypeError("output_processor_context['teacher_hidden'] must be a tensor [b, s, H_t] or a list of them, "
                         f"got {type(teacher_hidden).__name__}")
+    weights = [teacher_weight] if isinstance(teacher_weight, torch.Tensor) else teacher_weight
     rows = []
     for j, hidden in enumerate([teacher_hidden] if single else teacher_hidden):
         name = "output_processor_context['teacher_hidden']" + ("" if single else f"[{j}]")
-        flat = token_rows(hidden, name, call.batch, call.seq)
+        weight = weights[j] if isinstance(weights, (list, tuple)) and j < len(weights) else None
+        flat = _in_weight_dtype(token_rows(hidden, name, call.batch, call.seq), weight)
         if call.sequence_parallel:
             import torch.distributed as dist
 
@@ -137,3 +141,13 @@ def _teacher_rows(teacher_hidden: Any, call: ProcessorCall) -> torch.Tensor | li
             flat = flat[rank * per : (rank + 1) * per]
         rows.append(flat)
     return rows[0] if single else rows
+
+
+def _in_weight_dtype(hidden: torch.Tensor, weight: Any) -> torch.Tensor:
+    """A teacher's hidden states in its output weight's dtype: what the teacher's own output layer
+    computes in. A bf16 teacher in Float16Module hands its hidden states back upcast to fp32
+    (losslessly), so they come back to bf16 exactly; a pair the op cannot take stays as given."""
+    if (isinstance(weight, torch.Tensor) and isinstance(hidden, torch.Tensor) and weight.is_floating_point()
+            and hidden.is_floating_point() and hidden.dtype != weight.dtype):
+        return hidden.to(weight.dtype)
+    return hidden

@@ -22,7 +22,7 @@ from megatron_rl_patches.processors.output import ProcessorOutput
 
 __all__ = ["log_prob_output_processor", "topk_output_processor"]
 
-_LOGPROB_CONTEXT = ("keep_mask", "temperature", "row_mask")
+_LOGPROB_CONTEXT = ("keep_mask", "temperature", "row_mask", "kept_ids", "kept_positions", "kept_row_mask")
 _TOPK_CONTEXT = ("ids", "ids_mask", "temperature", "row_mask")
 
 
@@ -229,7 +229,11 @@ def log_prob_output_processor(
     token at `temperature`, from the hidden states (no logits). `output_processor_context` may be a
     dict with "row_mask" ([b, s] bool: only these tokens are computed, e.g. the response tokens;
     the others are 0 with no gradient), "keep_mask" ([b, s, V/tp] bool: ids the log-prob is normalized over) and
-    "temperature" ([b, s] per-token temperatures, multiplied with `temperature`)."""
+    "temperature" ([b, s] per-token temperatures, multiplied with `temperature`). With "kept_ids"
+    ([P] ids), "kept_positions" ([P] their tokens as flat [b, s] indices, b·s_len + s) and
+    "kept_row_mask" ([b, s] bool) the result also holds "kept_log_probs" [b, s]: on the masked
+    tokens log p(label) renormalized over the token's kept ids and its label (top-p replay, from
+    the kept ids' logits only: `ops.kept_set`), elsewhere "log_probs"."""
     check_options(temperature, vocab_size, chunk_size)
 
     def process(*, hidden_states, output_layer, output_weight=None, labels=None, config=None, context=None, **_):
@@ -257,10 +261,36 @@ def log_prob_output_processor(
             chunk_size=chunk_size,
             row_mask=_row_mask(ctx, call),
         )
-        return ProcessorOutput(log_probs=call.to_batch(log_probs),
-                               entropy=None if entropy is None else call.to_batch(entropy))
+        out = ProcessorOutput(log_probs=call.to_batch(log_probs),
+                              entropy=None if entropy is None else call.to_batch(entropy))
+        if ctx.get("kept_ids") is not None or ctx.get("kept_row_mask") is not None:
+            out["kept_log_probs"] = call.to_batch(kept_log_probs(call, ctx, log_probs, vocab_size))
+        return out
 
     return process
+
+
+def kept_log_probs(call: ProcessorCall, ctx: Mapping[str, Any], log_probs: torch.Tensor,
+                   vocab_size: int | None) -> torch.Tensor:
+    """[s*b] rows: the context's kept-set log-probs on its "kept_row_mask" tokens, `log_probs` elsewhere."""
+    from megatron_rl_patches.ops.kept_set import lm_head_kept_log_probs
+
+    ids, positions, mask = ctx.get("kept_ids"), ctx.get("kept_positions"), ctx.get("kept_row_mask")
+    if ids is None or positions is None or mask is None:
+        raise ValueError("output_processor_context needs 'kept_ids', 'kept_positions' and 'kept_row_mask' together "
+                         "(the kept ids, their flat [b, s] token index, the tokens renormalized over them)")
+    rows = token_rows(mask, "output_processor_context['kept_row_mask']", call.batch, call.seq)
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.bool:
+        raise TypeError("output_processor_context['kept_row_mask'] must be a bool tensor [b, s]")
+    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point:
+        raise TypeError("output_processor_context['kept_positions'] must be an integer tensor [P]")
+    # [b, s] flat index -> the hidden states' (s, b) row order
+    kept_rows = (positions % call.seq) * call.batch + torch.div(positions, call.seq, rounding_mode="floor")
+    assert call.labels is not None  # the log-prob processor requires labels
+    renormalized = lm_head_kept_log_probs(call.hidden, call.weight, call.labels, ids, kept_rows,
+                                          tp_group=call.tp_group, sequence_parallel=call.sequence_parallel,
+                                          temperature=call.temperature, vocab_size=vocab_size, row_mask=rows)
+    return torch.where(rows, renormalized, log_probs)
 
 
 def topk_output_processor(

@@ -195,12 +195,15 @@ def make_batch(batch_size: int = 2, seq_length: int = TINY_SEQ, vocab_size: int 
 
 
 def gpt_forward(model: Any, batch: dict, labels: bool = False) -> torch.Tensor:
-    """Logits [b, s, V] (or per-token losses [b, s] with `labels=True`)."""
+    """Logits [b, s, V] (or per-token losses [b, s] with `labels=True`; a batch's "loss_mask" then
+    goes along: the MTP heads' loss reads it)."""
+    extra = {"loss_mask": batch["loss_mask"]} if labels and "loss_mask" in batch else {}
     return model(
         batch["tokens"],
         batch["position_ids"],
         batch["attention_mask"],
         labels=batch["labels"] if labels else None,
+        **extra,
     )
 
 
@@ -229,6 +232,8 @@ def run_schedule(
     first = batches[0]
     micro_batch_size, seq_length = first["tokens"].shape
     chunks = list(model_chunks)
+    if not forward_only:
+        check_interleaved_p2p(chunks)
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=[iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches),
@@ -238,6 +243,31 @@ def run_schedule(
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
     )
+
+
+def check_interleaved_p2p(model_chunks: Sequence[Any]) -> None:
+    """Refuse a training run of the interleaved schedule at 2 pipeline ranks over gloo with
+    `config.batch_p2p_comm` (megatron-core's default): its steady state sends the activation
+    (send_next) and the gradient (send_prev) to the same peer in one batch, posted in the order
+    the peer does not receive them in (recv_prev, recv_next); gloo matches p2p messages per peer
+    in order, so the two tensors of one shape are swapped and the later micro-batches' outputs and
+    gradients come out wrong, silently. Megatron-LM itself runs virtual stages with
+    `overlap_p2p_comm=True, batch_p2p_comm=False` (separate sends, another group per direction)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_model_config
+
+    chunks = list(model_chunks)
+    if len(chunks) < 2 or parallel_state.get_pipeline_model_parallel_world_size() != 2:
+        return
+    if dist.get_backend(parallel_state.get_pipeline_model_parallel_group()) != "gloo":
+        return
+    if getattr(get_model_config(chunks[0]), "batch_p2p_comm", False):
+        raise ValueError(
+            "config.batch_p2p_comm is True with virtual pipeline stages at pipeline parallelism 2 on gloo: the "
+            "interleaved schedule's batched sends to the one peer arrive swapped (activation for gradient), so "
+            "the later micro-batches train on wrong values; build the chunks with batch_p2p_comm=False "
+            "(tiny_pipeline_config does; Megatron-LM sets it with overlap_p2p_comm=True for virtual stages)"
+        )
 
 
 def sgd_step(model_chunks: Sequence[Any], lr: float = 0.1) -> None:

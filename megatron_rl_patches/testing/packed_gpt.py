@@ -11,7 +11,7 @@ import torch
 from megatron_rl_patches.testing.megatron_cpu import TINY_VOCAB, tiny_gpt_config
 
 
-def _packed_attention_class() -> type:
+def packed_attention_class() -> type:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class PackedDotProductAttention(DotProductAttention):
@@ -42,7 +42,7 @@ def packed_gpt_spec(num_experts: int | None = None) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
-    spec.submodules.self_attention.submodules.core_attention = _packed_attention_class()
+    spec.submodules.self_attention.submodules.core_attention = packed_attention_class()
     return spec
 
 

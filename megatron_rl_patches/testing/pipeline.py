@@ -11,8 +11,11 @@ from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
 
 def tiny_pipeline_config(pipeline: int = 2, virtual: int | None = None, **overrides: Any) -> Any:
     """`tiny_gpt_config` split over `pipeline` stages (× `virtual` chunks each): one layer per
-    chunk unless `num_layers` says otherwise."""
-    values: dict[str, Any] = dict(num_layers=pipeline * (virtual or 1), pipeline_model_parallel_size=pipeline)
+    chunk unless `num_layers` says otherwise; unbatched p2p (`batch_p2p_comm=False`, as Megatron-LM
+    runs virtual stages: batched, gloo swaps the interleaved schedule's two tensors to one peer,
+    see `megatron_cpu.check_interleaved_p2p`)."""
+    values: dict[str, Any] = dict(num_layers=pipeline * (virtual or 1), pipeline_model_parallel_size=pipeline,
+                                  batch_p2p_comm=False)
     if virtual is not None:
         values["virtual_pipeline_model_parallel_size"] = virtual
     values.update(overrides)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.testing.megatron_cpu import gpt_forward, make_batch
+from megatron_rl_patches.testing.megatron_cpu import check_interleaved_p2p, gpt_forward, make_batch
 from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config as tiny_gpt_config
 
 FINALIZE = "finalize"  # finalize_model_grads(chunks, **finalize_kwargs) inside the window
@@ -33,6 +33,8 @@ class LoopSetup:
     optimizer: Any = None
     config: Any = None
     forward_steps: list[int] = field(default_factory=lambda: [0])  # microbatches run so far
+    # the microbatch of a seed (`batch_seed`): a layout's rows (e.g. a context-parallel rank's slice)
+    batch: Callable[..., dict] = make_batch
 
 
 def build(env: Any, ddp_flags: dict, optimizer: str | None = None, *, virtual: int | None = None,
@@ -49,14 +51,25 @@ def build(env: Any, ddp_flags: dict, optimizer: str | None = None, *, virtual: i
             else parallel_state.is_pipeline_first_stage()
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage) if vp_stage is not None \
             else parallel_state.is_pipeline_last_stage()
-        model = env.gpt(config, pre_process=pre, post_process=post, vp_stage=vp_stage, seed=seed)
-        chunks.append(env.ddp(model, **ddp_flags))
+        chunks.append(env.gpt(config, pre_process=pre, post_process=post, vp_stage=vp_stage, seed=seed))
+    return wrap(chunks, config, ddp_flags, optimizer, lr=lr)
+
+
+def wrap(models: Sequence[Any], config: Any, ddp_flags: dict, optimizer: str | None = None, *, lr: float = 0.05,
+         **optimizer_flags: Any) -> LoopSetup:
+    """`models` (this rank's chunks, built on `config`) in real DDP with `ddp_flags`, Megatron's
+    optimizer ("sgd" / "adam", distributed when the flags say so; `optimizer_flags` such as bf16=True
+    go to its OptimizerConfig) and the config's sync functions as a split train step leaves them."""
+    from megatron_rl_patches.testing.megatron_cpu import wrap_ddp
+
+    chunks = [wrap_ddp(model, **ddp_flags) for model in models]
     setup = LoopSetup(chunks=chunks, config=config)
     if optimizer is not None:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         opt_config = OptimizerConfig(optimizer=optimizer, lr=lr, clip_grad=0.0,
-                                     use_distributed_optimizer=bool(ddp_flags.get("use_distributed_optimizer")))
+                                     use_distributed_optimizer=bool(ddp_flags.get("use_distributed_optimizer")),
+                                     **optimizer_flags)
         setup.optimizer = get_megatron_optimizer(opt_config, chunks)
     no_sync = [chunk.no_sync for chunk in chunks]
     config.no_sync_func = no_sync if len(chunks) > 1 else no_sync[0]
@@ -94,6 +107,7 @@ def forward_step(setup: LoopSetup, skip_embedding: bool = False) -> Callable:
 def schedule_call(setup: LoopSetup, batches: list[dict], step: Callable) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    check_interleaved_p2p(setup.chunks)
     micro_batch_size, seq_length = batches[0]["tokens"].shape
     # the interleaved schedule reads one iterator per model chunk, each over every microbatch
     data = [iter(batches) for _ in setup.chunks]
@@ -166,7 +180,7 @@ def run_windows(setup: LoopSetup, windows: Windows, *, rank: int, window_cm: Cal
                     for chunk in setup.chunks:
                         chunk.finish_grad_sync(**kwargs)
                 else:
-                    batches = [make_batch(seed=batch_seed(rank, w, c, m)) for m in range(int(count))]
+                    batches = [setup.batch(seed=batch_seed(rank, w, c, m)) for m in range(int(count))]
                     schedule_call(setup, batches, step)
         if not finalize_in_call:
             finalize_model_grads(setup.chunks, **kwargs)

@@ -112,10 +112,27 @@ CASES = {
 }
 
 
+def _needs_detach_heads(options: dict) -> None:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if "mtp_detach_heads" in options and "mtp_detach_heads" not in TransformerConfig.__dataclass_fields__:
+        pytest.skip("this megatron-core has no mtp_detach_heads (added in 0.19)")
+
+
+def _logged_keys() -> set[str]:
+    """What megatron's MTP loss logging records: 0.19 adds the acceptance counts (0.18: "values")."""
+    from megatron.core.transformer import multi_token_prediction
+
+    if hasattr(multi_token_prediction, "_compute_mtp_acceptance_counts"):
+        return {"loss_values", "correct_values", "total_values"}
+    return {"values"}
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_mtp_loss_equals_megatrons_logits_loss(mtp_kit, case):
     env, helper = mtp_kit
     options = dict(CASES[case])
+    _needs_detach_heads(options)
     model = _model(env, options.pop("tied"), **options)
     batch = _batch(env)
 
@@ -123,14 +140,15 @@ def test_fused_mtp_loss_equals_megatrons_logits_loss(mtp_kit, case):
     want_logged = _tracked(helper)
     helper.tracker = {}
     statuses = megatron_rl_patches.apply(only="mtp_output_processor")
-    assert {s.state for s in statuses if "hybrid" not in s.target} == {"applied"}, statuses  # hybrid: not imported
+    states = {s.state for s in statuses if "hybrid" not in s.target}  # hybrid: not imported
+    assert "applied" in states and states <= {"applied", "n/a"}, statuses  # n/a: 0.18's missing acceptance counts
     got_loss, got = _step(model, batch)
 
     assert torch.equal(got_loss, want_loss)  # the main head is untouched
     assert _same(got, want)
     assert any(name.startswith("mtp.") and g.abs().sum() > 0 for name, g in got.items())
     logged = _tracked(helper)
-    assert logged.keys() == want_logged.keys() and {"loss_values", "correct_values", "total_values"} <= set(logged)
+    assert logged.keys() == want_logged.keys() and _logged_keys() <= set(logged)
     assert all(torch.allclose(logged[k], want_logged[k], rtol=1e-6) for k in logged)
 
     # negative control: another MTP loss scale moves the gradients where the comparison looks
@@ -141,6 +159,7 @@ def test_fused_mtp_loss_equals_megatrons_logits_loss(mtp_kit, case):
 
 def test_detached_heads_leave_the_output_weight_to_the_main_head(mtp_kit):
     env, _ = mtp_kit
+    _needs_detach_heads({"mtp_detach_heads": True})
     megatron_rl_patches.apply(only="mtp_output_processor")
     batch = _batch(env, seed=4)
     _, detached = _step(_model(env, mtp_detach_heads=True), batch)

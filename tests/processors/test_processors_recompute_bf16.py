@@ -46,8 +46,8 @@ def _fused(model, teacher, batch, which: str, temperature: float = 1.0) -> torch
     with torch.no_grad():
         hidden = teacher(*_args(batch), output_processor=hidden_output_processor())
     weight = _unwrapped(teacher).output_layer.weight
-    # Float16Module hands the bf16 hidden states back upcast to fp32 (lossless): the pair must share a dtype
-    hidden = hidden.to(weight.dtype)
+    # a bf16 teacher in Float16Module hands its hidden states back as fp32 beside its bf16 weight:
+    # the processor takes them in the weight's dtype (docs/distillation.md)
     return model(*_args(batch), output_processor=divergence_output_processor(divergence="jsd", beta=0.4,
                                                                             temperature=temperature),
                  output_processor_context={"teacher_hidden": hidden, "teacher_weight": weight})
@@ -146,3 +146,27 @@ def test_processors_on_a_bf16_float16module(megatron_cpu, clean_patch_state, whi
     assert _grad_error(got_grads, want_grads) <= 1e-2, _grad_error(got_grads, want_grads)  # bf16 gradients
     other, other_grads = _scored(model, _from_logits, teacher, batch, which, temperature=OTHER_TEMPERATURE)
     assert _error(got, other) > 1e-2 and _grad_error(got_grads, other_grads) > 5e-2
+
+
+@pytest.mark.layout("bf16")
+def test_a_bf16_float16module_teacher_distils_an_fp32_student(megatron_cpu, clean_patch_state):
+    """The teacher's fp32 (upcast) hidden states and bf16 output weight, as Float16Module hands them,
+    straight into the divergence processor of an fp32 student: the dense float64 divergence from
+    the teacher's own logits, values and every gradient."""
+    from megatron.core.transformer.module import Float16Module
+
+    megatron_rl_patches.apply(only="gpt_output_processor")
+    env = megatron_cpu
+    config = env.config(**BF16)
+    teacher = Float16Module(config, _teacher(env, **BF16))
+    student, batch = env.gpt(seed=3), env.batch(seed=7)
+    with torch.no_grad():
+        hidden = teacher(*_args(batch), output_processor=hidden_output_processor())
+    assert hidden.dtype == torch.float32 and _unwrapped(teacher).output_layer.weight.dtype == torch.bfloat16
+
+    got, got_grads = _scored(student, _fused, teacher, batch, "divergence")
+    want, want_grads = _scored(student, _from_logits, teacher, batch, "divergence")
+    assert _error(got, want) <= REL["divergence"], _error(got, want)
+    assert _grad_error(got_grads, want_grads) <= REL["divergence"], _grad_error(got_grads, want_grads)
+    other, other_grads = _scored(student, _from_logits, teacher, batch, "divergence", temperature=OTHER_TEMPERATURE)
+    assert _error(got, other) > 1e-2 and _grad_error(got_grads, other_grads) > 1e-2  # the comparison sees it

@@ -375,7 +375,8 @@ def run_all(rank: int, world_size: int) -> dict:
         out["reentry"] = _reentry(env, rank)
     for label, virtual in (("pp", None), ("vpp", 2)):
         with megatron_world("cpu", pipeline_parallel=2, virtual_pipeline=virtual) as env:
-            extra = {"virtual_pipeline_model_parallel_size": virtual} if virtual else {}
+            # unbatched p2p with virtual stages, as Megatron-LM runs them (megatron_cpu.check_interleaved_p2p)
+            extra = {"virtual_pipeline_model_parallel_size": virtual, "batch_p2p_comm": False} if virtual else {}
             env.config = lambda extra=extra, **kw: tiny_gpt_config(num_layers=4, pipeline_model_parallel_size=2,
                                                                    **extra)
             out[label] = _cases(env, rank, PP_CASES, virtual=virtual, skip_none=PP_HANG if old else "")

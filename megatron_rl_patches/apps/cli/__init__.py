@@ -80,7 +80,8 @@ PATCH_VARIABLES = {
                          "tv or mixed_kl",
     f"{_OPD}COEF": "slime_opd: weight of the top-k divergence (default 1.0)",
     f"{_OPD}POLICY_WEIGHT": "slime_opd: weight of slime's policy loss (default 1.0)",
-    f"{_OPD}RESIDENCY": "slime_opd: resident (default), swap or stream, for PATH@module:function teachers",
+    f"{_OPD}RESIDENCY": "slime_opd: resident (default), swap or stream, for the separate teachers "
+                        "(PATH@module:function, Hugging Face folders of another architecture)",
     f"{_OPD}IDS_FROM": "slime_opd: student (default) or union (the student's and the first teacher's top-k)",
     "MEGATRON_RL_PATCHES_VERL_ROWS": "verl_fused_logprobs: all computes every row, not only the rows verl reads",
 }

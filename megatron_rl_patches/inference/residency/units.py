@@ -43,8 +43,8 @@ def _params(*modules: torch.nn.Module | None) -> list[torch.nn.Parameter]:
 
 
 def stream_units(chunk: torch.nn.Module, index: int) -> list[Unit]:
-    """Units of one model chunk (GPTModel, HybridModel, possibly Float16Module-wrapped); a
-    ValueError for a model with no `decoder.layers` or with a multi-token-prediction block."""
+    """Units of one model chunk (GPTModel, HybridModel, possibly Float16Module-wrapped; a
+    multi-token-prediction block is one unit); a ValueError for a model with no `decoder.layers`."""
     model = unwrap(chunk)
     decoder = getattr(model, "decoder", None)
     layers = getattr(decoder, "layers", None)
@@ -53,11 +53,6 @@ def stream_units(chunk: torch.nn.Module, index: int) -> list[Unit]:
             f"residency='stream' streams a model layer by layer and needs a Megatron language model "
             f"with decoder.layers (GPTModel, HybridModel); chunk {index} is a {type(model).__name__}: "
             "use residency='swap' for it"
-        )
-    if getattr(model, "mtp", None) is not None and any(True for _ in model.mtp.parameters()):
-        raise ValueError(
-            f"residency='stream' does not stream a multi-token-prediction block (chunk {index} has "
-            "model.mtp): build the teacher without MTP layers (they do not score tokens), or use residency='swap'"
         )
     prefix = f"chunk{index}." if index else ""
     units: list[Unit] = []
@@ -74,6 +69,11 @@ def stream_units(chunk: torch.nn.Module, index: int) -> list[Unit]:
         head_params = _unique(head_params + [model.shared_embedding_or_output_weight()])
     if head_modules:
         units.append(Unit(prefix + "head", head_modules, head_params))
+    # multi-token prediction: megatron's forward runs the block after the final norm, before the
+    # output layer (the block calls the embedding itself, which its own unit brings in)
+    mtp = getattr(model, "mtp", None)
+    if isinstance(mtp, torch.nn.Module) and _params(mtp):
+        units.append(Unit(prefix + "mtp", [mtp], _params(mtp)))
     return units
 
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from typing import Any
 
 from megatron_rl_patches.integrations.slime.plan import Plan, current_plan, run_planned, step_request
 
 FALLBACK = "slime_fused: {feature}: this step uses slime's own logits path"
+TOP_P_ALLGATHER_CP = ("top-p replay with --allgather-cp (rollout_top_p != 1: the fused route maps the nuclei to "
+                      "packed rows at context-parallel size 1 and zigzag only)")
 
 logger = logging.getLogger("megatron_rl_patches")
 _SAID: set[str] = set()
@@ -49,13 +50,12 @@ class FusedOutput(dict):
 
 
 def unservable(args: Any) -> str | None:
-    """The feature of slime's configuration the fused route cannot serve, or None."""
-    if getattr(args, "rollout_top_p", 1.0) != 1.0:
-        return "top-p replay (rollout_top_p != 1: its keep-mask is dense [T, V])"
-    if getattr(args, "enable_mtp_training", False):
-        return "MTP training (enable_mtp_training)"
-    if os.environ.get("ENABLE_ROUTING_REPLAY", "0") == "1":
-        return "routing replay (ENABLE_ROUTING_REPLAY=1)"
+    """The feature of slime's configuration the fused route cannot serve, or None. Routing replay
+    (ENABLE_ROUTING_REPLAY=1) needs nothing of the route: slime sets its ROUTING_REPLAY_STAGE window
+    around the model call, which the fused call is, and the router's patched compute_topk pops the
+    recorded routes."""
+    if getattr(args, "rollout_top_p", 1.0) != 1.0 and getattr(args, "allgather_cp", False):
+        return TOP_P_ALLGATHER_CP
     if getattr(args, "loss_type", "policy_loss") == "value_loss":
         return "the critic's value head (loss_type value_loss)"
     return None
@@ -83,8 +83,6 @@ def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
         reason = "the critic's value head (forward_only with get_values)"
     elif name != "get_log_probs_and_entropy":
         reason = f"a forward_only callback other than get_log_probs_and_entropy ({name})"
-    elif bound.arguments.get("use_rollout_top_p_replay") and getattr(slime_args, "rollout_top_p", 1.0) != 1.0:
-        reason = "top-p replay (rollout_top_p != 1: its keep-mask is dense [T, V])"
     if reason is not None:
         fall_back(reason)
         return run_planned(None, wrapped, args, kwargs)
@@ -145,15 +143,30 @@ def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
 
 
 def fused_step(step: Any, plan: Plan) -> Any:
-    """slime's forward step, given the fused model (the combined-1F1B schedule plan excepted)."""
+    """slime's forward step, given the fused model (whose `build_schedule_plan` serves the
+    combined-1F1B schedule where megatron-core's takes `output_processor`)."""
 
     def forward_step(data_iterator: Any, model: Any, *rest: Any, **kwargs: Any) -> Any:
         if kwargs.get("return_schedule_plan") or (rest and rest[0] is True):
-            fall_back("the combined-1F1B schedule plan (model.build_schedule_plan)")
-            return step(data_iterator, model, *rest, **kwargs)
+            reason = schedule_plan_unservable(model)
+            if reason is not None:
+                fall_back(reason)
+                return step(data_iterator, model, *rest, **kwargs)
         return step(data_iterator, FusedModel(model, plan), *rest, **kwargs)
 
     return forward_step
+
+
+SCHEDULE_PLAN_FALLBACK = ("the combined-1F1B schedule plan (this megatron-core's model.build_schedule_plan has no "
+                          "output_processor keyword; megatron-core >= 0.18 has it)")
+
+
+def schedule_plan_unservable(model: Any) -> str | None:
+    """Why the combined-1F1B plan of this chunk goes to slime's logits path, or None: the last
+    stage's `build_schedule_plan` must take `output_processor` (megatron-core >= 0.18)."""
+    if not is_last_stage(model) or _accepts_processor(model, "build_schedule_plan"):
+        return None
+    return SCHEDULE_PLAN_FALLBACK
 
 
 def _inner(model: Any) -> Any:
@@ -169,18 +182,20 @@ def is_last_stage(model: Any) -> bool:
     return bool(getattr(_inner(model), "post_process", True))
 
 
-def _accepts_processor(model: Any) -> bool:
+def _accepts_processor(model: Any, method: str = "forward") -> bool:
     inner = _inner(model)
     try:
-        parameters = inspect.signature(inner.forward).parameters
-    except (TypeError, ValueError):
+        parameters = inspect.signature(getattr(inner, method)).parameters
+    except (AttributeError, TypeError, ValueError):
         return False
     return "output_processor" in parameters and "output_processor_context" in parameters
 
 
 class FusedModel:
-    """A model chunk whose call runs the log-prob output processor on the response rows of the
-    noted micro-batch; every attribute is the chunk's own."""
+    """A model chunk whose call (and combined-1F1B `build_schedule_plan`) runs the log-prob output
+    processor on the response rows of the noted micro-batch; every other attribute is the chunk's own.
+    MTP training (slime's `mtp_kwargs`) passes through: the MTP heads' loss goes through the fused
+    head (the GPT backport on megatron-core < 0.18, patch `mtp_output_processor` from 0.18 on)."""
 
     def __init__(self, model: Any, plan: Plan):
         self._model, self._plan = model, plan
@@ -189,18 +204,25 @@ class FusedModel:
         return getattr(self._model, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._route(self._model, "forward", args, kwargs)
+
+    def build_schedule_plan(self, *args: Any, **kwargs: Any) -> Any:
+        """The chunk's combined-1F1B plan with the processor in its post-process node (slime's
+        forward step gets this model for a plan only where `build_schedule_plan` takes
+        `output_processor`: megatron-core >= 0.18)."""
+        return self._route(self._model.build_schedule_plan, "build_schedule_plan", args, kwargs)
+
+    def _route(self, plain: Any, method: str, args: tuple, kwargs: dict) -> Any:
+        """`plain(*args, **kwargs)` with the processor where the micro-batch is servable."""
         if not is_last_stage(self._model):  # its hidden states go to the next stage: the plain call
-            return self._model(*args, **kwargs)
+            return plain(*args, **kwargs)
         batch = self._plan.batch
         if args or batch is None or "input_ids" not in kwargs:
-            fall_back("a forward step that does not call model(input_ids=...) after get_batch")
-            return self._model(*args, **kwargs)
+            fall_back(f"a forward step that does not call {_called(method)}(input_ids=...) after get_batch")
+            return plain(*args, **kwargs)
         if batch.get("multimodal_train_inputs"):
             fall_back("multimodal inputs (multimodal_train_inputs)")
-            return self._model(*args, **kwargs)
-        if "mtp_kwargs" in kwargs:
-            fall_back("MTP training (mtp_kwargs)")
-            return self._model(*args, **kwargs)
+            return plain(*args, **kwargs)
         layout = batch_layout(kwargs.get("packed_seq_params"))
         if layout != "thd":
             if getattr(self._plan.args, "allgather_cp", False):
@@ -208,14 +230,18 @@ class FusedModel:
                     "slime_fused: --allgather-cp needs packed thd batches (slime's get_batch builds them); this "
                     f"micro-batch is {layout!r}: drop --allgather-cp or pack as thd")
             fall_back(f"{layout} batches (packed_seq_params.qkv_format != 'thd': the route slices thd packing)")
-            return self._model(*args, **kwargs)
-        if not _accepts_processor(self._model):
-            fall_back("a model without GPTModel's output_processor keyword (apply gpt_output_processor "
-                      "on megatron-core < 0.18)")
-            return self._model(*args, **kwargs)
-        return self._fused(kwargs, batch)
+            return plain(*args, **kwargs)
+        if not _accepts_processor(self._model, method):
+            fall_back(f"a model whose {_called(method)} lacks GPTModel's output_processor keyword (apply "
+                      "gpt_output_processor on megatron-core < 0.18)")
+            return plain(*args, **kwargs)
+        if kwargs.get("mtp_kwargs") and mtp_heads_build_logits(self._model):
+            from megatron_rl_patches._log import warn_once
 
-    def _fused(self, kwargs: dict, batch: dict) -> FusedOutput:
+            warn_once(MTP_LOGITS)
+        return self._fused(kwargs, batch, plain)
+
+    def _fused(self, kwargs: dict, batch: dict, call: Any) -> FusedOutput:
         from megatron_rl_patches.integrations.slime.rows import response_rows, shifted_targets
         from megatron_rl_patches.processors.heads import log_prob_output_processor
 
@@ -228,17 +254,66 @@ class FusedModel:
         rows = response_rows(batch, length, tokens.device, allgather_cp)
         options: dict[str, Any] = dict(temperature=float(getattr(plan.args, "rollout_temperature", 1.0)),
                                        chunk_size=_chunk_size(plan.args))
+        real_vocab = real_vocab_size(self._model)
+        if real_vocab is not None:  # a model built from a Hugging Face checkpoint: its padding rows get no mass
+            options["vocab_size"] = real_vocab
         processor = log_prob_output_processor(with_entropy=plan.with_entropy,
                                               entropy_requires_grad=plan.entropy_requires_grad, **options)
         context: dict = row_context(rows[None])
+        context.update(top_p_context(plan.args, batch, length, tokens.device))
         if plan.topk is not None:
             from megatron_rl_patches.integrations.slime.topk import topk_context, with_topk
 
             topk_ctx = topk_context(plan.topk, batch, length, tokens.device, allgather_cp)
             processor = with_topk(processor, plan.topk.k, options, topk_ctx, union=plan.topk.union)
-        out = self._model(**{**kwargs, "labels": labels[None]}, output_processor=processor,
-                          output_processor_context=context)
-        return FusedOutput(out)
+        out = call(**{**kwargs, "labels": labels[None]}, output_processor=fused_output(processor),
+                   output_processor_context=context)
+        return out if call is not self._model else FusedOutput(out)  # a schedule plan: its node gives it
+
+
+def fused_output(processor: Any) -> Any:
+    """`processor` whose dict comes back as a :class:`FusedOutput` (what a combined-1F1B plan's
+    post-process node hands slime's loss function)."""
+
+    def process(**kwargs: Any) -> FusedOutput:
+        return FusedOutput(processor(**kwargs))
+
+    return process
+
+
+MTP_LOGITS = ("slime_fused: MTP training on this megatron-core computes the MTP heads' loss in process_mtp_loss "
+              "from [T, V] logits: apply patch mtp_output_processor too (it is in `all`)")
+
+
+def mtp_heads_build_logits(model: Any) -> bool:
+    """Whether this chunk's MTP heads would project [T, V] logits beside the fused main head: on
+    megatron-core >= 0.18 (`process_mtp_loss` in the model's module) unless patch
+    `mtp_output_processor` is in effect; before 0.18 the GPT backport serves them."""
+    import sys
+
+    from megatron_rl_patches.processors.mtp_loss import fused_mtp_loss_in_effect
+
+    inner = _inner(model)
+    if not getattr(getattr(inner, "config", None), "mtp_num_layers", None):
+        return False
+    module = sys.modules.get(type(inner).__module__)
+    namespace = vars(module) if module is not None else {}
+    return "process_mtp_loss" in namespace and not fused_mtp_loss_in_effect(namespace)
+
+
+def _called(method: str) -> str:
+    return "model" if method == "forward" else f"model.{method}"
+
+
+def real_vocab_size(model: Any) -> int | None:
+    """The unpadded vocab a chunk (or a wrapper of it) built by build_inference_model_from_hf
+    carries as `hf_vocab_size`; None for other models (slime scores their padded columns)."""
+    while model is not None:
+        size = getattr(model, "__dict__", {}).get("hf_vocab_size")
+        if size is not None:
+            return int(size)
+        model = getattr(model, "module", None)
+    return None
 
 
 def batch_layout(packed_seq_params: Any) -> str:
@@ -259,6 +334,14 @@ def row_context(rows: Any) -> dict:
     return {"row_mask": rows}
 
 
+def top_p_context(args: Any, batch: dict, length: int, device: Any) -> dict:
+    """The kept-set keys of the processor context when slime replays the rollout's top-p nuclei."""
+    from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
+
+    kept = kept_context(batch, length, device) if replays_top_p(args) else None
+    return kept or {}
+
+
 def log_probs_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for slime's `get_log_probs_and_entropy`: a fused output is sliced per sample
     with slime's helpers; logits go to slime's function."""
@@ -268,8 +351,11 @@ def log_probs_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     from megatron_rl_patches.integrations.slime.rows import per_sample
 
     values = bound.arguments
-    if values.get("top_p_token_ids") is not None:
-        raise RuntimeError("slime_fused: top-p replay reached a fused output; please report this (the route "
-                           "should have fallen back to slime's logits path)")
+    key = "log_probs"
+    if values.get("top_p_token_ids") is not None and values.get("top_p_token_offsets") is not None:
+        key = "kept_log_probs"  # slime renormalizes over the nucleus here; entropy stays unmasked
+        if key not in values["logits"]:
+            raise RuntimeError("slime_fused: top-p replay reached a fused output computed without the batch's "
+                               "nuclei (rollout_top_p_token_ids); please report this")
     return per_sample(values["logits"], values["args"], values["total_lengths"], values["response_lengths"],
-                      bool(values["with_entropy"]))
+                      bool(values["with_entropy"]), key)

@@ -6,7 +6,9 @@ switched on by MEGATRON_RL_PATCHES_OPD_TEACHERS (`opd_settings`) with slime's cu
 
 Teachers are loaded after the actor's `init`: same-architecture ones the slime way (checkpoints
 loaded into the actor and kept as host snapshots, swapped in with one restore per teacher per
-step), others as separate inference-only models (`build_inference_model`). Before slime's
+step), others as separate inference-only models: `PATH@module:function` by `build_inference_model`,
+a Hugging Face `PATH` whose config.json differs from the actor by `build_inference_model_from_hf`
+(`hf_teachers`). Before slime's
 `train_actor`, the actor's own top-k pass selects the ids, each teacher scores them (exact tail
 bucket): [R, k] per sample and teacher reach `train_one_step`'s batch. With
 MEGATRON_RL_PATCHES_OPD_IDS_FROM=union the first teacher's pass also selects its own top-k and
@@ -18,6 +20,7 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any
 
+from megatron_rl_patches.integrations.slime import hf_teachers
 from megatron_rl_patches.integrations.slime.opd_settings import (
     LOSS_PATH,
     LOSS_PATHS,
@@ -99,17 +102,45 @@ def _check_snapshot(actor: Any, tag: str, teacher: Teacher) -> None:
     wrong = [name for name in own if name not in other or other[name].shape != own[name].shape]
     if wrong:
         raise ValueError(f"{TEACHERS}: teacher {teacher.path} does not have the actor's shapes ({wrong[:3]}): "
-                         "a teacher of another architecture or vocabulary needs PATH@module:function")
+                         "a Megatron checkpoint of another architecture needs PATH@module:function (a Hugging Face "
+                         "directory of another architecture is built from its config.json)")
+
+
+def _routes(actor: Any, settings: OpdSettings, student: int | str) -> list[str | None]:
+    """Per teacher, hf_teachers.HF for a Hugging Face `PATH` of another architecture than the
+    actor's (agreed by every rank, its vocabulary checked against the student's), SNAPSHOT for
+    other `PATH`s, None for `PATH@module:function`: decided for every teacher before any loads."""
+    from megatron_rl_patches._log import logger
+
+    routes: list[str | None] = []
+    for teacher in settings.teachers:
+        if not teacher.same_architecture:
+            routes.append(None)
+            continue
+        what = f"{TEACHERS}: teacher {teacher.path!r}"
+        route, differences = hf_teachers.teacher_route(teacher.path, actor.args, what)
+        if route == hf_teachers.HF:
+            hf_teachers.check_vocab(teacher.path, student, what)
+            logger.info("megatron-rl-patches: slime_opd teacher %s differs from the actor (%s): built from its "
+                        "config.json as a separate inference-only model", teacher.path, "; ".join(differences))
+        routes.append(route)
+    return routes
 
 
 def load_teachers(actor: Any, settings: OpdSettings) -> list[Any]:
-    """Each teacher as a snapshot tag of the actor (same architecture) or separate model chunks;
-    the actor's own weights are active again afterwards."""
+    """Each teacher as a snapshot tag of the actor (same architecture) or separate model chunks
+    (a provider's, or a Hugging Face directory's of another architecture); the actor's own
+    weights are active again afterwards."""
     check_args(actor.args)
     vocab = _unwrap(actor.model[-1]).vocab_size
+    student = hf_teachers.student_vocab(actor.args, vocab)
     loaded: list[Any] = []
-    for index, teacher in enumerate(settings.teachers):
-        if teacher.same_architecture:
+    for index, (teacher, route) in enumerate(zip(settings.teachers, _routes(actor, settings, student))):
+        if route == hf_teachers.HF:
+            loaded.append(hf_teachers.build_hf_teacher(actor.args, teacher.path, settings.residency, student,
+                                                       getattr(_unwrap(actor.model[0]), "config", None),
+                                                       f"{TEACHERS}: teacher {teacher.path!r}"))
+        elif route == hf_teachers.SNAPSHOT:
             tag = f"opd_teacher_{index}"
             actor.load_other_checkpoint(tag, teacher.path)
             _check_snapshot(actor, tag, teacher)

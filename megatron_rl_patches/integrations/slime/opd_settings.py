@@ -26,7 +26,9 @@ LOSS_PATHS = (LOSS_PATH, "megatron_rl_patches.integrations.slime.opd.topk_opd_po
 @dataclass(frozen=True)
 class Teacher:
     """One teacher: a checkpoint path, and for another architecture the `module:function` that
-    returns its Megatron model provider (called with slime's args)."""
+    returns its Megatron model provider (called with slime's args). `same_architecture` means
+    "no provider": a Hugging Face `PATH` of another architecture is found by its config.json
+    when the teachers load (`hf_teachers`)."""
 
     path: str
     provider: str | None = None
@@ -74,7 +76,8 @@ def _residency(env: Mapping[str, str]) -> str | None:
     raw = env.get(RESIDENCY, "").strip().lower()
     if raw and raw not in RESIDENCIES:
         raise ValueError(f"{RESIDENCY}={raw!r}: expected one of {list(RESIDENCIES)} (the residency of the "
-                         "PATH@module:function teachers), or unset it for resident")
+                         "separate teachers: PATH@module:function, Hugging Face folders of another "
+                         "architecture), or unset it for resident")
     return raw or None
 
 

@@ -9,7 +9,8 @@ the module imports `get_model_provider_func(args, role)` (older releases: `(args
 .model_provider and `load_checkpoint(model, optimizer, scheduler, checkpointing_context,
 skip_load_to_model_and_opt)` from .checkpoint; a frozen role's weights come from
 `args.<role>_load` when set, else `args.load` (slime's forks copy the teacher's path there),
-else `args.pretrained_checkpoint`.
+else `args.pretrained_checkpoint`. A Hugging Face directory whose config.json differs from the
+actor's architecture is built from its own config.json (`build_inference_model_from_hf`).
 """
 from __future__ import annotations
 
@@ -82,6 +83,24 @@ def _delegated(path: str, step: int | None, module: Any) -> bool:
     return step is None and callable(getattr(module, "load_checkpoint", None)) and is_foreign_directory(path)
 
 
+def _hf_of_another_architecture(run_args: Any, role: str, path: str, residency: str) -> list[Any] | None:
+    """The role's chunks built from the Hugging Face directory `path` by its own config.json when
+    it differs from the actor's architecture (slime's provider and loader build the actor's), its
+    vocabulary checked against the student's first; None for any other path."""
+    from megatron_rl_patches.integrations.slime import hf_teachers
+
+    what = f"role {role!r}: weights {path!r}"
+    route, differences = hf_teachers.teacher_route(path, run_args, what)
+    if route != hf_teachers.HF:
+        return None
+    student = hf_teachers.student_vocab(run_args, getattr(run_args, "padded_vocab_size", None) or 0)
+    chunks = hf_teachers.build_hf_teacher(run_args, path, residency, student, run_args, what)
+    chunks[0].role = role
+    logger.info("megatron-rl-patches: role %r built inference-only from the Hugging Face directory %s (%s; %s)",
+                role, path, "; ".join(differences), residency)
+    return chunks
+
+
 def initialize_model_and_optimizer_wrapper(
     wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
 ) -> Any:
@@ -108,11 +127,15 @@ def initialize_model_and_optimizer_wrapper(
     from megatron_rl_patches.inference.loading.paths import resolve_checkpoint
 
     path, step = weights_source(run_args, role)
+    residency = env.role_residencies().get(role, "resident")
+    if step is None:
+        built = _hf_of_another_architecture(run_args, role, path, residency)
+        if built is not None:
+            return built, None, None, 0
     if not _delegated(path, step, module):
         resolve_checkpoint(path, step)  # a wrong path fails before the model is built
     from megatron_rl_patches.inference.residency.placement import weights_on_host
 
-    residency = env.role_residencies().get(role, "resident")
     chunks = build_inference_model(
         _provider(factory, run_args, role), model_type=ModelType.encoder_or_decoder, residency=residency
     )

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 LOSS = "slime.backends.megatron_utils.loss"
-HELPERS = ("_build_shifted_tokens", "_extract_per_sample", "_allgather_cp_redistribute")
+HELPERS = ("_build_shifted_tokens", "_extract_per_sample", "_allgather_cp_redistribute", "slice_log_prob_with_cp")
 
 
 def slime_loss() -> Any:
@@ -49,10 +49,11 @@ def response_rows(batch: dict, length: int, device: Any, allgather_cp: bool) -> 
 
 
 def per_sample(output: dict, args: Any, total_lengths: list[int], response_lengths: list[int],
-               with_entropy: bool) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]]]:
-    """slime's `get_log_probs_and_entropy` result from the processor's [1, T] log-probs / entropy."""
+               with_entropy: bool, key: str = "log_probs") -> tuple[torch.Tensor, dict[str, list[torch.Tensor]]]:
+    """slime's `get_log_probs_and_entropy` result from the processor's [1, T] log-probs (`key`:
+    "kept_log_probs" for top-p replay) and entropy."""
     loss = slime_loss()
-    log_probs = output["log_probs"].reshape(-1)
+    log_probs = output[key].reshape(-1)
     entropy = output.get("entropy")
     if with_entropy and entropy is None:
         raise RuntimeError("slime_fused: entropy was asked of a forward pass run without it; please report this")

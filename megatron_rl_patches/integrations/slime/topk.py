@@ -25,7 +25,8 @@ def with_topk(log_prob: Callable, k: int | None, options: dict, topk_context: di
         with one_row_selection():  # one host sync and one tensor-parallel check for the three ops
             result = dict(log_prob(output_layer=output_layer, context=context, **kwargs))
             with output_layer_pre_hooks_ran(output_layer):  # the log-prob call ran them for this forward
-                result.update(topk(output_layer=output_layer, context={**(context or {}), **topk_context}, **kwargs))
+                shared = {key: value for key, value in (context or {}).items() if not key.startswith("kept_")}
+                result.update(topk(output_layer=output_layer, context={**shared, **topk_context}, **kwargs))
         return result
 
     return process

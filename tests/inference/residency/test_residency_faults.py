@@ -90,16 +90,22 @@ def test_stream_needs_decoder_layers(megatron_cpu):
     assert device_weight_bytes(chunk.parameters()) == 0
 
 
-def test_multi_token_prediction_block_is_refused_for_stream(megatron_cpu):
-    class WithMTP(torch.nn.Module):  # the shape stream_units reads; building a real MTP block needs TE
+def test_multi_token_prediction_block_streams_as_one_unit(megatron_cpu):
+    """The MTP block is a unit of its own after the head (megatron runs it between the final norm and
+    the output layer); a real MTP GPT streams in tests/testing/test_mtp_layouts.py."""
+    from megatron_rl_patches.inference.residency.units import stream_units
+
+    class WithMTP(torch.nn.Module):  # the shape stream_units reads
         def __init__(self):
             super().__init__()
             self.decoder = torch.nn.Module()
             self.decoder.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
             self.mtp = torch.nn.Linear(2, 2)
 
-    with pytest.raises(ValueError, match="does not stream a multi-token-prediction block"):
-        build_inference_model(lambda pre_process, post_process: WithMTP(), residency="stream")
+    model = WithMTP()
+    units = stream_units(model, 0)
+    assert [unit.name for unit in units] == ["layer0", "mtp"]
+    assert {id(p) for p in units[-1].params} == {id(p) for p in model.mtp.parameters()}
 
 
 @pytest.mark.parametrize("residency", ["swap", "stream"])

@@ -23,8 +23,7 @@ def _args(**values):
 
 
 @pytest.mark.parametrize("values, feature", [
-    ({"rollout_top_p": 0.9}, "top-p replay"),
-    ({"enable_mtp_training": True}, "MTP training"),
+    ({"rollout_top_p": 0.9, "allgather_cp": True}, "top-p replay with --allgather-cp"),
     ({"loss_type": "value_loss"}, "critic's value head"),
 ])
 def test_unservable_names_the_feature(values, feature):
@@ -32,9 +31,19 @@ def test_unservable_names_the_feature(values, feature):
     assert slime_fused.unservable(_args()) is None
 
 
-def test_routing_replay_is_unservable(monkeypatch):
+def test_mtp_training_is_served():
+    """slime's MTP training goes through the fused route (its heads through the fused head)."""
+    assert slime_fused.unservable(_args(enable_mtp_training=True)) is None
+
+
+def test_routing_replay_and_top_p_replay_are_served(monkeypatch):
+    """issue 40: no fallback for routing replay (slime's window is around the fused call) nor for
+    top-p replay at context-parallel size 1 and zigzag (the lane compares both with slime's own path)."""
     monkeypatch.setenv("ENABLE_ROUTING_REPLAY", "1")
-    assert "routing replay" in slime_fused.unservable(_args())
+    monkeypatch.setenv("ROUTING_REPLAY_STAGE", "replay_forward")
+    assert slime_fused.unservable(_args()) is None
+    for cp in (1, 2):
+        assert slime_fused.unservable(_args(rollout_top_p=0.9, context_parallel_size=cp, allgather_cp=False)) is None
 
 
 def test_schedule_plan_goes_to_the_real_model_with_one_log_line(caplog):
@@ -47,7 +56,68 @@ def test_schedule_plan_goes_to_the_real_model_with_one_log_line(caplog):
         step(None, real)
     assert seen[0] is real and seen[1] is real and isinstance(seen[2], slime_fused.FusedModel)
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "combined-1F1B" in lines[0]
+    assert len(lines) == 1 and "combined-1F1B" in lines[0] and "no output_processor keyword" in lines[0]
+
+
+class _PlanModel:
+    """A last-stage chunk whose build_schedule_plan takes the processor (megatron-core >= 0.18's keywords)."""
+
+    post_process = True
+
+    def __init__(self):
+        self.plans = []
+
+    def build_schedule_plan(self, input_ids, position_ids, attention_mask, labels=None, packed_seq_params=None,
+                            loss_mask=None, *, output_processor=None, output_processor_context=None):
+        self.plans.append(dict(labels=labels, output_processor=output_processor, context=output_processor_context))
+        return "plan"
+
+
+def test_schedule_plan_with_a_processor_keyword_gets_the_fused_model(caplog, monkeypatch):
+    from megatron_rl_patches.integrations.slime import rows
+
+    monkeypatch.setattr(rows, "shifted_targets", lambda batch, n, device, ag: torch.arange(n))
+    monkeypatch.setattr(rows, "response_rows", lambda batch, n, device, ag: torch.ones(n, dtype=torch.bool))
+    plan = slime_fused.Plan(_args(allgather_cp=False), True, False, batch={"tokens": None})
+    inner = _PlanModel()
+
+    def forward_step(data_iterator, model, return_schedule_plan=False):
+        return model.build_schedule_plan(input_ids=torch.zeros(1, 3, dtype=torch.long), position_ids=None,
+                                         attention_mask=None, labels=None,
+                                         packed_seq_params=types.SimpleNamespace(qkv_format="thd"))
+
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        assert slime_fused.fused_step(forward_step, plan)(None, inner, return_schedule_plan=True) == "plan"
+    assert not [r for r in caplog.records if r.getMessage().startswith("slime_fused:")]
+    (built,) = inner.plans
+    assert torch.equal(built["labels"], torch.arange(3)[None]) and built["context"]["row_mask"].all()
+    assert callable(built["output_processor"])
+
+
+def test_mtp_kwargs_reach_the_model_with_the_processor(caplog, monkeypatch):
+    """slime's `mtp_kwargs={"mtp_labels": tokens}` passes through to the processor call."""
+    from megatron_rl_patches.integrations.slime import rows
+
+    monkeypatch.setattr(rows, "shifted_targets", lambda batch, n, device, ag: torch.arange(n))
+    monkeypatch.setattr(rows, "response_rows", lambda batch, n, device, ag: torch.ones(n, dtype=torch.bool))
+    calls = []
+
+    class MtpModel:
+        def forward(self, input_ids, labels=None, packed_seq_params=None, mtp_kwargs=None, output_processor=None,
+                    output_processor_context=None):
+            calls.append(dict(mtp_kwargs=mtp_kwargs, output_processor=output_processor))
+            return {"log_probs": torch.zeros(1, 3), "entropy": None}
+
+        __call__ = forward
+
+    plan = slime_fused.Plan(_args(allgather_cp=False, enable_mtp_training=True), True, False, batch={"tokens": None})
+    tokens = torch.zeros(1, 3, dtype=torch.long)
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        out = slime_fused.FusedModel(MtpModel(), plan)(input_ids=tokens, mtp_kwargs={"mtp_labels": tokens},
+                                                       packed_seq_params=types.SimpleNamespace(qkv_format="thd"))
+    assert isinstance(out, slime_fused.FusedOutput)
+    assert not [r for r in caplog.records if r.getMessage().startswith("slime_fused:")]
+    assert calls[0]["mtp_kwargs"]["mtp_labels"] is tokens and calls[0]["output_processor"] is not None
 
 
 def test_multimodal_batch_calls_the_model_unchanged(caplog):
@@ -138,11 +208,13 @@ def test_a_fallen_back_train_step_still_fetches_a_top_k_losss_batch_keys(monkeyp
         seen["batch"] = slime_fused.get_batch_wrapper(get_batch, None, (None, ["tokens"]), {})
 
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
-        slime_fused.train_one_step_wrapper(train_one_step, None, (_args(rollout_top_p=0.9), 0, 0, None, None, None), {})
+        slime_fused.train_one_step_wrapper(train_one_step, None, (_args(loss_type="value_loss"), 0, 0, None, None,
+                                                                  None), {})
     assert seen["schedule"] is schedule and seen["batch"] == {"keys": ["tokens", "opd_ids"]}
-    assert "top-p replay" in caplog.records[0].getMessage()
+    assert "critic's value head" in caplog.records[0].getMessage()
     monkeypatch.setattr(slime_fused, "step_request", lambda args: None)
-    slime_fused.train_one_step_wrapper(train_one_step, None, (_args(rollout_top_p=0.9), 0, 0, None, None, None), {})
+    slime_fused.train_one_step_wrapper(train_one_step, None, (_args(loss_type="value_loss"), 0, 0, None, None,
+                                                              None), {})
     assert seen["batch"] == {"keys": ["tokens"]}
 
 
@@ -180,3 +252,26 @@ def test_a_non_last_pipeline_stage_gets_the_plain_model_call(megatron_cpu, clean
     out = slime_fused.FusedModel(stage0, plan)(**call, packed_seq_params=packed)
     assert isinstance(out, torch.Tensor) and not isinstance(out, dict)
     torch.testing.assert_close(out, stage0(**call, packed_seq_params=packed), rtol=0, atol=0)
+
+
+@pytest.mark.megatron
+def test_mtp_heads_building_logits_are_named_until_mtp_output_processor_is_applied(megatron_cpu, clean_patch_state):
+    """A real GPTModel with one MTP head: from megatron-core 0.18 on its heads' loss is
+    `process_mtp_loss` on [T, V] logits unless patch `mtp_output_processor` is applied; before 0.18
+    the GPT backport serves the inline heads."""
+    from megatron.core.models.gpt import gpt_model
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+
+    import megatron_rl_patches
+
+    config = megatron_cpu.config(mtp_num_layers=1)
+    spec = get_gpt_layer_local_spec()
+    model = gpt_model.GPTModel(config=config, transformer_layer_spec=spec, vocab_size=100, max_sequence_length=16,
+                               mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
+    native = hasattr(gpt_model, "process_mtp_loss")
+    assert slime_fused.mtp_heads_build_logits(model) is native
+    megatron_rl_patches.apply(only=["mtp_output_processor"])
+    assert slime_fused.mtp_heads_build_logits(model) is False
+    plain = gpt_model.GPTModel(config=megatron_cpu.config(), transformer_layer_spec=spec, vocab_size=100,
+                               max_sequence_length=16)
+    assert slime_fused.mtp_heads_build_logits(plain) is False

@@ -94,3 +94,42 @@ def test_role_switch_bf16_and_non_megatron_dirs(megatron_cpu, slime_modules, tmp
     del args.teacher_load, args.load
     with pytest.raises(ValueError, match="no weights to load: set args.teacher_load or args.load"):
         model_module.initialize_model_and_optimizer(args, role="teacher")
+
+
+def _actor_shape_args(**values):
+    """slime's actor arguments of the model tiny_hf_config("qwen3") describes (hidden 32, 2 layers)."""
+    return argparse.Namespace(hidden_size=32, num_layers=2, num_attention_heads=4, group_query_attention=True,
+                              num_query_groups=2, kv_channels=8, ffn_hidden_size=48, vocab_size=1001,
+                              qk_layernorm=True, untie_embeddings_and_output_weights=True, bf16=False,
+                              params_dtype=torch.float32, transformer_impl="local", seed=91, **values)
+
+
+def test_a_hugging_face_role_of_another_architecture_is_built_from_its_config(megatron_cpu, slime_modules, tmp_path,
+                                                                             monkeypatch):
+    """issue 41: a PRM teacher's HF directory of another size was handed to slime's loader with the
+    actor's provider (the actor's shapes); now it is built from its own config.json, by role."""
+    import megatron_rl_patches
+    from megatron_rl_patches.inference.residency.placement import residency_of
+    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
+
+    model_module, checkpoint = slime_modules
+    monkeypatch.setenv("MEGATRON_RL_PATCHES_INFERENCE_ROLES", "prm_teacher:stream")
+    tensors = write_tiny_checkpoint(tmp_path / "prm", tiny_hf_config("qwen3", hidden_size=48, num_hidden_layers=4),
+                                    seed=5)
+    args = _actor_shape_args(load=str(tmp_path / "actor"), prm_teacher_load=str(tmp_path / "prm"))
+    checkpoint.ARGS = args
+    megatron_rl_patches.apply(only="inference_roles", strict=True)
+
+    model, optimizer, scheduler, iteration = model_module.initialize_model_and_optimizer(args, role="prm_teacher")
+    assert (optimizer, scheduler, iteration) == (None, None, 0) and checkpoint.CALLS == []
+    (chunk,) = model
+    assert chunk.role == "prm_teacher" and chunk._mrp_inference_only and residency_of(model).mode == "stream"
+    assert len(chunk.decoder.layers) == 4 and chunk.hf_vocab_size == 1001
+    assert torch.equal(chunk.embedding.word_embeddings.weight[:1001], tensors["model.embed_tokens.weight"])
+
+    write_tiny_checkpoint(tmp_path / "prm999", tiny_hf_config("qwen3", hidden_size=48, vocab_size=999))
+    args.prm_teacher_load = str(tmp_path / "prm999")
+    with pytest.raises(ValueError, match="role 'prm_teacher': teacher .*prm999' has vocab_size=999 but the student "
+                                         "has vocab_size=1001"):
+        model_module.initialize_model_and_optimizer(args, role="prm_teacher")
+    assert checkpoint.CALLS == []

@@ -60,6 +60,8 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype) -> Any:
         perform_initialization=False,  # every weight is overwritten by the checkpoint
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        # with virtual pipeline stages each chunk must know them (its layers' offsets)
+        virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         sequence_parallel=False,
         bias_activation_fusion=False,
@@ -85,8 +87,11 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype) -> Any:
     return TransformerConfig(**values)
 
 
-def model_provider(arch: HFArchitecture, config: Any, vocab_size: int) -> Callable[..., Any]:
-    """A Megatron-LM style provider of GPTModel chunks on the local spec (`vocab_size` padded)."""
+def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,
+                   core_attention: type | None = None) -> Callable[..., Any]:
+    """A Megatron-LM style provider of GPTModel chunks on the local spec (`vocab_size` padded);
+    `core_attention`: another attention core class (it holds no parameters, so the weights map
+    the same), e.g. Transformer Engine's for packed `thd` batches, which the local one refuses."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -94,6 +99,8 @@ def model_provider(arch: HFArchitecture, config: Any, vocab_size: int) -> Callab
         num_experts=arch.num_experts or None, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm,
         normalization="RMSNorm",
     )
+    if core_attention is not None:
+        spec.submodules.self_attention.submodules.core_attention = core_attention
 
     def provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> Any:
         extra = {} if vp_stage is None else {"vp_stage": vp_stage}

@@ -56,8 +56,8 @@ def check_teacher_vocab(teacher: str | os.PathLike[str], student: int | str | os
     if teacher_size != student_size:
         raise ValueError(
             f"teacher {str(teacher)!r} has vocab_size={teacher_size} but the student "
-            f"{'at ' + repr(str(student)) if student_dir else ''} has vocab_size={student_size}: a teacher must share "
-            "the student's tokenizer (teachers with another tokenizer are not served)"
+            f"{'at ' + repr(str(student)) + ' ' if student_dir else ''}has vocab_size={student_size}: a teacher "
+            "must share the student's tokenizer (teachers with another tokenizer are not served)"
         )
     if teacher_dir is None or student_dir is None:
         return teacher_size

@@ -113,6 +113,27 @@ def test_bad_options(megatron_cpu, no_build, tmp_path):
         build_inference_model_from_hf(tmp_path, residency="elsewhere")
     with pytest.raises(ValueError, match="make_vocab_size_divisible_by"):
         build_inference_model_from_hf(tmp_path, make_vocab_size_divisible_by=0)
+    with pytest.raises(TypeError, match="core_attention must be an attention core class"):
+        build_inference_model_from_hf(tmp_path, core_attention="TEDotProductAttention")
+
+
+def test_another_attention_core_takes_the_same_weights(megatron_cpu, tmp_path):
+    """core_attention= swaps the parameter-free core only (here the test kit's packed-input core):
+    the same state dict, the same output on an unpacked batch."""
+    from megatron_rl_patches.testing.megatron_cpu import make_batch
+    from megatron_rl_patches.testing.packed_gpt import packed_attention_class
+
+    write_tiny_checkpoint(tmp_path, tiny_hf_config("qwen3"))
+    plain = build_inference_model_from_hf(tmp_path, dtype=torch.float32)[0]
+    core = packed_attention_class()  # a new class per call
+    packed = build_inference_model_from_hf(tmp_path, dtype=torch.float32, core_attention=core)[0]
+    assert all(type(layer.self_attention.core_attention) is core for layer in packed.decoder.layers)
+    assert type(plain.decoder.layers[0].self_attention.core_attention).__name__ == "DotProductAttention"
+    assert plain.state_dict().keys() == packed.state_dict().keys()
+    batch = make_batch(batch_size=1, seq_length=8, vocab_size=1001, seed=2)
+    with torch.no_grad():
+        args = batch["tokens"], batch["position_ids"], batch["attention_mask"]
+        torch.testing.assert_close(packed(*args), plain(*args), rtol=0, atol=0)
 
 
 def test_a_checkpoint_written_without_transformers_loads_every_tensor(megatron_cpu, tmp_path):

@@ -1,8 +1,9 @@
-"""Hugging Face teachers at TP=2 (Qwen3, Qwen2's biases, Qwen3-MoE's experts),
-PP=2 and EP=2 (one spawned 2-rank gloo world, several worlds of
-parallel state in turn): log-probs of the logits route and the fused processor equal transformers'
-forward to 1e-5 on the ranks that hold them, for resident builds and (TP=2, PP=2, EP=2) swap and
-stream builds; sizes that do not divide the model are refused."""
+"""Hugging Face teachers at TP=2 (Qwen3, Qwen2's biases, Qwen3-MoE's experts), PP=2 (every
+family; slime_opd's teacher of another size on the actor's split), PP=2xVPP=2 and EP=2 (one
+spawned 2-rank gloo world, several worlds of parallel state in turn): log-probs of the logits
+route and the fused processor equal transformers' forward to 1e-5 on the ranks that hold them,
+for resident builds and (TP=2, PP=2, EP=2) swap and stream builds; sizes that do not divide the
+model are refused."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 VOCAB, SEQ = 1001, 12
 
 
-def _scores(chunks, batch, tp_group):
+def _scores(chunks, batch, tp_group, microbatches=1):
     """{"logits": [b, s], "fused": [b, s]} through megatron-core's forward-only schedule (empty
     off the last pipeline stage)."""
     from megatron_rl_patches import log_prob_output_processor
@@ -32,21 +33,45 @@ def _scores(chunks, batch, tp_group):
         out = model(*args, labels=batch["labels"], output_processor=log_prob_output_processor(vocab_size=VOCAB))
         return out["log_probs"] if isinstance(out, dict) else out  # the schedule's MoE path needs a tensor
 
-    options = dict(num_microbatches=1, seq_length=SEQ, micro_batch_size=2)
-    routed = inference_forward(chunks, iter([None]), logits_step,
+    def steps():  # the same batch in each micro-batch (virtual stages: an iterator per chunk)
+        return [iter([None] * microbatches) for _ in chunks] if len(chunks) > 1 else iter([None] * microbatches)
+
+    options = dict(num_microbatches=microbatches, seq_length=SEQ, micro_batch_size=2)
+    routed = inference_forward(chunks, steps(), logits_step,
                                collect=token_log_probs(tp_group=tp_group, vocab_size=VOCAB), **options)
-    fused = inference_forward(chunks, iter([None]), fused_step, collect=lambda out, _: out, **options)
+    fused = inference_forward(chunks, steps(), fused_step, collect=lambda out, _: out, **options)
     if not routed:
         return {}
     return {"logits": routed[0]["log_probs"].double(), "fused": fused[0].double()}
 
 
-def _worker(rank: int, world_size: int, dense: str, moe: str, qwen2: str, batch: dict) -> dict:
+def _slime_actor(pipeline_size: int):
+    """What slime_opd's load_teachers reads of slime's actor (args of the tiny qwen3 actor, its
+    model's padded vocab and config, the snapshot switch)."""
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from megatron_rl_patches.integrations.slime.opd_settings import LOSS_PATH
+
+    args = Namespace(hidden_size=32, num_layers=2, num_attention_heads=4, group_query_attention=True,
+                     num_query_groups=2, kv_channels=8, ffn_hidden_size=48, vocab_size=VOCAB, qk_layernorm=True,
+                     untie_embeddings_and_output_weights=True, loss_type="custom_loss",
+                     custom_loss_function_path=LOSS_PATH, params_dtype=torch.float32, transformer_impl="local",
+                     pipeline_model_parallel_size=pipeline_size)
+    model = [SimpleNamespace(vocab_size=1024, config=SimpleNamespace(variable_seq_lengths=False))]
+    return SimpleNamespace(args=args, model=model, _switch_model=lambda tag: None)
+
+
+def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe import moe_utils
 
     from megatron_rl_patches import apply, build_inference_model_from_hf
+    from megatron_rl_patches.integrations.slime import opd
+    from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, opd_settings
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    dense, moe, qwen2 = f"{root}/dense", f"{root}/moe", f"{root}/qwen2"
 
     if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core < 0.17 without TE: see conftest
         moe_utils.te_general_gemm = None
@@ -70,6 +95,22 @@ def _worker(rank: int, world_size: int, dense: str, moe: str, qwen2: str, batch:
         for residency in ("swap", "stream"):  # each stage moves only its own layers
             results[f"pp2_{residency}"] = _scores(
                 build_inference_model_from_hf(dense, residency=residency, dtype=torch.float32), batch, None)
+        for family in ("llama", "qwen2", "moe"):  # every family the converter serves, split over the stages
+            results[f"pp2_{family}"] = _scores(build_inference_model_from_hf(f"{root}/{family}", dtype=torch.float32),
+                                               batch, None)
+        # slime_opd: a PATH teacher of another size than the actor, on the actor's pipeline split
+        (chunks,) = opd.load_teachers(_slime_actor(2), opd_settings({TEACHERS: f"{root}/other"}))
+        results["pp2_other_layers"] = [layer.layer_number for layer in chunks[0].decoder.layers]
+        results["pp2_other"] = _scores(chunks, batch, None)
+    with megatron_on_cpu(pipeline_parallel=2, virtual_pipeline=2):  # each chunk its own layers
+        chunks = build_inference_model_from_hf(f"{root}/other", dtype=torch.float32)
+        results["vpp2_layers"] = [[layer.layer_number for layer in chunk.decoder.layers] for chunk in chunks]
+        results["vpp2"] = _scores(chunks, batch, None, microbatches=2)
+        try:
+            build_inference_model_from_hf(dense)  # 2 layers over 4 virtual stages
+            results["vpp2_refused"] = None
+        except ValueError as exc:
+            results["vpp2_refused"] = str(exc)
     with megatron_on_cpu():
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
@@ -94,17 +135,20 @@ def world(transformers, tmp_path_factory):
     from megatron_rl_patches.testing.megatron_cpu import make_batch
 
     root = tmp_path_factory.mktemp("hf")
-    dense = save_tiny_hf(root / "dense", "qwen3", seed=7)
-    moe = save_tiny_hf(root / "moe", "qwen3_moe", seed=8)
-    qwen2 = save_tiny_hf(root / "qwen2", "qwen2", seed=9)
+    models = {"dense": save_tiny_hf(root / "dense", "qwen3", seed=7),
+              "moe": save_tiny_hf(root / "moe", "qwen3_moe", seed=8),
+              "qwen2": save_tiny_hf(root / "qwen2", "qwen2", seed=9),
+              "llama": save_tiny_hf(root / "llama", "llama", seed=10),
+              "other": save_tiny_hf(root / "other", "qwen3", seed=11, hidden_size=48, num_hidden_layers=4,
+                                    intermediate_size=64)}
     write_tiny_checkpoint(root / "dense_3layers", tiny_hf_config("qwen3", num_hidden_layers=3))
     batch = make_batch(batch_size=2, seq_length=SEQ, vocab_size=VOCAB, seed=4)
     reference = {}
-    for name, model in (("dense", dense), ("moe", moe), ("qwen2", qwen2)):
+    for name, model in models.items():
         with torch.no_grad():
             full = torch.log_softmax(model(batch["tokens"]).logits.double(), dim=-1)
         reference[name] = full.gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
-    results = run_multirank(_worker, 2, str(root / "dense"), str(root / "moe"), str(root / "qwen2"), batch, timeout=600)
+    results = run_multirank(_worker, 2, str(root), batch, timeout=600)
     return results, reference
 
 
@@ -141,6 +185,37 @@ def test_pp2_equals_transformers_on_the_last_stage(world, residency):
     assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), errors
 
 
+@pytest.mark.layout("pp2")
+@pytest.mark.parametrize("family", ["llama", "qwen2", "moe"])
+def test_pp2_every_family_equals_transformers_on_the_last_stage(world, family):
+    results, reference = world
+    assert results[0][f"pp2_{family}"] == {}
+    errors = _close(results[1][f"pp2_{family}"], reference[family])
+    assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), errors
+
+
+@pytest.mark.layout("pp2")
+def test_slime_opd_teacher_of_another_size_takes_the_actors_pipeline_split(world):
+    """4 layers over the actor's 2 stages (the actor has 2): layers 1-2 and 3-4, the last stage's
+    log-probs those of transformers."""
+    results, reference = world
+    assert [r["pp2_other_layers"] for r in results] == [[1, 2], [3, 4]]
+    assert results[0]["pp2_other"] == {}
+    errors = _close(results[1]["pp2_other"], reference["other"])
+    assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), errors
+
+
+@pytest.mark.layout("pp2", "vpp2")
+def test_pp2_vpp2_chunks_take_their_own_layers(world):
+    """Before the fix every virtual chunk of a stage built that stage's first layers ([1, 2] twice
+    on stage 0): the TransformerConfig had no virtual pipeline size."""
+    results, reference = world
+    assert [r["vpp2_layers"] for r in results] == [[[1], [3]], [[2], [4]]]
+    assert results[0]["vpp2"] == {}
+    errors = _close(results[1]["vpp2"], reference["other"])
+    assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), errors
+
+
 @pytest.mark.layout("ep2")
 @pytest.mark.parametrize("residency", ["resident", "swap", "stream"])
 def test_ep2_moe_equals_transformers(world, residency):
@@ -156,3 +231,5 @@ def test_sizes_that_do_not_divide_the_model_are_refused(world):
     results, _ = world
     for result in results:
         assert "num_hidden_layers=3 is not a multiple of the pipeline-parallel size 2" in result["refused"]
+        assert "num_hidden_layers=2 is not a multiple of the pipeline-parallel size 2 x 2 virtual stages" in \
+            result["vpp2_refused"]

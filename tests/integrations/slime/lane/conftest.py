@@ -1,5 +1,6 @@
 """The slime lane (`make test-slime SLIME=... MEGATRON_LM=...`): slime 624b824a's real train(),
-forward_only and losses on CPU over real megatron-core 0.16.1 and Megatron-LM 1dcf0daf's
+forward_only and losses on CPU over real megatron-core 0.16.1 (its GPT model and MTP modules with
+slime's own Megatron patch applied, slime_megatron_patch.py) and Megatron-LM 1dcf0daf's
 `megatron/training`. Skips loudly where slime is not importable (every other lane)."""
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ AVAILABLE = _SPEC is not None and os.path.isfile(
 
 if AVAILABLE:
     sys.path.insert(0, HERE)
+    import slime_megatron_patch
     import slime_standins
 
+    slime_megatron_patch.install()  # slime's GPT-model hunks, as slime's image runs Megatron
     slime_standins.install()
 
 

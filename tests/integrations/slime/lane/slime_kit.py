@@ -75,6 +75,8 @@ def provider_func(args: Any, role: str = "actor") -> Any:
     def provider(pre_process: bool = True, post_process: bool = True, vp_stage: Any = None, config: Any = None,
                  **_: Any) -> Any:
         config = config if config is not None else core_transformer_config_from_args(args)
+        if args.mtp_num_layers:
+            return mtp_gpt(args, config, pre_process, post_process, vp_stage)
         layout = None  # slime's get_batch: zigzag thd, or with --allgather-cp the stream's contiguous slices
         if args.context_parallel_size > 1:
             layout = "contiguous" if args.allgather_cp else "zigzag"
@@ -84,6 +86,22 @@ def provider_func(args: Any, role: str = "actor") -> Any:
                                 position_embedding_type=args.position_embedding_type)
 
     return provider
+
+
+def mtp_gpt(args: Any, config: Any, pre_process: bool, post_process: bool, vp_stage: Any) -> Any:
+    """The packed tiny GPT with `args.mtp_num_layers` MTP heads (megatron's MTP block spec over the
+    same packed-attention layer spec), as slime's provider builds MTP students."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_rl_patches.testing.packed_gpt import packed_gpt_spec
+
+    torch.manual_seed(0)
+    spec = packed_gpt_spec()
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
+                    pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                    mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
 
 
 def build(args: Any) -> tuple[list[Any], Any, Any]:
@@ -231,10 +249,19 @@ def dense_topk_opd(args: Any, model: list[Any], snapshots: list[Any], data: dict
         with torch.no_grad():
             module = float64_copy(args, snapshot) if isinstance(snapshot, list) else snapshot
             teachers.append(response_logps(module, data, temperature))
+    total = dense_opd_loss(response_logps(student, data, temperature), teachers, data, ids, weights, masks)
+    total.backward()
+    return total, student
+
+
+def dense_opd_loss(students: list[torch.Tensor], teachers: list[list[torch.Tensor]], data: dict,
+                   ids: list[torch.Tensor], weights: Sequence[float],
+                   masks: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """The first step's OPD loss (as `dense_topk_opd`) from per-sample dense [R, V] log-softmaxes:
+    the student's and, per teacher, its own (any model: a snapshot or another architecture)."""
     w = torch.tensor(weights, dtype=torch.float64)
     w = w / w.sum()
     total = torch.zeros((), dtype=torch.float64)
-    students = response_logps(student, data, temperature)
     for s, (sample_ids, mask) in enumerate(zip(ids, data["loss_masks"])):
         real = torch.ones_like(sample_ids, dtype=torch.bool) if masks is None else masks[s]
         buckets = []
@@ -244,6 +271,4 @@ def dense_topk_opd(args: Any, model: list[Any], snapshots: list[Any], data: dict
         mix = torch.log((w[:, None, None] * torch.stack([b.exp() for b in buckets[1:]])).sum(0))
         kl = torch.where(mix.isneginf(), 0.0, mix.exp() * (mix - buckets[0])).sum(-1)  # 0·log 0 = 0
         total = total + (kl * mask).sum() / mask.sum().clamp(min=1)
-    total = total / len(ids)
-    total.backward()
-    return total, student
+    return total / len(ids)

@@ -24,8 +24,10 @@ def lane_rank(rank: int, world_size: int, *, pipeline: int = 1, context: int = 1
 
     if HERE not in sys.path:
         sys.path.insert(0, HERE)
+    import slime_megatron_patch
     import slime_standins
 
+    slime_megatron_patch.install()
     slime_standins.install()
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
@@ -192,14 +194,16 @@ def actor_rollout(seed: int) -> dict:
 
 
 def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1, tensor: int = 1,
-                    virtual: int | None = None, flags: tuple[str, ...] = (), rollouts: int = 1,
-                    wide_path: str | None = None, expert: int = 1) -> dict[str, Any]:
-    """slime_opd with two snapshot teachers through slime's real `MegatronTrainRayActor.train_actor`
+                    virtual: int | None = None, hf_teacher: str | None = None, flags: tuple[str, ...] = (),
+                    rollouts: int = 1, wide_path: str | None = None, expert: int = 1) -> dict[str, Any]:
+    """slime_opd with two teachers through slime's real `MegatronTrainRayActor.train_actor`
     (slime's log-probs, advantages, `log_rollout_data`, `train()`), on `pipeline` stages, with
     slime's extra `flags`; `rollouts` train_actor calls in a row (re-entry). Returns this stage's
     named parameters (actor and each teacher, before the first step), its reduced gradients of the
-    first step and, on the last stage, the ids scored first and every step's losses. `wide_path`:
-    the second teacher is `wide_path@slime_ranks:wide_teacher` (`save_wide_teacher`'s checkpoint)."""
+    first step and, on the last stage, the ids scored first and every step's losses. `hf_teacher`:
+    the second teacher is this Hugging Face directory of another architecture (its layers on the
+    kit's packed-input attention, which stands for Transformer Engine's on CPU); `wide_path`: the
+    second teacher is `wide_path@slime_ranks:wide_teacher` (`save_wide_teacher`'s checkpoint)."""
     with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual,
                    expert=expert) as patch:
         import slime_kit as kit
@@ -214,6 +218,12 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
 
         for name, value in OPD_ENV.items():
             patch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
+        if hf_teacher is not None:
+            from megatron_rl_patches.integrations.slime import hf_teachers
+            from megatron_rl_patches.testing.packed_gpt import packed_attention_class
+
+            patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"teacher-a,{hf_teacher}")
+            patch.setattr(hf_teachers, "packed_core_attention", lambda args: packed_attention_class())
         if wide_path is not None:
             patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"teacher-a,{wide_path}@slime_ranks:wide_teacher")
         megatron_rl_patches.apply(only=["train_reentry", "slime_fused", "gpt_output_processor", "slime_opd"])
@@ -230,19 +240,19 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                     declared_dsa(args)
                 model, optimizer, scheduler = kit.build(args)
                 actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2}, patch)
-                setattr(actor, slime_opd.ATTRIBUTE, slime_opd.load_teachers(actor, opd_settings()))
-                separate = [_stage_state(t) for t in getattr(actor, slime_opd.ATTRIBUTE) if not isinstance(t, str)]
+                teachers = slime_opd.load_teachers(actor, opd_settings())
+                setattr(actor, slime_opd.ATTRIBUTE, teachers)
+                separate = [_stage_state(t) for t in teachers if not isinstance(t, str)]
                 actor.prof, actor.rollout_data_postprocess = TrainProfiler(args), None
                 actor.optimizer, actor.opt_param_scheduler = optimizer, scheduler
                 actor.weight_updater = type("NoServer", (), {"pop_metrics": staticmethod(dict)})()
                 Timer().start("train_wait")  # what slime's init leaves running (its with_defer)
                 states = {}
-                for tag in ("opd_teacher_0", "opd_teacher_1", "actor"):
-                    if wide_path is not None and tag == "opd_teacher_1":
-                        states[tag] = separate[0]
-                        continue
+                for tag in [*(t for t in teachers if isinstance(t, str)), "actor"]:
                     actor._switch_model(tag)
                     states[tag] = _stage_state(model)
+                if wide_path is not None:  # the separate teacher's own chunks
+                    states["opd_teacher_1"] = separate[0]
                 data = actor_rollout(0)
                 Timer().seq_lens = data["total_lengths"]  # what slime's process_rollout_data notes
                 grads = first_grads(patch, optimizer, model)
@@ -265,7 +275,9 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                         "ids": first.get(slime_opd.IDS), "rows": _response_rows(first),
                         "last_ids": data.get(slime_opd.IDS),
                         "keys": sorted(k for k in data if k.startswith("opd_")), "split": _partition_dims(model),
-                        "active": actor._active_model_tag}
+                        "active": actor._active_model_tag,
+                        "hf_layers": [[layer.layer_number for layer in chunk.decoder.layers]
+                                      for t in teachers if not isinstance(t, str) for chunk in t]}
         finally:
             megatron_rl_patches.revert()
 

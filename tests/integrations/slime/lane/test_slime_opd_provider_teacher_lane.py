@@ -34,7 +34,8 @@ def stages():
         slime_standins.cpu_accelerator()
         with megatron_on_cpu(), kit.slime_session() as args:  # saved at one rank, loaded at PP=2 (resharded)
             slime_ranks.save_wide_teacher(args, f"{tmp}/wide")
-        yield run_multirank(slime_ranks.opd_train_actor, 2, 2, 1, 1, None, (), 1, f"{tmp}/wide", timeout=300)
+        yield run_multirank(slime_ranks.opd_train_actor, 2, 2, 1, 1, None, None, (), 1, f"{tmp}/wide",
+                            timeout=300)
 
 
 def _whole(stages: list[dict], tag: str) -> dict[str, torch.Tensor]:

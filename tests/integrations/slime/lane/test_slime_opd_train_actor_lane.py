@@ -84,8 +84,8 @@ def world(request):
     assert ALLGATHER_CP == slime_ranks.ALLGATHER_CP and EP2 == slime_ranks.EP2
     expert = _experts(flags)
     return pipeline, context, tensor, virtual, flags, run_multirank(
-        slime_ranks.opd_train_actor, pipeline * context * tensor * expert, pipeline, context, tensor, virtual, flags,
-        ROLLOUTS, None, expert, timeout=300)
+        slime_ranks.opd_train_actor, pipeline * context * tensor * expert, pipeline, context, tensor, virtual, None,
+        flags, ROLLOUTS, None, expert, timeout=300)
 
 
 def _experts(flags: tuple[str, ...]) -> int:

@@ -105,6 +105,13 @@ def _forward_backward_per_chunk(model: Sequence[Any], batches: Sequence[dict], c
     return losses
 
 
+def _interleaved() -> bool:
+    """The chunks are virtual pipeline stages: megatron-core's interleaved schedule runs them."""
+    from megatron.core import parallel_state
+
+    return bool(parallel_state.get_virtual_pipeline_model_parallel_world_size())
+
+
 def _main_grads(model: Sequence[Any]) -> Any:
     import torch
 
@@ -156,11 +163,12 @@ def train(rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_
             raise ValueError(f"step {step}: {len(batches)} micro-batches, num_microbatches says {count}")
         for chunk in model:
             chunk.zero_grad_buffer()
-        if len(model) == 1:
+        if len(model) == 1 or _interleaved():
             step_losses = [m["lm loss"] for m in run_schedule(model, batches, lm_loss_forward_step)]
         else:
             step_losses = _forward_backward_per_chunk(model, batches, config)
-        losses.append(torch.stack(step_losses))
+        # a pipeline's earlier stages see no loss
+        losses.append(torch.stack(step_losses) if step_losses else torch.zeros(0))
         grads.append(_main_grads(model))
         if args.fail_at_step == step:
             raise InjectedFailure(f"rollout {rollout_id}: injected failure at step {step}")

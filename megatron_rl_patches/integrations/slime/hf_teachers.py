@@ -1,0 +1,207 @@
+"""Teachers (slime_opd's, and `inference_roles`' frozen roles) from Hugging Face directories of
+another architecture than the actor's: the routing decision (a `PATH` whose config.json shapes
+the same model as the actor goes slime's way, into the actor's buffers; one that differs is
+built by `build_inference_model_from_hf` as a separate inference-only model on the actor's
+tensor / pipeline / expert split), the vocabulary check against the student before anything is
+built, and the build.
+
+Every rank reads the files; they agree on each decision by a collective before acting on it, so a
+rank that sees another file system fails with the others instead of leaving them waiting."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+SNAPSHOT, HF = "snapshot", "hf"
+_ROUTES = (SNAPSHOT, HF)
+
+# The fields of config.json that shape the model, and the actor's Megatron argument for each
+# (None where derived in `actor_shape`).
+SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "num_experts", "moe_intermediate_size", "vocab_size", "qk_norm", "qkv_bias",
+                "tie_word_embeddings", "rope_theta", "rms_norm_eps")
+
+
+def hf_shape(config: dict[str, Any]) -> dict[str, Any]:
+    """The model-shaping fields of a Hugging Face config.json dict (families the converter does
+    not know give their sizes only: their q/k norm and biases are not compared)."""
+    from megatron_rl_patches.inference.loading.hf.architecture import FAMILIES
+
+    heads = config.get("num_attention_heads")
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    shape: dict[str, Any] = {
+        "hidden_size": config.get("hidden_size"),
+        "num_hidden_layers": config.get("num_hidden_layers"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": config.get("num_key_value_heads") or heads,
+        "head_dim": config.get("head_dim") or (config["hidden_size"] // heads
+                                                if config.get("hidden_size") and heads else None),
+        "intermediate_size": None if experts else config.get("intermediate_size"),
+        "num_experts": experts,
+        "moe_intermediate_size": config.get("moe_intermediate_size") if experts else None,
+        "vocab_size": config.get("vocab_size"),
+        # not shapes, but the snapshot route would run the teacher with the actor's values
+        "rope_theta": (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta"),
+        "rms_norm_eps": config.get("rms_norm_eps"),
+    }
+    if "tie_word_embeddings" in config:  # transformers' default differs by family: compared where written
+        shape["tie_word_embeddings"] = bool(config["tie_word_embeddings"])
+    family = FAMILIES.get(config.get("model_type", ""))
+    if family is not None:
+        shape["qkv_bias"] = bool(config.get("attention_bias", family[0]))
+        shape["qk_norm"] = family[1]
+    return shape
+
+
+def actor_shape(args: Any) -> dict[str, Any]:
+    """The same fields from the actor's Megatron arguments (slime's args)."""
+    heads = getattr(args, "num_attention_heads", None)
+    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
+    experts = getattr(args, "num_experts", None) or 0
+    hidden = getattr(args, "hidden_size", None)
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": getattr(args, "num_layers", None),
+        "num_attention_heads": heads,
+        "num_key_value_heads": groups or heads,
+        "head_dim": getattr(args, "kv_channels", None) or (hidden // heads if hidden and heads else None),
+        "intermediate_size": None if experts else getattr(args, "ffn_hidden_size", None),
+        "num_experts": experts,
+        "moe_intermediate_size": getattr(args, "moe_ffn_hidden_size", None) if experts else None,
+        "vocab_size": getattr(args, "vocab_size", None),
+        "tie_word_embeddings": not getattr(args, "untie_embeddings_and_output_weights", False),
+        "qkv_bias": bool(getattr(args, "add_qkv_bias", False)),
+        "qk_norm": bool(getattr(args, "qk_layernorm", False)),
+        "rope_theta": getattr(args, "rotary_base", None),
+        "rms_norm_eps": getattr(args, "norm_epsilon", None),
+    }
+
+
+def shape_differences(config: dict[str, Any], args: Any) -> list[str]:
+    """'field: teacher X, actor Y' for each model-shaping field where a Hugging Face config and
+    the actor differ (fields either side does not give are not compared)."""
+    teacher, actor = hf_shape(config), actor_shape(args)
+    return [f"{name}: teacher {teacher[name]}, actor {actor[name]}" for name in SHAPE_FIELDS
+            if name in teacher and teacher[name] is not None and actor.get(name) is not None
+            and teacher[name] != actor[name]]
+
+
+def local_route(path: str, args: Any, what: str) -> tuple[str, list[str]]:
+    """(route, differences) of a `PATH` teacher as this rank sees the file: a Hugging Face
+    directory whose config.json differs from the actor -> HF; anything else -> slime's snapshot
+    route (slime's load_checkpoint: Megatron checkpoints, Hugging Face directories of the
+    actor's architecture). A Hugging Face file (config.json, *.safetensors) instead of its
+    directory, or a directory of safetensors without config.json, is refused
+    (`what` names the setting, e.g. "MEGATRON_RL_PATCHES_OPD_TEACHERS: teacher '/ckpt/t'")."""
+    from megatron_rl_patches.inference.loading.hf.architecture import CONFIG, architecture, read_config
+
+    root = Path(path).expanduser()
+    if root.is_file() and (root.name == CONFIG or root.suffix == ".safetensors"):
+        raise ValueError(f"{what} is a file of a Hugging Face checkpoint; name the directory that holds "
+                         f"{CONFIG} and the *.safetensors files")
+    if not root.is_dir() or not (root / CONFIG).is_file():
+        if root.is_dir() and any(root.glob("*.safetensors")):
+            raise ValueError(f"{what} holds *.safetensors but no {CONFIG}; a Hugging Face "
+                             f"teacher needs its {CONFIG} (copy it from the model's repository)")
+        return SNAPSHOT, []
+    config = read_config(root)
+    differences = shape_differences(config, args)
+    if not differences:
+        return SNAPSHOT, []
+    architecture(config, source=path)  # an unserved family or feature: UnsupportedCheckpointError naming it
+    return HF, differences
+
+
+def _agreed(code: int) -> tuple[int, int]:
+    """(min, max) of `code` over every rank (itself without a process group)."""
+    import torch
+
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return code, code
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    values = torch.tensor([code, -code], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MIN)
+    return int(values[0].item()), -int(values[1].item())
+
+
+def teacher_route(path: str, args: Any, what: str) -> tuple[str, list[str]]:
+    """`local_route`, agreed by every rank first: a rank whose check failed raises its own error,
+    the others name the disagreement, and ranks that decided differently all raise."""
+    error: Exception | None = None
+    try:
+        route, differences = local_route(path, args, what)
+        code = _ROUTES.index(route)
+    except (ValueError, OSError) as exc:
+        error, route, differences, code = exc, SNAPSHOT, [], len(_ROUTES)
+    low, high = _agreed(code)
+    if error is not None:
+        raise error
+    if high == len(_ROUTES):
+        raise ValueError(f"{what}: another rank refused it (its error is in that rank's log)")
+    if low != high:
+        raise ValueError(f"{what}: the ranks see it differently (a Hugging Face directory of another "
+                         "architecture on some, not on others): every node needs the same files")
+    return route, differences
+
+
+def student_vocab(args: Any, padded: int) -> int | str:
+    """What the teacher's vocabulary is checked against: the actor's Hugging Face directory
+    (slime's --hf-checkpoint: its vocab_size and tokenizer ids), else its real vocab size."""
+    from megatron_rl_patches.inference.loading.hf.architecture import CONFIG
+
+    hf = getattr(args, "hf_checkpoint", None)
+    if isinstance(hf, str) and (Path(hf).expanduser() / CONFIG).is_file():
+        return hf
+    return int(getattr(args, "vocab_size", None) or padded)
+
+
+def packed_core_attention(args: Any) -> type | None:
+    """The attention core for slime's packed `thd` batches: Transformer Engine's where slime runs
+    with it (megatron-core's local attention refuses packed batches), else the local one (None)."""
+    if getattr(args, "transformer_impl", "transformer_engine") != "transformer_engine":
+        return None
+    try:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    except ImportError:
+        return None
+    return TEDotProductAttention
+
+
+def check_vocab(path: str, student: int | str, what: str) -> None:
+    """The teacher's vocabulary against the student's (`check_teacher_vocab`), naming the setting."""
+    from megatron_rl_patches.inference.loading.hf.vocab import check_teacher_vocab
+
+    try:
+        check_teacher_vocab(path, student)
+    except ValueError as exc:
+        raise ValueError(f"{what.partition(': ')[0]}: {exc}") from None  # the error names the path itself
+
+
+# The actor's schedule settings the teacher's config must share: slime's forward_only reads the
+# p2p shapes and batching from the model it runs (packed batches have variable lengths).
+SCHEDULE_FIELDS = ("variable_seq_lengths", "batch_p2p_comm", "batch_p2p_sync", "microbatch_group_size_per_vp_stage")
+
+
+def build_hf_teacher(args: Any, path: str, residency: str | None, student: int | str, actor_config: Any,
+                     what: str) -> list[Any]:
+    """The teacher at `path` as inference-only chunks on the actor's split (vocabulary checked
+    first, padded as the actor's `make_vocab_size_divisible_by`, in the actor's dtype)."""
+    import torch
+
+    from megatron_rl_patches.inference.build_hf import build_inference_model_from_hf
+
+    check_vocab(path, student, what)
+    dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
+        else getattr(args, "params_dtype", None)
+    chunks = build_inference_model_from_hf(
+        path, residency=residency or "resident", dtype=dtype if isinstance(dtype, torch.dtype) else None,
+        make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None) or 128,
+        core_attention=packed_core_attention(args))
+    for chunk in chunks:
+        inner: Any = chunk
+        while hasattr(inner, "module"):
+            inner = inner.module
+        for name in SCHEDULE_FIELDS:
+            if hasattr(actor_config, name):
+                setattr(inner.config, name, getattr(actor_config, name))
+    return chunks

@@ -1,0 +1,55 @@
+"""slime's top-p replay on the fused route: the rollout's nucleus of each response token, as slime
+carries it (per sample `rollout_top_p_token_ids`, flat, with `rollout_top_p_token_offsets`:
+response token r keeps ids[offsets[r]:offsets[r + 1]]), turned into the kept-set context of the
+log-prob processor — the kept ids and their packed rows, never slime's dense [T, V] keep-mask.
+Semantics are slime 624b824a's `_build_topp_keep_mask`: the log-prob is renormalized over the
+kept ids and the target, entropy stays unmasked, response tokens past the recorded offsets keep
+the full vocabulary."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+IDS, OFFSETS = "rollout_top_p_token_ids", "rollout_top_p_token_offsets"
+
+
+def replays_top_p(args: Any) -> bool:
+    """Whether slime's configuration replays the rollout's top-p nucleus (`--rollout-top-p` < 1)."""
+    return getattr(args, "rollout_top_p", 1.0) != 1.0
+
+
+def kept_context(batch: dict, length: int, device: Any) -> dict[str, torch.Tensor] | None:
+    """The processor context keys ("kept_ids", "kept_positions", "kept_row_mask" [1, T]) of the
+    micro-batch's nuclei on its local packed rows (context parallelism 1 or zigzag: slime's own
+    slicing picks each sample's rows and their response tokens); None when the batch carries none
+    (slime fetched no top-p keys: the step's loss does not replay them)."""
+    from megatron_rl_patches.integrations.slime.rows import response_positions, slime_loss
+
+    if batch.get(IDS) is None or batch.get(OFFSETS) is None:
+        return None
+    pieces = response_positions(batch, length, device, False)
+    ids_out, positions_out = [], []
+    row_mask = torch.zeros(length, dtype=torch.bool, device=device)
+    for rows, ids, offsets, total, response in zip(pieces, batch[IDS], batch[OFFSETS], batch["total_lengths"],
+                                                   batch["response_lengths"], strict=True):
+        ids = torch.as_tensor(ids, dtype=torch.long).to(device)
+        offsets = torch.as_tensor(offsets, dtype=torch.long).to(device)
+        # the response token of each local row, in the order slime's slicing reads the rows
+        tokens = slime_loss().slice_log_prob_with_cp(torch.arange(response, device=device), total, response)
+        if tokens.numel() != rows.numel():
+            raise RuntimeError(f"slime_fused: {rows.numel()} local response rows but {tokens.numel()} response tokens "
+                               "of a sample; please report this")
+        replayed = tokens < offsets.numel() - 1  # tokens past the offsets keep the full vocabulary
+        rows, tokens = rows[replayed], tokens[replayed]
+        counts = offsets[tokens + 1] - offsets[tokens]
+        if bool((counts < 0).any()) or (tokens.numel() and int(offsets[tokens + 1].max()) > ids.numel()):
+            raise ValueError(f"slime_fused: {OFFSETS} must be non-decreasing and end within {IDS} "
+                             f"({ids.numel()} ids), got {offsets.tolist()}")
+        row_mask[rows] = True
+        first = torch.repeat_interleave(offsets[tokens] - (counts.cumsum(0) - counts), counts)
+        ids_out.append(ids[first + torch.arange(first.numel(), device=device)])
+        positions_out.append(torch.repeat_interleave(rows, counts))
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    return {"kept_ids": torch.cat([empty, *ids_out]), "kept_positions": torch.cat([empty, *positions_out]),
+            "kept_row_mask": row_mask[None]}
