@@ -137,6 +137,8 @@ bench-slime: $(STAMP)
 	@test -n "$(SLIME)" || { echo "bench-slime: SLIME=/path/to/slime MEGATRON_LM=/path/to/Megatron-LM are needed" >&2; exit 2; }
 	PIP=$(VENV)/bin/pip tools/slime-lane "$(SLIME)" "$(MEGATRON_LM)" $(SLIME_LANE)
 	tools/slime-bench $(VENV)/bin/python $(SLIME_LANE) --out bench-out $(BENCH_SLIME_ARGS)
+	tools/slime-bench $(VENV)/bin/python $(SLIME_LANE) --out bench-out --layout pp2 --layers 2 $(BENCH_SLIME_ARGS)
+	tools/slime-bench $(VENV)/bin/python $(SLIME_LANE) --out bench-out --layout cp2 $(BENCH_SLIME_ARGS)
 
 # Each version's result line, and the name of every failing test. megatron-core is installed
 # without its dependencies (the lane venv has torch); Megatron-LM's training package (in the

@@ -36,11 +36,12 @@ def packed_attention_class() -> type:
     return PackedDotProductAttention
 
 
-def packed_gpt_spec() -> Any:
-    """megatron-core's local GPT layer spec with the packed-input attention stand-in."""
+def packed_gpt_spec(num_experts: int | None = None) -> Any:
+    """megatron-core's local GPT layer spec with the packed-input attention stand-in (an MoE MLP
+    of `num_experts` SequentialMLP experts when given)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     spec.submodules.self_attention.submodules.core_attention = packed_attention_class()
     return spec
 
@@ -54,21 +55,26 @@ def _cp_spec(layout: str) -> Any:
 def build_packed_gpt(vocab_size: int = TINY_VOCAB, seq_length: int = 64, seed: int = 0, config: Any = None,
                      share_embeddings: bool = False, pre_process: bool = True, post_process: bool = True,
                      context_parallel_layout: str | None = None, vp_stage: int | None = None,
-                     **config_overrides: Any) -> Any:
+                     position_embedding_type: str = "rope", **config_overrides: Any) -> Any:
     """A real GPTModel (RoPE, like the models verl trains) that accepts packed `thd` input on CPU;
     `pre_process` / `post_process` / `vp_stage` as Megatron's model providers pass them to a
     pipeline stage (and virtual stage);
-    `context_parallel_layout` ("zigzag" / "contiguous"): the kit's CPU context-parallel attention."""
+    `context_parallel_layout` ("zigzag" / "contiguous"): the kit's CPU context-parallel attention
+    (megatron-core's `thd` RoPE cuts each sequence in zigzag: a "contiguous" model takes
+    `position_embedding_type="none"`, as slime's allgather-CP models bring their own positions)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     torch.manual_seed(seed)
-    spec = packed_gpt_spec() if context_parallel_layout is None else _cp_spec(context_parallel_layout)
+    experts = getattr(config, "num_moe_experts", None)
+    if experts and context_parallel_layout is not None:
+        raise ValueError("build_packed_gpt: an MoE config with context_parallel_layout is not served by the kit")
+    spec = packed_gpt_spec(experts) if context_parallel_layout is None else _cp_spec(context_parallel_layout)
     return GPTModel(
         config=config if config is not None else tiny_gpt_config(**config_overrides),
         transformer_layer_spec=spec,
         vocab_size=vocab_size,
         max_sequence_length=seq_length,
-        position_embedding_type="rope",
+        position_embedding_type=position_embedding_type,
         share_embeddings_and_output_weights=share_embeddings,
         pre_process=pre_process,
         post_process=post_process,

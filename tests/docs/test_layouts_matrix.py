@@ -22,7 +22,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 PAGE = REPO / "docs" / "layouts.md"
-UNTESTED = 7  # the ⬜ cells of docs/layouts.md today: lower it when a cell gets its test
+UNTESTED = 0  # the ⬜ cells of docs/layouts.md today: lower it when a cell gets its test
 VALUES = ("✅", "refused", "n.a.", "⬜")
 NOTE = re.compile(r"^- (F\d+-L\d+(?:, F\d+-L\d+)*): (.+)$")
 CELL_ID = re.compile(r"F\d+-L\d+")

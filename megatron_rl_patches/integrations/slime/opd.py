@@ -54,10 +54,13 @@ def check_args(args: Any) -> None:
         raise ValueError(f"{TEACHERS} is set: top-k OPD needs slime's flags --loss-type custom_loss "
                          f"--custom-loss-function-path {LOSS_PATH} (got --loss-type {args.loss_type}); "
                          f"or unset {TEACHERS}")
-    if getattr(args, "context_parallel_size", 1) > 1 and getattr(args, "allgather_cp", False):
-        raise ValueError(f"{TEACHERS} is set with --allgather-cp at --context-parallel-size "
-                         f"{args.context_parallel_size}: top-k OPD serves slime's zigzag context parallelism "
-                         "(the ids and buckets follow each rank's zigzag rows); drop --allgather-cp or unset it")
+    from megatron_rl_patches.integrations.slime.fused import unservable
+
+    reason = unservable(args)
+    if reason is not None:
+        raise ValueError(f"{TEACHERS} is set with {reason}: slime_fused sends that to slime's logits path, and "
+                         "top-k OPD's teacher passes need the fused route on the last pipeline stage (a fallback "
+                         "there alone would leave the other stages waiting); drop that flag or unset it")
 
 
 def _unwrap(chunk: Any) -> Any:
@@ -163,32 +166,62 @@ def init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     return result
 
 
-def collect_topk(output: Any, *, total_lengths: list[int], response_lengths: list[int], **_: Any) -> tuple:
-    """slime's forward_only callback for a top-k pass: the buckets per sample (detached)."""
+FELL_BACK = ("slime_opd: a top-k pass fell back to slime's logits path (the slime_fused log line names why); "
+             "top-k OPD scores the student's ids and the teachers on the fused route only: remove that feature "
+             "from the configuration or unset MEGATRON_RL_PATCHES_OPD_TEACHERS")
+
+
+def collect_topk(output: Any, *, total_lengths: list[int], response_lengths: list[int], args: Any = None,
+                 fell_back: list | None = None, **_: Any) -> tuple:
+    """slime's forward_only callback for a top-k pass: the buckets per sample (detached; with
+    --allgather-cp in slime's zigzag rows, as slime keeps every per-sample field). Logits (a
+    fallback) are noted in `fell_back` for the pass to agree on; without it, an error here."""
     import torch
 
     if not isinstance(output, dict):
-        raise RuntimeError("slime_opd: a top-k pass fell back to slime's logits path (the slime_fused log line "
-                           "names why); top-k OPD scores the student's ids and the teachers on the fused route "
-                           "only: remove that feature from the configuration or unset MEGATRON_RL_PATCHES_OPD_TEACHERS")
+        if fell_back is None:
+            raise RuntimeError(FELL_BACK)
+        fell_back.append(True)
+        return torch.empty((0,), device=output.device), {}
 
+    from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
     from megatron_rl_patches.integrations.slime.topk import per_sample_rows
 
     batch = {"total_lengths": total_lengths, "response_lengths": response_lengths}
-    result = {key: [t.detach() for t in per_sample_rows(output[key], batch)]
-              for key in ("topk_ids", "ids_mask", "topk_log_probs", "tail") if key in output}
+    allgather = allgather_cp_active(args)
+    result = {}
+    for key in ("topk_ids", "ids_mask", "topk_log_probs", "tail"):
+        if key in output:
+            pieces = [t.detach() for t in per_sample_rows(output[key], batch, allgather)]
+            result[key] = zigzag_from_local(pieces, output[key].shape[1], total_lengths, response_lengths) \
+                if allgather else pieces
     return torch.empty((0,), device=output["log_probs"].device), result
 
 
-def topk_pass(args: Any, model: list[Any], rollout_data: dict, request: TopkRequest) -> dict[str, list[torch.Tensor]]:
-    """slime's `forward_only` over the rollout with the fused route's top-k request."""
+def pipelined_topk(args: Any, model: list[Any], rollout_data: dict, request: TopkRequest,
+                   fell_back: list) -> dict[str, list[torch.Tensor]]:
+    """slime's `forward_only` over the rollout with the fused route's top-k request (a fallback
+    on this rank noted in `fell_back`)."""
+    import functools
+
     from slime.backends.megatron_utils import model as slime_model
     from slime.backends.megatron_utils.data import get_data_iterator
 
     iterator = get_data_iterator(rollout_data)
     plan = Plan(args, with_entropy=False, entropy_requires_grad=False, topk=request)
-    return run_planned(plan, slime_model.forward_only, (collect_topk, args, model, iterator,
+    collect = functools.partial(collect_topk, fell_back=fell_back)
+    return run_planned(plan, slime_model.forward_only, (collect, args, model, iterator,
                                                         rollout_data["num_microbatches"]), {})
+
+
+def topk_pass(args: Any, model: list[Any], rollout_data: dict, request: TopkRequest) -> dict[str, list[torch.Tensor]]:
+    """One top-k pass; a fallback (seen on the last stage only) is agreed by every pipeline stage
+    before any of them raises, so none waits in the next pass for a stage that left."""
+    fell_back: list = []
+    out = pipelined_topk(args, model, rollout_data, request, fell_back)
+    if not pipeline_agrees(not fell_back):
+        raise RuntimeError(FELL_BACK)
+    return out
 
 
 def _teacher_requests(settings: OpdSettings) -> tuple[TopkRequest, TopkRequest]:
@@ -295,8 +328,10 @@ def student_buckets(args: Any, batch: dict, logits: Any) -> tuple[torch.Tensor, 
     the logits by the top-k op."""
     import torch
 
-    from megatron_rl_patches.integrations.slime.topk import packed_ids, per_sample_rows
+    from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
+    from megatron_rl_patches.integrations.slime.topk import local_rows, packed_ids, per_sample_rows
 
+    allgather = allgather_cp_active(args)
     if isinstance(logits, dict):
         if "topk_log_probs" not in logits:
             raise RuntimeError("slime_opd: the fused step ran without the top-k request; please report this")
@@ -308,17 +343,23 @@ def student_buckets(args: Any, batch: dict, logits: Any) -> tuple[torch.Tensor, 
         from megatron_rl_patches.ops.topk import topk_logprobs
 
         rows = logits.reshape(-1, logits.shape[-1])
-        positions = response_positions(batch, rows.shape[0], rows.device, bool(args.allgather_cp))
+        positions = response_positions(batch, rows.shape[0], rows.device, allgather)
         group = parallel_state.get_tensor_model_parallel_group()
         group = group if torch.distributed.get_world_size(group) > 1 else None
-        mask = batch.get(IDS_MASK)
+        ids, mask = batch[IDS], batch.get(IDS_MASK)
+        if allgather:
+            ids, mask = local_rows(batch, rows.shape[0], ids, mask)
         mask = None if mask is None else packed_ids(mask, positions, rows.shape[0], dtype=torch.bool)
         responses = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
         responses[torch.cat(positions)] = True  # the other rows' ids are placeholders (0), never read
-        logp, tail = topk_logprobs(rows, packed_ids(batch[IDS], positions, rows.shape[0]), ids_mask=mask,
+        logp, tail = topk_logprobs(rows, packed_ids(ids, positions, rows.shape[0]), ids_mask=mask,
                                    tp_group=group, temperature=float(args.rollout_temperature), row_mask=responses)
         logp, tail = logp[None], tail[None]
-    return torch.cat(per_sample_rows(logp, batch)), torch.cat(per_sample_rows(tail, batch))
+    pieces = [per_sample_rows(values, batch, allgather) for values in (logp, tail)]
+    if allgather:  # slime's per-sample fields (teacher buckets, masks) are in the zigzag rows
+        lengths = (batch["total_lengths"], batch["response_lengths"])
+        pieces = [zigzag_from_local(p, v.shape[1], *lengths, differentiable=True) for p, v in zip(pieces, (logp, tail))]
+    return torch.cat(pieces[0]), torch.cat(pieces[1])
 
 
 def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean: Any) -> tuple[Any, dict]:

@@ -61,10 +61,28 @@ def topk_context(request: Any, batch: dict, length: int, device: Any, allgather_
         raise RuntimeError(f"slime_opd: the micro-batch has no {request.ids_key!r}; the actor's top-k pass did not "
                            "run before this step (apply the slime_opd patch with slime_fused)")
     positions = response_positions(batch, length, device, allgather_cp)
+    masks = None if request.mask_key is None else batch[request.mask_key]
+    if allgather_cp:
+        per_sample, masks = local_rows(batch, length, per_sample, masks)
     context = {"ids": packed_ids(per_sample, positions, length)[None]}
-    if request.mask_key is not None:
-        context["ids_mask"] = packed_ids(batch[request.mask_key], positions, length, dtype=torch.bool)[None]
+    if masks is not None:
+        context["ids_mask"] = packed_ids(masks, positions, length, dtype=torch.bool)[None]
     return context
+
+
+def local_rows(batch: dict, length: int, ids: list[torch.Tensor],
+               masks: list[torch.Tensor] | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """The rollout's per-sample ids (and masks), kept in slime's zigzag rows, on the contiguous rows
+    of this rank's slice under --allgather-cp (unchanged with one context-parallel rank)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return ids, masks
+    from megatron_rl_patches.integrations.slime.allgather_cp import local_from_zigzag
+
+    lengths = (batch["total_lengths"], batch["response_lengths"])
+    return (local_from_zigzag(ids, length, *lengths),
+            None if masks is None else local_from_zigzag(masks, length, *lengths))
 
 
 def per_sample_rows(values: torch.Tensor, batch: dict, allgather_cp: bool = False) -> list[torch.Tensor]:

@@ -78,9 +78,29 @@ def test_slime_flags_checked_before_the_first_step():
     with pytest.raises(ValueError, match="--custom-loss-function-path"):
         slime_opd.check_args(_args(loss_type="policy_loss"))
     slime_opd.check_args(_args(context_parallel_size=2, allgather_cp=False))  # slime's zigzag: served
-    with pytest.raises(ValueError, match="--allgather-cp at --context-parallel-size 2"):
-        slime_opd.check_args(_args(context_parallel_size=2, allgather_cp=True))
-    slime_opd.check_args(_args(context_parallel_size=1, allgather_cp=True))  # no CP: nothing to redistribute
+    slime_opd.check_args(_args(context_parallel_size=2, allgather_cp=True))  # contiguous slices: served
+    slime_opd.check_args(_args(context_parallel_size=1, allgather_cp=True))
+
+
+@pytest.mark.parametrize("values, env, flag", [
+    ({"rollout_top_p": 0.9}, {}, "rollout_top_p"),
+    ({"enable_mtp_training": True}, {}, "enable_mtp_training"),
+    ({}, {"ENABLE_ROUTING_REPLAY": "1"}, "ENABLE_ROUTING_REPLAY=1"),
+])
+def test_a_configuration_slime_fused_sends_to_the_logits_path_is_refused_before_the_first_step(
+        monkeypatch, values, env, flag):
+    """A fallback inside a teacher pass would raise on the last pipeline stage only (the others
+    wait in the next pass): what slime_fused cannot serve is refused up front, naming the flag."""
+    from megatron_rl_patches.integrations.slime.fused import unservable
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = _args(**values)
+    if unservable(args) is None:  # served by the fused route (then a teacher pass serves it too)
+        slime_opd.check_args(args)
+        return
+    with pytest.raises(ValueError, match=f"{P}TEACHERS is set with .*{flag}.*drop that flag"):
+        slime_opd.check_args(args)
 
 
 def test_step_request_only_with_teachers_and_this_loss(monkeypatch):

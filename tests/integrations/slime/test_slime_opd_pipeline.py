@@ -34,7 +34,39 @@ def _scored_on_two_stages(rank: int, world_size: int) -> dict:
     from megatron_rl_patches.testing.megatron_cpu import megatron_world
 
     with megatron_world("cpu", pipeline_parallel=2):
-        return {with_work: _scored(with_work) for with_work in (True, False)}
+        return {**{with_work: _scored(with_work) for with_work in (True, False)}, "fallback": _fell_back()}
+
+
+def _fell_back() -> dict:
+    """The real `topk_pass` over a pipelined pass whose last stage got logits (a slime_fused
+    fallback, e.g. a separate teacher without GPTModel's output_processor keyword): every stage
+    must raise, agreed, before any enters the next pass (before the fix: stage 1 raised alone and
+    stage 0 went on to send in the next teacher pass)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_rl_patches.integrations.slime import opd
+    from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
+
+    def logits_on_the_last_stage(args, model, rollout_data, request, fell_back):
+        activations = torch.zeros(4)
+        if parallel_state.is_pipeline_first_stage():
+            dist.send(activations, dst=1)
+            return {}
+        dist.recv(activations, src=0)
+        return opd.collect_topk(torch.zeros(1, 5, 8), total_lengths=[5], response_lengths=[2],
+                                fell_back=fell_back)[1]
+
+    real, opd.pipelined_topk = opd.pipelined_topk, logits_on_the_last_stage
+    settings = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/a,/b", "MEGATRON_RL_PATCHES_OPD_K": str(K)})
+    try:
+        opd.score_teachers(_Actor([]), {"tokens": []}, settings)
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    finally:
+        opd.pipelined_topk = real
+    return {"error": None}
 
 
 def _scored(with_work: bool) -> dict:
@@ -65,10 +97,13 @@ def _scored(with_work: bool) -> dict:
             out["topk_ids"] = [torch.arange(r * K).reshape(r, K) for r in RESPONSES]
         return out
 
-    opd.topk_pass = pipelined_pass
+    real, opd.topk_pass = opd.topk_pass, pipelined_pass
     settings = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/a,/b", "MEGATRON_RL_PATCHES_OPD_K": str(K)})
     data: dict = {"tokens": []}
-    opd.score_teachers(actor, data, settings)
+    try:
+        opd.score_teachers(actor, data, settings)
+    finally:
+        opd.topk_pass = real
     return {"log": log, "keys": sorted(data), "active": actor._active_model_tag,
             "scores": [tuple(t.shape) for t in data.get(opd.TEACHER_LOGPROBS, [])]}
 
@@ -98,3 +133,10 @@ def test_both_stages_enter_every_teacher_pass_in_the_same_order(stages):
 def test_no_ids_on_the_last_stage_skips_the_teacher_passes_on_every_stage(stages):
     for stage in (stage[False] for stage in stages):
         assert [entry[1] for entry in stage["log"]] == ["actor"] and stage["keys"] == ["tokens"]
+
+
+def test_a_fallback_on_the_last_stage_is_agreed_and_raised_on_every_stage(stages):
+    from megatron_rl_patches.integrations.slime import opd
+
+    for stage in stages:
+        assert stage["fallback"]["error"] == opd.FELL_BACK

@@ -77,10 +77,13 @@ def provider_func(args: Any, role: str = "actor") -> Any:
         config = config if config is not None else core_transformer_config_from_args(args)
         if args.mtp_num_layers:
             return mtp_gpt(args, config, pre_process, post_process, vp_stage)
-        layout = "zigzag" if args.context_parallel_size > 1 else None  # slime's get_batch: zigzag thd
+        layout = None  # slime's get_batch: zigzag thd, or with --allgather-cp the stream's contiguous slices
+        if args.context_parallel_size > 1:
+            layout = "contiguous" if args.allgather_cp else "zigzag"
         return build_packed_gpt(vocab_size=args.padded_vocab_size, seq_length=args.max_position_embeddings, seed=0,
                                 config=config, pre_process=pre_process, post_process=post_process,
-                                context_parallel_layout=layout, vp_stage=vp_stage)
+                                context_parallel_layout=layout, vp_stage=vp_stage,
+                                position_embedding_type=args.position_embedding_type)
 
     return provider
 
@@ -230,7 +233,7 @@ def response_logps(module: Any, data: dict, temperature: float) -> list[torch.Te
     return out
 
 
-def dense_topk_opd(args: Any, model: list[Any], snapshots: list[list[torch.Tensor]], data: dict,
+def dense_topk_opd(args: Any, model: list[Any], snapshots: list[Any], data: dict,
                    ids: list[torch.Tensor], weights: Sequence[float], temperature: float,
                    masks: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
     """float64 reference of the first step's OPD loss (forward KL of the teachers' mixture to the
@@ -242,9 +245,10 @@ def dense_topk_opd(args: Any, model: list[Any], snapshots: list[list[torch.Tenso
         gpt = gpt.module
     student = float64_copy(args, [p.detach() for p in gpt.parameters()])
     teachers = []
-    for snapshot in snapshots:
+    for snapshot in snapshots:  # a snapshot of the actor's parameters, or a float64 teacher module
         with torch.no_grad():
-            teachers.append(response_logps(float64_copy(args, snapshot), data, temperature))
+            module = float64_copy(args, snapshot) if isinstance(snapshot, list) else snapshot
+            teachers.append(response_logps(module, data, temperature))
     total = dense_opd_loss(response_logps(student, data, temperature), teachers, data, ids, weights, masks)
     total.backward()
     return total, student

@@ -18,7 +18,7 @@ TEMPERATURE = 0.8
 
 @contextlib.contextmanager
 def lane_rank(rank: int, world_size: int, *, pipeline: int = 1, context: int = 1, tensor: int = 1,
-              virtual: int | None = None) -> Iterator[Any]:
+              virtual: int | None = None, expert: int = 1) -> Iterator[Any]:
     """The rank's lane setup (as the lane's conftest for one rank); yields a pytest MonkeyPatch."""
     from _pytest.monkeypatch import MonkeyPatch
 
@@ -39,7 +39,7 @@ def lane_rank(rank: int, world_size: int, *, pipeline: int = 1, context: int = 1
     slime_standins.cpu_pinned_memory(patch)
     try:
         with megatron_on_cpu(tensor_parallel=tensor, pipeline_parallel=pipeline, virtual_pipeline=virtual,
-                             context_parallel=context):
+                             context_parallel=context, expert_parallel=expert):
             yield patch
     finally:
         patch.undo()
@@ -48,14 +48,21 @@ def lane_rank(rank: int, world_size: int, *, pipeline: int = 1, context: int = 1
 def _named(model: list[Any]) -> dict[str, Any]:
     """The parameters of every model chunk of this rank under the whole model's names (a layer by
     its global `layer_number`, whatever the pipeline or virtual-pipeline split)."""
+    from megatron.core import parallel_state
+
+    from megatron_rl_patches.testing.moe_gpt import global_expert_name
+
     named = {}
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
     for chunk in model:
         while hasattr(chunk, "module"):
             chunk = chunk.module
+        experts = getattr(chunk.config, "num_moe_experts", None) or 1
         for name, p in chunk.named_parameters():
             if name.startswith("decoder.layers."):
                 index, rest = name[len("decoder.layers."):].split(".", 1)
                 name = f"decoder.layers.{chunk.decoder.layers[int(index)].layer_number - 1}.{rest}"
+            name = global_expert_name(name, ep_rank, experts // parallel_state.get_expert_model_parallel_world_size())
             assert name not in named, name
             named[name] = p
     return named
@@ -69,6 +76,21 @@ def _partition_dims(model: list[Any]) -> dict[str, int | None]:
     """Per parameter, the dimension tensor parallelism splits (None: replicated)."""
     return {name: p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
             for name, p in _named(model).items()}
+
+
+def first_grads(patch: Any, optimizer: Any, model: list[Any]) -> dict[str, Any]:
+    """Filled at the first optimizer step with this rank's reduced gradients (`main_grad`, before
+    the optimizer consumes them)."""
+    grads: dict[str, Any] = {}
+    step = optimizer.step
+
+    def step_noting_grads(*args: Any, **kwargs: Any) -> Any:
+        if not grads:
+            grads.update({name: p.main_grad.clone() for name, p in _named(model).items()})
+        return step(*args, **kwargs)
+
+    patch.setattr(optimizer, "step", step_noting_grads)
+    return grads
 
 
 def _response_rows(data: dict) -> list[list[int]] | None:
@@ -87,11 +109,12 @@ def _response_rows(data: dict) -> list[list[int]] | None:
     return rows
 
 
-def _whole_gradients(context: int) -> dict[str, bool]:
-    """With context parallelism the data-parallel group spans the CP ranks, and the distributed
-    optimizer would leave each rank the reduced gradients of its own shard only: the test reads
-    every gradient, so those worlds keep whole reduced gradients (the plain optimizer)."""
-    return {"use_distributed_optimizer": False, "overlap_param_gather": False} if context > 1 else {}
+def _whole_gradients(replicas: int) -> dict[str, bool]:
+    """With `replicas` > 1 ranks in the data-parallel group (with context parallelism it spans the
+    CP ranks) the distributed optimizer would leave each rank the reduced gradients of its own
+    shard only (the rest: its own, pre-scaled): the test reads every gradient, so those worlds keep
+    whole reduced gradients (the plain optimizer)."""
+    return {"use_distributed_optimizer": False, "overlap_param_gather": False} if replicas > 1 else {}
 
 
 def virtual_args(virtual: int | None) -> tuple[str, ...]:
@@ -99,17 +122,91 @@ def virtual_args(virtual: int | None) -> tuple[str, ...]:
     return () if virtual is None else ("--num-layers", str(2 * virtual), "--num-layers-per-virtual-pipeline-stage", "1")
 
 
+# An allgather-CP model (slime 624b824a serves --allgather-cp for DSA architectures only, checked by
+# `_validate_allgather_cp_supported` against the HF config): the lane declares one. The tiny GPT has
+# no positional embedding there (megatron-core's thd RoPE cuts each sequence in zigzag; a DSA model
+# brings its own positions).
+DSA_CONFIG = {"architectures": ["DeepseekV32ForCausalLM"]}
+ALLGATHER_CP = ("--allgather-cp", "--position-embedding-type", "none")
+
+
+def declared_dsa(args: Any) -> None:
+    """slime's own allgather-CP check, passed by the declared DSA architecture."""
+    from types import SimpleNamespace
+
+    from slime.backends.megatron_utils.arguments import _validate_allgather_cp_supported
+
+    _validate_allgather_cp_supported(args, SimpleNamespace(**DSA_CONFIG))
+
+
+# The separate-architecture teacher (`PATH@slime_ranks:wide_teacher`): the packed tiny GPT wider
+# and deeper than the actor, the same vocabulary, built inference-only on the actor's PP split.
+WIDE = {"hidden_size": 48, "ffn_hidden_size": 192, "kv_channels": 12, "num_layers": 4}
+
+
+def wide_config(args: Any) -> Any:
+    import dataclasses
+
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    return dataclasses.replace(core_transformer_config_from_args(args), **WIDE)
+
+
+def wide_teacher(args: Any) -> Any:
+    """The `module:function` of the separate teacher: its Megatron model provider."""
+    import functools
+
+    import slime_kit as kit
+
+    return functools.partial(kit.provider_func(args), config=wide_config(args))
+
+
+def save_wide_teacher(args: Any, path: str) -> None:
+    """A torch_dist checkpoint of the wide teacher (seeded weights) from this world (the test saves
+    it at one rank; a PP=2 world loads it resharded, as jobs load teachers saved at other layouts)."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl_patches.inference import build_inference_model
+
+    chunks = build_inference_model(wide_teacher(args))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in (p for chunk in chunks for p in chunk.parameters()):
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+    module = chunks[0]
+    while hasattr(module, "module"):
+        module = module.module
+    os.makedirs(path, exist_ok=True)
+    dist_checkpointing.save({"model": module.sharded_state_dict()}, path)
+
+
+def actor_rollout(seed: int) -> dict:
+    """A rollout as slime's rollout manager hands it to `train_actor` (rewards, micro-batch counts;
+    every data-parallel rank holds the whole rollout, so the step's global batch counts them all)."""
+    import slime_kit as kit
+    from megatron.core import parallel_state
+
+    data = kit.rollout(seed)
+    data.update(rewards=[1.0, 0.0, 0.5, -1.0], num_microbatches=[len(data["micro_batch_indices"])],
+                global_batch_sizes=[len(data["tokens"]) * parallel_state.get_data_parallel_world_size()])
+    return data
+
+
 def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1, tensor: int = 1,
-                    virtual: int | None = None, hf_teacher: str | None = None) -> dict[str, Any]:
-    """slime_opd with two snapshot teachers through slime's real `MegatronTrainRayActor.train_actor`
-    (slime's log-probs, advantages, `log_rollout_data`, `train()`), on `pipeline` stages. Returns
-    this stage's named parameters (actor and each snapshot teacher, before the step), its reduced
-    gradients and, on the last stage, the ids scored and the step's losses. `hf_teacher`: the
-    second teacher is this Hugging Face directory of another architecture (its layers on the kit's
-    packed-input attention, which stands for Transformer Engine's on CPU)."""
-    with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual) as patch:
+                    virtual: int | None = None, hf_teacher: str | None = None, flags: tuple[str, ...] = (),
+                    rollouts: int = 1, wide_path: str | None = None, expert: int = 1) -> dict[str, Any]:
+    """slime_opd with two teachers through slime's real `MegatronTrainRayActor.train_actor`
+    (slime's log-probs, advantages, `log_rollout_data`, `train()`), on `pipeline` stages, with
+    slime's extra `flags`; `rollouts` train_actor calls in a row (re-entry). Returns this stage's
+    named parameters (actor and each teacher, before the first step), its reduced gradients of the
+    first step and, on the last stage, the ids scored first and every step's losses. `hf_teacher`:
+    the second teacher is this Hugging Face directory of another architecture (its layers on the
+    kit's packed-input attention, which stands for Transformer Engine's on CPU); `wide_path`: the
+    second teacher is `wide_path@slime_ranks:wide_teacher` (`save_wide_teacher`'s checkpoint)."""
+    with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual,
+                   expert=expert) as patch:
         import slime_kit as kit
-        import torch
         from megatron.core import parallel_state
         from slime.backends.megatron_utils import model as slime_model
         from slime.observability.profile_utils import TrainProfiler
@@ -127,18 +224,25 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
 
             patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"teacher-a,{hf_teacher}")
             patch.setattr(hf_teachers, "packed_core_attention", lambda args: packed_attention_class())
-        megatron_rl_patches.apply(only=["slime_fused", "gpt_output_processor", "slime_opd"])
+        if wide_path is not None:
+            patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"teacher-a,{wide_path}@slime_ranks:wide_teacher")
+        megatron_rl_patches.apply(only=["train_reentry", "slime_fused", "gpt_output_processor", "slime_opd"])
         try:
             with kit.slime_session("--pipeline-model-parallel-size", str(pipeline), "--context-parallel-size",
                                    str(context), "--tensor-model-parallel-size", str(tensor), "--loss-type",
                                    "custom_loss", "--custom-loss-function-path", OPD_LOSS, *virtual_args(virtual),
+                                   *flags,
                                    rollout_temperature=TEMPERATURE, log_probs_chunk_size=4,
                                    use_critic=False,  # what slime_validate_args sets
-                                   **_whole_gradients(context)) as args:
+                                   **_whole_gradients(context * expert),  # EP=2: DP=2 here
+                                   **(MOE_VALUES if expert > 1 else {})) as args:
+                if args.allgather_cp:
+                    declared_dsa(args)
                 model, optimizer, scheduler = kit.build(args)
                 actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2}, patch)
                 teachers = slime_opd.load_teachers(actor, opd_settings())
                 setattr(actor, slime_opd.ATTRIBUTE, teachers)
+                separate = [_stage_state(t) for t in teachers if not isinstance(t, str)]
                 actor.prof, actor.rollout_data_postprocess = TrainProfiler(args), None
                 actor.optimizer, actor.opt_param_scheduler = optimizer, scheduler
                 actor.weight_updater = type("NoServer", (), {"pop_metrics": staticmethod(dict)})()
@@ -147,18 +251,11 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 for tag in [*(t for t in teachers if isinstance(t, str)), "actor"]:
                     actor._switch_model(tag)
                     states[tag] = _stage_state(model)
-                data = kit.rollout(0)
-                data.update(rewards=[1.0, 0.0, 0.5, -1.0], num_microbatches=[len(data["micro_batch_indices"])],
-                            global_batch_sizes=[len(data["tokens"])])
+                if wide_path is not None:  # the separate teacher's own chunks
+                    states["opd_teacher_1"] = separate[0]
+                data = actor_rollout(0)
                 Timer().seq_lens = data["total_lengths"]  # what slime's process_rollout_data notes
-                grads: dict[str, torch.Tensor] = {}
-                optimizer_step = optimizer.step
-
-                def step_noting_grads(*a, **k):  # the reduced gradients, before the optimizer consumes them
-                    grads.update({name: p.main_grad.clone() for name, p in _named(model).items()})
-                    return optimizer_step(*a, **k)
-
-                patch.setattr(optimizer, "step", step_noting_grads)
+                grads = first_grads(patch, optimizer, model)
                 losses: list[dict] = []
                 train_one_step = slime_model.train_one_step
 
@@ -169,12 +266,86 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
 
                 patch.setattr(slime_model, "train_one_step", noting_losses)
                 actor.train_actor(0, data)
+                first = data
+                for rollout_id in range(1, rollouts):  # re-entry: slime's train() and the teacher passes again
+                    data = actor_rollout(rollout_id)
+                    actor.train_actor(rollout_id, data)
                 last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                 return {"states": states, "grads": grads, "losses": losses if last else None,
-                        "ids": data.get(slime_opd.IDS), "rows": _response_rows(data),
+                        "ids": first.get(slime_opd.IDS), "rows": _response_rows(first),
+                        "last_ids": data.get(slime_opd.IDS),
                         "keys": sorted(k for k in data if k.startswith("opd_")), "split": _partition_dims(model),
                         "active": actor._active_model_tag,
                         "hf_layers": [[layer.layer_number for layer in chunk.decoder.layers]
                                       for t in teachers if not isinstance(t, str) for chunk in t]}
         finally:
             megatron_rl_patches.revert()
+
+
+FUSED = ["slime_fused", "gpt_output_processor"]
+
+
+def _old_log_probs(args: Any, data: dict, log_probs: list[Any]) -> dict:
+    """The rollout again with slime's log-probs (shifted) as its old log-probs, and the advantages
+    in the rows this rank's log-probs hold (slime's actor slices them so with context parallelism)."""
+    import slime_kit as kit
+    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+
+    step = kit.rollout(0, [lp + 0.05 for lp in log_probs])
+    step["advantages"] = [slice_log_prob_with_cp(a, total, response) for a, total, response in
+                          zip(step["advantages"], data["total_lengths"], data["response_lengths"])]
+    return step
+
+
+# An MoE student at EP=2: slime's validate_args turns the allgather dispatcher into alltoall (for
+# variable sequence lengths); the alltoall dispatcher's split-size all_to_all does not run on gloo,
+# so the lane sets allgather back after slime's validation (MOE_VALUES), with the kit's CPU router shim;
+# megatron-core refuses allgather with variable sequence lengths, which only size the pipeline's
+# sends (this world has one stage), so they are off too.
+EP2 = ("--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+       "--moe-ffn-hidden-size", "64", "--moe-router-load-balancing-type", "none", "--disable-bias-linear")
+MOE_VALUES = {"moe_token_dispatcher_type": "allgather", "variable_seq_lengths": False}
+
+
+def fused_and_plain(rank: int, world_size: int, pipeline: int = 1, context: int = 1, tensor: int = 1,
+                    flags: tuple[str, ...] = (), expert: int = 1) -> dict[str, Any]:
+    """slime's real forward_only (log-probs, entropy) and train_one_step (losses, this rank's
+    reduced gradients) from the same fresh weights, unpatched and with slime_fused, at the layout
+    (every data-parallel rank holds the whole rollout)."""
+    with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, expert=expert) as patch:
+        import slime_kit as kit
+        from megatron.core import parallel_state
+        from slime.backends.megatron_utils import model as slime_model
+
+        import megatron_rl_patches
+
+        routes: dict[str, Any] = {}
+        for route in ("plain", "fused"):
+            if route == "fused":
+                megatron_rl_patches.apply(only=FUSED)
+            try:
+                with kit.slime_session("--pipeline-model-parallel-size", str(pipeline), "--context-parallel-size",
+                                       str(context), "--tensor-model-parallel-size", str(tensor), *flags,
+                                       rollout_temperature=TEMPERATURE, use_rollout_entropy=True, entropy_coef=0.01,
+                                       log_probs_chunk_size=4, **_whole_gradients(context),
+                                       **(MOE_VALUES if expert > 1 else {})) as args:
+                    if args.allgather_cp:
+                        declared_dsa(args)
+                    model, optimizer, scheduler = kit.build(args)
+                    data = kit.rollout(0)
+                    out = kit.log_probs(args, model, data)
+                    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+                    step = _old_log_probs(args, data, out["log_probs"]) if last else kit.rollout(0)
+                    for chunk in model:
+                        chunk.train()
+                    grads = first_grads(patch, optimizer, model)
+                    data_parallel = parallel_state.get_data_parallel_world_size()
+                    losses, grad_norm = slime_model.train_one_step(args, 0, 0, kit.iterators(step), model, optimizer,
+                                                                   scheduler, 2, 4 * data_parallel)
+                    routes[route] = {"dispatcher": args.moe_token_dispatcher_type,
+                                     "log_probs": out.get("log_probs"), "entropy": out.get("entropy"),
+                                     "losses": {k: float(v) for k, v in losses.items()}, "grad_norm": grad_norm,
+                                     "grads": grads, "params": {name: p.dtype for name, p in _named(model).items()}}
+            finally:
+                megatron_rl_patches.revert()
+        return routes

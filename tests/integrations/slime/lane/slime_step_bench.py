@@ -42,68 +42,118 @@ def _replicated(data: dict, steps: int, samples: int) -> dict:
     return out
 
 
+# per-layout rows: a 2-rank world; the row reports the last pipeline stage (PP) or the rank with the
+# highest peak (CP: each rank holds its zigzag rows)
+LAYOUTS = {"pp2": {"pipeline": 2}, "cp2": {"context": 2}}
+
+
+def _layout_argv(layout: str) -> tuple[str, ...]:
+    sizes = LAYOUTS.get(layout, {})
+    return ("--pipeline-model-parallel-size", str(sizes.get("pipeline", 1)), "--context-parallel-size",
+            str(sizes.get("context", 1)))
+
+
 def step_case(probe: common.MemoryProbe, *, route: str, T: int, V: int, hidden: int, layers: int, heads: int,
               samples: int, prompt: int, steps: int, device: str = "cpu") -> dict:
     """One route in this (fresh) process: `steps` forward_only calls, then slime's train() over
     `steps` steps; times of every call after the first, memory of the last."""
     sys.path.insert(0, HERE)
-    import slime_kit as kit
     import slime_standins
 
     slime_standins.install()
-    from megatron.core.pipeline_parallel import schedules
-    from slime.backends.megatron_utils import model as slime_model
-
-    import megatron_rl_patches
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
     with megatron_on_cpu():
         slime_standins.cpu_accelerator()
-        if route == "slime_fused":
-            megatron_rl_patches.apply(only=FUSED)
-        with kit.slime_session(*_model_argv(T, V, hidden, layers, heads)) as args:
-            model, optimizer, scheduler = kit.build(args)
-            response = T // samples - prompt
-            data = kit.rollout(0, prompts=(prompt,) * samples, responses=(response,) * samples, vocab=V,
-                               micro_batches=(tuple(range(samples)),))
-            forward_times = []
-            for call in range(steps):
-                if call == steps - 1:
-                    probe.start()
-                start = time.perf_counter()
-                out = kit.log_probs(args, model, data)
-                forward_times.append(time.perf_counter() - start)
-            forward_peak = probe.peak()
-            step_data = _replicated({**data, "log_probs": out["log_probs"]}, steps, samples)
-            record: dict[str, list] = {"times": [], "held": [], "peak": []}
-            train_one_step, backward_step = slime_model.train_one_step, schedules.backward_step
+        return _measured(probe, route=route, T=T, V=V, hidden=hidden, layers=layers, heads=heads, samples=samples,
+                         prompt=prompt, steps=steps, device=device)
 
-            def measured_step(*a: Any, **k: Any) -> Any:
+
+def layout_case(rank: int, world_size: int, layout: str, kwargs: dict) -> dict:
+    """One route on this rank of a 2-rank world at `layout` (run_multirank spawns each rank)."""
+    sys.path.insert(0, HERE)
+    import slime_ranks
+    from megatron.core import parallel_state
+
+    with slime_ranks.lane_rank(rank, world_size, **LAYOUTS[layout]):
+        result = _measured(common.MemoryProbe(), layout=layout, **kwargs)
+        result["last_stage"] = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        return result
+
+
+def _measured(probe: common.MemoryProbe, *, route: str, T: int, V: int, hidden: int, layers: int, heads: int,
+              samples: int, prompt: int, steps: int, device: str = "cpu", layout: str = "1") -> dict:
+    import slime_kit as kit
+    from megatron.core.pipeline_parallel import schedules
+    from slime.backends.megatron_utils import model as slime_model
+    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+
+    import megatron_rl_patches
+
+    if route == "slime_fused":
+        megatron_rl_patches.apply(only=FUSED)
+    with kit.slime_session(*_model_argv(T, V, hidden, layers, heads), *_layout_argv(layout)) as args:
+        model, optimizer, scheduler = kit.build(args)
+        response = T // samples - prompt
+        data = kit.rollout(0, prompts=(prompt,) * samples, responses=(response,) * samples, vocab=V,
+                           micro_batches=(tuple(range(samples)),))
+        forward_times = []
+        for call in range(steps):
+            if call == steps - 1:
                 probe.start()
-                start = time.perf_counter()
-                result = train_one_step(*a, **k)
-                record["times"].append(time.perf_counter() - start)
-                record["peak"].append(probe.peak())
-                return result
+            start = time.perf_counter()
+            out = kit.log_probs(args, model, data)
+            forward_times.append(time.perf_counter() - start)
+        forward_peak = probe.peak()
+        lengths = zip(data["total_lengths"], data["response_lengths"])  # CP: the rank's rows, as slime's actor
+        data["advantages"] = [slice_log_prob_with_cp(a, *n) for a, n in zip(data["advantages"], lengths)]
+        old = out.get("log_probs") or [a * 0 for a in data["advantages"]]  # a stage before the last: unread
+        step_data = _replicated({**data, "log_probs": old}, steps, samples)
+        record: dict[str, list] = {"times": [], "held": [], "peak": []}
+        train_one_step, backward_step = slime_model.train_one_step, schedules.backward_step
 
-            def noted_backward(*a: Any, **k: Any) -> Any:
-                record["held"].append(probe.current())
-                return backward_step(*a, **k)
+        def measured_step(*a: Any, **k: Any) -> Any:
+            probe.start()
+            start = time.perf_counter()
+            result = train_one_step(*a, **k)
+            record["times"].append(time.perf_counter() - start)
+            record["peak"].append(probe.peak())
+            return result
 
-            with mock.patch.object(slime_model, "train_one_step", measured_step), \
-                    mock.patch.object(schedules, "backward_step", noted_backward):
-                slime_model.train(0, model, optimizer, scheduler, kit.iterators(step_data), [1] * steps,
-                                  [samples] * steps)
-        megatron_rl_patches.revert()
+        def noted_backward(*a: Any, **k: Any) -> Any:
+            record["held"].append(probe.current())
+            return backward_step(*a, **k)
+
+        with mock.patch.object(slime_model, "train_one_step", measured_step), \
+                mock.patch.object(schedules, "backward_step", noted_backward):
+            slime_model.train(0, model, optimizer, scheduler, kit.iterators(step_data), [1] * steps,
+                              [samples] * steps)
+    megatron_rl_patches.revert()
     return {"forward_only_s": statistics.median(forward_times[1:]), "train_step_s": statistics.median(
         record["times"][1:]), "held_bytes": record["held"][-1], "peak_bytes": record["peak"][-1],
         "forward_only_peak_bytes": forward_peak, "peak_reset": probe.peak_reset, "device": device}
 
 
+def _layout_round(layout: str, route: str, shape: dict) -> dict:
+    """One route in a fresh 2-rank world: the last stage's figures (PP), the rank of the highest
+    peak (CP)."""
+    from slime_step_bench import layout_case  # by name: the spawned ranks import it
+
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    ranks = run_multirank(layout_case, 2, layout, dict(route=route, **shape), timeout=900)
+    if layout == "pp2":
+        return next(rank for rank in ranks if rank["last_stage"])
+    return max(ranks, key=lambda rank: rank["peak_bytes"])
+
+
+_LAYOUT_TITLES = {"pp2": "; PP=2, the last stage's process", "cp2": "; CP=2 zigzag, per rank (the highest)"}
+
+
 def run(*, rounds: int, T: int, V: int, hidden: int, layers: int, heads: int, samples: int, prompt: int, steps: int,
-        out_dir: str | None) -> list[dict]:
+        out_dir: str | None, layout: str = "1") -> list[dict]:
     """`rounds` interleaved rounds of both routes (the order alternates), medians over rounds,
-    and each round's fused/unpatched time ratio (their median)."""
+    and each round's fused/unpatched time ratio (their median); `layout` "pp2" / "cp2": 2 ranks."""
     shape = dict(T=T, V=V, hidden=hidden, layers=layers, heads=heads, samples=samples, prompt=prompt, steps=steps)
     results: dict[str, list[dict]] = {route: [] for route in ROUTES}
     saved_threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
@@ -111,6 +161,11 @@ def run(*, rounds: int, T: int, V: int, hidden: int, layers: int, heads: int, sa
     try:
         for index in range(rounds):
             for route in ROUTES if index % 2 == 0 else ROUTES[::-1]:
+                if layout != "1":
+                    result = _layout_round(layout, route, shape)
+                    print(f"round {index + 1}/{rounds} {layout} {route}: {result}", flush=True)
+                    results[route].append(result)
+                    continue
                 case = {"target": "slime_step_bench:step_case", "kwargs": dict(route=route, **shape)}
                 result = common.run_cases([case], isolate=True, threads=1)[0]
                 if "error" in result:
@@ -126,7 +181,7 @@ def run(*, rounds: int, T: int, V: int, hidden: int, layers: int, heads: int, sa
     rows = []
     for route in ROUTES:
         runs = results[route]
-        row: dict[str, Any] = {"route": route, **shape, "U_bytes": unit, "rounds": rounds}
+        row: dict[str, Any] = {"route": route, "layout": layout, **shape, "U_bytes": unit, "rounds": rounds}
         for key in ("forward_only_s", "train_step_s"):
             row[key] = statistics.median(r[key] for r in runs)
             row[f"{key[:-2]}_vs_unpatched"] = statistics.median(
@@ -138,10 +193,11 @@ def run(*, rounds: int, T: int, V: int, hidden: int, layers: int, heads: int, sa
         rows.append(row)
     title = (f"slime 624b824a step, T={T} (packed: {samples} x {T // samples}, prompts {prompt}), V={V}, "
              f"hidden {hidden}, {layers} layer(s), {heads} head(s); CPU 1 thread, fp32; medians of {rounds} "
-             f"interleaved rounds (U = 4·T·V bytes)")
+             f"interleaved rounds (U = 4·T·V bytes)" + _LAYOUT_TITLES.get(layout, ""))
     common.print_table(rows, COLUMNS, title=title)
     if out_dir:
-        common.write_tables(rows, COLUMNS, out_dir, "slime_step", title=title)
+        common.write_tables(rows, COLUMNS, out_dir, "slime_step" + ("" if layout == "1" else f"_{layout}"),
+                            title=title)
     return rows
 
 
@@ -157,11 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens of each sample")
     parser.add_argument("--steps", type=int, default=3, help="calls per process (the first is not timed)")
     parser.add_argument("--out", default=None, help="folder for slime_step.csv and slime_step.md")
+    parser.add_argument("--layout", default="1", choices=("1", *LAYOUTS),
+                        help="1: one rank; pp2 / cp2: a 2-rank world (an MTP row is helper E's hook: add it here)")
     opts = parser.parse_args(argv)
     if opts.steps < 2 or opts.rounds < 1 or opts.tokens % opts.samples or opts.tokens // opts.samples <= opts.prompt:
         parser.error("--steps >= 2, --rounds >= 1, --tokens a multiple of --samples, each sample longer than --prompt")
+    if opts.layout == "pp2" and opts.layers % 2:
+        parser.error("--layout pp2 splits the layers over 2 stages: give an even --layers")
     run(rounds=opts.rounds, T=opts.tokens, V=opts.vocab, hidden=opts.hidden, layers=opts.layers, heads=opts.heads,
-        samples=opts.samples, prompt=opts.prompt, steps=opts.steps, out_dir=opts.out)
+        samples=opts.samples, prompt=opts.prompt, steps=opts.steps, out_dir=opts.out, layout=opts.layout)
     return 0
 
 

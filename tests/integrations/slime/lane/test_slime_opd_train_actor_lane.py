@@ -13,6 +13,10 @@ import sys
 import pytest
 import torch
 
+EP2 = ("--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+       "--moe-ffn-hidden-size", "64", "--moe-router-load-balancing-type", "none", "--disable-bias-linear")
+NOPE = ("--position-embedding-type", "none")
+ALLGATHER_CP = ("--allgather-cp", *NOPE)  # slime_ranks.ALLGATHER_CP (lane-only import)
 pytestmark = pytest.mark.slime
 
 WEIGHTS = (0.3, 0.7)
@@ -50,14 +54,20 @@ def _whole_ids(ranks: list[dict], context: int, tensor: int) -> list[torch.Tenso
     return whole
 
 
-# (pipeline, context, tensor, virtual chunks): ranks = pipeline · context · tensor in Megatron's
-# order (tp fastest, then cp; pp slowest)
-LAYOUTS = {"pp1": (1, 1, 1, None), "pp2": (2, 1, 1, None), "cp2": (1, 2, 1, None), "tp2": (1, 1, 2, None),
-           "pp2vpp2": (2, 1, 1, 2), "pp2cp2": (2, 2, 1, None), "tp2pp2cp2": (2, 2, 2, None)}
+# (pipeline, context, tensor, virtual chunks, slime's extra flags): ranks = pipeline · context ·
+# tensor in Megatron's order (tp fastest, then cp; pp slowest). "cp2ag": slime's --allgather-cp
+# (the lane declares a DSA architecture to slime's own check, slime_ranks.DSA_CONFIG).
+LAYOUTS = {"pp1": (1, 1, 1, None, ()), "pp2": (2, 1, 1, None, ()), "cp2": (1, 2, 1, None, ()),
+           "tp2": (1, 1, 2, None, ()), "tp2sp": (1, 1, 2, None, ("--sequence-parallel",)),
+           "cp2ag": (1, 2, 1, None, ALLGATHER_CP), "ep2": (1, 1, 1, None, EP2), "pp2vpp2": (2, 1, 1, 2, ()),
+           "pp2cp2": (2, 2, 1, None, ()),
+           "tp2pp2cp2": (2, 2, 2, None, ())}
+ROLLOUTS = 3  # train_actor re-entered: the teacher passes and slime's train() of rollouts 0, 1, 2
 
 
-# docs/layouts.md: slime packs thd; its context parallelism is megatron-core's zigzag
+# docs/layouts.md: slime packs thd; its context parallelism is megatron-core's zigzag or (--allgather-cp) contiguous
 MARKS = {"pp1": ("thd",), "pp2": ("pp2", "thd"), "cp2": ("cp2-zigzag", "thd"), "tp2": ("tp2", "thd"),
+         "tp2sp": ("tp2", "sp", "thd"), "cp2ag": ("cp2-allgather", "thd"), "ep2": ("ep2", "thd"),
          "pp2vpp2": ("pp2", "vpp2", "thd"), "pp2cp2": ("pp2", "cp2-zigzag", "thd"),
          "tp2pp2cp2": ("tp2", "pp2", "cp2-zigzag", "thd")}
 
@@ -70,9 +80,17 @@ def world(request):
 
     from megatron_rl_patches.testing.multirank import run_multirank
 
-    pipeline, context, tensor, virtual = LAYOUTS[request.param]
-    return pipeline, context, tensor, virtual, run_multirank(
-        slime_ranks.opd_train_actor, pipeline * context * tensor, pipeline, context, tensor, virtual, timeout=300)
+    pipeline, context, tensor, virtual, flags = LAYOUTS[request.param]
+    assert ALLGATHER_CP == slime_ranks.ALLGATHER_CP and EP2 == slime_ranks.EP2
+    expert = _experts(flags)
+    return pipeline, context, tensor, virtual, flags, run_multirank(
+        slime_ranks.opd_train_actor, pipeline * context * tensor * expert, pipeline, context, tensor, virtual, None,
+        flags, ROLLOUTS, None, expert, timeout=300)
+
+
+def _experts(flags: tuple[str, ...]) -> int:
+    """The expert-parallel size (the EP=2 world is DP=2: each rank holds the whole rollout)."""
+    return 2 if flags == EP2 else 1
 
 
 def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
@@ -81,8 +99,9 @@ def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
 
     from megatron_rl_patches.integrations.slime import opd as slime_opd
 
-    pipeline, context, tensor, virtual, ranks = world
-    last, per_stage = ranks[-1], context * tensor
+    pipeline, context, tensor, virtual, flags, ranks = world
+    expert = _experts(flags)
+    last, per_stage = ranks[-1], context * tensor * expert
     for stage in ranks:
         assert stage["active"] == "actor"
     for stage in ranks[:-per_stage]:  # the ids and teacher buckets live on the last stage only
@@ -93,13 +112,20 @@ def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
     stages = [ranks[first:first + tensor] for first in range(0, len(ranks), per_stage)]
 
     def whole(field, tag=None):
-        return _whole([_unsplit([r[field] if tag is None else r[field][tag] for r in shards], shards[0]["split"])
-                       for shards in stages])
+        def of(rank):
+            return rank[field] if tag is None else rank[field][tag]
+
+        if expert > 1:  # one stage, its experts split over the EP ranks, the rest replicated (rank 0's kept)
+            return {name: value for rank in reversed(ranks) for name, value in of(rank).items()}
+        return _whole([_unsplit([of(r) for r in shards], shards[0]["split"]) for shards in stages])
 
     states = {tag: whole("states", tag) for tag in ranks[0]["states"]}
     grads = whole("grads")
     with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS,
-                           *slime_ranks.virtual_args(virtual)[:2]) as args:  # the whole model: its layers
+                           *slime_ranks.virtual_args(virtual)[:2],  # the whole model: its layers
+                           *(NOPE if NOPE[0] in flags else ()),  # and its positions
+                           *(EP2[:4] + EP2[6:] if expert > 1 else ()),  # and all experts on one rank
+                           **(slime_ranks.MOE_VALUES if expert > 1 else {})) as args:
         full = kit.provider_func(args)()
         names = [name for name, _ in full.named_parameters()]
         assert sorted(names) == sorted(states["actor"]) == sorted(grads)
@@ -110,10 +136,14 @@ def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
         data = kit.rollout(0)
         ids = _whole_ids(ranks, context, tensor)
         expected, student = kit.dense_topk_opd(args, [full], snapshots, data, ids, WEIGHTS, slime_ranks.TEMPERATURE)
-    (losses,) = last["losses"]
+    losses, *later = last["losses"]
+    assert len(later) == ROLLOUTS - 1  # re-entry: every rollout's step ran its teacher passes and OPD loss
+    assert all(torch.isfinite(torch.as_tensor(step["opd_topk_loss"])) for step in later)
+    assert not all(torch.equal(a, b) for a, b in zip(last["ids"], last["last_ids"]))
     loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
     grad_error = max((grads[name].double() - p.grad).abs().max().item() for name, p in student.named_parameters())
-    print(f"slime_opd train_actor PP={pipeline} VPP={virtual} CP={context} TP={tensor} vs dense float64: "
+    print(f"slime_opd train_actor PP={pipeline} VPP={virtual} CP={context} TP={tensor} {' '.join(flags)} "
+          "vs dense float64: "
           f"loss {float(expected):.6f}, "
           f"|Δloss| {loss_error:.2e}, max |Δgrad| {grad_error:.2e}")
     assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
