@@ -21,7 +21,7 @@ def allgather_cp_active(args: Any) -> bool:
     return parallel_state.get_context_parallel_world_size() > 1
 
 
-def _local_spans(local_len: int, total_lengths: list[int], response_lengths: list[int]) -> list[tuple[int, int]]:
+def local_spans(local_len: int, total_lengths: list[int], response_lengths: list[int]) -> list[tuple[int, int]]:
     """Per sample, the [start, end) of its response rows this rank's contiguous slice holds (the
     rows `_extract_per_sample` cuts with --allgather-cp)."""
     from megatron.core import parallel_state
@@ -72,7 +72,7 @@ def zigzag_from_local(pieces: list[torch.Tensor], local_len: int, total_lengths:
     """Per sample, the zigzag rows of per-token values a pass gave on this rank's contiguous rows
     (`pieces`: per sample, [rows held, ...]); `differentiable`: gradients flow back to every rank's
     piece (slime's redistribution of log-probs does the same)."""
-    spans = _local_spans(local_len, total_lengths, response_lengths)
+    spans = local_spans(local_len, total_lengths, response_lengths)
     full = [_placed(piece, torch.arange(start, end), response)
             for piece, (start, end), response in zip(pieces, spans, response_lengths)]
     summed = _cp_sum(torch.cat(full), differentiable).split(list(response_lengths))
@@ -87,5 +87,5 @@ def local_from_zigzag(per_sample: list[torch.Tensor], local_len: int, total_leng
     full = [_placed(values, zigzag_rows(total, response), response)
             for values, total, response in zip(per_sample, total_lengths, response_lengths)]
     summed = _cp_sum(torch.cat(full), differentiable=False).split(list(response_lengths))
-    spans = _local_spans(local_len, total_lengths, response_lengths)
+    spans = local_spans(local_len, total_lengths, response_lengths)
     return [values[start:end] for values, (start, end) in zip(summed, spans)]

@@ -18,8 +18,6 @@ from typing import Any
 from megatron_rl_patches.integrations.slime.plan import Plan, current_plan, run_planned, step_request
 
 FALLBACK = "slime_fused: {feature}: this step uses slime's own logits path"
-TOP_P_ALLGATHER_CP = ("top-p replay with --allgather-cp (rollout_top_p != 1: the fused route maps the nuclei to "
-                      "packed rows at context-parallel size 1 and zigzag only)")
 
 logger = logging.getLogger("megatron_rl_patches")
 _SAID: set[str] = set()
@@ -54,8 +52,6 @@ def unservable(args: Any) -> str | None:
     (ENABLE_ROUTING_REPLAY=1) needs nothing of the route: slime sets its ROUTING_REPLAY_STAGE window
     around the model call, which the fused call is, and the router's patched compute_topk pops the
     recorded routes."""
-    if getattr(args, "rollout_top_p", 1.0) != 1.0 and getattr(args, "allgather_cp", False):
-        return TOP_P_ALLGATHER_CP
     if getattr(args, "loss_type", "policy_loss") == "value_loss":
         return "the critic's value head (loss_type value_loss)"
     return None
@@ -260,7 +256,7 @@ class FusedModel:
         processor = log_prob_output_processor(with_entropy=plan.with_entropy,
                                               entropy_requires_grad=plan.entropy_requires_grad, **options)
         context: dict = row_context(rows[None])
-        context.update(top_p_context(plan.args, batch, length, tokens.device))
+        context.update(top_p_context(plan.args, batch, length, tokens.device, allgather_cp))
         if plan.topk is not None:
             from megatron_rl_patches.integrations.slime.topk import topk_context, with_topk
 
@@ -334,11 +330,12 @@ def row_context(rows: Any) -> dict:
     return {"row_mask": rows}
 
 
-def top_p_context(args: Any, batch: dict, length: int, device: Any) -> dict:
-    """The kept-set keys of the processor context when slime replays the rollout's top-p nuclei."""
+def top_p_context(args: Any, batch: dict, length: int, device: Any, allgather_cp: bool = False) -> dict:
+    """The kept-set keys of the processor context when slime replays the rollout's top-p nuclei
+    (on the rank's contiguous rows under `--allgather-cp`)."""
     from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
 
-    kept = kept_context(batch, length, device) if replays_top_p(args) else None
+    kept = kept_context(batch, length, device, allgather_cp) if replays_top_p(args) else None
     return kept or {}
 
 

@@ -19,24 +19,39 @@ def replays_top_p(args: Any) -> bool:
     return getattr(args, "rollout_top_p", 1.0) != 1.0
 
 
-def kept_context(batch: dict, length: int, device: Any) -> dict[str, torch.Tensor] | None:
+def local_response_tokens(batch: dict, length: int, device: Any, allgather_cp: bool) -> list[torch.Tensor]:
+    """Per sample, the response token (of [0, R)) of each local row slime's slicing reads, in its
+    order: the rank's zigzag halves (`slice_log_prob_with_cp`; everything at context parallelism 1),
+    or with `--allgather-cp` the span of the rank's contiguous slice of the packed stream."""
+    from megatron_rl_patches.integrations.slime.rows import slime_loss
+
+    totals, responses = batch["total_lengths"], batch["response_lengths"]
+    if allgather_cp:
+        from megatron_rl_patches.integrations.slime.allgather_cp import local_spans
+
+        return [torch.arange(start, end, device=device) for start, end in local_spans(length, totals, responses)]
+    return [slime_loss().slice_log_prob_with_cp(torch.arange(response, device=device), total, response)
+            for total, response in zip(totals, responses, strict=True)]
+
+
+def kept_context(batch: dict, length: int, device: Any,
+                 allgather_cp: bool = False) -> dict[str, torch.Tensor] | None:
     """The processor context keys ("kept_ids", "kept_positions", "kept_row_mask" [1, T]) of the
-    micro-batch's nuclei on its local packed rows (context parallelism 1 or zigzag: slime's own
-    slicing picks each sample's rows and their response tokens); None when the batch carries none
-    (slime fetched no top-p keys: the step's loss does not replay them)."""
-    from megatron_rl_patches.integrations.slime.rows import response_positions, slime_loss
+    micro-batch's nuclei on its local packed rows (context parallelism 1, zigzag, or the contiguous
+    slice of `--allgather-cp` when `allgather_cp`: slime's own slicing picks each sample's rows and
+    their response tokens, and the kept set of a row follows the row); None when the batch carries
+    none (slime fetched no top-p keys: the step's loss does not replay them)."""
+    from megatron_rl_patches.integrations.slime.rows import response_positions
 
     if batch.get(IDS) is None or batch.get(OFFSETS) is None:
         return None
-    pieces = response_positions(batch, length, device, False)
+    pieces = response_positions(batch, length, device, allgather_cp)
     ids_out, positions_out = [], []
     row_mask = torch.zeros(length, dtype=torch.bool, device=device)
-    for rows, ids, offsets, total, response in zip(pieces, batch[IDS], batch[OFFSETS], batch["total_lengths"],
-                                                   batch["response_lengths"], strict=True):
+    for rows, tokens, ids, offsets in zip(pieces, local_response_tokens(batch, length, device, allgather_cp),
+                                          batch[IDS], batch[OFFSETS], strict=True):
         ids = torch.as_tensor(ids, dtype=torch.long).to(device)
         offsets = torch.as_tensor(offsets, dtype=torch.long).to(device)
-        # the response token of each local row, in the order slime's slicing reads the rows
-        tokens = slime_loss().slice_log_prob_with_cp(torch.arange(response, device=device), total, response)
         if tokens.numel() != rows.numel():
             raise RuntimeError(f"slime_fused: {rows.numel()} local response rows but {tokens.numel()} response tokens "
                                "of a sample; please report this")

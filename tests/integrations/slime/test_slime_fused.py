@@ -23,7 +23,6 @@ def _args(**values):
 
 
 @pytest.mark.parametrize("values, feature", [
-    ({"rollout_top_p": 0.9, "allgather_cp": True}, "top-p replay with --allgather-cp"),
     ({"loss_type": "value_loss"}, "critic's value head"),
 ])
 def test_unservable_names_the_feature(values, feature):
@@ -38,12 +37,15 @@ def test_mtp_training_is_served():
 
 def test_routing_replay_and_top_p_replay_are_served(monkeypatch):
     """issue 40: no fallback for routing replay (slime's window is around the fused call) nor for
-    top-p replay at context-parallel size 1 and zigzag (the lane compares both with slime's own path)."""
+    top-p replay at context-parallel size 1, zigzag and --allgather-cp (the lane compares each with
+    slime's own path)."""
     monkeypatch.setenv("ENABLE_ROUTING_REPLAY", "1")
     monkeypatch.setenv("ROUTING_REPLAY_STAGE", "replay_forward")
     assert slime_fused.unservable(_args()) is None
     for cp in (1, 2):
-        assert slime_fused.unservable(_args(rollout_top_p=0.9, context_parallel_size=cp, allgather_cp=False)) is None
+        for allgather_cp in (False, True):
+            assert slime_fused.unservable(_args(rollout_top_p=0.9, context_parallel_size=cp,
+                                                allgather_cp=allgather_cp)) is None
 
 
 def test_schedule_plan_goes_to_the_real_model_with_one_log_line(caplog):

@@ -120,7 +120,6 @@ def test_vocab_watch_sees_the_logits_of_slimes_unpatched_route(slime_cpu):
 
 
 @pytest.mark.parametrize("feature, values, env", [
-    ("top-p replay with --allgather-cp", {"rollout_top_p": 0.9, "allgather_cp": True}, {}),
     ("critic's value head", {"loss_type": "value_loss"}, {}),
 ])
 def test_fallback_logs_the_feature_once_and_keeps_slimes_numbers(slime_cpu, caplog, monkeypatch, feature, values,
