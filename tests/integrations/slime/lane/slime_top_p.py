@@ -3,6 +3,7 @@ slime's semantics, and one unpatched-or-fused forward_only + train_one_step, at 
 rank of a tensor-parallel world (`tp_rank`, spawned by `run_multirank`)."""
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -67,6 +68,10 @@ def forward_and_step(kit, fused: bool, *extra: str, reference: bool = True):
     try:
         with kit.slime_session(*extra, rollout_temperature=TEMPERATURE, rollout_top_p=TOP_P, use_rollout_entropy=True,
                                entropy_coef=0.01, log_probs_chunk_size=4) as args:
+            if args.allgather_cp:
+                from slime_ranks import declared_dsa
+
+                declared_dsa(args)
             model, optimizer, scheduler = kit.build(args)
             data = nuclei(kit.rollout(0), 5)
             gpt = model[0]
@@ -93,19 +98,29 @@ def forward_and_step(kit, fused: bool, *extra: str, reference: bool = True):
     return out, logps, data, losses, grad_norm, weights, watch
 
 
-def world_rank(rank: int, world_size: int, tensor: int, context: int) -> dict[str, Any]:
-    """One rank of a TP = `tensor` × CP = `context` (zigzag) world: slime's unpatched route, then
-    the fused one, from the same fresh weights (under TP the vocab, and so each nucleus, spreads
-    over the shards; under CP each rank holds two chunks of every sample's rows)."""
-    from slime_ranks import lane_rank
+def world_rank(rank: int, world_size: int, tensor: int, context: int, allgather: bool = False) -> dict[str, Any]:
+    """One rank of a TP = `tensor` × CP = `context` (zigzag, or `--allgather-cp` with `allgather`)
+    world: slime's unpatched route, then the fused one, from the same fresh weights (under TP the
+    vocab, and so each nucleus, spreads over the shards; under zigzag CP each rank holds two chunks
+    of every sample's rows, under allgather CP a contiguous slice of the packed stream)."""
+    from slime_ranks import ALLGATHER_CP, lane_rank
 
     with lane_rank(rank, world_size, tensor=tensor, context=context):
         import slime_kit as kit
 
         result = {}
-        for fused in (False, True):
-            out, _, _, losses, grad_norm, weights, _ = forward_and_step(
-                kit, fused, "--tensor-model-parallel-size", str(tensor), "--context-parallel-size", str(context),
-                reference=False)
-            result[fused] = {"out": out, "losses": losses, "grad_norm": grad_norm, "weights": weights}
+        lines: list[str] = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+        logger = logging.getLogger("megatron_rl_patches")
+        logger.addHandler(handler)
+        try:
+            for fused in (False, True):
+                out, _, _, losses, grad_norm, weights, _ = forward_and_step(
+                    kit, fused, "--tensor-model-parallel-size", str(tensor), "--context-parallel-size", str(context),
+                    *(ALLGATHER_CP if allgather else ()), reference=False)
+                result[fused] = {"out": out, "losses": losses, "grad_norm": grad_norm, "weights": weights,
+                                 "fell_back": [line for line in lines if line.startswith("slime_fused:")]}
+        finally:
+            logger.removeHandler(handler)
         return result

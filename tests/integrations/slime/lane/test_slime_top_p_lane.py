@@ -54,17 +54,23 @@ def test_top_p_replay_fused_matches_slime_and_float64(slime_cpu, caplog):
     assert fused_watch.largest_shape and math.prod(fused_watch.largest_shape[:-1]) <= 4, fused_watch.as_dict()
 
 
-@pytest.mark.parametrize("tensor, context", [pytest.param(2, 1, marks=pytest.mark.layout("tp2", "thd")),
-                                             pytest.param(1, 2, marks=pytest.mark.layout("cp2-zigzag", "thd"))])
-def test_top_p_replay_fused_matches_slime_at_tp2_and_cp2(slime_cpu, tensor, context):
+@pytest.mark.parametrize("tensor, context, allgather", [
+    pytest.param(2, 1, False, marks=pytest.mark.layout("tp2", "thd"), id="tp2"),
+    pytest.param(1, 2, False, marks=pytest.mark.layout("cp2-zigzag", "thd"), id="cp2"),
+    pytest.param(1, 2, True, marks=pytest.mark.layout("cp2-allgather", "thd"), id="cp2-allgather")])
+def test_top_p_replay_fused_matches_slime_at_tp2_and_cp2(slime_cpu, tensor, context, allgather):
     """Two gloo ranks: at TP=2 the vocabulary (and each nucleus) is split over the shards (the kept
-    logits joined by one all-reduce), at CP=2 each rank holds two zigzag chunks of every sample
-    (the nuclei follow slime's own slicing); slime's route and the fused one agree on every rank."""
+    logits joined by one all-reduce), at CP=2 zigzag each rank holds two chunks of every sample, with
+    `--allgather-cp` (the declared DSA world of slime_ranks) a contiguous slice of the packed stream,
+    and slime redistributes the log-probs to zigzag rows (the nuclei follow slime's own slicing);
+    slime's route and the fused one agree on every rank, and no step falls back."""
     from megatron_rl_patches.testing.multirank import run_multirank
 
     _, top_p = _kits()
-    for rank, result in enumerate(run_multirank(top_p.world_rank, 2, tensor, context, timeout=300)):
+    results = run_multirank(top_p.world_rank, 2, tensor, context, allgather, timeout=300)
+    for rank, result in enumerate(results):
         plain, fused = result[False], result[True]
+        assert fused["fell_back"] == [], fused["fell_back"]
         for key in ("log_probs", "entropy"):
             for a, b in zip(plain["out"][key], fused["out"][key], strict=True):
                 torch.testing.assert_close(b, a, rtol=0, atol=2e-5, msg=f"{key} rank {rank}")
