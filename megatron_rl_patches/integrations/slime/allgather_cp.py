@@ -23,7 +23,7 @@ def allgather_cp_active(args: Any) -> bool:
 
 def local_spans(local_len: int, total_lengths: list[int], response_lengths: list[int]) -> list[tuple[int, int]]:
     """Per sample, the [start, end) of its response rows this rank's contiguous slice holds (the
-    rows `_extract_per_sample` cuts with --allgather-cp)."""
+    rows `_extract_per_sample` cuts with --allgather-cp; top-p replay maps its nuclei by them)."""
     from megatron.core import parallel_state
 
     chunk_start = parallel_state.get_context_parallel_rank() * local_len
