@@ -1,0 +1,164 @@
+"""converter="mbridge": mbridge 0.15.1's config mapping and load_weights behind the adapters of
+inference/loading/hf/mbridge_adapter.py. With mbridge (the `mbridge` lane, `make test-mbridge`):
+every family's log-probs equal transformers' own forward to 1e-5 and the builtin converter's
+build bit for bit, at TP=1 and (2 gloo ranks) TP=2 / PP=2 / EP=2; two swapped layers fail;
+swap/stream equal resident; nothing reaches the hub. Without it (main lane): the keyword's
+validation and the ImportError naming the extra."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from megatron_rl_patches import build_inference_model_from_hf
+from megatron_rl_patches.inference.loading.hf import UnsupportedCheckpointError
+from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, tiny_hf_config, write_safetensors
+from megatron_rl_patches.testing.megatron_cpu import make_batch
+
+VOCAB, SEQ = 1001, 12
+TOL = 1e-5
+FAMILIES = [("qwen3", {}), ("llama", {}), ("qwen2", {}), ("qwen3_moe", {}), ("qwen3_moe", {"norm_topk_prob": False})]
+
+
+@pytest.fixture(scope="module")
+def mbridge():
+    return pytest.importorskip("mbridge", reason="converter='mbridge' needs mbridge 0.15.1 (the lane: make "
+                               "test-mbridge, or pip install 'megatron-rl-patches[mbridge]')")
+
+
+def needs_mbridge(test):
+    """The mbridge lane's marks: skipped with the reason where mbridge is not importable."""
+    for mark in (pytest.mark.mbridge, pytest.mark.megatron,
+                 pytest.mark.usefixtures("mbridge", "transformers", "moe_router_on_cpu")):
+        test = mark(test)
+    return test
+
+
+def _batch():
+    return make_batch(batch_size=2, seq_length=SEQ, vocab_size=VOCAB, seed=0)
+
+
+def _reference(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        full = torch.log_softmax(model(batch["tokens"]).logits.double(), dim=-1)
+    return full.gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+
+
+def _logits(chunk, batch) -> torch.Tensor:
+    with torch.no_grad():
+        return chunk(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+
+
+def _log_probs(logits, batch) -> torch.Tensor:
+    full = torch.log_softmax(logits[..., :VOCAB].double(), dim=-1)
+    return full.gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+
+
+def _weights(chunk) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
+
+
+# ---- main lane: no mbridge needed ----
+
+def test_converter_is_validated(tmp_path):
+    with pytest.raises(ValueError, match=r"converter must be one of \('builtin', 'mbridge'\), got 'mbrige'"):
+        build_inference_model_from_hf(tmp_path, converter="mbrige")
+
+
+def test_missing_mbridge_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mbridge", None)  # what an environment without the extra sees
+    with pytest.raises(ImportError, match=r"converter='mbridge'.*pip install 'megatron-rl-patches\[mbridge\]'"):
+        build_inference_model_from_hf(tmp_path / "not-read", converter="mbridge")
+
+
+# ---- the mbridge lane ----
+
+@needs_mbridge
+@pytest.mark.parametrize(("kind", "overrides"), FAMILIES, ids=[k + ("_unnormalized" if o else "") for k, o in FAMILIES])
+def test_tp1_equals_transformers_and_the_builtin_converter(megatron_cpu, tmp_path, kind, overrides):
+    model = save_tiny_hf(tmp_path, kind, seed=3, **overrides)
+    batch = _batch()
+    bridged = build_inference_model_from_hf(tmp_path, dtype=torch.float32, converter="mbridge")[0]
+    builtin = build_inference_model_from_hf(tmp_path, dtype=torch.float32)[0]
+    error = (_log_probs(_logits(bridged, batch), batch) - _reference(model, batch)).abs().max().item()
+    assert error < TOL
+    assert bridged.config.params_dtype is torch.float32 and not bridged.config.sequence_parallel
+    mine, theirs = _weights(bridged), _weights(builtin)
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert torch.equal(_logits(bridged, batch), _logits(builtin, batch))
+
+
+def _swapped_layers(good, bad):
+    """The checkpoint `good` with layers 0 and 1 exchanged, written to `bad`."""
+    from megatron_rl_patches.inference.loading.hf.files import read_tensor, tensor_index
+
+    swapped = {}
+    for name, entry in tensor_index(good).items():
+        for a, b in ((".0.", ".1."), (".1.", ".0.")):
+            if name.startswith(f"model.layers{a}"):
+                name = name.replace(f"model.layers{a}", f"model.layers{b}", 1)
+                break
+        swapped[name] = read_tensor(entry)
+    bad.mkdir()
+    (bad / "config.json").write_bytes((good / "config.json").read_bytes())
+    write_safetensors(bad / "model.safetensors", swapped)
+
+
+@needs_mbridge
+def test_two_swapped_layers_fail(megatron_cpu, tmp_path):
+    model = save_tiny_hf(tmp_path / "good", "qwen3", seed=3)
+    _swapped_layers(tmp_path / "good", tmp_path / "bad")
+    batch = _batch()
+    want = _reference(model, batch)
+    for name, limit in (("good", TOL), ("bad", None)):
+        chunk = build_inference_model_from_hf(tmp_path / name, dtype=torch.float32, converter="mbridge")[0]
+        error = (_log_probs(_logits(chunk, batch), batch) - want).abs().max().item()
+        assert error < TOL if limit else error > 1e-2, name
+
+
+@needs_mbridge
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_swap_and_stream_equal_resident_bit_for_bit(megatron_cpu, tmp_path, kind):
+    save_tiny_hf(tmp_path, kind, seed=4)
+    batch = _batch()
+    want = _logits(build_inference_model_from_hf(tmp_path, dtype=torch.float32, converter="mbridge")[0], batch)
+    for residency in ("swap", "stream"):
+        chunks = build_inference_model_from_hf(tmp_path, residency=residency, dtype=torch.float32, converter="mbridge")
+        assert torch.equal(_logits(chunks[0], batch), want), residency
+
+
+@needs_mbridge
+def test_nothing_reaches_the_hub(megatron_cpu, tmp_path, monkeypatch):
+    """mbridge resolves its weights path with transformers' cached_file (a hub lookup for any string
+    that is not a directory) and AutoBridge.from_pretrained reads the config through the hub code:
+    neither may run."""
+    import os
+
+    import mbridge.core.bridge
+    import transformers
+    import transformers.utils.hub
+
+    def hub(*args, **kwargs):
+        raise AssertionError(f"hub lookup {args}")
+
+    monkeypatch.setattr(transformers.utils.hub, "cached_file", hub)
+    monkeypatch.setattr(mbridge.core.bridge, "cached_file", hub)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", hub)
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    model = save_tiny_hf(tmp_path, "qwen3", seed=5)
+    batch = _batch()
+    chunk = build_inference_model_from_hf(tmp_path, dtype=torch.float32, converter="mbridge")[0]
+    assert (_log_probs(_logits(chunk, batch), batch) - _reference(model, batch)).abs().max().item() < TOL
+
+
+@needs_mbridge
+def test_unserved_family_and_bad_path_are_refused_before_mbridge(megatron_cpu, tmp_path):
+    import json
+
+    (tmp_path / "mixtral").mkdir()
+    (tmp_path / "mixtral" / "config.json").write_text(json.dumps({**tiny_hf_config("qwen3"), "model_type": "mixtral"}))
+    with pytest.raises(UnsupportedCheckpointError, match="model_type 'mixtral'"):
+        build_inference_model_from_hf(tmp_path / "mixtral", converter="mbridge")
+    with pytest.raises(FileNotFoundError, match="does not exist"):  # mbridge would take it for a hub id
+        build_inference_model_from_hf("Qwen/Qwen3-0.6B", converter="mbridge")
