@@ -15,6 +15,7 @@ from megatron_rl_patches import build_inference_model_from_hf
 from megatron_rl_patches.inference.loading.hf import UnsupportedCheckpointError
 from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, tiny_hf_config, write_safetensors
 from megatron_rl_patches.testing.megatron_cpu import make_batch
+from megatron_rl_patches.testing.multirank import run_multirank
 
 VOCAB, SEQ = 1001, 12
 TOL = 1e-5
@@ -162,3 +163,93 @@ def test_unserved_family_and_bad_path_are_refused_before_mbridge(megatron_cpu, t
         build_inference_model_from_hf(tmp_path / "mixtral", converter="mbridge")
     with pytest.raises(FileNotFoundError, match="does not exist"):  # mbridge would take it for a hub id
         build_inference_model_from_hf("Qwen/Qwen3-0.6B", converter="mbridge")
+
+
+# ---- 2 gloo ranks: TP=2, PP=2, EP=2 (one spawned world, several parallel states in turn) ----
+
+def _full_logits(chunk, batch, tp_group):
+    """The logits over the whole padded vocab (gathered over `tp_group`) through megatron-core's
+    forward-only schedule, or None off the last pipeline stage."""
+    from megatron_rl_patches.inference import inference_forward
+
+    def step(iterator, model):
+        next(iterator)
+        return model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+
+    out = inference_forward([chunk], iter([None]), step, collect=lambda logits, _: logits,
+                            num_microbatches=1, seq_length=SEQ, micro_batch_size=2)
+    if not out:
+        return None
+    logits = out[0]
+    if tp_group is None or torch.distributed.get_world_size(tp_group) == 1:
+        return logits
+    parts = [torch.empty_like(logits) for _ in range(torch.distributed.get_world_size(tp_group))]
+    torch.distributed.all_gather(parts, logits.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=-1)
+
+
+def _compare(root: str, batch: dict, tp_group, residencies=("resident",)) -> dict:
+    """mbridge against the builtin build: parameters and logits bit for bit, and the log-probs."""
+    builtin = build_inference_model_from_hf(root, dtype=torch.float32)[0]
+    want = _full_logits(builtin, batch, tp_group)
+    out: dict = {}
+    for residency in residencies:
+        chunk = build_inference_model_from_hf(root, residency=residency, dtype=torch.float32, converter="mbridge")[0]
+        mine, theirs = _weights(chunk), _weights(builtin)
+        out[f"{residency}_same_weights"] = mine.keys() == theirs.keys() and all(
+            torch.equal(mine[k], theirs[k]) for k in mine)
+        got = _full_logits(chunk, batch, tp_group)
+        out[f"{residency}_same_logits"] = got is None and want is None or torch.equal(got, want)
+        out[f"{residency}_log_probs"] = None if got is None else _log_probs(got, batch)
+    return out
+
+
+def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core < 0.17 without TE: see conftest
+        moe_utils.te_general_gemm = None
+    results: dict = {}
+    with megatron_on_cpu(tensor_parallel=2):
+        group = ps.get_tensor_model_parallel_group()
+        results["tp2_qwen3"] = _compare(f"{root}/qwen3", batch, group, ("resident", "stream"))
+        for family in ("qwen2", "llama", "qwen3_moe"):
+            results[f"tp2_{family}"] = _compare(f"{root}/{family}", batch, group)
+    with megatron_on_cpu(pipeline_parallel=2):
+        results["pp2_qwen3"] = _compare(f"{root}/qwen3", batch, None, ("resident", "swap"))
+        results["pp2_qwen3_moe"] = _compare(f"{root}/qwen3_moe", batch, None)
+    with megatron_on_cpu():
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+        results["ep2_qwen3_moe"] = _compare(f"{root}/qwen3_moe", batch, None, ("resident", "stream"))
+    return results
+
+
+@pytest.fixture(scope="module")
+def world(mbridge, transformers, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    batch = make_batch(batch_size=2, seq_length=SEQ, vocab_size=VOCAB, seed=4)
+    reference = {family: _reference(save_tiny_hf(root / family, family, seed=seed), batch)
+                 for seed, family in enumerate(("qwen3", "qwen2", "llama", "qwen3_moe"), start=7)}
+    return run_multirank(_worker, 2, str(root), batch, timeout=600), reference
+
+
+@pytest.mark.mbridge
+@pytest.mark.megatron
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", ["tp2_qwen3", "tp2_qwen2", "tp2_llama", "tp2_qwen3_moe", "pp2_qwen3",
+                                    "pp2_qwen3_moe", "ep2_qwen3_moe"])
+def test_two_ranks_equal_transformers_and_the_builtin_converter(world, layout):
+    results, reference = world
+    want = reference[layout.split("_", 1)[1]]
+    for rank, result in enumerate(results):
+        for key, value in result[layout].items():
+            if key.endswith("_log_probs"):
+                last_stage = not layout.startswith("pp2") or rank == 1
+                assert (value is not None) == last_stage, (rank, key)
+                assert value is None or (value - want).abs().max().item() < TOL, (rank, key)
+            else:
+                assert value is True, (rank, key)
