@@ -12,6 +12,9 @@
 #                            distillation files import (tools/verl-lane.txt), --no-deps:
 #                            tests marked `verl`
 #
+# Not part of `make test`: `make test-mbridge` (.venv + .lanes/mbridge: mbridge 0.15.1 and einops,
+# tools/mbridge-lane.txt, --no-deps: tests marked `mbridge`, the optional converter="mbridge").
+#
 # On a CUDA machine (not part of `make test`; installs nothing, uses $(GPU_PYTHON) as it is):
 #   make test-gpu    tests marked megatron, triton or gpu on CUDA (Triton compiled, no interpreter)
 #   make bench-gpu   `megatron-rl-patches bench gpu` into bench-gpu-out/
