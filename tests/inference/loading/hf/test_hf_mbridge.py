@@ -13,7 +13,7 @@ import torch
 
 from megatron_rl_patches import build_inference_model_from_hf
 from megatron_rl_patches.inference.loading.hf import UnsupportedCheckpointError
-from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, tiny_hf_config, write_safetensors
+from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, tiny_hf_config, write_swapped_layers
 from megatron_rl_patches.testing.megatron_cpu import make_batch
 from megatron_rl_patches.testing.multirank import run_multirank
 
@@ -90,26 +90,10 @@ def test_tp1_equals_transformers_and_the_builtin_converter(megatron_cpu, tmp_pat
     assert torch.equal(_logits(bridged, batch), _logits(builtin, batch))
 
 
-def _swapped_layers(good, bad):
-    """The checkpoint `good` with layers 0 and 1 exchanged, written to `bad`."""
-    from megatron_rl_patches.inference.loading.hf.files import read_tensor, tensor_index
-
-    swapped = {}
-    for name, entry in tensor_index(good).items():
-        for a, b in ((".0.", ".1."), (".1.", ".0.")):
-            if name.startswith(f"model.layers{a}"):
-                name = name.replace(f"model.layers{a}", f"model.layers{b}", 1)
-                break
-        swapped[name] = read_tensor(entry)
-    bad.mkdir()
-    (bad / "config.json").write_bytes((good / "config.json").read_bytes())
-    write_safetensors(bad / "model.safetensors", swapped)
-
-
 @needs_mbridge
 def test_two_swapped_layers_fail(megatron_cpu, tmp_path):
     model = save_tiny_hf(tmp_path / "good", "qwen3", seed=3)
-    _swapped_layers(tmp_path / "good", tmp_path / "bad")
+    write_swapped_layers(tmp_path / "good", tmp_path / "bad")
     batch = _batch()
     want = _reference(model, batch)
     for name, limit in (("good", TOL), ("bad", None)):
