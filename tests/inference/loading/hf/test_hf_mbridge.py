@@ -204,7 +204,8 @@ def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
             results[f"tp2_{family}"] = _compare(f"{root}/{family}", batch, group)
     with megatron_on_cpu(pipeline_parallel=2):
         results["pp2_qwen3"] = _compare(f"{root}/qwen3", batch, None, ("resident", "swap"))
-        results["pp2_qwen3_moe"] = _compare(f"{root}/qwen3_moe", batch, None)
+        for family in ("qwen2", "llama", "qwen3_moe"):
+            results[f"pp2_{family}"] = _compare(f"{root}/{family}", batch, None)
     with megatron_on_cpu():
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
@@ -224,8 +225,8 @@ def world(mbridge, transformers, tmp_path_factory):
 @pytest.mark.mbridge
 @pytest.mark.megatron
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", ["tp2_qwen3", "tp2_qwen2", "tp2_llama", "tp2_qwen3_moe", "pp2_qwen3",
-                                    "pp2_qwen3_moe", "ep2_qwen3_moe"])
+@pytest.mark.parametrize("layout", ["tp2_qwen3", "tp2_qwen2", "tp2_llama", "tp2_qwen3_moe", "pp2_qwen3", "pp2_qwen2",
+                                    "pp2_llama", "pp2_qwen3_moe", "ep2_qwen3_moe"])
 def test_two_ranks_equal_transformers_and_the_builtin_converter(world, layout):
     results, reference = world
     want = reference[layout.split("_", 1)[1]]
