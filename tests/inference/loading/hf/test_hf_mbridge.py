@@ -225,6 +225,7 @@ def world(mbridge, transformers, tmp_path_factory):
 @pytest.mark.mbridge
 @pytest.mark.megatron
 @pytest.mark.multirank
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2_qwen3", "tp2_qwen2", "tp2_llama", "tp2_qwen3_moe", "pp2_qwen3", "pp2_qwen2",
                                     "pp2_llama", "pp2_qwen3_moe", "ep2_qwen3_moe"])
 def test_two_ranks_equal_transformers_and_the_builtin_converter(world, layout):
