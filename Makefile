@@ -12,6 +12,9 @@
 #                            distillation files import (tools/verl-lane.txt), --no-deps:
 #                            tests marked `verl`
 #
+# Not part of `make test`: `make test-mbridge` (.venv + .lanes/mbridge: mbridge 0.15.1 and einops,
+# tools/mbridge-lane.txt, --no-deps: tests marked `mbridge`, the optional converter="mbridge").
+#
 # On a CUDA machine (not part of `make test`; installs nothing, uses $(GPU_PYTHON) as it is):
 #   make test-gpu    tests marked megatron, triton or gpu on CUDA (Triton compiled, no interpreter)
 #   make bench-gpu   `megatron-rl-patches bench gpu` into bench-gpu-out/
@@ -43,7 +46,7 @@ STAMP_OLD = $(VENV_OLD)/.installed
 STAMP_NEW = $(VENV_NEW)/.installed
 DEPS = setup.cfg setup.py pyproject.toml
 
-.PHONY: venv demo test test-main test-oldest test-newest test-verl test-slime test-versions test-source test-gpu bench bench-gpu bench-slime clean
+.PHONY: venv demo test test-main test-oldest test-newest test-verl test-mbridge test-slime test-versions test-source test-gpu bench bench-gpu bench-slime clean
 
 venv: $(STAMP)
 
@@ -115,6 +118,19 @@ test-verl:
 	else \
 	  PYTHONPATH=$(abspath $(VERL_LANE)) $(VENV_NEW)/bin/python -m pytest -m verl $(PYTEST_ARGS) tests/integrations/verl/lane tests/docs; \
 	fi
+
+# The optional mbridge converter (converter="mbridge"), not part of `make test`: mbridge 0.15.1 and
+# einops installed --no-deps into .lanes/mbridge so the main venv stays as it is.
+MBRIDGE_LANE = .lanes/mbridge
+MBRIDGE_STAMP = $(MBRIDGE_LANE)/.installed
+$(MBRIDGE_STAMP): tools/mbridge-lane.txt
+	rm -rf $(MBRIDGE_LANE)
+	$(VENV)/bin/pip install -q --no-deps --target $(MBRIDGE_LANE) -r tools/mbridge-lane.txt
+	touch $(MBRIDGE_STAMP)
+
+test-mbridge: $(STAMP) $(MBRIDGE_STAMP)
+	PYTHONPATH=$(CURDIR):$(abspath $(MBRIDGE_LANE)) $(VENV)/bin/python -m pytest -m mbridge $(PYTEST_ARGS) \
+	  tests/inference/loading/hf/test_hf_mbridge.py
 
 # slime 624b824a's real train()/forward_only on CPU (not part of `make test`):
 #   make test-slime SLIME=/path/to/slime MEGATRON_LM=/path/to/Megatron-LM   (checkouts or bare git dirs)

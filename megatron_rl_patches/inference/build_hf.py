@@ -12,6 +12,8 @@ from megatron_rl_patches.inference.loading.hf.architecture import checkpoint_dir
 from megatron_rl_patches.inference.residency.budget import ResidencyBudget
 from megatron_rl_patches.inference.residency.placement import check_residency_args
 
+CONVERTERS = ("builtin", "mbridge")
+
 
 def _check_parallel(arch: Any) -> None:
     from megatron.core import parallel_state as ps
@@ -71,6 +73,7 @@ def build_inference_model_from_hf(
     dtype: Any = None,
     make_vocab_size_divisible_by: int = 128,
     core_attention: type | None = None,
+    converter: str = "builtin",
 ) -> list[torch.nn.Module]:
     """Inference-only chunks (see build_inference_model) of the Hugging Face checkpoint directory
     `path` (config.json + *.safetensors; pickle files are never read) at the tensor / pipeline /
@@ -85,6 +88,8 @@ def build_inference_model_from_hf(
     is built. `core_attention`: the attention core class of the layers (default: megatron-core's
     local one, which refuses packed `thd` batches; e.g. Transformer Engine's TEDotProductAttention
     where a framework packs them, as slime does). It holds no weights: the mapping is the same.
+    `converter`: "builtin" (the package's own) or "mbridge" (mbridge 0.15.1's config mapping and
+    load_weights behind the adapters of inference/loading/hf/mbridge_adapter.py; the `mbridge` extra).
     """
     from megatron_rl_patches._args import positive_int
     from megatron_rl_patches.inference.build import build_inference_model
@@ -96,6 +101,12 @@ def build_inference_model_from_hf(
         transformer_config,
     )
 
+    if converter not in CONVERTERS:
+        raise ValueError(f"converter must be one of {CONVERTERS}, got {converter!r}")
+    if converter == "mbridge":
+        from megatron_rl_patches.inference.loading.hf.mbridge_adapter import import_mbridge
+
+        import_mbridge()  # the missing extra is named before anything is read
     mode = check_residency_args(residency, prefetch, budget)
     if core_attention is not None and not isinstance(core_attention, type):
         raise TypeError(f"core_attention must be an attention core class (e.g. TEDotProductAttention) or None, "
@@ -111,9 +122,17 @@ def build_inference_model_from_hf(
     from megatron.core import parallel_state as ps
 
     vocab = padded_vocab(arch.vocab_size, divisible_by, ps.get_tensor_model_parallel_world_size())
-    provider = model_provider(arch, transformer_config(arch, weights_dtype), vocab, core_attention)
-    chunks = build_inference_model(provider, residency=mode, prefetch=prefetch, budget=budget)
-    load_hf_weights(chunks, root, arch, vocab)
+    if converter == "mbridge":
+        from megatron_rl_patches.inference.loading.hf import mbridge_adapter
+
+        bridge = mbridge_adapter.mbridge_bridge(config_dict, arch, weights_dtype, vocab)
+        provider = model_provider(arch, bridge.config, vocab, core_attention, mbridge_adapter.gpt_args(bridge))
+        chunks = build_inference_model(provider, residency=mode, prefetch=prefetch, budget=budget)
+        mbridge_adapter.load_with_mbridge(bridge, chunks, root)
+    else:
+        provider = model_provider(arch, transformer_config(arch, weights_dtype), vocab, core_attention)
+        chunks = build_inference_model(provider, residency=mode, prefetch=prefetch, budget=budget)
+        load_hf_weights(chunks, root, arch, vocab)
     for chunk in chunks:
         setattr(chunk, "hf_vocab_size", arch.vocab_size)  # noqa: B010 - the real vocab, for the ops' vocab_size=
     return chunks

@@ -98,3 +98,20 @@ def save_tiny_hf(directory: str | Path, kind: str = "qwen3", seed: int = 0, **ov
             param.copy_(torch.randn_like(param) * 0.2 + (1.0 if param.ndim == 1 else 0.0))
     model.save_pretrained(directory)
     return model
+
+
+def write_swapped_layers(good: str | Path, bad: str | Path) -> None:
+    """The checkpoint directory `good` with layers 0 and 1 exchanged, written to `bad` (a negative
+    control: a loader that maps layers by position passes it)."""
+    from megatron_rl_patches.inference.loading.hf.files import read_tensor, tensor_index
+
+    swapped = {}
+    for name, entry in tensor_index(Path(good)).items():
+        for a, b in ((".0.", ".1."), (".1.", ".0.")):
+            if name.startswith(f"model.layers{a}"):
+                name = name.replace(f"model.layers{a}", f"model.layers{b}", 1)
+                break
+        swapped[name] = read_tensor(entry)
+    Path(bad).mkdir(parents=True)
+    (Path(bad) / "config.json").write_bytes((Path(good) / "config.json").read_bytes())
+    write_safetensors(Path(bad) / "model.safetensors", swapped)

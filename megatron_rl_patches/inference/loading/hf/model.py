@@ -88,10 +88,12 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype) -> Any:
 
 
 def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,
-                   core_attention: type | None = None) -> Callable[..., Any]:
+                   core_attention: type | None = None, gpt_args: dict[str, Any] | None = None) -> Callable[..., Any]:
     """A Megatron-LM style provider of GPTModel chunks on the local spec (`vocab_size` padded);
     `core_attention`: another attention core class (it holds no parameters, so the weights map
-    the same), e.g. Transformer Engine's for packed `thd` batches, which the local one refuses."""
+    the same), e.g. Transformer Engine's for packed `thd` batches, which the local one refuses;
+    `gpt_args`: GPTModel keywords that replace the RoPE / length ones read from `arch` (another
+    converter's mapping)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -103,17 +105,18 @@ def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,
         spec.submodules.self_attention.submodules.core_attention = core_attention
 
     def provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> Any:
-        extra = {} if vp_stage is None else {"vp_stage": vp_stage}
+        extra: dict[str, Any] = {"max_sequence_length": arch.max_positions, "rotary_base": arch.rope_theta,
+                                 **(gpt_args or {})}
+        if vp_stage is not None:
+            extra["vp_stage"] = vp_stage
         return GPTModel(
             config=config,
             transformer_layer_spec=spec,
             vocab_size=vocab_size,
-            max_sequence_length=arch.max_positions,
             pre_process=pre_process,
             post_process=post_process,
             share_embeddings_and_output_weights=arch.tied,
             position_embedding_type="rope",
-            rotary_base=arch.rope_theta,
             **extra,
         )
 

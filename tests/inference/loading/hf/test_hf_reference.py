@@ -15,9 +15,8 @@ from megatron_rl_patches import (
     log_prob_output_processor,
     topk_output_processor,
 )
-from megatron_rl_patches.inference.loading.hf.files import read_tensor, tensor_index
 from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
-from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, write_safetensors
+from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, write_swapped_layers
 from megatron_rl_patches.testing.megatron_cpu import make_batch
 
 pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("transformers", "moe_router_on_cpu")]
@@ -75,17 +74,7 @@ def test_log_probs_equal_transformers(megatron_cpu, fused_processors, tmp_path, 
 def test_two_swapped_layers_fail(megatron_cpu, fused_processors, tmp_path):
     """The negative control: the same checkpoint with layers 0 and 1 exchanged must not pass."""
     model = save_tiny_hf(tmp_path / "good", "qwen3", seed=3)
-    index = tensor_index(tmp_path / "good")
-    swapped = {}
-    for name, entry in index.items():
-        for a, b in ((".0.", ".1."), (".1.", ".0.")):
-            if name.startswith(f"model.layers{a}"):
-                name = name.replace(f"model.layers{a}", f"model.layers{b}", 1)
-                break
-        swapped[name] = read_tensor(entry)
-    (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "config.json").write_bytes((tmp_path / "good" / "config.json").read_bytes())
-    write_safetensors(tmp_path / "bad" / "model.safetensors", swapped)
+    write_swapped_layers(tmp_path / "good", tmp_path / "bad")
     batch = _batch()
     want = _label_log_probs(_reference(model, batch), batch)
     good = _teacher_log_probs(build_inference_model_from_hf(tmp_path / "good", dtype=torch.float32)[0], batch)
