@@ -138,10 +138,11 @@ def rollout(seed: int, old_log_probs: Sequence[torch.Tensor] | None = None, *, p
     return data
 
 
-def iterators(data: dict) -> list[Any]:
+def iterators(data: dict, chunks: int = 1) -> list[Any]:
+    """slime's data iterators, one per model chunk of this rank (virtual pipeline stages)."""
     from slime.backends.megatron_utils.data import DataIterator
 
-    return [DataIterator(data, data["micro_batch_indices"])]
+    return [DataIterator(data, data["micro_batch_indices"]) for _ in range(chunks)]
 
 
 def log_probs(args: Any, model: list[Any], data: dict) -> dict[str, list[torch.Tensor]]:
@@ -149,7 +150,7 @@ def log_probs(args: Any, model: list[Any], data: dict) -> dict[str, list[torch.T
     from slime.backends.megatron_utils import loss as slime_loss
     from slime.backends.megatron_utils import model as slime_model
 
-    return slime_model.forward_only(slime_loss.get_log_probs_and_entropy, args, model, iterators(data),
+    return slime_model.forward_only(slime_loss.get_log_probs_and_entropy, args, model, iterators(data, len(model)),
                                     [len(data["micro_batch_indices"])])
 
 

@@ -308,11 +308,12 @@ MOE_VALUES = {"moe_token_dispatcher_type": "allgather", "variable_seq_lengths": 
 
 
 def fused_and_plain(rank: int, world_size: int, pipeline: int = 1, context: int = 1, tensor: int = 1,
-                    flags: tuple[str, ...] = (), expert: int = 1) -> dict[str, Any]:
+                    flags: tuple[str, ...] = (), expert: int = 1, virtual: int | None = None) -> dict[str, Any]:
     """slime's real forward_only (log-probs, entropy) and train_one_step (losses, this rank's
     reduced gradients) from the same fresh weights, unpatched and with slime_fused, at the layout
-    (every data-parallel rank holds the whole rollout)."""
-    with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, expert=expert) as patch:
+    (every data-parallel rank holds the whole rollout; `virtual` model chunks per pipeline rank)."""
+    with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual,
+                   expert=expert) as patch:
         import slime_kit as kit
         from megatron.core import parallel_state
         from slime.backends.megatron_utils import model as slime_model
@@ -325,7 +326,8 @@ def fused_and_plain(rank: int, world_size: int, pipeline: int = 1, context: int 
                 megatron_rl_patches.apply(only=FUSED)
             try:
                 with kit.slime_session("--pipeline-model-parallel-size", str(pipeline), "--context-parallel-size",
-                                       str(context), "--tensor-model-parallel-size", str(tensor), *flags,
+                                       str(context), "--tensor-model-parallel-size", str(tensor),
+                                       *virtual_args(virtual), *flags,
                                        rollout_temperature=TEMPERATURE, use_rollout_entropy=True, entropy_coef=0.01,
                                        log_probs_chunk_size=4, **_whole_gradients(context),
                                        **(MOE_VALUES if expert > 1 else {})) as args:
@@ -340,7 +342,7 @@ def fused_and_plain(rank: int, world_size: int, pipeline: int = 1, context: int 
                         chunk.train()
                     grads = first_grads(patch, optimizer, model)
                     data_parallel = parallel_state.get_data_parallel_world_size()
-                    losses, grad_norm = slime_model.train_one_step(args, 0, 0, kit.iterators(step), model, optimizer,
+                    losses, grad_norm = slime_model.train_one_step(args, 0, 0, kit.iterators(step, len(model)), model, optimizer,
                                                                    scheduler, 2, 4 * data_parallel)
                     routes[route] = {"dispatcher": args.moe_token_dispatcher_type,
                                      "log_probs": out.get("log_probs"), "entropy": out.get("entropy"),

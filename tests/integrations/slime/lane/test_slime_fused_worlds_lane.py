@@ -1,9 +1,10 @@
 """slime_fused against slime's own logits path at the layouts of real jobs (issue 40): slime
-624b824a's real forward_only and train_one_step on 1-2 gloo ranks (each a fresh interpreter), the
+624b824a's real forward_only and train_one_step on 1-8 gloo ranks (each a fresh interpreter), the
 same fresh weights unpatched and with slime_fused; per rank, log-probs, entropy, losses and the
-reduced gradients agree to fp32 rounding (bf16: to bf16 rounding). Layouts: TP=2 with sequence
-parallelism (the kit's SP norm shim), CP=2 zigzag, CP=2 `--allgather-cp` (the lane declares a DSA
-architecture to slime's own check, slime_ranks.DSA_CONFIG), PP=2, DP=2 with the distributed
+reduced gradients agree to fp32 rounding (bf16: to bf16 rounding). Layouts: TP=2 without and with
+sequence parallelism (the kit's SP norm shim), CP=2 zigzag, CP=2 `--allgather-cp` (the lane declares
+a DSA architecture to slime's own check, slime_ranks.DSA_CONFIG), PP=2, PP=2 with 2 virtual stages,
+TP=2 x PP=2 x CP=2 zigzag on 8 ranks, DP=2 with the distributed
 optimizer, bf16 (Float16Module) and full activation recompute. The negative control: the same
 comparison sees a changed weight (test_comparison_sees_a_perturbed_gradient)."""
 from __future__ import annotations
@@ -19,17 +20,21 @@ NOPE = ("--position-embedding-type", "none")
 RECOMPUTE = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
 EP2 = ("--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
        "--moe-ffn-hidden-size", "64", "--moe-router-load-balancing-type", "none", "--disable-bias-linear")
-# name: (ranks, pipeline, context, tensor, slime's extra flags, layout markers); "ep2": an MoE
-# student, slime's alltoall dispatcher set back to allgather (slime_ranks.MOE_VALUES)
+# name: (ranks, pipeline, context, tensor, virtual chunks, slime's extra flags, layout markers); "ep2":
+# an MoE student, slime's alltoall dispatcher set back to allgather (slime_ranks.MOE_VALUES);
+# "pp2vpp2": 2 model chunks of one layer per stage (Megatron-LM's arguments turn batch_p2p_comm off)
 WORLDS = {
-    "ep2": (2, 1, 1, 1, EP2, ("ep2", "thd")),
-    "tp2sp": (2, 1, 1, 2, ("--sequence-parallel",), ("tp2", "sp", "thd")),
-    "cp2": (2, 1, 2, 1, (), ("cp2-zigzag", "thd")),
-    "cp2ag": (2, 1, 2, 1, ("--allgather-cp", *NOPE), ("cp2-allgather", "thd")),
-    "pp2": (2, 2, 1, 1, (), ("pp2", "thd")),
-    "dp2distopt": (2, 1, 1, 1, (), ("distopt", "thd")),  # ARGV: --use-distributed-optimizer
-    "bf16": (1, 1, 1, 1, ("--bf16",), ("bf16", "thd")),
-    "recompute": (1, 1, 1, 1, RECOMPUTE, ("recompute", "thd")),
+    "ep2": (2, 1, 1, 1, None, EP2, ("ep2", "thd")),
+    "tp2": (2, 1, 1, 2, None, (), ("tp2", "thd")),
+    "tp2sp": (2, 1, 1, 2, None, ("--sequence-parallel",), ("tp2", "sp", "thd")),
+    "cp2": (2, 1, 2, 1, None, (), ("cp2-zigzag", "thd")),
+    "cp2ag": (2, 1, 2, 1, None, ("--allgather-cp", *NOPE), ("cp2-allgather", "thd")),
+    "pp2": (2, 2, 1, 1, None, (), ("pp2", "thd")),
+    "pp2vpp2": (2, 2, 1, 1, 2, (), ("vpp2", "pp2", "thd")),
+    "tp2pp2cp2": (8, 2, 2, 2, None, (), ("tp2", "pp2", "cp2-zigzag", "thd")),
+    "dp2distopt": (2, 1, 1, 1, None, (), ("distopt", "thd")),  # ARGV: --use-distributed-optimizer
+    "bf16": (1, 1, 1, 1, None, ("--bf16",), ("bf16", "thd")),
+    "recompute": (1, 1, 1, 1, None, RECOMPUTE, ("recompute", "thd")),
 }
 
 
@@ -41,11 +46,11 @@ def world(request):
 
     from megatron_rl_patches.testing.multirank import run_multirank
 
-    ranks, pipeline, context, tensor, flags, _ = WORLDS[request.param]
+    ranks, pipeline, context, tensor, virtual, flags, _ = WORLDS[request.param]
     assert EP2 == slime_ranks.EP2
     expert = 2 if flags == EP2 else 1
     return request.param, run_multirank(slime_ranks.fused_and_plain, ranks, pipeline, context, tensor, flags,
-                                        expert, timeout=300)
+                                        expert, virtual, timeout=600 if ranks > 2 else 300)
 
 
 def _tolerance(name: str) -> dict:
@@ -75,6 +80,11 @@ def _differences(plain: dict, fused: dict, name: str) -> dict[str, float]:
     return largest
 
 
+def _layers(grads: dict) -> set[int]:
+    """The global layer numbers (from 0) a rank's gradients cover."""
+    return {int(key.split(".")[2]) for key in grads if key.startswith("decoder.layers.")}
+
+
 def test_fused_equals_slimes_logits_path_on_every_rank(slime_cpu, world):
     name, ranks = world
     largest: dict[str, float] = {}
@@ -88,6 +98,10 @@ def test_fused_equals_slimes_logits_path_on_every_rank(slime_cpu, world):
         assert ranks[0]["plain"]["dispatcher"] == "allgather"
         assert any("local_experts.1." in key for key in ranks[0]["plain"]["grads"])
         assert not any("local_experts.2." in key for key in ranks[0]["plain"]["grads"])
+    if name == "pp2vpp2":  # the layout ran: the first stage holds model chunks 0 and 2 of 4 one-layer chunks
+        assert _layers(ranks[0]["plain"]["grads"]) == {0, 2} and _layers(ranks[1]["plain"]["grads"]) == {1, 3}
+    if name == "tp2pp2cp2":  # the layout ran: 8 ranks, log-probs on the last stage's 4 only
+        assert len(ranks) == 8 and sum(rank["plain"]["log_probs"] is not None for rank in ranks) == 4
     said = ", ".join(f"max |Δ{key}| {value:.2e}" for key, value in largest.items())
     print(f"slime_fused vs slime's logits path [{name}]: {said}")
 
