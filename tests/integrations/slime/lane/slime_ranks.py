@@ -342,8 +342,8 @@ def fused_and_plain(rank: int, world_size: int, pipeline: int = 1, context: int 
                         chunk.train()
                     grads = first_grads(patch, optimizer, model)
                     data_parallel = parallel_state.get_data_parallel_world_size()
-                    losses, grad_norm = slime_model.train_one_step(args, 0, 0, kit.iterators(step, len(model)), model, optimizer,
-                                                                   scheduler, 2, 4 * data_parallel)
+                    losses, grad_norm = slime_model.train_one_step(args, 0, 0, kit.iterators(step, len(model)), model,
+                                                                   optimizer, scheduler, 2, 4 * data_parallel)
                     routes[route] = {"dispatcher": args.moe_token_dispatcher_type,
                                      "log_probs": out.get("log_probs"), "entropy": out.get("entropy"),
                                      "losses": {k: float(v) for k, v in losses.items()}, "grad_norm": grad_norm,
