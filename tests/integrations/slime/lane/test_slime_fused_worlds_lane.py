@@ -50,7 +50,7 @@ def world(request):
     assert EP2 == slime_ranks.EP2
     expert = 2 if flags == EP2 else 1
     return request.param, run_multirank(slime_ranks.fused_and_plain, ranks, pipeline, context, tensor, flags,
-                                        expert, virtual, timeout=600 if ranks > 2 else 300)
+                                        expert, virtual, timeout=900 if ranks > 2 else 300)
 
 
 def _tolerance(name: str) -> dict:
