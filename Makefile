@@ -155,6 +155,7 @@ bench-slime: $(STAMP)
 	tools/slime-bench $(VENV)/bin/python $(SLIME_LANE) --out bench-out $(BENCH_SLIME_ARGS)
 	tools/slime-bench $(VENV)/bin/python $(SLIME_LANE) --out bench-out --layout pp2 --layers 2 $(BENCH_SLIME_ARGS)
 	tools/slime-bench $(VENV)/bin/python $(SLIME_LANE) --out bench-out --layout cp2 $(BENCH_SLIME_ARGS)
+	tools/slime-bench $(VENV)/bin/python $(SLIME_LANE) --out bench-out --layout mtp $(BENCH_SLIME_ARGS)
 
 # Each version's result line, and the name of every failing test. megatron-core is installed
 # without its dependencies (the lane venv has torch); Megatron-LM's training package (in the

@@ -24,7 +24,9 @@ from unittest import mock
 from megatron_rl_patches.apps.bench import common
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FUSED = ["slime_fused", "gpt_output_processor"]
+FUSED = ["slime_fused", "gpt_output_processor", "mtp_output_processor"]
+# "mtp": one rank, slime's MTP training (one MTP head) on slime's patched GPT model (the lane's copies)
+MTP_ARGV = ("--mtp-num-layers", "1", "--enable-mtp-training")
 ROUTES = ("unpatched", "slime_fused")
 COLUMNS = ("route", "forward_only_s", "train_step_s", "held_U", "peak_U", "forward_only_peak_U",
            "forward_only_vs_unpatched", "train_step_vs_unpatched")
@@ -54,10 +56,15 @@ def _layout_argv(layout: str) -> tuple[str, ...]:
 
 
 def step_case(probe: common.MemoryProbe, *, route: str, T: int, V: int, hidden: int, layers: int, heads: int,
-              samples: int, prompt: int, steps: int, device: str = "cpu") -> dict:
+              samples: int, prompt: int, steps: int, device: str = "cpu", layout: str = "1") -> dict:
     """One route in this (fresh) process: `steps` forward_only calls, then slime's train() over
-    `steps` steps; times of every call after the first, memory of the last."""
+    `steps` steps; times of every call after the first, memory of the last. `layout` "mtp": slime's
+    MTP training on its patched GPT model."""
     sys.path.insert(0, HERE)
+    if layout == "mtp":
+        import slime_megatron_patch
+
+        slime_megatron_patch.install()
     import slime_standins
 
     slime_standins.install()
@@ -66,7 +73,7 @@ def step_case(probe: common.MemoryProbe, *, route: str, T: int, V: int, hidden: 
     with megatron_on_cpu():
         slime_standins.cpu_accelerator()
         return _measured(probe, route=route, T=T, V=V, hidden=hidden, layers=layers, heads=heads, samples=samples,
-                         prompt=prompt, steps=steps, device=device)
+                         prompt=prompt, steps=steps, device=device, layout=layout)
 
 
 def layout_case(rank: int, world_size: int, layout: str, kwargs: dict) -> dict:
@@ -92,7 +99,8 @@ def _measured(probe: common.MemoryProbe, *, route: str, T: int, V: int, hidden: 
 
     if route == "slime_fused":
         megatron_rl_patches.apply(only=FUSED)
-    with kit.slime_session(*_model_argv(T, V, hidden, layers, heads), *_layout_argv(layout)) as args:
+    extra = MTP_ARGV if layout == "mtp" else ()
+    with kit.slime_session(*_model_argv(T, V, hidden, layers, heads), *_layout_argv(layout), *extra) as args:
         model, optimizer, scheduler = kit.build(args)
         response = T // samples - prompt
         data = kit.rollout(0, prompts=(prompt,) * samples, responses=(response,) * samples, vocab=V,
@@ -147,7 +155,8 @@ def _layout_round(layout: str, route: str, shape: dict) -> dict:
     return max(ranks, key=lambda rank: rank["peak_bytes"])
 
 
-_LAYOUT_TITLES = {"pp2": "; PP=2, the last stage's process", "cp2": "; CP=2 zigzag, per rank (the highest)"}
+_LAYOUT_TITLES = {"pp2": "; PP=2, the last stage's process", "cp2": "; CP=2 zigzag, per rank (the highest)",
+                  "mtp": "; MTP training, one MTP head (slime's patched GPT model)"}
 
 
 def run(*, rounds: int, T: int, V: int, hidden: int, layers: int, heads: int, samples: int, prompt: int, steps: int,
@@ -161,12 +170,12 @@ def run(*, rounds: int, T: int, V: int, hidden: int, layers: int, heads: int, sa
     try:
         for index in range(rounds):
             for route in ROUTES if index % 2 == 0 else ROUTES[::-1]:
-                if layout != "1":
+                if layout not in ("1", "mtp"):
                     result = _layout_round(layout, route, shape)
                     print(f"round {index + 1}/{rounds} {layout} {route}: {result}", flush=True)
                     results[route].append(result)
                     continue
-                case = {"target": "slime_step_bench:step_case", "kwargs": dict(route=route, **shape)}
+                case = {"target": "slime_step_bench:step_case", "kwargs": dict(route=route, layout=layout, **shape)}
                 result = common.run_cases([case], isolate=True, threads=1)[0]
                 if "error" in result:
                     raise RuntimeError(f"slime step bench, {route}: {result['error']}")
@@ -213,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens of each sample")
     parser.add_argument("--steps", type=int, default=3, help="calls per process (the first is not timed)")
     parser.add_argument("--out", default=None, help="folder for slime_step.csv and slime_step.md")
-    parser.add_argument("--layout", default="1", choices=("1", *LAYOUTS),
-                        help="1: one rank; pp2 / cp2: a 2-rank world (an MTP row is helper E's hook: add it here)")
+    parser.add_argument("--layout", default="1", choices=("1", *LAYOUTS, "mtp"),
+                        help="1: one rank; pp2 / cp2: a 2-rank world; mtp: one rank with slime's MTP training")
     opts = parser.parse_args(argv)
     if opts.steps < 2 or opts.rounds < 1 or opts.tokens % opts.samples or opts.tokens // opts.samples <= opts.prompt:
         parser.error("--steps >= 2, --rounds >= 1, --tokens a multiple of --samples, each sample longer than --prompt")
