@@ -15,7 +15,7 @@ from megatron_rl_patches.inference.residency.placement import check_residency_ar
 CONVERTERS = ("builtin", "mbridge")
 
 
-def _check_parallel(arch: Any) -> None:
+def _check_parallel(arch: Any, core_attention: type | None) -> None:
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
@@ -36,8 +36,13 @@ def _check_parallel(arch: Any) -> None:
         problems.append(f"{arch.num_experts} experts are not a multiple of the expert-parallel size {ep}")
     if not arch.is_moe and ep > 1:
         problems.append(f"expert-parallel size {ep} with a dense model")
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1 and core_attention is None:  # megatron-core's local attention would see only its own rows
+        problems.append(f"context-parallel size {cp} with megatron-core's local attention, which serves context "
+                        "parallelism 1 only: pass core_attention= a class that serves it (Transformer Engine's "
+                        "TEDotProductAttention)")
     if problems:
-        raise ValueError(f"{arch.source}: {'; '.join(problems)}; choose parallel sizes that divide the model")
+        raise ValueError(f"{arch.source}: {'; '.join(problems)}; choose parallel sizes this model serves")
 
 
 def _check_budget(root: Any, mode: str, budget: ResidencyBudget | None, dtype: torch.dtype) -> None:
@@ -116,7 +121,7 @@ def build_inference_model_from_hf(
     arch = read_architecture(root)
     weights_dtype = checkpoint_dtype(config_dict, dtype)
     divisible_by = positive_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by)
-    _check_parallel(arch)
+    _check_parallel(arch, core_attention)
     checked_index(root, arch)  # the files fit config.json: nothing is built otherwise
     _check_budget(root, mode, budget, weights_dtype)
     from megatron.core import parallel_state as ps

@@ -63,6 +63,7 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype) -> Any:
         # with virtual pipeline stages each chunk must know them (its layers' offsets)
         virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
         sequence_parallel=False,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,

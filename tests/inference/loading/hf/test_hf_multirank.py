@@ -120,6 +120,14 @@ def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
         for residency in ("swap", "stream"):  # each expert rank moves only its own experts
             results[f"ep2_{residency}"] = _scores(
                 build_inference_model_from_hf(moe, residency=residency, dtype=torch.float32), batch, None)
+    with megatron_on_cpu():  # CP=2: the local attention would score each rank's rows alone
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(1, 1, context_parallel_size=2)
+        try:
+            build_inference_model_from_hf(dense)
+            results["cp2_refused"] = None
+        except ValueError as exc:
+            results["cp2_refused"] = str(exc)
     with megatron_on_cpu(pipeline_parallel=2):
         try:
             build_inference_model_from_hf(dense + "_3layers")
@@ -233,3 +241,13 @@ def test_sizes_that_do_not_divide_the_model_are_refused(world):
         assert "num_hidden_layers=3 is not a multiple of the pipeline-parallel size 2" in result["refused"]
         assert "num_hidden_layers=2 is not a multiple of the pipeline-parallel size 2 x 2 virtual stages" in \
             result["vpp2_refused"]
+
+
+@pytest.mark.layout("cp2-zigzag")
+def test_context_parallelism_with_the_local_attention_is_refused(world):
+    """The weights do not depend on CP, but megatron-core's local attention would attend within each
+    rank's rows only: a CP=2 build without a CP-serving core_attention is refused before any weight loads."""
+    results, _ = world
+    for result in results:
+        assert result["cp2_refused"] is not None and "context-parallel size 2" in result["cp2_refused"]
+        assert "core_attention=" in result["cp2_refused"]
