@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
+from math import prod
 from typing import Any
 
 from megatron_rl_patches._args import positive_int
@@ -77,7 +78,7 @@ def layer_params(arch: HFArchitecture, layer: int, tp: int = 1, ep: int = 1, fam
     tensors = family.layer_tensors(arch, layer)
     split = whole = expert = 0
     for param in family.layer_params(arch, layer).values():
-        size = sum(_product(tensors[name]) for name in param.hf)
+        size = sum(prod(tensors[name]) for name in param.hf)
         if param.expert:
             expert += size  # one expert's
         elif param.kind in SPLIT_KINDS:
@@ -104,7 +105,7 @@ def hf_memory_plan(
     if pp > arch.num_layers:
         raise ValueError(f"pp={pp} exceeds the {arch.num_layers} layers of {path}")
     size = DTYPE_BYTES[dtype_name(param_dtype, "param_dtype")]
-    total = sum(_product(shape) for shape in checkpoint_tensors(arch).values())
+    total = sum(prod(shape) for shape in checkpoint_tensors(arch).values())
     layers = [layer_params(arch, number, tp, ep) for number in range(arch.num_layers)]
     layer = max(one.per_gpu for one in layers)  # the stages' layers are alike in the families served
     vocab = -(-arch.vocab_size // (VOCAB_DIVISOR * tp)) * VOCAB_DIVISOR * tp
@@ -131,10 +132,3 @@ def hf_memory_plan(
         modes=(ResidencyBytes("resident", weights, weights, 0), ResidencyBytes("swap", weights, 0, weights),
                ResidencyBytes("stream", stream, 0, weights)),
     )
-
-
-def _product(shape: tuple[int, ...]) -> int:
-    out = 1
-    for dim in shape:
-        out *= dim
-    return out
