@@ -80,7 +80,8 @@ class HFArchitecture:
         return self.num_experts > 0
 
 
-def _field(config: dict[str, Any], source: str, *names: str, default: Any = None) -> Any:
+def read_field(config: dict[str, Any], source: str, *names: str, default: Any = None) -> Any:
+    """The first of `names` config.json writes (not null), else `default`, else a ValueError naming them."""
     for name in names:
         if config.get(name) is not None:
             return config[name]
@@ -89,8 +90,9 @@ def _field(config: dict[str, Any], source: str, *names: str, default: Any = None
     raise ValueError(f"{source}: config.json has no {' / '.join(names)}; is it a complete Hugging Face config?")
 
 
-def _count(config: dict[str, Any], source: str, *names: str, default: Any = None) -> int:
-    value = _field(config, source, *names, default=default)
+def read_count(config: dict[str, Any], source: str, *names: str, default: Any = None) -> int:
+    """`read_field` checked to be a positive integer (a size, a count)."""
+    value = read_field(config, source, *names, default=default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{source}: config.json's {names[0]} must be a positive integer, got {value!r}")
     return value
@@ -136,29 +138,29 @@ def decoder_architecture(config: dict[str, Any], source: str, *, qkv_bias: bool,
     family's default where `attention_bias` is not written, `qk_norm` and `moe` are the family's,
     `refused` the family's own unmapped features (refused with the common ones before reading)."""
     refuse_unmapped(source, [*unmapped_features(config), *refused])
-    hidden = _count(config, source, "hidden_size")
-    heads = _count(config, source, "num_attention_heads")
-    kv_heads = _count(config, source, "num_key_value_heads", default=heads)
+    hidden = read_count(config, source, "hidden_size")
+    heads = read_count(config, source, "num_attention_heads")
+    kv_heads = read_count(config, source, "num_key_value_heads", default=heads)
     if heads % kv_heads:
         raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
     return HFArchitecture(
         source=source,
         model_type=str(config.get("model_type")),
-        vocab_size=_count(config, source, "vocab_size"),
+        vocab_size=read_count(config, source, "vocab_size"),
         hidden_size=hidden,
-        num_layers=_count(config, source, "num_hidden_layers"),
+        num_layers=read_count(config, source, "num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=_count(config, source, "head_dim", default=hidden // heads),
-        ffn_hidden_size=_count(config, source, "intermediate_size"),
-        norm_eps=float(_field(config, source, "rms_norm_eps", default=1e-6)),
+        head_dim=read_count(config, source, "head_dim", default=hidden // heads),
+        ffn_hidden_size=read_count(config, source, "intermediate_size"),
+        norm_eps=float(read_field(config, source, "rms_norm_eps", default=1e-6)),
         rope_theta=_rope_theta(config, source),
-        max_positions=_count(config, source, "max_position_embeddings", default=4096),
+        max_positions=read_count(config, source, "max_position_embeddings", default=4096),
         tied=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=bool(config.get("attention_bias", qkv_bias)),
         qk_norm=qk_norm,
-        num_experts=_count(config, source, "num_experts", "num_local_experts") if moe else 0,
-        experts_per_token=_count(config, source, "num_experts_per_tok") if moe else 0,
-        expert_ffn_hidden_size=_count(config, source, "moe_intermediate_size") if moe else 0,
+        num_experts=read_count(config, source, "num_experts", "num_local_experts") if moe else 0,
+        experts_per_token=read_count(config, source, "num_experts_per_tok") if moe else 0,
+        expert_ffn_hidden_size=read_count(config, source, "moe_intermediate_size") if moe else 0,
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
     )
