@@ -22,6 +22,7 @@ _LAZY = {
     "spread_chunk_log_probs": "spreading",
     "chunk_reverse_kl": "losses",
     "chunk_start_topk_divergence": "losses",
+    "chunk_start_full_divergence": "losses",
 }
 
 __all__ = sorted(_LAZY)
