@@ -52,22 +52,12 @@ def _without_dummy_prefix(tokenizer: Any) -> Any:
     return type(tokenizer).from_str(json.dumps(spec))
 
 
-_ENCODERS: dict[int, Any] = {}
-_SAME: dict[tuple[int, int], bool] = {}
-
-
 def _encoder(table: ByteTable) -> Any:
-    found = _ENCODERS.get(id(table))
-    if found is None:
-        found = _ENCODERS[id(table)] = _without_dummy_prefix(table.tokenizer)
-    return found
+    return table.cached("encoder", None, lambda: _without_dummy_prefix(table.tokenizer))
 
 
 def _same(a: ByteTable, b: ByteTable) -> bool:
-    key = (id(a), id(b))
-    if key not in _SAME:
-        _SAME[key] = a is b or (a.spelled == b.spelled and a.special == b.special)
-    return _SAME[key]
+    return a.cached("same", b, lambda: a is b or (a.spelled == b.spelled and a.special == b.special))
 
 
 def _stop_map(stop_tokens: StopTokens, student: ByteTable, teacher: ByteTable) -> Callable[[int], int | None]:

@@ -37,6 +37,15 @@ class ByteTable:
     spelled: list[bytes | None]
     special: frozenset[int]
     special_by_content: dict[str, int] = field(default_factory=dict)
+    # what other modules derive from this table and another (keyed by id, the other kept alive)
+    derived: dict[tuple[str, int], tuple[Any, Any]] = field(default_factory=dict, repr=False)
+
+    def cached(self, kind: str, other: Any, make: Any) -> Any:
+        """`make()` computed once per (kind, other object) for this table."""
+        key = (kind, id(other))
+        if key not in self.derived:
+            self.derived[key] = (other, make())
+        return self.derived[key][1]
 
     def of(self, ids: Iterable[int], name: str = "ids") -> list[bytes]:
         out = []

@@ -53,21 +53,19 @@ def _groups(table: ByteTable, index: dict[bytes, int]) -> tuple[torch.Tensor, to
     return string, ids, offsets
 
 
-_SHARED: dict[tuple[int, int], SharedVocabulary] = {}
-
-
 def shared_strings(student_tokenizer: Any, teacher_tokenizer: Any) -> SharedVocabulary:
     """The shared vocabulary grouped per byte string (cached per tokenizer pair)."""
     student = table_of(student_tokenizer, "student_tokenizer")
     teacher = table_of(teacher_tokenizer, "teacher_tokenizer")
-    key = (id(student), id(teacher))
-    if key not in _SHARED:
-        common = sorted({p for p in student.spelled if p} & {p for p in teacher.spelled if p})
-        index = {p: k for k, p in enumerate(common)}
-        s_string, s_ids, s_off = _groups(student, index)
-        t_string, t_ids, t_off = _groups(teacher, index)
-        _SHARED[key] = SharedVocabulary(common, s_string, t_string, s_ids, s_off, t_ids, t_off)
-    return _SHARED[key]
+    return student.cached("shared", teacher, lambda: _shared(student, teacher))
+
+
+def _shared(student: ByteTable, teacher: ByteTable) -> SharedVocabulary:
+    common = sorted({p for p in student.spelled if p} & {p for p in teacher.spelled if p})
+    index = {p: k for k, p in enumerate(common)}
+    s_string, s_ids, s_off = _groups(student, index)
+    t_string, t_ids, t_off = _groups(teacher, index)
+    return SharedVocabulary(common, s_string, t_string, s_ids, s_off, t_ids, t_off)
 
 
 def shared_vocabulary(student_tokenizer: Any, teacher_tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:

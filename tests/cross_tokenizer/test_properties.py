@@ -81,3 +81,37 @@ def test_retokenize_on_random_text(qwen3, qwen35, text):
     check_chunks(ct.token_bytes(qwen3, ids), ct.token_bytes(qwen35, t_ids), alignment, len(t_ids))
     assert alignment.n_chunks == len(align(ct.token_bytes(qwen3, ids), ct.token_bytes(qwen35, t_ids)).student_chunk
                                      .unique())
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 151_642), min_size=1, max_size=25))
+def test_retokenize_random_ids_keeps_exactly_the_valid_bytes(qwen3, deepseek, ids):
+    """Any student ids (tokens ending inside characters, stray continuation bytes): the kept
+    tokens' bytes are valid UTF-8 and are what the teacher's ids spell, piece by piece."""
+    from megatron_rl_patches import cross_tokenizer as ct
+
+    t_ids, alignment = ct.retokenize(ids, qwen3, deepseek)
+    s_bytes = ct.token_bytes(qwen3, ids)
+    chunk = alignment.student_chunk.tolist()
+    kept = [b for b, c in zip(s_bytes, chunk) if c >= 0]
+    assert b"".join(kept) == b"".join(ct.token_bytes(deepseek, t_ids))
+    assert alignment.n_excluded == alignment.invalid_utf8 + alignment.unspelled + alignment.unmapped_special
+    assert alignment.unmapped_special == 0
+    whole = b"".join(s_bytes)
+    try:
+        whole.decode()
+        assert alignment.n_excluded == 0
+    except UnicodeDecodeError:
+        assert alignment.invalid_utf8 > 0
+    runs, current = [], []  # the kept tokens between excluded ones: each valid UTF-8
+    for b, c in zip(s_bytes, chunk):
+        if c < 0:
+            runs.append(current)
+            current = []
+        else:
+            current.append(b)
+    for run in [*runs, current]:
+        b"".join(run).decode()
+    kept_chunks = Alignment(alignment.student_chunk[alignment.student_chunk >= 0], alignment.teacher_chunk,
+                            alignment.n_chunks)
+    check_chunks(kept, ct.token_bytes(deepseek, t_ids), kept_chunks, len(t_ids))
