@@ -57,7 +57,9 @@ def check_teacher_vocab(teacher: str | os.PathLike[str], student: int | str | os
         raise ValueError(
             f"teacher {str(teacher)!r} has vocab_size={teacher_size} but the student "
             f"{'at ' + repr(str(student)) + ' ' if student_dir else ''}has vocab_size={student_size}: a teacher "
-            "must share the student's tokenizer (teachers with another tokenizer are not served)"
+            "must share the student's tokenizer to be scored on the student's ids; for a teacher with another "
+            "tokenizer, distill across tokenizers with megatron_rl_patches.cross_tokenizer (retokenize, "
+            "spread_chunk_log_probs, chunk_reverse_kl; docs/distillation.md, 'Teachers with another tokenizer')"
         )
     if teacher_dir is None or student_dir is None:
         return teacher_size
@@ -68,5 +70,7 @@ def check_teacher_vocab(teacher: str | os.PathLike[str], student: int | str | os
     shown_diffs = [f"{t!r}: teacher {teacher_ids.get(t)}, student {student_ids.get(t)}" for t in differ]
     raise ValueError(
         f"the tokenizers of teacher {str(teacher)!r} and student {str(student)!r} differ on {len(differ)} token(s) "
-        f"({shown(shown_diffs)}): a teacher must share the student's tokenizer"
+        f"({shown(shown_diffs)}): a teacher must share the student's tokenizer to be scored on the student's ids; "
+        "for a teacher with another tokenizer, distill across tokenizers with megatron_rl_patches.cross_tokenizer "
+        "(docs/distillation.md, 'Teachers with another tokenizer')"
     )
