@@ -21,9 +21,10 @@ from megatron_rl_patches import (
     topk_output_processor,
 )
 from megatron_rl_patches.patching import registry
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.divergence_reference import dense_divergence
 
-pytestmark = [pytest.mark.megatron, pytest.mark.layout("hybrid")]
+pytestmark = [pytest.mark.megatron, layouts.mark("hybrid")]
 REL = 2e-6
 V, B, S = 64, 2, 16
 
@@ -223,7 +224,7 @@ def test_detected_by_signature_native_or_skipped_with_the_reason(monkeypatch, ow
     assert vars(owner)["forward"] is original
 
 
-@pytest.mark.layout("mtp")
+@layouts.mark("mtp")
 def test_hybrid_model_with_mtp_heads_through_the_fused_head(hybrid, monkeypatch):
     """HybridModel with two MTP depths ("*-/*-/*-"): a processor needs `mtp_output_processor` (refused
     without it, before the forward), and with it the step equals megatron's logits route —

@@ -12,9 +12,10 @@ import torch
 
 import megatron_rl_patches
 from megatron_rl_patches import log_prob_output_processor
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.vocab_watch import VocabWideTensors
 
-pytestmark = [pytest.mark.megatron, pytest.mark.layout("mtp")]
+pytestmark = [pytest.mark.megatron, layouts.mark("mtp")]
 V, B, S = 100, 2, 16  # V differs from every other width of the tiny model (2h = 64 is MTP's eh_proj input)
 T = B * S
 TILE_ROWS = 8

@@ -15,6 +15,7 @@ from megatron_rl_patches import (
     topk_logprobs,
     topk_output_processor,
 )
+from megatron_rl_patches.testing import layouts
 
 pytestmark = pytest.mark.megatron
 REL = 2e-6
@@ -43,7 +44,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.layout("bshd")
+@layouts.mark("bshd")
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_log_prob_processor_equals_the_logits_path(megatron_cpu, clean_patch_state, tied):
     megatron_rl_patches.apply(only="gpt_output_processor")  # `native` on >= 0.18
@@ -109,7 +110,7 @@ def test_processor_input_errors_name_the_problem(megatron_cpu, clean_patch_state
         topk_output_processor(k=0)
 
 
-@pytest.mark.layout("bshd")
+@layouts.mark("bshd")
 def test_topk_processor_for_student_and_teacher(megatron_cpu, clean_patch_state):
     megatron_rl_patches.apply(only="gpt_output_processor")
     student, teacher = _gpt(megatron_cpu, tied=False, seed=0), _gpt(megatron_cpu, tied=True, seed=1)

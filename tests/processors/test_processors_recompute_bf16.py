@@ -18,6 +18,7 @@ from megatron_rl_patches import (
     topk_logprobs,
     topk_output_processor,
 )
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.divergence_reference import dense_divergence
 
 pytestmark = pytest.mark.megatron
@@ -106,7 +107,7 @@ def _count_layer_calls(model) -> list[int]:
     return calls
 
 
-@pytest.mark.layout("recompute")
+@layouts.mark("recompute")
 @pytest.mark.parametrize("which", PROCESSORS)
 def test_processors_under_full_activation_recompute(megatron_cpu, clean_patch_state, which):
     megatron_rl_patches.apply(only="gpt_output_processor")  # `native` on megatron-core >= 0.18
@@ -127,7 +128,7 @@ def test_processors_under_full_activation_recompute(megatron_cpu, clean_patch_st
     assert _error(got, other) > 1e-2 and _grad_error(got_grads, other_grads) > 1e-2  # the comparison sees it
 
 
-@pytest.mark.layout("bf16")
+@layouts.mark("bf16")
 @pytest.mark.parametrize("which", PROCESSORS)
 def test_processors_on_a_bf16_float16module(megatron_cpu, clean_patch_state, which):
     from megatron.core.transformer.module import Float16Module
@@ -148,7 +149,7 @@ def test_processors_on_a_bf16_float16module(megatron_cpu, clean_patch_state, whi
     assert _error(got, other) > 1e-2 and _grad_error(got_grads, other_grads) > 5e-2
 
 
-@pytest.mark.layout("bf16")
+@layouts.mark("bf16")
 def test_a_bf16_float16module_teacher_distils_an_fp32_student(megatron_cpu, clean_patch_state):
     """The teacher's fp32 (upcast) hidden states and bf16 output weight, as Float16Module hands them,
     straight into the divergence processor of an fp32 student: the dense float64 divergence from

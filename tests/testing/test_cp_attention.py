@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
@@ -310,7 +311,7 @@ def cp_world() -> list[dict]:
 
 def _marks(case: str) -> list:
     layout, form, *rope = case.split("-")
-    return [pytest.mark.layout("cp2-zigzag" if layout == "zigzag" else "cp2-allgather", form, *rope)]
+    return [layouts.mark("cp2-zigzag" if layout == "zigzag" else "cp2-allgather", form, *rope)]
 
 
 PARAMS = [pytest.param(case, id=case, marks=_marks(case)) for case in CASES]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = pytest.mark.megatron
@@ -109,7 +110,7 @@ def _compare_routes(routes: dict) -> dict:
 
 # ------------------------------------------------------------------------------------- one rank
 
-@pytest.mark.layout("moe", "ep1")
+@layouts.mark("moe", "ep1")
 def test_moe_fused_equals_logits_path_values_and_grads(megatron_cpu, clean_patch_state):
     import megatron_rl_patches
     from megatron_rl_patches.testing.moe_gpt import build_tiny_moe_gpt
@@ -130,7 +131,7 @@ def test_moe_fused_equals_logits_path_values_and_grads(megatron_cpu, clean_patch
     assert _error(changed, want_lp) > 1e-3
 
 
-@pytest.mark.layout("moe", "ep1")
+@layouts.mark("moe", "ep1")
 def test_moe_inference_forward_with_processors(megatron_cpu, clean_patch_state):
     """The crash: megatron-core 0.13-0.17 read `.device` off the processor's dict."""
     import megatron_rl_patches
@@ -289,7 +290,7 @@ def moe_world() -> list[dict]:
 
 @pytest.mark.multirank
 @pytest.mark.slow
-@pytest.mark.layout("moe", "ep2")
+@layouts.mark("moe", "ep2")
 def test_ep2_equals_ep1_and_fused_equals_logits(moe_world):
     for result in moe_world:
         ep2 = result["ep2"]
@@ -305,7 +306,7 @@ def test_ep2_equals_ep1_and_fused_equals_logits(moe_world):
 
 @pytest.mark.multirank
 @pytest.mark.slow
-@pytest.mark.layout("moe", "ep2")
+@layouts.mark("moe", "ep2")
 def test_ep2_divergence_processor_equals_the_dense_route(moe_world):
     for result in moe_world:
         divergence = result["ep2"]["divergence"]
@@ -315,8 +316,8 @@ def test_ep2_divergence_processor_equals_the_dense_route(moe_world):
 
 @pytest.mark.multirank
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("moe", "pp2")),
-                                    pytest.param("pp2ep2", marks=pytest.mark.layout("moe", "pp2", "ep2"))])
+@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=layouts.mark("moe", "pp2")),
+                                    pytest.param("pp2ep2", marks=layouts.mark("moe", "pp2", "ep2"))])
 def test_pipelined_moe_inference_forward_with_processors(moe_world, layout):
     results = [result[layout] for result in moe_world]
     assert [r.pop("last stage") for r in results] == [False, False, True, True]  # order tp-cp-ep-dp-pp

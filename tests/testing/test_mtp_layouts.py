@@ -16,6 +16,7 @@ import math
 
 import pytest
 
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
@@ -304,7 +305,7 @@ def _skip_without(mtp_world, key: str, reason: str):
         pytest.skip(reason)
 
 
-@pytest.mark.layout("mtp", "tp2")
+@layouts.mark("mtp", "tp2")
 @pytest.mark.parametrize("which", PROCESSORS)
 def test_processors_with_mtp_heads_equal_the_logits_path(mtp_world, which):
     """Values, top-k ids and every gradient (the MTP heads' too: their loss rides on the main head's
@@ -318,7 +319,7 @@ def test_processors_with_mtp_heads_equal_the_logits_path(mtp_world, which):
         assert check["control"] > 1e-2, check
 
 
-@pytest.mark.layout("mtp", "tp2")
+@layouts.mark("mtp", "tp2")
 @pytest.mark.parametrize("mode", ["resident", "swap", "stream"])
 def test_mtp_inference_builds_score_like_the_logits_path_without_vocab_wide_tensors(mtp_world, mode):
     """The build keeps the MTP block (its weights load from the same checkpoint; megatron's forward
@@ -334,7 +335,7 @@ def test_mtp_inference_builds_score_like_the_logits_path_without_vocab_wide_tens
         assert len(control) >= 2 and control[-1] == V // TP and math.prod(control[:-1]) >= T, control
 
 
-@pytest.mark.layout("mtp", "tp2")
+@layouts.mark("mtp", "tp2")
 @pytest.mark.parametrize("mode", ["resident", "swap", "stream"])
 def test_mtp_layer_major_equals_per_micro_batch(mtp_world, mode):
     """score_layer_major over two micro-batches with each processor equals the per-micro-batch calls
@@ -344,7 +345,7 @@ def test_mtp_layer_major_equals_per_micro_batch(mtp_world, mode):
         assert all(build[which]["layer-major bit for bit"] for which in PROCESSORS), build
 
 
-@pytest.mark.layout("mtp", "tp2")
+@layouts.mark("mtp", "tp2")
 def test_fused_mtp_loss_equals_process_mtp_loss_on_logits_at_tp2(mtp_world):
     """megatron-core >= 0.18: a training step whose MTP heads' loss runs through the fused head
     (patch `mtp_output_processor`) equals megatron's `process_mtp_loss` on logits: loss, every
@@ -358,7 +359,7 @@ def test_fused_mtp_loss_equals_process_mtp_loss_on_logits_at_tp2(mtp_world):
         assert check["control"] > 1e-3, check
 
 
-@pytest.mark.layout("hybrid", "tp2")
+@layouts.mark("hybrid", "tp2")
 @pytest.mark.parametrize("which", PROCESSORS)
 def test_hybrid_model_processors_equal_the_logits_path_at_tp2(mtp_world, which):
     """megatron-core >= 0.18: HybridModel with `hybrid_output_processor`, every processor at TP=2."""

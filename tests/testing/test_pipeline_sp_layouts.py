@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
@@ -306,7 +307,7 @@ def layouts_world() -> list[dict]:
     return run_multirank(_layouts_world, 2, timeout=300)
 
 
-@pytest.mark.layout("tp2", "sp")
+@layouts.mark("tp2", "sp")
 def test_sequence_parallel_gpt_fused_equals_logits_and_plain_tp(layouts_world):
     for result in layouts_world:
         sp = result["sp"]
@@ -317,7 +318,7 @@ def test_sequence_parallel_gpt_fused_equals_logits_and_plain_tp(layouts_world):
         assert sp["unsummed norms"] > 1e-3  # negative control: each SP rank saw half the sequence
 
 
-@pytest.mark.layout("tp2", "sp")
+@layouts.mark("tp2", "sp")
 def test_sequence_parallel_gpt_topk_processor_equals_logits(layouts_world):
     for result in layouts_world:
         topk = result["sp"]["topk"]
@@ -326,8 +327,8 @@ def test_sequence_parallel_gpt_topk_processor_equals_logits(layouts_world):
         assert topk["hot"] > 1e-3, topk  # negative control: another temperature is seen
 
 
-@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("pp2")),
-                                    pytest.param("vpp", marks=pytest.mark.layout("pp2", "vpp2"))])
+@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=layouts.mark("pp2")),
+                                    pytest.param("vpp", marks=layouts.mark("pp2", "vpp2"))])
 def test_pipelined_fused_equals_logits_through_the_schedule(layouts_world, layout):
     results = [result[layout] for result in layouts_world]
     assert [r["last"] for r in results] == [False, True]
@@ -338,8 +339,8 @@ def test_pipelined_fused_equals_logits_through_the_schedule(layouts_world, layou
     assert results[1]["log_probs"] <= REL and results[1]["wrong labels"] > 1e-3, results[1]
 
 
-@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("pp2")),
-                                    pytest.param("vpp", marks=pytest.mark.layout("pp2", "vpp2"))])
+@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=layouts.mark("pp2")),
+                                    pytest.param("vpp", marks=layouts.mark("pp2", "vpp2"))])
 def test_pipelined_inference_builds_score_like_the_trainable_chunks(layouts_world, layout):
     """Each residency's build holds this rank's chunks (2 with virtual stages) and scores through the
     forward-only schedule like the trainable chunks in eval (the comparison sees wrong labels: above)."""
@@ -350,8 +351,8 @@ def test_pipelined_inference_builds_score_like_the_trainable_chunks(layouts_worl
         assert count == chunks and error <= REL, (mode, error)
 
 
-@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("pp2")),
-                                    pytest.param("vpp", marks=pytest.mark.layout("pp2", "vpp2"))])
+@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=layouts.mark("pp2")),
+                                    pytest.param("vpp", marks=layouts.mark("pp2", "vpp2"))])
 def test_pipelined_topk_processor_equals_logits_through_the_schedule(layouts_world, layout):
     results = [result[layout] for result in layouts_world]
     for result in results:
@@ -360,8 +361,8 @@ def test_pipelined_topk_processor_equals_logits_through_the_schedule(layouts_wor
     assert results[1]["topk ids"] and results[1]["topk values"] <= REL, results[1]
 
 
-@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("pp2")),
-                                    pytest.param("vpp", marks=pytest.mark.layout("pp2", "vpp2"))])
+@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=layouts.mark("pp2")),
+                                    pytest.param("vpp", marks=layouts.mark("pp2", "vpp2"))])
 def test_pipelined_divergence_processor_equals_the_dense_route_through_the_schedule(layouts_world, layout):
     results = [result[layout] for result in layouts_world]
     for result in results:
@@ -370,8 +371,8 @@ def test_pipelined_divergence_processor_equals_the_dense_route_through_the_sched
     assert results[1]["divergence"] <= REL_DIVERGENCE, results[1]
 
 
-@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("pp2")),
-                                    pytest.param("vpp", marks=pytest.mark.layout("pp2", "vpp2"))])
+@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=layouts.mark("pp2")),
+                                    pytest.param("vpp", marks=layouts.mark("pp2", "vpp2"))])
 def test_training_and_forward_only_runs_give_the_same_log_probs(layouts_world, layout):
     """The training schedule's log-probs equal the forward-only schedule's (at PP=2 x VPP=2 they
     differed by 0.059 from the third micro-batch on while the kit ran megatron-core's default
@@ -380,7 +381,7 @@ def test_training_and_forward_only_runs_give_the_same_log_probs(layouts_world, l
     assert result["train vs forward-only"] <= REL, result["train vs forward-only"]
 
 
-@pytest.mark.layout("pp2", "vpp2")
+@layouts.mark("pp2", "vpp2")
 def test_batched_p2p_at_two_virtual_stages_is_refused_by_the_kit(layouts_world):
     """run_schedule refuses batch_p2p_comm=True at PP=2 x VPP=2 on gloo (ValueError naming the
     setting) on every rank; run anyway, the schedule swaps the activation and the gradient of its

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_rl_patches.testing import layouts
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the spawned ranks import it too
 import train_layouts as tl  # noqa: E402
 import windows_scenarios as ws  # noqa: E402
@@ -31,7 +33,7 @@ def lane() -> list[dict]:
 
 
 def _layouts(feature: str) -> list:
-    return [pytest.param(name, marks=pytest.mark.layout(name)) for name, layout in tl.LAYOUTS.items()
+    return [pytest.param(name, marks=layouts.mark(name)) for name, layout in tl.LAYOUTS.items()
             if feature in layout.features]
 
 

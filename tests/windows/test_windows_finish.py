@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_rl_patches.testing import layouts
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the spawned ranks import it too
 import windows_scenarios as ws  # noqa: E402
 
@@ -24,7 +26,7 @@ def lane(request) -> list[dict]:
     return run_multirank(ws.run_finishes, request.param, timeout=300)
 
 
-DISTOPT = pytest.mark.layout("distopt")  # docs/layouts.md
+DISTOPT = layouts.mark("distopt")  # docs/layouts.md
 
 
 @pytest.mark.parametrize("case", [pytest.param(name, marks=[DISTOPT] if flags.get("use_distributed_optimizer") else [])

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow, pytest.mark.layout("pp2", "thd")]
+from megatron_rl_patches.testing import layouts
+
+pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow, layouts.mark("pp2", "thd")]
 
 LENGTHS = (5, 7)  # two packed sequences in one micro-batch
 

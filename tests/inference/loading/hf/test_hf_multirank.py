@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
@@ -164,7 +165,7 @@ def _close(scores, want):
     return {route: (got - want).abs().max().item() for route, got in scores.items()}
 
 
-@pytest.mark.layout("tp2")
+@layouts.mark("tp2")
 def test_tp2_equals_transformers_on_every_rank(world):
     results, reference = world
     for result in results:
@@ -182,7 +183,7 @@ def test_tp2_qwen2_biases_and_moe_experts_equal_transformers(world):
             assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), (key, errors)
 
 
-@pytest.mark.layout("pp2")
+@layouts.mark("pp2")
 @pytest.mark.parametrize("residency", ["resident", "swap", "stream"])
 def test_pp2_equals_transformers_on_the_last_stage(world, residency):
     results, reference = world
@@ -193,7 +194,7 @@ def test_pp2_equals_transformers_on_the_last_stage(world, residency):
     assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), errors
 
 
-@pytest.mark.layout("pp2")
+@layouts.mark("pp2")
 @pytest.mark.parametrize("family", ["llama", "qwen2", "moe"])
 def test_pp2_every_family_equals_transformers_on_the_last_stage(world, family):
     results, reference = world
@@ -202,7 +203,7 @@ def test_pp2_every_family_equals_transformers_on_the_last_stage(world, family):
     assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), errors
 
 
-@pytest.mark.layout("pp2")
+@layouts.mark("pp2")
 def test_slime_opd_teacher_of_another_size_takes_the_actors_pipeline_split(world):
     """4 layers over the actor's 2 stages (the actor has 2): layers 1-2 and 3-4, the last stage's
     log-probs those of transformers."""
@@ -213,7 +214,7 @@ def test_slime_opd_teacher_of_another_size_takes_the_actors_pipeline_split(world
     assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), errors
 
 
-@pytest.mark.layout("pp2", "vpp2")
+@layouts.mark("pp2", "vpp2")
 def test_pp2_vpp2_chunks_take_their_own_layers(world):
     """Before the fix every virtual chunk of a stage built that stage's first layers ([1, 2] twice
     on stage 0): the TransformerConfig had no virtual pipeline size."""
@@ -224,7 +225,7 @@ def test_pp2_vpp2_chunks_take_their_own_layers(world):
     assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), errors
 
 
-@pytest.mark.layout("ep2")
+@layouts.mark("ep2")
 @pytest.mark.parametrize("residency", ["resident", "swap", "stream"])
 def test_ep2_moe_equals_transformers(world, residency):
     results, reference = world
@@ -243,7 +244,7 @@ def test_sizes_that_do_not_divide_the_model_are_refused(world):
             result["vpp2_refused"]
 
 
-@pytest.mark.layout("cp2-zigzag")
+@layouts.mark("cp2-zigzag")
 def test_context_parallelism_with_the_local_attention_is_refused(world):
     """The weights do not depend on CP, but megatron-core's local attention would attend within each
     rank's rows only: a CP=2 build without a CP-serving core_attention is refused before any weight loads."""
