@@ -7,17 +7,11 @@ case equals the reference bitwise (same reduction, same order), per window and a
 optimizer steps."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from kit import windows_scenarios as ws
 
 from megatron_rl_patches.testing import layouts
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the spawned ranks import it too
-import windows_scenarios as ws  # noqa: E402
-
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
