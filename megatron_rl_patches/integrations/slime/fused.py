@@ -15,7 +15,7 @@ import inspect
 import logging
 from typing import Any
 
-from megatron_rl_patches.integrations.slime.plan import Plan, current_plan, run_planned, step_request
+from megatron_rl_patches.integrations.slime.step_plan import Plan, current_plan, run_planned, step_request
 
 FALLBACK = "slime_fused: {feature}: this step uses slime's own logits path"
 

@@ -30,7 +30,7 @@ from megatron_rl_patches.integrations.slime.opd_settings import (
     Teacher,
     opd_settings,
 )
-from megatron_rl_patches.integrations.slime.plan import (
+from megatron_rl_patches.integrations.slime.step_plan import (
     IDS,
     IDS_MASK,
     OPD_KEYS,

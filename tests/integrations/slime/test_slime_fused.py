@@ -196,7 +196,7 @@ def test_allgather_cp_with_a_bshd_batch_is_a_clear_error(packed):
 
 def test_a_fallen_back_train_step_still_fetches_a_top_k_losss_batch_keys(monkeypatch, caplog):
     """slime's logits path for the step (one log line), the schedule untouched, the OPD keys fetched."""
-    from megatron_rl_patches.integrations.slime.plan import TopkRequest
+    from megatron_rl_patches.integrations.slime.step_plan import TopkRequest
 
     request = TopkRequest(ids_key="opd_ids", keys=("opd_ids",))
     monkeypatch.setattr(slime_fused, "step_request", lambda args: request)
@@ -229,8 +229,8 @@ def test_a_non_last_pipeline_stage_gets_the_plain_model_call(megatron_cpu, clean
     from megatron.core.packed_seq_params import PackedSeqParams
 
     import megatron_rl_patches
-    from megatron_rl_patches.integrations.slime import plan as slime_plan
     from megatron_rl_patches.integrations.slime import rows
+    from megatron_rl_patches.integrations.slime import step_plan as slime_plan
 
     megatron_rl_patches.apply(only="gpt_output_processor")  # as slime's lane runs megatron-core 0.16
     length = 8
