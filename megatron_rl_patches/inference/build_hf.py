@@ -92,7 +92,7 @@ def build_inference_model_from_hf(
     load_weights behind the adapters of inference/loading/hf/mbridge_adapter.py; the `mbridge` extra).
     """
     from megatron_rl_patches._args import positive_int
-    from megatron_rl_patches.inference.build import build_inference_model
+    from megatron_rl_patches.inference.build import build_checked
     from megatron_rl_patches.inference.loading.hf.load import checked_index, load_hf_weights
     from megatron_rl_patches.inference.loading.hf.model import (
         checkpoint_dtype,
@@ -127,11 +127,11 @@ def build_inference_model_from_hf(
 
         bridge = mbridge_adapter.mbridge_bridge(config_dict, arch, weights_dtype, vocab)
         provider = model_provider(arch, bridge.config, vocab, core_attention, mbridge_adapter.gpt_args(bridge))
-        chunks = build_inference_model(provider, residency=mode, prefetch=prefetch, budget=budget)
+        chunks = build_checked(provider, mode, prefetch, budget)
         mbridge_adapter.load_with_mbridge(bridge, chunks, root)
     else:
         provider = model_provider(arch, transformer_config(arch, weights_dtype), vocab, core_attention)
-        chunks = build_inference_model(provider, residency=mode, prefetch=prefetch, budget=budget)
+        chunks = build_checked(provider, mode, prefetch, budget)
         load_hf_weights(chunks, root, arch, vocab)
     for chunk in chunks:
         setattr(chunk, "hf_vocab_size", arch.vocab_size)  # noqa: B010 - the real vocab, for the ops' vocab_size=

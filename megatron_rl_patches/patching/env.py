@@ -5,6 +5,7 @@ import os
 
 from megatron_rl_patches._backend_env import AUTO, parse_backend
 from megatron_rl_patches._backend_env import VARIABLE as BACKEND
+from megatron_rl_patches._residency_modes import RESIDENCY_MODES
 
 # Not `from typing import TYPE_CHECKING`: this module runs at every interpreter start-up and
 # importing typing costs more than everything else the start-up hook does (type checkers
@@ -18,8 +19,6 @@ DISABLE = "MEGATRON_RL_PATCHES_DISABLE"
 STRICT = "MEGATRON_RL_PATCHES_STRICT"
 INFERENCE_ROLES = "MEGATRON_RL_PATCHES_INFERENCE_ROLES"
 ALLOW_UNTESTED = "MEGATRON_RL_PATCHES_ALLOW_UNTESTED"
-# residencies a role may name (inference/residency/modes.py RESIDENCY_MODES; this module imports no torch)
-RESIDENCIES = ("resident", "swap", "stream")
 VARIABLES = (SELECT, DISABLE, STRICT, INFERENCE_ROLES, ALLOW_UNTESTED, BACKEND)
 
 _OFF = {"", "0", "false", "no", "off", "none"}
@@ -159,10 +158,10 @@ def checked_role_names(environ: Mapping[str, str] | None = None) -> list[str] | 
         raise ValueError(f"{INFERENCE_ROLES}={_cut(value or '')!r} lists role {_cut(twice[0])!r} more than once; "
                          "list each role once (role, or role:residency)")
     modes = role_residencies(environ)
-    wrong = [(role, mode) for role, mode in modes.items() if mode not in RESIDENCIES]
+    wrong = [(role, mode) for role, mode in modes.items() if mode not in RESIDENCY_MODES]
     if wrong:
         raise ValueError(f"{INFERENCE_ROLES}={_cut(value or '')!r}: role {_cut(wrong[0][0])!r} has residency "
-                         f"{_cut(wrong[0][1])!r}; use role:{'|'.join(RESIDENCIES)} (e.g. ref:stream), or the "
+                         f"{_cut(wrong[0][1])!r}; use role:{'|'.join(RESIDENCY_MODES)} (e.g. ref:stream), or the "
                          "role alone for resident")
     return roles
 

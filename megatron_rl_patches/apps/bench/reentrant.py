@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from megatron_rl_patches.apps.bench import common
+from megatron_rl_patches.apps.bench import outputs
 
 
 def _per_call_us(fn: Callable[[], Any], calls: int, repeats: int = 5) -> float:
@@ -96,10 +96,10 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     calls = 200 if quick else 2000
     rows = _guard_rows(calls) + _hook_rows(max(calls // 20, 10))
     columns = ["case", "unpatched_us", "patched_us", "overhead_us", "note"]
-    common.print_table(rows, columns, title="re-entrant patches: wrapper cost per call (µs)")
+    outputs.print_table(rows, columns, title="re-entrant patches: wrapper cost per call (µs)")
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        common.write_csv(rows, os.path.join(out_dir, "reentrant.csv"), columns)
+        outputs.write_csv(rows, os.path.join(out_dir, "reentrant.csv"), columns)
         plot(rows, os.path.join(out_dir, "reentrant.png"))
     return rows
 
@@ -112,5 +112,5 @@ def plot(rows: list[dict], path: str) -> str | None:
         for row in rows
         for variant in ("unpatched", "patched")
     ]
-    return common.plot_grouped_bars(plotted, path, group="case", series="variant", values=["us"],
+    return outputs.plot_grouped_bars(plotted, path, group="case", series="variant", values=["us"],
                                     titles=["µs per call"], suptitle="re-entrant patches", missing_label="crashes")

@@ -12,7 +12,7 @@ import statistics
 import time
 from typing import Any
 
-from megatron_rl_patches.apps.bench import common
+from megatron_rl_patches.apps.bench import outputs
 
 LOADS = {"steady (2 calls/step)": [[1, 1], [1, 1]], "split (1 then 3 calls/step)": [[1], [1, 1, 1]]}
 VARIANTS = ("overlap_grad_reduce=False", "overlap, unpatched", "overlap + grad_windows")
@@ -77,9 +77,9 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
         sync = statistics.median(samples[(load, VARIANTS[0])])
         rows += [_row(load, variant, samples[(load, variant)], sync) for variant in VARIANTS]
     columns = ["load", "variant", "median_ms", "spread_ms", "vs_sync", "note"]
-    common.print_table(rows, columns,
+    outputs.print_table(rows, columns,
                        title=f"accumulation windows: ms per optimizer step, 2 gloo ranks, {rounds} rounds")
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        common.write_csv(rows, os.path.join(out_dir, "windows.csv"), columns)
+        outputs.write_csv(rows, os.path.join(out_dir, "windows.csv"), columns)
     return rows

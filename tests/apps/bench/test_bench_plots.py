@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from megatron_rl_patches.apps.bench import common
+from megatron_rl_patches.apps.bench import outputs
 
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
@@ -23,7 +23,7 @@ ROWS = [  # the shape of bench reentrant's rows: long case names, one unpatched 
 
 
 def _figure(**options):
-    return common.grouped_bars_figure(ROWS, group="case", series="variant", values=["us"], **options)
+    return outputs.grouped_bars_figure(ROWS, group="case", series="variant", values=["us"], **options)
 
 
 def test_x_labels_do_not_overlap():
@@ -55,7 +55,7 @@ def test_a_plot_in_u_says_what_u_is(titles, ylabel, expected):
 
     fig = _figure(titles=titles, ylabel=ylabel, suptitle="a benchmark")
     title = fig._suptitle.get_text()
-    assert (common.U_NOTE in title) == expected and title.startswith("a benchmark")
+    assert (outputs.U_NOTE in title) == expected and title.startswith("a benchmark")
     plt.close(fig)
 
 
@@ -90,9 +90,9 @@ def test_a_panel_without_any_number_says_so_and_one_series_has_no_legend():
     import matplotlib.pyplot as plt
 
     rows = [{"case": c, "variant": "ours", "peak": None, "us": 1.0} for c in ("a", "b")]
-    fig = common.grouped_bars_figure(rows, group="case", series="variant", values=["peak", "us"],
+    fig = outputs.grouped_bars_figure(rows, group="case", series="variant", values=["peak", "us"],
                                      titles=["peak (U)", "µs"])
-    assert any(t.get_text() == common.NO_FIGURES for t in fig.axes[0].texts)
-    assert not any(t.get_text() == common.NO_FIGURES for t in fig.axes[1].texts)
+    assert any(t.get_text() == outputs.NO_FIGURES for t in fig.axes[0].texts)
+    assert not any(t.get_text() == outputs.NO_FIGURES for t in fig.axes[1].texts)
     assert all(ax.get_legend() is None for ax in fig.axes)
     plt.close(fig)
