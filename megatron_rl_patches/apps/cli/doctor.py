@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import sys
+from pathlib import Path
 from typing import Any
 
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG
@@ -151,6 +152,7 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
     environment["opd"] = {name: value for name, value in sorted(os.environ.items()) if name.startswith(OPD_PREFIX)}
     try:
         check_settings()  # the frameworks' own variables, as `run` and slime_opd check them
+        problems += teacher_problems()
     except ValueError as exc:
         problems.append(str(exc))
     try:
@@ -161,6 +163,31 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
         environment["resolved"], environment["error"] = None, str(exc)
         problems.append(str(exc))
     return environment, problems
+
+
+def teacher_problems() -> list[str]:
+    """What slime_opd's teachers (MEGATRON_RL_PATCHES_OPD_TEACHERS) would fail on at load time,
+    found now: a path that does not exist, a Hugging Face directory build_inference_model_from_hf
+    refuses (its config.json or its weight files; read, nothing built)."""
+    from megatron_rl_patches.inference.loading.hf.architecture import CONFIG, read_architecture
+    from megatron_rl_patches.inference.loading.hf.files import tensor_index
+    from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, opd_settings
+
+    settings = opd_settings()
+    problems = []
+    for teacher in settings.teachers if settings is not None else ():
+        root = Path(teacher.path).expanduser()
+        what = f"{TEACHERS}: teacher {teacher.path!r}"
+        if not root.exists():
+            problems.append(f"{what} does not exist on this machine; fix the path (the training actors read it)")
+        elif root.is_dir() and (root / CONFIG).is_file():
+            try:
+                read_architecture(root, TEACHERS)
+                tensor_index(root)
+            except (ValueError, OSError) as exc:
+                problems.append(f"{what}: a Hugging Face directory build_inference_model_from_hf refuses ({exc}); "
+                                "it loads only through slime's own loader, with the actor's architecture")
+    return problems
 
 
 def collect() -> dict[str, Any]:

@@ -27,7 +27,7 @@ def checkpoint_dir(path: Any, argument: str = "path") -> Path:
         what = "does not exist" if not root.exists() else "is not a directory"
         raise FileNotFoundError(
             f"{argument} {str(root)!r} {what}; pass a local Hugging Face checkpoint directory (config.json and "
-            "*.safetensors; download it first, e.g. `huggingface-cli download ORG/NAME --local-dir DIR`)"
+            "*.safetensors; download it first, e.g. `hf download ORG/NAME --local-dir DIR`)"
         )
     if not (root / CONFIG).is_file():
         raise FileNotFoundError(
