@@ -250,7 +250,8 @@ def _megatron_lines(m: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _target_lines(t: dict[str, Any]) -> list[str]:
+def _target_lines(t: dict[str, Any], width: int = 20) -> list[str]:
+    """A target's lines, its name padded to `width` (the longest patch name) so the columns align."""
     found = "module found" if t["module_found"] else f"module not found ({t['module_problem']})"
     if t["requires"] and t["versions"]:
         tested = t["tested"] or {True: "in range", False: "out of range", None: "version unknown"}[t["in_range"]]
@@ -261,9 +262,10 @@ def _target_lines(t: dict[str, Any]) -> list[str]:
             support = support.replace("out of range", "OUT OF RANGE")
     else:
         support = "no version guard (the parameter list is checked)"
-    lines = [f"  {t['name']:<20} {t['shown']:<8} {t['target']}", f"  {'':<29} {found}; {support}"]
+    indent = " " * (width + 9)
+    lines = [f"  {t['name']:<{width}} {t['shown']:<8} {t['target']}", f"  {indent} {found}; {support}"]
     if t["reason"] and t["shown"] not in ("off", "reverted", "applied"):
-        lines.append(f"  {'':<29} {t['shown']}: {t['reason']}")
+        lines.append(f"  {indent} {t['shown']}: {t['reason']}")
     return lines
 
 
@@ -276,8 +278,9 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"package location     {pkg['location']}" + (" (editable)" if pkg["editable"] else ""))
     lines += _megatron_lines(report["megatron"])
     lines.append("patches (status, target; module, supported range, tested):")
+    width = max([20, *(len(target["name"]) for target in report["targets"])])
     for target in report["targets"]:
-        lines += _target_lines(target)
+        lines += _target_lines(target, width)
     e = report["environment"]
     lines.append("environment:")
     lines += [f"  {name}={_show_names(value) if name in LISTS else _show(value)}"

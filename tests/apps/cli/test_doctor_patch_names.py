@@ -96,3 +96,14 @@ def test_doctor_checks_the_opd_teachers_paths(cli_run, monkeypatch, tmp_path):
     assert "teacher '/nonexistent' does not exist" in problems[0]
     assert f"teacher '{refused}': a Hugging Face directory build_inference_model_from_hf refuses" in problems[1]
     assert "model_type 'gemma3'" in problems[1]
+
+
+def test_doctor_status_column_aligns_for_the_longest_name():
+    """issue 49: hybrid_output_processor (23 characters) pushed its status out of the column."""
+    report = doctor.collect()
+    lines = doctor.format_report(report).splitlines()
+    names = {t["name"] for t in report["targets"]}
+    rows = [line for line in lines if line[2:].split(" ")[0] in names]
+    assert any("hybrid_output_processor" in row for row in rows)
+    starts = {len(row) - len(row[2:].split(" ", 1)[1].lstrip()) for row in rows}  # where the status begins
+    assert len(starts) == 1, starts
