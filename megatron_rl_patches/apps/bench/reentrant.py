@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_rl_patches.apps.bench import common
+from megatron_rl_patches.apps.quiet import hide_import_notes
 
 
 def _per_call_us(fn: Callable[[], Any], calls: int, repeats: int = 5) -> float:
@@ -93,6 +94,7 @@ def _overhead_row(case: str, bare: float, patched: float) -> dict:
 
 def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     """Print the table of per-call times (and write reentrant.csv / reentrant.png into `out_dir`)."""
+    hide_import_notes()
     calls = 200 if quick else 2000
     rows = _guard_rows(calls) + _hook_rows(max(calls // 20, 10))
     columns = ["case", "unpatched_us", "patched_us", "overhead_us", "note"]
