@@ -205,6 +205,6 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
             plotted, os.path.join(out_dir, "logprobs.png"), group="label", series="implementation",
             values=["peak_U", "held_U", "time_s"],
             titles=["peak memory (U)", "held between forward and backward (U)", "loss fwd+bwd time (s)"],
-            suptitle="log-prob + entropy over [T, V] logits (CPU, 1 thread, fp32)",
+            suptitle=common.titled("log-prob + entropy over [T, V] logits (CPU, 1 thread, fp32)", quick),
         )
     return rows
