@@ -169,7 +169,8 @@ def teacher_problems() -> list[str]:
     """What slime_opd's teachers (MEGATRON_RL_PATCHES_OPD_TEACHERS) would fail on at load time,
     found now: a path that does not exist, a Hugging Face directory build_inference_model_from_hf
     refuses (its config.json or its weight files; read, nothing built)."""
-    from megatron_rl_patches.inference.loading.hf.architecture import CONFIG, read_architecture
+    from megatron_rl_patches.inference.loading.hf.architecture import CONFIG
+    from megatron_rl_patches.inference.loading.hf.families import read_architecture
     from megatron_rl_patches.inference.loading.hf.files import tensor_index
     from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, opd_settings
 
