@@ -38,8 +38,8 @@ def hf_shape(config: dict[str, Any]) -> dict[str, Any]:
     and biases are not compared)."""
     heads = config.get("num_attention_heads")
     experts = config.get("num_experts") or config.get("num_local_experts") or 0
-    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}  # else: the
-    # architecture check names the field
+    rope = config.get("rope_parameters")
+    rope = rope if isinstance(rope, dict) else {}  # another type: the architecture check names the field
     shape: dict[str, Any] = {
         "hidden_size": config.get("hidden_size"),
         "num_hidden_layers": config.get("num_hidden_layers"),
