@@ -57,15 +57,29 @@ def all_patches() -> list[Patch]:
 
 def check_settings(environ: Any = None) -> None:
     """Every framework's own variables, each checked by the `check_settings(environ)` its `patches`
-    module declares beside its PATCHES (slime: top-k OPD's MEGATRON_RL_PATCHES_OPD_*): a ValueError
-    naming the variable at fault. `run`, the start-up hook and `doctor` call this (patching names it
-    by a string, SETTINGS_CHECK)."""
+    module declares beside its PATCHES (slime: top-k OPD's MEGATRON_RL_PATCHES_OPD_*), and no
+    misspelled variable name of ours: a ValueError naming the variable at fault. `run`, the start-up
+    hook and `doctor` call this (patching names it by a string, SETTINGS_CHECK)."""
     import importlib
 
+    from megatron_rl_patches.patching import env
+
+    env.check_variable_names(variable_names(), environ)
     for framework in FRAMEWORKS:
         check = getattr(importlib.import_module(f"{__name__}.{framework}.patches"), "check_settings", None)
         if check is not None:
             check(environ)
+
+
+def variable_names() -> tuple[str, ...]:
+    """Every environment variable the package reads: the patching layer's and each framework's."""
+    from megatron_rl_patches.integrations.slime import opd_settings
+    from megatron_rl_patches.integrations.verl.rows import ROWS_ENV
+    from megatron_rl_patches.patching import env
+
+    opd = (opd_settings.TEACHERS, opd_settings.WEIGHTS, opd_settings.K, opd_settings.DIVERGENCE, opd_settings.COEF,
+           opd_settings.POLICY_WEIGHT, opd_settings.RESIDENCY, opd_settings.IDS_FROM)
+    return (*env.VARIABLES, *opd, ROWS_ENV, env.LAUNCHER_ROOT)
 
 
 def default_registry() -> Registry:

@@ -20,6 +20,8 @@ STRICT = "MEGATRON_RL_PATCHES_STRICT"
 INFERENCE_ROLES = "MEGATRON_RL_PATCHES_INFERENCE_ROLES"
 ALLOW_UNTESTED = "MEGATRON_RL_PATCHES_ALLOW_UNTESTED"
 VARIABLES = (SELECT, DISABLE, STRICT, INFERENCE_ROLES, ALLOW_UNTESTED, BACKEND)
+LAUNCHER_ROOT = "MEGATRON_RL_PATCHES_LAUNCHER_ROOT"  # set by `run` for its children, never by hand
+_PREFIX = "MEGATRON_RL_PATCH"  # a variable starting so (any case) is meant for this package
 
 _OFF = {"", "0", "false", "no", "off", "none"}
 _ALL = {"1", "all", "true", "yes", "on"}
@@ -180,6 +182,25 @@ def _suggestions(unknown: Sequence[str], known: Sequence[str]) -> str:
     if len(unknown) == 1:
         return f" (did you mean {found[unknown[0]]}?)"
     return f" (did you mean {', '.join(f'{match} for {_cut(name)!r}' for name, match in found.items())}?)"
+
+
+def check_variable_names(known: Sequence[str], environ: Mapping[str, str] | None = None) -> None:
+    """ValueError naming each variable of `environ` that starts like ours (MEGATRON_RL_PATCH..., any
+    case) but is none of `known`, with the close known name ("did you mean ...?"): a misspelled
+    setting would otherwise be ignored and its default used without a word."""
+    import difflib  # only here: start-up imports it only when a variable of ours is set
+
+    names = [name for name in _environ(environ) if name.upper().startswith(_PREFIX)]
+    unknown = sorted(name for name in names if name not in known)
+    if not unknown:
+        return
+    hints = []
+    for name in unknown[:_LISTED]:
+        close = difflib.get_close_matches(name.upper(), known, n=1, cutoff=0.6)
+        hints.append(f"{_cut(name)}" + (f" (did you mean {close[0]}?)" if close else ""))
+    more = f" and {len(unknown) - _LISTED} more" if len(unknown) > _LISTED else ""
+    raise ValueError(f"unknown variable(s) {', '.join(hints)}{more}: megatron-rl-patches reads none of them; "
+                     "rename or unset them (`megatron-rl-patches run --help` lists its variables)")
 
 
 def check_names(source: str, names: Sequence[str], known: Sequence[str]) -> None:

@@ -191,7 +191,7 @@ def run(quick: bool = False, out_dir: str | None = None, only: str | None = None
             outputs.plot_grouped_bars(
                 measured, os.path.join(out_dir, "fused.png"), group="shape", series="implementation",
                 values=["excess_peak_U", "time_s"], titles=["excess peak memory (U)", "fwd+bwd time (s)"],
-                suptitle=f"log-prob + entropy from hidden states (CPU, 1 thread, fp32, H={H})",
+                suptitle=outputs.titled(f"log-prob + entropy from hidden states (CPU, 1 thread, fp32, H={H})", quick),
             )
     return rows + opd_rows
 

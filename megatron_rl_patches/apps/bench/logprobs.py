@@ -18,7 +18,7 @@ from typing import Any
 
 from megatron_rl_patches.apps.bench import measure
 from megatron_rl_patches.apps.bench.measure import MemoryProbe, SavedBytes, best_time
-from megatron_rl_patches.apps.bench.outputs import plot_grouped_bars, print_table, write_tables
+from megatron_rl_patches.apps.bench.outputs import plot_grouped_bars, print_table, titled, write_tables
 from megatron_rl_patches.apps.bench.runner import run_cases
 
 QUICK_SHAPES = [(256, 2048)]
@@ -199,6 +199,6 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
             plotted, os.path.join(out_dir, "logprobs.png"), group="label", series="implementation",
             values=["peak_U", "held_U", "time_s"],
             titles=["peak memory (U)", "held between forward and backward (U)", "loss fwd+bwd time (s)"],
-            suptitle="log-prob + entropy over [T, V] logits (CPU, 1 thread, fp32)",
+            suptitle=titled("log-prob + entropy over [T, V] logits (CPU, 1 thread, fp32)", quick),
         )
     return rows

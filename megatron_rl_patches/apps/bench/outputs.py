@@ -51,6 +51,13 @@ _LABEL_WIDTH = 16  # characters per line of an x label: wrapped, so neighbours d
 
 
 NO_FIGURES = "no figures in this run: see the table's notes (--quick shapes are below memory resolution on CPU)"
+_NOTE_WIDTH = 34  # characters per line of a panel's note: it stays inside the panel
+QUICK_NOTE = "[--quick: tiny shapes, fixed costs dominate; not representative]"
+
+
+def titled(title: str, quick: bool) -> str:
+    """A table's or plot's title, saying --quick where it was (its figures mean little)."""
+    return f"{title}\n{QUICK_NOTE}" if quick else title
 
 
 def _finite(value: object) -> bool:
@@ -86,8 +93,10 @@ def grouped_bars_figure(
     fig, axes = plt.subplots(1, len(values), figsize=(panel * len(values), 4.2), squeeze=False)
     width = 0.8 / max(1, len(names))
     for ax, value, title in zip(axes[0], values, titles):
-        if not any(_finite(r.get(value)) for r in rows):  # e.g. memory below resolution in --quick
-            ax.text(0.5, 0.5, empty_note, transform=ax.transAxes, ha="center", va="center", fontsize=9, wrap=True)
+        empty = not any(_finite(r.get(value)) for r in rows)  # e.g. memory below resolution in --quick
+        if empty:  # the note alone, wrapped to the panel: no per-bar labels under it
+            ax.text(0.5, 0.6, textwrap.fill(empty_note, _NOTE_WIDTH), transform=ax.transAxes, ha="center",
+                    va="center", fontsize=8)
             ax.set_yticks([])
         for i, name in enumerate(names):
             heights, missing = [], []
@@ -99,7 +108,7 @@ def grouped_bars_figure(
                 if match and not number:
                     missing.append(j + i * width)
             ax.bar([j + i * width for j in range(len(groups))], heights, width, label=name)
-            for x in missing if missing_label else ():
+            for x in missing if missing_label and not empty else ():
                 ax.text(x, 0, f" {missing_label}", rotation=90, ha="center", va="bottom", fontsize=8)
         ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(groups))])
         ax.set_xticklabels(labels, fontsize=8)

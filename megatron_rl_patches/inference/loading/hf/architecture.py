@@ -12,6 +12,7 @@ from typing import Any
 
 CONFIG = "config.json"
 
+
 class UnsupportedCheckpointError(ValueError):
     """A config.json the converter cannot serve (a family or a feature it does not map)."""
 
@@ -27,7 +28,7 @@ def checkpoint_dir(path: Any, argument: str = "path") -> Path:
         what = "does not exist" if not root.exists() else "is not a directory"
         raise FileNotFoundError(
             f"{argument} {str(root)!r} {what}; pass a local Hugging Face checkpoint directory (config.json and "
-            "*.safetensors; download it first, e.g. `huggingface-cli download ORG/NAME --local-dir DIR`)"
+            "*.safetensors; download it first, e.g. `hf download ORG/NAME --local-dir DIR`)"
         )
     if not (root / CONFIG).is_file():
         raise FileNotFoundError(
@@ -74,6 +75,7 @@ class HFArchitecture:
     experts_per_token: int = 0
     expert_ffn_hidden_size: int = 0
     norm_topk_prob: bool = False
+    rope_scaling: str = ""  # '' or "FIELD: RoPE scaling KIND": built only when '' (refuse_rope_scaling)
 
     @property
     def is_moe(self) -> bool:
@@ -98,16 +100,50 @@ def read_count(config: dict[str, Any], source: str, *names: str, default: Any = 
     return value
 
 
+def read_number(config: dict[str, Any], source: str, name: str, value: Any) -> float:
+    """A real number config.json gives for `name` (a ValueError naming the field and the file otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{source}: config.json's {name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _rope_table(config: dict[str, Any], source: str, name: str) -> dict[str, Any]:
+    table = config.get(name)
+    if table is None:
+        return {}
+    if not isinstance(table, dict):
+        raise ValueError(f"{source}: config.json's {name} must be an object (rope_type, rope_theta, ...), "
+                         f"got {type(table).__name__} {table!r}")
+    return table
+
+
+def rope_scaling(config: dict[str, Any], source: str) -> str:
+    """'' for plain RoPE, else 'FIELD: RoPE scaling KIND' (rope_scaling read first where both keys
+    are written, as transformers 5 reads them: Qwen's YaRN recipe adds rope_scaling beside
+    rope_parameters). Scaling changes no weight: the memory planner sizes such checkpoints."""
+    for name in ("rope_scaling", "rope_parameters"):
+        table = _rope_table(config, source, name)
+        kind = table.get("rope_type", table.get("type", "default"))
+        if kind not in ("default", None):
+            return f"{name}: RoPE scaling {kind!r}"
+    return ""
+
+
 def _rope_theta(config: dict[str, Any], source: str) -> float:
     """transformers 5.x keeps RoPE under rope_parameters; 4.x had rope_theta / rope_scaling."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", None):
+    params, scaling = _rope_table(config, source, "rope_parameters"), _rope_table(config, source, "rope_scaling")
+    theta = params.get("rope_theta") or scaling.get("rope_theta") or config.get("rope_theta") or 10000.0
+    return read_number(config, source, "rope_theta", theta)
+
+
+def refuse_rope_scaling(arch: HFArchitecture) -> None:
+    """UnsupportedCheckpointError naming a scaled RoPE the converter does not serve (the model would
+    build and be wrong: 1.5-3 nats from transformers' own forward)."""
+    if arch.rope_scaling:
         raise UnsupportedCheckpointError(
-            f"{source}: RoPE scaling {kind!r} is not mapped by the converter (only plain RoPE); "
+            f"{arch.source}: {arch.rope_scaling} is not mapped by the converter (only plain RoPE); "
             "build this teacher with build_inference_model and your own model provider"
         )
-    return float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
 
 
 def unmapped_features(config: dict[str, Any]) -> list[str]:
@@ -143,6 +179,13 @@ def decoder_architecture(config: dict[str, Any], source: str, *, qkv_bias: bool,
     kv_heads = read_count(config, source, "num_key_value_heads", default=heads)
     if heads % kv_heads:
         raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    tied = config.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):  # bool("false") is True: the output layer would be dropped
+        raise ValueError(f"{source}: config.json's tie_word_embeddings must be true or false, got {tied!r}")
+    experts = read_count(config, source, "num_experts", "num_local_experts") if moe else 0
+    per_token = read_count(config, source, "num_experts_per_tok") if moe else 0
+    if per_token > experts:
+        raise ValueError(f"{source}: config.json's num_experts_per_tok={per_token} exceeds num_experts={experts}")
     return HFArchitecture(
         source=source,
         model_type=str(config.get("model_type")),
@@ -153,14 +196,15 @@ def decoder_architecture(config: dict[str, Any], source: str, *, qkv_bias: bool,
         num_kv_heads=kv_heads,
         head_dim=read_count(config, source, "head_dim", default=hidden // heads),
         ffn_hidden_size=read_count(config, source, "intermediate_size"),
-        norm_eps=float(read_field(config, source, "rms_norm_eps", default=1e-6)),
+        norm_eps=read_number(config, source, "rms_norm_eps", read_field(config, source, "rms_norm_eps", default=1e-6)),
         rope_theta=_rope_theta(config, source),
         max_positions=read_count(config, source, "max_position_embeddings", default=4096),
-        tied=bool(config.get("tie_word_embeddings", False)),
+        tied=tied,
         qkv_bias=bool(config.get("attention_bias", qkv_bias)),
         qk_norm=qk_norm,
-        num_experts=read_count(config, source, "num_experts", "num_local_experts") if moe else 0,
-        experts_per_token=read_count(config, source, "num_experts_per_tok") if moe else 0,
+        num_experts=experts,
+        experts_per_token=per_token,
         expert_ffn_hidden_size=read_count(config, source, "moe_intermediate_size") if moe else 0,
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        rope_scaling=rope_scaling(config, source),
     )
