@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.inference.loading.hf.architecture import checkpoint_dir, read_architecture, read_config
+from megatron_rl_patches.inference.loading.hf.architecture import checkpoint_dir, read_config
+from megatron_rl_patches.inference.loading.hf.families import family_for, read_architecture
 from megatron_rl_patches.inference.residency.budget import ResidencyBudget
 from megatron_rl_patches.inference.residency.placement import check_residency_args
 
@@ -25,17 +26,11 @@ def _check_parallel(arch: Any, core_attention: type | None) -> None:
         )
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     ep = ps.get_expert_model_parallel_world_size()
-    problems = []
-    if arch.num_kv_heads % tp:
-        problems.append(f"num_key_value_heads={arch.num_kv_heads} is not a multiple of the tensor-parallel size {tp}")
+    problems = family_for(arch.model_type, arch.source).parallel_problems(arch, tp, ep)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     if arch.num_layers % (pp * vpp):
         stages = f"the pipeline-parallel size {pp}" + (f" x {vpp} virtual stages" if vpp > 1 else "")
         problems.append(f"num_hidden_layers={arch.num_layers} is not a multiple of {stages}")
-    if arch.is_moe and arch.num_experts % ep:
-        problems.append(f"{arch.num_experts} experts are not a multiple of the expert-parallel size {ep}")
-    if not arch.is_moe and ep > 1:
-        problems.append(f"expert-parallel size {ep} with a dense model")
     cp = ps.get_context_parallel_world_size()
     if cp > 1 and core_attention is None:  # megatron-core's local attention would see only its own rows
         problems.append(f"context-parallel size {cp} with megatron-core's local attention, which serves context "
@@ -53,7 +48,7 @@ def _check_budget(root: Any, mode: str, budget: ResidencyBudget | None, dtype: t
         return
     from megatron.core import parallel_state as ps
 
-    from megatron_rl_patches.inference.loading.hf.plan import hf_memory_plan
+    from megatron_rl_patches.inference.loading.hf.memory_plan import hf_memory_plan
 
     plan = hf_memory_plan(root, tp=ps.get_tensor_model_parallel_world_size(),
                           pp=ps.get_pipeline_model_parallel_world_size(),
@@ -82,8 +77,8 @@ def build_inference_model_from_hf(
 ) -> list[torch.nn.Module]:
     """Inference-only chunks (see build_inference_model) of the Hugging Face checkpoint directory
     `path` (config.json + *.safetensors; pickle files are never read) at the tensor / pipeline /
-    expert parallel sizes of megatron.core.parallel_state. Families: llama, qwen2, qwen3,
-    qwen3_moe (UnsupportedCheckpointError otherwise).
+    expert parallel sizes of megatron.core.parallel_state. Families: those registered in
+    inference/loading/hf/families/ (llama, qwen2, qwen3, qwen3_moe; UnsupportedCheckpointError otherwise).
 
     `dtype`: the weights' dtype (default: the checkpoint's own, config.json's `dtype`); the vocab
     is padded as Megatron-LM pads it (`make_vocab_size_divisible_by` x TP, zero rows): pass the

@@ -11,14 +11,17 @@ from typing import Any
 
 import torch
 
-HF_KINDS = ("qwen3", "qwen3_moe", "llama", "qwen2")
+from megatron_rl_patches.inference.loading.hf.families import FAMILIES, REGISTRY
+
+HF_KINDS = tuple(family.name for family in FAMILIES)  # the converter's families, one config each
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 
 
 def tiny_hf_config(kind: str = "qwen3", **overrides: Any) -> dict[str, Any]:
     """A config.json dict of a tiny model of `kind`: 2 layers, hidden 32, 4 query and 2 key/value
-    heads, vocab 1001 (not a multiple of 128: Megatron pads it), untied output layer."""
+    heads, vocab 1001 (not a multiple of 128: Megatron pads it), untied output layer, and the
+    family's own fields (its `tiny_fields`)."""
     if kind not in HF_KINDS:
         raise ValueError(f"kind must be one of {HF_KINDS}, got {kind!r}")
     config: dict[str, Any] = dict(
@@ -27,10 +30,11 @@ def tiny_hf_config(kind: str = "qwen3", **overrides: Any) -> dict[str, Any]:
         max_position_embeddings=64, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         hidden_act="silu", dtype="float32",
     )
-    if kind == "qwen2":
-        del config["head_dim"]
-    if kind == "qwen3_moe":
-        config.update(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+    for name, value in REGISTRY[kind].tiny_fields.items():
+        if value is None:
+            config.pop(name, None)
+        else:
+            config[name] = value
     config.update(overrides)
     return config
 
@@ -55,7 +59,7 @@ def write_tiny_checkpoint(directory: str | Path, config: dict[str, Any], seed: i
                           shards: int = 1) -> dict[str, torch.Tensor]:
     """config.json and random safetensors weights (in `shards` files with an index when > 1) of
     the architecture `config` describes, into `directory`; returns the tensors. No transformers."""
-    from megatron_rl_patches.inference.loading.hf.architecture import architecture
+    from megatron_rl_patches.inference.loading.hf.families import architecture
     from megatron_rl_patches.inference.loading.hf.names import checkpoint_tensors
 
     root = Path(directory)
@@ -89,7 +93,7 @@ def save_tiny_hf(directory: str | Path, kind: str = "qwen3", seed: int = 0, **ov
     values = tiny_hf_config(kind, **overrides)
     model_type = values.pop("model_type")
     values.pop("dtype")
-    classes = {"qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "llama": "Llama", "qwen2": "Qwen2"}[model_type]
+    classes = REGISTRY[model_type].hf_class
     config = getattr(transformers, f"{classes}Config")(**values)
     torch.manual_seed(seed)
     model = getattr(transformers, f"{classes}ForCausalLM")(config).float().eval()

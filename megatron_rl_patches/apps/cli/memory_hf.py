@@ -8,7 +8,7 @@ import json
 
 from megatron_rl_patches.apps.cli._common import OK, UsageError
 from megatron_rl_patches.apps.presentation import human_bytes, memory_report, text_table
-from megatron_rl_patches.inference.loading.hf.plan import HFMemoryPlan, hf_memory_plan
+from megatron_rl_patches.inference.loading.hf.memory_plan import HFMemoryPlan, hf_memory_plan
 from megatron_rl_patches.inference.sizing.memory import training_state_bytes
 
 

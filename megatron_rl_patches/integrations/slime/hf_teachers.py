@@ -22,11 +22,20 @@ SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_
                 "tie_word_embeddings", "rope_theta", "rms_norm_eps")
 
 
-def hf_shape(config: dict[str, Any]) -> dict[str, Any]:
-    """The model-shaping fields of a Hugging Face config.json dict (families the converter does
-    not know give their sizes only: their q/k norm and biases are not compared)."""
-    from megatron_rl_patches.inference.loading.hf.architecture import FAMILIES
+def _served_architecture(config: dict[str, Any]) -> Any:
+    """The converter's architecture of `config` (its family's reading), None where it refuses it."""
+    from megatron_rl_patches.inference.loading.hf.families import architecture
 
+    try:
+        return architecture(config)
+    except ValueError:  # UnsupportedCheckpointError too: the route decision names it later
+        return None
+
+
+def hf_shape(config: dict[str, Any]) -> dict[str, Any]:
+    """The model-shaping fields of a Hugging Face config.json dict (configs the converter does not
+    read, of another family or with a feature it refuses, give their sizes only: their q/k norm
+    and biases are not compared)."""
     heads = config.get("num_attention_heads")
     experts = config.get("num_experts") or config.get("num_local_experts") or 0
     shape: dict[str, Any] = {
@@ -46,10 +55,9 @@ def hf_shape(config: dict[str, Any]) -> dict[str, Any]:
     }
     if "tie_word_embeddings" in config:  # transformers' default differs by family: compared where written
         shape["tie_word_embeddings"] = bool(config["tie_word_embeddings"])
-    family = FAMILIES.get(config.get("model_type", ""))
-    if family is not None:
-        shape["qkv_bias"] = bool(config.get("attention_bias", family[0]))
-        shape["qk_norm"] = family[1]
+    arch = _served_architecture(config)
+    if arch is not None:
+        shape.update(qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm)
     return shape
 
 
@@ -93,7 +101,8 @@ def local_route(path: str, args: Any, what: str) -> tuple[str, list[str]]:
     actor's architecture). A Hugging Face file (config.json, *.safetensors) instead of its
     directory, or a directory of safetensors without config.json, is refused
     (`what` names the setting, e.g. "MEGATRON_RL_PATCHES_OPD_TEACHERS: teacher '/ckpt/t'")."""
-    from megatron_rl_patches.inference.loading.hf.architecture import CONFIG, architecture, read_config
+    from megatron_rl_patches.inference.loading.hf.architecture import CONFIG, read_config
+    from megatron_rl_patches.inference.loading.hf.families import architecture
 
     root = Path(path).expanduser()
     if root.is_file() and (root.name == CONFIG or root.suffix == ".safetensors"):

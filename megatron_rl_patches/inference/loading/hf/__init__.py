@@ -4,16 +4,17 @@
 Names resolve lazily: the memory planner reads config.json without torch."""
 from __future__ import annotations
 
+from megatron_rl_patches import _aliases
 from megatron_rl_patches._lazy import lazy_getattr
 
 _LAZY = {
     "build_inference_model_from_hf": "megatron_rl_patches.inference.build_hf",
     "hf_vocab_size": "megatron_rl_patches.inference.build_hf",
     "check_teacher_vocab": "vocab",
-    "read_architecture": "architecture",
+    "read_architecture": "families",
     "HFArchitecture": "architecture",
     "UnsupportedCheckpointError": "architecture",
-    "hf_memory_plan": "plan",
+    "hf_memory_plan": "memory_plan",
 }
 
 __all__ = sorted(_LAZY)
@@ -23,3 +24,7 @@ __getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 def __dir__() -> list[str]:
     return sorted([*__all__, *globals()])
+
+
+# the memory plan's module was `plan` (one name per concept: "plan" alone named four things)
+_aliases.install(__name__, {"plan": "megatron_rl_patches.inference.loading.hf.memory_plan"})

@@ -1,6 +1,7 @@
 """A Hugging Face checkpoint's architecture from its config.json alone (JSON, no torch, no
-transformers): the families the converter serves, the fields it reads, and what it refuses.
-The memory planner (`megatron-rl-patches memory --hf`) and the builder share it."""
+transformers): the record the converter builds from, the fields it reads and checks, and the
+features it refuses. Which family reads which config.json is the registry's (`families/`); the
+memory planner (`megatron-rl-patches memory --hf`) and the builder share both."""
 from __future__ import annotations
 
 import json
@@ -10,15 +11,6 @@ from pathlib import Path
 from typing import Any
 
 CONFIG = "config.json"
-
-# model_type -> (q/k/v biases, per-head q/k RMSNorm, mixture of experts)
-FAMILIES: dict[str, tuple[bool, bool, bool]] = {
-    "llama": (False, False, False),
-    "qwen2": (True, False, False),
-    "qwen3": (False, True, False),
-    "qwen3_moe": (False, True, True),
-}
-
 
 class UnsupportedCheckpointError(ValueError):
     """A config.json the converter cannot serve (a family or a feature it does not map)."""
@@ -88,7 +80,8 @@ class HFArchitecture:
         return self.num_experts > 0
 
 
-def _field(config: dict[str, Any], source: str, *names: str, default: Any = None) -> Any:
+def read_field(config: dict[str, Any], source: str, *names: str, default: Any = None) -> Any:
+    """The first of `names` config.json writes (not null), else `default`, else a ValueError naming them."""
     for name in names:
         if config.get(name) is not None:
             return config[name]
@@ -97,8 +90,9 @@ def _field(config: dict[str, Any], source: str, *names: str, default: Any = None
     raise ValueError(f"{source}: config.json has no {' / '.join(names)}; is it a complete Hugging Face config?")
 
 
-def _count(config: dict[str, Any], source: str, *names: str, default: Any = None) -> int:
-    value = _field(config, source, *names, default=default)
+def read_count(config: dict[str, Any], source: str, *names: str, default: Any = None) -> int:
+    """`read_field` checked to be a positive integer (a size, a count)."""
+    value = read_field(config, source, *names, default=default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{source}: config.json's {names[0]} must be a positive integer, got {value!r}")
     return value
@@ -116,19 +110,21 @@ def _rope_theta(config: dict[str, Any], source: str) -> float:
     return float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
 
 
-def _refuse_unmapped(config: dict[str, Any], source: str, moe: bool) -> None:
+def unmapped_features(config: dict[str, Any]) -> list[str]:
+    """The features of a dense-attention SwiGLU config.json the converter does not map (every family's)."""
     act = config.get("hidden_act", "silu")
     problems = []
     if act != "silu":
         problems.append(f"hidden_act={act!r} (SwiGLU with silu only)")
     if config.get("use_sliding_window"):
         problems.append("use_sliding_window=true")
-    if moe and config.get("mlp_only_layers"):
-        problems.append(f"mlp_only_layers={config['mlp_only_layers']!r} (every layer must be MoE)")
-    if moe and config.get("decoder_sparse_step", 1) != 1:
-        problems.append(f"decoder_sparse_step={config['decoder_sparse_step']!r} (every layer must be MoE)")
     if config.get("mlp_bias"):
         problems.append("mlp_bias=true")
+    return problems
+
+
+def refuse_unmapped(source: str, problems: list[str]) -> None:
+    """UnsupportedCheckpointError naming every feature in `problems` (none: nothing happens)."""
     if problems:
         raise UnsupportedCheckpointError(
             f"{source}: the converter does not map {', '.join(problems)}; build this teacher with "
@@ -136,46 +132,35 @@ def _refuse_unmapped(config: dict[str, Any], source: str, moe: bool) -> None:
         )
 
 
-def architecture(config: dict[str, Any], source: str = "config.json") -> HFArchitecture:
-    """An HFArchitecture from a config.json dict; UnsupportedCheckpointError naming the family or
-    the feature the converter does not map."""
-    model_type = config.get("model_type")
-    if model_type not in FAMILIES:
-        raise UnsupportedCheckpointError(
-            f"{source}: model_type {model_type!r} (architectures {config.get('architectures')}) is not served "
-            f"by the Hugging Face converter, which maps {', '.join(sorted(FAMILIES))}; build this teacher with "
-            "build_inference_model and your own model provider"
-        )
-    default_bias, qk_norm, moe = FAMILIES[model_type]
-    _refuse_unmapped(config, source, moe)
-    hidden = _count(config, source, "hidden_size")
-    heads = _count(config, source, "num_attention_heads")
-    kv_heads = _count(config, source, "num_key_value_heads", default=heads)
+def decoder_architecture(config: dict[str, Any], source: str, *, qkv_bias: bool, qk_norm: bool, moe: bool,
+                         refused: list[str] | tuple[str, ...] = ()) -> HFArchitecture:
+    """The HFArchitecture of a decoder-only RMSNorm / SwiGLU / RoPE config.json: `qkv_bias` is the
+    family's default where `attention_bias` is not written, `qk_norm` and `moe` are the family's,
+    `refused` the family's own unmapped features (refused with the common ones before reading)."""
+    refuse_unmapped(source, [*unmapped_features(config), *refused])
+    hidden = read_count(config, source, "hidden_size")
+    heads = read_count(config, source, "num_attention_heads")
+    kv_heads = read_count(config, source, "num_key_value_heads", default=heads)
     if heads % kv_heads:
         raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
     return HFArchitecture(
         source=source,
-        model_type=model_type,
-        vocab_size=_count(config, source, "vocab_size"),
+        model_type=str(config.get("model_type")),
+        vocab_size=read_count(config, source, "vocab_size"),
         hidden_size=hidden,
-        num_layers=_count(config, source, "num_hidden_layers"),
+        num_layers=read_count(config, source, "num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=_count(config, source, "head_dim", default=hidden // heads),
-        ffn_hidden_size=_count(config, source, "intermediate_size"),
-        norm_eps=float(_field(config, source, "rms_norm_eps", default=1e-6)),
+        head_dim=read_count(config, source, "head_dim", default=hidden // heads),
+        ffn_hidden_size=read_count(config, source, "intermediate_size"),
+        norm_eps=float(read_field(config, source, "rms_norm_eps", default=1e-6)),
         rope_theta=_rope_theta(config, source),
-        max_positions=_count(config, source, "max_position_embeddings", default=4096),
+        max_positions=read_count(config, source, "max_position_embeddings", default=4096),
         tied=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=bool(config.get("attention_bias", default_bias)),
+        qkv_bias=bool(config.get("attention_bias", qkv_bias)),
         qk_norm=qk_norm,
-        num_experts=_count(config, source, "num_experts", "num_local_experts") if moe else 0,
-        experts_per_token=_count(config, source, "num_experts_per_tok") if moe else 0,
-        expert_ffn_hidden_size=_count(config, source, "moe_intermediate_size") if moe else 0,
+        num_experts=read_count(config, source, "num_experts", "num_local_experts") if moe else 0,
+        experts_per_token=read_count(config, source, "num_experts_per_tok") if moe else 0,
+        expert_ffn_hidden_size=read_count(config, source, "moe_intermediate_size") if moe else 0,
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
     )
-
-
-def read_architecture(path: Any, argument: str = "path") -> HFArchitecture:
-    """The architecture of the checkpoint directory `path` (or of a config.json file)."""
-    return architecture(read_config(path, argument), source=str(path))

@@ -1,6 +1,7 @@
 """Hugging Face tensors -> megatron-core local-spec parameters: which HF tensors make each
-Megatron parameter, how they are fused (q/k/v interleaved per query group, gate and up stacked
-into linear_fc1) and which shard this rank holds (tensor, pipeline and expert parallel)."""
+Megatron parameter (the family's parameter map), how they are fused (q/k/v interleaved per query
+group, gate and up stacked into linear_fc1) and which shard this rank holds (tensor, pipeline and
+expert parallel)."""
 from __future__ import annotations
 
 import re
@@ -10,24 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
+from megatron_rl_patches.inference.loading.hf.families import family_for
+from megatron_rl_patches.inference.loading.hf.families.family import EXPERT, Family
 
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
-
-# local-spec parameter of one layer -> (HF tensor suffixes, how they make the parameter)
-_LAYER = {
-    "input_layernorm.weight": (("input_layernorm.weight",), "replicate"),
-    "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), "replicate"),
-    "self_attention.linear_qkv.weight": (
-        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv"),
-    "self_attention.linear_qkv.bias": (
-        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv"),
-    "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), "replicate"),
-    "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), "replicate"),
-    "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), "row"),
-    "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gated"),
-    "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "row"),
-    "mlp.router.weight": (("mlp.gate.weight",), "replicate"),
-}
+_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
 @dataclass(frozen=True)
@@ -39,28 +26,31 @@ class Source:
     expert: bool  # sharded over the expert tensor-parallel group
 
 
-def source(arch: HFArchitecture, key: str, layer_numbers: dict[int, int], ep_offset: int) -> Source:
+def _template(name: str) -> re.Pattern[str]:
+    return re.compile("^" + re.escape(name).replace(re.escape(EXPERT), r"(\d+)") + "$")
+
+
+def source(arch: HFArchitecture, key: str, layer_numbers: dict[int, int], ep_offset: int,
+           family: Family | None = None) -> Source:
     """Where the local-spec state-dict entry `key` comes from; `layer_numbers` maps this chunk's
     layer index to the global one, `ep_offset` is this rank's first expert."""
-    if key == "embedding.word_embeddings.weight":
-        return Source(("model.embed_tokens.weight",), "vocab", False)
-    if key == "output_layer.weight":
-        return Source(("model.embed_tokens.weight" if arch.tied else "lm_head.weight",), "vocab", False)
-    if key == "decoder.final_layernorm.weight":
-        return Source(("model.norm.weight",), "replicate", False)
-    match = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", key)
+    family = family or family_for(arch.model_type, arch.source)
+    outer = family.outer_params(arch).get(key)
+    if outer is not None:
+        return Source(outer.hf, outer.kind, False)
+    match = _LAYER_KEY.match(key)
     if match is not None:
-        prefix = f"model.layers.{layer_numbers[int(match.group(1))]}."
-        rest = match.group(2)
-        if rest in _LAYER:
-            suffixes, kind = _LAYER[rest]
-            return Source(tuple(prefix + s for s in suffixes), kind, False)
-        expert = _EXPERT.match(rest)
-        if expert is not None:
-            e_prefix = f"{prefix}mlp.experts.{ep_offset + int(expert.group(1))}."
-            if expert.group(2) == "linear_fc1":
-                return Source((e_prefix + "gate_proj.weight", e_prefix + "up_proj.weight"), "gated", True)
-            return Source((e_prefix + "down_proj.weight",), "row", True)
+        layer = layer_numbers[int(match.group(1))]
+        prefix, rest = family.layer_prefix.format(layer=layer), match.group(2)
+        for name, param in family.layer_params(arch, layer).items():
+            if not param.expert:
+                if name == rest:
+                    return Source(tuple(prefix + hf for hf in param.hf), param.kind, False)
+                continue
+            expert = _template(name).match(rest)
+            if expert is not None:
+                number = str(ep_offset + int(expert.group(1)))
+                return Source(tuple(prefix + hf.replace(EXPERT, number) for hf in param.hf), param.kind, True)
     raise KeyError(
         f"no Hugging Face tensor maps to the Megatron parameter {key!r} of a {arch.model_type} model; "
         "this build is not the converter's (report it with the config.json)"

@@ -13,6 +13,7 @@ from megatron_rl_patches._log import logger
 from megatron_rl_patches.inference.loading.errors import WeightsMismatchError, copying_into_model
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 from megatron_rl_patches.inference.loading.hf.convert import Source, shard, source
+from megatron_rl_patches.inference.loading.hf.families import family_for
 from megatron_rl_patches.inference.loading.hf.files import TensorEntry, read_tensor, tensor_index
 from megatron_rl_patches.inference.loading.hf.names import IGNORED_SUFFIXES, checkpoint_tensors
 
@@ -50,6 +51,7 @@ def _ranks(expert: bool) -> tuple[int, int]:
 def _plan(modules: list[torch.nn.Module], arch: HFArchitecture) -> list[tuple[torch.Tensor, str, Source]]:
     from megatron.core import parallel_state as ps
 
+    family = family_for(arch.model_type, arch.source)
     ep_offset = 0
     if arch.is_moe:
         per_rank = arch.num_experts // ps.get_expert_model_parallel_world_size()
@@ -60,7 +62,7 @@ def _plan(modules: list[torch.nn.Module], arch: HFArchitecture) -> list[tuple[to
         for key, target in module.state_dict(keep_vars=True).items():
             if key.endswith("_extra_state") or not isinstance(target, torch.Tensor):
                 continue
-            plan.append((target, key, source(arch, key, numbers, ep_offset)))
+            plan.append((target, key, source(arch, key, numbers, ep_offset, family)))
     return plan
 
 

@@ -22,10 +22,11 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, UnsupportedCheckpointError
+from megatron_rl_patches.inference.loading.hf.families import FAMILIES
 
 EXTRA = "pip install 'megatron-rl-patches[mbridge]'"
 # the families whose mbridge bridge maps onto the local-spec build of this package
-SERVED = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SERVED = tuple(sorted(model_type for family in FAMILIES if family.mbridge for model_type in family.model_types))
 
 # local spec name -> Transformer Engine name (the norms are fused into the linears there; a MoE
 # layer keeps its pre-MLP norm apart, under the local name mbridge's MoE mapping knows)

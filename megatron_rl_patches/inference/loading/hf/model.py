@@ -1,5 +1,6 @@
 """The Megatron side of a Hugging Face architecture: a TransformerConfig at the job's parallel
-sizes and a model provider on megatron-core's local (non Transformer Engine) spec."""
+sizes (the family's overrides applied) and a model provider of the family's layer spec and model
+class (by default megatron-core's local, non Transformer Engine, GPT spec and GPTModel)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -8,6 +9,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
+from megatron_rl_patches.inference.loading.hf.families import family_for
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,53 +73,34 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype) -> Any:
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
-    if arch.is_moe:
-        values.update(
-            num_moe_experts=arch.num_experts,
-            moe_router_topk=arch.experts_per_token,
-            moe_ffn_hidden_size=arch.expert_ffn_hidden_size,
-            moe_router_score_function="softmax",
-            # softmax over the top-k logits = the renormalized top-k probabilities (norm_topk_prob)
-            moe_router_pre_softmax=not arch.norm_topk_prob,
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
-            moe_grouped_gemm=False,
-            # gloo has no all-to-all: the allgather dispatcher where there is no GPU
-            moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
-        )
+    values.update(family_for(arch.model_type, arch.source).config_overrides(arch))
     return TransformerConfig(**values)
 
 
 def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,
                    core_attention: type | None = None, gpt_args: dict[str, Any] | None = None) -> Callable[..., Any]:
-    """A Megatron-LM style provider of GPTModel chunks on the local spec (`vocab_size` padded);
-    `core_attention`: another attention core class (it holds no parameters, so the weights map
-    the same), e.g. Transformer Engine's for packed `thd` batches, which the local one refuses;
-    `gpt_args`: GPTModel keywords that replace the RoPE / length ones read from `arch` (another
-    converter's mapping)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    spec = get_gpt_layer_local_spec(
-        num_experts=arch.num_experts or None, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm,
-        normalization="RMSNorm",
-    )
+    """A Megatron-LM style provider of the family's model chunks (GPTModel on the local spec by
+    default; `vocab_size` padded); `core_attention`: another attention core class (it holds no
+    parameters, so the weights map the same), e.g. Transformer Engine's for packed `thd` batches,
+    which the local one refuses; `gpt_args`: model keywords that replace the RoPE / length ones
+    read from `arch` (another converter's mapping)."""
+    family = family_for(arch.model_type, arch.source)
+    spec = family.layer_spec(arch)
+    model_class = family.model_class(arch)
     if core_attention is not None:
         spec.submodules.self_attention.submodules.core_attention = core_attention
 
     def provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> Any:
-        extra: dict[str, Any] = {"max_sequence_length": arch.max_positions, "rotary_base": arch.rope_theta,
-                                 **(gpt_args or {})}
+        extra: dict[str, Any] = {**family.model_args(arch), **(gpt_args or {})}
         if vp_stage is not None:
             extra["vp_stage"] = vp_stage
-        return GPTModel(
+        return model_class(
             config=config,
             transformer_layer_spec=spec,
             vocab_size=vocab_size,
             pre_process=pre_process,
             post_process=post_process,
             share_embeddings_and_output_weights=arch.tied,
-            position_embedding_type="rope",
             **extra,
         )
 

@@ -2,8 +2,10 @@
 residency mode, from config.json alone (`megatron-rl-patches memory --hf`): plan a 27B or a
 235B-A22B teacher before downloading its weights. Imports nothing heavy (no torch).
 
-Per GPU: a layer's matrices are split over TP (experts over EP, then over TP: megatron-core's
-expert tensor-parallel size defaults to TP), its norms and router are whole on every rank; the
+Per GPU, one formula over the family's parameter map: a layer's parameters of a split kind (row,
+gated, qkv) are divided over TP, those of the replicate kind (norms, router) are whole on every
+rank, experts are divided over EP, then over TP (megatron-core's expert tensor-parallel size
+defaults to TP); the
 first pipeline stage holds the embedding and the last the output layer (a tied output layer is a
 second copy when PP > 1), both of Megatron's padded vocab (a multiple of 128 x TP). Residency
 as in inference/sizing/residency_plan.py, on the pipeline stage that holds the most."""
@@ -11,10 +13,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
+from math import prod
 from typing import Any
 
 from megatron_rl_patches._args import positive_int
-from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, read_architecture
+from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
+from megatron_rl_patches.inference.loading.hf.families import family_for, read_architecture
+from megatron_rl_patches.inference.loading.hf.families.family import SPLIT_KINDS, Family
 from megatron_rl_patches.inference.loading.hf.names import checkpoint_tensors
 from megatron_rl_patches.inference.sizing.memory import DTYPE_BYTES, dtype_name
 from megatron_rl_patches.inference.sizing.residency_plan import ResidencyBytes
@@ -56,19 +61,32 @@ class HFMemoryPlan:
         return data
 
 
-def _layer_params(arch: HFArchitecture, tp: int, ep: int) -> tuple[int, int, int]:
-    """One layer's parameters per GPU, and its experts' parameters (all of them, active ones)."""
-    h, hd = arch.hidden_size, arch.head_dim
-    q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
-    split = (q + 2 * kv) * h + q * h + ((q + 2 * kv) if arch.qkv_bias else 0)
-    whole = 2 * h + (2 * hd if arch.qk_norm else 0)
-    expert = 3 * h * arch.expert_ffn_hidden_size
-    if arch.is_moe:
-        whole += arch.num_experts * h  # the router
-        per_gpu = -(-split // tp) + whole + (arch.num_experts // ep) * -(-expert // tp)
-        return per_gpu, arch.num_experts * expert, arch.experts_per_token * expert
-    split += 3 * h * arch.ffn_hidden_size
-    return -(-split // tp) + whole, 0, 0
+@dataclass(frozen=True)
+class LayerParams:
+    """One decoder layer's parameters: per GPU at (tp, ep), and its experts' (all, active per token)."""
+
+    per_gpu: int
+    experts: int
+    active_experts: int
+
+
+def layer_params(arch: HFArchitecture, layer: int, tp: int = 1, ep: int = 1, family: Family | None = None
+                 ) -> LayerParams:
+    """The layer's parameters from the family's tensors and the fuse kind of each Megatron parameter
+    (KeyError naming a tensor a parameter is made of that the layer does not hold)."""
+    family = family or family_for(arch.model_type, arch.source)
+    tensors = family.layer_tensors(arch, layer)
+    split = whole = expert = 0
+    for param in family.layer_params(arch, layer).values():
+        size = sum(prod(tensors[name]) for name in param.hf)
+        if param.expert:
+            expert += size  # one expert's
+        elif param.kind in SPLIT_KINDS:
+            split += size
+        else:
+            whole += size
+    per_gpu = -(-split // tp) + whole + (arch.num_experts // ep) * -(-expert // tp)
+    return LayerParams(per_gpu, arch.num_experts * expert, arch.experts_per_token * expert)
 
 
 def hf_memory_plan(
@@ -87,8 +105,9 @@ def hf_memory_plan(
     if pp > arch.num_layers:
         raise ValueError(f"pp={pp} exceeds the {arch.num_layers} layers of {path}")
     size = DTYPE_BYTES[dtype_name(param_dtype, "param_dtype")]
-    total = sum(_product(shape) for shape in checkpoint_tensors(arch).values())
-    layer, experts, active_experts = _layer_params(arch, tp, ep)
+    total = sum(prod(shape) for shape in checkpoint_tensors(arch).values())
+    layers = [layer_params(arch, number, tp, ep) for number in range(arch.num_layers)]
+    layer = max(one.per_gpu for one in layers)  # the stages' layers are alike in the families served
     vocab = -(-arch.vocab_size // (VOCAB_DIVISOR * tp)) * VOCAB_DIVISOR * tp
     table = vocab // tp * arch.hidden_size
     embedding = table
@@ -106,17 +125,10 @@ def hf_memory_plan(
     )
     return HFMemoryPlan(
         source=str(path), model_type=arch.model_type, total_params=total,
-        active_params=total - arch.num_layers * (experts - active_experts), padded_vocab=vocab,
+        active_params=total - sum(one.experts - one.active_experts for one in layers), padded_vocab=vocab,
         tp=tp, pp=pp, ep=ep, param_dtype=dtype_name(param_dtype, "param_dtype"), prefetch=prefetch,
         layers_per_stage=per_stage, layer_params=layer, embedding_params=embedding, output_params=output,
         stage_params=tuple(stages),
         modes=(ResidencyBytes("resident", weights, weights, 0), ResidencyBytes("swap", weights, 0, weights),
                ResidencyBytes("stream", stream, 0, weights)),
     )
-
-
-def _product(shape: tuple[int, ...]) -> int:
-    out = 1
-    for dim in shape:
-        out *= dim
-    return out

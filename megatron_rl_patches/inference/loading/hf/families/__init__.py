@@ -1,0 +1,40 @@
+"""The Hugging Face model families the converter serves, registered in one table: `FAMILIES`
+(one module each, see `family.py` for what a family says), `family_for(model_type)`, and
+config.json -> its family -> its HFArchitecture. Adding a family is a module here and a row below."""
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_rl_patches.inference.loading.hf.architecture import (
+    HFArchitecture,
+    UnsupportedCheckpointError,
+    read_config,
+)
+from megatron_rl_patches.inference.loading.hf.families import llama, qwen2, qwen3, qwen3_moe
+from megatron_rl_patches.inference.loading.hf.families.family import Family
+
+FAMILIES: tuple[Family, ...] = (qwen3.FAMILY, qwen3_moe.FAMILY, llama.FAMILY, qwen2.FAMILY)
+REGISTRY: dict[str, Family] = {model_type: family for family in FAMILIES for model_type in family.model_types}
+
+
+def family_for(model_type: Any, source: str = "config.json", architectures: Any = None) -> Family:
+    """The family of a config.json's `model_type`; UnsupportedCheckpointError naming it otherwise."""
+    family = REGISTRY.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise UnsupportedCheckpointError(
+            f"{source}: model_type {model_type!r} (architectures {architectures}) is not served "
+            f"by the Hugging Face converter, which maps {', '.join(sorted(REGISTRY))}; build this teacher with "
+            "build_inference_model and your own model provider"
+        )
+    return family
+
+
+def architecture(config: dict[str, Any], source: str = "config.json") -> HFArchitecture:
+    """An HFArchitecture from a config.json dict, read by its family; UnsupportedCheckpointError
+    naming the family or the feature the converter does not map."""
+    return family_for(config.get("model_type"), source, config.get("architectures")).read(config, source)
+
+
+def read_architecture(path: Any, argument: str = "path") -> HFArchitecture:
+    """The architecture of the checkpoint directory `path` (or of a config.json file)."""
+    return architecture(read_config(path, argument), source=str(path))

@@ -1,0 +1,93 @@
+"""The pieces the families share: a RMSNorm decoder layer's attention (q/k/v/o, optional q/k/v
+biases and per-head q/k norms), its SwiGLU MLP, and a routed mixture of SwiGLU experts; each as
+the Hugging Face tensors it holds and the Megatron local-spec parameters made from them."""
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
+from megatron_rl_patches.inference.loading.hf.families.family import Param, Shape
+
+
+def attention_tensors(arch: HFArchitecture) -> dict[str, Shape]:
+    """The two layer norms and the attention's tensors (biases and q/k norms where `arch` has them)."""
+    h, hd = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
+    out: dict[str, Shape] = {
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+    }
+    if arch.qkv_bias:
+        out.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    if arch.qk_norm:
+        out.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    return out
+
+
+def attention_params(arch: HFArchitecture) -> dict[str, Param]:
+    """q/k/v fused per query group (Megatron's linear_qkv), the norms whole on every rank."""
+    qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    out = {
+        "input_layernorm.weight": Param(("input_layernorm.weight",), "replicate"),
+        "pre_mlp_layernorm.weight": Param(("post_attention_layernorm.weight",), "replicate"),
+        "self_attention.linear_qkv.weight": Param(tuple(p + ".weight" for p in qkv), "qkv"),
+        "self_attention.linear_proj.weight": Param(("self_attn.o_proj.weight",), "row"),
+    }
+    if arch.qkv_bias:
+        out["self_attention.linear_qkv.bias"] = Param(tuple(p + ".bias" for p in qkv), "qkv")
+    if arch.qk_norm:
+        out["self_attention.q_layernorm.weight"] = Param(("self_attn.q_norm.weight",), "replicate")
+        out["self_attention.k_layernorm.weight"] = Param(("self_attn.k_norm.weight",), "replicate")
+    return out
+
+
+def swiglu_tensors(arch: HFArchitecture, hf: str = "mlp.", ffn: int | None = None) -> dict[str, Shape]:
+    """A SwiGLU MLP's gate, up and down projections under `hf` (ffn: its width, default the dense one)."""
+    h, f = arch.hidden_size, ffn or arch.ffn_hidden_size
+    return {hf + "gate_proj.weight": (f, h), hf + "up_proj.weight": (f, h), hf + "down_proj.weight": (h, f)}
+
+
+def swiglu_params(hf: str = "mlp.", megatron: str = "mlp.") -> dict[str, Param]:
+    """gate and up stacked into linear_fc1 (each split over the ranks), down as linear_fc2."""
+    return {megatron + "linear_fc1.weight": Param((hf + "gate_proj.weight", hf + "up_proj.weight"), "gated"),
+            megatron + "linear_fc2.weight": Param((hf + "down_proj.weight",), "row")}
+
+
+def moe_tensors(arch: HFArchitecture) -> dict[str, Shape]:
+    """The router and one expert's SwiGLU (`{e}`: every expert has the same)."""
+    return {"mlp.gate.weight": (arch.num_experts, arch.hidden_size),
+            **swiglu_tensors(arch, "mlp.experts.{e}.", arch.expert_ffn_hidden_size)}
+
+
+def moe_params() -> dict[str, Param]:
+    return {"mlp.router.weight": Param(("mlp.gate.weight",), "replicate"),
+            **swiglu_params("mlp.experts.{e}.", "mlp.experts.local_experts.{e}.")}
+
+
+def moe_config(arch: HFArchitecture) -> dict[str, Any]:
+    """TransformerConfig fields of a top-k softmax router over SequentialMLP experts."""
+    import torch
+
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_router_topk=arch.experts_per_token,
+        moe_ffn_hidden_size=arch.expert_ffn_hidden_size,
+        moe_router_score_function="softmax",
+        # softmax over the top-k logits = the renormalized top-k probabilities (norm_topk_prob)
+        moe_router_pre_softmax=not arch.norm_topk_prob,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False,
+        # gloo has no all-to-all: the allgather dispatcher where there is no GPU
+        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+    )
+
+
+def dense_layer_tensors(arch: HFArchitecture, layer: int) -> dict[str, Shape]:
+    """A dense layer: attention then a SwiGLU MLP."""
+    return {**attention_tensors(arch), **swiglu_tensors(arch)}
+
+
+def dense_layer_params(arch: HFArchitecture, layer: int) -> dict[str, Param]:
+    return {**attention_params(arch), **swiglu_params()}

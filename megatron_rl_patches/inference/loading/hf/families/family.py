@@ -1,0 +1,116 @@
+"""What a Hugging Face model family is to the converter: one `Family` record says how its
+config.json becomes an HFArchitecture, which tensors a layer holds, which Hugging Face tensors make
+each Megatron local-spec parameter and how they are fused, and how the Megatron model is built.
+Every other module of `loading/hf/` reads a family through this record only."""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
+
+Shape = tuple[int, ...]
+EXPERT = "{e}"  # the expert index in a per-expert tensor's or parameter's name
+SPLIT_KINDS = ("row", "gated", "qkv", "vocab")  # fused parameters split over the tensor-parallel ranks
+WHOLE_KINDS = ("replicate",)  # parameters every rank holds whole
+KINDS = SPLIT_KINDS + WHOLE_KINDS
+
+
+@dataclass(frozen=True)
+class Param:
+    """One Megatron local-spec parameter: the Hugging Face tensors that make it (names under the same
+    prefix as the parameter's; `{e}` in an expert's) and how they are fused (one of KINDS)."""
+
+    hf: tuple[str, ...]
+    kind: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS or not self.hf:
+            raise ValueError(f"Param needs Hugging Face tensor names and a kind in {KINDS}, got {self!r}")
+
+    @property
+    def expert(self) -> bool:
+        """Sharded over the expert-parallel ranks, then the expert tensor-parallel ones."""
+        return any(EXPERT in name for name in self.hf)
+
+
+def model_tensors(arch: HFArchitecture) -> tuple[dict[str, Shape], dict[str, Shape]]:
+    """The tensors outside the layers, those before them (the embedding) and those after them (the
+    final norm, the output layer when untied): the checkpoint's order."""
+    after: dict[str, Shape] = {"model.norm.weight": (arch.hidden_size,)}
+    if not arch.tied:
+        after["lm_head.weight"] = (arch.vocab_size, arch.hidden_size)
+    return {"model.embed_tokens.weight": (arch.vocab_size, arch.hidden_size)}, after
+
+
+def model_params(arch: HFArchitecture) -> dict[str, Param]:
+    """The Megatron parameters outside the layers and their Hugging Face tensors."""
+    return {
+        "embedding.word_embeddings.weight": Param(("model.embed_tokens.weight",), "vocab"),
+        "decoder.final_layernorm.weight": Param(("model.norm.weight",), "replicate"),
+        "output_layer.weight": Param(("model.embed_tokens.weight" if arch.tied else "lm_head.weight",), "vocab"),
+    }
+
+
+def gpt_local_spec(arch: HFArchitecture) -> Any:
+    """megatron-core's GPT layer spec on local (non Transformer Engine) modules."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(num_experts=arch.num_experts or None, moe_grouped_gemm=False,
+                                    qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+
+
+def gpt_model(arch: HFArchitecture) -> type:
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    return GPTModel
+
+
+def rope_model_args(arch: HFArchitecture) -> dict[str, Any]:
+    """The model class's keywords read from config.json: plain RoPE and the length."""
+    return {"position_embedding_type": "rope", "rotary_base": arch.rope_theta,
+            "max_sequence_length": arch.max_positions}
+
+
+def no_overrides(arch: HFArchitecture) -> dict[str, Any]:
+    return {}
+
+
+def parallel_problems(arch: HFArchitecture, tp: int, ep: int) -> list[str]:
+    """What the tensor / expert parallel sizes cannot split (key/value heads, experts)."""
+    problems = []
+    if arch.num_kv_heads % tp:
+        problems.append(f"num_key_value_heads={arch.num_kv_heads} is not a multiple of the tensor-parallel size {tp}")
+    if arch.is_moe and arch.num_experts % ep:
+        problems.append(f"{arch.num_experts} experts are not a multiple of the expert-parallel size {ep}")
+    if not arch.is_moe and ep > 1:
+        problems.append(f"expert-parallel size {ep} with a dense model")
+    return problems
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face model family (see the module's docstring); `name` is its config.json
+    `model_type`, `hf_class` the prefix of transformers' classes (`Qwen3Moe` -> Qwen3MoeConfig)."""
+
+    name: str
+    hf_class: str
+    read: Callable[[dict[str, Any], str], HFArchitecture]  # config.json dict, source -> architecture, or refused
+    layer_tensors: Callable[[HFArchitecture, int], dict[str, Shape]]  # names under `layer_prefix`
+    layer_params: Callable[[HFArchitecture, int], dict[str, Param]]  # local-spec name under decoder.layers.N.
+    config_overrides: Callable[[HFArchitecture], dict[str, Any]] = no_overrides  # TransformerConfig fields
+    layer_spec: Callable[[HFArchitecture], Any] = gpt_local_spec
+    model_class: Callable[[HFArchitecture], type] = gpt_model
+    model_args: Callable[[HFArchitecture], dict[str, Any]] = rope_model_args
+    parallel_problems: Callable[[HFArchitecture, int, int], list[str]] = parallel_problems  # (arch, tp, ep)
+    outer_tensors: Callable[[HFArchitecture], tuple[dict[str, Shape], dict[str, Shape]]] = model_tensors
+    outer_params: Callable[[HFArchitecture], dict[str, Param]] = model_params
+    layer_prefix: str = "model.layers.{layer}."
+    mbridge: bool = False  # converter="mbridge" serves it on the local spec
+    aliases: tuple[str, ...] = ()  # other model_types the family reads
+    tiny_fields: Mapping[str, Any] = field(default_factory=dict)  # the test kit's tiny config.json (None: drop)
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
