@@ -100,6 +100,10 @@ def save_tiny_hf(directory: str | Path, kind: str = "qwen3", seed: int = 0, **ov
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn_like(param) * 0.2 + (1.0 if param.ndim == 1 else 0.0))
+        saved = model.state_dict()
+        for name, buffer in model.named_buffers():  # the checkpoint's buffers too: a router's expert bias
+            if name in saved and buffer.is_floating_point():
+                buffer.copy_(torch.randn_like(buffer) * 0.2)
     model.save_pretrained(directory)
     return model
 

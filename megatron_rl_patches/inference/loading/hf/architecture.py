@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_rl_patches.inference.loading.hf.rope_scaling import RopeScaling, RopeScalingError, read_rope
+
 CONFIG = "config.json"
 
 class UnsupportedCheckpointError(ValueError):
@@ -74,6 +76,7 @@ class HFArchitecture:
     experts_per_token: int = 0
     expert_ffn_hidden_size: int = 0
     norm_topk_prob: bool = False
+    rope: RopeScaling = RopeScaling()  # its type, base, rotated fraction and scaling
 
     @property
     def is_moe(self) -> bool:
@@ -98,16 +101,12 @@ def read_count(config: dict[str, Any], source: str, *names: str, default: Any = 
     return value
 
 
-def _rope_theta(config: dict[str, Any], source: str) -> float:
-    """transformers 5.x keeps RoPE under rope_parameters; 4.x had rope_theta / rope_scaling."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", None):
-        raise UnsupportedCheckpointError(
-            f"{source}: RoPE scaling {kind!r} is not mapped by the converter (only plain RoPE); "
-            "build this teacher with build_inference_model and your own model provider"
-        )
-    return float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
+def _rope(config: dict[str, Any], source: str, partial_default: float) -> RopeScaling:
+    """The RoPE megatron-core builds for config.json (rope_scaling.py), refused by name otherwise."""
+    try:
+        return read_rope(config, source, partial_default)
+    except RopeScalingError as exc:
+        raise UnsupportedCheckpointError(str(exc)) from None
 
 
 def unmapped_features(config: dict[str, Any]) -> list[str]:
@@ -133,11 +132,13 @@ def refuse_unmapped(source: str, problems: list[str]) -> None:
 
 
 def decoder_architecture(config: dict[str, Any], source: str, *, qkv_bias: bool, qk_norm: bool, moe: bool,
-                         refused: list[str] | tuple[str, ...] = ()) -> HFArchitecture:
+                         refused: list[str] | tuple[str, ...] = (), partial_rotary: float = 1.0) -> HFArchitecture:
     """The HFArchitecture of a decoder-only RMSNorm / SwiGLU / RoPE config.json: `qkv_bias` is the
     family's default where `attention_bias` is not written, `qk_norm` and `moe` are the family's,
-    `refused` the family's own unmapped features (refused with the common ones before reading)."""
+    `refused` the family's own unmapped features (refused with the common ones before reading),
+    `partial_rotary` the family's partial_rotary_factor where config.json writes none."""
     refuse_unmapped(source, [*unmapped_features(config), *refused])
+    rope = _rope(config, source, partial_rotary)
     hidden = read_count(config, source, "hidden_size")
     heads = read_count(config, source, "num_attention_heads")
     kv_heads = read_count(config, source, "num_key_value_heads", default=heads)
@@ -154,7 +155,7 @@ def decoder_architecture(config: dict[str, Any], source: str, *, qkv_bias: bool,
         head_dim=read_count(config, source, "head_dim", default=hidden // heads),
         ffn_hidden_size=read_count(config, source, "intermediate_size"),
         norm_eps=float(read_field(config, source, "rms_norm_eps", default=1e-6)),
-        rope_theta=_rope_theta(config, source),
+        rope_theta=rope.theta,
         max_positions=read_count(config, source, "max_position_embeddings", default=4096),
         tied=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=bool(config.get("attention_bias", qkv_bias)),
@@ -163,4 +164,5 @@ def decoder_architecture(config: dict[str, Any], source: str, *, qkv_bias: bool,
         experts_per_token=read_count(config, source, "num_experts_per_tok") if moe else 0,
         expert_ffn_hidden_size=read_count(config, source, "moe_intermediate_size") if moe else 0,
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        rope=rope,
     )

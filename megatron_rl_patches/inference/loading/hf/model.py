@@ -74,7 +74,10 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype) -> Any:
         gradient_accumulation_fusion=False,
     )
     values.update(family_for(arch.model_type, arch.source).config_overrides(arch))
-    return TransformerConfig(**values)
+    config = TransformerConfig(**values)
+    for name, value in arch.rope.config_attributes().items():  # YaRN's, which the dataclass does not declare
+        setattr(config, name, value)
+    return config
 
 
 def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,

@@ -46,7 +46,7 @@ def test_no_config_json(megatron_cpu, no_build, tmp_path):
 @pytest.mark.parametrize(("overrides", "match"), [
     ({"model_type": "gemma3", "architectures": ["Gemma3ForCausalLM"]},
      r"model_type 'gemma3' \(architectures \['Gemma3ForCausalLM'\]\) is not served .* llama, qwen2, qwen3, qwen3_moe"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, r"RoPE scaling 'llama3' is not mapped"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 2.0}}, r"RoPE scaling .dynamic. is not"),
     ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
 ])
 def test_unserved_family_or_feature(megatron_cpu, no_build, tmp_path, overrides, match):

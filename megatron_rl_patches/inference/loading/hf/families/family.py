@@ -68,9 +68,9 @@ def gpt_model(arch: HFArchitecture) -> type:
 
 
 def rope_model_args(arch: HFArchitecture) -> dict[str, Any]:
-    """The model class's keywords read from config.json: plain RoPE and the length."""
-    return {"position_embedding_type": "rope", "rotary_base": arch.rope_theta,
-            "max_sequence_length": arch.max_positions}
+    """The model class's keywords read from config.json: the RoPE (scaled as rope_scaling.py maps
+    it) and the length."""
+    return {**arch.rope.model_args(), "max_sequence_length": arch.max_positions}
 
 
 def no_overrides(arch: HFArchitecture) -> dict[str, Any]:
