@@ -77,6 +77,16 @@ class HFArchitecture:
     expert_ffn_hidden_size: int = 0
     norm_topk_prob: bool = False
     rope: RopeScaling = RopeScaling()  # its type, base, rotated fraction and scaling
+    # mixtures of experts beyond a top-k softmax router (glm4_moe, qwen2_moe)
+    router: str = "softmax"  # or "sigmoid": a score per expert (GLM-4.5, DeepSeek-V3)
+    expert_bias: bool = False  # a per-expert score correction, added for the choice only
+    router_groups: int = 1  # experts in groups; a token's experts come from its top router_group_topk groups
+    router_group_topk: int = 1
+    routed_scaling: float = 1.0  # the routed experts' weights scaled by it
+    shared_expert_ffn: int = 0  # the width of the shared expert every token runs (0: none)
+    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(gate . x)
+    dense_layers: int = 0  # the first layers of a mixture of experts, with a dense MLP
+    mtp_layers: int = 0  # multi-token prediction layers a real checkpoint stores (not scored: skipped)
 
     @property
     def is_moe(self) -> bool:
@@ -160,7 +170,7 @@ def decoder_architecture(config: dict[str, Any], source: str, *, qkv_bias: bool,
         tied=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=bool(config.get("attention_bias", qkv_bias)),
         qk_norm=qk_norm,
-        num_experts=read_count(config, source, "num_experts", "num_local_experts") if moe else 0,
+        num_experts=read_count(config, source, "num_experts", "num_local_experts", "n_routed_experts") if moe else 0,
         experts_per_token=read_count(config, source, "num_experts_per_tok") if moe else 0,
         expert_ffn_hidden_size=read_count(config, source, "moe_intermediate_size") if moe else 0,
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),

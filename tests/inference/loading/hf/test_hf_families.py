@@ -62,3 +62,73 @@ def test_rope_scaling_equals_transformers(megatron_cpu, fused_processors, tmp_pa
     (tmp_path / "plain" / "config.json").write_text(json.dumps(config))
     plain = _log_probs(build_inference_model_from_hf(tmp_path / "plain", dtype=torch.float32)[0], batch)
     assert (plain - want).abs().max().item() > 1e-3
+
+
+# family -> a seed whose routing decisions are all more than 1e-3 from a tie (checked in the test)
+FAMILY_SEEDS = {"glm4_moe": 4, "qwen2_moe": 3, "mixtral": 3, "mimo": 3}
+
+
+def _save(directory, kind, seed):
+    """A tiny checkpoint of `kind` saved by transformers; MiMo (remote code) as a Qwen2 one whose
+    config says mimo, with MTP tensors as real MiMo checkpoints store them (skipped by the loader)."""
+    from safetensors.torch import load_file
+
+    from megatron_rl_patches.testing.hf_checkpoints import write_safetensors
+
+    model = save_tiny_hf(directory, kind, seed=seed)
+    if kind == "mimo":
+        config = json.loads((directory / "config.json").read_text())
+        config.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
+        (directory / "config.json").write_text(json.dumps(config))
+        tensors = load_file(directory / "model.safetensors")
+        tensors.update({"model.mtp_layers.0.input_layernorm.weight": torch.ones(32),
+                        "model.mtp_layers.0.token_layernorm.weight": torch.ones(32),
+                        "model.mtp_layers.0.input_proj.weight": torch.randn(32, 64)})
+        write_safetensors(directory / "model.safetensors", tensors)
+    return model
+
+
+def _router_margin(model, tokens) -> float:
+    """The smallest gap, over tokens and MoE layers, between the last expert chosen and the first
+    one not chosen (in the scores the router ranks): a seed whose margin is under 1e-3 could route
+    differently under another summation order."""
+    margins = []
+
+    def hook(module, args):
+        x = args[0].reshape(-1, args[0].shape[-1]).double()
+        logits = x @ module.weight.double().t()
+        k = model.config.num_experts_per_tok
+        if hasattr(module, "e_score_correction_bias"):  # glm4_moe: sigmoid + bias, ranked within kept groups
+            ranked = logits.sigmoid() + module.e_score_correction_bias.double()
+            groups = ranked.view(len(ranked), module.num_group, -1).topk(2, dim=-1)[0].sum(-1)
+            top_groups = groups.topk(module.topk_group + 1, dim=-1)[0]
+            margins.append((top_groups[:, -2] - top_groups[:, -1]).min().item())
+            keep = groups.topk(module.topk_group, dim=-1)[1]
+            per_group = ranked.shape[1] // module.num_group
+            mask = torch.zeros_like(groups).scatter_(1, keep, 1.0).repeat_interleave(per_group, 1)
+            ranked = ranked.masked_fill(mask == 0, -1e9)
+        else:
+            ranked = logits
+        top = ranked.topk(k + 1, dim=-1)[0]
+        margins.append((top[:, k - 1] - top[:, k]).min().item())
+
+    handles = [m.register_forward_pre_hook(hook) for name, m in model.named_modules()
+               if name.endswith(".gate") and hasattr(m, "weight") and m.weight.shape[0] > 1]
+    with torch.no_grad():
+        model(tokens)
+    for handle in handles:
+        handle.remove()
+    return min(margins, default=float("inf"))
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILY_SEEDS))
+def test_family_equals_transformers_and_residency_is_bit_for_bit(megatron_cpu, fused_processors, tmp_path, kind):
+    model = _save(tmp_path, kind, seed=FAMILY_SEEDS[kind])
+    batch = make_batch(batch_size=2, seq_length=24, vocab_size=VOCAB, seed=0)
+    assert _router_margin(model, batch["tokens"]) > 1e-3
+    want = _reference(model, batch)
+    resident = _log_probs(build_inference_model_from_hf(tmp_path, dtype=torch.float32)[0], batch)
+    assert (resident - want).abs().max().item() < TOL
+    for residency in ("swap", "stream"):
+        got = _log_probs(build_inference_model_from_hf(tmp_path, residency=residency, dtype=torch.float32)[0], batch)
+        assert torch.equal(got, resident), residency

@@ -77,6 +77,12 @@ def no_overrides(arch: HFArchitecture) -> dict[str, Any]:
     return {}
 
 
+def mtp_layer_prefixes(arch: HFArchitecture) -> tuple[str, ...]:
+    """The tensors of multi-token prediction layers a real checkpoint stores after the decoder
+    layers (`num_nextn_predict_layers`: GLM-4.5, DeepSeek-V3): not scored, so skipped when present."""
+    return tuple(f"model.layers.{arch.num_layers + i}." for i in range(arch.mtp_layers))
+
+
 def parallel_problems(arch: HFArchitecture, tp: int, ep: int) -> list[str]:
     """What the tensor / expert parallel sizes cannot split (key/value heads, experts)."""
     problems = []
@@ -107,6 +113,7 @@ class Family:
     outer_tensors: Callable[[HFArchitecture], tuple[dict[str, Shape], dict[str, Shape]]] = model_tensors
     outer_params: Callable[[HFArchitecture], dict[str, Param]] = model_params
     layer_prefix: str = "model.layers.{layer}."
+    skipped: Callable[[HFArchitecture], tuple[str, ...]] = mtp_layer_prefixes  # tensor prefixes the loader skips
     mbridge: bool = False  # converter="mbridge" serves it on the local spec
     aliases: tuple[str, ...] = ()  # other model_types the family reads
     tiny_fields: Mapping[str, Any] = field(default_factory=dict)  # the test kit's tiny config.json (None: drop)
