@@ -70,20 +70,23 @@ FAMILY_SEEDS = {"glm4_moe": 4, "qwen2_moe": 3, "mixtral": 3, "mimo": 3}
 
 def _save(directory, kind, seed):
     """A tiny checkpoint of `kind` saved by transformers; MiMo (remote code) as a Qwen2 one whose
-    config says mimo, with MTP tensors as real MiMo checkpoints store them (skipped by the loader)."""
+    config says mimo. MiMo and GLM get the MTP tensors real checkpoints store (save_pretrained
+    writes none): under model.mtp_layers.0. and as one more model.layers.N. (skipped by the loader)."""
     from safetensors.torch import load_file
 
     from megatron_rl_patches.testing.hf_checkpoints import write_safetensors
 
     model = save_tiny_hf(directory, kind, seed=seed)
-    if kind == "mimo":
+    mtp = {"mimo": "model.mtp_layers.0.", "glm4_moe": "model.layers.2."}.get(kind)  # after the 2 decoder layers
+    if mtp is not None:
         config = json.loads((directory / "config.json").read_text())
-        config.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
+        if kind == "mimo":
+            config.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
+        assert config["num_nextn_predict_layers"] == 1
         (directory / "config.json").write_text(json.dumps(config))
         tensors = load_file(directory / "model.safetensors")
-        tensors.update({"model.mtp_layers.0.input_layernorm.weight": torch.ones(32),
-                        "model.mtp_layers.0.token_layernorm.weight": torch.ones(32),
-                        "model.mtp_layers.0.input_proj.weight": torch.randn(32, 64)})
+        tensors.update({mtp + "enorm.weight": torch.ones(32), mtp + "hnorm.weight": torch.ones(32),
+                        mtp + "eh_proj.weight": torch.randn(32, 64), mtp + "mlp.gate_proj.weight": torch.randn(48, 32)})
         write_safetensors(directory / "model.safetensors", tensors)
     return model
 
