@@ -108,6 +108,33 @@ def save_tiny_hf(directory: str | Path, kind: str = "qwen3", seed: int = 0, **ov
     return model
 
 
+def add_mtp_tensors(directory: str | Path, prefix: str, **config: Any) -> None:
+    """The multi-token prediction tensors a real checkpoint stores and `save_pretrained` of a tiny
+    model does not (a few of them, random, under `prefix`: `model.layers.N.` for GLM / DeepSeek,
+    `model.mtp_layers.0.` for MiMo) added to the single-file checkpoint at `directory`, and
+    `config` written into its config.json."""
+    from safetensors.torch import load_file
+
+    root = Path(directory)
+    values = json.loads((root / "config.json").read_text())
+    values.update(config)
+    (root / "config.json").write_text(json.dumps(values))
+    h = values["hidden_size"]
+    tensors = load_file(root / "model.safetensors")
+    tensors.update({prefix + "enorm.weight": torch.randn(h), prefix + "hnorm.weight": torch.randn(h),
+                    prefix + "eh_proj.weight": torch.randn(h, 2 * h)})
+    write_safetensors(root / "model.safetensors", tensors)
+
+
+def save_tiny_mimo(directory: str | Path, seed: int = 0, **overrides: Any) -> Any:
+    """MiMo (remote code, no transformers class): a tiny Qwen2 checkpoint whose config.json says
+    `mimo`, with MTP tensors under model.mtp_layers.0.; returns the Qwen2 model (the reference)."""
+    model = save_tiny_hf(directory, "qwen2", seed=seed, **overrides)
+    add_mtp_tensors(directory, "model.mtp_layers.0.", model_type="mimo", architectures=["MiMoForCausalLM"],
+                    num_nextn_predict_layers=1)
+    return model
+
+
 def write_swapped_layers(good: str | Path, bad: str | Path) -> None:
     """The checkpoint directory `good` with layers 0 and 1 exchanged, written to `bad` (a negative
     control: a loader that maps layers by position passes it)."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_rl_patches import build_inference_model_from_hf, log_prob_output_processor
-from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf
+from megatron_rl_patches.testing.hf_checkpoints import add_mtp_tensors, save_tiny_hf, save_tiny_mimo
 from megatron_rl_patches.testing.megatron_cpu import make_batch
 
 pytestmark = [pytest.mark.megatron, pytest.mark.usefixtures("transformers", "moe_router_on_cpu")]
@@ -69,25 +69,14 @@ FAMILY_SEEDS = {"glm4_moe": 4, "qwen2_moe": 3, "mixtral": 3, "mimo": 3}
 
 
 def _save(directory, kind, seed):
-    """A tiny checkpoint of `kind` saved by transformers; MiMo (remote code) as a Qwen2 one whose
-    config says mimo. MiMo and GLM get the MTP tensors real checkpoints store (save_pretrained
-    writes none): under model.mtp_layers.0. and as one more model.layers.N. (skipped by the loader)."""
-    from safetensors.torch import load_file
-
-    from megatron_rl_patches.testing.hf_checkpoints import write_safetensors
-
+    """A tiny checkpoint of `kind` saved by transformers (MiMo: as a Qwen2 one whose config says
+    mimo); MiMo and GLM with the MTP tensors real checkpoints store, which the loader skips."""
+    if kind == "mimo":
+        return save_tiny_mimo(directory, seed=seed)
     model = save_tiny_hf(directory, kind, seed=seed)
-    mtp = {"mimo": "model.mtp_layers.0.", "glm4_moe": "model.layers.2."}.get(kind)  # after the 2 decoder layers
-    if mtp is not None:
-        config = json.loads((directory / "config.json").read_text())
-        if kind == "mimo":
-            config.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
-        assert config["num_nextn_predict_layers"] == 1
-        (directory / "config.json").write_text(json.dumps(config))
-        tensors = load_file(directory / "model.safetensors")
-        tensors.update({mtp + "enorm.weight": torch.ones(32), mtp + "hnorm.weight": torch.ones(32),
-                        mtp + "eh_proj.weight": torch.randn(32, 64), mtp + "mlp.gate_proj.weight": torch.randn(48, 32)})
-        write_safetensors(directory / "model.safetensors", tensors)
+    if kind == "glm4_moe":
+        assert json.loads((directory / "config.json").read_text())["num_nextn_predict_layers"] == 1
+        add_mtp_tensors(directory, "model.layers.2.")  # after the 2 decoder layers
     return model
 
 
