@@ -87,6 +87,8 @@ def moe_config(arch: HFArchitecture) -> dict[str, Any]:
     )
     if arch.expert_bias:
         values["moe_router_enable_expert_bias"] = True  # the bias buffer; never updated in inference
+    if arch.router == "sigmoid":
+        values["moe_router_dtype"] = "fp32"  # transformers scores a sigmoid router in float32 at any dtype
     if arch.router_group_topk < arch.router_groups:  # all groups kept: no grouping at all
         values.update(moe_router_num_groups=arch.router_groups, moe_router_group_topk=arch.router_group_topk)
     if arch.routed_scaling != 1.0:
