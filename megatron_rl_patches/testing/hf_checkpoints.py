@@ -86,10 +86,13 @@ def write_tiny_checkpoint(directory: str | Path, config: dict[str, Any], seed: i
 
 def save_tiny_hf(directory: str | Path, kind: str = "qwen3", seed: int = 0, **overrides: Any) -> Any:
     """A tiny transformers model of `kind` (config as tiny_hf_config), every parameter random,
-    saved with save_pretrained into `directory`; returns the model (float32, eval) as the reference.
+    saved with save_pretrained into `directory`; returns the model (float32, eval) as the reference
+    (MiMo: save_tiny_mimo's Qwen2).
     Needs transformers."""
     import transformers
 
+    if kind == "mimo":  # remote code: no transformers class of its own
+        return save_tiny_mimo(directory, seed, **overrides)
     values = tiny_hf_config(kind, **overrides)
     model_type = values.pop("model_type")
     values.pop("dtype")
