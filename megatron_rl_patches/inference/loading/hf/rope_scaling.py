@@ -64,7 +64,7 @@ def _number(rope: dict[str, Any], name: str, default: Any, source: str) -> Any:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{source}: RoPE field {name} must be a positive number, got {value!r}")
+        raise ValueError(f"{source}: config.json's {name} must be a positive number, got {value!r}")
     return value
 
 

@@ -38,7 +38,7 @@ REFUSED: dict[str, str] = {
 def family_for(model_type: Any, source: str = "config.json", architectures: Any = None) -> Family:
     """The family of a config.json's `model_type`; UnsupportedCheckpointError naming it otherwise."""
     family = REGISTRY.get(model_type) if isinstance(model_type, str) else None
-    if family is None and model_type in REFUSED:
+    if family is None and isinstance(model_type, str) and model_type in REFUSED:
         raise UnsupportedCheckpointError(
             f"{source}: model_type {model_type!r} is not served by the Hugging Face converter: "
             f"{REFUSED[model_type]}; build this teacher with build_inference_model and your own model provider"
