@@ -86,10 +86,13 @@ def write_tiny_checkpoint(directory: str | Path, config: dict[str, Any], seed: i
 
 def save_tiny_hf(directory: str | Path, kind: str = "qwen3", seed: int = 0, **overrides: Any) -> Any:
     """A tiny transformers model of `kind` (config as tiny_hf_config), every parameter random,
-    saved with save_pretrained into `directory`; returns the model (float32, eval) as the reference.
+    saved with save_pretrained into `directory`; returns the model (float32, eval) as the reference
+    (MiMo: save_tiny_mimo's Qwen2).
     Needs transformers."""
     import transformers
 
+    if kind == "mimo":  # remote code: no transformers class of its own
+        return save_tiny_mimo(directory, seed, **overrides)
     values = tiny_hf_config(kind, **overrides)
     model_type = values.pop("model_type")
     values.pop("dtype")
@@ -100,8 +103,73 @@ def save_tiny_hf(directory: str | Path, kind: str = "qwen3", seed: int = 0, **ov
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn_like(param) * 0.2 + (1.0 if param.ndim == 1 else 0.0))
+        saved = model.state_dict()
+        for name, buffer in model.named_buffers():  # the checkpoint's buffers too: a router's expert bias
+            if name in saved and buffer.is_floating_point():
+                buffer.copy_(torch.randn_like(buffer) * 0.2)
     model.save_pretrained(directory)
     return model
+
+
+def add_mtp_tensors(directory: str | Path, prefix: str, **config: Any) -> None:
+    """The multi-token prediction tensors a real checkpoint stores and `save_pretrained` of a tiny
+    model does not (a few of them, random, under `prefix`: `model.layers.N.` for GLM / DeepSeek,
+    `model.mtp_layers.0.` for MiMo) added to the single-file checkpoint at `directory`, and
+    `config` written into its config.json."""
+    from safetensors.torch import load_file
+
+    root = Path(directory)
+    values = json.loads((root / "config.json").read_text())
+    values.update(config)
+    (root / "config.json").write_text(json.dumps(values))
+    h = values["hidden_size"]
+    tensors = load_file(root / "model.safetensors")
+    tensors.update({prefix + "enorm.weight": torch.randn(h), prefix + "hnorm.weight": torch.randn(h),
+                    prefix + "eh_proj.weight": torch.randn(h, 2 * h)})
+    write_safetensors(root / "model.safetensors", tensors)
+
+
+def save_tiny_mimo(directory: str | Path, seed: int = 0, **overrides: Any) -> Any:
+    """MiMo (remote code, no transformers class): a tiny Qwen2 checkpoint whose config.json says
+    `mimo`, with MTP tensors under model.mtp_layers.0.; returns the Qwen2 model (the reference)."""
+    model = save_tiny_hf(directory, "qwen2", seed=seed, **overrides)
+    add_mtp_tensors(directory, "model.mtp_layers.0.", model_type="mimo", architectures=["MiMoForCausalLM"],
+                    num_nextn_predict_layers=1)
+    return model
+
+
+def router_margin(model: Any, tokens: torch.Tensor) -> float:
+    """The smallest gap, over the tokens and MoE layers of a transformers model's forward, between
+    the last expert chosen and the first one not chosen in the scores its router ranks (GLM: also
+    between the last group kept and the first dropped): a seed whose margin is under 1e-3 could
+    route differently under another summation order, so reference tests pick seeds above it."""
+    margins = []
+
+    def hook(module: Any, args: tuple[Any, ...]) -> None:
+        x = args[0].reshape(-1, args[0].shape[-1]).double()
+        logits = x @ module.weight.double().t()
+        k = model.config.num_experts_per_tok
+        if hasattr(module, "e_score_correction_bias"):  # glm4_moe: sigmoid + bias, ranked within kept groups
+            ranked = logits.sigmoid() + module.e_score_correction_bias.double()
+            groups = ranked.view(len(ranked), module.num_group, -1).topk(2, dim=-1)[0].sum(-1)
+            top_groups = groups.topk(module.topk_group + 1, dim=-1)[0]
+            margins.append((top_groups[:, -2] - top_groups[:, -1]).min().item())
+            keep = groups.topk(module.topk_group, dim=-1)[1]
+            per_group = ranked.shape[1] // module.num_group
+            mask = torch.zeros_like(groups).scatter_(1, keep, 1.0).repeat_interleave(per_group, 1)
+            ranked = ranked.masked_fill(mask == 0, -1e9)
+        else:
+            ranked = logits
+        top = ranked.topk(k + 1, dim=-1)[0]
+        margins.append((top[:, k - 1] - top[:, k]).min().item())
+
+    handles = [m.register_forward_pre_hook(hook) for name, m in model.named_modules()
+               if name.endswith(".gate") and hasattr(m, "weight") and m.weight.shape[0] > 1]
+    with torch.no_grad():
+        model(tokens)
+    for handle in handles:
+        handle.remove()
+    return min(margins, default=float("inf"))
 
 
 def write_swapped_layers(good: str | Path, bad: str | Path) -> None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_rl_patches.inference.loading.hf.rope_scaling import RopeScaling, RopeScalingError, read_rope
+
 CONFIG = "config.json"
 
 
@@ -75,7 +77,18 @@ class HFArchitecture:
     experts_per_token: int = 0
     expert_ffn_hidden_size: int = 0
     norm_topk_prob: bool = False
-    rope_scaling: str = ""  # '' or "FIELD: RoPE scaling KIND": built only when '' (refuse_rope_scaling)
+    rope: RopeScaling = RopeScaling()  # its type, base, rotated fraction and scaling
+    # mixtures of experts beyond a top-k softmax router (glm4_moe, qwen2_moe)
+    router: str = "softmax"  # or "sigmoid": a score per expert (GLM-4.5, DeepSeek-V3)
+    expert_bias: bool = False  # a per-expert score correction, added for the choice only
+    router_groups: int = 1  # experts in groups; a token's experts come from its top router_group_topk groups
+    router_group_topk: int = 1
+    routed_scaling: float = 1.0  # the routed experts' weights scaled by it
+    shared_expert_ffn: int = 0  # the width of the shared expert every token runs (0: none)
+    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(gate . x)
+    dense_layers: int = 0  # the first layers of a mixture of experts, with a dense MLP
+    mtp_layers: int = 0  # multi-token prediction layers a real checkpoint stores (not scored: skipped)
+    rope_scaling: str = ""  # '' or why its RoPE scaling is not served: built only when '' (refuse_rope_scaling)
 
     @property
     def is_moe(self) -> bool:
@@ -117,16 +130,16 @@ def _rope_table(config: dict[str, Any], source: str, name: str) -> dict[str, Any
     return table
 
 
-def rope_scaling(config: dict[str, Any], source: str) -> str:
-    """'' for plain RoPE, else 'FIELD: RoPE scaling KIND' (rope_scaling read first where both keys
-    are written, as transformers 5 reads them: Qwen's YaRN recipe adds rope_scaling beside
-    rope_parameters). Scaling changes no weight: the memory planner sizes such checkpoints."""
-    for name in ("rope_scaling", "rope_parameters"):
-        table = _rope_table(config, source, name)
-        kind = table.get("rope_type", table.get("type", "default"))
-        if kind not in ("default", None):
-            return f"{name}: RoPE scaling {kind!r}"
-    return ""
+def _rope(config: dict[str, Any], source: str, partial_default: float) -> tuple[RopeScaling, str]:
+    """The RoPE megatron-core builds for config.json (rope_scaling.py) and '', or plain RoPE and the
+    reason a scaling is not served (kept in the record: the memory planner sizes such checkpoints,
+    scaling changes no weight; the builder refuses it)."""
+    for name in ("rope_parameters", "rope_scaling"):
+        _rope_table(config, source, name)  # a table that is no object: named as such
+    try:
+        return read_rope(config, source, partial_default), ""
+    except RopeScalingError as exc:
+        return RopeScaling(theta=_rope_theta(config, source)), str(exc)
 
 
 def _rope_theta(config: dict[str, Any], source: str) -> float:
@@ -137,13 +150,10 @@ def _rope_theta(config: dict[str, Any], source: str) -> float:
 
 
 def refuse_rope_scaling(arch: HFArchitecture) -> None:
-    """UnsupportedCheckpointError naming a scaled RoPE the converter does not serve (the model would
+    """UnsupportedCheckpointError naming a RoPE scaling the converter does not serve (the model would
     build and be wrong: 1.5-3 nats from transformers' own forward)."""
     if arch.rope_scaling:
-        raise UnsupportedCheckpointError(
-            f"{arch.source}: {arch.rope_scaling} is not mapped by the converter (only plain RoPE); "
-            "build this teacher with build_inference_model and your own model provider"
-        )
+        raise UnsupportedCheckpointError(arch.rope_scaling)
 
 
 def unmapped_features(config: dict[str, Any]) -> list[str]:
@@ -169,11 +179,13 @@ def refuse_unmapped(source: str, problems: list[str]) -> None:
 
 
 def decoder_architecture(config: dict[str, Any], source: str, *, qkv_bias: bool, qk_norm: bool, moe: bool,
-                         refused: list[str] | tuple[str, ...] = ()) -> HFArchitecture:
+                         refused: list[str] | tuple[str, ...] = (), partial_rotary: float = 1.0) -> HFArchitecture:
     """The HFArchitecture of a decoder-only RMSNorm / SwiGLU / RoPE config.json: `qkv_bias` is the
     family's default where `attention_bias` is not written, `qk_norm` and `moe` are the family's,
-    `refused` the family's own unmapped features (refused with the common ones before reading)."""
+    `refused` the family's own unmapped features (refused with the common ones before reading),
+    `partial_rotary` the family's partial_rotary_factor where config.json writes none."""
     refuse_unmapped(source, [*unmapped_features(config), *refused])
+    rope, rope_refused = _rope(config, source, partial_rotary)
     hidden = read_count(config, source, "hidden_size")
     heads = read_count(config, source, "num_attention_heads")
     kv_heads = read_count(config, source, "num_key_value_heads", default=heads)
@@ -182,7 +194,7 @@ def decoder_architecture(config: dict[str, Any], source: str, *, qkv_bias: bool,
     tied = config.get("tie_word_embeddings", False)
     if not isinstance(tied, bool):  # bool("false") is True: the output layer would be dropped
         raise ValueError(f"{source}: config.json's tie_word_embeddings must be true or false, got {tied!r}")
-    experts = read_count(config, source, "num_experts", "num_local_experts") if moe else 0
+    experts = read_count(config, source, "num_experts", "num_local_experts", "n_routed_experts") if moe else 0
     per_token = read_count(config, source, "num_experts_per_tok") if moe else 0
     if per_token > experts:
         raise ValueError(f"{source}: config.json's num_experts_per_tok={per_token} exceeds num_experts={experts}")
@@ -197,7 +209,7 @@ def decoder_architecture(config: dict[str, Any], source: str, *, qkv_bias: bool,
         head_dim=read_count(config, source, "head_dim", default=hidden // heads),
         ffn_hidden_size=read_count(config, source, "intermediate_size"),
         norm_eps=read_number(config, source, "rms_norm_eps", read_field(config, source, "rms_norm_eps", default=1e-6)),
-        rope_theta=_rope_theta(config, source),
+        rope_theta=rope.theta,
         max_positions=read_count(config, source, "max_position_embeddings", default=4096),
         tied=tied,
         qkv_bias=bool(config.get("attention_bias", qkv_bias)),
@@ -206,5 +218,6 @@ def decoder_architecture(config: dict[str, Any], source: str, *, qkv_bias: bool,
         experts_per_token=per_token,
         expert_ffn_hidden_size=read_count(config, source, "moe_intermediate_size") if moe else 0,
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-        rope_scaling=rope_scaling(config, source),
+        rope_scaling=rope_refused,
+        rope=rope,
     )

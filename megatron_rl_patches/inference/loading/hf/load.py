@@ -26,9 +26,10 @@ def checked_index(root: Path, arch: HFArchitecture) -> dict[str, TensorEntry]:
     check_counts(arch, index)  # before any list of config.json's tensors is made
     expected = checkpoint_tensors(arch)
     optional = {"lm_head.weight"} if arch.tied else set()  # tied checkpoints may store a copy (see served_tying)
+    skipped = family_for(arch.model_type, arch.source).skipped(arch)  # MTP layers: present or not
     missing = [name for name in expected if name not in index]
-    unexpected = [name for name in index
-                  if name not in expected and name not in optional and not name.endswith(IGNORED_SUFFIXES)]
+    unexpected = [name for name in index if name not in expected and name not in optional
+                  and not name.endswith(IGNORED_SUFFIXES) and not (skipped and name.startswith(skipped))]
     shapes = [f"{name} (checkpoint {index[name].shape}, config.json {shape})"
               for name, shape in expected.items() if name in index and index[name].shape != shape]
     if missing or unexpected or shapes:

@@ -89,10 +89,10 @@ def layer_params(arch: HFArchitecture, layer: int, tp: int = 1, ep: int = 1, fam
     return LayerParams(per_gpu, arch.num_experts * expert, arch.experts_per_token * expert)
 
 
-def _layer_total(arch: HFArchitecture, family: Family) -> int:
+def _layer_total(arch: HFArchitecture, family: Family, layer: int = 0) -> int:
     """One layer's parameters in the checkpoint, its expert templates counted once per expert."""
     return sum(prod(shape) * (arch.num_experts if EXPERT in name else 1)
-               for name, shape in family.layer_tensors(arch, 0).items())
+               for name, shape in family.layer_tensors(arch, layer).items())
 
 
 def check_counts_if_present(arch: HFArchitecture) -> None:
@@ -126,12 +126,15 @@ def hf_memory_plan(
     check_counts_if_present(arch)
     size = DTYPE_BYTES[dtype_name(param_dtype, "param_dtype")]
     # Counted, not listed (config.json may claim 10**9 layers): the layers of the families served
-    # are alike, so one layer's figures times their number.
-    one = layer_params(arch, 0, tp, ep)
+    # are of two kinds at most, the dense first ones (`dense_layers`) and the others.
     family = family_for(arch.model_type, arch.source)
+    dense = min(arch.dense_layers, arch.num_layers)
+    first = layer_params(arch, 0, tp, ep)
+    rest = layer_params(arch, dense, tp, ep) if dense < arch.num_layers else first
     outer = sum(prod(shape) for part in family.outer_tensors(arch) for shape in part.values())
-    total = outer + arch.num_layers * _layer_total(arch, family)
-    layer = one.per_gpu
+    total = (outer + dense * _layer_total(arch, family, 0)
+             + (arch.num_layers - dense) * _layer_total(arch, family, dense))
+    layer = max(first.per_gpu, rest.per_gpu)  # the largest (a MoE layer where the first ones are dense)
     vocab = -(-arch.vocab_size // (VOCAB_DIVISOR * tp)) * VOCAB_DIVISOR * tp
     table = vocab // tp * arch.hidden_size
     embedding = table
@@ -140,7 +143,9 @@ def hf_memory_plan(
     stages = []
     for stage in range(pp):
         ends = (embedding if stage == 0 else 0) + (output if stage == pp - 1 else 0)
-        stages.append(per_stage * layer + ends)
+        start, end = stage * per_stage, min((stage + 1) * per_stage, arch.num_layers)
+        dense_here = max(0, min(end, dense) - start)
+        stages.append(dense_here * first.per_gpu + (end - start - dense_here) * rest.per_gpu + ends)
     weights = max(stages) * size
     stream = max(
         min(stages[s] * size, (min(prefetch, per_stage - 1) + 1) * layer * size
@@ -149,7 +154,7 @@ def hf_memory_plan(
     )
     return HFMemoryPlan(
         source=str(path), model_type=arch.model_type, total_params=total,
-        active_params=total - arch.num_layers * (one.experts - one.active_experts), padded_vocab=vocab,
+        active_params=total - (arch.num_layers - dense) * (rest.experts - rest.active_experts), padded_vocab=vocab,
         tp=tp, pp=pp, ep=ep, param_dtype=dtype_name(param_dtype, "param_dtype"), prefetch=prefetch,
         layers_per_stage=per_stage, layer_params=layer, embedding_params=embedding, output_params=output,
         stage_params=tuple(stages),

@@ -77,7 +77,12 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype) -> Any:
         gradient_accumulation_fusion=False,
     )
     values.update(family_for(arch.model_type, arch.source).config_overrides(arch))
-    return TransformerConfig(**values)
+    if arch.rope.kind == "yarn":
+        _check_yarn_served(arch)
+    config = TransformerConfig(**values)
+    for name, value in arch.rope.config_attributes().items():  # YaRN's, which the dataclass does not declare
+        setattr(config, name, value)
+    return config
 
 
 def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,
@@ -88,10 +93,8 @@ def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,
     which the local one refuses; `gpt_args`: model keywords that replace the RoPE / length ones
     read from `arch` (another converter's mapping)."""
     family = family_for(arch.model_type, arch.source)
-    spec = family.layer_spec(arch)
     model_class = family.model_class(arch)
-    if core_attention is not None:
-        spec.submodules.self_attention.submodules.core_attention = core_attention
+    spec = None if arch.dense_layers else _with_core_attention(family.layer_spec(arch), core_attention)
 
     def provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> Any:
         extra: dict[str, Any] = {**family.model_args(arch), **(gpt_args or {})}
@@ -99,7 +102,7 @@ def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,
             extra["vp_stage"] = vp_stage
         return model_class(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=spec if spec is not None else _mixed_block_spec(config, core_attention, vp_stage),
             vocab_size=vocab_size,
             pre_process=pre_process,
             post_process=post_process,
@@ -109,3 +112,36 @@ def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,
 
     provider.__name__ = f"hf_{arch.model_type}"
     return provider
+
+
+def _with_core_attention(spec: Any, core_attention: type | None) -> Any:
+    """`spec` (a layer's, or a block's layers') with `core_attention` as the attention core."""
+    if core_attention is not None:
+        for layer in getattr(spec, "layer_specs", None) or [spec]:
+            layer.submodules.self_attention.submodules.core_attention = core_attention
+    return spec
+
+
+def _mixed_block_spec(config: Any, core_attention: type | None, vp_stage: int | None) -> Any:
+    """This pipeline stage's layers of a model whose first layers are dense and the others mixtures
+    of experts (config.moe_layer_freq), on the local spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                       vp_stage=vp_stage)
+    return _with_core_attention(block, core_attention)
+
+
+def _check_yarn_served(arch: HFArchitecture) -> None:
+    """YaRN needs GPTModel's `position_embedding_type="yarn"` and attention that applies its factor
+    from the config: megatron-core 0.16 has both (0.13.1 builds no rotary embedding for it)."""
+    from megatron.core import package_info
+    from megatron.core.transformer import attention
+
+    if not hasattr(attention, "_yarn_get_concentration_factor_from_config"):
+        from megatron_rl_patches.inference.loading.hf.architecture import UnsupportedCheckpointError
+
+        raise UnsupportedCheckpointError(
+            f"{arch.source}: RoPE scaling 'yarn' needs megatron-core >= 0.16 (GPTModel's YaRN embedding and its "
+            f"attention factor; checked on 0.16.1 and 0.19.2), this is megatron-core {package_info.__version__}"
+        )

@@ -1,5 +1,6 @@
-"""The teacher's vocabulary against the student's, checked before the first step: the same
-vocab_size (config.json), and where both checkpoints carry a tokenizer.json, the same ids.
+"""The teacher's vocabulary against the student's, checked before the first step: where both
+checkpoints carry a tokenizer.json, the same ids (whatever either's padded vocab_size), else the
+same vocab_size (config.json).
 A teacher with another tokenizer scores other tokens: its log-probs would be silently wrong."""
 from __future__ import annotations
 
@@ -61,12 +62,28 @@ def _vocab_size(value: Any, argument: str) -> tuple[int, Path | None]:
 
 
 def check_teacher_vocab(teacher: str | os.PathLike[str], student: int | str | os.PathLike[str]) -> int:
-    """Refuse (ValueError naming both) a teacher checkpoint whose vocab_size differs from the
-    student's (`student`: its real, unpadded vocab size or its Hugging Face directory), or whose
-    tokenizer.json maps tokens to other ids than the student's (when both have one). Returns the
-    shared vocab size: pass it as the ops' `vocab_size=` so Megatron's padding rows get no mass."""
+    """Refuse (ValueError naming both) a teacher checkpoint that does not share the student's
+    tokenizer (`student`: its real, unpadded vocab size or its Hugging Face directory). Where both
+    directories carry a tokenizer.json, the two must map every token to the same id, whatever
+    either config.json's padded vocab_size (Qwen2.5 pads one tokenizer to 151936 or to 152064);
+    elsewhere the vocab_size values must be equal. Returns the shared real vocab size (the
+    tokenizer's, at most the smaller vocab_size): pass it as the ops' `vocab_size=` so the padding
+    rows of either model get no probability mass."""
     teacher_size, teacher_dir = _vocab_size(teacher, "teacher")
     student_size, student_dir = _vocab_size(student, "student")
+    teacher_ids = _token_ids(teacher_dir) if teacher_dir is not None else None
+    student_ids = _token_ids(student_dir) if student_dir is not None else None
+    if teacher_ids is not None and student_ids is not None:
+        if teacher_ids == student_ids:
+            return min(teacher_size, student_size, max(teacher_ids.values(), default=-1) + 1)
+        differ = sorted(t for t in set(teacher_ids) | set(student_ids) if teacher_ids.get(t) != student_ids.get(t))
+        shown_diffs = [f"{t!r}: teacher {teacher_ids.get(t)}, student {student_ids.get(t)}" for t in differ]
+        raise ValueError(
+            f"the tokenizers of teacher {str(teacher)!r} and student {str(student)!r} differ on {len(differ)} "
+            f"token(s) ({shown(shown_diffs)}): a teacher must share the student's tokenizer to be scored on the "
+            "student's ids; for a teacher with another tokenizer, distill across tokenizers with "
+            "megatron_rl_patches.cross_tokenizer (docs/distillation.md, 'Teachers with another tokenizer')"
+        )
     if teacher_size != student_size:
         raise ValueError(
             f"teacher {str(teacher)!r} has vocab_size={teacher_size} but the student "
@@ -75,16 +92,4 @@ def check_teacher_vocab(teacher: str | os.PathLike[str], student: int | str | os
             "tokenizer, distill across tokenizers with megatron_rl_patches.cross_tokenizer (retokenize, "
             "spread_chunk_log_probs, chunk_reverse_kl; docs/distillation.md, 'Teachers with another tokenizer')"
         )
-    if teacher_dir is None or student_dir is None:
-        return teacher_size
-    teacher_ids, student_ids = _token_ids(teacher_dir), _token_ids(student_dir)
-    if teacher_ids is None or student_ids is None or teacher_ids == student_ids:
-        return teacher_size
-    differ = sorted(t for t in set(teacher_ids) | set(student_ids) if teacher_ids.get(t) != student_ids.get(t))
-    shown_diffs = [f"{t!r}: teacher {teacher_ids.get(t)}, student {student_ids.get(t)}" for t in differ]
-    raise ValueError(
-        f"the tokenizers of teacher {str(teacher)!r} and student {str(student)!r} differ on {len(differ)} token(s) "
-        f"({shown(shown_diffs)}): a teacher must share the student's tokenizer to be scored on the student's ids; "
-        "for a teacher with another tokenizer, distill across tokenizers with megatron_rl_patches.cross_tokenizer "
-        "(docs/distillation.md, 'Teachers with another tokenizer')"
-    )
+    return teacher_size

@@ -38,7 +38,8 @@ def test_the_family_list_exists_once():
     assert SERVED == tuple(sorted(t for f in FAMILIES if f.mbridge for t in f.model_types))
     for kind in HF_KINDS:
         assert family_for(kind) is REGISTRY[kind] and architecture(tiny_hf_config(kind)).model_type == kind
-    with pytest.raises(UnsupportedCheckpointError, match=r"model_type 'gemma3' .*maps llama, qwen2, qwen3, qwen3_moe"):
+    served = "glm4_moe, llama, mimo, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"
+    with pytest.raises(UnsupportedCheckpointError, match=rf"model_type 'gemma3' .*maps {served}"):
         family_for("gemma3")
 
 
@@ -91,7 +92,12 @@ def test_a_real_build_consumes_every_tensor_once_and_the_plan_counts_it(megatron
     config = tiny_hf_config(kind, **overrides)
     arch = architecture(config)
     vocab = padded_vocab(arch.vocab_size, 128, 1)
-    model = model_provider(arch, transformer_config(arch, torch.float32), vocab)()
+    try:
+        config_ = transformer_config(arch, torch.float32)
+    except UnsupportedCheckpointError as exc:  # a family this megatron-core lacks a module for, named
+        assert "needs a megatron-core with" in str(exc) and kind == "qwen2_moe"
+        pytest.skip(str(exc))
+    model = model_provider(arch, config_, vocab)()
     tensors = checkpoint_tensors(arch)
     numbers = {i: int(layer.layer_number) - 1 for i, layer in enumerate(model.decoder.layers)}
     used: Counter[str] = Counter()
@@ -107,5 +113,6 @@ def test_a_real_build_consumes_every_tensor_once_and_the_plan_counts_it(megatron
     assert used == Counter(dict.fromkeys(tensors, 1))
     (tmp_path / "config.json").write_text(json.dumps(config))
     plan = hf_memory_plan(tmp_path, param_dtype="fp32")
-    assert plan.stage_params == (sum(p.numel() for p in model.parameters()),)
+    held = [t for k, t in model.state_dict().items() if not k.endswith("_extra_state")]  # a router's bias too
+    assert plan.stage_params == (sum(t.numel() for t in held),)
     assert plan.total_params == sum(torch.Size(shape).numel() for shape in tensors.values())

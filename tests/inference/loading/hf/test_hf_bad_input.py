@@ -12,6 +12,7 @@ import torch
 from megatron_rl_patches import build_inference_model_from_hf
 from megatron_rl_patches.inference.loading.errors import WeightsMismatchError
 from megatron_rl_patches.inference.loading.hf import UnsupportedCheckpointError
+from megatron_rl_patches.inference.loading.hf.families import REGISTRY
 from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_safetensors, write_tiny_checkpoint
 
 pytestmark = pytest.mark.megatron
@@ -47,9 +48,18 @@ def test_no_config_json(megatron_cpu, no_build, tmp_path):
 
 @pytest.mark.parametrize(("overrides", "match"), [
     ({"model_type": "gemma3", "architectures": ["Gemma3ForCausalLM"]},
-     r"model_type 'gemma3' \(architectures \['Gemma3ForCausalLM'\]\) is not served .* llama, qwen2, qwen3, qwen3_moe"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, r"RoPE scaling 'llama3' is not mapped"),
+     r"model_type 'gemma3' \(architectures \['Gemma3ForCausalLM'\]\) is not served .* qwen2_moe, qwen3, qwen3_moe"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 2.0}}, r"RoPE scaling .dynamic. is not"),
     ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
+    *[({"model_type": kind}, rf"model_type '{kind}' is not served by the Hugging Face converter: {why}")
+      for kind, why in [("glm4", "GLM-4 dense adds norms"), ("glm_moe_dsa", "GLM-5.s sparse attention"),
+                        ("minimax_m2", "MiniMax-M2 normalizes"), ("gpt_oss", "gpt-oss has attention sinks")]],
+    ({"model_type": "glm4_moe", **REGISTRY["glm4_moe"].tiny_fields, "n_group": 2,
+      "topk_group": 1}, r"n_group=2 with topk_group=1 and num_experts_per_tok=4 \(megatron-core scores a group"),
+    ({"model_type": "glm4_moe", **REGISTRY["glm4_moe"].tiny_fields, "norm_topk_prob": False},
+     r"norm_topk_prob=false"),
+    ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4096},
+     r"sliding_window=4096"),
 ])
 def test_unserved_family_or_feature(megatron_cpu, no_build, tmp_path, overrides, match):
     (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config("qwen3", **overrides)))
@@ -87,6 +97,26 @@ def test_missing_extra_and_misshapen_tensors(megatron_cpu, no_build, tmp_path):
     assert caught.value.unexpected == ["model.layers.2.mlp.up_proj.weight"]
     assert caught.value.shape_mismatches == ["model.norm.weight (checkpoint (31,), config.json (32,))"]
     assert str(tmp_path) in str(caught.value)
+
+
+def test_mtp_tensors_are_skipped_only_where_the_config_has_mtp_layers(megatron_cpu, no_build, tmp_path):
+    """A GLM checkpoint's MTP layer (one more model.layers.N.) is skipped when config.json says
+    num_nextn_predict_layers; without it the same tensors are unexpected (the skip is not a blanket one)."""
+    from megatron_rl_patches.inference.loading.hf.load import checked_index
+    from megatron_rl_patches.testing.hf_checkpoints import add_mtp_tensors
+
+    for mtp in (1, 0):
+        root = tmp_path / f"mtp{mtp}"
+        write_tiny_checkpoint(root, tiny_hf_config("glm4_moe", num_nextn_predict_layers=mtp))
+        add_mtp_tensors(root, "model.layers.2.")
+        arch = REGISTRY["glm4_moe"].read(json.loads((root / "config.json").read_text()), str(root))
+        if mtp:
+            assert "model.layers.2.eh_proj.weight" in checked_index(root, arch)  # present, accepted, never read
+        else:
+            with pytest.raises(WeightsMismatchError) as caught:
+                checked_index(root, arch)
+            assert sorted(caught.value.unexpected) == [f"model.layers.2.{n}.weight" for n in ("eh_proj", "enorm",
+                                                                                                "hnorm")]
 
 
 def test_truncated_file(megatron_cpu, no_build, tmp_path):

@@ -44,12 +44,19 @@ def _config(tmp_path, **overrides):
 
 @pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 4.0},
                                      {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])
-def test_rope_scaling_beside_rope_parameters_is_refused_by_name(megatron_cpu, no_build, tmp_path, scaling):
-    """transformers 5 reads rope_scaling first: the build was 3.19 (linear) / 1.56 (yarn) nats off."""
+def test_rope_scaling_beside_rope_parameters_is_read_first(megatron_cpu, no_build, tmp_path, scaling):
+    """transformers 5 reads rope_scaling first: a build of plain RoPE was 3.19 (linear) / 1.56 (yarn)
+    nats off; the scaling is served (tests/inference/loading/hf/test_hf_families.py), the base
+    taken from rope_parameters."""
+    from megatron_rl_patches.inference.loading.hf import read_architecture
+
     root = _config(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rope_scaling=scaling)
-    with pytest.raises(UnsupportedCheckpointError, match=rf"rope_scaling: RoPE scaling '{scaling['rope_type']}' is "
-                                                         "not mapped by the converter"):
-        build_inference_model_from_hf(root)
+    rope = read_architecture(root).rope
+    assert (rope.kind, rope.factor, rope.theta) == (scaling["rope_type"], 4.0, 1e6)
+    dynamic = _config(tmp_path / "dynamic", rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                      rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    with pytest.raises(UnsupportedCheckpointError, match="RoPE scaling 'dynamic' is not built exactly"):
+        build_inference_model_from_hf(dynamic)
 
 
 @pytest.mark.parametrize(("overrides", "match"), [

@@ -37,7 +37,7 @@ def _checkpoint(path, vocab_size=REAL, tokens=None):
 def test_matching_vocab_returns_the_shared_size(tmp_path):
     teacher = _checkpoint(tmp_path / "teacher", tokens={"a": 0, "b": 1})
     student = _checkpoint(tmp_path / "student", tokens={"a": 0, "b": 1})
-    assert check_teacher_vocab(teacher, student) == REAL
+    assert check_teacher_vocab(teacher, student) == 10  # both tokenizers: theirs (ids 0, 1 and <eos> 9)
     assert check_teacher_vocab(teacher, REAL) == REAL
     assert check_teacher_vocab(teacher, _checkpoint(tmp_path / "untokenized")) == REAL  # one tokenizer: sizes only
 
@@ -49,6 +49,29 @@ def test_vocab_size_mismatch_names_both(tmp_path):
         check_teacher_vocab(teacher, student)
     with pytest.raises(ValueError, match=r"teacher .*teacher.* vocab_size=1001 .* vocab_size=151936"):
         check_teacher_vocab(teacher, 151936)
+
+
+def test_one_tokenizer_with_other_padded_vocab_sizes_is_served_both_ways(tmp_path):
+    """Qwen2.5-32B (vocab_size 152064) teaching Qwen2.5-1.5B (151936), one tokenizer: the shared real
+    vocabulary is the tokenizer's (ids 0..9 here), in either argument order."""
+    tokens = {f"t{i}": i for i in range(9)}
+    big = _checkpoint(tmp_path / "big", vocab_size=1024, tokens=tokens)
+    small = _checkpoint(tmp_path / "small", vocab_size=REAL, tokens=tokens)
+    assert check_teacher_vocab(big, small) == 10  # 9 model tokens + the added <eos> (id 9)
+    assert check_teacher_vocab(small, big) == 10
+    assert check_teacher_vocab(big, _checkpoint(tmp_path / "same", vocab_size=1024, tokens=tokens)) == 10
+    # without a tokenizer.json on one side the sizes decide, as before
+    with pytest.raises(ValueError, match=r"vocab_size=1024.*vocab_size=1001"):
+        check_teacher_vocab(big, _checkpoint(tmp_path / "untokenized"))
+    with pytest.raises(ValueError, match=r"vocab_size=1024.*vocab_size=1001"):
+        check_teacher_vocab(big, REAL)
+
+
+def test_other_tokenizer_with_other_padded_vocab_size_stays_refused(tmp_path):
+    teacher = _checkpoint(tmp_path / "teacher", vocab_size=1024, tokens={"a": 0, "b": 1})
+    student = _checkpoint(tmp_path / "student", tokens={"a": 0, "c": 1})
+    with pytest.raises(ValueError, match=r"differ on 2 token\(s\)"):
+        check_teacher_vocab(teacher, student)
 
 
 def test_tokenizer_ids_mismatch_names_the_tokens(tmp_path):

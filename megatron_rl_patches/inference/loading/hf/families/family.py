@@ -68,13 +68,19 @@ def gpt_model(arch: HFArchitecture) -> type:
 
 
 def rope_model_args(arch: HFArchitecture) -> dict[str, Any]:
-    """The model class's keywords read from config.json: plain RoPE and the length."""
-    return {"position_embedding_type": "rope", "rotary_base": arch.rope_theta,
-            "max_sequence_length": arch.max_positions}
+    """The model class's keywords read from config.json: the RoPE (scaled as rope_scaling.py maps
+    it) and the length."""
+    return {**arch.rope.model_args(), "max_sequence_length": arch.max_positions}
 
 
 def no_overrides(arch: HFArchitecture) -> dict[str, Any]:
     return {}
+
+
+def mtp_layer_prefixes(arch: HFArchitecture) -> tuple[str, ...]:
+    """The tensors of multi-token prediction layers a real checkpoint stores after the decoder
+    layers (`num_nextn_predict_layers`: GLM-4.5, DeepSeek-V3): not scored, so skipped when present."""
+    return tuple(f"model.layers.{arch.num_layers + i}." for i in range(arch.mtp_layers))
 
 
 def parallel_problems(arch: HFArchitecture, tp: int, ep: int) -> list[str]:
@@ -107,6 +113,7 @@ class Family:
     outer_tensors: Callable[[HFArchitecture], tuple[dict[str, Shape], dict[str, Shape]]] = model_tensors
     outer_params: Callable[[HFArchitecture], dict[str, Param]] = model_params
     layer_prefix: str = "model.layers.{layer}."
+    skipped: Callable[[HFArchitecture], tuple[str, ...]] = mtp_layer_prefixes  # tensor prefixes the loader skips
     mbridge: bool = False  # converter="mbridge" serves it on the local spec
     aliases: tuple[str, ...] = ()  # other model_types the family reads
     tiny_fields: Mapping[str, Any] = field(default_factory=dict)  # the test kit's tiny config.json (None: drop)
