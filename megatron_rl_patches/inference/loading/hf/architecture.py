@@ -74,6 +74,8 @@ class HFArchitecture:
     experts_per_token: int = 0
     expert_ffn_hidden_size: int = 0
     norm_topk_prob: bool = False
+    mla: Any = None  # multi-latent attention's shape (families/mla.py's MLAShape), None for q/k/v attention
+    extra_layers: int = 0  # layers stored after the last one and not built (multi-token prediction)
 
     @property
     def is_moe(self) -> bool:

@@ -15,7 +15,11 @@ from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 from megatron_rl_patches.inference.loading.hf.convert import Source, shard, source
 from megatron_rl_patches.inference.loading.hf.families import family_for
 from megatron_rl_patches.inference.loading.hf.files import TensorEntry, read_tensor, tensor_index
-from megatron_rl_patches.inference.loading.hf.names import IGNORED_SUFFIXES, checkpoint_tensors
+from megatron_rl_patches.inference.loading.hf.names import (
+    IGNORED_SUFFIXES,
+    checkpoint_tensors,
+    extra_layer_prefixes,
+)
 
 
 def checked_index(root: Path, arch: HFArchitecture) -> dict[str, TensorEntry]:
@@ -25,8 +29,8 @@ def checked_index(root: Path, arch: HFArchitecture) -> dict[str, TensorEntry]:
     expected = checkpoint_tensors(arch)
     optional = {"lm_head.weight"} if arch.tied else set()  # some tied checkpoints still store it
     missing = [name for name in expected if name not in index]
-    unexpected = [name for name in index
-                  if name not in expected and name not in optional and not name.endswith(IGNORED_SUFFIXES)]
+    unexpected = [name for name in index if name not in expected and name not in optional
+                  and not name.endswith(IGNORED_SUFFIXES) and not name.startswith(extra_layer_prefixes(arch))]
     shapes = [f"{name} (checkpoint {index[name].shape}, config.json {shape})"
               for name, shape in expected.items() if name in index and index[name].shape != shape]
     if missing or unexpected or shapes:

@@ -36,7 +36,6 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype) -> Any:
     """megatron-core's TransformerConfig for `arch` at the parallel sizes of parallel_state."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     values: dict[str, Any] = dict(
         num_layers=arch.num_layers,
@@ -73,8 +72,9 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype) -> Any:
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
-    values.update(family_for(arch.model_type, arch.source).config_overrides(arch))
-    return TransformerConfig(**values)
+    family = family_for(arch.model_type, arch.source)
+    values.update(family.config_overrides(arch))
+    return family.config_class(arch)(**values)
 
 
 def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,

@@ -10,10 +10,10 @@ from megatron_rl_patches.inference.loading.hf.architecture import (
     UnsupportedCheckpointError,
     read_config,
 )
-from megatron_rl_patches.inference.loading.hf.families import llama, qwen2, qwen3, qwen3_moe
+from megatron_rl_patches.inference.loading.hf.families import deepseek_v3, llama, qwen2, qwen3, qwen3_moe
 from megatron_rl_patches.inference.loading.hf.families.family import Family
 
-FAMILIES: tuple[Family, ...] = (qwen3.FAMILY, qwen3_moe.FAMILY, llama.FAMILY, qwen2.FAMILY)
+FAMILIES: tuple[Family, ...] = (qwen3.FAMILY, qwen3_moe.FAMILY, llama.FAMILY, qwen2.FAMILY, deepseek_v3.FAMILY)
 REGISTRY: dict[str, Family] = {model_type: family for family in FAMILIES for model_type in family.model_types}
 
 

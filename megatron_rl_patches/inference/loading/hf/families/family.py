@@ -12,7 +12,8 @@ from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 
 Shape = tuple[int, ...]
 EXPERT = "{e}"  # the expert index in a per-expert tensor's or parameter's name
-SPLIT_KINDS = ("row", "gated", "qkv", "vocab")  # fused parameters split over the tensor-parallel ranks
+# fused parameters split over the tensor-parallel ranks (mla_*: column, the rotary rows reordered)
+SPLIT_KINDS = ("row", "column", "gated", "qkv", "vocab", "mla_q", "mla_kv_down")
 WHOLE_KINDS = ("replicate",)  # parameters every rank holds whole
 KINDS = SPLIT_KINDS + WHOLE_KINDS
 
@@ -77,6 +78,12 @@ def no_overrides(arch: HFArchitecture) -> dict[str, Any]:
     return {}
 
 
+def transformer_config_class(arch: HFArchitecture) -> type:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig
+
+
 def parallel_problems(arch: HFArchitecture, tp: int, ep: int) -> list[str]:
     """What the tensor / expert parallel sizes cannot split (key/value heads, experts)."""
     problems = []
@@ -100,6 +107,7 @@ class Family:
     layer_tensors: Callable[[HFArchitecture, int], dict[str, Shape]]  # names under `layer_prefix`
     layer_params: Callable[[HFArchitecture, int], dict[str, Param]]  # local-spec name under decoder.layers.N.
     config_overrides: Callable[[HFArchitecture], dict[str, Any]] = no_overrides  # TransformerConfig fields
+    config_class: Callable[[HFArchitecture], type] = transformer_config_class  # e.g. MLATransformerConfig
     layer_spec: Callable[[HFArchitecture], Any] = gpt_local_spec
     model_class: Callable[[HFArchitecture], type] = gpt_model
     model_args: Callable[[HFArchitecture], dict[str, Any]] = rope_model_args
