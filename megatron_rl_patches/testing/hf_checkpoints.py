@@ -100,7 +100,38 @@ def save_tiny_hf(directory: str | Path, kind: str = "qwen3", seed: int = 0, **ov
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn_like(param) * 0.2 + (1.0 if param.ndim == 1 else 0.0))
+        saved = model.state_dict()
+        for name, buffer in model.named_buffers():  # the checkpoint's buffers too: a router's expert bias
+            if name in saved and buffer.is_floating_point():
+                buffer.copy_(torch.randn_like(buffer) * 0.2)
     model.save_pretrained(directory)
+    return model
+
+
+def add_mtp_tensors(directory: str | Path, prefix: str, **config: Any) -> None:
+    """The multi-token prediction tensors a real checkpoint stores and `save_pretrained` of a tiny
+    model does not (a few of them, random, under `prefix`: `model.layers.N.` for GLM / DeepSeek,
+    `model.mtp_layers.0.` for MiMo) added to the single-file checkpoint at `directory`, and
+    `config` written into its config.json."""
+    from safetensors.torch import load_file
+
+    root = Path(directory)
+    values = json.loads((root / "config.json").read_text())
+    values.update(config)
+    (root / "config.json").write_text(json.dumps(values))
+    h = values["hidden_size"]
+    tensors = load_file(root / "model.safetensors")
+    tensors.update({prefix + "enorm.weight": torch.randn(h), prefix + "hnorm.weight": torch.randn(h),
+                    prefix + "eh_proj.weight": torch.randn(h, 2 * h)})
+    write_safetensors(root / "model.safetensors", tensors)
+
+
+def save_tiny_mimo(directory: str | Path, seed: int = 0, **overrides: Any) -> Any:
+    """MiMo (remote code, no transformers class): a tiny Qwen2 checkpoint whose config.json says
+    `mimo`, with MTP tensors under model.mtp_layers.0.; returns the Qwen2 model (the reference)."""
+    model = save_tiny_hf(directory, "qwen2", seed=seed, **overrides)
+    add_mtp_tensors(directory, "model.mtp_layers.0.", model_type="mimo", architectures=["MiMoForCausalLM"],
+                    num_nextn_predict_layers=1)
     return model
 
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_rl_patches.inference.loading.hf.rope_scaling import RopeScaling, RopeScalingError, read_rope
+
 CONFIG = "config.json"
 
 class UnsupportedCheckpointError(ValueError):
@@ -74,8 +76,18 @@ class HFArchitecture:
     experts_per_token: int = 0
     expert_ffn_hidden_size: int = 0
     norm_topk_prob: bool = False
+    rope: RopeScaling = RopeScaling()  # its type, base, rotated fraction and scaling
+    # mixtures of experts beyond a top-k softmax router (glm4_moe, qwen2_moe)
+    router: str = "softmax"  # or "sigmoid": a score per expert (GLM-4.5, DeepSeek-V3)
+    expert_bias: bool = False  # a per-expert score correction, added for the choice only
+    router_groups: int = 1  # experts in groups; a token's experts come from its top router_group_topk groups
+    router_group_topk: int = 1
+    routed_scaling: float = 1.0  # the routed experts' weights scaled by it
+    shared_expert_ffn: int = 0  # the width of the shared expert every token runs (0: none)
+    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(gate . x)
+    dense_layers: int = 0  # the first layers of a mixture of experts, with a dense MLP
+    mtp_layers: int = 0  # multi-token prediction layers a real checkpoint stores (not scored: skipped)
     mla: Any = None  # multi-latent attention's shape (families/mla.py's MLAShape), None for q/k/v attention
-    extra_layers: int = 0  # layers stored after the last one and not built (multi-token prediction)
 
     @property
     def is_moe(self) -> bool:
@@ -100,16 +112,12 @@ def read_count(config: dict[str, Any], source: str, *names: str, default: Any = 
     return value
 
 
-def _rope_theta(config: dict[str, Any], source: str) -> float:
-    """transformers 5.x keeps RoPE under rope_parameters; 4.x had rope_theta / rope_scaling."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", None):
-        raise UnsupportedCheckpointError(
-            f"{source}: RoPE scaling {kind!r} is not mapped by the converter (only plain RoPE); "
-            "build this teacher with build_inference_model and your own model provider"
-        )
-    return float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
+def _rope(config: dict[str, Any], source: str, partial_default: float) -> RopeScaling:
+    """The RoPE megatron-core builds for config.json (rope_scaling.py), refused by name otherwise."""
+    try:
+        return read_rope(config, source, partial_default)
+    except RopeScalingError as exc:
+        raise UnsupportedCheckpointError(str(exc)) from None
 
 
 def unmapped_features(config: dict[str, Any]) -> list[str]:
@@ -135,11 +143,13 @@ def refuse_unmapped(source: str, problems: list[str]) -> None:
 
 
 def decoder_architecture(config: dict[str, Any], source: str, *, qkv_bias: bool, qk_norm: bool, moe: bool,
-                         refused: list[str] | tuple[str, ...] = ()) -> HFArchitecture:
+                         refused: list[str] | tuple[str, ...] = (), partial_rotary: float = 1.0) -> HFArchitecture:
     """The HFArchitecture of a decoder-only RMSNorm / SwiGLU / RoPE config.json: `qkv_bias` is the
     family's default where `attention_bias` is not written, `qk_norm` and `moe` are the family's,
-    `refused` the family's own unmapped features (refused with the common ones before reading)."""
+    `refused` the family's own unmapped features (refused with the common ones before reading),
+    `partial_rotary` the family's partial_rotary_factor where config.json writes none."""
     refuse_unmapped(source, [*unmapped_features(config), *refused])
+    rope = _rope(config, source, partial_rotary)
     hidden = read_count(config, source, "hidden_size")
     heads = read_count(config, source, "num_attention_heads")
     kv_heads = read_count(config, source, "num_key_value_heads", default=heads)
@@ -156,13 +166,14 @@ def decoder_architecture(config: dict[str, Any], source: str, *, qkv_bias: bool,
         head_dim=read_count(config, source, "head_dim", default=hidden // heads),
         ffn_hidden_size=read_count(config, source, "intermediate_size"),
         norm_eps=float(read_field(config, source, "rms_norm_eps", default=1e-6)),
-        rope_theta=_rope_theta(config, source),
+        rope_theta=rope.theta,
         max_positions=read_count(config, source, "max_position_embeddings", default=4096),
         tied=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=bool(config.get("attention_bias", qkv_bias)),
         qk_norm=qk_norm,
-        num_experts=read_count(config, source, "num_experts", "num_local_experts") if moe else 0,
+        num_experts=read_count(config, source, "num_experts", "num_local_experts", "n_routed_experts") if moe else 0,
         experts_per_token=read_count(config, source, "num_experts_per_tok") if moe else 0,
         expert_ffn_hidden_size=read_count(config, source, "moe_intermediate_size") if moe else 0,
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        rope=rope,
     )

@@ -18,7 +18,6 @@ from megatron_rl_patches.inference.loading.hf.files import TensorEntry, read_ten
 from megatron_rl_patches.inference.loading.hf.names import (
     IGNORED_SUFFIXES,
     checkpoint_tensors,
-    extra_layer_prefixes,
 )
 
 
@@ -28,9 +27,10 @@ def checked_index(root: Path, arch: HFArchitecture) -> dict[str, TensorEntry]:
     index = tensor_index(root)
     expected = checkpoint_tensors(arch)
     optional = {"lm_head.weight"} if arch.tied else set()  # some tied checkpoints still store it
+    skipped = family_for(arch.model_type, arch.source).skipped(arch)  # MTP layers: present or not
     missing = [name for name in expected if name not in index]
     unexpected = [name for name in index if name not in expected and name not in optional
-                  and not name.endswith(IGNORED_SUFFIXES) and not name.startswith(extra_layer_prefixes(arch))]
+                  and not name.endswith(IGNORED_SUFFIXES) and not (skipped and name.startswith(skipped))]
     shapes = [f"{name} (checkpoint {index[name].shape}, config.json {shape})"
               for name, shape in expected.items() if name in index and index[name].shape != shape]
     if missing or unexpected or shapes:

@@ -56,7 +56,7 @@ def _hf_config(config: dict[str, Any], arch: HFArchitecture) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers 5: rope_scaling is rope_parameters
         if getattr(hf_config, "rope_scaling", None) is not None:
-            # architecture() refused every RoPE but the plain one, and mbridge's llama mapping reads
+            # mbridge_bridge refuses every RoPE but the plain one, and mbridge's llama mapping reads
             # rope_scaling["factor"] of any rope_scaling (transformers 5: rope_parameters, no factor)
             hf_config.rope_scaling = None
     return hf_config
@@ -91,6 +91,12 @@ def mbridge_bridge(config: dict[str, Any], arch: HFArchitecture, dtype: torch.dt
         raise UnsupportedCheckpointError(
             f"{arch.source}: model_type {arch.model_type!r} is not served by converter='mbridge' (it maps "
             f"{', '.join(SERVED)} onto the local spec); use converter='builtin' or build_inference_model"
+        )
+    if arch.rope.kind != "default" or arch.rope.partial != 1.0:
+        raise UnsupportedCheckpointError(
+            f"{arch.source}: RoPE {arch.rope.kind!r} (partial_rotary_factor={arch.rope.partial}) is not served by "
+            "converter='mbridge' (mbridge 0.15.1 maps llama3 scaling to a linear interpolation and drops "
+            "transformers 5's rope_parameters); use converter='builtin'"
         )
     from megatron.core import parallel_state as ps
 

@@ -107,7 +107,7 @@ def hf_memory_plan(
     size = DTYPE_BYTES[dtype_name(param_dtype, "param_dtype")]
     total = sum(prod(shape) for shape in checkpoint_tensors(arch).values())
     layers = [layer_params(arch, number, tp, ep) for number in range(arch.num_layers)]
-    layer = max(one.per_gpu for one in layers)  # the stages' layers are alike in the families served
+    layer = max(one.per_gpu for one in layers)  # the largest (a MoE layer where the first ones are dense)
     vocab = -(-arch.vocab_size // (VOCAB_DIVISOR * tp)) * VOCAB_DIVISOR * tp
     table = vocab // tp * arch.hidden_size
     embedding = table
@@ -116,7 +116,7 @@ def hf_memory_plan(
     stages = []
     for stage in range(pp):
         ends = (embedding if stage == 0 else 0) + (output if stage == pp - 1 else 0)
-        stages.append(per_stage * layer + ends)
+        stages.append(sum(one.per_gpu for one in layers[stage * per_stage:(stage + 1) * per_stage]) + ends)
     weights = max(stages) * size
     stream = max(
         min(stages[s] * size, (min(prefetch, per_stage - 1) + 1) * layer * size

@@ -74,7 +74,10 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype) -> Any:
     )
     family = family_for(arch.model_type, arch.source)
     values.update(family.config_overrides(arch))
-    return family.config_class(arch)(**values)
+    config = family.config_class(arch)(**values)
+    for name, value in arch.rope.config_attributes().items():  # YaRN's, which the dataclass does not declare
+        setattr(config, name, value)
+    return config
 
 
 def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,
@@ -85,10 +88,9 @@ def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,
     which the local one refuses; `gpt_args`: model keywords that replace the RoPE / length ones
     read from `arch` (another converter's mapping)."""
     family = family_for(arch.model_type, arch.source)
-    spec = family.layer_spec(arch)
     model_class = family.model_class(arch)
-    if core_attention is not None:
-        spec.submodules.self_attention.submodules.core_attention = core_attention
+    core_attention = core_attention or family.core_attention(arch)
+    spec = None if arch.dense_layers else _with_core_attention(family.layer_spec(arch), core_attention)
 
     def provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> Any:
         extra: dict[str, Any] = {**family.model_args(arch), **(gpt_args or {})}
@@ -96,7 +98,7 @@ def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,
             extra["vp_stage"] = vp_stage
         return model_class(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=spec if spec is not None else _mixed_block_spec(config, core_attention, vp_stage),
             vocab_size=vocab_size,
             pre_process=pre_process,
             post_process=post_process,
@@ -106,3 +108,21 @@ def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,
 
     provider.__name__ = f"hf_{arch.model_type}"
     return provider
+
+
+def _with_core_attention(spec: Any, core_attention: type | None) -> Any:
+    """`spec` (a layer's, or a block's layers') with `core_attention` as the attention core."""
+    if core_attention is not None:
+        for layer in getattr(spec, "layer_specs", None) or [spec]:
+            layer.submodules.self_attention.submodules.core_attention = core_attention
+    return spec
+
+
+def _mixed_block_spec(config: Any, core_attention: type | None, vp_stage: int | None) -> Any:
+    """This pipeline stage's layers of a model whose first layers are dense and the others mixtures
+    of experts (config.moe_layer_freq), on the local spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                       vp_stage=vp_stage)
+    return _with_core_attention(block, core_attention)

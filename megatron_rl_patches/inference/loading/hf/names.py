@@ -45,9 +45,3 @@ def checkpoint_tensors(arch: HFArchitecture, family: Family | None = None) -> di
     out.update(after)
     return out
 
-
-def extra_layer_prefixes(arch: HFArchitecture, family: Family | None = None) -> tuple[str, ...]:
-    """The name prefixes of the layers a checkpoint stores after its last one and the build
-    leaves out (multi-token prediction layers: not used to score tokens)."""
-    family = family or family_for(arch.model_type, arch.source)
-    return tuple(family.layer_prefix.format(layer=arch.num_layers + extra) for extra in range(arch.extra_layers))

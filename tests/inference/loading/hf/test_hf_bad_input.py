@@ -12,6 +12,7 @@ import torch
 from megatron_rl_patches import build_inference_model_from_hf
 from megatron_rl_patches.inference.loading.errors import WeightsMismatchError
 from megatron_rl_patches.inference.loading.hf import UnsupportedCheckpointError
+from megatron_rl_patches.inference.loading.hf.families import REGISTRY
 from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_safetensors, write_tiny_checkpoint
 
 pytestmark = pytest.mark.megatron
@@ -45,9 +46,18 @@ def test_no_config_json(megatron_cpu, no_build, tmp_path):
 
 @pytest.mark.parametrize(("overrides", "match"), [
     ({"model_type": "gemma3", "architectures": ["Gemma3ForCausalLM"]},
-     r"model_type 'gemma3' \(architectures \['Gemma3ForCausalLM'\]\) is not served .* llama, qwen2, qwen3, qwen3_moe"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, r"RoPE scaling 'llama3' is not mapped"),
+     r"model_type 'gemma3' \(architectures \['Gemma3ForCausalLM'\]\) is not served .* qwen2_moe, qwen3, qwen3_moe"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 2.0}}, r"RoPE scaling .dynamic. is not"),
     ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
+    *[({"model_type": kind}, rf"model_type '{kind}' is not served by the Hugging Face converter: {why}")
+      for kind, why in [("glm4", "GLM-4 dense adds norms"), ("glm_moe_dsa", "GLM-5.s sparse attention"),
+                        ("minimax_m2", "MiniMax-M2 normalizes"), ("gpt_oss", "gpt-oss has attention sinks")]],
+    ({"model_type": "glm4_moe", **REGISTRY["glm4_moe"].tiny_fields, "n_group": 2,
+      "topk_group": 1}, r"n_group=2 with topk_group=1 and num_experts_per_tok=4 \(megatron-core scores a group"),
+    ({"model_type": "glm4_moe", **REGISTRY["glm4_moe"].tiny_fields, "norm_topk_prob": False},
+     r"norm_topk_prob=false"),
+    ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4096},
+     r"sliding_window=4096"),
 ])
 def test_unserved_family_or_feature(megatron_cpu, no_build, tmp_path, overrides, match):
     (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config("qwen3", **overrides)))

@@ -14,6 +14,9 @@ from megatron_rl_patches.testing.multirank import run_multirank
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 
 VOCAB, SEQ = 1001, 12
+MOE_FAMILIES = ("glm4_moe", "qwen2_moe", "mixtral")
+# the families and RoPE types of issue 50: a tiny checkpoint each (llama3: Llama 3.1's scaled RoPE)
+NEW_FAMILIES = (*MOE_FAMILIES, "mimo", "llama3")
 
 
 def _scores(chunks, batch, tp_group, microbatches=1):
@@ -88,6 +91,9 @@ def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
                                        ps.get_tensor_model_parallel_group())
         results["tp2_moe"] = _scores(build_inference_model_from_hf(moe, dtype=torch.float32), batch,
                                      ps.get_tensor_model_parallel_group())
+        for family in NEW_FAMILIES:  # shared experts, biases and partial RoPE split with their heads / columns
+            results[f"tp2_{family}"] = _scores(build_inference_model_from_hf(f"{root}/{family}", dtype=torch.float32),
+                                               batch, ps.get_tensor_model_parallel_group())
     with megatron_on_cpu(pipeline_parallel=2):
         chunks = build_inference_model_from_hf(dense, dtype=torch.float32)
         results["pp2_layers"] = len(chunks[0].decoder.layers)
@@ -95,7 +101,8 @@ def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
         for residency in ("swap", "stream"):  # each stage moves only its own layers
             results[f"pp2_{residency}"] = _scores(
                 build_inference_model_from_hf(dense, residency=residency, dtype=torch.float32), batch, None)
-        for family in ("llama", "qwen2", "moe"):  # every family the converter serves, split over the stages
+        for family in ("llama", "qwen2", "moe", *NEW_FAMILIES):  # every family, split over the stages (glm4_moe:
+            # its dense layer 0 on stage 0, its MoE layer 1 on stage 1)
             results[f"pp2_{family}"] = _scores(build_inference_model_from_hf(f"{root}/{family}", dtype=torch.float32),
                                                batch, None)
         # slime_opd: a PATH teacher of another size than the actor, on the actor's pipeline split
@@ -120,6 +127,9 @@ def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
         for residency in ("swap", "stream"):  # each expert rank moves only its own experts
             results[f"ep2_{residency}"] = _scores(
                 build_inference_model_from_hf(moe, residency=residency, dtype=torch.float32), batch, None)
+        for family in MOE_FAMILIES:  # the router's expert bias whole on each rank, its experts split
+            results[f"ep2_{family}"] = _scores(build_inference_model_from_hf(f"{root}/{family}", dtype=torch.float32),
+                                               batch, None)
     with megatron_on_cpu():  # CP=2: the local attention would score each rank's rows alone
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(1, 1, context_parallel_size=2)
@@ -139,7 +149,12 @@ def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def world(transformers, tmp_path_factory):
-    from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, tiny_hf_config, write_tiny_checkpoint
+    from megatron_rl_patches.testing.hf_checkpoints import (
+        save_tiny_hf,
+        save_tiny_mimo,
+        tiny_hf_config,
+        write_tiny_checkpoint,
+    )
     from megatron_rl_patches.testing.megatron_cpu import make_batch
 
     root = tmp_path_factory.mktemp("hf")
@@ -148,7 +163,14 @@ def world(transformers, tmp_path_factory):
               "qwen2": save_tiny_hf(root / "qwen2", "qwen2", seed=9),
               "llama": save_tiny_hf(root / "llama", "llama", seed=10),
               "other": save_tiny_hf(root / "other", "qwen3", seed=11, hidden_size=48, num_hidden_layers=4,
-                                    intermediate_size=64)}
+                                    intermediate_size=64),
+              "glm4_moe": save_tiny_hf(root / "glm4_moe", "glm4_moe", seed=4),
+              "qwen2_moe": save_tiny_hf(root / "qwen2_moe", "qwen2_moe", seed=5),
+              "mixtral": save_tiny_hf(root / "mixtral", "mixtral", seed=3),
+              "mimo": save_tiny_mimo(root / "mimo", seed=12),
+              "llama3": save_tiny_hf(root / "llama3", "llama", seed=13, rope_parameters={
+                  "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})}
     write_tiny_checkpoint(root / "dense_3layers", tiny_hf_config("qwen3", num_hidden_layers=3))
     batch = make_batch(batch_size=2, seq_length=SEQ, vocab_size=VOCAB, seed=4)
     reference = {}
@@ -251,3 +273,30 @@ def test_context_parallelism_with_the_local_attention_is_refused(world):
     for result in results:
         assert result["cp2_refused"] is not None and "context-parallel size 2" in result["cp2_refused"]
         assert "core_attention=" in result["cp2_refused"]
+
+
+@pytest.mark.layout("tp2")
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_tp2_new_families_equal_transformers(world, family):
+    results, reference = world
+    for result in results:
+        errors = _close(result[f"tp2_{family}"], reference[family])
+        assert set(errors) == {"logits", "fused"} and all(err < 1e-4 for err in errors.values()), errors
+
+
+@pytest.mark.layout("pp2")
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_pp2_new_families_equal_transformers_on_the_last_stage(world, family):
+    results, reference = world
+    assert results[0][f"pp2_{family}"] == {}
+    errors = _close(results[1][f"pp2_{family}"], reference[family])
+    assert set(errors) == {"logits", "fused"} and all(err < 1e-4 for err in errors.values()), errors
+
+
+@pytest.mark.layout("ep2")
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_ep2_new_moe_families_equal_transformers(world, family):
+    results, reference = world
+    for result in results:
+        errors = _close(result[f"ep2_{family}"], reference[family])
+        assert set(errors) == {"logits", "fused"} and all(err < 1e-4 for err in errors.values()), errors

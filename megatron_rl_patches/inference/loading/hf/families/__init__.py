@@ -10,16 +10,40 @@ from megatron_rl_patches.inference.loading.hf.architecture import (
     UnsupportedCheckpointError,
     read_config,
 )
-from megatron_rl_patches.inference.loading.hf.families import deepseek_v3, llama, qwen2, qwen3, qwen3_moe
+from megatron_rl_patches.inference.loading.hf.families import (
+    deepseek_v3,
+    glm4_moe,
+    llama,
+    mimo,
+    mixtral,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 from megatron_rl_patches.inference.loading.hf.families.family import Family
 
-FAMILIES: tuple[Family, ...] = (qwen3.FAMILY, qwen3_moe.FAMILY, llama.FAMILY, qwen2.FAMILY, deepseek_v3.FAMILY)
+FAMILIES: tuple[Family, ...] = (qwen3.FAMILY, qwen3_moe.FAMILY, llama.FAMILY, qwen2.FAMILY, glm4_moe.FAMILY,
+                                 qwen2_moe.FAMILY, mixtral.FAMILY, mimo.FAMILY,
+                                 deepseek_v3.FAMILY)
 REGISTRY: dict[str, Family] = {model_type: family for family in FAMILIES for model_type in family.model_types}
+# families slime or verl train that the converter does not serve, and why (docs/inference-only.md lists them)
+REFUSED: dict[str, str] = {
+    "glm4": "GLM-4 dense adds norms after attention and after the MLP that megatron-core's GPT layer lacks",
+    "glm_moe_dsa": "GLM-5's sparse attention runs on GPU kernels only",
+    "minimax_m2": "MiniMax-M2 normalizes queries and keys over all heads at once, not per head",
+    "gpt_oss": "gpt-oss has attention sinks, alternating sliding windows and clamped SwiGLU experts with biases",
+}
 
 
 def family_for(model_type: Any, source: str = "config.json", architectures: Any = None) -> Family:
     """The family of a config.json's `model_type`; UnsupportedCheckpointError naming it otherwise."""
     family = REGISTRY.get(model_type) if isinstance(model_type, str) else None
+    if family is None and model_type in REFUSED:
+        raise UnsupportedCheckpointError(
+            f"{source}: model_type {model_type!r} is not served by the Hugging Face converter: "
+            f"{REFUSED[model_type]}; build this teacher with build_inference_model and your own model provider"
+        )
     if family is None:
         raise UnsupportedCheckpointError(
             f"{source}: model_type {model_type!r} (architectures {architectures}) is not served "

@@ -66,22 +66,53 @@ def moe_params() -> dict[str, Param]:
 
 
 def moe_config(arch: HFArchitecture) -> dict[str, Any]:
-    """TransformerConfig fields of a top-k softmax router over SequentialMLP experts."""
+    """TransformerConfig fields of the routed experts (SequentialMLP) and what their router does:
+    a top-k softmax by default; sigmoid scores with a per-expert bias, group-limited choice and
+    scaled weights where `arch` says so; shared experts (gated or not); dense first layers."""
     import torch
 
-    return dict(
+    values: dict[str, Any] = dict(
         num_moe_experts=arch.num_experts,
         moe_router_topk=arch.experts_per_token,
         moe_ffn_hidden_size=arch.expert_ffn_hidden_size,
-        moe_router_score_function="softmax",
-        # softmax over the top-k logits = the renormalized top-k probabilities (norm_topk_prob)
-        moe_router_pre_softmax=not arch.norm_topk_prob,
+        moe_router_score_function=arch.router,
+        # softmax over the top-k logits = the renormalized top-k probabilities (norm_topk_prob);
+        # megatron-core's sigmoid router always renormalizes (the families refuse it otherwise)
+        moe_router_pre_softmax=arch.router == "softmax" and not arch.norm_topk_prob,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_grouped_gemm=False,
         # gloo has no all-to-all: the allgather dispatcher where there is no GPU
         moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
     )
+    if arch.expert_bias:
+        values["moe_router_enable_expert_bias"] = True  # the bias buffer; never updated in inference
+    if arch.router_group_topk < arch.router_groups:  # all groups kept: no grouping at all
+        values.update(moe_router_num_groups=arch.router_groups, moe_router_group_topk=arch.router_group_topk)
+    if arch.routed_scaling != 1.0:
+        values["moe_router_topk_scaling_factor"] = arch.routed_scaling
+    if arch.shared_expert_ffn:
+        values.update(moe_shared_expert_intermediate_size=arch.shared_expert_ffn,
+                      moe_shared_expert_gate=arch.shared_expert_gate, moe_shared_expert_overlap=False)
+    if arch.dense_layers:
+        values["moe_layer_freq"] = [0] * arch.dense_layers + [1] * (arch.num_layers - arch.dense_layers)
+    return values
+
+
+def shared_expert_tensors(arch: HFArchitecture, hf: str) -> dict[str, Shape]:
+    """The shared expert's SwiGLU under `hf` and, where it is gated, its gate (`hf` without the dot + `_gate`)."""
+    out = swiglu_tensors(arch, hf, arch.shared_expert_ffn)
+    if arch.shared_expert_gate:
+        out[hf.rstrip(".") + "_gate.weight"] = (1, arch.hidden_size)
+    return out
+
+
+def shared_expert_params(arch: HFArchitecture, hf: str) -> dict[str, Param]:
+    """megatron-core's shared experts: linear_fc1 / linear_fc2 split like a dense MLP, the gate whole."""
+    out = swiglu_params(hf, "mlp.shared_experts.")
+    if arch.shared_expert_gate:
+        out["mlp.shared_experts.gate_weight"] = Param((hf.rstrip(".") + "_gate.weight",), "replicate")
+    return out
 
 
 def dense_layer_tensors(arch: HFArchitecture, layer: int) -> dict[str, Shape]:

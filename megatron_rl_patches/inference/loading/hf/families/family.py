@@ -69,19 +69,30 @@ def gpt_model(arch: HFArchitecture) -> type:
 
 
 def rope_model_args(arch: HFArchitecture) -> dict[str, Any]:
-    """The model class's keywords read from config.json: plain RoPE and the length."""
-    return {"position_embedding_type": "rope", "rotary_base": arch.rope_theta,
-            "max_sequence_length": arch.max_positions}
+    """The model class's keywords read from config.json: the RoPE (scaled as rope_scaling.py maps
+    it) and the length."""
+    return {**arch.rope.model_args(), "max_sequence_length": arch.max_positions}
 
 
 def no_overrides(arch: HFArchitecture) -> dict[str, Any]:
     return {}
 
 
+def local_core_attention(arch: HFArchitecture) -> type | None:
+    """None: the layer spec's own attention core (megatron-core's local DotProductAttention)."""
+    return None
+
+
 def transformer_config_class(arch: HFArchitecture) -> type:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig
+
+
+def mtp_layer_prefixes(arch: HFArchitecture) -> tuple[str, ...]:
+    """The tensors of multi-token prediction layers a real checkpoint stores after the decoder
+    layers (`num_nextn_predict_layers`: GLM-4.5, DeepSeek-V3): not scored, so skipped when present."""
+    return tuple(f"model.layers.{arch.num_layers + i}." for i in range(arch.mtp_layers))
 
 
 def parallel_problems(arch: HFArchitecture, tp: int, ep: int) -> list[str]:
@@ -109,12 +120,14 @@ class Family:
     config_overrides: Callable[[HFArchitecture], dict[str, Any]] = no_overrides  # TransformerConfig fields
     config_class: Callable[[HFArchitecture], type] = transformer_config_class  # e.g. MLATransformerConfig
     layer_spec: Callable[[HFArchitecture], Any] = gpt_local_spec
+    core_attention: Callable[[HFArchitecture], type | None] = local_core_attention  # where no core_attention= given
     model_class: Callable[[HFArchitecture], type] = gpt_model
     model_args: Callable[[HFArchitecture], dict[str, Any]] = rope_model_args
     parallel_problems: Callable[[HFArchitecture, int, int], list[str]] = parallel_problems  # (arch, tp, ep)
     outer_tensors: Callable[[HFArchitecture], tuple[dict[str, Shape], dict[str, Shape]]] = model_tensors
     outer_params: Callable[[HFArchitecture], dict[str, Param]] = model_params
     layer_prefix: str = "model.layers.{layer}."
+    skipped: Callable[[HFArchitecture], tuple[str, ...]] = mtp_layer_prefixes  # tensor prefixes the loader skips
     mbridge: bool = False  # converter="mbridge" serves it on the local spec
     aliases: tuple[str, ...] = ()  # other model_types the family reads
     tiny_fields: Mapping[str, Any] = field(default_factory=dict)  # the test kit's tiny config.json (None: drop)

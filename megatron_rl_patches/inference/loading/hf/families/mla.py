@@ -2,7 +2,8 @@
 Hugging Face tensors and the Megatron MLASelfAttention parameters made from them, the rows of the
 rotary part reordered for megatron-core (which de-interleaves them: transformers'
 `rope_interleave: true`), its MLATransformerConfig fields and a local layer spec that runs on CPU
-(the SDPA core attention; megatron-core 0.16's isinstance against a mocked TELinear disarmed)."""
+(the SDPA core attention by default; megatron-core 0.16's isinstance against a mocked TELinear
+disarmed)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,7 +15,6 @@ from megatron_rl_patches.inference.loading.hf.architecture import (
     read_count,
 )
 from megatron_rl_patches.inference.loading.hf.families.family import Param, Shape
-from megatron_rl_patches.inference.loading.hf.rope_scaling import RopeScaling, RopeScalingError, read_rope
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,6 @@ class MLAShape:
     qk_rope_head_dim: int
     v_head_dim: int
     rope_interleave: bool
-    rope: RopeScaling
 
     @property
     def q_head_dim(self) -> int:
@@ -39,13 +38,6 @@ def read_mla(config: dict[str, Any], source: str) -> MLAShape:
     if config.get("attention_bias"):
         raise UnsupportedCheckpointError(f"{source}: the converter does not map attention_bias=true with "
                                          "multi-latent attention (megatron-core's MLA has no q/kv/o biases)")
-    try:
-        rope = read_rope(config, source)
-    except RopeScalingError as exc:
-        raise UnsupportedCheckpointError(str(exc)) from None
-    if rope.kind not in ("default", "yarn"):
-        raise UnsupportedCheckpointError(f"{source}: RoPE scaling {rope.kind!r} with multi-latent attention "
-                                         "(megatron-core's MLA builds plain RoPE or YaRN only)")
     interleave = config.get("rope_interleave", True)
     if not isinstance(interleave, bool):
         raise ValueError(f"{source}: rope_interleave must be true or false, got {interleave!r}")
@@ -57,8 +49,15 @@ def read_mla(config: dict[str, Any], source: str) -> MLAShape:
         qk_rope_head_dim=read_count(config, source, "qk_rope_head_dim"),
         v_head_dim=read_count(config, source, "v_head_dim"),
         rope_interleave=interleave,
-        rope=rope,
     )
+
+
+def refuse_rope(arch: HFArchitecture) -> None:
+    """megatron-core's MLA makes its own rotary embedding: plain RoPE or YaRN over whole rotary dims."""
+    if arch.rope.kind not in ("default", "yarn") or arch.rope.partial != 1.0:
+        raise UnsupportedCheckpointError(
+            f"{arch.source}: RoPE scaling {arch.rope.kind!r} (partial_rotary_factor {arch.rope.partial}) with "
+            "multi-latent attention (megatron-core's MLA builds plain RoPE or YaRN on its rotary dims only)")
 
 
 def mla_tensors(arch: HFArchitecture) -> dict[str, Shape]:
@@ -133,8 +132,9 @@ def mla_config(arch: HFArchitecture) -> dict[str, Any]:
 
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    m, rope = arch.mla, arch.mla.rope
+    m, rope = arch.mla, arch.rope
     refuse_unbuildable(arch)
+    disarm_mocked_te_in_mla()
     values: dict[str, Any] = dict(
         multi_latent_attention=True, qk_layernorm=True, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
         qk_head_dim=m.qk_nope_head_dim, qk_pos_emb_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
@@ -162,7 +162,7 @@ def refuse_unbuildable(arch: HFArchitecture) -> None:
     from megatron.core.package_info import __version__
 
     release = tuple(int(part) for part in __version__.split(".")[:2] if part.isdigit())
-    if arch.mla.rope.kind == "yarn" and release < (0, 16):
+    if arch.rope.kind == "yarn" and release < (0, 16):
         raise UnsupportedCheckpointError(
             f"{arch.source}: YaRN with multi-latent attention on megatron-core {__version__}, whose MLA scales the "
             "softmax by mscale instead of mscale_all_dim (checked on 0.13.1); use megatron-core >= 0.16"
@@ -175,17 +175,21 @@ def refuse_unbuildable(arch: HFArchitecture) -> None:
         )
 
 
-def mla_spec(arch: HFArchitecture, num_experts: int | None = None) -> Any:
-    """megatron-core's local GPT layer spec with MLASelfAttention and the SDPA core attention."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
+def sdpa_core_attention(arch: HFArchitecture) -> type:
+    """The attention core MLA runs on where no other is given (megatron-core's local one cannot)."""
     from megatron_rl_patches.inference.sdpa_attention import SDPACoreAttention
 
+    return SDPACoreAttention
+
+
+def mla_spec(arch: HFArchitecture) -> Any:
+    """megatron-core's local GPT layer spec with MLASelfAttention (every layer alike: dense, or MoE)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
     disarm_mocked_te_in_mla()
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True,
+    spec = get_gpt_layer_local_spec(num_experts=arch.num_experts or None, moe_grouped_gemm=False, qk_layernorm=True,
                                     multi_latent_attention=True, normalization="RMSNorm")
     attention = spec.submodules.self_attention.submodules
-    attention.core_attention = SDPACoreAttention
     if arch.mla.q_lora_rank is None:  # no query latent to normalize (0.19 refuses a norm it would not use)
         from megatron.core.transformer.identity_op import IdentityOp
 

@@ -16,13 +16,19 @@ from megatron_rl_patches.inference.loading.hf.families.common import (
 from megatron_rl_patches.inference.loading.hf.families.family import Family, Param, Shape
 
 
-def read(config: dict[str, Any], source: str) -> HFArchitecture:
+def sparse_step_problems(config: dict[str, Any]) -> list[str]:
+    """Dense layers among the MoE ones (the Qwen MoE configs' way of writing them): not mapped."""
     refused = []
     if config.get("mlp_only_layers"):
         refused.append(f"mlp_only_layers={config['mlp_only_layers']!r} (every layer must be MoE)")
     if config.get("decoder_sparse_step", 1) != 1:
         refused.append(f"decoder_sparse_step={config['decoder_sparse_step']!r} (every layer must be MoE)")
-    return decoder_architecture(config, source, qkv_bias=False, qk_norm=True, moe=True, refused=refused)
+    return refused
+
+
+def read(config: dict[str, Any], source: str) -> HFArchitecture:
+    return decoder_architecture(config, source, qkv_bias=False, qk_norm=True, moe=True,
+                                refused=sparse_step_problems(config))
 
 
 def layer_tensors(arch: HFArchitecture, layer: int) -> dict[str, Shape]:

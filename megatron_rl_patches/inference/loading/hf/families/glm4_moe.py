@@ -1,0 +1,80 @@
+"""GLM-4.5 / 4.6 / 4.7 (`model_type` glm4_moe): attention with q/k/v biases (`attention_bias`),
+optional per-head q/k norm (`use_qk_norm`) and RoPE on half of each head (`partial_rotary_factor`
+0.5, rotate-half layout: megatron-core's rotary_percent); dense first layers
+(`first_k_dense_replace`), then a sigmoid router with a per-expert score correction
+(`e_score_correction_bias`: megatron-core's expert_bias), group-limited choice (`n_group` /
+`topk_group`), weights renormalized and scaled (`routed_scaling_factor`), and shared experts
+(`n_shared_experts`). The MTP layer real checkpoints store (`num_nextn_predict_layers`) is skipped."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, decoder_architecture, read_field
+from megatron_rl_patches.inference.loading.hf.families.common import (
+    attention_params,
+    attention_tensors,
+    moe_config,
+    moe_params,
+    moe_tensors,
+    shared_expert_params,
+    shared_expert_tensors,
+    swiglu_params,
+    swiglu_tensors,
+)
+from megatron_rl_patches.inference.loading.hf.families.family import Family, Param, Shape
+
+SHARED = "mlp.shared_experts."
+
+
+def group_problems(config: dict[str, Any], groups: int, group_topk: int) -> list[str]:
+    """Group-limited routing megatron-core does not compute as transformers does: it scores a group
+    by its top num_experts_per_tok // topk_group experts, transformers by its top 2."""
+    topk = config.get("num_experts_per_tok")
+    if group_topk < groups and isinstance(topk, int) and topk // group_topk != 2:
+        return [f"n_group={groups} with topk_group={group_topk} and num_experts_per_tok={topk} (megatron-core "
+                "scores a group by its top num_experts_per_tok // topk_group experts, transformers by its top 2)"]
+    return []
+
+
+def read(config: dict[str, Any], source: str) -> HFArchitecture:
+    groups = int(read_field(config, source, "n_group", default=1))
+    group_topk = int(read_field(config, source, "topk_group", default=1))
+    refused = group_problems(config, groups, group_topk)
+    if config.get("norm_topk_prob") is False:
+        refused.append("norm_topk_prob=false (megatron-core's sigmoid router always renormalizes)")
+    arch = decoder_architecture(config, source, qkv_bias=False, qk_norm=bool(config.get("use_qk_norm", False)),
+                                moe=True, refused=refused, partial_rotary=0.5)
+    shared = int(config.get("n_shared_experts") or 0)
+    return replace(
+        arch, norm_topk_prob=True, router="sigmoid", expert_bias=True, router_groups=groups,
+        router_group_topk=group_topk, routed_scaling=float(config.get("routed_scaling_factor") or 1.0),
+        shared_expert_ffn=shared * arch.expert_ffn_hidden_size,
+        dense_layers=min(int(read_field(config, source, "first_k_dense_replace", default=1)), arch.num_layers),
+        mtp_layers=int(config.get("num_nextn_predict_layers") or 0),
+    )
+
+
+def layer_tensors(arch: HFArchitecture, layer: int) -> dict[str, Shape]:
+    if layer < arch.dense_layers:
+        return {**attention_tensors(arch), **swiglu_tensors(arch)}
+    shared = shared_expert_tensors(arch, SHARED) if arch.shared_expert_ffn else {}
+    return {**attention_tensors(arch), **moe_tensors(arch), "mlp.gate.e_score_correction_bias": (arch.num_experts,),
+            **shared}
+
+
+def layer_params(arch: HFArchitecture, layer: int) -> dict[str, Param]:
+    if layer < arch.dense_layers:
+        return {**attention_params(arch), **swiglu_params()}
+    shared = shared_expert_params(arch, SHARED) if arch.shared_expert_ffn else {}
+    return {**attention_params(arch), **moe_params(),
+            "mlp.router.expert_bias": Param(("mlp.gate.e_score_correction_bias",), "replicate"), **shared}
+
+
+FAMILY = Family(
+    name="glm4_moe", hf_class="Glm4Moe", read=read, layer_tensors=layer_tensors, layer_params=layer_params,
+    config_overrides=moe_config,
+    tiny_fields={"moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4,
+                 "topk_group": 2, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
+                 "norm_topk_prob": True, "use_qk_norm": True, "attention_bias": True},
+)
