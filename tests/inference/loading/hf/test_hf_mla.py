@@ -147,3 +147,21 @@ def test_swap_and_stream_equal_resident_bit_for_bit(megatron_cpu, tmp_path):
 def test_what_mla_cannot_build_is_refused(changes, message):
     with pytest.raises(ValueError, match=message):
         architecture(tiny_hf_config("deepseek_v3", **changes))
+
+
+@pytest.mark.parametrize("layer_types", [None, ["dense", "dense"], ["dense", "sparse"]])
+def test_glm4_moe_lite_equals_transformers(megatron_cpu, tmp_path, layer_types):
+    """GLM-4.7-Flash: DeepSeek-V3's layer, dense vs sparse from mlp_layer_types (default: the first dense)."""
+    model = save_tiny_hf(tmp_path, "glm4_moe_lite", seed=5, rope_interleave=False, mlp_layer_types=layer_types)
+    batch = _batch()
+    got = _log_probs(build_inference_model_from_hf(tmp_path, dtype=torch.float32)[0], batch)
+    assert (got - _reference(model, batch)).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"mlp_layer_types": ["sparse", "dense"]}, "the dense ones first"),
+    ({"first_k_dense_replace": 2}, "first_k_dense_replace=2 without mlp_layer_types"),
+])
+def test_glm4_moe_lite_layer_types_refused(changes, message):
+    with pytest.raises(UnsupportedCheckpointError, match=message):
+        architecture(tiny_hf_config("glm4_moe_lite", **{"mlp_layer_types": None, **changes}))
