@@ -86,10 +86,13 @@ def write_tiny_checkpoint(directory: str | Path, config: dict[str, Any], seed: i
 
 def save_tiny_hf(directory: str | Path, kind: str = "qwen3", seed: int = 0, **overrides: Any) -> Any:
     """A tiny transformers model of `kind` (config as tiny_hf_config), every parameter random,
-    saved with save_pretrained into `directory`; returns the model (float32, eval) as the reference.
+    saved with save_pretrained into `directory`; returns the model (float32, eval) as the reference
+    (MiMo: save_tiny_mimo's Qwen2).
     Needs transformers."""
     import transformers
 
+    if kind == "mimo":  # remote code: no transformers class of its own
+        return save_tiny_mimo(directory, seed, **overrides)
     values = tiny_hf_config(kind, **overrides)
     model_type = values.pop("model_type")
     values.pop("dtype")
@@ -133,6 +136,40 @@ def save_tiny_mimo(directory: str | Path, seed: int = 0, **overrides: Any) -> An
     add_mtp_tensors(directory, "model.mtp_layers.0.", model_type="mimo", architectures=["MiMoForCausalLM"],
                     num_nextn_predict_layers=1)
     return model
+
+
+def router_margin(model: Any, tokens: torch.Tensor) -> float:
+    """The smallest gap, over the tokens and MoE layers of a transformers model's forward, between
+    the last expert chosen and the first one not chosen in the scores its router ranks (GLM: also
+    between the last group kept and the first dropped): a seed whose margin is under 1e-3 could
+    route differently under another summation order, so reference tests pick seeds above it."""
+    margins = []
+
+    def hook(module: Any, args: tuple[Any, ...]) -> None:
+        x = args[0].reshape(-1, args[0].shape[-1]).double()
+        logits = x @ module.weight.double().t()
+        k = model.config.num_experts_per_tok
+        if hasattr(module, "e_score_correction_bias"):  # glm4_moe: sigmoid + bias, ranked within kept groups
+            ranked = logits.sigmoid() + module.e_score_correction_bias.double()
+            groups = ranked.view(len(ranked), module.num_group, -1).topk(2, dim=-1)[0].sum(-1)
+            top_groups = groups.topk(module.topk_group + 1, dim=-1)[0]
+            margins.append((top_groups[:, -2] - top_groups[:, -1]).min().item())
+            keep = groups.topk(module.topk_group, dim=-1)[1]
+            per_group = ranked.shape[1] // module.num_group
+            mask = torch.zeros_like(groups).scatter_(1, keep, 1.0).repeat_interleave(per_group, 1)
+            ranked = ranked.masked_fill(mask == 0, -1e9)
+        else:
+            ranked = logits
+        top = ranked.topk(k + 1, dim=-1)[0]
+        margins.append((top[:, k - 1] - top[:, k]).min().item())
+
+    handles = [m.register_forward_pre_hook(hook) for name, m in model.named_modules()
+               if name.endswith(".gate") and hasattr(m, "weight") and m.weight.shape[0] > 1]
+    with torch.no_grad():
+        model(tokens)
+    for handle in handles:
+        handle.remove()
+    return min(margins, default=float("inf"))
 
 
 def write_swapped_layers(good: str | Path, bad: str | Path) -> None:

@@ -176,12 +176,13 @@ def packed_core_attention(args: Any) -> type | None:
     return TEDotProductAttention
 
 
-def check_vocab(path: str, student: int | str, what: str) -> None:
-    """The teacher's vocabulary against the student's (`check_teacher_vocab`), naming the setting."""
+def check_vocab(path: str, student: int | str, what: str) -> int:
+    """The teacher's vocabulary against the student's (`check_teacher_vocab`), naming the setting;
+    the shared real vocab size."""
     from megatron_rl_patches.inference.loading.hf.vocab import check_teacher_vocab
 
     try:
-        check_teacher_vocab(path, student)
+        return check_teacher_vocab(path, student)
     except ValueError as exc:
         raise ValueError(f"{what.partition(': ')[0]}: {exc}") from None  # the error names the path itself
 
@@ -199,7 +200,7 @@ def build_hf_teacher(args: Any, path: str, residency: str | None, student: int |
 
     from megatron_rl_patches.inference.build_hf import build_inference_model_from_hf
 
-    check_vocab(path, student, what)
+    shared = check_vocab(path, student, what)
     dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
         else getattr(args, "params_dtype", None)
     chunks = build_inference_model_from_hf(
@@ -207,6 +208,8 @@ def build_hf_teacher(args: Any, path: str, residency: str | None, student: int |
         make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None) or 128,
         core_attention=packed_core_attention(args))
     for chunk in chunks:
+        # one tokenizer padded to another vocab_size than the student's: no mass beyond the shared ids
+        setattr(chunk, "hf_vocab_size", min(shared, int(getattr(chunk, "hf_vocab_size"))))  # noqa: B009, B010
         inner: Any = chunk
         while hasattr(inner, "module"):
             inner = inner.module

@@ -187,3 +187,22 @@ def test_a_teacher_of_another_size_scores_the_students_ids_as_transformers(megat
     assert all(err < 1e-5 for err in errors.values()), errors
     # the negative control: scored over the padded vocab, Megatron's 23 zero rows take mass
     assert (scored(None)["topk_log_probs"].double() - want_logp).abs().max() > 1e-3
+
+
+def test_one_tokenizer_with_another_padded_vocab_gives_its_padding_no_mass(megatron_cpu, tmp_path):
+    """Qwen2.5-7B+ (vocab_size 152064) teaching a Qwen2.5-1.5B actor (151936), one tokenizer: the
+    teacher is served, and its chunks carry the shared real vocab (the tokenizer's) that slime's
+    fused route passes to the ops as vocab_size, so neither model's padding rows get mass."""
+    import json
+
+    from megatron_rl_patches.integrations.slime import hf_teachers
+    from megatron_rl_patches.integrations.slime.fused import real_vocab_size
+    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
+
+    tokenizer = json.dumps({"model": {"type": "BPE", "vocab": {f"t{i}": i for i in range(900)}}, "added_tokens": []})
+    for name, vocab in (("teacher", 1024), ("student", VOCAB)):
+        write_tiny_checkpoint(tmp_path / name, tiny_hf_config("qwen3", vocab_size=vocab))
+        (tmp_path / name / "tokenizer.json").write_text(tokenizer)
+    chunks = hf_teachers.build_hf_teacher(_actor_args(), str(tmp_path / "teacher"), None, str(tmp_path / "student"),
+                                          None, "teacher")
+    assert real_vocab_size(chunks[0]) == 900 and chunks[0].output_layer.weight.shape[0] == 1024

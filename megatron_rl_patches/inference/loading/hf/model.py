@@ -74,6 +74,8 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype) -> Any:
     )
     family = family_for(arch.model_type, arch.source)
     values.update(family.config_overrides(arch))
+    if arch.rope.kind == "yarn":
+        _check_yarn_served(arch)
     config = family.config_class(arch)(**values)
     for name, value in arch.rope.config_attributes().items():  # YaRN's, which the dataclass does not declare
         setattr(config, name, value)
@@ -126,3 +128,18 @@ def _mixed_block_spec(config: Any, core_attention: type | None, vp_stage: int | 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                        vp_stage=vp_stage)
     return _with_core_attention(block, core_attention)
+
+
+def _check_yarn_served(arch: HFArchitecture) -> None:
+    """YaRN needs GPTModel's `position_embedding_type="yarn"` and attention that applies its factor
+    from the config: megatron-core 0.16 has both (0.13.1 builds no rotary embedding for it)."""
+    from megatron.core import package_info
+    from megatron.core.transformer import attention
+
+    if not hasattr(attention, "_yarn_get_concentration_factor_from_config"):
+        from megatron_rl_patches.inference.loading.hf.architecture import UnsupportedCheckpointError
+
+        raise UnsupportedCheckpointError(
+            f"{arch.source}: RoPE scaling 'yarn' needs megatron-core >= 0.16 (GPTModel's YaRN embedding and its "
+            f"attention factor; checked on 0.16.1 and 0.19.2), this is megatron-core {package_info.__version__}"
+        )

@@ -91,7 +91,12 @@ def test_a_real_build_consumes_every_tensor_once_and_the_plan_counts_it(megatron
     config = tiny_hf_config(kind, **overrides)
     arch = architecture(config)
     vocab = padded_vocab(arch.vocab_size, 128, 1)
-    model = model_provider(arch, transformer_config(arch, torch.float32), vocab)()
+    try:
+        config_ = transformer_config(arch, torch.float32)
+    except UnsupportedCheckpointError as exc:  # a family this megatron-core lacks a module for, named
+        assert "needs a megatron-core with" in str(exc) and kind == "qwen2_moe"
+        pytest.skip(str(exc))
+    model = model_provider(arch, config_, vocab)()
     tensors = checkpoint_tensors(arch)
     numbers = {i: int(layer.layer_number) - 1 for i, layer in enumerate(model.decoder.layers)}
     used: Counter[str] = Counter()

@@ -97,6 +97,26 @@ def test_missing_extra_and_misshapen_tensors(megatron_cpu, no_build, tmp_path):
     assert str(tmp_path) in str(caught.value)
 
 
+def test_mtp_tensors_are_skipped_only_where_the_config_has_mtp_layers(megatron_cpu, no_build, tmp_path):
+    """A GLM checkpoint's MTP layer (one more model.layers.N.) is skipped when config.json says
+    num_nextn_predict_layers; without it the same tensors are unexpected (the skip is not a blanket one)."""
+    from megatron_rl_patches.inference.loading.hf.load import checked_index
+    from megatron_rl_patches.testing.hf_checkpoints import add_mtp_tensors
+
+    for mtp in (1, 0):
+        root = tmp_path / f"mtp{mtp}"
+        write_tiny_checkpoint(root, tiny_hf_config("glm4_moe", num_nextn_predict_layers=mtp))
+        add_mtp_tensors(root, "model.layers.2.")
+        arch = REGISTRY["glm4_moe"].read(json.loads((root / "config.json").read_text()), str(root))
+        if mtp:
+            assert "model.layers.2.eh_proj.weight" in checked_index(root, arch)  # present, accepted, never read
+        else:
+            with pytest.raises(WeightsMismatchError) as caught:
+                checked_index(root, arch)
+            assert sorted(caught.value.unexpected) == [f"model.layers.2.{n}.weight" for n in ("eh_proj", "enorm",
+                                                                                                "hnorm")]
+
+
 def test_truncated_file(megatron_cpu, no_build, tmp_path):
     write_tiny_checkpoint(tmp_path, tiny_hf_config("qwen3"))
     data = (tmp_path / "model.safetensors").read_bytes()

@@ -13,7 +13,12 @@ import torch
 
 from megatron_rl_patches import build_inference_model_from_hf
 from megatron_rl_patches.inference.loading.hf import UnsupportedCheckpointError
-from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, tiny_hf_config, write_swapped_layers
+from megatron_rl_patches.testing.hf_checkpoints import (
+    save_tiny_hf,
+    tiny_hf_config,
+    write_swapped_layers,
+    write_tiny_checkpoint,
+)
 from megatron_rl_patches.testing.megatron_cpu import make_batch
 from megatron_rl_patches.testing.multirank import run_multirank
 
@@ -139,12 +144,15 @@ def test_nothing_reaches_the_hub(megatron_cpu, tmp_path, monkeypatch):
 
 @needs_mbridge
 def test_unserved_family_and_bad_path_are_refused_before_mbridge(megatron_cpu, tmp_path):
-    import json
-
-    (tmp_path / "mixtral").mkdir()
-    (tmp_path / "mixtral" / "config.json").write_text(json.dumps({**tiny_hf_config("qwen3"), "model_type": "mixtral"}))
-    with pytest.raises(UnsupportedCheckpointError, match="model_type 'mixtral'"):
+    write_tiny_checkpoint(tmp_path / "mixtral", tiny_hf_config("mixtral"))  # builtin serves it
+    with pytest.raises(UnsupportedCheckpointError, match="model_type 'mixtral' is not served by converter='mbridge'"):
         build_inference_model_from_hf(tmp_path / "mixtral", converter="mbridge")
+    # mbridge 0.15.1 would map Llama 3.1's RoPE scaling wrong
+    write_tiny_checkpoint(tmp_path / "llama3", tiny_hf_config("llama", rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}, rope_parameters=None))
+    with pytest.raises(UnsupportedCheckpointError, match="RoPE 'llama3' .* is not served by converter='mbridge'"):
+        build_inference_model_from_hf(tmp_path / "llama3", converter="mbridge")
     with pytest.raises(FileNotFoundError, match="does not exist"):  # mbridge would take it for a hub id
         build_inference_model_from_hf("Qwen/Qwen3-0.6B", converter="mbridge")
 

@@ -48,6 +48,28 @@ def _scores(chunks, batch, tp_group, microbatches=1):
     return {"logits": routed[0]["log_probs"].double(), "fused": fused[0].double()}
 
 
+def _family_scores(path: str, batch: dict, tp_group) -> dict | str:
+    """`_scores` of the checkpoint at `path`, or the refusal of a family this megatron-core lacks a
+    module for (qwen2_moe's gated shared expert on 0.13.1)."""
+    from megatron_rl_patches import build_inference_model_from_hf
+    from megatron_rl_patches.inference.loading.hf import UnsupportedCheckpointError
+
+    try:
+        return _scores(build_inference_model_from_hf(path, dtype=torch.float32), batch, tp_group)
+    except UnsupportedCheckpointError as exc:
+        return str(exc)
+
+
+def _new_family_errors(scores: dict | str, family: str, want) -> dict:
+    """Errors per route, {} where this megatron-core refuses the family naming what it lacks."""
+    if isinstance(scores, str):
+        assert family == "qwen2_moe" and "needs a megatron-core with" in scores, scores
+        return {}
+    errors = _close(scores, want)
+    assert set(errors) == {"logits", "fused"}, errors
+    return errors
+
+
 def _slime_actor(pipeline_size: int):
     """What slime_opd's load_teachers reads of slime's actor (args of the tiny qwen3 actor, its
     model's padded vocab and config, the snapshot switch)."""
@@ -92,8 +114,7 @@ def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
         results["tp2_moe"] = _scores(build_inference_model_from_hf(moe, dtype=torch.float32), batch,
                                      ps.get_tensor_model_parallel_group())
         for family in NEW_FAMILIES:  # shared experts, biases and partial RoPE split with their heads / columns
-            results[f"tp2_{family}"] = _scores(build_inference_model_from_hf(f"{root}/{family}", dtype=torch.float32),
-                                               batch, ps.get_tensor_model_parallel_group())
+            results[f"tp2_{family}"] = _family_scores(f"{root}/{family}", batch, ps.get_tensor_model_parallel_group())
     with megatron_on_cpu(pipeline_parallel=2):
         chunks = build_inference_model_from_hf(dense, dtype=torch.float32)
         results["pp2_layers"] = len(chunks[0].decoder.layers)
@@ -103,8 +124,7 @@ def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
                 build_inference_model_from_hf(dense, residency=residency, dtype=torch.float32), batch, None)
         for family in ("llama", "qwen2", "moe", *NEW_FAMILIES):  # every family, split over the stages (glm4_moe:
             # its dense layer 0 on stage 0, its MoE layer 1 on stage 1)
-            results[f"pp2_{family}"] = _scores(build_inference_model_from_hf(f"{root}/{family}", dtype=torch.float32),
-                                               batch, None)
+            results[f"pp2_{family}"] = _family_scores(f"{root}/{family}", batch, None)
         # slime_opd: a PATH teacher of another size than the actor, on the actor's pipeline split
         (chunks,) = opd.load_teachers(_slime_actor(2), opd_settings({TEACHERS: f"{root}/other"}))
         results["pp2_other_layers"] = [layer.layer_number for layer in chunks[0].decoder.layers]
@@ -128,8 +148,7 @@ def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
             results[f"ep2_{residency}"] = _scores(
                 build_inference_model_from_hf(moe, residency=residency, dtype=torch.float32), batch, None)
         for family in MOE_FAMILIES:  # the router's expert bias whole on each rank, its experts split
-            results[f"ep2_{family}"] = _scores(build_inference_model_from_hf(f"{root}/{family}", dtype=torch.float32),
-                                               batch, None)
+            results[f"ep2_{family}"] = _family_scores(f"{root}/{family}", batch, None)
     with megatron_on_cpu():  # CP=2: the local attention would score each rank's rows alone
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(1, 1, context_parallel_size=2)
@@ -150,6 +169,7 @@ def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
 @pytest.fixture(scope="module")
 def world(transformers, tmp_path_factory):
     from megatron_rl_patches.testing.hf_checkpoints import (
+        router_margin,
         save_tiny_hf,
         save_tiny_mimo,
         tiny_hf_config,
@@ -173,6 +193,8 @@ def world(transformers, tmp_path_factory):
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})}
     write_tiny_checkpoint(root / "dense_3layers", tiny_hf_config("qwen3", num_hidden_layers=3))
     batch = make_batch(batch_size=2, seq_length=SEQ, vocab_size=VOCAB, seed=4)
+    for name in (*MOE_FAMILIES, "moe"):  # seeds whose routing decisions are all more than 1e-3 from a tie
+        assert router_margin(models[name], batch["tokens"]) > 1e-3, name
     reference = {}
     for name, model in models.items():
         with torch.no_grad():
@@ -280,17 +302,17 @@ def test_context_parallelism_with_the_local_attention_is_refused(world):
 def test_tp2_new_families_equal_transformers(world, family):
     results, reference = world
     for result in results:
-        errors = _close(result[f"tp2_{family}"], reference[family])
-        assert set(errors) == {"logits", "fused"} and all(err < 1e-4 for err in errors.values()), errors
+        errors = _new_family_errors(result[f"tp2_{family}"], family, reference[family])
+        assert all(err < 1e-4 for err in errors.values()), errors
 
 
 @pytest.mark.layout("pp2")
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_pp2_new_families_equal_transformers_on_the_last_stage(world, family):
     results, reference = world
-    assert results[0][f"pp2_{family}"] == {}
-    errors = _close(results[1][f"pp2_{family}"], reference[family])
-    assert set(errors) == {"logits", "fused"} and all(err < 1e-4 for err in errors.values()), errors
+    assert results[0][f"pp2_{family}"] in ({}, results[1][f"pp2_{family}"])  # nothing off the last stage, or refused
+    errors = _new_family_errors(results[1][f"pp2_{family}"], family, reference[family])
+    assert all(err < 1e-4 for err in errors.values()), errors
 
 
 @pytest.mark.layout("ep2")
@@ -298,5 +320,5 @@ def test_pp2_new_families_equal_transformers_on_the_last_stage(world, family):
 def test_ep2_new_moe_families_equal_transformers(world, family):
     results, reference = world
     for result in results:
-        errors = _close(result[f"ep2_{family}"], reference[family])
-        assert set(errors) == {"logits", "fused"} and all(err < 1e-4 for err in errors.values()), errors
+        errors = _new_family_errors(result[f"ep2_{family}"], family, reference[family])
+        assert all(err < 1e-4 for err in errors.values()), errors

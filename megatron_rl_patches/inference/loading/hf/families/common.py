@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
+from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, UnsupportedCheckpointError
 from megatron_rl_patches.inference.loading.hf.families.family import Param, Shape
 
 
@@ -87,13 +87,16 @@ def moe_config(arch: HFArchitecture) -> dict[str, Any]:
     )
     if arch.expert_bias:
         values["moe_router_enable_expert_bias"] = True  # the bias buffer; never updated in inference
+    if arch.router == "sigmoid":
+        values["moe_router_dtype"] = "fp32"  # transformers scores a sigmoid router in float32 at any dtype
     if arch.router_group_topk < arch.router_groups:  # all groups kept: no grouping at all
         values.update(moe_router_num_groups=arch.router_groups, moe_router_group_topk=arch.router_group_topk)
     if arch.routed_scaling != 1.0:
         values["moe_router_topk_scaling_factor"] = arch.routed_scaling
     if arch.shared_expert_ffn:
-        values.update(moe_shared_expert_intermediate_size=arch.shared_expert_ffn,
-                      moe_shared_expert_gate=arch.shared_expert_gate, moe_shared_expert_overlap=False)
+        values.update(moe_shared_expert_intermediate_size=arch.shared_expert_ffn, moe_shared_expert_overlap=False)
+    if arch.shared_expert_gate:
+        values["moe_shared_expert_gate"] = _needs_config_field(arch, "moe_shared_expert_gate", "a gated shared expert")
     if arch.dense_layers:
         values["moe_layer_freq"] = [0] * arch.dense_layers + [1] * (arch.num_layers - arch.dense_layers)
     return values
@@ -122,3 +125,19 @@ def dense_layer_tensors(arch: HFArchitecture, layer: int) -> dict[str, Shape]:
 
 def dense_layer_params(arch: HFArchitecture, layer: int) -> dict[str, Param]:
     return {**attention_params(arch), **swiglu_params()}
+
+
+def _needs_config_field(arch: HFArchitecture, name: str, what: str) -> bool:
+    """True where megatron-core's TransformerConfig has the field `name`; UnsupportedCheckpointError
+    naming the version otherwise."""
+    from dataclasses import fields
+
+    from megatron.core import package_info
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if name not in {f.name for f in fields(TransformerConfig)}:
+        raise UnsupportedCheckpointError(
+            f"{arch.source}: {what} ({arch.model_type}) needs a megatron-core with TransformerConfig.{name} "
+            f"(0.16.1 and 0.19.2 have it), this is megatron-core {package_info.__version__}"
+        )
+    return True
