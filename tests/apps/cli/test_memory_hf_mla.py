@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl_patches.apps.cli import main
+from megatron_rl_patches.inference.loading.hf.fp8 import fp8_disk_bytes
 from megatron_rl_patches.inference.loading.hf.memory_plan import hf_memory_plan
 
 CONFIGS = Path(__file__).parent / "hf_configs"
@@ -37,6 +38,21 @@ def test_published_totals_to_their_rounding(name):
     assert round((plan.active_params - config["vocab_size"] * config["hidden_size"]) / 1e9) == active
 
 
-def test_table_names_the_family(capsys):
+FP8_BYTES = {"DeepSeek-V3": 673_150_582_112, "Kimi-K2-Instruct": 1_029_173_203_808, "Moonlight-16B-A3B": None}
+
+
+@pytest.mark.parametrize("name", sorted(FP8_BYTES))
+def test_fp8_bytes_on_disk(name):
+    """float8 weights (1 byte) with a float32 scale per 128 x 128 block, the rest bf16: just over a
+    byte per parameter; Moonlight ships bf16 (None)."""
+    got = fp8_disk_bytes(CONFIGS / f"{name}.json")
+    assert got == FP8_BYTES[name]
+    if got is not None:
+        assert 1.0 < got / hf_memory_plan(CONFIGS / f"{name}.json").total_params < 1.01
+
+
+def test_table_names_the_family_and_the_fp8_bytes(capsys):
     assert main(["memory", "--hf", str(CONFIGS / "DeepSeek-V3.json"), "--tp", "8", "--ep", "8", "--pp", "4"]) == 0
-    assert "(deepseek_v3): 671,026,419,200 parameters, 37,552,297,472 active per token" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(deepseek_v3): 671,026,419,200 parameters, 37,552,297,472 active per token" in out
+    assert "FP8 checkpoint: 673,150,582,112 bytes on disk (626.92 GiB), built at bf16" in out

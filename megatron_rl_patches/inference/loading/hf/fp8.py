@@ -39,3 +39,26 @@ def dequantize(weight: Any, scale_inv: Any, block: tuple[int, int], dtype: Any) 
     rows, cols = weight.shape
     scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     return (weight.float() * scale).to(dtype)
+
+
+def fp8_disk_bytes(path: Any) -> int | None:
+    """The bytes an FP8 checkpoint's weights take on disk (None: not FP8), in DeepSeek-V3's layout:
+    the layers' 2-D weights in float8 with a float32 scale per block, the router, the norms and
+    the embedding / output tables in bf16; MTP layers apart. From config.json alone."""
+    from math import prod
+
+    from megatron_rl_patches.inference.loading.hf.architecture import read_config
+    from megatron_rl_patches.inference.loading.hf.families import architecture
+    from megatron_rl_patches.inference.loading.hf.names import checkpoint_tensors
+
+    config = read_config(path)
+    block = fp8_block(config, str(path))
+    if block is None:
+        return None
+    total = 0
+    for name, shape in checkpoint_tensors(architecture(config, str(path))).items():
+        if name.startswith("model.layers.") and len(shape) == 2 and not name.endswith("mlp.gate.weight"):
+            total += prod(shape) + 4 * prod(scale_shape(shape, block))
+        else:
+            total += 2 * prod(shape)
+    return total
