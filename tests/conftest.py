@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
+from megatron_rl_patches.testing import layouts
+
 # CI runs the property tests with a fixed example sequence (a red run must mean a real failure
 # that reproduces); locally they keep exploring new examples.
 # max_examples is fixed so the property tests together stay under 60 s on the main lane.
@@ -230,10 +232,14 @@ def built_wheel(tmp_path_factory) -> SimpleNamespace:
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` run only where torch sees a CUDA device (`make test-gpu`); elsewhere
     they are skipped, never needed by `make test`. A test that runs once per model kind
-    (`megatron_cpu_kind`) carries `layout("hybrid")` in its HybridModel run (docs/layouts.md)."""
+    (`megatron_cpu_kind`) carries `layout("hybrid")` in its HybridModel run (docs/layouts.md); a
+    `layout(...)` marker naming no layout of megatron_rl_patches.testing.layouts stops the session."""
     for item in items:
         if getattr(getattr(item, "callspec", None), "params", {}).get("megatron_cpu_kind") == "hybrid":
-            item.add_marker(pytest.mark.layout("hybrid"))
+            item.add_marker(layouts.mark("hybrid"))
+    problems = layouts.marker_problems(items)
+    if problems:
+        raise pytest.UsageError("layout(...) markers naming no layout of testing/layouts.py:\n" + "\n".join(problems))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

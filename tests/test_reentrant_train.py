@@ -10,6 +10,7 @@ import torch
 
 import megatron_rl_patches
 from megatron_rl_patches.reentrant import reentrant_train
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = pytest.mark.megatron
@@ -165,7 +166,7 @@ def _param_sync_on_two_ranks(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.multirank
-@pytest.mark.layout("distopt")
+@layouts.mark("distopt")
 def test_param_sync_without_hooks_all_gathers_the_shards():
     ranks = run_multirank(_param_sync_on_two_ranks, 2, timeout=90)
     for rank, out in enumerate(ranks):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "ops" / "golden"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kit"))
 import golden_cases  # noqa: E402
 
 from megatron_rl_patches.ops import _stats, _vocab  # noqa: E402

@@ -19,7 +19,7 @@ from megatron_rl_patches.inference.guard import freeze_chunk
 from megatron_rl_patches.inference.loading.paths import resolve_checkpoint
 from megatron_rl_patches.inference.residency.budget import ResidencyBudget
 from megatron_rl_patches.inference.residency.host_init import host_initialization
-from megatron_rl_patches.inference.residency.placement import attach_residency, check_residency_args
+from megatron_rl_patches.inference.residency.placement import attach_checked, check_residency_args
 
 # modules defining a DistributedDataParallel (megatron-core's, torch's), looked up in sys.modules
 _DDP_MODULES = ("megatron.core.distributed.distributed_data_parallel", "torch.nn.parallel.distributed")
@@ -149,6 +149,15 @@ def build_inference_model(
     loaded in host memory, never on the device whole. See inference/residency/placement.py.
     """
     mode = check_residency_args(residency, prefetch, budget)
+    return build_checked(model_provider, mode, prefetch, budget, model_type=model_type, config=config,
+                         load_dir=load_dir, strict=strict)
+
+
+def build_checked(model_provider: Callable[..., Any], mode: str, prefetch: int, budget: ResidencyBudget | None, *,
+                  model_type: Any = None, config: Any = None, load_dir: str | os.PathLike[str] | None = None,
+                  strict: bool = True) -> list[torch.nn.Module]:
+    """build_inference_model after check_residency_args passed its residency arguments (a caller that
+    checked them, build_inference_model_from_hf, does not check them twice)."""
     if not callable(model_provider):
         raise TypeError(
             f"model_provider must be callable as model_provider(pre_process, post_process, "
@@ -186,5 +195,5 @@ def build_inference_model(
         load_inference_weights(chunks, load_dir, strict=strict)
     if on_host:
         name = getattr(model_provider, "__name__", type(model_provider).__name__)
-        attach_residency(chunks, mode, prefetch=prefetch, budget=budget, device=device, name=name)
+        attach_checked(chunks, mode, prefetch, budget, device, name)
     return chunks

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.inference.loading.hf.architecture import checkpoint_dir, read_config
-from megatron_rl_patches.inference.loading.hf.families import family_for, read_architecture
+from megatron_rl_patches.inference.loading.hf.families import read_architecture, split_problems
 from megatron_rl_patches.inference.residency.budget import ResidencyBudget
 from megatron_rl_patches.inference.residency.placement import check_residency_args
 
@@ -26,11 +26,8 @@ def _check_parallel(arch: Any, core_attention: type | None) -> None:
         )
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     ep = ps.get_expert_model_parallel_world_size()
-    problems = family_for(arch.model_type, arch.source).parallel_problems(arch, tp, ep)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
-    if arch.num_layers % (pp * vpp):
-        stages = f"the pipeline-parallel size {pp}" + (f" x {vpp} virtual stages" if vpp > 1 else "")
-        problems.append(f"num_hidden_layers={arch.num_layers} is not a multiple of {stages}")
+    problems = split_problems(arch, tp, pp, ep, vpp)
     cp = ps.get_context_parallel_world_size()
     if cp > 1 and core_attention is None:  # megatron-core's local attention would see only its own rows
         problems.append(f"context-parallel size {cp} with megatron-core's local attention, which serves context "
@@ -92,8 +89,8 @@ def build_inference_model_from_hf(
     load_weights behind the adapters of inference/loading/hf/mbridge_adapter.py; the `mbridge` extra).
     """
     from megatron_rl_patches._args import positive_int
-    from megatron_rl_patches.inference.build import build_inference_model
-    from megatron_rl_patches.inference.loading.hf.load import checked_index, load_hf_weights
+    from megatron_rl_patches.inference.build import build_checked
+    from megatron_rl_patches.inference.loading.hf.load import checked_index, load_hf_weights, served_tying
     from megatron_rl_patches.inference.loading.hf.model import (
         checkpoint_dtype,
         model_provider,
@@ -118,6 +115,7 @@ def build_inference_model_from_hf(
     divisible_by = positive_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by)
     _check_parallel(arch, core_attention)
     checked_index(root, arch)  # the files fit config.json: nothing is built otherwise
+    arch = served_tying(root, arch)
     _check_budget(root, mode, budget, weights_dtype)
     from megatron.core import parallel_state as ps
 
@@ -127,11 +125,11 @@ def build_inference_model_from_hf(
 
         bridge = mbridge_adapter.mbridge_bridge(config_dict, arch, weights_dtype, vocab)
         provider = model_provider(arch, bridge.config, vocab, core_attention, mbridge_adapter.gpt_args(bridge))
-        chunks = build_inference_model(provider, residency=mode, prefetch=prefetch, budget=budget)
+        chunks = build_checked(provider, mode, prefetch, budget)
         mbridge_adapter.load_with_mbridge(bridge, chunks, root)
     else:
         provider = model_provider(arch, transformer_config(arch, weights_dtype), vocab, core_attention)
-        chunks = build_inference_model(provider, residency=mode, prefetch=prefetch, budget=budget)
+        chunks = build_checked(provider, mode, prefetch, budget)
         load_hf_weights(chunks, root, arch, vocab)
     for chunk in chunks:
         setattr(chunk, "hf_vocab_size", arch.vocab_size)  # noqa: B010 - the real vocab, for the ops' vocab_size=

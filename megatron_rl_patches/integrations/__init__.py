@@ -20,8 +20,9 @@ _default: Registry | None = None
 _building = threading.Lock()
 
 
-# The framework packages below this one, each with a `patches` module defining PATCHES. A new
-# framework is one new package, one row here and its patch names in ORDER.
+# The framework packages below this one, each with a `patches` module defining PATCHES (and, when
+# the framework reads variables of its own, `check_settings(environ)`). A new framework is one new
+# package, one row here and its patch names in ORDER.
 FRAMEWORKS = ("megatron", "slime", "verl")
 # Patch names in listing order (listings, messages, the order records are applied in): the first
 # release's first, the newest last. Records of one name keep their framework's declaration order.
@@ -55,12 +56,30 @@ def all_patches() -> list[Patch]:
 
 
 def check_settings(environ: Any = None) -> None:
-    """Every framework's own variables, read as its patches read them (top-k OPD's
-    MEGATRON_RL_PATCHES_OPD_*): a ValueError naming the variable at fault. `run`, the start-up
+    """Every framework's own variables, each checked by the `check_settings(environ)` its `patches`
+    module declares beside its PATCHES (slime: top-k OPD's MEGATRON_RL_PATCHES_OPD_*), and no
+    misspelled variable name of ours: a ValueError naming the variable at fault. `run`, the start-up
     hook and `doctor` call this (patching names it by a string, SETTINGS_CHECK)."""
-    from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
+    import importlib
 
-    opd_settings(environ)
+    from megatron_rl_patches.patching import env
+
+    env.check_variable_names(variable_names(), environ)
+    for framework in FRAMEWORKS:
+        check = getattr(importlib.import_module(f"{__name__}.{framework}.patches"), "check_settings", None)
+        if check is not None:
+            check(environ)
+
+
+def variable_names() -> tuple[str, ...]:
+    """Every environment variable the package reads: the patching layer's and each framework's."""
+    from megatron_rl_patches.integrations.slime import opd_settings
+    from megatron_rl_patches.integrations.verl.rows import ROWS_ENV
+    from megatron_rl_patches.patching import env
+
+    opd = (opd_settings.TEACHERS, opd_settings.WEIGHTS, opd_settings.K, opd_settings.DIVERGENCE, opd_settings.COEF,
+           opd_settings.POLICY_WEIGHT, opd_settings.RESIDENCY, opd_settings.IDS_FROM)
+    return (*env.VARIABLES, *opd, ROWS_ENV, env.LAUNCHER_ROOT)
 
 
 def default_registry() -> Registry:
@@ -79,7 +98,7 @@ def apply(only: Any = None, exclude: Any = None, strict: bool | None = None, all
     """Apply the selected patches (see :meth:`Registry.apply`): idempotent, additive. In a Ray
     driver, ray.init() then warns when its runtime_env would not carry the patches to the actors."""
     statuses = default_registry().apply(only, exclude, strict, allow_untested, environ=environ)
-    from megatron_rl_patches.integrations import ray
+    from megatron_rl_patches.integrations import _ray as ray
 
     ray.arm()
     return statuses
@@ -89,7 +108,7 @@ def revert(only: Any = None) -> PatchStatuses:
     """Remove the patches (all, or those named), restoring the originals exactly. Idempotent."""
     statuses = default_registry().revert(only)
     if only is None:
-        from megatron_rl_patches.integrations import ray
+        from megatron_rl_patches.integrations import _ray as ray
 
         ray.disarm()
     return statuses
@@ -120,4 +139,5 @@ _aliases.install(__name__, {
     "slime_topk": "megatron_rl_patches.integrations.slime.topk",
     "verl_rows": "megatron_rl_patches.integrations.verl.rows",
     "verl_topk": "megatron_rl_patches.integrations.verl.topk",
+    "ray": "megatron_rl_patches.integrations._ray",
 }, silent=("slime_opd",))

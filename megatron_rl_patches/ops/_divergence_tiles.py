@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl_patches.ops._divergences import FINITE, SAFE, Entries, EntryOps, Plan, sum_parts
+from megatron_rl_patches.ops._divergences import FINITE, SAFE, Entries, EntryOps, ResolvedDivergence, sum_parts
 from megatron_rl_patches.ops._stats import RowStats, finite_or_zero, moved, per_row, shifted_rows
 
 
-def cross_leads(plan: Plan, n_teachers: int) -> tuple[int, ...]:
+def cross_leads(plan: ResolvedDivergence, n_teachers: int) -> tuple[int, ...]:
     """Whose probabilities weigh each cross term the divergence folds in pass 1 (0: the student,
     1: the teacher); () when it needs a second pass. Forward KL, reverse KL and their mixture
     mixed_kl against one teacher need no normalizer beforehand: their cross terms fold with online
@@ -55,7 +55,8 @@ def fold_cross(cross: torch.Tensor, rows: slice, old_shift: torch.Tensor, lead: 
     cross[rows] = cross[rows] * factor + torch.linalg.vecdot(weights, diff)
 
 
-def one_pass_sums(plan: Plan, crosses: list[torch.Tensor], shifts: list[torch.Tensor], log_sums: list[torch.Tensor],
+def one_pass_sums(plan: ResolvedDivergence, crosses: list[torch.Tensor], shifts: list[torch.Tensor],
+                  log_sums: list[torch.Tensor],
                   scale: float | torch.Tensor) -> torch.Tensor:
     """[T, n_sums] (the value, and G when the row sums it) from the folded cross terms (in
     :func:`cross_leads`' order). KL(lead‖other) = cross/S_lead − (m_lead − m_other)·s − log S_lead
@@ -100,19 +101,19 @@ def _ops(kept: torch.Tensor | None) -> EntryOps:
     return FINITE if kept is None else SAFE
 
 
-def n_sums(plan: Plan) -> int:
+def n_sums(plan: ResolvedDivergence) -> int:
     """How many row sums pass 2 gathers: the value, and G unless the row knows it otherwise."""
     return 2 if plan.row.constant == "sum" else 1
 
 
-def row_sums(plan: Plan, a: torch.Tensor, b: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+def row_sums(plan: ResolvedDivergence, a: torch.Tensor, b: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
     """[r, n_sums]: the tile's share of the value (and of G = Σ g) from the table's formula."""
     parts, grad = plan.row.formula(Entries(a, b, _ops(kept)), plan.weight, True, n_sums(plan) == 2)
     value = sum_parts(parts)
     return torch.stack([value] if grad is None else [value, grad.sum(dim=1)], dim=1)
 
 
-def grad_constant(plan: Plan, sums: torch.Tensor) -> torch.Tensor | None:
+def grad_constant(plan: ResolvedDivergence, sums: torch.Tensor) -> torch.Tensor | None:
     """G per row from the gathered sums [T, n_sums] (None: G = 0)."""
     constant = plan.row.constant
     return None if constant == "zero" else sums[:, 0] if constant == "value" else sums[:, 1]
@@ -121,7 +122,7 @@ def grad_constant(plan: Plan, sums: torch.Tensor) -> torch.Tensor | None:
 # ----------------------------------------------------------------------------- backward
 
 
-def student_grad(plan: Plan, a: torch.Tensor, b: torch.Tensor, constant: torch.Tensor | None,
+def student_grad(plan: ResolvedDivergence, a: torch.Tensor, b: torch.Tensor, constant: torch.Tensor | None,
                  kept: torch.Tensor | None) -> torch.Tensor:
     """dD/dz_s = g − p·G of the tile [r, c] (G per row [r], None: 0)."""
     e = Entries(a, b, _ops(kept))

@@ -225,14 +225,14 @@ def plain_form(name: str, beta: float, alpha: float) -> str:
 
 
 @dataclass(frozen=True)
-class Plan:
+class ResolvedDivergence:
     """A checked divergence choice at its plain form: the table row and its parameter's value."""
 
     row: Divergence
     weight: float
 
     @classmethod
-    def of(cls, name: str, beta: float = DEFAULT_BETA, alpha: float = DEFAULT_ALPHA) -> Plan:
+    def of(cls, name: str, beta: float = DEFAULT_BETA, alpha: float = DEFAULT_ALPHA) -> ResolvedDivergence:
         row = TABLE[plain_form(name, beta, alpha)]
         return cls(row, beta if row.parameter == "beta" else alpha if row.parameter == "alpha" else 0.0)
 
@@ -256,7 +256,7 @@ def sum_parts(parts: Parts) -> torch.Tensor:
     return total
 
 
-def bucket_divergence(plan: Plan, log_s: torch.Tensor, log_t: torch.Tensor) -> torch.Tensor:
+def bucket_divergence(plan: ResolvedDivergence, log_s: torch.Tensor, log_t: torch.Tensor) -> torch.Tensor:
     """Per-row divergence between two bucket distributions [R, K] (normalized log-probs, -inf
     allowed; the teacher detached by the caller); autograd gives the gradient."""
     return sum_parts(plan.parts(Entries(log_s, log_t, SAFE)))

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab, divergence_checks
 from megatron_rl_patches.ops import _divergence_tiles as tiles_math
-from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE, Plan
+from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE, ResolvedDivergence
 from megatron_rl_patches.ops._functions import save_tau, saved_scale
 from megatron_rl_patches.ops._rows import RowSelection, scatter_rows, take_rows
 from megatron_rl_patches.ops.kernels import Backend, divergence_step, resolve_backend
@@ -86,7 +86,7 @@ def lm_head_divergence(
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_divergence")
-    plan = Plan.of(name, beta, alpha)
+    plan = ResolvedDivergence.of(name, beta, alpha)
     chosen = resolve_backend(backend, hidden.device, hidden.dtype)
     selection = RowSelection.of(row_mask, n_rows, hidden.device, "the (gathered) hidden rows", tp_group)
     flat = [t.detach() for pair in teachers for t in pair]  # teachers get no gradient
@@ -123,7 +123,7 @@ def _backend_stats(sources, dtype, scale, backend: Backend) -> list[_stats.RowSt
                               no_marks.bool(), None, scale) for src in sources]
 
 
-def _normalizers(sources, dtype, scale, keep_mask, spec, checks, plan: Plan, backend: Backend):
+def _normalizers(sources, dtype, scale, keep_mask, spec, checks, plan: ResolvedDivergence, backend: Backend):
     """Pass 1: every model's (shift, log S) combined over the ranks, and the cross terms of a
     one-pass divergence (else None); bad rows of any model raise here (the call's one host sync)."""
     n_rows, device = sources[0].n_rows, sources[0].first.device
@@ -175,7 +175,7 @@ def _norms(shifts: list[torch.Tensor], log_sums: list[torch.Tensor]) -> tuple[to
     return tuple(torch.stack([shift, log_sum]) for shift, log_sum in zip(shifts, log_sums))
 
 
-def _tile_grads(sources, plan: Plan, shifts, log_sums, consts, scale, row_factor, keep_mask, log_w,
+def _tile_grads(sources, plan: ResolvedDivergence, shifts, log_sums, consts, scale, row_factor, keep_mask, log_w,
                 needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dL/dh, dL/dW) of the student on torch tiles: dz = (g − p·G)·row_factor per tile, the
     table's gradient terms, accumulated by two matmuls."""
@@ -235,7 +235,7 @@ class LmHeadDivergence(torch.autograd.Function):
         none = (None,) * 6
         if grad_value is None or not any(ctx.needs_input_grad[6:8]):
             return none + (None,) * ctx.n_tensors
-        plan: Plan = ctx.plan
+        plan: ResolvedDivergence = ctx.plan
         spec: _vocab.OpSpec = ctx.spec
         sources = _sources(spec, tensors, ctx.selected)
         n_models, dtype = len(sources), saved.dtype

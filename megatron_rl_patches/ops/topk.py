@@ -208,7 +208,7 @@ def _bucket_divergence(
     teachers: torch.Tensor,
     teacher_tails: torch.Tensor | None,
     log_w: torch.Tensor,
-    plan: _divergences.Plan,
+    plan: _divergences.ResolvedDivergence,
     valid: torch.Tensor | None = None,
     renormalize: bool = False,
 ) -> torch.Tensor:
@@ -254,7 +254,7 @@ def topk_kl(
     None: derived stably from their k log-probs). Options as `topk_opd_loss`; the gradient flows
     to the student's buckets only. `ids_mask` (bool [T, k]): buckets where it is False are
     padding, empty for the student and every teacher whatever values they hold."""
-    plan = _divergences.Plan.of(*topk_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
+    plan = _divergences.ResolvedDivergence.of(*topk_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
     renormalize = _divergences.check_renormalize(renormalize)
     _checks.check_float_tensor(student_logprobs, "student_logprobs", "[T, k]")
     _checks.check_float_tensor(student_tail, "student_tail", "[T]")
@@ -330,7 +330,7 @@ def topk_opd_loss(
     model. `row_mask` (bool, the student logits' leading shape): only those rows are computed;
     the others' divergence is 0 with no gradient.
     """
-    plan = _divergences.Plan.of(*topk_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
+    plan = _divergences.ResolvedDivergence.of(*topk_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
     renormalize = _divergences.check_renormalize(renormalize)
     lead, _ = topk_checks.check_logits(student_logits, "student_logits", tp_group)
     _checks.check_id_tensor(ids, "ids", "[T, k]")

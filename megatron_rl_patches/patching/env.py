@@ -5,6 +5,7 @@ import os
 
 from megatron_rl_patches._backend_env import AUTO, parse_backend
 from megatron_rl_patches._backend_env import VARIABLE as BACKEND
+from megatron_rl_patches._residency_modes import RESIDENCY_MODES
 
 # Not `from typing import TYPE_CHECKING`: this module runs at every interpreter start-up and
 # importing typing costs more than everything else the start-up hook does (type checkers
@@ -18,9 +19,9 @@ DISABLE = "MEGATRON_RL_PATCHES_DISABLE"
 STRICT = "MEGATRON_RL_PATCHES_STRICT"
 INFERENCE_ROLES = "MEGATRON_RL_PATCHES_INFERENCE_ROLES"
 ALLOW_UNTESTED = "MEGATRON_RL_PATCHES_ALLOW_UNTESTED"
-# residencies a role may name (inference/residency/modes.py RESIDENCY_MODES; this module imports no torch)
-RESIDENCIES = ("resident", "swap", "stream")
 VARIABLES = (SELECT, DISABLE, STRICT, INFERENCE_ROLES, ALLOW_UNTESTED, BACKEND)
+LAUNCHER_ROOT = "MEGATRON_RL_PATCHES_LAUNCHER_ROOT"  # set by `run` for its children, never by hand
+_PREFIX = "MEGATRON_RL_PATCH"  # a variable starting so (any case) is meant for this package
 
 _OFF = {"", "0", "false", "no", "off", "none"}
 _ALL = {"1", "all", "true", "yes", "on"}
@@ -159,10 +160,10 @@ def checked_role_names(environ: Mapping[str, str] | None = None) -> list[str] | 
         raise ValueError(f"{INFERENCE_ROLES}={_cut(value or '')!r} lists role {_cut(twice[0])!r} more than once; "
                          "list each role once (role, or role:residency)")
     modes = role_residencies(environ)
-    wrong = [(role, mode) for role, mode in modes.items() if mode not in RESIDENCIES]
+    wrong = [(role, mode) for role, mode in modes.items() if mode not in RESIDENCY_MODES]
     if wrong:
         raise ValueError(f"{INFERENCE_ROLES}={_cut(value or '')!r}: role {_cut(wrong[0][0])!r} has residency "
-                         f"{_cut(wrong[0][1])!r}; use role:{'|'.join(RESIDENCIES)} (e.g. ref:stream), or the "
+                         f"{_cut(wrong[0][1])!r}; use role:{'|'.join(RESIDENCY_MODES)} (e.g. ref:stream), or the "
                          "role alone for resident")
     return roles
 
@@ -181,6 +182,25 @@ def _suggestions(unknown: Sequence[str], known: Sequence[str]) -> str:
     if len(unknown) == 1:
         return f" (did you mean {found[unknown[0]]}?)"
     return f" (did you mean {', '.join(f'{match} for {_cut(name)!r}' for name, match in found.items())}?)"
+
+
+def check_variable_names(known: Sequence[str], environ: Mapping[str, str] | None = None) -> None:
+    """ValueError naming each variable of `environ` that starts like ours (MEGATRON_RL_PATCH..., any
+    case) but is none of `known`, with the close known name ("did you mean ...?"): a misspelled
+    setting would otherwise be ignored and its default used without a word."""
+    import difflib  # only here: start-up imports it only when a variable of ours is set
+
+    names = [name for name in _environ(environ) if name.upper().startswith(_PREFIX)]
+    unknown = sorted(name for name in names if name not in known)
+    if not unknown:
+        return
+    hints = []
+    for name in unknown[:_LISTED]:
+        close = difflib.get_close_matches(name.upper(), known, n=1, cutoff=0.6)
+        hints.append(f"{_cut(name)}" + (f" (did you mean {close[0]}?)" if close else ""))
+    more = f" and {len(unknown) - _LISTED} more" if len(unknown) > _LISTED else ""
+    raise ValueError(f"unknown variable(s) {', '.join(hints)}{more}: megatron-rl-patches reads none of them; "
+                     "rename or unset them (`megatron-rl-patches run --help` lists its variables)")
 
 
 def check_names(source: str, names: Sequence[str], known: Sequence[str]) -> None:

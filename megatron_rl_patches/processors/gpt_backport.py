@@ -1,7 +1,7 @@
 """GPTModel's `output_processor=` / `output_processor_context=` keywords (megatron-core >= 0.18)
 backported to releases before 0.18: the wrapper of patch `gpt_output_processor` (declared in
 `megatron_rl_patches.integrations.megatron.patches`; the signature it shows is `gpt_signature`'s).
-The work is `backport.forward_with_processor`, shared with HybridModel's `hybrid_output_processor`."""
+The work is `backport_common.forward_with_processor`, shared with HybridModel's `hybrid_output_processor`."""
 from __future__ import annotations
 
 from typing import Any
@@ -10,6 +10,6 @@ from typing import Any
 def gpt_forward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """`gpt_output_processor`: the processor gets the output layer's inputs in place of the logits
     and its result is returned, with the keywords megatron-core 0.18 passes."""
-    from megatron_rl_patches.processors.backport import forward_with_processor
+    from megatron_rl_patches.processors.backport_common import forward_with_processor
 
     return forward_with_processor(wrapped, instance, args, kwargs)

@@ -284,6 +284,13 @@ def kept_log_probs(call: ProcessorCall, ctx: Mapping[str, Any], log_probs: torch
         raise TypeError("output_processor_context['kept_row_mask'] must be a bool tensor [b, s]")
     if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point:
         raise TypeError("output_processor_context['kept_positions'] must be an integer tensor [P]")
+    tokens = call.batch * call.seq
+    outside = positions.dim() != 1 or bool(((positions < 0) | (positions >= tokens)).any())
+    if outside:  # a wrapped index would renormalize another token
+        raise ValueError(f"output_processor_context['kept_positions'] must be a 1-D tensor of flat [b, s] token "
+                         f"indices in [0, {tokens}) (b={call.batch}, s={call.seq}), got shape {tuple(positions.shape)} "
+                         f"with values {positions.min().item() if positions.numel() else None}.."
+                         f"{positions.max().item() if positions.numel() else None}")
     # [b, s] flat index -> the hidden states' (s, b) row order
     kept_rows = (positions % call.seq) * call.batch + torch.div(positions, call.seq, rounding_mode="floor")
     assert call.labels is not None  # the log-prob processor requires labels

@@ -25,3 +25,38 @@ class ProcessorOutput(dict):
     @property
     def dtype(self) -> Any:
         return self._first_tensor().dtype
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # rebuilt from a plain dict: torch.load's weights-only unpickler sets items on dicts only
+        return ProcessorOutput, (dict(self),)
+
+
+def _flatten(output: ProcessorOutput) -> tuple[list[Any], list[Any]]:
+    return list(output.values()), list(output.keys())
+
+
+def _unflatten(values: Any, keys: Any) -> ProcessorOutput:
+    return ProcessorOutput(zip(keys, values, strict=True))
+
+
+def _flatten_with_keys(output: ProcessorOutput) -> tuple[list[tuple[Any, Any]], list[Any]]:
+    from torch.utils._pytree import MappingKey
+
+    return [(MappingKey(key), value) for key, value in output.items()], list(output.keys())
+
+
+def _register() -> None:
+    """Treat the output as the dict it is: `torch.load` (weights_only, its default) may rebuild it,
+    and torch's pytree (tree_leaves, tree_map) walks into its tensors. Idempotent."""
+    from torch.utils import _pytree
+
+    add_safe_globals = getattr(torch.serialization, "add_safe_globals", None)
+    if add_safe_globals is not None and ProcessorOutput not in torch.serialization.get_safe_globals():
+        add_safe_globals([ProcessorOutput])
+    if ProcessorOutput not in _pytree.SUPPORTED_NODES:
+        _pytree.register_pytree_node(ProcessorOutput, _flatten, _unflatten,
+                                     serialized_type_name=f"{__name__}.ProcessorOutput",
+                                     flatten_with_keys_fn=_flatten_with_keys)
+
+
+_register()

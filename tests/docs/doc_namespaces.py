@@ -105,7 +105,7 @@ def logprobs(stack: ExitStack) -> dict:
     total_lengths, response_lengths, vocab = [5, 7], [3, 4], 50
     rows = sum(total_lengths)
     gen = torch.Generator().manual_seed(2)
-    return {
+    inputs = {
         "logits": lm_head_logits(rows, vocab),
         "tokens": token_ids(rows, vocab),
         "tp_group": None,
@@ -117,6 +117,13 @@ def logprobs(stack: ExitStack) -> dict:
         "rank": 0,
         "unconcat_tokens": [torch.randint(0, vocab, (n,), generator=gen) for n in total_lengths],
     }
+    return {**inputs, "_inputs": inputs}
+
+
+def logprobs_before(block: Any, ns: dict) -> None:
+    """The fragments get the packed batch's inputs, not the runnable example's toy `logits`."""
+    if block.text.startswith("# fragment:"):
+        ns.update(ns["_inputs"])
 
 
 # ---------------------------------------------------------------------------- docs/testing.md
@@ -232,7 +239,7 @@ PAGES: dict[str, Page] = {
         replace=lambda ns: {'"/ckpt/teacher"': repr(ns["teacher_checkpoint"])},
         finish=inference_only_finish,
     ),
-    "docs/logprobs.md": Page(logprobs),
+    "docs/logprobs.md": Page(logprobs, before=logprobs_before),
     "docs/testing.md": Page(testing, megatron=True, finish=testing_finish),
     "docs/fused-lm-head.md": Page(fused_lm_head, megatron=True, finish=fused_lm_head_finish),
     "docs/topk-opd.md": Page(topk_opd, megatron=True, before=topk_opd_before, finish=topk_opd_finish),

@@ -92,7 +92,7 @@ def environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def run_cli(command: str) -> tuple[int, str]:
+def run_documented_command(command: str) -> tuple[int, str]:
     """`[NAME=value ...] megatron-rl-patches ARGS` (or `python -m megatron_rl_patches ARGS`) through
     the CLI's `main` in this process; returns (exit code, stdout)."""
     from megatron_rl_patches.apps.cli import main

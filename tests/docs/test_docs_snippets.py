@@ -17,7 +17,7 @@ from doc_running import (  # noqa: E402
     assert_output,
     cli_commands,
     listed_signatures,
-    run_cli,
+    run_documented_command,
     run_python,
     signature_mismatches,
 )
@@ -92,7 +92,7 @@ def test_page_blocks_run_and_print_what_they_show(page, clean_patch_state):
                 printed = run_python(block, namespace, replace)
             elif block.kind == "cli":
                 for command, shown in cli_commands(block):
-                    code, printed = run_cli(command)
+                    code, printed = run_documented_command(command)
                     assert code == 0, f"{block.where}: `{command}` exited {code}"
                     assert_output(Block(block.page, block.line, "", shown, "output"), printed, f"`{command}`")
             else:

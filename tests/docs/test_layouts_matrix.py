@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rl_patches.testing import layouts
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 PAGE = REPO / "docs" / "layouts.md"
@@ -143,6 +145,24 @@ def test_the_page_has_a_legend_and_a_full_matrix(matrix):
     assert not blank, f"cells neither ✅, refused, n.a. nor ⬜: {blank}"
 
 
+def test_the_pages_layout_table_is_the_table_in_code(matrix):
+    """docs/layouts.md's layout table is megatron_rl_patches.testing.layouts.LAYOUTS, row for row, and
+    its matrix has one column per layout of the table, in its order."""
+    text = PAGE.read_text(encoding="utf-8")
+    assert layouts.markdown_table() in text, "write docs/layouts.md's layout table as:\n" + layouts.markdown_table()
+    assert matrix.layouts == {layout.id: (layout.title, layout.marker) for layout in layouts.LAYOUTS}
+    assert list(dict.fromkeys(cell.split("-")[1] for cell in matrix.cells)) == list(layouts.BY_ID)
+
+
+def test_a_marker_typo_is_refused():
+    """Negative control: a layout marker the table does not know raises, naming the known ones."""
+    assert layouts.mark("tp2", "thd").args == ("tp2", "thd")
+    with pytest.raises(ValueError, match="tp2"):
+        layouts.mark("tp-2")
+    with pytest.raises(ValueError):
+        layouts.check_names(())
+
+
 def test_every_decided_cell_has_its_note_and_no_other_cell_has_one(matrix):
     missing = [cell for cell, value in matrix.cells.items() if value != "⬜" and cell not in matrix.notes]
     stray = [cell for cell in matrix.notes if matrix.cells.get(cell, "⬜") == "⬜"]
@@ -189,7 +209,7 @@ def test_the_verl_lanes_proofs_are_collected_with_their_layouts(matrix, tmp_path
 
 def static_problems(nid: str, marker: str) -> list[str]:
     """Without importing the module (verl is missing here): the node id's file and test function
-    exist, and the module puts a `layout(...)` marker on its tests and names `marker` in a string."""
+    exist, and the module puts a `layout(...)` marker (`layouts.mark`) on its tests and names `marker` in a string."""
     path, _, name = nid.partition("::")
     name, param = name.partition("[")[0], name.partition("[")[2].rstrip("]")
     file = REPO / path
@@ -199,7 +219,9 @@ def static_problems(nid: str, marker: str) -> list[str]:
     problems = []
     if not any(isinstance(node, ast.FunctionDef) and node.name == name for node in tree.body):
         problems.append(f"{nid}: no test function {name} in {path}")
-    if not any(isinstance(node, ast.Attribute) and node.attr == "layout" for node in ast.walk(tree)):
+    if not any(isinstance(node, ast.Attribute) and (node.attr == "layout" or (
+            node.attr == "mark" and isinstance(node.value, ast.Name) and node.value.id == "layouts"))
+            for node in ast.walk(tree)):
         problems.append(f"{nid}: {path} puts no layout(...) marker on its tests")
     strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
     for wanted in filter(None, (marker, param)):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_rl_patches.testing import layouts
+
 pytestmark = pytest.mark.megatron
 
 DROPOUT = dict(hidden_dropout=0.5, attention_dropout=0.5)
@@ -14,7 +16,7 @@ DROPOUT = dict(hidden_dropout=0.5, attention_dropout=0.5)
 # ---------------------------------------------------------------------------- the build
 
 
-@pytest.mark.layout("bshd")
+@layouts.mark("bshd")
 def test_inference_build_is_frozen_and_matches_the_trainable_build_in_eval(megatron_cpu_kind, ddp_anywhere):
     from megatron_rl_patches import build_inference_model
 
@@ -44,7 +46,7 @@ def test_inference_build_is_frozen_and_matches_the_trainable_build_in_eval(megat
     assert not first.requires_grad
 
 
-@pytest.mark.layout("bf16")
+@layouts.mark("bf16")
 def test_bf16_build_is_wrapped_in_float16module(megatron_cpu_kind, ddp_anywhere):
     from megatron.core.transformer.module import Float16Module
 

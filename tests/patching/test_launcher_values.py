@@ -72,13 +72,22 @@ CASES = [
      "MEGATRON_RL_PATCHES_OPD_IDS_FROM='teacher'"),
     ("opd-weights", None, {OPD + "TEACHERS": "/a,/b", OPD + "WEIGHTS": "2,3"},
      "MEGATRON_RL_PATCHES_OPD_WEIGHTS='2,3' sums to 5"),
+    # misspelled names with our prefix (issue 49: ignored, `run` then defaulted to all)
+    ("misspelled-select", None, {"MEGATRON_RL_PATCH": "ddp_hooks"},
+     "unknown variable(s) MEGATRON_RL_PATCH (did you mean MEGATRON_RL_PATCHES?)"),
+    ("misspelled-disable", None, {"MEGATRON_RL_PATCHES_DISABLED": "ddp_hooks"},
+     "unknown variable(s) MEGATRON_RL_PATCHES_DISABLED (did you mean MEGATRON_RL_PATCHES_DISABLE?)"),
+    ("misspelled-opd-teachers", None, {OPD + "TEACHER": "/ckpt/t"},
+     "unknown variable(s) MEGATRON_RL_PATCHES_OPD_TEACHER (did you mean MEGATRON_RL_PATCHES_OPD_TEACHERS?)"),
+    ("lower-case-select", None, {"megatron_rl_patches": "all"}, "unknown variable(s) megatron_rl_patches"),
 ]
+MISSPELLED = {"MEGATRON_RL_PATCH", "MEGATRON_RL_PATCHES_DISABLED", OPD + "TEACHER", "megatron_rl_patches"}
 
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     """Every case launched at once (each launch starts two interpreters)."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_RL_PATCHES")}
+    base = {k: v for k, v in os.environ.items() if not k.upper().startswith("MEGATRON_RL_PATCH")}
     procs = {}
     for case, patches, variables, _ in CASES:
         marker = tmp_path_factory.mktemp(case) / "started"
@@ -106,5 +115,5 @@ def test_launch(launches, case, patches, variables, expected):
 def test_the_table_covers_every_variable_the_launcher_passes_on():
     from megatron_rl_patches.patching import env
 
-    covered = {name for _, _, variables, _ in CASES for name in variables}
+    covered = {name for _, _, variables, _ in CASES for name in variables} - MISSPELLED
     assert {name for name in covered if not name.startswith(OPD)} == set(env.VARIABLES)

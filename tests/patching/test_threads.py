@@ -81,7 +81,7 @@ def test_ray_disarm_racing_arm_leaves_ray_init_unwrapped(monkeypatch):
 
     import wrapt
 
-    from megatron_rl_patches.integrations import ray as ray_integration
+    from megatron_rl_patches.integrations import _ray as ray_integration
 
     monkeypatch.setattr(wrapt, "register_post_import_hook", lambda hook, name: None)
     fake_ray = types.ModuleType("ray")

@@ -76,7 +76,7 @@ def test_a_patched_method_pickles_like_the_original_from_the_class_and_bound(sta
 
 
 def test_ray_init_wrapper_pickles_by_reference(monkeypatch):
-    from megatron_rl_patches.integrations import ray as ray_integration
+    from megatron_rl_patches.integrations import _ray as ray_integration
 
     fake_ray = types.ModuleType("ray")
 

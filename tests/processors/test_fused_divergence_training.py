@@ -16,6 +16,7 @@ import torch
 import megatron_rl_patches
 from megatron_rl_patches import divergence_output_processor, hidden_output_processor
 from megatron_rl_patches.ops._divergences import DIVERGENCES
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.divergence_reference import dense_divergence
 from megatron_rl_patches.testing.vocab_watch import VocabWideTensors
 
@@ -50,7 +51,7 @@ def _dense_loss(student, teachers, batch, divergence) -> torch.Tensor:
                             **OPTIONS).mean()
 
 
-@pytest.mark.layout("bshd")
+@layouts.mark("bshd")
 def test_two_teacher_full_vocabulary_distillation_without_logits(megatron_cpu, clean_patch_state):
     megatron_rl_patches.apply(only="gpt_output_processor")  # `native` on megatron-core >= 0.18
     student, optimizer = _student(megatron_cpu)

@@ -21,9 +21,11 @@ from megatron_rl_patches import (
     topk_output_processor,
 )
 from megatron_rl_patches.patching import registry
+from megatron_rl_patches.testing import layouts
+from megatron_rl_patches.testing.compare import close, collect_grads
 from megatron_rl_patches.testing.divergence_reference import dense_divergence
 
-pytestmark = [pytest.mark.megatron, pytest.mark.layout("hybrid")]
+pytestmark = [pytest.mark.megatron, layouts.mark("hybrid")]
 REL = 2e-6
 V, B, S = 64, 2, 16
 
@@ -54,19 +56,12 @@ def _args(batch):
     return batch["tokens"], batch["position_ids"], batch["attention_mask"]
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, rel: float = REL) -> bool:
-    scale = want.abs().max().clamp_min(1.0)
-    return got.shape == want.shape and float((got - want).abs().max()) <= rel * float(scale)
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return grads
 
 
 def _same_grads(got: dict, want: dict) -> bool:
-    return got.keys() == want.keys() and all(_close(got[name], want[name]) for name in want)
+    return got.keys() == want.keys() and all(close(got[name], want[name], REL) for name in want)
 
 
 def test_without_the_patch_hybrid_model_rejects_the_keyword(megatron_cpu, clean_patch_state):
@@ -110,20 +105,20 @@ def test_log_prob_processor_equals_the_logits_path(hybrid, tied):
         lp, ent = log_probs_and_entropy(logits.reshape(-1, V), batch["labels"].reshape(-1), temperature=temperature,
                                         with_entropy=True)
         ((a.reshape(-1) * lp).sum() + (b.reshape(-1) * ent).sum()).backward()
-        return lp.reshape(B, S).detach(), ent.reshape(B, S).detach(), _grads(model)
+        return lp.reshape(B, S).detach(), ent.reshape(B, S).detach(), collect_grads(model)
 
     lp_ref, ent_ref, want = logits_route(0.8)
     out = model(*_args(batch), labels=batch["labels"],
                 output_processor=log_prob_output_processor(temperature=0.8, with_entropy=True))
     assert set(out) == {"log_probs", "entropy"}
     ((a * out["log_probs"]).sum() + (b * out["entropy"]).sum()).backward()
-    got = _grads(model)
-    assert _close(out["log_probs"], lp_ref) and _close(out["entropy"], ent_ref)
+    got = collect_grads(model)
+    assert close(out["log_probs"], lp_ref, REL) and close(out["entropy"], ent_ref, REL)
     assert _same_grads(got, want)
     assert ("output_layer.weight" in got) != tied and ("embedding.word_embeddings.weight" in got)
     # negative control: the logits route at a slightly different temperature is seen as different
     lp_off, _, grads_off = logits_route(0.81)
-    assert not _close(out["log_probs"], lp_off) and not _same_grads(got, grads_off)
+    assert not close(out["log_probs"], lp_off, REL) and not _same_grads(got, grads_off)
 
 
 def test_topk_processor_for_a_student_and_a_teacher_scoring_its_ids(hybrid):
@@ -134,18 +129,18 @@ def test_topk_processor_for_a_student_and_a_teacher_scoring_its_ids(hybrid):
     ids_ref = topk_ids(logits.detach() / 0.9, 4)
     assert torch.equal(out["topk_ids"], ids_ref)
     lp_ref, tail_ref = topk_logprobs(logits, ids_ref, temperature=0.9)
-    assert _close(out["topk_log_probs"], lp_ref.detach()) and _close(out["tail"], tail_ref.detach())
+    assert close(out["topk_log_probs"], lp_ref.detach(), REL) and close(out["tail"], tail_ref.detach(), REL)
     (lp_ref.sum() + tail_ref.sum()).backward()
-    want = _grads(student)
+    want = collect_grads(student)
     (out["topk_log_probs"].sum() + out["tail"].sum()).backward()
-    assert _same_grads(_grads(student), want)
+    assert _same_grads(collect_grads(student), want)
 
     with torch.no_grad():
         scored = teacher(*_args(batch), output_processor=topk_output_processor(),
                          output_processor_context={"ids": out["topk_ids"]})
         t_lp, t_tail = topk_logprobs(teacher(*_args(batch)), out["topk_ids"])
-    assert _close(scored["topk_log_probs"], t_lp) and _close(scored["tail"], t_tail)
-    assert not _close(scored["topk_log_probs"], lp_ref.detach())  # negative control: the student's differ
+    assert close(scored["topk_log_probs"], t_lp, REL) and close(scored["tail"], t_tail, REL)
+    assert not close(scored["topk_log_probs"], lp_ref.detach(), REL)  # negative control: the student's differ
 
 
 def test_divergence_from_a_hybrid_teacher_equals_the_dense_route(hybrid):
@@ -160,14 +155,14 @@ def test_divergence_from_a_hybrid_teacher_equals_the_dense_route(hybrid):
     out = student(*_args(batch), output_processor=divergence_output_processor(**options),
                   output_processor_context={"teacher_hidden": hidden, "teacher_weight": teacher.output_layer.weight})
     out.sum().backward()
-    got = _grads(student)
+    got = collect_grads(student)
     dense = dense_divergence(student(*_args(batch)).double().reshape(B * S, V), [teacher_logits], **options)
     dense.sum().backward()
-    want = _grads(student)
-    assert _close(out.double(), dense.reshape(B, S).detach()) and _same_grads(got, want)
+    want = collect_grads(student)
+    assert close(out.double(), dense.reshape(B, S).detach(), REL) and _same_grads(got, want)
     other = dense_divergence(student(*_args(batch)).double().reshape(B * S, V), [teacher_logits],
                              divergence="jsd", beta=0.5)
-    assert not _close(out.double(), other.reshape(B, S).detach())  # negative control: another beta
+    assert not close(out.double(), other.reshape(B, S).detach(), REL)  # negative control: another beta
 
 
 def test_processor_errors_leave_the_hybrid_model_usable(hybrid):
@@ -223,7 +218,7 @@ def test_detected_by_signature_native_or_skipped_with_the_reason(monkeypatch, ow
     assert vars(owner)["forward"] is original
 
 
-@pytest.mark.layout("mtp")
+@layouts.mark("mtp")
 def test_hybrid_model_with_mtp_heads_through_the_fused_head(hybrid, monkeypatch):
     """HybridModel with two MTP depths ("*-/*-/*-"): a processor needs `mtp_output_processor` (refused
     without it, before the forward), and with it the step equals megatron's logits route —
@@ -249,14 +244,14 @@ def test_hybrid_model_with_mtp_heads_through_the_fused_head(hybrid, monkeypatch)
         model(*_args(batch), labels=batch["labels"]).mean().backward()
     assert logits_route.largest_bytes >= rows * vocab * 4  # the control: [T, V] logits
     key = "loss_values" if "loss_values" in MTPLossLoggingHelper.tracker else "values"  # 0.18: "values"
-    want, want_logged = _grads(model), MTPLossLoggingHelper.tracker[key].clone()
+    want, want_logged = collect_grads(model), MTPLossLoggingHelper.tracker[key].clone()
 
     MTPLossLoggingHelper.tracker = {}
     megatron_rl_patches.apply(only=["hybrid_output_processor", "mtp_output_processor"])
     with VocabWideTensors(vocab) as fused_route:
         (-model(*_args(batch), labels=batch["labels"], output_processor=processor)["log_probs"].mean()).backward()
     assert fused_route.largest_shape == (tile, vocab), fused_route.as_dict()
-    got = _grads(model)
+    got = collect_grads(model)
     assert _same_grads(got, want) and any(name.startswith("mtp.") for name in got)
     assert torch.allclose(MTPLossLoggingHelper.tracker[key], want_logged, rtol=1e-6)
     MTPLossLoggingHelper.tracker = {}

@@ -12,9 +12,10 @@ import torch
 
 import megatron_rl_patches
 from megatron_rl_patches import log_prob_output_processor
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.vocab_watch import VocabWideTensors
 
-pytestmark = [pytest.mark.megatron, pytest.mark.layout("mtp")]
+pytestmark = [pytest.mark.megatron, layouts.mark("mtp")]
 V, B, S = 100, 2, 16  # V differs from every other width of the tiny model (2h = 64 is MTP's eh_proj input)
 T = B * S
 TILE_ROWS = 8
@@ -196,7 +197,7 @@ def test_a_step_with_mtp_builds_no_vocab_wide_tensor(mtp_kit, monkeypatch):
 def test_the_backport_refuses_mtp_without_the_fused_mtp_loss(mtp_kit):
     """A processor through a backported hook with MTP heads whose loss would call the output
     layer is refused before the forward (here: GPTModel's forward through the backport wrapper)."""
-    from megatron_rl_patches.processors.backport import forward_with_processor
+    from megatron_rl_patches.processors.backport_common import forward_with_processor
 
     env, _ = mtp_kit
     model = _model(env)

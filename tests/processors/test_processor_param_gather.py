@@ -12,9 +12,10 @@ import inspect
 
 import pytest
 
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
-pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow, pytest.mark.layout("distopt")]
+pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow, layouts.mark("distopt")]
 
 
 def _one_step_then_score(rank: int, overlap: bool, fused: bool):

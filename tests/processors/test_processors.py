@@ -15,6 +15,8 @@ from megatron_rl_patches import (
     topk_logprobs,
     topk_output_processor,
 )
+from megatron_rl_patches.testing import layouts
+from megatron_rl_patches.testing.compare import close, collect_grads
 
 pytestmark = pytest.mark.megatron
 REL = 2e-6
@@ -31,19 +33,11 @@ def _gpt(megatron_cpu, tied: bool, seed: int = 0):
     )
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, rel: float = REL) -> None:
-    assert got.shape == want.shape
-    if not want.numel():  # a sample with no response rows on this CP rank
-        return
-    scale = want.abs().max().clamp_min(1.0)
-    assert float((got - want).abs().max()) <= rel * float(scale), float((got - want).abs().max())
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.layout("bshd")
+@layouts.mark("bshd")
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_log_prob_processor_equals_the_logits_path(megatron_cpu, clean_patch_state, tied):
     megatron_rl_patches.apply(only="gpt_output_processor")  # `native` on >= 0.18
@@ -56,20 +50,20 @@ def test_log_prob_processor_equals_the_logits_path(megatron_cpu, clean_patch_sta
     lp_ref, ent_ref = log_probs_and_entropy(logits.reshape(-1, 64), batch["labels"].reshape(-1), temperature=0.8,
                                             with_entropy=True)
     ((a.reshape(-1) * lp_ref).sum() + (b.reshape(-1) * ent_ref).sum()).backward()
-    want = _grads(model)
+    want = collect_grads(model, zero=False)
     model.zero_grad()
 
     processor = log_prob_output_processor(temperature=0.8, with_entropy=True)
     out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
                 output_processor=processor)
     assert set(out) == {"log_probs", "entropy"} and out["log_probs"].shape == (2, 16)
-    _close(out["log_probs"], lp_ref.reshape(2, 16).detach())
-    _close(out["entropy"], ent_ref.reshape(2, 16).detach())
+    assert close(out["log_probs"], lp_ref.reshape(2, 16).detach(), REL)
+    assert close(out["entropy"], ent_ref.reshape(2, 16).detach(), REL)
     ((a * out["log_probs"]).sum() + (b * out["entropy"]).sum()).backward()
-    got = _grads(model)
+    got = collect_grads(model, zero=False)
     assert got.keys() == want.keys()
     for name in want:
-        _close(got[name], want[name])
+        assert close(got[name], want[name], REL)
 
 
 def test_entropy_as_a_metric_and_per_token_context(megatron_cpu, clean_patch_state):
@@ -86,8 +80,8 @@ def test_entropy_as_a_metric_and_per_token_context(megatron_cpu, clean_patch_sta
     processor = log_prob_output_processor(with_entropy=True, entropy_requires_grad=False)
     out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
                 output_processor=processor, output_processor_context={"temperature": tau, "keep_mask": keep})
-    _close(out["log_probs"], lp_ref.reshape(2, 16))
-    _close(out["entropy"], ent_ref.reshape(2, 16))
+    assert close(out["log_probs"], lp_ref.reshape(2, 16), REL)
+    assert close(out["entropy"], ent_ref.reshape(2, 16), REL)
     assert not out["entropy"].requires_grad and out["log_probs"].requires_grad
 
 
@@ -109,7 +103,7 @@ def test_processor_input_errors_name_the_problem(megatron_cpu, clean_patch_state
         topk_output_processor(k=0)
 
 
-@pytest.mark.layout("bshd")
+@layouts.mark("bshd")
 def test_topk_processor_for_student_and_teacher(megatron_cpu, clean_patch_state):
     megatron_rl_patches.apply(only="gpt_output_processor")
     student, teacher = _gpt(megatron_cpu, tied=False, seed=0), _gpt(megatron_cpu, tied=True, seed=1)
@@ -120,16 +114,16 @@ def test_topk_processor_for_student_and_teacher(megatron_cpu, clean_patch_state)
     ids_ref = topk_ids(logits / 0.9, 4)
     assert torch.equal(out["topk_ids"], ids_ref)
     lp_ref, tail_ref = topk_logprobs(logits, ids_ref, temperature=0.9)
-    _close(out["topk_log_probs"], lp_ref)
-    _close(out["tail"], tail_ref)
+    assert close(out["topk_log_probs"], lp_ref, REL)
+    assert close(out["tail"], tail_ref, REL)
     with torch.no_grad():
         scored = teacher(*args, output_processor=topk_output_processor(),
                          output_processor_context={"ids": out["topk_ids"]})
         t_logits = megatron_cpu.forward(teacher, batch)
     t_lp, t_tail = topk_logprobs(t_logits, ids_ref)
     assert "topk_ids" not in scored
-    _close(scored["topk_log_probs"], t_lp)
-    _close(scored["tail"], t_tail)
+    assert close(scored["topk_log_probs"], t_lp, REL)
+    assert close(scored["tail"], t_tail, REL)
 
 
 @pytest.mark.parametrize("cp", [1, 2], ids=["thd", "cp-zigzag"])
@@ -163,5 +157,5 @@ def test_packed_and_zigzag_rows_share_the_labels_layout(megatron_cpu, cp):
         got_lp = split_responses(out["log_probs"][0].detach(), layout)
         got_ent = split_responses(out["entropy"][0].detach(), layout)
         for g_lp, w_lp, g_e, w_e in zip(got_lp, want_lp, got_ent, want_ent):
-            _close(g_lp, w_lp)
-            _close(g_e, w_e)
+            assert close(g_lp, w_lp, REL)
+            assert close(g_e, w_e, REL)

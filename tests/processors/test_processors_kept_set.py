@@ -76,3 +76,10 @@ def test_kept_set_context_matches_the_dense_keep_mask_route(megatron_cpu, clean_
     with pytest.raises(ValueError, match="'kept_ids', 'kept_positions' and 'kept_row_mask' together"):
         model(*call, labels=labels, output_processor=log_prob_output_processor(),
               output_processor_context={"kept_ids": ids, "kept_row_mask": mask})
+    tokens = labels.numel()
+    for bad in ([4, tokens + 3], [-1, 4], [[4, 5]]):  # [4, b*s+3] acted as [4, 4] through % and //
+        with pytest.raises(ValueError, match=rf"\['kept_positions'\] must be a 1-D tensor of flat \[b, s\] token "
+                                             rf"indices in \[0, {tokens}\)"):
+            model(*call, labels=labels, output_processor=log_prob_output_processor(),
+                  output_processor_context={"kept_ids": torch.tensor([1, 2]), "kept_positions": torch.tensor(bad),
+                                            "kept_row_mask": mask})

@@ -6,22 +6,27 @@ recompute). Negative controls: the call count of a model without recompute, and 
 another temperature, which each comparison tells apart."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
+from kit import logits_reference
 
 import megatron_rl_patches
 from megatron_rl_patches import (
     divergence_output_processor,
     hidden_output_processor,
     log_prob_output_processor,
-    log_probs_and_entropy,
-    topk_logprobs,
     topk_output_processor,
 )
-from megatron_rl_patches.testing.divergence_reference import dense_divergence
+from megatron_rl_patches.testing import layouts
+from megatron_rl_patches.testing.compare import grad_error, relative_error
 
 pytestmark = pytest.mark.megatron
 PROCESSORS = ("log-prob", "top-k", "divergence")
+# relative to the reference's own largest magnitude (no floor at 1: the gradients are small)
+error = partial(relative_error, floor=0.0)
+grads_error = partial(grad_error, floor=0.0)
 B, S, V, K = 2, 16, 64, 4
 # the divergence against the float64 dense route: fp32 rounding of values ~1e-3
 REL = {"log-prob": 2e-6, "top-k": 2e-6, "divergence": 5e-5}
@@ -53,21 +58,20 @@ def _fused(model, teacher, batch, which: str, temperature: float = 1.0) -> torch
                  output_processor_context={"teacher_hidden": hidden, "teacher_weight": weight})
 
 
-def _from_logits(model, teacher, batch, which: str, temperature: float = 1.0) -> torch.Tensor:
+def _logits_route(model, teacher, batch, which: str, temperature: float = 1.0) -> torch.Tensor:
     """The same from the model's logits [b, s, V] (top-k at the ids the logits' own top-k picks)."""
     rows = model(*_args(batch)).reshape(B * S, V)
+    teacher_rows = None
+    if which == "divergence":
+        with torch.no_grad():
+            teacher_rows = teacher(*_args(batch)).reshape(B * S, V)
+    out = logits_reference.from_logits(which, rows, batch["labels"].reshape(-1), K, teacher_rows=teacher_rows,
+                                       temperature=temperature)
     if which == "log-prob":
-        lp, ent = log_probs_and_entropy(rows, batch["labels"].reshape(-1), temperature=temperature, with_entropy=True)
-        return (lp + 0.5 * ent).view(B, S)
+        return (out[0] + 0.5 * out[1]).view(B, S)
     if which == "top-k":
-        ids = (rows.detach() / temperature).topk(K, dim=-1).indices
-        lp, tail = topk_logprobs(rows, ids, temperature=temperature)
-        return torch.cat([lp, tail[:, None]], dim=-1).view(B, S, K + 1)
-    with torch.no_grad():
-        teacher_rows = teacher(*_args(batch)).reshape(B * S, V)
-    dense = dense_divergence(rows.double(), [teacher_rows.double()], divergence="jsd", beta=0.4,
-                             temperature=temperature)
-    return dense.view(B, S)
+        return torch.cat([out[0], out[1][:, None]], dim=-1).view(B, S, K + 1)
+    return out[0].view(B, S)
 
 
 def _unwrapped(model):
@@ -84,14 +88,8 @@ def _scored(model, route, teacher, batch, which: str, temperature: float = 1.0) 
     return values.detach().float(), grads
 
 
-def _error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Largest difference relative to the reference's largest magnitude."""
-    return float((got - want).abs().max()) / float(want.abs().max())
 
 
-def _grad_error(got: dict, want: dict) -> float:
-    assert got.keys() == want.keys() and got, (sorted(got), sorted(want))
-    return max(_error(got[name], want[name]) for name in want)
 
 
 def _teacher(env, **config):
@@ -106,7 +104,7 @@ def _count_layer_calls(model) -> list[int]:
     return calls
 
 
-@pytest.mark.layout("recompute")
+@layouts.mark("recompute")
 @pytest.mark.parametrize("which", PROCESSORS)
 def test_processors_under_full_activation_recompute(megatron_cpu, clean_patch_state, which):
     megatron_rl_patches.apply(only="gpt_output_processor")  # `native` on megatron-core >= 0.18
@@ -118,16 +116,16 @@ def test_processors_under_full_activation_recompute(megatron_cpu, clean_patch_st
     got, got_grads = _scored(recomputed, _fused, teacher, batch, which)
     layers = len(recomputed.decoder.layers)
     assert recomputed_calls[0] == 2 * layers  # each layer again in backward: recompute really ran
-    want, want_grads = _scored(plain, _from_logits, teacher, batch, which)
+    want, want_grads = _scored(plain, _logits_route, teacher, batch, which)
     assert plain_calls[0] == layers  # the control: without recompute, once
-    same_route, same_route_grads = _scored(recomputed, _from_logits, teacher, batch, which)
-    assert _error(got, want) <= REL[which] and _grad_error(got_grads, want_grads) <= REL[which]
-    assert _error(same_route, want) <= REL[which] and _grad_error(same_route_grads, want_grads) <= REL[which]
-    other, other_grads = _scored(plain, _from_logits, teacher, batch, which, temperature=OTHER_TEMPERATURE)
-    assert _error(got, other) > 1e-2 and _grad_error(got_grads, other_grads) > 1e-2  # the comparison sees it
+    same_route, same_route_grads = _scored(recomputed, _logits_route, teacher, batch, which)
+    assert error(got, want) <= REL[which] and grads_error(got_grads, want_grads) <= REL[which]
+    assert error(same_route, want) <= REL[which] and grads_error(same_route_grads, want_grads) <= REL[which]
+    other, other_grads = _scored(plain, _logits_route, teacher, batch, which, temperature=OTHER_TEMPERATURE)
+    assert error(got, other) > 1e-2 and grads_error(got_grads, other_grads) > 1e-2  # the comparison sees it
 
 
-@pytest.mark.layout("bf16")
+@layouts.mark("bf16")
 @pytest.mark.parametrize("which", PROCESSORS)
 def test_processors_on_a_bf16_float16module(megatron_cpu, clean_patch_state, which):
     from megatron.core.transformer.module import Float16Module
@@ -141,14 +139,14 @@ def test_processors_on_a_bf16_float16module(megatron_cpu, clean_patch_state, whi
     batch = env.batch(seed=7)
 
     got, got_grads = _scored(model, _fused, teacher, batch, which)
-    want, want_grads = _scored(model, _from_logits, teacher, batch, which)
-    assert _error(got, want) <= REL[which], _error(got, want)
-    assert _grad_error(got_grads, want_grads) <= 1e-2, _grad_error(got_grads, want_grads)  # bf16 gradients
-    other, other_grads = _scored(model, _from_logits, teacher, batch, which, temperature=OTHER_TEMPERATURE)
-    assert _error(got, other) > 1e-2 and _grad_error(got_grads, other_grads) > 5e-2
+    want, want_grads = _scored(model, _logits_route, teacher, batch, which)
+    assert error(got, want) <= REL[which], error(got, want)
+    assert grads_error(got_grads, want_grads) <= 1e-2, grads_error(got_grads, want_grads)  # bf16 gradients
+    other, other_grads = _scored(model, _logits_route, teacher, batch, which, temperature=OTHER_TEMPERATURE)
+    assert error(got, other) > 1e-2 and grads_error(got_grads, other_grads) > 5e-2
 
 
-@pytest.mark.layout("bf16")
+@layouts.mark("bf16")
 def test_a_bf16_float16module_teacher_distils_an_fp32_student(megatron_cpu, clean_patch_state):
     """The teacher's fp32 (upcast) hidden states and bf16 output weight, as Float16Module hands them,
     straight into the divergence processor of an fp32 student: the dense float64 divergence from
@@ -165,8 +163,8 @@ def test_a_bf16_float16module_teacher_distils_an_fp32_student(megatron_cpu, clea
     assert hidden.dtype == torch.float32 and _unwrapped(teacher).output_layer.weight.dtype == torch.bfloat16
 
     got, got_grads = _scored(student, _fused, teacher, batch, "divergence")
-    want, want_grads = _scored(student, _from_logits, teacher, batch, "divergence")
-    assert _error(got, want) <= REL["divergence"], _error(got, want)
-    assert _grad_error(got_grads, want_grads) <= REL["divergence"], _grad_error(got_grads, want_grads)
-    other, other_grads = _scored(student, _from_logits, teacher, batch, "divergence", temperature=OTHER_TEMPERATURE)
-    assert _error(got, other) > 1e-2 and _grad_error(got_grads, other_grads) > 1e-2  # the comparison sees it
+    want, want_grads = _scored(student, _logits_route, teacher, batch, "divergence")
+    assert error(got, want) <= REL["divergence"], error(got, want)
+    assert grads_error(got_grads, want_grads) <= REL["divergence"], grads_error(got_grads, want_grads)
+    other, other_grads = _scored(student, _logits_route, teacher, batch, "divergence", temperature=OTHER_TEMPERATURE)
+    assert error(got, other) > 1e-2 and grads_error(got_grads, other_grads) > 1e-2  # the comparison sees it

@@ -5,17 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.cp_layout import local_rows, split_batch, split_rows
 
 
-@pytest.mark.layout("cp2-zigzag")
+@layouts.mark("cp2-zigzag")
 def test_zigzag_rank_holds_chunks_r_and_mirror():
     assert local_rows("zigzag", 0, 2, length=8).tolist() == [0, 1, 6, 7]
     assert local_rows("zigzag", 1, 2, length=8).tolist() == [2, 3, 4, 5]
     assert local_rows("zigzag", 2, 4, length=8).tolist() == [2, 5]
 
 
-@pytest.mark.layout("cp2-zigzag", "cp2-allgather", "thd")
+@layouts.mark("cp2-zigzag", "cp2-allgather", "thd")
 def test_packed_rows_zigzag_per_sequence_contiguous_over_the_stream():
     cu = torch.tensor([0, 4, 12], dtype=torch.int32)
     assert local_rows("zigzag", 0, 2, cu_seqlens=cu).tolist() == [0, 3, 4, 5, 10, 11]

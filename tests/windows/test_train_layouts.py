@@ -10,16 +10,12 @@ upstream's second train() call asserts, upstream's windows of 2 calls then 1 cra
 with one microbatch fewer gives other parameters (the comparison sees it)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from kit import train_layouts as tl
+from kit import windows_scenarios as ws
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the spawned ranks import it too
-import train_layouts as tl  # noqa: E402
-import windows_scenarios as ws  # noqa: E402
-
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
@@ -31,7 +27,7 @@ def lane() -> list[dict]:
 
 
 def _layouts(feature: str) -> list:
-    return [pytest.param(name, marks=pytest.mark.layout(name)) for name, layout in tl.LAYOUTS.items()
+    return [pytest.param(name, marks=layouts.mark(name)) for name, layout in tl.LAYOUTS.items()
             if feature in layout.features]
 
 

@@ -7,15 +7,11 @@ case equals the reference bitwise (same reduction, same order), per window and a
 optimizer steps."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from kit import windows_scenarios as ws
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the spawned ranks import it too
-import windows_scenarios as ws  # noqa: E402
-
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
@@ -40,8 +36,8 @@ def _max_diff(result, reference) -> float:
 def _layouts(group: str, case: str) -> list:
     """The layout(...) marker of a scenario (docs/layouts.md): the pipelines, the distributed optimizer."""
     if group != "dp":
-        return [pytest.mark.layout("pp2", "vpp2") if group == "vpp" else pytest.mark.layout("pp2")]
-    return [pytest.mark.layout("distopt")] if ws.DP_CASES[case][1].get("use_distributed_optimizer") else []
+        return [layouts.mark("pp2", "vpp2") if group == "vpp" else layouts.mark("pp2")]
+    return [layouts.mark("distopt")] if ws.DP_CASES[case][1].get("use_distributed_optimizer") else []
 
 
 @pytest.mark.parametrize("group,case", [pytest.param(group, name, marks=_layouts(group, name))
@@ -126,7 +122,7 @@ def test_window_semantics(lane):
         ws.assert_equal(sem["no_backward_then"], sem["ref2"], "after a window with no backward")
 
 
-@pytest.mark.layout("distopt")
+@layouts.mark("distopt")
 def test_reentrant_train_with_changing_microbatch_counts(lane):
     for out in lane:
         patched, reference = out["reentry"]["patched"], out["reentry"]["ref"]

@@ -5,15 +5,11 @@ optimizer; both with `grad_windows` and with `accumulation_window`, equal to the
 reference (overlap_grad_reduce=False, same arguments) bit for bit, and the next window opens."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from kit import windows_scenarios as ws
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the spawned ranks import it too
-import windows_scenarios as ws  # noqa: E402
-
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
@@ -24,7 +20,7 @@ def lane(request) -> list[dict]:
     return run_multirank(ws.run_finishes, request.param, timeout=300)
 
 
-DISTOPT = pytest.mark.layout("distopt")  # docs/layouts.md
+DISTOPT = layouts.mark("distopt")  # docs/layouts.md
 
 
 @pytest.mark.parametrize("case", [pytest.param(name, marks=[DISTOPT] if flags.get("use_distributed_optimizer") else [])

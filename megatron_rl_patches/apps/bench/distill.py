@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 
-from megatron_rl_patches.apps.bench import common
+from megatron_rl_patches.apps.bench import measure, outputs, runner
 
 QUICK = {"tokens": [256], "vocab": 2048, "hidden": 64}
 FULL = {"tokens": [1024, 4096], "vocab": 32000, "hidden": 1024}
@@ -41,7 +41,7 @@ def _inputs(T: int, V: int, H: int, teachers: int):
     return hidden, weight, models
 
 
-def case(probe: common.MemoryProbe, *, impl: str, divergence: str, teachers: int, T: int, V: int, H: int,
+def case(probe: measure.MemoryProbe, *, impl: str, divergence: str, teachers: int, T: int, V: int, H: int,
          device: str = "cpu") -> dict:
     """One student step on one route; runs in a fresh worker process."""
     import torch
@@ -81,16 +81,17 @@ def _rows(plan: dict, isolate: bool) -> list[dict]:
             for T in plan["tokens"] for teachers in (1, 2) for divergence in DIVERGENCES for label, impl in IMPLS]
     cases = [{"target": "megatron_rl_patches.apps.bench.distill:case",
               "kwargs": {key: row[key] for key in ("impl", "divergence", "teachers", "T", "V", "H")}} for row in rows]
-    for row, result in zip(rows, common.run_cases(cases, isolate=isolate)):
+    for row, result in zip(rows, runner.run_cases(cases, isolate=isolate)):
         unit = row["T"] * V * 4
         if "error" in result:
             row.update(note=f"error: {result['error']}"[:200], error=result["error"])
             continue
         row["time_s"] = result["time_s"]
-        if common.memory_resolved(unit, result["device"]):
-            row.update(excess_peak_U=result["excess_bytes"] / unit, excess_peak_MiB=result["excess_bytes"] / common.MIB)
+        if measure.memory_resolved(unit, result["device"]):
+            excess = result["excess_bytes"]
+            row.update(excess_peak_U=excess / unit, excess_peak_MiB=excess / measure.MIB)
         else:
-            row["note"] = common.BELOW_RESOLUTION
+            row["note"] = measure.BELOW_RESOLUTION
         if not result["peak_reset"]:
             row["note"] = "peak = process lifetime peak"
     for dense, ours in zip(rows[0::2], rows[1::2]):
@@ -113,14 +114,14 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = saved_threshold
     title = (f"full-vocabulary distillation step, CPU 1 thread, fp32, V={plan['vocab']}, H={plan['hidden']} "
              f"(U = T·V·4)" + (" [quick]" if quick else ""))
-    common.print_table(rows, COLUMNS, title=title)
+    outputs.print_table(rows, COLUMNS, title=title)
     if out_dir:
-        common.write_tables(rows, COLUMNS, out_dir, "distill")
+        outputs.write_tables(rows, COLUMNS, out_dir, "distill")
         largest = max(plan["tokens"])  # one T in the plot: 12 groups stay readable
         measured = [dict(r, case=f"{short(r['divergence'])}\n{r['teachers']}t") for r in rows
                     if "time_s" in r and r["T"] == largest]
         if measured:
-            common.plot_grouped_bars(
+            outputs.plot_grouped_bars(
                 measured, os.path.join(out_dir, "distill.png"), group="case", series="implementation",
                 values=["time_s"] + (["excess_peak_U"] if "excess_peak_U" in measured[0] else []),
                 titles=["fwd+bwd time (s)"] + (["excess peak memory (U)"] if "excess_peak_U" in measured[0] else []),

@@ -19,7 +19,7 @@ import statistics
 import time
 from typing import Any
 
-from megatron_rl_patches.apps.bench import common
+from megatron_rl_patches.apps.bench import measure, outputs, runner
 from megatron_rl_patches.apps.presentation import dict_cells, markdown_table
 
 QUICK = {"shapes": [(256, 2048)], "hidden": 64, "runs": 1}
@@ -70,7 +70,7 @@ def _loss(impl: str, hidden, weight, tokens, a, b):
     return (a * logp).sum() + (b * entropy).sum()
 
 
-def logprob_case(probe: common.MemoryProbe, *, impl: str, T: int, V: int, H: int, repeat: int = 3,
+def logprob_case(probe: measure.MemoryProbe, *, impl: str, T: int, V: int, H: int, repeat: int = 3,
                  device: str = "cpu") -> dict:
     """One (implementation, shape): excess peak and time; runs in a fresh worker process."""
     import torch
@@ -86,11 +86,11 @@ def logprob_case(probe: common.MemoryProbe, *, impl: str, T: int, V: int, H: int
         _loss(impl, hidden, weight, tokens, a, b).backward()
 
     sync = torch.cuda.synchronize if probe.cuda else None
-    seconds = common.best_time(step, repeat=repeat, warmup=0, sync=sync)
+    seconds = measure.best_time(step, repeat=repeat, warmup=0, sync=sync)
     return {"excess_bytes": peak - unavoidable, "time_s": seconds, "peak_reset": probe.peak_reset, "device": device}
 
 
-def opd_case(probe: common.MemoryProbe, *, impl: str, teachers: int, T: int, V: int, H: int,
+def opd_case(probe: measure.MemoryProbe, *, impl: str, teachers: int, T: int, V: int, H: int,
              device: str = "cpu") -> dict:
     """A top-k OPD step: teachers score the student's top-k ids (no grad), the student's loss
     backpropagates to its hidden states and weight. `impl`: "logits" (today's ops on [T, V]
@@ -142,7 +142,7 @@ def opd_case(probe: common.MemoryProbe, *, impl: str, teachers: int, T: int, V: 
 
 
 def _median_runs(target: str, kwargs: dict, runs: int) -> dict:
-    results = common.run_cases([{"target": target, "kwargs": kwargs}] * runs, isolate=True, threads=1)
+    results = runner.run_cases([{"target": target, "kwargs": kwargs}] * runs, isolate=True, threads=1)
     good = [r for r in results if "error" not in r]
     if not good:
         return results[0]
@@ -178,20 +178,20 @@ def run(quick: bool = False, out_dir: str | None = None, only: str | None = None
               (opd_rows, OPD_COLUMNS, "fused_opd", f"top-k OPD step (k={TOPK}): teachers + student, H={H}")]
     tables = [table for table in tables if table[0]]
     for table_rows, columns, _, table_title in tables:
-        common.print_table(table_rows, columns, title=table_title)
+        outputs.print_table(table_rows, columns, title=table_title)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         for table_rows, _, name, _ in tables:
-            common.write_csv(table_rows, os.path.join(out_dir, f"{name}.csv"))
+            outputs.write_csv(table_rows, os.path.join(out_dir, f"{name}.csv"))
         with open(os.path.join(out_dir, "fused.md"), "w") as fh:
             fh.write("\n\n".join(markdown_table(columns, dict_cells(table_rows, columns))
                                   for table_rows, columns, _, _ in tables) + "\n")
         measured = [r for r in rows if "time_s" in r]
         if measured:
-            common.plot_grouped_bars(
+            outputs.plot_grouped_bars(
                 measured, os.path.join(out_dir, "fused.png"), group="shape", series="implementation",
                 values=["excess_peak_U", "time_s"], titles=["excess peak memory (U)", "fwd+bwd time (s)"],
-                suptitle=f"log-prob + entropy from hidden states (CPU, 1 thread, fp32, H={H})",
+                suptitle=outputs.titled(f"log-prob + entropy from hidden states (CPU, 1 thread, fp32, H={H})", quick),
             )
     return rows + opd_rows
 
@@ -224,11 +224,11 @@ def _logprob_rows(shapes, H: int, runs: int) -> list[dict]:
                 row["note"] = f"error: {result['error']}"[:200]
             else:
                 row["time_s"] = result["time_s"]
-                if not common.memory_resolved(unit, result["device"]):
-                    row["note"] = common.BELOW_RESOLUTION
+                if not measure.memory_resolved(unit, result["device"]):
+                    row["note"] = measure.BELOW_RESOLUTION
                 else:
                     row.update(excess_peak_U=result["excess_bytes"] / unit,
-                               excess_peak_MiB=result["excess_bytes"] / common.MIB)
+                               excess_peak_MiB=result["excess_bytes"] / measure.MIB)
                 if not result["peak_reset"]:
                     row["note"] = "peak = process lifetime peak"
             rows.append(row)
@@ -242,18 +242,18 @@ def _opd_rows(shapes, H: int) -> list[dict]:
         for teachers in (1, 2):
             for label, impl in (("logits path", "logits"), ("ours (fused)", "fused")):
                 row: dict[str, Any] = {"shape": f"{T}x{V}", "teachers": teachers, "implementation": label, "note": ""}
-                result = common.run_cases([{"target": "megatron_rl_patches.apps.bench.fused:opd_case",
+                result = runner.run_cases([{"target": "megatron_rl_patches.apps.bench.fused:opd_case",
                                             "kwargs": dict(impl=impl, teachers=teachers, T=T, V=V, H=H)}])[0]
                 if "error" in result:
                     row["note"] = f"error: {result['error']}"[:200]
                 else:
-                    row["teacher_logits_MiB"] = result["teacher_logits_bytes"] / common.MIB
+                    row["teacher_logits_MiB"] = result["teacher_logits_bytes"] / measure.MIB
                     row["time_s"] = result["time_s"]
-                    if not common.memory_resolved(T * V * 4, result["device"]):
-                        row["note"] = common.BELOW_RESOLUTION
+                    if not measure.memory_resolved(T * V * 4, result["device"]):
+                        row["note"] = measure.BELOW_RESOLUTION
                     else:
                         row.update(excess_peak_U=result["excess_bytes"] / (T * V * 4),
-                                   excess_peak_MiB=result["excess_bytes"] / common.MIB)
+                                   excess_peak_MiB=result["excess_bytes"] / measure.MIB)
                     if not result["peak_reset"]:
                         row["note"] = "peak = process lifetime peak"
                 rows.append(row)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl_patches.apps.bench import common
+from megatron_rl_patches.apps.bench import measure, outputs
 from megatron_rl_patches.apps.presentation import dict_cells, markdown_table
 
 GIB = 1 << 30
@@ -151,7 +151,7 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def measure_once(fn: Callable[[Inputs], Any], x: Inputs, probe: common.MemoryProbe, sync: Callable[[], None],
+def measure_once(fn: Callable[[Inputs], Any], x: Inputs, probe: measure.MemoryProbe, sync: Callable[[], None],
                  clock: Callable[[], float]) -> dict:
     """One forward + backward: {"time_s", "excess_bytes"} or {"oom": True} or {"error": text}."""
     import gc
@@ -216,7 +216,7 @@ def run_token_count(T: int, H: int, V: int, runs: int, device: str, dtype: Any,
 
     cuda = device.startswith("cuda")
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
-    probe = common.MemoryProbe(device)
+    probe = measure.MemoryProbe(device)
     import time
 
     try:
@@ -261,14 +261,14 @@ def _free(cuda: bool) -> None:
 def write_outputs(rows: list[dict], out_dir: str, title: str) -> list[str]:
     """gpu.csv, gpu.md (title + markdown table) and gpu.png (when matplotlib imports)."""
     os.makedirs(out_dir, exist_ok=True)
-    paths = [common.write_csv(rows, os.path.join(out_dir, "gpu.csv"), COLUMNS)]
+    paths = [outputs.write_csv(rows, os.path.join(out_dir, "gpu.csv"), COLUMNS)]
     md = os.path.join(out_dir, "gpu.md")
     with open(md, "w") as fh:
         fh.write(f"{title}\n\n{markdown_table(COLUMNS, dict_cells(rows, COLUMNS))}\n")
     paths.append(md)
     timed = [dict(r, T=str(r["T"])) for r in rows if "time_ms" in r]
     if timed:
-        png = common.plot_grouped_bars(timed, os.path.join(out_dir, "gpu.png"), group="T", series="implementation",
+        png = outputs.plot_grouped_bars(timed, os.path.join(out_dir, "gpu.png"), group="T", series="implementation",
                                        values=["time_ms", "excess_peak_U"],
                                        titles=["fwd+bwd time (ms, median)", "excess peak (U = T·V·4 B)"],
                                        suptitle=title)
@@ -290,7 +290,7 @@ def run(quick: bool = False, out_dir: str | None = None, device: str = "cuda") -
     for T in plan["tokens"]:
         rows += run_token_count(T, H, V, plan["runs"], device, torch.bfloat16, implementations())
     rows = with_ratios(rows)
-    common.print_table(rows, COLUMNS, title=title)
+    outputs.print_table(rows, COLUMNS, title=title)
     if out_dir:
         write_outputs(rows, out_dir, title)
     return rows

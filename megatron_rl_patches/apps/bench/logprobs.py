@@ -16,16 +16,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from megatron_rl_patches.apps.bench import common
-from megatron_rl_patches.apps.bench.common import (
-    MemoryProbe,
-    SavedBytes,
-    best_time,
-    plot_grouped_bars,
-    print_table,
-    run_cases,
-    write_tables,
-)
+from megatron_rl_patches.apps.bench import measure
+from megatron_rl_patches.apps.bench.measure import MemoryProbe, SavedBytes, best_time
+from megatron_rl_patches.apps.bench.outputs import plot_grouped_bars, print_table, titled, write_tables
+from megatron_rl_patches.apps.bench.runner import run_cases
 
 QUICK_SHAPES = [(256, 2048)]
 FULL_SHAPES = [(1024, 32000), (4096, 32000)]
@@ -179,10 +173,10 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
             else:
                 row.update(result)
                 row["saved_U"] = result["saved_bytes"] / unit  # counted exactly: autograd's saved tensors
-                if common.memory_resolved(unit, result["device"]):
+                if measure.memory_resolved(unit, result["device"]):
                     row.update(held_U=result["held_bytes"] / unit, peak_U=result["peak_bytes"] / unit)
                 else:
-                    row["note"] = common.BELOW_RESOLUTION
+                    row["note"] = measure.BELOW_RESOLUTION
                     row["peak_bytes"] = None
                 if impl == "mcore":
                     row["note"] = "log-prob only; overwrites the logits with the softmax"
@@ -205,6 +199,6 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
             plotted, os.path.join(out_dir, "logprobs.png"), group="label", series="implementation",
             values=["peak_U", "held_U", "time_s"],
             titles=["peak memory (U)", "held between forward and backward (U)", "loss fwd+bwd time (s)"],
-            suptitle="log-prob + entropy over [T, V] logits (CPU, 1 thread, fp32)",
+            suptitle=titled("log-prob + entropy over [T, V] logits (CPU, 1 thread, fp32)", quick),
         )
     return rows

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import textwrap
 
-from megatron_rl_patches.apps.bench.common import plot_grouped_bars, print_table
+from megatron_rl_patches.apps.bench.outputs import plot_grouped_bars, print_table
 from megatron_rl_patches.apps.presentation import dict_cells, markdown_table
 
 # ops that existed at aaec6bb (the statistics core's parent), then today-only references

@@ -11,7 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from megatron_rl_patches.apps.bench import common
+from megatron_rl_patches.apps.bench import outputs
+from megatron_rl_patches.apps.quiet import hide_import_notes
 
 
 def _per_call_us(fn: Callable[[], Any], calls: int, repeats: int = 5) -> float:
@@ -93,18 +94,21 @@ def _overhead_row(case: str, bare: float, patched: float) -> dict:
 
 def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     """Print the table of per-call times (and write reentrant.csv / reentrant.png into `out_dir`)."""
+    hide_import_notes()
     calls = 200 if quick else 2000
     rows = _guard_rows(calls) + _hook_rows(max(calls // 20, 10))
     columns = ["case", "unpatched_us", "patched_us", "overhead_us", "note"]
-    common.print_table(rows, columns, title="re-entrant patches: wrapper cost per call (µs)")
+    title = outputs.titled("re-entrant patches: wrapper cost per call (µs; CPU, fp32 tiny GPT in megatron-core DDP)",
+                          quick)
+    outputs.print_table(rows, columns, title=title)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        common.write_csv(rows, os.path.join(out_dir, "reentrant.csv"), columns)
-        plot(rows, os.path.join(out_dir, "reentrant.png"))
+        outputs.write_csv(rows, os.path.join(out_dir, "reentrant.csv"), columns)
+        plot(rows, os.path.join(out_dir, "reentrant.png"), title)
     return rows
 
 
-def plot(rows: list[dict], path: str) -> str | None:
+def plot(rows: list[dict], path: str, title: str = "re-entrant patches") -> str | None:
     """reentrant.png from the table's rows: a time the unpatched call cannot have (it crashes) is
     labelled so, not left out."""
     plotted = [
@@ -112,5 +116,5 @@ def plot(rows: list[dict], path: str) -> str | None:
         for row in rows
         for variant in ("unpatched", "patched")
     ]
-    return common.plot_grouped_bars(plotted, path, group="case", series="variant", values=["us"],
-                                    titles=["µs per call"], suptitle="re-entrant patches", missing_label="crashes")
+    return outputs.plot_grouped_bars(plotted, path, group="case", series="variant", values=["us"],
+                                    titles=["µs per call"], suptitle=title, missing_label="crashes")

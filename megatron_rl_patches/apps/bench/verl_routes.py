@@ -13,7 +13,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from megatron_rl_patches.apps.bench import common
+from megatron_rl_patches.apps.bench import measure, outputs, runner
 from megatron_rl_patches.apps.bench.fused import head_inputs
 
 ROUTES = ("verl unfused", "verl fused + ours")
@@ -51,7 +51,7 @@ def _fused(hidden, weight, tokens, temperature):
     return out.log_probs, out.entropy
 
 
-def route_case(probe: common.MemoryProbe, *, route: str, T: int, V: int, H: int, repeat: int = 1,
+def route_case(probe: measure.MemoryProbe, *, route: str, T: int, V: int, H: int, repeat: int = 1,
                temperature: float = 1.0) -> dict:
     """One route at one shape, in a fresh worker (megatron's parallel state on CPU for verl's ops)."""
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
@@ -71,7 +71,7 @@ def route_case(probe: common.MemoryProbe, *, route: str, T: int, V: int, H: int,
         step()
         peak = probe.peak()
         unavoidable = hidden.grad.nbytes + weight.grad.nbytes
-        seconds = common.best_time(step, repeat=repeat, warmup=0)
+        seconds = measure.best_time(step, repeat=repeat, warmup=0)
     return {"excess_bytes": peak - unavoidable, "time_s": seconds, "peak_reset": probe.peak_reset}
 
 
@@ -79,7 +79,7 @@ def run(T: int = SHAPE["T"], V: int = SHAPE["V"], H: int = SHAPE["H"]) -> list[d
     """Both routes at one shape (one fresh process each); rows with excess peak in U and time ratio."""
     cases = [{"target": "megatron_rl_patches.apps.bench.verl_routes:route_case",
               "kwargs": {"route": route, "T": T, "V": V, "H": H}} for route in ROUTES]
-    results = common.run_cases(cases, isolate=True, threads=1, timeout=1800.0)
+    results = runner.run_cases(cases, isolate=True, threads=1, timeout=1800.0)
     unit = T * V * 4
     rows = [types.SimpleNamespace(route=route, **result) for route, result in zip(ROUTES, results)]
     base = next((r.time_s for r in rows if r.route == "verl unfused" and hasattr(r, "time_s")), None)
@@ -95,5 +95,5 @@ def run(T: int = SHAPE["T"], V: int = SHAPE["V"], H: int = SHAPE["H"]) -> list[d
 
 
 if __name__ == "__main__":
-    common.print_table(run(), ("shape", "route", "excess_peak_U", "excess_peak_MiB", "time_s", "time_vs_unfused",
+    outputs.print_table(run(), ("shape", "route", "excess_peak_U", "excess_peak_MiB", "time_s", "time_vs_unfused",
                                "note"), title="verl 0.9.1: unfused route vs fused route with our processor (CPU)")

@@ -12,7 +12,8 @@ import statistics
 import time
 from typing import Any
 
-from megatron_rl_patches.apps.bench import common
+from megatron_rl_patches.apps.bench import outputs
+from megatron_rl_patches.apps.quiet import hide_import_notes
 
 LOADS = {"steady (2 calls/step)": [[1, 1], [1, 1]], "split (1 then 3 calls/step)": [[1], [1, 1, 1]]}
 VARIANTS = ("overlap_grad_reduce=False", "overlap, unpatched", "overlap + grad_windows")
@@ -43,6 +44,7 @@ def _time_variant(env: Any, rank: int, variant: str, windows: list, setups: dict
 def _ranks(rank: int, world_size: int, rounds: int) -> dict:
     from megatron_rl_patches.testing.megatron_cpu import megatron_world
 
+    hide_import_notes()  # in each rank's process
     samples: dict = {}
     with megatron_world("cpu") as env:
         for load, windows in LOADS.items():
@@ -68,6 +70,7 @@ def _row(load: str, variant: str, values: list, reference: float | None) -> dict
 
 def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     """Print per-step times (ms, rank 0); write windows.csv into `out_dir`."""
+    hide_import_notes()
     from megatron_rl_patches.testing.multirank import run_multirank
 
     rounds = 5 if quick else 15
@@ -77,9 +80,9 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
         sync = statistics.median(samples[(load, VARIANTS[0])])
         rows += [_row(load, variant, samples[(load, variant)], sync) for variant in VARIANTS]
     columns = ["load", "variant", "median_ms", "spread_ms", "vs_sync", "note"]
-    common.print_table(rows, columns,
+    outputs.print_table(rows, columns,
                        title=f"accumulation windows: ms per optimizer step, 2 gloo ranks, {rounds} rounds")
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        common.write_csv(rows, os.path.join(out_dir, "windows.csv"), columns)
+        outputs.write_csv(rows, os.path.join(out_dir, "windows.csv"), columns)
     return rows

@@ -112,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         plots = importlib.util.find_spec("matplotlib") is not None
         print(f"CSV files{' and PNG plots' if plots else ''} written to {args.out}"
               + ("" if plots else " (no plots: install the [bench] extra for matplotlib)"))
+    else:
+        print("no files written: add --out DIR for CSV files and PNG plots")
     return PROBLEM if failed else OK
 
 

@@ -31,8 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--teachers", type=int, default=defaults.teachers, help="inference-only teachers")
     parser.add_argument("--topk", type=int, default=defaults.topk, help="k of the top-k OPD term")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the models and the data")
-    parser.add_argument("--ids-from", choices=("teacher", "student", "union"), default=defaults.ids_from,
-                        help="the OPD buckets' ids: the first teacher's top-k, the student's, or their union")
+    parser.add_argument("--ids-from", choices=("student", "union", "teacher"), default=defaults.ids_from,
+                        help="the OPD buckets' ids: the student's top-k (as MEGATRON_RL_PATCHES_OPD_IDS_FROM's "
+                             "default), the union with the first teacher's, or the first teacher's alone (the "
+                             "demo only: slime_opd offers student and union)")
     parser.add_argument(
         "--route", choices=ROUTES, default="both",
         help="both: first without the package (up to the rollout that crashes), then with it; "

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import sys
+from pathlib import Path
 from typing import Any
 
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG
@@ -151,6 +152,7 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
     environment["opd"] = {name: value for name, value in sorted(os.environ.items()) if name.startswith(OPD_PREFIX)}
     try:
         check_settings()  # the frameworks' own variables, as `run` and slime_opd check them
+        problems += teacher_problems()
     except ValueError as exc:
         problems.append(str(exc))
     try:
@@ -161,6 +163,32 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
         environment["resolved"], environment["error"] = None, str(exc)
         problems.append(str(exc))
     return environment, problems
+
+
+def teacher_problems() -> list[str]:
+    """What slime_opd's teachers (MEGATRON_RL_PATCHES_OPD_TEACHERS) would fail on at load time,
+    found now: a path that does not exist, a Hugging Face directory build_inference_model_from_hf
+    refuses (its config.json or its weight files; read, nothing built)."""
+    from megatron_rl_patches.inference.loading.hf.architecture import CONFIG
+    from megatron_rl_patches.inference.loading.hf.families import read_architecture
+    from megatron_rl_patches.inference.loading.hf.files import tensor_index
+    from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, opd_settings
+
+    settings = opd_settings()
+    problems = []
+    for teacher in settings.teachers if settings is not None else ():
+        root = Path(teacher.path).expanduser()
+        what = f"{TEACHERS}: teacher {teacher.path!r}"
+        if not root.exists():
+            problems.append(f"{what} does not exist on this machine; fix the path (the training actors read it)")
+        elif root.is_dir() and (root / CONFIG).is_file():
+            try:
+                read_architecture(root, TEACHERS)
+                tensor_index(root)
+            except (ValueError, OSError) as exc:
+                problems.append(f"{what}: a Hugging Face directory build_inference_model_from_hf refuses ({exc}); "
+                                "it loads only through slime's own loader, with the actor's architecture")
+    return problems
 
 
 def collect() -> dict[str, Any]:
@@ -223,7 +251,8 @@ def _megatron_lines(m: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _target_lines(t: dict[str, Any]) -> list[str]:
+def _target_lines(t: dict[str, Any], width: int = 20) -> list[str]:
+    """A target's lines, its name padded to `width` (the longest patch name) so the columns align."""
     found = "module found" if t["module_found"] else f"module not found ({t['module_problem']})"
     if t["requires"] and t["versions"]:
         tested = t["tested"] or {True: "in range", False: "out of range", None: "version unknown"}[t["in_range"]]
@@ -234,9 +263,10 @@ def _target_lines(t: dict[str, Any]) -> list[str]:
             support = support.replace("out of range", "OUT OF RANGE")
     else:
         support = "no version guard (the parameter list is checked)"
-    lines = [f"  {t['name']:<20} {t['shown']:<8} {t['target']}", f"  {'':<29} {found}; {support}"]
+    indent = " " * (width + 9)
+    lines = [f"  {t['name']:<{width}} {t['shown']:<8} {t['target']}", f"  {indent} {found}; {support}"]
     if t["reason"] and t["shown"] not in ("off", "reverted", "applied"):
-        lines.append(f"  {'':<29} {t['shown']}: {t['reason']}")
+        lines.append(f"  {indent} {t['shown']}: {t['reason']}")
     return lines
 
 
@@ -249,8 +279,9 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"package location     {pkg['location']}" + (" (editable)" if pkg["editable"] else ""))
     lines += _megatron_lines(report["megatron"])
     lines.append("patches (status, target; module, supported range, tested):")
+    width = max([20, *(len(target["name"]) for target in report["targets"])])
     for target in report["targets"]:
-        lines += _target_lines(target)
+        lines += _target_lines(target, width)
     e = report["environment"]
     lines.append("environment:")
     lines += [f"  {name}={_show_names(value) if name in LISTS else _show(value)}"

@@ -18,7 +18,9 @@ class DemoConfig:
     vocab_size: int = 64
     teachers: int = 2
     topk: int = 8
-    ids_from: str = "teacher"  # whose top-k ids the OPD buckets use: "teacher" (the first) or "student"
+    # whose top-k ids the OPD buckets use: "student" (slime_opd's default), "union", or "teacher" (the
+    # first teacher's; the demo only: MEGATRON_RL_PATCHES_OPD_IDS_FROM takes student or union)
+    ids_from: str = "student"
     opd_coef: float = 1.0
     pg_coef: float = 0.1
     temperature: float = 1.0

@@ -19,7 +19,7 @@ class RealModel:
 
 REAL_MODELS = (
     RealModel("8B", 8_190_000_000, 151_936, "Qwen3-8B"),
-    RealModel("27B", 27_400_000_000, 262_144, "Gemma-3-27B"),
+    RealModel("32B", 32_800_000_000, 151_936, "Qwen3-32B"),  # a family build_inference_model_from_hf serves
 )
 # (data-parallel size, distributed optimizer): one GPU, and one node of 8 with the optimizer sharded.
 LAYOUTS = ((1, False), (8, True))

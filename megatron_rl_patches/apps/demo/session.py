@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import sys
 import traceback
-import warnings
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -11,6 +10,7 @@ import torch
 
 from megatron_rl_patches.apps.demo import loop, measure, package_route, plain_route, scale
 from megatron_rl_patches.apps.demo.loop import DemoConfig, RolloutResult
+from megatron_rl_patches.apps.quiet import hide_import_notes
 from megatron_rl_patches.testing.megatron_cpu import megatron_world
 from megatron_rl_patches.testing.vocab_watch import VocabWideTensors
 
@@ -23,9 +23,11 @@ PROGRESS_UNIT = "steps"  # a rollout's bar counts its optimizer steps as their b
 
 
 def _progress(total: int, desc: str, enabled: bool) -> Any:
+    """A progress bar on a terminal only: redirected to a file, its carriage returns make one long line."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit=PROGRESS_UNIT, disable=not enabled, leave=False, file=sys.stderr)
+    shown = enabled and sys.stderr is not None and sys.stderr.isatty()
+    return tqdm(total=total, desc=desc, unit=PROGRESS_UNIT, disable=not shown, leave=False, file=sys.stderr)
 
 
 def describe_error(exc: BaseException, rollout: int) -> dict[str, Any]:
@@ -73,10 +75,7 @@ def _rollout_batches(cfg: DemoConfig, actor: list, teachers: list, route: Any, g
 def run_demo(cfg: DemoConfig, patches: bool = True, progress: bool = False) -> dict:
     """Run the loop on one route; returns the summary (JSON-ready). Without the package rollout 2
     is expected to fail: the failure is reported in the summary, not raised."""
-    # megatron-core warns about missing Transformer Engine / Apex and torch about renamed
-    # collectives on every import: noise for a demo.
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    hide_import_notes()  # noise for a demo
     route = package_route if patches else plain_route
     torch.manual_seed(cfg.seed)
     train = route.start()

@@ -1,6 +1,7 @@
-"""The residency modes a frozen build may name, defined once: the builds (residency/placement.py),
-the `memory --residency` planner (sizing/residency_plan.py) and `inference.RESIDENCY_MODES` use this
-tuple. Imports nothing: the planner runs without torch."""
+"""The residency modes a frozen build may name, under the inference path users import
+(`inference.RESIDENCY_MODES`); defined once in megatron_rl_patches/_residency_modes.py."""
 from __future__ import annotations
 
-RESIDENCY_MODES = ("resident", "swap", "stream")
+from megatron_rl_patches._residency_modes import RESIDENCY_MODES
+
+__all__ = ["RESIDENCY_MODES"]

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._chunks import as_chunks, has_grad_buffers, unwrap
+from megatron_rl_patches._residency_modes import check_residency
 from megatron_rl_patches.inference.guard import is_inference_only
 from megatron_rl_patches.inference.residency.budget import ResidencyBudget
 from megatron_rl_patches.inference.residency.host_init import move_all_but
-from megatron_rl_patches.inference.residency.modes import RESIDENCY_MODES
 from megatron_rl_patches.inference.residency.storage import HostWeights, device_weight_bytes, log_fallback, nbytes_of
 from megatron_rl_patches.inference.residency.units import Unit, stream_units, whole_unit
 
@@ -35,8 +35,7 @@ _CONTROLLERS: weakref.WeakSet[Residency] = weakref.WeakSet()
 
 def check_residency_args(residency: Any, prefetch: Any, budget: Any) -> str:
     """The residency mode after checking the three build arguments (ValueError/TypeError naming them)."""
-    if residency not in RESIDENCY_MODES:
-        raise ValueError(f"residency must be one of {', '.join(map(repr, RESIDENCY_MODES))}, got {residency!r}")
+    check_residency(residency)
     if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0:
         raise ValueError(
             f"prefetch must be an int >= 0 (layers copied ahead of the one running: 0 = none, 1 = the "
@@ -406,8 +405,14 @@ def attach_residency(chunks: Sequence[torch.nn.Module], residency: str, *, prefe
                      budget: ResidencyBudget | None = None, device: torch.device | None = None,
                      name: str = "model") -> list[torch.nn.Module]:
     """Move the weights of frozen `chunks` to host memory under `residency` ("swap" or "stream";
-    "resident" leaves them as they are). build_inference_model calls it; returns the chunks."""
+    "resident" leaves them as they are); returns the chunks."""
     mode = check_residency_args(residency, prefetch, budget)
+    return attach_checked(chunks, mode, prefetch, budget, device, name)
+
+
+def attach_checked(chunks: Sequence[torch.nn.Module], mode: str, prefetch: int, budget: ResidencyBudget | None,
+                   device: torch.device | None, name: str) -> list[torch.nn.Module]:
+    """attach_residency with arguments check_residency_args has passed (a build checks them once)."""
     chunks = list(chunks)
     _refuse_trainable(chunks)
     if mode == "resident":

@@ -79,7 +79,7 @@ PATCHES = (
     Patch(
         name="hybrid_output_processor",
         target=f"{HYBRID}.forward",
-        wrapper="megatron_rl_patches.processors.backport:hybrid_forward_wrapper",
+        wrapper="megatron_rl_patches.processors.hybrid_backport:hybrid_forward_wrapper",
         description="HybridModel.forward(output_processor=, output_processor_context=) as GPTModel's",
         versions=SUPPORTED,
         version_finder=VERSION_FINDER,

@@ -1,12 +1,13 @@
 """slime (624b824a): its records (`patches`), and the modules that do the work: the log-prob
 adapter (`logprobs`), inference-only roles (`roles`), the fused route (`fused`, slicing with
 slime's helpers in `rows`, top-k buckets in `topk`), the step plan both the fused route and top-k
-OPD use (`plan`) and top-k OPD (`opd`, settings in `opd_settings`).
+OPD use (`step_plan`) and top-k OPD (`opd`, settings in `opd_settings`).
 
 `megatron_rl_patches.integrations.slime.calculate_log_probs_and_entropy` (a path users type) is
 the adapter's function."""
 from __future__ import annotations
 
+from megatron_rl_patches import _aliases
 from megatron_rl_patches._lazy import lazy_getattr
 
 _LAZY = {
@@ -15,3 +16,6 @@ _LAZY = {
 }
 __all__ = sorted(_LAZY)
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())
+
+# the step plan's module before it was named for what it holds (issue 45)
+_aliases.install(__name__, {"plan": "megatron_rl_patches.integrations.slime.step_plan"})

@@ -15,7 +15,7 @@ import inspect
 import logging
 from typing import Any
 
-from megatron_rl_patches.integrations.slime.plan import Plan, current_plan, run_planned, step_request
+from megatron_rl_patches.integrations.slime.step_plan import StepPlan, current_plan, run_planned, step_request
 
 FALLBACK = "slime_fused: {feature}: this step uses slime's own logits path"
 
@@ -83,7 +83,7 @@ def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
         fall_back(reason)
         return run_planned(None, wrapped, args, kwargs)
     with_entropy = bool(getattr(slime_args, "use_rollout_entropy", False))
-    return run_planned(Plan(slime_args, with_entropy, False), wrapped, args, kwargs)
+    return run_planned(StepPlan(slime_args, with_entropy, False), wrapped, args, kwargs)
 
 
 def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -97,11 +97,11 @@ def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dic
     reason = unservable(slime_args)
     if reason is not None:  # slime's logits path; a top-k loss still needs its batch keys
         fall_back(reason)
-        plan = None if request is None else Plan(slime_args, False, False, request, fused=False)
+        plan = None if request is None else StepPlan(slime_args, False, False, request, fused=False)
         return run_planned(plan, wrapped, args, kwargs)
     with_entropy = getattr(slime_args, "loss_type", "policy_loss") != "sft_loss"
     grad = with_entropy and getattr(slime_args, "entropy_coef", 0.0) != 0
-    return run_planned(Plan(slime_args, with_entropy, grad, request), wrapped, args, kwargs)
+    return run_planned(StepPlan(slime_args, with_entropy, grad, request), wrapped, args, kwargs)
 
 
 def get_batch_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -138,7 +138,7 @@ def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
     return fused_schedule
 
 
-def fused_step(step: Any, plan: Plan) -> Any:
+def fused_step(step: Any, plan: StepPlan) -> Any:
     """slime's forward step, given the fused model (whose `build_schedule_plan` serves the
     combined-1F1B schedule where megatron-core's takes `output_processor`)."""
 
@@ -193,7 +193,7 @@ class FusedModel:
     MTP training (slime's `mtp_kwargs`) passes through: the MTP heads' loss goes through the fused
     head (the GPT backport on megatron-core < 0.18, patch `mtp_output_processor` from 0.18 on)."""
 
-    def __init__(self, model: Any, plan: Plan):
+    def __init__(self, model: Any, plan: StepPlan):
         self._model, self._plan = model, plan
 
     def __getattr__(self, name: str) -> Any:

@@ -38,6 +38,8 @@ def hf_shape(config: dict[str, Any]) -> dict[str, Any]:
     and biases are not compared)."""
     heads = config.get("num_attention_heads")
     experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    rope = config.get("rope_parameters")
+    rope = rope if isinstance(rope, dict) else {}  # another type: the architecture check names the field
     shape: dict[str, Any] = {
         "hidden_size": config.get("hidden_size"),
         "num_hidden_layers": config.get("num_hidden_layers"),
@@ -50,7 +52,7 @@ def hf_shape(config: dict[str, Any]) -> dict[str, Any]:
         "moe_intermediate_size": config.get("moe_intermediate_size") if experts else None,
         "vocab_size": config.get("vocab_size"),
         # not shapes, but the snapshot route would run the teacher with the actor's values
-        "rope_theta": (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta"),
+        "rope_theta": rope.get("rope_theta") or config.get("rope_theta"),
         "rms_norm_eps": config.get("rms_norm_eps"),
     }
     if "tie_word_embeddings" in config:  # transformers' default differs by family: compared where written

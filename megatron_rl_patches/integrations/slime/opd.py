@@ -30,13 +30,13 @@ from megatron_rl_patches.integrations.slime.opd_settings import (
     Teacher,
     opd_settings,
 )
-from megatron_rl_patches.integrations.slime.plan import (
+from megatron_rl_patches.integrations.slime.step_plan import (
     IDS,
     IDS_MASK,
     OPD_KEYS,
     TEACHER_LOGPROBS,
     TEACHER_TAILS,
-    Plan,
+    StepPlan,
     TopkRequest,
     run_planned,
 )
@@ -208,7 +208,7 @@ def pipelined_topk(args: Any, model: list[Any], rollout_data: dict, request: Top
     from slime.backends.megatron_utils.data import get_data_iterator
 
     iterator = get_data_iterator(rollout_data)
-    plan = Plan(args, with_entropy=False, entropy_requires_grad=False, topk=request)
+    plan = StepPlan(args, with_entropy=False, entropy_requires_grad=False, topk=request)
     collect = functools.partial(collect_topk, fell_back=fell_back)
     return run_planned(plan, slime_model.forward_only, (collect, args, model, iterator,
                                                         rollout_data["num_microbatches"]), {})

@@ -71,11 +71,11 @@ def _teacher(entry: str) -> Teacher:
 
 
 def _residency(env: Mapping[str, str]) -> str | None:
-    from megatron_rl_patches.patching.env import RESIDENCIES
+    from megatron_rl_patches._residency_modes import RESIDENCY_MODES
 
     raw = env.get(RESIDENCY, "").strip().lower()
-    if raw and raw not in RESIDENCIES:
-        raise ValueError(f"{RESIDENCY}={raw!r}: expected one of {list(RESIDENCIES)} (the residency of the "
+    if raw and raw not in RESIDENCY_MODES:
+        raise ValueError(f"{RESIDENCY}={raw!r}: expected one of {list(RESIDENCY_MODES)} (the residency of the "
                          "separate teachers: PATH@module:function, Hugging Face folders of another "
                          "architecture), or unset it for resident")
     return raw or None

@@ -57,6 +57,9 @@ def kept_context(batch: dict, length: int, device: Any,
                                "of a sample; please report this")
         replayed = tokens < offsets.numel() - 1  # tokens past the offsets keep the full vocabulary
         rows, tokens = rows[replayed], tokens[replayed]
+        if offsets.numel() and int(offsets[0]) < 0:
+            raise ValueError(f"slime_fused: {OFFSETS} must start at 0 or above (the first token's ids begin there), "
+                             f"got {offsets.tolist()}")
         counts = offsets[tokens + 1] - offsets[tokens]
         if bool((counts < 0).any()) or (tokens.numel() and int(offsets[tokens + 1].max()) > ids.numel()):
             raise ValueError(f"slime_fused: {OFFSETS} must be non-decreasing and end within {IDS} "

@@ -40,7 +40,7 @@ from megatron_rl_patches.ops.kernels.contract import Backend
 from megatron_rl_patches.ops.kernels.sources import Source
 
 if TYPE_CHECKING:
-    from megatron_rl_patches.ops._divergences import Plan
+    from megatron_rl_patches.ops._divergences import ResolvedDivergence
     from megatron_rl_patches.ops.topk_select import RunningTopk
 
 __all__ = ["Backend", "GradFactors", "RowStats", "Source", "BACKEND_ENV", "register_backend", "resolve_backend",
@@ -71,7 +71,8 @@ def topk_step(backend: Backend) -> Callable[[Source, RunningTopk, int], RunningT
     return step
 
 
-def divergence_step(backend: Backend, student: Source, teachers: list[Source], plan: Plan) -> Backend | None:
+def divergence_step(backend: Backend, student: Source, teachers: list[Source],
+                    plan: ResolvedDivergence) -> Backend | None:
     """The backend when it serves lm_head_divergence's pass 2 and backward for these sources and
     this table row, else None (the torch tiles evaluate the table's formula)."""
     return backend if backend.serves_divergence(student, teachers, plan) else None

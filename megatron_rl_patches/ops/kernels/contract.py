@@ -11,7 +11,7 @@ from megatron_rl_patches.ops._stats import GradFactors, RowStats
 from megatron_rl_patches.ops.kernels.sources import Source
 
 if TYPE_CHECKING:
-    from megatron_rl_patches.ops._divergences import Plan
+    from megatron_rl_patches.ops._divergences import ResolvedDivergence
     from megatron_rl_patches.ops.topk_select import RunningTopk
 
 
@@ -61,19 +61,21 @@ class Backend:
         """What the ops call: the backend itself (a lazy proxy: the backend it stands for)."""
         return self
 
-    def serves_divergence(self, student: Source, teachers: list[Source], plan: Plan) -> bool:
+    def serves_divergence(self, student: Source, teachers: list[Source], plan: ResolvedDivergence) -> bool:
         """Whether :meth:`divergence_sums` / :meth:`divergence_grad` take this call (one pair of
         sources, student and teacher; the table row of `plan`). Default: never."""
         return False
 
-    def divergence_sums(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, ...], plan: Plan,
-                        scale: float | torch.Tensor, keep_mask: torch.Tensor | None) -> torch.Tensor:
+    def divergence_sums(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, ...],
+                        plan: ResolvedDivergence, scale: float | torch.Tensor,
+                        keep_mask: torch.Tensor | None) -> torch.Tensor:
         """[T, 2]: this shard's share of the divergence and of G = Σ g per row (pass 2); `norms`
         each model's [2, T] normalizers (shifts then log S, combined over the ranks)."""
         raise NotImplementedError(f"backend {self.name!r} serves no divergence")
 
-    def divergence_grad(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, ...], plan: Plan,
-                        scale: float | torch.Tensor, keep_mask: torch.Tensor | None, constant: torch.Tensor | None,
-                        row_factor: torch.Tensor, needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
+    def divergence_grad(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, ...],
+                        plan: ResolvedDivergence, scale: float | torch.Tensor, keep_mask: torch.Tensor | None,
+                        constant: torch.Tensor | None, row_factor: torch.Tensor,
+                        needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
         """(dL/dh, dL/dW) of the student from dz = (g − p·G)·row_factor (G = `constant`, None: 0)."""
         raise NotImplementedError(f"backend {self.name!r} serves no divergence")

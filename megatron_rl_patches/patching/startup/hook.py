@@ -11,6 +11,10 @@ import types
 
 from megatron_rl_patches.patching import DEFAULT_REGISTRY, check_settings, load_registry
 
+TYPE_CHECKING = False  # not typing's: this module runs at start-up (see patching/env.py)
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 _done = False
 
 
@@ -89,13 +93,13 @@ def _say(message: str) -> None:
         pass
 
 
-def _strict() -> bool:
-    """MEGATRON_RL_PATCHES_STRICT, read as False when its value is itself the error reported."""
-    from megatron_rl_patches.patching import env
-
+def _setting(read: Callable[[], bool]) -> bool:
+    """A yes/no variable of ours; its default (False) with one line when its value is not a yes/no word
+    (the policy for a setting's typo at start-up: say it, keep the default, patch anyway)."""
     try:
-        return env.is_strict()
-    except ValueError:
+        return read()
+    except ValueError as exc:
+        _say(f"{exc}; using the default (off)")
         return False
 
 
@@ -110,12 +114,13 @@ def run(registry_factory: str = DEFAULT_REGISTRY) -> None:
 
         if not env.is_enabled():
             return
+        strict, allow_untested = _setting(env.is_strict), _setting(env.allows_untested)
         registry = load_registry(registry_factory)
         try:
-            registry.apply()
-        except ValueError as exc:  # bad selection or yes/no value: one line now; strict: also at import
+            registry.apply(strict=strict, allow_untested=allow_untested)
+        except ValueError as exc:  # a selection naming unknown patches: one line now; strict: also at import
             _say(f"no patch applied at start-up: {exc}")
-            if _strict():
+            if strict:
                 registry.poison_imports(ValueError(f"{exc} ({env.STRICT} is set)"))
         # read later, by the ops, the roles and the frameworks' patches (top-k OPD's variables)
         for read in (env.backend, env.checked_role_names, check_settings):

@@ -17,7 +17,7 @@ from megatron_rl_patches.patching import check_settings, env, load_registry
 LAUNCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")  # holds only sitecustomize
 # the folder holding the megatron_rl_patches package (four levels up from this file)
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-ROOT_VARIABLE = "MEGATRON_RL_PATCHES_LAUNCHER_ROOT"
+ROOT_VARIABLE = env.LAUNCHER_ROOT
 
 
 def launch_environment(patches: str | None, environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -6,7 +6,7 @@ import csv
 import pytest
 import torch
 
-from megatron_rl_patches.apps.bench import common
+from megatron_rl_patches.apps.bench import measure, outputs
 from megatron_rl_patches.apps.bench.logprobs import QUICK_SHAPES, VARIANTS, run
 
 pytestmark = pytest.mark.slow  # ~30 s: the real benchmark at its smallest shapes
@@ -47,7 +47,7 @@ def test_quick_run_writes_csv_and_ours_saves_less_than_naive(tmp_path):
 def test_saved_bytes_counts_each_storage_once_and_skips_ignored():
     w = torch.randn(8, 4, requires_grad=True)
     x = torch.randn(3, 8, requires_grad=True)
-    with common.SavedBytes(ignore=[w]) as saved:
+    with measure.SavedBytes(ignore=[w]) as saved:
         y = (x @ w).exp()  # mm saves x and w; exp saves its output
         (y * y).sum()  # saves y twice: one storage
     assert saved.bytes == x.numel() * 4 + y.numel() * 4
@@ -55,7 +55,7 @@ def test_saved_bytes_counts_each_storage_once_and_skips_ignored():
 
 def test_table_and_csv_helpers(tmp_path):
     rows = [{"a": 1, "b": 0.123456}, {"a": 22, "c": "x"}]
-    text = common.format_table(rows, ["a", "b"], title="t")
+    text = outputs.format_table(rows, ["a", "b"], title="t")
     assert text.splitlines()[0] == "t" and "0.123" in text and "-" in text.splitlines()[-1]
-    path = common.write_csv(rows, str(tmp_path / "r.csv"))
+    path = outputs.write_csv(rows, str(tmp_path / "r.csv"))
     assert open(path).read().splitlines()[0] == "a,b,c"

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from megatron_rl_patches.apps.bench import common
+from megatron_rl_patches.apps.bench import outputs
 
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
@@ -23,7 +23,7 @@ ROWS = [  # the shape of bench reentrant's rows: long case names, one unpatched 
 
 
 def _figure(**options):
-    return common.grouped_bars_figure(ROWS, group="case", series="variant", values=["us"], **options)
+    return outputs.grouped_bars_figure(ROWS, group="case", series="variant", values=["us"], **options)
 
 
 def test_x_labels_do_not_overlap():
@@ -55,7 +55,7 @@ def test_a_plot_in_u_says_what_u_is(titles, ylabel, expected):
 
     fig = _figure(titles=titles, ylabel=ylabel, suptitle="a benchmark")
     title = fig._suptitle.get_text()
-    assert (common.U_NOTE in title) == expected and title.startswith("a benchmark")
+    assert (outputs.U_NOTE in title) == expected and title.startswith("a benchmark")
     plt.close(fig)
 
 
@@ -90,9 +90,40 @@ def test_a_panel_without_any_number_says_so_and_one_series_has_no_legend():
     import matplotlib.pyplot as plt
 
     rows = [{"case": c, "variant": "ours", "peak": None, "us": 1.0} for c in ("a", "b")]
-    fig = common.grouped_bars_figure(rows, group="case", series="variant", values=["peak", "us"],
+    fig = outputs.grouped_bars_figure(rows, group="case", series="variant", values=["peak", "us"],
                                      titles=["peak (U)", "µs"])
-    assert any(t.get_text() == common.NO_FIGURES for t in fig.axes[0].texts)
-    assert not any(t.get_text() == common.NO_FIGURES for t in fig.axes[1].texts)
+    assert any(" ".join(t.get_text().split()) == outputs.NO_FIGURES for t in fig.axes[0].texts)
+    assert not any(" ".join(t.get_text().split()) == outputs.NO_FIGURES for t in fig.axes[1].texts)
     assert all(ax.get_legend() is None for ax in fig.axes)
     plt.close(fig)
+
+
+def test_an_empty_panel_note_stays_inside_its_panel_with_no_bar_labels_under_it():
+    """issue 49: "no figures in this run" ran past the panel and over the "not measured" labels."""
+    import matplotlib.pyplot as plt
+
+    rows = [{"case": c, "variant": v, "peak": None, "us": 1.0} for c in ("T=8 V=64", "T=16 V=64")
+            for v in ("naive", "ours")]
+    fig = outputs.grouped_bars_figure(rows, group="case", series="variant", values=["peak", "us"],
+                                     titles=["peak (U)", "µs"])
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (note,) = fig.axes[0].texts  # the note only: no "not measured" under it
+    box, panel = note.get_window_extent(renderer), fig.axes[0].get_window_extent(renderer)
+    assert panel.x0 <= box.x0 and box.x1 <= panel.x1 and panel.y0 <= box.y0 and box.y1 <= panel.y1
+    plt.close(fig)
+
+
+def test_quick_titles_say_so():
+    assert outputs.titled("top-k OPD loss", quick=False) == "top-k OPD loss"
+    assert "--quick" in outputs.titled("top-k OPD loss", quick=True).splitlines()[-1]
+
+
+@pytest.mark.megatron
+def test_the_reentrant_plot_title_names_device_dtype_and_quick(tmp_path, monkeypatch):
+    from megatron_rl_patches.apps.bench import reentrant
+
+    seen = {}
+    monkeypatch.setattr(outputs, "plot_grouped_bars", lambda rows, path, **options: seen.update(options))
+    reentrant.run(quick=True, out_dir=str(tmp_path))
+    assert "CPU" in seen["suptitle"] and "fp32" in seen["suptitle"] and "--quick" in seen["suptitle"]

@@ -9,7 +9,7 @@ import io
 import pytest
 
 from megatron_rl_patches.apps import cli
-from megatron_rl_patches.apps.bench import common
+from megatron_rl_patches.apps.bench import runner
 
 
 def _main(argv: list[str]) -> tuple[int, str]:
@@ -31,7 +31,7 @@ def test_an_option_the_benchmark_does_not_read_is_a_usage_error(argv):
 
 def test_each_case_reports_as_it_ends(capsys):
     cases = [{"target": "tests.apps.cli.test_bench_options:tiny_case", "kwargs": {"n": n}} for n in (1, 2)]
-    rows = common.run_cases(cases, isolate=False)
+    rows = runner.run_cases(cases, isolate=False)
     assert rows == [{"n": 1}, {"n": 2}]
     err = capsys.readouterr().err
     assert "case 1/2 done" in err and "case 2/2 done" in err and "tiny_case n=2" in err
@@ -39,7 +39,7 @@ def test_each_case_reports_as_it_ends(capsys):
 
 def test_a_failing_worker_reports_every_case_it_did_not_finish(capsys):
     cases = [{"target": "tests.apps.cli.test_bench_options:no_such_case", "kwargs": {}}]
-    rows = common.run_cases(cases)
+    rows = runner.run_cases(cases)
     assert rows[0]["error"].startswith("AttributeError") or "no_such_case" in rows[0]["error"]
     assert "case 1/1 failed" in capsys.readouterr().err
 

@@ -67,3 +67,43 @@ def test_doctor_shows_each_roles_residency(cli_run, monkeypatch):
     monkeypatch.setenv(env.INFERENCE_ROLES, "prm_teacher:stream,teacher:swap,ref")
     code, out, _ = cli_run("doctor")
     assert "inference roles: prm_teacher:stream, teacher:swap, ref" in out, out
+
+
+@pytest.mark.parametrize("name, suggestion", [("MEGATRON_RL_PATCH", env.SELECT),
+                                              ("MEGATRON_RL_PATCHES_DISABLED", env.DISABLE),
+                                              ("MEGATRON_RL_PATCHES_OPD_TEACHER", "MEGATRON_RL_PATCHES_OPD_TEACHERS")])
+def test_doctor_names_a_misspelled_variable(cli_run, monkeypatch, name, suggestion):
+    """issue 49: ignored, so `run` and the start-up defaulted to every patch without a word."""
+    monkeypatch.setenv(name, "all")
+    code, out, _ = cli_run("doctor", "--json")
+    problems = json.loads(out)["problems"]
+    assert code == cli.PROBLEM and any(f"{name} (did you mean {suggestion}?)" in p for p in problems), problems
+
+
+def test_doctor_checks_the_opd_teachers_paths(cli_run, monkeypatch, tmp_path):
+    """issue 49: "no problems found" for a teacher that does not exist or that the builder refuses."""
+    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
+
+    good, refused, megatron_dir = tmp_path / "good", tmp_path / "gemma", tmp_path / "megatron"
+    write_tiny_checkpoint(good, tiny_hf_config("qwen3"))
+    refused.mkdir()
+    (refused / "config.json").write_text(json.dumps(tiny_hf_config("qwen3", model_type="gemma3")))
+    megatron_dir.mkdir()  # a Megatron checkpoint: slime's loader reads it, nothing to check here
+    monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"/nonexistent,{good},{refused},{megatron_dir}")
+    code, out, _ = cli_run("doctor", "--json")
+    problems = [p for p in json.loads(out)["problems"] if "OPD_TEACHERS" in p]
+    assert code == cli.PROBLEM and len(problems) == 2, problems
+    assert "teacher '/nonexistent' does not exist" in problems[0]
+    assert f"teacher '{refused}': a Hugging Face directory build_inference_model_from_hf refuses" in problems[1]
+    assert "model_type 'gemma3'" in problems[1]
+
+
+def test_doctor_status_column_aligns_for_the_longest_name():
+    """issue 49: hybrid_output_processor (23 characters) pushed its status out of the column."""
+    report = doctor.collect()
+    lines = doctor.format_report(report).splitlines()
+    names = {t["name"] for t in report["targets"]}
+    rows = [line for line in lines if line[2:].split(" ")[0] in names]
+    assert any("hybrid_output_processor" in row for row in rows)
+    starts = {len(row) - len(row[2:].split(" ", 1)[1].lstrip()) for row in rows}  # where the status begins
+    assert len(starts) == 1, starts

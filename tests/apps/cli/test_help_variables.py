@@ -37,3 +37,13 @@ def test_help_describes_every_variable_the_backend_and_the_default_roles(cli_run
     assert all(word in backend for word in ("torch", "triton", "auto", "backend="))
     roles = described[env.INFERENCE_ROLES]
     assert all(role in roles for role in DEFAULT_INFERENCE_ROLES), roles
+    assert "Hugging Face directory" in described["MEGATRON_RL_PATCHES_OPD_TEACHERS"]  # issue 49: it was omitted
+
+
+def test_the_misspelling_check_knows_every_variable_help_describes():
+    """A variable --help documents is never called unknown (and the launcher's own one neither)."""
+    from megatron_rl_patches.apps.cli import PATCH_VARIABLES
+    from megatron_rl_patches.integrations import check_settings, variable_names
+
+    assert set(variable_names()) == set(env.VARIABLES) | set(PATCH_VARIABLES) | {env.LAUNCHER_ROOT}
+    check_settings({name: "" for name in variable_names() if "OPD" not in name})

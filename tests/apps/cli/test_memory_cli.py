@@ -3,20 +3,13 @@ import argparse
 import json
 
 import pytest
+from kit.cli import run_memory_cli
 
 from megatron_rl_patches.apps.cli import memory as memory_cli
 
 
-def run_cli(argv, capsys):
-    from megatron_rl_patches.apps.cli import main
-
-    code = main(["memory", *argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_default_table_matches_the_issue(capsys):
-    code, out, err = run_cli(["--params", "27e9"], capsys)
+    code, out, err = run_memory_cli(["--params", "27e9"], capsys)
     assert code == 0 and err == ""
     assert "27,000,000,000 parameters, bf16 weights, fp32 grads, DP=1" in out
     total = next(line for line in out.splitlines() if line.startswith("total beyond the weights"))
@@ -26,10 +19,10 @@ def test_default_table_matches_the_issue(capsys):
 
 
 def test_fp32_weights_and_sharded_optimizer(capsys):
-    code, out, _ = run_cli(["--params", "27B", "--param-dtype", "fp32", "--json"], capsys)
+    code, out, _ = run_memory_cli(["--params", "27B", "--param-dtype", "fp32", "--json"], capsys)
     data = json.loads(out)
     assert code == 0 and data["total"] == 324 * 10**9 and data["bytes_per_param"] == 12.0 and data["main_params"] == 0
-    code, out, _ = run_cli(["--params", "70B", "--dp", "8", "--distributed-optimizer", "--json"], capsys)
+    code, out, _ = run_memory_cli(["--params", "70B", "--dp", "8", "--distributed-optimizer", "--json"], capsys)
     data = json.loads(out)
     assert code == 0 and data["dp"] == 8 and data["distributed_optimizer"] is True
     assert data["adam_m"] == 4 * 70 * 10**9 // 8 and data["bytes_per_param"] == 5.5
@@ -55,11 +48,11 @@ def test_bad_param_counts(text):
 
 
 def test_usage_errors_exit_2(capsys):
-    code, out, err = run_cli(["--params", "27e9", "--dp", "0"], capsys)
+    code, out, err = run_memory_cli(["--params", "27e9", "--dp", "0"], capsys)
     assert code == 2 and "invalid data-parallel size" in err and out == ""
-    code, _, err = run_cli(["--params", "lots"], capsys)
+    code, _, err = run_memory_cli(["--params", "lots"], capsys)
     assert code == 2 and "invalid parameter count" in err
-    code, _, err = run_cli([], capsys)
+    code, _, err = run_memory_cli([], capsys)
     assert code == 2 and "--params" in err
 
 
@@ -72,7 +65,7 @@ def test_bad_dp_is_a_usage_error(text):
 
 
 def test_inconsistent_dtypes_are_refused(capsys):
-    code, out, err = run_cli(["--params", "7B", "--param-dtype", "fp32", "--grad-dtype", "bf16"], capsys)
+    code, out, err = run_memory_cli(["--params", "7B", "--param-dtype", "fp32", "--grad-dtype", "bf16"], capsys)
     assert code == 2 and out == "" and "grad buffer is fp32" in err
 
 

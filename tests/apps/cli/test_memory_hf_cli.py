@@ -87,8 +87,8 @@ def test_usage_errors(capsys, argv, message):
 
 def test_layouts_that_do_not_fit(qwen3_30b, tmp_path, capsys):
     code, _, err = _run(["--hf", str(qwen3_30b), "--ep", "3"], capsys)
-    assert code == 2 and "ep=3 does not divide the 128 experts" in err
+    assert code == 2 and "128 experts are not a multiple of the expert-parallel size 3" in err
     (tmp_path / "dense").mkdir()
     (tmp_path / "dense" / "config.json").write_text(json.dumps(tiny_hf_config("qwen3")))
     code, _, err = _run(["--hf", str(tmp_path / "dense"), "--ep", "2"], capsys)
-    assert code == 2 and "ep=2 with a dense model" in err
+    assert code == 2 and "expert-parallel size 2 with a dense model" in err

@@ -52,7 +52,7 @@ def test_fp8_bytes_on_disk(name):
 
 
 def test_table_names_the_family_and_the_fp8_bytes(capsys):
-    assert main(["memory", "--hf", str(CONFIGS / "DeepSeek-V3.json"), "--tp", "8", "--ep", "8", "--pp", "4"]) == 0
+    assert main(["memory", "--hf", str(CONFIGS / "DeepSeek-V3.json"), "--tp", "8", "--ep", "8"]) == 0
     out = capsys.readouterr().out
     assert "(deepseek_v3): 671,026,419,200 parameters, 37,552,297,472 active per token" in out
     assert "FP8 checkpoint: 673,150,582,112 bytes on disk (626.92 GiB), built at bf16" in out

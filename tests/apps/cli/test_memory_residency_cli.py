@@ -3,20 +3,13 @@ residency mode, from the planner (no torch needed), and its usage errors."""
 import json
 
 import pytest
+from kit.cli import run_memory_cli
 
 from megatron_rl_patches.inference.sizing.residency_plan import residency_plan
 
 
-def run_cli(argv, capsys):
-    from megatron_rl_patches.apps.cli import main
-
-    code = main(["memory", *argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_stream_table_for_a_27b_model(capsys):
-    code, out, err = run_cli(["--params", "27e9", "--residency", "stream", "--layers", "64"], capsys)
+    code, out, err = run_memory_cli(["--params", "27e9", "--residency", "stream", "--layers", "64"], capsys)
     assert code == 0 and err == ""
     lines = [line for line in out.splitlines() if line.lstrip("* ").split(" ")[0] in ("resident", "swap", "stream")]
     rows = {line.lstrip("* ").split()[0]: line.lstrip("* ").split()[1:] for line in lines}
@@ -38,7 +31,7 @@ def test_json_and_the_planner_agree():
 
 
 def test_json_output(capsys):
-    code, out, _ = run_cli(["--params", "7B", "--residency", "swap", "--layers", "32", "--json"], capsys)
+    code, out, _ = run_memory_cli(["--params", "7B", "--residency", "swap", "--layers", "32", "--json"], capsys)
     data = json.loads(out)
     assert code == 0 and data["residency"] == "swap" and data["total"] == 16 * 7 * 10**9
     assert data["residency_plan"]["modes"]["swap"] == {
@@ -63,7 +56,7 @@ def test_json_output(capsys):
     ],
 )
 def test_usage_errors(capsys, argv, message):
-    code, out, err = run_cli(["--params", "27e9", *argv], capsys)
+    code, out, err = run_memory_cli(["--params", "27e9", *argv], capsys)
     assert code == 2 and message in err and out == ""
 
 

@@ -66,13 +66,13 @@ def test_plain_route_is_the_same_loop_and_hits_the_reentry_crash(summaries):
     assert plain["teachers"]["allocated_bytes"] > 0  # trainable builds hold grad buffers
 
 
-def test_student_chosen_ids_give_the_same_rollout_on_both_routes():
-    """ids_from="student": the package route takes the ids and the old log-probs from one fused
-    forward of the actor; the plain route from its logits. Same numbers."""
+def test_teacher_chosen_ids_give_the_same_rollout_on_both_routes():
+    """ids_from="teacher" (the default is "student", see the fixture's runs): the package route
+    takes the ids from the first teacher's fused pass; the plain route from its logits. Same numbers."""
     from megatron_rl_patches.apps.demo.loop import DemoConfig
     from megatron_rl_patches.apps.demo.session import run_demo
 
-    cfg = DemoConfig(rollouts=1, steps=1, ids_from="student")
+    cfg = DemoConfig(rollouts=1, steps=1, ids_from="teacher")
     package, plain = (run_demo(cfg, patches=patches) for patches in (True, False))
     assert package["ok"] and plain["ok"]
     for key in ("loss", "opd_kl", "entropy", "logprob"):
@@ -94,6 +94,15 @@ def test_union_ids_give_the_same_rollout_on_both_routes():
     assert package["rollouts"][0]["opd_kl"] > student["rollouts"][0]["opd_kl"]  # more buckets: a finer KL
 
 
+def test_the_default_ids_are_a_value_slime_opd_accepts():
+    """issue 49: the demo's default was "teacher", which MEGATRON_RL_PATCHES_OPD_IDS_FROM refuses."""
+    from megatron_rl_patches.apps.demo.loop import DemoConfig
+    from megatron_rl_patches.integrations.slime.opd_settings import IDS_FROM, TEACHERS, opd_settings
+
+    settings = opd_settings({TEACHERS: "/ckpt/t", IDS_FROM: DemoConfig().ids_from})
+    assert settings is not None and settings.ids_from == DemoConfig().ids_from == "student"
+
+
 def test_real_model_rows_use_the_memory_commands_formula(summaries):
     from megatron_rl_patches import training_state_bytes
 
@@ -102,8 +111,16 @@ def test_real_model_rows_use_the_memory_commands_formula(summaries):
     assert row["distributed_optimizer"]
     want = training_state_bytes(8_190_000_000, dp=8, distributed_optimizer=True, param_dtype="bf16", grad_dtype="fp32")
     assert row["per_teacher_bytes"] == want.total and row["saved_bytes"] == 2 * want.total
-    logits = next(r for r in real["logits"] if r["model"] == "27B")
-    assert logits["actor_logits_bytes"] == logits["tokens"] * 262_144 * 2
+    logits = next(r for r in real["logits"] if r["model"] == "32B")
+    assert logits["actor_logits_bytes"] == logits["tokens"] * 151_936 * 2
+
+
+def test_real_model_rows_name_families_the_package_serves():
+    """issue 49: the 27B row was labelled Gemma-3-27B, a family build_inference_model_from_hf refuses."""
+    from megatron_rl_patches.apps.demo.scale import REAL_MODELS
+
+    served = ("qwen3", "qwen2", "llama")  # architecture.py's served families (Qwen3-MoE reads as qwen3)
+    assert all(model.vocab_from.lower().replace("-", "").startswith(served) for model in REAL_MODELS), REAL_MODELS
 
 
 def test_text_summary_names_what_ran_and_what_crashed(summaries):
@@ -111,7 +128,7 @@ def test_text_summary_names_what_ran_and_what_crashed(summaries):
 
     text = format_summary(summaries[True])
     assert "ddp_hooks: applied" in text and "reentrant_train" in text and "never allocated" in text
-    assert "8B" in text and "27B" in text and "re-entry crash" not in text
+    assert "8B" in text and "32B" in text and "Gemma" not in text and "re-entry crash" not in text
     plain = format_summary(summaries[False])
     assert "none applied" in plain and "This is the re-entry crash" in plain
 

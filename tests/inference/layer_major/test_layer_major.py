@@ -9,6 +9,7 @@ import torch
 import megatron_rl_patches
 from megatron_rl_patches import log_prob_output_processor, score_layer_major, topk_output_processor
 from megatron_rl_patches.inference.layer_major.activation_store import ActivationStats
+from megatron_rl_patches.testing import layouts
 
 pytestmark = pytest.mark.megatron
 
@@ -46,7 +47,7 @@ def _clean(decoder) -> bool:
     return not {"forward", "layers", "final_layernorm", "final_norm"} & set(vars(decoder))
 
 
-@pytest.mark.layout("bshd")
+@layouts.mark("bshd")
 def test_logits_equal_per_micro_batch_bit_for_bit(megatron_cpu_kind):
     chunks = megatron_rl_patches.build_inference_model(
         megatron_cpu_kind.model_provider(megatron_cpu_kind.config(num_layers=3), seed=5))
@@ -68,7 +69,7 @@ def test_losses_with_labels_equal_per_micro_batch(megatron_cpu):
     _assert_identical(score_layer_major(chunks, batches), _per_micro_batch(chunks[0], batches))
 
 
-@pytest.mark.layout("bshd")
+@layouts.mark("bshd")
 def test_processors_equal_per_micro_batch_bit_for_bit(megatron_cpu_kind, clean_patch_state):
     # GPTModel's hook (`native` on megatron-core >= 0.18) and HybridModel's
     megatron_rl_patches.apply(only=["gpt_output_processor", "hybrid_output_processor"])
@@ -113,7 +114,7 @@ def _packed_batches(lengths_per_micro_batch, vocab=64) -> list[dict]:
     return batches
 
 
-@pytest.mark.layout("thd")
+@layouts.mark("thd")
 def test_packed_thd_batches_equal_per_micro_batch(megatron_cpu, clean_patch_state):
     from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
 
@@ -288,7 +289,7 @@ def test_swap_build_comes_in_once_per_rollout(megatron_cpu, clean_patch_state):
     assert device_weight_bytes(chunks[0].parameters()) == 0
 
 
-@pytest.mark.layout("bf16")
+@layouts.mark("bf16")
 def test_bf16_float16module_stream_build_with_processor(megatron_cpu, clean_patch_state):
     from megatron_rl_patches import residency_report
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
@@ -77,7 +78,7 @@ def world() -> list[dict]:
     return run_multirank(_worker, 2, timeout=300)
 
 
-@pytest.mark.layout("tp2")
+@layouts.mark("tp2")
 def test_tp2_layer_major_equals_per_micro_batch_on_every_rank(world):
     for result in world:
         result = result["tp2"]
@@ -87,7 +88,7 @@ def test_tp2_layer_major_equals_per_micro_batch_on_every_rank(world):
         assert result["copies"] == {"embedding": 2, "layer0": 2, "layer1": 2, "head": 2}  # two rollouts
 
 
-@pytest.mark.layout("tp2", "sp")
+@layouts.mark("tp2", "sp")
 def test_sequence_parallel_layer_major_equals_per_micro_batch_on_every_rank(world):
     for result in world:
         result = result["sp"]
@@ -97,7 +98,7 @@ def test_sequence_parallel_layer_major_equals_per_micro_batch_on_every_rank(worl
         assert result["copies"] == {"embedding": 2, "layer0": 2, "layer1": 2, "head": 2}
 
 
-@pytest.mark.layout("moe", "ep2")
+@layouts.mark("moe", "ep2")
 def test_ep2_moe_layer_major_equals_per_micro_batch_on_every_rank(world):
     for result in world:
         result = result["ep2"]

@@ -9,6 +9,7 @@ import torch
 
 from megatron_rl_patches import build_inference_model, hold, on_device, residency_report
 from megatron_rl_patches.inference.residency.storage import device_weight_bytes
+from megatron_rl_patches.testing import layouts
 
 pytestmark = pytest.mark.megatron
 LAYERS = 4
@@ -169,7 +170,7 @@ def test_tied_embeddings_keep_one_host_copy(megatron_cpu, residency):
         assert after.bytes_moved == _nbytes(chunks[0]) + _nbytes(model.embedding.word_embeddings)
 
 
-@pytest.mark.layout("bf16")
+@layouts.mark("bf16")
 @pytest.mark.parametrize("residency", ["swap", "stream"])
 def test_bf16_build_equals_the_resident_build(megatron_cpu, residency):
     env = megatron_cpu

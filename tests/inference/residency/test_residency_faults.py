@@ -92,7 +92,7 @@ def test_stream_needs_decoder_layers(megatron_cpu):
 
 def test_multi_token_prediction_block_streams_as_one_unit(megatron_cpu):
     """The MTP block is a unit of its own after the head (megatron runs it between the final norm and
-    the output layer); a real MTP GPT streams in tests/testing/test_mtp_layouts.py."""
+    the output layer); a real MTP GPT streams in tests/processors/layouts/test_mtp_layouts.py."""
     from megatron_rl_patches.inference.residency.units import stream_units
 
     class WithMTP(torch.nn.Module):  # the shape stream_units reads

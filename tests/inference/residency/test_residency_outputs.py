@@ -17,8 +17,9 @@ from megatron_rl_patches import (
     topk_output_processor,
 )
 from megatron_rl_patches.inference.residency.storage import device_weight_bytes
+from megatron_rl_patches.testing import layouts
 
-pytestmark = [pytest.mark.megatron, pytest.mark.layout("bshd")]
+pytestmark = [pytest.mark.megatron, layouts.mark("bshd")]
 MODES = ["swap", "stream"]
 # GPTModel's hook (`native` on >= 0.18) and HybridModel's
 PROCESSOR_PATCHES = ["gpt_output_processor", "hybrid_output_processor"]

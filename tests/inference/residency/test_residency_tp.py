@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
-pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow, pytest.mark.layout("tp2")]
+pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow, layouts.mark("tp2")]
 
 
 def _tp_worker(rank: int, world_size: int, tmp: str) -> dict:

@@ -50,7 +50,8 @@ def test_routing_replay_and_top_p_replay_are_served(monkeypatch):
 
 def test_schedule_plan_goes_to_the_real_model_with_one_log_line(caplog):
     seen = []
-    step = slime_fused.fused_step(lambda it, model, **kw: seen.append(model), slime_fused.Plan(_args(), True, False))
+    plan = slime_fused.StepPlan(_args(), True, False)
+    step = slime_fused.fused_step(lambda it, model, **kw: seen.append(model), plan)
     real = object()
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
         step(None, real, return_schedule_plan=True)
@@ -80,7 +81,7 @@ def test_schedule_plan_with_a_processor_keyword_gets_the_fused_model(caplog, mon
 
     monkeypatch.setattr(rows, "shifted_targets", lambda batch, n, device, ag: torch.arange(n))
     monkeypatch.setattr(rows, "response_rows", lambda batch, n, device, ag: torch.ones(n, dtype=torch.bool))
-    plan = slime_fused.Plan(_args(allgather_cp=False), True, False, batch={"tokens": None})
+    plan = slime_fused.StepPlan(_args(allgather_cp=False), True, False, batch={"tokens": None})
     inner = _PlanModel()
 
     def forward_step(data_iterator, model, return_schedule_plan=False):
@@ -112,7 +113,8 @@ def test_mtp_kwargs_reach_the_model_with_the_processor(caplog, monkeypatch):
 
         __call__ = forward
 
-    plan = slime_fused.Plan(_args(allgather_cp=False, enable_mtp_training=True), True, False, batch={"tokens": None})
+    args = _args(allgather_cp=False, enable_mtp_training=True)
+    plan = slime_fused.StepPlan(args, True, False, batch={"tokens": None})
     tokens = torch.zeros(1, 3, dtype=torch.long)
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
         out = slime_fused.FusedModel(MtpModel(), plan)(input_ids=tokens, mtp_kwargs={"mtp_labels": tokens},
@@ -124,7 +126,7 @@ def test_mtp_kwargs_reach_the_model_with_the_processor(caplog, monkeypatch):
 
 def test_multimodal_batch_calls_the_model_unchanged(caplog):
     calls = []
-    plan = slime_fused.Plan(_args(), True, False, batch={"multimodal_train_inputs": {"pixel_values": 1}})
+    plan = slime_fused.StepPlan(_args(), True, False, batch={"multimodal_train_inputs": {"pixel_values": 1}})
     model = slime_fused.FusedModel(lambda **kw: calls.append(kw) or "logits", plan)
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
         assert model(input_ids=torch.zeros(1, 3, dtype=torch.long), labels=None) == "logits"
@@ -172,7 +174,7 @@ class _ProcessorModel:
 @pytest.mark.parametrize("packed", [_bshd_params(), None], ids=["qkv_format=bshd", "no packed_seq_params"])
 def test_bshd_batch_calls_the_model_unchanged_with_one_log_line(caplog, packed):
     inner = _ProcessorModel()
-    plan = slime_fused.Plan(_args(allgather_cp=False), True, False, batch={"tokens": None})
+    plan = slime_fused.StepPlan(_args(allgather_cp=False), True, False, batch={"tokens": None})
     model = slime_fused.FusedModel(inner, plan)
     tokens = torch.zeros(2, 3, dtype=torch.long)
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
@@ -186,7 +188,7 @@ def test_bshd_batch_calls_the_model_unchanged_with_one_log_line(caplog, packed):
 
 @pytest.mark.parametrize("packed", [_bshd_params(), None], ids=["qkv_format=bshd", "no packed_seq_params"])
 def test_allgather_cp_with_a_bshd_batch_is_a_clear_error(packed):
-    plan = slime_fused.Plan(_args(allgather_cp=True), True, False, batch={"tokens": None})
+    plan = slime_fused.StepPlan(_args(allgather_cp=True), True, False, batch={"tokens": None})
     inner = _ProcessorModel()
     model = slime_fused.FusedModel(inner, plan)
     with pytest.raises(ValueError, match="--allgather-cp needs packed thd"):
@@ -196,7 +198,7 @@ def test_allgather_cp_with_a_bshd_batch_is_a_clear_error(packed):
 
 def test_a_fallen_back_train_step_still_fetches_a_top_k_losss_batch_keys(monkeypatch, caplog):
     """slime's logits path for the step (one log line), the schedule untouched, the OPD keys fetched."""
-    from megatron_rl_patches.integrations.slime.plan import TopkRequest
+    from megatron_rl_patches.integrations.slime.step_plan import TopkRequest
 
     request = TopkRequest(ids_key="opd_ids", keys=("opd_ids",))
     monkeypatch.setattr(slime_fused, "step_request", lambda args: request)
@@ -229,8 +231,8 @@ def test_a_non_last_pipeline_stage_gets_the_plain_model_call(megatron_cpu, clean
     from megatron.core.packed_seq_params import PackedSeqParams
 
     import megatron_rl_patches
-    from megatron_rl_patches.integrations.slime import plan as slime_plan
     from megatron_rl_patches.integrations.slime import rows
+    from megatron_rl_patches.integrations.slime import step_plan as slime_plan
 
     megatron_rl_patches.apply(only="gpt_output_processor")  # as slime's lane runs megatron-core 0.16
     length = 8
@@ -245,7 +247,7 @@ def test_a_non_last_pipeline_stage_gets_the_plain_model_call(megatron_cpu, clean
     stage0 = GPTModel(config=megatron_cpu.config(), transformer_layer_spec=packed_gpt_spec(), vocab_size=64,
                       max_sequence_length=length, position_embedding_type="rope", post_process=False)
     request = slime_plan.STEP_REQUEST if topk else None
-    plan = slime_fused.Plan(_args(allgather_cp=False), True, False, request, batch={"tokens": None})
+    plan = slime_fused.StepPlan(_args(allgather_cp=False), True, False, request, batch={"tokens": None})
     cu = torch.tensor([0, length], dtype=torch.int32)
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=length,
                              max_seqlen_kv=length)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow, pytest.mark.layout("pp2", "thd")]
+from megatron_rl_patches.testing import layouts
+
+pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow, layouts.mark("pp2", "thd")]
 
 LENGTHS = (5, 7)  # two packed sequences in one micro-batch
 
@@ -43,7 +45,7 @@ def _stages(rank: int, world_size: int) -> dict:
         batch = {"tokens": tokens, "position_ids": torch.cat([torch.arange(n) for n in LENGTHS])[None],
                  "packed": PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                            max_seqlen_q=max(LENGTHS), max_seqlen_kv=max(LENGTHS))}
-        plan = fused.Plan(types.SimpleNamespace(rollout_temperature=1.0), False, False, batch={"tokens": None})
+        plan = fused.StepPlan(types.SimpleNamespace(rollout_temperature=1.0), False, False, batch={"tokens": None})
         seen: dict = {}
 
         def step(data_iterator, model, route):

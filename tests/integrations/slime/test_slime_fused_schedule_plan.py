@@ -51,9 +51,9 @@ def _model_and_batch(env):
     return model, batch
 
 
-def _plan(batch: dict) -> slime_fused.Plan:
+def _plan(batch: dict) -> slime_fused.StepPlan:
     args = types.SimpleNamespace(rollout_temperature=0.8, log_probs_chunk_size=TILE_ROWS, allgather_cp=False)
-    return slime_fused.Plan(args, True, False, batch=batch)
+    return slime_fused.StepPlan(args, True, False, batch=batch)
 
 
 def _call(batch: dict) -> dict:

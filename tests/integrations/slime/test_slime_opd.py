@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_rl_patches.integrations.slime import opd as slime_opd
-from megatron_rl_patches.integrations.slime import plan
+from megatron_rl_patches.integrations.slime import step_plan as plan
 from megatron_rl_patches.integrations.slime.opd_settings import LOSS_PATH, Teacher, opd_settings
 from megatron_rl_patches.integrations.slime.topk import packed_ids
 

@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 
-from megatron_rl_patches.integrations.slime import plan
+from megatron_rl_patches.integrations.slime import step_plan as plan
 
 RESPONSES, K, TEACHERS = (3, 5), 4, 2
 

@@ -54,6 +54,9 @@ def test_bad_offsets_are_refused_and_no_keys_give_no_context(cp1_slicing):
     with pytest.raises(ValueError, match="end within rollout_top_p_token_ids"):
         kept_context(_batch(rollout_top_p_token_ids=[[1], []], rollout_top_p_token_offsets=[[0, 1, 3], [0]]), 11,
                      "cpu")
+    with pytest.raises(ValueError, match=r"rollout_top_p_token_offsets must start at 0 or above .* got \[-1, 1"):
+        kept_context(_batch(rollout_top_p_token_ids=[[1, 2], []], rollout_top_p_token_offsets=[[-1, 1, 2], [0]]),
+                     11, "cpu")  # token 0 would keep ids[-1], another token's id
     assert kept_context(_batch(), 11, "cpu") is None
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_rl_patches.testing import layouts
+
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
 
 CP = 2
@@ -139,7 +141,7 @@ def ranks() -> list[dict]:
     return run_multirank(_world, CP, timeout=120)
 
 
-@pytest.mark.layout("cp2-allgather")
+@layouts.mark("cp2-allgather")
 def test_kept_set_log_probs_at_allgather_cp2_equal_cp1(ranks):
     held = [rank["held"] for rank in ranks]
     assert all(sum(h) for h in held) and [sum(col) for col in zip(*held)] == list(RESPONSES), held

@@ -11,6 +11,7 @@ import torch
 
 from megatron_rl_patches import lm_head_divergence
 from megatron_rl_patches.ops.kernels import torch_tiles
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.vocab_watch import VocabWideTensors
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -87,7 +88,7 @@ def test_no_vocabulary_wide_tensor(monkeypatch, divergence):
     assert value.shape == (T,)
 
 
-@pytest.mark.layout("bf16")
+@layouts.mark("bf16")
 def test_bfloat16_inputs_match_their_float32_logits_and_empty_rows_work():
     hidden, weight, teachers, _, _, grad_out = make_inputs(2, dtype=torch.float32)
     (th0, tw0), (th1, tw1) = teachers

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_rl_patches.apps.bench.distill import short
-from megatron_rl_patches.ops._divergences import DIVERGENCES, TABLE, Plan
+from megatron_rl_patches.ops._divergences import DIVERGENCES, TABLE, ResolvedDivergence
 
 
 def test_the_divergences_are_the_tables_rows_with_distinct_bench_labels():
@@ -28,7 +28,7 @@ def test_the_kernels_serve_exactly_their_listed_rows(monkeypatch):
     h, w = torch.randn(4, 16), torch.randn(8, 16)
     student, teacher = (Source(8, None, hidden=h, weight=w) for _ in range(2))
     tiles = backend.TritonTiles()
-    assert all(tiles.serves_divergence(student, [teacher], Plan.of(name)) for name in DIVERGENCES)
+    assert all(tiles.serves_divergence(student, [teacher], ResolvedDivergence.of(name)) for name in DIVERGENCES)
     monkeypatch.setattr(backend, "KERNEL_DIVERGENCES", tuple(n for n in backend.KERNEL_DIVERGENCES if n != "tv"))
-    assert not tiles.serves_divergence(student, [teacher], Plan.of("tv"))
-    assert tiles.serves_divergence(student, [teacher], Plan.of("jsd"))
+    assert not tiles.serves_divergence(student, [teacher], ResolvedDivergence.of("tv"))
+    assert tiles.serves_divergence(student, [teacher], ResolvedDivergence.of("jsd"))

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_rl_patches.testing import layouts
+
 sys.path.insert(0, str(Path(__file__).parent))
 from divergence_cases import (  # noqa: E402
     DIVERGENCES,
@@ -92,7 +94,7 @@ def _all_cases(rank, world_size):
     return results
 
 
-@pytest.mark.layout("tp2", "sp")
+@layouts.mark("tp2", "sp")
 def test_tp2_matches_dense_float64():
     results = run_multirank(_all_cases, WORLD, timeout=300)
     rows, per = V_PADDED // WORLD, T // WORLD

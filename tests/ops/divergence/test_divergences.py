@@ -144,7 +144,7 @@ def test_table_gradient_terms_are_the_autograd_gradient(name, beta, alpha, ops):
     log_t = torch.log_softmax(log_t, -1)
     z.requires_grad_(True)
     log_s = torch.log_softmax(z, -1)
-    plan = _divergences.Plan.of(name, beta, alpha)
+    plan = _divergences.ResolvedDivergence.of(name, beta, alpha)
     value = _divergences.sum_parts(plan.parts(_divergences.Entries(log_s, log_t, _divergences.SAFE)))
     value.sum().backward()
     with torch.no_grad():

@@ -2,15 +2,9 @@
 validation added for bad inputs and the top-k OPD split (topk_logprobs + topk_kl) change no bit."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-import golden_cases  # noqa: E402
+from kit import golden_cases
 
 RECORDED = torch.load(golden_cases.DATA / "golden_ops.pt")
 NOW = golden_cases.cases()

@@ -2,17 +2,11 @@
 reference commit (golden_cases.tp_cases): the cross-rank combine of every op changes no bit."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from kit import golden_cases
 
 from megatron_rl_patches.testing.multirank import run_multirank
-
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-import golden_cases  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 

@@ -87,7 +87,7 @@ def _reference(models, options: dict, n_valid: int = V):
     return [t.detach() for t in (loss, h.grad, w.grad)]
 
 
-def _close(got, want, tol: float, what: str) -> None:
+def _assert_within(got, want, tol: float, what: str) -> None:
     for g, r, name in zip(got, want, ("value", "grad_hidden", "grad_weight")):
         scale = max(1.0, r.abs().max().item())
         err = (g - r).abs().max().item()
@@ -107,8 +107,8 @@ def test_every_table_row_matches_torch_tiles_and_float64(divergence, served):
     one_pass = divergence in ("forward_kl", "reverse_kl", "mixed_kl")  # their value is folded in pass 1
     assert served == (["grad"] if one_pass else ["sums", "grad"])
     tiles = _run(models, "torch", torch.float32, options)
-    _close(got, want, 2e-5, divergence)
-    _close(got, tiles, 2e-5, f"{divergence} (vs torch tiles)")
+    _assert_within(got, want, 2e-5, divergence)
+    _assert_within(got, tiles, 2e-5, f"{divergence} (vs torch tiles)")
 
 
 @pytest.mark.parametrize("divergence", ["jsd", "tv", "skew_forward_kl", "reverse_kl"])
@@ -125,7 +125,7 @@ def test_keep_mask_vocab_padding_and_row_selection(divergence, served):
     want = _reference(models, options, n_valid)
     got = _run(models, "triton", torch.float32, options)
     assert "grad" in served
-    _close(got, want, 2e-5, divergence)
+    _assert_within(got, want, 2e-5, divergence)
     assert got[0][~rows].abs().max() == 0 and got[1][~rows].abs().max() == 0
     assert got[2][n_valid:].abs().max() == 0  # the padding rows of dW
 
@@ -140,7 +140,7 @@ def test_bf16_inputs(divergence, served):
     got = _run(models, "triton", torch.bfloat16, options)
     assert "grad" in served
     tiles = _run(models, "torch", torch.bfloat16, options)
-    _close(got[:1], want[:1], 3e-5, divergence)  # fp32 math on exact bf16 products
+    _assert_within(got[:1], want[:1], 3e-5, divergence)  # fp32 math on exact bf16 products
     # the gradients' matmuls take dz in bf16 on both routes: no further from float64 than the torch tiles
     for g, t, r, name in zip(got[1:], tiles[1:], want[1:], ("grad_hidden", "grad_weight")):
         assert (g - r).abs().max() <= 1.5 * (t - r).abs().max() + 1e-6, name
@@ -151,8 +151,8 @@ def test_two_teachers_and_fp64_stay_on_the_torch_tiles(served):
     models = _models(n_teachers=2, seed=9)
     options = dict(divergence="jsd", teacher_weights=[0.3, 0.7])
     want = _reference(models, options)
-    _close(_run(models, "triton", torch.float32, options), want, 2e-5, "two teachers")
-    _close(_run(_models(seed=9), "triton", torch.float64, dict(divergence="jsd")),
+    _assert_within(_run(models, "triton", torch.float32, options), want, 2e-5, "two teachers")
+    _assert_within(_run(_models(seed=9), "triton", torch.float64, dict(divergence="jsd")),
            _reference(_models(seed=9), dict(divergence="jsd")), 1e-10, "fp64")
     assert served == []
 
@@ -165,7 +165,7 @@ def test_extreme_logits_give_finite_exact_terms(served):
         options = dict(divergence=divergence, beta=0.5, alpha=0.1)
         got = _run(models, "triton", torch.float32, options)
         assert all(torch.isfinite(t).all() for t in got), divergence
-        _close(got, _reference(models, options), 5e-5, divergence)
+        _assert_within(got, _reference(models, options), 5e-5, divergence)
 
 
 def test_log_mix_keeps_small_second_terms():

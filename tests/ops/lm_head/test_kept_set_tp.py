@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_rl_patches.ops.kept_set import lm_head_kept_log_probs
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = pytest.mark.multirank
@@ -54,7 +55,7 @@ def _ranks(rank, world_size):
     return results, refused
 
 
-@pytest.mark.layout("tp2", "sp")
+@layouts.mark("tp2", "sp")
 def test_kept_set_at_tp2_equals_tp1_and_disagreement_is_refused_on_every_rank():
     want = _compute(*_inputs())
     for rank, (results, refused) in enumerate(run_multirank(_ranks, 2, timeout=300)):

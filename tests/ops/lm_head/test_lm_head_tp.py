@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_rl_patches import lm_head_log_probs_and_entropy, lm_head_topk_ids, lm_head_topk_logprobs
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = pytest.mark.multirank
@@ -55,7 +56,7 @@ def _tp_cases(rank, world_size):
     return [_worker(rank, world_size, False), _worker(rank, world_size, True)]
 
 
-@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.layout("tp2", "sp")), 4])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=layouts.mark("tp2", "sp")), 4])
 def test_tensor_and_sequence_parallel_equal_tp1(world_size):
     want = _compute(*_inputs())
     results = run_multirank(_tp_cases, world_size, timeout=300)

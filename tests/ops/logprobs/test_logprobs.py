@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from megatron_rl_patches.ops import _vocab
 from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.logprob_reference import kept_ids, reference_log_probs, scaled_logits
 
 # ---------------------------------------------------------------- float64 references
@@ -201,7 +202,7 @@ def test_negative_infinity_entries_are_legal():
     assert_grad_close(grad, reference_grad(logits, tokens, a.clone().index_fill_(0, torch.tensor([0]), 0.0), b))
 
 
-@pytest.mark.layout("bf16")
+@layouts.mark("bf16")
 def test_bf16_logits_math_in_fp32():
     logits, tokens, a, b = make(T=16, V=128, seed=14)
     low = logits.bfloat16()

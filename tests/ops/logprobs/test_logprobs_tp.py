@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.logprob_reference import reference_log_probs
 from megatron_rl_patches.testing.multirank import run_multirank
 
@@ -185,7 +186,7 @@ def _check(results: list[dict[str, float]]) -> None:
                 assert err <= 1e-6, f"rank {rank}: {name} = {err:.3g}"
 
 
-@pytest.mark.layout("tp2")
+@layouts.mark("tp2")
 def test_tp2_equals_tp1_and_slime_adapter_at_tp2():
     results = run_multirank(_tp_worker, 2)
     assert any(name.startswith("slime/") for name in results[0])

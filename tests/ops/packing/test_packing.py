@@ -13,6 +13,7 @@ from megatron_rl_patches.ops.packing import (
     shifted_targets,
     split_responses,
 )
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
 V = 11
@@ -77,7 +78,7 @@ MARKS = {"thd": ("thd",), "bshd": ("bshd",), "zigzag-cp2": ("cp2-zigzag", "thd")
          "allgather-cp2": ("cp2-allgather", "thd"), "zigzag-cp2-bshd": ("cp2-zigzag", "bshd")}
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.layout(*MARKS[name])] if name in MARKS else [])
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[layouts.mark(*MARKS[name])] if name in MARKS else [])
                                   for name in LAYOUTS])
 def test_slices_match_per_sample_reference_on_every_rank(name):
     logits, tokens = samples()
@@ -179,7 +180,7 @@ def _redistribute_worker(rank: int, world_size: int) -> dict:
     return result
 
 
-@pytest.mark.layout("cp2-zigzag", "cp2-allgather")
+@layouts.mark("cp2-zigzag", "cp2-allgather")
 @pytest.mark.multirank
 def test_allgather_cp_to_zigzag_on_two_ranks():
     for rank, result in enumerate(run_multirank(_redistribute_worker, 2)):

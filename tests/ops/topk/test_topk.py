@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from megatron_rl_patches import topk_ids, topk_logprobs, topk_opd_loss
 from megatron_rl_patches.ops.topk import _derived_tail, _log1mexp
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.divergence_reference import bucket_loss
 
 # Tests of the deprecated kl=/mix= (and of forms reachable only through them): opted out of the
@@ -171,7 +172,7 @@ def test_topk_logprobs_gradients_match_float64_autograd():
         assert_close_rel(x.grad, xd.grad)
 
 
-@pytest.mark.layout("bf16")
+@layouts.mark("bf16")
 def test_topk_logprobs_bf16_logits_and_padded_vocab():
     gen = torch.Generator().manual_seed(4)
     x = (torch.randn(5, 64, generator=gen) * 4).to(torch.bfloat16).requires_grad_(True)
@@ -225,7 +226,7 @@ def test_loss_and_grads_match_float64_reference(kl, n, weights, derived):
     assert_close_rel(x.grad, ref_grad)
 
 
-@pytest.mark.layout("bf16")
+@layouts.mark("bf16")
 def test_loss_on_bf16_logits_matches_float64_of_the_same_logits():
     """bf16 student logits: the loss in fp32 and the gradient in the logits' dtype equal the float64
     reference on the same (bf16-valued) logits, to fp32 and bf16 rounding."""

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megatron_rl_patches import topk_ids, topk_logprobs, topk_opd_loss
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
 # Tests of the deprecated kl=/mix= (and of forms reachable only through them): opted out of the
@@ -88,7 +89,7 @@ def _tp2_worker(rank, world_size, sizes):
     return out
 
 
-@pytest.mark.layout("tp2")
+@layouts.mark("tp2")
 @pytest.mark.multirank
 def test_tp2_equals_tp1():
     logits, ties, tau, teachers, g_lp, g_tail = _inputs()

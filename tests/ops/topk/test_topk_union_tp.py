@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_rl_patches import lm_head_topk_logprobs, topk_ids, topk_logprobs, topk_opd_loss, union_ids
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
 T, H, V_LOCAL, K, VOCAB = 8, 10, 30, 4, 57  # padded vocab 60 over two ranks
@@ -65,7 +66,7 @@ def _dense(hidden, weight, ids, mask, g_lp, g_tail):
     return lp.detach(), tail.detach(), z.grad
 
 
-@pytest.mark.layout("tp2")
+@layouts.mark("tp2")
 @pytest.mark.multirank
 def test_masked_union_ids_tp2_equal_tp1_and_dense():
     hidden, weight, teachers, ids, mask, g_lp, g_tail = _inputs()

@@ -14,6 +14,7 @@ from megatron_rl_patches.inference.loading.hf.rope_scaling import RopeScaling, R
 
 CONFIG = "config.json"
 
+
 class UnsupportedCheckpointError(ValueError):
     """A config.json the converter cannot serve (a family or a feature it does not map)."""
 
@@ -29,7 +30,7 @@ def checkpoint_dir(path: Any, argument: str = "path") -> Path:
         what = "does not exist" if not root.exists() else "is not a directory"
         raise FileNotFoundError(
             f"{argument} {str(root)!r} {what}; pass a local Hugging Face checkpoint directory (config.json and "
-            "*.safetensors; download it first, e.g. `huggingface-cli download ORG/NAME --local-dir DIR`)"
+            "*.safetensors; download it first, e.g. `hf download ORG/NAME --local-dir DIR`)"
         )
     if not (root / CONFIG).is_file():
         raise FileNotFoundError(
@@ -88,6 +89,7 @@ class HFArchitecture:
     dense_layers: int = 0  # the first layers of a mixture of experts, with a dense MLP
     mtp_layers: int = 0  # multi-token prediction layers a real checkpoint stores (not scored: skipped)
     mla: Any = None  # multi-latent attention's shape (families/mla.py's MLAShape), None for q/k/v attention
+    rope_scaling: str = ""  # '' or why its RoPE scaling is not served: built only when '' (refuse_rope_scaling)
 
     @property
     def is_moe(self) -> bool:
@@ -112,12 +114,47 @@ def read_count(config: dict[str, Any], source: str, *names: str, default: Any = 
     return value
 
 
-def _rope(config: dict[str, Any], source: str, partial_default: float) -> RopeScaling:
-    """The RoPE megatron-core builds for config.json (rope_scaling.py), refused by name otherwise."""
+def read_number(config: dict[str, Any], source: str, name: str, value: Any) -> float:
+    """A real number config.json gives for `name` (a ValueError naming the field and the file otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{source}: config.json's {name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _rope_table(config: dict[str, Any], source: str, name: str) -> dict[str, Any]:
+    table = config.get(name)
+    if table is None:
+        return {}
+    if not isinstance(table, dict):
+        raise ValueError(f"{source}: config.json's {name} must be an object (rope_type, rope_theta, ...), "
+                         f"got {type(table).__name__} {table!r}")
+    return table
+
+
+def _rope(config: dict[str, Any], source: str, partial_default: float) -> tuple[RopeScaling, str]:
+    """The RoPE megatron-core builds for config.json (rope_scaling.py) and '', or plain RoPE and the
+    reason a scaling is not served (kept in the record: the memory planner sizes such checkpoints,
+    scaling changes no weight; the builder refuses it)."""
+    for name in ("rope_parameters", "rope_scaling"):
+        _rope_table(config, source, name)  # a table that is no object: named as such
     try:
-        return read_rope(config, source, partial_default)
+        return read_rope(config, source, partial_default), ""
     except RopeScalingError as exc:
-        raise UnsupportedCheckpointError(str(exc)) from None
+        return RopeScaling(theta=_rope_theta(config, source)), str(exc)
+
+
+def _rope_theta(config: dict[str, Any], source: str) -> float:
+    """transformers 5.x keeps RoPE under rope_parameters; 4.x had rope_theta / rope_scaling."""
+    params, scaling = _rope_table(config, source, "rope_parameters"), _rope_table(config, source, "rope_scaling")
+    theta = params.get("rope_theta") or scaling.get("rope_theta") or config.get("rope_theta") or 10000.0
+    return read_number(config, source, "rope_theta", theta)
+
+
+def refuse_rope_scaling(arch: HFArchitecture) -> None:
+    """UnsupportedCheckpointError naming a RoPE scaling the converter does not serve (the model would
+    build and be wrong: 1.5-3 nats from transformers' own forward)."""
+    if arch.rope_scaling:
+        raise UnsupportedCheckpointError(arch.rope_scaling)
 
 
 def unmapped_features(config: dict[str, Any]) -> list[str]:
@@ -149,12 +186,19 @@ def decoder_architecture(config: dict[str, Any], source: str, *, qkv_bias: bool,
     `refused` the family's own unmapped features (refused with the common ones before reading),
     `partial_rotary` the family's partial_rotary_factor where config.json writes none."""
     refuse_unmapped(source, [*unmapped_features(config), *refused])
-    rope = _rope(config, source, partial_rotary)
+    rope, rope_refused = _rope(config, source, partial_rotary)
     hidden = read_count(config, source, "hidden_size")
     heads = read_count(config, source, "num_attention_heads")
     kv_heads = read_count(config, source, "num_key_value_heads", default=heads)
     if heads % kv_heads:
         raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    tied = config.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):  # bool("false") is True: the output layer would be dropped
+        raise ValueError(f"{source}: config.json's tie_word_embeddings must be true or false, got {tied!r}")
+    experts = read_count(config, source, "num_experts", "num_local_experts", "n_routed_experts") if moe else 0
+    per_token = read_count(config, source, "num_experts_per_tok") if moe else 0
+    if per_token > experts:
+        raise ValueError(f"{source}: config.json's num_experts_per_tok={per_token} exceeds num_experts={experts}")
     return HFArchitecture(
         source=source,
         model_type=str(config.get("model_type")),
@@ -165,15 +209,16 @@ def decoder_architecture(config: dict[str, Any], source: str, *, qkv_bias: bool,
         num_kv_heads=kv_heads,
         head_dim=read_count(config, source, "head_dim", default=hidden // heads),
         ffn_hidden_size=read_count(config, source, "intermediate_size"),
-        norm_eps=float(read_field(config, source, "rms_norm_eps", default=1e-6)),
+        norm_eps=read_number(config, source, "rms_norm_eps", read_field(config, source, "rms_norm_eps", default=1e-6)),
         rope_theta=rope.theta,
         max_positions=read_count(config, source, "max_position_embeddings", default=4096),
-        tied=bool(config.get("tie_word_embeddings", False)),
+        tied=tied,
         qkv_bias=bool(config.get("attention_bias", qkv_bias)),
         qk_norm=qk_norm,
-        num_experts=read_count(config, source, "num_experts", "num_local_experts", "n_routed_experts") if moe else 0,
-        experts_per_token=read_count(config, source, "num_experts_per_tok") if moe else 0,
+        num_experts=experts,
+        experts_per_token=per_token,
         expert_ffn_hidden_size=read_count(config, source, "moe_intermediate_size") if moe else 0,
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        rope_scaling=rope_refused,
         rope=rope,
     )

@@ -4,6 +4,8 @@ the files' own headers (the format is 8 bytes of header length, a JSON header, r
 from __future__ import annotations
 
 import json
+import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,8 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 _MAX_HEADER = 100 << 20  # a header beyond 100 MiB is not a safetensors file
+_ITEMSIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+              "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 @dataclass(frozen=True)
@@ -40,16 +44,87 @@ def _header(file: Path) -> dict[str, TensorEntry]:
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"{str(file)!r} is not a readable safetensors file ({type(exc).__name__}: {exc}); "
                          "check that the download is complete") from None
-    entries = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        start, stop = (8 + length + int(x) for x in meta["data_offsets"])
-        if stop > size:
-            raise ValueError(f"{str(file)!r} is truncated ({name} ends at byte {stop}, the file has {size}); "
-                             "download it again")
-        entries[name] = TensorEntry(file, str(meta["dtype"]), tuple(int(d) for d in meta["shape"]), start, stop)
+    if not isinstance(header, dict):
+        raise ValueError(f"{str(file)!r}: the safetensors header is a JSON {type(header).__name__}, not an object "
+                         "of tensor entries; the file is damaged or not a safetensors file")
+    entries = {name: _entry(file, name, meta, 8 + length, size)
+               for name, meta in header.items() if name != "__metadata__"}
+    _refuse_overlaps(file, entries)
     return entries
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _entry(file: Path, name: str, meta: Any, data_start: int, size: int) -> TensorEntry:
+    """One header entry, its fields checked as the safetensors library checks them: offsets
+    0 <= begin <= end within the data, and end - begin the bytes its shape and dtype take."""
+    where = f"{str(file)!r}: tensor {name!r}"
+    if not isinstance(meta, dict):
+        raise ValueError(f"{where} has a header entry that is a {type(meta).__name__}, not an object "
+                         "with dtype, shape and data_offsets; the file is damaged")
+    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise ValueError(f"{where}: header field dtype must be a string, got {dtype!r}; the file is damaged")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise ValueError(f"{where}: header field shape must be a list of non-negative ints, got {shape!r}; "
+                         "the file is damaged")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(x) for x in offsets)):
+        raise ValueError(f"{where}: header field data_offsets must be two ints [begin, end], got {offsets!r}; "
+                         "the file is damaged")
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        raise ValueError(f"{where}: header field data_offsets {offsets} must satisfy 0 <= begin <= end; "
+                         "the file is damaged")
+    itemsize = _ITEMSIZES.get(dtype)
+    numel = math.prod(shape)
+    if itemsize is not None and end - begin != numel * itemsize:
+        raise ValueError(f"{where}: header field data_offsets {offsets} span {end - begin} bytes but shape "
+                         f"{shape} of {dtype} takes {numel * itemsize}; the file is damaged")
+    start, stop = data_start + begin, data_start + end
+    if stop > size:
+        raise ValueError(f"{str(file)!r} is truncated ({name} ends at byte {stop}, the file has {size}); "
+                         "download it again")
+    return TensorEntry(file, dtype, tuple(shape), start, stop)
+
+
+def _refuse_overlaps(file: Path, entries: dict[str, TensorEntry]) -> None:
+    """Two tensors sharing bytes would give one the other's values."""
+    ordered = sorted(entries.items(), key=lambda item: (item[1].start, item[1].stop))
+    for (first, a), (second, b) in zip(ordered, ordered[1:]):
+        if b.start < a.stop:
+            raise ValueError(f"{str(file)!r}: the data_offsets of tensors {first!r} and {second!r} overlap; "
+                             "the file is damaged")
+
+
+def _weight_map(index_file: Path) -> dict[str, str]:
+    """The index's tensor name -> file name map, its structure checked."""
+    try:
+        data = json.loads(index_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{str(index_file)!r} is not a readable safetensors index ({type(exc).__name__}: {exc})") \
+            from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{str(index_file)!r}: field weight_map must be an object of tensor name -> file name, "
+                         f"got {type(weight_map).__name__}; download the index again")
+    bad = [f"{name}: {value!r}" for name, value in weight_map.items() if not isinstance(value, str)]
+    if bad:
+        raise ValueError(f"{str(index_file)!r}: field weight_map must map tensor names to file names (strings), "
+                         f"got {shown(bad)}; download the index again")
+    return weight_map
+
+
+def _inside(root: Path, index_file: Path, names: list[str]) -> None:
+    """Refuse index entries naming a file outside the checkpoint directory (an absolute path or
+    `..`): the build would read another checkpoint's weights. Judged on the names, so the Hugging
+    Face cache's symlinked shards inside the directory stay fine."""
+    outside = [name for name in names
+               if os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] == os.pardir]
+    if outside:
+        raise ValueError(f"{str(index_file)!r}: field weight_map names file(s) outside the checkpoint directory: "
+                         f"{shown(outside)}; every weight file must be inside {str(root)!r}")
 
 
 def _listed_files(root: Path) -> list[Path]:
@@ -67,12 +142,8 @@ def _listed_files(root: Path) -> list[Path]:
         hint = (f" It holds {shown(pickled)}: pickle files are never read; convert them to safetensors "
                 "(e.g. load with transformers and save_pretrained(..., safe_serialization=True))") if pickled else ""
         raise FileNotFoundError(f"{str(root)!r} has no {SINGLE} and no {INDEX}.{hint}")
-    try:
-        weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{str(index_file)!r} is not a readable safetensors index ({type(exc).__name__}: {exc})") \
-            from None
-    listed = sorted(set(weight_map.values()))
+    listed = sorted(set(_weight_map(index_file).values()))
+    _inside(root, index_file, listed)
     missing = [name for name in listed if not (root / name).is_file()]
     if missing:
         raise FileNotFoundError(f"{str(root)!r} lacks {len(missing)} weight file(s) its {INDEX} lists: "

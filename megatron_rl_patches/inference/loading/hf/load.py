@@ -3,6 +3,7 @@ list checked against config.json before any weight is read, then one tensor at a
 fused, sharded for this rank and copied (into the host copies of swap/stream builds)."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -16,18 +17,16 @@ from megatron_rl_patches.inference.loading.hf.convert import Source, shard, sour
 from megatron_rl_patches.inference.loading.hf.families import family_for
 from megatron_rl_patches.inference.loading.hf.files import TensorEntry, read_tensor, tensor_index
 from megatron_rl_patches.inference.loading.hf.fp8 import SCALE, dequantize, fp8_block, scale_shape
-from megatron_rl_patches.inference.loading.hf.names import (
-    IGNORED_SUFFIXES,
-    checkpoint_tensors,
-)
+from megatron_rl_patches.inference.loading.hf.names import IGNORED_SUFFIXES, check_counts, checkpoint_tensors
 
 
 def checked_index(root: Path, arch: HFArchitecture) -> dict[str, TensorEntry]:
     """The checkpoint's tensors, refused (WeightsMismatchError naming the path) when any expected
     one is missing, an unknown one is present, or a shape differs from config.json's."""
     index = tensor_index(root)
+    check_counts(arch, index)  # before any list of config.json's tensors is made
     expected = checkpoint_tensors(arch)
-    optional = {"lm_head.weight"} if arch.tied else set()  # some tied checkpoints still store it
+    optional = {"lm_head.weight"} if arch.tied else set()  # tied checkpoints may store a copy (see served_tying)
     skipped = family_for(arch.model_type, arch.source).skipped(arch)  # MTP layers: present or not
     missing = [name for name in expected if name not in index]
     unexpected = [name for name in index if name not in expected and name not in optional
@@ -61,6 +60,23 @@ def _read(index: dict[str, TensorEntry], name: str, block: tuple[int, int] | Non
     if block and name + SCALE in index:
         return dequantize(read_tensor(index[name]), read_tensor(index[name + SCALE]), block, dtype)
     return read_tensor(index[name])
+
+
+def served_tying(root: Path, arch: HFArchitecture) -> HFArchitecture:
+    """`arch` untied when config.json ties the output layer but the checkpoint stores an
+    lm_head.weight that differs from embed_tokens, as transformers 5 serves it (tied, the build
+    would score with the embedding: 6 nats off); otherwise `arch` itself."""
+    if not arch.tied:
+        return arch
+    index = tensor_index(root)
+    head, embedding = index.get("lm_head.weight"), index.get("model.embed_tokens.weight")
+    if head is None or embedding is None or head.shape != embedding.shape:
+        return arch
+    if torch.equal(read_tensor(head), read_tensor(embedding)):
+        return arch
+    logger.info("megatron-rl-patches: %s ties the output layer in config.json but stores its own lm_head.weight: "
+                "served untied, as transformers does", root)
+    return dataclasses.replace(arch, tied=False)
 
 
 def _layer_numbers(module: torch.nn.Module) -> dict[int, int]:

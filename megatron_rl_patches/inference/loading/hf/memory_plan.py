@@ -14,13 +14,13 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 from math import prod
+from pathlib import Path
 from typing import Any
 
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
-from megatron_rl_patches.inference.loading.hf.families import family_for, read_architecture
-from megatron_rl_patches.inference.loading.hf.families.family import SPLIT_KINDS, Family
-from megatron_rl_patches.inference.loading.hf.names import checkpoint_tensors
+from megatron_rl_patches.inference.loading.hf.families import family_for, read_architecture, split_problems
+from megatron_rl_patches.inference.loading.hf.families.family import EXPERT, SPLIT_KINDS, Family
 from megatron_rl_patches.inference.sizing.memory import DTYPE_BYTES, dtype_name
 from megatron_rl_patches.inference.sizing.residency_plan import ResidencyBytes
 
@@ -89,25 +89,52 @@ def layer_params(arch: HFArchitecture, layer: int, tp: int = 1, ep: int = 1, fam
     return LayerParams(per_gpu, arch.num_experts * expert, arch.experts_per_token * expert)
 
 
+def _layer_total(arch: HFArchitecture, family: Family, layer: int = 0) -> int:
+    """One layer's parameters in the checkpoint, its expert templates counted once per expert."""
+    return sum(prod(shape) * (arch.num_experts if EXPERT in name else 1)
+               for name, shape in family.layer_tensors(arch, layer).items())
+
+
+def check_counts_if_present(arch: HFArchitecture) -> None:
+    """Where the weight files are already there, config.json's layer and expert counts checked
+    against them (headers only): a config claiming more than the files hold is named, not planned."""
+    from megatron_rl_patches.inference.loading.hf.files import tensor_index
+    from megatron_rl_patches.inference.loading.hf.names import check_counts
+
+    root = Path(arch.source).expanduser()
+    if not root.is_dir():
+        return
+    try:
+        index = tensor_index(root)
+    except (OSError, ValueError):  # no weights yet, or an incomplete download: plan from config.json
+        return
+    check_counts(arch, index)
+
+
 def hf_memory_plan(
     path: str | os.PathLike[str], *, tp: int = 1, pp: int = 1, ep: int = 1, param_dtype: Any = "bf16",
     prefetch: int = 1,
 ) -> HFMemoryPlan:
     """The plan for the checkpoint directory (or config.json) at `path`."""
-    arch = read_architecture(path)
+    arch = read_architecture(path, sizing=True)  # RoPE scaling changes no byte: sized, not refused
     tp, pp, ep = (positive_int(name, value) for name, value in (("tp", tp), ("pp", pp), ("ep", ep)))
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0 (layers copied ahead), got {prefetch!r}")
-    if ep > 1 and not arch.is_moe:
-        raise ValueError(f"ep={ep} with a dense model ({arch.model_type}): expert parallelism needs experts")
-    if arch.is_moe and arch.num_experts % ep:
-        raise ValueError(f"ep={ep} does not divide the {arch.num_experts} experts of {path}")
-    if pp > arch.num_layers:
-        raise ValueError(f"pp={pp} exceeds the {arch.num_layers} layers of {path}")
+    problems = split_problems(arch, tp, pp, ep)  # the builder's own check: no plan for a layout it refuses
+    if problems:
+        raise ValueError(f"{arch.source}: {'; '.join(problems)}; choose parallel sizes this model serves")
+    check_counts_if_present(arch)
     size = DTYPE_BYTES[dtype_name(param_dtype, "param_dtype")]
-    total = sum(prod(shape) for shape in checkpoint_tensors(arch).values())
-    layers = [layer_params(arch, number, tp, ep) for number in range(arch.num_layers)]
-    layer = max(one.per_gpu for one in layers)  # the largest (a MoE layer where the first ones are dense)
+    # Counted, not listed (config.json may claim 10**9 layers): the layers of the families served
+    # are of two kinds at most, the dense first ones (`dense_layers`) and the others.
+    family = family_for(arch.model_type, arch.source)
+    dense = min(arch.dense_layers, arch.num_layers)
+    first = layer_params(arch, 0, tp, ep)
+    rest = layer_params(arch, dense, tp, ep) if dense < arch.num_layers else first
+    outer = sum(prod(shape) for part in family.outer_tensors(arch) for shape in part.values())
+    total = (outer + dense * _layer_total(arch, family, 0)
+             + (arch.num_layers - dense) * _layer_total(arch, family, dense))
+    layer = max(first.per_gpu, rest.per_gpu)  # the largest (a MoE layer where the first ones are dense)
     vocab = -(-arch.vocab_size // (VOCAB_DIVISOR * tp)) * VOCAB_DIVISOR * tp
     table = vocab // tp * arch.hidden_size
     embedding = table
@@ -116,7 +143,9 @@ def hf_memory_plan(
     stages = []
     for stage in range(pp):
         ends = (embedding if stage == 0 else 0) + (output if stage == pp - 1 else 0)
-        stages.append(sum(one.per_gpu for one in layers[stage * per_stage:(stage + 1) * per_stage]) + ends)
+        start, end = stage * per_stage, min((stage + 1) * per_stage, arch.num_layers)
+        dense_here = max(0, min(end, dense) - start)
+        stages.append(dense_here * first.per_gpu + (end - start - dense_here) * rest.per_gpu + ends)
     weights = max(stages) * size
     stream = max(
         min(stages[s] * size, (min(prefetch, per_stage - 1) + 1) * layer * size
@@ -125,7 +154,7 @@ def hf_memory_plan(
     )
     return HFMemoryPlan(
         source=str(path), model_type=arch.model_type, total_params=total,
-        active_params=total - sum(one.experts - one.active_experts for one in layers), padded_vocab=vocab,
+        active_params=total - (arch.num_layers - dense) * (rest.experts - rest.active_experts), padded_vocab=vocab,
         tp=tp, pp=pp, ep=ep, param_dtype=dtype_name(param_dtype, "param_dtype"), prefetch=prefetch,
         layers_per_stage=per_stage, layer_params=layer, embedding_params=embedding, output_params=output,
         stage_params=tuple(stages),

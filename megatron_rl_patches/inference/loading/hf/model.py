@@ -16,14 +16,17 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def checkpoint_dtype(config: dict[str, Any], dtype: Any) -> torch.dtype:
     """`dtype` when given, else the checkpoint's own (config.json's dtype / torch_dtype), else fp32."""
+    given = dtype
     if dtype is None:
         dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
-    if isinstance(dtype, str):
-        dtype = _DTYPES.get(dtype.removeprefix("torch."))
-    if dtype not in _DTYPES.values():
-        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16 (or None: the checkpoint's "
-                         f"own), got {dtype!r}")
-    return dtype
+    wanted = _DTYPES.get(dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    if isinstance(wanted, torch.dtype) and wanted in _DTYPES.values():
+        return wanted
+    if given is None:  # the checkpoint's own dtype is one the build does not serve
+        raise ValueError(f"config.json's dtype is {dtype!r}: the build serves float32, bfloat16 and float16; pass "
+                         "dtype=torch.bfloat16 (or float32 / float16) to convert the weights")
+    raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16 (or None: the checkpoint's "
+                     f"own), got {given!r}")
 
 
 def padded_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:

@@ -3,6 +3,9 @@ config.json alone through its family: the loader checks a checkpoint against it 
 any weight, and the memory planner counts parameters from it."""
 from __future__ import annotations
 
+import re
+from typing import Any
+
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 from megatron_rl_patches.inference.loading.hf.families import family_for
 from megatron_rl_patches.inference.loading.hf.families.family import EXPERT, Family, Shape
@@ -45,3 +48,23 @@ def checkpoint_tensors(arch: HFArchitecture, family: Family | None = None) -> di
     out.update(after)
     return out
 
+
+def check_counts(arch: HFArchitecture, index: dict[str, Any], family: Family | None = None) -> None:
+    """ValueError naming config.json's num_hidden_layers / num_experts where the checkpoint's
+    tensor names hold fewer layers or experts: checked before any per-tensor list of config.json's
+    counts is made (a config claiming 10**9 layers would exhaust memory). Stray extra tensors are
+    the tensor check's (WeightsMismatchError lists them)."""
+    family = family or family_for(arch.model_type, arch.source)
+    layer = re.compile(re.escape(family.layer_prefix).replace(re.escape("{layer}"), r"(\d+)"))
+    layers = {int(m.group(1)) for name in index if (m := layer.match(name))}
+    found = max(layers) + 1 if layers else 0
+    if found < arch.num_layers:
+        raise ValueError(f"{arch.source}: config.json's num_hidden_layers={arch.num_layers} but the checkpoint holds "
+                         f"{found} layers; the config and the weights belong to different models")
+    if arch.is_moe:
+        expert = re.compile(r"\.experts\.(\d+)\.")
+        experts = {int(m.group(1)) for name in index if (m := expert.search(name))}
+        held = max(experts) + 1 if experts else 0
+        if held < arch.num_experts:
+            raise ValueError(f"{arch.source}: config.json's num_experts={arch.num_experts} but the checkpoint holds "
+                             f"{held} experts per layer; the config and the weights belong to different models")

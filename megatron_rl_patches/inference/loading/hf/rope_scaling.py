@@ -64,7 +64,7 @@ def _number(rope: dict[str, Any], name: str, default: Any, source: str) -> Any:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{source}: RoPE field {name} must be a positive number, got {value!r}")
+        raise ValueError(f"{source}: config.json's {name} must be a positive number, got {value!r}")
     return value
 
 
@@ -87,13 +87,17 @@ def _refuse(source: str, what: str) -> RopeScalingError:
 def read_rope(config: dict[str, Any], source: str = "config.json", partial_default: float = 1.0) -> RopeScaling:
     """The RoPE of a config.json dict (`partial_default`: the family's partial_rotary_factor where
     the config writes none); RopeScalingError naming a type or a value megatron-core cannot build."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise ValueError(f"{source}: rope_parameters / rope_scaling must be an object, got {type(rope).__name__}")
+    tables = [config.get(name) or {} for name in ("rope_scaling", "rope_parameters")]
+    if not all(isinstance(table, dict) for table in tables):
+        raise ValueError(f"{source}: rope_parameters / rope_scaling must be an object")
+    # as transformers 5: a scaled rope_scaling beside rope_parameters (Qwen's YaRN recipe) wins
+    rope = next((t for t in tables if (t.get("rope_type") or t.get("type") or "default") != "default"),
+                tables[1] or tables[0])
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind not in SERVED:
         raise _refuse(source, f"scaling {kind!r}")
-    theta = float(_number(rope, "rope_theta", None, source) or _number(config, "rope_theta", 10000.0, source))
+    theta = float(_number(rope, "rope_theta", None, source) or _number(tables[1], "rope_theta", None, source)
+                  or _number(tables[0], "rope_theta", None, source) or _number(config, "rope_theta", 10000.0, source))
     partial = float(_number(rope, "partial_rotary_factor", None, source)
                     or _number(config, "partial_rotary_factor", partial_default, source))
     if partial > 1:

@@ -24,10 +24,22 @@ def _token_ids(root: Path) -> dict[str, int] | None:
         data = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{str(file)!r} is not a readable tokenizer.json ({type(exc).__name__}: {exc})") from None
-    vocab = (data.get("model") or {}).get("vocab") or {}
-    ids = dict(vocab) if isinstance(vocab, dict) else {str(tok[0]): i for i, tok in enumerate(vocab)}  # Unigram: a list
-    for added in data.get("added_tokens") or []:
-        ids[str(added["content"])] = int(added["id"])
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(file)!r} is a JSON {type(data).__name__}, not a tokenizer.json object; "
+                         "download the tokenizer again")
+    model = data.get("model") or {}
+    vocab = (model.get("vocab") if isinstance(model, dict) else None) or {}
+    try:
+        ids = dict(vocab) if isinstance(vocab, dict) else {str(tok[0]): i for i, tok in enumerate(vocab)}  # Unigram
+    except (TypeError, IndexError, KeyError) as exc:
+        raise ValueError(f"{str(file)!r}: field model.vocab is neither token -> id nor a list of [token, score] "
+                         f"({type(exc).__name__}: {exc}); download the tokenizer again") from None
+    for number, added in enumerate(data.get("added_tokens") or []):
+        if not (isinstance(added, dict) and isinstance(added.get("content"), str)
+                and isinstance(added.get("id"), int) and not isinstance(added.get("id"), bool)):
+            raise ValueError(f"{str(file)!r}: field added_tokens[{number}] must be an object with a string content "
+                             f"and an int id, got {added!r}; download the tokenizer again")
+        ids[added["content"]] = added["id"]
     return ids
 
 
@@ -42,6 +54,8 @@ def _vocab_size(value: Any, argument: str) -> tuple[int, Path | None]:
         size = read_config(value, argument).get("vocab_size")
         if isinstance(size, bool) or not isinstance(size, int):
             raise ValueError(f"{argument} {str(value)!r}: config.json has no integer vocab_size")
+        if size < 1:
+            raise ValueError(f"{argument} {str(value)!r}: config.json's vocab_size must be positive, got {size}")
         return size, Path(os.fspath(value)).expanduser()
     raise TypeError(f"{argument} must be a vocab size (int) or a Hugging Face checkpoint directory, "
                     f"got {type(value).__name__}")
@@ -66,12 +80,16 @@ def check_teacher_vocab(teacher: str | os.PathLike[str], student: int | str | os
         shown_diffs = [f"{t!r}: teacher {teacher_ids.get(t)}, student {student_ids.get(t)}" for t in differ]
         raise ValueError(
             f"the tokenizers of teacher {str(teacher)!r} and student {str(student)!r} differ on {len(differ)} "
-            f"token(s) ({shown(shown_diffs)}): a teacher must share the student's tokenizer"
+            f"token(s) ({shown(shown_diffs)}): a teacher must share the student's tokenizer to be scored on the "
+            "student's ids; for a teacher with another tokenizer, distill across tokenizers with "
+            "megatron_rl_patches.cross_tokenizer (docs/distillation.md, 'Teachers with another tokenizer')"
         )
     if teacher_size != student_size:
         raise ValueError(
             f"teacher {str(teacher)!r} has vocab_size={teacher_size} but the student "
             f"{'at ' + repr(str(student)) + ' ' if student_dir else ''}has vocab_size={student_size}: a teacher "
-            "must share the student's tokenizer (teachers with another tokenizer are not served)"
+            "must share the student's tokenizer to be scored on the student's ids; for a teacher with another "
+            "tokenizer, distill across tokenizers with megatron_rl_patches.cross_tokenizer (retokenize, "
+            "spread_chunk_log_probs, chunk_reverse_kl; docs/distillation.md, 'Teachers with another tokenizer')"
         )
     return teacher_size

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from megatron_rl_patches.ops._divergences import Plan
+from megatron_rl_patches.ops._divergences import ResolvedDivergence
 from megatron_rl_patches.ops._stats import GradFactors, RowStats, finite_or_zero, moved_stats, per_row
 from megatron_rl_patches.ops._vocab import row_chunks
 from megatron_rl_patches.ops.kernels.contract import Backend
@@ -259,7 +259,7 @@ class TritonTiles(Backend):
 
     # ------------------------------------------------------------------------- lm_head_divergence
 
-    def serves_divergence(self, student: Source, teachers: list[Source], plan: Plan) -> bool:
+    def serves_divergence(self, student: Source, teachers: list[Source], plan: ResolvedDivergence) -> bool:
         """Whether :meth:`divergence_sums` / :meth:`divergence_grad` take this call: a table row
         the kernels have a branch for (KERNEL_DIVERGENCES), one teacher of the student's dtype,
         not fp64 (the teachers' mixture and fp64 run on the torch tiles)."""
@@ -267,7 +267,8 @@ class TritonTiles(Backend):
                 and student.first.dtype != torch.float64 and teachers[0].first.dtype == student.first.dtype)
 
     def divergence_sums(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, ...],
-                        plan: Plan, scale: float | torch.Tensor, keep_mask: torch.Tensor | None) -> torch.Tensor:
+                        plan: ResolvedDivergence, scale: float | torch.Tensor,
+                        keep_mask: torch.Tensor | None) -> torch.Tensor:
         """[T, 2]: this shard's share of the divergence and of G = Σ g per row (pass 2); `norms`:
         each model's [2, T] (shifts, log S) combined over the ranks."""
         n_rows, n_valid, device = student.n_rows, student.n_valid, student.first.device
@@ -281,7 +282,7 @@ class TritonTiles(Backend):
         return parts.sum(0)  # the splits in a fixed order
 
     def divergence_grad(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, ...],
-                        plan: Plan, scale: float | torch.Tensor, keep_mask: torch.Tensor | None,
+                        plan: ResolvedDivergence, scale: float | torch.Tensor, keep_mask: torch.Tensor | None,
                         constant: torch.Tensor | None, row_factor: torch.Tensor,
                         needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
         """(dL/dh, dL/dW) of the student: dz = (g − p·G)·row_factor per tile (G = `constant`, None:
@@ -296,7 +297,7 @@ class TritonTiles(Backend):
         return column_block_grads(student, norms[0].dtype, needs, write_dz)
 
     def _divergence_tiles(self, student: Source, teacher: Source, norms: tuple[torch.Tensor, ...],
-                          plan: Plan, scale: float | torch.Tensor, keep_mask: torch.Tensor | None,
+                          plan: ResolvedDivergence, scale: float | torch.Tensor, keep_mask: torch.Tensor | None,
                           constant: torch.Tensor | None, row_factor: torch.Tensor | None, out: torch.Tensor,
                           b: Blocks, grid: tuple[int, int], c0: int, c1: int, cols_per_split: int, *,
                           grad: bool) -> None:

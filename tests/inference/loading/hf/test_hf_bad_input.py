@@ -30,8 +30,10 @@ def no_build(monkeypatch):
 
 
 def test_a_path_that_is_not_a_directory(megatron_cpu, no_build, tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"'Qwen/Qwen3-8B' does not exist; pass a local Hugging Face"):
+    with pytest.raises(FileNotFoundError, match=r"'Qwen/Qwen3-8B' does not exist; pass a local Hugging Face") as caught:
         build_inference_model_from_hf("Qwen/Qwen3-8B")  # a hub id is not fetched
+    # transformers 5's huggingface_hub ships the `hf` command only (no huggingface-cli)
+    assert "`hf download ORG/NAME --local-dir DIR`" in str(caught.value)
     (tmp_path / "file").write_text("")
     with pytest.raises(FileNotFoundError, match="is not a directory"):
         build_inference_model_from_hf(tmp_path / "file")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
@@ -65,7 +66,7 @@ def _new_family_errors(scores: dict | str, family: str, want) -> dict:
     if isinstance(scores, str):
         assert family == "qwen2_moe" and "needs a megatron-core with" in scores, scores
         return {}
-    errors = _close(scores, want)
+    errors = _route_errors(scores, want)
     assert set(errors) == {"logits", "fused"}, errors
     return errors
 
@@ -205,78 +206,78 @@ def world(transformers, tmp_path_factory):
     return results, reference
 
 
-def _close(scores, want):
+def _route_errors(scores, want):
     return {route: (got - want).abs().max().item() for route, got in scores.items()}
 
 
-@pytest.mark.layout("tp2")
+@layouts.mark("tp2")
 def test_tp2_equals_transformers_on_every_rank(world):
     results, reference = world
     for result in results:
         assert result["tp2_vocab_shard"] == 512  # 1001 ids padded to 1024, half per rank
         for key in ("tp2", "tp2_stream"):
             assert set(result[key]) == {"logits", "fused"}
-            assert all(err < 1e-5 for err in _close(result[key], reference["dense"]).values()), key
+            assert all(err < 1e-5 for err in _route_errors(result[key], reference["dense"]).values()), key
 
 
 def test_tp2_qwen2_biases_and_moe_experts_equal_transformers(world):
     results, reference = world
     for result in results:
         for key, model in (("tp2_qwen2", "qwen2"), ("tp2_moe", "moe")):
-            errors = _close(result[key], reference[model])
+            errors = _route_errors(result[key], reference[model])
             assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), (key, errors)
 
 
-@pytest.mark.layout("pp2")
+@layouts.mark("pp2")
 @pytest.mark.parametrize("residency", ["resident", "swap", "stream"])
 def test_pp2_equals_transformers_on_the_last_stage(world, residency):
     results, reference = world
     key = "pp2" if residency == "resident" else f"pp2_{residency}"
     assert [r["pp2_layers"] for r in results] == [1, 1]
     assert results[0][key] == {}
-    errors = _close(results[1][key], reference["dense"])
+    errors = _route_errors(results[1][key], reference["dense"])
     assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), errors
 
 
-@pytest.mark.layout("pp2")
+@layouts.mark("pp2")
 @pytest.mark.parametrize("family", ["llama", "qwen2", "moe"])
 def test_pp2_every_family_equals_transformers_on_the_last_stage(world, family):
     results, reference = world
     assert results[0][f"pp2_{family}"] == {}
-    errors = _close(results[1][f"pp2_{family}"], reference[family])
+    errors = _route_errors(results[1][f"pp2_{family}"], reference[family])
     assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), errors
 
 
-@pytest.mark.layout("pp2")
+@layouts.mark("pp2")
 def test_slime_opd_teacher_of_another_size_takes_the_actors_pipeline_split(world):
     """4 layers over the actor's 2 stages (the actor has 2): layers 1-2 and 3-4, the last stage's
     log-probs those of transformers."""
     results, reference = world
     assert [r["pp2_other_layers"] for r in results] == [[1, 2], [3, 4]]
     assert results[0]["pp2_other"] == {}
-    errors = _close(results[1]["pp2_other"], reference["other"])
+    errors = _route_errors(results[1]["pp2_other"], reference["other"])
     assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), errors
 
 
-@pytest.mark.layout("pp2", "vpp2")
+@layouts.mark("pp2", "vpp2")
 def test_pp2_vpp2_chunks_take_their_own_layers(world):
     """Before the fix every virtual chunk of a stage built that stage's first layers ([1, 2] twice
     on stage 0): the TransformerConfig had no virtual pipeline size."""
     results, reference = world
     assert [r["vpp2_layers"] for r in results] == [[[1], [3]], [[2], [4]]]
     assert results[0]["vpp2"] == {}
-    errors = _close(results[1]["vpp2"], reference["other"])
+    errors = _route_errors(results[1]["vpp2"], reference["other"])
     assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), errors
 
 
-@pytest.mark.layout("ep2")
+@layouts.mark("ep2")
 @pytest.mark.parametrize("residency", ["resident", "swap", "stream"])
 def test_ep2_moe_equals_transformers(world, residency):
     results, reference = world
     key = "ep2" if residency == "resident" else f"ep2_{residency}"
     assert [r["ep2_experts"] for r in results] == [2, 2]  # 4 experts, 2 per rank
     for result in results:
-        errors = _close(result[key], reference["moe"])
+        errors = _route_errors(result[key], reference["moe"])
         assert set(errors) == {"logits", "fused"} and all(err < 1e-5 for err in errors.values()), errors
 
 
@@ -288,7 +289,7 @@ def test_sizes_that_do_not_divide_the_model_are_refused(world):
             result["vpp2_refused"]
 
 
-@pytest.mark.layout("cp2-zigzag")
+@layouts.mark("cp2-zigzag")
 def test_context_parallelism_with_the_local_attention_is_refused(world):
     """The weights do not depend on CP, but megatron-core's local attention would attend within each
     rank's rows only: a CP=2 build without a CP-serving core_attention is refused before any weight loads."""
@@ -298,7 +299,7 @@ def test_context_parallelism_with_the_local_attention_is_refused(world):
         assert "core_attention=" in result["cp2_refused"]
 
 
-@pytest.mark.layout("tp2")
+@layouts.mark("tp2")
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_tp2_new_families_equal_transformers(world, family):
     results, reference = world
@@ -307,7 +308,7 @@ def test_tp2_new_families_equal_transformers(world, family):
         assert all(err < 1e-4 for err in errors.values()), errors
 
 
-@pytest.mark.layout("pp2")
+@layouts.mark("pp2")
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_pp2_new_families_equal_transformers_on_the_last_stage(world, family):
     results, reference = world
@@ -316,7 +317,7 @@ def test_pp2_new_families_equal_transformers_on_the_last_stage(world, family):
     assert all(err < 1e-4 for err in errors.values()), errors
 
 
-@pytest.mark.layout("ep2")
+@layouts.mark("ep2")
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_ep2_new_moe_families_equal_transformers(world, family):
     results, reference = world

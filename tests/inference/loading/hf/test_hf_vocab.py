@@ -92,6 +92,31 @@ def test_missing_teacher_config_is_refused(tmp_path):
         check_teacher_vocab(tmp_path, REAL)
 
 
+@pytest.mark.parametrize("size", [0, -5])
+def test_a_non_positive_vocab_size_in_both_configs_is_refused(tmp_path, size):
+    """Equal in both, yet no vocabulary: never returned as the shared size."""
+    teacher = _checkpoint(tmp_path / "teacher", vocab_size=size)
+    student = _checkpoint(tmp_path / "student", vocab_size=size)
+    with pytest.raises(ValueError, match=rf"teacher .*: config.json.s vocab_size must be positive, got {size}"):
+        check_teacher_vocab(teacher, student)
+
+
+@pytest.mark.parametrize(("tokenizer", "match"), [
+    ([], r"tokenizer.json' is a JSON list, not a tokenizer.json object"),
+    ({"model": {"vocab": {"a": 0}}, "added_tokens": [{"id": 9}]},
+     r"field added_tokens\[0\] must be an object with a string content and an int id, got \{'id': 9\}"),
+    ({"model": {"vocab": {"a": 0}}, "added_tokens": [{"id": "9", "content": "x"}]}, r"field added_tokens\[0\]"),
+    ({"model": {"vocab": [3, 4]}}, r"field model.vocab is neither token -> id nor a list"),
+])
+def test_a_malformed_tokenizer_json_is_named(tmp_path, tokenizer, match):
+    teacher = _checkpoint(tmp_path / "teacher", tokens={"a": 0})
+    student = _checkpoint(tmp_path / "student", tokens={"a": 0})
+    (teacher / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match=match) as caught:
+        check_teacher_vocab(teacher, student)
+    assert str(teacher) in str(caught.value)
+
+
 def _padded(seed):
     """hidden [T, H] and a weight [1024, H] whose 23 padding rows give every row its largest logit."""
     gen = torch.Generator().manual_seed(seed)

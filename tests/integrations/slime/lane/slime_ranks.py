@@ -9,6 +9,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from megatron_rl_patches.testing.layouts import BY_MARKER
+
 HERE = os.path.dirname(__file__)
 OPD_LOSS = "megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss"
 OPD_ENV = {"TEACHERS": "teacher-a,teacher-b", "WEIGHTS": "0.3,0.7", "K": "4", "DIVERGENCE": "forward_kl",
@@ -127,7 +129,7 @@ def virtual_args(virtual: int | None) -> tuple[str, ...]:
 # no positional embedding there (megatron-core's thd RoPE cuts each sequence in zigzag; a DSA model
 # brings its own positions).
 DSA_CONFIG = {"architectures": ["DeepseekV32ForCausalLM"]}
-ALLGATHER_CP = ("--allgather-cp", "--position-embedding-type", "none")
+ALLGATHER_CP = BY_MARKER["cp2-allgather"].megatron_lm_args  # testing/layouts.py: --allgather-cp, no positions
 
 
 def declared_dsa(args: Any) -> None:
@@ -302,8 +304,7 @@ def _old_log_probs(args: Any, data: dict, log_probs: list[Any]) -> dict:
 # so the lane sets allgather back after slime's validation (MOE_VALUES), with the kit's CPU router shim;
 # megatron-core refuses allgather with variable sequence lengths, which only size the pipeline's
 # sends (this world has one stage), so they are off too.
-EP2 = ("--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
-       "--moe-ffn-hidden-size", "64", "--moe-router-load-balancing-type", "none", "--disable-bias-linear")
+EP2 = BY_MARKER["ep2"].megatron_lm_args  # testing/layouts.py
 MOE_VALUES = {"moe_token_dispatcher_type": "allgather", "variable_seq_lengths": False}
 
 

@@ -3,7 +3,7 @@ slime 624b824a's real `forward_only(get_log_probs_and_entropy)` and `train()` on
 packed GPT, one micro-batch of T packed tokens, vocabulary V (`tools/slime-bench`).
 
 Each (round, route) runs in a fresh process (the package's bench worker); rounds interleave the
-routes. Memory is the package's bench method (apps/bench/common.MemoryProbe: the resident set on
+routes. Memory is the package's bench method (apps/bench/measure.MemoryProbe: the resident set on
 CPU, glibc told to return large blocks at once), in U = 4·T·V bytes (one fp32 [T, V] logits):
 `held` is what is alive when the backward of the step's micro-batch starts, `peak` the high-water
 mark over a whole train step (forward, backward, optimizer) or a whole forward_only. Train steps
@@ -21,7 +21,7 @@ import time
 from typing import Any
 from unittest import mock
 
-from megatron_rl_patches.apps.bench import common
+from megatron_rl_patches.apps.bench import measure, outputs, runner
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FUSED = ["slime_fused", "gpt_output_processor", "mtp_output_processor"]
@@ -55,7 +55,7 @@ def _layout_argv(layout: str) -> tuple[str, ...]:
             str(sizes.get("context", 1)))
 
 
-def step_case(probe: common.MemoryProbe, *, route: str, T: int, V: int, hidden: int, layers: int, heads: int,
+def step_case(probe: measure.MemoryProbe, *, route: str, T: int, V: int, hidden: int, layers: int, heads: int,
               samples: int, prompt: int, steps: int, device: str = "cpu", layout: str = "1") -> dict:
     """One route in this (fresh) process: `steps` forward_only calls, then slime's train() over
     `steps` steps; times of every call after the first, memory of the last. `layout` "mtp": slime's
@@ -83,12 +83,12 @@ def layout_case(rank: int, world_size: int, layout: str, kwargs: dict) -> dict:
     from megatron.core import parallel_state
 
     with slime_ranks.lane_rank(rank, world_size, **LAYOUTS[layout]):
-        result = _measured(common.MemoryProbe(), layout=layout, **kwargs)
+        result = _measured(measure.MemoryProbe(), layout=layout, **kwargs)
         result["last_stage"] = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         return result
 
 
-def _measured(probe: common.MemoryProbe, *, route: str, T: int, V: int, hidden: int, layers: int, heads: int,
+def _measured(probe: measure.MemoryProbe, *, route: str, T: int, V: int, hidden: int, layers: int, heads: int,
               samples: int, prompt: int, steps: int, device: str = "cpu", layout: str = "1") -> dict:
     import slime_kit as kit
     from megatron.core.pipeline_parallel import schedules
@@ -176,7 +176,7 @@ def run(*, rounds: int, T: int, V: int, hidden: int, layers: int, heads: int, sa
                     results[route].append(result)
                     continue
                 case = {"target": "slime_step_bench:step_case", "kwargs": dict(route=route, layout=layout, **shape)}
-                result = common.run_cases([case], isolate=True, threads=1)[0]
+                result = runner.run_cases([case], isolate=True, threads=1)[0]
                 if "error" in result:
                     raise RuntimeError(f"slime step bench, {route}: {result['error']}")
                 print(f"round {index + 1}/{rounds} {route}: {result}", flush=True)
@@ -203,9 +203,9 @@ def run(*, rounds: int, T: int, V: int, hidden: int, layers: int, heads: int, sa
     title = (f"slime 624b824a step, T={T} (packed: {samples} x {T // samples}, prompts {prompt}), V={V}, "
              f"hidden {hidden}, {layers} layer(s), {heads} head(s); CPU 1 thread, fp32; medians of {rounds} "
              f"interleaved rounds (U = 4·T·V bytes)" + _LAYOUT_TITLES.get(layout, ""))
-    common.print_table(rows, COLUMNS, title=title)
+    outputs.print_table(rows, COLUMNS, title=title)
     if out_dir:
-        common.write_tables(rows, COLUMNS, out_dir, "slime_step" + ("" if layout == "1" else f"_{layout}"),
+        outputs.write_tables(rows, COLUMNS, out_dir, "slime_step" + ("" if layout == "1" else f"_{layout}"),
                             title=title)
     return rows
 

@@ -14,31 +14,32 @@ import sys
 import pytest
 import torch
 
+from megatron_rl_patches.testing import layouts
+from megatron_rl_patches.testing.layouts import BY_MARKER
+
 pytestmark = pytest.mark.slime
 
-NOPE = ("--position-embedding-type", "none")
-RECOMPUTE = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
-EP2 = ("--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
-       "--moe-ffn-hidden-size", "64", "--moe-router-load-balancing-type", "none", "--disable-bias-linear")
+RECOMPUTE = BY_MARKER["recompute"].megatron_lm_args
+EP2 = BY_MARKER["ep2"].megatron_lm_args
 # name: (ranks, pipeline, context, tensor, virtual chunks, slime's extra flags, layout markers); "ep2":
 # an MoE student, slime's alltoall dispatcher set back to allgather (slime_ranks.MOE_VALUES);
 # "pp2vpp2": 2 model chunks of one layer per stage (Megatron-LM's arguments turn batch_p2p_comm off)
 WORLDS = {
     "ep2": (2, 1, 1, 1, None, EP2, ("ep2", "thd")),
     "tp2": (2, 1, 1, 2, None, (), ("tp2", "thd")),
-    "tp2sp": (2, 1, 1, 2, None, ("--sequence-parallel",), ("tp2", "sp", "thd")),
+    "tp2sp": (2, 1, 1, 2, None, BY_MARKER["sp"].megatron_lm_args, ("tp2", "sp", "thd")),
     "cp2": (2, 1, 2, 1, None, (), ("cp2-zigzag", "thd")),
-    "cp2ag": (2, 1, 2, 1, None, ("--allgather-cp", *NOPE), ("cp2-allgather", "thd")),
+    "cp2ag": (2, 1, 2, 1, None, BY_MARKER["cp2-allgather"].megatron_lm_args, ("cp2-allgather", "thd")),
     "pp2": (2, 2, 1, 1, None, (), ("pp2", "thd")),
     "pp2vpp2": (2, 2, 1, 1, 2, (), ("vpp2", "pp2", "thd")),
     "tp2pp2cp2": (8, 2, 2, 2, None, (), ("tp2", "pp2", "cp2-zigzag", "thd")),
     "dp2distopt": (2, 1, 1, 1, None, (), ("distopt", "thd")),  # ARGV: --use-distributed-optimizer
-    "bf16": (1, 1, 1, 1, None, ("--bf16",), ("bf16", "thd")),
+    "bf16": (1, 1, 1, 1, None, BY_MARKER["bf16"].megatron_lm_args, ("bf16", "thd")),
     "recompute": (1, 1, 1, 1, None, RECOMPUTE, ("recompute", "thd")),
 }
 
 
-@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.layout(*WORLDS[n][-1])) for n in WORLDS])
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=layouts.mark(*WORLDS[n][-1])) for n in WORLDS])
 def world(request):
     if "slime_standins" not in sys.modules:  # the lane's conftest installs them where slime's source is found
         pytest.skip("slime is not importable; run `make test-slime SLIME=... MEGATRON_LM=...`")
@@ -47,7 +48,6 @@ def world(request):
     from megatron_rl_patches.testing.multirank import run_multirank
 
     ranks, pipeline, context, tensor, virtual, flags, _ = WORLDS[request.param]
-    assert EP2 == slime_ranks.EP2
     expert = 2 if flags == EP2 else 1
     return request.param, run_multirank(slime_ranks.fused_and_plain, ranks, pipeline, context, tensor, flags,
                                         expert, virtual, timeout=900 if ranks > 2 else 300)

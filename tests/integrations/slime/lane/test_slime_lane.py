@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 
+from megatron_rl_patches.testing import layouts
+
 pytestmark = pytest.mark.slime
 
 import megatron_rl_patches  # noqa: E402
@@ -64,7 +66,7 @@ def _forward_and_step(kit, fused: bool):
     return out, ref, losses, grad_norm, weights
 
 
-@pytest.mark.layout("thd")  # slime packs every micro-batch as thd
+@layouts.mark("thd")  # slime packs every micro-batch as thd
 def test_fused_matches_slimes_logits_path_and_float64(slime_cpu):
     kit = _kit()
     plain, ref, plain_losses, plain_norm, plain_weights = _forward_and_step(kit, fused=False)

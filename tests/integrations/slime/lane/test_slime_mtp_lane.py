@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.slime, pytest.mark.layout("mtp")]
+from megatron_rl_patches.testing import layouts
+
+pytestmark = [pytest.mark.slime, layouts.mark("mtp")]
 
 import megatron_rl_patches  # noqa: E402
 

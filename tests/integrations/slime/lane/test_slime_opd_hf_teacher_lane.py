@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+from megatron_rl_patches.testing import layouts
+
 pytestmark = pytest.mark.slime
 
 WEIGHTS = (0.3, 0.7)
@@ -23,7 +25,7 @@ LAYOUTS = {"pp1": ((1, None), ("thd",)), "pp2": ((2, None), ("pp2", "thd")),
 HF_LAYERS = {"pp1": [[[1, 2, 3, 4]]], "pp2": [[[1, 2]], [[3, 4]]], "pp2vpp2": [[[1], [3]], [[2], [4]]]}
 
 
-@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.layout(*LAYOUTS[name][1]))
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=layouts.mark(*LAYOUTS[name][1]))
                                         for name in LAYOUTS])
 def world(request, tmp_path_factory):
     if "slime_standins" not in sys.modules:  # the lane's conftest installs them where slime's source is found

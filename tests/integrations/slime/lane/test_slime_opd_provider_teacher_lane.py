@@ -14,7 +14,9 @@ import tempfile
 import pytest
 import torch
 
-pytestmark = [pytest.mark.slime, pytest.mark.layout("pp2", "thd")]
+from megatron_rl_patches.testing import layouts
+
+pytestmark = [pytest.mark.slime, layouts.mark("pp2", "thd")]
 
 WEIGHTS = (0.3, 0.7)
 

@@ -13,10 +13,12 @@ import sys
 import pytest
 import torch
 
-EP2 = ("--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
-       "--moe-ffn-hidden-size", "64", "--moe-router-load-balancing-type", "none", "--disable-bias-linear")
-NOPE = ("--position-embedding-type", "none")
-ALLGATHER_CP = ("--allgather-cp", *NOPE)  # slime_ranks.ALLGATHER_CP (lane-only import)
+from megatron_rl_patches.testing import layouts
+from megatron_rl_patches.testing.layouts import BY_MARKER
+
+EP2 = BY_MARKER["ep2"].megatron_lm_args
+ALLGATHER_CP = BY_MARKER["cp2-allgather"].megatron_lm_args
+NOPE = layouts.NOPE_ARGS
 pytestmark = pytest.mark.slime
 
 WEIGHTS = (0.3, 0.7)
@@ -58,7 +60,7 @@ def _whole_ids(ranks: list[dict], context: int, tensor: int) -> list[torch.Tenso
 # tensor in Megatron's order (tp fastest, then cp; pp slowest). "cp2ag": slime's --allgather-cp
 # (the lane declares a DSA architecture to slime's own check, slime_ranks.DSA_CONFIG).
 LAYOUTS = {"pp1": (1, 1, 1, None, ()), "pp2": (2, 1, 1, None, ()), "cp2": (1, 2, 1, None, ()),
-           "tp2": (1, 1, 2, None, ()), "tp2sp": (1, 1, 2, None, ("--sequence-parallel",)),
+           "tp2": (1, 1, 2, None, ()), "tp2sp": (1, 1, 2, None, BY_MARKER["sp"].megatron_lm_args),
            "cp2ag": (1, 2, 1, None, ALLGATHER_CP), "ep2": (1, 1, 1, None, EP2), "pp2vpp2": (2, 1, 1, 2, ()),
            "pp2cp2": (2, 2, 1, None, ()),
            "tp2pp2cp2": (2, 2, 2, None, ())}
@@ -72,7 +74,7 @@ MARKS = {"pp1": ("thd",), "pp2": ("pp2", "thd"), "cp2": ("cp2-zigzag", "thd"), "
          "tp2pp2cp2": ("tp2", "pp2", "cp2-zigzag", "thd")}
 
 
-@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.layout(*MARKS[name])) for name in LAYOUTS])
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=layouts.mark(*MARKS[name])) for name in LAYOUTS])
 def world(request):
     if "slime_standins" not in sys.modules:  # the lane's conftest installs them where slime's source is found
         pytest.skip("slime is not importable; run `make test-slime SLIME=... MEGATRON_LM=...`")
@@ -81,7 +83,6 @@ def world(request):
     from megatron_rl_patches.testing.multirank import run_multirank
 
     pipeline, context, tensor, virtual, flags = LAYOUTS[request.param]
-    assert ALLGATHER_CP == slime_ranks.ALLGATHER_CP and EP2 == slime_ranks.EP2
     expert = _experts(flags)
     return pipeline, context, tensor, virtual, flags, run_multirank(
         slime_ranks.opd_train_actor, pipeline * context * tensor * expert, pipeline, context, tensor, virtual, None,

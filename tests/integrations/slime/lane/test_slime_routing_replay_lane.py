@@ -12,6 +12,8 @@ import logging
 import pytest
 import torch
 
+from megatron_rl_patches.testing import layouts
+
 pytestmark = pytest.mark.slime
 
 import megatron_rl_patches  # noqa: E402
@@ -67,7 +69,7 @@ def _replayed(monkeypatch, fused: bool):
     return own, out, losses, grad_norm, weights
 
 
-@pytest.mark.layout("thd")
+@layouts.mark("thd")
 def test_routing_replay_fused_matches_slime_and_the_routes_matter(slime_cpu, monkeypatch, caplog):
     import slime_standins
 

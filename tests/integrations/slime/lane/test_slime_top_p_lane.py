@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 
+from megatron_rl_patches.testing import layouts
+
 pytestmark = pytest.mark.slime
 
 
@@ -20,7 +22,7 @@ def _kits():
     return slime_kit, slime_top_p
 
 
-@pytest.mark.layout("thd")
+@layouts.mark("thd")
 def test_top_p_replay_fused_matches_slime_and_float64(slime_cpu, caplog):
     kit, top_p = _kits()
     plain, logps, data, plain_losses, plain_norm, plain_weights, plain_watch = top_p.forward_and_step(kit, False)
@@ -55,9 +57,9 @@ def test_top_p_replay_fused_matches_slime_and_float64(slime_cpu, caplog):
 
 
 @pytest.mark.parametrize("tensor, context, allgather", [
-    pytest.param(2, 1, False, marks=pytest.mark.layout("tp2", "thd"), id="tp2"),
-    pytest.param(1, 2, False, marks=pytest.mark.layout("cp2-zigzag", "thd"), id="cp2"),
-    pytest.param(1, 2, True, marks=pytest.mark.layout("cp2-allgather", "thd"), id="cp2-allgather")])
+    pytest.param(2, 1, False, marks=layouts.mark("tp2", "thd"), id="tp2"),
+    pytest.param(1, 2, False, marks=layouts.mark("cp2-zigzag", "thd"), id="cp2"),
+    pytest.param(1, 2, True, marks=layouts.mark("cp2-allgather", "thd"), id="cp2-allgather")])
 def test_top_p_replay_fused_matches_slime_at_tp2_and_cp2(slime_cpu, tensor, context, allgather):
     """Two gloo ranks: at TP=2 the vocabulary (and each nucleus) is split over the shards (the kept
     logits joined by one all-reduce), at CP=2 zigzag each rank holds two chunks of every sample, with

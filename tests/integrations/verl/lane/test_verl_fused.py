@@ -67,7 +67,7 @@ def test_patched_fused_forward_step_matches_float64_and_verls_unfused_route(verl
         assert torch.allclose(got, plain, atol=1e-5)
 
 
-def _grads(model, output, entropy_coef):
+def _grads_of(model, output, entropy_coef):
     model.zero_grad(set_to_none=True)
     weights = [torch.linspace(-1, 1, n) for n in kit.LENGTHS]
     loss = sum((lp * w).sum() for lp, w in zip(kit.rows(output["log_probs"]), weights))
@@ -82,8 +82,10 @@ def test_patched_fused_gradients_match_verls_unfused_route(verl_cpu, entropy_coe
     _apply()
     model = _model()
     asked = entropy_coef != 0.0
-    fused = _grads(model, kit.forward_step(kit.engine(True), model, kit.batch(calculate_entropy=asked)), entropy_coef)
-    plain = _grads(model, kit.forward_step(kit.engine(False), model, kit.batch(calculate_entropy=asked)), entropy_coef)
+    fused = _grads_of(model, kit.forward_step(kit.engine(True), model, kit.batch(calculate_entropy=asked)),
+                      entropy_coef)
+    plain = _grads_of(model, kit.forward_step(kit.engine(False), model, kit.batch(calculate_entropy=asked)),
+                      entropy_coef)
     assert fused.keys() == plain.keys() and len(fused) > 4
     for name in fused:
         assert torch.allclose(fused[name], plain[name], atol=2e-5, rtol=1e-4), name

@@ -23,6 +23,8 @@ import math
 
 import pytest
 
+from megatron_rl_patches.testing import layouts
+
 pytest.importorskip("verl.models", reason="verl is not installed: run `make test-verl` (the verl lane)")
 pytestmark = [pytest.mark.verl, pytest.mark.multirank]
 
@@ -317,7 +319,7 @@ def layouts_world() -> list[dict]:
     return run_multirank(_world, 2, timeout=300)
 
 
-PARAMS = [pytest.param(name, id=name, marks=pytest.mark.layout(*marks)) for name, (*_, marks) in LAYOUTS.items()]
+PARAMS = [pytest.param(name, id=name, marks=layouts.mark(*marks)) for name, (*_, marks) in LAYOUTS.items()]
 
 
 FUSED = ("log_probs", "entropy", "loss", "grads", "log_probs_float64", "entropy_float64", "loss_unsplit",
@@ -362,7 +364,7 @@ def test_a_wrong_cp_row_layout_is_far_from_float64(layouts_world, layout):
         assert result[layout]["control_wrong_layout"] > CONTROL
 
 
-@pytest.mark.layout("distopt", "thd")
+@layouts.mark("distopt", "thd")
 def test_distributed_optimizer_gathers_before_the_fused_route_reads(layouts_world):
     for result in layouts_world:
         got = result["distopt"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_rl_patches.testing import layouts
+
 pytest.importorskip("verl.models", reason="verl is not installed: run `make test-verl` (the verl lane)")
 pytestmark = [pytest.mark.verl, pytest.mark.multirank]
 
@@ -113,8 +115,8 @@ def pipeline_world() -> list[dict]:
     return run_multirank(_world, 2, timeout=300)
 
 
-@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("pp2", "thd")),
-                                    pytest.param("vpp2", marks=pytest.mark.layout("vpp2", "pp2", "thd"))])
+@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=layouts.mark("pp2", "thd")),
+                                    pytest.param("vpp2", marks=layouts.mark("vpp2", "pp2", "thd"))])
 def test_pipelined_fused_route_equals_verls_logits_path(pipeline_world, layout):
     first, last = (result[layout] for result in pipeline_world)
     print(layout, first, last)

@@ -21,7 +21,7 @@ def runtime_env() -> dict:
 
 
 def test_runtime_env_carries_the_patches_to_a_ray_worker(clean_patch_state):
-    from megatron_rl_patches.integrations.ray import _carries_selection
+    from megatron_rl_patches.integrations._ray import _carries_selection
 
     env = runtime_env()
     assert _carries_selection(env)  # ray.init(runtime_env=env) does not warn

@@ -9,6 +9,7 @@ from megatron_rl_patches.inference.loading.hf.architecture import (
     HFArchitecture,
     UnsupportedCheckpointError,
     read_config,
+    refuse_rope_scaling,
 )
 from megatron_rl_patches.inference.loading.hf.families import (
     deepseek_v3,
@@ -40,7 +41,7 @@ REFUSED: dict[str, str] = {
 def family_for(model_type: Any, source: str = "config.json", architectures: Any = None) -> Family:
     """The family of a config.json's `model_type`; UnsupportedCheckpointError naming it otherwise."""
     family = REGISTRY.get(model_type) if isinstance(model_type, str) else None
-    if family is None and model_type in REFUSED:
+    if family is None and isinstance(model_type, str) and model_type in REFUSED:
         raise UnsupportedCheckpointError(
             f"{source}: model_type {model_type!r} is not served by the Hugging Face converter: "
             f"{REFUSED[model_type]}; build this teacher with build_inference_model and your own model provider"
@@ -54,12 +55,27 @@ def family_for(model_type: Any, source: str = "config.json", architectures: Any 
     return family
 
 
-def architecture(config: dict[str, Any], source: str = "config.json") -> HFArchitecture:
+def architecture(config: dict[str, Any], source: str = "config.json", *, sizing: bool = False) -> HFArchitecture:
     """An HFArchitecture from a config.json dict, read by its family; UnsupportedCheckpointError
-    naming the family or the feature the converter does not map."""
-    return family_for(config.get("model_type"), source, config.get("architectures")).read(config, source)
+    naming the family or the feature the converter does not map. `sizing`: for the memory planner,
+    which counts bytes: a feature that changes none (RoPE scaling) is kept in the record, not refused."""
+    arch = family_for(config.get("model_type"), source, config.get("architectures")).read(config, source)
+    if not sizing:
+        refuse_rope_scaling(arch)
+    return arch
 
 
-def read_architecture(path: Any, argument: str = "path") -> HFArchitecture:
+def read_architecture(path: Any, argument: str = "path", *, sizing: bool = False) -> HFArchitecture:
     """The architecture of the checkpoint directory `path` (or of a config.json file)."""
-    return architecture(read_config(path, argument), source=str(path))
+    return architecture(read_config(path, argument), source=str(path), sizing=sizing)
+
+
+def split_problems(arch: HFArchitecture, tp: int = 1, pp: int = 1, ep: int = 1, vpp: int = 1) -> list[str]:
+    """What a tensor / pipeline (x virtual) / expert parallel layout cannot split of `arch`: the
+    one check of the builder and of the memory planner (`memory --hf`), so neither plans a layout
+    the other refuses."""
+    problems = family_for(arch.model_type, arch.source).parallel_problems(arch, tp, ep)
+    if arch.num_layers % (pp * vpp):
+        stages = f"the pipeline-parallel size {pp}" + (f" x {vpp} virtual stages" if vpp > 1 else "")
+        problems.append(f"num_hidden_layers={arch.num_layers} is not a multiple of {stages}")
+    return problems

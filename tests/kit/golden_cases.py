@@ -1,5 +1,5 @@
 """A fixed set of inputs for the ops and what they return (outputs and gradients): written once
-from a reference commit (`python tests/ops/golden/golden_cases.py OUT.pt [TP_OUT.pt]`) and compared
+from a reference commit (`python tests/kit/golden_cases.py OUT.pt [TP_OUT.pt]`) and compared
 bitwise by test_golden.py, so refactors of the ops cannot change a single bit of their results.
 
 Bitwise on the CPU kind they were recorded on (torch's vectorized kernels sum in another order
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 # the recorded files stay in tests/ops/data/ (the path the issues and the lead name)
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[1] / "ops" / "data"
 RECORDED_ON = DATA / "golden_recorded_on.json"
 
 

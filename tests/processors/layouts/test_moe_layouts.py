@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_rl_patches.testing import layouts
+from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = pytest.mark.megatron
@@ -20,8 +22,6 @@ EP = PP = 2
 WORLD = 4  # EP=2 x expert-DP=2; PP=2 x DP=2; PP=2 x EP=2
 
 
-def _error(got, want) -> float:
-    return float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
 
 
 def _forward(model, batch, **kwargs):
@@ -49,9 +49,7 @@ def _scored_grads(model, path, batch, weights) -> tuple[dict, torch.Tensor]:
     """Gradients of sum(w * (log_prob + entropy / 2)) along `path`, and the log-probs."""
     lp, ent = path(model, batch)
     (weights * (lp + 0.5 * ent)).sum().backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    return grads, lp.detach()
+    return collect_grads(model), lp.detach()
 
 
 def _inference_step(processor):
@@ -64,7 +62,7 @@ def _inference_step(processor):
     return step
 
 
-def _from_logits(logits, labels) -> dict:
+def _outputs_from_logits(logits, labels) -> dict:
     """What the processors return, computed from the logits: log-probs, entropy, top-3 buckets."""
     from megatron_rl_patches import topk_ids, topk_logprobs
     from megatron_rl_patches.inference import token_log_probs
@@ -88,7 +86,7 @@ def _inference_routes(chunks, batches) -> dict:
                                  seq_length=SEQ, micro_batch_size=batches[0]["tokens"].size(0), collect=collect)
 
     return {
-        "logits": run(None, _from_logits),
+        "logits": run(None, _outputs_from_logits),
         "log_prob": run(log_prob_output_processor(with_entropy=True)),
         "topk": run(topk_output_processor(k=3)),
     }
@@ -100,7 +98,7 @@ def _compare_routes(routes: dict) -> dict:
     if not routes["logits"]:  # not the last pipeline stage: nothing collected
         return {"collected": collected}
     pairs = {"log_probs": "log_prob", "entropy": "log_prob", "topk_log_probs": "topk", "tail": "topk"}
-    figures = {key: max(_error(f[key], r[key]) for f, r in zip(routes[route], routes["logits"]))
+    figures = {key: max(relative_error(f[key], r[key]) for f, r in zip(routes[route], routes["logits"]))
                for key, route in pairs.items()}
     figures["topk_ids"] = float(not all(torch.equal(f["topk_ids"], r["topk_ids"])
                                         for f, r in zip(routes["topk"], routes["logits"])))
@@ -109,7 +107,7 @@ def _compare_routes(routes: dict) -> dict:
 
 # ------------------------------------------------------------------------------------- one rank
 
-@pytest.mark.layout("moe", "ep1")
+@layouts.mark("moe", "ep1")
 def test_moe_fused_equals_logits_path_values_and_grads(megatron_cpu, clean_patch_state):
     import megatron_rl_patches
     from megatron_rl_patches.testing.moe_gpt import build_tiny_moe_gpt
@@ -122,15 +120,15 @@ def test_moe_fused_equals_logits_path_values_and_grads(megatron_cpu, clean_patch
     want, want_lp = _scored_grads(model, _logits_path, batch, weights)
     got, got_lp = _scored_grads(model, _fused_path, batch, weights)
     assert got.keys() == want.keys() and any("local_experts" in name for name in got)
-    assert _error(got_lp, want_lp) <= REL
-    assert max(_error(got[n], want[n]) for n in want) <= REL
+    assert relative_error(got_lp, want_lp) <= REL
+    assert max(relative_error(got[n], want[n]) for n in want) <= REL
     with torch.no_grad():  # negative control: the comparison sees the experts' weights
         model.decoder.layers[0].mlp.experts.local_experts[0].linear_fc2.weight.mul_(3.0)
         changed, _ = _fused_path(model, batch)
-    assert _error(changed, want_lp) > 1e-3
+    assert relative_error(changed, want_lp) > 1e-3
 
 
-@pytest.mark.layout("moe", "ep1")
+@layouts.mark("moe", "ep1")
 def test_moe_inference_forward_with_processors(megatron_cpu, clean_patch_state):
     """The crash: megatron-core 0.13-0.17 read `.device` off the processor's dict."""
     import megatron_rl_patches
@@ -191,8 +189,8 @@ def _ep2_checks(rank: int) -> dict:
         for label, path in (("logits", _logits_path), ("fused", _fused_path)):
             grads, lp = _scored_grads(model, path, batch, weights)
             out[label] = {
-                "log_probs": _error(lp, ref_lp),
-                "grads": max(_error(g, ref_grads[global_expert_name(n, expert_rank, per_rank)])
+                "log_probs": relative_error(lp, ref_lp),
+                "grads": max(relative_error(g, ref_grads[global_expert_name(n, expert_rank, per_rank)])
                              for n, g in grads.items()),
                 "experts": sum("local_experts" in n for n in grads),
             }
@@ -205,7 +203,7 @@ def _ep2_checks(rank: int) -> dict:
                 if "local_experts" in name and expert_rank == 1:
                     param.mul_(3.0)
             changed, _ = _fused_path(model, batch)
-        out["changed experts"] = _error(changed, ref_lp)
+        out["changed experts"] = relative_error(changed, ref_lp)
     return out
 
 
@@ -228,16 +226,13 @@ def _divergence_checks(model, batch, weights) -> dict:
             rows = _forward(model, batch).reshape(-1, 64).double()
             values = dense_divergence(rows, [teacher_rows], divergence="jsd", beta=beta).view_as(weights)
         (weights * values).sum().backward()
-        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad()
-        return values.detach().double(), grads
+        return values.detach().double(), collect_grads(model)
 
     want, want_grads = run(False)
     got, grads = run(True)
     _, beta_grads = run(False, beta=0.6)
-    assert grads.keys() == want_grads.keys()
-    return {"values": _error(got, want), "grads": max(_error(grads[n], want_grads[n]) for n in want_grads),
-            "beta": max(_error(beta_grads[n], want_grads[n]) for n in want_grads)}
+    return {"values": relative_error(got, want), "grads": grad_error(grads, want_grads),
+            "beta": grad_error(beta_grads, want_grads)}
 
 
 def _ddp_reduced_error(model, batch, weights, mean_grads: dict, expert_rank: int, per_rank: int) -> float:
@@ -252,7 +247,7 @@ def _ddp_reduced_error(model, batch, weights, mean_grads: dict, expert_rank: int
     lp, ent = _fused_path(ddp, batch)
     (weights * (lp + 0.5 * ent)).sum().backward()
     ddp.finish_grad_sync()
-    return max(_error(p.main_grad, mean_grads[global_expert_name(n, expert_rank, per_rank)])
+    return max(relative_error(p.main_grad, mean_grads[global_expert_name(n, expert_rank, per_rank)])
                for n, p in model.named_parameters())
 
 
@@ -289,7 +284,7 @@ def moe_world() -> list[dict]:
 
 @pytest.mark.multirank
 @pytest.mark.slow
-@pytest.mark.layout("moe", "ep2")
+@layouts.mark("moe", "ep2")
 def test_ep2_equals_ep1_and_fused_equals_logits(moe_world):
     for result in moe_world:
         ep2 = result["ep2"]
@@ -305,7 +300,7 @@ def test_ep2_equals_ep1_and_fused_equals_logits(moe_world):
 
 @pytest.mark.multirank
 @pytest.mark.slow
-@pytest.mark.layout("moe", "ep2")
+@layouts.mark("moe", "ep2")
 def test_ep2_divergence_processor_equals_the_dense_route(moe_world):
     for result in moe_world:
         divergence = result["ep2"]["divergence"]
@@ -315,8 +310,8 @@ def test_ep2_divergence_processor_equals_the_dense_route(moe_world):
 
 @pytest.mark.multirank
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("moe", "pp2")),
-                                    pytest.param("pp2ep2", marks=pytest.mark.layout("moe", "pp2", "ep2"))])
+@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=layouts.mark("moe", "pp2")),
+                                    pytest.param("pp2ep2", marks=layouts.mark("moe", "pp2", "ep2"))])
 def test_pipelined_moe_inference_forward_with_processors(moe_world, layout):
     results = [result[layout] for result in moe_world]
     assert [r.pop("last stage") for r in results] == [False, False, True, True]  # order tp-cp-ep-dp-pp

@@ -10,7 +10,10 @@ the divergence processor against the dense float64 divergence (its control: anot
 from __future__ import annotations
 
 import pytest
+from kit.builds import each_residency
 
+from megatron_rl_patches.testing import layouts
+from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
@@ -20,19 +23,10 @@ MICRO_BATCHES = 4
 K = 4
 
 
-def _error(got, want) -> float:
-    return float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
 
 
-def _grads(model) -> dict:
-    out = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    return out
 
 
-def _grad_error(got: dict, want: dict) -> float:
-    assert got.keys() == want.keys() and got, (sorted(got), sorted(want))
-    return max(_error(got[name], want[name]) for name in want)
 
 
 def _scores(route: str, model, batch, tp_group=None):
@@ -117,10 +111,11 @@ def _sp_topk_checks(sp, batch, weights, tp) -> dict:
     for route in ("logits", "fused", "hot"):
         scores = _topk_scores(route, sp, batch, tp)
         _topk_objective(scores, weights).backward()
-        results[route] = (scores["ids"], scores["values"].detach(), _grads(sp))
+        results[route] = (scores["ids"], scores["values"].detach(), collect_grads(sp))
     (want_ids, want, want_grads), (ids, got, grads) = results["logits"], results["fused"]
-    return {"ids": torch.equal(ids, want_ids), "fused vs logits": (_error(got, want), _grad_error(grads, want_grads)),
-            "hot": _grad_error(results["hot"][2], want_grads)}
+    return {"ids": torch.equal(ids, want_ids),
+            "fused vs logits": (relative_error(got, want), grad_error(grads, want_grads)),
+            "hot": grad_error(results["hot"][2], want_grads)}
 
 
 def _sp_checks(rank: int, world_size: int) -> dict:
@@ -143,15 +138,15 @@ def _sp_checks(rank: int, world_size: int) -> dict:
         for label, model, route in (("plain", plain, "logits"), ("logits", sp, "logits"), ("fused", sp, "fused")):
             scores = _scores(route, model, batch, tp)
             _objective(scores, weights).backward()
-            results[label] = (scores["log_probs"].detach(), _grads(model))
+            results[label] = (scores["log_probs"].detach(), collect_grads(model))
         summed = {name: grad.clone() for name, grad in results["logits"][1].items()}
         for name in marked:
             dist.all_reduce(summed[name], group=tp)
-        out["fused vs logits"] = (_error(results["fused"][0], results["logits"][0]),
-                                  _grad_error(results["fused"][1], results["logits"][1]))
-        out["sp vs plain"] = (_error(results["logits"][0], results["plain"][0]),
-                              _grad_error(summed, results["plain"][1]))
-        out["unsummed norms"] = _grad_error(results["logits"][1], results["plain"][1])
+        out["fused vs logits"] = (relative_error(results["fused"][0], results["logits"][0]),
+                                  grad_error(results["fused"][1], results["logits"][1]))
+        out["sp vs plain"] = (relative_error(results["logits"][0], results["plain"][0]),
+                              grad_error(summed, results["plain"][1]))
+        out["unsummed norms"] = grad_error(results["logits"][1], results["plain"][1])
         out["topk"] = _sp_topk_checks(sp, batch, weights, tp)
     return out
 
@@ -204,30 +199,30 @@ def _pipeline_checks(rank: int, world_size: int, virtual: int | None) -> dict:
             reported = run_schedule(chunks, batches, _pipeline_step(route, kind))
             grads: dict = {}
             for j, chunk in enumerate(chunks):
-                grads.update({f"{j}.{name}": g for name, g in _grads(chunk).items()})
+                grads.update({f"{j}.{name}": g for name, g in collect_grads(chunk).items()})
             ids = torch.cat([r["ids"] for r in reported]) if reported and kind == "top-k" else None
             runs[kind, route] = (torch.cat([r["log_probs"] for r in reported]) if reported else None, grads, ids)
         last = is_last_stage()
         lp, topk, dv = ("log-prob", "logits"), ("top-k", "logits"), ("divergence", "logits")
         out = {"last": last, "chunks": len(chunks),
-               "grads": _grad_error(runs["log-prob", "fused"][1], runs[lp][1]),
-               "wrong labels grads": _grad_error(runs["log-prob", "wrong labels"][1], runs[lp][1]),
-               "topk grads": _grad_error(runs["top-k", "fused"][1], runs[topk][1]),
-               "hot grads": _grad_error(runs["top-k", "hot"][1], runs[topk][1]),
-               "divergence grads": _grad_error(runs["divergence", "fused"][1], runs[dv][1]),
-               "beta grads": _grad_error(runs["divergence", "beta"][1], runs[dv][1])}
+               "grads": grad_error(runs["log-prob", "fused"][1], runs[lp][1]),
+               "wrong labels grads": grad_error(runs["log-prob", "wrong labels"][1], runs[lp][1]),
+               "topk grads": grad_error(runs["top-k", "fused"][1], runs[topk][1]),
+               "hot grads": grad_error(runs["top-k", "hot"][1], runs[topk][1]),
+               "divergence grads": grad_error(runs["divergence", "fused"][1], runs[dv][1]),
+               "beta grads": grad_error(runs["divergence", "beta"][1], runs[dv][1])}
         if last:
-            out["log_probs"] = _error(runs["log-prob", "fused"][0], runs[lp][0])
-            out["wrong labels"] = _error(runs["log-prob", "wrong labels"][0], runs[lp][0])
-            out["topk values"] = _error(runs["top-k", "fused"][0], runs[topk][0])
+            out["log_probs"] = relative_error(runs["log-prob", "fused"][0], runs[lp][0])
+            out["wrong labels"] = relative_error(runs["log-prob", "wrong labels"][0], runs[lp][0])
+            out["topk values"] = relative_error(runs["top-k", "fused"][0], runs[topk][0])
             out["topk ids"] = torch.equal(runs["top-k", "fused"][2], runs[topk][2])
-            out["divergence"] = _error(runs["divergence", "fused"][0], runs[dv][0])
+            out["divergence"] = relative_error(runs["divergence", "fused"][0], runs[dv][0])
         want = _forward_only_log_probs(chunks, batches)
         if last:  # the training run's log-probs against the forward-only schedule's
-            out["train vs forward-only"] = _error(runs["log-prob", "fused"][0], want)
+            out["train vs forward-only"] = relative_error(runs["log-prob", "fused"][0], want)
         if virtual:
             out["batched p2p"] = _batched_p2p_checks(world_size, virtual, batches, want)
-        out["builds"] = _build_checks(tiny_provider("gpt", config, seed=6), batches, want)
+        out["builds"] = _pipelined_build_checks(tiny_provider("gpt", config, seed=6), batches, want)
         return out
 
 
@@ -265,25 +260,23 @@ def _batched_p2p_checks(world_size, virtual, batches, want) -> dict:
     if reported:
         got = torch.cat([r["log_probs"] for r in reported])
         per = got.size(0) // len(batches)
-        out["first micro-batches"] = _error(got[:per], want[:per])
-        out["swapped"] = _error(got, want)
+        out["first micro-batches"] = relative_error(got[:per], want[:per])
+        out["swapped"] = relative_error(got, want)
     return out
 
 
-def _build_checks(provider, batches, want) -> dict:
+def _pipelined_build_checks(provider, batches, want) -> dict:
     """The resident, swap and stream inference builds of the same pipeline (this rank's chunks),
     through the forward-only schedule with the log-prob processor: the last stage's log-probs
     against the trainable chunks' (`want`, in eval) through the same schedule (None off the last stage)."""
     import torch
 
-    from megatron_rl_patches.inference import build_inference_model
-
     out = {}
-    for mode in ("resident", "swap", "stream"):
-        chunks = build_inference_model(provider, residency=mode)
+    for mode, chunks in each_residency(provider):
         with torch.no_grad():
             reported = run_schedule_forward_only(chunks, batches)
-        out[mode] = (len(chunks), _error(torch.cat([r["log_probs"] for r in reported]), want) if reported else None)
+        got = torch.cat([r["log_probs"] for r in reported]) if reported else None
+        out[mode] = (len(chunks), None if got is None else relative_error(got, want))
     return out
 
 
@@ -306,7 +299,7 @@ def layouts_world() -> list[dict]:
     return run_multirank(_layouts_world, 2, timeout=300)
 
 
-@pytest.mark.layout("tp2", "sp")
+@layouts.mark("tp2", "sp")
 def test_sequence_parallel_gpt_fused_equals_logits_and_plain_tp(layouts_world):
     for result in layouts_world:
         sp = result["sp"]
@@ -317,7 +310,7 @@ def test_sequence_parallel_gpt_fused_equals_logits_and_plain_tp(layouts_world):
         assert sp["unsummed norms"] > 1e-3  # negative control: each SP rank saw half the sequence
 
 
-@pytest.mark.layout("tp2", "sp")
+@layouts.mark("tp2", "sp")
 def test_sequence_parallel_gpt_topk_processor_equals_logits(layouts_world):
     for result in layouts_world:
         topk = result["sp"]["topk"]
@@ -326,8 +319,8 @@ def test_sequence_parallel_gpt_topk_processor_equals_logits(layouts_world):
         assert topk["hot"] > 1e-3, topk  # negative control: another temperature is seen
 
 
-@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("pp2")),
-                                    pytest.param("vpp", marks=pytest.mark.layout("pp2", "vpp2"))])
+@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=layouts.mark("pp2")),
+                                    pytest.param("vpp", marks=layouts.mark("pp2", "vpp2"))])
 def test_pipelined_fused_equals_logits_through_the_schedule(layouts_world, layout):
     results = [result[layout] for result in layouts_world]
     assert [r["last"] for r in results] == [False, True]
@@ -338,8 +331,8 @@ def test_pipelined_fused_equals_logits_through_the_schedule(layouts_world, layou
     assert results[1]["log_probs"] <= REL and results[1]["wrong labels"] > 1e-3, results[1]
 
 
-@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("pp2")),
-                                    pytest.param("vpp", marks=pytest.mark.layout("pp2", "vpp2"))])
+@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=layouts.mark("pp2")),
+                                    pytest.param("vpp", marks=layouts.mark("pp2", "vpp2"))])
 def test_pipelined_inference_builds_score_like_the_trainable_chunks(layouts_world, layout):
     """Each residency's build holds this rank's chunks (2 with virtual stages) and scores through the
     forward-only schedule like the trainable chunks in eval (the comparison sees wrong labels: above)."""
@@ -350,8 +343,8 @@ def test_pipelined_inference_builds_score_like_the_trainable_chunks(layouts_worl
         assert count == chunks and error <= REL, (mode, error)
 
 
-@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("pp2")),
-                                    pytest.param("vpp", marks=pytest.mark.layout("pp2", "vpp2"))])
+@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=layouts.mark("pp2")),
+                                    pytest.param("vpp", marks=layouts.mark("pp2", "vpp2"))])
 def test_pipelined_topk_processor_equals_logits_through_the_schedule(layouts_world, layout):
     results = [result[layout] for result in layouts_world]
     for result in results:
@@ -360,8 +353,8 @@ def test_pipelined_topk_processor_equals_logits_through_the_schedule(layouts_wor
     assert results[1]["topk ids"] and results[1]["topk values"] <= REL, results[1]
 
 
-@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("pp2")),
-                                    pytest.param("vpp", marks=pytest.mark.layout("pp2", "vpp2"))])
+@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=layouts.mark("pp2")),
+                                    pytest.param("vpp", marks=layouts.mark("pp2", "vpp2"))])
 def test_pipelined_divergence_processor_equals_the_dense_route_through_the_schedule(layouts_world, layout):
     results = [result[layout] for result in layouts_world]
     for result in results:
@@ -370,8 +363,8 @@ def test_pipelined_divergence_processor_equals_the_dense_route_through_the_sched
     assert results[1]["divergence"] <= REL_DIVERGENCE, results[1]
 
 
-@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=pytest.mark.layout("pp2")),
-                                    pytest.param("vpp", marks=pytest.mark.layout("pp2", "vpp2"))])
+@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=layouts.mark("pp2")),
+                                    pytest.param("vpp", marks=layouts.mark("pp2", "vpp2"))])
 def test_training_and_forward_only_runs_give_the_same_log_probs(layouts_world, layout):
     """The training schedule's log-probs equal the forward-only schedule's (at PP=2 x VPP=2 they
     differed by 0.059 from the third micro-batch on while the kit ran megatron-core's default
@@ -380,7 +373,7 @@ def test_training_and_forward_only_runs_give_the_same_log_probs(layouts_world, l
     assert result["train vs forward-only"] <= REL, result["train vs forward-only"]
 
 
-@pytest.mark.layout("pp2", "vpp2")
+@layouts.mark("pp2", "vpp2")
 def test_batched_p2p_at_two_virtual_stages_is_refused_by_the_kit(layouts_world):
     """run_schedule refuses batch_p2p_comm=True at PP=2 x VPP=2 on gloo (ValueError naming the
     setting) on every rank; run anyway, the schedule swaps the activation and the gradient of its

@@ -9,6 +9,7 @@ megatron-core 0.18 passes, and its result is returned. Multi-token prediction he
 their loss is `process_mtp_loss`, which must be patch `mtp_output_processor`'s (it never calls the
 output layer); before 0.18 the forward calls the output layer once per MTP depth before the main
 head, and those calls get the fused head (`FusedHeadLogits`) and its cross-entropy instead.
+The two patches' wrappers are `gpt_backport.gpt_forward_wrapper` and `hybrid_backport.hybrid_forward_wrapper`.
 """
 from __future__ import annotations
 
@@ -141,8 +142,3 @@ def _call_processor(processor: Any, instance: Any, given: dict, hidden_states: A
         config=instance.config,
     )
 
-
-def hybrid_forward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """`hybrid_output_processor`: HybridModel.forward(output_processor=, output_processor_context=)
-    as GPTModel.forward has them on megatron-core >= 0.18."""
-    return forward_with_processor(wrapped, instance, args, kwargs)

@@ -1,5 +1,5 @@
 """The plan of one slime step on the fused route, shared by `fused` (which runs it) and `opd`
-(which asks it for top-k buckets): what the fused model call needs (`Plan`, `TopkRequest`), the
+(which asks it for top-k buckets): what the fused model call needs (`StepPlan`, `TopkRequest`), the
 plan of the step under way (`run_planned`, `current_plan`), and the rollout-data keys top-k OPD
 adds with the request its training step makes (`step_request`)."""
 from __future__ import annotations
@@ -26,7 +26,7 @@ class TopkRequest:
 
 
 @dataclass
-class Plan:
+class StepPlan:
     """What the fused model call of one slime step needs: slime's args, whether entropy is wanted
     (and its gradient), top-k buckets if asked, and the micro-batch `get_batch` returned last.
     `fused=False`: a step on slime's own logits path that still fetches the request's batch keys."""
@@ -47,15 +47,15 @@ OPD_KEYS = (IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS)
 STEP_REQUEST = TopkRequest(ids_key=IDS, keys=(IDS, TEACHER_LOGPROBS, TEACHER_TAILS))
 UNION_STEP_REQUEST = TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS))
 
-_PLAN: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("megatron_rl_patches_slime_plan", default=None)
+_PLAN: contextvars.ContextVar[StepPlan | None] = contextvars.ContextVar("megatron_rl_patches_slime_plan", default=None)
 
 
-def current_plan() -> Plan | None:
+def current_plan() -> StepPlan | None:
     """The plan of the slime step under way (None: none, or a step left on slime's own path)."""
     return _PLAN.get()
 
 
-def run_planned(plan: Plan | None, wrapped: Any, args: tuple, kwargs: dict) -> Any:
+def run_planned(plan: StepPlan | None, wrapped: Any, args: tuple, kwargs: dict) -> Any:
     """`wrapped(*args, **kwargs)` with `plan` as the fused plan of the slime step it runs (None: none)."""
     token = _PLAN.set(plan)
     try:

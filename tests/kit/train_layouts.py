@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_rl_patches.testing.layouts import BY_MARKER
+
 STANDINS = Path(__file__).resolve().parents[1] / "standins"
 STEPS = [[1], [1, 1], [1, 1, 1]]  # windows: calls per optimizer step, one microbatch each
 UPSTREAM_FAILS = [[1, 1], [1]]  # 2 calls then 1: upstream crashes on every version
@@ -33,7 +35,8 @@ RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recom
 
 @dataclass
 class Layout:
-    """One column of docs/layouts.md: the world's parallel sizes, the config, the model and the rows."""
+    """One column of docs/layouts.md: the world's parallel sizes (testing/layouts.py), the config, the
+    model and the rows."""
 
     world: dict = field(default_factory=dict)  # megatron_world keywords
     config: dict = field(default_factory=dict)  # tiny_gpt_config overrides
@@ -45,16 +48,17 @@ class Layout:
 
 BF16 = {"bf16": True, "params_dtype": "bfloat16", "pipeline_dtype": "bfloat16"}
 LAYOUTS: dict[str, Layout] = {
-    "tp2": Layout(world={"tensor_parallel": 2}, config={"tensor_model_parallel_size": 2}),
-    "sp": Layout(world={"tensor_parallel": 2}, config={"tensor_model_parallel_size": 2, "sequence_parallel": True}),
-    "pp2": Layout(world={"pipeline_parallel": 2}, config={"pipeline_model_parallel_size": 2}, features=("F1",)),
-    "vpp2": Layout(world={"pipeline_parallel": 2, "virtual_pipeline": 2},
+    "tp2": Layout(world=BY_MARKER["tp2"].world, config={"tensor_model_parallel_size": 2}),
+    "sp": Layout(world=BY_MARKER["sp"].world, config={"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    "pp2": Layout(world=BY_MARKER["pp2"].world, config={"pipeline_model_parallel_size": 2}, features=("F1",)),
+    "vpp2": Layout(world=BY_MARKER["vpp2"].world,
                    config={"num_layers": 4, "pipeline_model_parallel_size": 2,
                            "virtual_pipeline_model_parallel_size": 2, "batch_p2p_comm": False}, features=("F1",)),
-    "cp2-zigzag": Layout(world={"context_parallel": 2}, config={"context_parallel_size": 2}, cp_layout="zigzag"),
-    "cp2-allgather": Layout(world={"context_parallel": 2}, config={"context_parallel_size": 2},
-                            cp_layout="contiguous"),
-    "ep2": Layout(world={"expert_parallel": 2}, model="moe"),
+    "cp2-zigzag": Layout(world=BY_MARKER["cp2-zigzag"].world, config={"context_parallel_size": 2},
+                         cp_layout=BY_MARKER["cp2-zigzag"].cp_layout),
+    "cp2-allgather": Layout(world=BY_MARKER["cp2-allgather"].world, config={"context_parallel_size": 2},
+                            cp_layout=BY_MARKER["cp2-allgather"].cp_layout),
+    "ep2": Layout(world=BY_MARKER["ep2"].world, model="moe"),
     "mtp": Layout(config={"mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.3}, model="mtp"),
     "bf16": Layout(config=BF16, bf16=True),
     "recompute": Layout(config=RECOMPUTE),

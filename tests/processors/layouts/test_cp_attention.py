@@ -12,7 +12,10 @@ another temperature, the divergence at another beta too."""
 from __future__ import annotations
 
 import pytest
+from kit.builds import each_residency
 
+from megatron_rl_patches.testing import layouts
+from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
@@ -27,9 +30,6 @@ CASES = ("zigzag-bshd", "contiguous-bshd", "zigzag-thd", "contiguous-thd")
 GPT_CASES = (*CASES, "zigzag-bshd-rope", "zigzag-thd-rope")
 
 
-def _error(got, want) -> float:
-    """Largest difference relative to the reference's scale (>= 1)."""
-    return float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
 
 
 def _attention_checks(env, rank: int) -> dict:
@@ -61,9 +61,9 @@ def _attention_checks(env, rank: int) -> dict:
 
         where = cu if packed else None
         got = _run_cp_attention(config, rank, (q, k, v), grad_out, layout, layout, where)
-        results[case] = [_error(g, w) for g, w in zip(got, [want, *(t.grad for t in leaves)])]
+        results[case] = [relative_error(g, w) for g, w in zip(got, [want, *(t.grad for t in leaves)])]
         other = "contiguous" if layout == "zigzag" else "zigzag"
-        results[case + " wrong order"] = _error(
+        results[case + " wrong order"] = relative_error(
             _run_cp_attention(config, rank, (q, k, v), grad_out, other, layout, where)[0], want)
     return results
 
@@ -103,18 +103,6 @@ def _forward(model, batch, **kwargs):
                  packed_seq_params=batch.get("packed_seq_params"), **kwargs)
 
 
-def _grads(model, reduce: bool) -> dict:
-    """Every parameter's gradient (summed over the ranks with `reduce`); zeroes them."""
-    import torch.distributed as dist
-
-    out = {}
-    for name, param in model.named_parameters():
-        grad = param.grad.clone()
-        if reduce:
-            dist.all_reduce(grad)
-        out[name] = grad
-    model.zero_grad()
-    return out
 
 
 def _gpt_case(case: str):
@@ -142,13 +130,13 @@ def _gpt_references(env) -> dict:
                             position_embedding_type=positions)
         loss = _forward(reference, batch, labels=batch["labels"])
         (weights * loss).sum().backward()
-        loss_grads = _grads(reference, reduce=False)
+        loss_grads = collect_grads(reference)
         logits = _forward(reference, batch)
         lp, ent = log_probs_and_entropy(logits.reshape(-1, logits.size(-1)), batch["labels"].reshape(-1),
                                         with_entropy=True)
         (weights.reshape(-1) * (lp + 0.5 * ent)).sum().backward()
         refs[case] = (loss.detach(), loss_grads, lp.detach().view_as(loss), ent.detach().view_as(loss),
-                      _grads(reference, reduce=False))
+                      collect_grads(reference))
     return refs
 
 
@@ -173,31 +161,31 @@ def _gpt_checks(env, rank: int, refs: dict) -> dict:
         local_weights = split_rows(weights, 1, layout, rank, CP, cu)
         got_loss = _forward(model, local, labels=local["labels"])
         (local_weights * got_loss).sum().backward()
-        got_grads = _grads(model, reduce=True)
+        got_grads = collect_grads(model, summed_over=torch.distributed.group.WORLD)
         scored = _forward(model, local, labels=local["labels"], output_processor=processor)
         (local_weights * (scored["log_probs"] + 0.5 * scored["entropy"])).sum().backward()
-        got_scored = _grads(model, reduce=True)
+        got_scored = collect_grads(model, summed_over=torch.distributed.group.WORLD)
 
         def back(x, layout=layout, cu=cu):
             return gather_rows(x.detach(), 1, layout, cu_seqlens=cu)
 
         results[case] = {
-            "loss": _error(back(got_loss), loss),
-            "grads": max(_error(got_grads[n], want_grads[n]) for n in want_grads),
-            "log_probs": _error(back(scored["log_probs"]), lp),
-            "entropy": _error(back(scored["entropy"]), ent),
-            "scored_grads": max(_error(got_scored[n], want_scored[n]) for n in want_scored),
+            "loss": relative_error(back(got_loss), loss),
+            "grads": max(relative_error(got_grads[n], want_grads[n]) for n in want_grads),
+            "log_probs": relative_error(back(scored["log_probs"]), lp),
+            "entropy": relative_error(back(scored["entropy"]), ent),
+            "scored_grads": max(relative_error(got_scored[n], want_scored[n]) for n in want_scored),
             "same_names": sorted(got_grads) == sorted(want_grads),
         }
         results[case].update(_topk_checks(model, local, local_weights))
         teacher = env.gpt(env.config(context_parallel_size=CP), layer_spec=cp_layer_spec(layout), seed=4,
                           position_embedding_type=positions).requires_grad_(False)
         results[case].update(_divergence_checks(model, teacher, local, local_weights))
-        results[case]["builds"] = _build_checks(env, layout, positions, local)
+        results[case]["builds"] = _cp_build_checks(env, layout, positions, local)
         other = "contiguous" if layout == "zigzag" else "zigzag"
         wrong = split_batch(batch, other, rank, CP, cu)
         with torch.no_grad():  # rows split zigzag read back as contiguous, or the other way round
-            results[case + " wrong order"] = _error(back(_forward(model, wrong, labels=wrong["labels"])), loss)
+            results[case + " wrong order"] = relative_error(back(_forward(model, wrong, labels=wrong["labels"])), loss)
     return results
 
 
@@ -221,14 +209,13 @@ def _topk_checks(model, local: dict, local_weights) -> dict:
             out = _forward(model, local, output_processor=topk_output_processor(k=TOPK, temperature=temperature))
             ids, values = out["topk_ids"], torch.cat([out["topk_log_probs"], out["tail"][..., None]], dim=-1)
         (local_weights[..., None] * values).sum().backward()
-        return ids, values.detach(), _grads(model, reduce=True)
+        return ids, values.detach(), collect_grads(model, summed_over=torch.distributed.group.WORLD)
 
     want_ids, want, want_grads = run()
     ids, got, grads = run(1.0)
     _, _, hot_grads = run(0.8)
-    return {"topk_ids": 0.0 if torch.equal(ids, want_ids) else 1.0, "topk_values": _error(got, want),
-            "topk_grads": max(_error(grads[n], want_grads[n]) for n in want_grads),
-            "topk_hot": max(_error(hot_grads[n], want_grads[n]) for n in want_grads)}
+    return {"topk_ids": 0.0 if torch.equal(ids, want_ids) else 1.0, "topk_values": relative_error(got, want),
+            "topk_grads": grad_error(grads, want_grads), "topk_hot": grad_error(hot_grads, want_grads)}
 
 
 def _divergence_checks(model, teacher, local: dict, local_weights) -> dict:
@@ -255,21 +242,18 @@ def _divergence_checks(model, teacher, local: dict, local_weights) -> dict:
             values = dense_divergence(rows.reshape(-1, rows.size(-1)).double(), [teacher_rows], divergence="jsd",
                                       beta=beta).view(local["tokens"].shape)
         (local_weights * values).sum().backward()
-        return values.detach().double(), _grads(model, reduce=True)
+        return values.detach().double(), collect_grads(model, summed_over=torch.distributed.group.WORLD)
 
     want, want_grads = run(False)
     got, grads = run(True)
     _, beta_grads = run(False, beta=0.6)
-    return {"divergence": _relative(got, want),
-            "divergence_grads": max(_relative(grads[n], want_grads[n]) for n in want_grads),
-            "divergence_beta": max(_relative(beta_grads[n], want_grads[n]) for n in want_grads)}
+    return {"divergence": relative_error(got, want, floor=1e-30),
+            "divergence_grads": grad_error(grads, want_grads, floor=1e-30),
+            "divergence_beta": grad_error(beta_grads, want_grads, floor=1e-30)}
 
 
-def _relative(got, want) -> float:
-    return float((got - want).abs().max()) / max(float(want.abs().max()), 1e-30)
 
-
-def _build_checks(env, layout: str, positions: str, local: dict) -> float:
+def _cp_build_checks(env, layout: str, positions: str, local: dict) -> float:
     """The inference builds at CP=2 (rows as each rank holds them): the logits of the resident,
     swap and stream builds and of score_layer_major on a stream build against the trainable
     model's in eval (bitwise: 0.0)."""
@@ -284,8 +268,7 @@ def _build_checks(env, layout: str, positions: str, local: dict) -> float:
 
     with torch.no_grad():
         want = _forward(provider().eval(), local)
-        outs = [_forward(build_inference_model(provider, residency=mode)[0], local)
-                for mode in ("resident", "swap", "stream")]
+        outs = [_forward(chunks[0], local) for _, chunks in each_residency(provider)]
     keywords = {"input_ids": local["tokens"], "position_ids": local["position_ids"],
                 "attention_mask": local["attention_mask"], "packed_seq_params": local.get("packed_seq_params")}
     outs += score_layer_major(build_inference_model(provider, residency="stream"), [keywords])
@@ -310,7 +293,7 @@ def cp_world() -> list[dict]:
 
 def _marks(case: str) -> list:
     layout, form, *rope = case.split("-")
-    return [pytest.mark.layout("cp2-zigzag" if layout == "zigzag" else "cp2-allgather", form, *rope)]
+    return [layouts.mark("cp2-zigzag" if layout == "zigzag" else "cp2-allgather", form, *rope)]
 
 
 PARAMS = [pytest.param(case, id=case, marks=_marks(case)) for case in CASES]

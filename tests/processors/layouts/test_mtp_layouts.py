@@ -15,7 +15,11 @@ from __future__ import annotations
 import math
 
 import pytest
+from kit import logits_reference
+from kit.builds import each_residency
 
+from megatron_rl_patches.testing import layouts
+from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
 from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
@@ -29,19 +33,10 @@ PROCESSORS = ("log-prob", "top-k", "divergence")
 PATCHES = ["gpt_output_processor", "mtp_output_processor", "hybrid_output_processor"]
 
 
-def _error(got, want) -> float:
-    return float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
 
 
-def _grads(model) -> dict:
-    out = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return out
 
 
-def _grad_error(got: dict, want: dict) -> float:
-    assert got.keys() == want.keys() and got, (sorted(got), sorted(want))
-    return max(_error(got[name], want[name]) for name in want)
 
 
 def _args(batch):
@@ -110,32 +105,29 @@ def _fused(which: str, model, batch, teacher, control: bool = False) -> tuple:
     return _values(which, out)
 
 
-def _from_logits(which: str, logits, batch, teacher, tp) -> tuple:
+def _reference_from_logits(which: str, logits, batch, teacher, tp) -> tuple:
     """The same from the main head's logits [b, s, V/tp] (top-k at the ids their own top-k picks)."""
     import torch
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-    from megatron_rl_patches import log_probs_and_entropy, topk_ids, topk_logprobs
-    from megatron_rl_patches.testing.divergence_reference import dense_divergence
-
-    rows = logits.reshape(T, -1)
+    rows, labels = logits.reshape(T, -1), batch["labels"].reshape(-1)
     if which == "log-prob":
-        lp, ent = log_probs_and_entropy(rows, batch["labels"].reshape(-1), tp_group=tp, with_entropy=True)
+        lp, ent = logits_reference.from_logits(which, rows, labels, K, tp_group=tp)
         return torch.stack([lp, ent], dim=-1).view(B, S, 2), None
     if which == "top-k":
-        ids = topk_ids(rows.detach(), K, tp_group=tp)
-        lp, tail = topk_logprobs(rows, ids, tp_group=tp)
+        lp, tail, ids = logits_reference.from_logits(which, rows, labels, K, tp_group=tp)
         return torch.cat([lp, tail[:, None]], dim=-1).view(B, S, K + 1), ids.view(B, S, K)
-    full = gather_from_tensor_model_parallel_region(rows).double()  # backward: this rank's slice
-    teacher_rows = (teacher["teacher_hidden"].reshape(T, H) @ teacher["full_weight"].T).double()
-    return dense_divergence(full, [teacher_rows], divergence="jsd", beta=0.4).view(B, S).float(), None
+    full = gather_from_tensor_model_parallel_region(rows)  # backward: this rank's slice
+    teacher_rows = teacher["teacher_hidden"].reshape(T, H) @ teacher["full_weight"].T
+    (dense,) = logits_reference.from_logits(which, full, labels, K, teacher_rows=teacher_rows)
+    return dense.view(B, S).float(), None
 
 
 def _scored(route, model, batch, weights) -> tuple:
     """(values, ids, every gradient) of a weighted sum of the route's values."""
     values, ids = route()
     (weights.view(B, S, *([1] * (values.dim() - 2))) * values).sum().backward()
-    return values.detach(), ids, _grads(model)
+    return values.detach(), ids, collect_grads(model)
 
 
 def _logits_route(which, model, batch, teacher, weights, tp) -> tuple:
@@ -143,7 +135,7 @@ def _logits_route(which, model, batch, teacher, weights, tp) -> tuple:
     try:
         def route():
             model(*_args(batch), labels=batch["labels"])  # the MTP heads' loss rides on the hidden states
-            return _from_logits(which, head.logits, batch, teacher, tp)
+            return _reference_from_logits(which, head.logits, batch, teacher, tp)
 
         return _scored(route, model, batch, weights)
     finally:
@@ -160,25 +152,24 @@ def _processor_checks(model, batch, teacher, weights, tp, refs) -> dict:
         want, want_ids, want_grads = refs[which]
         control, _, control_grads = _scored(lambda w=which: _fused(w, model, batch, teacher, control=True),
                                             model, batch, weights)
-        out[which] = {"values": _error(values, want), "grads": _grad_error(grads, want_grads),
+        out[which] = {"values": relative_error(values, want), "grads": grad_error(grads, want_grads),
                       "ids": ids is None or torch.equal(ids, want_ids),
                       "mtp grads": any(k.startswith("mtp.") and g.abs().sum() > 0 for k, g in grads.items()),
-                      "control": max(_error(control, want), _grad_error(control_grads, want_grads))}
+                      "control": max(relative_error(control, want), grad_error(control_grads, want_grads))}
     return out
 
 
-def _build_checks(provider, batches, teacher, refs_by_batch) -> dict:
+def _mtp_build_checks(provider, batches, teacher, refs_by_batch) -> dict:
     """Resident, swap and stream builds of the MTP provider: every processor per micro-batch against
     the logits path's values, layer-major against per micro-batch (bit for bit), and the largest
     vocabulary-wide tensor while they score."""
     import torch
 
-    from megatron_rl_patches.inference import build_inference_model, score_layer_major
+    from megatron_rl_patches.inference import score_layer_major
     from megatron_rl_patches.testing.vocab_watch import VocabWideTensors
 
     out = {}
-    for mode in ("resident", "swap", "stream"):
-        chunks = build_inference_model(provider, residency=mode)
+    for mode, chunks in each_residency(provider):
         result = {"chunks": len(chunks), "mtp": any(n.startswith("mtp.") for n, _ in chunks[0].named_parameters())}
         with torch.no_grad(), VocabWideTensors(V // TP) as watch:
             for which in PROCESSORS:
@@ -190,7 +181,7 @@ def _build_checks(provider, batches, teacher, refs_by_batch) -> dict:
                 layer_major = [_values(which, o)[0] for o in score_layer_major(
                     chunks, keywords, output_processor=_processor(which), output_processor_context=context)]
                 result[which] = {
-                    "values": max(_error(got, refs[which]) for got, refs in zip(per_batch, refs_by_batch)),
+                    "values": max(relative_error(got, refs[which]) for got, refs in zip(per_batch, refs_by_batch)),
                     "layer-major bit for bit": all(torch.equal(a, b) for a, b in zip(layer_major, per_batch))}
         result["largest vocab-wide"] = watch.largest_shape
         out[mode] = result
@@ -206,7 +197,7 @@ def _mtp_loss_step(model, batch, loss_mask) -> tuple:
     loss.backward()
     logged = {k: v.clone() for k, v in MTPLossLoggingHelper.tracker.items() if hasattr(v, "clone")}
     MTPLossLoggingHelper.tracker = {}
-    return loss.detach(), _grads(model), logged
+    return loss.detach(), collect_grads(model), logged
 
 
 def _hybrid_model(env):
@@ -225,7 +216,7 @@ def _logits_values(which, model, batch, teacher, tp):
     head = _MainHeadLogits(model)
     try:
         model(*_args(batch), labels=batch["labels"])
-        return _from_logits(which, head.logits, batch, teacher, tp)[0]
+        return _reference_from_logits(which, head.logits, batch, teacher, tp)[0]
     finally:
         head.close()
 
@@ -276,7 +267,7 @@ def _mtp_world(rank: int, world_size: int) -> dict:
         for status in statuses:  # per patch: its targets' states (an optional alias may be n/a)
             out["statuses"].setdefault(status.name, set()).add(status.state)
         out["processors"] = _processor_checks(model, batch, teacher, weights, tp, refs)
-        out["builds"] = _build_checks(provider, batches, teacher, refs_by_batch)
+        out["builds"] = _mtp_build_checks(provider, batches, teacher, refs_by_batch)
         if native_mtp_loss:
             got_step = _mtp_loss_step(model, batch, loss_mask)
             model.config.mtp_loss_scaling_factor = 0.31  # the control: another MTP loss scale
@@ -284,10 +275,10 @@ def _mtp_world(rank: int, world_size: int) -> dict:
             model.config.mtp_loss_scaling_factor = 0.3
             (want_loss, want_grads, want_logged), (got_loss, got_grads, got_logged) = want_step, got_step
             out["mtp loss"] = {
-                "loss": _error(got_loss, want_loss), "grads": _grad_error(got_grads, want_grads),
+                "loss": relative_error(got_loss, want_loss), "grads": grad_error(got_grads, want_grads),
                 "logged": sorted(got_logged) == sorted(want_logged) and bool(got_logged) and all(
-                    _error(got_logged[k], want_logged[k]) <= REL for k in want_logged),
-                "control": _grad_error(other_step[1], want_grads)}
+                    relative_error(got_logged[k], want_logged[k]) <= REL for k in want_logged),
+                "control": grad_error(other_step[1], want_grads)}
         if hybrid_env is not None:
             out["hybrid"] = _processor_checks(hybrid, batch, teacher, weights, tp, hybrid_refs)
     return out
@@ -304,7 +295,7 @@ def _skip_without(mtp_world, key: str, reason: str):
         pytest.skip(reason)
 
 
-@pytest.mark.layout("mtp", "tp2")
+@layouts.mark("mtp", "tp2")
 @pytest.mark.parametrize("which", PROCESSORS)
 def test_processors_with_mtp_heads_equal_the_logits_path(mtp_world, which):
     """Values, top-k ids and every gradient (the MTP heads' too: their loss rides on the main head's
@@ -318,7 +309,7 @@ def test_processors_with_mtp_heads_equal_the_logits_path(mtp_world, which):
         assert check["control"] > 1e-2, check
 
 
-@pytest.mark.layout("mtp", "tp2")
+@layouts.mark("mtp", "tp2")
 @pytest.mark.parametrize("mode", ["resident", "swap", "stream"])
 def test_mtp_inference_builds_score_like_the_logits_path_without_vocab_wide_tensors(mtp_world, mode):
     """The build keeps the MTP block (its weights load from the same checkpoint; megatron's forward
@@ -334,7 +325,7 @@ def test_mtp_inference_builds_score_like_the_logits_path_without_vocab_wide_tens
         assert len(control) >= 2 and control[-1] == V // TP and math.prod(control[:-1]) >= T, control
 
 
-@pytest.mark.layout("mtp", "tp2")
+@layouts.mark("mtp", "tp2")
 @pytest.mark.parametrize("mode", ["resident", "swap", "stream"])
 def test_mtp_layer_major_equals_per_micro_batch(mtp_world, mode):
     """score_layer_major over two micro-batches with each processor equals the per-micro-batch calls
@@ -344,7 +335,7 @@ def test_mtp_layer_major_equals_per_micro_batch(mtp_world, mode):
         assert all(build[which]["layer-major bit for bit"] for which in PROCESSORS), build
 
 
-@pytest.mark.layout("mtp", "tp2")
+@layouts.mark("mtp", "tp2")
 def test_fused_mtp_loss_equals_process_mtp_loss_on_logits_at_tp2(mtp_world):
     """megatron-core >= 0.18: a training step whose MTP heads' loss runs through the fused head
     (patch `mtp_output_processor`) equals megatron's `process_mtp_loss` on logits: loss, every
@@ -358,7 +349,7 @@ def test_fused_mtp_loss_equals_process_mtp_loss_on_logits_at_tp2(mtp_world):
         assert check["control"] > 1e-3, check
 
 
-@pytest.mark.layout("hybrid", "tp2")
+@layouts.mark("hybrid", "tp2")
 @pytest.mark.parametrize("which", PROCESSORS)
 def test_hybrid_model_processors_equal_the_logits_path_at_tp2(mtp_world, which):
     """megatron-core >= 0.18: HybridModel with `hybrid_output_processor`, every processor at TP=2."""

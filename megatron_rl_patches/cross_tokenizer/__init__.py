@@ -1,0 +1,34 @@
+"""Distillation from a teacher with another tokenizer: the exact bytes of every token, the
+teacher's own encoding of the student's bytes, byte-exact chunks common to both tokenizations,
+the per-token teacher signal spread over each chunk, the shared vocabulary, and the losses for
+hand-written loops (docs/distillation.md, "Teachers with another tokenizer").
+
+Needs the optional `tokenizers` library (``pip install megatron-rl-patches[cross-tokenizer]``);
+importing this package imports nothing until a public name is first used."""
+from __future__ import annotations
+
+from megatron_rl_patches._lazy import lazy_getattr
+
+# public name -> module that defines it (resolved on first access)
+_LAZY = {
+    "load_tokenizer": "loading",
+    "token_bytes": "spelling",
+    "Alignment": "alignment",
+    "align": "alignment",
+    "retokenize": "retokenizing",
+    "SharedVocabulary": "vocabulary",
+    "shared_vocabulary": "vocabulary",
+    "shared_strings": "vocabulary",
+    "spread_chunk_log_probs": "spreading",
+    "chunk_reverse_kl": "losses",
+    "chunk_start_topk_divergence": "losses",
+    "chunk_start_full_divergence": "losses",
+}
+
+__all__ = sorted(_LAZY)
+
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,70 @@
+"""Python blocks of the docs that use names they do not define (a model, a batch, the training
+loop's own variables: the docs test supplies them, doc_namespaces.py) say so where a reader sees
+it: their first line is `# fragment: uses NAME, ...` listing exactly those names. Every other
+python block runs as written, given only what the blocks above it on its page define."""
+from __future__ import annotations
+
+import ast
+import builtins
+import re
+
+import pytest
+from doc_blocks import all_blocks
+
+FRAGMENT = re.compile(r"^# fragment: uses (?P<names>[\w, ]+?)(?: \(.*\))?$")
+
+
+def _bound_and_used(text: str) -> tuple[set[str], list[str]]:
+    """Names the block binds anywhere (assignments, imports, defs, arguments), and the names it
+    reads, in order of first use."""
+    tree = ast.parse(text)
+    bound: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    used = [node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)]
+    return bound, list(dict.fromkeys(used))
+
+
+def _fragments() -> list[tuple[str, list[str], list[str], list[str]]]:
+    """(where, names the block needs from outside, names it reads without binding, names its
+    marker lists) per python block."""
+    rows, defined = [], {}
+    for block in all_blocks():
+        if block.kind != "python":
+            continue
+        seen = defined.setdefault(block.page, set())
+        bound, used = _bound_and_used(block.text)
+        outside = [n for n in used if n not in bound and not hasattr(builtins, n)]
+        free = [n for n in outside if n not in seen]
+        seen |= bound
+        first = block.text.splitlines()[0] if block.text.strip() else ""
+        marker = FRAGMENT.match(first)
+        listed = [n.strip() for n in marker.group("names").split(",")] if marker else []
+        rows.append((block.where, free, outside, listed))
+    return rows
+
+
+@pytest.mark.parametrize(("where", "free", "outside", "listed"), _fragments(),
+                         ids=[row[0] for row in _fragments()])
+def test_a_block_runs_alone_or_says_what_it_uses(where, free, outside, listed):
+    """The marker lists every name from outside the page (and may list one an earlier block of the
+    page also defines, when the fragment means the reader's own), and nothing the block does not read."""
+    assert set(free) <= set(listed), (
+        f"{where}: the block uses {free} without defining them; its first line must be "
+        f"`# fragment: uses {', '.join(free)}`")
+    assert set(listed) <= set(outside), f"{where}: its `# fragment:` line lists {listed}, it reads {outside}"
+
+
+def test_the_check_finds_a_name_a_block_does_not_define():
+    """Negative control for the name analysis."""
+    bound, used = _bound_and_used("import torch\nx = torch.ones(2)\nprint(model(x), [y for y in x])\n")
+    assert [n for n in used if n not in bound and not hasattr(builtins, n)] == ["model"]
