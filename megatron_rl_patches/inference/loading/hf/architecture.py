@@ -88,6 +88,7 @@ class HFArchitecture:
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(gate . x)
     dense_layers: int = 0  # the first layers of a mixture of experts, with a dense MLP
     mtp_layers: int = 0  # multi-token prediction layers a real checkpoint stores (not scored: skipped)
+    mla: Any = None  # multi-latent attention's shape (families/mla.py's MLAShape), None for q/k/v attention
     rope_scaling: str = ""  # '' or why its RoPE scaling is not served: built only when '' (refuse_rope_scaling)
 
     @property

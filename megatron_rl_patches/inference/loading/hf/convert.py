@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
-from megatron_rl_patches.inference.loading.hf.families import family_for
+from megatron_rl_patches.inference.loading.hf.families import family_for, mla
 from megatron_rl_patches.inference.loading.hf.families.family import EXPERT, Family
 
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -22,7 +22,7 @@ class Source:
     """The HF tensors of one Megatron parameter, their fusion, and the shard this rank holds."""
 
     hf_names: tuple[str, ...]
-    kind: str  # replicate | row | gated | qkv | vocab
+    kind: str  # one of family.KINDS
     expert: bool  # sharded over the expert tensor-parallel group
 
 
@@ -71,6 +71,9 @@ def shard(arch: HFArchitecture, src: Source, tensors: list[torch.Tensor], rank: 
     fuse: dict[str, Callable[[], torch.Tensor]] = {
         "replicate": lambda: tensors[0],
         "row": lambda: tensors[0].chunk(size, dim=1)[rank],
+        "column": lambda: tensors[0].chunk(size, dim=0)[rank],
+        "mla_q": lambda: mla.query_rows(arch, tensors[0]).chunk(size, dim=0)[rank],
+        "mla_kv_down": lambda: mla.kv_down_rows(arch, tensors[0]).chunk(size, dim=0)[rank],
         "gated": lambda: torch.cat([t.chunk(size, dim=0)[rank] for t in tensors], dim=0),
         "qkv": lambda: _qkv(arch, *tensors).chunk(size, dim=0)[rank],
         "vocab": lambda: _pad_rows(tensors[0], padded_vocab).chunk(size, dim=0)[rank],

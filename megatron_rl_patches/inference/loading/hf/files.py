@@ -170,6 +170,7 @@ def tensor_index(root: Path) -> dict[str, TensorEntry]:
 _DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",  # block-scaled FP8 weights (fp8.py dequantizes them)
 }
 
 

@@ -12,10 +12,11 @@ import torch
 from megatron_rl_patches._chunks import module_chunks, unwrap
 from megatron_rl_patches._log import logger
 from megatron_rl_patches.inference.loading.errors import WeightsMismatchError, copying_into_model
-from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
+from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, read_config
 from megatron_rl_patches.inference.loading.hf.convert import Source, shard, source
 from megatron_rl_patches.inference.loading.hf.families import family_for
 from megatron_rl_patches.inference.loading.hf.files import TensorEntry, read_tensor, tensor_index
+from megatron_rl_patches.inference.loading.hf.fp8 import SCALE, dequantize, fp8_block, scale_shape
 from megatron_rl_patches.inference.loading.hf.names import IGNORED_SUFFIXES, check_counts, checkpoint_tensors
 
 
@@ -32,9 +33,33 @@ def checked_index(root: Path, arch: HFArchitecture) -> dict[str, TensorEntry]:
                   and not name.endswith(IGNORED_SUFFIXES) and not (skipped and name.startswith(skipped))]
     shapes = [f"{name} (checkpoint {index[name].shape}, config.json {shape})"
               for name, shape in expected.items() if name in index and index[name].shape != shape]
+    shapes += _fp8_problems(root, index, expected, unexpected)
     if missing or unexpected or shapes:
         raise WeightsMismatchError(repr(str(root)), missing, unexpected, shapes)
     return index
+
+
+def _fp8_problems(root: Path, index: dict[str, TensorEntry], expected: dict[str, tuple[int, ...]],
+                  unexpected: list[str]) -> list[str]:
+    """An FP8 checkpoint's scales (taken out of `unexpected`): one per block of their weight, and
+    every float8 weight has one (the quantization_config is refused by name unless block FP8)."""
+    block = fp8_block(read_config(root), repr(str(root)))
+    scales = [name for name in unexpected if block and name.endswith(SCALE) and name[:-len(SCALE)] in expected]
+    for name in scales:
+        unexpected.remove(name)
+    problems = [f"{name} (checkpoint {index[name].shape}, one per {block} block: "
+                f"{scale_shape(expected[name[:-len(SCALE)]], block)})" for name in scales
+                if block and index[name].shape != scale_shape(expected[name[:-len(SCALE)]], block)]
+    return problems + [f"{name} (float8 without {name}{SCALE} and a block-FP8 quantization_config)"
+                       for name in expected if name in index and index[name].dtype == "F8_E4M3"
+                       and not (block and name + SCALE in index)]
+
+
+def _read(index: dict[str, TensorEntry], name: str, block: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
+    """One checkpoint tensor; an FP8 weight dequantized into `dtype` by its block scales."""
+    if block and name + SCALE in index:
+        return dequantize(read_tensor(index[name]), read_tensor(index[name + SCALE]), block, dtype)
+    return read_tensor(index[name])
 
 
 def served_tying(root: Path, arch: HFArchitecture) -> HFArchitecture:
@@ -94,10 +119,12 @@ def load_hf_weights(model: Any, root: Path, arch: HFArchitecture, padded_vocab: 
     chunks = module_chunks(model, "model")
     index = checked_index(root, arch)
     plan = _plan([unwrap(chunk) for chunk in chunks], arch)
+    block = fp8_block(read_config(root), repr(str(root)))
     with torch.no_grad(), weights_on_host(chunks), copying_into_model(root):
         for target, key, src in plan:
             rank, size = _ranks(src.expert)
-            value = shard(arch, src, [read_tensor(index[name]) for name in src.hf_names], rank, size, padded_vocab)
+            tensors = [_read(index, name, block, target.dtype) for name in src.hf_names]
+            value = shard(arch, src, tensors, rank, size, padded_vocab)
             if tuple(value.shape) != tuple(target.shape):
                 made = f"{key} from {', '.join(src.hf_names)}"
                 raise WeightsMismatchError(repr(str(root)), [], [], [

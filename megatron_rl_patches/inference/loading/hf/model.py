@@ -39,7 +39,6 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype) -> Any:
     """megatron-core's TransformerConfig for `arch` at the parallel sizes of parallel_state."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     values: dict[str, Any] = dict(
         num_layers=arch.num_layers,
@@ -76,10 +75,11 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype) -> Any:
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
-    values.update(family_for(arch.model_type, arch.source).config_overrides(arch))
+    family = family_for(arch.model_type, arch.source)
+    values.update(family.config_overrides(arch))
     if arch.rope.kind == "yarn":
         _check_yarn_served(arch)
-    config = TransformerConfig(**values)
+    config = family.config_class(arch)(**values)
     for name, value in arch.rope.config_attributes().items():  # YaRN's, which the dataclass does not declare
         setattr(config, name, value)
     return config
@@ -94,6 +94,7 @@ def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,
     read from `arch` (another converter's mapping)."""
     family = family_for(arch.model_type, arch.source)
     model_class = family.model_class(arch)
+    core_attention = core_attention or family.core_attention(arch)
     spec = None if arch.dense_layers else _with_core_attention(family.layer_spec(arch), core_attention)
 
     def provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> Any:

@@ -15,7 +15,7 @@ from megatron_rl_patches.testing.multirank import run_multirank
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 
 VOCAB, SEQ = 1001, 12
-MOE_FAMILIES = ("glm4_moe", "qwen2_moe", "mixtral")
+MOE_FAMILIES = ("glm4_moe", "qwen2_moe", "mixtral", "deepseek_v3")  # deepseek_v3: MLA (issue 51)
 # the families and RoPE types of issue 50: a tiny checkpoint each (llama3: Llama 3.1's scaled RoPE)
 NEW_FAMILIES = (*MOE_FAMILIES, "mimo", "llama3")
 
@@ -188,6 +188,7 @@ def world(transformers, tmp_path_factory):
               "glm4_moe": save_tiny_hf(root / "glm4_moe", "glm4_moe", seed=4),
               "qwen2_moe": save_tiny_hf(root / "qwen2_moe", "qwen2_moe", seed=5),
               "mixtral": save_tiny_hf(root / "mixtral", "mixtral", seed=3),
+              "deepseek_v3": save_tiny_hf(root / "deepseek_v3", "deepseek_v3", seed=6, rope_interleave=False),
               "mimo": save_tiny_mimo(root / "mimo", seed=12),
               "llama3": save_tiny_hf(root / "llama3", "llama", seed=13, rope_parameters={
                   "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

@@ -12,7 +12,9 @@ from megatron_rl_patches.inference.loading.hf.architecture import (
     refuse_rope_scaling,
 )
 from megatron_rl_patches.inference.loading.hf.families import (
+    deepseek_v3,
     glm4_moe,
+    glm4_moe_lite,
     llama,
     mimo,
     mixtral,
@@ -24,7 +26,8 @@ from megatron_rl_patches.inference.loading.hf.families import (
 from megatron_rl_patches.inference.loading.hf.families.family import Family
 
 FAMILIES: tuple[Family, ...] = (qwen3.FAMILY, qwen3_moe.FAMILY, llama.FAMILY, qwen2.FAMILY, glm4_moe.FAMILY,
-                                 qwen2_moe.FAMILY, mixtral.FAMILY, mimo.FAMILY)
+                                 qwen2_moe.FAMILY, mixtral.FAMILY, mimo.FAMILY,
+                                 deepseek_v3.FAMILY, glm4_moe_lite.FAMILY)
 REGISTRY: dict[str, Family] = {model_type: family for family in FAMILIES for model_type in family.model_types}
 # families slime or verl train that the converter does not serve, and why (docs/inference-only.md lists them)
 REFUSED: dict[str, str] = {

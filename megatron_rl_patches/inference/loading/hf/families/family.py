@@ -12,7 +12,8 @@ from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 
 Shape = tuple[int, ...]
 EXPERT = "{e}"  # the expert index in a per-expert tensor's or parameter's name
-SPLIT_KINDS = ("row", "gated", "qkv", "vocab")  # fused parameters split over the tensor-parallel ranks
+# fused parameters split over the tensor-parallel ranks (mla_*: column, the rotary rows reordered)
+SPLIT_KINDS = ("row", "column", "gated", "qkv", "vocab", "mla_q", "mla_kv_down")
 WHOLE_KINDS = ("replicate",)  # parameters every rank holds whole
 KINDS = SPLIT_KINDS + WHOLE_KINDS
 
@@ -77,6 +78,17 @@ def no_overrides(arch: HFArchitecture) -> dict[str, Any]:
     return {}
 
 
+def local_core_attention(arch: HFArchitecture) -> type | None:
+    """None: the layer spec's own attention core (megatron-core's local DotProductAttention)."""
+    return None
+
+
+def transformer_config_class(arch: HFArchitecture) -> type:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig
+
+
 def mtp_layer_prefixes(arch: HFArchitecture) -> tuple[str, ...]:
     """The tensors of multi-token prediction layers a real checkpoint stores after the decoder
     layers (`num_nextn_predict_layers`: GLM-4.5, DeepSeek-V3): not scored, so skipped when present."""
@@ -106,7 +118,9 @@ class Family:
     layer_tensors: Callable[[HFArchitecture, int], dict[str, Shape]]  # names under `layer_prefix`
     layer_params: Callable[[HFArchitecture, int], dict[str, Param]]  # local-spec name under decoder.layers.N.
     config_overrides: Callable[[HFArchitecture], dict[str, Any]] = no_overrides  # TransformerConfig fields
+    config_class: Callable[[HFArchitecture], type] = transformer_config_class  # e.g. MLATransformerConfig
     layer_spec: Callable[[HFArchitecture], Any] = gpt_local_spec
+    core_attention: Callable[[HFArchitecture], type | None] = local_core_attention  # where no core_attention= given
     model_class: Callable[[HFArchitecture], type] = gpt_model
     model_args: Callable[[HFArchitecture], dict[str, Any]] = rope_model_args
     parallel_problems: Callable[[HFArchitecture, int, int], list[str]] = parallel_problems  # (arch, tp, ep)

@@ -1,0 +1,46 @@
+"""A causal attention core on torch's scaled_dot_product_attention, for megatron-core's
+multi-latent attention without Transformer Engine: MLA gives its core attention key and value
+widths of their own (`k_channels` / `v_channels`), which megatron-core's local DotProductAttention
+does not take. It holds no weights, so a spec may swap it for Transformer Engine's."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+class SDPACoreAttention(torch.nn.Module):
+    """Causal softmax attention of [s, b, heads, d] queries, keys and values (values may be another
+    width) with the softmax scale megatron passes (default 1/sqrt(key width)); returns [s, b, heads*dv]."""
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str = "self",
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 k_channels: int | None = None, v_channels: int | None = None, cp_comm_type: Any = None,
+                 pg_collection: Any = None, **unused: Any) -> None:
+        super().__init__()
+        from megatron.core.transformer.enums import AttnMaskType
+
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"SDPACoreAttention serves causal self-attention only, got {attn_mask_type}")
+        if getattr(config, "context_parallel_size", 1) > 1:
+            raise ValueError("SDPACoreAttention serves context-parallel size 1 only; use Transformer Engine's "
+                             "TEDotProductAttention for context parallelism")
+        self.softmax_scale = softmax_scale
+        self.dropout = float(config.attention_dropout if attention_dropout is None else attention_dropout)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                attn_mask_type: Any = None, packed_seq_params: Any = None, **unused: Any) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise ValueError("SDPACoreAttention does not serve packed (thd) batches; pass core_attention= "
+                             "Transformer Engine's TEDotProductAttention where a framework packs sequences")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        if k.shape[1] != q.shape[1]:  # grouped queries
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        if attention_mask is not None:  # megatron's masks are True where a position is hidden
+            mask = mask & ~attention_mask.to(torch.bool)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale,
+                                             dropout_p=self.dropout if self.training else 0.0)
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
