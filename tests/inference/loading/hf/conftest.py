@@ -26,3 +26,16 @@ def moe_router_on_cpu(monkeypatch):
 
     if not hasattr(moe_utils, "te_general_gemm"):
         monkeypatch.setattr(moe_utils, "te_general_gemm", None, raising=False)
+
+
+@pytest.fixture
+def no_build(monkeypatch):
+    """Fails the test if a model is built: every refusal of bad input comes before the build
+    (both entry points: build_inference_model_from_hf calls build_checked)."""
+    import megatron_rl_patches.inference.build as build
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was built before the input was refused")
+
+    monkeypatch.setattr(build, "build_inference_model", refuse)
+    monkeypatch.setattr(build, "build_checked", refuse)

@@ -18,16 +18,6 @@ from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_saf
 pytestmark = pytest.mark.megatron
 
 
-@pytest.fixture
-def no_build(monkeypatch):
-    """Fails the test if the model is built: every refusal comes first."""
-    import megatron_rl_patches.inference.build as build
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was built before the input was refused")
-
-    monkeypatch.setattr(build, "build_inference_model", refuse)
-
 
 def test_a_path_that_is_not_a_directory(megatron_cpu, no_build, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"'Qwen/Qwen3-8B' does not exist; pass a local Hugging Face") as caught:
@@ -213,3 +203,14 @@ def test_a_budget_that_fits_the_largest_piece_streams(megatron_cpu, tmp_path):
 
     write_tiny_checkpoint(tmp_path, tiny_hf_config("qwen3"))
     build_inference_model_from_hf(tmp_path, residency="stream", budget=ResidencyBudget((1024 * 32 + 32) * 4))
+
+
+@pytest.mark.usefixtures("megatron_cpu")
+def test_the_no_build_guard_has_teeth(no_build, tmp_path):
+    """A checkpoint the builder serves reaches the build, where the guard stops it: the refusal
+    tests above prove something only while the guard covers the path the builder takes."""
+    from megatron_rl_patches.inference.loading.hf import build_inference_model_from_hf
+
+    write_tiny_checkpoint(tmp_path, tiny_hf_config("qwen3"))
+    with pytest.raises(AssertionError, match="built before the input was refused"):
+        build_inference_model_from_hf(tmp_path)

@@ -23,15 +23,6 @@ from megatron_rl_patches.testing.megatron_cpu import make_batch
 pytestmark = pytest.mark.megatron
 
 
-@pytest.fixture
-def no_build(monkeypatch):
-    import megatron_rl_patches.inference.build as build
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was built before the input was refused")
-
-    monkeypatch.setattr(build, "build_inference_model", refuse)
-
 
 def _config(tmp_path, **overrides):
     """A complete tiny qwen3 checkpoint whose config.json then gets `overrides` (None: deleted)."""
