@@ -276,5 +276,22 @@ def topk_example() -> str:
     return out.getvalue()
 
 
-OUTPUTS: dict[str, Callable[[], str]] = {"padding_report": padding_report, "topk_example": topk_example}
-MEGATRON_OUTPUTS = {"padding_report", "topk_example"}
+def readme_quickstart() -> str:
+    """README's quick-start block, pasted into a fresh interpreter as a reader does: its statuses
+    depend on what the process imported before `apply()` (this test process has imported GPTModel
+    by then), so only a fresh process prints what the README promises."""
+    import os
+    import subprocess
+
+    from doc_blocks import page_blocks
+
+    block = next(b for b in page_blocks(REPO / "README.md") if b.kind == "python" and "apply()" in b.text)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_RL_PATCHES")}
+    proc = subprocess.run([sys.executable, "-c", block.text], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=tempfile.gettempdir(), check=True)
+    return proc.stdout
+
+
+OUTPUTS: dict[str, Callable[[], str]] = {"padding_report": padding_report, "topk_example": topk_example,
+                                         "readme_quickstart": readme_quickstart}
+MEGATRON_OUTPUTS = {"padding_report", "topk_example", "readme_quickstart"}
