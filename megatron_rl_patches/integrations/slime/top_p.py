@@ -51,15 +51,16 @@ def kept_context(batch: dict, length: int, device: Any,
     for rows, tokens, ids, offsets in zip(pieces, local_response_tokens(batch, length, device, allgather_cp),
                                           batch[IDS], batch[OFFSETS], strict=True):
         ids = torch.as_tensor(ids, dtype=torch.long).to(device)
-        offsets = torch.as_tensor(offsets, dtype=torch.long).to(device)
+        offsets = torch.as_tensor(offsets, dtype=torch.long)
+        if offsets.numel() and int(offsets[0]) < 0:  # read where slime keeps them (host lists): no device sync
+            raise ValueError(f"slime_fused: {OFFSETS} must start at 0 or above (the first token's ids begin there), "
+                             f"got {offsets.tolist()}")
+        offsets = offsets.to(device)
         if tokens.numel() != rows.numel():
             raise RuntimeError(f"slime_fused: {rows.numel()} local response rows but {tokens.numel()} response tokens "
                                "of a sample; please report this")
         replayed = tokens < offsets.numel() - 1  # tokens past the offsets keep the full vocabulary
         rows, tokens = rows[replayed], tokens[replayed]
-        if offsets.numel() and int(offsets[0]) < 0:
-            raise ValueError(f"slime_fused: {OFFSETS} must start at 0 or above (the first token's ids begin there), "
-                             f"got {offsets.tolist()}")
         counts = offsets[tokens + 1] - offsets[tokens]
         if bool((counts < 0).any()) or (tokens.numel() and int(offsets[tokens + 1].max()) > ids.numel()):
             raise ValueError(f"slime_fused: {OFFSETS} must be non-decreasing and end within {IDS} "
