@@ -64,20 +64,26 @@ def write_case(probe: Any, root: str, plan: dict) -> dict:
     return {"bytes": sum(f.stat().st_size for f in Path(root).glob("*.safetensors"))}
 
 
-def _measured(probe: Any, load: Any) -> dict:
-    from megatron_rl_patches.apps.bench.measure import _peak_rss_bytes  # noqa: PLC2701 (the probe's own reading)
+def _lifetime_peak_rss() -> int:
+    """The resident-set high-water mark (reset by the probe's start on Linux: the baseline plus the load's peak)."""
+    import resource
+    import sys
 
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def _measured(probe: Any, load: Any) -> dict:
     probe.start()
     start = time.perf_counter()
     note = load()
     took = time.perf_counter() - start
-    return {"time_s": took, "above_start": probe.peak(), "peak_rss": _peak_rss_bytes(), "note": note or ""}
+    return {"time_s": took, "above_start": probe.peak(), "peak_rss": _lifetime_peak_rss(), "note": note or ""}
 
 
 def read_case(probe: Any, root: str) -> dict:
-    """Every file read start to end into one reused 64 MiB buffer."""
+    """Every file read start to end into one reused 16 MiB buffer."""
     def load() -> None:
-        buffer = bytearray(64 << 20)
+        buffer = bytearray(16 << 20)
         for file in sorted(Path(root).glob("*.safetensors")):
             with open(file, "rb", buffering=0) as handle:
                 while handle.readinto(buffer):
@@ -103,7 +109,8 @@ def ours_case(probe: Any, root: str) -> dict:
 
 
 def transformers_case(probe: Any, root: str) -> dict:
-    """AutoModelForCausalLM.from_pretrained (float32), then every weight summed (touched)."""
+    """AutoModelForCausalLM.from_pretrained (float32), then every weight summed in place (touched:
+    weights still backed by the files' pages are read)."""
     import torch
     import transformers
 
@@ -111,7 +118,7 @@ def transformers_case(probe: Any, root: str) -> dict:
 
     def load() -> str:
         model.append(transformers.AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32))
-        total = sum(float(p.double().sum()) for p in model[0].parameters())
+        total = sum(float(p.sum()) for p in model[0].parameters())
         return f"transformers {transformers.__version__}; checksum {total:.6g}"
 
     return _measured(probe, load)
@@ -168,8 +175,7 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
         good = [row for row in rows if "time_s" in row]
         if good:
             outputs.plot_grouped_bars(
-                [row["side"] for row in good],
-                {"time (s)": [row["time_s"] for row in good],
-                 "peak RSS above start (GB)": [row["above_start_GB"] for row in good]},
-                os.path.join(out_dir, "hf_load.png"), title=title, ylabel="seconds / GB")
+                [dict(row, run="load") for row in good], os.path.join(out_dir, "hf_load.png"), group="side",
+                series="run", values=["time_s", "above_start_GB"],
+                titles=["time (s)", "peak RSS above the process's start (GB)"], suptitle=title)
     return rows

@@ -114,15 +114,21 @@ def _qkv_pieces(arch: HFArchitecture, q: torch.Tensor, k: torch.Tensor, v: torch
         return tuple(value.shape), [(lambda target: target, value)]
     local, tail = groups // size, tuple(q.shape[1:])
     mine = slice(rank * local, (rank + 1) * local)
-    blocks = [q.reshape(groups, -1, *tail)[mine], k.reshape(groups, hd, *tail)[mine], v.reshape(groups, hd, *tail)[mine]]
+    blocks = [q.reshape(groups, -1, *tail)[mine], k.reshape(groups, hd, *tail)[mine],
+              v.reshape(groups, hd, *tail)[mine]]
     per_group = sum(block.shape[1] for block in blocks)
     pieces: list[Piece] = []
     start = 0
     for block in blocks:
-        stop = start + block.shape[1]
-        pieces.append((lambda target, a=start, b=stop: target.view(local, per_group, *tail)[:, a:b], block))
-        start = stop
+        pieces.append((_group_columns(local, per_group, tail, start, start + block.shape[1]), block))
+        start += block.shape[1]
     return (local * per_group, *tail), pieces
+
+
+def _group_columns(groups: int, per_group: int, tail: tuple[int, ...], start: int,
+                   stop: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Rows start:stop of every group of a target seen as [groups, per_group, ...]."""
+    return lambda target: target.view(groups, per_group, *tail)[:, start:stop]
 
 
 def _vocab_pieces(table: torch.Tensor, padded: int, rank: int, size: int) -> tuple[tuple[int, ...], list[Piece]]:
