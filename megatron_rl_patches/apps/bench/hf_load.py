@@ -5,7 +5,7 @@ memory-mapped weights are really read) and a plain sequential read of its files,
 A random float32 Qwen3-architecture checkpoint (~2.9 GB, 3 shards; 0.1 GB with --quick) is
 written to a temporary folder and deleted afterwards. Each side runs in its own fresh process
 (peak RSS is the process's high-water mark, taken from after its imports); the sides run
-interleaved, `rounds` times each, page cache warm (the first plain read warms it): read the
+interleaved, 3 rounds (1 with --quick), page cache warm (the first plain read warms it): read the
 best time per side and the ratios to transformers'.
 """
 from __future__ import annotations
@@ -166,7 +166,7 @@ def _rows(runs: dict[str, list[dict]], checkpoint: int) -> list[dict]:
 
 
 def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
-    rows = measure(QUICK if quick else FULL, rounds=1 if quick else 2)
+    rows = measure(QUICK if quick else FULL, rounds=1 if quick else 3)
     title = outputs.titled("Hugging Face checkpoint load: time and peak host RSS (float32 Qwen3, page cache warm)",
                            quick)
     outputs.print_table(rows, COLUMNS, title=title)
