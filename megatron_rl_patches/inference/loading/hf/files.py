@@ -21,6 +21,8 @@ EXTRA = "megatron-rl-patches[hf]"
 
 @dataclass(frozen=True)
 class TensorEntry:
+    """One tensor of the checkpoint as its file's header describes it (nothing read yet)."""
+
     file: Path
     name: str  # the tensor's name in the file
     dtype: str  # the safetensors name: F32, BF16, F8_E4M3...
