@@ -88,6 +88,14 @@ def provider_func(args: Any, role: str = "actor") -> Any:
     return provider
 
 
+def packed_spec(args: Any, config: Any, vp_stage: Any = None) -> Any:
+    """The actor's custom local spec as slime reads `--spec slime_kit packed_spec` (it calls the
+    function with args, config and the virtual stage): the kit's packed-input layer spec."""
+    from megatron_rl_patches.testing.packed_gpt import packed_gpt_spec
+
+    return packed_gpt_spec(args.num_experts)
+
+
 def mtp_gpt(args: Any, config: Any, pre_process: bool, post_process: bool, vp_stage: Any) -> Any:
     """The packed tiny GPT with `args.mtp_num_layers` MTP heads (megatron's MTP block spec over the
     same packed-attention layer spec), as slime's provider builds MTP students."""
