@@ -18,26 +18,14 @@ pytestmark = [pytest.mark.slime, layouts.mark("thd")]
 
 OTHER = dict(hidden_size=48, num_hidden_layers=4, intermediate_size=64, vocab_size=64, max_position_embeddings=64)
 TEMPERATURE = 0.8
-SPEC = ("--spec", "slime_kit", "packed_spec")
 NO_PADDING = ("--make-vocab-size-divisible-by", "64")  # the teacher's 64 ids unpadded: every logit is real
 
 
-def _float64_log_probs(hf: str, data) -> list[torch.Tensor]:
+def _float64_log_probs(kit, hf: str, data) -> list[torch.Tensor]:
     """Per sample, log p(response token) at the rollout temperature from the teacher built alone in
     float64 (megatron-core's local attention, one unpacked sample at a time)."""
-    from megatron_rl_patches.inference.build_hf import build_inference_model_from_hf
-
-    (teacher,) = build_inference_model_from_hf(hf, dtype=torch.float32, make_vocab_size_divisible_by=64)
-    teacher = teacher.double()
-    out = []
-    with torch.no_grad():
-        for tokens, response in zip(data["tokens"], data["response_lengths"]):
-            n = tokens.numel()
-            causal = torch.ones(n, n, dtype=torch.bool).tril().logical_not()[None, None]
-            logits = teacher(tokens[None], torch.arange(n)[None], causal)[0].double() / TEMPERATURE
-            logp = torch.log_softmax(logits, dim=-1)
-            out.append(logp[n - response - 1: n - 1].gather(-1, tokens[n - response:, None])[:, 0])
-    return out
+    logps = kit.hf_teacher_logps(hf, data, TEMPERATURE, kit.VOCAB)
+    return [logp.gather(-1, tokens[-len(logp):, None])[:, 0] for logp, tokens in zip(logps, data["tokens"])]
 
 
 def _role_log_probs(kit, hf: str, roles: str, monkeypatch, *flags: str) -> tuple[list[torch.Tensor], type]:
@@ -58,17 +46,18 @@ def _role_log_probs(kit, hf: str, roles: str, monkeypatch, *flags: str) -> tuple
 
 def test_prm_teacher_of_another_size_runs_the_actors_spec_attention(slime_cpu, tmp_path, monkeypatch):
     import slime_kit as kit  # the lane folder is on sys.path (conftest)
+    from slime_ranks import ACTOR_SPEC
 
     from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
     from megatron_rl_patches.testing.packed_gpt import packed_gpt_spec
 
     hf = str(tmp_path / "prm")
     write_tiny_checkpoint(hf, tiny_hf_config("qwen3", **OTHER), seed=5)
-    reference = _float64_log_probs(hf, kit.rollout(0))
+    reference = _float64_log_probs(kit, hf, kit.rollout(0))
     megatron_rl_patches.apply(only=["inference_roles"])
     try:
-        resident, core = _role_log_probs(kit, hf, "prm_teacher", monkeypatch, *SPEC)
-        streamed, _ = _role_log_probs(kit, hf, "prm_teacher:stream", monkeypatch, *SPEC)
+        resident, core = _role_log_probs(kit, hf, "prm_teacher", monkeypatch, *ACTOR_SPEC)
+        streamed, _ = _role_log_probs(kit, hf, "prm_teacher:stream", monkeypatch, *ACTOR_SPEC)
         with pytest.raises(AssertionError, match="Packed sequence is not supported by DotProductAttention"):
             _role_log_probs(kit, hf, "prm_teacher", monkeypatch)  # the local route: no --spec
     finally:
