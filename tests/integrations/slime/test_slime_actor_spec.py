@@ -82,3 +82,26 @@ def test_a_teacher_beside_a_local_actor_with_a_spec_runs_its_core(megatron_cpu, 
         args.spec = spec
         (chunk,) = hf_teachers.build_hf_teacher(args, str(tmp_path / "teacher"), None, 64, None, "teacher")
         assert {type(layer.self_attention.core_attention) for layer in chunk.decoder.layers} == {expected}
+
+
+def test_an_mla_teacher_needs_a_core_that_takes_its_key_and_value_widths(megatron_cpu, tmp_path, monkeypatch):
+    """deepseek_v3 beside an actor whose spec core is megatron-core's local DotProductAttention (it
+    does not take k_channels / v_channels): refused by name before the build; the kit's packed
+    core, which takes them as Transformer Engine's does, builds."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
+
+    layer, core = _packed_layer()
+    module = types.ModuleType(MODULE)
+    module.LAYER = layer
+    monkeypatch.setitem(sys.modules, MODULE, module)
+    write_tiny_checkpoint(tmp_path / "teacher", tiny_hf_config("deepseek_v3", vocab_size=64))
+    args = Namespace(transformer_impl="local", spec=[MODULE, "LAYER"], params_dtype=None,
+                     make_vocab_size_divisible_by=64)
+    (chunk,) = hf_teachers.build_hf_teacher(args, str(tmp_path / "teacher"), None, 64, None, "teacher")
+    assert {type(layer.self_attention.core_attention) for layer in chunk.decoder.layers} == {core}
+    layer.submodules.self_attention.submodules.core_attention = DotProductAttention
+    with pytest.raises(TypeError, match="core_attention=DotProductAttention does not take k_channels / v_channels, "
+                                        r"which .*teacher's multi-latent attention \(deepseek_v3\)"):
+        hf_teachers.build_hf_teacher(args, str(tmp_path / "teacher"), None, 64, None, "teacher")
