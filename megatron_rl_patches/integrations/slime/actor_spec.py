@@ -72,9 +72,9 @@ def spec_core_attention(spec: Any, what: str = "the actor's --spec") -> type | N
         found = {_core_class(layer) for layer in _layers(spec)}
     if len(found) == 1 and None not in found:
         return found.pop()
-    warn_once(f"megatron-rl-patches: {what} gives no single attention core class to read "
-              f"({sorted(map(str, found)) or 'a model provider'}): Hugging Face teachers run megatron-core's local "
-              "attention core, which refuses packed (thd) batches")
+    names = ", ".join(sorted(getattr(core, "__name__", str(core)) for core in found)) or "a model provider"
+    warn_once(f"{what} gives no single attention core class to read ({names}): Hugging Face teachers run "
+              "megatron-core's local attention core, which refuses packed (thd) batches")
     return None
 
 

@@ -26,7 +26,7 @@ def _packed_layer():
     return spec, spec.submodules.self_attention.submodules.core_attention
 
 
-def test_the_core_is_read_from_every_shape_of_spec(megatron_cpu):
+def test_the_core_is_read_from_every_shape_of_spec(megatron_cpu, caplog):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
@@ -43,12 +43,21 @@ def test_the_core_is_read_from_every_shape_of_spec(megatron_cpu):
     # nothing to read: megatron-core's local core (None), as before
     mixed = TransformerBlockSubmodules(layer_specs=[layer, _packed_layer()[0]])
     mixed.layer_specs[1].submodules.self_attention.submodules.core_attention = DotProductAttention
-    assert actor_spec.spec_core_attention(mixed) is None
+    from megatron_rl_patches._log import forget_warnings
 
-    def provider(pre_process=True, post_process=True, vp_stage=None):
-        return None
+    forget_warnings()
+    with caplog.at_level("WARNING", logger="megatron_rl_patches"):
+        assert actor_spec.spec_core_attention(mixed, "the mixed spec") is None
 
-    assert actor_spec.spec_core_attention(provider) is None
+        def provider(pre_process=True, post_process=True, vp_stage=None):
+            return None
+
+        assert actor_spec.spec_core_attention(provider, "the provider") is None
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("the mixed spec gives no single attention core class" in m and "DotProductAttention" in m
+               for m in warned), warned
+    assert any("the provider gives no single attention core class to read (a model provider)" in m
+               for m in warned), warned
     assert actor_spec.spec_core_attention(None) is None
 
 

@@ -4,8 +4,9 @@ real `initialize_model_and_optimizer` (the `inference_roles` patch), with the ac
 spec (`--transformer-impl local --spec slime_kit packed_spec`: the test kit's packed CPU attention).
 slime's real `forward_only` over packed batches gives the teacher's float64 log-probs (the lane
 stands transformers in: the build's own unpacked forward, per sample, which the main lane holds to
-transformers'), resident and streamed; without `--spec` (megatron-core's local attention, the
-route before the fix) it is refused ("Packed sequence is not supported by DotProductAttention")."""
+transformers'), resident, streamed and swapped (bit for bit); without `--spec` (megatron-core's
+local attention, the route before the fix) it is refused ("Packed sequence is not supported by
+DotProductAttention")."""
 from __future__ import annotations
 
 import pytest
@@ -58,6 +59,7 @@ def test_prm_teacher_of_another_size_runs_the_actors_spec_attention(slime_cpu, t
     try:
         resident, core = _role_log_probs(kit, hf, "prm_teacher", monkeypatch, *ACTOR_SPEC)
         streamed, _ = _role_log_probs(kit, hf, "prm_teacher:stream", monkeypatch, *ACTOR_SPEC)
+        swapped, _ = _role_log_probs(kit, hf, "prm_teacher:swap", monkeypatch, *ACTOR_SPEC)
         with pytest.raises(AssertionError, match="Packed sequence is not supported by DotProductAttention"):
             _role_log_probs(kit, hf, "prm_teacher", monkeypatch)  # the local route: no --spec
     finally:
@@ -69,5 +71,5 @@ def test_prm_teacher_of_another_size_runs_the_actors_spec_attention(slime_cpu, t
           f"float64: max |Δlogp| {error:.2e}")
     assert [a.shape for a in resident] == [r.shape for r in reference]
     assert error <= 1e-4
-    for a, b in zip(resident, streamed):
-        assert torch.equal(a, b)
+    for a, b, c in zip(resident, streamed, swapped):
+        assert torch.equal(a, b) and torch.equal(a, c)
