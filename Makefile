@@ -37,9 +37,10 @@ GPU_ENV = env -u TRITON_INTERPRET PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPA
 VERSIONS_OLD ?= 0.14.0 0.15.3
 VERSIONS_NEW ?= 0.17.1 0.18.2
 
-# hf-test: transformers, the reference forward of the Hugging Face teacher tests (skipped without it)
-EXTRAS_MAIN = megatron,test,bench,hf-test
-EXTRAS_LANE = megatron,test,hf-test
+# hf: safetensors, the reader of Hugging Face checkpoints; hf-test: transformers, the reference
+# forward of the Hugging Face teacher tests (skipped without it)
+EXTRAS_MAIN = megatron,test,bench,hf,hf-test
+EXTRAS_LANE = megatron,test,hf,hf-test
 
 STAMP = $(VENV)/.installed
 STAMP_OLD = $(VENV_OLD)/.installed

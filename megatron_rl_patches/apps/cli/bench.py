@@ -1,9 +1,10 @@
-"""`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|distill|residency|gpu|all]
+"""`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|distill|residency|load|gpu|all]
 [--quick] [--out DIR] [--only PART]`; `bench ops [--baseline REV] [--T N] [--V N] [--H N] [--runs N]`.
 An option of one benchmark given to another is a usage error (exit 2), never silently ignored.
 
 `bench gpu` (not part of `all`) needs a CUDA device; without one it says so in one line and
-exits non-zero."""
+exits non-zero. `bench load` (not part of `all`: it writes a ~3 GB checkpoint under the temporary
+folder, deleted afterwards) times Hugging Face checkpoint loading against transformers."""
 from __future__ import annotations
 
 import argparse
@@ -24,12 +25,14 @@ BENCHMARKS = {
     "distill": "megatron_rl_patches.apps.bench.distill",
     "residency": "megatron_rl_patches.apps.bench.residency",
 }
+# Run only when named (not part of `all`): `load` writes and reads a checkpoint of several GB.
+SEPARATE = {"load": "megatron_rl_patches.apps.bench.hf_load"}
 # `bench ops` only: (flag, default, meaning); every other benchmark refuses them
 OPS_OPTIONS = (("--T", 1024, "tokens"), ("--V", 8192, "vocabulary"), ("--H", 256, "hidden size"),
                ("--runs", 3, "interleaved runs per op and side (medians)"))
 # Rough wall time of each full benchmark on a 2-core CPU (docs/benchmarks.md); --quick takes seconds.
 DURATIONS = {"logprobs": "2-4 min", "topk": "1-2 min", "reentrant": "1 min", "fused": "5-6 min",
-             "windows": "1 min", "distill": "2-3 min", "residency": "1-2 min"}
+             "windows": "1 min", "distill": "2-3 min", "residency": "1-2 min", "load": "3-4 min"}
 # `bench fused --only PART` (megatron_rl_patches.apps.bench.fused.PARTS, kept here so --help imports no torch)
 FUSED_PARTS = ("logprob", "opd")
 
@@ -47,8 +50,9 @@ def _count(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # `gpu` (every implementation on a CUDA device) is not part of `all`
-    parser.add_argument("which", nargs="?", default="all", choices=[*BENCHMARKS, "gpu", "ops", "all"],
-                        help="which benchmark (`ops`: today's vocabulary ops against --baseline REV, not in `all`)")
+    parser.add_argument("which", nargs="?", default="all", choices=[*BENCHMARKS, *SEPARATE, "gpu", "ops", "all"],
+                        help="which benchmark (`ops`: today's vocabulary ops against --baseline REV; `load`: "
+                             "Hugging Face checkpoint loading; neither in `all`)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: seconds, for smoke tests")
     parser.add_argument("--out", metavar="DIR", help="write CSV files and PNG plots (needs the [bench] extra) here")
     parser.add_argument("--only", choices=FUSED_PARTS, metavar="PART",
@@ -102,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
         options = {"only": args.only} if args.only is not None else {}
         took = "seconds" if args.quick else f"about {DURATIONS[name]} on 2 CPU cores; --quick takes seconds"
         print(f"bench {name}: running ({took}); a line per case as it ends", file=sys.stderr, flush=True)
-        rows = importlib.import_module(BENCHMARKS[name]).run(quick=args.quick, out_dir=args.out, **options)
+        module = importlib.import_module({**BENCHMARKS, **SEPARATE}[name])
+        rows = module.run(quick=args.quick, out_dir=args.out, **options)
         errors = [row["error"] for row in rows if row.get("error")]
         if errors:
             failed.append(name)

@@ -185,7 +185,7 @@ def teacher_problems() -> list[str]:
             try:
                 read_architecture(root, TEACHERS)
                 tensor_index(root)
-            except (ValueError, OSError) as exc:
+            except (ValueError, OSError, ImportError) as exc:  # ImportError: no safetensors library (the hf extra)
                 problems.append(f"{what}: a Hugging Face directory build_inference_model_from_hf refuses ({exc}); "
                                 "it loads only through slime's own loader, with the actor's architecture")
     return problems

@@ -1,5 +1,5 @@
 """`memory --hf` on the published config.json of the multi-latent attention teachers (fixtures in
-hf_configs/: DeepSeek-V3, Kimi-K2-Instruct, Moonlight-16B-A3B; FP8 or not, counted as parameters of
+hf_configs/: DeepSeek-V3, Kimi-K2-Instruct, Moonlight-16B-A3B, GLM-4.7-Flash; FP8 or not, counted as parameters of
 the build's dtype): exact counts pinned, and the published totals to their rounding. Convention: the
 checkpoint's tensors with the input embedding and the output layer, MTP layers apart; "active" is
 what one token runs. The model cards count the total with both tables and the active parameters
@@ -18,6 +18,7 @@ PINNED = {  # file -> (total, active) exact, as counted here
     "DeepSeek-V3": (671_026_419_200, 37_552_297_472),
     "Kimi-K2-Instruct": (1_026_408_232_448, 32_861_500_928),
     "Moonlight-16B-A3B": (15_960_110_208, 2_914_776_192),
+    "GLM-4.7-Flash": (29_943_393_920, 3_896_766_080),
 }
 PUBLISHED = {"DeepSeek-V3": (671, 37), "Kimi-K2-Instruct": (1000, 32), "Moonlight-16B-A3B": (16, 3)}  # billions
 
@@ -38,13 +39,26 @@ def test_published_totals_to_their_rounding(name):
     assert round((plan.active_params - config["vocab_size"] * config["hidden_size"]) / 1e9) == active
 
 
-FP8_BYTES = {"DeepSeek-V3": 673_150_582_112, "Kimi-K2-Instruct": 1_029_173_203_808, "Moonlight-16B-A3B": None}
+def test_glm_4_7_flash_published_30b_a3b():
+    """GLM-4.7-Flash ("30B-A3B"; 47 layers, the first dense, 64 experts of which 4 + 1 shared run,
+    one MTP layer counted apart): 29.94B total; active 3.58B with the output layer, 3.26B without
+    either table, which is the published ~3B (the name truncates)."""
+    config = json.loads((CONFIGS / "GLM-4.7-Flash.json").read_text())
+    plan = hf_memory_plan(CONFIGS / "GLM-4.7-Flash.json")
+    table = config["vocab_size"] * config["hidden_size"]
+    assert round(plan.total_params / 1e9) == 30
+    assert round((plan.active_params - 2 * table) / 1e9) == 3
+    assert round((plan.active_params - table) / 1e9, 2) == 3.58
+
+
+FP8_BYTES = {"DeepSeek-V3": 673_150_582_112, "Kimi-K2-Instruct": 1_029_173_203_808, "Moonlight-16B-A3B": None,
+             "GLM-4.7-Flash": None}
 
 
 @pytest.mark.parametrize("name", sorted(FP8_BYTES))
 def test_fp8_bytes_on_disk(name):
     """float8 weights (1 byte) with a float32 scale per 128 x 128 block, the rest bf16: just over a
-    byte per parameter; Moonlight ships bf16 (None)."""
+    byte per parameter; Moonlight and GLM-4.7-Flash ship bf16 (None)."""
     got = fp8_disk_bytes(CONFIGS / f"{name}.json")
     assert got == FP8_BYTES[name]
     if got is not None:

@@ -57,6 +57,45 @@ def source(arch: HFArchitecture, key: str, layer_numbers: dict[int, int], ep_off
     )
 
 
+Piece = tuple[Callable[[torch.Tensor], torch.Tensor], "torch.Tensor | None"]  # (where in the target, value)
+
+
+def shard_pieces(arch: HFArchitecture, src: Source, tensors: list[torch.Tensor], rank: int, size: int,
+                 padded_vocab: int) -> tuple[tuple[int, ...], list[Piece]]:
+    """This rank's part (`rank` of `size` in its tensor-parallel group) of the fused parameter: its
+    shape, and the slices of the target each source slice is copied into (a value None: zeros), so
+    that the fused parameter is never made as a tensor of its own."""
+    t = tensors[0]
+    if src.kind == "gated":
+        return _stacked([part.chunk(size, dim=0)[rank] for part in tensors])
+    if src.kind == "qkv":
+        return _qkv_pieces(arch, *tensors, rank=rank, size=size)
+    if src.kind == "vocab":
+        return _vocab_pieces(t, padded_vocab, rank, size)
+    value = {
+        "replicate": lambda: t,
+        "row": lambda: t.chunk(size, dim=1)[rank],
+        "column": lambda: t.chunk(size, dim=0)[rank],
+        "mla_q": lambda: mla.query_rows(arch, t).chunk(size, dim=0)[rank],
+        "mla_kv_down": lambda: mla.kv_down_rows(arch, t).chunk(size, dim=0)[rank],
+    }[src.kind]()
+    return tuple(value.shape), [(lambda target: target, value)]
+
+
+def _rows(start: int, stop: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda target: target[start:stop]
+
+
+def _stacked(parts: list[torch.Tensor]) -> tuple[tuple[int, ...], list[Piece]]:
+    """`parts` one after another along the rows."""
+    pieces: list[Piece] = []
+    start = 0
+    for part in parts:
+        pieces.append((_rows(start, start + part.shape[0]), part))
+        start += part.shape[0]
+    return (start, *parts[0].shape[1:]), pieces
+
+
 def _qkv(arch: HFArchitecture, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Megatron's fused layout: per query group, its query heads then its key and its value head."""
     groups, hd = arch.num_kv_heads, arch.head_dim
@@ -65,25 +104,40 @@ def _qkv(arch: HFArchitecture, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return torch.cat(per_group, dim=1).reshape(-1, *tail)
 
 
-def shard(arch: HFArchitecture, src: Source, tensors: list[torch.Tensor], rank: int, size: int,
-          padded_vocab: int) -> torch.Tensor:
-    """This rank's part (`rank` of `size` in its tensor-parallel group) of the fused parameter."""
-    fuse: dict[str, Callable[[], torch.Tensor]] = {
-        "replicate": lambda: tensors[0],
-        "row": lambda: tensors[0].chunk(size, dim=1)[rank],
-        "column": lambda: tensors[0].chunk(size, dim=0)[rank],
-        "mla_q": lambda: mla.query_rows(arch, tensors[0]).chunk(size, dim=0)[rank],
-        "mla_kv_down": lambda: mla.kv_down_rows(arch, tensors[0]).chunk(size, dim=0)[rank],
-        "gated": lambda: torch.cat([t.chunk(size, dim=0)[rank] for t in tensors], dim=0),
-        "qkv": lambda: _qkv(arch, *tensors).chunk(size, dim=0)[rank],
-        "vocab": lambda: _pad_rows(tensors[0], padded_vocab).chunk(size, dim=0)[rank],
-    }
-    return fuse[src.kind]()
+def _qkv_pieces(arch: HFArchitecture, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rank: int,
+                size: int) -> tuple[tuple[int, ...], list[Piece]]:
+    """Megatron's fused qkv of this rank's query groups, written block by block into the target seen
+    as [groups, rows per group, ...]."""
+    groups, hd = arch.num_kv_heads, arch.head_dim
+    if groups % size:  # a rank's rows cut through a group: fuse, then take them
+        value = _qkv(arch, q, k, v).chunk(size, dim=0)[rank]
+        return tuple(value.shape), [(lambda target: target, value)]
+    local, tail = groups // size, tuple(q.shape[1:])
+    mine = slice(rank * local, (rank + 1) * local)
+    blocks = [q.reshape(groups, -1, *tail)[mine], k.reshape(groups, hd, *tail)[mine],
+              v.reshape(groups, hd, *tail)[mine]]
+    per_group = sum(block.shape[1] for block in blocks)
+    pieces: list[Piece] = []
+    start = 0
+    for block in blocks:
+        pieces.append((_group_columns(local, per_group, tail, start, start + block.shape[1]), block))
+        start += block.shape[1]
+    return (local * per_group, *tail), pieces
 
 
-def _pad_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
-    """Megatron's padded vocab: zero rows after the real ids (never given probability mass by the
-    ops when they are told the real vocab_size)."""
-    if table.shape[0] == rows:
-        return table
-    return torch.cat([table, table.new_zeros(rows - table.shape[0], *table.shape[1:])], dim=0)
+def _group_columns(groups: int, per_group: int, tail: tuple[int, ...], start: int,
+                   stop: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Rows start:stop of every group of a target seen as [groups, per_group, ...]."""
+    return lambda target: target.view(groups, per_group, *tail)[:, start:stop]
+
+
+def _vocab_pieces(table: torch.Tensor, padded: int, rank: int, size: int) -> tuple[tuple[int, ...], list[Piece]]:
+    """This rank's rows of Megatron's padded vocab: zero rows after the real ids (never given
+    probability mass by the ops when they are told the real vocab_size)."""
+    per_rank = -(-padded // size)  # as torch.chunk cuts
+    start, stop = min(rank * per_rank, padded), min((rank + 1) * per_rank, padded)
+    real = max(0, min(stop, table.shape[0]) - start)
+    pieces: list[Piece] = [(_rows(0, real), table[start:start + real])]
+    if real < stop - start:
+        pieces.append((_rows(real, stop - start), None))
+    return (stop - start, *table.shape[1:]), pieces

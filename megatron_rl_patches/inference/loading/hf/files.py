@@ -1,12 +1,12 @@
 """The weight files of a Hugging Face checkpoint directory: safetensors only (no pickle is ever
-read), checked against their index before anything is loaded; tensors read one at a time from
-the files' own headers (the format is 8 bytes of header length, a JSON header, raw data)."""
+read), checked against their index before anything is loaded; headers and tensors read through the
+`safetensors` library (memory-mapped: a tensor is a view of the file's pages, read when touched)."""
 from __future__ import annotations
 
 import json
-import math
 import os
-import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,86 +16,55 @@ from megatron_rl_patches.inference.loading.errors import shown
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
-_MAX_HEADER = 100 << 20  # a header beyond 100 MiB is not a safetensors file
-_ITEMSIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-              "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+EXTRA = "megatron-rl-patches[hf]"
 
 
 @dataclass(frozen=True)
 class TensorEntry:
+    """One tensor of the checkpoint as its file's header describes it (nothing read yet)."""
+
     file: Path
-    dtype: str
+    name: str  # the tensor's name in the file
+    dtype: str  # the safetensors name: F32, BF16, F8_E4M3...
     shape: tuple[int, ...]
-    start: int  # absolute byte offsets in the file
-    stop: int
+
+    @property
+    def nbytes(self) -> int:
+        from math import prod
+
+        return prod(self.shape) * _ITEMSIZES.get(self.dtype, 1)
+
+
+_ITEMSIZES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
+
+
+def safe_open_of(file: Path) -> Any:
+    """The library's memory-mapped reader of `file` (torch tensors); ValueError naming the file
+    when the library refuses it (its header, offsets, dtypes and size are checked on opening)."""
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError:
+        raise ImportError(f"reading Hugging Face checkpoints needs the safetensors library: "
+                          f"pip install '{EXTRA}' (or pip install safetensors)") from None
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as exc:
+        problem = str(exc)
+        if "not fully covered" in problem:  # the data ends before or after the header's last tensor
+            raise ValueError(f"{str(file)!r} is truncated or has trailing bytes (the safetensors library: "
+                             f"{problem}); download it again") from None
+        raise ValueError(f"{str(file)!r} is not a readable safetensors file (the safetensors library: {problem}); "
+                         "the file is damaged or not a safetensors file: download it again") from None
 
 
 def _header(file: Path) -> dict[str, TensorEntry]:
-    try:
-        with file.open("rb") as handle:
-            raw = handle.read(8)
-            if len(raw) != 8:
-                raise ValueError("shorter than a safetensors header")
-            (length,) = struct.unpack("<Q", raw)
-            if length > _MAX_HEADER:
-                raise ValueError(f"header length {length} is not plausible")
-            header = json.loads(handle.read(length))
-        size = file.stat().st_size
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{str(file)!r} is not a readable safetensors file ({type(exc).__name__}: {exc}); "
-                         "check that the download is complete") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{str(file)!r}: the safetensors header is a JSON {type(header).__name__}, not an object "
-                         "of tensor entries; the file is damaged or not a safetensors file")
-    entries = {name: _entry(file, name, meta, 8 + length, size)
-               for name, meta in header.items() if name != "__metadata__"}
-    _refuse_overlaps(file, entries)
+    """Every tensor of one file, its dtype and shape (the library has checked the offsets)."""
+    handle = safe_open_of(file)
+    entries = {}
+    for name in handle.keys():
+        view = handle.get_slice(name)
+        entries[name] = TensorEntry(file, name, view.get_dtype(), tuple(view.get_shape()))
     return entries
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _entry(file: Path, name: str, meta: Any, data_start: int, size: int) -> TensorEntry:
-    """One header entry, its fields checked as the safetensors library checks them: offsets
-    0 <= begin <= end within the data, and end - begin the bytes its shape and dtype take."""
-    where = f"{str(file)!r}: tensor {name!r}"
-    if not isinstance(meta, dict):
-        raise ValueError(f"{where} has a header entry that is a {type(meta).__name__}, not an object "
-                         "with dtype, shape and data_offsets; the file is damaged")
-    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
-    if not isinstance(dtype, str):
-        raise ValueError(f"{where}: header field dtype must be a string, got {dtype!r}; the file is damaged")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise ValueError(f"{where}: header field shape must be a list of non-negative ints, got {shape!r}; "
-                         "the file is damaged")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(x) for x in offsets)):
-        raise ValueError(f"{where}: header field data_offsets must be two ints [begin, end], got {offsets!r}; "
-                         "the file is damaged")
-    begin, end = offsets
-    if not 0 <= begin <= end:
-        raise ValueError(f"{where}: header field data_offsets {offsets} must satisfy 0 <= begin <= end; "
-                         "the file is damaged")
-    itemsize = _ITEMSIZES.get(dtype)
-    numel = math.prod(shape)
-    if itemsize is not None and end - begin != numel * itemsize:
-        raise ValueError(f"{where}: header field data_offsets {offsets} span {end - begin} bytes but shape "
-                         f"{shape} of {dtype} takes {numel * itemsize}; the file is damaged")
-    start, stop = data_start + begin, data_start + end
-    if stop > size:
-        raise ValueError(f"{str(file)!r} is truncated ({name} ends at byte {stop}, the file has {size}); "
-                         "download it again")
-    return TensorEntry(file, dtype, tuple(shape), start, stop)
-
-
-def _refuse_overlaps(file: Path, entries: dict[str, TensorEntry]) -> None:
-    """Two tensors sharing bytes would give one the other's values."""
-    ordered = sorted(entries.items(), key=lambda item: (item[1].start, item[1].stop))
-    for (first, a), (second, b) in zip(ordered, ordered[1:]):
-        if b.start < a.stop:
-            raise ValueError(f"{str(file)!r}: the data_offsets of tensors {first!r} and {second!r} overlap; "
-                             "the file is damaged")
 
 
 def _weight_map(index_file: Path) -> dict[str, str]:
@@ -167,25 +136,51 @@ def tensor_index(root: Path) -> dict[str, TensorEntry]:
     return entries
 
 
-_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn",  # block-scaled FP8 weights (fp8.py dequantizes them)
-}
+_SERVED = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL",
+           "F8_E4M3")  # block-scaled FP8 weights (fp8.py dequantizes them)
+
+
+def _check_served(entry: TensorEntry) -> None:
+    if entry.dtype not in _SERVED:
+        raise ValueError(f"{str(entry.file)!r}: tensor {entry.name!r} has dtype {entry.dtype}, which is not served "
+                         "(quantized checkpoints other than block FP8 are not; use a bf16/fp16/fp32 checkpoint)")
+
+
+class TensorReader:
+    """Zero-copy views of checkpoint tensors, one memory map per file re-opened whenever the views
+    taken through it reach `budget` bytes: the file pages mapped at once (which count in the
+    process's resident memory while mapped) stay within about one tensor."""
+
+    def __init__(self, index: dict[str, TensorEntry], budget: int | None = None):
+        self.index = index
+        self.budget = budget if budget is not None else max((e.nbytes for e in index.values()), default=0)
+        self._open: dict[Path, tuple[Any, int]] = {}
+
+    def view(self, name: str) -> Any:
+        """The tensor `name` as a view of its file's pages (do not keep it: it keeps them mapped)."""
+        entry = self.index[name]
+        _check_served(entry)
+        handle, taken = self._open.get(entry.file, (None, 0))
+        if handle is None or taken + entry.nbytes > self.budget:
+            self._open.clear()  # the old maps go when their last view does
+            handle, taken = safe_open_of(entry.file), 0
+        self._open[entry.file] = (handle, taken + entry.nbytes)
+        return handle.get_tensor(entry.name)
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+@contextmanager
+def tensor_reader(index: dict[str, TensorEntry]) -> Iterator[TensorReader]:
+    """A TensorReader whose memory maps are released on leaving."""
+    reader = TensorReader(index)
+    try:
+        yield reader
+    finally:
+        reader.close()
 
 
 def read_tensor(entry: TensorEntry) -> Any:
-    """One tensor (a new CPU torch tensor of the file's dtype)."""
-    import torch
-
-    name = _DTYPES.get(entry.dtype)
-    if name is None:
-        raise ValueError(f"{str(entry.file)!r}: dtype {entry.dtype} is not supported (quantized checkpoints are "
-                         "not served; use a bf16/fp16/fp32 checkpoint)")
-    with entry.file.open("rb") as handle:
-        handle.seek(entry.start)
-        data = bytearray(handle.read(entry.stop - entry.start))
-    dtype = getattr(torch, name)
-    if not data:
-        return torch.empty(entry.shape, dtype=dtype)
-    return torch.frombuffer(data, dtype=dtype).reshape(entry.shape)
+    """One tensor (a new CPU torch tensor of the file's dtype, not backed by the file)."""
+    return TensorReader({entry.name: entry}).view(entry.name).clone()

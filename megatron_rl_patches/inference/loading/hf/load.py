@@ -1,6 +1,7 @@
 """Load a Hugging Face checkpoint into inference-only local-spec chunks: the checkpoint's tensor
-list checked against config.json before any weight is read, then one tensor at a time read,
-fused, sharded for this rank and copied (into the host copies of swap/stream builds)."""
+list checked against config.json before any weight is read, then, parameter by parameter, the
+rows of this rank's shard copied from the memory-mapped files straight into their slices of the
+parameter (into the host copies of swap/stream builds): no fused or sharded copy is made."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,9 +14,9 @@ from megatron_rl_patches._chunks import module_chunks, unwrap
 from megatron_rl_patches._log import logger
 from megatron_rl_patches.inference.loading.errors import WeightsMismatchError, copying_into_model
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, read_config
-from megatron_rl_patches.inference.loading.hf.convert import Source, shard, source
+from megatron_rl_patches.inference.loading.hf.convert import Source, shard_pieces, source
 from megatron_rl_patches.inference.loading.hf.families import family_for
-from megatron_rl_patches.inference.loading.hf.files import TensorEntry, read_tensor, tensor_index
+from megatron_rl_patches.inference.loading.hf.files import TensorEntry, TensorReader, tensor_index, tensor_reader
 from megatron_rl_patches.inference.loading.hf.fp8 import SCALE, dequantize, fp8_block, scale_shape
 from megatron_rl_patches.inference.loading.hf.names import IGNORED_SUFFIXES, check_counts, checkpoint_tensors
 
@@ -55,11 +56,12 @@ def _fp8_problems(root: Path, index: dict[str, TensorEntry], expected: dict[str,
                        and not (block and name + SCALE in index)]
 
 
-def _read(index: dict[str, TensorEntry], name: str, block: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
-    """One checkpoint tensor; an FP8 weight dequantized into `dtype` by its block scales."""
-    if block and name + SCALE in index:
-        return dequantize(read_tensor(index[name]), read_tensor(index[name + SCALE]), block, dtype)
-    return read_tensor(index[name])
+def _read(reader: TensorReader, name: str, block: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
+    """One checkpoint tensor as a view of its file; an FP8 weight dequantized into `dtype` by its
+    block scales (a new tensor: the one tensor held beyond the model)."""
+    if block and name + SCALE in reader.index:
+        return dequantize(reader.view(name), reader.view(name + SCALE), block, dtype)
+    return reader.view(name)
 
 
 def served_tying(root: Path, arch: HFArchitecture) -> HFArchitecture:
@@ -72,7 +74,9 @@ def served_tying(root: Path, arch: HFArchitecture) -> HFArchitecture:
     head, embedding = index.get("lm_head.weight"), index.get("model.embed_tokens.weight")
     if head is None or embedding is None or head.shape != embedding.shape:
         return arch
-    if torch.equal(read_tensor(head), read_tensor(embedding)):
+    with tensor_reader(index) as reader:
+        same = torch.equal(reader.view(head.name), reader.view(embedding.name))
+    if same:
         return arch
     logger.info("megatron-rl-patches: %s ties the output layer in config.json but stores its own lm_head.weight: "
                 "served untied, as transformers does", root)
@@ -120,14 +124,19 @@ def load_hf_weights(model: Any, root: Path, arch: HFArchitecture, padded_vocab: 
     index = checked_index(root, arch)
     plan = _plan([unwrap(chunk) for chunk in chunks], arch)
     block = fp8_block(read_config(root), repr(str(root)))
-    with torch.no_grad(), weights_on_host(chunks), copying_into_model(root):
+    with torch.no_grad(), weights_on_host(chunks), copying_into_model(root), tensor_reader(index) as reader:
         for target, key, src in plan:
             rank, size = _ranks(src.expert)
-            tensors = [_read(index, name, block, target.dtype) for name in src.hf_names]
-            value = shard(arch, src, tensors, rank, size, padded_vocab)
-            if tuple(value.shape) != tuple(target.shape):
+            tensors = [_read(reader, name, block, target.dtype) for name in src.hf_names]
+            shape, pieces = shard_pieces(arch, src, tensors, rank, size, padded_vocab)
+            if shape != tuple(target.shape):
                 made = f"{key} from {', '.join(src.hf_names)}"
                 raise WeightsMismatchError(repr(str(root)), [], [], [
-                    f"{made} (converted {tuple(value.shape)}, model {tuple(target.shape)})"])
-            target.copy_(value)
+                    f"{made} (converted {shape}, model {tuple(target.shape)})"])
+            for where, value in pieces:
+                if value is None:
+                    where(target).zero_()
+                else:
+                    where(target).copy_(value)
+            del tensors, pieces  # their views keep file pages mapped
     logger.info("megatron-rl-patches: loaded %d Hugging Face tensors from %s", len(index), root)

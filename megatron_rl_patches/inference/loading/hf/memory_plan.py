@@ -106,8 +106,8 @@ def check_counts_if_present(arch: HFArchitecture) -> None:
         return
     try:
         index = tensor_index(root)
-    except (OSError, ValueError):  # no weights yet, or an incomplete download: plan from config.json
-        return
+    except (OSError, ValueError, ImportError):  # no weights yet, an incomplete download, no safetensors library:
+        return  # plan from config.json
     check_counts(arch, index)
 
 
