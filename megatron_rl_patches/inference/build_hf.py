@@ -37,6 +37,26 @@ def _check_parallel(arch: Any, core_attention: type | None) -> None:
         raise ValueError(f"{arch.source}: {'; '.join(problems)}; choose parallel sizes this model serves")
 
 
+def _check_core_attention(arch: Any, core_attention: type | None) -> None:
+    """Multi-latent attention gives its core its own key / value widths (`k_channels` /
+    `v_channels`): a core class that does not take them is named before the build."""
+    import inspect
+
+    if core_attention is None or getattr(arch, "mla", None) is None:
+        return
+    try:
+        parameters = inspect.signature(core_attention).parameters  # the class: its __init__ without self
+    except (TypeError, ValueError):
+        return
+    if not ({"k_channels", "v_channels"} <= set(parameters)
+            or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())):
+        raise TypeError(
+            f"core_attention={core_attention.__name__} does not take k_channels / v_channels, which {arch.source}'s "
+            f"multi-latent attention ({arch.model_type}) gives its attention core: pass a core that takes them "
+            "(Transformer Engine's TEDotProductAttention) or None (the SDPA core)"
+        )
+
+
 def _check_budget(root: Any, mode: str, budget: ResidencyBudget | None, dtype: torch.dtype) -> None:
     """A budget smaller than what this rank must hold on the device at once (swap: its whole
     shard; stream: its largest piece, a layer or the embedding / output layer) is refused before
@@ -114,6 +134,7 @@ def build_inference_model_from_hf(
     weights_dtype = checkpoint_dtype(config_dict, dtype)
     divisible_by = positive_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by)
     _check_parallel(arch, core_attention)
+    _check_core_attention(arch, core_attention)
     checked_index(root, arch)  # the files fit config.json: nothing is built otherwise
     arch = served_tying(root, arch)
     _check_budget(root, mode, budget, weights_dtype)

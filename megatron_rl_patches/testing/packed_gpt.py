@@ -15,7 +15,21 @@ def packed_attention_class() -> type:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class PackedDotProductAttention(DotProductAttention):
-        """DotProductAttention with packed sequences: a block-diagonal causal mask from cu_seqlens."""
+        """DotProductAttention with packed sequences: a block-diagonal causal mask from cu_seqlens.
+        Like Transformer Engine's core it takes multi-latent attention's own key / value widths
+        (`k_channels` / `v_channels`, which megatron-core's local core refuses): those layers run
+        the library's SDPA core under the same mask."""
+
+        def __init__(self, config, layer_number, attn_mask_type, attention_type="self", attention_dropout=None,
+                     softmax_scale=None, k_channels=None, v_channels=None, **kwargs: Any):
+            super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
+                             **kwargs)
+            self.latent = None
+            if k_channels is not None or v_channels is not None:
+                from megatron_rl_patches.inference.sdpa_attention import SDPACoreAttention
+
+                self.latent = SDPACoreAttention(config, layer_number, attn_mask_type, attention_type,
+                                                attention_dropout, softmax_scale)
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None, **kwargs: Any):
@@ -31,6 +45,8 @@ def packed_attention_class() -> type:
                 attention_mask = ~(causal & (sequence[:, None] == sequence[None, :]))[None, None]
                 if query.dim() == 3:  # megatron squeezes the dummy batch of `thd` input: [t, np, hn]
                     query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            if self.latent is not None:
+                return self.latent(query, key, value, attention_mask)
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, None, **kwargs)
 
     return PackedDotProductAttention

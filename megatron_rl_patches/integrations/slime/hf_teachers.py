@@ -167,10 +167,14 @@ def student_vocab(args: Any, padded: int) -> int | str:
 
 
 def packed_core_attention(args: Any) -> type | None:
-    """The attention core for slime's packed `thd` batches: Transformer Engine's where slime runs
-    with it (megatron-core's local attention refuses packed batches), else the local one (None)."""
+    """The attention core for slime's packed `thd` batches, the actor's own: Transformer Engine's
+    where slime runs with it; the core attention of the actor's `--spec MODULE NAME` where it runs a
+    custom local spec; else megatron-core's local one (None), which refuses packed batches."""
     if getattr(args, "transformer_impl", "transformer_engine") != "transformer_engine":
-        return None
+        from megatron_rl_patches.integrations.slime.actor_spec import actor_layer_spec, spec_core_attention
+
+        spec = actor_layer_spec(args)
+        return None if spec is None else spec_core_attention(spec, f"the actor's --spec {' '.join(args.spec)}")
     try:
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
     except ImportError:

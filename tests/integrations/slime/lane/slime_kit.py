@@ -88,6 +88,14 @@ def provider_func(args: Any, role: str = "actor") -> Any:
     return provider
 
 
+def packed_spec(args: Any, config: Any, vp_stage: Any = None) -> Any:
+    """The actor's custom local spec as slime reads `--spec slime_kit packed_spec` (it calls the
+    function with args, config and the virtual stage): the kit's packed-input layer spec."""
+    from megatron_rl_patches.testing.packed_gpt import packed_gpt_spec
+
+    return packed_gpt_spec(args.num_experts)
+
+
 def mtp_gpt(args: Any, config: Any, pre_process: bool, post_process: bool, vp_stage: Any) -> Any:
     """The packed tiny GPT with `args.mtp_num_layers` MTP heads (megatron's MTP block spec over the
     same packed-attention layer spec), as slime's provider builds MTP students."""
@@ -231,6 +239,37 @@ def response_logps(module: Any, data: dict, temperature: float) -> list[torch.Te
         causal = torch.ones(n, n, dtype=torch.bool).tril().logical_not()[None, None]
         logits = module(tokens[None], torch.arange(n)[None], causal)[0].double() / temperature
         out.append(torch.log_softmax(logits, dim=-1)[n - response - 1: n - 1])
+    return out
+
+
+def student_and_snapshot(args: Any, states: dict[str, dict[str, torch.Tensor]], data: dict,
+                         temperature: float) -> tuple[Any, list[torch.Tensor]]:
+    """From the ranks' gathered states (whole-model names): the student in float64 (autograd, its
+    parameters named as `states["actor"]`) and the snapshot teacher's (`opd_teacher_0`) per-sample
+    dense log-softmaxes."""
+    names = [name for name, _ in provider_func(args)().named_parameters()]
+    assert sorted(names) == sorted(states["actor"])
+    student = float64_copy(args, [states["actor"][name] for name in names])
+    with torch.no_grad():
+        snapshot = response_logps(float64_copy(args, [states["opd_teacher_0"][name] for name in names]), data,
+                                  temperature)
+    return student, snapshot
+
+
+def hf_teacher_logps(path: str, data: dict, temperature: float, vocab: int | None) -> list[torch.Tensor]:
+    """Per sample, the Hugging Face teacher at `path` (built alone, one rank, in float64) as a dense
+    log-softmax at the response rows over its first `vocab` ids (None: all, padding rows too)."""
+    from megatron_rl_patches.inference.build_hf import build_inference_model_from_hf
+
+    (teacher,) = build_inference_model_from_hf(path, dtype=torch.float32)
+    teacher = teacher.double()
+    out = []
+    with torch.no_grad():
+        for tokens, response in zip(data["tokens"], data["response_lengths"]):
+            n = tokens.numel()
+            causal = torch.ones(n, n, dtype=torch.bool).tril().logical_not()[None, None]
+            logits = teacher(tokens[None], torch.arange(n)[None], causal)[0].double()[:, :vocab] / temperature
+            out.append(torch.log_softmax(logits, dim=-1)[n - response - 1: n - 1])
     return out
 
 

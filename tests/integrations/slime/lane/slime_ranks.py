@@ -16,6 +16,7 @@ OPD_LOSS = "megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss"
 OPD_ENV = {"TEACHERS": "teacher-a,teacher-b", "WEIGHTS": "0.3,0.7", "K": "4", "DIVERGENCE": "forward_kl",
            "POLICY_WEIGHT": "0", "COEF": "1"}
 TEMPERATURE = 0.8
+ACTOR_SPEC = ("--spec", "slime_kit", "packed_spec")  # the actor's custom local spec: the kit's packed attention
 
 
 @contextlib.contextmanager
@@ -197,15 +198,18 @@ def actor_rollout(seed: int) -> dict:
 
 def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1, tensor: int = 1,
                     virtual: int | None = None, hf_teacher: str | None = None, flags: tuple[str, ...] = (),
-                    rollouts: int = 1, wide_path: str | None = None, expert: int = 1) -> dict[str, Any]:
+                    rollouts: int = 1, wide_path: str | None = None, expert: int = 1,
+                    weights: str | None = None) -> dict[str, Any]:
     """slime_opd with two teachers through slime's real `MegatronTrainRayActor.train_actor`
     (slime's log-probs, advantages, `log_rollout_data`, `train()`), on `pipeline` stages, with
     slime's extra `flags`; `rollouts` train_actor calls in a row (re-entry). Returns this stage's
     named parameters (actor and each teacher, before the first step), its reduced gradients of the
-    first step and, on the last stage, the ids scored first and every step's losses. `hf_teacher`:
-    the second teacher is this Hugging Face directory of another architecture (its layers on the
-    kit's packed-input attention, which stands for Transformer Engine's on CPU); `wide_path`: the
-    second teacher is `wide_path@slime_ranks:wide_teacher` (`save_wide_teacher`'s checkpoint)."""
+    first step and, on the last stage, the ids and the teachers' log-probs scored first and every
+    step's losses. `hf_teacher`: the teachers after the first are these Hugging Face directories of
+    other architectures (comma-separated; their layers on the actor's attention core, the kit's
+    packed-input one named by `--spec`, which stands for Transformer Engine's on CPU), `weights`
+    the mixture's (default OPD_ENV's); `wide_path`: the second teacher is
+    `wide_path@slime_ranks:wide_teacher` (`save_wide_teacher`'s checkpoint)."""
     with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual,
                    expert=expert) as patch:
         import slime_kit as kit
@@ -220,12 +224,11 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
 
         for name, value in OPD_ENV.items():
             patch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
-        if hf_teacher is not None:
-            from megatron_rl_patches.integrations.slime import hf_teachers
-            from megatron_rl_patches.testing.packed_gpt import packed_attention_class
-
+        if hf_teacher is not None:  # on the actor's own --spec core attention (hf_teachers.packed_core_attention)
             patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"teacher-a,{hf_teacher}")
-            patch.setattr(hf_teachers, "packed_core_attention", lambda args: packed_attention_class())
+            flags = (*flags, *ACTOR_SPEC)
+        if weights is not None:
+            patch.setenv("MEGATRON_RL_PATCHES_OPD_WEIGHTS", weights)
         if wide_path is not None:
             patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"teacher-a,{wide_path}@slime_ranks:wide_teacher")
         megatron_rl_patches.apply(only=["train_reentry", "slime_fused", "gpt_output_processor", "slime_opd"])
@@ -275,6 +278,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                 return {"states": states, "grads": grads, "losses": losses if last else None,
                         "ids": first.get(slime_opd.IDS), "rows": _response_rows(first),
+                        "teacher_logprobs": first.get(slime_opd.TEACHER_LOGPROBS),
                         "last_ids": data.get(slime_opd.IDS),
                         "keys": sorted(k for k in data if k.startswith("opd_")), "split": _partition_dims(model),
                         "active": actor._active_model_tag,

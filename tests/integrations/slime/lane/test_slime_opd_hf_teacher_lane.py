@@ -42,23 +42,10 @@ def world(request, tmp_path_factory):
                                                           virtual, str(hf), timeout=300)
 
 
-def _hf_logps(chunk, data, temperature, vocab):
-    """Per sample, the Hugging Face teacher's dense [R, vocab] log-softmax in float64."""
-    out = []
-    with torch.no_grad():
-        for tokens, response in zip(data["tokens"], data["response_lengths"]):
-            n = tokens.numel()
-            causal = torch.ones(n, n, dtype=torch.bool).tril().logical_not()[None, None]
-            logits = chunk(tokens[None], torch.arange(n)[None], causal)[0].double()[:, :vocab] / temperature
-            out.append(torch.log_softmax(logits, dim=-1)[n - response - 1: n - 1])
-    return out
-
-
 def test_train_actor_with_a_snapshot_and_a_hugging_face_teacher_equals_dense_float64(slime_cpu, world):
     import slime_kit as kit
     import slime_ranks
 
-    from megatron_rl_patches.inference.build_hf import build_inference_model_from_hf
     from megatron_rl_patches.integrations.slime import opd as slime_opd
 
     layout, virtual, hf, ranks = world
@@ -68,19 +55,13 @@ def test_train_actor_with_a_snapshot_and_a_hugging_face_teacher_equals_dense_flo
     assert last["keys"] == sorted([slime_opd.IDS, slime_opd.TEACHER_LOGPROBS, slime_opd.TEACHER_TAILS])
     states = {tag: {k: v for r in ranks for k, v in r["states"][tag].items()} for tag in ("actor", "opd_teacher_0")}
     grads = {k: v for r in ranks for k, v in r["grads"].items()}
+    data = kit.rollout(0)
     with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS,
                            *slime_ranks.virtual_args(virtual)[:2]) as args:  # the whole actor: its layers
-        names = [name for name, _ in kit.provider_func(args)().named_parameters()]
-        assert sorted(names) == sorted(states["actor"]) == sorted(grads)
-        student = kit.float64_copy(args, [states["actor"][name] for name in names])
-        with torch.no_grad():
-            snapshot = kit.response_logps(kit.float64_copy(args, [states["opd_teacher_0"][n] for n in names]),
-                                          kit.rollout(0), slime_ranks.TEMPERATURE)
-        (teacher,) = build_inference_model_from_hf(hf, dtype=torch.float32)
-        teacher = teacher.double()
-        data = kit.rollout(0)
-        hf_logps = _hf_logps(teacher, data, slime_ranks.TEMPERATURE, kit.VOCAB)
-        padded = _hf_logps(teacher, data, slime_ranks.TEMPERATURE, None)  # the negative control
+        student, snapshot = kit.student_and_snapshot(args, states, data, slime_ranks.TEMPERATURE)
+        assert sorted(grads) == sorted(name for name, _ in student.named_parameters())
+        hf_logps = kit.hf_teacher_logps(hf, data, slime_ranks.TEMPERATURE, kit.VOCAB)
+        padded = kit.hf_teacher_logps(hf, data, slime_ranks.TEMPERATURE, None)  # the negative control
         students = kit.response_logps(student, data, slime_ranks.TEMPERATURE)
         expected = kit.dense_opd_loss(students, [snapshot, hf_logps], data, last["ids"], WEIGHTS)
         with torch.no_grad():
