@@ -13,6 +13,12 @@ import torch
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 from megatron_rl_patches.inference.loading.hf.families import family_for, mla
 from megatron_rl_patches.inference.loading.hf.families.family import EXPERT, Family
+from megatron_rl_patches.inference.loading.hf.families.hybrid_layout import (
+    gated_qkv,
+    linear_conv,
+    linear_in_proj,
+    unfuse_qkvz_ba,
+)
 
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -77,6 +83,11 @@ def shard(arch: HFArchitecture, src: Source, tensors: list[torch.Tensor], rank: 
         "gated": lambda: torch.cat([t.chunk(size, dim=0)[rank] for t in tensors], dim=0),
         "qkv": lambda: _qkv(arch, *tensors).chunk(size, dim=0)[rank],
         "vocab": lambda: _pad_rows(tensors[0], padded_vocab).chunk(size, dim=0)[rank],
+        "centred": lambda: tensors[0] + 1,  # (1 + w) x^ as megatron's w x^: exact
+        "gated_qkv": lambda: gated_qkv(arch, *tensors).chunk(size, dim=0)[rank],
+        "gdn_in": lambda: linear_in_proj(arch, *tensors, rank=rank, size=size),
+        "gdn_in_fused": lambda: linear_in_proj(arch, *unfuse_qkvz_ba(arch, *tensors), rank=rank, size=size),
+        "gdn_conv": lambda: linear_conv(arch, tensors[0], rank, size),
     }
     return fuse[src.kind]()
 
