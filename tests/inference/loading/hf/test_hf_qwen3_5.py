@@ -98,3 +98,39 @@ def test_context_parallelism_is_refused_by_name(megatron_cpu, tmp_path, monkeypa
     monkeypatch.setattr(ps, "get_context_parallel_world_size", lambda: 2)
     with pytest.raises(ValueError, match=r"context-parallel size 2 with qwen3_5_text's gated-delta-net linear"):
         build_inference_model_from_hf(tmp_path, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next"])  # the fused projections, experts: the rest is shared
+def test_packed_and_layer_major_equal_per_sequence_and_per_micro_batch(megatron_cpu, fused_processors, tmp_path,
+                                                                      kind):
+    """Two sequences packed with cu_seqlens (slime's layout; the full-attention layers on the kit's
+    packed attention core) score as each sequence alone; layer-major scoring of micro-batches of
+    another size each is bit for bit the per-micro-batch forward."""
+    if not _served():
+        pytest.skip("megatron-core < 0.16 refuses the family (test_equals_transformers checks it)")
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_rl_patches import score_layer_major
+    from megatron_rl_patches.testing.packed_gpt import packed_attention_class
+
+    save_tiny_hf(tmp_path, kind, seed=SEEDS.get(kind, 2))
+    chunk = build_inference_model_from_hf(tmp_path, dtype=torch.float32, core_attention=packed_attention_class())[0]
+    first, second = (make_batch(batch_size=1, seq_length=n, vocab_size=VOCAB, seed=n) for n in (70, 30))
+    cu = torch.tensor([0, 70, 100], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=70, max_seqlen_kv=70)
+    processor = log_prob_output_processor(vocab_size=VOCAB)
+    with torch.no_grad():
+        packed = chunk(torch.cat([first["tokens"], second["tokens"]], 1),
+                       torch.cat([first["position_ids"], second["position_ids"]], 1), None,
+                       labels=torch.cat([first["labels"], second["labels"]], 1), packed_seq_params=params,
+                       output_processor=processor)["log_probs"]
+    alone = torch.cat([_log_probs(chunk, first), _log_probs(chunk, second)], 1)
+    assert (packed.double() - alone).abs().max().item() < 1e-5
+
+    batches = [{"input_ids": b["tokens"], "position_ids": b["position_ids"], "attention_mask": b["attention_mask"],
+                "labels": b["labels"]} for b in (make_batch(batch_size=n, seq_length=24, vocab_size=VOCAB, seed=n)
+                                                 for n in (2, 1, 3))]
+    got = score_layer_major([chunk], batches, output_processor=processor)
+    with torch.no_grad():
+        want = [chunk(**batch, output_processor=processor) for batch in batches]
+    assert all(torch.equal(g["log_probs"], w["log_probs"]) for g, w in zip(got, want))
