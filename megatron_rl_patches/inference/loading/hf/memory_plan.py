@@ -47,6 +47,7 @@ class HFMemoryPlan:
     output_params: int  # per GPU of the last stage (the output layer and the final norm)
     stage_params: tuple[int, ...]  # per GPU, by pipeline stage
     modes: tuple[ResidencyBytes, ...]
+    vision_params: int = 0  # a vision-language checkpoint's vision tower: not built, not in total_params
 
     @property
     def gpu_params(self) -> int:
@@ -166,4 +167,5 @@ def hf_memory_plan(
         stage_params=tuple(stages),
         modes=(ResidencyBytes("resident", weights, weights, 0), ResidencyBytes("swap", weights, 0, weights),
                ResidencyBytes("stream", stream, 0, weights)),
+        vision_params=arch.vision_params,
     )

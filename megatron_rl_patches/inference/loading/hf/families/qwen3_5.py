@@ -59,6 +59,26 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return {**text, "tie_word_embeddings": config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
 
 
+def vision_tower_params(config: dict[str, Any], source: str) -> int:
+    """The parameters of the wrapper's vision tower (`vision_config`; 0 without one): a patch embedding
+    and learned positions, `depth` pre-norm blocks (LayerNorms, fused qkv, GELU MLP, all with biases)
+    and the merger of spatial_merge_size^2 patches into the text width. Not built; counted apart."""
+    vision = config.get("vision_config")
+    if not vision:
+        return 0
+    if not isinstance(vision, dict):
+        raise ValueError(f"{source}: config.json's vision_config must be an object, got {type(vision).__name__}")
+    h, inner = read_count(vision, source, "hidden_size"), read_count(vision, source, "intermediate_size")
+    patch = (read_count(vision, source, "in_channels", default=3) * read_count(vision, source, "temporal_patch_size")
+             * read_count(vision, source, "patch_size") ** 2)
+    merged = h * read_count(vision, source, "spatial_merge_size") ** 2
+    out = read_count(vision, source, "out_hidden_size")
+    block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (inner * h + inner) + (h * inner + h)
+    merger = 2 * h + (merged * merged + merged) + (out * merged + out)
+    embed = h * patch + h + read_count(vision, source, "num_position_embeddings") * h
+    return embed + read_count(vision, source, "depth") * block + merger
+
+
 def read_layer_types(config: dict[str, Any], source: str, layers: int) -> tuple[str, ...]:
     """`layer_types` (or every `full_attention_interval`-th layer full attention, as transformers fills it)."""
     types = config.get("layer_types")
@@ -84,6 +104,8 @@ def read_linear(config: dict[str, Any], source: str) -> LinearShape:
 def read_hybrid(config: dict[str, Any], source: str, moe: bool) -> HFArchitecture:
     """The architecture of a Qwen3.5 / Qwen3-Next text config (the wrapper's `text_config`)."""
     text = text_config(config)
+    if moe and text.get("intermediate_size") is None:  # every layer MoE: Qwen3.5-MoE writes no dense width
+        text = {**text, "intermediate_size": text.get("moe_intermediate_size")}
     refused = []
     if text.get("attention_bias"):
         refused.append("attention_bias=true")
@@ -98,6 +120,7 @@ def read_hybrid(config: dict[str, Any], source: str, moe: bool) -> HFArchitectur
     normalized = moe and bool(text.get("norm_topk_prob", True))
     return replace(arch, model_type=str(config.get("model_type")), norm_topk_prob=normalized,
                    layer_types=read_layer_types(text, source, arch.num_layers), linear=read_linear(text, source),
+                   vision_params=vision_tower_params(config, source),
                    shared_expert_ffn=shared, shared_expert_gate=shared > 0)
 
 
