@@ -134,3 +134,20 @@ def test_packed_and_layer_major_equal_per_sequence_and_per_micro_batch(megatron_
     with torch.no_grad():
         want = [chunk(**batch, output_processor=processor) for batch in batches]
     assert all(torch.equal(g["log_probs"], w["log_probs"]) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize(("changes", "match"), [
+    ({"layer_types": ["linear_attention"] * 3}, r"layer_types must list 'linear_attention' or 'full_attention' for each"),
+    ({"layer_types": ["linear_attention"] * 3 + ["sliding_attention"]}, r"layer_types must list"),
+    ({"linear_num_value_heads": 3}, r"linear_num_value_heads=3 is not a multiple of linear_num_key_heads=2"),
+    ({"linear_conv_kernel_dim": 0}, r"linear_conv_kernel_dim must be a positive integer"),
+])
+def test_malformed_linear_attention_fields_are_named(megatron_cpu, no_build, tmp_path, changes, match):
+    import json
+
+    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": tiny_hf_config(
+        "qwen3_5_text", **changes)}))
+    with pytest.raises(ValueError, match=match):
+        build_inference_model_from_hf(tmp_path)
