@@ -137,7 +137,7 @@ def test_packed_and_layer_major_equal_per_sequence_and_per_micro_batch(megatron_
 
 
 @pytest.mark.parametrize(("changes", "match"), [
-    ({"layer_types": ["linear_attention"] * 3}, r"layer_types must list 'linear_attention' or 'full_attention' for each"),
+    ({"layer_types": ["linear_attention"] * 3}, r"layer_types must list 'linear_attention' or 'full"),
     ({"layer_types": ["linear_attention"] * 3 + ["sliding_attention"]}, r"layer_types must list"),
     ({"linear_num_value_heads": 3}, r"linear_num_value_heads=3 is not a multiple of linear_num_key_heads=2"),
     ({"linear_conv_kernel_dim": 0}, r"linear_conv_kernel_dim must be a positive integer"),
