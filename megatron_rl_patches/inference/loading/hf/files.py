@@ -17,7 +17,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 _MAX_HEADER = 100 << 20  # a header beyond 100 MiB is not a safetensors file
-_ITEMSIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+ITEMSIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
               "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
@@ -77,7 +77,7 @@ def _entry(file: Path, name: str, meta: Any, data_start: int, size: int) -> Tens
     if not 0 <= begin <= end:
         raise ValueError(f"{where}: header field data_offsets {offsets} must satisfy 0 <= begin <= end; "
                          "the file is damaged")
-    itemsize = _ITEMSIZES.get(dtype)
+    itemsize = ITEMSIZES.get(dtype)
     numel = math.prod(shape)
     if itemsize is not None and end - begin != numel * itemsize:
         raise ValueError(f"{where}: header field data_offsets {offsets} span {end - begin} bytes but shape "

@@ -110,14 +110,14 @@ def layer_runs(arch: HFArchitecture) -> list[tuple[int, int]]:
 def check_counts_if_present(arch: HFArchitecture) -> None:
     """Where the weight files are already there, config.json's layer and expert counts checked
     against them (headers only): a config claiming more than the files hold is named, not planned."""
-    from megatron_rl_patches.inference.loading.hf.files import tensor_index
+    from megatron_rl_patches.inference.loading.hf.fused_experts import readable_index
     from megatron_rl_patches.inference.loading.hf.names import check_counts
 
     root = Path(arch.source).expanduser()
     if not root.is_dir():
         return
     try:
-        index = tensor_index(root)
+        index = readable_index(root, arch)
     except (OSError, ValueError):  # no weights yet, or an incomplete download: plan from config.json
         return
     check_counts(arch, index)

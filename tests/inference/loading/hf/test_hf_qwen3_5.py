@@ -151,3 +151,42 @@ def test_malformed_linear_attention_fields_are_named(megatron_cpu, no_build, tmp
         "qwen3_5_text", **changes)}))
     with pytest.raises(ValueError, match=match):
         build_inference_model_from_hf(tmp_path)
+
+
+def _stack_experts(good, stacked, layers: int, experts: int) -> None:
+    """The checkpoint at `good` with each layer's experts stacked as the published Qwen3.5-MoE
+    checkpoints store them (mlp.experts.gate_up_proj [E, 2f, h], down_proj [E, h, f]), into `stacked`."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from megatron_rl_patches.testing.hf_checkpoints import write_safetensors
+
+    tensors = load_file(good / "model.safetensors")
+    for layer in range(layers):
+        prefix = f"model.language_model.layers.{layer}.mlp.experts."
+        parts = {kind: [tensors.pop(f"{prefix}{e}.{kind}.weight") for e in range(experts)]
+                 for kind in ("gate_proj", "up_proj", "down_proj")}
+        tensors[prefix + "gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(parts["gate_proj"],
+                                                                                          parts["up_proj"])])
+        tensors[prefix + "down_proj"] = torch.stack(parts["down_proj"])
+    stacked.mkdir()
+    shutil.copy(good / "config.json", stacked / "config.json")
+    write_safetensors(stacked / "model.safetensors", tensors)
+
+
+def test_stacked_experts_as_published_load_the_same(megatron_cpu, fused_processors, tmp_path):
+    """Qwen3.5-35B-A3B's files stack the experts; read one expert at a time as views, the build is
+    bit for bit the one of the per-expert checkpoint transformers saves, and `memory --hf` counts it."""
+    if not _served():
+        pytest.skip("megatron-core < 0.16 refuses the family (test_equals_transformers checks it)")
+    from megatron_rl_patches.inference.loading.hf import hf_memory_plan
+
+    model = save_tiny_hf(tmp_path / "good", "qwen3_5_moe", seed=3)
+    _stack_experts(tmp_path / "good", tmp_path / "stacked", layers=4, experts=4)
+    batch = make_batch(batch_size=2, seq_length=24, vocab_size=VOCAB, seed=0)
+    per_expert = _log_probs(build_inference_model_from_hf(tmp_path / "good", dtype=torch.float32)[0], batch)
+    stacked = _log_probs(build_inference_model_from_hf(tmp_path / "stacked", dtype=torch.float32)[0], batch)
+    assert torch.equal(stacked, per_expert)
+    assert (stacked - _reference(model, batch)).abs().max().item() < TOL
+    assert hf_memory_plan(tmp_path / "stacked").total_params == hf_memory_plan(tmp_path / "good").total_params

@@ -133,6 +133,7 @@ class Family:
     stage_spec: Callable[[HFArchitecture, Any, int | None], Any] | None = None
     skipped: Callable[[HFArchitecture], tuple[str, ...]] = mtp_layer_prefixes  # tensor prefixes the loader skips
     mbridge: bool = False  # converter="mbridge" serves it on the local spec
+    stacked_experts: bool = False  # checkpoints may stack the experts (fused_experts.py): read as per-expert views
     aliases: tuple[str, ...] = ()  # other model_types the family reads
     tiny_fields: Mapping[str, Any] = field(default_factory=dict)  # the test kit's tiny config.json (None: drop)
 

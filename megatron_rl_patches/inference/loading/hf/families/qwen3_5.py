@@ -283,6 +283,8 @@ TEXT_FAMILY = Family(
 )
 FAMILY = replace(TEXT_FAMILY, name="qwen3_5", hf_class="Qwen3_5", outer_params=wrapped_outer_params,
                  outer_tensors=wrapped_outer_tensors, layer_prefix=WRAPPED + "layers.{layer}.")
+# the published Qwen3.5-MoE checkpoints stack their experts (mlp.experts.gate_up_proj / down_proj)
 MOE_TEXT_FAMILY = replace(TEXT_FAMILY, name="qwen3_5_moe_text", hf_class="Qwen3_5MoeText", read=read_moe,
-                          tiny_fields=TINY_MOE)
-MOE_FAMILY = replace(FAMILY, name="qwen3_5_moe", hf_class="Qwen3_5Moe", read=read_moe, tiny_fields=TINY_MOE)
+                          tiny_fields=TINY_MOE, stacked_experts=True)
+MOE_FAMILY = replace(FAMILY, name="qwen3_5_moe", hf_class="Qwen3_5Moe", read=read_moe, tiny_fields=TINY_MOE,
+                     stacked_experts=True)
