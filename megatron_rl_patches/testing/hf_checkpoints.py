@@ -15,6 +15,9 @@ from megatron_rl_patches.inference.loading.hf.families import FAMILIES, REGISTRY
 
 HF_KINDS = tuple(family.name for family in FAMILIES)  # the converter's families, one config each
 
+WRAPPERS = ("qwen3_5", "qwen3_5_moe")  # saved as vision-language wrappers around their text model
+TINY_VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 32}
+
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 
 
@@ -97,18 +100,36 @@ def save_tiny_hf(directory: str | Path, kind: str = "qwen3", seed: int = 0, **ov
     model_type = values.pop("model_type")
     values.pop("dtype")
     classes = REGISTRY[model_type].hf_class
-    config = getattr(transformers, f"{classes}Config")(**values)
+    config_class, model_class = f"{classes}Config", f"{classes}ForCausalLM"
+    if model_type in WRAPPERS:  # a vision-language wrapper: the text config nested, a tiny vision tower beside
+        model_class = f"{classes}ForConditionalGeneration"
+        values = {"text_config": values, "vision_config": TINY_VISION,
+                  "tie_word_embeddings": values.get("tie_word_embeddings", False)}
+    elif classes.endswith("Text"):  # the text model of a wrapper: its config class, the wrapper's LM class
+        model_class = f"{classes.removesuffix('Text')}ForCausalLM"
+    config = getattr(transformers, config_class)(**values)
     torch.manual_seed(seed)
-    model = getattr(transformers, f"{classes}ForCausalLM")(config).float().eval()
+    model = getattr(transformers, model_class)(config).float().eval()
     with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn_like(param) * 0.2 + (1.0 if param.ndim == 1 else 0.0))
+        for name, param in model.named_parameters():
+            param.copy_(torch.randn_like(param) * 0.2 + _centre(name, param))
         saved = model.state_dict()
         for name, buffer in model.named_buffers():  # the checkpoint's buffers too: a router's expert bias
             if name in saved and buffer.is_floating_point():
                 buffer.copy_(torch.randn_like(buffer) * 0.2)
     model.save_pretrained(directory)
     return model
+
+
+# linear attention's decay exp(-exp(A_log) softplus(a + dt_bias)) per step: random around a trained
+# model's (near 1), not around 1 (e^-3.5 per step underflows float32 within a chunk of 64 in
+# transformers' own float32 forward, then noise of 1e-4 even against its float64 forward)
+_CENTRES = {"A_log": -1.0, "dt_bias": -2.0}
+
+
+def _centre(name: str, param: torch.Tensor) -> float:
+    """Where a random parameter is drawn around: a norm's weight and a bias at 1, a matrix at 0."""
+    return _CENTRES.get(name.rsplit(".", 1)[-1], 1.0 if param.ndim == 1 else 0.0)
 
 
 def add_mtp_tensors(directory: str | Path, prefix: str, **config: Any) -> None:
@@ -122,7 +143,7 @@ def add_mtp_tensors(directory: str | Path, prefix: str, **config: Any) -> None:
     values = json.loads((root / "config.json").read_text())
     values.update(config)
     (root / "config.json").write_text(json.dumps(values))
-    h = values["hidden_size"]
+    h = values.get("text_config", values)["hidden_size"]  # a wrapper nests it
     tensors = load_file(root / "model.safetensors")
     tensors.update({prefix + "enorm.weight": torch.randn(h), prefix + "hnorm.weight": torch.randn(h),
                     prefix + "eh_proj.weight": torch.randn(h, 2 * h)})
@@ -148,7 +169,7 @@ def router_margin(model: Any, tokens: torch.Tensor) -> float:
     def hook(module: Any, args: tuple[Any, ...]) -> None:
         x = args[0].reshape(-1, args[0].shape[-1]).double()
         logits = x @ module.weight.double().t()
-        k = model.config.num_experts_per_tok
+        k = model.config.get_text_config().num_experts_per_tok
         if hasattr(module, "e_score_correction_bias"):  # glm4_moe: sigmoid + bias, ranked within kept groups
             ranked = logits.sigmoid() + module.e_score_correction_bias.double()
             groups = ranked.view(len(ranked), module.num_group, -1).topk(2, dim=-1)[0].sum(-1)

@@ -16,6 +16,8 @@ from megatron_rl_patches.inference.sizing.memory import training_state_bytes
 def plan_table(plan: HFMemoryPlan, chosen: str | None, fp8_bytes: int | None = None) -> str:
     """Per-GPU weights of the inference-only build by residency mode, the chosen one marked."""
     moe = f", {plan.active_params:,} active per token" if plan.active_params != plan.total_params else ""
+    if plan.vision_params:
+        moe += f" (text; the vision tower's {plan.vision_params:,} are not built)"
     fp8 = (f"; FP8 checkpoint: {fp8_bytes:,} bytes on disk ({human_bytes(fp8_bytes)}), built at "
            f"{plan.param_dtype}") if fp8_bytes else ""
     header = [

@@ -89,6 +89,9 @@ class HFArchitecture:
     dense_layers: int = 0  # the first layers of a mixture of experts, with a dense MLP
     mtp_layers: int = 0  # multi-token prediction layers a real checkpoint stores (not scored: skipped)
     mla: Any = None  # multi-latent attention's shape (families/mla.py's MLAShape), None for q/k/v attention
+    layer_types: tuple[str, ...] = ()  # per layer, where layers differ ("linear_attention" / "full_attention")
+    vision_params: int = 0  # a vision-language wrapper's vision tower (not built: counted apart by `memory --hf`)
+    linear: Any = None  # the gated delta net's shape (families/qwen3_5.py's LinearShape), None without one
     rope_scaling: str = ""  # '' or why its RoPE scaling is not served: built only when '' (refuse_rope_scaling)
 
     @property

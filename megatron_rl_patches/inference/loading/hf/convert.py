@@ -13,6 +13,12 @@ import torch
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 from megatron_rl_patches.inference.loading.hf.families import family_for, mla
 from megatron_rl_patches.inference.loading.hf.families.family import EXPERT, Family
+from megatron_rl_patches.inference.loading.hf.families.hybrid_layout import (
+    gated_qkv,
+    linear_conv,
+    linear_in_proj,
+    unfuse_qkvz_ba,
+)
 
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -78,6 +84,11 @@ def shard_pieces(arch: HFArchitecture, src: Source, tensors: list[torch.Tensor],
         "column": lambda: t.chunk(size, dim=0)[rank],
         "mla_q": lambda: mla.query_rows(arch, t).chunk(size, dim=0)[rank],
         "mla_kv_down": lambda: mla.kv_down_rows(arch, t).chunk(size, dim=0)[rank],
+        "centred": lambda: t + 1,  # (1 + w) x^ as megatron's w x^: exact
+        "gated_qkv": lambda: gated_qkv(arch, *tensors).chunk(size, dim=0)[rank],
+        "gdn_in": lambda: linear_in_proj(arch, *tensors, rank=rank, size=size),
+        "gdn_in_fused": lambda: linear_in_proj(arch, *unfuse_qkvz_ba(arch, *tensors), rank=rank, size=size),
+        "gdn_conv": lambda: linear_conv(arch, t, rank, size),
     }[src.kind]()
     return tuple(value.shape), [(lambda target: target, value)]
 

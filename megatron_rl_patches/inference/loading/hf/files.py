@@ -19,23 +19,27 @@ PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 EXTRA = "megatron-rl-patches[hf]"
 
 
+ITEMSIZES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+             "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # bytes per element, by safetensors dtype
+
+
 @dataclass(frozen=True)
 class TensorEntry:
-    """One tensor of the checkpoint as its file's header describes it (nothing read yet)."""
+    """One tensor of the checkpoint as its file's header describes it (nothing read yet); with
+    `part`, rows [first, stop) of slab `index` of the file's 3-D tensor `name` (an expert of a
+    stacked expert tensor), `shape` then being that part's."""
 
     file: Path
     name: str  # the tensor's name in the file
     dtype: str  # the safetensors name: F32, BF16, F8_E4M3...
     shape: tuple[int, ...]
+    part: tuple[int, int, int] | None = None  # (index, first, stop)
 
     @property
     def nbytes(self) -> int:
         from math import prod
 
-        return prod(self.shape) * _ITEMSIZES.get(self.dtype, 1)
-
-
-_ITEMSIZES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
+        return prod(self.shape) * ITEMSIZES.get(self.dtype, 1)
 
 
 def safe_open_of(file: Path) -> Any:
@@ -165,6 +169,9 @@ class TensorReader:
             self._open.clear()  # the old maps go when their last view does
             handle, taken = safe_open_of(entry.file), 0
         self._open[entry.file] = (handle, taken + entry.nbytes)
+        if entry.part is not None:  # only this part's bytes are read
+            index, first, stop = entry.part
+            return handle.get_slice(entry.name)[index, first:stop]
         return handle.get_tensor(entry.name)
 
     def close(self) -> None:

@@ -18,13 +18,14 @@ from megatron_rl_patches.inference.loading.hf.convert import Source, shard_piece
 from megatron_rl_patches.inference.loading.hf.families import family_for
 from megatron_rl_patches.inference.loading.hf.files import TensorEntry, TensorReader, tensor_index, tensor_reader
 from megatron_rl_patches.inference.loading.hf.fp8 import SCALE, dequantize, fp8_block, scale_shape
+from megatron_rl_patches.inference.loading.hf.fused_experts import readable_index
 from megatron_rl_patches.inference.loading.hf.names import IGNORED_SUFFIXES, check_counts, checkpoint_tensors
 
 
 def checked_index(root: Path, arch: HFArchitecture) -> dict[str, TensorEntry]:
     """The checkpoint's tensors, refused (WeightsMismatchError naming the path) when any expected
     one is missing, an unknown one is present, or a shape differs from config.json's."""
-    index = tensor_index(root)
+    index = readable_index(root, arch)
     check_counts(arch, index)  # before any list of config.json's tensors is made
     expected = checkpoint_tensors(arch)
     optional = {"lm_head.weight"} if arch.tied else set()  # tied checkpoints may store a copy (see served_tying)

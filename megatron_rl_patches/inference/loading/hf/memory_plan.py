@@ -47,6 +47,7 @@ class HFMemoryPlan:
     output_params: int  # per GPU of the last stage (the output layer and the final norm)
     stage_params: tuple[int, ...]  # per GPU, by pipeline stage
     modes: tuple[ResidencyBytes, ...]
+    vision_params: int = 0  # a vision-language checkpoint's vision tower: not built, not in total_params
 
     @property
     def gpu_params(self) -> int:
@@ -95,17 +96,28 @@ def _layer_total(arch: HFArchitecture, family: Family, layer: int = 0) -> int:
                for name, shape in family.layer_tensors(arch, layer).items())
 
 
+def layer_runs(arch: HFArchitecture) -> list[tuple[int, int]]:
+    """The layers as runs [start, end) of alike ones. Counted, not listed, where config.json only
+    counts layers (it may claim 10**9): the dense first ones (`dense_layers`) and the others; where
+    it lists a type per layer (`layer_types`: linear / full attention), runs of one type."""
+    dense = min(arch.dense_layers, arch.num_layers)
+    edges = {0, dense, arch.num_layers}
+    edges.update(i for i in range(1, len(arch.layer_types)) if arch.layer_types[i] != arch.layer_types[i - 1])
+    bounds = sorted(edges)
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
 def check_counts_if_present(arch: HFArchitecture) -> None:
     """Where the weight files are already there, config.json's layer and expert counts checked
     against them (headers only): a config claiming more than the files hold is named, not planned."""
-    from megatron_rl_patches.inference.loading.hf.files import tensor_index
+    from megatron_rl_patches.inference.loading.hf.fused_experts import readable_index
     from megatron_rl_patches.inference.loading.hf.names import check_counts
 
     root = Path(arch.source).expanduser()
     if not root.is_dir():
         return
     try:
-        index = tensor_index(root)
+        index = readable_index(root, arch)
     except (OSError, ValueError, ImportError):  # no weights yet, an incomplete download, no safetensors library:
         return  # plan from config.json
     check_counts(arch, index)
@@ -125,16 +137,12 @@ def hf_memory_plan(
         raise ValueError(f"{arch.source}: {'; '.join(problems)}; choose parallel sizes this model serves")
     check_counts_if_present(arch)
     size = DTYPE_BYTES[dtype_name(param_dtype, "param_dtype")]
-    # Counted, not listed (config.json may claim 10**9 layers): the layers of the families served
-    # are of two kinds at most, the dense first ones (`dense_layers`) and the others.
     family = family_for(arch.model_type, arch.source)
-    dense = min(arch.dense_layers, arch.num_layers)
-    first = layer_params(arch, 0, tp, ep)
-    rest = layer_params(arch, dense, tp, ep) if dense < arch.num_layers else first
+    runs = [(start, end, layer_params(arch, start, tp, ep)) for start, end in layer_runs(arch)]
     outer = sum(prod(shape) for part in family.outer_tensors(arch) for shape in part.values())
-    total = (outer + dense * _layer_total(arch, family, 0)
-             + (arch.num_layers - dense) * _layer_total(arch, family, dense))
-    layer = max(first.per_gpu, rest.per_gpu)  # the largest (a MoE layer where the first ones are dense)
+    total = outer + sum((end - start) * _layer_total(arch, family, start) for start, end, _ in runs)
+    routed_off = sum((end - start) * (p.experts - p.active_experts) for start, end, p in runs)
+    layer = max(p.per_gpu for _, _, p in runs)  # the largest (a MoE layer where the first ones are dense)
     vocab = -(-arch.vocab_size // (VOCAB_DIVISOR * tp)) * VOCAB_DIVISOR * tp
     table = vocab // tp * arch.hidden_size
     embedding = table
@@ -144,8 +152,7 @@ def hf_memory_plan(
     for stage in range(pp):
         ends = (embedding if stage == 0 else 0) + (output if stage == pp - 1 else 0)
         start, end = stage * per_stage, min((stage + 1) * per_stage, arch.num_layers)
-        dense_here = max(0, min(end, dense) - start)
-        stages.append(dense_here * first.per_gpu + (end - start - dense_here) * rest.per_gpu + ends)
+        stages.append(sum(max(0, min(end, b) - max(start, a)) * p.per_gpu for a, b, p in runs) + ends)
     weights = max(stages) * size
     stream = max(
         min(stages[s] * size, (min(prefetch, per_stage - 1) + 1) * layer * size
@@ -154,10 +161,11 @@ def hf_memory_plan(
     )
     return HFMemoryPlan(
         source=str(path), model_type=arch.model_type, total_params=total,
-        active_params=total - (arch.num_layers - dense) * (rest.experts - rest.active_experts), padded_vocab=vocab,
+        active_params=total - routed_off, padded_vocab=vocab,
         tp=tp, pp=pp, ep=ep, param_dtype=dtype_name(param_dtype, "param_dtype"), prefetch=prefetch,
         layers_per_stage=per_stage, layer_params=layer, embedding_params=embedding, output_params=output,
         stage_params=tuple(stages),
         modes=(ResidencyBytes("resident", weights, weights, 0), ResidencyBytes("swap", weights, 0, weights),
                ResidencyBytes("stream", stream, 0, weights)),
+        vision_params=arch.vision_params,
     )

@@ -95,7 +95,13 @@ def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,
     family = family_for(arch.model_type, arch.source)
     model_class = family.model_class(arch)
     core_attention = core_attention or family.core_attention(arch)
-    spec = None if arch.dense_layers else _with_core_attention(family.layer_spec(arch), core_attention)
+    uniform = not arch.dense_layers and family.stage_spec is None  # one layer spec for every layer
+    spec = _with_core_attention(family.layer_spec(arch), core_attention) if uniform else None
+
+    def stage(vp_stage: int | None) -> Any:
+        if family.stage_spec is not None:
+            return _with_core_attention(family.stage_spec(arch, config, vp_stage), core_attention)
+        return _mixed_block_spec(config, core_attention, vp_stage)
 
     def provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> Any:
         extra: dict[str, Any] = {**family.model_args(arch), **(gpt_args or {})}
@@ -103,7 +109,7 @@ def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,
             extra["vp_stage"] = vp_stage
         return model_class(
             config=config,
-            transformer_layer_spec=spec if spec is not None else _mixed_block_spec(config, core_attention, vp_stage),
+            transformer_layer_spec=spec if spec is not None else stage(vp_stage),
             vocab_size=vocab_size,
             pre_process=pre_process,
             post_process=post_process,
@@ -119,7 +125,9 @@ def _with_core_attention(spec: Any, core_attention: type | None) -> Any:
     """`spec` (a layer's, or a block's layers') with `core_attention` as the attention core."""
     if core_attention is not None:
         for layer in getattr(spec, "layer_specs", None) or [spec]:
-            layer.submodules.self_attention.submodules.core_attention = core_attention
+            attention = layer.submodules.self_attention
+            if hasattr(getattr(attention, "submodules", None), "core_attention"):  # not linear attention
+                attention.submodules.core_attention = core_attention
     return spec
 
 

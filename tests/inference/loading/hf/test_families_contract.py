@@ -22,6 +22,7 @@ from megatron_rl_patches.inference.loading.hf.names import checkpoint_tensors
 from megatron_rl_patches.testing.hf_checkpoints import HF_KINDS, tiny_hf_config
 
 NAMES = [family.name for family in FAMILIES]
+QWEN3_5_KINDS = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")  # >= 0.16
 # each family as the tiny kit writes it, tied, and with the other q/k/v bias default
 VARIANTS = [(name, {}) for name in NAMES] + [(name, {"tie_word_embeddings": True}) for name in NAMES] + [
     ("llama", {"attention_bias": True}), ("qwen2", {"attention_bias": False})]
@@ -94,7 +95,7 @@ def test_a_real_build_consumes_every_tensor_once_and_the_plan_counts_it(megatron
     try:
         config_ = transformer_config(arch, torch.float32)
     except UnsupportedCheckpointError as exc:  # a family this megatron-core lacks a module for, named
-        assert "needs a megatron-core with" in str(exc) and kind == "qwen2_moe"
+        assert "needs a megatron-core with" in str(exc) and kind in ("qwen2_moe", *QWEN3_5_KINDS)
         pytest.skip(str(exc))
     model = model_provider(arch, config_, vocab)()
     tensors = checkpoint_tensors(arch)

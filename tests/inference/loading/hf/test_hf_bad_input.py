@@ -38,7 +38,7 @@ def test_no_config_json(megatron_cpu, no_build, tmp_path):
 
 @pytest.mark.parametrize(("overrides", "match"), [
     ({"model_type": "gemma3", "architectures": ["Gemma3ForCausalLM"]},
-     r"model_type 'gemma3' \(architectures \['Gemma3ForCausalLM'\]\) is not served .* qwen2_moe, qwen3, qwen3_moe"),
+     r"model_type 'gemma3' \(architectures \['Gemma3ForCausalLM'\]\) is not served .* qwen3_moe, qwen3_next"),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 2.0}}, r"RoPE scaling .dynamic. is not"),
     ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
     *[({"model_type": kind}, rf"model_type '{kind}' is not served by the Hugging Face converter: {why}")

@@ -15,9 +15,13 @@ from megatron_rl_patches.testing.multirank import run_multirank
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 
 VOCAB, SEQ = 1001, 12
-MOE_FAMILIES = ("glm4_moe", "qwen2_moe", "mixtral", "deepseek_v3")  # deepseek_v3: MLA (issue 51)
-# the families and RoPE types of issue 50: a tiny checkpoint each (llama3: Llama 3.1's scaled RoPE)
-NEW_FAMILIES = (*MOE_FAMILIES, "mimo", "llama3")
+# deepseek_v3: MLA (issue 51); qwen3_5_moe, qwen3_next: linear attention and gated attention (issue 46)
+MOE_FAMILIES = ("glm4_moe", "qwen2_moe", "mixtral", "deepseek_v3", "qwen3_5_moe", "qwen3_next")
+# the families and RoPE types of issue 50: a tiny checkpoint each (llama3: Llama 3.1's scaled RoPE); qwen3_5:
+# issue 46's dense wrapper (4 layers: stage 0 holds two linear-attention layers, stage 1 one and the full one)
+NEW_FAMILIES = (*MOE_FAMILIES, "mimo", "llama3", "qwen3_5")
+# families a megatron-core may lack a module for: the refusal names what it lacks (0.13.1)
+REFUSABLE = ("qwen2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def _scores(chunks, batch, tp_group, microbatches=1):
@@ -51,7 +55,7 @@ def _scores(chunks, batch, tp_group, microbatches=1):
 
 def _family_scores(path: str, batch: dict, tp_group) -> dict | str:
     """`_scores` of the checkpoint at `path`, or the refusal of a family this megatron-core lacks a
-    module for (qwen2_moe's gated shared expert on 0.13.1)."""
+    module for (qwen2_moe's gated shared expert, Qwen3.5's gated attention on 0.13.1)."""
     from megatron_rl_patches import build_inference_model_from_hf
     from megatron_rl_patches.inference.loading.hf import UnsupportedCheckpointError
 
@@ -64,7 +68,7 @@ def _family_scores(path: str, batch: dict, tp_group) -> dict | str:
 def _new_family_errors(scores: dict | str, family: str, want) -> dict:
     """Errors per route, {} where this megatron-core refuses the family naming what it lacks."""
     if isinstance(scores, str):
-        assert family == "qwen2_moe" and "needs a megatron-core with" in scores, scores
+        assert family in REFUSABLE and "needs a megatron-core with" in scores, scores
         return {}
     errors = _route_errors(scores, want)
     assert set(errors) == {"logits", "fused"}, errors
@@ -158,6 +162,13 @@ def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
             results["cp2_refused"] = None
         except ValueError as exc:
             results["cp2_refused"] = str(exc)
+        try:  # linear attention: refused even with an attention core that serves context parallelism
+            from megatron_rl_patches.testing.packed_gpt import packed_attention_class
+
+            build_inference_model_from_hf(f"{root}/qwen3_5", core_attention=packed_attention_class())
+            results["cp2_linear_refused"] = None
+        except ValueError as exc:
+            results["cp2_linear_refused"] = str(exc)
     with megatron_on_cpu(pipeline_parallel=2):
         try:
             build_inference_model_from_hf(dense + "_3layers")
@@ -192,7 +203,10 @@ def world(transformers, tmp_path_factory):
               "mimo": save_tiny_mimo(root / "mimo", seed=12),
               "llama3": save_tiny_hf(root / "llama3", "llama", seed=13, rope_parameters={
                   "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})}
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+              "qwen3_5": save_tiny_hf(root / "qwen3_5", "qwen3_5", seed=2),
+              "qwen3_5_moe": save_tiny_hf(root / "qwen3_5_moe", "qwen3_5_moe", seed=3),
+              "qwen3_next": save_tiny_hf(root / "qwen3_next", "qwen3_next", seed=3)}
     write_tiny_checkpoint(root / "dense_3layers", tiny_hf_config("qwen3", num_hidden_layers=3))
     batch = make_batch(batch_size=2, seq_length=SEQ, vocab_size=VOCAB, seed=4)
     for name in (*MOE_FAMILIES, "moe"):  # seeds whose routing decisions are all more than 1e-3 from a tie
@@ -297,6 +311,8 @@ def test_context_parallelism_with_the_local_attention_is_refused(world):
     for result in results:
         assert result["cp2_refused"] is not None and "context-parallel size 2" in result["cp2_refused"]
         assert "core_attention=" in result["cp2_refused"]
+        assert "context-parallel size 2 with qwen3_5's gated-delta-net linear attention" in \
+            result["cp2_linear_refused"]
 
 
 @layouts.mark("tp2")

@@ -21,13 +21,16 @@ from megatron_rl_patches.inference.loading.hf.families import (
     qwen2,
     qwen2_moe,
     qwen3,
+    qwen3_5,
     qwen3_moe,
+    qwen3_next,
 )
 from megatron_rl_patches.inference.loading.hf.families.family import Family
 
 FAMILIES: tuple[Family, ...] = (qwen3.FAMILY, qwen3_moe.FAMILY, llama.FAMILY, qwen2.FAMILY, glm4_moe.FAMILY,
                                  qwen2_moe.FAMILY, mixtral.FAMILY, mimo.FAMILY,
-                                 deepseek_v3.FAMILY, glm4_moe_lite.FAMILY)
+                                 deepseek_v3.FAMILY, glm4_moe_lite.FAMILY, qwen3_5.FAMILY, qwen3_5.TEXT_FAMILY,
+                                 qwen3_5.MOE_FAMILY, qwen3_5.MOE_TEXT_FAMILY, qwen3_next.FAMILY)
 REGISTRY: dict[str, Family] = {model_type: family for family in FAMILIES for model_type in family.model_types}
 # families slime or verl train that the converter does not serve, and why (docs/inference-only.md lists them)
 REFUSED: dict[str, str] = {

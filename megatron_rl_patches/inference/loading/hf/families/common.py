@@ -96,7 +96,7 @@ def moe_config(arch: HFArchitecture) -> dict[str, Any]:
     if arch.shared_expert_ffn:
         values.update(moe_shared_expert_intermediate_size=arch.shared_expert_ffn, moe_shared_expert_overlap=False)
     if arch.shared_expert_gate:
-        values["moe_shared_expert_gate"] = _needs_config_field(arch, "moe_shared_expert_gate", "a gated shared expert")
+        values["moe_shared_expert_gate"] = needs_config_field(arch, "moe_shared_expert_gate", "a gated shared expert")
     if arch.dense_layers:
         values["moe_layer_freq"] = [0] * arch.dense_layers + [1] * (arch.num_layers - arch.dense_layers)
     return values
@@ -127,7 +127,7 @@ def dense_layer_params(arch: HFArchitecture, layer: int) -> dict[str, Param]:
     return {**attention_params(arch), **swiglu_params()}
 
 
-def _needs_config_field(arch: HFArchitecture, name: str, what: str) -> bool:
+def needs_config_field(arch: HFArchitecture, name: str, what: str) -> bool:
     """True where megatron-core's TransformerConfig has the field `name`; UnsupportedCheckpointError
     naming the version otherwise."""
     from dataclasses import fields

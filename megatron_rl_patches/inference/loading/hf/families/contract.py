@@ -13,7 +13,8 @@ from megatron_rl_patches.inference.loading.hf.families.family import EXPERT, Fam
 from megatron_rl_patches.inference.loading.hf.memory_plan import layer_params
 from megatron_rl_patches.inference.loading.hf.names import layer_tensors
 
-FUSED = {"qkv": 3, "gated": 2}  # tensors per parameter of these kinds; every other kind: 1
+# tensors per parameter of these kinds; every other kind: 1
+FUSED = {"qkv": 3, "gated": 2, "gated_qkv": 3, "gdn_in": 4, "gdn_in_fused": 2}
 
 
 def _map_problems(where: str, tensors: dict[str, Shape], params: dict[str, Param], once: bool) -> list[str]:

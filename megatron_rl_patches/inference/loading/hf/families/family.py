@@ -12,9 +12,11 @@ from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 
 Shape = tuple[int, ...]
 EXPERT = "{e}"  # the expert index in a per-expert tensor's or parameter's name
-# fused parameters split over the tensor-parallel ranks (mla_*: column, the rotary rows reordered)
-SPLIT_KINDS = ("row", "column", "gated", "qkv", "vocab", "mla_q", "mla_kv_down")
-WHOLE_KINDS = ("replicate",)  # parameters every rank holds whole
+# fused parameters split over the tensor-parallel ranks (mla_*: column, the rotary rows reordered;
+# gated_qkv: q/k/v with the attention output gate; gdn_*: a gated delta net's projections and convolution)
+SPLIT_KINDS = ("row", "column", "gated", "qkv", "vocab", "mla_q", "mla_kv_down", "gated_qkv", "gdn_in", "gdn_in_fused",
+               "gdn_conv")
+WHOLE_KINDS = ("replicate", "centred")  # parameters every rank holds whole (centred: a zero-centred norm's, + 1)
 KINDS = SPLIT_KINDS + WHOLE_KINDS
 
 
@@ -127,8 +129,11 @@ class Family:
     outer_tensors: Callable[[HFArchitecture], tuple[dict[str, Shape], dict[str, Shape]]] = model_tensors
     outer_params: Callable[[HFArchitecture], dict[str, Param]] = model_params
     layer_prefix: str = "model.layers.{layer}."
+    # (arch, config, vp_stage) -> this pipeline stage's block spec, where layers differ otherwise than dense / MoE
+    stage_spec: Callable[[HFArchitecture, Any, int | None], Any] | None = None
     skipped: Callable[[HFArchitecture], tuple[str, ...]] = mtp_layer_prefixes  # tensor prefixes the loader skips
     mbridge: bool = False  # converter="mbridge" serves it on the local spec
+    stacked_experts: bool = False  # checkpoints may stack the experts (fused_experts.py): read as per-expert views
     aliases: tuple[str, ...] = ()  # other model_types the family reads
     tiny_fields: Mapping[str, Any] = field(default_factory=dict)  # the test kit's tiny config.json (None: drop)
 
