@@ -82,8 +82,8 @@ def shard_pieces(arch: HFArchitecture, src: Source, tensors: list[torch.Tensor],
         "replicate": lambda: t,
         "row": lambda: t.chunk(size, dim=1)[rank],
         "column": lambda: t.chunk(size, dim=0)[rank],
-        "mla_q": lambda: mla.query_rows(arch, t).chunk(size, dim=0)[rank],
-        "mla_kv_down": lambda: mla.kv_down_rows(arch, t).chunk(size, dim=0)[rank],
+        "mla_q": lambda: _rows_in_order(t, mla.query_rows(arch, _row_numbers(t)), rank, size),
+        "mla_kv_down": lambda: _rows_in_order(t, mla.kv_down_rows(arch, _row_numbers(t)), rank, size),
         "centred": lambda: t + 1,  # (1 + w) x^ as megatron's w x^: exact
         "gated_qkv": lambda: gated_qkv(arch, *tensors).chunk(size, dim=0)[rank],
         "gdn_in": lambda: linear_in_proj(arch, *tensors, rank=rank, size=size),
@@ -91,6 +91,18 @@ def shard_pieces(arch: HFArchitecture, src: Source, tensors: list[torch.Tensor],
         "gdn_conv": lambda: linear_conv(arch, t, rank, size),
     }[src.kind]()
     return tuple(value.shape), [(lambda target: target, value)]
+
+
+def _row_numbers(t: torch.Tensor) -> torch.Tensor:
+    return torch.arange(t.shape[0]).unsqueeze(-1)  # a column the row reorders move like the rows of `t`
+
+
+def _rows_in_order(t: torch.Tensor, order: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This rank's rows of `t` reordered by `order` (the reordered row numbers), reading only the
+    span of rows of `t` they lie in, not the whole tensor."""
+    mine = order.reshape(-1).chunk(size)[rank]
+    low, high = int(mine.min()), int(mine.max()) + 1
+    return t[low:high].index_select(0, mine - low)
 
 
 def _rows(start: int, stop: int) -> Callable[[torch.Tensor], torch.Tensor]:

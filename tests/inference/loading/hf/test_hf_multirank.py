@@ -99,6 +99,7 @@ def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
     from megatron_rl_patches import apply, build_inference_model_from_hf
     from megatron_rl_patches.integrations.slime import opd
     from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, opd_settings
+    from megatron_rl_patches.testing.file_reads import FileReads
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
     dense, moe, qwen2 = f"{root}/dense", f"{root}/moe", f"{root}/qwen2"
@@ -108,7 +109,9 @@ def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
     apply(only="gpt_output_processor")
     results: dict = {}
     with megatron_on_cpu(tensor_parallel=2):
-        chunks = build_inference_model_from_hf(dense, dtype=torch.float32)
+        with FileReads(dense) as reads:  # which bytes of the files this rank reads (here and below)
+            chunks = build_inference_model_from_hf(dense, dtype=torch.float32)
+        results["tp2_reads"] = reads.read
         results["tp2_vocab_shard"] = chunks[0].output_layer.weight.shape[0]
         results["tp2"] = _scores(chunks, batch, ps.get_tensor_model_parallel_group())
         results["tp2_stream"] = _scores(build_inference_model_from_hf(dense, residency="stream", dtype=torch.float32),
@@ -116,12 +119,19 @@ def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
         # q/k/v biases split with their heads; experts split over the expert tensor-parallel group
         results["tp2_qwen2"] = _scores(build_inference_model_from_hf(qwen2, dtype=torch.float32), batch,
                                        ps.get_tensor_model_parallel_group())
-        results["tp2_moe"] = _scores(build_inference_model_from_hf(moe, dtype=torch.float32), batch,
-                                     ps.get_tensor_model_parallel_group())
+        with FileReads(moe) as reads:
+            results["tp2_moe"] = _scores(build_inference_model_from_hf(moe, dtype=torch.float32), batch,
+                                         ps.get_tensor_model_parallel_group())
+        results["tp2_moe_reads"] = reads.read
         for family in NEW_FAMILIES:  # shared experts, biases and partial RoPE split with their heads / columns
-            results[f"tp2_{family}"] = _family_scores(f"{root}/{family}", batch, ps.get_tensor_model_parallel_group())
+            with FileReads(f"{root}/{family}") as reads:
+                results[f"tp2_{family}"] = _family_scores(f"{root}/{family}", batch,
+                                                          ps.get_tensor_model_parallel_group())
+            results[f"tp2_{family}_reads"] = reads.read
     with megatron_on_cpu(pipeline_parallel=2):
-        chunks = build_inference_model_from_hf(dense, dtype=torch.float32)
+        with FileReads(dense) as reads:
+            chunks = build_inference_model_from_hf(dense, dtype=torch.float32)
+        results["pp2_reads"] = reads.read
         results["pp2_layers"] = len(chunks[0].decoder.layers)
         results["pp2"] = _scores(chunks, batch, None)
         for residency in ("swap", "stream"):  # each stage moves only its own layers
@@ -146,7 +156,9 @@ def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
     with megatron_on_cpu():
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
-        chunks = build_inference_model_from_hf(moe, dtype=torch.float32)
+        with FileReads(moe) as reads:
+            chunks = build_inference_model_from_hf(moe, dtype=torch.float32)
+        results["ep2_reads"] = reads.read
         results["ep2_experts"] = len(chunks[0].decoder.layers[0].mlp.experts.local_experts)
         results["ep2"] = _scores(chunks, batch, None)
         for residency in ("swap", "stream"):  # each expert rank moves only its own experts
@@ -340,3 +352,63 @@ def test_ep2_new_moe_families_equal_transformers(world, family):
     for result in results:
         errors = _new_family_errors(result[f"ep2_{family}"], family, reference[family])
         assert all(err < 1e-4 for err in errors.values()), errors
+
+
+
+# whole on every rank: norms, routers (their expert bias too) and qwen2_moe's shared-expert gate
+REPLICATED = ("norm.weight", "gate.weight", "e_score_correction_bias")
+
+
+def _reads(results, key):
+    """Each rank's bytes read from the checkpoint's files in the build `key`: name -> flags."""
+    return [result[key] for result in results]
+
+
+@layouts.mark("tp2")
+@pytest.mark.parametrize("model", ["dense", "moe", *NEW_FAMILIES])
+def test_tp2_each_rank_reads_only_its_part_of_a_split_tensor(world, model):
+    """A split tensor's bytes are read about half by each rank, the halves disjoint and together
+    whole; a replicated one whole by both. Before the fix MLA's q_b_proj and kv_a_proj_with_mqa
+    were read whole on each rank (their rotary rows reordered before the split)."""
+    results, _ = world
+    if isinstance(results[0][f"tp2_{model}"] if model != "dense" else {}, str):
+        pytest.skip(results[0][f"tp2_{model}"])  # refused on this megatron-core
+    first, second = _reads(results, "tp2_reads" if model == "dense" else f"tp2_{model}_reads")
+    assert first and set(first) == set(second), sorted(set(first) ^ set(second))
+    split = 0
+    for name, mine in first.items():
+        theirs = second[name]
+        if name.endswith(REPLICATED):
+            assert mine.all() and theirs.all(), name
+            continue
+        split += 1
+        assert not (mine & theirs).any() and (mine | theirs).all(), name  # each byte read by one rank
+        assert 0.45 < mine.mean() < 0.55, (name, mine.mean())  # about half (the vocab: 512 of 1001 rows)
+    assert split >= 10  # positive control: the projections and the embedding are split
+
+
+@layouts.mark("pp2")
+def test_pp2_each_stage_reads_only_its_own_layers(world):
+    """Stage 0 reads the embedding and layer 0, stage 1 layer 1, the final norm and the output
+    layer: each tensor whole, none of the other stage's."""
+    results, _ = world
+    first, second = _reads(results, "pp2_reads")
+    assert all(flags.all() for flags in (*first.values(), *second.values()))
+    assert not set(first) & set(second), sorted(set(first) & set(second))
+    assert "model.embed_tokens.weight" in first and {"model.norm.weight", "lm_head.weight"} <= set(second)
+    assert {name.split(".")[2] for name in first if name.startswith("model.layers.")} == {"0"}
+    assert {name.split(".")[2] for name in second if name.startswith("model.layers.")} == {"1"}
+    assert len(first) + len(second) == 25  # every tensor of the checkpoint, by one stage
+
+
+@layouts.mark("ep2")
+def test_ep2_each_rank_reads_only_its_own_experts(world):
+    """Rank 0 reads experts 0-1 of each layer, rank 1 experts 2-3; the rest (attention, router,
+    norms, embedding, output layer) whole on both."""
+    results, _ = world
+    for rank, reads in enumerate(_reads(results, "ep2_reads")):
+        assert all(flags.all() for flags in reads.values())
+        experts = {int(name.split(".")[5]) for name in reads if ".mlp.experts." in name}
+        assert experts == {2 * rank, 2 * rank + 1}, (rank, experts)
+        assert len([name for name in reads if ".mlp.experts." in name]) == 2 * 2 * 3  # 2 layers, 2 experts, 3 each
+        assert "model.layers.1.mlp.gate.weight" in reads and "lm_head.weight" in reads
