@@ -85,10 +85,11 @@ def shard_pieces(arch: HFArchitecture, src: Source, tensors: list[torch.Tensor],
         "mla_q": lambda: _rows_in_order(t, mla.query_rows(arch, _row_numbers(t)), rank, size),
         "mla_kv_down": lambda: _rows_in_order(t, mla.kv_down_rows(arch, _row_numbers(t)), rank, size),
         "centred": lambda: t + 1,  # (1 + w) x^ as megatron's w x^: exact
-        "gated_qkv": lambda: gated_qkv(arch, *tensors).chunk(size, dim=0)[rank],
-        "gdn_in": lambda: linear_in_proj(arch, *tensors, rank=rank, size=size),
-        "gdn_in_fused": lambda: linear_in_proj(arch, *unfuse_qkvz_ba(arch, *tensors), rank=rank, size=size),
-        "gdn_conv": lambda: linear_conv(arch, t, rank, size),
+        "gated_qkv": lambda: _fused_rows(lambda *x: gated_qkv(arch, *x).chunk(size, dim=0)[rank], tensors),
+        "gdn_in": lambda: _fused_rows(lambda *x: linear_in_proj(arch, *x, rank=rank, size=size), tensors),
+        "gdn_in_fused": lambda: _fused_rows(
+            lambda *x: linear_in_proj(arch, *unfuse_qkvz_ba(arch, *x), rank=rank, size=size), tensors),
+        "gdn_conv": lambda: _fused_rows(lambda x: linear_conv(arch, x, rank, size), tensors),
     }[src.kind]()
     return tuple(value.shape), [(lambda target: target, value)]
 
@@ -103,6 +104,19 @@ def _rows_in_order(t: torch.Tensor, order: torch.Tensor, rank: int, size: int) -
     mine = order.reshape(-1).chunk(size)[rank]
     low, high = int(mine.min()), int(mine.max()) + 1
     return t[low:high].index_select(0, mine - low)
+
+
+def _fused_rows(rows_of: Callable[..., torch.Tensor], tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`rows_of(*tensors)` for a `rows_of` that only picks and orders whole rows of its inputs,
+    reading only the rows it picks: it is run on row labels first ((row, input) in one integer), then
+    each run of consecutive rows of one input is sliced from it (a view) and the runs concatenated."""
+    n = len(tensors)
+    labels = rows_of(*[(torch.arange(t.shape[0]) * n + i).unsqueeze(-1) for i, t in enumerate(tensors)]).reshape(-1)
+    which, row = labels % n, labels // n
+    breaks = ((which[1:] != which[:-1]) | (row[1:] != row[:-1] + 1)).nonzero().reshape(-1) + 1
+    starts = [0, *breaks.tolist()]
+    stops = [*breaks.tolist(), labels.numel()]
+    return torch.cat([tensors[int(which[a])][int(row[a]):int(row[a]) + b - a] for a, b in zip(starts, stops)])
 
 
 def _rows(start: int, stop: int) -> Callable[[torch.Tensor], torch.Tensor]:

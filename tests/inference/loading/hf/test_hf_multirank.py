@@ -53,16 +53,22 @@ def _scores(chunks, batch, tp_group, microbatches=1):
     return {"logits": routed[0]["log_probs"].double(), "fused": fused[0].double()}
 
 
-def _family_scores(path: str, batch: dict, tp_group) -> dict | str:
+def _family_scores(path: str, batch: dict, tp_group, reads=None) -> dict | str:
     """`_scores` of the checkpoint at `path`, or the refusal of a family this megatron-core lacks a
-    module for (qwen2_moe's gated shared expert, Qwen3.5's gated attention on 0.13.1)."""
+    module for (qwen2_moe's gated shared expert, Qwen3.5's gated attention on 0.13.1); `reads`, a
+    FileReads, watches the build only (its torch-function mode would break compiled code in the
+    forward)."""
+    from contextlib import nullcontext
+
     from megatron_rl_patches import build_inference_model_from_hf
     from megatron_rl_patches.inference.loading.hf import UnsupportedCheckpointError
 
     try:
-        return _scores(build_inference_model_from_hf(path, dtype=torch.float32), batch, tp_group)
+        with reads if reads is not None else nullcontext():
+            chunks = build_inference_model_from_hf(path, dtype=torch.float32)
     except UnsupportedCheckpointError as exc:
         return str(exc)
+    return _scores(chunks, batch, tp_group)
 
 
 def _new_family_errors(scores: dict | str, family: str, want) -> dict:
@@ -124,9 +130,9 @@ def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
                                          ps.get_tensor_model_parallel_group())
         results["tp2_moe_reads"] = reads.read
         for family in NEW_FAMILIES:  # shared experts, biases and partial RoPE split with their heads / columns
-            with FileReads(f"{root}/{family}") as reads:
-                results[f"tp2_{family}"] = _family_scores(f"{root}/{family}", batch,
-                                                          ps.get_tensor_model_parallel_group())
+            reads = FileReads(f"{root}/{family}")
+            results[f"tp2_{family}"] = _family_scores(f"{root}/{family}", batch,
+                                                      ps.get_tensor_model_parallel_group(), reads)
             results[f"tp2_{family}_reads"] = reads.read
     with megatron_on_cpu(pipeline_parallel=2):
         with FileReads(dense) as reads:
