@@ -271,28 +271,9 @@ def check_temperature(
     constant, and no gradient is computed for it.
     """
     lead = tuple(lead)
-    if isinstance(temperature, CheckedTemperature) and temperature.math_dtype == compute_dtype(dtype):
-        return float(temperature)  # a processor call checked it once for every op it runs
     if isinstance(temperature, torch.Tensor):
         return _check_temperature_tensor(temperature, lead, device, checks, dtype)
     return check_scalar_temperature(temperature, dtype, f"a float or a tensor of shape {list(lead)}")
-
-
-class CheckedTemperature(float):
-    """A scalar temperature :func:`check_scalar_temperature` accepted for inputs computing in
-    `math_dtype`: the ops running in one processor call take it without checking it again."""
-
-    math_dtype: torch.dtype
-
-    def __new__(cls, value: float, math_dtype: torch.dtype) -> CheckedTemperature:
-        checked = super().__new__(cls, value)
-        checked.math_dtype = math_dtype
-        return checked
-
-
-def checked_temperature(temperature: object, dtype: torch.dtype) -> CheckedTemperature:
-    """`temperature` checked once (:func:`check_scalar_temperature`) for inputs of `dtype`."""
-    return CheckedTemperature(check_scalar_temperature(temperature, dtype), compute_dtype(dtype))
 
 
 def check_scalar_temperature(temperature: object, dtype: torch.dtype = torch.float32,

@@ -32,6 +32,7 @@ __all__ = [
     "split_responses",
     "response_log_probs_and_entropy",
     "allgather_cp_to_zigzag",
+    "zigzag_to_allgather_cp",
 ]
 
 
@@ -289,39 +290,62 @@ def allgather_cp_to_zigzag(
     exactly as it came in: if any input requires grad the all-reduce is differentiable (its
     backward sums the gradients of every rank); otherwise (metrics) a plain collective on
     detached data is used and the outputs do not require grad. Every rank must make the same
-    choice, which holds when all ranks run the same code.
+    choice, which holds when all ranks run the same code. Bool values (masks) move as integers.
     """
-    mine = _allgather_pieces(values, layout, num_rows, group)
+    mine = _allgather_pieces(layout, num_rows, group)
+    _check_piece_rows("allgather-CP", values, mine)
     if layout.cp_size == 1 or not values:  # nothing to move (no samples: the same on every rank)
         return list(values)
-    return _move_to_zigzag_pieces(values, layout, mine, group)
+    return _moved(values, layout, mine, _zigzag_pieces(layout), group)
 
 
-def _allgather_pieces(
+def zigzag_to_allgather_cp(
     values: Sequence[torch.Tensor], layout: PackedLayout, num_rows: int, group: dist.ProcessGroup | None
-) -> list[list[Piece]]:
-    """This rank's allgather-CP pieces per sample, checked against the group and the `values`."""
+) -> list[torch.Tensor]:
+    """The inverse of :func:`allgather_cp_to_zigzag`: per-sample tensors on this rank's zigzag
+    pieces go to its allgather-CP pieces of `num_rows` local rows (one SUM all-reduce)."""
+    mine = _allgather_pieces(layout, num_rows, group)
+    zigzag = _zigzag_pieces(layout)
+    _check_piece_rows("zigzag", values, zigzag)
+    if layout.cp_size == 1 or not values:
+        return list(values)
+    return _moved(values, layout, zigzag, mine, group)
+
+
+def _allgather_pieces(layout: PackedLayout, num_rows: int, group: dist.ProcessGroup | None) -> list[list[Piece]]:
+    """This rank's allgather-CP pieces per sample, the layout checked against the CP `group`."""
     if not layout.allgather_cp:
-        raise ValueError("allgather_cp_to_zigzag needs a layout with allgather_cp=True")
+        raise ValueError("moving rows between allgather-CP and zigzag needs a layout with allgather_cp=True")
     cp_size = 1 if group is None else dist.get_world_size(group)
     if cp_size != layout.cp_size:
         raise ValueError(f"layout.cp_size={layout.cp_size} but the CP group has {cp_size} ranks")
-    mine = response_pieces(layout, num_rows)
-    if len(values) != len(mine):
-        raise ValueError(f"got {len(values)} tensors for {len(mine)} samples")
-    for i, (value, pieces) in enumerate(zip(values, mine)):
-        rows = sum(p.stop - p.start for p in pieces)
+    return response_pieces(layout, num_rows)
+
+
+def _zigzag_pieces(layout: PackedLayout) -> list[list[Piece]]:
+    """This rank's zigzag CP pieces per sample for the samples of an allgather-CP `layout`."""
+    zigzag = PackedLayout(layout.total_lengths, layout.response_lengths, cp_size=layout.cp_size,
+                          cp_rank=layout.cp_rank, qkv_format=layout.qkv_format)
+    return response_pieces(zigzag, sum(zigzag.sample_rows(t) for t in layout.total_lengths))
+
+
+def _check_piece_rows(kind: str, values: Sequence[torch.Tensor], pieces: list[list[Piece]]) -> None:
+    """One tensor per sample with as many rows as its `kind` pieces on this rank."""
+    if len(values) != len(pieces):
+        raise ValueError(f"got {len(values)} tensors for {len(pieces)} samples")
+    for i, (value, held) in enumerate(zip(values, pieces)):
+        rows = sum(p.stop - p.start for p in held)
         if value.size(0) != rows:
-            raise ValueError(
-                f"sample {i}: expected {rows} rows on this rank (its allgather-CP pieces), got {value.size(0)}"
-            )
-    return mine
+            raise ValueError(f"sample {i}: expected {rows} rows on this rank (its {kind} pieces), got {value.size(0)}")
 
 
-def _move_to_zigzag_pieces(
-    values: Sequence[torch.Tensor], layout: PackedLayout, mine: list[list[Piece]], group: dist.ProcessGroup | None
+def _moved(
+    values: Sequence[torch.Tensor], layout: PackedLayout, sources: list[list[Piece]], targets: list[list[Piece]],
+    group: dist.ProcessGroup | None,
 ) -> list[torch.Tensor]:
-    """Every full response rebuilt on every rank from each rank's pieces; this rank's zigzag pieces."""
+    """Every full response rebuilt on every rank from each rank's `sources` pieces; this rank's `targets`."""
+    if values[0].dtype == torch.bool:  # a SUM of bools is not every backend's; each row is set on one rank
+        return [moved != 0 for moved in _moved([v.to(torch.int32) for v in values], layout, sources, targets, group)]
     starts = [0, *itertools.accumulate(layout.response_lengths)]
     flat = torch.cat(list(values))
     device, trailing = flat.device, tuple(flat.shape[1:])
@@ -331,20 +355,15 @@ def _move_to_zigzag_pieces(
                for i, pieces in enumerate(pieces_per_sample) for p in pieces]
         return (torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)).to(device)
 
-    mine_at = positions(mine)
-    zig_layout = PackedLayout(layout.total_lengths, layout.response_lengths, cp_size=layout.cp_size,
-                              cp_rank=layout.cp_rank, qkv_format=layout.qkv_format)
-    zig = response_pieces(zig_layout, sum(zig_layout.sample_rows(t) for t in layout.total_lengths))
-    zig_at = positions(zig)
-    full = flat.new_zeros((starts[-1], *trailing)).index_put((mine_at,), flat)
+    full = flat.new_zeros((starts[-1], *trailing)).index_put((positions(sources),), flat)
     # SUM all-reduce over the CP group: each response row is nonzero on exactly one rank (the
-    # one holding it under allgather-CP), so the sum is every full response on every rank
+    # one holding it in the source layout), so the sum is every full response on every rank
     if full.requires_grad:  # some input requires grad
         import torch.distributed.nn.functional as dist_nn
 
         full = dist_nn.all_reduce(full, group=group)
     else:
         dist.all_reduce(full, group=group)
-    picked = full[zig_at]
-    sizes = [sum(p.stop - p.start for p in pieces) for pieces in zig]
+    picked = full[positions(targets)]
+    sizes = [sum(p.stop - p.start for p in pieces) for pieces in targets]
     return list(picked.split(sizes))

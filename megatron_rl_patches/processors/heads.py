@@ -180,10 +180,7 @@ class ProcessorCall:
             if not isinstance(rows, torch.Tensor) or not torch.is_floating_point(rows):
                 raise TypeError("output_processor_context['temperature'] must be a floating tensor [b, s]")
             self.temperature = rows.detach() * self.temperature
-        else:  # checked once here for every op of the call
-            from megatron_rl_patches.ops._checks import checked_temperature
-
-            self.temperature = checked_temperature(self.temperature, hidden_states.dtype)
+        # a scalar τ is checked by each op the call runs (against the hidden states' dtype), not here
         self.labels = None if labels is None else token_rows(labels, "labels", batch, seq)
 
     @property

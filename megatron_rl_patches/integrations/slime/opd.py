@@ -358,7 +358,7 @@ def student_buckets(args: Any, batch: dict, logits: Any) -> tuple[torch.Tensor, 
     pieces = [per_sample_rows(values, batch, allgather) for values in (logp, tail)]
     if allgather:  # slime's per-sample fields (teacher buckets, masks) are in the zigzag rows
         lengths = (batch["total_lengths"], batch["response_lengths"])
-        pieces = [zigzag_from_local(p, v.shape[1], *lengths, differentiable=True) for p, v in zip(pieces, (logp, tail))]
+        pieces = [zigzag_from_local(p, v.shape[1], *lengths) for p, v in zip(pieces, (logp, tail))]
     return torch.cat(pieces[0]), torch.cat(pieces[1])
 
 

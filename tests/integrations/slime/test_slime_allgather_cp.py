@@ -1,9 +1,10 @@
 """slime_opd's `--allgather-cp` row moves on 2 gloo context-parallel ranks with Megatron's parallel
 state (the slime lane runs them inside slime's real `train_actor`): a pass's rows of this rank's
 contiguous slice of the packed stream go to the rank's zigzag response rows (`zigzag_from_local`)
-and back (`local_from_zigzag`), for float buckets (with their gradient), int64 ids and bool masks.
-slime's zigzag offsets (`cp_utils`, not in the main suite's stand-ins) are stood in for by the kit's
-zigzag layout over each sequence padded to 2·cp chunks, restricted to the response's logits rows."""
+and back (`local_from_zigzag`), for float buckets (with their gradient), int64 ids and bool masks,
+against the kit's zigzag layout over each sequence padded to 2·cp chunks (restricted to the
+response's logits rows: slime's `cp_utils` offsets) and against the ops' own route
+(`ops.packing.allgather_cp_to_zigzag`, called with the CP group), forward and backward."""
 from __future__ import annotations
 
 import pytest
@@ -29,11 +30,12 @@ def _zigzag_rows(total: int, response: int):
 
 def _moved(rank: int, world_size: int) -> dict:
     import torch
+    from megatron.core import parallel_state
 
     from megatron_rl_patches.integrations.slime import allgather_cp
+    from megatron_rl_patches.ops.packing import PackedLayout, allgather_cp_to_zigzag
     from megatron_rl_patches.testing.megatron_cpu import megatron_world
 
-    allgather_cp.zigzag_rows = _zigzag_rows
     with megatron_world("cpu", context_parallel=2):
         gen = torch.Generator().manual_seed(0)
         full = [torch.randn(r, K, generator=gen, dtype=torch.float64) for r in RESPONSES]
@@ -46,13 +48,17 @@ def _moved(rank: int, world_size: int) -> dict:
             lo, hi = max(first, rank * local_len), min(first + response, (rank + 1) * local_len)
             spans.append((lo - first, hi - first) if hi > lo else (0, 0))
             seq_start += total
-        out = {"expected": {}, "got": {}}
+        layout = PackedLayout(TOTALS, RESPONSES, cp_size=2, cp_rank=rank, allgather_cp=True)
+        group = parallel_state.get_context_parallel_group()
+        out: dict = {"expected": {}, "got": {}, "ops": {}}
         for name, values in (("buckets", full), ("ids", ids), ("masks", masks)):
             pieces = [v[a:b].clone() for v, (a, b) in zip(values, spans)]
+            twins = [p.clone() for p in pieces]  # the same pieces for the ops' route
             if name == "buckets":
-                pieces = [p.requires_grad_() for p in pieces]
-            zigzag = allgather_cp.zigzag_from_local(pieces, local_len, list(TOTALS), list(RESPONSES),
-                                                    differentiable=name == "buckets")
+                pieces, twins = [p.requires_grad_() for p in pieces], [p.requires_grad_() for p in twins]
+            zigzag = allgather_cp.zigzag_from_local(pieces, local_len, list(TOTALS), list(RESPONSES))
+            ops_zigzag = allgather_cp_to_zigzag(twins, layout, local_len, group)
+            out["ops"][name] = [z.detach() for z in ops_zigzag]
             back = allgather_cp.local_from_zigzag([z.detach() for z in zigzag], local_len, list(TOTALS),
                                                   list(RESPONSES))
             expected = [v[_zigzag_rows(t, r)] for v, t, r in zip(values, TOTALS, RESPONSES)]
@@ -61,8 +67,15 @@ def _moved(rank: int, world_size: int) -> dict:
             if name == "buckets":
                 # each rank's loss: the sum of its zigzag rows; the all-reduce's backward sums the CP ranks'
                 # gradients, and the zigzag rows partition each response: every local row gets exactly 1
-                sum(z.sum() for z in zigzag).backward()
+                sum(z.sum() for z in zigzag).backward(retain_graph=True)
                 out["grads"] = [p.grad for p in pieces]
+                # a weighted loss on both routes: each local row's gradient is its weight at its zigzag row
+                weights = [torch.randn(z.shape, generator=gen, dtype=torch.float64) for z in zigzag]
+                for piece in pieces:
+                    piece.grad = None
+                sum((z * w).sum() for z, w in zip(zigzag, weights)).backward()
+                sum((z * w).sum() for z, w in zip(ops_zigzag, weights)).backward()
+                out["weighted_grads"] = ([p.grad for p in pieces], [t.grad for t in twins])
         return out
 
 
@@ -85,6 +98,19 @@ def test_contiguous_rows_go_to_the_zigzag_rows_and_back(ranks, name):
             assert torch.equal(got, want)
     held = [sum(p.shape[0] for p in rank["expected"][name][1]) for rank in ranks]
     assert all(held) and sum(held) == sum(RESPONSES)  # both ranks hold rows; together all of them
+
+
+@pytest.mark.parametrize("name", ["buckets", "ids", "masks"])
+def test_slimes_route_is_the_ops_route(ranks, name):
+    import torch
+
+    for rank in ranks:
+        for want, got in zip(rank["ops"][name], rank["got"][name][0], strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+        slime_grads, ops_grads = rank["weighted_grads"]
+        for want, got in zip(ops_grads, slime_grads, strict=True):
+            assert torch.equal(got, want)
+        assert any(bool(g.abs().sum() > 0) for g in slime_grads)
 
 
 def test_the_zigzag_buckets_carry_their_gradient_to_every_ranks_rows(ranks):

@@ -1,7 +1,7 @@
 """slime's fused route runs the log-prob processor and the top-k processor (two ops) in one output
 processor (`with_topk`): on a real tiny GPTModel the row mask is selected once for the three ops
-(one host sync, one tensor-parallel check), the scalar temperature checked once per processor
-call, and the results equal the two processors run on their own."""
+(one host sync, one tensor-parallel check), the scalar temperature checked once by each op (the
+processor call adds no check of its own), and the results equal the two processors run on their own."""
 from __future__ import annotations
 
 import pytest
@@ -34,7 +34,7 @@ def _counted(monkeypatch, owner, name, counts):
     monkeypatch.setattr(owner, name, counting)
 
 
-def test_with_topk_selects_rows_once_and_checks_the_temperature_once_per_processor(
+def test_with_topk_selects_rows_once_and_checks_the_temperature_once_per_op(
         megatron_cpu, clean_patch_state, monkeypatch):
     megatron_rl_patches.apply(only="gpt_output_processor")
     model = _gpt(megatron_cpu)
@@ -50,7 +50,8 @@ def test_with_topk_selects_rows_once_and_checks_the_temperature_once_per_process
     _counted(monkeypatch, _checks, "check_scalar_temperature", counts)
     with torch.no_grad():
         got = model(*args, labels=batch["labels"], output_processor=both, output_processor_context={"row_mask": rows})
-    assert counts == {"_selected": 1, "check_scalar_temperature": 2}, counts
+    # three ops (log-probs, top-k ids, top-k log-probs), each checking τ once; nothing else checks it
+    assert counts == {"_selected": 1, "check_scalar_temperature": 3}, counts
 
     counts.clear()
     with torch.no_grad():

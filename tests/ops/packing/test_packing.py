@@ -12,6 +12,7 @@ from megatron_rl_patches.ops.packing import (
     response_pieces,
     shifted_targets,
     split_responses,
+    zigzag_to_allgather_cp,
 )
 from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.multirank import run_multirank
@@ -175,6 +176,13 @@ def _redistribute_worker(rank: int, world_size: int) -> dict:
     result["grad_ok"] = all(
         torch.allclose(leaf.grad, w) for leaf, w in zip(leaves, take(weights, ag, num_rows))
     )
+    # masks and ids: bool moves as integers and comes back bool; the inverse move restores each rank's pieces
+    masks = [t > 0 for t in full]
+    for name, values in (("masks", masks), ("ids", [(t * 100).long() for t in full])):
+        moved = allgather_cp_to_zigzag(take(values, ag, num_rows), ag, num_rows, group)
+        back = zigzag_to_allgather_cp(moved, ag, num_rows, group)
+        want = take(values, zig, zig_rows) + take(values, ag, num_rows)
+        result[f"{name}_ok"] = all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(moved + back, want))
     empty = PackedLayout((), (), cp_size=world_size, cp_rank=rank, allgather_cp=True)
     result["no_samples"] = allgather_cp_to_zigzag([], empty, 0, group)
     return result
@@ -185,4 +193,5 @@ def _redistribute_worker(rank: int, world_size: int) -> dict:
 def test_allgather_cp_to_zigzag_on_two_ranks():
     for rank, result in enumerate(run_multirank(_redistribute_worker, 2)):
         assert result == {"metric_requires_grad": False, "metric_ok": True, "loss_requires_grad": True,
-                          "loss_ok": True, "grad_ok": True, "no_samples": []}, f"rank {rank}: {result}"
+                          "loss_ok": True, "grad_ok": True, "masks_ok": True, "ids_ok": True,
+                          "no_samples": []}, f"rank {rank}: {result}"

@@ -155,17 +155,9 @@ def actor_config(entropy_coeff: float = 0.0) -> Any:
 
 def grads(model: Any, group: Any = None) -> dict:
     """Every parameter's gradient (summed over the process `group` when given); zeroes them."""
-    import torch.distributed as dist
+    from megatron_rl_patches.testing.compare import collect_grads
 
-    out = {}
-    for name, param in model.named_parameters():
-        if param.grad is not None:
-            grad = param.grad.clone()
-            if group is not None:
-                dist.all_reduce(grad, group=group)
-            out[name] = grad
-    model.zero_grad(set_to_none=True)
-    return out
+    return collect_grads(model, summed_over=group)
 
 
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
