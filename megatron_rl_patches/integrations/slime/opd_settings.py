@@ -28,10 +28,13 @@ class Teacher:
     """One teacher: a checkpoint path, and for another architecture the `module:function` that
     returns its Megatron model provider (called with slime's args). `same_architecture` means
     "no provider": a Hugging Face `PATH` of another architecture is found by its config.json
-    when the teachers load (`hf_teachers`)."""
+    when the teachers load (`hf_teachers`). `own_tokenizer` (the entry's `;tokenizer=own`): the
+    Hugging Face teacher keeps its own tokenizer and is scored on its own encoding of each sample
+    (`cross_teachers`)."""
 
     path: str
     provider: str | None = None
+    own_tokenizer: bool = False
 
     @property
     def same_architecture(self) -> bool:
@@ -61,13 +64,36 @@ def _is_provider(spec: str) -> bool:
     return bool(colon) and all(part.isidentifier() for part in module.split(".")) and function.isidentifier()
 
 
+# An entry's options after its path: `PATH;tokenizer=own` (the only one: a Hugging Face teacher
+# with another tokenizer than the student's, served by cross-tokenizer distillation).
+OWN_TOKENIZER = "tokenizer=own"
+
+
+def _options(entry: str, options: list[str]) -> bool:
+    """Whether the entry asks for its own tokenizer (every option checked)."""
+    own = False
+    for option in (o.strip() for o in options):
+        if option.replace(" ", "") != OWN_TOKENIZER:
+            raise ValueError(f"{TEACHERS} entry {entry!r}: unknown option {option!r}; the one option is "
+                             f"';{OWN_TOKENIZER}' (a Hugging Face teacher with another tokenizer, e.g. "
+                             f"/ckpt/qwen35;{OWN_TOKENIZER})")
+        own = True
+    return own
+
+
 def _teacher(entry: str) -> Teacher:
-    path, at, provider = entry.partition("@")
+    head, *options = entry.split(";")
+    path, at, provider = head.partition("@")
     if not path.strip() or (at and not _is_provider(provider.strip())):
-        raise ValueError(f"{TEACHERS} entry {entry!r}: expected PATH (same architecture as the actor) or "
+        raise ValueError(f"{TEACHERS} entry {entry!r}: expected PATH (same architecture as the actor), "
                          "PATH@module:function (a provider for another architecture, e.g. "
-                         "/ckpt/teacher@my_models:teacher_provider)")
-    return Teacher(path.strip(), provider.strip() or None)
+                         f"/ckpt/teacher@my_models:teacher_provider) or PATH;{OWN_TOKENIZER} (a Hugging Face "
+                         "directory with another tokenizer)")
+    own = _options(entry, options)
+    if own and at:
+        raise ValueError(f"{TEACHERS} entry {entry!r}: ';{OWN_TOKENIZER}' serves Hugging Face directories (their "
+                         "tokenizer.json is read); drop '@module:function' or the option")
+    return Teacher(path.strip(), provider.strip() or None, own)
 
 
 def _residency(env: Mapping[str, str]) -> str | None:
