@@ -89,3 +89,16 @@ def local_from_zigzag(per_sample: list[torch.Tensor], local_len: int, total_leng
     summed = _cp_sum(torch.cat(full), differentiable=False).split(list(response_lengths))
     spans = local_spans(local_len, total_lengths, response_lengths)
     return [values[start:end] for values, (start, end) in zip(summed, spans)]
+
+
+def whole_from_zigzag(per_sample: list[torch.Tensor], total_lengths: list[int],
+                      response_lengths: list[int]) -> list[torch.Tensor]:
+    """Per sample, the whole response's values from each context-parallel rank's zigzag rows (every
+    rank gets them all; unchanged with one context-parallel rank)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return list(per_sample)
+    full = [_placed(values, zigzag_rows(total, response), response)
+            for values, total, response in zip(per_sample, total_lengths, response_lengths)]
+    return list(_cp_sum(torch.cat(full), differentiable=False).split(list(response_lengths)))
