@@ -67,10 +67,28 @@ def load_cross(args: Any, teacher: Teacher, model: Any) -> CrossTeacher:
     return CrossTeacher(model, own, student, shared_strings(student, own))
 
 
+def unserved_layout(args: Any) -> str | None:
+    """The layout feature teachers with another tokenizer are not served with (yet), or None."""
+    if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
+        return "a virtual pipeline (--num-layers-per-virtual-pipeline-stage)"
+    if (getattr(args, "expert_model_parallel_size", None) or 1) > 1:
+        return "expert parallelism (--expert-model-parallel-size > 1)"
+    if getattr(args, "allgather_cp", False):
+        return "--allgather-cp"
+    return None
+
+
 def check_args(args: Any, settings: OpdSettings) -> None:
-    """slime's `--use-opd` with teachers of another tokenizer: one teacher, and slime's sglang mode
-    (its megatron mode overwrites teacher_log_probs with its own teacher's)."""
-    if not getattr(args, "use_opd", False) or not any(t.own_tokenizer for t in settings.teachers):
+    """Before anything loads: the layouts teachers with another tokenizer serve, and slime's
+    `--use-opd` with them (one teacher; slime's sglang mode: its megatron mode overwrites
+    teacher_log_probs with its own teacher's)."""
+    if not any(t.own_tokenizer for t in settings.teachers):
+        return
+    what = unserved_layout(args)
+    if what is not None:
+        raise ValueError(f"{TEACHERS} names a teacher with ';tokenizer=own', which is not served with {what} "
+                             "yet: run it without that, or drop the option's teacher")
+    if not getattr(args, "use_opd", False):
         return
     if len(settings.teachers) != 1:
         raise ValueError(f"{TEACHERS}: slime's --use-opd takes one teacher's log-probs; name one teacher "

@@ -161,3 +161,26 @@ def test_log_ratio_is_part_one_token_term(pair):
     a = sample.alignment
     per_chunk = torch.zeros(a.n_chunks, dtype=torch.float64).index_add(0, a.teacher_chunk, t_lp)
     torch.testing.assert_close((ratio + s_lp).sum(), per_chunk.sum())  # chunk sums exact
+
+
+@pytest.mark.parametrize(("values", "named"), [
+    ({"virtual_pipeline_model_parallel_size": 2}, "virtual pipeline"),
+    ({"expert_model_parallel_size": 2}, "expert parallelism"),
+    ({"allgather_cp": True}, "--allgather-cp"),
+    ({"use_opd": True, "opd_type": "megatron"}, "--opd-type sglang"),
+])
+def test_unserved_layouts_and_slime_opd_modes_refused_before_loading(values, named):
+    from types import SimpleNamespace
+
+    from megatron_rl_patches.integrations.slime.cross_passes import check_args
+
+    own = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/t;tokenizer=own"})
+    same = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/t"})
+    args = SimpleNamespace(virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
+                           allgather_cp=False, use_opd=False)
+    check_args(args, own)  # served: one rank, TP, PP, CP zigzag
+    for name, value in values.items():
+        setattr(args, name, value)
+    check_args(args, same)  # a teacher of the student's tokenizer: nothing of this applies
+    with pytest.raises(ValueError, match=named.replace("-", r"\-")):
+        check_args(args, own)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -238,8 +239,14 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
             from megatron_rl_patches.integrations.slime import hf_teachers
             from megatron_rl_patches.testing.packed_gpt import packed_attention_class
 
-            patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"teacher-a,{cross['teacher']};tokenizer=own")
-            patch.setattr(hf_teachers, "packed_core_attention", lambda args: packed_attention_class())
+            patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS",
+                         cross.get("entries", f"teacher-a,{cross['teacher']};tokenizer=own"))
+            patch.setenv("MEGATRON_RL_PATCHES_OPD_WEIGHTS", cross.get("weights", OPD_ENV["WEIGHTS"]))
+            # the teacher's layers on the kit's CPU attention: packed, or context-parallel (zigzag) at CP > 1
+            from megatron_rl_patches.testing.cp_attention import ContextParallelAttention
+
+            core = ContextParallelAttention if context > 1 else packed_attention_class()
+            patch.setattr(hf_teachers, "packed_core_attention", lambda args: core)
             cross_flags = ("--vocab-size", str(cross["vocab"]))
         megatron_rl_patches.apply(only=["train_reentry", "slime_fused", "gpt_output_processor", "slime_opd"])
         try:
@@ -283,13 +290,17 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                     return result
 
                 patch.setattr(slime_model, "train_one_step", noting_losses)
+                seconds = [time.perf_counter()]
                 actor.train_actor(0, data)
+                seconds.append(time.perf_counter())
                 first = data
                 for rollout_id in range(1, rollouts):  # re-entry: slime's train() and the teacher passes again
                     data = actor_rollout(rollout_id, samples)
                     actor.train_actor(rollout_id, data)
+                    seconds.append(time.perf_counter())
                 last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                 return {"states": states, "grads": grads, "losses": losses if last else None,
+                        "step_seconds": [b - a for a, b in zip(seconds, seconds[1:])],
                         "ids": first.get(slime_opd.IDS), "rows": _response_rows(first),
                         "last_ids": data.get(slime_opd.IDS),
                         "keys": sorted(k for k in data if k.startswith("opd_")), "split": _partition_dims(model),
