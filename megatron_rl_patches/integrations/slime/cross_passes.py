@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.integrations.slime import cross_teachers as ct
-from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, OpdSettings, Teacher
+from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, OpdSettings, Teacher, load_function
 from megatron_rl_patches.integrations.slime.step_plan import (
     CROSS_ALIVE,
     CROSS_LOGPROBS,
@@ -37,6 +37,7 @@ class CrossTeacher:
     tokenizer: Any
     student_tokenizer: Any
     shared: Any
+    stop_tokens: Any = None
 
 
 def student_tokenizer(args: Any) -> Any:
@@ -64,7 +65,9 @@ def load_cross(args: Any, teacher: Teacher, model: Any) -> CrossTeacher:
         own = load_tokenizer(teacher.path, f"{TEACHERS}: teacher {teacher.path!r}")
     except ValueError as exc:
         raise ValueError(f"{exc} (';tokenizer=own' reads the teacher's tokenizer.json)") from None
-    return CrossTeacher(model, own, student, shared_strings(student, own))
+    stop = None if teacher.stop_tokens is None else load_function(
+        teacher.stop_tokens, "stop_tokens", "mapping a student special id to the teacher's id or None")
+    return CrossTeacher(model, own, student, shared_strings(student, own), stop)
 
 
 def unserved_layout(args: Any) -> str | None:
@@ -116,7 +119,7 @@ def _whole(values: list[torch.Tensor], data: dict) -> list[torch.Tensor]:
 def teacher_samples(rollout_data: dict, teacher: CrossTeacher) -> list[ct.TeacherSample]:
     """Every sample re-tokenized for `teacher` (on every rank: the pipeline stages pack the same)."""
     return [ct.teacher_sample(tokens.cpu(), int(response), torch.as_tensor(mask).cpu(), teacher.student_tokenizer,
-                              teacher.tokenizer)
+                              teacher.tokenizer, teacher.stop_tokens)
             for tokens, response, mask in zip(rollout_data["tokens"], rollout_data["response_lengths"],
                                                rollout_data["loss_masks"])]
 

@@ -28,6 +28,7 @@ from megatron_rl_patches.integrations.slime.opd_settings import (
     TEACHERS,
     OpdSettings,
     Teacher,
+    load_function,
     opd_settings,
 )
 from megatron_rl_patches.integrations.slime.step_plan import (
@@ -77,26 +78,10 @@ def _unwrap(chunk: Any) -> Any:
     return chunk
 
 
-def _load_function(spec: str) -> Any:
-    """The provider function `module:function` names (its syntax checked with the settings)."""
-    import importlib
-
-    module, _, name = spec.partition(":")
-    try:
-        function = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"{TEACHERS}: teacher provider {spec!r} cannot be loaded ({type(exc).__name__}: {exc}); "
-                         "name an importable module:function") from exc
-    if not callable(function):
-        raise ValueError(f"{TEACHERS}: teacher provider {spec!r} is a {type(function).__name__}, not a function "
-                         "returning a Megatron model provider")
-    return function
-
-
 def _separate_teacher(args: Any, teacher: Teacher, residency: str | None) -> list[Any]:
     from megatron_rl_patches.inference import build_inference_model
 
-    provider = _load_function(teacher.provider or "")(args)
+    provider = load_function(teacher.provider or "", "teacher provider", "returning a Megatron model provider")(args)
     options: dict[str, Any] = {"load_dir": teacher.path}
     if residency is not None:
         if "residency" not in inspect.signature(build_inference_model).parameters:

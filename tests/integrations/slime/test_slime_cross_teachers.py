@@ -37,6 +37,46 @@ def test_entry_option_own_tokenizer():
         opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/a@m:f;tokenizer=own"})
 
 
+def test_entry_option_stop_tokens():
+    env = {"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/t;tokenizer=own;stop_tokens=my_maps:qwen_to_deepseek"}
+    (teacher,) = opd_settings(env).teachers
+    assert (teacher.own_tokenizer, teacher.stop_tokens) == (True, "my_maps:qwen_to_deepseek")
+    with pytest.raises(ValueError, match="add ';tokenizer=own'"):
+        opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/t;stop_tokens=my_maps:f"})
+    with pytest.raises(ValueError, match="unknown option 'stop_tokens=not a function'"):
+        opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/t;tokenizer=own;stop_tokens=not a function"})
+
+
+END_OF_SENTENCE = 1  # DeepSeek's <｜end▁of▁sentence｜>
+
+
+def end_of_turn(student_id: int) -> int | None:
+    """A user's stop-token map: Qwen's <|im_end|> (151645) is DeepSeek's end of sentence."""
+    return END_OF_SENTENCE if student_id == 151645 else None
+
+
+def test_stop_token_map_loaded_and_honoured(qwen3, deepseek, tmp_path):
+    from types import SimpleNamespace
+
+    from megatron_rl_patches.integrations.slime import cross_passes
+    from megatron_rl_patches.integrations.slime.opd_settings import Teacher
+
+    qwen3.save(str(tmp_path / "tokenizer.json"))
+    args = SimpleNamespace(hf_checkpoint=str(tmp_path))
+    spec = f"{__name__}:end_of_turn"
+    tokens, response, mask = _sample(qwen3, "Q: hi\n", "Hello there.<|im_end|>")
+    data = {"tokens": [tokens], "response_lengths": [response], "loss_masks": [mask]}
+    for stop, last, unmapped in ((spec, END_OF_SENTENCE, 0), (None, None, 1)):
+        teacher = cross_passes.load_cross(args, Teacher(str(deepseek), own_tokenizer=True, stop_tokens=stop), "tag")
+        (sample,) = cross_passes.teacher_samples(data, teacher)
+        assert sample.alignment.unmapped_special == unmapped
+        assert (int(sample.tokens[-1]) == END_OF_SENTENCE) == (last is not None)
+        assert (int(sample.alignment.student_chunk[-1]) >= 0) == (last is not None)  # else masked, counted
+    with pytest.raises(ValueError, match="stop_tokens 'no_such_module:f' cannot be loaded"):
+        cross_passes.load_cross(args, Teacher(str(deepseek), own_tokenizer=True, stop_tokens="no_such_module:f"),
+                                "tag")
+
+
 def test_check_teacher_vocab_says_how_to_ask(tmp_path):
     from megatron_rl_patches.inference.loading.hf.vocab import check_teacher_vocab
 
