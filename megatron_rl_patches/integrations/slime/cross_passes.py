@@ -83,8 +83,8 @@ def unserved_layout(args: Any) -> str | None:
 
 def check_args(args: Any, settings: OpdSettings) -> None:
     """Before anything loads: the layouts teachers with another tokenizer serve, and slime's
-    `--use-opd` with them (one teacher; slime's sglang mode: its megatron mode overwrites
-    teacher_log_probs with its own teacher's)."""
+    `--use-opd` with them (one such teacher, whose spread signal are its teacher_log_probs; slime's
+    sglang mode: its megatron mode overwrites teacher_log_probs with its own teacher's)."""
     if not any(t.own_tokenizer for t in settings.teachers):
         return
     what = unserved_layout(args)
@@ -93,9 +93,10 @@ def check_args(args: Any, settings: OpdSettings) -> None:
                              "yet: run it without that, or drop the option's teacher")
     if not getattr(args, "use_opd", False):
         return
-    if len(settings.teachers) != 1:
-        raise ValueError(f"{TEACHERS}: slime's --use-opd takes one teacher's log-probs; name one teacher "
-                         f"(got {len(settings.teachers)}), or use top-k OPD's loss for several")
+    own = sum(t.own_tokenizer for t in settings.teachers)
+    if own != 1:
+        raise ValueError(f"{TEACHERS}: slime's --use-opd takes one teacher's log-probs; name one teacher with "
+                         f"';tokenizer=own' (got {own}), or use top-k OPD's loss for several")
     if getattr(args, "opd_type", None) != "sglang":
         raise ValueError(f"{TEACHERS} with ';tokenizer=own' fills slime's teacher_log_probs: run --use-opd with "
                          f"--opd-type sglang (--opd-type {getattr(args, 'opd_type', None)} loads its own teacher "

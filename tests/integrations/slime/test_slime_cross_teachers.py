@@ -208,6 +208,7 @@ def test_log_ratio_is_part_one_token_term(pair):
     ({"expert_model_parallel_size": 2}, "expert parallelism"),
     ({"allgather_cp": True}, "--allgather-cp"),
     ({"use_opd": True, "opd_type": "megatron"}, "--opd-type sglang"),
+    ({"use_opd": True, "opd_type": "sglang", "two": True}, "one teacher with ';tokenizer=own' \\(got 2\\)"),
 ])
 def test_unserved_layouts_and_slime_opd_modes_refused_before_loading(values, named):
     from types import SimpleNamespace
@@ -219,8 +220,13 @@ def test_unserved_layouts_and_slime_opd_modes_refused_before_loading(values, nam
     args = SimpleNamespace(virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
                            allgather_cp=False, use_opd=False)
     check_args(args, own)  # served: one rank, TP, PP, CP zigzag
+    if values.pop("two", False):
+        own = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/s,/ckpt/t;tokenizer=own,/ckpt/u;tokenizer=own",
+                            "MEGATRON_RL_PATCHES_OPD_WEIGHTS": "0.2,0.4,0.4"})
     for name, value in values.items():
         setattr(args, name, value)
     check_args(args, same)  # a teacher of the student's tokenizer: nothing of this applies
     with pytest.raises(ValueError, match=named.replace("-", r"\-")):
         check_args(args, own)
+    if args.use_opd and args.opd_type == "sglang":  # one teacher of another tokenizer beside others: served
+        check_args(args, opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/s,/ckpt/t;tokenizer=own"}))

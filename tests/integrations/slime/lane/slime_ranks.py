@@ -301,6 +301,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                 return {"states": states, "grads": grads, "losses": losses if last else None,
                         "step_seconds": [b - a for a, b in zip(seconds, seconds[1:])],
+                        "opd_reverse_kl": first.get("opd_reverse_kl"),  # slime's --use-opd advantage term
                         "ids": first.get(slime_opd.IDS), "rows": _response_rows(first),
                         "last_ids": data.get(slime_opd.IDS),
                         "keys": sorted(k for k in data if k.startswith("opd_")), "split": _partition_dims(model),

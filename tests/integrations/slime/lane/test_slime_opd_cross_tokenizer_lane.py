@@ -8,7 +8,8 @@ the alignment), one multi-turn sample with a masked tool output inside its respo
 step's OPD loss and every gradient against a float64 reference built from part 1's definitions
 (dense softmaxes: chunk sums, shared byte strings at chunk starts), at one rank, TP=2, PP=2 and
 CP=2 (zigzag), each world spawned once; a negative control (the teacher's chunks shifted by one)
-moves the reference far from the run."""
+moves the reference far from the run. The same worlds run slime's own `--use-opd --opd-type sglang`
+advantage path, whose teacher log-probs are the spread signal: its reverse KL is r per token."""
 from __future__ import annotations
 
 import shutil
@@ -34,6 +35,8 @@ K = 4
 STUDENT_VOCAB = 768  # the student's tokenizer has 660 ids (padded as Megatron pads for TP=2)
 TEACHER = dict(hidden_size=48, num_hidden_layers=4, intermediate_size=64, vocab_size=129280,
                max_position_embeddings=64)
+# slime's own OPD advantage path beside top-k OPD's loss (policy weight 0: it leaves the loss alone)
+USE_OPD = ("--use-opd", "--opd-type", "sglang", "--opd-kl-coef", "1.0")
 # (pipeline, context, tensor) and the layout marks
 LAYOUTS = {"pp1": ((1, 1, 1), ("thd",)), "tp2": ((1, 1, 2), ("tp2", "thd")), "pp2": ((2, 1, 1), ("pp2", "thd")),
            "cp2": ((1, 2, 1), ("cp2-zigzag", "thd"))}
@@ -101,7 +104,7 @@ def world(request, dirs, spm):
     student, teacher = dirs
     cross = {"teacher": teacher, "student": student, "vocab": STUDENT_VOCAB, "samples": _samples(spm)}
     return request.param, (pipeline, context, tensor), run_multirank(
-        slime_ranks.opd_train_actor, pipeline * context * tensor, pipeline, context, tensor, None, None, (), 2,
+        slime_ranks.opd_train_actor, pipeline * context * tensor, pipeline, context, tensor, None, None, USE_OPD, 2,
         None, 1, cross, timeout=600)
 
 
@@ -118,11 +121,12 @@ def _buckets(p_row, q_row, strings, shared):
     return p, q
 
 
-def reference(students, same_teacher, cross_teacher, data, ids, samples, shared, shift=False):
+def reference(students, same_teacher, cross_teacher, data, ids, samples, shared, shift=False, token_terms=None):
     """The first step's OPD loss by part 1's definitions: per token 0.3 · the (k+1)-bucket forward
     KL to the snapshot teacher at the student's top-k ids + 0.7 · (the forward KL over shared strings
     at chunk starts + the token-level reverse-KL term (ℓS_j − ℓT_j)/|S_j| with gradient r·∇log pS),
-    mean over each sample's unmasked tokens, / samples. `shift`: the teacher's chunks moved by one."""
+    mean over each sample's unmasked tokens, / samples. `shift`: the teacher's chunks moved by one;
+    `token_terms` (a list): receives each sample's r = log pS − spread (slime's --use-opd reverse KL)."""
     total = torch.zeros((), dtype=torch.float64)
     for s, (tokens, mask, sample) in enumerate(zip(data["tokens"], data["loss_masks"], samples)):
         ls, lt_same, lt = students[s], same_teacher[s], cross_teacher[s]
@@ -144,6 +148,8 @@ def reference(students, same_teacher, cross_teacher, data, ids, samples, shared,
         size = torch.bincount(a.student_chunk[kept], minlength=a.n_chunks).double()
         j = a.student_chunk.clamp(min=0)
         r = torch.where(kept, (ls_j[j] - lt_j[j]) / size[j].clamp(min=1), 0.0)
+        if token_terms is not None:
+            token_terms.append(r.detach())
         token = r + r * (s_lp - s_lp.detach())
         starts = torch.zeros(len(y), dtype=torch.float64)
         first_t = {}
@@ -208,7 +214,8 @@ def test_train_actor_with_a_teacher_of_another_tokenizer_equals_float64(slime_cp
                                        getattr(teacher, "hf_vocab_size"))  # noqa: B009
         students = kit.response_logps(student, data, slime_ranks.TEMPERATURE)
         ids = kit.whole_ids(ranks, context, tensor)
-        expected = reference(students, same, cross, data, ids, samples, shared)
+        token_terms: list[torch.Tensor] = []
+        expected = reference(students, same, cross, data, ids, samples, shared, token_terms=token_terms)
         with torch.no_grad():
             shifted = reference(students, same, cross, data, ids, samples, shared, shift=True)
         expected.backward()
@@ -218,6 +225,12 @@ def test_train_actor_with_a_teacher_of_another_tokenizer_equals_float64(slime_cp
     print(f"slime_opd train_actor {layout}, a snapshot teacher and a teacher with another tokenizer vs float64: "
           f"loss {float(expected):.6f}, |Δloss| {loss_error:.2e}, max |Δgrad| {grad_error:.2e}; chunks shifted "
           f"by one: |Δloss| {abs(float(shifted) - float(expected)):.2e}")
+    # slime's --use-opd: its advantages took reverse_kl = log pS − teacher_log_probs = the spread signal's r
+    slime_kl = kit.whole_ids([{**rank, "ids": None if rank["opd_reverse_kl"] is None else
+                               [kl[:, None] for kl in rank["opd_reverse_kl"]]} for rank in ranks], context, tensor)
+    kl_error = max((kl[:, 0].double() - r).abs().max().item() for kl, r in zip(slime_kl, token_terms))
+    print(f"  slime's --use-opd reverse KL vs r = (ℓS_j − ℓT_j)/|S_j|: max |Δ| {kl_error:.2e}")
+    assert kl_error < 5e-5  # slime's float32 log-probs against float64
     assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
     assert abs(float(shifted) - float(expected)) > 100 * max(loss_error, 1e-7)
     for name, p in student.named_parameters():
