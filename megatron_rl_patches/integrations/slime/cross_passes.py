@@ -118,9 +118,10 @@ def _whole(values: list[torch.Tensor], data: dict) -> list[torch.Tensor]:
 
 
 def teacher_samples(rollout_data: dict, teacher: CrossTeacher) -> list[ct.TeacherSample]:
-    """Every sample re-tokenized for `teacher` (on every rank: the pipeline stages pack the same)."""
-    return [ct.teacher_sample(tokens.cpu(), int(response), torch.as_tensor(mask).cpu(), teacher.student_tokenizer,
-                              teacher.tokenizer, teacher.stop_tokens)
+    """Every sample re-tokenized for `teacher` (on every rank: the pipeline stages pack the same;
+    the teacher's ids on the device of the student's)."""
+    return [ct.teacher_sample(tokens, int(response), mask, teacher.student_tokenizer, teacher.tokenizer,
+                              teacher.stop_tokens)
             for tokens, response, mask in zip(rollout_data["tokens"], rollout_data["response_lengths"],
                                                rollout_data["loss_masks"])]
 

@@ -292,8 +292,9 @@ def unsplit(shards: list[dict[str, torch.Tensor]], split: dict[str, int | None])
 
 
 def whole_ids(ranks: list[dict], context: int, tensor: int) -> list[torch.Tensor]:
-    """Per sample, the [R, k] ids of the whole response from the last stage's context-parallel
-    ranks (each holds its zigzag rows, listed by `rows`; its tensor-parallel ranks hold the same)."""
+    """Per sample, the [R, k] ids (or other per-row values) of the whole response from the last
+    stage's context-parallel ranks (each holds its zigzag rows, listed by `rows`; its
+    tensor-parallel ranks hold the same)."""
     last = ranks[-context * tensor::tensor]
     if context == 1:
         return last[0]["ids"]
@@ -301,9 +302,11 @@ def whole_ids(ranks: list[dict], context: int, tensor: int) -> list[torch.Tensor
     for pieces in zip(*(rank["ids"] for rank in last)):
         sample = len(whole)
         rows = [rank["rows"][sample] for rank in last]
-        ids = torch.full((sum(map(len, rows)), pieces[0].shape[-1]), -1, dtype=torch.long)
+        ids = torch.zeros((sum(map(len, rows)), pieces[0].shape[-1]), dtype=pieces[0].dtype)  # any per-row values
+        covered = torch.zeros(ids.shape[0], dtype=torch.bool)
         for piece, at in zip(pieces, rows):
             ids[at] = piece
-        assert (ids >= 0).all(), "the context-parallel ranks' rows do not cover the response"
+            covered[at] = True
+        assert covered.all(), "the context-parallel ranks' rows do not cover the response"
         whole.append(ids)
     return whole
