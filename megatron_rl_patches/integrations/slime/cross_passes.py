@@ -72,8 +72,6 @@ def load_cross(args: Any, teacher: Teacher, model: Any) -> CrossTeacher:
 
 def unserved_layout(args: Any) -> str | None:
     """The layout feature teachers with another tokenizer are not served with (yet), or None."""
-    if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
-        return "a virtual pipeline (--num-layers-per-virtual-pipeline-stage)"
     if (getattr(args, "expert_model_parallel_size", None) or 1) > 1:
         return "expert parallelism (--expert-model-parallel-size > 1)"
     if getattr(args, "allgather_cp", False):
@@ -138,7 +136,7 @@ def score(actor: Any, rollout_data: dict, teacher: CrossTeacher, settings: OpdSe
         model = teacher.model
     samples = teacher_samples(rollout_data, teacher)
     budget = ct.student_budget(rollout_data["total_lengths"], rollout_data["micro_batch_indices"])
-    own = ct.teacher_rollout(samples, budget)
+    own = ct.teacher_rollout(samples, budget, len(rollout_data["micro_batch_indices"]))
     first = pass_fn(actor.args, model, own, TopkRequest(k=settings.k))
     buckets: list[ct.Buckets] = []
     if last:

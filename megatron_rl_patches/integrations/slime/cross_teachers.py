@@ -67,11 +67,25 @@ def student_budget(total_lengths: Sequence[int], micro_batch_indices: Sequence[S
     return max((sum(int(total_lengths[i]) for i in batch) for batch in micro_batch_indices), default=1)
 
 
-def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+def plan_micro_batches(lengths: Sequence[int], budget: int, at_least: int = 1) -> list[list[int]]:
     """Samples in order, packed into micro-batches of at most `budget` tokens (a longer sample on
-    its own): the teacher's sequences can be longer than the student's, so they may need more."""
+    its own): the teacher's sequences can be longer than the student's, so they may need more; at
+    least `at_least` of them (the student's count: pipeline schedules may ask a minimum), the
+    largest split in two while it holds several samples."""
     if budget < 1:
         raise ValueError(f"budget must be a positive token count, got {budget}")
+    plan = _packed(lengths, budget)
+    while len(plan) < at_least:
+        splittable = [i for i, batch in enumerate(plan) if len(batch) > 1]
+        if not splittable:
+            break
+        i = max(splittable, key=lambda j: sum(int(lengths[s]) for s in plan[j]))
+        half = len(plan[i]) // 2
+        plan[i: i + 1] = [plan[i][:half], plan[i][half:]]
+    return plan
+
+
+def _packed(lengths: Sequence[int], budget: int) -> list[list[int]]:
     plan: list[list[int]] = []
     used = budget + 1
     for index, length in enumerate(lengths):
@@ -83,9 +97,10 @@ def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return plan
 
 
-def teacher_rollout(samples: Sequence[TeacherSample], budget: int) -> dict[str, Any]:
-    """slime's rollout fields for the teacher's own passes (its ids, lengths, micro-batches)."""
-    plan = plan_micro_batches([s.tokens.numel() for s in samples], budget)
+def teacher_rollout(samples: Sequence[TeacherSample], budget: int, at_least: int = 1) -> dict[str, Any]:
+    """slime's rollout fields for the teacher's own passes (its ids, lengths, micro-batches: at
+    least `at_least`)."""
+    plan = plan_micro_batches([s.tokens.numel() for s in samples], budget, at_least)
     return {"tokens": [s.tokens for s in samples], "total_lengths": [int(s.tokens.numel()) for s in samples],
             "response_lengths": [s.response_length for s in samples],
             "loss_masks": [torch.ones(s.response_length, dtype=torch.int, device=s.tokens.device) for s in samples],

@@ -134,6 +134,10 @@ def test_micro_batches_under_the_student_budget():
     assert ct.plan_micro_batches([11, 11, 5, 30, 4], budget) == [[0, 1], [2], [3], [4]]
     with pytest.raises(ValueError, match="budget"):
         ct.plan_micro_batches([1], 0)
+    # at least as many as the student's (an interleaved pipeline asks a minimum): the largest split
+    assert ct.plan_micro_batches([3, 3, 3, 3], 100, at_least=2) == [[0, 1], [2, 3]]
+    assert ct.plan_micro_batches([3, 3, 9], 100, at_least=3) == [[0], [1], [2]]
+    assert ct.plan_micro_batches([5], 100, at_least=2) == [[0]]  # one sample cannot be split
     sample = ct.TeacherSample(torch.arange(6), 2, None)
     rollout = ct.teacher_rollout([sample, sample], 12)
     assert rollout["micro_batch_indices"] == [[0, 1]] and rollout["num_microbatches"] == [1]
@@ -204,7 +208,6 @@ def test_log_ratio_is_part_one_token_term(pair):
 
 
 @pytest.mark.parametrize(("values", "named"), [
-    ({"virtual_pipeline_model_parallel_size": 2}, "virtual pipeline"),
     ({"expert_model_parallel_size": 2}, "expert parallelism"),
     ({"allgather_cp": True}, "--allgather-cp"),
     ({"use_opd": True, "opd_type": "megatron"}, "--opd-type sglang"),
@@ -217,9 +220,9 @@ def test_unserved_layouts_and_slime_opd_modes_refused_before_loading(values, nam
 
     own = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/t;tokenizer=own"})
     same = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/t"})
-    args = SimpleNamespace(virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
+    args = SimpleNamespace(virtual_pipeline_model_parallel_size=2, expert_model_parallel_size=1,
                            allgather_cp=False, use_opd=False)
-    check_args(args, own)  # served: one rank, TP, PP, CP zigzag
+    check_args(args, own)  # served: one rank, TP, PP (VPP too), CP zigzag
     if values.pop("two", False):
         own = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/s,/ckpt/t;tokenizer=own,/ckpt/u;tokenizer=own",
                             "MEGATRON_RL_PATCHES_OPD_WEIGHTS": "0.2,0.4,0.4"})

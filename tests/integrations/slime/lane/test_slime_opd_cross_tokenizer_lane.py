@@ -6,8 +6,8 @@ a tiny Qwen3-architecture checkpoint carrying DeepSeek's tokenizer (129,280 ids)
 text with the student's specials (DeepSeek has none of them: left out of the teacher's prompt and
 the alignment), one multi-turn sample with a masked tool output inside its response. The first
 step's OPD loss and every gradient against a float64 reference built from part 1's definitions
-(dense softmaxes: chunk sums, shared byte strings at chunk starts), at one rank, TP=2, PP=2 and
-CP=2 (zigzag), each world spawned once; a negative control (the teacher's chunks shifted by one)
+(dense softmaxes: chunk sums, shared byte strings at chunk starts), at one rank, TP=2, PP=2,
+PP=2×VPP=2 and CP=2 (zigzag), each world spawned once; a negative control (the teacher's chunks shifted by one)
 moves the reference far from the run. The same worlds run slime's own `--use-opd --opd-type sglang`
 advantage path, whose teacher log-probs are the spread signal: its reverse KL is r per token."""
 from __future__ import annotations
@@ -37,9 +37,10 @@ TEACHER = dict(hidden_size=48, num_hidden_layers=4, intermediate_size=64, vocab_
                max_position_embeddings=64)
 # slime's own OPD advantage path beside top-k OPD's loss (policy weight 0: it leaves the loss alone)
 USE_OPD = ("--use-opd", "--opd-type", "sglang", "--opd-kl-coef", "1.0")
-# (pipeline, context, tensor) and the layout marks
-LAYOUTS = {"pp1": ((1, 1, 1), ("thd",)), "tp2": ((1, 1, 2), ("tp2", "thd")), "pp2": ((2, 1, 1), ("pp2", "thd")),
-           "cp2": ((1, 2, 1), ("cp2-zigzag", "thd"))}
+# (pipeline, context, tensor, virtual chunks) and the layout marks
+LAYOUTS = {"pp1": ((1, 1, 1, None), ("thd",)), "tp2": ((1, 1, 2, None), ("tp2", "thd")),
+           "pp2": ((2, 1, 1, None), ("pp2", "thd")), "pp2vpp2": ((2, 1, 1, 2), ("pp2", "vpp2", "thd")),
+           "cp2": ((1, 2, 1, None), ("cp2-zigzag", "thd"))}
 # (prompt, response, masked tool output inside the response or None)
 TEXTS = (("<s>user: Hi, who are you?<|end|>\nassistant: ", "I am the quick fox 🙂.", None),
          ("<s>user: 2+2?<|end|>\n", "机器学习 → 4, ok", None),
@@ -100,11 +101,11 @@ def world(request, dirs, spm):
 
     from megatron_rl_patches.testing.multirank import run_multirank
 
-    (pipeline, context, tensor), _ = LAYOUTS[request.param]
+    (pipeline, context, tensor, virtual), _ = LAYOUTS[request.param]
     student, teacher = dirs
     cross = {"teacher": teacher, "student": student, "vocab": STUDENT_VOCAB, "samples": _samples(spm)}
-    return request.param, (pipeline, context, tensor), run_multirank(
-        slime_ranks.opd_train_actor, pipeline * context * tensor, pipeline, context, tensor, None, None, USE_OPD, 2,
+    return request.param, (pipeline, context, tensor, virtual), run_multirank(
+        slime_ranks.opd_train_actor, pipeline * context * tensor, pipeline, context, tensor, virtual, None, USE_OPD, 2,
         None, 1, cross, timeout=600)
 
 
@@ -179,7 +180,7 @@ def test_train_actor_with_a_teacher_of_another_tokenizer_equals_float64(slime_cp
     from megatron_rl_patches.integrations.slime import cross_teachers
     from megatron_rl_patches.integrations.slime import opd as slime_opd
 
-    layout, (pipeline, context, tensor), ranks = world
+    layout, (pipeline, context, tensor, virtual), ranks = world
     student_dir, teacher_dir = dirs
     per_stage = context * tensor
     last = ranks[-1]
@@ -201,7 +202,8 @@ def test_train_actor_with_a_teacher_of_another_tokenizer_equals_float64(slime_cp
                zip(data["tokens"], data["response_lengths"], data["loss_masks"])]
     shared = shared_strings(spm, deepseek)
     with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS,
-                           "--vocab-size", str(STUDENT_VOCAB)) as args:
+                           "--vocab-size", str(STUDENT_VOCAB),
+                           *slime_ranks.virtual_args(virtual)[:2]) as args:  # the whole student: its layers
         names = [name for name, _ in kit.provider_func(args)().named_parameters()]
         assert sorted(names) == sorted(states["actor"]) == sorted(grads)
         student = kit.float64_copy(args, [states["actor"][name] for name in names])
