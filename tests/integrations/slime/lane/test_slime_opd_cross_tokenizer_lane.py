@@ -6,10 +6,11 @@ a tiny Qwen3-architecture checkpoint carrying DeepSeek's tokenizer (129,280 ids)
 text with the student's specials (DeepSeek has none of them: left out of the teacher's prompt and
 the alignment), one multi-turn sample with a masked tool output inside its response. The first
 step's OPD loss and every gradient against a float64 reference built from part 1's definitions
-(dense softmaxes: chunk sums, shared byte strings at chunk starts), at one rank, TP=2, PP=2,
-PP=2×VPP=2 and CP=2 (zigzag), each world spawned once; a negative control (the teacher's chunks shifted by one)
-moves the reference far from the run. The same worlds run slime's own `--use-opd --opd-type sglang`
-advantage path, whose teacher log-probs are the spread signal: its reverse KL is r per token."""
+(dense softmaxes: chunk sums, shared byte strings at chunk starts), at one rank, TP=2 with sequence
+parallelism, PP=2, PP=2×VPP=2 and CP=2 (zigzag), each world spawned once; a negative control (the
+teacher's chunks shifted by one) moves the reference far from the run. The same worlds run slime's
+own `--use-opd --opd-type sglang` advantage path, whose teacher log-probs are the spread signal: its
+reverse KL is r per token."""
 from __future__ import annotations
 
 import shutil
@@ -38,7 +39,7 @@ TEACHER = dict(hidden_size=48, num_hidden_layers=4, intermediate_size=64, vocab_
 # slime's own OPD advantage path beside top-k OPD's loss (policy weight 0: it leaves the loss alone)
 USE_OPD = ("--use-opd", "--opd-type", "sglang", "--opd-kl-coef", "1.0")
 # (pipeline, context, tensor, virtual chunks) and the layout marks
-LAYOUTS = {"pp1": ((1, 1, 1, None), ("thd",)), "tp2": ((1, 1, 2, None), ("tp2", "thd")),
+LAYOUTS = {"pp1": ((1, 1, 1, None), ("thd",)), "tp2sp": ((1, 1, 2, None), ("tp2", "sp", "thd")),
            "pp2": ((2, 1, 1, None), ("pp2", "thd")), "pp2vpp2": ((2, 1, 1, 2), ("pp2", "vpp2", "thd")),
            "cp2": ((1, 2, 1, None), ("cp2-zigzag", "thd"))}
 # (prompt, response, masked tool output inside the response or None)
@@ -105,7 +106,8 @@ def world(request, dirs, spm):
     student, teacher = dirs
     cross = {"teacher": teacher, "student": student, "vocab": STUDENT_VOCAB, "samples": _samples(spm)}
     return request.param, (pipeline, context, tensor, virtual), run_multirank(
-        slime_ranks.opd_train_actor, pipeline * context * tensor, pipeline, context, tensor, virtual, None, USE_OPD, 2,
+        slime_ranks.opd_train_actor, pipeline * context * tensor, pipeline, context, tensor, virtual, None,
+        USE_OPD + (layouts.BY_MARKER["sp"].megatron_lm_args if "sp" in LAYOUTS[request.param][1] else ()), 2,
         None, 1, cross, timeout=600)
 
 
