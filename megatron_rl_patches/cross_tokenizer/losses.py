@@ -16,7 +16,8 @@ from megatron_rl_patches.ops.divergence import lm_head_divergence
 from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy, lm_head_topk_ids, lm_head_topk_logprobs
 from megatron_rl_patches.ops.topk import topk_kl
 
-__all__ = ["chunk_reverse_kl", "chunk_start_full_divergence", "chunk_start_topk_divergence"]
+__all__ = ["alive_strings", "bucket_log_probs", "chunk_reverse_kl", "chunk_start_full_divergence",
+           "chunk_start_topk_divergence"]
 
 
 def chunk_reverse_kl(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor,
@@ -30,28 +31,30 @@ def chunk_reverse_kl(student_log_probs: torch.Tensor, teacher_log_probs: torch.T
     return r + r * (s - s.detach())
 
 
-def _bucket_ids(strings: torch.Tensor, alive: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """For buckets `strings` [R, k] (alive ones), every id of each string: ids [R, k·D] and their
-    mask (D: the most ids one chosen string has)."""
-    safe = torch.where(alive, strings, 0)
-    count = torch.where(alive, offsets[safe + 1] - offsets[safe], 0)
-    depth = max(int(count.max()) if count.numel() else 1, 1)
-    slot = torch.arange(depth, device=strings.device)
-    mask = slot < count[..., None]
-    index = torch.where(mask, offsets[safe][..., None] + slot, 0)
-    return ids[index].reshape(*strings.shape[:-1], -1), mask.reshape(*strings.shape[:-1], -1)
+def bucket_log_probs(id_log_probs: torch.Tensor, mask: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+    """log P(bucket) [R, k] from the log-probs of each bucket's ids [R, k·D] (`mask`: the real ids,
+    from `SharedVocabulary.bucket_ids`); −inf for the buckets `alive` [R, k] marks dead."""
+    rows, k = alive.shape
+    lp = torch.where(mask, id_log_probs, -torch.inf).reshape(rows, k, -1)
+    # a dead bucket's slots get finite fillers: logsumexp of all −inf would send NaN backward
+    grouped = torch.logsumexp(torch.where(alive[..., None], lp, 0.0), dim=-1).clamp(max=0.0)
+    return torch.where(alive, grouped, -torch.inf)
 
 
 def _bucket_log_probs(hidden, weight, ids, mask, alive, temperature, chunk_size):
     """log P(bucket) [R, k] (−inf for dead buckets) and the exact log tail mass [R]."""
     lp, tail = lm_head_topk_logprobs(hidden, weight, ids, ids_mask=mask, temperature=temperature,
                                      chunk_size=chunk_size)
-    rows, k = alive.shape
-    lp = torch.where(mask, lp, -torch.inf).reshape(rows, k, -1)
-    # a dead bucket's slots get finite fillers: logsumexp of all −inf would send NaN backward
-    grouped = torch.logsumexp(torch.where(alive[..., None], lp, 0.0), dim=-1).clamp(max=0.0)
-    return torch.where(alive, grouped, -torch.inf), tail
+    return bucket_log_probs(lp, mask, alive), tail
+
+
+def alive_strings(strings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-k ids' strings [R, k] (−1: not shared) sorted, and which are buckets: the
+    shared ones, each string once."""
+    strings, _ = torch.sort(strings, dim=-1)
+    alive = (strings >= 0) & torch.cat([torch.ones_like(strings[:, :1], dtype=torch.bool),
+                                        strings[:, 1:] != strings[:, :-1]], dim=1)
+    return strings, alive
 
 
 def chunk_start_topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
@@ -76,14 +79,9 @@ def chunk_start_topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teac
     with torch.no_grad():
         t_hidden = teacher_hidden.detach()[t_rows]
         top = lm_head_topk_ids(t_hidden, teacher_weight.detach(), k, chunk_size=chunk_size)
-        strings = shared.teacher_string.to(top.device)[top]
-        strings, _ = torch.sort(strings, dim=-1)
-        alive = (strings >= 0) & torch.cat([torch.ones_like(strings[:, :1], dtype=torch.bool),
-                                            strings[:, 1:] != strings[:, :-1]], dim=1)
-        t_ids, t_mask = _bucket_ids(strings, alive, shared.teacher_ids.to(top.device),
-                                    shared.teacher_offsets.to(top.device))
-        s_ids, s_mask = _bucket_ids(strings, alive, shared.student_ids.to(top.device),
-                                    shared.student_offsets.to(top.device))
+        strings, alive = alive_strings(shared.teacher_string.to(top.device)[top])
+        t_ids, t_mask = shared.bucket_ids(strings, alive, "teacher")
+        s_ids, s_mask = shared.bucket_ids(strings, alive, "student")
         t_lp, t_tail = _bucket_log_probs(t_hidden, teacher_weight.detach(), t_ids, t_mask, alive, temperature,
                                          chunk_size)
     s_lp, s_tail = _bucket_log_probs(hidden[s_rows], weight, s_ids, s_mask, alive, temperature, chunk_size)

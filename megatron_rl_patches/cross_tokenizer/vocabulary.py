@@ -31,6 +31,32 @@ class SharedVocabulary:
     def n_strings(self) -> int:
         return len(self.strings)
 
+    def most_ids(self, side: str) -> int:
+        """The most ids one shared string has on `side` ("student" or "teacher"; at least 1)."""
+        offsets = self._side(side)[1]
+        return max(int(offsets.diff().max()) if offsets.numel() > 1 else 1, 1)
+
+    def _side(self, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if side not in ("student", "teacher"):
+            raise ValueError(f"side must be 'student' or 'teacher', got {side!r}")
+        return (self.student_ids, self.student_offsets) if side == "student" else (self.teacher_ids,
+                                                                                   self.teacher_offsets)
+
+    def bucket_ids(self, strings: torch.Tensor, alive: torch.Tensor, side: str, depth: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For buckets `strings` [R, k] (the `alive` ones; others padding), every id of each string on
+        `side`: ids [R, k·D] and their mask, D = `depth` or the most ids one chosen string has."""
+        ids, offsets = self._side(side)
+        ids, offsets = ids.to(strings.device), offsets.to(strings.device)
+        safe = torch.where(alive, strings, 0)
+        count = torch.where(alive, offsets[safe + 1] - offsets[safe], 0)
+        if depth is None:
+            depth = max(int(count.max()) if count.numel() else 1, 1)
+        slot = torch.arange(depth, device=strings.device)
+        mask = slot < count[..., None]
+        index = torch.where(mask, offsets[safe][..., None] + slot, 0)
+        return ids[index].reshape(*strings.shape[:-1], -1), mask.reshape(*strings.shape[:-1], -1)
+
     def pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every (student id, teacher id) pair of identical bytes, sorted by student then teacher id."""
         per_id = self.teacher_offsets.diff()[self.student_string[self.student_ids]]  # teacher ids per student id

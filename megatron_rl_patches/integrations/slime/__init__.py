@@ -1,7 +1,8 @@
 """slime (624b824a): its records (`patches`), and the modules that do the work: the log-prob
 adapter (`logprobs`), inference-only roles (`roles`), the fused route (`fused`, slicing with
 slime's helpers in `rows`, top-k buckets in `topk`), the step plan both the fused route and top-k
-OPD use (`step_plan`) and top-k OPD (`opd`, settings in `opd_settings`).
+OPD use (`step_plan`) and top-k OPD (`opd`, settings in `opd_settings`; teachers with another
+tokenizer in `cross_teachers` and `cross_passes`).
 
 `megatron_rl_patches.integrations.slime.calculate_log_probs_and_entropy` (a path users type) is
 the adapter's function."""

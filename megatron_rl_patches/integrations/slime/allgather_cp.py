@@ -66,3 +66,36 @@ def local_from_zigzag(per_sample: list[torch.Tensor], local_len: int, total_leng
     from megatron_rl_patches.ops.packing import zigzag_to_allgather_cp
 
     return zigzag_to_allgather_cp(per_sample, **_cp_layout(local_len, total_lengths, response_lengths))
+
+
+def whole_from_zigzag(per_sample: list[torch.Tensor], total_lengths: list[int],
+                      response_lengths: list[int]) -> list[torch.Tensor]:
+    """Per sample, the whole response's values from each context-parallel rank's zigzag rows (every
+    rank gets them all, as plain values: one SUM over the context-parallel group; unchanged with one
+    context-parallel rank)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_rl_patches.ops.packing import PackedLayout, response_pieces
+
+    cp_size = parallel_state.get_context_parallel_world_size()
+    if cp_size == 1 or not per_sample:
+        return list(per_sample)
+    layout = PackedLayout(tuple(total_lengths), tuple(response_lengths), cp_size=cp_size,
+                          cp_rank=parallel_state.get_context_parallel_rank())
+    pieces = response_pieces(layout, sum(layout.sample_rows(t) for t in total_lengths))
+    if per_sample[0].dtype == torch.bool:  # a SUM of bools is not every backend's; each row is set on one rank
+        return [whole != 0 for whole in whole_from_zigzag([v.to(torch.int32) for v in per_sample],
+                                                          total_lengths, response_lengths)]
+    full = []
+    for values, held, response in zip(per_sample, pieces, response_lengths):
+        whole = values.new_zeros((response, *values.shape[1:]))
+        row = 0
+        for piece in held:  # this rank's runs of the response, in response order
+            rows = piece.stop - piece.start
+            whole[piece.offset:piece.offset + rows] = values[row:row + rows].detach()
+            row += rows
+        full.append(whole)
+    summed = torch.cat(full)
+    dist.all_reduce(summed, group=parallel_state.get_context_parallel_group())
+    return list(summed.split(list(response_lengths)))

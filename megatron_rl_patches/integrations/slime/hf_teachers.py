@@ -199,14 +199,20 @@ SCHEDULE_FIELDS = ("variable_seq_lengths", "batch_p2p_comm", "batch_p2p_sync", "
 
 
 def build_hf_teacher(args: Any, path: str, residency: str | None, student: int | str, actor_config: Any,
-                     what: str) -> list[Any]:
+                     what: str, own_tokenizer: bool = False) -> list[Any]:
     """The teacher at `path` as inference-only chunks on the actor's split (vocabulary checked
-    first, padded as the actor's `make_vocab_size_divisible_by`, in the actor's dtype)."""
+    first, padded as the actor's `make_vocab_size_divisible_by`, in the actor's dtype);
+    `own_tokenizer`: its vocabulary is its own tokenizer's (no mass beyond its ids)."""
     import torch
 
     from megatron_rl_patches.inference.build_hf import build_inference_model_from_hf
 
-    shared = check_vocab(path, student, what)
+    if own_tokenizer:
+        from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
+
+        shared = int(load_tokenizer(path, what).get_vocab_size(with_added_tokens=True))
+    else:
+        shared = check_vocab(path, student, what)
     dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
         else getattr(args, "params_dtype", None)
     chunks = build_inference_model_from_hf(

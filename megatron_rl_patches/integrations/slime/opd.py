@@ -28,9 +28,11 @@ from megatron_rl_patches.integrations.slime.opd_settings import (
     TEACHERS,
     OpdSettings,
     Teacher,
+    load_function,
     opd_settings,
 )
 from megatron_rl_patches.integrations.slime.step_plan import (
+    CROSS_RATIO,
     IDS,
     IDS_MASK,
     OPD_KEYS,
@@ -47,10 +49,17 @@ if TYPE_CHECKING:  # torch is imported by the functions that run: `list` and `do
 ATTRIBUTE = "_megatron_rl_patches_opd_teachers"
 
 
-def check_args(args: Any) -> None:
-    """slime's flags top-k OPD needs, checked before the first step."""
+def check_args(args: Any, settings: OpdSettings | None = None) -> None:
+    """slime's flags top-k OPD needs, checked before the first step (slime's own `--use-opd` with a
+    teacher of another tokenizer needs no custom loss: its advantages read the spread signal)."""
     custom = getattr(args, "loss_type", None) == "custom_loss"
-    if not custom or getattr(args, "custom_loss_function_path", None) not in LOSS_PATHS:
+    advantages_only = settings is not None and getattr(args, "use_opd", False) and \
+        any(t.own_tokenizer for t in settings.teachers)
+    if settings is not None:
+        from megatron_rl_patches.integrations.slime.cross_passes import check_args as check_cross
+
+        check_cross(args, settings)
+    if not advantages_only and (not custom or getattr(args, "custom_loss_function_path", None) not in LOSS_PATHS):
         raise ValueError(f"{TEACHERS} is set: top-k OPD needs slime's flags --loss-type custom_loss "
                          f"--custom-loss-function-path {LOSS_PATH} (got --loss-type {args.loss_type}); "
                          f"or unset {TEACHERS}")
@@ -69,26 +78,10 @@ def _unwrap(chunk: Any) -> Any:
     return chunk
 
 
-def _load_function(spec: str) -> Any:
-    """The provider function `module:function` names (its syntax checked with the settings)."""
-    import importlib
-
-    module, _, name = spec.partition(":")
-    try:
-        function = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"{TEACHERS}: teacher provider {spec!r} cannot be loaded ({type(exc).__name__}: {exc}); "
-                         "name an importable module:function") from exc
-    if not callable(function):
-        raise ValueError(f"{TEACHERS}: teacher provider {spec!r} is a {type(function).__name__}, not a function "
-                         "returning a Megatron model provider")
-    return function
-
-
 def _separate_teacher(args: Any, teacher: Teacher, residency: str | None) -> list[Any]:
     from megatron_rl_patches.inference import build_inference_model
 
-    provider = _load_function(teacher.provider or "")(args)
+    provider = load_function(teacher.provider or "", "teacher provider", "returning a Megatron model provider")(args)
     options: dict[str, Any] = {"load_dir": teacher.path}
     if residency is not None:
         if "residency" not in inspect.signature(build_inference_model).parameters:
@@ -119,7 +112,7 @@ def _routes(actor: Any, settings: OpdSettings, student: int | str) -> list[str |
             continue
         what = f"{TEACHERS}: teacher {teacher.path!r}"
         route, differences = hf_teachers.teacher_route(teacher.path, actor.args, what)
-        if route == hf_teachers.HF:
+        if route == hf_teachers.HF and not teacher.own_tokenizer:
             hf_teachers.check_vocab(teacher.path, student, what)
             logger.info("megatron-rl-patches: slime_opd teacher %s differs from the actor (%s): built from its "
                         "config.json as a separate inference-only model", teacher.path, "; ".join(differences))
@@ -131,7 +124,7 @@ def load_teachers(actor: Any, settings: OpdSettings) -> list[Any]:
     """Each teacher as a snapshot tag of the actor (same architecture) or separate model chunks
     (a provider's, or a Hugging Face directory's of another architecture); the actor's own
     weights are active again afterwards."""
-    check_args(actor.args)
+    check_args(actor.args, settings)
     vocab = _unwrap(actor.model[-1]).vocab_size
     student = hf_teachers.student_vocab(actor.args, vocab)
     loaded: list[Any] = []
@@ -139,7 +132,8 @@ def load_teachers(actor: Any, settings: OpdSettings) -> list[Any]:
         if route == hf_teachers.HF:
             loaded.append(hf_teachers.build_hf_teacher(actor.args, teacher.path, settings.residency, student,
                                                        getattr(_unwrap(actor.model[0]), "config", None),
-                                                       f"{TEACHERS}: teacher {teacher.path!r}"))
+                                                       f"{TEACHERS}: teacher {teacher.path!r}",
+                                                       own_tokenizer=teacher.own_tokenizer))
         elif route == hf_teachers.SNAPSHOT:
             tag = f"opd_teacher_{index}"
             actor.load_other_checkpoint(tag, teacher.path)
@@ -153,6 +147,10 @@ def load_teachers(actor: Any, settings: OpdSettings) -> list[Any]:
                                  f"{vocab}: top-k OPD compares the same token ids; use a teacher with the actor's "
                                  "tokenizer")
             loaded.append(chunks)
+        if teacher.own_tokenizer:
+            from megatron_rl_patches.integrations.slime.cross_passes import load_cross
+
+            loaded[-1] = load_cross(actor.args, teacher, loaded[-1])
     actor._switch_model("actor")
     return loaded
 
@@ -190,7 +188,7 @@ def collect_topk(output: Any, *, total_lengths: list[int], response_lengths: lis
     batch = {"total_lengths": total_lengths, "response_lengths": response_lengths}
     allgather = allgather_cp_active(args)
     result = {}
-    for key in ("topk_ids", "ids_mask", "topk_log_probs", "tail"):
+    for key in ("topk_ids", "ids_mask", "topk_log_probs", "tail", "log_probs"):
         if key in output:
             pieces = [t.detach() for t in per_sample_rows(output[key], batch, allgather)]
             result[key] = zigzag_from_local(pieces, output[key].shape[1], total_lengths, response_lengths) \
@@ -260,14 +258,18 @@ def pipeline_agrees(flag: bool) -> bool:
 def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> None:
     """The actor's top-k ids (first, never skipped), then each teacher's [R, k] scores and [R]
     tails, stacked per sample as [n, R, k] / [n, R] into the rollout data (for a union, the
-    first teacher's pass replaces the ids by the union [R, 2k] and adds its padding mask). With
-    pipeline parallelism every stage runs every pass; the rollout data of the last stage only
-    receives the fields (the other stages' training steps read none of them)."""
+    first teacher's pass replaces the ids by the union [R, 2k] and adds its padding mask); a
+    teacher with another tokenizer runs its own two passes (`cross_passes`). With pipeline
+    parallelism every stage runs every pass; the rollout data of the last stage only receives the
+    fields (the other stages' training steps read none of them)."""
     import torch
+
+    from megatron_rl_patches.integrations.slime import cross_passes
 
     if actor._active_model_tag != "actor":
         actor._switch_model("actor")
-    ids = topk_pass(actor.args, actor.model, rollout_data, TopkRequest(k=settings.k)).get("topk_ids")
+    student = topk_pass(actor.args, actor.model, rollout_data, TopkRequest(k=settings.k))
+    ids = student.get("topk_ids")
     # Every pipeline stage takes part in each teacher's pipelined pass, in the same order; the ids
     # live on the last stage only, so whether the passes run is the last stage's answer, agreed.
     if not pipeline_agrees(ids is not None or not _last_stage()):
@@ -277,14 +279,22 @@ def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> Non
         rollout_data[IDS] = ids
         rollout_data.pop(IDS_MASK, None)
     first, others = _teacher_requests(settings)
-    scores, tails = [], []
-    for index, teacher in enumerate(getattr(actor, ATTRIBUTE)):
+    scores, tails, crossed = [], [], []
+    loaded = getattr(actor, ATTRIBUTE)
+    whole_student = cross_passes.whole_log_probs(student, rollout_data) if last and any(
+        isinstance(t, cross_passes.CrossTeacher) for t in loaded) else None
+    same_index = 0
+    for teacher in loaded:
+        if isinstance(teacher, cross_passes.CrossTeacher):
+            crossed.append(cross_passes.score(actor, rollout_data, teacher, settings, topk_pass, whole_student, last))
+            continue
         model = actor.model
         if isinstance(teacher, str):
             actor._switch_model(teacher)
         else:
             model = teacher
-        out = topk_pass(actor.args, model, rollout_data, others if index else first)
+        out = topk_pass(actor.args, model, rollout_data, others if same_index else first)
+        same_index += 1
         if not last:  # a stage before the last: its hidden states went on, it has no buckets
             continue
         if "ids_mask" in out:
@@ -294,8 +304,14 @@ def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> Non
     actor._switch_model("actor")
     if not last:
         return
-    rollout_data[TEACHER_LOGPROBS] = [torch.stack(per_teacher) for per_teacher in zip(*scores)]
-    rollout_data[TEACHER_TAILS] = [torch.stack(per_teacher) for per_teacher in zip(*tails)]
+    if scores:
+        rollout_data[TEACHER_LOGPROBS] = [torch.stack(per_teacher) for per_teacher in zip(*scores)]
+        rollout_data[TEACHER_TAILS] = [torch.stack(per_teacher) for per_teacher in zip(*tails)]
+    scored = [out for out in crossed if out is not None]  # the last stage: every teacher's fields
+    if scored and whole_student is not None:
+        cross_passes.place(rollout_data, scored, same=bool(scores), union=settings.ids_from == "union")
+        if getattr(actor.args, "use_opd", False):
+            cross_passes.spread_for_slime(rollout_data, scored[0], whole_student)
 
 
 def train_actor_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -372,11 +388,18 @@ def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean
     from megatron_rl_patches.ops.topk import topk_kl
 
     settings = opd_settings()
-    if settings is None or batch.get(TEACHER_LOGPROBS) is None:
+    if settings is None or (batch.get(TEACHER_LOGPROBS) is None and batch.get(CROSS_RATIO) is None):
         raise ValueError(f"{LOSS_PATH} needs top-k OPD's teacher scores: set {TEACHERS} and apply the slime_opd "
                          "patch (megatron_rl_patches.apply(only=['slime_fused', 'slime_opd', ...]))")
     loss, log = policy_loss_function(args, batch, logits, sum_of_sample_mean)
     student, student_tail = student_buckets(args, batch, logits)
+    if batch.get(CROSS_RATIO) is not None:  # a teacher with another tokenizer: every teacher's term
+        from megatron_rl_patches.integrations.slime.cross_passes import loss_terms, token_log_probs
+
+        opd = sum_of_sample_mean(loss_terms(settings, batch, student, student_tail,
+                                            token_log_probs(args, batch, logits)))
+        log["opd_topk_loss"] = opd.clone().detach()
+        return settings.policy_weight * loss + settings.coef * opd, log
     teachers = torch.cat(batch[TEACHER_LOGPROBS], dim=1).to(student)
     tails = torch.cat(batch[TEACHER_TAILS], dim=1).to(student)
     weights = None if settings.weights is None else torch.tensor(settings.weights, dtype=torch.float64)

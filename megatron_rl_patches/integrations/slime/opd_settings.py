@@ -6,6 +6,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 PREFIX = "MEGATRON_RL_PATCHES_OPD_"
 TEACHERS = PREFIX + "TEACHERS"
@@ -28,10 +29,15 @@ class Teacher:
     """One teacher: a checkpoint path, and for another architecture the `module:function` that
     returns its Megatron model provider (called with slime's args). `same_architecture` means
     "no provider": a Hugging Face `PATH` of another architecture is found by its config.json
-    when the teachers load (`hf_teachers`)."""
+    when the teachers load (`hf_teachers`). `own_tokenizer` (the entry's `;tokenizer=own`): the
+    Hugging Face teacher keeps its own tokenizer and is scored on its own encoding of each sample
+    (`cross_teachers`); `stop_tokens` (`;stop_tokens=module:function`): the function mapping a
+    student special id to the teacher's id (or None), called with (student id)."""
 
     path: str
     provider: str | None = None
+    own_tokenizer: bool = False
+    stop_tokens: str | None = None
 
     @property
     def same_architecture(self) -> bool:
@@ -61,13 +67,63 @@ def _is_provider(spec: str) -> bool:
     return bool(colon) and all(part.isidentifier() for part in module.split(".")) and function.isidentifier()
 
 
+# An entry's options after its path: `PATH;tokenizer=own` (the only one: a Hugging Face teacher
+# with another tokenizer than the student's, served by cross-tokenizer distillation).
+OWN_TOKENIZER = "tokenizer=own"
+
+
+STOP_TOKENS = "stop_tokens="
+
+
+def _options(entry: str, options: list[str]) -> tuple[bool, str | None]:
+    """(own tokenizer asked, the stop-token map's module:function) from the entry's options."""
+    own, stop = False, None
+    for written in options:
+        option = written.strip()
+        if option.replace(" ", "") == OWN_TOKENIZER:
+            own = True
+        elif option.startswith(STOP_TOKENS) and _is_provider(option[len(STOP_TOKENS):].strip()):
+            stop = option[len(STOP_TOKENS):].strip()
+        else:
+            raise ValueError(f"{TEACHERS} entry {entry!r}: unknown option {option!r}; the options are "
+                             f"';{OWN_TOKENIZER}' (a Hugging Face teacher with another tokenizer, e.g. "
+                             f"/ckpt/qwen35;{OWN_TOKENIZER}) and ';{STOP_TOKENS}module:function' (with it: "
+                             "student special id -> teacher id or None)")
+    if stop is not None and not own:
+        raise ValueError(f"{TEACHERS} entry {entry!r}: ';{STOP_TOKENS}' maps tokens between two tokenizers; add "
+                         f"';{OWN_TOKENIZER}' or drop it")
+    return own, stop
+
+
 def _teacher(entry: str) -> Teacher:
-    path, at, provider = entry.partition("@")
+    head, *options = entry.split(";")
+    path, at, provider = head.partition("@")
     if not path.strip() or (at and not _is_provider(provider.strip())):
-        raise ValueError(f"{TEACHERS} entry {entry!r}: expected PATH (same architecture as the actor) or "
+        raise ValueError(f"{TEACHERS} entry {entry!r}: expected PATH (same architecture as the actor), "
                          "PATH@module:function (a provider for another architecture, e.g. "
-                         "/ckpt/teacher@my_models:teacher_provider)")
-    return Teacher(path.strip(), provider.strip() or None)
+                         f"/ckpt/teacher@my_models:teacher_provider) or PATH;{OWN_TOKENIZER} (a Hugging Face "
+                         "directory with another tokenizer)")
+    own, stop = _options(entry, options)
+    if own and at:
+        raise ValueError(f"{TEACHERS} entry {entry!r}: ';{OWN_TOKENIZER}' serves Hugging Face directories (their "
+                         "tokenizer.json is read); drop '@module:function' or the option")
+    return Teacher(path.strip(), provider.strip() or None, own, stop)
+
+
+def load_function(spec: str, what: str, returns: str) -> Any:
+    """The function a `module:function` option names (its syntax checked with the settings); `what`
+    names the option, `returns` what the function gives, in the errors."""
+    import importlib
+
+    module, _, name = spec.partition(":")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{TEACHERS}: {what} {spec!r} cannot be loaded ({type(exc).__name__}: {exc}); "
+                         "name an importable module:function") from exc
+    if not callable(function):
+        raise ValueError(f"{TEACHERS}: {what} {spec!r} is a {type(function).__name__}, not a function {returns}")
+    return function
 
 
 def _residency(env: Mapping[str, str]) -> str | None:

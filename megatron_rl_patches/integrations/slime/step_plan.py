@@ -43,7 +43,14 @@ class StepPlan:
 # with their padding mask for a union), and per teacher the scores [n, R, k] and tails [n, R].
 IDS, TEACHER_LOGPROBS, TEACHER_TAILS = "opd_topk_ids", "opd_teacher_logprobs", "opd_teacher_tails"
 IDS_MASK = "opd_topk_ids_mask"
-OPD_KEYS = (IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS)
+# Teachers with another tokenizer (`cross_passes`): per sample, the ids the student's step scores (the
+# same-tokenizer ids, then each such teacher's bucket ids; [R, K] with their mask), and per such
+# teacher the token-level log-ratio [R, n], bucket scores [R, n, k], tails [R, n], live buckets [R, n, k].
+STEP_IDS, STEP_MASK = "opd_step_ids", "opd_step_ids_mask"
+CROSS_RATIO, CROSS_LOGPROBS = "opd_cross_log_ratio", "opd_cross_teacher_logprobs"
+CROSS_TAILS, CROSS_ALIVE = "opd_cross_teacher_tails", "opd_cross_alive"
+CROSS_KEYS = (STEP_IDS, STEP_MASK, CROSS_RATIO, CROSS_LOGPROBS, CROSS_TAILS, CROSS_ALIVE)
+OPD_KEYS = (IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS, *CROSS_KEYS)
 STEP_REQUEST = TopkRequest(ids_key=IDS, keys=(IDS, TEACHER_LOGPROBS, TEACHER_TAILS))
 UNION_STEP_REQUEST = TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS))
 
@@ -72,4 +79,6 @@ def step_request(args: Any) -> TopkRequest | None:
         return None
     if getattr(args, "loss_type", None) != "custom_loss":
         return None
+    if any(teacher.own_tokenizer for teacher in settings.teachers):
+        return TopkRequest(ids_key=STEP_IDS, mask_key=STEP_MASK, keys=(*UNION_STEP_REQUEST.keys, *CROSS_KEYS))
     return UNION_STEP_REQUEST if settings.ids_from == "union" else STEP_REQUEST

@@ -71,7 +71,7 @@ def test_the_opd_fields_survive_the_debug_dump_and_the_micro_batches(metrics):
     buffer = io.BytesIO()
     torch.save(pickle.loads(pickle.dumps(data)), buffer)
     restored = torch.load(io.BytesIO(buffer.getvalue()))
-    for key in plan.OPD_KEYS:
+    for key in (key for key in plan.OPD_KEYS if key not in plan.CROSS_KEYS):  # no teacher of another tokenizer
         assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(restored[key], data[key]))
     micro_batch = [1]
     fetched = {key: [data[key][i] for i in micro_batch] for key in plan.UNION_STEP_REQUEST.keys}

@@ -231,13 +231,14 @@ def float64_copy(args: Any, values: list[torch.Tensor]) -> Any:
     return module
 
 
-def response_logps(module: Any, data: dict, temperature: float) -> list[torch.Tensor]:
-    """Per sample, the dense [R, V] log-softmax (logits / temperature) at the response's rows."""
+def response_logps(module: Any, data: dict, temperature: float, vocab: int | None = None) -> list[torch.Tensor]:
+    """Per sample, the dense [R, V] log-softmax (logits / temperature) at the response's rows
+    (`vocab`: over the first `vocab` ids only, a Hugging Face model's real ones)."""
     out = []
     for tokens, response in zip(data["tokens"], data["response_lengths"]):
         n = tokens.numel()
         causal = torch.ones(n, n, dtype=torch.bool).tril().logical_not()[None, None]
-        logits = module(tokens[None], torch.arange(n)[None], causal)[0].double() / temperature
+        logits = module(tokens[None], torch.arange(n)[None], causal)[0].double()[:, :vocab] / temperature
         out.append(torch.log_softmax(logits, dim=-1)[n - response - 1: n - 1])
     return out
 
@@ -312,3 +313,39 @@ def dense_opd_loss(students: list[torch.Tensor], teachers: list[list[torch.Tenso
         kl = torch.where(mix.isneginf(), 0.0, mix.exp() * (mix - buckets[0])).sum(-1)  # 0·log 0 = 0
         total = total + (kl * mask).sum() / mask.sum().clamp(min=1)
     return total / len(ids)
+
+
+def whole_stages(stages: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The stages' named tensors (already under the whole model's names) in one dict."""
+    whole: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        assert not set(whole) & set(stage), sorted(set(whole) & set(stage))
+        whole.update(stage)
+    return whole
+
+
+def unsplit(shards: list[dict[str, torch.Tensor]], split: dict[str, int | None]) -> dict[str, torch.Tensor]:
+    """One stage's named tensors from its tensor-parallel ranks' shards (replicated ones: rank 0's)."""
+    return {name: shards[0][name] if split[name] is None else torch.cat([s[name] for s in shards], split[name])
+            for name in shards[0]}
+
+
+def whole_ids(ranks: list[dict], context: int, tensor: int) -> list[torch.Tensor]:
+    """Per sample, the [R, k] ids (or other per-row values) of the whole response from the last
+    stage's context-parallel ranks (each holds its zigzag rows, listed by `rows`; its
+    tensor-parallel ranks hold the same)."""
+    last = ranks[-context * tensor::tensor]
+    if context == 1:
+        return last[0]["ids"]
+    whole = []
+    for pieces in zip(*(rank["ids"] for rank in last)):
+        sample = len(whole)
+        rows = [rank["rows"][sample] for rank in last]
+        ids = torch.zeros((sum(map(len, rows)), pieces[0].shape[-1]), dtype=pieces[0].dtype)  # any per-row values
+        covered = torch.zeros(ids.shape[0], dtype=torch.bool)
+        for piece, at in zip(pieces, rows):
+            ids[at] = piece
+            covered[at] = True
+        assert covered.all(), "the context-parallel ranks' rows do not cover the response"
+        whole.append(ids)
+    return whole

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -184,13 +185,14 @@ def save_wide_teacher(args: Any, path: str) -> None:
     dist_checkpointing.save({"model": module.sharded_state_dict()}, path)
 
 
-def actor_rollout(seed: int) -> dict:
+def actor_rollout(seed: int, samples: list[dict] | None = None) -> dict:
     """A rollout as slime's rollout manager hands it to `train_actor` (rewards, micro-batch counts;
-    every data-parallel rank holds the whole rollout, so the step's global batch counts them all)."""
+    every data-parallel rank holds the whole rollout, so the step's global batch counts them all);
+    `samples`: the rollouts' per-sample fields given by the test (indexed by `seed`)."""
     import slime_kit as kit
     from megatron.core import parallel_state
 
-    data = kit.rollout(seed)
+    data = kit.rollout(seed) if samples is None else dict(samples[seed % len(samples)])
     data.update(rewards=[1.0, 0.0, 0.5, -1.0], num_microbatches=[len(data["micro_batch_indices"])],
                 global_batch_sizes=[len(data["tokens"]) * parallel_state.get_data_parallel_world_size()])
     return data
@@ -199,7 +201,7 @@ def actor_rollout(seed: int) -> dict:
 def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1, tensor: int = 1,
                     virtual: int | None = None, hf_teacher: str | None = None, flags: tuple[str, ...] = (),
                     rollouts: int = 1, wide_path: str | None = None, expert: int = 1,
-                    weights: str | None = None) -> dict[str, Any]:
+                    weights: str | None = None, cross: dict[str, Any] | None = None) -> dict[str, Any]:
     """slime_opd with two teachers through slime's real `MegatronTrainRayActor.train_actor`
     (slime's log-probs, advantages, `log_rollout_data`, `train()`), on `pipeline` stages, with
     slime's extra `flags`; `rollouts` train_actor calls in a row (re-entry). Returns this stage's
@@ -209,7 +211,10 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
     other architectures (comma-separated; their layers on the actor's attention core, the kit's
     packed-input one named by `--spec`, which stands for Transformer Engine's on CPU), `weights`
     the mixture's (default OPD_ENV's); `wide_path`: the second teacher is
-    `wide_path@slime_ranks:wide_teacher` (`save_wide_teacher`'s checkpoint)."""
+    `wide_path@slime_ranks:wide_teacher` (`save_wide_teacher`'s checkpoint); `cross`: the second
+    teacher is the Hugging Face directory cross["teacher"] with its own tokenizer
+    (`;tokenizer=own`), the student's tokenizer in cross["student"] (slime's --hf-checkpoint), its
+    vocabulary cross["vocab"], the rollouts' samples cross["samples"]."""
     with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual,
                    expert=expert) as patch:
         import slime_kit as kit
@@ -231,12 +236,27 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
             patch.setenv("MEGATRON_RL_PATCHES_OPD_WEIGHTS", weights)
         if wide_path is not None:
             patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"teacher-a,{wide_path}@slime_ranks:wide_teacher")
+        cross_flags: tuple[str, ...] = ()
+        if cross is not None:
+            from megatron_rl_patches.integrations.slime import hf_teachers
+            from megatron_rl_patches.testing.packed_gpt import packed_attention_class
+
+            patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS",
+                         cross.get("entries", f"teacher-a,{cross['teacher']};tokenizer=own"))
+            patch.setenv("MEGATRON_RL_PATCHES_OPD_WEIGHTS", cross.get("weights", OPD_ENV["WEIGHTS"]))
+            # the teacher's layers on the kit's CPU attention: packed, or context-parallel (zigzag) at CP > 1
+            from megatron_rl_patches.testing.cp_attention import ContextParallelAttention
+
+            core = ContextParallelAttention if context > 1 else packed_attention_class()
+            patch.setattr(hf_teachers, "packed_core_attention", lambda args: core)
+            cross_flags = ("--vocab-size", str(cross["vocab"]))
         megatron_rl_patches.apply(only=["train_reentry", "slime_fused", "gpt_output_processor", "slime_opd"])
         try:
             with kit.slime_session("--pipeline-model-parallel-size", str(pipeline), "--context-parallel-size",
                                    str(context), "--tensor-model-parallel-size", str(tensor), "--loss-type",
                                    "custom_loss", "--custom-loss-function-path", OPD_LOSS, *virtual_args(virtual),
-                                   *flags,
+                                   *flags, *cross_flags,
+                                   **({"hf_checkpoint": cross["student"]} if cross else {}),
                                    rollout_temperature=TEMPERATURE, log_probs_chunk_size=4,
                                    use_critic=False,  # what slime_validate_args sets
                                    **_whole_gradients(context * expert),  # EP=2: DP=2 here
@@ -247,18 +267,20 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2}, patch)
                 teachers = slime_opd.load_teachers(actor, opd_settings())
                 setattr(actor, slime_opd.ATTRIBUTE, teachers)
-                separate = [_stage_state(t) for t in teachers if not isinstance(t, str)]
+                models = [getattr(t, "model", t) for t in teachers]  # a teacher with another tokenizer: its model
+                separate = [_stage_state(t) for t in models if not isinstance(t, str)]
                 actor.prof, actor.rollout_data_postprocess = TrainProfiler(args), None
                 actor.optimizer, actor.opt_param_scheduler = optimizer, scheduler
                 actor.weight_updater = type("NoServer", (), {"pop_metrics": staticmethod(dict)})()
                 Timer().start("train_wait")  # what slime's init leaves running (its with_defer)
                 states = {}
-                for tag in [*(t for t in teachers if isinstance(t, str)), "actor"]:
+                for tag in [*(t for t in models if isinstance(t, str)), "actor"]:
                     actor._switch_model(tag)
                     states[tag] = _stage_state(model)
                 if wide_path is not None:  # the separate teacher's own chunks
                     states["opd_teacher_1"] = separate[0]
-                data = actor_rollout(0)
+                samples = None if cross is None else cross["samples"]
+                data = actor_rollout(0, samples)
                 Timer().seq_lens = data["total_lengths"]  # what slime's process_rollout_data notes
                 grads = first_grads(patch, optimizer, model)
                 losses: list[dict] = []
@@ -270,20 +292,25 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                     return result
 
                 patch.setattr(slime_model, "train_one_step", noting_losses)
+                seconds = [time.perf_counter()]
                 actor.train_actor(0, data)
+                seconds.append(time.perf_counter())
                 first = data
                 for rollout_id in range(1, rollouts):  # re-entry: slime's train() and the teacher passes again
-                    data = actor_rollout(rollout_id)
+                    data = actor_rollout(rollout_id, samples)
                     actor.train_actor(rollout_id, data)
+                    seconds.append(time.perf_counter())
                 last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                 return {"states": states, "grads": grads, "losses": losses if last else None,
+                        "step_seconds": [b - a for a, b in zip(seconds, seconds[1:])],
+                        "opd_reverse_kl": first.get("opd_reverse_kl"),  # slime's --use-opd advantage term
                         "ids": first.get(slime_opd.IDS), "rows": _response_rows(first),
                         "teacher_logprobs": first.get(slime_opd.TEACHER_LOGPROBS),
                         "last_ids": data.get(slime_opd.IDS),
                         "keys": sorted(k for k in data if k.startswith("opd_")), "split": _partition_dims(model),
                         "active": actor._active_model_tag,
                         "hf_layers": [[layer.layer_number for layer in chunk.decoder.layers]
-                                      for t in teachers if not isinstance(t, str) for chunk in t]}
+                                      for t in models if not isinstance(t, str) for chunk in t]}
         finally:
             megatron_rl_patches.revert()
 

@@ -24,38 +24,6 @@ pytestmark = pytest.mark.slime
 WEIGHTS = (0.3, 0.7)
 
 
-def _whole(stages: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The stages' named tensors (already under the whole model's names) in one dict."""
-    whole: dict[str, torch.Tensor] = {}
-    for stage in stages:
-        assert not set(whole) & set(stage), sorted(set(whole) & set(stage))
-        whole.update(stage)
-    return whole
-
-
-def _unsplit(shards: list[dict[str, torch.Tensor]], split: dict[str, int | None]) -> dict[str, torch.Tensor]:
-    """One stage's named tensors from its tensor-parallel ranks' shards (replicated ones: rank 0's)."""
-    return {name: shards[0][name] if split[name] is None else torch.cat([s[name] for s in shards], split[name])
-            for name in shards[0]}
-
-
-def _whole_ids(ranks: list[dict], context: int, tensor: int) -> list[torch.Tensor]:
-    """Per sample, the [R, k] ids of the whole response from the last stage's context-parallel
-    ranks (each holds its zigzag rows, listed by `rows`; its tensor-parallel ranks hold the same)."""
-    last = ranks[-context * tensor::tensor]
-    if context == 1:
-        return last[0]["ids"]
-    whole = []
-    for sample, pieces in enumerate(zip(*(rank["ids"] for rank in last))):
-        rows = [rank["rows"][sample] for rank in last]
-        ids = torch.full((sum(map(len, rows)), pieces[0].shape[-1]), -1, dtype=torch.long)
-        for piece, at in zip(pieces, rows):
-            ids[at] = piece
-        assert (ids >= 0).all(), "the context-parallel ranks' rows do not cover the response"
-        whole.append(ids)
-    return whole
-
-
 # (pipeline, context, tensor, virtual chunks, slime's extra flags): ranks = pipeline · context ·
 # tensor in Megatron's order (tp fastest, then cp; pp slowest). "cp2ag": slime's --allgather-cp
 # (the lane declares a DSA architecture to slime's own check, slime_ranks.DSA_CONFIG).
@@ -118,7 +86,7 @@ def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
 
         if expert > 1:  # one stage, its experts split over the EP ranks, the rest replicated (rank 0's kept)
             return {name: value for rank in reversed(ranks) for name, value in of(rank).items()}
-        return _whole([_unsplit([of(r) for r in shards], shards[0]["split"]) for shards in stages])
+        return kit.whole_stages([kit.unsplit([of(r) for r in shards], shards[0]["split"]) for shards in stages])
 
     states = {tag: whole("states", tag) for tag in ranks[0]["states"]}
     grads = whole("grads")
@@ -135,7 +103,7 @@ def test_train_actor_with_two_teachers_equals_dense_float64(slime_cpu, world):
                 p.copy_(states["actor"][name])
         snapshots = [[states[tag][name] for name in names] for tag in ("opd_teacher_0", "opd_teacher_1")]
         data = kit.rollout(0)
-        ids = _whole_ids(ranks, context, tensor)
+        ids = kit.whole_ids(ranks, context, tensor)
         expected, student = kit.dense_topk_opd(args, [full], snapshots, data, ids, WEIGHTS, slime_ranks.TEMPERATURE)
     losses, *later = last["losses"]
     assert len(later) == ROLLOUTS - 1  # re-entry: every rollout's step ran its teacher passes and OPD loss

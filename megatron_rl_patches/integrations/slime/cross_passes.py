@@ -1,0 +1,277 @@
+"""slime_opd's teachers with another tokenizer inside slime: their loading (the two tokenizers and
+the shared vocabulary), their two pipelined passes per step over the teacher's own packed rollout
+(its top-k ids and its own tokens' log-probs, then its bucket ids scored), the per-sample fields
+the student's step reads, and their terms in the loss: the (k+1)-bucket divergence at chunk starts
+and the token-level reverse-KL term (docs/distillation.md, "Teachers with another tokenizer")."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_rl_patches.integrations.slime import cross_teachers as ct
+from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, OpdSettings, Teacher, load_function
+from megatron_rl_patches.integrations.slime.step_plan import (
+    CROSS_ALIVE,
+    CROSS_LOGPROBS,
+    CROSS_RATIO,
+    CROSS_TAILS,
+    IDS,
+    IDS_MASK,
+    STEP_IDS,
+    STEP_MASK,
+    TopkRequest,
+)
+
+# the teacher rollout's keys of its second pass: its bucket ids per sample and their mask
+TEACHER_IDS, TEACHER_MASK = "opd_cross_teacher_ids", "opd_cross_teacher_ids_mask"
+
+
+@dataclass(frozen=True)
+class CrossTeacher:
+    """A loaded teacher with another tokenizer: its model (a snapshot tag or separate chunks), both
+    tokenizers and their shared vocabulary."""
+
+    model: Any
+    tokenizer: Any
+    student_tokenizer: Any
+    shared: Any
+    stop_tokens: Any = None
+
+
+def student_tokenizer(args: Any) -> Any:
+    """The student's tokenizer: tokenizer.json in slime's --hf-checkpoint."""
+    from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
+
+    hf = getattr(args, "hf_checkpoint", None)
+    if not isinstance(hf, str):
+        raise ValueError(f"{TEACHERS}: a teacher with ';tokenizer=own' needs the student's tokenizer: set slime's "
+                         "--hf-checkpoint to the student's Hugging Face directory (its tokenizer.json)")
+    try:
+        return load_tokenizer(hf, "--hf-checkpoint")
+    except ValueError as exc:
+        raise ValueError(f"{TEACHERS}: a teacher with ';tokenizer=own' reads the student's tokenizer from "
+                         f"--hf-checkpoint: {exc}") from None
+
+
+def load_cross(args: Any, teacher: Teacher, model: Any) -> CrossTeacher:
+    """`model` as a teacher with its own tokenizer (`teacher.path`'s tokenizer.json)."""
+    from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
+    from megatron_rl_patches.cross_tokenizer.vocabulary import shared_strings
+
+    student = student_tokenizer(args)
+    try:
+        own = load_tokenizer(teacher.path, f"{TEACHERS}: teacher {teacher.path!r}")
+    except ValueError as exc:
+        raise ValueError(f"{exc} (';tokenizer=own' reads the teacher's tokenizer.json)") from None
+    stop = None if teacher.stop_tokens is None else load_function(
+        teacher.stop_tokens, "stop_tokens", "mapping a student special id to the teacher's id or None")
+    return CrossTeacher(model, own, student, shared_strings(student, own), stop)
+
+
+def unserved_layout(args: Any) -> str | None:
+    """The layout feature teachers with another tokenizer are not served with (yet), or None."""
+    if (getattr(args, "expert_model_parallel_size", None) or 1) > 1:
+        return "expert parallelism (--expert-model-parallel-size > 1)"
+    if getattr(args, "allgather_cp", False):
+        return "--allgather-cp"
+    return None
+
+
+def check_args(args: Any, settings: OpdSettings) -> None:
+    """Before anything loads: the layouts teachers with another tokenizer serve, and slime's
+    `--use-opd` with them (one such teacher, whose spread signal are its teacher_log_probs; slime's
+    sglang mode: its megatron mode overwrites teacher_log_probs with its own teacher's)."""
+    if not any(t.own_tokenizer for t in settings.teachers):
+        return
+    what = unserved_layout(args)
+    if what is not None:
+        raise ValueError(f"{TEACHERS} names a teacher with ';tokenizer=own', which is not served with {what} "
+                             "yet: run it without that, or drop the option's teacher")
+    if not getattr(args, "use_opd", False):
+        return
+    own = sum(t.own_tokenizer for t in settings.teachers)
+    if own != 1:
+        raise ValueError(f"{TEACHERS}: slime's --use-opd takes one teacher's log-probs; name one teacher with "
+                         f"';tokenizer=own' (got {own}), or use top-k OPD's loss for several")
+    if getattr(args, "opd_type", None) != "sglang":
+        raise ValueError(f"{TEACHERS} with ';tokenizer=own' fills slime's teacher_log_probs: run --use-opd with "
+                         f"--opd-type sglang (--opd-type {getattr(args, 'opd_type', None)} loads its own teacher "
+                         "over them)")
+
+
+def _cut(values: list[torch.Tensor], data: dict) -> list[torch.Tensor]:
+    """Whole-response values as slime keeps per-sample fields on this context-parallel rank."""
+    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+
+    return [slice_log_prob_with_cp(v, total, response) for v, total, response in
+            zip(values, data["total_lengths"], data["response_lengths"])]
+
+
+def _whole(values: list[torch.Tensor], data: dict) -> list[torch.Tensor]:
+    from megatron_rl_patches.integrations.slime.allgather_cp import whole_from_zigzag
+
+    return whole_from_zigzag(values, list(data["total_lengths"]), list(data["response_lengths"]))
+
+
+def teacher_samples(rollout_data: dict, teacher: CrossTeacher) -> list[ct.TeacherSample]:
+    """Every sample re-tokenized for `teacher` (on every rank: the pipeline stages pack the same;
+    the teacher's ids on the device of the student's)."""
+    return [ct.teacher_sample(tokens, int(response), mask, teacher.student_tokenizer, teacher.tokenizer,
+                              teacher.stop_tokens)
+            for tokens, response, mask in zip(rollout_data["tokens"], rollout_data["response_lengths"],
+                                               rollout_data["loss_masks"])]
+
+
+def score(actor: Any, rollout_data: dict, teacher: CrossTeacher, settings: OpdSettings, pass_fn: Any,
+          student_log_probs: list[torch.Tensor] | None, last: bool) -> dict[str, list[torch.Tensor]] | None:
+    """The teacher's two passes over its own rollout; on the last stage, per sample and whole: the
+    log-ratio [R], its bucket scores [R, k] and tails [R] on the student's rows, the live buckets
+    [R, k], the student's bucket ids [R, k·D] and mask (None on other stages)."""
+    model = actor.model
+    if isinstance(teacher.model, str):
+        actor._switch_model(teacher.model)
+    else:
+        model = teacher.model
+    samples = teacher_samples(rollout_data, teacher)
+    budget = ct.student_budget(rollout_data["total_lengths"], rollout_data["micro_batch_indices"])
+    own = ct.teacher_rollout(samples, budget, len(rollout_data["micro_batch_indices"]))
+    first = pass_fn(actor.args, model, own, TopkRequest(k=settings.k))
+    buckets: list[ct.Buckets] = []
+    if last:
+        top = _whole(first["topk_ids"], own)
+        buckets = [ct.chunk_start_buckets(ids, s.alignment, teacher.shared) for ids, s in zip(top, samples)]
+        own[TEACHER_IDS] = _cut([b.teacher_ids for b in buckets], own)
+        own[TEACHER_MASK] = _cut([b.teacher_mask for b in buckets], own)
+    second = pass_fn(actor.args, model, own, TopkRequest(ids_key=TEACHER_IDS, mask_key=TEACHER_MASK,
+                                                         keys=(TEACHER_IDS, TEACHER_MASK)))
+    if not last or student_log_probs is None:
+        return None
+    own_log_probs = _whole(first["log_probs"], own)
+    id_log_probs, tails = _whole(second["topk_log_probs"], own), _whole(second["tail"], own)
+    out: dict[str, list[torch.Tensor]] = {key: [] for key in ("ratio", "logprobs", "tails", "alive", "ids", "mask")}
+    for s, b, student, teacher_lp, lp, tail in zip(samples, buckets, student_log_probs, own_log_probs, id_log_probs,
+                                                   tails):
+        values, t_tails = ct.teacher_buckets_on_student_rows(lp, tail, b, s.alignment)
+        out["ratio"].append(ct.log_ratio(student.float(), teacher_lp.float(), s.alignment))
+        out["logprobs"].append(values.float())
+        out["tails"].append(t_tails.float())
+        out["alive"].append(b.alive)
+        out["ids"].append(b.student_ids)
+        out["mask"].append(b.student_mask)
+    return out
+
+
+def place(rollout_data: dict, scored: list[dict[str, list[torch.Tensor]]], same: bool, union: bool) -> None:
+    """The cross teachers' fields in the rollout data, cut to this rank's rows: per sample the
+    step's ids (the same-tokenizer ids when `same`, then each teacher's bucket ids) and the
+    stacked per-teacher values."""
+    n = len(rollout_data["tokens"])
+    parts: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    masks: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    if same:
+        for i, ids in enumerate(rollout_data[IDS]):
+            parts[i].append(ids)
+            masks[i].append(rollout_data[IDS_MASK][i] if union else torch.ones_like(ids, dtype=torch.bool))
+    depth = max(out["ids"][0].shape[-1] // out["alive"][0].shape[-1] for out in scored)
+    for out in scored:
+        pairs = zip(_cut(out["ids"], rollout_data), _cut(out["mask"], rollout_data), out["alive"])
+        for i, (ids, mask, alive) in enumerate(pairs):
+            device = rollout_data[IDS][i].device
+            parts[i].append(_deepened(ids, alive.shape[-1], depth).to(device))
+            masks[i].append(_deepened(mask, alive.shape[-1], depth).to(device))
+    rollout_data[STEP_IDS] = [torch.cat(p, dim=1) for p in parts]
+    rollout_data[STEP_MASK] = [torch.cat(m, dim=1) for m in masks]
+    for key, field in ((CROSS_RATIO, "ratio"), (CROSS_LOGPROBS, "logprobs"), (CROSS_TAILS, "tails"),
+                       (CROSS_ALIVE, "alive")):
+        per_teacher = [_cut(out[field], rollout_data) for out in scored]
+        rollout_data[key] = [torch.stack(values, dim=1) for values in zip(*per_teacher)]
+
+
+def _deepened(values: torch.Tensor, k: int, depth: int) -> torch.Tensor:
+    """[R, k·D] bucket slots as [R, k·depth] (each bucket padded with zeros / False to `depth` slots)."""
+    rows = values.reshape(values.shape[0], k, -1)
+    pad = rows.new_zeros((rows.shape[0], k, depth - rows.shape[-1]))
+    return torch.cat([rows, pad], dim=-1).reshape(values.shape[0], -1)
+
+
+def spread_for_slime(rollout_data: dict, scored: dict[str, list[torch.Tensor]],
+                     student_log_probs: list[torch.Tensor]) -> None:
+    """slime's `--use-opd` field: teacher_log_probs = the spread teacher signal (log pS + log-ratio),
+    cut to this rank's rows as slime cuts it."""
+    spread = [lp.float() + ratio.to(lp.device) for lp, ratio in zip(student_log_probs, scored["ratio"])]
+    rollout_data["teacher_log_probs"] = _cut(spread, rollout_data)
+
+
+def whole_log_probs(student_pass: dict[str, list[torch.Tensor]], rollout_data: dict) -> list[torch.Tensor]:
+    """The student's own log-probs of each whole response from its top-k pass (the chunk sums ℓS)."""
+    return _whole(student_pass["log_probs"], rollout_data)
+
+
+def token_log_probs(args: Any, batch: dict, output: Any) -> torch.Tensor:
+    """The student's log p(y_i) [N] of the micro-batch's response tokens with their gradient, in
+    the rows slime's per-sample fields use (zigzag with --allgather-cp)."""
+    from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
+    from megatron_rl_patches.integrations.slime.topk import per_sample_rows
+
+    if not isinstance(output, dict):
+        raise RuntimeError("slime_opd: a teacher with another tokenizer needs the fused route's output; the step "
+                           "fell back to slime's logits path (the slime_fused log line names why)")
+    allgather = allgather_cp_active(args)
+    values = output["log_probs"]
+    pieces = per_sample_rows(values, batch, allgather)
+    if allgather:
+        # differentiable: the pieces require grad
+        pieces = zigzag_from_local(pieces, values.shape[1], batch["total_lengths"], batch["response_lengths"])
+    return torch.cat(pieces)
+
+
+def _tail(log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log(1 − Σ p) over the masked-in ids of each row (a part of the step's ids)."""
+    mass = torch.where(mask, log_probs.exp(), 0.0).sum(-1)
+    return torch.log1p(-mass.clamp(max=1.0 - 1e-7))
+
+
+def loss_terms(settings: OpdSettings, batch: dict, student: torch.Tensor, student_tail: torch.Tensor,
+               token_log_probs: torch.Tensor) -> torch.Tensor:
+    """Per response token [N] of the micro-batch: the weighted OPD terms of every teacher, the
+    same-tokenizer ones as one mixture over the student's top-k ids, each other-tokenizer one as its
+    chunk-start bucket divergence plus its token-level reverse-KL term (gradient r·∇log pS)."""
+    from megatron_rl_patches.cross_tokenizer.losses import bucket_log_probs
+    from megatron_rl_patches.integrations.slime.step_plan import TEACHER_LOGPROBS, TEACHER_TAILS
+    from megatron_rl_patches.ops.topk import topk_kl
+
+    n = len(settings.teachers)
+    weights = settings.weights or tuple(1.0 / n for _ in range(n))
+    same = [i for i, t in enumerate(settings.teachers) if not t.own_tokenizer]
+    cross = [i for i, t in enumerate(settings.teachers) if t.own_tokenizer]
+    mask = torch.cat(batch[STEP_MASK]).to(device=student.device, dtype=torch.bool)
+    parts = len(cross) + bool(same)
+    total = torch.zeros_like(token_log_probs)
+    start = 0
+    if same:
+        width = batch[IDS][0].shape[-1]
+        cols, part_mask = student[:, :width], mask[:, :width]
+        tail = student_tail if parts == 1 else _tail(cols, part_mask)
+        group = torch.tensor([weights[i] for i in same], dtype=torch.float64)
+        teachers = torch.cat(batch[TEACHER_LOGPROBS], dim=1).to(cols)
+        tails = torch.cat(batch[TEACHER_TAILS], dim=1).to(cols)
+        total = total + float(group.sum()) * topk_kl(cols, tail, teachers, tails, teacher_weights=group / group.sum(),
+                                                     divergence=settings.divergence, ids_mask=part_mask)
+        start = width
+    ratio = torch.cat(batch[CROSS_RATIO]).to(token_log_probs)
+    scores, tails = torch.cat(batch[CROSS_LOGPROBS]).to(student), torch.cat(batch[CROSS_TAILS]).to(student)
+    alive = torch.cat(batch[CROSS_ALIVE]).to(device=student.device, dtype=torch.bool)
+    width = (mask.shape[1] - start) // max(len(cross), 1)  # `place` gives every such teacher one width
+    for x, index in enumerate(cross):
+        cols, part_mask = student[:, start:start + width], mask[:, start:start + width]
+        start += width
+        buckets = bucket_log_probs(cols, part_mask, alive[:, x])
+        tail = student_tail if parts == 1 else _tail(cols, part_mask)
+        divergence = topk_kl(buckets, tail, scores[:, x], tails[:, x], divergence=settings.divergence,
+                             ids_mask=alive[:, x])
+        r = -ratio[:, x]
+        token = r + r * (token_log_probs - token_log_probs.detach())
+        total = total + weights[index] * (divergence.to(total) + token)
+    return total

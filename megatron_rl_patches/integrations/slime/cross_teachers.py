@@ -1,0 +1,165 @@
+"""slime_opd's teachers with another tokenizer (`PATH;tokenizer=own`), the parts that need no slime:
+each sample re-tokenized for the teacher on the whole sequence (the prompt/response boundary and
+every loss-mask change are forced chunk boundaries), the teacher's own packed rollout planned under
+the student's token budget, the chunk-start buckets over shared byte strings, and the teacher's
+values brought back to the student's response rows (whole responses: a chunk can straddle
+context-parallel ranks, each rank's rows are cut afterwards as slime cuts per-sample fields)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_rl_patches.cross_tokenizer.alignment import Alignment
+from megatron_rl_patches.cross_tokenizer.losses import alive_strings, bucket_log_probs
+from megatron_rl_patches.cross_tokenizer.retokenizing import retokenize
+from megatron_rl_patches.cross_tokenizer.spreading import spread_chunk_log_probs
+from megatron_rl_patches.cross_tokenizer.vocabulary import SharedVocabulary
+
+
+@dataclass(frozen=True)
+class TeacherSample:
+    """One sample for the teacher: its ids of the whole sequence, how many are the response, and
+    the alignment of the two responses (`student_chunk` [R_student], `teacher_chunk` [R_teacher])."""
+
+    tokens: torch.Tensor
+    response_length: int
+    alignment: Alignment
+
+
+def loss_mask_boundaries(prompt_length: int, loss_mask: Sequence[int] | torch.Tensor) -> list[int]:
+    """The forced chunk starts of a sample (token indices of the whole sequence): the response's
+    first token and every response token where the loss mask changes (a tool output's edges)."""
+    mask = [int(m) for m in (loss_mask.tolist() if isinstance(loss_mask, torch.Tensor) else loss_mask)]
+    return [prompt_length] + [prompt_length + i for i in range(1, len(mask)) if mask[i] != mask[i - 1]]
+
+
+def teacher_sample(tokens: torch.Tensor, response_length: int, loss_mask: Sequence[int] | torch.Tensor,
+                   student_tokenizer: Any, teacher_tokenizer: Any, stop_tokens: Any = None) -> TeacherSample:
+    """The teacher's sample for the student's `tokens` (prompt then `response_length` response ids):
+    the whole sequence re-tokenized (special tokens mapped by content, or by `stop_tokens`), the
+    alignment cut to the responses and renumbered from 0."""
+    ids = [int(t) for t in tokens.tolist()]
+    prompt = len(ids) - int(response_length)
+    if prompt < 0 or len(loss_mask) != response_length:
+        raise ValueError(f"a sample of {len(ids)} tokens with response_length {response_length} and "
+                         f"{len(loss_mask)} loss-mask values: slime's rollout data disagree")
+    t_ids, alignment = retokenize(ids, student_tokenizer, teacher_tokenizer,
+                                  boundaries=loss_mask_boundaries(prompt, loss_mask), stop_tokens=stop_tokens)
+    prompt_chunks = alignment.student_chunk[:prompt]
+    first = int(prompt_chunks.max()) + 1 if bool((prompt_chunks >= 0).any()) else 0
+    t_prompt = int((alignment.teacher_chunk < first).sum())
+    student = alignment.student_chunk[prompt:]
+    student = torch.where(student >= 0, student - first, student)
+    teacher = alignment.teacher_chunk[t_prompt:] - first
+    if teacher.numel() == 0:
+        raise ValueError(f"a response of {response_length} student tokens has no teacher token (every token "
+                         "excluded: invalid UTF-8 or special tokens the teacher lacks); map its stop tokens")
+    response = Alignment(student, teacher, alignment.n_chunks - first, alignment.invalid_utf8, alignment.unspelled,
+                         alignment.unmapped_special)
+    return TeacherSample(t_ids.to(tokens.device), int(teacher.numel()), response)
+
+
+def student_budget(total_lengths: Sequence[int], micro_batch_indices: Sequence[Sequence[int]]) -> int:
+    """The token budget of the student's micro-batches: the most tokens one of them packs."""
+    return max((sum(int(total_lengths[i]) for i in batch) for batch in micro_batch_indices), default=1)
+
+
+def plan_micro_batches(lengths: Sequence[int], budget: int, at_least: int = 1) -> list[list[int]]:
+    """Samples in order, packed into micro-batches of at most `budget` tokens (a longer sample on
+    its own): the teacher's sequences can be longer than the student's, so they may need more; at
+    least `at_least` of them (the student's count: pipeline schedules may ask a minimum), the
+    largest split in two while it holds several samples."""
+    if budget < 1:
+        raise ValueError(f"budget must be a positive token count, got {budget}")
+    plan = _packed(lengths, budget)
+    while len(plan) < at_least:
+        splittable = [i for i, batch in enumerate(plan) if len(batch) > 1]
+        if not splittable:
+            break
+        i = max(splittable, key=lambda j: sum(int(lengths[s]) for s in plan[j]))
+        half = len(plan[i]) // 2
+        plan[i: i + 1] = [plan[i][:half], plan[i][half:]]
+    return plan
+
+
+def _packed(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    plan: list[list[int]] = []
+    used = budget + 1
+    for index, length in enumerate(lengths):
+        if used + int(length) > budget:
+            plan.append([])
+            used = 0
+        plan[-1].append(index)
+        used += int(length)
+    return plan
+
+
+def teacher_rollout(samples: Sequence[TeacherSample], budget: int, at_least: int = 1) -> dict[str, Any]:
+    """slime's rollout fields for the teacher's own passes (its ids, lengths, micro-batches: at
+    least `at_least`)."""
+    plan = plan_micro_batches([s.tokens.numel() for s in samples], budget, at_least)
+    return {"tokens": [s.tokens for s in samples], "total_lengths": [int(s.tokens.numel()) for s in samples],
+            "response_lengths": [s.response_length for s in samples],
+            "loss_masks": [torch.ones(s.response_length, dtype=torch.int, device=s.tokens.device) for s in samples],
+            "micro_batch_indices": plan, "num_microbatches": [len(plan)]}
+
+
+def log_ratio(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, alignment: Alignment
+              ) -> torch.Tensor:
+    """Per student response token, `spread − log pS` = (ℓT_j − ℓS_j)/|S_j| for its chunk j (0 for
+    excluded tokens): the token-level signal the loss and slime's `--use-opd` read."""
+    s = student_log_probs.detach().to(torch.float64)
+    spread = spread_chunk_log_probs(s, teacher_log_probs.detach().to(torch.float64).to(s.device), alignment)
+    return (spread - s).to(student_log_probs.dtype)
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """A sample's chunk-start buckets: the teacher's ids per bucket on its rows ([R_teacher, k·D_t]
+    and mask), the student's on its rows ([R_student, k·D_s] and mask), and which buckets are
+    alive on the student's rows ([R_student, k]; none outside chunk starts)."""
+
+    teacher_ids: torch.Tensor
+    teacher_mask: torch.Tensor
+    student_ids: torch.Tensor
+    student_mask: torch.Tensor
+    alive: torch.Tensor
+
+
+def chunk_start_buckets(teacher_top: torch.Tensor, alignment: Alignment, shared: SharedVocabulary) -> Buckets:
+    """The buckets at each chunk's first tokens from the teacher's top-k ids on its response rows
+    [R_teacher, k]: the shared strings among them (each once), every id of each string per side
+    (widths fixed per tokenizer pair, so samples stack)."""
+    device = teacher_top.device
+    s_rows, t_rows = (rows.to(device) for rows in alignment.chunk_starts())
+    strings, alive = alive_strings(shared.teacher_string.to(device)[teacher_top[t_rows]])
+    t_ids, t_mask = shared.bucket_ids(strings, alive, "teacher", shared.most_ids("teacher"))
+    s_ids, s_mask = shared.bucket_ids(strings, alive, "student", shared.most_ids("student"))
+
+    def placed(values: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
+        out = values.new_zeros((length, values.shape[-1]))
+        out[rows] = values
+        return out
+
+    n_s, n_t = alignment.student_chunk.numel(), alignment.teacher_chunk.numel()
+    return Buckets(placed(t_ids, t_rows, n_t), placed(t_mask, t_rows, n_t), placed(s_ids, s_rows, n_s),
+                   placed(s_mask, s_rows, n_s), placed(alive, s_rows, n_s))
+
+
+def teacher_buckets_on_student_rows(id_log_probs: torch.Tensor, tail: torch.Tensor, buckets: Buckets,
+                                    alignment: Alignment) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's log P(bucket) [R_student, k] and log tail [R_student] on the student's rows,
+    from its per-id log-probs [R_teacher, k·D_t] and tails [R_teacher] at its own rows (each chunk
+    start's values moved to the student's first token of that chunk; 0 elsewhere, no bucket alive)."""
+    s_rows, t_rows = (rows.to(id_log_probs.device) for rows in alignment.chunk_starts())
+    alive = buckets.alive.to(id_log_probs.device)
+    grouped = bucket_log_probs(id_log_probs[t_rows], buckets.teacher_mask.to(id_log_probs.device)[t_rows],
+                               alive[s_rows])
+    values = torch.full(alive.shape, -torch.inf, dtype=id_log_probs.dtype, device=id_log_probs.device)
+    values[s_rows] = grouped
+    tails = torch.zeros(alive.shape[0], dtype=tail.dtype, device=tail.device)
+    tails[s_rows.to(tail.device)] = tail[t_rows.to(tail.device)]
+    return values, tails
