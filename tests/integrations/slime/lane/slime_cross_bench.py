@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 cross = {"teacher": entry, "entries": entry, "weights": "1", "student": str(student),
                          "vocab": STUDENT_VOCAB, "samples": [data]}
                 (rank,) = run_multirank(slime_ranks.opd_train_actor, 1, 1, 1, 1, None, None, flags, opts.steps, None,
-                                        1, cross, timeout=1800)
+                                        1, None, cross, timeout=1800)
                 times[name] += rank["step_seconds"][1:]
     base = statistics.median(times["the student's tokenizer (Qwen3's)"])
     count = len(next(iter(times.values())))

@@ -108,7 +108,7 @@ def world(request, dirs, spm):
     return request.param, (pipeline, context, tensor, virtual), run_multirank(
         slime_ranks.opd_train_actor, pipeline * context * tensor, pipeline, context, tensor, virtual, None,
         USE_OPD + (layouts.BY_MARKER["sp"].megatron_lm_args if "sp" in LAYOUTS[request.param][1] else ()), 2,
-        None, 1, cross, timeout=600)
+        None, 1, None, cross, timeout=600)
 
 
 def _buckets(p_row, q_row, strings, shared):
