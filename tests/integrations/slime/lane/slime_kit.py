@@ -274,6 +274,35 @@ def hf_teacher_logps(path: str, data: dict, temperature: float, vocab: int | Non
     return out
 
 
+def hf_teacher_token_logps(path: str, data: dict, temperature: float) -> list[torch.Tensor]:
+    """Per sample, log p(response token) at `temperature` from the Hugging Face teacher at `path`
+    built alone in float64, one unpacked sample at a time (over the kit's VOCAB ids)."""
+    logps = hf_teacher_logps(path, data, temperature, VOCAB)
+    return [logp.gather(-1, tokens[-len(logp):, None])[:, 0] for logp, tokens in zip(logps, data["tokens"])]
+
+
+ROLE_NO_PADDING = ("--make-vocab-size-divisible-by", "64")  # a 64-id teacher unpadded: every logit is real
+
+
+def prm_role_log_probs(path: str, roles: str, monkeypatch: Any, temperature: float,
+                       *flags: str) -> tuple[list[torch.Tensor], Any]:
+    """The `prm_teacher` role from the Hugging Face directory `path`, built by slime's real
+    initialize_model_and_optimizer under MEGATRON_RL_PATCHES_INFERENCE_ROLES=`roles` (inference-only:
+    no optimizer, no parameter requiring grad), then slime's forward_only log-probs over the kit's
+    packed rollout; and the role's model, unwrapped."""
+    from slime.backends.megatron_utils import model as slime_model
+
+    monkeypatch.setenv("MEGATRON_RL_PATCHES_INFERENCE_ROLES", roles)
+    with slime_session(*ROLE_NO_PADDING, *flags, rollout_temperature=temperature, prm_teacher_load=path) as args:
+        model, optimizer, scheduler, iteration = slime_model.initialize_model_and_optimizer(args, role="prm_teacher")
+        assert optimizer is None and scheduler is None and iteration == 0 and model[0].role == "prm_teacher"
+        assert not any(p.requires_grad for p in model[0].parameters())
+        inner = model[0]
+        while hasattr(inner, "module"):
+            inner = inner.module
+        return log_probs(args, model, rollout(0))["log_probs"], inner
+
+
 def dense_topk_opd(args: Any, model: list[Any], snapshots: list[Any], data: dict,
                    ids: list[torch.Tensor], weights: Sequence[float], temperature: float,
                    masks: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:

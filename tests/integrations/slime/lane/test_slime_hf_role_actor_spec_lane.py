@@ -19,30 +19,6 @@ pytestmark = [pytest.mark.slime, layouts.mark("thd")]
 
 OTHER = dict(hidden_size=48, num_hidden_layers=4, intermediate_size=64, vocab_size=64, max_position_embeddings=64)
 TEMPERATURE = 0.8
-NO_PADDING = ("--make-vocab-size-divisible-by", "64")  # the teacher's 64 ids unpadded: every logit is real
-
-
-def _float64_log_probs(kit, hf: str, data) -> list[torch.Tensor]:
-    """Per sample, log p(response token) at the rollout temperature from the teacher built alone in
-    float64 (megatron-core's local attention, one unpacked sample at a time)."""
-    logps = kit.hf_teacher_logps(hf, data, TEMPERATURE, kit.VOCAB)
-    return [logp.gather(-1, tokens[-len(logp):, None])[:, 0] for logp, tokens in zip(logps, data["tokens"])]
-
-
-def _role_log_probs(kit, hf: str, roles: str, monkeypatch, *flags: str) -> tuple[list[torch.Tensor], type]:
-    """The prm_teacher role built by slime's initialize_model_and_optimizer, then slime's
-    forward_only log-probs over the kit's packed rollout; and the role's attention core class."""
-    from slime.backends.megatron_utils import model as slime_model
-
-    monkeypatch.setenv("MEGATRON_RL_PATCHES_INFERENCE_ROLES", roles)
-    with kit.slime_session(*NO_PADDING, *flags, rollout_temperature=TEMPERATURE, prm_teacher_load=hf) as args:
-        model, optimizer, scheduler, iteration = slime_model.initialize_model_and_optimizer(args, role="prm_teacher")
-        assert optimizer is None and scheduler is None and iteration == 0 and model[0].role == "prm_teacher"
-        inner = model[0]
-        while hasattr(inner, "module"):
-            inner = inner.module
-        core = type(inner.decoder.layers[0].self_attention.core_attention)
-        return kit.log_probs(args, model, kit.rollout(0))["log_probs"], core
 
 
 def test_prm_teacher_of_another_size_runs_the_actors_spec_attention(slime_cpu, tmp_path, monkeypatch):
@@ -54,14 +30,15 @@ def test_prm_teacher_of_another_size_runs_the_actors_spec_attention(slime_cpu, t
 
     hf = str(tmp_path / "prm")
     write_tiny_checkpoint(hf, tiny_hf_config("qwen3", **OTHER), seed=5)
-    reference = _float64_log_probs(kit, hf, kit.rollout(0))
+    reference = kit.hf_teacher_token_logps(hf, kit.rollout(0), TEMPERATURE)
     megatron_rl_patches.apply(only=["inference_roles"])
     try:
-        resident, core = _role_log_probs(kit, hf, "prm_teacher", monkeypatch, *ACTOR_SPEC)
-        streamed, _ = _role_log_probs(kit, hf, "prm_teacher:stream", monkeypatch, *ACTOR_SPEC)
-        swapped, _ = _role_log_probs(kit, hf, "prm_teacher:swap", monkeypatch, *ACTOR_SPEC)
+        resident, role = kit.prm_role_log_probs(hf, "prm_teacher", monkeypatch, TEMPERATURE, *ACTOR_SPEC)
+        core = type(role.decoder.layers[0].self_attention.core_attention)
+        streamed, _ = kit.prm_role_log_probs(hf, "prm_teacher:stream", monkeypatch, TEMPERATURE, *ACTOR_SPEC)
+        swapped, _ = kit.prm_role_log_probs(hf, "prm_teacher:swap", monkeypatch, TEMPERATURE, *ACTOR_SPEC)
         with pytest.raises(AssertionError, match="Packed sequence is not supported by DotProductAttention"):
-            _role_log_probs(kit, hf, "prm_teacher", monkeypatch)  # the local route: no --spec
+            kit.prm_role_log_probs(hf, "prm_teacher", monkeypatch, TEMPERATURE)  # the local route: no --spec
     finally:
         megatron_rl_patches.revert()
     actor_core = packed_gpt_spec().submodules.self_attention.submodules.core_attention

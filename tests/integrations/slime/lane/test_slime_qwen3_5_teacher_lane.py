@@ -27,33 +27,6 @@ TEMPERATURE = 0.8
 WEIGHTS = (0.3, 0.7)  # the snapshot teacher, the Qwen3.5 teacher
 LAYOUTS = {"pp1": (1, ("thd",)), "tp2": (2, ("tp2", "thd"))}  # layout -> (tensor ranks, layout marks)
 TOL = 3e-4  # the float32 build alone (unpacked) is 1.5e-4 from float64 here: log-probs reach -21
-NO_PADDING = ("--make-vocab-size-divisible-by", "64")  # the teacher's 64 ids unpadded: every logit is real
-
-
-def _float64_log_probs(kit, hf: str, data) -> list[torch.Tensor]:
-    """Per sample, log p(response token) at the rollout temperature from the teacher built alone in
-    float64, one unpacked sample at a time."""
-    logps = kit.hf_teacher_logps(hf, data, TEMPERATURE, kit.VOCAB)
-    return [logp.gather(-1, tokens[-len(logp):, None])[:, 0] for logp, tokens in zip(logps, data["tokens"])]
-
-
-def _role_log_probs(kit, hf: str, roles: str, monkeypatch, *flags: str) -> tuple[list[torch.Tensor], list[str]]:
-    """The prm_teacher role built by slime's initialize_model_and_optimizer, then slime's
-    forward_only log-probs over the kit's packed rollout; and each layer's attention module name
-    (its core's for full attention)."""
-    from slime.backends.megatron_utils import model as slime_model
-
-    monkeypatch.setenv("MEGATRON_RL_PATCHES_INFERENCE_ROLES", roles)
-    with kit.slime_session(*NO_PADDING, *flags, rollout_temperature=TEMPERATURE, prm_teacher_load=hf) as args:
-        model, optimizer, scheduler, iteration = slime_model.initialize_model_and_optimizer(args, role="prm_teacher")
-        assert optimizer is None and scheduler is None and iteration == 0 and model[0].role == "prm_teacher"
-        assert not any(p.requires_grad for p in model[0].parameters())
-        inner = model[0]
-        while hasattr(inner, "module"):
-            inner = inner.module
-        names = [type(getattr(layer.self_attention, "core_attention", layer.self_attention)).__name__
-                 for layer in inner.decoder.layers]
-        return kit.log_probs(args, model, kit.rollout(0))["log_probs"], names
 
 
 @layouts.mark("thd")
@@ -65,12 +38,14 @@ def test_qwen3_5_prm_teacher_role_equals_float64_on_every_residency(slime_cpu, t
 
     hf = str(tmp_path / "prm")
     write_tiny_checkpoint(hf, tiny_hf_config("qwen3_5", **OTHER), seed=5)
-    reference = _float64_log_probs(kit, hf, kit.rollout(0))
+    reference = kit.hf_teacher_token_logps(hf, kit.rollout(0), TEMPERATURE)
     megatron_rl_patches.apply(only=["inference_roles"])
     try:
-        resident, names = _role_log_probs(kit, hf, "prm_teacher", monkeypatch, *ACTOR_SPEC)
-        streamed, _ = _role_log_probs(kit, hf, "prm_teacher:stream", monkeypatch, *ACTOR_SPEC)
-        swapped, _ = _role_log_probs(kit, hf, "prm_teacher:swap", monkeypatch, *ACTOR_SPEC)
+        resident, role = kit.prm_role_log_probs(hf, "prm_teacher", monkeypatch, TEMPERATURE, *ACTOR_SPEC)
+        names = [type(getattr(layer.self_attention, "core_attention", layer.self_attention)).__name__
+                 for layer in role.decoder.layers]
+        streamed, _ = kit.prm_role_log_probs(hf, "prm_teacher:stream", monkeypatch, TEMPERATURE, *ACTOR_SPEC)
+        swapped, _ = kit.prm_role_log_probs(hf, "prm_teacher:swap", monkeypatch, TEMPERATURE, *ACTOR_SPEC)
     finally:
         megatron_rl_patches.revert()
     assert names[3] == "PackedDotProductAttention"  # the full-attention layer: the actor's core
