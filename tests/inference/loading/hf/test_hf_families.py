@@ -9,8 +9,9 @@ import shutil
 
 import pytest
 import torch
+from kit.hf_scores import built_log_probs, transformers_log_probs
 
-from megatron_rl_patches import build_inference_model_from_hf, log_prob_output_processor
+from megatron_rl_patches import build_inference_model_from_hf
 from megatron_rl_patches.inference.loading.hf import UnsupportedCheckpointError
 from megatron_rl_patches.testing.hf_checkpoints import add_mtp_tensors, router_margin, save_tiny_hf, save_tiny_mimo
 from megatron_rl_patches.testing.megatron_cpu import make_batch
@@ -27,18 +28,6 @@ ROPE_CASES = {
     "yarn": ("qwen2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                            "original_max_position_embeddings": 32}}),
 }
-
-
-def _log_probs(chunk, batch) -> torch.Tensor:
-    with torch.no_grad():
-        return chunk(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
-                     output_processor=log_prob_output_processor(vocab_size=VOCAB))["log_probs"].double()
-
-
-def _reference(model, batch) -> torch.Tensor:
-    with torch.no_grad():
-        full = torch.log_softmax(model(batch["tokens"]).logits.double(), dim=-1)
-    return full.gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
 
 
 @pytest.fixture
@@ -67,19 +56,19 @@ def test_rope_scaling_equals_transformers(megatron_cpu, fused_processors, tmp_pa
     kind, overrides = ROPE_CASES[rope]
     model = save_tiny_hf(tmp_path / "scaled", kind, seed=3, max_position_embeddings=128, **overrides)
     batch = make_batch(batch_size=2, seq_length=SEQ, vocab_size=VOCAB, seed=0)
-    want = _reference(model, batch)
+    want = transformers_log_probs(model, batch)
     if rope == "yarn" and not _megatron_core_has_yarn():
         with pytest.raises(UnsupportedCheckpointError, match=r"'yarn' needs megatron-core >= 0.16"):
             build_inference_model_from_hf(tmp_path / "scaled", dtype=torch.float32)
         return
-    got = _log_probs(build_inference_model_from_hf(tmp_path / "scaled", dtype=torch.float32)[0], batch)
+    got = built_log_probs(build_inference_model_from_hf(tmp_path / "scaled", dtype=torch.float32)[0], batch, VOCAB)
     assert (got - want).abs().max().item() < TOL
     # the negative control: the same weights with plain RoPE
     shutil.copytree(tmp_path / "scaled", tmp_path / "plain")
     config = json.loads((tmp_path / "plain" / "config.json").read_text())
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_parameters"]["rope_theta"]}
     (tmp_path / "plain" / "config.json").write_text(json.dumps(config))
-    plain = _log_probs(build_inference_model_from_hf(tmp_path / "plain", dtype=torch.float32)[0], batch)
+    plain = built_log_probs(build_inference_model_from_hf(tmp_path / "plain", dtype=torch.float32)[0], batch, VOCAB)
     assert (plain - want).abs().max().item() > 1e-3
 
 
@@ -108,9 +97,10 @@ def test_family_equals_transformers_and_residency_is_bit_for_bit(megatron_cpu, f
         with pytest.raises(UnsupportedCheckpointError, match=r"needs a megatron-core with .*moe_shared_expert_gate"):
             build_inference_model_from_hf(tmp_path, dtype=torch.float32)
         return
-    want = _reference(model, batch)
-    resident = _log_probs(build_inference_model_from_hf(tmp_path, dtype=torch.float32)[0], batch)
+    want = transformers_log_probs(model, batch)
+    resident = built_log_probs(build_inference_model_from_hf(tmp_path, dtype=torch.float32)[0], batch, VOCAB)
     assert (resident - want).abs().max().item() < TOL
     for residency in ("swap", "stream"):
-        got = _log_probs(build_inference_model_from_hf(tmp_path, residency=residency, dtype=torch.float32)[0], batch)
+        got = built_log_probs(build_inference_model_from_hf(tmp_path, residency=residency, dtype=torch.float32)[0],
+                              batch, VOCAB)
         assert torch.equal(got, resident), residency

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kit.hf_scores import built_log_probs, transformers_log_probs
 
 from megatron_rl_patches import build_inference_model_from_hf, log_prob_output_processor
 from megatron_rl_patches.inference.loading.hf import UnsupportedCheckpointError
@@ -28,18 +29,6 @@ def _served() -> bool:
     return "attention_output_gate" in {f.name for f in fields(TransformerConfig)}
 
 
-def _log_probs(chunk, batch) -> torch.Tensor:
-    with torch.no_grad():
-        return chunk(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
-                     output_processor=log_prob_output_processor(vocab_size=VOCAB))["log_probs"].double()
-
-
-def _reference(model, batch) -> torch.Tensor:
-    with torch.no_grad():
-        full = torch.log_softmax(model(input_ids=batch["tokens"]).logits.double(), dim=-1)
-    return full.gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
-
-
 @pytest.fixture
 def fused_processors(clean_patch_state):
     import megatron_rl_patches
@@ -58,13 +47,14 @@ def test_equals_transformers_and_residency_is_bit_for_bit(megatron_cpu, fused_pr
         return
     if "moe" in kind or kind == "qwen3_next":
         assert router_margin(model, batch["tokens"]) > 1e-3
-    want = _reference(model, batch)
-    resident = _log_probs(build_inference_model_from_hf(tmp_path, dtype=torch.float32)[0], batch)
+    want = transformers_log_probs(model, batch)
+    resident = built_log_probs(build_inference_model_from_hf(tmp_path, dtype=torch.float32)[0], batch, VOCAB)
     ERRORS[kind] = (resident - want).abs().max().item()
     print(f"{kind}: largest |log-prob error| vs transformers {ERRORS[kind]:.2e}")
     assert ERRORS[kind] < TOL
     for residency in ("swap", "stream"):
-        got = _log_probs(build_inference_model_from_hf(tmp_path, residency=residency, dtype=torch.float32)[0], batch)
+        got = built_log_probs(build_inference_model_from_hf(tmp_path, residency=residency, dtype=torch.float32)[0],
+                              batch, VOCAB)
         assert torch.equal(got, resident), residency
 
 
@@ -77,7 +67,7 @@ def test_z_and_b_swapped_at_load_fail(megatron_cpu, fused_processors, tmp_path, 
 
     model = save_tiny_hf(tmp_path, "qwen3_5_text", seed=2)
     batch = make_batch(batch_size=2, seq_length=SEQ, vocab_size=VOCAB, seed=0)
-    want = _reference(model, batch)
+    want = transformers_log_probs(model, batch)
 
     def swapped(arch, qkv, z, b, a, *, rank, size):
         flat = hybrid_layout.linear_in_proj(arch, qkv, b, z, a, rank=rank, size=size)
@@ -85,7 +75,7 @@ def test_z_and_b_swapped_at_load_fail(megatron_cpu, fused_processors, tmp_path, 
         return flat
 
     monkeypatch.setattr(convert, "linear_in_proj", swapped)
-    got = _log_probs(build_inference_model_from_hf(tmp_path, dtype=torch.float32)[0], batch)
+    got = built_log_probs(build_inference_model_from_hf(tmp_path, dtype=torch.float32)[0], batch, VOCAB)
     assert (got - want).abs().max().item() > 1e-2
 
 
@@ -124,7 +114,7 @@ def test_packed_and_layer_major_equal_per_sequence_and_per_micro_batch(megatron_
                        torch.cat([first["position_ids"], second["position_ids"]], 1), None,
                        labels=torch.cat([first["labels"], second["labels"]], 1), packed_seq_params=params,
                        output_processor=processor)["log_probs"]
-    alone = torch.cat([_log_probs(chunk, first), _log_probs(chunk, second)], 1)
+    alone = torch.cat([built_log_probs(chunk, first, VOCAB), built_log_probs(chunk, second, VOCAB)], 1)
     assert (packed.double() - alone).abs().max().item() < 1e-5
 
     batches = [{"input_ids": b["tokens"], "position_ids": b["position_ids"], "attention_mask": b["attention_mask"],
@@ -185,8 +175,10 @@ def test_stacked_experts_as_published_load_the_same(megatron_cpu, fused_processo
     model = save_tiny_hf(tmp_path / "good", "qwen3_5_moe", seed=3)
     _stack_experts(tmp_path / "good", tmp_path / "stacked", layers=4, experts=4)
     batch = make_batch(batch_size=2, seq_length=24, vocab_size=VOCAB, seed=0)
-    per_expert = _log_probs(build_inference_model_from_hf(tmp_path / "good", dtype=torch.float32)[0], batch)
-    stacked = _log_probs(build_inference_model_from_hf(tmp_path / "stacked", dtype=torch.float32)[0], batch)
+    per_expert = built_log_probs(build_inference_model_from_hf(tmp_path / "good", dtype=torch.float32)[0], batch,
+                             VOCAB)
+    stacked = built_log_probs(build_inference_model_from_hf(tmp_path / "stacked", dtype=torch.float32)[0], batch,
+                          VOCAB)
     assert torch.equal(stacked, per_expert)
-    assert (stacked - _reference(model, batch)).abs().max().item() < TOL
+    assert (stacked - transformers_log_probs(model, batch)).abs().max().item() < TOL
     assert hf_memory_plan(tmp_path / "stacked").total_params == hf_memory_plan(tmp_path / "good").total_params
