@@ -72,3 +72,22 @@ def test_packed_sequences_equal_each_alone(megatron_cpu):
         unpacked, _ = layer(torch.cat([first, second]), None)
     assert (packed - alone).abs().max().item() < 1e-6
     assert (unpacked[70:] - alone[70:]).abs().max().item() > 1e-3  # the second sequence sees the first otherwise
+
+
+@pytest.mark.parametrize("field, value, match", [("sequence_parallel", True, "sequence_parallel=True"),
+                                                 ("context_parallel_size", 2, "context_parallel_size=2")])
+def test_sequence_and_context_parallel_are_refused_by_name(megatron_cpu, field, value, match):
+    """The recurrence runs over each whole sequence: a split sequence is refused, before any weight."""
+    import dataclasses
+
+    from megatron_rl_patches.inference.gated_delta_net import GatedDeltaNetLayer
+    from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
+
+    config = tiny_gpt_config()
+    served = GatedDeltaNetLayer(config, 1, key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8,
+                                conv_kernel=4)  # the control: the same arguments build
+    assert sum(p.numel() for p in served.parameters()) > 0
+    split = dataclasses.replace(config) if dataclasses.is_dataclass(config) else config
+    object.__setattr__(split, field, value)
+    with pytest.raises(ValueError, match=match):
+        GatedDeltaNetLayer(split, 1, key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8, conv_kernel=4)
