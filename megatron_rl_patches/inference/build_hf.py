@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.inference.loading.hf.architecture import checkpoint_dir, read_config
+from megatron_rl_patches.inference.loading.hf.checkpoint_config import read_checkpoint_config
 from megatron_rl_patches.inference.loading.hf.families import read_architecture, split_problems
 from megatron_rl_patches.inference.residency.budget import ResidencyBudget
 from megatron_rl_patches.inference.residency.placement import check_residency_args
@@ -131,10 +131,10 @@ def build_inference_model_from_hf(
     if core_attention is not None and not isinstance(core_attention, type):
         raise TypeError(f"core_attention must be an attention core class (e.g. TEDotProductAttention) or None, "
                         f"got {type(core_attention).__name__}")
-    root = checkpoint_dir(path)
-    config_dict = read_config(root)
+    checkpoint = read_checkpoint_config(path)
+    root, config_dict = checkpoint.root, checkpoint.fields
     arch = read_architecture(root)
-    weights_dtype = checkpoint_dtype(config_dict, dtype)
+    weights_dtype = checkpoint_dtype(checkpoint.dtype, dtype)
     divisible_by = positive_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by)
     _check_parallel(arch, core_attention)
     _check_core_attention(arch, core_attention)
@@ -161,5 +161,6 @@ def build_inference_model_from_hf(
 
 
 def hf_vocab_size(path: str | os.PathLike[str]) -> int:
-    """config.json's vocab_size of the checkpoint directory `path` (the real vocab, unpadded)."""
-    return read_architecture(path).vocab_size
+    """config.json's vocab_size of the checkpoint directory `path` (the real vocab, unpadded; a
+    wrapper's text model's)."""
+    return read_checkpoint_config(path).vocab_size

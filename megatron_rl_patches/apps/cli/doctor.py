@@ -167,27 +167,44 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
 
 def teacher_problems() -> list[str]:
     """What slime_opd's teachers (MEGATRON_RL_PATCHES_OPD_TEACHERS) would fail on at load time,
-    found now: a path that does not exist, a Hugging Face directory build_inference_model_from_hf
-    refuses (its config.json or its weight files; read, nothing built)."""
-    from megatron_rl_patches.inference.loading.hf.architecture import CONFIG
+    found now: a path that does not exist, a hub cache folder instead of its snapshot, a Hugging
+    Face directory build_inference_model_from_hf or the vocabulary check refuses (its config.json,
+    read as every entry point reads it, or its weight files; nothing built), a `;tokenizer=own`
+    teacher without its tokenizer.json."""
+    from megatron_rl_patches.inference.loading.hf.checkpoint_config import (
+        CONFIG,
+        TOKENIZER,
+        hub_cache_problem,
+        read_checkpoint_config,
+    )
     from megatron_rl_patches.inference.loading.hf.families import read_architecture
     from megatron_rl_patches.inference.loading.hf.files import tensor_index
-    from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, opd_settings
+    from megatron_rl_patches.integrations.slime.opd_settings import OWN_TOKENIZER, TEACHERS, opd_settings
 
     settings = opd_settings()
     problems = []
     for teacher in settings.teachers if settings is not None else ():
         root = Path(teacher.path).expanduser()
         what = f"{TEACHERS}: teacher {teacher.path!r}"
+        cache = hub_cache_problem(root) if root.is_dir() else None
         if not root.exists():
             problems.append(f"{what} does not exist on this machine; fix the path (the training actors read it)")
-        elif root.is_dir() and (root / CONFIG).is_file():
+            continue
+        if cache is not None:
+            problems.append(f"{what} {cache}")
+            continue
+        if root.is_dir() and (root / CONFIG).is_file():
             try:
+                read_checkpoint_config(root, TEACHERS).vocab_size  # noqa: B018 - check_teacher_vocab's reading
                 read_architecture(root, TEACHERS)
                 tensor_index(root)
             except (ValueError, OSError, ImportError) as exc:  # ImportError: no safetensors library (the hf extra)
                 problems.append(f"{what}: a Hugging Face directory build_inference_model_from_hf refuses ({exc}); "
                                 "it loads only through slime's own loader, with the actor's architecture")
+        if teacher.own_tokenizer and not (root / TOKENIZER).is_file():
+            problems.append(f"{what} asks ';{OWN_TOKENIZER}' but {str(root / TOKENIZER)!r} does not exist: the "
+                            f"teacher's own tokenizer is read from it; put the model's {TOKENIZER} there (e.g. "
+                            f"`hf download ORG/NAME {TOKENIZER} --local-dir {teacher.path}`)")
     return problems
 
 

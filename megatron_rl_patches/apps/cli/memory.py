@@ -51,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--hf", metavar="PATH", default=None,
-        help="a Hugging Face checkpoint directory (or its config.json): per-GPU weights at --tp/--pp/--ep "
-             "by residency mode, from the config alone",
+        help="a Hugging Face checkpoint directory (its config.json alone will do): per-GPU weights at "
+             "--tp/--pp/--ep by residency mode, from the config alone",
     )
     parser.add_argument("--dp", type=_positive, default=1, help="data-parallel size")
     parser.add_argument(

@@ -32,10 +32,13 @@ def _served_architecture(config: dict[str, Any]) -> Any:
         return None
 
 
-def hf_shape(config: dict[str, Any]) -> dict[str, Any]:
-    """The model-shaping fields of a Hugging Face config.json dict (configs the converter does not
-    read, of another family or with a feature it refuses, give their sizes only: their q/k norm
-    and biases are not compared)."""
+def hf_shape(fields: dict[str, Any]) -> dict[str, Any]:
+    """The model-shaping fields of a Hugging Face config.json dict, a wrapper's read from its text
+    model (configs the converter does not read, of another family or with a feature it refuses,
+    give their sizes only: their q/k norm and biases are not compared)."""
+    from megatron_rl_patches.inference.loading.hf.checkpoint_config import text_config
+
+    config = text_config(fields)
     heads = config.get("num_attention_heads")
     experts = config.get("num_experts") or config.get("num_local_experts") or 0
     rope = config.get("rope_parameters")
@@ -57,7 +60,7 @@ def hf_shape(config: dict[str, Any]) -> dict[str, Any]:
     }
     if "tie_word_embeddings" in config:  # transformers' default differs by family: compared where written
         shape["tie_word_embeddings"] = bool(config["tie_word_embeddings"])
-    arch = _served_architecture(config)
+    arch = _served_architecture(fields)
     if arch is not None:
         shape.update(qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm)
     return shape
@@ -101,21 +104,29 @@ def local_route(path: str, args: Any, what: str) -> tuple[str, list[str]]:
     directory whose config.json differs from the actor -> HF; anything else -> slime's snapshot
     route (slime's load_checkpoint: Megatron checkpoints, Hugging Face directories of the
     actor's architecture). A Hugging Face file (config.json, *.safetensors) instead of its
-    directory, or a directory of safetensors without config.json, is refused
-    (`what` names the setting, e.g. "MEGATRON_RL_PATCHES_OPD_TEACHERS: teacher '/ckpt/t'")."""
-    from megatron_rl_patches.inference.loading.hf.architecture import CONFIG, read_config
+    directory, a hub cache folder (models--ORG--NAME), or a directory of safetensors without
+    config.json, is refused (`what` names the setting, e.g. "MEGATRON_RL_PATCHES_OPD_TEACHERS:
+    teacher '/ckpt/t'")."""
+    from megatron_rl_patches.inference.loading.hf.checkpoint_config import (
+        CONFIG,
+        hub_cache_problem,
+        read_checkpoint_config,
+    )
     from megatron_rl_patches.inference.loading.hf.families import architecture
 
     root = Path(path).expanduser()
     if root.is_file() and (root.name == CONFIG or root.suffix == ".safetensors"):
         raise ValueError(f"{what} is a file of a Hugging Face checkpoint; name the directory that holds "
                          f"{CONFIG} and the *.safetensors files")
+    cache = hub_cache_problem(root) if root.is_dir() else None
+    if cache is not None:
+        raise ValueError(f"{what} {cache}")
     if not root.is_dir() or not (root / CONFIG).is_file():
         if root.is_dir() and any(root.glob("*.safetensors")):
             raise ValueError(f"{what} holds *.safetensors but no {CONFIG}; a Hugging Face "
                              f"teacher needs its {CONFIG} (copy it from the model's repository)")
         return SNAPSHOT, []
-    config = read_config(root)
+    config = read_checkpoint_config(root).fields
     differences = shape_differences(config, args)
     if not differences:
         return SNAPSHOT, []
@@ -158,7 +169,7 @@ def teacher_route(path: str, args: Any, what: str) -> tuple[str, list[str]]:
 def student_vocab(args: Any, padded: int) -> int | str:
     """What the teacher's vocabulary is checked against: the actor's Hugging Face directory
     (slime's --hf-checkpoint: its vocab_size and tokenizer ids), else its real vocab size."""
-    from megatron_rl_patches.inference.loading.hf.architecture import CONFIG
+    from megatron_rl_patches.inference.loading.hf.checkpoint_config import CONFIG
 
     hf = getattr(args, "hf_checkpoint", None)
     if isinstance(hf, str) and (Path(hf).expanduser() / CONFIG).is_file():

@@ -1,4 +1,5 @@
-"""CLI tests: a clean patch state for every test, and `cli(*argv) -> (exit code, stdout, stderr)`."""
+"""CLI tests: a clean patch state for every test, `cli(*argv) -> (exit code, stdout, stderr)`, and
+`published(name)`: the published config.json of `name` (hf_configs/) as a checkpoint directory."""
 from __future__ import annotations
 
 import pytest
@@ -20,3 +21,11 @@ def cli_run(capsys):
         return code, out, err
 
     return run
+
+
+@pytest.fixture
+def published(tmp_path):
+    """`published(name)`: a directory holding hf_configs/NAME.json as its config.json."""
+    from kit.published_configs import published_checkpoint
+
+    return lambda name: published_checkpoint(name, tmp_path)

@@ -67,7 +67,7 @@ def test_table(qwen3_30b, capsys):
 def test_dense_tied_single_stage(tmp_path, capsys):
     """A tied output layer at PP=1 is the embedding itself: counted once."""
     (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config("llama", tie_word_embeddings=True)))
-    code, out, _ = _run(["--hf", str(tmp_path / "config.json"), "--json", "--param-dtype", "fp32"], capsys)
+    code, out, _ = _run(["--hf", str(tmp_path), "--json", "--param-dtype", "fp32"], capsys)
     plan = json.loads(out)["hf_plan"]
     layer = 32 * 32 * 2 + 2 * 16 * 32 + 3 * 32 * 48 + 2 * 32  # q, o; k, v; mlp; norms
     assert plan["total_params"] == plan["active_params"] == 1001 * 32 + 2 * layer + 32

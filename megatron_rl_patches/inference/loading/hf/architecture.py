@@ -1,56 +1,18 @@
 """A Hugging Face checkpoint's architecture from its config.json alone (JSON, no torch, no
 transformers): the record the converter builds from, the fields it reads and checks, and the
 features it refuses. Which family reads which config.json is the registry's (`families/`); the
-memory planner (`megatron-rl-patches memory --hf`) and the builder share both."""
+memory planner (`megatron-rl-patches memory --hf`) and the builder share both. config.json itself is
+read by `checkpoint_config` (one reader for every entry point)."""
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from megatron_rl_patches.inference.loading.hf.rope_scaling import RopeScaling, RopeScalingError, read_rope
 
-CONFIG = "config.json"
-
 
 class UnsupportedCheckpointError(ValueError):
     """A config.json the converter cannot serve (a family or a feature it does not map)."""
-
-
-def checkpoint_dir(path: Any, argument: str = "path") -> Path:
-    """The directory of a Hugging Face checkpoint, checked before anything else looks at it:
-    converters treat strings that are not directories as hub ids and go to the network."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{argument} must be a path (str or os.PathLike) to a Hugging Face checkpoint directory, "
-                        f"got {type(path).__name__}")
-    root = Path(os.fspath(path)).expanduser()
-    if not root.is_dir():
-        what = "does not exist" if not root.exists() else "is not a directory"
-        raise FileNotFoundError(
-            f"{argument} {str(root)!r} {what}; pass a local Hugging Face checkpoint directory (config.json and "
-            "*.safetensors; download it first, e.g. `hf download ORG/NAME --local-dir DIR`)"
-        )
-    if not (root / CONFIG).is_file():
-        raise FileNotFoundError(
-            f"{argument} {str(root)!r} has no {CONFIG}; pass the directory that holds the checkpoint's "
-            f"{CONFIG} and *.safetensors files"
-        )
-    return root
-
-
-def read_config(path: Any, argument: str = "path") -> dict[str, Any]:
-    """config.json of a checkpoint directory (or the file itself) as a dict."""
-    source = Path(os.fspath(path)).expanduser() if isinstance(path, (str, os.PathLike)) else None
-    file = source if source is not None and source.is_file() else checkpoint_dir(path, argument) / CONFIG
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{str(file)!r} is not a readable JSON config ({type(exc).__name__}: {exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{str(file)!r} holds a JSON {type(data).__name__}, expected an object")
-    return data
 
 
 @dataclass(frozen=True)

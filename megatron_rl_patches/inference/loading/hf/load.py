@@ -13,7 +13,8 @@ import torch
 from megatron_rl_patches._chunks import module_chunks, unwrap
 from megatron_rl_patches._log import logger
 from megatron_rl_patches.inference.loading.errors import WeightsMismatchError, copying_into_model
-from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, read_config
+from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
+from megatron_rl_patches.inference.loading.hf.checkpoint_config import read_config
 from megatron_rl_patches.inference.loading.hf.convert import Source, shard_pieces, source
 from megatron_rl_patches.inference.loading.hf.families import family_for
 from megatron_rl_patches.inference.loading.hf.files import TensorEntry, TensorReader, tensor_index, tensor_reader

@@ -127,7 +127,8 @@ def hf_memory_plan(
     path: str | os.PathLike[str], *, tp: int = 1, pp: int = 1, ep: int = 1, param_dtype: Any = "bf16",
     prefetch: int = 1,
 ) -> HFMemoryPlan:
-    """The plan for the checkpoint directory (or config.json) at `path`."""
+    """The plan for the checkpoint directory at `path` (its config.json alone will do: weight files,
+    where present, are checked against it)."""
     arch = read_architecture(path, sizing=True)  # RoPE scaling changes no byte: sized, not refused
     tp, pp, ep = (positive_int(name, value) for name, value in (("tp", tp), ("pp", pp), ("ep", ep)))
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:

@@ -14,11 +14,12 @@ from megatron_rl_patches.inference.loading.hf.families import family_for
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def checkpoint_dtype(config: dict[str, Any], dtype: Any) -> torch.dtype:
-    """`dtype` when given, else the checkpoint's own (config.json's dtype / torch_dtype), else fp32."""
+def checkpoint_dtype(own: Any, dtype: Any) -> torch.dtype:
+    """`dtype` when given, else the checkpoint's own `own` (config.json's dtype / torch_dtype, a
+    wrapper's text model's: CheckpointConfig.dtype), else fp32."""
     given = dtype
     if dtype is None:
-        dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+        dtype = own or "float32"
     wanted = _DTYPES.get(dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
     if isinstance(wanted, torch.dtype) and wanted in _DTYPES.values():
         return wanted

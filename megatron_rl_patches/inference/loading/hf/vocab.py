@@ -10,9 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl_patches.inference.loading.errors import shown
-from megatron_rl_patches.inference.loading.hf.architecture import read_config
-
-TOKENIZER = "tokenizer.json"
+from megatron_rl_patches.inference.loading.hf.checkpoint_config import TOKENIZER, read_checkpoint_config
 
 
 def _token_ids(root: Path) -> dict[str, int] | None:
@@ -51,12 +49,8 @@ def _vocab_size(value: Any, argument: str) -> tuple[int, Path | None]:
             raise ValueError(f"{argument} must be a positive vocab size, got {value}")
         return value, None
     if isinstance(value, (str, os.PathLike)):
-        size = read_config(value, argument).get("vocab_size")
-        if isinstance(size, bool) or not isinstance(size, int):
-            raise ValueError(f"{argument} {str(value)!r}: config.json has no integer vocab_size")
-        if size < 1:
-            raise ValueError(f"{argument} {str(value)!r}: config.json's vocab_size must be positive, got {size}")
-        return size, Path(os.fspath(value)).expanduser()
+        config = read_checkpoint_config(value, argument)  # a wrapper's text model's vocab_size
+        return config.vocab_size, config.root
     raise TypeError(f"{argument} must be a vocab size (int) or a Hugging Face checkpoint directory, "
                     f"got {type(value).__name__}")
 

@@ -8,9 +8,9 @@ from typing import Any
 from megatron_rl_patches.inference.loading.hf.architecture import (
     HFArchitecture,
     UnsupportedCheckpointError,
-    read_config,
     refuse_rope_scaling,
 )
+from megatron_rl_patches.inference.loading.hf.checkpoint_config import read_checkpoint_config
 from megatron_rl_patches.inference.loading.hf.families import (
     deepseek_v3,
     glm4_moe,
@@ -69,8 +69,9 @@ def architecture(config: dict[str, Any], source: str = "config.json", *, sizing:
 
 
 def read_architecture(path: Any, argument: str = "path", *, sizing: bool = False) -> HFArchitecture:
-    """The architecture of the checkpoint directory `path` (or of a config.json file)."""
-    return architecture(read_config(path, argument), source=str(path), sizing=sizing)
+    """The architecture of the checkpoint directory `path` (its config.json read by
+    `read_checkpoint_config`, as every entry point reads it)."""
+    return architecture(read_checkpoint_config(path, argument).fields, source=str(path), sizing=sizing)
 
 
 def split_problems(arch: HFArchitecture, tp: int = 1, pp: int = 1, ep: int = 1, vpp: int = 1) -> list[str]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, decoder_architecture, read_count
+from megatron_rl_patches.inference.loading.hf.checkpoint_config import text_config
 from megatron_rl_patches.inference.loading.hf.families.common import (
     moe_config,
     moe_params,
@@ -47,16 +48,6 @@ class LinearShape:
     @property
     def value_width(self) -> int:
         return self.value_heads * self.value_head_dim
-
-
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The text model's fields: the wrapper's `text_config` (its tie_word_embeddings the wrapper's)."""
-    text = config.get("text_config")
-    if text is None:
-        return config
-    if not isinstance(text, dict):
-        raise ValueError(f"config.json's text_config must be an object, got {type(text).__name__}")
-    return {**text, "tie_word_embeddings": config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
 
 
 def vision_tower_params(config: dict[str, Any], source: str) -> int:
@@ -103,7 +94,7 @@ def read_linear(config: dict[str, Any], source: str) -> LinearShape:
 
 def read_hybrid(config: dict[str, Any], source: str, moe: bool) -> HFArchitecture:
     """The architecture of a Qwen3.5 / Qwen3-Next text config (the wrapper's `text_config`)."""
-    text = text_config(config)
+    text = text_config(config, source)
     if moe and text.get("intermediate_size") is None:  # every layer MoE: Qwen3.5-MoE writes no dense width
         text = {**text, "intermediate_size": text.get("moe_intermediate_size")}
     refused = []
