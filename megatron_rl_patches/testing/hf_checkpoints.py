@@ -42,6 +42,21 @@ def tiny_hf_config(kind: str = "qwen3", **overrides: Any) -> dict[str, Any]:
     return config
 
 
+def transformers_layout(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json as transformers writes the model a `tiny_hf_config` dict describes: a wrapper's
+    (WRAPPERS: Qwen3.5) text model nested under `text_config` (its model_type `<kind>_text`), the
+    wrapper's model_type, tie_word_embeddings and dtype beside it; other kinds as they are. No vision
+    tower (`save_tiny_hf` saves one; the builder skips it)."""
+    kind = config.get("model_type")
+    if kind not in WRAPPERS:
+        return dict(config)
+    text = {name: value for name, value in config.items() if name not in ("model_type", "dtype")}
+    outer = {"model_type": kind, "tie_word_embeddings": text.get("tie_word_embeddings", False)}
+    if "dtype" in config:
+        outer["dtype"] = config["dtype"]
+    return {**outer, "text_config": {**text, "model_type": f"{kind}_text"}}
+
+
 def write_safetensors(file: str | Path, tensors: dict[str, torch.Tensor]) -> None:
     """A safetensors file of `tensors` (contiguous CPU tensors of a float dtype)."""
     header: dict[str, Any] = {}

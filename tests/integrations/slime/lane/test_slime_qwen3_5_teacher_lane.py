@@ -1,8 +1,9 @@
 """A Qwen3.5 checkpoint directory inside slime (issue 46): the PRM-teacher role (`inference_roles`,
 `prm_teacher` with a Hugging Face load path) built inference-only by slime's real
 `initialize_model_and_optimizer` from a tiny Qwen3.5 directory (the vision-language wrapper's
-layout, three gated-delta-net layers and one gated full-attention layer), with the actor on the test
-kit's packed CPU attention (`--spec`): the full-attention layer runs the actor's core, the
+layout as transformers and the model cards write it, the text model under `text_config`; three
+gated-delta-net layers and one gated full-attention layer), with the actor on the test kit's packed
+CPU attention (`--spec`): the full-attention layer runs the actor's core, the
 linear-attention layers keep their own module. slime's real `forward_only` over packed batches gives
 the teacher's log-probs, equal to the build's float64 unpacked forward (which the main lane holds to
 transformers') and bit for bit across `role`, `role:stream` and `role:swap`. And slime_opd through
@@ -34,10 +35,10 @@ def test_qwen3_5_prm_teacher_role_equals_float64_on_every_residency(slime_cpu, t
     import slime_kit as kit  # the lane folder is on sys.path (conftest)
     from slime_ranks import ACTOR_SPEC
 
-    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
+    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, transformers_layout, write_tiny_checkpoint
 
     hf = str(tmp_path / "prm")
-    write_tiny_checkpoint(hf, tiny_hf_config("qwen3_5", **OTHER), seed=5)
+    write_tiny_checkpoint(hf, transformers_layout(tiny_hf_config("qwen3_5", **OTHER)), seed=5)
     reference = kit.hf_teacher_token_logps(hf, kit.rollout(0), TEMPERATURE)
     megatron_rl_patches.apply(only=["inference_roles"])
     try:
@@ -68,11 +69,11 @@ def world(request, tmp_path_factory):
         pytest.skip("slime is not importable; run `make test-slime SLIME=... MEGATRON_LM=...`")
     import slime_ranks  # the lane folder is on sys.path (conftest)
 
-    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
+    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, transformers_layout, write_tiny_checkpoint
     from megatron_rl_patches.testing.multirank import run_multirank
 
     hf = tmp_path_factory.mktemp("hf") / "qwen3_5"
-    write_tiny_checkpoint(hf, tiny_hf_config("qwen3_5", **OTHER), seed=12)
+    write_tiny_checkpoint(hf, transformers_layout(tiny_hf_config("qwen3_5", **OTHER)), seed=12)
     tensor, _ = LAYOUTS[request.param]
     ranks = run_multirank(slime_ranks.opd_train_actor, tensor, 1, 1, tensor, None, str(hf), (), 1, None, 1,
                           ",".join(map(str, WEIGHTS)), timeout=600)
