@@ -167,10 +167,11 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
 
 def teacher_problems() -> list[str]:
     """What slime_opd's teachers (MEGATRON_RL_PATCHES_OPD_TEACHERS) would fail on at load time,
-    found now: a path that does not exist, a hub cache folder instead of its snapshot, a Hugging
-    Face directory build_inference_model_from_hf or the vocabulary check refuses (its config.json,
-    read as every entry point reads it, or its weight files; nothing built), a `;tokenizer=own`
-    teacher without its tokenizer.json."""
+    found now: a path that does not exist, a hub cache folder instead of its snapshot or a
+    checkpoint's file instead of its directory, a Hugging Face directory
+    build_inference_model_from_hf or the vocabulary check refuses (its config.json, read as every
+    entry point reads it, or its weight files; nothing built), a `;tokenizer=own` teacher without
+    its tokenizer.json."""
     from megatron_rl_patches.inference.loading.hf.checkpoint_config import (
         CONFIG,
         TOKENIZER,
@@ -192,6 +193,9 @@ def teacher_problems() -> list[str]:
             continue
         if cache is not None:
             problems.append(f"{what} {cache}")
+            continue
+        if root.is_file() and root.suffix in (".json", ".safetensors"):  # hf_teachers refuses it at load time
+            problems.append(f"{what} is a file of a Hugging Face checkpoint; name its directory {str(root.parent)!r}")
             continue
         if root.is_dir() and (root / CONFIG).is_file():
             try:
