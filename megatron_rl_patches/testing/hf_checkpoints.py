@@ -158,7 +158,9 @@ def add_mtp_tensors(directory: str | Path, prefix: str, **config: Any) -> None:
     values = json.loads((root / "config.json").read_text())
     values.update(config)
     (root / "config.json").write_text(json.dumps(values))
-    h = values.get("text_config", values)["hidden_size"]  # a wrapper nests it
+    from megatron_rl_patches.inference.loading.hf.checkpoint_config import text_config
+
+    h = text_config(values)["hidden_size"]  # a wrapper nests it
     tensors = load_file(root / "model.safetensors")
     tensors.update({prefix + "enorm.weight": torch.randn(h), prefix + "hnorm.weight": torch.randn(h),
                     prefix + "eh_proj.weight": torch.randn(h, 2 * h)})

@@ -11,6 +11,8 @@ _LAZY = {
     "build_inference_model_from_hf": "megatron_rl_patches.inference.build_hf",
     "hf_vocab_size": "megatron_rl_patches.inference.build_hf",
     "check_teacher_vocab": "vocab",
+    "read_checkpoint_config": "checkpoint_config",
+    "CheckpointConfig": "checkpoint_config",
     "read_architecture": "families",
     "HFArchitecture": "architecture",
     "UnsupportedCheckpointError": "architecture",

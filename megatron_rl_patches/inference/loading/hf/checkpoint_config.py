@@ -78,7 +78,7 @@ def checkpoint_dir(path: Any, argument: str = "path") -> Path:
     return root
 
 
-def read_config(path: Any, argument: str = "path") -> dict[str, Any]:
+def _read_fields(path: Any, argument: str = "path") -> dict[str, Any]:
     """config.json of the checkpoint directory `path` as written (wrappers still nested)."""
     file = checkpoint_dir(path, argument) / CONFIG
     try:
@@ -149,5 +149,5 @@ def read_checkpoint_config(path: Any, argument: str = "path") -> CheckpointConfi
     """The config of the Hugging Face checkpoint directory `path` (TypeError / FileNotFoundError /
     ValueError naming `argument` and what to pass)."""
     root = checkpoint_dir(path, argument)
-    fields = read_config(root, argument)
+    fields = _read_fields(root, argument)
     return CheckpointConfig(root, fields, text_config(fields, str(root)), argument)

@@ -47,11 +47,11 @@ def fp8_disk_bytes(path: Any) -> int | None:
     the embedding / output tables in bf16; MTP layers apart. From config.json alone."""
     from math import prod
 
-    from megatron_rl_patches.inference.loading.hf.checkpoint_config import read_config
+    from megatron_rl_patches.inference.loading.hf.checkpoint_config import read_checkpoint_config
     from megatron_rl_patches.inference.loading.hf.families import architecture
     from megatron_rl_patches.inference.loading.hf.names import checkpoint_tensors
 
-    config = read_config(path)
+    config = read_checkpoint_config(path).fields
     block = fp8_block(config, str(path))
     if block is None:
         return None

@@ -14,7 +14,7 @@ from megatron_rl_patches._chunks import module_chunks, unwrap
 from megatron_rl_patches._log import logger
 from megatron_rl_patches.inference.loading.errors import WeightsMismatchError, copying_into_model
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
-from megatron_rl_patches.inference.loading.hf.checkpoint_config import read_config
+from megatron_rl_patches.inference.loading.hf.checkpoint_config import read_checkpoint_config
 from megatron_rl_patches.inference.loading.hf.convert import Source, shard_pieces, source
 from megatron_rl_patches.inference.loading.hf.families import family_for
 from megatron_rl_patches.inference.loading.hf.files import TensorEntry, TensorReader, tensor_index, tensor_reader
@@ -46,7 +46,7 @@ def _fp8_problems(root: Path, index: dict[str, TensorEntry], expected: dict[str,
                   unexpected: list[str]) -> list[str]:
     """An FP8 checkpoint's scales (taken out of `unexpected`): one per block of their weight, and
     every float8 weight has one (the quantization_config is refused by name unless block FP8)."""
-    block = fp8_block(read_config(root), repr(str(root)))
+    block = fp8_block(read_checkpoint_config(root).fields, repr(str(root)))
     scales = [name for name in unexpected if block and name.endswith(SCALE) and name[:-len(SCALE)] in expected]
     for name in scales:
         unexpected.remove(name)
@@ -125,7 +125,7 @@ def load_hf_weights(model: Any, root: Path, arch: HFArchitecture, padded_vocab: 
     chunks = module_chunks(model, "model")
     index = checked_index(root, arch)
     plan = _plan([unwrap(chunk) for chunk in chunks], arch)
-    block = fp8_block(read_config(root), repr(str(root)))
+    block = fp8_block(read_checkpoint_config(root).fields, repr(str(root)))
     with torch.no_grad(), weights_on_host(chunks), copying_into_model(root), tensor_reader(index) as reader:
         for target, key, src in plan:
             rank, size = _ranks(src.expert)
