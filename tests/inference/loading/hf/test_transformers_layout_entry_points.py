@@ -73,3 +73,13 @@ def test_the_builder_takes_the_text_models_dtype_where_the_wrapper_names_none(me
     (card / "config.json").write_text(json.dumps(config))
     (chunk,) = build_inference_model_from_hf(card)
     assert {p.dtype for p in chunk.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.megatron
+def test_slimes_hf_teacher_builds_a_qwen3_5_directory_as_transformers_writes_it(megatron_cpu, checkpoints):
+    """slime's Hugging Face teacher path (`prm_teacher`, OPD teachers without `;tokenizer=own`) stopped
+    at its vocabulary check on this layout before building."""
+    root = str(checkpoints["kit"])
+    args = Namespace(params_dtype=torch.float32, make_vocab_size_divisible_by=128, transformer_impl="local")
+    (chunk,) = hf_teachers.build_hf_teacher(args, root, None, VOCAB, None, f"{TEACHERS}: teacher {root!r}")
+    assert chunk.hf_vocab_size == VOCAB and chunk.embedding.word_embeddings.weight.shape[0] == 1024
