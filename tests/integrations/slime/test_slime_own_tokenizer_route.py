@@ -1,0 +1,55 @@
+"""slime_opd's `PATH;tokenizer=own` teacher (issue 55 item 1) without slime's source: a Qwen3.5
+directory as transformers writes it (the text model under `text_config`) is of another shape than
+the actor, so `load_teachers` builds it from its config.json as a separate model (then wraps it
+with its own tokenizer); its nested sizes went unseen and it was routed into the actor's buffers
+(slime's snapshot loader). The build and the tokenizer pair are stood in for: the route is the test."""
+from __future__ import annotations
+
+from argparse import Namespace
+from types import SimpleNamespace
+
+import torch
+
+from megatron_rl_patches.integrations.slime import cross_passes, hf_teachers
+from megatron_rl_patches.integrations.slime import opd as slime_opd
+from megatron_rl_patches.integrations.slime.opd_settings import LOSS_PATH, TEACHERS, opd_settings
+from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, transformers_layout, write_tiny_checkpoint
+
+
+class _Actor:
+    """What load_teachers reads of slime's actor (tiny_hf_config("qwen3")'s shape): args, model, the
+    snapshot loader (logged: a snapshot route) and the switch."""
+
+    def __init__(self):
+        self.args = Namespace(hidden_size=32, num_layers=2, num_attention_heads=4, group_query_attention=True,
+                              num_query_groups=2, kv_channels=8, ffn_hidden_size=48, num_experts=None,
+                              vocab_size=1001, qk_layernorm=True, add_qkv_bias=False,
+                              untie_embeddings_and_output_weights=True, loss_type="custom_loss",
+                              custom_loss_function_path=LOSS_PATH, context_parallel_size=1, allgather_cp=False,
+                              transformer_impl="local", params_dtype=torch.float32, hf_checkpoint="none")
+        self.model = [SimpleNamespace(vocab_size=1024, config=SimpleNamespace())]
+        self.weights_backuper = SimpleNamespace(get=lambda tag: {})
+        self.log: list[tuple] = []
+
+    def load_other_checkpoint(self, tag, path):
+        self.log.append(("snapshot", tag, path))
+
+    def _switch_model(self, tag):
+        pass
+
+
+def test_an_own_tokenizer_qwen3_5_teacher_is_built_from_its_config(tmp_path, monkeypatch):
+    root = tmp_path / "qwen3_5"
+    write_tiny_checkpoint(root, transformers_layout(tiny_hf_config("qwen3_5", vocab_size=2000)))
+    built = []
+
+    def build(args, path, residency, student, actor_config, what, own_tokenizer=False):
+        built.append((path, own_tokenizer))
+        return ["chunk"]
+
+    monkeypatch.setattr(hf_teachers, "build_hf_teacher", build)
+    monkeypatch.setattr(cross_passes, "load_cross", lambda args, teacher, model: ("own tokenizer", model))
+    actor = _Actor()
+    loaded = slime_opd.load_teachers(actor, opd_settings({TEACHERS: f"{root};tokenizer=own"}))
+    assert actor.log == [] and built == [(str(root), True)]
+    assert loaded == [("own tokenizer", ["chunk"])]
