@@ -22,16 +22,20 @@ DTYPE_FIELDS = ("dtype", "torch_dtype")  # transformers 5 writes dtype, 4.x torc
 SNAPSHOTS, REFS = "snapshots", "refs"
 
 
+def _main_revision(root: Path) -> str:
+    """The revision refs/main names in a hub cache folder ('' without one)."""
+    main = root / REFS / "main"
+    return main.read_text(encoding="utf-8", errors="replace").strip() if main.is_file() else ""
+
+
 def hub_cache_snapshots(root: Path) -> list[Path] | None:
     """The snapshot directories of a hub cache folder (`models--ORG--NAME`), the one `refs/main`
     names first; None when `root` is not one."""
     snapshots = root / SNAPSHOTS
     if (root / CONFIG).exists() or not snapshots.is_dir() or not ((root / REFS).is_dir() or (root / "blobs").is_dir()):
         return None
-    found = sorted(p for p in snapshots.iterdir() if p.is_dir())
-    main = root / REFS / "main"
-    revision = main.read_text(encoding="utf-8", errors="replace").strip() if main.is_file() else ""
-    return sorted(found, key=lambda p: p.name != revision)
+    revision = _main_revision(root)
+    return sorted(sorted(p for p in snapshots.iterdir() if p.is_dir()), key=lambda p: p.name != revision)
 
 
 def hub_cache_problem(root: Path) -> str | None:
@@ -43,8 +47,10 @@ def hub_cache_problem(root: Path) -> str | None:
         where = f"its {SNAPSHOTS}/ holds no revision: download the model again"
     else:
         where = f"pass its snapshot directory {str(snapshots[0])!r}"
-        if len(snapshots) > 1:
-            where += f" (refs/main's; the others: {', '.join(repr(str(p)) for p in snapshots[1:])})"
+        others = ", ".join(repr(str(p)) for p in snapshots[1:])
+        main = "refs/main's" if snapshots[0].name == _main_revision(root) else "refs/main names none of them"
+        if others:
+            where += f" ({main}; the others: {others})"
     return f"is a Hugging Face hub cache folder (models--ORG--NAME), not a checkpoint directory; {where}"
 
 
@@ -91,16 +97,17 @@ def _read_fields(path: Any, argument: str = "path") -> dict[str, Any]:
 
 
 def text_config(config: dict[str, Any], source: str = CONFIG) -> dict[str, Any]:
-    """The language model's fields: a wrapper's `text_config` (its tie_word_embeddings, and its dtype
-    where the text model writes none, the wrapper's), else config.json itself."""
+    """The language model's fields: a wrapper's `text_config` (its tie_word_embeddings the wrapper's,
+    and its dtype where the wrapper writes one: transformers loads the whole model in it), else
+    config.json itself."""
     for field in WRAPPER_FIELDS:
         text = config.get(field)
         if text is None:
             continue
         if not isinstance(text, dict):
             raise ValueError(f"{source}: {CONFIG}'s {field} must be an object, got {type(text).__name__}")
-        outer = {name: config[name] for name in DTYPE_FIELDS if name in config and name not in text}
-        return {**outer, **text, "tie_word_embeddings": config.get("tie_word_embeddings",
+        outer = {name: config[name] for name in DTYPE_FIELDS if config.get(name)}
+        return {**text, **outer, "tie_word_embeddings": config.get("tie_word_embeddings",
                                                                    text.get("tie_word_embeddings", False))}
     return config
 
@@ -139,10 +146,6 @@ class CheckpointConfig:
     def dtype(self) -> Any:
         """The checkpoint's dtype as config.json names it (None where it names none)."""
         return next((self.text[name] for name in DTYPE_FIELDS if self.text.get(name)), None)
-
-    @property
-    def has_tokenizer(self) -> bool:
-        return (self.root / TOKENIZER).is_file()
 
 
 def read_checkpoint_config(path: Any, argument: str = "path") -> CheckpointConfig:

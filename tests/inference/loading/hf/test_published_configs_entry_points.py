@@ -28,7 +28,7 @@ def _text(name: str) -> dict:
     return config.get("text_config", config)
 
 
-def test_the_fixtures_include_every_served_family_users_download():
+def test_the_fixtures_include_the_dense_and_wrapped_teachers_users_download():
     assert {"Llama-3.2-1B", "Qwen3-8B", "Qwen3.5-27B", "Qwen3.5-35B-A3B"} <= set(NAMES)
 
 
