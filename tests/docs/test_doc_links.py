@@ -1,6 +1,8 @@
 """Every relative link of README.md, CHANGELOG.md and docs/*.md resolves: the file exists and a
 `#anchor` names a heading of the page it points at, as GitHub slugs it (lower case, punctuation
-dropped, spaces to hyphens, `-1`, `-2` for repeats). Links inside code are not links."""
+dropped, spaces to hyphens, `-1`, `-2` for repeats). Links inside code are not links. And README.md
+and docs/ cite no issue of this project by number (a reader has no access to them: the page says
+what the package does); an upstream project's issue, `NeMo-RL #3208`, is a citation and stays."""
 from __future__ import annotations
 
 import re
@@ -94,3 +96,30 @@ def test_the_check_sees_a_missing_anchor_and_a_missing_file(tmp_path):
                     "`[code](other.md#not-checked)`\n```\n[fenced](none.md)\n```\n", encoding="utf-8")
     assert broken(page) == ["other.md#nope: other.md has no heading whose anchor is #nope",
                             f"none.md: no file {tmp_path / 'none.md'}"]
+
+
+# names before `#N` that make it an upstream project's issue or pull request, not this project's
+UPSTREAM = ("NeMo-RL", "NVIDIA-NeMo/RL", "RL", "slime", "verl", "verl-omni", "AReaL", "SkyRL", "ms-swift", "rllm",
+            "Megatron-LM", "megatron-core", "Megatron-Bridge", "mbridge", "transformers", "TRL", "torch", "PyTorch",
+            "SGLang", "vLLM")
+OWN_ISSUE = re.compile(r"\bissues? #?\d+|(?:^|(?<=[\s(]))(?:([\w./-]+)\s+)?#\d+\b", re.I)
+
+
+def own_issue_citations(text: str) -> list[str]:
+    """`issue 46`, `#48`: numbers of this project's issues, outside links' anchors."""
+    found = []
+    for line in text.splitlines():
+        for match in OWN_ISSUE.finditer(re.sub(r"\]\([^)]*\)", "]()", line)):
+            if match.group(1) not in UPSTREAM or match.group(0).lower().startswith("issue"):
+                found.append(match.group(0))
+    return found
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.name != "CHANGELOG.md"], ids=lambda p: str(p.relative_to(REPO)))
+def test_no_page_cites_this_projects_issues(page):
+    assert own_issue_citations(page.read_text(encoding="utf-8")) == []
+
+
+def test_the_citation_check_tells_ours_from_upstream():
+    assert own_issue_citations("Qwen3.5 (issue 46), see #48; [x](#top)") == ["issue 46", "see #48"]
+    assert own_issue_citations("NeMo-RL #3208 and verl #7688; slime #2032") == []
