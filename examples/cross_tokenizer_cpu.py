@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 
 import torch
 
@@ -108,10 +109,37 @@ def main(steps: int = 6, seed: int = 0) -> list[tuple[float, float]]:
     return [distill_step(student, teacher, tokenizers, optimizer, gen) for _ in range(steps)]
 
 
+# the table's columns and what each means (printed above the table)
+COLUMNS = (
+    ("step", f"the optimizer step: each samples {BATCH} responses of {RESPONSE} tokens from the student "
+             "as it is at that step, then takes one SGD step on the two terms below"),
+    ("reverse KL / token", "the sampled estimate of KL(student || teacher) on those responses: over each chunk "
+                           "(a run of bytes both tokenizations split at the same places), the student's "
+                           "log-probability of the chunk minus the teacher's, summed, divided by the student "
+                           "tokens (ct.chunk_reverse_kl); one batch's estimate is noisy and may even be negative"),
+    ("chunk-start KL / token", f"at the first token of each chunk, KL(teacher || student) over up to {K + 1} "
+                               f"buckets: the byte strings of the teacher's {K} likeliest next tokens that the "
+                               "student's vocabulary also has, and one bucket for everything else "
+                               "(ct.chunk_start_topk_divergence), summed, divided by the student tokens"),
+)
+
+
+def report(records: list[tuple[float, float]]) -> str:
+    """The table of `main`'s records, with what its columns mean above it and how to read it below."""
+    lines = ["Distilling a byte-level BPE student from a teacher with another tokenizer",
+             "(SentencePiece-style, byte fallback). Columns:"]
+    lines += [textwrap.fill(f"{name}: {meaning}", 96, initial_indent="  ", subsequent_indent="      ")
+              for name, meaning in COLUMNS]
+    lines += ["", "  ".join(f"{name:>{width}}" for (name, _), width in zip(COLUMNS, (4, 18, 22)))]
+    lines += [f"{step:>4}  {kl:>18.4f}  {starts:>22.4f}" for step, (kl, starts) in enumerate(records)]
+    lines += ["", textwrap.fill("Both columns fall as the student moves towards the teacher. With so few samples "
+                                "per step the rows jump about: compare the first steps with the last (more with "
+                                "--steps 10), not one row with the next.", 96)]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
-    print(f"{'step':>4}  {'reverse KL / token':>18}  {'chunk-start KL / token':>22}")
-    for step, (kl, starts) in enumerate(main(args.steps)):
-        print(f"{step:>4}  {kl:>18.4f}  {starts:>22.4f}")
+    print(report(main(args.steps)))

@@ -3,7 +3,8 @@ teacher's own encoding of the student's bytes, byte-exact chunks common to both 
 the per-token teacher signal spread over each chunk, the shared vocabulary, and the losses for
 hand-written loops (docs/distillation.md, "Teachers with another tokenizer").
 
-Needs the optional `tokenizers` library (``pip install megatron-rl-patches[cross-tokenizer]``);
+Needs the optional `tokenizers` library (``pip install tokenizers``, or from a clone of this repository
+``pip install -e '.[cross-tokenizer]'``);
 importing this package imports nothing until a public name is first used."""
 from __future__ import annotations
 

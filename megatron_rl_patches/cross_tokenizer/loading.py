@@ -17,7 +17,7 @@ def tokenizers_library() -> Any:
     except ImportError as error:
         raise ImportError(
             "megatron_rl_patches.cross_tokenizer needs the `tokenizers` library: "
-            f"pip install 'megatron-rl-patches[{EXTRA}]' (or pip install tokenizers)") from error
+            f"pip install tokenizers, or from a clone of megatron-rl-patches pip install -e '.[{EXTRA}]'") from error
     return tokenizers
 
 

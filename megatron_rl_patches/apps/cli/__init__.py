@@ -74,8 +74,10 @@ _OPD = "MEGATRON_RL_PATCHES_OPD_"
 PATCH_VARIABLES = {
     f"{_OPD}TEACHERS": "slime_opd: comma-separated teachers, PATH (a checkpoint of the actor's architecture, "
                        "or a Hugging Face directory of another served family: built by "
-                       "build_inference_model_from_hf) or PATH@module:function; set in the training actors' "
-                       "environment (--train-env-vars)",
+                       "build_inference_model_from_hf) or PATH@module:function; a Hugging Face directory with "
+                       "another tokenizer than the student's: PATH;tokenizer=own (quote the ';'), optionally "
+                       "followed by ;stop_tokens=module:function (a student special id -> the teacher's id or "
+                       "None); set in the training actors' environment (--train-env-vars)",
     f"{_OPD}WEIGHTS": "slime_opd: mixture weights, one per teacher, summing to 1 (unset: uniform)",
     f"{_OPD}K": "slime_opd: the student's top-k ids per token (default 16)",
     f"{_OPD}DIVERGENCE": "slime_opd: reverse_kl (default), forward_kl, jsd, skew_forward_kl, skew_reverse_kl, "

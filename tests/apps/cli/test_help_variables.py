@@ -47,3 +47,15 @@ def test_the_misspelling_check_knows_every_variable_help_describes():
 
     assert set(variable_names()) == set(env.VARIABLES) | set(PATCH_VARIABLES) | {env.LAUNCHER_ROOT}
     check_settings({name: "" for name in variable_names() if "OPD" not in name})
+
+
+def test_help_and_run_help_give_the_teacher_entry_options(cli_run):
+    """The OPD teachers' entry options, as opd_settings parses them, in --help and run --help."""
+    from megatron_rl_patches.integrations.slime import opd_settings
+
+    for argv in (("--help",), ("run", "--help")):
+        code, out, _ = cli_run(*argv)
+        assert code == 0, argv
+        teachers = _variable_help(out)[opd_settings.TEACHERS]
+        assert f"PATH;{opd_settings.OWN_TOKENIZER}" in teachers, (argv, teachers)
+        assert f";{opd_settings.STOP_TOKENS}module:function" in teachers, (argv, teachers)
