@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.inference.loading.hf.checkpoint_config import read_checkpoint_config
-from megatron_rl_patches.inference.loading.hf.families import read_architecture, split_problems
+from megatron_rl_patches.inference.loading.hf.families import architecture, split_problems
 from megatron_rl_patches.inference.residency.budget import ResidencyBudget
 from megatron_rl_patches.inference.residency.placement import check_residency_args
 
@@ -133,7 +133,7 @@ def build_inference_model_from_hf(
                         f"got {type(core_attention).__name__}")
     checkpoint = read_checkpoint_config(path)
     root, config_dict = checkpoint.root, checkpoint.fields
-    arch = read_architecture(root)
+    arch = architecture(config_dict, source=str(root))
     weights_dtype = checkpoint_dtype(checkpoint.dtype, dtype)
     divisible_by = positive_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by)
     _check_parallel(arch, core_attention)
