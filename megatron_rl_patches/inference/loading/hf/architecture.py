@@ -181,7 +181,8 @@ def unmapped_features(config: dict[str, Any]) -> list[str]:
     if config.get("mlp_bias"):
         problems.append("mlp_bias=true")
     types = config.get("layer_types")
-    if isinstance(types, list) and "sliding_attention" in types:  # qwen2 / qwen3 write their windows per layer
+    kinds = set(types) if isinstance(types, list) and all(isinstance(t, str) for t in types) else set()
+    if "sliding_attention" in kinds and kinds <= {"full_attention", "sliding_attention"}:  # qwen2 / qwen3
         problems.append("layer_types with 'sliding_attention' (full attention only)")
     return problems
 

@@ -49,6 +49,14 @@ def transformers_reads(family) -> tuple[set[str], set[str]]:
     return reads, rope
 
 
+def config_class(family):
+    """transformers' config class of the family's text model (a wrapper's text config, where it has one)."""
+    import transformers
+
+    name = REGISTRY[MODULE.get(family.name, family.name)].hf_class.removesuffix("Text")
+    return getattr(transformers, f"{name}TextConfig", None) or getattr(transformers, f"{name}Config")
+
+
 def config_source(family) -> str:
     name = MODULE.get(family.name, family.name)
     return inspect.getsource(importlib.import_module(f"transformers.models.{name}.configuration_{name}"))
@@ -61,6 +69,8 @@ def modeling(transformers):
 
 @pytest.mark.parametrize("name", [f.name for f in FAMILIES])
 def test_the_fields_a_family_reads_are_the_ones_transformers_reads(modeling, name):
+    """transformers' modeling module's `config.X` reads, with the config.json names its config class
+    maps onto them (attribute_map: one field under two names, refused where they differ)."""
     family = REGISTRY[name]
     reads, _ = modeling[name]
     ours = SHARED | family.fields
@@ -71,6 +81,10 @@ def test_the_fields_a_family_reads_are_the_ones_transformers_reads(modeling, nam
     for target, sources in DERIVED:
         if target in wanted and target not in ours and sources <= ours:
             wanted.discard(target)  # read under the config.json name the class maps
+    synonyms = {frozenset((alias, target)) for alias, target in config_class(family).attribute_map.items()
+                if {alias, target} & (wanted | family.fields)}
+    assert synonyms == {frozenset(names) for names in family.synonyms}, f"{name}: names transformers maps as one"
+    wanted |= {alias for pair in synonyms for alias in pair}
     assert wanted - ours == set(), f"{name}: transformers reads these, the family's reader never sees them"
     extra = family.fields - wanted - set(OWN)
     assert extra == set(), f"{name}: the reader sees fields transformers' {name} forward ignores"
@@ -158,3 +172,11 @@ def test_partial_rotary_factor_with_scaled_rope_refused_where_the_attention_rota
     rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     with pytest.raises(UnsupportedCheckpointError, match=r"'linear' with partial_rotary_factor=0.5"):
         architecture(tiny_hf_config(kind, rope_parameters=rope))
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen2_moe"])
+def test_sliding_windows_written_per_layer_are_refused(kind):
+    """transformers' Qwen2 / Qwen3 read layer_types: a sliding layer built as full attention (silently)."""
+    with pytest.raises(UnsupportedCheckpointError, match=r"layer_types with 'sliding_attention'"):
+        architecture(tiny_hf_config(kind, layer_types=["full_attention", "sliding_attention"], sliding_window=4))
+    assert architecture(tiny_hf_config("llama", layer_types=["sliding_attention"] * 2)).num_layers == 2  # not read

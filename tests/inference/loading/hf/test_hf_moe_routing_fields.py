@@ -26,6 +26,9 @@ CASES = [
     ("mixtral", {"num_experts_per_tok": 5}, "num_experts_per_tok=5 exceeds num_local_experts=4"),
     ("qwen2_moe", {"shared_expert_intermediate_size": -1}, "shared_expert_intermediate_size must be an integer >= 0"),
     ("glm4_moe", {"n_shared_experts": "1"}, "n_shared_experts must be an integer >= 0, got '1'"),
+    # one field under two names transformers' config class maps as one (which wins differs by class)
+    ("mixtral", {"num_experts": 3}, "writes num_local_experts=4, num_experts=3: transformers reads these as one"),
+    ("deepseek_v3", {"num_local_experts": 4}, "writes n_routed_experts=8, num_local_experts=4"),
 ]
 IDS = [f"{kind}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for kind, o, _ in CASES]
 
@@ -40,7 +43,7 @@ def _config_dir(folder, kind, **overrides):
 def test_the_architecture_reader_names_the_field(kind, overrides, says):
     with pytest.raises(ValueError, match=says.replace("(", r"\(")) as caught:
         architecture(tiny_hf_config(kind, **overrides))
-    assert "config.json's" in str(caught.value)
+    assert "config.json" in str(caught.value).partition(': ')[2]
 
 
 @pytest.mark.parametrize(("kind", "overrides", "says"), CASES, ids=IDS)
@@ -65,6 +68,13 @@ def test_the_build_refuses_before_building(megatron_cpu, no_build, tmp_path, kin
         build_inference_model_from_hf(tmp_path)
 
 
+def test_a_field_under_its_other_name_is_read():
+    """transformers 5 saves Qwen3-MoE's expert count as num_local_experts."""
+    config = tiny_hf_config("qwen3_moe")
+    config["num_local_experts"] = config.pop("num_experts")
+    assert architecture(config).num_experts == 4
+
+
 def test_valid_groups_still_read():
     arch = architecture(tiny_hf_config("glm4_moe", n_group=8, topk_group=8, num_experts_per_tok=2))
     assert (arch.router_groups, arch.router_group_topk) == (8, 8)
@@ -81,9 +91,10 @@ def fused_processors(clean_patch_state):
 
 @pytest.mark.megatron
 @pytest.mark.usefixtures("transformers", "moe_router_on_cpu", "fused_processors")
-def test_mixtral_top1_routing_equals_transformers(megatron_cpu, tmp_path):
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_top1_routing_equals_transformers(megatron_cpu, tmp_path, kind):
     """Refused with "Please use --moe-router-pre-softmax when topk is 1", a Megatron-LM flag: the one
-    expert's weight is 1 (softmax over its logit), which transformers' Mixtral computes."""
+    expert's weight is 1 (softmax over its logit, renormalized), as transformers' forward computes."""
     import torch
     from kit.hf_scores import built_log_probs, transformers_log_probs
 
@@ -91,7 +102,7 @@ def test_mixtral_top1_routing_equals_transformers(megatron_cpu, tmp_path):
     from megatron_rl_patches.testing.hf_checkpoints import router_margin, save_tiny_hf
     from megatron_rl_patches.testing.megatron_cpu import make_batch
 
-    model = save_tiny_hf(tmp_path, "mixtral", seed=3, num_experts_per_tok=1)
+    model = save_tiny_hf(tmp_path, kind, seed=3, num_experts_per_tok=1)
     batch = make_batch(batch_size=2, seq_length=12, vocab_size=1001, seed=0)
     assert router_margin(model, batch["tokens"]) > 1e-3
     want = transformers_log_probs(model, batch)

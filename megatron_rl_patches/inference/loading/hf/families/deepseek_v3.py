@@ -89,7 +89,7 @@ FAMILY = Family(
     name="deepseek_v3", hf_class="DeepseekV3", read=read, layer_tensors=layer_tensors, layer_params=layer_params,
     config_overrides=config_overrides, config_class=mla.mla_config_class, layer_spec=mla.mla_spec,
     core_attention=mla.sdpa_core_attention, model_args=no_model_rope, parallel_problems=mla_parallel_problems,
-    aliases=("kimi_k2",),
+    aliases=("kimi_k2",), synonyms=glm4_moe.SYNONYMS,
     # scoring_func: DeepSeek's and Kimi-K2's remote code read it (transformers' class does not): refused unless sigmoid
     fields=GROUPED | {"attention_bias", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                      "v_head_dim", "rope_interleave", "scoring_func"},

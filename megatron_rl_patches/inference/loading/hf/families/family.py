@@ -137,6 +137,7 @@ class Family:
     aliases: tuple[str, ...] = ()  # other model_types the family reads
     # config.json fields its reader sees beside fields.SHARED (transformers' forward of the family reads them)
     fields: frozenset[str] = frozenset()
+    synonyms: tuple[tuple[str, ...], ...] = ()  # names of one field (fields.one_field): refused where they differ
     tiny_fields: Mapping[str, Any] = field(default_factory=dict)  # the test kit's tiny config.json (None: drop)
 
     @property

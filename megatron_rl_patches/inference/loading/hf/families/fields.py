@@ -19,6 +19,28 @@ SHARED = frozenset({
 NESTED = "text_config"  # a vision-language wrapper's text model: its fields are seen as the wrapper's
 
 
+def one_field(config: dict[str, Any], source: str, names: tuple[str, ...]) -> dict[str, Any]:
+    """`config` with `names[0]` set where config.json writes the field under another of `names` (a
+    name the family's transformers config class maps onto the same attribute, e.g. mixtral's
+    num_experts -> num_local_experts); a ValueError naming both where they differ, as which one wins
+    differs from one transformers config class to another."""
+    given = {name: config[name] for name in names if config.get(name) is not None}
+    if len({repr(value) for value in given.values()}) > 1:
+        written = ", ".join(f"{name}={value!r}" for name, value in given.items())
+        raise ValueError(f"{source}: config.json writes {written}: transformers reads these as one field; "
+                         "keep one of them (or give them the same value)")
+    return {**config, names[0]: next(iter(given.values()))} if given else config
+
+
+def seen_by(config: dict[str, Any], source: str, fields: Iterable[str],
+            synonyms: Iterable[tuple[str, ...]] = ()) -> dict[str, Any]:
+    """What a family's reader is handed: the fields it reads (`visible`), each under one name."""
+    seen = visible(config, fields)
+    for names in synonyms:
+        seen = one_field(seen, source, names)
+    return seen
+
+
 def visible(config: dict[str, Any], fields: Iterable[str]) -> dict[str, Any]:
     """`config` with only the SHARED fields and `fields` (inside a wrapper's text_config too)."""
     seen = SHARED | frozenset(fields)
@@ -33,4 +55,4 @@ SLIDING = frozenset({"use_sliding_window", "sliding_window", "max_window_layers"
 ROUTED = frozenset({"num_experts", "num_experts_per_tok", "moe_intermediate_size"})  # a Qwen MoE's experts
 GROUPED = frozenset({"first_k_dense_replace", "n_group", "topk_group", "n_routed_experts", "num_experts_per_tok",
                      "moe_intermediate_size", "n_shared_experts", "norm_topk_prob", "routed_scaling_factor",
-                     "num_nextn_predict_layers"})  # GLM-4.5's and DeepSeek-V3's experts
+                     "num_nextn_predict_layers", "num_local_experts", "num_mtp_layers"})  # GLM-4.5's, DeepSeek-V3's

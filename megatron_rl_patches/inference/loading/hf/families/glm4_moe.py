@@ -33,6 +33,8 @@ from megatron_rl_patches.inference.loading.hf.families.family import Family, Par
 from megatron_rl_patches.inference.loading.hf.families.fields import GROUPED
 
 SHARED = "mlp.shared_experts."
+# names transformers' Glm4MoeConfig / DeepseekV3Config map onto one attribute
+SYNONYMS = (("n_routed_experts", "num_local_experts"), ("num_nextn_predict_layers", "num_mtp_layers"))
 
 
 def read_groups(config: dict[str, Any], source: str) -> tuple[int, int]:
@@ -104,7 +106,7 @@ def layer_params(arch: HFArchitecture, layer: int) -> dict[str, Param]:
 
 FAMILY = Family(
     name="glm4_moe", hf_class="Glm4Moe", read=read, layer_tensors=layer_tensors, layer_params=layer_params,
-    config_overrides=moe_config, fields=GROUPED | {"attention_bias", "use_qk_norm"},
+    config_overrides=moe_config, fields=GROUPED | {"attention_bias", "use_qk_norm"}, synonyms=SYNONYMS,
     tiny_fields={"moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4,
                  "topk_group": 2, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
                  "norm_topk_prob": True, "use_qk_norm": True, "attention_bias": True},

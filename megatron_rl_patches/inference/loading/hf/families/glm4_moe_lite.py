@@ -34,4 +34,5 @@ def read(config: dict[str, Any], source: str) -> HFArchitecture:
 
 # first_k_dense_replace: transformers' class ignores it; refused where it contradicts the default layout
 FAMILY = replace(deepseek_v3.FAMILY, name="glm4_moe_lite", hf_class="Glm4MoeLite", read=read, aliases=(),
-                 fields=deepseek_v3.FAMILY.fields - {"scoring_func"} | {"mlp_layer_types"})
+                 fields=deepseek_v3.FAMILY.fields - {"scoring_func", "num_mtp_layers"} | {"mlp_layer_types"},
+                 synonyms=(("n_routed_experts", "num_local_experts"), ("qk_rope_head_dim", "head_dim")))

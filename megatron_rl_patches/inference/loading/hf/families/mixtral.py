@@ -40,6 +40,8 @@ def layer_params(arch: HFArchitecture, layer: int) -> dict[str, Param]:
 
 FAMILY = Family(
     name="mixtral", hf_class="Mixtral", read=read, layer_tensors=layer_tensors, layer_params=layer_params,
-    config_overrides=moe_config, fields=frozenset({"sliding_window", "num_local_experts", "num_experts_per_tok"}),
+    config_overrides=moe_config, fields=frozenset({"sliding_window", "num_local_experts", "num_experts_per_tok",
+                                                       "num_experts"}),
+    synonyms=(("num_local_experts", "num_experts"),),
     tiny_fields={"num_local_experts": 4, "num_experts_per_tok": 2},
 )

@@ -44,6 +44,7 @@ FAMILY = Family(
     name="qwen3_moe", hf_class="Qwen3Moe", read=read, layer_tensors=layer_tensors, layer_params=layer_params,
     config_overrides=moe_config, mbridge=True,
     fields=ROUTED | {"attention_bias", "use_sliding_window", "sliding_window", "norm_topk_prob", "mlp_only_layers",
-                     "decoder_sparse_step"},
+                     "decoder_sparse_step", "num_local_experts"},
+    synonyms=(("num_experts", "num_local_experts"),),
     tiny_fields={"moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True},
 )
