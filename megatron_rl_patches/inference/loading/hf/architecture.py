@@ -79,6 +79,16 @@ def read_count(config: dict[str, Any], source: str, *names: str, default: Any = 
     return value
 
 
+def read_natural(config: dict[str, Any], source: str, name: str) -> int:
+    """A count config.json may leave out or set to 0 or null (shared experts, dense first layers, MTP layers)."""
+    value = config.get(name)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{source}: config.json's {name} must be an integer >= 0, got {value!r}")
+    return value
+
+
 def read_number(config: dict[str, Any], source: str, name: str, value: Any) -> float:
     """A real number config.json gives for `name` (a ValueError naming the field and the file otherwise)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -96,7 +106,7 @@ def _rope_table(config: dict[str, Any], source: str, name: str) -> dict[str, Any
     return table
 
 
-def _rope(config: dict[str, Any], source: str, partial_default: float) -> tuple[RopeScaling, str]:
+def _rope(config: dict[str, Any], source: str, partial_default: float | None) -> tuple[RopeScaling, str]:
     """The RoPE megatron-core builds for config.json (rope_scaling.py) and '', or plain RoPE and the
     reason a scaling is not served (kept in the record: the memory planner sizes such checkpoints,
     scaling changes no weight; the builder refuses it)."""
@@ -132,6 +142,10 @@ def unmapped_features(config: dict[str, Any]) -> list[str]:
         problems.append("use_sliding_window=true")
     if config.get("mlp_bias"):
         problems.append("mlp_bias=true")
+    types = config.get("layer_types")
+    kinds = set(types) if isinstance(types, list) and all(isinstance(t, str) for t in types) else set()
+    if "sliding_attention" in kinds and kinds <= {"full_attention", "sliding_attention"}:  # qwen2 / qwen3
+        problems.append("layer_types with 'sliding_attention' (full attention only)")
     return problems
 
 
@@ -145,11 +159,13 @@ def refuse_unmapped(source: str, problems: list[str]) -> None:
 
 
 def decoder_architecture(config: dict[str, Any], source: str, *, qkv_bias: bool, qk_norm: bool, moe: bool,
-                         refused: list[str] | tuple[str, ...] = (), partial_rotary: float = 1.0) -> HFArchitecture:
+                         refused: list[str] | tuple[str, ...] = (), partial_rotary: float | None = None
+                         ) -> HFArchitecture:
     """The HFArchitecture of a decoder-only RMSNorm / SwiGLU / RoPE config.json: `qkv_bias` is the
     family's default where `attention_bias` is not written, `qk_norm` and `moe` are the family's,
     `refused` the family's own unmapped features (refused with the common ones before reading),
-    `partial_rotary` the family's partial_rotary_factor where config.json writes none."""
+    `partial_rotary` the family's partial_rotary_factor where config.json writes none, None where its
+    default RoPE ignores the field (as transformers' llama / qwen2 / qwen3 / mixtral do)."""
     refuse_unmapped(source, [*unmapped_features(config), *refused])
     rope, rope_refused = _rope(config, source, partial_rotary)
     hidden = read_count(config, source, "hidden_size")

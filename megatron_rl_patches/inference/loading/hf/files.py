@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -115,7 +116,8 @@ def _listed_files(root: Path) -> list[Path]:
         hint = (f" It holds {shown(pickled)}: pickle files are never read; convert them to safetensors "
                 "(e.g. load with transformers and save_pretrained(..., safe_serialization=True))") if pickled else ""
         raise FileNotFoundError(f"{str(root)!r} has no {SINGLE} and no {INDEX}.{hint}")
-    listed = sorted(set(_weight_map(index_file).values()))
+    # names as paths inside the directory ("./w.safetensors" is w.safetensors), judged after normalizing
+    listed = sorted({posixpath.normpath(name) for name in _weight_map(index_file).values()})
     _inside(root, index_file, listed)
     missing = [name for name in listed if not (root / name).is_file()]
     if missing:

@@ -50,7 +50,10 @@ def _hf_config(config: dict[str, Any], arch: HFArchitecture) -> Any:
     with the fields mbridge reads under their transformers 4 names."""
     from transformers import AutoConfig
 
-    values = {k: v for k, v in config.items() if k != "model_type"}
+    # partial_rotary_factor, which the families mbridge serves ignore (arch.rope.partial is 1), never reaches it
+    values = {k: v for k, v in config.items() if k not in ("model_type", "partial_rotary_factor")}
+    if isinstance(values.get("rope_parameters"), dict):
+        values["rope_parameters"] = {k: v for k, v in values["rope_parameters"].items() if k != "partial_rotary_factor"}
     hf_config = AutoConfig.for_model(arch.model_type, **values)
     hf_config.rope_theta = arch.rope_theta  # transformers 5: rope_parameters["rope_theta"]
     with warnings.catch_warnings():

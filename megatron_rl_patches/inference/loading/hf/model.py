@@ -10,6 +10,7 @@ import torch
 
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 from megatron_rl_patches.inference.loading.hf.families import family_for
+from megatron_rl_patches.inference.loading.hf.families.common import after_init
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,7 +82,8 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype) -> Any:
     if arch.rope.kind == "yarn":
         _check_yarn_served(arch)
     config = family.config_class(arch)(**values)
-    for name, value in arch.rope.config_attributes().items():  # YaRN's, which the dataclass does not declare
+    # YaRN's, which the dataclass does not declare, and values its checks refuse though exact in inference
+    for name, value in {**arch.rope.config_attributes(), **after_init(arch)}.items():
         setattr(config, name, value)
     return config
 

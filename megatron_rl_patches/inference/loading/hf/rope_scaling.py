@@ -84,9 +84,12 @@ def _refuse(source: str, what: str) -> RopeScalingError:
     )
 
 
-def read_rope(config: dict[str, Any], source: str = "config.json", partial_default: float = 1.0) -> RopeScaling:
-    """The RoPE of a config.json dict (`partial_default`: the family's partial_rotary_factor where
-    the config writes none); RopeScalingError naming a type or a value megatron-core cannot build."""
+def read_rope(config: dict[str, Any], source: str = "config.json", partial_default: float | None = 1.0
+              ) -> RopeScaling:
+    """The RoPE of a config.json dict; RopeScalingError naming a type or a value megatron-core cannot
+    build. `partial_default`: the family's partial_rotary_factor where the config writes none, or None
+    for a family whose default RoPE ignores the field (transformers' llama, qwen2, qwen3, mixtral,
+    deepseek_v3...: their rotary embedding rotates whole heads whatever it says)."""
     tables = [config.get(name) or {} for name in ("rope_scaling", "rope_parameters")]
     if not all(isinstance(table, dict) for table in tables):
         raise ValueError(f"{source}: rope_parameters / rope_scaling must be an object")
@@ -98,10 +101,16 @@ def read_rope(config: dict[str, Any], source: str = "config.json", partial_defau
         raise _refuse(source, f"scaling {kind!r}")
     theta = float(_number(rope, "rope_theta", None, source) or _number(tables[1], "rope_theta", None, source)
                   or _number(tables[0], "rope_theta", None, source) or _number(config, "rope_theta", 10000.0, source))
+    if partial_default is None and kind == "default":
+        return RopeScaling(theta=theta)  # the field is not read: any value, even a malformed one, changes nothing
     partial = float(_number(rope, "partial_rotary_factor", None, source)
-                    or _number(config, "partial_rotary_factor", partial_default, source))
+                    or _number(config, "partial_rotary_factor", partial_default or 1.0, source))
     if partial > 1:
         raise ValueError(f"{source}: partial_rotary_factor must be in (0, 1], got {partial}")
+    if partial_default is None and partial < 1:  # transformers' scaled RoPE reads it, its attention does not
+        raise _refuse(source, f"scaling {kind!r} with partial_rotary_factor={partial} (transformers then makes "
+                      "frequencies for part of each head while this family's attention rotates whole heads: its own "
+                      "forward fails or mis-rotates; drop the field or set it to 1.0)")
     if kind == "default":
         return RopeScaling(theta=theta, partial=partial)
     # as transformers: a top-level original_max_position_embeddings first (Phi-3 writes it there)

@@ -25,7 +25,7 @@ NAMES = [family.name for family in FAMILIES]
 QWEN3_5_KINDS = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")  # >= 0.16
 # each family as the tiny kit writes it, tied, and with the other q/k/v bias default
 VARIANTS = [(name, {}) for name in NAMES] + [(name, {"tie_word_embeddings": True}) for name in NAMES] + [
-    ("llama", {"attention_bias": True}), ("qwen2", {"attention_bias": False})]
+    ("llama", {"attention_bias": True}), ("qwen2_moe", {"qkv_bias": False}), ("mixtral", {"num_experts_per_tok": 1})]
 IDS = ["-".join([kind, *overrides]) for kind, overrides in VARIANTS]
 
 

@@ -165,3 +165,22 @@ def test_reading_maps_about_one_tensor_at_a_time(tmp_path):
 
     assert gaps(reader) != {1024}  # a map per tensor at this budget
     assert gaps(TensorReader(index, budget=10 * 1024)) == {1024}  # one map for all (negative control)
+
+
+@pytest.mark.parametrize("name", ["./model-1.safetensors", "sub/../model-1.safetensors", ".//model-1.safetensors"])
+def test_index_names_are_normalized_inside_the_directory(tmp_path, name):
+    """"./model-1.safetensors" names the file beside the index: it was refused as unlisted; the
+    cache's symlink to ../../blobs/ made by the directory's owner is still followed."""
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    write_safetensors(blobs / "abc123", {"w": torch.full((2,), 3.0), "v": torch.full((1,), 2.0)})
+    snapshot = tmp_path / "snapshots" / "rev"
+    snapshot.mkdir(parents=True)
+    (snapshot / "model-1.safetensors").symlink_to("../../blobs/abc123")
+    weight_map = {"w": name, "v": "model-1.safetensors"}
+    (snapshot / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    index = tensor_index(snapshot)
+    assert torch.equal(read_tensor(index["w"]), torch.full((2,), 3.0)) and set(index) == {"w", "v"}
+    (snapshot / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": {"w": "./../rev/model-1.safetensors"}}))
+    with pytest.raises(ValueError, match=r"outside the checkpoint directory"):
+        tensor_index(snapshot)

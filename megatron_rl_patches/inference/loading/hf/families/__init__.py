@@ -26,6 +26,7 @@ from megatron_rl_patches.inference.loading.hf.families import (
     qwen3_next,
 )
 from megatron_rl_patches.inference.loading.hf.families.family import Family
+from megatron_rl_patches.inference.loading.hf.families.fields import seen_by
 
 FAMILIES: tuple[Family, ...] = (qwen3.FAMILY, qwen3_moe.FAMILY, llama.FAMILY, qwen2.FAMILY, glm4_moe.FAMILY,
                                  qwen2_moe.FAMILY, mixtral.FAMILY, mimo.FAMILY,
@@ -62,7 +63,9 @@ def architecture(config: dict[str, Any], source: str = "config.json", *, sizing:
     """An HFArchitecture from a config.json dict, read by its family; UnsupportedCheckpointError
     naming the family or the feature the converter does not map. `sizing`: for the memory planner,
     which counts bytes: a feature that changes none (RoPE scaling) is kept in the record, not refused."""
-    arch = family_for(config.get("model_type"), source, config.get("architectures")).read(config, source)
+    family = family_for(config.get("model_type"), source, config.get("architectures"))
+    # a field transformers ignores for the family changes nothing
+    arch = family.read(seen_by(config, source, family.fields, family.synonyms), source)
     if not sizing:
         refuse_rope_scaling(arch)
     return arch

@@ -85,6 +85,11 @@ def moe_config(arch: HFArchitecture) -> dict[str, Any]:
         # gloo has no all-to-all: the allgather dispatcher where there is no GPU
         moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
     )
+    if top1_renormalized(arch):
+        # weight 1 for the one expert: exact as softmax over its logit; the TransformerConfig asks for
+        # pre-softmax at top-1 (a training concern: zero gradients), not asked under sinkhorn, which is
+        # set back to "none" before the router is made (after_init)
+        values["moe_router_load_balancing_type"] = "sinkhorn"
     if arch.expert_bias:
         values["moe_router_enable_expert_bias"] = True  # the bias buffer; never updated in inference
     if arch.router == "sigmoid":
@@ -100,6 +105,17 @@ def moe_config(arch: HFArchitecture) -> dict[str, Any]:
     if arch.dense_layers:
         values["moe_layer_freq"] = [0] * arch.dense_layers + [1] * (arch.num_layers - arch.dense_layers)
     return values
+
+
+def top1_renormalized(arch: HFArchitecture) -> bool:
+    """A softmax router choosing one expert and renormalizing its weight (Mixtral at num_experts_per_tok 1)."""
+    return arch.is_moe and arch.experts_per_token == 1 and arch.router == "softmax" and arch.norm_topk_prob
+
+
+def after_init(arch: HFArchitecture) -> dict[str, Any]:
+    """TransformerConfig attributes set once it is made, before the model: where its own checks refuse
+    a value that is exact in inference (top-1 routing without pre-softmax)."""
+    return {"moe_router_load_balancing_type": "none"} if top1_renormalized(arch) else {}
 
 
 def shared_expert_tensors(arch: HFArchitecture, hf: str) -> dict[str, Shape]:

@@ -10,6 +10,7 @@ from math import prod
 from typing import Any
 
 from megatron_rl_patches.inference.loading.hf.families.family import EXPERT, Family, Param, Shape
+from megatron_rl_patches.inference.loading.hf.families.fields import seen_by
 from megatron_rl_patches.inference.loading.hf.memory_plan import layer_params
 from megatron_rl_patches.inference.loading.hf.names import layer_tensors
 
@@ -40,7 +41,8 @@ def _map_problems(where: str, tensors: dict[str, Shape], params: dict[str, Param
 
 def contract_problems(family: Family, config: dict[str, Any]) -> list[str]:
     """What `family` breaks on the checkpoint `config` describes (empty: it keeps the contract)."""
-    arch = family.read(config, f"{family.name} contract")
+    source = f"{family.name} contract"
+    arch = family.read(seen_by(config, source, family.fields, family.synonyms), source)
     before, after = family.outer_tensors(arch)
     problems = _map_problems("outside the layers", {**before, **after}, family.outer_params(arch), once=False)
     for layer in range(arch.num_layers):

@@ -12,11 +12,12 @@ from megatron_rl_patches.inference.loading.hf.architecture import (
     HFArchitecture,
     decoder_architecture,
     read_count,
-    read_field,
+    read_natural,
 )
 from megatron_rl_patches.inference.loading.hf.families import glm4_moe, mla
 from megatron_rl_patches.inference.loading.hf.families.common import moe_config, swiglu_params, swiglu_tensors
 from megatron_rl_patches.inference.loading.hf.families.family import Family, Param, Shape, parallel_problems
+from megatron_rl_patches.inference.loading.hf.families.fields import GROUPED
 
 
 def _moe_refused(config: dict[str, Any], groups: int, group_topk: int) -> list[str]:
@@ -28,23 +29,25 @@ def _moe_refused(config: dict[str, Any], groups: int, group_topk: int) -> list[s
     return refused
 
 
-def read(config: dict[str, Any], source: str) -> HFArchitecture:
+def read(config: dict[str, Any], source: str, partial_rotary: float | None = None) -> HFArchitecture:
+    """`partial_rotary`: None as transformers' DeepSeek-V3 (its default RoPE ignores partial_rotary_factor),
+    GLM-4.7-Flash's 1.0 (read, then refused by MLA unless 1)."""
     layers = read_count(config, source, "num_hidden_layers")
-    dense = min(int(read_field(config, source, "first_k_dense_replace", default=0) or 0), layers)
+    dense = min(read_natural(config, source, "first_k_dense_replace"), layers)
     moe = bool(config.get("n_routed_experts")) and dense < layers
-    groups = int(read_field(config, source, "n_group", default=1))
-    group_topk = int(read_field(config, source, "topk_group", default=1))
+    groups, group_topk = glm4_moe.read_groups(config, source) if moe else (1, 1)
     shape = mla.read_mla(config, source)
     arch = decoder_architecture(config, source, qkv_bias=False, qk_norm=False, moe=moe,
-                                refused=_moe_refused(config, groups, group_topk) if moe else [])
-    arch = replace(arch, mla=shape, mtp_layers=int(config.get("num_nextn_predict_layers") or 0))
+                                refused=_moe_refused(config, groups, group_topk) if moe else [],
+                                partial_rotary=partial_rotary)
+    arch = replace(arch, mla=shape, mtp_layers=read_natural(config, source, "num_nextn_predict_layers"))
     mla.refuse_rope(arch)
     if not moe:
         return arch
     return replace(
         arch, norm_topk_prob=True, router="sigmoid", expert_bias=True, router_groups=groups,
-        router_group_topk=group_topk, routed_scaling=float(config.get("routed_scaling_factor") or 1.0),
-        shared_expert_ffn=int(config.get("n_shared_experts") or 0) * arch.expert_ffn_hidden_size,
+        router_group_topk=group_topk, routed_scaling=glm4_moe.read_routed_scaling(config, source),
+        shared_expert_ffn=read_natural(config, source, "n_shared_experts") * arch.expert_ffn_hidden_size,
         dense_layers=dense,
     )
 
@@ -86,7 +89,10 @@ FAMILY = Family(
     name="deepseek_v3", hf_class="DeepseekV3", read=read, layer_tensors=layer_tensors, layer_params=layer_params,
     config_overrides=config_overrides, config_class=mla.mla_config_class, layer_spec=mla.mla_spec,
     core_attention=mla.sdpa_core_attention, model_args=no_model_rope, parallel_problems=mla_parallel_problems,
-    aliases=("kimi_k2",),
+    aliases=("kimi_k2",), synonyms=glm4_moe.SYNONYMS,
+    # scoring_func: DeepSeek's and Kimi-K2's remote code read it (transformers' class does not): refused unless sigmoid
+    fields=GROUPED | {"attention_bias", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "v_head_dim", "rope_interleave", "scoring_func"},
     tiny_fields={"num_key_value_heads": 4, "head_dim": None, "q_lora_rank": 24, "kv_lora_rank": 16,
                  "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 12, "rope_interleave": True,
                  "moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4,

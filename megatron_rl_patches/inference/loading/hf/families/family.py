@@ -135,6 +135,9 @@ class Family:
     mbridge: bool = False  # converter="mbridge" serves it on the local spec
     stacked_experts: bool = False  # checkpoints may stack the experts (fused_experts.py): read as per-expert views
     aliases: tuple[str, ...] = ()  # other model_types the family reads
+    # config.json fields its reader sees beside fields.SHARED (transformers' forward of the family reads them)
+    fields: frozenset[str] = frozenset()
+    synonyms: tuple[tuple[str, ...], ...] = ()  # names of one field (fields.one_field): refused where they differ
     tiny_fields: Mapping[str, Any] = field(default_factory=dict)  # the test kit's tiny config.json (None: drop)
 
     @property

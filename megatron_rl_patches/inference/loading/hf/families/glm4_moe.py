@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, decoder_architecture, read_field
+from megatron_rl_patches.inference.loading.hf.architecture import (
+    HFArchitecture,
+    decoder_architecture,
+    read_count,
+    read_field,
+    read_natural,
+    read_number,
+)
 from megatron_rl_patches.inference.loading.hf.families.common import (
     attention_params,
     attention_tensors,
@@ -23,8 +30,33 @@ from megatron_rl_patches.inference.loading.hf.families.common import (
     swiglu_tensors,
 )
 from megatron_rl_patches.inference.loading.hf.families.family import Family, Param, Shape
+from megatron_rl_patches.inference.loading.hf.families.fields import GROUPED
 
 SHARED = "mlp.shared_experts."
+# names transformers' Glm4MoeConfig / DeepseekV3Config map onto one attribute
+SYNONYMS = (("n_routed_experts", "num_local_experts"), ("num_nextn_predict_layers", "num_mtp_layers"))
+
+
+def read_groups(config: dict[str, Any], source: str) -> tuple[int, int]:
+    """(n_group, topk_group): the routed experts in n_group equal groups, a token's experts taken from
+    its best topk_group groups; a ValueError naming the field where transformers or megatron-core
+    cannot route so (an assertion, a division by zero, or a build transformers refuses)."""
+    groups = read_count(config, source, "n_group", default=1)
+    group_topk = read_count(config, source, "topk_group", default=1)
+    experts = read_count(config, source, "n_routed_experts")
+    if experts % groups:
+        raise ValueError(f"{source}: config.json's n_group={groups} does not divide n_routed_experts={experts}; "
+                         "the experts are routed in n_group equal groups: n_group must be a divisor of it")
+    if group_topk > groups:
+        raise ValueError(f"{source}: config.json's topk_group={group_topk} exceeds n_group={groups}; a token's "
+                         f"experts come from its best topk_group of the n_group groups: set topk_group in 1..{groups}")
+    return groups, group_topk
+
+
+def read_routed_scaling(config: dict[str, Any], source: str) -> float:
+    """routed_scaling_factor (1.0 where config.json writes none): a positive number."""
+    return read_number(config, source, "routed_scaling_factor",
+                       read_field(config, source, "routed_scaling_factor", default=1.0))
 
 
 def group_problems(config: dict[str, Any], groups: int, group_topk: int) -> list[str]:
@@ -38,20 +70,21 @@ def group_problems(config: dict[str, Any], groups: int, group_topk: int) -> list
 
 
 def read(config: dict[str, Any], source: str) -> HFArchitecture:
-    groups = int(read_field(config, source, "n_group", default=1))
-    group_topk = int(read_field(config, source, "topk_group", default=1))
+    groups, group_topk = read_groups(config, source)
     refused = group_problems(config, groups, group_topk)
     if config.get("norm_topk_prob") is False:
         refused.append("norm_topk_prob=false (megatron-core's sigmoid router always renormalizes)")
     arch = decoder_architecture(config, source, qkv_bias=False, qk_norm=bool(config.get("use_qk_norm", False)),
                                 moe=True, refused=refused, partial_rotary=0.5)
-    shared = int(config.get("n_shared_experts") or 0)
+    shared = read_natural(config, source, "n_shared_experts")
+    first = config.get("first_k_dense_replace")
+    dense = 1 if first is None else read_natural(config, source, "first_k_dense_replace")
     return replace(
         arch, norm_topk_prob=True, router="sigmoid", expert_bias=True, router_groups=groups,
-        router_group_topk=group_topk, routed_scaling=float(config.get("routed_scaling_factor") or 1.0),
+        router_group_topk=group_topk, routed_scaling=read_routed_scaling(config, source),
         shared_expert_ffn=shared * arch.expert_ffn_hidden_size,
-        dense_layers=min(int(read_field(config, source, "first_k_dense_replace", default=1)), arch.num_layers),
-        mtp_layers=int(config.get("num_nextn_predict_layers") or 0),
+        dense_layers=min(dense, arch.num_layers),
+        mtp_layers=read_natural(config, source, "num_nextn_predict_layers"),
     )
 
 
@@ -73,7 +106,7 @@ def layer_params(arch: HFArchitecture, layer: int) -> dict[str, Param]:
 
 FAMILY = Family(
     name="glm4_moe", hf_class="Glm4Moe", read=read, layer_tensors=layer_tensors, layer_params=layer_params,
-    config_overrides=moe_config,
+    config_overrides=moe_config, fields=GROUPED | {"attention_bias", "use_qk_norm"}, synonyms=SYNONYMS,
     tiny_fields={"moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4,
                  "topk_group": 2, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
                  "norm_topk_prob": True, "use_qk_norm": True, "attention_bias": True},

@@ -28,7 +28,11 @@ def dense_prefix(config: dict[str, Any], source: str) -> int:
 
 
 def read(config: dict[str, Any], source: str) -> HFArchitecture:
-    return deepseek_v3.read({**config, "first_k_dense_replace": dense_prefix(config, source)}, source)
+    # transformers' GLM-4.7-Flash reads partial_rotary_factor (default 1.0): MLA refuses other values
+    return deepseek_v3.read({**config, "first_k_dense_replace": dense_prefix(config, source)}, source, 1.0)
 
 
-FAMILY = replace(deepseek_v3.FAMILY, name="glm4_moe_lite", hf_class="Glm4MoeLite", read=read, aliases=())
+# first_k_dense_replace: transformers' class ignores it; refused where it contradicts the default layout
+FAMILY = replace(deepseek_v3.FAMILY, name="glm4_moe_lite", hf_class="Glm4MoeLite", read=read, aliases=(),
+                 fields=deepseek_v3.FAMILY.fields - {"scoring_func", "num_mtp_layers"} | {"mlp_layer_types"},
+                 synonyms=(("n_routed_experts", "num_local_experts"), ("qk_rope_head_dim", "head_dim")))

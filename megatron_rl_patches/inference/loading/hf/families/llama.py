@@ -15,5 +15,5 @@ def read(config: dict[str, Any], source: str) -> HFArchitecture:
 
 FAMILY = Family(
     name="llama", hf_class="Llama", read=read, layer_tensors=dense_layer_tensors, layer_params=dense_layer_params,
-    mbridge=True,
+    mbridge=True, fields=frozenset({"attention_bias", "mlp_bias"}),
 )

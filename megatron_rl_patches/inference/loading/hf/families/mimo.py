@@ -9,6 +9,7 @@ from typing import Any
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, decoder_architecture
 from megatron_rl_patches.inference.loading.hf.families.common import dense_layer_params, dense_layer_tensors
 from megatron_rl_patches.inference.loading.hf.families.family import Family
+from megatron_rl_patches.inference.loading.hf.families.fields import SLIDING
 
 
 def read(config: dict[str, Any], source: str) -> HFArchitecture:
@@ -23,4 +24,5 @@ def mtp_tensors(arch: HFArchitecture) -> tuple[str, ...]:
 FAMILY = Family(
     name="mimo", hf_class="Qwen2", read=read, layer_tensors=dense_layer_tensors, layer_params=dense_layer_params,
     skipped=mtp_tensors, tiny_fields={"head_dim": None, "num_nextn_predict_layers": 1},
+    fields=SLIDING | {"num_nextn_predict_layers"},  # Qwen2's (remote code on transformers' Qwen2)
 )

@@ -17,8 +17,11 @@ def read(config: dict[str, Any], source: str) -> HFArchitecture:
     window = config.get("sliding_window")
     refused = [f"sliding_window={window!r} (full attention only)"] if window else []
     arch = decoder_architecture(config, source, qkv_bias=False, qk_norm=False, moe=False, refused=refused)
-    return replace(arch, num_experts=read_count(config, source, "num_local_experts"),
-                   experts_per_token=read_count(config, source, "num_experts_per_tok"),
+    experts, per_token = (read_count(config, source, name) for name in ("num_local_experts", "num_experts_per_tok"))
+    if per_token > experts:  # it built, then the router's topk failed at the first forward
+        raise ValueError(f"{source}: config.json's num_experts_per_tok={per_token} exceeds "
+                         f"num_local_experts={experts}; a token is routed to at most every expert")
+    return replace(arch, num_experts=experts, experts_per_token=per_token,
                    expert_ffn_hidden_size=arch.ffn_hidden_size, norm_topk_prob=True)
 
 
@@ -37,5 +40,8 @@ def layer_params(arch: HFArchitecture, layer: int) -> dict[str, Param]:
 
 FAMILY = Family(
     name="mixtral", hf_class="Mixtral", read=read, layer_tensors=layer_tensors, layer_params=layer_params,
-    config_overrides=moe_config, tiny_fields={"num_local_experts": 4, "num_experts_per_tok": 2},
+    config_overrides=moe_config, fields=frozenset({"sliding_window", "num_local_experts", "num_experts_per_tok",
+                                                       "num_experts"}),
+    synonyms=(("num_local_experts", "num_experts"),),
+    tiny_fields={"num_local_experts": 4, "num_experts_per_tok": 2},
 )

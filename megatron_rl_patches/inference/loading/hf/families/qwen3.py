@@ -7,6 +7,7 @@ from typing import Any
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, decoder_architecture
 from megatron_rl_patches.inference.loading.hf.families.common import dense_layer_params, dense_layer_tensors
 from megatron_rl_patches.inference.loading.hf.families.family import Family
+from megatron_rl_patches.inference.loading.hf.families.fields import SLIDING
 
 
 def read(config: dict[str, Any], source: str) -> HFArchitecture:
@@ -15,5 +16,5 @@ def read(config: dict[str, Any], source: str) -> HFArchitecture:
 
 FAMILY = Family(
     name="qwen3", hf_class="Qwen3", read=read, layer_tensors=dense_layer_tensors, layer_params=dense_layer_params,
-    mbridge=True,
+    mbridge=True, fields=SLIDING | {"attention_bias"},
 )

@@ -11,7 +11,12 @@ import copy
 from dataclasses import dataclass, replace
 from typing import Any
 
-from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, decoder_architecture, read_count
+from megatron_rl_patches.inference.loading.hf.architecture import (
+    HFArchitecture,
+    decoder_architecture,
+    read_count,
+    read_natural,
+)
 from megatron_rl_patches.inference.loading.hf.checkpoint_config import text_config
 from megatron_rl_patches.inference.loading.hf.families.common import (
     moe_config,
@@ -106,7 +111,7 @@ def read_hybrid(config: dict[str, Any], source: str, moe: bool) -> HFArchitectur
         refused += sparse_step_problems(text)
     arch = decoder_architecture(text, source, qkv_bias=False, qk_norm=True, moe=moe, refused=refused,
                                 partial_rotary=0.25)
-    shared = int(text.get("shared_expert_intermediate_size") or 0) if moe else 0
+    shared = read_natural(text, source, "shared_expert_intermediate_size") if moe else 0
     # Qwen3.5-MoE always renormalizes its top-k weights; Qwen3-Next where norm_topk_prob (default true)
     normalized = moe and bool(text.get("norm_topk_prob", True))
     return replace(arch, model_type=str(config.get("model_type")), norm_topk_prob=normalized,
@@ -267,15 +272,21 @@ TINY = {"head_dim": 16, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "l
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
 TINY_MOE = {**TINY, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2,
             "shared_expert_intermediate_size": 24}
+HYBRID = frozenset({"text_config", "vision_config", "layer_types", "full_attention_interval", "linear_num_key_heads",
+                    "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+                    "attention_bias"})
+# transformers' Qwen3.5-MoE reads no norm_topk_prob, mlp_only_layers nor decoder_sparse_step (Qwen3-Next does)
+HYBRID_MOE = HYBRID | {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"}
 TEXT_FAMILY = Family(
     name="qwen3_5_text", hf_class="Qwen3_5Text", read=read_dense, layer_tensors=layer_tensors,
     layer_params=layer_params, outer_params=text_outer_params, config_overrides=config_overrides, stage_spec=stage_spec,
-    parallel_problems=hybrid_parallel_problems, skipped=skipped, tiny_fields=TINY,
+    parallel_problems=hybrid_parallel_problems, skipped=skipped, tiny_fields=TINY, fields=HYBRID,
 )
 FAMILY = replace(TEXT_FAMILY, name="qwen3_5", hf_class="Qwen3_5", outer_params=wrapped_outer_params,
                  outer_tensors=wrapped_outer_tensors, layer_prefix=WRAPPED + "layers.{layer}.")
 # the published Qwen3.5-MoE checkpoints stack their experts (mlp.experts.gate_up_proj / down_proj)
 MOE_TEXT_FAMILY = replace(TEXT_FAMILY, name="qwen3_5_moe_text", hf_class="Qwen3_5MoeText", read=read_moe,
-                          tiny_fields=TINY_MOE, stacked_experts=True)
+                          tiny_fields=TINY_MOE, stacked_experts=True, fields=HYBRID_MOE)
 MOE_FAMILY = replace(FAMILY, name="qwen3_5_moe", hf_class="Qwen3_5Moe", read=read_moe, tiny_fields=TINY_MOE,
+                     fields=HYBRID_MOE,
                      stacked_experts=True)

@@ -14,6 +14,7 @@ from megatron_rl_patches.inference.loading.hf.families.common import (
     moe_tensors,
 )
 from megatron_rl_patches.inference.loading.hf.families.family import Family, Param, Shape
+from megatron_rl_patches.inference.loading.hf.families.fields import ROUTED
 
 
 def sparse_step_problems(config: dict[str, Any]) -> list[str]:
@@ -42,5 +43,8 @@ def layer_params(arch: HFArchitecture, layer: int) -> dict[str, Param]:
 FAMILY = Family(
     name="qwen3_moe", hf_class="Qwen3Moe", read=read, layer_tensors=layer_tensors, layer_params=layer_params,
     config_overrides=moe_config, mbridge=True,
+    fields=ROUTED | {"attention_bias", "use_sliding_window", "sliding_window", "norm_topk_prob", "mlp_only_layers",
+                     "decoder_sparse_step", "num_local_experts"},
+    synonyms=(("num_experts", "num_local_experts"),),
     tiny_fields={"moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True},
 )

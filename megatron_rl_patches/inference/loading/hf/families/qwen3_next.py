@@ -35,4 +35,5 @@ def layer_params(arch: HFArchitecture, layer: int) -> dict[str, Param]:
 
 FAMILY = replace(qwen3_5.MOE_TEXT_FAMILY, name="qwen3_next", hf_class="Qwen3Next", layer_tensors=layer_tensors,
                  layer_params=layer_params, tiny_fields={**qwen3_5.TINY_MOE, "norm_topk_prob": True},
-                 stacked_experts=False)  # Qwen3-Next's checkpoints store each expert apart
+                 stacked_experts=False,  # Qwen3-Next's checkpoints store each expert apart
+                 fields=qwen3_5.HYBRID_MOE | {"norm_topk_prob", "mlp_only_layers", "decoder_sparse_step"})
