@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("tokenizers")
 
 from megatron_rl_patches import cross_tokenizer as xt  # noqa: E402
-from megatron_rl_patches.integrations.slime import cross_teachers as ct  # noqa: E402
+from megatron_rl_patches.cross_tokenizer import teacher_passes as ct  # noqa: E402
 from megatron_rl_patches.integrations.slime.opd_settings import opd_settings  # noqa: E402
 from megatron_rl_patches.ops.lm_head import (  # noqa: E402
     lm_head_log_probs_and_entropy,
