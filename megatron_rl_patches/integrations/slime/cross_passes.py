@@ -130,10 +130,10 @@ def teacher_samples(rollout_data: dict, teacher: CrossTokenizerTeacher) -> list[
 
 @dataclass(frozen=True)
 class CrossTokenizerTeacher(OpdTeacher):
-    """A teacher with another tokenizer: `inner` (a snapshot or a separate model) run on its own
-    encoding of each sample (`pair`: both tokenizers and their shared vocabulary)."""
+    """A teacher with another tokenizer: its `model` (a snapshot or a separate model) run on its
+    own encoding of each sample (`pair`: both tokenizers and their shared vocabulary)."""
 
-    inner: ModelTeacher
+    model: ModelTeacher
     pair: CrossTeacher
 
     def score(self, step: ScoringStep) -> TeacherScores | None:
@@ -141,7 +141,7 @@ class CrossTokenizerTeacher(OpdTeacher):
         its bucket scores [R, k] and tails [R] on the student's rows, the student's bucket ids
         [R, k·D] and mask, the live buckets [R, k] and the log-ratio [R] (None on other stages)."""
         actor, rollout_data, settings, last = step.actor, step.rollout_data, step.settings, step.last
-        model = self.inner.model(actor)
+        model = self.model.model_chunks(actor)
         samples = teacher_samples(rollout_data, self)
         budget = ct.student_budget(rollout_data["total_lengths"], rollout_data["micro_batch_indices"])
         own = ct.teacher_rollout(samples, budget, len(rollout_data["micro_batch_indices"]))

@@ -93,13 +93,13 @@ class ModelTeacher(OpdTeacher):
     """A teacher of the student's tokenizer: it scores the step's ids with its model."""
 
     @abstractmethod
-    def model(self, actor: Any) -> list[Any]:
+    def model_chunks(self, actor: Any) -> list[Any]:
         """The model chunks its passes run (a snapshot is switched into the actor's first)."""
 
     def score(self, step: ScoringStep) -> TeacherScores | None:
         """Its [R, k] scores and [R] tails of the step's ids; a union's first teacher replaces the
         step's ids by the union [R, 2k] and its padding mask, which the later teachers score."""
-        out = step.topk_pass(step.actor.args, self.model(step.actor), step.rollout_data, step.ids_request())
+        out = step.topk_pass(step.actor.args, self.model_chunks(step.actor), step.rollout_data, step.ids_request())
         if not step.last:  # a stage before the last: its hidden states went on, it has no buckets
             return None
         if "ids_mask" in out:
@@ -112,7 +112,7 @@ class SnapshotTeacher(str, ModelTeacher):
     TensorBackuper, swapped into the actor's own weights for its passes. It is its tag (compares
     and hashes as the string)."""
 
-    def model(self, actor: Any) -> list[Any]:
+    def model_chunks(self, actor: Any) -> list[Any]:
         actor._switch_model(str(self))
         return actor.model
 
@@ -122,7 +122,7 @@ class SeparateTeacher(list, ModelTeacher):
     (`hf_teachers.build_hf_teacher`) or a provider's model (`PATH@module:function`). It is its list
     of model chunks (iterates, indexes and compares as the list)."""
 
-    def model(self, actor: Any) -> list[Any]:
+    def model_chunks(self, actor: Any) -> list[Any]:
         return self
 
 
