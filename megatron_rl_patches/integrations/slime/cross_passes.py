@@ -110,7 +110,7 @@ def check_args(args: Any, settings: OpdSettings) -> None:
 
 def _cut(values: list[torch.Tensor], data: dict) -> list[torch.Tensor]:
     """Whole-response values as slime keeps per-sample fields on this context-parallel rank."""
-    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp  # slime is not a dependency
 
     return [slice_log_prob_with_cp(v, total, response) for v, total, response in
             zip(values, data["total_lengths"], data["response_lengths"])]
