@@ -1,8 +1,9 @@
 """slime (624b824a): its records (`patches`), and the modules that do the work: the log-prob
 adapter (`logprobs`), inference-only roles (`roles`), the fused route (`fused`, slicing with
 slime's helpers in `rows`, top-k buckets in `topk`), the step plan both the fused route and top-k
-OPD use (`step_plan`) and top-k OPD (`opd`, settings in `opd_settings`; teachers with another
-tokenizer in `cross_teachers` and `cross_passes`).
+OPD use (`step_plan`) and top-k OPD (`opd`, settings in `opd_settings`, its teachers behind one
+interface in `opd_teachers`; teachers with another tokenizer in `cross_passes`, over
+`megatron_rl_patches.cross_tokenizer`).
 
 `megatron_rl_patches.integrations.slime.calculate_log_probs_and_entropy` (a path users type) is
 the adapter's function."""
@@ -18,5 +19,7 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
-# the step plan's module before it was named for what it holds (issue 45)
-_aliases.install(__name__, {"plan": "megatron_rl_patches.integrations.slime.step_plan"})
+# the step plan's module before it was named for what it holds (issue 45); the slime-free part of
+# the teachers with another tokenizer, moved to the cross_tokenizer package (issue 56)
+_aliases.install(__name__, {"plan": "megatron_rl_patches.integrations.slime.step_plan",
+                            "cross_teachers": "megatron_rl_patches.cross_tokenizer.teacher_passes"})

@@ -1,8 +1,11 @@
 """slime_opd's teachers with another tokenizer inside slime: their loading (the two tokenizers and
-the shared vocabulary), their two pipelined passes per step over the teacher's own packed rollout
-(its top-k ids and its own tokens' log-probs, then its bucket ids scored), the per-sample fields
-the student's step reads, and their terms in the loss: the (k+1)-bucket divergence at chunk starts
-and the token-level reverse-KL term (docs/distillation.md, "Teachers with another tokenizer")."""
+the shared vocabulary: `cross_tokenizer.CrossTeacher`), `CrossTokenizerTeacher`, the OPD teacher
+wrapping a snapshot or a separate model whose two pipelined passes per step run over the teacher's
+own packed rollout (its top-k ids and its own tokens' log-probs, then its bucket ids scored), the
+per-sample fields the student's step reads, and their terms in the loss: the (k+1)-bucket
+divergence at chunk starts and the token-level reverse-KL term (`cross_tokenizer.chunk_terms`;
+docs/distillation.md, "Teachers with another tokenizer"). The framework-free parts are in
+`cross_tokenizer` (`teacher_passes`, `teacher`, `chunk_terms`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,8 +13,24 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.slime import cross_teachers as ct
+from megatron_rl_patches.cross_tokenizer import teacher_passes as ct
+from megatron_rl_patches.cross_tokenizer.chunk_terms import chunk_distillation_terms, masked_tail
+from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
+from megatron_rl_patches.cross_tokenizer.teacher import CrossTeacher
+from megatron_rl_patches.cross_tokenizer.vocabulary import shared_strings
+from megatron_rl_patches.integrations.slime.allgather_cp import (
+    allgather_cp_active,
+    whole_from_zigzag,
+    zigzag_from_local,
+)
 from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, OpdSettings, Teacher, load_function
+from megatron_rl_patches.integrations.slime.opd_teachers import (
+    ModelTeacher,
+    OpdTeacher,
+    ScoringStep,
+    TeacherScores,
+    model_teacher,
+)
 from megatron_rl_patches.integrations.slime.step_plan import (
     CROSS_ALIVE,
     CROSS_LOGPROBS,
@@ -21,29 +40,19 @@ from megatron_rl_patches.integrations.slime.step_plan import (
     IDS_MASK,
     STEP_IDS,
     STEP_MASK,
+    TEACHER_LOGPROBS,
+    TEACHER_TAILS,
     TopkRequest,
 )
+from megatron_rl_patches.integrations.slime.topk import per_sample_rows
+from megatron_rl_patches.ops.topk import topk_kl
 
 # the teacher rollout's keys of its second pass: its bucket ids per sample and their mask
 TEACHER_IDS, TEACHER_MASK = "opd_cross_teacher_ids", "opd_cross_teacher_ids_mask"
 
 
-@dataclass(frozen=True)
-class CrossTeacher:
-    """A loaded teacher with another tokenizer: its model (a snapshot tag or separate chunks), both
-    tokenizers and their shared vocabulary."""
-
-    model: Any
-    tokenizer: Any
-    student_tokenizer: Any
-    shared: Any
-    stop_tokens: Any = None
-
-
 def student_tokenizer(args: Any) -> Any:
     """The student's tokenizer: tokenizer.json in slime's --hf-checkpoint."""
-    from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
-
     hf = getattr(args, "hf_checkpoint", None)
     if not isinstance(hf, str):
         raise ValueError(f"{TEACHERS}: a teacher with ';tokenizer=own' needs the student's tokenizer: set slime's "
@@ -55,11 +64,9 @@ def student_tokenizer(args: Any) -> Any:
                          f"--hf-checkpoint: {exc}") from None
 
 
-def load_cross(args: Any, teacher: Teacher, model: Any) -> CrossTeacher:
-    """`model` as a teacher with its own tokenizer (`teacher.path`'s tokenizer.json)."""
-    from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
-    from megatron_rl_patches.cross_tokenizer.vocabulary import shared_strings
-
+def load_cross(args: Any, teacher: Teacher, model: ModelTeacher | str | list[Any]) -> CrossTokenizerTeacher:
+    """`model` (a snapshot or a separate model) as a teacher with its own tokenizer (`teacher.path`'s
+    tokenizer.json)."""
     student = student_tokenizer(args)
     try:
         own = load_tokenizer(teacher.path, f"{TEACHERS}: teacher {teacher.path!r}")
@@ -67,7 +74,7 @@ def load_cross(args: Any, teacher: Teacher, model: Any) -> CrossTeacher:
         raise ValueError(f"{exc} (';tokenizer=own' reads the teacher's tokenizer.json)") from None
     stop = None if teacher.stop_tokens is None else load_function(
         teacher.stop_tokens, "stop_tokens", "mapping a student special id to the teacher's id or None")
-    return CrossTeacher(model, own, student, shared_strings(student, own), stop)
+    return CrossTokenizerTeacher(model_teacher(model), CrossTeacher(own, student, shared_strings(student, own), stop))
 
 
 def unserved_layout(args: Any) -> str | None:
@@ -103,67 +110,70 @@ def check_args(args: Any, settings: OpdSettings) -> None:
 
 def _cut(values: list[torch.Tensor], data: dict) -> list[torch.Tensor]:
     """Whole-response values as slime keeps per-sample fields on this context-parallel rank."""
-    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp  # slime is not a dependency
 
     return [slice_log_prob_with_cp(v, total, response) for v, total, response in
             zip(values, data["total_lengths"], data["response_lengths"])]
 
 
 def _whole(values: list[torch.Tensor], data: dict) -> list[torch.Tensor]:
-    from megatron_rl_patches.integrations.slime.allgather_cp import whole_from_zigzag
-
     return whole_from_zigzag(values, list(data["total_lengths"]), list(data["response_lengths"]))
 
 
-def teacher_samples(rollout_data: dict, teacher: CrossTeacher) -> list[ct.TeacherSample]:
+def teacher_samples(rollout_data: dict, teacher: CrossTokenizerTeacher) -> list[ct.TeacherSample]:
     """Every sample re-tokenized for `teacher` (on every rank: the pipeline stages pack the same;
     the teacher's ids on the device of the student's)."""
-    return [ct.teacher_sample(tokens, int(response), mask, teacher.student_tokenizer, teacher.tokenizer,
-                              teacher.stop_tokens)
+    return [teacher.pair.sample(tokens, int(response), mask)
             for tokens, response, mask in zip(rollout_data["tokens"], rollout_data["response_lengths"],
                                                rollout_data["loss_masks"])]
 
 
-def score(actor: Any, rollout_data: dict, teacher: CrossTeacher, settings: OpdSettings, pass_fn: Any,
-          student_log_probs: list[torch.Tensor] | None, last: bool) -> dict[str, list[torch.Tensor]] | None:
-    """The teacher's two passes over its own rollout; on the last stage, per sample and whole: the
-    log-ratio [R], its bucket scores [R, k] and tails [R] on the student's rows, the live buckets
-    [R, k], the student's bucket ids [R, k·D] and mask (None on other stages)."""
-    model = actor.model
-    if isinstance(teacher.model, str):
-        actor._switch_model(teacher.model)
-    else:
-        model = teacher.model
-    samples = teacher_samples(rollout_data, teacher)
-    budget = ct.student_budget(rollout_data["total_lengths"], rollout_data["micro_batch_indices"])
-    own = ct.teacher_rollout(samples, budget, len(rollout_data["micro_batch_indices"]))
-    first = pass_fn(actor.args, model, own, TopkRequest(k=settings.k))
-    buckets: list[ct.Buckets] = []
-    if last:
-        top = _whole(first["topk_ids"], own)
-        buckets = [ct.chunk_start_buckets(ids, s.alignment, teacher.shared) for ids, s in zip(top, samples)]
-        own[TEACHER_IDS] = _cut([b.teacher_ids for b in buckets], own)
-        own[TEACHER_MASK] = _cut([b.teacher_mask for b in buckets], own)
-    second = pass_fn(actor.args, model, own, TopkRequest(ids_key=TEACHER_IDS, mask_key=TEACHER_MASK,
-                                                         keys=(TEACHER_IDS, TEACHER_MASK)))
-    if not last or student_log_probs is None:
-        return None
-    own_log_probs = _whole(first["log_probs"], own)
-    id_log_probs, tails = _whole(second["topk_log_probs"], own), _whole(second["tail"], own)
-    out: dict[str, list[torch.Tensor]] = {key: [] for key in ("ratio", "logprobs", "tails", "alive", "ids", "mask")}
-    for s, b, student, teacher_lp, lp, tail in zip(samples, buckets, student_log_probs, own_log_probs, id_log_probs,
-                                                   tails):
-        values, t_tails = ct.teacher_buckets_on_student_rows(lp, tail, b, s.alignment)
-        out["ratio"].append(ct.log_ratio(student.float(), teacher_lp.float(), s.alignment))
-        out["logprobs"].append(values.float())
-        out["tails"].append(t_tails.float())
-        out["alive"].append(b.alive)
-        out["ids"].append(b.student_ids)
-        out["mask"].append(b.student_mask)
-    return out
+@dataclass(frozen=True)
+class CrossTokenizerTeacher(OpdTeacher):
+    """A teacher with another tokenizer: its `model` (a snapshot or a separate model) run on its
+    own encoding of each sample (`pair`: both tokenizers and their shared vocabulary)."""
+
+    model: ModelTeacher
+    pair: CrossTeacher
+
+    def score(self, step: ScoringStep) -> TeacherScores | None:
+        """The teacher's two passes over its own rollout; on the last stage, per sample and whole:
+        its bucket scores [R, k] and tails [R] on the student's rows, the student's bucket ids
+        [R, k·D] and mask, the live buckets [R, k] and the log-ratio [R] (None on other stages)."""
+        actor, rollout_data, settings, last = step.actor, step.rollout_data, step.settings, step.last
+        model = self.model.model_chunks(actor)
+        samples = teacher_samples(rollout_data, self)
+        budget = ct.student_budget(rollout_data["total_lengths"], rollout_data["micro_batch_indices"])
+        own = ct.teacher_rollout(samples, budget, len(rollout_data["micro_batch_indices"]))
+        first = step.topk_pass(actor.args, model, own, TopkRequest(k=settings.k))
+        buckets: list[ct.Buckets] = []
+        if last:
+            top = _whole(first["topk_ids"], own)
+            buckets = [ct.chunk_start_buckets(ids, s.alignment, self.pair.shared) for ids, s in zip(top, samples)]
+            own[TEACHER_IDS] = _cut([b.teacher_ids for b in buckets], own)
+            own[TEACHER_MASK] = _cut([b.teacher_mask for b in buckets], own)
+        second = step.topk_pass(actor.args, model, own, TopkRequest(ids_key=TEACHER_IDS, mask_key=TEACHER_MASK,
+                                                                     keys=(TEACHER_IDS, TEACHER_MASK)))
+        if not last:
+            return None
+        own_log_probs = _whole(first["log_probs"], own)
+        id_log_probs, tails = _whole(second["topk_log_probs"], own), _whole(second["tail"], own)
+        out: dict[str, list[torch.Tensor]] = {key: [] for key in ("ratio", "logprobs", "tails", "alive", "ids",
+                                                                  "mask")}
+        for s, b, student, teacher_lp, lp, tail in zip(samples, buckets, step.student_log_probs, own_log_probs,
+                                                       id_log_probs, tails):
+            values, t_tails = ct.teacher_buckets_on_student_rows(lp, tail, b, s.alignment)
+            out["ratio"].append(ct.log_ratio(student.float(), teacher_lp.float(), s.alignment))
+            out["logprobs"].append(values.float())
+            out["tails"].append(t_tails.float())
+            out["alive"].append(b.alive)
+            out["ids"].append(b.student_ids)
+            out["mask"].append(b.student_mask)
+        return TeacherScores(out["logprobs"], out["tails"], ids=out["ids"], ids_mask=out["mask"], alive=out["alive"],
+                             log_ratio=out["ratio"])
 
 
-def place(rollout_data: dict, scored: list[dict[str, list[torch.Tensor]]], same: bool, union: bool) -> None:
+def place(rollout_data: dict, scored: list[TeacherScores], same: bool, union: bool) -> None:
     """The cross teachers' fields in the rollout data, cut to this rank's rows: per sample the
     step's ids (the same-tokenizer ids when `same`, then each teacher's bucket ids) and the
     stacked per-teacher values."""
@@ -174,19 +184,29 @@ def place(rollout_data: dict, scored: list[dict[str, list[torch.Tensor]]], same:
         for i, ids in enumerate(rollout_data[IDS]):
             parts[i].append(ids)
             masks[i].append(rollout_data[IDS_MASK][i] if union else torch.ones_like(ids, dtype=torch.bool))
-    depth = max(out["ids"][0].shape[-1] // out["alive"][0].shape[-1] for out in scored)
+    depth = max(_first(out.ids).shape[-1] // _first(out.alive).shape[-1] for out in scored)
     for out in scored:
-        pairs = zip(_cut(out["ids"], rollout_data), _cut(out["mask"], rollout_data), out["alive"])
+        pairs = zip(_cut(_each(out.ids), rollout_data), _cut(_each(out.ids_mask), rollout_data), _each(out.alive))
         for i, (ids, mask, alive) in enumerate(pairs):
             device = rollout_data[IDS][i].device
             parts[i].append(_deepened(ids, alive.shape[-1], depth).to(device))
             masks[i].append(_deepened(mask, alive.shape[-1], depth).to(device))
     rollout_data[STEP_IDS] = [torch.cat(p, dim=1) for p in parts]
     rollout_data[STEP_MASK] = [torch.cat(m, dim=1) for m in masks]
-    for key, field in ((CROSS_RATIO, "ratio"), (CROSS_LOGPROBS, "logprobs"), (CROSS_TAILS, "tails"),
+    for key, field in ((CROSS_RATIO, "log_ratio"), (CROSS_LOGPROBS, "log_probs"), (CROSS_TAILS, "tails"),
                        (CROSS_ALIVE, "alive")):
-        per_teacher = [_cut(out[field], rollout_data) for out in scored]
+        per_teacher = [_cut(_each(getattr(out, field)), rollout_data) for out in scored]
         rollout_data[key] = [torch.stack(values, dim=1) for values in zip(*per_teacher)]
+
+
+def _each(values: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    """A grouped-bucket field of `TeacherScores` (set by every teacher `place` receives)."""
+    assert values is not None, "a teacher with grouped buckets gives ids, their mask, alive and log_ratio"
+    return values
+
+
+def _first(values: list[torch.Tensor] | None) -> torch.Tensor:
+    return _each(values)[0]
 
 
 def _deepened(values: torch.Tensor, k: int, depth: int) -> torch.Tensor:
@@ -196,25 +216,16 @@ def _deepened(values: torch.Tensor, k: int, depth: int) -> torch.Tensor:
     return torch.cat([rows, pad], dim=-1).reshape(values.shape[0], -1)
 
 
-def spread_for_slime(rollout_data: dict, scored: dict[str, list[torch.Tensor]],
-                     student_log_probs: list[torch.Tensor]) -> None:
+def spread_for_slime(rollout_data: dict, scored: TeacherScores, student_log_probs: list[torch.Tensor]) -> None:
     """slime's `--use-opd` field: teacher_log_probs = the spread teacher signal (log pS + log-ratio),
     cut to this rank's rows as slime cuts it."""
-    spread = [lp.float() + ratio.to(lp.device) for lp, ratio in zip(student_log_probs, scored["ratio"])]
+    spread = [lp.float() + ratio.to(lp.device) for lp, ratio in zip(student_log_probs, _each(scored.log_ratio))]
     rollout_data["teacher_log_probs"] = _cut(spread, rollout_data)
-
-
-def whole_log_probs(student_pass: dict[str, list[torch.Tensor]], rollout_data: dict) -> list[torch.Tensor]:
-    """The student's own log-probs of each whole response from its top-k pass (the chunk sums ℓS)."""
-    return _whole(student_pass["log_probs"], rollout_data)
 
 
 def token_log_probs(args: Any, batch: dict, output: Any) -> torch.Tensor:
     """The student's log p(y_i) [N] of the micro-batch's response tokens with their gradient, in
     the rows slime's per-sample fields use (zigzag with --allgather-cp)."""
-    from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
-    from megatron_rl_patches.integrations.slime.topk import per_sample_rows
-
     if not isinstance(output, dict):
         raise RuntimeError("slime_opd: a teacher with another tokenizer needs the fused route's output; the step "
                            "fell back to slime's logits path (the slime_fused log line names why)")
@@ -227,21 +238,11 @@ def token_log_probs(args: Any, batch: dict, output: Any) -> torch.Tensor:
     return torch.cat(pieces)
 
 
-def _tail(log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """log(1 − Σ p) over the masked-in ids of each row (a part of the step's ids)."""
-    mass = torch.where(mask, log_probs.exp(), 0.0).sum(-1)
-    return torch.log1p(-mass.clamp(max=1.0 - 1e-7))
-
-
 def loss_terms(settings: OpdSettings, batch: dict, student: torch.Tensor, student_tail: torch.Tensor,
                token_log_probs: torch.Tensor) -> torch.Tensor:
     """Per response token [N] of the micro-batch: the weighted OPD terms of every teacher, the
     same-tokenizer ones as one mixture over the student's top-k ids, each other-tokenizer one as its
     chunk-start bucket divergence plus its token-level reverse-KL term (gradient r·∇log pS)."""
-    from megatron_rl_patches.cross_tokenizer.losses import bucket_log_probs
-    from megatron_rl_patches.integrations.slime.step_plan import TEACHER_LOGPROBS, TEACHER_TAILS
-    from megatron_rl_patches.ops.topk import topk_kl
-
     n = len(settings.teachers)
     weights = settings.weights or tuple(1.0 / n for _ in range(n))
     same = [i for i, t in enumerate(settings.teachers) if not t.own_tokenizer]
@@ -253,7 +254,7 @@ def loss_terms(settings: OpdSettings, batch: dict, student: torch.Tensor, studen
     if same:
         width = batch[IDS][0].shape[-1]
         cols, part_mask = student[:, :width], mask[:, :width]
-        tail = student_tail if parts == 1 else _tail(cols, part_mask)
+        tail = student_tail if parts == 1 else masked_tail(cols, part_mask)
         group = torch.tensor([weights[i] for i in same], dtype=torch.float64)
         teachers = torch.cat(batch[TEACHER_LOGPROBS], dim=1).to(cols)
         tails = torch.cat(batch[TEACHER_TAILS], dim=1).to(cols)
@@ -267,11 +268,8 @@ def loss_terms(settings: OpdSettings, batch: dict, student: torch.Tensor, studen
     for x, index in enumerate(cross):
         cols, part_mask = student[:, start:start + width], mask[:, start:start + width]
         start += width
-        buckets = bucket_log_probs(cols, part_mask, alive[:, x])
-        tail = student_tail if parts == 1 else _tail(cols, part_mask)
-        divergence = topk_kl(buckets, tail, scores[:, x], tails[:, x], divergence=settings.divergence,
-                             ids_mask=alive[:, x])
-        r = -ratio[:, x]
-        token = r + r * (token_log_probs - token_log_probs.detach())
-        total = total + weights[index] * (divergence.to(total) + token)
+        tail = student_tail if parts == 1 else masked_tail(cols, part_mask)
+        total = total + weights[index] * chunk_distillation_terms(cols, part_mask, tail, scores[:, x], tails[:, x],
+                                                                  alive[:, x], ratio[:, x], token_log_probs,
+                                                                  settings.divergence)
     return total

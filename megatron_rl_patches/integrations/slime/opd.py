@@ -13,14 +13,24 @@ a Hugging Face `PATH` whose config.json differs from the actor by `build_inferen
 bucket): [R, k] per sample and teacher reach `train_one_step`'s batch. With
 MEGATRON_RL_PATCHES_OPD_IDS_FROM=union the first teacher's pass also selects its own top-k and
 scores the union with the student's ids ([R, 2k] with a padding mask), which every other model
-scores. Nothing [T, V] is built.
+scores. Nothing [T, V] is built. Every loaded teacher is an `opd_teachers.OpdTeacher`: the step's
+scoring is one loop over them.
 """
 from __future__ import annotations
 
+import functools
 import inspect
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-from megatron_rl_patches.integrations.slime import hf_teachers
+import torch
+
+from megatron_rl_patches._args import bind
+from megatron_rl_patches._log import logger
+from megatron_rl_patches.inference import build_inference_model
+from megatron_rl_patches.integrations.slime import cross_passes, hf_teachers
+from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
+from megatron_rl_patches.integrations.slime.fused import unservable
 from megatron_rl_patches.integrations.slime.opd_settings import (
     LOSS_PATH,
     LOSS_PATHS,
@@ -31,6 +41,16 @@ from megatron_rl_patches.integrations.slime.opd_settings import (
     load_function,
     opd_settings,
 )
+from megatron_rl_patches.integrations.slime.opd_teachers import (
+    ModelTeacher,
+    OpdTeacher,
+    ScoringStep,
+    SeparateTeacher,
+    SnapshotTeacher,
+    TeacherScores,
+    opd_teacher,
+)
+from megatron_rl_patches.integrations.slime.rows import response_positions
 from megatron_rl_patches.integrations.slime.step_plan import (
     CROSS_RATIO,
     IDS,
@@ -42,9 +62,8 @@ from megatron_rl_patches.integrations.slime.step_plan import (
     TopkRequest,
     run_planned,
 )
-
-if TYPE_CHECKING:  # torch is imported by the functions that run: `list` and `doctor` read PATCHES cheaply
-    import torch
+from megatron_rl_patches.integrations.slime.topk import local_rows, packed_ids, per_sample_rows
+from megatron_rl_patches.ops.topk import topk_kl, topk_logprobs
 
 ATTRIBUTE = "_megatron_rl_patches_opd_teachers"
 
@@ -56,15 +75,11 @@ def check_args(args: Any, settings: OpdSettings | None = None) -> None:
     advantages_only = settings is not None and getattr(args, "use_opd", False) and \
         any(t.own_tokenizer for t in settings.teachers)
     if settings is not None:
-        from megatron_rl_patches.integrations.slime.cross_passes import check_args as check_cross
-
-        check_cross(args, settings)
+        cross_passes.check_args(args, settings)
     if not advantages_only and (not custom or getattr(args, "custom_loss_function_path", None) not in LOSS_PATHS):
         raise ValueError(f"{TEACHERS} is set: top-k OPD needs slime's flags --loss-type custom_loss "
                          f"--custom-loss-function-path {LOSS_PATH} (got --loss-type {args.loss_type}); "
                          f"or unset {TEACHERS}")
-    from megatron_rl_patches.integrations.slime.fused import unservable
-
     reason = unservable(args)
     if reason is not None:
         raise ValueError(f"{TEACHERS} is set with {reason}: slime_fused sends that to slime's logits path, and "
@@ -79,8 +94,6 @@ def _unwrap(chunk: Any) -> Any:
 
 
 def _separate_teacher(args: Any, teacher: Teacher, residency: str | None) -> list[Any]:
-    from megatron_rl_patches.inference import build_inference_model
-
     provider = load_function(teacher.provider or "", "teacher provider", "returning a Megatron model provider")(args)
     options: dict[str, Any] = {"load_dir": teacher.path}
     if residency is not None:
@@ -103,8 +116,6 @@ def _routes(actor: Any, settings: OpdSettings, student: int | str) -> list[str |
     """Per teacher, hf_teachers.HF for a Hugging Face `PATH` of another architecture than the
     actor's (agreed by every rank, its vocabulary checked against the student's), SNAPSHOT for
     other `PATH`s, None for `PATH@module:function`: decided for every teacher before any loads."""
-    from megatron_rl_patches._log import logger
-
     routes: list[str | None] = []
     for teacher in settings.teachers:
         if not teacher.same_architecture:
@@ -120,37 +131,52 @@ def _routes(actor: Any, settings: OpdSettings, student: int | str) -> list[str |
     return routes
 
 
-def load_teachers(actor: Any, settings: OpdSettings) -> list[Any]:
-    """Each teacher as a snapshot tag of the actor (same architecture) or separate model chunks
-    (a provider's, or a Hugging Face directory's of another architecture); the actor's own
-    weights are active again afterwards."""
-    check_args(actor.args, settings)
-    vocab = _unwrap(actor.model[-1]).vocab_size
-    student = hf_teachers.student_vocab(actor.args, vocab)
-    loaded: list[Any] = []
-    for index, (teacher, route) in enumerate(zip(settings.teachers, _routes(actor, settings, student))):
-        if route == hf_teachers.HF:
-            loaded.append(hf_teachers.build_hf_teacher(actor.args, teacher.path, settings.residency, student,
-                                                       getattr(_unwrap(actor.model[0]), "config", None),
-                                                       f"{TEACHERS}: teacher {teacher.path!r}",
-                                                       own_tokenizer=teacher.own_tokenizer))
-        elif route == hf_teachers.SNAPSHOT:
-            tag = f"opd_teacher_{index}"
-            actor.load_other_checkpoint(tag, teacher.path)
-            _check_snapshot(actor, tag, teacher)
-            loaded.append(tag)
-        else:
-            chunks = _separate_teacher(actor.args, teacher, settings.residency)
-            teacher_vocab = _unwrap(chunks[-1]).vocab_size
-            if teacher_vocab != vocab:
-                raise ValueError(f"{TEACHERS}: teacher {teacher.path} has vocabulary {teacher_vocab}, the actor "
-                                 f"{vocab}: top-k OPD compares the same token ids; use a teacher with the actor's "
-                                 "tokenizer")
-            loaded.append(chunks)
-        if teacher.own_tokenizer:
-            from megatron_rl_patches.integrations.slime.cross_passes import load_cross
+def _hf_teacher(actor: Any, settings: OpdSettings, index: int, teacher: Teacher, student: int | str
+                ) -> ModelTeacher:
+    """A Hugging Face directory of another architecture: a separate model on the actor's split."""
+    return SeparateTeacher(hf_teachers.build_hf_teacher(actor.args, teacher.path, settings.residency, student,
+                                                        getattr(_unwrap(actor.model[0]), "config", None),
+                                                        f"{TEACHERS}: teacher {teacher.path!r}",
+                                                        own_tokenizer=teacher.own_tokenizer))
 
-            loaded[-1] = load_cross(actor.args, teacher, loaded[-1])
+
+def _snapshot_teacher(actor: Any, settings: OpdSettings, index: int, teacher: Teacher, student: int | str
+                      ) -> ModelTeacher:
+    """A checkpoint of the actor's architecture: loaded into the actor, kept as a host snapshot."""
+    tag = SnapshotTeacher(f"opd_teacher_{index}")
+    actor.load_other_checkpoint(tag, teacher.path)
+    _check_snapshot(actor, tag, teacher)
+    return tag
+
+
+def _provider_teacher(actor: Any, settings: OpdSettings, index: int, teacher: Teacher, student: int | str
+                      ) -> ModelTeacher:
+    """`PATH@module:function`: the provider's model built inference-only, of the actor's vocabulary."""
+    chunks = _separate_teacher(actor.args, teacher, settings.residency)
+    vocab = _unwrap(actor.model[-1]).vocab_size
+    teacher_vocab = _unwrap(chunks[-1]).vocab_size
+    if teacher_vocab != vocab:
+        raise ValueError(f"{TEACHERS}: teacher {teacher.path} has vocabulary {teacher_vocab}, the actor "
+                         f"{vocab}: top-k OPD compares the same token ids; use a teacher with the actor's "
+                         "tokenizer")
+    return SeparateTeacher(chunks)
+
+
+# Each route's builder (hf_teachers.HF / SNAPSHOT; None: `PATH@module:function`)
+_BUILDERS: dict[str | None, Callable[[Any, OpdSettings, int, Teacher, int | str], ModelTeacher]] = {
+    hf_teachers.HF: _hf_teacher, hf_teachers.SNAPSHOT: _snapshot_teacher, None: _provider_teacher}
+
+
+def load_teachers(actor: Any, settings: OpdSettings) -> list[OpdTeacher]:
+    """Each teacher as an `OpdTeacher`: a snapshot of the actor (same architecture) or a separate
+    model (a provider's, or a Hugging Face directory's of another architecture), wrapped when it
+    keeps its own tokenizer; the actor's own weights are active again afterwards."""
+    check_args(actor.args, settings)
+    student = hf_teachers.student_vocab(actor.args, _unwrap(actor.model[-1]).vocab_size)
+    loaded: list[OpdTeacher] = []
+    for index, (teacher, route) in enumerate(zip(settings.teachers, _routes(actor, settings, student))):
+        model = _BUILDERS[route](actor, settings, index, teacher, student)
+        loaded.append(cross_passes.load_cross(actor.args, teacher, model) if teacher.own_tokenizer else model)
     actor._switch_model("actor")
     return loaded
 
@@ -174,17 +200,11 @@ def collect_topk(output: Any, *, total_lengths: list[int], response_lengths: lis
     """slime's forward_only callback for a top-k pass: the buckets per sample (detached; with
     --allgather-cp in slime's zigzag rows, as slime keeps every per-sample field). Logits (a
     fallback) are noted in `fell_back` for the pass to agree on; without it, an error here."""
-    import torch
-
     if not isinstance(output, dict):
         if fell_back is None:
             raise RuntimeError(FELL_BACK)
         fell_back.append(True)
         return torch.empty((0,), device=output.device), {}
-
-    from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
-    from megatron_rl_patches.integrations.slime.topk import per_sample_rows
-
     batch = {"total_lengths": total_lengths, "response_lengths": response_lengths}
     allgather = allgather_cp_active(args)
     result = {}
@@ -200,8 +220,7 @@ def pipelined_topk(args: Any, model: list[Any], rollout_data: dict, request: Top
                    fell_back: list) -> dict[str, list[torch.Tensor]]:
     """slime's `forward_only` over the rollout with the fused route's top-k request (a fallback
     on this rank noted in `fell_back`)."""
-    import functools
-
+    # slime is not a dependency: this module imports without it (its tests, the settings checks)
     from slime.backends.megatron_utils import model as slime_model
     from slime.backends.megatron_utils.data import get_data_iterator
 
@@ -222,18 +241,9 @@ def topk_pass(args: Any, model: list[Any], rollout_data: dict, request: TopkRequ
     return out
 
 
-def _teacher_requests(settings: OpdSettings) -> tuple[TopkRequest, TopkRequest]:
-    """The first teacher's request and the others': all score the student's ids, or (union) the
-    first selects its own top-k and scores the union, which the others score with its mask."""
-    if settings.ids_from == "union":
-        return (TopkRequest(k=settings.k, ids_key=IDS, keys=(IDS,), union=True),
-                TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_MASK)))
-    scoring = TopkRequest(ids_key=IDS, keys=(IDS,))
-    return scoring, scoring
-
-
 def _last_stage() -> bool:
     """Whether this rank holds the last pipeline stage (True without pipeline parallelism)."""
+    # megatron.core costs seconds to import (4.4 s measured after torch); the settings checks need none of it
     from megatron.core import parallel_state
 
     return parallel_state.get_pipeline_model_parallel_world_size() == 1 or \
@@ -243,8 +253,7 @@ def _last_stage() -> bool:
 def pipeline_agrees(flag: bool) -> bool:
     """`flag` held by every stage of this rank's pipeline (an all-reduce MIN over the pipeline
     group), so all stages enter or skip the same pipelined passes."""
-    import torch
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # seconds to import (see `_last_stage`)
 
     group = parallel_state.get_pipeline_model_parallel_group()
     if torch.distributed.get_world_size(group) == 1:
@@ -256,16 +265,11 @@ def pipeline_agrees(flag: bool) -> bool:
 
 
 def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> None:
-    """The actor's top-k ids (first, never skipped), then each teacher's [R, k] scores and [R]
-    tails, stacked per sample as [n, R, k] / [n, R] into the rollout data (for a union, the
-    first teacher's pass replaces the ids by the union [R, 2k] and adds its padding mask); a
-    teacher with another tokenizer runs its own two passes (`cross_passes`). With pipeline
+    """The actor's top-k ids (first, never skipped), then each teacher's scores (`OpdTeacher.score`,
+    in order), stored per sample into the rollout data (`store_scores`; for a union, the first
+    teacher's pass replaces the ids by the union [R, 2k] and adds its padding mask). With pipeline
     parallelism every stage runs every pass; the rollout data of the last stage only receives the
     fields (the other stages' training steps read none of them)."""
-    import torch
-
-    from megatron_rl_patches.integrations.slime import cross_passes
-
     if actor._active_model_tag != "actor":
         actor._switch_model("actor")
     student = topk_pass(actor.args, actor.model, rollout_data, TopkRequest(k=settings.k))
@@ -278,40 +282,28 @@ def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> Non
     if last:
         rollout_data[IDS] = ids
         rollout_data.pop(IDS_MASK, None)
-    first, others = _teacher_requests(settings)
-    scores, tails, crossed = [], [], []
-    loaded = getattr(actor, ATTRIBUTE)
-    whole_student = cross_passes.whole_log_probs(student, rollout_data) if last and any(
-        isinstance(t, cross_passes.CrossTeacher) for t in loaded) else None
-    same_index = 0
-    for teacher in loaded:
-        if isinstance(teacher, cross_passes.CrossTeacher):
-            crossed.append(cross_passes.score(actor, rollout_data, teacher, settings, topk_pass, whole_student, last))
-            continue
-        model = actor.model
-        if isinstance(teacher, str):
-            actor._switch_model(teacher)
-        else:
-            model = teacher
-        out = topk_pass(actor.args, model, rollout_data, others if same_index else first)
-        same_index += 1
-        if not last:  # a stage before the last: its hidden states went on, it has no buckets
-            continue
-        if "ids_mask" in out:
-            rollout_data[IDS], rollout_data[IDS_MASK] = out["topk_ids"], out["ids_mask"]
-        scores.append(out["topk_log_probs"])
-        tails.append(out["tail"])
+    step = ScoringStep(actor, rollout_data, settings, last, student, topk_pass)
+    scores = [opd_teacher(teacher).score(step) for teacher in getattr(actor, ATTRIBUTE)]
     actor._switch_model("actor")
-    if not last:
-        return
-    if scores:
-        rollout_data[TEACHER_LOGPROBS] = [torch.stack(per_teacher) for per_teacher in zip(*scores)]
-        rollout_data[TEACHER_TAILS] = [torch.stack(per_teacher) for per_teacher in zip(*tails)]
-    scored = [out for out in crossed if out is not None]  # the last stage: every teacher's fields
-    if scored and whole_student is not None:
-        cross_passes.place(rollout_data, scored, same=bool(scores), union=settings.ids_from == "union")
-        if getattr(actor.args, "use_opd", False):
-            cross_passes.spread_for_slime(rollout_data, scored[0], whole_student)
+    if last:
+        store_scores(step, [out for out in scores if out is not None])
+
+
+def store_scores(step: ScoringStep, scores: list[TeacherScores]) -> None:
+    """The teachers' scores in the rollout data: those of the step's ids stacked per sample as
+    [n, R, k] / [n, R]; those of grouped buckets (another tokenizer) with the step's ids and their
+    own (`cross_passes.place`), and slime's `--use-opd` field from the first of them."""
+    rollout_data = step.rollout_data
+    on_ids = [out for out in scores if out.ids is None]
+    grouped = [out for out in scores if out.ids is not None]
+    if on_ids:
+        rollout_data[TEACHER_LOGPROBS] = [torch.stack(per_teacher) for per_teacher in
+                                          zip(*(out.log_probs for out in on_ids))]
+        rollout_data[TEACHER_TAILS] = [torch.stack(per_teacher) for per_teacher in zip(*(out.tails for out in on_ids))]
+    if grouped:
+        cross_passes.place(rollout_data, grouped, same=bool(on_ids), union=step.settings.ids_from == "union")
+        if getattr(step.actor.args, "use_opd", False):
+            cross_passes.spread_for_slime(rollout_data, grouped[0], step.student_log_probs)
 
 
 def train_actor_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -328,8 +320,6 @@ def log_rollout_data_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
     every tensor list outside its ignore sets, and top-k OPD's fields are no metric (int64 ids and a
     bool mask have no mean; [n, R, k] scores do not concatenate across samples): slime logs the
     rollout data without them. The training steps still read them (the dict itself is unchanged)."""
-    from megatron_rl_patches._args import bind
-
     bound = bind(wrapped, args, kwargs)
     data = None if bound is None else bound.arguments.get("rollout_data")
     if bound is None or not isinstance(data, dict) or not any(key in data for key in OPD_KEYS):
@@ -342,21 +332,13 @@ def student_buckets(args: Any, batch: dict, logits: Any) -> tuple[torch.Tensor, 
     """The student's [N, k] log-probs at the rollout's ids (padded slots of a union -inf) and [N]
     tails over the batch's response tokens: from the fused output, or (slime's logits path) from
     the logits by the top-k op."""
-    import torch
-
-    from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
-    from megatron_rl_patches.integrations.slime.topk import local_rows, packed_ids, per_sample_rows
-
     allgather = allgather_cp_active(args)
     if isinstance(logits, dict):
         if "topk_log_probs" not in logits:
             raise RuntimeError("slime_opd: the fused step ran without the top-k request; please report this")
         logp, tail = logits["topk_log_probs"], logits["tail"]
     else:
-        from megatron.core import parallel_state
-
-        from megatron_rl_patches.integrations.slime.rows import response_positions
-        from megatron_rl_patches.ops.topk import topk_logprobs
+        from megatron.core import parallel_state  # seconds to import (see `_last_stage`)
 
         rows = logits.reshape(-1, logits.shape[-1])
         positions = response_positions(batch, rows.shape[0], rows.device, allgather)
@@ -382,10 +364,7 @@ def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean
     """slime's custom loss: POLICY_WEIGHT · slime's policy loss + COEF · the top-k divergence
     between the student and the teachers' mixture (topk_kl; its per-token values averaged per
     sample by slime's `sum_of_sample_mean`), logged as "opd_topk_loss"."""
-    import torch
-    from slime.backends.megatron_utils.loss import policy_loss_function
-
-    from megatron_rl_patches.ops.topk import topk_kl
+    from slime.backends.megatron_utils.loss import policy_loss_function  # slime is not a dependency
 
     settings = opd_settings()
     if settings is None or (batch.get(TEACHER_LOGPROBS) is None and batch.get(CROSS_RATIO) is None):
@@ -394,10 +373,8 @@ def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean
     loss, log = policy_loss_function(args, batch, logits, sum_of_sample_mean)
     student, student_tail = student_buckets(args, batch, logits)
     if batch.get(CROSS_RATIO) is not None:  # a teacher with another tokenizer: every teacher's term
-        from megatron_rl_patches.integrations.slime.cross_passes import loss_terms, token_log_probs
-
-        opd = sum_of_sample_mean(loss_terms(settings, batch, student, student_tail,
-                                            token_log_probs(args, batch, logits)))
+        opd = sum_of_sample_mean(cross_passes.loss_terms(settings, batch, student, student_tail,
+                                                         cross_passes.token_log_probs(args, batch, logits)))
         log["opd_topk_loss"] = opd.clone().detach()
         return settings.policy_weight * loss + settings.coef * opd, log
     teachers = torch.cat(batch[TEACHER_LOGPROBS], dim=1).to(student)

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("tokenizers")
 
 from megatron_rl_patches import cross_tokenizer as xt  # noqa: E402
-from megatron_rl_patches.integrations.slime import cross_teachers as ct  # noqa: E402
+from megatron_rl_patches.cross_tokenizer import teacher_passes as ct  # noqa: E402
 from megatron_rl_patches.integrations.slime.opd_settings import opd_settings  # noqa: E402
 from megatron_rl_patches.ops.lm_head import (  # noqa: E402
     lm_head_log_probs_and_entropy,
@@ -233,3 +233,16 @@ def test_unserved_layouts_and_slime_opd_modes_refused_before_loading(values, nam
         check_args(args, own)
     if args.use_opd and args.opd_type == "sglang":  # one teacher of another tokenizer beside others: served
         check_args(args, opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/s,/ckpt/t;tokenizer=own"}))
+
+
+def test_the_old_module_path_is_the_moved_module():
+    """integrations/slime/cross_teachers.py moved to cross_tokenizer/teacher_passes.py (issue 56): the
+    old path imports the new module itself, with one DeprecationWarning naming the new path."""
+    import importlib
+    import sys
+
+    old = "megatron_rl_patches.integrations.slime.cross_teachers"
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to megatron_rl_patches.cross_tokenizer.teacher_passes"):
+        module = importlib.import_module(old)
+    assert module is ct and module.teacher_sample is xt.teacher_sample

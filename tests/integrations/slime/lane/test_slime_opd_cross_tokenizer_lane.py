@@ -178,8 +178,8 @@ def test_train_actor_with_a_teacher_of_another_tokenizer_equals_float64(slime_cp
     import slime_ranks
 
     from megatron_rl_patches.cross_tokenizer import shared_strings
+    from megatron_rl_patches.cross_tokenizer import teacher_passes as cross_teachers
     from megatron_rl_patches.inference.build_hf import build_inference_model_from_hf
-    from megatron_rl_patches.integrations.slime import cross_teachers
     from megatron_rl_patches.integrations.slime import opd as slime_opd
 
     layout, (pipeline, context, tensor, virtual), ranks = world

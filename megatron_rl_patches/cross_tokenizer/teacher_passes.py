@@ -1,9 +1,10 @@
-"""slime_opd's teachers with another tokenizer (`PATH;tokenizer=own`), the parts that need no slime:
-each sample re-tokenized for the teacher on the whole sequence (the prompt/response boundary and
-every loss-mask change are forced chunk boundaries), the teacher's own packed rollout planned under
-the student's token budget, the chunk-start buckets over shared byte strings, and the teacher's
-values brought back to the student's response rows (whole responses: a chunk can straddle
-context-parallel ranks, each rank's rows are cut afterwards as slime cuts per-sample fields)."""
+"""What a teacher with another tokenizer needs around its forward passes, in any framework: each
+sample re-tokenized for the teacher on the whole sequence (the prompt/response boundary and every
+loss-mask change are forced chunk boundaries), the teacher's own packed rollout planned under the
+student's token budget, the chunk-start buckets over shared byte strings, and the teacher's values
+brought back to the student's response rows (whole responses: a chunk can straddle
+context-parallel ranks, each rank cuts its rows afterwards). slime's top-k OPD runs its passes
+(`integrations/slime/cross_passes.py`); the module was `integrations/slime/cross_teachers.py`."""
 from __future__ import annotations
 
 from collections.abc import Sequence

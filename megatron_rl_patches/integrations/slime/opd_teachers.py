@@ -1,0 +1,139 @@
+"""slime_opd's teachers behind one interface: a teacher scores one step (`OpdTeacher.score`: its
+pipelined passes over the rollout, run by every pipeline stage in teacher order) and returns its
+outputs in one shape contract (`TeacherScores`). A snapshot of the actor's own weights
+(`SnapshotTeacher`) and a separate inference-only model (`SeparateTeacher`: a Hugging Face
+directory of another architecture, or `PATH@module:function`) score the step's own ids; a teacher
+with another tokenizer wraps either (`cross_passes.CrossTokenizerTeacher`). What the teachers of
+one step share (the actor, the rollout, the student's pass, the pass function) is a `ScoringStep`."""
+from __future__ import annotations
+
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_rl_patches.integrations.slime.allgather_cp import whole_from_zigzag
+from megatron_rl_patches.integrations.slime.opd_settings import OpdSettings
+from megatron_rl_patches.integrations.slime.step_plan import IDS, IDS_MASK, TopkRequest
+
+# (args, model chunks, rollout data, request) -> per-sample top-k fields: opd's `topk_pass`
+TopkPass = Callable[[Any, list, dict, TopkRequest], dict]
+
+
+@dataclass(frozen=True)
+class TeacherScores:
+    """One teacher's outputs of a step, per sample on the student's response rows: log P of k
+    buckets [R, k] and the log tail [R]. A bucket is one of the step's ids (`ids` None: the
+    student's top-k, or the union) or a group of ids: then `ids` / `ids_mask` are the student's ids
+    of each bucket [R, k·D], `alive` [R, k] the buckets that exist (chunk starts), `log_ratio` [R]
+    the token-level signal (a teacher with another tokenizer)."""
+
+    log_probs: list[torch.Tensor]
+    tails: list[torch.Tensor]
+    ids: list[torch.Tensor] | None = None
+    ids_mask: list[torch.Tensor] | None = None
+    alive: list[torch.Tensor] | None = None
+    log_ratio: list[torch.Tensor] | None = None
+
+
+def teacher_requests(settings: OpdSettings) -> tuple[TopkRequest, TopkRequest]:
+    """The first teacher's request and the others': all score the student's ids, or (union) the
+    first selects its own top-k and scores the union, which the others score with its mask."""
+    if settings.ids_from == "union":
+        return (TopkRequest(k=settings.k, ids_key=IDS, keys=(IDS,), union=True),
+                TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_MASK)))
+    scoring = TopkRequest(ids_key=IDS, keys=(IDS,))
+    return scoring, scoring
+
+
+@dataclass
+class ScoringStep:
+    """What the teachers of one step share: slime's actor, the rollout data, the settings, whether
+    this rank holds the last pipeline stage (the only one with buckets), the student's own top-k
+    pass and `topk_pass`, the pass that runs a model over rollout data (opd's, agreed over the
+    pipeline). `scored_ids` counts the teachers that scored the step's ids so far."""
+
+    actor: Any
+    rollout_data: dict
+    settings: OpdSettings
+    last: bool
+    student: dict[str, list[torch.Tensor]]
+    topk_pass: TopkPass
+    scored_ids: int = 0
+
+    def ids_request(self) -> TopkRequest:
+        """The request of the next teacher that scores the step's ids: the first one's (with a
+        union, its own top-k joins the student's), then the others'."""
+        first, others = teacher_requests(self.settings)
+        request = others if self.scored_ids else first
+        self.scored_ids += 1
+        return request
+
+    @functools.cached_property
+    def student_log_probs(self) -> list[torch.Tensor]:
+        """The student's own log-probs of each whole response from its top-k pass (every
+        context-parallel rank's rows, one collective over them: read on the last stage only)."""
+        return whole_from_zigzag(self.student["log_probs"], list(self.rollout_data["total_lengths"]),
+                                 list(self.rollout_data["response_lengths"]))
+
+
+class OpdTeacher(ABC):
+    """A teacher of slime's top-k OPD."""
+
+    @abstractmethod
+    def score(self, step: ScoringStep) -> TeacherScores | None:
+        """Its passes over the step's rollout (every pipeline stage runs them); its scores on the
+        last stage, None on the others."""
+
+
+class ModelTeacher(OpdTeacher):
+    """A teacher of the student's tokenizer: it scores the step's ids with its model."""
+
+    @abstractmethod
+    def model_chunks(self, actor: Any) -> list[Any]:
+        """The model chunks its passes run (a snapshot is switched into the actor's first)."""
+
+    def score(self, step: ScoringStep) -> TeacherScores | None:
+        """Its [R, k] scores and [R] tails of the step's ids; a union's first teacher replaces the
+        step's ids by the union [R, 2k] and its padding mask, which the later teachers score."""
+        out = step.topk_pass(step.actor.args, self.model_chunks(step.actor), step.rollout_data, step.ids_request())
+        if not step.last:  # a stage before the last: its hidden states went on, it has no buckets
+            return None
+        if "ids_mask" in out:
+            step.rollout_data[IDS], step.rollout_data[IDS_MASK] = out["topk_ids"], out["ids_mask"]
+        return TeacherScores(out["topk_log_probs"], out["tail"])
+
+
+class SnapshotTeacher(str, ModelTeacher):
+    """A checkpoint of the actor's architecture loaded the slime way: a host snapshot in the actor's
+    TensorBackuper, swapped into the actor's own weights for its passes. It is its tag (compares
+    and hashes as the string)."""
+
+    def model_chunks(self, actor: Any) -> list[Any]:
+        actor._switch_model(str(self))
+        return actor.model
+
+
+class SeparateTeacher(list, ModelTeacher):
+    """A separate inference-only model: a Hugging Face directory of another architecture
+    (`hf_teachers.build_hf_teacher`) or a provider's model (`PATH@module:function`). It is its list
+    of model chunks (iterates, indexes and compares as the list)."""
+
+    def model_chunks(self, actor: Any) -> list[Any]:
+        return self
+
+
+def model_teacher(loaded: ModelTeacher | str | list[Any]) -> ModelTeacher:
+    """A teacher of the student's tokenizer as a `ModelTeacher`: one as is; the forms the actor's
+    attribute held before this interface (a snapshot tag, a list of model chunks) wrapped."""
+    if isinstance(loaded, ModelTeacher):
+        return loaded
+    return SnapshotTeacher(loaded) if isinstance(loaded, str) else SeparateTeacher(loaded)
+
+
+def opd_teacher(loaded: OpdTeacher | str | list[Any]) -> OpdTeacher:
+    """A loaded teacher as an `OpdTeacher` (`model_teacher` for the earlier forms)."""
+    return loaded if isinstance(loaded, OpdTeacher) else model_teacher(loaded)
