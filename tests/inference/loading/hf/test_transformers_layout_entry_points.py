@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from megatron_rl_patches.inference.build_hf import hf_vocab_size
-from megatron_rl_patches.inference.loading.hf import check_teacher_vocab, hf_memory_plan, read_architecture
+from megatron_rl_patches.inference.loading.hf import (
+    UnsupportedCheckpointError,
+    check_teacher_vocab,
+    hf_memory_plan,
+    read_architecture,
+)
 from megatron_rl_patches.integrations.slime import hf_teachers
 from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS
 from megatron_rl_patches.testing.hf_checkpoints import (
@@ -24,6 +29,19 @@ from megatron_rl_patches.testing.hf_checkpoints import (
 )
 
 VOCAB = 1001  # tiny_hf_config's
+# megatron-core < 0.16 has no TransformerConfig.attention_output_gate: the builder refuses Qwen3.5 by
+# name there (after every vocabulary check, which is what these tests are about).
+OLD_CORE_REFUSAL = r"attention_output_gate \(0\.16\.1 and 0\.19\.2"
+
+
+def _core_serves_qwen3_5() -> bool:
+    from dataclasses import fields
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return "attention_output_gate" in {f.name for f in fields(TransformerConfig)}
+
+
 ACTOR = Namespace(hidden_size=32, num_layers=2, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
                   kv_channels=16, ffn_hidden_size=48, num_experts=None, vocab_size=VOCAB)
 
@@ -71,6 +89,10 @@ def test_the_builder_takes_the_text_models_dtype_where_the_wrapper_names_none(me
     config.pop("dtype")
     config["text_config"]["dtype"] = "bfloat16"
     (card / "config.json").write_text(json.dumps(config))
+    if not _core_serves_qwen3_5():
+        with pytest.raises(UnsupportedCheckpointError, match=OLD_CORE_REFUSAL):
+            build_inference_model_from_hf(card)
+        return
     (chunk,) = build_inference_model_from_hf(card)
     assert {p.dtype for p in chunk.parameters()} == {torch.bfloat16}
 
@@ -81,5 +103,9 @@ def test_slimes_hf_teacher_builds_a_qwen3_5_directory_as_transformers_writes_it(
     at its vocabulary check on this layout before building."""
     root = str(checkpoints["kit"])
     args = Namespace(params_dtype=torch.float32, make_vocab_size_divisible_by=128, transformer_impl="local")
+    if not _core_serves_qwen3_5():  # past the vocabulary check, refused by the builder by name
+        with pytest.raises(UnsupportedCheckpointError, match=OLD_CORE_REFUSAL):
+            hf_teachers.build_hf_teacher(args, root, None, VOCAB, None, f"{TEACHERS}: teacher {root!r}")
+        return
     (chunk,) = hf_teachers.build_hf_teacher(args, root, None, VOCAB, None, f"{TEACHERS}: teacher {root!r}")
     assert chunk.hf_vocab_size == VOCAB and chunk.embedding.word_embeddings.weight.shape[0] == 1024
