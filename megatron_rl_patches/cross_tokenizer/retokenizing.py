@@ -11,7 +11,9 @@ import numpy as np
 import torch
 
 from megatron_rl_patches.cross_tokenizer.alignment import Alignment, chunks_from_ends
-from megatron_rl_patches.cross_tokenizer.spelling import ByteTable, as_int_list, component_spec, table_of
+from megatron_rl_patches.cross_tokenizer.arguments import as_index_list, as_int_list, is_int
+from megatron_rl_patches.cross_tokenizer.spelling import ByteTable, component_spec, table_of
+from megatron_rl_patches.cross_tokenizer.utf8_runs import valid_runs
 
 __all__ = ["retokenize"]
 
@@ -69,11 +71,14 @@ def _stop_map(stop_tokens: StopTokens, student: ByteTable, teacher: ByteTable) -
 
     def mapped(i: int) -> int | None:
         if callable(stop_tokens):
-            found = stop_tokens(i)
+            found, source = stop_tokens(i), f"stop_tokens (the hook) returned {{}} for student id {i}"
         elif stop_tokens is not None:
-            found = stop_tokens.get(i)
+            found, source = stop_tokens.get(i), f"stop_tokens[{i}] is {{}}"
         else:
-            found = None
+            found, source = None, ""
+        if found is not None and not is_int(found):
+            raise TypeError(f"{source.format(repr(found))} ({type(found).__name__}): stop_tokens must give a teacher "
+                            "token id as an int, or None for a token with no teacher equal")
         if found is None:
             content = student.spelled[i]
             found = teacher.special_by_content.get(content.decode(errors="replace")) if content is not None else None
@@ -83,50 +88,6 @@ def _stop_map(stop_tokens: StopTokens, student: ByteTable, teacher: ByteTable) -
         return None if found is None else int(found)
 
     return mapped
-
-
-def _invalid_spans(data: bytes) -> list[tuple[int, int]]:
-    """Byte spans of `data` that are not valid UTF-8."""
-    spans, start = [], 0
-    while start < len(data):
-        try:
-            data[start:].decode()
-            break
-        except UnicodeDecodeError as error:
-            spans.append((start + error.start, start + error.end))
-            start += error.end
-    return spans
-
-
-def _valid_runs(run: list[int], pieces: list[bytes]) -> tuple[list[list[int]], list[int]]:
-    """`run` (student token indices) split into runs whose bytes are valid UTF-8 on their own, and
-    the tokens holding invalid bytes (a character cut by an excluded token counts as invalid)."""
-    if not run:
-        return [], []
-    ends = np.cumsum([len(pieces[i]) for i in run])
-    spans = _invalid_spans(b"".join(pieces[i] for i in run))
-    if not spans:
-        return [run], []
-    bad = set()
-    starts = ends - np.array([len(pieces[i]) for i in run])
-    for lo, hi in spans:
-        bad.update(np.nonzero((starts < hi) & (ends > lo))[0].tolist())
-    runs: list[list[int]] = []
-    excluded = [run[k] for k in sorted(bad)]
-    current: list[int] = []
-    for k, i in enumerate(run):
-        if k in bad:
-            runs.append(current)
-            current = []
-        else:
-            current.append(i)
-    runs.append(current)
-    valid: list[list[int]] = []
-    for part in runs:
-        more_runs, more_bad = _valid_runs(part, pieces)
-        valid += more_runs
-        excluded += more_bad
-    return valid, excluded
 
 
 def retokenize(student_ids: Sequence[int] | torch.Tensor, student_tokenizer: Any, teacher_tokenizer: Any, *,
@@ -143,7 +104,7 @@ def retokenize(student_ids: Sequence[int] | torch.Tensor, student_tokenizer: Any
     teacher = table_of(teacher_tokenizer, "teacher_tokenizer")
     pieces = student.of(ids, "student_ids")
     n = len(ids)
-    marks = sorted({int(b) for b in boundaries})
+    marks = sorted(set(as_index_list(boundaries, "boundaries")))
     if any(b < 0 or b > n for b in marks):
         raise ValueError(f"boundaries must be student token indices in [0, {n}], got {marks}")
     if _same(student, teacher):
@@ -158,14 +119,15 @@ def retokenize(student_ids: Sequence[int] | torch.Tensor, student_tokenizer: Any
     t_ids: list[int] = []
     t_len: list[int] = []
     forced = [0]
+    kept = [0]  # bytes of the kept student tokens so far (a running total: linear in the segments)
     counts = {"invalid_utf8": 0, "unspelled": 0, "unmapped_special": 0}
     mark_set = set(marks)
 
     def start_segment() -> None:
-        forced.append(int(s_len[~excluded].sum()))
+        forced.append(kept[0])
 
     def encode(run: list[int]) -> None:
-        valid, bad = _valid_runs(run, pieces)
+        valid, bad = valid_runs(run, pieces)
         excluded[bad] = True
         counts["invalid_utf8"] += len(bad)
         for part in valid:
@@ -178,6 +140,7 @@ def retokenize(student_ids: Sequence[int] | torch.Tensor, student_tokenizer: Any
                 continue
             start_segment()
             s_len[part] = [len(pieces[i]) for i in part]
+            kept[0] += len(data)
             t_ids.extend(encoded)
             t_len.extend(len(p) for p in spelled)
             start_segment()
@@ -195,6 +158,7 @@ def retokenize(student_ids: Sequence[int] | torch.Tensor, student_tokenizer: Any
                 continue
             start_segment()
             s_len[i] = 1
+            kept[0] += 1
             t_ids.append(mapped)
             t_len.append(1)
             start_segment()
