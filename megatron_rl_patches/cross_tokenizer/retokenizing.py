@@ -114,36 +114,37 @@ def retokenize(student_ids: Sequence[int] | torch.Tensor, student_tokenizer: Any
         return same_ids, Alignment(chunk, chunk.clone(), n)
     stop = _stop_map(stop_tokens, student, teacher)
     encoder = _encoder(teacher)
-    s_len = np.zeros(n, dtype=np.int64)  # bytes per kept student token (a mapped special: 1 unit)
-    excluded = np.zeros(n, dtype=bool)
+    # per segment O(its tokens) only: Python lists, the arrays built once at the end
+    s_len: list[int] = []  # bytes of each kept student token in order (a mapped special: 1 unit)
+    excluded = [False] * n
     t_ids: list[int] = []
     t_len: list[int] = []
     forced = [0]
-    kept = [0]  # bytes of the kept student tokens so far (a running total: linear in the segments)
+    kept = [0]  # bytes of the kept student tokens so far
     counts = {"invalid_utf8": 0, "unspelled": 0, "unmapped_special": 0}
     mark_set = set(marks)
 
-    def start_segment() -> None:
-        forced.append(kept[0])
+    def exclude(tokens: list[int], why: str) -> None:
+        for i in tokens:
+            excluded[i] = True
+        counts[why] += len(tokens)
 
     def encode(run: list[int]) -> None:
         valid, bad = valid_runs(run, pieces)
-        excluded[bad] = True
-        counts["invalid_utf8"] += len(bad)
+        exclude(bad, "invalid_utf8")
         for part in valid:
             data = b"".join(pieces[i] for i in part)
             encoded = encoder.encode(data.decode(), add_special_tokens=False).ids
             spelled = teacher.of(encoded, "the teacher's encoding")
             if b"".join(spelled) != data:  # a normalizer changed the bytes: mask the segment
-                excluded[part] = True
-                counts["unspelled"] += len(part)
+                exclude(part, "unspelled")
                 continue
-            start_segment()
-            s_len[part] = [len(pieces[i]) for i in part]
+            forced.append(kept[0])
+            s_len.extend(len(pieces[i]) for i in part)
             kept[0] += len(data)
             t_ids.extend(encoded)
             t_len.extend(len(p) for p in spelled)
-            start_segment()
+            forced.append(kept[0])
 
     run: list[int] = []
     for i, token in enumerate(ids):
@@ -153,19 +154,19 @@ def retokenize(student_ids: Sequence[int] | torch.Tensor, student_tokenizer: Any
         if token in student.special:
             mapped = stop(token)
             if mapped is None:
-                excluded[i] = True
-                counts["unmapped_special"] += 1
+                exclude([i], "unmapped_special")
                 continue
-            start_segment()
-            s_len[i] = 1
+            forced.append(kept[0])
+            s_len.append(1)
             kept[0] += 1
             t_ids.append(mapped)
             t_len.append(1)
-            start_segment()
+            forced.append(kept[0])
         else:
             run.append(i)
     encode(run)
-    s_ends = np.cumsum(s_len[~excluded])
+    s_ends = np.cumsum(np.asarray(s_len, dtype=np.int64))
     t_ends = np.cumsum(np.asarray(t_len, dtype=np.int64))
-    alignment = chunks_from_ends(s_ends, t_ends, np.unique(np.asarray(forced, dtype=np.int64)), excluded, **counts)
+    alignment = chunks_from_ends(s_ends, t_ends, np.unique(np.asarray(forced, dtype=np.int64)),
+                                 np.asarray(excluded, dtype=bool), **counts)
     return torch.tensor(t_ids, dtype=torch.int64), alignment

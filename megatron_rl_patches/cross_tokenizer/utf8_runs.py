@@ -106,13 +106,13 @@ def valid_runs(run: list[int], pieces: list[bytes]) -> tuple[list[list[int]], li
     ends only: linear however long the cascade, which a crafted sequence makes as long as itself)."""
     if not run:
         return [], []
-    lengths = np.fromiter((len(pieces[i]) for i in run), dtype=np.int64, count=len(run))
-    ends_array = np.cumsum(lengths)
-    starts_array = ends_array - lengths
     data = b"".join(pieces[i] for i in run)
     spans = invalid_spans(data)
     if not spans:
         return [run], []
+    lengths = np.fromiter((len(pieces[i]) for i in run), dtype=np.int64, count=len(run))
+    ends_array = np.cumsum(lengths)
+    starts_array = ends_array - lengths
     first_bad = np.nonzero(_overlapping(starts_array, ends_array, spans))[0].tolist()
     excluded = list(first_bad)
     starts, ends = starts_array.tolist(), ends_array.tolist()
