@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megatron_rl_patches.cross_tokenizer.arguments import as_index_list
+
 __all__ = ["Alignment", "align"]
 
 
@@ -96,7 +98,7 @@ def align(student_bytes: Sequence[bytes], teacher_bytes: Sequence[bytes], *,
 
 def _forced_offsets(boundaries: Sequence[int], s_ends: np.ndarray, t_ends: np.ndarray) -> np.ndarray:
     n = s_ends.size
-    marks = [int(b) for b in boundaries]
+    marks = as_index_list(boundaries, "boundaries")
     if any(b < 0 or b > n for b in marks):
         raise ValueError(f"boundaries must be student token indices in [0, {n}], got {marks}")
     offsets = np.concatenate([np.zeros(1, np.int64), s_ends])[np.asarray(marks, dtype=np.int64)]

@@ -41,5 +41,11 @@ def load_tokenizer(tokenizer: Any, name: str = "tokenizer") -> Any:
     if key not in _READ:
         if len(_READ) >= _KEPT:
             _READ.pop(next(iter(_READ)))
-        _READ[key] = library.Tokenizer.from_file(path)
+        try:
+            read = library.Tokenizer.from_file(path)
+        except Exception as error:  # the library raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{name}: {path!r} is not a tokenizer.json the tokenizers library can read ({error}); "
+                             "pass the checkpoint's own tokenizer.json (download or save it again: a truncated or "
+                             "hand-edited file, or one from a newer tokenizers release, fails here)") from error
+        _READ[key] = read
     return _READ[key]

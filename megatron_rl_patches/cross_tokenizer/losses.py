@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.cross_tokenizer.alignment import Alignment
+from megatron_rl_patches.cross_tokenizer.loss_inputs import check_loss_inputs
 from megatron_rl_patches.cross_tokenizer.spreading import spread_chunk_log_probs
 from megatron_rl_patches.cross_tokenizer.vocabulary import SharedVocabulary
 from megatron_rl_patches.ops.divergence import lm_head_divergence
@@ -70,6 +71,7 @@ def chunk_start_topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teac
     hidden [n_student, H] / teacher_hidden [n_teacher, H_t]: the rows that predict each student /
     teacher token (row i scores token i); weight / teacher_weight the output layers [V, H]. The
     gradient flows to the student's hidden and weight only."""
+    check_loss_inputs(hidden, weight, teacher_hidden, teacher_weight, alignment, shared)
     s_rows, t_rows = alignment.chunk_starts()
     out = torch.zeros(hidden.size(0), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32,
                       device=hidden.device)
@@ -79,7 +81,7 @@ def chunk_start_topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teac
     with torch.no_grad():
         t_hidden = teacher_hidden.detach()[t_rows]
         top = lm_head_topk_ids(t_hidden, teacher_weight.detach(), k, chunk_size=chunk_size)
-        strings, alive = alive_strings(shared.teacher_string.to(top.device)[top])
+        strings, alive = alive_strings(shared.string_of(top, "teacher"))  # a padded row's id: the tail
         t_ids, t_mask = shared.bucket_ids(strings, alive, "teacher")
         s_ids, s_mask = shared.bucket_ids(strings, alive, "student")
         t_lp, t_tail = _bucket_log_probs(t_hidden, teacher_weight.detach(), t_ids, t_mask, alive, temperature,
@@ -129,6 +131,7 @@ def chunk_start_full_divergence(hidden: torch.Tensor, weight: torch.Tensor, teac
     of no shared string, padded weight rows included); 0 elsewhere. Each model's layer is
     re-indexed by string (a copy of its shared weight rows, never [T, V] logits). Arguments as
     `chunk_start_topk_divergence`; the gradient flows to the student's hidden and weight only."""
+    check_loss_inputs(hidden, weight, teacher_hidden, teacher_weight, alignment, shared)
     s_rows, t_rows = alignment.chunk_starts()
     out = torch.zeros(hidden.size(0), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32,
                       device=hidden.device)

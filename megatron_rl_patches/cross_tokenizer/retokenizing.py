@@ -11,7 +11,9 @@ import numpy as np
 import torch
 
 from megatron_rl_patches.cross_tokenizer.alignment import Alignment, chunks_from_ends
-from megatron_rl_patches.cross_tokenizer.spelling import ByteTable, as_int_list, component_spec, table_of
+from megatron_rl_patches.cross_tokenizer.arguments import as_index_list, as_int_list, is_int
+from megatron_rl_patches.cross_tokenizer.spelling import ByteTable, component_spec, table_of
+from megatron_rl_patches.cross_tokenizer.utf8_runs import valid_runs
 
 __all__ = ["retokenize"]
 
@@ -69,11 +71,14 @@ def _stop_map(stop_tokens: StopTokens, student: ByteTable, teacher: ByteTable) -
 
     def mapped(i: int) -> int | None:
         if callable(stop_tokens):
-            found = stop_tokens(i)
+            found, source = stop_tokens(i), f"stop_tokens (the hook) returned {{}} for student id {i}"
         elif stop_tokens is not None:
-            found = stop_tokens.get(i)
+            found, source = stop_tokens.get(i), f"stop_tokens[{i}] is {{}}"
         else:
-            found = None
+            found, source = None, ""
+        if found is not None and not is_int(found):
+            raise TypeError(f"{source.format(repr(found))} ({type(found).__name__}): stop_tokens must give a teacher "
+                            "token id as an int, or None for a token with no teacher equal")
         if found is None:
             content = student.spelled[i]
             found = teacher.special_by_content.get(content.decode(errors="replace")) if content is not None else None
@@ -83,50 +88,6 @@ def _stop_map(stop_tokens: StopTokens, student: ByteTable, teacher: ByteTable) -
         return None if found is None else int(found)
 
     return mapped
-
-
-def _invalid_spans(data: bytes) -> list[tuple[int, int]]:
-    """Byte spans of `data` that are not valid UTF-8."""
-    spans, start = [], 0
-    while start < len(data):
-        try:
-            data[start:].decode()
-            break
-        except UnicodeDecodeError as error:
-            spans.append((start + error.start, start + error.end))
-            start += error.end
-    return spans
-
-
-def _valid_runs(run: list[int], pieces: list[bytes]) -> tuple[list[list[int]], list[int]]:
-    """`run` (student token indices) split into runs whose bytes are valid UTF-8 on their own, and
-    the tokens holding invalid bytes (a character cut by an excluded token counts as invalid)."""
-    if not run:
-        return [], []
-    ends = np.cumsum([len(pieces[i]) for i in run])
-    spans = _invalid_spans(b"".join(pieces[i] for i in run))
-    if not spans:
-        return [run], []
-    bad = set()
-    starts = ends - np.array([len(pieces[i]) for i in run])
-    for lo, hi in spans:
-        bad.update(np.nonzero((starts < hi) & (ends > lo))[0].tolist())
-    runs: list[list[int]] = []
-    excluded = [run[k] for k in sorted(bad)]
-    current: list[int] = []
-    for k, i in enumerate(run):
-        if k in bad:
-            runs.append(current)
-            current = []
-        else:
-            current.append(i)
-    runs.append(current)
-    valid: list[list[int]] = []
-    for part in runs:
-        more_runs, more_bad = _valid_runs(part, pieces)
-        valid += more_runs
-        excluded += more_bad
-    return valid, excluded
 
 
 def retokenize(student_ids: Sequence[int] | torch.Tensor, student_tokenizer: Any, teacher_tokenizer: Any, *,
@@ -143,7 +104,7 @@ def retokenize(student_ids: Sequence[int] | torch.Tensor, student_tokenizer: Any
     teacher = table_of(teacher_tokenizer, "teacher_tokenizer")
     pieces = student.of(ids, "student_ids")
     n = len(ids)
-    marks = sorted({int(b) for b in boundaries})
+    marks = sorted(set(as_index_list(boundaries, "boundaries")))
     if any(b < 0 or b > n for b in marks):
         raise ValueError(f"boundaries must be student token indices in [0, {n}], got {marks}")
     if _same(student, teacher):
@@ -153,34 +114,37 @@ def retokenize(student_ids: Sequence[int] | torch.Tensor, student_tokenizer: Any
         return same_ids, Alignment(chunk, chunk.clone(), n)
     stop = _stop_map(stop_tokens, student, teacher)
     encoder = _encoder(teacher)
-    s_len = np.zeros(n, dtype=np.int64)  # bytes per kept student token (a mapped special: 1 unit)
-    excluded = np.zeros(n, dtype=bool)
+    # per segment O(its tokens) only: Python lists, the arrays built once at the end
+    s_len: list[int] = []  # bytes of each kept student token in order (a mapped special: 1 unit)
+    excluded = [False] * n
     t_ids: list[int] = []
     t_len: list[int] = []
     forced = [0]
+    kept = [0]  # bytes of the kept student tokens so far
     counts = {"invalid_utf8": 0, "unspelled": 0, "unmapped_special": 0}
     mark_set = set(marks)
 
-    def start_segment() -> None:
-        forced.append(int(s_len[~excluded].sum()))
+    def exclude(tokens: list[int], why: str) -> None:
+        for i in tokens:
+            excluded[i] = True
+        counts[why] += len(tokens)
 
     def encode(run: list[int]) -> None:
-        valid, bad = _valid_runs(run, pieces)
-        excluded[bad] = True
-        counts["invalid_utf8"] += len(bad)
+        valid, bad = valid_runs(run, pieces)
+        exclude(bad, "invalid_utf8")
         for part in valid:
             data = b"".join(pieces[i] for i in part)
             encoded = encoder.encode(data.decode(), add_special_tokens=False).ids
             spelled = teacher.of(encoded, "the teacher's encoding")
             if b"".join(spelled) != data:  # a normalizer changed the bytes: mask the segment
-                excluded[part] = True
-                counts["unspelled"] += len(part)
+                exclude(part, "unspelled")
                 continue
-            start_segment()
-            s_len[part] = [len(pieces[i]) for i in part]
+            forced.append(kept[0])
+            s_len.extend(len(pieces[i]) for i in part)
+            kept[0] += len(data)
             t_ids.extend(encoded)
             t_len.extend(len(p) for p in spelled)
-            start_segment()
+            forced.append(kept[0])
 
     run: list[int] = []
     for i, token in enumerate(ids):
@@ -190,18 +154,19 @@ def retokenize(student_ids: Sequence[int] | torch.Tensor, student_tokenizer: Any
         if token in student.special:
             mapped = stop(token)
             if mapped is None:
-                excluded[i] = True
-                counts["unmapped_special"] += 1
+                exclude([i], "unmapped_special")
                 continue
-            start_segment()
-            s_len[i] = 1
+            forced.append(kept[0])
+            s_len.append(1)
+            kept[0] += 1
             t_ids.append(mapped)
             t_len.append(1)
-            start_segment()
+            forced.append(kept[0])
         else:
             run.append(i)
     encode(run)
-    s_ends = np.cumsum(s_len[~excluded])
+    s_ends = np.cumsum(np.asarray(s_len, dtype=np.int64))
     t_ends = np.cumsum(np.asarray(t_len, dtype=np.int64))
-    alignment = chunks_from_ends(s_ends, t_ends, np.unique(np.asarray(forced, dtype=np.int64)), excluded, **counts)
+    alignment = chunks_from_ends(s_ends, t_ends, np.unique(np.asarray(forced, dtype=np.int64)),
+                                 np.asarray(excluded, dtype=bool), **counts)
     return torch.tensor(t_ids, dtype=torch.int64), alignment

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_rl_patches.cross_tokenizer.arguments import as_int_list
 from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -138,20 +139,3 @@ def token_bytes(tokenizer: Any, ids: Sequence[int] | Any) -> list[bytes]:
     """The exact bytes of each id: joined, a sequence's ids spell its text (SentencePiece's dummy
     prefix, which a decoder strips at a text's start, stays the first token's leading space)."""
     return table_of(tokenizer).of(as_int_list(ids))
-
-
-def as_int_list(ids: Any, name: str = "ids") -> list[int]:
-    """ids (a list, tuple, or 1-D integer tensor / array) as a list of ints."""
-    if hasattr(ids, "tolist"):
-        if getattr(ids, "ndim", 1) != 1:
-            raise ValueError(f"{name} must be 1-D (one sample's token ids), got shape {tuple(ids.shape)}")
-        if "int" not in str(getattr(ids, "dtype", "int")):
-            raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
-        ids = ids.tolist()
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-        raise TypeError(f"{name} must be a sequence of token ids (a list or 1-D integer tensor), "
-                        f"got {type(ids).__name__}")
-    out = [int(i) for i in ids]
-    if any(isinstance(i, bool) for i in ids):
-        raise TypeError(f"{name} must hold integer token ids, got booleans")
-    return out

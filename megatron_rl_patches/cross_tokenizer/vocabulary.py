@@ -42,6 +42,14 @@ class SharedVocabulary:
         return (self.student_ids, self.student_offsets) if side == "student" else (self.teacher_ids,
                                                                                    self.teacher_offsets)
 
+    def string_of(self, ids: torch.Tensor, side: str) -> torch.Tensor:
+        """The shared string of each id on `side` (same shape; −1: not shared, or an id past the
+        vocabulary: an output layer's padded rows)."""
+        self._side(side)  # a ValueError for another name
+        table = (self.student_string if side == "student" else self.teacher_string).to(ids.device)
+        inside = (ids >= 0) & (ids < table.numel())
+        return torch.where(inside, table[torch.where(inside, ids, 0)], -1)
+
     def bucket_ids(self, strings: torch.Tensor, alive: torch.Tensor, side: str, depth: int | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """For buckets `strings` [R, k] (the `alive` ones; others padding), every id of each string on

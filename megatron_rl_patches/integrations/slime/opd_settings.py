@@ -78,8 +78,14 @@ STOP_TOKENS = "stop_tokens="
 def _options(entry: str, options: list[str]) -> tuple[bool, str | None]:
     """(own tokenizer asked, the stop-token map's module:function) from the entry's options."""
     own, stop = False, None
+    seen: set[str] = set()
     for written in options:
         option = written.strip()
+        name = option.partition("=")[0].strip()
+        if name and name in seen:
+            raise ValueError(f"{TEACHERS} entry {entry!r}: option {name!r} given twice; give each option once "
+                             "(no later value overrides an earlier one)")
+        seen.add(name)
         if option.replace(" ", "") == OWN_TOKENIZER:
             own = True
         elif option.startswith(STOP_TOKENS) and _is_provider(option[len(STOP_TOKENS):].strip()):

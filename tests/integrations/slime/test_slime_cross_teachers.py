@@ -47,6 +47,15 @@ def test_entry_option_stop_tokens():
         opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/t;tokenizer=own;stop_tokens=not a function"})
 
 
+
+@pytest.mark.parametrize("entry,named", [("/ckpt/t;tokenizer=own;stop_tokens=a:f;stop_tokens=b:g", "stop_tokens"),
+                                         ("/ckpt/t;tokenizer=own; tokenizer=own", "tokenizer")])
+def test_entry_option_given_twice_refused(entry, named):
+    """An option repeated in one entry is refused by name (the last one won silently)."""
+    with pytest.raises(ValueError, match=f"entry '{entry}': option '{named}' given twice; give each option once"):
+        opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": entry})
+
+
 END_OF_SENTENCE = 1  # DeepSeek's <｜end▁of▁sentence｜>
 
 
