@@ -99,6 +99,7 @@ class OpSpec:
     entropy_grad: bool = False
     inplace_backward: bool = False
     sequence_parallel: bool = False  # the fused LM head's hidden rows are sharded over the group
+    invariant: bool = False  # each row's values from its own input alone (kernels.invariant_tiles)
 
 
 def op_spec(

@@ -23,11 +23,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab, divergence_checks
 from megatron_rl_patches.ops import _divergence_tiles as tiles_math
 from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE, ResolvedDivergence
 from megatron_rl_patches.ops._functions import save_tau, saved_scale
 from megatron_rl_patches.ops._rows import RowSelection, scatter_rows, take_rows
+from megatron_rl_patches.ops.invariance import VARIABLE, resolve_invariant
 from megatron_rl_patches.ops.kernels import Backend, divergence_step, resolve_backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
 from megatron_rl_patches.ops.kernels.torch_tiles import accumulate, tiles
@@ -56,6 +58,7 @@ def lm_head_divergence(
     chunk_size: int | None = None,
     backend: str = "auto",
     row_mask: torch.Tensor | None = None,
+    invariant: bool | None = None,
 ) -> torch.Tensor:
     """Per-token divergence [T] between the student's softmax(h·Wᵀ/τ) and the teachers' mixture.
 
@@ -76,7 +79,11 @@ def lm_head_divergence(
     the masked pass 1 and the teachers' mixture run on torch tiles.
     `row_mask` [T] bool (the gathered rows under sequence parallelism; the same on every rank):
     only the selected rows meet the weights; the others' divergence is 0 with no gradient.
+    `invariant=True` is refused (this op's sums are not yet exact in any order): for invariant
+    distillation use `lm_head_topk_logprobs(..., invariant=True)` and `topk_kl(..., invariant=True)`;
+    when the setting or a config asks for the mode, this op runs in the default mode with a warning.
     """
+    _refuse_invariant(invariant)
     _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
     name, beta, alpha = divergence_checks.check_divergence_options(divergence, beta, alpha)
     checks = _checks.DeviceChecks()
@@ -93,6 +100,17 @@ def lm_head_divergence(
     value = LmHeadDivergence.apply((plan, chosen, selection.rows), spec, checks, selection.take(keep_mask),
                                    selection.take_values(tau), log_w, hidden, weight, *flat)
     return selection.scatter(value)
+
+
+def _refuse_invariant(invariant: object) -> None:
+    """This op has no invariant mode yet: an explicit request is an error, the setting a warning."""
+    if invariant is True:
+        raise ValueError("lm_head_divergence(invariant=True) is not supported: its divergence sums are not exact in "
+                         "any order yet; use lm_head_topk_logprobs(..., invariant=True) with topk_kl(..., "
+                         "invariant=True), or invariant=False")
+    if resolve_invariant(invariant):
+        warn_once(f"lm_head_divergence has no invariant mode yet: it runs in the default mode although {VARIABLE} "
+                  "or the model config's batch_invariant_mode asks for invariant vocabulary ops")
 
 
 def _sources(spec: _vocab.OpSpec, tensors: Sequence[torch.Tensor], selected: torch.Tensor | None) -> list[Source]:

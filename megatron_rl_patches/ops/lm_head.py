@@ -21,7 +21,9 @@ import torch.distributed as dist
 from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab, topk_checks, topk_select
 from megatron_rl_patches.ops._functions import LogProbEntropy, TopkLogprobs
 from megatron_rl_patches.ops._rows import RowSelection, unselected_as
+from megatron_rl_patches.ops.invariance import resolve_invariant
 from megatron_rl_patches.ops.kernels import resolve_backend, topk_step
+from megatron_rl_patches.ops.kernels.invariant_tiles import check_vocab, fixed_tiles
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows
 from megatron_rl_patches.ops.kernels.torch_tiles import tile_shape, tiles
 
@@ -76,6 +78,7 @@ def lm_head_log_probs_and_entropy(
     chunk_size: int | None = None,
     backend: str = "auto",
     row_mask: torch.Tensor | None = None,
+    invariant: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`log_probs_and_entropy(hidden @ weight.T, tokens, ...)` without the logits.
 
@@ -86,6 +89,9 @@ def lm_head_log_probs_and_entropy(
     `row_mask` [T] bool (all rows, also under sequence parallelism; the same on every rank): only
     these rows meet the weight — one gather of their hidden rows — the others' outputs are 0 with
     no gradient (dW as if their upstream gradient were 0), and the time follows the selected rows.
+    `invariant`: each row's outputs a function of its hidden row and the weight alone, bit for bit
+    (fixed-shape GEMM tiles; None: the setting ``MEGATRON_RL_PATCHES_INVARIANT``; see
+    docs/train-rollout-agreement.md).
     """
     _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
     checks = _checks.DeviceChecks()
@@ -94,13 +100,23 @@ def lm_head_log_probs_and_entropy(
     _checks.require_tokens_in_vocab(unselected_as(tokens, selection), vocab, checks, tp_group)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
+    invariant = _invariant(invariant, vocab, "lm_head_log_probs_and_entropy")
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_log_probs_and_entropy",
-                 with_entropy=bool(with_entropy), entropy_grad=bool(with_entropy and entropy_requires_grad))
+                 with_entropy=bool(with_entropy), entropy_grad=bool(with_entropy and entropy_requires_grad),
+                 invariant=invariant)
     chosen = resolve_backend(backend, hidden.device, hidden.dtype)
     log_probs, entropy = LogProbEntropy.apply(selection.take(tokens), selection.take(keep_mask),
                                               selection.take_values(tau), spec, checks, chosen, selection.rows,
                                               hidden, weight)
     return log_probs, (entropy if with_entropy else None)
+
+
+def _invariant(invariant: object, vocab: int, op: str) -> bool:
+    """The call's mode (see :mod:`.invariance`), its vocabulary checked against the mode's sums."""
+    chosen = resolve_invariant(invariant)
+    if chosen:
+        check_vocab(vocab, op)
+    return chosen
 
 
 # ----------------------------------------------------------------------------- top-k
@@ -118,18 +134,22 @@ def lm_head_topk_ids(
     chunk_size: int | None = None,
     row_mask: torch.Tensor | None = None,
     backend: str = "auto",
+    invariant: bool | None = None,
 ) -> torch.Tensor:
     """`topk_ids(hidden @ weight.T, k, ...)` without the logits: global ids [T, k] of the k largest
     logits per row, descending, ties to the lower id; no gradient. A positive temperature does
     not change the order (accepted for symmetry with `lm_head_topk_logprobs`). Each rank keeps a
     running top-k per row tile (:mod:`.topk_select`, as `topk_ids`; exact in every dtype, fp64
     included); ranks all-gather k candidates each (O(T·k·tp)). `row_mask` [T] as in
-    `lm_head_log_probs_and_entropy`: unselected rows get ids 0. `backend` as the other ops."""
+    `lm_head_log_probs_and_entropy`: unselected rows get ids 0. `backend` as the other ops.
+    `invariant`: the logits from fixed-shape GEMM tiles, so each row's ids depend on its hidden
+    row alone (the torch tiles, whatever `backend`)."""
     _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
     k = topk_checks.check_int_k(k)
     topk_checks.check_k(k, vocab)
     checks = _checks.DeviceChecks()
     _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
+    invariant = _invariant(invariant, vocab, "lm_head_topk_ids")
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_ids")
     selection = RowSelection.of(row_mask, n_rows, hidden.device, "hidden (all rows)", tp_group)
     rows = selection.rows
@@ -138,13 +158,20 @@ def lm_head_topk_ids(
         dtype = _stats.compute_dtype(hidden.dtype)
         source = Source(spec.n_valid, spec.chunk_rows, hidden=h, weight=weight.detach(), shape_rows=n_rows)
         run = topk_select.RunningTopk.empty(h.size(0), k, dtype, h.device, sentinel=vocab)
-        run = topk_step(resolve_backend(backend, hidden.device, hidden.dtype))(source, run, spec.first_id)
+        if invariant:
+            run = topk_select.fold_tiles(run, fixed_tiles(source, dtype), spec.first_id)
+        else:
+            run = topk_step(resolve_backend(backend, hidden.device, hidden.dtype))(source, run, spec.first_id)
         run = topk_select.over_ranks(run, spec.group)
         _checks.require_good_rows(checks, run.row_max, spec.op, spec.arg, rows=rows, n_rows=n_rows)
         ambiguous = checks.raise_first(read=topk_select.ambiguous_rows(run))  # the call's one host sync
         tied = [row for row, flag in enumerate(ambiguous) if flag]
         if tied:
             def row_tiles(listed: list[int], index: torch.Tensor) -> topk_select.Tiles:
+                if invariant:  # fixed-shape tiles: any subset of rows gets the same bits
+                    assert source.hidden is not None  # fused
+                    part = Source(source.n_valid, source.chunk_rows, hidden=source.hidden[index], weight=source.weight)
+                    return fixed_tiles(part, dtype)
                 return _recomputed_rows(source, listed, index, dtype)
 
             topk_select.exact_rows(run, tied, row_tiles, spec.first_id, spec.group)
@@ -184,18 +211,22 @@ def lm_head_topk_logprobs(
     chunk_size: int | None = None,
     backend: str = "auto",
     row_mask: torch.Tensor | None = None,
+    invariant: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`topk_logprobs(hidden @ weight.T, ids, ...)` without the logits: log-probs at ids [T, k]
     normalized over the full vocab, and the log of the remaining mass [T] (the complement's own
     log-sum-exp, never log(1 − Σp)). Gradients flow to hidden and weight (a student); call under
     no_grad for a teacher. `ids_mask` as in `topk_logprobs` (padded slots: -inf, mass in the tail).
-    `row_mask` [T] as in `lm_head_log_probs_and_entropy` (unselected rows: 0, no gradient)."""
+    `row_mask` [T] as in `lm_head_log_probs_and_entropy` (unselected rows: 0, no gradient);
+    `invariant` as there."""
     _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
     checks = _checks.DeviceChecks()
     k = topk_checks.check_ids(unselected_as(ids, row_mask), torch.Size([n_rows]), vocab, checks, ids_mask)
     selection = RowSelection.of(row_mask, n_rows, hidden.device, "hidden (all rows)", tp_group)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
-    spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_logprobs")
+    invariant = _invariant(invariant, vocab, "lm_head_topk_logprobs")
+    spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_logprobs",
+                            invariant=invariant)
     flat = ids.reshape(n_rows, k).to(device=hidden.device, dtype=torch.long)
     valid = None if ids_mask is None else ids_mask.reshape(n_rows, k).to(hidden.device)
     chosen = resolve_backend(backend, hidden.device, hidden.dtype)

@@ -14,7 +14,9 @@ import torch.distributed as dist
 from megatron_rl_patches.ops import _checks, _vocab
 from megatron_rl_patches.ops._functions import LogProbEntropy
 from megatron_rl_patches.ops._rows import RowSelection, unselected_as
+from megatron_rl_patches.ops.invariance import resolve_invariant
 from megatron_rl_patches.ops.kernels import resolve_backend
+from megatron_rl_patches.ops.kernels.invariant_tiles import check_vocab
 
 __all__ = ["log_probs_and_entropy"]
 
@@ -59,6 +61,7 @@ def log_probs_and_entropy(
     inplace_backward: bool = False,
     backend: str = "auto",
     row_mask: torch.Tensor | None = None,
+    invariant: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log p(target) and entropy of softmax(logits/τ) over a vocab sharded on `tp_group`.
 
@@ -73,11 +76,17 @@ def log_probs_and_entropy(
     these rows (e.g. the response tokens; the same mask on every tensor-parallel rank): the other
     rows' log-prob and entropy are 0 and give no gradient, their targets are not read; the
     selected rows' values and gradients are those of a call without the mask, bit for bit.
+    `invariant`: each row's log-prob and entropy a function of that row's logits alone, bit for
+    bit — the same whatever the other rows, the tensor-parallel split or `chunk_size` (None: the
+    setting ``MEGATRON_RL_PATCHES_INVARIANT``; docs/train-rollout-agreement.md).
     """
     checks, tau = check_logprobs_inputs(logits, unselected_as(tokens, row_mask), tp_group,
                                         temperature, chunk_size, keep_mask, vocab_size, inplace_backward)
     selection = RowSelection.of(row_mask, logits.size(0), logits.device, "logits", tp_group)
+    invariant = resolve_invariant(invariant)
     local_vocab = logits.size(1)
+    if invariant:
+        check_vocab(_checks.global_vocab(local_vocab, tp_group, vocab_size), "log_probs_and_entropy")
     spec = _vocab.op_spec(
         local_vocab, tp_group, vocab_size,
         _vocab.logits_chunk_rows(chunk_size, local_vocab, tp_group, vocab_size, logits),
@@ -85,6 +94,7 @@ def log_probs_and_entropy(
         with_entropy=bool(with_entropy),
         entropy_grad=bool(with_entropy and entropy_requires_grad),
         inplace_backward=bool(inplace_backward),
+        invariant=invariant,
     )
     chosen = resolve_backend(backend, logits.device, logits.dtype)
     log_probs, entropy = LogProbEntropy.apply(selection.take(tokens), selection.take(keep_mask),

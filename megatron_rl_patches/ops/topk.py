@@ -18,8 +18,11 @@ from megatron_rl_patches.ops import _checks, _dist, _divergences, _vocab, topk_c
 from megatron_rl_patches.ops._checks import Temperature, Weights
 from megatron_rl_patches.ops._functions import TopkLogprobs
 from megatron_rl_patches.ops._rows import RowSelection, unselected_as
+from megatron_rl_patches.ops.invariance import resolve_invariant
 from megatron_rl_patches.ops.kernels import resolve_backend, topk_step
+from megatron_rl_patches.ops.kernels.invariant_tiles import check_vocab
 from megatron_rl_patches.ops.kernels.sources import Source
+from megatron_rl_patches.ops.row_blocks import in_row_blocks
 
 __all__ = ["topk_ids", "union_ids", "topk_logprobs", "topk_kl", "topk_opd_loss"]
 
@@ -37,6 +40,7 @@ def topk_ids(
     vocab_size: int | None = None,
     row_mask: torch.Tensor | None = None,
     backend: str = "auto",
+    invariant: bool | None = None,
 ) -> torch.Tensor:
     """Global vocab ids of the k largest logits per row, descending (ties: lower id first).
 
@@ -45,11 +49,14 @@ def topk_ids(
     `vocab_size`) are never selected. No gradient. `row_mask` (bool, the logits' leading shape;
     the same on every rank): only those rows are ranked, the others get ids 0. `backend` as the
     other vocabulary ops (the selection of :mod:`.topk_select`; Triton: one kernel, exact ties).
+    `invariant` is accepted for symmetry: the selection compares logits exactly, so each row's
+    ids depend on its logits alone in both modes.
     """
     lead, local_vocab = topk_checks.check_logits(logits, "logits", tp_group)
     k = topk_checks.check_int_k(k)
     vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
     topk_checks.check_k(k, vocab)
+    resolve_invariant(invariant)  # checked; exact either way
     selection = _select(row_mask, lead, logits.device, tp_group)
     rows = selection.rows
     with torch.no_grad():
@@ -128,6 +135,7 @@ def _topk_logprobs_checked(
     backend: str = "auto",
     ids_mask: torch.Tensor | None = None,
     row_mask: torch.Tensor | None = None,
+    invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Size, int, RowSelection]:
     """(log-probs [R, k], tail [R], leading dims, k, the row selection): R = every row."""
     lead, local_vocab = topk_checks.check_logits(logits, name, tp_group)
@@ -136,7 +144,9 @@ def _topk_logprobs_checked(
     k = topk_checks.check_ids(_unselected_ids(ids, selection.mask, lead), lead, vocab, checks, ids_mask)
     tau = _checks.check_temperature(temperature, lead, logits.device, checks, logits.dtype)
     chunk_rows = _vocab.logits_chunk_rows(_checks.check_chunk_size(chunk_size), local_vocab, tp_group, vocab, logits)
-    spec = _vocab.op_spec(local_vocab, tp_group, vocab, chunk_rows, op, arg=name)
+    if invariant:
+        check_vocab(vocab, op)
+    spec = _vocab.op_spec(local_vocab, tp_group, vocab, chunk_rows, op, arg=name, invariant=invariant)
     flat_ids = ids.reshape(-1, k).to(device=logits.device, dtype=torch.long)
     valid = None if ids_mask is None else ids_mask.reshape(-1, k).to(logits.device)
     chosen = resolve_backend(backend, logits.device, logits.dtype)
@@ -165,6 +175,7 @@ def topk_logprobs(
     chunk_size: int | None = None,
     backend: str = "auto",
     row_mask: torch.Tensor | None = None,
+    invariant: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs (normalized over the full vocab, logits / temperature) at `ids` [T, k] and the
     log of the remaining mass [T], from the complement's log-sum-exp; differentiable.
@@ -175,11 +186,13 @@ def topk_logprobs(
     `ids_mask` (bool, ids' shape; e.g. from `union_ids`): False slots are padding, whatever
     their id: log-prob -inf with no gradient, and their mass stays in the tail. `row_mask` (bool,
     the logits' leading shape; the same on every rank): only those rows are computed, the
-    others' outputs are 0 with no gradient and their ids are not read.
+    others' outputs are 0 with no gradient and their ids are not read. `invariant`: each row's
+    outputs a function of that row's logits alone, bit for bit (None: the setting
+    ``MEGATRON_RL_PATCHES_INVARIANT``; docs/train-rollout-agreement.md).
     """
     logp, tail, lead, k, _ = _topk_logprobs_checked(
         logits, ids, tp_group, temperature, vocab_size, chunk_size, _checks.DeviceChecks(), backend=backend,
-        ids_mask=ids_mask, row_mask=row_mask,
+        ids_mask=ids_mask, row_mask=row_mask, invariant=resolve_invariant(invariant),
     )
     return logp.reshape(*lead, k), tail.reshape(lead)
 
@@ -233,6 +246,24 @@ def _bucket_divergence(
     return _divergences.bucket_divergence(plan, log_p, log_q)
 
 
+def _divergence_rows(log_p: torch.Tensor, teachers: torch.Tensor, teacher_tails: torch.Tensor | None,
+                     log_w: torch.Tensor, plan: _divergences.ResolvedDivergence, valid: torch.Tensor | None,
+                     renormalize: bool, invariant: bool) -> torch.Tensor:
+    """:func:`_bucket_divergence`, in fixed row blocks when `invariant` (teachers moved rows-first
+    for the blocks, back inside)."""
+    if not invariant:
+        return _bucket_divergence(log_p, teachers, teacher_tails, log_w, plan, valid, renormalize)
+    n, k = teachers.shape[0], teachers.shape[-1]
+    rows_first = teachers.reshape(n, -1, k).transpose(0, 1)
+    tails = None if teacher_tails is None else teacher_tails.reshape(n, -1).transpose(0, 1)
+
+    def block(lp, tq, tt, ok):
+        return _bucket_divergence(lp, tq.transpose(0, 1), None if tt is None else tt.transpose(0, 1), log_w, plan, ok,
+                                  renormalize)
+
+    return in_row_blocks(block, log_p.size(0), log_p, rows_first, tails, valid)
+
+
 def topk_kl(
     student_logprobs: torch.Tensor,
     student_tail: torch.Tensor,
@@ -247,13 +278,16 @@ def topk_kl(
     ids_mask: torch.Tensor | None = None,
     kl: str | None = None,
     mix: float | None = None,
+    invariant: bool | None = None,
 ) -> torch.Tensor:
     """Per-token divergence [T] between (k+1)-bucket distributions that are already computed: the
     student's log-probs at the k ids [T, k] and its tail [T] (from `topk_logprobs` or
     `lm_head_topk_logprobs`), against the teachers' [T, k] or [n, T, k] (tails [T] / [n, T], or
     None: derived stably from their k log-probs). Options as `topk_opd_loss`; the gradient flows
     to the student's buckets only. `ids_mask` (bool [T, k]): buckets where it is False are
-    padding, empty for the student and every teacher whatever values they hold."""
+    padding, empty for the student and every teacher whatever values they hold. `invariant`: each
+    row's value from that row's buckets alone, bit for bit (computed in fixed row blocks)."""
+    invariant = resolve_invariant(invariant)
     plan = _divergences.ResolvedDivergence.of(*topk_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
     renormalize = _divergences.check_renormalize(renormalize)
     _checks.check_float_tensor(student_logprobs, "student_logprobs", "[T, k]")
@@ -279,7 +313,7 @@ def topk_kl(
     k = student_logprobs.shape[-1]
     log_p = torch.cat([student_logprobs.reshape(-1, k).to(dtype), student_tail.reshape(-1, 1).to(dtype)], dim=1)
     valid = None if ids_mask is None else ids_mask.reshape(-1, k)
-    return _bucket_divergence(log_p, teachers, teacher_tails, log_w, plan, valid, renormalize).reshape(lead)
+    return _divergence_rows(log_p, teachers, teacher_tails, log_w, plan, valid, renormalize, invariant).reshape(lead)
 
 
 def topk_opd_loss(
@@ -302,6 +336,7 @@ def topk_opd_loss(
     chunk_size: int | None = None,
     backend: str = "auto",
     row_mask: torch.Tensor | None = None,
+    invariant: bool | None = None,
 ) -> torch.Tensor:
     """Per-token divergence [T] between the student's and the teacher mixture's (k+1)-bucket
     distributions (the k ids plus one tail bucket); gradient flows to the student logits only.
@@ -328,8 +363,9 @@ def topk_opd_loss(
     only makes that token's KL +inf (that bucket gives no gradient). `ids_mask` (bool, ids'
     shape; e.g. from `union_ids`): padded slots, as in `topk_logprobs`, empty buckets for every
     model. `row_mask` (bool, the student logits' leading shape): only those rows are computed;
-    the others' divergence is 0 with no gradient.
+    the others' divergence is 0 with no gradient. `invariant`: as in `topk_logprobs` and `topk_kl`.
     """
+    invariant = resolve_invariant(invariant)
     plan = _divergences.ResolvedDivergence.of(*topk_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
     renormalize = _divergences.check_renormalize(renormalize)
     lead, _ = topk_checks.check_logits(student_logits, "student_logits", tp_group)
@@ -343,7 +379,7 @@ def topk_opd_loss(
                                                     teacher_weights, dtype, student_logits.device, checks)
     logp, tail, lead, k, selection = _topk_logprobs_checked(
         student_logits, ids, tp_group, temperature, vocab_size, chunk_size, checks, "topk_opd_loss", "student_logits",
-        backend, ids_mask, row_mask,
+        backend, ids_mask, row_mask, invariant,
     )
     rows = selection.rows
     log_p = selection.take(torch.cat([logp, tail[:, None]], dim=1))
@@ -353,5 +389,5 @@ def topk_opd_loss(
         teachers = teachers.reshape(n, -1, k).index_select(1, rows.to(teachers.device))
         if teacher_tails is not None:
             teacher_tails = teacher_tails.reshape(n, -1).index_select(1, rows.to(teacher_tails.device))
-    value = _bucket_divergence(log_p, teachers, teacher_tails, log_w, plan, valid, renormalize)
+    value = _divergence_rows(log_p, teachers, teacher_tails, log_w, plan, valid, renormalize, invariant)
     return selection.scatter(value).reshape(lead)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._args import positive_int
+from megatron_rl_patches.ops.invariance import resolve_invariant
 from megatron_rl_patches.processors.output import ProcessorOutput
 
 __all__ = ["log_prob_output_processor", "topk_output_processor"]
@@ -79,6 +80,13 @@ def logit_multiplier(config: Any) -> float:
             "folds a finite positive multiplier into the temperature: set one or disable use_mup"
         )
     return float(mult)
+
+
+def check_invariant(invariant: object) -> None:
+    """A processor's `invariant=`: True, False or None (the setting, then the model config)."""
+    if invariant is not None and not isinstance(invariant, bool):
+        raise TypeError(f"invariant must be True, False or None (the setting MEGATRON_RL_PATCHES_INVARIANT, then "
+                        f"the model config's batch_invariant_mode), got {invariant!r}")
 
 
 def check_options(temperature: object, vocab_size: object, chunk_size: object) -> None:
@@ -220,6 +228,7 @@ def log_prob_output_processor(
     entropy_requires_grad: bool = True,
     vocab_size: int | None = None,
     chunk_size: int | None = None,
+    invariant: bool | None = None,
 ) -> Callable[..., dict[str, torch.Tensor | None]]:
     """A processor for `GPTModel.forward(..., labels=targets [b, s], output_processor=...)` that
     returns {"log_probs": [b, s], "entropy": [b, s] or None}: log p(label) and the entropy per
@@ -230,8 +239,10 @@ def log_prob_output_processor(
     ([P] ids), "kept_positions" ([P] their tokens as flat [b, s] indices, b·s_len + s) and
     "kept_row_mask" ([b, s] bool) the result also holds "kept_log_probs" [b, s]: on the masked
     tokens log p(label) renormalized over the token's kept ids and its label (top-p replay, from
-    the kept ids' logits only: `ops.kept_set`), elsewhere "log_probs"."""
+    the kept ids' logits only: `ops.kept_set`), elsewhere "log_probs". `invariant`: the op's mode
+    (None: the setting MEGATRON_RL_PATCHES_INVARIANT, else the model config's batch_invariant_mode)."""
     check_options(temperature, vocab_size, chunk_size)
+    check_invariant(invariant)
 
     def process(*, hidden_states, output_layer, output_weight=None, labels=None, config=None, context=None, **_):
         from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy
@@ -257,6 +268,7 @@ def log_prob_output_processor(
             vocab_size=vocab_size,
             chunk_size=chunk_size,
             row_mask=_row_mask(ctx, call),
+            invariant=resolve_invariant(invariant, config),
         )
         out = ProcessorOutput(log_probs=call.to_batch(log_probs),
                               entropy=None if entropy is None else call.to_batch(entropy))
@@ -304,6 +316,7 @@ def topk_output_processor(
     temperature: float = 1.0,
     vocab_size: int | None = None,
     chunk_size: int | None = None,
+    invariant: bool | None = None,
 ) -> Callable[..., dict[str, torch.Tensor]]:
     """A processor returning the (k+1)-bucket top-k view of the next-token distribution:
     {"topk_ids": [b, s, k] (when it selects them), "topk_log_probs": [b, s, k], "tail": [b, s]}.
@@ -311,8 +324,10 @@ def topk_output_processor(
     {"ids": [b, s, k]}` (and "ids_mask" [b, s, k] for padded ids) it scores those ids instead
     (a teacher scoring the student's ids). With `union=True`, `k` and context ids (the
     student's), it selects its own top-k and scores the union (`union_ids`: the given ids
-    first), returned as "topk_ids" and "ids_mask" [b, s, k_given + k] (docs/distillation.md)."""
+    first), returned as "topk_ids" and "ids_mask" [b, s, k_given + k] (docs/distillation.md).
+    `invariant` as in `log_prob_output_processor`."""
     check_options(temperature, vocab_size, chunk_size)
+    check_invariant(invariant)
     if k is not None:
         positive_int("k", k, " (ids to select) or None (ids from the context)")
     if not isinstance(union, bool):
@@ -337,7 +352,7 @@ def topk_output_processor(
         call = ProcessorCall(hidden_states, output_layer, output_weight, None, config, temperature, ctx)
         options = dict(tp_group=call.tp_group, sequence_parallel=call.sequence_parallel,
                        temperature=call.temperature, vocab_size=vocab_size, chunk_size=chunk_size,
-                       row_mask=_row_mask(ctx, call))
+                       row_mask=_row_mask(ctx, call), invariant=resolve_invariant(invariant, config))
         result: dict[str, torch.Tensor] = ProcessorOutput()
         rows = None if ids is None else token_rows(ids, "output_processor_context['ids']", call.batch, call.seq)
         rows_mask = None if mask is None else token_rows(mask, "output_processor_context['ids_mask']", call.batch,

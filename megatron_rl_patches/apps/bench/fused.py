@@ -10,7 +10,8 @@ once with MALLOC_MMAP_THRESHOLD_) or the CUDA allocator's peak, minus the gradie
 implementation must produce (grad_weight V·H and grad_hidden T·H): the *excess* peak, in
 U = T·V·4 bytes. Time: forward + backward down to hidden and weight, best of a few runs.
 The OPD step (one run per case) reports the same excess, the bytes of the largest teacher [T, V]
-logits tensor and the step's time. `run(only="logprob" | "opd")` runs one part.
+logits tensor and the step's time. `run(only="logprob" | "opd" | "invariant")` runs one part;
+"invariant" times ours (fused) in the default and the invariant mode at V = 151,936.
 """
 from __future__ import annotations
 
@@ -30,13 +31,17 @@ SKIP_NAIVE_FROM_T = 16384
 IMPLS = (("naive autograd", "naive"), ("logits path", "logits"), ("ours (fused)", "fused"))
 # An implementation is left out where its expected peak (in U, measured at small shapes) would
 # not fit in this much memory.
-EXPECTED_PEAK_U = {"naive": 4.8, "logits": 1.8, "fused": 0.3}
+EXPECTED_PEAK_U = {"naive": 4.8, "logits": 1.8, "fused": 0.3, "fused_invariant": 0.3}
 MEMORY_BUDGET = 14 << 30
 COLUMNS = ("shape", "implementation", "excess_peak_U", "excess_peak_MiB", "time_s", "time_vs_logits", "note")
 OPD_COLUMNS = ("shape", "teachers", "implementation", "teacher_logits_MiB", "excess_peak_U", "excess_peak_MiB",
                "time_s", "time_vs_logits", "note")
 # The two parts `run(only=...)` (CLI: `bench fused --only PART`) can be limited to.
-PARTS = ("logprob", "opd")
+PARTS = ("logprob", "opd", "invariant")
+# the invariant part: ours in both modes at a Qwen-sized vocabulary
+INVARIANT = {"shapes": [(4096, 151936), (16384, 151936)], "hidden": 256, "runs": 1}  # H = 256: minutes on a CPU
+QUICK_INVARIANT = {"shapes": [(256, 2048)], "hidden": 64, "runs": 1}
+INVARIANT_IMPLS = (("ours (fused)", "fused"), ("ours (fused), invariant", "fused_invariant"))
 TOPK = 16
 
 
@@ -66,7 +71,8 @@ def _loss(impl: str, hidden, weight, tokens, a, b):
     else:
         from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy
 
-        logp, entropy = lm_head_log_probs_and_entropy(hidden, weight, tokens, with_entropy=True)
+        logp, entropy = lm_head_log_probs_and_entropy(hidden, weight, tokens, with_entropy=True,
+                                                      invariant=impl == "fused_invariant")
     return (a * logp).sum() + (b * entropy).sum()
 
 
@@ -166,6 +172,10 @@ def run(quick: bool = False, out_dir: str | None = None, only: str | None = None
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # workers inherit it: freed [T, V] blocks leave the RSS
     try:
         rows = _logprob_rows(plan["shapes"], H, runs) if only in (None, "logprob") else []
+        if only == "invariant":
+            inv = QUICK_INVARIANT if quick else INVARIANT
+            H = inv["hidden"]
+            rows = _logprob_rows(inv["shapes"], H, inv["runs"], INVARIANT_IMPLS)
         opd_shapes = plan["shapes"][:2] if not quick else plan["shapes"]
         opd_rows = _opd_rows(opd_shapes, H) if only in (None, "opd") else []
     finally:
@@ -196,19 +206,19 @@ def run(quick: bool = False, out_dir: str | None = None, only: str | None = None
     return rows + opd_rows
 
 
-def _ratios_to_logits_path(rows: list[dict], same_case) -> None:
-    """time_vs_logits on every timed row: its time over the logits path's in the same case."""
+def _ratios_to_logits_path(rows: list[dict], same_case, base: str = "logits path") -> None:
+    """time_vs_logits on every timed row: its time over the `base` implementation's in the same case."""
     for row in rows:
-        logits = next((r for r in rows if same_case(r, row) and r["implementation"] == "logits path"), {})
+        logits = next((r for r in rows if same_case(r, row) and r["implementation"] == base), {})
         if "time_s" in row and "time_s" in logits:
             row["time_vs_logits"] = row["time_s"] / logits["time_s"]
 
 
-def _logprob_rows(shapes, H: int, runs: int) -> list[dict]:
+def _logprob_rows(shapes, H: int, runs: int, impls=IMPLS) -> list[dict]:
     rows = []
     for T, V in shapes:
         unit = T * V * 4
-        for label, impl in IMPLS:
+        for label, impl in impls:
             row: dict[str, Any] = {"shape": f"{T}x{V}", "T": T, "V": V, "H": H, "implementation": label, "note": ""}
             if impl == "naive" and T >= SKIP_NAIVE_FROM_T:
                 row["note"] = "left out at this size (see the smaller shapes)"
@@ -232,7 +242,8 @@ def _logprob_rows(shapes, H: int, runs: int) -> list[dict]:
                 if not result["peak_reset"]:
                     row["note"] = "peak = process lifetime peak"
             rows.append(row)
-    _ratios_to_logits_path(rows, lambda a, b: a["shape"] == b["shape"])
+    _ratios_to_logits_path(rows, lambda a, b: a["shape"] == b["shape"],
+                           "ours (fused)" if impls is INVARIANT_IMPLS else "logits path")
     return rows
 
 

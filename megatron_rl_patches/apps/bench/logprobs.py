@@ -9,7 +9,9 @@ alone: forward plus the backward down to the logits, best of a few runs.
 
 Implementations: naive autograd; a fused Function that keeps the softmax (the idea of slime's
 current one, written here as a reference); megatron-core's ``vocab_parallel_cross_entropy``
-(log-prob only); ours, with and without the entropy gradient, fresh or in-place gradient.
+(log-prob only); ours, with and without the entropy gradient, fresh or in-place gradient, and in
+the invariant mode (``invariant=True``). `run(only="invariant")` (CLI: `bench logprobs --only
+invariant`) runs ours against ours invariant at a Qwen-sized vocabulary (V = 151,936).
 """
 from __future__ import annotations
 
@@ -24,6 +26,10 @@ from megatron_rl_patches.apps.bench.runner import run_cases
 QUICK_SHAPES = [(256, 2048)]
 FULL_SHAPES = [(1024, 32000), (4096, 32000)]
 HIDDEN = 64
+# `only="invariant"`: the default mode against the invariant mode at a Qwen-sized vocabulary
+INVARIANT_SHAPES = [(4096, 151936), (16384, 151936)]
+QUICK_INVARIANT_SHAPES = [(256, 2048)]
+PARTS = ("invariant",)
 
 # (label, implementation, task, in-place)
 VARIANTS = [
@@ -31,12 +37,15 @@ VARIANTS = [
     ("fused, softmax kept", "fused", "grad", False),
     ("ours", "ours", "grad", False),
     ("ours, in-place grad", "ours", "grad", True),
+    ("ours, invariant", "ours_invariant", "grad", False),
     ("naive autograd", "naive", "metric", False),
     ("fused, softmax kept", "fused", "metric", False),
     ("megatron-core CE (log-prob only)", "mcore", "metric", False),
     ("ours", "ours", "metric", False),
     ("ours, in-place grad", "ours", "metric", True),
+    ("ours, invariant", "ours_invariant", "metric", False),
 ]
+INVARIANT_VARIANTS = [variant for variant in VARIANTS if variant[1] in ("ours", "ours_invariant") and not variant[3]]
 COLUMNS = ["shape", "task", "implementation", "saved_U", "held_U", "peak_U", "time_s", "time_vs_naive",
            "peak_vs_naive", "note"]
 
@@ -78,12 +87,13 @@ def _make_loss(impl: str, task: str, inplace: bool):
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         return lambda logits, tokens, a, b: (a * -vocab_parallel_cross_entropy(logits, tokens)).sum()
-    if impl == "ours":
+    if impl in ("ours", "ours_invariant"):
         from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
 
         def ours(logits, tokens, a, b):
             logp, entropy = log_probs_and_entropy(logits, tokens, with_entropy=True,
-                                                  entropy_requires_grad=task == "grad", inplace_backward=inplace)
+                                                  entropy_requires_grad=task == "grad", inplace_backward=inplace,
+                                                  invariant=impl == "ours_invariant")
             return (a * logp).sum() + ((b * entropy).sum() if task == "grad" else 0.0 * entropy.sum())
 
         return ours
@@ -141,17 +151,23 @@ def logprob_case(probe: MemoryProbe, *, impl: str, task: str, inplace: bool, T: 
 # ------------------------------------------------------------------------ the benchmark
 
 
-def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
+def run(quick: bool = False, out_dir: str | None = None, only: str | None = None) -> list[dict]:
     """Run the log-prob benchmark; print the table, and write CSV + PNG into `out_dir` when given.
 
     `quick`: one tiny shape, one timing run, all cases in one worker process (memory still per
     case: the peak mark is reset between them), megatron-core skipped (its import alone takes
-    longer than the whole quick run).
+    longer than the whole quick run). `only="invariant"`: ours in both modes at V = 151,936
+    (time_vs_naive: against ours in the default mode).
     """
-    shapes = QUICK_SHAPES if quick else FULL_SHAPES
+    if only is not None and only not in PARTS:
+        raise ValueError(f"only must be one of {PARTS} or None (every implementation), got {only!r}")
+    if only == "invariant":
+        shapes, variants = (QUICK_INVARIANT_SHAPES if quick else INVARIANT_SHAPES), INVARIANT_VARIANTS
+    else:
+        shapes, variants = (QUICK_SHAPES if quick else FULL_SHAPES), VARIANTS
     plan, cases = [], []
     for T, V in shapes:
-        for label, impl, task, inplace in VARIANTS:
+        for label, impl, task, inplace in variants:
             plan.append((T, V, label, impl, task, inplace))
             if impl == "mcore" and quick:
                 continue
@@ -185,7 +201,7 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
         rows.append(row)
     for row in rows:
         naive = next((r for r in rows if r["shape"] == row["shape"] and r["task"] == row["task"]
-                      and r["impl"] == "naive" and "time_s" in r), None)
+                      and r["impl"] == ("ours" if only else "naive") and "time_s" in r), None)
         if naive and "time_s" in row:
             row["time_vs_naive"] = row["time_s"] / naive["time_s"]
             if row.get("peak_bytes") and naive.get("peak_bytes"):

@@ -34,7 +34,9 @@ OPS_OPTIONS = (("--T", 1024, "tokens"), ("--V", 8192, "vocabulary"), ("--H", 256
 DURATIONS = {"logprobs": "2-4 min", "topk": "1-2 min", "reentrant": "1 min", "fused": "5-6 min",
              "windows": "1 min", "distill": "2-3 min", "residency": "1-2 min", "load": "3-4 min"}
 # `bench fused --only PART` (megatron_rl_patches.apps.bench.fused.PARTS, kept here so --help imports no torch)
-FUSED_PARTS = ("logprob", "opd")
+FUSED_PARTS = ("logprob", "opd", "invariant")
+# `bench logprobs --only PART` (megatron_rl_patches.apps.bench.logprobs.PARTS)
+LOGPROBS_PARTS = ("invariant",)
 
 
 def _count(text: str) -> int:
@@ -56,8 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes: seconds, for smoke tests")
     parser.add_argument("--out", metavar="DIR", help="write CSV files and PNG plots (needs the [bench] extra) here")
     parser.add_argument("--only", choices=FUSED_PARTS, metavar="PART",
-                        help=f"bench fused only: run one part, {' or '.join(FUSED_PARTS)} "
-                             "(log-prob + entropy, or the top-k OPD step with 1 and 2 teachers)")
+                        help=f"bench fused: run one part, {' or '.join(FUSED_PARTS)} "
+                             "(log-prob + entropy, the top-k OPD step with 1 and 2 teachers, or the default "
+                             "against the invariant mode at V = 151,936); bench logprobs: invariant")
     ops = parser.add_argument_group("bench ops")
     ops.add_argument("--baseline", metavar="REV", help="bench ops: the git revision to compare with (e.g. main)")
     for flag, default, meaning in OPS_OPTIONS:
@@ -79,8 +82,11 @@ def check_output_folder(path: str) -> None:
 
 def check_options(args: argparse.Namespace) -> None:
     """Options that belong to one benchmark are refused (exit 2) by every other one."""
-    if args.only is not None and args.which != "fused":
-        raise UsageError(f"--only {args.only} selects a part of `bench fused`; run `bench fused --only {args.only}`")
+    if args.only is not None and not (args.which == "fused" or (args.which == "logprobs"
+                                                                 and args.only in LOGPROBS_PARTS)):
+        raise UsageError(f"--only {args.only} selects a part of `bench fused`"
+                         + (" or `bench logprobs`" if args.only in LOGPROBS_PARTS else "")
+                         + f"; run `bench fused --only {args.only}`")
     if args.which == "ops":
         if args.quick:
             raise UsageError("bench ops has no --quick: make it smaller with --T, --V, --H and --runs")

@@ -49,9 +49,28 @@ def test_only_names_a_part_of_bench_fused(capsys):
     from megatron_rl_patches.apps.cli import bench, main
 
     assert bench.FUSED_PARTS == fused.PARTS  # the CLI's copy, kept so that --help imports no torch
-    with pytest.raises(ValueError, match="only must be one of \\('logprob', 'opd'\\)"):
+    with pytest.raises(ValueError, match="only must be one of \\('logprob', 'opd', 'invariant'\\)"):
         fused.run(quick=True, only="naive")
     assert main(["bench", "topk", "--only", "opd"]) == 2
     assert "selects a part of `bench fused`" in capsys.readouterr().err
     assert main(["bench", "fused", "--only", "loss"]) == 2
     assert "invalid choice: 'loss'" in capsys.readouterr().err
+    from megatron_rl_patches.apps.bench import logprobs
+
+    assert bench.LOGPROBS_PARTS == logprobs.PARTS
+    assert main(["bench", "topk", "--only", "invariant"]) == 2  # a part of bench fused and bench logprobs only
+    assert "`bench logprobs`" in capsys.readouterr().err
+
+
+def test_the_invariant_parts_time_both_modes():
+    """`bench fused --only invariant` and `bench logprobs --only invariant` (quick shapes): ours in the
+    default and the invariant mode, each row timed, the ratio against the default mode's row."""
+    from megatron_rl_patches.apps.bench import fused, logprobs
+
+    rows = fused.run(quick=True, only="invariant")
+    assert [r["implementation"] for r in rows] == ["ours (fused)", "ours (fused), invariant"]
+    assert all(r["time_s"] > 0 and "time_vs_logits" in r for r in rows)
+    rows = logprobs.run(quick=True, only="invariant")
+    assert [(r["task"], r["implementation"]) for r in rows] == [
+        ("grad", "ours"), ("grad", "ours, invariant"), ("metric", "ours"), ("metric", "ours, invariant")]
+    assert all(r["time_s"] > 0 and r["time_vs_naive"] > 0 for r in rows)

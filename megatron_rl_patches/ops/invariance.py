@@ -1,0 +1,44 @@
+"""The invariant mode's switch: whether a vocabulary op computes each row's values from that row's
+input and the weights alone, bit for bit (docs/train-rollout-agreement.md).
+
+An op's ``invariant=`` argument wins; None reads the setting ``MEGATRON_RL_PATCHES_INVARIANT``
+("1"/"true"/"on"/"yes" on, "0"/"false"/"off"/"no" off, any case; unset or "" defers), then a
+model config's ``batch_invariant_mode`` (megatron-core's TransformerConfig attribute) where a
+processor or framework route has the config; else off.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+VARIABLE = "MEGATRON_RL_PATCHES_INVARIANT"
+_WORDS = {**dict.fromkeys(("1", "true", "on", "yes"), True), **dict.fromkeys(("0", "false", "off", "no"), False),
+          "": None}
+
+
+def environment_invariant(environ: dict[str, str] | None = None) -> bool | None:
+    """The setting's value: True, False, or None when unset or ""; ValueError naming the variable
+    for any other text."""
+    text = (os.environ if environ is None else environ).get(VARIABLE) or ""
+    setting = _WORDS.get(text.strip().lower(), "bad")
+    if setting == "bad":
+        raise ValueError(f"{VARIABLE}={text[:40]!r} is not a switch: use 1 (invariant vocabulary ops) or 0 (the "
+                         f"default mode), or leave it unset")
+    return setting  # type: ignore[return-value]
+
+
+def config_invariant(config: Any) -> bool:
+    """megatron-core's ``batch_invariant_mode`` on a model config (False when absent or None)."""
+    return getattr(config, "batch_invariant_mode", False) is True
+
+
+def resolve_invariant(invariant: object, config: Any = None) -> bool:
+    """Whether a call runs invariant: `invariant` when a bool, else the setting, else `config`'s
+    ``batch_invariant_mode``; TypeError for anything but a bool or None."""
+    if isinstance(invariant, bool):
+        return invariant
+    if invariant is not None:
+        raise TypeError(f"invariant must be True, False or None (the setting {VARIABLE} or the model config's "
+                        f"batch_invariant_mode), got {invariant!r}")
+    setting = environment_invariant()
+    return setting if setting is not None else config_invariant(config)

@@ -1,0 +1,254 @@
+"""The invariant mode's statistics: each row's values a function of that row's logits (or hidden
+state and the weights) alone — the same bits whatever the other rows, the tensor-parallel split,
+the sequence-parallel gather, the row selection or the chunk size.
+
+Three means, each closing one way a row's bits could move:
+
+- **fixed-shape GEMM tiles**: the fused head's h·Wᵀ runs on [R, H]·[H, W] tiles of one shape per
+  device (hidden rows and the last vocabulary tile padded with zeros), so no GEMM's blocking
+  depends on T, on the shard's width or on a row's position; the elementwise passes here are
+  exp, subtraction, multiplication and clamping only, which give an element the same bits
+  wherever it sits (on CPU torch's exp runs one vector code path for every element, remainders
+  included; exp2 and logaddexp do not, and are not used here);
+- **global maxima first**: a row's exponentials are taken against its full-vocabulary max (one
+  MAX all-reduce per row group: all rows for logits, each row tile for the fused head, whose tile
+  logits stay in a [R, V_local] buffer meanwhile), so no running sum is ever rescaled;
+- **exact sums**: every e^u ≤ 1 (and e^u·u) goes into 64-bit fixed point (2^-44 units, truncated)
+  and is summed as integers, across tiles and across ranks: integer addition does not care about
+  order, so neither the tiling nor the split shows in the sum.
+
+The finalize steps then run in fixed row blocks (:mod:`..row_blocks`). The torch route serves
+every backend in this mode (the Triton kernels do not follow it yet). Gradients use the default
+backward: exact, not bit-invariant.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl_patches.ops._dist import all_reduce_max_, all_reduce_sum_, tp_size
+from megatron_rl_patches.ops._stats import (
+    NEG_FLOOR,
+    RowStats,
+    column_marks,
+    finite_or_zero,
+    local_row_max,
+    marks_mask,
+    scale_rows,
+)
+from megatron_rl_patches.ops.kernels.sources import Source
+from megatron_rl_patches.ops.kernels.torch_fast_paths import replace_marked
+
+FIXED_BITS = 44  # e^u in [0, 1] as integers of 2^-44: a vocabulary of 2^19 ids sums below 2^63
+MAX_VOCAB = 1 << 19
+_TO_FIXED = float(2 ** FIXED_BITS)
+_FROM_FIXED = float(2.0 ** -FIXED_BITS)
+
+
+def tile_shape(device: torch.device) -> tuple[int, int]:
+    """(rows, columns) of every tile on `device`: on CPU one tile is below the parallel grain (one
+    thread) and a multiple of every vector width; on CUDA elementwise kernels are per element."""
+    return (256, 4096) if device.type == "cuda" else (32, 2048)
+
+
+def check_vocab(vocab: int, op: str) -> None:
+    """The fixed-point sums hold vocabularies up to 2^19 ids."""
+    if vocab > MAX_VOCAB:
+        raise ValueError(f"{op}(invariant=True) sums in 64-bit fixed point, for vocabularies up to {MAX_VOCAB} ids; "
+                         f"this one has {vocab}: call it with invariant=False")
+
+
+def _fixed_sum(t: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
+    """Σ over the columns of values in [-1, 1] (t is overwritten; `ints` an int64 buffer of its
+    shape), as int64 units of 2^-44 (truncated): exact, so the same in any order or grouping."""
+    return ints.copy_(t.mul_(_TO_FIXED)).sum(dim=1)
+
+
+class _Buffers:
+    """Reusable work buffers of one call, viewed at each pass's shape (fresh pages cost a fault each)."""
+
+    def __init__(self) -> None:
+        self._flat: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        flat = self._flat.get((name, dtype))
+        if flat is None or flat.numel() < like.numel():
+            flat = self._flat[(name, dtype)] = torch.empty(like.numel(), dtype=dtype, device=like.device)
+        return flat[: like.numel()].view(like.shape)
+
+
+class _Walk:
+    """A source's rows in groups (the rows sharing one MAX all-reduce) and views of their logits:
+    a logits source's whole rows (every pass here is exact or per element, whatever the view's
+    shape); a fused source's fixed-shape GEMM tiles of one row tile, kept in a [n_tiles, R, W]
+    buffer between the two passes."""
+
+    def __init__(self, source: Source, dtype: torch.dtype) -> None:
+        self.source, self.dtype = source, dtype
+        device = source.first.device
+        self.rows, self.cols = tile_shape(device)
+        self.col_starts = list(range(0, source.n_valid, self.cols))
+        if source.fused:
+            assert source.hidden is not None and source.weight is not None  # fused
+            weight = source.weight[: source.n_valid].contiguous()
+            self.weight = weight
+            self.last_weight = None
+            last = source.n_valid - (self.col_starts[-1] if self.col_starts else 0)
+            if self.col_starts and last < self.cols:  # the last vocabulary tile padded with zero rows
+                self.last_weight = weight.new_zeros(self.cols, weight.size(1))
+                self.last_weight[:last].copy_(weight[self.col_starts[-1]:])
+            self.h = source.hidden.new_zeros(self.rows, source.hidden.size(1))
+            self.buffer = torch.empty(len(self.col_starts), self.rows, self.cols, dtype=dtype, device=device)
+            self.chunk = self.rows
+        else:
+            self.chunk = _logits_chunk_rows(source.n_valid, device)
+
+    def groups(self) -> list[tuple[int, int]]:
+        """Row ranges sharing one MAX all-reduce: every row for logits, each row tile when fused."""
+        n_rows = self.source.n_rows
+        if not self.source.fused:
+            return [(0, n_rows)] if n_rows else []
+        return [(r0, min(n_rows, r0 + self.rows)) for r0 in range(0, n_rows, self.rows)]
+
+    def width(self, c0: int) -> int:
+        return min(self.cols, self.source.n_valid - c0)
+
+    def compute(self, r0: int, r1: int) -> None:
+        """A fused source: every vocabulary tile of rows [r0, r1) into the buffer, each GEMM of the
+        one shape [R, H]·[H, W] (zero rows pad the hidden rows and the last vocabulary tile)."""
+        assert self.source.hidden is not None  # fused
+        if r1 - r0 < self.rows:
+            self.h.zero_()
+        self.h[: r1 - r0].copy_(self.source.hidden[r0:r1])
+        for index, c0 in enumerate(self.col_starts):
+            w = self.weight[c0: c0 + self.cols] if self.width(c0) == self.cols else self.last_weight
+            assert w is not None  # a partial tile has its padded weight
+            out = self.buffer[index]
+            if self.h.dtype == out.dtype:
+                torch.matmul(self.h, w.t(), out=out)
+            else:
+                out.copy_(torch.matmul(self.h, w.t()))
+
+    def views(self, g0: int, g1: int) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+        """(first row, last row + 1, first column, real entries [r, c]) covering rows [g0, g1)."""
+        if not self.source.fused:
+            assert self.source.logits is not None  # not fused
+            if self.col_starts:
+                for r0 in range(g0, g1, self.chunk):
+                    r1 = min(g1, r0 + self.chunk)
+                    yield r0, r1, 0, self.source.logits[r0:r1, : self.source.n_valid]
+            return
+        for index, c0 in enumerate(self.col_starts):
+            yield g0, g1, c0, self.buffer[index, : g1 - g0, : self.width(c0)]
+
+
+def _logits_chunk_rows(n_cols: int, device: torch.device) -> int:
+    """Rows per pass over a logits source (any count gives the same bits): about 4 MiB of fp32."""
+    budget = (128 << 20) if device.type == "cuda" else (4 << 20)
+    return max(1, budget // (4 * max(1, n_cols)))
+
+
+def fixed_tiles(source: Source, dtype: torch.dtype) -> Iterator[tuple[slice, slice, torch.Tensor]]:
+    """(rows, columns, x) of every tile, a fused source's x from fixed-shape GEMMs (its shape never
+    depends on T): for the top-k ids, which are exact given the logits."""
+    walk = _Walk(source, dtype)
+    for g0, g1 in walk.groups():
+        if source.fused:
+            walk.compute(g0, g1)
+        for r0, r1, c0, x in walk.views(g0, g1):
+            yield slice(r0, r1), slice(c0, c0 + x.size(1)), x
+
+
+def invariant_row_stats(source: Source, stats: RowStats, cols: torch.Tensor, owned: torch.Tensor,
+                        keep_mask: torch.Tensor | None, scale: float | torch.Tensor,
+                        group: dist.ProcessGroup | None) -> RowStats:
+    """The full-vocabulary statistics (combined over the ranks) of `stats`' kind — its sums, marked
+    ids `cols`/`owned` [T, k], subset (keep mask, or the tail) — in the invariant mode. The sums
+    come back in `stats`' dtype from their exact integer values."""
+    dtype = stats.shift.dtype
+    walk = _Walk(source, dtype)
+    device = stats.shift.device
+    ints = {name: torch.zeros(source.n_rows, dtype=torch.int64, device=device)
+            for name in ("rest", "moment", "sub_sum") if getattr(stats, name) is not None}
+    work = _Buffers()
+    for g0, g1 in walk.groups():
+        if source.fused:
+            walk.compute(g0, g1)
+        for r0, r1, c0, x in walk.views(g0, g1):
+            _maxima(stats, slice(r0, r1), x, c0, cols, owned, keep_mask)
+        shifts = [stats.shift] + ([stats.sub_shift] if stats.sub_shift is not None else [])
+        if tp_size(group) > 1:
+            # MAX all-reduce over the tensor-parallel group: the rows' full-vocabulary maxima,
+            # known before any exp-sum (so no sum is ever rescaled)
+            both = all_reduce_max_(torch.stack([s[g0:g1] for s in shifts]), group)
+            for s, value in zip(shifts, both):
+                s[g0:g1] = value
+        for r0, r1, c0, x in walk.views(g0, g1):
+            _sums(stats, ints, slice(r0, r1), x, c0, cols, owned, keep_mask, scale, work)
+    if tp_size(group) > 1:
+        # SUM all-reduce over the tensor-parallel group: the marked logits from the ranks owning
+        # them (0 elsewhere: exact), and every rank's integer sums (exact in any order)
+        all_reduce_sum_(stats.marked, group)
+        if ints:
+            summed = all_reduce_sum_(torch.stack(list(ints.values()), dim=1), group)
+            ints = dict(zip(ints, summed.unbind(1)))
+    for name, value in ints.items():
+        setattr(stats, name, value.to(torch.float64).mul_(_FROM_FIXED).to(dtype))
+    return stats
+
+
+def _subset_view(x: torch.Tensor, marked: torch.Tensor | None, subset: torch.Tensor | None) -> torch.Tensor:
+    """x with the columns outside the subset -inf: the kept ids (the marked ones count for the
+    max), or the tail (every unmarked column)."""
+    if subset is not None:
+        return x.masked_fill(~(subset if marked is None else subset | marked), -math.inf)
+    return x.masked_fill(marked, -math.inf) if marked is not None else x
+
+
+def _maxima(stats: RowStats, rows: slice, x: torch.Tensor, c0: int, cols: torch.Tensor, owned: torch.Tensor,
+            keep_mask: torch.Tensor | None) -> None:
+    """Pass 1 over a tile's real entries x [r, c]: the marked logits and the running maxima (exact
+    in any order)."""
+    dtype = stats.shift.dtype
+    local, inside = column_marks(cols[rows], owned[rows], c0, x.size(1))
+    stats.marked[rows] += torch.where(inside, x.gather(1, local).to(dtype), 0.0)
+    stats.shift[rows] = torch.maximum(stats.shift[rows], local_row_max(x, dtype))
+    if stats.sub_shift is not None:
+        marked = marks_mask(x.shape, local, inside)
+        subset = keep_mask[rows, c0: c0 + x.size(1)] if keep_mask is not None else None
+        stats.sub_shift[rows] = torch.maximum(stats.sub_shift[rows], local_row_max(_subset_view(x, marked, subset),
+                                                                                   dtype))
+
+
+def _sums(stats: RowStats, ints: dict[str, torch.Tensor], part: slice, x: torch.Tensor, c0: int,
+          cols: torch.Tensor, owned: torch.Tensor, keep_mask: torch.Tensor | None,
+          scale: float | torch.Tensor, work: _Buffers) -> None:
+    """Pass 2 over real entries x [r, c]: their exp-sums at the global shifts, in fixed point.
+    Only per-element passes (exp is one code path for every element on CPU) and exact sums."""
+    s = scale_rows(scale, part)
+    local, inside = column_marks(cols[part], owned[part], c0, x.size(1))
+    marked = marks_mask(x.shape, local, inside) if (cols.size(1) > 1 or stats.sub_shift is not None) else None
+    if stats.rest is not None:
+        u = torch.sub(x, finite_or_zero(stats.shift[part])[:, None], out=work.get("u", x, stats.shift.dtype))
+        if isinstance(s, torch.Tensor) or s != 1.0:
+            u.mul_(s)
+        e = torch.exp(u, out=work.get("e", x, stats.shift.dtype))
+        fixed = work.get("i", x, torch.int64)
+        if marked is None:
+            replace_marked(e, local, inside, 0.0)
+        else:
+            e.masked_fill_(marked, 0.0)
+        if stats.moment is not None:
+            ints["moment"][part] += _fixed_sum(torch.mul(e, u.clamp_min_(NEG_FLOOR), out=u), fixed)
+        ints["rest"][part] += _fixed_sum(e, fixed)
+    if stats.sub_shift is not None:
+        assert marked is not None  # built with a subset
+        subset = keep_mask[part, c0: c0 + x.size(1)] if keep_mask is not None else None
+        u = torch.sub(_subset_view(x, marked, subset), finite_or_zero(stats.sub_shift[part])[:, None]).to(
+            stats.shift.dtype)
+        if isinstance(s, torch.Tensor) or s != 1.0:
+            u.mul_(s)
+        ints["sub_sum"][part] += _fixed_sum(u.exp_().masked_fill_(marked, 0.0), work.get("i", x, torch.int64))

@@ -1,0 +1,87 @@
+"""The invariant mode under tensor parallelism (gloo; one world per size, spawned once for the
+module, each running every check): every op's values at TP = 2, 4, 8 — vocabulary split in shards of
+any width, sequence parallelism, a padded vocabulary — are the TP = 1 bits, in fp32 and bf16; the
+default mode differs on the same inputs (the negative control: these checks can fail)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl_patches import ops
+from megatron_rl_patches.testing.multirank import run_multirank
+
+pytestmark = pytest.mark.multirank
+T, H, V, K, VOCAB = 24, 32, 5000, 3, 4990  # V / 8 = 625: shard edges at no power of two
+
+
+def _inputs(dtype):
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(T, H, generator=g).to(dtype)
+    w = (torch.randn(V, H, generator=g) / H**0.5 * 3).to(dtype)
+    x = (torch.randn(T, V, generator=g) * 4).to(dtype)
+    tokens = torch.randint(0, VOCAB, (T,), generator=g)
+    ids = torch.argsort(torch.rand(T, VOCAB, generator=g), dim=1)[:, :K]
+    tau = torch.rand(T, generator=g).add(0.5)
+    return h, w, x, tokens, ids, tau
+
+
+def _cases(rank, world, dtype, invariant):
+    """Each case's outputs at TP = 1 (full tensors, no group) and at TP = world."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    h, w, x, tokens, ids, tau = _inputs(dtype)
+    shard = slice(rank * V // world, (rank + 1) * V // world)
+    rows = slice(rank * T // world, (rank + 1) * T // world)
+    opts = dict(invariant=invariant)
+    calls = {
+        "log_probs_and_entropy": lambda x, g: ops.log_probs_and_entropy(
+            x, tokens, tp_group=g, temperature=tau, with_entropy=True, vocab_size=VOCAB, **opts),
+        "topk_logprobs": lambda x, g: ops.topk_logprobs(x, ids, tp_group=g, vocab_size=VOCAB, **opts),
+        "topk_ids": lambda x, g: (ops.topk_ids(x, K, tp_group=g, vocab_size=VOCAB, **opts),),
+    }
+    fused = {
+        "lm_head_log_probs_and_entropy": lambda h, w, g, sp: ops.lm_head_log_probs_and_entropy(
+            h, w, tokens, tp_group=g, sequence_parallel=sp, temperature=tau, with_entropy=True, vocab_size=VOCAB,
+            **opts),
+        "lm_head_topk_logprobs": lambda h, w, g, sp: ops.lm_head_topk_logprobs(
+            h, w, ids, tp_group=g, sequence_parallel=sp, vocab_size=VOCAB, **opts),
+        "lm_head_topk_ids": lambda h, w, g, sp: (ops.lm_head_topk_ids(h, w, K, tp_group=g, sequence_parallel=sp,
+                                                                      vocab_size=VOCAB, **opts),),
+    }
+    out = {}
+    for name, call in calls.items():
+        out[name] = (call(x, None), call(x[:, shard], group))
+    for name, call in fused.items():
+        one = call(h, w, None, False)
+        out[name] = (one, call(h, w[shard], group, False))
+        out[name + "/sequence_parallel"] = (one, call(h[rows], w[shard], group, True))
+    return out
+
+
+def _worker(rank, world):
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for invariant in (True, False):
+            for name, (one, split) in _cases(rank, world, dtype, invariant).items():
+                same = all(torch.equal(a, b) for a, b in zip(one, split))
+                diff = max(float((a.double() - b.double()).abs().max()) for a, b in zip(one, split))
+                results[name, str(dtype).removeprefix("torch."), invariant] = (same, diff)
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 4, 8])
+def world(request):
+    return request.param, run_multirank(_worker, request.param, timeout=300)
+
+
+def test_every_op_at_every_split_gives_the_tp1_bits_and_the_default_mode_does_not(world):
+    size, results = world
+    for rank_results in results:
+        wrong = {case: diff for case, (same, diff) in rank_results.items() if case[2] and not same}
+        assert not wrong, f"TP = {size}: invariant mode differs from TP = 1: {wrong}"
+        # the negative control: the default mode's log-probs move with the split (ids never do)
+        moved = [case for case, (same, _) in rank_results.items() if not case[2] and not same]
+        assert any(case[0] == "log_probs_and_entropy" for case in moved), (size, moved)
+        assert any(case[0].startswith("lm_head_log_probs_and_entropy") for case in moved), (size, moved)
+    assert len(results[0]) == 2 * 2 * 9  # dtypes x modes x cases
