@@ -39,6 +39,7 @@ _LAZY = {
     "ResidencyBudget": "megatron_rl_patches.inference.residency.budget",
     "TeacherLayout": "megatron_rl_patches.inference.teacher_layout.layout",
     "score_at_layout": "megatron_rl_patches.inference.teacher_layout.scoring",
+    "topk_at_layout": "megatron_rl_patches.inference.teacher_layout.scoring",
     "teacher_groups": "megatron_rl_patches.inference.teacher_layout.groups",
 }
 

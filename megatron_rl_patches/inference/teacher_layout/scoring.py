@@ -1,18 +1,19 @@
-"""score_at_layout: the student's rows on each rank scored by a teacher built at its own layout.
+"""score_at_layout / topk_at_layout: the student's rows on each rank scored by a teacher built at
+its own layout.
 
 Every rank of a teacher tensor-parallel group must run the same forward on the same tokens, but
 each holds its own student micro-batch: the group's micro-batches are gathered (rows padded on
 the right to the longest, concatenated in rank order), the teacher runs once on them, and each
-rank keeps the log-probs of its own rows (every rank of the group holds the whole result after
-the vocab-parallel reduction, so nothing is sent back). Right padding never changes a real
-token's score: attention is causal."""
+rank keeps the scores of its own rows (every rank of the group holds the whole result after the
+vocab-parallel reduction, so nothing is sent back). Right padding never changes a real token's
+score: attention is causal."""
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from megatron_rl_patches.inference.teacher_layout.gather import GroupBatch, agree, gathered
 from megatron_rl_patches.inference.teacher_layout.groups import TeacherGroups
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 
@@ -32,47 +33,31 @@ def _groups_of(chunks: Any, layout: TeacherLayout | None) -> tuple[torch.nn.Modu
     return chunks[0], groups
 
 
-def _local_problem(tokens: Any, labels: Any) -> str:
-    """What is wrong with this rank's input ('' when nothing): told to the whole group before any
-    forward, so a bad input on one rank is refused on every rank, not left to hang the others."""
-    for name, value in (("tokens", tokens), ("labels", labels)):
-        if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.dtype not in (torch.int64, torch.int32):
-            return f"{name} must be an integer tensor [rows, length], got " + (
-                f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
-                else type(value).__name__)
-    if tokens.shape != labels.shape:
-        return f"tokens {tuple(tokens.shape)} and labels {tuple(labels.shape)} differ in shape"
-    return ""
+def _causal_mask(rows: int, length: int) -> torch.Tensor:
+    """megatron-core's attention mask (True: masked out) of causal attention, [rows, 1, s, s]."""
+    return torch.ones(length, length, dtype=torch.bool).triu(1)[None, None].expand(rows, 1, length, length)
 
 
-def _agree(groups: TeacherGroups, tokens: Any, labels: Any) -> list[tuple[int, int]]:
-    """Every group member's (rows, length); ValueError on every rank naming the ranks whose input is bad."""
-    problem = _local_problem(tokens, labels)
-    shape = [-1, -1] if problem else [int(tokens.shape[0]), int(tokens.shape[1])]
-    mine = torch.tensor(shape, dtype=torch.int64)
-    every = [torch.empty_like(mine) for _ in range(groups.tp_size)]
-    dist.all_gather(every, mine, group=groups.tp_group)
-    shapes = [(int(t[0]), int(t[1])) for t in every]
-    bad = [groups.tp_ranks()[i] for i, (rows, _) in enumerate(shapes) if rows < 0]
-    if bad:
-        raise ValueError(f"score_at_layout: bad tokens / labels on rank(s) {bad} of the teacher's tensor-parallel "
-                         f"group {groups.tp_ranks()}" + (f": {problem}" if problem else ""))
-    return shapes
+def _group_logits(model: torch.nn.Module, groups: TeacherGroups, tokens: torch.Tensor,
+                  batch: GroupBatch) -> torch.Tensor | None:
+    """The teacher's vocab-parallel logits [sum rows * max length, V / tp] of the group's batch
+    (None when the whole group has no token)."""
+    all_tokens = gathered(groups, tokens, batch)
+    total, longest = all_tokens.shape
+    if total == 0 or longest == 0:
+        return None
+    device = next(model.parameters()).device
+    position_ids = torch.arange(longest).expand(total, longest)
+    logits = model(all_tokens.to(device), position_ids.to(device), _causal_mask(total, longest).to(device))
+    return logits.reshape(total * longest, -1)
 
 
-def _gathered(groups: TeacherGroups, value: torch.Tensor, shapes: list[tuple[int, int]]) -> torch.Tensor:
-    """The group's [rows_i, length_i] tensors padded on the right to the longest and concatenated."""
-    rows, length = max(r for r, _ in shapes), max(s for _, s in shapes)
-    mine = torch.zeros(rows, length, dtype=torch.int64)
-    mine[: value.shape[0], : value.shape[1]] = value
-    every = [torch.empty_like(mine) for _ in shapes]
-    dist.all_gather(every, mine, group=groups.tp_group)
-    return torch.cat([part[:r] for part, (r, _) in zip(every, shapes)])
-
-
-def _causal_mask(length: int) -> torch.Tensor:
-    """megatron-core's attention mask (True: masked out) of a causal [1, 1, s, s] attention."""
-    return torch.ones(length, length, dtype=torch.bool).triu(1)[None, None]
+def _mine(values: torch.Tensor, groups: TeacherGroups, batch: GroupBatch) -> torch.Tensor:
+    """This rank's rows of a [sum rows * max length, ...] result, [rows, length, ...]."""
+    first, rows, length = batch.my_rows(groups)
+    longest = max(s for _, s in batch.shapes)
+    grid = values.reshape(-1, longest, *values.shape[1:])
+    return grid[first: first + rows, :length].float()
 
 
 def score_at_layout(
@@ -96,21 +81,42 @@ def score_at_layout(
     from megatron_rl_patches.ops import log_probs_and_entropy
 
     model, groups = _groups_of(chunks, layout)
-    shapes = _agree(groups, tokens, labels)
-    first = sum(rows for rows, _ in shapes[: groups.tp_rank])
-    rows, length = shapes[groups.tp_rank]
-    all_tokens = _gathered(groups, tokens, shapes)
-    all_labels = _gathered(groups, labels, shapes)
-    total, longest = all_tokens.shape
-    if total == 0 or longest == 0:
-        return torch.zeros(rows, length, dtype=torch.float32)
-    device = next(model.parameters()).device
-    position_ids = torch.arange(longest).expand(total, longest)
+    batch = agree(groups, tokens, {"labels": labels})
     with torch.no_grad():
-        mask = _causal_mask(longest).expand(total, 1, longest, longest)
-        logits = model(all_tokens.to(device), position_ids.to(device), mask.to(device))  # [b, s, V / tp]
-        log_probs, _ = log_probs_and_entropy(
-            logits.reshape(total * longest, -1), all_labels.to(device).reshape(-1), tp_group=groups.tp_group,
-            temperature=temperature,
-            vocab_size=vocab_size if vocab_size is not None else getattr(model, "hf_vocab_size", None))
-    return log_probs.view(total, longest)[first: first + rows, :length].float()
+        logits = _group_logits(model, groups, tokens, batch)
+        if logits is None:
+            return torch.zeros(*batch.shapes[groups.tp_rank], dtype=torch.float32)
+        all_labels = gathered(groups, labels, batch).to(logits.device).reshape(-1)
+        log_probs, _ = log_probs_and_entropy(logits, all_labels, tp_group=groups.tp_group, temperature=temperature,
+                                             vocab_size=vocab_size or getattr(model, "hf_vocab_size", None),
+                                             row_mask=batch.real().to(logits.device))
+    return _mine(log_probs, groups, batch)
+
+
+def topk_at_layout(
+    chunks: Any,
+    tokens: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    layout: TeacherLayout | None = None,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's log-probs at `ids` [rows, length, k] (e.g. the student's top-k ids per
+    position, the same k on every rank) for this rank's rows, [rows, length, k] fp32, and the log
+    of the remaining mass [rows, length] (from the complement's log-sum-exp: the tail of top-k
+    on-policy distillation); normalized over the full vocab. Otherwise as score_at_layout."""
+    from megatron_rl_patches.ops import topk_logprobs
+
+    model, groups = _groups_of(chunks, layout)
+    batch = agree(groups, tokens, {"ids": ids})
+    with torch.no_grad():
+        logits = _group_logits(model, groups, tokens, batch)
+        if logits is None:
+            rows, length = batch.shapes[groups.tp_rank]
+            return torch.zeros(rows, length, batch.k), torch.zeros(rows, length)
+        all_ids = gathered(groups, ids, batch).to(logits.device).reshape(logits.shape[0], -1)
+        logp, tail = topk_logprobs(logits, all_ids, tp_group=groups.tp_group, temperature=temperature,
+                                   vocab_size=vocab_size or getattr(model, "hf_vocab_size", None),
+                                   row_mask=batch.real().to(logits.device))  # padding's ids are never read
+    return _mine(logp, groups, batch), _mine(tail, groups, batch)

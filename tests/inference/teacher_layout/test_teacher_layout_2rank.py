@@ -26,18 +26,28 @@ def _rows(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
-def _one_rank_teacher(chunks, tokens, labels) -> torch.Tensor:
-    """The teacher built whole on this rank (the student's TP=1 groups): its log-probs of the rows."""
-    from megatron_rl_patches.ops import log_probs_and_entropy
+def _ids(rank: int) -> torch.Tensor:
+    """k=4 distinct ids per position of this rank's rows (the student's top-k in OPD)."""
+    count, length = ROWS[rank]
+    base = torch.randint(0, VOCAB, (count, length, 1), generator=torch.Generator().manual_seed(300 + rank))
+    return (base + 97 * torch.arange(4)) % VOCAB
+
+
+def _one_rank_teacher(chunks, tokens, labels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The teacher built whole on this rank (the student's TP=1 groups): its log-probs of the rows,
+    and its top-k log-probs at _ids and their tail."""
+    from megatron_rl_patches.ops import log_probs_and_entropy, topk_logprobs
     from megatron_rl_patches.testing.megatron_cpu import make_batch
 
     rows, length = tokens.shape
     batch = make_batch(batch_size=rows, seq_length=length, vocab_size=VOCAB)
     with torch.no_grad():
         logits = chunks[0](tokens, batch["position_ids"], batch["attention_mask"])
-        log_probs, _ = log_probs_and_entropy(logits.reshape(rows * length, -1), labels.reshape(-1),
-                                             vocab_size=VOCAB)
-    return log_probs.view(rows, length)
+        flat = logits.reshape(rows * length, -1)
+        log_probs, _ = log_probs_and_entropy(flat, labels.reshape(-1), vocab_size=VOCAB)
+        ids = _ids(torch.distributed.get_rank())
+        logp, tail = topk_logprobs(flat, ids.reshape(rows * length, -1), vocab_size=VOCAB)
+    return log_probs.view(rows, length), logp.view(ids.shape), tail.view(rows, length)
 
 
 def _refusal(call) -> str | None:
@@ -53,7 +63,7 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
     from megatron.core import package_info
 
     from megatron_rl_patches import build_inference_model_from_hf
-    from megatron_rl_patches.inference import TeacherLayout, score_at_layout
+    from megatron_rl_patches.inference import TeacherLayout, score_at_layout, topk_at_layout
     from megatron_rl_patches.testing.file_reads import FileReads
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
@@ -79,7 +89,8 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
         results["qkv_rows"] = model.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]
         results["scores"] = score_at_layout(chunks, tokens, labels, layout=layout)
         whole = build_inference_model_from_hf(root, dtype=torch.float32)  # the 1-rank teacher, per rank
-        results["reference"] = _one_rank_teacher(whole, tokens, labels)
+        results["reference"], results["topk_ref"], results["tail_ref"] = _one_rank_teacher(whole, tokens, labels)
+        results["topk"], results["tail"] = topk_at_layout(chunks, tokens, _ids(rank))
         # a rank with no rows: the other rank's rows still scored, this one gets [0, 0]
         empty = (torch.zeros(0, 0, dtype=torch.long),) * 2
         results["empty_or_not"] = score_at_layout(chunks, *(empty if rank == 0 else (tokens, labels)))
@@ -124,6 +135,16 @@ def test_each_rank_gets_the_one_rank_teachers_log_probs_of_its_own_rows(world):
     assert torch.equal(world[1]["empty_or_not"], world[1]["scores"])  # the other rank had no rows
 
 
+def test_each_rank_gets_the_one_rank_teachers_topk_log_probs_and_tail(world):
+    _served(world)
+    for rank, result in enumerate(world):
+        assert result["topk"].shape == (*ROWS[rank], 4) and result["tail"].shape == ROWS[rank]
+        for key in ("topk", "tail"):
+            reference = result[f"{key}_ref"]
+            error = (result[key] - reference).abs() - 1e-6 * reference.abs()
+            assert error.max().item() <= 1e-6, (rank, key, error.max().item())
+
+
 def test_each_rank_holds_and_reads_half_of_the_teacher(world):
     _served(world)
     for result in world:
@@ -149,7 +170,7 @@ def test_layouts_the_world_or_the_build_cannot_hold_are_refused_on_every_rank(wo
         assert result["not_a_layout"].startswith("TypeError: layout must be a TeacherLayout")
         assert "residency='stream'" in result["stream"]
         assert "differs from the layout the chunks were built at" in result["other_layout"]
-        assert "bad tokens / labels on rank(s) [1]" in result["bad_input"]
+        assert "bad tokens / labels / ids on rank(s) [1]" in result["bad_input"]
 
 
 def test_a_megatron_core_without_process_group_collections_refuses_by_name(world):

@@ -2,7 +2,8 @@
 TP=1 x DP=4): TeacherLayout(tp=4) (one group of 4) and TeacherLayout(tp=2) (teacher TP=2 x DP=2,
 groups {0, 1} and {2, 3}) built side by side; each rank's rows (counts and lengths differ per
 rank, rank 2 has none) scored to the whole teacher's log-probs on that rank (1e-6, relative
-1e-6), each rank holding 1/tp of the vocab."""
+1e-6), each rank holding 1/tp of the vocab; the same beside a student at TP=2 x DP=2 (teacher TP=4
+and TP=1: the student's parallel_state plays no part)."""
 from __future__ import annotations
 
 import pytest
@@ -33,19 +34,25 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
     results: dict = {"version": package_info.__version__}
     tokens, labels = _rows(rank)
     with megatron_on_cpu():  # the student: TP=1 x DP=4
-        whole = build_inference_model_from_hf(root, dtype=torch.float32, layout=TeacherLayout(tp=1))
+        try:
+            whole = build_inference_model_from_hf(root, dtype=torch.float32, layout=TeacherLayout(tp=1))
+        except ValueError as exc:  # a megatron-core without ProcessGroupCollection
+            results["unsupported"] = str(exc)
+            return results
         results["reference"] = score_at_layout(whole, tokens, labels)  # one rank per teacher group: no gather
         for tp in (4, 2):
-            try:
-                chunks = build_inference_model_from_hf(root, dtype=torch.float32, layout=TeacherLayout(tp=tp))
-            except ValueError as exc:  # a megatron-core without ProcessGroupCollection
-                results["unsupported"] = str(exc)
-                return results
+            chunks = build_inference_model_from_hf(root, dtype=torch.float32, layout=TeacherLayout(tp=tp))
             groups = teacher_groups(TeacherLayout(tp=tp))
             results[f"tp{tp}_ranks"] = groups.tp_ranks()
             results[f"tp{tp}_dp"] = (groups.dp_rank, groups.dp_size)
             results[f"tp{tp}_vocab"] = chunks[0].embedding.word_embeddings.weight.shape[0]
             results[f"tp{tp}"] = score_at_layout(chunks, tokens, labels)
+    with megatron_on_cpu(tensor_parallel=2):  # a student at TP=2 x DP=2: the teacher's layout ignores it
+        chunks = build_inference_model_from_hf(root, dtype=torch.float32, layout=TeacherLayout(tp=4))
+        results["student_tp2_teacher_tp4"] = score_at_layout(chunks, tokens, labels)
+        chunks = build_inference_model_from_hf(root, dtype=torch.float32, layout=TeacherLayout(tp=1))
+        results["student_tp2_teacher_tp1_vocab"] = chunks[0].embedding.word_embeddings.weight.shape[0]
+        results["student_tp2_teacher_tp1"] = score_at_layout(chunks, tokens, labels)
     return results
 
 
@@ -68,7 +75,13 @@ def test_teacher_tp4_and_tp2_x_dp2_give_each_rank_the_whole_teachers_log_probs(w
         assert result["tp2_ranks"] == [2 * (rank // 2), 2 * (rank // 2) + 1]
         assert result["tp2_dp"] == (rank // 2, 2)
         assert result["tp4_vocab"] == 256 and result["tp2_vocab"] == 512  # 1001 padded to 1024
-        for tp in (4, 2):
-            error = (result[f"tp{tp}"] - reference).abs() - 1e-6 * reference.abs()
-            assert result[f"tp{tp}"].shape == ROWS[rank]
-            assert error.numel() == 0 or error.max().item() <= 1e-6, (rank, tp, error.max().item())
+        assert result["student_tp2_teacher_tp1_vocab"] == 1024  # the whole teacher beside a TP=2 student
+        for key in ("tp4", "tp2", "student_tp2_teacher_tp4", "student_tp2_teacher_tp1"):
+            error = (result[key] - reference).abs() - 1e-6 * reference.abs()
+            assert result[key].shape == ROWS[rank]
+            assert error.numel() == 0 or error.max().item() <= 1e-6, (rank, key, error.max().item())
+
+
+def test_a_megatron_core_without_process_group_collections_refuses_by_name(world):
+    for result in world:
+        assert ("unsupported" in result) == result["version"].startswith(("0.13.", "0.14."))
