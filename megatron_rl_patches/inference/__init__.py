@@ -37,6 +37,10 @@ _LAZY = {
     "residency_report": "megatron_rl_patches.inference.residency.reporting",
     "ResidencyReport": "megatron_rl_patches.inference.residency.reporting",
     "ResidencyBudget": "megatron_rl_patches.inference.residency.budget",
+    "TeacherLayout": "megatron_rl_patches.inference.teacher_layout.layout",
+    "score_at_layout": "megatron_rl_patches.inference.teacher_layout.scoring",
+    "topk_at_layout": "megatron_rl_patches.inference.teacher_layout.scoring",
+    "teacher_groups": "megatron_rl_patches.inference.teacher_layout.groups",
 }
 
 __all__ = sorted(_LAZY)

@@ -155,9 +155,12 @@ def build_inference_model(
 
 def build_checked(model_provider: Callable[..., Any], mode: str, prefetch: int, budget: ResidencyBudget | None, *,
                   model_type: Any = None, config: Any = None, load_dir: str | os.PathLike[str] | None = None,
-                  strict: bool = True) -> list[torch.nn.Module]:
+                  strict: bool = True,
+                  stages: list[tuple[int | None, bool, bool]] | None = None) -> list[torch.nn.Module]:
     """build_inference_model after check_residency_args passed its residency arguments (a caller that
-    checked them, build_inference_model_from_hf, does not check them twice)."""
+    checked them, build_inference_model_from_hf, does not check them twice). `stages`: (vp_stage,
+    pre_process, post_process) per chunk (default: parallel_state's pipeline stages of this rank;
+    a teacher at its own layout without pipeline parallelism: [(None, True, True)])."""
     if not callable(model_provider):
         raise TypeError(
             f"model_provider must be callable as model_provider(pre_process, post_process, "
@@ -171,7 +174,7 @@ def build_checked(model_provider: Callable[..., Any], mode: str, prefetch: int, 
     device = _target_device()
     on_host = mode != "resident"
     chunks: list[torch.nn.Module] = []
-    for vp_stage, pre, post in _pipeline_stages():
+    for vp_stage, pre, post in stages if stages is not None else _pipeline_stages():
         with host_initialization(on_host and device is not None):
             model = _call_provider(model_provider, vp_stage, pre, post)
         if model_type is not None:

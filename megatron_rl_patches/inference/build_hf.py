@@ -12,11 +12,14 @@ from megatron_rl_patches.inference.loading.hf.checkpoint_config import read_chec
 from megatron_rl_patches.inference.loading.hf.families import architecture, split_problems
 from megatron_rl_patches.inference.residency.budget import ResidencyBudget
 from megatron_rl_patches.inference.residency.placement import check_residency_args
+from megatron_rl_patches.inference.teacher_layout.build_args import refuse_unserved
+from megatron_rl_patches.inference.teacher_layout.groups import check_layout
+from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 
 CONVERTERS = ("builtin", "mbridge")
 
 
-def _check_parallel(arch: Any, core_attention: type | None) -> None:
+def _check_parallel(arch: Any, core_attention: type | None, layout: TeacherLayout | None = None) -> None:
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
@@ -24,6 +27,12 @@ def _check_parallel(arch: Any, core_attention: type | None) -> None:
             "build_inference_model_from_hf needs megatron-core's model-parallel state: call "
             "megatron.core.parallel_state.initialize_model_parallel(...) first"
         )
+    if layout is not None:  # the teacher's own sizes, not the student's
+        problems = split_problems(arch, layout.tp, layout.pp, layout.ep, 1)
+        if problems:
+            raise ValueError(f"{arch.source}: layout={layout!r}: {'; '.join(problems)}; choose a layout this model "
+                             "serves")
+        return
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     ep = ps.get_expert_model_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
@@ -94,6 +103,7 @@ def build_inference_model_from_hf(
     make_vocab_size_divisible_by: int = 128,
     core_attention: type | None = None,
     converter: str = "builtin",
+    layout: TeacherLayout | None = None,
 ) -> list[torch.nn.Module]:
     """Inference-only chunks (see build_inference_model) of the Hugging Face checkpoint directory
     `path` (config.json + *.safetensors; pickle files are never read) at the tensor / pipeline /
@@ -110,6 +120,10 @@ def build_inference_model_from_hf(
     where a framework packs them, as slime does). It holds no weights: the mapping is the same.
     `converter`: "builtin" (the package's own) or "mbridge" (mbridge 0.15.1's config mapping and
     load_weights behind the adapters of inference/loading/hf/mbridge_adapter.py; the `mbridge` extra).
+    `layout`: a TeacherLayout (inference/teacher_layout) to build the teacher at its own
+    tensor-parallel size over all ranks of the default process group, on its own process groups
+    (megatron-core >= 0.15), each rank reading only its shard; every rank must call this, and
+    scoring goes through score_at_layout. None: the sizes of parallel_state (the student's).
     """
     from megatron_rl_patches._args import positive_int
     from megatron_rl_patches.inference.build import build_checked
@@ -131,18 +145,24 @@ def build_inference_model_from_hf(
     if core_attention is not None and not isinstance(core_attention, type):
         raise TypeError(f"core_attention must be an attention core class (e.g. TEDotProductAttention) or None, "
                         f"got {type(core_attention).__name__}")
+    if layout is not None:
+        layout, _ = check_layout(layout)  # the world and megatron-core hold it: refused on every rank otherwise
     checkpoint = read_checkpoint_config(path)
     root, config_dict = checkpoint.root, checkpoint.fields
     arch = architecture(config_dict, source=str(root))
     weights_dtype = checkpoint_dtype(checkpoint.dtype, dtype)
     divisible_by = positive_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by)
-    _check_parallel(arch, core_attention)
+    if layout is not None:
+        refuse_unserved(layout, arch, mode, converter)
+    _check_parallel(arch, core_attention, layout)
     _check_core_attention(arch, core_attention)
     checked_index(root, arch)  # the files fit config.json: nothing is built otherwise
     arch = served_tying(root, arch)
     _check_budget(root, mode, budget, weights_dtype)
     from megatron.core import parallel_state as ps
 
+    if layout is not None:
+        return _build_at_layout(root, arch, layout, weights_dtype, divisible_by, core_attention, prefetch)
     vocab = padded_vocab(arch.vocab_size, divisible_by, ps.get_tensor_model_parallel_world_size())
     if converter == "mbridge":
         from megatron_rl_patches.inference.loading.hf import mbridge_adapter
@@ -157,6 +177,28 @@ def build_inference_model_from_hf(
         load_hf_weights(chunks, root, arch, vocab)
     for chunk in chunks:
         setattr(chunk, "hf_vocab_size", arch.vocab_size)  # noqa: B010 - the real vocab, for the ops' vocab_size=
+    return chunks
+
+
+def _build_at_layout(root: Any, arch: Any, layout: TeacherLayout, dtype: torch.dtype, divisible_by: int,
+                     core_attention: type | None, prefetch: int) -> list[torch.nn.Module]:
+    """The resident teacher at `layout` on its own process groups (built here: a collective), each
+    rank's shard read from the files; the chunk carries its groups (`teacher_groups`) for scoring."""
+    from megatron_rl_patches.inference.build import build_checked
+    from megatron_rl_patches.inference.loading.hf.load import load_hf_weights
+    from megatron_rl_patches.inference.loading.hf.model import model_provider, padded_vocab, transformer_config
+    from megatron_rl_patches.inference.teacher_layout.build_args import config_sizes, shard_ranks
+    from megatron_rl_patches.inference.teacher_layout.groups import teacher_groups
+
+    groups = teacher_groups(layout)
+    vocab = padded_vocab(arch.vocab_size, divisible_by, layout.tp)
+    config = transformer_config(arch, dtype, config_sizes(layout))
+    provider = model_provider(arch, config, vocab, core_attention, {"pg_collection": groups.pg_collection})
+    chunks = build_checked(provider, "resident", prefetch, None, stages=[(None, True, True)])
+    load_hf_weights(chunks, root, arch, vocab, shard_ranks(groups))
+    for chunk in chunks:
+        setattr(chunk, "hf_vocab_size", arch.vocab_size)  # noqa: B010 - the real vocab, for the ops' vocab_size=
+        setattr(chunk, "teacher_groups", groups)  # noqa: B010 - score_at_layout reads the teacher's groups here
     return chunks
 
 

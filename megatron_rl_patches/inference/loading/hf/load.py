@@ -21,6 +21,7 @@ from megatron_rl_patches.inference.loading.hf.files import TensorEntry, TensorRe
 from megatron_rl_patches.inference.loading.hf.fp8 import SCALE, dequantize, fp8_block, scale_shape
 from megatron_rl_patches.inference.loading.hf.fused_experts import readable_index
 from megatron_rl_patches.inference.loading.hf.names import IGNORED_SUFFIXES, check_counts, checkpoint_tensors
+from megatron_rl_patches.inference.loading.hf.shard_ranks import ShardRanks, parallel_state_ranks
 
 
 def checked_index(root: Path, arch: HFArchitecture) -> dict[str, TensorEntry]:
@@ -91,22 +92,12 @@ def _layer_numbers(module: torch.nn.Module) -> dict[int, int]:
     return {i: int(layer.layer_number) - 1 for i, layer in enumerate(layers)}
 
 
-def _ranks(expert: bool) -> tuple[int, int]:
-    from megatron.core import parallel_state as ps
-
-    if expert:
-        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-
-
-def _plan(modules: list[torch.nn.Module], arch: HFArchitecture) -> list[tuple[torch.Tensor, str, Source]]:
-    from megatron.core import parallel_state as ps
-
+def _plan(modules: list[torch.nn.Module], arch: HFArchitecture,
+          shard: ShardRanks) -> list[tuple[torch.Tensor, str, Source]]:
     family = family_for(arch.model_type, arch.source)
     ep_offset = 0
     if arch.is_moe:
-        per_rank = arch.num_experts // ps.get_expert_model_parallel_world_size()
-        ep_offset = ps.get_expert_model_parallel_rank() * per_rank
+        ep_offset = shard.ep_rank * (arch.num_experts // shard.ep_size)
     plan = []
     for module in modules:
         numbers = _layer_numbers(module)
@@ -117,18 +108,21 @@ def _plan(modules: list[torch.nn.Module], arch: HFArchitecture) -> list[tuple[to
     return plan
 
 
-def load_hf_weights(model: Any, root: Path, arch: HFArchitecture, padded_vocab: int) -> None:
+def load_hf_weights(model: Any, root: Path, arch: HFArchitecture, padded_vocab: int,
+                    shard: ShardRanks | None = None) -> None:
     """Copy the checkpoint at `root` into `model` (chunks built from `arch`); everything that can be
-    checked without reading weights is checked before the first copy."""
+    checked without reading weights is checked before the first copy. `shard`: this rank's shard
+    positions (default: megatron-core's parallel_state; a teacher's own layout passes its own)."""
     from megatron_rl_patches.inference.residency.placement import weights_on_host
 
     chunks = module_chunks(model, "model")
     index = checked_index(root, arch)
-    plan = _plan([unwrap(chunk) for chunk in chunks], arch)
+    shard = shard if shard is not None else parallel_state_ranks()
+    plan = _plan([unwrap(chunk) for chunk in chunks], arch, shard)
     block = fp8_block(read_checkpoint_config(root).fields, repr(str(root)))
     with torch.no_grad(), weights_on_host(chunks), copying_into_model(root), tensor_reader(index) as reader:
         for target, key, src in plan:
-            rank, size = _ranks(src.expert)
+            rank, size = shard.of(src.expert)
             tensors = [_read(reader, name, block, target.dtype) for name in src.hf_names]
             shape, pieces = shard_pieces(arch, src, tensors, rank, size, padded_vocab)
             if shape != tuple(target.shape):

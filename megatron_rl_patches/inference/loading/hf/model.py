@@ -37,8 +37,9 @@ def padded_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def transformer_config(arch: HFArchitecture, dtype: torch.dtype) -> Any:
-    """megatron-core's TransformerConfig for `arch` at the parallel sizes of parallel_state."""
+def transformer_config(arch: HFArchitecture, dtype: torch.dtype, sizes: dict[str, Any] | None = None) -> Any:
+    """megatron-core's TransformerConfig for `arch` at the parallel sizes of parallel_state, or at
+    `sizes` (TransformerConfig's *_parallel_size fields, e.g. a teacher's own layout) where given."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
 
@@ -77,6 +78,7 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype) -> Any:
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    values.update(sizes or {})
     family = family_for(arch.model_type, arch.source)
     values.update(family.config_overrides(arch))
     if arch.rope.kind == "yarn":

@@ -1,0 +1,44 @@
+"""What build_inference_model_from_hf(layout=) hands the build: the TransformerConfig sizes, the
+model's process groups, each rank's shard positions, and what a layout does not serve yet
+(refused by name before anything loads)."""
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_rl_patches.inference.loading.hf.shard_ranks import ShardRanks
+from megatron_rl_patches.inference.teacher_layout.groups import TeacherGroups
+from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
+
+
+def config_sizes(layout: TeacherLayout) -> dict[str, Any]:
+    """TransformerConfig's parallel sizes for `layout` (those of parallel_state are not the teacher's)."""
+    return dict(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=layout.ep,
+                expert_tensor_parallel_size=layout.tp, context_parallel_size=1)
+
+
+def shard_ranks(groups: TeacherGroups) -> ShardRanks:
+    """This rank's shard of every tensor: its position in the teacher's tensor-parallel group
+    (experts split over the same group: expert-tensor size = tp, expert-parallel size 1)."""
+    return ShardRanks(tp_rank=groups.tp_rank, tp_size=groups.tp_size,
+                      expert_tp_rank=groups.tp_rank, expert_tp_size=groups.tp_size)
+
+
+def refuse_unserved(layout: TeacherLayout, arch: Any, residency: str, converter: str) -> None:
+    """ValueError naming what a teacher at its own layout does not serve yet: non-resident builds,
+    mbridge's converter, gated-delta-net linear attention (it reads parallel_state's sizes) and
+    multi-token-prediction / multi-latent / mixture-of-experts families (not checked at a layout yet)."""
+    problems = []
+    if residency != "resident":
+        problems.append(f"residency={residency!r} (only 'resident' is served at a teacher's own layout)")
+    if converter != "builtin":
+        problems.append(f"converter={converter!r} (only 'builtin' is served at a teacher's own layout)")
+    if getattr(arch, "linear", None) is not None:
+        problems.append(f"{arch.model_type}'s gated-delta-net linear attention")
+    if getattr(arch, "mla", None) is not None:
+        problems.append(f"{arch.model_type}'s multi-latent attention")
+    if arch.is_moe:
+        problems.append(f"{arch.model_type}'s mixture of experts")
+    if problems:
+        raise ValueError(f"{arch.source}: layout={layout!r} does not serve {'; '.join(problems)} yet; pass "
+                         "layout=None to build the teacher in the student's own process groups")

@@ -1,0 +1,122 @@
+"""score_at_layout / topk_at_layout: the student's rows on each rank scored by a teacher built at
+its own layout.
+
+Every rank of a teacher tensor-parallel group must run the same forward on the same tokens, but
+each holds its own student micro-batch: the group's micro-batches are gathered (rows padded on
+the right to the longest, concatenated in rank order), the teacher runs once on them, and each
+rank keeps the scores of its own rows (every rank of the group holds the whole result after the
+vocab-parallel reduction, so nothing is sent back). Right padding never changes a real token's
+score: attention is causal."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_rl_patches.inference.teacher_layout.gather import GroupBatch, agree, gathered
+from megatron_rl_patches.inference.teacher_layout.groups import TeacherGroups
+from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
+
+
+def _groups_of(chunks: Any, layout: TeacherLayout | None) -> tuple[torch.nn.Module, TeacherGroups]:
+    if isinstance(chunks, torch.nn.Module):
+        chunks = [chunks]
+    if not isinstance(chunks, (list, tuple)) or len(chunks) != 1 or not isinstance(chunks[0], torch.nn.Module):
+        raise TypeError("chunks must be the one-chunk list that build_inference_model_from_hf(layout=...) returns "
+                        f"(or its chunk), got {type(chunks).__name__}")
+    groups = getattr(chunks[0], "teacher_groups", None)
+    if not isinstance(groups, TeacherGroups):
+        raise ValueError("chunks were not built at a teacher layout: build them with "
+                         "build_inference_model_from_hf(path, layout=TeacherLayout(tp=N))")
+    if layout is not None and layout != groups.layout:
+        raise ValueError(f"layout={layout!r} differs from the layout the chunks were built at ({groups.layout!r})")
+    return chunks[0], groups
+
+
+def _causal_mask(rows: int, length: int) -> torch.Tensor:
+    """megatron-core's attention mask (True: masked out) of causal attention, [rows, 1, s, s]."""
+    return torch.ones(length, length, dtype=torch.bool).triu(1)[None, None].expand(rows, 1, length, length)
+
+
+def _group_logits(model: torch.nn.Module, groups: TeacherGroups, tokens: torch.Tensor,
+                  batch: GroupBatch) -> torch.Tensor | None:
+    """The teacher's vocab-parallel logits [sum rows * max length, V / tp] of the group's batch
+    (None when the whole group has no token)."""
+    all_tokens = gathered(groups, tokens, batch)
+    total, longest = all_tokens.shape
+    if total == 0 or longest == 0:
+        return None
+    device = next(model.parameters()).device
+    position_ids = torch.arange(longest).expand(total, longest)
+    logits = model(all_tokens.to(device), position_ids.to(device), _causal_mask(total, longest).to(device))
+    return logits.reshape(total * longest, -1)
+
+
+def _mine(values: torch.Tensor, groups: TeacherGroups, batch: GroupBatch) -> torch.Tensor:
+    """This rank's rows of a [sum rows * max length, ...] result, [rows, length, ...]."""
+    first, rows, length = batch.my_rows(groups)
+    longest = max(s for _, s in batch.shapes)
+    grid = values.reshape(-1, longest, *values.shape[1:])
+    return grid[first: first + rows, :length].float()
+
+
+def score_at_layout(
+    chunks: Any,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    layout: TeacherLayout | None = None,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """The teacher's log p(labels[i, t] | tokens[i, :t+1]) for this rank's rows, [rows, length] fp32.
+
+    `chunks`: what build_inference_model_from_hf(path, layout=TeacherLayout(tp=N)) returned;
+    `tokens` / `labels`: this rank's student micro-batch (Megatron's convention: labels[t] is the
+    token after tokens[t]); rows and lengths may differ between ranks, a rank may have no rows.
+    A collective over the teacher's tensor-parallel group: every rank of the default group calls
+    it once per micro-batch. `layout`: checked against the chunks' own when given; `vocab_size`:
+    the real vocab (default: the checkpoint's, so padded vocab rows get no mass); `temperature`
+    divides the logits."""
+    from megatron_rl_patches.ops import log_probs_and_entropy
+
+    model, groups = _groups_of(chunks, layout)
+    batch = agree(groups, tokens, {"labels": labels})
+    with torch.no_grad():
+        logits = _group_logits(model, groups, tokens, batch)
+        if logits is None:
+            return torch.zeros(*batch.shapes[groups.tp_rank], dtype=torch.float32)
+        all_labels = gathered(groups, labels, batch).to(logits.device).reshape(-1)
+        log_probs, _ = log_probs_and_entropy(logits, all_labels, tp_group=groups.tp_group, temperature=temperature,
+                                             vocab_size=vocab_size or getattr(model, "hf_vocab_size", None),
+                                             row_mask=batch.real().to(logits.device))
+    return _mine(log_probs, groups, batch)
+
+
+def topk_at_layout(
+    chunks: Any,
+    tokens: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    layout: TeacherLayout | None = None,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's log-probs at `ids` [rows, length, k] (e.g. the student's top-k ids per
+    position, the same k on every rank) for this rank's rows, [rows, length, k] fp32, and the log
+    of the remaining mass [rows, length] (from the complement's log-sum-exp: the tail of top-k
+    on-policy distillation); normalized over the full vocab. Otherwise as score_at_layout."""
+    from megatron_rl_patches.ops import topk_logprobs
+
+    model, groups = _groups_of(chunks, layout)
+    batch = agree(groups, tokens, {"ids": ids})
+    with torch.no_grad():
+        logits = _group_logits(model, groups, tokens, batch)
+        if logits is None:
+            rows, length = batch.shapes[groups.tp_rank]
+            return torch.zeros(rows, length, batch.k), torch.zeros(rows, length)
+        all_ids = gathered(groups, ids, batch).to(logits.device).reshape(logits.shape[0], -1)
+        logp, tail = topk_logprobs(logits, all_ids, tp_group=groups.tp_group, temperature=temperature,
+                                   vocab_size=vocab_size or getattr(model, "hf_vocab_size", None),
+                                   row_mask=batch.real().to(logits.device))  # padding's ids are never read
+    return _mine(logp, groups, batch), _mine(tail, groups, batch)

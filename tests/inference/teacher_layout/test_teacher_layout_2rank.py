@@ -1,0 +1,182 @@
+"""A Hugging Face teacher at its own layout over the student's ranks (one spawned 2-rank gloo
+world): the student at TP=1 x DP=2 (parallel_state), the teacher at TeacherLayout(tp=2). Each
+rank's rows (of another count and length than the other rank's) are scored by the TP=2 teacher
+to the 1-rank teacher's log-probs (1e-6, relative 1e-6: one fp32 ulp); each rank reads about half
+the checkpoint's bytes; a layout the world cannot hold, bad input on one rank and pp / ep > 1 are refused on every rank,
+the world still usable after (no hang). On a megatron-core without ProcessGroupCollection
+(0.13.1) the layout is refused by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl_patches.testing.multirank import run_multirank
+
+pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
+
+VOCAB = 1001
+# each rank's rows: (count, length); rank 0 shorter and fewer
+ROWS = ((2, 7), (3, 12))
+
+
+def _rows(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    count, length = ROWS[rank]
+    gen = torch.Generator().manual_seed(100 + rank)
+    ids = torch.randint(0, VOCAB, (count, length + 1), generator=gen)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def _ids(rank: int) -> torch.Tensor:
+    """k=4 distinct ids per position of this rank's rows (the student's top-k in OPD)."""
+    count, length = ROWS[rank]
+    base = torch.randint(0, VOCAB, (count, length, 1), generator=torch.Generator().manual_seed(300 + rank))
+    return (base + 97 * torch.arange(4)) % VOCAB
+
+
+def _one_rank_teacher(chunks, tokens, labels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The teacher built whole on this rank (the student's TP=1 groups): its log-probs of the rows,
+    and its top-k log-probs at _ids and their tail."""
+    from megatron_rl_patches.ops import log_probs_and_entropy, topk_logprobs
+    from megatron_rl_patches.testing.megatron_cpu import make_batch
+
+    rows, length = tokens.shape
+    batch = make_batch(batch_size=rows, seq_length=length, vocab_size=VOCAB)
+    with torch.no_grad():
+        logits = chunks[0](tokens, batch["position_ids"], batch["attention_mask"])
+        flat = logits.reshape(rows * length, -1)
+        log_probs, _ = log_probs_and_entropy(flat, labels.reshape(-1), vocab_size=VOCAB)
+        ids = _ids(torch.distributed.get_rank())
+        logp, tail = topk_logprobs(flat, ids.reshape(rows * length, -1), vocab_size=VOCAB)
+    return log_probs.view(rows, length), logp.view(ids.shape), tail.view(rows, length)
+
+
+def _refusal(call) -> str | None:
+    try:
+        call()
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _worker(rank: int, world_size: int, root: str) -> dict:
+    import torch.distributed as dist
+    from megatron.core import package_info
+
+    from megatron_rl_patches import build_inference_model_from_hf
+    from megatron_rl_patches.inference import TeacherLayout, score_at_layout, topk_at_layout
+    from megatron_rl_patches.testing.file_reads import FileReads
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    results: dict = {"version": package_info.__version__}
+    try:
+        from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: F401
+        results["collections"] = True
+    except ImportError:
+        results["collections"] = False
+    tokens, labels = _rows(rank)
+    with megatron_on_cpu():  # the student: TP=1 x DP=2
+        layout = TeacherLayout(tp=2)
+        try:
+            with FileReads(root) as reads:
+                chunks = build_inference_model_from_hf(root, dtype=torch.float32, layout=layout)
+        except ValueError as exc:  # a megatron-core without ProcessGroupCollection
+            results["unsupported"] = str(exc)
+            dist.barrier()
+            return results
+        results["reads"] = {name: flags.copy() for name, flags in reads.read.items()}
+        model = chunks[0]
+        results["vocab_shard"] = model.embedding.word_embeddings.weight.shape[0]
+        results["qkv_rows"] = model.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]
+        results["scores"] = score_at_layout(chunks, tokens, labels, layout=layout)
+        whole = build_inference_model_from_hf(root, dtype=torch.float32)  # the 1-rank teacher, per rank
+        results["reference"], results["topk_ref"], results["tail_ref"] = _one_rank_teacher(whole, tokens, labels)
+        results["topk"], results["tail"] = topk_at_layout(chunks, tokens, _ids(rank))
+        # a rank with no rows: the other rank's rows still scored, this one gets [0, 0]
+        empty = (torch.zeros(0, 0, dtype=torch.long),) * 2
+        results["empty_or_not"] = score_at_layout(chunks, *(empty if rank == 0 else (tokens, labels)))
+        # bad input on rank 1 only: refused on both ranks, then the world goes on
+        bad = tokens.float() if rank == 1 else tokens
+        results["bad_input"] = _refusal(lambda: score_at_layout(chunks, bad, labels))
+        results["tp3"] = _refusal(lambda: build_inference_model_from_hf(root, layout=TeacherLayout(tp=3)))
+        results["pp2"] = _refusal(lambda: TeacherLayout(pp=2))
+        results["ep2"] = _refusal(lambda: TeacherLayout(ep=2))
+        results["not_a_layout"] = _refusal(lambda: build_inference_model_from_hf(root, layout={"tp": 2}))
+        results["stream"] = _refusal(lambda: build_inference_model_from_hf(root, layout=layout, residency="stream"))
+        results["other_layout"] = _refusal(lambda: score_at_layout(chunks, tokens, labels,
+                                                                   layout=TeacherLayout(tp=1)))
+        dist.barrier()  # every rank got here: nothing above left a rank waiting
+        results["after"] = score_at_layout(chunks, tokens, labels)
+    return results
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("teacher_layout") / "qwen3"
+    write_tiny_checkpoint(root, tiny_hf_config("qwen3"), seed=3)
+    return run_multirank(_worker, 2, str(root), timeout=300)
+
+
+def _served(results):
+    if "unsupported" in results[0]:
+        pytest.skip(f"this megatron-core refuses a teacher layout: {results[0]['unsupported']}")
+
+
+def test_each_rank_gets_the_one_rank_teachers_log_probs_of_its_own_rows(world):
+    _served(world)
+    for rank, result in enumerate(world):
+        assert result["scores"].shape == ROWS[rank]
+        # the TP=2 split sums the row-parallel halves in another order: about 1 fp32 ulp of a log-prob near -8
+        error = (result["scores"] - result["reference"]).abs() - 1e-6 * result["reference"].abs()
+        assert error.max().item() <= 1e-6, (rank, error.max().item())
+        assert torch.equal(result["after"], result["scores"])  # the same rows scored again after the refusals
+    assert world[0]["empty_or_not"].shape == (0, 0)
+    assert torch.equal(world[1]["empty_or_not"], world[1]["scores"])  # the other rank had no rows
+
+
+def test_each_rank_gets_the_one_rank_teachers_topk_log_probs_and_tail(world):
+    _served(world)
+    for rank, result in enumerate(world):
+        assert result["topk"].shape == (*ROWS[rank], 4) and result["tail"].shape == ROWS[rank]
+        for key in ("topk", "tail"):
+            reference = result[f"{key}_ref"]
+            error = (result[key] - reference).abs() - 1e-6 * reference.abs()
+            assert error.max().item() <= 1e-6, (rank, key, error.max().item())
+
+
+def test_each_rank_holds_and_reads_half_of_the_teacher(world):
+    _served(world)
+    for result in world:
+        assert result["vocab_shard"] == 512  # 1001 padded to 1024, half per rank
+        assert result["qkv_rows"] == (4 + 2 * 2) * 8 // 2  # q, k, v heads of 8, half per rank
+    first, second = (result["reads"] for result in world)
+    total = sum(flags.size for flags in first.values())
+    shares = [sum(int(flags.sum()) for flags in reads.values()) / total for reads in (first, second)]
+    print(f"teacher bytes read per rank: {shares} of {total}")
+    assert all(0.45 < share < 0.56 for share in shares), shares  # the norms are read whole by both
+    for name, mine in first.items():
+        if not name.endswith("norm.weight"):
+            assert not (mine & second[name]).any() and (mine | second[name]).all(), name
+
+
+def test_layouts_the_world_or_the_build_cannot_hold_are_refused_on_every_rank(world):
+    for result in world:
+        if "unsupported" in result:
+            continue
+        assert "TeacherLayout(tp=3, pp=1, ep=1) cannot be laid over 2 rank(s)" in result["tp3"]
+        assert result["pp2"].startswith("ValueError: TeacherLayout(pp=2)") and "not served yet" in result["pp2"]
+        assert result["ep2"].startswith("ValueError: TeacherLayout(ep=2)")
+        assert result["not_a_layout"].startswith("TypeError: layout must be a TeacherLayout")
+        assert "residency='stream'" in result["stream"]
+        assert "differs from the layout the chunks were built at" in result["other_layout"]
+        assert "bad tokens / labels / ids on rank(s) [1]" in result["bad_input"]
+
+
+def test_a_megatron_core_without_process_group_collections_refuses_by_name(world):
+    for result in world:
+        if result["collections"]:
+            assert "unsupported" not in result
+        else:  # 0.13.1: ModelCommProcessGroups only
+            assert "needs megatron-core's ProcessGroupCollection" in result["unsupported"]
+            assert result["version"] in result["unsupported"]
