@@ -20,6 +20,13 @@ from megatron_rl_patches.integrations.slime.opd_teachers import ScoringStep, Sep
 from megatron_rl_patches.integrations.slime.step_plan import IDS
 
 
+def process_group_collection_class() -> type:
+    """megatron-core's ProcessGroupCollection (ValueError naming the version that lacks it)."""
+    from megatron_rl_patches.inference.teacher_layout.groups import process_group_collection_class as find
+
+    return find()
+
+
 def _student_sizes() -> dict[str, int]:
     """The student's pipeline and context-parallel sizes (megatron-core's parallel_state)."""
     from megatron.core import parallel_state as ps
@@ -55,6 +62,10 @@ def check_layout_teachers(settings: OpdSettings, routes: list[str | None], snaps
             if size > 1:
                 raise ValueError(f"{where}: the student runs with {kind} parallelism ({kind} size {size}); a "
                                  f"teacher at its own layout is served beside a student without it yet: drop ';tp='")
+    try:
+        process_group_collection_class()
+    except ValueError as exc:
+        raise ValueError(f"{TEACHERS} entry '{at_layout[0][0].path};tp={at_layout[0][0].tp}': {exc}") from None
 
 
 def build_layout_teacher(args: Any, teacher: Teacher, student: int | str, actor_config: Any) -> LayoutTeacher:
@@ -68,8 +79,8 @@ def build_layout_teacher(args: Any, teacher: Teacher, student: int | str, actor_
     return LayoutTeacher(chunks, temperature=float(getattr(args, "rollout_temperature", 1.0) or 1.0))
 
 
-def _padded(samples: list[torch.Tensor], length: int, trailing: tuple[int, ...] = ()) -> torch.Tensor:
-    out = torch.zeros(len(samples), length, *trailing, dtype=torch.int64)
+def _padded(samples: list[torch.Tensor], length: int) -> torch.Tensor:
+    out = torch.zeros(len(samples), length, dtype=torch.int64)
     for row, sample in enumerate(samples):
         out[row, : sample.shape[0]] = sample.cpu()
     return out
@@ -94,11 +105,11 @@ class LayoutTeacher(SeparateTeacher):
         responses = [int(r) for r in data["response_lengths"]][: len(tokens)]
         longest = max(totals, default=0)
         k = int(ids[0].shape[1]) if ids else 0
-        rows = [torch.zeros(total, k, dtype=torch.int64) for total in totals]
-        for row, sample_ids, total, response in zip(rows, ids, totals, responses):
+        # every other row gets the distinct placeholder ids 0..k-1 (scored, never read)
+        placeholder = torch.arange(k, dtype=torch.int64).expand(len(tokens), longest, k).clone()
+        for row, sample_ids, total, response in zip(placeholder, ids, totals, responses):
             row[total - response - 1: total - 1] = sample_ids.cpu()  # the logits rows of the response tokens
-        logp, tail = topk_at_layout(self, _padded(tokens, longest), _padded(rows, longest, (k,)),
-                                    temperature=self.temperature)
+        logp, tail = topk_at_layout(self, _padded(tokens, longest), placeholder, temperature=self.temperature)
         if not step.last:
             return None
         device = ids[0].device if ids else torch.device("cpu")

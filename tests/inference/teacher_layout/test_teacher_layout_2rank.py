@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl_patches.testing.multirank import run_multirank
+from tests.inference.teacher_layout.kit import checkpoint_world, read_shares, served
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 
@@ -111,20 +111,11 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("teacher_layout") / "qwen3"
-    write_tiny_checkpoint(root, tiny_hf_config("qwen3"), seed=3)
-    return run_multirank(_worker, 2, str(root), timeout=300)
-
-
-def _served(results):
-    if "unsupported" in results[0]:
-        pytest.skip(f"this megatron-core refuses a teacher layout: {results[0]['unsupported']}")
+    return checkpoint_world(tmp_path_factory, "teacher_layout", _worker)
 
 
 def test_each_rank_gets_the_one_rank_teachers_log_probs_of_its_own_rows(world):
-    _served(world)
+    served(world)
     for rank, result in enumerate(world):
         assert result["scores"].shape == ROWS[rank]
         # the TP=2 split sums the row-parallel halves in another order: about 1 fp32 ulp of a log-prob near -8
@@ -136,7 +127,7 @@ def test_each_rank_gets_the_one_rank_teachers_log_probs_of_its_own_rows(world):
 
 
 def test_each_rank_gets_the_one_rank_teachers_topk_log_probs_and_tail(world):
-    _served(world)
+    served(world)
     for rank, result in enumerate(world):
         assert result["topk"].shape == (*ROWS[rank], 4) and result["tail"].shape == ROWS[rank]
         for key in ("topk", "tail"):
@@ -146,18 +137,11 @@ def test_each_rank_gets_the_one_rank_teachers_topk_log_probs_and_tail(world):
 
 
 def test_each_rank_holds_and_reads_half_of_the_teacher(world):
-    _served(world)
+    served(world)
     for result in world:
         assert result["vocab_shard"] == 512  # 1001 padded to 1024, half per rank
         assert result["qkv_rows"] == (4 + 2 * 2) * 8 // 2  # q, k, v heads of 8, half per rank
-    first, second = (result["reads"] for result in world)
-    total = sum(flags.size for flags in first.values())
-    shares = [sum(int(flags.sum()) for flags in reads.values()) / total for reads in (first, second)]
-    print(f"teacher bytes read per rank: {shares} of {total}")
-    assert all(0.45 < share < 0.56 for share in shares), shares  # the norms are read whole by both
-    for name, mine in first.items():
-        if not name.endswith("norm.weight"):
-            assert not (mine & second[name]).any() and (mine | second[name]).all(), name
+    read_shares(world, "teacher at tp=2")
 
 
 def test_layouts_the_world_or_the_build_cannot_hold_are_refused_on_every_rank(world):

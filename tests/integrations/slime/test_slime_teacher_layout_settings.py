@@ -15,7 +15,7 @@ from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, Teache
 from megatron_rl_patches.integrations.slime.roles import refuse_role_layout
 from megatron_rl_patches.patching import env
 from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
-from tests.integrations.slime.tiny_actor import tiny_actor_args
+from tests.integrations.slime.tiny_actor import TinyActor
 
 
 def _teachers(value: str) -> tuple[Teacher, ...]:
@@ -71,21 +71,6 @@ def test_a_role_at_its_own_layout_is_refused_by_name_before_it_loads():
         refuse_role_layout("prm_teacher", 1)
 
 
-class _Actor:
-    """What load_teachers reads of slime's actor, of tiny_hf_config('qwen3')'s shape but 3 layers."""
-
-    def __init__(self):
-        self.args = tiny_actor_args(num_layers=3)
-        self.model = [SimpleNamespace(vocab_size=1024, config=SimpleNamespace())]
-        self.loaded: list = []
-
-    def load_other_checkpoint(self, tag, path):
-        self.loaded.append(path)
-
-    def _switch_model(self, tag):
-        pass
-
-
 @pytest.fixture
 def checkpoints(tmp_path, monkeypatch):
     """A Hugging Face teacher of another shape than _Actor (2 layers) and one of its shape (3)."""
@@ -95,6 +80,7 @@ def checkpoints(tmp_path, monkeypatch):
     built: list = []
     monkeypatch.setattr(hf_teachers, "build_hf_teacher", lambda *a, **k: built.append(a) or ["chunk"])
     monkeypatch.setattr(layout_teacher, "_student_sizes", lambda: {"pipeline": 1, "context": 1})
+    monkeypatch.setattr(layout_teacher, "process_group_collection_class", lambda: object)
     return SimpleNamespace(other=other, same=same, built=built)
 
 
@@ -105,7 +91,7 @@ def checkpoints(tmp_path, monkeypatch):
     ("{other};tp=1", {"MEGATRON_RL_PATCHES_OPD_IDS_FROM": "union"}, "scores the student's ids only"),
 ])
 def test_a_layout_the_run_cannot_serve_is_refused_before_any_teacher_loads(checkpoints, entries, extra, words):
-    actor = _Actor()
+    actor = TinyActor(num_layers=3)
     settings = opd_settings({TEACHERS: entries.format(other=checkpoints.other, same=checkpoints.same), **extra})
     with pytest.raises(ValueError, match=words):
         slime_opd.load_teachers(actor, settings)
@@ -115,5 +101,5 @@ def test_a_layout_the_run_cannot_serve_is_refused_before_any_teacher_loads(check
 def test_a_student_with_pipeline_or_context_parallelism_is_refused(checkpoints, monkeypatch):
     monkeypatch.setattr(layout_teacher, "_student_sizes", lambda: {"pipeline": 1, "context": 2})
     with pytest.raises(ValueError, match="the student runs with context parallelism \\(context size 2\\)"):
-        slime_opd.load_teachers(_Actor(), opd_settings({TEACHERS: f"{checkpoints.other};tp=1"}))
+        slime_opd.load_teachers(TinyActor(num_layers=3), opd_settings({TEACHERS: f"{checkpoints.other};tp=1"}))
     assert checkpoints.built == []

@@ -1,8 +1,10 @@
-"""slime's actor arguments as the teachers' loading reads them, of tiny_hf_config("qwen3")'s shape
+"""slime's actor as the teachers' loading reads it (`tiny_actor_args`: its arguments; `TinyActor`:
+them, its model, the snapshot loader, logged, and the switch), of tiny_hf_config("qwen3")'s shape
 (a teacher of another number of layers is then of another architecture)."""
 from __future__ import annotations
 
 from argparse import Namespace
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -19,3 +21,19 @@ def tiny_actor_args(**overrides: Any) -> Namespace:
         hf_checkpoint="none")
     values.update(overrides)
     return Namespace(**values)
+
+
+class TinyActor:
+    """What load_teachers reads of slime's actor: args, model (vocab padded to 1024), the snapshot
+    loader (each path it is asked for logged in `loaded`) and the model switch."""
+
+    def __init__(self, **overrides: Any):
+        self.args = tiny_actor_args(**overrides)
+        self.model = [SimpleNamespace(vocab_size=1024, config=SimpleNamespace())]
+        self.loaded: list[str] = []
+
+    def load_other_checkpoint(self, tag: str, path: str) -> None:
+        self.loaded.append(path)
+
+    def _switch_model(self, tag: str) -> None:
+        pass
