@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.inference.teacher_layout.kit import checkpoint_world, read_shares, served
+from tests.inference.teacher_layout.layout_worlds import checkpoint_world, read_shares, served
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 
@@ -153,6 +153,7 @@ def test_layouts_the_world_or_the_build_cannot_hold_are_refused_on_every_rank(wo
         assert result["ep2"].startswith("ValueError: TeacherLayout(ep=2)")
         assert result["not_a_layout"].startswith("TypeError: layout must be a TeacherLayout")
         assert "residency='stream'" in result["stream"]
+        assert "only 'resident' is served at a teacher's own layout" in result["stream"]
         assert "differs from the layout the chunks were built at" in result["other_layout"]
         assert "bad tokens / labels / ids on rank(s) [1]" in result["bad_input"]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_rl_patches.integrations.slime.step_plan import IDS, TEACHER_LOGPROBS
-from tests.inference.teacher_layout.kit import checkpoint_world, close, read_shares, served
+from tests.inference.teacher_layout.layout_worlds import checkpoint_world, close, read_shares, served
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 

@@ -87,8 +87,10 @@ def checkpoints(tmp_path, monkeypatch):
 @pytest.mark.parametrize(("entries", "extra", "words"), [
     ("{other};tp=2", {}, r"';tp=2' cannot be laid over 1 rank\(s\): the world size must be a multiple"),
     ("{other},{same};tp=1", {}, "this checkpoint has the actor's architecture.*drop ';tp='"),
-    ("{other};tp=1", {"MEGATRON_RL_PATCHES_OPD_RESIDENCY": "stream"}, "served resident only"),
-    ("{other};tp=1", {"MEGATRON_RL_PATCHES_OPD_IDS_FROM": "union"}, "scores the student's ids only"),
+    ("{other};tp=1", {"MEGATRON_RL_PATCHES_OPD_RESIDENCY": "stream"},
+     "a teacher at its own layout is served resident only"),
+    ("{other};tp=1", {"MEGATRON_RL_PATCHES_OPD_IDS_FROM": "union"},
+     "a teacher at its own layout scores the student's ids only"),
 ])
 def test_a_layout_the_run_cannot_serve_is_refused_before_any_teacher_loads(checkpoints, entries, extra, words):
     actor = TinyActor(num_layers=3)
@@ -99,7 +101,9 @@ def test_a_layout_the_run_cannot_serve_is_refused_before_any_teacher_loads(check
 
 
 def test_a_student_with_pipeline_or_context_parallelism_is_refused(checkpoints, monkeypatch):
-    monkeypatch.setattr(layout_teacher, "_student_sizes", lambda: {"pipeline": 1, "context": 2})
-    with pytest.raises(ValueError, match="the student runs with context parallelism \\(context size 2\\)"):
-        slime_opd.load_teachers(TinyActor(num_layers=3), opd_settings({TEACHERS: f"{checkpoints.other};tp=1"}))
+    words = "a teacher at its own layout is served beside a student without it yet"
+    for sizes, kind in (({"pipeline": 2, "context": 1}, "pipeline"), ({"pipeline": 1, "context": 2}, "context")):
+        monkeypatch.setattr(layout_teacher, "_student_sizes", lambda sizes=sizes: sizes)
+        with pytest.raises(ValueError, match=f"the student runs with {kind} parallelism \\({kind} size 2\\); {words}"):
+            slime_opd.load_teachers(TinyActor(num_layers=3), opd_settings({TEACHERS: f"{checkpoints.other};tp=1"}))
     assert checkpoints.built == []
