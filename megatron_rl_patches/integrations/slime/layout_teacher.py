@@ -49,8 +49,9 @@ def check_layout_teachers(settings: OpdSettings, routes: list[str | None], snaps
         where = f"{TEACHERS} entry '{teacher.path};tp={teacher.tp}'"
         check_world(int(teacher.tp or 1), world, where)
         if route == snapshot:
-            raise ValueError(f"{where}: this checkpoint has the actor's architecture (a snapshot in the actor's own "
-                             "buffers, at the student's layout); ';tp=' serves Hugging Face directories of another "
+            raise ValueError(f"{where}: this checkpoint goes slime's snapshot route (a Megatron checkpoint, or a "
+                             "Hugging Face directory of the actor's architecture: loaded into the actor's own buffers, "
+                             "at the student's layout); ';tp=' serves Hugging Face directories of another "
                              "architecture: drop ';tp='")
         if settings.residency not in (None, "resident"):
             raise ValueError(f"{where} with {RESIDENCY}={settings.residency!r}: a teacher at its own layout is "

@@ -86,7 +86,7 @@ def checkpoints(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("entries", "extra", "words"), [
     ("{other};tp=2", {}, r"';tp=2' cannot be laid over 1 rank\(s\): the world size must be a multiple"),
-    ("{other},{same};tp=1", {}, "this checkpoint has the actor's architecture.*drop ';tp='"),
+    ("{other},{same};tp=1", {}, "this checkpoint goes slime's snapshot route.*drop ';tp='"),
     ("{other};tp=1", {"MEGATRON_RL_PATCHES_OPD_RESIDENCY": "stream"},
      "a teacher at its own layout is served resident only"),
     ("{other};tp=1", {"MEGATRON_RL_PATCHES_OPD_IDS_FROM": "union"},
