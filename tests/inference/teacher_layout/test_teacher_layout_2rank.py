@@ -1,16 +1,17 @@
-"""A Hugging Face teacher at its own layout over the student's ranks (one spawned 2-rank gloo
-world): the student at TP=1 x DP=2 (parallel_state), the teacher at TeacherLayout(tp=2). Each
-rank's rows (of another count and length than the other rank's) are scored by the TP=2 teacher
-to the 1-rank teacher's log-probs (1e-6, relative 1e-6: one fp32 ulp); each rank reads about half
-the checkpoint's bytes; a layout the world cannot hold, bad input on one rank and pp / ep > 1 are refused on every rank,
-the world still usable after (no hang). On a megatron-core without ProcessGroupCollection
-(0.13.1) the layout is refused by name."""
+"""A Hugging Face teacher at its own layout over the student's ranks (the 2-rank gloo world that
+slime_opd's checks share, `layout_worlds.two_rank_world`, spawned once): the student at TP=1 x DP=2
+(parallel_state), the teacher at TeacherLayout(tp=2). Each rank's rows (of another count and length
+than the other rank's) are scored by the TP=2 teacher to the 1-rank teacher's log-probs (1e-6,
+relative 1e-6: one fp32 ulp); each rank reads about half the checkpoint's bytes; a layout the world
+cannot hold, bad input on one rank and pp / ep > 1 are refused on every rank, the world still usable
+after (no hang). On a megatron-core without ProcessGroupCollection (0.13.1) the layout is refused by
+name."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.inference.teacher_layout.layout_worlds import checkpoint_world, read_shares, served
+from tests.inference.teacher_layout.layout_worlds import read_shares, served, two_rank_world
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 
@@ -58,7 +59,7 @@ def _refusal(call) -> str | None:
     return None
 
 
-def _worker(rank: int, world_size: int, root: str) -> dict:
+def api_checks(rank: int, world_size: int, root: str) -> dict:
     import torch.distributed as dist
     from megatron.core import package_info
 
@@ -111,7 +112,7 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    return checkpoint_world(tmp_path_factory, "teacher_layout", _worker)
+    return two_rank_world(tmp_path_factory, "api")
 
 
 def test_each_rank_gets_the_one_rank_teachers_log_probs_of_its_own_rows(world):

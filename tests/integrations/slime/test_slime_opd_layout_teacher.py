@@ -1,18 +1,18 @@
-"""slime_opd's Hugging Face teacher at its own layout (issue 58 item 2) in one spawned 2-rank gloo
-world: the student at TP=1 x DP=2, the teacher's entry `PATH;tp=2`. `load_teachers` (slime's actor
-stood in for by what it reads) builds it at TeacherLayout(tp=2), each rank reading half of its
-bytes; each rank's samples (other counts and lengths than the other rank's) get the 1-rank
-teacher's [R, k] log-probs at the student's ids and [R] tails on slime's response rows (1e-6,
-relative 1e-6); a rank with no samples still takes part; an entry the world cannot hold is
-refused on both ranks before anything loads, the world usable after. megatron-core 0.13.1 (no
-ProcessGroupCollection) refuses by name."""
+"""slime_opd's Hugging Face teacher at its own layout (issue 58 item 2) in the 2-rank gloo world the
+Python API's checks share (`layout_worlds.two_rank_world`, spawned once): the student at TP=1 x
+DP=2, the teacher's entry `PATH;tp=2`. `load_teachers` (slime's actor stood in for by what it reads)
+builds it at TeacherLayout(tp=2), each rank reading half of its bytes; each rank's samples (other
+counts and lengths than the other rank's) get the 1-rank teacher's [R, k] log-probs at the student's
+ids and [R] tails on slime's response rows (1e-6, relative 1e-6); a rank with no samples still takes
+part; an entry the world cannot hold is refused on both ranks before anything loads, the world
+usable after. megatron-core 0.13.1 (no ProcessGroupCollection) refuses by name."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from megatron_rl_patches.integrations.slime.step_plan import IDS, TEACHER_LOGPROBS
-from tests.inference.teacher_layout.layout_worlds import checkpoint_world, close, read_shares, served
+from tests.inference.teacher_layout.layout_worlds import close, read_shares, served, two_rank_world
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 
@@ -49,7 +49,7 @@ def _reference(chunks, data: dict) -> tuple[list, list]:
     return logps, tails
 
 
-def _worker(rank: int, world_size: int, root: str) -> dict:
+def opd_checks(rank: int, world_size: int, root: str) -> dict:
     import torch.distributed as dist
 
     from megatron_rl_patches import build_inference_model_from_hf
@@ -98,7 +98,7 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    return checkpoint_world(tmp_path_factory, "opd_layout", _worker, seed=5)
+    return two_rank_world(tmp_path_factory, "opd")
 
 
 def test_each_rank_gets_the_one_rank_teachers_topk_log_probs_and_tails_of_its_samples(world):
