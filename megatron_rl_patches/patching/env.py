@@ -125,14 +125,42 @@ def role_names(environ: Mapping[str, str] | None = None) -> list[str] | None:
     """The role names MEGATRON_RL_PATCHES_INFERENCE_ROLES lists ('' means none); None when unset
     (the integration that reads it has its default roles). Each entry is `role` or `role:residency`."""
     value = _get(environ, INFERENCE_ROLES)
-    return None if value is None else [item.partition(":")[0].strip() for item in split_names(value)]
+    return None if value is None else [item.split(";")[0].partition(":")[0].strip() for item in split_names(value)]
 
 
 def role_residencies(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Residency per role from MEGATRON_RL_PATCHES_INFERENCE_ROLES entries `role:residency`
     (e.g. 'judge:stream,ref:swap'); roles listed without one are absent (resident)."""
-    entries = [item.partition(":") for item in split_names(_get(environ, INFERENCE_ROLES))]
+    entries = [item.split(";")[0].partition(":") for item in split_names(_get(environ, INFERENCE_ROLES))]
     return {name.strip(): mode.strip().lower() for name, colon, mode in entries if colon}
+
+
+def role_layouts(environ: Mapping[str, str] | None = None) -> dict[str, int]:
+    """The role's own tensor-parallel size (its model's layout) per role from MEGATRON_RL_PATCHES_INFERENCE_ROLES
+    entries `role;tp=N` or `role:resident;tp=N` (roles without one are absent: built in the
+    student's process groups); each option checked (ValueError naming the variable)."""
+    layouts: dict[str, int] = {}
+    for item in split_names(_get(environ, INFERENCE_ROLES)):
+        head, *options = item.split(";")
+        name, _, mode = head.partition(":")
+        where = f"{INFERENCE_ROLES} role {_cut(item)!r}"
+        sizes: dict[str, int] = {}
+        for written in (option.strip() for option in options):
+            from megatron_rl_patches.integrations.layout_option import is_layout_option, layout_size
+
+            if not is_layout_option(written):
+                raise ValueError(f"{where}: unknown option {_cut(written)!r}; the option is ';tp=N' (the role's "
+                                 "model at its own tensor-parallel size, e.g. judge;tp=2)")
+            size, value = layout_size(written, where)
+            if size in sizes:
+                raise ValueError(f"{where}: option {size!r} given twice; give each option once")
+            sizes[size] = value
+        if "tp" in sizes and mode.strip().lower() not in ("", "resident"):
+            raise ValueError(f"{where}: ';tp={sizes['tp']}' with residency {_cut(mode.strip())!r}: a model at its "
+                             "own layout is served resident only; drop the residency or ';tp='")
+        if "tp" in sizes:
+            layouts[name.strip()] = sizes["tp"]
+    return layouts
 
 
 def backend(environ: Mapping[str, str] | None = None) -> str | None:
@@ -159,6 +187,7 @@ def checked_role_names(environ: Mapping[str, str] | None = None) -> list[str] | 
     if twice:
         raise ValueError(f"{INFERENCE_ROLES}={_cut(value or '')!r} lists role {_cut(twice[0])!r} more than once; "
                          "list each role once (role, or role:residency)")
+    role_layouts(environ)
     modes = role_residencies(environ)
     wrong = [(role, mode) for role, mode in modes.items() if mode not in RESIDENCY_MODES]
     if wrong:

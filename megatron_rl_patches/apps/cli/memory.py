@@ -83,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tensor-parallel size, each rank holds a shard (with --residency; default 1)")
     parser.add_argument("--pp", type=_count("--pp"), default=1, help="pipeline-parallel size (with --hf)")
     parser.add_argument("--ep", type=_count("--ep"), default=1, help="expert-parallel size (with --hf)")
+    parser.add_argument("--teacher-tp", type=_count("--teacher-tp"), default=None,
+                        help="with --hf: the teacher at its own tensor-parallel size over the student's "
+                             "--tp x --pp x --dp ranks (per-GPU and host bytes per rank, beside the student's layout)")
+    parser.add_argument("--teacher-pp", type=_count("--teacher-pp"), default=1,
+                        help="the teacher's own pipeline-parallel size (with --teacher-tp; only 1 is served)")
+    parser.add_argument("--teacher-ep", type=_count("--teacher-ep"), default=1,
+                        help="the teacher's own expert-parallel size (with --teacher-tp; only 1 is served)")
     parser.add_argument("--json", action="store_true", help="print a JSON object (bytes)")
 
 
@@ -115,7 +122,15 @@ def run(args: argparse.Namespace) -> int:
         from megatron_rl_patches.apps.cli.memory_hf import run_hf
 
         args.tp, args.prefetch = args.tp or 1, 1 if args.prefetch is None else args.prefetch
+        if args.teacher_tp is not None:
+            from megatron_rl_patches.apps.cli.memory_teacher import run_teacher
+
+            return run_teacher(args)
+        if (args.teacher_pp, args.teacher_ep) != (1, 1):
+            raise UsageError("--teacher-pp and --teacher-ep size a teacher at its own layout: add --teacher-tp N")
         return run_hf(args)
+    if args.teacher_tp is not None or (args.teacher_pp, args.teacher_ep) != (1, 1):
+        raise UsageError("--teacher-tp / --teacher-pp / --teacher-ep need --hf PATH (the teacher's checkpoint)")
     if (args.pp, args.ep) != (1, 1):
         raise UsageError("--pp and --ep need --hf PATH (the layers and experts come from its config.json)")
     if args.residency is None:

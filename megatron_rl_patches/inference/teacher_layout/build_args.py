@@ -3,11 +3,13 @@ model's process groups, each rank's shard positions, and what a layout does not 
 (refused by name before anything loads)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl_patches.inference.loading.hf.shard_ranks import ShardRanks
-from megatron_rl_patches.inference.teacher_layout.groups import TeacherGroups
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
+
+if TYPE_CHECKING:  # torch.distributed: `memory --hf --teacher-tp` reads refuse_unserved without torch
+    from megatron_rl_patches.inference.teacher_layout.groups import TeacherGroups
 
 
 def config_sizes(layout: TeacherLayout) -> dict[str, Any]:

@@ -210,10 +210,12 @@ SCHEDULE_FIELDS = ("variable_seq_lengths", "batch_p2p_comm", "batch_p2p_sync", "
 
 
 def build_hf_teacher(args: Any, path: str, residency: str | None, student: int | str, actor_config: Any,
-                     what: str, own_tokenizer: bool = False) -> list[Any]:
+                     what: str, own_tokenizer: bool = False, layout: Any = None) -> list[Any]:
     """The teacher at `path` as inference-only chunks on the actor's split (vocabulary checked
     first, padded as the actor's `make_vocab_size_divisible_by`, in the actor's dtype);
-    `own_tokenizer`: its vocabulary is its own tokenizer's (no mass beyond its ids)."""
+    `own_tokenizer`: its vocabulary is its own tokenizer's (no mass beyond its ids); `layout`: a
+    TeacherLayout, the teacher built at its own sizes on its own groups (resident, megatron-core's
+    local attention core: it is scored on padded batches with a causal mask, not slime's packed ones)."""
     import torch
 
     from megatron_rl_patches.inference.build_hf import build_inference_model_from_hf
@@ -229,7 +231,7 @@ def build_hf_teacher(args: Any, path: str, residency: str | None, student: int |
     chunks = build_inference_model_from_hf(
         path, residency=residency or "resident", dtype=dtype if isinstance(dtype, torch.dtype) else None,
         make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None) or 128,
-        core_attention=packed_core_attention(args))
+        core_attention=None if layout is not None else packed_core_attention(args), layout=layout)
     for chunk in chunks:
         # one tokenizer padded to another vocab_size than the student's: no mass beyond the shared ids
         setattr(chunk, "hf_vocab_size", min(shared, int(getattr(chunk, "hf_vocab_size"))))  # noqa: B009, B010

@@ -31,6 +31,7 @@ from megatron_rl_patches.inference import build_inference_model
 from megatron_rl_patches.integrations.slime import cross_passes, hf_teachers
 from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
 from megatron_rl_patches.integrations.slime.fused import unservable
+from megatron_rl_patches.integrations.slime.layout_teacher import build_layout_teacher, check_layout_teachers
 from megatron_rl_patches.integrations.slime.opd_settings import (
     LOSS_PATH,
     LOSS_PATHS,
@@ -128,12 +129,16 @@ def _routes(actor: Any, settings: OpdSettings, student: int | str) -> list[str |
             logger.info("megatron-rl-patches: slime_opd teacher %s differs from the actor (%s): built from its "
                         "config.json as a separate inference-only model", teacher.path, "; ".join(differences))
         routes.append(route)
+    check_layout_teachers(settings, routes, hf_teachers.SNAPSHOT)
     return routes
 
 
 def _hf_teacher(actor: Any, settings: OpdSettings, index: int, teacher: Teacher, student: int | str
                 ) -> ModelTeacher:
-    """A Hugging Face directory of another architecture: a separate model on the actor's split."""
+    """A Hugging Face directory of another architecture: a separate model on the actor's split, or
+    (`;tp=N`) at its own layout."""
+    if teacher.tp is not None:
+        return build_layout_teacher(actor.args, teacher, student, getattr(_unwrap(actor.model[0]), "config", None))
     return SeparateTeacher(hf_teachers.build_hf_teacher(actor.args, teacher.path, settings.residency, student,
                                                         getattr(_unwrap(actor.model[0]), "config", None),
                                                         f"{TEACHERS}: teacher {teacher.path!r}",

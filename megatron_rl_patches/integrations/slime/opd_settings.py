@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_rl_patches.integrations.layout_option import is_layout_option, layout_size
+
 PREFIX = "MEGATRON_RL_PATCHES_OPD_"
 TEACHERS = PREFIX + "TEACHERS"
 WEIGHTS = PREFIX + "WEIGHTS"
@@ -32,12 +34,15 @@ class Teacher:
     when the teachers load (`hf_teachers`). `own_tokenizer` (the entry's `;tokenizer=own`): the
     Hugging Face teacher keeps its own tokenizer and is scored on its own encoding of each sample
     (`cross_teachers`); `stop_tokens` (`;stop_tokens=module:function`): the function mapping a
-    student special id to the teacher's id (or None), called with (student id)."""
+    student special id to the teacher's id (or None), called with (student id). `tp` (the
+    entry's `;tp=N`): a Hugging Face teacher of another architecture built at its own
+    tensor-parallel size over all ranks (None: in the student's process groups)."""
 
     path: str
     provider: str | None = None
     own_tokenizer: bool = False
     stop_tokens: str | None = None
+    tp: int | None = None
 
     @property
     def same_architecture(self) -> bool:
@@ -75,9 +80,10 @@ OWN_TOKENIZER = "tokenizer=own"
 STOP_TOKENS = "stop_tokens="
 
 
-def _options(entry: str, options: list[str]) -> tuple[bool, str | None]:
-    """(own tokenizer asked, the stop-token map's module:function) from the entry's options."""
-    own, stop = False, None
+def _options(entry: str, options: list[str]) -> tuple[bool, str | None, int | None]:
+    """(own tokenizer asked, the stop-token map's module:function, the teacher's own tp) from the
+    entry's options."""
+    own, stop, tp = False, None, None
     seen: set[str] = set()
     for written in options:
         option = written.strip()
@@ -90,15 +96,23 @@ def _options(entry: str, options: list[str]) -> tuple[bool, str | None]:
             own = True
         elif option.startswith(STOP_TOKENS) and _is_provider(option[len(STOP_TOKENS):].strip()):
             stop = option[len(STOP_TOKENS):].strip()
+        elif is_layout_option(option):
+            size, value = layout_size(option, f"{TEACHERS} entry {entry!r}")
+            tp = value if size == "tp" else tp
         else:
             raise ValueError(f"{TEACHERS} entry {entry!r}: unknown option {option!r}; the options are "
                              f"';{OWN_TOKENIZER}' (a Hugging Face teacher with another tokenizer, e.g. "
-                             f"/ckpt/qwen35;{OWN_TOKENIZER}) and ';{STOP_TOKENS}module:function' (with it: "
-                             "student special id -> teacher id or None)")
+                             f"/ckpt/qwen35;{OWN_TOKENIZER}), ';{STOP_TOKENS}module:function' (with it: "
+                             "student special id -> teacher id or None) and ';tp=N' (the teacher at its own "
+                             "tensor-parallel size)")
     if stop is not None and not own:
         raise ValueError(f"{TEACHERS} entry {entry!r}: ';{STOP_TOKENS}' maps tokens between two tokenizers; add "
                          f"';{OWN_TOKENIZER}' or drop it")
-    return own, stop
+    if tp is not None and own:
+        raise ValueError(f"{TEACHERS} entry {entry!r}: ';tp={tp}' with ';{OWN_TOKENIZER}': a teacher with another "
+                         "tokenizer is not served at its own layout yet; drop ';tp=' (the teacher is then built in "
+                         "the student's process groups)")
+    return own, stop, tp
 
 
 def _teacher(entry: str) -> Teacher:
@@ -109,11 +123,15 @@ def _teacher(entry: str) -> Teacher:
                          "PATH@module:function (a provider for another architecture, e.g. "
                          f"/ckpt/teacher@my_models:teacher_provider) or PATH;{OWN_TOKENIZER} (a Hugging Face "
                          "directory with another tokenizer)")
-    own, stop = _options(entry, options)
+    own, stop, tp = _options(entry, options)
     if own and at:
         raise ValueError(f"{TEACHERS} entry {entry!r}: ';{OWN_TOKENIZER}' serves Hugging Face directories (their "
                          "tokenizer.json is read); drop '@module:function' or the option")
-    return Teacher(path.strip(), provider.strip() or None, own, stop)
+    if tp is not None and at:
+        raise ValueError(f"{TEACHERS} entry {entry!r}: ';tp={tp}' serves Hugging Face directories of another "
+                         "architecture (built from their config.json); a provider's model '@module:function' is not "
+                         "served at its own layout yet: drop ';tp=' or the provider")
+    return Teacher(path.strip(), provider.strip() or None, own, stop, tp)
 
 
 def load_function(spec: str, what: str, returns: str) -> Any:

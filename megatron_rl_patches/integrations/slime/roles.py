@@ -101,6 +101,25 @@ def _hf_of_another_architecture(run_args: Any, role: str, path: str, residency: 
     return chunks
 
 
+def refuse_role_layout(role: str, tp: int | None) -> None:
+    """ValueError naming the role's `;tp=N` (on every rank, before anything loads): the world it
+    cannot be laid over, else that a role's model runs slime's own passes in the student's process
+    groups, which a teacher at its own layout does not take part in yet."""
+    if tp is None:
+        return
+    import torch
+
+    from megatron_rl_patches.integrations.layout_option import check_world
+
+    where = f"{env.INFERENCE_ROLES} role '{role};tp={tp}'"
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    check_world(tp, world, where)
+    raise ValueError(f"{where}: a role's model runs slime's own forward passes in the student's process groups; "
+                     "a teacher at its own layout is served for slime_opd's teachers (MEGATRON_RL_PATCHES_OPD_TEACHERS "
+                     "'PATH;tp=N') and the Python API (build_inference_model_from_hf(layout=), score_at_layout), not "
+                     "for a role yet: drop ';tp='")
+
+
 def initialize_model_and_optimizer_wrapper(
     wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
 ) -> Any:
@@ -128,6 +147,7 @@ def initialize_model_and_optimizer_wrapper(
 
     path, step = weights_source(run_args, role)
     residency = env.role_residencies().get(role, "resident")
+    refuse_role_layout(role, env.role_layouts().get(role))
     if step is None:
         built = _hf_of_another_architecture(run_args, role, path, residency)
         if built is not None:

@@ -1,16 +1,17 @@
-"""A Hugging Face teacher at its own layout over the student's ranks (one spawned 2-rank gloo
-world): the student at TP=1 x DP=2 (parallel_state), the teacher at TeacherLayout(tp=2). Each
-rank's rows (of another count and length than the other rank's) are scored by the TP=2 teacher
-to the 1-rank teacher's log-probs (1e-6, relative 1e-6: one fp32 ulp); each rank reads about half
-the checkpoint's bytes; a layout the world cannot hold, bad input on one rank and pp / ep > 1 are refused on every rank,
-the world still usable after (no hang). On a megatron-core without ProcessGroupCollection
-(0.13.1) the layout is refused by name."""
+"""A Hugging Face teacher at its own layout over the student's ranks (the 2-rank gloo world that
+slime_opd's checks share, `layout_worlds.two_rank_world`, spawned once): the student at TP=1 x DP=2
+(parallel_state), the teacher at TeacherLayout(tp=2). Each rank's rows (of another count and length
+than the other rank's) are scored by the TP=2 teacher to the 1-rank teacher's log-probs (1e-6,
+relative 1e-6: one fp32 ulp); each rank reads about half the checkpoint's bytes; a layout the world
+cannot hold, bad input on one rank and pp / ep > 1 are refused on every rank, the world still usable
+after (no hang). On a megatron-core without ProcessGroupCollection (0.13.1) the layout is refused by
+name."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_rl_patches.testing.multirank import run_multirank
+from tests.inference.teacher_layout.layout_worlds import read_shares, served, two_rank_world
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 
@@ -58,7 +59,7 @@ def _refusal(call) -> str | None:
     return None
 
 
-def _worker(rank: int, world_size: int, root: str) -> dict:
+def api_checks(rank: int, world_size: int, root: str) -> dict:
     import torch.distributed as dist
     from megatron.core import package_info
 
@@ -111,20 +112,11 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("teacher_layout") / "qwen3"
-    write_tiny_checkpoint(root, tiny_hf_config("qwen3"), seed=3)
-    return run_multirank(_worker, 2, str(root), timeout=300)
-
-
-def _served(results):
-    if "unsupported" in results[0]:
-        pytest.skip(f"this megatron-core refuses a teacher layout: {results[0]['unsupported']}")
+    return two_rank_world(tmp_path_factory, "api")
 
 
 def test_each_rank_gets_the_one_rank_teachers_log_probs_of_its_own_rows(world):
-    _served(world)
+    served(world)
     for rank, result in enumerate(world):
         assert result["scores"].shape == ROWS[rank]
         # the TP=2 split sums the row-parallel halves in another order: about 1 fp32 ulp of a log-prob near -8
@@ -136,7 +128,7 @@ def test_each_rank_gets_the_one_rank_teachers_log_probs_of_its_own_rows(world):
 
 
 def test_each_rank_gets_the_one_rank_teachers_topk_log_probs_and_tail(world):
-    _served(world)
+    served(world)
     for rank, result in enumerate(world):
         assert result["topk"].shape == (*ROWS[rank], 4) and result["tail"].shape == ROWS[rank]
         for key in ("topk", "tail"):
@@ -146,18 +138,11 @@ def test_each_rank_gets_the_one_rank_teachers_topk_log_probs_and_tail(world):
 
 
 def test_each_rank_holds_and_reads_half_of_the_teacher(world):
-    _served(world)
+    served(world)
     for result in world:
         assert result["vocab_shard"] == 512  # 1001 padded to 1024, half per rank
         assert result["qkv_rows"] == (4 + 2 * 2) * 8 // 2  # q, k, v heads of 8, half per rank
-    first, second = (result["reads"] for result in world)
-    total = sum(flags.size for flags in first.values())
-    shares = [sum(int(flags.sum()) for flags in reads.values()) / total for reads in (first, second)]
-    print(f"teacher bytes read per rank: {shares} of {total}")
-    assert all(0.45 < share < 0.56 for share in shares), shares  # the norms are read whole by both
-    for name, mine in first.items():
-        if not name.endswith("norm.weight"):
-            assert not (mine & second[name]).any() and (mine | second[name]).all(), name
+    read_shares(world, "teacher at tp=2")
 
 
 def test_layouts_the_world_or_the_build_cannot_hold_are_refused_on_every_rank(world):
@@ -169,6 +154,7 @@ def test_layouts_the_world_or_the_build_cannot_hold_are_refused_on_every_rank(wo
         assert result["ep2"].startswith("ValueError: TeacherLayout(ep=2)")
         assert result["not_a_layout"].startswith("TypeError: layout must be a TeacherLayout")
         assert "residency='stream'" in result["stream"]
+        assert "only 'resident' is served at a teacher's own layout" in result["stream"]
         assert "differs from the layout the chunks were built at" in result["other_layout"]
         assert "bad tokens / labels / ids on rank(s) [1]" in result["bad_input"]
 

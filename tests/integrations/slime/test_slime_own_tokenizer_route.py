@@ -5,15 +5,13 @@ with its own tokenizer); its nested sizes went unseen and it was routed into the
 (slime's snapshot loader). The build and the tokenizer pair are stood in for: the route is the test."""
 from __future__ import annotations
 
-from argparse import Namespace
 from types import SimpleNamespace
-
-import torch
 
 from megatron_rl_patches.integrations.slime import cross_passes, hf_teachers
 from megatron_rl_patches.integrations.slime import opd as slime_opd
-from megatron_rl_patches.integrations.slime.opd_settings import LOSS_PATH, TEACHERS, opd_settings
+from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, opd_settings
 from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, transformers_layout, write_tiny_checkpoint
+from tests.integrations.slime.tiny_actor import tiny_actor_args
 
 
 class _Actor:
@@ -21,12 +19,7 @@ class _Actor:
     snapshot loader (logged: a snapshot route) and the switch."""
 
     def __init__(self):
-        self.args = Namespace(hidden_size=32, num_layers=2, num_attention_heads=4, group_query_attention=True,
-                              num_query_groups=2, kv_channels=8, ffn_hidden_size=48, num_experts=None,
-                              vocab_size=1001, qk_layernorm=True, add_qkv_bias=False,
-                              untie_embeddings_and_output_weights=True, loss_type="custom_loss",
-                              custom_loss_function_path=LOSS_PATH, context_parallel_size=1, allgather_cp=False,
-                              transformer_impl="local", params_dtype=torch.float32, hf_checkpoint="none")
+        self.args = tiny_actor_args()
         self.model = [SimpleNamespace(vocab_size=1024, config=SimpleNamespace())]
         self.weights_backuper = SimpleNamespace(get=lambda tag: {})
         self.log: list[tuple] = []

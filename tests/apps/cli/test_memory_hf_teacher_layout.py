@@ -1,0 +1,55 @@
+"""`memory --hf PATH --teacher-tp N` (issue 58 item 2): a teacher at its own tensor-parallel
+layout over the student's --tp x --pp x --dp ranks, per-GPU bytes and host bytes per rank beside
+the same teacher at the student's layout; what a layout does not serve refused by name."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_rl_patches.inference.loading.hf.memory_plan import hf_memory_plan
+
+
+def test_a_teacher_at_tp8_beside_a_dp8_student_holds_an_eighth_per_gpu_and_nothing_on_the_host(cli_run, published):
+    root = str(published("Qwen3-8B"))
+    code, out, _ = cli_run("memory", "--hf", root, "--teacher-tp", "8", "--dp", "8", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert (report["world"], report["teacher_tp"], report["teacher_dp"]) == (8, 8, 1)
+    own, *student = report["layouts"]
+    assert own["gpu_bytes"] == hf_memory_plan(root, tp=8).mode("resident").device_peak
+    assert own["host_bytes_per_rank"] == 0 and own["residency"] == "resident"
+    whole = hf_memory_plan(root, tp=1)
+    assert {row["residency"]: (row["gpu_bytes"], row["host_bytes_per_rank"]) for row in student} == {
+        mode: (whole.mode(mode).device_peak, whole.mode(mode).host) for mode in ("resident", "swap", "stream")}
+    # an eighth of the whole, but for the norms every rank holds whole and the vocab's padding
+    assert abs(own["gpu_bytes"] * 8 / student[0]["gpu_bytes"] - 1) < 0.002
+    code, out, _ = cli_run("memory", "--hf", root, "--teacher-tp", "2", "--tp", "2", "--dp", "4")
+    assert code == 0 and "own (TP=2 x DP=4)" in out and "host per rank" in out
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (("--teacher-tp", "3", "--dp", "8"), "--teacher-tp 3 cannot be laid over the student's 8 rank(s)"),
+    (("--teacher-tp", "2", "--teacher-pp", "2"), "--teacher-pp 2: a teacher's own pipeline-parallel size is not "
+                                                 "served yet"),
+    (("--teacher-tp", "2", "--teacher-ep", "2"), "--teacher-ep 2: a teacher's own expert-parallel size is not served"),
+    (("--teacher-tp", "2", "--residency", "stream", "--dp", "2"), "--residency stream with --teacher-tp: a teacher "
+                                                                  "at its own layout is served resident only"),
+    (("--teacher-pp", "2",), "--teacher-pp and --teacher-ep size a teacher at its own layout: add --teacher-tp N"),
+])
+def test_what_a_layout_does_not_serve_is_refused_by_name(cli_run, published, argv, words):
+    code, out, err = cli_run("memory", "--hf", str(published("Qwen3-8B")), *argv)
+    assert code != 0 and words in err and out == ""
+
+
+@pytest.mark.parametrize(("name", "words"), [("Qwen3.5-27B", "qwen3_5's gated-delta-net linear attention"),
+                                             ("Mixtral-8x7B-v0.1", "mixtral's mixture of experts"),
+                                             ("DeepSeek-V3", "multi-latent attention")])
+def test_a_family_a_layout_does_not_serve_is_refused_with_the_builders_words(cli_run, published, name, words):
+    code, _, err = cli_run("memory", "--hf", str(published(name)), "--teacher-tp", "8", "--dp", "8")
+    assert code != 0 and words in err and "does not serve" in err
+
+
+def test_teacher_sizes_need_a_checkpoint(cli_run):
+    code, _, err = cli_run("memory", "--params", "8B", "--teacher-tp", "2")
+    assert code != 0 and "--teacher-tp / --teacher-pp / --teacher-ep need --hf PATH" in err

@@ -1,0 +1,109 @@
+"""Where users set a teacher's own layout (issue 58 item 2), the settings alone (no torch world):
+`PATH;tp=N` in MEGATRON_RL_PATCHES_OPD_TEACHERS and `role;tp=N` in MEGATRON_RL_PATCHES_INFERENCE_ROLES
+are parsed, every bad value refused by name where the setting is read, and a well-formed value
+that the run cannot serve (a snapshot teacher, the union of ids, a world the size does not divide,
+a role) refused by name before anything loads."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_rl_patches.integrations.slime import hf_teachers, layout_teacher
+from megatron_rl_patches.integrations.slime import opd as slime_opd
+from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, Teacher, opd_settings
+from megatron_rl_patches.integrations.slime.roles import refuse_role_layout
+from megatron_rl_patches.patching import env
+from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
+from tests.integrations.slime.tiny_actor import TinyActor
+
+
+def _teachers(value: str) -> tuple[Teacher, ...]:
+    settings = opd_settings({TEACHERS: value})
+    assert settings is not None
+    return settings.teachers
+
+
+def test_an_entrys_tp_option_is_read():
+    assert _teachers("/ckpt/a;tp=2,/ckpt/b") == (Teacher("/ckpt/a", tp=2), Teacher("/ckpt/b"))
+    assert _teachers("/ckpt/a; tp = 4 ;pp=1;ep=1")[0].tp == 4  # pp / ep of 1: the only sizes served
+
+
+@pytest.mark.parametrize(("entry", "words"), [
+    ("/ckpt/a;tp=0", "option 'tp=0' must be a positive integer"),
+    ("/ckpt/a;tp=-2", "option 'tp=-2' must be a positive integer"),
+    ("/ckpt/a;tp=two", "option 'tp=two' must be a positive integer"),
+    ("/ckpt/a;tp=", "option 'tp=' must be a positive integer"),
+    ("/ckpt/a;tp=2;tp=4", "option 'tp' given twice"),
+    ("/ckpt/a;pp=2", "option 'pp=2': a teacher's own pipeline-parallel size is not served yet"),
+    ("/ckpt/a;ep=4", "option 'ep=4': a teacher's own expert-parallel size is not served yet"),
+    ("/ckpt/a;tokenizer=own;tp=2", "';tp=2' with ';tokenizer=own': a teacher with another tokenizer is not served "
+                                   "at its own layout yet"),
+    ("/ckpt/a@m:f;tp=2", "a provider's model '@module:function' is not served at its own layout yet"),
+    ("/ckpt/a;dp=2", "unknown option 'dp=2'.*';tp=N'"),
+])
+def test_a_bad_tp_option_is_refused_naming_the_entry(entry, words):
+    with pytest.raises(ValueError, match=f"{TEACHERS} entry '{entry}'.*{words}" if "*" not in words else words):
+        opd_settings({TEACHERS: entry})
+
+
+def test_a_roles_tp_option_is_read_and_checked():
+    value = "prm_teacher;tp=2,teacher:resident;tp=4,ref:swap"
+    assert env.checked_role_names({env.INFERENCE_ROLES: value}) == ["prm_teacher", "teacher", "ref"]
+    assert env.role_layouts({env.INFERENCE_ROLES: value}) == {"prm_teacher": 2, "teacher": 4}
+    assert env.role_residencies({env.INFERENCE_ROLES: value}) == {"teacher": "resident", "ref": "swap"}
+    for bad, words in (("teacher;tp=0", "option 'tp=0' must be a positive integer"),
+                       ("teacher;tp=2;tp=2", "option 'tp' given twice"),
+                       ("teacher;pp=2", "option 'pp=2': a teacher's own pipeline-parallel size is not served yet"),
+                       ("teacher;bf16", "unknown option 'bf16'"),
+                       ("teacher:stream;tp=2", "';tp=2' with residency 'stream': a model at its own layout is "
+                                               "served resident only")):
+        with pytest.raises(ValueError, match=f"{env.INFERENCE_ROLES} role '{bad}': {words}"):
+            env.checked_role_names({env.INFERENCE_ROLES: bad})
+        assert words.split(":")[0] in env.summary({env.INFERENCE_ROLES: bad})["errors"][0]
+
+
+def test_a_role_at_its_own_layout_is_refused_by_name_before_it_loads():
+    refuse_role_layout("teacher", None)  # no layout: nothing to refuse
+    with pytest.raises(ValueError, match=r"role 'prm_teacher;tp=2': ';tp=2' cannot be laid over 1 rank\(s\)"):
+        refuse_role_layout("prm_teacher", 2)
+    with pytest.raises(ValueError, match="role 'prm_teacher;tp=1': a role's model runs slime's own forward passes"):
+        refuse_role_layout("prm_teacher", 1)
+
+
+@pytest.fixture
+def checkpoints(tmp_path, monkeypatch):
+    """A Hugging Face teacher of another shape than _Actor (2 layers) and one of its shape (3)."""
+    other, same = tmp_path / "other", tmp_path / "same"
+    write_tiny_checkpoint(other, tiny_hf_config("qwen3"))
+    write_tiny_checkpoint(same, tiny_hf_config("qwen3", num_hidden_layers=3))
+    built: list = []
+    monkeypatch.setattr(hf_teachers, "build_hf_teacher", lambda *a, **k: built.append(a) or ["chunk"])
+    monkeypatch.setattr(layout_teacher, "_student_sizes", lambda: {"pipeline": 1, "context": 1})
+    monkeypatch.setattr(layout_teacher, "process_group_collection_class", lambda: object)
+    return SimpleNamespace(other=other, same=same, built=built)
+
+
+@pytest.mark.parametrize(("entries", "extra", "words"), [
+    ("{other};tp=2", {}, r"';tp=2' cannot be laid over 1 rank\(s\): the world size must be a multiple"),
+    ("{other},{same};tp=1", {}, "this checkpoint goes slime's snapshot route.*drop ';tp='"),
+    ("{other};tp=1", {"MEGATRON_RL_PATCHES_OPD_RESIDENCY": "stream"},
+     "a teacher at its own layout is served resident only"),
+    ("{other};tp=1", {"MEGATRON_RL_PATCHES_OPD_IDS_FROM": "union"},
+     "a teacher at its own layout scores the student's ids only"),
+])
+def test_a_layout_the_run_cannot_serve_is_refused_before_any_teacher_loads(checkpoints, entries, extra, words):
+    actor = TinyActor(num_layers=3)
+    settings = opd_settings({TEACHERS: entries.format(other=checkpoints.other, same=checkpoints.same), **extra})
+    with pytest.raises(ValueError, match=words):
+        slime_opd.load_teachers(actor, settings)
+    assert checkpoints.built == [] and actor.loaded == []  # nothing loaded, not even the teachers before it
+
+
+def test_a_student_with_pipeline_or_context_parallelism_is_refused(checkpoints, monkeypatch):
+    words = "a teacher at its own layout is served beside a student without it yet"
+    for sizes, kind in (({"pipeline": 2, "context": 1}, "pipeline"), ({"pipeline": 1, "context": 2}, "context")):
+        monkeypatch.setattr(layout_teacher, "_student_sizes", lambda sizes=sizes: sizes)
+        with pytest.raises(ValueError, match=f"the student runs with {kind} parallelism \\({kind} size 2\\); {words}"):
+            slime_opd.load_teachers(TinyActor(num_layers=3), opd_settings({TEACHERS: f"{checkpoints.other};tp=1"}))
+    assert checkpoints.built == []
