@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from megatron_rl_patches.inference.loading.hf import UnsupportedCheckpointError, hf_memory_plan
+from megatron_rl_patches.inference.loading.hf.contract import contract_problems
 from megatron_rl_patches.inference.loading.hf.families import FAMILIES, REGISTRY, architecture, family_for, qwen3
 from megatron_rl_patches.inference.loading.hf.families.common import dense_layer_params, dense_layer_tensors
-from megatron_rl_patches.inference.loading.hf.families.contract import contract_problems
 from megatron_rl_patches.inference.loading.hf.families.family import Param
 from megatron_rl_patches.inference.loading.hf.mbridge_adapter import SERVED
 from megatron_rl_patches.inference.loading.hf.names import checkpoint_tensors

@@ -10,11 +10,11 @@ from math import prod
 import pytest
 import torch
 
+from megatron_rl_patches.inference.loading.hf.contract import contract_problems
 from megatron_rl_patches.inference.loading.hf.convert import Source, shard_pieces, source
 from megatron_rl_patches.inference.loading.hf.families import FAMILIES, architecture, qwen3
 from megatron_rl_patches.inference.loading.hf.families.common import dense_layer_params
 from megatron_rl_patches.inference.loading.hf.families.common_kinds import QKV, ROW
-from megatron_rl_patches.inference.loading.hf.families.contract import contract_problems
 from megatron_rl_patches.inference.loading.hf.families.family import Param
 from megatron_rl_patches.inference.loading.hf.families.fuse_kind import FuseKind, fuse_kind, register, registered
 from megatron_rl_patches.inference.loading.hf.families.views import whole

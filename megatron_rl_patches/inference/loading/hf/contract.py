@@ -1,4 +1,4 @@
-"""The contract every family keeps, checked from a config.json dict alone (no torch, no
+"""The contract every family (families/) keeps, checked from a config.json dict alone (no torch, no
 megatron-core): each tensor of a layer makes exactly one Megatron parameter, each parameter's
 tensors exist, a fuse kind gets the number of tensors it fuses (its `arity`), and the memory plan's
 formula counts what the checkpoint holds. tests/inference/loading/hf/test_families_contract.py runs
