@@ -86,7 +86,7 @@ def build(kind: str, root: Path, **overrides: Any) -> str:
         try:
             chunk = build_inference_model_from_hf(root, dtype=torch.float32)[0]
         except Exception as exc:  # noqa: BLE001 - a family this megatron-core lacks is refused by name
-            return "\n".join([*out, f"  build refused: {type(exc).__name__}: {exc}"])
+            return "\n".join([*out, f"  build refused: {type(exc).__name__}: {str(exc).replace(str(root), '<dir>')}"])
         state = {k: v for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
         out.append(f"  state dict ({len(state)} tensors): {digest([state[k] for k in sorted(state)])}")
         batch = make_batch(batch_size=2, seq_length=16, vocab_size=1001, seed=0)
