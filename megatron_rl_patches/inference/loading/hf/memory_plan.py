@@ -139,7 +139,7 @@ def hf_memory_plan(
     check_counts_if_present(arch)
     size = DTYPE_BYTES[dtype_name(param_dtype, "param_dtype")]
     family = family_for(arch.model_type, arch.source)
-    runs = [(start, end, layer_params(arch, start, tp, ep)) for start, end in layer_runs(arch)]
+    runs = [(start, end, layer_params(arch, start, tp, ep, family)) for start, end in layer_runs(arch)]
     outer = sum(prod(shape) for part in family.outer_tensors(arch) for shape in part.values())
     total = outer + sum((end - start) * _layer_total(arch, family, start) for start, end, _ in runs)
     routed_off = sum((end - start) * (p.experts - p.active_experts) for start, end, p in runs)
