@@ -2,13 +2,13 @@
 residency mode, from config.json alone (`megatron-rl-patches memory --hf`): plan a 27B or a
 235B-A22B teacher before downloading its weights. Imports nothing heavy (no torch).
 
-Per GPU, one formula over the family's parameter map: a layer's parameters of a split kind (row,
-gated, qkv) are divided over TP, those of the replicate kind (norms, router) are whole on every
-rank, experts are divided over EP, then over TP (megatron-core's expert tensor-parallel size
-defaults to TP); the
-first pipeline stage holds the embedding and the last the output layer (a tied output layer is a
-second copy when PP > 1), both of Megatron's padded vocab (a multiple of 128 x TP). Residency
-as in inference/sizing/residency_plan.py, on the pipeline stage that holds the most."""
+Per GPU, one formula over the family's parameter map: a layer's parameters of a fuse kind that
+splits (`FuseKind.split`: row, gated, qkv...) are divided over TP, the others (replicate: norms,
+router) are whole on every rank, experts are divided over EP, then over TP (megatron-core's expert
+tensor-parallel size defaults to TP); the first pipeline stage holds the embedding and the last
+the output layer (a tied output layer is a second copy when PP > 1), both of Megatron's padded
+vocab (a multiple of 128 x TP). Residency as in inference/sizing/residency_plan.py, on the
+pipeline stage that holds the most."""
 from __future__ import annotations
 
 import os
@@ -20,7 +20,7 @@ from typing import Any
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 from megatron_rl_patches.inference.loading.hf.families import family_for, read_architecture, split_problems
-from megatron_rl_patches.inference.loading.hf.families.family import EXPERT, SPLIT_KINDS, Family
+from megatron_rl_patches.inference.loading.hf.families.family import EXPERT, Family
 from megatron_rl_patches.inference.sizing.memory import DTYPE_BYTES, dtype_name
 from megatron_rl_patches.inference.sizing.residency_plan import ResidencyBytes
 
@@ -82,7 +82,7 @@ def layer_params(arch: HFArchitecture, layer: int, tp: int = 1, ep: int = 1, fam
         size = sum(prod(tensors[name]) for name in param.hf)
         if param.expert:
             expert += size  # one expert's
-        elif param.kind in SPLIT_KINDS:
+        elif param.kind.split:
             split += size
         else:
             whole += size
@@ -139,7 +139,7 @@ def hf_memory_plan(
     check_counts_if_present(arch)
     size = DTYPE_BYTES[dtype_name(param_dtype, "param_dtype")]
     family = family_for(arch.model_type, arch.source)
-    runs = [(start, end, layer_params(arch, start, tp, ep)) for start, end in layer_runs(arch)]
+    runs = [(start, end, layer_params(arch, start, tp, ep, family)) for start, end in layer_runs(arch)]
     outer = sum(prod(shape) for part in family.outer_tensors(arch) for shape in part.values())
     total = outer + sum((end - start) * _layer_total(arch, family, start) for start, end, _ in runs)
     routed_off = sum((end - start) * (p.experts - p.active_experts) for start, end, p in runs)

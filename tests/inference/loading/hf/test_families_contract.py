@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from megatron_rl_patches.inference.loading.hf import UnsupportedCheckpointError, hf_memory_plan
+from megatron_rl_patches.inference.loading.hf.contract import contract_problems
 from megatron_rl_patches.inference.loading.hf.families import FAMILIES, REGISTRY, architecture, family_for, qwen3
 from megatron_rl_patches.inference.loading.hf.families.common import dense_layer_params, dense_layer_tensors
-from megatron_rl_patches.inference.loading.hf.families.contract import contract_problems
 from megatron_rl_patches.inference.loading.hf.families.family import Param
 from megatron_rl_patches.inference.loading.hf.mbridge_adapter import SERVED
 from megatron_rl_patches.inference.loading.hf.names import checkpoint_tensors
@@ -107,7 +107,7 @@ def test_a_real_build_consumes_every_tensor_once_and_the_plan_counts_it(megatron
         src = source(arch, key, numbers, 0)
         used.update(src.hf_names)
         made = sum(torch.Size(tensors[name]).numel() for name in src.hf_names)
-        if src.kind == "vocab":
+        if src.kind.name == "vocab":
             made = vocab * arch.hidden_size  # Megatron's padded rows
         assert made == target.numel(), key
     assert used == Counter(dict.fromkeys(tensors, 1))

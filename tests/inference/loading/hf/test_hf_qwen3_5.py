@@ -62,19 +62,20 @@ def test_z_and_b_swapped_at_load_fail(megatron_cpu, fused_processors, tmp_path, 
     """The negative control: in_proj's z and b blocks exchanged (the same total rows) must not pass."""
     if not _served():
         pytest.skip("megatron-core < 0.16 refuses the family (test_equals_transformers checks it)")
-    from megatron_rl_patches.inference.loading.hf import convert
     from megatron_rl_patches.inference.loading.hf.families import hybrid_layout
 
     model = save_tiny_hf(tmp_path, "qwen3_5_text", seed=2)
     batch = make_batch(batch_size=2, seq_length=SEQ, vocab_size=VOCAB, seed=0)
     want = transformers_log_probs(model, batch)
 
+    layout = hybrid_layout.linear_in_proj
+
     def swapped(arch, qkv, z, b, a, *, rank, size):
-        flat = hybrid_layout.linear_in_proj(arch, qkv, b, z, a, rank=rank, size=size)
+        flat = layout(arch, qkv, b, z, a, rank=rank, size=size)
         assert flat.shape[0] == qkv.shape[0] + z.shape[0] + b.shape[0] + a.shape[0]
         return flat
 
-    monkeypatch.setattr(convert, "linear_in_proj", swapped)
+    monkeypatch.setattr(hybrid_layout, "linear_in_proj", swapped)  # what the GDN_IN kind fills with
     got = built_log_probs(build_inference_model_from_hf(tmp_path, dtype=torch.float32)[0], batch, VOCAB)
     assert (got - want).abs().max().item() > 1e-2
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_rl_patches import _aliases
 from megatron_rl_patches.inference.loading.hf.architecture import (
     HFArchitecture,
     UnsupportedCheckpointError,
@@ -86,3 +87,7 @@ def split_problems(arch: HFArchitecture, tp: int = 1, pp: int = 1, ep: int = 1, 
         stages = f"the pipeline-parallel size {pp}" + (f" x {vpp} virtual stages" if vpp > 1 else "")
         problems.append(f"num_hidden_layers={arch.num_layers} is not a multiple of {stages}")
     return problems
+
+
+# the family contract checks the memory plan and the tensor names too: it sits beside them, in loading/hf/
+_aliases.install(__name__, {"contract": "megatron_rl_patches.inference.loading.hf.contract"})

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, UnsupportedCheckpointError
+from megatron_rl_patches.inference.loading.hf.families.common_kinds import GATED, QKV, REPLICATE, ROW
 from megatron_rl_patches.inference.loading.hf.families.family import Param, Shape
 
 
@@ -29,16 +30,16 @@ def attention_params(arch: HFArchitecture) -> dict[str, Param]:
     """q/k/v fused per query group (Megatron's linear_qkv), the norms whole on every rank."""
     qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
     out = {
-        "input_layernorm.weight": Param(("input_layernorm.weight",), "replicate"),
-        "pre_mlp_layernorm.weight": Param(("post_attention_layernorm.weight",), "replicate"),
-        "self_attention.linear_qkv.weight": Param(tuple(p + ".weight" for p in qkv), "qkv"),
-        "self_attention.linear_proj.weight": Param(("self_attn.o_proj.weight",), "row"),
+        "input_layernorm.weight": Param(("input_layernorm.weight",), REPLICATE),
+        "pre_mlp_layernorm.weight": Param(("post_attention_layernorm.weight",), REPLICATE),
+        "self_attention.linear_qkv.weight": Param(tuple(p + ".weight" for p in qkv), QKV),
+        "self_attention.linear_proj.weight": Param(("self_attn.o_proj.weight",), ROW),
     }
     if arch.qkv_bias:
-        out["self_attention.linear_qkv.bias"] = Param(tuple(p + ".bias" for p in qkv), "qkv")
+        out["self_attention.linear_qkv.bias"] = Param(tuple(p + ".bias" for p in qkv), QKV)
     if arch.qk_norm:
-        out["self_attention.q_layernorm.weight"] = Param(("self_attn.q_norm.weight",), "replicate")
-        out["self_attention.k_layernorm.weight"] = Param(("self_attn.k_norm.weight",), "replicate")
+        out["self_attention.q_layernorm.weight"] = Param(("self_attn.q_norm.weight",), REPLICATE)
+        out["self_attention.k_layernorm.weight"] = Param(("self_attn.k_norm.weight",), REPLICATE)
     return out
 
 
@@ -50,8 +51,8 @@ def swiglu_tensors(arch: HFArchitecture, hf: str = "mlp.", ffn: int | None = Non
 
 def swiglu_params(hf: str = "mlp.", megatron: str = "mlp.") -> dict[str, Param]:
     """gate and up stacked into linear_fc1 (each split over the ranks), down as linear_fc2."""
-    return {megatron + "linear_fc1.weight": Param((hf + "gate_proj.weight", hf + "up_proj.weight"), "gated"),
-            megatron + "linear_fc2.weight": Param((hf + "down_proj.weight",), "row")}
+    return {megatron + "linear_fc1.weight": Param((hf + "gate_proj.weight", hf + "up_proj.weight"), GATED),
+            megatron + "linear_fc2.weight": Param((hf + "down_proj.weight",), ROW)}
 
 
 def moe_tensors(arch: HFArchitecture) -> dict[str, Shape]:
@@ -61,7 +62,7 @@ def moe_tensors(arch: HFArchitecture) -> dict[str, Shape]:
 
 
 def moe_params() -> dict[str, Param]:
-    return {"mlp.router.weight": Param(("mlp.gate.weight",), "replicate"),
+    return {"mlp.router.weight": Param(("mlp.gate.weight",), REPLICATE),
             **swiglu_params("mlp.experts.{e}.", "mlp.experts.local_experts.{e}.")}
 
 
@@ -130,7 +131,7 @@ def shared_expert_params(arch: HFArchitecture, hf: str) -> dict[str, Param]:
     """megatron-core's shared experts: linear_fc1 / linear_fc2 split like a dense MLP, the gate whole."""
     out = swiglu_params(hf, "mlp.shared_experts.")
     if arch.shared_expert_gate:
-        out["mlp.shared_experts.gate_weight"] = Param((hf.rstrip(".") + "_gate.weight",), "replicate")
+        out["mlp.shared_experts.gate_weight"] = Param((hf.rstrip(".") + "_gate.weight",), REPLICATE)
     return out
 
 

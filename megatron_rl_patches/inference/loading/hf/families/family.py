@@ -9,33 +9,39 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
+from megatron_rl_patches.inference.loading.hf.families.common_kinds import REPLICATE, VOCAB
+from megatron_rl_patches.inference.loading.hf.families.fuse_kind import FuseKind, Shape, fuse_kind, registered
 
-Shape = tuple[int, ...]
 EXPERT = "{e}"  # the expert index in a per-expert tensor's or parameter's name
-# fused parameters split over the tensor-parallel ranks (mla_*: column, the rotary rows reordered;
-# gated_qkv: q/k/v with the attention output gate; gdn_*: a gated delta net's projections and convolution)
-SPLIT_KINDS = ("row", "column", "gated", "qkv", "vocab", "mla_q", "mla_kv_down", "gated_qkv", "gdn_in", "gdn_in_fused",
-               "gdn_conv")
-WHOLE_KINDS = ("replicate", "centred")  # parameters every rank holds whole (centred: a zero-centred norm's, + 1)
-KINDS = SPLIT_KINDS + WHOLE_KINDS
 
 
 @dataclass(frozen=True)
 class Param:
     """One Megatron local-spec parameter: the Hugging Face tensors that make it (names under the same
-    prefix as the parameter's; `{e}` in an expert's) and how they are fused (one of KINDS)."""
+    prefix as the parameter's; `{e}` in an expert's) and how they are fused (a `FuseKind`, or the name
+    of a registered one: common_kinds.py, mla_kinds.py, hybrid_kinds.py, ...)."""
 
     hf: tuple[str, ...]
-    kind: str
+    kind: FuseKind
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS or not self.hf:
-            raise ValueError(f"Param needs Hugging Face tensor names and a kind in {KINDS}, got {self!r}")
+        if not self.hf:
+            raise ValueError(f"Param needs Hugging Face tensor names, got {self!r}")
+        object.__setattr__(self, "kind", fuse_kind(self.kind))  # a name resolved once, here
 
     @property
     def expert(self) -> bool:
         """Sharded over the expert-parallel ranks, then the expert tensor-parallel ones."""
         return any(EXPERT in name for name in self.hf)
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """KINDS, SPLIT_KINDS, WHOLE_KINDS: the registered kinds' names (strings before kinds were objects)."""
+    kinds = {"KINDS": registered(), "SPLIT_KINDS": [k for k in registered() if k.split],
+             "WHOLE_KINDS": [k for k in registered() if not k.split]}.get(name)
+    if kinds is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return tuple(kind.name for kind in kinds)
 
 
 def model_tensors(arch: HFArchitecture) -> tuple[dict[str, Shape], dict[str, Shape]]:
@@ -50,9 +56,9 @@ def model_tensors(arch: HFArchitecture) -> tuple[dict[str, Shape], dict[str, Sha
 def model_params(arch: HFArchitecture) -> dict[str, Param]:
     """The Megatron parameters outside the layers and their Hugging Face tensors."""
     return {
-        "embedding.word_embeddings.weight": Param(("model.embed_tokens.weight",), "vocab"),
-        "decoder.final_layernorm.weight": Param(("model.norm.weight",), "replicate"),
-        "output_layer.weight": Param(("model.embed_tokens.weight" if arch.tied else "lm_head.weight",), "vocab"),
+        "embedding.word_embeddings.weight": Param(("model.embed_tokens.weight",), VOCAB),
+        "decoder.final_layernorm.weight": Param(("model.norm.weight",), REPLICATE),
+        "output_layer.weight": Param(("model.embed_tokens.weight" if arch.tied else "lm_head.weight",), VOCAB),
     }
 
 
@@ -143,3 +149,4 @@ class Family:
     @property
     def model_types(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
+

@@ -29,6 +29,7 @@ from megatron_rl_patches.inference.loading.hf.families.common import (
     swiglu_params,
     swiglu_tensors,
 )
+from megatron_rl_patches.inference.loading.hf.families.common_kinds import REPLICATE
 from megatron_rl_patches.inference.loading.hf.families.family import Family, Param, Shape
 from megatron_rl_patches.inference.loading.hf.families.fields import GROUPED
 
@@ -101,7 +102,7 @@ def layer_params(arch: HFArchitecture, layer: int) -> dict[str, Param]:
         return {**attention_params(arch), **swiglu_params()}
     shared = shared_expert_params(arch, SHARED) if arch.shared_expert_ffn else {}
     return {**attention_params(arch), **moe_params(),
-            "mlp.router.expert_bias": Param(("mlp.gate.e_score_correction_bias",), "replicate"), **shared}
+            "mlp.router.expert_bias": Param(("mlp.gate.e_score_correction_bias",), REPLICATE), **shared}
 
 
 FAMILY = Family(

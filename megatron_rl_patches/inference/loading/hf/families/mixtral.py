@@ -8,6 +8,7 @@ from typing import Any
 
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, decoder_architecture, read_count
 from megatron_rl_patches.inference.loading.hf.families.common import attention_params, attention_tensors, moe_config
+from megatron_rl_patches.inference.loading.hf.families.common_kinds import GATED, REPLICATE, ROW
 from megatron_rl_patches.inference.loading.hf.families.family import Family, Param, Shape
 
 MOE, EXPERT = "block_sparse_moe.", "block_sparse_moe.experts.{e}."
@@ -33,9 +34,9 @@ def layer_tensors(arch: HFArchitecture, layer: int) -> dict[str, Shape]:
 
 def layer_params(arch: HFArchitecture, layer: int) -> dict[str, Param]:
     local = "mlp.experts.local_experts.{e}."
-    return {**attention_params(arch), "mlp.router.weight": Param((MOE + "gate.weight",), "replicate"),
-            local + "linear_fc1.weight": Param((EXPERT + "w1.weight", EXPERT + "w3.weight"), "gated"),
-            local + "linear_fc2.weight": Param((EXPERT + "w2.weight",), "row")}
+    return {**attention_params(arch), "mlp.router.weight": Param((MOE + "gate.weight",), REPLICATE),
+            local + "linear_fc1.weight": Param((EXPERT + "w1.weight", EXPERT + "w3.weight"), GATED),
+            local + "linear_fc2.weight": Param((EXPERT + "w2.weight",), ROW)}
 
 
 FAMILY = Family(

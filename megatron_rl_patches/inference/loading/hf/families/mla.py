@@ -1,9 +1,8 @@
 """Multi-latent attention (DeepSeek-V3's, Kimi-K2's, Moonlight's): its config.json fields, its
-Hugging Face tensors and the Megatron MLASelfAttention parameters made from them, the rows of the
-rotary part reordered for megatron-core (which de-interleaves them: transformers'
-`rope_interleave: true`), its MLATransformerConfig fields and a local layer spec that runs on CPU
-(the SDPA core attention by default; megatron-core 0.16's isinstance against a mocked TELinear
-disarmed)."""
+Hugging Face tensors and the Megatron MLASelfAttention parameters made from them (its own fuse
+kinds, the rotary rows reordered for megatron-core, are in mla_kinds.py), its MLATransformerConfig
+fields and a local layer spec that runs on CPU (the SDPA core attention by default; megatron-core
+0.16's isinstance against a mocked TELinear disarmed)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,7 +13,9 @@ from megatron_rl_patches.inference.loading.hf.architecture import (
     UnsupportedCheckpointError,
     read_count,
 )
+from megatron_rl_patches.inference.loading.hf.families.common_kinds import COLUMN, REPLICATE, ROW
 from megatron_rl_patches.inference.loading.hf.families.family import Param, Shape
+from megatron_rl_patches.inference.loading.hf.families.mla_kinds import MLA_KV_DOWN, MLA_Q
 
 
 @dataclass(frozen=True)
@@ -83,47 +84,20 @@ def mla_params(arch: HFArchitecture) -> dict[str, Param]:
     (megatron-core gathers the down projections' again), the latent norms whole."""
     a = "self_attention."
     out = {
-        "input_layernorm.weight": Param(("input_layernorm.weight",), "replicate"),
-        "pre_mlp_layernorm.weight": Param(("post_attention_layernorm.weight",), "replicate"),
-        a + "linear_kv_down_proj.weight": Param(("self_attn.kv_a_proj_with_mqa.weight",), "mla_kv_down"),
-        a + "kv_layernorm.weight": Param(("self_attn.kv_a_layernorm.weight",), "replicate"),
-        a + "linear_kv_up_proj.weight": Param(("self_attn.kv_b_proj.weight",), "column"),
-        a + "linear_proj.weight": Param(("self_attn.o_proj.weight",), "row"),
+        "input_layernorm.weight": Param(("input_layernorm.weight",), REPLICATE),
+        "pre_mlp_layernorm.weight": Param(("post_attention_layernorm.weight",), REPLICATE),
+        a + "linear_kv_down_proj.weight": Param(("self_attn.kv_a_proj_with_mqa.weight",), MLA_KV_DOWN),
+        a + "kv_layernorm.weight": Param(("self_attn.kv_a_layernorm.weight",), REPLICATE),
+        a + "linear_kv_up_proj.weight": Param(("self_attn.kv_b_proj.weight",), COLUMN),
+        a + "linear_proj.weight": Param(("self_attn.o_proj.weight",), ROW),
     }
     if arch.mla.q_lora_rank is None:
-        out[a + "linear_q_proj.weight"] = Param(("self_attn.q_proj.weight",), "mla_q")
+        out[a + "linear_q_proj.weight"] = Param(("self_attn.q_proj.weight",), MLA_Q)
     else:
-        out.update({a + "linear_q_down_proj.weight": Param(("self_attn.q_a_proj.weight",), "column"),
-                    a + "q_layernorm.weight": Param(("self_attn.q_a_layernorm.weight",), "replicate"),
-                    a + "linear_q_up_proj.weight": Param(("self_attn.q_b_proj.weight",), "mla_q")})
+        out.update({a + "linear_q_down_proj.weight": Param(("self_attn.q_a_proj.weight",), COLUMN),
+                    a + "q_layernorm.weight": Param(("self_attn.q_a_layernorm.weight",), REPLICATE),
+                    a + "linear_q_up_proj.weight": Param(("self_attn.q_b_proj.weight",), MLA_Q)})
     return out
-
-
-def _rope_rows_for_megatron(rows: Any, rope: int, interleaved: bool) -> Any:
-    """The last `rope` rows of each block of `rows` [blocks, width, ...] in the order megatron-core's
-    MLA wants: it de-interleaves them (pairs (x0, x1), (x2, x3)... rotated together), as
-    transformers does with rope_interleave=true; rotate-half rows are interleaved for it."""
-    if interleaved:
-        return rows
-    import torch
-
-    head, tail = rows[:, :-rope], rows[:, -rope:]
-    half = rope // 2
-    woven = torch.stack([tail[:, :half], tail[:, half:]], dim=2).reshape(tail.shape)
-    return torch.cat([head, woven], dim=1)
-
-
-def query_rows(arch: HFArchitecture, weight: Any) -> Any:
-    """q_proj / q_b_proj [heads x (nope + rope), in] with each head's rotary rows reordered."""
-    m = arch.mla
-    per_head = weight.reshape(arch.num_heads, m.q_head_dim, *weight.shape[1:])
-    return _rope_rows_for_megatron(per_head, m.qk_rope_head_dim, m.rope_interleave).reshape(weight.shape)
-
-
-def kv_down_rows(arch: HFArchitecture, weight: Any) -> Any:
-    """kv_a_proj_with_mqa [kv_lora_rank + rope, in] with its rotary rows reordered."""
-    m = arch.mla
-    return _rope_rows_for_megatron(weight.unsqueeze(0), m.qk_rope_head_dim, m.rope_interleave).squeeze(0)
 
 
 def mla_config(arch: HFArchitecture) -> dict[str, Any]:

@@ -28,7 +28,9 @@ from megatron_rl_patches.inference.loading.hf.families.common import (
     swiglu_params,
     swiglu_tensors,
 )
+from megatron_rl_patches.inference.loading.hf.families.common_kinds import CENTRED, COLUMN, REPLICATE, ROW, VOCAB
 from megatron_rl_patches.inference.loading.hf.families.family import Family, Param, Shape, parallel_problems
+from megatron_rl_patches.inference.loading.hf.families.hybrid_kinds import GATED_QKV, GDN_CONV, GDN_IN
 
 LINEAR, FULL = "linear_attention", "full_attention"
 WRAPPED = "model.language_model."  # the wrapper's text model
@@ -139,10 +141,10 @@ def gated_attention_tensors(arch: HFArchitecture) -> dict[str, Shape]:
 def gated_attention_params() -> dict[str, Param]:
     a = "self_attention."
     return {a + "linear_qkv.weight": Param(("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                            "self_attn.v_proj.weight"), "gated_qkv"),
-            a + "linear_proj.weight": Param(("self_attn.o_proj.weight",), "row"),
-            a + "q_layernorm.weight": Param(("self_attn.q_norm.weight",), "centred"),
-            a + "k_layernorm.weight": Param(("self_attn.k_norm.weight",), "centred")}
+                                            "self_attn.v_proj.weight"), GATED_QKV),
+            a + "linear_proj.weight": Param(("self_attn.o_proj.weight",), ROW),
+            a + "q_layernorm.weight": Param(("self_attn.q_norm.weight",), CENTRED),
+            a + "k_layernorm.weight": Param(("self_attn.k_norm.weight",), CENTRED)}
 
 
 def linear_attention_tensors(arch: HFArchitecture) -> dict[str, Shape]:
@@ -163,16 +165,16 @@ def linear_attention_common_tensors(arch: HFArchitecture) -> dict[str, Shape]:
 
 def linear_attention_common_params() -> dict[str, Param]:
     a = "self_attention."
-    return {a + "conv1d.weight": Param(("linear_attn.conv1d.weight",), "gdn_conv"),
-            a + "A_log": Param(("linear_attn.A_log",), "column"),
-            a + "dt_bias": Param(("linear_attn.dt_bias",), "column"),
-            a + "out_norm.weight": Param(("linear_attn.norm.weight",), "replicate"),
-            a + "out_proj.weight": Param(("linear_attn.out_proj.weight",), "row")}
+    return {a + "conv1d.weight": Param(("linear_attn.conv1d.weight",), GDN_CONV),
+            a + "A_log": Param(("linear_attn.A_log",), COLUMN),
+            a + "dt_bias": Param(("linear_attn.dt_bias",), COLUMN),
+            a + "out_norm.weight": Param(("linear_attn.norm.weight",), REPLICATE),
+            a + "out_proj.weight": Param(("linear_attn.out_proj.weight",), ROW)}
 
 
 def linear_attention_params() -> dict[str, Param]:
     names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-    return {"self_attention.in_proj.weight": Param(tuple(f"linear_attn.{n}.weight" for n in names), "gdn_in"),
+    return {"self_attention.in_proj.weight": Param(tuple(f"linear_attn.{n}.weight" for n in names), GDN_IN),
             **linear_attention_common_params()}
 
 
@@ -188,8 +190,8 @@ def mlp_params(arch: HFArchitecture) -> dict[str, Param]:
     return {**moe_params(), **(shared_expert_params(arch, SHARED) if arch.shared_expert_ffn else {})}
 
 
-NORMS = {"input_layernorm.weight": Param(("input_layernorm.weight",), "centred"),
-         "pre_mlp_layernorm.weight": Param(("post_attention_layernorm.weight",), "centred")}
+NORMS = {"input_layernorm.weight": Param(("input_layernorm.weight",), CENTRED),
+         "pre_mlp_layernorm.weight": Param(("post_attention_layernorm.weight",), CENTRED)}
 
 
 def layer_tensors(arch: HFArchitecture, layer: int) -> dict[str, Shape]:
@@ -205,9 +207,9 @@ def layer_params(arch: HFArchitecture, layer: int) -> dict[str, Param]:
 
 def text_outer_params(arch: HFArchitecture, prefix: str = "model.") -> dict[str, Param]:
     embed = prefix + "embed_tokens.weight"
-    return {"embedding.word_embeddings.weight": Param((embed,), "vocab"),
-            "decoder.final_layernorm.weight": Param((prefix + "norm.weight",), "centred"),
-            "output_layer.weight": Param((embed if arch.tied else "lm_head.weight",), "vocab")}
+    return {"embedding.word_embeddings.weight": Param((embed,), VOCAB),
+            "decoder.final_layernorm.weight": Param((prefix + "norm.weight",), CENTRED),
+            "output_layer.weight": Param((embed if arch.tied else "lm_head.weight",), VOCAB)}
 
 
 def wrapped_outer_params(arch: HFArchitecture) -> dict[str, Param]:

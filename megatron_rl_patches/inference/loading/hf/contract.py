@@ -1,8 +1,8 @@
-"""The contract every family keeps, checked from a config.json dict alone (no torch, no
+"""The contract every family (families/) keeps, checked from a config.json dict alone (no torch, no
 megatron-core): each tensor of a layer makes exactly one Megatron parameter, each parameter's
-tensors exist, a fuse kind gets the number of tensors it fuses, and the memory plan's formula counts
-what the checkpoint holds. tests/inference/loading/hf/test_families_contract.py runs it on every
-registered family (and on broken ones, which it must refuse)."""
+tensors exist, a fuse kind gets the number of tensors it fuses (its `arity`), and the memory plan's
+formula counts what the checkpoint holds. tests/inference/loading/hf/test_families_contract.py runs
+it on every registered family (and on broken ones, which it must refuse)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -14,9 +14,6 @@ from megatron_rl_patches.inference.loading.hf.families.fields import seen_by
 from megatron_rl_patches.inference.loading.hf.memory_plan import layer_params
 from megatron_rl_patches.inference.loading.hf.names import layer_tensors
 
-# tensors per parameter of these kinds; every other kind: 1
-FUSED = {"qkv": 3, "gated": 2, "gated_qkv": 3, "gdn_in": 4, "gdn_in_fused": 2}
-
 
 def _map_problems(where: str, tensors: dict[str, Shape], params: dict[str, Param], once: bool) -> list[str]:
     """Parameters against tensors: sources exist, kinds fuse the right count, each tensor consumed
@@ -27,9 +24,9 @@ def _map_problems(where: str, tensors: dict[str, Shape], params: dict[str, Param
         used.update(param.hf)
         problems += [f"{where}: parameter {name} is made of {hf}, which is not a tensor of the checkpoint"
                      for hf in param.hf if hf not in tensors]
-        if len(param.hf) != FUSED.get(param.kind, 1):
-            problems.append(f"{where}: parameter {name} of kind {param.kind!r} fuses {len(param.hf)} tensors, "
-                            f"expected {FUSED.get(param.kind, 1)}")
+        if len(param.hf) != param.kind.arity:
+            problems.append(f"{where}: parameter {name} of kind {param.kind.name!r} fuses {len(param.hf)} tensors, "
+                            f"expected {param.kind.arity}")
         if (EXPERT in name) != param.expert:
             problems.append(f"{where}: parameter {name} and its tensors {param.hf} disagree on being per expert")
     problems += [f"{where}: tensor {name} makes no Megatron parameter" for name in tensors if not used[name]]
