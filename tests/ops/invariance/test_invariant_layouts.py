@@ -1,10 +1,10 @@
-"""The invariant mode across the ways a batch's rows are laid out (one gloo world of 2 ranks,
-spawned once for the module): each sample alone (unpadded), packed back to back (`thd`), padded to
-a common length (`bshd`), and context parallelism at CP = 2 in both layouts the package slices —
-zigzag and all-gather (`allgather_cp`, contiguous slices of the packed stream) — through
-`ops.packing` (targets, response pieces) and the public ops, fp32 and bf16. Every layout's
-response log-probs and entropies are the unpadded bits; the default mode's fused head differs on
-the same inputs (the negative control: these checks can fail)."""
+"""The invariant mode across the ways a batch's rows are laid out (in the 2-rank gloo world the
+tensor-parallel checks share: invariance_worlds.py): each sample alone (unpadded), packed back to
+back (`thd`), padded to a common length (`bshd`), and context parallelism at CP = 2 in both layouts
+the package slices — zigzag and all-gather (`allgather_cp`, contiguous slices of the packed stream)
+— through `ops.packing` (targets, response pieces) and the public ops, fp32 and bf16. Every
+layout's response log-probs and entropies are the unpadded bits; the default mode's fused head
+differs on the same inputs (the negative control: these checks can fail)."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +12,6 @@ import torch
 
 from megatron_rl_patches import ops
 from megatron_rl_patches.ops import packing
-from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = pytest.mark.multirank
 TOTALS, RESPONSES = (150, 97, 211, 64), (60, 40, 130, 20)  # 522 rows: the fused head's default chunks show
@@ -87,7 +86,7 @@ def _placed_split(per_sample, layout, n_rows):
     return torch.cat(placed)
 
 
-def _worker(rank, world):
+def layout_checks(rank, world):
     """Per (layout, route, output, dtype, invariant): the responses, gathered over the CP ranks."""
     import torch.distributed as dist
 
@@ -114,8 +113,8 @@ def _worker(rank, world):
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_multirank(_worker, CP, timeout=300)
+def results(invariance_world):
+    return invariance_world.results(CP, "layouts")
 
 
 def _differ(a, b):

@@ -4,12 +4,17 @@ vocabulary op, among other rows too; in the default mode the Triton kernels' own
 negative control: these checks compare values that can differ)."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from megatron_rl_patches import ops
-from megatron_rl_patches.testing.invariance import check_rows_invariant
-from tests.ops.kernels.triton_kit import DEVICE, require_kernels
+sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
+from triton_kit import DEVICE, require_kernels  # noqa: E402
+
+from megatron_rl_patches import ops  # noqa: E402
+from megatron_rl_patches.testing.invariance import check_rows_invariant  # noqa: E402
 
 pytestmark = pytest.mark.triton
 require_kernels()
