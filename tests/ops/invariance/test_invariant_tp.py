@@ -1,14 +1,14 @@
 """The invariant mode under tensor parallelism (gloo; one world per size, spawned once for the
-module, each running every check): every op's values at TP = 2, 4, 8 — vocabulary split in shards of
-any width, sequence parallelism, a padded vocabulary — are the TP = 1 bits, in fp32 and bf16; the
-default mode differs on the same inputs (the negative control: these checks can fail)."""
+session and shared with the CP layout checks: invariance_worlds.py): every op's values at TP = 2, 4,
+8 — vocabulary split in shards of any width, sequence parallelism, a padded vocabulary — are the
+TP = 1 bits, in fp32 and bf16; the default mode differs on the same inputs (the negative control:
+these checks can fail)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from megatron_rl_patches import ops
-from megatron_rl_patches.testing.multirank import run_multirank
 
 pytestmark = pytest.mark.multirank
 T, H, V, K, VOCAB = 24, 32, 5000, 3, 4990  # V / 8 = 625: shard edges at no power of two
@@ -59,7 +59,8 @@ def _cases(rank, world, dtype, invariant):
     return out
 
 
-def _worker(rank, world):
+def tp_checks(rank, world):
+    """Per (case, dtype, invariant): whether TP = world gave the TP = 1 bits, and by how much not."""
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
         for invariant in (True, False):
@@ -71,8 +72,8 @@ def _worker(rank, world):
 
 
 @pytest.fixture(scope="module", params=[2, 4, 8])
-def world(request):
-    return request.param, run_multirank(_worker, request.param, timeout=300)
+def world(request, invariance_world):
+    return request.param, invariance_world.results(request.param, "tp")
 
 
 def test_every_op_at_every_split_gives_the_tp1_bits_and_the_default_mode_does_not(world):

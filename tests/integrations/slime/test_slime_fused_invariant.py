@@ -1,0 +1,101 @@
+"""`slime_fused` in the invariant mode: the same four samples as one micro-batch or as four give
+every response token the same log-prob and entropy bits, the switch read off the model config's
+`batch_invariant_mode` (megatron-core's TransformerConfig attribute, set on the config object: a
+model cannot be built with it on CPU); without it (the default mode) the fused head's values move
+with the split (the negative control). A real GPTModel on CPU through the fused route's model call
+and the GPT output-processor patch; its layers' output projections are zeroed so the hidden states
+are a function of the token alone (the layers' own invariance is megatron-core's
+batch_invariant_mode on a GPU, not this package's: docs/train-rollout-agreement.md). slime's row
+helpers are replaced by the package's `ops.packing` ones (thd, one CP rank); the slime lane runs
+slime's own."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from megatron_rl_patches.ops import packing
+
+pytestmark = pytest.mark.megatron
+TOTALS, RESPONSES = (150, 97, 211, 64), (60, 40, 130, 20)
+H, V = 128, 5000
+
+
+def _model(megatron_cpu):
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_rl_patches.testing.packed_gpt import packed_gpt_spec
+
+    torch.manual_seed(2)
+    config = megatron_cpu.config(hidden_size=H, num_attention_heads=4, num_layers=1)
+    model = GPTModel(config=config, transformer_layer_spec=packed_gpt_spec(), vocab_size=V,
+                     max_sequence_length=sum(TOTALS), position_embedding_type="rope")
+    with torch.no_grad():  # every layer adds zero to the residual stream: hidden = norm(embedding)
+        for name, parameter in model.named_parameters():
+            if "linear_proj" in name or "linear_fc2" in name:
+                parameter.zero_()
+    return model.eval()
+
+
+def _micro_batch(tokens, samples, monkeypatch):
+    """A thd micro-batch of `samples` and slime's row helpers for it (next-token targets, response rows)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_rl_patches.integrations.slime import rows
+
+    layout = packing.PackedLayout([TOTALS[i] for i in samples], [RESPONSES[i] for i in samples])
+    parts = [tokens[i] for i in samples]
+    n = sum(layout.total_lengths)
+    targets = packing.shifted_targets(parts, layout, n)
+    response = torch.zeros(n, dtype=torch.bool)
+    for pieces in packing.response_pieces(layout, n):
+        for piece in pieces:
+            response[piece.start: piece.stop] = True
+    monkeypatch.setattr(rows, "shifted_targets", lambda batch, length, device, ag: targets)
+    monkeypatch.setattr(rows, "response_rows", lambda batch, length, device, ag: response)
+    cu = torch.tensor([0, *torch.tensor(layout.total_lengths).cumsum(0).tolist()], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=max(layout.total_lengths), max_seqlen_kv=max(layout.total_lengths))
+    call = dict(input_ids=torch.cat(parts)[None], attention_mask=None, packed_seq_params=packed,
+                position_ids=torch.cat([torch.arange(t) for t in layout.total_lengths])[None])
+    return layout, call
+
+
+def _responses(model, tokens, split, monkeypatch):
+    """Per output, every sample's response values, the samples run in micro-batches of `split`."""
+    from megatron_rl_patches.integrations.slime import fused as slime_fused
+
+    args = types.SimpleNamespace(rollout_temperature=1.0, allgather_cp=False, loss_type="policy_loss")
+    out: dict[str, list[torch.Tensor]] = {"log_probs": [], "entropy": []}
+    for first in range(0, len(TOTALS), split):
+        layout, call = _micro_batch(tokens, range(first, first + split), monkeypatch)
+        plan = slime_fused.StepPlan(args, True, False, batch={"tokens": None})
+        with torch.no_grad():
+            result = slime_fused.FusedModel(model, plan)(**call)
+        assert isinstance(result, slime_fused.FusedOutput)
+        for key in out:
+            out[key] += packing.split_responses(result[key].reshape(-1), layout)
+    return {key: torch.cat(values) for key, values in out.items()}
+
+
+def test_micro_batch_splits_of_1_and_4_give_the_same_bits_with_batch_invariant_mode(
+        megatron_cpu, clean_patch_state, monkeypatch):
+    import megatron_rl_patches
+
+    megatron_rl_patches.apply(only="gpt_output_processor")  # megatron-core < 0.18, as the slime lane
+    model = _model(megatron_cpu)
+    g = torch.Generator().manual_seed(4)
+    tokens = [torch.randint(0, V, (n,), generator=g) for n in TOTALS]
+    seen = {}
+    for mode in (True, False):
+        model.config.batch_invariant_mode = mode  # what megatron-core's config carries on a GPU
+        seen[mode] = {split: _responses(model, tokens, split, monkeypatch) for split in (len(TOTALS), 1)}
+    whole, alone = seen[True][len(TOTALS)], seen[True][1]
+    for key in ("log_probs", "entropy"):
+        assert whole[key].numel() == sum(RESPONSES) and torch.isfinite(whole[key]).all()
+        assert torch.equal(whole[key], alone[key]), (key, float((whole[key] - alone[key]).abs().max()))
+    default_whole, default_alone = seen[False][len(TOTALS)], seen[False][1]
+    assert not torch.equal(default_whole["log_probs"], default_alone["log_probs"]), \
+        "the default mode matched across splits: this test no longer shows a difference"
+    torch.testing.assert_close(default_whole["log_probs"], whole["log_probs"], rtol=0, atol=1e-4)

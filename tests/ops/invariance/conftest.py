@@ -1,0 +1,13 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from invariance_worlds import Worlds  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def invariance_world():
+    """`results(size, part)`: one world per size for every multi-rank check here (invariance_worlds)."""
+    return Worlds()

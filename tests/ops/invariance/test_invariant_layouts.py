@@ -1,0 +1,143 @@
+"""The invariant mode across the ways a batch's rows are laid out (in the 2-rank gloo world the
+tensor-parallel checks share: invariance_worlds.py): each sample alone (unpadded), packed back to
+back (`thd`), padded to a common length (`bshd`), and context parallelism at CP = 2 in both layouts
+the package slices — zigzag and all-gather (`allgather_cp`, contiguous slices of the packed stream)
+— through `ops.packing` (targets, response pieces) and the public ops, fp32 and bf16. Every
+layout's response log-probs and entropies are the unpadded bits; the default mode's fused head
+differs on the same inputs (the negative control: these checks can fail)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl_patches import ops
+from megatron_rl_patches.ops import packing
+
+pytestmark = pytest.mark.multirank
+TOTALS, RESPONSES = (150, 97, 211, 64), (60, 40, 130, 20)  # 522 rows: the fused head's default chunks show
+H, V, CP = 128, 5000, 2
+LAYOUTS = ("packed", "padded", "zigzag", "allgather")
+
+
+def _samples(dtype):
+    """Per sample: its tokens, hidden rows [total, H] and logits rows [total, V]; the weight."""
+    g = torch.Generator().manual_seed(11)
+    weight = (torch.randn(V, H, generator=g) / H**0.5 * 3).to(dtype)
+    tokens = [torch.randint(0, V, (n,), generator=g) for n in TOTALS]
+    hidden = [torch.randn(n, H, generator=g).to(dtype) for n in TOTALS]
+    logits = [(torch.randn(n, V, generator=g) * 3).to(dtype) for n in TOTALS]
+    return tokens, hidden, logits, weight
+
+
+def _pad(rows, length):
+    return torch.cat([rows, rows.new_zeros(length - rows.size(0), *rows.shape[1:])])
+
+
+def _local_rows(name, per_sample, rank):
+    """This rank's rows of the batch in layout `name` (padding rows are zeros)."""
+    if name == "packed":
+        return torch.cat(per_sample)
+    if name == "padded":
+        return torch.cat([_pad(rows, max(TOTALS)) for rows in per_sample])
+    if name == "zigzag":  # each sample padded to 2·cp chunks; this rank holds chunks rank and 2·cp-1-rank
+        local = []
+        for rows in per_sample:
+            chunk = -(-rows.size(0) // (2 * CP))
+            chunks = _pad(rows, 2 * CP * chunk).split(chunk)
+            local += [chunks[rank], chunks[2 * CP - 1 - rank]]
+        return torch.cat(local)
+    stream = torch.cat(per_sample)  # allgather: contiguous slices of the packed stream
+    size = -(-stream.size(0) // CP)
+    return _pad(stream, CP * size)[rank * size: (rank + 1) * size]
+
+
+def _layout(name, rank):
+    if name in ("packed", "padded"):
+        return packing.PackedLayout(TOTALS, RESPONSES, qkv_format="thd" if name == "packed" else "bshd",
+                                    max_seq_len=max(TOTALS) if name == "padded" else None)
+    return packing.PackedLayout(TOTALS, RESPONSES, cp_size=CP, cp_rank=rank, allgather_cp=name == "allgather")
+
+
+def _responses(layout, tokens, hidden, logits, weight, invariant):
+    """Per route, per output, per sample: this rank's response rows, the rest zero (full length)."""
+    n_rows = hidden.size(0)
+    targets = packing.shifted_targets(tokens, layout, n_rows)
+    fused = ops.lm_head_log_probs_and_entropy(hidden, weight, targets, with_entropy=True, invariant=invariant)
+    through_logits = packing.response_log_probs_and_entropy(logits.float(), tokens, layout, with_entropy=True,
+                                                            invariant=invariant)
+    out = {}
+    for j, name in enumerate(("log_prob", "entropy")):
+        out["lm_head_log_probs_and_entropy", name] = _placed_split(packing.split_responses(fused[j], layout),
+                                                                   layout, n_rows)
+        out["response_log_probs_and_entropy", name] = _placed_split(through_logits[j], layout, n_rows)
+    return out
+
+
+def _placed_split(per_sample, layout, n_rows):
+    """`split_responses`' per-sample local rows put at their response offsets (zeros elsewhere)."""
+    placed = []
+    for i, (values, sample_pieces) in enumerate(zip(per_sample, packing.response_pieces(layout, n_rows))):
+        full, at = torch.zeros(layout.response_lengths[i]), 0
+        for piece in sample_pieces:
+            width = piece.stop - piece.start
+            full[piece.offset: piece.offset + width] = values[at: at + width]
+            at += width
+        placed.append(full)
+    return torch.cat(placed)
+
+
+def layout_checks(rank, world):
+    """Per (layout, route, output, dtype, invariant): the responses, gathered over the CP ranks."""
+    import torch.distributed as dist
+
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        tokens, hidden, logits, weight = _samples(dtype)
+        for invariant in (True, False):
+            alone: dict = {}
+            for i in range(len(TOTALS)):  # every sample on its own, unpadded
+                one = packing.PackedLayout((TOTALS[i],), (RESPONSES[i],))
+                for key, value in _responses(one, [tokens[i]], hidden[i], logits[i], weight, invariant).items():
+                    alone.setdefault(key, []).append(value)
+            for key, parts in alone.items():
+                results[("alone", *key, str(dtype).removeprefix("torch."), invariant)] = torch.cat(parts)
+            for name in LAYOUTS:
+                layout = _layout(name, rank)
+                got = _responses(layout, tokens, _local_rows(name, hidden, rank), _local_rows(name, logits, rank),
+                                 weight, invariant)
+                for key, value in got.items():
+                    if name in ("zigzag", "allgather"):  # each response row on one rank: the sum is that row
+                        dist.all_reduce(value, group=dist.group.WORLD)
+                    results[(name, *key, str(dtype).removeprefix("torch."), invariant)] = value
+    return results
+
+
+@pytest.fixture(scope="module")
+def results(invariance_world):
+    return invariance_world.results(CP, "layouts")
+
+
+def _differ(a, b):
+    return float((a.double() - b.double()).abs().max()) if not torch.equal(a, b) else 0.0
+
+
+def test_every_layout_gives_the_unpadded_bits_in_the_invariant_mode(results):
+    for rank, rank_results in enumerate(results):
+        assert len(rank_results) == (1 + len(LAYOUTS)) * 2 * 2 * 2 * 2  # layouts x routes x outputs x dtypes x modes
+        wrong = {case: _differ(value, rank_results[("alone", *case[1:])]) for case, value in rank_results.items()
+                 if case[-1] and not torch.equal(value, rank_results[("alone", *case[1:])])}
+        assert not wrong, f"rank {rank}: invariant mode differs from the samples alone: {wrong}"
+
+
+def test_the_default_fused_head_moves_with_the_layout(results):
+    """The negative control: in the default mode the fused head's responses differ between the
+    samples alone and packed, and between packed and each CP layout, in both dtypes (so the
+    invariant check above compares values that can move)."""
+    for rank_results in results:
+        for dtype in ("float32", "bfloat16"):
+            def default(name, dtype=dtype, got=rank_results):
+                return got[(name, "lm_head_log_probs_and_entropy", "log_prob", dtype, False)]
+
+            assert _differ(default("alone"), default("packed")) > 0, dtype
+            for name in ("zigzag", "allgather"):
+                assert _differ(default(name), default("packed")) > 0, (name, dtype)
