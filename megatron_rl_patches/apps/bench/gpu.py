@@ -77,11 +77,12 @@ def _logits_path(x: Inputs):
     return log_probs_and_entropy((x.hidden @ x.weight.T).float(), x.tokens, with_entropy=True)
 
 
-def _ours(backend: str) -> Callable[[Inputs], Any]:
+def _ours(backend: str, invariant: bool = False) -> Callable[[Inputs], Any]:
     def run(x: Inputs):
         from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy
 
-        return lm_head_log_probs_and_entropy(x.hidden, x.weight, x.tokens, with_entropy=True, backend=backend)
+        return lm_head_log_probs_and_entropy(x.hidden, x.weight, x.tokens, with_entropy=True, backend=backend,
+                                             invariant=invariant)
 
     return run
 
@@ -123,6 +124,8 @@ def implementations() -> list[tuple[str, Callable[[Inputs], Any], str | None]]:
         ("logits path", _logits_path, None),
         ("ours, torch tiles", _ours("torch"), None),
         ("ours, triton", _ours("triton"), "triton"),
+        # the invariant mode (docs/train-rollout-agreement.md): every backend takes the torch tiles
+        ("ours, invariant mode", _ours("auto", invariant=True), None),
         ("verl triton kernel", _verl, "verl.utils.kernel.linear_cross_entropy"),
         ("liger fused linear CE (log-prob only)", _liger, "liger_kernel.ops.fused_linear_cross_entropy"),
         (f"top-k {TOPK} ids + log-probs + tail, torch tiles", _ours_topk("torch"), None),

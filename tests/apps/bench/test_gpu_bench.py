@@ -96,3 +96,20 @@ def test_outputs_are_csv_markdown_and_png(tmp_path):
     assert md.startswith("title line\n\n| T | implementation |") and "| OOM |" in md
     pytest.importorskip("matplotlib")
     assert str(tmp_path / "gpu.png") in paths and (tmp_path / "gpu.png").stat().st_size > 0
+
+
+def test_every_row_needing_no_extra_package_runs_on_cpu_and_the_invariant_row_is_the_invariant_op():
+    """The rows' functions at a tiny shape on CPU (the GPU run's code path, minus the device); the
+    invariant mode's row gives the op's invariant bits."""
+    from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy
+
+    x = gpu.make_inputs(64, 32, 300, "cpu", torch.float32)
+    rows = {label: fn for label, fn, module in gpu.implementations() if module is None}
+    assert "ours, invariant mode" in rows
+    for label, fn in rows.items():
+        log_probs, _ = fn(x)
+        assert torch.isfinite(log_probs).all(), label
+    got, entropy = rows["ours, invariant mode"](x)
+    want, want_entropy = lm_head_log_probs_and_entropy(x.hidden, x.weight, x.tokens, with_entropy=True,
+                                                       invariant=True)
+    assert torch.equal(got, want) and torch.equal(entropy, want_entropy)
