@@ -146,7 +146,9 @@ def role_layouts(environ: Mapping[str, str] | None = None) -> dict[str, int]:
         where = f"{INFERENCE_ROLES} role {_cut(item)!r}"
         sizes: dict[str, int] = {}
         for written in (option.strip() for option in options):
-            from megatron_rl_patches.integrations.layout_option import is_layout_option, layout_size
+            # here, not at the top: the start-up hook imports env.py, and its import set stays the
+            # few leaves tests/test_lazy_import.py lists
+            from megatron_rl_patches.patching.layout_option import is_layout_option, layout_size
 
             if not is_layout_option(written):
                 raise ValueError(f"{where}: unknown option {_cut(written)!r}; the option is ';tp=N' (the role's "

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.layout_option import check_world
 from megatron_rl_patches.integrations.slime.opd_settings import RESIDENCY, TEACHERS, OpdSettings, Teacher
 from megatron_rl_patches.integrations.slime.opd_teachers import ScoringStep, SeparateTeacher, TeacherScores
 from megatron_rl_patches.integrations.slime.step_plan import IDS
+from megatron_rl_patches.patching.layout_option import check_world
 
 
 def process_group_collection_class() -> type:

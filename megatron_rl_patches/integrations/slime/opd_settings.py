@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl_patches.integrations.layout_option import is_layout_option, layout_size
+from megatron_rl_patches.patching.layout_option import is_layout_option, layout_size
 
 PREFIX = "MEGATRON_RL_PATCHES_OPD_"
 TEACHERS = PREFIX + "TEACHERS"

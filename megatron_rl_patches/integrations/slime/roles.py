@@ -109,7 +109,7 @@ def refuse_role_layout(role: str, tp: int | None) -> None:
         return
     import torch
 
-    from megatron_rl_patches.integrations.layout_option import check_world
+    from megatron_rl_patches.patching.layout_option import check_world
 
     where = f"{env.INFERENCE_ROLES} role '{role};tp={tp}'"
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
