@@ -32,13 +32,29 @@ def config_invariant(config: Any) -> bool:
     return getattr(config, "batch_invariant_mode", False) is True
 
 
+def check_invariant(invariant: object) -> None:
+    """An `invariant=` argument: True, False or None; TypeError naming it otherwise."""
+    if invariant is not None and not isinstance(invariant, bool):
+        raise TypeError(f"invariant must be True, False or None (the setting {VARIABLE} or the model config's "
+                        f"batch_invariant_mode), got {invariant!r}")
+
+
 def resolve_invariant(invariant: object, config: Any = None) -> bool:
     """Whether a call runs invariant: `invariant` when a bool, else the setting, else `config`'s
     ``batch_invariant_mode``; TypeError for anything but a bool or None."""
+    check_invariant(invariant)
     if isinstance(invariant, bool):
         return invariant
-    if invariant is not None:
-        raise TypeError(f"invariant must be True, False or None (the setting {VARIABLE} or the model config's "
-                        f"batch_invariant_mode), got {invariant!r}")
     setting = environment_invariant()
     return setting if setting is not None else config_invariant(config)
+
+
+def resolve_for_vocab(invariant: object, vocab: int, op: str) -> bool:
+    """:func:`resolve_invariant` for an op over `vocab` ids: the invariant mode's fixed-point sums
+    hold only so many ids (ValueError naming `op` beyond them)."""
+    from megatron_rl_patches.ops.kernels.invariant_tiles import check_vocab  # torch: not at the setting's import
+
+    chosen = resolve_invariant(invariant)
+    if chosen:
+        check_vocab(vocab, op)
+    return chosen

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab, topk_checks, topk_select
 from megatron_rl_patches.ops._functions import LogProbEntropy, TopkLogprobs
 from megatron_rl_patches.ops._rows import RowSelection, unselected_as
-from megatron_rl_patches.ops.invariance import resolve_invariant
+from megatron_rl_patches.ops.invariance import resolve_for_vocab
 from megatron_rl_patches.ops.kernels import resolve_backend, topk_step
-from megatron_rl_patches.ops.kernels.invariant_tiles import check_vocab, fixed_tiles
+from megatron_rl_patches.ops.kernels.invariant_tiles import fixed_tiles
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows
 from megatron_rl_patches.ops.kernels.torch_tiles import tile_shape, tiles
 
@@ -100,7 +100,7 @@ def lm_head_log_probs_and_entropy(
     _checks.require_tokens_in_vocab(unselected_as(tokens, selection), vocab, checks, tp_group)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
-    invariant = _invariant(invariant, vocab, "lm_head_log_probs_and_entropy")
+    invariant = resolve_for_vocab(invariant, vocab, "lm_head_log_probs_and_entropy")
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_log_probs_and_entropy",
                  with_entropy=bool(with_entropy), entropy_grad=bool(with_entropy and entropy_requires_grad),
                  invariant=invariant)
@@ -109,14 +109,6 @@ def lm_head_log_probs_and_entropy(
                                               selection.take_values(tau), spec, checks, chosen, selection.rows,
                                               hidden, weight)
     return log_probs, (entropy if with_entropy else None)
-
-
-def _invariant(invariant: object, vocab: int, op: str) -> bool:
-    """The call's mode (see :mod:`.invariance`), its vocabulary checked against the mode's sums."""
-    chosen = resolve_invariant(invariant)
-    if chosen:
-        check_vocab(vocab, op)
-    return chosen
 
 
 # ----------------------------------------------------------------------------- top-k
@@ -149,7 +141,7 @@ def lm_head_topk_ids(
     topk_checks.check_k(k, vocab)
     checks = _checks.DeviceChecks()
     _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
-    invariant = _invariant(invariant, vocab, "lm_head_topk_ids")
+    invariant = resolve_for_vocab(invariant, vocab, "lm_head_topk_ids")
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_ids")
     selection = RowSelection.of(row_mask, n_rows, hidden.device, "hidden (all rows)", tp_group)
     rows = selection.rows
@@ -224,7 +216,7 @@ def lm_head_topk_logprobs(
     k = topk_checks.check_ids(unselected_as(ids, row_mask), torch.Size([n_rows]), vocab, checks, ids_mask)
     selection = RowSelection.of(row_mask, n_rows, hidden.device, "hidden (all rows)", tp_group)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
-    invariant = _invariant(invariant, vocab, "lm_head_topk_logprobs")
+    invariant = resolve_for_vocab(invariant, vocab, "lm_head_topk_logprobs")
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_logprobs",
                             invariant=invariant)
     flat = ids.reshape(n_rows, k).to(device=hidden.device, dtype=torch.long)

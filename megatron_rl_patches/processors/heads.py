@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._args import positive_int
-from megatron_rl_patches.ops.invariance import resolve_invariant
+from megatron_rl_patches.ops.invariance import check_invariant, resolve_invariant
 from megatron_rl_patches.processors.output import ProcessorOutput
 
 __all__ = ["log_prob_output_processor", "topk_output_processor"]
@@ -80,13 +80,6 @@ def logit_multiplier(config: Any) -> float:
             "folds a finite positive multiplier into the temperature: set one or disable use_mup"
         )
     return float(mult)
-
-
-def check_invariant(invariant: object) -> None:
-    """A processor's `invariant=`: True, False or None (the setting, then the model config)."""
-    if invariant is not None and not isinstance(invariant, bool):
-        raise TypeError(f"invariant must be True, False or None (the setting MEGATRON_RL_PATCHES_INVARIANT, then "
-                        f"the model config's batch_invariant_mode), got {invariant!r}")
 
 
 def check_options(temperature: object, vocab_size: object, chunk_size: object) -> None:
