@@ -78,6 +78,24 @@ def score_at_layout(
     it once per micro-batch. `layout`: checked against the chunks' own when given; `vocab_size`:
     the real vocab (default: the checkpoint's, so padded vocab rows get no mass); `temperature`
     divides the logits."""
+    log_probs, _ = score_with_entropy_at_layout(chunks, tokens, labels, layout=layout, temperature=temperature,
+                                                vocab_size=vocab_size, with_entropy=False)
+    return log_probs
+
+
+def score_with_entropy_at_layout(
+    chunks: Any,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    layout: TeacherLayout | None = None,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """score_at_layout's log-probs and, with `with_entropy`, the entropy of the teacher's
+    distribution (logits / temperature, over the real vocab) at each of this rank's positions,
+    [rows, length] fp32 each (None without `with_entropy`)."""
     from megatron_rl_patches.ops import log_probs_and_entropy
 
     model, groups = _groups_of(chunks, layout)
@@ -85,12 +103,14 @@ def score_at_layout(
     with torch.no_grad():
         logits = _group_logits(model, groups, tokens, batch)
         if logits is None:
-            return torch.zeros(*batch.shapes[groups.tp_rank], dtype=torch.float32)
+            empty = torch.zeros(*batch.shapes[groups.tp_rank], dtype=torch.float32)
+            return empty, empty.clone() if with_entropy else None
         all_labels = gathered(groups, labels, batch).to(logits.device).reshape(-1)
-        log_probs, _ = log_probs_and_entropy(logits, all_labels, tp_group=groups.tp_group, temperature=temperature,
-                                             vocab_size=vocab_size or getattr(model, "hf_vocab_size", None),
-                                             row_mask=batch.real().to(logits.device))
-    return _mine(log_probs, groups, batch)
+        log_probs, entropy = log_probs_and_entropy(logits, all_labels, tp_group=groups.tp_group,
+                                                   temperature=temperature, with_entropy=with_entropy,
+                                                   vocab_size=vocab_size or getattr(model, "hf_vocab_size", None),
+                                                   row_mask=batch.real().to(logits.device))
+    return _mine(log_probs, groups, batch), None if entropy is None else _mine(entropy, groups, batch)
 
 
 def topk_at_layout(

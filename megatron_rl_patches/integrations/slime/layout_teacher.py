@@ -27,7 +27,7 @@ def process_group_collection_class() -> type:
     return find()
 
 
-def _student_sizes() -> dict[str, int]:
+def student_sizes() -> dict[str, int]:
     """The student's pipeline and context-parallel sizes (megatron-core's parallel_state)."""
     from megatron.core import parallel_state as ps
 
@@ -44,7 +44,7 @@ def check_layout_teachers(settings: OpdSettings, routes: list[str | None], snaps
     if not at_layout:
         return
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    sizes = _student_sizes()
+    sizes = student_sizes()
     for teacher, route in at_layout:
         where = f"{TEACHERS} entry '{teacher.path};tp={teacher.tp}'"
         check_world(int(teacher.tp or 1), world, where)

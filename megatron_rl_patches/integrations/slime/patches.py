@@ -19,6 +19,7 @@ ACTOR = "slime.backends.megatron_utils.actor"
 METRICS = "slime.observability.train_metric_utils"
 SLIME_TRAIN_PARAMS = ("rollout_id", "model", "optimizer", "opt_param_scheduler", "data_iterator")
 SLIME_LOGPROB_PARAMS = ("logits", "tokens", "tp_group")
+LAYOUT_PASS = f"{HERE}.layout_role_pass:forward_only_wrapper"  # a role at its own layout (role;tp=N)
 
 
 def _fused(target: str, wrapper: str, description: str, params: tuple[str, ...], optional: bool = False) -> Patch:
@@ -36,6 +37,12 @@ PATCHES = (
         requires=None,
         params=("args", "role"),
     ),
+    Patch(name="inference_roles", target=f"{MODEL}:forward_only", wrapper=LAYOUT_PASS,
+          description="slime's log-prob pass of a role at its own layout (role;tp=N) through score_at_layout",
+          requires=None, params=("f", "args", "model", "data_iterator", "num_microbatches", "store_prefix")),
+    Patch(name="inference_roles", target=f"{ACTOR}:forward_only", wrapper=LAYOUT_PASS,
+          description="the same, where slime's actor bound forward_only at import", requires=None,
+          params=("f", "args", "model"), optional=True),
     Patch(
         name="slime_logprobs",
         target="slime.utils.ppo_utils:calculate_log_probs_and_entropy",

@@ -10,7 +10,9 @@ the module imports `get_model_provider_func(args, role)` (older releases: `(args
 skip_load_to_model_and_opt)` from .checkpoint; a frozen role's weights come from
 `args.<role>_load` when set, else `args.load` (slime's forks copy the teacher's path there),
 else `args.pretrained_checkpoint`. A Hugging Face directory whose config.json differs from the
-actor's architecture is built from its own config.json (`build_inference_model_from_hf`).
+actor's architecture is built from its own config.json (`build_inference_model_from_hf`); an entry
+`role;tp=N` builds it at its own tensor-parallel layout (layout_role), and the `inference_roles`
+wrapper of slime's forward_only scores its log-prob passes there (layout_role_pass).
 """
 from __future__ import annotations
 
@@ -101,25 +103,6 @@ def _hf_of_another_architecture(run_args: Any, role: str, path: str, residency: 
     return chunks
 
 
-def refuse_role_layout(role: str, tp: int | None) -> None:
-    """ValueError naming the role's `;tp=N` (on every rank, before anything loads): the world it
-    cannot be laid over, else that a role's model runs slime's own passes in the student's process
-    groups, which a teacher at its own layout does not take part in yet."""
-    if tp is None:
-        return
-    import torch
-
-    from megatron_rl_patches.patching.layout_option import check_world
-
-    where = f"{env.INFERENCE_ROLES} role '{role};tp={tp}'"
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    check_world(tp, world, where)
-    raise ValueError(f"{where}: a role's model runs slime's own forward passes in the student's process groups; "
-                     "a teacher at its own layout is served for slime_opd's teachers (MEGATRON_RL_PATCHES_OPD_TEACHERS "
-                     "'PATH;tp=N') and the Python API (build_inference_model_from_hf(layout=), score_at_layout), not "
-                     "for a role yet: drop ';tp='")
-
-
 def initialize_model_and_optimizer_wrapper(
     wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
 ) -> Any:
@@ -147,7 +130,11 @@ def initialize_model_and_optimizer_wrapper(
 
     path, step = weights_source(run_args, role)
     residency = env.role_residencies().get(role, "resident")
-    refuse_role_layout(role, env.role_layouts().get(role))
+    tp = env.role_layouts().get(role)
+    if tp is not None:  # `role;tp=N`: at its own layout (layout_role; its passes: layout_role_pass)
+        from megatron_rl_patches.integrations.slime.layout_role import build_role_at_layout
+
+        return build_role_at_layout(run_args, role, tp, path, step), None, None, 0
     if step is None:
         built = _hf_of_another_architecture(run_args, role, path, residency)
         if built is not None:

@@ -1,5 +1,5 @@
 """What the teacher-layout worlds share: a spawned world over a tiny Hugging Face checkpoint (the
-2-rank one spawned once for the Python API's checks and slime_opd's: `two_rank_world`), the skip of
+2-rank one spawned once for the Python API's checks, slime_opd's and a role's: `two_rank_world`), the skip of
 a megatron-core that refuses a teacher layout, the check that TP=2 ranks read disjoint halves of
 the checkpoint (the kit's FileReads), and the fp32 tolerance against the 1-rank teacher."""
 from __future__ import annotations
@@ -27,15 +27,17 @@ _TWO_RANKS: list[dict] = []  # the 2-rank world's results, once spawned (one per
 
 
 def _two_rank_checks(rank: int, world_size: int, root: str) -> dict:
-    """Every 2-rank teacher-layout check in one world: the Python API's, then slime_opd's."""
+    """Every 2-rank teacher-layout check in one world: the Python API's, slime_opd's, then a role's."""
     from tests.inference.teacher_layout.test_teacher_layout_2rank import api_checks
     from tests.integrations.slime.test_slime_opd_layout_teacher import opd_checks
+    from tests.integrations.slime.test_slime_role_layout import role_checks
 
-    return {"api": api_checks(rank, world_size, root), "opd": opd_checks(rank, world_size, root)}
+    return {"api": api_checks(rank, world_size, root), "opd": opd_checks(rank, world_size, root),
+            "role": role_checks(rank, world_size, root)}
 
 
 def two_rank_world(tmp_path_factory: Any, part: str) -> list[dict]:
-    """Each rank's results of `part` ("api" or "opd") from the one 2-rank world (student DP=2,
+    """Each rank's results of `part` ("api", "opd" or "role") from the one 2-rank world (student DP=2,
     teacher TP=2 over a tiny qwen3 checkpoint), spawned by the first test module that asks."""
     if not _TWO_RANKS:
         _TWO_RANKS.extend(checkpoint_world(tmp_path_factory, "teacher_layout", _two_rank_checks))

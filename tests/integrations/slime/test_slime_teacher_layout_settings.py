@@ -11,8 +11,8 @@ import pytest
 
 from megatron_rl_patches.integrations.slime import hf_teachers, layout_teacher
 from megatron_rl_patches.integrations.slime import opd as slime_opd
+from megatron_rl_patches.integrations.slime.layout_role import check_role_layout
 from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, Teacher, opd_settings
-from megatron_rl_patches.integrations.slime.roles import refuse_role_layout
 from megatron_rl_patches.patching import env
 from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
 from tests.integrations.slime.tiny_actor import TinyActor
@@ -63,14 +63,6 @@ def test_a_roles_tp_option_is_read_and_checked():
         assert words.split(":")[0] in env.summary({env.INFERENCE_ROLES: bad})["errors"][0]
 
 
-def test_a_role_at_its_own_layout_is_refused_by_name_before_it_loads():
-    refuse_role_layout("teacher", None)  # no layout: nothing to refuse
-    with pytest.raises(ValueError, match=r"role 'prm_teacher;tp=2': ';tp=2' cannot be laid over 1 rank\(s\)"):
-        refuse_role_layout("prm_teacher", 2)
-    with pytest.raises(ValueError, match="role 'prm_teacher;tp=1': a role's model runs slime's own forward passes"):
-        refuse_role_layout("prm_teacher", 1)
-
-
 @pytest.fixture
 def checkpoints(tmp_path, monkeypatch):
     """A Hugging Face teacher of another shape than _Actor (2 layers) and one of its shape (3)."""
@@ -79,7 +71,7 @@ def checkpoints(tmp_path, monkeypatch):
     write_tiny_checkpoint(same, tiny_hf_config("qwen3", num_hidden_layers=3))
     built: list = []
     monkeypatch.setattr(hf_teachers, "build_hf_teacher", lambda *a, **k: built.append(a) or ["chunk"])
-    monkeypatch.setattr(layout_teacher, "_student_sizes", lambda: {"pipeline": 1, "context": 1})
+    monkeypatch.setattr(layout_teacher, "student_sizes", lambda: {"pipeline": 1, "context": 1})
     monkeypatch.setattr(layout_teacher, "process_group_collection_class", lambda: object)
     return SimpleNamespace(other=other, same=same, built=built)
 
@@ -103,7 +95,26 @@ def test_a_layout_the_run_cannot_serve_is_refused_before_any_teacher_loads(check
 def test_a_student_with_pipeline_or_context_parallelism_is_refused(checkpoints, monkeypatch):
     words = "a teacher at its own layout is served beside a student without it yet"
     for sizes, kind in (({"pipeline": 2, "context": 1}, "pipeline"), ({"pipeline": 1, "context": 2}, "context")):
-        monkeypatch.setattr(layout_teacher, "_student_sizes", lambda sizes=sizes: sizes)
+        monkeypatch.setattr(layout_teacher, "student_sizes", lambda sizes=sizes: sizes)
         with pytest.raises(ValueError, match=f"the student runs with {kind} parallelism \\({kind} size 2\\); {words}"):
             slime_opd.load_teachers(TinyActor(num_layers=3), opd_settings({TEACHERS: f"{checkpoints.other};tp=1"}))
+    assert checkpoints.built == []
+
+
+def test_a_role_at_a_layout_it_cannot_serve_is_refused_by_name_before_it_loads(checkpoints, monkeypatch):
+    """`role;tp=N`: served for a Hugging Face directory of another architecture (the 2-rank world:
+    test_slime_role_layout.py); refused by name otherwise, nothing built."""
+    actor = TinyActor(num_layers=3).args
+    entry = f"{env.INFERENCE_ROLES} role 'prm_teacher;tp="
+    with pytest.raises(ValueError, match=rf"{entry}2': ';tp=2' cannot be laid over 1 rank\(s\)"):
+        check_role_layout(actor, "prm_teacher", 2, str(checkpoints.other), None)
+    with pytest.raises(ValueError, match=f"{entry}1': its weights .* go slime's own route .*drop ';tp='"):
+        check_role_layout(actor, "prm_teacher", 1, str(checkpoints.same), None)  # the actor's architecture
+    with pytest.raises(ValueError, match=r"go slime's own route.*args.prm_teacher_ckpt_step names a Megatron"):
+        check_role_layout(actor, "prm_teacher", 1, str(checkpoints.other), 7)
+    check_role_layout(actor, "prm_teacher", 1, str(checkpoints.other), None)  # served
+    monkeypatch.setattr(layout_teacher, "student_sizes", lambda: {"pipeline": 2, "context": 1})
+    words = "a role at its own layout is served beside a student without it yet"
+    with pytest.raises(ValueError, match=f"{entry}1': the student runs with pipeline parallelism .*{words}"):
+        check_role_layout(actor, "prm_teacher", 1, str(checkpoints.other), None)
     assert checkpoints.built == []

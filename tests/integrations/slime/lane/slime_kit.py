@@ -285,11 +285,11 @@ ROLE_NO_PADDING = ("--make-vocab-size-divisible-by", "64")  # a 64-id teacher un
 
 
 def prm_role_log_probs(path: str, roles: str, monkeypatch: Any, temperature: float,
-                       *flags: str) -> tuple[list[torch.Tensor], Any]:
+                       *flags: str, seed: int = 0) -> tuple[list[torch.Tensor], Any]:
     """The `prm_teacher` role from the Hugging Face directory `path`, built by slime's real
     initialize_model_and_optimizer under MEGATRON_RL_PATCHES_INFERENCE_ROLES=`roles` (inference-only:
     no optimizer, no parameter requiring grad), then slime's forward_only log-probs over the kit's
-    packed rollout; and the role's model, unwrapped."""
+    packed rollout of `seed`; and the role's model, unwrapped."""
     from slime.backends.megatron_utils import model as slime_model
 
     monkeypatch.setenv("MEGATRON_RL_PATCHES_INFERENCE_ROLES", roles)
@@ -300,7 +300,7 @@ def prm_role_log_probs(path: str, roles: str, monkeypatch: Any, temperature: flo
         inner = model[0]
         while hasattr(inner, "module"):
             inner = inner.module
-        return log_probs(args, model, rollout(0))["log_probs"], inner
+        return log_probs(args, model, rollout(seed))["log_probs"], inner
 
 
 def dense_topk_opd(args: Any, model: list[Any], snapshots: list[Any], data: dict,

@@ -115,8 +115,8 @@ def _response_rows(data: dict) -> list[list[int]] | None:
 
 def _whole_gradients(replicas: int) -> dict[str, bool]:
     """With `replicas` > 1 ranks in the data-parallel group (with context parallelism it spans the
-    CP ranks) the distributed optimizer would leave each rank the reduced gradients of its own
-    shard only (the rest: its own, pre-scaled): the test reads every gradient, so those worlds keep
+    CP ranks; DP=2 with or without EP=2) the distributed optimizer would leave each rank the reduced
+    gradients of its own shard only (the rest: its own, pre-scaled): the test reads every gradient, so those worlds keep
     whole reduced gradients (the plain optimizer)."""
     return {"use_distributed_optimizer": False, "overlap_param_gather": False} if replicas > 1 else {}
 
@@ -259,7 +259,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                                    **({"hf_checkpoint": cross["student"]} if cross else {}),
                                    rollout_temperature=TEMPERATURE, log_probs_chunk_size=4,
                                    use_critic=False,  # what slime_validate_args sets
-                                   **_whole_gradients(context * expert),  # EP=2: DP=2 here
+                                   **_whole_gradients(world_size // (pipeline * tensor)),  # EP=2: DP=2 here
                                    **(MOE_VALUES if expert > 1 else {})) as args:
                 if args.allgather_cp:
                     declared_dsa(args)

@@ -1,0 +1,35 @@
+"""One 2-rank slime lane world (the student at TP=1 x DP=2) for a teacher at its own layout (issue
+58): slime_opd's `train_actor` with a Hugging Face teacher at the student's layout and written
+`PATH;tp=2`, then the `prm_teacher` role from the same directory at `prm_teacher;tp=2` and at the
+student's layout, each rank with its own rollout. Spawned ranks import it by name."""
+from __future__ import annotations
+
+from typing import Any
+
+ROLLOUTS = 2  # train_actor re-entered: the teacher at its layout scores a second rollout on the same groups
+
+
+def layout_world(rank: int, world_size: int, hf: str) -> dict[str, Any]:
+    import slime_ranks
+    from slime.observability.timer import Timer
+
+    results: dict[str, Any] = {}
+    for name, entry in (("student_layout", hf), ("tp2", f"{hf};tp=2")):
+        Timer().start_time.pop("train_wait", None)  # one Timer per process: the run before left it started
+        results[name] = slime_ranks.opd_train_actor(rank, world_size, 1, hf_teacher=entry, rollouts=ROLLOUTS)
+    with slime_ranks.lane_rank(rank, world_size) as patch:
+        import slime_kit as kit
+
+        import megatron_rl_patches
+
+        megatron_rl_patches.apply(only=["inference_roles"])
+        try:
+            roles = {}
+            for name, entry in (("tp2", "prm_teacher;tp=2"), ("student_layout", "prm_teacher")):
+                log_probs, model = kit.prm_role_log_probs(hf, entry, patch, slime_ranks.TEMPERATURE,
+                                                          *slime_ranks.ACTOR_SPEC, seed=10 + rank)
+                roles[name] = {"log_probs": log_probs, "at_layout": getattr(model, "teacher_groups", None) is not None}
+        finally:
+            megatron_rl_patches.revert()
+    results["role"] = roles
+    return results

@@ -1,0 +1,80 @@
+"""A teacher at its own layout through slime 624b824a's real code (issue 58), in one spawned 2-rank
+gloo world (the student at TP=1 x DP=2, slime_layout_ranks.layout_world): slime_opd's real
+`MegatronTrainRayActor.train_actor` (two rollouts) with a snapshot teacher and a Hugging Face
+teacher of another size written `PATH;tp=2` gives the teacher log-probs, the OPD loss of each step
+and every reduced gradient of the same run with the teacher at the student's layout (1e-6); and the
+`prm_teacher` role from that directory at `prm_teacher;tp=2`, built by slime's real
+`initialize_model_and_optimizer` and passed to slime's real `forward_only`, gives each rank (its own
+rollout) the log-probs of the role at the student's layout on slime's packed route (1e-6)."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from megatron_rl_patches.testing import layouts
+
+pytestmark = [pytest.mark.slime, layouts.mark("thd")]
+
+OTHER = dict(hidden_size=48, num_hidden_layers=4, intermediate_size=64, vocab_size=64, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    if "slime_standins" not in sys.modules:  # the lane's conftest installs them where slime's source is found
+        pytest.skip("slime is not importable; run `make test-slime SLIME=... MEGATRON_LM=...`")
+    from slime_layout_ranks import layout_world  # the lane folder is on sys.path (conftest)
+
+    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    hf = tmp_path_factory.mktemp("hf") / "teacher"
+    write_tiny_checkpoint(hf, tiny_hf_config("qwen3", **OTHER), seed=12)
+    return run_multirank(layout_world, 2, str(hf), timeout=600)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest error beyond 1e-6 relative (one fp32 ulp of a log-prob): <= 1e-6 passes."""
+    error = (got.double() - want.double()).abs() - 1e-6 * want.double().abs()
+    return error.max().item() if error.numel() else 0.0
+
+
+def test_train_actor_with_a_hugging_face_teacher_at_tp2_equals_it_at_the_students_layout(slime_cpu, world):
+    from megatron_rl_patches.integrations.slime import opd as slime_opd
+
+    for rank in world:
+        at, student = rank["tp2"], rank["student_layout"]
+        assert at["keys"] == student["keys"] == sorted([slime_opd.IDS, slime_opd.TEACHER_LOGPROBS,
+                                                        slime_opd.TEACHER_TAILS])
+        assert at["hf_layers"] == student["hf_layers"] == [[[1, 2, 3, 4]]]
+        assert all(torch.equal(a, b) for a, b in zip(at["ids"], student["ids"]))  # the same student, the same ids
+        errors = [_close(a, b) for a, b in zip(at["teacher_logprobs"], student["teacher_logprobs"])]
+        print(f"slime_opd train_actor DP=2, Hugging Face teacher at tp=2 vs at the student's layout: teacher "
+              f"log-probs max error beyond 1e-6 relative {max(errors):.2e}; losses "
+              f"{[float(s['opd_topk_loss']) for s in at['losses']]} vs "
+              f"{[float(s['opd_topk_loss']) for s in student['losses']]}")
+        assert len(at["teacher_logprobs"]) == 4 and max(errors) <= 1e-6
+        assert len(at["losses"]) == len(student["losses"]) == 2  # both rollouts' steps
+        for mine, theirs in zip(at["losses"], student["losses"]):
+            assert abs(float(mine["opd_topk_loss"]) - float(theirs["opd_topk_loss"])) <= 1e-6 * max(
+                1.0, abs(float(theirs["opd_topk_loss"])))
+        assert sorted(at["grads"]) == sorted(student["grads"])
+        for name, grad in student["grads"].items():
+            torch.testing.assert_close(at["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_prm_teacher_role_at_tp2_gives_each_rank_its_log_probs_at_the_students_layout(slime_cpu, world):
+    import slime_kit as kit
+
+    for rank, result in enumerate(world):
+        at, student = result["role"]["tp2"], result["role"]["student_layout"]
+        assert at["at_layout"] and not student["at_layout"]
+        data = kit.rollout(10 + rank)
+        assert [tuple(t.shape) for t in at["log_probs"]] == [(r,) for r in data["response_lengths"]]
+        error = max(_close(a, b) for a, b in zip(at["log_probs"], student["log_probs"]))
+        print(f"rank {rank}: prm_teacher at tp=2 vs at the student's layout (slime forward_only): max error beyond "
+              f"1e-6 relative {error:.2e}")
+        assert error <= 1e-6
+    assert not all(torch.equal(a, b) for a, b in zip(world[0]["role"]["tp2"]["log_probs"],
+                                                      world[1]["role"]["tp2"]["log_probs"]))  # each rank its own
