@@ -11,11 +11,13 @@ ROLLOUTS = 2  # train_actor re-entered: the teacher at its layout scores a secon
 
 def layout_world(rank: int, world_size: int, hf: str) -> dict[str, Any]:
     import slime_ranks
-    from slime.observability.timer import Timer
 
     results: dict[str, Any] = {}
     for name, entry in (("student_layout", hf), ("tp2", f"{hf};tp=2")):
-        Timer().start_time.pop("train_wait", None)  # one Timer per process: the run before left it started
+        if results:  # slime's stand-ins are installed by now (lane_rank)
+            from slime.observability.timer import Timer
+
+            Timer().start_time.pop("train_wait", None)  # one Timer per process: the run before left it started
         results[name] = slime_ranks.opd_train_actor(rank, world_size, 1, hf_teacher=entry, rollouts=ROLLOUTS)
     with slime_ranks.lane_rank(rank, world_size) as patch:
         import slime_kit as kit

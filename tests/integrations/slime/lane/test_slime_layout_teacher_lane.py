@@ -47,7 +47,7 @@ def test_train_actor_with_a_hugging_face_teacher_at_tp2_equals_it_at_the_student
         at, student = rank["tp2"], rank["student_layout"]
         assert at["keys"] == student["keys"] == sorted([slime_opd.IDS, slime_opd.TEACHER_LOGPROBS,
                                                         slime_opd.TEACHER_TAILS])
-        assert at["hf_layers"] == student["hf_layers"] == [[[1, 2, 3, 4]]]
+        assert at["hf_layers"] == student["hf_layers"] == [[1, 2, 3, 4]]  # one chunk, the 4 layers
         assert all(torch.equal(a, b) for a, b in zip(at["ids"], student["ids"]))  # the same student, the same ids
         errors = [_close(a, b) for a, b in zip(at["teacher_logprobs"], student["teacher_logprobs"])]
         print(f"slime_opd train_actor DP=2, Hugging Face teacher at tp=2 vs at the student's layout: teacher "
