@@ -24,7 +24,7 @@ def layout_world(rank: int, world_size: int, hf: str) -> dict[str, Any]:
 
         import megatron_rl_patches
 
-        megatron_rl_patches.apply(only=["inference_roles"])
+        megatron_rl_patches.apply(only=["inference_roles", "slime_fused", "gpt_output_processor"])  # as with =all
         try:
             roles = {}
             for name, entry in (("tp2", "prm_teacher;tp=2"), ("student_layout", "prm_teacher")):
