@@ -5,8 +5,9 @@ megatron.training, megatron-core >= 0.17) and slime's (`train_reentry`, `inferen
 `slime_logprobs`, on the stand-in tests/standins/slime).
 
 The child (this file run as a script) records what it sees after each step; the parent compares
-it, target by target, with a model of the expected state: one wrapper layer at most, exact revert,
-re-apply, captured references following the state, statuses pending/applied/skipped.
+it, target by target, with a model of the expected state: one wrapper layer per patch, exact revert,
+re-apply, captured references following the state, statuses pending/applied/skipped (one layer per
+patch where several patches wrap one target: slime's forward_only).
 """
 from __future__ import annotations
 
@@ -115,6 +116,7 @@ def _child(steps: list[str]) -> None:
     originals: dict[str, object] = {}
     captured: dict[str, list] = {p.target: [] for p in patches}  # (wrapped when captured, reference)
     observations = []
+    by_target = list({p.target: p for p in reversed(patches)}.values())  # one per target (several may share one)
     for step in steps:
         if step == "import":
             for name in modules:
@@ -130,7 +132,7 @@ def _child(steps: list[str]) -> None:
                 registry.revert()
         status = {s.target: s.status for s in registry.applied()}
         targets = {}
-        for patch in patches:
+        for patch in by_target:
             seen = {"status": status[patch.target]}
             owner, attribute = owner_of(patch)
             if owner is not None and attribute not in vars(owner):  # an optional target this version lacks
@@ -155,10 +157,11 @@ def _child(steps: list[str]) -> None:
 # ----------------------------------------------------------------------------- parent side
 
 
-def expected(steps, wraps: bool = True, alias: bool = False):
+def expected(steps, wraps: bool = True, alias: bool = False, records: int = 1):
     """What one target should show after each step. `wraps`: False when the installed version
     provides the feature itself (nothing is wrapped); `alias`: the target's module binds another
-    target's attribute at import (see ALIASES)."""
+    target's attribute at import (see ALIASES); `records`: how many patches wrap the target (slime's
+    forward_only: `inference_roles` and `slime_fused`), one layer each."""
     active = imported = bound_wrapped = False
     wrapped_captures = []
     out = []
@@ -180,7 +183,8 @@ def expected(steps, wraps: bool = True, alias: bool = False):
             held = live or bound_wrapped  # our wrapper is what the module holds
             wrapped_captures.append(held)
             seen.update(
-                layers=int(held),
+                # live: one layer per patch; an alias's bound chain after revert: one inert layer is left
+                layers=records if live else int(held),
                 inner_is_original=True,
                 raw_is_original=not held,
                 behaves="spy" if live else "original",
@@ -233,7 +237,8 @@ def test_ordering(runs, steps, group):
             model = [{"status": seen["status"]} for seen in expected(steps, wraps=False)]
             assert [o["status"] for o in observed] == [m["status"] for m in model], patch.target
             continue
-        model = expected(steps, wraps=native_version(patch) is None, alias=patch.target in ALIASES)
+        sharing = sum(p.target == patch.target for p in records())
+        model = expected(steps, wraps=native_version(patch) is None, alias=patch.target in ALIASES, records=sharing)
         assert observed == [{"step": step, **seen} for step, seen in zip(steps, model)], patch.target
 
 
