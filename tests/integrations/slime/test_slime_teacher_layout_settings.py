@@ -1,8 +1,8 @@
 """Where users set a teacher's own layout (issue 58 item 2), the settings alone (no torch world):
 `PATH;tp=N` in MEGATRON_RL_PATCHES_OPD_TEACHERS and `role;tp=N` in MEGATRON_RL_PATCHES_INFERENCE_ROLES
 are parsed, every bad value refused by name where the setting is read, and a well-formed value
-that the run cannot serve (a snapshot teacher, the union of ids, a world the size does not divide,
-a role) refused by name before anything loads."""
+that the run cannot serve (a snapshot teacher or role, the union of ids, a world the size does not
+divide, a student with pipeline or context parallelism) refused by name before anything loads."""
 from __future__ import annotations
 
 from types import SimpleNamespace
