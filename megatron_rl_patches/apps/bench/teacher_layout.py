@@ -117,7 +117,7 @@ def _title(plan: dict, quick: bool, seconds: float) -> str:
     return outputs.titled(
         f"teacher layout: one micro-batch per rank scored ({plan['rows']} x {plan['length']} = {tokens} tokens per "
         f"rank), Qwen3 {config['num_hidden_layers']} layers x {config['hidden_size']} hidden, vocab "
-        f"{config['vocab_size']}, fp32, {WORLD} gloo CPU ranks (student TP=1 x DP={WORLD}), {plan['rounds']} "
+        f"{config['vocab_size']}, fp32,\n{WORLD} gloo CPU ranks (student TP=1 x DP={WORLD}), {plan['rounds']} "
         f"interleaved rounds ({seconds:.0f} s from the benchmark's start)", quick)
 
 
