@@ -136,6 +136,9 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     hide_import_notes()
     plan = QUICK if quick else FULL
     try:
+        from megatron_rl_patches.inference.teacher_layout.groups import process_group_collection_class
+
+        process_group_collection_class()  # a megatron-core without it is refused here, before the spawn
         rows = rows_of(measure(plan), quick)
     except Exception as exc:  # one row saying why, as the other benchmarks do
         rows = [{"layout": "all", "error": f"{type(exc).__name__}: {exc}", "note": f"error: {exc}"[:300]}]

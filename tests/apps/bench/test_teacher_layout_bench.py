@@ -1,7 +1,8 @@
 """`bench teacher-layout --quick`: the student's layout, TeacherLayout(tp=1) and TeacherLayout(tp=2)
 each timed against the student's layout on 2 gloo ranks; at tp=2 each rank holds exactly half of
 the split weights (the norms whole) and reads about half of the checkpoint, at the student's layout
-the whole of both; the scores agree; the table, CSV and plot are written."""
+the whole of both; the scores agree; the table, CSV and plot are written. A megatron-core without
+ProcessGroupCollection (0.13) is refused by name before any rank is spawned."""
 from __future__ import annotations
 
 import csv
@@ -24,8 +25,33 @@ def _norm_bytes() -> int:
     return sum(4 * shape[0] for name, shape in shapes.items() if name.endswith("norm.weight"))
 
 
+def _collections() -> bool:
+    """Whether this megatron-core has ProcessGroupCollection (a teacher layout needs it: >= 0.15)."""
+    try:
+        from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_a_megatron_core_without_process_group_collections_is_refused_before_the_spawn(tmp_path, capsys):
+    pytest.importorskip("megatron.core")
+    if _collections():
+        pytest.skip("this megatron-core serves a teacher layout")
+    from megatron.core import package_info
+
+    from megatron_rl_patches.apps.cli import PROBLEM, main
+
+    assert main(["bench", "teacher-layout", "--quick", "--out", str(tmp_path)]) == PROBLEM
+    err = capsys.readouterr().err
+    assert "needs megatron-core's ProcessGroupCollection" in err and package_info.__version__ in err
+    assert "multirank" not in err  # refused in this process: no world was spawned
+
+
 def test_quick_teacher_layout_bench_holds_half_the_teacher_per_rank_at_tp2(tmp_path, capsys):
-    pytest.importorskip("megatron.core.process_groups_config")  # a teacher layout needs megatron-core >= 0.15
+    pytest.importorskip("megatron.core")
+    if not _collections():
+        pytest.skip("a teacher layout needs megatron-core >= 0.15 (ProcessGroupCollection)")
     from megatron_rl_patches.apps.bench.teacher_layout import STUDENT
     from megatron_rl_patches.apps.cli import main
 
