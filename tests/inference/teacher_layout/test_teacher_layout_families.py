@@ -80,7 +80,9 @@ def family_checks(rank: int, world_size: int, root: str) -> dict:
             for kind, path in paths.items():
                 try:
                     chunks = build_inference_model_from_hf(path, dtype=torch.float32, layout=layout)
-                except ValueError as exc:  # a megatron-core without ProcessGroupCollection
+                except ValueError as exc:  # a megatron-core without ProcessGroupCollection; anything else fails
+                    if "needs megatron-core's ProcessGroupCollection" not in str(exc):
+                        raise
                     results[kind] = {"unsupported": str(exc)}
                     continue
                 whole = build_inference_model_from_hf(path, dtype=torch.float32)
