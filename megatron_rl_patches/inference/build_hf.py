@@ -126,8 +126,9 @@ def build_inference_model_from_hf(
     load_weights behind the adapters of inference/loading/hf/mbridge_adapter.py; the `mbridge` extra).
     `layout`: a TeacherLayout (inference/teacher_layout) to build the teacher at its own
     tensor-parallel size over all ranks of the default process group, on its own process groups
-    (megatron-core >= 0.15), each rank reading only its shard; every rank must call this, and
-    scoring goes through score_at_layout. None: the sizes of parallel_state (the student's).
+    (megatron-core >= 0.15), each rank reading only its shard (every family; experts split over the
+    teacher's tensor-parallel group); every rank must call this, and scoring goes through
+    score_at_layout. None: the sizes of parallel_state (the student's).
     """
     from megatron_rl_patches._args import positive_int
     from megatron_rl_patches.inference.build import build_checked
