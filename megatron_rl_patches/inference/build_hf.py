@@ -30,8 +30,12 @@ def _check_parallel(arch: Any, core_attention: type | None, layout: TeacherLayou
     if layout is not None:  # the teacher's own sizes, not the student's
         problems = split_problems(arch, layout.tp, layout.pp, layout.ep, 1)
         if problems:
+            import torch.distributed as dist
+
+            world = dist.get_world_size()  # the layout was checked against it: initialized
+            served = [tp for tp in range(1, world + 1) if not world % tp and not split_problems(arch, tp, 1, 1, 1)]
             raise ValueError(f"{arch.source}: layout={layout!r}: {'; '.join(problems)}; choose a layout this model "
-                             "serves")
+                             f"serves (over {world} ranks: tp in {served})")
         return
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     ep = ps.get_expert_model_parallel_world_size()
@@ -122,8 +126,9 @@ def build_inference_model_from_hf(
     load_weights behind the adapters of inference/loading/hf/mbridge_adapter.py; the `mbridge` extra).
     `layout`: a TeacherLayout (inference/teacher_layout) to build the teacher at its own
     tensor-parallel size over all ranks of the default process group, on its own process groups
-    (megatron-core >= 0.15), each rank reading only its shard; every rank must call this, and
-    scoring goes through score_at_layout. None: the sizes of parallel_state (the student's).
+    (megatron-core >= 0.15), each rank reading only its shard (every family; experts split over the
+    teacher's tensor-parallel group); every rank must call this, and scoring goes through
+    score_at_layout. None: the sizes of parallel_state (the student's).
     """
     from megatron_rl_patches._args import positive_int
     from megatron_rl_patches.inference.build import build_checked
@@ -189,12 +194,14 @@ def _build_at_layout(root: Any, arch: Any, layout: TeacherLayout, dtype: torch.d
     from megatron_rl_patches.inference.loading.hf.model import model_provider, padded_vocab, transformer_config
     from megatron_rl_patches.inference.teacher_layout.build_args import config_sizes, shard_ranks
     from megatron_rl_patches.inference.teacher_layout.groups import teacher_groups
+    from megatron_rl_patches.inference.teacher_layout.own_groups import gather_in_own_groups
 
     groups = teacher_groups(layout)
     vocab = padded_vocab(arch.vocab_size, divisible_by, layout.tp)
     config = transformer_config(arch, dtype, config_sizes(layout))
     provider = model_provider(arch, config, vocab, core_attention, {"pg_collection": groups.pg_collection})
     chunks = build_checked(provider, "resident", prefetch, None, stages=[(None, True, True)])
+    gather_in_own_groups(chunks)  # multi-latent attention's down projections: in the teacher's group
     load_hf_weights(chunks, root, arch, vocab, shard_ranks(groups))
     for chunk in chunks:
         setattr(chunk, "hf_vocab_size", arch.vocab_size)  # noqa: B010 - the real vocab, for the ops' vocab_size=

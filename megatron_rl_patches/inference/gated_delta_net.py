@@ -42,12 +42,14 @@ def _fla_rule() -> Any:
 class GatedDeltaNetLayer(torch.nn.Module):
     """[s, b, hidden] -> ([s, b, hidden], None), as megatron-core's attention modules return. Heads
     are split over the tensor-parallel ranks as megatron-core splits them (key heads and value
-    heads each in contiguous blocks); context parallelism and sequence parallelism are refused."""
+    heads each in contiguous blocks): those of `pg_collection`'s tensor-parallel group (the model's
+    groups, which megatron-core's TransformerLayer hands its self-attention: a teacher at its own
+    layout), else of parallel_state; context parallelism and sequence parallelism are refused."""
 
     def __init__(self, config: Any, layer_number: int | None = None, *, key_heads: int, value_heads: int,
-                 key_head_dim: int, value_head_dim: int, conv_kernel: int, **unused: Any) -> None:
+                 key_head_dim: int, value_head_dim: int, conv_kernel: int, pg_collection: Any = None,
+                 **unused: Any) -> None:
         super().__init__()
-        from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         if getattr(config, "context_parallel_size", 1) > 1:
@@ -56,7 +58,7 @@ class GatedDeltaNetLayer(torch.nn.Module):
                              "each whole sequence")
         if getattr(config, "sequence_parallel", False):
             raise ValueError("the gated-delta-net linear-attention layer does not serve sequence_parallel=True")
-        tp = ps.get_tensor_model_parallel_world_size()
+        tp, group = tensor_parallel_of(pg_collection)
         if key_heads % tp or value_heads % tp or value_heads % key_heads:
             raise ValueError(f"linear attention with {key_heads} key heads and {value_heads} value heads cannot be "
                              f"split over {tp} tensor-parallel ranks (both must be multiples of it, and the value "
@@ -69,7 +71,7 @@ class GatedDeltaNetLayer(torch.nn.Module):
         dtype = config.params_dtype
         self.in_proj = ColumnParallelLinear(config.hidden_size, sum(self.widths) * tp, config=config,
                                             init_method=config.init_method, gather_output=False, bias=False,
-                                            skip_bias_add=False)
+                                            skip_bias_add=False, **group)
         channels = 2 * qk + v
         self.conv1d = torch.nn.Conv1d(channels, channels, conv_kernel, groups=channels, bias=False, dtype=dtype)
         self.A_log = torch.nn.Parameter(torch.zeros(self.value_heads, dtype=dtype))
@@ -77,7 +79,7 @@ class GatedDeltaNetLayer(torch.nn.Module):
         self.out_norm = GatedRMSNorm(value_head_dim, config.layernorm_epsilon, dtype)
         self.out_proj = RowParallelLinear(v * tp, config.hidden_size, config=config,
                                           init_method=config.output_layer_init_method, bias=False,
-                                          input_is_parallel=True, skip_bias_add=True)
+                                          input_is_parallel=True, skip_bias_add=True, **group)
         for param in (self.conv1d.weight, self.A_log, self.dt_bias):  # split over the ranks, as megatron marks it
             for name, value in (("tensor_model_parallel", True), ("partition_dim", 0), ("partition_stride", 1)):
                 setattr(param, name, value)
@@ -118,6 +120,21 @@ class GatedDeltaNetLayer(torch.nn.Module):
             core = gated_delta_rule(q, k, v, g, beta).to(v.dtype)
         gated = self.out_norm(core, z.reshape(b, s, self.value_heads, self.value_head_dim))
         return gated.reshape(b, s, -1)
+
+
+def tensor_parallel_of(pg_collection: Any) -> tuple[int, dict[str, Any]]:
+    """(tensor-parallel size, the linears' `tp_group=` keyword) of the model's process groups: the
+    tensor-parallel group of `pg_collection` (megatron-core's ProcessGroupCollection, which its
+    TransformerLayer hands every self-attention module: a teacher's own layout's groups) where it
+    has one, else parallel_state's (no keyword: the linears read the same group there)."""
+    group = getattr(pg_collection, "tp", None)
+    if group is None:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_world_size(), {}
+    import torch.distributed as dist
+
+    return dist.get_world_size(group), {"tp_group": group}
 
 
 def _sequence_bounds(packed_seq_params: Any, rows: int) -> list[tuple[int, int]]:

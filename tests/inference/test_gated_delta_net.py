@@ -91,3 +91,20 @@ def test_sequence_and_context_parallel_are_refused_by_name(megatron_cpu, field, 
     object.__setattr__(split, field, value)
     with pytest.raises(ValueError, match=match):
         GatedDeltaNetLayer(split, 1, key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8, conv_kernel=4)
+
+
+def test_the_tensor_parallel_group_is_the_models_own_where_given():
+    """The layer's heads split over its pg_collection's tensor-parallel group (a teacher's own
+    layout), over parallel_state's where it has none (as before: the linears get no group)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_rl_patches.inference.gated_delta_net import tensor_parallel_of
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    with megatron_on_cpu():
+        assert tensor_parallel_of(None) == (1, {})
+        assert tensor_parallel_of(SimpleNamespace(cp=dist.group.WORLD)) == (1, {})  # a collection without tp
+        one = dist.new_group([dist.get_rank()])
+        assert tensor_parallel_of(SimpleNamespace(tp=one)) == (1, {"tp_group": one})

@@ -2,8 +2,8 @@
 tensor-parallel layout over the student's ranks (world = the student's --tp x --pp x --dp; the
 teacher's data-parallel size follows), beside the same teacher built at the student's layout:
 per-GPU bytes and host bytes per rank of each. Only what the builder serves at a layout is planned
-(resident; no teacher pipeline / expert parallelism; no MoE, multi-latent or linear-attention
-family): the rest is refused with the builder's own words."""
+(resident; no teacher pipeline / expert parallelism; every family, experts split over the teacher's
+tensor-parallel group): the rest is refused with the builder's own words."""
 from __future__ import annotations
 
 import argparse

@@ -27,20 +27,17 @@ def shard_ranks(groups: TeacherGroups) -> ShardRanks:
 
 
 def refuse_unserved(layout: TeacherLayout, arch: Any, residency: str, converter: str) -> None:
-    """ValueError naming what a teacher at its own layout does not serve yet: non-resident builds,
-    mbridge's converter, gated-delta-net linear attention (it reads parallel_state's sizes) and
-    multi-token-prediction / multi-latent / mixture-of-experts families (not checked at a layout yet)."""
+    """ValueError naming what a teacher at its own layout does not serve: non-resident builds and
+    mbridge's converter. Every family the builtin converter builds is served at a layout: dense,
+    mixture of experts (experts split over the teacher's tensor-parallel group), multi-latent
+    attention (its down projections gathered in that group: own_groups.py) and gated-delta-net
+    linear attention (its heads split over that group: the model's pg_collection). `arch`: the
+    checkpoint's architecture (named in the error)."""
     problems = []
     if residency != "resident":
         problems.append(f"residency={residency!r} (only 'resident' is served at a teacher's own layout)")
     if converter != "builtin":
         problems.append(f"converter={converter!r} (only 'builtin' is served at a teacher's own layout)")
-    if getattr(arch, "linear", None) is not None:
-        problems.append(f"{arch.model_type}'s gated-delta-net linear attention")
-    if getattr(arch, "mla", None) is not None:
-        problems.append(f"{arch.model_type}'s multi-latent attention")
-    if arch.is_moe:
-        problems.append(f"{arch.model_type}'s mixture of experts")
     if problems:
         raise ValueError(f"{arch.source}: layout={layout!r} does not serve {'; '.join(problems)} yet; pass "
                          "layout=None to build the teacher in the student's own process groups")

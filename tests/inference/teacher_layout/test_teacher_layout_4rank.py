@@ -3,8 +3,11 @@ TP=1 x DP=4): TeacherLayout(tp=4) (one group of 4) and TeacherLayout(tp=2) (teac
 groups {0, 1} and {2, 3}) built side by side; each rank's rows (counts and lengths differ per
 rank, rank 2 has none) scored to the whole teacher's log-probs on that rank (1e-6, relative
 1e-6), each rank holding 1/tp of the vocab; the same beside a student at TP=2 x DP=2 (teacher TP=4
-and TP=1: the student's parallel_state plays no part)."""
+and TP=1: the student's parallel_state plays no part); a tiny deepseek_v3 (multi-latent attention
+with experts) at TeacherLayout(tp=4), each expert a quarter per rank."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +28,8 @@ def _rows(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _worker(rank: int, world_size: int, root: str) -> dict:
+    import time
+
     from megatron.core import package_info
 
     from megatron_rl_patches import build_inference_model_from_hf
@@ -53,6 +58,15 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
         chunks = build_inference_model_from_hf(root, dtype=torch.float32, layout=TeacherLayout(tp=1))
         results["student_tp2_teacher_tp1_vocab"] = chunks[0].embedding.word_embeddings.weight.shape[0]
         results["student_tp2_teacher_tp1"] = score_at_layout(chunks, tokens, labels)
+    start = time.perf_counter()
+    with megatron_on_cpu():  # multi-latent attention with experts over one teacher group of 4
+        mla = str(Path(root).parent / "deepseek_v3")
+        whole = build_inference_model_from_hf(mla, dtype=torch.float32, layout=TeacherLayout(tp=1))
+        results["mla_reference"] = score_at_layout(whole, tokens, labels)
+        chunks = build_inference_model_from_hf(mla, dtype=torch.float32, layout=TeacherLayout(tp=4))
+        results["mla_tp4"] = score_at_layout(chunks, tokens, labels)
+        results["mla_experts_fc1"] = chunks[0].decoder.layers[1].mlp.experts.local_experts[0].linear_fc1.weight.shape
+    results["mla_seconds"] = time.perf_counter() - start
     return results
 
 
@@ -62,12 +76,14 @@ def world(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("teacher_layout4") / "qwen3"  # 4 key/value heads: TP=4 splits them
     write_tiny_checkpoint(root, tiny_hf_config("qwen3", num_key_value_heads=4), seed=5)
+    write_tiny_checkpoint(root.parent / "deepseek_v3", tiny_hf_config("deepseek_v3"), seed=6)
     return run_multirank(_worker, 4, str(root), timeout=600)
 
 
 def test_teacher_tp4_and_tp2_x_dp2_give_each_rank_the_whole_teachers_log_probs(world):
     if "unsupported" in world[0]:
         pytest.skip(f"this megatron-core refuses a teacher layout: {world[0]['unsupported']}")
+    print(f"deepseek_v3 at tp=4 took {[round(result['mla_seconds'], 1) for result in world]} s per rank")
     for rank, result in enumerate(world):
         reference = result["reference"]
         assert reference.shape == ROWS[rank]
@@ -76,7 +92,9 @@ def test_teacher_tp4_and_tp2_x_dp2_give_each_rank_the_whole_teachers_log_probs(w
         assert result["tp2_dp"] == (rank // 2, 2)
         assert result["tp4_vocab"] == 256 and result["tp2_vocab"] == 512  # 1001 padded to 1024
         assert result["student_tp2_teacher_tp1_vocab"] == 1024  # the whole teacher beside a TP=2 student
-        for key in ("tp4", "tp2", "student_tp2_teacher_tp4", "student_tp2_teacher_tp1"):
+        assert tuple(result["mla_experts_fc1"]) == (2 * 16 // 4, 32)  # each expert's gate and up rows: a quarter
+        for key in ("tp4", "tp2", "student_tp2_teacher_tp4", "student_tp2_teacher_tp1", "mla_tp4"):
+            reference = result["mla_reference" if key.startswith("mla") else "reference"]
             error = (result[key] - reference).abs() - 1e-6 * reference.abs()
             assert result[key].shape == ROWS[rank]
             assert error.numel() == 0 or error.max().item() <= 1e-6, (rank, key, error.max().item())

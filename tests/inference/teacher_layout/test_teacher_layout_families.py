@@ -1,0 +1,161 @@
+"""Families beyond a dense Llama at a teacher's own layout, in the 2-rank world the other
+teacher-layout checks share (`layout_worlds.two_rank_world`, spawned once): a tiny mixture of
+experts (`qwen3_moe`: experts split over the teacher's tensor-parallel group), multi-latent
+attention with experts, shared experts and group-limited routing (`deepseek_v3`: megatron-core's MLA
+gathers its down projections in parallel_state's group, which a layout turns to its own), and
+gated-delta-net linear attention (`qwen3_5`; `qwen3_next` with experts and a gated shared expert:
+the layer's heads split over the model's pg_collection). At TeacherLayout(tp=2) beside a DP=2
+student each rank's rows get the whole teacher's log-probs (1e-6, relative 1e-6) and top-k
+log-probs and tail, and each rank holds half of every split weight. On a megatron-core without
+ProcessGroupCollection (0.13.1) each family is refused by that name before anything loads."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.inference.teacher_layout.layout_worlds import close, served, two_rank_world
+from tests.inference.teacher_layout.test_teacher_layout_2rank import ROWS, _ids, _one_rank_teacher, _refusal, _rows
+
+pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
+
+# two layers each (one linear-attention and one full-attention layer for the hybrids): every layer
+# kind once, and rounding that compounds little (four hybrid layers drift to ~3e-5 between splits)
+HYBRID = {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
+FAMILIES = {"qwen3_moe": {}, "deepseek_v3": {}, "qwen3_5": HYBRID, "qwen3_next": HYBRID}
+# what a tensor-parallel split leaves whole on every rank: norms, routers, the shared expert's gate
+REPLICATED = re.compile(r"(norm\.weight|router\.weight|gate_weight)$")
+# the weights a wrong split would leave whole: experts, MLA's down projections, the gated delta net's
+MUST_SPLIT = {"qwen3_moe": ("experts.local_experts.0.linear_fc1.weight", "experts.local_experts.3.linear_fc2.weight"),
+              "deepseek_v3": ("linear_kv_down_proj.weight", "linear_q_down_proj.weight", "linear_kv_up_proj.weight",
+                              "shared_experts.linear_fc1.weight", "experts.local_experts.7.linear_fc2.weight"),
+              "qwen3_5": ("self_attention.in_proj.weight", "self_attention.conv1d.weight", "self_attention.A_log",
+                          "self_attention.dt_bias", "self_attention.out_proj.weight"),
+              "qwen3_next": ("self_attention.in_proj.weight", "self_attention.A_log",
+                             "shared_experts.linear_fc2.weight", "experts.local_experts.1.linear_fc1.weight")}
+
+
+def _write_checkpoints(rank: int, root: str) -> dict[str, str]:
+    """Each family's tiny checkpoint beside the world's qwen3 one, written by rank 0."""
+    import torch.distributed as dist
+
+    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
+
+    paths = {kind: str(Path(root).parent / kind) for kind in (*FAMILIES, "one_kv_head")}
+    if rank == 0:
+        for seed, (kind, overrides) in enumerate(FAMILIES.items()):
+            write_tiny_checkpoint(paths[kind], tiny_hf_config(kind, **overrides), seed=seed)
+        write_tiny_checkpoint(paths["one_kv_head"], tiny_hf_config("qwen3", num_key_value_heads=1))
+    dist.barrier()
+    return paths
+
+
+def _shapes(chunks) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(param.shape) for name, param in chunks[0].named_parameters()}
+
+
+def family_checks(rank: int, world_size: int, root: str) -> dict:
+    """Per family: the TP=2 teacher's scores and top-k of this rank's rows, the whole teacher's
+    (built in the student's TP=1 groups on this rank), and the parameter shapes of both."""
+    import time
+
+    from megatron_rl_patches import build_inference_model_from_hf
+    from megatron_rl_patches.inference import TeacherLayout, score_at_layout, topk_at_layout
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    start = time.perf_counter()
+    paths = _write_checkpoints(rank, root)
+    tokens, labels = _rows(rank)
+    layout = TeacherLayout(tp=2)
+    results: dict = {}
+    with megatron_on_cpu():
+        # megatron-core splits key/value heads over the ranks, never repeats them: 1 head at tp=2 is refused
+        results["one_kv_head"] = _refusal(lambda: build_inference_model_from_hf(paths.pop("one_kv_head"),
+                                                                                layout=layout))
+        # megatron-core compiles the gated attention's output gate with torch.compile on its first
+        # call (~10 s a rank on CPU): the same eager function runs in both teachers here
+        with torch._dynamo.config.patch(disable=True):
+            for kind, path in paths.items():
+                try:
+                    chunks = build_inference_model_from_hf(path, dtype=torch.float32, layout=layout)
+                except ValueError as exc:  # a megatron-core without ProcessGroupCollection; anything else fails
+                    if "needs megatron-core's ProcessGroupCollection" not in str(exc):
+                        raise
+                    results[kind] = {"unsupported": str(exc)}
+                    continue
+                whole = build_inference_model_from_hf(path, dtype=torch.float32)
+                reference, topk_ref, tail_ref = _one_rank_teacher(whole, tokens, labels)
+                topk, tail = topk_at_layout(chunks, tokens, _ids(rank))
+                results[kind] = {"scores": score_at_layout(chunks, tokens, labels), "reference": reference,
+                                 "topk": topk, "topk_ref": topk_ref, "tail": tail, "tail_ref": tail_ref,
+                                 "held": _shapes(chunks), "whole": _shapes(whole)}
+    results["seconds"] = time.perf_counter() - start  # what the families add to the world
+    return results
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return two_rank_world(tmp_path_factory, "families")
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family(request, world):
+    """Each rank's results of one family (skipped where the layout is refused: megatron-core 0.13)."""
+    results = [result[request.param] for result in world]
+    served(results)
+    return request.param, results
+
+
+def test_each_family_at_tp2_gives_each_rank_the_whole_teachers_log_probs(family):
+    kind, results = family
+    for rank, result in enumerate(results):
+        assert result["scores"].shape == ROWS[rank]
+        assert close(result["scores"], result["reference"]) <= 1e-6, (kind, rank)
+
+
+def test_each_family_at_tp2_gives_each_rank_the_whole_teachers_topk_log_probs_and_tail(family):
+    kind, results = family
+    for rank, result in enumerate(results):
+        assert result["topk"].shape == (*ROWS[rank], 4) and result["tail"].shape == ROWS[rank]
+        for key in ("topk", "tail"):
+            assert close(result[key], result[f"{key}_ref"]) <= 1e-6, (kind, rank, key)
+
+
+def test_each_rank_holds_half_of_each_familys_split_weights(family):
+    kind, results = family
+    for result in results:
+        held, whole = result["held"], result["whole"]
+        assert held.keys() == whole.keys()
+        halved = set()
+        for name, shape in held.items():
+            if shape == whole[name]:
+                assert REPLICATED.search(name), f"{kind}: {name} {shape} is whole on a TP=2 rank"
+                continue
+            split = [i for i, (a, b) in enumerate(zip(shape, whole[name])) if a != b]
+            assert len(split) == 1 and 2 * shape[split[0]] == whole[name][split[0]], (kind, name, shape, whole[name])
+            halved.add(name)
+        for suffix in MUST_SPLIT[kind]:
+            assert any(name.endswith(suffix) for name in halved), (kind, suffix)
+        share = sum(torch.Size(s).numel() for s in held.values()) / sum(torch.Size(s).numel() for s in whole.values())
+        assert 0.5 <= share < 0.53, (kind, share)
+
+
+def test_each_family_is_refused_by_name_where_megatron_core_lacks_process_group_collections(world):
+    print(f"the families' checks took {[round(result['seconds'], 1) for result in world]} s per rank")
+    for result in world:
+        for kind in FAMILIES:
+            if "unsupported" in result[kind]:  # 0.13.1: before the family's own checks or any read
+                assert "needs megatron-core's ProcessGroupCollection" in result[kind]["unsupported"], kind
+            else:
+                assert "scores" in result[kind], kind
+
+
+def test_a_tp_the_key_value_heads_do_not_divide_is_refused_naming_the_tps_served(world):
+    for result in world:
+        if "unsupported" in result["qwen3_moe"]:
+            assert "needs megatron-core's ProcessGroupCollection" in result["one_kv_head"]
+            continue
+        assert "num_key_value_heads=1 is not a multiple of the tensor-parallel size 2" in result["one_kv_head"]
+        assert result["one_kv_head"].endswith("(over 2 ranks: tp in [1])")
