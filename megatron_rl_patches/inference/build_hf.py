@@ -12,7 +12,7 @@ from megatron_rl_patches.inference.loading.hf.checkpoint_config import read_chec
 from megatron_rl_patches.inference.loading.hf.families import architecture, split_problems
 from megatron_rl_patches.inference.residency.budget import ResidencyBudget
 from megatron_rl_patches.inference.residency.placement import check_residency_args
-from megatron_rl_patches.inference.teacher_layout.build_args import refuse_unserved
+from megatron_rl_patches.inference.teacher_layout.build_args import refuse_unserved, refuse_unserved_pipeline
 from megatron_rl_patches.inference.teacher_layout.groups import check_layout
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 
@@ -154,6 +154,7 @@ def build_inference_model_from_hf(
     weights_dtype = checkpoint_dtype(checkpoint.dtype, dtype)
     divisible_by = positive_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by)
     if layout is not None:
+        refuse_unserved_pipeline(layout, arch)
         refuse_unserved(layout, arch, mode, converter)
     _check_parallel(arch, core_attention, layout)
     _check_core_attention(arch, core_attention)

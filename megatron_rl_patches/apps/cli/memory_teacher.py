@@ -40,14 +40,16 @@ def _row(name: str, plan: HFMemoryPlan, mode: str) -> dict[str, Any]:
 
 def run_teacher(args: argparse.Namespace) -> int:
     from megatron_rl_patches.inference.loading.hf.families import read_architecture
-    from megatron_rl_patches.inference.teacher_layout.build_args import refuse_unserved
+    from megatron_rl_patches.inference.teacher_layout.build_args import refuse_unserved, refuse_unserved_pipeline
     from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 
     world = _checked(args)
     tp, pp = args.teacher_tp, args.teacher_pp
     try:
         layout = TeacherLayout(tp=tp, pp=pp)
-        refuse_unserved(layout, read_architecture(args.hf, sizing=True), "resident", "builtin")
+        arch = read_architecture(args.hf, sizing=True)
+        refuse_unserved_pipeline(layout, arch)
+        refuse_unserved(layout, arch, "resident", "builtin")
         own = hf_memory_plan(args.hf, tp=tp, pp=pp, param_dtype=args.param_dtype)
         student = hf_memory_plan(args.hf, tp=args.tp, pp=args.pp, ep=args.ep, param_dtype=args.param_dtype,
                                  prefetch=args.prefetch)

@@ -69,6 +69,14 @@ def test_a_family_a_layout_does_not_serve_is_refused_with_the_builders_words(cli
     assert code != 0 and words in err and "does not serve" in err
 
 
+@pytest.mark.parametrize(("name", "words"), [("Qwen3.5-27B", "qwen3_5's gated-delta-net linear attention"),
+                                             ("Mixtral-8x7B-v0.1", "mixtral's mixture of experts"),
+                                             ("DeepSeek-V3", "multi-latent attention")])
+def test_a_family_a_teacher_pipeline_is_not_checked_on_is_refused_by_name(cli_run, published, name, words):
+    code, _, err = cli_run("memory", "--hf", str(published(name)), "--teacher-pp", "2", "--dp", "8")
+    assert code != 0 and "a teacher pipeline (pp=2) is served for dense families only" in err and words in err
+
+
 def test_teacher_sizes_need_a_checkpoint(cli_run):
     code, _, err = cli_run("memory", "--params", "8B", "--teacher-tp", "2")
     assert code != 0 and "--teacher-tp / --teacher-pp / --teacher-ep need --hf PATH" in err
