@@ -5,9 +5,13 @@ than the other rank's) are scored by the TP=2 teacher to the 1-rank teacher's lo
 relative 1e-6: one fp32 ulp); each rank reads about half the checkpoint's bytes; a layout the world
 cannot hold, bad input on one rank and ep > 1 are refused on every rank, the world still usable
 after (no hang). The same rows through TeacherLayout(pp=2) (rank 0 the first stage, rank 1 the
-last), and a stage that fails mid-pass: every rank raises, none waits. On a megatron-core without
-ProcessGroupCollection (0.13.1) the layout is refused by name."""
+last; an untied and a tied output layer), and a stage that fails mid-pass: every rank raises,
+none waits. On a megatron-core without ProcessGroupCollection (0.13.1) the layout is refused by
+name."""
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,6 +133,7 @@ def _pipeline_checks(root: str, tokens: torch.Tensor, labels: torch.Tensor) -> d
 
     from megatron_rl_patches import build_inference_model_from_hf
     from megatron_rl_patches.inference import TeacherLayout, score_at_layout, topk_at_layout
+    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
 
     rank = dist.get_rank()
     chunks = build_inference_model_from_hf(root, dtype=torch.float32, layout=TeacherLayout(pp=2))
@@ -145,6 +150,13 @@ def _pipeline_checks(root: str, tokens: torch.Tensor, labels: torch.Tensor) -> d
             chunks[0].__dict__.pop("forward", None)
     dist.barrier()
     results["pp2_after"] = score_at_layout(chunks, tokens, labels)
+    # a tied output layer: the last stage reads it from the embedding's tensor (nothing synchronized)
+    tied = Path(tempfile.mkdtemp()) / "tied"  # each rank its own copy of the same checkpoint
+    write_tiny_checkpoint(tied, tiny_hf_config("qwen3", tie_word_embeddings=True), seed=7)
+    results["tied_reference"] = _one_rank_teacher(build_inference_model_from_hf(tied, dtype=torch.float32),
+                                                  tokens, labels)[0]
+    piped = build_inference_model_from_hf(tied, dtype=torch.float32, layout=TeacherLayout(pp=2))
+    results["tied_pp2"] = score_at_layout(piped, tokens, labels)
     return results
 
 
@@ -200,7 +212,8 @@ def test_a_two_stage_teacher_pipeline_gives_each_rank_the_one_rank_teachers_scor
     served(world)
     for rank, result in enumerate(world):
         assert result["pp2_layers"] == [rank + 1]  # layer 1 on the first stage, layer 2 on the last
-        for key, want in (("pp2_scores", result["reference"]), ("pp2_after", result["reference"])):
+        for key, want in (("pp2_scores", result["reference"]), ("pp2_after", result["reference"]),
+                          ("tied_pp2", result["tied_reference"])):
             assert result[key].shape == ROWS[rank] and close(result[key], want) <= 1e-6, (rank, key)
         logp, tail = result["pp2_topk"]
         assert close(logp, result["topk_ref"]) <= 1e-6 and close(tail, result["tail_ref"]) <= 1e-6, rank
