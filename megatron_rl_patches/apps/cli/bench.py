@@ -1,10 +1,12 @@
-"""`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|distill|residency|load|gpu|all]
+"""`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|distill|residency|teacher-layout|load|gpu|all]
 [--quick] [--out DIR] [--only PART]`; `bench ops [--baseline REV] [--T N] [--V N] [--H N] [--runs N]`.
 An option of one benchmark given to another is a usage error (exit 2), never silently ignored.
 
 `bench gpu` (not part of `all`) needs a CUDA device; without one it says so in one line and
 exits non-zero. `bench load` (not part of `all`: it writes a ~3 GB checkpoint under the temporary
-folder, deleted afterwards) times Hugging Face checkpoint loading against transformers."""
+folder, deleted afterwards) times Hugging Face checkpoint loading against transformers.
+`bench teacher-layout` is part of `all` but not of `all --quick` (it spawns a world of 2 ranks:
+half a minute even on its tiny shapes)."""
 from __future__ import annotations
 
 import argparse
@@ -24,7 +26,11 @@ BENCHMARKS = {
     "windows": "megatron_rl_patches.apps.bench.windows",
     "distill": "megatron_rl_patches.apps.bench.distill",
     "residency": "megatron_rl_patches.apps.bench.residency",
+    "teacher-layout": "megatron_rl_patches.apps.bench.teacher_layout",
 }
+# Left out of `bench all --quick` (make test runs it): a spawned world's start-up alone takes half
+# a minute on a busy 2-core machine; `bench NAME --quick` still runs it.
+NOT_IN_QUICK_ALL = ("teacher-layout",)
 # Run only when named (not part of `all`): `load` writes and reads a checkpoint of several GB.
 SEPARATE = {"load": "megatron_rl_patches.apps.bench.hf_load"}
 # `bench ops` only: (flag, default, meaning); every other benchmark refuses them
@@ -32,7 +38,8 @@ OPS_OPTIONS = (("--T", 1024, "tokens"), ("--V", 8192, "vocabulary"), ("--H", 256
                ("--runs", 3, "interleaved runs per op and side (medians)"))
 # Rough wall time of each full benchmark on a 2-core CPU (docs/benchmarks.md); --quick takes seconds.
 DURATIONS = {"logprobs": "2-4 min", "topk": "1-2 min", "reentrant": "1 min", "fused": "5-6 min",
-             "windows": "1 min", "distill": "2-3 min", "residency": "1-2 min", "load": "3-4 min"}
+             "windows": "1 min", "distill": "2-3 min", "residency": "1-2 min", "teacher-layout": "3-5 min",
+             "load": "3-4 min"}
 # `bench fused --only PART` (megatron_rl_patches.apps.bench.fused.PARTS, kept here so --help imports no torch)
 FUSED_PARTS = ("logprob", "opd", "invariant")
 # `bench logprobs --only PART` (megatron_rl_patches.apps.bench.logprobs.PARTS)
@@ -106,11 +113,13 @@ def run(args: argparse.Namespace) -> int:
         return _run_ops(args)
     if args.out:
         check_output_folder(args.out)
-    names = list(BENCHMARKS) if args.which == "all" else [args.which]
+    names = ([name for name in BENCHMARKS if not (args.quick and name in NOT_IN_QUICK_ALL)]
+             if args.which == "all" else [args.which])
     failed = []
     for name in names:
         options = {"only": args.only} if args.only is not None else {}
-        took = "seconds" if args.quick else f"about {DURATIONS[name]} on 2 CPU cores; --quick takes seconds"
+        took = (f"about {DURATIONS[name]} on 2 CPU cores; --quick takes seconds" if not args.quick
+                else "about 30 s: a spawned world" if name in NOT_IN_QUICK_ALL else "seconds")
         print(f"bench {name}: running ({took}); a line per case as it ends", file=sys.stderr, flush=True)
         module = importlib.import_module({**BENCHMARKS, **SEPARATE}[name])
         rows = module.run(quick=args.quick, out_dir=args.out, **options)

@@ -35,6 +35,7 @@ def test_bench_quick_writes_csv_and_png_for_every_benchmark(tmp_path, capsys):
     assert measured and all(not row.get("peak_U") and not row.get("held_U") and float(row["saved_U"]) > 0
                             for row in measured)
     _check_reentrant_rows(tmp_path / "reentrant.csv")
+    assert not (tmp_path / "teacher_layout.csv").exists()  # a spawned world: left out of `all --quick`
 
 
 @pytest.mark.megatron
