@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --hf: the teacher at its own tensor-parallel size over the student's "
                              "--tp x --pp x --dp ranks (per-GPU and host bytes per rank, beside the student's layout)")
     parser.add_argument("--teacher-pp", type=_count("--teacher-pp"), default=1,
-                        help="the teacher's own pipeline-parallel size (with --teacher-tp; only 1 is served)")
+                        help="with --hf: the teacher's own pipeline-parallel size (beside --teacher-tp, default 1)")
     parser.add_argument("--teacher-ep", type=_count("--teacher-ep"), default=1,
                         help="the teacher's own expert-parallel size (with --teacher-tp; only 1 is served)")
     parser.add_argument("--json", action="store_true", help="print a JSON object (bytes)")
@@ -122,12 +122,11 @@ def run(args: argparse.Namespace) -> int:
         from megatron_rl_patches.apps.cli.memory_hf import run_hf
 
         args.tp, args.prefetch = args.tp or 1, 1 if args.prefetch is None else args.prefetch
-        if args.teacher_tp is not None:
+        if args.teacher_tp is not None or (args.teacher_pp, args.teacher_ep) != (1, 1):
             from megatron_rl_patches.apps.cli.memory_teacher import run_teacher
 
+            args.teacher_tp = args.teacher_tp or 1  # --teacher-pp N alone: a teacher at TP=1 x PP=N
             return run_teacher(args)
-        if (args.teacher_pp, args.teacher_ep) != (1, 1):
-            raise UsageError("--teacher-pp and --teacher-ep size a teacher at its own layout: add --teacher-tp N")
         return run_hf(args)
     if args.teacher_tp is not None or (args.teacher_pp, args.teacher_ep) != (1, 1):
         raise UsageError("--teacher-tp / --teacher-pp / --teacher-ep need --hf PATH (the teacher's checkpoint)")

@@ -1,9 +1,10 @@
-"""`megatron-rl-patches memory --hf PATH --teacher-tp N`: a Hugging Face teacher at its own
-tensor-parallel layout over the student's ranks (world = the student's --tp x --pp x --dp; the
-teacher's data-parallel size follows), beside the same teacher built at the student's layout:
-per-GPU bytes and host bytes per rank of each. Only what the builder serves at a layout is planned
-(resident; no teacher pipeline / expert parallelism; every family, experts split over the teacher's
-tensor-parallel group): the rest is refused with the builder's own words."""
+"""`megatron-rl-patches memory --hf PATH --teacher-tp N [--teacher-pp M]`: a Hugging Face teacher
+at its own tensor / pipeline-parallel layout over the student's ranks (world = the student's --tp
+x --pp x --dp; the teacher's data-parallel size follows), beside the same teacher built at the
+student's layout: per-GPU bytes and host bytes per rank of each. Only what the builder serves at
+a layout is planned (resident; no teacher expert parallelism; every family at --teacher-pp 1,
+experts split over the teacher's tensor-parallel group; dense families at --teacher-pp > 1): the
+rest is refused with the builder's own words."""
 from __future__ import annotations
 
 import argparse
@@ -17,18 +18,18 @@ from megatron_rl_patches.inference.loading.hf.memory_plan import HFMemoryPlan, h
 
 def _checked(args: argparse.Namespace) -> int:
     """The student's world size, once the teacher's sizes are ones a layout serves (UsageError)."""
-    for flag in ("--teacher-pp", "--teacher-ep"):
-        if getattr(args, flag[2:].replace("-", "_")) > 1:
-            kind = "pipeline" if flag == "--teacher-pp" else "expert"
-            raise UsageError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: a teacher's own {kind}-parallel "
-                             "size is not served yet (tensor parallelism is: --teacher-tp N); drop it or use 1")
+    if args.teacher_ep > 1:
+        raise UsageError(f"--teacher-ep {args.teacher_ep}: a teacher's own expert-parallel size is not served yet "
+                         "(tensor and pipeline parallelism are: --teacher-tp N --teacher-pp M); drop it or use 1")
     if args.residency not in (None, "resident"):
         raise UsageError(f"--residency {args.residency} with --teacher-tp: a teacher at its own layout is served "
                          "resident only; drop --residency (or --teacher-tp, to plan it at the student's layout)")
     world = args.tp * args.pp * args.dp
-    if world % args.teacher_tp:
-        raise UsageError(f"--teacher-tp {args.teacher_tp} cannot be laid over the student's {world} rank(s) (--tp "
-                         f"{args.tp} x --pp {args.pp} x --dp {args.dp}): choose a --teacher-tp that divides {world}")
+    if world % (args.teacher_tp * args.teacher_pp):
+        pipeline = f" x --teacher-pp {args.teacher_pp}" if args.teacher_pp > 1 else ""
+        sizes = f"--teacher-tp {args.teacher_tp}{pipeline}"
+        raise UsageError(f"{sizes} cannot be laid over the student's {world} rank(s) (--tp {args.tp} x --pp "
+                         f"{args.pp} x --dp {args.dp}): choose teacher sizes whose product divides {world}")
     return world
 
 
@@ -40,30 +41,34 @@ def _row(name: str, plan: HFMemoryPlan, mode: str) -> dict[str, Any]:
 
 def run_teacher(args: argparse.Namespace) -> int:
     from megatron_rl_patches.inference.loading.hf.families import read_architecture
-    from megatron_rl_patches.inference.teacher_layout.build_args import refuse_unserved
+    from megatron_rl_patches.inference.teacher_layout.build_args import refuse_unserved, refuse_unserved_pipeline
     from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 
     world = _checked(args)
+    tp, pp = args.teacher_tp, args.teacher_pp
     try:
-        layout = TeacherLayout(tp=args.teacher_tp)
-        refuse_unserved(layout, read_architecture(args.hf, sizing=True), "resident", "builtin")
-        own = hf_memory_plan(args.hf, tp=args.teacher_tp, param_dtype=args.param_dtype)
+        layout = TeacherLayout(tp=tp, pp=pp)
+        arch = read_architecture(args.hf, sizing=True)
+        refuse_unserved_pipeline(layout, arch)
+        refuse_unserved(layout, arch, "resident", "builtin")
+        own = hf_memory_plan(args.hf, tp=tp, pp=pp, param_dtype=args.param_dtype)
         student = hf_memory_plan(args.hf, tp=args.tp, pp=args.pp, ep=args.ep, param_dtype=args.param_dtype,
                                  prefetch=args.prefetch)
     except (TypeError, ValueError, FileNotFoundError) as exc:
         raise UsageError(str(exc)) from None
-    rows = [_row(f"own (TP={args.teacher_tp} x DP={world // args.teacher_tp})", own, "resident"),
-            *(_row("student's", student, mode) for mode in ("resident", "swap", "stream"))]
+    dp = world // (tp * pp)
+    name = f"own (TP={tp}" + (f" x PP={pp}" if pp > 1 else "") + f" x DP={dp})"
+    rows = [_row(name, own, "resident"), *(_row("student's", student, mode) for mode in ("resident", "swap", "stream"))]
     if args.json:
-        print(json.dumps({"world": world, "teacher_tp": args.teacher_tp, "teacher_dp": world // args.teacher_tp,
+        print(json.dumps({"world": world, "teacher_tp": tp, "teacher_pp": pp, "teacher_dp": dp,
                           "layouts": rows, "hf_plan": own.as_dict()}, indent=2))
         return OK
     header = (f"{own.source} ({own.model_type}): {own.total_params:,} parameters; the teacher over the student's "
               f"{world} rank(s) (--tp {args.tp} x --pp {args.pp} x --dp {args.dp}), {own.param_dtype}")
-    table = text_table(("teacher layout", "TP", "residency", "per GPU", "host per rank"),
-                       [[r["layout"], str(r["tp"]), r["residency"], human_bytes(r["gpu_bytes"]),
+    table = text_table(("teacher layout", "TP", "PP", "residency", "per GPU", "host per rank"),
+                       [[r["layout"], str(r["tp"]), str(r["pp"]), r["residency"], human_bytes(r["gpu_bytes"]),
                          human_bytes(r["host_bytes_per_rank"])] for r in rows], numeric=True, rule=False)
-    note = ("per GPU of the pipeline stage holding the most; at its own layout each rank reads 1/TP of the "
-            "teacher's bytes (the norms whole)")
+    note = ("per GPU of the pipeline stage holding the most; at its own layout each rank reads 1/TP of its "
+            "stage's bytes (the norms whole), a stage 1/PP of the layers")
     print("\n".join([header, "", table, "", note]))
     return OK

@@ -41,3 +41,19 @@ def refuse_unserved(layout: TeacherLayout, arch: Any, residency: str, converter:
     if problems:
         raise ValueError(f"{arch.source}: layout={layout!r} does not serve {'; '.join(problems)} yet; pass "
                          "layout=None to build the teacher in the student's own process groups")
+
+
+def refuse_unserved_pipeline(layout: TeacherLayout, arch: Any) -> None:
+    """ValueError naming the families a teacher pipeline (layout.pp > 1) is not checked on yet:
+    only dense decoders (llama, qwen2, qwen3, mimo) are; gated-delta-net, multi-latent and
+    mixture-of-experts families stay refused at pp > 1 whatever a tensor-parallel layout serves."""
+    if layout.pp == 1:
+        return
+    kinds = [kind for kind, present in (("gated-delta-net linear attention", getattr(arch, "linear", None) is not None),
+                                        ("multi-latent attention", getattr(arch, "mla", None) is not None),
+                                        ("mixture of experts", bool(arch.is_moe))) if present]
+    if kinds:
+        raise ValueError(f"{arch.source}: layout={layout!r}: a teacher pipeline (pp={layout.pp}) is served for dense "
+                         f"families only; {arch.model_type}'s {' and '.join(kinds)} does not serve pp > 1 at a "
+                         "teacher's own layout yet: use pp=1, or layout=None to build the teacher in the student's "
+                         "own process groups")

@@ -1,7 +1,7 @@
-"""The exchange behind score_at_layout / topk_at_layout: every member of a teacher
-tensor-parallel group tells the others its input's shape (or that its input is bad: then every
-member raises, none is left waiting), then the members' micro-batches are right-padded and
-concatenated in rank order, the same batch on every member."""
+"""The exchange behind score_at_layout / topk_at_layout: every member of a teacher replica (its
+tp x pp ranks: `TeacherGroups.replica_group`) tells the others its input's shape (or that its input
+is bad: then every member raises, none is left waiting), then the members' micro-batches are
+right-padded and concatenated in rank order, the same batch on every member."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,8 +29,9 @@ class GroupBatch:
 
     def my_rows(self, groups: TeacherGroups) -> tuple[int, int, int]:
         """(first row in the group's batch, rows, length) of this rank's rows."""
-        first = sum(rows for rows, _ in self.shapes[: groups.tp_rank])
-        return (first, *self.shapes[groups.tp_rank])
+        position = groups.replica_rank
+        first = sum(rows for rows, _ in self.shapes[:position])
+        return (first, *self.shapes[position])
 
 
 def _problem(name: str, value: Any, dims: int) -> str:
@@ -61,18 +62,19 @@ def agree(groups: TeacherGroups, tokens: Any, others: dict[str, Any]) -> GroupBa
     wide = [value for name, value in others.items() if name != "labels"]
     k = int(wide[0].shape[2]) if wide and not problem else 0
     mine = torch.tensor([-1, -1, -1] if problem else [int(tokens.shape[0]), int(tokens.shape[1]), k])
-    every = [torch.empty_like(mine) for _ in range(groups.tp_size)]
-    dist.all_gather(every, mine, group=groups.tp_group)
-    ranks = groups.tp_ranks()
+    ranks = groups.replica_ranks()
+    every = [torch.empty_like(mine) for _ in ranks]
+    dist.all_gather(every, mine, group=groups.replica_group)
     bad = [ranks[i] for i, shape in enumerate(every) if int(shape[0]) < 0]
     if bad:
-        raise ValueError(f"bad tokens / labels / ids on rank(s) {bad} of the teacher's tensor-parallel group {ranks}"
+        raise ValueError(f"bad tokens / labels / ids on rank(s) {bad} of the teacher replica {ranks}"
                          + (f": {problem}" if problem else ""))
     widths = {int(shape[2]) for shape in every if int(shape[0]) > 0}
     if len(widths) > 1:
-        raise ValueError(f"the ranks of the teacher's tensor-parallel group {ranks} pass ids of different k "
+        raise ValueError(f"the ranks of the teacher replica {ranks} pass ids of different k "
                          f"({sorted(widths)}): pass the same k on every rank")
-    return GroupBatch([(int(shape[0]), int(shape[1])) for shape in every], widths.pop() if widths else 0)
+    # no member has rows: nothing is scored, each keeps its own k (its empty result's width)
+    return GroupBatch([(int(shape[0]), int(shape[1])) for shape in every], widths.pop() if widths else k)
 
 
 def gathered(groups: TeacherGroups, value: torch.Tensor, batch: GroupBatch) -> torch.Tensor:
@@ -84,5 +86,5 @@ def gathered(groups: TeacherGroups, value: torch.Tensor, batch: GroupBatch) -> t
     if value.numel():
         mine[: value.shape[0], : value.shape[1]] = value
     every = [torch.empty_like(mine) for _ in batch.shapes]
-    dist.all_gather(every, mine, group=groups.tp_group)
+    dist.all_gather(every, mine, group=groups.replica_group)
     return torch.cat([part[:r] for part, (r, _) in zip(every, batch.shapes)])

@@ -1,8 +1,9 @@
 """teacher_groups: the process groups of a TeacherLayout over the default process group's ranks,
 as megatron-core's ProcessGroupCollection (megatron-core 0.15+; GPTModel(pg_collection=)),
-built once per layout and world. Tensor-parallel groups are runs of consecutive ranks
-({0..tp-1}, {tp..2tp-1}, ...), data-parallel groups the ranks at one tensor-parallel position;
-the teacher's context, pipeline and expert dimensions are 1 (one-rank groups)."""
+built once per layout and world. Ranks are laid out in megatron-core's default order
+"tp-cp-ep-dp-pp" (context and expert sizes 1): global rank = t + tp * (d + dp * p) at tensor
+position t, data-parallel position d and pipeline stage p (`rank_grid`). A teacher replica is the
+tp x pp ranks of one data-parallel position; its context and expert dimensions are one-rank groups."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,32 +14,73 @@ import torch.distributed as dist
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 
 # ProcessGroupCollection fields and which of the teacher's groups each one is (those a version
-# lacks are skipped): the tensor-parallel group stands for every group whose other dimensions are 1
-_TP_FIELDS = ("tp", "mp", "tp_cp", "tp_ep", "tp_ep_pp", "expt_tp")
-_DP_FIELDS = ("dp", "dp_cp", "expt_dp", "intra_dp_cp", "intra_expt_dp")
-_ONE_FIELDS = ("cp", "pp", "ep", "embd", "pos_embd", "hcp")
-_WORLD_FIELDS = ("tp_dp_cp",)
+# lacks are skipped); the embedding groups are None: nothing of a frozen teacher is synchronized
+# between its first and last stage (a tied output layer is read from the checkpoint on the last)
+_FIELDS = {"tp": "tp", "tp_cp": "tp", "tp_ep": "tp", "expt_tp": "tp", "mp": "replica", "tp_ep_pp": "replica",
+           "pp": "pp", "dp": "dp", "dp_cp": "dp", "expt_dp": "dp", "intra_dp_cp": "dp", "intra_expt_dp": "dp",
+           "cp": "one", "ep": "one", "hcp": "one", "tp_dp_cp": "stage"}
+_NONE_FIELDS = ("embd", "pos_embd")
+
+
+def rank_grid(layout: TeacherLayout, world: int) -> dict[str, list[list[int]]]:
+    """Every group of `layout` over `world` ranks by kind ("tp", "dp", "pp", "replica": tp x pp
+    ranks of one data-parallel position, "stage": the ranks of one pipeline stage, "one"), in the
+    enumeration order of megatron-core's RankGenerator(order="tp-cp-ep-dp-pp")."""
+    tp, pp = layout.tp, layout.pp
+    dp = layout.data_parallel(world)
+
+    def at(t: int, d: int, p: int) -> int:
+        return t + tp * (d + dp * p)
+
+    return {
+        "tp": [[at(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        "dp": [[at(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pp": [[at(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
+        "replica": [sorted(at(t, d, p) for p in range(pp) for t in range(tp)) for d in range(dp)],
+        "stage": [sorted(at(t, d, p) for d in range(dp) for t in range(tp)) for p in range(pp)],
+        "one": [[rank] for rank in range(world)],
+    }
 
 
 @dataclass(frozen=True)
 class TeacherGroups:
-    """A layout's groups on this rank: `tp_group` (the ranks that run one teacher forward
-    together), `dp_group`, this rank's positions in them, and `pg_collection` (megatron-core's
+    """A layout's groups on this rank: `tp_group` (the ranks of one pipeline stage of a replica:
+    one forward of that stage together), `pp_group` (this tensor position's stages),
+    `replica_group` (the tp x pp ranks that score one gathered batch), `dp_group`, this rank's
+    positions and the members' global ranks, and `pg_collection` (megatron-core's
     ProcessGroupCollection, handed to the teacher model)."""
 
     layout: TeacherLayout
     tp_group: Any
+    pp_group: Any
+    replica_group: Any
     dp_group: Any
     tp_rank: int
     tp_size: int
+    pp_rank: int
+    pp_size: int
     dp_rank: int
     dp_size: int
+    members: dict[str, tuple[int, ...]]  # kind -> the global ranks of this rank's group of that kind
     pg_collection: Any
 
     def tp_ranks(self) -> list[int]:
         """The global ranks of this rank's teacher tensor-parallel group."""
-        first = self.dp_rank * self.tp_size
-        return list(range(first, first + self.tp_size))
+        return list(self.members["tp"])
+
+    def pp_ranks(self) -> list[int]:
+        """The global ranks of this rank's pipeline, first stage first."""
+        return list(self.members["pp"])
+
+    def replica_ranks(self) -> list[int]:
+        """The global ranks of this rank's teacher replica (tp x pp ranks), ascending: the order of
+        the members' micro-batches in the gathered batch."""
+        return list(self.members["replica"])
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's position in replica_ranks()."""
+        return self.members["replica"].index(dist.get_rank())
 
 
 _BUILT: dict[tuple[Any, ...], TeacherGroups] = {}
@@ -75,11 +117,6 @@ def check_layout(layout: Any) -> tuple[TeacherLayout, int]:
     return layout, world
 
 
-def _subgroups(enumeration: list[list[int]]) -> Any:
-    group, _ = dist.new_subgroups_by_enumeration(enumeration)
-    return group
-
-
 def teacher_groups(layout: TeacherLayout) -> TeacherGroups:
     """This rank's TeacherGroups for `layout`, built on first use (a collective: every rank of the
     default group calls it, as build_inference_model_from_hf(layout=) does) and reused after."""
@@ -87,18 +124,25 @@ def teacher_groups(layout: TeacherLayout) -> TeacherGroups:
     key = (layout, world, id(dist.group.WORLD))
     if key in _BUILT:
         return _BUILT[key]
-    tp = layout.tp
-    dp = world // tp
-    tp_group = _subgroups([list(range(d * tp, (d + 1) * tp)) for d in range(dp)])
-    dp_group = _subgroups([list(range(t, world, tp)) for t in range(tp)])
-    one_group = _subgroups([[rank] for rank in range(world)])
-    groups = {**dict.fromkeys(_TP_FIELDS, tp_group), **dict.fromkeys(_DP_FIELDS, dp_group),
-              **dict.fromkeys(_ONE_FIELDS, one_group), **dict.fromkeys(_WORLD_FIELDS, dist.group.WORLD)}
-    collection_class = process_group_collection_class()
-    known = set(getattr(collection_class, "__dataclass_fields__", {})) or set(groups)
-    collection = collection_class(**{name: group for name, group in groups.items() if name in known})
     rank = dist.get_rank()
-    built = TeacherGroups(layout=layout, tp_group=tp_group, dp_group=dp_group, tp_rank=rank % tp, tp_size=tp,
-                          dp_rank=rank // tp, dp_size=dp, pg_collection=collection)
+    grid = rank_grid(layout, world)
+    groups: dict[str, Any] = {}
+    members: dict[str, tuple[int, ...]] = {}
+    for kind, enumeration in grid.items():
+        if layout.pp == 1 and kind in ("replica", "stage"):  # the tensor-parallel group; the world
+            groups[kind] = groups["tp"] if kind == "replica" else dist.group.WORLD
+            members[kind] = members["tp"] if kind == "replica" else tuple(range(world))
+            continue
+        groups[kind], _ = dist.new_subgroups_by_enumeration(enumeration)
+        members[kind] = next(tuple(ranks) for ranks in enumeration if rank in ranks)
+    collection_class = process_group_collection_class()
+    known = set(getattr(collection_class, "__dataclass_fields__", {})) or {*_FIELDS, *_NONE_FIELDS}
+    fields = {**{name: groups[kind] for name, kind in _FIELDS.items()}, **dict.fromkeys(_NONE_FIELDS)}
+    collection = collection_class(**{name: group for name, group in fields.items() if name in known})
+    built = TeacherGroups(
+        layout=layout, tp_group=groups["tp"], pp_group=groups["pp"], replica_group=groups["replica"],
+        dp_group=groups["dp"], tp_rank=members["tp"].index(rank), tp_size=layout.tp,
+        pp_rank=members["pp"].index(rank), pp_size=layout.pp, dp_rank=members["dp"].index(rank),
+        dp_size=len(members["dp"]), members=members, pg_collection=collection)
     _BUILT[key] = built
     return built

@@ -1,14 +1,16 @@
 """score_at_layout / topk_at_layout: the student's rows on each rank scored by a teacher built at
 its own layout.
 
-Every rank of a teacher tensor-parallel group must run the same forward on the same tokens, but
-each holds its own student micro-batch: the group's micro-batches are gathered (rows padded on
-the right to the longest, concatenated in rank order), the teacher runs once on them, and each
-rank keeps the scores of its own rows (every rank of the group holds the whole result after the
-vocab-parallel reduction, so nothing is sent back). Right padding never changes a real token's
+Every rank of a teacher replica (its tp x pp ranks) must take part in the same forward on the
+same tokens, but each holds its own student micro-batch: the replica's micro-batches are gathered
+(rows padded on the right to the longest, concatenated in rank order), the teacher runs once on
+them (stage by stage at pp > 1: pipeline.replica_scores), and each rank keeps the scores of its
+own rows (every rank of the replica holds the whole result: after the vocab-parallel reduction
+at pp=1, broadcast from the last stage at pp > 1). Right padding never changes a real token's
 score: attention is causal."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ import torch
 from megatron_rl_patches.inference.teacher_layout.gather import GroupBatch, agree, gathered
 from megatron_rl_patches.inference.teacher_layout.groups import TeacherGroups
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
+from megatron_rl_patches.inference.teacher_layout.pipeline import replica_scores
 
 
 def _groups_of(chunks: Any, layout: TeacherLayout | None) -> tuple[torch.nn.Module, TeacherGroups]:
@@ -38,18 +41,29 @@ def _causal_mask(rows: int, length: int) -> torch.Tensor:
     return torch.ones(length, length, dtype=torch.bool).triu(1)[None, None].expand(rows, 1, length, length)
 
 
-def _group_logits(model: torch.nn.Module, groups: TeacherGroups, tokens: torch.Tensor,
-                  batch: GroupBatch) -> torch.Tensor | None:
-    """The teacher's vocab-parallel logits [sum rows * max length, V / tp] of the group's batch
-    (None when the whole group has no token)."""
+def _replica_scores(model: torch.nn.Module, groups: TeacherGroups, tokens: torch.Tensor, batch: GroupBatch,
+                    score: Callable[[torch.Tensor, torch.device], list[torch.Tensor]],
+                    widths: list[tuple[int, ...]]) -> list[torch.Tensor] | None:
+    """`score(logits [sum rows * max length, V / tp], device)` of the replica's gathered batch on
+    every rank of the replica, fp32 [sum rows * max length, *width] per width (None when the whole
+    replica has no token)."""
     all_tokens = gathered(groups, tokens, batch)
     total, longest = all_tokens.shape
     if total == 0 or longest == 0:
         return None
     device = next(model.parameters()).device
     position_ids = torch.arange(longest).expand(total, longest)
-    logits = model(all_tokens.to(device), position_ids.to(device), _causal_mask(total, longest).to(device))
-    return logits.reshape(total * longest, -1)
+    inputs = (all_tokens.to(device), position_ids.to(device), _causal_mask(total, longest).to(device))
+    return replica_scores(model, groups, inputs, lambda logits: score(logits.reshape(total * longest, -1), device),
+                          [(total * longest, *width) for width in widths])
+
+
+def _padding_mask(batch: GroupBatch, device: torch.device) -> torch.Tensor | None:
+    """The ops' row_mask of the gathered batch (True: a real token), None when no row is padded:
+    a mask costs the ops a masked pass over the logits (a quarter of a CPU step, bench
+    teacher-layout), and rows of equal length need none."""
+    real = batch.real()
+    return None if bool(real.all()) else real.to(device)
 
 
 def _mine(values: torch.Tensor, groups: TeacherGroups, batch: GroupBatch) -> torch.Tensor:
@@ -74,7 +88,7 @@ def score_at_layout(
     `chunks`: what build_inference_model_from_hf(path, layout=TeacherLayout(tp=N)) returned;
     `tokens` / `labels`: this rank's student micro-batch (Megatron's convention: labels[t] is the
     token after tokens[t]); rows and lengths may differ between ranks, a rank may have no rows.
-    A collective over the teacher's tensor-parallel group: every rank of the default group calls
+    A collective over the teacher replica's ranks: every rank of the default group calls
     it once per micro-batch. `layout`: checked against the chunks' own when given; `vocab_size`:
     the real vocab (default: the checkpoint's, so padded vocab rows get no mass); `temperature`
     divides the logits."""
@@ -100,17 +114,21 @@ def score_with_entropy_at_layout(
 
     model, groups = _groups_of(chunks, layout)
     batch = agree(groups, tokens, {"labels": labels})
-    with torch.no_grad():
-        logits = _group_logits(model, groups, tokens, batch)
-        if logits is None:
-            empty = torch.zeros(*batch.shapes[groups.tp_rank], dtype=torch.float32)
-            return empty, empty.clone() if with_entropy else None
-        all_labels = gathered(groups, labels, batch).to(logits.device).reshape(-1)
-        log_probs, entropy = log_probs_and_entropy(logits, all_labels, tp_group=groups.tp_group,
+    vocab = vocab_size or getattr(model, "hf_vocab_size", None)
+
+    def score(logits: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+        log_probs, entropy = log_probs_and_entropy(logits, all_labels.to(device), tp_group=groups.tp_group,
                                                    temperature=temperature, with_entropy=with_entropy,
-                                                   vocab_size=vocab_size or getattr(model, "hf_vocab_size", None),
-                                                   row_mask=batch.real().to(logits.device))
-    return _mine(log_probs, groups, batch), None if entropy is None else _mine(entropy, groups, batch)
+                                                   vocab_size=vocab, row_mask=_padding_mask(batch, device))
+        return [log_probs] if entropy is None else [log_probs, entropy]
+
+    with torch.no_grad():
+        all_labels = gathered(groups, labels, batch).reshape(-1)
+        scores = _replica_scores(model, groups, tokens, batch, score, [(), ()] if with_entropy else [()])
+    if scores is None:
+        empty = torch.zeros(*batch.shapes[groups.replica_rank], dtype=torch.float32)
+        return empty, empty.clone() if with_entropy else None
+    return _mine(scores[0], groups, batch), _mine(scores[1], groups, batch) if with_entropy else None
 
 
 def topk_at_layout(
@@ -130,13 +148,18 @@ def topk_at_layout(
 
     model, groups = _groups_of(chunks, layout)
     batch = agree(groups, tokens, {"ids": ids})
+    vocab = vocab_size or getattr(model, "hf_vocab_size", None)
+
+    def score(logits: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+        logp, tail = topk_logprobs(logits, all_ids.reshape(logits.shape[0], -1).to(device), tp_group=groups.tp_group,
+                                   temperature=temperature, vocab_size=vocab,
+                                   row_mask=_padding_mask(batch, device))  # padding's ids are never read
+        return [logp, tail]
+
     with torch.no_grad():
-        logits = _group_logits(model, groups, tokens, batch)
-        if logits is None:
-            rows, length = batch.shapes[groups.tp_rank]
-            return torch.zeros(rows, length, batch.k), torch.zeros(rows, length)
-        all_ids = gathered(groups, ids, batch).to(logits.device).reshape(logits.shape[0], -1)
-        logp, tail = topk_logprobs(logits, all_ids, tp_group=groups.tp_group, temperature=temperature,
-                                   vocab_size=vocab_size or getattr(model, "hf_vocab_size", None),
-                                   row_mask=batch.real().to(logits.device))  # padding's ids are never read
-    return _mine(logp, groups, batch), _mine(tail, groups, batch)
+        all_ids = gathered(groups, ids, batch)
+        scores = _replica_scores(model, groups, tokens, batch, score, [(batch.k,), ()])
+    if scores is None:
+        rows, length = batch.shapes[groups.replica_rank]
+        return torch.zeros(rows, length, batch.k), torch.zeros(rows, length)
+    return _mine(scores[0], groups, batch), _mine(scores[1], groups, batch)

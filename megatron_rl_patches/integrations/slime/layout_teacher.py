@@ -1,10 +1,11 @@
-"""slime_opd's Hugging Face teacher at its own tensor-parallel layout (`PATH;tp=N`): built over all
-ranks on its own process groups (`build_inference_model_from_hf(layout=)`), scored through
-`topk_at_layout` instead of slime's pipelined pass. Each rank hands its own samples (right-padded
-to its longest: attention is causal, padding never changes a real row), the ranks of one teacher
-tensor-parallel group run one forward on all their samples, and each rank keeps its samples'
-[R, k] log-probs at the step's ids and [R] tails on slime's response rows (the logits row before
-each response token: rows total - R - 1 .. total - 2 of a sample).
+"""slime_opd's Hugging Face teacher at its own tensor / pipeline-parallel layout (`PATH;tp=N`,
+`PATH;pp=M`, `PATH;tp=N;pp=M`): built over all ranks on its own process groups
+(`build_inference_model_from_hf(layout=)`), scored through `topk_at_layout` instead of slime's
+pipelined pass. Each rank hands its own samples (right-padded to its longest: attention is causal,
+padding never changes a real row), the ranks of one teacher replica (tp x pp ranks) run one forward
+on all their samples (stage by stage at pp > 1), and each rank keeps its samples' [R, k] log-probs
+at the step's ids and [R] tails on slime's response rows (the logits row before each response
+token: rows total - R - 1 .. total - 2 of a sample).
 
 What it does not serve is refused by name when the teachers load (`check_layout_teachers`), on
 every rank, before any teacher is built."""
@@ -35,46 +36,48 @@ def student_sizes() -> dict[str, int]:
 
 
 def check_layout_teachers(settings: OpdSettings, routes: list[str | None], snapshot: str) -> None:
-    """ValueError naming the entry for each `;tp=N` teacher the run cannot serve: a world the size
+    """ValueError naming the entry for each `;tp=N` / `;pp=N` teacher the run cannot serve: a world the size
     does not divide, a route other than a Hugging Face directory of another architecture
     (`snapshot`: slime's route into the actor's buffers), a residency other than resident, the
     union of ids, a student with pipeline or context parallelism. The same on every rank (the
     routes are agreed, the rest is the same everywhere), before anything loads."""
-    at_layout = [(teacher, route) for teacher, route in zip(settings.teachers, routes) if teacher.tp is not None]
+    at_layout = [(teacher, route) for teacher, route in zip(settings.teachers, routes) if teacher.at_layout]
     if not at_layout:
         return
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     sizes = student_sizes()
     for teacher, route in at_layout:
-        where = f"{TEACHERS} entry '{teacher.path};tp={teacher.tp}'"
-        check_world(int(teacher.tp or 1), world, where)
+        where = f"{TEACHERS} entry '{teacher.path};{teacher.layout_written}'"
+        check_world(int(teacher.tp or 1), world, where, int(teacher.pp or 1))
         if route == snapshot:
             raise ValueError(f"{where}: this checkpoint goes slime's snapshot route (a Megatron checkpoint, or a "
                              "Hugging Face directory of the actor's architecture: loaded into the actor's own buffers, "
                              "at the student's layout); ';tp=' serves Hugging Face directories of another "
-                             "architecture: drop ';tp='")
+                             "architecture: drop ';tp=' / ';pp='")
         if settings.residency not in (None, "resident"):
             raise ValueError(f"{where} with {RESIDENCY}={settings.residency!r}: a teacher at its own layout is "
-                             f"served resident only; unset {RESIDENCY} or drop ';tp='")
+                             f"served resident only; unset {RESIDENCY} or drop ';tp=' / ';pp='")
         if settings.ids_from == "union":
             raise ValueError(f"{where} with MEGATRON_RL_PATCHES_OPD_IDS_FROM=union: a teacher at its own layout "
-                             "scores the student's ids only; use ids from the student or drop ';tp='")
+                             "scores the student's ids only; use ids from the student or drop ';tp=' / ';pp='")
         for kind, size in sizes.items():
             if size > 1:
                 raise ValueError(f"{where}: the student runs with {kind} parallelism ({kind} size {size}); a "
-                                 f"teacher at its own layout is served beside a student without it yet: drop ';tp='")
+                                 "teacher at its own layout is served beside a student without it yet: drop ';tp=' / "
+                                 "';pp='")
     try:
         process_group_collection_class()
     except ValueError as exc:
-        raise ValueError(f"{TEACHERS} entry '{at_layout[0][0].path};tp={at_layout[0][0].tp}': {exc}") from None
+        raise ValueError(f"{TEACHERS} entry '{at_layout[0][0].path};{at_layout[0][0].layout_written}': {exc}"
+                         ) from None
 
 
 def build_layout_teacher(args: Any, teacher: Teacher, student: int | str, actor_config: Any) -> LayoutTeacher:
-    """The `;tp=N` teacher built at TeacherLayout(tp=N) (a collective: every rank builds it)."""
+    """The `;tp=N;pp=M` teacher built at TeacherLayout(tp=N, pp=M) (a collective: every rank builds it)."""
     from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
     from megatron_rl_patches.integrations.slime import hf_teachers
 
-    layout = TeacherLayout(tp=int(teacher.tp or 1))
+    layout = TeacherLayout(tp=int(teacher.tp or 1), pp=int(teacher.pp or 1))
     chunks = hf_teachers.build_hf_teacher(args, teacher.path, None, student, actor_config,
                                           f"{TEACHERS}: teacher {teacher.path!r}", layout=layout)
     return LayoutTeacher(chunks, temperature=float(getattr(args, "rollout_temperature", 1.0) or 1.0))

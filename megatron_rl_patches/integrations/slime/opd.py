@@ -136,8 +136,8 @@ def _routes(actor: Any, settings: OpdSettings, student: int | str) -> list[str |
 def _hf_teacher(actor: Any, settings: OpdSettings, index: int, teacher: Teacher, student: int | str
                 ) -> ModelTeacher:
     """A Hugging Face directory of another architecture: a separate model on the actor's split, or
-    (`;tp=N`) at its own layout."""
-    if teacher.tp is not None:
+    (`;tp=N` / `;pp=N`) at its own layout."""
+    if teacher.at_layout:
         return build_layout_teacher(actor.args, teacher, student, getattr(_unwrap(actor.model[0]), "config", None))
     return SeparateTeacher(hf_teachers.build_hf_teacher(actor.args, teacher.path, settings.residency, student,
                                                         getattr(_unwrap(actor.model[0]), "config", None),

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl_patches.patching.layout_option import is_layout_option, layout_size
+from megatron_rl_patches.patching.layout_option import is_layout_option, layout_size, written_sizes
 
 PREFIX = "MEGATRON_RL_PATCHES_OPD_"
 TEACHERS = PREFIX + "TEACHERS"
@@ -34,19 +34,30 @@ class Teacher:
     when the teachers load (`hf_teachers`). `own_tokenizer` (the entry's `;tokenizer=own`): the
     Hugging Face teacher keeps its own tokenizer and is scored on its own encoding of each sample
     (`cross_teachers`); `stop_tokens` (`;stop_tokens=module:function`): the function mapping a
-    student special id to the teacher's id (or None), called with (student id). `tp` (the
-    entry's `;tp=N`): a Hugging Face teacher of another architecture built at its own
-    tensor-parallel size over all ranks (None: in the student's process groups)."""
+    student special id to the teacher's id (or None), called with (student id). `tp` / `pp` (the
+    entry's `;tp=N` / `;pp=N`): a Hugging Face teacher of another architecture built at its own
+    tensor / pipeline-parallel sizes over all ranks (both None: in the student's process groups)."""
 
     path: str
     provider: str | None = None
     own_tokenizer: bool = False
     stop_tokens: str | None = None
     tp: int | None = None
+    pp: int | None = None
 
     @property
     def same_architecture(self) -> bool:
         return self.provider is None
+
+    @property
+    def at_layout(self) -> bool:
+        """Whether the entry builds the teacher at its own layout (`;tp=N` and / or `;pp=N`)."""
+        return self.tp is not None or self.pp is not None
+
+    @property
+    def layout_written(self) -> str:
+        """The entry's layout options as written: 'tp=2', 'pp=2' or 'tp=2;pp=2'."""
+        return written_sizes(self.tp, self.pp)
 
 
 @dataclass(frozen=True)
@@ -80,10 +91,11 @@ OWN_TOKENIZER = "tokenizer=own"
 STOP_TOKENS = "stop_tokens="
 
 
-def _options(entry: str, options: list[str]) -> tuple[bool, str | None, int | None]:
-    """(own tokenizer asked, the stop-token map's module:function, the teacher's own tp) from the
-    entry's options."""
-    own, stop, tp = False, None, None
+def _options(entry: str, options: list[str]) -> tuple[bool, str | None, dict[str, int]]:
+    """(own tokenizer asked, the stop-token map's module:function, the teacher's own sizes: "tp" /
+    "pp" -> size where written) from the entry's options."""
+    own, stop = False, None
+    sizes: dict[str, int] = {}
     seen: set[str] = set()
     for written in options:
         option = written.strip()
@@ -98,21 +110,22 @@ def _options(entry: str, options: list[str]) -> tuple[bool, str | None, int | No
             stop = option[len(STOP_TOKENS):].strip()
         elif is_layout_option(option):
             size, value = layout_size(option, f"{TEACHERS} entry {entry!r}")
-            tp = value if size == "tp" else tp
+            if size != "ep":  # ep=1: the only expert size served, nothing to record
+                sizes[size] = value
         else:
             raise ValueError(f"{TEACHERS} entry {entry!r}: unknown option {option!r}; the options are "
                              f"';{OWN_TOKENIZER}' (a Hugging Face teacher with another tokenizer, e.g. "
                              f"/ckpt/qwen35;{OWN_TOKENIZER}), ';{STOP_TOKENS}module:function' (with it: "
-                             "student special id -> teacher id or None) and ';tp=N' (the teacher at its own "
-                             "tensor-parallel size)")
+                             "student special id -> teacher id or None) and ';tp=N' / ';pp=N' (the teacher at its "
+                             "own tensor / pipeline-parallel sizes)")
     if stop is not None and not own:
         raise ValueError(f"{TEACHERS} entry {entry!r}: ';{STOP_TOKENS}' maps tokens between two tokenizers; add "
                          f"';{OWN_TOKENIZER}' or drop it")
-    if tp is not None and own:
-        raise ValueError(f"{TEACHERS} entry {entry!r}: ';tp={tp}' with ';{OWN_TOKENIZER}': a teacher with another "
-                         "tokenizer is not served at its own layout yet; drop ';tp=' (the teacher is then built in "
-                         "the student's process groups)")
-    return own, stop, tp
+    if sizes and own:
+        raise ValueError(f"{TEACHERS} entry {entry!r}: ';{written_sizes(sizes.get('tp'), sizes.get('pp'))}' with "
+                         f"';{OWN_TOKENIZER}': a teacher with another tokenizer is not served at its own layout yet; "
+                         "drop ';tp=' / ';pp=' (the teacher is then built in the student's process groups)")
+    return own, stop, sizes
 
 
 def _teacher(entry: str) -> Teacher:
@@ -123,15 +136,16 @@ def _teacher(entry: str) -> Teacher:
                          "PATH@module:function (a provider for another architecture, e.g. "
                          f"/ckpt/teacher@my_models:teacher_provider) or PATH;{OWN_TOKENIZER} (a Hugging Face "
                          "directory with another tokenizer)")
-    own, stop, tp = _options(entry, options)
+    own, stop, sizes = _options(entry, options)
+    tp, pp = sizes.get("tp"), sizes.get("pp")
     if own and at:
         raise ValueError(f"{TEACHERS} entry {entry!r}: ';{OWN_TOKENIZER}' serves Hugging Face directories (their "
                          "tokenizer.json is read); drop '@module:function' or the option")
-    if tp is not None and at:
-        raise ValueError(f"{TEACHERS} entry {entry!r}: ';tp={tp}' serves Hugging Face directories of another "
-                         "architecture (built from their config.json); a provider's model '@module:function' is not "
-                         "served at its own layout yet: drop ';tp=' or the provider")
-    return Teacher(path.strip(), provider.strip() or None, own, stop, tp)
+    if sizes and at:
+        raise ValueError(f"{TEACHERS} entry {entry!r}: ';{written_sizes(tp, pp)}' serves Hugging Face directories of "
+                         "another architecture (built from their config.json); a provider's model '@module:function' "
+                         "is not served at its own layout yet: drop ';tp=' / ';pp=' or the provider")
+    return Teacher(path.strip(), provider.strip() or None, own, stop, tp, pp)
 
 
 def load_function(spec: str, what: str, returns: str) -> Any:

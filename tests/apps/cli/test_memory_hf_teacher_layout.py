@@ -1,6 +1,7 @@
-"""`memory --hf PATH --teacher-tp N` (issue 58 item 2): a teacher at its own tensor-parallel
-layout over the student's --tp x --pp x --dp ranks, per-GPU bytes and host bytes per rank beside
-the same teacher at the student's layout; what a layout does not serve refused by name."""
+"""`memory --hf PATH --teacher-tp N [--teacher-pp M]` (issue 58 item 2): a teacher at its own
+tensor / pipeline-parallel layout over the student's --tp x --pp x --dp ranks, per-GPU bytes and
+host bytes per rank beside the same teacher at the student's layout; what a layout does not serve
+refused by name."""
 from __future__ import annotations
 
 import json
@@ -28,14 +29,32 @@ def test_a_teacher_at_tp8_beside_a_dp8_student_holds_an_eighth_per_gpu_and_nothi
     assert code == 0 and "own (TP=2 x DP=4)" in out and "host per rank" in out
 
 
+def test_a_teacher_at_tp2_x_pp4_beside_a_dp8_student_holds_an_eighth_of_the_layers_per_gpu(cli_run, published):
+    root = str(published("Qwen3-8B"))
+    code, out, _ = cli_run("memory", "--hf", root, "--teacher-tp", "2", "--teacher-pp", "4", "--dp", "8", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert (report["world"], report["teacher_tp"], report["teacher_pp"], report["teacher_dp"]) == (8, 2, 4, 1)
+    own, whole_row, *_ = report["layouts"]
+    plan, whole = hf_memory_plan(root, tp=2, pp=4), hf_memory_plan(root, tp=1)
+    assert (own["tp"], own["pp"]) == (2, 4) and own["gpu_bytes"] == plan.mode("resident").device_peak
+    # each stage holds 1/4 of the layers at half their width: 1/8 of the layers' bytes per GPU; the
+    # stage holding the most adds half the embedding (or output layer) to its layers
+    assert plan.layers_per_stage * 4 == whole.layers_per_stage == 36
+    assert plan.stage_params[1] * 8 == pytest.approx(whole.layer_params * whole.layers_per_stage, rel=0.002)
+    assert own["gpu_bytes"] < whole_row["gpu_bytes"] / 6 and own["host_bytes_per_rank"] == 0
+    code, out, _ = cli_run("memory", "--hf", root, "--teacher-pp", "2", "--dp", "4")
+    assert code == 0 and "own (TP=1 x PP=2 x DP=2)" in out
+
+
 @pytest.mark.parametrize(("argv", "words"), [
     (("--teacher-tp", "3", "--dp", "8"), "--teacher-tp 3 cannot be laid over the student's 8 rank(s)"),
-    (("--teacher-tp", "2", "--teacher-pp", "2"), "--teacher-pp 2: a teacher's own pipeline-parallel size is not "
-                                                 "served yet"),
+    (("--teacher-tp", "2", "--teacher-pp", "3", "--dp", "8"), "--teacher-tp 2 x --teacher-pp 3 cannot be laid over "
+                                                              "the student's 8 rank(s)"),
     (("--teacher-tp", "2", "--teacher-ep", "2"), "--teacher-ep 2: a teacher's own expert-parallel size is not served"),
     (("--teacher-tp", "2", "--residency", "stream", "--dp", "2"), "--residency stream with --teacher-tp: a teacher "
                                                                   "at its own layout is served resident only"),
-    (("--teacher-pp", "2",), "--teacher-pp and --teacher-ep size a teacher at its own layout: add --teacher-tp N"),
+    (("--teacher-ep", "2",), "--teacher-ep 2: a teacher's own expert-parallel size is not served"),
 ])
 def test_what_a_layout_does_not_serve_is_refused_by_name(cli_run, published, argv, words):
     code, out, err = cli_run("memory", "--hf", str(published("Qwen3-8B")), *argv)
@@ -61,6 +80,14 @@ def test_a_tp_the_key_value_heads_do_not_divide_is_refused_by_name(cli_run, publ
     Qwen3.5-27B's 4 serve a teacher at TP <= 4."""
     code, _, err = cli_run("memory", "--hf", str(published("Qwen3.5-27B")), "--teacher-tp", "8", "--dp", "8")
     assert code != 0 and "num_key_value_heads=4 is not a multiple of the tensor-parallel size 8" in err
+
+
+@pytest.mark.parametrize(("name", "words"), [("Qwen3.5-27B", "qwen3_5's gated-delta-net linear attention"),
+                                             ("Mixtral-8x7B-v0.1", "mixtral's mixture of experts"),
+                                             ("DeepSeek-V3", "multi-latent attention")])
+def test_a_family_a_teacher_pipeline_is_not_checked_on_is_refused_by_name(cli_run, published, name, words):
+    code, _, err = cli_run("memory", "--hf", str(published(name)), "--teacher-pp", "2", "--dp", "8")
+    assert code != 0 and "a teacher pipeline (pp=2) is served for dense families only" in err and words in err
 
 
 def test_teacher_sizes_need_a_checkpoint(cli_run):

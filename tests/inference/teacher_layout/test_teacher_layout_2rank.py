@@ -3,15 +3,20 @@ slime_opd's checks share, `layout_worlds.two_rank_world`, spawned once): the stu
 (parallel_state), the teacher at TeacherLayout(tp=2). Each rank's rows (of another count and length
 than the other rank's) are scored by the TP=2 teacher to the 1-rank teacher's log-probs (1e-6,
 relative 1e-6: one fp32 ulp); each rank reads about half the checkpoint's bytes; a layout the world
-cannot hold, bad input on one rank and pp / ep > 1 are refused on every rank, the world still usable
-after (no hang). On a megatron-core without ProcessGroupCollection (0.13.1) the layout is refused by
+cannot hold, bad input on one rank and ep > 1 are refused on every rank, the world still usable
+after (no hang). The same rows through TeacherLayout(pp=2) (rank 0 the first stage, rank 1 the
+last; an untied and a tied output layer), and a stage that fails mid-pass: every rank raises,
+none waits. On a megatron-core without ProcessGroupCollection (0.13.1) the layout is refused by
 name."""
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.inference.teacher_layout.layout_worlds import read_shares, served, two_rank_world
+from tests.inference.teacher_layout.layout_worlds import close, read_shares, served, two_rank_world
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 
@@ -99,7 +104,6 @@ def api_checks(rank: int, world_size: int, root: str) -> dict:
         bad = tokens.float() if rank == 1 else tokens
         results["bad_input"] = _refusal(lambda: score_at_layout(chunks, bad, labels))
         results["tp3"] = _refusal(lambda: build_inference_model_from_hf(root, layout=TeacherLayout(tp=3)))
-        results["pp2"] = _refusal(lambda: TeacherLayout(pp=2))
         results["ep2"] = _refusal(lambda: TeacherLayout(ep=2))
         results["not_a_layout"] = _refusal(lambda: build_inference_model_from_hf(root, layout={"tp": 2}))
         results["stream"] = _refusal(lambda: build_inference_model_from_hf(root, layout=layout, residency="stream"))
@@ -107,6 +111,52 @@ def api_checks(rank: int, world_size: int, root: str) -> dict:
                                                                    layout=TeacherLayout(tp=1)))
         dist.barrier()  # every rank got here: nothing above left a rank waiting
         results["after"] = score_at_layout(chunks, tokens, labels)
+        results.update(_pipeline_checks(root, tokens, labels))
+    return results
+
+
+def _failing(chunk, failing: bool):
+    """`chunk` whose forward raises on this rank when `failing` (a stage that fails mid-pass)."""
+    def boom(*args, **kwargs):
+        raise RuntimeError("this stage failed on purpose")
+
+    if failing:
+        chunk.forward = boom
+    return chunk
+
+
+def _pipeline_checks(root: str, tokens: torch.Tensor, labels: torch.Tensor) -> dict:
+    """TeacherLayout(pp=2): rank 0 the first stage, rank 1 the last (DP=1): log-probs and top-k of
+    each rank's rows; a stage whose forward raises (the first, then the last) makes every rank
+    raise, the world still usable after."""
+    import torch.distributed as dist
+
+    from megatron_rl_patches import build_inference_model_from_hf
+    from megatron_rl_patches.inference import TeacherLayout, score_at_layout, topk_at_layout
+    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
+
+    rank = dist.get_rank()
+    chunks = build_inference_model_from_hf(root, dtype=torch.float32, layout=TeacherLayout(pp=2))
+    results: dict = {"pp2_layers": [int(layer.layer_number) for layer in chunks[0].decoder.layers],
+                     "pp2_scores": score_at_layout(chunks, tokens, labels),
+                     "pp2_topk": topk_at_layout(chunks, tokens, _ids(rank))}
+    for stage in (0, 1):
+        try:
+            score_at_layout([_failing(chunks[0], rank == stage)], tokens, labels)
+            results[f"pp2_stage{stage}_fails"] = None
+        except RuntimeError as exc:
+            results[f"pp2_stage{stage}_fails"] = str(exc)
+        finally:
+            chunks[0].__dict__.pop("forward", None)
+    dist.barrier()
+    results["pp2_after"] = score_at_layout(chunks, tokens, labels)
+    # a tied output layer: the last stage reads it from the embedding's tensor (nothing synchronized)
+    tied = Path(tempfile.mkdtemp()) / "tied"  # each rank its own copy of the same checkpoint
+    write_tiny_checkpoint(tied, tiny_hf_config("qwen3", tie_word_embeddings=True), seed=7)
+    results["tied_reference"] = _one_rank_teacher(build_inference_model_from_hf(tied, dtype=torch.float32),
+                                                  tokens, labels)[0]
+    piped = build_inference_model_from_hf(tied, dtype=torch.float32, layout=TeacherLayout(pp=2))
+    results["tied_pp2"] = score_at_layout(piped, tokens, labels)
     return results
 
 
@@ -150,13 +200,34 @@ def test_layouts_the_world_or_the_build_cannot_hold_are_refused_on_every_rank(wo
         if "unsupported" in result:
             continue
         assert "TeacherLayout(tp=3, pp=1, ep=1) cannot be laid over 2 rank(s)" in result["tp3"]
-        assert result["pp2"].startswith("ValueError: TeacherLayout(pp=2)") and "not served yet" in result["pp2"]
         assert result["ep2"].startswith("ValueError: TeacherLayout(ep=2)")
         assert result["not_a_layout"].startswith("TypeError: layout must be a TeacherLayout")
         assert "residency='stream'" in result["stream"]
         assert "only 'resident' is served at a teacher's own layout" in result["stream"]
         assert "differs from the layout the chunks were built at" in result["other_layout"]
         assert "bad tokens / labels / ids on rank(s) [1]" in result["bad_input"]
+
+
+def test_a_two_stage_teacher_pipeline_gives_each_rank_the_one_rank_teachers_scores(world):
+    served(world)
+    for rank, result in enumerate(world):
+        assert result["pp2_layers"] == [rank + 1]  # layer 1 on the first stage, layer 2 on the last
+        for key, want in (("pp2_scores", result["reference"]), ("pp2_after", result["reference"]),
+                          ("tied_pp2", result["tied_reference"])):
+            assert result[key].shape == ROWS[rank] and close(result[key], want) <= 1e-6, (rank, key)
+        logp, tail = result["pp2_topk"]
+        assert close(logp, result["topk_ref"]) <= 1e-6 and close(tail, result["tail_ref"]) <= 1e-6, rank
+
+
+def test_a_failing_pipeline_stage_makes_every_rank_raise_none_waits(world):
+    served(world)
+    for stage in (0, 1):
+        for rank, result in enumerate(world):
+            message = result[f"pp2_stage{stage}_fails"]
+            if rank == stage:
+                assert message == "this stage failed on purpose"
+            else:
+                assert f"the teacher's pipeline stage {stage} (rank {stage} of the pipeline [0, 1]) failed" in message
 
 
 def test_a_megatron_core_without_process_group_collections_refuses_by_name(world):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron_rl_patches.testing.multirank import run_multirank
+from tests.inference.teacher_layout.layout_worlds import close
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 
@@ -52,6 +53,7 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
             results[f"tp{tp}_dp"] = (groups.dp_rank, groups.dp_size)
             results[f"tp{tp}_vocab"] = chunks[0].embedding.word_embeddings.weight.shape[0]
             results[f"tp{tp}"] = score_at_layout(chunks, tokens, labels)
+        results.update(_pipelined(root, tokens, labels, whole))
     with megatron_on_cpu(tensor_parallel=2):  # a student at TP=2 x DP=2: the teacher's layout ignores it
         chunks = build_inference_model_from_hf(root, dtype=torch.float32, layout=TeacherLayout(tp=4))
         results["student_tp2_teacher_tp4"] = score_at_layout(chunks, tokens, labels)
@@ -68,6 +70,56 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
         results["mla_experts_fc1"] = chunks[0].decoder.layers[1].mlp.experts.local_experts[0].linear_fc1.weight.shape
     results["mla_seconds"] = time.perf_counter() - start
     return results
+
+
+def _ids(rank: int) -> torch.Tensor:
+    """k=3 distinct ids per position of this rank's rows (the student's top-k in OPD)."""
+    count, length = ROWS[rank]
+    base = torch.randint(0, VOCAB, (count, length, 1), generator=torch.Generator().manual_seed(400 + rank))
+    return (base + 89 * torch.arange(3)) % VOCAB
+
+
+def _pipelined(root: str, tokens: torch.Tensor, labels: torch.Tensor, whole) -> dict:
+    """TeacherLayout(tp=2, pp=2) (one replica of 4 ranks) and TeacherLayout(pp=2) (pipelines {0, 2}
+    and {1, 3}, DP=2): groups, the bytes each rank read, log-probs and (tp=2 x pp=2) top-k + tail,
+    beside the 1-rank teacher's top-k; then the refusals of this world."""
+    import torch.distributed as dist
+
+    from megatron_rl_patches import build_inference_model_from_hf
+    from megatron_rl_patches.inference import TeacherLayout, score_at_layout, teacher_groups, topk_at_layout
+    from megatron_rl_patches.testing.file_reads import FileReads
+
+    rank = dist.get_rank()
+    results: dict = {"topk_reference": topk_at_layout(whole, tokens, _ids(rank))}
+    for name, layout in (("tp2pp2", TeacherLayout(tp=2, pp=2)), ("pp2", TeacherLayout(pp=2))):
+        with FileReads(root) as reads:
+            chunks = build_inference_model_from_hf(root, dtype=torch.float32, layout=layout)
+        groups = teacher_groups(layout)
+        results[f"{name}_reads"] = {tensor: flags.copy() for tensor, flags in reads.read.items()}
+        results[f"{name}_groups"] = (groups.tp_ranks(), groups.pp_ranks(), groups.replica_ranks(),
+                                     (groups.pp_rank, groups.dp_rank, groups.dp_size))
+        results[f"{name}_parts"] = (len(chunks[0].decoder.layers), hasattr(chunks[0], "embedding"),
+                                    hasattr(chunks[0], "output_layer"))
+        results[name] = score_at_layout(chunks, tokens, labels)
+        if name == "tp2pp2":
+            results["tp2pp2_topk"] = topk_at_layout(chunks, tokens, _ids(rank))
+    bad = tokens.float() if rank == 3 else tokens  # bad input on the last stage's rank: refused on every rank
+    results["pp2_bad_input"] = _refusal(lambda: score_at_layout(chunks, bad, labels))
+    results["pp2_after"] = score_at_layout(chunks, tokens, labels)
+    results["pp3"] = _refusal(lambda: build_inference_model_from_hf(root, layout=TeacherLayout(pp=3)))
+    results["tp2pp4"] = _refusal(lambda: TeacherLayout(tp=2, pp=4).data_parallel(4))
+    results["pp4_layers"] = _refusal(lambda: build_inference_model_from_hf(root, layout=TeacherLayout(pp=4)))
+    results["ep2"] = _refusal(lambda: TeacherLayout(pp=2, ep=2))
+    dist.barrier()  # every rank got here: nothing above left a rank waiting
+    return results
+
+
+def _refusal(call) -> str | None:
+    try:
+        call()
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +155,64 @@ def test_teacher_tp4_and_tp2_x_dp2_give_each_rank_the_whole_teachers_log_probs(w
 def test_a_megatron_core_without_process_group_collections_refuses_by_name(world):
     for result in world:
         assert ("unsupported" in result) == result["version"].startswith(("0.13.", "0.14."))
+
+
+def _layer_share(reads: dict, sizes: dict) -> float:
+    """The share of the decoder layers' bytes (model.layers.*; `sizes`: every tensor's bytes) this rank read."""
+    layers = [name for name in sizes if name.startswith("model.layers.")]
+    return sum(int(reads[name].sum()) for name in layers if name in reads) / sum(sizes[name] for name in layers)
+
+
+def test_teacher_pipelines_give_each_rank_the_whole_teachers_log_probs_and_topk(world):
+    if "unsupported" in world[0]:
+        pytest.skip(f"this megatron-core refuses a teacher layout: {world[0]['unsupported']}")
+    for rank, result in enumerate(world):
+        tp_pos, stage = rank % 2, rank // 2  # tp=2 x pp=2: rank = t + 2 * p (megatron-core's tp-cp-ep-dp-pp)
+        assert result["tp2pp2_groups"] == ([2 * stage, 2 * stage + 1], [tp_pos, tp_pos + 2], [0, 1, 2, 3],
+                                           (stage, 0, 1))
+        assert result["pp2_groups"] == ([rank], [rank % 2, rank % 2 + 2], [rank % 2, rank % 2 + 2],
+                                        (rank // 2, rank % 2, 2))  # pp=2 x dp=2: rank = d + 2 * p
+        for name in ("tp2pp2", "pp2"):  # 2 layers: one per stage; the embedding first, the output layer last
+            assert result[f"{name}_parts"] == (1, stage == 0, stage == 1), (rank, name)
+        for key, want in (("tp2pp2", result["reference"]), ("pp2", result["reference"]),
+                          ("pp2_after", result["reference"]), ("tp2pp2_topk", result["topk_reference"])):
+            for got, ref in zip(*((r,) if isinstance(r, torch.Tensor) else r for r in (result[key], want))):
+                assert got.shape == ref.shape, (rank, key)
+                assert close(got, ref) <= 1e-6, (rank, key, close(got, ref))
+
+
+def test_each_pipeline_rank_reads_its_stages_layers_only(world):
+    if "unsupported" in world[0]:
+        pytest.skip(f"this megatron-core refuses a teacher layout: {world[0]['unsupported']}")
+    for name, share in (("tp2pp2", 1 / 4), ("pp2", 1 / 2)):
+        sizes = {tensor: flags.size for result in world for tensor, flags in result[f"{name}_reads"].items()}
+        shares = [_layer_share(result[f"{name}_reads"], sizes) for result in world]
+        whole = [sum(int(f.sum()) for f in result[f"{name}_reads"].values()) / sum(sizes.values()) for result in world]
+        print(f"teacher at {name}: decoder-layer bytes read per rank {shares}, of the checkpoint {whole}")
+        assert all(abs(got - share) < 0.03 for got in shares), (name, shares)  # the norms are read whole
+        stage_of = [rank // 2 for rank in range(4)]
+        for rank, result in enumerate(world):
+            mine = {tensor.split(".")[2] for tensor in result[f"{name}_reads"] if tensor.startswith("model.layers.")}
+            assert mine == {str(stage_of[rank])}, (name, rank, mine)  # layer i on stage i only
+            assert ("model.embed_tokens.weight" in result[f"{name}_reads"]) == (stage_of[rank] == 0)
+            assert ("lm_head.weight" in result[f"{name}_reads"]) == (stage_of[rank] == 1)
+    first = world[0]["tp2pp2_reads"]
+    for tensor, flags in first.items():  # the two tensor ranks of stage 0 read disjoint halves
+        if tensor.startswith("model.layers.") and not tensor.endswith("norm.weight"):
+            other = world[1]["tp2pp2_reads"][tensor]
+            assert not (flags & other).any() and (flags | other).all(), tensor
+
+
+def test_pipeline_layouts_the_world_or_the_model_cannot_hold_are_refused_on_every_rank(world):
+    if "unsupported" in world[0]:
+        pytest.skip(f"this megatron-core refuses a teacher layout: {world[0]['unsupported']}")
+    for rank, result in enumerate(world):
+        assert "TeacherLayout(tp=1, pp=3, ep=1) cannot be laid over 4 rank(s)" in result["pp3"]
+        assert "must be a multiple of tp x pp = 8" in result["tp2pp4"]
+        assert "num_hidden_layers=2 is not a multiple of the pipeline-parallel size 4" in result["pp4_layers"]
+        assert result["ep2"].startswith("ValueError: TeacherLayout(ep=2)")
+        assert "a teacher's own expert-parallel size is not served yet" in result["ep2"]
+        if rank % 2:  # bad tokens on rank 3: both ranks of its pipeline {1, 3} refuse, the other pipeline scores
+            assert "bad tokens / labels / ids on rank(s) [3] of the teacher replica [1, 3]" in result["pp2_bad_input"]
+        else:
+            assert result["pp2_bad_input"] is None

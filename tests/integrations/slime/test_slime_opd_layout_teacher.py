@@ -4,8 +4,9 @@ DP=2, the teacher's entry `PATH;tp=2`. `load_teachers` (slime's actor stood in f
 builds it at TeacherLayout(tp=2), each rank reading half of its bytes; each rank's samples (other
 counts and lengths than the other rank's) get the 1-rank teacher's [R, k] log-probs at the student's
 ids and [R] tails on slime's response rows (1e-6, relative 1e-6); a rank with no samples still takes
-part; an entry the world cannot hold is refused on both ranks before anything loads, the world
-usable after. megatron-core 0.13.1 (no ProcessGroupCollection) refuses by name."""
+part; the same samples through a `PATH;pp=2` entry (TeacherLayout(pp=2)) get the same scores; an
+entry the world cannot hold is refused on both ranks before anything loads, the world usable after.
+megatron-core 0.13.1 (no ProcessGroupCollection) refuses by name."""
 from __future__ import annotations
 
 import pytest
@@ -92,6 +93,12 @@ def opd_checks(rank: int, world_size: int, root: str) -> dict:
         empty = {"tokens": [], "total_lengths": [], "response_lengths": [], IDS: []}
         mine = empty if rank == 0 else _rollout(rank)
         results["empty_or_not"] = teacher.score(ScoringStep(actor, mine, settings, True, {}, topk_pass=None))
+        # the same samples through a `;pp=2` entry: rank 0 the teacher's first stage, rank 1 its last
+        pipelined_settings = opd_settings({TEACHERS: f"{root};pp=2", K_SETTING: str(K)})
+        (pipelined,) = slime_opd.load_teachers(actor, pipelined_settings)
+        step = ScoringStep(actor, _rollout(rank), pipelined_settings, True, {}, topk_pass=None)
+        scores = pipelined.score(step)
+        results["pp2_log_probs"], results["pp2_tails"] = scores.log_probs, scores.tails
         dist.barrier()  # every rank got here: nothing above left a rank waiting
     return results
 
@@ -110,6 +117,15 @@ def test_each_rank_gets_the_one_rank_teachers_topk_log_probs_and_tails_of_its_sa
         for key in ("log_probs", "tails"):
             for got, want in zip(result[key], result[f"ref_{key}"]):
                 assert close(got, want) <= 1e-6, (rank, key, close(got, want))
+
+
+def test_a_pp2_entry_gives_each_rank_the_one_rank_teachers_topk_log_probs_and_tails(world):
+    served(world)
+    for rank, result in enumerate(world):
+        for key in ("log_probs", "tails"):
+            assert len(result[f"pp2_{key}"]) == len(SAMPLES[rank])
+            for got, want in zip(result[f"pp2_{key}"], result[f"ref_{key}"]):
+                assert got.shape == want.shape and close(got, want) <= 1e-6, (rank, key, close(got, want))
 
 
 def test_a_rank_without_samples_still_takes_part(world):

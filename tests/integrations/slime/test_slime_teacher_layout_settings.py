@@ -26,7 +26,9 @@ def _teachers(value: str) -> tuple[Teacher, ...]:
 
 def test_an_entrys_tp_option_is_read():
     assert _teachers("/ckpt/a;tp=2,/ckpt/b") == (Teacher("/ckpt/a", tp=2), Teacher("/ckpt/b"))
-    assert _teachers("/ckpt/a; tp = 4 ;pp=1;ep=1")[0].tp == 4  # pp / ep of 1: the only sizes served
+    assert _teachers("/ckpt/a; tp = 4 ;pp=1;ep=1")[0].tp == 4  # ep of 1: the only expert size served
+    assert _teachers("/ckpt/a;tp=2;pp=2,/ckpt/b;pp=4") == (Teacher("/ckpt/a", tp=2, pp=2), Teacher("/ckpt/b", pp=4))
+    assert [(t.at_layout, t.layout_written) for t in _teachers("/ckpt/a;pp=2,/ckpt/b")] == [(True, "pp=2"), (False, "")]
 
 
 @pytest.mark.parametrize(("entry", "words"), [
@@ -35,7 +37,9 @@ def test_an_entrys_tp_option_is_read():
     ("/ckpt/a;tp=two", "option 'tp=two' must be a positive integer"),
     ("/ckpt/a;tp=", "option 'tp=' must be a positive integer"),
     ("/ckpt/a;tp=2;tp=4", "option 'tp' given twice"),
-    ("/ckpt/a;pp=2", "option 'pp=2': a teacher's own pipeline-parallel size is not served yet"),
+    ("/ckpt/a;pp=0", "option 'pp=0' must be a positive integer"),
+    ("/ckpt/a;pp=2;pp=2", "option 'pp' given twice"),
+    ("/ckpt/a;tokenizer=own;pp=2", "';pp=2' with ';tokenizer=own': a teacher with another tokenizer is not served"),
     ("/ckpt/a;ep=4", "option 'ep=4': a teacher's own expert-parallel size is not served yet"),
     ("/ckpt/a;tokenizer=own;tp=2", "';tp=2' with ';tokenizer=own': a teacher with another tokenizer is not served "
                                    "at its own layout yet"),
@@ -54,7 +58,8 @@ def test_a_roles_tp_option_is_read_and_checked():
     assert env.role_residencies({env.INFERENCE_ROLES: value}) == {"teacher": "resident", "ref": "swap"}
     for bad, words in (("teacher;tp=0", "option 'tp=0' must be a positive integer"),
                        ("teacher;tp=2;tp=2", "option 'tp' given twice"),
-                       ("teacher;pp=2", "option 'pp=2': a teacher's own pipeline-parallel size is not served yet"),
+                       ("teacher;pp=2", "option 'pp=2': a role's model at its own pipeline-parallel size is not "
+                                        "served"),
                        ("teacher;bf16", "unknown option 'bf16'"),
                        ("teacher:stream;tp=2", "';tp=2' with residency 'stream': a model at its own layout is "
                                                "served resident only")):
@@ -78,6 +83,10 @@ def checkpoints(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("entries", "extra", "words"), [
     ("{other};tp=2", {}, r"';tp=2' cannot be laid over 1 rank\(s\): the world size must be a multiple"),
+    ("{other};pp=2", {}, r"other;pp=2': ';pp=2' cannot be laid over 1 rank\(s\): the world size must be a multiple "
+                         r"of the teacher's tp x pp = 2"),
+    ("{other};pp=1", {"MEGATRON_RL_PATCHES_OPD_RESIDENCY": "stream"}, "other;pp=1' with MEGATRON_RL_PATCHES_OPD_"
+                                                                       "RESIDENCY='stream': a teacher at its own"),
     ("{other},{same};tp=1", {}, "this checkpoint goes slime's snapshot route.*drop ';tp='"),
     ("{other};tp=1", {"MEGATRON_RL_PATCHES_OPD_RESIDENCY": "stream"},
      "a teacher at its own layout is served resident only"),
