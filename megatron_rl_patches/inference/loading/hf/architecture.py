@@ -5,7 +5,7 @@ memory planner (`megatron-rl-patches memory --hf`) and the builder share both. c
 read by `checkpoint_config` (one reader for every entry point)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rl_patches.inference.loading.hf.rope_scaling import RopeScaling, RopeScalingError, read_rope
@@ -55,6 +55,9 @@ class HFArchitecture:
     vision_params: int = 0  # a vision-language wrapper's vision tower (not built: counted apart by `memory --hf`)
     linear: Any = None  # the gated delta net's shape (families/qwen3_5.py's LinearShape), None without one
     rope_scaling: str = ""  # '' or why its RoPE scaling is not served: built only when '' (refuse_rope_scaling)
+    # the family that read it (families/family.py's Family), set where config.json is read
+    # (families.architecture): looked up once, the modules of the build take it from here
+    family: Any = field(default=None, compare=False, repr=False)
 
     @property
     def is_moe(self) -> bool:
