@@ -123,7 +123,7 @@ class Family:
 
     name: str
     hf_class: str
-    read: Callable[[dict[str, Any], str], HFArchitecture]  # config.json dict, source -> architecture, or refused
+    read: Callable[[dict[str, Any], str], HFArchitecture]  # config.json, source -> record or refusal; see architecture
     layer_tensors: Callable[[HFArchitecture, int], dict[str, Shape]]  # names under `layer_prefix`
     layer_params: Callable[[HFArchitecture, int], dict[str, Param]]  # local-spec name under decoder.layers.N.
     config_overrides: Callable[[HFArchitecture], dict[str, Any]] = no_overrides  # TransformerConfig fields
