@@ -5,7 +5,7 @@ memory planner (`megatron-rl-patches memory --hf`) and the builder share both. c
 read by `checkpoint_config` (one reader for every entry point)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rl_patches.inference.loading.hf.rope_scaling import RopeScaling, RopeScalingError, read_rope
@@ -18,7 +18,8 @@ class UnsupportedCheckpointError(ValueError):
 @dataclass(frozen=True)
 class HFArchitecture:
     """The fields of config.json the Megatron build needs (a decoder-only, RMSNorm, SwiGLU,
-    RoPE transformer)."""
+    RoPE transformer): those every family has, and a family's own in its typed piece (`mla`,
+    `linear`, `sigmoid_router`: None where the family has none)."""
 
     source: str
     model_type: str
@@ -41,11 +42,7 @@ class HFArchitecture:
     norm_topk_prob: bool = False
     rope: RopeScaling = RopeScaling()  # its type, base, rotated fraction and scaling
     # mixtures of experts beyond a top-k softmax router (glm4_moe, qwen2_moe)
-    router: str = "softmax"  # or "sigmoid": a score per expert (GLM-4.5, DeepSeek-V3)
-    expert_bias: bool = False  # a per-expert score correction, added for the choice only
-    router_groups: int = 1  # experts in groups; a token's experts come from its top router_group_topk groups
-    router_group_topk: int = 1
-    routed_scaling: float = 1.0  # the routed experts' weights scaled by it
+    sigmoid_router: Any = None  # GLM-4.5's / DeepSeek-V3's (families/sigmoid_router.py's SigmoidRouter), None: softmax
     shared_expert_ffn: int = 0  # the width of the shared expert every token runs (0: none)
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(gate . x)
     dense_layers: int = 0  # the first layers of a mixture of experts, with a dense MLP
@@ -55,6 +52,9 @@ class HFArchitecture:
     vision_params: int = 0  # a vision-language wrapper's vision tower (not built: counted apart by `memory --hf`)
     linear: Any = None  # the gated delta net's shape (families/qwen3_5.py's LinearShape), None without one
     rope_scaling: str = ""  # '' or why its RoPE scaling is not served: built only when '' (refuse_rope_scaling)
+    # the family that read it (families/family.py's Family), set where config.json is read
+    # (families.architecture): looked up once, the modules of the build take it from here
+    family: Any = field(default=None, compare=False, repr=False)
 
     @property
     def is_moe(self) -> bool:

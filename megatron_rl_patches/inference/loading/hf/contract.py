@@ -10,7 +10,6 @@ from math import prod
 from typing import Any
 
 from megatron_rl_patches.inference.loading.hf.families.family import EXPERT, Family, Param, Shape
-from megatron_rl_patches.inference.loading.hf.families.fields import seen_by
 from megatron_rl_patches.inference.loading.hf.memory_plan import layer_params
 from megatron_rl_patches.inference.loading.hf.names import layer_tensors
 
@@ -39,15 +38,15 @@ def _map_problems(where: str, tensors: dict[str, Shape], params: dict[str, Param
 def contract_problems(family: Family, config: dict[str, Any]) -> list[str]:
     """What `family` breaks on the checkpoint `config` describes (empty: it keeps the contract)."""
     source = f"{family.name} contract"
-    arch = family.read(seen_by(config, source, family.fields, family.synonyms), source)
+    arch = family.architecture(config, source)
     before, after = family.outer_tensors(arch)
     problems = _map_problems("outside the layers", {**before, **after}, family.outer_params(arch), once=False)
     for layer in range(arch.num_layers):
         tensors, params = family.layer_tensors(arch, layer), family.layer_params(arch, layer)
         problems += _map_problems(f"layer {layer}", tensors, params, once=True)
-        held = sum(prod(shape) for shape in layer_tensors(arch, layer, family).values())
+        held = sum(prod(shape) for shape in layer_tensors(arch, layer).values())
         try:
-            counted = layer_params(arch, layer, family=family).per_gpu
+            counted = layer_params(arch, layer).per_gpu
         except KeyError as exc:
             problems.append(f"layer {layer}: the memory plan cannot count parameter tensor {exc}")
             continue

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
-from megatron_rl_patches.inference.loading.hf.families import family_for
 from megatron_rl_patches.inference.loading.hf.families.family import EXPERT, Family
 from megatron_rl_patches.inference.loading.hf.families.fuse_kind import FuseKind, Piece, Pieces, fuse_kind
 
@@ -37,7 +36,7 @@ def source(arch: HFArchitecture, key: str, layer_numbers: dict[int, int], ep_off
            family: Family | None = None) -> Source:
     """Where the local-spec state-dict entry `key` comes from; `layer_numbers` maps this chunk's
     layer index to the global one, `ep_offset` is this rank's first expert."""
-    family = family or family_for(arch.model_type, arch.source)
+    family = family or arch.family
     outer = family.outer_params(arch).get(key)
     if outer is not None:
         return Source(outer.hf, outer.kind, False)

@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
-from megatron_rl_patches.inference.loading.hf.families import family_for
 from megatron_rl_patches.inference.loading.hf.files import TensorEntry, tensor_index
 
 _STACKED = re.compile(r"^(.*\.mlp\.experts\.)(gate_up_proj|down_proj)$")
@@ -44,4 +43,4 @@ def per_expert_views(index: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
 def readable_index(root: Path, arch: HFArchitecture) -> dict[str, TensorEntry]:
     """The checkpoint's tensors as its family maps them (stacked experts as per-expert views)."""
     index = tensor_index(root)
-    return per_expert_views(index) if family_for(arch.model_type, arch.source).stacked_experts else index
+    return per_expert_views(index) if arch.family.stacked_experts else index

@@ -16,7 +16,6 @@ from megatron_rl_patches.inference.loading.errors import WeightsMismatchError, c
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 from megatron_rl_patches.inference.loading.hf.checkpoint_config import read_checkpoint_config
 from megatron_rl_patches.inference.loading.hf.convert import Source, shard_pieces, source
-from megatron_rl_patches.inference.loading.hf.families import family_for
 from megatron_rl_patches.inference.loading.hf.files import TensorEntry, TensorReader, tensor_index, tensor_reader
 from megatron_rl_patches.inference.loading.hf.fp8 import SCALE, dequantize, fp8_block, scale_shape
 from megatron_rl_patches.inference.loading.hf.fused_experts import readable_index
@@ -31,7 +30,7 @@ def checked_index(root: Path, arch: HFArchitecture) -> dict[str, TensorEntry]:
     check_counts(arch, index)  # before any list of config.json's tensors is made
     expected = checkpoint_tensors(arch)
     optional = {"lm_head.weight"} if arch.tied else set()  # tied checkpoints may store a copy (see served_tying)
-    skipped = family_for(arch.model_type, arch.source).skipped(arch)  # MTP layers: present or not
+    skipped = arch.family.skipped(arch)  # MTP layers: present or not
     missing = [name for name in expected if name not in index]
     unexpected = [name for name in index if name not in expected and name not in optional
                   and not name.endswith(IGNORED_SUFFIXES) and not (skipped and name.startswith(skipped))]
@@ -94,7 +93,7 @@ def _layer_numbers(module: torch.nn.Module) -> dict[int, int]:
 
 def _plan(modules: list[torch.nn.Module], arch: HFArchitecture,
           shard: ShardRanks) -> list[tuple[torch.Tensor, str, Source]]:
-    family = family_for(arch.model_type, arch.source)
+    family = arch.family
     ep_offset = 0
     if arch.is_moe:
         ep_offset = shard.ep_rank * (arch.num_experts // shard.ep_size)

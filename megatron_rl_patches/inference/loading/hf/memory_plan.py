@@ -19,7 +19,7 @@ from typing import Any
 
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
-from megatron_rl_patches.inference.loading.hf.families import family_for, read_architecture, split_problems
+from megatron_rl_patches.inference.loading.hf.families import read_architecture, split_problems
 from megatron_rl_patches.inference.loading.hf.families.family import EXPERT, Family
 from megatron_rl_patches.inference.sizing.memory import DTYPE_BYTES, dtype_name
 from megatron_rl_patches.inference.sizing.residency_plan import ResidencyBytes
@@ -75,7 +75,7 @@ def layer_params(arch: HFArchitecture, layer: int, tp: int = 1, ep: int = 1, fam
                  ) -> LayerParams:
     """The layer's parameters from the family's tensors and the fuse kind of each Megatron parameter
     (KeyError naming a tensor a parameter is made of that the layer does not hold)."""
-    family = family or family_for(arch.model_type, arch.source)
+    family = family or arch.family
     tensors = family.layer_tensors(arch, layer)
     split = whole = expert = 0
     for param in family.layer_params(arch, layer).values():
@@ -138,7 +138,7 @@ def hf_memory_plan(
         raise ValueError(f"{arch.source}: {'; '.join(problems)}; choose parallel sizes this model serves")
     check_counts_if_present(arch)
     size = DTYPE_BYTES[dtype_name(param_dtype, "param_dtype")]
-    family = family_for(arch.model_type, arch.source)
+    family = arch.family
     runs = [(start, end, layer_params(arch, start, tp, ep, family)) for start, end in layer_runs(arch)]
     outer = sum(prod(shape) for part in family.outer_tensors(arch) for shape in part.values())
     total = outer + sum((end - start) * _layer_total(arch, family, start) for start, end, _ in runs)

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
-from megatron_rl_patches.inference.loading.hf.families import family_for
 from megatron_rl_patches.inference.loading.hf.families.common import after_init
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,7 +78,7 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype, sizes: dict[str
         gradient_accumulation_fusion=False,
     )
     values.update(sizes or {})
-    family = family_for(arch.model_type, arch.source)
+    family = arch.family
     values.update(family.config_overrides(arch))
     if arch.rope.kind == "yarn":
         _check_yarn_served(arch)
@@ -97,7 +96,7 @@ def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,
     parameters, so the weights map the same), e.g. Transformer Engine's for packed `thd` batches,
     which the local one refuses; `gpt_args`: model keywords that replace the RoPE / length ones
     read from `arch` (another converter's mapping)."""
-    family = family_for(arch.model_type, arch.source)
+    family = arch.family
     model_class = family.model_class(arch)
     core_attention = core_attention or family.core_attention(arch)
     uniform = not arch.dense_layers and family.stage_spec is None  # one layer spec for every layer

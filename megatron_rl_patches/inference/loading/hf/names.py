@@ -7,7 +7,6 @@ import re
 from typing import Any
 
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
-from megatron_rl_patches.inference.loading.hf.families import family_for
 from megatron_rl_patches.inference.loading.hf.families.family import EXPERT, Family, Shape
 
 # tensors some exporters write that carry no weights (recomputed by the model)
@@ -31,8 +30,8 @@ def per_expert(names: dict[str, Shape], experts: int) -> dict[str, Shape]:
 
 
 def layer_tensors(arch: HFArchitecture, layer: int, family: Family | None = None) -> dict[str, Shape]:
-    """One decoder layer's tensors (`family`: default the one of `arch.model_type`)."""
-    family = family or family_for(arch.model_type, arch.source)
+    """One decoder layer's tensors (`family`: default the one `arch` was read by, `arch.family`)."""
+    family = family or arch.family
     prefix = family.layer_prefix.format(layer=layer)
     return {prefix + name: shape for name, shape in per_expert(family.layer_tensors(arch, layer),
                                                                arch.num_experts).items()}
@@ -40,7 +39,7 @@ def layer_tensors(arch: HFArchitecture, layer: int, family: Family | None = None
 
 def checkpoint_tensors(arch: HFArchitecture, family: Family | None = None) -> dict[str, Shape]:
     """Every tensor of the checkpoint, by name (the output layer only when untied)."""
-    family = family or family_for(arch.model_type, arch.source)
+    family = family or arch.family
     before, after = family.outer_tensors(arch)
     out = dict(before)
     for layer in range(arch.num_layers):
@@ -54,7 +53,7 @@ def check_counts(arch: HFArchitecture, index: dict[str, Any], family: Family | N
     tensor names hold fewer layers or experts: checked before any per-tensor list of config.json's
     counts is made (a config claiming 10**9 layers would exhaust memory). Stray extra tensors are
     the tensor check's (WeightsMismatchError lists them)."""
-    family = family or family_for(arch.model_type, arch.source)
+    family = family or arch.family
     layer = re.compile(re.escape(family.layer_prefix).replace(re.escape("{layer}"), r"(\d+)"))
     layers = {int(m.group(1)) for name in index if (m := layer.match(name))}
     found = max(layers) + 1 if layers else 0

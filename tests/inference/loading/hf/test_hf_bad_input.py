@@ -99,7 +99,7 @@ def test_mtp_tensors_are_skipped_only_where_the_config_has_mtp_layers(megatron_c
         root = tmp_path / f"mtp{mtp}"
         write_tiny_checkpoint(root, tiny_hf_config("glm4_moe", num_nextn_predict_layers=mtp))
         add_mtp_tensors(root, "model.layers.2.")
-        arch = REGISTRY["glm4_moe"].read(json.loads((root / "config.json").read_text()), str(root))
+        arch = REGISTRY["glm4_moe"].architecture(json.loads((root / "config.json").read_text()), str(root))
         if mtp:
             assert "model.layers.2.eh_proj.weight" in checked_index(root, arch)  # present, accepted, never read
         else:

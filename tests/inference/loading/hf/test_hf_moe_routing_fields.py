@@ -10,6 +10,7 @@ import pytest
 from kit.cli import run_memory_cli
 
 from megatron_rl_patches.inference.loading.hf.families import architecture
+from megatron_rl_patches.inference.loading.hf.families.sigmoid_router import SigmoidRouter
 from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config
 
 # (family, overrides, what the ValueError says): tiny glm4_moe / deepseek_v3 route 8 experts in 4 groups
@@ -77,9 +78,10 @@ def test_a_field_under_its_other_name_is_read():
 
 def test_valid_groups_still_read():
     arch = architecture(tiny_hf_config("glm4_moe", n_group=8, topk_group=8, num_experts_per_tok=2))
-    assert (arch.router_groups, arch.router_group_topk) == (8, 8)
+    assert (arch.sigmoid_router.groups, arch.sigmoid_router.group_topk) == (8, 8)
     arch = architecture(tiny_hf_config("glm4_moe", n_group=None, topk_group=None, routed_scaling_factor=None))
-    assert (arch.router_groups, arch.router_group_topk, arch.routed_scaling) == (1, 1, 1.0)
+    assert arch.sigmoid_router == SigmoidRouter(groups=1, group_topk=1, scaling=1.0)
+    assert architecture(tiny_hf_config("qwen3_moe")).sigmoid_router is None  # the top-k softmax router
 
 
 @pytest.fixture

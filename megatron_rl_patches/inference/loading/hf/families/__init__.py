@@ -27,7 +27,6 @@ from megatron_rl_patches.inference.loading.hf.families import (
     qwen3_next,
 )
 from megatron_rl_patches.inference.loading.hf.families.family import Family
-from megatron_rl_patches.inference.loading.hf.families.fields import seen_by
 
 FAMILIES: tuple[Family, ...] = (qwen3.FAMILY, qwen3_moe.FAMILY, llama.FAMILY, qwen2.FAMILY, glm4_moe.FAMILY,
                                  qwen2_moe.FAMILY, mixtral.FAMILY, mimo.FAMILY,
@@ -65,8 +64,7 @@ def architecture(config: dict[str, Any], source: str = "config.json", *, sizing:
     naming the family or the feature the converter does not map. `sizing`: for the memory planner,
     which counts bytes: a feature that changes none (RoPE scaling) is kept in the record, not refused."""
     family = family_for(config.get("model_type"), source, config.get("architectures"))
-    # a field transformers ignores for the family changes nothing
-    arch = family.read(seen_by(config, source, family.fields, family.synonyms), source)
+    arch = family.architecture(config, source)  # the one lookup: the build's modules take `arch.family`
     if not sizing:
         refuse_rope_scaling(arch)
     return arch
@@ -82,7 +80,7 @@ def split_problems(arch: HFArchitecture, tp: int = 1, pp: int = 1, ep: int = 1, 
     """What a tensor / pipeline (x virtual) / expert parallel layout cannot split of `arch`: the
     one check of the builder and of the memory planner (`memory --hf`), so neither plans a layout
     the other refuses."""
-    problems = family_for(arch.model_type, arch.source).parallel_problems(arch, tp, ep)
+    problems = arch.family.parallel_problems(arch, tp, ep)
     if arch.num_layers % (pp * vpp):
         stages = f"the pipeline-parallel size {pp}" + (f" x {vpp} virtual stages" if vpp > 1 else "")
         problems.append(f"num_hidden_layers={arch.num_layers} is not a multiple of {stages}")

@@ -68,18 +68,18 @@ def moe_params() -> dict[str, Param]:
 
 def moe_config(arch: HFArchitecture) -> dict[str, Any]:
     """TransformerConfig fields of the routed experts (SequentialMLP) and what their router does:
-    a top-k softmax by default; sigmoid scores with a per-expert bias, group-limited choice and
-    scaled weights where `arch` says so; shared experts (gated or not); dense first layers."""
+    a top-k softmax by default, the sigmoid router's fields where `arch` has one (sigmoid_router.py);
+    shared experts (gated or not); dense first layers."""
     import torch
 
     values: dict[str, Any] = dict(
         num_moe_experts=arch.num_experts,
         moe_router_topk=arch.experts_per_token,
         moe_ffn_hidden_size=arch.expert_ffn_hidden_size,
-        moe_router_score_function=arch.router,
+        moe_router_score_function="softmax",
         # softmax over the top-k logits = the renormalized top-k probabilities (norm_topk_prob);
         # megatron-core's sigmoid router always renormalizes (the families refuse it otherwise)
-        moe_router_pre_softmax=arch.router == "softmax" and not arch.norm_topk_prob,
+        moe_router_pre_softmax=arch.sigmoid_router is None and not arch.norm_topk_prob,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_grouped_gemm=False,
@@ -91,14 +91,8 @@ def moe_config(arch: HFArchitecture) -> dict[str, Any]:
         # pre-softmax at top-1 (a training concern: zero gradients), not asked under sinkhorn, which is
         # set back to "none" before the router is made (after_init)
         values["moe_router_load_balancing_type"] = "sinkhorn"
-    if arch.expert_bias:
-        values["moe_router_enable_expert_bias"] = True  # the bias buffer; never updated in inference
-    if arch.router == "sigmoid":
-        values["moe_router_dtype"] = "fp32"  # transformers scores a sigmoid router in float32 at any dtype
-    if arch.router_group_topk < arch.router_groups:  # all groups kept: no grouping at all
-        values.update(moe_router_num_groups=arch.router_groups, moe_router_group_topk=arch.router_group_topk)
-    if arch.routed_scaling != 1.0:
-        values["moe_router_topk_scaling_factor"] = arch.routed_scaling
+    if arch.sigmoid_router is not None:  # GLM-4.5's / DeepSeek-V3's (families/sigmoid_router.py)
+        values.update(arch.sigmoid_router.config_fields())
     if arch.shared_expert_ffn:
         values.update(moe_shared_expert_intermediate_size=arch.shared_expert_ffn, moe_shared_expert_overlap=False)
     if arch.shared_expert_gate:
@@ -110,7 +104,7 @@ def moe_config(arch: HFArchitecture) -> dict[str, Any]:
 
 def top1_renormalized(arch: HFArchitecture) -> bool:
     """A softmax router choosing one expert and renormalizing its weight (Mixtral at num_experts_per_tok 1)."""
-    return arch.is_moe and arch.experts_per_token == 1 and arch.router == "softmax" and arch.norm_topk_prob
+    return arch.is_moe and arch.experts_per_token == 1 and arch.sigmoid_router is None and arch.norm_topk_prob
 
 
 def after_init(arch: HFArchitecture) -> dict[str, Any]:

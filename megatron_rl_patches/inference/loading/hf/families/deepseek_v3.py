@@ -18,12 +18,16 @@ from megatron_rl_patches.inference.loading.hf.families import glm4_moe, mla
 from megatron_rl_patches.inference.loading.hf.families.common import moe_config, swiglu_params, swiglu_tensors
 from megatron_rl_patches.inference.loading.hf.families.family import Family, Param, Shape, parallel_problems
 from megatron_rl_patches.inference.loading.hf.families.fields import GROUPED
+from megatron_rl_patches.inference.loading.hf.families.sigmoid_router import (
+    SigmoidRouter,
+    read_groups,
+    read_routed_scaling,
+    router_problems,
+)
 
 
 def _moe_refused(config: dict[str, Any], groups: int, group_topk: int) -> list[str]:
-    refused = glm4_moe.group_problems(config, groups, group_topk)
-    if config.get("norm_topk_prob") is False:
-        refused.append("norm_topk_prob=false (megatron-core's sigmoid router always renormalizes)")
+    refused = router_problems(config, groups, group_topk)
     if config.get("scoring_func", "sigmoid") != "sigmoid":
         refused.append(f"scoring_func={config['scoring_func']!r} (transformers' DeepSeek-V3 scores by sigmoid)")
     return refused
@@ -35,7 +39,7 @@ def read(config: dict[str, Any], source: str, partial_rotary: float | None = Non
     layers = read_count(config, source, "num_hidden_layers")
     dense = min(read_natural(config, source, "first_k_dense_replace"), layers)
     moe = bool(config.get("n_routed_experts")) and dense < layers
-    groups, group_topk = glm4_moe.read_groups(config, source) if moe else (1, 1)
+    groups, group_topk = read_groups(config, source) if moe else (1, 1)
     shape = mla.read_mla(config, source)
     arch = decoder_architecture(config, source, qkv_bias=False, qk_norm=False, moe=moe,
                                 refused=_moe_refused(config, groups, group_topk) if moe else [],
@@ -45,8 +49,8 @@ def read(config: dict[str, Any], source: str, partial_rotary: float | None = Non
     if not moe:
         return arch
     return replace(
-        arch, norm_topk_prob=True, router="sigmoid", expert_bias=True, router_groups=groups,
-        router_group_topk=group_topk, routed_scaling=glm4_moe.read_routed_scaling(config, source),
+        arch, norm_topk_prob=True,
+        sigmoid_router=SigmoidRouter(groups, group_topk, read_routed_scaling(config, source)),
         shared_expert_ffn=read_natural(config, source, "n_shared_experts") * arch.expert_ffn_hidden_size,
         dense_layers=dense,
     )

@@ -5,11 +5,12 @@ Every other module of `loading/hf/` reads a family through this record only."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 from megatron_rl_patches.inference.loading.hf.families.common_kinds import REPLICATE, VOCAB
+from megatron_rl_patches.inference.loading.hf.families.fields import seen_by
 from megatron_rl_patches.inference.loading.hf.families.fuse_kind import FuseKind, Shape, fuse_kind, registered
 
 EXPERT = "{e}"  # the expert index in a per-expert tensor's or parameter's name
@@ -122,7 +123,7 @@ class Family:
 
     name: str
     hf_class: str
-    read: Callable[[dict[str, Any], str], HFArchitecture]  # config.json dict, source -> architecture, or refused
+    read: Callable[[dict[str, Any], str], HFArchitecture]  # config.json, source -> record or refusal; see architecture
     layer_tensors: Callable[[HFArchitecture, int], dict[str, Shape]]  # names under `layer_prefix`
     layer_params: Callable[[HFArchitecture, int], dict[str, Param]]  # local-spec name under decoder.layers.N.
     config_overrides: Callable[[HFArchitecture], dict[str, Any]] = no_overrides  # TransformerConfig fields
@@ -149,4 +150,10 @@ class Family:
     @property
     def model_types(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
+
+    def architecture(self, config: dict[str, Any], source: str) -> HFArchitecture:
+        """`config`'s architecture as the family reads it (it sees its `fields` alone: a field
+        transformers ignores for the family changes nothing), carrying the family (`arch.family`):
+        the modules of a build take it from there instead of looking it up again."""
+        return replace(self.read(seen_by(config, source, self.fields, self.synonyms), source), family=self)
 

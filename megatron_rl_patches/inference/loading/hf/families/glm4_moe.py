@@ -2,8 +2,7 @@
 optional per-head q/k norm (`use_qk_norm`) and RoPE on half of each head (`partial_rotary_factor`
 0.5, rotate-half layout: megatron-core's rotary_percent); dense first layers
 (`first_k_dense_replace`), then a sigmoid router with a per-expert score correction
-(`e_score_correction_bias`: megatron-core's expert_bias), group-limited choice (`n_group` /
-`topk_group`), weights renormalized and scaled (`routed_scaling_factor`), and shared experts
+(`e_score_correction_bias`), group-limited choice and scaled weights (sigmoid_router.py), and shared experts
 (`n_shared_experts`). The MTP layer real checkpoints store (`num_nextn_predict_layers`) is skipped."""
 from __future__ import annotations
 
@@ -13,10 +12,7 @@ from typing import Any
 from megatron_rl_patches.inference.loading.hf.architecture import (
     HFArchitecture,
     decoder_architecture,
-    read_count,
-    read_field,
     read_natural,
-    read_number,
 )
 from megatron_rl_patches.inference.loading.hf.families.common import (
     attention_params,
@@ -32,57 +28,28 @@ from megatron_rl_patches.inference.loading.hf.families.common import (
 from megatron_rl_patches.inference.loading.hf.families.common_kinds import REPLICATE
 from megatron_rl_patches.inference.loading.hf.families.family import Family, Param, Shape
 from megatron_rl_patches.inference.loading.hf.families.fields import GROUPED
+from megatron_rl_patches.inference.loading.hf.families.sigmoid_router import (
+    SigmoidRouter,
+    read_groups,
+    read_routed_scaling,
+    router_problems,
+)
 
 SHARED = "mlp.shared_experts."
 # names transformers' Glm4MoeConfig / DeepseekV3Config map onto one attribute
 SYNONYMS = (("n_routed_experts", "num_local_experts"), ("num_nextn_predict_layers", "num_mtp_layers"))
 
 
-def read_groups(config: dict[str, Any], source: str) -> tuple[int, int]:
-    """(n_group, topk_group): the routed experts in n_group equal groups, a token's experts taken from
-    its best topk_group groups; a ValueError naming the field where transformers or megatron-core
-    cannot route so (an assertion, a division by zero, or a build transformers refuses)."""
-    groups = read_count(config, source, "n_group", default=1)
-    group_topk = read_count(config, source, "topk_group", default=1)
-    experts = read_count(config, source, "n_routed_experts")
-    if experts % groups:
-        raise ValueError(f"{source}: config.json's n_group={groups} does not divide n_routed_experts={experts}; "
-                         "the experts are routed in n_group equal groups: n_group must be a divisor of it")
-    if group_topk > groups:
-        raise ValueError(f"{source}: config.json's topk_group={group_topk} exceeds n_group={groups}; a token's "
-                         f"experts come from its best topk_group of the n_group groups: set topk_group in 1..{groups}")
-    return groups, group_topk
-
-
-def read_routed_scaling(config: dict[str, Any], source: str) -> float:
-    """routed_scaling_factor (1.0 where config.json writes none): a positive number."""
-    return read_number(config, source, "routed_scaling_factor",
-                       read_field(config, source, "routed_scaling_factor", default=1.0))
-
-
-def group_problems(config: dict[str, Any], groups: int, group_topk: int) -> list[str]:
-    """Group-limited routing megatron-core does not compute as transformers does: it scores a group
-    by its top num_experts_per_tok // topk_group experts, transformers by its top 2."""
-    topk = config.get("num_experts_per_tok")
-    if group_topk < groups and isinstance(topk, int) and topk // group_topk != 2:
-        return [f"n_group={groups} with topk_group={group_topk} and num_experts_per_tok={topk} (megatron-core "
-                "scores a group by its top num_experts_per_tok // topk_group experts, transformers by its top 2)"]
-    return []
-
-
 def read(config: dict[str, Any], source: str) -> HFArchitecture:
     groups, group_topk = read_groups(config, source)
-    refused = group_problems(config, groups, group_topk)
-    if config.get("norm_topk_prob") is False:
-        refused.append("norm_topk_prob=false (megatron-core's sigmoid router always renormalizes)")
     arch = decoder_architecture(config, source, qkv_bias=False, qk_norm=bool(config.get("use_qk_norm", False)),
-                                moe=True, refused=refused, partial_rotary=0.5)
+                                moe=True, refused=router_problems(config, groups, group_topk), partial_rotary=0.5)
     shared = read_natural(config, source, "n_shared_experts")
     first = config.get("first_k_dense_replace")
     dense = 1 if first is None else read_natural(config, source, "first_k_dense_replace")
     return replace(
-        arch, norm_topk_prob=True, router="sigmoid", expert_bias=True, router_groups=groups,
-        router_group_topk=group_topk, routed_scaling=read_routed_scaling(config, source),
+        arch, norm_topk_prob=True,
+        sigmoid_router=SigmoidRouter(groups, group_topk, read_routed_scaling(config, source)),
         shared_expert_ffn=shared * arch.expert_ffn_hidden_size,
         dense_layers=min(dense, arch.num_layers),
         mtp_layers=read_natural(config, source, "num_nextn_predict_layers"),
