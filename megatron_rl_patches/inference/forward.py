@@ -9,6 +9,7 @@ import torch
 
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches._chunks import module_chunks
+from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
 
 Collect = Callable[[torch.Tensor, Any], Any]
 
@@ -93,8 +94,6 @@ def token_log_probs(
     {"log_probs": [...], "entropy": [...] or None} via ops.logprobs.log_probs_and_entropy."""
 
     def collect(logits: torch.Tensor, targets: Any) -> dict[str, torch.Tensor | None]:
-        from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
-
         if not isinstance(targets, torch.Tensor):
             raise TypeError(
                 "token_log_probs needs the target token ids: make forward_step_func return "

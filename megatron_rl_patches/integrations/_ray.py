@@ -3,6 +3,7 @@ ran in this process, `ray.init` warns (once) when its runtime_env does not pass
 MEGATRON_RL_PATCHES to the workers. Nothing else about Ray is changed."""
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -51,8 +52,6 @@ def _wrap(module: Any) -> None:
 
 def arm() -> None:
     """Called by apply(): from now on ray.init checks its runtime_env (Ray imported now or later)."""
-    import sys
-
     with _lock:
         _state["armed"] = True
         if "ray" in sys.modules:
@@ -66,8 +65,6 @@ def arm() -> None:
 
 def disarm() -> None:
     """Called by revert(): ray.init is itself again (the wrapper, if installed, is removed)."""
-    import sys
-
     with _lock:
         _state["armed"] = False
         ray = sys.modules.get("ray")

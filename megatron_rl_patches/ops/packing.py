@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
+
 __all__ = [
     "PackedLayout",
     "Piece",
@@ -272,8 +274,6 @@ def response_log_probs_and_entropy(
     `kwargs` go to :func:`megatron_rl_patches.ops.logprobs.log_probs_and_entropy` (tp_group,
     temperature, with_entropy, keep_mask aligned with the local rows, ...).
     """
-    from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
-
     _check_rows("logits", logits)
     targets = shifted_targets(tokens, layout, logits.size(0), device=logits.device)
     log_probs, entropy = log_probs_and_entropy(logits, targets, **kwargs)

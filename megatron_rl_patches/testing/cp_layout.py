@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -112,8 +113,6 @@ def gather_rows(local: torch.Tensor, dim: int, layout: str, group: Any = None,
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Every rank's rows of `local` along `dim`, gathered over the context-parallel `group`
     (default: megatron's) and put back in sequence order (no gradient)."""
-    import torch.distributed as dist
-
     if group is None:
         from megatron.core import parallel_state
 

@@ -5,6 +5,7 @@ vocab-parallel code on a laptop.
 """
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 import traceback
@@ -29,8 +30,6 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], 
 def _pack(result: Any) -> bytes:
     """The result as bytes (torch.save): tensors travel by value, not as shared-memory handles
     that vanish when this rank's process exits before the parent reads them."""
-    import io
-
     import torch
 
     buffer = io.BytesIO()
@@ -39,8 +38,6 @@ def _pack(result: Any) -> bytes:
 
 
 def _unpack(payload: bytes) -> Any:
-    import io
-
     import torch
 
     return torch.load(io.BytesIO(payload), weights_only=False)

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from megatron_rl_patches.testing.fake_ddp import FakeDDP
+
 
 @pytest.fixture
 def megatron_cpu() -> Iterator[Any]:
@@ -43,8 +45,6 @@ def megatron_cpu_kind(request: pytest.FixtureRequest, megatron_cpu: Any) -> Any:
 @pytest.fixture
 def fake_ddp(request: pytest.FixtureRequest) -> Callable[..., Any]:
     """Factory of DDP stand-ins; with pytest-mock installed their hook and sync methods are spies."""
-    from megatron_rl_patches.testing.fake_ddp import FakeDDP
-
     try:
         mocker = request.getfixturevalue("mocker")
     except pytest.FixtureLookupError:

@@ -22,6 +22,7 @@ from megatron_rl_patches.inference.loading.errors import (  # noqa: F401 - Weigh
     shown,
 )
 from megatron_rl_patches.inference.loading.paths import resolve_checkpoint
+from megatron_rl_patches.inference.residency.placement import weights_on_host
 
 
 def _model_keys(count: int) -> list[str]:
@@ -143,7 +144,6 @@ def load_inference_weights(
     chunks = module_chunks(model, "model")
     modules = [unwrap(chunk) for chunk in chunks]
     kind, path, found = resolve_checkpoint(load_dir, iteration)
-    from megatron_rl_patches.inference.residency.placement import weights_on_host
 
     with torch.no_grad(), weights_on_host(chunks):  # swap/stream builds: into their host copies
         if kind == "dist":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 from typing import Any
 
 from megatron_rl_patches.integrations.slime.step_plan import StepPlan, current_plan, run_planned, step_request
@@ -285,8 +286,6 @@ def mtp_heads_build_logits(model: Any) -> bool:
     """Whether this chunk's MTP heads would project [T, V] logits beside the fused main head: on
     megatron-core >= 0.18 (`process_mtp_loss` in the model's module) unless patch
     `mtp_output_processor` is in effect; before 0.18 the GPT backport serves them."""
-    import sys
-
     from megatron_rl_patches.processors.mtp_loss import fused_mtp_loss_in_effect
 
     inner = _inner(model)

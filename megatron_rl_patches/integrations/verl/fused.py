@@ -21,7 +21,10 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import sys
 from typing import Any
+
+from megatron_rl_patches.integrations.verl.rows import packed_row_mask
 
 FUSED = "verl.models.mcore.model_forward_fused"
 
@@ -53,7 +56,6 @@ def fused_output_processor(*, hidden_states: Any, output_layer: Any, output_weig
     import torch
     from verl.utils.model import CausalLMOutputForPPO
 
-    from megatron_rl_patches.integrations.verl.rows import packed_row_mask
     from megatron_rl_patches.processors.heads import log_prob_output_processor
 
     asked = _CALCULATE_ENTROPY.get()
@@ -85,8 +87,6 @@ def _drop_stale_legacy_mode(model: Any) -> None:
     forward) when GPTModel.forward lacked the hook at engine build, i.e. on megatron-core < 0.18
     with `gpt_output_processor` applied later. Once the hook is there, drop verl's forward swap
     and cache "hook", so the fused route goes through the (patched) output processor."""
-    import sys
-
     fused = sys.modules.get(FUSED)
     names = ("_get_patching_model", "_FUSED_FORWARD_MODE_ATTR", "_LEGACY_MODE", "_HOOK_MODE")
     if fused is None or not all(hasattr(fused, name) for name in names):
