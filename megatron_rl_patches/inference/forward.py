@@ -1,5 +1,6 @@
 """Forward passes only, through megatron-core's own schedule (so pipeline parallelism works as in
 training), collecting one output per micro-batch: logits by default, or log-probs."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence

@@ -5,8 +5,10 @@ and its other modules own the wrappers (named as "module:function" strings, reso
 target module is imported). Importing this package imports nothing heavy: the registry is built
 on first use. `apply`, `revert` and `applied` here are the package's public ones.
 """
+# lazy imports: import cost: `megatron_rl_patches.apply` loads only this file until called (test_lazy_import)
 from __future__ import annotations
 
+import importlib
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -45,8 +47,6 @@ ORDER = (
 def all_patches() -> list[Patch]:
     """Every framework's records, ordered by ORDER (imports the `patches` modules, which import
     nothing heavy). A patch name missing from ORDER is an error, not a silent last place."""
-    import importlib
-
     records = [patch for framework in FRAMEWORKS
                for patch in importlib.import_module(f"{__name__}.{framework}.patches").PATCHES]
     unordered = sorted({patch.name for patch in records} - set(ORDER))
@@ -60,8 +60,6 @@ def check_settings(environ: Any = None) -> None:
     module declares beside its PATCHES (slime: top-k OPD's MEGATRON_RL_PATCHES_OPD_*), and no
     misspelled variable name of ours: a ValueError naming the variable at fault. `run`, the start-up
     hook and `doctor` call this (patching names it by a string, SETTINGS_CHECK)."""
-    import importlib
-
     from megatron_rl_patches.patching import env
 
     env.check_variable_names(variable_names(), environ)

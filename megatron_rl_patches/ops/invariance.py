@@ -6,6 +6,7 @@ An op's ``invariant=`` argument wins; None reads the setting ``MEGATRON_RL_PATCH
 model config's ``batch_invariant_mode`` (megatron-core's TransformerConfig attribute) where a
 processor or framework route has the config; else off.
 """
+# lazy imports: import cost: torch not at the setting's import
 from __future__ import annotations
 
 import os

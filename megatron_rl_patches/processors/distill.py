@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE
 from megatron_rl_patches.ops.divergence import lm_head_divergence
@@ -131,8 +132,6 @@ def _teacher_rows(teacher_hidden: Any, teacher_weight: Any, call: ProcessorCall)
         weight = weights[j] if isinstance(weights, (list, tuple)) and j < len(weights) else None
         flat = _in_weight_dtype(token_rows(hidden, name, call.batch, call.seq), weight)
         if call.sequence_parallel:
-            import torch.distributed as dist
-
             per = flat.size(0) // call.tp_world
             rank = dist.get_rank(call.tp_group)
             flat = flat[rank * per : (rank + 1) * per]

@@ -7,6 +7,7 @@ only after the output layer's forward pre-hooks ran (with overlap-param-gather, 
 waits for that weight's all-gather), takes tensor and sequence parallelism from the output layer
 and folds a MuP output multiplier into the temperature.
 """
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 import inspect
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl_patches._args import positive_int
+from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.ops._checks import check_scalar_temperature
 from megatron_rl_patches.ops._rows import RowSelection
 from megatron_rl_patches.ops.invariance import check_invariant, resolve_invariant
@@ -114,8 +116,6 @@ def hint_missing_hook() -> None:
     except (TypeError, ValueError):
         return
     if parameters is not None and "output_processor" not in parameters:
-        from megatron_rl_patches._log import warn_once
-
         warn_once("GPTModel.forward of this megatron-core has no output_processor keyword (added in 0.18): "
                   "apply the gpt_output_processor patch before calling the model with a processor, e.g. "
                   "megatron_rl_patches.apply(only=['gpt_output_processor']) (it is in MEGATRON_RL_PATCHES=all)")

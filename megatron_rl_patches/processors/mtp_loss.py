@@ -18,6 +18,7 @@ import torch
 
 from megatron_rl_patches._args import bind
 from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy, lm_head_topk_ids
+from megatron_rl_patches.patching import wrappers
 from megatron_rl_patches.processors.heads import ProcessorCall
 
 PATCH_NAME = "mtp_output_processor"
@@ -111,8 +112,6 @@ def acceptance_counts_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: 
 def fused_mtp_loss_in_effect(namespace: Mapping[str, Any]) -> bool:
     """Whether `process_mtp_loss` as the module `namespace` (a model module's globals) calls it is
     this patch's active wrapper: its MTP heads then never call the output layer."""
-    from megatron_rl_patches.patching import wrappers
-
     function = namespace.get("process_mtp_loss")
     if not isinstance(function, wrappers.FunctionWrapper):
         return False

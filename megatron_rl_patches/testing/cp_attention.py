@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -148,8 +149,6 @@ def cp_layer_spec(layout: str = "zigzag", spec: Any = None) -> Any:
     `layout` as its self-attention's core attention."""
     check_layout(layout)
     if spec is None:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
         spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=ContextParallelAttention, params={"layout": layout}

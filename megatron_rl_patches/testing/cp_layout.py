@@ -10,6 +10,7 @@ For packed `thd` input (`cu_seqlens`, the global, padded boundaries of the seque
 stream), "zigzag" cuts every sequence on its own (each length a multiple of 2·cp), "contiguous"
 cuts the whole stream (its length a multiple of cp).
 """
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 from collections.abc import Mapping

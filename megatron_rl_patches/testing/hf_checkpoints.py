@@ -107,7 +107,7 @@ def save_tiny_hf(directory: str | Path, kind: str = "qwen3", seed: int = 0, **ov
     saved with save_pretrained into `directory`; returns the model (float32, eval) as the reference
     (MiMo: save_tiny_mimo's Qwen2).
     Needs transformers."""
-    import transformers
+    import transformers  # lazy: optional dependency transformers
 
     if kind == "mimo":  # remote code: no transformers class of its own
         return save_tiny_mimo(directory, seed, **overrides)
@@ -152,7 +152,7 @@ def add_mtp_tensors(directory: str | Path, prefix: str, **config: Any) -> None:
     model does not (a few of them, random, under `prefix`: `model.layers.N.` for GLM / DeepSeek,
     `model.mtp_layers.0.` for MiMo) added to the single-file checkpoint at `directory`, and
     `config` written into its config.json."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # lazy: optional dependency safetensors
 
     root = Path(directory)
     values = json.loads((root / "config.json").read_text())

@@ -3,6 +3,7 @@
 Loaded in every pytest session of every user, so importing it imports nothing heavy; torch and
 megatron load only when a fixture is used. pytest-mock is optional.
 """
+# lazy imports: import cost: pytest loads this plugin (pytest11) in every session of an environment with the package
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator

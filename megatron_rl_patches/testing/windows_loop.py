@@ -8,6 +8,7 @@ list call `finalize_model_grads` / every chunk's `finish_grad_sync` there, insid
 `[[1, FINALIZE, 1]]`. Data depends on (rank, window, call, microbatch) only, so a run and its
 synchronous reference (`overlap_grad_reduce=False`) see the same.
 """
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 import contextlib

@@ -7,6 +7,7 @@ the fused output processors. `--no-patches` runs the same loop as a user without
 it (plain builds, losses on full logits): rollout 1 matches, rollout 2 hits the re-entry crash.
 On CPU it runs megatron-core through the test kit's shims (never used by library code).
 """
+# lazy imports: import cost: `demo`'s usage errors come before torch (tests/apps/cli/test_light_usage_errors.py)
 from __future__ import annotations
 
 import argparse

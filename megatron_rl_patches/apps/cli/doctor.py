@@ -27,7 +27,8 @@ from megatron_rl_patches.integrations.megatron import version as megatron_versio
 from megatron_rl_patches.integrations.slime.opd_settings import OWN_TOKENIZER, TEACHERS, opd_settings
 from megatron_rl_patches.integrations.slime.opd_settings import PREFIX as OPD_PREFIX
 from megatron_rl_patches.integrations.slime.roles import DEFAULT_INFERENCE_ROLES
-from megatron_rl_patches.patching import check_settings, env
+from megatron_rl_patches.patching import check_settings, env, registry
+from megatron_rl_patches.patching.registry import installed_version
 from megatron_rl_patches.patching.startup import files as startup_files
 from megatron_rl_patches.patching.startup import hook
 
@@ -84,8 +85,6 @@ def megatron_section() -> tuple[dict[str, Any], list[str]]:
 
 def target_rows() -> tuple[list[dict[str, Any]], list[str]]:
     """Per (patch, target): module found, supported range, tested label, status; and problems."""
-    from megatron_rl_patches.patching import registry
-
     problems: list[str] = []
     modules: dict[str, tuple[bool, str | None]] = {}
     rows = []
@@ -207,8 +206,6 @@ def teacher_problems() -> list[str]:
 
 def collect() -> dict[str, Any]:
     """Everything `doctor` reports, as a JSON-ready dict, with a list of problems found."""
-    from megatron_rl_patches.patching.registry import installed_version
-
     problems: list[str] = []
     packages = {name: installed_version(name) for name in DISTRIBUTIONS}
     problems += [f"{name} is not installed (a dependency of megatron-rl-patches)" for name in REQUIRED

@@ -14,6 +14,7 @@ from megatron_rl_patches.apps.cli.targets import STATUS_HELP, import_targets, sh
 from megatron_rl_patches.integrations import default_registry
 from megatron_rl_patches.patching import env
 from megatron_rl_patches.patching.records import PatchError
+from megatron_rl_patches.patching.registry import patch_version
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,8 +51,6 @@ def _apply_environment_selection() -> int:
 
 def rows() -> list[dict[str, Any]]:
     """One JSON-ready row per (patch, target) of the default registry."""
-    from megatron_rl_patches.patching.registry import patch_version
-
     return [
         {
             "name": patch.name,
@@ -93,8 +92,6 @@ def run(args: argparse.Namespace) -> int:
         return PROBLEM
     import_problems: dict[str, str] = {}
     if args.import_targets:
-        from megatron_rl_patches.integrations import default_registry
-
         import_problems = import_targets(list(dict.fromkeys(p.module for p in default_registry().patches())))
     table = rows()
     if args.json:

@@ -2,6 +2,7 @@
 sharded load strategy between `load_preprocess` and `apply_factory_merges`, so the common state
 (common.pt, pickled training args) is never read. Everything is checked first (metadata, model
 fit, storage file lengths); tensors are then staged on CPU in bounded batches and copied in."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 import contextlib

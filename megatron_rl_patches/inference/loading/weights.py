@@ -1,6 +1,7 @@
 """Weights-only loading for inference-only chunks: the model's sharded state dict from a
 megatron-core torch_dist checkpoint (torch_dist.py: no optimizer, scheduler, RNG or common state),
 or a plain torch state-dict file. Everything is checked before anything is copied."""
+# lazy imports: import cost: torch.distributed.checkpoint (sympy) only for a dist checkpoint
 from __future__ import annotations
 
 import os

@@ -1,7 +1,10 @@
 """slime's log-prob/entropy on the memory-optimal Function (patch `slime_logprobs`, declared in
 `patches`): `calculate_log_probs_and_entropy` keeps slime's signature and results."""
+# lazy imports: import cost: torch only inside the functions (tests/integrations/slime/test_slime_adapter.py)
 import inspect
 import numbers
+
+from megatron_rl_patches._log import warn_once
 
 
 def calculate_log_probs_and_entropy(
@@ -67,8 +70,6 @@ def calculate_log_probs_and_entropy_wrapper(wrapped, instance, args, kwargs):
         if name not in known and value is not signature.parameters[name].default
     ]
     if foreign:
-        from megatron_rl_patches._log import warn_once
-
         warn_once(
             f"slime_logprobs: this slime passes {', '.join(foreign)}, which the replacement does not "
             "support; those calls use slime's own calculate_log_probs_and_entropy"

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
+from megatron_rl_patches.integrations.slime.allgather_cp import local_spans
 
 IDS, OFFSETS = "rollout_top_p_token_ids", "rollout_top_p_token_offsets"
 
@@ -27,8 +28,6 @@ def local_response_tokens(batch: dict, length: int, device: Any, allgather_cp: b
     or with `--allgather-cp` the span of the rank's contiguous slice of the packed stream."""
     totals, responses = batch["total_lengths"], batch["response_lengths"]
     if allgather_cp:
-        from megatron_rl_patches.integrations.slime.allgather_cp import local_spans
-
         return [torch.arange(start, end, device=device) for start, end in local_spans(length, totals, responses)]
     return [slime_rows.slime_loss().slice_log_prob_with_cp(torch.arange(response, device=device), total, response)
             for total, response in zip(totals, responses, strict=True)]

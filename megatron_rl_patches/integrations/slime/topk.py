@@ -1,6 +1,7 @@
 """Top-k buckets on slime's fused route: one output processor returning the log-prob processor's
 results and the top-k processor's, and the per-sample ids of slime's rollout data placed back on
 the packed rows of a micro-batch."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 from collections.abc import Callable

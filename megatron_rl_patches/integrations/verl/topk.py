@@ -32,7 +32,7 @@ REPLACED = (
 
 def _tp_group() -> Any:
     """Megatron's tensor-parallel group, or None (the ops' "no TP") at TP = 1."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # lazy: optional dependency megatron-core
 
     group = parallel_state.get_tensor_model_parallel_group()
     return group if dist.is_initialized() and dist.get_world_size(group) > 1 else None
@@ -100,7 +100,7 @@ def compute_forward_kl_topk(student_logits: Any, teacher_topk_log_probs: Any, te
     """verl 0.9.1's `compute_forward_kl_topk` signature and result (five [b, s/cp] tensors) on the
     exact (k+1)-bucket KL. The teacher's nested [b, s, k] tensors are split for context
     parallelism by verl's own helpers, as verl does."""
-    from verl.models.mcore.util import preprocess_bshd_engine, preprocess_thd_engine
+    from verl.models.mcore.util import preprocess_bshd_engine, preprocess_thd_engine  # lazy: optional dependency verl
 
     if not (getattr(teacher_topk_log_probs, "is_nested", False) and getattr(teacher_topk_ids, "is_nested", False)):
         raise ValueError("verl_topk_kd: teacher_topk_log_probs and teacher_topk_ids must be nested tensors, as verl "

@@ -4,6 +4,7 @@ With MEGATRON_RL_PATCHES unset it returns after one environment read and imports
 With it set, it registers post-import hooks; the patches land when megatron is imported.
 It never raises: Python's site machinery would print a traceback (twice in a venv) and go on.
 """
+# lazy imports: import cost: every process runs the start-up hook; its import set is pinned (test_lazy_import)
 from __future__ import annotations
 
 import sys

@@ -3,6 +3,7 @@
 
 Like every start-up path it never raises: Python would print a traceback and go on.
 """
+# lazy imports: import cost: `megatron-rl-patches run` runs this in every child process
 
 
 def _run_ours() -> None:
