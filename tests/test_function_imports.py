@@ -15,7 +15,8 @@ function_imports = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault(_spec.name, function_imports)  # dataclasses look their module up there
 _spec.loader.exec_module(function_imports)
 
-REASONS = ("optional dependency ", "import cost", "cycle ", "megatron version-dependent")
+# "order": the import must wait for something the function does first (e.g. sys.path set up).
+REASONS = ("optional dependency ", "import cost", "cycle ", "megatron version-dependent", "order: ")
 # Distribution name -> the top-level package it installs, where they differ.
 PACKAGES = {"megatron-core": "megatron"}
 

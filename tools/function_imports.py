@@ -2,7 +2,7 @@
 with the reason it states: `# lazy: <reason>` trailing the statement or on the comment line right
 above it, else the module's note, a line `# lazy imports: <reason>` at column 0 that covers every
 other lazy import of that file. Reasons name what holds the import back, e.g. "optional dependency
-megatron-core", "import cost: ...", "cycle A <-> B", "megatron version-dependent: ...".
+megatron-core", "import cost: ...", "cycle A <-> B", "megatron version-dependent: ...", "order: ...".
 
     python tools/function_imports.py                # counts by kind (own, torch, megatron, stdlib, other)
     python tools/function_imports.py --by-module    # the counts per module
