@@ -4,6 +4,7 @@
 Imports nothing heavy: megatron-core and torch classes are looked up in `sys.modules` only, since
 no object can be an instance of a class whose module was never imported.
 """
+# lazy imports: import cost: inference.sizing.memory imports this module without torch (tests/test_lazy_import.py)
 from __future__ import annotations
 
 import sys

@@ -1,5 +1,6 @@
 """A tokenizer argument made a `tokenizers.Tokenizer`: the object itself, a tokenizer.json path
 or a checkpoint directory holding one; the optional library is imported here only."""
+# lazy imports: optional dependency tokenizers
 from __future__ import annotations
 
 import os

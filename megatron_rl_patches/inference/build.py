@@ -1,6 +1,7 @@
 """build_inference_model: model chunks for a frozen role (teacher, reference, PRM teacher) with
 no DDP wrapper, no grad buffer and no optimizer; Megatron-LM's get_model(wrap_with_ddp=False)
 is not in the megatron-core wheel, and it would still leave the model trainable."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 import contextlib
@@ -17,6 +18,7 @@ from megatron_rl_patches._chunks import has_grad_buffers
 from megatron_rl_patches._log import logger
 from megatron_rl_patches.inference.guard import freeze_chunk
 from megatron_rl_patches.inference.loading.paths import resolve_checkpoint
+from megatron_rl_patches.inference.loading.weights import load_inference_weights
 from megatron_rl_patches.inference.residency.budget import ResidencyBudget
 from megatron_rl_patches.inference.residency.host_init import host_initialization
 from megatron_rl_patches.inference.residency.placement import attach_checked, check_residency_args
@@ -193,8 +195,6 @@ def build_checked(model_provider: Callable[..., Any], mode: str, prefetch: int, 
         sum(p.numel() for chunk in chunks for p in chunk.parameters()),
     )
     if load_dir is not None:
-        from megatron_rl_patches.inference.loading.weights import load_inference_weights
-
         load_inference_weights(chunks, load_dir, strict=strict)
     if on_host:
         name = getattr(model_provider, "__name__", type(model_provider).__name__)

@@ -1,5 +1,6 @@
 """Forward passes only, through megatron-core's own schedule (so pipeline parallelism works as in
 training), collecting one output per micro-batch: logits by default, or log-probs."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -9,6 +10,7 @@ import torch
 
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches._chunks import module_chunks
+from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
 
 Collect = Callable[[torch.Tensor, Any], Any]
 
@@ -93,8 +95,6 @@ def token_log_probs(
     {"log_probs": [...], "entropy": [...] or None} via ops.logprobs.log_probs_and_entropy."""
 
     def collect(logits: torch.Tensor, targets: Any) -> dict[str, torch.Tensor | None]:
-        from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
-
         if not isinstance(targets, torch.Tensor):
             raise TypeError(
                 "token_log_probs needs the target token ids: make forward_step_func return "

@@ -2,6 +2,7 @@
 multi-latent attention without Transformer Engine: MLA gives its core attention key and value
 widths of their own (`k_channels` / `v_channels`), which megatron-core's local DotProductAttention
 does not take. It holds no weights, so a spec may swap it for Transformer Engine's."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 from typing import Any

@@ -5,12 +5,16 @@ and its other modules own the wrappers (named as "module:function" strings, reso
 target module is imported). Importing this package imports nothing heavy: the registry is built
 on first use. `apply`, `revert` and `applied` here are the package's public ones.
 """
+# lazy imports: import cost: the frameworks and the registry (wrapt) load on first call (test_lazy_import)
 from __future__ import annotations
 
+import importlib
 import threading
 from typing import TYPE_CHECKING, Any
 
 from megatron_rl_patches import _aliases
+from megatron_rl_patches.patching import env
+from megatron_rl_patches.patching.startup import hook
 
 if TYPE_CHECKING:
     from megatron_rl_patches.patching.records import Patch, PatchStatuses
@@ -45,8 +49,6 @@ ORDER = (
 def all_patches() -> list[Patch]:
     """Every framework's records, ordered by ORDER (imports the `patches` modules, which import
     nothing heavy). A patch name missing from ORDER is an error, not a silent last place."""
-    import importlib
-
     records = [patch for framework in FRAMEWORKS
                for patch in importlib.import_module(f"{__name__}.{framework}.patches").PATCHES]
     unordered = sorted({patch.name for patch in records} - set(ORDER))
@@ -60,10 +62,6 @@ def check_settings(environ: Any = None) -> None:
     module declares beside its PATCHES (slime: top-k OPD's MEGATRON_RL_PATCHES_OPD_*), and no
     misspelled variable name of ours: a ValueError naming the variable at fault. `run`, the start-up
     hook and `doctor` call this (patching names it by a string, SETTINGS_CHECK)."""
-    import importlib
-
-    from megatron_rl_patches.patching import env
-
     env.check_variable_names(variable_names(), environ)
     for framework in FRAMEWORKS:
         check = getattr(importlib.import_module(f"{__name__}.{framework}.patches"), "check_settings", None)
@@ -75,7 +73,6 @@ def variable_names() -> tuple[str, ...]:
     """Every environment variable the package reads: the patching layer's and each framework's."""
     from megatron_rl_patches.integrations.slime import opd_settings
     from megatron_rl_patches.integrations.verl.rows import ROWS_ENV
-    from megatron_rl_patches.patching import env
 
     opd = (opd_settings.TEACHERS, opd_settings.WEIGHTS, opd_settings.K, opd_settings.DIVERGENCE, opd_settings.COEF,
            opd_settings.POLICY_WEIGHT, opd_settings.RESIDENCY, opd_settings.IDS_FROM)
@@ -117,8 +114,6 @@ def revert(only: Any = None) -> PatchStatuses:
 def applied() -> PatchStatuses:
     """One status per (patch, target): applied / pending / skipped / failed, with a reason; printed,
     one line per patch. Warns once when MEGATRON_RL_PATCHES is set but start-up patching did not run."""
-    from megatron_rl_patches.patching.startup import hook
-
     hook.warn_if_not_run()
     return default_registry().applied()
 

@@ -3,8 +3,14 @@ ran in this process, `ray.init` warns (once) when its runtime_env does not pass
 MEGATRON_RL_PATCHES to the workers. Nothing else about Ray is changed."""
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
+
+import wrapt
+
+from megatron_rl_patches._log import warn_once
+from megatron_rl_patches.patching.wrappers import patch_key, wrap
 
 _state = {"armed": False, "hooked": False}
 _lock = threading.RLock()  # apply()/revert() from several threads, and ray's import hook
@@ -24,8 +30,6 @@ def _carries_selection(runtime_env: Any) -> bool:
 
 def init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     if _state["armed"] and not _carries_selection(kwargs.get("runtime_env")):
-        from megatron_rl_patches._log import warn_once
-
         warn_once(ADVICE)
     return wrapped(*args, **kwargs)
 
@@ -34,14 +38,10 @@ KEY = ("ray", "ray:init")  # marks our wrapper (not a registry record: the regis
 
 
 def _is_ours(init: Any) -> bool:
-    from megatron_rl_patches.patching.wrappers import patch_key
-
     return patch_key(init) == KEY
 
 
 def _wrap(module: Any) -> None:
-    from megatron_rl_patches.patching.wrappers import wrap
-
     with _lock:
         init = getattr(module, "init", None)
         if not _state["armed"] or init is None or _is_ours(init):
@@ -51,28 +51,21 @@ def _wrap(module: Any) -> None:
 
 def arm() -> None:
     """Called by apply(): from now on ray.init checks its runtime_env (Ray imported now or later)."""
-    import sys
-
     with _lock:
         _state["armed"] = True
         if "ray" in sys.modules:
             _wrap(sys.modules["ray"])
         hook, _state["hooked"] = not _state["hooked"], True
     if hook:  # fires on every later import of ray (also after a re-import)
-        import wrapt
 
         wrapt.register_post_import_hook(_wrap, "ray")
 
 
 def disarm() -> None:
     """Called by revert(): ray.init is itself again (the wrapper, if installed, is removed)."""
-    import sys
-
     with _lock:
         _state["armed"] = False
         ray = sys.modules.get("ray")
         init = getattr(ray, "init", None) if ray is not None else None
         if init is not None and _is_ours(init):
-            import wrapt
-
             wrapt.unwrap_object(ray, "init", init)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from megatron_rl_patches.ops.kernels.invariant_tiles import check_vocab
+
 VARIABLE = "MEGATRON_RL_PATCHES_INVARIANT"
 _WORDS = {**dict.fromkeys(("1", "true", "on", "yes"), True), **dict.fromkeys(("0", "false", "off", "no"), False),
           "": None}
@@ -52,8 +54,6 @@ def resolve_invariant(invariant: object, config: Any = None) -> bool:
 def resolve_for_vocab(invariant: object, vocab: int, op: str) -> bool:
     """:func:`resolve_invariant` for an op over `vocab` ids: the invariant mode's fixed-point sums
     hold only so many ids (ValueError naming `op` beyond them)."""
-    from megatron_rl_patches.ops.kernels.invariant_tiles import check_vocab  # torch: not at the setting's import
-
     chosen = resolve_invariant(invariant)
     if chosen:
         check_vocab(vocab, op)

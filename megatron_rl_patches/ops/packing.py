@@ -23,6 +23,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+
+from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
 
 __all__ = [
     "PackedLayout",
@@ -272,8 +275,6 @@ def response_log_probs_and_entropy(
     `kwargs` go to :func:`megatron_rl_patches.ops.logprobs.log_probs_and_entropy` (tp_group,
     temperature, with_entropy, keep_mask aligned with the local rows, ...).
     """
-    from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
-
     _check_rows("logits", logits)
     targets = shifted_targets(tokens, layout, logits.size(0), device=logits.device)
     log_probs, entropy = log_probs_and_entropy(logits, targets, **kwargs)
@@ -359,7 +360,6 @@ def _moved(
     # SUM all-reduce over the CP group: each response row is nonzero on exactly one rank (the
     # one holding it in the source layout), so the sum is every full response on every rank
     if full.requires_grad:  # some input requires grad
-        import torch.distributed.nn.functional as dist_nn
 
         full = dist_nn.all_reduce(full, group=group)
     else:

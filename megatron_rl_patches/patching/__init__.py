@@ -1,5 +1,6 @@
 """Patch machinery: records, selection, start-up hook. Knows nothing of Megatron nor of which
 patches exist: the registry of every known patch is named here by a string, resolved when used."""
+# lazy imports: import cost: the start-up hook imports this package in every process (tests/test_lazy_import.py)
 from __future__ import annotations
 
 TYPE_CHECKING = False  # not `typing`'s: this package is imported at every interpreter start-up

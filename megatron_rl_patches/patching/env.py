@@ -157,11 +157,10 @@ def role_layouts(environ: Mapping[str, str] | None = None) -> dict[str, int]:
             if size in sizes:
                 raise ValueError(f"{where}: option {size!r} given twice; give each option once")
             sizes[size] = value
-        if sizes.get("pp", 1) > 1:  # a role runs slime's own passes: no pipeline of its own to run them on
+        if sizes.get("pp", 1) > 1:  # a role at its own layout is built and scored at its own tp only
             raise ValueError(f"{where}: option 'pp={sizes['pp']}': a role's model at its own pipeline-parallel "
-                             "size is not served (slime runs a role's passes in the student's process groups; "
-                             "teachers at their own pipeline are served for MEGATRON_RL_PATCHES_OPD_TEACHERS "
-                             "'PATH;pp=N'); drop it or use 1")
+                             "size is not served yet (a role at its own layout takes ';tp=N'; an own pipeline is "
+                             "served for MEGATRON_RL_PATCHES_OPD_TEACHERS entries 'PATH;pp=N'); drop it or use 1")
         if "tp" in sizes and mode.strip().lower() not in ("", "resident"):
             raise ValueError(f"{where}: ';tp={sizes['tp']}' with residency {_cut(mode.strip())!r}: a model at its "
                              "own layout is served resident only; drop the residency or ';tp='")

@@ -8,6 +8,7 @@ the original once reverted. Each record's outcome is decided once (``_Outcome``)
 recorded, raised (strict) or warned. This module knows nothing of Megatron nor of which patches
 exist: ``megatron_rl_patches.integrations`` assembles the default registry.
 """
+# lazy imports: import cost: the start-up hook loads this module with MEGATRON_RL_PATCHES=all (test_lazy_import)
 from __future__ import annotations
 
 import inspect

@@ -18,6 +18,8 @@ from typing import Any
 
 from megatron_rl_patches._shadow import shadowed
 from megatron_rl_patches.processors.gpt_signature import KEYWORDS as PROCESSOR_KEYWORDS
+from megatron_rl_patches.processors.heads import output_layer_pre_hooks_ran
+from megatron_rl_patches.processors.mtp_loss import FusedHeadLogits, fused_loss, fused_mtp_loss_in_effect
 
 
 class _OutputLayerReached(Exception):
@@ -32,8 +34,6 @@ def _hidden_states_before_output_layer(model: Any, wrapped: Any, args: tuple, kw
     """Run the model's forward up to its output layer and return what the layer would get. The
     first `mtp_depths` calls of the layer (the MTP heads of megatron-core < 0.18, which call it
     before the main head) get the fused head instead of logits, and so does their loss."""
-    from megatron_rl_patches.processors.mtp_loss import FusedHeadLogits, fused_loss
-
     layer = model.output_layer
     heads: list[None] = []
 
@@ -74,7 +74,6 @@ def _inline_mtp_depths(model: Any, wrapped: Any, given: dict) -> int:
     `mtp_output_processor`'s (0: nothing inline)."""
     if not _mtp_runs(model) or not _mtp_labels_given(given):
         return 0
-    from megatron_rl_patches.processors.mtp_loss import fused_mtp_loss_in_effect
 
     namespace = getattr(getattr(wrapped, "__func__", wrapped), "__globals__", {})
     if "process_mtp_loss" not in namespace:
@@ -113,7 +112,6 @@ def forward_with_processor(wrapped: Any, instance: Any, args: tuple, kwargs: dic
     hidden_states = _hidden_states_before_output_layer(instance, wrapped, args, kwargs, mtp_depths)
     output_weight = (instance.shared_embedding_or_output_weight() if instance.share_embeddings_and_output_weights
                      else None)
-    from megatron_rl_patches.processors.heads import output_layer_pre_hooks_ran
 
     with output_layer_pre_hooks_ran(instance.output_layer):  # the call above ran them: once per forward
         return _call_processor(processor, instance, given, hidden_states, output_weight, context)

@@ -20,8 +20,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE
+from megatron_rl_patches.ops.divergence import lm_head_divergence
+from megatron_rl_patches.ops.divergence_checks import check_divergence_options
+from megatron_rl_patches.ops.kernels.sources import gather_rows
 from megatron_rl_patches.processors.heads import (
     ProcessorCall,
     check_options,
@@ -51,8 +55,6 @@ def hidden_output_processor() -> Callable[..., torch.Tensor]:
     sequence parallelism every rank's rows are gathered (all-gather of [s, b, H] over the TP group)."""
 
     def process(*, hidden_states, output_layer, config=None, **_):
-        from megatron_rl_patches.ops.kernels.sources import gather_rows
-
         if hidden_states.dim() != 3:
             raise ValueError(f"hidden_states must be [s, b, h], got shape {tuple(hidden_states.shape)}")
         _no_mup(config, "hidden_output_processor")
@@ -85,14 +87,10 @@ def divergence_output_processor(
     optionally with "keep_mask" ([b, s, V/tp] bool), "temperature" ([b, s], multiplied with
     `temperature`) and "row_mask" ([b, s] bool, e.g. the response tokens: the other tokens'
     divergence is 0 and they never meet the head). Options as :func:`megatron_rl_patches.lm_head_divergence`."""
-    from megatron_rl_patches.ops.divergence_checks import check_divergence_options
-
     check_divergence_options(divergence, beta, alpha)
     check_options(temperature, vocab_size, chunk_size)
 
     def process(*, hidden_states, output_layer, output_weight=None, config=None, context=None, **_):
-        from megatron_rl_patches.ops.divergence import lm_head_divergence
-
         ctx = read_context(context, _DIVERGENCE_CONTEXT)
         if "teacher_hidden" not in ctx or "teacher_weight" not in ctx:
             raise ValueError("divergence_output_processor needs output_processor_context={'teacher_hidden': ..., "
@@ -134,8 +132,6 @@ def _teacher_rows(teacher_hidden: Any, teacher_weight: Any, call: ProcessorCall)
         weight = weights[j] if isinstance(weights, (list, tuple)) and j < len(weights) else None
         flat = _in_weight_dtype(token_rows(hidden, name, call.batch, call.seq), weight)
         if call.sequence_parallel:
-            import torch.distributed as dist
-
             per = flat.size(0) // call.tp_world
             rank = dist.get_rank(call.tp_group)
             flat = flat[rank * per : (rank + 1) * per]

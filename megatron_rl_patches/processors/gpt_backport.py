@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_rl_patches.processors.backport_common import forward_with_processor
+
 
 def gpt_forward_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """`gpt_output_processor`: the processor gets the output layer's inputs in place of the logits
     and its result is returned, with the keywords megatron-core 0.18 passes."""
-    from megatron_rl_patches.processors.backport_common import forward_with_processor
-
     return forward_with_processor(wrapped, instance, args, kwargs)

@@ -7,18 +7,28 @@ only after the output layer's forward pre-hooks ran (with overlap-param-gather, 
 waits for that weight's all-gather), takes tensor and sequence parallelism from the output layer
 and folds a MuP output multiplier into the temperature.
 """
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
+import inspect
 import math
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl_patches._args import positive_int
+from megatron_rl_patches._log import warn_once
+from megatron_rl_patches.ops._checks import check_scalar_temperature
+from megatron_rl_patches.ops._rows import RowSelection
 from megatron_rl_patches.ops.invariance import check_invariant, resolve_invariant
+from megatron_rl_patches.ops.kept_set import lm_head_kept_log_probs
+from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy, lm_head_topk_ids, lm_head_topk_logprobs
+from megatron_rl_patches.ops.topk import union_ids
 from megatron_rl_patches.processors.output import ProcessorOutput
 
 __all__ = ["log_prob_output_processor", "topk_output_processor"]
@@ -84,8 +94,6 @@ def logit_multiplier(config: Any) -> float:
 
 def check_options(temperature: object, vocab_size: object, chunk_size: object) -> None:
     """The options a processor is built with, checked as the ops check them, before any forward."""
-    from megatron_rl_patches.ops._checks import check_scalar_temperature
-
     # float64: only the value's own range here; the op checks 1/τ against the hidden states' dtype
     check_scalar_temperature(temperature, torch.float64, "a float > 0 (per-token values go in the context)")
     if vocab_size is not None:
@@ -102,17 +110,12 @@ def hint_missing_hook() -> None:
     """One warning, when a processor is built, if the loaded GPTModel cannot take it: megatron-core
     < 0.18 without the `gpt_output_processor` patch (its forward would raise a bare TypeError on
     `output_processor=`). Looks only at a module already imported: imports nothing."""
-    import inspect
-    import sys
-
     gpt = getattr(sys.modules.get(GPT_MODULE), "GPTModel", None)
     try:
         parameters = inspect.signature(gpt.forward).parameters if gpt is not None else None
     except (TypeError, ValueError):
         return
     if parameters is not None and "output_processor" not in parameters:
-        from megatron_rl_patches._log import warn_once
-
         warn_once("GPTModel.forward of this megatron-core has no output_processor keyword (added in 0.18): "
                   "apply the gpt_output_processor patch before calling the model with a processor, e.g. "
                   "megatron_rl_patches.apply(only=['gpt_output_processor']) (it is in MEGATRON_RL_PATCHES=all)")
@@ -145,8 +148,6 @@ def _row_mask(ctx: Mapping[str, Any], call: ProcessorCall) -> Any:
     """The selection of the context's "row_mask" [b, s] (e.g. the response tokens: masked response
     tokens still need their log-probs) over the call's rows, built once and passed as every op's
     `row_mask`: only those rows meet the output weight."""
-    from megatron_rl_patches.ops._rows import RowSelection
-
     mask, shared = ctx.get("row_mask"), _SHARED_ROWS.get()
     if shared and shared[0] is mask:
         return shared[1]
@@ -188,7 +189,6 @@ class ProcessorCall:
     def tp_world(self) -> int:
         if self.tp_group is None:
             return 1
-        import torch.distributed as dist
 
         return dist.get_world_size(self.tp_group)
 
@@ -199,8 +199,6 @@ class ProcessorCall:
 
 def output_tp_group(output_layer: torch.nn.Module):
     """The output layer's tensor-parallel group, or None at TP = 1 (the ops' "no TP")."""
-    import torch.distributed as dist
-
     group = getattr(output_layer, "tp_group", None)
     if group is None:
         try:
@@ -238,8 +236,6 @@ def log_prob_output_processor(
     check_invariant(invariant)
 
     def process(*, hidden_states, output_layer, output_weight=None, labels=None, config=None, context=None, **_):
-        from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy
-
         ctx = read_context(context, _LOGPROB_CONTEXT)
         if labels is None:
             raise ValueError("log_prob_output_processor needs labels=[b, s] target ids in GPTModel.forward")
@@ -275,8 +271,6 @@ def log_prob_output_processor(
 def kept_log_probs(call: ProcessorCall, ctx: Mapping[str, Any], log_probs: torch.Tensor,
                    vocab_size: int | None) -> torch.Tensor:
     """[s*b] rows: the context's kept-set log-probs on its "kept_row_mask" tokens, `log_probs` elsewhere."""
-    from megatron_rl_patches.ops.kept_set import lm_head_kept_log_probs
-
     ids, positions, mask = ctx.get("kept_ids"), ctx.get("kept_positions"), ctx.get("kept_row_mask")
     if ids is None or positions is None or mask is None:
         raise ValueError("output_processor_context needs 'kept_ids', 'kept_positions' and 'kept_row_mask' together "
@@ -327,9 +321,6 @@ def topk_output_processor(
         raise TypeError(f"union must be True or False, got {union!r}")
 
     def process(*, hidden_states, output_layer, output_weight=None, labels=None, config=None, context=None, **_):
-        from megatron_rl_patches.ops.lm_head import lm_head_topk_ids, lm_head_topk_logprobs
-        from megatron_rl_patches.ops.topk import union_ids
-
         ctx = read_context(context, _TOPK_CONTEXT)
         ids, mask = ctx.get("ids"), ctx.get("ids_mask")
         if union and (ids is None or k is None or mask is not None):

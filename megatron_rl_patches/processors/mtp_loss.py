@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches._args import bind
+from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy, lm_head_topk_ids
+from megatron_rl_patches.patching import wrappers
 from megatron_rl_patches.processors.heads import ProcessorCall
 
 PATCH_NAME = "mtp_output_processor"
@@ -35,8 +38,6 @@ class FusedHeadLogits:
 
     def cross_entropy(self, labels: torch.Tensor) -> torch.Tensor:
         """-log p(label) [b, s], as `compute_language_model_loss(labels, logits)` gives it."""
-        from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy
-
         call = self._call(labels)
         assert call.labels is not None
         log_probs, _ = lm_head_log_probs_and_entropy(
@@ -47,8 +48,6 @@ class FusedHeadLogits:
 
     def argmax(self) -> torch.Tensor:
         """The global id of each row's largest logit, [s, b] (every row under sequence parallelism)."""
-        from megatron_rl_patches.ops.lm_head import lm_head_topk_ids
-
         call = self._call(None)
         ids = lm_head_topk_ids(call.hidden, call.weight, 1, tp_group=call.tp_group,
                                sequence_parallel=call.sequence_parallel)
@@ -85,8 +84,6 @@ def fused_loss(original: Callable[[torch.Tensor, Any], torch.Tensor]) -> Callabl
 def process_mtp_loss_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """`mtp_output_processor`: megatron's `process_mtp_loss` with the fused head standing in for
     the output layer and the loss; a call that does not fit its signature runs unchanged."""
-    from megatron_rl_patches._args import bind
-
     bound = bind(wrapped, args, kwargs)
     if bound is None or isinstance(bound.arguments["output_layer"], _FusedOutputLayer):
         return wrapped(*args, **kwargs)
@@ -101,8 +98,6 @@ def process_mtp_loss_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
 def acceptance_counts_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """`mtp_output_processor`: MTP acceptance counts (correct, total) from the fused head's top-1
     ids when the logits are :class:`FusedHeadLogits`; megatron's own otherwise."""
-    from megatron_rl_patches._args import bind
-
     bound = bind(wrapped, args, kwargs)
     if bound is None or not isinstance(bound.arguments["mtp_logits"], FusedHeadLogits):
         return wrapped(*args, **kwargs)
@@ -117,8 +112,6 @@ def acceptance_counts_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: 
 def fused_mtp_loss_in_effect(namespace: Mapping[str, Any]) -> bool:
     """Whether `process_mtp_loss` as the module `namespace` (a model module's globals) calls it is
     this patch's active wrapper: its MTP heads then never call the output layer."""
-    from megatron_rl_patches.patching import wrappers
-
     function = namespace.get("process_mtp_loss")
     if not isinstance(function, wrappers.FunctionWrapper):
         return False

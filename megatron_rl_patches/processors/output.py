@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils import _pytree
+from torch.utils._pytree import MappingKey
 
 
 class ProcessorOutput(dict):
@@ -40,16 +42,12 @@ def _unflatten(values: Any, keys: Any) -> ProcessorOutput:
 
 
 def _flatten_with_keys(output: ProcessorOutput) -> tuple[list[tuple[Any, Any]], list[Any]]:
-    from torch.utils._pytree import MappingKey
-
     return [(MappingKey(key), value) for key, value in output.items()], list(output.keys())
 
 
 def _register() -> None:
     """Treat the output as the dict it is: `torch.load` (weights_only, its default) may rebuild it,
     and torch's pytree (tree_leaves, tree_map) walks into its tensors. Idempotent."""
-    from torch.utils import _pytree
-
     add_safe_globals = getattr(torch.serialization, "add_safe_globals", None)
     if add_safe_globals is not None and ProcessorOutput not in torch.serialization.get_safe_globals():
         add_safe_globals([ProcessorOutput])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
+
 
 def relative_error(got: Any, want: Any, floor: float = 1.0) -> float:
     """Largest |got - want| over the reference's largest magnitude (at least `floor`; 0.0: none)."""
@@ -19,8 +21,6 @@ def close(got: Any, want: Any, rel: float, floor: float = 1.0) -> bool:
 def collect_grads(model: Any, zero: bool = True, summed_over: Any = None) -> dict[str, Any]:
     """{name: a copy of the gradient} of the parameters that have one, summed over the process group
     `summed_over` when given (e.g. the context-parallel ranks); `zero` sets them to None after."""
-    import torch.distributed as dist
-
     out = {}
     for name, param in model.named_parameters():
         if param.grad is not None:

@@ -15,7 +15,11 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_rl_patches.testing.cp_layout import check_layout, local_rows
 
@@ -27,8 +31,6 @@ class GatherRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, group: Any) -> torch.Tensor:
-        import torch.distributed as dist
-
         ctx.group, ctx.rows = group, local.size(0)
         ctx.rank = dist.get_rank(group)
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
@@ -37,8 +39,6 @@ class GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        import torch.distributed as dist
-
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad.narrow(0, ctx.rank * ctx.rows, ctx.rows), None
@@ -48,7 +48,6 @@ def _cp_group(pg_collection: Any) -> Any:
     group = getattr(pg_collection, "cp", None)
     if group is not None:
         return group
-    from megatron.core import parallel_state
 
     return parallel_state.get_context_parallel_group()
 
@@ -57,7 +56,6 @@ def _tp_size(pg_collection: Any) -> int:
     group = getattr(pg_collection, "tp", None)
     if group is not None:
         return group.size()
-    from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_world_size()
 
@@ -98,8 +96,6 @@ class ContextParallelAttention(MegatronModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None,
                 **_: Any) -> torch.Tensor:
-        import torch.distributed as dist
-
         if attention_bias is not None:
             raise ValueError("ContextParallelAttention takes no attention_bias")
         packed = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "thd") == "thd"
@@ -151,12 +147,8 @@ class ContextParallelAttention(MegatronModule):
 def cp_layer_spec(layout: str = "zigzag", spec: Any = None) -> Any:
     """`spec` (default: megatron-core's local GPT layer spec) with `ContextParallelAttention` in
     `layout` as its self-attention's core attention."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
     check_layout(layout)
     if spec is None:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
         spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=ContextParallelAttention, params={"layout": layout}

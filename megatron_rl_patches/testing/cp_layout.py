@@ -10,12 +10,14 @@ For packed `thd` input (`cu_seqlens`, the global, padded boundaries of the seque
 stream), "zigzag" cuts every sequence on its own (each length a multiple of 2·cp), "contiguous"
 cuts the whole stream (its length a multiple of cp).
 """
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -112,8 +114,6 @@ def gather_rows(local: torch.Tensor, dim: int, layout: str, group: Any = None,
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Every rank's rows of `local` along `dim`, gathered over the context-parallel `group`
     (default: megatron's) and put back in sequence order (no gradient)."""
-    import torch.distributed as dist
-
     if group is None:
         from megatron.core import parallel_state
 

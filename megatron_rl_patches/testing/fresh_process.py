@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 
 def run_with_patches(
     script: Path, out: Path, pythonpath: Sequence[Path | str], patches: str = "all", timeout: float = 300
@@ -16,8 +18,6 @@ def run_with_patches(
     """`python script out` with only MEGATRON_RL_PATCHES=`patches` of our variables and `pythonpath`;
     AssertionError with the stderr tail if it fails. The saved dict gains `status`: target -> status
     from its `statuses` (a list of PatchStatus.as_dict())."""
-    import torch
-
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_RL_PATCHES")}
     env.update(MEGATRON_RL_PATCHES=patches, PYTHONPATH=os.pathsep.join(map(str, pythonpath)))
     proc = subprocess.run(

@@ -11,7 +11,10 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.inference.loading.hf.families import FAMILIES, REGISTRY
+from megatron_rl_patches.inference.loading.hf.checkpoint_config import text_config
+from megatron_rl_patches.inference.loading.hf.families import FAMILIES, REGISTRY, architecture
+from megatron_rl_patches.inference.loading.hf.files import read_tensor, tensor_index
+from megatron_rl_patches.inference.loading.hf.names import checkpoint_tensors
 
 HF_KINDS = tuple(family.name for family in FAMILIES)  # the converter's families, one config each
 
@@ -77,9 +80,6 @@ def write_tiny_checkpoint(directory: str | Path, config: dict[str, Any], seed: i
                           shards: int = 1) -> dict[str, torch.Tensor]:
     """config.json and random safetensors weights (in `shards` files with an index when > 1) of
     the architecture `config` describes, into `directory`; returns the tensors. No transformers."""
-    from megatron_rl_patches.inference.loading.hf.families import architecture
-    from megatron_rl_patches.inference.loading.hf.names import checkpoint_tensors
-
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
@@ -107,7 +107,7 @@ def save_tiny_hf(directory: str | Path, kind: str = "qwen3", seed: int = 0, **ov
     saved with save_pretrained into `directory`; returns the model (float32, eval) as the reference
     (MiMo: save_tiny_mimo's Qwen2).
     Needs transformers."""
-    import transformers
+    import transformers  # lazy: optional dependency transformers
 
     if kind == "mimo":  # remote code: no transformers class of its own
         return save_tiny_mimo(directory, seed, **overrides)
@@ -152,13 +152,12 @@ def add_mtp_tensors(directory: str | Path, prefix: str, **config: Any) -> None:
     model does not (a few of them, random, under `prefix`: `model.layers.N.` for GLM / DeepSeek,
     `model.mtp_layers.0.` for MiMo) added to the single-file checkpoint at `directory`, and
     `config` written into its config.json."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # lazy: optional dependency safetensors
 
     root = Path(directory)
     values = json.loads((root / "config.json").read_text())
     values.update(config)
     (root / "config.json").write_text(json.dumps(values))
-    from megatron_rl_patches.inference.loading.hf.checkpoint_config import text_config
 
     h = text_config(values)["hidden_size"]  # a wrapper nests it
     tensors = load_file(root / "model.safetensors")
@@ -213,8 +212,6 @@ def router_margin(model: Any, tokens: torch.Tensor) -> float:
 def write_swapped_layers(good: str | Path, bad: str | Path) -> None:
     """The checkpoint directory `good` with layers 0 and 1 exchanged, written to `bad` (a negative
     control: a loader that maps layers by position passes it)."""
-    from megatron_rl_patches.inference.loading.hf.files import read_tensor, tensor_index
-
     swapped = {}
     for name, entry in tensor_index(Path(good)).items():
         for a, b in ((".0.", ".1."), (".1.", ".0.")):

@@ -1,6 +1,7 @@
 """The parallel layouts of docs/layouts.md, each declared once: its id, `layout(...)` marker, ranks,
 parallel sizes and what runs. Test worlds, markers and the page's layout table are built from (or
 checked against) this table, so a layout's identity lives in one place and a marker typo fails."""
+# lazy imports: optional dependency pytest
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,5 +1,6 @@
 """Real megatron-core on CPU: a gloo world, model-parallel state, tiny GPT and HybridModel models,
 DDP wrappers, batches and the real forward-backward schedule. Used by the pytest plugin and the CPU demo."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 import contextlib
@@ -139,7 +140,7 @@ def build_tiny_hybrid(config: Any = None, *, layer_pattern: str | None = None, *
     """A real HybridModel of attention ('*') and MLP ('-') layers with local modules (other keywords as
     `build_tiny_gpt`); the pattern defaults to '*-' repeated over `config.num_layers`.
     ModelKindUnavailable before megatron-core 0.18."""
-    from megatron_rl_patches.testing import tiny_hybrid
+    from megatron_rl_patches.testing import tiny_hybrid  # lazy: optional dependency megatron-core (through this module)
 
     config = config if config is not None else tiny_gpt_config()
     if layer_pattern is None:
@@ -312,5 +313,6 @@ class MegatronCPU:
         if kind not in MODEL_KINDS:
             raise ValueError(f"kind must be one of {MODEL_KINDS}, got {kind!r}")
         if kind == "hybrid":
+            # lazy: optional dependency megatron-core (through this module)
             import megatron_rl_patches.testing.tiny_hybrid  # noqa: F401  (its import raises ModelKindUnavailable)
         return replace(self, kind=kind)

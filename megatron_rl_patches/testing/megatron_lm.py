@@ -7,6 +7,7 @@ up by `megatron_world` instead of `initialize_megatron` (it asserts CUDA); `sys.
 while `parse_args()` runs (it reads nothing else); no tokenizer (`set_global_variables(...,
 build_tokenizer=False)` with `args.padded_vocab_size`); our own forward step and data.
 """
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 import contextlib

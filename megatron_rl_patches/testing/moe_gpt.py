@@ -3,6 +3,7 @@
 dispatcher (the alltoall dispatcher's split-size all_to_all does not run on gloo). Expert
 parallelism comes from Megatron's parallel state (`megatron_world(expert_parallel=...)`); the
 CPU shims cover megatron-core < 0.17's MoE router without Transformer Engine."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 from typing import Any

@@ -4,6 +4,7 @@ depths. megatron-core >= 0.18 computes the heads' loss in `process_mtp_loss` (pa
 `mtp_output_processor` routes it through the fused head); before 0.18 the forward computes it
 inline (the `gpt_output_processor` backport serves it). Before 0.18 the forward needs `labels`
 whenever MTP is configured (megatron reads `labels.clone()`)."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 from collections.abc import Callable

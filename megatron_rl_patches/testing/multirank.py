@@ -5,17 +5,19 @@ vocab-parallel code on a laptop.
 """
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
 
 def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
@@ -29,20 +31,12 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], 
 def _pack(result: Any) -> bytes:
     """The result as bytes (torch.save): tensors travel by value, not as shared-memory handles
     that vanish when this rank's process exits before the parent reads them."""
-    import io
-
-    import torch
-
     buffer = io.BytesIO()
     torch.save(result, buffer)
     return buffer.getvalue()
 
 
 def _unpack(payload: bytes) -> Any:
-    import io
-
-    import torch
-
     return torch.load(io.BytesIO(payload), weights_only=False)
 
 
@@ -52,8 +46,6 @@ def run_multirank(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
     `fn` must be importable (module level) and its results picklable (move tensors to CPU).
     The default process group is initialized in each rank before `fn` runs.
     """
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,12 +2,14 @@
 packs every micro-batch). megatron-core's local DotProductAttention refuses `packed_seq_params`
 (only Transformer Engine's CUDA attention takes them); this test-only stand-in masks attention
 to stay causal within each packed sequence and otherwise runs megatron's own code."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 from typing import Any
 
 import torch
 
+from megatron_rl_patches.inference.sdpa_attention import SDPACoreAttention
 from megatron_rl_patches.testing.megatron_cpu import TINY_VOCAB, tiny_gpt_config
 
 
@@ -26,8 +28,6 @@ def packed_attention_class() -> type:
                              **kwargs)
             self.latent = None
             if k_channels is not None or v_channels is not None:
-                from megatron_rl_patches.inference.sdpa_attention import SDPACoreAttention
-
                 self.latent = SDPACoreAttention(config, layer_number, attn_mask_type, attention_type,
                                                 attention_dropout, softmax_scale)
 
@@ -63,6 +63,7 @@ def packed_gpt_spec(num_experts: int | None = None) -> Any:
 
 
 def _cp_spec(layout: str) -> Any:
+    # lazy: optional dependency megatron-core (through this module)
     from megatron_rl_patches.testing.cp_attention import cp_layer_spec
 
     return cp_layer_spec(layout)

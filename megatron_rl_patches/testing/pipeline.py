@@ -1,6 +1,7 @@
 """Pipeline (PP) and interleaved virtual-pipeline (VPP) worlds on CPU: the model chunks of this
 rank's stage(s), built by any Megatron-LM style provider, to run with megatron-core's real
 `get_forward_backward_func()` schedule (`megatron_cpu.run_schedule`) over gloo p2p."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 from collections.abc import Callable

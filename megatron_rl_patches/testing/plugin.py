@@ -3,12 +3,15 @@
 Loaded in every pytest session of every user, so importing it imports nothing heavy; torch and
 megatron load only when a fixture is used. pytest-mock is optional.
 """
+# lazy imports: import cost: pytest loads this plugin (pytest11) in every session of an environment with the package
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+
+from megatron_rl_patches.testing.fake_ddp import FakeDDP
 
 
 @pytest.fixture
@@ -43,8 +46,6 @@ def megatron_cpu_kind(request: pytest.FixtureRequest, megatron_cpu: Any) -> Any:
 @pytest.fixture
 def fake_ddp(request: pytest.FixtureRequest) -> Callable[..., Any]:
     """Factory of DDP stand-ins; with pytest-mock installed their hook and sync methods are spies."""
-    from megatron_rl_patches.testing.fake_ddp import FakeDDP
-
     try:
         mocker = request.getfixturevalue("mocker")
     except pytest.FixtureLookupError:

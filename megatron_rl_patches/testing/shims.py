@@ -26,6 +26,7 @@ left alone):
 - `moe_utils.te_general_gemm` = None: megatron-core < 0.17 without Transformer Engine leaves the
   name undefined and its MoE router's gating linear raises `NameError` (None: the torch matmul).
 """
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 import contextlib

@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 __all__ = ["VocabWideTensors"]
 
@@ -33,9 +35,6 @@ class VocabWideTensors:
             self.largest_bytes, self.largest_shape = size, tuple(tensor.shape)
 
     def __enter__(self) -> VocabWideTensors:
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
-
         watch = self
 
         class _Mode(TorchDispatchMode):

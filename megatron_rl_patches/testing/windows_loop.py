@@ -8,6 +8,7 @@ list call `finalize_model_grads` / every chunk's `finish_grad_sync` there, insid
 `[[1, FINALIZE, 1]]`. Data depends on (rank, window, call, microbatch) only, so a run and its
 synchronous reference (`overlap_grad_reduce=False`) see the same.
 """
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 import contextlib
@@ -17,8 +18,9 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.testing.megatron_cpu import check_interleaved_p2p, gpt_forward, make_batch
+from megatron_rl_patches.testing.megatron_cpu import check_interleaved_p2p, gpt_forward, make_batch, wrap_ddp
 from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config as tiny_gpt_config
+from megatron_rl_patches.windows import bucket_groups
 
 FINALIZE = "finalize"  # finalize_model_grads(chunks, **finalize_kwargs) inside the window
 FINISH = "finish"  # chunk.finish_grad_sync(**finalize_kwargs) on every chunk inside the window
@@ -60,8 +62,6 @@ def wrap(models: Sequence[Any], config: Any, ddp_flags: dict, optimizer: str | N
     """`models` (this rank's chunks, built on `config`) in real DDP with `ddp_flags`, Megatron's
     optimizer ("sgd" / "adam", distributed when the flags say so; `optimizer_flags` such as bf16=True
     go to its OptimizerConfig) and the config's sync functions as a split train step leaves them."""
-    from megatron_rl_patches.testing.megatron_cpu import wrap_ddp
-
     chunks = [wrap_ddp(model, **ddp_flags) for model in models]
     setup = LoopSetup(chunks=chunks, config=config)
     if optimizer is not None:
@@ -147,8 +147,6 @@ def params_of(setup: LoopSetup) -> torch.Tensor:
 
 def reduce_in_flight(setup: LoopSetup) -> bool:
     """True while some bucket group of the run still has a gradient reduce started and not waited for."""
-    from megatron_rl_patches.windows import bucket_groups
-
     return any(group.grad_reduce_handle is not None for chunk in setup.chunks for group in bucket_groups(chunk))
 
 

@@ -36,13 +36,13 @@ def test_the_room_table_lists_the_rooms_of_the_import_graph_test_and_the_folders
 
 
 def missing_paths(text: str) -> list[str]:
-    """The backticked paths (`x.py`, `dir/`) of `text` that name nothing: `tests/...` and `docs/...`
+    """The backticked paths (`x.py`, `dir/`) of `text` that name nothing: `tests/...`, `docs/...`, `tools/...`
     from the repository, the others below the package (a path may start inside a room: `loading/hf/`)."""
     below = {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*") if "__pycache__" not in path.parts}
     missing = []
     for token in sorted(set(re.findall(r"`([A-Za-z0-9_./]+(?:\.py|/))`", text))):
         bare = token.rstrip("/")
-        if token.startswith(("tests/", "docs/")):
+        if token.startswith(("tests/", "docs/", "tools/")):
             found = (REPO / token).exists()
         else:
             found = any(path == bare or path.endswith("/" + bare) for path in below)

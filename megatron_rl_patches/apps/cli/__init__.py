@@ -15,7 +15,10 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
+from megatron_rl_patches import __version__
+from megatron_rl_patches._backend_env import MEANING as BACKEND_MEANING
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG, USAGE, HelpFormatter, UsageError, say
+from megatron_rl_patches.patching import env
 
 __all__ = ["COMMANDS", "OK", "PROBLEM", "PROG", "USAGE", "UsageError", "build_parser", "main"]
 
@@ -43,9 +46,6 @@ BROKEN_PIPE = 141
 
 def environment_help() -> str:
     """The environment variables the patches read, one per line (the epilog of --help)."""
-    from megatron_rl_patches._backend_env import MEANING as BACKEND_MEANING
-    from megatron_rl_patches.patching import env
-
     meaning = {
         env.SELECT: '"all" (or "1") or comma-separated patch names: applied in every Python process '
                     'at start-up; unset, "" or "0": off',
@@ -120,8 +120,6 @@ def _selected_command(argv: Sequence[str]) -> str | None:
 
 def build_parser(command: str | None = None) -> tuple[argparse.ArgumentParser, Any]:
     """The argument parser, with the arguments of `command` only (whose module is imported)."""
-    from megatron_rl_patches import __version__
-
     epilog = environment_help()
     parser = argparse.ArgumentParser(
         prog=PROG,

@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 
+from megatron_rl_patches.apps.bench import gpu, ops
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, UsageError, say
 
 BENCHMARKS = {
@@ -139,8 +140,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_gpu(args: argparse.Namespace) -> int:
     """`bench gpu`: refuses in one line without CUDA, before anything else."""
-    from megatron_rl_patches.apps.bench import gpu
-
     why = gpu.cuda_missing()
     if why is not None:
         say("bench gpu", why)
@@ -156,8 +155,6 @@ def _run_gpu(args: argparse.Namespace) -> int:
 
 def _run_ops(args: argparse.Namespace) -> int:
     """`bench ops`: interleaved per-op times of today's package and --baseline's."""
-    from megatron_rl_patches.apps.bench import ops
-
     if args.out:
         check_output_folder(args.out)
     given = {flag[2:]: getattr(args, flag[2:]) for flag, *_ in OPS_OPTIONS}

@@ -7,6 +7,7 @@ the fused output processors. `--no-patches` runs the same loop as a user without
 it (plain builds, losses on full logits): rollout 1 matches, rollout 2 hits the re-entry crash.
 On CPU it runs megatron-core through the test kit's shims (never used by library code).
 """
+# lazy imports: import cost: `demo`'s usage errors come before torch (tests/apps/cli/test_light_usage_errors.py)
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,8 @@ import sys
 from dataclasses import fields, replace
 
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, UsageError
+from megatron_rl_patches.apps.demo.config import DemoConfig
+from megatron_rl_patches.apps.demo.report import format_comparison, format_summary
 
 ROUTES = ("both", "package", "plain")
 # Without the package the loop fails on its second train() call: two rollouts show it.
@@ -23,8 +26,6 @@ SEEDS = 2**32  # --seed in [0, SEEDS): every seed the demo derives from it fits 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from megatron_rl_patches.apps.demo.config import DemoConfig
-
     defaults = DemoConfig()
     parser.add_argument("--rollouts", type=int, default=defaults.rollouts, help="train() calls (>= 1)")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps per rollout")
@@ -62,8 +63,6 @@ def _status(line: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl_patches.apps.demo.config import DemoConfig
-
     overrides = {f.name: getattr(args, f.name) for f in fields(DemoConfig) if hasattr(args, f.name)}
     cfg = DemoConfig(**overrides)
     if cfg.rollouts < 1 or cfg.steps < 1 or cfg.teachers < 1 or not 0 < cfg.topk < cfg.vocab_size:
@@ -77,7 +76,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--no-patches contradicts --route {args.route}")
     # on screen at once: the imports below take seconds (torch, megatron-core)
     _status("starting megatron-core on CPU (the first imports take about 10 s) ...")
-    from megatron_rl_patches.apps.demo.report import format_comparison, format_summary
     from megatron_rl_patches.apps.demo.session import run_demo
 
     if route != "both":

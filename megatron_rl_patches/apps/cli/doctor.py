@@ -3,6 +3,7 @@ patch its supported range / tested label / status, the environment and the start
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -10,8 +11,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import megatron_rl_patches
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG
 from megatron_rl_patches.apps.cli.targets import STATUS_HELP, find_module, shown_status
+from megatron_rl_patches.inference.loading.hf.checkpoint_config import (
+    CONFIG,
+    TOKENIZER,
+    hub_cache_problem,
+    read_checkpoint_config,
+)
+from megatron_rl_patches.inference.loading.hf.families import read_architecture
+from megatron_rl_patches.inference.loading.hf.files import tensor_index
+from megatron_rl_patches.integrations import default_registry
+from megatron_rl_patches.integrations.megatron import version as megatron_version
+from megatron_rl_patches.integrations.slime.opd_settings import OWN_TOKENIZER, TEACHERS, opd_settings
+from megatron_rl_patches.integrations.slime.opd_settings import PREFIX as OPD_PREFIX
+from megatron_rl_patches.integrations.slime.roles import DEFAULT_INFERENCE_ROLES
+from megatron_rl_patches.patching import check_settings, env, registry
+from megatron_rl_patches.patching.registry import installed_version
+from megatron_rl_patches.patching.startup import files as startup_files
+from megatron_rl_patches.patching.startup import hook
 
 # Installed distributions `doctor` reports. megatron-core, an optional extra, also gets its own
 # section: the code in use may be a source checkout with no distribution.
@@ -29,8 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _editable_install() -> bool | None:
     """Whether megatron-rl-patches is installed in editable mode (None: not installed)."""
-    import importlib.metadata
-
     # A source checkout's *.egg-info on sys.path is listed too: the installer's record decides.
     dists = list(importlib.metadata.distributions(name="megatron-rl-patches"))
     for dist in dists:
@@ -45,8 +62,6 @@ def _editable_install() -> bool | None:
 
 def megatron_section() -> tuple[dict[str, Any], list[str]]:
     """Where megatron-core comes from, its version and whether a test lane ran it; problems."""
-    from megatron_rl_patches.integrations.megatron import version as megatron_version
-
     info = megatron_version.megatron_info()
     label = megatron_version.tested_label(info.version)
     section = {
@@ -70,10 +85,6 @@ def megatron_section() -> tuple[dict[str, Any], list[str]]:
 
 def target_rows() -> tuple[list[dict[str, Any]], list[str]]:
     """Per (patch, target): module found, supported range, tested label, status; and problems."""
-    from megatron_rl_patches.integrations import default_registry
-    from megatron_rl_patches.integrations.megatron import version as megatron_version
-    from megatron_rl_patches.patching import registry
-
     problems: list[str] = []
     modules: dict[str, tuple[bool, str | None]] = {}
     rows = []
@@ -112,10 +123,6 @@ def target_rows() -> tuple[list[dict[str, Any]], list[str]]:
 
 
 def _startup_section(environment: dict[str, Any]) -> tuple[dict[str, Any], bool | None, list[str]]:
-    from megatron_rl_patches.patching import env
-    from megatron_rl_patches.patching.startup import files as startup_files
-    from megatron_rl_patches.patching.startup import hook
-
     problems = []
     found = [f for d in startup_files.site_dirs() for f in startup_files.inspect_dir(d) if f.present]
     pth_installed = any(f.ours and f.path.endswith(startup_files.PTH_NAME) for f in found)
@@ -139,11 +146,6 @@ def _startup_section(environment: dict[str, Any]) -> tuple[dict[str, Any], bool 
 
 
 def _environment_section() -> tuple[dict[str, Any], list[str]]:
-    from megatron_rl_patches.integrations import default_registry
-    from megatron_rl_patches.integrations.slime.opd_settings import PREFIX as OPD_PREFIX
-    from megatron_rl_patches.integrations.slime.roles import DEFAULT_INFERENCE_ROLES
-    from megatron_rl_patches.patching import check_settings, env
-
     environment: dict[str, Any] = env.summary()
     if environment["inference_roles"] is None:  # unset: slime's default roles; wrong: none (in the problems)
         unset = environment["variables"][env.INFERENCE_ROLES] is None
@@ -172,16 +174,6 @@ def teacher_problems() -> list[str]:
     build_inference_model_from_hf or the vocabulary check refuses (its config.json, read as every
     entry point reads it, or its weight files; nothing built), a `;tokenizer=own` teacher without
     its tokenizer.json."""
-    from megatron_rl_patches.inference.loading.hf.checkpoint_config import (
-        CONFIG,
-        TOKENIZER,
-        hub_cache_problem,
-        read_checkpoint_config,
-    )
-    from megatron_rl_patches.inference.loading.hf.families import read_architecture
-    from megatron_rl_patches.inference.loading.hf.files import tensor_index
-    from megatron_rl_patches.integrations.slime.opd_settings import OWN_TOKENIZER, TEACHERS, opd_settings
-
     settings = opd_settings()
     problems = []
     for teacher in settings.teachers if settings is not None else ():
@@ -214,9 +206,6 @@ def teacher_problems() -> list[str]:
 
 def collect() -> dict[str, Any]:
     """Everything `doctor` reports, as a JSON-ready dict, with a list of problems found."""
-    import megatron_rl_patches
-    from megatron_rl_patches.patching.registry import installed_version
-
     problems: list[str] = []
     packages = {name: installed_version(name) for name in DISTRIBUTIONS}
     problems += [f"{name} is not installed (a dependency of megatron-rl-patches)" for name in REQUIRED
@@ -325,8 +314,6 @@ def format_report(report: dict[str, Any]) -> str:
 
 def _roles(environment: dict[str, Any]) -> str:
     """The inference roles as the variable gives them: `role:residency` where one is named."""
-    from megatron_rl_patches.patching import env
-
     modes = env.role_residencies(environment["variables"]) if environment["inference_roles"] else {}
     return ", ".join(f"{role}:{modes[role]}" if role in modes else role for role in environment["inference_roles"])
 

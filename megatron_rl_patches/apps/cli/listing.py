@@ -11,6 +11,10 @@ from typing import Any
 
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, UsageError, say
 from megatron_rl_patches.apps.cli.targets import STATUS_HELP, import_targets, shown_status
+from megatron_rl_patches.integrations import default_registry
+from megatron_rl_patches.patching import env
+from megatron_rl_patches.patching.records import PatchError
+from megatron_rl_patches.patching.registry import patch_version
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,10 +36,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _apply_environment_selection() -> int:
     """Apply as the start-up file would; a bad selection is a usage error, strict failures a problem."""
-    from megatron_rl_patches.integrations import default_registry
-    from megatron_rl_patches.patching import env
-    from megatron_rl_patches.patching.records import PatchError
-
     if not env.is_enabled():
         print(f"note: {env.SELECT} is not set: start-up applies nothing", file=sys.stderr)
         return OK
@@ -51,9 +51,6 @@ def _apply_environment_selection() -> int:
 
 def rows() -> list[dict[str, Any]]:
     """One JSON-ready row per (patch, target) of the default registry."""
-    from megatron_rl_patches.integrations import default_registry
-    from megatron_rl_patches.patching.registry import patch_version
-
     return [
         {
             "name": patch.name,
@@ -95,8 +92,6 @@ def run(args: argparse.Namespace) -> int:
         return PROBLEM
     import_problems: dict[str, str] = {}
     if args.import_targets:
-        from megatron_rl_patches.integrations import default_registry
-
         import_problems = import_targets(list(dict.fromkeys(p.module for p in default_registry().patches())))
     table = rows()
     if args.json:

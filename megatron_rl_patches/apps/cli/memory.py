@@ -11,6 +11,8 @@ from fractions import Fraction
 
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.apps.cli._common import OK, UsageError
+from megatron_rl_patches.apps.cli.memory_hf import run_hf
+from megatron_rl_patches.apps.cli.memory_teacher import run_teacher
 from megatron_rl_patches.apps.presentation import memory_report, residency_table
 from megatron_rl_patches.inference.sizing.memory import training_state_bytes
 from megatron_rl_patches.inference.sizing.residency_plan import MODES, residency_plan
@@ -119,12 +121,9 @@ def run(args: argparse.Namespace) -> int:
                  if getattr(args, flag[2:]) not in (None, False)]
         if given:
             raise UsageError(f"{', '.join(given)}: --hf PATH reads the model's shape from its config.json; drop them")
-        from megatron_rl_patches.apps.cli.memory_hf import run_hf
 
         args.tp, args.prefetch = args.tp or 1, 1 if args.prefetch is None else args.prefetch
         if args.teacher_tp is not None or (args.teacher_pp, args.teacher_ep) != (1, 1):
-            from megatron_rl_patches.apps.cli.memory_teacher import run_teacher
-
             args.teacher_tp = args.teacher_tp or 1  # --teacher-pp N alone: a teacher at TP=1 x PP=N
             return run_teacher(args)
         return run_hf(args)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_rl_patches.apps.cli._common import UsageError
+from megatron_rl_patches.patching.startup import launcher
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,8 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl_patches.patching.startup import launcher
-
     command = list(args.child_command)
     if command[:1] == ["--"]:
         command = command[1:]

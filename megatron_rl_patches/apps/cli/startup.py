@@ -6,6 +6,7 @@ import os
 import sys
 
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, UsageError, say
+from megatron_rl_patches.patching.startup import files
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,8 +20,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl_patches.patching.startup import files
-
     try:
         done = files.install(args.site) if args.action == "install" else files.remove(args.site)
     except NotADirectoryError as exc:

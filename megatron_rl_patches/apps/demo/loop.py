@@ -1,6 +1,7 @@
 """The demo's RL loop, shared by both routes: a Megatron-style train() written
 for one call per job, on-policy sampling and the reward baseline. What differs between running
 with and without the package (builds, scoring, loss) is in `package_route` and `plain_route`."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 import math

@@ -1,5 +1,6 @@
 """The demo's memory figures: what the inference-only teachers did not allocate, and the
 [T, V] logits the logits route allocates per micro-batch."""
+# lazy imports: import cost: the plain route imports no piece of the package (tests/apps/demo)
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ def counted_training_state_bytes(model: Any) -> dict[str, int]:
     """Bytes a trainable build of `model`'s architecture really allocates beyond its weights:
     megatron-core's DDP grad buffer and its Adam optimizer state (after one step allocates it),
     with the formula's total for the same build beside them."""
+    # lazy: optional dependency megatron-core
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_rl_patches import training_state_bytes

@@ -2,6 +2,7 @@
 applied, the demo's train() made re-entrant by `reentrant_train`, teachers built inference-only,
 and every log-prob, entropy and top-k bucket taken from hidden states by the fused output
 processors (no [T, V] logits while scoring or training)."""
+# lazy imports: import cost: the plain route imports no piece of the package (tests/apps/demo)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence

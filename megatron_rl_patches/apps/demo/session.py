@@ -1,4 +1,5 @@
 """One demo session: set up megatron-core, build the models, run the rollouts, measure."""
+# lazy imports: import cost: the plain route imports no piece of the package (tests/apps/demo)
 from __future__ import annotations
 
 import sys
@@ -7,6 +8,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from megatron_rl_patches.apps.demo import loop, measure, package_route, plain_route, scale
 from megatron_rl_patches.apps.demo.loop import DemoConfig, RolloutResult
@@ -24,8 +26,6 @@ PROGRESS_UNIT = "steps"  # a rollout's bar counts its optimizer steps as their b
 
 def _progress(total: int, desc: str, enabled: bool) -> Any:
     """A progress bar on a terminal only: redirected to a file, its carriage returns make one long line."""
-    from tqdm import tqdm
-
     shown = enabled and sys.stderr is not None and sys.stderr.isatty()
     return tqdm(total=total, desc=desc, unit=PROGRESS_UNIT, disable=not shown, leave=False, file=sys.stderr)
 

@@ -6,6 +6,7 @@ The model's own forward does the work: its embedding and rotary embedding once p
 its decoder one layer at a time, its final norm, output layer or output_processor at the end
 (layer_major/decoder_steps.py); results equal `chunk(**batch, output_processor=...)` bit for bit.
 """
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 import functools

@@ -6,6 +6,8 @@ import contextlib
 import os
 from collections.abc import Iterator, Sequence
 
+from megatron_rl_patches._log import warn_once
+
 SHOW = 5  # offending keys / files named in a message; the rest are counted
 
 
@@ -88,7 +90,6 @@ def check_fit(path: str | os.PathLike[str], missing: Sequence[str], unexpected: 
         raise WeightsMismatchError(repr(str(path)), missing, unexpected, shapes)
     if not (missing or unexpected):
         return
-    from megatron_rl_patches._log import warn_once  # rank 0 only, once per message
 
     warn_once(
         f"non-strict load from {path}: {len(missing)} missing key(s) keep their values "

@@ -2,6 +2,7 @@
 sharded load strategy between `load_preprocess` and `apply_factory_merges`, so the common state
 (common.pt, pickled training args) is never read. Everything is checked first (metadata, model
 fit, storage file lengths); tensors are then staged on CPU in bounded batches and copied in."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 import contextlib
@@ -13,6 +14,9 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from megatron_rl_patches.inference.loading.errors import (
     CheckpointReadError,
@@ -82,8 +86,6 @@ def _read_config(path: Path) -> None:
 
 def _read_index(path: Path) -> Any:
     """torch.distributed.checkpoint's Metadata (tensor shapes, storage files and byte ranges)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     index_file = path / DCP_INDEX
     if not index_file.is_file():
         raise CheckpointReadError(index_file, f"{DCP_INDEX} is missing (the save did not finish?)")
@@ -95,8 +97,6 @@ def _read_index(path: Path) -> Any:
 
 def _checkpoint_keys(index: Any) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """Tensor keys with global shapes, and ShardedObject keys, as the index lists them."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-
     tensors, objects = {}, set()
     for key, item in index.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
@@ -235,8 +235,6 @@ def _agree(count: int, failed: bool) -> tuple[int, list[int]]:
     """(the most batches any rank has, the ranks whose checks failed). megatron-core < 0.19 reads
     collectively (a DCP load per call on every rank): ranks with fewer batches make empty calls,
     and a rank whose checks failed must stop the others before they wait for it."""
-    import torch.distributed as dist
-
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return count, [0] if failed else []
     states: list[Any] = [None] * dist.get_world_size()
@@ -312,9 +310,6 @@ def _prepare(modules: list[torch.nn.Module], names: list[str], path: Path,
 
 def load_dist(modules: list[torch.nn.Module], names: list[str], path: Path, strict: bool) -> None:
     """Load `modules` (chunk state under `names`) from the torch_dist checkpoint at `path`."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint import CheckpointException
-
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "loading a torch_dist checkpoint needs torch.distributed initialized (the same process "

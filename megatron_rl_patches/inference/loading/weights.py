@@ -1,6 +1,7 @@
 """Weights-only loading for inference-only chunks: the model's sharded state dict from a
 megatron-core torch_dist checkpoint (torch_dist.py: no optimizer, scheduler, RNG or common state),
 or a plain torch state-dict file. Everything is checked before anything is copied."""
+# lazy imports: import cost: torch.distributed.checkpoint (sympy) only for a dist checkpoint
 from __future__ import annotations
 
 import os
@@ -22,6 +23,7 @@ from megatron_rl_patches.inference.loading.errors import (  # noqa: F401 - Weigh
     shown,
 )
 from megatron_rl_patches.inference.loading.paths import resolve_checkpoint
+from megatron_rl_patches.inference.residency.placement import weights_on_host
 
 
 def _model_keys(count: int) -> list[str]:
@@ -143,7 +145,6 @@ def load_inference_weights(
     chunks = module_chunks(model, "model")
     modules = [unwrap(chunk) for chunk in chunks]
     kind, path, found = resolve_checkpoint(load_dir, iteration)
-    from megatron_rl_patches.inference.residency.placement import weights_on_host
 
     with torch.no_grad(), weights_on_host(chunks):  # swap/stream builds: into their host copies
         if kind == "dist":

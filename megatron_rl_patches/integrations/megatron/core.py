@@ -5,14 +5,16 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from megatron_rl_patches._args import bind
+from megatron_rl_patches._chunks import as_chunks, is_ddp_like
+from megatron_rl_patches.reentrant import disable_with, enable_with, model_config
+from megatron_rl_patches.windows import open_auto_windows, overlaps_grad_reduce
+
 
 def _method_call(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> tuple[Any, inspect.BoundArguments] | None:
     """(chunk, arguments) of a call to a DDP method, bound or through the class (`self` in the
     arguments); None when the original should run unchanged: the call does not fit its
     signature, or the chunk is not DDP-like."""
-    from megatron_rl_patches._args import bind
-    from megatron_rl_patches._chunks import is_ddp_like
-
     bound = bind(wrapped, args, kwargs)
     if bound is None:
         return None
@@ -22,8 +24,6 @@ def _method_call(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> tupl
 
 def enable_forward_pre_hook_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """`ddp_hooks`: DistributedDataParallel.enable_forward_pre_hook is a no-op when hooks are registered."""
-    from megatron_rl_patches.reentrant import enable_with
-
     call = _method_call(wrapped, instance, args, kwargs)
     if call is None:
         return wrapped(*args, **kwargs)
@@ -33,8 +33,6 @@ def enable_forward_pre_hook_wrapper(wrapped: Any, instance: Any, args: tuple, kw
 def disable_forward_pre_hook_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """`ddp_hooks`: DistributedDataParallel.disable_forward_pre_hook with no hooks registered
     only runs the requested param sync."""
-    from megatron_rl_patches.reentrant import disable_with
-
     call = _method_call(wrapped, instance, args, kwargs)
     if call is None:
         return wrapped(*args, **kwargs)
@@ -47,14 +45,9 @@ def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
     """`grad_windows`: a training schedule call with `config.finalize_model_grads_func` unset is part
     of an accumulation window that ends at the next finish_grad_sync / finalize_model_grads
     (see megatron_rl_patches.windows); any other call runs unchanged."""
-    from megatron_rl_patches._args import bind
-
     bound = bind(wrapped, args, kwargs)
     if bound is None or bound.arguments.get("forward_only") or bound.arguments.get("model") is None:
         return wrapped(*args, **kwargs)
-    from megatron_rl_patches._chunks import as_chunks
-    from megatron_rl_patches.reentrant import model_config
-    from megatron_rl_patches.windows import open_auto_windows, overlaps_grad_reduce
 
     chunks = [chunk for chunk in as_chunks(bound.arguments["model"]) if overlaps_grad_reduce(chunk)]
     if chunks:

@@ -1,6 +1,7 @@
 """`train_reentry`: the records for a framework module defining train() and the module-level
 enable/disable_forward_pre_hook(model_chunks) helpers (Megatron-LM and slime both do), and the
 wrappers they install. The work itself is in :mod:`megatron_rl_patches.reentrant`."""
+# lazy imports: import cost: the start-up hook loads this module with MEGATRON_RL_PATCHES=all (test_lazy_import)
 from __future__ import annotations
 
 from collections.abc import Callable

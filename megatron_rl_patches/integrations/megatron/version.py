@@ -5,11 +5,14 @@ namespace package is cheap), and `package_info.py` is read as text. A source che
 PYTHONPATH has no distribution metadata, and one may shadow an installed wheel: the version is
 always the one of the code that `import megatron.core` would load.
 """
+# lazy imports: import cost: the start-up hook loads this module with MEGATRON_RL_PATCHES=all (test_lazy_import)
 from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass
+from importlib.machinery import PathFinder
 
 DISTRIBUTION = "megatron-core"
 
@@ -41,9 +44,6 @@ class MegatronInfo:
 
 def _core_folder() -> str | None:
     """The folder `import megatron.core` loads (or loaded), found without importing anything."""
-    import sys
-    from importlib.machinery import PathFinder
-
     loaded = sys.modules.get("megatron.core")
     if loaded is not None:
         spec = getattr(loaded, "__spec__", None)

@@ -2,6 +2,7 @@
 slime's model provider reads it: a spec, or a function of (args, config, vp_stage) returning one),
 so a Hugging Face teacher built beside an actor on a custom local spec runs the core the actor runs:
 the one that serves slime's packed `thd` batches there (megatron-core's local one refuses them)."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 import importlib

@@ -6,11 +6,20 @@ contiguous rows go to the zigzag rows for the rollout data (`zigzag_from_local`)
 ids go back to the contiguous rows of a pass (`local_from_zigzag`). Both are the ops' row moves
 (`ops.packing`: one sum over the context-parallel group, as slime's own redistribution); slime's
 zigzag (`cp_utils`) is the ops' `thd` zigzag."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from megatron_rl_patches.ops.packing import (
+    PackedLayout,
+    allgather_cp_to_zigzag,
+    response_pieces,
+    zigzag_to_allgather_cp,
+)
 
 
 def allgather_cp_active(args: Any) -> bool:
@@ -41,7 +50,6 @@ def _cp_layout(local_len: int, total_lengths: list[int], response_lengths: list[
     """The layout, rows and group arguments of the ops' row moves for this context-parallel rank."""
     from megatron.core import parallel_state
 
-    from megatron_rl_patches.ops.packing import PackedLayout
 
     layout = PackedLayout(tuple(total_lengths), tuple(response_lengths),
                           cp_size=parallel_state.get_context_parallel_world_size(),
@@ -54,8 +62,6 @@ def zigzag_from_local(pieces: list[torch.Tensor], local_len: int, total_lengths:
     """Per sample, the zigzag rows of per-token values a pass gave on this rank's contiguous rows
     (`pieces`: per sample, [rows held, ...]); gradients flow back to every rank's piece when the
     pieces require grad (slime's redistribution of log-probs does the same)."""
-    from megatron_rl_patches.ops.packing import allgather_cp_to_zigzag
-
     return allgather_cp_to_zigzag(pieces, **_cp_layout(local_len, total_lengths, response_lengths))
 
 
@@ -63,8 +69,6 @@ def local_from_zigzag(per_sample: list[torch.Tensor], local_len: int, total_leng
                       response_lengths: list[int]) -> list[torch.Tensor]:
     """Per sample, the rows of this rank's contiguous slice from per-sample zigzag values (the
     rollout data's ids and masks)."""
-    from megatron_rl_patches.ops.packing import zigzag_to_allgather_cp
-
     return zigzag_to_allgather_cp(per_sample, **_cp_layout(local_len, total_lengths, response_lengths))
 
 
@@ -73,10 +77,8 @@ def whole_from_zigzag(per_sample: list[torch.Tensor], total_lengths: list[int],
     """Per sample, the whole response's values from each context-parallel rank's zigzag rows (every
     rank gets them all, as plain values: one SUM over the context-parallel group; unchanged with one
     context-parallel rank)."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_rl_patches.ops.packing import PackedLayout, response_pieces
 
     cp_size = parallel_state.get_context_parallel_world_size()
     if cp_size == 1 or not per_sample:

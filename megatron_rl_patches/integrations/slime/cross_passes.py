@@ -6,6 +6,7 @@ per-sample fields the student's step reads, and their terms in the loss: the (k+
 divergence at chunk starts and the token-level reverse-KL term (`cross_tokenizer.chunk_terms`;
 docs/distillation.md, "Teachers with another tokenizer"). The framework-free parts are in
 `cross_tokenizer` (`teacher_passes`, `teacher`, `chunk_terms`)."""
+# lazy imports: optional dependency slime
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -13,9 +13,16 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 from typing import Any
 
+from megatron_rl_patches._log import warn_once
+from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
 from megatron_rl_patches.integrations.slime.step_plan import StepPlan, current_plan, run_planned, step_request
+from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
+from megatron_rl_patches.integrations.slime.topk import topk_context, with_topk
+from megatron_rl_patches.processors.heads import log_prob_output_processor
+from megatron_rl_patches.processors.mtp_loss import fused_mtp_loss_in_effect
 
 FALLBACK = "slime_fused: {feature}: this step uses slime's own logits path"
 
@@ -232,22 +239,17 @@ class FusedModel:
                       "gpt_output_processor on megatron-core < 0.18)")
             return plain(*args, **kwargs)
         if kwargs.get("mtp_kwargs") and mtp_heads_build_logits(self._model):
-            from megatron_rl_patches._log import warn_once
-
             warn_once(MTP_LOGITS)
         return self._fused(kwargs, batch, plain)
 
     def _fused(self, kwargs: dict, batch: dict, call: Any) -> FusedOutput:
-        from megatron_rl_patches.integrations.slime.rows import response_rows, shifted_targets
-        from megatron_rl_patches.processors.heads import log_prob_output_processor
-
         plan, tokens = self._plan, kwargs["input_ids"]
         allgather_cp = bool(getattr(plan.args, "allgather_cp", False))
         if tokens.dim() != 2 or tokens.size(0) != 1:
             raise ValueError(f"slime_fused: slime packs every micro-batch as [1, T] tokens, got {tuple(tokens.shape)}")
         length = tokens.size(1)
-        labels = shifted_targets(batch, length, tokens.device, allgather_cp)
-        rows = response_rows(batch, length, tokens.device, allgather_cp)
+        labels = slime_rows.shifted_targets(batch, length, tokens.device, allgather_cp)
+        rows = slime_rows.response_rows(batch, length, tokens.device, allgather_cp)
         options: dict[str, Any] = dict(temperature=float(getattr(plan.args, "rollout_temperature", 1.0)),
                                        chunk_size=_chunk_size(plan.args))
         real_vocab = real_vocab_size(self._model)
@@ -258,8 +260,6 @@ class FusedModel:
         context: dict = row_context(rows[None])
         context.update(top_p_context(plan.args, batch, length, tokens.device, allgather_cp))
         if plan.topk is not None:
-            from megatron_rl_patches.integrations.slime.topk import topk_context, with_topk
-
             topk_ctx = topk_context(plan.topk, batch, length, tokens.device, allgather_cp)
             processor = with_topk(processor, plan.topk.k, options, topk_ctx, union=plan.topk.union)
         out = call(**{**kwargs, "labels": labels[None]}, output_processor=fused_output(processor),
@@ -285,10 +285,6 @@ def mtp_heads_build_logits(model: Any) -> bool:
     """Whether this chunk's MTP heads would project [T, V] logits beside the fused main head: on
     megatron-core >= 0.18 (`process_mtp_loss` in the model's module) unless patch
     `mtp_output_processor` is in effect; before 0.18 the GPT backport serves them."""
-    import sys
-
-    from megatron_rl_patches.processors.mtp_loss import fused_mtp_loss_in_effect
-
     inner = _inner(model)
     if not getattr(getattr(inner, "config", None), "mtp_num_layers", None):
         return False
@@ -333,8 +329,6 @@ def row_context(rows: Any) -> dict:
 def top_p_context(args: Any, batch: dict, length: int, device: Any, allgather_cp: bool = False) -> dict:
     """The kept-set keys of the processor context when slime replays the rollout's top-p nuclei
     (on the rank's contiguous rows under `--allgather-cp`)."""
-    from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
-
     kept = kept_context(batch, length, device, allgather_cp) if replays_top_p(args) else None
     return kept or {}
 
@@ -345,8 +339,6 @@ def log_probs_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     bound = _bind(wrapped, args, kwargs)
     if bound is None or not isinstance(bound.arguments["logits"], FusedOutput):
         return wrapped(*args, **kwargs)
-    from megatron_rl_patches.integrations.slime.rows import per_sample
-
     values = bound.arguments
     key = "log_probs"
     if values.get("top_p_token_ids") is not None and values.get("top_p_token_offsets") is not None:
@@ -354,5 +346,5 @@ def log_probs_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
         if key not in values["logits"]:
             raise RuntimeError("slime_fused: top-p replay reached a fused output computed without the batch's "
                                "nuclei (rollout_top_p_token_ids); please report this")
-    return per_sample(values["logits"], values["args"], values["total_lengths"], values["response_lengths"],
+    return slime_rows.per_sample(values["logits"], values["args"], values["total_lengths"], values["response_lengths"],
                       bool(values["with_entropy"]), key)

@@ -13,7 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl_patches._log import logger
+from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 from megatron_rl_patches.patching import env
+from megatron_rl_patches.patching.layout_option import check_world
 
 
 def where(role: str, tp: int) -> str:
@@ -24,10 +26,11 @@ def where(role: str, tp: int) -> str:
 def check_role_layout(run_args: Any, role: str, tp: int, path: str, step: int | None) -> None:
     """ValueError naming the role's entry for what a role at its own layout does not serve (the
     same on every rank: the route is agreed by a collective, the rest is the same everywhere)."""
+    # lazy: import cost: layout_role_pass imports `where` from here, and the patch records import it without torch
     import torch
 
+    # lazy: import cost: both import torch and megatron-core (as torch above)
     from megatron_rl_patches.integrations.slime import hf_teachers, layout_teacher
-    from megatron_rl_patches.patching.layout_option import check_world
 
     entry = where(role, tp)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -55,8 +58,7 @@ def build_role_at_layout(run_args: Any, role: str, tp: int, path: str, step: int
     """The role's chunks built at TeacherLayout(tp=tp) from the Hugging Face directory `path`
     (checked first; a collective: every rank builds it), its vocabulary checked against the
     student's, chunk 0 tagged with the role as slime does."""
-    from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
-    from megatron_rl_patches.integrations.slime import hf_teachers
+    from megatron_rl_patches.integrations.slime import hf_teachers  # lazy: import cost: torch (check_role_layout)
 
     check_role_layout(run_args, role, tp, path, step)
     student = hf_teachers.student_vocab(run_args, getattr(run_args, "padded_vocab_size", None) or 0)

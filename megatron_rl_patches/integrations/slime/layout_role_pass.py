@@ -54,7 +54,7 @@ def _refuse_unserved(arguments: dict[str, Any], entry: str) -> None:
 
 def _agreed_count(count: int, groups: Any, device: torch.device) -> int:
     """The largest micro-batch count of the teacher tensor-parallel group."""
-    import torch
+    import torch  # lazy: import cost: the patch records import this module without torch
 
     value = torch.tensor([count], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=groups.tp_group)
@@ -63,7 +63,7 @@ def _agreed_count(count: int, groups: Any, device: torch.device) -> int:
 
 def _padded(samples: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """[rows, longest] tokens right-padded with 0, and their labels (the next token; 0 at the end)."""
-    import torch
+    import torch  # lazy: import cost: the patch records import this module without torch
 
     longest = max((int(s.shape[0]) for s in samples), default=0)
     tokens = torch.zeros(len(samples), longest, dtype=torch.int64)
@@ -77,6 +77,7 @@ def _padded(samples: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
 def _score_micro_batch(model: list[Any], batch: dict[str, Any], temperature: float,
                        with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per sample of the micro-batch, the role's log-probs (and entropy) on its response rows."""
+    # lazy: import cost: torch (the patch records import this module without it)
     from megatron_rl_patches.inference.teacher_layout.scoring import score_with_entropy_at_layout
 
     samples = list(batch.get("tokens") or [])
@@ -94,7 +95,7 @@ def _run_before_hook(run_args: Any, model: Any, prefix: str) -> None:
     """slime's --custom-megatron-before-log-prob-hook-path, called as slime's forward_only does."""
     path = getattr(run_args, "custom_megatron_before_log_prob_hook_path", None)
     if path:
-        from slime.utils.misc import load_function
+        from slime.utils.misc import load_function  # lazy: optional dependency slime
 
         load_function(path)(run_args, model, prefix)
 

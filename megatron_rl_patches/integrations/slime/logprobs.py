@@ -1,5 +1,10 @@
 """slime's log-prob/entropy on the memory-optimal Function (patch `slime_logprobs`, declared in
 `patches`): `calculate_log_probs_and_entropy` keeps slime's signature and results."""
+# lazy imports: import cost: torch only inside the functions (tests/integrations/slime/test_slime_adapter.py)
+import inspect
+import numbers
+
+from megatron_rl_patches._log import warn_once
 
 
 def calculate_log_probs_and_entropy(
@@ -17,8 +22,6 @@ def calculate_log_probs_and_entropy(
     group; log-probs come back as ``[T, 1]`` (``(0,)`` when T = 0); entropy ``[T]`` or None;
     ``chunk_size <= 0`` means no chunking preference; padded vocab columns are scored as slime does.
     """
-    import numbers
-
     import torch.distributed as dist
 
     from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
@@ -52,8 +55,6 @@ def calculate_log_probs_and_entropy_wrapper(wrapped, instance, args, kwargs):
     a non-default value goes to slime's original, with one warning, rather than being
     misread or failing the training step.
     """
-    import inspect
-
     known = inspect.signature(calculate_log_probs_and_entropy).parameters
     signature = inspect.signature(wrapped)
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
@@ -69,8 +70,6 @@ def calculate_log_probs_and_entropy_wrapper(wrapped, instance, args, kwargs):
         if name not in known and value is not signature.parameters[name].default
     ]
     if foreign:
-        from megatron_rl_patches._log import warn_once
-
         warn_once(
             f"slime_logprobs: this slime passes {', '.join(foreign)}, which the replacement does not "
             "support; those calls use slime's own calculate_log_probs_and_entropy"

@@ -16,6 +16,7 @@ scores the union with the student's ids ([R, 2k] with a padding mask), which eve
 scores. Nothing [T, V] is built. Every loaded teacher is an `opd_teachers.OpdTeacher`: the step's
 scoring is one loop over them.
 """
+# lazy imports: optional dependency slime
 from __future__ import annotations
 
 import functools
@@ -248,7 +249,7 @@ def topk_pass(args: Any, model: list[Any], rollout_data: dict, request: TopkRequ
 
 def _last_stage() -> bool:
     """Whether this rank holds the last pipeline stage (True without pipeline parallelism)."""
-    # megatron.core costs seconds to import (4.4 s measured after torch); the settings checks need none of it
+    # lazy: import cost: megatron.core takes seconds (4.4 s measured after torch); the settings checks need none
     from megatron.core import parallel_state
 
     return parallel_state.get_pipeline_model_parallel_world_size() == 1 or \
@@ -258,7 +259,7 @@ def _last_stage() -> bool:
 def pipeline_agrees(flag: bool) -> bool:
     """`flag` held by every stage of this rank's pipeline (an all-reduce MIN over the pipeline
     group), so all stages enter or skip the same pipelined passes."""
-    from megatron.core import parallel_state  # seconds to import (see `_last_stage`)
+    from megatron.core import parallel_state  # lazy: import cost: seconds to import (see `_last_stage`)
 
     group = parallel_state.get_pipeline_model_parallel_group()
     if torch.distributed.get_world_size(group) == 1:
@@ -343,7 +344,7 @@ def student_buckets(args: Any, batch: dict, logits: Any) -> tuple[torch.Tensor, 
             raise RuntimeError("slime_opd: the fused step ran without the top-k request; please report this")
         logp, tail = logits["topk_log_probs"], logits["tail"]
     else:
-        from megatron.core import parallel_state  # seconds to import (see `_last_stage`)
+        from megatron.core import parallel_state  # lazy: import cost: seconds to import (see `_last_stage`)
 
         rows = logits.reshape(-1, logits.shape[-1])
         positions = response_positions(batch, rows.shape[0], rows.device, allgather)

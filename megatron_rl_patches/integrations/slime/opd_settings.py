@@ -1,13 +1,16 @@
 """The settings of slime's top-k multi-teacher OPD (`slime_opd`), read from the environment so
 slime's own command line stays unchanged; every bad value is a ValueError naming the variable."""
+# lazy imports: import cost: the start-up hook loads this module with MEGATRON_RL_PATCHES=all (test_lazy_import)
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_rl_patches._residency_modes import RESIDENCY_MODES
 from megatron_rl_patches.patching.layout_option import is_layout_option, layout_size, written_sizes
 
 PREFIX = "MEGATRON_RL_PATCHES_OPD_"
@@ -151,8 +154,6 @@ def _teacher(entry: str) -> Teacher:
 def load_function(spec: str, what: str, returns: str) -> Any:
     """The function a `module:function` option names (its syntax checked with the settings); `what`
     names the option, `returns` what the function gives, in the errors."""
-    import importlib
-
     module, _, name = spec.partition(":")
     try:
         function = getattr(importlib.import_module(module), name)
@@ -165,8 +166,6 @@ def load_function(spec: str, what: str, returns: str) -> Any:
 
 
 def _residency(env: Mapping[str, str]) -> str | None:
-    from megatron_rl_patches._residency_modes import RESIDENCY_MODES
-
     raw = env.get(RESIDENCY, "").strip().lower()
     if raw and raw not in RESIDENCY_MODES:
         raise ValueError(f"{RESIDENCY}={raw!r}: expected one of {list(RESIDENCY_MODES)} (the residency of the "

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl_patches.integrations.megatron.train_reentry import train_reentry_patches
+from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
 from megatron_rl_patches.patching.records import Patch
 
 HERE = "megatron_rl_patches.integrations.slime"
@@ -89,6 +90,4 @@ PATCHES = (
 def check_settings(environ: Any = None) -> None:
     """slime's own variables (top-k OPD's MEGATRON_RL_PATCHES_OPD_*), read as slime_opd reads them:
     a ValueError naming the variable at fault (integrations.check_settings calls every framework's)."""
-    from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
-
     opd_settings(environ)

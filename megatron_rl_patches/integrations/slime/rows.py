@@ -3,6 +3,7 @@ results: slime's own helpers from its loss module (624b824a), so thd packing, zi
 allgather context parallelism are sliced exactly as slime slices its logits."""
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any
 
@@ -16,8 +17,6 @@ def slime_loss() -> Any:
     """slime's loss module, with the helpers the fused route slices with."""
     module = sys.modules.get(LOSS)
     if module is None:
-        import importlib
-
         module = importlib.import_module(LOSS)
     missing = [name for name in HELPERS if not hasattr(module, name)]
     if missing:

@@ -11,6 +11,9 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
+from megatron_rl_patches.integrations.slime.allgather_cp import local_spans
+
 IDS, OFFSETS = "rollout_top_p_token_ids", "rollout_top_p_token_offsets"
 
 
@@ -23,14 +26,10 @@ def local_response_tokens(batch: dict, length: int, device: Any, allgather_cp: b
     """Per sample, the response token (of [0, R)) of each local row slime's slicing reads, in its
     order: the rank's zigzag halves (`slice_log_prob_with_cp`; everything at context parallelism 1),
     or with `--allgather-cp` the span of the rank's contiguous slice of the packed stream."""
-    from megatron_rl_patches.integrations.slime.rows import slime_loss
-
     totals, responses = batch["total_lengths"], batch["response_lengths"]
     if allgather_cp:
-        from megatron_rl_patches.integrations.slime.allgather_cp import local_spans
-
         return [torch.arange(start, end, device=device) for start, end in local_spans(length, totals, responses)]
-    return [slime_loss().slice_log_prob_with_cp(torch.arange(response, device=device), total, response)
+    return [slime_rows.slime_loss().slice_log_prob_with_cp(torch.arange(response, device=device), total, response)
             for total, response in zip(totals, responses, strict=True)]
 
 
@@ -41,11 +40,9 @@ def kept_context(batch: dict, length: int, device: Any,
     slice of `--allgather-cp` when `allgather_cp`: slime's own slicing picks each sample's rows and
     their response tokens, and the kept set of a row follows the row); None when the batch carries
     none (slime fetched no top-p keys: the step's loss does not replay them)."""
-    from megatron_rl_patches.integrations.slime.rows import response_positions
-
     if batch.get(IDS) is None or batch.get(OFFSETS) is None:
         return None
-    pieces = response_positions(batch, length, device, allgather_cp)
+    pieces = slime_rows.response_positions(batch, length, device, allgather_cp)
     ids_out, positions_out = [], []
     row_mask = torch.zeros(length, dtype=torch.bool, device=device)
     for rows, tokens, ids, offsets in zip(pieces, local_response_tokens(batch, length, device, allgather_cp),

@@ -1,6 +1,7 @@
 """Top-k buckets on slime's fused route: one output processor returning the log-prob processor's
 results and the top-k processor's, and the per-sample ids of slime's rollout data placed back on
 the packed rows of a micro-batch."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -8,17 +9,15 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches.integrations.slime.allgather_cp import local_from_zigzag
+from megatron_rl_patches.integrations.slime.rows import response_positions
+from megatron_rl_patches.processors.heads import one_row_selection, output_layer_pre_hooks_ran, topk_output_processor
+
 
 def with_topk(log_prob: Callable, k: int | None, options: dict, topk_context: dict, union: bool = False) -> Callable:
     """The log-prob processor's dict plus "topk_log_probs" [b, s, k] and "tail" [b, s] (and
     "topk_ids" when `k` selects them, "ids_mask" with `union`); both read the same hidden states
     and the same row mask."""
-    from megatron_rl_patches.processors.heads import (
-        one_row_selection,
-        output_layer_pre_hooks_ran,
-        topk_output_processor,
-    )
-
     topk = topk_output_processor(k=k, union=union, **options)
 
     def process(*, output_layer: Any, context: dict | None = None, **kwargs: Any) -> dict:
@@ -54,7 +53,6 @@ def topk_context(request: Any, batch: dict, length: int, device: Any, allgather_
     request names one) when the request reads the batch's ids, else {} (the processor selects its own)."""
     if request.ids_key is None:
         return {}
-    from megatron_rl_patches.integrations.slime.rows import response_positions
 
     per_sample = batch.get(request.ids_key)
     if per_sample is None:
@@ -78,7 +76,6 @@ def local_rows(batch: dict, length: int, ids: list[torch.Tensor],
 
     if parallel_state.get_context_parallel_world_size() == 1:
         return ids, masks
-    from megatron_rl_patches.integrations.slime.allgather_cp import local_from_zigzag
 
     lengths = (batch["total_lengths"], batch["response_lengths"])
     return (local_from_zigzag(ids, length, *lengths),
@@ -87,7 +84,5 @@ def local_rows(batch: dict, length: int, ids: list[torch.Tensor],
 
 def per_sample_rows(values: torch.Tensor, batch: dict, allgather_cp: bool = False) -> list[torch.Tensor]:
     """[1, T, ...] per-token values of a micro-batch as slime's per-sample response slices."""
-    from megatron_rl_patches.integrations.slime.rows import response_positions
-
     rows = values.reshape(-1, *values.shape[2:])
     return [rows[p] for p in response_positions(batch, rows.shape[0], rows.device, allgather_cp)]

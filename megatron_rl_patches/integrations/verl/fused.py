@@ -16,12 +16,19 @@ verl's `register_megatron_training_hooks` is not patched: in verl 0.9.1 the only
 `MegatronEngine._build_optimizer`, once per engine, so no real path calls it twice.
 Every record is a no-op until verl's module is imported (post-import hooks).
 """
+# lazy imports: optional dependency verl
 from __future__ import annotations
 
 import contextvars
 import functools
 import inspect
+import sys
 from typing import Any
+
+import torch
+
+from megatron_rl_patches.integrations.verl.rows import packed_row_mask
+from megatron_rl_patches.processors.heads import log_prob_output_processor
 
 FUSED = "verl.models.mcore.model_forward_fused"
 
@@ -50,11 +57,8 @@ def fused_output_processor(*, hidden_states: Any, output_layer: Any, output_weig
                            context: Any = None, config: Any = None, **_ignored: Any) -> Any:
     """verl's `fused_output_processor` contract on `log_prob_output_processor`: returns verl's
     `CausalLMOutputForPPO` with `.log_probs` and `.entropy` ([s*b], as verl's kernel gives)."""
-    import torch
     from verl.utils.model import CausalLMOutputForPPO
 
-    from megatron_rl_patches.integrations.verl.rows import packed_row_mask
-    from megatron_rl_patches.processors.heads import log_prob_output_processor
 
     asked = _CALCULATE_ENTROPY.get()
     with_entropy = True if asked is None else asked  # outside the engine: as verl, always entropy
@@ -85,8 +89,6 @@ def _drop_stale_legacy_mode(model: Any) -> None:
     forward) when GPTModel.forward lacked the hook at engine build, i.e. on megatron-core < 0.18
     with `gpt_output_processor` applied later. Once the hook is there, drop verl's forward swap
     and cache "hook", so the fused route goes through the (patched) output processor."""
-    import sys
-
     fused = sys.modules.get(FUSED)
     names = ("_get_patching_model", "_FUSED_FORWARD_MODE_ATTR", "_LEGACY_MODE", "_HOOK_MODE")
     if fused is None or not all(hasattr(fused, name) for name in names):

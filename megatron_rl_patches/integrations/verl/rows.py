@@ -18,6 +18,7 @@ selects. The fused forward (`fused_forward_model_engine_inner`) gets no response
 
 `MEGATRON_RL_PATCHES_VERL_ROWS=all` turns the selection off (a custom loss reading other rows).
 """
+# lazy imports: import cost: the start-up hook loads this module with MEGATRON_RL_PATCHES=all (test_lazy_import)
 from __future__ import annotations
 
 import contextvars

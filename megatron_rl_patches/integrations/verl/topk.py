@@ -10,10 +10,15 @@ a (k+1)-th bucket: the KL is >= 0 and exact, so that clamp never bites.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from megatron_rl_patches._log import warn_once
+from megatron_rl_patches.ops.topk import topk_ids, topk_kl, topk_logprobs
 
 KEYS = ("distillation_losses", "student_mass", "teacher_mass", "overlap_count", "overlap_token_advantage")
 
@@ -27,8 +32,7 @@ REPLACED = (
 
 def _tp_group() -> Any:
     """Megatron's tensor-parallel group, or None (the ops' "no TP") at TP = 1."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # lazy: optional dependency megatron-core
 
     group = parallel_state.get_tensor_model_parallel_group()
     return group if dist.is_initialized() and dist.get_world_size(group) > 1 else None
@@ -54,8 +58,6 @@ def exact_forward_kl_topk(
     student's logits), the student's and teacher's top-k mass, and verl's overlap diagnostics.
     `log_prob_min_clamp` floors the teacher's log-probs, as verl does; the student's are exact (a
     clamp there is what zeroes verl's gradients). Rows with repeated ids (verl's padding) give 0."""
-    from megatron_rl_patches.ops.topk import topk_ids, topk_kl, topk_logprobs
-
     lead, k = student_logits.shape[:-1], teacher_ids.shape[-1]
     if teacher_ids.shape[:-1] != lead or teacher_log_probs.shape != teacher_ids.shape:
         raise ValueError(
@@ -98,7 +100,7 @@ def compute_forward_kl_topk(student_logits: Any, teacher_topk_log_probs: Any, te
     """verl 0.9.1's `compute_forward_kl_topk` signature and result (five [b, s/cp] tensors) on the
     exact (k+1)-bucket KL. The teacher's nested [b, s, k] tensors are split for context
     parallelism by verl's own helpers, as verl does."""
-    from verl.models.mcore.util import preprocess_bshd_engine, preprocess_thd_engine
+    from verl.models.mcore.util import preprocess_bshd_engine, preprocess_thd_engine  # lazy: optional dependency verl
 
     if not (getattr(teacher_topk_log_probs, "is_nested", False) and getattr(teacher_topk_ids, "is_nested", False)):
         raise ValueError("verl_topk_kd: teacher_topk_log_probs and teacher_topk_ids must be nested tensors, as verl "
@@ -119,10 +121,6 @@ def compute_forward_kl_topk(student_logits: Any, teacher_topk_log_probs: Any, te
 
 def compute_forward_kl_topk_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for `verl_topk_kd`: arguments bound to verl's own signature; logs once (rank 0)."""
-    import inspect
-
-    from megatron_rl_patches._log import warn_once
-
     try:
         bound = inspect.signature(wrapped).bind(*args, **kwargs)
     except TypeError:

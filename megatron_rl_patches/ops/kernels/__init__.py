@@ -38,6 +38,8 @@ from megatron_rl_patches._backend_env import AUTO, VARIABLE, environment_backend
 from megatron_rl_patches.ops._stats import GradFactors, RowStats
 from megatron_rl_patches.ops.kernels.contract import Backend
 from megatron_rl_patches.ops.kernels.sources import Source
+from megatron_rl_patches.ops.kernels.torch_tiles import TorchTiles
+from megatron_rl_patches.ops.kernels.triton import LazyTritonTiles
 
 if TYPE_CHECKING:
     from megatron_rl_patches.ops._divergences import ResolvedDivergence
@@ -115,9 +117,6 @@ def resolve_backend(name: object, device: torch.device, dtype: torch.dtype | Non
 
 
 def _register_builtins() -> None:
-    from megatron_rl_patches.ops.kernels.torch_tiles import TorchTiles
-    from megatron_rl_patches.ops.kernels.triton import LazyTritonTiles
-
     register_backend(TorchTiles())
     # always registered (a lazy proxy: nothing of triton is imported here), so that a forced
     # backend='triton' without triton says why it cannot run instead of "not a backend"

@@ -4,12 +4,13 @@ With MEGATRON_RL_PATCHES unset it returns after one environment read and imports
 With it set, it registers post-import hooks; the patches land when megatron is imported.
 It never raises: Python's site machinery would print a traceback (twice in a venv) and go on.
 """
+# lazy imports: import cost: every process runs this hook; its import set is pinned (test_lazy_import)
 from __future__ import annotations
 
 import sys
 import types
 
-from megatron_rl_patches.patching import DEFAULT_REGISTRY, check_settings, load_registry
+from megatron_rl_patches.patching import DEFAULT_REGISTRY, check_settings, env, load_registry
 
 TYPE_CHECKING = False  # not typing's: this module runs at start-up (see patching/env.py)
 if TYPE_CHECKING:
@@ -32,8 +33,6 @@ _SILENT_IMPORTS = ("megatron_rl_patches.patching", "megatron_rl_patches.apps",
 def not_run_notice() -> str | None:
     """Why MEGATRON_RL_PATCHES does nothing in this process: it is set, but the start-up hook did
     not run (an editable install has no start-up file). None when that is not the case."""
-    from megatron_rl_patches.patching import env
-
     try:
         if _done or not env.is_enabled():
             return None
@@ -110,8 +109,6 @@ def run(registry_factory: str = DEFAULT_REGISTRY) -> None:
         return
     _done = True
     try:
-        from megatron_rl_patches.patching import env
-
         if not env.is_enabled():
             return
         strict, allow_untested = _setting(env.is_strict), _setting(env.allows_untested)

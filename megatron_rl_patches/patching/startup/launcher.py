@@ -9,7 +9,10 @@ opentelemetry-instrument do: signals and exit codes are the command's own.
 """
 from __future__ import annotations
 
+import errno
 import os
+import shutil
+import sys
 from collections.abc import Mapping, Sequence
 
 from megatron_rl_patches.patching import check_settings, env, load_registry
@@ -55,8 +58,6 @@ def _with_launch_dir(pythonpath: str) -> str:
 def _program(name: str, search_path: str | None) -> str | None:
     """Where a shell would run `name` from: itself when it holds a '/', else the first executable
     on `search_path`, else the first plain file there (which then fails with 'Permission denied')."""
-    import shutil
-
     if os.sep in name or (os.altsep and os.altsep in name):
         return name
     found = shutil.which(name, path=search_path)
@@ -71,8 +72,6 @@ def _program(name: str, search_path: str | None) -> str | None:
 
 def _exec_failure(program: str, error: OSError) -> tuple[int, str]:
     """The shell's exit code and message when `program` could not be executed."""
-    import errno
-
     if error.errno == errno.ENOENT:
         if os.path.exists(program):  # the file is there: its #! interpreter is not
             return 126, "bad interpreter: No such file or directory"
@@ -83,8 +82,6 @@ def _exec_failure(program: str, error: OSError) -> tuple[int, str]:
 def run(command: Sequence[str], patches: str | None = None) -> int:
     """Exec `command` with the launch environment; returns only when it cannot be started, with
     the shell's code: 127 not found, 126 found but not executable (one stderr line each)."""
-    import sys
-
     if not command:
         raise ValueError("no command given: megatron-rl-patches run [--patches all|NAMES] -- COMMAND [ARGS...]")
     child = launch_environment(patches)

@@ -3,19 +3,20 @@
 
 Like every start-up path it never raises: Python would print a traceback and go on.
 """
+import importlib.machinery
+import importlib.util
+import os
+import sys
 
 
 def _run_ours() -> None:
-    import importlib.util
-    import os
-    import sys
-
     if importlib.util.find_spec("megatron_rl_patches") is None:
         # The launcher's own package folder, put last: never shadows the child's own packages.
         package_root = os.environ.get("MEGATRON_RL_PATCHES_LAUNCHER_ROOT", "")
         if package_root and package_root not in sys.path:
             sys.path.append(package_root)
     try:
+        # lazy: order: the package imports once the lines above put its root on sys.path (a failure is caught)
         from megatron_rl_patches.patching.startup import hook
     except Exception as exc:  # noqa: BLE001 - the child must run regardless
         try:
@@ -28,11 +29,6 @@ def _run_ours() -> None:
 
 def _run_shadowed() -> None:
     """Execute the next `sitecustomize` on sys.path (a venv's, a distribution's, the user's own)."""
-    import importlib.machinery
-    import importlib.util
-    import os
-    import sys
-
     here = os.path.realpath(os.path.dirname(__file__))
     rest = [p for p in sys.path if os.path.realpath(p or os.curdir) != here]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
@@ -43,7 +39,7 @@ def _run_shadowed() -> None:
     try:
         spec.loader.exec_module(module)
     except Exception:  # noqa: BLE001 - what Python does with a failing sitecustomize: report, go on
-        import traceback
+        import traceback  # lazy: import cost: only when the shadowed sitecustomize fails
 
         try:
             sys.stderr.write(f"Error in sitecustomize ({spec.origin}); set PYTHONVERBOSE for traceback:\n")
