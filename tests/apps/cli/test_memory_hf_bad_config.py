@@ -41,7 +41,7 @@ def test_more_experts_per_token_than_experts(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("argv", "says"), [
-    (["--tp", "4"], "num_key_value_heads=2 is not a multiple of the tensor-parallel size 4"),
+    (["--tp", "3"], "num_key_value_heads=2 is not a multiple of the tensor-parallel size 3"),
     (["--pp", "2"], "num_hidden_layers=3 is not a multiple of the pipeline-parallel size 2"),
 ])
 def test_splits_the_builder_refuses_are_refused(tmp_path, capsys, argv, says):

@@ -75,11 +75,38 @@ def test_linear_attention_expert_and_multi_latent_families_are_planned_at_their_
     assert 1 / tp < own["gpu_bytes"] / whole["gpu_bytes"] < 1.01 / tp  # the norms and routers whole on every rank
 
 
-def test_a_tp_the_key_value_heads_do_not_divide_is_refused_by_name(cli_run, published):
-    """megatron-core splits key/value heads over the tensor-parallel ranks, never repeats them:
-    Qwen3.5-27B's 4 serve a teacher at TP <= 4."""
-    code, _, err = cli_run("memory", "--hf", str(published("Qwen3.5-27B")), "--teacher-tp", "8", "--dp", "8")
-    assert code != 0 and "num_key_value_heads=4 is not a multiple of the tensor-parallel size 8" in err
+def test_a_tp_beyond_the_key_value_heads_repeats_them_qwen3_5_27b_at_tp8(cli_run, published, tmp_path):
+    """Issue 58's headline: Qwen3.5-27B (24 query heads, 4 key/value heads) at --teacher-tp 8 beside
+    a TP=1 x DP=8 student, each key/value head repeated on 2 ranks (kv_heads.py): 6.30 GiB per GPU,
+    what a rank of the same model with its heads copied to 8 holds (the build's fill is that model's),
+    16 full-attention layers x one key/value head of 256 x 5120 (k and v) more than an eighth."""
+    root = str(published("Qwen3.5-27B"))
+    code, out, err = cli_run("memory", "--hf", root, "--teacher-tp", "8", "--dp", "8", "--json")
+    assert code == 0, err
+    own, whole = json.loads(out)["layouts"][:2]
+    plan = hf_memory_plan(root, tp=8)
+    assert own["gpu_bytes"] == plan.mode("resident").device_peak
+    assert round(own["gpu_bytes"] / 2**30, 2) == 6.30 and round(whole["gpu_bytes"] / 2**30, 2) == 50.10
+    config = json.loads((tmp_path / "Qwen3.5-27B" / "config.json").read_text())
+    config["text_config"]["num_key_value_heads"] = 8
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    (copied / "config.json").write_text(json.dumps(config))
+    eight = hf_memory_plan(copied, tp=8)
+    assert plan.stage_params == eight.stage_params
+    full = config["text_config"]["layer_types"].count("full_attention")
+    assert full == 16 and eight.total_params - plan.total_params == full * 2 * 4 * 256 * 5120
+    assert 1 / 8 < own["gpu_bytes"] / whole["gpu_bytes"] < 1.01 / 8
+
+
+@pytest.mark.parametrize(("tp", "words"), [
+    (6, "num_key_value_heads=4 is not a multiple of the tensor-parallel size 6"),
+    (16, "num_attention_heads=24 is not a multiple of the tensor-parallel size 16")])
+def test_a_tp_that_neither_divides_nor_repeats_the_key_value_heads_is_refused_by_name(cli_run, published, tp, words):
+    """Qwen3.5-27B's 4 key/value heads: repeated up to a tp that is a multiple of them and divides
+    its 24 query heads (8, 12, 24); neither at 6 (not a multiple of 4) nor 16 (24 query heads)."""
+    code, _, err = cli_run("memory", "--hf", str(published("Qwen3.5-27B")), "--teacher-tp", str(tp), "--dp", str(tp))
+    assert code != 0 and words in err
 
 
 @pytest.mark.parametrize(("name", "words"), [("Qwen3.5-27B", "qwen3_5's gated-delta-net linear attention"),

@@ -4,7 +4,9 @@ groups {0, 1} and {2, 3}) built side by side; each rank's rows (counts and lengt
 rank, rank 2 has none) scored to the whole teacher's log-probs on that rank (1e-6, relative
 1e-6), each rank holding 1/tp of the vocab; the same beside a student at TP=2 x DP=2 (teacher TP=4
 and TP=1: the student's parallel_state plays no part); a tiny deepseek_v3 (multi-latent attention
-with experts) at TeacherLayout(tp=4), each expert a quarter per rank."""
+with experts) at TeacherLayout(tp=4), each expert a quarter per rank; a tiny qwen3 and qwen3_5 with 2
+key/value heads at TeacherLayout(tp=4), each head repeated on 2 ranks (kv_heads.py: rank t pairs
+its query head with head t // 2, which a wrong pairing would not)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,6 +20,11 @@ from tests.inference.teacher_layout.layout_worlds import close
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 
 VOCAB = 1001
+# 2 key/value heads (4 query heads) at tp=4; qwen3_5's linear attention with 4 key heads, which tp=4 splits
+KV_REPEATED = {"qwen3_two_kv": ("qwen3", {}),
+               "qwen3_5_two_kv": ("qwen3_5", {"num_hidden_layers": 2, "layer_types": ["linear_attention",
+                                                                                      "full_attention"],
+                                              "linear_num_key_heads": 4, "linear_num_value_heads": 4})}
 ROWS = ((2, 5), (1, 9), (0, 0), (3, 4))  # (count, length) per rank
 
 
@@ -69,6 +76,13 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
         results["mla_tp4"] = score_at_layout(chunks, tokens, labels)
         results["mla_experts_fc1"] = chunks[0].decoder.layers[1].mlp.experts.local_experts[0].linear_fc1.weight.shape
     results["mla_seconds"] = time.perf_counter() - start
+    with megatron_on_cpu(), torch._dynamo.config.patch(disable=True):  # 2 key/value heads over 4 ranks: repeated
+        for kind in KV_REPEATED:
+            path = str(Path(root).parent / kind)
+            whole = build_inference_model_from_hf(path, dtype=torch.float32, layout=TeacherLayout(tp=1))
+            results[f"{kind}_reference"] = score_at_layout(whole, tokens, labels)
+            chunks = build_inference_model_from_hf(path, dtype=torch.float32, layout=TeacherLayout(tp=4))
+            results[f"{kind}_tp4"] = score_at_layout(chunks, tokens, labels)
     return results
 
 
@@ -129,6 +143,8 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("teacher_layout4") / "qwen3"  # 4 key/value heads: TP=4 splits them
     write_tiny_checkpoint(root, tiny_hf_config("qwen3", num_key_value_heads=4), seed=5)
     write_tiny_checkpoint(root.parent / "deepseek_v3", tiny_hf_config("deepseek_v3"), seed=6)
+    for seed, (kind, (family, overrides)) in enumerate(KV_REPEATED.items()):
+        write_tiny_checkpoint(root.parent / kind, tiny_hf_config(family, **overrides), seed=7 + seed)
     return run_multirank(_worker, 4, str(root), timeout=600)
 
 
@@ -150,6 +166,16 @@ def test_teacher_tp4_and_tp2_x_dp2_give_each_rank_the_whole_teachers_log_probs(w
             error = (result[key] - reference).abs() - 1e-6 * reference.abs()
             assert result[key].shape == ROWS[rank]
             assert error.numel() == 0 or error.max().item() <= 1e-6, (rank, key, error.max().item())
+
+
+@pytest.mark.parametrize("kind", list(KV_REPEATED))
+def test_two_key_value_heads_at_tp4_are_repeated_to_the_whole_teachers_log_probs(world, kind):
+    if "unsupported" in world[0]:
+        pytest.skip(f"this megatron-core refuses a teacher layout: {world[0]['unsupported']}")
+    for rank, result in enumerate(world):
+        got, reference = result[f"{kind}_tp4"], result[f"{kind}_reference"]
+        assert got.shape == ROWS[rank]
+        assert close(got, reference) <= 1e-6, (kind, rank)
 
 
 def test_a_megatron_core_without_process_group_collections_refuses_by_name(world):

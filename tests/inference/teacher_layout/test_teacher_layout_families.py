@@ -6,8 +6,10 @@ gathers its down projections in parallel_state's group, which a layout turns to 
 gated-delta-net linear attention (`qwen3_5`; `qwen3_next` with experts and a gated shared expert:
 the layer's heads split over the model's pg_collection). At TeacherLayout(tp=2) beside a DP=2
 student each rank's rows get the whole teacher's log-probs (1e-6, relative 1e-6) and top-k
-log-probs and tail, and each rank holds half of every split weight. On a megatron-core without
-ProcessGroupCollection (0.13.1) each family is refused by that name before anything loads."""
+log-probs and tail, and each rank holds half of every split weight. A tiny qwen3 and a tiny qwen3_5
+with one key/value head at tp=2: the head repeated (kv_heads.py), each rank holds half the queries and
+the whole head, to the same log-probs. On a megatron-core without ProcessGroupCollection (0.13.1) each
+family is refused by that name before anything loads."""
 from __future__ import annotations
 
 import re
@@ -25,6 +27,10 @@ pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
 # kind once, and rounding that compounds little (four hybrid layers drift to ~3e-5 between splits)
 HYBRID = {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
 FAMILIES = {"qwen3_moe": {}, "deepseek_v3": {}, "qwen3_5": HYBRID, "qwen3_next": HYBRID}
+# one key/value head at tp=2: megatron-core built with 2 query groups, the head repeated (kv_heads.py)
+KV_REPEATED = {"qwen3_one_kv_head": ("qwen3", {"num_key_value_heads": 1}),
+               "qwen3_5_one_kv_head": ("qwen3_5", {**HYBRID, "num_key_value_heads": 1})}
+SERVED = [*FAMILIES, *KV_REPEATED]
 # what a tensor-parallel split leaves whole on every rank: norms, routers, the shared expert's gate
 REPLICATED = re.compile(r"(norm\.weight|router\.weight|gate_weight)$")
 # the weights a wrong split would leave whole: experts, MLA's down projections, the gated delta net's
@@ -43,11 +49,12 @@ def _write_checkpoints(rank: int, root: str) -> dict[str, str]:
 
     from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
 
-    paths = {kind: str(Path(root).parent / kind) for kind in (*FAMILIES, "one_kv_head")}
+    paths = {kind: str(Path(root).parent / kind) for kind in (*SERVED, "three_kv_heads")}
+    configs = {**{kind: (kind, overrides) for kind, overrides in FAMILIES.items()}, **KV_REPEATED,
+               "three_kv_heads": ("qwen3", {"num_attention_heads": 6, "num_key_value_heads": 3})}
     if rank == 0:
-        for seed, (kind, overrides) in enumerate(FAMILIES.items()):
-            write_tiny_checkpoint(paths[kind], tiny_hf_config(kind, **overrides), seed=seed)
-        write_tiny_checkpoint(paths["one_kv_head"], tiny_hf_config("qwen3", num_key_value_heads=1))
+        for seed, (kind, (family, overrides)) in enumerate(configs.items()):
+            write_tiny_checkpoint(paths[kind], tiny_hf_config(family, **overrides), seed=seed)
     dist.barrier()
     return paths
 
@@ -71,9 +78,9 @@ def family_checks(rank: int, world_size: int, root: str) -> dict:
     layout = TeacherLayout(tp=2)
     results: dict = {}
     with megatron_on_cpu():
-        # megatron-core splits key/value heads over the ranks, never repeats them: 1 head at tp=2 is refused
-        results["one_kv_head"] = _refusal(lambda: build_inference_model_from_hf(paths.pop("one_kv_head"),
-                                                                                layout=layout))
+        # 3 key/value heads at tp=2: neither divided (tp does not divide them) nor repeated (nor tp they)
+        results["three_kv_heads"] = _refusal(lambda: build_inference_model_from_hf(paths.pop("three_kv_heads"),
+                                                                                   layout=layout))
         # megatron-core compiles the gated attention's output gate with torch.compile on its first
         # call (~10 s a rank on CPU): the same eager function runs in both teachers here
         with torch._dynamo.config.patch(disable=True):
@@ -100,7 +107,7 @@ def world(tmp_path_factory):
     return two_rank_world(tmp_path_factory, "families")
 
 
-@pytest.fixture(params=list(FAMILIES))
+@pytest.fixture(params=SERVED)
 def family(request, world):
     """Each rank's results of one family (skipped where the layout is refused: megatron-core 0.13)."""
     results = [result[request.param] for result in world]
@@ -125,6 +132,8 @@ def test_each_family_at_tp2_gives_each_rank_the_whole_teachers_topk_log_probs_an
 
 def test_each_rank_holds_half_of_each_familys_split_weights(family):
     kind, results = family
+    if kind in KV_REPEATED:
+        pytest.skip("the repeated key/value head is whole on each rank: test_a_key_value_head_tp_exceeds_is_repeated")
     for result in results:
         held, whole = result["held"], result["whole"]
         assert held.keys() == whole.keys()
@@ -152,10 +161,30 @@ def test_each_family_is_refused_by_name_where_megatron_core_lacks_process_group_
                 assert "scores" in result[kind], kind
 
 
+@pytest.mark.parametrize("kind", list(KV_REPEATED))
+def test_a_key_value_head_tp_exceeds_is_repeated_each_rank_holding_half_the_queries(world, kind):
+    """One key/value head at tp=2: each rank's linear_qkv holds half the query heads (and their
+    output gates, qwen3_5) and the whole key and value head; everything else split as usual."""
+    results = [result[kind] for result in world]
+    served(results)
+    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config
+
+    family, overrides = KV_REPEATED[kind]
+    head = tiny_hf_config(family, **overrides)["head_dim"]
+    for result in results:
+        held, whole = result["held"], result["whole"]
+        assert held.keys() == whole.keys()
+        qkv = [name for name in held if name.endswith("linear_qkv.weight")]
+        assert qkv, kind
+        for name in qkv:
+            rows, columns = whole[name]
+            assert held[name] == ((rows - 2 * head) // 2 + 2 * head, columns), (kind, name, held[name], whole[name])
+
+
 def test_a_tp_the_key_value_heads_do_not_divide_is_refused_naming_the_tps_served(world):
     for result in world:
         if "unsupported" in result["qwen3_moe"]:
-            assert "needs megatron-core's ProcessGroupCollection" in result["one_kv_head"]
+            assert "needs megatron-core's ProcessGroupCollection" in result["three_kv_heads"]
             continue
-        assert "num_key_value_heads=1 is not a multiple of the tensor-parallel size 2" in result["one_kv_head"]
-        assert result["one_kv_head"].endswith("(over 2 ranks: tp in [1])")
+        assert "num_key_value_heads=3 is not a multiple of the tensor-parallel size 2" in result["three_kv_heads"]
+        assert result["three_kv_heads"].endswith("(over 2 ranks: tp in [1])")

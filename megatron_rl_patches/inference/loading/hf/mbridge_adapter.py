@@ -103,6 +103,14 @@ def mbridge_bridge(config: dict[str, Any], arch: HFArchitecture, dtype: torch.dt
         )
     from megatron.core import parallel_state as ps
 
+    from megatron_rl_patches.inference.loading.hf.families.kv_heads import kv_repeat
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    if kv_repeat(arch, tp) > 1:  # mbridge builds and loads the checkpoint's own query groups
+        raise UnsupportedCheckpointError(
+            f"{arch.source}: num_key_value_heads={arch.num_kv_heads} at the tensor-parallel size {tp} is served by "
+            "repeating the heads, which converter='mbridge' does not do; use converter='builtin'"
+        )
     bridge = auto_bridge.from_config(_hf_config(config, arch), dtype=dtype,
                                      make_vocab_size_divisible_by=padded_vocab)
     bridge.set_extra_args(**cpu_overrides(dtype, arch))

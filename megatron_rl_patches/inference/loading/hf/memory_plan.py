@@ -4,11 +4,12 @@ residency mode, from config.json alone (`megatron-rl-patches memory --hf`): plan
 
 Per GPU, one formula over the family's parameter map: a layer's parameters of a fuse kind that
 splits (`FuseKind.split`: row, gated, qkv...) are divided over TP, the others (replicate: norms,
-router) are whole on every rank, experts are divided over EP, then over TP (megatron-core's expert
-tensor-parallel size defaults to TP); the first pipeline stage holds the embedding and the last
-the output layer (a tied output layer is a second copy when PP > 1), both of Megatron's padded
-vocab (a multiple of 128 x TP). Residency as in inference/sizing/residency_plan.py, on the
-pipeline stage that holds the most."""
+router) are whole on every rank, a kind's own share where it says one (`FuseKind.rank_params`:
+q/k/v with each key/value head repeated where TP exceeds them, one whole head per rank), experts
+are divided over EP, then over TP (megatron-core's expert tensor-parallel size defaults to TP); the
+first pipeline stage holds the embedding and the last the output layer (a tied output layer is a
+second copy when PP > 1), both of Megatron's padded vocab (a multiple of 128 x TP). Residency as in
+inference/sizing/residency_plan.py, on the pipeline stage that holds the most."""
 from __future__ import annotations
 
 import os
@@ -77,16 +78,19 @@ def layer_params(arch: HFArchitecture, layer: int, tp: int = 1, ep: int = 1, fam
     (KeyError naming a tensor a parameter is made of that the layer does not hold)."""
     family = family or arch.family
     tensors = family.layer_tensors(arch, layer)
-    split = whole = expert = 0
+    split = whole = expert = own = 0
     for param in family.layer_params(arch, layer).values():
-        size = sum(prod(tensors[name]) for name in param.hf)
+        sizes = [prod(tensors[name]) for name in param.hf]
+        size, held = sum(sizes), param.kind.rank_params(arch, sizes, tp)
         if param.expert:
             expert += size  # one expert's
+        elif held is not None:  # a kind's own share (key/value heads repeated at tp: kv_heads.py)
+            own += held
         elif param.kind.split:
             split += size
         else:
             whole += size
-    per_gpu = -(-split // tp) + whole + (arch.num_experts // ep) * -(-expert // tp)
+    per_gpu = -(-split // tp) + whole + own + (arch.num_experts // ep) * -(-expert // tp)
     return LayerParams(per_gpu, arch.num_experts * expert, arch.experts_per_token * expert)
 
 

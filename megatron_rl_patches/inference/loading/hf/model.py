@@ -10,6 +10,7 @@ import torch
 
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 from megatron_rl_patches.inference.loading.hf.families.common import after_init
+from megatron_rl_patches.inference.loading.hf.families.kv_heads import query_groups
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,6 +79,8 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype, sizes: dict[str
         gradient_accumulation_fusion=False,
     )
     values.update(sizes or {})
+    # the checkpoint's key/value heads, repeated where the tensor-parallel size exceeds them (kv_heads.py)
+    values["num_query_groups"] = query_groups(arch, values["tensor_model_parallel_size"])
     family = arch.family
     values.update(family.config_overrides(arch))
     if arch.rope.kind == "yarn":

@@ -24,10 +24,11 @@ def _filled(shape, pieces) -> torch.Tensor:
 
 def _reference(kind, tensors, arch, rank, size, padded):
     if kind == "qkv":
-        groups, hd = arch.num_kv_heads, arch.head_dim
+        heads, hd = arch.num_kv_heads, arch.head_dim
+        r = size // heads if size > heads else 1  # fewer heads than ranks: each repeated (kv_heads.py)
         q, k, v = tensors
-        fused = torch.cat([q.reshape(groups, -1, q.shape[1]), k.reshape(groups, hd, -1), v.reshape(groups, hd, -1)],
-                          dim=1).reshape(-1, q.shape[1])
+        k, v = (t.reshape(heads, hd, -1).repeat_interleave(r, dim=0) for t in (k, v))
+        fused = torch.cat([q.reshape(heads * r, -1, q.shape[1]), k, v], dim=1).reshape(-1, q.shape[1])
         return fused.chunk(size, dim=0)[rank]
     if kind == "gated":
         return torch.cat([t.chunk(size, dim=0)[rank] for t in tensors], dim=0)
@@ -40,7 +41,7 @@ def _reference(kind, tensors, arch, rank, size, padded):
     return tensors[0].chunk(size, dim=0)[rank] if kind == "column" else tensors[0]
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1])  # 1 group at TP=2: a rank's rows cut through it (fuse first)
+@pytest.mark.parametrize("kv_heads", [2, 1])  # 1 head at TP=2: repeated, a group per rank
 @pytest.mark.parametrize("size", [1, 2])
 @pytest.mark.parametrize("kind", ["qkv", "gated", "vocab", "row", "column", "replicate"])
 def test_pieces_fill_what_fuse_then_chunk_makes(kind, size, kv_heads):
@@ -60,8 +61,8 @@ def test_pieces_fill_what_fuse_then_chunk_makes(kind, size, kv_heads):
         assert shape == tuple(want.shape)
         assert torch.equal(_filled(shape, pieces), want)
         storages = {t.untyped_storage().data_ptr() for t in tensors}
-        if kind != "qkv" or kv_heads % size == 0:  # no intermediate tensor: every value is a source's view
-            assert all(value is None or value.untyped_storage().data_ptr() in storages for _, value in pieces)
+        # no intermediate tensor: every value is a source's view
+        assert all(value is None or value.untyped_storage().data_ptr() in storages for _, value in pieces)
 
 
 def test_a_wrong_layout_is_caught():

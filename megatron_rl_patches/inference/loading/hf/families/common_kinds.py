@@ -78,8 +78,20 @@ class Gated(FuseKind):
         return stacked([part.chunk(size, dim=0)[rank] for part in tensors])
 
 
+def repeated_qkv_params(arch: HFArchitecture, sizes: Sequence[int], tp: int) -> int | None:
+    """A rank's q/k/v parameters where its key/value head is repeated at `tp` (kv_heads.py): its
+    share of the queries, one whole key and value head; None where none is repeated."""
+    from megatron_rl_patches.inference.loading.hf.families.kv_heads import kv_repeat
+
+    if kv_repeat(arch, tp) == 1:
+        return None
+    q, k, v = sizes
+    return q // tp + (k + v) // arch.num_kv_heads
+
+
 class Qkv(FuseKind):
-    """q, k and v fused per query group (linear_qkv), the rank's query groups."""
+    """q, k and v fused per query group (linear_qkv), the rank's query groups; where `size` exceeds
+    the key/value heads, each repeated (kv_heads.py): the rank's one group and its key/value head."""
 
     name, arity = "qkv", 3
 
@@ -89,6 +101,9 @@ class Qkv(FuseKind):
 
         q, k, v = tensors
         return qkv_pieces(arch, q, k, v, rank=rank, size=size)
+
+    def rank_params(self, arch: HFArchitecture, sizes: Sequence[int], tp: int) -> int | None:
+        return repeated_qkv_params(arch, sizes, tp)
 
 
 class Vocab(FuseKind):

@@ -8,6 +8,7 @@ import torch
 
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 from megatron_rl_patches.inference.loading.hf.families.fuse_kind import Piece, Pieces
+from megatron_rl_patches.inference.loading.hf.families.kv_heads import kv_repeat
 from megatron_rl_patches.inference.loading.hf.families.views import rows, whole
 
 
@@ -22,14 +23,17 @@ def qkv(arch: HFArchitecture, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
 def qkv_pieces(arch: HFArchitecture, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rank: int,
                size: int) -> Pieces:
     """Megatron's fused qkv of this rank's query groups, written block by block into the target seen
-    as [groups, rows per group, ...]."""
-    groups, hd = arch.num_kv_heads, arch.head_dim
+    as [groups, rows per group, ...]; where `size` exceeds the key/value heads, the rank's one group
+    with its key/value head, repeated over the ranks (kv_heads.py)."""
+    heads, hd = arch.num_kv_heads, arch.head_dim
+    repeat = kv_repeat(arch, size)  # > 1: size groups, one per rank, each of key/value head rank // repeat
+    groups = heads * repeat
     if groups % size:  # a rank's rows cut through a group: fuse, then take them
         return whole(qkv(arch, q, k, v).chunk(size, dim=0)[rank])
     local, tail = groups // size, tuple(q.shape[1:])
     mine = slice(rank * local, (rank + 1) * local)
-    blocks = [q.reshape(groups, -1, *tail)[mine], k.reshape(groups, hd, *tail)[mine],
-              v.reshape(groups, hd, *tail)[mine]]
+    kv = slice(mine.start // repeat, (mine.stop - 1) // repeat + 1)  # the heads of the rank's groups (read once)
+    blocks = [q.reshape(groups, -1, *tail)[mine], k.reshape(heads, hd, *tail)[kv], v.reshape(heads, hd, *tail)[kv]]
     per_group = sum(block.shape[1] for block in blocks)
     pieces: list[Piece] = []
     start = 0

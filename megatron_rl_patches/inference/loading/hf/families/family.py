@@ -12,6 +12,7 @@ from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 from megatron_rl_patches.inference.loading.hf.families.common_kinds import REPLICATE, VOCAB
 from megatron_rl_patches.inference.loading.hf.families.fields import seen_by
 from megatron_rl_patches.inference.loading.hf.families.fuse_kind import FuseKind, Shape, fuse_kind, registered
+from megatron_rl_patches.inference.loading.hf.families.kv_heads import kv_head_problems
 
 EXPERT = "{e}"  # the expert index in a per-expert tensor's or parameter's name
 
@@ -105,10 +106,9 @@ def mtp_layer_prefixes(arch: HFArchitecture) -> tuple[str, ...]:
 
 
 def parallel_problems(arch: HFArchitecture, tp: int, ep: int) -> list[str]:
-    """What the tensor / expert parallel sizes cannot split (key/value heads, experts)."""
-    problems = []
-    if arch.num_kv_heads % tp:
-        problems.append(f"num_key_value_heads={arch.num_kv_heads} is not a multiple of the tensor-parallel size {tp}")
+    """What the tensor / expert parallel sizes cannot split (key/value heads, neither divided nor
+    repeated: kv_heads.py; experts)."""
+    problems = kv_head_problems(arch, tp)  # divided over tp, or repeated up to it (kv_heads.py)
     if arch.is_moe and arch.num_experts % ep:
         problems.append(f"{arch.num_experts} experts are not a multiple of the expert-parallel size {ep}")
     if not arch.is_moe and ep > 1:

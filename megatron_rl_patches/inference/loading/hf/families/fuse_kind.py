@@ -1,7 +1,8 @@
 """What a fuse kind is: how the Hugging Face tensors of one Megatron parameter make it on a
 tensor-parallel rank. A `FuseKind` object owns all of it: how many tensors it fuses (`arity`,
 checked by the family contract and before a fill), whether the parameter is divided over the
-tensor-parallel ranks or held whole by each (`split`, what the memory plan counts), and how a
+tensor-parallel ranks or held whole by each (`split`, what the memory plan counts; `rank_params`
+where a rank holds more than its share: repeated key/value heads), and how a
 rank's slice is filled from views of the tensors (`pieces`). The converter, the contract and the
 memory plan ask the kind; none of them names one.
 
@@ -37,6 +38,12 @@ class FuseKind:
                padded_vocab: int) -> Pieces:
         """Rank `rank` of `size`'s slice: its shape and the pieces that fill it from `tensors`."""
         raise NotImplementedError(f"fuse kind {self.name!r} ({type(self).__name__}) fills no slice: define pieces()")
+
+    def rank_params(self, arch: HFArchitecture, sizes: Sequence[int], tp: int) -> int | None:
+        """The parameters a rank holds at tensor-parallel size `tp`, from the sizes of the tensors
+        fused, where its share is not `split`'s (rows repeated: key/value heads, kv_heads.py);
+        None: `split` says it (1/tp of them, or all)."""
+        return None
 
     def shard(self, arch: HFArchitecture, tensors: Sequence[torch.Tensor], rank: int, size: int,
               padded_vocab: int) -> Pieces:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from megatron_rl_patches.inference.loading.hf.families.common_kinds import repeated_qkv_params
 from megatron_rl_patches.inference.loading.hf.families.fuse_kind import FuseKind, Pieces, register
 
 if TYPE_CHECKING:
@@ -25,9 +26,14 @@ class GatedQkv(FuseKind):
     def pieces(self, arch: HFArchitecture, tensors: Sequence[torch.Tensor], rank: int, size: int,
                padded_vocab: int) -> Pieces:
         from megatron_rl_patches.inference.loading.hf.families.hybrid_layout import gated_qkv
+        from megatron_rl_patches.inference.loading.hf.families.kv_heads import kv_repeat
         from megatron_rl_patches.inference.loading.hf.families.views import fused_rows, whole
 
-        return whole(fused_rows(lambda *x: gated_qkv(arch, *x).chunk(size, dim=0)[rank], tensors))
+        repeat = kv_repeat(arch, size)  # the key/value heads repeated where size exceeds them: one per rank
+        return whole(fused_rows(lambda *x: gated_qkv(arch, *x, repeat=repeat).chunk(size, dim=0)[rank], tensors))
+
+    def rank_params(self, arch: HFArchitecture, sizes: Sequence[int], tp: int) -> int | None:
+        return repeated_qkv_params(arch, sizes, tp)
 
 
 class GdnIn(FuseKind):

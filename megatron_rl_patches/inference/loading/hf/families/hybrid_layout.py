@@ -10,13 +10,16 @@ import torch
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 
 
-def gated_qkv(arch: HFArchitecture, q_proj: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """linear_qkv with the output gate: per query group its queries, their gates, its key and value."""
+def gated_qkv(arch: HFArchitecture, q_proj: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+              repeat: int = 1) -> torch.Tensor:
+    """linear_qkv with the output gate: per query group its queries, their gates, its key and value;
+    `repeat`: each key/value head repeated for that many query groups (kv_heads.py)."""
     groups, hd = arch.num_kv_heads, arch.head_dim
     tail = q_proj.shape[1:]
     per_head = q_proj.reshape(arch.num_heads, 2, hd, *tail)
-    query, gate = (per_head[:, i].reshape(groups, -1, *tail) for i in (0, 1))
-    parts = [query, gate, k.reshape(groups, hd, *tail), v.reshape(groups, hd, *tail)]
+    query, gate = (per_head[:, i].reshape(groups * repeat, -1, *tail) for i in (0, 1))
+    kv = [x.reshape(groups, hd, *tail).repeat_interleave(repeat, dim=0) for x in (k, v)]
+    parts = [query, gate, *kv]
     return torch.cat(parts, dim=1).reshape(-1, *tail)
 
 
