@@ -194,7 +194,7 @@ def _build_at_layout(root: Any, arch: Any, layout: TeacherLayout, dtype: torch.d
     from megatron_rl_patches.inference.build import build_checked
     from megatron_rl_patches.inference.loading.hf.load import load_hf_weights
     from megatron_rl_patches.inference.loading.hf.model import model_provider, padded_vocab, transformer_config
-    from megatron_rl_patches.inference.teacher_layout.build_args import config_sizes, shard_ranks
+    from megatron_rl_patches.inference.teacher_layout.build_args import config_sizes, raise_on_every_rank, shard_ranks
     from megatron_rl_patches.inference.teacher_layout.groups import teacher_groups
     from megatron_rl_patches.inference.teacher_layout.own_groups import gather_in_own_groups
 
@@ -207,9 +207,14 @@ def _build_at_layout(root: Any, arch: Any, layout: TeacherLayout, dtype: torch.d
     provider = model_provider(arch, config, vocab, core_attention, {"pg_collection": groups.pg_collection},
                               pp_rank=groups.pp_rank)
     stage: list[tuple[int | None, bool, bool]] = [(None, groups.pp_rank == 0, groups.pp_rank == groups.pp_size - 1)]
-    chunks = build_checked(provider, "resident", prefetch, None, stages=stage)
-    gather_in_own_groups(chunks)  # multi-latent attention's down projections: in the teacher's group
-    load_hf_weights(chunks, root, arch, vocab, shard_ranks(groups))
+    error: Exception | None = None
+    try:
+        chunks = build_checked(provider, "resident", prefetch, None, stages=stage)
+        gather_in_own_groups(chunks)  # multi-latent attention's down projections: in the teacher's group
+        load_hf_weights(chunks, root, arch, vocab, shard_ranks(groups))
+    except Exception as exc:  # every rank learns of it: none is left to score alone
+        error = exc
+    raise_on_every_rank(error, f"building {arch.source} at layout={layout!r}")
     for chunk in chunks:
         setattr(chunk, "hf_vocab_size", arch.vocab_size)  # noqa: B010 - the real vocab, for the ops' vocab_size=
         setattr(chunk, "teacher_groups", groups)  # noqa: B010 - score_at_layout reads the teacher's groups here

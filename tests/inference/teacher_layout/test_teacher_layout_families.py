@@ -82,6 +82,27 @@ def _pipelined(path: str, tokens: torch.Tensor, labels: torch.Tensor, rank: int)
             "pp2_kinds": _kinds(chunks), "pp2_read_layers": sorted(layers)}
 
 
+def _load_fails_on_one_rank(path: str, rank: int) -> str:
+    """The error of a TeacherLayout(pp=2) build whose weights fail to load on rank 1 only: every
+    rank raises (none goes on to wait for the other stage in scoring)."""
+    import contextlib
+    from unittest import mock
+
+    from megatron_rl_patches import build_inference_model_from_hf
+    from megatron_rl_patches.inference import TeacherLayout
+
+    def boom(*args, **kwargs):
+        raise OSError("this rank's weights failed to load on purpose")
+
+    target = "megatron_rl_patches.inference.loading.hf.load.load_hf_weights"
+    with mock.patch(target, boom) if rank == 1 else contextlib.nullcontext():
+        try:
+            build_inference_model_from_hf(path, dtype=torch.float32, layout=TeacherLayout(pp=2))
+        except (OSError, RuntimeError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+    return "built"
+
+
 def family_checks(rank: int, world_size: int, root: str) -> dict:
     """Per family: the TP=2 teacher's scores and top-k of this rank's rows, the whole teacher's
     (built in the student's TP=1 groups on this rank), and the parameter shapes of both."""
@@ -121,6 +142,8 @@ def family_checks(rank: int, world_size: int, root: str) -> dict:
             for kind, path in paths.items():  # a teacher pipeline: rank 0 the first stage, rank 1 the last
                 if "scores" in results[kind]:
                     results[kind].update(_pipelined(path, tokens, labels, rank))
+            if "scores" in results["qwen3_moe"]:
+                results["load_fails"] = _load_fails_on_one_rank(paths["qwen3_moe"], rank)
     results["seconds"] = time.perf_counter() - start  # what the families add to the world
     return results
 
@@ -189,6 +212,14 @@ def test_each_pipeline_stage_builds_and_reads_its_own_layers_kinds_only(family):
     for rank, result in enumerate(results):
         assert result["pp2_kinds"] == [whole[rank]], (kind, rank, result["pp2_kinds"], whole)
         assert result["pp2_read_layers"] == [rank], (kind, rank)  # DeepSeek-V3's MTP layer 2: on neither stage
+
+
+def test_a_build_that_fails_on_one_rank_raises_on_every_rank(world):
+    if "load_fails" not in world[0]:
+        pytest.skip("this megatron-core refuses a teacher layout")
+    assert world[1]["load_fails"] == "OSError: this rank's weights failed to load on purpose"
+    assert world[0]["load_fails"].startswith("RuntimeError: building ")
+    assert "failed on rank(s) [1]" in world[0]["load_fails"]
 
 
 def test_each_family_is_refused_by_name_where_megatron_core_lacks_process_group_collections(world):
