@@ -12,7 +12,7 @@ from megatron_rl_patches.inference.loading.hf.checkpoint_config import read_chec
 from megatron_rl_patches.inference.loading.hf.families import architecture, split_problems
 from megatron_rl_patches.inference.residency.budget import ResidencyBudget
 from megatron_rl_patches.inference.residency.placement import check_residency_args
-from megatron_rl_patches.inference.teacher_layout.build_args import refuse_unserved, refuse_unserved_pipeline
+from megatron_rl_patches.inference.teacher_layout.build_args import refuse_unserved
 from megatron_rl_patches.inference.teacher_layout.groups import check_layout
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 
@@ -127,8 +127,8 @@ def build_inference_model_from_hf(
     `layout`: a TeacherLayout (inference/teacher_layout) to build the teacher at its own
     tensor / pipeline-parallel sizes over all ranks of the default process group, on its own
     process groups (megatron-core >= 0.15), each rank reading only its shard (its stage's layers;
-    every family at pp=1, experts split over the teacher's tensor-parallel group; dense families at
-    pp > 1); every rank must call this, and scoring goes through score_at_layout / topk_at_layout.
+    every family, experts split over the teacher's tensor-parallel group); every rank must call
+    this, and scoring goes through score_at_layout / topk_at_layout.
     None: the sizes of parallel_state (the student's).
     """
     from megatron_rl_patches._args import positive_int
@@ -159,7 +159,6 @@ def build_inference_model_from_hf(
     weights_dtype = checkpoint_dtype(checkpoint.dtype, dtype)
     divisible_by = positive_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by)
     if layout is not None:
-        refuse_unserved_pipeline(layout, arch)
         refuse_unserved(layout, arch, mode, converter)
     _check_parallel(arch, core_attention, layout)
     _check_core_attention(arch, core_attention)
@@ -195,20 +194,27 @@ def _build_at_layout(root: Any, arch: Any, layout: TeacherLayout, dtype: torch.d
     from megatron_rl_patches.inference.build import build_checked
     from megatron_rl_patches.inference.loading.hf.load import load_hf_weights
     from megatron_rl_patches.inference.loading.hf.model import model_provider, padded_vocab, transformer_config
-    from megatron_rl_patches.inference.teacher_layout.build_args import config_sizes, shard_ranks
+    from megatron_rl_patches.inference.teacher_layout.build_args import config_sizes, raise_on_every_rank, shard_ranks
     from megatron_rl_patches.inference.teacher_layout.groups import teacher_groups
     from megatron_rl_patches.inference.teacher_layout.own_groups import gather_in_own_groups
 
     groups = teacher_groups(layout)
     vocab = padded_vocab(arch.vocab_size, divisible_by, layout.tp)
     config = transformer_config(arch, dtype, config_sizes(layout))
-    provider = model_provider(arch, config, vocab, core_attention, {"pg_collection": groups.pg_collection})
     # this rank's pipeline stage: megatron-core splits the layers by the collection's pp group
-    # (get_transformer_layer_offset), and each stage reads only the tensors of its own layers
+    # (get_transformer_layer_offset), a block spec of layers that differ (dense first layers, Qwen3.5's
+    # layer_types) lists this stage's (pp_rank), and each stage reads only the tensors of its own layers
+    provider = model_provider(arch, config, vocab, core_attention, {"pg_collection": groups.pg_collection},
+                              pp_rank=groups.pp_rank)
     stage: list[tuple[int | None, bool, bool]] = [(None, groups.pp_rank == 0, groups.pp_rank == groups.pp_size - 1)]
-    chunks = build_checked(provider, "resident", prefetch, None, stages=stage)
-    gather_in_own_groups(chunks)  # multi-latent attention's down projections: in the teacher's group
-    load_hf_weights(chunks, root, arch, vocab, shard_ranks(groups))
+    error: Exception | None = None
+    try:
+        chunks = build_checked(provider, "resident", prefetch, None, stages=stage)
+        gather_in_own_groups(chunks)  # multi-latent attention's down projections: in the teacher's group
+        load_hf_weights(chunks, root, arch, vocab, shard_ranks(groups))
+    except Exception as exc:  # every rank learns of it: none is left to score alone
+        error = exc
+    raise_on_every_rank(error, f"building {arch.source} at layout={layout!r}")
     for chunk in chunks:
         setattr(chunk, "hf_vocab_size", arch.vocab_size)  # noqa: B010 - the real vocab, for the ops' vocab_size=
         setattr(chunk, "teacher_groups", groups)  # noqa: B010 - score_at_layout reads the teacher's groups here

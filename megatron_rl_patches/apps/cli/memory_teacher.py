@@ -2,9 +2,9 @@
 at its own tensor / pipeline-parallel layout over the student's ranks (world = the student's --tp
 x --pp x --dp; the teacher's data-parallel size follows), beside the same teacher built at the
 student's layout: per-GPU bytes and host bytes per rank of each. Only what the builder serves at
-a layout is planned (resident; no teacher expert parallelism; every family at --teacher-pp 1,
-experts split over the teacher's tensor-parallel group; dense families at --teacher-pp > 1): the
-rest is refused with the builder's own words."""
+a layout is planned (resident; no teacher expert parallelism; every family at any --teacher-tp x
+--teacher-pp its layers divide, experts split over the teacher's tensor-parallel group): the rest
+is refused with the builder's own words."""
 from __future__ import annotations
 
 import argparse
@@ -41,7 +41,7 @@ def _row(name: str, plan: HFMemoryPlan, mode: str) -> dict[str, Any]:
 
 def run_teacher(args: argparse.Namespace) -> int:
     from megatron_rl_patches.inference.loading.hf.families import read_architecture
-    from megatron_rl_patches.inference.teacher_layout.build_args import refuse_unserved, refuse_unserved_pipeline
+    from megatron_rl_patches.inference.teacher_layout.build_args import refuse_unserved
     from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 
     world = _checked(args)
@@ -49,7 +49,6 @@ def run_teacher(args: argparse.Namespace) -> int:
     try:
         layout = TeacherLayout(tp=tp, pp=pp)
         arch = read_architecture(args.hf, sizing=True)
-        refuse_unserved_pipeline(layout, arch)
         refuse_unserved(layout, arch, "resident", "builtin")
         own = hf_memory_plan(args.hf, tp=tp, pp=pp, param_dtype=args.param_dtype)
         student = hf_memory_plan(args.hf, tp=args.tp, pp=args.pp, ep=args.ep, param_dtype=args.param_dtype,

@@ -28,11 +28,13 @@ def shard_ranks(groups: TeacherGroups) -> ShardRanks:
 
 def refuse_unserved(layout: TeacherLayout, arch: Any, residency: str, converter: str) -> None:
     """ValueError naming what a teacher at its own layout does not serve: non-resident builds and
-    mbridge's converter. Every family the builtin converter builds is served at a layout: dense,
-    mixture of experts (experts split over the teacher's tensor-parallel group), multi-latent
-    attention (its down projections gathered in that group: own_groups.py) and gated-delta-net
-    linear attention (its heads split over that group: the model's pg_collection). `arch`: the
-    checkpoint's architecture (named in the error)."""
+    mbridge's converter. Every family the builtin converter builds is served at a layout, at any
+    tensor x pipeline size its layers divide: dense, mixture of experts (experts split over the
+    teacher's tensor-parallel group), multi-latent attention (its down projections gathered in that
+    group: own_groups.py) and gated-delta-net linear attention (its heads split over that group: the
+    model's pg_collection); at pp > 1 each stage builds its own layers' kinds (dense first layers,
+    Qwen3.5's layer_types: model_provider's pp_rank) and no stage builds an MTP layer (skipped).
+    `arch`: the checkpoint's architecture (named in the error)."""
     problems = []
     if residency != "resident":
         problems.append(f"residency={residency!r} (only 'resident' is served at a teacher's own layout)")
@@ -43,17 +45,19 @@ def refuse_unserved(layout: TeacherLayout, arch: Any, residency: str, converter:
                          "layout=None to build the teacher in the student's own process groups")
 
 
-def refuse_unserved_pipeline(layout: TeacherLayout, arch: Any) -> None:
-    """ValueError naming the families a teacher pipeline (layout.pp > 1) is not checked on yet:
-    only dense decoders (llama, qwen2, qwen3, mimo) are; gated-delta-net, multi-latent and
-    mixture-of-experts families stay refused at pp > 1 whatever a tensor-parallel layout serves."""
-    if layout.pp == 1:
-        return
-    kinds = [kind for kind, present in (("gated-delta-net linear attention", getattr(arch, "linear", None) is not None),
-                                        ("multi-latent attention", getattr(arch, "mla", None) is not None),
-                                        ("mixture of experts", bool(arch.is_moe))) if present]
-    if kinds:
-        raise ValueError(f"{arch.source}: layout={layout!r}: a teacher pipeline (pp={layout.pp}) is served for dense "
-                         f"families only; {arch.model_type}'s {' and '.join(kinds)} does not serve pp > 1 at a "
-                         "teacher's own layout yet: use pp=1, or layout=None to build the teacher in the student's "
-                         "own process groups")
+
+def raise_on_every_rank(error: BaseException | None, what: str) -> None:
+    """After a step every rank of the default group takes (a build at a layout): `error` raised
+    where it was caught, and a RuntimeError naming the failing ranks on every other rank, so no rank
+    goes on to score with a teacher another rank never finished (it would wait on that rank)."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor([1 if error is not None else 0], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    failed = [rank for rank, flag in enumerate(every) if int(flag.item())]
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"{what} failed on rank(s) {failed}: see those ranks' errors; every rank raises")

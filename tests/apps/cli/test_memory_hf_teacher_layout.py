@@ -109,12 +109,30 @@ def test_a_tp_that_neither_divides_nor_repeats_the_key_value_heads_is_refused_by
     assert code != 0 and words in err
 
 
-@pytest.mark.parametrize(("name", "words"), [("Qwen3.5-27B", "qwen3_5's gated-delta-net linear attention"),
-                                             ("Mixtral-8x7B-v0.1", "mixtral's mixture of experts"),
-                                             ("DeepSeek-V3", "multi-latent attention")])
-def test_a_family_a_teacher_pipeline_is_not_checked_on_is_refused_by_name(cli_run, published, name, words):
-    code, _, err = cli_run("memory", "--hf", str(published(name)), "--teacher-pp", "2", "--dp", "8")
-    assert code != 0 and "a teacher pipeline (pp=2) is served for dense families only" in err and words in err
+@pytest.mark.parametrize(("name", "tp", "pp", "dp"), [("Qwen3.5-27B", 4, 2, 8), ("Qwen3-Next-80B-A3B", 2, 4, 8),
+                                                     ("Mixtral-8x7B-v0.1", 1, 2, 8), ("Moonlight-16B-A3B", 1, 3, 6)])
+def test_linear_attention_expert_and_multi_latent_families_are_planned_at_a_teacher_pipeline(cli_run, published, name,
+                                                                                              tp, pp, dp):
+    """Gated-delta-net linear attention (Qwen3.5's layer_types split over the stages), mixtures of
+    experts and multi-latent attention with a dense first layer (Moonlight, deepseek_v3) at
+    --teacher-pp > 1: planned per stage as the builder builds them."""
+    root = str(published(name))
+    argv = ("--teacher-tp", str(tp), "--teacher-pp", str(pp), "--dp", str(dp), "--json")
+    code, out, err = cli_run("memory", "--hf", root, *argv)
+    assert code == 0, err
+    report = json.loads(out)
+    own, whole = report["layouts"][:2]
+    plan = hf_memory_plan(root, tp=tp, pp=pp)
+    assert (own["tp"], own["pp"], report["teacher_dp"]) == (tp, pp, dp // (tp * pp))
+    assert own["gpu_bytes"] == plan.mode("resident").device_peak and len(plan.stage_params) == pp
+    # the stage holding the most: about 1/(tp x pp) of the whole (its embedding or output layer, the norms whole)
+    assert 1 / (tp * pp) < own["gpu_bytes"] / whole["gpu_bytes"] < 1.06 / (tp * pp)
+
+
+def test_a_teacher_pipeline_the_layers_do_not_divide_is_refused_by_name(cli_run, published):
+    """DeepSeek-V3's 61 layers split over no pipeline of 2 or more stages (uneven stages are not served)."""
+    code, _, err = cli_run("memory", "--hf", str(published("DeepSeek-V3")), "--teacher-pp", "2", "--dp", "8")
+    assert code != 0 and "num_hidden_layers=61 is not a multiple of the pipeline-parallel size 2" in err
 
 
 def test_teacher_sizes_need_a_checkpoint(cli_run):

@@ -4,9 +4,10 @@ groups {0, 1} and {2, 3}) built side by side; each rank's rows (counts and lengt
 rank, rank 2 has none) scored to the whole teacher's log-probs on that rank (1e-6, relative
 1e-6), each rank holding 1/tp of the vocab; the same beside a student at TP=2 x DP=2 (teacher TP=4
 and TP=1: the student's parallel_state plays no part); a tiny deepseek_v3 (multi-latent attention
-with experts) at TeacherLayout(tp=4), each expert a quarter per rank; a tiny qwen3 and qwen3_5 with 2
-key/value heads at TeacherLayout(tp=4), each head repeated on 2 ranks (kv_heads.py: rank t pairs
-its query head with head t // 2, which a wrong pairing would not)."""
+with experts) at TeacherLayout(tp=4), each expert a quarter per rank, and at TeacherLayout(tp=2,
+pp=2): its dense first layer on the first stage, its experts on the last (log-probs, top-k + tail);
+a tiny qwen3 and qwen3_5 with 2 key/value heads at TeacherLayout(tp=4), each head repeated on 2
+ranks (kv_heads.py: rank t pairs its query head with head t // 2, which a wrong pairing would not)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -41,7 +42,7 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
     from megatron.core import package_info
 
     from megatron_rl_patches import build_inference_model_from_hf
-    from megatron_rl_patches.inference import TeacherLayout, score_at_layout, teacher_groups
+    from megatron_rl_patches.inference import TeacherLayout, score_at_layout, teacher_groups, topk_at_layout
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
     results: dict = {"version": package_info.__version__}
@@ -75,7 +76,17 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
         chunks = build_inference_model_from_hf(mla, dtype=torch.float32, layout=TeacherLayout(tp=4))
         results["mla_tp4"] = score_at_layout(chunks, tokens, labels)
         results["mla_experts_fc1"] = chunks[0].decoder.layers[1].mlp.experts.local_experts[0].linear_fc1.weight.shape
-    results["mla_seconds"] = time.perf_counter() - start
+        results["mla_seconds"] = time.perf_counter() - start
+        # one replica of 4 ranks: stage 0 (ranks 0, 1) the dense first layer, stage 1 (ranks 2, 3) the experts
+        results["mla_topk_reference"] = topk_at_layout(whole, tokens, _ids(rank))
+        chunks = build_inference_model_from_hf(mla, dtype=torch.float32, layout=TeacherLayout(tp=2, pp=2))
+        results["mla_tp2pp2"] = score_at_layout(chunks, tokens, labels)
+        results["mla_tp2pp2_topk"] = topk_at_layout(chunks, tokens, _ids(rank))
+        layer = chunks[0].decoder.layers[0]
+        results["mla_tp2pp2_layer"] = (int(layer.layer_number), type(layer.mlp).__name__,
+                                       tuple(layer.mlp.linear_fc1.weight.shape) if hasattr(layer.mlp, "linear_fc1")
+                                       else tuple(layer.mlp.experts.local_experts[0].linear_fc1.weight.shape))
+    results["mla_pp_seconds"] = time.perf_counter() - start - results["mla_seconds"]
     with megatron_on_cpu(), torch._dynamo.config.patch(disable=True):  # 2 key/value heads over 4 ranks: repeated
         for kind in KV_REPEATED:
             path = str(Path(root).parent / kind)
@@ -176,6 +187,22 @@ def test_two_key_value_heads_at_tp4_are_repeated_to_the_whole_teachers_log_probs
         got, reference = result[f"{kind}_tp4"], result[f"{kind}_reference"]
         assert got.shape == ROWS[rank]
         assert close(got, reference) <= 1e-6, (kind, rank)
+
+
+def test_a_multi_latent_teacher_at_tp2_x_pp2_gives_each_rank_the_whole_teachers_log_probs_and_topk(world):
+    if "unsupported" in world[0]:
+        pytest.skip(f"this megatron-core refuses a teacher layout: {world[0]['unsupported']}")
+    print(f"deepseek_v3 at tp=2 x pp=2 took {[round(result['mla_pp_seconds'], 1) for result in world]} s per rank")
+    for rank, result in enumerate(world):
+        stage = rank // 2
+        number, mlp, fc1 = result["mla_tp2pp2_layer"]
+        assert number == stage + 1 and mlp == ("MoELayer" if stage else "MLP"), (rank, number, mlp)
+        # the dense layer's gate and up rows (2 x 48) and an expert's (2 x 16): half per tensor rank
+        assert fc1 == ((2 * 16 // 2, 32) if stage else (2 * 48 // 2, 32)), (rank, fc1)
+        for key, want in (("mla_tp2pp2", "mla_reference"), ("mla_tp2pp2_topk", "mla_topk_reference")):
+            for got, ref in zip(*((r,) if isinstance(r, torch.Tensor) else r for r in (result[key], result[want]))):
+                assert got.shape == ref.shape, (rank, key)
+                assert close(got, ref) <= 1e-6, (rank, key, close(got, ref))
 
 
 def test_a_megatron_core_without_process_group_collections_refuses_by_name(world):

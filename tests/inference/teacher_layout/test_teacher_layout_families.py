@@ -8,8 +8,11 @@ the layer's heads split over the model's pg_collection). At TeacherLayout(tp=2) 
 student each rank's rows get the whole teacher's log-probs (1e-6, relative 1e-6) and top-k
 log-probs and tail, and each rank holds half of every split weight. A tiny qwen3 and a tiny qwen3_5
 with one key/value head at tp=2: the head repeated (kv_heads.py), each rank holds half the queries and
-the whole head, to the same log-probs. On a megatron-core without ProcessGroupCollection (0.13.1) each
-family is refused by that name before anything loads."""
+the whole head, to the same log-probs. At TeacherLayout(pp=2) (rank 0 the first stage, rank 1 the
+last) the families give the same, each stage building its own layer's kinds (DeepSeek-V3's dense
+first layer, then its experts; Qwen3.5's linear-attention layer, then its full attention) and
+reading its own layer's tensors only (DeepSeek-V3's stored MTP layer on neither). On a megatron-core
+without ProcessGroupCollection (0.13.1) each family is refused by that name before anything loads."""
 from __future__ import annotations
 
 import re
@@ -47,7 +50,7 @@ def _write_checkpoints(rank: int, root: str) -> dict[str, str]:
     """Each family's tiny checkpoint beside the world's qwen3 one, written by rank 0."""
     import torch.distributed as dist
 
-    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
+    from megatron_rl_patches.testing.hf_checkpoints import add_mtp_tensors, tiny_hf_config, write_tiny_checkpoint
 
     paths = {kind: str(Path(root).parent / kind) for kind in (*SERVED, "three_kv_heads")}
     configs = {**{kind: (kind, overrides) for kind, overrides in FAMILIES.items()}, **KV_REPEATED,
@@ -55,12 +58,56 @@ def _write_checkpoints(rank: int, root: str) -> dict[str, str]:
     if rank == 0:
         for seed, (kind, (family, overrides)) in enumerate(configs.items()):
             write_tiny_checkpoint(paths[kind], tiny_hf_config(family, **overrides), seed=seed)
+        # the multi-token prediction layer a real DeepSeek-V3 stores after its decoder layers: skipped
+        add_mtp_tensors(paths["deepseek_v3"], "model.layers.2.", num_nextn_predict_layers=1)
     dist.barrier()
     return paths
 
 
 def _shapes(chunks) -> dict[str, tuple[int, ...]]:
     return {name: tuple(param.shape) for name, param in chunks[0].named_parameters()}
+
+
+def _kinds(chunks) -> list[str]:
+    """Each decoder layer's mixer and MLP classes, in order (e.g. 'GatedDeltaNetLayer/MLP')."""
+    return [f"{type(layer.self_attention).__name__}/{type(layer.mlp).__name__}" for layer in chunks[0].decoder.layers]
+
+
+def _pipelined(path: str, tokens: torch.Tensor, labels: torch.Tensor, rank: int) -> dict:
+    """The family at TeacherLayout(pp=2): each rank's log-probs, top-k log-probs and tail, its
+    layers' numbers and kinds, and the decoder layers whose tensors it read."""
+    from megatron_rl_patches import build_inference_model_from_hf
+    from megatron_rl_patches.inference import TeacherLayout, score_at_layout, topk_at_layout
+    from megatron_rl_patches.testing.file_reads import FileReads
+
+    with FileReads(path) as reads:
+        chunks = build_inference_model_from_hf(path, dtype=torch.float32, layout=TeacherLayout(pp=2))
+    layers = {int(match.group(1)) for name in reads.read if (match := re.search(r"layers\.(\d+)\.", name))}
+    topk, tail = topk_at_layout(chunks, tokens, _ids(rank))
+    return {"pp2_scores": score_at_layout(chunks, tokens, labels), "pp2_topk": topk, "pp2_tail": tail,
+            "pp2_layers": [int(layer.layer_number) for layer in chunks[0].decoder.layers],
+            "pp2_kinds": _kinds(chunks), "pp2_read_layers": sorted(layers)}
+
+
+def _load_fails_on_one_rank(path: str, rank: int) -> str:
+    """The error of a TeacherLayout(pp=2) build whose weights fail to load on rank 1 only: every
+    rank raises (none goes on to wait for the other stage in scoring)."""
+    import contextlib
+    from unittest import mock
+
+    from megatron_rl_patches import build_inference_model_from_hf
+    from megatron_rl_patches.inference import TeacherLayout
+
+    def boom(*args, **kwargs):
+        raise OSError("this rank's weights failed to load on purpose")
+
+    target = "megatron_rl_patches.inference.loading.hf.load.load_hf_weights"
+    with mock.patch(target, boom) if rank == 1 else contextlib.nullcontext():
+        try:
+            build_inference_model_from_hf(path, dtype=torch.float32, layout=TeacherLayout(pp=2))
+        except (OSError, RuntimeError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+    return "built"
 
 
 def family_checks(rank: int, world_size: int, root: str) -> dict:
@@ -97,7 +144,13 @@ def family_checks(rank: int, world_size: int, root: str) -> dict:
                 topk, tail = topk_at_layout(chunks, tokens, _ids(rank))
                 results[kind] = {"scores": score_at_layout(chunks, tokens, labels), "reference": reference,
                                  "topk": topk, "topk_ref": topk_ref, "tail": tail, "tail_ref": tail_ref,
-                                 "held": _shapes(chunks), "whole": _shapes(whole)}
+                                 "held": _shapes(chunks), "whole": _shapes(whole), "whole_kinds": _kinds(whole)}
+            results["tp2_seconds"] = time.perf_counter() - start
+            for kind in FAMILIES:  # a teacher pipeline: rank 0 the first stage, rank 1 the last
+                if "scores" in results[kind]:
+                    results[kind].update(_pipelined(paths[kind], tokens, labels, rank))
+            if "scores" in results["qwen3_moe"]:
+                results["load_fails"] = _load_fails_on_one_rank(paths["qwen3_moe"], rank)
     results["seconds"] = time.perf_counter() - start  # what the families add to the world
     return results
 
@@ -151,8 +204,40 @@ def test_each_rank_holds_half_of_each_familys_split_weights(family):
         assert 0.5 <= share < 0.53, (kind, share)
 
 
+def test_each_family_at_pp2_gives_each_rank_the_whole_teachers_log_probs_and_topk(family):
+    kind, results = family
+    if kind in KV_REPEATED:
+        pytest.skip("a teacher pipeline is checked on the families; a repeated key/value head is a tp=2 matter")
+    for rank, result in enumerate(results):
+        assert result["pp2_layers"] == [rank + 1], (kind, rank)  # layer 1 on the first stage, layer 2 on the last
+        for key, want in (("pp2_scores", "reference"), ("pp2_topk", "topk_ref"), ("pp2_tail", "tail_ref")):
+            assert result[key].shape == result[want].shape, (kind, rank, key)
+            assert close(result[key], result[want]) <= 1e-6, (kind, rank, key, close(result[key], result[want]))
+
+
+def test_each_pipeline_stage_builds_and_reads_its_own_layers_kinds_only(family):
+    kind, results = family
+    if kind in KV_REPEATED:
+        pytest.skip("a teacher pipeline is checked on the families; a repeated key/value head is a tp=2 matter")
+    whole = results[0]["whole_kinds"]
+    if kind in ("deepseek_v3", "qwen3_5", "qwen3_next"):  # layers of two kinds: a stage built as the other fails
+        assert whole[0] != whole[1], (kind, whole)
+    for rank, result in enumerate(results):
+        assert result["pp2_kinds"] == [whole[rank]], (kind, rank, result["pp2_kinds"], whole)
+        assert result["pp2_read_layers"] == [rank], (kind, rank)  # DeepSeek-V3's MTP layer 2: on neither stage
+
+
+def test_a_build_that_fails_on_one_rank_raises_on_every_rank(world):
+    if "load_fails" not in world[0]:
+        pytest.skip("this megatron-core refuses a teacher layout")
+    assert world[1]["load_fails"] == "OSError: this rank's weights failed to load on purpose"
+    assert world[0]["load_fails"].startswith("RuntimeError: building ")
+    assert "failed on rank(s) [1]" in world[0]["load_fails"]
+
+
 def test_each_family_is_refused_by_name_where_megatron_core_lacks_process_group_collections(world):
-    print(f"the families' checks took {[round(result['seconds'], 1) for result in world]} s per rank")
+    print(f"the families' checks took {[round(result['seconds'], 1) for result in world]} s per rank, of which "
+          f"pp=2 {[round(result['seconds'] - result.get('tp2_seconds', 0), 1) for result in world]}")
     for result in world:
         for kind in FAMILIES:
             if "unsupported" in result[kind]:  # 0.13.1: before the family's own checks or any read

@@ -93,12 +93,14 @@ def transformer_config(arch: HFArchitecture, dtype: torch.dtype, sizes: dict[str
 
 
 def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,
-                   core_attention: type | None = None, gpt_args: dict[str, Any] | None = None) -> Callable[..., Any]:
+                   core_attention: type | None = None, gpt_args: dict[str, Any] | None = None,
+                   pp_rank: int | None = None) -> Callable[..., Any]:
     """A Megatron-LM style provider of the family's model chunks (GPTModel on the local spec by
     default; `vocab_size` padded); `core_attention`: another attention core class (it holds no
     parameters, so the weights map the same), e.g. Transformer Engine's for packed `thd` batches,
     which the local one refuses; `gpt_args`: model keywords that replace the RoPE / length ones
-    read from `arch` (another converter's mapping)."""
+    read from `arch` (another converter's mapping); `pp_rank`: the pipeline stage whose layers a
+    block spec lists (a teacher's own layout: its pg_collection's; default parallel_state's)."""
     family = arch.family
     model_class = family.model_class(arch)
     core_attention = core_attention or family.core_attention(arch)
@@ -107,8 +109,8 @@ def model_provider(arch: HFArchitecture, config: Any, vocab_size: int,
 
     def stage(vp_stage: int | None) -> Any:
         if family.stage_spec is not None:
-            return _with_core_attention(family.stage_spec(arch, config, vp_stage), core_attention)
-        return _mixed_block_spec(config, core_attention, vp_stage)
+            return _with_core_attention(family.stage_spec(arch, config, vp_stage, pp_rank), core_attention)
+        return _mixed_block_spec(config, core_attention, vp_stage, pp_rank)
 
     def provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None) -> Any:
         extra: dict[str, Any] = {**family.model_args(arch), **(gpt_args or {})}
@@ -138,13 +140,19 @@ def _with_core_attention(spec: Any, core_attention: type | None) -> Any:
     return spec
 
 
-def _mixed_block_spec(config: Any, core_attention: type | None, vp_stage: int | None) -> Any:
+def stage_args(vp_stage: int | None, pp_rank: int | None) -> dict[str, Any]:
+    """The keywords naming a pipeline stage to megatron-core's block spec and layer offset:
+    `pp_rank` only where given (megatron-core 0.13.1 takes none and reads parallel_state's)."""
+    return {"vp_stage": vp_stage, **({} if pp_rank is None else {"pp_rank": pp_rank})}
+
+
+def _mixed_block_spec(config: Any, core_attention: type | None, vp_stage: int | None, pp_rank: int | None) -> Any:
     """This pipeline stage's layers of a model whose first layers are dense and the others mixtures
     of experts (config.moe_layer_freq), on the local spec."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
-                                       vp_stage=vp_stage)
+                                       **stage_args(vp_stage, pp_rank))
     return _with_core_attention(block, core_attention)
 
 

@@ -136,8 +136,9 @@ class Family:
     outer_tensors: Callable[[HFArchitecture], tuple[dict[str, Shape], dict[str, Shape]]] = model_tensors
     outer_params: Callable[[HFArchitecture], dict[str, Param]] = model_params
     layer_prefix: str = "model.layers.{layer}."
-    # (arch, config, vp_stage) -> this pipeline stage's block spec, where layers differ otherwise than dense / MoE
-    stage_spec: Callable[[HFArchitecture, Any, int | None], Any] | None = None
+    # (arch, config, vp_stage, pp_rank) -> this pipeline stage's block spec, where layers differ otherwise than
+    # dense / MoE (pp_rank: a teacher's own stage, None: parallel_state's)
+    stage_spec: Callable[[HFArchitecture, Any, int | None, int | None], Any] | None = None
     skipped: Callable[[HFArchitecture], tuple[str, ...]] = mtp_layer_prefixes  # tensor prefixes the loader skips
     mbridge: bool = False  # converter="mbridge" serves it on the local spec
     stacked_experts: bool = False  # checkpoints may stack the experts (fused_experts.py): read as per-expert views

@@ -233,18 +233,19 @@ def config_overrides(arch: HFArchitecture) -> dict[str, Any]:
     return {"attention_output_gate": True, **(moe_config(arch) if arch.is_moe else {})}
 
 
-def stage_spec(arch: HFArchitecture, config: Any, vp_stage: int | None) -> Any:
+def stage_spec(arch: HFArchitecture, config: Any, vp_stage: int | None, pp_rank: int | None = None) -> Any:
     """This pipeline stage's layers on megatron-core's local spec, the linear-attention ones with the
-    package's gated delta net as their self-attention."""
+    package's gated delta net as their self-attention; `pp_rank`: the stage (default parallel_state's)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from megatron_rl_patches.inference.gated_delta_net import GatedDeltaNetLayer
+    from megatron_rl_patches.inference.loading.hf.model import stage_args
 
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
-                                       vp_stage=vp_stage)
-    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    stage = stage_args(vp_stage, pp_rank)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", **stage)
+    offset = get_transformer_layer_offset(config, **stage)
     m = arch.linear
     mixer = ModuleSpec(module=GatedDeltaNetLayer, params=dict(
         key_heads=m.key_heads, value_heads=m.value_heads, key_head_dim=m.key_head_dim,
