@@ -18,7 +18,7 @@ _spec.loader.exec_module(function_imports)
 # "order": the import must wait for something the function does first (e.g. sys.path set up).
 REASONS = ("optional dependency ", "import cost", "cycle ", "megatron version-dependent", "order: ")
 # Distribution name -> the top-level package it installs, where they differ.
-PACKAGES = {"megatron-core": "megatron"}
+PACKAGES = {"megatron-core": "megatron", "liger-kernel": "liger_kernel"}
 
 # TEMPORARY, to be cleared at the merge of issue 56 item 4: files that other branches were editing
 # while the reasons were written; their in-function imports get reasons (or move) right after the
@@ -27,12 +27,6 @@ UNREVIEWED = (
     "megatron_rl_patches/inference/teacher_layout/",
     "megatron_rl_patches/inference/loading/hf/",
     "megatron_rl_patches/inference/build_hf.py",
-    "megatron_rl_patches/inference/gated_delta_net.py",
-    "megatron_rl_patches/integrations/slime/roles.py",
-    "megatron_rl_patches/integrations/slime/layout_teacher.py",
-    "megatron_rl_patches/integrations/slime/hf_teachers.py",
-    "megatron_rl_patches/patching/env.py",
-    "megatron_rl_patches/apps/bench/",
     "megatron_rl_patches/apps/cli/memory_teacher.py",
 )
 

@@ -12,6 +12,7 @@ import importlib.util
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_rl_patches.inference.gated_delta_rule import causal_depthwise_conv, gated_delta_rule, l2_normalized
@@ -34,7 +35,7 @@ def _fla_rule() -> Any:
     """flash-linear-attention's chunked gated delta rule, or None where it is not installed."""
     if importlib.util.find_spec("fla") is None:
         return None
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # lazy: optional dependency fla (GPU only)
 
     return chunk_gated_delta_rule
 
@@ -50,6 +51,7 @@ class GatedDeltaNetLayer(torch.nn.Module):
                  key_head_dim: int, value_head_dim: int, conv_kernel: int, pg_collection: Any = None,
                  **unused: Any) -> None:
         super().__init__()
+        # lazy: optional dependency megatron-core
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         if getattr(config, "context_parallel_size", 1) > 1:
@@ -129,11 +131,9 @@ def tensor_parallel_of(pg_collection: Any) -> tuple[int, dict[str, Any]]:
     has one, else parallel_state's (no keyword: the linears read the same group there)."""
     group = getattr(pg_collection, "tp", None)
     if group is None:
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # lazy: optional dependency megatron-core
 
         return ps.get_tensor_model_parallel_world_size(), {}
-    import torch.distributed as dist
-
     return dist.get_world_size(group), {"tp_group": group}
 
 

@@ -146,8 +146,8 @@ def role_layouts(environ: Mapping[str, str] | None = None) -> dict[str, int]:
         where = f"{INFERENCE_ROLES} role {_cut(item)!r}"
         sizes: dict[str, int] = {}
         for written in (option.strip() for option in options):
-            # here, not at the top: the start-up hook imports env.py, and its import set stays the
-            # few leaves tests/test_lazy_import.py lists
+            # the start-up hook imports env.py; its import set stays the leaves tests/test_lazy_import.py lists
+            # lazy: import cost: the start-up hook's pinned import set (test_lazy_import)
             from megatron_rl_patches.patching.layout_option import is_layout_option, layout_size
 
             if not is_layout_option(written):
@@ -208,7 +208,7 @@ _LISTED = 5  # unknown names an error message shows (each cut by _cut)
 
 def _suggestions(unknown: Sequence[str], known: Sequence[str]) -> str:
     """' (did you mean ddp_hooks?)' for the unknown names with a close known one; '' when none has."""
-    import difflib  # only on this error path: start-up stays light
+    import difflib  # lazy: import cost: only on this error path (start-up stays light)
 
     close = {name: difflib.get_close_matches(name.strip().lower(), known, n=1, cutoff=0.6) for name in unknown}
     found = {name: match[0] for name, match in close.items() if match}
@@ -223,7 +223,7 @@ def check_variable_names(known: Sequence[str], environ: Mapping[str, str] | None
     """ValueError naming each variable of `environ` that starts like ours (MEGATRON_RL_PATCH..., any
     case) but is none of `known`, with the close known name ("did you mean ...?"): a misspelled
     setting would otherwise be ignored and its default used without a word."""
-    import difflib  # only here: start-up imports it only when a variable of ours is set
+    import difflib  # lazy: import cost: start-up imports it only when a variable of ours is set
 
     names = [name for name in _environ(environ) if name.upper().startswith(_PREFIX)]
     unknown = sorted(name for name in names if name not in known)

@@ -10,6 +10,7 @@ Each case runs once in a fresh process (CPU, 1 thread, fp32). Memory: the reside
 minus the gradients every route must produce (dW_s V·H and dh_s T·H), the *excess* peak in
 U = T·V·4 bytes; time: the same single step, and ours over the dense route's.
 """
+# lazy imports: import cost: torch and megatron-core load when a benchmark runs (in its case workers mostly)
 from __future__ import annotations
 
 import os

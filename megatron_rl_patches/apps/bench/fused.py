@@ -13,6 +13,7 @@ The OPD step (one run per case) reports the same excess, the bytes of the larges
 logits tensor and the step's time. `run(only="logprob" | "opd" | "invariant")` runs one part;
 "invariant" times ours (fused) in the default and the invariant mode at V = 151,936.
 """
+# lazy imports: import cost: torch and megatron-core load when a benchmark runs (in its case workers mostly)
 from __future__ import annotations
 
 import os

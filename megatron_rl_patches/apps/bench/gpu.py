@@ -9,10 +9,14 @@ peak, in U = T·V·4 bytes and GiB. Time: median over interleaved runs (implemen
 rotates within each round, so clock and thermal drift spread over all of them). A case that runs
 out of memory is recorded as "OOM" and the run goes on.
 """
+# lazy imports: import cost: `bench` imports this module to parse its arguments, before torch (test_light_usage_errors)
 from __future__ import annotations
 
+import gc
+import importlib
 import os
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -102,13 +106,14 @@ def _ours_topk(backend: str) -> Callable[[Inputs], Any]:
 
 
 def _verl(x: Inputs):
-    from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+    from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy  # lazy: optional dependency verl
 
     lp, ent = linear_cross_entropy(x.hidden, x.weight, x.tokens, 1.0, "none")
     return lp, ent
 
 
 def _liger(x: Inputs):
+    # lazy: optional dependency liger-kernel
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
     # Liger returns the reduced loss -Σ log p only (no per-token values, no entropy)
@@ -139,8 +144,6 @@ def implementations() -> list[tuple[str, Callable[[Inputs], Any], str | None]]:
 def importable(module: str | None) -> bool:
     if module is None:
         return True
-    import importlib
-
     try:
         importlib.import_module(module)
     except Exception:  # ImportError, or a package broken against this torch: either way not usable
@@ -157,8 +160,6 @@ def is_oom(exc: BaseException) -> bool:
 def measure_once(fn: Callable[[Inputs], Any], x: Inputs, probe: measure.MemoryProbe, sync: Callable[[], None],
                  clock: Callable[[], float]) -> dict:
     """One forward + backward: {"time_s", "excess_bytes"} or {"oom": True} or {"error": text}."""
-    import gc
-
     x.hidden.grad = x.weight.grad = None
     gc.collect()
     probe.start()
@@ -220,8 +221,6 @@ def run_token_count(T: int, H: int, V: int, runs: int, device: str, dtype: Any,
     cuda = device.startswith("cuda")
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     probe = measure.MemoryProbe(device)
-    import time
-
     try:
         x = make_inputs(T, H, V, device, dtype)
     except Exception as exc:
@@ -249,8 +248,6 @@ def run_token_count(T: int, H: int, V: int, runs: int, device: str, dtype: Any,
 
 
 def _free(cuda: bool) -> None:
-    import gc
-
     gc.collect()
     if cuda:
         import torch

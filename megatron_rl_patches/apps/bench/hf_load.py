@@ -8,17 +8,20 @@ written to a temporary folder and deleted afterwards. Each side runs in its own 
 interleaved, 3 rounds (1 with --quick), page cache warm (the first plain read warms it): read the
 best time per side and the ratios to transformers'.
 """
+# lazy imports: import cost: torch and megatron-core load when a benchmark runs (in its case workers mostly)
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from megatron_rl_patches.apps.bench import outputs
+from megatron_rl_patches.apps.bench.runner import run_cases
 
 SIDES = ("plain read", "megatron-rl-patches", "transformers")
 FULL = {"layers": 12, "hidden": 2048, "heads": 16, "kv_heads": 8, "ffn": 6144, "vocab": 32000, "shards": 3}
@@ -42,7 +45,7 @@ def qwen3_config(plan: dict) -> dict[str, Any]:
 def write_case(probe: Any, root: str, plan: dict) -> dict:
     """Write the random checkpoint under `root`, one shard's tensors in memory at a time."""
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # lazy: optional dependency safetensors (the [hf] extra)
 
     from megatron_rl_patches.inference.loading.hf.families import architecture
     from megatron_rl_patches.inference.loading.hf.names import checkpoint_tensors
@@ -66,8 +69,7 @@ def write_case(probe: Any, root: str, plan: dict) -> dict:
 
 def _lifetime_peak_rss() -> int:
     """The resident-set high-water mark (reset by the probe's start on Linux: the baseline plus the load's peak)."""
-    import resource
-    import sys
+    import resource  # lazy: optional dependency resource: a POSIX-only standard module
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
@@ -112,7 +114,7 @@ def transformers_case(probe: Any, root: str) -> dict:
     """AutoModelForCausalLM.from_pretrained (float32), then every weight summed in place (touched:
     weights still backed by the files' pages are read)."""
     import torch
-    import transformers
+    import transformers  # lazy: optional dependency transformers
 
     model: list = []
 
@@ -129,8 +131,6 @@ _CASES = {"plain read": read_case, "megatron-rl-patches": ours_case, "transforme
 
 def measure(plan: dict, rounds: int = 2, root: str | None = None) -> list[dict]:
     """One row per side: best time over `rounds` interleaved runs, the largest peaks."""
-    from megatron_rl_patches.apps.bench.runner import run_cases
-
     folder = root or tempfile.mkdtemp(prefix="hf-load-bench-", dir="/tmp" if os.path.isdir("/tmp") else None)
     try:
         wrote = run_cases([{"target": f"{_TARGET}:write_case", "kwargs": {"root": folder, "plan": plan}}])[0]

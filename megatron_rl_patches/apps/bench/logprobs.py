@@ -13,8 +13,10 @@ current one, written here as a reference); megatron-core's ``vocab_parallel_cros
 the invariant mode (``invariant=True``). `run(only="invariant")` (CLI: `bench logprobs --only
 invariant`) runs ours against ours invariant at a Qwen-sized vocabulary (V = 151,936).
 """
+# lazy imports: import cost: torch and megatron-core load when a benchmark runs (in its case workers mostly)
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -84,6 +86,7 @@ def _make_loss(impl: str, task: str, inplace: bool):
 
         return fused
     if impl == "mcore":
+        # lazy: optional dependency megatron-core
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         return lambda logits, tokens, a, b: (a * -vocab_parallel_cross_entropy(logits, tokens)).sum()
@@ -106,8 +109,6 @@ def _make_loss(impl: str, task: str, inplace: bool):
 def logprob_case(probe: MemoryProbe, *, impl: str, task: str, inplace: bool, T: int, V: int, hidden: int = HIDDEN,
                  repeat: int = 3, warmup: int = 1, seed: int = 0, device: str = "cpu") -> dict:
     """Measure one (implementation, task) at one shape; runs inside the bench worker process."""
-    import contextlib
-
     import torch
 
     from megatron_rl_patches.testing.megatron_cpu import megatron_world

@@ -1,6 +1,7 @@
 """What a benchmark case measures: its memory (the CUDA allocator's peak, or the resident set's
 high-water mark on CPU: `MemoryProbe`), the bytes saved for backward (`SavedBytes`) and its best
 wall time (`best_time`)."""
+# lazy imports: import cost: `bench` parses its arguments through gpu.py, before torch (test_light_usage_errors)
 from __future__ import annotations
 
 import re
@@ -38,7 +39,7 @@ def _rss_bytes() -> int:
     kib = _proc_status_kib("VmRSS")
     if kib is not None:
         return kib * 1024
-    import psutil  # non-Linux fallback
+    import psutil  # lazy: import cost: a non-Linux fallback; Linux reads /proc
 
     return psutil.Process().memory_info().rss
 
@@ -57,7 +58,7 @@ def _peak_rss_bytes() -> int:
     kib = _proc_status_kib("VmHWM")
     if kib is not None:
         return kib * 1024
-    import resource
+    import resource  # lazy: optional dependency resource: a POSIX-only standard module
 
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale

@@ -2,6 +2,7 @@
 '{"op": ..., "T": ..., "V": ..., "H": ..., "k": ..., "repeats": ...}'``. It imports the ops from
 whatever ``megatron_rl_patches`` is first on PYTHONPATH (today's or a baseline revision's), and
 nothing else of the package, so one worker times every revision alike. Prints one JSON line."""
+# lazy imports: order: main() silences warnings before torch and the ops load (ops.divergence: today's revision only)
 from __future__ import annotations
 
 import importlib.util
@@ -9,6 +10,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 
 
@@ -143,8 +145,6 @@ def _step(op: str, T: int, V: int, H: int, k: int) -> Callable[[], float]:
 
 
 def main(argv: list[str]) -> int:
-    import warnings
-
     import torch
 
     warnings.simplefilter("ignore")

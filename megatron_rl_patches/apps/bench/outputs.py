@@ -1,5 +1,6 @@
 """A benchmark's outputs: its tables (text, markdown, CSV) and its grouped-bar figures (PNG, with
 matplotlib when installed)."""
+# lazy imports: optional dependency matplotlib (the [bench] extra): only --out plots need it
 from __future__ import annotations
 
 import csv

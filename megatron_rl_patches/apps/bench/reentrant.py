@@ -3,6 +3,7 @@
 Measured on real megatron-core DDP (hook toggles) and on a DDP stand-in (train() guard), each
 unpatched and patched in the same run; the ratio is what matters, not the absolute time.
 """
+# lazy imports: import cost: torch and megatron-core load when a benchmark runs (in its case workers mostly)
 from __future__ import annotations
 
 import os
@@ -11,8 +12,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import megatron_rl_patches as mrp
 from megatron_rl_patches.apps.bench import outputs
 from megatron_rl_patches.apps.quiet import hide_import_notes
+from megatron_rl_patches.reentrant import reentrant_train
+from megatron_rl_patches.testing.fake_ddp import FakeDDP
 
 
 def _per_call_us(fn: Callable[[], Any], calls: int, repeats: int = 5) -> float:
@@ -27,9 +31,6 @@ def _per_call_us(fn: Callable[[], Any], calls: int, repeats: int = 5) -> float:
 
 
 def _guard_rows(calls: int) -> list[dict]:
-    from megatron_rl_patches.reentrant import reentrant_train
-    from megatron_rl_patches.testing.fake_ddp import FakeDDP
-
     chunks = [FakeDDP(), FakeDDP()]
 
     def train(rollout_id: int, model: list) -> int:
@@ -44,7 +45,6 @@ def _guard_rows(calls: int) -> list[dict]:
 
 
 def _hook_rows(calls: int) -> list[dict]:
-    import megatron_rl_patches as mrp
     from megatron_rl_patches.testing.megatron_cpu import build_tiny_gpt, megatron_on_cpu, wrap_ddp
 
     rows = []

@@ -9,6 +9,7 @@ mode (bytes moved / measured pinned host-to-device bandwidth) is set against the
 the resident build: `overlap` = copy time hidden / copy time. The modes run interleaved, one
 rollout each per round: read the ratios of medians.
 """
+# lazy imports: import cost: torch and megatron-core load when a benchmark runs (in its case workers mostly)
 from __future__ import annotations
 
 import functools
@@ -17,6 +18,7 @@ import statistics
 import time
 from typing import Any
 
+from megatron_rl_patches._chunks import unwrap
 from megatron_rl_patches.apps.bench import outputs
 from megatron_rl_patches.apps.bench.measure import best_time
 
@@ -53,8 +55,6 @@ def _batches(plan: dict, device: str) -> list[dict]:
 
 def _pieces_bytes(chunk: Any) -> tuple[int, int]:
     """(largest decoder layer, final norm + output layer) weight bytes."""
-    from megatron_rl_patches._chunks import unwrap
-
     model = unwrap(chunk)
 
     def nbytes(module: Any) -> int:

@@ -3,6 +3,7 @@ leak into the next). A case is a module-level function ``fn(probe: MemoryProbe, 
 named ``"package.module:function"``; :func:`run_cases` returns the dicts the cases produced."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import pkgutil
@@ -96,9 +97,7 @@ def _run_batch(batch: list[dict], threads: int, timeout: float, progress: _Progr
 
 def _worker() -> int:
     request = json.loads(sys.stdin.read())
-    import gc
-
-    import torch
+    import torch  # lazy: import cost: the driver imports this module; torch loads in the case worker only
 
     torch.set_num_threads(int(request.get("threads", 1)))
     for case in request["cases"]:

@@ -23,6 +23,7 @@ The teacher: a random float32 Qwen3 written with the kit (4 layers, hidden 256, 
 MLP 768, vocab 32000, untied); 4 rows x 1024 tokens per rank (T = 4096). --quick: the kit's tiny
 Qwen3 and 2 rows x 16 tokens (the plumbing, not the figures).
 """
+# lazy imports: import cost: torch and megatron-core load when a benchmark runs (in its case workers mostly)
 from __future__ import annotations
 
 import os
@@ -33,6 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from megatron_rl_patches.apps.bench import outputs
+from megatron_rl_patches.apps.bench.teacher_layout_ranks import TPS, ranks
 from megatron_rl_patches.apps.quiet import hide_import_notes
 
 WORLD = 2
@@ -69,7 +71,6 @@ def _fixed_mmap_threshold() -> Iterator[None]:
 def measure(plan: dict) -> list[dict]:
     """Each rank's figures per build (teacher_layout_ranks.ranks), over a checkpoint written to a
     temporary folder (deleted after)."""
-    from megatron_rl_patches.apps.bench.teacher_layout_ranks import ranks
     from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
     from megatron_rl_patches.testing.multirank import run_multirank
 
@@ -106,8 +107,6 @@ def _row(tp: int | None, per_rank: list[dict], quick: bool) -> dict:
 
 
 def rows_of(per_rank: list[dict], quick: bool) -> list[dict]:
-    from megatron_rl_patches.apps.bench.teacher_layout_ranks import TPS
-
     return [_row(tp, per_rank, quick) for tp in TPS]
 
 

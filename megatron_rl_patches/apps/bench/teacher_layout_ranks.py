@@ -3,12 +3,16 @@ TP=1 x DP=2 in parallel_state): the teacher built at each layout of `TPS` (its b
 the kit's FileReads: the checkpoint bytes this rank reads), then one micro-batch per rank scored
 by each build in turn, round after round (interleaved, the order rotating), each step timed between two barriers and
 its resident-set peak taken above the step's start (the kernel's high-water mark, reset first)."""
+# lazy imports: import cost: the driver imports TPS and ranks; torch and the teacher load in the spawned ranks
 from __future__ import annotations
 
 import gc
 import sys
 import time
 from typing import Any
+
+from megatron_rl_patches.apps.bench.measure import MemoryProbe
+from megatron_rl_patches.apps.quiet import hide_import_notes
 
 # the teacher's tensor-parallel size per build: None is the student's own layout (layout=None:
 # parallel_state's groups, TP=1 here: each rank holds the whole teacher, scores with the plain
@@ -100,8 +104,6 @@ def ranks(rank: int, world_size: int, root: str, plan: dict) -> dict:
     """This rank's figures per build ({tp: {...}}): the build's bytes, the steps' seconds and
     peaks after a warm-up round, and the largest |difference| of its scores from the student's
     layout's."""
-    from megatron_rl_patches.apps.bench.measure import MemoryProbe
-    from megatron_rl_patches.apps.quiet import hide_import_notes
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
     hide_import_notes()  # in each rank's process

@@ -4,6 +4,7 @@ tensor-parallel traffic of picking the top-k ids (k candidates per rank vs full 
 Each case runs in a fresh process (peak memory is per case); the logits come from a small LM head
 inside the measured region and only the loss keeps them alive, as in a real model.
 """
+# lazy imports: import cost: torch and megatron-core load when a benchmark runs (in its case workers mostly)
 from __future__ import annotations
 
 import os

@@ -8,6 +8,7 @@ entropy, verl's vocab-parallel ops) against its fused route with our processor (
 
     PYTHONPATH=.lanes/verl .venv-mcore019/bin/python -m megatron_rl_patches.apps.bench.verl_routes
 """
+# lazy imports: import cost: torch and megatron-core load when a benchmark runs (in its case workers mostly)
 from __future__ import annotations
 
 import types
@@ -23,8 +24,8 @@ SHAPE = {"T": 4096, "V": 32000, "H": 1024}
 def _unfused(hidden, weight, tokens, temperature):
     """verl's unfused route: full logits from the output layer, then verl's logits processor."""
     import torch
-    from verl.workers.config import McoreEngineConfig
-    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+    from verl.workers.config import McoreEngineConfig  # lazy: optional dependency verl
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead  # lazy: optional dependency verl
 
     engine = object.__new__(MegatronEngineWithLMHead)
     engine.engine_config = McoreEngineConfig(use_mbridge=True)
@@ -40,7 +41,7 @@ def _unfused(hidden, weight, tokens, temperature):
 def _fused(hidden, weight, tokens, temperature):
     """verl's fused output-processor call, served by `verl_fused_logprobs`' adapter."""
     import torch
-    from verl.models.mcore.model_forward_fused import FusedOutputProcessorContext
+    from verl.models.mcore.model_forward_fused import FusedOutputProcessorContext  # lazy: optional dependency verl
 
     from megatron_rl_patches.integrations.verl.fused import fused_output_processor
 

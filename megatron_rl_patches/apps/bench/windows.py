@@ -5,6 +5,7 @@ Two loads: a steady window (2 schedule calls of 1 microbatch per step: upstream 
 from 0.16 on) and split windows (1, then 3 calls per step: upstream is wrong or crashes). The
 variants run interleaved, one step each per round; medians over the rounds, with min-max spread.
 """
+# lazy imports: import cost: torch and megatron-core load when a benchmark runs (in its case workers mostly)
 from __future__ import annotations
 
 import os
@@ -12,6 +13,7 @@ import statistics
 import time
 from typing import Any
 
+import megatron_rl_patches
 from megatron_rl_patches.apps.bench import outputs
 from megatron_rl_patches.apps.quiet import hide_import_notes
 
@@ -22,7 +24,6 @@ VARIANTS = ("overlap_grad_reduce=False", "overlap, unpatched", "overlap + grad_w
 def _time_variant(env: Any, rank: int, variant: str, windows: list, setups: dict) -> float | str:
     import torch
 
-    import megatron_rl_patches
     from megatron_rl_patches.testing import windows_loop as wl
 
     if variant not in setups:

@@ -7,10 +7,22 @@ built, and the build.
 
 Every rank reads the files; they agree on each decision by a collective before acting on it, so a
 rank that sees another file system fails with the others instead of leaving them waiting."""
+# lazy imports: import cost: torch loads where a teacher is built or the ranks agree; the route decision loads none
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
+from megatron_rl_patches.inference.loading.hf.checkpoint_config import (
+    CONFIG,
+    hub_cache_problem,
+    read_checkpoint_config,
+    text_config,
+)
+from megatron_rl_patches.inference.loading.hf.families import architecture
+from megatron_rl_patches.inference.loading.hf.vocab import check_teacher_vocab
+from megatron_rl_patches.integrations.slime.actor_spec import actor_layer_spec, spec_core_attention
 
 SNAPSHOT, HF = "snapshot", "hf"
 _ROUTES = (SNAPSHOT, HF)
@@ -24,8 +36,6 @@ SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_
 
 def _served_architecture(config: dict[str, Any]) -> Any:
     """The converter's architecture of `config` (its family's reading), None where it refuses it."""
-    from megatron_rl_patches.inference.loading.hf.families import architecture
-
     try:
         return architecture(config)
     except ValueError:  # UnsupportedCheckpointError too: the route decision names it later
@@ -36,8 +46,6 @@ def hf_shape(fields: dict[str, Any]) -> dict[str, Any]:
     """The model-shaping fields of a Hugging Face config.json dict, a wrapper's read from its text
     model (configs the converter does not read, of another family or with a feature it refuses,
     give their sizes only: their q/k norm and biases are not compared)."""
-    from megatron_rl_patches.inference.loading.hf.checkpoint_config import text_config
-
     config = text_config(fields)
     heads = config.get("num_attention_heads")
     experts = config.get("num_experts") or config.get("num_local_experts") or 0
@@ -107,13 +115,6 @@ def local_route(path: str, args: Any, what: str) -> tuple[str, list[str]]:
     directory, a hub cache folder (models--ORG--NAME), or a directory of safetensors without
     config.json, is refused (`what` names the setting, e.g. "MEGATRON_RL_PATCHES_OPD_TEACHERS:
     teacher '/ckpt/t'")."""
-    from megatron_rl_patches.inference.loading.hf.checkpoint_config import (
-        CONFIG,
-        hub_cache_problem,
-        read_checkpoint_config,
-    )
-    from megatron_rl_patches.inference.loading.hf.families import architecture
-
     root = Path(path).expanduser()
     if root.is_file() and (root.name == CONFIG or root.suffix == ".safetensors"):
         raise ValueError(f"{what} is a file of a Hugging Face checkpoint; name the directory that holds "
@@ -169,8 +170,6 @@ def teacher_route(path: str, args: Any, what: str) -> tuple[str, list[str]]:
 def student_vocab(args: Any, padded: int) -> int | str:
     """What the teacher's vocabulary is checked against: the actor's Hugging Face directory
     (slime's --hf-checkpoint: its vocab_size and tokenizer ids), else its real vocab size."""
-    from megatron_rl_patches.inference.loading.hf.checkpoint_config import CONFIG
-
     hf = getattr(args, "hf_checkpoint", None)
     if isinstance(hf, str) and (Path(hf).expanduser() / CONFIG).is_file():
         return hf
@@ -182,11 +181,10 @@ def packed_core_attention(args: Any) -> type | None:
     where slime runs with it; the core attention of the actor's `--spec MODULE NAME` where it runs a
     custom local spec; else megatron-core's local one (None), which refuses packed batches."""
     if getattr(args, "transformer_impl", "transformer_engine") != "transformer_engine":
-        from megatron_rl_patches.integrations.slime.actor_spec import actor_layer_spec, spec_core_attention
-
         spec = actor_layer_spec(args)
         return None if spec is None else spec_core_attention(spec, f"the actor's --spec {' '.join(args.spec)}")
     try:
+        # lazy: optional dependency megatron-core (and Transformer Engine: None without it)
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
     except ImportError:
         return None
@@ -196,8 +194,6 @@ def packed_core_attention(args: Any) -> type | None:
 def check_vocab(path: str, student: int | str, what: str) -> int:
     """The teacher's vocabulary against the student's (`check_teacher_vocab`), naming the setting;
     the shared real vocab size."""
-    from megatron_rl_patches.inference.loading.hf.vocab import check_teacher_vocab
-
     try:
         return check_teacher_vocab(path, student)
     except ValueError as exc:
@@ -221,8 +217,6 @@ def build_hf_teacher(args: Any, path: str, residency: str | None, student: int |
     from megatron_rl_patches.inference.build_hf import build_inference_model_from_hf
 
     if own_tokenizer:
-        from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
-
         shared = int(load_tokenizer(path, what).get_vocab_size(with_added_tokens=True))
     else:
         shared = check_vocab(path, student, what)

@@ -15,6 +15,10 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches.inference.teacher_layout import groups
+from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
+from megatron_rl_patches.inference.teacher_layout.scoring import topk_at_layout
+from megatron_rl_patches.integrations.slime import hf_teachers
 from megatron_rl_patches.integrations.slime.opd_settings import RESIDENCY, TEACHERS, OpdSettings, Teacher
 from megatron_rl_patches.integrations.slime.opd_teachers import ScoringStep, SeparateTeacher, TeacherScores
 from megatron_rl_patches.integrations.slime.step_plan import IDS
@@ -23,14 +27,12 @@ from megatron_rl_patches.patching.layout_option import check_world
 
 def process_group_collection_class() -> type:
     """megatron-core's ProcessGroupCollection (ValueError naming the version that lacks it)."""
-    from megatron_rl_patches.inference.teacher_layout.groups import process_group_collection_class as find
-
-    return find()
+    return groups.process_group_collection_class()
 
 
 def student_sizes() -> dict[str, int]:
     """The student's pipeline and context-parallel sizes (megatron-core's parallel_state)."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: optional dependency megatron-core
 
     return {"pipeline": ps.get_pipeline_model_parallel_world_size(), "context": ps.get_context_parallel_world_size()}
 
@@ -74,9 +76,6 @@ def check_layout_teachers(settings: OpdSettings, routes: list[str | None], snaps
 
 def build_layout_teacher(args: Any, teacher: Teacher, student: int | str, actor_config: Any) -> LayoutTeacher:
     """The `;tp=N;pp=M` teacher built at TeacherLayout(tp=N, pp=M) (a collective: every rank builds it)."""
-    from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
-    from megatron_rl_patches.integrations.slime import hf_teachers
-
     layout = TeacherLayout(tp=int(teacher.tp or 1), pp=int(teacher.pp or 1))
     chunks = hf_teachers.build_hf_teacher(args, teacher.path, None, student, actor_config,
                                           f"{TEACHERS}: teacher {teacher.path!r}", layout=layout)
@@ -100,8 +99,6 @@ class LayoutTeacher(SeparateTeacher):
 
     def score(self, step: ScoringStep) -> TeacherScores | None:
         """[R, k] log-probs at the step's ids and [R] tails per sample of this rank."""
-        from megatron_rl_patches.inference.teacher_layout.scoring import topk_at_layout
-
         data = step.rollout_data
         tokens = list(data["tokens"]) if step.last else []
         ids = list(data[IDS]) if step.last else []

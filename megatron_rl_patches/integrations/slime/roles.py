@@ -14,6 +14,7 @@ actor's architecture is built from its own config.json (`build_inference_model_f
 `role;tp=N` builds it at its own tensor-parallel layout (layout_role), and the `inference_roles`
 wrapper of slime's forward_only scores its log-prob passes there (layout_role_pass).
 """
+# lazy imports: import cost: `doctor` imports this module (DEFAULT_INFERENCE_ROLES); a role's build loads on first call
 from __future__ import annotations
 
 import inspect
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from megatron_rl_patches._args import bind
-from megatron_rl_patches._log import logger
+from megatron_rl_patches._log import logger, warn_once
 from megatron_rl_patches.patching import env
 
 if TYPE_CHECKING:
@@ -116,14 +117,12 @@ def initialize_model_and_optimizer_wrapper(
     module = sys.modules.get(getattr(wrapped, "__module__", ""))
     factory = getattr(module, "get_model_provider_func", None)
     if not callable(factory):
-        from megatron_rl_patches._log import warn_once
-
         warn_once(
             f"'inference_roles': {getattr(module, '__name__', '?')} has no get_model_provider_func; "
             f"role {role!r} is built trainable, as upstream does"
         )
         return wrapped(*args, **kwargs)
-    from megatron.core.enums import ModelType
+    from megatron.core.enums import ModelType  # lazy: optional dependency megatron-core
 
     from megatron_rl_patches.inference.build import build_inference_model
     from megatron_rl_patches.inference.loading.paths import resolve_checkpoint
