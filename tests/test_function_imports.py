@@ -25,7 +25,6 @@ PACKAGES = {"megatron-core": "megatron", "liger-kernel": "liger_kernel"}
 # merge, and then this allow-list goes (test_allow_list_is_still_needed fails once one is empty).
 UNREVIEWED = (
     "megatron_rl_patches/inference/teacher_layout/",
-    "megatron_rl_patches/inference/loading/hf/",
     "megatron_rl_patches/inference/build_hf.py",
     "megatron_rl_patches/apps/cli/memory_teacher.py",
 )

@@ -9,6 +9,7 @@ import posixpath
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,6 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        from math import prod
-
         return prod(self.shape) * ITEMSIZES.get(self.dtype, 1)
 
 
@@ -47,7 +46,7 @@ def safe_open_of(file: Path) -> Any:
     """The library's memory-mapped reader of `file` (torch tensors); ValueError naming the file
     when the library refuses it (its header, offsets, dtypes and size are checked on opening)."""
     try:
-        from safetensors import SafetensorError, safe_open
+        from safetensors import SafetensorError, safe_open  # lazy: optional dependency safetensors
     except ImportError:
         raise ImportError(f"reading Hugging Face checkpoints needs the safetensors library: "
                           f"pip install '{EXTRA}' (or pip install safetensors)") from None

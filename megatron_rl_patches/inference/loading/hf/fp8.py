@@ -4,9 +4,13 @@ dequantized at load into the build's dtype one tensor at a time. Other quantized
 (compressed-tensors, AWQ, GPTQ...) are refused by name before anything is read."""
 from __future__ import annotations
 
+from math import prod
 from typing import Any
 
 from megatron_rl_patches.inference.loading.hf.architecture import UnsupportedCheckpointError
+from megatron_rl_patches.inference.loading.hf.checkpoint_config import read_checkpoint_config
+from megatron_rl_patches.inference.loading.hf.families import architecture
+from megatron_rl_patches.inference.loading.hf.names import checkpoint_tensors
 
 SCALE = "_scale_inv"  # "X.weight" is scaled by "X.weight_scale_inv"
 
@@ -45,12 +49,6 @@ def fp8_disk_bytes(path: Any) -> int | None:
     """The bytes an FP8 checkpoint's weights take on disk (None: not FP8), in DeepSeek-V3's layout:
     the layers' 2-D weights in float8 with a float32 scale per block, the router, the norms and
     the embedding / output tables in bf16; MTP layers apart. From config.json alone."""
-    from math import prod
-
-    from megatron_rl_patches.inference.loading.hf.checkpoint_config import read_checkpoint_config
-    from megatron_rl_patches.inference.loading.hf.families import architecture
-    from megatron_rl_patches.inference.loading.hf.names import checkpoint_tensors
-
     config = read_checkpoint_config(path).fields
     block = fp8_block(config, str(path))
     if block is None:

@@ -21,6 +21,7 @@ from megatron_rl_patches.inference.loading.hf.fp8 import SCALE, dequantize, fp8_
 from megatron_rl_patches.inference.loading.hf.fused_experts import readable_index
 from megatron_rl_patches.inference.loading.hf.names import IGNORED_SUFFIXES, check_counts, checkpoint_tensors
 from megatron_rl_patches.inference.loading.hf.shard_ranks import ShardRanks, parallel_state_ranks
+from megatron_rl_patches.inference.residency.placement import weights_on_host
 
 
 def checked_index(root: Path, arch: HFArchitecture) -> dict[str, TensorEntry]:
@@ -112,8 +113,6 @@ def load_hf_weights(model: Any, root: Path, arch: HFArchitecture, padded_vocab: 
     """Copy the checkpoint at `root` into `model` (chunks built from `arch`); everything that can be
     checked without reading weights is checked before the first copy. `shard`: this rank's shard
     positions (default: megatron-core's parallel_state; a teacher's own layout passes its own)."""
-    from megatron_rl_patches.inference.residency.placement import weights_on_host
-
     chunks = module_chunks(model, "model")
     index = checked_index(root, arch)
     shard = shard if shard is not None else parallel_state_ranks()

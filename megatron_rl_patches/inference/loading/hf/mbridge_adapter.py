@@ -21,8 +21,12 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches._chunks import unwrap
+from megatron_rl_patches.inference.loading.errors import copying_into_model
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, UnsupportedCheckpointError
 from megatron_rl_patches.inference.loading.hf.families import FAMILIES
+from megatron_rl_patches.inference.loading.hf.families.kv_heads import kv_repeat
+from megatron_rl_patches.inference.residency.placement import weights_on_host
 
 EXTRA = "pip install 'megatron-rl-patches[mbridge]'"
 # the families whose mbridge bridge maps onto the local-spec build of this package
@@ -38,7 +42,7 @@ _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12
 def import_mbridge() -> Any:
     """mbridge's AutoBridge, or an ImportError naming the extra."""
     try:
-        from mbridge import AutoBridge
+        from mbridge import AutoBridge  # lazy: optional dependency mbridge
     except ImportError as exc:
         raise ImportError(f"converter='mbridge' needs mbridge 0.15.1 ({exc}); install the extra: {EXTRA}, "
                           "or use converter='builtin'") from exc
@@ -48,7 +52,7 @@ def import_mbridge() -> Any:
 def _hf_config(config: dict[str, Any], arch: HFArchitecture) -> Any:
     """transformers' config object of the checkpoint, made from the dict already read (no lookup),
     with the fields mbridge reads under their transformers 4 names."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: optional dependency transformers
 
     # partial_rotary_factor, which the families mbridge serves ignore (arch.rope.partial is 1), never reaches it
     values = {k: v for k, v in config.items() if k not in ("model_type", "partial_rotary_factor")}
@@ -101,9 +105,7 @@ def mbridge_bridge(config: dict[str, Any], arch: HFArchitecture, dtype: torch.dt
             "converter='mbridge' (mbridge 0.15.1 maps llama3 scaling to a linear interpolation and drops "
             "transformers 5's rope_parameters); use converter='builtin'"
         )
-    from megatron.core import parallel_state as ps
-
-    from megatron_rl_patches.inference.loading.hf.families.kv_heads import kv_repeat
+    from megatron.core import parallel_state as ps  # lazy: optional dependency megatron-core
 
     tp = ps.get_tensor_model_parallel_world_size()
     if kv_repeat(arch, tp) > 1:  # mbridge builds and loads the checkpoint's own query groups
@@ -159,10 +161,6 @@ def _adapt_names(bridge: Any, ep_offset: int, moe: bool) -> None:
 def load_with_mbridge(bridge: Any, chunks: list[torch.nn.Module], root: Path) -> None:
     """mbridge's load_weights into the chunks (the host copies of swap/stream builds), reading the
     safetensors files of the checked directory `root` (its hub lookup bypassed)."""
-    from megatron_rl_patches._chunks import unwrap
-    from megatron_rl_patches.inference.loading.errors import copying_into_model
-    from megatron_rl_patches.inference.residency.placement import weights_on_host
-
     bridge._get_actual_hf_path = lambda _path: str(root)  # mbridge: cached_file(path), a hub lookup
     with torch.no_grad(), weights_on_host(chunks), copying_into_model(root):
         bridge.load_weights([unwrap(chunk) for chunk in chunks], str(root))

@@ -22,6 +22,8 @@ from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 from megatron_rl_patches.inference.loading.hf.families import read_architecture, split_problems
 from megatron_rl_patches.inference.loading.hf.families.family import EXPERT, Family
+from megatron_rl_patches.inference.loading.hf.fused_experts import readable_index
+from megatron_rl_patches.inference.loading.hf.names import check_counts
 from megatron_rl_patches.inference.sizing.memory import DTYPE_BYTES, dtype_name
 from megatron_rl_patches.inference.sizing.residency_plan import ResidencyBytes
 
@@ -114,9 +116,6 @@ def layer_runs(arch: HFArchitecture) -> list[tuple[int, int]]:
 def check_counts_if_present(arch: HFArchitecture) -> None:
     """Where the weight files are already there, config.json's layer and expert counts checked
     against them (headers only): a config claiming more than the files hold is named, not planned."""
-    from megatron_rl_patches.inference.loading.hf.fused_experts import readable_index
-    from megatron_rl_patches.inference.loading.hf.names import check_counts
-
     root = Path(arch.source).expanduser()
     if not root.is_dir():
         return

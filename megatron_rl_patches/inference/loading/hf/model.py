@@ -1,14 +1,16 @@
 """The Megatron side of a Hugging Face architecture: a TransformerConfig at the job's parallel
 sizes (the family's overrides applied) and a model provider of the family's layer spec and model
 class (by default megatron-core's local, non Transformer Engine, GPT spec and GPTModel)."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
+from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, UnsupportedCheckpointError
 from megatron_rl_patches.inference.loading.hf.families.common import after_init
 from megatron_rl_patches.inference.loading.hf.families.kv_heads import query_groups
 
@@ -40,7 +42,6 @@ def padded_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
 def transformer_config(arch: HFArchitecture, dtype: torch.dtype, sizes: dict[str, Any] | None = None) -> Any:
     """megatron-core's TransformerConfig for `arch` at the parallel sizes of parallel_state, or at
     `sizes` (TransformerConfig's *_parallel_size fields, e.g. a teacher's own layout) where given."""
-    import torch.nn.functional as F
     from megatron.core import parallel_state
 
     values: dict[str, Any] = dict(
@@ -163,8 +164,6 @@ def _check_yarn_served(arch: HFArchitecture) -> None:
     from megatron.core.transformer import attention
 
     if not hasattr(attention, "_yarn_get_concentration_factor_from_config"):
-        from megatron_rl_patches.inference.loading.hf.architecture import UnsupportedCheckpointError
-
         raise UnsupportedCheckpointError(
             f"{arch.source}: RoPE scaling 'yarn' needs megatron-core >= 0.16 (GPTModel's YaRN embedding and its "
             f"attention factor; checked on 0.16.1 and 0.19.2), this is megatron-core {package_info.__version__}"

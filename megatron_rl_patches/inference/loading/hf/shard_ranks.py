@@ -22,7 +22,7 @@ class ShardRanks:
 
 def parallel_state_ranks() -> ShardRanks:
     """This rank's shard positions in megatron-core's parallel_state (the student's groups)."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: optional dependency megatron-core
 
     return ShardRanks(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
                       expert_tp_rank=ps.get_expert_tensor_parallel_rank(),

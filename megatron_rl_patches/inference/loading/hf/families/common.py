@@ -1,8 +1,10 @@
 """The pieces the families share: a RMSNorm decoder layer's attention (q/k/v/o, optional q/k/v
 biases and per-head q/k norms), its SwiGLU MLP, and a routed mixture of SwiGLU experts; each as
 the Hugging Face tensors it holds and the Megatron local-spec parameters made from them."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, UnsupportedCheckpointError
@@ -70,7 +72,7 @@ def moe_config(arch: HFArchitecture) -> dict[str, Any]:
     """TransformerConfig fields of the routed experts (SequentialMLP) and what their router does:
     a top-k softmax by default, the sigmoid router's fields where `arch` has one (sigmoid_router.py);
     shared experts (gated or not); dense first layers."""
-    import torch
+    import torch  # lazy: import cost: memory --hf plans without torch (the families are read there)
 
     values: dict[str, Any] = dict(
         num_moe_experts=arch.num_experts,
@@ -141,8 +143,6 @@ def dense_layer_params(arch: HFArchitecture, layer: int) -> dict[str, Param]:
 def needs_config_field(arch: HFArchitecture, name: str, what: str) -> bool:
     """True where megatron-core's TransformerConfig has the field `name`; UnsupportedCheckpointError
     naming the version otherwise."""
-    from dataclasses import fields
-
     from megatron.core import package_info
     from megatron.core.transformer.transformer_config import TransformerConfig
 

@@ -5,12 +5,14 @@ SwiGLU's linear_fc1), q/k/v fused per query group (`QKV`) and the padded vocabul
 
 Each fill imports its torch layout when first run: importing the kinds (the memory planner, the
 contract) imports no torch."""
+# lazy imports: import cost: memory --hf plans without torch (a fill's views / common_layout import it)
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from megatron_rl_patches.inference.loading.hf.families.fuse_kind import FuseKind, Pieces, register
+from megatron_rl_patches.inference.loading.hf.families.kv_heads import kv_repeat
 
 if TYPE_CHECKING:
     import torch
@@ -81,8 +83,6 @@ class Gated(FuseKind):
 def repeated_qkv_params(arch: HFArchitecture, sizes: Sequence[int], tp: int) -> int | None:
     """A rank's q/k/v parameters where its key/value head is repeated at `tp` (kv_heads.py): its
     share of the queries, one whole key and value head; None where none is repeated."""
-    from megatron_rl_patches.inference.loading.hf.families.kv_heads import kv_repeat
-
     if kv_repeat(arch, tp) == 1:
         return None
     q, k, v = sizes

@@ -2,6 +2,7 @@
 config.json becomes an HFArchitecture, which tensors a layer holds, which Hugging Face tensors make
 each Megatron local-spec parameter and how they are fused, and how the Megatron model is built.
 Every other module of `loading/hf/` reads a family through this record only."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping

@@ -4,6 +4,7 @@ group (`GATED_QKV`), and the gated delta net's q/k/v, z, b, a projections (`GDN_
 convolution (`GDN_CONV`) arranged per tensor-parallel rank. The layouts are hybrid_layout.py's,
 run on row labels so that a rank reads only the rows it holds (views.fused_rows). No torch until a
 slice is filled (the memory planner reads the kinds without it)."""
+# lazy imports: import cost: memory --hf plans without torch (a fill's hybrid_layout / views import it)
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from megatron_rl_patches.inference.loading.hf.families.common_kinds import repeated_qkv_params
 from megatron_rl_patches.inference.loading.hf.families.fuse_kind import FuseKind, Pieces, register
+from megatron_rl_patches.inference.loading.hf.families.kv_heads import kv_repeat
 
 if TYPE_CHECKING:
     import torch
@@ -26,7 +28,6 @@ class GatedQkv(FuseKind):
     def pieces(self, arch: HFArchitecture, tensors: Sequence[torch.Tensor], rank: int, size: int,
                padded_vocab: int) -> Pieces:
         from megatron_rl_patches.inference.loading.hf.families.hybrid_layout import gated_qkv
-        from megatron_rl_patches.inference.loading.hf.families.kv_heads import kv_repeat
         from megatron_rl_patches.inference.loading.hf.families.views import fused_rows, whole
 
         repeat = kv_repeat(arch, size)  # the key/value heads repeated where size exceeds them: one per rank

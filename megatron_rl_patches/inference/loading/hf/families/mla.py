@@ -3,9 +3,11 @@ Hugging Face tensors and the Megatron MLASelfAttention parameters made from them
 kinds, the rotary rows reordered for megatron-core, are in mla_kinds.py), its MLATransformerConfig
 fields and a local layer spec that runs on CPU (the SDPA core attention by default; megatron-core
 0.16's isinstance against a mocked TELinear disarmed)."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib.util
+from dataclasses import dataclass, fields
 from typing import Any
 
 from megatron_rl_patches.inference.loading.hf.architecture import (
@@ -102,8 +104,6 @@ def mla_params(arch: HFArchitecture) -> dict[str, Param]:
 
 def mla_config(arch: HFArchitecture) -> dict[str, Any]:
     """MLATransformerConfig fields: the widths, the latent norms on, RoPE or YaRN of config.json."""
-    from dataclasses import fields
-
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     m, rope = arch.mla, arch.rope
@@ -131,8 +131,6 @@ def refuse_unbuildable(arch: HFArchitecture) -> None:
     `mscale_all_dim` (0.4 apart in log-probs on a tiny model; 0.14 / 0.15 unchecked, refused with
     it); 0.19's MLA wants queries without a low-rank step normalized by a fused Transformer Engine
     norm + linear, which the local spec has not."""
-    import importlib.util
-
     from megatron.core.package_info import __version__
 
     release = tuple(int(part) for part in __version__.split(".")[:2] if part.isdigit())
@@ -151,6 +149,7 @@ def refuse_unbuildable(arch: HFArchitecture) -> None:
 
 def sdpa_core_attention(arch: HFArchitecture) -> type:
     """The attention core MLA runs on where no other is given (megatron-core's local one cannot)."""
+    # lazy: import cost: memory --hf plans without torch (sdpa_attention imports it)
     from megatron_rl_patches.inference.sdpa_attention import SDPACoreAttention
 
     return SDPACoreAttention

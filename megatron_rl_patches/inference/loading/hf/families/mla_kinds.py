@@ -22,7 +22,8 @@ def _rope_rows_for_megatron(rows: Any, rope: int, interleaved: bool) -> Any:
     transformers does with rope_interleave=true; rotate-half rows are interleaved for it."""
     if interleaved:
         return rows
-    import torch  # only for rotate-half checkpoints: the row numbers read without it otherwise
+    # lazy: import cost: memory --hf plans without torch (only rotate-half checkpoints' rows need it)
+    import torch
 
     head, tail = rows[:, :-rope], rows[:, -rope:]
     half = rope // 2
@@ -52,6 +53,7 @@ class RotaryRows(FuseKind):
 
     def pieces(self, arch: HFArchitecture, tensors: Sequence[torch.Tensor], rank: int, size: int,
                padded_vocab: int) -> Pieces:
+        # lazy: import cost: memory --hf plans without torch (views imports it)
         from megatron_rl_patches.inference.loading.hf.families.views import row_numbers, rows_in_order, whole
 
         t = tensors[0]

@@ -5,6 +5,7 @@ gated-delta-net linear-attention layers (inference/gated_delta_net.py) with gate
 (`q_proj` holds per head the query and a sigmoid output gate: reordered into megatron-core's
 `attention_output_gate` layout), per-head q/k norms and partial RoPE (0.25). Every RMSNorm but the
 linear-attention layer's gated one is zero-centred ((1 + w) x^): 1 is added at load (exact)."""
+# lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 import copy
@@ -31,6 +32,7 @@ from megatron_rl_patches.inference.loading.hf.families.common import (
 from megatron_rl_patches.inference.loading.hf.families.common_kinds import CENTRED, COLUMN, REPLICATE, ROW, VOCAB
 from megatron_rl_patches.inference.loading.hf.families.family import Family, Param, Shape, parallel_problems
 from megatron_rl_patches.inference.loading.hf.families.hybrid_kinds import GATED_QKV, GDN_CONV, GDN_IN
+from megatron_rl_patches.inference.loading.hf.families.qwen3_moe import sparse_step_problems
 
 LINEAR, FULL = "linear_attention", "full_attention"
 WRAPPED = "model.language_model."  # the wrapper's text model
@@ -108,8 +110,6 @@ def read_hybrid(config: dict[str, Any], source: str, moe: bool) -> HFArchitectur
     if text.get("attention_bias"):
         refused.append("attention_bias=true")
     if moe:
-        from megatron_rl_patches.inference.loading.hf.families.qwen3_moe import sparse_step_problems
-
         refused += sparse_step_problems(text)
     arch = decoder_architecture(text, source, qkv_bias=False, qk_norm=True, moe=moe, refused=refused,
                                 partial_rotary=0.25)
@@ -240,6 +240,7 @@ def stage_spec(arch: HFArchitecture, config: Any, vp_stage: int | None, pp_rank:
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+    # lazy: import cost: memory --hf plans without torch (gated_delta_net imports it)
     from megatron_rl_patches.inference.gated_delta_net import GatedDeltaNetLayer
     from megatron_rl_patches.inference.loading.hf.model import stage_args
 

@@ -3,6 +3,7 @@ linear-attention projections fused per key head: `in_proj_qkvz` holds per key he
 values and gates, `in_proj_ba` its write strengths and decays; unfused at load into megatron-core's
 in_proj layout (its fuse kind `GDN_IN_FUSED`, below). The top-k weights are renormalized where
 `norm_topk_prob` (default true)."""
+# lazy imports: import cost: memory --hf plans without torch (a fill's hybrid_layout / views import it)
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -26,7 +27,6 @@ class GdnInFused(FuseKind):
 
     def pieces(self, arch: HFArchitecture, tensors: Sequence[torch.Tensor], rank: int, size: int,
                padded_vocab: int) -> Pieces:
-        # torch only when a slice is filled: the memory planner reads this family without it
         from megatron_rl_patches.inference.loading.hf.families.hybrid_layout import linear_in_proj, unfuse_qkvz_ba
         from megatron_rl_patches.inference.loading.hf.families.views import fused_rows, whole
 
