@@ -20,23 +20,8 @@ REASONS = ("optional dependency ", "import cost", "cycle ", "megatron version-de
 # Distribution name -> the top-level package it installs, where they differ.
 PACKAGES = {"megatron-core": "megatron", "liger-kernel": "liger_kernel"}
 
-# TEMPORARY, to be cleared at the merge of issue 56 item 4: files that other branches were editing
-# while the reasons were written; their in-function imports get reasons (or move) right after the
-# merge, and then this allow-list goes (test_allow_list_is_still_needed fails once one is empty).
-UNREVIEWED = (
-    "megatron_rl_patches/inference/teacher_layout/",
-    "megatron_rl_patches/inference/build_hf.py",
-    "megatron_rl_patches/apps/cli/memory_teacher.py",
-)
-
-
-def unreviewed(path: str) -> bool:
-    return path.startswith(UNREVIEWED)
-
-
 def test_every_function_import_states_its_reason():
-    missing = [f"{item.path}:{item.line} {item.name}" for item in function_imports.unexplained(REPO)
-               if not unreviewed(item.path)]
+    missing = [f"{item.path}:{item.line} {item.name}" for item in function_imports.unexplained(REPO)]
     assert missing == [], "say why with `# lazy: <reason>` (see tools/function_imports.py), or hoist it"
 
 
@@ -59,12 +44,6 @@ def test_an_optional_dependency_is_not_imported_at_module_level():
             wrong.append(f"{item.path}:{item.line} imports {item.name}, reason {item.reason!r}")
     assert wrong == []
 
-
-def test_allow_list_is_still_needed():
-    for entry in UNREVIEWED:
-        assert (REPO / entry).exists(), f"{entry} is gone: drop it from UNREVIEWED"
-        assert any(item.path.startswith(entry) and not item.reason for item in function_imports.scan(REPO)), \
-            f"{entry} states every reason now: drop it from UNREVIEWED"
 
 
 def test_the_scanner_reads_each_form(tmp_path):

@@ -3,24 +3,42 @@ checkpoint directory in one call: its architecture from config.json, the model b
 build_inference_model on megatron-core's local spec, its weights from the safetensors files."""
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
 import torch
 
+import megatron_rl_patches.inference.build as inference_build  # a module: tests guard its build_checked
+from megatron_rl_patches._args import positive_int
+from megatron_rl_patches.inference.loading.hf import load as hf_load
+from megatron_rl_patches.inference.loading.hf import mbridge_adapter
 from megatron_rl_patches.inference.loading.hf.checkpoint_config import read_checkpoint_config
 from megatron_rl_patches.inference.loading.hf.families import architecture, split_problems
+from megatron_rl_patches.inference.loading.hf.memory_plan import hf_memory_plan
+from megatron_rl_patches.inference.loading.hf.model import (
+    checkpoint_dtype,
+    model_provider,
+    padded_vocab,
+    transformer_config,
+)
 from megatron_rl_patches.inference.residency.budget import ResidencyBudget
 from megatron_rl_patches.inference.residency.placement import check_residency_args
-from megatron_rl_patches.inference.teacher_layout.build_args import refuse_unserved
-from megatron_rl_patches.inference.teacher_layout.groups import check_layout
+from megatron_rl_patches.inference.teacher_layout.build_args import (
+    config_sizes,
+    raise_on_every_rank,
+    refuse_unserved,
+    shard_ranks,
+)
+from megatron_rl_patches.inference.teacher_layout.groups import check_layout, teacher_groups
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
+from megatron_rl_patches.inference.teacher_layout.own_groups import gather_in_own_groups
 
 CONVERTERS = ("builtin", "mbridge")
 
 
 def _check_parallel(arch: Any, core_attention: type | None, layout: TeacherLayout | None = None) -> None:
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: optional dependency megatron-core
 
     if not ps.model_parallel_is_initialized():
         raise RuntimeError(
@@ -30,9 +48,7 @@ def _check_parallel(arch: Any, core_attention: type | None, layout: TeacherLayou
     if layout is not None:  # the teacher's own sizes, not the student's
         problems = split_problems(arch, layout.tp, layout.pp, layout.ep, 1)
         if problems:
-            import torch.distributed as dist
-
-            world = dist.get_world_size()  # the layout was checked against it: initialized
+            world = torch.distributed.get_world_size()  # the layout was checked against it: initialized
             served = [tp for tp in range(1, world + 1) if not world % tp and not split_problems(arch, tp, 1, 1, 1)]
             raise ValueError(f"{arch.source}: layout={layout!r}: {'; '.join(problems)}; choose a layout this model "
                              f"serves (over {world} ranks: tp in {served})")
@@ -56,8 +72,6 @@ def _check_parallel(arch: Any, core_attention: type | None, layout: TeacherLayou
 def _check_core_attention(arch: Any, core_attention: type | None) -> None:
     """Multi-latent attention gives its core its own key / value widths (`k_channels` /
     `v_channels`): a core class that does not take them is named before the build."""
-    import inspect
-
     if core_attention is None or getattr(arch, "mla", None) is None:
         return
     try:
@@ -79,9 +93,7 @@ def _check_budget(root: Any, mode: str, budget: ResidencyBudget | None, dtype: t
     the build: config.json gives the sizes."""
     if budget is None or mode == "resident":
         return
-    from megatron.core import parallel_state as ps
-
-    from megatron_rl_patches.inference.loading.hf.memory_plan import hf_memory_plan
+    from megatron.core import parallel_state as ps  # lazy: optional dependency megatron-core
 
     plan = hf_memory_plan(root, tp=ps.get_tensor_model_parallel_world_size(),
                           pp=ps.get_pipeline_model_parallel_world_size(),
@@ -131,22 +143,10 @@ def build_inference_model_from_hf(
     this, and scoring goes through score_at_layout / topk_at_layout.
     None: the sizes of parallel_state (the student's).
     """
-    from megatron_rl_patches._args import positive_int
-    from megatron_rl_patches.inference.build import build_checked
-    from megatron_rl_patches.inference.loading.hf.load import checked_index, load_hf_weights, served_tying
-    from megatron_rl_patches.inference.loading.hf.model import (
-        checkpoint_dtype,
-        model_provider,
-        padded_vocab,
-        transformer_config,
-    )
-
     if converter not in CONVERTERS:
         raise ValueError(f"converter must be one of {CONVERTERS}, got {converter!r}")
     if converter == "mbridge":
-        from megatron_rl_patches.inference.loading.hf.mbridge_adapter import import_mbridge
-
-        import_mbridge()  # the missing extra is named before anything is read
+        mbridge_adapter.import_mbridge()  # the missing extra is named before anything is read
     mode = check_residency_args(residency, prefetch, budget)
     if core_attention is not None and not isinstance(core_attention, type):
         raise TypeError(f"core_attention must be an attention core class (e.g. TEDotProductAttention) or None, "
@@ -162,25 +162,23 @@ def build_inference_model_from_hf(
         refuse_unserved(layout, arch, mode, converter)
     _check_parallel(arch, core_attention, layout)
     _check_core_attention(arch, core_attention)
-    checked_index(root, arch)  # the files fit config.json: nothing is built otherwise
-    arch = served_tying(root, arch)
+    hf_load.checked_index(root, arch)  # the files fit config.json: nothing is built otherwise
+    arch = hf_load.served_tying(root, arch)
     _check_budget(root, mode, budget, weights_dtype)
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: optional dependency megatron-core
 
     if layout is not None:
         return _build_at_layout(root, arch, layout, weights_dtype, divisible_by, core_attention, prefetch)
     vocab = padded_vocab(arch.vocab_size, divisible_by, ps.get_tensor_model_parallel_world_size())
     if converter == "mbridge":
-        from megatron_rl_patches.inference.loading.hf import mbridge_adapter
-
         bridge = mbridge_adapter.mbridge_bridge(config_dict, arch, weights_dtype, vocab)
         provider = model_provider(arch, bridge.config, vocab, core_attention, mbridge_adapter.gpt_args(bridge))
-        chunks = build_checked(provider, mode, prefetch, budget)
+        chunks = inference_build.build_checked(provider, mode, prefetch, budget)
         mbridge_adapter.load_with_mbridge(bridge, chunks, root)
     else:
         provider = model_provider(arch, transformer_config(arch, weights_dtype), vocab, core_attention)
-        chunks = build_checked(provider, mode, prefetch, budget)
-        load_hf_weights(chunks, root, arch, vocab)
+        chunks = inference_build.build_checked(provider, mode, prefetch, budget)
+        hf_load.load_hf_weights(chunks, root, arch, vocab)
     for chunk in chunks:
         setattr(chunk, "hf_vocab_size", arch.vocab_size)  # noqa: B010 - the real vocab, for the ops' vocab_size=
     return chunks
@@ -191,13 +189,6 @@ def _build_at_layout(root: Any, arch: Any, layout: TeacherLayout, dtype: torch.d
     """The resident teacher at `layout` on its own process groups (built here: a collective), each
     rank's shard (its tensor slice of its pipeline stage's layers) read from the files; the chunk
     carries its groups (`teacher_groups`) for scoring."""
-    from megatron_rl_patches.inference.build import build_checked
-    from megatron_rl_patches.inference.loading.hf.load import load_hf_weights
-    from megatron_rl_patches.inference.loading.hf.model import model_provider, padded_vocab, transformer_config
-    from megatron_rl_patches.inference.teacher_layout.build_args import config_sizes, raise_on_every_rank, shard_ranks
-    from megatron_rl_patches.inference.teacher_layout.groups import teacher_groups
-    from megatron_rl_patches.inference.teacher_layout.own_groups import gather_in_own_groups
-
     groups = teacher_groups(layout)
     vocab = padded_vocab(arch.vocab_size, divisible_by, layout.tp)
     config = transformer_config(arch, dtype, config_sizes(layout))
@@ -209,9 +200,9 @@ def _build_at_layout(root: Any, arch: Any, layout: TeacherLayout, dtype: torch.d
     stage: list[tuple[int | None, bool, bool]] = [(None, groups.pp_rank == 0, groups.pp_rank == groups.pp_size - 1)]
     error: Exception | None = None
     try:
-        chunks = build_checked(provider, "resident", prefetch, None, stages=stage)
+        chunks = inference_build.build_checked(provider, "resident", prefetch, None, stages=stage)
         gather_in_own_groups(chunks)  # multi-latent attention's down projections: in the teacher's group
-        load_hf_weights(chunks, root, arch, vocab, shard_ranks(groups))
+        hf_load.load_hf_weights(chunks, root, arch, vocab, shard_ranks(groups))
     except Exception as exc:  # every rank learns of it: none is left to score alone
         error = exc
     raise_on_every_rank(error, f"building {arch.source} at layout={layout!r}")

@@ -13,7 +13,10 @@ from typing import Any
 
 from megatron_rl_patches.apps.cli._common import OK, UsageError
 from megatron_rl_patches.apps.presentation import human_bytes, text_table
+from megatron_rl_patches.inference.loading.hf.families import read_architecture
 from megatron_rl_patches.inference.loading.hf.memory_plan import HFMemoryPlan, hf_memory_plan
+from megatron_rl_patches.inference.teacher_layout.build_args import refuse_unserved
+from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 
 
 def _checked(args: argparse.Namespace) -> int:
@@ -40,10 +43,6 @@ def _row(name: str, plan: HFMemoryPlan, mode: str) -> dict[str, Any]:
 
 
 def run_teacher(args: argparse.Namespace) -> int:
-    from megatron_rl_patches.inference.loading.hf.families import read_architecture
-    from megatron_rl_patches.inference.teacher_layout.build_args import refuse_unserved
-    from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
-
     world = _checked(args)
     tp, pp = args.teacher_tp, args.teacher_pp
     try:

@@ -89,9 +89,10 @@ _BUILT: dict[tuple[Any, ...], TeacherGroups] = {}
 def process_group_collection_class() -> type:
     """megatron-core's ProcessGroupCollection, or ValueError naming the version that lacks it."""
     try:
+        # lazy: megatron version-dependent (ProcessGroupCollection from megatron-core 0.15)
         from megatron.core.process_groups_config import ProcessGroupCollection
     except ImportError:
-        from megatron.core import package_info
+        from megatron.core import package_info  # lazy: optional dependency megatron-core
 
         raise ValueError(
             f"layout=TeacherLayout(...) needs megatron-core's ProcessGroupCollection (megatron.core."

@@ -21,8 +21,10 @@ def gather_in_own_groups(chunks: list[Any]) -> int:
     """Make every multi-latent attention down projection of `chunks` gather its output in its own
     tensor-parallel group; the number of projections changed. ValueError naming a fused down
     projection (`linear_qkv_down_proj`, megatron-core 0.19's), which this does not serve."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear
-    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+    from megatron.core.tensor_parallel import ColumnParallelLinear  # lazy: optional dependency megatron-core
+    from megatron.core.transformer.multi_latent_attention import (  # lazy: optional dependency megatron-core
+        MultiLatentAttention,
+    )
 
     changed = 0
     for chunk in chunks:

@@ -19,6 +19,7 @@ from megatron_rl_patches.inference.teacher_layout.gather import GroupBatch, agre
 from megatron_rl_patches.inference.teacher_layout.groups import TeacherGroups
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 from megatron_rl_patches.inference.teacher_layout.pipeline import replica_scores
+from megatron_rl_patches.ops import log_probs_and_entropy, topk_logprobs
 
 
 def _groups_of(chunks: Any, layout: TeacherLayout | None) -> tuple[torch.nn.Module, TeacherGroups]:
@@ -110,8 +111,6 @@ def score_with_entropy_at_layout(
     """score_at_layout's log-probs and, with `with_entropy`, the entropy of the teacher's
     distribution (logits / temperature, over the real vocab) at each of this rank's positions,
     [rows, length] fp32 each (None without `with_entropy`)."""
-    from megatron_rl_patches.ops import log_probs_and_entropy
-
     model, groups = _groups_of(chunks, layout)
     batch = agree(groups, tokens, {"labels": labels})
     vocab = vocab_size or getattr(model, "hf_vocab_size", None)
@@ -144,8 +143,6 @@ def topk_at_layout(
     position, the same k on every rank) for this rank's rows, [rows, length, k] fp32, and the log
     of the remaining mass [rows, length] (from the complement's log-sum-exp: the tail of top-k
     on-policy distillation); normalized over the full vocab. Otherwise as score_at_layout."""
-    from megatron_rl_patches.ops import topk_logprobs
-
     model, groups = _groups_of(chunks, layout)
     batch = agree(groups, tokens, {"ids": ids})
     vocab = vocab_size or getattr(model, "hf_vocab_size", None)
