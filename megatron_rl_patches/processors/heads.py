@@ -21,14 +21,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# the ops' modules, not their functions: a wrapper (or a test's spy) set on the module's function
+# is what the processors call
+import megatron_rl_patches.ops.kept_set as kept_set_ops
+import megatron_rl_patches.ops.lm_head as lm_head_ops
+import megatron_rl_patches.ops.topk as topk_ops
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.ops._checks import check_scalar_temperature
 from megatron_rl_patches.ops._rows import RowSelection
 from megatron_rl_patches.ops.invariance import check_invariant, resolve_invariant
-from megatron_rl_patches.ops.kept_set import lm_head_kept_log_probs
-from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy, lm_head_topk_ids, lm_head_topk_logprobs
-from megatron_rl_patches.ops.topk import union_ids
 from megatron_rl_patches.processors.output import ProcessorOutput
 
 __all__ = ["log_prob_output_processor", "topk_output_processor"]
@@ -244,7 +246,7 @@ def log_prob_output_processor(
         if keep_mask is not None:
             keep_mask = token_rows(keep_mask, "output_processor_context['keep_mask']", call.batch, call.seq)
         assert call.labels is not None  # checked above: labels were given
-        log_probs, entropy = lm_head_log_probs_and_entropy(
+        log_probs, entropy = lm_head_ops.lm_head_log_probs_and_entropy(
             call.hidden,
             call.weight,
             call.labels,
@@ -290,7 +292,7 @@ def kept_log_probs(call: ProcessorCall, ctx: Mapping[str, Any], log_probs: torch
     # [b, s] flat index -> the hidden states' (s, b) row order
     kept_rows = (positions % call.seq) * call.batch + torch.div(positions, call.seq, rounding_mode="floor")
     assert call.labels is not None  # the log-prob processor requires labels
-    renormalized = lm_head_kept_log_probs(call.hidden, call.weight, call.labels, ids, kept_rows,
+    renormalized = kept_set_ops.lm_head_kept_log_probs(call.hidden, call.weight, call.labels, ids, kept_rows,
                                           tp_group=call.tp_group, sequence_parallel=call.sequence_parallel,
                                           temperature=call.temperature, vocab_size=vocab_size, row_mask=rows)
     return torch.where(rows, renormalized, log_probs)
@@ -343,17 +345,18 @@ def topk_output_processor(
                                                          call.seq)
         if k is not None:
             with torch.no_grad():
-                own = lm_head_topk_ids(call.hidden, call.weight, k, **options)
+                own = lm_head_ops.lm_head_topk_ids(call.hidden, call.weight, k, **options)
             if union:
                 assert rows is not None  # checked above: union needs the student's ids
-                rows, union_mask = union_ids(rows.to(own.device), own)
+                rows, union_mask = topk_ops.union_ids(rows.to(own.device), own)
                 result["ids_mask"] = call.to_batch(union_mask)
                 rows_mask = union_mask
             else:
                 rows, rows_mask = own, None
             result["topk_ids"] = call.to_batch(rows)
         assert rows is not None  # checked above: ids from k= or from the context
-        log_probs, tail = lm_head_topk_logprobs(call.hidden, call.weight, rows, ids_mask=rows_mask, **options)
+        log_probs, tail = lm_head_ops.lm_head_topk_logprobs(call.hidden, call.weight, rows, ids_mask=rows_mask,
+                                                             **options)
         result["topk_log_probs"] = call.to_batch(log_probs)
         result["tail"] = call.to_batch(tail)
         return result
