@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+import megatron_rl_patches.ops.lm_head as lm_head_ops  # the module: a wrapper set on an op is what runs
 from megatron_rl_patches._args import bind
-from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy, lm_head_topk_ids
 from megatron_rl_patches.patching import wrappers
 from megatron_rl_patches.processors.heads import ProcessorCall
 
@@ -40,7 +40,7 @@ class FusedHeadLogits:
         """-log p(label) [b, s], as `compute_language_model_loss(labels, logits)` gives it."""
         call = self._call(labels)
         assert call.labels is not None
-        log_probs, _ = lm_head_log_probs_and_entropy(
+        log_probs, _ = lm_head_ops.lm_head_log_probs_and_entropy(
             call.hidden, call.weight, call.labels, tp_group=call.tp_group, sequence_parallel=call.sequence_parallel,
             temperature=call.temperature,
         )
@@ -49,7 +49,7 @@ class FusedHeadLogits:
     def argmax(self) -> torch.Tensor:
         """The global id of each row's largest logit, [s, b] (every row under sequence parallelism)."""
         call = self._call(None)
-        ids = lm_head_topk_ids(call.hidden, call.weight, 1, tp_group=call.tp_group,
+        ids = lm_head_ops.lm_head_topk_ids(call.hidden, call.weight, 1, tp_group=call.tp_group,
                                sequence_parallel=call.sequence_parallel)
         return ids.reshape(call.seq, call.batch)
 

@@ -28,7 +28,6 @@ from megatron_rl_patches.integrations.slime.opd_settings import OWN_TOKENIZER, T
 from megatron_rl_patches.integrations.slime.opd_settings import PREFIX as OPD_PREFIX
 from megatron_rl_patches.integrations.slime.roles import DEFAULT_INFERENCE_ROLES
 from megatron_rl_patches.patching import check_settings, env, registry
-from megatron_rl_patches.patching.registry import installed_version
 from megatron_rl_patches.patching.startup import files as startup_files
 from megatron_rl_patches.patching.startup import hook
 
@@ -207,7 +206,7 @@ def teacher_problems() -> list[str]:
 def collect() -> dict[str, Any]:
     """Everything `doctor` reports, as a JSON-ready dict, with a list of problems found."""
     problems: list[str] = []
-    packages = {name: installed_version(name) for name in DISTRIBUTIONS}
+    packages = {name: registry.installed_version(name) for name in DISTRIBUTIONS}
     problems += [f"{name} is not installed (a dependency of megatron-rl-patches)" for name in REQUIRED
                  if packages[name] is None]
     megatron, found = megatron_section()
