@@ -58,10 +58,8 @@ def _check_parallel(arch: Any, core_attention: type | None, layout: TeacherLayou
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     problems = split_problems(arch, tp, pp, ep, vpp)
     cp = ps.get_context_parallel_world_size()
-    if cp > 1 and arch.linear is not None:  # a recurrence over each whole sequence: never run per chunk
-        problems.append(f"context-parallel size {cp} with {arch.model_type}'s gated-delta-net linear attention, which "
-                        "runs over whole sequences (context parallelism is not served for it)")
-    elif cp > 1 and core_attention is None:  # megatron-core's local attention would see only its own rows
+    # (the gated delta nets of linear-attention families exchange rows over the context-parallel group)
+    if cp > 1 and core_attention is None:  # megatron-core's local attention would see only its own rows
         problems.append(f"context-parallel size {cp} with megatron-core's local attention, which serves context "
                         "parallelism 1 only: pass core_attention= a class that serves it (Transformer Engine's "
                         "TEDotProductAttention)")

@@ -74,23 +74,17 @@ def test_packed_sequences_equal_each_alone(megatron_cpu):
     assert (unpacked[70:] - alone[70:]).abs().max().item() > 1e-3  # the second sequence sees the first otherwise
 
 
-@pytest.mark.parametrize("field, value, match", [("sequence_parallel", True, "sequence_parallel=True"),
-                                                 ("context_parallel_size", 2, "context_parallel_size=2")])
-def test_sequence_and_context_parallel_are_refused_by_name(megatron_cpu, field, value, match):
-    """The recurrence runs over each whole sequence: a split sequence is refused, before any weight."""
-    import dataclasses
-
+def test_a_context_parallel_row_layout_it_does_not_know_is_refused_by_name(megatron_cpu):
+    """Sequence and context parallelism are served (tests/inference/gated_delta_net_ranks.py, in
+    the HF 2-rank world); a row layout other than zigzag / contiguous is named before any weight."""
     from megatron_rl_patches.inference.gated_delta_net import GatedDeltaNetLayer
     from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
 
-    config = tiny_gpt_config()
-    served = GatedDeltaNetLayer(config, 1, key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8,
-                                conv_kernel=4)  # the control: the same arguments build
-    assert sum(p.numel() for p in served.parameters()) > 0
-    split = dataclasses.replace(config) if dataclasses.is_dataclass(config) else config
-    object.__setattr__(split, field, value)
-    with pytest.raises(ValueError, match=match):
-        GatedDeltaNetLayer(split, 1, key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8, conv_kernel=4)
+    shape = dict(key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8, conv_kernel=4)
+    served = GatedDeltaNetLayer(tiny_gpt_config(), 1, cp_layout="contiguous", **shape)  # the control
+    assert served.cp_size == 1 and served.cp_group is None
+    with pytest.raises(ValueError, match="layout must be one of"):
+        GatedDeltaNetLayer(tiny_gpt_config(), 1, cp_layout="ring", **shape)
 
 
 def test_the_tensor_parallel_group_is_the_models_own_where_given():
@@ -108,3 +102,17 @@ def test_the_tensor_parallel_group_is_the_models_own_where_given():
         assert tensor_parallel_of(SimpleNamespace(cp=dist.group.WORLD)) == (1, {})  # a collection without tp
         one = dist.new_group([dist.get_rank()])
         assert tensor_parallel_of(SimpleNamespace(tp=one)) == (1, {"tp_group": one})
+
+
+def test_the_row_layout_is_set_on_every_layer_of_a_model(megatron_cpu):
+    from megatron_rl_patches.inference.gated_delta_net import GatedDeltaNetLayer, use_context_parallel_rows
+    from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
+
+    shape = dict(key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8, conv_kernel=4)
+    model = torch.nn.Sequential(GatedDeltaNetLayer(tiny_gpt_config(), 1, **shape), torch.nn.Linear(2, 2),
+                                GatedDeltaNetLayer(tiny_gpt_config(), 2, **shape))
+    with pytest.raises(ValueError, match="layout must be one of"):
+        use_context_parallel_rows([model], "ring")
+    assert {layer.cp_layout for layer in (model[0], model[2])} == {"zigzag"}  # nothing changed
+    assert use_context_parallel_rows([model], "contiguous") == 2
+    assert {layer.cp_layout for layer in (model[0], model[2])} == {"contiguous"}

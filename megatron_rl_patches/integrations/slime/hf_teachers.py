@@ -215,6 +215,8 @@ def build_hf_teacher(args: Any, path: str, residency: str | None, student: int |
     import torch
 
     from megatron_rl_patches.inference.build_hf import build_inference_model_from_hf
+    from megatron_rl_patches.inference.gated_delta_net import use_context_parallel_rows
+    from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active
 
     if own_tokenizer:
         shared = int(load_tokenizer(path, what).get_vocab_size(with_added_tokens=True))
@@ -226,6 +228,8 @@ def build_hf_teacher(args: Any, path: str, residency: str | None, student: int |
         path, residency=residency or "resident", dtype=dtype if isinstance(dtype, torch.dtype) else None,
         make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None) or 128,
         core_attention=None if layout is not None else packed_core_attention(args), layout=layout)
+    if layout is None and allgather_cp_active(args):  # each context-parallel rank a contiguous slice
+        use_context_parallel_rows(chunks, "contiguous")
     for chunk in chunks:
         # one tokenizer padded to another vocab_size than the student's: no mass beyond the shared ids
         setattr(chunk, "hf_vocab_size", min(shared, int(getattr(chunk, "hf_vocab_size"))))  # noqa: B009, B010
