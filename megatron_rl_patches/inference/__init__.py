@@ -40,6 +40,8 @@ _LAZY = {
     "TeacherLayout": "megatron_rl_patches.inference.teacher_layout.layout",
     "score_at_layout": "megatron_rl_patches.inference.teacher_layout.scoring",
     "topk_at_layout": "megatron_rl_patches.inference.teacher_layout.scoring",
+    "hidden_at_layout": "megatron_rl_patches.inference.teacher_layout.scoring",
+    "output_weight_at_layout": "megatron_rl_patches.inference.teacher_layout.scoring",
     "teacher_groups": "megatron_rl_patches.inference.teacher_layout.groups",
 }
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl_patches.inference.teacher_layout.gather import GroupBatch, agree, gathered
 from megatron_rl_patches.inference.teacher_layout.groups import TeacherGroups
@@ -160,3 +161,75 @@ def topk_at_layout(
         rows, length = batch.shapes[groups.replica_rank]
         return torch.zeros(rows, length, batch.k), torch.zeros(rows, length)
     return _mine(scores[0], groups, batch), _mine(scores[1], groups, batch)
+
+
+class _HiddenOut(torch.nn.Module):
+    """Stands in for a GPTModel's output layer: returns the final hidden states it is given (the
+    model then hands them out [b, s, hidden] where it would hand out logits); it shows the layer's
+    weight to the code around the call that reads it."""
+
+    def __init__(self, output_layer: Any) -> None:
+        super().__init__()
+        self.weight = getattr(output_layer, "weight", None)
+        self.bias = None
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        return hidden_states, None
+
+
+def _language_model(model: torch.nn.Module) -> Any:
+    inner: Any = model
+    while hasattr(inner, "module") and not hasattr(inner, "decoder"):
+        inner = inner.module
+    return inner
+
+
+def hidden_at_layout(chunks: Any, tokens: torch.Tensor, *, layout: TeacherLayout | None = None) -> torch.Tensor:
+    """The teacher's final hidden states (its output layer's input, after the final norm) at this
+    rank's rows, [rows, length, hidden] fp32: with `output_weight_at_layout` what a full-vocabulary
+    divergence (`lm_head_divergence`'s teacher_hidden / teacher_weight) needs of a teacher at its
+    own layout, and nothing [T, V]-sized crosses ranks. A collective as score_at_layout."""
+    model, groups = _groups_of(chunks, layout)
+    batch = agree(groups, tokens, {})
+    inner = _language_model(model)
+    width = int(inner.config.hidden_size)
+    swapped = getattr(inner, "post_process", True)  # only the last stage has an output layer
+    if swapped:
+        output_layer = inner.output_layer
+        inner.output_layer = _HiddenOut(output_layer)
+    try:
+        with torch.no_grad():
+            scores = _replica_scores(model, groups, tokens, batch, lambda hidden, device: [hidden], [(width,)])
+    finally:
+        if swapped:
+            inner.output_layer = output_layer
+    if scores is None:
+        return torch.zeros(*batch.shapes[groups.replica_rank], width, dtype=torch.float32)
+    return _mine(scores[0], groups, batch)
+
+
+def output_weight_at_layout(chunks: Any, *, layout: TeacherLayout | None = None) -> torch.Tensor:
+    """The teacher's whole output weight [padded vocab, hidden] in its dtype on every rank (the
+    tensor-parallel shards gathered; the last stage's, sent over each pipeline): slice it to the
+    student's vocabulary shard for `lm_head_divergence` (rows [r·V/tp, (r+1)·V/tp) of a student
+    at TP=tp; pass the real `vocab_size` so padded rows get no mass). A collective over every rank
+    of the teacher's replica (each holds V / tp · hidden of it afterwards, not before)."""
+    model, groups = _groups_of(chunks, layout)
+    inner = _language_model(model)
+    rows, width = int(inner.vocab_size) // groups.tp_size, int(inner.config.hidden_size)
+    parameter = next(model.parameters())
+    with torch.no_grad():
+        shard = None
+        if getattr(inner, "post_process", True):
+            shard = (inner.shared_embedding_or_output_weight() if inner.share_embeddings_and_output_weights
+                     else inner.output_layer.weight).detach()
+        if groups.pp_size > 1:
+            held = torch.empty(rows, width, dtype=parameter.dtype, device=parameter.device)
+            if shard is not None:
+                held.copy_(shard)
+            dist.broadcast(held, src=groups.pp_ranks()[-1], group=groups.pp_group)
+            shard = held
+        assert shard is not None and tuple(shard.shape) == (rows, width), "the output layer's shard"
+        parts = [torch.empty_like(shard) for _ in range(groups.tp_size)]
+        dist.all_gather(parts, shard.contiguous(), group=groups.tp_group)
+    return torch.cat(parts)

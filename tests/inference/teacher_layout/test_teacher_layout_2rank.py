@@ -97,6 +97,7 @@ def api_checks(rank: int, world_size: int, root: str) -> dict:
         whole = build_inference_model_from_hf(root, dtype=torch.float32)  # the 1-rank teacher, per rank
         results["reference"], results["topk_ref"], results["tail_ref"] = _one_rank_teacher(whole, tokens, labels)
         results["topk"], results["tail"] = topk_at_layout(chunks, tokens, _ids(rank))
+        results.update(_full_vocab_checks(chunks, whole, tokens, "tp2"))
         # a rank with no rows: the other rank's rows still scored, this one gets [0, 0]
         empty = (torch.zeros(0, 0, dtype=torch.long),) * 2
         results["empty_or_not"] = score_at_layout(chunks, *(empty if rank == 0 else (tokens, labels)))
@@ -140,6 +141,7 @@ def _pipeline_checks(root: str, tokens: torch.Tensor, labels: torch.Tensor) -> d
     results: dict = {"pp2_layers": [int(layer.layer_number) for layer in chunks[0].decoder.layers],
                      "pp2_scores": score_at_layout(chunks, tokens, labels),
                      "pp2_topk": topk_at_layout(chunks, tokens, _ids(rank))}
+    results.update(_full_vocab_checks(chunks, build_inference_model_from_hf(root, dtype=torch.float32), tokens, "pp2"))
     for stage in (0, 1):
         try:
             score_at_layout([_failing(chunks[0], rank == stage)], tokens, labels)
@@ -157,12 +159,51 @@ def _pipeline_checks(root: str, tokens: torch.Tensor, labels: torch.Tensor) -> d
                                                   tokens, labels)[0]
     piped = build_inference_model_from_hf(tied, dtype=torch.float32, layout=TeacherLayout(pp=2))
     results["tied_pp2"] = score_at_layout(piped, tokens, labels)
+    results.update(_full_vocab_checks(piped, build_inference_model_from_hf(tied, dtype=torch.float32), tokens,
+                                      "tied_pp2"))
     return results
+
+
+def _full_vocab_checks(chunks, whole, tokens, name: str) -> dict:
+    """hidden_at_layout @ output_weight_at_layout.T against the whole teacher's logits on this rank;
+    lm_head_divergence (a random student, reverse KL) from them against float64 from those logits."""
+    from megatron_rl_patches import lm_head_divergence
+    from megatron_rl_patches.inference import hidden_at_layout, output_weight_at_layout
+    from megatron_rl_patches.testing.megatron_cpu import make_batch
+
+    rows, length = tokens.shape
+    batch = make_batch(batch_size=rows, seq_length=length, vocab_size=VOCAB)
+    hidden, weight = hidden_at_layout(chunks, tokens), output_weight_at_layout(chunks)
+    with torch.no_grad():
+        want = whole[0](tokens, batch["position_ids"], batch["attention_mask"]).double()
+    generator = torch.Generator().manual_seed(5)
+    student_hidden = torch.randn(rows * length, 24, generator=generator, dtype=torch.float64)
+    student_weight = torch.randn(weight.shape[0], 24, generator=generator, dtype=torch.float64) * 0.3
+    got = lm_head_divergence(student_hidden, student_weight, hidden.reshape(rows * length, -1).double(),
+                             weight.double(), divergence="reverse_kl", vocab_size=VOCAB)
+    p = torch.log_softmax((student_hidden @ student_weight.T)[:, :VOCAB], -1)
+    q = torch.log_softmax(want.reshape(rows * length, -1)[:, :VOCAB], -1)
+    return {f"{name}_logits_error": ((hidden.double() @ weight.double().T) - want).abs().max().item(),
+            f"{name}_weight_shape": tuple(weight.shape),
+            f"{name}_divergence_error": (got - (p.exp() * (p - q)).sum(-1)).abs().max().item()}
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     return two_rank_world(tmp_path_factory, "api")
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2", "tied_pp2"])
+def test_full_vocabulary_divergences_read_the_teachers_hidden_states_and_whole_output_weight(world, name):
+    """A teacher at TP=2 / PP=2 (tied too): each rank's hidden states at its own rows times the
+    gathered output weight are the whole teacher's logits (1e-5), and lm_head_divergence from them
+    equals float64 reverse KL from those logits (1e-6): no [T, V] crossed ranks."""
+    results = world
+    served(results)
+    for result in results:
+        assert result[f"{name}_weight_shape"][0] >= VOCAB
+        assert result[f"{name}_logits_error"] < 1e-5, result[f"{name}_logits_error"]
+        assert result[f"{name}_divergence_error"] < 1e-6, result[f"{name}_divergence_error"]
 
 
 def test_each_rank_gets_the_one_rank_teachers_log_probs_of_its_own_rows(world):
