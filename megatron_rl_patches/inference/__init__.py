@@ -41,6 +41,7 @@ _LAZY = {
     "score_at_layout": "megatron_rl_patches.inference.teacher_layout.scoring",
     "topk_at_layout": "megatron_rl_patches.inference.teacher_layout.scoring",
     "hidden_at_layout": "megatron_rl_patches.inference.teacher_layout.scoring",
+    "select_topk_at_layout": "megatron_rl_patches.inference.teacher_layout.scoring",
     "output_weight_at_layout": "megatron_rl_patches.inference.teacher_layout.scoring",
     "teacher_groups": "megatron_rl_patches.inference.teacher_layout.groups",
 }

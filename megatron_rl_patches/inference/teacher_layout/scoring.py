@@ -20,7 +20,7 @@ from megatron_rl_patches.inference.teacher_layout.gather import GroupBatch, agre
 from megatron_rl_patches.inference.teacher_layout.groups import TeacherGroups
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 from megatron_rl_patches.inference.teacher_layout.pipeline import replica_scores
-from megatron_rl_patches.ops import log_probs_and_entropy, topk_logprobs
+from megatron_rl_patches.ops import log_probs_and_entropy, topk_ids, topk_logprobs
 
 
 def _groups_of(chunks: Any, layout: TeacherLayout | None) -> tuple[torch.nn.Module, TeacherGroups]:
@@ -139,28 +139,80 @@ def topk_at_layout(
     layout: TeacherLayout | None = None,
     temperature: float = 1.0,
     vocab_size: int | None = None,
+    ids_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The teacher's log-probs at `ids` [rows, length, k] (e.g. the student's top-k ids per
     position, the same k on every rank) for this rank's rows, [rows, length, k] fp32, and the log
     of the remaining mass [rows, length] (from the complement's log-sum-exp: the tail of top-k
-    on-policy distillation); normalized over the full vocab. Otherwise as score_at_layout."""
+    on-policy distillation); normalized over the full vocab. `ids_mask` (bool, the ids' shape):
+    False slots are padding, log-prob -inf, their mass left in the tail (as `topk_logprobs`).
+    Otherwise as score_at_layout."""
     model, groups = _groups_of(chunks, layout)
-    batch = agree(groups, tokens, {"ids": ids})
+    if ids_mask is not None and (not isinstance(ids_mask, torch.Tensor) or ids_mask.dtype != torch.bool
+                                 or not isinstance(ids, torch.Tensor) or ids_mask.shape != ids.shape):
+        got = f"{ids_mask.dtype} {tuple(ids_mask.shape)}" if isinstance(ids_mask, torch.Tensor) else type(ids_mask)
+        raise TypeError(f"ids_mask must be a bool tensor of the ids' shape, got {got}")
+    others = {"ids": ids} if ids_mask is None else {"ids": ids, "ids_mask": ids_mask.long()}
+    batch = agree(groups, tokens, others)
     vocab = vocab_size or getattr(model, "hf_vocab_size", None)
 
     def score(logits: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+        mask = None if all_mask is None else all_mask.reshape(logits.shape[0], -1).to(device=device, dtype=torch.bool)
         logp, tail = topk_logprobs(logits, all_ids.reshape(logits.shape[0], -1).to(device), tp_group=groups.tp_group,
-                                   temperature=temperature, vocab_size=vocab,
+                                   temperature=temperature, vocab_size=vocab, ids_mask=mask,
                                    row_mask=_padding_mask(batch, device))  # padding's ids are never read
         return [logp, tail]
 
     with torch.no_grad():
         all_ids = gathered(groups, ids, batch)
+        all_mask = None if ids_mask is None else gathered(groups, others["ids_mask"], batch)
         scores = _replica_scores(model, groups, tokens, batch, score, [(batch.k,), ()])
     if scores is None:
         rows, length = batch.shapes[groups.replica_rank]
         return torch.zeros(rows, length, batch.k), torch.zeros(rows, length)
     return _mine(scores[0], groups, batch), _mine(scores[1], groups, batch)
+
+
+def select_topk_at_layout(
+    chunks: Any,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    k: int,
+    *,
+    layout: TeacherLayout | None = None,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's own top-k: for this rank's rows its log p(labels) [rows, length] fp32 and the
+    ids of its k largest logits per position [rows, length, k] int64 (descending, ties to the lower
+    id, padded vocab rows never chosen; the same k on every rank): the first pass of a teacher with
+    another tokenizer (its own top-k at chunk starts), whose log-probs at those ids `topk_at_layout`
+    then gives. Otherwise as score_at_layout."""
+    model, groups = _groups_of(chunks, layout)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    width = torch.zeros(*tokens.shape, k, dtype=torch.int64) if isinstance(tokens, torch.Tensor) \
+        and tokens.dim() == 2 else tokens
+    batch = agree(groups, tokens, {"labels": labels, "ids": width})
+    vocab = vocab_size or getattr(model, "hf_vocab_size", None)
+    if int(getattr(_language_model(model), "vocab_size", 0)) >= 2 ** 24:
+        raise ValueError("select_topk_at_layout serves vocabularies below 2**24 ids (its ids travel as float32)")
+
+    def score(logits: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+        mask = _padding_mask(batch, device)
+        log_probs, _ = log_probs_and_entropy(logits, all_labels.to(device), tp_group=groups.tp_group,
+                                             temperature=temperature, with_entropy=False, vocab_size=vocab,
+                                             row_mask=mask)
+        ids = topk_ids(logits, k, tp_group=groups.tp_group, vocab_size=vocab, row_mask=mask)
+        return [log_probs, ids.float()]  # the scores' float32 carries ids exactly below 2**24
+
+    with torch.no_grad():
+        all_labels = gathered(groups, labels, batch).reshape(-1)
+        scores = _replica_scores(model, groups, tokens, batch, score, [(), (k,)])
+    if scores is None:
+        rows, length = batch.shapes[groups.replica_rank]
+        return torch.zeros(rows, length), torch.zeros(rows, length, k, dtype=torch.int64)
+    return _mine(scores[0], groups, batch), _mine(scores[1], groups, batch).long()
 
 
 class _HiddenOut(torch.nn.Module):

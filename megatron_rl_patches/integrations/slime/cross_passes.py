@@ -146,15 +146,15 @@ class CrossTokenizerTeacher(OpdTeacher):
         samples = teacher_samples(rollout_data, self)
         budget = ct.student_budget(rollout_data["total_lengths"], rollout_data["micro_batch_indices"])
         own = ct.teacher_rollout(samples, budget, len(rollout_data["micro_batch_indices"]))
-        first = step.topk_pass(actor.args, model, own, TopkRequest(k=settings.k))
+        first = self.model.topk_pass(step, model, own, TopkRequest(k=settings.k))
         buckets: list[ct.Buckets] = []
         if last:
             top = _whole(first["topk_ids"], own)
             buckets = [ct.chunk_start_buckets(ids, s.alignment, self.pair.shared) for ids, s in zip(top, samples)]
             own[TEACHER_IDS] = _cut([b.teacher_ids for b in buckets], own)
             own[TEACHER_MASK] = _cut([b.teacher_mask for b in buckets], own)
-        second = step.topk_pass(actor.args, model, own, TopkRequest(ids_key=TEACHER_IDS, mask_key=TEACHER_MASK,
-                                                                     keys=(TEACHER_IDS, TEACHER_MASK)))
+        second = self.model.topk_pass(step, model, own, TopkRequest(ids_key=TEACHER_IDS, mask_key=TEACHER_MASK,
+                                                                    keys=(TEACHER_IDS, TEACHER_MASK)))
         if not last:
             return None
         own_log_probs = _whole(first["log_probs"], own)

@@ -17,11 +17,11 @@ import torch
 
 from megatron_rl_patches.inference.teacher_layout import groups
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
-from megatron_rl_patches.inference.teacher_layout.scoring import topk_at_layout
+from megatron_rl_patches.inference.teacher_layout.scoring import select_topk_at_layout, topk_at_layout
 from megatron_rl_patches.integrations.slime import hf_teachers
 from megatron_rl_patches.integrations.slime.opd_settings import RESIDENCY, TEACHERS, OpdSettings, Teacher
 from megatron_rl_patches.integrations.slime.opd_teachers import ScoringStep, SeparateTeacher, TeacherScores
-from megatron_rl_patches.integrations.slime.step_plan import IDS
+from megatron_rl_patches.integrations.slime.step_plan import IDS, TopkRequest
 from megatron_rl_patches.patching.layout_option import check_world
 
 
@@ -78,8 +78,26 @@ def build_layout_teacher(args: Any, teacher: Teacher, student: int | str, actor_
     """The `;tp=N;pp=M` teacher built at TeacherLayout(tp=N, pp=M) (a collective: every rank builds it)."""
     layout = TeacherLayout(tp=int(teacher.tp or 1), pp=int(teacher.pp or 1))
     chunks = hf_teachers.build_hf_teacher(args, teacher.path, None, student, actor_config,
-                                          f"{TEACHERS}: teacher {teacher.path!r}", layout=layout)
+                                          f"{TEACHERS}: teacher {teacher.path!r}", own_tokenizer=teacher.own_tokenizer,
+                                          layout=layout)
     return LayoutTeacher(chunks, temperature=float(getattr(args, "rollout_temperature", 1.0) or 1.0))
+
+
+def _response_rows(data: dict) -> tuple[list[torch.Tensor], list[slice]]:
+    """Each sample's tokens and the logits rows of its response tokens (total - R - 1 .. total - 2)."""
+    tokens = list(data["tokens"])
+    totals = [int(t) for t in data["total_lengths"]][: len(tokens)]
+    responses = [int(r) for r in data["response_lengths"]][: len(tokens)]
+    return tokens, [slice(total - response - 1, total - 1) for total, response in zip(totals, responses)]
+
+
+def _agreed_width(ids: list[torch.Tensor]) -> int:
+    """The ids' k over every rank (a rank without samples learns it from the others)."""
+    import torch.distributed as dist  # lazy: import cost (torch is loaded; kept beside its one use)
+
+    width = torch.tensor([int(ids[0].shape[-1]) if ids else 0])
+    dist.all_reduce(width, op=dist.ReduceOp.MAX)
+    return int(width.item())
 
 
 def _padded(samples: list[torch.Tensor], length: int) -> torch.Tensor:
@@ -117,3 +135,35 @@ class LayoutTeacher(SeparateTeacher):
         spans = [slice(total - response - 1, total - 1) for total, response in zip(totals, responses)]
         return TeacherScores([logp[i, span].to(device) for i, span in enumerate(spans)],
                              [tail[i, span].to(device) for i, span in enumerate(spans)])
+
+    def topk_pass(self, step: ScoringStep, chunks: list[Any], rollout_data: dict,
+                  request: TopkRequest) -> dict[str, list[torch.Tensor]]:
+        """A pass over `rollout_data` (a teacher with another tokenizer: its own encoding of the
+        samples) at the teacher's layout, per sample on the response rows: with `request.k` the
+        log-probs of the response tokens ("log_probs") and the teacher's own top-k ids
+        ("topk_ids"); with `request.ids_key` the log-probs at those ids ("topk_log_probs", the
+        slots `request.mask_key` marks False left in the tail) and the tails ("tail"). A
+        collective: every rank calls it once per pass, with or without samples."""
+        tokens, spans = _response_rows(rollout_data)
+        longest = max((t.shape[0] for t in tokens), default=0)
+        padded = _padded(tokens, longest)
+        device = tokens[0].device if tokens else torch.device("cpu")
+        if request.k is not None:
+            labels = torch.zeros_like(padded)
+            labels[:, :-1] = padded[:, 1:]  # Megatron's labels: the token after each position
+            logp, ids = select_topk_at_layout(self, padded, labels, int(request.k), temperature=self.temperature)
+            return {"log_probs": [logp[i, span].to(device) for i, span in enumerate(spans)],
+                    "topk_ids": [ids[i, span].to(device) for i, span in enumerate(spans)]}
+        given = list(rollout_data[request.ids_key])
+        k = _agreed_width(given)
+        # the rows outside the responses get the distinct placeholder ids 0..k-1 (scored, never read)
+        ids = torch.arange(k, dtype=torch.int64).expand(len(tokens), longest, k).clone()
+        mask = torch.ones(len(tokens), longest, k, dtype=torch.bool)
+        masks = list(rollout_data[request.mask_key]) if request.mask_key is not None else [None] * len(given)
+        for row, span, sample_ids, sample_mask in zip(range(len(tokens)), spans, given, masks):
+            ids[row, span] = sample_ids.cpu()
+            if sample_mask is not None:
+                mask[row, span] = sample_mask.cpu().bool()
+        logp, tail = topk_at_layout(self, padded, ids, temperature=self.temperature, ids_mask=mask)
+        return {"topk_log_probs": [logp[i, span].to(device) for i, span in enumerate(spans)],
+                "tail": [tail[i, span].to(device) for i, span in enumerate(spans)]}

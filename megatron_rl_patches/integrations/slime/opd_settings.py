@@ -124,10 +124,6 @@ def _options(entry: str, options: list[str]) -> tuple[bool, str | None, dict[str
     if stop is not None and not own:
         raise ValueError(f"{TEACHERS} entry {entry!r}: ';{STOP_TOKENS}' maps tokens between two tokenizers; add "
                          f"';{OWN_TOKENIZER}' or drop it")
-    if sizes and own:
-        raise ValueError(f"{TEACHERS} entry {entry!r}: ';{written_sizes(sizes.get('tp'), sizes.get('pp'))}' with "
-                         f"';{OWN_TOKENIZER}': a teacher with another tokenizer is not served at its own layout yet; "
-                         "drop ';tp=' / ';pp=' (the teacher is then built in the student's process groups)")
     return own, stop, sizes
 
 

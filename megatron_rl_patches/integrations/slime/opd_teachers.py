@@ -96,6 +96,13 @@ class ModelTeacher(OpdTeacher):
     def model_chunks(self, actor: Any) -> list[Any]:
         """The model chunks its passes run (a snapshot is switched into the actor's first)."""
 
+    def topk_pass(self, step: ScoringStep, chunks: list[Any], rollout_data: dict,
+                  request: TopkRequest) -> dict[str, list[torch.Tensor]]:
+        """One pass of `chunks` (its `model_chunks`) over `rollout_data`, answering `request` per
+        sample on the response rows: opd's pass (slime's forward_only, agreed over the pipeline);
+        a teacher at its own layout answers with its own collective."""
+        return step.topk_pass(step.actor.args, chunks, rollout_data, request)
+
     def score(self, step: ScoringStep) -> TeacherScores | None:
         """Its [R, k] scores and [R] tails of the step's ids; a union's first teacher replaces the
         step's ids by the union [R, 2k] and its padding mask, which the later teachers score."""

@@ -99,8 +99,106 @@ def opd_checks(rank: int, world_size: int, root: str) -> dict:
         step = ScoringStep(actor, _rollout(rank), pipelined_settings, True, {}, topk_pass=None)
         scores = pipelined.score(step)
         results["pp2_log_probs"], results["pp2_tails"] = scores.log_probs, scores.tails
+        results.update(_cross_checks(rank, root, actor))
         dist.barrier()  # every rank got here: nothing above left a rank waiting
     return results
+
+
+CROSS_FIELDS = ("log_probs", "tails", "ids", "ids_mask", "alive", "log_ratio")
+
+
+def _reference_pass(args, chunks, data: dict, request) -> dict:
+    """opd's pass contract answered by the whole teacher on this rank, one sample at a time: the
+    logits rows of the response tokens (total - R - 1 .. total - 2), its log-probs of them and its
+    own top-k (request.k), or its log-probs at the given ids with their mask, and the tails."""
+    from megatron_rl_patches.ops import log_probs_and_entropy, topk_ids, topk_logprobs
+    from megatron_rl_patches.testing.megatron_cpu import make_batch
+
+    (model,) = chunks
+    vocab = int(model.hf_vocab_size)
+    out: dict = {"log_probs": [], "topk_ids": [], "topk_log_probs": [], "tail": []}
+    for i, tokens in enumerate(data["tokens"]):
+        total, response = tokens.shape[0], int(data["response_lengths"][i])
+        batch = make_batch(batch_size=1, seq_length=total, vocab_size=VOCAB)
+        with torch.no_grad():
+            logits = model(tokens[None], batch["position_ids"], batch["attention_mask"]).reshape(total, -1)
+        rows = logits[total - response - 1: total - 1]
+        if request.k is not None:
+            out["log_probs"].append(log_probs_and_entropy(rows, tokens[total - response:], vocab_size=vocab,
+                                                          with_entropy=False)[0])
+            out["topk_ids"].append(topk_ids(rows, request.k, vocab_size=vocab))
+        else:
+            mask = data[request.mask_key][i].bool()
+            logp, tail = topk_logprobs(rows, data[request.ids_key][i], ids_mask=mask, vocab_size=vocab)
+            out["topk_log_probs"].append(logp)
+            out["tail"].append(tail)
+    return {key: values for key, values in out.items() if values}
+
+
+def _cross_rollout(rank: int, tokenizer) -> dict:
+    """This rank's samples in the student's tokenizer (rank 0 two, rank 1 three; prompt, response)."""
+    from tests.cross_tokenizer.conftest import TEXTS
+
+    texts = list(TEXTS.values())[: 2 + rank]
+    tokens, responses = [], []
+    for index, text in enumerate(texts):
+        prompt = tokenizer.encode(f"Q{index}: say it", add_special_tokens=False).ids
+        answer = tokenizer.encode(text, add_special_tokens=False).ids
+        tokens.append(torch.tensor(prompt + answer))
+        responses.append(len(answer))
+    gen = torch.Generator().manual_seed(20 + rank)
+    return {"tokens": tokens, "response_lengths": responses, "total_lengths": [len(t) for t in tokens],
+            "loss_masks": [torch.ones(r, dtype=torch.int) for r in responses],
+            "micro_batch_indices": [[i] for i in range(len(tokens))],
+            "student_log_probs": [-torch.rand(r, generator=gen, dtype=torch.float64) * 3 for r in responses]}
+
+
+def _cross_checks(rank: int, root: str, actor) -> dict:
+    """A teacher with another tokenizer at TeacherLayout(tp=2) (`PATH;tokenizer=own;tp=2`) against
+    the same teacher whole on this rank (the pass contract answered one sample at a time): every
+    field of its scores (chunk-start buckets on the student's rows, tails, ids, masks, live
+    buckets, log-ratio)."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from megatron_rl_patches.integrations.slime import cross_passes, hf_teachers
+    from megatron_rl_patches.integrations.slime import opd as slime_opd
+    from megatron_rl_patches.integrations.slime.layout_teacher import LayoutTeacher
+    from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, Teacher, opd_settings
+    from megatron_rl_patches.integrations.slime.opd_settings import K as K_SETTING
+    from megatron_rl_patches.integrations.slime.opd_teachers import ScoringStep, SeparateTeacher
+    from tests.cross_tokenizer.conftest import sentencepiece_like
+
+    standins = str(Path(__file__).resolve().parents[2] / "standins")  # slime's cp_utils (stand-in; CP=1 here)
+    if standins not in sys.path:
+        sys.path.insert(0, standins)
+    base = Path(root).parent
+    teacher_dir, student_dir = base / "cross_teacher", base / "cross_student"
+    student_tokenizer = sentencepiece_like("first")
+    if rank == 0:  # one copy both ranks read: the checkpoint with a tokenizer of its own, the student's
+        shutil.copytree(root, teacher_dir)
+        sentencepiece_like("never", nfc=True).save(str(teacher_dir / "tokenizer.json"))
+        student_dir.mkdir()
+        student_tokenizer.save(str(student_dir / "tokenizer.json"))
+    dist.barrier()
+    actor.args.hf_checkpoint = str(student_dir)
+    settings = opd_settings({TEACHERS: f"{teacher_dir};tokenizer=own;tp=2", K_SETTING: str(K)})
+    (teacher,) = slime_opd.load_teachers(actor, settings)
+    data = _cross_rollout(rank, student_tokenizer)
+    student = {"log_probs": data.pop("student_log_probs")}
+    scores = teacher.score(ScoringStep(actor, data, settings, True, student, topk_pass=None))
+    whole = hf_teachers.build_hf_teacher(actor.args, str(teacher_dir), None, VOCAB, None, "the whole teacher",
+                                         own_tokenizer=True)
+    reference = cross_passes.load_cross(actor.args, Teacher(str(teacher_dir), own_tokenizer=True),
+                                        SeparateTeacher(whole))
+    want = reference.score(ScoringStep(actor, data, settings, True, student, topk_pass=_reference_pass))
+    return {"cross_kind": (type(teacher).__name__, type(teacher.model).__name__,
+                           isinstance(teacher.model, LayoutTeacher)),
+            "cross": {field: getattr(scores, field) for field in CROSS_FIELDS},
+            "cross_ref": {field: getattr(want, field) for field in CROSS_FIELDS}}
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +215,26 @@ def test_each_rank_gets_the_one_rank_teachers_topk_log_probs_and_tails_of_its_sa
         for key in ("log_probs", "tails"):
             for got, want in zip(result[key], result[f"ref_{key}"]):
                 assert close(got, want) <= 1e-6, (rank, key, close(got, want))
+
+
+def test_a_teacher_with_another_tokenizer_at_tp2_gives_the_chunk_values_of_its_whole_teacher(world):
+    """`PATH;tokenizer=own;tp=2`: the teacher's two passes over its own encoding of each rank's
+    samples (its own top-k, then its log-probs at the chunk-start buckets' ids) at its layout give
+    every field the whole teacher gives on the student's rows: the ids, masks and live buckets
+    equal, the values within 1e-6."""
+    served(world)
+    for rank, result in enumerate(world):
+        assert result["cross_kind"] == ("CrossTokenizerTeacher", "LayoutTeacher", True)
+        got, want = result["cross"], result["cross_ref"]
+        assert len(got["log_probs"]) == 2 + rank
+        for field in ("ids", "ids_mask", "alive"):
+            assert all(torch.equal(a, b) for a, b in zip(got[field], want[field])), (rank, field)
+        for field in ("log_probs", "tails", "log_ratio"):
+            for a, b in zip(got[field], want[field]):
+                finite = torch.isfinite(b)
+                assert torch.equal(torch.isfinite(a), finite), (rank, field)
+                assert close(a[finite], b[finite]) <= 1e-6, (rank, field, close(a[finite], b[finite]))
+        assert any(bool(alive.any()) for alive in got["alive"])  # some bucket is live: values compared
 
 
 def test_a_pp2_entry_gives_each_rank_the_one_rank_teachers_topk_log_probs_and_tails(world):

@@ -39,16 +39,18 @@ def test_an_entrys_tp_option_is_read():
     ("/ckpt/a;tp=2;tp=4", "option 'tp' given twice"),
     ("/ckpt/a;pp=0", "option 'pp=0' must be a positive integer"),
     ("/ckpt/a;pp=2;pp=2", "option 'pp' given twice"),
-    ("/ckpt/a;tokenizer=own;pp=2", "';pp=2' with ';tokenizer=own': a teacher with another tokenizer is not served"),
     ("/ckpt/a;ep=4", "option 'ep=4': a teacher's own expert-parallel size is not served yet"),
-    ("/ckpt/a;tokenizer=own;tp=2", "';tp=2' with ';tokenizer=own': a teacher with another tokenizer is not served "
-                                   "at its own layout yet"),
     ("/ckpt/a@m:f;tp=2", "a provider's model '@module:function' is not served at its own layout yet"),
     ("/ckpt/a;dp=2", "unknown option 'dp=2'.*';tp=N'"),
 ])
 def test_a_bad_tp_option_is_refused_naming_the_entry(entry, words):
     with pytest.raises(ValueError, match=f"{TEACHERS} entry '{entry}'.*{words}" if "*" not in words else words):
         opd_settings({TEACHERS: entry})
+
+
+def test_a_teacher_with_another_tokenizer_takes_a_layout():
+    (teacher,) = opd_settings({TEACHERS: "/ckpt/a;tokenizer=own;tp=2;pp=2"}).teachers
+    assert teacher.own_tokenizer and (teacher.tp, teacher.pp) == (2, 2) and teacher.at_layout
 
 
 def test_a_roles_tp_option_is_read_and_checked():
