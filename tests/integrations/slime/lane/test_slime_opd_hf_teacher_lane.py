@@ -1,11 +1,15 @@
 """slime_opd through slime 624b824a's real `MegatronTrainRayActor.train_actor` (issue 41) with one
-same-architecture teacher (slime's snapshot route) and one Hugging Face teacher of another size
+same-architecture teacher (slime's snapshot route) and two Hugging Face teachers of another size
 (hidden 48 and 4 layers against the actor's 32 and 2; vocab 64, padded to 128 by Megatron), named
-by its directory in MEGATRON_RL_PATCHES_OPD_TEACHERS: at one rank, PP=2 (the teacher's 4 layers
-split 2 + 2 over the actor's stages) and PP=2xVPP=2 (one teacher layer per virtual chunk), each
-world spawned once. The first step's OPD loss
-and every gradient against dense float64, the Hugging Face teacher's log-softmax over its real
-64 ids (its padding rows get no mass: the negative control scores them and misses)."""
+by their directories in MEGATRON_RL_PATCHES_OPD_TEACHERS: a Qwen3 and a Qwen3.5 (issue 58: the
+vision-language wrapper's layout as transformers writes it, three gated-delta-net layers and one
+gated full-attention layer, on the actor's `--spec` packed attention core), at one rank, PP=2 (each
+teacher's 4 layers split 2 + 2 over the actor's stages: the Qwen3.5's stage 0 two linear-attention
+layers, its stage 1 a linear and the full-attention one) and PP=2xVPP=2 (one teacher layer per
+virtual chunk), each world spawned once. Each teacher's log-probs at the scored ids (and not the
+other's), the first step's OPD loss and every gradient against dense float64, the Hugging Face
+teachers' log-softmax over their real 64 ids (their padding rows get no mass: the negative control
+scores them and misses)."""
 from __future__ import annotations
 
 import sys
@@ -17,12 +21,17 @@ from megatron_rl_patches.testing import layouts
 
 pytestmark = pytest.mark.slime
 
-WEIGHTS = (0.3, 0.7)
+WEIGHTS = (0.3, 0.4, 0.3)  # the snapshot teacher, qwen3, qwen3_5
+SEEDS = {"qwen3": 12, "qwen3_5": 12}
+# the gated delta nets' float32 build alone (unpacked) is about 1.5e-4 from float64 (log-probs reach -21)
+TOL = {"qwen3": 1e-4, "qwen3_5": 3e-4}
 OTHER = dict(hidden_size=48, num_hidden_layers=4, intermediate_size=64, vocab_size=64, max_position_embeddings=64)
 # (pipeline, virtual chunks) -> layout marks
 LAYOUTS = {"pp1": ((1, None), ("thd",)), "pp2": ((2, None), ("pp2", "thd")),
            "pp2vpp2": ((2, 2), ("pp2", "vpp2", "thd"))}
-HF_LAYERS = {"pp1": [[[1, 2, 3, 4]]], "pp2": [[[1, 2]], [[3, 4]]], "pp2vpp2": [[[1], [3]], [[2], [4]]]}
+# per rank, each teacher's layers per model chunk (the teachers in SEEDS' order)
+HF_LAYERS = {"pp1": [[[1, 2, 3, 4]] * 2], "pp2": [[[1, 2]] * 2, [[3, 4]] * 2],
+             "pp2vpp2": [[[1], [3]] * 2, [[2], [4]] * 2]}
 
 
 @pytest.fixture(scope="module", params=[pytest.param(name, marks=layouts.mark(*LAYOUTS[name][1]))
@@ -32,23 +41,27 @@ def world(request, tmp_path_factory):
         pytest.skip("slime is not importable; run `make test-slime SLIME=... MEGATRON_LM=...`")
     import slime_ranks  # the lane folder is on sys.path (conftest)
 
-    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
+    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, transformers_layout, write_tiny_checkpoint
     from megatron_rl_patches.testing.multirank import run_multirank
 
-    hf = tmp_path_factory.mktemp("hf") / "teacher"
-    write_tiny_checkpoint(hf, tiny_hf_config("qwen3", **OTHER), seed=12)
+    root = tmp_path_factory.mktemp("hf")
+    paths = []
+    for kind, seed in SEEDS.items():  # Qwen3.5 nested as transformers writes it
+        write_tiny_checkpoint(root / kind, transformers_layout(tiny_hf_config(kind, **OTHER)), seed=seed)
+        paths.append(str(root / kind))
     (pipeline, virtual), _ = LAYOUTS[request.param]
-    return request.param, virtual, str(hf), run_multirank(slime_ranks.opd_train_actor, pipeline, pipeline, 1, 1,
-                                                          virtual, str(hf), timeout=300)
+    return request.param, virtual, paths, run_multirank(slime_ranks.opd_train_actor, pipeline, pipeline, 1, 1,
+                                                        virtual, ",".join(paths), (), 1, None, 1,
+                                                        ",".join(map(str, WEIGHTS)), timeout=300)
 
 
-def test_train_actor_with_a_snapshot_and_a_hugging_face_teacher_equals_dense_float64(slime_cpu, world):
+def test_train_actor_with_a_snapshot_a_qwen3_and_a_qwen3_5_teacher_equals_dense_float64(slime_cpu, world):
     import slime_kit as kit
     import slime_ranks
 
     from megatron_rl_patches.integrations.slime import opd as slime_opd
 
-    layout, virtual, hf, ranks = world
+    layout, virtual, paths, ranks = world
     assert [r["hf_layers"] for r in ranks] == HF_LAYERS[layout]
     assert all(r["active"] == "actor" for r in ranks) and ranks[0]["split"]
     last = ranks[-1]
@@ -60,19 +73,31 @@ def test_train_actor_with_a_snapshot_and_a_hugging_face_teacher_equals_dense_flo
                            *slime_ranks.virtual_args(virtual)[:2]) as args:  # the whole actor: its layers
         student, snapshot = kit.student_and_snapshot(args, states, data, slime_ranks.TEMPERATURE)
         assert sorted(grads) == sorted(name for name, _ in student.named_parameters())
-        hf_logps = kit.hf_teacher_logps(hf, data, slime_ranks.TEMPERATURE, kit.VOCAB)
-        padded = kit.hf_teacher_logps(hf, data, slime_ranks.TEMPERATURE, None)  # the negative control
+        real = [kit.hf_teacher_logps(path, data, slime_ranks.TEMPERATURE, kit.VOCAB) for path in paths]
+        padded = [kit.hf_teacher_logps(path, data, slime_ranks.TEMPERATURE, None) for path in paths]  # the control
         students = kit.response_logps(student, data, slime_ranks.TEMPERATURE)
-        expected = kit.dense_opd_loss(students, [snapshot, hf_logps], data, last["ids"], WEIGHTS)
+        expected = kit.dense_opd_loss(students, [snapshot, *real], data, last["ids"], WEIGHTS)
         with torch.no_grad():
-            unmasked = kit.dense_opd_loss(students, [snapshot, padded], data, last["ids"], WEIGHTS)
+            unmasked = kit.dense_opd_loss(students, [snapshot, *padded], data, last["ids"], WEIGHTS)
         expected.backward()
+
+    def scored_error(index: int, reference: list[torch.Tensor]) -> float:  # teacher `index`'s scores vs it
+        return max((scored[index].double() - logp.gather(-1, sample_ids)).abs().max().item()
+                   for scored, logp, sample_ids in zip(last["teacher_logprobs"], reference, last["ids"]))
+
+    # teacher 0: the snapshot; each Hugging Face teacher against its own reference, then the other's
+    errors = {kind: scored_error(index, real[index - 1]) for index, kind in enumerate(SEEDS, 1)}
+    swapped = {kind: scored_error(index, real[index % len(real)]) for index, kind in enumerate(SEEDS, 1)}
     (losses,) = last["losses"]
     loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
     grad_error = max((grads[name].double() - p.grad).abs().max().item() for name, p in student.named_parameters())
-    print(f"slime_opd train_actor {layout}, a snapshot and a Hugging Face teacher of another size vs dense "
-          f"float64: loss {float(expected):.6f}, |Δloss| {loss_error:.2e}, max |Δgrad| {grad_error:.2e}; padding "
-          f"rows scored: |Δloss| {abs(float(unmasked) - float(expected)):.2e}")
+    per_family = ", ".join(f"{kind} {error:.1e}" for kind, error in errors.items())
+    print(f"slime_opd train_actor {layout}, a snapshot, a qwen3 and a qwen3_5 teacher of another size vs dense "
+          f"float64: teacher log-probs max |Δ| {per_family}; loss {float(expected):.6f}, |Δloss| {loss_error:.2e}, "
+          f"max |Δgrad| {grad_error:.2e}; padding rows scored: |Δloss| {abs(float(unmasked) - float(expected)):.2e}")
+    for kind, error in errors.items():
+        assert error <= TOL[kind], kind
+        assert swapped[kind] > 100 * TOL[kind], kind  # the other teacher's log-probs are told apart
     assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
     assert abs(float(losses["opd_topk_loss"]) - float(unmasked)) > 100 * max(loss_error, 1e-7)
     for name, p in student.named_parameters():

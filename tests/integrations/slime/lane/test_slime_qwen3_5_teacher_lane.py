@@ -10,7 +10,9 @@ transformers') and bit for bit across `role`, `role:stream` and `role:swap`. And
 slime's real `MegatronTrainRayActor.train_actor` with that Qwen3.5 directory as a teacher beside the
 snapshot teacher (same 64-id tokenizer as the student), at one rank and TP=2 (the gated delta nets'
 heads split over tensor ranks): the teacher's log-probs, the first step's OPD loss and every
-gradient against dense float64; the negative control scores the teacher's padding rows and misses."""
+gradient against dense float64; the negative control scores the teacher's padding rows and misses.
+A Qwen3.5 teacher with the student at PP=2 and PP=2 x VPP=2: test_slime_opd_hf_teacher_lane.py;
+Qwen3.5-MoE and Qwen3-Next teachers at one rank, TP=2 and EP=2: test_slime_opd_hf_moe_teachers_lane.py."""
 from __future__ import annotations
 
 import sys
