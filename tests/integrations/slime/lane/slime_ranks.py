@@ -231,7 +231,13 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
             patch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
         if hf_teacher is not None:  # on the actor's own --spec core attention (hf_teachers.packed_core_attention)
             patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"teacher-a,{hf_teacher}")
-            flags = (*flags, *ACTOR_SPEC)
+            if context > 1:  # the actor keeps the lane's context-parallel core, the teachers the kit's (zigzag)
+                from megatron_rl_patches.integrations.slime import hf_teachers
+                from megatron_rl_patches.testing.cp_attention import ContextParallelAttention
+
+                patch.setattr(hf_teachers, "packed_core_attention", lambda args: ContextParallelAttention)
+            else:
+                flags = (*flags, *ACTOR_SPEC)
         if weights is not None:
             patch.setenv("MEGATRON_RL_PATCHES_OPD_WEIGHTS", weights)
         if wide_path is not None:

@@ -3,7 +3,9 @@ same-architecture teacher (slime's snapshot route) and two Hugging Face teachers
 (hidden 48 and 4 layers against the actor's 32 and 2; vocab 64, padded to 128 by Megatron), named
 by their directories in MEGATRON_RL_PATCHES_OPD_TEACHERS: a Qwen3 and a Qwen3.5 (issue 58: the
 vision-language wrapper's layout as transformers writes it, three gated-delta-net layers and one
-gated full-attention layer, on the actor's `--spec` packed attention core), at one rank, PP=2 (each
+gated full-attention layer, on the actor's `--spec` packed attention core), at one rank, CP=2 (each
+rank its zigzag rows; the Qwen3.5's gated delta nets exchange rows over the context-parallel group,
+its full-attention layer on the actor's context-parallel core), PP=2 (each
 teacher's 4 layers split 2 + 2 over the actor's stages: the Qwen3.5's stage 0 two linear-attention
 layers, its stage 1 a linear and the full-attention one) and PP=2xVPP=2 (one teacher layer per
 virtual chunk), each world spawned once. Each teacher's log-probs at the scored ids (and not the
@@ -26,12 +28,13 @@ SEEDS = {"qwen3": 12, "qwen3_5": 12}
 # the gated delta nets' float32 build alone (unpacked) is about 1.5e-4 from float64 (log-probs reach -21)
 TOL = {"qwen3": 1e-4, "qwen3_5": 3e-4}
 OTHER = dict(hidden_size=48, num_hidden_layers=4, intermediate_size=64, vocab_size=64, max_position_embeddings=64)
-# (pipeline, virtual chunks) -> layout marks
-LAYOUTS = {"pp1": ((1, None), ("thd",)), "pp2": ((2, None), ("pp2", "thd")),
-           "pp2vpp2": ((2, 2), ("pp2", "vpp2", "thd"))}
+# (pipeline, context, virtual chunks) -> layout marks; cp2: each rank its zigzag rows of every sample,
+# the Qwen3.5's gated delta nets exchanging rows over the context-parallel group
+LAYOUTS = {"pp1": ((1, 1, None), ("thd",)), "pp2": ((2, 1, None), ("pp2", "thd")),
+           "pp2vpp2": ((2, 1, 2), ("pp2", "vpp2", "thd")), "cp2": ((1, 2, None), ("cp2-zigzag", "thd"))}
 # per rank, each teacher's layers per model chunk (the teachers in SEEDS' order)
 HF_LAYERS = {"pp1": [[[1, 2, 3, 4]] * 2], "pp2": [[[1, 2]] * 2, [[3, 4]] * 2],
-             "pp2vpp2": [[[1], [3]] * 2, [[2], [4]] * 2]}
+             "pp2vpp2": [[[1], [3]] * 2, [[2], [4]] * 2], "cp2": [[[1, 2, 3, 4]] * 2] * 2}
 
 
 @pytest.fixture(scope="module", params=[pytest.param(name, marks=layouts.mark(*LAYOUTS[name][1]))
@@ -49,10 +52,23 @@ def world(request, tmp_path_factory):
     for kind, seed in SEEDS.items():  # Qwen3.5 nested as transformers writes it
         write_tiny_checkpoint(root / kind, transformers_layout(tiny_hf_config(kind, **OTHER)), seed=seed)
         paths.append(str(root / kind))
-    (pipeline, virtual), _ = LAYOUTS[request.param]
-    return request.param, virtual, paths, run_multirank(slime_ranks.opd_train_actor, pipeline, pipeline, 1, 1,
-                                                        virtual, ",".join(paths), (), 1, None, 1,
+    (pipeline, context, virtual), _ = LAYOUTS[request.param]
+    return request.param, virtual, paths, run_multirank(slime_ranks.opd_train_actor, pipeline * context, pipeline,
+                                                        context, 1, virtual, ",".join(paths), (), 1, None, 1,
                                                         ",".join(map(str, WEIGHTS)), timeout=300)
+
+
+def _whole_teacher_logprobs(ranks: list[dict], context: int) -> list[torch.Tensor]:
+    """Per sample, the last stage's [teachers, R, k] scores of the whole response (at CP each rank
+    holds its zigzag rows: put together as kit.whole_ids puts the ids)."""
+    import slime_kit as kit
+
+    if context == 1:
+        return ranks[-1]["teacher_logprobs"]
+    teachers, _, k = ranks[-1]["teacher_logprobs"][0].shape
+    pieces = [{"ids": [t.permute(1, 0, 2).reshape(t.shape[1], teachers * k) for t in r["teacher_logprobs"]],
+               "rows": r["rows"]} for r in ranks[-context:]]
+    return [w.reshape(w.shape[0], teachers, -1).permute(1, 0, 2) for w in kit.whole_ids(pieces, context, 1)]
 
 
 def test_train_actor_with_a_snapshot_a_qwen3_and_a_qwen3_5_teacher_equals_dense_float64(slime_cpu, world):
@@ -62,6 +78,7 @@ def test_train_actor_with_a_snapshot_a_qwen3_and_a_qwen3_5_teacher_equals_dense_
     from megatron_rl_patches.integrations.slime import opd as slime_opd
 
     layout, virtual, paths, ranks = world
+    context = LAYOUTS[layout][0][1]
     assert [r["hf_layers"] for r in ranks] == HF_LAYERS[layout]
     assert all(r["active"] == "actor" for r in ranks) and ranks[0]["split"]
     last = ranks[-1]
@@ -76,14 +93,15 @@ def test_train_actor_with_a_snapshot_a_qwen3_and_a_qwen3_5_teacher_equals_dense_
         real = [kit.hf_teacher_logps(path, data, slime_ranks.TEMPERATURE, kit.VOCAB) for path in paths]
         padded = [kit.hf_teacher_logps(path, data, slime_ranks.TEMPERATURE, None) for path in paths]  # the control
         students = kit.response_logps(student, data, slime_ranks.TEMPERATURE)
-        expected = kit.dense_opd_loss(students, [snapshot, *real], data, last["ids"], WEIGHTS)
+        ids = kit.whole_ids(ranks, context, 1)
+        expected = kit.dense_opd_loss(students, [snapshot, *real], data, ids, WEIGHTS)
         with torch.no_grad():
-            unmasked = kit.dense_opd_loss(students, [snapshot, *padded], data, last["ids"], WEIGHTS)
+            unmasked = kit.dense_opd_loss(students, [snapshot, *padded], data, ids, WEIGHTS)
         expected.backward()
 
     def scored_error(index: int, reference: list[torch.Tensor]) -> float:  # teacher `index`'s scores vs it
         return max((scored[index].double() - logp.gather(-1, sample_ids)).abs().max().item()
-                   for scored, logp, sample_ids in zip(last["teacher_logprobs"], reference, last["ids"]))
+                   for scored, logp, sample_ids in zip(_whole_teacher_logprobs(ranks, context), reference, ids))
 
     # teacher 0: the snapshot; each Hugging Face teacher against its own reference, then the other's
     errors = {kind: scored_error(index, real[index - 1]) for index, kind in enumerate(SEEDS, 1)}
