@@ -19,6 +19,7 @@ from megatron_rl_patches.inference.teacher_layout import groups
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 from megatron_rl_patches.inference.teacher_layout.scoring import select_topk_at_layout, topk_at_layout
 from megatron_rl_patches.integrations.slime import hf_teachers
+from megatron_rl_patches.integrations.slime.allgather_cp import whole_from_zigzag, zigzag_of_whole
 from megatron_rl_patches.integrations.slime.opd_settings import RESIDENCY, TEACHERS, OpdSettings, Teacher
 from megatron_rl_patches.integrations.slime.opd_teachers import ScoringStep, SeparateTeacher, TeacherScores
 from megatron_rl_patches.integrations.slime.step_plan import IDS, TopkRequest
@@ -28,6 +29,25 @@ from megatron_rl_patches.patching.layout_option import check_world
 def process_group_collection_class() -> type:
     """megatron-core's ProcessGroupCollection (ValueError naming the version that lacks it)."""
     return groups.process_group_collection_class()
+
+
+def context_parallel() -> tuple[int, int]:
+    """The student's context-parallel (size, rank)."""
+    from megatron.core import parallel_state as ps  # lazy: optional dependency megatron-core
+
+    return ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+
+
+def summed_over_context(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-sample tensors summed over the student's context-parallel group (each sample's values
+    set on one rank, zeros on the others: every rank gets them all)."""
+    from megatron.core import parallel_state as ps  # lazy: optional dependency megatron-core
+
+    if not values:
+        return []
+    flat = torch.cat([v.reshape(-1) for v in values])
+    torch.distributed.all_reduce(flat, group=ps.get_context_parallel_group())
+    return [part.view(v.shape) for part, v in zip(flat.split([v.numel() for v in values]), values)]
 
 
 def student_sizes() -> dict[str, int]:
@@ -41,13 +61,13 @@ def check_layout_teachers(settings: OpdSettings, routes: list[str | None], snaps
     """ValueError naming the entry for each `;tp=N` / `;pp=N` teacher the run cannot serve: a world the size
     does not divide, a route other than a Hugging Face directory of another architecture
     (`snapshot`: slime's route into the actor's buffers), a residency other than resident, the
-    union of ids, a student with pipeline or context parallelism. The same on every rank (the
+    union of ids (a student with pipeline or context parallelism is served: `LayoutTeacher.score`).
+    The same on every rank (the
     routes are agreed, the rest is the same everywhere), before anything loads."""
     at_layout = [(teacher, route) for teacher, route in zip(settings.teachers, routes) if teacher.at_layout]
     if not at_layout:
         return
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    sizes = student_sizes()
     for teacher, route in at_layout:
         where = f"{TEACHERS} entry '{teacher.path};{teacher.layout_written}'"
         check_world(int(teacher.tp or 1), world, where, int(teacher.pp or 1))
@@ -62,11 +82,6 @@ def check_layout_teachers(settings: OpdSettings, routes: list[str | None], snaps
         if settings.ids_from == "union":
             raise ValueError(f"{where} with MEGATRON_RL_PATCHES_OPD_IDS_FROM=union: a teacher at its own layout "
                              "scores the student's ids only; use ids from the student or drop ';tp=' / ';pp='")
-        for kind, size in sizes.items():
-            if size > 1:
-                raise ValueError(f"{where}: the student runs with {kind} parallelism ({kind} size {size}); a "
-                                 "teacher at its own layout is served beside a student without it yet: drop ';tp=' / "
-                                 "';pp='")
     try:
         process_group_collection_class()
     except ValueError as exc:
@@ -116,25 +131,38 @@ class LayoutTeacher(SeparateTeacher):
         self.temperature = temperature
 
     def score(self, step: ScoringStep) -> TeacherScores | None:
-        """[R, k] log-probs at the step's ids and [R] tails per sample of this rank."""
+        """[R, k] log-probs at the step's ids and [R] tails per sample of this rank, in the rows
+        slime keeps per-sample fields in. A student with pipeline parallelism: the stages before
+        the last take part with no samples. With context parallelism every context-parallel rank
+        holds the same samples (its zigzag rows of their ids): the ids are made whole, each rank
+        has the teacher score every cp-th sample, the whole scores are summed over the
+        context-parallel group and each rank keeps its own rows."""
         data = step.rollout_data
-        tokens = list(data["tokens"]) if step.last else []
-        ids = list(data[IDS]) if step.last else []
-        totals = [int(t) for t in data["total_lengths"]][: len(tokens)]
-        responses = [int(r) for r in data["response_lengths"]][: len(tokens)]
-        longest = max(totals, default=0)
+        count = len(data["tokens"]) if step.last else 0
+        totals = [int(t) for t in data["total_lengths"]][:count]
+        responses = [int(r) for r in data["response_lengths"]][:count]
+        cp_size, cp_rank = context_parallel()
+        ids = whole_from_zigzag(list(data[IDS]), totals, responses) if count else []
+        mine = [i for i in range(count) if i % cp_size == cp_rank]
+        tokens = [data["tokens"][i] for i in mine]
+        longest = max((totals[i] for i in mine), default=0)
         k = int(ids[0].shape[1]) if ids else 0
         # every other row gets the distinct placeholder ids 0..k-1 (scored, never read)
-        placeholder = torch.arange(k, dtype=torch.int64).expand(len(tokens), longest, k).clone()
-        for row, sample_ids, total, response in zip(placeholder, ids, totals, responses):
-            row[total - response - 1: total - 1] = sample_ids.cpu()  # the logits rows of the response tokens
+        placeholder = torch.arange(k, dtype=torch.int64).expand(len(mine), longest, k).clone()
+        spans = [slice(totals[i] - responses[i] - 1, totals[i] - 1) for i in mine]
+        for row, i, span in zip(placeholder, mine, spans):
+            row[span] = ids[i].cpu()  # the logits rows of the response tokens
         logp, tail = topk_at_layout(self, _padded(tokens, longest), placeholder, temperature=self.temperature)
         if not step.last:
             return None
         device = ids[0].device if ids else torch.device("cpu")
-        spans = [slice(total - response - 1, total - 1) for total, response in zip(totals, responses)]
-        return TeacherScores([logp[i, span].to(device) for i, span in enumerate(spans)],
-                             [tail[i, span].to(device) for i, span in enumerate(spans)])
+        logps, tails = [torch.zeros(r, k) for r in responses], [torch.zeros(r) for r in responses]
+        for row, (i, span) in enumerate(zip(mine, spans)):
+            logps[i], tails[i] = logp[row, span], tail[row, span]
+        if cp_size > 1:  # every sample's whole scores on every context-parallel rank, then its own rows
+            logps, tails = (zigzag_of_whole(summed_over_context(values), totals, responses)
+                            for values in (logps, tails))
+        return TeacherScores([v.to(device) for v in logps], [v.to(device) for v in tails])
 
     def topk_pass(self, step: ScoringStep, chunks: list[Any], rollout_data: dict,
                   request: TopkRequest) -> dict[str, list[torch.Tensor]]:

@@ -101,6 +101,43 @@ def opd_checks(rank: int, world_size: int, root: str) -> dict:
         results["pp2_log_probs"], results["pp2_tails"] = scores.log_probs, scores.tails
         results.update(_cross_checks(rank, root, actor))
         dist.barrier()  # every rank got here: nothing above left a rank waiting
+    results.update(_student_layout_checks(rank, root, whole))
+    return results
+
+
+def _student_layout_checks(rank: int, root: str, whole) -> dict:
+    """The `;tp=2` teacher beside a student at PP=2 (rank 0 its first stage, rank 1 its last: the
+    first takes part with no samples) and at CP=2 (both ranks the same samples, each its zigzag
+    rows of their ids): the scores slime's rollout data keeps on each rank against the 1-rank
+    teacher's, cut to those rows (`zigzag_of_whole`, which `whole_from_zigzag` — slime's rows in the
+    slime lane — undoes)."""
+    from megatron_rl_patches.integrations.slime import opd as slime_opd
+    from megatron_rl_patches.integrations.slime.allgather_cp import whole_from_zigzag, zigzag_of_whole
+    from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, opd_settings
+    from megatron_rl_patches.integrations.slime.opd_settings import K as K_SETTING
+    from megatron_rl_patches.integrations.slime.opd_teachers import ScoringStep
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+    from tests.integrations.slime.tiny_actor import TinyActor
+
+    settings = opd_settings({TEACHERS: f"{root};tp=2", K_SETTING: str(K)})
+    data = _rollout(1)  # the same three samples on both ranks
+    with megatron_on_cpu():
+        want_logps, want_tails = _reference(whole, data)
+    results: dict = {}
+    with megatron_on_cpu(pipeline_parallel=2):
+        (teacher,) = slime_opd.load_teachers(TinyActor(num_layers=3), settings)
+        scores = teacher.score(ScoringStep(None, dict(data), settings, rank == 1, {}, topk_pass=None))
+        results["student_pp2"] = None if scores is None else (scores.log_probs, scores.tails)
+    with megatron_on_cpu(context_parallel=2):
+        (teacher,) = slime_opd.load_teachers(TinyActor(num_layers=3), settings)
+        lengths = (data["total_lengths"], data["response_lengths"])
+        cut = {**data, IDS: zigzag_of_whole(data[IDS], *lengths)}
+        results["cut_round_trip"] = all(torch.equal(a, b) for a, b in zip(whole_from_zigzag(cut[IDS], *lengths),
+                                                                          data[IDS]))
+        scores = teacher.score(ScoringStep(None, cut, settings, True, {}, topk_pass=None))
+        results["student_cp2"] = (scores.log_probs, scores.tails)
+        results["student_cp2_ref"] = tuple(zigzag_of_whole(values, *lengths) for values in (want_logps, want_tails))
+    results["student_ref"] = (want_logps, want_tails)
     return results
 
 
@@ -235,6 +272,24 @@ def test_a_teacher_with_another_tokenizer_at_tp2_gives_the_chunk_values_of_its_w
                 assert torch.equal(torch.isfinite(a), finite), (rank, field)
                 assert close(a[finite], b[finite]) <= 1e-6, (rank, field, close(a[finite], b[finite]))
         assert any(bool(alive.any()) for alive in got["alive"])  # some bucket is live: values compared
+
+
+def test_a_student_at_pp2_or_cp2_gets_the_one_rank_teachers_scores_in_its_own_rows(world):
+    """Beside a student at PP=2 the first stage takes part with no samples and the last gets every
+    score; at CP=2 each rank keeps its zigzag rows of every sample's scores (each sample scored by
+    one rank's turn, the whole scores summed over the context-parallel group)."""
+    served(world)
+    first, last = world
+    assert first["student_pp2"] is None
+    for got, want in zip(last["student_pp2"], last["student_ref"]):
+        assert len(got) == len(want) == 3
+        assert all(close(a, b) <= 1e-6 for a, b in zip(got, want))
+    for result in world:
+        for got, want in zip(result["student_cp2"], result["student_cp2_ref"]):
+            assert [tuple(a.shape) for a in got] == [tuple(b.shape) for b in want]
+            assert all(close(a, b) <= 1e-6 for a, b in zip(got, want))
+    assert any(a.shape != b.shape for a, b in zip(first["student_cp2"][0], first["student_ref"][0]))  # rows cut
+    assert first["cut_round_trip"] and last["cut_round_trip"]
 
 
 def test_a_pp2_entry_gives_each_rank_the_one_rank_teachers_topk_log_probs_and_tails(world):
