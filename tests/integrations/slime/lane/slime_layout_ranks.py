@@ -7,6 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 ROLLOUTS = 2  # train_actor re-entered: the teacher at its layout scores a second rollout on the same groups
+# the student at other layouts over the same 2 ranks, the teacher at tp=2 beside it: (pipeline, context)
+STUDENTS = {"pp2": (2, 1), "cp2": (1, 2)}
+
+
+def _timer_reset() -> None:
+    from slime.observability.timer import Timer
+
+    Timer().start_time.pop("train_wait", None)  # one Timer per process: the run before left it started
 
 
 def layout_world(rank: int, world_size: int, hf: str) -> dict[str, Any]:
@@ -15,10 +23,13 @@ def layout_world(rank: int, world_size: int, hf: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, entry in (("student_layout", hf), ("tp2", f"{hf};tp=2")):
         if results:  # slime's stand-ins are installed by now (lane_rank)
-            from slime.observability.timer import Timer
-
-            Timer().start_time.pop("train_wait", None)  # one Timer per process: the run before left it started
+            _timer_reset()
         results[name] = slime_ranks.opd_train_actor(rank, world_size, 1, hf_teacher=entry, rollouts=ROLLOUTS)
+    for student, (pipeline, context) in STUDENTS.items():  # one rollout each: the teacher's rows at that layout
+        for name, entry in (("student_layout", hf), ("tp2", f"{hf};tp=2")):
+            _timer_reset()
+            results[f"{student}_{name}"] = slime_ranks.opd_train_actor(rank, world_size, pipeline, context,
+                                                                        hf_teacher=entry)
     with slime_ranks.lane_rank(rank, world_size) as patch:
         import slime_kit as kit
 

@@ -5,7 +5,9 @@ teacher of another size written `PATH;tp=2` gives the teacher log-probs, the OPD
 and every reduced gradient of the same run with the teacher at the student's layout (1e-6); and the
 `prm_teacher` role from that directory at `prm_teacher;tp=2`, built by slime's real
 `initialize_model_and_optimizer` and passed to slime's real `forward_only`, gives each rank (its own
-rollout) the log-probs of the role at the student's layout on slime's packed route (1e-6)."""
+rollout) the log-probs of the role at the student's layout on slime's packed route (1e-6). Then the
+student at PP=2 and at CP=2 over the same ranks beside the `PATH;tp=2` teacher, against the
+teacher at the student's layout (1e-6)."""
 from __future__ import annotations
 
 import sys
@@ -62,6 +64,34 @@ def test_train_actor_with_a_hugging_face_teacher_at_tp2_equals_it_at_the_student
         assert sorted(at["grads"]) == sorted(student["grads"])
         for name, grad in student["grads"].items():
             torch.testing.assert_close(at["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("student", ["pp2", "cp2"])
+def test_train_actor_beside_a_student_at_pp2_or_cp2_equals_the_teacher_at_the_students_layout(slime_cpu, world,
+                                                                                              student):
+    """The student at PP=2 (the first stage takes part in the teacher's passes with no samples) or
+    at CP=2 (each rank its zigzag rows of every sample), the teacher written `PATH;tp=2` over the
+    same 2 ranks: the scores slime keeps, the loss and every reduced gradient equal the run with
+    the teacher at the student's layout."""
+    scored = 0
+    for rank in world:
+        at, theirs = rank[f"{student}_tp2"], rank[f"{student}_student_layout"]
+        if theirs["teacher_logprobs"] is None:  # a pipeline stage before the last
+            assert at["teacher_logprobs"] is None and at["losses"] is None
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(at["ids"], theirs["ids"]))
+            errors = [_close(a, b) for a, b in zip(at["teacher_logprobs"], theirs["teacher_logprobs"])]
+            assert len(errors) == 4 and max(errors) <= 1e-6, errors
+            for mine, other in zip(at["losses"], theirs["losses"]):
+                assert abs(float(mine["opd_topk_loss"]) - float(other["opd_topk_loss"])) <= 1e-6 * max(
+                    1.0, abs(float(other["opd_topk_loss"])))
+            scored += 1
+        for name, grad in theirs["grads"].items():
+            torch.testing.assert_close(at["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert scored == (1 if student == "pp2" else 2)
+    if student == "cp2":  # each rank its own rows of the same samples
+        assert any(a.shape != b.shape for a, b in zip(world[0]["cp2_tp2"]["teacher_logprobs"],
+                                                      world[1]["cp2_tp2"]["teacher_logprobs"]))
 
 
 def test_the_prm_teacher_role_at_tp2_gives_each_rank_its_log_probs_at_the_students_layout(slime_cpu, world):
