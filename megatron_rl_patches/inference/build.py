@@ -135,6 +135,7 @@ def build_inference_model(
     residency: str = "resident",
     prefetch: int = 1,
     budget: ResidencyBudget | None = None,
+    layout: Any = None,
 ) -> list[torch.nn.Module]:
     """Model chunks for forward passes only: one per virtual pipeline stage, on the current
     device, Float16Module-wrapped for bf16/fp16, eval mode (kept under later `.train()` calls),
@@ -149,7 +150,16 @@ def build_inference_model(
     each layer brought in just before it runs, `prefetch` layers ahead, released after); `budget`:
     a ResidencyBudget shared with other swap/stream builds. Swap/stream builds are made and
     loaded in host memory, never on the device whole. See inference/residency/placement.py.
+
+    `layout`: a teacher's own parallel layout is not served here (a Megatron-LM model provider
+    builds in parallel_state's groups, the student's): anything but None is refused before the
+    provider runs; a Hugging Face checkpoint is built at one by build_inference_model_from_hf.
     """
+    if layout is not None:
+        raise ValueError(f"build_inference_model(layout={layout!r}): a teacher at its own layout is built from a "
+                         "Hugging Face checkpoint only (build_inference_model_from_hf(path, layout=...)): a model "
+                         "provider builds in parallel_state's process groups, the student's. Pass layout=None to "
+                         "build this model at the student's layout, or convert the checkpoint to Hugging Face")
     mode = check_residency_args(residency, prefetch, budget)
     return build_checked(model_provider, mode, prefetch, budget, model_type=model_type, config=config,
                          load_dir=load_dir, strict=strict)

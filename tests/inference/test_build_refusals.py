@@ -45,3 +45,15 @@ def test_a_provider_returning_a_ddp_model_is_refused(megatron_cpu, make, found):
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     assert all(p.requires_grad for p in model.parameters())  # not frozen: the model is not ours
     assert not getattr(model, "_mrp_inference_only", False)
+
+
+def test_a_teacher_layout_is_refused_before_the_provider_runs():
+    """A model provider builds in parallel_state's groups: build_inference_model(layout=...) is
+    refused by name, naming the builder that serves a layout, and the provider never runs."""
+    from megatron_rl_patches import build_inference_model
+    from megatron_rl_patches.inference import TeacherLayout
+
+    calls = []
+    with pytest.raises(ValueError, match=r"layout=TeacherLayout\(tp=2.*build_inference_model_from_hf\(path, layout"):
+        build_inference_model(lambda *args, **kwargs: calls.append(args), layout=TeacherLayout(tp=2))
+    assert calls == []
