@@ -54,6 +54,7 @@ def test_a_teacher_layout_is_refused_before_the_provider_runs():
     from megatron_rl_patches.inference import TeacherLayout
 
     calls = []
-    with pytest.raises(ValueError, match=r"layout=TeacherLayout\(tp=2.*build_inference_model_from_hf\(path, layout"):
+    words = "a teacher at its own layout is built from a Hugging Face checkpoint only"
+    with pytest.raises(ValueError, match=rf"layout=TeacherLayout\(tp=2.*{words} \(build_inference_model_from_hf"):
         build_inference_model(lambda *args, **kwargs: calls.append(args), layout=TeacherLayout(tp=2))
     assert calls == []
