@@ -48,7 +48,7 @@ def run_teacher(args: argparse.Namespace) -> int:
     try:
         layout = TeacherLayout(tp=tp, pp=pp)
         arch = read_architecture(args.hf, sizing=True)
-        refuse_unserved(layout, arch, "resident", "builtin")
+        refuse_unserved(layout, arch, "builtin")
         own = hf_memory_plan(args.hf, tp=tp, pp=pp, param_dtype=args.param_dtype)
         student = hf_memory_plan(args.hf, tp=args.tp, pp=args.pp, ep=args.ep, param_dtype=args.param_dtype,
                                  prefetch=args.prefetch)
