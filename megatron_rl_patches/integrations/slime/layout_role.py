@@ -1,8 +1,8 @@
 """A role of MEGATRON_RL_PATCHES_INFERENCE_ROLES at its own tensor-parallel layout (`role;tp=N`):
 its weights a Hugging Face directory of another architecture than the actor's, built at
-TeacherLayout(tp=N) (at the entry's residency: `role:swap;tp=N` / `role:stream;tp=N` keep each
-rank's own shard in host memory) over all ranks on its own process groups (`build_role_at_layout`). slime's
-log-prob passes of that role are served by `layout_role_pass` through score_at_layout.
+TeacherLayout(tp=N) over all ranks on its own process groups (`build_role_at_layout`), at the
+entry's residency (`role:swap;tp=N` / `role:stream;tp=N` keep each rank's own shard in host
+memory). slime's log-prob passes of that role are served by `layout_role_pass` through score_at_layout.
 
 What it cannot serve is refused by name on every rank before anything loads (`check_role_layout`):
 a world the size does not divide, a Megatron checkpoint or a Hugging Face directory of the actor's
