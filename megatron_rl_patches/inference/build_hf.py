@@ -85,23 +85,36 @@ def _check_core_attention(arch: Any, core_attention: type | None) -> None:
         )
 
 
-def _check_budget(root: Any, mode: str, budget: ResidencyBudget | None, dtype: torch.dtype) -> None:
+def _check_budget(root: Any, mode: str, budget: ResidencyBudget | None, dtype: torch.dtype,
+                  layout: TeacherLayout | None = None) -> None:
     """A budget smaller than what this rank must hold on the device at once (swap: its whole
     shard; stream: its largest piece, a layer or the embedding / output layer) is refused before
-    the build: config.json gives the sizes."""
+    the build: config.json gives the sizes. At a teacher `layout`: its own sizes, and the stage
+    that needs most (the same on every rank, so no rank is left waiting in the build)."""
     if budget is None or mode == "resident":
         return
     from megatron.core import parallel_state as ps  # lazy: optional dependency megatron-core
 
-    plan = hf_memory_plan(root, tp=ps.get_tensor_model_parallel_world_size(),
-                          pp=ps.get_pipeline_model_parallel_world_size(),
-                          ep=ps.get_expert_model_parallel_world_size(), param_dtype=dtype)
-    stage, last = ps.get_pipeline_model_parallel_rank(), plan.pp - 1
-    pieces = [plan.layer_params, plan.embedding_params if stage == 0 else 0, plan.output_params if stage == last else 0]
-    need = (plan.stage_params[stage] if mode == "swap" else max(pieces)) * torch.empty((), dtype=dtype).element_size()
+    if layout is not None:
+        plan = hf_memory_plan(root, tp=layout.tp, pp=layout.pp, ep=layout.ep, param_dtype=dtype)
+        stages = list(range(plan.pp))
+    else:
+        plan = hf_memory_plan(root, tp=ps.get_tensor_model_parallel_world_size(),
+                              pp=ps.get_pipeline_model_parallel_world_size(),
+                              ep=ps.get_expert_model_parallel_world_size(), param_dtype=dtype)
+        stages = [ps.get_pipeline_model_parallel_rank()]
+    last = plan.pp - 1
+
+    def stage_need(stage: int) -> int:
+        pieces = [plan.layer_params, plan.embedding_params if stage == 0 else 0,
+                  plan.output_params if stage == last else 0]
+        return plan.stage_params[stage] if mode == "swap" else max(pieces)
+
+    need = max(stage_need(stage) for stage in stages) * torch.empty((), dtype=dtype).element_size()
     if need > budget.bytes:
+        where = "this rank" if layout is None else f"a rank of layout={layout!r}"
         raise ValueError(
-            f"{str(root)!r} does not fit budget={budget!r} with residency={mode!r}: this rank needs {need} device "
+            f"{str(root)!r} does not fit budget={budget!r} with residency={mode!r}: {where} needs {need} device "
             f"bytes at once ({'its whole shard' if mode == 'swap' else 'its largest layer or embedding'}); raise "
             "the budget, use residency='stream', or split the model over more tensor / pipeline ranks"
         )
@@ -137,8 +150,9 @@ def build_inference_model_from_hf(
     `layout`: a TeacherLayout (inference/teacher_layout) to build the teacher at its own
     tensor / pipeline-parallel sizes over all ranks of the default process group, on its own
     process groups (megatron-core >= 0.15), each rank reading only its shard (its stage's layers;
-    every family, experts split over the teacher's tensor-parallel group); every rank must call
-    this, and scoring goes through score_at_layout / topk_at_layout.
+    every family, experts split over the teacher's tensor-parallel group; every residency: a
+    swap / stream teacher keeps its own shard in host memory); every rank must call this, and
+    scoring goes through score_at_layout / topk_at_layout.
     None: the sizes of parallel_state (the student's).
     """
     if converter not in CONVERTERS:
@@ -157,16 +171,17 @@ def build_inference_model_from_hf(
     weights_dtype = checkpoint_dtype(checkpoint.dtype, dtype)
     divisible_by = positive_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by)
     if layout is not None:
-        refuse_unserved(layout, arch, mode, converter)
+        refuse_unserved(layout, arch, converter)
     _check_parallel(arch, core_attention, layout)
     _check_core_attention(arch, core_attention)
     hf_load.checked_index(root, arch)  # the files fit config.json: nothing is built otherwise
     arch = hf_load.served_tying(root, arch)
-    _check_budget(root, mode, budget, weights_dtype)
+    _check_budget(root, mode, budget, weights_dtype, layout)
     from megatron.core import parallel_state as ps  # lazy: optional dependency megatron-core
 
     if layout is not None:
-        return _build_at_layout(root, arch, layout, weights_dtype, divisible_by, core_attention, prefetch)
+        return _build_at_layout(root, arch, layout, weights_dtype, divisible_by, core_attention,
+                                (mode, prefetch, budget))
     vocab = padded_vocab(arch.vocab_size, divisible_by, ps.get_tensor_model_parallel_world_size())
     if converter == "mbridge":
         bridge = mbridge_adapter.mbridge_bridge(config_dict, arch, weights_dtype, vocab)
@@ -183,10 +198,15 @@ def build_inference_model_from_hf(
 
 
 def _build_at_layout(root: Any, arch: Any, layout: TeacherLayout, dtype: torch.dtype, divisible_by: int,
-                     core_attention: type | None, prefetch: int) -> list[torch.nn.Module]:
-    """The resident teacher at `layout` on its own process groups (built here: a collective), each
-    rank's shard (its tensor slice of its pipeline stage's layers) read from the files; the chunk
-    carries its groups (`teacher_groups`) for scoring."""
+                     core_attention: type | None,
+                     residency: tuple[str, int, ResidencyBudget | None]) -> list[torch.nn.Module]:
+    """The teacher at `layout` on its own process groups (built here: a collective), each rank's
+    shard (its tensor slice of its pipeline stage's layers) read from the files; the chunk carries
+    its groups (`teacher_groups`) for scoring. `residency`: (mode, prefetch, budget) as at the
+    student's layout: nothing of the residency reads parallel_state (the shard is built in host
+    memory by the teacher's own provider, the loader writes the host copies at the teacher's own
+    shard positions, and a unit is a layer of this rank's stage), so a swap / stream teacher holds
+    its own shard on the host and moves it per forward."""
     groups = teacher_groups(layout)
     vocab = padded_vocab(arch.vocab_size, divisible_by, layout.tp)
     config = transformer_config(arch, dtype, config_sizes(layout))
@@ -198,7 +218,7 @@ def _build_at_layout(root: Any, arch: Any, layout: TeacherLayout, dtype: torch.d
     stage: list[tuple[int | None, bool, bool]] = [(None, groups.pp_rank == 0, groups.pp_rank == groups.pp_size - 1)]
     error: Exception | None = None
     try:
-        chunks = inference_build.build_checked(provider, "resident", prefetch, None, stages=stage)
+        chunks = inference_build.build_checked(provider, *residency, stages=stage)
         gather_in_own_groups(chunks)  # multi-latent attention's down projections: in the teacher's group
         hf_load.load_hf_weights(chunks, root, arch, vocab, shard_ranks(groups))
     except Exception as exc:  # every rank learns of it: none is left to score alone

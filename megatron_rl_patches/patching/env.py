@@ -137,12 +137,12 @@ def role_residencies(environ: Mapping[str, str] | None = None) -> dict[str, str]
 
 def role_layouts(environ: Mapping[str, str] | None = None) -> dict[str, int]:
     """The role's own tensor-parallel size (its model's layout) per role from MEGATRON_RL_PATCHES_INFERENCE_ROLES
-    entries `role;tp=N` or `role:resident;tp=N` (roles without one are absent: built in the
+    entries `role;tp=N` or `role:MODE;tp=N` (any residency; roles without one are absent: built in the
     student's process groups); each option checked (ValueError naming the variable)."""
     layouts: dict[str, int] = {}
     for item in split_names(_get(environ, INFERENCE_ROLES)):
         head, *options = item.split(";")
-        name, _, mode = head.partition(":")
+        name = head.partition(":")[0]  # the residency (any mode) is role_residencies'
         where = f"{INFERENCE_ROLES} role {_cut(item)!r}"
         sizes: dict[str, int] = {}
         for written in (option.strip() for option in options):
@@ -161,9 +161,6 @@ def role_layouts(environ: Mapping[str, str] | None = None) -> dict[str, int]:
             raise ValueError(f"{where}: option 'pp={sizes['pp']}': a role's model at its own pipeline-parallel "
                              "size is not served yet (a role at its own layout takes ';tp=N'; an own pipeline is "
                              "served for MEGATRON_RL_PATCHES_OPD_TEACHERS entries 'PATH;pp=N'); drop it or use 1")
-        if "tp" in sizes and mode.strip().lower() not in ("", "resident"):
-            raise ValueError(f"{where}: ';tp={sizes['tp']}' with residency {_cut(mode.strip())!r}: a model at its "
-                             "own layout is served resident only; drop the residency or ';tp='")
         if "tp" in sizes:
             layouts[name.strip()] = sizes["tp"]
     return layouts

@@ -16,8 +16,8 @@ _LAZY = {
     "ResidencyReport": "megatron_rl_patches.inference.residency.reporting",
     "device_weight_bytes": "megatron_rl_patches.inference.residency.storage",
     **dict.fromkeys(
-        ("ATTR", "Residency", "attach_residency", "check_residency_args", "hold", "hold_if_room", "module_list",
-         "note_activation_bytes", "on_device", "release_streamed", "residency_of", "weights_on_host"),
+        ("ATTR", "Residency", "attach_residency", "check_residency_args", "forward_device", "hold", "hold_if_room",
+         "module_list", "note_activation_bytes", "on_device", "release_streamed", "residency_of", "weights_on_host"),
         "megatron_rl_patches.inference.residency.placement",
     ),
 }

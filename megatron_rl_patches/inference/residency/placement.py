@@ -401,6 +401,15 @@ def residency_of(chunks: Any) -> Residency | None:
     return None
 
 
+def forward_device(chunks: Any) -> torch.device:
+    """The device a build's forwards run on: a swap/stream build's (between forwards its
+    parameters read their host copies), else the first parameter's (a resident build's)."""
+    owner = residency_of(chunks)
+    if owner is not None:
+        return owner.host.device
+    return next(p for chunk in as_chunks(chunks) for p in chunk.parameters()).device
+
+
 def attach_residency(chunks: Sequence[torch.nn.Module], residency: str, *, prefetch: int = 1,
                      budget: ResidencyBudget | None = None, device: torch.device | None = None,
                      name: str = "model") -> list[torch.nn.Module]:

@@ -26,24 +26,20 @@ def shard_ranks(groups: TeacherGroups) -> ShardRanks:
                       expert_tp_rank=groups.tp_rank, expert_tp_size=groups.tp_size)
 
 
-def refuse_unserved(layout: TeacherLayout, arch: Any, residency: str, converter: str) -> None:
-    """ValueError naming what a teacher at its own layout does not serve: non-resident builds and
-    mbridge's converter. Every family the builtin converter builds is served at a layout, at any
-    tensor x pipeline size its layers divide: dense, mixture of experts (experts split over the
-    teacher's tensor-parallel group), multi-latent attention (its down projections gathered in that
-    group: own_groups.py) and gated-delta-net linear attention (its heads split over that group: the
+def refuse_unserved(layout: TeacherLayout, arch: Any, converter: str) -> None:
+    """ValueError naming what a teacher at its own layout does not serve: mbridge's converter.
+    Every family the builtin converter builds is served at a layout, at any tensor x pipeline
+    size its layers divide: dense, mixture of experts (experts split over the teacher's
+    tensor-parallel group), multi-latent attention (its down projections gathered in that group:
+    own_groups.py) and gated-delta-net linear attention (its heads split over that group: the
     model's pg_collection); at pp > 1 each stage builds its own layers' kinds (dense first layers,
     Qwen3.5's layer_types: model_provider's pp_rank) and no stage builds an MTP layer (skipped).
-    `arch`: the checkpoint's architecture (named in the error)."""
-    problems = []
-    if residency != "resident":
-        problems.append(f"residency={residency!r} (only 'resident' is served at a teacher's own layout)")
+    Every residency is served ("swap" / "stream": each rank's own shard built and kept in host
+    memory, moved as at the student's layout). `arch`: the checkpoint's architecture (named in the error)."""
     if converter != "builtin":
-        problems.append(f"converter={converter!r} (only 'builtin' is served at a teacher's own layout)")
-    if problems:
-        raise ValueError(f"{arch.source}: layout={layout!r} does not serve {'; '.join(problems)} yet; pass "
-                         "layout=None to build the teacher in the student's own process groups")
-
+        raise ValueError(f"{arch.source}: layout={layout!r} does not serve converter={converter!r} (only 'builtin' "
+                         "is served at a teacher's own layout) yet; pass layout=None to build the teacher in the "
+                         "student's own process groups")
 
 
 def raise_on_every_rank(error: BaseException | None, what: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rl_patches.inference.residency.placement import forward_device
 from megatron_rl_patches.inference.teacher_layout.gather import GroupBatch, agree, gathered
 from megatron_rl_patches.inference.teacher_layout.groups import TeacherGroups
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
@@ -53,7 +54,7 @@ def _replica_scores(model: torch.nn.Module, groups: TeacherGroups, tokens: torch
     total, longest = all_tokens.shape
     if total == 0 or longest == 0:
         return None
-    device = next(model.parameters()).device
+    device = forward_device(model)  # a swap / stream teacher's parameters read host copies between forwards
     position_ids = torch.arange(longest).expand(total, longest)
     inputs = (all_tokens.to(device), position_ids.to(device), _causal_mask(total, longest).to(device))
     return replica_scores(model, groups, inputs, lambda logits: score(logits.reshape(total * longest, -1), device),
@@ -269,14 +270,14 @@ def output_weight_at_layout(chunks: Any, *, layout: TeacherLayout | None = None)
     model, groups = _groups_of(chunks, layout)
     inner = _language_model(model)
     rows, width = int(inner.vocab_size) // groups.tp_size, int(inner.config.hidden_size)
-    parameter = next(model.parameters())
+    parameter, device = next(model.parameters()), forward_device(model)
     with torch.no_grad():
         shard = None
-        if getattr(inner, "post_process", True):
+        if getattr(inner, "post_process", True):  # a swap / stream teacher's: its host copy, sent from the device
             shard = (inner.shared_embedding_or_output_weight() if inner.share_embeddings_and_output_weights
-                     else inner.output_layer.weight).detach()
+                     else inner.output_layer.weight).detach().to(device)
         if groups.pp_size > 1:
-            held = torch.empty(rows, width, dtype=parameter.dtype, device=parameter.device)
+            held = torch.empty(rows, width, dtype=parameter.dtype, device=device)
             if shard is not None:
                 held.copy_(shard)
             dist.broadcast(held, src=groups.pp_ranks()[-1], group=groups.pp_group)

@@ -210,8 +210,9 @@ def build_hf_teacher(args: Any, path: str, residency: str | None, student: int |
     """The teacher at `path` as inference-only chunks on the actor's split (vocabulary checked
     first, padded as the actor's `make_vocab_size_divisible_by`, in the actor's dtype);
     `own_tokenizer`: its vocabulary is its own tokenizer's (no mass beyond its ids); `layout`: a
-    TeacherLayout, the teacher built at its own sizes on its own groups (resident, megatron-core's
-    local attention core: it is scored on padded batches with a causal mask, not slime's packed ones)."""
+    TeacherLayout, the teacher built at its own sizes on its own groups (at `residency` too;
+    megatron-core's local attention core: it is scored on padded batches with a causal mask, not
+    slime's packed ones)."""
     import torch
 
     from megatron_rl_patches.inference.build_hf import build_inference_model_from_hf

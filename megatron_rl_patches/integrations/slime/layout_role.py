@@ -1,13 +1,13 @@
 """A role of MEGATRON_RL_PATCHES_INFERENCE_ROLES at its own tensor-parallel layout (`role;tp=N`):
-its weights a Hugging Face directory of another architecture than the actor's, built resident at
-TeacherLayout(tp=N) over all ranks on its own process groups (`build_role_at_layout`). slime's
-log-prob passes of that role are served by `layout_role_pass` through score_at_layout.
+its weights a Hugging Face directory of another architecture than the actor's, built at
+TeacherLayout(tp=N) over all ranks on its own process groups (`build_role_at_layout`), at the
+entry's residency (`role:swap;tp=N` / `role:stream;tp=N` keep each rank's own shard in host
+memory). slime's log-prob passes of that role are served by `layout_role_pass` through score_at_layout.
 
 What it cannot serve is refused by name on every rank before anything loads (`check_role_layout`):
 a world the size does not divide, a Megatron checkpoint or a Hugging Face directory of the actor's
 architecture (slime's own route: the actor's provider and loader, in the student's groups), a
-student with pipeline or context parallelism, a megatron-core without ProcessGroupCollection.
-Non-resident residencies are refused where the setting is read (patching/env.py::role_layouts)."""
+student with pipeline or context parallelism, a megatron-core without ProcessGroupCollection."""
 from __future__ import annotations
 
 from typing import Any
@@ -54,17 +54,19 @@ def check_role_layout(run_args: Any, role: str, tp: int, path: str, step: int | 
         raise ValueError(f"{entry}: {exc}") from None
 
 
-def build_role_at_layout(run_args: Any, role: str, tp: int, path: str, step: int | None) -> list[Any]:
+def build_role_at_layout(run_args: Any, role: str, tp: int, path: str, step: int | None,
+                         residency: str = "resident") -> list[Any]:
     """The role's chunks built at TeacherLayout(tp=tp) from the Hugging Face directory `path`
-    (checked first; a collective: every rank builds it), its vocabulary checked against the
-    student's, chunk 0 tagged with the role as slime does."""
+    (checked first; a collective: every rank builds it) at `residency`, its vocabulary checked
+    against the student's, chunk 0 tagged with the role as slime does."""
     from megatron_rl_patches.integrations.slime import hf_teachers  # lazy: import cost: torch (check_role_layout)
 
     check_role_layout(run_args, role, tp, path, step)
     student = hf_teachers.student_vocab(run_args, getattr(run_args, "padded_vocab_size", None) or 0)
-    chunks = hf_teachers.build_hf_teacher(run_args, path, "resident", student, run_args,
+    chunks = hf_teachers.build_hf_teacher(run_args, path, residency, student, run_args,
                                           f"role {role!r}: weights {path!r}", layout=TeacherLayout(tp=tp))
     chunks[0].role = role
     logger.info("megatron-rl-patches: role %r built inference-only from the Hugging Face directory %s at its own "
-                "layout (tp=%d, resident); slime's log-prob passes of it go through score_at_layout", role, path, tp)
+                "layout (tp=%d, %s); slime's log-prob passes of it go through score_at_layout", role, path, tp,
+                residency)
     return chunks

@@ -113,7 +113,10 @@ def layout_pass(arguments: dict[str, Any]) -> dict[str, list[torch.Tensor]]:
     _run_before_hook(run_args, model, prefix)
     count = sum(int(n) for n in arguments["num_microbatches"])
     batches = [iterators[0].get_next(list(KEYS)) for _ in range(count)]
-    device = next(model[0].parameters()).device
+    # lazy: import cost: torch (the patch records import this module without it)
+    from megatron_rl_patches.inference.residency.placement import forward_device
+
+    device = forward_device(model)  # a swap / stream role's parameters read host copies between forwards
     temperature = float(getattr(run_args, "rollout_temperature", 1.0) or 1.0)
     with_entropy = bool(getattr(run_args, "use_rollout_entropy", False))
     log_probs: list[torch.Tensor] = []

@@ -20,7 +20,7 @@ from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 from megatron_rl_patches.inference.teacher_layout.scoring import select_topk_at_layout, topk_at_layout
 from megatron_rl_patches.integrations.slime import hf_teachers
 from megatron_rl_patches.integrations.slime.allgather_cp import whole_from_zigzag, zigzag_of_whole
-from megatron_rl_patches.integrations.slime.opd_settings import RESIDENCY, TEACHERS, OpdSettings, Teacher
+from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, OpdSettings, Teacher
 from megatron_rl_patches.integrations.slime.opd_teachers import ScoringStep, SeparateTeacher, TeacherScores
 from megatron_rl_patches.integrations.slime.step_plan import IDS, TopkRequest
 from megatron_rl_patches.patching.layout_option import check_world
@@ -60,10 +60,9 @@ def student_sizes() -> dict[str, int]:
 def check_layout_teachers(settings: OpdSettings, routes: list[str | None], snapshot: str) -> None:
     """ValueError naming the entry for each `;tp=N` / `;pp=N` teacher the run cannot serve: a world the size
     does not divide, a route other than a Hugging Face directory of another architecture
-    (`snapshot`: slime's route into the actor's buffers), a residency other than resident, the
-    union of ids (a student with pipeline or context parallelism is served: `LayoutTeacher.score`).
-    The same on every rank (the
-    routes are agreed, the rest is the same everywhere), before anything loads."""
+    (`snapshot`: slime's route into the actor's buffers), the union of ids (any residency, and a
+    student with pipeline or context parallelism, are served: `LayoutTeacher.score`). The same on
+    every rank (the routes are agreed, the rest is the same everywhere), before anything loads."""
     at_layout = [(teacher, route) for teacher, route in zip(settings.teachers, routes) if teacher.at_layout]
     if not at_layout:
         return
@@ -76,9 +75,6 @@ def check_layout_teachers(settings: OpdSettings, routes: list[str | None], snaps
                              "Hugging Face directory of the actor's architecture: loaded into the actor's own buffers, "
                              "at the student's layout); ';tp=' serves Hugging Face directories of another "
                              "architecture: drop ';tp=' / ';pp='")
-        if settings.residency not in (None, "resident"):
-            raise ValueError(f"{where} with {RESIDENCY}={settings.residency!r}: a teacher at its own layout is "
-                             f"served resident only; unset {RESIDENCY} or drop ';tp=' / ';pp='")
         if settings.ids_from == "union":
             raise ValueError(f"{where} with MEGATRON_RL_PATCHES_OPD_IDS_FROM=union: a teacher at its own layout "
                              "scores the student's ids only; use ids from the student or drop ';tp=' / ';pp='")
@@ -89,10 +85,13 @@ def check_layout_teachers(settings: OpdSettings, routes: list[str | None], snaps
                          ) from None
 
 
-def build_layout_teacher(args: Any, teacher: Teacher, student: int | str, actor_config: Any) -> LayoutTeacher:
-    """The `;tp=N;pp=M` teacher built at TeacherLayout(tp=N, pp=M) (a collective: every rank builds it)."""
+def build_layout_teacher(args: Any, teacher: Teacher, student: int | str, actor_config: Any,
+                         residency: str | None = None) -> LayoutTeacher:
+    """The `;tp=N;pp=M` teacher built at TeacherLayout(tp=N, pp=M) (a collective: every rank builds it);
+    `residency`: MEGATRON_RL_PATCHES_OPD_RESIDENCY's (swap / stream: each rank's own shard in host memory,
+    brought in by each scoring pass's forward)."""
     layout = TeacherLayout(tp=int(teacher.tp or 1), pp=int(teacher.pp or 1))
-    chunks = hf_teachers.build_hf_teacher(args, teacher.path, None, student, actor_config,
+    chunks = hf_teachers.build_hf_teacher(args, teacher.path, residency, student, actor_config,
                                           f"{TEACHERS}: teacher {teacher.path!r}", own_tokenizer=teacher.own_tokenizer,
                                           layout=layout)
     return LayoutTeacher(chunks, temperature=float(getattr(args, "rollout_temperature", 1.0) or 1.0))

@@ -139,7 +139,8 @@ def _hf_teacher(actor: Any, settings: OpdSettings, index: int, teacher: Teacher,
     """A Hugging Face directory of another architecture: a separate model on the actor's split, or
     (`;tp=N` / `;pp=N`) at its own layout."""
     if teacher.at_layout:
-        return build_layout_teacher(actor.args, teacher, student, getattr(_unwrap(actor.model[0]), "config", None))
+        return build_layout_teacher(actor.args, teacher, student, getattr(_unwrap(actor.model[0]), "config", None),
+                                    settings.residency)
     return SeparateTeacher(hf_teachers.build_hf_teacher(actor.args, teacher.path, settings.residency, student,
                                                         getattr(_unwrap(actor.model[0]), "config", None),
                                                         f"{TEACHERS}: teacher {teacher.path!r}",

@@ -133,7 +133,7 @@ def initialize_model_and_optimizer_wrapper(
     if tp is not None:  # `role;tp=N`: at its own layout (layout_role; its passes: layout_role_pass)
         from megatron_rl_patches.integrations.slime.layout_role import build_role_at_layout
 
-        return build_role_at_layout(run_args, role, tp, path, step), None, None, 0
+        return build_role_at_layout(run_args, role, tp, path, step, residency), None, None, 0
     if step is None:
         built = _hf_of_another_architecture(run_args, role, path, residency)
         if built is not None:

@@ -11,13 +11,21 @@ import pytest
 from megatron_rl_patches.inference.loading.hf.memory_plan import hf_memory_plan
 
 
+def _resident(report: dict) -> tuple[dict, dict]:
+    """The report's resident rows: (the teacher at its own layout, the teacher at the student's)."""
+    rows = [row for row in report["layouts"] if row["residency"] == "resident"]
+    assert [row["layout"].startswith("own") for row in rows] == [True, False]
+    return rows[0], rows[1]
+
+
 def test_a_teacher_at_tp8_beside_a_dp8_student_holds_an_eighth_per_gpu_and_nothing_on_the_host(cli_run, published):
     root = str(published("Qwen3-8B"))
     code, out, _ = cli_run("memory", "--hf", root, "--teacher-tp", "8", "--dp", "8", "--json")
     assert code == 0
     report = json.loads(out)
     assert (report["world"], report["teacher_tp"], report["teacher_dp"]) == (8, 8, 1)
-    own, *student = report["layouts"]
+    own = _resident(report)[0]
+    student = [row for row in report["layouts"] if row["layout"] == "student's"]
     assert own["gpu_bytes"] == hf_memory_plan(root, tp=8).mode("resident").device_peak
     assert own["host_bytes_per_rank"] == 0 and own["residency"] == "resident"
     whole = hf_memory_plan(root, tp=1)
@@ -29,13 +37,35 @@ def test_a_teacher_at_tp8_beside_a_dp8_student_holds_an_eighth_per_gpu_and_nothi
     assert code == 0 and "own (TP=2 x DP=4)" in out and "host per rank" in out
 
 
+@pytest.mark.parametrize("mode", ["swap", "stream"])
+def test_swap_and_stream_at_a_teacher_layout_plan_its_own_shard_in_host_memory(cli_run, published, mode):
+    """--teacher-tp 8 --dp 8 --residency MODE: the own layout's swap / stream rows hold the rank's own
+    shard (an eighth) in host memory, its device bytes those of the plan at tp=8 (stream: a layer and
+    the embedding or output layer, prefetch 2 here), the chosen mode marked; beside the student's rows."""
+    root = str(published("Qwen3-8B"))
+    code, out, err = cli_run("memory", "--hf", root, "--teacher-tp", "8", "--dp", "8", "--residency", mode,
+                             "--prefetch", "2", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    rows = {(row["layout"].startswith("own"), row["residency"]): row for row in report["layouts"]}
+    plan, whole = hf_memory_plan(root, tp=8, prefetch=2), hf_memory_plan(root, tp=1, prefetch=2)
+    own, theirs = rows[True, mode], rows[False, mode]
+    assert (own["gpu_bytes"], own["host_bytes_per_rank"]) == (plan.mode(mode).device_peak, plan.mode(mode).host)
+    assert own["host_bytes_per_rank"] == rows[True, "resident"]["gpu_bytes"]  # the rank's resident shard
+    assert abs(own["host_bytes_per_rank"] * 8 / theirs["host_bytes_per_rank"] - 1) < 0.002  # an eighth
+    assert theirs["host_bytes_per_rank"] == whole.mode(mode).host
+    assert report["residency"] == mode and [row["chosen"] for row in report["layouts"]].count(True) == 2
+    code, out, _ = cli_run("memory", "--hf", root, "--teacher-tp", "8", "--dp", "8", "--residency", mode)
+    assert code == 0 and f"* {mode}" in out and "swap / stream keep that shard in host memory" in out
+
+
 def test_a_teacher_at_tp2_x_pp4_beside_a_dp8_student_holds_an_eighth_of_the_layers_per_gpu(cli_run, published):
     root = str(published("Qwen3-8B"))
     code, out, _ = cli_run("memory", "--hf", root, "--teacher-tp", "2", "--teacher-pp", "4", "--dp", "8", "--json")
     assert code == 0
     report = json.loads(out)
     assert (report["world"], report["teacher_tp"], report["teacher_pp"], report["teacher_dp"]) == (8, 2, 4, 1)
-    own, whole_row, *_ = report["layouts"]
+    own, whole_row = _resident(report)
     plan, whole = hf_memory_plan(root, tp=2, pp=4), hf_memory_plan(root, tp=1)
     assert (own["tp"], own["pp"]) == (2, 4) and own["gpu_bytes"] == plan.mode("resident").device_peak
     # each stage holds 1/4 of the layers at half their width: 1/8 of the layers' bytes per GPU; the
@@ -52,8 +82,6 @@ def test_a_teacher_at_tp2_x_pp4_beside_a_dp8_student_holds_an_eighth_of_the_laye
     (("--teacher-tp", "2", "--teacher-pp", "3", "--dp", "8"), "--teacher-tp 2 x --teacher-pp 3 cannot be laid over "
                                                               "the student's 8 rank(s)"),
     (("--teacher-tp", "2", "--teacher-ep", "2"), "--teacher-ep 2: a teacher's own expert-parallel size is not served"),
-    (("--teacher-tp", "2", "--residency", "stream", "--dp", "2"), "--residency stream with --teacher-tp: a teacher "
-                                                                  "at its own layout is served resident only"),
     (("--teacher-ep", "2",), "--teacher-ep 2: a teacher's own expert-parallel size is not served"),
 ])
 def test_what_a_layout_does_not_serve_is_refused_by_name(cli_run, published, argv, words):
@@ -70,7 +98,7 @@ def test_linear_attention_expert_and_multi_latent_families_are_planned_at_their_
     root = str(published(name))
     code, out, err = cli_run("memory", "--hf", root, "--teacher-tp", str(tp), "--dp", "8", "--json")
     assert code == 0, err
-    own, whole = json.loads(out)["layouts"][:2]
+    own, whole = _resident(json.loads(out))
     assert own["gpu_bytes"] == hf_memory_plan(root, tp=tp).mode("resident").device_peak
     assert 1 / tp < own["gpu_bytes"] / whole["gpu_bytes"] < 1.01 / tp  # the norms and routers whole on every rank
 
@@ -83,7 +111,7 @@ def test_a_tp_beyond_the_key_value_heads_repeats_them_qwen3_5_27b_at_tp8(cli_run
     root = str(published("Qwen3.5-27B"))
     code, out, err = cli_run("memory", "--hf", root, "--teacher-tp", "8", "--dp", "8", "--json")
     assert code == 0, err
-    own, whole = json.loads(out)["layouts"][:2]
+    own, whole = _resident(json.loads(out))
     plan = hf_memory_plan(root, tp=8)
     assert own["gpu_bytes"] == plan.mode("resident").device_peak
     assert round(own["gpu_bytes"] / 2**30, 2) == 6.30 and round(whole["gpu_bytes"] / 2**30, 2) == 50.10
@@ -121,7 +149,7 @@ def test_linear_attention_expert_and_multi_latent_families_are_planned_at_a_teac
     code, out, err = cli_run("memory", "--hf", root, *argv)
     assert code == 0, err
     report = json.loads(out)
-    own, whole = report["layouts"][:2]
+    own, whole = _resident(report)
     plan = hf_memory_plan(root, tp=tp, pp=pp)
     assert (own["tp"], own["pp"], report["teacher_dp"]) == (tp, pp, dp // (tp * pp))
     assert own["gpu_bytes"] == plan.mode("resident").device_peak and len(plan.stage_params) == pp

@@ -107,7 +107,8 @@ def api_checks(rank: int, world_size: int, root: str) -> dict:
         results["tp3"] = _refusal(lambda: build_inference_model_from_hf(root, layout=TeacherLayout(tp=3)))
         results["ep2"] = _refusal(lambda: TeacherLayout(ep=2))
         results["not_a_layout"] = _refusal(lambda: build_inference_model_from_hf(root, layout={"tp": 2}))
-        results["stream"] = _refusal(lambda: build_inference_model_from_hf(root, layout=layout, residency="stream"))
+        results["bad_prefetch"] = _refusal(lambda: build_inference_model_from_hf(root, layout=layout,
+                                                                                  residency="stream", prefetch=-1))
         results["other_layout"] = _refusal(lambda: score_at_layout(chunks, tokens, labels,
                                                                    layout=TeacherLayout(tp=1)))
         dist.barrier()  # every rank got here: nothing above left a rank waiting
@@ -243,8 +244,8 @@ def test_layouts_the_world_or_the_build_cannot_hold_are_refused_on_every_rank(wo
         assert "TeacherLayout(tp=3, pp=1, ep=1) cannot be laid over 2 rank(s)" in result["tp3"]
         assert result["ep2"].startswith("ValueError: TeacherLayout(ep=2)")
         assert result["not_a_layout"].startswith("TypeError: layout must be a TeacherLayout")
-        assert "residency='stream'" in result["stream"]
-        assert "only 'resident' is served at a teacher's own layout" in result["stream"]
+        # swap / stream are served at a layout (test_teacher_layout_residency.py); their bad arguments are not
+        assert result["bad_prefetch"].startswith("ValueError: prefetch must be an int >= 0")
         assert "differs from the layout the chunks were built at" in result["other_layout"]
         assert "bad tokens / labels / ids on rank(s) [1]" in result["bad_input"]
 

@@ -110,7 +110,7 @@ def _pipelined(root: str, tokens: torch.Tensor, labels: torch.Tensor, whole) -> 
     beside the 1-rank teacher's top-k; then the refusals of this world."""
     import torch.distributed as dist
 
-    from megatron_rl_patches import build_inference_model_from_hf
+    from megatron_rl_patches import build_inference_model_from_hf, residency_report
     from megatron_rl_patches.inference import TeacherLayout, score_at_layout, teacher_groups, topk_at_layout
     from megatron_rl_patches.testing.file_reads import FileReads
 
@@ -128,6 +128,14 @@ def _pipelined(root: str, tokens: torch.Tensor, labels: torch.Tensor, whole) -> 
         results[name] = score_at_layout(chunks, tokens, labels)
         if name == "tp2pp2":
             results["tp2pp2_topk"] = topk_at_layout(chunks, tokens, _ids(rank))
+            results["tp2pp2_shard"] = sum(p.numel() * p.element_size() for p in chunks[0].parameters())
+            # streamed (prefetch 2: more than a stage's one layer) and swapped: each rank's shard in host memory
+            for mode in ("stream", "swap"):
+                moved = build_inference_model_from_hf(root, dtype=torch.float32, layout=layout, residency=mode,
+                                                      prefetch=2)
+                results[f"tp2pp2_{mode}"] = (score_at_layout(moved, tokens, labels),
+                                             topk_at_layout(moved, tokens, _ids(rank)),
+                                             residency_report(moved).host_bytes)
     bad = tokens.float() if rank == 3 else tokens  # bad input on the last stage's rank: refused on every rank
     results["pp2_bad_input"] = _refusal(lambda: score_at_layout(chunks, bad, labels))
     results["pp2_after"] = score_at_layout(chunks, tokens, labels)
@@ -232,6 +240,22 @@ def test_teacher_pipelines_give_each_rank_the_whole_teachers_log_probs_and_topk(
             for got, ref in zip(*((r,) if isinstance(r, torch.Tensor) else r for r in (result[key], want))):
                 assert got.shape == ref.shape, (rank, key)
                 assert close(got, ref) <= 1e-6, (rank, key, close(got, ref))
+
+
+@pytest.mark.parametrize("mode", ["stream", "swap"])
+def test_a_teacher_at_tp2_x_pp2_streamed_or_swapped_scores_as_resident_holding_its_shard_on_the_host(world, mode):
+    """TeacherLayout(tp=2, pp=2) with residency=stream (prefetch 2) / swap: log-probs and top-k +
+    tail torch.equal to the resident build's on every rank (rank 2 has no rows), and each rank's
+    host bytes its resident shard (a quarter of the layers, half its stage's embedding or output layer)."""
+    if "unsupported" in world[0]:
+        pytest.skip(f"this megatron-core refuses a teacher layout: {world[0]['unsupported']}")
+    for rank, result in enumerate(world):
+        scores, (logp, tail), host = result[f"tp2pp2_{mode}"]
+        assert torch.equal(scores, result["tp2pp2"]), (rank, mode)
+        assert torch.equal(logp, result["tp2pp2_topk"][0]) and torch.equal(tail, result["tp2pp2_topk"][1]), rank
+        print(f"tp=2 x pp=2 {mode} rank {rank}: host bytes {host}")
+        assert host == result["tp2pp2_shard"] > 0, (rank, mode, host)
+    assert world[0][f"tp2pp2_{mode}"][2] == world[1][f"tp2pp2_{mode}"][2]  # a stage's two tensor halves
 
 
 def test_each_pipeline_rank_reads_its_stages_layers_only(world):

@@ -53,10 +53,10 @@ def _reference(chunks, data: dict) -> tuple[list, list]:
 def opd_checks(rank: int, world_size: int, root: str) -> dict:
     import torch.distributed as dist
 
-    from megatron_rl_patches import build_inference_model_from_hf
+    from megatron_rl_patches import build_inference_model_from_hf, residency_report
     from megatron_rl_patches.integrations.slime import opd as slime_opd
     from megatron_rl_patches.integrations.slime.layout_teacher import LayoutTeacher
-    from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, opd_settings
+    from megatron_rl_patches.integrations.slime.opd_settings import RESIDENCY, TEACHERS, opd_settings
     from megatron_rl_patches.integrations.slime.opd_settings import K as K_SETTING
     from megatron_rl_patches.integrations.slime.opd_teachers import ScoringStep
     from megatron_rl_patches.testing.file_reads import FileReads
@@ -100,6 +100,13 @@ def opd_checks(rank: int, world_size: int, root: str) -> dict:
         scores = pipelined.score(step)
         results["pp2_log_probs"], results["pp2_tails"] = scores.log_probs, scores.tails
         results.update(_cross_checks(rank, root, actor))
+        # MEGATRON_RL_PATCHES_OPD_RESIDENCY at a layout: `;tp=2` streamed, `;pp=2` swapped
+        for entry, mode in (("tp=2", "stream"), ("pp=2", "swap")):
+            moved = opd_settings({TEACHERS: f"{root};{entry}", K_SETTING: str(K), RESIDENCY: mode})
+            (teacher,) = slime_opd.load_teachers(actor, moved)
+            scores = teacher.score(ScoringStep(actor, _rollout(rank), moved, True, {}, topk_pass=None))
+            results[f"{mode}_{entry}"] = {"log_probs": scores.log_probs, "tails": scores.tails,
+                                          "report": residency_report(list(teacher)).as_dict()}
         dist.barrier()  # every rank got here: nothing above left a rank waiting
     results.update(_student_layout_checks(rank, root, whole))
     return results
@@ -299,6 +306,21 @@ def test_a_pp2_entry_gives_each_rank_the_one_rank_teachers_topk_log_probs_and_ta
             assert len(result[f"pp2_{key}"]) == len(SAMPLES[rank])
             for got, want in zip(result[f"pp2_{key}"], result[f"ref_{key}"]):
                 assert got.shape == want.shape and close(got, want) <= 1e-6, (rank, key, close(got, want))
+
+
+@pytest.mark.parametrize(("entry", "mode", "resident"), [("tp=2", "stream", ""), ("pp=2", "swap", "pp2_")])
+def test_a_layout_entry_at_the_runs_residency_gives_the_resident_entrys_scores_bit_for_bit(world, entry, mode,
+                                                                                            resident):
+    """MEGATRON_RL_PATCHES_OPD_RESIDENCY=stream with `PATH;tp=2`, =swap with `PATH;pp=2`: each rank's
+    [R, k] log-probs and [R] tails equal the resident entry's (torch.equal); each rank's shard in host
+    memory, nothing on the device after the step."""
+    served(world)
+    for rank, result in enumerate(world):
+        got = result[f"{mode}_{entry}"]
+        for key in ("log_probs", "tails"):
+            assert all(torch.equal(a, b) for a, b in zip(got[key], result[f"{resident}{key}"], strict=True)), rank
+        assert got["report"]["mode"] == mode and got["report"]["device_weight_bytes"] == 0, rank
+        assert got["report"]["host_bytes"] == got["report"]["resident_weight_bytes"] > 0, rank  # its shard
 
 
 def test_a_rank_without_samples_still_takes_part(world):

@@ -122,6 +122,10 @@ def role_checks(rank: int, world_size: int, root: str) -> dict:
             results["built"] = (model[0].role, optimizer, scheduler, iteration, model[0].teacher_groups.tp_size,
                                 any(p.requires_grad for p in model[0].parameters()))
             results["scores"] = log_probs(model)
+            # the same role streamed (each rank's own shard in host memory, layer by layer)
+            streamed, *_ = role("prm_teacher:stream;tp=2")
+            results["stream_scores"] = log_probs(streamed)
+            results["stream_report"] = megatron_rl_patches.residency_report(streamed).as_dict()
             results["values"] = _refusal(lambda: log_probs(model, get_values))
             results["top_p"] = _refusal(lambda: log_probs(model, top_p=True))
             whole, *_ = role("prm_teacher")  # the same role at the student's layout
@@ -153,6 +157,20 @@ def test_each_rank_gets_the_log_probs_and_entropy_of_the_role_at_the_students_la
             for got, want in zip(scores[f"prm_{key}"], result[f"ref_{key}"]):
                 assert close(got.double(), want) <= 1e-6, (rank, key, close(got.double(), want))
         assert result["whole_pass"] == "StandInOnly"
+
+
+def test_a_streamed_role_at_its_own_layout_gives_the_resident_roles_results_bit_for_bit(world):
+    """`prm_teacher:stream;tp=2`: slime's log-prob pass of the role streamed at TeacherLayout(tp=2)
+    equals the resident role's at that layout (torch.equal); each rank holds its shard in host
+    memory and nothing on the device after the pass."""
+    served(world)
+    for rank, result in enumerate(world):
+        assert sorted(result["stream_scores"]) == sorted(result["scores"])
+        for key, values in result["scores"].items():
+            assert all(torch.equal(got, want) for got, want in zip(result["stream_scores"][key], values, strict=True))
+        report = result["stream_report"]
+        assert report["mode"] == "stream" and report["device_weight_bytes"] == 0, rank
+        assert report["host_bytes"] == report["resident_weight_bytes"] > 0, rank  # this rank's shard, no more
 
 
 def test_what_a_role_at_its_own_layout_cannot_serve_is_refused_on_every_rank(world):

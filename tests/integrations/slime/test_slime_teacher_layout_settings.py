@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 from megatron_rl_patches.integrations.slime import hf_teachers, layout_teacher
 from megatron_rl_patches.integrations.slime import opd as slime_opd
 from megatron_rl_patches.integrations.slime.layout_role import check_role_layout
@@ -63,11 +64,16 @@ def test_a_roles_tp_option_is_read_and_checked():
                        ("teacher;pp=2", "option 'pp=2': a role's model at its own pipeline-parallel size is not "
                                         "served"),
                        ("teacher;bf16", "unknown option 'bf16'"),
-                       ("teacher:stream;tp=2", "';tp=2' with residency 'stream': a model at its own layout is "
-                                               "served resident only")):
-        with pytest.raises(ValueError, match=f"{env.INFERENCE_ROLES} role '{bad}': {words}"):
+                       ("teacher:fast;tp=2", "has residency 'fast'")):
+        with pytest.raises(ValueError, match=words if "residency" in words else
+                           f"{env.INFERENCE_ROLES} role '{bad}': {words}"):
             env.checked_role_names({env.INFERENCE_ROLES: bad})
         assert words.split(":")[0] in env.summary({env.INFERENCE_ROLES: bad})["errors"][0]
+    # any residency at a role's own layout (the 2-rank world builds `prm_teacher:stream;tp=2`: test_slime_role_layout)
+    served = "judge:stream;tp=2,ref:swap;tp=2"
+    assert env.checked_role_names({env.INFERENCE_ROLES: served}) == ["judge", "ref"]
+    assert env.role_layouts({env.INFERENCE_ROLES: served}) == {"judge": 2, "ref": 2}
+    assert env.role_residencies({env.INFERENCE_ROLES: served}) == {"judge": "stream", "ref": "swap"}
 
 
 @pytest.fixture
@@ -77,7 +83,7 @@ def checkpoints(tmp_path, monkeypatch):
     write_tiny_checkpoint(other, tiny_hf_config("qwen3"))
     write_tiny_checkpoint(same, tiny_hf_config("qwen3", num_hidden_layers=3))
     built: list = []
-    monkeypatch.setattr(hf_teachers, "build_hf_teacher", lambda *a, **k: built.append(a) or ["chunk"])
+    monkeypatch.setattr(hf_teachers, "build_hf_teacher", lambda *a, **k: built.append((a, k)) or ["chunk"])
     monkeypatch.setattr(layout_teacher, "student_sizes", lambda: {"pipeline": 1, "context": 1})
     monkeypatch.setattr(layout_teacher, "process_group_collection_class", lambda: object)
     return SimpleNamespace(other=other, same=same, built=built)
@@ -87,11 +93,7 @@ def checkpoints(tmp_path, monkeypatch):
     ("{other};tp=2", {}, r"';tp=2' cannot be laid over 1 rank\(s\): the world size must be a multiple"),
     ("{other};pp=2", {}, r"other;pp=2': ';pp=2' cannot be laid over 1 rank\(s\): the world size must be a multiple "
                          r"of the teacher's tp x pp = 2"),
-    ("{other};pp=1", {"MEGATRON_RL_PATCHES_OPD_RESIDENCY": "stream"}, "other;pp=1' with MEGATRON_RL_PATCHES_OPD_"
-                                                                       "RESIDENCY='stream': a teacher at its own"),
     ("{other},{same};tp=1", {}, "this checkpoint goes slime's snapshot route.*drop ';tp='"),
-    ("{other};tp=1", {"MEGATRON_RL_PATCHES_OPD_RESIDENCY": "stream"},
-     "a teacher at its own layout is served resident only"),
     ("{other};tp=1", {"MEGATRON_RL_PATCHES_OPD_IDS_FROM": "union"},
      "a teacher at its own layout scores the student's ids only"),
 ])
@@ -101,6 +103,16 @@ def test_a_layout_the_run_cannot_serve_is_refused_before_any_teacher_loads(check
     with pytest.raises(ValueError, match=words):
         slime_opd.load_teachers(actor, settings)
     assert checkpoints.built == [] and actor.loaded == []  # nothing loaded, not even the teachers before it
+
+
+@pytest.mark.parametrize("mode", ["swap", "stream"])
+def test_a_layout_teacher_is_built_at_the_runs_residency(checkpoints, mode):
+    """MEGATRON_RL_PATCHES_OPD_RESIDENCY reaches a `;tp=` / `;pp=` teacher's build (the 2-rank world
+    scores `PATH;tp=2` streamed and `PATH;pp=2` swapped: test_slime_opd_layout_teacher.py)."""
+    settings = opd_settings({TEACHERS: f"{checkpoints.other};tp=1,{checkpoints.other};pp=1",
+                             "MEGATRON_RL_PATCHES_OPD_RESIDENCY": mode})
+    slime_opd.load_teachers(TinyActor(num_layers=3), settings)
+    assert [(args[2], kwargs["layout"]) for args, kwargs in checkpoints.built] == [(mode, TeacherLayout(tp=1))] * 2
 
 
 def test_a_student_with_pipeline_or_context_parallelism_is_not_refused(checkpoints, monkeypatch):
