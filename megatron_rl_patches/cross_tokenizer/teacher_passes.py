@@ -154,10 +154,14 @@ class Buckets:
 def chunk_start_buckets(teacher_top: torch.Tensor, alignment: Alignment, shared: SharedVocabulary) -> Buckets:
     """The buckets at each chunk's first tokens from the teacher's top-k ids on its response rows
     [R_teacher, k]: the shared strings among them (each once), every id of each string per side
-    (widths fixed per tokenizer pair, so samples stack)."""
+    (widths fixed per tokenizer pair, so samples stack). An id past the teacher's tokenizer (a
+    model's vocabulary padded beyond it: Megatron's padding, a config's spare rows) spells nothing:
+    no string."""
     device = teacher_top.device
     s_rows, t_rows = (rows.to(device) for rows in alignment.chunk_starts())
-    strings, alive = alive_strings(shared.teacher_string.to(device)[teacher_top[t_rows]])
+    table, top = shared.teacher_string.to(device), teacher_top[t_rows]
+    spelled = top < table.numel()
+    strings, alive = alive_strings(torch.where(spelled, table[top.clamp(max=table.numel() - 1)], -1))
     t_ids, t_mask = shared.bucket_ids(strings, alive, "teacher", shared.most_ids("teacher"))
     s_ids, s_mask = shared.bucket_ids(strings, alive, "student", shared.most_ids("student"))
 

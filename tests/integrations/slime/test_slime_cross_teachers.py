@@ -211,6 +211,20 @@ def test_chunk_start_buckets_brought_back_equal_part_one(pair):
     assert (moved - value).abs().max() > 1e-3
 
 
+def test_ids_past_the_teachers_tokenizer_spell_nothing(pair):
+    """A teacher model's vocabulary padded past its tokenizer (Megatron's padding, a config's spare
+    rows): such a top-k id is no string, as an unshared id (it indexed past the string table)."""
+    ids, sample, shared, student, (th, tw) = pair
+    top = lm_head_topk_ids(th, tw, K)
+    unshared = int(torch.nonzero(shared.teacher_string < 0)[0])
+    past, plain = top.clone(), top.clone()
+    past[:, 0], plain[:, 0] = shared.teacher_string.numel() + 7, unshared
+    got, want = (ct.chunk_start_buckets(t, sample.alignment, shared) for t in (past, plain))
+    for field in ("teacher_ids", "teacher_mask", "student_ids", "student_mask", "alive"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert not torch.equal(ct.chunk_start_buckets(top, sample.alignment, shared).alive, got.alive)
+
+
 def test_log_ratio_is_part_one_token_term(pair):
     ids, sample, shared, (h, w), (th, tw) = pair
     s_lp, _ = lm_head_log_probs_and_entropy(h, w, ids)
