@@ -18,10 +18,11 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
+from megatron_rl_patches.testing import layouts  # noqa: E402
 from tests.cross_tokenizer import conftest as tokenizers  # noqa: E402
 from tests.cross_tokenizer.conftest import TEXTS  # noqa: E402
 
-pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
+pytestmark = [pytest.mark.megatron, pytest.mark.multirank, layouts.mark("ep2")]
 
 qwen3, deepseek = tokenizers.qwen3, tokenizers.deepseek  # the real-tokenizer fixtures
 RANK_TEXTS = (("english", "chinese"), ("mixed",))

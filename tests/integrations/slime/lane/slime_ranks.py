@@ -214,7 +214,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
     `wide_path@slime_ranks:wide_teacher` (`save_wide_teacher`'s checkpoint); `cross`: the second
     teacher is the Hugging Face directory cross["teacher"] with its own tokenizer
     (`;tokenizer=own`), the student's tokenizer in cross["student"] (slime's --hf-checkpoint), its
-    vocabulary cross["vocab"], the rollouts' samples cross["samples"]."""
+    vocabulary cross["vocab"], the rollouts' samples cross["samples"] (cross["entries"]: the
+    teachers' entries instead; cross["seeds"]: the seed of each further snapshot path's weights)."""
     with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual,
                    expert=expert) as patch:
         import slime_kit as kit
@@ -264,7 +265,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 if args.allgather_cp:
                     declared_dsa(args)
                 model, optimizer, scheduler = kit.build(args)
-                actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2}, patch)
+                actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2, **(cross or {}).get("seeds", {})},
+                                  patch)
                 teachers = slime_opd.load_teachers(actor, opd_settings())
                 setattr(actor, slime_opd.ATTRIBUTE, teachers)
                 models = [getattr(t, "model", t) for t in teachers]  # a teacher with another tokenizer: its model
