@@ -19,7 +19,7 @@ from megatron_rl_patches.cross_tokenizer.chunk_terms import chunk_distillation_t
 from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
 from megatron_rl_patches.cross_tokenizer.teacher import CrossTeacher
 from megatron_rl_patches.cross_tokenizer.vocabulary import shared_strings
-from megatron_rl_patches.integrations.slime import expert_agreement
+from megatron_rl_patches.integrations.slime import expert_agreement, step_repeats
 from megatron_rl_patches.integrations.slime.allgather_cp import (
     allgather_cp_active,
     whole_from_zigzag,
@@ -42,6 +42,7 @@ from megatron_rl_patches.integrations.slime.step_plan import (
     IDS_MASK,
     STEP_IDS,
     STEP_MASK,
+    STEP_SAME_AS,
     TEACHER_LOGPROBS,
     TEACHER_TAILS,
     TopkRequest,
@@ -188,7 +189,9 @@ def place(rollout_data: dict, scored: list[TeacherScores], same: bool, union: bo
             parts[i].append(_deepened(ids, alive.shape[-1], depth).to(device))
             masks[i].append(_deepened(mask, alive.shape[-1], depth).to(device))
     rollout_data[STEP_IDS] = [torch.cat(p, dim=1) for p in parts]
-    rollout_data[STEP_MASK] = [torch.cat(m, dim=1) for m in masks]
+    once = [step_repeats.unrepeated(ids, torch.cat(m, dim=1)) for ids, m in zip(rollout_data[STEP_IDS], masks)]
+    rollout_data[STEP_MASK] = [mask for mask, _ in once]
+    rollout_data[STEP_SAME_AS] = [same_as for _, same_as in once]
     for key, field in ((CROSS_RATIO, "log_ratio"), (CROSS_LOGPROBS, "log_probs"), (CROSS_TAILS, "tails"),
                        (CROSS_ALIVE, "alive")):
         per_teacher = [_cut(_each(getattr(out, field)), rollout_data) for out in scored]
@@ -244,6 +247,8 @@ def loss_terms(settings: OpdSettings, batch: dict, student: torch.Tensor, studen
     same = [i for i, t in enumerate(settings.teachers) if not t.own_tokenizer]
     cross = [i for i, t in enumerate(settings.teachers) if t.own_tokenizer]
     mask = torch.cat(batch[STEP_MASK]).to(device=student.device, dtype=torch.bool)
+    if batch.get(STEP_SAME_AS) is not None:  # an id repeated across the parts: scored once, read by each
+        student, mask = step_repeats.restored(student, mask, torch.cat(batch[STEP_SAME_AS]))
     parts = len(cross) + bool(same)
     total = torch.zeros_like(token_log_probs)
     start = 0

@@ -227,6 +227,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
         import megatron_rl_patches
         from megatron_rl_patches.integrations.slime import opd as slime_opd
         from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
+        from megatron_rl_patches.integrations.slime.step_plan import STEP_SAME_AS
 
         for name, value in OPD_ENV.items():
             patch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
@@ -309,6 +310,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                         "ids": first.get(slime_opd.IDS), "rows": _response_rows(first),
                         "teacher_logprobs": first.get(slime_opd.TEACHER_LOGPROBS),
                         "last_ids": data.get(slime_opd.IDS),
+                        "step_repeats": sum(int((same_as >= 0).sum()) for same_as in first.get(STEP_SAME_AS, [])),
                         "keys": sorted(k for k in data if k.startswith("opd_")), "split": _partition_dims(model),
                         "active": actor._active_model_tag,
                         "hf_layers": [[layer.layer_number for layer in chunk.decoder.layers]

@@ -12,7 +12,9 @@ dispatchers' collectives pair up the two data-parallel ranks' teacher forwards; 
 tiny Qwen3-MoE, its 4 experts split 2 + 2) and CP=2 with slime's --allgather-cp (its contiguous
 slices; the lane's declared DSA world has no positions, so the teacher there is a snapshot of the
 actor's architecture, its checkpoint directory holding another small tokenizer: part 1's
-SentencePiece-style BPE with a dummy prefix). Each world is spawned once; a negative control (the
+SentencePiece-style BPE with a dummy prefix); EP=2 once more with such a snapshot teacher (the MoE
+actor's), whose buckets share ids with the student's top-k in the step's rows (`step_repeats`:
+each scored once; before, a ValueError at the training step). Each world is spawned once; a negative control (the
 teacher's chunks shifted by one) moves the reference far from the run. The same worlds run slime's
 own `--use-opd --opd-type sglang` advantage path, whose teacher log-probs are the spread signal:
 its reverse KL is r per token."""
@@ -47,13 +49,16 @@ USE_OPD = ("--use-opd", "--opd-type", "sglang", "--opd-kl-coef", "1.0")
 LAYOUTS = {"pp1": ((1, 1, 1, None), ("thd",)), "tp2sp": ((1, 1, 2, None), ("tp2", "sp", "thd")),
            "pp2": ((2, 1, 1, None), ("pp2", "thd")), "pp2vpp2": ((2, 1, 1, 2), ("pp2", "vpp2", "thd")),
            "cp2": ((1, 2, 1, None), ("cp2-zigzag", "thd")), "ep2": ((1, 1, 1, None), ("ep2", "thd")),
-           "cp2ag": ((1, 2, 1, None), ("cp2-allgather", "thd"))}
+           "cp2ag": ((1, 2, 1, None), ("cp2-allgather", "thd")), "ep2snapshot": ((1, 1, 1, None), ("ep2", "thd"))}
 EP2 = layouts.BY_MARKER["ep2"].megatron_lm_args
-FLAGS = {"tp2sp": layouts.BY_MARKER["sp"].megatron_lm_args, "ep2": EP2,
+FLAGS = {"tp2sp": layouts.BY_MARKER["sp"].megatron_lm_args, "ep2": EP2, "ep2snapshot": EP2,
          "cp2ag": layouts.BY_MARKER["cp2-allgather"].megatron_lm_args}
 # the layout whose teacher with another tokenizer is a snapshot of the actor (its seed); at EP=2 the
 # Hugging Face teacher is Qwen3-MoE (a dense one is refused at an expert-parallel size > 1)
-SNAPSHOT_SEED = {"cp2ag": 3}
+SNAPSHOT_SEED = {"cp2ag": 3, "ep2snapshot": 3}
+# the worlds whose step rows repeat ids across the parts (the snapshot teacher's tokenizer shares most
+# of the student's strings, so its buckets hold the student's top ids): each is scored once
+REPEATING = ("ep2snapshot",)
 MOE_TEACHER = "ep2"
 # (prompt, response, masked tool output inside the response or None)
 TEXTS = (("<s>user: Hi, who are you?<|end|>\nassistant: ", "I am the quick fox 🙂.", None),
@@ -143,7 +148,7 @@ def world(request, dirs, spm):
 
 def _experts(layout: str) -> int:
     """The expert-parallel size (the EP=2 world is DP=2: each rank holds the whole rollout)."""
-    return 2 if layout == "ep2" else 1
+    return 2 if layout.startswith("ep2") else 1
 
 
 def _buckets(p_row, q_row, strings, shared):
@@ -283,6 +288,10 @@ def test_train_actor_with_a_teacher_of_another_tokenizer_equals_float64(slime_cp
                                [kl[:, None] for kl in rank["opd_reverse_kl"]]} for rank in ranks], context, tensor)
     kl_error = max((kl[:, 0].double() - r).abs().max().item() for kl, r in zip(slime_kl, token_terms))
     print(f"  slime's --use-opd reverse KL vs r = (ℓS_j − ℓT_j)/|S_j|: max |Δ| {kl_error:.2e}")
+    repeats = sum(rank["step_repeats"] for rank in ranks)
+    print(f"  step ids repeated across the parts (scored once, read by each): {repeats}")
+    if layout in REPEATING:  # the world whose rows repeat ids: before step_repeats, a ValueError at the step
+        assert repeats > 0
     assert kl_error < 5e-5  # slime's float32 log-probs against float64
     assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
     assert abs(float(shifted) - float(expected)) > 100 * max(loss_error, 1e-7)
