@@ -167,6 +167,19 @@ def teacher_route(path: str, args: Any, what: str) -> tuple[str, list[str]]:
     return route, differences
 
 
+def check_allgather_cp(args: Any, what: str) -> None:
+    """ValueError naming slime's --allgather-cp (with context parallelism) for a Hugging Face
+    teacher built on the actor's split: its layers run megatron-core's rotary embedding, whose
+    packed (thd) path cuts each sequence in zigzag, while --allgather-cp hands each rank a
+    contiguous slice of the packed stream (wrong positions; a shape error where the cuts differ)."""
+    if getattr(args, "allgather_cp", False) and (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        raise ValueError(f"{what} is a Hugging Face directory of another architecture than the actor's, built "
+                         "on the actor's split, which is not served with --allgather-cp: megatron-core's rotary "
+                         "embedding cuts packed sequences in zigzag, --allgather-cp gives each rank a contiguous "
+                         "slice; run it without --allgather-cp, or give the teacher the actor's architecture "
+                         "(slime's snapshot route)")
+
+
 def student_vocab(args: Any, padded: int) -> int | str:
     """What the teacher's vocabulary is checked against: the actor's Hugging Face directory
     (slime's --hf-checkpoint: its vocab_size and tokenizer ids), else its real vocab size."""
