@@ -9,15 +9,16 @@ step's OPD loss and every gradient against a float64 reference built from part 1
 (dense softmaxes: chunk sums, shared byte strings at chunk starts), at one rank, TP=2 with sequence
 parallelism, PP=2, PP=2×VPP=2, CP=2 (zigzag), EP=2 (an MoE student, 4 experts top-2: the
 dispatchers' collectives pair up the two data-parallel ranks' teacher forwards; the teacher there a
-tiny Qwen3-MoE, its 4 experts split 2 + 2) and CP=2 with slime's --allgather-cp (its contiguous
-slices; the lane's declared DSA world has no positions, so the teacher there is a snapshot of the
-actor's architecture, its checkpoint directory holding another small tokenizer: part 1's
-SentencePiece-style BPE with a dummy prefix); EP=2 once more with such a snapshot teacher (the MoE
-actor's), whose buckets share ids with the student's top-k in the step's rows (`step_repeats`:
-each scored once; before, a ValueError at the training step). Each world is spawned once; a negative control (the
-teacher's chunks shifted by one) moves the reference far from the run. The same worlds run slime's
-own `--use-opd --opd-type sglang` advantage path, whose teacher log-probs are the spread signal:
-its reverse KL is r per token."""
+tiny Qwen3-MoE, its 4 experts split 2 + 2, its agreed micro-batch count raised past its samples as
+if another rank planned more, so a sample runs twice through slime's forward_only, dropped once) and
+CP=2 with slime's --allgather-cp (its contiguous slices; the lane's declared DSA world has no
+positions, so the teacher there is a snapshot of the actor's architecture, its checkpoint directory
+holding another small tokenizer: part 1's SentencePiece-style BPE with a dummy prefix); EP=2 once
+more with such a snapshot teacher (the MoE actor's), whose buckets share ids with the student's
+top-k in the step's rows (`step_repeats`: each scored once; before, a ValueError at the training
+step). Each world is spawned once; a negative control (the teacher's chunks shifted by one) moves
+the reference far from the run. The same worlds run slime's own `--use-opd --opd-type sglang`
+advantage path, whose teacher log-probs are the spread signal: its reverse KL is r per token."""
 from __future__ import annotations
 
 import shutil
@@ -59,6 +60,10 @@ SNAPSHOT_SEED = {"cp2ag": 3, "ep2snapshot": 3}
 # the worlds whose step rows repeat ids across the parts (the snapshot teacher's tokenizer shares most
 # of the student's strings, so its buckets hold the student's top ids): each is scored once
 REPEATING = ("ep2snapshot",)
+# the worlds whose teacher runs more micro-batches than its samples split into (as if another
+# data-parallel rank planned more: 2 planned + 3 = 5 for 4 samples, the shortest run twice, its
+# values dropped), through slime's real forward_only
+PADDED = {"ep2": 3}
 MOE_TEACHER = "ep2"
 # (prompt, response, masked tool output inside the response or None)
 TEXTS = (("<s>user: Hi, who are you?<|end|>\nassistant: ", "I am the quick fox 🙂.", None),
@@ -138,6 +143,8 @@ def world(request, dirs, spm):
     student, teacher, snapshot, moe = dirs
     cross = {"teacher": moe if request.param == MOE_TEACHER else teacher, "student": student,
              "vocab": STUDENT_VOCAB, "samples": _samples(spm)}
+    if request.param in PADDED:
+        cross["more_micro_batches"] = PADDED[request.param]
     if request.param in SNAPSHOT_SEED:
         cross.update(entries=f"teacher-a,{snapshot};tokenizer=own", seeds={snapshot: SNAPSHOT_SEED[request.param]})
     expert = _experts(request.param)
@@ -288,6 +295,8 @@ def test_train_actor_with_a_teacher_of_another_tokenizer_equals_float64(slime_cp
                                [kl[:, None] for kl in rank["opd_reverse_kl"]]} for rank in ranks], context, tensor)
     kl_error = max((kl[:, 0].double() - r).abs().max().item() for kl, r in zip(slime_kl, token_terms))
     print(f"  slime's --use-opd reverse KL vs r = (ℓS_j − ℓT_j)/|S_j|: max |Δ| {kl_error:.2e}")
+    if layout in PADDED:  # every rank, each rollout's step: the agreed count raised past its 4 samples
+        assert all(rank["teacher_micro_batches"] == [2 + PADDED[layout]] * 2 for rank in ranks)
     repeats = sum(rank["step_repeats"] for rank in ranks)
     print(f"  step ids repeated across the parts (scored once, read by each): {repeats}")
     if layout in REPEATING:  # the world whose rows repeat ids: before step_repeats, a ValueError at the step
