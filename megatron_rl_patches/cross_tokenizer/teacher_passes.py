@@ -98,14 +98,35 @@ def _packed(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return plan
 
 
+# the teacher rollout's key of its padding: per extra sample, the sample it repeats
+PADDED_FROM = "padded_from"
+
+
 def teacher_rollout(samples: Sequence[TeacherSample], budget: int, at_least: int = 1) -> dict[str, Any]:
     """slime's rollout fields for the teacher's own passes (its ids, lengths, micro-batches: at
-    least `at_least`)."""
-    plan = plan_micro_batches([s.tokens.numel() for s in samples], budget, at_least)
-    return {"tokens": [s.tokens for s in samples], "total_lengths": [int(s.tokens.numel()) for s in samples],
-            "response_lengths": [s.response_length for s in samples],
-            "loss_masks": [torch.ones(s.response_length, dtype=torch.int, device=s.tokens.device) for s in samples],
-            "micro_batch_indices": plan, "num_microbatches": [len(plan)]}
+    least `at_least`). Where its samples cannot be split into that many, the shortest one is
+    repeated as a micro-batch of its own (`PADDED_FROM` names the repeated samples; their values
+    are dropped: `padded`, `unpadded`): every rank of a group whose forwards pair up collectives
+    (an expert-parallel group's dispatcher) runs as many."""
+    lengths = [int(s.tokens.numel()) for s in samples]
+    plan = plan_micro_batches(lengths, budget, at_least)
+    repeated = [min(range(len(samples)), key=lengths.__getitem__)] * max(0, at_least - len(plan)) if samples else []
+    plan += [[len(samples) + i] for i in range(len(repeated))]
+    every = [*samples, *(samples[j] for j in repeated)]
+    return {"tokens": [s.tokens for s in every], "total_lengths": [int(s.tokens.numel()) for s in every],
+            "response_lengths": [s.response_length for s in every],
+            "loss_masks": [torch.ones(s.response_length, dtype=torch.int, device=s.tokens.device) for s in every],
+            "micro_batch_indices": plan, "num_microbatches": [len(plan)], PADDED_FROM: repeated}
+
+
+def padded(per_sample: Sequence[Any], rollout: dict[str, Any]) -> list[Any]:
+    """Per-sample values of the samples for `rollout`'s every sample (its repeats included)."""
+    return [*per_sample, *(per_sample[j] for j in rollout[PADDED_FROM])]
+
+
+def unpadded(per_sample: Sequence[Any], rollout: dict[str, Any]) -> list[Any]:
+    """A pass's per-sample values of `rollout` without its repeats (the samples' own)."""
+    return list(per_sample[:len(per_sample) - len(rollout[PADDED_FROM])])
 
 
 def log_ratio(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, alignment: Alignment
@@ -133,10 +154,14 @@ class Buckets:
 def chunk_start_buckets(teacher_top: torch.Tensor, alignment: Alignment, shared: SharedVocabulary) -> Buckets:
     """The buckets at each chunk's first tokens from the teacher's top-k ids on its response rows
     [R_teacher, k]: the shared strings among them (each once), every id of each string per side
-    (widths fixed per tokenizer pair, so samples stack)."""
+    (widths fixed per tokenizer pair, so samples stack). An id past the teacher's tokenizer (a
+    model's vocabulary padded beyond it: Megatron's padding, a config's spare rows) spells nothing:
+    no string."""
     device = teacher_top.device
     s_rows, t_rows = (rows.to(device) for rows in alignment.chunk_starts())
-    strings, alive = alive_strings(shared.teacher_string.to(device)[teacher_top[t_rows]])
+    table, top = shared.teacher_string.to(device), teacher_top[t_rows]
+    spelled = top < table.numel()
+    strings, alive = alive_strings(torch.where(spelled, table[top.clamp(max=table.numel() - 1)], -1))
     t_ids, t_mask = shared.bucket_ids(strings, alive, "teacher", shared.most_ids("teacher"))
     s_ids, s_mask = shared.bucket_ids(strings, alive, "student", shared.most_ids("student"))
 

@@ -19,6 +19,7 @@ from megatron_rl_patches.cross_tokenizer.chunk_terms import chunk_distillation_t
 from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
 from megatron_rl_patches.cross_tokenizer.teacher import CrossTeacher
 from megatron_rl_patches.cross_tokenizer.vocabulary import shared_strings
+from megatron_rl_patches.integrations.slime import expert_agreement, step_repeats
 from megatron_rl_patches.integrations.slime.allgather_cp import (
     allgather_cp_active,
     whole_from_zigzag,
@@ -41,6 +42,7 @@ from megatron_rl_patches.integrations.slime.step_plan import (
     IDS_MASK,
     STEP_IDS,
     STEP_MASK,
+    STEP_SAME_AS,
     TEACHER_LOGPROBS,
     TEACHER_TAILS,
     TopkRequest,
@@ -78,25 +80,13 @@ def load_cross(args: Any, teacher: Teacher, model: ModelTeacher | str | list[Any
     return CrossTokenizerTeacher(model_teacher(model), CrossTeacher(own, student, shared_strings(student, own), stop))
 
 
-def unserved_layout(args: Any) -> str | None:
-    """The layout feature teachers with another tokenizer are not served with (yet), or None."""
-    if (getattr(args, "expert_model_parallel_size", None) or 1) > 1:
-        return "expert parallelism (--expert-model-parallel-size > 1)"
-    if getattr(args, "allgather_cp", False):
-        return "--allgather-cp"
-    return None
-
-
 def check_args(args: Any, settings: OpdSettings) -> None:
-    """Before anything loads: the layouts teachers with another tokenizer serve, and slime's
-    `--use-opd` with them (one such teacher, whose spread signal are its teacher_log_probs; slime's
-    sglang mode: its megatron mode overwrites teacher_log_probs with its own teacher's)."""
+    """Before anything loads: slime's `--use-opd` with teachers of another tokenizer (one such
+    teacher, whose spread signal are its teacher_log_probs; slime's sglang mode: its megatron mode
+    overwrites teacher_log_probs with its own teacher's). Every layout is served (expert parallelism:
+    the teacher's micro-batches agreed over the data-parallel ranks, `expert_agreement`)."""
     if not any(t.own_tokenizer for t in settings.teachers):
         return
-    what = unserved_layout(args)
-    if what is not None:
-        raise ValueError(f"{TEACHERS} names a teacher with ';tokenizer=own', which is not served with {what} "
-                             "yet: run it without that, or drop the option's teacher")
     if not getattr(args, "use_opd", False):
         return
     own = sum(t.own_tokenizer for t in settings.teachers)
@@ -145,20 +135,26 @@ class CrossTokenizerTeacher(OpdTeacher):
         model = self.model.model_chunks(actor)
         samples = teacher_samples(rollout_data, self)
         budget = ct.student_budget(rollout_data["total_lengths"], rollout_data["micro_batch_indices"])
-        own = ct.teacher_rollout(samples, budget, len(rollout_data["micro_batch_indices"]))
+        # at least the student's count (a pipeline schedule's minimum); with expert parallelism as many
+        # as every data-parallel rank's (the MoE dispatchers' collectives pair the ranks' forwards up)
+        planned = len(ct.plan_micro_batches([s.tokens.numel() for s in samples], budget,
+                                            len(rollout_data["micro_batch_indices"])))
+        own = ct.teacher_rollout(samples, budget, expert_agreement.agreed_micro_batches(
+            max(planned, len(rollout_data["micro_batch_indices"]))))
         first = self.model.topk_pass(step, model, own, TopkRequest(k=settings.k))
         buckets: list[ct.Buckets] = []
         if last:
-            top = _whole(first["topk_ids"], own)
+            top = ct.unpadded(_whole(first["topk_ids"], own), own)
             buckets = [ct.chunk_start_buckets(ids, s.alignment, self.pair.shared) for ids, s in zip(top, samples)]
-            own[TEACHER_IDS] = _cut([b.teacher_ids for b in buckets], own)
-            own[TEACHER_MASK] = _cut([b.teacher_mask for b in buckets], own)
+            own[TEACHER_IDS] = _cut(ct.padded([b.teacher_ids for b in buckets], own), own)
+            own[TEACHER_MASK] = _cut(ct.padded([b.teacher_mask for b in buckets], own), own)
         second = self.model.topk_pass(step, model, own, TopkRequest(ids_key=TEACHER_IDS, mask_key=TEACHER_MASK,
                                                                     keys=(TEACHER_IDS, TEACHER_MASK)))
         if not last:
             return None
-        own_log_probs = _whole(first["log_probs"], own)
-        id_log_probs, tails = _whole(second["topk_log_probs"], own), _whole(second["tail"], own)
+        own_log_probs = ct.unpadded(_whole(first["log_probs"], own), own)
+        id_log_probs = ct.unpadded(_whole(second["topk_log_probs"], own), own)
+        tails = ct.unpadded(_whole(second["tail"], own), own)
         out: dict[str, list[torch.Tensor]] = {key: [] for key in ("ratio", "logprobs", "tails", "alive", "ids",
                                                                   "mask")}
         for s, b, student, teacher_lp, lp, tail in zip(samples, buckets, step.student_log_probs, own_log_probs,
@@ -193,7 +189,9 @@ def place(rollout_data: dict, scored: list[TeacherScores], same: bool, union: bo
             parts[i].append(_deepened(ids, alive.shape[-1], depth).to(device))
             masks[i].append(_deepened(mask, alive.shape[-1], depth).to(device))
     rollout_data[STEP_IDS] = [torch.cat(p, dim=1) for p in parts]
-    rollout_data[STEP_MASK] = [torch.cat(m, dim=1) for m in masks]
+    once = [step_repeats.unrepeated(ids, torch.cat(m, dim=1)) for ids, m in zip(rollout_data[STEP_IDS], masks)]
+    rollout_data[STEP_MASK] = [mask for mask, _ in once]
+    rollout_data[STEP_SAME_AS] = [same_as for _, same_as in once]
     for key, field in ((CROSS_RATIO, "log_ratio"), (CROSS_LOGPROBS, "log_probs"), (CROSS_TAILS, "tails"),
                        (CROSS_ALIVE, "alive")):
         per_teacher = [_cut(_each(getattr(out, field)), rollout_data) for out in scored]
@@ -249,6 +247,8 @@ def loss_terms(settings: OpdSettings, batch: dict, student: torch.Tensor, studen
     same = [i for i, t in enumerate(settings.teachers) if not t.own_tokenizer]
     cross = [i for i, t in enumerate(settings.teachers) if t.own_tokenizer]
     mask = torch.cat(batch[STEP_MASK]).to(device=student.device, dtype=torch.bool)
+    if batch.get(STEP_SAME_AS) is not None:  # an id repeated across the parts: scored once, read by each
+        student, mask = step_repeats.restored(student, mask, torch.cat(batch[STEP_SAME_AS]))
     parts = len(cross) + bool(same)
     total = torch.zeros_like(token_log_probs)
     start = 0

@@ -167,6 +167,19 @@ def teacher_route(path: str, args: Any, what: str) -> tuple[str, list[str]]:
     return route, differences
 
 
+def check_allgather_cp(args: Any, what: str) -> None:
+    """ValueError naming slime's --allgather-cp (with context parallelism) for a Hugging Face
+    teacher built on the actor's split: its layers run megatron-core's rotary embedding, whose
+    packed (thd) path cuts each sequence in zigzag, while --allgather-cp hands each rank a
+    contiguous slice of the packed stream (wrong positions; a shape error where the cuts differ)."""
+    if getattr(args, "allgather_cp", False) and (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        raise ValueError(f"{what} is a Hugging Face directory of another architecture than the actor's, built "
+                         "on the actor's split, which is not served with --allgather-cp: megatron-core's rotary "
+                         "embedding cuts packed sequences in zigzag, --allgather-cp gives each rank a contiguous "
+                         "slice; run it without --allgather-cp, or give the teacher the actor's architecture "
+                         "(slime's snapshot route)")
+
+
 def student_vocab(args: Any, padded: int) -> int | str:
     """What the teacher's vocabulary is checked against: the actor's Hugging Face directory
     (slime's --hf-checkpoint: its vocab_size and tokenizer ids), else its real vocab size."""
@@ -216,8 +229,6 @@ def build_hf_teacher(args: Any, path: str, residency: str | None, student: int |
     import torch
 
     from megatron_rl_patches.inference.build_hf import build_inference_model_from_hf
-    from megatron_rl_patches.inference.gated_delta_net import use_context_parallel_rows
-    from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active
 
     if own_tokenizer:
         shared = int(load_tokenizer(path, what).get_vocab_size(with_added_tokens=True))
@@ -229,8 +240,6 @@ def build_hf_teacher(args: Any, path: str, residency: str | None, student: int |
         path, residency=residency or "resident", dtype=dtype if isinstance(dtype, torch.dtype) else None,
         make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None) or 128,
         core_attention=None if layout is not None else packed_core_attention(args), layout=layout)
-    if layout is None and allgather_cp_active(args):  # each context-parallel rank a contiguous slice
-        use_context_parallel_rows(chunks, "contiguous")
     for chunk in chunks:
         # one tokenizer padded to another vocab_size than the student's: no mass beyond the shared ids
         setattr(chunk, "hf_vocab_size", min(shared, int(getattr(chunk, "hf_vocab_size"))))  # noqa: B009, B010

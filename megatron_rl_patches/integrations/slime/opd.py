@@ -125,6 +125,8 @@ def _routes(actor: Any, settings: OpdSettings, student: int | str) -> list[str |
             continue
         what = f"{TEACHERS}: teacher {teacher.path!r}"
         route, differences = hf_teachers.teacher_route(teacher.path, actor.args, what)
+        if route == hf_teachers.HF and not teacher.at_layout:
+            hf_teachers.check_allgather_cp(actor.args, what)
         if route == hf_teachers.HF and not teacher.own_tokenizer:
             hf_teachers.check_vocab(teacher.path, student, what)
             logger.info("megatron-rl-patches: slime_opd teacher %s differs from the actor (%s): built from its "

@@ -96,6 +96,7 @@ def _hf_of_another_architecture(run_args: Any, role: str, path: str, residency: 
     route, differences = hf_teachers.teacher_route(path, run_args, what)
     if route != hf_teachers.HF:
         return None
+    hf_teachers.check_allgather_cp(run_args, what)  # megatron-core's thd RoPE cuts in zigzag
     student = hf_teachers.student_vocab(run_args, getattr(run_args, "padded_vocab_size", None) or 0)
     chunks = hf_teachers.build_hf_teacher(run_args, path, residency, student, run_args, what)
     chunks[0].role = role

@@ -47,9 +47,12 @@ IDS_MASK = "opd_topk_ids_mask"
 # same-tokenizer ids, then each such teacher's bucket ids; [R, K] with their mask), and per such
 # teacher the token-level log-ratio [R, n], bucket scores [R, n, k], tails [R, n], live buckets [R, n, k].
 STEP_IDS, STEP_MASK = "opd_step_ids", "opd_step_ids_mask"
+# per sample [R, K] int64: a slot whose id an earlier slot of its row holds, that column (else -1;
+# `step_repeats`: scored once, masked in STEP_MASK)
+STEP_SAME_AS = "opd_step_same_as"
 CROSS_RATIO, CROSS_LOGPROBS = "opd_cross_log_ratio", "opd_cross_teacher_logprobs"
 CROSS_TAILS, CROSS_ALIVE = "opd_cross_teacher_tails", "opd_cross_alive"
-CROSS_KEYS = (STEP_IDS, STEP_MASK, CROSS_RATIO, CROSS_LOGPROBS, CROSS_TAILS, CROSS_ALIVE)
+CROSS_KEYS = (STEP_IDS, STEP_MASK, STEP_SAME_AS, CROSS_RATIO, CROSS_LOGPROBS, CROSS_TAILS, CROSS_ALIVE)
 OPD_KEYS = (IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS, *CROSS_KEYS)
 STEP_REQUEST = TopkRequest(ids_key=IDS, keys=(IDS, TEACHER_LOGPROBS, TEACHER_TAILS))
 UNION_STEP_REQUEST = TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS))

@@ -151,7 +151,14 @@ def test_micro_batches_under_the_student_budget():
     rollout = ct.teacher_rollout([sample, sample], 12)
     assert rollout["micro_batch_indices"] == [[0, 1]] and rollout["num_microbatches"] == [1]
     assert rollout["total_lengths"] == [6, 6] and rollout["response_lengths"] == [2, 2]
-    assert rollout["loss_masks"][0].tolist() == [1, 1]
+    assert rollout["loss_masks"][0].tolist() == [1, 1] and rollout[ct.PADDED_FROM] == []
+    # more micro-batches than the samples split into (agreed with other expert-parallel ranks): the
+    # shortest sample repeated alone; its values dropped, the repeat given its source's inputs
+    short = ct.TeacherSample(torch.arange(4), 1, None)
+    rollout = ct.teacher_rollout([sample, short], 100, at_least=4)
+    assert rollout["micro_batch_indices"] == [[0], [1], [2], [3]] and rollout["num_microbatches"] == [4]
+    assert rollout[ct.PADDED_FROM] == [1, 1] and rollout["total_lengths"] == [6, 4, 4, 4]
+    assert ct.padded(["a", "b"], rollout) == ["a", "b", "b", "b"] and ct.unpadded([0, 1, 2, 3], rollout) == [0, 1]
 
 
 def _model(vocab, rows, seed):
@@ -204,6 +211,20 @@ def test_chunk_start_buckets_brought_back_equal_part_one(pair):
     assert (moved - value).abs().max() > 1e-3
 
 
+def test_ids_past_the_teachers_tokenizer_spell_nothing(pair):
+    """A teacher model's vocabulary padded past its tokenizer (Megatron's padding, a config's spare
+    rows): such a top-k id is no string, as an unshared id (it indexed past the string table)."""
+    ids, sample, shared, student, (th, tw) = pair
+    top = lm_head_topk_ids(th, tw, K)
+    unshared = int(torch.nonzero(shared.teacher_string < 0)[0])
+    past, plain = top.clone(), top.clone()
+    past[:, 0], plain[:, 0] = shared.teacher_string.numel() + 7, unshared
+    got, want = (ct.chunk_start_buckets(t, sample.alignment, shared) for t in (past, plain))
+    for field in ("teacher_ids", "teacher_mask", "student_ids", "student_mask", "alive"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert not torch.equal(ct.chunk_start_buckets(top, sample.alignment, shared).alive, got.alive)
+
+
 def test_log_ratio_is_part_one_token_term(pair):
     ids, sample, shared, (h, w), (th, tw) = pair
     s_lp, _ = lm_head_log_probs_and_entropy(h, w, ids)
@@ -217,21 +238,19 @@ def test_log_ratio_is_part_one_token_term(pair):
 
 
 @pytest.mark.parametrize(("values", "named"), [
-    ({"expert_model_parallel_size": 2}, "expert parallelism"),
-    ({"allgather_cp": True}, "--allgather-cp"),
     ({"use_opd": True, "opd_type": "megatron"}, "--opd-type sglang"),
     ({"use_opd": True, "opd_type": "sglang", "two": True}, "one teacher with ';tokenizer=own' \\(got 2\\)"),
 ])
-def test_unserved_layouts_and_slime_opd_modes_refused_before_loading(values, named):
+def test_slime_opd_modes_refused_before_loading(values, named):
     from types import SimpleNamespace
 
     from megatron_rl_patches.integrations.slime.cross_passes import check_args
 
     own = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/t;tokenizer=own"})
     same = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/t"})
-    args = SimpleNamespace(virtual_pipeline_model_parallel_size=2, expert_model_parallel_size=1,
-                           allgather_cp=False, use_opd=False)
-    check_args(args, own)  # served: one rank, TP, PP (VPP too), CP zigzag
+    args = SimpleNamespace(virtual_pipeline_model_parallel_size=2, expert_model_parallel_size=2,
+                           allgather_cp=True, use_opd=False)
+    check_args(args, own)  # served: every layout (VPP, EP and --allgather-cp too)
     if values.pop("two", False):
         own = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/s,/ckpt/t;tokenizer=own,/ckpt/u;tokenizer=own",
                             "MEGATRON_RL_PATCHES_OPD_WEIGHTS": "0.2,0.4,0.4"})

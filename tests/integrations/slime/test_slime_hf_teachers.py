@@ -207,22 +207,3 @@ def test_one_tokenizer_with_another_padded_vocab_gives_its_padding_no_mass(megat
                                           None, "teacher")
     assert real_vocab_size(chunks[0]) == 900 and chunks[0].output_layer.weight.shape[0] == 1024
 
-
-@pytest.mark.parametrize("allgather", [False, True])
-def test_a_linear_attention_teacher_under_allgather_cp_takes_contiguous_rows(megatron_cpu, tmp_path, monkeypatch,
-                                                                            allgather):
-    """slime's --allgather-cp gives each context-parallel rank a contiguous slice of the packed
-    stream: a Qwen3.5 teacher's gated delta nets are told so (their row exchange reads it); without
-    it they keep megatron-core's zigzag rows."""
-    from megatron_rl_patches.inference.gated_delta_net import GatedDeltaNetLayer
-    from megatron_rl_patches.integrations.slime import allgather_cp
-    from megatron_rl_patches.testing.hf_checkpoints import write_tiny_checkpoint
-
-    monkeypatch.setattr(allgather_cp, "allgather_cp_active", lambda args: allgather)
-    write_tiny_checkpoint(tmp_path / "teacher", tiny_hf_config("qwen3_5", vocab_size=VOCAB))
-    try:
-        chunks = hf_teachers.build_hf_teacher(_actor_args(), str(tmp_path / "teacher"), None, VOCAB, None, "teacher")
-    except UnsupportedCheckpointError as exc:  # megatron-core 0.13.1 lacks Qwen3.5's gated attention
-        pytest.skip(str(exc))
-    layouts = {m.cp_layout for m in chunks[0].modules() if isinstance(m, GatedDeltaNetLayer)}
-    assert layouts == {"contiguous" if allgather else "zigzag"}

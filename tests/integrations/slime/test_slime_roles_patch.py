@@ -136,3 +136,12 @@ def test_a_hugging_face_role_of_another_architecture_is_built_from_its_config(me
                                          "has vocab_size=1001"):
         model_module.initialize_model_and_optimizer(args, role="prm_teacher")
     assert checkpoint.CALLS == []
+
+    # slime's --allgather-cp with context parallelism: contiguous slices, which megatron-core's thd RoPE
+    # would cut in zigzag: refused by name before the role is built (one context-parallel rank: built)
+    args.prm_teacher_load, args.allgather_cp, args.context_parallel_size = str(tmp_path / "prm"), True, 2
+    with pytest.raises(ValueError, match="role 'prm_teacher'.*not served with --allgather-cp"):
+        model_module.initialize_model_and_optimizer(args, role="prm_teacher")
+    args.context_parallel_size = 1
+    model, *_ = model_module.initialize_model_and_optimizer(args, role="prm_teacher")
+    assert len(model[0].decoder.layers) == 4 and checkpoint.CALLS == []

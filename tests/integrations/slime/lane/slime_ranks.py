@@ -214,7 +214,10 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
     `wide_path@slime_ranks:wide_teacher` (`save_wide_teacher`'s checkpoint); `cross`: the second
     teacher is the Hugging Face directory cross["teacher"] with its own tokenizer
     (`;tokenizer=own`), the student's tokenizer in cross["student"] (slime's --hf-checkpoint), its
-    vocabulary cross["vocab"], the rollouts' samples cross["samples"]."""
+    vocabulary cross["vocab"], the rollouts' samples cross["samples"] (cross["entries"]: the
+    teachers' entries instead; cross["seeds"]: the seed of each further snapshot path's weights;
+    cross["more_micro_batches"]: the teacher's agreed micro-batch count raised by that many, as if
+    another data-parallel rank planned more: its samples split, then its shortest one repeated)."""
     with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual,
                    expert=expert) as patch:
         import slime_kit as kit
@@ -226,6 +229,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
         import megatron_rl_patches
         from megatron_rl_patches.integrations.slime import opd as slime_opd
         from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
+        from megatron_rl_patches.integrations.slime.step_plan import STEP_SAME_AS
 
         for name, value in OPD_ENV.items():
             patch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
@@ -256,6 +260,15 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
             core = ContextParallelAttention if context > 1 else packed_attention_class()
             patch.setattr(hf_teachers, "packed_core_attention", lambda args: core)
             cross_flags = ("--vocab-size", str(cross["vocab"]))
+        agreed: list[int] = []  # the teacher micro-batch counts agreed (with expert parallelism)
+        if cross is not None and cross.get("more_micro_batches"):
+            from megatron_rl_patches.integrations.slime import expert_agreement
+
+            def more(count: int, real: Any = expert_agreement.agreed_micro_batches) -> int:
+                agreed.append(real(count) + cross["more_micro_batches"])  # as if another rank planned more
+                return agreed[-1]
+
+            patch.setattr(expert_agreement, "agreed_micro_batches", more)
         megatron_rl_patches.apply(only=["train_reentry", "slime_fused", "gpt_output_processor", "slime_opd"])
         try:
             with kit.slime_session("--pipeline-model-parallel-size", str(pipeline), "--context-parallel-size",
@@ -270,7 +283,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 if args.allgather_cp:
                     declared_dsa(args)
                 model, optimizer, scheduler = kit.build(args)
-                actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2}, patch)
+                actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2, **(cross or {}).get("seeds", {})},
+                                  patch)
                 teachers = slime_opd.load_teachers(actor, opd_settings())
                 setattr(actor, slime_opd.ATTRIBUTE, teachers)
                 models = [getattr(t, "model", t) for t in teachers]  # a teacher with another tokenizer: its model
@@ -313,6 +327,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                         "ids": first.get(slime_opd.IDS), "rows": _response_rows(first),
                         "teacher_logprobs": first.get(slime_opd.TEACHER_LOGPROBS),
                         "last_ids": data.get(slime_opd.IDS),
+                        "teacher_micro_batches": agreed,
+                        "step_repeats": sum(int((same_as >= 0).sum()) for same_as in first.get(STEP_SAME_AS, [])),
                         "keys": sorted(k for k in data if k.startswith("opd_")), "split": _partition_dims(model),
                         "active": actor._active_model_tag,
                         "hf_layers": [[layer.layer_number for layer in chunk.decoder.layers]

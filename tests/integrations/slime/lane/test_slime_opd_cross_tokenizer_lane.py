@@ -7,10 +7,18 @@ text with the student's specials (DeepSeek has none of them: left out of the tea
 the alignment), one multi-turn sample with a masked tool output inside its response. The first
 step's OPD loss and every gradient against a float64 reference built from part 1's definitions
 (dense softmaxes: chunk sums, shared byte strings at chunk starts), at one rank, TP=2 with sequence
-parallelism, PP=2, PP=2×VPP=2 and CP=2 (zigzag), each world spawned once; a negative control (the
-teacher's chunks shifted by one) moves the reference far from the run. The same worlds run slime's
-own `--use-opd --opd-type sglang` advantage path, whose teacher log-probs are the spread signal: its
-reverse KL is r per token."""
+parallelism, PP=2, PP=2×VPP=2, CP=2 (zigzag), EP=2 (an MoE student, 4 experts top-2: the
+dispatchers' collectives pair up the two data-parallel ranks' teacher forwards; the teacher there a
+tiny Qwen3-MoE, its 4 experts split 2 + 2, its agreed micro-batch count raised past its samples as
+if another rank planned more, so a sample runs twice through slime's forward_only, dropped once) and
+CP=2 with slime's --allgather-cp (its contiguous slices; the lane's declared DSA world has no
+positions, so the teacher there is a snapshot of the actor's architecture, its checkpoint directory
+holding another small tokenizer: part 1's SentencePiece-style BPE with a dummy prefix); EP=2 once
+more with such a snapshot teacher (the MoE actor's), whose buckets share ids with the student's
+top-k in the step's rows (`step_repeats`: each scored once; before, a ValueError at the training
+step). Each world is spawned once; a negative control (the teacher's chunks shifted by one) moves
+the reference far from the run. The same worlds run slime's own `--use-opd --opd-type sglang`
+advantage path, whose teacher log-probs are the spread signal: its reverse KL is r per token."""
 from __future__ import annotations
 
 import shutil
@@ -41,7 +49,22 @@ USE_OPD = ("--use-opd", "--opd-type", "sglang", "--opd-kl-coef", "1.0")
 # (pipeline, context, tensor, virtual chunks) and the layout marks
 LAYOUTS = {"pp1": ((1, 1, 1, None), ("thd",)), "tp2sp": ((1, 1, 2, None), ("tp2", "sp", "thd")),
            "pp2": ((2, 1, 1, None), ("pp2", "thd")), "pp2vpp2": ((2, 1, 1, 2), ("pp2", "vpp2", "thd")),
-           "cp2": ((1, 2, 1, None), ("cp2-zigzag", "thd"))}
+           "cp2": ((1, 2, 1, None), ("cp2-zigzag", "thd")), "ep2": ((1, 1, 1, None), ("ep2", "thd")),
+           "cp2ag": ((1, 2, 1, None), ("cp2-allgather", "thd")), "ep2snapshot": ((1, 1, 1, None), ("ep2", "thd"))}
+EP2 = layouts.BY_MARKER["ep2"].megatron_lm_args
+FLAGS = {"tp2sp": layouts.BY_MARKER["sp"].megatron_lm_args, "ep2": EP2, "ep2snapshot": EP2,
+         "cp2ag": layouts.BY_MARKER["cp2-allgather"].megatron_lm_args}
+# the layout whose teacher with another tokenizer is a snapshot of the actor (its seed); at EP=2 the
+# Hugging Face teacher is Qwen3-MoE (a dense one is refused at an expert-parallel size > 1)
+SNAPSHOT_SEED = {"cp2ag": 3, "ep2snapshot": 3}
+# the worlds whose step rows repeat ids across the parts (the snapshot teacher's tokenizer shares most
+# of the student's strings, so its buckets hold the student's top ids): each is scored once
+REPEATING = ("ep2snapshot",)
+# the worlds whose teacher runs more micro-batches than its samples split into (as if another
+# data-parallel rank planned more: 2 planned + 3 = 5 for 4 samples, the shortest run twice, its
+# values dropped), through slime's real forward_only
+PADDED = {"ep2": 3}
+MOE_TEACHER = "ep2"
 # (prompt, response, masked tool output inside the response or None)
 TEXTS = (("<s>user: Hi, who are you?<|end|>\nassistant: ", "I am the quick fox 🙂.", None),
          ("<s>user: 2+2?<|end|>\n", "机器学习 → 4, ok", None),
@@ -79,7 +102,9 @@ def spm():
 
 @pytest.fixture(scope="module")
 def dirs(spm, tmp_path_factory):
-    """The student's --hf-checkpoint (its tokenizer.json) and the teacher's directory."""
+    """The student's --hf-checkpoint (its tokenizer.json), the teacher's directory, the snapshot
+    teacher's (only another tokenizer.json: slime's snapshot route, the actor's architecture) and
+    the MoE teacher's."""
     from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("cross")
@@ -90,7 +115,19 @@ def dirs(spm, tmp_path_factory):
     teacher = root / "teacher"
     write_tiny_checkpoint(teacher, tiny_hf_config("qwen3", **TEACHER), seed=12)
     shutil.copy(DEEPSEEK / "tokenizer.json", teacher / "tokenizer.json")
-    return str(student), str(teacher)
+    snapshot = root / "snapshot"
+    snapshot.mkdir()
+    snapshot_tokenizer().save(str(snapshot / "tokenizer.json"))
+    moe = root / "moe"
+    write_tiny_checkpoint(moe, tiny_hf_config("qwen3_moe", **TEACHER), seed=12)
+    shutil.copy(DEEPSEEK / "tokenizer.json", moe / "tokenizer.json")
+    return str(student), str(teacher), str(snapshot), str(moe)
+
+
+def snapshot_tokenizer():
+    """The snapshot teacher's tokenizer: part 1's SentencePiece-style BPE with a dummy prefix (its
+    ids fit the actor's vocabulary)."""
+    return tokenizer_fixtures.sentencepiece_like("first")
 
 
 @pytest.fixture(scope="module", params=[pytest.param(name, marks=layouts.mark(*LAYOUTS[name][1]))
@@ -103,12 +140,22 @@ def world(request, dirs, spm):
     from megatron_rl_patches.testing.multirank import run_multirank
 
     (pipeline, context, tensor, virtual), _ = LAYOUTS[request.param]
-    student, teacher = dirs
-    cross = {"teacher": teacher, "student": student, "vocab": STUDENT_VOCAB, "samples": _samples(spm)}
+    student, teacher, snapshot, moe = dirs
+    cross = {"teacher": moe if request.param == MOE_TEACHER else teacher, "student": student,
+             "vocab": STUDENT_VOCAB, "samples": _samples(spm)}
+    if request.param in PADDED:
+        cross["more_micro_batches"] = PADDED[request.param]
+    if request.param in SNAPSHOT_SEED:
+        cross.update(entries=f"teacher-a,{snapshot};tokenizer=own", seeds={snapshot: SNAPSHOT_SEED[request.param]})
+    expert = _experts(request.param)
     return request.param, (pipeline, context, tensor, virtual), run_multirank(
-        slime_ranks.opd_train_actor, pipeline * context * tensor, pipeline, context, tensor, virtual, None,
-        USE_OPD + (layouts.BY_MARKER["sp"].megatron_lm_args if "sp" in LAYOUTS[request.param][1] else ()), 2,
-        None, 1, None, cross, timeout=600)
+        slime_ranks.opd_train_actor, pipeline * context * tensor * expert, pipeline, context, tensor, virtual, None,
+        USE_OPD + FLAGS.get(request.param, ()), 2, None, expert, None, cross, timeout=600)
+
+
+def _experts(layout: str) -> int:
+    """The expert-parallel size (the EP=2 world is DP=2: each rank holds the whole rollout)."""
+    return 2 if layout.startswith("ep2") else 1
 
 
 def _buckets(p_row, q_row, strings, shared):
@@ -165,7 +212,8 @@ def reference(students, same_teacher, cross_teacher, data, ids, samples, shared,
             seen.add(c)
             t_row = lt[first_t[c]]
             top = torch.argsort(t_row, descending=True)[:K]
-            strings = sorted({int(shared.teacher_string[i]) for i in top.tolist()} - {-1})
+            spelled = shared.teacher_string.numel()  # an id past the teacher's tokenizer: no string
+            strings = sorted({int(shared.teacher_string[i]) for i in top.tolist() if i < spelled} - {-1})
             pb, qb = _buckets(ls[row], t_row, strings, shared)
             starts = starts.index_put((torch.tensor([row]),), (qb * (qb.log() - pb.log())).sum()[None])
         per_token = WEIGHTS[0] * same + WEIGHTS[1] * (starts + token)
@@ -183,8 +231,10 @@ def test_train_actor_with_a_teacher_of_another_tokenizer_equals_float64(slime_cp
     from megatron_rl_patches.integrations.slime import opd as slime_opd
 
     layout, (pipeline, context, tensor, virtual), ranks = world
-    student_dir, teacher_dir = dirs
-    per_stage = context * tensor
+    student_dir, teacher_dir, _, moe_dir = dirs
+    teacher_dir = moe_dir if layout == MOE_TEACHER else teacher_dir
+    expert = _experts(layout)
+    per_stage = context * tensor * expert
     last = ranks[-1]
     for rank in ranks[-per_stage:]:
         assert {slime_opd.IDS, slime_opd.CROSS_RATIO, "opd_step_ids"} <= set(rank["keys"])
@@ -194,28 +244,39 @@ def test_train_actor_with_a_teacher_of_another_tokenizer_equals_float64(slime_cp
         def of(rank):
             return rank[field] if tag is None else rank[field][tag]
 
+        if expert > 1:  # one stage, its experts split over the EP ranks, the rest replicated (rank 0's kept)
+            return {name: value for rank in reversed(ranks) for name, value in of(rank).items()}
         return kit.whole_stages([kit.unsplit([of(r) for r in shards], shards[0]["split"]) for shards in stages])
 
-    states = {tag: whole("states", tag) for tag in ("actor", "opd_teacher_0")}
+    snapshot = layout in SNAPSHOT_SEED
+    states = {tag: whole("states", tag) for tag in ("actor", "opd_teacher_0", *(("opd_teacher_1",) if snapshot
+                                                                                 else ()))}
     grads = whole("grads")
     data = _samples(spm)[0]
-    deepseek = DEEPSEEK
-    samples = [cross_teachers.teacher_sample(t, r, m, spm, deepseek) for t, r, m in
+    own_tokenizer = snapshot_tokenizer() if snapshot else DEEPSEEK
+    samples = [cross_teachers.teacher_sample(t, r, m, spm, own_tokenizer) for t, r, m in
                zip(data["tokens"], data["response_lengths"], data["loss_masks"])]
-    shared = shared_strings(spm, deepseek)
+    shared = shared_strings(spm, own_tokenizer)
+    nope = layouts.NOPE_ARGS if layouts.NOPE_ARGS[0] in FLAGS.get(layout, ()) else ()
     with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS,
-                           "--vocab-size", str(STUDENT_VOCAB),
-                           *slime_ranks.virtual_args(virtual)[:2]) as args:  # the whole student: its layers
+                           "--vocab-size", str(STUDENT_VOCAB), *nope,  # the whole student: its positions,
+                           *(EP2[:4] + EP2[6:] if expert > 1 else ()),  # all its experts on one rank
+                           *slime_ranks.virtual_args(virtual)[:2],  # and its layers
+                           **(slime_ranks.MOE_VALUES if expert > 1 else {})) as args:
         names = [name for name, _ in kit.provider_func(args)().named_parameters()]
         assert sorted(names) == sorted(states["actor"]) == sorted(grads)
         student = kit.float64_copy(args, [states["actor"][name] for name in names])
         with torch.no_grad():
             same = kit.response_logps(kit.float64_copy(args, [states["opd_teacher_0"][n] for n in names]), data,
                                       slime_ranks.TEMPERATURE)
-            (teacher,) = build_inference_model_from_hf(teacher_dir, dtype=torch.float32)
             own = {"tokens": [s.tokens for s in samples], "response_lengths": [s.response_length for s in samples]}
-            cross = kit.response_logps(teacher.double(), own, slime_ranks.TEMPERATURE,
-                                       getattr(teacher, "hf_vocab_size"))  # noqa: B009
+            if snapshot:  # the actor's architecture, its whole (padded) vocabulary
+                cross = kit.response_logps(kit.float64_copy(args, [states["opd_teacher_1"][n] for n in names]), own,
+                                           slime_ranks.TEMPERATURE)
+            else:
+                (teacher,) = build_inference_model_from_hf(teacher_dir, dtype=torch.float32)
+                cross = kit.response_logps(teacher.double(), own, slime_ranks.TEMPERATURE,
+                                           getattr(teacher, "hf_vocab_size"))  # noqa: B009
         students = kit.response_logps(student, data, slime_ranks.TEMPERATURE)
         ids = kit.whole_ids(ranks, context, tensor)
         token_terms: list[torch.Tensor] = []
@@ -234,6 +295,12 @@ def test_train_actor_with_a_teacher_of_another_tokenizer_equals_float64(slime_cp
                                [kl[:, None] for kl in rank["opd_reverse_kl"]]} for rank in ranks], context, tensor)
     kl_error = max((kl[:, 0].double() - r).abs().max().item() for kl, r in zip(slime_kl, token_terms))
     print(f"  slime's --use-opd reverse KL vs r = (ℓS_j − ℓT_j)/|S_j|: max |Δ| {kl_error:.2e}")
+    if layout in PADDED:  # every rank, each rollout's step: the agreed count raised past its 4 samples
+        assert all(rank["teacher_micro_batches"] == [2 + PADDED[layout]] * 2 for rank in ranks)
+    repeats = sum(rank["step_repeats"] for rank in ranks)
+    print(f"  step ids repeated across the parts (scored once, read by each): {repeats}")
+    if layout in REPEATING:  # the world whose rows repeat ids: before step_repeats, a ValueError at the step
+        assert repeats > 0
     assert kl_error < 5e-5  # slime's float32 log-probs against float64
     assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
     assert abs(float(shifted) - float(expected)) > 100 * max(loss_error, 1e-7)
