@@ -80,15 +80,24 @@ def test_z_and_b_swapped_at_load_fail(megatron_cpu, fused_processors, tmp_path, 
     assert (got - want).abs().max().item() > 1e-2
 
 
-def test_context_parallelism_is_refused_by_name(megatron_cpu, tmp_path, monkeypatch, no_build):
+def test_context_parallelism_needs_an_attention_core_that_serves_it_not_a_linear_attention_refusal(
+        megatron_cpu, tmp_path, monkeypatch, no_build):
+    """The gated delta nets serve context parallelism (they exchange rows: test_hf_multirank.py's
+    CP=2 world); the full-attention layers need a core that serves it, named when none is given.
+    With one given the checks pass and the build is reached (here: refused by the no_build fixture)."""
     from megatron.core import parallel_state as ps
 
+    from megatron_rl_patches.testing.cp_attention import ContextParallelAttention
     from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
 
     write_tiny_checkpoint(tmp_path, tiny_hf_config("qwen3_5_text"))
     monkeypatch.setattr(ps, "get_context_parallel_world_size", lambda: 2)
-    with pytest.raises(ValueError, match=r"context-parallel size 2 with qwen3_5_text's gated-delta-net linear"):
+    local = r"context-parallel size 2 with megatron-core's local attention.*core_attention="
+    with pytest.raises(ValueError, match=local):
         build_inference_model_from_hf(tmp_path, dtype=torch.float32)
+    if _served():
+        with pytest.raises(AssertionError, match="the model was built"):
+            build_inference_model_from_hf(tmp_path, dtype=torch.float32, core_attention=ContextParallelAttention)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next"])  # the fused projections, experts: the rest is shared
