@@ -109,13 +109,28 @@ def _forced_offsets(boundaries: Sequence[int], s_ends: np.ndarray, t_ends: np.nd
     return offsets
 
 
+def _shared(s_ends: np.ndarray, t_ends: np.ndarray) -> np.ndarray:
+    """The values of `s_ends` found in `t_ends` (both non-decreasing: end offsets)."""
+    if not t_ends.size:
+        return t_ends
+    at = np.minimum(np.searchsorted(t_ends, s_ends), t_ends.size - 1)
+    return s_ends[t_ends[at] == s_ends]
+
+
+def _sorted_unique(values: np.ndarray) -> np.ndarray:
+    values = np.sort(values)
+    return values[np.concatenate([np.ones(1, bool), values[1:] != values[:-1]])]
+
+
 def chunks_from_ends(s_ends: np.ndarray, t_ends: np.ndarray, forced: np.ndarray, excluded: np.ndarray | None,
             **counts: int) -> Alignment:
     """Alignment from the end offsets of the kept student tokens (`excluded` marks the others,
     chunk −1, in a longer student list) and the teacher's, with forced common boundaries."""
     total = int(s_ends[-1]) if s_ends.size else 0
-    common = np.union1d(np.intersect1d(s_ends, t_ends), forced)
-    common = np.union1d(common, np.array([0, total], dtype=np.int64)) if total else np.zeros(1, np.int64)
+    if total:
+        common = _sorted_unique(np.concatenate([_shared(s_ends, t_ends), forced, np.array([0, total], np.int64)]))
+    else:
+        common = np.zeros(1, np.int64)
     if total == 0:  # no bytes: one chunk if both sides hold (empty) tokens
         common = np.array([0, 0], dtype=np.int64) if s_ends.size and t_ends.size else common
     n_chunks = common.size - 1

@@ -7,7 +7,9 @@ import numbers
 from collections.abc import Sequence, Set
 from typing import Any
 
-__all__ = ["as_index_list", "as_int_list", "is_int"]
+import numpy as np
+
+__all__ = ["as_index_list", "as_int_array", "as_int_list", "is_int"]
 
 
 def is_int(value: object) -> bool:
@@ -35,6 +37,20 @@ def as_int_list(ids: Any, name: str = "ids", what: str = "token ids") -> list[in
             raise TypeError(f"{name}[{k}] is {type(i).__name__} {i!r}: {name} must hold {what} as ints (a list of "
                             "ints or a 1-D integer tensor); convert them yourself where a value is not an int")
     return [int(i) for i in ids]
+
+
+def as_int_array(ids: Any, name: str = "ids", what: str = "token ids") -> np.ndarray:
+    """`as_int_list`'s checks, the ids as an int64 array: no Python step per id for a tensor, an
+    array or a list of plain ints. OverflowError: an int past int64 (no token id is)."""
+    if hasattr(ids, "numpy") and hasattr(ids, "dtype") and getattr(ids, "ndim", 0) == 1 \
+            and "int" in str(ids.dtype) and not getattr(ids, "is_cuda", False):
+        return np.asarray(ids.detach().numpy() if hasattr(ids, "detach") else ids, dtype=np.int64)
+    if isinstance(ids, np.ndarray) and ids.ndim == 1 and (ids.dtype.kind == "i" or
+                                                          (ids.dtype.kind == "u" and ids.dtype.itemsize < 8)):
+        return ids.astype(np.int64, copy=False)
+    if isinstance(ids, (list, tuple)) and set(map(type, ids)) <= {int}:
+        return np.array(ids, dtype=np.int64).reshape(-1)
+    return np.array(as_int_list(ids, name, what), dtype=np.int64).reshape(-1)
 
 
 def as_index_list(indices: Any, name: str) -> list[int]:

@@ -3,6 +3,7 @@ special tokens (mapped to the teacher's, else excluded), forced boundaries and b
 valid UTF-8 (excluded), each segment encoded with no BOS/EOS and no dummy prefix."""
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -11,9 +12,9 @@ import numpy as np
 import torch
 
 from megatron_rl_patches.cross_tokenizer.alignment import Alignment, chunks_from_ends
-from megatron_rl_patches.cross_tokenizer.arguments import as_index_list, as_int_list, is_int
-from megatron_rl_patches.cross_tokenizer.spelling import ByteTable, component_spec, table_of
-from megatron_rl_patches.cross_tokenizer.utf8_runs import valid_runs
+from megatron_rl_patches.cross_tokenizer.arguments import as_index_list, as_int_array, as_int_list, is_int
+from megatron_rl_patches.cross_tokenizer.spelling import ByteTable, SpellingArrays, component_spec, table_of
+from megatron_rl_patches.cross_tokenizer.utf8_runs import valid_ranges
 
 __all__ = ["retokenize"]
 
@@ -58,6 +59,14 @@ def _encoder(table: ByteTable) -> Any:
     return table.cached("encoder", None, lambda: _without_dummy_prefix(table.tokenizer))
 
 
+def _encode_all(encoder: Any, texts: list[str]) -> list[list[int]]:
+    """Each text's ids in one call (the library's batch call without offsets where it has it)."""
+    if not texts:
+        return []
+    batch = getattr(encoder, "encode_batch_fast", encoder.encode_batch)
+    return [e.ids for e in batch(texts, add_special_tokens=False)]
+
+
 def _same(a: ByteTable, b: ByteTable) -> bool:
     return a.cached("same", b, lambda: a is b or (a.spelled == b.spelled and a.special == b.special))
 
@@ -99,74 +108,139 @@ def retokenize(student_ids: Sequence[int] | torch.Tensor, student_tokenizer: Any
     teacher id (a mapping or a callable returning None for none); by default a special token maps
     to the teacher's special token of the same content, and one with none is excluded (chunk −1,
     counted in `alignment.unmapped_special`)."""
-    ids = as_int_list(student_ids, "student_ids")
     student = table_of(student_tokenizer, "student_tokenizer")
     teacher = table_of(teacher_tokenizer, "teacher_tokenizer")
-    pieces = student.of(ids, "student_ids")
-    n = len(ids)
+    spelling = student.arrays()
+    try:
+        ids = as_int_array(student_ids, "student_ids")
+    except OverflowError:  # an int past int64: name it as any unknown id
+        student.of(as_int_list(student_ids, "student_ids"), "student_ids")
+        raise
+    lengths = spelling.lengths_of(ids, "student_ids")
+    n = ids.size
     marks = sorted(set(as_index_list(boundaries, "boundaries")))
     if any(b < 0 or b > n for b in marks):
         raise ValueError(f"boundaries must be student token indices in [0, {n}], got {marks}")
     if _same(student, teacher):
         chunk = torch.arange(n, dtype=torch.int64)
         same_ids = torch.as_tensor(student_ids, dtype=torch.int64) if isinstance(student_ids, torch.Tensor) \
-            else torch.tensor(ids, dtype=torch.int64)
+            else torch.from_numpy(ids.copy())
         return same_ids, Alignment(chunk, chunk.clone(), n)
-    stop = _stop_map(stop_tokens, student, teacher)
-    encoder = _encoder(teacher)
-    # per segment O(its tokens) only: Python lists, the arrays built once at the end
-    s_len: list[int] = []  # bytes of each kept student token in order (a mapped special: 1 unit)
-    excluded = [False] * n
-    t_ids: list[int] = []
-    t_len: list[int] = []
-    forced = [0]
-    kept = [0]  # bytes of the kept student tokens so far
-    counts = {"invalid_utf8": 0, "unspelled": 0, "unmapped_special": 0}
-    mark_set = set(marks)
+    return _Retokenizing(ids, lengths, spelling, teacher, _stop_map(stop_tokens, student, teacher)).run(marks)
 
-    def exclude(tokens: list[int], why: str) -> None:
-        for i in tokens:
-            excluded[i] = True
-        counts[why] += len(tokens)
 
-    def encode(run: list[int]) -> None:
-        valid, bad = valid_runs(run, pieces)
-        exclude(bad, "invalid_utf8")
-        for part in valid:
-            data = b"".join(pieces[i] for i in part)
-            encoded = encoder.encode(data.decode(), add_special_tokens=False).ids
-            spelled = teacher.of(encoded, "the teacher's encoding")
-            if b"".join(spelled) != data:  # a normalizer changed the bytes: mask the segment
-                exclude(part, "unspelled")
-                continue
-            forced.append(kept[0])
-            s_len.extend(len(pieces[i]) for i in part)
-            kept[0] += len(data)
-            t_ids.extend(encoded)
-            t_len.extend(len(p) for p in spelled)
-            forced.append(kept[0])
+class _Retokenizing:
+    """One sample's retokenizing without a Python step per token: the runs between boundaries and
+    special tokens encoded in one batch call, the teacher's bytes checked in one comparison, the
+    alignment built from arrays."""
 
-    run: list[int] = []
-    for i, token in enumerate(ids):
-        if i in mark_set or token in student.special:
-            encode(run)
-            run = []
-        if token in student.special:
-            mapped = stop(token)
-            if mapped is None:
-                exclude([i], "unmapped_special")
-                continue
-            forced.append(kept[0])
-            s_len.append(1)
-            kept[0] += 1
-            t_ids.append(mapped)
-            t_len.append(1)
-            forced.append(kept[0])
-        else:
-            run.append(i)
-    encode(run)
-    s_ends = np.cumsum(np.asarray(s_len, dtype=np.int64))
-    t_ends = np.cumsum(np.asarray(t_len, dtype=np.int64))
-    alignment = chunks_from_ends(s_ends, t_ends, np.unique(np.asarray(forced, dtype=np.int64)),
-                                 np.asarray(excluded, dtype=bool), **counts)
-    return torch.tensor(t_ids, dtype=torch.int64), alignment
+    def __init__(self, ids: np.ndarray, lengths: np.ndarray, spelling: SpellingArrays, teacher: ByteTable,
+                 stop: Callable[[int], int | None]) -> None:
+        self.ids, self.lengths, self.teacher, self.stop = ids, lengths, teacher, stop
+        self.data = spelling.spell(ids, lengths)
+        self.ends = np.cumsum(lengths)
+        self.special = spelling.special[ids]
+        self.excluded = np.zeros(ids.size, dtype=bool)
+        self.counts = {"invalid_utf8": 0, "unspelled": 0, "unmapped_special": 0}
+
+    def exclude(self, tokens: Any, why: str) -> None:
+        self.excluded[tokens] = True
+        self.counts[why] += len(tokens)
+
+    def starts_at(self, token: np.ndarray) -> np.ndarray:
+        """The byte offset where each token index starts (the sample's length past the end)."""
+        return np.where(token > 0, self.ends[np.maximum(token - 1, 0)], 0) if self.ends.size else token * 0
+
+    def valid_parts(self, a: int, b: int, lo: int, hi: int) -> list[tuple[int, int, str]]:
+        """Tokens [a, b) (bytes [lo, hi)) as ranges whose bytes are valid UTF-8, with their text;
+        the tokens holding invalid bytes excluded."""
+        try:
+            return [(a, b, self.data[lo:hi].decode())]
+        except UnicodeDecodeError:
+            pass
+        valid, bad = valid_ranges(self.data[lo:hi], self.ends[a:b] - lo)
+        self.exclude([a + k for k in bad], "invalid_utf8")
+        parts = []
+        for p, q in valid:
+            p_lo = int(self.ends[a + p - 1]) if a + p else 0
+            parts.append((a + p, a + q, self.data[p_lo:int(self.ends[a + q - 1])].decode()))
+        return parts
+
+    def segments(self, marks: list[int]) -> tuple[list[int], list[int], list[bool], list[Any]]:
+        """The sample cut at boundaries and special tokens: (first token, end token, is a special
+        token, its text or the special token's teacher id) per kept segment, in order."""
+        n = self.ids.size
+        cut = np.zeros(n + 1, dtype=bool)
+        cut[[0, n, *marks]] = True
+        specials = np.flatnonzero(self.special)
+        cut[specials] = cut[specials + 1] = True
+        edges = np.flatnonzero(cut)
+        edge_bytes = self.starts_at(edges).tolist()
+        first, end, special, value = [], [], [], []
+        special_edge = self.special[np.minimum(edges, max(n - 1, 0))].tolist() if n else []
+        edge_list = edges.tolist()
+        for k in range(len(edge_list) - 1):
+            a, b = edge_list[k], edge_list[k + 1]
+            if special_edge[k]:
+                mapped = self.stop(int(self.ids[a]))
+                if mapped is None:
+                    self.exclude([a], "unmapped_special")
+                    continue
+                parts: list[tuple[int, int, Any]] = [(a, b, mapped)]
+            else:
+                parts = self.valid_parts(a, b, edge_bytes[k], edge_bytes[k + 1])
+            for p, q, v in parts:
+                first.append(p)
+                end.append(q)
+                special.append(special_edge[k])
+                value.append(v)
+        return first, end, special, value
+
+    def run(self, marks: list[int]) -> tuple[torch.Tensor, Alignment]:
+        first_list, end_list, special_list, values = self.segments(marks)
+        texts = [v for v, sp in zip(values, special_list) if not sp]
+        encoded = iter(_encode_all(_encoder(self.teacher), texts))
+        t_parts = [[v] if sp else next(encoded) for v, sp in zip(values, special_list)]
+        t_spelling = self.teacher.arrays()
+        t_ids = np.fromiter(itertools.chain.from_iterable(t_parts), dtype=np.int64)
+        t_len = t_spelling.lengths_of(t_ids, "the teacher's encoding")
+        t_count = np.fromiter(map(len, t_parts), dtype=np.int64, count=len(t_parts))
+        first, end = np.asarray(first_list, dtype=np.int64), np.asarray(end_list, dtype=np.int64)
+        special = np.asarray(special_list, dtype=bool)
+        t_len[np.repeat(special, t_count)] = 1  # a mapped special token: one unit on both sides
+        kept = self.spelled_segments(first, end, special, t_ids, t_len, t_count, t_spelling)
+        if not kept.all():
+            t_keep = np.repeat(kept, t_count)
+            t_ids, t_len = t_ids[t_keep], t_len[t_keep]
+        units = np.where(self.special, 1, self.lengths)
+        kept_before = np.concatenate([np.zeros(1, np.int64), np.cumsum(np.where(self.excluded, 0, units))])
+        forced = np.concatenate([np.zeros(1, np.int64), kept_before[np.stack([first[kept], end[kept]], 1).ravel()]])
+        forced = forced[np.concatenate([[True], forced[1:] != forced[:-1]])]  # sorted already: drop repeats
+        alignment = chunks_from_ends(np.cumsum(units[~self.excluded]), np.cumsum(t_len), forced, self.excluded,
+                                     **self.counts)
+        return torch.from_numpy(t_ids), alignment
+
+    def spelled_segments(self, first: np.ndarray, end: np.ndarray, special: np.ndarray, t_ids: np.ndarray,
+                         t_len: np.ndarray, t_count: np.ndarray, t_spelling: SpellingArrays) -> np.ndarray:
+        """Which segments the teacher's encoding spells byte for byte (one comparison when all
+        do); a run it does not spell (a normalizer changed its bytes) is excluded."""
+        kept = np.ones(first.size, dtype=bool)
+        lo, hi = self.starts_at(first), self.starts_at(end)
+        runs = ~special
+        t_run = np.repeat(runs, t_count)
+        size = self.ids.size + 1
+        opened = np.bincount(first[runs], minlength=size) - np.bincount(end[runs], minlength=size)
+        token_in_run = np.cumsum(opened[:-1]) > 0
+        wanted = self.data if token_in_run.all() else \
+            np.frombuffer(self.data, np.uint8)[np.repeat(token_in_run, self.lengths)].tobytes()
+        t_sum = np.concatenate([np.zeros(1, np.int64), np.cumsum(t_len)])
+        t_end = np.cumsum(t_count)
+        if t_spelling.spell(t_ids[t_run], t_len[t_run]) == wanted and \
+                np.array_equal((t_sum[t_end] - t_sum[t_end - t_count])[runs], (hi - lo)[runs]):
+            return kept  # the joined bytes agree and every run's teacher bytes end where its own do
+        for k in np.flatnonzero(runs).tolist():
+            part = slice(int(t_end[k] - t_count[k]), int(t_end[k]))
+            if t_spelling.spell(t_ids[part], t_len[part]) != self.data[int(lo[k]):int(hi[k])]:
+                kept[k] = False
+                self.exclude(np.arange(first[k], end[k]), "unspelled")
+        return kept

@@ -9,6 +9,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from megatron_rl_patches.cross_tokenizer.arguments import as_int_list
 from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
 
@@ -54,10 +56,57 @@ class ByteTable:
         for i in ids:
             value = self.spelled[i] if 0 <= i < size else None
             if value is None:
-                raise ValueError(f"{name}: id {i} is not in the tokenizer's vocabulary (size {size}); pass ids of "
-                                 "the tokenizer they were produced with")
+                raise unknown_id(name, i, size)
             out.append(value)
         return out
+
+    def arrays(self) -> SpellingArrays:
+        """The table as arrays (built once): what a whole sample needs without a loop per token."""
+        return self.cached("arrays", None, lambda: SpellingArrays.of(self))
+
+
+def unknown_id(name: str, token: int, size: int) -> ValueError:
+    return ValueError(f"{name}: id {token} is not in the tokenizer's vocabulary (size {size}); pass ids of the "
+                      "tokenizer they were produced with")
+
+
+@dataclass(frozen=True)
+class SpellingArrays:
+    """Every id's bytes laid end to end (`data`), each id's offset and length (−1: no such id) and
+    whether it is a special token."""
+
+    data: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    special: np.ndarray
+
+    @classmethod
+    def of(cls, table: ByteTable) -> SpellingArrays:
+        lengths = np.fromiter((-1 if p is None else len(p) for p in table.spelled), dtype=np.int64,
+                              count=len(table.spelled))
+        data = np.frombuffer(b"".join(p for p in table.spelled if p is not None), dtype=np.uint8)
+        starts = np.cumsum(np.maximum(lengths, 0)) - np.maximum(lengths, 0)
+        special = np.zeros(lengths.size, dtype=bool)
+        special[list(table.special)] = True
+        return cls(data, starts, lengths, special)
+
+    def lengths_of(self, ids: np.ndarray, name: str) -> np.ndarray:
+        """The byte length of each id; a ValueError naming `name` and the first id the table lacks."""
+        size = self.lengths.size
+        inside = (ids >= 0) & (ids < size)
+        found = self.lengths[np.where(inside, ids, 0)]
+        bad = ~inside | (found < 0)
+        if bad.any():
+            raise unknown_id(name, int(ids[np.argmax(bad)]), size)
+        return found
+
+    def spell(self, ids: np.ndarray, lengths: np.ndarray) -> bytes:
+        """The bytes of `ids` (known ids, `lengths` theirs) joined."""
+        ends = np.cumsum(lengths)
+        if not ends.size or not ends[-1]:
+            return b""
+        shift = np.repeat(self.starts[ids] - (ends - lengths), lengths)
+        return self.data[np.arange(int(ends[-1]), dtype=np.int64) + shift].tobytes()
 
 
 def _kinds(node: Any) -> list[dict]:

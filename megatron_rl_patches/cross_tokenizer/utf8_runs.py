@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["invalid_spans", "valid_runs"]
+__all__ = ["invalid_spans", "valid_ranges", "valid_runs"]
 
 _HANDLER = "megatron_rl_patches.cross_tokenizer.record_invalid_utf8"
 _FOUND = threading.local()
@@ -101,29 +101,36 @@ def _between(a: int, b: int, bad: list[int]) -> list[tuple[int, int]]:
 
 def valid_runs(run: list[int], pieces: list[bytes]) -> tuple[list[list[int]], list[int]]:
     """`run` (student token indices, `pieces` their bytes) split into runs whose bytes are valid
-    UTF-8 on their own, in order, and the tokens holding invalid bytes. A character cut by an
-    excluded token counts as invalid: each part is checked again until none changes (at its two
-    ends only: linear however long the cascade, which a crafted sequence makes as long as itself)."""
+    UTF-8 on their own, in order, and the tokens holding invalid bytes (see `valid_ranges`)."""
     if not run:
         return [], []
-    data = b"".join(pieces[i] for i in run)
-    spans = invalid_spans(data)
-    if not spans:
-        return [run], []
     lengths = np.fromiter((len(pieces[i]) for i in run), dtype=np.int64, count=len(run))
-    ends_array = np.cumsum(lengths)
-    starts_array = ends_array - lengths
-    first_bad = np.nonzero(_overlapping(starts_array, ends_array, spans))[0].tolist()
+    valid, excluded = valid_ranges(b"".join(pieces[i] for i in run), np.cumsum(lengths))
+    return [run[a:b] for a, b in valid], [run[k] for k in excluded]
+
+
+def valid_ranges(data: bytes, ends: np.ndarray) -> tuple[list[tuple[int, int]], list[int]]:
+    """The tokens of `data` (their end offsets `ends`, non-decreasing) split into ranges [a, b)
+    whose bytes are valid UTF-8 on their own, in order, and the tokens holding invalid bytes. A
+    character cut by an excluded token counts as invalid: each part is checked again until none
+    changes (at its two ends only: linear however long the cascade, which a crafted sequence
+    makes as long as itself)."""
+    n = ends.size
+    spans = invalid_spans(data) if n else []
+    if not spans:
+        return ([(0, n)] if n else []), []
+    starts_array = np.concatenate([np.zeros(1, np.int64), ends[:-1]])
+    first_bad = np.nonzero(_overlapping(starts_array, ends, spans))[0].tolist()
     excluded = list(first_bad)
-    starts, ends = starts_array.tolist(), ends_array.tolist()
+    starts, end_list = starts_array.tolist(), ends.tolist()
     valid: list[tuple[int, int]] = []
-    todo = _between(0, len(run), first_bad)[::-1]
+    todo = _between(0, n, first_bad)[::-1]
     while todo:
         a, b = todo.pop()
-        bad = _edge_bad(starts, ends, a, b, data)
+        bad = _edge_bad(starts, end_list, a, b, data)
         if bad is None:
             valid.append((a, b))
             continue
         excluded += bad
         todo += _between(a, b, bad)[::-1]
-    return [run[a:b] for a, b in valid], [run[k] for k in excluded]
+    return valid, excluded
