@@ -18,6 +18,7 @@ from megatron_rl_patches.inference.loading.hf.checkpoint_config import CONFIG, h
 from megatron_rl_patches.inference.loading.hf.families import architecture
 from megatron_rl_patches.inference.loading.hf.vocab import check_teacher_vocab
 from megatron_rl_patches.integrations.slime.actor_spec import actor_layer_spec, spec_core_attention
+from megatron_rl_patches.integrations.slime.opd_settings import OWN_TOKENIZER, TEACHERS
 from megatron_rl_patches.integrations.slime.teacher_shape import shape_differences
 
 SNAPSHOT, HF = "snapshot", "hf"
@@ -122,12 +123,15 @@ def packed_core_attention(args: Any) -> type | None:
 
 
 def check_vocab(path: str, student: int | str, what: str) -> int:
-    """The teacher's vocabulary against the student's (`check_teacher_vocab`), naming the setting;
-    the shared real vocab size."""
+    """The teacher's vocabulary against the student's (`check_teacher_vocab`), naming the setting
+    (an OPD teacher's error: how its entry asks for a teacher with another tokenizer); the shared
+    real vocab size."""
     try:
         return check_teacher_vocab(path, student)
     except ValueError as exc:
-        raise ValueError(f"{what.partition(': ')[0]}: {exc}") from None  # the error names the path itself
+        entry = f", or in {TEACHERS} ask for it with the entry '{path};{OWN_TOKENIZER}'" \
+            if what.startswith(TEACHERS) else ""
+        raise ValueError(f"{what.partition(': ')[0]}: {exc}{entry}") from None  # the error names the path itself
 
 
 # The actor's schedule settings the teacher's config must share: slime's forward_only reads the
