@@ -32,6 +32,8 @@ _LAZY = {
     "TeacherSample": "teacher_passes",
     "teacher_sample": "teacher_passes",
     "plan_micro_batches": "teacher_passes",
+    "PassPlan": "teacher_passes",
+    "plan_passes": "teacher_passes",
     "Buckets": "teacher_passes",
     "chunk_start_buckets": "teacher_passes",
     "teacher_buckets_on_student_rows": "teacher_passes",

@@ -1,10 +1,11 @@
 """What a teacher with another tokenizer needs around its forward passes, in any framework: each
 sample re-tokenized for the teacher on the whole sequence (the prompt/response boundary and every
-loss-mask change are forced chunk boundaries), the teacher's own packed rollout planned under the
-student's token budget, the chunk-start buckets over shared byte strings, and the teacher's values
-brought back to the student's response rows (whole responses: a chunk can straddle
-context-parallel ranks, each rank cuts its rows afterwards). slime's top-k OPD runs its passes
-(`integrations/slime/cross_passes.py`); the module was `integrations/slime/cross_teachers.py`."""
+loss-mask change are forced chunk boundaries), the teacher's own micro-batches planned under the
+student's token budget (`PassPlan`: plain indices; a framework builds its own batch from them), the
+chunk-start buckets over shared byte strings, and the teacher's values brought back to the student's
+response rows (whole responses: a chunk can straddle context-parallel ranks, each rank cuts its rows
+afterwards). slime's top-k OPD runs its passes (`integrations/slime/cross_passes.py`, its rollout
+built by `integrations/slime/cross_rollout.py`); the module was `integrations/slime/cross_teachers.py`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -45,8 +46,9 @@ def teacher_sample(tokens: torch.Tensor, response_length: int, loss_mask: Sequen
     ids = [int(t) for t in tokens.tolist()]
     prompt = len(ids) - int(response_length)
     if prompt < 0 or len(loss_mask) != response_length:
-        raise ValueError(f"a sample of {len(ids)} tokens with response_length {response_length} and "
-                         f"{len(loss_mask)} loss-mask values: slime's rollout data disagree")
+        raise ValueError(f"tokens holds {len(ids)} ids, response_length is {response_length} and loss_mask "
+                         f"holds {len(loss_mask)} values: pass the whole sequence (prompt then response), the "
+                         "response's length (at most the sequence's) and one loss-mask value per response token")
     t_ids, alignment = retokenize(ids, student_tokenizer, teacher_tokenizer,
                                   boundaries=loss_mask_boundaries(prompt, loss_mask), stop_tokens=stop_tokens)
     prompt_chunks = alignment.student_chunk[:prompt]
@@ -63,9 +65,10 @@ def teacher_sample(tokens: torch.Tensor, response_length: int, loss_mask: Sequen
     return TeacherSample(t_ids.to(tokens.device), int(teacher.numel()), response)
 
 
-def student_budget(total_lengths: Sequence[int], micro_batch_indices: Sequence[Sequence[int]]) -> int:
-    """The token budget of the student's micro-batches: the most tokens one of them packs."""
-    return max((sum(int(total_lengths[i]) for i in batch) for batch in micro_batch_indices), default=1)
+def student_budget(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]]) -> int:
+    """The token budget of the student's micro-batches (each a list of sample indices into
+    `lengths`, the samples' token counts): the most tokens one of them packs."""
+    return max((sum(int(lengths[i]) for i in batch) for batch in micro_batches), default=1)
 
 
 def plan_micro_batches(lengths: Sequence[int], budget: int, at_least: int = 1) -> list[list[int]]:
@@ -98,35 +101,32 @@ def _packed(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return plan
 
 
-# the teacher rollout's key of its padding: per extra sample, the sample it repeats
-PADDED_FROM = "padded_from"
+@dataclass(frozen=True)
+class PassPlan:
+    """The teacher's micro-batches: each a list of indices into its samples followed by the
+    repeats (`repeats[i]`: the sample the extra sample `len(samples) + i` repeats)."""
+
+    micro_batches: list[list[int]]
+    repeats: list[int]
+
+    def padded(self, per_sample: Sequence[Any]) -> list[Any]:
+        """Per-sample values of the samples for every sample the passes run (repeats included)."""
+        return [*per_sample, *(per_sample[j] for j in self.repeats)]
+
+    def unpadded(self, per_sample: Sequence[Any]) -> list[Any]:
+        """A pass's per-sample values without its repeats (the samples' own)."""
+        return list(per_sample[:len(per_sample) - len(self.repeats)])
 
 
-def teacher_rollout(samples: Sequence[TeacherSample], budget: int, at_least: int = 1) -> dict[str, Any]:
-    """slime's rollout fields for the teacher's own passes (its ids, lengths, micro-batches: at
-    least `at_least`). Where its samples cannot be split into that many, the shortest one is
-    repeated as a micro-batch of its own (`PADDED_FROM` names the repeated samples; their values
-    are dropped: `padded`, `unpadded`): every rank of a group whose forwards pair up collectives
-    (an expert-parallel group's dispatcher) runs as many."""
-    lengths = [int(s.tokens.numel()) for s in samples]
+def plan_passes(lengths: Sequence[int], budget: int, at_least: int = 1) -> PassPlan:
+    """The teacher's micro-batches over samples of `lengths` tokens (`plan_micro_batches`, at least
+    `at_least`). Where the samples cannot be split into that many, the shortest one is repeated as a
+    micro-batch of its own (its values dropped: `unpadded`): every rank of a group whose forwards
+    pair up collectives (an expert-parallel group's dispatcher) runs as many."""
     plan = plan_micro_batches(lengths, budget, at_least)
-    repeated = [min(range(len(samples)), key=lengths.__getitem__)] * max(0, at_least - len(plan)) if samples else []
-    plan += [[len(samples) + i] for i in range(len(repeated))]
-    every = [*samples, *(samples[j] for j in repeated)]
-    return {"tokens": [s.tokens for s in every], "total_lengths": [int(s.tokens.numel()) for s in every],
-            "response_lengths": [s.response_length for s in every],
-            "loss_masks": [torch.ones(s.response_length, dtype=torch.int, device=s.tokens.device) for s in every],
-            "micro_batch_indices": plan, "num_microbatches": [len(plan)], PADDED_FROM: repeated}
-
-
-def padded(per_sample: Sequence[Any], rollout: dict[str, Any]) -> list[Any]:
-    """Per-sample values of the samples for `rollout`'s every sample (its repeats included)."""
-    return [*per_sample, *(per_sample[j] for j in rollout[PADDED_FROM])]
-
-
-def unpadded(per_sample: Sequence[Any], rollout: dict[str, Any]) -> list[Any]:
-    """A pass's per-sample values of `rollout` without its repeats (the samples' own)."""
-    return list(per_sample[:len(per_sample) - len(rollout[PADDED_FROM])])
+    missing = max(0, at_least - len(plan)) if len(lengths) else 0
+    repeats = [min(range(len(lengths)), key=lambda i: int(lengths[i]))] * missing if missing else []
+    return PassPlan(plan + [[len(lengths) + i] for i in range(missing)], repeats)
 
 
 def log_ratio(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, alignment: Alignment

@@ -12,6 +12,7 @@ import argparse
 import json
 from typing import Any
 
+from megatron_rl_patches._residency_modes import RESIDENCY_MODES
 from megatron_rl_patches.apps.cli._common import OK, UsageError
 from megatron_rl_patches.apps.presentation import human_bytes, text_table
 from megatron_rl_patches.inference.loading.hf.families import read_architecture
@@ -32,9 +33,6 @@ def _checked(args: argparse.Namespace) -> int:
         raise UsageError(f"{sizes} cannot be laid over the student's {world} rank(s) (--tp {args.tp} x --pp "
                          f"{args.pp} x --dp {args.dp}): choose teacher sizes whose product divides {world}")
     return world
-
-
-MODES = ("resident", "swap", "stream")
 
 
 def _row(name: str, plan: HFMemoryPlan, mode: str, chosen: str | None) -> dict[str, Any]:
@@ -58,8 +56,8 @@ def run_teacher(args: argparse.Namespace) -> int:
     dp = world // (tp * pp)
     name = f"own (TP={tp}" + (f" x PP={pp}" if pp > 1 else "") + f" x DP={dp})"
     # the own layout's rows first (resident, swap, stream), then the student's; --residency marks its mode's
-    rows = [*(_row(name, own, mode, args.residency) for mode in MODES),
-            *(_row("student's", student, mode, args.residency) for mode in MODES)]
+    rows = [*(_row(name, own, mode, args.residency) for mode in RESIDENCY_MODES),
+            *(_row("student's", student, mode, args.residency) for mode in RESIDENCY_MODES)]
     if args.json:
         print(json.dumps({"world": world, "teacher_tp": tp, "teacher_pp": pp, "teacher_dp": dp,
                           "residency": args.residency, "layouts": rows, "hf_plan": own.as_dict()}, indent=2))

@@ -5,7 +5,8 @@ own packed rollout (its top-k ids and its own tokens' log-probs, then its bucket
 per-sample fields the student's step reads, and their terms in the loss: the (k+1)-bucket
 divergence at chunk starts and the token-level reverse-KL term (`cross_tokenizer.chunk_terms`;
 docs/distillation.md, "Teachers with another tokenizer"). The framework-free parts are in
-`cross_tokenizer` (`teacher_passes`, `teacher`, `chunk_terms`)."""
+`cross_tokenizer` (`teacher_passes`, `teacher`, `chunk_terms`); the teacher's rollout in slime's
+keys in `cross_rollout`."""
 # lazy imports: optional dependency slime
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from megatron_rl_patches.integrations.slime.allgather_cp import (
     whole_from_zigzag,
     zigzag_from_local,
 )
+from megatron_rl_patches.integrations.slime.cross_rollout import teacher_rollout
 from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, OpdSettings, Teacher, load_function
 from megatron_rl_patches.integrations.slime.opd_teachers import (
     ModelTeacher,
@@ -135,26 +137,27 @@ class CrossTokenizerTeacher(OpdTeacher):
         model = self.model.model_chunks(actor)
         samples = teacher_samples(rollout_data, self)
         budget = ct.student_budget(rollout_data["total_lengths"], rollout_data["micro_batch_indices"])
+        lengths = [s.tokens.numel() for s in samples]
         # at least the student's count (a pipeline schedule's minimum); with expert parallelism as many
         # as every data-parallel rank's (the MoE dispatchers' collectives pair the ranks' forwards up)
-        planned = len(ct.plan_micro_batches([s.tokens.numel() for s in samples], budget,
-                                            len(rollout_data["micro_batch_indices"])))
-        own = ct.teacher_rollout(samples, budget, expert_agreement.agreed_micro_batches(
+        planned = len(ct.plan_micro_batches(lengths, budget, len(rollout_data["micro_batch_indices"])))
+        plan = ct.plan_passes(lengths, budget, expert_agreement.agreed_micro_batches(
             max(planned, len(rollout_data["micro_batch_indices"]))))
+        own = teacher_rollout(samples, plan)
         first = self.model.topk_pass(step, model, own, TopkRequest(k=settings.k))
         buckets: list[ct.Buckets] = []
         if last:
-            top = ct.unpadded(_whole(first["topk_ids"], own), own)
+            top = plan.unpadded(_whole(first["topk_ids"], own))
             buckets = [ct.chunk_start_buckets(ids, s.alignment, self.pair.shared) for ids, s in zip(top, samples)]
-            own[TEACHER_IDS] = _cut(ct.padded([b.teacher_ids for b in buckets], own), own)
-            own[TEACHER_MASK] = _cut(ct.padded([b.teacher_mask for b in buckets], own), own)
+            own[TEACHER_IDS] = _cut(plan.padded([b.teacher_ids for b in buckets]), own)
+            own[TEACHER_MASK] = _cut(plan.padded([b.teacher_mask for b in buckets]), own)
         second = self.model.topk_pass(step, model, own, TopkRequest(ids_key=TEACHER_IDS, mask_key=TEACHER_MASK,
                                                                     keys=(TEACHER_IDS, TEACHER_MASK)))
         if not last:
             return None
-        own_log_probs = ct.unpadded(_whole(first["log_probs"], own), own)
-        id_log_probs = ct.unpadded(_whole(second["topk_log_probs"], own), own)
-        tails = ct.unpadded(_whole(second["tail"], own), own)
+        own_log_probs = plan.unpadded(_whole(first["log_probs"], own))
+        id_log_probs = plan.unpadded(_whole(second["topk_log_probs"], own))
+        tails = plan.unpadded(_whole(second["tail"], own))
         out: dict[str, list[torch.Tensor]] = {key: [] for key in ("ratio", "logprobs", "tails", "alive", "ids",
                                                                   "mask")}
         for s, b, student, teacher_lp, lp, tail in zip(samples, buckets, step.student_log_probs, own_log_probs,

@@ -14,97 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
-from megatron_rl_patches.inference.loading.hf.checkpoint_config import (
-    CONFIG,
-    hub_cache_problem,
-    read_checkpoint_config,
-    text_config,
-)
+from megatron_rl_patches.inference.loading.hf.checkpoint_config import CONFIG, hub_cache_problem, read_checkpoint_config
 from megatron_rl_patches.inference.loading.hf.families import architecture
 from megatron_rl_patches.inference.loading.hf.vocab import check_teacher_vocab
 from megatron_rl_patches.integrations.slime.actor_spec import actor_layer_spec, spec_core_attention
+from megatron_rl_patches.integrations.slime.opd_settings import OWN_TOKENIZER, TEACHERS
+from megatron_rl_patches.integrations.slime.teacher_shape import shape_differences
 
 SNAPSHOT, HF = "snapshot", "hf"
 _ROUTES = (SNAPSHOT, HF)
-
-# The fields of config.json that shape the model, and the actor's Megatron argument for each
-# (None where derived in `actor_shape`).
-SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "intermediate_size", "num_experts", "moe_intermediate_size", "vocab_size", "qk_norm", "qkv_bias",
-                "tie_word_embeddings", "rope_theta", "rms_norm_eps")
-
-
-def _served_architecture(config: dict[str, Any]) -> Any:
-    """The converter's architecture of `config` (its family's reading), None where it refuses it."""
-    try:
-        return architecture(config)
-    except ValueError:  # UnsupportedCheckpointError too: the route decision names it later
-        return None
-
-
-def hf_shape(fields: dict[str, Any]) -> dict[str, Any]:
-    """The model-shaping fields of a Hugging Face config.json dict, a wrapper's read from its text
-    model (configs the converter does not read, of another family or with a feature it refuses,
-    give their sizes only: their q/k norm and biases are not compared)."""
-    config = text_config(fields)
-    heads = config.get("num_attention_heads")
-    experts = config.get("num_experts") or config.get("num_local_experts") or 0
-    rope = config.get("rope_parameters")
-    rope = rope if isinstance(rope, dict) else {}  # another type: the architecture check names the field
-    shape: dict[str, Any] = {
-        "hidden_size": config.get("hidden_size"),
-        "num_hidden_layers": config.get("num_hidden_layers"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": config.get("num_key_value_heads") or heads,
-        "head_dim": config.get("head_dim") or (config["hidden_size"] // heads
-                                                if config.get("hidden_size") and heads else None),
-        "intermediate_size": None if experts else config.get("intermediate_size"),
-        "num_experts": experts,
-        "moe_intermediate_size": config.get("moe_intermediate_size") if experts else None,
-        "vocab_size": config.get("vocab_size"),
-        # not shapes, but the snapshot route would run the teacher with the actor's values
-        "rope_theta": rope.get("rope_theta") or config.get("rope_theta"),
-        "rms_norm_eps": config.get("rms_norm_eps"),
-    }
-    if "tie_word_embeddings" in config:  # transformers' default differs by family: compared where written
-        shape["tie_word_embeddings"] = bool(config["tie_word_embeddings"])
-    arch = _served_architecture(fields)
-    if arch is not None:
-        shape.update(qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm)
-    return shape
-
-
-def actor_shape(args: Any) -> dict[str, Any]:
-    """The same fields from the actor's Megatron arguments (slime's args)."""
-    heads = getattr(args, "num_attention_heads", None)
-    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
-    experts = getattr(args, "num_experts", None) or 0
-    hidden = getattr(args, "hidden_size", None)
-    return {
-        "hidden_size": hidden,
-        "num_hidden_layers": getattr(args, "num_layers", None),
-        "num_attention_heads": heads,
-        "num_key_value_heads": groups or heads,
-        "head_dim": getattr(args, "kv_channels", None) or (hidden // heads if hidden and heads else None),
-        "intermediate_size": None if experts else getattr(args, "ffn_hidden_size", None),
-        "num_experts": experts,
-        "moe_intermediate_size": getattr(args, "moe_ffn_hidden_size", None) if experts else None,
-        "vocab_size": getattr(args, "vocab_size", None),
-        "tie_word_embeddings": not getattr(args, "untie_embeddings_and_output_weights", False),
-        "qkv_bias": bool(getattr(args, "add_qkv_bias", False)),
-        "qk_norm": bool(getattr(args, "qk_layernorm", False)),
-        "rope_theta": getattr(args, "rotary_base", None),
-        "rms_norm_eps": getattr(args, "norm_epsilon", None),
-    }
-
-
-def shape_differences(config: dict[str, Any], args: Any) -> list[str]:
-    """'field: teacher X, actor Y' for each model-shaping field where a Hugging Face config and
-    the actor differ (fields either side does not give are not compared)."""
-    teacher, actor = hf_shape(config), actor_shape(args)
-    return [f"{name}: teacher {teacher[name]}, actor {actor[name]}" for name in SHAPE_FIELDS
-            if name in teacher and teacher[name] is not None and actor.get(name) is not None
-            and teacher[name] != actor[name]]
 
 
 def local_route(path: str, args: Any, what: str) -> tuple[str, list[str]]:
@@ -205,12 +123,15 @@ def packed_core_attention(args: Any) -> type | None:
 
 
 def check_vocab(path: str, student: int | str, what: str) -> int:
-    """The teacher's vocabulary against the student's (`check_teacher_vocab`), naming the setting;
-    the shared real vocab size."""
+    """The teacher's vocabulary against the student's (`check_teacher_vocab`), naming the setting
+    (an OPD teacher's error: how its entry asks for a teacher with another tokenizer); the shared
+    real vocab size."""
     try:
         return check_teacher_vocab(path, student)
     except ValueError as exc:
-        raise ValueError(f"{what.partition(': ')[0]}: {exc}") from None  # the error names the path itself
+        entry = f", or in {TEACHERS} ask for it with the entry '{path};{OWN_TOKENIZER}'" \
+            if what.startswith(TEACHERS) else ""
+        raise ValueError(f"{what.partition(': ')[0]}: {exc}{entry}") from None  # the error names the path itself
 
 
 # The actor's schedule settings the teacher's config must share: slime's forward_only reads the

@@ -87,13 +87,25 @@ def test_stop_token_map_loaded_and_honoured(qwen3, deepseek, tmp_path):
 
 
 def test_check_teacher_vocab_says_how_to_ask(tmp_path):
+    """The core check names its arguments and the cross-tokenizer route; slime's OPD teachers add
+    how their entry asks for it (issue 64: the core named slime's variable); a role adds nothing."""
     from megatron_rl_patches.inference.loading.hf.vocab import check_teacher_vocab
+    from megatron_rl_patches.integrations.slime.hf_teachers import check_vocab
 
     for name, size in (("t", 100), ("s", 64)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(f'{{"vocab_size": {size}}}')
-    with pytest.raises(ValueError, match=r"ask for it with the entry '.*t;tokenizer=own'"):
-        check_teacher_vocab(tmp_path / "t", str(tmp_path / "s"))
+    teacher, student = str(tmp_path / "t"), str(tmp_path / "s")
+    with pytest.raises(ValueError, match="teacher .* has vocab_size=100 but the student .*megatron_rl_patches"
+                                         r"\.cross_tokenizer") as core:
+        check_teacher_vocab(teacher, student)
+    assert "MEGATRON_RL_PATCHES" not in str(core.value) and "tokenizer=own" not in str(core.value)
+    what = f"MEGATRON_RL_PATCHES_OPD_TEACHERS: teacher {teacher!r}"
+    with pytest.raises(ValueError, match=r"^MEGATRON_RL_PATCHES_OPD_TEACHERS: teacher .* or in MEGATRON_RL_PATCHES_"
+                                         r"OPD_TEACHERS ask for it with the entry '.*t;tokenizer=own'$"):
+        check_vocab(teacher, student, what)
+    with pytest.raises(ValueError, match="^role 'prm_teacher': teacher .*Teachers with another tokenizer'\\)$"):
+        check_vocab(teacher, student, f"role 'prm_teacher': weights {teacher!r}")
 
 
 def _sample(student_tok, text_prompt, text_response, masked=None):
@@ -147,18 +159,28 @@ def test_micro_batches_under_the_student_budget():
     assert ct.plan_micro_batches([3, 3, 3, 3], 100, at_least=2) == [[0, 1], [2, 3]]
     assert ct.plan_micro_batches([3, 3, 9], 100, at_least=3) == [[0], [1], [2]]
     assert ct.plan_micro_batches([5], 100, at_least=2) == [[0]]  # one sample cannot be split
-    sample = ct.TeacherSample(torch.arange(6), 2, None)
-    rollout = ct.teacher_rollout([sample, sample], 12)
-    assert rollout["micro_batch_indices"] == [[0, 1]] and rollout["num_microbatches"] == [1]
-    assert rollout["total_lengths"] == [6, 6] and rollout["response_lengths"] == [2, 2]
-    assert rollout["loss_masks"][0].tolist() == [1, 1] and rollout[ct.PADDED_FROM] == []
+    assert ct.plan_passes([6, 6], 12) == ct.PassPlan([[0, 1]], [])
     # more micro-batches than the samples split into (agreed with other expert-parallel ranks): the
     # shortest sample repeated alone; its values dropped, the repeat given its source's inputs
+    plan = ct.plan_passes([6, 4], 100, at_least=4)
+    assert plan == ct.PassPlan([[0], [1], [2], [3]], [1, 1])
+    assert plan.padded(["a", "b"]) == ["a", "b", "b", "b"] and plan.unpadded([0, 1, 2, 3]) == [0, 1]
+    assert ct.plan_passes([], 100, at_least=2) == ct.PassPlan([], [])
+
+
+def test_slimes_rollout_of_the_teachers_passes():
+    """integrations/slime/cross_rollout.py: the plan in slime's keys (the core returns plain indices)."""
+    from megatron_rl_patches.integrations.slime.cross_rollout import teacher_rollout
+
+    sample = ct.TeacherSample(torch.arange(6), 2, None)
+    rollout = teacher_rollout([sample, sample], ct.plan_passes([6, 6], 12))
+    assert rollout["micro_batch_indices"] == [[0, 1]] and rollout["num_microbatches"] == [1]
+    assert rollout["total_lengths"] == [6, 6] and rollout["response_lengths"] == [2, 2]
+    assert rollout["loss_masks"][0].tolist() == [1, 1]
     short = ct.TeacherSample(torch.arange(4), 1, None)
-    rollout = ct.teacher_rollout([sample, short], 100, at_least=4)
+    rollout = teacher_rollout([sample, short], ct.plan_passes([6, 4], 100, at_least=4))
     assert rollout["micro_batch_indices"] == [[0], [1], [2], [3]] and rollout["num_microbatches"] == [4]
-    assert rollout[ct.PADDED_FROM] == [1, 1] and rollout["total_lengths"] == [6, 4, 4, 4]
-    assert ct.padded(["a", "b"], rollout) == ["a", "b", "b", "b"] and ct.unpadded([0, 1, 2, 3], rollout) == [0, 1]
+    assert rollout["total_lengths"] == [6, 4, 4, 4] and rollout["tokens"][3] is short.tokens
 
 
 def _model(vocab, rows, seed):

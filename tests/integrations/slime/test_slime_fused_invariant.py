@@ -14,28 +14,13 @@ import types
 
 import pytest
 import torch
+from kit.zeroed_gpt import zeroed_output_gpt
 
 from megatron_rl_patches.ops import packing
 
 pytestmark = pytest.mark.megatron
 TOTALS, RESPONSES = (150, 97, 211, 64), (60, 40, 130, 20)
 H, V = 128, 5000
-
-
-def _model(megatron_cpu):
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    from megatron_rl_patches.testing.packed_gpt import packed_gpt_spec
-
-    torch.manual_seed(2)
-    config = megatron_cpu.config(hidden_size=H, num_attention_heads=4, num_layers=1)
-    model = GPTModel(config=config, transformer_layer_spec=packed_gpt_spec(), vocab_size=V,
-                     max_sequence_length=sum(TOTALS), position_embedding_type="rope")
-    with torch.no_grad():  # every layer adds zero to the residual stream: hidden = norm(embedding)
-        for name, parameter in model.named_parameters():
-            if "linear_proj" in name or "linear_fc2" in name:
-                parameter.zero_()
-    return model.eval()
 
 
 def _micro_batch(tokens, samples, monkeypatch):
@@ -84,7 +69,7 @@ def test_micro_batch_splits_of_1_and_4_give_the_same_bits_with_batch_invariant_m
     import megatron_rl_patches
 
     megatron_rl_patches.apply(only="gpt_output_processor")  # megatron-core < 0.18, as the slime lane
-    model = _model(megatron_cpu)
+    model = zeroed_output_gpt(V, sum(TOTALS), hidden_size=H)
     g = torch.Generator().manual_seed(4)
     tokens = [torch.randint(0, V, (n,), generator=g) for n in TOTALS]
     seen = {}

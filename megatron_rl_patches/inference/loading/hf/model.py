@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, UnsupportedCheckpointError
-from megatron_rl_patches.inference.loading.hf.families.common import after_init
+from megatron_rl_patches.inference.loading.hf.families.common import after_init, stage_args
 from megatron_rl_patches.inference.loading.hf.families.kv_heads import query_groups
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -139,12 +139,6 @@ def _with_core_attention(spec: Any, core_attention: type | None) -> Any:
             if hasattr(getattr(attention, "submodules", None), "core_attention"):  # not linear attention
                 attention.submodules.core_attention = core_attention
     return spec
-
-
-def stage_args(vp_stage: int | None, pp_rank: int | None) -> dict[str, Any]:
-    """The keywords naming a pipeline stage to megatron-core's block spec and layer offset:
-    `pp_rank` only where given (megatron-core 0.13.1 takes none and reads parallel_state's)."""
-    return {"vp_stage": vp_stage, **({} if pp_rank is None else {"pp_rank": pp_rank})}
 
 
 def _mixed_block_spec(config: Any, core_attention: type | None, vp_stage: int | None, pp_rank: int | None) -> Any:

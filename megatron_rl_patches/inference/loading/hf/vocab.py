@@ -76,8 +76,7 @@ def check_teacher_vocab(teacher: str | os.PathLike[str], student: int | str | os
             f"the tokenizers of teacher {str(teacher)!r} and student {str(student)!r} differ on {len(differ)} "
             f"token(s) ({shown(shown_diffs)}): a teacher must share the student's tokenizer to be scored on the "
             "student's ids; for a teacher with another tokenizer, distill across tokenizers with "
-            "megatron_rl_patches.cross_tokenizer (docs/distillation.md, 'Teachers with another tokenizer'), or in "
-            f"slime's MEGATRON_RL_PATCHES_OPD_TEACHERS ask for it with the entry '{teacher};tokenizer=own'"
+            "megatron_rl_patches.cross_tokenizer (docs/distillation.md, 'Teachers with another tokenizer')"
         )
     if teacher_size != student_size:
         raise ValueError(
@@ -85,7 +84,6 @@ def check_teacher_vocab(teacher: str | os.PathLike[str], student: int | str | os
             f"{'at ' + repr(str(student)) + ' ' if student_dir else ''}has vocab_size={student_size}: a teacher "
             "must share the student's tokenizer to be scored on the student's ids; for a teacher with another "
             "tokenizer, distill across tokenizers with megatron_rl_patches.cross_tokenizer (retokenize, "
-            "spread_chunk_log_probs, chunk_reverse_kl; docs/distillation.md, 'Teachers with another tokenizer'), "
-            f"or in slime's MEGATRON_RL_PATCHES_OPD_TEACHERS ask for it with the entry '{teacher};tokenizer=own'"
+            "spread_chunk_log_probs, chunk_reverse_kl; docs/distillation.md, 'Teachers with another tokenizer')"
         )
     return teacher_size

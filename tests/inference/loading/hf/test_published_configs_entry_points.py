@@ -69,3 +69,50 @@ def test_doctor_reads_each_published_teacher_and_names_only_its_missing_weights(
     clean_patch_state.setenv(TEACHERS, str(root))
     (problem,) = teacher_problems()
     assert "has no model.safetensors and no model.safetensors.index.json" in problem, problem
+
+
+# slime's actor arguments for the published models (its scripts/models/deepseek-v3.sh and
+# glm4.5-355B-A32B.sh at 624b824a, as Megatron-LM parses them: --moe-layer-freq a list)
+SLIME_ACTORS = {
+    "DeepSeek-V3": Namespace(
+        hidden_size=7168, num_layers=61, num_attention_heads=128, group_query_attention=False, kv_channels=128,
+        ffn_hidden_size=18432, vocab_size=129280, untie_embeddings_and_output_weights=True, add_qkv_bias=False,
+        qk_layernorm=True, rotary_base=10000, norm_epsilon=1e-6, rotary_percent=1.0, multi_latent_attention=True,
+        q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
+        num_experts=256, moe_ffn_hidden_size=2048, moe_router_topk=8, moe_shared_expert_intermediate_size=2048,
+        moe_layer_freq=[0] * 3 + [1] * 58),
+    "GLM-4.5": Namespace(
+        hidden_size=5120, num_layers=92, num_attention_heads=96, group_query_attention=True, num_query_groups=8,
+        kv_channels=128, ffn_hidden_size=12288, vocab_size=151552, untie_embeddings_and_output_weights=True,
+        add_qkv_bias=True, qk_layernorm=True, rotary_base=1000000, norm_epsilon=1e-5, rotary_percent=0.5,
+        num_experts=160, moe_ffn_hidden_size=1536, moe_router_topk=8, moe_shared_expert_intermediate_size=1536,
+        moe_layer_freq=[0] * 3 + [1] * 89),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SLIME_ACTORS))
+def test_slime_reads_a_routed_expert_teacher_as_the_converter_does(tmp_path, name):
+    """issue 64: the route decision read experts as num_experts / num_local_experts only; DeepSeek-V3
+    and GLM-4.5 write n_routed_experts, so their own actor saw a dense teacher ("num_experts: teacher
+    0, actor 256") and MLA's widths went uncompared. Now the converter's HFArchitecture is compared."""
+    root = str(published_checkpoint(name, tmp_path))
+    actor = SLIME_ACTORS[name]
+    assert hf_teachers.local_route(root, actor, WHAT) == (hf_teachers.SNAPSHOT, [])
+    experts = _text(name)["n_routed_experts"]
+    dense = Namespace(**{**vars(actor), "num_experts": None})
+    route, differences = hf_teachers.local_route(root, dense, WHAT)
+    assert route == hf_teachers.HF and f"num_experts: teacher {experts}, actor 0" in differences
+    interleaved = Namespace(**{**vars(actor), "moe_layer_freq": 2})
+    assert hf_teachers.local_route(root, interleaved, WHAT) == \
+        (hf_teachers.HF, ["first_k_dense_replace: teacher 3, actor --moe-layer-freq 2"])
+
+
+def test_slime_compares_multi_latent_attentions_widths(tmp_path):
+    root = str(published_checkpoint("DeepSeek-V3", tmp_path))
+    actor = SLIME_ACTORS["DeepSeek-V3"]
+    narrower = Namespace(**{**vars(actor), "kv_lora_rank": 256, "q_lora_rank": None})
+    assert hf_teachers.local_route(root, narrower, WHAT) == \
+        (hf_teachers.HF, ["q_lora_rank: teacher 1536, actor 0", "kv_lora_rank: teacher 512, actor 256"])
+    plain = Namespace(**{**vars(actor), "multi_latent_attention": False, "qk_layernorm": False})
+    assert hf_teachers.local_route(root, plain, WHAT) == \
+        (hf_teachers.HF, ["qk_norm: teacher True, actor False", "multi_latent_attention: teacher True, actor False"])

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.verl
 
 import verl.models.mcore.registry  # noqa: E402,F401  (bound by name before any patch: see verl_kit)
 import verl_kit as kit  # noqa: E402
+from kit.zeroed_gpt import zeroed_output_gpt  # noqa: E402
 
 import megatron_rl_patches  # noqa: E402
 
@@ -25,22 +26,12 @@ LENGTHS = (150, 97, 211, 64)
 H, V = 128, 5000
 
 
-def _model(env):
-    from megatron.core.models.gpt.gpt_model import GPTModel
+def _model():
     from verl.models.mcore.model_forward_fused import patch_fused_forward
 
-    from megatron_rl_patches.testing.packed_gpt import packed_gpt_spec
-
-    torch.manual_seed(2)
-    config = env.config(hidden_size=H, num_attention_heads=4, num_layers=1)
-    model = GPTModel(config=config, transformer_layer_spec=packed_gpt_spec(), vocab_size=V,
-                     max_sequence_length=sum(LENGTHS), position_embedding_type="rope")
-    with torch.no_grad():  # every layer adds zero to the residual stream: hidden = norm(embedding)
-        for name, parameter in model.named_parameters():
-            if "linear_proj" in name or "linear_fc2" in name:
-                parameter.zero_()
+    model = zeroed_output_gpt(V, sum(LENGTHS), hidden_size=H)
     patch_fused_forward(model)  # what verl's engine does at build time
-    return model.eval()
+    return model
 
 
 def _micro_batch(ids: list[torch.Tensor]):
@@ -75,7 +66,7 @@ def _apply() -> None:
 
 def test_packed_and_alone_give_the_same_bits_with_batch_invariant_mode(verl_cpu):
     _apply()
-    model = _model(verl_cpu)
+    model = _model()
     g = torch.Generator().manual_seed(4)
     ids = [torch.randint(0, V, (n,), generator=g) for n in LENGTHS]
     seen = {}

@@ -1,6 +1,7 @@
 """The pieces the families share: a RMSNorm decoder layer's attention (q/k/v/o, optional q/k/v
 biases and per-head q/k norms), its SwiGLU MLP, and a routed mixture of SwiGLU experts; each as
-the Hugging Face tensors it holds and the Megatron local-spec parameters made from them."""
+the Hugging Face tensors it holds and the Megatron local-spec parameters made from them; and the
+keywords naming a pipeline stage to megatron-core's block spec (`stage_args`)."""
 # lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
@@ -152,3 +153,9 @@ def needs_config_field(arch: HFArchitecture, name: str, what: str) -> bool:
             f"(0.16.1 and 0.19.2 have it), this is megatron-core {package_info.__version__}"
         )
     return True
+
+
+def stage_args(vp_stage: int | None, pp_rank: int | None) -> dict[str, Any]:
+    """The keywords naming a pipeline stage to megatron-core's block spec and layer offset:
+    `pp_rank` only where given (megatron-core 0.13.1 takes none and reads parallel_state's)."""
+    return {"vp_stage": vp_stage, **({} if pp_rank is None else {"pp_rank": pp_rank})}

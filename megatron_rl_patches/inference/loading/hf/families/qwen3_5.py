@@ -26,6 +26,7 @@ from megatron_rl_patches.inference.loading.hf.families.common import (
     needs_config_field,
     shared_expert_params,
     shared_expert_tensors,
+    stage_args,
     swiglu_params,
     swiglu_tensors,
 )
@@ -242,7 +243,6 @@ def stage_spec(arch: HFArchitecture, config: Any, vp_stage: int | None, pp_rank:
 
     # lazy: import cost: memory --hf plans without torch (gated_delta_net imports it)
     from megatron_rl_patches.inference.gated_delta_net import GatedDeltaNetLayer
-    from megatron_rl_patches.inference.loading.hf.model import stage_args
 
     stage = stage_args(vp_stage, pp_rank)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", **stage)
