@@ -82,7 +82,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-python", required=True, help="vLLM CPU build interpreter (.lanes/vllm/bin/python)")
     parser.add_argument("--out", default="bench-out/served")
-    parser.add_argument("--tokens", type=int, default=8192, help="ids per sample")
+    parser.add_argument("--tokens", type=int, default=2048, help="ids per sample of a step")
+    parser.add_argument("--share-tokens", type=int, default=8192, help="ids of the client-share sample")
     parser.add_argument("--samples", type=int, default=8, help="samples per step")
     parser.add_argument("--k", type=int, default=20)
     parser.add_argument("--in-flight", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -94,11 +95,12 @@ def main() -> None:
     result: dict = {"load_before": load(), "tokens": args.tokens, "samples": args.samples, "k": args.k}
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp) / "qwen3"
-        model = save_tiny_hf(directory, "qwen3", seed=1, max_position_embeddings=args.tokens + 8, **SHAPE)
+        longest = max(args.tokens, args.share_tokens) + 8
+        model = save_tiny_hf(directory, "qwen3", seed=1, max_position_embeddings=longest, **SHAPE)
         save_word_tokenizer(directory, VOCAB)
         batch = batch_of(args.samples, args.tokens)
         step_tokens = args.samples * (args.tokens - 1)
-        with vllm_server(args.vllm_python, directory, Path(tmp) / "vllm.log", max_model_len=args.tokens + 8,
+        with vllm_server(args.vllm_python, directory, Path(tmp) / "vllm.log", max_model_len=longest,
                          max_logprobs=args.k) as server:
             rows = []
             for n in args.in_flight:
@@ -110,7 +112,8 @@ def main() -> None:
                 rows.append({"in_flight": n, "seconds": seconds, "tokens_per_s": step_tokens / seconds})
                 print(f"served, {n} in flight: {step_tokens / seconds:,.0f} tokens/s", flush=True)
             with ServedTeacher(server.url, top_k=args.k, client=ClientSettings(timeout_s=3600)) as teacher:
-                result["client"] = client_share(teacher, batch.sequences[0].tolist(), args.rounds)
+                share_ids = batch_of(1, args.share_tokens, seed=1).sequences[0].tolist()
+                result["client"] = client_share(teacher, share_ids, args.rounds)
             print(f"client share: {result['client']['client_share']:.1%}", flush=True)
         in_process(model, batch_of(1, 64), args.k)
         seconds = median_seconds(lambda: in_process(model, batch, args.k), args.rounds)

@@ -35,7 +35,10 @@ class Served:
 @pytest.fixture(scope="session")
 def served(tmp_path_factory):
     """The session's vLLM server; its API key set in the client's variable for the session."""
-    pytest.importorskip("httpx", reason="the served extra (httpx) is missing from this venv")
+    try:
+        import httpx  # noqa: F401 - the client's library, the extra `served`
+    except ImportError:
+        pytest.fail("the served lane needs httpx in this venv: pip install -e '.[served]'")
     from megatron_rl_patches.testing.vllm_server import vllm_server
 
     root = tmp_path_factory.mktemp("served")
