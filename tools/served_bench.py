@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl_patches.teachers import ClientSettings, ServedTeacher, TeacherBatch
+from megatron_rl_patches.teachers.http_client import decode, fast_loads
 from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
 from megatron_rl_patches.testing.vllm_server import vllm_server
 
@@ -57,25 +58,25 @@ def in_process(model, batch: TeacherBatch, k: int) -> None:
 
 def client_share(teacher: ServedTeacher, ids: list[int], rounds: int) -> dict:
     """Seconds of one request at the server (the HTTP round trip on the loopback) and of the
-    client's own work on its reply (json.loads, then the reply read into tensors)."""
+    client's own work on its reply (JSON decoding, then the reply read into tensors)."""
     model = teacher.check()
     http = teacher.client.http()
     body = teacher.engine.body(model, ids)
-    server, decode, parse, size = [], [], [], 0
+    server, decoding, parse, size = [], [], [], 0
     for _ in range(rounds):
         start = time.perf_counter()
         content = http.post(teacher.url + teacher.engine.path, json=body).content
         server.append(time.perf_counter() - start)
         start = time.perf_counter()
-        reply = json.loads(content)
-        decode.append(time.perf_counter() - start)
+        reply = decode(content, "", "", None)
+        decoding.append(time.perf_counter() - start)
         start = time.perf_counter()
         teacher.engine.parse(reply, ids, 1, 0)
         parse.append(time.perf_counter() - start)
         size = len(content)
-    s, d, p = (statistics.median(v) for v in (server, decode, parse))
+    s, d, p = (statistics.median(v) for v in (server, decoding, parse))
     return {"tokens": len(ids), "reply_bytes": size, "server_s": s, "json_s": d, "read_s": p,
-            "client_share": (d + p) / s}
+            "client_share": (d + p) / s, "decoder": fast_loads().__module__}
 
 
 def main() -> None:
@@ -134,10 +135,10 @@ def write_rows(result: dict, path: Path) -> None:
     ip = result["in_process"]
     lines.append(f"| in-process (transformers) | - | {ip['seconds']:.2f} | {ip['tokens_per_s']:,.0f} |")
     c = result["client"]
-    lines += ["", "| tokens per sample | reply MB | server s | json.loads s | read into tensors s | client share |",
+    lines += ["", "| tokens per sample | reply MB | server s | JSON decoding s | read into tensors s | client share |",
               "|---|---|---|---|---|---|",
-              f"| {c['tokens']} | {c['reply_bytes'] / 1e6:.1f} | {c['server_s']:.3f} | {c['json_s']:.3f} | "
-              f"{c['read_s']:.3f} | {c['client_share']:.1%} |",
+              f"| {c['tokens']} | {c['reply_bytes'] / 1e6:.1f} | {c['server_s']:.3f} | {c['json_s']:.3f} "
+              f"({c['decoder']}) | {c['read_s']:.3f} | {c['client_share']:.1%} |",
               "", f"{result['samples']} samples of {result['tokens']} ids, K = {result['k']}; "
               f"{result['load_before']} before, {result['load_after']} after."]
     path.write_text("\n".join(lines) + "\n")

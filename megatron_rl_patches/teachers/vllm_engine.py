@@ -110,8 +110,8 @@ class VllmEngine:
         k = self.top_k
         rows = len(ids) - start
         token = [0.0] * rows
-        top_ids = [[0] * k for _ in range(rows)]
-        top_values = [[0.0] * k for _ in range(rows)]
+        top_ids = [0] * (rows * k)
+        top_values = [0.0] * (rows * k)
         for r in range(rows):
             entry = positions[start + r]
             actual = str(ids[start + r])
@@ -121,15 +121,26 @@ class VllmEngine:
                                          f"{len(entry) if isinstance(entry, dict) else 0} entries)",
                                          self.client.url, sample)
             token[r] = entry[actual]["logprob"]
-            best = sorted((item["rank"], -item["logprob"], int(key)) for key, item in entry.items()
-                          if len(entry) == k or key != actual)
-            top_ids[r] = [key for _, _, key in best]
-            top_values[r] = [-value for _, value, _ in best]
+            # the top-k hold ranks 1..K; with K + 1 entries the actual id is the one outside them
+            skip = actual if len(entry) > k else None
+            base, placed = r * k, 0
+            for key, item in entry.items():
+                if key != skip:
+                    rank = item["rank"] - 1
+                    if not 0 <= rank < k or top_ids[base + rank]:
+                        break  # ranks not 1..K once each (0 is never placed twice): sort instead
+                    top_ids[base + rank] = int(key) + 1
+                    top_values[base + rank] = item["logprob"]
+                    placed += 1
+            if placed != k:
+                best = sorted((item["rank"], -item["logprob"], int(key)) for key, item in entry.items() if key != skip)
+                top_ids[base:base + k] = [key + 1 for _, _, key in best]
+                top_values[base:base + k] = [-value for _, value, _ in best]
         values = torch.tensor(top_values, dtype=torch.float64).reshape(rows, k)
         token_values = torch.tensor(token, dtype=torch.float64)
         self.check_log_probs(values, token_values, where, sample)
-        return SampleRows(token_values, torch.tensor(top_ids, dtype=torch.int64).reshape(rows, k), values,
-                          tail_log_probs(values))
+        ids_out = torch.tensor(top_ids, dtype=torch.int64).reshape(rows, k) - 1  # placed as id + 1 (0: empty)
+        return SampleRows(token_values, ids_out, values, tail_log_probs(values))
 
     def check_log_probs(self, values: torch.Tensor, token: torch.Tensor, where: str, sample: int | None) -> None:
         """Log-probabilities, not logits: each <= 0 and the top-k mass <= 1 (within fp32 slack)."""

@@ -66,3 +66,17 @@ def test_a_reply_of_another_shape_is_named(body, words):
     with pytest.raises(ServedTeacherError, match=words) as caught:
         engine(2).parse(body, [0, 3], 1, 5)
     assert caught.value.url == URL and caught.value.sample == 5
+
+
+def test_ranks_other_than_one_to_k_are_sorted_by_rank_then_value():
+    rows = engine(2).parse(reply(entry((4, -2.0, 1), (5, -1.0, 1))), [0, 4], 1, 0)  # two "rank 1"
+    assert rows.topk_ids.tolist() == [[5, 4]] and rows.topk_log_probs.tolist() == [[-1.0, -2.0]]
+
+
+def test_replies_are_decoded_with_json_where_orjson_refuses():
+    from megatron_rl_patches.teachers.http_client import decode
+
+    assert decode(b'{"logprob": -Infinity}', "", URL, 0) == {"logprob": -math.inf}  # orjson refuses this
+    assert decode(b'{"logprob": -1.5}', "", URL, 0) == {"logprob": -1.5}
+    with pytest.raises(ServedTeacherError, match="the reply is not JSON"):
+        decode(b"<html>bad gateway</html>", "", URL, 3)
