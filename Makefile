@@ -1,6 +1,6 @@
 # Two commands on a fresh machine: `make demo` and `make test`.
 #
-# Test lanes (`make test` runs all four; each lane's venv is built on first use):
+# Test lanes (`make test` runs all five; each lane's venv is built on first use):
 #   main    .venv            Python 3.11, megatron-core 0.16.1: every test
 #   oldest  .venv-mcore013   Python 3.11, megatron-core 0.13.1: tests marked `megatron`
 #   newest  .venv-mcore019   Python 3.12, megatron-core 0.19.2: tests marked `megatron` or
@@ -11,6 +11,8 @@
 #   verl    .venv-mcore019 + .lanes/verl: verl 0.9.1 and the modules its engine and
 #                            distillation files import (tools/verl-lane.txt), --no-deps:
 #                            tests marked `verl`
+#   served  .venv + a real vLLM server from .lanes/vllm (vLLM's CPU build, tools/served-lane.txt,
+#                            its own Python 3.11 venv): tests marked `served` (tests/teachers/lane)
 #
 # Not part of `make test`: `make test-mbridge` (.venv + .lanes/mbridge: mbridge 0.15.1 and einops,
 # tools/mbridge-lane.txt, --no-deps: tests marked `mbridge`, the optional converter="mbridge").
@@ -26,6 +28,8 @@ MCORE_MAIN ?= megatron-core==0.16.1
 MCORE_OLD ?= megatron-core==0.13.1
 MCORE_NEW ?= megatron-core==0.19.2
 PYTHON_NEW ?= $(shell tools/find-python 3.12)
+# the served lane's vLLM venv: torch 2.13.0+cpu, which vLLM's CPU build pins, is served for 3.11 here
+PYTHON_VLLM ?= $(shell tools/find-python 3.11)
 # torch 2.13: on Python 3.11 this index serves a CPU build; on 3.12 the CUDA build (it runs on CPU).
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
@@ -39,7 +43,8 @@ VERSIONS_NEW ?= 0.17.1 0.18.2
 
 # hf: safetensors, the reader of Hugging Face checkpoints; hf-test: transformers, the reference
 # forward of the Hugging Face teacher tests (skipped without it)
-EXTRAS_MAIN = megatron,test,bench,hf,hf-test
+# served: httpx, the client of teachers served by an inference engine
+EXTRAS_MAIN = megatron,test,bench,hf,hf-test,served
 EXTRAS_LANE = megatron,test,hf,hf-test
 
 STAMP = $(VENV)/.installed
@@ -47,7 +52,7 @@ STAMP_OLD = $(VENV_OLD)/.installed
 STAMP_NEW = $(VENV_NEW)/.installed
 DEPS = setup.cfg setup.py pyproject.toml
 
-.PHONY: venv demo test test-main test-oldest test-newest test-verl test-mbridge test-slime test-versions test-source test-gpu bench bench-gpu bench-slime clean
+.PHONY: venv demo test test-main test-oldest test-newest test-verl test-served test-mbridge test-slime test-versions test-source test-gpu bench bench-gpu bench-slime clean
 
 venv: $(STAMP)
 
@@ -78,6 +83,7 @@ test:
 	$(MAKE) --no-print-directory test-oldest || status=1; \
 	$(MAKE) --no-print-directory test-newest || status=1; \
 	$(MAKE) --no-print-directory test-verl || status=1; \
+	$(MAKE) --no-print-directory test-served || status=1; \
 	exit $$status
 
 test-main: $(STAMP)
@@ -118,6 +124,34 @@ test-verl:
 	    $(VENV)/bin/python -m pytest -q -p no:cacheprovider tools/lane_unavailable.py; fi; \
 	else \
 	  PYTHONPATH=$(abspath $(VERL_LANE)) $(VENV_NEW)/bin/python -m pytest -m verl $(PYTEST_ARGS) tests/integrations/verl/lane tests/docs; \
+	fi
+
+# The served lane: vLLM's CPU build (tools/served-lane.txt) in its own venv .lanes/vllm (first build
+# ~8 min, 3.4 GB; then a stamp). The torchvision / torchaudio / torchcodec it pulls are removed: their
+# extensions do not load against torch 2.13.0+cpu, and text models need none. One real server per
+# pytest session (tests/teachers/lane/conftest.py); the tests run in the main venv (httpx, the extra
+# `served`). Loud skip when the lane cannot be built or vLLM's CPU build cannot run on this CPU
+# (tools/served-lane-check); under CI=true a failing test naming the lane.
+VLLM_LANE = .lanes/vllm
+VLLM_STAMP = $(VLLM_LANE)/.installed
+$(VLLM_STAMP): tools/served-lane.txt
+	rm -rf $(VLLM_LANE)
+	test -n "$(PYTHON_VLLM)" && $(PYTHON_VLLM) -m venv $(VLLM_LANE)
+	$(VLLM_LANE)/bin/pip install -q -r tools/served-lane.txt
+	$(VLLM_LANE)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-served: $(STAMP)
+	@if ! $(MAKE) --no-print-directory $(VLLM_STAMP); then \
+	  reason="vLLM 0.32.0's CPU build could not be installed into $(VLLM_LANE) (Python 3.11, tools/served-lane.txt)"; \
+	elif ! reason=$$(tools/served-lane-check $(VLLM_LANE)/bin/python); then :; \
+	else reason=""; fi; \
+	if [ -n "$$reason" ]; then \
+	  echo "*** SKIPPED LANE served (a real vLLM server): $$reason ***"; \
+	  if [ -n "$$CI" ]; then MRP_MISSING_LANE=served MRP_MISSING_LANE_REASON="$$reason" \
+	    $(VENV)/bin/python -m pytest -q -p no:cacheprovider tools/lane_unavailable.py; fi; \
+	else \
+	  MRP_VLLM_PYTHON=$(abspath $(VLLM_LANE))/bin/python $(VENV)/bin/python -m pytest -m served $(PYTEST_ARGS) tests/teachers/lane; \
 	fi
 
 # The optional mbridge converter (converter="mbridge"), not part of `make test`: mbridge 0.15.1 and

@@ -6,6 +6,8 @@
 - `patching` imports no `integrations` (it names the default registry by a string);
 - `cross_tokenizer` imports the ops (and `_lazy`) only: no patching, integrations, inference,
   processors, app, `testing`, nor megatron;
+- `teachers` (the framework-free teacher contract, served teachers) imports no patching,
+  integrations, processors, app, `testing`, nor megatron: the integrations build on it;
 - no cycle between rooms (a room may import itself);
 - no cycle between modules inside a room either (function-level and `TYPE_CHECKING` imports count:
   a cycle hidden in a function is still two modules that cannot be understood apart).
@@ -33,6 +35,7 @@ ROOMS = {
     "megatron": "processors",  # the processors' earlier path, kept as an alias package (users type it)
     "testing": "testing",
     "cross_tokenizer": "cross_tokenizer",  # alignment between two tokenizers: ops and torch only
+    "teachers": "teachers",  # the framework-free teacher contract and served teachers: downhill of integrations
     # leaves and small rooms of their own
     "reentrant": "reentrant",
     "windows": "windows",
@@ -223,6 +226,9 @@ def violations(edges: dict[tuple[str, str], list[str]], exceptions: dict[tuple[s
     # cross_tokenizer: the ops and torch only (a library any training loop can call)
     forbidden.update(("cross_tokenizer", target) for target in ("patching", "integrations", "inference",
                                                                  "processors", "apps", "testing", MEGATRON))
+    # teachers: framework-free, under the integrations (they build on it, never the reverse)
+    forbidden.update(("teachers", target) for target in ("patching", "integrations", "processors", "apps",
+                                                          "testing", MEGATRON))
     rooms = {name for edge in edges for name in edge}
     forbidden.update((source, target) for source in rooms - LIBRARY_EXEMPT for target in ("apps", "testing"))
     problems = [
@@ -297,6 +303,8 @@ def test_a_clean_graph_passes():
     (("windows -> apps.bench.windows",), "windows must not import apps"),
     (("reentrant -> testing.fake_ddp",), "reentrant must not import testing"),
     (("patching.launcher -> integrations",), "patching must not import integrations"),
+    (("teachers.served -> integrations.slime.opd",), "teachers must not import integrations"),
+    (("teachers.served -> processors.heads",), "teachers must not import processors"),
     (("integrations.slime -> inference.build", "inference.roles -> integrations.slime"),
      "import cycle between rooms inference <-> integrations"),
     (("reentrant -> windows", "windows -> _log", "_log -> reentrant"),

@@ -198,7 +198,7 @@ def topk_logprobs(
 
 
 # ----------------------------------------------------------------------------- OPD loss
-def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(x)) for x <= 0, accurate at both ends (Maechler's two branches)."""
     near_zero = x > -math.log(2.0)
     return torch.where(near_zero, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
@@ -213,7 +213,7 @@ def _derived_tail(logprobs: torch.Tensor, source_dtype: torch.dtype) -> torch.Te
     """
     floor = math.log(max(torch.finfo(source_dtype).eps, torch.finfo(logprobs.dtype).eps))
     covered = torch.logsumexp(logprobs, dim=-1).clamp(max=0.0)
-    return _log1mexp(covered).clamp(min=floor)
+    return log1mexp(covered).clamp(min=floor)
 
 
 def _bucket_divergence(

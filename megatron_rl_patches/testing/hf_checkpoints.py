@@ -222,3 +222,17 @@ def write_swapped_layers(good: str | Path, bad: str | Path) -> None:
     Path(bad).mkdir(parents=True)
     (Path(bad) / "config.json").write_bytes((Path(good) / "config.json").read_bytes())
     write_safetensors(Path(bad) / "model.safetensors", swapped)
+
+
+def save_word_tokenizer(directory: str | Path, vocab_size: int) -> None:
+    """A word-level tokenizer of `vocab_size` words "t0" .. "t{vocab_size-1}" (id i spells "ti"),
+    split on whitespace, into `directory` (tokenizer.json and its config): what a server that
+    checks ids against its tokenizer (vLLM) needs beside a tiny checkpoint. Needs tokenizers."""
+    from tokenizers import Tokenizer, models, pre_tokenizers  # lazy: optional dependency tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    root = Path(directory)
+    tokenizer.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                            "unk_token": "t0", "model_max_length": 1 << 20}))

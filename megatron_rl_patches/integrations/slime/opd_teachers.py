@@ -1,9 +1,10 @@
 """slime_opd's teachers behind one interface: a teacher scores one step (`OpdTeacher.score`: its
 pipelined passes over the rollout, run by every pipeline stage in teacher order) and returns its
-outputs in one shape contract (`TeacherScores`). A snapshot of the actor's own weights
-(`SnapshotTeacher`) and a separate inference-only model (`SeparateTeacher`: a Hugging Face
-directory of another architecture, or `PATH@module:function`) score the step's own ids; a teacher
-with another tokenizer wraps either (`cross_passes.CrossTokenizerTeacher`). What the teachers of
+outputs in one shape contract (`TeacherScores`: framework-free, in `megatron_rl_patches.teachers`;
+this module's name for it stays). A snapshot of the actor's own weights (`SnapshotTeacher`) and a
+separate inference-only model (`SeparateTeacher`: a Hugging Face directory of another
+architecture, or `PATH@module:function`) score the step's own ids; a teacher with another
+tokenizer wraps either (`cross_passes.CrossTokenizerTeacher`). What the teachers of
 one step share (the actor, the rollout, the student's pass, the pass function) is a `ScoringStep`."""
 from __future__ import annotations
 
@@ -18,25 +19,10 @@ import torch
 from megatron_rl_patches.integrations.slime.allgather_cp import whole_from_zigzag
 from megatron_rl_patches.integrations.slime.opd_settings import OpdSettings
 from megatron_rl_patches.integrations.slime.step_plan import IDS, IDS_MASK, TopkRequest
+from megatron_rl_patches.teachers.scores import TeacherScores
 
 # (args, model chunks, rollout data, request) -> per-sample top-k fields: opd's `topk_pass`
 TopkPass = Callable[[Any, list, dict, TopkRequest], dict]
-
-
-@dataclass(frozen=True)
-class TeacherScores:
-    """One teacher's outputs of a step, per sample on the student's response rows: log P of k
-    buckets [R, k] and the log tail [R]. A bucket is one of the step's ids (`ids` None: the
-    student's top-k, or the union) or a group of ids: then `ids` / `ids_mask` are the student's ids
-    of each bucket [R, k·D], `alive` [R, k] the buckets that exist (chunk starts), `log_ratio` [R]
-    the token-level signal (a teacher with another tokenizer)."""
-
-    log_probs: list[torch.Tensor]
-    tails: list[torch.Tensor]
-    ids: list[torch.Tensor] | None = None
-    ids_mask: list[torch.Tensor] | None = None
-    alive: list[torch.Tensor] | None = None
-    log_ratio: list[torch.Tensor] | None = None
 
 
 def teacher_requests(settings: OpdSettings) -> tuple[TopkRequest, TopkRequest]:

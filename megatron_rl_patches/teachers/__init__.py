@@ -1,0 +1,30 @@
+"""Teachers beyond the training job, framework-free: the scores' shape inside a step
+(`TeacherScores`), the contract of a teacher that scores whole samples (`TeacherBatch` ->
+`BatchScores`: per response row the teacher's own top-k, their exact tail and the actual token's
+log-prob), and teachers served by an inference engine (`ServedTeacher`, vLLM). Importing this
+package is light (no torch, no HTTP client): names load on first use."""
+from __future__ import annotations
+
+from megatron_rl_patches._lazy import lazy_getattr
+
+_LAZY = {
+    "TeacherScores": "scores",
+    "TeacherBatch": "batch",
+    "BatchScores": "contract",
+    "BatchTeacher": "contract",
+    "ServedTeacher": "served",
+    "PendingScores": "served",
+    "ClientSettings": "client_settings",
+    "ServedTeacherError": "errors",
+    "ServedTeacherRefusal": "errors",
+    "agree_failure": "agreement",
+    "tail_log_probs": "tails",
+}
+
+__all__ = sorted(_LAZY)
+
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,68 @@
+"""How a served teacher's HTTP client behaves (`ClientSettings`): timeouts, the step's deadline,
+retries, what is in flight at once, the API key's variable and the CAs TLS is verified against.
+Standard library only."""
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from dataclasses import dataclass, fields
+
+from megatron_rl_patches._args import positive_int
+
+API_KEY_ENV = "MEGATRON_RL_PATCHES_TEACHER_API_KEY"
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """`timeout_s`: one request's read / write limit; `connect_timeout_s`: opening a connection;
+    `deadline_s`: a whole step (every sample of one `score`), after which it fails naming the URL
+    and a sample; `retries` (with `backoff_s` doubling, at most 8 s) on connection errors and 5xx
+    only; `max_in_flight` requests and `max_tokens_in_flight` prompt tokens at once (the server
+    holds [tokens, vocabulary] log-probs for each; a longer sample goes alone); the API key is read
+    from the variable `api_key_env` (sent as a bearer token, never part of the URL); TLS is
+    verified against `ca_bundle` (a PEM file) or else the system's CAs."""
+
+    timeout_s: float = 300.0
+    connect_timeout_s: float = 10.0
+    deadline_s: float = 900.0
+    retries: int = 3
+    backoff_s: float = 0.5
+    max_in_flight: int = 16
+    max_tokens_in_flight: int = 65536
+    api_key_env: str = API_KEY_ENV
+    ca_bundle: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "connect_timeout_s", "deadline_s"):
+            seconds(f"ClientSettings({name}=...)", getattr(self, name), allow_zero=False)
+        seconds("ClientSettings(backoff_s=...)", self.backoff_s, allow_zero=True)
+        if isinstance(self.retries, bool) or not isinstance(self.retries, numbers.Integral) or self.retries < 0:
+            raise ValueError(f"ClientSettings(retries=...) must be an int >= 0, got {self.retries!r}")
+        positive_int("ClientSettings(max_in_flight=...)", self.max_in_flight, " (requests at once)")
+        positive_int("ClientSettings(max_tokens_in_flight=...)", self.max_tokens_in_flight, " (prompt tokens at once)")
+        if not isinstance(self.api_key_env, str) or not self.api_key_env:
+            raise ValueError(f"ClientSettings(api_key_env=...) must name an environment variable, got "
+                             f"{self.api_key_env!r}")
+        if self.ca_bundle is not None and not os.path.isfile(self.ca_bundle):
+            raise ValueError(f"ClientSettings(ca_bundle=...) must be a PEM file of CAs, {self.ca_bundle!r} is not a "
+                             f"file (None: the system's CAs)")
+
+    def api_key(self) -> str | None:
+        """The API key from `api_key_env`, or None where it is unset or empty."""
+        return os.environ.get(self.api_key_env) or None
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def seconds(name: str, value: object, allow_zero: bool) -> float:
+    """`value` as a finite number of seconds (> 0, or >= 0 with `allow_zero`); ValueError naming
+    `name` otherwise."""
+    low_ok = (lambda v: v >= 0) if allow_zero else (lambda v: v > 0)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or not low_ok(value):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
+    return float(value)

@@ -1,0 +1,39 @@
+"""The framework-free teacher contract: a teacher scores a `TeacherBatch` into `BatchScores`, per
+sample on the response rows — the top-k buckets it chose, their exact tail, and the log-prob of
+each actual token. Any kind of teacher (served, in-process) that keeps it serves every loop."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import torch
+
+    from megatron_rl_patches.teachers.batch import TeacherBatch
+
+
+@dataclass(frozen=True)
+class BatchScores:
+    """Per sample i, on its R_i response rows (row r scores the token at response_start + r given
+    every token before it): `token_log_probs` [R_i], the teacher's own top-k `topk_ids` [R_i, K]
+    (int64) and `topk_log_probs` [R_i, K] (best first), and `tail_log_probs` [R_i] =
+    log(1 - sum_k p) — float64, at temperature 1."""
+
+    token_log_probs: list[torch.Tensor]
+    topk_ids: list[torch.Tensor]
+    topk_log_probs: list[torch.Tensor]
+    tail_log_probs: list[torch.Tensor]
+
+    def __len__(self) -> int:
+        return len(self.token_log_probs)
+
+
+class BatchTeacher(Protocol):
+    """A teacher that scores whole samples: `top_k` buckets per row, chosen by the teacher."""
+
+    top_k: int
+
+    def score(self, batch: TeacherBatch) -> BatchScores:
+        """Every sample of `batch` scored on its response rows."""
+        ...

@@ -1,0 +1,17 @@
+"""What a served teacher raises: a failure to score (`ServedTeacherError`: nothing answered, the
+deadline passed, the server failed) or a refusal (`ServedTeacherRefusal`, also a ValueError: the
+request cannot be served as asked). Both name the URL and, where one is at fault, the sample."""
+from __future__ import annotations
+
+
+class ServedTeacherError(RuntimeError):
+    """A served teacher could not score a step; `url` and `sample` (None: not one sample's fault)."""
+
+    def __init__(self, message: str, url: str = "", sample: int | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+        self.sample = sample
+
+
+class ServedTeacherRefusal(ServedTeacherError, ValueError):
+    """A request the teacher refuses (or the server refused with a 4xx): fix the argument named."""

@@ -1,0 +1,185 @@
+"""The HTTP client of a served teacher (`TeacherClient`): one connection pool per teacher
+(keep-alive), JSON requests with timeouts, retries with backoff on connection errors and 5xx
+only, a deadline per step, an API key from the environment, TLS verified against the system's CAs
+(or a bundle), the standard proxy variables honoured. httpx is the optional extra `served`."""
+from __future__ import annotations
+
+import functools
+import json
+import ssl
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_rl_patches.teachers.client_settings import ClientSettings
+from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
+
+BACKOFF_CAP_S = 8.0
+
+
+def check_url(url: object) -> str:
+    """The teacher's base URL without its trailing '/': http(s)://host[:port][/path], no user or
+    password (the key comes from the environment), no query."""
+    if not isinstance(url, str):
+        raise TypeError(f"the teacher's url must be a str like 'http://host:port', got {type(url).__name__}")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"the teacher's url must be http://host:port or https://host:port, got {url!r}")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"the teacher's url {parts.hostname!r} carries a user or password: put the API key in an "
+                         f"environment variable (ClientSettings.api_key_env), never in the url")
+    if parts.query or parts.fragment:
+        raise ValueError(f"the teacher's url must be a base address without '?' or '#', got {url!r}")
+    try:
+        parts.port  # noqa: B018 - raises on a port that is no number
+    except ValueError as error:
+        raise ValueError(f"the teacher's url {url!r} has a bad port: {error}") from None
+    return url.rstrip("/")
+
+
+@dataclass
+class Deadline:
+    """A step's deadline: `seconds` from `start` (monotonic)."""
+
+    seconds: float
+    start: float
+
+    @classmethod
+    def after(cls, seconds: float) -> Deadline:
+        return cls(seconds, time.monotonic())
+
+    @property
+    def at(self) -> float:
+        return self.start + self.seconds
+
+    def remaining(self) -> float:
+        return self.at - time.monotonic()
+
+
+def server_words(response: Any) -> str:
+    """What a server said in an error reply: its JSON `message` / `error.message` / `detail`, else
+    the start of its text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    if isinstance(body, dict):
+        error = body.get("error")
+        for said in (body.get("message"), error.get("message") if isinstance(error, dict) else error,
+                     body.get("detail")):
+            if said:
+                return str(said)
+    return response.text[:500]
+
+
+class TeacherClient:
+    """One teacher's connection pool (created on first use, thread-safe: a step's requests run
+    from several threads at once)."""
+
+    def __init__(self, url: str, settings: ClientSettings) -> None:
+        self.url = check_url(url)
+        self.settings = settings
+        self._http: Any = None
+        self._lock = threading.Lock()
+
+    def http(self) -> Any:
+        with self._lock:
+            if self._http is None:
+                self._http = self._open()
+            return self._http
+
+    def _open(self) -> Any:
+        try:
+            import httpx  # lazy: optional dependency httpx (the extra `served`)
+        except ImportError:
+            raise ImportError("a served teacher needs httpx: pip install 'megatron-rl-patches[served]'") from None
+        s = self.settings
+        headers = {"Authorization": f"Bearer {s.api_key()}"} if s.api_key() else {}
+        # system CAs (OpenSSL's default paths, SSL_CERT_FILE / SSL_CERT_DIR), or the bundle given
+        verify = ssl.create_default_context(cafile=s.ca_bundle)
+        limits = httpx.Limits(max_connections=s.max_in_flight, max_keepalive_connections=s.max_in_flight)
+        return httpx.Client(headers=headers, verify=verify, limits=limits, trust_env=True,
+                            timeout=httpx.Timeout(s.timeout_s, connect=s.connect_timeout_s))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._http is not None:
+                self._http.close()
+                self._http = None
+
+    def request(self, method: str, path: str, body: Any, deadline: Deadline, cancel: threading.Event,
+                sample: int | None = None) -> Any:
+        """The JSON reply to `method path` (`body` as JSON), retried on connection errors and 5xx
+        until `retries` or the deadline; a 4xx is a `ServedTeacherRefusal` with the server's words."""
+        import httpx  # lazy: optional dependency httpx (the extra `served`)
+
+        http = self.http()
+        s = self.settings
+        who = f"{self.url}{path}" + ("" if sample is None else f" (sample {sample})")
+        attempt, last = 0, ""
+        while True:
+            if attempt and cancel.is_set():  # another sample of the step failed: no more tries
+                raise ServedTeacherError(f"{who}: the step failed elsewhere ({last})", self.url, sample)
+            left = deadline.remaining()
+            if left <= 0:
+                raise ServedTeacherError(f"{who}: no answer within the step's deadline of {deadline.seconds:g} s"
+                                         + (f" (last: {last})" if last else ""), self.url, sample)
+            timeout = httpx.Timeout(min(s.timeout_s, left), connect=min(s.connect_timeout_s, left))
+            try:
+                response = http.request(method, self.url + path, json=body, timeout=timeout)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
+                    httpx.RemoteProtocolError, httpx.CloseError) as error:
+                last = f"{type(error).__name__}: {error}"
+                if isinstance(error, httpx.ConnectError) and "CERTIFICATE_VERIFY_FAILED" in str(error):
+                    raise ServedTeacherError(f"{who}: TLS verification failed ({error}); give the server's CA as "
+                                             f"ClientSettings(ca_bundle=PEM)", self.url, sample) from None
+            except httpx.TimeoutException as error:
+                bound = (f"the step's deadline of {deadline.seconds:g} s" if left < s.timeout_s
+                         else f"ClientSettings(timeout_s={s.timeout_s:g})")
+                raise ServedTeacherError(f"{who}: no reply within {bound} ({type(error).__name__})",
+                                         self.url, sample) from None
+            except httpx.HTTPError as error:
+                raise ServedTeacherError(f"{who}: {type(error).__name__}: {error}", self.url, sample) from None
+            else:
+                if response.status_code < 400:
+                    return decode(response.content, who, self.url, sample)
+                last = f"HTTP {response.status_code}: {server_words(response)}"
+                if response.status_code < 500:
+                    raise refusal(response.status_code, last, who, self.url, sample, s)
+            if attempt >= s.retries or cancel.is_set():
+                tries = f"{attempt + 1} tr{'y' if attempt == 0 else 'ies'}"
+                raise ServedTeacherError(f"{who}: no answer after {tries} ({last})", self.url, sample)
+            cancel.wait(min(s.backoff_s * 2 ** attempt, BACKOFF_CAP_S, max(deadline.remaining(), 0.0)))
+            attempt += 1
+
+
+def decode(content: bytes, who: str, url: str, sample: int | None) -> Any:
+    """The reply's JSON: orjson where installed (the extra `served`; twice json's speed on the
+    megabytes of a long sample's log-probs), json otherwise and for what orjson refuses (NaN)."""
+    try:
+        return fast_loads()(content)
+    except ValueError:
+        pass
+    try:
+        return json.loads(content)
+    except ValueError as error:
+        raise ServedTeacherError(f"{who}: the reply is not JSON ({error})", url, sample) from None
+
+
+@functools.cache
+def fast_loads() -> Callable[[bytes], Any]:
+    try:
+        import orjson  # lazy: optional dependency orjson (the extra `served`)
+    except ImportError:
+        return json.loads
+    return orjson.loads
+
+
+def refusal(status: int, words: str, who: str, url: str, sample: int | None,
+            settings: ClientSettings) -> ServedTeacherRefusal:
+    if status in (401, 403):
+        return ServedTeacherRefusal(f"{who}: {words}: set ${settings.api_key_env} to the server's API key", url, sample)
+    return ServedTeacherRefusal(f"{who} refused the request: {words}", url, sample)

@@ -1,0 +1,196 @@
+"""A teacher served by an inference engine (`ServedTeacher`): its own top-k with the exact tail
+for every response row of a `TeacherBatch`, asked over HTTP. One connection pool per teacher; a
+step's samples in flight at once (bounded in requests and tokens), within one deadline."""
+from __future__ import annotations
+
+import concurrent.futures as futures
+import threading
+
+import torch
+
+from megatron_rl_patches._args import positive_int
+from megatron_rl_patches.teachers.agreement import agree_failure
+from megatron_rl_patches.teachers.batch import TeacherBatch
+from megatron_rl_patches.teachers.client_settings import ClientSettings
+from megatron_rl_patches.teachers.contract import BatchScores
+from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
+from megatron_rl_patches.teachers.http_client import Deadline, TeacherClient
+from megatron_rl_patches.teachers.token_budget import TokenBudget
+from megatron_rl_patches.teachers.vllm_engine import SampleRows, ServedModel, VllmEngine
+
+ENGINES = {"vllm": VllmEngine}
+# engines named by users whose module waits for a test against a real server of theirs
+NOT_SERVED_YET = {"sglang": "its server needs CUDA packages, so no test here runs one"}
+
+
+def check_engine(engine: object) -> str:
+    if engine in NOT_SERVED_YET:
+        raise ValueError(f"engine={engine!r} is not served yet: serve the teacher with vLLM (engine='vllm'); "
+                         f"{NOT_SERVED_YET[str(engine)]}")
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {sorted(ENGINES)}, got {engine!r}")
+    return str(engine)
+
+
+class ServedTeacher:
+    """A teacher at `url` (http(s)://host:port) served by `engine`, scoring its own `top_k`
+    buckets per row (K within the server's limit: vLLM's `--max-logprobs`, default 20). Engines
+    score at temperature 1 whatever is asked: another `temperature` is refused. `client` sets the
+    timeouts, deadline, retries, bounds, API key variable and CA bundle (`ClientSettings`)."""
+
+    def __init__(self, url: str, engine: str = "vllm", top_k: int = 20, *, model: str | None = None,
+                 temperature: float = 1.0, client: ClientSettings | None = None) -> None:
+        self.engine_name = check_engine(engine)
+        self.top_k = positive_int("ServedTeacher(top_k=...)", top_k, " (the teacher's buckets per row)")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature != 1.0:
+            raise ValueError(f"ServedTeacher(temperature={temperature!r}): served engines score prompt log-probs at "
+                             f"temperature 1 whatever is asked, so only temperature=1.0 can be served (score at the "
+                             f"student's temperature 1, or use an in-process teacher)")
+        if model is not None and not isinstance(model, str):
+            raise TypeError(f"ServedTeacher(model=...) must be the served model's name (a str) or None, got "
+                            f"{type(model).__name__}")
+        if client is not None and not isinstance(client, ClientSettings):
+            raise TypeError(f"ServedTeacher(client=...) must be a ClientSettings, got {type(client).__name__}")
+        self.settings = client or ClientSettings()
+        self.client = TeacherClient(url, self.settings)
+        self.url = self.client.url
+        self.engine = ENGINES[self.engine_name](self.client, self.top_k, model)
+        self._model: ServedModel | None = None
+        self._budget = TokenBudget(self.settings.max_tokens_in_flight)
+        self._pool: futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"ServedTeacher({self.url!r}, engine={self.engine_name!r}, top_k={self.top_k})"
+
+    # ------------------------------------------------------------------ the server
+    def served_model(self, deadline: Deadline | None = None) -> ServedModel:
+        """The served model (name, max model length), asked once; K checked against the server."""
+        with self._lock:
+            if self._model is None:
+                self._model = self.engine.served_model(deadline or Deadline.after(self.settings.deadline_s),
+                                                       threading.Event())
+            return self._model
+
+    def check(self) -> ServedModel:
+        """Ask the server now (it answers, the model, its max length, K within its limit)."""
+        return self.served_model()
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, batch: TeacherBatch, group: object = None) -> BatchScores:
+        """Every sample of `batch` on its response rows (`BatchScores`). With a process `group`
+        (torch.distributed initialized), a failure on any rank is the same error on every rank."""
+        return self.submit(batch).result(group)
+
+    def submit(self, batch: TeacherBatch) -> PendingScores:
+        """Send every sample now (background threads) and return at once: `.result()` collects.
+        Nothing raises here: a refusal or failure (the server asked first, a sample too long)
+        comes out of `.result()`, where it is agreed over a group like any other."""
+        deadline = Deadline.after(self.settings.deadline_s)
+        cancel = threading.Event()
+        try:
+            if not isinstance(batch, TeacherBatch):
+                raise TypeError(f"ServedTeacher.score(batch) takes a TeacherBatch, got {type(batch).__name__}")
+            model = self.served_model(deadline)
+            self.check_lengths(batch, model)
+        except Exception as error:  # noqa: BLE001 - handed to result(), agreed there
+            return PendingScores(self.url, batch, {}, deadline, cancel, self.top_k, failure=error)
+        pending = {}
+        for i, ids in enumerate(batch.sequences):
+            if batch.response_rows(i):
+                pending[i] = self.pool().submit(self._score_one, model, [int(v) for v in ids.tolist()],
+                                                batch.response_starts[i], deadline, cancel, i)
+        return PendingScores(self.url, batch, pending, deadline, cancel, self.top_k)
+
+    def check_lengths(self, batch: TeacherBatch, model: ServedModel) -> None:
+        """Every sample fits the served model: at most max model length - 1 ids."""
+        for i, ids in enumerate(batch.sequences):
+            if len(ids) > model.max_model_len - 1:
+                raise ServedTeacherRefusal(
+                    f"sample {i} has {len(ids)} ids, over {self.url}'s max model length {model.max_model_len} - 1 "
+                    f"(the engine generates one token after the prompt): a sequence cannot be split (every row "
+                    f"needs its whole prefix); serve the teacher with --max-model-len >= {len(ids) + 1}",
+                    self.url, i)
+
+    def _score_one(self, model: ServedModel, ids: list[int], start: int, deadline: Deadline,
+                   cancel: threading.Event, sample: int) -> SampleRows:
+        if cancel.is_set():
+            raise ServedTeacherError(f"{self.url}: sample {sample} not sent: the step failed before", self.url, sample)
+        if not self._budget.acquire(len(ids), deadline.at, cancel):
+            raise ServedTeacherError(f"{self.url}: sample {sample} waited for tokens in flight past the step's "
+                                     f"deadline of {deadline.seconds:g} s", self.url, sample)
+        try:
+            return self.engine.scores(model, ids, start, deadline, cancel, sample)
+        finally:
+            self._budget.release(len(ids))
+
+    def pool(self) -> futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = futures.ThreadPoolExecutor(self.settings.max_in_flight,
+                                                        thread_name_prefix="served-teacher")
+            return self._pool
+
+    def close(self) -> None:
+        """Stop the worker threads and close the connection pool."""
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None
+        self.client.close()
+
+    def __enter__(self) -> ServedTeacher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PendingScores:
+    """A step's samples in flight; `result()` waits (until the step's deadline) and assembles."""
+
+    def __init__(self, url: str, batch: TeacherBatch, pending: dict[int, futures.Future], deadline: Deadline,
+                 cancel: threading.Event, top_k: int, failure: Exception | None = None) -> None:
+        self.url, self.batch, self.pending = url, batch, pending
+        self.deadline, self.cancel, self.top_k = deadline, cancel, top_k
+        self.failure = failure
+
+    def result(self, group: object = None) -> BatchScores:
+        """The step's `BatchScores`; a failure (the first sample's, by index) raised on every rank
+        of `group` when one is given (every rank of it calls `result` with it)."""
+        try:
+            scores = self._collect()
+        except Exception as error:  # noqa: BLE001 - agreed over the group, then raised
+            agree_failure(error, group)
+            raise
+        agree_failure(None, group)
+        return scores
+
+    def _collect(self) -> BatchScores:
+        if self.failure is not None:
+            raise self.failure
+        done, waiting = futures.wait(list(self.pending.values()), timeout=max(self.deadline.remaining(), 0.0),
+                                     return_when=futures.FIRST_EXCEPTION)
+        failed = sorted(i for i, f in self.pending.items() if f in done and f.exception() is not None)
+        if failed or waiting:
+            self.cancel.set()
+            for future in waiting:
+                future.cancel()
+        if failed:
+            raise self.pending[failed[0]].exception()  # type: ignore[misc]
+        if waiting:
+            late = sorted(i for i, f in self.pending.items() if f in waiting)
+            raise ServedTeacherError(f"{self.url} (sample {late[0]}): no reply within the step's deadline of "
+                                     f"{self.deadline.seconds:g} s ({len(late)} of {len(self.pending)} samples "
+                                     f"unanswered)", self.url, late[0])
+        rows = [self.pending[i].result() if i in self.pending else empty_rows(self.top_k)
+                for i in range(len(self.batch))]
+        return BatchScores([r.token_log_probs for r in rows], [r.topk_ids for r in rows],
+                           [r.topk_log_probs for r in rows], [r.tail_log_probs for r in rows])
+
+
+def empty_rows(k: int) -> SampleRows:
+    """A sample with no response rows."""
+    values = torch.zeros(0, k, dtype=torch.float64)
+    return SampleRows(torch.zeros(0, dtype=torch.float64), torch.zeros(0, k, dtype=torch.int64), values,
+                      torch.zeros(0, dtype=torch.float64))

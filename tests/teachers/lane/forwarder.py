@@ -1,0 +1,62 @@
+"""A loopback TCP forwarder in front of a real server, for the failure tests: after `hold_all` it
+takes connections and answers nothing (a server hung mid-step); `close` resets every connection and
+stops listening (a server that died: connections reset, then refused)."""
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+
+
+class Forwarder:
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port, self.hold = upstream_port, False
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.sockets: list[socket.socket] = []
+        self.accepted = threading.Semaphore(0)
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.sockets.append(client)
+            self.accepted.release()
+            if not self.hold:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+                self.sockets.append(upstream)
+                threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+                threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, target: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                target.sendall(data)
+
+    def hold_all(self) -> None:
+        """From now on answer nothing: the open connections reset, new ones held."""
+        self.hold = True
+        self._reset()
+
+    def close(self) -> None:
+        """Reset every connection and stop listening."""
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+        with contextlib.suppress(OSError):
+            self.listener.close()
+        self._reset()
+
+    def _reset(self) -> None:
+        sockets, self.sockets = self.sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST on close
+                sock.close()

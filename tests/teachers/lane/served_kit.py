@@ -1,0 +1,13 @@
+"""The served lane's constants: the server's limits and the tiny checkpoint's shape."""
+from __future__ import annotations
+
+import os
+
+VLLM_PYTHON = os.environ.get("MRP_VLLM_PYTHON", "")
+API_KEY = "served-lane-key"
+MAX_MODEL_LEN = 256
+MAX_LOGPROBS = 20
+VOCAB = 1001
+# vLLM's CPU attention serves head sizes 32, 64, ... (not the kit's default 8)
+MODEL_SHAPE = dict(hidden_size=64, head_dim=32, intermediate_size=96, max_position_embeddings=MAX_MODEL_LEN,
+                   vocab_size=VOCAB)
