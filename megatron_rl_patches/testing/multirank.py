@@ -11,7 +11,7 @@ import pickle
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from multiprocessing import reduction
 from typing import Any
 
@@ -20,21 +20,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 START_METHODS = ("spawn", "forkserver")
-# What a forkserver imports once for every later world: the seconds each spawned rank spends importing.
-PRELOAD = (
-    "torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
-    "megatron.core.tensor_parallel", "megatron.core.models.gpt", "megatron.core.transformer",
-)
 _default = {"start_method": "spawn"}
 
 
-def use_forkserver(preload: Sequence[str] = PRELOAD) -> None:
-    """Later worlds fork their ranks from one server process that imported `preload` once (missing
-    modules skipped), instead of starting a fresh interpreter per rank. Each rank is still a new
+def use_forkserver() -> None:
+    """Later worlds fork their ranks from one server process that imported torch and megatron-core
+    once (`rank_preload`), instead of starting a fresh interpreter per rank. Each rank is still a new
     process with nothing of earlier worlds; the caller's environment, working directory, sys.path and
-    stdout/stderr reach it at start as with spawn, only modules in `preload` were imported under the
+    stdout/stderr reach it at start as with spawn, only the preloaded modules were imported under the
     environment of the first world's start. Call before the first forkserver world of the process."""
-    mp.get_context("forkserver").set_forkserver_preload(list(preload))
+    mp.get_context("forkserver").set_forkserver_preload(["megatron_rl_patches.testing.rank_preload"])
     _default["start_method"] = "forkserver"
 
 

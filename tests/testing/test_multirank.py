@@ -3,6 +3,7 @@ caller's environment and output as spawned ones do."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 
@@ -52,3 +53,14 @@ def test_ranks_see_the_callers_environment_cwd_and_capture(monkeypatch, tmp_path
 def test_unknown_start_method_is_refused_by_name():
     with pytest.raises(ValueError, match="start_method='fork'"):
         run_multirank(environment_and_output, 1, start_method="fork")
+
+
+def test_the_servers_imports_print_nothing_into_the_first_worlds_output():
+    # The server's output is whatever the caller had when the first world started (a test's capture):
+    # megatron-core's import notes printed there belong to no rank (a spawned rank hides them itself).
+    pytest.importorskip("megatron.core")
+    code = "from megatron_rl_patches.testing import multirank; multirank.use_forkserver(); " \
+           "print(multirank.run_multirank(max, 2))"  # max(rank, world size)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[2, 2]", proc.stderr[-2000:]
+    assert "Warning" not in proc.stderr, proc.stderr[-2000:]
