@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
-from megatron_rl_patches.testing import layouts
+from megatron_rl_patches.testing import layouts, multirank
 
 # CI runs the property tests with a fixed example sequence (a red run must mean a real failure
 # that reproduces); locally they keep exploring new examples.
@@ -24,6 +24,10 @@ if os.environ.get("HYPOTHESIS_PROFILE"):
     settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
 elif os.environ.get("CI"):
     settings.load_profile("ci")
+
+# Every world's ranks fork from one server that imported torch and megatron-core once (each spawned
+# rank paid 4-5 s of imports): still a fresh process per rank, the caller's environment and output.
+multirank.use_forkserver()
 
 # ---------------------------------------------------------------------------- the slime stand-in
 

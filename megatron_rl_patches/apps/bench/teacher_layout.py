@@ -78,7 +78,8 @@ def measure(plan: dict) -> list[dict]:
         root = os.path.join(tmp, "qwen3")
         write_tiny_checkpoint(root, tiny_hf_config("qwen3", **plan["config"]), seed=0)
         with _fixed_mmap_threshold():
-            return run_multirank(ranks, WORLD, root, plan, timeout=1800)
+            # spawned, not forked from a server: glibc reads the threshold when a process starts
+            return run_multirank(ranks, WORLD, root, plan, timeout=1800, start_method="spawn")
 
 
 def _row(tp: int | None, per_rank: list[dict], quick: bool) -> dict:
