@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import megatron_rl_patches
+from megatron_rl_patches._variables import OPD_PREFIX
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG
 from megatron_rl_patches.apps.cli.targets import STATUS_HELP, find_module, shown_status
 from megatron_rl_patches.inference.loading.hf.checkpoint_config import (
@@ -25,7 +26,6 @@ from megatron_rl_patches.inference.loading.hf.files import tensor_index
 from megatron_rl_patches.integrations import default_registry
 from megatron_rl_patches.integrations.megatron import version as megatron_version
 from megatron_rl_patches.integrations.slime.opd_settings import OWN_TOKENIZER, TEACHERS, opd_settings
-from megatron_rl_patches.integrations.slime.opd_settings import PREFIX as OPD_PREFIX
 from megatron_rl_patches.integrations.slime.roles import DEFAULT_INFERENCE_ROLES
 from megatron_rl_patches.patching import check_settings, env, registry
 from megatron_rl_patches.patching.startup import files as startup_files
