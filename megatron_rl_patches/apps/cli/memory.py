@@ -10,6 +10,7 @@ from decimal import Decimal
 from fractions import Fraction
 
 from megatron_rl_patches._args import positive_int
+from megatron_rl_patches._digits import ascii_int
 from megatron_rl_patches.apps.cli._common import OK, UsageError
 from megatron_rl_patches.apps.cli.memory_hf import run_hf
 from megatron_rl_patches.apps.cli.memory_teacher import run_teacher
@@ -41,7 +42,7 @@ def parse_param_count(text: str) -> int:
 
 def _positive(text: str) -> int:
     try:
-        return positive_int("--dp", int(text))
+        return positive_int("--dp", ascii_int(text.strip()))
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid data-parallel size {text!r}: must be an integer >= 1") from None
 
@@ -98,11 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _count(flag: str, minimum: int = 1) -> Callable[[str], int]:
     """An argparse type: an integer >= `minimum`, the error naming `flag`."""
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
+        value = ascii_int(text.strip())
+        if value is None or value < minimum:
             raise argparse.ArgumentTypeError(f"invalid {flag} {text!r}: must be an integer >= {minimum}")
         return value
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_rl_patches._digits import ascii_int
 from megatron_rl_patches._residency_modes import RESIDENCY_MODES
 from megatron_rl_patches._variables import OPD_COEF as COEF
 from megatron_rl_patches._variables import OPD_DIVERGENCE as DIVERGENCE
@@ -183,10 +184,7 @@ def _number(env: Mapping[str, str], name: str, default: float) -> float:
 
 def _k(env: Mapping[str, str]) -> int:
     raw = env.get(K, "").strip() or "16"
-    try:
-        k = int(raw)
-    except ValueError:
-        k = 0
+    k = ascii_int(raw) or 0
     if k <= 0:
         raise ValueError(f"{K}={raw!r}: expected an integer k > 0 (the student's top-k ids per token)")
     return k
