@@ -160,10 +160,24 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
         names = default_registry().patch_names()
         environment["resolved"] = env.resolve_selection(names) if environment["enabled_at_startup"] else []
         environment["error"] = None
+        problems += opd_selection_problems(environment)
     except ValueError as exc:
         environment["resolved"], environment["error"] = None, str(exc)
         problems.append(str(exc))
     return environment, problems
+
+
+def opd_selection_problems(environment: dict[str, Any]) -> list[str]:
+    """Top-k OPD's variables set while slime_opd is not selected: they would do nothing (issue 63)."""
+    if not environment["opd"] or "slime_opd" in environment["resolved"]:
+        return []
+    if not environment["enabled_at_startup"]:
+        why = f"{env.SELECT} is {'unset' if environment['variables'][env.SELECT] is None else 'off'}: nothing applies"
+    else:
+        why = f"{env.SELECT} selects {', '.join(environment['resolved']) or 'nothing'}"
+    return [f"slime_opd is not selected ({why}), so the {OPD_PREFIX}* settings ({', '.join(environment['opd'])}) "
+            f"do nothing: set {env.SELECT}=all (or a list with slime_opd), or start the job with `{PROG} run -- "
+            f"COMMAND ...` (which selects every patch when {env.SELECT} is unset)"]
 
 
 def teacher_problems() -> list[str]:
