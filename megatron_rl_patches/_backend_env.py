@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import os
 
+from megatron_rl_patches._variables import BACKEND as VARIABLE
+
 TYPE_CHECKING = False  # not typing's: this module runs at start-up (see patching/env.py)
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
-VARIABLE = "MEGATRON_RL_PATCHES_BACKEND"
 AUTO = "auto"
 BUILTIN = ("torch", "triton")  # the backends that always exist; others register by name at run time
-MEANING = (f'the vocabulary ops\' tile backend: {" or ".join(BUILTIN)} (any case); unset, "" or '
-           f'"{AUTO}": each op picks the first backend that runs on its tensors\' device (triton on CUDA '
-           f"when installed, else torch); an op's backend= argument wins")
 
 
 def parse_backend(value: str | None, known: Iterable[str] = BUILTIN) -> str:

@@ -1,11 +1,13 @@
 """The package's logger, the rank-zero rule and once-per-process warnings. A leaf module: it
-imports nothing of ours, so every layer may use it."""
+imports nothing of ours but the leaf `_digits`, so every layer may use it."""
 from __future__ import annotations
 
 import logging
 import os
 import sys
 import threading
+
+from megatron_rl_patches._digits import ascii_int
 
 logger = logging.getLogger("megatron_rl_patches")
 
@@ -21,7 +23,7 @@ def launcher_rank(environ=None) -> int:
     """This process's global rank as the launcher announced it (0 when none did)."""
     env = os.environ if environ is None else environ
     value = str(next((env[name] for name in RANK_VARIABLES if name in env), "0")).strip()
-    return int(value) if value.isdigit() else 0
+    return ascii_int(value) or 0
 
 
 def is_rank_zero() -> bool:

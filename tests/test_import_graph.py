@@ -47,6 +47,8 @@ ROOMS = {
     "_aliases": "_aliases",
     "_shadow": "_shadow",
     "_residency_modes": "_residency_modes",
+    "_variables": "_variables",
+    "_digits": "_digits",
 }
 # The apps: under apps/ (issue 20 item 6); their former names at the package root still count
 # as apps, so one put back there is held to the same rules.

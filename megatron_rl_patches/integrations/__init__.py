@@ -70,13 +70,10 @@ def check_settings(environ: Any = None) -> None:
 
 
 def variable_names() -> tuple[str, ...]:
-    """Every environment variable the package reads: the patching layer's and each framework's."""
-    from megatron_rl_patches.integrations.slime import opd_settings
-    from megatron_rl_patches.integrations.verl.rows import ROWS_ENV
+    """Every environment variable the package reads: the one table's (megatron_rl_patches/_variables.py)."""
+    from megatron_rl_patches import _variables
 
-    opd = (opd_settings.TEACHERS, opd_settings.WEIGHTS, opd_settings.K, opd_settings.DIVERGENCE, opd_settings.COEF,
-           opd_settings.POLICY_WEIGHT, opd_settings.RESIDENCY, opd_settings.IDS_FROM)
-    return (*env.VARIABLES, *opd, ROWS_ENV, env.LAUNCHER_ROOT)
+    return _variables.READ
 
 
 def default_registry() -> Registry:

@@ -255,9 +255,22 @@ def check_chunk_size(chunk_size: object) -> int | None:
     return positive_int("chunk_size", chunk_size, " (rows per chunk) or None (byte-budget default)")
 
 
+# The default mode's steps exponentiate in powers of 2, scaling by (1/τ)·log2 e; the smallest
+# temperature leaves that finite in the compute dtype (with 2^-20 to spare for the roundings of 1/τ and
+# of the product), so one limit holds for every path (issue 63: 1/τ alone let τ < 4.24e-39 give NaN).
+_LOG2E = 1.0 / math.log(2.0)
+_SPARE = 1.0 + 2.0**-20
+
+
 def smallest_temperature(dtype: torch.dtype = torch.float32) -> float:
-    """The smallest temperature whose 1/τ is finite in the compute dtype (float32 unless fp64)."""
-    return 1.0 / torch.finfo(compute_dtype(dtype)).max
+    """The smallest temperature every path computes with `dtype` inputs: (1/τ)·log2 e finite in the
+    compute dtype (float32 unless fp64); a value that dtype holds exactly."""
+    math_dtype = compute_dtype(dtype)
+    bound = _LOG2E / torch.finfo(math_dtype).max * _SPARE
+    held = torch.tensor(bound, dtype=torch.float64).to(math_dtype)
+    if float(held) < bound:
+        held = torch.nextafter(held, torch.tensor(math.inf, dtype=math_dtype))
+    return float(held)
 
 
 def check_temperature(
@@ -291,11 +304,11 @@ def check_scalar_temperature(temperature: object, dtype: torch.dtype = torch.flo
         ) from None
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"temperature must be finite and > 0, got {value}")
-    math_dtype = compute_dtype(dtype)
-    if 1.0 / value > torch.finfo(math_dtype).max:  # host arithmetic: no device sync
+    smallest = smallest_temperature(dtype)
+    if value < smallest:  # host arithmetic: no device sync
         raise ValueError(
-            f"temperature must be >= {smallest_temperature(dtype):.6g} (the smallest whose 1/temperature is finite "
-            f"in {math_dtype}), got {value}"
+            f"temperature must be >= {smallest:.6g} (the smallest whose scale 1/temperature·log2(e) is finite "
+            f"in {compute_dtype(dtype)}), got {value}"
         )
     return value
 
@@ -325,10 +338,10 @@ def _check_temperature_tensor(
         lambda: ValueError("temperature must be finite and > 0 for every token; check the per-token temperatures"),
     )
     checks.require(
-        torch.isfinite(1.0 / flat.to(math_dtype)),
+        flat.to(math_dtype) >= smallest,
         lambda: ValueError(
-            f"temperature must be >= {smallest:.6g} for every token (smaller ones make 1/temperature overflow "
-            f"{math_dtype}); check the per-token temperatures"
+            f"temperature must be >= {smallest:.6g} for every token (smaller ones make the scale "
+            f"1/temperature·log2(e) overflow {math_dtype}); check the per-token temperatures"
         ),
     )
     return flat

@@ -195,9 +195,11 @@ def _fold_subset(stats: RowStats, rows: slice, x: torch.Tensor, scale, s_row, ma
 
 def moved(old: torch.Tensor, new_safe: torch.Tensor, s_row: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(log factor, factor) moving sums taken at shift `old` to `new_safe`: (old - new)·s and its
-    exp; (0, 0) where nothing was summed yet (old = -inf)."""
+    exp; (0, 0) where nothing was summed yet (old = -inf). The log factor is floored at NEG_FLOOR
+    (its exp is 0 either way): at the smallest temperature (old - new)·s overflows to -inf, and the
+    moment's rest·log_factor·factor would be 0·(-inf) = NaN."""
     started = torch.isfinite(old)
-    log_factor = torch.where(started, (old - new_safe) * s_row, 0.0)
+    log_factor = torch.where(started, ((old - new_safe) * s_row).clamp_min(NEG_FLOOR), 0.0)
     return log_factor, torch.where(started, log_factor.exp(), 0.0)
 
 

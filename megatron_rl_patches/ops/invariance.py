@@ -11,22 +11,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from megatron_rl_patches._variables import INVARIANT as VARIABLE
+from megatron_rl_patches._variables import invariant_setting
 from megatron_rl_patches.ops.kernels.invariant_tiles import check_vocab
-
-VARIABLE = "MEGATRON_RL_PATCHES_INVARIANT"
-_WORDS = {**dict.fromkeys(("1", "true", "on", "yes"), True), **dict.fromkeys(("0", "false", "off", "no"), False),
-          "": None}
 
 
 def environment_invariant(environ: dict[str, str] | None = None) -> bool | None:
     """The setting's value: True, False, or None when unset or ""; ValueError naming the variable
     for any other text."""
-    text = (os.environ if environ is None else environ).get(VARIABLE) or ""
-    setting = _WORDS.get(text.strip().lower(), "bad")
-    if setting == "bad":
-        raise ValueError(f"{VARIABLE}={text[:40]!r} is not a switch: use 1 (invariant vocabulary ops) or 0 (the "
-                         f"default mode), or leave it unset")
-    return setting  # type: ignore[return-value]
+    return invariant_setting((os.environ if environ is None else environ).get(VARIABLE))
 
 
 def config_invariant(config: Any) -> bool:

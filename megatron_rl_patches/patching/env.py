@@ -4,8 +4,24 @@ from __future__ import annotations
 import os
 
 from megatron_rl_patches._backend_env import AUTO, parse_backend
-from megatron_rl_patches._backend_env import VARIABLE as BACKEND
 from megatron_rl_patches._residency_modes import RESIDENCY_MODES
+from megatron_rl_patches._variables import (
+    ALLOW_UNTESTED,
+    BACKEND,
+    DISABLE,
+    INFERENCE_ROLES,
+    INVARIANT,
+    PREFIX,
+    SELECT,
+    STRICT,
+    VARIABLES,
+    VERL_ROWS,
+    invariant_setting,
+    verl_rows_setting,
+)
+from megatron_rl_patches._variables import (
+    LAUNCHER_ROOT as LAUNCHER_ROOT,
+)
 
 # Not `from typing import TYPE_CHECKING`: this module runs at every interpreter start-up and
 # importing typing costs more than everything else the start-up hook does (type checkers
@@ -14,14 +30,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-SELECT = "MEGATRON_RL_PATCHES"
-DISABLE = "MEGATRON_RL_PATCHES_DISABLE"
-STRICT = "MEGATRON_RL_PATCHES_STRICT"
-INFERENCE_ROLES = "MEGATRON_RL_PATCHES_INFERENCE_ROLES"
-ALLOW_UNTESTED = "MEGATRON_RL_PATCHES_ALLOW_UNTESTED"
-VARIABLES = (SELECT, DISABLE, STRICT, INFERENCE_ROLES, ALLOW_UNTESTED, BACKEND)
-LAUNCHER_ROOT = "MEGATRON_RL_PATCHES_LAUNCHER_ROOT"  # set by `run` for its children, never by hand
-_PREFIX = "MEGATRON_RL_PATCH"  # a variable starting so (any case) is meant for this package
+# The names come from the one table (megatron_rl_patches/_variables.py); VARIABLES: every one a user sets.
+_PREFIX = PREFIX.removesuffix("ES")  # MEGATRON_RL_PATCH: a variable starting so (any case) is meant for us
 
 _OFF = {"", "0", "false", "no", "off", "none"}
 _ALL = {"1", "all", "true", "yes", "on"}
@@ -173,6 +183,18 @@ def backend(environ: Mapping[str, str] | None = None) -> str | None:
     return None if word == AUTO else word
 
 
+def invariant(environ: Mapping[str, str] | None = None) -> bool | None:
+    """MEGATRON_RL_PATCHES_INVARIANT: True / False, None when unset or "" (the ops read it with the
+    same parser); ValueError naming the variable for any other word."""
+    return invariant_setting(_get(environ, INVARIANT))
+
+
+def verl_rows(environ: Mapping[str, str] | None = None) -> bool:
+    """MEGATRON_RL_PATCHES_VERL_ROWS=all (verl_fused_logprobs computes every row); ValueError naming
+    the variable for any other word than "all" or ""."""
+    return verl_rows_setting(_get(environ, VERL_ROWS))
+
+
 def checked_role_names(environ: Mapping[str, str] | None = None) -> list[str] | None:
     """:func:`role_names`, refusing a value that names no role or a name that is not an
     identifier (ValueError naming the variable); '' still means none. Syntax only: which roles
@@ -311,6 +333,8 @@ def check(known: Sequence[str], environ: Mapping[str, str] | None = None) -> lis
     is_strict(environ)
     allows_untested(environ)
     backend(environ)
+    invariant(environ)
+    verl_rows(environ)
     checked_role_names(environ)
     if not chosen:
         raise ValueError(f"{DISABLE}={_cut(disabled)!r} leaves out every patch selected: nothing would be "
@@ -342,5 +366,7 @@ def summary(environ: Mapping[str, str] | None = None) -> dict[str, object]:
         "allow_untested": read(allows_untested),
         "inference_roles": read(checked_role_names),  # None: unset (the framework's default roles) or wrong
         "backend": read(backend),
+        "invariant": read(invariant),  # None: unset (an op's argument, else the model config) or wrong
+        "verl_rows": read(verl_rows),
         "errors": errors,
     }

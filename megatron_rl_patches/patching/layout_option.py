@@ -4,6 +4,8 @@ MEGATRON_RL_PATCHES_OPD_TEACHERS entry or a MEGATRON_RL_PATCHES_INFERENCE_ROLES 
 no world); the world's size where the teacher is built (`check_world`)."""
 from __future__ import annotations
 
+from megatron_rl_patches._digits import ascii_int
+
 # the sizes an option can name; expert parallelism of a teacher is not served yet
 SIZES = ("tp", "pp", "ep")
 _KINDS = {"tp": "tensor", "pp": "pipeline", "ep": "expert"}
@@ -20,9 +22,10 @@ def layout_size(option: str, where: str) -> tuple[str, int]:
     and its entry) for a value that is not a positive integer, or an expert size > 1."""
     name, _, raw = option.partition("=")
     name, raw = name.strip(), raw.strip()
-    size = int(raw) if raw.isdigit() else 0
+    size = ascii_int(raw) or 0
     if size < 1:
-        raise ValueError(f"{where}: option '{name}={raw}' must be a positive integer (the teacher's own "
+        raise ValueError(f"{where}: option '{name}={raw[:40]}' must be a positive integer written in ASCII digits "
+                         f"(the teacher's own "
                          f"{_KINDS[name]}-parallel size, e.g. ';{name}=2')")
     if name in _UNSERVED and size > 1:
         raise ValueError(f"{where}: option '{name}={size}': a teacher's own {_KINDS[name]}-parallel size is not "

@@ -98,3 +98,15 @@ def test_a_bad_backend_or_role_list_warns_one_line_and_patches_anyway(startup_di
     assert ran == "ran" and "pending" in json.loads(statuses)
     (line,) = proc.stderr.splitlines()
     assert line.startswith("megatron-rl-patches: ") and f"{variable}={value!r}" in line
+
+
+@pytest.mark.parametrize("variable, good", [("MEGATRON_RL_PATCHES_INVARIANT", "1"),
+                                            ("MEGATRON_RL_PATCHES_VERL_ROWS", "all")])
+def test_every_documented_variable_starts_quietly_and_its_typo_is_one_line(startup_dir, variable, good):
+    """Issue 63 item 1: the documented invariant switch made every process print 'reads none of them'."""
+    proc = start(startup_dir, MEGATRON_RL_PATCHES="all", **{variable: good})
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.splitlines()[0] == "ran"
+    proc = start(startup_dir, MEGATRON_RL_PATCHES="all", **{variable: "tru"})
+    (line,) = proc.stderr.splitlines()
+    assert f"{variable}='tru'" in line and "unknown variable" not in line

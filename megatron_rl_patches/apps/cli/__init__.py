@@ -16,9 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_rl_patches import __version__
-from megatron_rl_patches._backend_env import MEANING as BACKEND_MEANING
+from megatron_rl_patches._variables import MEANINGS
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG, USAGE, HelpFormatter, UsageError, say
-from megatron_rl_patches.patching import env
 
 __all__ = ["COMMANDS", "OK", "PROBLEM", "PROG", "USAGE", "UsageError", "build_parser", "main"]
 
@@ -45,50 +44,12 @@ BROKEN_PIPE = 141
 
 
 def environment_help() -> str:
-    """The environment variables the patches read, one per line (the epilog of --help)."""
-    meaning = {
-        env.SELECT: '"all" (or "1") or comma-separated patch names: applied in every Python process '
-                    'at start-up; unset, "" or "0": off',
-        env.DISABLE: "comma-separated patch names removed from any selection",
-        env.STRICT: '1/true/yes/on: patch problems raise instead of warning (0/false/no/off/"": warn)',
-        # the roles are integrations.slime.roles.DEFAULT_INFERENCE_ROLES (a test holds them equal; not
-        # imported here: --help of every command, the plain demo's included, imports no integration)
-        env.INFERENCE_ROLES: "comma-separated roles built inference-only, each once (unset: slime's teacher "
-                             'roles prm_teacher,teacher; "": none); role:mode keeps its weights off the device, '
-                             "mode resident, swap or stream (e.g. teacher:swap,prm_teacher:stream)",
-        env.ALLOW_UNTESTED: "1: apply patches outside their supported megatron-core range "
-                            "(one warning each)",
-        env.BACKEND: BACKEND_MEANING,
-    }
-    meaning.update(PATCH_VARIABLES)
+    """The environment variables the package reads, one per line (the epilog of --help): the one table."""
     lines = ["environment variables:"]
-    for name in (*env.VARIABLES, *PATCH_VARIABLES):
+    for name, meaning in MEANINGS.items():
         lines.append(f"  {name}")
-        lines.append(textwrap.fill(meaning.get(name, ""), 78, initial_indent=" " * 6, subsequent_indent=" " * 6))
+        lines.append(textwrap.fill(meaning, 78, initial_indent=" " * 6, subsequent_indent=" " * 6))
     return "\n".join(lines)
-
-
-# Variables one patch reads when it runs (names kept here as text: --help imports no integration;
-# a test holds them equal to the integrations' own names).
-_OPD = "MEGATRON_RL_PATCHES_OPD_"
-PATCH_VARIABLES = {
-    f"{_OPD}TEACHERS": "slime_opd: comma-separated teachers, PATH (a checkpoint of the actor's architecture, "
-                       "or a Hugging Face directory of another served family: built by "
-                       "build_inference_model_from_hf) or PATH@module:function; a Hugging Face directory with "
-                       "another tokenizer than the student's: PATH;tokenizer=own (quote the ';'), optionally "
-                       "followed by ;stop_tokens=module:function (a student special id -> the teacher's id or "
-                       "None); set in the training actors' environment (--train-env-vars)",
-    f"{_OPD}WEIGHTS": "slime_opd: mixture weights, one per teacher, summing to 1 (unset: uniform)",
-    f"{_OPD}K": "slime_opd: the student's top-k ids per token (default 16)",
-    f"{_OPD}DIVERGENCE": "slime_opd: reverse_kl (default), forward_kl, jsd, skew_forward_kl, skew_reverse_kl, "
-                         "tv or mixed_kl",
-    f"{_OPD}COEF": "slime_opd: weight of the top-k divergence (default 1.0)",
-    f"{_OPD}POLICY_WEIGHT": "slime_opd: weight of slime's policy loss (default 1.0)",
-    f"{_OPD}RESIDENCY": "slime_opd: resident (default), swap or stream, for the separate teachers "
-                        "(PATH@module:function, Hugging Face folders of another architecture)",
-    f"{_OPD}IDS_FROM": "slime_opd: student (default) or union (the student's and the first teacher's top-k)",
-    "MEGATRON_RL_PATCHES_VERL_ROWS": "verl_fused_logprobs: all computes every row, not only the rows verl reads",
-}
 
 
 class CommandUnavailable(Exception):

@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 
+from megatron_rl_patches._digits import ascii_int
 from megatron_rl_patches.apps.bench import gpu, ops
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, UsageError, say
 
@@ -49,10 +50,7 @@ LOGPROBS_PARTS = ("invariant",)
 
 def _count(text: str) -> int:
     """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
+    value = ascii_int(text.strip()) or 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"invalid count {text!r}: must be an integer >= 1")
     return value

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import megatron_rl_patches
+from megatron_rl_patches._variables import OPD_PREFIX
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG
 from megatron_rl_patches.apps.cli.targets import STATUS_HELP, find_module, shown_status
 from megatron_rl_patches.inference.loading.hf.checkpoint_config import (
@@ -25,7 +26,6 @@ from megatron_rl_patches.inference.loading.hf.files import tensor_index
 from megatron_rl_patches.integrations import default_registry
 from megatron_rl_patches.integrations.megatron import version as megatron_version
 from megatron_rl_patches.integrations.slime.opd_settings import OWN_TOKENIZER, TEACHERS, opd_settings
-from megatron_rl_patches.integrations.slime.opd_settings import PREFIX as OPD_PREFIX
 from megatron_rl_patches.integrations.slime.roles import DEFAULT_INFERENCE_ROLES
 from megatron_rl_patches.patching import check_settings, env, registry
 from megatron_rl_patches.patching.startup import files as startup_files
@@ -160,10 +160,24 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
         names = default_registry().patch_names()
         environment["resolved"] = env.resolve_selection(names) if environment["enabled_at_startup"] else []
         environment["error"] = None
+        problems += opd_selection_problems(environment)
     except ValueError as exc:
         environment["resolved"], environment["error"] = None, str(exc)
         problems.append(str(exc))
     return environment, problems
+
+
+def opd_selection_problems(environment: dict[str, Any]) -> list[str]:
+    """Top-k OPD's variables set while slime_opd is not selected: they would do nothing (issue 63)."""
+    if not environment["opd"] or "slime_opd" in environment["resolved"]:
+        return []
+    if not environment["enabled_at_startup"]:
+        why = f"{env.SELECT} is {'unset' if environment['variables'][env.SELECT] is None else 'off'}: nothing applies"
+    else:
+        why = f"{env.SELECT} selects {', '.join(environment['resolved']) or 'nothing'}"
+    return [f"slime_opd is not selected ({why}), so the {OPD_PREFIX}* settings ({', '.join(environment['opd'])}) "
+            f"do nothing: set {env.SELECT}=all (or a list with slime_opd), or start the job with `{PROG} run -- "
+            f"COMMAND ...` (which selects every patch when {env.SELECT} is unset)"]
 
 
 def teacher_problems() -> list[str]:

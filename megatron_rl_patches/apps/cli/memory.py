@@ -3,13 +3,18 @@ Adam m and v) that an inference-only build of a frozen model does not allocate."
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import re
+import tempfile
 from collections.abc import Callable
 from decimal import Decimal
 from fractions import Fraction
+from pathlib import Path
 
 from megatron_rl_patches._args import positive_int
+from megatron_rl_patches._digits import ascii_int
 from megatron_rl_patches.apps.cli._common import OK, UsageError
 from megatron_rl_patches.apps.cli.memory_hf import run_hf
 from megatron_rl_patches.apps.cli.memory_teacher import run_teacher
@@ -41,7 +46,7 @@ def parse_param_count(text: str) -> int:
 
 def _positive(text: str) -> int:
     try:
-        return positive_int("--dp", int(text))
+        return positive_int("--dp", ascii_int(text.strip()))
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid data-parallel size {text!r}: must be an integer >= 1") from None
 
@@ -98,11 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _count(flag: str, minimum: int = 1) -> Callable[[str], int]:
     """An argparse type: an integer >= `minimum`, the error naming `flag`."""
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
+        value = ascii_int(text.strip())
+        if value is None or value < minimum:
             raise argparse.ArgumentTypeError(f"invalid {flag} {text!r}: must be an integer >= {minimum}")
         return value
 
@@ -111,6 +113,25 @@ def _count(flag: str, minimum: int = 1) -> Callable[[str], int]:
 
 # The options only the residency plan reads: without --residency each is a usage error, not ignored.
 RESIDENCY_OPTIONS = ("--layers", "--prefetch", "--vocab", "--hidden", "--tied", "--tp")
+
+
+def _planned_from(args: argparse.Namespace, plan: Callable[[argparse.Namespace], int]) -> int:
+    """`plan(args)`; a config file given to --hf (a published config.json saved under its model's name,
+    as docs/recipes.md's fixtures) is planned as its directory's config.json: the plan reads nothing
+    else, and the output names the file."""
+    given = Path(args.hf).expanduser()
+    if not (given.is_file() and given.suffix == ".json"):
+        return plan(args)
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "config.json").symlink_to(given.resolve())
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                code = plan(argparse.Namespace(**{**vars(args), "hf": folder}))
+        except UsageError as exc:
+            raise UsageError(str(exc).replace(folder, args.hf)) from None
+    print(printed.getvalue().replace(folder, args.hf), end="")
+    return code
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,8 +146,7 @@ def run(args: argparse.Namespace) -> int:
         args.tp, args.prefetch = args.tp or 1, 1 if args.prefetch is None else args.prefetch
         if args.teacher_tp is not None or (args.teacher_pp, args.teacher_ep) != (1, 1):
             args.teacher_tp = args.teacher_tp or 1  # --teacher-pp N alone: a teacher at TP=1 x PP=N
-            return run_teacher(args)
-        return run_hf(args)
+        return _planned_from(args, run_teacher if args.teacher_tp is not None else run_hf)
     if args.teacher_tp is not None or (args.teacher_pp, args.teacher_ep) != (1, 1):
         raise UsageError("--teacher-tp / --teacher-pp / --teacher-ep need --hf PATH (the teacher's checkpoint)")
     if (args.pp, args.ep) != (1, 1):

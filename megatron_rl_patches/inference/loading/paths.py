@@ -6,6 +6,7 @@ import os
 import re
 from pathlib import Path
 
+from megatron_rl_patches._digits import ascii_int
 from megatron_rl_patches.inference.loading.errors import CheckpointReadError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -72,7 +73,7 @@ def _read_tracker(tracker: Path) -> str:
         text = tracker.read_text().strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise CheckpointReadError(tracker, f"{TRACKER} is unreadable ({exc})") from exc
-    if text != "release" and not (text.isascii() and text.isdigit()):
+    if text != "release" and ascii_int(text) is None:
         raise CheckpointReadError(tracker, f"{TRACKER} holds {text[:80]!r}; expected an iteration number or 'release'")
     return text
 

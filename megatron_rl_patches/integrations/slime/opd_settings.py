@@ -10,18 +10,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_rl_patches._digits import ascii_int
 from megatron_rl_patches._residency_modes import RESIDENCY_MODES
+from megatron_rl_patches._variables import OPD_COEF as COEF
+from megatron_rl_patches._variables import OPD_DIVERGENCE as DIVERGENCE
+from megatron_rl_patches._variables import OPD_IDS_FROM as IDS_FROM
+from megatron_rl_patches._variables import OPD_K as K
+from megatron_rl_patches._variables import OPD_POLICY_WEIGHT as POLICY_WEIGHT
+from megatron_rl_patches._variables import OPD_PREFIX as PREFIX  # noqa: F401 - the variables' common start
+from megatron_rl_patches._variables import OPD_RESIDENCY as RESIDENCY
+from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
+from megatron_rl_patches._variables import OPD_WEIGHTS as WEIGHTS
 from megatron_rl_patches.patching.layout_option import is_layout_option, layout_size, written_sizes
 
-PREFIX = "MEGATRON_RL_PATCHES_OPD_"
-TEACHERS = PREFIX + "TEACHERS"
-WEIGHTS = PREFIX + "WEIGHTS"
-K = PREFIX + "K"
-DIVERGENCE = PREFIX + "DIVERGENCE"
-COEF = PREFIX + "COEF"
-POLICY_WEIGHT = PREFIX + "POLICY_WEIGHT"
-RESIDENCY = PREFIX + "RESIDENCY"
-IDS_FROM = PREFIX + "IDS_FROM"
 IDS_SOURCES = ("student", "union")
 # slime's --custom-loss-function-path for top-k OPD: the documented path (users type it), and the
 # loss's module path since integrations/slime/ became a package; both are accepted.
@@ -183,10 +184,7 @@ def _number(env: Mapping[str, str], name: str, default: float) -> float:
 
 def _k(env: Mapping[str, str]) -> int:
     raw = env.get(K, "").strip() or "16"
-    try:
-        k = int(raw)
-    except ValueError:
-        k = 0
+    k = ascii_int(raw) or 0
     if k <= 0:
         raise ValueError(f"{K}={raw!r}: expected an integer k > 0 (the student's top-k ids per token)")
     return k

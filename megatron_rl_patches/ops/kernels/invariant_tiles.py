@@ -42,8 +42,10 @@ from megatron_rl_patches.ops._stats import (
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.kernels.torch_fast_paths import replace_marked
 
-FIXED_BITS = 44  # e^u in [0, 1] as integers of 2^-44: a vocabulary of 2^19 ids sums below 2^63
-MAX_VOCAB = 1 << 19
+FIXED_BITS = 44  # e^u in [0, 1] as integers of 2^-44: below 2^19 ids a row sums below 2^63
+# The largest vocabulary served: a row of 2^19 ids all at its max (a uniform row whose sum covers
+# every column; at TP = 2 the all-reduce of two 2^18 shards) sums to 2^63, past int64.
+MAX_VOCAB = (1 << (63 - FIXED_BITS)) - 1
 _TO_FIXED = float(2 ** FIXED_BITS)
 _FROM_FIXED = float(2.0 ** -FIXED_BITS)
 
@@ -55,7 +57,7 @@ def tile_shape(device: torch.device) -> tuple[int, int]:
 
 
 def check_vocab(vocab: int, op: str) -> None:
-    """The fixed-point sums hold vocabularies up to 2^19 ids."""
+    """The fixed-point sums hold vocabularies up to 2^19 − 1 ids (MAX_VOCAB)."""
     if vocab > MAX_VOCAB:
         raise ValueError(f"{op}(invariant=True) sums in 64-bit fixed point, for vocabularies up to {MAX_VOCAB} ids; "
                          f"this one has {vocab}: call it with invariant=False")

@@ -91,7 +91,7 @@ def test_doctor_checks_the_opd_teachers_paths(cli_run, monkeypatch, tmp_path):
     megatron_dir.mkdir()  # a Megatron checkpoint: slime's loader reads it, nothing to check here
     monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"/nonexistent,{good},{refused},{megatron_dir}")
     code, out, _ = cli_run("doctor", "--json")
-    problems = [p for p in json.loads(out)["problems"] if "OPD_TEACHERS" in p]
+    problems = [p for p in json.loads(out)["problems"] if p.startswith("MEGATRON_RL_PATCHES_OPD_TEACHERS")]
     assert code == cli.PROBLEM and len(problems) == 2, problems
     assert "teacher '/nonexistent' does not exist" in problems[0]
     assert f"teacher '{refused}': a Hugging Face directory build_inference_model_from_hf refuses" in problems[1]
@@ -107,3 +107,23 @@ def test_doctor_status_column_aligns_for_the_longest_name():
     assert any("hybrid_output_processor" in row for row in rows)
     starts = {len(row) - len(row[2:].split(" ", 1)[1].lstrip()) for row in rows}  # where the status begins
     assert len(starts) == 1, starts
+
+
+@pytest.mark.parametrize("select", [None, "0", "ddp_hooks"])
+def test_doctor_says_slime_opd_is_not_selected_when_only_the_opd_variables_are_set(cli_run, monkeypatch, tmp_path,
+                                                                                    select):
+    """issue 63 item 9: "no problems found" with MEGATRON_RL_PATCHES_OPD_TEACHERS="DIR;tp=2" and slime_opd
+    not selected: the entry did nothing, silently."""
+    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
+
+    write_tiny_checkpoint(tmp_path, tiny_hf_config("qwen3"))
+    monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"{tmp_path};tp=2")
+    if select is not None:
+        monkeypatch.setenv("MEGATRON_RL_PATCHES", select)
+    code, out, _ = cli_run("doctor", "--json")
+    problems = [p for p in json.loads(out)["problems"] if "start-up file" not in p]  # ddp_hooks: none installed
+    assert code == cli.PROBLEM and len(problems) == 1, problems
+    assert problems[0].startswith("slime_opd is not selected") and "MEGATRON_RL_PATCHES_OPD_TEACHERS" in problems[0]
+    monkeypatch.setenv("MEGATRON_RL_PATCHES", "slime_opd")  # the negative control: selected, nothing to say
+    code, out, _ = cli_run("doctor", "--json")
+    assert not [p for p in json.loads(out)["problems"] if "not selected" in p]

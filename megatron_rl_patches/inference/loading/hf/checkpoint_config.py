@@ -16,7 +16,7 @@ CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
 # the fields a wrapper (a vision-language model) nests its language model's config under
 WRAPPER_FIELDS = ("text_config",)
-DTYPE_FIELDS = ("dtype", "torch_dtype")  # transformers 5 writes dtype, 4.x torch_dtype
+DTYPE_FIELDS = ("dtype", "torch_dtype")  # transformers 5 writes dtype, 4.x torch_dtype; dtype wins (as in AutoConfig)
 # the Hugging Face hub cache's folder of one repository (models--ORG--NAME): its revisions under
 # snapshots/, the branch heads under refs/, the files under blobs/
 SNAPSHOTS, REFS = "snapshots", "refs"
@@ -96,6 +96,11 @@ def _read_fields(path: Any, argument: str = "path") -> dict[str, Any]:
     return data
 
 
+def named_dtype(fields: dict[str, Any]) -> Any:
+    """The dtype one level of config.json names (`dtype` before `torch_dtype`); None where it names none."""
+    return next((fields[name] for name in DTYPE_FIELDS if fields.get(name)), None)
+
+
 def text_config(config: dict[str, Any], source: str = CONFIG) -> dict[str, Any]:
     """The language model's fields: a wrapper's `text_config` (its tie_word_embeddings the wrapper's,
     and its dtype where the wrapper writes one: transformers loads the whole model in it), else
@@ -106,9 +111,13 @@ def text_config(config: dict[str, Any], source: str = CONFIG) -> dict[str, Any]:
             continue
         if not isinstance(text, dict):
             raise ValueError(f"{source}: {CONFIG}'s {field} must be an object, got {type(text).__name__}")
-        outer = {name: config[name] for name in DTYPE_FIELDS if config.get(name)}
-        return {**text, **outer, "tie_word_embeddings": config.get("tie_word_embeddings",
-                                                                   text.get("tie_word_embeddings", False))}
+        merged = {**text, "tie_word_embeddings": config.get("tie_word_embeddings",
+                                                            text.get("tie_word_embeddings", False))}
+        outer = named_dtype(config)  # the wrapper's, under either name, beats either of the text model's
+        if outer is not None:
+            merged = {name: value for name, value in merged.items() if name not in DTYPE_FIELDS}
+            merged["dtype"] = outer
+        return merged
     return config
 
 
@@ -145,7 +154,7 @@ class CheckpointConfig:
     @property
     def dtype(self) -> Any:
         """The checkpoint's dtype as config.json names it (None where it names none)."""
-        return next((self.text[name] for name in DTYPE_FIELDS if self.text.get(name)), None)
+        return named_dtype(self.text)
 
 
 def read_checkpoint_config(path: Any, argument: str = "path") -> CheckpointConfig:

@@ -61,7 +61,8 @@ def row_stats_kernel(
         if HAS_REST:
             safe = tl.where(finite(new_shift), new_shift, 0.0)
             started = finite(shift)
-            log_factor = tl.where(started, (shift - safe) * s, 0.0)
+            # floored as _stats.moved floors it: at a tiny τ the product overflows, and 0·(-inf) is NaN
+            log_factor = tl.where(started, tl.maximum((shift - safe) * s, NEG_FLOOR), 0.0)
             factor = tl.where(started, tl.exp(log_factor), 0.0)
             u = (x - safe[:, None]) * s[:, None]
             e = tl.where(marked, 0.0, tl.exp(u))

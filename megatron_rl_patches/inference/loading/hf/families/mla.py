@@ -10,6 +10,7 @@ import importlib.util
 from dataclasses import dataclass, fields
 from typing import Any
 
+from megatron_rl_patches._digits import ascii_int
 from megatron_rl_patches.inference.loading.hf.architecture import (
     HFArchitecture,
     UnsupportedCheckpointError,
@@ -133,7 +134,7 @@ def refuse_unbuildable(arch: HFArchitecture) -> None:
     norm + linear, which the local spec has not."""
     from megatron.core.package_info import __version__
 
-    release = tuple(int(part) for part in __version__.split(".")[:2] if part.isdigit())
+    release = tuple(ascii_int(part) or 0 for part in __version__.split(".")[:2])
     if arch.rope.kind == "yarn" and release < (0, 16):
         raise UnsupportedCheckpointError(
             f"{arch.source}: YaRN with multi-latent attention on megatron-core {__version__}, whose MLA scales the "

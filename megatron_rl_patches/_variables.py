@@ -1,0 +1,94 @@
+"""Every environment variable megatron-rl-patches reads, in one table: its name and what it means
+(--help, `doctor`). The misspelling check, the launcher, `doctor` and --help read this table, and
+every module that reads a variable takes its name from here (tests/apps/cli/test_variable_table.py
+holds every name the package, the docs and --help write to it), so a variable cannot be read
+without being known. A leaf: standard library only (the start-up hook and the ops import it)."""
+from __future__ import annotations
+
+PREFIX = "MEGATRON_RL_PATCHES"
+SELECT = PREFIX
+DISABLE = f"{PREFIX}_DISABLE"
+STRICT = f"{PREFIX}_STRICT"
+INFERENCE_ROLES = f"{PREFIX}_INFERENCE_ROLES"
+ALLOW_UNTESTED = f"{PREFIX}_ALLOW_UNTESTED"
+BACKEND = f"{PREFIX}_BACKEND"
+INVARIANT = f"{PREFIX}_INVARIANT"
+OPD_PREFIX = f"{PREFIX}_OPD_"  # slime_opd's variables
+OPD_TEACHERS = f"{OPD_PREFIX}TEACHERS"
+OPD_WEIGHTS = f"{OPD_PREFIX}WEIGHTS"
+OPD_K = f"{OPD_PREFIX}K"
+OPD_DIVERGENCE = f"{OPD_PREFIX}DIVERGENCE"
+OPD_COEF = f"{OPD_PREFIX}COEF"
+OPD_POLICY_WEIGHT = f"{OPD_PREFIX}POLICY_WEIGHT"
+OPD_RESIDENCY = f"{OPD_PREFIX}RESIDENCY"
+OPD_IDS_FROM = f"{OPD_PREFIX}IDS_FROM"
+VERL_ROWS = f"{PREFIX}_VERL_ROWS"
+LAUNCHER_ROOT = f"{PREFIX}_LAUNCHER_ROOT"  # set by `run` for its children, never by hand
+
+# The variables a user sets -> what they mean (--help's epilog, `doctor`'s environment section).
+MEANINGS: dict[str, str] = {
+    SELECT: '"all" (or "1") or comma-separated patch names: applied in every Python process at start-up; '
+            'unset, "" or "0": off',
+    DISABLE: "comma-separated patch names removed from any selection",
+    STRICT: '1/true/yes/on: patch problems raise instead of warning (0/false/no/off/"": warn)',
+    # slime's default roles: integrations.slime.roles.DEFAULT_INFERENCE_ROLES (a test holds them equal)
+    INFERENCE_ROLES: "comma-separated roles built inference-only, each once (unset: slime's teacher roles "
+                     'prm_teacher,teacher; "": none); role:mode keeps its weights off the device, mode resident, '
+                     "swap or stream (e.g. teacher:swap,prm_teacher:stream); role;tp=N (or role:mode;tp=N) "
+                     "builds the role's model at its own tensor-parallel size (quote the ';')",
+    ALLOW_UNTESTED: "1: apply patches outside their supported megatron-core range (one warning each)",
+    BACKEND: "the vocabulary ops' tile backend: torch or triton (any case); unset, \"\" or \"auto\": each op "
+             "picks the first backend that runs on its tensors' device (triton on CUDA when installed, else "
+             "torch); an op's backend= argument wins",
+    INVARIANT: "1/true/yes/on: the vocabulary ops run in the invariant mode (each row's values from that row "
+               "and the weights alone, bit for bit, whatever the batch and the layout; "
+               "docs/train-rollout-agreement.md); 0/false/no/off: the default mode; unset or \"\": an op's "
+               "invariant= argument, else the model config's batch_invariant_mode",
+    OPD_TEACHERS: "slime_opd: comma-separated teachers, PATH (a checkpoint of the actor's architecture, or a "
+                  "Hugging Face directory of another served family: built by build_inference_model_from_hf) or "
+                  "PATH@module:function; a Hugging Face directory at its own layout: PATH;tp=N and/or "
+                  "PATH;pp=N (its own tensor / pipeline-parallel sizes over all ranks); a Hugging Face "
+                  "directory with another tokenizer than the student's: PATH;tokenizer=own, optionally "
+                  "followed by ;stop_tokens=module:function (a student special id -> the teacher's id or "
+                  "None); quote the ';'; set in the training actors' environment (--train-env-vars)",
+    OPD_WEIGHTS: "slime_opd: mixture weights, one per teacher, summing to 1 (unset: uniform)",
+    OPD_K: "slime_opd: the student's top-k ids per token (default 16)",
+    OPD_DIVERGENCE: "slime_opd: reverse_kl (default), forward_kl, jsd, skew_forward_kl, skew_reverse_kl, tv or "
+                    "mixed_kl",
+    OPD_COEF: "slime_opd: weight of the top-k divergence (default 1.0)",
+    OPD_POLICY_WEIGHT: "slime_opd: weight of slime's policy loss (default 1.0)",
+    OPD_RESIDENCY: "slime_opd: resident (default), swap or stream, for the separate teachers "
+                   "(PATH@module:function, Hugging Face folders of another architecture)",
+    OPD_IDS_FROM: "slime_opd: student (default) or union (the student's and the first teacher's top-k)",
+    VERL_ROWS: "verl_fused_logprobs: all computes every row, not only the rows verl reads",
+}
+VARIABLES = tuple(MEANINGS)  # set by users
+READ = (*VARIABLES, LAUNCHER_ROOT)  # every variable the package reads
+
+_SWITCH = {**dict.fromkeys(("1", "true", "on", "yes"), True), **dict.fromkeys(("0", "false", "off", "no"), False),
+           "": None}
+
+
+def invariant_setting(text: str | None) -> bool | None:
+    """MEGATRON_RL_PATCHES_INVARIANT's value read: True, False, or None when unset or ""; ValueError
+    naming the variable for any other text (the ops and the launcher read it with this one parser)."""
+    word = (text or "").strip().lower()
+    if word not in _SWITCH:
+        raise ValueError(f"{INVARIANT}={_shown(text)!r} is not a switch: use 1 (invariant vocabulary ops) or 0 (the "
+                         f"default mode), or leave it unset")
+    return _SWITCH[word]
+
+
+def verl_rows_setting(text: str | None) -> bool:
+    """MEGATRON_RL_PATCHES_VERL_ROWS's value read: True for "all" (any case), False when unset or "";
+    ValueError naming the variable for any other text."""
+    word = (text or "").strip().lower()
+    if word not in ("all", ""):
+        raise ValueError(f"{VERL_ROWS}={_shown(text)!r} is not a row choice: use all (every row), or leave it "
+                         "unset for the rows verl reads")
+    return word == "all"
+
+
+def _shown(text: str | None, limit: int = 40) -> str | None:
+    """`text` cut to `limit` characters with '...' (a pasted megabyte must not flood stderr)."""
+    return text if text is None or len(text) <= limit else f"{text[: limit - 3]}..."
