@@ -40,15 +40,22 @@ from torch.overrides import TorchFunctionMode
 _MISSING = object()
 
 
+def _names_cuda(device: Any) -> bool:
+    return isinstance(device, (str, torch.device)) and "cuda" in str(device)
+
+
 class CudaToCpuMode(TorchFunctionMode):
     """Redirect tensor factory calls that ask for a CUDA device (device="cuda", an int) to CPU,
     drop `pin_memory=True` (megatron-core's RoPE under context parallelism pins its chunk ids);
-    `Tensor.cuda()` returns the tensor itself."""
+    `Tensor.cuda()` returns the tensor itself; `Tensor.to("cuda")` with the device positional
+    (NeMo-RL's `data_dict.to("cuda")`) stays on CPU."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _names_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
         device = kwargs.get("device")
         if device is not None and (isinstance(device, int) or "cuda" in str(device)):
             kwargs = {**kwargs, "device": "cpu"}
