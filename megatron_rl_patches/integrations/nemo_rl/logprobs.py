@@ -95,7 +95,8 @@ def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
         steps.fall_back(PATCH, feature)
         return wrapped(*args, **kwargs)
     temperature = steps.temperature_of(arguments)
-    plan = steps.StepPlan(log_prob_output_processor(temperature=temperature), temperature,
+    plan = steps.StepPlan(log_prob_output_processor(temperature=temperature,
+                                                    chunk_size=steps.chunk_size_of(post.cfg)), temperature,
                           bool(post.cfg["sequence_packing"]["enabled"]))
     if is_logprobs:
         return steps.run_step(wrapped, bound, plan, _logprobs_function)

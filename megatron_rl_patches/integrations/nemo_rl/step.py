@@ -121,6 +121,12 @@ def _cp_size() -> int:
     return parallel_state.get_context_parallel_world_size()
 
 
+def chunk_size_of(cfg: Any) -> int | None:
+    """NeMo-RL's `logprob_chunk_size` (rows per chunk of its logits), as the fused ops' rows per tile."""
+    value = cfg.get("logprob_chunk_size") if hasattr(cfg, "get") else None
+    return None if value is None else int(value)
+
+
 def temperature_of(arguments: dict) -> float:
     params = arguments.get("sampling_params")
     return 1.0 if params is None else float(params.temperature)

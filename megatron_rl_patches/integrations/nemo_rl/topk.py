@@ -47,6 +47,7 @@ def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
         steps.fall_back(PATCH, feature)
         return wrapped(*args, **kwargs)
     temperature = steps.temperature_of(bound.arguments)
-    plan = steps.StepPlan(topk_output_processor(k=int(post.k), temperature=temperature), temperature,
+    plan = steps.StepPlan(topk_output_processor(k=int(post.k), temperature=temperature,
+                                                chunk_size=steps.chunk_size_of(post.cfg)), temperature,
                           bool(post.cfg["sequence_packing"]["enabled"]))
     return steps.run_step(wrapped, bound, plan, _topk_function)

@@ -129,7 +129,8 @@ def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
         return wrapped(*args, **kwargs)
     warn_once(REPLACED)
     temperature = steps.temperature_of(bound.arguments)
-    plan = steps.StepPlan(topk_output_processor(temperature=temperature), temperature,
+    processor = topk_output_processor(temperature=temperature, chunk_size=steps.chunk_size_of(post.cfg))
+    plan = steps.StepPlan(processor, temperature,
                           bool(post.cfg["sequence_packing"]["enabled"]),
                           context=lambda layout: {"ids": _teacher_ids(layout)})
     loss = ExactTopkDistillation(post.loss_fn)

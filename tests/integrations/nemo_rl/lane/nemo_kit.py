@@ -6,9 +6,10 @@ from typing import Any
 
 import torch
 
-VOCAB, BATCH, SEQ, K = 128, 4, 16, 8
+VOCAB, BATCH, SEQ, K = 160, 4, 16, 8  # VOCAB (and VOCAB / 2) unlike any layer width (hidden 32, MLP 128)
 LENGTHS = (16, 11, 7, 13)
 TEMPERATURE = 0.8
+CHUNK = 4  # NeMo-RL's logprob_chunk_size: its own logits path still holds [b, s, V/tp] logits
 TOL = 1e-6  # patched against NeMo-RL's own fp32 path
 CONTROL = 1e-3  # what a negative control must at least be off by
 
@@ -23,6 +24,7 @@ def policy_cfg(packed: bool = False, tp: int = 1, sp: bool = False, pp: int = 1,
         "megatron_cfg": {"context_parallel_size": cp, "tensor_model_parallel_size": tp, "sequence_parallel": sp,
                          "pipeline_model_parallel_size": pp},
         "make_sequence_length_divisible_by": (2 * cp if cp > 1 else 1) * (tp if sp else 1),
+        "logprob_chunk_size": CHUNK,
     }
 
 
