@@ -4,7 +4,6 @@ tiny GPTModel, unpatched and patched, and returns its figures (errors, bytes) fo
 Imported in each spawned rank: the service stand-ins are installed before NeMo-RL is imported."""
 from __future__ import annotations
 
-import math
 import os
 import sys
 from typing import Any
@@ -220,6 +219,33 @@ def _grpo_checks(model, cfg, out: dict) -> None:
     out["grpo_grad_scale"] = max(float(a.abs().max()) for a in own_grads)
 
 
+def _residency_checks(cfg, layout, out: dict) -> None:
+    """The teacher's get_topk_logits route (NeMo-RL's driver with its TopkLogitsPostProcessor on
+    `nemo_rl_topk`) on a teacher the package builds in host memory (`build_inference_model(...,
+    residency="stream")`: each layer's weights copied in for its forward only): the same top-k as
+    the teacher built resident, bit for bit."""
+    from nemo_rl.models.megatron.train import TopkLogitsPostProcessor
+
+    from megatron_rl_patches import build_inference_model
+    from megatron_rl_patches.inference.residency import residency_report
+
+    def provider(pre_process: bool = True, post_process: bool = True) -> Any:
+        return _model(layout, seed=7)
+
+    def topk(teacher: Any) -> list:
+        return _applied(("nemo_rl_topk",), lambda: _drive(teacher, kit.batch(seed=3), cfg,
+                                                           TopkLogitsPostProcessor(cfg, kit.K)))
+
+    resident = topk(build_inference_model(provider)[0])
+    streamed_model = build_inference_model(provider, residency="stream")
+    streamed = topk(streamed_model[0])
+    report = residency_report(streamed_model)
+    same = all(torch.equal(a[key], b[key]) for a, b in zip(resident, streamed) for key in a)
+    out["residency"] = {"same": same and len(resident) == len(streamed),
+                        "peak_device_weight_bytes": report.peak_device_weight_bytes,
+                        "resident_weight_bytes": report.resident_weight_bytes, "copies": report.copies}
+
+
 def layout_world(rank: int, world: int, layouts: list[dict]) -> list[dict]:
     """Every check at each layout of `layouts`, in one spawned world (parallel state rebuilt per layout)."""
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
@@ -236,12 +262,12 @@ def layout_world(rank: int, world: int, layouts: list[dict]) -> list[dict]:
             _topk_checks(model, cfg, out)
             _grpo_checks(model, cfg, out)
             _kd_checks(model, cfg, layout, out)
+            if layout.get("residency"):
+                _residency_checks(cfg, layout, out)
             results.append(out)
     return results
 
 
-def layout(name: str, tp: int = 1, sp: bool = False, pp: int = 1, cp: int = 1, packed: bool = False) -> dict:
-    return {"name": name, "tp": tp, "sp": sp, "pp": pp, "cp": cp, "packed": packed}
-
-
-_ = math  # noqa: F841
+def layout(name: str, tp: int = 1, sp: bool = False, pp: int = 1, cp: int = 1, packed: bool = False,
+           residency: bool = False) -> dict:
+    return {"name": name, "tp": tp, "sp": sp, "pp": pp, "cp": cp, "packed": packed, "residency": residency}
