@@ -10,9 +10,8 @@ import pytest
 pytest.importorskip("nemo_rl", reason="NeMo-RL's source is not on the path: run `make test-nemo NEMO_RL=...`")
 pytestmark = pytest.mark.nemo_rl
 
-import torch  # noqa: E402
-
 import nemo_kit as kit  # noqa: E402
+import torch  # noqa: E402
 
 import megatron_rl_patches  # noqa: E402
 
