@@ -21,17 +21,32 @@ WORLDS = {
            ranks.layout("tp2-sp-packed", tp=2, sp=True, packed=True)],
     # NeMo-RL serves context parallelism only with sequence packing (zigzag rows per sequence)
     "cp": [ranks.layout("cp2-packed", cp=2, packed=True)],
-    "pp": [ranks.layout("pp2", pp=2), ranks.layout("pp2-packed", pp=2, packed=True)],
+    # PP=2 unpacked only. Packed, NeMo-RL pads each micro-batch to one length for the pipeline's
+    # fixed tensor shapes (pad_full_seq_to) and megatron-core's RoPE without Transformer Engine
+    # (_apply_rotary_pos_emb_thd) splits by the unpadded cu_seqlens and refuses the padded rows
+    # ("split_sizes [16, 0]" for 27 rows) in NeMo-RL's own unpatched forward: a CPU limit, not a patch's
+    "pp": [ranks.layout("pp2", pp=2)],
 }
 LAYOUTS = [(world, layout["name"]) for world, layouts in WORLDS.items() for layout in layouts]
-_RESULTS: dict[str, list] = {}
+_RESULTS: dict[str, list | Exception] = {}
 
 
 def _figures(world: str, name: str) -> list[dict]:
-    """Each rank's figures at one layout (the world spawned on first use)."""
+    """Each rank's figures at one layout (the world spawned once, on first use; printed then, a
+    failed world's error kept and raised again, never spawned twice)."""
     if world not in _RESULTS:
-        _RESULTS[world] = run_multirank(ranks.layout_world, 2, WORLDS[world], timeout=1500)
-    return [next(out for out in rank if out["layout"] == name) for rank in _RESULTS[world]]
+        try:
+            _RESULTS[world] = run_multirank(ranks.layout_world, 2, WORLDS[world], timeout=1500)
+        except RuntimeError as exc:
+            _RESULTS[world] = exc
+        else:
+            for rank, outs in enumerate(_RESULTS[world]):
+                for out in outs:
+                    print(f"rank {rank}: {out}")
+    found = _RESULTS[world]
+    if isinstance(found, Exception):
+        raise found
+    return [next(out for out in rank if out["layout"] == name) for rank in found]
 
 
 def _last(world: str, name: str) -> list[dict]:
