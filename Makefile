@@ -14,7 +14,8 @@
 #   served  .venv + a real vLLM server from .lanes/vllm (vLLM's CPU build, tools/served-lane.txt,
 #                            its own Python 3.11 venv): tests marked `served` (tests/teachers/lane)
 #
-# Not part of `make test`: `make test-mbridge` (.venv + .lanes/mbridge: mbridge 0.15.1 and einops,
+# Not part of `make test`: `make test-nemo NEMO_RL=...` (.venv-mcore019 + .lanes/nemo-rl: NeMo-RL
+# 7ea279ab's source and tools/nemo-rl-lane.txt, --no-deps: tests marked `nemo_rl`), `make test-mbridge` (.venv + .lanes/mbridge: mbridge 0.15.1 and einops,
 # tools/mbridge-lane.txt, --no-deps: tests marked `mbridge`, the optional converter="mbridge").
 #
 # On a CUDA machine (not part of `make test`; installs nothing, uses $(GPU_PYTHON) as it is):
@@ -52,7 +53,7 @@ STAMP_OLD = $(VENV_OLD)/.installed
 STAMP_NEW = $(VENV_NEW)/.installed
 DEPS = setup.cfg setup.py pyproject.toml
 
-.PHONY: venv demo test test-main test-oldest test-newest test-verl test-served test-mbridge test-slime test-versions test-source test-gpu bench bench-gpu bench-slime clean
+.PHONY: venv demo test test-main test-oldest test-newest test-verl test-served test-mbridge test-slime test-nemo test-versions test-source test-gpu bench bench-gpu bench-slime clean
 
 venv: $(STAMP)
 
@@ -182,6 +183,24 @@ test-slime: $(STAMP)
 	  PIP=$(VENV)/bin/pip tools/slime-lane "$(SLIME)" "$(MEGATRON_LM)" $(SLIME_LANE) && \
 	  PYTHONPATH=$(CURDIR):$(abspath $(SLIME_LANE))/slime:$(abspath $(SLIME_LANE))/megatron-lm:$(abspath $(SLIME_LANE))/deps \
 	    $(VENV)/bin/python -W ignore::DeprecationWarning -m pytest -m slime $(PYTEST_ARGS) tests/integrations/slime/lane; \
+	fi
+
+# NeMo-RL 7ea279ab's Megatron train.py driver, post-processors, model_utils and losses on CPU (not
+# part of `make test`), on Python 3.12 with megatron-core 0.19.2 (.venv-mcore019; NeMo-RL pins Python
+# 3.13, torch 2.11 and megatron-core 0.20, which cannot install here):
+#   make test-nemo NEMO_RL=/path/to/NeMo-RL   (checkout or bare git dir; MEGATRON_LM is not needed:
+#   NeMo-RL's data.py reaches only megatron.training.utils, which the 0.19.2 wheel ships)
+# Its service imports (ray, mlflow, wandb, ...) are the kit's inert stand-ins
+# (megatron_rl_patches.testing.service_stubs, installed by the lane's conftest).
+NEMO_LANE = .lanes
+test-nemo: $(STAMP_NEW)
+	@if [ -z "$(NEMO_RL)" ]; then \
+	  echo "*** SKIPPED LANE nemo-rl: make test-nemo NEMO_RL=/path/to/NeMo-RL ***"; \
+	else \
+	  PIP=$(VENV_NEW)/bin/pip tools/nemo-rl-lane "$(NEMO_RL)" $(NEMO_LANE) && \
+	  echo "nemo-rl lane: Python $$($(VENV_NEW)/bin/python -c 'import platform; print(platform.python_version())'), megatron-core $$($(VENV_NEW)/bin/python -c 'import importlib.metadata as m; print(m.version("megatron-core"))') (NeMo-RL pins Python 3.13 and megatron-core 0.20)" && \
+	  PYTHONPATH=$(CURDIR):$(abspath $(NEMO_LANE))/nemo-rl:$(abspath $(NEMO_LANE))/nemo-rl-deps \
+	    $(VENV_NEW)/bin/python -W ignore::DeprecationWarning -m pytest -m nemo_rl $(PYTEST_ARGS) tests/integrations/nemo_rl/lane; \
 	fi
 
 # Memory and time of slime's own step, unpatched against slime_fused (docs/benchmarks.md, "slime step"):

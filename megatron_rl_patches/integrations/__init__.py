@@ -27,7 +27,7 @@ _building = threading.Lock()
 # The framework packages below this one, each with a `patches` module defining PATCHES (and, when
 # the framework reads variables of its own, `check_settings(environ)`). A new framework is one new
 # package, one row here and its patch names in ORDER.
-FRAMEWORKS = ("megatron", "slime", "verl")
+FRAMEWORKS = ("megatron", "slime", "verl", "nemo_rl")
 # Patch names in listing order (listings, messages, the order records are applied in): the first
 # release's first, the newest last. Records of one name keep their framework's declaration order.
 ORDER = (
@@ -43,6 +43,9 @@ ORDER = (
     "slime_opd",
     "hybrid_output_processor",
     "mtp_output_processor",
+    "nemo_rl_fused_logprobs",
+    "nemo_rl_topk",
+    "nemo_rl_topk_kd",
 )
 
 

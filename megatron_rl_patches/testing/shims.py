@@ -23,6 +23,9 @@ left alone):
 - `tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`: activation recompute
   (`recompute_granularity`) saves and restores the CUDA RNG state around each recomputed layer;
   on CPU there is none (the CPU generator's state, which megatron saves itself, stands in).
+- `Tensor.cuda()` and `torch.tensor(..., pin_memory=True)` outside the factory mode too: a mode is
+  off inside a torch function it handles, so a backward pass run through it sees none (NeMo-RL's
+  context-parallel all-gather builds a pinned index `.cuda()` in its backward).
 - `moe_utils.te_general_gemm` = None: megatron-core < 0.17 without Transformer Engine leaves the
   name undefined and its MoE router's gating linear raises `NameError` (None: the torch matmul).
 """
@@ -40,15 +43,22 @@ from torch.overrides import TorchFunctionMode
 _MISSING = object()
 
 
+def _names_cuda(device: Any) -> bool:
+    return isinstance(device, (str, torch.device)) and "cuda" in str(device)
+
+
 class CudaToCpuMode(TorchFunctionMode):
     """Redirect tensor factory calls that ask for a CUDA device (device="cuda", an int) to CPU,
     drop `pin_memory=True` (megatron-core's RoPE under context parallelism pins its chunk ids);
-    `Tensor.cuda()` returns the tensor itself."""
+    `Tensor.cuda()` returns the tensor itself; `Tensor.to("cuda")` with the device positional
+    (NeMo-RL's `data_dict.to("cuda")`) stays on CPU."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _names_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
         device = kwargs.get("device")
         if device is not None and (isinstance(device, int) or "cuda" in str(device)):
             kwargs = {**kwargs, "device": "cpu"}
@@ -144,6 +154,17 @@ def _torch_norm_serving_sp(original_new: Any) -> Any:
     return staticmethod(new)
 
 
+def _tensor_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return self
+
+
+def _unpinned_tensor(original: Any) -> Any:
+    def tensor(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        return original(*args, **kwargs)
+
+    return tensor
+
+
 def _shim_table() -> list[tuple[Any, str, Any]]:
     """(owner, attribute, replacement) for every shim, in one place."""
     from megatron.core.tensor_parallel import random as mcore_random
@@ -162,6 +183,8 @@ def _shim_table() -> list[tuple[Any, str, Any]]:
         (torch.cuda, "current_stream", lambda device=None: _CPU_STREAM),
         (torch.nn.Module, "cuda", _module_cuda),
         (torch.Tensor, "type", _tensor_type),
+        (torch.Tensor, "cuda", _tensor_cuda),
+        (torch, "tensor", _unpinned_tensor(torch.tensor)),
     ]
 
 

@@ -82,3 +82,17 @@ def _takes_bias() -> bool:
     from megatron.core.transformer.moe import moe_utils
 
     return "bias" in inspect.signature(moe_utils.router_gating_linear).parameters
+
+
+def test_a_positional_cuda_device_in_tensor_to_stays_on_cpu():
+    """NeMo-RL moves its batches with `data_dict.to("cuda")`: the device positional, not a keyword."""
+    from megatron_rl_patches.testing.shims import CudaToCpuMode
+
+    value = torch.arange(3)
+    with CudaToCpuMode():
+        moved = [value.to("cuda"), value.to(torch.device("cuda", 0)), value.to("cuda", torch.float64)]
+        kept = value.to(torch.float16)
+    assert all(t.device.type == "cpu" for t in moved) and moved[2].dtype == torch.float64
+    assert kept.dtype == torch.float16
+    with pytest.raises((RuntimeError, AssertionError)):  # negative control: without the mode, no CUDA here
+        value.to("cuda")

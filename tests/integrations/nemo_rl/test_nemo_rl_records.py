@@ -1,0 +1,58 @@
+"""The NeMo-RL records and the exact top-k distillation math, without NeMo-RL's source (its lane,
+`make test-nemo`, runs them on NeMo-RL's real code)."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from megatron_rl_patches import integrations
+from megatron_rl_patches.integrations.nemo_rl.patches import PATCHES, STEP
+from megatron_rl_patches.integrations.nemo_rl.topk_kd import ExactTopkDistillation, teacher_logprobs
+
+NAMES = ("nemo_rl_fused_logprobs", "nemo_rl_topk", "nemo_rl_topk_kd")
+
+
+def test_three_records_on_nemo_rls_forward_step_selected_by_all_and_by_name():
+    assert tuple(p.name for p in PATCHES) == NAMES and {p.target for p in PATCHES} == {STEP}
+    registry = integrations.default_registry()
+    assert [n for n in registry.patch_names() if n.startswith("nemo_rl")] == list(NAMES)
+    assert {p.wrapper for p in PATCHES} == {f"megatron_rl_patches.integrations.nemo_rl.{m}:forward_step_wrapper"
+                                            for m in ("logprobs", "topk", "topk_kd")}
+
+
+def _float64(student, teacher, kl_type, weight=0.3):
+    p, q = student.double(), teacher.double()
+    p = torch.cat([p, torch.log1p(-p.exp().sum(-1, keepdim=True))], -1)
+    q = torch.cat([q, torch.log1p(-q.exp().sum(-1, keepdim=True))], -1)
+    forward, reverse = (q.exp() * (q - p)).sum(-1), (p.exp() * (p - q)).sum(-1)
+    return {"forward": forward, "reverse": reverse}.get(kl_type, weight * forward + (1 - weight) * reverse)
+
+
+@pytest.mark.parametrize("kl_type", ["forward", "reverse", "mixed"])
+def test_the_exact_divergence_matches_float64_and_is_zero_at_the_teacher(kl_type):
+    gen = torch.Generator().manual_seed(0)
+    vocab, k = 50, 6
+    teacher = torch.log_softmax(torch.randn(3, 7, vocab, generator=gen) * 2, -1).topk(k, -1)
+    student_full = torch.log_softmax(torch.randn(3, 7, vocab, generator=gen) * 2, -1)
+    student = student_full.gather(-1, teacher.indices)
+    tail = torch.log1p(-student.exp().sum(-1))
+    loss = ExactTopkDistillation(types.SimpleNamespace(loss_type="token", input_type="distillation",
+                                                       kl_type=kl_type, mixed_kl_weight=0.3))
+    got = loss.per_token(student, tail, teacher.values)
+    assert torch.allclose(got.double(), _float64(student, teacher.values, kl_type), atol=1e-6)
+    assert bool((got >= 0).all())
+    same = loss.per_token(teacher.values, torch.log1p(-teacher.values.exp().sum(-1)), teacher.values)
+    assert float(same.abs().max()) <= 1e-6
+    assert float(got.abs().max()) > 1e-3  # negative control: another student is not at 0
+
+
+def test_raw_teacher_logits_are_refused_by_name_on_valid_tokens_only():
+    logprobs = torch.log_softmax(torch.randn(2, 5, 30), -1).topk(4, -1).values
+    valid = torch.ones(2, 5, dtype=torch.bool)
+    assert teacher_logprobs(logprobs, valid).dtype == torch.float32
+    raw = logprobs + 5.0  # logits: their exp sums past 1
+    with pytest.raises(ValueError, match="nemo_rl_topk"):
+        teacher_logprobs(raw, valid)
+    assert teacher_logprobs(raw, torch.zeros_like(valid)) is not None  # padding rows are not read
