@@ -18,9 +18,8 @@ from megatron_rl_patches.ops import _checks, _dist, _divergences, _vocab, topk_c
 from megatron_rl_patches.ops._checks import Temperature, Weights
 from megatron_rl_patches.ops._functions import TopkLogprobs
 from megatron_rl_patches.ops._rows import RowSelection, unselected_as
-from megatron_rl_patches.ops.invariance import resolve_invariant
+from megatron_rl_patches.ops.invariance import check_vocab, resolve_invariant
 from megatron_rl_patches.ops.kernels import resolve_backend, topk_step
-from megatron_rl_patches.ops.kernels.invariant_tiles import check_vocab
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.row_blocks import in_row_blocks
 
@@ -149,7 +148,7 @@ def _topk_logprobs_checked(
     spec = _vocab.op_spec(local_vocab, tp_group, vocab, chunk_rows, op, arg=name, invariant=invariant)
     flat_ids = ids.reshape(-1, k).to(device=logits.device, dtype=torch.long)
     valid = None if ids_mask is None else ids_mask.reshape(-1, k).to(logits.device)
-    chosen = resolve_backend(backend, logits.device, logits.dtype)
+    chosen = resolve_backend(backend, logits.device, logits.dtype, spec.invariant)
     tau = selection.take_values(tau.reshape(-1) if isinstance(tau, torch.Tensor) else tau)
     logp, tail = TopkLogprobs.apply(selection.take(flat_ids), selection.take(valid), tau, spec,
                                     checks, chosen, selection.rows, logits.reshape(-1, local_vocab))
