@@ -37,7 +37,8 @@ def student_mode(model: Any) -> Iterator[bool]:
     if outer is not None:
         yield outer
         return
-    mode = resolve_invariant(None, model_config(model))
+    config = model_config(model)
+    mode = resolve_invariant(None, config)
     token = _MODE.set(mode)
     try:
         yield mode
