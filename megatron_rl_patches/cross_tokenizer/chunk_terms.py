@@ -19,14 +19,17 @@ def masked_tail(log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def chunk_distillation_terms(student_id_log_probs: torch.Tensor, ids_mask: torch.Tensor,
                              student_tail: torch.Tensor, teacher_log_probs: torch.Tensor,
                              teacher_tail: torch.Tensor, alive: torch.Tensor, log_ratio: torch.Tensor,
-                             token_log_probs: torch.Tensor, divergence: str = "reverse_kl") -> torch.Tensor:
+                             token_log_probs: torch.Tensor, divergence: str = "reverse_kl",
+                             invariant: bool | None = None) -> torch.Tensor:
     """Per student token [N]: the divergence (`topk_kl`'s name) between the student's buckets (its
     log-probs of each bucket's ids [N, k·D] with their mask, grouped; its tail [N]) and the
     teacher's (log P(bucket) [N, k] and tail [N]) where `alive` [N, k] marks live buckets (chunk
     starts), plus the token-level term −r with gradient −r·∇log pS(y) from the teacher's
-    `log_ratio` [N] (`log_ratio` of `teacher_passes`) and the student's `token_log_probs` [N]."""
+    `log_ratio` [N] (`log_ratio` of `teacher_passes`) and the student's `token_log_probs` [N].
+    `invariant` as `topk_kl`'s."""
     buckets = bucket_log_probs(student_id_log_probs, ids_mask, alive)
-    value = topk_kl(buckets, student_tail, teacher_log_probs, teacher_tail, divergence=divergence, ids_mask=alive)
+    value = topk_kl(buckets, student_tail, teacher_log_probs, teacher_tail, divergence=divergence, ids_mask=alive,
+                    invariant=invariant)
     r = -log_ratio
     token = r + r * (token_log_probs - token_log_probs.detach())
     return value.to(token_log_probs) + token

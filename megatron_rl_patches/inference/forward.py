@@ -10,6 +10,7 @@ import torch
 
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches._chunks import module_chunks
+from megatron_rl_patches.ops.invariance import resolve_invariant
 from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
 
 Collect = Callable[[torch.Tensor, Any], Any]
@@ -89,10 +90,15 @@ def token_log_probs(
     tp_group: Any = None,
     with_entropy: bool = False,
     vocab_size: int | None = None,
+    invariant: bool | None = None,
+    config: Any = None,
 ) -> Collect:
     """A `collect` for inference_forward: log p(target) per token from logits [..., V_local]
     and the targets the forward step returned as `extra` (same leading shape); returns
-    {"log_probs": [...], "entropy": [...] or None} via ops.logprobs.log_probs_and_entropy."""
+    {"log_probs": [...], "entropy": [...] or None} via ops.logprobs.log_probs_and_entropy.
+    `invariant`: the op's mode, resolved here once (None: the setting MEGATRON_RL_PATCHES_INVARIANT,
+    else `config`'s batch_invariant_mode: the model's config, or the student's for a teacher)."""
+    invariant = resolve_invariant(invariant, config)
 
     def collect(logits: torch.Tensor, targets: Any) -> dict[str, torch.Tensor | None]:
         if not isinstance(targets, torch.Tensor):
@@ -112,6 +118,7 @@ def token_log_probs(
             temperature=temperature,
             with_entropy=with_entropy,
             vocab_size=vocab_size,
+            invariant=invariant,
         )
         shape = targets.shape
         return {"log_probs": log_probs.view(shape), "entropy": None if entropy is None else entropy.view(shape)}

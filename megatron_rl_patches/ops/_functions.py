@@ -12,9 +12,7 @@ import torch
 from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab
 from megatron_rl_patches.ops._rows import scatter_rows, take_rows
 from megatron_rl_patches.ops.kernels import Backend
-from megatron_rl_patches.ops.kernels.invariant_tiles import invariant_row_stats
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
-from megatron_rl_patches.ops.row_blocks import in_row_blocks
 
 
 def save_tau(ctx: Any, tau: float | torch.Tensor) -> torch.Tensor | None:
@@ -99,13 +97,8 @@ class LogProbEntropy(torch.autograd.Function):
         cols, owned = _vocab.local_columns(tokens, spec.first_id, spec.n_valid)
         stats = _stats.RowStats.empty(source.n_rows, 1, dtype, source.first.device, moment=spec.with_entropy,
                                       subset=masked)
-        if spec.invariant:
-            stats = invariant_row_stats(source, stats, cols[:, None], owned[:, None], keep_mask, scale, spec.group)
-            out, entropy = in_row_blocks(_log_prob_finalize, source.n_rows, stats, scale, spec.with_entropy)
-        else:
-            stats = backend.row_stats(source, stats, cols[:, None], owned[:, None], keep_mask, scale)
-            stats = _stats.combine_over_ranks(stats, scale, spec.group)
-            out, entropy = _log_prob_finalize(stats, scale, spec.with_entropy)
+        stats = backend.combined_stats(source, stats, cols[:, None], owned[:, None], keep_mask, scale, spec.group)
+        out, entropy = backend.finalize(_log_prob_finalize, source.n_rows, stats, scale, spec.with_entropy)
         assert out.log_probs is not None and out.shift is not None and out.log_s is not None  # computed here
         _check_rows(stats.shift, spec, checks, rows, n_rows, out.log_s_kept if masked else None)
         entropy = entropy if entropy is not None else out.log_probs.new_empty(0)
@@ -179,15 +172,9 @@ class TopkLogprobs(torch.autograd.Function):
         scale = _stats.row_scale(tau, source.n_rows, dtype)
         cols, owned = _vocab.local_columns(ids, spec.first_id, spec.n_valid, valid)
         stats = _stats.RowStats.empty(source.n_rows, ids.size(1), dtype, source.first.device, rest=False, subset=True)
-        if spec.invariant:
-            stats = invariant_row_stats(source, stats, cols, owned, None, scale, spec.group)
-            _check_rows(stats.shift, spec, checks, rows, n_rows)
-            out = in_row_blocks(_stats.topk_outputs, source.n_rows, stats, scale, valid)
-        else:
-            stats = backend.row_stats(source, stats, cols, owned, None, scale)
-            stats = _stats.combine_over_ranks(stats, scale, spec.group)
-            _check_rows(stats.shift, spec, checks, rows, n_rows)
-            out = _stats.topk_outputs(stats, scale, valid)
+        stats = backend.combined_stats(source, stats, cols, owned, None, scale, spec.group)
+        _check_rows(stats.shift, spec, checks, rows, n_rows)
+        out = backend.finalize(_stats.topk_outputs, source.n_rows, stats, scale, valid)
         ctx.spec, ctx.backend, ctx.n_tensors = spec, backend, len(tensors)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*tensors, ids, valid, torch.stack([out.shift, out.log_sum, out.tail_shift,

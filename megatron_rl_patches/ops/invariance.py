@@ -1,10 +1,11 @@
 """The invariant mode's switch: whether a vocabulary op computes each row's values from that row's
 input and the weights alone, bit for bit (docs/train-rollout-agreement.md).
 
-An op's ``invariant=`` argument wins; None reads the setting ``MEGATRON_RL_PATCHES_INVARIANT``
-("1"/"true"/"on"/"yes" on, "0"/"false"/"off"/"no" off, any case; unset or "" defers), then a
-model config's ``batch_invariant_mode`` (megatron-core's TransformerConfig attribute) where a
-processor or framework route has the config; else off.
+Resolved once, at the public entry (an op, a processor, a framework route), into a bool that
+travels down in the op's spec: an op's ``invariant=`` argument wins; None reads the setting
+``MEGATRON_RL_PATCHES_INVARIANT`` ("1"/"true"/"on"/"yes" on, "0"/"false"/"off"/"no" off, any case;
+unset or "" defers), then the ``batch_invariant_mode`` of the model config the entry was given
+(megatron-core's TransformerConfig attribute); else off. Internal code takes bools only.
 """
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ from typing import Any
 
 from megatron_rl_patches._variables import INVARIANT as VARIABLE
 from megatron_rl_patches._variables import invariant_setting
-from megatron_rl_patches.ops.kernels.invariant_tiles import check_vocab
+
+# The largest vocabulary the invariant tiles' 64-bit fixed-point sums (kernels.invariant_tiles.FIXED_BITS
+# = 44) serve: a row of 2^19 ids all at its max (a uniform row whose sum covers every column; at TP = 2
+# the all-reduce of two 2^18 shards) sums to 2^63, past int64.
+MAX_VOCAB = (1 << 19) - 1
 
 
 def environment_invariant(environ: dict[str, str] | None = None) -> bool | None:
@@ -44,10 +49,17 @@ def resolve_invariant(invariant: object, config: Any = None) -> bool:
     return setting if setting is not None else config_invariant(config)
 
 
-def resolve_for_vocab(invariant: object, vocab: int, op: str) -> bool:
+def check_vocab(vocab: int, op: str) -> None:
+    """The fixed-point sums hold vocabularies up to 2^19 − 1 ids (MAX_VOCAB)."""
+    if vocab > MAX_VOCAB:
+        raise ValueError(f"{op}(invariant=True) sums in 64-bit fixed point, for vocabularies up to {MAX_VOCAB} ids; "
+                         f"this one has {vocab}: call it with invariant=False")
+
+
+def resolve_for_vocab(invariant: object, vocab: int, op: str, config: Any = None) -> bool:
     """:func:`resolve_invariant` for an op over `vocab` ids: the invariant mode's fixed-point sums
     hold only so many ids (ValueError naming `op` beyond them)."""
-    chosen = resolve_invariant(invariant)
+    chosen = resolve_invariant(invariant, config)
     if chosen:
         check_vocab(vocab, op)
     return chosen

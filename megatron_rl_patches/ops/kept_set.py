@@ -3,7 +3,9 @@ from the final hidden states and the vocab-parallel output weight. Only the kept
 computed — one dot product per (row, kept id) pair, P values in all — never a [T, V] mask or
 logits; under tensor parallelism each rank scores the pairs of its vocab shard and one SUM
 all-reduce of the P logits joins them. Backward recomputes the pairs chunk by chunk (dL/dh
-summed over the ranks once, as the fused head's)."""
+summed over the ranks once, as the fused head's). In the invariant mode a row's value depends on
+its own pairs alone: the dot products in blocks of one shape, the exponentials in fixed row blocks,
+their sums in 64-bit fixed point (exact in any order)."""
 from __future__ import annotations
 
 import torch
@@ -12,12 +14,16 @@ import torch.distributed as dist
 from megatron_rl_patches.ops import _checks, _dist, _vocab
 from megatron_rl_patches.ops._dtype import compute_dtype
 from megatron_rl_patches.ops._rows import RowSelection, splitmix64, unselected_as
+from megatron_rl_patches.ops.invariance import resolve_for_vocab
 from megatron_rl_patches.ops.kernels.sources import gather_rows, reduce_rows
 from megatron_rl_patches.ops.lm_head import check_lm_head_inputs
+from megatron_rl_patches.ops.row_blocks import in_row_blocks
 
 __all__ = ["lm_head_kept_log_probs"]
 
 _SEEDS = (0x2545F4914F6CDD1D, 0x5851F42D4C957F2D)  # two independent hashes of each pair
+FIXED_BITS = 44  # the invariant mode's sums: e^u in [0, 1] as integers of 2^-44 (as the invariant tiles)
+INVARIANT_BLOCK = 64  # pairs per dot-product block in the invariant mode (every block this shape)
 
 
 def lm_head_kept_log_probs(
@@ -33,6 +39,7 @@ def lm_head_kept_log_probs(
     vocab_size: int | None = None,
     chunk_size: int | None = None,
     row_mask: torch.Tensor | None = None,
+    invariant: bool | None = None,
 ) -> torch.Tensor:
     """log p(tokens[r]) renormalized over row r's kept set: z_t − logsumexp of z over
     {kept_ids[j] : kept_rows[j] == r} ∪ {tokens[r]}, with z = hidden·weightᵀ/τ. The target always
@@ -43,8 +50,11 @@ def lm_head_kept_log_probs(
     `row_mask` as in `lm_head_log_probs_and_entropy` (unselected rows: 0, no gradient; their kept
     ids are ignored). kept_ids [P] global ids and kept_rows [P] their (global) row, in any order;
     the same on every tensor-parallel rank (checked with one small collective). `chunk_size`:
-    pairs per chunk (None: a byte budget for the [chunk, H] products)."""
+    pairs per chunk (None: a byte budget for the [chunk, H] products). `invariant`: each row's
+    value a function of its hidden row, kept ids and the weight alone, bit for bit (None: the
+    setting ``MEGATRON_RL_PATCHES_INVARIANT``); gradients exact, not bit-invariant."""
     _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, None)
+    invariant = resolve_for_vocab(invariant, vocab, "lm_head_kept_log_probs")
     chunk = _checks.check_chunk_size(chunk_size)
     checks = _checks.DeviceChecks()
     _checks.check_tokens_shape(tokens, n_rows, hidden.device, "(all rows, also under sequence parallelism)", "hidden")
@@ -67,9 +77,10 @@ def lm_head_kept_log_probs(
     scale = (1.0 / tau) if not isinstance(tau, torch.Tensor) else (1.0 / tau.to(dtype)).reshape(-1)
     pair_scale = scale[pair_rows] if isinstance(scale, torch.Tensor) and scale.numel() > 1 else \
         torch.full(pair_rows.shape, float(scale), dtype=dtype, device=hidden.device)
-    spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, None, "lm_head_kept_log_probs")
+    spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, None, "lm_head_kept_log_probs",
+                            invariant=invariant)
     local, owned = _vocab.local_columns(pair_ids, spec.first_id, spec.n_valid)
-    budget = chunk or _vocab.default_chunk_rows(hidden.size(1), hidden.device, dtype)
+    budget = INVARIANT_BLOCK if invariant else chunk or _vocab.default_chunk_rows(hidden.size(1), hidden.device, dtype)
     z = KeptLogits.apply(pair_rows, local, owned, pair_scale, spec, budget, hidden, weight)
     finite = torch.isfinite(z)
     checks.require(finite, lambda: ValueError(
@@ -78,8 +89,18 @@ def lm_head_kept_log_probs(
     checks.raise_first()
     top = torch.full((n_rows,), -torch.inf, dtype=dtype, device=hidden.device)
     top = top.scatter_reduce(0, pair_rows, z.detach(), "amax")
-    sums = torch.zeros(n_rows, dtype=dtype, device=hidden.device).index_add(0, pair_rows, (z - top[pair_rows]).exp())
-    log_probs = z[target_pair] - (top[targets] + sums[targets].log())
+    if not invariant:
+        sums = torch.zeros(n_rows, dtype=dtype, device=hidden.device).index_add(0, pair_rows,
+                                                                                 (z - top[pair_rows]).exp())
+        return selection.scatter(z[target_pair] - (top[targets] + sums[targets].log()))
+    e = in_row_blocks(lambda zs, shifts: (zs - shifts).exp(), z.numel(), z, top[pair_rows])
+    sums = torch.zeros(n_rows, dtype=dtype, device=hidden.device).index_add(0, pair_rows, e)
+    exact = torch.zeros(n_rows, dtype=torch.int64, device=hidden.device).index_add(
+        0, pair_rows, (e.detach() * float(2 ** FIXED_BITS)).to(torch.int64))
+    # the exact sums' value, the float sums' gradient: x - x is exactly 0
+    sums = exact.to(torch.float64).mul(2.0 ** -FIXED_BITS).to(dtype) + (sums - sums.detach())
+    log_probs = in_row_blocks(lambda zt, t, s: zt - (t + s.log()), targets.numel(), z[target_pair], top[targets],
+                              sums[targets])
     return selection.scatter(log_probs)
 
 
@@ -131,8 +152,11 @@ class KeptLogits(torch.autograd.Function):
         z = torch.zeros(rows.numel(), dtype=dtype, device=hidden.device)
         for start in range(0, index.numel(), budget):
             part = index[start: start + budget]
+            n = part.numel()
+            if spec.invariant and n < budget:  # one block shape: a pair's dot never depends on the pair count
+                part = torch.cat([part, part[:1].expand(budget - n)])
             dots = (h[rows[part]].to(dtype) * weight.detach()[local[part]].to(dtype)).sum(-1)
-            z[part] = dots * scale[part]
+            z[part[:n]] = (dots * scale[part])[:n]
         _dist.all_reduce_sum_(z, spec.group)
         ctx.save_for_backward(rows, local, index, scale, hidden, weight)
         ctx.spec, ctx.budget = spec, budget

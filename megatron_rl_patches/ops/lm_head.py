@@ -23,7 +23,6 @@ from megatron_rl_patches.ops._functions import LogProbEntropy, TopkLogprobs
 from megatron_rl_patches.ops._rows import RowSelection, unselected_as
 from megatron_rl_patches.ops.invariance import resolve_for_vocab
 from megatron_rl_patches.ops.kernels import resolve_backend, topk_step
-from megatron_rl_patches.ops.kernels.invariant_tiles import fixed_tiles
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows
 from megatron_rl_patches.ops.kernels.torch_tiles import tile_shape, tiles
 
@@ -104,7 +103,7 @@ def lm_head_log_probs_and_entropy(
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_log_probs_and_entropy",
                  with_entropy=bool(with_entropy), entropy_grad=bool(with_entropy and entropy_requires_grad),
                  invariant=invariant)
-    chosen = resolve_backend(backend, hidden.device, hidden.dtype)
+    chosen = resolve_backend(backend, hidden.device, hidden.dtype, spec.invariant)
     log_probs, entropy = LogProbEntropy.apply(selection.take(tokens), selection.take(keep_mask),
                                               selection.take_values(tau), spec, checks, chosen, selection.rows,
                                               hidden, weight)
@@ -142,7 +141,9 @@ def lm_head_topk_ids(
     checks = _checks.DeviceChecks()
     _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     invariant = resolve_for_vocab(invariant, vocab, "lm_head_topk_ids")
-    spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_ids")
+    spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_ids",
+                            invariant=invariant)
+    chosen = resolve_backend(backend, hidden.device, hidden.dtype, spec.invariant)
     selection = RowSelection.of(row_mask, n_rows, hidden.device, "hidden (all rows)", tp_group)
     rows = selection.rows
     with torch.no_grad():
@@ -150,20 +151,15 @@ def lm_head_topk_ids(
         dtype = _stats.compute_dtype(hidden.dtype)
         source = Source(spec.n_valid, spec.chunk_rows, hidden=h, weight=weight.detach(), shape_rows=n_rows)
         run = topk_select.RunningTopk.empty(h.size(0), k, dtype, h.device, sentinel=vocab)
-        if invariant:
-            run = topk_select.fold_tiles(run, fixed_tiles(source, dtype), spec.first_id)
-        else:
-            run = topk_step(resolve_backend(backend, hidden.device, hidden.dtype))(source, run, spec.first_id)
+        run = topk_step(chosen)(source, run, spec.first_id)
         run = topk_select.over_ranks(run, spec.group)
         _checks.require_good_rows(checks, run.row_max, spec.op, spec.arg, rows=rows, n_rows=n_rows)
         ambiguous = checks.raise_first(read=topk_select.ambiguous_rows(run))  # the call's one host sync
         tied = [row for row, flag in enumerate(ambiguous) if flag]
         if tied:
             def row_tiles(listed: list[int], index: torch.Tensor) -> topk_select.Tiles:
-                if invariant:  # fixed-shape tiles: any subset of rows gets the same bits
-                    assert source.hidden is not None  # fused
-                    part = Source(source.n_valid, source.chunk_rows, hidden=source.hidden[index], weight=source.weight)
-                    return fixed_tiles(part, dtype)
+                if chosen.tie_tiles is not None:
+                    return chosen.tie_tiles(source, index, dtype)
                 return _recomputed_rows(source, listed, index, dtype)
 
             topk_select.exact_rows(run, tied, row_tiles, spec.first_id, spec.group)
@@ -221,6 +217,6 @@ def lm_head_topk_logprobs(
                             invariant=invariant)
     flat = ids.reshape(n_rows, k).to(device=hidden.device, dtype=torch.long)
     valid = None if ids_mask is None else ids_mask.reshape(n_rows, k).to(hidden.device)
-    chosen = resolve_backend(backend, hidden.device, hidden.dtype)
+    chosen = resolve_backend(backend, hidden.device, hidden.dtype, spec.invariant)
     return TopkLogprobs.apply(selection.take(flat), selection.take(valid), selection.take_values(tau), spec, checks,
                               chosen, selection.rows, hidden, weight)

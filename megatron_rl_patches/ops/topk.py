@@ -18,9 +18,8 @@ from megatron_rl_patches.ops import _checks, _dist, _divergences, _vocab, topk_c
 from megatron_rl_patches.ops._checks import Temperature, Weights
 from megatron_rl_patches.ops._functions import TopkLogprobs
 from megatron_rl_patches.ops._rows import RowSelection, unselected_as
-from megatron_rl_patches.ops.invariance import resolve_invariant
+from megatron_rl_patches.ops.invariance import resolve_for_vocab, resolve_invariant
 from megatron_rl_patches.ops.kernels import resolve_backend, topk_step
-from megatron_rl_patches.ops.kernels.invariant_tiles import check_vocab
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.row_blocks import in_row_blocks
 
@@ -135,25 +134,25 @@ def _topk_logprobs_checked(
     backend: str = "auto",
     ids_mask: torch.Tensor | None = None,
     row_mask: torch.Tensor | None = None,
-    invariant: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Size, int, RowSelection]:
-    """(log-probs [R, k], tail [R], leading dims, k, the row selection): R = every row."""
+    invariant: object = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Size, int, RowSelection, bool]:
+    """(log-probs [R, k], tail [R], leading dims, k, the row selection, the resolved invariant
+    mode): R = every row."""
     lead, local_vocab = topk_checks.check_logits(logits, name, tp_group)
     vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
     selection = _select(row_mask, lead, logits.device, tp_group, name)
     k = topk_checks.check_ids(_unselected_ids(ids, selection.mask, lead), lead, vocab, checks, ids_mask)
     tau = _checks.check_temperature(temperature, lead, logits.device, checks, logits.dtype)
     chunk_rows = _vocab.logits_chunk_rows(_checks.check_chunk_size(chunk_size), local_vocab, tp_group, vocab, logits)
-    if invariant:
-        check_vocab(vocab, op)
-    spec = _vocab.op_spec(local_vocab, tp_group, vocab, chunk_rows, op, arg=name, invariant=invariant)
+    spec = _vocab.op_spec(local_vocab, tp_group, vocab, chunk_rows, op, arg=name,
+                          invariant=resolve_for_vocab(invariant, vocab, op))
     flat_ids = ids.reshape(-1, k).to(device=logits.device, dtype=torch.long)
     valid = None if ids_mask is None else ids_mask.reshape(-1, k).to(logits.device)
-    chosen = resolve_backend(backend, logits.device, logits.dtype)
+    chosen = resolve_backend(backend, logits.device, logits.dtype, spec.invariant)
     tau = selection.take_values(tau.reshape(-1) if isinstance(tau, torch.Tensor) else tau)
     logp, tail = TopkLogprobs.apply(selection.take(flat_ids), selection.take(valid), tau, spec,
                                     checks, chosen, selection.rows, logits.reshape(-1, local_vocab))
-    return logp, tail, lead, k, selection
+    return logp, tail, lead, k, selection, spec.invariant
 
 
 def _unselected_ids(ids: object, flat_mask: torch.Tensor | None, lead: torch.Size) -> object:
@@ -190,9 +189,9 @@ def topk_logprobs(
     outputs a function of that row's logits alone, bit for bit (None: the setting
     ``MEGATRON_RL_PATCHES_INVARIANT``; docs/train-rollout-agreement.md).
     """
-    logp, tail, lead, k, _ = _topk_logprobs_checked(
+    logp, tail, lead, k, _, _ = _topk_logprobs_checked(
         logits, ids, tp_group, temperature, vocab_size, chunk_size, _checks.DeviceChecks(), backend=backend,
-        ids_mask=ids_mask, row_mask=row_mask, invariant=resolve_invariant(invariant),
+        ids_mask=ids_mask, row_mask=row_mask, invariant=invariant,
     )
     return logp.reshape(*lead, k), tail.reshape(lead)
 
@@ -287,7 +286,7 @@ def topk_kl(
     to the student's buckets only. `ids_mask` (bool [T, k]): buckets where it is False are
     padding, empty for the student and every teacher whatever values they hold. `invariant`: each
     row's value from that row's buckets alone, bit for bit (computed in fixed row blocks)."""
-    invariant = resolve_invariant(invariant)
+    mode = resolve_invariant(invariant)
     plan = _divergences.ResolvedDivergence.of(*topk_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
     renormalize = _divergences.check_renormalize(renormalize)
     _checks.check_float_tensor(student_logprobs, "student_logprobs", "[T, k]")
@@ -313,7 +312,7 @@ def topk_kl(
     k = student_logprobs.shape[-1]
     log_p = torch.cat([student_logprobs.reshape(-1, k).to(dtype), student_tail.reshape(-1, 1).to(dtype)], dim=1)
     valid = None if ids_mask is None else ids_mask.reshape(-1, k)
-    return _divergence_rows(log_p, teachers, teacher_tails, log_w, plan, valid, renormalize, invariant).reshape(lead)
+    return _divergence_rows(log_p, teachers, teacher_tails, log_w, plan, valid, renormalize, mode).reshape(lead)
 
 
 def topk_opd_loss(
@@ -365,7 +364,6 @@ def topk_opd_loss(
     model. `row_mask` (bool, the student logits' leading shape): only those rows are computed;
     the others' divergence is 0 with no gradient. `invariant`: as in `topk_logprobs` and `topk_kl`.
     """
-    invariant = resolve_invariant(invariant)
     plan = _divergences.ResolvedDivergence.of(*topk_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
     renormalize = _divergences.check_renormalize(renormalize)
     lead, _ = topk_checks.check_logits(student_logits, "student_logits", tp_group)
@@ -377,7 +375,7 @@ def topk_opd_loss(
     dtype = _vocab.compute_dtype(student_logits.dtype)
     teachers, teacher_tails, log_w = topk_checks.check_mixture(teacher_logprobs, teacher_tail_logprobs, ids.shape,
                                                     teacher_weights, dtype, student_logits.device, checks)
-    logp, tail, lead, k, selection = _topk_logprobs_checked(
+    logp, tail, lead, k, selection, mode = _topk_logprobs_checked(
         student_logits, ids, tp_group, temperature, vocab_size, chunk_size, checks, "topk_opd_loss", "student_logits",
         backend, ids_mask, row_mask, invariant,
     )
@@ -389,5 +387,5 @@ def topk_opd_loss(
         teachers = teachers.reshape(n, -1, k).index_select(1, rows.to(teachers.device))
         if teacher_tails is not None:
             teacher_tails = teacher_tails.reshape(n, -1).index_select(1, rows.to(teacher_tails.device))
-    value = _divergence_rows(log_p, teachers, teacher_tails, log_w, plan, valid, renormalize, invariant)
+    value = _divergence_rows(log_p, teachers, teacher_tails, log_w, plan, valid, renormalize, mode)
     return selection.scatter(value).reshape(lead)

@@ -246,6 +246,7 @@ def log_prob_output_processor(
         if keep_mask is not None:
             keep_mask = token_rows(keep_mask, "output_processor_context['keep_mask']", call.batch, call.seq)
         assert call.labels is not None  # checked above: labels were given
+        chosen = resolve_invariant(invariant, config)  # the call's mode, for every op it runs
         log_probs, entropy = lm_head_ops.lm_head_log_probs_and_entropy(
             call.hidden,
             call.weight,
@@ -259,19 +260,19 @@ def log_prob_output_processor(
             vocab_size=vocab_size,
             chunk_size=chunk_size,
             row_mask=_row_mask(ctx, call),
-            invariant=resolve_invariant(invariant, config),
+            invariant=chosen,
         )
         out = ProcessorOutput(log_probs=call.to_batch(log_probs),
                               entropy=None if entropy is None else call.to_batch(entropy))
         if ctx.get("kept_ids") is not None or ctx.get("kept_row_mask") is not None:
-            out["kept_log_probs"] = call.to_batch(kept_log_probs(call, ctx, log_probs, vocab_size))
+            out["kept_log_probs"] = call.to_batch(kept_log_probs(call, ctx, log_probs, vocab_size, chosen))
         return out
 
     return process
 
 
 def kept_log_probs(call: ProcessorCall, ctx: Mapping[str, Any], log_probs: torch.Tensor,
-                   vocab_size: int | None) -> torch.Tensor:
+                   vocab_size: int | None, invariant: bool) -> torch.Tensor:
     """[s*b] rows: the context's kept-set log-probs on its "kept_row_mask" tokens, `log_probs` elsewhere."""
     ids, positions, mask = ctx.get("kept_ids"), ctx.get("kept_positions"), ctx.get("kept_row_mask")
     if ids is None or positions is None or mask is None:
@@ -294,7 +295,8 @@ def kept_log_probs(call: ProcessorCall, ctx: Mapping[str, Any], log_probs: torch
     assert call.labels is not None  # the log-prob processor requires labels
     renormalized = kept_set_ops.lm_head_kept_log_probs(call.hidden, call.weight, call.labels, ids, kept_rows,
                                           tp_group=call.tp_group, sequence_parallel=call.sequence_parallel,
-                                          temperature=call.temperature, vocab_size=vocab_size, row_mask=rows)
+                                          temperature=call.temperature, vocab_size=vocab_size, row_mask=rows,
+                                          invariant=invariant)
     return torch.where(rows, renormalized, log_probs)
 
 

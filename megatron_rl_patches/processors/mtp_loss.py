@@ -18,6 +18,7 @@ import torch
 
 import megatron_rl_patches.ops.lm_head as lm_head_ops  # the module: a wrapper set on an op is what runs
 from megatron_rl_patches._args import bind
+from megatron_rl_patches.ops.invariance import resolve_invariant
 from megatron_rl_patches.patching import wrappers
 from megatron_rl_patches.processors.heads import ProcessorCall
 
@@ -27,11 +28,13 @@ PATCH_NAME = "mtp_output_processor"
 class FusedHeadLogits:
     """One MTP depth's logits, not computed: the hidden states [s(/tp under SP), b, h] that the
     output layer would have projected, with the layer, the weight it would have used and the
-    model config (a MuP output multiplier goes into the temperature, as the processors do)."""
+    model config (a MuP output multiplier goes into the temperature, as the processors do; its
+    batch_invariant_mode the ops' invariant mode, the setting first)."""
 
     def __init__(self, hidden_states: torch.Tensor, output_layer: torch.nn.Module, weight: torch.Tensor | None,
                  config: Any) -> None:
         self.hidden_states, self.output_layer, self.weight, self.config = hidden_states, output_layer, weight, config
+        self.invariant = resolve_invariant(None, config)
 
     def _call(self, labels: torch.Tensor | None) -> ProcessorCall:
         return ProcessorCall(self.hidden_states, self.output_layer, self.weight, labels, self.config, 1.0, {})
@@ -42,7 +45,7 @@ class FusedHeadLogits:
         assert call.labels is not None
         log_probs, _ = lm_head_ops.lm_head_log_probs_and_entropy(
             call.hidden, call.weight, call.labels, tp_group=call.tp_group, sequence_parallel=call.sequence_parallel,
-            temperature=call.temperature,
+            temperature=call.temperature, invariant=self.invariant,
         )
         return -call.to_batch(log_probs)
 
@@ -50,7 +53,8 @@ class FusedHeadLogits:
         """The global id of each row's largest logit, [s, b] (every row under sequence parallelism)."""
         call = self._call(None)
         ids = lm_head_ops.lm_head_topk_ids(call.hidden, call.weight, 1, tp_group=call.tp_group,
-                               sequence_parallel=call.sequence_parallel)
+                               sequence_parallel=call.sequence_parallel,
+                               invariant=self.invariant)
         return ids.reshape(call.seq, call.batch)
 
 

@@ -22,6 +22,7 @@ from megatron_rl_patches.inference.teacher_layout.groups import TeacherGroups
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 from megatron_rl_patches.inference.teacher_layout.pipeline import replica_scores
 from megatron_rl_patches.ops import log_probs_and_entropy, topk_ids, topk_logprobs
+from megatron_rl_patches.ops.invariance import resolve_invariant
 
 
 def _groups_of(chunks: Any, layout: TeacherLayout | None) -> tuple[torch.nn.Module, TeacherGroups]:
@@ -85,6 +86,7 @@ def score_at_layout(
     layout: TeacherLayout | None = None,
     temperature: float = 1.0,
     vocab_size: int | None = None,
+    invariant: bool | None = None,
 ) -> torch.Tensor:
     """The teacher's log p(labels[i, t] | tokens[i, :t+1]) for this rank's rows, [rows, length] fp32.
 
@@ -94,9 +96,11 @@ def score_at_layout(
     A collective over the teacher replica's ranks: every rank of the default group calls
     it once per micro-batch. `layout`: checked against the chunks' own when given; `vocab_size`:
     the real vocab (default: the checkpoint's, so padded vocab rows get no mass); `temperature`
-    divides the logits."""
+    divides the logits. `invariant`: the vocabulary ops' mode — the student's, for a teacher
+    scored beside it (None: the setting MEGATRON_RL_PATCHES_INVARIANT; a teacher's own config is
+    never read)."""
     log_probs, _ = score_with_entropy_at_layout(chunks, tokens, labels, layout=layout, temperature=temperature,
-                                                vocab_size=vocab_size, with_entropy=False)
+                                                vocab_size=vocab_size, with_entropy=False, invariant=invariant)
     return log_probs
 
 
@@ -109,10 +113,12 @@ def score_with_entropy_at_layout(
     temperature: float = 1.0,
     vocab_size: int | None = None,
     with_entropy: bool = True,
+    invariant: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """score_at_layout's log-probs and, with `with_entropy`, the entropy of the teacher's
     distribution (logits / temperature, over the real vocab) at each of this rank's positions,
-    [rows, length] fp32 each (None without `with_entropy`)."""
+    [rows, length] fp32 each (None without `with_entropy`). `invariant` as score_at_layout's."""
+    invariant = resolve_invariant(invariant)
     model, groups = _groups_of(chunks, layout)
     batch = agree(groups, tokens, {"labels": labels})
     vocab = vocab_size or getattr(model, "hf_vocab_size", None)
@@ -120,7 +126,8 @@ def score_with_entropy_at_layout(
     def score(logits: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
         log_probs, entropy = log_probs_and_entropy(logits, all_labels.to(device), tp_group=groups.tp_group,
                                                    temperature=temperature, with_entropy=with_entropy,
-                                                   vocab_size=vocab, row_mask=_padding_mask(batch, device))
+                                                   vocab_size=vocab, row_mask=_padding_mask(batch, device),
+                                                   invariant=invariant)
         return [log_probs] if entropy is None else [log_probs, entropy]
 
     with torch.no_grad():
@@ -141,13 +148,15 @@ def topk_at_layout(
     temperature: float = 1.0,
     vocab_size: int | None = None,
     ids_mask: torch.Tensor | None = None,
+    invariant: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The teacher's log-probs at `ids` [rows, length, k] (e.g. the student's top-k ids per
     position, the same k on every rank) for this rank's rows, [rows, length, k] fp32, and the log
     of the remaining mass [rows, length] (from the complement's log-sum-exp: the tail of top-k
     on-policy distillation); normalized over the full vocab. `ids_mask` (bool, the ids' shape):
     False slots are padding, log-prob -inf, their mass left in the tail (as `topk_logprobs`).
-    Otherwise as score_at_layout."""
+    Otherwise (`invariant` too) as score_at_layout."""
+    invariant = resolve_invariant(invariant)
     model, groups = _groups_of(chunks, layout)
     if ids_mask is not None and (not isinstance(ids_mask, torch.Tensor) or ids_mask.dtype != torch.bool
                                  or not isinstance(ids, torch.Tensor) or ids_mask.shape != ids.shape):
@@ -161,7 +170,8 @@ def topk_at_layout(
         mask = None if all_mask is None else all_mask.reshape(logits.shape[0], -1).to(device=device, dtype=torch.bool)
         logp, tail = topk_logprobs(logits, all_ids.reshape(logits.shape[0], -1).to(device), tp_group=groups.tp_group,
                                    temperature=temperature, vocab_size=vocab, ids_mask=mask,
-                                   row_mask=_padding_mask(batch, device))  # padding's ids are never read
+                                   row_mask=_padding_mask(batch, device),  # padding's ids are never read
+                                   invariant=invariant)
         return [logp, tail]
 
     with torch.no_grad():
@@ -183,12 +193,14 @@ def select_topk_at_layout(
     layout: TeacherLayout | None = None,
     temperature: float = 1.0,
     vocab_size: int | None = None,
+    invariant: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The teacher's own top-k: for this rank's rows its log p(labels) [rows, length] fp32 and the
     ids of its k largest logits per position [rows, length, k] int64 (descending, ties to the lower
     id, padded vocab rows never chosen; the same k on every rank): the first pass of a teacher with
     another tokenizer (its own top-k at chunk starts), whose log-probs at those ids `topk_at_layout`
-    then gives. Otherwise as score_at_layout."""
+    then gives. Otherwise (`invariant` too) as score_at_layout."""
+    invariant = resolve_invariant(invariant)
     model, groups = _groups_of(chunks, layout)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
@@ -203,8 +215,8 @@ def select_topk_at_layout(
         mask = _padding_mask(batch, device)
         log_probs, _ = log_probs_and_entropy(logits, all_labels.to(device), tp_group=groups.tp_group,
                                              temperature=temperature, with_entropy=False, vocab_size=vocab,
-                                             row_mask=mask)
-        ids = topk_ids(logits, k, tp_group=groups.tp_group, vocab_size=vocab, row_mask=mask)
+                                             row_mask=mask, invariant=invariant)
+        ids = topk_ids(logits, k, tp_group=groups.tp_group, vocab_size=vocab, row_mask=mask, invariant=invariant)
         return [log_probs, ids.float()]  # the scores' float32 carries ids exactly below 2**24
 
     with torch.no_grad():

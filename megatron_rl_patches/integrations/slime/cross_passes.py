@@ -241,10 +241,11 @@ def token_log_probs(args: Any, batch: dict, output: Any) -> torch.Tensor:
 
 
 def loss_terms(settings: OpdSettings, batch: dict, student: torch.Tensor, student_tail: torch.Tensor,
-               token_log_probs: torch.Tensor) -> torch.Tensor:
+               token_log_probs: torch.Tensor, invariant: bool | None = None) -> torch.Tensor:
     """Per response token [N] of the micro-batch: the weighted OPD terms of every teacher, the
     same-tokenizer ones as one mixture over the student's top-k ids, each other-tokenizer one as its
-    chunk-start bucket divergence plus its token-level reverse-KL term (gradient r·∇log pS)."""
+    chunk-start bucket divergence plus its token-level reverse-KL term (gradient r·∇log pS);
+    `invariant`: the divergences' mode (the student's)."""
     n = len(settings.teachers)
     weights = settings.weights or tuple(1.0 / n for _ in range(n))
     same = [i for i, t in enumerate(settings.teachers) if not t.own_tokenizer]
@@ -263,7 +264,8 @@ def loss_terms(settings: OpdSettings, batch: dict, student: torch.Tensor, studen
         teachers = torch.cat(batch[TEACHER_LOGPROBS], dim=1).to(cols)
         tails = torch.cat(batch[TEACHER_TAILS], dim=1).to(cols)
         total = total + float(group.sum()) * topk_kl(cols, tail, teachers, tails, teacher_weights=group / group.sum(),
-                                                     divergence=settings.divergence, ids_mask=part_mask)
+                                                     divergence=settings.divergence, ids_mask=part_mask,
+                                                     invariant=invariant)
         start = width
     ratio = torch.cat(batch[CROSS_RATIO]).to(token_log_probs)
     scores, tails = torch.cat(batch[CROSS_LOGPROBS]).to(student), torch.cat(batch[CROSS_TAILS]).to(student)
@@ -275,5 +277,5 @@ def loss_terms(settings: OpdSettings, batch: dict, student: torch.Tensor, studen
         tail = student_tail if parts == 1 else masked_tail(cols, part_mask)
         total = total + weights[index] * chunk_distillation_terms(cols, part_mask, tail, scores[:, x], tails[:, x],
                                                                   alive[:, x], ratio[:, x], token_log_probs,
-                                                                  settings.divergence)
+                                                                  settings.divergence, invariant)
     return total

@@ -21,6 +21,7 @@ from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at
 from megatron_rl_patches.integrations.slime.step_plan import StepPlan, current_plan, run_planned, step_request
 from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
 from megatron_rl_patches.integrations.slime.topk import topk_context, with_topk
+from megatron_rl_patches.integrations.step_mode import step_invariant
 from megatron_rl_patches.processors.heads import log_prob_output_processor
 from megatron_rl_patches.processors.mtp_loss import fused_mtp_loss_in_effect
 
@@ -250,8 +251,9 @@ class FusedModel:
         length = tokens.size(1)
         labels = slime_rows.shifted_targets(batch, length, tokens.device, allgather_cp)
         rows = slime_rows.response_rows(batch, length, tokens.device, allgather_cp)
+        # inside a step the student's invariant mode (a teacher's pass too); None: this model's config
         options: dict[str, Any] = dict(temperature=float(getattr(plan.args, "rollout_temperature", 1.0)),
-                                       chunk_size=_chunk_size(plan.args))
+                                       chunk_size=_chunk_size(plan.args), invariant=step_invariant())
         real_vocab = real_vocab_size(self._model)
         if real_vocab is not None:  # a model built from a Hugging Face checkpoint: its padding rows get no mass
             options["vocab_size"] = real_vocab

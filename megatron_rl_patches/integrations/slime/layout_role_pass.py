@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_rl_patches._args import bind
 from megatron_rl_patches.integrations.slime.layout_role import where
+from megatron_rl_patches.integrations.step_mode import step_invariant
 
 if TYPE_CHECKING:  # torch is imported where a pass runs: the patch's records import this module cheaply
     import torch
@@ -83,7 +84,7 @@ def _score_micro_batch(model: list[Any], batch: dict[str, Any], temperature: flo
     samples = list(batch.get("tokens") or [])
     tokens, labels = _padded(samples)
     log_probs, entropy = score_with_entropy_at_layout(model, tokens, labels, temperature=temperature,
-                                                      with_entropy=with_entropy)
+                                                      with_entropy=with_entropy, invariant=step_invariant())
     totals = [int(t) for t in batch["total_lengths"]] if samples else []
     responses = [int(r) for r in batch["response_lengths"]] if samples else []
     spans = [slice(total - response - 1, total - 1) for total, response in zip(totals, responses)]

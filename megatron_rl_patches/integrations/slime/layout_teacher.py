@@ -23,6 +23,7 @@ from megatron_rl_patches.integrations.slime.allgather_cp import whole_from_zigza
 from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, OpdSettings, Teacher
 from megatron_rl_patches.integrations.slime.opd_teachers import ScoringStep, SeparateTeacher, TeacherScores
 from megatron_rl_patches.integrations.slime.step_plan import IDS, TopkRequest
+from megatron_rl_patches.integrations.step_mode import step_invariant
 from megatron_rl_patches.patching.layout_option import check_world
 
 
@@ -151,7 +152,8 @@ class LayoutTeacher(SeparateTeacher):
         spans = [slice(totals[i] - responses[i] - 1, totals[i] - 1) for i in mine]
         for row, i, span in zip(placeholder, mine, spans):
             row[span] = ids[i].cpu()  # the logits rows of the response tokens
-        logp, tail = topk_at_layout(self, _padded(tokens, longest), placeholder, temperature=self.temperature)
+        logp, tail = topk_at_layout(self, _padded(tokens, longest), placeholder, temperature=self.temperature,
+                                    invariant=step_invariant())
         if not step.last:
             return None
         device = ids[0].device if ids else torch.device("cpu")
@@ -178,7 +180,8 @@ class LayoutTeacher(SeparateTeacher):
         if request.k is not None:
             labels = torch.zeros_like(padded)
             labels[:, :-1] = padded[:, 1:]  # Megatron's labels: the token after each position
-            logp, ids = select_topk_at_layout(self, padded, labels, int(request.k), temperature=self.temperature)
+            logp, ids = select_topk_at_layout(self, padded, labels, int(request.k), temperature=self.temperature,
+                                              invariant=step_invariant())
             return {"log_probs": [logp[i, span].to(device) for i, span in enumerate(spans)],
                     "topk_ids": [ids[i, span].to(device) for i, span in enumerate(spans)]}
         given = list(rollout_data[request.ids_key])
@@ -191,6 +194,7 @@ class LayoutTeacher(SeparateTeacher):
             ids[row, span] = sample_ids.cpu()
             if sample_mask is not None:
                 mask[row, span] = sample_mask.cpu().bool()
-        logp, tail = topk_at_layout(self, padded, ids, temperature=self.temperature, ids_mask=mask)
+        logp, tail = topk_at_layout(self, padded, ids, temperature=self.temperature, ids_mask=mask,
+                                    invariant=step_invariant())
         return {"topk_log_probs": [logp[i, span].to(device) for i, span in enumerate(spans)],
                 "tail": [tail[i, span].to(device) for i, span in enumerate(spans)]}

@@ -1,10 +1,14 @@
 """slime's log-prob/entropy on the memory-optimal Function (patch `slime_logprobs`, declared in
-`patches`): `calculate_log_probs_and_entropy` keeps slime's signature and results."""
+`patches`): `calculate_log_probs_and_entropy` keeps slime's signature and results. It gets logits,
+tokens and a group only: the invariant mode is the step's (`step_mode`), resolved from the
+student's model config by `student_step_wrapper` on slime's callers that hold the model."""
 # lazy imports: import cost: torch only inside the functions (tests/integrations/slime/test_slime_adapter.py)
 import inspect
 import numbers
 
+from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
+from megatron_rl_patches.integrations.step_mode import run_in_student_mode, step_invariant
 
 
 def calculate_log_probs_and_entropy(
@@ -21,6 +25,7 @@ def calculate_log_probs_and_entropy(
     slime semantics kept: ``tp_group=None`` with torch.distributed initialized means the default
     group; log-probs come back as ``[T, 1]`` (``(0,)`` when T = 0); entropy ``[T]`` or None;
     ``chunk_size <= 0`` means no chunking preference; padded vocab columns are scored as slime does.
+    The invariant mode: the slime step's (the student's model config), else the setting.
     """
     import torch.distributed as dist
 
@@ -41,6 +46,7 @@ def calculate_log_probs_and_entropy(
         entropy_requires_grad=with_entropy_grad,
         chunk_size=chunk_size if chunk_size is not None and chunk_size > 0 else None,
         keep_mask=log_prob_keep_mask,
+        invariant=step_invariant(),
     )
     if logits.size(0) != 0:
         log_prob = log_prob.unsqueeze(-1)
@@ -76,3 +82,16 @@ def calculate_log_probs_and_entropy_wrapper(wrapped, instance, args, kwargs):
         )
         return wrapped(*args, **kwargs)
     return calculate_log_probs_and_entropy(**{k: v for k, v in bound.arguments.items() if k in known})
+
+
+def student_step_wrapper(wrapped, instance, args, kwargs):
+    """wrapt wrapper for slime's callers that hold the student (`forward_only` / `train_one_step`:
+    their `model`; the actor's `train_actor`: its own): the calls inside run in the student's
+    invariant mode (`step_mode.student_mode`; an enclosing step's mode is kept)."""
+    bound = bind(wrapped, args, kwargs)
+    model = bound.arguments.get("model") if bound is not None else None
+    if model is None:
+        model = getattr(instance, "model", None)
+    if model is None:
+        return wrapped(*args, **kwargs)
+    return run_in_student_mode(model, wrapped, args, kwargs)

@@ -65,6 +65,7 @@ from megatron_rl_patches.integrations.slime.step_plan import (
     run_planned,
 )
 from megatron_rl_patches.integrations.slime.topk import local_rows, packed_ids, per_sample_rows
+from megatron_rl_patches.integrations.step_mode import step_invariant, student_mode
 from megatron_rl_patches.ops.topk import topk_kl, topk_logprobs
 
 ATTRIBUTE = "_megatron_rl_patches_opd_teachers"
@@ -279,6 +280,11 @@ def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> Non
     teacher's pass replaces the ids by the union [R, 2k] and adds its padding mask). With pipeline
     parallelism every stage runs every pass; the rollout data of the last stage only receives the
     fields (the other stages' training steps read none of them)."""
+    with student_mode(actor.model):  # the teachers' passes follow the student's invariant mode
+        _score_teachers(actor, rollout_data, settings)
+
+
+def _score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> None:
     if actor._active_model_tag != "actor":
         actor._switch_model("actor")
     student = topk_pass(actor.args, actor.model, rollout_data, TopkRequest(k=settings.k))
@@ -360,7 +366,8 @@ def student_buckets(args: Any, batch: dict, logits: Any) -> tuple[torch.Tensor, 
         responses = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
         responses[torch.cat(positions)] = True  # the other rows' ids are placeholders (0), never read
         logp, tail = topk_logprobs(rows, packed_ids(ids, positions, rows.shape[0]), ids_mask=mask,
-                                   tp_group=group, temperature=float(args.rollout_temperature), row_mask=responses)
+                                   tp_group=group, temperature=float(args.rollout_temperature), row_mask=responses,
+                                   invariant=step_invariant())
         logp, tail = logp[None], tail[None]
     pieces = [per_sample_rows(values, batch, allgather) for values in (logp, tail)]
     if allgather:  # slime's per-sample fields (teacher buckets, masks) are in the zigzag rows
@@ -383,7 +390,8 @@ def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean
     student, student_tail = student_buckets(args, batch, logits)
     if batch.get(CROSS_RATIO) is not None:  # a teacher with another tokenizer: every teacher's term
         opd = sum_of_sample_mean(cross_passes.loss_terms(settings, batch, student, student_tail,
-                                                         cross_passes.token_log_probs(args, batch, logits)))
+                                                         cross_passes.token_log_probs(args, batch, logits),
+                                                         step_invariant()))
         log["opd_topk_loss"] = opd.clone().detach()
         return settings.policy_weight * loss + settings.coef * opd, log
     teachers = torch.cat(batch[TEACHER_LOGPROBS], dim=1).to(student)
@@ -392,7 +400,7 @@ def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean
     mask = batch.get(IDS_MASK)
     mask = None if mask is None else torch.cat(mask).to(device=student.device, dtype=torch.bool)
     divergence = topk_kl(student, student_tail, teachers, tails, teacher_weights=weights,
-                         divergence=settings.divergence, ids_mask=mask)
+                         divergence=settings.divergence, ids_mask=mask, invariant=step_invariant())
     opd = sum_of_sample_mean(divergence)
     log["opd_topk_loss"] = opd.clone().detach()
     return settings.policy_weight * loss + settings.coef * opd, log

@@ -38,6 +38,17 @@ PATCHES = (
         versions=VERSIONS,
         params=("student_logits", "teacher_topk_log_probs", "teacher_topk_ids", "config", "data_format"),
     ),
+    Patch(
+        name="verl_topk_kd",
+        target=ENGINE,
+        wrapper=f"{HERE}.topk:forward_step_wrapper",
+        description="verl's engine forward_step: the top-k loss inside it in the student's invariant mode (its "
+                    "model config's batch_invariant_mode)",
+        requires="verl",
+        versions=VERSIONS,
+        optional=True,
+        params=("self", "batch_iter", "model"),
+    ),
     _fused(ENGINE, "rows:forward_step_wrapper",
            "verl's engine forward_step notes the rows verl reads (responses, loss mask) for the fused route",
            ("self", "batch_iter", "model", "logits_processor_func", "postprocess_micro_batch_func"), optional=True),

@@ -17,7 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
+from megatron_rl_patches.integrations.step_mode import run_in_student_mode, step_invariant
+from megatron_rl_patches.ops.invariance import resolve_invariant
 from megatron_rl_patches.ops.topk import topk_ids, topk_kl, topk_logprobs
 
 KEYS = ("distillation_losses", "student_mass", "teacher_mass", "overlap_count", "overlap_token_advantage")
@@ -52,12 +55,15 @@ def exact_forward_kl_topk(
     teacher_ids: torch.Tensor,
     log_prob_min_clamp: float | None = None,
     tp_group: Any = None,
+    invariant: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """verl's five outputs, each [b, s], for student logits [b, s, V/tp] and the teacher's top-k
     log-probs / ids [b, s, k]: the forward KL between (k+1)-bucket distributions (gradient to the
     student's logits), the student's and teacher's top-k mass, and verl's overlap diagnostics.
     `log_prob_min_clamp` floors the teacher's log-probs, as verl does; the student's are exact (a
-    clamp there is what zeroes verl's gradients). Rows with repeated ids (verl's padding) give 0."""
+    clamp there is what zeroes verl's gradients). Rows with repeated ids (verl's padding) give 0.
+    `invariant`: the ops' mode (None: the setting MEGATRON_RL_PATCHES_INVARIANT)."""
+    invariant = resolve_invariant(invariant)
     lead, k = student_logits.shape[:-1], teacher_ids.shape[-1]
     if teacher_ids.shape[:-1] != lead or teacher_log_probs.shape != teacher_ids.shape:
         raise ValueError(
@@ -74,14 +80,14 @@ def exact_forward_kl_topk(
         stand_in = torch.arange(k, device=ids.device).expand_as(ids)
         ids = torch.where(padded[:, None], stand_in, ids)
         teacher = torch.where(padded[:, None], torch.full_like(teacher, -math.log(k + 1)), teacher)
-    student, student_tail = topk_logprobs(logits, ids, tp_group=tp_group)
-    loss = topk_kl(student, student_tail, teacher, divergence="forward_kl")
+    student, student_tail = topk_logprobs(logits, ids, tp_group=tp_group, invariant=invariant)
+    loss = topk_kl(student, student_tail, teacher, divergence="forward_kl", invariant=invariant)
     loss = torch.where(padded, torch.zeros_like(loss), loss)
     with torch.no_grad():
         keep = (~padded).to(student.dtype)
         q = teacher.exp()
         per_id = q * (teacher - student)
-        student_top = topk_ids(logits, k, tp_group=tp_group)
+        student_top = topk_ids(logits, k, tp_group=tp_group, invariant=invariant)
         overlap = (ids.unsqueeze(-1) == student_top.unsqueeze(-2)).any(dim=-1) & ~padded[:, None]
         count = overlap.sum(dim=-1)
         advantage = (-per_id * overlap).sum(dim=-1) / count.clamp_min(1)
@@ -99,7 +105,8 @@ def compute_forward_kl_topk(student_logits: Any, teacher_topk_log_probs: Any, te
                             data_format: str) -> dict[str, torch.Tensor]:
     """verl 0.9.1's `compute_forward_kl_topk` signature and result (five [b, s/cp] tensors) on the
     exact (k+1)-bucket KL. The teacher's nested [b, s, k] tensors are split for context
-    parallelism by verl's own helpers, as verl does."""
+    parallelism by verl's own helpers, as verl does. The invariant mode: the engine step's (the
+    student's model config, `forward_step_wrapper`), else the setting."""
     from verl.models.mcore.util import preprocess_bshd_engine, preprocess_thd_engine  # lazy: optional dependency verl
 
     if not (getattr(teacher_topk_log_probs, "is_nested", False) and getattr(teacher_topk_ids, "is_nested", False)):
@@ -116,7 +123,7 @@ def compute_forward_kl_topk(student_logits: Any, teacher_topk_log_probs: Any, te
             f"logits {tuple(student_logits.shape)} in [b, s]"
         )
     clamp = getattr(getattr(config, "distillation_loss", None), "log_prob_min_clamp", None)
-    return exact_forward_kl_topk(student_logits, log_probs, ids, clamp, _tp_group())
+    return exact_forward_kl_topk(student_logits, log_probs, ids, clamp, _tp_group(), step_invariant())
 
 
 def compute_forward_kl_topk_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -128,3 +135,11 @@ def compute_forward_kl_topk_wrapper(wrapped: Any, instance: Any, args: tuple, kw
     bound.apply_defaults()
     warn_once(REPLACED)
     return compute_forward_kl_topk(**bound.arguments)
+
+
+def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for `verl_topk_kd` on verl's engine `forward_step(batch_iter, model, ...)`: the
+    top-k loss it computes runs in the student's invariant mode (`step_mode.student_mode`)."""
+    bound = bind(wrapped, args, kwargs)
+    model = None if bound is None else bound.arguments.get("model")
+    return wrapped(*args, **kwargs) if model is None else run_in_student_mode(model, wrapped, args, kwargs)

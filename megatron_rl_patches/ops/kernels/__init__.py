@@ -15,15 +15,23 @@ computes nothing else. Subclass :class:`Backend` and :func:`register_backend` it
 - backward: ``apply_grad(source, factors, scale, keep_mask, needs) -> gradients`` in the compute
   dtype (the logits' gradient, or ``(dh for every gathered row, dW)``; `needs` says which), each
   tile's dL/dx being ``_stats.tile_grad``'s formula from the saved :class:`GradFactors`;
-- optional (the base class's defaults): ``topk(source, run, first_id)``, the top-k ids (default:
-  the torch tiles'); ``serves_divergence(student, teachers, plan)`` (default False) with
-  ``divergence_sums`` / ``divergence_grad``, lm_head_divergence's pass 2 and backward (the
-  divergence table's terms; when not served the torch tiles evaluate the table).
+- optional (the base class's defaults): ``combined_stats(..., group)``, the statistics over the
+  tensor-parallel group (default: ``row_stats`` then one MAX and one SUM all-reduce; a backend
+  that needs the rows' global maxima between its passes does its own all-reduces here);
+  ``finalize(step, n_rows, *args)``, the per-row math after the combine (default: one call);
+  ``topk(source, run, first_id)``, the top-k ids (default: the torch tiles'); ``tie_tiles``, the
+  tiles of tied rows recomputed (default: in the row tile each had);
+  ``serves_divergence(student, teachers, plan)`` (default False) with ``divergence_sums`` /
+  ``divergence_grad``, lm_head_divergence's pass 2 and backward (the divergence table's terms;
+  when not served the torch tiles evaluate the table).
 
 Units: ``u = (x - shift)·s`` with s = 1/τ per row. ``torch`` (tiles of torch ops, every device and
 dtype) and ``triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) are built in. Choice per call:
 the op's ``backend=`` argument, else ``MEGATRON_RL_PATCHES_BACKEND``, else ``auto`` (the last
-registered backend that claims the inputs' device and dtype, ``torch`` last). A backend written
+registered backend that claims the inputs' device and dtype, ``torch`` last). The invariant mode
+(an op's resolved ``invariant=True``) takes precedence: its forward statistics and top-k ids come
+from :class:`~.invariant_tiles.InvariantTiles` whatever the choice, which still gives the
+gradients (and is still checked). A backend written
 against the earlier protocol (a plain class with ``available(device)`` / ``claims(device)``, no
 base class) still registers: its members are read once, at registration.
 """
@@ -37,6 +45,7 @@ import torch
 from megatron_rl_patches._backend_env import AUTO, VARIABLE, environment_backend
 from megatron_rl_patches.ops._stats import GradFactors, RowStats
 from megatron_rl_patches.ops.kernels.contract import Backend
+from megatron_rl_patches.ops.kernels.invariant_tiles import InvariantTiles
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.kernels.torch_tiles import TorchTiles
 from megatron_rl_patches.ops.kernels.triton import LazyTritonTiles
@@ -54,7 +63,8 @@ BACKEND_ENV = VARIABLE
 class _Registered(Backend):
     """A backend written against the earlier protocol (no base class): its members, read once."""
 
-    _OPTIONAL = ("topk", "serves_divergence", "divergence_sums", "divergence_grad")  # the defaults otherwise
+    # the defaults otherwise
+    _OPTIONAL = ("topk", "tie_tiles", "serves_divergence", "divergence_sums", "divergence_grad")
 
     def __init__(self, backend: Any) -> None:
         self.wrapped = backend
@@ -95,9 +105,15 @@ def backend_names() -> tuple[str, ...]:
     return ("auto", *_REGISTRY)
 
 
-def resolve_backend(name: object, device: torch.device, dtype: torch.dtype | None = None) -> Backend:
+def resolve_backend(name: object, device: torch.device, dtype: torch.dtype | None = None,
+                    invariant: bool = False) -> Backend:
     """The backend for a call on `device` with inputs of `dtype` (None: any): `name`, or the
-    environment's choice, or ``auto``."""
+    environment's choice, or ``auto``; with `invariant` the invariant tiles over it (its gradients)."""
+    chosen = _chosen_backend(name, device, dtype)
+    return InvariantTiles(chosen) if invariant else chosen
+
+
+def _chosen_backend(name: object, device: torch.device, dtype: torch.dtype | None) -> Backend:
     if name is None or name == AUTO:
         # the launcher and `doctor` read the variable with this same parser (case, spaces, "auto")
         name = environment_backend(known=_REGISTRY)

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
-from megatron_rl_patches.ops._stats import GradFactors, RowStats
+from megatron_rl_patches.ops._stats import GradFactors, RowStats, combine_over_ranks
 from megatron_rl_patches.ops.kernels.sources import Source
 
 if TYPE_CHECKING:
     from megatron_rl_patches.ops._divergences import ResolvedDivergence
-    from megatron_rl_patches.ops.topk_select import RunningTopk
+    from megatron_rl_patches.ops.topk_select import RunningTopk, Tiles
+
+T = TypeVar("T")
 
 
 class Backend:
@@ -46,6 +49,19 @@ class Backend:
         wanted) and return it: `cols`/`owned` [T, k] the marked ids' local columns."""
         raise NotImplementedError(f"backend {self.name!r} has no row_stats")
 
+    def combined_stats(self, source: Source, stats: RowStats, cols: torch.Tensor, owned: torch.Tensor,
+                       keep_mask: torch.Tensor | None, scale: float | torch.Tensor,
+                       group: dist.ProcessGroup | None) -> RowStats:
+        """The full-vocabulary statistics over the tensor-parallel `group` (None: no TP). Default:
+        :meth:`row_stats`, then one MAX and one SUM all-reduce of the ranks' statistics; a backend
+        that needs the rows' global maxima between its passes (the invariant tiles) overrides it."""
+        return combine_over_ranks(self.row_stats(source, stats, cols, owned, keep_mask, scale), scale, group)
+
+    def finalize(self, step: Callable[..., T], n_rows: int, *args: Any) -> T:
+        """``step(*args)``: per-row math over the combined statistics (`n_rows` rows). Default: one
+        call; the invariant tiles run it in blocks of a fixed row count."""
+        return step(*args)
+
     def apply_grad(self, source: Source, factors: GradFactors, scale: float | torch.Tensor,
                    keep_mask: torch.Tensor | None, needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
         """The gradients of the source's tensors (`needs` says which) in the compute dtype: the
@@ -56,6 +72,10 @@ class Backend:
     # `run` (see :mod:`megatron_rl_patches.ops.topk_select`; a column a tile left out at a tied cut
     # raises `run.ambiguous` to that value). None: the torch tiles' (`kernels.topk_step`).
     topk: Callable[[Source, RunningTopk, int], RunningTopk] | None = None
+    # Optional: `tie_tiles(source, index, dtype) -> Tiles`, the logits tiles of the rows `index`
+    # (a fused source's; ascending) recomputed with the bits `topk` saw, for rows whose k-th id is
+    # tied. None: each row recomputed in the row tile it had (the torch tiles' shapes).
+    tie_tiles: Callable[[Source, torch.Tensor, torch.dtype], Tiles] | None = None
 
     def loaded(self) -> Backend:
         """What the ops call: the backend itself (a lazy proxy: the backend it stands for)."""

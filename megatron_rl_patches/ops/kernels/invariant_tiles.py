@@ -17,14 +17,17 @@ Three means, each closing one way a row's bits could move:
   and is summed as integers, across tiles and across ranks: integer addition does not care about
   order, so neither the tiling nor the split shows in the sum.
 
-The finalize steps then run in fixed row blocks (:mod:`..row_blocks`). The torch route serves
-every backend in this mode (the Triton kernels do not follow it yet). Gradients use the default
-backward: exact, not bit-invariant.
+The finalize steps then run in fixed row blocks (:mod:`..row_blocks`). :class:`InvariantTiles`
+is these means as a backend of the contract (:mod:`.`): an op that resolved ``invariant=True``
+takes its forward statistics and top-k ids from it whatever ``backend=`` chose (the Triton
+kernels do not follow the mode yet); the gradients are the chosen backend's: exact, not
+bit-invariant.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,13 +42,15 @@ from megatron_rl_patches.ops._stats import (
     marks_mask,
     scale_rows,
 )
+from megatron_rl_patches.ops.kernels.contract import Backend
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.kernels.torch_fast_paths import replace_marked
+from megatron_rl_patches.ops.row_blocks import in_row_blocks
+from megatron_rl_patches.ops.topk_select import RunningTopk, Tiles, fold_tiles
 
-FIXED_BITS = 44  # e^u in [0, 1] as integers of 2^-44: below 2^19 ids a row sums below 2^63
-# The largest vocabulary served: a row of 2^19 ids all at its max (a uniform row whose sum covers
-# every column; at TP = 2 the all-reduce of two 2^18 shards) sums to 2^63, past int64.
-MAX_VOCAB = (1 << (63 - FIXED_BITS)) - 1
+T = TypeVar("T")
+
+FIXED_BITS = 44  # e^u in [0, 1] as integers of 2^-44: below 2^19 ids a row sums below 2^63 (invariance.MAX_VOCAB)
 _TO_FIXED = float(2 ** FIXED_BITS)
 _FROM_FIXED = float(2.0 ** -FIXED_BITS)
 
@@ -54,13 +59,6 @@ def tile_shape(device: torch.device) -> tuple[int, int]:
     """(rows, columns) of every tile on `device`: on CPU one tile is below the parallel grain (one
     thread) and a multiple of every vector width; on CUDA elementwise kernels are per element."""
     return (256, 4096) if device.type == "cuda" else (32, 2048)
-
-
-def check_vocab(vocab: int, op: str) -> None:
-    """The fixed-point sums hold vocabularies up to 2^19 − 1 ids (MAX_VOCAB)."""
-    if vocab > MAX_VOCAB:
-        raise ValueError(f"{op}(invariant=True) sums in 64-bit fixed point, for vocabularies up to {MAX_VOCAB} ids; "
-                         f"this one has {vocab}: call it with invariant=False")
 
 
 def _fixed_sum(t: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
@@ -254,3 +252,42 @@ def _sums(stats: RowStats, ints: dict[str, torch.Tensor], part: slice, x: torch.
         if isinstance(s, torch.Tensor) or s != 1.0:
             u.mul_(s)
         ints["sub_sum"][part] += _fixed_sum(u.exp_().masked_fill_(marked, 0.0), work.get("i", x, torch.int64))
+
+
+class InvariantTiles(Backend):
+    """The invariant mode as a backend: forward statistics (global maxima first, fixed-point sums,
+    finalize in fixed row blocks) and top-k ids from fixed-shape tiles; the gradients of `base`,
+    the backend ``backend=`` chose."""
+
+    name = "invariant"
+
+    def __init__(self, base: Backend) -> None:
+        self.base = base
+
+    def available(self, device: torch.device) -> str | None:
+        return None
+
+    def row_stats(self, source: Source, stats: RowStats, cols: torch.Tensor, owned: torch.Tensor,
+                  keep_mask: torch.Tensor | None, scale: float | torch.Tensor) -> RowStats:
+        return invariant_row_stats(source, stats, cols, owned, keep_mask, scale, None)
+
+    def combined_stats(self, source: Source, stats: RowStats, cols: torch.Tensor, owned: torch.Tensor,
+                       keep_mask: torch.Tensor | None, scale: float | torch.Tensor,
+                       group: dist.ProcessGroup | None) -> RowStats:
+        return invariant_row_stats(source, stats, cols, owned, keep_mask, scale, group)
+
+    def finalize(self, step: Callable[..., T], n_rows: int, *args: Any) -> T:
+        return in_row_blocks(step, n_rows, *args)
+
+    def apply_grad(self, source: Source, factors: Any, scale: float | torch.Tensor,
+                   keep_mask: torch.Tensor | None, needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
+        return self.base.apply_grad(source, factors, scale, keep_mask, needs)
+
+    def topk(self, source: Source, run: RunningTopk, first_id: int) -> RunningTopk:
+        return fold_tiles(run, fixed_tiles(source, run.values.dtype), first_id)
+
+    def tie_tiles(self, source: Source, index: torch.Tensor, dtype: torch.dtype) -> Tiles:
+        """Fixed-shape tiles: any subset of rows gets the same bits."""
+        assert source.hidden is not None  # fused
+        return fixed_tiles(Source(source.n_valid, source.chunk_rows, hidden=source.hidden[index],
+                                  weight=source.weight), dtype)

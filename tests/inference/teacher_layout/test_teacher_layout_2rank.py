@@ -113,6 +113,12 @@ def api_checks(rank: int, world_size: int, root: str) -> dict:
                                                                    layout=TeacherLayout(tp=1)))
         dist.barrier()  # every rank got here: nothing above left a rank waiting
         results["after"] = score_at_layout(chunks, tokens, labels)
+        # the student's invariant mode, given (a teacher's own config is never read): rank 1's rows
+        # amid rank 0's and with rank 0 empty
+        results["invariant"] = score_at_layout(chunks, tokens, labels, invariant=True)
+        results["invariant_alone"] = score_at_layout(chunks, *(empty if rank == 0 else (tokens, labels)),
+                                                     invariant=True)
+        results["invariant_topk"] = topk_at_layout(chunks, tokens, _ids(rank), invariant=True)
         results.update(_pipeline_checks(root, tokens, labels))
     return results
 
@@ -217,6 +223,17 @@ def test_each_rank_gets_the_one_rank_teachers_log_probs_of_its_own_rows(world):
         assert torch.equal(result["after"], result["scores"])  # the same rows scored again after the refusals
     assert world[0]["empty_or_not"].shape == (0, 0)
     assert torch.equal(world[1]["empty_or_not"], world[1]["scores"])  # the other rank had no rows
+
+
+def test_the_students_invariant_mode_reaches_the_teachers_ops(world):
+    served(world)
+    for result in world:
+        # the fixed-point sums round otherwise than the default mode: other bits, the same values
+        assert not torch.equal(result["invariant"], result["scores"])
+        torch.testing.assert_close(result["invariant"], result["scores"], rtol=0, atol=2e-6)
+        assert not torch.equal(result["invariant_topk"][0], result["topk"])
+        torch.testing.assert_close(result["invariant_topk"][0], result["topk"], rtol=0, atol=2e-6)
+    assert torch.equal(world[1]["invariant_alone"], world[1]["invariant"])
 
 
 def test_each_rank_gets_the_one_rank_teachers_topk_log_probs_and_tail(world):

@@ -152,7 +152,8 @@ def test_registry_patch_replaces_both_slime_names(slime_standin):
     logits, tokens, *_ = make(T=4, V=7)
     try:
         statuses = registry.apply(only="slime_logprobs", strict=True)
-        assert {s.status for s in statuses} == {"applied"}
+        # the adapter's two targets (the student-mode records on slime's callers wait for their modules)
+        assert {s.status for s in statuses if s.target.endswith(":calculate_log_probs_and_entropy")} == {"applied"}
         for name in ("slime.utils.ppo_utils", "slime.backends.megatron_utils.loss"):
             lp, ent = modules[name].calculate_log_probs_and_entropy(logits, tokens, None, with_entropy=True)
             expected = calculate_log_probs_and_entropy(logits, tokens, None, with_entropy=True)

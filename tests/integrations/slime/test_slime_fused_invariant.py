@@ -84,3 +84,28 @@ def test_micro_batch_splits_of_1_and_4_give_the_same_bits_with_batch_invariant_m
     assert not torch.equal(default_whole["log_probs"], default_alone["log_probs"]), \
         "the default mode matched across splits: this test no longer shows a difference"
     torch.testing.assert_close(default_whole["log_probs"], whole["log_probs"], rtol=0, atol=1e-4)
+
+
+def test_a_teacher_scored_inside_the_students_step_follows_the_students_mode(
+        megatron_cpu, clean_patch_state, monkeypatch):
+    """A teacher the package builds never sets batch_invariant_mode: inside the student's step
+    (`step_mode.student_mode`, what slime_opd's teacher passes run in) its fused pass takes the
+    student's mode; outside, its own config's (the negative control)."""
+    import megatron_rl_patches
+    from megatron_rl_patches.integrations.step_mode import student_mode
+
+    monkeypatch.delenv("MEGATRON_RL_PATCHES_INVARIANT", raising=False)
+    megatron_rl_patches.apply(only="gpt_output_processor")
+    teacher = zeroed_output_gpt(V, sum(TOTALS), hidden_size=H)
+    g = torch.Generator().manual_seed(4)
+    tokens = [torch.randint(0, V, (n,), generator=g) for n in TOTALS]
+    teacher.config.batch_invariant_mode = True
+    invariant = _responses(teacher, tokens, len(TOTALS), monkeypatch)
+    teacher.config.batch_invariant_mode = False
+    student = [types.SimpleNamespace(config=types.SimpleNamespace(batch_invariant_mode=True))]
+    with student_mode(student):
+        beside = _responses(teacher, tokens, len(TOTALS), monkeypatch)
+    alone = _responses(teacher, tokens, len(TOTALS), monkeypatch)
+    for key in ("log_probs", "entropy"):
+        assert torch.equal(beside[key], invariant[key]), key
+    assert not torch.equal(alone["log_probs"], invariant["log_probs"])

@@ -74,7 +74,7 @@ def test_lm_head_divergence_refuses_the_mode_by_name_and_warns_under_the_setting
 
 
 def test_vocabularies_beyond_the_fixed_point_range_are_refused():
-    from megatron_rl_patches.ops.kernels.invariant_tiles import MAX_VOCAB, check_vocab
+    from megatron_rl_patches.ops.invariance import MAX_VOCAB, check_vocab
 
     check_vocab(MAX_VOCAB, "log_probs_and_entropy")  # 2^19 − 1: test_invariant_vocab_limit.py serves it
     with pytest.raises(ValueError, match=r"log_probs_and_entropy\(invariant=True\).*invariant=False"):

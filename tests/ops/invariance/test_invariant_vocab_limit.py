@@ -91,7 +91,7 @@ def test_the_limit_is_refused_by_name_and_the_largest_vocabulary_is_served(name)
 
 
 def test_the_fixed_point_check_refuses_from_the_limit_on():
-    from megatron_rl_patches.ops.kernels.invariant_tiles import MAX_VOCAB, check_vocab
+    from megatron_rl_patches.ops.invariance import MAX_VOCAB, check_vocab
 
     assert MAX_VOCAB == LARGEST
     check_vocab(LARGEST, "log_probs_and_entropy")

@@ -153,3 +153,29 @@ def test_disable_keeps_verls_loss(verl_cpu, monkeypatch):
     megatron_rl_patches.apply()
     assert megatron_losses.compute_forward_kl_topk is original
     assert {s.status for s in megatron_rl_patches.applied() if s.name == "verl_topk_kd"} == {"skipped"}
+
+
+def test_the_loss_inside_verls_engine_step_follows_the_students_batch_invariant_mode(verl_cpu, monkeypatch):
+    """verl hands the loss no model config: the engine's forward_step (patched) resolves the
+    student's mode from its model's config, and the patched loss inside runs in it (the invariant
+    op's bits; the default mode's differ)."""
+    import types
+
+    from megatron_rl_patches.integrations.verl.topk import forward_step_wrapper
+
+    monkeypatch.delenv("MEGATRON_RL_PATCHES_INVARIANT", raising=False)
+    gen = torch.Generator().manual_seed(5)
+    student = (3 * torch.randn(1, sum(LENGTHS), 5000, generator=gen)).requires_grad_(True)
+    teacher = torch.log_softmax(torch.randn(sum(LENGTHS), 5000, generator=gen), dim=-1).topk(K, dim=-1)
+    split = list(torch.split(torch.arange(sum(LENGTHS)), LENGTHS))
+    ids, log_probs = nested([teacher.indices[r] for r in split]), nested([teacher.values[r] for r in split])
+    megatron_rl_patches.apply(only="verl_topk_kd")
+
+    def forward_step(batch_iter, model):  # verl's engine step: the loss runs inside it
+        return megatron_losses.compute_forward_kl_topk(student, log_probs, ids, _config(None), "thd")
+
+    seen = {on: forward_step_wrapper(forward_step, None, (iter(()), [types.SimpleNamespace(
+        config=types.SimpleNamespace(batch_invariant_mode=on))]), {})["distillation_losses"] for on in (True, False)}
+    want = exact_forward_kl_topk(student, teacher.values[None], teacher.indices[None], None, invariant=True)
+    assert torch.equal(seen[True], want["distillation_losses"])
+    assert not torch.equal(seen[False], seen[True])
