@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from megatron_rl_patches.ops._dist import tp_size
+from megatron_rl_patches.ops.agreement import agree, local_error
 from megatron_rl_patches.ops.kernels.invariant_tiles import check_vocab
 
 VARIABLE = "MEGATRON_RL_PATCHES_INVARIANT"
@@ -51,10 +53,34 @@ def resolve_invariant(invariant: object, config: Any = None) -> bool:
     return setting if setting is not None else config_invariant(config)
 
 
-def resolve_for_vocab(invariant: object, vocab: int, op: str) -> bool:
-    """:func:`resolve_invariant` for an op over `vocab` ids: the invariant mode's fixed-point sums
+def deferred_invariant(invariant: object, config: Any) -> bool | None:
+    """What a route holding a model config hands an op: `invariant` when a bool, None when the
+    setting is given (the op reads it and agrees it over its group), else `config`'s
+    ``batch_invariant_mode``: :func:`resolve_invariant`'s order, with no rank refusing alone."""
+    check_invariant(invariant)
+    if isinstance(invariant, bool):
+        return invariant
+    return None if (os.environ.get(VARIABLE) or "").strip() else config_invariant(config)
+
+
+def agreed_invariant(invariant: object, op: str, group: Any) -> bool:
+    """:func:`resolve_invariant` agreed over the tensor-parallel `group` (None: no tensor
+    parallelism) before the op's first collective, since the two modes run different collectives:
+    the setting on one rank only, or an argument one rank refuses, is the same error naming the
+    ranks on every rank (ops.agreement; one small all-gather per call at tp > 1)."""
+    if tp_size(group) == 1:
+        return resolve_invariant(invariant)
+    chosen, error = local_error(lambda: resolve_invariant(invariant))
+    agree(group, op, error=error, match={f"the invariant mode (invariant= or {VARIABLE}; 1: on)": chosen},
+          where="tp_group")
+    return bool(chosen)
+
+
+def resolve_for_vocab(invariant: object, vocab: int, op: str, group: Any = None) -> bool:
+    """:func:`agreed_invariant` for an op over `vocab` ids: the invariant mode's fixed-point sums
     hold only so many ids (ValueError naming `op` beyond them)."""
-    chosen = resolve_invariant(invariant)
+    chosen = agreed_invariant(invariant, op, group)
     if chosen:
         check_vocab(vocab, op)
     return chosen
+

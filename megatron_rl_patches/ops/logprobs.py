@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron_rl_patches.ops import _checks, _vocab
 from megatron_rl_patches.ops._functions import LogProbEntropy
 from megatron_rl_patches.ops._rows import RowSelection, unselected_as
-from megatron_rl_patches.ops.invariance import resolve_invariant
+from megatron_rl_patches.ops.invariance import agreed_invariant
 from megatron_rl_patches.ops.kernels import resolve_backend
 from megatron_rl_patches.ops.kernels.invariant_tiles import check_vocab
 
@@ -83,7 +83,7 @@ def log_probs_and_entropy(
     checks, tau = check_logprobs_inputs(logits, unselected_as(tokens, row_mask), tp_group,
                                         temperature, chunk_size, keep_mask, vocab_size, inplace_backward)
     selection = RowSelection.of(row_mask, logits.size(0), logits.device, "logits", tp_group)
-    invariant = resolve_invariant(invariant)
+    invariant = agreed_invariant(invariant, "log_probs_and_entropy", tp_group)
     local_vocab = logits.size(1)
     if invariant:
         check_vocab(_checks.global_vocab(local_vocab, tp_group, vocab_size), "log_probs_and_entropy")

@@ -30,7 +30,7 @@ from megatron_rl_patches._args import positive_int
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.ops._checks import check_scalar_temperature
 from megatron_rl_patches.ops._rows import RowSelection
-from megatron_rl_patches.ops.invariance import check_invariant, resolve_invariant
+from megatron_rl_patches.ops.invariance import check_invariant, deferred_invariant
 from megatron_rl_patches.processors.output import ProcessorOutput
 
 __all__ = ["log_prob_output_processor", "topk_output_processor"]
@@ -259,7 +259,7 @@ def log_prob_output_processor(
             vocab_size=vocab_size,
             chunk_size=chunk_size,
             row_mask=_row_mask(ctx, call),
-            invariant=resolve_invariant(invariant, config),
+            invariant=deferred_invariant(invariant, config),
         )
         out = ProcessorOutput(log_probs=call.to_batch(log_probs),
                               entropy=None if entropy is None else call.to_batch(entropy))
@@ -338,7 +338,7 @@ def topk_output_processor(
         call = ProcessorCall(hidden_states, output_layer, output_weight, None, config, temperature, ctx)
         options = dict(tp_group=call.tp_group, sequence_parallel=call.sequence_parallel,
                        temperature=call.temperature, vocab_size=vocab_size, chunk_size=chunk_size,
-                       row_mask=_row_mask(ctx, call), invariant=resolve_invariant(invariant, config))
+                       row_mask=_row_mask(ctx, call), invariant=deferred_invariant(invariant, config))
         result: dict[str, torch.Tensor] = ProcessorOutput()
         rows = None if ids is None else token_rows(ids, "output_processor_context['ids']", call.batch, call.seq)
         rows_mask = None if mask is None else token_rows(mask, "output_processor_context['ids_mask']", call.batch,
