@@ -26,13 +26,13 @@ from megatron_rl_patches.inference.residency.budget import ResidencyBudget
 from megatron_rl_patches.inference.residency.placement import check_residency_args
 from megatron_rl_patches.inference.teacher_layout.build_args import (
     config_sizes,
-    raise_on_every_rank,
     refuse_unserved,
     shard_ranks,
 )
-from megatron_rl_patches.inference.teacher_layout.groups import check_layout, teacher_groups
+from megatron_rl_patches.inference.teacher_layout.groups import check_layout, groups_of_agreed, layout_values
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 from megatron_rl_patches.inference.teacher_layout.own_groups import gather_in_own_groups
+from megatron_rl_patches.ops import agreement
 
 CONVERTERS = ("builtin", "mbridge")
 
@@ -155,33 +155,14 @@ def build_inference_model_from_hf(
     scoring goes through score_at_layout / topk_at_layout.
     None: the sizes of parallel_state (the student's).
     """
-    if converter not in CONVERTERS:
-        raise ValueError(f"converter must be one of {CONVERTERS}, got {converter!r}")
-    if converter == "mbridge":
-        mbridge_adapter.import_mbridge()  # the missing extra is named before anything is read
-    mode = check_residency_args(residency, prefetch, budget)
-    if core_attention is not None and not isinstance(core_attention, type):
-        raise TypeError(f"core_attention must be an attention core class (e.g. TEDotProductAttention) or None, "
-                        f"got {type(core_attention).__name__}")
     if layout is not None:
-        layout, _ = check_layout(layout)  # the world and megatron-core hold it: refused on every rank otherwise
-    checkpoint = read_checkpoint_config(path)
-    root, config_dict = checkpoint.root, checkpoint.fields
-    arch = architecture(config_dict, source=str(root))
-    weights_dtype = checkpoint_dtype(checkpoint.dtype, dtype)
-    divisible_by = positive_int("make_vocab_size_divisible_by", make_vocab_size_divisible_by)
-    if layout is not None:
-        refuse_unserved(layout, arch, converter)
-    _check_parallel(arch, core_attention, layout)
-    _check_core_attention(arch, core_attention)
-    hf_load.checked_index(root, arch)  # the files fit config.json: nothing is built otherwise
-    arch = hf_load.served_tying(root, arch)
-    _check_budget(root, mode, budget, weights_dtype, layout)
+        return _agreed_layout_build(path, layout, (residency, prefetch, budget), dtype,
+                                    make_vocab_size_divisible_by, core_attention, converter)
+    checked = _checked(path, (residency, prefetch, budget), dtype, make_vocab_size_divisible_by, core_attention,
+                       converter, None)
+    root, config_dict, arch, weights_dtype, divisible_by, mode = checked
     from megatron.core import parallel_state as ps  # lazy: optional dependency megatron-core
 
-    if layout is not None:
-        return _build_at_layout(root, arch, layout, weights_dtype, divisible_by, core_attention,
-                                (mode, prefetch, budget))
     vocab = padded_vocab(arch.vocab_size, divisible_by, ps.get_tensor_model_parallel_world_size())
     if converter == "mbridge":
         bridge = mbridge_adapter.mbridge_bridge(config_dict, arch, weights_dtype, vocab)
@@ -197,6 +178,63 @@ def build_inference_model_from_hf(
     return chunks
 
 
+def _checked(path: Any, residency: tuple[str, int, ResidencyBudget | None], dtype: Any, divisible: Any,
+             core_attention: type | None, converter: str, layout: TeacherLayout | None) -> tuple[Any, ...]:
+    """Every check of one rank before the build, nothing built (the checkpoint's config and weight
+    index read): (root, config fields, architecture, weights dtype, vocab divisor, residency mode)."""
+    if converter not in CONVERTERS:
+        raise ValueError(f"converter must be one of {CONVERTERS}, got {converter!r}")
+    if converter == "mbridge":
+        mbridge_adapter.import_mbridge()  # the missing extra is named before anything is read
+    mode = check_residency_args(*residency)
+    if core_attention is not None and not isinstance(core_attention, type):
+        raise TypeError(f"core_attention must be an attention core class (e.g. TEDotProductAttention) or None, "
+                        f"got {type(core_attention).__name__}")
+    if layout is not None:
+        layout, _ = check_layout(layout)  # the world and megatron-core hold it
+    checkpoint = read_checkpoint_config(path)
+    root, config_dict = checkpoint.root, checkpoint.fields
+    arch = architecture(config_dict, source=str(root))
+    weights_dtype = checkpoint_dtype(checkpoint.dtype, dtype)
+    divisible_by = positive_int("make_vocab_size_divisible_by", divisible)
+    if layout is not None:
+        refuse_unserved(layout, arch, converter)
+    _check_parallel(arch, core_attention, layout)
+    _check_core_attention(arch, core_attention)
+    hf_load.checked_index(root, arch)  # the files fit config.json: nothing is built otherwise
+    arch = hf_load.served_tying(root, arch)
+    _check_budget(root, mode, residency[2], weights_dtype, layout)
+    return root, config_dict, arch, weights_dtype, divisible_by, mode
+
+
+# the weights' dtypes by the number the ranks agree on
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _agreed_layout_build(path: Any, layout: Any, residency: tuple[str, int, ResidencyBudget | None], dtype: Any,
+                         divisible: Any, core_attention: type | None, converter: str) -> list[torch.nn.Module]:
+    """The build at `layout` once every rank of the default group passed its checks and holds the
+    same layout, checkpoint shape, dtype and vocabulary padding (one all-gather: agreement.agree);
+    else the same error on every rank before the group creation, a collective no rank may skip."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        check_layout(layout)  # raises: no group to agree over
+    checked, error = agreement.local_error(lambda: _checked(path, residency, dtype, divisible, core_attention,
+                                                              converter, layout))
+    arch, weights_dtype = (checked[2], checked[3]) if checked is not None else (None, None)
+    dtypes = ", ".join(f"{index} {str(kind).removeprefix('torch.')}" for index, kind in enumerate(_DTYPES))
+    agreement.agree(torch.distributed.group.WORLD, "build_inference_model_from_hf", error=error,
+                    where="the default process group", match={
+                        **layout_values(layout),
+                        f"dtype ({dtypes})": _DTYPES.index(weights_dtype) if weights_dtype in _DTYPES else None,
+                        "make_vocab_size_divisible_by": checked[4] if checked is not None else None,
+                        **{f"the checkpoint's {name}": getattr(arch, name, None)
+                           for name in ("vocab_size", "hidden_size", "num_layers")}})
+    assert checked is not None  # agreed: every rank's checks passed
+    root, _, arch, weights_dtype, divisible_by, mode = checked
+    return _build_at_layout(root, arch, layout, weights_dtype, divisible_by, core_attention,
+                            (mode, residency[1], residency[2]))
+
+
 def _build_at_layout(root: Any, arch: Any, layout: TeacherLayout, dtype: torch.dtype, divisible_by: int,
                      core_attention: type | None,
                      residency: tuple[str, int, ResidencyBudget | None]) -> list[torch.nn.Module]:
@@ -207,7 +245,7 @@ def _build_at_layout(root: Any, arch: Any, layout: TeacherLayout, dtype: torch.d
     memory by the teacher's own provider, the loader writes the host copies at the teacher's own
     shard positions, and a unit is a layer of this rank's stage), so a swap / stream teacher holds
     its own shard on the host and moves it per forward."""
-    groups = teacher_groups(layout)
+    groups = groups_of_agreed(layout)
     vocab = padded_vocab(arch.vocab_size, divisible_by, layout.tp)
     config = transformer_config(arch, dtype, config_sizes(layout))
     # this rank's pipeline stage: megatron-core splits the layers by the collection's pp group
@@ -223,7 +261,8 @@ def _build_at_layout(root: Any, arch: Any, layout: TeacherLayout, dtype: torch.d
         hf_load.load_hf_weights(chunks, root, arch, vocab, shard_ranks(groups))
     except Exception as exc:  # every rank learns of it: none is left to score alone
         error = exc
-    raise_on_every_rank(error, f"building {arch.source} at layout={layout!r}")
+    agreement.agree(torch.distributed.group.WORLD, f"building the teacher at layout={layout!r}", error=error,
+                    where="the default process group")  # every rank learns of a failure: none scores alone
     for chunk in chunks:
         setattr(chunk, "hf_vocab_size", arch.vocab_size)  # noqa: B010 - the real vocab, for the ops' vocab_size=
         setattr(chunk, "teacher_groups", groups)  # noqa: B010 - score_at_layout reads the teacher's groups here

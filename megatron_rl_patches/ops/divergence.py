@@ -29,7 +29,7 @@ from megatron_rl_patches.ops import _divergence_tiles as tiles_math
 from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE, ResolvedDivergence
 from megatron_rl_patches.ops._functions import save_tau, saved_scale
 from megatron_rl_patches.ops._rows import RowSelection, scatter_rows, take_rows
-from megatron_rl_patches.ops.invariance import VARIABLE, resolve_invariant
+from megatron_rl_patches.ops.invariance import VARIABLE, agreed_invariant
 from megatron_rl_patches.ops.kernels import Backend, divergence_step, resolve_backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
 from megatron_rl_patches.ops.kernels.torch_tiles import accumulate, tiles
@@ -83,8 +83,8 @@ def lm_head_divergence(
     distillation use `lm_head_topk_logprobs(..., invariant=True)` and `topk_kl(..., invariant=True)`;
     when the setting or a config asks for the mode, this op runs in the default mode with a warning.
     """
-    _refuse_invariant(invariant)
     _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
+    _refuse_invariant(invariant, tp_group)
     name, beta, alpha = divergence_checks.check_divergence_options(divergence, beta, alpha)
     checks = _checks.DeviceChecks()
     teachers = divergence_checks.check_teacher_models(teacher_hidden, teacher_weight, hidden, weight, checks)
@@ -102,13 +102,13 @@ def lm_head_divergence(
     return selection.scatter(value)
 
 
-def _refuse_invariant(invariant: object) -> None:
+def _refuse_invariant(invariant: object, group: dist.ProcessGroup | None) -> None:
     """This op has no invariant mode yet: an explicit request is an error, the setting a warning."""
     if invariant is True:
         raise ValueError("lm_head_divergence(invariant=True) is not supported: its divergence sums are not exact in "
                          "any order yet; use lm_head_topk_logprobs(..., invariant=True) with topk_kl(..., "
                          "invariant=True), or invariant=False")
-    if resolve_invariant(invariant):
+    if agreed_invariant(invariant, "lm_head_divergence", group):
         warn_once(f"lm_head_divergence has no invariant mode yet: it runs in the default mode although {VARIABLE} "
                   "or the model config's batch_invariant_mode asks for invariant vocabulary ops")
 

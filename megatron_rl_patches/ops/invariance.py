@@ -14,6 +14,8 @@ from typing import Any
 
 from megatron_rl_patches._variables import INVARIANT as VARIABLE
 from megatron_rl_patches._variables import invariant_setting
+from megatron_rl_patches.ops._dist import tp_size
+from megatron_rl_patches.ops.agreement import agree, local_error
 
 # The largest vocabulary the invariant tiles' 64-bit fixed-point sums (kernels.invariant_tiles.FIXED_BITS
 # = 44) serve: a row of 2^19 ids all at its max (a uniform row whose sum covers every column; at TP = 2
@@ -56,10 +58,34 @@ def check_vocab(vocab: int, op: str) -> None:
                          f"this one has {vocab}: call it with invariant=False")
 
 
-def resolve_for_vocab(invariant: object, vocab: int, op: str, config: Any = None) -> bool:
-    """:func:`resolve_invariant` for an op over `vocab` ids: the invariant mode's fixed-point sums
+def deferred_invariant(invariant: object, config: Any) -> bool | None:
+    """What a route holding a model config hands an op: `invariant` when a bool, None when the
+    setting is given (the op reads it and agrees it over its group), else `config`'s
+    ``batch_invariant_mode``: :func:`resolve_invariant`'s order, with no rank refusing alone."""
+    check_invariant(invariant)
+    if isinstance(invariant, bool):
+        return invariant
+    return None if (os.environ.get(VARIABLE) or "").strip() else config_invariant(config)
+
+
+def agreed_invariant(invariant: object, op: str, group: Any, config: Any = None) -> bool:
+    """:func:`resolve_invariant` agreed over the tensor-parallel `group` (None: no tensor
+    parallelism) before the op's first collective, since the two modes run different collectives:
+    the setting on one rank only, or an argument one rank refuses, is the same error naming the
+    ranks on every rank (ops.agreement; one small all-gather per call at tp > 1)."""
+    if tp_size(group) == 1:
+        return resolve_invariant(invariant, config)
+    chosen, error = local_error(lambda: resolve_invariant(invariant, config))
+    agree(group, op, error=error, match={f"the invariant mode (invariant= or {VARIABLE}; 1: on)": chosen},
+          where="tp_group")
+    return bool(chosen)
+
+
+def resolve_for_vocab(invariant: object, vocab: int, op: str, group: Any = None, config: Any = None) -> bool:
+    """:func:`agreed_invariant` for an op over `vocab` ids: the invariant mode's fixed-point sums
     hold only so many ids (ValueError naming `op` beyond them)."""
-    chosen = resolve_invariant(invariant, config)
+    chosen = agreed_invariant(invariant, op, group, config)
     if chosen:
         check_vocab(vocab, op)
     return chosen
+

@@ -54,7 +54,7 @@ def lm_head_kept_log_probs(
     value a function of its hidden row, kept ids and the weight alone, bit for bit (None: the
     setting ``MEGATRON_RL_PATCHES_INVARIANT``); gradients exact, not bit-invariant."""
     _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, None)
-    invariant = resolve_for_vocab(invariant, vocab, "lm_head_kept_log_probs")
+    invariant = resolve_for_vocab(invariant, vocab, "lm_head_kept_log_probs", tp_group)
     chunk = _checks.check_chunk_size(chunk_size)
     checks = _checks.DeviceChecks()
     _checks.check_tokens_shape(tokens, n_rows, hidden.device, "(all rows, also under sequence parallelism)", "hidden")

@@ -99,7 +99,7 @@ def lm_head_log_probs_and_entropy(
     _checks.require_tokens_in_vocab(unselected_as(tokens, selection), vocab, checks, tp_group)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
-    invariant = resolve_for_vocab(invariant, vocab, "lm_head_log_probs_and_entropy")
+    invariant = resolve_for_vocab(invariant, vocab, "lm_head_log_probs_and_entropy", tp_group)
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_log_probs_and_entropy",
                  with_entropy=bool(with_entropy), entropy_grad=bool(with_entropy and entropy_requires_grad),
                  invariant=invariant)
@@ -140,7 +140,7 @@ def lm_head_topk_ids(
     topk_checks.check_k(k, vocab)
     checks = _checks.DeviceChecks()
     _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
-    invariant = resolve_for_vocab(invariant, vocab, "lm_head_topk_ids")
+    invariant = resolve_for_vocab(invariant, vocab, "lm_head_topk_ids", tp_group)
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_ids",
                             invariant=invariant)
     chosen = resolve_backend(backend, hidden.device, hidden.dtype, spec.invariant)
@@ -212,7 +212,7 @@ def lm_head_topk_logprobs(
     k = topk_checks.check_ids(unselected_as(ids, row_mask), torch.Size([n_rows]), vocab, checks, ids_mask)
     selection = RowSelection.of(row_mask, n_rows, hidden.device, "hidden (all rows)", tp_group)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
-    invariant = resolve_for_vocab(invariant, vocab, "lm_head_topk_logprobs")
+    invariant = resolve_for_vocab(invariant, vocab, "lm_head_topk_logprobs", tp_group)
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_logprobs",
                             invariant=invariant)
     flat = ids.reshape(n_rows, k).to(device=hidden.device, dtype=torch.long)

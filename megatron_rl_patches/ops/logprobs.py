@@ -84,7 +84,7 @@ def log_probs_and_entropy(
     selection = RowSelection.of(row_mask, logits.size(0), logits.device, "logits", tp_group)
     local_vocab = logits.size(1)
     invariant = resolve_for_vocab(invariant, _checks.global_vocab(local_vocab, tp_group, vocab_size),
-                                  "log_probs_and_entropy")
+                                  "log_probs_and_entropy", tp_group)
     spec = _vocab.op_spec(
         local_vocab, tp_group, vocab_size,
         _vocab.logits_chunk_rows(chunk_size, local_vocab, tp_group, vocab_size, logits),

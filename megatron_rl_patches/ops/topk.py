@@ -18,7 +18,7 @@ from megatron_rl_patches.ops import _checks, _dist, _divergences, _vocab, topk_c
 from megatron_rl_patches.ops._checks import Temperature, Weights
 from megatron_rl_patches.ops._functions import TopkLogprobs
 from megatron_rl_patches.ops._rows import RowSelection, unselected_as
-from megatron_rl_patches.ops.invariance import resolve_for_vocab, resolve_invariant
+from megatron_rl_patches.ops.invariance import agreed_invariant, resolve_for_vocab, resolve_invariant
 from megatron_rl_patches.ops.kernels import resolve_backend, topk_step
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.row_blocks import in_row_blocks
@@ -55,7 +55,7 @@ def topk_ids(
     k = topk_checks.check_int_k(k)
     vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
     topk_checks.check_k(k, vocab)
-    resolve_invariant(invariant)  # checked; exact either way
+    agreed_invariant(invariant, "topk_ids", tp_group)  # checked (alike on every rank); exact either way
     selection = _select(row_mask, lead, logits.device, tp_group)
     rows = selection.rows
     with torch.no_grad():
@@ -191,7 +191,7 @@ def topk_logprobs(
     """
     logp, tail, lead, k, _, _ = _topk_logprobs_checked(
         logits, ids, tp_group, temperature, vocab_size, chunk_size, _checks.DeviceChecks(), backend=backend,
-        ids_mask=ids_mask, row_mask=row_mask, invariant=invariant,
+        ids_mask=ids_mask, row_mask=row_mask, invariant=agreed_invariant(invariant, "topk_logprobs", tp_group),
     )
     return logp.reshape(*lead, k), tail.reshape(lead)
 
@@ -364,6 +364,7 @@ def topk_opd_loss(
     model. `row_mask` (bool, the student logits' leading shape): only those rows are computed;
     the others' divergence is 0 with no gradient. `invariant`: as in `topk_logprobs` and `topk_kl`.
     """
+    invariant = agreed_invariant(invariant, "topk_opd_loss", tp_group)
     plan = _divergences.ResolvedDivergence.of(*topk_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
     renormalize = _divergences.check_renormalize(renormalize)
     lead, _ = topk_checks.check_logits(student_logits, "student_logits", tp_group)

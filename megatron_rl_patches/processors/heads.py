@@ -30,7 +30,7 @@ from megatron_rl_patches._args import positive_int
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.ops._checks import check_scalar_temperature
 from megatron_rl_patches.ops._rows import RowSelection
-from megatron_rl_patches.ops.invariance import check_invariant, resolve_invariant
+from megatron_rl_patches.ops.invariance import check_invariant, deferred_invariant
 from megatron_rl_patches.processors.output import ProcessorOutput
 
 __all__ = ["log_prob_output_processor", "topk_output_processor"]
@@ -246,7 +246,8 @@ def log_prob_output_processor(
         if keep_mask is not None:
             keep_mask = token_rows(keep_mask, "output_processor_context['keep_mask']", call.batch, call.seq)
         assert call.labels is not None  # checked above: labels were given
-        chosen = resolve_invariant(invariant, config)  # the call's mode, for every op it runs
+        # the call's mode for every op it runs (None: the setting, which each op agrees over its group)
+        chosen = deferred_invariant(invariant, config)
         log_probs, entropy = lm_head_ops.lm_head_log_probs_and_entropy(
             call.hidden,
             call.weight,
@@ -272,7 +273,7 @@ def log_prob_output_processor(
 
 
 def kept_log_probs(call: ProcessorCall, ctx: Mapping[str, Any], log_probs: torch.Tensor,
-                   vocab_size: int | None, invariant: bool) -> torch.Tensor:
+                   vocab_size: int | None, invariant: bool | None) -> torch.Tensor:
     """[s*b] rows: the context's kept-set log-probs on its "kept_row_mask" tokens, `log_probs` elsewhere."""
     ids, positions, mask = ctx.get("kept_ids"), ctx.get("kept_positions"), ctx.get("kept_row_mask")
     if ids is None or positions is None or mask is None:
@@ -340,7 +341,7 @@ def topk_output_processor(
         call = ProcessorCall(hidden_states, output_layer, output_weight, None, config, temperature, ctx)
         options = dict(tp_group=call.tp_group, sequence_parallel=call.sequence_parallel,
                        temperature=call.temperature, vocab_size=vocab_size, chunk_size=chunk_size,
-                       row_mask=_row_mask(ctx, call), invariant=resolve_invariant(invariant, config))
+                       row_mask=_row_mask(ctx, call), invariant=deferred_invariant(invariant, config))
         result: dict[str, torch.Tensor] = ProcessorOutput()
         rows = None if ids is None else token_rows(ids, "output_processor_context['ids']", call.batch, call.seq)
         rows_mask = None if mask is None else token_rows(mask, "output_processor_context['ids_mask']", call.batch,

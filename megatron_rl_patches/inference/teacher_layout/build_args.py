@@ -40,20 +40,3 @@ def refuse_unserved(layout: TeacherLayout, arch: Any, converter: str) -> None:
         raise ValueError(f"{arch.source}: layout={layout!r} does not serve converter={converter!r} (only 'builtin' "
                          "is served at a teacher's own layout) yet; pass layout=None to build the teacher in the "
                          "student's own process groups")
-
-
-def raise_on_every_rank(error: BaseException | None, what: str) -> None:
-    """After a step every rank of the default group takes (a build at a layout): `error` raised
-    where it was caught, and a RuntimeError naming the failing ranks on every other rank, so no rank
-    goes on to score with a teacher another rank never finished (it would wait on that rank)."""
-    import torch  # lazy: import cost: memory --hf --teacher-tp plans without torch
-    import torch.distributed as dist  # lazy: import cost: as torch above
-
-    mine = torch.tensor([1 if error is not None else 0], dtype=torch.int64)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    failed = [rank for rank, flag in enumerate(every) if int(flag.item())]
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(f"{what} failed on rank(s) {failed}: see those ranks' errors; every rank raises")

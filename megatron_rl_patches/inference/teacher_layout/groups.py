@@ -12,6 +12,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
+from megatron_rl_patches.ops import agreement
 
 # ProcessGroupCollection fields and which of the teacher's groups each one is (those a version
 # lacks are skipped); the embedding groups are None: nothing of a frozen teacher is synchronized
@@ -118,9 +119,37 @@ def check_layout(layout: Any) -> tuple[TeacherLayout, int]:
     return layout, world
 
 
+def layout_values(layout: Any) -> dict[str, int | None]:
+    """The sizes of `layout` the ranks must agree on (None where it is no TeacherLayout)."""
+    sizes = layout if isinstance(layout, TeacherLayout) else None
+    return {f"layout's {name}": getattr(sizes, name, None) for name in ("tp", "pp", "ep")}
+
+
 def teacher_groups(layout: TeacherLayout) -> TeacherGroups:
-    """This rank's TeacherGroups for `layout`, built on first use (a collective: every rank of the
-    default group calls it, as build_inference_model_from_hf(layout=) does) and reused after."""
+    """This rank's TeacherGroups for `layout`, built on first use and reused after. A collective
+    on every call: every rank of the default group calls it with the same layout, agreed first
+    (a layout the world cannot hold, or one that differs between ranks, is the same error on every
+    rank); a rank's own groups without a collective: the `teacher_groups` of its built chunks."""
+    if not dist.is_available() or not dist.is_initialized():
+        check_layout(layout)  # raises: no group to agree over
+    _, error = agreement.local_error(lambda: check_layout(layout))
+    agreement.agree(dist.group.WORLD, "teacher_groups", error=error, match=layout_values(layout),
+                    where="the default process group")
+    return groups_of_agreed(layout)
+
+
+def built_groups(layout: TeacherLayout | None = None) -> TeacherGroups | None:
+    """The groups this process built for `layout` in the current world (None: for the only layout
+    built in it), or None when there are none (or several and no `layout`): no collective."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 0
+    found = [groups for (built, size, world_id), groups in _BUILT.items()
+             if size == world and world_id == id(dist.group.WORLD) and layout in (None, built)]
+    return found[0] if len(found) == 1 else None
+
+
+def groups_of_agreed(layout: TeacherLayout) -> TeacherGroups:
+    """teacher_groups once the ranks agreed on `layout` (build_inference_model_from_hf agrees it
+    with its other arguments): built on first use (a collective of every rank), reused after."""
     layout, world = check_layout(layout)
     key = (layout, world, id(dist.group.WORLD))
     if key in _BUILT:

@@ -17,27 +17,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl_patches.inference.residency.placement import forward_device
-from megatron_rl_patches.inference.teacher_layout.gather import GroupBatch, agree, gathered
+from megatron_rl_patches.inference.teacher_layout.entry import enter, language_model
+from megatron_rl_patches.inference.teacher_layout.gather import GroupBatch, gathered
 from megatron_rl_patches.inference.teacher_layout.groups import TeacherGroups
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 from megatron_rl_patches.inference.teacher_layout.pipeline import replica_scores
 from megatron_rl_patches.ops import log_probs_and_entropy, topk_ids, topk_logprobs
-from megatron_rl_patches.ops.invariance import resolve_invariant
-
-
-def _groups_of(chunks: Any, layout: TeacherLayout | None) -> tuple[torch.nn.Module, TeacherGroups]:
-    if isinstance(chunks, torch.nn.Module):
-        chunks = [chunks]
-    if not isinstance(chunks, (list, tuple)) or len(chunks) != 1 or not isinstance(chunks[0], torch.nn.Module):
-        raise TypeError("chunks must be the one-chunk list that build_inference_model_from_hf(layout=...) returns "
-                        f"(or its chunk), got {type(chunks).__name__}")
-    groups = getattr(chunks[0], "teacher_groups", None)
-    if not isinstance(groups, TeacherGroups):
-        raise ValueError("chunks were not built at a teacher layout: build them with "
-                         "build_inference_model_from_hf(path, layout=TeacherLayout(tp=N))")
-    if layout is not None and layout != groups.layout:
-        raise ValueError(f"layout={layout!r} differs from the layout the chunks were built at ({groups.layout!r})")
-    return chunks[0], groups
 
 
 def _causal_mask(rows: int, length: int) -> torch.Tensor:
@@ -96,9 +81,12 @@ def score_at_layout(
     A collective over the teacher replica's ranks: every rank of the default group calls
     it once per micro-batch. `layout`: checked against the chunks' own when given; `vocab_size`:
     the real vocab (default: the checkpoint's, so padded vocab rows get no mass); `temperature`
-    divides the logits. `invariant`: the vocabulary ops' mode — the student's, for a teacher
-    scored beside it (None: the setting MEGATRON_RL_PATCHES_INVARIANT; a teacher's own config is
-    never read)."""
+    divides the logits (the same on every rank). Each rank's arguments and ids (tokens within the
+    checkpoint's vocabulary, labels within `vocab_size`) are checked, then agreed over the replica
+    before any other collective (entry.enter): a failure or a differing value on any rank is the
+    same error on every rank of the replica. `invariant`: the vocabulary ops' mode — the
+    student's, for a teacher scored beside it (None: the setting MEGATRON_RL_PATCHES_INVARIANT; a
+    teacher's own config is never read), agreed like the rest."""
     log_probs, _ = score_with_entropy_at_layout(chunks, tokens, labels, layout=layout, temperature=temperature,
                                                 vocab_size=vocab_size, with_entropy=False, invariant=invariant)
     return log_probs
@@ -118,16 +106,15 @@ def score_with_entropy_at_layout(
     """score_at_layout's log-probs and, with `with_entropy`, the entropy of the teacher's
     distribution (logits / temperature, over the real vocab) at each of this rank's positions,
     [rows, length] fp32 each (None without `with_entropy`). `invariant` as score_at_layout's."""
-    invariant = resolve_invariant(invariant)
-    model, groups = _groups_of(chunks, layout)
-    batch = agree(groups, tokens, {"labels": labels})
-    vocab = vocab_size or getattr(model, "hf_vocab_size", None)
+    call = enter("score_at_layout", chunks, layout, tokens, {"labels": labels}, temperature=temperature,
+                 vocab_size=vocab_size, match={"with_entropy": bool(with_entropy)}, invariant=invariant)
+    model, groups, batch = call.model, call.groups, call.batch
 
     def score(logits: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
         log_probs, entropy = log_probs_and_entropy(logits, all_labels.to(device), tp_group=groups.tp_group,
-                                                   temperature=temperature, with_entropy=with_entropy,
-                                                   vocab_size=vocab, row_mask=_padding_mask(batch, device),
-                                                   invariant=invariant)
+                                                   temperature=call.temperature, with_entropy=with_entropy,
+                                                   vocab_size=call.vocab, row_mask=_padding_mask(batch, device),
+                                                   invariant=call.invariant)
         return [log_probs] if entropy is None else [log_probs, entropy]
 
     with torch.no_grad():
@@ -156,27 +143,22 @@ def topk_at_layout(
     on-policy distillation); normalized over the full vocab. `ids_mask` (bool, the ids' shape):
     False slots are padding, log-prob -inf, their mass left in the tail (as `topk_logprobs`).
     Otherwise (`invariant` too) as score_at_layout."""
-    invariant = resolve_invariant(invariant)
-    model, groups = _groups_of(chunks, layout)
-    if ids_mask is not None and (not isinstance(ids_mask, torch.Tensor) or ids_mask.dtype != torch.bool
-                                 or not isinstance(ids, torch.Tensor) or ids_mask.shape != ids.shape):
-        got = f"{ids_mask.dtype} {tuple(ids_mask.shape)}" if isinstance(ids_mask, torch.Tensor) else type(ids_mask)
-        raise TypeError(f"ids_mask must be a bool tensor of the ids' shape, got {got}")
-    others = {"ids": ids} if ids_mask is None else {"ids": ids, "ids_mask": ids_mask.long()}
-    batch = agree(groups, tokens, others)
-    vocab = vocab_size or getattr(model, "hf_vocab_size", None)
+    others = {"ids": ids} if ids_mask is None else {"ids": ids, "ids_mask": ids_mask}
+    call = enter("topk_at_layout", chunks, layout, tokens, others, temperature=temperature, vocab_size=vocab_size,
+                 match={"ids_mask given": ids_mask is not None}, invariant=invariant)
+    model, groups, batch = call.model, call.groups, call.batch
 
     def score(logits: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
         mask = None if all_mask is None else all_mask.reshape(logits.shape[0], -1).to(device=device, dtype=torch.bool)
         logp, tail = topk_logprobs(logits, all_ids.reshape(logits.shape[0], -1).to(device), tp_group=groups.tp_group,
-                                   temperature=temperature, vocab_size=vocab, ids_mask=mask,
+                                   temperature=call.temperature, vocab_size=call.vocab, ids_mask=mask,
                                    row_mask=_padding_mask(batch, device),  # padding's ids are never read
-                                   invariant=invariant)
+                                   invariant=call.invariant)
         return [logp, tail]
 
     with torch.no_grad():
         all_ids = gathered(groups, ids, batch)
-        all_mask = None if ids_mask is None else gathered(groups, others["ids_mask"], batch)
+        all_mask = None if ids_mask is None else gathered(groups, ids_mask.long(), batch)
         scores = _replica_scores(model, groups, tokens, batch, score, [(batch.k,), ()])
     if scores is None:
         rows, length = batch.shapes[groups.replica_rank]
@@ -200,23 +182,24 @@ def select_topk_at_layout(
     id, padded vocab rows never chosen; the same k on every rank): the first pass of a teacher with
     another tokenizer (its own top-k at chunk starts), whose log-probs at those ids `topk_at_layout`
     then gives. Otherwise (`invariant` too) as score_at_layout."""
-    invariant = resolve_invariant(invariant)
-    model, groups = _groups_of(chunks, layout)
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be a positive int, got {k!r}")
-    width = torch.zeros(*tokens.shape, k, dtype=torch.int64) if isinstance(tokens, torch.Tensor) \
-        and tokens.dim() == 2 else tokens
-    batch = agree(groups, tokens, {"labels": labels, "ids": width})
-    vocab = vocab_size or getattr(model, "hf_vocab_size", None)
-    if int(getattr(_language_model(model), "vocab_size", 0)) >= 2 ** 24:
-        raise ValueError("select_topk_at_layout serves vocabularies below 2**24 ids (its ids travel as float32)")
+    def checks(model: torch.nn.Module, vocab: int) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab:
+            raise ValueError(f"k must be an int in [1, {vocab}] (the scored vocabulary), got {k!r}")
+        if int(language_model(model).vocab_size) >= 2 ** 24:
+            raise ValueError("select_topk_at_layout serves vocabularies below 2**24 ids (its ids travel as float32)")
+
+    call = enter("select_topk_at_layout", chunks, layout, tokens, {"labels": labels}, temperature=temperature,
+                 vocab_size=vocab_size, checks=checks, match={"k": k if isinstance(k, int) else None},
+                 invariant=invariant)
+    model, groups, batch = call.model, call.groups, call.batch
 
     def score(logits: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
         mask = _padding_mask(batch, device)
         log_probs, _ = log_probs_and_entropy(logits, all_labels.to(device), tp_group=groups.tp_group,
-                                             temperature=temperature, with_entropy=False, vocab_size=vocab,
-                                             row_mask=mask, invariant=invariant)
-        ids = topk_ids(logits, k, tp_group=groups.tp_group, vocab_size=vocab, row_mask=mask, invariant=invariant)
+                                             temperature=call.temperature, with_entropy=False, vocab_size=call.vocab,
+                                             row_mask=mask, invariant=call.invariant)
+        ids = topk_ids(logits, k, tp_group=groups.tp_group, vocab_size=call.vocab, row_mask=mask,
+                       invariant=call.invariant)
         return [log_probs, ids.float()]  # the scores' float32 carries ids exactly below 2**24
 
     with torch.no_grad():
@@ -242,21 +225,14 @@ class _HiddenOut(torch.nn.Module):
         return hidden_states, None
 
 
-def _language_model(model: torch.nn.Module) -> Any:
-    inner: Any = model
-    while hasattr(inner, "module") and not hasattr(inner, "decoder"):
-        inner = inner.module
-    return inner
-
-
 def hidden_at_layout(chunks: Any, tokens: torch.Tensor, *, layout: TeacherLayout | None = None) -> torch.Tensor:
     """The teacher's final hidden states (its output layer's input, after the final norm) at this
     rank's rows, [rows, length, hidden] fp32: with `output_weight_at_layout` what a full-vocabulary
     divergence (`lm_head_divergence`'s teacher_hidden / teacher_weight) needs of a teacher at its
     own layout, and nothing [T, V]-sized crosses ranks. A collective as score_at_layout."""
-    model, groups = _groups_of(chunks, layout)
-    batch = agree(groups, tokens, {})
-    inner = _language_model(model)
+    call = enter("hidden_at_layout", chunks, layout, tokens, {})
+    model, groups, batch = call.model, call.groups, call.batch
+    inner = language_model(model)
     width = int(inner.config.hidden_size)
     swapped = getattr(inner, "post_process", True)  # only the last stage has an output layer
     if swapped:
@@ -279,8 +255,9 @@ def output_weight_at_layout(chunks: Any, *, layout: TeacherLayout | None = None)
     student's vocabulary shard for `lm_head_divergence` (rows [r·V/tp, (r+1)·V/tp) of a student
     at TP=tp; pass the real `vocab_size` so padded rows get no mass). A collective over every rank
     of the teacher's replica (each holds V / tp · hidden of it afterwards, not before)."""
-    model, groups = _groups_of(chunks, layout)
-    inner = _language_model(model)
+    call = enter("output_weight_at_layout", chunks, layout, None, {})
+    model, groups = call.model, call.groups
+    inner = language_model(model)
     rows, width = int(inner.vocab_size) // groups.tp_size, int(inner.config.hidden_size)
     parameter, device = next(model.parameters()), forward_device(model)
     with torch.no_grad():

@@ -11,11 +11,13 @@ name."""
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.inference.teacher_layout.hostile_layout import build_cases, pp2_cases, tp2_cases
 from tests.inference.teacher_layout.layout_worlds import close, read_shares, served, two_rank_world
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
@@ -119,6 +121,11 @@ def api_checks(rank: int, world_size: int, root: str) -> dict:
         results["invariant_alone"] = score_at_layout(chunks, *(empty if rank == 0 else (tokens, labels)),
                                                      invariant=True)
         results["invariant_topk"] = topk_at_layout(chunks, tokens, _ids(rank), invariant=True)
+
+        started = time.perf_counter()  # issue 63 items 4-6: a rank's own mistake, bounded (hostile_layout.py)
+        results["hostile"] = {**tp2_cases(rank, chunks, whole, tokens, labels, _ids(rank), VOCAB),
+                              **build_cases(rank, root)}
+        results["hostile_seconds"] = time.perf_counter() - started
         results.update(_pipeline_checks(root, tokens, labels))
     return results
 
@@ -159,6 +166,9 @@ def _pipeline_checks(root: str, tokens: torch.Tensor, labels: torch.Tensor) -> d
             chunks[0].__dict__.pop("forward", None)
     dist.barrier()
     results["pp2_after"] = score_at_layout(chunks, tokens, labels)
+    started = time.perf_counter()
+    results["pp2_hostile"] = pp2_cases(rank, chunks, tokens, labels, VOCAB)
+    results["pp2_hostile_seconds"] = time.perf_counter() - started
     # a tied output layer: the last stage reads it from the embedding's tensor (nothing synchronized)
     tied = Path(tempfile.mkdtemp()) / "tied"  # each rank its own copy of the same checkpoint
     write_tiny_checkpoint(tied, tiny_hf_config("qwen3", tie_word_embeddings=True), seed=7)
@@ -264,7 +274,8 @@ def test_layouts_the_world_or_the_build_cannot_hold_are_refused_on_every_rank(wo
         # swap / stream are served at a layout (test_teacher_layout_residency.py); their bad arguments are not
         assert result["bad_prefetch"].startswith("ValueError: prefetch must be an int >= 0")
         assert "differs from the layout the chunks were built at" in result["other_layout"]
-        assert "bad tokens / labels / ids on rank(s) [1]" in result["bad_input"]
+        assert result["bad_input"].startswith("TypeError: tokens must be an integer tensor")
+        assert "refused on rank(s) [1] of the teacher replica [0, 1], so on every rank" in result["bad_input"]
 
 
 def test_a_two_stage_teacher_pipeline_gives_each_rank_the_one_rank_teachers_scores(world):
