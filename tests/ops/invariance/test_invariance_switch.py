@@ -58,6 +58,27 @@ def test_the_setting_switches_the_ops_on(monkeypatch):
     assert torch.equal(ops.lm_head_log_probs_and_entropy(h, w, tokens)[0], explicit)
 
 
+def test_the_setting_switches_every_op(monkeypatch):
+    """Every vocabulary op called with invariant=None follows the setting: "1" its invariant call's
+    bits, "0" its default call's, on rows where the two differ (the ids ops: exact in both)."""
+    from test_invariant_rows import _ops, _rows, _weight  # this folder's cases (on sys.path: conftest.py)
+
+    weight, rows = _weight(torch.float32), _rows(40, 7, torch.float32)
+
+    def outputs(calls, op):
+        out = calls[op](*rows)
+        return out if isinstance(out, tuple) else (out,)
+
+    for op in _ops(weight, None):
+        explicit = {inv: outputs(_ops(weight, None, inv), op) for inv in (True, False)}
+        for text, inv in (("1", True), ("0", False)):
+            monkeypatch.setenv(VARIABLE, text)
+            got = outputs(_ops(weight, None, None), op)
+            assert all(torch.equal(a, b) for a, b in zip(got, explicit[inv], strict=True)), (op, text)
+        if not op.endswith("topk_ids"):  # the two modes differ here: the check can fail
+            assert not any(torch.equal(a, b) for a, b in zip(explicit[True], explicit[False])), op
+
+
 def test_lm_head_divergence_refuses_the_mode_by_name_and_warns_under_the_setting(monkeypatch, caplog):
     g = torch.Generator().manual_seed(1)
     h, w = torch.randn(4, 8, generator=g), torch.randn(16, 8, generator=g)
