@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_rl_patches import ops
-from megatron_rl_patches.ops.invariance import VARIABLE, resolve_invariant
+from megatron_rl_patches.ops.invariance import VARIABLE, resolve_for_vocab, resolve_invariant
 
 
 @pytest.mark.parametrize("text, expected", [("1", True), ("TRUE", True), (" on ", True), ("0", False), ("off", False),
@@ -20,6 +20,15 @@ def test_the_setting_is_read_with_its_words(monkeypatch, text, expected):
     else:
         monkeypatch.setenv(VARIABLE, text)
     assert resolve_invariant(None) is expected
+
+
+def test_a_given_environment_is_read_instead_of_the_process_one(monkeypatch):
+    from megatron_rl_patches.ops.invariance import environment_invariant
+
+    monkeypatch.setenv(VARIABLE, "1")
+    assert environment_invariant({}) is None and environment_invariant({VARIABLE: "off"}) is False
+    monkeypatch.delenv(VARIABLE)
+    assert environment_invariant({VARIABLE: "on"}) is True and environment_invariant() is None
 
 
 def test_argument_beats_setting_beats_config(monkeypatch):
@@ -39,6 +48,9 @@ def test_bad_values_are_refused_by_name(monkeypatch):
     monkeypatch.setenv(VARIABLE, "maybe")
     with pytest.raises(ValueError, match=VARIABLE):
         ops.log_probs_and_entropy(torch.zeros(2, 5), torch.zeros(2, dtype=torch.long))
+    monkeypatch.setenv(VARIABLE, "y" * 40 + "z" * 20)  # a long value: its first 40 characters quoted
+    with pytest.raises(ValueError, match=f"{VARIABLE}='{'y' * 40}' is not a switch"):
+        resolve_invariant(None)
     monkeypatch.delenv(VARIABLE)
     with pytest.raises(TypeError, match="invariant"):
         ops.lm_head_log_probs_and_entropy(torch.zeros(2, 3), torch.zeros(5, 3), torch.zeros(2, dtype=torch.long),
@@ -100,6 +112,10 @@ def test_vocabularies_beyond_the_fixed_point_range_are_refused():
     check_vocab(MAX_VOCAB, "log_probs_and_entropy")
     with pytest.raises(ValueError, match=r"log_probs_and_entropy\(invariant=True\).*invariant=False"):
         check_vocab(MAX_VOCAB + 1, "log_probs_and_entropy")
+    # through the switch: the op named; the default mode takes any vocabulary
+    assert resolve_for_vocab(False, MAX_VOCAB + 1, "topk_logprobs") is False
+    with pytest.raises(ValueError, match=r"^topk_logprobs\(invariant=True\)"):
+        resolve_for_vocab(True, MAX_VOCAB + 1, "topk_logprobs")
 
 
 def test_processors_read_the_config(monkeypatch):
