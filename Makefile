@@ -15,7 +15,9 @@
 #                            its own Python 3.11 venv): tests marked `served` (tests/teachers/lane)
 #
 # Not part of `make test`: `make test-nemo NEMO_RL=...` (.venv-mcore019 + .lanes/nemo-rl: NeMo-RL
-# 7ea279ab's source and tools/nemo-rl-lane.txt, --no-deps: tests marked `nemo_rl`), `make test-mbridge` (.venv + .lanes/mbridge: mbridge 0.15.1 and einops,
+# 7ea279ab's source and tools/nemo-rl-lane.txt, --no-deps: tests marked `nemo_rl`), `make mutate MODULE=...
+# TESTS=...` (mutation testing of one module against its tests: mutmut in .lanes/mutmut,
+# tools/mutmut-lane.txt), `make test-mbridge` (.venv + .lanes/mbridge: mbridge 0.15.1 and einops,
 # tools/mbridge-lane.txt, --no-deps: tests marked `mbridge`, the optional converter="mbridge").
 #
 # On a CUDA machine (not part of `make test`; installs nothing, uses $(GPU_PYTHON) as it is):
@@ -53,7 +55,7 @@ STAMP_OLD = $(VENV_OLD)/.installed
 STAMP_NEW = $(VENV_NEW)/.installed
 DEPS = setup.cfg setup.py pyproject.toml
 
-.PHONY: venv demo test test-main test-oldest test-newest test-verl test-served test-mbridge test-slime test-nemo test-versions test-source test-gpu bench bench-gpu bench-slime clean
+.PHONY: venv demo test test-main test-oldest test-newest test-verl test-served test-mbridge test-slime test-nemo test-versions test-source test-gpu bench bench-gpu bench-slime mutate clean
 
 venv: $(STAMP)
 
@@ -234,6 +236,20 @@ test-source: $(STAMP_NEW)
 	@test -d "$(CHECKOUT)/megatron/core" || { echo "usage: make test-source CHECKOUT=/path/to/Megatron-LM"; exit 2; }
 	@$(VENV_NEW)/bin/pip install -q --no-deps --target .lanes/source-deps pyyaml
 	@PYTHONPATH=$(abspath $(CHECKOUT)):.lanes/source-deps $(VENV_NEW)/bin/$(LANE_PYTEST) | sed "s|^|$(CHECKOUT): |"
+
+# Mutation testing of one module against its own tests (not part of `make test`; mutmut 3.8.1 and
+# what it needs that .venv lacks, tools/mutmut-lane.txt, installed --no-deps into .lanes/mutmut):
+#   make mutate MODULE=megatron_rl_patches/ops/topk.py TESTS="tests/ops/topk tests/ops/invariance/test_invariant_rows.py"
+# MUTANTS='*topk_kl*' runs a subset (a glob over mutant names), CHILDREN=2 two at once (default 1).
+MUTMUT_LANE = .lanes/mutmut
+MUTMUT_STAMP = $(MUTMUT_LANE)/.installed
+$(MUTMUT_STAMP): tools/mutmut-lane.txt
+	rm -rf $(MUTMUT_LANE)
+	$(VENV)/bin/pip install -q --no-deps --target $(MUTMUT_LANE) -r tools/mutmut-lane.txt
+	touch $(MUTMUT_STAMP)
+
+mutate: $(STAMP) $(MUTMUT_STAMP)
+	tools/mutate $(abspath $(VENV))/bin/python $(MUTMUT_LANE) "$(MODULE)" $(TESTS)
 
 # The GPU lane: refuses in one line where torch sees no CUDA device.
 CUDA_CHECK = $(GPU_ENV) $(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \

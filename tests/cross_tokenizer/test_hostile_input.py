@@ -15,6 +15,7 @@ pytest.importorskip("tokenizers")
 
 from megatron_rl_patches import cross_tokenizer as ct  # noqa: E402
 from tests.cross_tokenizer.conftest import TEXTS  # noqa: E402
+from tests.cross_tokenizer.test_losses import dense_reference  # noqa: E402
 
 IM_END = 151645  # Qwen's <|im_end|>
 
@@ -112,14 +113,18 @@ def test_swapped_shared_vocabulary_refused(qwen3, qwen35, loss):
 
 def test_topk_on_a_padded_teacher_layer(spm):
     """Padded teacher rows (Megatron pads the vocabulary) that win the teacher's top-k belong to
-    no shared string: they fall into the tail instead of indexing past the string table."""
+    no shared string: they fall into the tail instead of indexing past the string table (or being
+    read as the last string): the value equals the float64 dense reference by the definitions."""
     ids = ct.load_tokenizer(spm).encode(TEXTS["english"], add_special_tokens=False).ids
     t_ids, alignment = ct.retokenize(ids, spm, spm)
     shared = ct.shared_strings(spm, spm)
-    h, w, th, tw = _models(spm, spm, len(ids), len(t_ids))
+    h, w, th, tw = (t.double() for t in _models(spm, spm, len(ids), len(t_ids)))
     tw = torch.cat([tw, th.mean(0, keepdim=True).expand(4, -1) * 50])  # 4 padded rows, the teacher's favourites
+    assert (shared.string_of(torch.arange(tw.size(0) - 4, tw.size(0)), "teacher") == -1).all()
     value = ct.chunk_start_topk_divergence(h, w, th, tw, alignment, shared, k=4)
+    rows, ref = dense_reference(h, w, th, tw, alignment, shared, 4, "reverse_kl")
     assert torch.isfinite(value).all() and value.abs().sum() > 0
+    torch.testing.assert_close(value, torch.zeros_like(value).index_put((rows,), ref), rtol=1e-7, atol=1e-9)
 
 
 def test_cascade_of_real_tokens(qwen3, qwen35):

@@ -62,7 +62,8 @@ def dense_reference(h, w, th, tw, alignment, shared, k, divergence):
     out = []
     for r in range(len(s_rows)):
         top = torch.argsort(lt[r], descending=True)[:k]
-        strings = sorted({int(shared.teacher_string[i]) for i in top.tolist()} - {-1})
+        table = shared.teacher_string  # a padded row past the table belongs to no string
+        strings = sorted({int(table[i]) if i < table.numel() else -1 for i in top.tolist()} - {-1})
         p, q = [], []
         for g in strings:
             a = shared.student_ids[shared.student_offsets[g]:shared.student_offsets[g + 1]]

@@ -1,8 +1,13 @@
 """`retokenize` with many segments (a forced boundary every other token, special tokens): linear in
-the segments (array elements touched counted, no timing), and equal to a simple reference —
+the segments (array elements touched, and Python lines run and list elements read, counted; no
+timing), and equal to a simple reference —
 each segment encoded alone by the teacher, specials mapped by content, `align` with the segment
 starts forced — on random text (Qwen3 → Qwen3.5)."""
 from __future__ import annotations
+
+import builtins
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,6 +91,62 @@ def test_boundary_every_other_token_is_linear(qwen3, qwen35, monkeypatch):
     large = touched_by_retokenize(ids, qwen3, qwen35, monkeypatch)
     assert 0 < small <= 40 * n, small
     assert large <= 2.3 * small, (small, large)
+
+
+class PythonWork:
+    """The plain-Python work of the cross_tokenizer package: the lines its functions run
+    (sys.settrace, its own files only) and the elements its builtin reductions and copies read
+    (sum, min, max, sorted, any, all, list, tuple, set: shadowed in its modules), which the numpy
+    count above cannot see (a re-sum of a Python list)."""
+
+    BUILTINS = ("sum", "min", "max", "sorted", "any", "all", "list", "tuple", "set")
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        self.folder = str(Path(retokenizing.__file__).resolve().parent)
+        for name, module in list(sys.modules.items()):
+            if name.startswith("megatron_rl_patches.cross_tokenizer") and module is not None:
+                for builtin in self.BUILTINS:
+                    monkeypatch.setattr(module, builtin, self._counted(getattr(builtins, builtin)), raising=False)
+
+    def _counted(self, builtin):
+        def counted(*args, **kwargs):
+            if args and hasattr(args[0], "__len__"):
+                self.count += len(args[0])
+            return builtin(*args, **kwargs)
+
+        return counted
+
+    def _line(self, frame, event, arg):
+        self.count += event == "line"
+        return self._line
+
+    def _call(self, frame, event, arg):
+        return self._line if frame.f_code.co_filename.startswith(self.folder) else None
+
+    def of(self, call):
+        """The work `call()` does, counted."""
+        self.count = 0
+        sys.settrace(self._call)
+        try:
+            call()
+        finally:
+            sys.settrace(None)
+        return self.count
+
+
+def test_boundary_every_other_token_is_linear_in_python_work_too(qwen3, qwen35, monkeypatch):
+    """Twice the ids and boundaries, about twice the Python lines run and list elements read (a
+    plain-Python re-sum of the kept byte lengths at each segment, ~n²/2 elements, makes it ~4x)."""
+    tok = ct.load_tokenizer(qwen3)
+    base = [i for text in TEXTS.values() for i in tok.encode(text, add_special_tokens=False).ids]
+    ct.retokenize(base, qwen3, qwen35)  # the tables and encoder built before counting
+    work = PythonWork(monkeypatch)
+    counts = {}
+    for n in (1000, 2000):
+        ids = (base * (n // len(base) + 1))[:n]
+        counts[n] = work.of(lambda ids=ids, n=n: ct.retokenize(ids, qwen3, qwen35, boundaries=range(0, n, 2)))
+    assert counts[1000] > 1000 and counts[2000] / counts[1000] < 2.3, counts
 
 
 def same_alignment(a, b) -> bool:

@@ -1,13 +1,14 @@
 """A teacher at its own layout over 4 student ranks (one spawned 4-rank gloo world, the student at
 TP=1 x DP=4): TeacherLayout(tp=4) (one group of 4) and TeacherLayout(tp=2) (teacher TP=2 x DP=2,
 groups {0, 1} and {2, 3}) built side by side; each rank's rows (counts and lengths differ per
-rank, rank 2 has none) scored to the whole teacher's log-probs on that rank (1e-6, relative
-1e-6), each rank holding 1/tp of the vocab; the same beside a student at TP=2 x DP=2 (teacher TP=4
-and TP=1: the student's parallel_state plays no part); a tiny deepseek_v3 (multi-latent attention
-with experts) at TeacherLayout(tp=4), each expert a quarter per rank, and at TeacherLayout(tp=2,
-pp=2): its dense first layer on the first stage, its experts on the last (log-probs, top-k + tail);
-a tiny qwen3 and qwen3_5 with 2 key/value heads at TeacherLayout(tp=4), each head repeated on 2
-ranks (kv_heads.py: rank t pairs its query head with head t // 2, which a wrong pairing would not)."""
+rank, rank 2 has none) scored to the whole teacher's log-probs on that rank (its forward and the
+ops on its logits, without score_at_layout; 1e-6, relative 1e-6), each rank holding 1/tp of the
+vocab; the same beside a student at TP=2 x DP=2 (teacher TP=4 and TP=1: the student's
+parallel_state plays no part); a tiny deepseek_v3 (multi-latent attention with experts) at
+TeacherLayout(tp=4), each expert a quarter per rank, and at TeacherLayout(tp=2, pp=2): its dense
+first layer on the first stage, its experts on the last (log-probs, top-k + tail); a tiny qwen3
+and qwen3_5 with 2 key/value heads at TeacherLayout(tp=4), each head repeated on 2 ranks
+(kv_heads.py: rank t pairs its query head with head t // 2, which a wrong pairing would not)."""
 from __future__ import annotations
 
 import time
@@ -51,11 +52,11 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
     tokens, labels = _rows(rank)
     with megatron_on_cpu():  # the student: TP=1 x DP=4
         try:
-            whole = build_inference_model_from_hf(root, dtype=torch.float32, layout=TeacherLayout(tp=1))
+            build_inference_model_from_hf(root, dtype=torch.float32, layout=TeacherLayout(tp=1))
         except ValueError as exc:  # a megatron-core without ProcessGroupCollection
             results["unsupported"] = str(exc)
             return results
-        results["reference"] = score_at_layout(whole, tokens, labels)  # one rank per teacher group: no gather
+        results["reference"], results["topk_reference"] = _forward_reference(root, tokens, labels, _ids(rank))
         for tp in (4, 2):
             chunks = build_inference_model_from_hf(root, dtype=torch.float32, layout=TeacherLayout(tp=tp))
             groups = teacher_groups(TeacherLayout(tp=tp))
@@ -63,7 +64,7 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
             results[f"tp{tp}_dp"] = (groups.dp_rank, groups.dp_size)
             results[f"tp{tp}_vocab"] = chunks[0].embedding.word_embeddings.weight.shape[0]
             results[f"tp{tp}"] = score_at_layout(chunks, tokens, labels)
-        results.update(_pipelined(root, tokens, labels, whole))
+        results.update(_pipelined(root, tokens, labels))
     with megatron_on_cpu(tensor_parallel=2):  # a student at TP=2 x DP=2: the teacher's layout ignores it
         chunks = build_inference_model_from_hf(root, dtype=torch.float32, layout=TeacherLayout(tp=4))
         results["student_tp2_teacher_tp4"] = score_at_layout(chunks, tokens, labels)
@@ -73,14 +74,12 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
     start = time.perf_counter()
     with megatron_on_cpu():  # multi-latent attention with experts over one teacher group of 4
         mla = str(Path(root).parent / "deepseek_v3")
-        whole = build_inference_model_from_hf(mla, dtype=torch.float32, layout=TeacherLayout(tp=1))
-        results["mla_reference"] = score_at_layout(whole, tokens, labels)
+        results["mla_reference"], results["mla_topk_reference"] = _forward_reference(mla, tokens, labels, _ids(rank))
         chunks = build_inference_model_from_hf(mla, dtype=torch.float32, layout=TeacherLayout(tp=4))
         results["mla_tp4"] = score_at_layout(chunks, tokens, labels)
         results["mla_experts_fc1"] = chunks[0].decoder.layers[1].mlp.experts.local_experts[0].linear_fc1.weight.shape
         results["mla_seconds"] = time.perf_counter() - start
         # one replica of 4 ranks: stage 0 (ranks 0, 1) the dense first layer, stage 1 (ranks 2, 3) the experts
-        results["mla_topk_reference"] = topk_at_layout(whole, tokens, _ids(rank))
         chunks = build_inference_model_from_hf(mla, dtype=torch.float32, layout=TeacherLayout(tp=2, pp=2))
         results["mla_tp2pp2"] = score_at_layout(chunks, tokens, labels)
         results["mla_tp2pp2_topk"] = topk_at_layout(chunks, tokens, _ids(rank))
@@ -92,8 +91,7 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
     with megatron_on_cpu(), torch._dynamo.config.patch(disable=True):  # 2 key/value heads over 4 ranks: repeated
         for kind in KV_REPEATED:
             path = str(Path(root).parent / kind)
-            whole = build_inference_model_from_hf(path, dtype=torch.float32, layout=TeacherLayout(tp=1))
-            results[f"{kind}_reference"] = score_at_layout(whole, tokens, labels)
+            results[f"{kind}_reference"], _ = _forward_reference(path, tokens, labels, _ids(rank))
             chunks = build_inference_model_from_hf(path, dtype=torch.float32, layout=TeacherLayout(tp=4))
             results[f"{kind}_tp4"] = score_at_layout(chunks, tokens, labels)
     return results
@@ -106,10 +104,32 @@ def _ids(rank: int) -> torch.Tensor:
     return (base + 89 * torch.arange(3)) % VOCAB
 
 
-def _pipelined(root: str, tokens: torch.Tensor, labels: torch.Tensor, whole) -> dict:
+def _forward_reference(path: str, tokens: torch.Tensor, labels: torch.Tensor, ids: torch.Tensor
+                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The teacher built whole on this rank (no layout: the student's TP=1 groups; every rank builds
+    it), its forward and the ops on its logits: the log-probs of `labels` and the top-k log-probs at
+    `ids` with their tail. score_at_layout / topk_at_layout take no part (a fault they share with
+    the layouts' scores would show)."""
+    from megatron_rl_patches import build_inference_model_from_hf
+    from megatron_rl_patches.ops import log_probs_and_entropy, topk_logprobs
+    from megatron_rl_patches.testing.megatron_cpu import make_batch
+
+    (model,) = build_inference_model_from_hf(path, dtype=torch.float32)
+    rows, length = tokens.shape
+    if rows == 0:  # a rank without rows
+        return torch.zeros(rows, length), (torch.zeros(ids.shape), torch.zeros(rows, length))
+    batch = make_batch(batch_size=rows, seq_length=length, vocab_size=VOCAB)
+    with torch.no_grad():
+        flat = model(tokens, batch["position_ids"], batch["attention_mask"]).reshape(rows * length, -1)
+        log_probs, _ = log_probs_and_entropy(flat, labels.reshape(-1), vocab_size=VOCAB)
+        logp, tail = topk_logprobs(flat, ids.reshape(rows * length, -1), vocab_size=VOCAB)
+    return log_probs.view(rows, length), (logp.view(ids.shape), tail.view(rows, length))
+
+
+def _pipelined(root: str, tokens: torch.Tensor, labels: torch.Tensor) -> dict:
     """TeacherLayout(tp=2, pp=2) (one replica of 4 ranks) and TeacherLayout(pp=2) (pipelines {0, 2}
-    and {1, 3}, DP=2): groups, the bytes each rank read, log-probs and (tp=2 x pp=2) top-k + tail,
-    beside the 1-rank teacher's top-k; then the refusals of this world."""
+    and {1, 3}, DP=2): groups, the bytes each rank read, log-probs and (tp=2 x pp=2) top-k + tail;
+    then the refusals of this world."""
     import torch.distributed as dist
 
     from megatron_rl_patches import build_inference_model_from_hf, residency_report
@@ -117,7 +137,7 @@ def _pipelined(root: str, tokens: torch.Tensor, labels: torch.Tensor, whole) -> 
     from megatron_rl_patches.testing.file_reads import FileReads
 
     rank = dist.get_rank()
-    results: dict = {"topk_reference": topk_at_layout(whole, tokens, _ids(rank))}
+    results: dict = {}
     built = {}
     for name, layout in (("tp2pp2", TeacherLayout(tp=2, pp=2)), ("pp2", TeacherLayout(pp=2))):
         with FileReads(root) as reads:

@@ -326,7 +326,10 @@ def test_a_layout_entry_at_the_runs_residency_gives_the_resident_entrys_scores_b
 def test_a_rank_without_samples_still_takes_part(world):
     served(world)
     assert world[0]["empty_or_not"].log_probs == [] and world[0]["empty_or_not"].tails == []
-    for got, want in zip(world[1]["empty_or_not"].log_probs, world[1]["log_probs"]):
+    assert len(world[1]["log_probs"]) == len(SAMPLES[1])  # the other rank's samples all scored: compared below
+    for got, want in zip(world[1]["empty_or_not"].log_probs, world[1]["log_probs"], strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(world[1]["empty_or_not"].tails, world[1]["tails"], strict=True):
         assert torch.equal(got, want)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_rl_patches import ops
-from megatron_rl_patches.ops.invariance import VARIABLE, resolve_invariant
+from megatron_rl_patches.ops.invariance import VARIABLE, resolve_for_vocab, resolve_invariant
 
 
 @pytest.mark.parametrize("text, expected", [("1", True), ("TRUE", True), (" on ", True), ("0", False), ("off", False),
@@ -20,6 +20,15 @@ def test_the_setting_is_read_with_its_words(monkeypatch, text, expected):
     else:
         monkeypatch.setenv(VARIABLE, text)
     assert resolve_invariant(None) is expected
+
+
+def test_a_given_environment_is_read_instead_of_the_process_one(monkeypatch):
+    from megatron_rl_patches.ops.invariance import environment_invariant
+
+    monkeypatch.setenv(VARIABLE, "1")
+    assert environment_invariant({}) is None and environment_invariant({VARIABLE: "off"}) is False
+    monkeypatch.delenv(VARIABLE)
+    assert environment_invariant({VARIABLE: "on"}) is True and environment_invariant() is None
 
 
 def test_argument_beats_setting_beats_config(monkeypatch):
@@ -39,6 +48,9 @@ def test_bad_values_are_refused_by_name(monkeypatch):
     monkeypatch.setenv(VARIABLE, "maybe")
     with pytest.raises(ValueError, match=VARIABLE):
         ops.log_probs_and_entropy(torch.zeros(2, 5), torch.zeros(2, dtype=torch.long))
+    monkeypatch.setenv(VARIABLE, "y" * 40 + "z" * 20)  # a long value: its first 40 characters quoted
+    with pytest.raises(ValueError, match=f"{VARIABLE}='{'y' * 40}' is not a switch"):
+        resolve_invariant(None)
     monkeypatch.delenv(VARIABLE)
     with pytest.raises(TypeError, match="invariant"):
         ops.lm_head_log_probs_and_entropy(torch.zeros(2, 3), torch.zeros(5, 3), torch.zeros(2, dtype=torch.long),
@@ -56,6 +68,27 @@ def test_the_setting_switches_the_ops_on(monkeypatch):
     assert not torch.equal(explicit, default)  # the two modes differ here: the check can fail
     monkeypatch.setenv(VARIABLE, "1")
     assert torch.equal(ops.lm_head_log_probs_and_entropy(h, w, tokens)[0], explicit)
+
+
+def test_the_setting_switches_every_op(monkeypatch):
+    """Every vocabulary op called with invariant=None follows the setting: "1" its invariant call's
+    bits, "0" its default call's, on rows where the two differ (the ids ops: exact in both)."""
+    from test_invariant_rows import _ops, _rows, _weight  # this folder's cases (on sys.path: conftest.py)
+
+    weight, rows = _weight(torch.float32), _rows(40, 7, torch.float32)
+
+    def outputs(calls, op):
+        out = calls[op](*rows)
+        return out if isinstance(out, tuple) else (out,)
+
+    for op in _ops(weight, None):
+        explicit = {inv: outputs(_ops(weight, None, inv), op) for inv in (True, False)}
+        for text, inv in (("1", True), ("0", False)):
+            monkeypatch.setenv(VARIABLE, text)
+            got = outputs(_ops(weight, None, None), op)
+            assert all(torch.equal(a, b) for a, b in zip(got, explicit[inv], strict=True)), (op, text)
+        if not op.endswith("topk_ids"):  # the two modes differ here: the check can fail
+            assert not any(torch.equal(a, b) for a, b in zip(explicit[True], explicit[False])), op
 
 
 def test_lm_head_divergence_refuses_the_mode_by_name_and_warns_under_the_setting(monkeypatch, caplog):
@@ -79,6 +112,10 @@ def test_vocabularies_beyond_the_fixed_point_range_are_refused():
     check_vocab(MAX_VOCAB, "log_probs_and_entropy")  # 2^19 − 1: test_invariant_vocab_limit.py serves it
     with pytest.raises(ValueError, match=r"log_probs_and_entropy\(invariant=True\).*invariant=False"):
         check_vocab(MAX_VOCAB + 1, "log_probs_and_entropy")
+    # through the switch: the op named; the default mode takes any vocabulary
+    assert resolve_for_vocab(False, MAX_VOCAB + 1, "topk_logprobs") is False
+    with pytest.raises(ValueError, match=r"^topk_logprobs\(invariant=True\)"):
+        resolve_for_vocab(True, MAX_VOCAB + 1, "topk_logprobs")
 
 
 def test_processors_read_the_config(monkeypatch):

@@ -1,10 +1,11 @@
 """The invariant mode across the ways a batch's rows are laid out (in the 2-rank gloo world the
 tensor-parallel checks share: invariance_worlds.py): each sample alone (unpadded), packed back to
-back (`thd`), padded to a common length (`bshd`), and context parallelism at CP = 2 in both layouts
+back (`thd`), padded to a common length (`bshd`), context parallelism at CP = 2 in both layouts
 the package slices — zigzag and all-gather (`allgather_cp`, contiguous slices of the packed stream)
-— through `ops.packing` (targets, response pieces) and the public ops, fp32 and bf16. Every
-layout's response log-probs and entropies are the unpadded bits; the default mode's fused head
-differs on the same inputs (the negative control: these checks can fail)."""
+— and packed with the vocabulary split over the two ranks (TP = 2), through `ops.packing` (targets,
+response pieces) and the public ops, fp32 and bf16. Every layout's response log-probs and
+entropies are the unpadded bits; in the default mode the fused head differs on the same inputs,
+and so does the packing route at TP = 2 (the negative controls: these checks can fail)."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,7 @@ from megatron_rl_patches.ops import packing
 pytestmark = pytest.mark.multirank
 TOTALS, RESPONSES = (150, 97, 211, 64), (60, 40, 130, 20)  # 522 rows: the fused head's default chunks show
 H, V, CP = 128, 5000, 2
-LAYOUTS = ("packed", "padded", "zigzag", "allgather")
+LAYOUTS = ("packed", "padded", "zigzag", "allgather", "packed_tp")
 
 
 def _samples(dtype):
@@ -35,7 +36,7 @@ def _pad(rows, length):
 
 def _local_rows(name, per_sample, rank):
     """This rank's rows of the batch in layout `name` (padding rows are zeros)."""
-    if name == "packed":
+    if name in ("packed", "packed_tp"):
         return torch.cat(per_sample)
     if name == "padded":
         return torch.cat([_pad(rows, max(TOTALS)) for rows in per_sample])
@@ -52,19 +53,21 @@ def _local_rows(name, per_sample, rank):
 
 
 def _layout(name, rank):
-    if name in ("packed", "padded"):
-        return packing.PackedLayout(TOTALS, RESPONSES, qkv_format="thd" if name == "packed" else "bshd",
+    if name in ("packed", "padded", "packed_tp"):
+        return packing.PackedLayout(TOTALS, RESPONSES, qkv_format="bshd" if name == "padded" else "thd",
                                     max_seq_len=max(TOTALS) if name == "padded" else None)
     return packing.PackedLayout(TOTALS, RESPONSES, cp_size=CP, cp_rank=rank, allgather_cp=name == "allgather")
 
 
-def _responses(layout, tokens, hidden, logits, weight, invariant):
-    """Per route, per output, per sample: this rank's response rows, the rest zero (full length)."""
+def _responses(layout, tokens, hidden, logits, weight, invariant, tp_group=None):
+    """Per route, per output, per sample: this rank's response rows, the rest zero (full length);
+    `tp_group`: the logits and weight are this rank's vocabulary shard."""
     n_rows = hidden.size(0)
     targets = packing.shifted_targets(tokens, layout, n_rows)
-    fused = ops.lm_head_log_probs_and_entropy(hidden, weight, targets, with_entropy=True, invariant=invariant)
+    fused = ops.lm_head_log_probs_and_entropy(hidden, weight, targets, with_entropy=True, invariant=invariant,
+                                              tp_group=tp_group)
     through_logits = packing.response_log_probs_and_entropy(logits.float(), tokens, layout, with_entropy=True,
-                                                            invariant=invariant)
+                                                            invariant=invariant, tp_group=tp_group)
     out = {}
     for j, name in enumerate(("log_prob", "entropy")):
         out["lm_head_log_probs_and_entropy", name] = _placed_split(packing.split_responses(fused[j], layout),
@@ -103,8 +106,11 @@ def layout_checks(rank, world):
                 results[("alone", *key, str(dtype).removeprefix("torch."), invariant)] = torch.cat(parts)
             for name in LAYOUTS:
                 layout = _layout(name, rank)
-                got = _responses(layout, tokens, _local_rows(name, hidden, rank), _local_rows(name, logits, rank),
-                                 weight, invariant)
+                rows, shard, group = _local_rows(name, logits, rank), slice(None), None
+                if name == "packed_tp":  # this rank's half of the vocabulary
+                    shard, group = slice(rank * V // CP, (rank + 1) * V // CP), dist.group.WORLD
+                got = _responses(layout, tokens, _local_rows(name, hidden, rank), rows[:, shard], weight[shard],
+                                 invariant, group)
                 for key, value in got.items():
                     if name in ("zigzag", "allgather"):  # each response row on one rank: the sum is that row
                         dist.all_reduce(value, group=dist.group.WORLD)
@@ -141,3 +147,16 @@ def test_the_default_fused_head_moves_with_the_layout(results):
             assert _differ(default("alone"), default("packed")) > 0, dtype
             for name in ("zigzag", "allgather"):
                 assert _differ(default(name), default("packed")) > 0, (name, dtype)
+
+
+def test_the_default_packing_route_moves_with_the_tensor_parallel_split(results):
+    """The negative control of the packing route (`response_log_probs_and_entropy`, a logits op,
+    whose default mode keeps its rows' bits in every one-rank layout): at TP = 2 its default
+    responses differ from the samples alone, so an `invariant` it dropped would show above."""
+    for rank_results in results:
+        for dtype in ("float32", "bfloat16"):
+            def default(name, dtype=dtype, got=rank_results):
+                return got[(name, "response_log_probs_and_entropy", "log_prob", dtype, False)]
+
+            assert _differ(default("alone"), default("packed_tp")) > 0, dtype
+            assert _differ(default("alone"), default("packed")) == 0, dtype  # one rank: the default keeps the bits

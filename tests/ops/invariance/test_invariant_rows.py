@@ -1,7 +1,11 @@
 """The invariant mode on one rank: a row's outputs are the same bits whatever rows surround it (count,
 content, position), however the batch is chunked, padded or row-masked, for every vocabulary op, in
 fp32 and bf16; the default mode of the fused head differs beside 2000 rows on the same inputs (so
-these tests can fail); values and gradients stay exact against float64 and nothing [T, V] is saved."""
+these tests can fail); values and gradients stay exact against float64 and nothing [T, V] is saved.
+On one CPU rank the default mode of the logits ops keeps its rows' bits too (each row's reduction
+runs alone), so there each op is checked to compute differently in the two modes (an op that
+dropped `invariant=` would not); the case where their default mode moves is the tensor-parallel
+split (test_invariant_tp.py)."""
 from __future__ import annotations
 
 import pytest
@@ -107,13 +111,32 @@ def test_fused_head_beside_2000_rows_default_differs_invariant_does_not(dtype):
     weight = _weight(dtype, vocab=vocab, hidden=hidden)
     watched = _rows(16, 1, dtype, vocab=vocab, hidden=hidden)[:2]
     others = _rows(2000, 2, dtype, vocab=vocab, hidden=hidden)[:2]
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    reports = {inv: check_rows_invariant(
-        lambda h, t, inv=inv: ops.lm_head_log_probs_and_entropy(h, weight, t, with_entropy=True, invariant=inv),
-        watched, others) for inv in (False, True)}
+    try:
+        reports = {inv: check_rows_invariant(
+            lambda h, t, inv=inv: ops.lm_head_log_probs_and_entropy(h, weight, t, with_entropy=True, invariant=inv),
+            watched, others) for inv in (False, True)}
+    finally:
+        torch.set_num_threads(threads)  # the session's other tests keep their threads
     assert reports[True].identical, reports[True]
     assert not reports[False].identical, "the default mode matched: this test no longer shows a difference"
     assert 0 < max(reports[False].max_abs_diff.values()) < 1e-4
+
+
+@pytest.mark.parametrize("op", sorted(_ops(torch.zeros(1, 1), None)))
+def test_each_op_computes_differently_in_the_two_modes(op):
+    """The negative control of the row checks above on one rank: every op's invariant call gives
+    other bits than its default call on the same rows (the ids ops: the same ids, both exact), so
+    an op that ignored `invariant=` would fail here."""
+    weight = _weight(torch.float32)
+    rows = _rows(40, 7, torch.float32)
+    modes = {inv: _ops(weight, None, inv)[op](*rows) for inv in (True, False)}
+    pairs = list(zip(*(m if isinstance(m, tuple) else (m,) for m in modes.values()), strict=True))
+    if op.endswith("topk_ids"):
+        assert all(torch.equal(a, b) for a, b in pairs)
+    else:
+        assert not any(torch.equal(a, b) for a, b in pairs), op
 
 
 def _reference(h, w, tokens, tau):

@@ -1,8 +1,9 @@
 """The invariant mode under tensor parallelism (gloo; one world per size, spawned once for the
 session and shared with the CP layout checks: invariance_worlds.py): every op's values at TP = 2, 4,
-8 — vocabulary split in shards of any width, sequence parallelism, a padded vocabulary — are the
-TP = 1 bits, in fp32 and bf16; the default mode differs on the same inputs (the negative control:
-these checks can fail)."""
+8 (the OPD loss, and topk_kl on split log-probs) — vocabulary split in shards of any width,
+sequence parallelism, a padded vocabulary — are the TP = 1 bits, in fp32 and bf16; the default
+mode differs on the same inputs for every op but the ids (the negative control: these checks can
+fail)."""
 from __future__ import annotations
 
 import pytest
@@ -22,7 +23,8 @@ def _inputs(dtype):
     tokens = torch.randint(0, VOCAB, (T,), generator=g)
     ids = torch.argsort(torch.rand(T, VOCAB, generator=g), dim=1)[:, :K]
     tau = torch.rand(T, generator=g).add(0.5)
-    return h, w, x, tokens, ids, tau
+    teacher = torch.log_softmax(torch.randn(T, K + 1, generator=g), dim=-1)[:, :K]  # a teacher's top-k log-probs
+    return h, w, x, tokens, ids, tau, teacher
 
 
 def _cases(rank, world, dtype, invariant):
@@ -30,7 +32,7 @@ def _cases(rank, world, dtype, invariant):
     import torch.distributed as dist
 
     group = dist.group.WORLD
-    h, w, x, tokens, ids, tau = _inputs(dtype)
+    h, w, x, tokens, ids, tau, teacher = _inputs(dtype)
     shard = slice(rank * V // world, (rank + 1) * V // world)
     rows = slice(rank * T // world, (rank + 1) * T // world)
     opts = dict(invariant=invariant)
@@ -39,6 +41,11 @@ def _cases(rank, world, dtype, invariant):
             x, tokens, tp_group=g, temperature=tau, with_entropy=True, vocab_size=VOCAB, **opts),
         "topk_logprobs": lambda x, g: ops.topk_logprobs(x, ids, tp_group=g, vocab_size=VOCAB, **opts),
         "topk_ids": lambda x, g: (ops.topk_ids(x, K, tp_group=g, vocab_size=VOCAB, **opts),),
+        # forward KL: the default mode's reverse KL (TP = 2) and JSD (TP = 4) keep their bits on these inputs
+        "topk_opd_loss": lambda x, g: (ops.topk_opd_loss(x, ids, teacher, tp_group=g, vocab_size=VOCAB,
+                                                         divergence="forward_kl", **opts),),
+        "topk_kl": lambda x, g: (ops.topk_kl(*ops.topk_logprobs(x, ids, tp_group=g, vocab_size=VOCAB, **opts), teacher,
+                                             divergence="forward_kl", **opts),),
     }
     fused = {
         "lm_head_log_probs_and_entropy": lambda h, w, g, sp: ops.lm_head_log_probs_and_entropy(
@@ -81,8 +88,9 @@ def test_every_op_at_every_split_gives_the_tp1_bits_and_the_default_mode_does_no
     for rank_results in results:
         wrong = {case: diff for case, (same, diff) in rank_results.items() if case[2] and not same}
         assert not wrong, f"TP = {size}: invariant mode differs from TP = 1: {wrong}"
-        # the negative control: the default mode's log-probs move with the split (ids never do)
-        moved = [case for case, (same, _) in rank_results.items() if not case[2] and not same]
-        assert any(case[0] == "log_probs_and_entropy" for case in moved), (size, moved)
-        assert any(case[0].startswith("lm_head_log_probs_and_entropy") for case in moved), (size, moved)
-    assert len(results[0]) == 2 * 2 * 9  # dtypes x modes x cases
+        # the negative control: the default mode's log-probs and divergences move with the split (ids never do)
+        moved = {case[0] for case, (same, _) in rank_results.items() if not case[2] and not same}
+        for name in ("log_probs_and_entropy", "topk_logprobs", "topk_opd_loss", "topk_kl"):
+            assert name in moved, (size, name, moved)
+        assert any(name.startswith("lm_head_log_probs_and_entropy") for name in moved), (size, moved)
+    assert len(results[0]) == 2 * 2 * 11  # dtypes x modes x cases

@@ -16,7 +16,13 @@ from megatron_rl_patches.inference.loading.hf.families import FAMILIES, architec
 from megatron_rl_patches.inference.loading.hf.families.common import dense_layer_params
 from megatron_rl_patches.inference.loading.hf.families.common_kinds import QKV, ROW
 from megatron_rl_patches.inference.loading.hf.families.family import Param
-from megatron_rl_patches.inference.loading.hf.families.fuse_kind import FuseKind, fuse_kind, register, registered
+from megatron_rl_patches.inference.loading.hf.families.fuse_kind import (
+    FuseKind,
+    fuse_kind,
+    register,
+    registered,
+    unregister,
+)
 from megatron_rl_patches.inference.loading.hf.families.views import whole
 from megatron_rl_patches.inference.loading.hf.memory_plan import layer_params
 from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config
@@ -43,8 +49,22 @@ class Summed(FuseKind):
         return whole((tensors[0] + tensors[1]).chunk(size, dim=0)[rank])
 
 
-WHOLE_ROW = register(WholeRow())
-SUMMED = register(Summed())
+WHOLE_ROW, SUMMED = WholeRow(), Summed()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def test_kinds():
+    """This module's kinds registered while its tests run, then removed: the registry as before."""
+    before = registered()
+    register(WHOLE_ROW), register(SUMMED)
+    yield
+    unregister(WHOLE_ROW), unregister(SUMMED)
+    assert registered() == before
+
+
+def test_a_kind_can_be_unregistered_only_by_itself():
+    with pytest.raises(ValueError, match=r"fuse kind 'row' \(WholeRow\) is not the registered one"):
+        unregister(type("WholeRow", (FuseKind,), {"name": "row"})())
 
 
 def _family(kind):

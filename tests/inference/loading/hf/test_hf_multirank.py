@@ -23,8 +23,12 @@ MOE_FAMILIES = ("glm4_moe", "qwen2_moe", "mixtral", "deepseek_v3", "qwen3_5_moe"
 NEW_FAMILIES = (*MOE_FAMILIES, "mimo", "llama3", "qwen3_5")
 # one key/value head: at TP=2 megatron-core is built with 2 query groups, the head repeated (kv_heads.py)
 KV_REPEATED = ("qwen3_one_kv", "qwen3_5_one_kv")
-# families a megatron-core may lack a module for: the refusal names what it lacks (0.13.1)
-REFUSABLE = ("qwen2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+# the TransformerConfig fields a family needs (0.13.1 lacks them): refused naming the field on a
+# megatron-core without one, served on one with all (a refusal there fails the test)
+NEEDED_FIELDS = {"qwen2_moe": ("moe_shared_expert_gate",),
+                 "qwen3_5": ("attention_output_gate",), "qwen3_5_one_kv": ("attention_output_gate",),
+                 "qwen3_5_moe": ("attention_output_gate", "moe_shared_expert_gate"),
+                 "qwen3_next": ("attention_output_gate", "moe_shared_expert_gate")}
 # at context-parallel size 2 (the kit's attention core; the gated delta nets exchange rows)
 CP_FAMILIES = ("dense", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 
@@ -90,10 +94,31 @@ def _family_scores(path: str, batch: dict, tp_group, reads=None) -> dict | str:
     return _scores(chunks, batch, tp_group)
 
 
+def _lacked_fields(family: str) -> list[str]:
+    """The TransformerConfig fields `family` needs that this megatron-core lacks."""
+    from dataclasses import fields
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    known = {f.name for f in fields(TransformerConfig)}
+    return [name for name in NEEDED_FIELDS.get(family, ()) if name not in known]
+
+
+def _refused_as_expected(scores: dict | str, family: str) -> bool:
+    """True where this megatron-core lacks a field `family` needs and `scores` is the refusal naming
+    one; False where it has them all and `scores` are scores; fails otherwise."""
+    lacked = _lacked_fields(family)
+    if not lacked:
+        assert not isinstance(scores, str), f"{family} refused on a megatron-core that serves it: {scores}"
+        return False
+    assert isinstance(scores, str), f"{family} built on a megatron-core without {lacked}"
+    assert any(f"needs a megatron-core with TransformerConfig.{name}" in scores for name in lacked), scores
+    return True
+
+
 def _new_family_errors(scores: dict | str, family: str, want) -> dict:
     """Errors per route, {} where this megatron-core refuses the family naming what it lacks."""
-    if isinstance(scores, str):
-        assert family in REFUSABLE and "needs a megatron-core with" in scores, scores
+    if _refused_as_expected(scores, family):
         return {}
     errors = _route_errors(scores, want)
     assert set(errors) == {"logits", "fused"}, errors
@@ -293,8 +318,7 @@ def test_tp2_beyond_the_key_value_heads_repeats_them_and_equals_transformers(wor
     refused by name where megatron-core lacks it: 0.13.1)."""
     results, reference = world
     for result in results:
-        if isinstance(result[f"tp2_{name}"], str):
-            assert name == "qwen3_5_one_kv" and "needs a megatron-core with" in result[f"tp2_{name}"]
+        if _refused_as_expected(result[f"tp2_{name}"], name):
             continue
         errors = _route_errors(result[f"tp2_{name}"], reference[name])
         bound = 1e-4 if name == "qwen3_5_one_kv" else 1e-5  # as the family's own at TP=2 (its 4 layers drift)
@@ -390,8 +414,7 @@ def test_cp2_teachers_equal_transformers_gated_delta_nets_included(world, family
     name = "dense" if family == "dense" else family
     for result in results:
         got = result[f"cp2_{family}"]
-        if isinstance(got, str):  # megatron-core 0.13.1 lacks Qwen3.5's gated attention
-            assert family in REFUSABLE and "needs a megatron-core with" in got, got
+        if _refused_as_expected(got, family):  # megatron-core 0.13.1 lacks Qwen3.5's gated attention
             continue
         assert (got - reference[name]).abs().max().item() < 1e-4
 
@@ -458,7 +481,7 @@ def test_tp2_each_rank_reads_only_its_part_of_a_split_tensor(world, model):
     whole; a replicated one whole by both. Before the fix MLA's q_b_proj and kv_a_proj_with_mqa
     were read whole on each rank (their rotary rows reordered before the split)."""
     results, _ = world
-    if isinstance(results[0][f"tp2_{model}"] if model != "dense" else {}, str):
+    if model != "dense" and _refused_as_expected(results[0][f"tp2_{model}"], model):
         pytest.skip(results[0][f"tp2_{model}"])  # refused on this megatron-core
     first, second = _reads(results, "tp2_reads" if model == "dense" else f"tp2_{model}_reads")
     assert first and set(first) == set(second), sorted(set(first) ^ set(second))

@@ -71,6 +71,14 @@ def register(kind: FuseKind) -> FuseKind:
     return kind
 
 
+def unregister(kind: FuseKind) -> None:
+    """Forget `kind` (registered by :func:`register`: a test's or a plugin's own kind); ValueError
+    where another kind holds its name."""
+    if _KINDS.get(kind.name) is not kind:
+        raise ValueError(f"fuse kind {kind.name!r} ({type(kind).__name__}) is not the registered one")
+    del _KINDS[kind.name]
+
+
 def registered() -> tuple[FuseKind, ...]:
     return tuple(_KINDS.values())
 
