@@ -23,6 +23,7 @@ OPD_POLICY_WEIGHT = f"{OPD_PREFIX}POLICY_WEIGHT"
 OPD_RESIDENCY = f"{OPD_PREFIX}RESIDENCY"
 OPD_IDS_FROM = f"{OPD_PREFIX}IDS_FROM"
 VERL_ROWS = f"{PREFIX}_VERL_ROWS"
+TEACHER_API_KEY = f"{PREFIX}_TEACHER_API_KEY"  # a served teacher's key (teachers.ServedTeacher)
 LAUNCHER_ROOT = f"{PREFIX}_LAUNCHER_ROOT"  # set by `run` for its children, never by hand
 
 # The variables a user sets -> what they mean (--help's epilog, `doctor`'s environment section).
@@ -61,6 +62,8 @@ MEANINGS: dict[str, str] = {
                    "(PATH@module:function, Hugging Face folders of another architecture)",
     OPD_IDS_FROM: "slime_opd: student (default) or union (the student's and the first teacher's top-k)",
     VERL_ROWS: "verl_fused_logprobs: all computes every row, not only the rows verl reads",
+    TEACHER_API_KEY: "the API key sent to a teacher served by an inference engine (teachers.ServedTeacher), "
+                     "as a bearer token; never part of a URL or an entry",
 }
 VARIABLES = tuple(MEANINGS)  # set by users
 READ = (*VARIABLES, LAUNCHER_ROOT)  # every variable the package reads
@@ -90,5 +93,5 @@ def verl_rows_setting(text: str | None) -> bool:
 
 
 def _shown(text: str | None, limit: int = 40) -> str | None:
-    """`text` cut to `limit` characters with '...' (a pasted megabyte must not flood stderr)."""
-    return text if text is None or len(text) <= limit else f"{text[: limit - 3]}..."
+    """`text`'s first `limit` characters (a pasted megabyte must not flood stderr)."""
+    return text if text is None else text[:limit]

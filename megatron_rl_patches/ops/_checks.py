@@ -8,8 +8,10 @@ changes an input.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import struct
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -262,15 +264,18 @@ _LOG2E = 1.0 / math.log(2.0)
 _SPARE = 1.0 + 2.0**-20
 
 
+@functools.cache
 def smallest_temperature(dtype: torch.dtype = torch.float32) -> float:
     """The smallest temperature every path computes with `dtype` inputs: (1/τ)·log2 e finite in the
-    compute dtype (float32 unless fp64); a value that dtype holds exactly."""
+    compute dtype (float32 unless fp64); a value that dtype holds exactly. Host arithmetic only
+    (no tensor, so an op's checks make no host sync for it)."""
     math_dtype = compute_dtype(dtype)
     bound = _LOG2E / torch.finfo(math_dtype).max * _SPARE
-    held = torch.tensor(bound, dtype=torch.float64).to(math_dtype)
-    if float(held) < bound:
-        held = torch.nextafter(held, torch.tensor(math.inf, dtype=math_dtype))
-    return float(held)
+    if math_dtype == torch.float64:
+        return bound
+    (bits,) = struct.unpack("<I", struct.pack("<f", bound))  # rounded to the nearest float32
+    held = struct.unpack("<f", struct.pack("<I", bits))[0]
+    return held if held >= bound else struct.unpack("<f", struct.pack("<I", bits + 1))[0]
 
 
 def check_temperature(

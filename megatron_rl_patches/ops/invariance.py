@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron_rl_patches._variables import INVARIANT as VARIABLE
 from megatron_rl_patches._variables import invariant_setting
+from megatron_rl_patches.ops._checks import check_group
 from megatron_rl_patches.ops._dist import tp_size
 from megatron_rl_patches.ops.agreement import agree, local_error
 
@@ -73,6 +74,7 @@ def agreed_invariant(invariant: object, op: str, group: Any, config: Any = None)
     parallelism) before the op's first collective, since the two modes run different collectives:
     the setting on one rank only, or an argument one rank refuses, is the same error naming the
     ranks on every rank (ops.agreement; one small all-gather per call at tp > 1)."""
+    check_group(group)  # a group without torch.distributed: the op's own refusal, on this rank alone
     if tp_size(group) == 1:
         return resolve_invariant(invariant, config)
     chosen, error = local_error(lambda: resolve_invariant(invariant, config))

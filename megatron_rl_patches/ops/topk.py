@@ -145,7 +145,7 @@ def _topk_logprobs_checked(
     tau = _checks.check_temperature(temperature, lead, logits.device, checks, logits.dtype)
     chunk_rows = _vocab.logits_chunk_rows(_checks.check_chunk_size(chunk_size), local_vocab, tp_group, vocab, logits)
     spec = _vocab.op_spec(local_vocab, tp_group, vocab, chunk_rows, op, arg=name,
-                          invariant=resolve_for_vocab(invariant, vocab, op))
+                          invariant=resolve_for_vocab(invariant, vocab, op, tp_group))
     flat_ids = ids.reshape(-1, k).to(device=logits.device, dtype=torch.long)
     valid = None if ids_mask is None else ids_mask.reshape(-1, k).to(logits.device)
     chosen = resolve_backend(backend, logits.device, logits.dtype, spec.invariant)
@@ -191,7 +191,7 @@ def topk_logprobs(
     """
     logp, tail, lead, k, _, _ = _topk_logprobs_checked(
         logits, ids, tp_group, temperature, vocab_size, chunk_size, _checks.DeviceChecks(), backend=backend,
-        ids_mask=ids_mask, row_mask=row_mask, invariant=agreed_invariant(invariant, "topk_logprobs", tp_group),
+        ids_mask=ids_mask, row_mask=row_mask, invariant=invariant,  # agreed over tp_group in there
     )
     return logp.reshape(*lead, k), tail.reshape(lead)
 
@@ -364,7 +364,6 @@ def topk_opd_loss(
     model. `row_mask` (bool, the student logits' leading shape): only those rows are computed;
     the others' divergence is 0 with no gradient. `invariant`: as in `topk_logprobs` and `topk_kl`.
     """
-    invariant = agreed_invariant(invariant, "topk_opd_loss", tp_group)
     plan = _divergences.ResolvedDivergence.of(*topk_checks.resolve_divergence(divergence, beta, alpha, kl, mix))
     renormalize = _divergences.check_renormalize(renormalize)
     lead, _ = topk_checks.check_logits(student_logits, "student_logits", tp_group)

@@ -9,8 +9,9 @@ import os
 from dataclasses import dataclass, fields
 
 from megatron_rl_patches._args import positive_int
+from megatron_rl_patches._variables import TEACHER_API_KEY
 
-API_KEY_ENV = "MEGATRON_RL_PATCHES_TEACHER_API_KEY"
+API_KEY_ENV = TEACHER_API_KEY
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,10 @@ left alone):
 - `tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`: activation recompute
   (`recompute_granularity`) saves and restores the CUDA RNG state around each recomputed layer;
   on CPU there is none (the CPU generator's state, which megatron saves itself, stands in).
-- `Tensor.cuda()` and `torch.tensor(..., pin_memory=True)` outside the factory mode too: a mode is
-  off inside a torch function it handles, so a backward pass run through it sees none (NeMo-RL's
-  context-parallel all-gather builds a pinned index `.cuda()` in its backward).
+- `Tensor.cuda()` and (where NeMo-RL is loaded) `torch.tensor(..., pin_memory=True)` outside the
+  factory mode too: a mode is off inside a torch function it handles, so a backward pass run
+  through it sees none (NeMo-RL's context-parallel all-gather builds a pinned index `.cuda()` in
+  its backward).
 - `moe_utils.te_general_gemm` = None: megatron-core < 0.17 without Transformer Engine leaves the
   name undefined and its MoE router's gating linear raises `NameError` (None: the torch matmul).
 """
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -184,7 +186,9 @@ def _shim_table() -> list[tuple[Any, str, Any]]:
         (torch.nn.Module, "cuda", _module_cuda),
         (torch.Tensor, "type", _tensor_type),
         (torch.Tensor, "cuda", _tensor_cuda),
-        (torch, "tensor", _unpinned_tensor(torch.tensor)),
+        # only where NeMo-RL is loaded (its context-parallel backward pins an index): a Python
+        # torch.tensor in every process changed Hugging Face teachers' numbers (test_hf_fp8)
+        *([(torch, "tensor", _unpinned_tensor(torch.tensor))] if "nemo_rl" in sys.modules else []),
     ]
 
 

@@ -110,12 +110,24 @@ class PythonWork:
                     monkeypatch.setattr(module, builtin, self._counted(getattr(builtins, builtin)), raising=False)
 
     def _counted(self, builtin):
+        work = self
+
         def counted(*args, **kwargs):
             if args and hasattr(args[0], "__len__"):
-                self.count += len(args[0])
+                work.count += len(args[0])
             return builtin(*args, **kwargs)
 
-        return counted
+        if not isinstance(builtin, type):
+            return counted
+
+        class Counted(type):  # a type stays a type: isinstance(x, (list, tuple)) still works
+            def __instancecheck__(cls, obj):
+                return isinstance(obj, builtin)
+
+            def __call__(cls, *args, **kwargs):
+                return counted(*args, **kwargs)
+
+        return Counted(builtin.__name__, (), {})
 
     def _line(self, frame, event, arg):
         self.count += event == "line"

@@ -68,6 +68,7 @@ CASES = [
      "MEGATRON_RL_PATCHES_INVARIANT='tru' is not a switch: use 1 (invariant vocabulary ops) or 0"),
     ("verl-rows-all", None, {VERL_ROWS: " ALL "}, ALL),
     ("verl-rows-typo", None, {VERL_ROWS: "al"}, "MEGATRON_RL_PATCHES_VERL_ROWS='al' is not a row choice"),
+    ("teacher-api-key", None, {"MEGATRON_RL_PATCHES_TEACHER_API_KEY": "k-123"}, ALL),  # read by ServedTeacher only
     ("roles-custom", None, {ROLES: "teacher, ref_model"}, ALL),
     ("roles-empty", None, {ROLES: ""}, ALL),
     ("roles-duplicates", None, {ROLES: "teacher:swap,teacher:stream"}, "lists role 'teacher' more than once"),

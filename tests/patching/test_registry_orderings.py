@@ -45,7 +45,8 @@ ALIASES = {
 # Target modules a lane may lack, and why (anything else failing to import is an error).
 MAY_BE_MISSING = {"megatron.training": "megatron.training ships in the megatron-core wheel from 0.17 on",
                   "megatron.core.models.hybrid": "HybridModel ships in megatron-core from 0.18 on",
-                  "verl.": "verl is installed only in the verl lane (make test-verl)"}
+                  "verl.": "verl is installed only in the verl lane (make test-verl)",
+                  "nemo_rl.": "NeMo-RL's source is on the path only in the NeMo-RL lane (make test-nemo)"}
 
 
 def records():

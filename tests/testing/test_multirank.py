@@ -19,8 +19,11 @@ def hang(rank: int, world_size: int) -> None:
 
 
 def environment_and_output(rank: int, world_size: int) -> dict[str, object]:
-    print(f"rank {rank} stdout", flush=True)
-    print(f"rank {rank} stderr", file=sys.stderr, flush=True)
+    # one write per line: print's text and newline are two writes, which two ranks interleave
+    sys.stdout.write(f"rank {rank} stdout\n")
+    sys.stdout.flush()
+    sys.stderr.write(f"rank {rank} stderr\n")
+    sys.stderr.flush()
     return {"value": os.environ.get("MRP_TEST_MULTIRANK_VALUE"), "cwd": os.getcwd(), "pid": os.getpid()}
 
 

@@ -101,7 +101,9 @@ def bind_step(wrapped: Any, args: tuple, kwargs: dict) -> inspect.BoundArguments
 
 def unservable(arguments: dict, cfg: Any) -> str | None:
     """The feature of this step the fused route cannot serve, or None."""
-    from nemo_rl.algorithms.logits_sampling_utils import need_top_k_or_top_p_filtering  # lazy: optional dependency
+    from nemo_rl.algorithms.logits_sampling_utils import (
+        need_top_k_or_top_p_filtering,  # lazy: optional dependency nemo_rl
+    )
 
     packed = bool(cfg["sequence_packing"]["enabled"])
     checks = (

@@ -27,7 +27,7 @@ TRAINING = "megatron.training.training"
 DDP = "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel"
 SHIMS = {
     "torch.cuda.current_device", "torch.cuda.synchronize", "CudaRNGStatesTracker.fork", "torch.cuda.Stream",
-    "torch.cuda.current_stream", "Module.cuda", "Tensor.type",
+    "torch.cuda.current_stream", "Module.cuda", "Tensor.type", "Tensor.cuda",
     # the layout kit's: the MoE router without Transformer Engine (< 0.17), the torch norm under SP
     "megatron.core.transformer.moe.moe_utils.te_general_gemm", "WrappedTorchNorm.__new__",
     # activation recompute's CUDA RNG state
