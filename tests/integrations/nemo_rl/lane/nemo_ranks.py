@@ -248,6 +248,8 @@ def _residency_checks(cfg, layout, out: dict) -> None:
 
 def layout_world(rank: int, world: int, layouts: list[dict]) -> list[dict]:
     """Every check at each layout of `layouts`, in one spawned world (parallel state rebuilt per layout)."""
+    import nemo_rl.models.megatron.train  # noqa: F401 - loaded before the shims: they unpin torch.tensor where it is
+
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
     results = []
