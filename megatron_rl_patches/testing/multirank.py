@@ -33,6 +33,12 @@ def use_forkserver() -> None:
     _default["start_method"] = "forkserver"
 
 
+def use_spawn() -> None:
+    """Later worlds start a fresh interpreter per rank (the default): for ranks that must import
+    something before megatron-core is (the slime lane installs slime's patched GPT model first)."""
+    _default["start_method"] = "spawn"
+
+
 class _CallerStdio:
     """The caller's stdout and stderr, duplicated into the rank when it starts (a forkserver's child
     would otherwise write to the server's, not to what the caller has now: pytest's capture)."""

@@ -26,6 +26,10 @@ if AVAILABLE:
 
     slime_megatron_patch.install()  # slime's GPT-model hunks, as slime's image runs Megatron
     slime_standins.install()
+    # a forkserver's ranks would hold megatron-core's own GPT model, imported before the patch
+    from megatron_rl_patches.testing import multirank
+
+    multirank.use_spawn()
 
 
 def pytest_report_header(config):
