@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches._args import bind
 from megatron_rl_patches.integrations.nemo_rl import step as steps
 from megatron_rl_patches.processors.heads import log_prob_output_processor
 
@@ -77,7 +78,7 @@ def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
     from nemo_rl.algorithms.loss.interfaces import LossInputType  # lazy: optional dependency nemo_rl
     from nemo_rl.models.megatron.train import LogprobsPostProcessor, LossPostProcessor
 
-    bound = steps.bind_step(wrapped, args, kwargs)
+    bound = bind(wrapped, args, kwargs)
     if bound is None:
         return wrapped(*args, **kwargs)
     arguments = bound.arguments

@@ -89,16 +89,6 @@ class StepPlan:
         self.layout: Layout | None = None
 
 
-def bind_step(wrapped: Any, args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
-    """NeMo-RL's step arguments by name (defaults applied), or None for a call it would refuse."""
-    try:
-        bound = inspect.signature(wrapped).bind(*args, **kwargs)
-    except TypeError:
-        return None
-    bound.apply_defaults()
-    return bound
-
-
 def unservable(arguments: dict, cfg: Any) -> str | None:
     """The feature of this step the fused route cannot serve, or None."""
     from nemo_rl.algorithms.logits_sampling_utils import (

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches._args import bind
 from megatron_rl_patches.integrations.nemo_rl import step as steps
 from megatron_rl_patches.processors.heads import topk_output_processor
 
@@ -38,7 +39,7 @@ def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
     """wrapt wrapper for `nemo_rl_topk` on NeMo-RL's `forward_with_post_processing_fn`."""
     from nemo_rl.models.megatron.train import TopkLogitsPostProcessor  # lazy: optional dependency nemo_rl
 
-    bound = steps.bind_step(wrapped, args, kwargs)
+    bound = bind(wrapped, args, kwargs)
     if bound is None or not isinstance(bound.arguments["post_processing_fn"], TopkLogitsPostProcessor):
         return wrapped(*args, **kwargs)
     post = bound.arguments["post_processing_fn"]

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.nemo_rl import logprobs as fused
 from megatron_rl_patches.integrations.nemo_rl import step as steps
@@ -115,7 +116,7 @@ def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
     from nemo_rl.algorithms.loss.interfaces import LossInputType  # lazy: optional dependency nemo_rl
     from nemo_rl.models.megatron.train import LossPostProcessor
 
-    bound = steps.bind_step(wrapped, args, kwargs)
+    bound = bind(wrapped, args, kwargs)
     post = None if bound is None else bound.arguments["post_processing_fn"]
     if not (isinstance(post, LossPostProcessor)
             and getattr(post.loss_fn, "input_type", None) == LossInputType.DISTILLATION):

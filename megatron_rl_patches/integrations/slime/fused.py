@@ -16,6 +16,7 @@ import logging
 import sys
 from typing import Any
 
+from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
 from megatron_rl_patches.integrations.slime.step_plan import StepPlan, current_plan, run_planned, step_request
@@ -65,19 +66,10 @@ def unservable(args: Any) -> str | None:
     return None
 
 
-def _bind(wrapped: Any, args: tuple, kwargs: dict) -> inspect.BoundArguments | None:
-    try:
-        bound = inspect.signature(wrapped).bind(*args, **kwargs)
-    except TypeError:
-        return None
-    bound.apply_defaults()
-    return bound
-
-
 def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for `forward_only(f, args, model, ...)`: a fused plan when `f` is slime's
     log-prob callback and the configuration is servable."""
-    bound = _bind(wrapped, args, kwargs)
+    bound = bind(wrapped, args, kwargs)
     if bound is None or current_plan() is not None:  # slime's own error; a pass planned by slime_opd
         return wrapped(*args, **kwargs)
     slime_args, f = bound.arguments["args"], bound.arguments["f"]
@@ -97,7 +89,7 @@ def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
 def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for `train_one_step(args, ...)`: entropy (with its gradient only when
     `entropy_coef != 0`, as slime's `with_entropy_grad`) unless the loss is slime's SFT loss."""
-    bound = _bind(wrapped, args, kwargs)
+    bound = bind(wrapped, args, kwargs)
     if bound is None:
         return wrapped(*args, **kwargs)
     slime_args = bound.arguments["args"]
@@ -117,7 +109,7 @@ def get_batch_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     noted for the fused model call."""
     plan = current_plan()
     if plan is not None and plan.topk is not None and plan.topk.keys:
-        bound = _bind(wrapped, args, kwargs)
+        bound = bind(wrapped, args, kwargs)
         if bound is not None:
             keys = list(bound.arguments["keys"])
             bound.arguments["keys"] = keys + [key for key in plan.topk.keys if key not in keys]
@@ -338,7 +330,7 @@ def top_p_context(args: Any, batch: dict, length: int, device: Any, allgather_cp
 def log_probs_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for slime's `get_log_probs_and_entropy`: a fused output is sliced per sample
     with slime's helpers; logits go to slime's function."""
-    bound = _bind(wrapped, args, kwargs)
+    bound = bind(wrapped, args, kwargs)
     if bound is None or not isinstance(bound.arguments["logits"], FusedOutput):
         return wrapped(*args, **kwargs)
     values = bound.arguments

@@ -10,7 +10,6 @@ a (k+1)-th bucket: the KL is >= 0 and exact, so that clamp never bites.
 """
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
@@ -128,11 +127,9 @@ def compute_forward_kl_topk(student_logits: Any, teacher_topk_log_probs: Any, te
 
 def compute_forward_kl_topk_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for `verl_topk_kd`: arguments bound to verl's own signature; logs once (rank 0)."""
-    try:
-        bound = inspect.signature(wrapped).bind(*args, **kwargs)
-    except TypeError:
+    bound = bind(wrapped, args, kwargs)
+    if bound is None:
         return wrapped(*args, **kwargs)  # verl's own error message for a bad call
-    bound.apply_defaults()
     warn_once(REPLACED)
     return compute_forward_kl_topk(**bound.arguments)
 
