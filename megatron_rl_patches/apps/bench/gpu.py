@@ -1,7 +1,8 @@
 """`bench gpu`: log-prob + entropy with gradients from hidden states on one CUDA device, every
 implementation side by side: naive autograd, the logits path (matmul + our logits op), ours on
-the torch tiles, ours on the Triton kernels, verl's Triton kernel and Liger-Kernel's fused linear
-cross-entropy where importable (else "not installed"), and top-k (k = 64) ids + log-probs + tail.
+the torch tiles, ours on the Triton kernels, ours in the invariant mode (the Triton kernel, the
+torch tiles), verl's Triton kernel and Liger-Kernel's fused linear cross-entropy where
+importable (else "not installed"), and top-k (k = 64) ids + log-probs + tail.
 
 bf16 inputs, TP = 1. Memory: the CUDA allocator's peak during forward + backward minus what was
 allocated before, minus the gradients every implementation must produce (dW + dh): the *excess*
@@ -31,6 +32,8 @@ TOPK = 64
 COLUMNS = ("T", "implementation", "time_ms", "time_vs_logits", "excess_peak_U", "excess_peak_GiB", "note")
 OOM = "OOM"
 NOT_INSTALLED = "not installed"
+INVARIANT_TRITON = "ours, invariant, Triton kernel"
+INVARIANT_TILES = "ours, invariant, torch tiles"
 
 
 def cuda_missing() -> str | None:
@@ -129,8 +132,9 @@ def implementations() -> list[tuple[str, Callable[[Inputs], Any], str | None]]:
         ("logits path", _logits_path, None),
         ("ours, torch tiles", _ours("torch"), None),
         ("ours, triton", _ours("triton"), "triton"),
-        # the invariant mode (docs/train-rollout-agreement.md): every backend takes the torch tiles
-        ("ours, invariant mode", _ours("auto", invariant=True), None),
+        # the invariant mode (docs/train-rollout-agreement.md): Triton's kernel, and the torch tiles
+        (INVARIANT_TRITON, _ours("triton", invariant=True), "triton"),
+        (INVARIANT_TILES, _ours("torch", invariant=True), None),
         ("verl triton kernel", _verl, "verl.utils.kernel.linear_cross_entropy"),
         ("liger fused linear CE (log-prob only)", _liger, "liger_kernel.ops.fused_linear_cross_entropy"),
         (f"top-k {TOPK} ids + log-probs + tail, torch tiles", _ours_topk("torch"), None),

@@ -30,8 +30,10 @@ dtype) and ``triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) are built in. 
 the op's ``backend=`` argument, else ``MEGATRON_RL_PATCHES_BACKEND``, else ``auto`` (the last
 registered backend that claims the inputs' device and dtype, ``torch`` last). The invariant mode
 (an op's resolved ``invariant=True``) takes precedence: its forward statistics and top-k ids come
-from :class:`~.invariant_tiles.InvariantTiles` whatever the choice, which still gives the
-gradients (and is still checked). A backend written
+from :class:`~.invariant_tiles.InvariantTiles` over the choice, which still gives the gradients
+(and is still checked), unless the choice has its own invariant kernels
+(``invariant_backend()``, optional; the Triton backend's:
+:class:`~.triton.invariant_backend.InvariantTriton`). A backend written
 against the earlier protocol (a plain class with ``available(device)`` / ``claims(device)``, no
 base class) still registers: its members are read once, at registration.
 """
@@ -110,7 +112,10 @@ def resolve_backend(name: object, device: torch.device, dtype: torch.dtype | Non
     """The backend for a call on `device` with inputs of `dtype` (None: any): `name`, or the
     environment's choice, or ``auto``; with `invariant` the invariant tiles over it (its gradients)."""
     chosen = _chosen_backend(name, device, dtype)
-    return InvariantTiles(chosen) if invariant else chosen
+    if not invariant:
+        return chosen
+    own = chosen.invariant_backend()
+    return own if own is not None else InvariantTiles(chosen)
 
 
 def _chosen_backend(name: object, device: torch.device, dtype: torch.dtype | None) -> Backend:

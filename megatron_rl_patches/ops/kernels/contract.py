@@ -77,6 +77,11 @@ class Backend:
     # tied. None: each row recomputed in the row tile it had (the torch tiles' shapes).
     tie_tiles: Callable[[Source, torch.Tensor, torch.dtype], Tiles] | None = None
 
+    def invariant_backend(self) -> Backend | None:
+        """Its own kernels for the invariant mode (each row's bits from that row alone), or None:
+        the torch invariant tiles run the forward over it (:func:`..resolve_backend`)."""
+        return None
+
     def loaded(self) -> Backend:
         """What the ops call: the backend itself (a lazy proxy: the backend it stands for)."""
         return self

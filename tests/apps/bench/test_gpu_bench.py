@@ -105,11 +105,11 @@ def test_every_row_needing_no_extra_package_runs_on_cpu_and_the_invariant_row_is
 
     x = gpu.make_inputs(64, 32, 300, "cpu", torch.float32)
     rows = {label: fn for label, fn, module in gpu.implementations() if module is None}
-    assert "ours, invariant mode" in rows
+    assert gpu.INVARIANT_TILES in rows
     for label, fn in rows.items():
         log_probs, _ = fn(x)
         assert torch.isfinite(log_probs).all(), label
-    got, entropy = rows["ours, invariant mode"](x)
+    got, entropy = rows[gpu.INVARIANT_TILES](x)
     want, want_entropy = lm_head_log_probs_and_entropy(x.hidden, x.weight, x.tokens, with_entropy=True,
                                                        invariant=True)
     assert torch.equal(got, want) and torch.equal(entropy, want_entropy)

@@ -1,9 +1,12 @@
 """The invariant mode on the Triton backend (CUDA, or CPU under TRITON_INTERPRET=1 on the 3.12
-lane): `backend="triton"` and `backend="auto"` give the torch backend's invariant bits for every
-vocabulary op, among other rows too; in the default mode the Triton kernels' own order shows (the
-negative control: these checks compare values that can differ)."""
+lane): `backend="triton"` runs the invariant kernel (ops/kernels/triton/_invariant.py), not the
+torch tiles — within 1e-6 of the torch tiles' values (other bits: Triton's exp and GEMM), exact
+against float64 with gradients, a row's bits the same among any rows, packed, masked or split in
+micro-batches, even when the kernel's vocabulary split follows the row count (as on a GPU), where
+the default Triton route's bits move (the negative control). TP = 2: tests/ops/kernels/test_triton_tp.py."""
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -11,15 +14,16 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
-from triton_kit import DEVICE, require_kernels  # noqa: E402
+import triton_kit as kit  # noqa: E402
 
 from megatron_rl_patches import ops  # noqa: E402
 from megatron_rl_patches.testing.invariance import check_rows_invariant  # noqa: E402
 
 pytestmark = pytest.mark.triton
-require_kernels()
+kit.require_kernels()
 
-T, H, V, K = 12, 32, 600, 3
+T, H, V, K = 12, 32, 160, 3  # the interpreter's cost grows with rows x columns: kept small
+DEVICE = kit.DEVICE
 
 
 def _inputs(n, seed, dtype):
@@ -28,7 +32,8 @@ def _inputs(n, seed, dtype):
     x = (torch.randn(n, V, generator=g) * 3).to(dtype)
     tokens = torch.randint(0, V, (n,), generator=g)
     ids = torch.argsort(torch.rand(n, V, generator=g), dim=1)[:, :K]
-    return tuple(t.to(DEVICE) for t in (h, x, tokens, ids))
+    tau = torch.rand(n, generator=g).add(0.5)
+    return tuple(t.to(DEVICE) for t in (h, x, tokens, ids, tau))
 
 
 def _weight(dtype):
@@ -39,38 +44,154 @@ def _weight(dtype):
 def _calls(weight, backend, invariant=True):
     opts = dict(backend=backend, invariant=invariant)
     return {
-        "log_probs_and_entropy": lambda h, x, t, i: ops.log_probs_and_entropy(x, t, with_entropy=True, **opts),
-        "topk_logprobs": lambda h, x, t, i: ops.topk_logprobs(x, i, **opts),
-        "lm_head_log_probs_and_entropy": lambda h, x, t, i: ops.lm_head_log_probs_and_entropy(
-            h, weight, t, with_entropy=True, **opts),
-        "lm_head_topk_logprobs": lambda h, x, t, i: ops.lm_head_topk_logprobs(h, weight, i, **opts),
-        "lm_head_topk_ids": lambda h, x, t, i: (ops.lm_head_topk_ids(h, weight, K, **opts),),
+        "log_probs_and_entropy": lambda h, x, t, i, tau: ops.log_probs_and_entropy(
+            x, t, temperature=tau, with_entropy=True, **opts),
+        "topk_logprobs": lambda h, x, t, i, tau: ops.topk_logprobs(x, i, **opts),
+        "lm_head_log_probs_and_entropy": lambda h, x, t, i, tau: ops.lm_head_log_probs_and_entropy(
+            h, weight, t, temperature=tau, with_entropy=True, **opts),
+        "lm_head_topk_logprobs": lambda h, x, t, i, tau: ops.lm_head_topk_logprobs(h, weight, i, **opts),
+        "lm_head_topk_ids": lambda h, x, t, i, tau: (ops.lm_head_topk_ids(h, weight, K, **opts),),
     }
 
 
+@pytest.fixture
+def kernel_passes(monkeypatch):
+    """The invariant kernel's launches in this test, by pass (so no check passes on a fallback)."""
+    from megatron_rl_patches.ops.kernels.triton import invariant_backend
+
+    passes: list[str] = []
+    kernel = invariant_backend.invariant_tile_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                passes.append("sums" if kwargs["SUMS"] else "maxima")
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(invariant_backend, "invariant_tile_kernel", Counted())
+    return passes
+
+
+@pytest.fixture
+def row_count_splits(monkeypatch):
+    """The kernels' vocabulary splits made to follow the row count, as on a GPU (two waves of its
+    SMs over the row blocks); the interpreter's own count is fixed."""
+    from megatron_rl_patches.ops.kernels.triton import backend
+
+    def splits(n_rows, n_cols, b, device):
+        return max(1, min(math.ceil(n_cols / b.n), 2 + n_rows // 9))
+
+    monkeypatch.setattr(backend, "splits_for", splits)
+
+
+def test_the_kernel_runs_within_1e6_of_the_torch_tiles(kernel_passes):
+    """fp32 and bf16 logits (exact in fp32), fp32 hidden states: every value within 1e-6 (times the
+    larger of 1 and its magnitude) of the torch invariant tiles', not their bits; ids equal."""
+    cases = [(torch.float32, name) for name in _calls(None, "torch")] + [(torch.bfloat16, "log_probs_and_entropy"),
+                                                                          (torch.bfloat16, "topk_logprobs")]
+    moved = []
+    for dtype, name in cases:
+        weight, inputs = _weight(dtype), _inputs(T, 2, dtype)
+        ours, tiles = _calls(weight, "triton")[name](*inputs), _calls(weight, "torch")[name](*inputs)
+        for a, b in zip(ours, tiles, strict=True):
+            if name.endswith("topk_ids"):
+                assert torch.equal(a, b), name
+                continue
+            err = float((a.double() - b.double()).abs().max())
+            assert err <= 1e-6 * max(1.0, float(b.abs().max())), (name, dtype, err)
+            moved.append(not torch.equal(a, b))
+    assert any(moved), "every value had the torch tiles' bits: the kernel did not run"
+    # two passes per statistics call (the ids ops take the torch tiles' fixed GEMM tiles)
+    assert len(kernel_passes) == 2 * (len(cases) - 1) and set(kernel_passes) == {"maxima", "sums"}
+
+
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("backend", ["triton", "auto"])
-def test_every_backend_gives_the_torch_invariant_bits(backend, dtype):
-    weight, inputs = _weight(dtype), _inputs(T, 2, dtype)
-    torch_calls, calls = _calls(weight, "torch"), _calls(weight, backend)
-    for name, call in calls.items():
-        for ours, reference in zip(call(*inputs), torch_calls[name](*inputs)):
-            assert torch.equal(ours, reference), (name, backend, dtype)
+def test_values_and_gradients_equal_float64(fused, dtype, monkeypatch, kernel_passes):
+    """Keep mask, per-row temperature, entropy, a padded vocabulary (V = 72, 61 valid); top-k
+    log-probs + tail: the float64 reference, gradients through the Triton backward."""
+    monkeypatch.setenv("MEGATRON_RL_PATCHES_INVARIANT", "1")
+    x = kit.make_inputs(dtype, T=10, H=24, V=72, n_valid=61, k=3, seed=4)
+    common = dict(fused=fused, dtype=dtype, n_valid=61)
+    got = kit.log_prob_run(x, backend="triton", entropy=True, masked=True, row_tau=True, **common)
+    want = kit.log_prob_run(x, backend=None, entropy=True, masked=True, row_tau=True, **common)
+    grad_tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 gradients are rounded to bf16
+    kit.assert_close(got[:2], want[:2], ("log_probs", "entropy"), 1e-5)
+    kit.assert_close(got[2:], want[2:], ("grad_0", "grad_1"), grad_tol)
+    got = kit.topk_run(x, backend="triton", **common)
+    want = kit.topk_run(x, backend=None, **common)
+    kit.assert_close(got[:2], want[:2], ("log_probs", "tail"), 1e-5)
+    kit.assert_close(got[2:], want[2:], ("grad_0", "grad_1"), grad_tol)
+    assert kernel_passes.count("sums") == 2
 
 
-def test_triton_rows_among_other_rows_keep_their_bits():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_among_other_rows_keep_their_bits_and_the_default_route_moves(dtype, row_count_splits):
+    """Batch composition with the split following T: the invariant kernel keeps every row's bits
+    (bf16: the two statistics ops); the default Triton route's split merge rescales its sums, so
+    its values move (the negative control, fp32)."""
+    weight = _weight(dtype)
+    watched, others = _inputs(5, 3, dtype), _inputs(12, 4, dtype)
+    calls = _calls(weight, "triton")
+    names = list(calls) if dtype == torch.float32 else ["log_probs_and_entropy", "lm_head_log_probs_and_entropy"]
+    for name in names:
+        report = check_rows_invariant(calls[name], watched, others)
+        assert report.identical, (name, dtype, report)
+    if dtype == torch.float32:
+        moved = {name for name in ("log_probs_and_entropy", "lm_head_log_probs_and_entropy")
+                 if not check_rows_invariant(_calls(weight, "triton", False)[name], watched, others).identical}
+        assert moved == {"log_probs_and_entropy", "lm_head_log_probs_and_entropy"}, moved
+
+
+def test_packed_masked_and_micro_batch_split_rows_keep_their_bits(row_count_splits):
+    """One packed batch, the same with padding rows masked out (row_mask), and two micro-batches."""
     weight = _weight(torch.float32)
-    watched, others = _inputs(5, 3, torch.float32), _inputs(40, 4, torch.float32)
-    for name, call in _calls(weight, "triton").items():
-        report = check_rows_invariant(call, watched, others)
-        assert report.identical, (name, report)
+    h, x, tokens, ids, tau = _inputs(20, 6, torch.float32)
+    mask = torch.rand(20, generator=torch.Generator().manual_seed(6)) > 0.4
+    calls = {
+        "log_probs_and_entropy": lambda rows, **kw: ops.log_probs_and_entropy(
+            x[rows], tokens[rows], temperature=tau[rows], with_entropy=True, **kw),
+        "lm_head_log_probs_and_entropy": lambda rows, **kw: ops.lm_head_log_probs_and_entropy(
+            h[rows], weight, tokens[rows], with_entropy=True, **kw),
+        "lm_head_topk_logprobs": lambda rows, **kw: ops.lm_head_topk_logprobs(h[rows], weight, ids[rows], **kw),
+    }
+    for name, call in calls.items():
+        opts = dict(backend="triton", invariant=True)
+        packed = call(slice(None), **opts)
+        masked = call(slice(None), row_mask=mask.to(DEVICE), **opts)
+        split = [call(slice(0, 7), **opts), call(slice(7, 20), **opts)]
+        for j, whole in enumerate(packed):
+            assert torch.equal(masked[j][mask], whole[mask]), name
+            assert torch.equal(torch.cat([part[j] for part in split]), whole), name
 
 
-def test_the_default_triton_route_is_not_the_invariant_one():
-    """The negative control: the Triton kernels' default order gives other bits than the invariant
-    route on these inputs (so the comparison above can fail)."""
-    weight, inputs = _weight(torch.float32), _inputs(T, 2, torch.float32)
-    default, invariant = _calls(weight, "triton", False), _calls(weight, "triton", True)
-    differ = [name for name in ("log_probs_and_entropy", "lm_head_log_probs_and_entropy")
-              if not all(torch.equal(a, b) for a, b in zip(default[name](*inputs), invariant[name](*inputs)))]
-    assert differ, "the Triton default mode matched the invariant route bit for bit on every op"
+def test_the_backend_resolved_for_the_invariant_mode():
+    """backend='triton' with invariant=True: the kernel's backend over the Triton gradients; the
+    torch backend keeps the torch invariant tiles."""
+    from megatron_rl_patches.ops.kernels import resolve_backend
+    from megatron_rl_patches.ops.kernels.invariant_tiles import InvariantTiles
+    from megatron_rl_patches.ops.kernels.triton.invariant_backend import InvariantTriton
+
+    ours = resolve_backend("triton", DEVICE, torch.float32, invariant=True)
+    assert isinstance(ours, InvariantTriton) and ours.base.name == "triton"
+    tiles = resolve_backend("torch", DEVICE, torch.float32, invariant=True)
+    assert type(tiles) is InvariantTiles and tiles.base.name == "torch"
+
+
+def test_the_gpu_bench_rows_of_the_invariant_mode_are_the_ops():
+    """`bench gpu`'s invariant rows (Triton kernel, torch tiles) on a tiny shape here: each row is
+    its backend's invariant op."""
+    from megatron_rl_patches.apps.bench import gpu
+
+    x = gpu.make_inputs(20, 16, 90, str(DEVICE), torch.float32)
+    rows = {label: fn for label, fn, _ in gpu.implementations()}
+    for label, backend in ((gpu.INVARIANT_TRITON, "triton"), (gpu.INVARIANT_TILES, "torch")):
+        got = rows[label](x)
+        want = ops.lm_head_log_probs_and_entropy(x.hidden, x.weight, x.tokens, with_entropy=True, backend=backend,
+                                                 invariant=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), label
+    table = gpu.run_token_count(20, 16, 90, 1, str(DEVICE), torch.float32,
+                                [r for r in gpu.implementations() if r[0] in (gpu.INVARIANT_TRITON, "ours, triton")])
+    assert all(row["time_ms"] > 0 for row in table), table

@@ -55,10 +55,56 @@ def _rank_outputs(rank: int, world_size: int) -> list[list[torch.Tensor]]:
         out.append([tlp, tail, *(t.grad for t in args)])
         for t in args:
             t.grad = None
-    return [[t.detach().double() for t in case] for case in out]
+    return [[t.detach().double() for t in case] for case in out], _invariant_splits(rank, world_size)
 
 
-def test_two_vocabulary_shards_equal_the_float64_reference():
+def _logit_values(x: kit.Inputs, z: torch.Tensor, group, **opts) -> list[torch.Tensor]:
+    """Log-prob, entropy, top-k log-probs and tail of logits `z` (forward only)."""
+    return [*kit.log_probs_and_entropy(z, x.tokens, with_entropy=True, temperature=x.tau, tp_group=group, **opts),
+            *kit.topk_logprobs(z, x.ids, temperature=x.tau, tp_group=group, **opts)]
+
+
+def _fused_values(x: kit.Inputs, h: torch.Tensor, w: torch.Tensor, group, **opts) -> list[torch.Tensor]:
+    """The same from hidden states `h` and a weight shard `w`."""
+    return [*kit.lm_head_log_probs_and_entropy(h, w, x.tokens, with_entropy=True, temperature=x.tau, tp_group=group,
+                                               **opts),
+            *kit.lm_head_topk_logprobs(h, w, x.ids, temperature=x.tau, tp_group=group, **opts)]
+
+
+def _invariant_splits(rank: int, world_size: int) -> dict[tuple[str, str, bool], bool]:
+    """Per (route, dtype, invariant): whether TP = world_size gave the TP = 1 bits from the Triton
+    backend (forward values); the fused head with and without sequence parallelism."""
+    import torch.distributed as dist
+
+    x = _inputs()
+    group = dist.group.WORLD
+    per = V // world_size
+    cols, rows = slice(rank * per, (rank + 1) * per), slice(rank * T // world_size, (rank + 1) * T // world_size)
+    results = {}
+    # fp32: every route in both modes; bf16 (the interpreter is slow): the fused head, invariant
+    for dtype, modes in ((torch.float32, (True, False)), (torch.bfloat16, (True,))):
+        h, w = x.hidden.to(dtype), x.weight.to(dtype)
+        logits = (h @ w.t()).float()
+        for invariant in modes:
+            opts = dict(vocab_size=VOCAB, backend="triton", invariant=invariant)
+            fused_one = _fused_values(x, h, w, None, **opts)
+            cases = {
+                "fused": (fused_one, _fused_values(x, h, w[cols], group, **opts)),
+                "fused/sequence_parallel": (fused_one, _fused_values(x, h[rows], w[cols], group,
+                                                                     sequence_parallel=True, **opts)),
+            }
+            if dtype == torch.float32:
+                cases["logits"] = (_logit_values(x, logits, None, **opts),
+                                   _logit_values(x, logits[:, cols], group, **opts))
+            for route, (a, b) in cases.items():
+                results[route, str(dtype), invariant] = all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+    return results
+
+
+def test_two_vocabulary_shards_equal_the_float64_reference_and_the_invariant_kernel_the_tp1_bits():
+    """The float64 TP = 1 reference; and the invariant mode's kernel at TP = 2 (integer sums
+    all-reduced) gives the TP = 1 bits on every route and dtype, where the default mode's
+    rescaled float sums move for some (the negative control)."""
     x = _inputs()
     want = []
     for fused in (False, True):
@@ -66,7 +112,10 @@ def test_two_vocabulary_shards_equal_the_float64_reference():
                                      row_tau=True, n_valid=VOCAB))
         want.append(kit.topk_run(x, backend=None, fused=fused, dtype=torch.float32, n_valid=VOCAB))
     per = V // 2
-    for rank, cases in enumerate(run_multirank(_rank_outputs, 2, timeout=300)):
+    for rank, (cases, splits) in enumerate(run_multirank(_rank_outputs, 2, timeout=300)):
+        assert len(splits) == 3 * 2 + 2, splits  # fp32: routes x modes; bf16: the fused head's two
+        assert all(same for (_, _, invariant), same in splits.items() if invariant), splits
+        assert not all(same for (_, _, invariant), same in splits.items() if not invariant), splits
         cols = slice(rank * per, (rank + 1) * per)
         for index, (got, ref) in enumerate(zip(cases, want)):
             fused = index >= 2

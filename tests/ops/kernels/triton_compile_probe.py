@@ -15,11 +15,12 @@ from megatron_rl_patches.ops.kernels.triton import backend
 from megatron_rl_patches.ops.kernels.triton._divergence import divergence_tile_kernel
 from megatron_rl_patches.ops.kernels.triton._fold import row_stats_kernel
 from megatron_rl_patches.ops.kernels.triton._grad import grad_tile_kernel
+from megatron_rl_patches.ops.kernels.triton._invariant import invariant_tile_kernel
 from megatron_rl_patches.ops.kernels.triton._topk import topk_tile_kernel
 
 INTS = {"n_rows", "n_valid", "n_hidden", "cols_per_split", "row_begin", "row_end", "col_begin", "col_end",
         "first_id", "sentinel", "n_hidden_s", "n_hidden_t"}
-FLOATS = {"scale_value", "w", "log_w", "log_1mw"}
+FLOATS = {"scale_value", "w", "log_w", "log_1mw", "to_fixed"}
 
 
 def _signature(fn, pointers: dict[str, str], consts: dict) -> dict[str, str]:
@@ -44,7 +45,8 @@ def compile_variant(fn, arch: int, dtype: str, fused: bool, flags: dict, k: int 
     options = {"num_warps": consts.pop("num_warps"), "num_stages": consts.pop("num_stages")}
     consts["DOT_FP32"] = False  # the GPU path, whatever this process's interpreter setting
     pointers = {"src": f"*{dtype}", "weight": f"*{dtype}", "keep": "*i8", "marks": "*i32", "out": f"*{dtype}",
-                "out_ids": "*i64", **{name: f"*{dtype}" for name in ("h_s", "w_s", "h_t", "w_t")}}
+                "out_ids": "*i64", **{name: f"*{dtype}" for name in ("h_s", "w_s", "h_t", "w_t")},
+                **dict.fromkeys(("out_rest", "out_moment", "out_sub_sum"), "*i64")}  # the invariant int64 sums
     if fn is divergence_tile_kernel and not flags["GRAD"]:
         pointers["out"] = "*fp32"  # pass 2's row sums
     source = ASTSource(fn=fn, signature=_signature(fn, pointers, consts),
@@ -64,6 +66,11 @@ def main(arches: list[int]) -> None:
         k = 4 if on else 1
         print(compile_variant(row_stats_kernel, arch, dtype, fused, dict.fromkeys(FOLD_FLAGS, on), k), flush=True)
         print(compile_variant(grad_tile_kernel, arch, dtype, fused, dict.fromkeys(GRAD_FLAGS, on), k), flush=True)
+    # the invariant mode's two passes, every flag on: bf16 fused, fp32 logits (the tile's two ways
+    # in are the fold kernel's, compiled above in all four)
+    for arch, (dtype, fused), sums in itertools.product(arches, (("bf16", True), ("fp32", False)), (False, True)):
+        flags = {**dict.fromkeys(FOLD_FLAGS, True), "SUMS": sums}
+        print(compile_variant(invariant_tile_kernel, arch, dtype, fused, flags, 4), flush=True)
     for arch, dtype in itertools.product(arches, ("bf16", "fp32")):  # lm_head_divergence's normalizers
         flags = {**dict.fromkeys(FOLD_FLAGS, False), "HAS_REST": True}
         print(compile_variant(row_stats_kernel, arch, dtype, True, flags, 0), flush=True)

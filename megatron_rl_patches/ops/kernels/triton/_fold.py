@@ -11,7 +11,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from megatron_rl_patches.ops.kernels.triton._tiles import NEG_FLOOR, finite, logits_tile, row_scales
+from megatron_rl_patches.ops.kernels.triton._tiles import (
+    NEG_FLOOR,
+    finite,
+    logits_tile,
+    marked_columns,
+    row_scales,
+    subset_logits,
+)
 
 
 @triton.jit
@@ -48,13 +55,8 @@ def row_stats_kernel(
         x = logits_tile(src, weight, rows64, row_ok, cols, col_ok, n_hidden, s_src_r, s_src_c, s_w_r, s_w_c,
                         FUSED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, DOT_PRECISION)
         # the marked columns (k ids per row, k small): their logits stored, and they leave every sum
-        marked = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int1)
-        for kk in range(K):
-            mark = tl.load(marks + rows64 * K + kk, mask=row_ok, other=-1)
-            hit = (cols[None, :] == mark[:, None]) & col_ok[None, :]
-            marked = marked | hit
-            found = tl.max(hit.to(tl.int32), axis=1) > 0
-            tl.store(out_marked + out_row * K + kk, tl.sum(tl.where(hit, x, 0.0), axis=1), mask=row_ok & found)
+        marked = marked_columns(x, marks, out_marked, out_row, rows64, row_ok, cols, col_ok, K, True, BLOCK_M,
+                                BLOCK_N)
         # NaN counts as +inf in the max (a bad row the op reports; a MAX all-reduce keeps it)
         tile_max = tl.max(tl.where(x != x, float("inf"), x), axis=1)
         new_shift = tl.maximum(shift, tile_max)
@@ -72,13 +74,7 @@ def row_stats_kernel(
         shift = new_shift
         if HAS_SUB:
             # the subset: kept ids (whose max counts the marked target), or the tail (unmarked columns)
-            if HAS_KEEP:
-                kept = tl.load(keep + rows64[:, None] * s_keep_r + cols[None, :].to(tl.int64) * s_keep_c,
-                               mask=row_ok[:, None] & col_ok[None, :], other=0) != 0
-                inside = kept | marked
-            else:
-                inside = marked == 0
-            sub_x = tl.where(inside, x, float("-inf"))
+            sub_x = subset_logits(x, marked, keep, rows64, row_ok, cols, col_ok, s_keep_r, s_keep_c, HAS_KEEP)
             new_sub = tl.maximum(sub_shift, tl.max(tl.where(sub_x != sub_x, float("inf"), sub_x), axis=1))
             safe_sub = tl.where(finite(new_sub), new_sub, 0.0)
             sub_factor = tl.where(finite(sub_shift), tl.exp((sub_shift - safe_sub) * s), 0.0)

@@ -76,3 +76,32 @@ def logits_tile(src, weight, rows64, row_ok, cols, col_ok, n_hidden, s_src_r, s_
     else:
         x = tl.load(src + rows64[:, None] * s_src_r + cols64[None, :] * s_src_c, mask=ok, other=0.0).to(tl.float32)
     return tl.where(ok, x, float("-inf"))
+
+
+@triton.jit
+def marked_columns(x, marks, out_marked, out_row, rows64, row_ok, cols, col_ok, K: tl.constexpr,
+                   STORE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile's marked columns ([BLOCK_M, BLOCK_N] bool; `marks` [n_rows, K] int32 local
+    columns, -1 elsewhere); STORE: each mark's logit in the tile stored to out_marked[out_row, k]."""
+    marked = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int1)
+    for kk in range(K):
+        mark = tl.load(marks + rows64 * K + kk, mask=row_ok, other=-1)
+        hit = (cols[None, :] == mark[:, None]) & col_ok[None, :]
+        marked = marked | hit
+        if STORE:
+            found = tl.max(hit.to(tl.int32), axis=1) > 0
+            tl.store(out_marked + out_row * K + kk, tl.sum(tl.where(hit, x, 0.0), axis=1), mask=row_ok & found)
+    return marked
+
+
+@triton.jit
+def subset_logits(x, marked, keep, rows64, row_ok, cols, col_ok, s_keep_r, s_keep_c, HAS_KEEP: tl.constexpr):
+    """x on the subset, -inf elsewhere: the kept ids (whose max counts the marked ones too; `keep`
+    int8), or without HAS_KEEP the tail (every unmarked column)."""
+    if HAS_KEEP:
+        kept = tl.load(keep + rows64[:, None] * s_keep_r + cols[None, :].to(tl.int64) * s_keep_c,
+                       mask=row_ok[:, None] & col_ok[None, :], other=0) != 0
+        inside = kept | marked
+    else:
+        inside = marked == 0
+    return tl.where(inside, x, float("-inf"))

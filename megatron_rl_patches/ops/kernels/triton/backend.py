@@ -97,25 +97,25 @@ def column_splits(n_rows: int, n_cols: int, b: Blocks, device: torch.device) -> 
     return math.ceil(n_cols / cols_per_split), cols_per_split
 
 
-def _scale_args(scale: float | torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor | None, float]:
+def scale_args(scale: float | torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor | None, float]:
     if isinstance(scale, torch.Tensor):
         return scale.reshape(-1).to(dtype).contiguous(), 1.0
     return None, float(scale)
 
 
-def _marks(cols: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
+def marks_arg(cols: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
     """[T, k] int32 local columns, -1 where another rank owns the id."""
     return torch.where(owned, cols, -1).to(torch.int32).contiguous()
 
 
-def _keep_arg(keep_mask: torch.Tensor | None) -> tuple[torch.Tensor | None, int, int]:
+def keep_arg(keep_mask: torch.Tensor | None) -> tuple[torch.Tensor | None, int, int]:
     if keep_mask is None:
         return None, 0, 0
     keep = keep_mask.view(torch.int8) if keep_mask.dtype == torch.bool else (keep_mask != 0).to(torch.int8)
     return keep, keep.stride(0), keep.stride(1)
 
 
-def _src_args(source: Source) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, int]:
+def src_args(source: Source) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, int]:
     """(src, weight, hidden size, src strides, weight strides): the weight is a dummy for logits."""
     if source.fused:
         h, w = source.hidden, source.weight
@@ -149,6 +149,12 @@ class TritonTiles(Backend):
     def claims(self, device: torch.device) -> bool:
         return device.type == "cuda" and not torch.version.hip
 
+    def invariant_backend(self) -> Backend:
+        """The invariant mode's forward as a Triton kernel (:mod:`.invariant_backend`), these gradients."""
+        from megatron_rl_patches.ops.kernels.triton.invariant_backend import InvariantTriton  # imports this module
+
+        return InvariantTriton(self)
+
     # ------------------------------------------------------------------------- forward
 
     def row_stats(self, source: Source, stats: RowStats, cols: torch.Tensor, owned: torch.Tensor,
@@ -166,15 +172,15 @@ class TritonTiles(Backend):
         parts = RowStats.empty(splits * n_rows, k, dtype, device, rest=stats.rest is not None,
                                moment=stats.moment is not None, subset=stats.sub_shift is not None)
         dummy = parts.shift
-        src, weight, n_hidden, *strides = _src_args(source)
-        keep, s_keep_r, s_keep_c = _keep_arg(keep_mask)
-        scale_t, scale_v = _scale_args(scale, dtype)
+        src, weight, n_hidden, *strides = src_args(source)
+        keep, s_keep_r, s_keep_c = keep_arg(keep_mask)
+        scale_t, scale_v = scale_args(scale, dtype)
         grid = (triton.cdiv(n_rows, b.m), splits)
         row_stats_kernel[grid](
-            src, weight, keep if keep is not None else dummy, _marks(cols, owned) if k else dummy,
+            src, weight, keep if keep is not None else dummy, marks_arg(cols, owned) if k else dummy,
             scale_t if scale_t is not None else dummy,
-            parts.shift, _or(parts.rest, dummy), _or(parts.moment, dummy), _or(parts.sub_shift, dummy),
-            _or(parts.sub_sum, dummy), parts.marked,
+            parts.shift, or_dummy(parts.rest, dummy), or_dummy(parts.moment, dummy), or_dummy(parts.sub_shift, dummy),
+            or_dummy(parts.sub_sum, dummy), parts.marked,
             n_rows, n_valid, n_hidden, cols_per_split, scale_v, *strides, s_keep_r, s_keep_c,
             K=k, FUSED=source.fused, ROW_SCALE=scale_t is not None, HAS_REST=parts.rest is not None,
             HAS_MOMENT=parts.moment is not None, HAS_SUB=parts.sub_shift is not None, HAS_KEEP=keep is not None,
@@ -202,7 +208,7 @@ class TritonTiles(Backend):
         values = torch.empty(n_rows, tiles * k, dtype=torch.float32, device=device)
         ids = torch.empty(n_rows, tiles * k, dtype=torch.long, device=device)
         tile_max = torch.empty(tiles, n_rows, dtype=torch.float32, device=device)
-        src, weight, n_hidden, *strides = _src_args(source)
+        src, weight, n_hidden, *strides = src_args(source)
         topk_tile_kernel[(triton.cdiv(n_rows, b.m), tiles)](
             src, weight, values, ids, tile_max, n_rows, n_valid, n_hidden, first_id, run.sentinel, *strides,
             K=k, FUSED=source.fused, **b.launch(source.first.dtype),
@@ -237,17 +243,17 @@ class TritonTiles(Backend):
         b = blocks(device, source.fused)
         dummy = f.log_sum if f.log_sum is not None else f.log_sub_sum
         assert dummy is not None  # some exp term is always there
-        src, weight, n_hidden, *strides = _src_args(source)
-        keep, s_keep_r, s_keep_c = _keep_arg(keep_mask)
-        scale_t, scale_v = _scale_args(scale, f.dtype)
+        src, weight, n_hidden, *strides = src_args(source)
+        keep, s_keep_r, s_keep_c = keep_arg(keep_mask)
+        scale_t, scale_v = scale_args(scale, f.dtype)
         k = f.cols.size(1)
         per_mark = [None if t is None else t.expand(f.cols.shape).contiguous() for t in (f.mark_alpha, f.eta, f.delta)]
         grid = (triton.cdiv(r1 - r0, b.m), triton.cdiv(c1 - c0, b.n))
         grad_tile_kernel[grid](
-            src, weight, keep if keep is not None else dummy, _marks(f.cols, f.owned) if k else dummy,
+            src, weight, keep if keep is not None else dummy, marks_arg(f.cols, f.owned) if k else dummy,
             scale_t if scale_t is not None else dummy, out,
-            *(_or(t, dummy) for t in (f.shift, f.log_sum, f.alpha, f.beta, f.sub_shift, f.log_sub_sum, f.gamma)),
-            *(_or(t, dummy) for t in per_mark),
+            *(or_dummy(t, dummy) for t in (f.shift, f.log_sum, f.alpha, f.beta, f.sub_shift, f.log_sub_sum, f.gamma)),
+            *(or_dummy(t, dummy) for t in per_mark),
             r0, r1, c0, c1, n_hidden, scale_v, *strides, s_keep_r, s_keep_c, out.stride(0), out.stride(1),
             K=k, FUSED=source.fused, ROW_SCALE=scale_t is not None, HAS_ALPHA=f.alpha is not None,
             HAS_BETA=f.beta is not None, HAS_SUB=f.sub_shift is not None, HAS_GAMMA=f.gamma is not None,
@@ -303,15 +309,15 @@ class TritonTiles(Backend):
                           grad: bool) -> None:
         dtype = norms[0].dtype
         dummy = norms[0]
-        keep, s_keep_r, s_keep_c = _keep_arg(keep_mask)
-        scale_t, scale_v = _scale_args(scale, dtype)
+        keep, s_keep_r, s_keep_c = keep_arg(keep_mask)
+        scale_t, scale_v = scale_args(scale, dtype)
         w = plan.weight
         inside = 0.0 < w < 1.0  # log w and log(1 − w) are read only by the mixtures, whose w is inside
-        h_s, w_s, n_s, *s_strides = _src_args(student)
-        h_t, w_t, n_t, *t_strides = _src_args(teacher)
+        h_s, w_s, n_s, *s_strides = src_args(student)
+        h_t, w_t, n_t, *t_strides = src_args(teacher)
         divergence_tile_kernel[grid](
             h_s, w_s, h_t, w_t, norms[0].contiguous(), norms[1].contiguous(), keep if keep is not None else dummy,
-            scale_t if scale_t is not None else dummy, _or(constant, dummy), _or(row_factor, dummy), out,
+            scale_t if scale_t is not None else dummy, or_dummy(constant, dummy), or_dummy(row_factor, dummy), out,
             student.n_rows, c0, c1, cols_per_split, n_s, n_t, scale_v, w,
             math.log(w) if inside else 0.0, math.log1p(-w) if inside else 0.0,
             *s_strides, *t_strides, s_keep_r, s_keep_c,
@@ -361,7 +367,7 @@ def column_block_grads(source: Source, dtype: torch.dtype, needs: tuple[bool, ..
     return grad_h, grad_w
 
 
-def _or(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+def or_dummy(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     """A kernel argument for an optional tensor (flagged off in the kernel when absent)."""
     return dummy if t is None else t.contiguous()
 
