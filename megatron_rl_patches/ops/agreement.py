@@ -24,7 +24,7 @@ SLOTS = 30
 TEXT_BYTES = 400  # of each rank's message, exchanged only when a rank failed or the calls differ
 # the kinds an error travels as (its first base among them; anything else: RuntimeError)
 KINDS: tuple[type[Exception], ...] = (TypeError, ValueError, FileNotFoundError, OSError, RuntimeError)
-Value = bool | int | float | None
+Value = bool | int | float | str | None  # a str travels as its crc32; a mismatch shows the texts
 T = TypeVar("T")
 
 
@@ -49,7 +49,9 @@ def _number(name: str, value: Value) -> float:
         return float(value)
     if isinstance(value, float):
         return value
-    raise TypeError(f"agree: {name} must be a bool, int, float or None, got {type(value).__name__}")
+    if isinstance(value, str):
+        return float(zlib.crc32(value.encode("utf-8")))
+    raise TypeError(f"agree: {name} must be a bool, int, float, str or None, got {type(value).__name__}")
 
 
 def _shown(value: float) -> str:
@@ -122,10 +124,12 @@ def agree(group: Any, what: str, *, error: BaseException | None = None, match: M
         body = distinct[0] if len(distinct) == 1 else "; ".join(f"rank {ranks[i]}: {texts[i]}" for i in failed)
         raise kind(f"{body} [{what}: refused on rank(s) {[ranks[i] for i in failed]} of {where}, so on every "
                    "rank]") from error
-    for slot, name in enumerate(match):
+    for slot, (name, value) in enumerate(match.items()):
         seen = [row[2 + slot] for row in table]
-        if len({_shown(value) for value in seen}) > 1:
-            by_rank = ", ".join(f"rank {rank}: {_shown(value)}" for rank, value in zip(ranks, seen))
+        if len({_shown(number) for number in seen}) > 1:
+            # every member sees the same table, so every member takes this second exchange
+            shown = _texts(group, len(ranks), value if isinstance(value, str) else _shown(_number(name, value)), device)
+            by_rank = ", ".join(f"rank {rank}: {text}" for rank, text in zip(ranks, shown))
             raise ValueError(f"{what}: {name} differs between the ranks of {where} ({by_rank}): pass the same "
                              f"{name} on every rank")
     offset = 2 + len(match)

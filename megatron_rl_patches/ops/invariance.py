@@ -10,13 +10,17 @@ unset or "" defers), then the ``batch_invariant_mode`` of the model config the e
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+from megatron_rl_patches._variables import BACKEND as BACKEND_VARIABLE
 from megatron_rl_patches._variables import INVARIANT as VARIABLE
 from megatron_rl_patches._variables import invariant_setting
 from megatron_rl_patches.ops._checks import check_group
 from megatron_rl_patches.ops._dist import tp_size
-from megatron_rl_patches.ops.agreement import agree, local_error
+from megatron_rl_patches.ops.agreement import Value, agree, local_error
+
+T = TypeVar("T")
 
 # The largest vocabulary the invariant tiles' 64-bit fixed-point sums (kernels.invariant_tiles.FIXED_BITS
 # = 44) serve: a row of 2^19 ids all at its max (a uniform row whose sum covers every column; at TP = 2
@@ -74,20 +78,41 @@ def agreed_invariant(invariant: object, op: str, group: Any, config: Any = None)
     parallelism) before the op's first collective, since the two modes run different collectives:
     the setting on one rank only, or an argument one rank refuses, is the same error naming the
     ranks on every rank (ops.agreement; one small all-gather per call at tp > 1)."""
+    return agreed_route(invariant, op, group, _no_kernels, config=config)[0]
+
+
+def _no_kernels(mode: bool) -> None:
+    """For a caller that resolves only the mode: nothing to agree about kernels."""
+
+
+def agreed_route(invariant: object, op: str, group: Any, pick: Callable[[bool], T],
+                 vocab: int | None = None, config: Any = None) -> tuple[bool, T]:
+    """The mode (:func:`agreed_invariant`) and the kernels `pick(mode)` chooses for it (a backend:
+    its `name` and class), agreed in the same all-gather: a backend chosen on one rank only (its
+    `backend=` or the backend variable) runs other collectives, and one rank's refusal of it (a
+    backend that cannot run there) would leave the others waiting. `vocab`: checked against the
+    invariant mode's limit (:func:`check_vocab`)."""
     check_group(group)  # a group without torch.distributed: the op's own refusal, on this rank alone
+
+    def local() -> tuple[bool, T]:
+        chosen = resolve_invariant(invariant, config)
+        if chosen and vocab is not None:
+            check_vocab(vocab, op)
+        return chosen, pick(chosen)
+
     if tp_size(group) == 1:
-        return resolve_invariant(invariant, config)
-    chosen, error = local_error(lambda: resolve_invariant(invariant, config))
-    agree(group, op, error=error, match={f"the invariant mode (invariant= or {VARIABLE}; 1: on)": chosen},
-          where="tp_group")
-    return bool(chosen)
+        return local()
+    route, error = local_error(local)
+    chosen, kernels = route if route is not None else (None, None)
+    match: dict[str, Value] = {f"the invariant mode (invariant= or {VARIABLE}; 1: on)": chosen}
+    if pick is not _no_kernels:
+        match[f"the kernels (backend= or {BACKEND_VARIABLE})"] = (
+            None if kernels is None else f"{getattr(kernels, 'name', '')} ({type(kernels).__name__})")
+    agree(group, op, error=error, match=match, where="tp_group")
+    return bool(chosen), kernels  # type: ignore[return-value]  # agreed: no rank failed
 
 
 def resolve_for_vocab(invariant: object, vocab: int, op: str, group: Any = None, config: Any = None) -> bool:
     """:func:`agreed_invariant` for an op over `vocab` ids: the invariant mode's fixed-point sums
     hold only so many ids (ValueError naming `op` beyond them)."""
-    chosen = agreed_invariant(invariant, op, group, config)
-    if chosen:
-        check_vocab(vocab, op)
-    return chosen
-
+    return agreed_route(invariant, op, group, _no_kernels, vocab=vocab, config=config)[0]

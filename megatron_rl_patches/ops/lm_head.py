@@ -14,6 +14,7 @@ the top-k ops on `hidden @ weight.T` (docs/fused-lm-head.md).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -21,8 +22,8 @@ import torch.distributed as dist
 from megatron_rl_patches.ops import _checks, _dist, _stats, _vocab, topk_checks, topk_select
 from megatron_rl_patches.ops._functions import LogProbEntropy, TopkLogprobs
 from megatron_rl_patches.ops._rows import RowSelection, unselected_as
-from megatron_rl_patches.ops.invariance import resolve_for_vocab
-from megatron_rl_patches.ops.kernels import resolve_backend, topk_step
+from megatron_rl_patches.ops.invariance import agreed_route
+from megatron_rl_patches.ops.kernels import Backend, resolve_backend, topk_step
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows
 from megatron_rl_patches.ops.kernels.torch_tiles import tile_shape, tiles
 
@@ -62,6 +63,11 @@ def check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size
     return hidden.size(0), rows, vocab
 
 
+def _kernels(backend: str | None, hidden: torch.Tensor) -> Callable[[bool], Backend]:
+    """The backend an lm-head op runs for a mode (the mode and this choice are agreed together)."""
+    return lambda mode: resolve_backend(backend, hidden.device, hidden.dtype, mode)
+
+
 def lm_head_log_probs_and_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -99,11 +105,11 @@ def lm_head_log_probs_and_entropy(
     _checks.require_tokens_in_vocab(unselected_as(tokens, selection), vocab, checks, tp_group)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
-    invariant = resolve_for_vocab(invariant, vocab, "lm_head_log_probs_and_entropy", tp_group)
+    invariant, chosen = agreed_route(invariant, "lm_head_log_probs_and_entropy", tp_group, _kernels(backend, hidden),
+                                     vocab)
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_log_probs_and_entropy",
                  with_entropy=bool(with_entropy), entropy_grad=bool(with_entropy and entropy_requires_grad),
                  invariant=invariant)
-    chosen = resolve_backend(backend, hidden.device, hidden.dtype, spec.invariant)
     log_probs, entropy = LogProbEntropy.apply(selection.take(tokens), selection.take(keep_mask),
                                               selection.take_values(tau), spec, checks, chosen, selection.rows,
                                               hidden, weight)
@@ -140,10 +146,9 @@ def lm_head_topk_ids(
     topk_checks.check_k(k, vocab)
     checks = _checks.DeviceChecks()
     _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
-    invariant = resolve_for_vocab(invariant, vocab, "lm_head_topk_ids", tp_group)
+    invariant, chosen = agreed_route(invariant, "lm_head_topk_ids", tp_group, _kernels(backend, hidden), vocab)
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_ids",
                             invariant=invariant)
-    chosen = resolve_backend(backend, hidden.device, hidden.dtype, spec.invariant)
     selection = RowSelection.of(row_mask, n_rows, hidden.device, "hidden (all rows)", tp_group)
     rows = selection.rows
     with torch.no_grad():
@@ -212,11 +217,10 @@ def lm_head_topk_logprobs(
     k = topk_checks.check_ids(unselected_as(ids, row_mask), torch.Size([n_rows]), vocab, checks, ids_mask)
     selection = RowSelection.of(row_mask, n_rows, hidden.device, "hidden (all rows)", tp_group)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
-    invariant = resolve_for_vocab(invariant, vocab, "lm_head_topk_logprobs", tp_group)
+    invariant, chosen = agreed_route(invariant, "lm_head_topk_logprobs", tp_group, _kernels(backend, hidden), vocab)
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_logprobs",
                             invariant=invariant)
     flat = ids.reshape(n_rows, k).to(device=hidden.device, dtype=torch.long)
     valid = None if ids_mask is None else ids_mask.reshape(n_rows, k).to(hidden.device)
-    chosen = resolve_backend(backend, hidden.device, hidden.dtype, spec.invariant)
     return TopkLogprobs.apply(selection.take(flat), selection.take(valid), selection.take_values(tau), spec, checks,
                               chosen, selection.rows, hidden, weight)

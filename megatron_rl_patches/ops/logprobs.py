@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron_rl_patches.ops import _checks, _vocab
 from megatron_rl_patches.ops._functions import LogProbEntropy
 from megatron_rl_patches.ops._rows import RowSelection, unselected_as
-from megatron_rl_patches.ops.invariance import resolve_for_vocab
+from megatron_rl_patches.ops.invariance import agreed_route
 from megatron_rl_patches.ops.kernels import resolve_backend
 
 __all__ = ["log_probs_and_entropy"]
@@ -83,8 +83,9 @@ def log_probs_and_entropy(
                                         temperature, chunk_size, keep_mask, vocab_size, inplace_backward)
     selection = RowSelection.of(row_mask, logits.size(0), logits.device, "logits", tp_group)
     local_vocab = logits.size(1)
-    invariant = resolve_for_vocab(invariant, _checks.global_vocab(local_vocab, tp_group, vocab_size),
-                                  "log_probs_and_entropy", tp_group)
+    invariant, chosen = agreed_route(invariant, "log_probs_and_entropy", tp_group,
+                                     lambda mode: resolve_backend(backend, logits.device, logits.dtype, mode),
+                                     _checks.global_vocab(local_vocab, tp_group, vocab_size))
     spec = _vocab.op_spec(
         local_vocab, tp_group, vocab_size,
         _vocab.logits_chunk_rows(chunk_size, local_vocab, tp_group, vocab_size, logits),
@@ -94,7 +95,6 @@ def log_probs_and_entropy(
         inplace_backward=bool(inplace_backward),
         invariant=invariant,
     )
-    chosen = resolve_backend(backend, logits.device, logits.dtype, spec.invariant)
     log_probs, entropy = LogProbEntropy.apply(selection.take(tokens), selection.take(keep_mask),
                                               selection.take_values(tau), spec, checks, chosen, selection.rows, logits)
     return log_probs, (entropy if with_entropy else None)

@@ -18,7 +18,7 @@ from megatron_rl_patches.ops import _checks, _dist, _divergences, _vocab, topk_c
 from megatron_rl_patches.ops._checks import Temperature, Weights
 from megatron_rl_patches.ops._functions import TopkLogprobs
 from megatron_rl_patches.ops._rows import RowSelection, unselected_as
-from megatron_rl_patches.ops.invariance import agreed_invariant, resolve_for_vocab, resolve_invariant
+from megatron_rl_patches.ops.invariance import agreed_invariant, agreed_route, resolve_invariant
 from megatron_rl_patches.ops.kernels import resolve_backend, topk_step
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.row_blocks import in_row_blocks
@@ -144,11 +144,11 @@ def _topk_logprobs_checked(
     k = topk_checks.check_ids(_unselected_ids(ids, selection.mask, lead), lead, vocab, checks, ids_mask)
     tau = _checks.check_temperature(temperature, lead, logits.device, checks, logits.dtype)
     chunk_rows = _vocab.logits_chunk_rows(_checks.check_chunk_size(chunk_size), local_vocab, tp_group, vocab, logits)
-    spec = _vocab.op_spec(local_vocab, tp_group, vocab, chunk_rows, op, arg=name,
-                          invariant=resolve_for_vocab(invariant, vocab, op, tp_group))
+    invariant, chosen = agreed_route(invariant, op, tp_group,
+                                     lambda mode: resolve_backend(backend, logits.device, logits.dtype, mode), vocab)
+    spec = _vocab.op_spec(local_vocab, tp_group, vocab, chunk_rows, op, arg=name, invariant=invariant)
     flat_ids = ids.reshape(-1, k).to(device=logits.device, dtype=torch.long)
     valid = None if ids_mask is None else ids_mask.reshape(-1, k).to(logits.device)
-    chosen = resolve_backend(backend, logits.device, logits.dtype, spec.invariant)
     tau = selection.take_values(tau.reshape(-1) if isinstance(tau, torch.Tensor) else tau)
     logp, tail = TopkLogprobs.apply(selection.take(flat_ids), selection.take(valid), tau, spec,
                                     checks, chosen, selection.rows, logits.reshape(-1, local_vocab))

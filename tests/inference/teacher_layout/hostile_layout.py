@@ -156,6 +156,9 @@ def tp2_cases(rank: int, chunks: list, whole: list, tokens: torch.Tensor, labels
         "invariant_one_rank": with_setting(odd, lambda: score_at_layout(chunks, tokens, labels)),
         "invariant_one_rank_op": with_setting(odd, lambda: log_probs_and_entropy(logits, targets, tp_group=tp_group)),
         "invariant_both_ranks_op": invariant_alike,
+        # a backend one rank refuses: before the op's first collective, so on every rank
+        "backend_unknown_one_rank": lambda: log_probs_and_entropy(logits, targets, tp_group=tp_group,
+                                                                  backend="tiles" if odd else None),
     }
     return run_cases(cases, [tp2, TeacherLayout(pp=2)], only)
 

@@ -76,6 +76,8 @@ def test_an_id_past_the_vocabulary_at_pp2_is_refused_on_both_stages_naming_the_r
                                           "rank 0: 0, rank 1: 1"]),
     ("invariant_one_rank_op", "ValueError", ["log_probs_and_entropy: the invariant mode", "differs between the "
                                              "ranks of tp_group [0, 1]", "rank 0: 0, rank 1: 1"]),
+    ("backend_unknown_one_rank", "ValueError", ["backend='tiles' is not a backend",
+                                                "log_probs_and_entropy: refused on rank(s) [1]"]),
     ("output_weight_student_chunks", "ValueError", ["chunks were not built at a teacher layout",
                                                     "output_weight_at_layout: refused on rank(s) [1]"]),
     ("lookup_differs", "ValueError", ["layout's tp differs between the ranks of the default process group",

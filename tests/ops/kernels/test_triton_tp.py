@@ -55,7 +55,23 @@ def _rank_outputs(rank: int, world_size: int) -> list[list[torch.Tensor]]:
         out.append([tlp, tail, *(t.grad for t in args)])
         for t in args:
             t.grad = None
-    return [[t.detach().double() for t in case] for case in out], _invariant_splits(rank, world_size)
+    return ([[t.detach().double() for t in case] for case in out], _invariant_splits(rank, world_size),
+            _mixed_backends(rank))
+
+
+def _mixed_backends(rank: int) -> tuple[str, str]:
+    """The invariant mode with the torch tiles on rank 0 and the Triton kernel on rank 1: the two
+    run different collectives (a hang unless the kernels are agreed with the mode): the error."""
+    import torch.distributed as dist
+
+    x = _inputs()
+    h, w = x.hidden.float(), x.weight[rank * V // 2: (rank + 1) * V // 2].float()
+    try:
+        kit.lm_head_log_probs_and_entropy(h, w, x.tokens, tp_group=dist.group.WORLD, vocab_size=VOCAB,
+                                          invariant=True, backend="triton" if rank else "torch")
+    except Exception as exc:  # noqa: BLE001 - the kind and the words are the result
+        return type(exc).__name__, str(exc)
+    return "", ""
 
 
 def _logit_values(x: kit.Inputs, z: torch.Tensor, group, **opts) -> list[torch.Tensor]:
@@ -112,7 +128,10 @@ def test_two_vocabulary_shards_equal_the_float64_reference_and_the_invariant_ker
                                      row_tau=True, n_valid=VOCAB))
         want.append(kit.topk_run(x, backend=None, fused=fused, dtype=torch.float32, n_valid=VOCAB))
     per = V // 2
-    for rank, (cases, splits) in enumerate(run_multirank(_rank_outputs, 2, timeout=300)):
+    for rank, (cases, splits, mixed) in enumerate(run_multirank(_rank_outputs, 2, timeout=300)):
+        # a backend chosen on one rank only: one error on both, naming each rank's kernels
+        assert mixed[0] == "ValueError" and "the kernels (backend= or MEGATRON_RL_PATCHES_BACKEND) differs" in mixed[1]
+        assert "rank 0: invariant (InvariantTiles), rank 1: invariant (InvariantTriton)" in mixed[1], mixed
         assert len(splits) == 3 * 2 + 2, splits  # fp32: routes x modes; bf16: the fused head's two
         assert all(same for (_, _, invariant), same in splits.items() if invariant), splits
         assert not all(same for (_, _, invariant), same in splits.items() if not invariant), splits
