@@ -29,8 +29,8 @@ from megatron_rl_patches.integrations.slime.allgather_cp import (
 from megatron_rl_patches.integrations.slime.cross_rollout import teacher_rollout
 from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, OpdSettings, Teacher, load_function
 from megatron_rl_patches.integrations.slime.opd_teachers import (
-    ModelTeacher,
     OpdTeacher,
+    PassTeacher,
     ScoringStep,
     TeacherScores,
     model_teacher,
@@ -40,6 +40,7 @@ from megatron_rl_patches.integrations.slime.step_plan import (
     CROSS_LOGPROBS,
     CROSS_RATIO,
     CROSS_TAILS,
+    CROSS_TEACHERS,
     IDS,
     IDS_MASK,
     STEP_IDS,
@@ -69,9 +70,9 @@ def student_tokenizer(args: Any) -> Any:
                          f"--hf-checkpoint: {exc}") from None
 
 
-def load_cross(args: Any, teacher: Teacher, model: ModelTeacher | str | list[Any]) -> CrossTokenizerTeacher:
-    """`model` (a snapshot or a separate model) as a teacher with its own tokenizer (`teacher.path`'s
-    tokenizer.json)."""
+def load_cross(args: Any, teacher: Teacher, model: PassTeacher | str | list[Any]) -> CrossTokenizerTeacher:
+    """`model` (a snapshot or a separate model, or any `PassTeacher`) as a teacher with its own
+    tokenizer (`teacher.path`'s tokenizer.json)."""
     student = student_tokenizer(args)
     try:
         own = load_tokenizer(teacher.path, f"{TEACHERS}: teacher {teacher.path!r}")
@@ -79,7 +80,8 @@ def load_cross(args: Any, teacher: Teacher, model: ModelTeacher | str | list[Any
         raise ValueError(f"{exc} (';tokenizer=own' reads the teacher's tokenizer.json)") from None
     stop = None if teacher.stop_tokens is None else load_function(
         teacher.stop_tokens, "stop_tokens", "mapping a student special id to the teacher's id or None")
-    return CrossTokenizerTeacher(model_teacher(model), CrossTeacher(own, student, shared_strings(student, own), stop))
+    inner = model if isinstance(model, PassTeacher) else model_teacher(model)
+    return CrossTokenizerTeacher(inner, CrossTeacher(own, student, shared_strings(student, own), stop))
 
 
 def check_args(args: Any, settings: OpdSettings) -> None:
@@ -87,11 +89,11 @@ def check_args(args: Any, settings: OpdSettings) -> None:
     teacher, whose spread signal are its teacher_log_probs; slime's sglang mode: its megatron mode
     overwrites teacher_log_probs with its own teacher's). Every layout is served (expert parallelism:
     the teacher's micro-batches agreed over the data-parallel ranks, `expert_agreement`)."""
-    if not any(t.own_tokenizer for t in settings.teachers):
+    if not any(t.other_tokenizer for t in settings.teachers):
         return
     if not getattr(args, "use_opd", False):
         return
-    own = sum(t.own_tokenizer for t in settings.teachers)
+    own = sum(t.other_tokenizer for t in settings.teachers)
     if own != 1:
         raise ValueError(f"{TEACHERS}: slime's --use-opd takes one teacher's log-probs; name one teacher with "
                          f"';tokenizer=own' (got {own}), or use top-k OPD's loss for several")
@@ -123,18 +125,19 @@ def teacher_samples(rollout_data: dict, teacher: CrossTokenizerTeacher) -> list[
 
 @dataclass(frozen=True)
 class CrossTokenizerTeacher(OpdTeacher):
-    """A teacher with another tokenizer: its `model` (a snapshot or a separate model) run on its
-    own encoding of each sample (`pair`: both tokenizers and their shared vocabulary)."""
+    """A teacher with another tokenizer: its `model` (a `PassTeacher`: a snapshot, a separate
+    model) run on its own encoding of each sample (`pair`: both tokenizers and their shared
+    vocabulary)."""
 
-    model: ModelTeacher
+    model: PassTeacher
     pair: CrossTeacher
 
     def score(self, step: ScoringStep) -> TeacherScores | None:
         """The teacher's two passes over its own rollout; on the last stage, per sample and whole:
         its bucket scores [R, k] and tails [R] on the student's rows, the student's bucket ids
         [R, k·D] and mask, the live buckets [R, k] and the log-ratio [R] (None on other stages)."""
-        actor, rollout_data, settings, last = step.actor, step.rollout_data, step.settings, step.last
-        model = self.model.model_chunks(actor)
+        rollout_data, settings, last = step.rollout_data, step.settings, step.last
+        run = self.model.passes(step)
         samples = teacher_samples(rollout_data, self)
         budget = ct.student_budget(rollout_data["total_lengths"], rollout_data["micro_batch_indices"])
         lengths = [s.tokens.numel() for s in samples]
@@ -144,15 +147,14 @@ class CrossTokenizerTeacher(OpdTeacher):
         plan = ct.plan_passes(lengths, budget, expert_agreement.agreed_micro_batches(
             max(planned, len(rollout_data["micro_batch_indices"]))))
         own = teacher_rollout(samples, plan)
-        first = self.model.topk_pass(step, model, own, TopkRequest(k=settings.k))
+        first = run(own, TopkRequest(k=settings.k))
         buckets: list[ct.Buckets] = []
         if last:
             top = plan.unpadded(_whole(first["topk_ids"], own))
             buckets = [ct.chunk_start_buckets(ids, s.alignment, self.pair.shared) for ids, s in zip(top, samples)]
             own[TEACHER_IDS] = _cut(plan.padded([b.teacher_ids for b in buckets]), own)
             own[TEACHER_MASK] = _cut(plan.padded([b.teacher_mask for b in buckets]), own)
-        second = self.model.topk_pass(step, model, own, TopkRequest(ids_key=TEACHER_IDS, mask_key=TEACHER_MASK,
-                                                                    keys=(TEACHER_IDS, TEACHER_MASK)))
+        second = run(own, TopkRequest(ids_key=TEACHER_IDS, mask_key=TEACHER_MASK, keys=(TEACHER_IDS, TEACHER_MASK)))
         if not last:
             return None
         own_log_probs = plan.unpadded(_whole(first["log_probs"], own))
@@ -173,10 +175,11 @@ class CrossTokenizerTeacher(OpdTeacher):
                              log_ratio=out["ratio"])
 
 
-def place(rollout_data: dict, scored: list[TeacherScores], same: bool, union: bool) -> None:
+def place(rollout_data: dict, scored: list[TeacherScores], same: bool, union: bool,
+          indices: list[int]) -> None:
     """The cross teachers' fields in the rollout data, cut to this rank's rows: per sample the
-    step's ids (the same-tokenizer ids when `same`, then each teacher's bucket ids) and the
-    stacked per-teacher values."""
+    step's ids (the same-tokenizer ids when `same`, then each teacher's bucket ids), the stacked
+    per-teacher values, and which teachers (`indices`: their places in the settings) gave them."""
     n = len(rollout_data["tokens"])
     parts: list[list[torch.Tensor]] = [[] for _ in range(n)]
     masks: list[list[torch.Tensor]] = [[] for _ in range(n)]
@@ -199,6 +202,7 @@ def place(rollout_data: dict, scored: list[TeacherScores], same: bool, union: bo
                        (CROSS_ALIVE, "alive")):
         per_teacher = [_cut(_each(getattr(out, field)), rollout_data) for out in scored]
         rollout_data[key] = [torch.stack(values, dim=1) for values in zip(*per_teacher)]
+    rollout_data[CROSS_TEACHERS] = [torch.tensor(indices, dtype=torch.int64) for _ in range(n)]  # host: loss_terms
 
 
 def _each(values: list[torch.Tensor] | None) -> list[torch.Tensor]:
@@ -248,8 +252,9 @@ def loss_terms(settings: OpdSettings, batch: dict, student: torch.Tensor, studen
     `invariant`: the divergences' mode (the student's)."""
     n = len(settings.teachers)
     weights = settings.weights or tuple(1.0 / n for _ in range(n))
-    same = [i for i, t in enumerate(settings.teachers) if not t.own_tokenizer]
-    cross = [i for i, t in enumerate(settings.teachers) if t.own_tokenizer]
+    # which teachers gave grouped buckets: their scores say so (`place`), not the settings
+    cross = [int(i) for i in batch[CROSS_TEACHERS][0].tolist()]
+    same = [i for i in range(n) if i not in cross]
     mask = torch.cat(batch[STEP_MASK]).to(device=student.device, dtype=torch.bool)
     if batch.get(STEP_SAME_AS) is not None:  # an id repeated across the parts: scored once, read by each
         student, mask = step_repeats.restored(student, mask, torch.cat(batch[STEP_SAME_AS]))

@@ -3,9 +3,10 @@ pipelined passes over the rollout, run by every pipeline stage in teacher order)
 outputs in one shape contract (`TeacherScores`: framework-free, in `megatron_rl_patches.teachers`;
 this module's name for it stays). A snapshot of the actor's own weights (`SnapshotTeacher`) and a
 separate inference-only model (`SeparateTeacher`: a Hugging Face directory of another
-architecture, or `PATH@module:function`) score the step's own ids; a teacher with another
-tokenizer wraps either (`cross_passes.CrossTokenizerTeacher`). What the teachers of
-one step share (the actor, the rollout, the student's pass, the pass function) is a `ScoringStep`."""
+architecture, or `PATH@module:function`) score the step's own ids; both run passes over any
+rollout handed to them (`PassTeacher`), which a teacher with another tokenizer wraps
+(`cross_passes.CrossTokenizerTeacher`). What the teachers of one step share (the actor, the
+rollout, the student's pass, the pass function) is a `ScoringStep`."""
 from __future__ import annotations
 
 import functools
@@ -75,7 +76,22 @@ class OpdTeacher(ABC):
         last stage, None on the others."""
 
 
-class ModelTeacher(OpdTeacher):
+# (rollout data, request) -> per-sample top-k fields: one pass of a teacher over a rollout
+RolloutPass = Callable[[dict, TopkRequest], dict]
+
+
+class PassTeacher(OpdTeacher):
+    """A teacher that runs top-k passes over any rollout handed to it: a teacher with another
+    tokenizer (`cross_passes.CrossTokenizerTeacher`) wraps one and hands it its own encoding of
+    the samples."""
+
+    @abstractmethod
+    def passes(self, step: ScoringStep) -> RolloutPass:
+        """The step's pass function: one pass over a rollout, answering a `TopkRequest` per sample
+        on the response rows (called by every pipeline stage; a snapshot is switched in once)."""
+
+
+class ModelTeacher(PassTeacher):
     """A teacher of the student's tokenizer: it scores the step's ids with its model."""
 
     @abstractmethod
@@ -88,6 +104,10 @@ class ModelTeacher(OpdTeacher):
         sample on the response rows: opd's pass (slime's forward_only, agreed over the pipeline);
         a teacher at its own layout answers with its own collective."""
         return step.topk_pass(step.actor.args, chunks, rollout_data, request)
+
+    def passes(self, step: ScoringStep) -> RolloutPass:
+        """`topk_pass` over its `model_chunks`, taken once for the step."""
+        return functools.partial(self.topk_pass, step, self.model_chunks(step.actor))
 
     def score(self, step: ScoringStep) -> TeacherScores | None:
         """Its [R, k] scores and [R] tails of the step's ids; a union's first teacher replaces the

@@ -19,6 +19,7 @@ from megatron_rl_patches.integrations.slime import cross_passes, opd  # noqa: E4
 from megatron_rl_patches.integrations.slime.cross_rollout import teacher_rollout  # noqa: E402
 from megatron_rl_patches.integrations.slime.opd_settings import Teacher, opd_settings  # noqa: E402
 from megatron_rl_patches.integrations.slime.opd_teachers import (  # noqa: E402
+    PassTeacher,
     ScoringStep,
     SeparateTeacher,
     SnapshotTeacher,
@@ -229,3 +230,29 @@ def test_score_teachers_is_one_loop_over_the_interface(world, monkeypatch):
     assert all(torch.equal(a[:, 0], b) for a, b in zip(data[opd.CROSS_RATIO], scored.log_ratio))
     step_ids = [torch.cat([i, d], dim=1) for i, d in zip(data[opd.IDS], scored.ids)]
     assert all(torch.equal(a, b) for a, b in zip(data["opd_step_ids"], step_ids))
+
+
+class Delegating(PassTeacher):
+    """A teacher that is no model: its passes are another teacher's (as a served teacher's would be
+    its engine's)."""
+
+    def __init__(self, inner: PassTeacher):
+        self.inner = inner
+
+    def passes(self, step):
+        return self.inner.passes(step)
+
+    def score(self, step):
+        raise AssertionError("a wrapped teacher's passes are run, never its own score")
+
+
+def test_a_cross_teacher_wraps_any_pass_teacher_not_only_a_model(world):
+    """CrossTokenizerTeacher asks its inner teacher for its pass function only: a PassTeacher that
+    has no model chunks gives the same scores, bit for bit, as the model it delegates to."""
+    step = step_of(world.actor, world.data, world.settings)
+    direct = cross_teacher(world.actor.args, world.teacher_dir, [world.other]).score(step)
+    wrapped = cross_teacher(world.actor.args, world.teacher_dir, Delegating(SeparateTeacher([world.other])))
+    assert isinstance(wrapped.model, Delegating)
+    scores = wrapped.score(step)
+    for field in ("log_probs", "tails", "ids", "ids_mask", "alive", "log_ratio"):
+        assert all(torch.equal(a, b) for a, b in zip(getattr(scores, field), getattr(direct, field))), field
