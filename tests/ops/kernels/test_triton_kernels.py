@@ -141,11 +141,11 @@ def test_float64_inputs_take_the_torch_tiles_bit_for_bit():
 def test_vocabulary_splits_merge_like_one_pass():
     """The forward grid's vocabulary splits (several here: V spans many tiles) merge to the
     statistics of one walk: the torch tiles' values for a wide row."""
-    from megatron_rl_patches.ops.kernels.triton import backend
+    from megatron_rl_patches.ops.kernels.triton import launch
 
     x = kit.make_inputs(torch.float32, T=16, V=300, n_valid=290, seed=6)
-    b = backend.blocks(kit.DEVICE, fused=False)
-    assert backend.splits_for(16, 290, b, kit.DEVICE) > 1 or kit.DEVICE.type == "cuda"
+    b = launch.blocks(kit.DEVICE, fused=False)
+    assert launch.splits_for(16, 290, b, kit.DEVICE) > 1 or kit.DEVICE.type == "cuda"
     kwargs = dict(fused=False, dtype=torch.float32, entropy=True, masked=True, row_tau=True, n_valid=290)
     _check(kit.log_prob_run(x, backend="triton", **kwargs), kit.log_prob_run(x, backend=None, **kwargs),
            LOG_PROB_NAMES, torch.float32)

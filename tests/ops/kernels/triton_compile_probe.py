@@ -11,7 +11,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from megatron_rl_patches.ops._divergences import DIVERGENCES
-from megatron_rl_patches.ops.kernels.triton import backend
+from megatron_rl_patches.ops.kernels.triton import launch
 from megatron_rl_patches.ops.kernels.triton._divergence import divergence_tile_kernel
 from megatron_rl_patches.ops.kernels.triton._fold import row_stats_kernel
 from megatron_rl_patches.ops.kernels.triton._grad import grad_tile_kernel
@@ -39,7 +39,7 @@ def _signature(fn, pointers: dict[str, str], consts: dict) -> dict[str, str]:
 def compile_variant(fn, arch: int, dtype: str, fused: bool, flags: dict, k: int | None) -> str:
     import torch
 
-    b = backend.blocks(torch.device("cuda"), fused)
+    b = launch.blocks(torch.device("cuda"), fused)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     consts = {**flags, **({} if k is None else {"K": k, "FUSED": fused}), **b.launch(torch_dtype)}
     options = {"num_warps": consts.pop("num_warps"), "num_stages": consts.pop("num_stages")}

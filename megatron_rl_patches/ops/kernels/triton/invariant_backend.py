@@ -17,7 +17,7 @@ from megatron_rl_patches.ops._stats import RowStats
 from megatron_rl_patches.ops.kernels.invariant_tiles import FIXED_BITS, InvariantTiles
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.kernels.triton._invariant import invariant_tile_kernel
-from megatron_rl_patches.ops.kernels.triton.backend import (
+from megatron_rl_patches.ops.kernels.triton.launch import (
     Blocks,
     blocks,
     column_splits,
