@@ -29,6 +29,7 @@ def test_settings_parsed():
     assert opd_settings({P + "TEACHERS": "/a,/b,/c", P + "WEIGHTS": "0.1,0.2,0.7"}).weights == (0.1, 0.2, 0.7)
     assert s.ids_from == "student"
     assert opd_settings({P + "TEACHERS": "/a", P + "IDS_FROM": "union"}).ids_from == "union"
+    assert opd_settings({P + "TEACHERS": "/a,/b;tokenizer=own", P + "IDS_FROM": "teacher"}).ids_from == "teacher"
 
 
 @pytest.mark.parametrize("env, named", [
@@ -40,7 +41,9 @@ def test_settings_parsed():
     ({P + "TEACHERS": "/a", P + "DIVERGENCE": "kl"}, P + "DIVERGENCE"),
     ({P + "TEACHERS": "/a@noprovider"}, P + "TEACHERS"),
     ({P + "TEACHERS": "/a", P + "COEF": "nan"}, P + "COEF"),
-    ({P + "TEACHERS": "/a", P + "IDS_FROM": "teacher"}, P + "IDS_FROM"),
+    ({P + "TEACHERS": "/a", P + "IDS_FROM": "teachers"}, P + "IDS_FROM"),
+    ({P + "TEACHERS": "/a;tokenizer=own,/b", P + "IDS_FROM": "teacher"}, P + "IDS_FROM=teacher with a first teacher of "
+                                                                          "another tokenizer"),
     # issue 38: checked when the settings are read, naming the variable (not at the teacher's load)
     ({P + "TEACHERS": "/a@:fn"}, P + "TEACHERS"),
     ({P + "TEACHERS": "/a@mod:"}, P + "TEACHERS"),
@@ -115,6 +118,8 @@ def test_step_request_only_with_teachers_and_this_loss(monkeypatch):
     request = plan.step_request(_args())
     assert request is plan.UNION_STEP_REQUEST and request.mask_key == plan.IDS_MASK
     assert plan.IDS_MASK in request.keys
+    monkeypatch.setenv(P + "IDS_FROM", "teacher")  # the first teacher's own top-k: [R, k], no padding
+    assert plan.step_request(_args()) is plan.STEP_REQUEST
 
 
 class _Actor:
