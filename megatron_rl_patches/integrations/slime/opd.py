@@ -287,6 +287,9 @@ def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> Non
 def _score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> None:
     if actor._active_model_tag != "actor":
         actor._switch_model("actor")
+    teachers = [opd_teacher(teacher) for teacher in getattr(actor, ATTRIBUTE)]
+    for teacher in teachers:  # a served teacher's requests go now, overlapping the student's pass
+        teacher.begin(actor, rollout_data)
     student = topk_pass(actor.args, actor.model, rollout_data, TopkRequest(k=settings.k))
     ids = student.get("topk_ids")
     # Every pipeline stage takes part in each teacher's pipelined pass, in the same order; the ids
@@ -298,7 +301,7 @@ def _score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> No
         rollout_data[IDS] = ids
         rollout_data.pop(IDS_MASK, None)
     step = ScoringStep(actor, rollout_data, settings, last, student, topk_pass)
-    scores = [opd_teacher(teacher).score(step) for teacher in getattr(actor, ATTRIBUTE)]
+    scores = [teacher.score(step) for teacher in teachers]
     actor._switch_model("actor")
     if last:
         store_scores(step, [out for out in scores if out is not None])

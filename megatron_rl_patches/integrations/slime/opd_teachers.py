@@ -72,6 +72,10 @@ class ScoringStep:
 class OpdTeacher(ABC):
     """A teacher of slime's top-k OPD."""
 
+    def begin(self, actor: Any, rollout_data: dict) -> None:  # noqa: B027 - most teachers start nothing early
+        """Called on every rank before the student's pass of the step (a served teacher sends its
+        requests here, so the engine's time overlaps the student's forward)."""
+
     @abstractmethod
     def score(self, step: ScoringStep) -> TeacherScores | None:
         """Its passes over the step's rollout (every pipeline stage runs them); its scores on the

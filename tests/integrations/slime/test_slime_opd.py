@@ -187,3 +187,23 @@ def test_every_divergence_of_the_table_is_a_setting():
     for name in TABLE:
         settings = opd_settings({**env, "MEGATRON_RL_PATCHES_OPD_DIVERGENCE": name})
         assert settings is not None and settings.divergence == name
+
+
+@pytest.mark.parametrize("teachers, served, ids_from, temperature, words", [
+    (("http://t:1", "/b"), [0], "student", 1.0, "IDS_FROM=student: a served engine scores its own top-k only"),
+    (("http://t:1", "/b"), [0], "union", 1.0, "IDS_FROM=union: a served engine scores its own top-k only"),
+    (("/a", "http://t:1"), [1], "teacher", 1.0, "entry 'http://t:1': a served teacher after the first"),
+    (("http://t:1", "http://t:2"), [0, 1], "teacher", 1.0, "entry 'http://t:2': a served teacher after the first"),
+    (("http://t:1",), [0], "teacher", 0.7, "--rollout-temperature 0.7: served engines score prompt log-probs at "
+                                           "temperature 1"),
+])
+def test_what_a_served_teacher_cannot_serve_is_refused_naming_the_entry(teachers, served, ids_from, temperature,
+                                                                        words):
+    from megatron_rl_patches.integrations.slime.opd_settings import OpdSettings
+    from megatron_rl_patches.integrations.slime.served_opd import check_served
+
+    settings = OpdSettings(teachers=tuple(Teacher(t) for t in teachers), ids_from=ids_from)
+    with pytest.raises(ValueError, match=words):
+        check_served(settings, served, _args(rollout_temperature=temperature))
+    fine = OpdSettings(teachers=(Teacher("http://t:1"), Teacher("/b")), ids_from="teacher")
+    check_served(fine, [0], _args(rollout_temperature=1.0))  # control: first, ids from it, temperature 1
