@@ -49,6 +49,7 @@ ROOMS = {
     "_residency_modes": "_residency_modes",
     "_variables": "_variables",
     "_digits": "_digits",
+    "_layout_option": "_layout_option",
 }
 # The apps: under apps/ (issue 20 item 6); their former names at the package root still count
 # as apps, so one put back there is held to the same rules.

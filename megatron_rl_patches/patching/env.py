@@ -158,7 +158,7 @@ def role_layouts(environ: Mapping[str, str] | None = None) -> dict[str, int]:
         for written in (option.strip() for option in options):
             # the start-up hook imports env.py; its import set stays the leaves tests/test_lazy_import.py lists
             # lazy: import cost: the start-up hook's pinned import set (test_lazy_import)
-            from megatron_rl_patches.patching.layout_option import is_layout_option, layout_size
+            from megatron_rl_patches._layout_option import is_layout_option, layout_size
 
             if not is_layout_option(written):
                 raise ValueError(f"{where}: unknown option {_cut(written)!r}; the option is ';tp=N' (the role's "

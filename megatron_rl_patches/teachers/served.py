@@ -13,23 +13,13 @@ from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.client_settings import ClientSettings
 from megatron_rl_patches.teachers.contract import BatchScores
+from megatron_rl_patches.teachers.engine_names import check_engine
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.http_client import Deadline, TeacherClient
 from megatron_rl_patches.teachers.token_budget import TokenBudget
 from megatron_rl_patches.teachers.vllm_engine import SampleRows, ServedModel, VllmEngine
 
-ENGINES = {"vllm": VllmEngine}
-# engines named by users whose module waits for a test against a real server of theirs
-NOT_SERVED_YET = {"sglang": "its server needs CUDA packages, so no test here runs one"}
-
-
-def check_engine(engine: object) -> str:
-    if engine in NOT_SERVED_YET:
-        raise ValueError(f"engine={engine!r} is not served yet: serve the teacher with vLLM (engine='vllm'); "
-                         f"{NOT_SERVED_YET[str(engine)]}")
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {sorted(ENGINES)}, got {engine!r}")
-    return str(engine)
+ENGINES = {"vllm": VllmEngine}  # one module per engine in engine_names.SERVED_ENGINES
 
 
 class ServedTeacher:

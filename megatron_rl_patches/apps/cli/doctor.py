@@ -8,28 +8,21 @@ import json
 import os
 import platform
 import sys
-from pathlib import Path
 from typing import Any
 
 import megatron_rl_patches
-from megatron_rl_patches._variables import OPD_PREFIX
+from megatron_rl_patches._variables import OPD_PREFIX, OPD_TEACHERS, TEACHER_API_KEY
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG
 from megatron_rl_patches.apps.cli.targets import STATUS_HELP, find_module, shown_status
-from megatron_rl_patches.inference.loading.hf.checkpoint_config import (
-    CONFIG,
-    TOKENIZER,
-    hub_cache_problem,
-    read_checkpoint_config,
-)
-from megatron_rl_patches.inference.loading.hf.families import read_architecture
-from megatron_rl_patches.inference.loading.hf.files import tensor_index
 from megatron_rl_patches.integrations import default_registry
 from megatron_rl_patches.integrations.megatron import version as megatron_version
-from megatron_rl_patches.integrations.slime.opd_settings import OWN_TOKENIZER, TEACHERS, opd_settings
+from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
 from megatron_rl_patches.integrations.slime.roles import DEFAULT_INFERENCE_ROLES
 from megatron_rl_patches.patching import check_settings, env, registry
 from megatron_rl_patches.patching.startup import files as startup_files
 from megatron_rl_patches.patching.startup import hook
+from megatron_rl_patches.teachers.kinds import RunFacts, entry_problems
+from megatron_rl_patches.teachers.kinds.served_entry import shown
 
 # Installed distributions `doctor` reports. megatron-core, an optional extra, also gets its own
 # section: the code in use may be a source checkout with no distribution.
@@ -38,6 +31,7 @@ REQUIRED = ("torch", "wrapt", "packaging")
 _SHOWN_VALUE = 120  # characters of an environment variable's value shown in the text report
 # the variables holding comma-separated names: shown cut between names, never inside one
 LISTS = ("MEGATRON_RL_PATCHES", "MEGATRON_RL_PATCHES_DISABLE", "MEGATRON_RL_PATCHES_INFERENCE_ROLES")
+KEY_SET = "(set, not shown)"  # what the report shows of a served teacher's API key
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,7 +144,13 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
         unset = environment["variables"][env.INFERENCE_ROLES] is None
         environment["inference_roles"] = list(DEFAULT_INFERENCE_ROLES) if unset else []
     problems = list(environment["errors"])
-    environment["opd"] = {name: value for name, value in sorted(os.environ.items()) if name.startswith(OPD_PREFIX)}
+    # a user or password in a served teacher's URL (refused by its entry's check) is never printed
+    environment["opd"] = {name: shown(value) for name, value in sorted(os.environ.items())
+                          if name.startswith(OPD_PREFIX)}
+    if environment["variables"].get(OPD_TEACHERS):
+        environment["variables"][OPD_TEACHERS] = shown(environment["variables"][OPD_TEACHERS])
+    if environment["variables"].get(TEACHER_API_KEY):  # a secret: whether it is set, never its value
+        environment["variables"][TEACHER_API_KEY] = KEY_SET
     try:
         check_settings()  # the frameworks' own variables, as `run` and slime_opd check them
         problems += teacher_problems()
@@ -182,39 +182,15 @@ def opd_selection_problems(environment: dict[str, Any]) -> list[str]:
 
 def teacher_problems() -> list[str]:
     """What slime_opd's teachers (MEGATRON_RL_PATCHES_OPD_TEACHERS) would fail on at load time,
-    found now: a path that does not exist, a hub cache folder instead of its snapshot or a
-    checkpoint's file instead of its directory, a Hugging Face directory
-    build_inference_model_from_hf or the vocabulary check refuses (its config.json, read as every
-    entry point reads it, or its weight files; nothing built), a `;tokenizer=own` teacher without
-    its tokenizer.json."""
+    found now by each entry's kind (`teachers.kinds`) without loading anything: a path's files (a
+    path that does not exist, a hub cache folder, a checkpoint's file instead of its directory, a
+    Hugging Face directory the converter refuses, a `;tokenizer=own` teacher without its
+    tokenizer.json), a served teacher's server (it answers, its model and max model length, k
+    within its --max-logprobs: `ServedTeacher.check`, in bounded time)."""
     settings = opd_settings()
-    problems = []
-    for teacher in settings.teachers if settings is not None else ():
-        root = Path(teacher.path).expanduser()
-        what = f"{TEACHERS}: teacher {teacher.path!r}"
-        cache = hub_cache_problem(root) if root.is_dir() else None
-        if not root.exists():
-            problems.append(f"{what} does not exist on this machine; fix the path (the training actors read it)")
-            continue
-        if cache is not None:
-            problems.append(f"{what} {cache}")
-            continue
-        if root.is_file() and root.suffix in (".json", ".safetensors"):  # hf_teachers refuses it at load time
-            problems.append(f"{what} is a file of a Hugging Face checkpoint; name its directory {str(root.parent)!r}")
-            continue
-        if root.is_dir() and (root / CONFIG).is_file():
-            try:
-                read_checkpoint_config(root, TEACHERS).vocab_size  # noqa: B018 - check_teacher_vocab's reading
-                read_architecture(root, TEACHERS)
-                tensor_index(root)
-            except (ValueError, OSError, ImportError) as exc:  # ImportError: no safetensors library (the hf extra)
-                problems.append(f"{what}: a Hugging Face directory build_inference_model_from_hf refuses ({exc}); "
-                                "it loads only through slime's own loader, with the actor's architecture")
-        if teacher.own_tokenizer and not (root / TOKENIZER).is_file():
-            problems.append(f"{what} asks ';{OWN_TOKENIZER}' but {str(root / TOKENIZER)!r} does not exist: the "
-                            f"teacher's own tokenizer is read from it; put the model's {TOKENIZER} there (e.g. "
-                            f"`hf download ORG/NAME {TOKENIZER} --local-dir {teacher.path}`)")
-    return problems
+    if settings is None:
+        return []
+    return entry_problems(settings.teachers, RunFacts(ids_from=settings.ids_from, k=settings.k))
 
 
 def collect() -> dict[str, Any]:

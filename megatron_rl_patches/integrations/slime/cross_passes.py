@@ -40,6 +40,7 @@ from megatron_rl_patches.integrations.slime.step_plan import (
     CROSS_LOGPROBS,
     CROSS_RATIO,
     CROSS_TAILS,
+    CROSS_TEACHERS,
     IDS,
     IDS_MASK,
     STEP_IDS,
@@ -87,11 +88,11 @@ def check_args(args: Any, settings: OpdSettings) -> None:
     teacher, whose spread signal are its teacher_log_probs; slime's sglang mode: its megatron mode
     overwrites teacher_log_probs with its own teacher's). Every layout is served (expert parallelism:
     the teacher's micro-batches agreed over the data-parallel ranks, `expert_agreement`)."""
-    if not any(t.own_tokenizer for t in settings.teachers):
+    if not any(t.other_tokenizer for t in settings.teachers):
         return
     if not getattr(args, "use_opd", False):
         return
-    own = sum(t.own_tokenizer for t in settings.teachers)
+    own = sum(t.other_tokenizer for t in settings.teachers)
     if own != 1:
         raise ValueError(f"{TEACHERS}: slime's --use-opd takes one teacher's log-probs; name one teacher with "
                          f"';tokenizer=own' (got {own}), or use top-k OPD's loss for several")
@@ -173,10 +174,11 @@ class CrossTokenizerTeacher(OpdTeacher):
                              log_ratio=out["ratio"])
 
 
-def place(rollout_data: dict, scored: list[TeacherScores], same: bool, union: bool) -> None:
+def place(rollout_data: dict, scored: list[TeacherScores], same: bool, union: bool,
+          indices: list[int]) -> None:
     """The cross teachers' fields in the rollout data, cut to this rank's rows: per sample the
-    step's ids (the same-tokenizer ids when `same`, then each teacher's bucket ids) and the
-    stacked per-teacher values."""
+    step's ids (the same-tokenizer ids when `same`, then each teacher's bucket ids), the stacked
+    per-teacher values, and which teachers (`indices`: their places in the settings) gave them."""
     n = len(rollout_data["tokens"])
     parts: list[list[torch.Tensor]] = [[] for _ in range(n)]
     masks: list[list[torch.Tensor]] = [[] for _ in range(n)]
@@ -199,6 +201,7 @@ def place(rollout_data: dict, scored: list[TeacherScores], same: bool, union: bo
                        (CROSS_ALIVE, "alive")):
         per_teacher = [_cut(_each(getattr(out, field)), rollout_data) for out in scored]
         rollout_data[key] = [torch.stack(values, dim=1) for values in zip(*per_teacher)]
+    rollout_data[CROSS_TEACHERS] = [torch.tensor(indices, dtype=torch.int64) for _ in range(n)]  # host: loss_terms
 
 
 def _each(values: list[torch.Tensor] | None) -> list[torch.Tensor]:
@@ -248,8 +251,9 @@ def loss_terms(settings: OpdSettings, batch: dict, student: torch.Tensor, studen
     `invariant`: the divergences' mode (the student's)."""
     n = len(settings.teachers)
     weights = settings.weights or tuple(1.0 / n for _ in range(n))
-    same = [i for i, t in enumerate(settings.teachers) if not t.own_tokenizer]
-    cross = [i for i, t in enumerate(settings.teachers) if t.own_tokenizer]
+    # which teachers gave grouped buckets: their scores say so (`place`), not the settings
+    cross = [int(i) for i in batch[CROSS_TEACHERS][0].tolist()]
+    same = [i for i in range(n) if i not in cross]
     mask = torch.cat(batch[STEP_MASK]).to(device=student.device, dtype=torch.bool)
     if batch.get(STEP_SAME_AS) is not None:  # an id repeated across the parts: scored once, read by each
         student, mask = step_repeats.restored(student, mask, torch.cat(batch[STEP_SAME_AS]))

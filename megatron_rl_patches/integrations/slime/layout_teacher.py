@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches._layout_option import check_world
 from megatron_rl_patches.inference.teacher_layout import groups
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 from megatron_rl_patches.inference.teacher_layout.scoring import select_topk_at_layout, topk_at_layout
@@ -24,7 +25,6 @@ from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, OpdSet
 from megatron_rl_patches.integrations.slime.opd_teachers import ScoringStep, SeparateTeacher, TeacherScores
 from megatron_rl_patches.integrations.slime.step_plan import IDS, TopkRequest
 from megatron_rl_patches.integrations.step_mode import step_invariant
-from megatron_rl_patches.patching.layout_option import check_world
 
 
 def process_group_collection_class() -> type:

@@ -4,11 +4,12 @@ switched on by MEGATRON_RL_PATCHES_OPD_TEACHERS (`opd_settings`) with slime's cu
     --loss-type custom_loss --custom-loss-function-path \
         megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss
 
-Teachers are loaded after the actor's `init`: same-architecture ones the slime way (checkpoints
-loaded into the actor and kept as host snapshots, swapped in with one restore per teacher per
-step), others as separate inference-only models: `PATH@module:function` by `build_inference_model`,
-a Hugging Face `PATH` whose config.json differs from the actor by `build_inference_model_from_hf`
-(`hf_teachers`). Before slime's
+Teachers are loaded after the actor's `init`, each by its kind's builder (the entry's kind in the
+table `teachers.kinds.KINDS`, its builder in `teacher_builders.BUILDERS`): same-architecture ones
+the slime way (checkpoints loaded into the actor and kept as host snapshots, swapped in with one
+restore per teacher per step), others as separate inference-only models: `PATH@module:function` by
+`build_inference_model`, a Hugging Face `PATH` whose config.json differs from the actor by
+`build_inference_model_from_hf` (`hf_teachers`). Before slime's
 `train_actor`, the actor's own top-k pass selects the ids, each teacher scores them (exact tail
 bucket): [R, k] per sample and teacher reach `train_one_step`'s batch. With
 MEGATRON_RL_PATCHES_OPD_IDS_FROM=union the first teacher's pass also selects its own top-k and
@@ -20,35 +21,24 @@ scoring is one loop over them.
 from __future__ import annotations
 
 import functools
-import inspect
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from megatron_rl_patches._args import bind
-from megatron_rl_patches._log import logger
-from megatron_rl_patches.inference import build_inference_model
-from megatron_rl_patches.integrations.slime import cross_passes, hf_teachers
+from megatron_rl_patches.integrations.slime import cross_passes, hf_teachers, teacher_builders
 from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
 from megatron_rl_patches.integrations.slime.fused import unservable
-from megatron_rl_patches.integrations.slime.layout_teacher import build_layout_teacher, check_layout_teachers
 from megatron_rl_patches.integrations.slime.opd_settings import (
     LOSS_PATH,
     LOSS_PATHS,
-    RESIDENCY,
     TEACHERS,
     OpdSettings,
-    Teacher,
-    load_function,
     opd_settings,
 )
 from megatron_rl_patches.integrations.slime.opd_teachers import (
-    ModelTeacher,
     OpdTeacher,
     ScoringStep,
-    SeparateTeacher,
-    SnapshotTeacher,
     TeacherScores,
     opd_teacher,
 )
@@ -67,6 +57,7 @@ from megatron_rl_patches.integrations.slime.step_plan import (
 from megatron_rl_patches.integrations.slime.topk import local_rows, packed_ids, per_sample_rows
 from megatron_rl_patches.integrations.step_mode import step_invariant, student_mode
 from megatron_rl_patches.ops.topk import topk_kl, topk_logprobs
+from megatron_rl_patches.teachers.kinds import RunFacts, check_entries
 
 ATTRIBUTE = "_megatron_rl_patches_opd_teachers"
 
@@ -76,8 +67,10 @@ def check_args(args: Any, settings: OpdSettings | None = None) -> None:
     teacher of another tokenizer needs no custom loss: its advantages read the spread signal)."""
     custom = getattr(args, "loss_type", None) == "custom_loss"
     advantages_only = settings is not None and getattr(args, "use_opd", False) and \
-        any(t.own_tokenizer for t in settings.teachers)
+        any(t.other_tokenizer for t in settings.teachers)
     if settings is not None:
+        check_entries(settings.teachers, RunFacts(temperature=getattr(args, "rollout_temperature", None),
+                                                  ids_from=settings.ids_from, k=settings.k))
         cross_passes.check_args(args, settings)
     if not advantages_only and (not custom or getattr(args, "custom_loss_function_path", None) not in LOSS_PATHS):
         raise ValueError(f"{TEACHERS} is set: top-k OPD needs slime's flags --loss-type custom_loss "
@@ -90,103 +83,14 @@ def check_args(args: Any, settings: OpdSettings | None = None) -> None:
                          "there alone would leave the other stages waiting); drop that flag or unset it")
 
 
-def _unwrap(chunk: Any) -> Any:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
-def _separate_teacher(args: Any, teacher: Teacher, residency: str | None) -> list[Any]:
-    provider = load_function(teacher.provider or "", "teacher provider", "returning a Megatron model provider")(args)
-    options: dict[str, Any] = {"load_dir": teacher.path}
-    if residency is not None:
-        if "residency" not in inspect.signature(build_inference_model).parameters:
-            raise ValueError(f"{RESIDENCY}={residency!r}: this build_inference_model takes no residency=; unset it")
-        options["residency"] = residency
-    return build_inference_model(provider, **options)
-
-
-def _check_snapshot(actor: Any, tag: str, teacher: Teacher) -> None:
-    own, other = actor.weights_backuper.get("actor"), actor.weights_backuper.get(tag)
-    wrong = [name for name in own if name not in other or other[name].shape != own[name].shape]
-    if wrong:
-        raise ValueError(f"{TEACHERS}: teacher {teacher.path} does not have the actor's shapes ({wrong[:3]}): "
-                         "a Megatron checkpoint of another architecture needs PATH@module:function (a Hugging Face "
-                         "directory of another architecture is built from its config.json)")
-
-
-def _routes(actor: Any, settings: OpdSettings, student: int | str) -> list[str | None]:
-    """Per teacher, hf_teachers.HF for a Hugging Face `PATH` of another architecture than the
-    actor's (agreed by every rank, its vocabulary checked against the student's), SNAPSHOT for
-    other `PATH`s, None for `PATH@module:function`: decided for every teacher before any loads."""
-    routes: list[str | None] = []
-    for teacher in settings.teachers:
-        if not teacher.same_architecture:
-            routes.append(None)
-            continue
-        what = f"{TEACHERS}: teacher {teacher.path!r}"
-        route, differences = hf_teachers.teacher_route(teacher.path, actor.args, what)
-        if route == hf_teachers.HF and not teacher.at_layout:
-            hf_teachers.check_allgather_cp(actor.args, what)
-        if route == hf_teachers.HF and not teacher.own_tokenizer:
-            hf_teachers.check_vocab(teacher.path, student, what)
-            logger.info("megatron-rl-patches: slime_opd teacher %s differs from the actor (%s): built from its "
-                        "config.json as a separate inference-only model", teacher.path, "; ".join(differences))
-        routes.append(route)
-    check_layout_teachers(settings, routes, hf_teachers.SNAPSHOT)
-    return routes
-
-
-def _hf_teacher(actor: Any, settings: OpdSettings, index: int, teacher: Teacher, student: int | str
-                ) -> ModelTeacher:
-    """A Hugging Face directory of another architecture: a separate model on the actor's split, or
-    (`;tp=N` / `;pp=N`) at its own layout."""
-    if teacher.at_layout:
-        return build_layout_teacher(actor.args, teacher, student, getattr(_unwrap(actor.model[0]), "config", None),
-                                    settings.residency)
-    return SeparateTeacher(hf_teachers.build_hf_teacher(actor.args, teacher.path, settings.residency, student,
-                                                        getattr(_unwrap(actor.model[0]), "config", None),
-                                                        f"{TEACHERS}: teacher {teacher.path!r}",
-                                                        own_tokenizer=teacher.own_tokenizer))
-
-
-def _snapshot_teacher(actor: Any, settings: OpdSettings, index: int, teacher: Teacher, student: int | str
-                      ) -> ModelTeacher:
-    """A checkpoint of the actor's architecture: loaded into the actor, kept as a host snapshot."""
-    tag = SnapshotTeacher(f"opd_teacher_{index}")
-    actor.load_other_checkpoint(tag, teacher.path)
-    _check_snapshot(actor, tag, teacher)
-    return tag
-
-
-def _provider_teacher(actor: Any, settings: OpdSettings, index: int, teacher: Teacher, student: int | str
-                      ) -> ModelTeacher:
-    """`PATH@module:function`: the provider's model built inference-only, of the actor's vocabulary."""
-    chunks = _separate_teacher(actor.args, teacher, settings.residency)
-    vocab = _unwrap(actor.model[-1]).vocab_size
-    teacher_vocab = _unwrap(chunks[-1]).vocab_size
-    if teacher_vocab != vocab:
-        raise ValueError(f"{TEACHERS}: teacher {teacher.path} has vocabulary {teacher_vocab}, the actor "
-                         f"{vocab}: top-k OPD compares the same token ids; use a teacher with the actor's "
-                         "tokenizer")
-    return SeparateTeacher(chunks)
-
-
-# Each route's builder (hf_teachers.HF / SNAPSHOT; None: `PATH@module:function`)
-_BUILDERS: dict[str | None, Callable[[Any, OpdSettings, int, Teacher, int | str], ModelTeacher]] = {
-    hf_teachers.HF: _hf_teacher, hf_teachers.SNAPSHOT: _snapshot_teacher, None: _provider_teacher}
-
-
 def load_teachers(actor: Any, settings: OpdSettings) -> list[OpdTeacher]:
-    """Each teacher as an `OpdTeacher`: a snapshot of the actor (same architecture) or a separate
-    model (a provider's, or a Hugging Face directory's of another architecture), wrapped when it
-    keeps its own tokenizer; the actor's own weights are active again afterwards."""
+    """Each teacher as an `OpdTeacher`, by its kind's builder (`teacher_builders.BUILDERS`): a
+    snapshot of the actor (same architecture) or a separate model (a provider's, or a Hugging Face
+    directory's of another architecture), wrapped when it keeps its own tokenizer; the actor's own
+    weights are active again afterwards."""
     check_args(actor.args, settings)
-    student = hf_teachers.student_vocab(actor.args, _unwrap(actor.model[-1]).vocab_size)
-    loaded: list[OpdTeacher] = []
-    for index, (teacher, route) in enumerate(zip(settings.teachers, _routes(actor, settings, student))):
-        model = _BUILDERS[route](actor, settings, index, teacher, student)
-        loaded.append(cross_passes.load_cross(actor.args, teacher, model) if teacher.own_tokenizer else model)
+    student = hf_teachers.student_vocab(actor.args, teacher_builders.unwrap(actor.model[-1]).vocab_size)
+    loaded = teacher_builders.load_all(actor, settings, student)
     actor._switch_model("actor")
     return loaded
 
@@ -314,12 +218,14 @@ def store_scores(step: ScoringStep, scores: list[TeacherScores]) -> None:
     rollout_data = step.rollout_data
     on_ids = [out for out in scores if out.ids is None]
     grouped = [out for out in scores if out.ids is not None]
+    indices = [index for index, out in enumerate(scores) if out.ids is not None]
     if on_ids:
         rollout_data[TEACHER_LOGPROBS] = [torch.stack(per_teacher) for per_teacher in
                                           zip(*(out.log_probs for out in on_ids))]
         rollout_data[TEACHER_TAILS] = [torch.stack(per_teacher) for per_teacher in zip(*(out.tails for out in on_ids))]
     if grouped:
-        cross_passes.place(rollout_data, grouped, same=bool(on_ids), union=step.settings.ids_from == "union")
+        cross_passes.place(rollout_data, grouped, same=bool(on_ids), union=step.settings.ids_from == "union",
+                           indices=indices)
         if getattr(step.actor.args, "use_opd", False):
             cross_passes.spread_for_slime(rollout_data, grouped[0], step.student_log_probs)
 

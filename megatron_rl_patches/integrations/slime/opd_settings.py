@@ -21,47 +21,15 @@ from megatron_rl_patches._variables import OPD_PREFIX as PREFIX  # noqa: F401 - 
 from megatron_rl_patches._variables import OPD_RESIDENCY as RESIDENCY
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
 from megatron_rl_patches._variables import OPD_WEIGHTS as WEIGHTS
-from megatron_rl_patches.patching.layout_option import is_layout_option, layout_size, written_sizes
+from megatron_rl_patches.teachers.kinds import parse_entries
+from megatron_rl_patches.teachers.kinds.entry import TeacherEntry as Teacher
+from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, STOP_TOKENS  # noqa: F401 - the entry's options (--help)
 
 IDS_SOURCES = ("student", "union", "teacher")
 # slime's --custom-loss-function-path for top-k OPD: the documented path (users type it), and the
 # loss's module path since integrations/slime/ became a package; both are accepted.
 LOSS_PATH = "megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss"
 LOSS_PATHS = (LOSS_PATH, "megatron_rl_patches.integrations.slime.opd.topk_opd_policy_loss")
-
-
-@dataclass(frozen=True)
-class Teacher:
-    """One teacher: a checkpoint path, and for another architecture the `module:function` that
-    returns its Megatron model provider (called with slime's args). `same_architecture` means
-    "no provider": a Hugging Face `PATH` of another architecture is found by its config.json
-    when the teachers load (`hf_teachers`). `own_tokenizer` (the entry's `;tokenizer=own`): the
-    Hugging Face teacher keeps its own tokenizer and is scored on its own encoding of each sample
-    (`cross_teachers`); `stop_tokens` (`;stop_tokens=module:function`): the function mapping a
-    student special id to the teacher's id (or None), called with (student id). `tp` / `pp` (the
-    entry's `;tp=N` / `;pp=N`): a Hugging Face teacher of another architecture built at its own
-    tensor / pipeline-parallel sizes over all ranks (both None: in the student's process groups)."""
-
-    path: str
-    provider: str | None = None
-    own_tokenizer: bool = False
-    stop_tokens: str | None = None
-    tp: int | None = None
-    pp: int | None = None
-
-    @property
-    def same_architecture(self) -> bool:
-        return self.provider is None
-
-    @property
-    def at_layout(self) -> bool:
-        """Whether the entry builds the teacher at its own layout (`;tp=N` and / or `;pp=N`)."""
-        return self.tp is not None or self.pp is not None
-
-    @property
-    def layout_written(self) -> str:
-        """The entry's layout options as written: 'tp=2', 'pp=2' or 'tp=2;pp=2'."""
-        return written_sizes(self.tp, self.pp)
 
 
 @dataclass(frozen=True)
@@ -80,73 +48,6 @@ class OpdSettings:
     policy_weight: float = 1.0
     residency: str | None = None
     ids_from: str = "student"
-
-
-def _is_provider(spec: str) -> bool:
-    """`module:function`: a dotted module name and a function name, both non-empty identifiers."""
-    module, colon, function = spec.partition(":")
-    return bool(colon) and all(part.isidentifier() for part in module.split(".")) and function.isidentifier()
-
-
-# An entry's options after its path: `PATH;tokenizer=own` (the only one: a Hugging Face teacher
-# with another tokenizer than the student's, served by cross-tokenizer distillation).
-OWN_TOKENIZER = "tokenizer=own"
-
-
-STOP_TOKENS = "stop_tokens="
-
-
-def _options(entry: str, options: list[str]) -> tuple[bool, str | None, dict[str, int]]:
-    """(own tokenizer asked, the stop-token map's module:function, the teacher's own sizes: "tp" /
-    "pp" -> size where written) from the entry's options."""
-    own, stop = False, None
-    sizes: dict[str, int] = {}
-    seen: set[str] = set()
-    for written in options:
-        option = written.strip()
-        name = option.partition("=")[0].strip()
-        if name and name in seen:
-            raise ValueError(f"{TEACHERS} entry {entry!r}: option {name!r} given twice; give each option once "
-                             "(no later value overrides an earlier one)")
-        seen.add(name)
-        if option.replace(" ", "") == OWN_TOKENIZER:
-            own = True
-        elif option.startswith(STOP_TOKENS) and _is_provider(option[len(STOP_TOKENS):].strip()):
-            stop = option[len(STOP_TOKENS):].strip()
-        elif is_layout_option(option):
-            size, value = layout_size(option, f"{TEACHERS} entry {entry!r}")
-            if size != "ep":  # ep=1: the only expert size served, nothing to record
-                sizes[size] = value
-        else:
-            raise ValueError(f"{TEACHERS} entry {entry!r}: unknown option {option!r}; the options are "
-                             f"';{OWN_TOKENIZER}' (a Hugging Face teacher with another tokenizer, e.g. "
-                             f"/ckpt/qwen35;{OWN_TOKENIZER}), ';{STOP_TOKENS}module:function' (with it: "
-                             "student special id -> teacher id or None) and ';tp=N' / ';pp=N' (the teacher at its "
-                             "own tensor / pipeline-parallel sizes)")
-    if stop is not None and not own:
-        raise ValueError(f"{TEACHERS} entry {entry!r}: ';{STOP_TOKENS}' maps tokens between two tokenizers; add "
-                         f"';{OWN_TOKENIZER}' or drop it")
-    return own, stop, sizes
-
-
-def _teacher(entry: str) -> Teacher:
-    head, *options = entry.split(";")
-    path, at, provider = head.partition("@")
-    if not path.strip() or (at and not _is_provider(provider.strip())):
-        raise ValueError(f"{TEACHERS} entry {entry!r}: expected PATH (same architecture as the actor), "
-                         "PATH@module:function (a provider for another architecture, e.g. "
-                         f"/ckpt/teacher@my_models:teacher_provider) or PATH;{OWN_TOKENIZER} (a Hugging Face "
-                         "directory with another tokenizer)")
-    own, stop, sizes = _options(entry, options)
-    tp, pp = sizes.get("tp"), sizes.get("pp")
-    if own and at:
-        raise ValueError(f"{TEACHERS} entry {entry!r}: ';{OWN_TOKENIZER}' serves Hugging Face directories (their "
-                         "tokenizer.json is read); drop '@module:function' or the option")
-    if sizes and at:
-        raise ValueError(f"{TEACHERS} entry {entry!r}: ';{written_sizes(tp, pp)}' serves Hugging Face directories of "
-                         "another architecture (built from their config.json); a provider's model '@module:function' "
-                         "is not served at its own layout yet: drop ';tp=' / ';pp=' or the provider")
-    return Teacher(path.strip(), provider.strip() or None, own, stop, tp, pp)
 
 
 def load_function(spec: str, what: str, returns: str) -> Any:
@@ -218,10 +119,10 @@ def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
     raw = env.get(TEACHERS)
     if raw is None:
         return None
-    teachers = tuple(_teacher(entry) for entry in raw.split(",") if entry.strip())
+    teachers = parse_entries(raw)
     if not teachers:
-        raise ValueError(f"{TEACHERS}={raw!r} names no teacher: give comma-separated checkpoint paths "
-                         "(PATH or PATH@module:function), or unset it to switch top-k OPD off")
+        raise ValueError(f"{TEACHERS}={raw!r} names no teacher: give comma-separated entries (PATH, "
+                         "PATH@module:function or http://host:port;engine=vllm), or unset it to switch top-k OPD off")
     from megatron_rl_patches.ops._divergences import DIVERGENCES  # the table's rows (mixed_kl included)
 
     divergence = env.get(DIVERGENCE, "").strip() or "reverse_kl"

@@ -52,7 +52,10 @@ STEP_IDS, STEP_MASK = "opd_step_ids", "opd_step_ids_mask"
 STEP_SAME_AS = "opd_step_same_as"
 CROSS_RATIO, CROSS_LOGPROBS = "opd_cross_log_ratio", "opd_cross_teacher_logprobs"
 CROSS_TAILS, CROSS_ALIVE = "opd_cross_teacher_tails", "opd_cross_alive"
-CROSS_KEYS = (STEP_IDS, STEP_MASK, STEP_SAME_AS, CROSS_RATIO, CROSS_LOGPROBS, CROSS_TAILS, CROSS_ALIVE)
+# per sample [n] int64 on the host: the places in MEGATRON_RL_PATCHES_OPD_TEACHERS of the teachers
+# whose buckets are grouped (another tokenizer), in the order of the CROSS_* fields' columns
+CROSS_TEACHERS = "opd_cross_teachers"
+CROSS_KEYS = (STEP_IDS, STEP_MASK, STEP_SAME_AS, CROSS_RATIO, CROSS_LOGPROBS, CROSS_TAILS, CROSS_ALIVE, CROSS_TEACHERS)
 OPD_KEYS = (IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS, *CROSS_KEYS)
 STEP_REQUEST = TopkRequest(ids_key=IDS, keys=(IDS, TEACHER_LOGPROBS, TEACHER_TAILS))
 UNION_STEP_REQUEST = TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS))
@@ -82,6 +85,6 @@ def step_request(args: Any) -> TopkRequest | None:
         return None
     if getattr(args, "loss_type", None) != "custom_loss":
         return None
-    if any(teacher.own_tokenizer for teacher in settings.teachers):
+    if any(teacher.other_tokenizer for teacher in settings.teachers):  # grouped buckets: the cross keys
         return TopkRequest(ids_key=STEP_IDS, mask_key=STEP_MASK, keys=(*UNION_STEP_REQUEST.keys, *CROSS_KEYS))
     return UNION_STEP_REQUEST if settings.ids_from == "union" else STEP_REQUEST

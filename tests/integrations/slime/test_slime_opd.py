@@ -9,6 +9,7 @@ import torch
 
 from megatron_rl_patches.integrations.slime import opd as slime_opd
 from megatron_rl_patches.integrations.slime import step_plan as plan
+from megatron_rl_patches.integrations.slime import teacher_builders
 from megatron_rl_patches.integrations.slime.opd_settings import LOSS_PATH, Teacher, opd_settings
 from megatron_rl_patches.integrations.slime.topk import packed_ids
 
@@ -69,7 +70,7 @@ def _args(**values):
 @pytest.mark.parametrize("provider", ["no_such_module_xyz:fn", "json:no_such_function", "json:__doc__"])
 def test_a_teacher_provider_that_cannot_load_names_the_variable(provider):
     with pytest.raises(ValueError, match=f"{P}TEACHERS: teacher provider '{provider}'"):
-        slime_opd._separate_teacher(None, Teacher("/a", provider), None)
+        teacher_builders.separate_teacher(None, Teacher("/a", provider), None)
 
 
 def test_slime_flags_checked_before_the_first_step():
@@ -151,7 +152,7 @@ def test_snapshot_teacher_of_other_shape_is_refused():
 
 
 def test_separate_teacher_vocab_must_match(monkeypatch):
-    monkeypatch.setattr(slime_opd, "_separate_teacher", lambda *a: [SimpleNamespace(vocab_size=65)])
+    monkeypatch.setattr(teacher_builders, "separate_teacher", lambda *a: [SimpleNamespace(vocab_size=65)])
     with pytest.raises(ValueError, match="vocabulary 65"):
         slime_opd.load_teachers(_Actor((4, 2)), opd_settings({P + "TEACHERS": "/a@m:f"}))
 

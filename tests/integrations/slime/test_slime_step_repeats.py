@@ -48,7 +48,8 @@ def _batch(repeats: bool) -> tuple[dict, torch.Tensor, torch.Tensor]:
              step_plan.TEACHER_TAILS: [torch.full((1, R), -2.0)],
              step_plan.CROSS_RATIO: [torch.randn(R, 1, generator=gen) * 0.1],
              step_plan.CROSS_LOGPROBS: [torch.log_softmax(torch.randn(R, 1, K + 1, generator=gen), -1)[..., :K]],
-             step_plan.CROSS_TAILS: [torch.full((R, 1), -1.5)], step_plan.CROSS_ALIVE: [alive]}
+             step_plan.CROSS_TAILS: [torch.full((R, 1), -1.5)], step_plan.CROSS_ALIVE: [alive],
+             step_plan.CROSS_TEACHERS: [torch.tensor([1])]}
     return batch, hidden, weight
 
 
@@ -89,3 +90,21 @@ def test_without_repeats_the_step_is_unchanged():
     before = _loss(batch, hidden, weight, per_part=False)
     after = _loss({**batch, step_plan.STEP_SAME_AS: [same_as]}, hidden, weight, per_part=False)
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+
+
+def test_the_loss_reads_which_teachers_gave_grouped_buckets_from_their_scores():
+    """loss_terms partitions the teachers by what their scores carry (the host field `place`
+    writes: the settings' places of the grouped teachers), not by an entry's flag: the same batch
+    gives the same loss whether or not the entry says ';tokenizer=own', and naming the other
+    teacher as the grouped one (the negative control) swaps their weights."""
+    batch, hidden, weight = _batch(repeats=False)
+    flagged = _loss(batch, hidden, weight, per_part=False)
+    flags_off = {**SETTINGS, "MEGATRON_RL_PATCHES_OPD_TEACHERS": "/s,/t"}
+    student, tail = lm_head_topk_logprobs(hidden, weight, batch[step_plan.STEP_IDS][0],
+                                          ids_mask=batch[step_plan.STEP_MASK][0])
+    token = torch.zeros(R, dtype=torch.float64)
+    unflagged = cross_passes.loss_terms(opd_settings(flags_off), batch, student, tail, token).sum()
+    assert torch.equal(unflagged.detach(), flagged[0])
+    swapped = cross_passes.loss_terms(opd_settings(flags_off), {**batch, step_plan.CROSS_TEACHERS: [torch.tensor([0])]},
+                                      student, tail, token).sum()
+    assert not torch.allclose(swapped.detach(), flagged[0])

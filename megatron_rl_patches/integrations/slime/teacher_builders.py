@@ -1,0 +1,161 @@
+"""How slime's top-k OPD loads each kind of teacher (`teachers.kinds.KINDS`): one `SlimeBuilder`
+per kind in `BUILDERS`, keyed by the kind's name. Every rank decides each teacher's route first
+(`route`: the decisions that read files, agreed over the ranks, and the checks that come before
+anything is built), a kind checks its teachers' routes together (`check_routes`), then each
+teacher is built from slime's actor (`build`) as an `OpdTeacher`.
+
+- checkpoint (`PATH`): slime's snapshot route (a checkpoint of the actor's architecture, loaded
+  into the actor and kept as a host snapshot) or a Hugging Face directory of another architecture
+  (a separate inference-only model on the actor's split, or at its own layout `;tp=N;pp=M`); with
+  `;tokenizer=own` wrapped as a teacher with another tokenizer (`cross_passes`).
+- provider (`PATH@module:function`): the provider's model built inference-only.
+- served (`http://host:port;engine=vllm`): `served_teacher.build_served_teacher`."""
+# lazy imports: optional dependency megatron-core (through the builders it calls)
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_rl_patches._log import logger
+from megatron_rl_patches.inference import build_inference_model
+from megatron_rl_patches.integrations.slime import cross_passes, hf_teachers
+from megatron_rl_patches.integrations.slime.layout_teacher import build_layout_teacher, check_layout_teachers
+from megatron_rl_patches.integrations.slime.opd_settings import RESIDENCY, TEACHERS, OpdSettings, Teacher, load_function
+from megatron_rl_patches.integrations.slime.opd_teachers import (
+    ModelTeacher,
+    OpdTeacher,
+    SeparateTeacher,
+    SnapshotTeacher,
+)
+from megatron_rl_patches.integrations.slime.served_teacher import build_served_teacher
+from megatron_rl_patches.teachers.kinds.entry import CHECKPOINT, PROVIDER, SERVED
+
+# (actor, settings, teacher, student vocabulary) -> the route its build takes
+Route = Callable[[Any, OpdSettings, Teacher, "int | str"], str]
+# (actor, settings, index, teacher, student vocabulary, route) -> the loaded teacher
+Build = Callable[[Any, OpdSettings, int, Teacher, "int | str", str], OpdTeacher]
+
+
+def kind_route(actor: Any, settings: OpdSettings, teacher: Teacher, student: int | str) -> str:
+    """A kind with one route: its name."""
+    return teacher.kind
+
+
+@dataclass(frozen=True)
+class SlimeBuilder:
+    """How slime's OPD loads one kind of teacher: `route` (on every rank, for every teacher before
+    any loads), `check_routes` (once, over every teacher's route, before any loads; None: nothing)
+    and `build`."""
+
+    build: Build
+    route: Route = kind_route
+    check_routes: Callable[[OpdSettings, list[str]], None] | None = None
+
+
+def unwrap(chunk: Any) -> Any:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def separate_teacher(args: Any, teacher: Teacher, residency: str | None) -> list[Any]:
+    """The model chunks of `PATH@module:function`: the provider (called with slime's args) built
+    inference-only from the path, at `residency`."""
+    provider = load_function(teacher.provider or "", "teacher provider", "returning a Megatron model provider")(args)
+    options: dict[str, Any] = {"load_dir": teacher.path}
+    if residency is not None:
+        if "residency" not in inspect.signature(build_inference_model).parameters:
+            raise ValueError(f"{RESIDENCY}={residency!r}: this build_inference_model takes no residency=; unset it")
+        options["residency"] = residency
+    return build_inference_model(provider, **options)
+
+
+def check_snapshot(actor: Any, tag: str, teacher: Teacher) -> None:
+    """ValueError where a snapshot's tensors do not have the actor's shapes."""
+    own, other = actor.weights_backuper.get("actor"), actor.weights_backuper.get(tag)
+    wrong = [name for name in own if name not in other or other[name].shape != own[name].shape]
+    if wrong:
+        raise ValueError(f"{TEACHERS}: teacher {teacher.path} does not have the actor's shapes ({wrong[:3]}): "
+                         "a Megatron checkpoint of another architecture needs PATH@module:function (a Hugging Face "
+                         "directory of another architecture is built from its config.json)")
+
+
+def checkpoint_route(actor: Any, settings: OpdSettings, teacher: Teacher, student: int | str) -> str:
+    """hf_teachers.HF for a Hugging Face `PATH` of another architecture than the actor's (agreed
+    by every rank, its vocabulary checked against the student's), SNAPSHOT for other `PATH`s."""
+    what = f"{TEACHERS}: teacher {teacher.path!r}"
+    route, differences = hf_teachers.teacher_route(teacher.path, actor.args, what)
+    if route == hf_teachers.HF and not teacher.at_layout:
+        hf_teachers.check_allgather_cp(actor.args, what)
+    if route == hf_teachers.HF and not teacher.own_tokenizer:
+        hf_teachers.check_vocab(teacher.path, student, what)
+        logger.info("megatron-rl-patches: slime_opd teacher %s differs from the actor (%s): built from its "
+                    "config.json as a separate inference-only model", teacher.path, "; ".join(differences))
+    return route
+
+
+def check_checkpoint_routes(settings: OpdSettings, routes: list[str]) -> None:
+    """The `;tp=N` / `;pp=N` entries against their routes and the world (`check_layout_teachers`)."""
+    check_layout_teachers(settings, list(routes), hf_teachers.SNAPSHOT)
+
+
+def hf_teacher(actor: Any, settings: OpdSettings, index: int, teacher: Teacher, student: int | str) -> ModelTeacher:
+    """A Hugging Face directory of another architecture: a separate model on the actor's split, or
+    (`;tp=N` / `;pp=N`) at its own layout."""
+    config = getattr(unwrap(actor.model[0]), "config", None)
+    if teacher.at_layout:
+        return build_layout_teacher(actor.args, teacher, student, config, settings.residency)
+    return SeparateTeacher(hf_teachers.build_hf_teacher(actor.args, teacher.path, settings.residency, student, config,
+                                                        f"{TEACHERS}: teacher {teacher.path!r}",
+                                                        own_tokenizer=teacher.own_tokenizer))
+
+
+def snapshot_teacher(actor: Any, settings: OpdSettings, index: int, teacher: Teacher, student: int | str
+                     ) -> ModelTeacher:
+    """A checkpoint of the actor's architecture: loaded into the actor, kept as a host snapshot."""
+    tag = SnapshotTeacher(f"opd_teacher_{index}")
+    actor.load_other_checkpoint(tag, teacher.path)
+    check_snapshot(actor, tag, teacher)
+    return tag
+
+
+def build_checkpoint(actor: Any, settings: OpdSettings, index: int, teacher: Teacher, student: int | str,
+                     route: str) -> OpdTeacher:
+    """The `PATH` teacher on its route, wrapped when it keeps its own tokenizer."""
+    build = hf_teacher if route == hf_teachers.HF else snapshot_teacher
+    model = build(actor, settings, index, teacher, student)
+    return cross_passes.load_cross(actor.args, teacher, model) if teacher.own_tokenizer else model
+
+
+def build_provider(actor: Any, settings: OpdSettings, index: int, teacher: Teacher, student: int | str,
+                   route: str) -> OpdTeacher:
+    """`PATH@module:function`: the provider's model built inference-only, of the actor's vocabulary."""
+    chunks = separate_teacher(actor.args, teacher, settings.residency)
+    vocab = unwrap(actor.model[-1]).vocab_size
+    teacher_vocab = unwrap(chunks[-1]).vocab_size
+    if teacher_vocab != vocab:
+        raise ValueError(f"{TEACHERS}: teacher {teacher.path} has vocabulary {teacher_vocab}, the actor "
+                         f"{vocab}: top-k OPD compares the same token ids; use a teacher with the actor's "
+                         "tokenizer")
+    return SeparateTeacher(chunks)
+
+
+BUILDERS: dict[str, SlimeBuilder] = {
+    CHECKPOINT: SlimeBuilder(build_checkpoint, checkpoint_route, check_checkpoint_routes),
+    PROVIDER: SlimeBuilder(build_provider),
+    SERVED: SlimeBuilder(build_served_teacher),
+}
+
+
+def load_all(actor: Any, settings: OpdSettings, student: int | str) -> list[OpdTeacher]:
+    """Every teacher of `settings` by its kind's builder: every route decided (and each kind's
+    routes checked) before any teacher loads."""
+    builders = [BUILDERS[teacher.kind] for teacher in settings.teachers]
+    routes = [builder.route(actor, settings, teacher, student) for builder, teacher in zip(builders, settings.teachers)]
+    for builder in dict.fromkeys(builders):
+        if builder.check_routes is not None:
+            builder.check_routes(settings, routes)
+    return [builder.build(actor, settings, index, teacher, student, route)
+            for index, (builder, teacher, route) in enumerate(zip(builders, settings.teachers, routes))]

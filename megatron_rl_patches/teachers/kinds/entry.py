@@ -1,0 +1,70 @@
+"""One teacher as an entry of MEGATRON_RL_PATCHES_OPD_TEACHERS writes it (`TeacherEntry`: the
+record every kind's parser returns) and what a kind's checks read of the run (`RunFacts`).
+Standard library only."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_rl_patches._layout_option import written_sizes
+
+CHECKPOINT, PROVIDER, SERVED = "checkpoint", "provider", "served"
+
+
+@dataclass(frozen=True)
+class TeacherEntry:
+    """One teacher: `path` (a checkpoint path, or a served teacher's URL) and its `kind` (the row
+    of `teachers.kinds.KINDS` whose parser read it; left empty: "provider" with a `provider`, else
+    "checkpoint"). `provider`: the `module:function` returning a Megatron model provider
+    (`PATH@module:function`); `own_tokenizer` (`;tokenizer=own`): a Hugging Face directory with
+    another tokenizer, scored on its own encoding of each sample; `stop_tokens`
+    (`;stop_tokens=module:function`): student special id -> the teacher's id or None; `tp` / `pp`
+    (`;tp=N` / `;pp=N`): a Hugging Face directory at its own sizes over all ranks; `engine`
+    (`;engine=vllm`): the engine serving a URL; `tokenizer` (`;tokenizer=DIR` of a URL): the served
+    teacher's own tokenizer (a directory or tokenizer.json)."""
+
+    path: str
+    provider: str | None = None
+    own_tokenizer: bool = False
+    stop_tokens: str | None = None
+    tp: int | None = None
+    pp: int | None = None
+    kind: str = ""
+    engine: str | None = None
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.kind:
+            object.__setattr__(self, "kind", PROVIDER if self.provider is not None else CHECKPOINT)
+
+    @property
+    def same_architecture(self) -> bool:
+        """No provider: a checkpoint of the actor's architecture or a Hugging Face directory."""
+        return self.provider is None
+
+    @property
+    def at_layout(self) -> bool:
+        """Whether the entry builds the teacher at its own layout (`;tp=N` and / or `;pp=N`)."""
+        return self.tp is not None or self.pp is not None
+
+    @property
+    def layout_written(self) -> str:
+        """The entry's layout options as written: 'tp=2', 'pp=2' or 'tp=2;pp=2'."""
+        return written_sizes(self.tp, self.pp)
+
+    @property
+    def other_tokenizer(self) -> bool:
+        """Whether the teacher has another tokenizer than the student's: its scores come in buckets
+        of the student's ids grouped by shared strings (`;tokenizer=own`, or a URL's
+        `;tokenizer=DIR`)."""
+        return self.own_tokenizer or self.tokenizer is not None
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a kind's checks read of the run: the temperature every teacher scores at (slime's
+    --rollout-temperature; None: not known, as in `doctor`), whose top-k ids make the buckets, and
+    k (MEGATRON_RL_PATCHES_OPD_K)."""
+
+    temperature: float | None = None
+    ids_from: str = "student"
+    k: int = 16

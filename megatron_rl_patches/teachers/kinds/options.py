@@ -1,0 +1,38 @@
+"""The pieces an entry is written in: `HEAD;option;option` (options `name=value` or a bare word),
+each option given once; `module:function` names. Standard library only."""
+from __future__ import annotations
+
+from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
+
+# An entry's options after its head: `PATH;tokenizer=own` (a Hugging Face teacher with another
+# tokenizer than the student's), `;stop_tokens=module:function` (with it: student special id ->
+# the teacher's id or None), `URL;engine=vllm`, `URL;tokenizer=DIR`.
+OWN_TOKENIZER = "tokenizer=own"
+STOP_TOKENS = "stop_tokens="
+
+
+def is_provider(spec: str) -> bool:
+    """`module:function`: a dotted module name and a function name, both non-empty identifiers."""
+    module, colon, function = spec.partition(":")
+    return bool(colon) and all(part.isidentifier() for part in module.split(".")) and function.isidentifier()
+
+
+def split_entry(entry: str) -> tuple[str, list[str]]:
+    """(head, its options stripped) of an entry; an option named twice refused naming the entry."""
+    head, *written = entry.split(";")
+    options = [option.strip() for option in written]
+    seen: set[str] = set()
+    for option in options:
+        name = option.partition("=")[0].strip()
+        if name and name in seen:
+            raise ValueError(f"{TEACHERS} entry {entry!r}: option {name!r} given twice; give each option once "
+                             "(no later value overrides an earlier one)")
+        seen.add(name)
+    return head, options
+
+
+def stop_tokens(option: str) -> str | None:
+    """The `module:function` of a well-written `stop_tokens=module:function` option, else None."""
+    if option.startswith(STOP_TOKENS) and is_provider(option[len(STOP_TOKENS):].strip()):
+        return option[len(STOP_TOKENS):].strip()
+    return None

@@ -1,0 +1,127 @@
+"""The served kind: `http://host:port;engine=vllm` (or `https://`) — a teacher served by an
+inference engine, asked over HTTP (`teachers.ServedTeacher`). The URL is read before the entry
+is split further (its ':' and '/' are no path, its '@' no provider); a user or password in it is
+refused (the API key comes from MEGATRON_RL_PATCHES_TEACHER_API_KEY). Options: `;engine=vllm`
+(required: the engines answer on different routes), `;tokenizer=DIR` (another tokenizer than the
+student's: a directory or tokenizer.json, `;stop_tokens=module:function` with it). Engines score
+at temperature 1 only: another rollout temperature is refused. `doctor` asks the server."""
+from __future__ import annotations
+
+import re
+import urllib.parse
+from pathlib import Path
+
+from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
+from megatron_rl_patches._variables import TEACHER_API_KEY
+from megatron_rl_patches.teachers.engine_names import SERVED_ENGINES, check_engine
+from megatron_rl_patches.teachers.kinds.entry import SERVED, RunFacts, TeacherEntry
+from megatron_rl_patches.teachers.kinds.kind import TeacherKind
+from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, STOP_TOKENS, is_provider, split_entry
+
+FORM = "http(s)://host:port;engine=vllm (a teacher served by vLLM; ;tokenizer=DIR for another tokenizer)"
+ENGINE, TOKENIZER = "engine=", "tokenizer="
+SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+# doctor's bounds: a server that does not answer is a problem in seconds, not a hang
+DOCTOR_CONNECT_S, DOCTOR_DEADLINE_S = 5.0, 15.0
+
+
+def recognizes(entry: str) -> bool:
+    """Whether the entry starts with a URL (`scheme://`): read as one before anything splits it."""
+    return SCHEME.match(entry) is not None
+
+
+def shown(value: str) -> str:
+    """An entry (or the setting's whole value) as errors and `doctor` show it: a user or password
+    in a URL replaced by '***'."""
+    return re.sub(r"(://)[^/;,@\s]*@", r"\1***@", value)
+
+
+def check_url_head(entry: str, head: str) -> str:
+    """The URL of an entry: http or https, no user or password (refused by name, never echoed),
+    no query; its trailing '/' dropped."""
+    from megatron_rl_patches.teachers.http_client import check_url  # lazy: import cost (ssl, json)
+
+    parts = urllib.parse.urlsplit(head)
+    if "@" in parts.netloc:
+        raise ValueError(f"{TEACHERS} entry {shown(entry)!r}: the URL carries a user or password ('user:pass@'), "
+                         f"which would be printed wherever the entry is (doctor, logs): drop it and put the API key "
+                         f"in {TEACHER_API_KEY} (sent as a bearer token)")
+    if parts.scheme.lower() not in ("http", "https"):
+        raise ValueError(f"{TEACHERS} entry {entry!r}: a served teacher's URL starts with http:// or https://, got "
+                         f"{parts.scheme}://")
+    try:
+        return check_url(head)
+    except ValueError as exc:
+        raise ValueError(f"{TEACHERS} entry {entry!r}: {exc}") from None
+
+
+def parse(entry: str) -> TeacherEntry:
+    head, options = split_entry(entry)
+    url = check_url_head(entry, head.strip())
+    engine = tokenizer = stop = None
+    for option in options:
+        name, _, value = (part.strip() for part in option.partition("="))
+        if name == "engine":
+            try:
+                engine = check_engine(value)
+            except ValueError as exc:
+                raise ValueError(f"{TEACHERS} entry {entry!r}: {exc}") from None
+        elif name == "tokenizer" and value == "own":
+            raise ValueError(f"{TEACHERS} entry {entry!r}: ';{OWN_TOKENIZER}' reads a checkpoint directory's "
+                             "tokenizer.json; a served teacher names its tokenizer: ';tokenizer=DIR' (a directory "
+                             "holding tokenizer.json, or the file)")
+        elif name == "tokenizer" and value:
+            tokenizer = value
+        elif name == "stop_tokens" and is_provider(value):
+            stop = value
+        elif name in ("tp", "pp", "ep"):
+            raise ValueError(f"{TEACHERS} entry {entry!r}: option {option!r}: a served teacher runs at its server's "
+                             "own layout (set it where the engine starts); drop it")
+        else:
+            raise ValueError(f"{TEACHERS} entry {entry!r}: unknown option {option!r}; a served teacher's options "
+                             f"are ';{ENGINE}NAME' (one of {list(SERVED_ENGINES)}), ';{TOKENIZER}DIR' (another "
+                             f"tokenizer than the student's: a directory or tokenizer.json) and "
+                             f"';{STOP_TOKENS}module:function' (with it)")
+    if engine is None:
+        raise ValueError(f"{TEACHERS} entry {entry!r}: name the engine serving it, e.g. '{url};engine=vllm' "
+                         f"(served: {list(SERVED_ENGINES)})")
+    if stop is not None and tokenizer is None:
+        raise ValueError(f"{TEACHERS} entry {entry!r}: ';{STOP_TOKENS}' maps tokens between two tokenizers; add "
+                         f"';{TOKENIZER}DIR' or drop it")
+    return TeacherEntry(url, stop_tokens=stop, kind=SERVED, engine=engine, tokenizer=tokenizer)
+
+
+def check(entry: TeacherEntry, facts: RunFacts) -> None:
+    """Engines score prompt log-probs at temperature 1 whatever is asked, while slime scores every
+    teacher at its rollout temperature: another one is refused."""
+    if facts.temperature is not None and float(facts.temperature) != 1.0:
+        raise ValueError(f"{TEACHERS} entry '{entry.path}' is a served teacher, and slime's --rollout-temperature "
+                         f"is {facts.temperature:g}: served engines score prompt log-probs at temperature 1 whatever "
+                         "is asked (so would not score at the student's temperature); roll out at "
+                         "--rollout-temperature 1, or use an in-process teacher")
+
+
+def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
+    """The server asked now, without loading anything (`ServedTeacher.check`: it answers, the
+    model it serves, its max model length, k within its --max-logprobs), in bounded time; the
+    tokenizer of `;tokenizer=DIR` present."""
+    found = []
+    if entry.tokenizer is not None:
+        tokenizer = Path(entry.tokenizer).expanduser()
+        if not (tokenizer.is_file() or (tokenizer / "tokenizer.json").is_file()):
+            found.append(f"{TEACHERS}: teacher '{entry.path}' names ';{TOKENIZER}{entry.tokenizer}', which is neither "
+                         "a tokenizer.json nor a directory holding one on this machine")
+    try:
+        from megatron_rl_patches.teachers.client_settings import ClientSettings  # lazy: served teachers only
+        from megatron_rl_patches.teachers.served import ServedTeacher
+
+        settings = ClientSettings(connect_timeout_s=DOCTOR_CONNECT_S, timeout_s=DOCTOR_DEADLINE_S,
+                                  deadline_s=DOCTOR_DEADLINE_S, retries=0)
+        with ServedTeacher(entry.path, str(entry.engine), top_k=facts.k, client=settings) as teacher:
+            teacher.check()
+    except (ValueError, TypeError, RuntimeError, ImportError, OSError) as exc:  # ServedTeacherError: a RuntimeError
+        found.append(f"{TEACHERS}: served teacher '{entry.path}' ({entry.engine}, k={facts.k}) fails its check: {exc}")
+    return found
+
+
+KIND = TeacherKind(SERVED, FORM, recognizes=recognizes, parse=parse, check=check, problems=problems)
