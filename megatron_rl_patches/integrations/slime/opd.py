@@ -43,6 +43,7 @@ from megatron_rl_patches.integrations.slime.opd_teachers import (
     opd_teacher,
 )
 from megatron_rl_patches.integrations.slime.rows import response_positions
+from megatron_rl_patches.integrations.slime.served_teacher import check_served
 from megatron_rl_patches.integrations.slime.step_plan import (
     CROSS_RATIO,
     IDS,
@@ -71,6 +72,7 @@ def check_args(args: Any, settings: OpdSettings | None = None) -> None:
     if settings is not None:
         check_entries(settings.teachers, RunFacts(temperature=getattr(args, "rollout_temperature", None),
                                                   ids_from=settings.ids_from, k=settings.k))
+        check_served(settings)
         cross_passes.check_args(args, settings)
     if not advantages_only and (not custom or getattr(args, "custom_loss_function_path", None) not in LOSS_PATHS):
         raise ValueError(f"{TEACHERS} is set: top-k OPD needs slime's flags --loss-type custom_loss "

@@ -132,10 +132,10 @@ def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
     if ids_from not in IDS_SOURCES:
         raise ValueError(f"{IDS_FROM}={ids_from!r}: expected one of {list(IDS_SOURCES)} (whose top-k ids make the "
                          "buckets: the student's, the student's and the first teacher's, or the first teacher's)")
-    if ids_from == "teacher" and teachers[0].own_tokenizer:
-        raise ValueError(f"{IDS_FROM}=teacher with a first teacher of another tokenizer ({teachers[0].path!r};"
-                         f"{OWN_TOKENIZER}): its top-k ids are not the student's; name a teacher of the student's "
-                         f"tokenizer first in {TEACHERS}, or use {IDS_FROM}=student")
+    if ids_from == "teacher" and teachers[0].other_tokenizer:
+        raise ValueError(f"{IDS_FROM}=teacher with a first teacher of another tokenizer ({teachers[0].path!r}): its "
+                         f"top-k ids are not the student's; name a teacher of the student's tokenizer first in "
+                         f"{TEACHERS}, or use {IDS_FROM}=student")
     return OpdSettings(teachers=teachers, weights=_weights(env, len(teachers)), k=_k(env), divergence=divergence,
                        coef=_number(env, COEF, 1.0), policy_weight=_number(env, POLICY_WEIGHT, 1.0),
                        residency=_residency(env), ids_from=ids_from)

@@ -11,13 +11,12 @@ the served teacher first), the student and the other teachers score them."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from megatron_rl_patches.integrations.slime.allgather_cp import zigzag_of_whole
-from megatron_rl_patches.integrations.slime.opd_settings import IDS_FROM, TEACHERS, OpdSettings
+from megatron_rl_patches.integrations.slime.opd_settings import OpdSettings
 from megatron_rl_patches.integrations.slime.opd_teachers import OpdTeacher, ScoringStep
 from megatron_rl_patches.integrations.slime.step_plan import IDS, IDS_MASK
 from megatron_rl_patches.teachers.agreement import agree_failure
@@ -33,29 +32,6 @@ if TYPE_CHECKING:
 # A text spelled by the student's tokenizer from ids spread over its vocabulary, tokenized again by
 # the server: the same ids back means the same tokenizer (an offset or another vocabulary differs).
 PROBE_IDS = 24
-
-
-def check_served(settings: OpdSettings, served: Sequence[int], args: Any) -> None:
-    """ValueError naming the entry for what a served teacher cannot serve, before anything loads
-    (the same on every rank): its buckets are its own top-k, so the ids come from it
-    ({IDS_FROM}=teacher, the served teacher first); engines score at temperature 1."""
-    if not served:
-        return
-    index = served[0]
-    where = f"{TEACHERS} entry {settings.teachers[index].path!r}"
-    if settings.ids_from != "teacher":
-        raise ValueError(f"{where} with {IDS_FROM}={settings.ids_from}: a served engine scores its own top-k only, "
-                         f"not given ids; set {IDS_FROM}=teacher and name the served teacher first")
-    if index != 0 or len(served) > 1:
-        later = served[1] if index == 0 else index
-        raise ValueError(f"{TEACHERS} entry {settings.teachers[later].path!r}: a served teacher after the first "
-                         f"would score the first teacher's ids, which the engine does not take (it scores its own "
-                         f"top-k only); name it first in {TEACHERS}, or serve one teacher")
-    temperature = float(getattr(args, "rollout_temperature", 1.0) or 1.0)
-    if temperature != 1.0:
-        raise ValueError(f"{where} with --rollout-temperature {temperature:g}: served engines score prompt "
-                         "log-probs at temperature 1 whatever is asked, and slime scores every teacher at the "
-                         "rollout temperature; roll out at temperature 1 or use an in-process teacher")
 
 
 def _world() -> Any:

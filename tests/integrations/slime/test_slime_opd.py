@@ -190,21 +190,18 @@ def test_every_divergence_of_the_table_is_a_setting():
         assert settings is not None and settings.divergence == name
 
 
-@pytest.mark.parametrize("teachers, served, ids_from, temperature, words", [
-    (("http://t:1", "/b"), [0], "student", 1.0, "IDS_FROM=student: a served engine scores its own top-k only"),
-    (("http://t:1", "/b"), [0], "union", 1.0, "IDS_FROM=union: a served engine scores its own top-k only"),
-    (("/a", "http://t:1"), [1], "teacher", 1.0, "entry 'http://t:1': a served teacher after the first"),
-    (("http://t:1", "http://t:2"), [0, 1], "teacher", 1.0, "entry 'http://t:2': a served teacher after the first"),
-    (("http://t:1",), [0], "teacher", 0.7, "--rollout-temperature 0.7: served engines score prompt log-probs at "
-                                           "temperature 1"),
+@pytest.mark.parametrize("teachers, ids_from, words", [
+    ("http://t:1;engine=vllm,/b", "student", "IDS_FROM=student: a served engine scores its own top-k only"),
+    ("http://t:1;engine=vllm,/b", "union", "IDS_FROM=union: a served engine scores its own top-k only"),
+    ("/a,http://t:1;engine=vllm", "teacher", "entry 'http://t:1': a served teacher after the first"),
+    ("http://t:1;engine=vllm,http://t:2;engine=vllm", "teacher", "entry 'http://t:2': a served teacher after the "
+                                                                 "first"),
+    ("http://t:1;engine=vllm;tokenizer=/tok", "student", "entry 'http://t:1' with ';tokenizer=/tok': a served "
+                                                         "teacher of another tokenizer is not served in slime's OPD"),
 ])
-def test_what_a_served_teacher_cannot_serve_is_refused_naming_the_entry(teachers, served, ids_from, temperature,
-                                                                        words):
-    from megatron_rl_patches.integrations.slime.opd_settings import OpdSettings
-    from megatron_rl_patches.integrations.slime.served_opd import check_served
-
-    settings = OpdSettings(teachers=tuple(Teacher(t) for t in teachers), ids_from=ids_from)
+def test_what_a_served_teacher_cannot_serve_is_refused_naming_the_entry(teachers, ids_from, words):
+    settings = opd_settings({P + "TEACHERS": teachers, P + "IDS_FROM": ids_from})
     with pytest.raises(ValueError, match=words):
-        check_served(settings, served, _args(rollout_temperature=temperature))
-    fine = OpdSettings(teachers=(Teacher("http://t:1"), Teacher("/b")), ids_from="teacher")
-    check_served(fine, [0], _args(rollout_temperature=1.0))  # control: first, ids from it, temperature 1
+        slime_opd.check_args(_args(rollout_temperature=1.0), settings)
+    fine = opd_settings({P + "TEACHERS": "http://t:1;engine=vllm,/b", P + "IDS_FROM": "teacher"})
+    slime_opd.check_args(_args(rollout_temperature=1.0), fine)  # control: first, ids from it, temperature 1

@@ -16,9 +16,10 @@ import torch
 
 from megatron_rl_patches import topk_kl
 from megatron_rl_patches.integrations.slime import opd, served_opd
-from megatron_rl_patches.integrations.slime.opd_settings import OpdSettings, Teacher
+from megatron_rl_patches.integrations.slime.opd_settings import OpdSettings, opd_settings
 from megatron_rl_patches.integrations.slime.opd_teachers import SeparateTeacher
 from megatron_rl_patches.integrations.slime.step_plan import STEP_REQUEST
+from megatron_rl_patches.integrations.slime.teacher_builders import BUILDERS
 from megatron_rl_patches.ops.topk import log1mexp
 from megatron_rl_patches.teachers import ServedTeacherError
 from tests.teachers.lane.forwarder import Forwarder
@@ -33,6 +34,7 @@ class DenseRows:
     """A model's float64 log-softmax over the whole vocabulary on the rows that score ids[start:]."""
 
     forward: object
+    vocab_size: int = VOCAB
 
     def rows(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         return torch.log_softmax(self.forward(ids).double(), dim=-1)[start - 1:-1]
@@ -87,7 +89,19 @@ def rollout() -> dict:
 
 
 def settings(url: str) -> OpdSettings:
-    return OpdSettings(teachers=(Teacher(url), Teacher("/in-process")), k=K, ids_from="teacher")
+    """The served entry first (its ids the buckets), an in-process teacher second."""
+    chosen = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": f"{url};engine=vllm,/in-process",
+                           "MEGATRON_RL_PATCHES_OPD_IDS_FROM": "teacher", "MEGATRON_RL_PATCHES_OPD_K": str(K)})
+    assert chosen is not None and chosen.teachers[0].kind == "served"
+    return chosen
+
+
+def built(actor, url: str) -> served_opd.ServedOpdTeacher:
+    """slime's builder of the served row (`teacher_builders.BUILDERS`), from the actor."""
+    chosen = settings(url)
+    teacher = BUILDERS["served"].build(actor, chosen, 0, chosen.teachers[0], VOCAB, "served")
+    assert isinstance(teacher, served_opd.ServedOpdTeacher)
+    return teacher
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +113,7 @@ def step(served):
     chosen = settings(served.url)
     data = rollout()
     with megatron_on_cpu(), pytest.MonkeyPatch.context() as patch:
-        teacher = served_opd.build_served(actor.args, chosen, served.url, "vllm", VOCAB, "entry")
+        teacher = built(actor, served.url)
         setattr(actor, opd.ATTRIBUTE, [teacher, SeparateTeacher([hf_rows(served.model)])])
         patch.setattr(opd, "topk_pass", topk_pass)
         opd.score_teachers(actor, data, chosen)
@@ -109,8 +123,11 @@ def step(served):
 
 def test_the_served_teachers_own_topk_are_the_steps_buckets_within_transformers_forward(step):
     data, reference = step.data, step.reference
+    worst = 0.0
     for i, (tokens, prompt) in enumerate(zip(data["tokens"], PROMPTS)):
         ref = reference.rows(tokens, prompt)
+        worst = max(worst, float((data[opd.TEACHER_LOGPROBS][i][0].double() - ref.gather(1, data[opd.IDS][i])).abs()
+                                 .max()))
         ids = data[opd.IDS][i]
         assert ids.shape == (len(tokens) - prompt, K) and opd.IDS_MASK not in data
         assert (ids == ref.topk(K).indices).float().mean() > 0.9  # ties aside
@@ -122,6 +139,7 @@ def test_the_served_teachers_own_topk_are_the_steps_buckets_within_transformers_
         tails = data[opd.TEACHER_TAILS][i].double()
         complement = 1 - ref.gather(1, ids).exp().sum(1)
         torch.testing.assert_close(tails[0].exp(), complement, rtol=0, atol=1e-4)
+    print(f"served top-{K} log-probs vs transformers' float64 forward: max |error| {worst:.2e}")
 
 
 def test_the_students_step_through_the_served_buckets_gives_the_exact_tail_loss_of_float64(step):
@@ -130,6 +148,7 @@ def test_the_students_step_through_the_served_buckets_gives_the_exact_tail_loss_
     against transformers' float64 teacher within 1e-5; without the tail (renormalized) it misses."""
     data, reference = step.data, step.reference
     student = topk_pass(step.actor.args, step.actor.model, data, STEP_REQUEST)
+    worst = 0.0
     for i, (tokens, prompt) in enumerate(zip(data["tokens"], PROMPTS)):
         ids = data[opd.IDS][i]
         args = (student["topk_log_probs"][i], student["tail"][i], data[opd.TEACHER_LOGPROBS][i].double(),
@@ -139,7 +158,9 @@ def test_the_students_step_through_the_served_buckets_gives_the_exact_tail_loss_
         q = bucket_probs(reference.rows(tokens, prompt), ids)
         expected = (p * (p.log() - q.log())).sum(-1)
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        worst = max(worst, float((got - expected).abs().max()))
         assert (topk_kl(*args, divergence="reverse_kl", renormalize=True) - expected).abs().max() > 1e-3
+    print(f"topk_kl through the served buckets vs float64 (k+1)-bucket reverse KL: max |error| {worst:.2e}")
 
 
 def bucket_probs(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -154,16 +175,16 @@ def test_a_served_model_of_another_tokenizer_is_refused_by_the_probe(served, tmp
     other = Tokenizer(models.WordLevel({f"t{i}": VOCAB - 1 - i for i in range(VOCAB)}, unk_token="t0"))
     other.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     other.save(str(tmp_path / "tokenizer.json"))
-    args = SimpleNamespace(hf_checkpoint=str(tmp_path), rollout_temperature=1.0)
-    with pytest.raises(ValueError, match=r"entry: .*does not share the student's tokenizer .*/tokenize"):
-        served_opd.build_served(args, settings(served.url), served.url, "vllm", VOCAB, "entry")
-    args.hf_checkpoint = str(served.directory)  # control: the student's own tokenizer passes
-    served_opd.build_served(args, settings(served.url), served.url, "vllm", VOCAB, "entry").teacher.close()
+    with pytest.raises(ValueError, match=r"entry 'http://.*': the served model .* does not share the student's "
+                                         r"tokenizer .*/tokenize"):
+        built(Actor(student_rows(5), tmp_path), served.url)
+    built(Actor(student_rows(5), served.directory), served.url).teacher.close()  # control: the student's own
 
 
 def test_an_id_past_the_students_vocabulary_is_refused_naming_the_sample(served, megatron_cpu):
     actor = Actor(student_rows(5), served.directory)
-    teacher = served_opd.build_served(actor.args, settings(served.url), served.url, "vllm", 100, "entry")
+    actor.model[0].vocab_size = 100  # a student of a smaller vocabulary than the served model's 1001
+    teacher = built(actor, served.url)
     setattr(actor, opd.ATTRIBUTE, [teacher])
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(opd, "topk_pass", topk_pass)
@@ -178,7 +199,7 @@ def test_a_server_that_dies_mid_step_fails_the_step_naming_it(served, megatron_c
     raises naming the URL and a sample, in bounded time."""
     link = Forwarder(int(served.url.rsplit(":", 1)[1]))
     actor = Actor(student_rows(5), served.directory)
-    teacher = served_opd.build_served(actor.args, settings(link.url), link.url, "vllm", VOCAB, "entry")
+    teacher = built(actor, link.url)
     setattr(actor, opd.ATTRIBUTE, [teacher])
     link.hold_all()
 
