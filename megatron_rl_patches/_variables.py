@@ -51,7 +51,9 @@ MEANINGS: dict[str, str] = {
                   "PATH;pp=N (its own tensor / pipeline-parallel sizes over all ranks); a Hugging Face "
                   "directory with another tokenizer than the student's: PATH;tokenizer=own, optionally "
                   "followed by ;stop_tokens=module:function (a student special id -> the teacher's id or "
-                  "None); quote the ';'; set in the training actors' environment (--train-env-vars)",
+                  "None); a teacher served by vLLM: http(s)://host:port;engine=vllm (;tokenizer=DIR for another "
+                  "tokenizer; no user:pass@ in the URL: the key goes in MEGATRON_RL_PATCHES_TEACHER_API_KEY); quote "
+                  "the ';'; set in the training actors' environment (--train-env-vars)",
     OPD_WEIGHTS: "slime_opd: mixture weights, one per teacher, summing to 1 (unset: uniform)",
     OPD_K: "slime_opd: the student's top-k ids per token (default 16)",
     OPD_DIVERGENCE: "slime_opd: reverse_kl (default), forward_kl, jsd, skew_forward_kl, skew_reverse_kl, tv or "

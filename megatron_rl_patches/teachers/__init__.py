@@ -1,8 +1,9 @@
 """Teachers beyond the training job, framework-free: the scores' shape inside a step
 (`TeacherScores`), the contract of a teacher that scores whole samples (`TeacherBatch` ->
 `BatchScores`: per response row the teacher's own top-k, their exact tail and the actual token's
-log-prob), and teachers served by an inference engine (`ServedTeacher`, vLLM). Importing this
-package is light (no torch, no HTTP client): names load on first use."""
+log-prob), teachers served by an inference engine (`ServedTeacher`, vLLM), and the kinds of
+teacher as one table (`teachers.kinds`: how an entry of MEGATRON_RL_PATCHES_OPD_TEACHERS is read
+and checked). Importing this package is light (no torch, no HTTP client): names load on first use."""
 from __future__ import annotations
 
 from megatron_rl_patches._lazy import lazy_getattr

@@ -80,7 +80,8 @@ def test_a_rollout_temperature_other_than_one_is_refused_with_a_served_entry():
     teachers = parse_entries("/ckpt/a,http://h:8000;engine=vllm")
     check_entries(teachers, RunFacts(temperature=1.0))
     check_entries(teachers, RunFacts(temperature=None))  # not known (doctor): nothing to refuse
-    with pytest.raises(ValueError, match="entry 'http://h:8000' is a served teacher.*--rollout-temperature is 0.7"):
+    with pytest.raises(ValueError, match="entry 'http://h:8000' is a served teacher, and the rollout temperature "
+                                         "is 0.7: served engines score prompt log-probs at temperature 1"):
         check_entries(teachers, RunFacts(temperature=0.7))
     check_entries(parse_entries("/ckpt/a,/ckpt/b@m:f"), RunFacts(temperature=0.7))  # in-process: any temperature
 

@@ -71,7 +71,8 @@ def check_args(args: Any, settings: OpdSettings | None = None) -> None:
         any(t.other_tokenizer for t in settings.teachers)
     if settings is not None:
         check_entries(settings.teachers, RunFacts(temperature=getattr(args, "rollout_temperature", None),
-                                                  ids_from=settings.ids_from, k=settings.k))
+                                                  ids_from=settings.ids_from, k=settings.k,
+                                                  temperature_from="slime's --rollout-temperature"))
         check_served(settings)
         cross_passes.check_args(args, settings)
     if not advantages_only and (not custom or getattr(args, "custom_loss_function_path", None) not in LOSS_PATHS):

@@ -61,10 +61,12 @@ class TeacherEntry:
 
 @dataclass(frozen=True)
 class RunFacts:
-    """What a kind's checks read of the run: the temperature every teacher scores at (slime's
-    --rollout-temperature; None: not known, as in `doctor`), whose top-k ids make the buckets, and
-    k (MEGATRON_RL_PATCHES_OPD_K)."""
+    """What a kind's checks read of the run: the temperature every teacher scores at (None: not
+    known, as in `doctor`) and the setting it comes from as errors name it (`temperature_from`,
+    e.g. slime's "--rollout-temperature"), whose top-k ids make the buckets, and k
+    (MEGATRON_RL_PATCHES_OPD_K)."""
 
     temperature: float | None = None
     ids_from: str = "student"
     k: int = 16
+    temperature_from: str = "the rollout temperature"

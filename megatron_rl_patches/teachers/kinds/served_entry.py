@@ -92,13 +92,13 @@ def parse(entry: str) -> TeacherEntry:
 
 
 def check(entry: TeacherEntry, facts: RunFacts) -> None:
-    """Engines score prompt log-probs at temperature 1 whatever is asked, while slime scores every
-    teacher at its rollout temperature: another one is refused."""
+    """Engines score prompt log-probs at temperature 1 whatever is asked, while the teachers score
+    at the run's temperature (slime: its rollout temperature): another one is refused."""
     if facts.temperature is not None and float(facts.temperature) != 1.0:
-        raise ValueError(f"{TEACHERS} entry '{entry.path}' is a served teacher, and slime's --rollout-temperature "
-                         f"is {facts.temperature:g}: served engines score prompt log-probs at temperature 1 whatever "
-                         "is asked (so would not score at the student's temperature); roll out at "
-                         "--rollout-temperature 1, or use an in-process teacher")
+        raise ValueError(f"{TEACHERS} entry '{entry.path}' is a served teacher, and {facts.temperature_from} is "
+                         f"{facts.temperature:g}: served engines score prompt log-probs at temperature 1 whatever is "
+                         f"asked (so would not score at the student's temperature); set {facts.temperature_from} to "
+                         "1, or use an in-process teacher")
 
 
 def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
