@@ -66,15 +66,15 @@ def path_problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
     directory, a Hugging Face directory build_inference_model_from_hf or the vocabulary check
     refuses (its config.json, read as every entry point reads it, or its weight files; nothing
     built), a `;tokenizer=own` teacher without its tokenizer.json."""
-    # lazy: the converter's readers are needed by `doctor` only (the settings import none)
+    # lazy: import cost: the converter's readers are needed by `doctor` only (the settings import none)
     from megatron_rl_patches.inference.loading.hf.checkpoint_config import (
         CONFIG,
         TOKENIZER,
         hub_cache_problem,
         read_checkpoint_config,
     )
-    from megatron_rl_patches.inference.loading.hf.families import read_architecture
-    from megatron_rl_patches.inference.loading.hf.files import tensor_index
+    from megatron_rl_patches.inference.loading.hf.families import read_architecture  # lazy: import cost (as above)
+    from megatron_rl_patches.inference.loading.hf.files import tensor_index  # lazy: import cost (as above)
 
     root = Path(entry.path).expanduser()
     what = f"{TEACHERS}: teacher {entry.path!r}"
