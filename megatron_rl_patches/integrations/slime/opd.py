@@ -14,8 +14,10 @@ restore per teacher per step), others as separate inference-only models: `PATH@m
 bucket): [R, k] per sample and teacher reach `train_one_step`'s batch. With
 MEGATRON_RL_PATCHES_OPD_IDS_FROM=union the first teacher's pass also selects its own top-k and
 scores the union with the student's ids ([R, 2k] with a padding mask), which every other model
-scores. Nothing [T, V] is built. Every loaded teacher is an `opd_teachers.OpdTeacher`: the step's
-scoring is one loop over them.
+scores; with IDS_FROM=teacher the first teacher's own top-k are the ids ([R, k]; a served teacher,
+`served_opd`, gives only these). Nothing [T, V] is built. Every loaded teacher is an
+`opd_teachers.OpdTeacher`: each one's `begin` runs before the student's pass (a served teacher's
+requests go then), and the step's scoring is one loop over them.
 """
 # lazy imports: optional dependency slime
 from __future__ import annotations
