@@ -62,7 +62,8 @@ MEANINGS: dict[str, str] = {
     OPD_POLICY_WEIGHT: "slime_opd: weight of slime's policy loss (default 1.0)",
     OPD_RESIDENCY: "slime_opd: resident (default), swap or stream, for the separate teachers "
                    "(PATH@module:function, Hugging Face folders of another architecture)",
-    OPD_IDS_FROM: "slime_opd: student (default) or union (the student's and the first teacher's top-k)",
+    OPD_IDS_FROM: "slime_opd: student (default), union (the student's and the first teacher's top-k) or teacher "
+                  "(the first teacher's own top-k)",
     VERL_ROWS: "verl_fused_logprobs: all computes every row, not only the rows verl reads",
     TEACHER_API_KEY: "the API key sent to a teacher served by an inference engine (teachers.ServedTeacher), "
                      "as a bearer token; never part of a URL or an entry",

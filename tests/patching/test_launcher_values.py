@@ -76,8 +76,8 @@ CASES = [
     ("roles-commas", None, {ROLES: " , "}, "MEGATRON_RL_PATCHES_INFERENCE_ROLES=' , ' names no role"),
     ("roles-dash", None, {ROLES: "teacher,prm-teacher"}, "'prm-teacher' is not a role name"),
     # a framework's own variables, as its patch reads them (issue 38: top-k OPD's were read at the first step)
-    ("opd-ids-from", None, {OPD + "TEACHERS": "/ckpt/t", OPD + "IDS_FROM": "teacher"},
-     "MEGATRON_RL_PATCHES_OPD_IDS_FROM='teacher'"),
+    ("opd-ids-from", None, {OPD + "TEACHERS": "/ckpt/t", OPD + "IDS_FROM": "teachers"},
+     "MEGATRON_RL_PATCHES_OPD_IDS_FROM='teachers'"),
     ("opd-weights", None, {OPD + "TEACHERS": "/a,/b", OPD + "WEIGHTS": "2,3"},
      "MEGATRON_RL_PATCHES_OPD_WEIGHTS='2,3' sums to 5"),
     # misspelled names with our prefix (issue 49: ignored, `run` then defaulted to all)

@@ -79,6 +79,10 @@ def check_layout_teachers(settings: OpdSettings, routes: list[str | None], snaps
         if settings.ids_from == "union":
             raise ValueError(f"{where} with MEGATRON_RL_PATCHES_OPD_IDS_FROM=union: a teacher at its own layout "
                              "scores the student's ids only; use ids from the student or drop ';tp=' / ';pp='")
+        if settings.ids_from == "teacher" and teacher is settings.teachers[0]:
+            raise ValueError(f"{where} first with MEGATRON_RL_PATCHES_OPD_IDS_FROM=teacher: a teacher at its own "
+                             "layout scores given ids only, it selects none; name another teacher first, use ids "
+                             "from the student, or drop ';tp=' / ';pp='")
     try:
         process_group_collection_class()
     except ValueError as exc:

@@ -14,8 +14,10 @@ restore per teacher per step), others as separate inference-only models: `PATH@m
 bucket): [R, k] per sample and teacher reach `train_one_step`'s batch. With
 MEGATRON_RL_PATCHES_OPD_IDS_FROM=union the first teacher's pass also selects its own top-k and
 scores the union with the student's ids ([R, 2k] with a padding mask), which every other model
-scores. Nothing [T, V] is built. Every loaded teacher is an `opd_teachers.OpdTeacher`: the step's
-scoring is one loop over them.
+scores; with IDS_FROM=teacher the first teacher's own top-k are the ids ([R, k]; a served teacher,
+`served_opd`, gives only these). Nothing [T, V] is built. Every loaded teacher is an
+`opd_teachers.OpdTeacher`: each one's `begin` runs before the student's pass (a served teacher's
+requests go then), and the step's scoring is one loop over them.
 """
 # lazy imports: optional dependency slime
 from __future__ import annotations
@@ -43,6 +45,7 @@ from megatron_rl_patches.integrations.slime.opd_teachers import (
     opd_teacher,
 )
 from megatron_rl_patches.integrations.slime.rows import response_positions
+from megatron_rl_patches.integrations.slime.served_teacher import check_served
 from megatron_rl_patches.integrations.slime.step_plan import (
     CROSS_RATIO,
     IDS,
@@ -72,6 +75,7 @@ def check_args(args: Any, settings: OpdSettings | None = None) -> None:
         check_entries(settings.teachers, RunFacts(temperature=getattr(args, "rollout_temperature", None),
                                                   ids_from=settings.ids_from, k=settings.k,
                                                   temperature_from="slime's --rollout-temperature"))
+        check_served(settings)
         cross_passes.check_args(args, settings)
     if not advantages_only and (not custom or getattr(args, "custom_loss_function_path", None) not in LOSS_PATHS):
         raise ValueError(f"{TEACHERS} is set: top-k OPD needs slime's flags --loss-type custom_loss "
@@ -192,6 +196,9 @@ def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> Non
 def _score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> None:
     if actor._active_model_tag != "actor":
         actor._switch_model("actor")
+    teachers = [opd_teacher(teacher) for teacher in getattr(actor, ATTRIBUTE)]
+    for teacher in teachers:  # a served teacher's requests go now, overlapping the student's pass
+        teacher.begin(actor, rollout_data)
     student = topk_pass(actor.args, actor.model, rollout_data, TopkRequest(k=settings.k))
     ids = student.get("topk_ids")
     # Every pipeline stage takes part in each teacher's pipelined pass, in the same order; the ids
@@ -203,7 +210,7 @@ def _score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> No
         rollout_data[IDS] = ids
         rollout_data.pop(IDS_MASK, None)
     step = ScoringStep(actor, rollout_data, settings, last, student, topk_pass)
-    scores = [opd_teacher(teacher).score(step) for teacher in getattr(actor, ATTRIBUTE)]
+    scores = [teacher.score(step) for teacher in teachers]
     actor._switch_model("actor")
     if last:
         store_scores(step, [out for out in scores if out is not None])

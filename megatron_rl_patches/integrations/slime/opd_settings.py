@@ -25,7 +25,7 @@ from megatron_rl_patches.teachers.kinds import parse_entries
 from megatron_rl_patches.teachers.kinds.entry import TeacherEntry as Teacher
 from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, STOP_TOKENS  # noqa: F401 - the entry's options (--help)
 
-IDS_SOURCES = ("student", "union")
+IDS_SOURCES = ("student", "union", "teacher")
 # slime's --custom-loss-function-path for top-k OPD: the documented path (users type it), and the
 # loss's module path since integrations/slime/ became a package; both are accepted.
 LOSS_PATH = "megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss"
@@ -36,8 +36,9 @@ LOSS_PATHS = (LOSS_PATH, "megatron_rl_patches.integrations.slime.opd.topk_opd_po
 class OpdSettings:
     """What the OPD flow does: teachers, mixture weights (None: uniform), k, divergence, the OPD
     term's coefficient, the weight of slime's policy loss, the separate teachers' residency, and
-    whose top-k ids make the buckets ("student", or "union": the student's and the first
-    teacher's, 2k per token with a padding mask, as docs/distillation.md defines it)."""
+    whose top-k ids make the buckets ("student"; "union": the student's and the first teacher's,
+    2k per token with a padding mask; "teacher": the first teacher's own top-k, as
+    docs/distillation.md defines them)."""
 
     teachers: tuple[Teacher, ...]
     weights: tuple[float, ...] | None = None
@@ -130,7 +131,11 @@ def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
     ids_from = env.get(IDS_FROM, "").strip() or "student"
     if ids_from not in IDS_SOURCES:
         raise ValueError(f"{IDS_FROM}={ids_from!r}: expected one of {list(IDS_SOURCES)} (whose top-k ids make the "
-                         "buckets: the student's, or the student's and the first teacher's)")
+                         "buckets: the student's, the student's and the first teacher's, or the first teacher's)")
+    if ids_from == "teacher" and teachers[0].other_tokenizer:
+        raise ValueError(f"{IDS_FROM}=teacher with a first teacher of another tokenizer ({teachers[0].path!r}): its "
+                         f"top-k ids are not the student's; name a teacher of the student's tokenizer first in "
+                         f"{TEACHERS}, or use {IDS_FROM}=student")
     return OpdSettings(teachers=teachers, weights=_weights(env, len(teachers)), k=_k(env), divergence=divergence,
                        coef=_number(env, COEF, 1.0), policy_weight=_number(env, POLICY_WEIGHT, 1.0),
                        residency=_residency(env), ids_from=ids_from)

@@ -27,12 +27,15 @@ TopkPass = Callable[[Any, list, dict, TopkRequest], dict]
 
 
 def teacher_requests(settings: OpdSettings) -> tuple[TopkRequest, TopkRequest]:
-    """The first teacher's request and the others': all score the student's ids, or (union) the
-    first selects its own top-k and scores the union, which the others score with its mask."""
+    """The first teacher's request and the others': all score the student's ids; (union) the first
+    selects its own top-k and scores the union, which the others score with its mask; (teacher) the
+    first selects and scores its own top-k, which the others score."""
+    scoring = TopkRequest(ids_key=IDS, keys=(IDS,))
     if settings.ids_from == "union":
         return (TopkRequest(k=settings.k, ids_key=IDS, keys=(IDS,), union=True),
                 TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_MASK)))
-    scoring = TopkRequest(ids_key=IDS, keys=(IDS,))
+    if settings.ids_from == "teacher":
+        return TopkRequest(k=settings.k), scoring
     return scoring, scoring
 
 
@@ -69,6 +72,10 @@ class ScoringStep:
 
 class OpdTeacher(ABC):
     """A teacher of slime's top-k OPD."""
+
+    def begin(self, actor: Any, rollout_data: dict) -> None:  # noqa: B027 - most teachers start nothing early
+        """Called on every rank before the student's pass of the step (a served teacher sends its
+        requests here, so the engine's time overlaps the student's forward)."""
 
     @abstractmethod
     def score(self, step: ScoringStep) -> TeacherScores | None:
@@ -110,13 +117,19 @@ class ModelTeacher(PassTeacher):
         return functools.partial(self.topk_pass, step, self.model_chunks(step.actor))
 
     def score(self, step: ScoringStep) -> TeacherScores | None:
-        """Its [R, k] scores and [R] tails of the step's ids; a union's first teacher replaces the
-        step's ids by the union [R, 2k] and its padding mask, which the later teachers score."""
-        out = step.topk_pass(step.actor.args, self.model_chunks(step.actor), step.rollout_data, step.ids_request())
+        """Its [R, k] scores and [R] tails of the step's ids; a first teacher that selects ids replaces
+        the step's ids by them (a union's [R, 2k] with its padding mask, or its own top-k [R, k]),
+        which the later teachers score."""
+        request = step.ids_request()
+        out = step.topk_pass(step.actor.args, self.model_chunks(step.actor), step.rollout_data, request)
         if not step.last:  # a stage before the last: its hidden states went on, it has no buckets
             return None
-        if "ids_mask" in out:
-            step.rollout_data[IDS], step.rollout_data[IDS_MASK] = out["topk_ids"], out["ids_mask"]
+        if request.k is not None:
+            step.rollout_data[IDS] = out["topk_ids"]
+            if "ids_mask" in out:
+                step.rollout_data[IDS_MASK] = out["ids_mask"]
+            else:
+                step.rollout_data.pop(IDS_MASK, None)
         return TeacherScores(out["topk_log_probs"], out["tail"])
 
 

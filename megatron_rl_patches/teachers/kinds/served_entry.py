@@ -112,9 +112,9 @@ def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
             found.append(f"{TEACHERS}: teacher '{entry.path}' names ';{TOKENIZER}{entry.tokenizer}', which is neither "
                          "a tokenizer.json nor a directory holding one on this machine")
     try:
-        # lazy: import cost: the served client's modules, for served teachers only
+        # lazy: optional dependency httpx (the served client, imported by served teachers only)
         from megatron_rl_patches.teachers.client_settings import ClientSettings
-        from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: import cost: as above
+        from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: optional dependency httpx
 
         settings = ClientSettings(connect_timeout_s=DOCTOR_CONNECT_S, timeout_s=DOCTOR_DEADLINE_S,
                                   deadline_s=DOCTOR_DEADLINE_S, retries=0)

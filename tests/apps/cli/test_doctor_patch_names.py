@@ -46,8 +46,8 @@ def _report(select: str) -> dict:
     ({env.INFERENCE_ROLES: "teacher:"}, "has residency ''"),
     ({env.INFERENCE_ROLES: "tea cher"}, "is not a role name"),
     ({env.INFERENCE_ROLES: "teacher,teacher:swap"}, "more than once"),
-    ({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/t", "MEGATRON_RL_PATCHES_OPD_IDS_FROM": "teacher"},
-     "MEGATRON_RL_PATCHES_OPD_IDS_FROM='teacher'"),
+    ({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/t", "MEGATRON_RL_PATCHES_OPD_IDS_FROM": "teachers"},
+     "MEGATRON_RL_PATCHES_OPD_IDS_FROM='teachers'"),
     ({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/a,/b", "MEGATRON_RL_PATCHES_OPD_WEIGHTS": "1,1"}, "must sum to 1"),
 ])
 def test_doctor_reports_what_run_and_the_patches_refuse(cli_run, monkeypatch, variables, says):

@@ -30,6 +30,7 @@ def test_settings_parsed():
     assert opd_settings({P + "TEACHERS": "/a,/b,/c", P + "WEIGHTS": "0.1,0.2,0.7"}).weights == (0.1, 0.2, 0.7)
     assert s.ids_from == "student"
     assert opd_settings({P + "TEACHERS": "/a", P + "IDS_FROM": "union"}).ids_from == "union"
+    assert opd_settings({P + "TEACHERS": "/a,/b;tokenizer=own", P + "IDS_FROM": "teacher"}).ids_from == "teacher"
 
 
 @pytest.mark.parametrize("env, named", [
@@ -41,7 +42,9 @@ def test_settings_parsed():
     ({P + "TEACHERS": "/a", P + "DIVERGENCE": "kl"}, P + "DIVERGENCE"),
     ({P + "TEACHERS": "/a@noprovider"}, P + "TEACHERS"),
     ({P + "TEACHERS": "/a", P + "COEF": "nan"}, P + "COEF"),
-    ({P + "TEACHERS": "/a", P + "IDS_FROM": "teacher"}, P + "IDS_FROM"),
+    ({P + "TEACHERS": "/a", P + "IDS_FROM": "teachers"}, P + "IDS_FROM"),
+    ({P + "TEACHERS": "/a;tokenizer=own,/b", P + "IDS_FROM": "teacher"}, P + "IDS_FROM=teacher with a first teacher of "
+                                                                          "another tokenizer"),
     # issue 38: checked when the settings are read, naming the variable (not at the teacher's load)
     ({P + "TEACHERS": "/a@:fn"}, P + "TEACHERS"),
     ({P + "TEACHERS": "/a@mod:"}, P + "TEACHERS"),
@@ -116,6 +119,8 @@ def test_step_request_only_with_teachers_and_this_loss(monkeypatch):
     request = plan.step_request(_args())
     assert request is plan.UNION_STEP_REQUEST and request.mask_key == plan.IDS_MASK
     assert plan.IDS_MASK in request.keys
+    monkeypatch.setenv(P + "IDS_FROM", "teacher")  # the first teacher's own top-k: [R, k], no padding
+    assert plan.step_request(_args()) is plan.STEP_REQUEST
 
 
 class _Actor:
@@ -183,3 +188,20 @@ def test_every_divergence_of_the_table_is_a_setting():
     for name in TABLE:
         settings = opd_settings({**env, "MEGATRON_RL_PATCHES_OPD_DIVERGENCE": name})
         assert settings is not None and settings.divergence == name
+
+
+@pytest.mark.parametrize("teachers, ids_from, words", [
+    ("http://t:1;engine=vllm,/b", "student", "IDS_FROM=student: a served engine scores its own top-k only"),
+    ("http://t:1;engine=vllm,/b", "union", "IDS_FROM=union: a served engine scores its own top-k only"),
+    ("/a,http://t:1;engine=vllm", "teacher", "entry 'http://t:1': a served teacher after the first"),
+    ("http://t:1;engine=vllm,http://t:2;engine=vllm", "teacher", "entry 'http://t:2': a served teacher after the "
+                                                                 "first"),
+    ("http://t:1;engine=vllm;tokenizer=/tok", "student", "entry 'http://t:1' with ';tokenizer=/tok': a served "
+                                                         "teacher of another tokenizer is not served in slime's OPD"),
+])
+def test_what_a_served_teacher_cannot_serve_is_refused_naming_the_entry(teachers, ids_from, words):
+    settings = opd_settings({P + "TEACHERS": teachers, P + "IDS_FROM": ids_from})
+    with pytest.raises(ValueError, match=words):
+        slime_opd.check_args(_args(rollout_temperature=1.0), settings)
+    fine = opd_settings({P + "TEACHERS": "http://t:1;engine=vllm,/b", P + "IDS_FROM": "teacher"})
+    slime_opd.check_args(_args(rollout_temperature=1.0), fine)  # control: first, ids from it, temperature 1

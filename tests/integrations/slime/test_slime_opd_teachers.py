@@ -26,6 +26,7 @@ from megatron_rl_patches.integrations.slime.opd_teachers import (  # noqa: E402
     TeacherScores,
     model_teacher,
 )
+from megatron_rl_patches.integrations.slime.step_plan import STEP_REQUEST  # noqa: E402
 from megatron_rl_patches.ops.lm_head import (  # noqa: E402
     lm_head_log_probs_and_entropy,
     lm_head_topk_ids,
@@ -256,3 +257,47 @@ def test_a_cross_teacher_wraps_any_pass_teacher_not_only_a_model(world):
     scores = wrapped.score(step)
     for field in ("log_probs", "tails", "ids", "ids_mask", "alive", "log_ratio"):
         assert all(torch.equal(a, b) for a, b in zip(getattr(scores, field), getattr(direct, field))), field
+
+
+def dense(head: TinyHead, tokens: torch.Tensor, rows: int) -> torch.Tensor:
+    """The head's float64 log-softmax over its whole vocabulary on the last `rows` rows."""
+    return torch.log_softmax(head.hidden(tokens)[-rows:] @ head.weight.T, dim=-1)
+
+
+def buckets(log_probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The (k+1) bucket probabilities [R, k + 1] of a dense distribution at `ids` (the tail last)."""
+    p = log_probs.gather(-1, ids).exp()
+    return torch.cat([p, (1 - p.sum(-1, keepdim=True))], dim=-1)
+
+
+def test_ids_from_teacher_the_first_teachers_own_topk_are_every_models_buckets(world, monkeypatch):
+    """MEGATRON_RL_PATCHES_OPD_IDS_FROM=teacher through `score_teachers`: the first teacher's own
+    top-k (a snapshot: selected as a union's first teacher selects them) become the step's ids, its
+    scores and a second teacher's are those of float64's whole distributions at them, and the
+    student's step scoring them (the training step's request) gives the (k+1)-bucket reverse KL
+    of float64's against the teachers' mixture."""
+    actor, data = world.actor, world.data
+    second = TinyHead.random(world.same.weight.shape[0], 3)
+    setattr(actor, opd.ATTRIBUTE, [SnapshotTeacher("opd_teacher_0"), SeparateTeacher([second])])
+    settings = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/s,/t", "MEGATRON_RL_PATCHES_OPD_K": str(K),
+                             "MEGATRON_RL_PATCHES_OPD_IDS_FROM": "teacher"})
+    monkeypatch.setattr(opd, "topk_pass", topk_pass)
+    opd.score_teachers(actor, data, settings)
+    assert actor._active_model_tag == "actor" and opd.IDS_MASK not in data
+    student = topk_pass(actor.args, actor.model, data, STEP_REQUEST)  # the training step's scoring
+    moved = 0
+    for i, (tokens, rows) in enumerate(zip(data["tokens"], data["response_lengths"])):
+        first, other, own = (dense(head, tokens, rows) for head in (world.same, second, actor.heads["actor"]))
+        assert torch.equal(data[opd.IDS][i], first.topk(K, dim=-1).indices)  # no ties in random float64
+        moved += int(not torch.equal(data[opd.IDS][i], own.topk(K, dim=-1).indices))  # negative control
+        for t, reference in enumerate((first, other)):
+            want = reference.gather(-1, data[opd.IDS][i])
+            torch.testing.assert_close(data[opd.TEACHER_LOGPROBS][i][t], want, rtol=0, atol=1e-12)
+            torch.testing.assert_close(data[opd.TEACHER_TAILS][i][t], torch.log1p(-want.exp().sum(-1)), rtol=0,
+                                       atol=1e-10)
+        got = opd.topk_kl(student["topk_log_probs"][i], student["tail"][i], data[opd.TEACHER_LOGPROBS][i],
+                          data[opd.TEACHER_TAILS][i], divergence="reverse_kl")
+        p = buckets(own, data[opd.IDS][i])
+        q = (buckets(first, data[opd.IDS][i]) + buckets(other, data[opd.IDS][i])) / 2
+        torch.testing.assert_close(got, (p * (p.log() - q.log())).sum(-1), rtol=0, atol=1e-10)
+    assert moved == len(data["tokens"])  # the student's own top-k would be other buckets

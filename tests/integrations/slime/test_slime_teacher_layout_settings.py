@@ -96,6 +96,8 @@ def checkpoints(tmp_path, monkeypatch):
     ("{other},{same};tp=1", {}, "this checkpoint goes slime's snapshot route.*drop ';tp='"),
     ("{other};tp=1", {"MEGATRON_RL_PATCHES_OPD_IDS_FROM": "union"},
      "a teacher at its own layout scores the student's ids only"),
+    ("{other};tp=1,{other}", {"MEGATRON_RL_PATCHES_OPD_IDS_FROM": "teacher"},
+     "first with MEGATRON_RL_PATCHES_OPD_IDS_FROM=teacher: a teacher at its own layout scores given ids only"),
 ])
 def test_a_layout_the_run_cannot_serve_is_refused_before_any_teacher_loads(checkpoints, entries, extra, words):
     actor = TinyActor(num_layers=3)

@@ -201,7 +201,8 @@ def actor_rollout(seed: int, samples: list[dict] | None = None) -> dict:
 def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1, tensor: int = 1,
                     virtual: int | None = None, hf_teacher: str | None = None, flags: tuple[str, ...] = (),
                     rollouts: int = 1, wide_path: str | None = None, expert: int = 1,
-                    weights: str | None = None, cross: dict[str, Any] | None = None) -> dict[str, Any]:
+                    weights: str | None = None, cross: dict[str, Any] | None = None,
+                    served: dict[str, str] | None = None) -> dict[str, Any]:
     """slime_opd with two teachers through slime's real `MegatronTrainRayActor.train_actor`
     (slime's log-probs, advantages, `log_rollout_data`, `train()`), on `pipeline` stages, with
     slime's extra `flags`; `rollouts` train_actor calls in a row (re-entry). Returns this stage's
@@ -217,7 +218,9 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
     vocabulary cross["vocab"], the rollouts' samples cross["samples"] (cross["entries"]: the
     teachers' entries instead; cross["seeds"]: the seed of each further snapshot path's weights;
     cross["more_micro_batches"]: the teacher's agreed micro-batch count raised by that many, as if
-    another data-parallel rank planned more: its samples split, then its shortest one repeated)."""
+    another data-parallel rank planned more: its samples split, then its shortest one repeated);
+    `served`: the teachers' entries served["entries"] (a served teacher first), the ids from the
+    teacher, the student's tokenizer in served["student"], the rollout at temperature 1."""
     with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual,
                    expert=expert) as patch:
         import slime_kit as kit
@@ -229,6 +232,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
         import megatron_rl_patches
         from megatron_rl_patches.integrations.slime import opd as slime_opd
         from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
+        from megatron_rl_patches.integrations.slime.served_opd import ServedOpdTeacher
         from megatron_rl_patches.integrations.slime.step_plan import STEP_SAME_AS
 
         for name, value in OPD_ENV.items():
@@ -260,6 +264,9 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
             core = ContextParallelAttention if context > 1 else packed_attention_class()
             patch.setattr(hf_teachers, "packed_core_attention", lambda args: core)
             cross_flags = ("--vocab-size", str(cross["vocab"]))
+        if served is not None:
+            patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", served["entries"])
+            patch.setenv("MEGATRON_RL_PATCHES_OPD_IDS_FROM", "teacher")
         agreed: list[int] = []  # the teacher micro-batch counts agreed (with expert parallelism)
         if cross is not None and cross.get("more_micro_batches"):
             from megatron_rl_patches.integrations.slime import expert_agreement
@@ -276,7 +283,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                                    "custom_loss", "--custom-loss-function-path", OPD_LOSS, *virtual_args(virtual),
                                    *flags, *cross_flags,
                                    **({"hf_checkpoint": cross["student"]} if cross else {}),
-                                   rollout_temperature=TEMPERATURE, log_probs_chunk_size=4,
+                                   **({"hf_checkpoint": served["student"]} if served else {}),
+                                   rollout_temperature=1.0 if served else TEMPERATURE, log_probs_chunk_size=4,
                                    use_critic=False,  # what slime_validate_args sets
                                    **_whole_gradients(world_size // (pipeline * tensor)),  # EP=2: DP=2 here
                                    **(MOE_VALUES if expert > 1 else {})) as args:
@@ -287,7 +295,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                                   patch)
                 teachers = slime_opd.load_teachers(actor, opd_settings())
                 setattr(actor, slime_opd.ATTRIBUTE, teachers)
-                models = [getattr(t, "model", t) for t in teachers]  # a teacher with another tokenizer: its model
+                # a teacher with another tokenizer: its model; a served teacher has none in this process
+                models = [getattr(t, "model", t) for t in teachers if not isinstance(t, ServedOpdTeacher)]
                 separate = [_stage_state(t) for t in models if not isinstance(t, str)]
                 actor.prof, actor.rollout_data_postprocess = TrainProfiler(args), None
                 actor.optimizer, actor.opt_param_scheduler = optimizer, scheduler

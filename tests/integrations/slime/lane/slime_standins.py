@@ -6,7 +6,8 @@ train(), forward_only, get_batch, losses and Megatron's schedules, DDP and optim
 - `megatron.core.transformer.custom_layers.batch_invariant_kernels`: Triton kernels (GPU); its one
   name Megatron-LM's initialize/training import raises if called (batch-invariant mode is off).
 - `wandb`: the experiment-tracking client (a server); slime only logs through it when enabled.
-- `httpx`, `requests`: the HTTP clients slime's rollout side talks to SGLang servers with (a server).
+- `httpx`, `requests`: the HTTP clients slime's rollout side talks to SGLang servers with (a server);
+  a real httpx (the served teacher's client) is kept.
 - `sglang.srt.server_args`, `sglang_router.launch_router`: the inference server and its router
   (GPU + server); slime's argument module reads their argument classes; `sglang.srt.patch_torch`,
   `.utils`, `.weight_sync.tensor_bucket`: the weight-sync pieces slime's actor module imports
@@ -72,6 +73,10 @@ def install() -> None:
         "torch_memory_saver": {"torch_memory_saver": types.SimpleNamespace(hook_mode=None)},
         "transformers": {"AutoConfig": _needs_gpu, "AutoTokenizer": _needs_gpu},
     }
+    try:  # the served teacher's client (the extra `served`) is a real library: kept where installed
+        import httpx  # noqa: F401
+    except ImportError:
+        pass
     for name in STANDINS:
         if name not in sys.modules:
             sys.modules[name] = _module(name, **attributes.get(name, {}))

@@ -38,8 +38,20 @@ def _union_as_float64_selects(kit, args, student_values, teacher_values, data, i
     assert widened, "no row's union is wider than the student's ids: the test would not see a wrong union"
 
 
+def _teacher_topk_as_float64_selects(kit, args, student_values, teacher_values, data, ids) -> None:
+    """Each row's ids are the first teacher's top-K as float64 ranks them (IDS_FROM=teacher)."""
+    student = kit.response_logps(kit.float64_copy(args, student_values), data, TEMPERATURE)
+    teacher = kit.response_logps(kit.float64_copy(args, teacher_values), data, TEMPERATURE)
+    moved = 0
+    for s_logp, t_logp, sample_ids in zip(student, teacher, ids, strict=True):
+        for row in range(sample_ids.shape[0]):
+            assert set(sample_ids[row].tolist()) == set(t_logp[row].topk(K).indices.tolist())
+            moved += set(sample_ids[row].tolist()) != set(s_logp[row].topk(K).indices.tolist())
+    assert moved, "no row's teacher ids differ from the student's: the test would not see the student's ids"
+
+
 @pytest.mark.parametrize("ids_from, step_route", [("student", "fused"), ("union", "fused"), ("student", "logits"),
-                                                   ("union", "logits")])
+                                                   ("union", "logits"), ("teacher", "fused")])
 def test_topk_opd_two_teachers_first_step_equals_dense_float64(slime_cpu, monkeypatch, ids_from, step_route):
     """Teachers scored on the fused route; the training step on it, or on slime's logits path (as
     any fallback of slime_fused sends it: here a configuration the route is told it cannot serve)."""
@@ -78,6 +90,9 @@ def test_topk_opd_two_teachers_first_step_equals_dense_float64(slime_cpu, monkey
         assert [tuple(i.shape) for i in ids] == [(r, width) for r in kit.RESPONSES]
         assert [tuple(t.shape) for t in data[slime_opd.TEACHER_LOGPROBS]] == [(2, r, width) for r in kit.RESPONSES]
         assert (masks is not None) == (ids_from == "union")
+        if ids_from == "teacher":
+            _teacher_topk_as_float64_selects(kit, args, [p.detach() for p in gpt.parameters()], snapshots[0], data,
+                                             ids)
         if masks is not None:
             _union_as_float64_selects(kit, args, [p.detach() for p in gpt.parameters()], snapshots[0], data, ids,
                                       masks)
