@@ -93,3 +93,25 @@ def test_the_invariant_ops_give_the_same_bits_at_every_thread_count():
         for threads in THREADS[1:]:
             for one, other in zip(runs[1][op], runs[threads][op], strict=True):
                 assert torch.equal(one, other), (op, threads)
+
+
+def _row_moves(invariant, tail):
+    """Whether a row whose two largest logits end it (the last one `tail`) gets other bits alone
+    (its last columns past the exp2 loop's whole steps) than before another row."""
+    row = torch.cat([torch.full((1, 35), -20.0), torch.tensor([[0.0, tail]])], dim=1)
+    other = torch.zeros(1, 37)
+    token = torch.tensor([35])
+    alone = ops.log_probs_and_entropy(row, token, with_entropy=True, invariant=invariant)
+    before = ops.log_probs_and_entropy(torch.cat([row, other]), torch.tensor([35, 0]), with_entropy=True,
+                                       invariant=invariant)
+    return any(not torch.equal(a, b[:1]) for a, b in zip(alone, before))
+
+
+def test_a_row_ending_in_its_largest_logits_keeps_its_bits_at_the_loop_remainder():
+    """The ops-level check the outputs can show: a row of 37 logits alone puts its last 5 past the
+    whole vector steps; before another row, inside them. The default mode (exp2 over unpadded
+    buffers) moves on some of these rows, the invariant mode on none."""
+    tails = torch.rand(300, generator=torch.Generator().manual_seed(1)).neg().tolist()
+    with _threads(1):
+        assert not any(_row_moves(True, tail) for tail in tails)
+        assert any(_row_moves(False, tail) for tail in tails), "the default mode kept every row: no control"
