@@ -11,11 +11,12 @@ Three means, each closing one way a row's bits could move:
   wherever it sits (exp2 on CPU only over buffers walked in whole vector steps,
   :mod:`.whole_vectors`: its loop remainder would take another code path);
 - **global maxima first**: a row's exponentials are taken against its full-vocabulary max (one
-  MAX all-reduce per row group: all rows for logits, each row tile for the fused head, whose tile
-  logits stay in a [R, V_local] buffer meanwhile), so no running sum is ever rescaled;
+  MAX all-reduce per row group: all rows for logits, each group of row tiles for the fused head,
+  whose tile logits stay in a [rows, V_local] buffer meanwhile), so no running sum is ever rescaled;
 - **exact sums**: every e^u ≤ 1 (and e^u·u, u in powers of 2 for the log-prob sums) goes into
-  64-bit fixed point (2^-44 units, truncated) and is summed as integers, across tiles and across
-  ranks: integer addition does not care about order, so neither the tiling nor the split shows.
+  64-bit fixed point (2^-44 units; rounded to nearest for the log-prob sums, truncated for a
+  subset's) and is summed as integers, across tiles and across ranks: integer addition does not
+  care about order, so neither the tiling nor the split shows.
 
 The finalize steps then run in fixed row blocks (:mod:`..row_blocks`). :class:`InvariantTiles`
 is these means as a backend of the contract (:mod:`.`): an op that resolved ``invariant=True``
@@ -72,14 +73,14 @@ def _fixed_sum(t: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
     return ints.copy_(t.mul_(_TO_FIXED)).sum(dim=1)
 
 
-# Values v in [-1/2, 1] plus 1.5·2^8 lie in [2^8, 2^9), whose doubles step by 2^-44: the double's
+# Values v in [-1, 1] plus 1.5·2^8 lie in [2^8, 2^9), whose doubles step by 2^-44: the double's
 # bits as an integer are BITS + v in units of 2^-44 (rounded to nearest), one add after the copy.
 _MAGIC = 384.0
 _MAGIC_BITS = struct.unpack("<q", struct.pack("<d", _MAGIC))[0]
 
 
 def _rounded_sum(t: torch.Tensor, doubles: torch.Tensor) -> torch.Tensor:
-    """Σ over the columns of values in [-1/2, 1] (`doubles` a float64 buffer of t's shape) as
+    """Σ over the columns of values in [-1, 1] (`doubles` a float64 buffer of t's shape) as
     int64 units of 2^-44, each value rounded to nearest: the integer sum of the doubles' bits,
     exact modulo 2^64 in any order (two's complement), less the columns' count of BITS."""
     sums = doubles.copy_(t).add_(_MAGIC).view(torch.int64).sum(dim=1)
@@ -293,7 +294,7 @@ def _sums(stats: RowStats, ints: dict[str, torch.Tensor], part: slice, x: torch.
             replace_marked(e, local, inside, 0.0)
         else:
             e.masked_fill_(marked, 0.0)
-        if stats.moment is not None:  # 2^u·u in [-1/(e·ln 2), 0]
+        if stats.moment is not None:  # 2^u·u in [-1/(e·ln 2), 0] = [-0.531, 0]
             ints["moment"][part] += _rounded_sum(torch.mul(e, u.clamp_min_(NEG_FLOOR), out=u), doubles)
         ints["rest"][part] += _rounded_sum(e, doubles)
     if stats.sub_shift is not None:
