@@ -49,7 +49,8 @@ def export_revision(rev: str, dest: str) -> str:
 
 
 def time_op(src: str, op: str, shape: dict, repeats: int, timeout: float) -> float | None:
-    """Seconds of one run of `op` (best of `repeats` in one fresh process) with `src`'s package."""
+    """Seconds of one run of `op` (best of `repeats` in one fresh process) with `src`'s package;
+    `shape` may add the inputs' ``dtype``, ``threads`` and ``cpu_time`` (one thread: its CPU time)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     case = json.dumps({"op": op, "repeats": repeats, **shape})
     try:
@@ -143,4 +144,66 @@ def run_ops(baseline: str | None, shape: dict, runs: int, out_dir: str | None, r
     if out_dir:
         for path in write_outputs(rows, out_dir, title, baseline):
             print(f"wrote {path}")
+    return rows
+
+
+# `bench ops --invariant`: log-prob + entropy in both modes, forward alone and with the backward;
+# the baseline revision runs the invariant ones (its default path is today's)
+INVARIANT_OPS = ("log_probs_and_entropy", "lm_head_log_probs_and_entropy")
+INVARIANT_SHAPE = {"T": 1024, "V": 151936, "H": 256, "k": 8}
+INVARIANT_COLUMNS = ["op", "dtype", "part", "default_s", "invariant_s", "baseline_invariant_s", "invariant_vs_default",
+                     "baseline_vs_default"]
+
+
+def measure_invariant(baseline: str | None, shape: dict, runs: int, dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+                      threads: int = 1, timeout: float = 900.0) -> list[dict]:
+    """Interleaved medians over `runs` rounds of the default op, the invariant op and the baseline's
+    invariant op (thread CPU time at one thread, wall time at more), per op, dtype and part."""
+    sides = {"today": package_root()}
+    times: dict[tuple[str, ...], list[float | None]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-ops-") as tmp:
+        if baseline is not None:
+            sides["baseline"] = export_revision(baseline, tmp)
+        for _ in range(runs):
+            for op in INVARIANT_OPS:
+                for dtype in dtypes:
+                    for part in ("forward", "forward_backward"):
+                        case = dict(shape, dtype=dtype, threads=threads, cpu_time=threads == 1)
+                        for side, mode in (("today", "default"), ("today", "invariant"), ("baseline", "invariant")):
+                            if side in sides:
+                                seconds = time_op(sides[side], f"{op}:{mode}:{part}", case, 1, timeout)
+                                times.setdefault((op, dtype, part, side, mode), []).append(seconds)
+    rows = []
+    for op in INVARIANT_OPS:
+        for dtype in dtypes:
+            for part in ("forward", "forward_backward"):
+                med = {(side, mode): _median(times.get((op, dtype, part, side, mode), []))
+                       for side, mode in (("today", "default"), ("today", "invariant"), ("baseline", "invariant"))}
+                default = med["today", "default"]
+                rows.append({"op": op, "dtype": dtype, "part": part, "default_s": default,
+                             "invariant_s": med["today", "invariant"],
+                             "baseline_invariant_s": med["baseline", "invariant"],
+                             "invariant_vs_default": _ratio(med["today", "invariant"], default),
+                             "baseline_vs_default": _ratio(med["baseline", "invariant"], default)})
+    return rows
+
+
+def run_invariant(baseline: str | None, shape: dict, runs: int, out_dir: str | None, threads: int = 1) -> list[dict]:
+    """:func:`measure_invariant`: print the table, write ops_invariant.md (and .png) to `out_dir`."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    rows = measure_invariant(baseline, shape, runs, threads=threads)
+    title = (f"bench ops --invariant: T={shape['T']}, V={shape['V']}, H={shape['H']} (fused head), CPU, "
+             f"{threads} thread{'s' if threads > 1 else ''}, medians of {runs} interleaved runs "
+             f"({'thread CPU' if threads == 1 else 'wall'} time); baseline {baseline or '(none)'}; "
+             f"load average {load:.1f} at the end")
+    print_table(rows, INVARIANT_COLUMNS, title)
+    if out_dir:
+        with open(os.path.join(out_dir, "ops_invariant.md"), "w") as fh:
+            fh.write(f"{title}\n\n{markdown_table(INVARIANT_COLUMNS, dict_cells(rows, INVARIANT_COLUMNS))}\n")
+        names = {"default_s": "default", "invariant_s": "invariant (this checkout)",
+                 "baseline_invariant_s": f"invariant ({_described(baseline)})" if baseline else "invariant (baseline)"}
+        bars = [{"case": f"{r['op'].replace('_log_probs_and_entropy', '')}\n{r['dtype']} {r['part']}",
+                 "side": names[key], "time_s": r[key]} for r in rows for key in names]
+        plot_grouped_bars(bars, os.path.join(out_dir, "ops_invariant.png"), group="case", series="side",
+                          values=["time_s"], titles=[title], ylabel="seconds (median)")
     return rows

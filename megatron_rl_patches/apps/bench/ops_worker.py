@@ -5,6 +5,7 @@ nothing else of the package, so one worker times every revision alike. Prints on
 # lazy imports: order: main() silences warnings before torch and the ops load (ops.divergence: today's revision only)
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -23,7 +24,8 @@ def _slime_function():
     return module.SoftmaxKeeping
 
 
-def _step(op: str, T: int, V: int, H: int, k: int) -> Callable[[], float]:
+def _step(op: str, T: int, V: int, H: int, k: int, dtype: str = "float32",
+          clock: Callable[[], float] = time.perf_counter) -> Callable[[], float]:
     """A closure running `op` once on fresh inputs: forward and, where it has one, backward to the
     gradient of its inputs (``autograd.grad``: no ``.grad`` accumulation, which would copy a
     gradient that shares the logits' storage); returns the seconds of that alone, the inputs'
@@ -36,11 +38,12 @@ def _step(op: str, T: int, V: int, H: int, k: int) -> Callable[[], float]:
     tokens = torch.randint(0, V, (T,), generator=g)
     a, b = torch.randn(T, generator=g), torch.randn(T, generator=g)
     fused = op.startswith("lm_head") or op == "logits_path"  # hidden states and an output weight
+    inputs = getattr(torch, dtype)
     if fused:
-        hidden = torch.randn(T, H, generator=g)
-        weight = torch.randn(V, H, generator=g) / H**0.5
+        hidden = torch.randn(T, H, generator=g).to(inputs)
+        weight = (torch.randn(V, H, generator=g) / H**0.5).to(inputs)
     else:
-        base = torch.randn(T, V, generator=g) * 3
+        base = (torch.randn(T, V, generator=g) * 3).to(inputs)
     ids = torch.arange(k) * (V // k) + torch.randint(0, V // k, (T, 1), generator=g)  # k distinct ids per row
 
     def logits_leaf():
@@ -48,9 +51,9 @@ def _step(op: str, T: int, V: int, H: int, k: int) -> Callable[[], float]:
         return leaf, leaf * 1.0  # a non-leaf, as a model's logits
 
     def timed(run: Callable[[], object]) -> float:
-        start = time.perf_counter()
+        start = clock()
         run()
-        return time.perf_counter() - start
+        return clock() - start
 
     def grad_of(loss: torch.Tensor, inputs: list[torch.Tensor]) -> None:
         torch.autograd.grad(loss, inputs)
@@ -93,6 +96,26 @@ def _step(op: str, T: int, V: int, H: int, k: int) -> Callable[[], float]:
             for _ in range(20):
                 value = topk.topk_kl(student[:, :k], student[:, k], teacher[:, :k], teacher[:, k], **options)
                 grad_of(value.sum(), [student])
+
+        return timed(run)
+
+    def modes(fused_head: bool, invariant: bool, backward: bool) -> float:
+        """log-prob + entropy in the default or the invariant mode, forward alone (no graph) or with
+        the gradient of its inputs (the logits, or hidden and weight)."""
+        inputs = [hidden.clone().requires_grad_(backward), weight.clone().requires_grad_(backward)] if fused_head \
+            else [base.clone().requires_grad_(backward)]
+
+        def run() -> None:
+            with torch.set_grad_enabled(backward):
+                if fused_head:
+                    lp, ent = lm_head.lm_head_log_probs_and_entropy(inputs[0], inputs[1], tokens, with_entropy=True,
+                                                                    invariant=invariant)
+                else:
+                    lp, ent = logprobs.log_probs_and_entropy(inputs[0] * 1.0 if backward else inputs[0], tokens,
+                                                             with_entropy=True, invariant=invariant)
+                assert ent is not None  # with_entropy
+                if backward:
+                    grad_of((a * lp).sum() + (b * ent).sum(), inputs)
 
         return timed(run)
 
@@ -141,6 +164,10 @@ def _step(op: str, T: int, V: int, H: int, k: int) -> Callable[[], float]:
         "lm_head_divergence_forward_kl": lambda: divergence("forward_kl"),
         "lm_head_divergence_mixed_kl": lambda: divergence("mixed_kl"),
     }
+    for fused_head, name in ((False, "log_probs_and_entropy"), (True, "lm_head_log_probs_and_entropy")):
+        for invariant, mode in ((False, "default"), (True, "invariant")):
+            for backward, part in ((False, "forward"), (True, "forward_backward")):
+                steps[f"{name}:{mode}:{part}"] = functools.partial(modes, fused_head, invariant, backward)
     return steps[op]
 
 
@@ -149,8 +176,11 @@ def main(argv: list[str]) -> int:
 
     warnings.simplefilter("ignore")
     case = json.loads(argv[0])
-    torch.set_num_threads(case.get("threads", 1))
-    step = _step(case["op"], case["T"], case["V"], case["H"], case["k"])
+    threads = case.get("threads", 1)
+    torch.set_num_threads(threads)
+    # one thread: the thread's CPU time (what a loaded machine moves least); more: wall time
+    clock = time.thread_time if threads == 1 and case.get("cpu_time") else time.perf_counter
+    step = _step(case["op"], case["T"], case["V"], case["H"], case["k"], case.get("dtype", "float32"), clock)
     best = float("inf")
     for _ in range(case.get("repeats", 1)):
         best = min(best, step())

@@ -1,5 +1,6 @@
 """`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|distill|residency|teacher-layout|load|gpu|all]
-[--quick] [--out DIR] [--only PART]`; `bench ops [--baseline REV] [--T N] [--V N] [--H N] [--runs N]`.
+[--quick] [--out DIR] [--only PART]`; `bench ops [--baseline REV] [--T N] [--V N] [--H N] [--runs N]
+[--invariant [--threads N]]`.
 An option of one benchmark given to another is a usage error (exit 2), never silently ignored.
 
 `bench gpu` (not part of `all`) needs a CUDA device; without one it says so in one line and
@@ -69,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "against the invariant mode at V = 151,936); bench logprobs: invariant")
     ops = parser.add_argument_group("bench ops")
     ops.add_argument("--baseline", metavar="REV", help="bench ops: the git revision to compare with (e.g. main)")
+    ops.add_argument("--invariant", action="store_true",
+                     help="bench ops: log-prob + entropy (logits op, fused head; fp32, bf16) in the default mode, "
+                          "the invariant mode and --baseline's invariant mode (default V = 151,936)")
+    ops.add_argument("--threads", type=_count, default=None, metavar="N",
+                     help="bench ops --invariant: torch's threads (default 1: thread CPU time; more: wall time)")
     for flag, default, meaning in OPS_OPTIONS:
         # default None: a value given to any other benchmark is a usage error, not silently ignored
         ops.add_argument(flag, type=_count, default=None, metavar="N", help=f"bench ops: {meaning} (default {default})")
@@ -99,6 +105,8 @@ def check_options(args: argparse.Namespace) -> None:
         return
     given = [flag for flag, *_ in OPS_OPTIONS if getattr(args, flag[2:]) is not None]
     given += ["--baseline"] if args.baseline is not None else []
+    given += ["--invariant"] if args.invariant else []
+    given += ["--threads"] if args.threads is not None else []
     if given:
         raise UsageError(f"{', '.join(given)} belong{'s' if len(given) == 1 else ''} to `bench ops`; "
                          f"`bench {args.which}` takes --quick, --out and (bench fused) --only")
@@ -158,7 +166,13 @@ def _run_ops(args: argparse.Namespace) -> int:
     given = {flag[2:]: getattr(args, flag[2:]) for flag, *_ in OPS_OPTIONS}
     value = {flag[2:]: given[flag[2:]] if given[flag[2:]] is not None else default for flag, default, _ in OPS_OPTIONS}
     shape = {"T": value["T"], "V": value["V"], "H": value["H"], "k": 8}
+    if args.threads is not None and not args.invariant:
+        raise UsageError("--threads belongs to `bench ops --invariant`")
     try:
+        if args.invariant:
+            shape["V"] = given["V"] if given["V"] is not None else ops.INVARIANT_SHAPE["V"]
+            rows = ops.run_invariant(args.baseline, shape, value["runs"], args.out, args.threads or 1)
+            return PROBLEM if any(row["invariant_s"] is None for row in rows) else OK
         rows = ops.run_ops(args.baseline, shape, value["runs"], args.out)
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -7,15 +7,16 @@ Three means, each closing one way a row's bits could move:
 - **fixed-shape GEMM tiles**: the fused head's h·Wᵀ runs on [R, H]·[H, W] tiles of one shape per
   device (hidden rows and the last vocabulary tile padded with zeros), so no GEMM's blocking
   depends on T, on the shard's width or on a row's position; the elementwise passes here are
-  exp, subtraction, multiplication and clamping only, which give an element the same bits
-  wherever it sits (on CPU torch's exp runs one vector code path for every element, remainders
-  included; exp2 and logaddexp do not, and are not used here);
+  exp2, subtraction, multiplication and clamping only, which give an element the same bits
+  wherever it sits (exp2 on CPU only over buffers walked in whole vector steps,
+  :mod:`.whole_vectors`: its loop remainder would take another code path);
 - **global maxima first**: a row's exponentials are taken against its full-vocabulary max (one
-  MAX all-reduce per row group: all rows for logits, each row tile for the fused head, whose tile
-  logits stay in a [R, V_local] buffer meanwhile), so no running sum is ever rescaled;
-- **exact sums**: every e^u ≤ 1 (and e^u·u) goes into 64-bit fixed point (2^-44 units, truncated)
-  and is summed as integers, across tiles and across ranks: integer addition does not care about
-  order, so neither the tiling nor the split shows in the sum.
+  MAX all-reduce per row group: all rows for logits, each group of row tiles for the fused head,
+  whose tile logits stay in a [rows, V_local] buffer meanwhile), so no running sum is ever rescaled;
+- **exact sums**: every e^u ≤ 1 (and e^u·u, u in powers of 2 for the log-prob sums) goes into
+  64-bit fixed point (2^-44 units; rounded to nearest for the log-prob sums, truncated for a
+  subset's) and is summed as integers, across tiles and across ranks: integer addition does not
+  care about order, so neither the tiling nor the split shows.
 
 The finalize steps then run in fixed row blocks (:mod:`..row_blocks`). :class:`InvariantTiles`
 is these means as a backend of the contract (:mod:`.`): an op that resolved ``invariant=True``
@@ -26,6 +27,7 @@ bit-invariant.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -44,7 +46,8 @@ from megatron_rl_patches.ops._stats import (
 )
 from megatron_rl_patches.ops.kernels.contract import Backend
 from megatron_rl_patches.ops.kernels.sources import Source
-from megatron_rl_patches.ops.kernels.torch_fast_paths import replace_marked
+from megatron_rl_patches.ops.kernels.torch_fast_paths import LN2, base2, replace_marked
+from megatron_rl_patches.ops.kernels.whole_vectors import padded_rows, padded_width
 from megatron_rl_patches.ops.row_blocks import in_row_blocks
 from megatron_rl_patches.ops.topk_select import RunningTopk, Tiles, fold_tiles
 
@@ -53,6 +56,9 @@ T = TypeVar("T")
 FIXED_BITS = 44  # e^u in [0, 1] as integers of 2^-44: below 2^19 ids a row sums below 2^63 (invariance.MAX_VOCAB)
 _TO_FIXED = float(2 ** FIXED_BITS)
 _FROM_FIXED = float(2.0 ** -FIXED_BITS)
+# A fused source's logits held between the max pass and the sums (CPU): several row tiles, so that
+# a weight tile read from memory serves each of them (the GEMMs' shape does not change)
+GROUP_BYTES = 64 << 20
 
 
 def tile_shape(device: torch.device) -> tuple[int, int]:
@@ -67,6 +73,21 @@ def _fixed_sum(t: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
     return ints.copy_(t.mul_(_TO_FIXED)).sum(dim=1)
 
 
+# Values v in [-1, 1] plus 1.5·2^8 lie in [2^8, 2^9), whose doubles step by 2^-44: the double's
+# bits as an integer are BITS + v in units of 2^-44 (rounded to nearest), one add after the copy.
+_MAGIC = 384.0
+_MAGIC_BITS = struct.unpack("<q", struct.pack("<d", _MAGIC))[0]
+
+
+def _rounded_sum(t: torch.Tensor, doubles: torch.Tensor) -> torch.Tensor:
+    """Σ over the columns of values in [-1, 1] (`doubles` a float64 buffer of t's shape) as
+    int64 units of 2^-44, each value rounded to nearest: the integer sum of the doubles' bits,
+    exact modulo 2^64 in any order (two's complement), less the columns' count of BITS."""
+    sums = doubles.copy_(t).add_(_MAGIC).view(torch.int64).sum(dim=1)
+    offset = (t.size(1) * _MAGIC_BITS) % (1 << 64)
+    return sums.sub_(offset - (1 << 64) if offset >= 1 << 63 else offset)
+
+
 class _Buffers:
     """Reusable work buffers of one call, viewed at each pass's shape (fresh pages cost a fault each)."""
 
@@ -74,10 +95,19 @@ class _Buffers:
         self._flat: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
     def get(self, name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self._shaped(name, like.shape, dtype, like.device)
+
+    def whole_vectors(self, name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer [rows, cols] ≥ `like`'s shape that torch's elementwise ops walk in whole
+        vector steps (:mod:`.whole_vectors`); the caller uses its top-left `like`-shaped corner."""
+        width = padded_width(like.size(1))
+        return self._shaped(name, torch.Size((padded_rows(like.size(0), width), width)), dtype, like.device)
+
+    def _shaped(self, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         flat = self._flat.get((name, dtype))
-        if flat is None or flat.numel() < like.numel():
-            flat = self._flat[(name, dtype)] = torch.empty(like.numel(), dtype=dtype, device=like.device)
-        return flat[: like.numel()].view(like.shape)
+        if flat is None or flat.numel() < shape.numel():
+            flat = self._flat[(name, dtype)] = torch.zeros(shape.numel(), dtype=dtype, device=device)
+        return flat[: shape.numel()].view(shape)
 
 
 class _Walk:
@@ -100,9 +130,11 @@ class _Walk:
             if self.col_starts and last < self.cols:  # the last vocabulary tile padded with zero rows
                 self.last_weight = weight.new_zeros(self.cols, weight.size(1))
                 self.last_weight[:last].copy_(weight[self.col_starts[-1]:])
-            self.h = source.hidden.new_zeros(self.rows, source.hidden.size(1))
-            self.buffer = torch.empty(len(self.col_starts), self.rows, self.cols, dtype=dtype, device=device)
-            self.chunk = self.rows
+            # row tiles per group: GEMMs of one vocabulary tile for every row tile of the group in a
+            # row, so the weight tile is read from memory once per group (the GEMMs keep their shape)
+            self.group_rows = self.rows * _row_tiles_per_group(source, device, self.rows)
+            self.h = source.hidden.new_zeros(self.group_rows, source.hidden.size(1))
+            self.buffer = torch.empty(len(self.col_starts), self.group_rows, self.cols, dtype=dtype, device=device)
         else:
             self.chunk = _logits_chunk_rows(source.n_valid, device)
 
@@ -111,26 +143,29 @@ class _Walk:
         n_rows = self.source.n_rows
         if not self.source.fused:
             return [(0, n_rows)] if n_rows else []
-        return [(r0, min(n_rows, r0 + self.rows)) for r0 in range(0, n_rows, self.rows)]
+        return [(r0, min(n_rows, r0 + self.group_rows)) for r0 in range(0, n_rows, self.group_rows)]
 
     def width(self, c0: int) -> int:
         return min(self.cols, self.source.n_valid - c0)
 
     def compute(self, r0: int, r1: int) -> None:
-        """A fused source: every vocabulary tile of rows [r0, r1) into the buffer, each GEMM of the
-        one shape [R, H]·[H, W] (zero rows pad the hidden rows and the last vocabulary tile)."""
+        """A fused source: every vocabulary tile of the group's rows [r0, r1) into the buffer, each
+        GEMM of the one shape [R, H]·[H, W] (zero rows pad the hidden rows and the last vocabulary
+        tile)."""
         assert self.source.hidden is not None  # fused
-        if r1 - r0 < self.rows:
+        if r1 - r0 < self.group_rows:
             self.h.zero_()
         self.h[: r1 - r0].copy_(self.source.hidden[r0:r1])
+        row_tiles = [slice(t0, t0 + self.rows) for t0 in range(0, r1 - r0, self.rows)]
         for index, c0 in enumerate(self.col_starts):
             w = self.weight[c0: c0 + self.cols] if self.width(c0) == self.cols else self.last_weight
             assert w is not None  # a partial tile has its padded weight
-            out = self.buffer[index]
-            if self.h.dtype == out.dtype:
-                torch.matmul(self.h, w.t(), out=out)
-            else:
-                out.copy_(torch.matmul(self.h, w.t()))
+            for tile in row_tiles:
+                out = self.buffer[index, tile]
+                if self.h.dtype == out.dtype:
+                    torch.matmul(self.h[tile], w.t(), out=out)
+                else:
+                    out.copy_(torch.matmul(self.h[tile], w.t()))
 
     def views(self, g0: int, g1: int) -> Iterator[tuple[int, int, int, torch.Tensor]]:
         """(first row, last row + 1, first column, real entries [r, c]) covering rows [g0, g1)."""
@@ -143,6 +178,15 @@ class _Walk:
             return
         for index, c0 in enumerate(self.col_starts):
             yield g0, g1, c0, self.buffer[index, : g1 - g0, : self.width(c0)]
+
+
+def _row_tiles_per_group(source: Source, device: torch.device, rows: int) -> int:
+    """Row tiles per group of a fused source: its [rows·tiles, V_local] logits within
+    GROUP_BYTES (fp32), at most as many as its rows fill; one on CUDA."""
+    if device.type == "cuda":
+        return 1
+    most = max(1, GROUP_BYTES // (4 * rows * max(1, source.n_valid)))
+    return max(1, min(most, -(-source.n_rows // rows)))
 
 
 def _logits_chunk_rows(n_cols: int, device: torch.device) -> int:
@@ -177,6 +221,11 @@ def invariant_row_stats(source: Source, stats: RowStats, cols: torch.Tensor, own
     for g0, g1 in walk.groups():
         if source.fused:
             walk.compute(g0, g1)
+        elif tp_size(group) == 1:  # whole rows, no rank to agree with: each chunk's max, then its sums
+            for r0, r1, c0, x in walk.views(g0, g1):
+                _maxima(stats, slice(r0, r1), x, c0, cols, owned, keep_mask)
+                _sums(stats, ints, slice(r0, r1), x, c0, cols, owned, keep_mask, scale, work)
+            continue
         for r0, r1, c0, x in walk.views(g0, g1):
             _maxima(stats, slice(r0, r1), x, c0, cols, owned, keep_mask)
         shifts = [stats.shift] + ([stats.sub_shift] if stats.sub_shift is not None else [])
@@ -196,7 +245,9 @@ def invariant_row_stats(source: Source, stats: RowStats, cols: torch.Tensor, own
             summed = all_reduce_sum_(torch.stack(list(ints.values()), dim=1), group)
             ints = dict(zip(ints, summed.unbind(1)))
     for name, value in ints.items():
-        setattr(stats, name, value.to(torch.float64).mul_(_FROM_FIXED).to(dtype))
+        # the moment was summed in powers of 2 (Σ 2^u·u with u·log2 e): ln 2 brings it back
+        unit = _FROM_FIXED * (LN2 if name == "moment" else 1.0)
+        setattr(stats, name, value.to(torch.float64).mul_(unit).to(dtype))
     return stats
 
 
@@ -227,23 +278,25 @@ def _sums(stats: RowStats, ints: dict[str, torch.Tensor], part: slice, x: torch.
           cols: torch.Tensor, owned: torch.Tensor, keep_mask: torch.Tensor | None,
           scale: float | torch.Tensor, work: _Buffers) -> None:
     """Pass 2 over real entries x [r, c]: their exp-sums at the global shifts, in fixed point.
-    Only per-element passes (exp is one code path for every element on CPU) and exact sums."""
+    Only per-element passes (exp and exp2 one code path for every element) and exact sums."""
     s = scale_rows(scale, part)
     local, inside = column_marks(cols[part], owned[part], c0, x.size(1))
     marked = marks_mask(x.shape, local, inside) if (cols.size(1) > 1 or stats.sub_shift is not None) else None
     if stats.rest is not None:
-        u = torch.sub(x, finite_or_zero(stats.shift[part])[:, None], out=work.get("u", x, stats.shift.dtype))
-        if isinstance(s, torch.Tensor) or s != 1.0:
-            u.mul_(s)
-        e = torch.exp(u, out=work.get("e", x, stats.shift.dtype))
-        fixed = work.get("i", x, torch.int64)
+        # u in powers of 2 (u·log2 e) and 2^u, into buffers walked in whole vector steps: exp2 is a
+        # third of exp's cost; the moment Σ 2^u·u comes back to natural units (·ln 2) once summed
+        n_rows, n_cols = x.shape
+        u_all = work.whole_vectors("u", x, stats.shift.dtype)
+        u = torch.sub(x, finite_or_zero(stats.shift[part])[:, None], out=u_all[:n_rows, :n_cols]).mul_(base2(s))
+        e = torch.exp2(u_all, out=work.whole_vectors("e", x, stats.shift.dtype))[:n_rows, :n_cols]
+        doubles = work.get("f", x, torch.float64)
         if marked is None:
             replace_marked(e, local, inside, 0.0)
         else:
             e.masked_fill_(marked, 0.0)
-        if stats.moment is not None:
-            ints["moment"][part] += _fixed_sum(torch.mul(e, u.clamp_min_(NEG_FLOOR), out=u), fixed)
-        ints["rest"][part] += _fixed_sum(e, fixed)
+        if stats.moment is not None:  # 2^u·u in [-1/(e·ln 2), 0] = [-0.531, 0]
+            ints["moment"][part] += _rounded_sum(torch.mul(e, u.clamp_min_(NEG_FLOOR), out=u), doubles)
+        ints["rest"][part] += _rounded_sum(e, doubles)
     if stats.sub_shift is not None:
         assert marked is not None  # built with a subset
         subset = keep_mask[part, c0: c0 + x.size(1)] if keep_mask is not None else None
