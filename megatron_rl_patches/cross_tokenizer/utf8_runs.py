@@ -10,8 +10,10 @@ import numpy as np
 
 __all__ = ["invalid_spans", "valid_ranges", "valid_runs", "whole_characters"]
 
-_HANDLER = "megatron_rl_patches.cross_tokenizer.record_invalid_utf8"
 _FOUND = threading.local()
+# the codec registry is global: a name of this module's own (another copy of it, another revision
+# imported beside it for a benchmark, registers its own)
+_HANDLER = f"megatron_rl_patches.cross_tokenizer.record_invalid_utf8.{id(_FOUND):x}"
 
 
 def _record(error: UnicodeError) -> tuple[str, int]:
