@@ -70,15 +70,6 @@ def _check_pieces(pieces: object, name: str) -> list[bytes]:
     return list(pieces)
 
 
-def chunk_of(ends: np.ndarray, common: np.ndarray) -> np.ndarray:
-    """Chunk index of each token (given its end offsets) for the sorted common boundaries (0 and
-    the total included): the chunk holding the token's first byte; an empty token joins the chunk
-    of the next byte (the last chunk at the very end)."""
-    starts = np.concatenate([np.zeros(1, np.int64), ends[:-1]]) if ends.size else ends
-    chunk = np.searchsorted(common, starts, side="right") - 1
-    return np.minimum(chunk, max(common.size - 2, 0))
-
-
 def align(student_bytes: Sequence[bytes], teacher_bytes: Sequence[bytes], *,
           boundaries: Sequence[int] = ()) -> Alignment:
     """The chunks of two tokenizations whose bytes join to the same string. `boundaries`: student
@@ -109,33 +100,30 @@ def _forced_offsets(boundaries: Sequence[int], s_ends: np.ndarray, t_ends: np.nd
     return offsets
 
 
-def _shared(s_ends: np.ndarray, t_ends: np.ndarray) -> np.ndarray:
-    """The values of `s_ends` found in `t_ends` (both non-decreasing: end offsets)."""
-    if not t_ends.size:
-        return t_ends
-    at = np.minimum(np.searchsorted(t_ends, s_ends), t_ends.size - 1)
-    return s_ends[t_ends[at] == s_ends]
-
-
-def _sorted_unique(values: np.ndarray) -> np.ndarray:
-    values = np.sort(values)
-    return values[np.concatenate([np.ones(1, bool), values[1:] != values[:-1]])]
-
-
 def chunks_from_ends(s_ends: np.ndarray, t_ends: np.ndarray, forced: np.ndarray, excluded: np.ndarray | None,
-            **counts: int) -> Alignment:
+                     **counts: int) -> Alignment:
     """Alignment from the end offsets of the kept student tokens (`excluded` marks the others,
-    chunk −1, in a longer student list) and the teacher's, with forced common boundaries."""
+    chunk −1, in a longer student list) and the teacher's, with forced common boundaries. A token's
+    chunk: the one holding its first byte; an empty token joins the chunk of the next byte (the
+    last chunk at the very end)."""
     total = int(s_ends[-1]) if s_ends.size else 0
     if total:
-        common = _sorted_unique(np.concatenate([_shared(s_ends, t_ends), forced, np.array([0, total], np.int64)]))
-    else:
-        common = np.zeros(1, np.int64)
-    if total == 0:  # no bytes: one chunk if both sides hold (empty) tokens
-        common = np.array([0, 0], dtype=np.int64) if s_ends.size and t_ends.size else common
-    n_chunks = common.size - 1
-    s_chunk = chunk_of(s_ends, common) if n_chunks else np.full(s_ends.size, -1, np.int64)
-    t_chunk = chunk_of(t_ends, common) if n_chunks else np.full(t_ends.size, -1, np.int64)
+        size = max(total, int(t_ends[-1]) if t_ends.size else 0) + 1
+        on_teacher = np.zeros(size, dtype=bool)
+        on_teacher[t_ends] = True
+        is_common = np.zeros(size, dtype=bool)  # the byte offsets both sides end a token at, 0, the end, forced
+        is_common[s_ends] = on_teacher[s_ends]
+        is_common[forced] = True
+        is_common[[0, total]] = True
+        before = np.cumsum(is_common) - 1  # per offset: the chunk starting at or before it
+        n_chunks = int(before[total])
+        s_chunk = np.minimum(before[np.concatenate([np.zeros(1, np.int64), s_ends[:-1]])], n_chunks - 1)
+        t_starts = np.concatenate([np.zeros(1, np.int64), t_ends[:-1]]) if t_ends.size else t_ends
+        t_chunk = np.minimum(before[t_starts], n_chunks - 1)
+    else:  # no bytes: one chunk if both sides hold (empty) tokens
+        n_chunks = int(bool(s_ends.size and t_ends.size))
+        s_chunk = np.full(s_ends.size, n_chunks - 1, np.int64)
+        t_chunk = np.full(t_ends.size, n_chunks - 1, np.int64)
     if excluded is not None:
         full = np.full(excluded.size, -1, dtype=np.int64)
         full[~excluded] = s_chunk

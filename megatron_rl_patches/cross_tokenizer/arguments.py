@@ -49,7 +49,7 @@ def as_int_array(ids: Any, name: str = "ids", what: str = "token ids") -> np.nda
                                                           (ids.dtype.kind == "u" and ids.dtype.itemsize < 8)):
         return ids.astype(np.int64, copy=False)
     if isinstance(ids, (list, tuple)) and set(map(type, ids)) <= {int}:
-        return np.array(ids, dtype=np.int64).reshape(-1)
+        return np.fromiter(ids, dtype=np.int64, count=len(ids))
     return np.array(as_int_list(ids, name, what), dtype=np.int64).reshape(-1)
 
 

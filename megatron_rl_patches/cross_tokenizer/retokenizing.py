@@ -14,7 +14,7 @@ import torch
 from megatron_rl_patches.cross_tokenizer.alignment import Alignment, chunks_from_ends
 from megatron_rl_patches.cross_tokenizer.arguments import as_index_list, as_int_array, as_int_list, is_int
 from megatron_rl_patches.cross_tokenizer.spelling import ByteTable, SpellingArrays, component_spec, table_of
-from megatron_rl_patches.cross_tokenizer.utf8_runs import valid_ranges
+from megatron_rl_patches.cross_tokenizer.utf8_runs import invalid_spans, valid_ranges, whole_characters
 
 __all__ = ["retokenize"]
 
@@ -166,48 +166,107 @@ class _Retokenizing:
             parts.append((a + p, a + q, self.data[p_lo:int(self.ends[a + q - 1])].decode()))
         return parts
 
-    def segments(self, marks: list[int]) -> tuple[list[int], list[int], list[bool], list[Any]]:
-        """The sample cut at boundaries and special tokens: (first token, end token, is a special
-        token, its text or the special token's teacher id) per kept segment, in order."""
+    def segments(self, marks: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], list[int]]:
+        """The sample cut at boundaries and special tokens: per kept segment in order, its first
+        token, end token and whether it is a special token (arrays), then the runs' texts and the
+        special tokens' teacher ids, each in order."""
         n = self.ids.size
         cut = np.zeros(n + 1, dtype=bool)
         cut[[0, n, *marks]] = True
         specials = np.flatnonzero(self.special)
         cut[specials] = cut[specials + 1] = True
         edges = np.flatnonzero(cut)
-        edge_bytes = self.starts_at(edges).tolist()
-        first, end, special, value = [], [], [], []
-        special_edge = self.special[np.minimum(edges, max(n - 1, 0))].tolist() if n else []
-        edge_list = edges.tolist()
-        for k in range(len(edge_list) - 1):
-            a, b = edge_list[k], edge_list[k + 1]
-            if special_edge[k]:
-                mapped = self.stop(int(self.ids[a]))
-                if mapped is None:
+        first, end = edges[:-1], edges[1:]
+        special = self.special[first]
+        mapped: list[int] = []
+        if specials.size:
+            kept_special = []
+            for a in first[special].tolist():
+                teacher_id = self.stop(int(self.ids[a]))
+                if teacher_id is None:
                     self.exclude([a], "unmapped_special")
-                    continue
-                parts: list[tuple[int, int, Any]] = [(a, b, mapped)]
-            else:
-                parts = self.valid_parts(a, b, edge_bytes[k], edge_bytes[k + 1])
-            for p, q, v in parts:
-                first.append(p)
-                end.append(q)
-                special.append(special_edge[k])
-                value.append(v)
-        return first, end, special, value
+                else:
+                    mapped.append(teacher_id)
+                kept_special.append(teacher_id is not None)
+            special[special] = kept_special
+            runs = ~self.special[first]
+        else:
+            runs = np.ones(first.size, dtype=bool)
+        r_first, r_end, texts = self.runs(first[runs], end[runs])
+        if not mapped:
+            return r_first, r_end, np.zeros(r_first.size, dtype=bool), texts, mapped
+        all_first = np.concatenate([r_first, first[special]])
+        order = np.argsort(all_first, kind="stable")
+        all_end = np.concatenate([r_end, end[special]])[order]
+        is_special = np.concatenate([np.zeros(r_first.size, dtype=bool), np.ones(len(mapped), dtype=bool)])[order]
+        return all_first[order], all_end, is_special, texts, mapped
+
+    def runs(self, first: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """The runs [first, end) between specials and boundaries as ranges whose bytes are valid
+        UTF-8, with their texts; the tokens holding invalid bytes excluded. A run inside a valid
+        stretch of the sample's bytes is invalid only where its edges cut a character: those runs
+        trimmed all at once, the others split one by one."""
+        if self.lengths.size and not self.lengths.min():
+            return self.runs_one_by_one(first, end)
+        try:
+            whole, spans = self.data.decode(), []
+        except UnicodeDecodeError:
+            whole, spans = None, invalid_spans(self.data)
+        kept_first, kept_end, clean = whole_characters(self.data, self.ends, first, end, spans)
+        kept = clean & (kept_first < kept_end)
+        if kept_first is not first:
+            trimmed = clean & ((kept_first != first) | (kept_end != end))
+            head_end, tail_start = np.where(kept, kept_first, end)[trimmed], np.where(kept, kept_end, end)[trimmed]
+            cut_first, cut_end = first[trimmed], end[trimmed]
+            size = self.ids.size + 1
+            opened = np.bincount(cut_first, minlength=size) - np.bincount(head_end, minlength=size) + \
+                np.bincount(tail_start, minlength=size) - np.bincount(cut_end, minlength=size)
+            self.excluded |= np.cumsum(opened[:-1]) > 0
+            self.counts["invalid_utf8"] += int((head_end - cut_first).sum() + (cut_end - tail_start).sum())
+        r_first, r_end = kept_first[kept], kept_end[kept]
+        texts = self.texts(r_first, r_end, whole)
+        if clean.all():
+            return r_first, r_end, texts
+        o_first, o_end, o_texts = self.runs_one_by_one(first[~clean], end[~clean])
+        order = np.argsort(np.concatenate([r_first, o_first]), kind="stable")
+        texts += o_texts
+        return (np.concatenate([r_first, o_first])[order], np.concatenate([r_end, o_end])[order],
+                [texts[k] for k in order.tolist()])
+
+    def texts(self, first: np.ndarray, end: np.ndarray, whole: str | None) -> list[str]:
+        """The texts of runs [first, end) of whole characters: slices of the sample's `whole` text
+        where it decoded (its character offsets counted from the bytes), else each run decoded."""
+        lo, hi = self.starts_at(first), self.ends[end - 1]
+        if whole is not None and len(whole) != len(self.data):
+            chars = np.cumsum((np.frombuffer(self.data, np.uint8) & 0xC0) != 0x80)  # characters up to each byte
+            lo, hi = np.where(lo > 0, chars[np.maximum(lo - 1, 0)], 0), chars[hi - 1]
+        if whole is not None:
+            return [whole[p:q] for p, q in zip(lo.tolist(), hi.tolist())]
+        return [self.data[p:q].decode() for p, q in zip(lo.tolist(), hi.tolist())]
+
+    def runs_one_by_one(self, first: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """`runs` where the sample's bytes hold invalid UTF-8 or empty tokens: each run split
+        exactly (`valid_ranges`)."""
+        lo, hi = self.starts_at(first).tolist(), self.starts_at(end).tolist()
+        parts = [part for a, b, p, q in zip(first.tolist(), end.tolist(), lo, hi)
+                 for part in self.valid_parts(a, b, p, q)]
+        return (np.array([a for a, _, _ in parts], dtype=np.int64),
+                np.array([b for _, b, _ in parts], dtype=np.int64), [text for _, _, text in parts])
 
     def run(self, marks: list[int]) -> tuple[torch.Tensor, Alignment]:
-        first_list, end_list, special_list, values = self.segments(marks)
-        texts = [v for v, sp in zip(values, special_list) if not sp]
-        encoded = iter(_encode_all(_encoder(self.teacher), texts))
-        t_parts = [[v] if sp else next(encoded) for v, sp in zip(values, special_list)]
+        first, end, special, texts, mapped = self.segments(marks)
+        encoded = _encode_all(_encoder(self.teacher), texts)
+        if mapped:
+            in_order, specials = iter(encoded), iter(mapped)
+            t_parts = [[next(specials)] if sp else next(in_order) for sp in special.tolist()]
+        else:
+            t_parts = encoded
         t_spelling = self.teacher.arrays()
         t_ids = np.fromiter(itertools.chain.from_iterable(t_parts), dtype=np.int64)
         t_len = t_spelling.lengths_of(t_ids, "the teacher's encoding")
         t_count = np.fromiter(map(len, t_parts), dtype=np.int64, count=len(t_parts))
-        first, end = np.asarray(first_list, dtype=np.int64), np.asarray(end_list, dtype=np.int64)
-        special = np.asarray(special_list, dtype=bool)
-        t_len[np.repeat(special, t_count)] = 1  # a mapped special token: one unit on both sides
+        if mapped:
+            t_len[np.repeat(special, t_count)] = 1  # a mapped special token: one unit on both sides
         kept = self.spelled_segments(first, end, special, t_ids, t_len, t_count, t_spelling)
         if not kept.all():
             t_keep = np.repeat(kept, t_count)
@@ -227,15 +286,14 @@ class _Retokenizing:
         kept = np.ones(first.size, dtype=bool)
         lo, hi = self.starts_at(first), self.starts_at(end)
         runs = ~special
-        t_run = np.repeat(runs, t_count)
-        size = self.ids.size + 1
-        opened = np.bincount(first[runs], minlength=size) - np.bincount(end[runs], minlength=size)
-        token_in_run = np.cumsum(opened[:-1]) > 0
-        wanted = self.data if token_in_run.all() else \
-            np.frombuffer(self.data, np.uint8)[np.repeat(token_in_run, self.lengths)].tobytes()
+        wanted = b"".join([self.data[p:q] for p, q in zip(lo[runs].tolist(), hi[runs].tolist())])
+        r_ids, r_len = t_ids, t_len
+        if special.any():
+            t_run = np.repeat(runs, t_count)
+            r_ids, r_len = t_ids[t_run], t_len[t_run]
         t_sum = np.concatenate([np.zeros(1, np.int64), np.cumsum(t_len)])
         t_end = np.cumsum(t_count)
-        if t_spelling.spell(t_ids[t_run], t_len[t_run]) == wanted and \
+        if t_spelling.spell(r_ids, r_len) == wanted and \
                 np.array_equal((t_sum[t_end] - t_sum[t_end - t_count])[runs], (hi - lo)[runs]):
             return kept  # the joined bytes agree and every run's teacher bytes end where its own do
         for k in np.flatnonzero(runs).tolist():

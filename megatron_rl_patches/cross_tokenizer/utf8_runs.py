@@ -8,10 +8,12 @@ import threading
 
 import numpy as np
 
-__all__ = ["invalid_spans", "valid_ranges", "valid_runs"]
+__all__ = ["invalid_spans", "valid_ranges", "valid_runs", "whole_characters"]
 
-_HANDLER = "megatron_rl_patches.cross_tokenizer.record_invalid_utf8"
 _FOUND = threading.local()
+# the codec registry is global: a name of this module's own (another copy of it, another revision
+# imported beside it for a benchmark, registers its own)
+_HANDLER = f"megatron_rl_patches.cross_tokenizer.record_invalid_utf8.{id(_FOUND):x}"
 
 
 def _record(error: UnicodeError) -> tuple[str, int]:
@@ -134,3 +136,30 @@ def valid_ranges(data: bytes, ends: np.ndarray) -> tuple[list[tuple[int, int]], 
         excluded += bad
         todo += _between(a, b, bad)[::-1]
     return valid, excluded
+
+
+def whole_characters(data: bytes, ends: np.ndarray, first: np.ndarray, end: np.ndarray,
+                     spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs [first, end) of the tokens of `data` (their end offsets `ends`, none empty), all at
+    once: (first, end, clean), where `clean` marks the runs overlapping none of `spans` (the whole
+    `data`'s `invalid_spans`); each clean run less the tokens at its ends that hold part of a character its edges cut
+    (nothing left: first >= end), which is what `valid_ranges` keeps of it (its bytes are valid
+    but for those characters, and each token excluded there exposes the next one's cut character).
+    Runs not clean come back unchanged: split them with `valid_ranges`."""
+    clean = np.ones(first.size, dtype=bool)
+    if not first.size:
+        return first, end, clean
+    octets = np.frombuffer(data, np.uint8)
+    starts = np.concatenate([np.zeros(1, np.int64), ends[:-1]])
+    at_start = (octets[starts] & 0xC0) != 0x80  # the token's first byte starts a character
+    at_end = np.append((octets[ends[:-1]] & 0xC0) != 0x80, True)  # the next byte starts one (or the data ends)
+    if spans:
+        at_end |= np.isin(ends, [lo for lo, _ in spans])  # a valid stretch ends where an invalid span starts
+        clean = ~_overlapping(starts[first], ends[end - 1], spans)
+    if at_start[first].all() and at_end[end - 1].all():
+        return first, end, clean
+    whole_start, whole_end = np.flatnonzero(at_start), np.flatnonzero(at_end)
+    kept_first = np.append(whole_start, ends.size)[np.searchsorted(whole_start, first)]
+    j = np.searchsorted(whole_end, end) - 1
+    kept_end = np.where(j >= 0, whole_end[np.maximum(j, 0)] + 1, 0) if whole_end.size else np.zeros_like(end)
+    return kept_first, kept_end, clean

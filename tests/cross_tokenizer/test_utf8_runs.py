@@ -1,14 +1,16 @@
 """The student tokens whose bytes are not valid UTF-8: equal to the definition (decode, exclude
 the tokens overlapping an invalid span, check each remaining run again) on random pieces, and
 linear however many invalid spans or however long the cascade of characters cut by excluded
-tokens (test_hostile_input.py runs one of Qwen3's real tokens through `retokenize`)."""
+tokens (test_hostile_input.py runs one of Qwen3's real tokens through `retokenize`); the runs
+trimmed all at once (`whole_characters`) equal to `valid_ranges` run by run."""
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_rl_patches.cross_tokenizer import utf8_runs
-from megatron_rl_patches.cross_tokenizer.utf8_runs import invalid_spans, valid_runs
+from megatron_rl_patches.cross_tokenizer.utf8_runs import invalid_spans, valid_ranges, valid_runs, whole_characters
 
 BYTES = [b"a", b"\xe4", b"\xb8", b"\xad", b"\xf0", b"\x9f", b"\x98", b"\x80", b"\xc3", b"\xa9", b"\xff", b"\xed",
          b"\x9e", b"\xa4"]
@@ -65,3 +67,53 @@ def test_cascade_is_linear(monkeypatch):
     assert valid == [] and sorted(excluded) == list(range(len(pieces)))
     assert sum(decoded) <= 4 * sum(map(len, pieces)), sum(decoded)
 
+
+
+CHARACTERS = ["a", " ", "é", "中", "文", "😀", "\u200d"]
+
+
+def trimmed_by_valid_ranges(pieces: list[bytes], cuts: list[int]) -> tuple[list[tuple[int, int]], set[int]]:
+    """Each run [cuts[k], cuts[k + 1]) of `pieces` split by `valid_ranges` on its own bytes."""
+    ends = np.cumsum([len(p) for p in pieces])
+    kept, excluded = [], set()
+    for a, b in zip(cuts, cuts[1:]):
+        lo = int(ends[a - 1]) if a else 0
+        valid, bad = valid_ranges(b"".join(pieces[a:b]), ends[a:b] - lo)
+        kept += [(a + p, a + q) for p, q in valid]
+        excluded |= {a + k for k in bad}
+    return kept, excluded
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(st.sampled_from(CHARACTERS), min_size=1, max_size=20), st.data())
+def test_whole_characters_is_valid_ranges_run_by_run(text, data):
+    """Valid text cut into tokens at any byte and into runs at any token, maybe with stray bytes
+    inserted: the clean runs trimmed at once keep and exclude what `valid_ranges` does run by run."""
+    raw = text.encode()
+    splits = sorted(data.draw(st.sets(st.integers(1, len(raw) - 1))) if len(raw) > 1 else [])
+    pieces = [raw[a:b] for a, b in zip([0, *splits], [*splits, len(raw)])]
+    for at in data.draw(st.lists(st.integers(0, len(pieces)), max_size=2)):
+        pieces.insert(at, data.draw(st.sampled_from([b"\x80", b"\xff", b"\xe4\xb8"])))
+    inner = sorted(data.draw(st.sets(st.integers(1, len(pieces) - 1))) if len(pieces) > 1 else [])
+    cuts = [0, *inner, len(pieces)]
+    joined = b"".join(pieces)
+    ends = np.cumsum([len(p) for p in pieces])
+    first, end = np.array(cuts[:-1]), np.array(cuts[1:])
+    kept_first, kept_end, clean = whole_characters(joined, ends, first, end, invalid_spans(joined))
+    expected, excluded = trimmed_by_valid_ranges(pieces, cuts)
+    for k in np.flatnonzero(clean).tolist():
+        a, b = cuts[k], cuts[k + 1]
+        run_kept = [(p, q) for p, q in expected if a <= p < b]
+        assert run_kept == ([(int(kept_first[k]), int(kept_end[k]))] if kept_first[k] < kept_end[k] else [])
+        assert {i for i in excluded if a <= i < b} == set(range(a, b)) - set(range(*(run_kept or [(0, 0)])[0]))
+    if not invalid_spans(joined):
+        assert clean.all()
+
+
+def test_whole_characters_trims_a_cut_character():
+    """A negative control: runs cut inside 中 (3 bytes in 3 tokens) lose those tokens, not the rest."""
+    pieces = [b"a", b"\xe4", b"\xb8", b"\xad", b"b"]
+    ends = np.cumsum([len(p) for p in pieces])
+    first, end = np.array([0, 2]), np.array([2, 5])  # the runs [a, e4] and [b8, ad, b]
+    kept_first, kept_end, clean = whole_characters(b"".join(pieces), ends, first, end, [])
+    assert clean.all() and kept_first.tolist() == [0, 4] and kept_end.tolist() == [1, 5]
