@@ -20,9 +20,9 @@ Three means, each closing one way a row's bits could move:
 
 The finalize steps then run in fixed row blocks (:mod:`..row_blocks`). :class:`InvariantTiles`
 is these means as a backend of the contract (:mod:`.`): an op that resolved ``invariant=True``
-takes its forward statistics and top-k ids from it whatever ``backend=`` chose (the Triton
-kernels do not follow the mode yet); the gradients are the chosen backend's: exact, not
-bit-invariant.
+takes its forward statistics and top-k ids from it unless the chosen backend has invariant
+kernels of its own (``Backend.invariant_backend``: the Triton kernel, :mod:`.triton.invariant_backend`);
+the gradients are the chosen backend's: exact, not bit-invariant.
 """
 from __future__ import annotations
 

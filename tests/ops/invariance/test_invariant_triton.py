@@ -78,12 +78,12 @@ def kernel_passes(monkeypatch):
 def row_count_splits(monkeypatch):
     """The kernels' vocabulary splits made to follow the row count, as on a GPU (two waves of its
     SMs over the row blocks); the interpreter's own count is fixed."""
-    from megatron_rl_patches.ops.kernels.triton import backend
+    from megatron_rl_patches.ops.kernels.triton import launch
 
     def splits(n_rows, n_cols, b, device):
         return max(1, min(math.ceil(n_cols / b.n), 2 + n_rows // 9))
 
-    monkeypatch.setattr(backend, "splits_for", splits)
+    monkeypatch.setattr(launch, "splits_for", splits)
 
 
 def test_the_kernel_runs_within_1e6_of_the_torch_tiles(kernel_passes):
