@@ -468,6 +468,22 @@ def _bad_calls():
     ]
 
 
+def test_topk_opd_loss_row_mask_computes_the_selected_rows_with_their_teachers_rows():
+    """row_mask: the selected rows' values as without it (each against its own teacher rows and
+    tails), the others 0 with no gradient (mutation testing: the mask dropped, or the teachers'
+    rows not selected with it, passed every test of ops/topk)."""
+    x = torch.randn(6, 20, generator=torch.Generator().manual_seed(4)).requires_grad_()
+    ids = topk_ids(x.detach(), 3)
+    tlp, ttail = teacher_tensors(2, 6, 20, ids, seed=19)
+    mask = torch.tensor([True, False, True, True, False, True])
+    whole = topk_opd_loss(x, ids, tlp, ttail, teacher_weights=[0.7, 0.3])
+    masked = topk_opd_loss(x, ids, tlp, ttail, teacher_weights=[0.7, 0.3], row_mask=mask)
+    torch.testing.assert_close(masked[mask], whole[mask])
+    assert bool((masked[~mask] == 0).all()) and bool((whole[~mask] != 0).all())
+    masked.sum().backward()
+    assert bool((x.grad[~mask] == 0).all()) and bool((x.grad[mask] != 0).any())
+
+
 def test_topk_kl_of_one_row_without_leading_dims_is_that_rows_value():
     """[k] log-probs and a 0-d tail are one row: topk_kl accepts them (only a 0-d input is refused)."""
     x = torch.randn(4, 20)
