@@ -1,7 +1,8 @@
 """The fenced blocks of README.md and docs/*.md, each classified as the docs test treats it.
 
 A block is one of:
-- `python`: executed, in order, in its page's namespace (see doc_namespaces.py);
+- `python`: pasted alone into a fresh interpreter; a `# fragment: uses NAME, ...` block is run in a
+  fresh interpreter of its page's fragments, given exactly the names it lists (doc_fresh.py);
 - `signatures`: a listing of public call signatures, compared with the real functions;
 - `cli`: `$ megatron-rl-patches ...` / `$ python -m megatron_rl_patches ...` lines, each followed
   by the output it shows; run and compared;
@@ -22,6 +23,7 @@ FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[ \t]*$")
 MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<body>.*?)\s*-->\s*$")
 CLI_PROGRAMS = ("megatron-rl-patches", "python -m megatron_rl_patches")
 SHELL_LANGS = ("bash", "console", "text", "sh", "shell", "")
+FRAGMENT = re.compile(r"^# fragment: uses (?P<names>[\w, ]+?)(?: \(.*\))?$")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,12 @@ class Block:
     @property
     def where(self) -> str:
         return f"{self.page}:{self.line}"
+
+
+def fragment_names(text: str) -> list[str]:
+    """The names a python block's `# fragment: uses NAME, ...` first line lists ([]: none)."""
+    marker = FRAGMENT.match(text.splitlines()[0] if text.strip() else "")
+    return [name.strip() for name in marker.group("names").split(",")] if marker else []
 
 
 def doc_pages() -> list[Path]:

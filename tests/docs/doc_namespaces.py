@@ -1,11 +1,13 @@
-"""What each documentation page's code fragments use but do not define, built small and real (CPU).
+"""What each documentation page's `# fragment: uses NAME, ...` blocks use but do not define, built small
+and real (CPU), in the fresh interpreter that runs the page's fragments (doc_fragment_run.py).
 
-`PAGES[page]` is a `Page`: `build(stack)` returns the namespace its python blocks run in, in page
-order (a block sees what the blocks above it defined); `before(block, ns)` may rebind names for
-one block (two examples on a page that use one name for different things); `replace` maps literal strings in the
-blocks to real values (e.g. a checkpoint path); `finish(ns)` runs after the last block (e.g. calls
-a test function the page defines). `megatron=True`: the page needs megatron-core (marker);
-`verl=True`: it needs verl (marker `verl`, skipped where verl is not importable).
+`PAGES[page]` is a `Page`: `build(stack)` returns the names its fragments may be given (each is given
+exactly the names it lists, in page order; what a fragment binds is kept for `finish`);
+`before(block, ns)` may rebind names for one block (two examples on a page that use one name for
+different things); `replace` maps literal strings in the blocks to real values (e.g. a checkpoint
+path); `finish(ns)` runs after the last fragment (e.g. calls a test function the page defines).
+`megatron=True`: the page needs megatron-core (marker); `verl=True`: it needs verl (marker `verl`,
+skipped where verl is not importable).
 `OUTPUTS[name]()` returns the text a `docs-test: output-of: name` block must show.
 """
 from __future__ import annotations
@@ -276,22 +278,5 @@ def topk_example() -> str:
     return out.getvalue()
 
 
-def readme_quickstart() -> str:
-    """README's quick-start block, pasted into a fresh interpreter as a reader does: its statuses
-    depend on what the process imported before `apply()` (this test process has imported GPTModel
-    by then), so only a fresh process prints what the README promises."""
-    import os
-    import subprocess
-
-    from doc_blocks import page_blocks
-
-    block = next(b for b in page_blocks(REPO / "README.md") if b.kind == "python" and "apply()" in b.text)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_RL_PATCHES")}
-    proc = subprocess.run([sys.executable, "-c", block.text], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=tempfile.gettempdir(), check=True)
-    return proc.stdout
-
-
-OUTPUTS: dict[str, Callable[[], str]] = {"padding_report": padding_report, "topk_example": topk_example,
-                                         "readme_quickstart": readme_quickstart}
-MEGATRON_OUTPUTS = {"padding_report", "topk_example", "readme_quickstart"}
+OUTPUTS: dict[str, Callable[[], str]] = {"padding_report": padding_report, "topk_example": topk_example}
+MEGATRON_OUTPUTS = {"padding_report", "topk_example"}

@@ -1,17 +1,15 @@
 """Python blocks of the docs that use names they do not define (a model, a batch, the training
 loop's own variables: the docs test supplies them, doc_namespaces.py) say so where a reader sees
 it: their first line is `# fragment: uses NAME, ...` listing exactly those names. Every other
-python block runs as written, given only what the blocks above it on its page define."""
+python block runs as pasted alone into a fresh interpreter: it defines or imports every name it reads
+(not one an earlier block of its page defined: the docs test runs each block alone, doc_fresh.py)."""
 from __future__ import annotations
 
 import ast
 import builtins
-import re
 
 import pytest
-from doc_blocks import all_blocks
-
-FRAGMENT = re.compile(r"^# fragment: uses (?P<names>[\w, ]+?)(?: \(.*\))?$")
+from doc_blocks import all_blocks, fragment_names
 
 
 def _bound_and_used(text: str) -> tuple[set[str], list[str]]:
@@ -34,33 +32,25 @@ def _bound_and_used(text: str) -> tuple[set[str], list[str]]:
     return bound, list(dict.fromkeys(used))
 
 
-def _fragments() -> list[tuple[str, list[str], list[str], list[str]]]:
-    """(where, names the block needs from outside, names it reads without binding, names its
-    marker lists) per python block."""
-    rows, defined = [], {}
+def _fragments() -> list[tuple[str, list[str], list[str]]]:
+    """(where, names it reads without binding, names its marker lists) per python block."""
+    rows = []
     for block in all_blocks():
         if block.kind != "python":
             continue
-        seen = defined.setdefault(block.page, set())
         bound, used = _bound_and_used(block.text)
         outside = [n for n in used if n not in bound and not hasattr(builtins, n)]
-        free = [n for n in outside if n not in seen]
-        seen |= bound
-        first = block.text.splitlines()[0] if block.text.strip() else ""
-        marker = FRAGMENT.match(first)
-        listed = [n.strip() for n in marker.group("names").split(",")] if marker else []
-        rows.append((block.where, free, outside, listed))
+        rows.append((block.where, outside, fragment_names(block.text)))
     return rows
 
 
-@pytest.mark.parametrize(("where", "free", "outside", "listed"), _fragments(),
-                         ids=[row[0] for row in _fragments()])
-def test_a_block_runs_alone_or_says_what_it_uses(where, free, outside, listed):
-    """The marker lists every name from outside the page (and may list one an earlier block of the
-    page also defines, when the fragment means the reader's own), and nothing the block does not read."""
-    assert set(free) <= set(listed), (
-        f"{where}: the block uses {free} without defining them; its first line must be "
-        f"`# fragment: uses {', '.join(free)}`")
+@pytest.mark.parametrize(("where", "outside", "listed"), _fragments(), ids=[row[0] for row in _fragments()])
+def test_a_block_runs_alone_or_says_what_it_uses(where, outside, listed):
+    """The marker lists every name from outside the block (each block runs alone), and nothing the
+    block does not read."""
+    assert set(outside) <= set(listed), (
+        f"{where}: the block uses {outside} without defining them; its first line must be "
+        f"`# fragment: uses {', '.join(outside)}`")
     assert set(listed) <= set(outside), f"{where}: its `# fragment:` line lists {listed}, it reads {outside}"
 
 

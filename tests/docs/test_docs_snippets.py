@@ -1,24 +1,24 @@
-"""Every fenced block of README.md and docs/*.md is true: python blocks run (each page in its own
-namespace of small real objects, doc_namespaces.py), CLI blocks print what they show, output blocks
+"""Every fenced block of README.md and docs/*.md is true: python blocks run as pasted in a fresh
+interpreter (a `# fragment: uses ...` block given the small real objects it lists, doc_namespaces.py;
+doc_fresh.py), CLI blocks print what they show, output blocks
 match what their code prints, signature listings match the functions. Blocks that cannot run here
 are marked `<!-- docs-test: skip: reason -->` and reported as skipped tests with that reason."""
 from __future__ import annotations
 
 import sys
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from doc_blocks import Block, all_blocks  # noqa: E402
+from doc_fresh import run_page_python  # noqa: E402
 from doc_namespaces import MEGATRON_OUTPUTS, OUTPUTS, PAGES, Page  # noqa: E402
 from doc_running import (  # noqa: E402
     assert_output,
     cli_commands,
     listed_signatures,
     run_documented_command,
-    run_python,
     signature_mismatches,
 )
 from doc_skipped import skipped_block_checks  # noqa: E402
@@ -76,30 +76,28 @@ def test_skipped_block_still_parses_and_names_what_exists(block):
 
 
 @pytest.mark.parametrize("page", _page_params())
-def test_page_blocks_run_and_print_what_they_show(page, clean_patch_state):
-    """Each page's blocks in order, in one namespace; patches a page applies are reset after it."""
+def test_page_blocks_run_and_print_what_they_show(page, clean_patch_state, tmp_path):
+    """Each python block as pasted into a fresh interpreter (a page's fragments in one of their own,
+    given what they list), all started at once; CLI commands through `main`; each output block
+    compared with what the runnable block above it printed."""
     setup = PAGES.get(page, Page())
     if setup.verl:
         pytest.importorskip("verl.models", reason=f"{page} needs verl: run `make test-verl` (the verl lane)")
     blocks = [b for b in BLOCKS if b.page == page and b.kind in PAGE_KINDS and not (b.kind == "output" and b.detail)]
+    printed_by = dict(run_page_python([b for b in blocks if b.kind == "python"], tmp_path))
     printed, ran = None, []
-    with ExitStack() as stack:
-        namespace = {"__name__": f"docs:{page}", **setup.build(stack)}
-        replace = setup.replace(namespace)
-        for block in blocks:
-            if block.kind == "python":
-                setup.before(block, namespace)
-                printed = run_python(block, namespace, replace)
-            elif block.kind == "cli":
-                for command, shown in cli_commands(block):
-                    code, printed = run_documented_command(command)
-                    assert code == 0, f"{block.where}: `{command}` exited {code}"
-                    assert_output(Block(block.page, block.line, "", shown, "output"), printed, f"`{command}`")
-            else:
-                assert printed is not None, f"{block.where}: an output block with no runnable block above it"
-                assert_output(block, printed, "the block above")
-            ran.append(block.where)
-        setup.finish(namespace)
+    for block in blocks:
+        if block.kind == "python":
+            printed = printed_by[block.where]
+        elif block.kind == "cli":
+            for command, shown in cli_commands(block):
+                code, printed = run_documented_command(command)
+                assert code == 0, f"{block.where}: `{command}` exited {code}"
+                assert_output(Block(block.page, block.line, "", shown, "output"), printed, f"`{command}`")
+        else:
+            assert printed is not None, f"{block.where}: an output block with no runnable block above it"
+            assert_output(block, printed, "the block above")
+        ran.append(block.where)
     assert ran
 
 

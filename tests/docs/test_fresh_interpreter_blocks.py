@@ -1,10 +1,10 @@
 """Docs blocks a newcomer pastes into a fresh interpreter run there as pasted (issue 63 item 9: the
 Hugging Face teacher snippet needed `apply(only=["gpt_output_processor"])`, testing.md's
 `write_tiny_checkpoint` block Megatron's parallel state, which the page harness's world gave it): each
-block marked "runs as pasted in a fresh interpreter" runs in `python -c`, no harness around it."""
+block marked "runs as pasted in a fresh interpreter" runs in `python -c`, no harness around it (every
+other python block of the docs does too, doc_fresh.py: these need megatron-core >= 0.16)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from doc_blocks import REPO, all_blocks  # noqa: E402
+from doc_fresh import fresh_environ  # noqa: E402
 
 MARK = "runs as pasted in a fresh interpreter"
 FRESH = [block for block in all_blocks() if block.kind == "skip" and MARK in block.detail]
@@ -29,7 +30,6 @@ def test_the_block_runs_as_pasted_in_a_fresh_interpreter(block):
 
     if tuple(int(part) for part in __version__.split(".")[:2]) < (0, 16):
         pytest.skip(f"the Qwen3.5 family needs megatron-core >= 0.16, not {__version__}")
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_RL_PATCH")}
-    proc = subprocess.run([sys.executable, "-c", block.text], cwd=REPO, env=environ, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-c", "\n" * block.line + block.text], cwd=REPO, env=fresh_environ(),
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -72,3 +72,18 @@ def test_zero_d_tensors_and_bad_row_counts():
         response_log_probs_and_entropy(torch.tensor(1.0), [torch.arange(4)], layout)
     with pytest.raises(TypeError, match="num_rows must be an int, got float"):
         response_pieces(layout, 4.0)
+
+
+def test_boundaries_and_the_given_device_found_by_mutation_testing():
+    """A bshd layout whose max_seq_len is the longest sample is accepted (one less is refused); a bad
+    num_rows or a list of values is named; shifted_targets' device= wins over the tokens' (meta: no second
+    device needed)."""
+    assert PackedLayout([8, 6], [3, 2], qkv_format="bshd", max_seq_len=8).max_seq_len == 8
+    with pytest.raises(ValueError, match=r"needs max_seq_len >= the longest sample \(8\), got 7"):
+        PackedLayout([8, 6], [3, 2], qkv_format="bshd", max_seq_len=7)
+    layout, tokens = PackedLayout([4], [2]), [torch.tensor([1, 2, 3, 4])]
+    with pytest.raises(TypeError, match="num_rows must be an int"):
+        shifted_targets(tokens, layout, 4.5)
+    assert shifted_targets(tokens, layout, 4, device="meta").device.type == "meta"
+    with pytest.raises(TypeError, match=r"values must be a tensor with one row per local token .*, got list"):
+        split_responses([1, 2, 3, 4], layout)

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rl_patches import topk_ids, topk_logprobs, topk_opd_loss
+from megatron_rl_patches import topk_ids, topk_kl, topk_logprobs, topk_opd_loss, union_ids
 from megatron_rl_patches.ops.topk import _derived_tail, log1mexp
 from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.divergence_reference import bucket_loss
@@ -459,7 +459,40 @@ def _bad_calls():
         (lambda: loss(teacher_weights=[1.0, float("nan")]), ValueError, "finite"),
         (lambda: loss(teacher_weights=["a", 1]), TypeError, "teacher_weights must be a sequence"),
         (lambda: loss(student_logits=x[:, None]), ValueError, "teacher_logprobs must have shape|ids must have shape"),
+        # each message names the argument and its shape (mutation testing: a dropped name or hint passed)
+        (lambda: topk_kl(tlp[0], ttail[0].tolist(), tlp), TypeError, r"student_tail must be a torch.Tensor \[T\],"),
+        (lambda: union_ids(ids.tolist(), ids), TypeError, r"student_ids must be a torch.Tensor \[T, k\] of global"),
+        (lambda: union_ids(ids, ids.tolist()), TypeError, r"teacher_ids must be a torch.Tensor \[T, k\] of global"),
+        (lambda: topk_kl(tlp[0], ttail[0].double(), tlp), ValueError, "student_tail must have student_logprobs' dtype"),
+        (lambda: loss(student_logits=x.numpy()), TypeError, "student_logits must be a torch.Tensor"),
     ]
+
+
+def test_topk_opd_loss_row_mask_computes_the_selected_rows_with_their_teachers_rows():
+    """row_mask: the selected rows' values as without it (each against its own teacher rows and
+    tails), the others 0 with no gradient (mutation testing: the mask dropped, or the teachers'
+    rows not selected with it, passed every test of ops/topk)."""
+    x = torch.randn(6, 20, generator=torch.Generator().manual_seed(4)).requires_grad_()
+    ids = topk_ids(x.detach(), 3)
+    tlp, ttail = teacher_tensors(2, 6, 20, ids, seed=19)
+    mask = torch.tensor([True, False, True, True, False, True])
+    whole = topk_opd_loss(x, ids, tlp, ttail, teacher_weights=[0.7, 0.3])
+    masked = topk_opd_loss(x, ids, tlp, ttail, teacher_weights=[0.7, 0.3], row_mask=mask)
+    torch.testing.assert_close(masked[mask], whole[mask])
+    assert bool((masked[~mask] == 0).all()) and bool((whole[~mask] != 0).all())
+    masked.sum().backward()
+    assert bool((x.grad[~mask] == 0).all()) and bool((x.grad[mask] != 0).any())
+
+
+def test_topk_kl_of_one_row_without_leading_dims_is_that_rows_value():
+    """[k] log-probs and a 0-d tail are one row: topk_kl accepts them (only a 0-d input is refused)."""
+    x = torch.randn(4, 20)
+    ids = topk_ids(x, 3)
+    tlp, ttail = teacher_tensors(2, 4, 20, ids, seed=18)
+    slp, stail = topk_logprobs(x, ids)
+    one = topk_kl(slp[2], stail[2], tlp[0, 2], ttail[0, 2])
+    assert one.shape == ()
+    torch.testing.assert_close(one, topk_kl(slp, stail, tlp[0], ttail[0])[2])
 
 
 def test_bad_inputs_raise_specific_errors_and_change_nothing():
