@@ -91,8 +91,9 @@ def agree(group: Any, what: str, *, error: BaseException | None = None, match: M
     passed its checks (`error`: None, or what its checks raised), calls the same `what` and holds
     the same `match` values; else the same error on every member, naming the ranks, raised from
     the local error where there was one. `where`: the group in words (its global ranks follow).
-    One all-gather of 2 + SLOTS float64s per member (a second one of each member's message only
-    on failure). A group of one rank (or None) exchanges nothing: `error` is raised as it is."""
+    One all-gather of 2 + SLOTS float64s per member (a second one of each member's text only on
+    failure or on a mismatch, to name them). `match` values may be text (exchanged as a crc32). A
+    group of one rank (or None) exchanges nothing: `error` is raised as it is."""
     match, share = dict(match or {}), dict(share or {})
     if len(match) + len(share) > SLOTS or set(match) & set(share):
         raise ValueError(f"agree: at most {SLOTS} values, each named once, got {[*match, *share]}")
