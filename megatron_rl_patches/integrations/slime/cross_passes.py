@@ -61,27 +61,38 @@ def student_tokenizer(args: Any) -> Any:
     """The student's tokenizer: tokenizer.json in slime's --hf-checkpoint."""
     hf = getattr(args, "hf_checkpoint", None)
     if not isinstance(hf, str):
-        raise ValueError(f"{TEACHERS}: a teacher with ';tokenizer=own' needs the student's tokenizer: set slime's "
+        raise ValueError(f"{TEACHERS}: a teacher with another tokenizer (';tokenizer=own', a served ';tokenizer=DIR') "
+                         "needs the student's tokenizer: set slime's "
                          "--hf-checkpoint to the student's Hugging Face directory (its tokenizer.json)")
     try:
         return load_tokenizer(hf, "--hf-checkpoint")
     except ValueError as exc:
-        raise ValueError(f"{TEACHERS}: a teacher with ';tokenizer=own' reads the student's tokenizer from "
+        raise ValueError(f"{TEACHERS}: a teacher with another tokenizer reads the student's tokenizer from "
                          f"--hf-checkpoint: {exc}") from None
+
+
+def cross_pair(args: Any, teacher: Teacher) -> CrossTeacher:
+    """Both tokenizers of a teacher with another tokenizer and their shared vocabulary: the
+    student's (--hf-checkpoint) and the teacher's (`;tokenizer=own`: its directory's
+    tokenizer.json; a served teacher's `;tokenizer=DIR`), its stop-token map."""
+    student = student_tokenizer(args)
+    path = teacher.path if teacher.tokenizer is None else teacher.tokenizer
+    try:
+        own = load_tokenizer(path, f"{TEACHERS}: teacher {teacher.path!r}")
+    except ValueError as exc:
+        option = "';tokenizer=own' reads the teacher's tokenizer.json" if teacher.tokenizer is None else \
+            f"';tokenizer={teacher.tokenizer}' names the teacher's tokenizer"
+        raise ValueError(f"{exc} ({option})") from None
+    stop = None if teacher.stop_tokens is None else load_function(
+        teacher.stop_tokens, "stop_tokens", "mapping a student special id to the teacher's id or None")
+    return CrossTeacher(own, student, shared_strings(student, own), stop)
 
 
 def load_cross(args: Any, teacher: Teacher, model: PassTeacher | str | list[Any]) -> CrossTokenizerTeacher:
     """`model` (a snapshot or a separate model, or any `PassTeacher`) as a teacher with its own
     tokenizer (`teacher.path`'s tokenizer.json)."""
-    student = student_tokenizer(args)
-    try:
-        own = load_tokenizer(teacher.path, f"{TEACHERS}: teacher {teacher.path!r}")
-    except ValueError as exc:
-        raise ValueError(f"{exc} (';tokenizer=own' reads the teacher's tokenizer.json)") from None
-    stop = None if teacher.stop_tokens is None else load_function(
-        teacher.stop_tokens, "stop_tokens", "mapping a student special id to the teacher's id or None")
     inner = model if isinstance(model, PassTeacher) else model_teacher(model)
-    return CrossTokenizerTeacher(inner, CrossTeacher(own, student, shared_strings(student, own), stop))
+    return CrossTokenizerTeacher(inner, cross_pair(args, teacher))
 
 
 def check_args(args: Any, settings: OpdSettings) -> None:
@@ -115,10 +126,10 @@ def _whole(values: list[torch.Tensor], data: dict) -> list[torch.Tensor]:
     return whole_from_zigzag(values, list(data["total_lengths"]), list(data["response_lengths"]))
 
 
-def teacher_samples(rollout_data: dict, teacher: CrossTokenizerTeacher) -> list[ct.TeacherSample]:
-    """Every sample re-tokenized for `teacher` (on every rank: the pipeline stages pack the same;
-    the teacher's ids on the device of the student's)."""
-    return [teacher.pair.sample(tokens, int(response), mask)
+def teacher_samples(rollout_data: dict, pair: CrossTeacher) -> list[ct.TeacherSample]:
+    """Every sample re-tokenized for the teacher of `pair` (on every rank: the pipeline stages pack
+    the same; the teacher's ids on the device of the student's)."""
+    return [pair.sample(tokens, int(response), mask)
             for tokens, response, mask in zip(rollout_data["tokens"], rollout_data["response_lengths"],
                                                rollout_data["loss_masks"])]
 
@@ -138,7 +149,7 @@ class CrossTokenizerTeacher(OpdTeacher):
         [R, k·D] and mask, the live buckets [R, k] and the log-ratio [R] (None on other stages)."""
         rollout_data, settings, last = step.rollout_data, step.settings, step.last
         run = self.model.passes(step)
-        samples = teacher_samples(rollout_data, self)
+        samples = teacher_samples(rollout_data, self.pair)
         budget = ct.student_budget(rollout_data["total_lengths"], rollout_data["micro_batch_indices"])
         lengths = [s.tokens.numel() for s in samples]
         # at least the student's count (a pipeline schedule's minimum); with expert parallelism as many

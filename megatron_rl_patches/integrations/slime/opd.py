@@ -204,6 +204,8 @@ def _score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> No
     # Every pipeline stage takes part in each teacher's pipelined pass, in the same order; the ids
     # live on the last stage only, so whether the passes run is the last stage's answer, agreed.
     if not pipeline_agrees(ids is not None or not _last_stage()):
+        for teacher in teachers:  # a served teacher's requests collected, its job-wide agreement joined
+            teacher.unscored()
         return
     last = ids is not None
     if last:

@@ -77,6 +77,10 @@ class OpdTeacher(ABC):
         """Called on every rank before the student's pass of the step (a served teacher sends its
         requests here, so the engine's time overlaps the student's forward)."""
 
+    def unscored(self) -> None:  # noqa: B027 - most teachers started nothing to end
+        """Called on every rank instead of `score` when the step scores no teacher (its last stage
+        has no ids): a teacher that started something in `begin` ends it here."""
+
     @abstractmethod
     def score(self, step: ScoringStep) -> TeacherScores | None:
         """Its passes over the step's rollout (every pipeline stage runs them); its scores on the

@@ -11,6 +11,7 @@ the served teacher first), the student and the other teachers score them."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,18 +33,19 @@ if TYPE_CHECKING:
 # A text spelled by the student's tokenizer from ids spread over its vocabulary, tokenized again by
 # the server: the same ids back means the same tokenizer (an offset or another vocabulary differs).
 PROBE_IDS = 24
+STUDENTS = "the student's tokenizer"
 
 
-def _world() -> Any:
+def job_group() -> Any:
     """The job's group (None without torch.distributed: one process)."""
     dist = torch.distributed
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
-def _asking_group() -> tuple[Any, bool, bool]:
+def asking_group() -> tuple[Any, bool, bool]:
     """(this rank's tensor and context-parallel group or None, whether this rank asks the server,
     whether it holds the last pipeline stage): the group's first rank on the last stage asks."""
-    if _world() is None:
+    if job_group() is None:
         return None, True, True
     from megatron.core import parallel_state as ps  # lazy: optional dependency megatron-core
 
@@ -52,13 +54,14 @@ def _asking_group() -> tuple[Any, bool, bool]:
     return group, last and torch.distributed.get_rank(group) == 0, last
 
 
-def probe_vocabulary(teacher: ServedTeacher, student_tokenizer: Any, where: str) -> None:
-    """The served model's tokenizer against the student's: the student's spelling of ids spread
-    over its vocabulary, tokenized by the server (`/tokenize`), must give the student's ids."""
-    size = int(student_tokenizer.get_vocab_size(with_added_tokens=False))
+def probe_vocabulary(teacher: ServedTeacher, tokenizer: Any, where: str, whose: str = STUDENTS) -> None:
+    """The served model's tokenizer against `tokenizer` (`whose`: the student's, or the one a served
+    teacher of another tokenizer names): its spelling of ids spread over its vocabulary, tokenized
+    by the server (`/tokenize`), must give its ids."""
+    size = int(tokenizer.get_vocab_size(with_added_tokens=False))
     ids = sorted({round(i * (size - 1) / (PROBE_IDS - 1)) for i in range(PROBE_IDS)})
-    text = student_tokenizer.decode(ids, skip_special_tokens=True)
-    want = student_tokenizer.encode(text, add_special_tokens=False).ids
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    want = tokenizer.encode(text, add_special_tokens=False).ids
     from megatron_rl_patches.teachers.http_client import Deadline  # lazy: optional dependency httpx
 
     model = teacher.served_model()
@@ -67,10 +70,12 @@ def probe_vocabulary(teacher: ServedTeacher, student_tokenizer: Any, where: str)
                                    Deadline.after(teacher.settings.timeout_s), threading.Event())
     got = reply.get("tokens") if isinstance(reply, dict) else None
     if got != want:
-        raise ValueError(f"{where}: the served model {model.name!r} does not share the student's tokenizer (a probe "
-                         f"text of {len(want)} student ids came back from {teacher.url}/tokenize as "
-                         f"{'no tokens' if got is None else f'{len(got)} other ids'}): top-k OPD compares the same "
-                         f"token ids; serve a teacher of the student's tokenizer")
+        advice = ("top-k OPD compares the same token ids; serve a teacher of the student's tokenizer, or name "
+                  "the served model's tokenizer with ';tokenizer=DIR'") if whose == STUDENTS else \
+            "name the served model's own tokenizer (its tokenizer.json)"
+        raise ValueError(f"{where}: the served model {model.name!r} does not share {whose} (a probe "
+                         f"text of {len(want)} ids came back from {teacher.url}/tokenize as "
+                         f"{'no tokens' if got is None else f'{len(got)} other ids'}): {advice}")
 
 
 class ServedOpdTeacher(OpdTeacher):
@@ -83,18 +88,48 @@ class ServedOpdTeacher(OpdTeacher):
         self.pending: PendingScores | None = None
 
     def __repr__(self) -> str:
-        return f"ServedOpdTeacher({self.teacher!r})"
+        return f"{type(self).__name__}({self.teacher!r})"
+
+    def batch(self, rollout_data: dict) -> TeacherBatch:
+        """The step's samples as the server scores them (on the asking rank)."""
+        return batch_of(rollout_data)
 
     def begin(self, actor: Any, rollout_data: dict) -> None:
         """The step's samples sent now (on the asking rank), before the student's pass."""
-        _, asks, _ = _asking_group()
-        self.pending = self.teacher.submit(batch_of(rollout_data)) if asks else None
+        _, asks, _ = asking_group()
+        self.pending = self.teacher.submit(self.batch(rollout_data)) if asks else None
+
+    def unscored(self) -> None:
+        """The step scores no teacher: its requests collected all the same, so the job's agreement
+        on them (`agree_failure`) is joined by this rank too."""
+        self.shared_rows()
 
     def score(self, step: ScoringStep) -> TeacherScores | None:
         request = step.ids_request()
         if request.k is None:  # check_served refused it before anything loaded
             raise RuntimeError("slime_opd: a served teacher is not the first; please report this")
-        group, asks, last = _asking_group()
+        rows = self.shared_rows()
+        if rows is None:
+            return None
+        data = step.rollout_data
+        totals, responses = [int(t) for t in data["total_lengths"]], [int(r) for r in data["response_lengths"]]
+        ids, values, tails = (zigzag_of_whole([v.to(device_of(data)) for v in field], totals, responses)
+                              for field in rows)
+        data[IDS] = ids
+        data.pop(IDS_MASK, None)
+        return TeacherScores(values, tails)
+
+    def rows(self, scores: BatchScores) -> Any:
+        """What the asking rank hands its group from the engine's reply: per sample the top-k ids,
+        their float32 log-probs and tails."""
+        self.check_ids(scores)
+        return ([i.cpu() for i in scores.topk_ids], [v.float().cpu() for v in scores.topk_log_probs],
+                [t.float().cpu() for t in scores.tail_log_probs])
+
+    def shared_rows(self) -> Any:
+        """The asking rank's `rows`, on every rank of the last stage's tensor and context group
+        (None on the other stages); a failure anywhere raised on every rank of the job."""
+        group, asks, last = asking_group()
         rows = self._collect(asks)
         if not last:
             return None
@@ -104,17 +139,9 @@ class ServedOpdTeacher(OpdTeacher):
                                                     group=group)
             rows = shared[0]
         assert rows is not None  # the asking rank's rows, agreed and shared
-        data = step.rollout_data
-        totals, responses = [int(t) for t in data["total_lengths"]], [int(r) for r in data["response_lengths"]]
-        device = data["tokens"][0].device if len(data["tokens"]) else torch.device("cpu")
-        ids, values, tails = (zigzag_of_whole([v.to(device) for v in field], totals, responses) for field in rows)
-        data[IDS] = ids
-        data.pop(IDS_MASK, None)
-        return TeacherScores(values, tails)
+        return rows
 
-    def _collect(self, asks: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None:
-        """The asking rank's rows (ids, float32 log-probs, float32 tails); a failure anywhere raised
-        on every rank of the job."""
+    def _collect(self, asks: bool) -> Any:
         pending, self.pending = self.pending, None
         error: BaseException | None = None
         rows = None
@@ -123,13 +150,10 @@ class ServedOpdTeacher(OpdTeacher):
                 if pending is None:
                     raise RuntimeError("slime_opd: a served teacher's step was not sent before its turn; please "
                                        "report this")
-                scores = pending.result()
-                self.check_ids(scores)
-                rows = ([i.cpu() for i in scores.topk_ids], [v.float().cpu() for v in scores.topk_log_probs],
-                        [t.float().cpu() for t in scores.tail_log_probs])
+                rows = self.rows(pending.result())
             except Exception as failed:  # noqa: BLE001 - agreed over the job, then raised
                 error = failed
-        agree_failure(error, _world())
+        agree_failure(error, job_group())
         return rows
 
     def check_ids(self, scores: BatchScores) -> None:
@@ -139,6 +163,11 @@ class ServedOpdTeacher(OpdTeacher):
                                            f"id {int(ids.max())}, past the student's vocabulary of "
                                            f"{self.student_vocab}: serve a teacher of the student's tokenizer",
                                            self.teacher.url, sample)
+
+
+def device_of(rollout_data: dict) -> torch.device:
+    """The device of the rollout's tokens (the CPU for an empty rollout)."""
+    return rollout_data["tokens"][0].device if len(rollout_data["tokens"]) else torch.device("cpu")
 
 
 def batch_of(rollout_data: dict) -> TeacherBatch:
@@ -159,25 +188,33 @@ def student_tokenizer_of(args: Any, where: str) -> Any:
     return load_tokenizer(hf, "--hf-checkpoint")
 
 
-def build_served(args: Any, settings: OpdSettings, url: str, engine: str, student_vocab: int,
-                 where: str) -> ServedOpdTeacher:
+def connect(args: Any, settings: OpdSettings, url: str, engine: str, where: str,
+            tokenizer: Callable[[], tuple[Any, str]] | None = None) -> ServedTeacher:
     """The teacher at `url` (its own top-k, K = the settings' k), checked by the ranks that will ask
-    it (the server answers, K within its --max-logprobs, the student's tokenizer); a failure on any
-    rank raised on every rank of the job."""
+    it (the server answers, K within its --max-logprobs, its tokenizer: `tokenizer()` gives the one
+    it must share and whose it is, the student's by default); a failure on any rank raised on every
+    rank of the job."""
     from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: optional dependency httpx
 
     error: BaseException | None = None
     teacher = None
     try:
         teacher = ServedTeacher(url, engine, top_k=settings.k)
-        if _asking_group()[1]:
+        if asking_group()[1]:
             teacher.check()
-            probe_vocabulary(teacher, student_tokenizer_of(args, where), where)
+            expected, whose = (student_tokenizer_of(args, where), STUDENTS) if tokenizer is None else tokenizer()
+            probe_vocabulary(teacher, expected, where, whose)
     except Exception as failed:  # noqa: BLE001 - agreed over the job, then raised
         error = failed
     try:
-        agree_failure(error, _world())
+        agree_failure(error, job_group())
     except Exception as agreed:
         raise ValueError(f"{where}: {agreed}") from agreed
     assert teacher is not None  # no error: built
-    return ServedOpdTeacher(teacher, student_vocab)
+    return teacher
+
+
+def build_served(args: Any, settings: OpdSettings, url: str, engine: str, student_vocab: int,
+                 where: str) -> ServedOpdTeacher:
+    """The teacher at `url` of the student's tokenizer (`connect`)."""
+    return ServedOpdTeacher(connect(args, settings, url, engine, where), student_vocab)

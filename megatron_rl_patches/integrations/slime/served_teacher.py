@@ -1,7 +1,8 @@
 """slime's OPD builder for a served teacher (`http://host:port;engine=vllm`, the `served` row of
 `teachers.kinds`): `served_opd.ServedOpdTeacher` over a `ServedTeacher`, and the settings it needs,
 checked before anything loads (`check_served`): a served engine scores its own top-k only, so the
-buckets come from it (MEGATRON_RL_PATCHES_OPD_IDS_FROM=teacher, the served teacher first)."""
+buckets come from it (MEGATRON_RL_PATCHES_OPD_IDS_FROM=teacher, the served teacher first); one with
+another tokenizer (`;tokenizer=DIR`) is `served_cross_opd.ServedCrossOpdTeacher`."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,28 +10,26 @@ from typing import Any
 from megatron_rl_patches._variables import OPD_IDS_FROM
 from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, OpdSettings, Teacher
 from megatron_rl_patches.integrations.slime.opd_teachers import OpdTeacher
+from megatron_rl_patches.integrations.slime.served_cross_opd import build_served_cross
 from megatron_rl_patches.integrations.slime.served_opd import build_served
 from megatron_rl_patches.teachers.kinds.entry import SERVED
 
 
 def check_served(settings: OpdSettings) -> None:
-    """ValueError naming the entry for what slime's OPD cannot serve with a served teacher, the same
-    on every rank: ids from the student or the union, a served teacher after the first, one with
-    another tokenizer (`;tokenizer=DIR`)."""
-    served = [index for index, teacher in enumerate(settings.teachers) if teacher.kind == SERVED]
+    """ValueError naming the entry for what slime's OPD cannot serve with a served teacher of the
+    student's tokenizer, the same on every rank: ids from the student or the union, one after the
+    first teacher of the student's tokenizer (a served teacher of another tokenizer scores its own
+    encoding: any place, any ids)."""
+    same = [index for index, teacher in enumerate(settings.teachers) if not teacher.other_tokenizer]
+    served = [index for index in same if settings.teachers[index].kind == SERVED]
     if not served:
         return
     first = settings.teachers[served[0]]
-    if first.tokenizer is not None:
-        raise ValueError(f"{TEACHERS} entry '{first.path}' with ';tokenizer={first.tokenizer}': a served teacher of "
-                         "another tokenizer is not served in slime's OPD yet (its chunk-start buckets need ids "
-                         "outside the engine's top-k); serve a teacher of the student's tokenizer, or give the "
-                         "teacher's checkpoint as 'PATH;tokenizer=own'")
     if settings.ids_from != "teacher":
         raise ValueError(f"{TEACHERS} entry '{first.path}' with {OPD_IDS_FROM}={settings.ids_from}: a served engine "
                          f"scores its own top-k only, not given ids; set {OPD_IDS_FROM}=teacher and name the served "
                          "teacher first")
-    later = [index for index in served if index != 0]
+    later = [index for index in served if index != same[0]]
     if later:
         raise ValueError(f"{TEACHERS} entry '{settings.teachers[later[0]].path}': a served teacher after the first "
                          "would score the first teacher's ids, which the engine does not take (it scores its own "
@@ -40,11 +39,14 @@ def check_served(settings: OpdSettings) -> None:
 def build_served_teacher(actor: Any, settings: OpdSettings, index: int, teacher: Teacher, student: int | str,
                          route: str) -> OpdTeacher:
     """The served teacher of `teacher` for slime's actor: the server asked (it answers, K within
-    its --max-logprobs, the student's tokenizer) by the ranks that will ask it, agreed by all."""
+    its --max-logprobs, its tokenizer: the student's, or the one `;tokenizer=DIR` names) by the
+    ranks that will ask it, agreed by all."""
     check_served(settings)
+    where = f"{TEACHERS} entry '{teacher.path}'"
+    if teacher.tokenizer is not None:
+        return build_served_cross(actor.args, settings, teacher, where)
     head = actor.model[-1]
     while hasattr(head, "module"):  # the wrapped chunk (DDP, Float16Module) holds the vocabulary
         head = head.module
     vocab = int(head.vocab_size)
-    return build_served(actor.args, settings, teacher.path, str(teacher.engine), vocab,
-                        f"{TEACHERS} entry '{teacher.path}'")
+    return build_served(actor.args, settings, teacher.path, str(teacher.engine), vocab, where)

@@ -77,7 +77,7 @@ def test_stop_token_map_loaded_and_honoured(qwen3, deepseek, tmp_path):
     data = {"tokens": [tokens], "response_lengths": [response], "loss_masks": [mask]}
     for stop, last, unmapped in ((spec, END_OF_SENTENCE, 0), (None, None, 1)):
         teacher = cross_passes.load_cross(args, Teacher(str(deepseek), own_tokenizer=True, stop_tokens=stop), "tag")
-        (sample,) = cross_passes.teacher_samples(data, teacher)
+        (sample,) = cross_passes.teacher_samples(data, teacher.pair)
         assert sample.alignment.unmapped_special == unmapped
         assert (int(sample.tokens[-1]) == END_OF_SENTENCE) == (last is not None)
         assert (int(sample.alignment.student_chunk[-1]) >= 0) == (last is not None)  # else masked, counted

@@ -196,8 +196,7 @@ def test_every_divergence_of_the_table_is_a_setting():
     ("/a,http://t:1;engine=vllm", "teacher", "entry 'http://t:1': a served teacher after the first"),
     ("http://t:1;engine=vllm,http://t:2;engine=vllm", "teacher", "entry 'http://t:2': a served teacher after the "
                                                                  "first"),
-    ("http://t:1;engine=vllm;tokenizer=/tok", "student", "entry 'http://t:1' with ';tokenizer=/tok': a served "
-                                                         "teacher of another tokenizer is not served in slime's OPD"),
+    ("/a;tokenizer=own,http://t:1;engine=vllm", "student", "IDS_FROM=student: a served engine scores its own"),
 ])
 def test_what_a_served_teacher_cannot_serve_is_refused_naming_the_entry(teachers, ids_from, words):
     settings = opd_settings({P + "TEACHERS": teachers, P + "IDS_FROM": ids_from})
@@ -205,3 +204,15 @@ def test_what_a_served_teacher_cannot_serve_is_refused_naming_the_entry(teachers
         slime_opd.check_args(_args(rollout_temperature=1.0), settings)
     fine = opd_settings({P + "TEACHERS": "http://t:1;engine=vllm,/b", P + "IDS_FROM": "teacher"})
     slime_opd.check_args(_args(rollout_temperature=1.0), fine)  # control: first, ids from it, temperature 1
+
+
+@pytest.mark.parametrize("teachers, ids_from", [
+    ("http://t:1;engine=vllm;tokenizer=/tok,/b", "student"),  # another tokenizer: its own encoding, any ids
+    ("/b,http://t:1;engine=vllm;tokenizer=/tok", "union"),
+    ("http://t:1;engine=vllm,/a;tokenizer=own,/b", "teacher"),  # the first, another tokenizer beside it
+])
+def test_a_served_teacher_of_another_tokenizer_takes_any_place_and_any_ids(teachers, ids_from):
+    settings = opd_settings({P + "TEACHERS": teachers, P + "IDS_FROM": ids_from})
+    slime_opd.check_args(_args(rollout_temperature=1.0), settings)
+    with pytest.raises(ValueError, match="--rollout-temperature is 0.8: served engines score"):
+        slime_opd.check_args(_args(rollout_temperature=0.8), settings)

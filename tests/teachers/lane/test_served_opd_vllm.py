@@ -263,14 +263,40 @@ def served_world(rank: int, world: int, url: str, directory: str, dead: str) -> 
             results["dead"] = "no error"
         except ValueError as error:
             results["dead"] = str(error)
+    results["unscored"] = _unscored_step(rank, url, directory)
     return results
+
+
+def _unscored_step(rank: int, url: str, directory: str) -> dict:
+    """Rank 0's step scores no teacher (its student pass gave no ids: opd's early return), rank 1's
+    scores the served teacher, whose turn agrees failures over the job: both finish (before
+    `unscored`, rank 1 waited in the agreement rank 0 never joined)."""
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    def no_ids_on_rank_0(args, model, rollout_data, request):
+        out = topk_pass(args, model, rollout_data, request)
+        return {key: value for key, value in out.items() if key != "topk_ids"} if rank == 0 else out
+
+    with megatron_on_cpu(), pytest.MonkeyPatch.context() as patch:
+        actor = Actor(student_rows(5), directory)
+        chosen = settings(url)
+        teacher = BUILDERS["served"].build(actor, chosen, 0, chosen.teachers[0], VOCAB, "served")
+        setattr(actor, opd.ATTRIBUTE, [teacher])
+        data = {key: values[rank::2] for key, values in rollout().items()}
+        patch.setattr(opd, "topk_pass", no_ids_on_rank_0)
+        start = time.monotonic()
+        opd.score_teachers(actor, data, chosen)
+        seconds = time.monotonic() - start
+        teacher.teacher.close()
+    return {"seconds": seconds, "scored": opd.IDS in data, "pending": teacher.pending is not None}
 
 
 def test_each_sample_asked_once_per_data_parallel_rank_and_every_layout_keeps_its_rows(served):
     """TP=2: the group's first rank asks, both keep the same rows; CP=2: one asks, each rank keeps
     its zigzag rows (both together the whole responses); PP=2: the last stage asks and keeps, the
     first scores nothing; DP=2: each rank asks its own samples. Every layout's rows equal one
-    rank's whole scores of the same samples. A server gone on one rank at load: one error on both."""
+    rank's whole scores of the same samples. A server gone on one rank at load: one error on both.
+    One rank's step scoring no teacher while the other's scores the served one: both finish."""
     import socket
 
     from megatron_rl_patches.testing.multirank import run_multirank
@@ -301,6 +327,9 @@ def test_each_sample_asked_once_per_data_parallel_rank_and_every_layout_keeps_it
         for j, i in enumerate(range(rank, samples, 2)):
             assert torch.equal(kept["ids"][j], whole.topk_ids[i])
     assert ranks[0]["dead"] == ranks[1]["dead"] and "entry: served teacher failed on rank 1" in ranks[0]["dead"]
+    assert [r["unscored"]["scored"] for r in ranks] == [False, True]  # rank 0's early return, rank 1 scored
+    assert not any(r["unscored"]["pending"] for r in ranks)  # rank 0's requests collected too
+    assert max(r["unscored"]["seconds"] for r in ranks) < 60
     assert f"{dead}/v1/models" in ranks[0]["dead"]
 
 

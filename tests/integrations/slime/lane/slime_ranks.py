@@ -219,7 +219,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
     teachers' entries instead; cross["seeds"]: the seed of each further snapshot path's weights;
     cross["more_micro_batches"]: the teacher's agreed micro-batch count raised by that many, as if
     another data-parallel rank planned more: its samples split, then its shortest one repeated);
-    `served`: the teachers' entries served["entries"] (a served teacher first), the ids from the
+    cross["temperature"]: the rollout's temperature (a served teacher's: 1); `served`: the teachers'
+    entries served["entries"] (a served teacher first), the ids from the
     teacher, the student's tokenizer in served["student"], the rollout at temperature 1."""
     with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual,
                    expert=expert) as patch:
@@ -284,7 +285,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                                    *flags, *cross_flags,
                                    **({"hf_checkpoint": cross["student"]} if cross else {}),
                                    **({"hf_checkpoint": served["student"]} if served else {}),
-                                   rollout_temperature=1.0 if served else TEMPERATURE, log_probs_chunk_size=4,
+                                   rollout_temperature=1.0 if served else (cross or {}).get("temperature", TEMPERATURE),
+                                   log_probs_chunk_size=4,
                                    use_critic=False,  # what slime_validate_args sets
                                    **_whole_gradients(world_size // (pipeline * tensor)),  # EP=2: DP=2 here
                                    **(MOE_VALUES if expert > 1 else {})) as args:
