@@ -1,7 +1,8 @@
 """Teachers beyond the training job, framework-free: the scores' shape inside a step
 (`TeacherScores`), the contract of a teacher that scores whole samples (`TeacherBatch` ->
 `BatchScores`: per response row the teacher's own top-k, their exact tail and the actual token's
-log-prob), teachers served by an inference engine (`ServedTeacher`, vLLM), and the kinds of
+log-prob), teachers served by an inference engine (`ServedTeacher`, vLLM; `served_buckets`: the
+chunk-start buckets of one with another tokenizer from its top-k), and the kinds of
 teacher as one table (`teachers.kinds`: how an entry of MEGATRON_RL_PATCHES_OPD_TEACHERS is read
 and checked). Importing this package is light (no torch, no HTTP client): names load on first use."""
 from __future__ import annotations
@@ -20,6 +21,8 @@ _LAZY = {
     "ServedTeacherRefusal": "errors",
     "agree_failure": "agreement",
     "tail_log_probs": "tails",
+    "served_buckets": "cross_buckets",
+    "ServedBuckets": "cross_buckets",
 }
 
 __all__ = sorted(_LAZY)

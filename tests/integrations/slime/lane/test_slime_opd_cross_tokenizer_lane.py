@@ -171,12 +171,15 @@ def _buckets(p_row, q_row, strings, shared):
     return p, q
 
 
-def reference(students, same_teacher, cross_teacher, data, ids, samples, shared, shift=False, token_terms=None):
+def reference(students, same_teacher, cross_teacher, data, ids, samples, shared, shift=False, token_terms=None,
+              folded=None):
     """The first step's OPD loss by part 1's definitions: per token 0.3 · the (k+1)-bucket forward
     KL to the snapshot teacher at the student's top-k ids + 0.7 · (the forward KL over shared strings
     at chunk starts + the token-level reverse-KL term (ℓS_j − ℓT_j)/|S_j| with gradient r·∇log pS),
     mean over each sample's unmasked tokens, / samples. `shift`: the teacher's chunks moved by one;
-    `token_terms` (a list): receives each sample's r = log pS − spread (slime's --use-opd reverse KL)."""
+    `token_terms` (a list): receives each sample's r = log pS − spread (slime's --use-opd reverse KL);
+    `folded` (a list; a served teacher): a bucket with a teacher id outside the top-k goes to the
+    tail on both sides, and the list receives how many did."""
     total = torch.zeros((), dtype=torch.float64)
     for s, (tokens, mask, sample) in enumerate(zip(data["tokens"], data["loss_masks"], samples)):
         ls, lt_same, lt = students[s], same_teacher[s], cross_teacher[s]
@@ -214,6 +217,12 @@ def reference(students, same_teacher, cross_teacher, data, ids, samples, shared,
             top = torch.argsort(t_row, descending=True)[:K]
             spelled = shared.teacher_string.numel()  # an id past the teacher's tokenizer: no string
             strings = sorted({int(shared.teacher_string[i]) for i in top.tolist() if i < spelled} - {-1})
+            if folded is not None:  # what a served teacher's top-k gives: every teacher id of the string
+                whole = [g for g in strings if set(shared.teacher_ids[shared.teacher_offsets[g]:
+                                                                      shared.teacher_offsets[g + 1]].tolist())
+                         <= set(top.tolist())]
+                folded.append(len(strings) - len(whole))
+                strings = whole
             pb, qb = _buckets(ls[row], t_row, strings, shared)
             starts = starts.index_put((torch.tensor([row]),), (qb * (qb.log() - pb.log())).sum()[None])
         per_token = WEIGHTS[0] * same + WEIGHTS[1] * (starts + token)

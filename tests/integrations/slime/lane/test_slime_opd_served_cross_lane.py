@@ -4,8 +4,9 @@ through slime 624b824a's real `MegatronTrainRayActor.train_actor` at one rank an
 sequence parallelism: the student a tiny GPT on part 1's SentencePiece-style tokenizer (no dummy
 prefix), the served teacher a tiny Qwen3 carrying the same BPE with a dummy prefix, so the two
 encodings differ while sharing strings. The served reply gives the token-level signal (its own
-tokens' log-probs) and the chunk-start buckets (its top-k; each shared string has one teacher id
-here, so no bucket folds). The first step's OPD loss and every gradient against the cross lane's
+tokens' log-probs) and the chunk-start buckets (its top-k; byte fallback spells a byte with two
+teacher ids, so a bucket whose other id the engine did not return folds into the tail, as the
+reference folds it). The first step's OPD loss and every gradient against the cross lane's
 float64 reference (dense softmaxes of the served checkpoint built alone), and slime's own
 `--use-opd --opd-type sglang` reverse KL against r per token. Without MRP_VLLM_PYTHON it skips."""
 from __future__ import annotations
@@ -87,7 +88,7 @@ def test_train_actor_with_a_served_teacher_of_another_tokenizer_equals_float64(s
     samples = [cross_teachers.teacher_sample(t, r, m, spm, own_tokenizer) for t, r, m in
                zip(data["tokens"], data["response_lengths"], data["loss_masks"])]
     shared = shared_strings(spm, own_tokenizer)
-    assert shared.most_ids("teacher") == 1  # every bucket's teacher id is among the served top-k
+    assert shared.most_ids("teacher") == 2  # a byte has two teacher ids (`a`, `<0x61>`): a bucket can fold
     with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS,
                            "--vocab-size", str(cross_lane.STUDENT_VOCAB)) as args:
         names = [name for name, _ in kit.provider_func(args)().named_parameters()]
@@ -100,10 +101,13 @@ def test_train_actor_with_a_served_teacher_of_another_tokenizer_equals_float64(s
         students = kit.response_logps(student, data, 1.0)
         ids = kit.whole_ids(ranks, 1, tensor)
         token_terms: list[torch.Tensor] = []
+        folded: list[int] = []
         expected = cross_lane.reference(students, same, dense_teacher, data, ids, samples, shared,
-                                        token_terms=token_terms)
+                                        token_terms=token_terms, folded=folded)
         with torch.no_grad():
-            shifted = cross_lane.reference(students, same, dense_teacher, data, ids, samples, shared, shift=True)
+            shifted = cross_lane.reference(students, same, dense_teacher, data, ids, samples, shared, shift=True,
+                                           folded=[])
+            unfolded = cross_lane.reference(students, same, dense_teacher, data, ids, samples, shared)
         expected.backward()
     losses = ranks[-1]["losses"][0]
     loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
@@ -114,9 +118,11 @@ def test_train_actor_with_a_served_teacher_of_another_tokenizer_equals_float64(s
     print(f"slime_opd train_actor {layout}, a snapshot teacher and a served teacher of another tokenizer vs "
           f"float64: loss {float(expected):.6f}, |Δloss| {loss_error:.2e}, max |Δgrad| {grad_error:.2e}, slime's "
           f"--use-opd reverse KL max |Δ| {kl_error:.2e}; chunks shifted by one: "
-          f"|Δloss| {abs(float(shifted) - float(expected)):.2e}")
+          f"|Δloss| {abs(float(shifted) - float(expected)):.2e}; {sum(folded)} of the chunk starts' buckets folded "
+          f"(the loss without folding differs by {abs(float(unfolded) - float(expected)):.2e})")
     assert kl_error < 1e-4  # the engine's float32 log-probs against float64
     assert loss_error <= 1e-4 * max(1.0, abs(float(expected)))
     assert abs(float(shifted) - float(expected)) > 100 * max(loss_error, 1e-7)
+    assert sum(folded) > 0 and abs(float(unfolded) - float(expected)) > 100 * max(loss_error, 1e-7)  # folds ran
     for name, p in student.named_parameters():
         torch.testing.assert_close(grads[name].double(), p.grad, rtol=1e-4, atol=1e-5, msg=name)
