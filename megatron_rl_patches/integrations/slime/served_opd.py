@@ -10,7 +10,6 @@ the served teacher first), the student and the other teachers score them."""
 # lazy imports: optional dependency megatron-core (and httpx, the extra `served`)
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -24,16 +23,13 @@ from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.errors import ServedTeacherRefusal
 from megatron_rl_patches.teachers.scores import TeacherScores
+from megatron_rl_patches.teachers.tokenizer_probe import STUDENTS, probe_tokenizer
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from megatron_rl_patches.teachers.contract import BatchScores
     from megatron_rl_patches.teachers.served import PendingScores, ServedTeacher
 
-# A text spelled by the student's tokenizer from ids spread over its vocabulary, tokenized again by
-# the server: the same ids back means the same tokenizer (an offset or another vocabulary differs).
-PROBE_IDS = 24
-STUDENTS = "the student's tokenizer"
 
 
 def job_group() -> Any:
@@ -52,30 +48,6 @@ def asking_group() -> tuple[Any, bool, bool]:
     last = ps.get_pipeline_model_parallel_world_size() == 1 or ps.is_pipeline_last_stage(ignore_virtual=True)
     group = ps.get_tensor_and_context_parallel_group()
     return group, last and torch.distributed.get_rank(group) == 0, last
-
-
-def probe_vocabulary(teacher: ServedTeacher, tokenizer: Any, where: str, whose: str = STUDENTS) -> None:
-    """The served model's tokenizer against `tokenizer` (`whose`: the student's, or the one a served
-    teacher of another tokenizer names): its spelling of ids spread over its vocabulary, tokenized
-    by the server (`/tokenize`), must give its ids."""
-    size = int(tokenizer.get_vocab_size(with_added_tokens=False))
-    ids = sorted({round(i * (size - 1) / (PROBE_IDS - 1)) for i in range(PROBE_IDS)})
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    want = tokenizer.encode(text, add_special_tokens=False).ids
-    from megatron_rl_patches.teachers.http_client import Deadline  # lazy: optional dependency httpx
-
-    model = teacher.served_model()
-    reply = teacher.client.request("POST", "/tokenize", {"model": model.name, "prompt": text,
-                                                         "add_special_tokens": False},
-                                   Deadline.after(teacher.settings.timeout_s), threading.Event())
-    got = reply.get("tokens") if isinstance(reply, dict) else None
-    if got != want:
-        advice = ("top-k OPD compares the same token ids; serve a teacher of the student's tokenizer, or name "
-                  "the served model's tokenizer with ';tokenizer=DIR'") if whose == STUDENTS else \
-            "name the served model's own tokenizer (its tokenizer.json)"
-        raise ValueError(f"{where}: the served model {model.name!r} does not share {whose} (a probe "
-                         f"text of {len(want)} ids came back from {teacher.url}/tokenize as "
-                         f"{'no tokens' if got is None else f'{len(got)} other ids'}): {advice}")
 
 
 class ServedOpdTeacher(OpdTeacher):
@@ -203,7 +175,7 @@ def connect(args: Any, settings: OpdSettings, url: str, engine: str, where: str,
         if asking_group()[1]:
             teacher.check()
             expected, whose = (student_tokenizer_of(args, where), STUDENTS) if tokenizer is None else tokenizer()
-            probe_vocabulary(teacher, expected, where, whose)
+            probe_tokenizer(teacher, expected, where, whose)
     except Exception as failed:  # noqa: BLE001 - agreed over the job, then raised
         error = failed
     try:

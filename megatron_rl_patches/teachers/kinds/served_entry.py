@@ -17,6 +17,7 @@ from megatron_rl_patches.teachers.engine_names import SERVED_ENGINES, check_engi
 from megatron_rl_patches.teachers.kinds.entry import SERVED, RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
 from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, STOP_TOKENS, is_provider, split_entry
+from megatron_rl_patches.teachers.tokenizer_probe import probe_tokenizer
 
 FORM = "http(s)://host:port;engine=vllm (a teacher served by vLLM; ;tokenizer=DIR for another tokenizer)"
 ENGINE, TOKENIZER = "engine=", "tokenizer="
@@ -104,11 +105,14 @@ def check(entry: TeacherEntry, facts: RunFacts) -> None:
 def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
     """The server asked now, without loading anything (`ServedTeacher.check`: it answers, the
     model it serves, its max model length, k within its --max-logprobs), in bounded time; the
-    tokenizer of `;tokenizer=DIR` present."""
+    tokenizer of `;tokenizer=DIR` present and the served model's (its `/tokenize` of a probe)."""
     found = []
+    named = None
     if entry.tokenizer is not None:
         tokenizer = Path(entry.tokenizer).expanduser()
-        if not (tokenizer.is_file() or (tokenizer / "tokenizer.json").is_file()):
+        if tokenizer.is_file() or (tokenizer / "tokenizer.json").is_file():
+            named = tokenizer
+        else:
             found.append(f"{TEACHERS}: teacher '{entry.path}' names ';{TOKENIZER}{entry.tokenizer}', which is neither "
                          "a tokenizer.json nor a directory holding one on this machine")
     try:
@@ -120,6 +124,12 @@ def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
                                   deadline_s=DOCTOR_DEADLINE_S, retries=0)
         with ServedTeacher(entry.path, str(entry.engine), top_k=facts.k, client=settings) as teacher:
             teacher.check()
+            if named is not None:  # the served model's tokenizer is the one the entry names
+                # lazy: optional dependency tokenizers (a served teacher of another tokenizer only)
+                from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
+
+                probe_tokenizer(teacher, load_tokenizer(str(named), f";{TOKENIZER}"), "its tokenizer",
+                                f"the tokenizer ';{TOKENIZER}{entry.tokenizer}' names")
     except (ValueError, TypeError, RuntimeError, ImportError, OSError) as exc:  # ServedTeacherError: a RuntimeError
         found.append(f"{TEACHERS}: served teacher '{entry.path}' ({entry.engine}, k={facts.k}) fails its check: {exc}")
     return found

@@ -21,3 +21,21 @@ def test_doctor_asks_the_served_teacher_and_names_k_over_its_limit(served, monke
     (problem,) = teacher_problems()
     assert f"served teacher '{served.url}' (vllm, k={MAX_LOGPROBS + 5}) fails its check" in problem, problem
     assert str(MAX_LOGPROBS) in problem.rpartition("fails its check")[2], problem
+
+
+def test_doctor_probes_the_served_models_tokenizer_against_the_one_the_entry_names(served, monkeypatch, tmp_path):
+    """`;tokenizer=DIR` naming the served model's own tokenizer is no problem; naming another (the
+    served words in reverse order) is one, naming the option."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tests.teachers.lane.served_kit import VOCAB
+
+    other = Tokenizer(models.WordLevel({f"t{i}": VOCAB - 1 - i for i in range(VOCAB)}, unk_token="t0"))
+    other.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    other.save(str(tmp_path / "tokenizer.json"))
+    monkeypatch.setenv(TEACHERS, f"{served.url};engine=vllm;tokenizer={served.directory}")
+    assert teacher_problems() == []
+    monkeypatch.setenv(TEACHERS, f"{served.url};engine=vllm;tokenizer={tmp_path}")
+    (problem,) = teacher_problems()
+    assert f"does not share the tokenizer ';tokenizer={tmp_path}' names" in problem, problem
+    assert "/tokenize" in problem, problem
