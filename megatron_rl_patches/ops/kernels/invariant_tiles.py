@@ -206,12 +206,20 @@ def fixed_tiles(source: Source, dtype: torch.dtype) -> Iterator[tuple[slice, sli
             yield slice(r0, r1), slice(c0, c0 + x.size(1)), x
 
 
+# A compiled kernel's rest and moment sums of real entries x [r, c] at shifts [r] and base-2 scales [r]
+# (fp32), the marked columns (local, inside [r, k]) left out, added into int64 [r] outputs (moment: None
+# when not wanted) in units of 2^-44; False where it does not take x (the torch tiles' then serve)
+RestSums = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                     "torch.Tensor | None"], bool]
+
+
 def invariant_row_stats(source: Source, stats: RowStats, cols: torch.Tensor, owned: torch.Tensor,
                         keep_mask: torch.Tensor | None, scale: float | torch.Tensor,
-                        group: dist.ProcessGroup | None) -> RowStats:
+                        group: dist.ProcessGroup | None, rest_sums: RestSums | None = None) -> RowStats:
     """The full-vocabulary statistics (combined over the ranks) of `stats`' kind — its sums, marked
     ids `cols`/`owned` [T, k], subset (keep mask, or the tail) — in the invariant mode. The sums
-    come back in `stats`' dtype from their exact integer values."""
+    come back in `stats`' dtype from their exact integer values; `rest_sums` (a compiled kernel)
+    takes the rest and moment sums where it serves."""
     dtype = stats.shift.dtype
     walk = _Walk(source, dtype)
     device = stats.shift.device
@@ -224,7 +232,7 @@ def invariant_row_stats(source: Source, stats: RowStats, cols: torch.Tensor, own
         elif tp_size(group) == 1:  # whole rows, no rank to agree with: each chunk's max, then its sums
             for r0, r1, c0, x in walk.views(g0, g1):
                 _maxima(stats, slice(r0, r1), x, c0, cols, owned, keep_mask)
-                _sums(stats, ints, slice(r0, r1), x, c0, cols, owned, keep_mask, scale, work)
+                _sums(stats, ints, slice(r0, r1), x, c0, cols, owned, keep_mask, scale, work, rest_sums)
             continue
         for r0, r1, c0, x in walk.views(g0, g1):
             _maxima(stats, slice(r0, r1), x, c0, cols, owned, keep_mask)
@@ -236,7 +244,7 @@ def invariant_row_stats(source: Source, stats: RowStats, cols: torch.Tensor, own
             for s, value in zip(shifts, both):
                 s[g0:g1] = value
         for r0, r1, c0, x in walk.views(g0, g1):
-            _sums(stats, ints, slice(r0, r1), x, c0, cols, owned, keep_mask, scale, work)
+            _sums(stats, ints, slice(r0, r1), x, c0, cols, owned, keep_mask, scale, work, rest_sums)
     if tp_size(group) > 1:
         # SUM all-reduce over the tensor-parallel group: the marked logits from the ranks owning
         # them (0 elsewhere: exact), and every rank's integer sums (exact in any order)
@@ -276,13 +284,15 @@ def _maxima(stats: RowStats, rows: slice, x: torch.Tensor, c0: int, cols: torch.
 
 def _sums(stats: RowStats, ints: dict[str, torch.Tensor], part: slice, x: torch.Tensor, c0: int,
           cols: torch.Tensor, owned: torch.Tensor, keep_mask: torch.Tensor | None,
-          scale: float | torch.Tensor, work: _Buffers) -> None:
+          scale: float | torch.Tensor, work: _Buffers, rest_sums: RestSums | None) -> None:
     """Pass 2 over real entries x [r, c]: their exp-sums at the global shifts, in fixed point.
     Only per-element passes (exp and exp2 one code path for every element) and exact sums."""
     s = scale_rows(scale, part)
     local, inside = column_marks(cols[part], owned[part], c0, x.size(1))
     marked = marks_mask(x.shape, local, inside) if (cols.size(1) > 1 or stats.sub_shift is not None) else None
-    if stats.rest is not None:
+    if stats.rest is not None and not (rest_sums is not None and rest_sums(
+            x, finite_or_zero(stats.shift[part]), torch.as_tensor(base2(s), dtype=torch.float32).reshape(-1),
+            local, inside, ints["rest"][part], ints["moment"][part] if stats.moment is not None else None)):
         # u in powers of 2 (u·log2 e) and 2^u, into buffers walked in whole vector steps: exp2 is a
         # third of exp's cost; the moment Σ 2^u·u comes back to natural units (·ln 2) once summed
         n_rows, n_cols = x.shape
