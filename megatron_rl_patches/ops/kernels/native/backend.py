@@ -11,6 +11,7 @@ import ctypes
 import torch
 import torch.distributed as dist
 
+from megatron_rl_patches._variables import NATIVE
 from megatron_rl_patches.ops._stats import NEG_FLOOR, RowStats
 from megatron_rl_patches.ops.kernels.contract import Backend
 from megatron_rl_patches.ops.kernels.invariant_tiles import InvariantTiles, invariant_row_stats
@@ -22,6 +23,8 @@ _KINDS = {torch.float32: 0, torch.bfloat16: 1}
 class InvariantNative(InvariantTiles):
     """The invariant tiles whose rest and moment sums of fp32 / bf16 logits (fp32 statistics) come
     from the compiled kernel `library`; the gradients of `base`."""
+
+    name = f"invariant with compiled CPU sums ({NATIVE}=0: the torch tiles)"
 
     def __init__(self, base: Backend, library: ctypes.CDLL) -> None:
         super().__init__(base)
