@@ -52,8 +52,8 @@ def _sums(x: torch.Tensor, shift: torch.Tensor, k_cols=None) -> tuple[torch.Tens
     local = torch.zeros(rows, 0, dtype=torch.int64) if k_cols is None else k_cols
     rest, moment = torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
     backend = InvariantNative(resolve_backend("torch", CPU), library)
-    assert backend.rest_sums(x, shift, torch.full((rows,), 1 / math.log(2)), local, torch.ones_like(local, dtype=torch.bool),
-                             rest, moment)
+    inside = torch.ones_like(local, dtype=torch.bool)
+    assert backend.rest_sums(x, shift, torch.full((rows,), 1 / math.log(2)), local, inside, rest, moment)
     return rest, moment
 
 
