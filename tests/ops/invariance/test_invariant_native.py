@@ -67,6 +67,14 @@ def test_a_rows_integers_do_not_depend_on_where_its_elements_sit(dtype):
         padded = torch.full((3, 1000 + offset + offset % 5), -math.inf).to(dtype)
         padded[:, offset: offset + 1000] = values  # -inf columns add 0
         assert all(torch.equal(a, b) for a, b in zip(_sums(padded, shift), (rest, moment))), offset
+    for threads in (2, 3):  # rows over threads: each row one thread's whole
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            wide = torch.cat([values] * 400)  # enough work for every thread
+            assert all(torch.equal(a, b.repeat(400)) for a, b in zip(_sums(wide, shift.repeat(400)), (rest, moment)))
+        finally:
+            torch.set_num_threads(saved)
     # a marked column left out gives the integers of the row without it (its terms subtracted)
     marks = torch.tensor([[5, 5], [0, 999], [400, 401]])
     kept = torch.ones(3, 1000, dtype=torch.bool).scatter_(1, marks, False)

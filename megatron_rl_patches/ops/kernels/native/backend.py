@@ -59,5 +59,5 @@ class InvariantNative(InvariantTiles):
         self.library.invariant_row_sums(
             x.data_ptr(), kind, x.stride(0), rows, x.size(1), shift.data_ptr(), scale2.data_ptr(), NEG_FLOOR,
             local.data_ptr(), inside.data_ptr(), local.size(1), rest.data_ptr(),
-            None if moment is None else moment.data_ptr())
+            None if moment is None else moment.data_ptr(), torch.get_num_threads())
         return True

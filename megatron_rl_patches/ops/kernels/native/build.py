@@ -17,7 +17,7 @@ from megatron_rl_patches._variables import NATIVE, native_setting
 from megatron_rl_patches.ops.kernels.native.source import SOURCE
 
 # IEEE operations only, never contracted into FMAs: a vector lane and a scalar loop give the same bits
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-pthread")
 
 
 def compiler() -> str | None:
@@ -69,7 +69,7 @@ def _loaded(cc: str | None, directory: str) -> ctypes.CDLL | None:
     function.restype = None
     function.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
-                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return library
 
 

@@ -5,12 +5,17 @@ e·max(u, floor) rounded to 64-bit fixed point (units of 2^-44) into integer sum
 Each element goes through one function made of IEEE +, -, ·, comparisons and bit operations only,
 compiled without contraction (``-ffp-contract=off``): a vector lane and the scalar remainder loop
 give it the same bits wherever it sits, whatever the instruction set; integer sums ignore order.
-The marked columns' terms are subtracted after the row by the same function (exact).
+The marked columns' terms are subtracted after the row by the same function (exact). The rows
+are split over torch's thread count, each row one thread's whole, so the split never shows.
 """
 
 SOURCE = r"""
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+
+#define MAX_THREADS 256
+#define GRAIN 65536 /* elements per thread, at least */
 
 #define MAGIC 384.0 /* v in [-1, 1] plus 1.5 * 2^8: doubles stepping by 2^-44 */
 
@@ -55,11 +60,11 @@ static inline float at(const void *row, int bf16, int64_t j) {
    rest[r] += sum of e, moment[r] += sum of e * max(u, lo) (NULL: not wanted), in units of 2^-44,
    over the columns not marked: local [rows, k] columns, counted where inside [rows, k] != 0
    (a column marked twice counts once) */
-void invariant_row_sums(const void *x, int bf16, int64_t row_stride, int64_t rows, int64_t cols,
-                        const float *shift, const float *scale2, float lo, const int64_t *local,
-                        const uint8_t *inside, int64_t k, int64_t *rest, int64_t *moment) {
+static void row_range(const void *x, int bf16, int64_t row_stride, int64_t first, int64_t rows, int64_t cols,
+                      const float *shift, const float *scale2, float lo, const int64_t *local,
+                      const uint8_t *inside, int64_t k, int64_t *rest, int64_t *moment) {
     const uint64_t offset = d2u(MAGIC);
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = first; r < rows; r++) {
         const float m = shift[r], s = scale2[r];
         uint64_t acc = 0, acc_m = 0, a, b;
         if (bf16) {
@@ -94,5 +99,41 @@ void invariant_row_sums(const void *x, int bf16, int64_t row_stride, int64_t row
         rest[r] += (int64_t)(acc - counted * offset);
         if (moment) moment[r] += (int64_t)(acc_m - counted * offset);
     }
+}
+
+struct part {
+    const void *x; int bf16; int64_t row_stride, first, rows, cols;
+    const float *shift, *scale2; float lo; const int64_t *local; const uint8_t *inside; int64_t k;
+    int64_t *rest, *moment;
+};
+
+static void *run_part(void *arg) {
+    struct part *p = (struct part *)arg;
+    row_range(p->x, p->bf16, p->row_stride, p->first, p->rows, p->cols, p->shift, p->scale2, p->lo, p->local,
+              p->inside, p->k, p->rest, p->moment);
+    return NULL;
+}
+
+/* rows split over up to `threads` threads (a row is one thread's whole: its bits do not see the split) */
+void invariant_row_sums(const void *x, int bf16, int64_t row_stride, int64_t rows, int64_t cols,
+                        const float *shift, const float *scale2, float lo, const int64_t *local,
+                        const uint8_t *inside, int64_t k, int64_t *rest, int64_t *moment, int threads) {
+    struct part parts[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int n = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
+    int64_t most = rows * cols / GRAIN; /* threads only for work worth one */
+    if (n > most) n = most > 0 ? (int)most : 1;
+    if (n > rows) n = rows > 0 ? (int)rows : 1;
+    int started = 0;
+    for (int t = 0; t < n; t++) {
+        struct part p = {x, bf16, row_stride, rows * t / n, rows * (t + 1) / n, cols, shift, scale2, lo, local,
+                         inside, k, rest, moment};
+        parts[t] = p;
+    }
+    for (int t = 1; t < n; t++)
+        if (pthread_create(&ids[t], NULL, run_part, &parts[t]) == 0) started = t; else break;
+    run_part(&parts[0]);
+    for (int t = started + 1; t < n; t++) run_part(&parts[t]);  /* threads that could not start */
+    for (int t = 1; t <= started; t++) pthread_join(ids[t], NULL);
 }
 """
