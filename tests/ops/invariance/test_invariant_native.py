@@ -19,7 +19,7 @@ from megatron_rl_patches._variables import NATIVE
 from megatron_rl_patches.ops.kernels import resolve_backend
 from megatron_rl_patches.ops.kernels.invariant_tiles import InvariantTiles
 from megatron_rl_patches.ops.kernels.native.backend import InvariantNative
-from megatron_rl_patches.ops.kernels.native.build import native_library
+from megatron_rl_patches.ops.kernels.native.build import FLAGS, build, compiler, load, native_library
 
 CPU = torch.device("cpu")
 
@@ -44,9 +44,9 @@ def test_a_setting_that_is_not_a_switch_is_refused_by_name(monkeypatch):
         ops.log_probs_and_entropy(torch.zeros(1, 4), torch.tensor([0]), invariant=True)
 
 
-def _sums(x: torch.Tensor, shift: torch.Tensor, k_cols=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _sums(x: torch.Tensor, shift: torch.Tensor, k_cols=None, library=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's (rest, moment) integers of rows x at `shift`, columns `k_cols` [r, k] marked."""
-    library = native_library()
+    library = library or native_library()
     assert library is not None
     rows = x.size(0)
     local = torch.zeros(rows, 0, dtype=torch.int64) if k_cols is None else k_cols
@@ -104,9 +104,24 @@ def test_values_within_1e6_of_the_torch_tiles_and_of_float64(monkeypatch):
         torch.testing.assert_close(got[1].double(), entropy, rtol=1e-6, atol=1e-6)
 
 
+def test_the_serial_build_gives_the_threaded_builds_integers(tmp_path):
+    """A compiler without OpenMP builds the kernel serial: the same integers as the threaded one
+    running on 3 threads."""
+    serial = load(build(compiler(), tmp_path, FLAGS))
+    values = torch.randn(600, 1000, generator=torch.Generator().manual_seed(3)) * 4
+    shift = values.amax(1)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        threaded_sums, serial_sums = _sums(values, shift), _sums(values, shift, library=serial)
+    finally:
+        torch.set_num_threads(saved)
+    assert all(torch.equal(a, b) for a, b in zip(threaded_sums, serial_sums))
+
+
 def test_a_fresh_build_takes_seconds(tmp_path):
     """The compile time make test pays once per machine (cached after): a fresh cache, one build."""
-    script = ("from megatron_rl_patches.ops.kernels.native.build import native_library; "
+    script = ("from megatron_rl_patches.ops.kernels.native.build import FLAGS, build, compiler, load, native_library; "
               "assert native_library() is not None")
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", script], check=True, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})

@@ -17,7 +17,9 @@ from megatron_rl_patches._variables import NATIVE, native_setting
 from megatron_rl_patches.ops.kernels.native.source import SOURCE
 
 # IEEE operations only, never contracted into FMAs: a vector lane and a scalar loop give the same bits
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-pthread")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared")
+# rows over threads with OpenMP (libgomp.so.1: the one torch has loaded); a compiler without it builds serial
+THREADED = ("-fopenmp",)
 
 
 def compiler() -> str | None:
@@ -40,10 +42,10 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
-def build(cc: str, directory: Path) -> Path:
+def build(cc: str, directory: Path, flags: tuple[str, ...] = FLAGS + THREADED) -> Path:
     """The shared library in `directory` (built there when absent; CalledProcessError if `cc` fails)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join((SOURCE, *FLAGS, version, _cpu_signature(), platform.machine())).encode())
+    key = hashlib.sha256("\0".join((SOURCE, *flags, version, _cpu_signature(), platform.machine())).encode())
     library = directory / f"invariant_sums_{key.hexdigest()[:16]}.so"
     if library.exists():
         return library
@@ -52,7 +54,7 @@ def build(cc: str, directory: Path) -> Path:
         source = Path(work) / "invariant_sums.c"
         source.write_text(SOURCE)
         built = Path(work) / library.name
-        subprocess.run([cc, *FLAGS, str(source), "-o", str(built)], check=True, capture_output=True, timeout=300)
+        subprocess.run([cc, *flags, str(source), "-o", str(built)], check=True, capture_output=True, timeout=300)
         os.replace(built, library)
     return library
 
@@ -61,10 +63,17 @@ def build(cc: str, directory: Path) -> Path:
 def _loaded(cc: str | None, directory: str) -> ctypes.CDLL | None:
     if cc is None:
         return None
-    try:
-        library = ctypes.CDLL(str(build(cc, Path(directory))))
-    except (OSError, subprocess.SubprocessError):
-        return None
+    for flags in (FLAGS + THREADED, FLAGS):
+        try:
+            return load(build(cc, Path(directory), flags))
+        except (OSError, subprocess.SubprocessError):
+            continue
+    return None
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built library with its function's signature declared."""
+    library = ctypes.CDLL(str(path))
     function = library.invariant_row_sums
     function.restype = None
     function.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,

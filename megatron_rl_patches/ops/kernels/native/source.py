@@ -6,15 +6,13 @@ Each element goes through one function made of IEEE +, -, ·, comparisons and bi
 compiled without contraction (``-ffp-contract=off``): a vector lane and the scalar remainder loop
 give it the same bits wherever it sits, whatever the instruction set; integer sums ignore order.
 The marked columns' terms are subtracted after the row by the same function (exact). The rows
-are split over torch's thread count, each row one thread's whole, so the split never shows.
+are split over torch's thread count (OpenMP), each row one thread's whole, so the split never shows.
 """
 
 SOURCE = r"""
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_THREADS 256
 #define GRAIN 65536 /* elements per thread, at least */
 
 #define MAGIC 384.0 /* v in [-1, 1] plus 1.5 * 2^8: doubles stepping by 2^-44 */
@@ -101,39 +99,23 @@ static void row_range(const void *x, int bf16, int64_t row_stride, int64_t first
     }
 }
 
-struct part {
-    const void *x; int bf16; int64_t row_stride, first, rows, cols;
-    const float *shift, *scale2; float lo; const int64_t *local; const uint8_t *inside; int64_t k;
-    int64_t *rest, *moment;
-};
-
-static void *run_part(void *arg) {
-    struct part *p = (struct part *)arg;
-    row_range(p->x, p->bf16, p->row_stride, p->first, p->rows, p->cols, p->shift, p->scale2, p->lo, p->local,
-              p->inside, p->k, p->rest, p->moment);
-    return NULL;
-}
-
-/* rows split over up to `threads` threads (a row is one thread's whole: its bits do not see the split) */
+/* rows split over up to `threads` OpenMP threads (torch's own pool: libgomp.so.1 is already loaded by
+   torch), each row one thread's whole, so its bits do not see the split; serial when built without
+   OpenMP */
 void invariant_row_sums(const void *x, int bf16, int64_t row_stride, int64_t rows, int64_t cols,
                         const float *shift, const float *scale2, float lo, const int64_t *local,
                         const uint8_t *inside, int64_t k, int64_t *rest, int64_t *moment, int threads) {
-    struct part parts[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int n = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
+    int64_t n = threads < 1 ? 1 : threads;
     int64_t most = rows * cols / GRAIN; /* threads only for work worth one */
-    if (n > most) n = most > 0 ? (int)most : 1;
-    if (n > rows) n = rows > 0 ? (int)rows : 1;
-    int started = 0;
-    for (int t = 0; t < n; t++) {
-        struct part p = {x, bf16, row_stride, rows * t / n, rows * (t + 1) / n, cols, shift, scale2, lo, local,
-                         inside, k, rest, moment};
-        parts[t] = p;
+    if (n > most) n = most > 0 ? most : 1;
+    if (n > rows) n = rows > 0 ? rows : 1;
+    if (n == 1) {
+        row_range(x, bf16, row_stride, 0, rows, cols, shift, scale2, lo, local, inside, k, rest, moment);
+        return;
     }
-    for (int t = 1; t < n; t++)
-        if (pthread_create(&ids[t], NULL, run_part, &parts[t]) == 0) started = t; else break;
-    run_part(&parts[0]);
-    for (int t = started + 1; t < n; t++) run_part(&parts[t]);  /* threads that could not start */
-    for (int t = 1; t <= started; t++) pthread_join(ids[t], NULL);
+    #pragma omp parallel for num_threads(n) schedule(static, 1)
+    for (int64_t t = 0; t < n; t++)
+        row_range(x, bf16, row_stride, rows * t / n, rows * (t + 1) / n, cols, shift, scale2, lo, local, inside,
+                  k, rest, moment);
 }
 """
