@@ -13,6 +13,7 @@ INFERENCE_ROLES = f"{PREFIX}_INFERENCE_ROLES"
 ALLOW_UNTESTED = f"{PREFIX}_ALLOW_UNTESTED"
 BACKEND = f"{PREFIX}_BACKEND"
 INVARIANT = f"{PREFIX}_INVARIANT"
+NATIVE = f"{PREFIX}_NATIVE"
 OPD_PREFIX = f"{PREFIX}_OPD_"  # slime_opd's variables
 OPD_TEACHERS = f"{OPD_PREFIX}TEACHERS"
 OPD_WEIGHTS = f"{OPD_PREFIX}WEIGHTS"
@@ -45,6 +46,10 @@ MEANINGS: dict[str, str] = {
                "and the weights alone, bit for bit, whatever the batch and the layout; "
                "docs/train-rollout-agreement.md); 0/false/no/off: the default mode; unset or \"\": an op's "
                "invariant= argument, else the model config's batch_invariant_mode",
+    NATIVE: "0/false/no/off: the invariant mode's CPU sums run on the torch tiles; unset, \"\" or 1/true/yes/on: "
+            "on a C kernel built at first use with $CC (else cc or gcc; cached under $XDG_CACHE_HOME or ~/.cache), "
+            "the torch tiles where no compiler builds it. Every rank of a tensor-parallel group must run the same "
+            "(their bits differ)",
     OPD_TEACHERS: "slime_opd: comma-separated teachers, PATH (a checkpoint of the actor's architecture, or a "
                   "Hugging Face directory of another served family: built by build_inference_model_from_hf) or "
                   "PATH@module:function; a Hugging Face directory at its own layout: PATH;tp=N and/or "
@@ -83,6 +88,16 @@ def invariant_setting(text: str | None) -> bool | None:
         raise ValueError(f"{INVARIANT}={_shown(text)!r} is not a switch: use 1 (invariant vocabulary ops) or 0 (the "
                          f"default mode), or leave it unset")
     return _SWITCH[word]
+
+
+def native_setting(text: str | None) -> bool:
+    """MEGATRON_RL_PATCHES_NATIVE's value read: False for a switch off, else True (unset or ""
+    included); ValueError naming the variable for any other text."""
+    word = (text or "").strip().lower()
+    if word not in _SWITCH:
+        raise ValueError(f"{NATIVE}={_shown(text)!r} is not a switch: use 0 (the torch tiles) or 1 (the compiled "
+                         f"kernel), or leave it unset")
+    return _SWITCH[word] is not False
 
 
 def verl_rows_setting(text: str | None) -> bool:

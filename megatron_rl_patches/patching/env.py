@@ -11,12 +11,14 @@ from megatron_rl_patches._variables import (
     DISABLE,
     INFERENCE_ROLES,
     INVARIANT,
+    NATIVE,
     PREFIX,
     SELECT,
     STRICT,
     VARIABLES,
     VERL_ROWS,
     invariant_setting,
+    native_setting,
     verl_rows_setting,
 )
 from megatron_rl_patches._variables import (
@@ -189,6 +191,12 @@ def invariant(environ: Mapping[str, str] | None = None) -> bool | None:
     return invariant_setting(_get(environ, INVARIANT))
 
 
+def native(environ: Mapping[str, str] | None = None) -> bool:
+    """MEGATRON_RL_PATCHES_NATIVE: False when off (the invariant mode's CPU sums on the torch tiles),
+    else True (the ops read it with the same parser); ValueError naming the variable for any other word."""
+    return native_setting(_get(environ, NATIVE))
+
+
 def verl_rows(environ: Mapping[str, str] | None = None) -> bool:
     """MEGATRON_RL_PATCHES_VERL_ROWS=all (verl_fused_logprobs computes every row); ValueError naming
     the variable for any other word than "all" or ""."""
@@ -334,6 +342,7 @@ def check(known: Sequence[str], environ: Mapping[str, str] | None = None) -> lis
     allows_untested(environ)
     backend(environ)
     invariant(environ)
+    native(environ)
     verl_rows(environ)
     checked_role_names(environ)
     if not chosen:

@@ -22,6 +22,7 @@ STRICT, UNTESTED = "MEGATRON_RL_PATCHES_STRICT", "MEGATRON_RL_PATCHES_ALLOW_UNTE
 BACKEND, ROLES = "MEGATRON_RL_PATCHES_BACKEND", "MEGATRON_RL_PATCHES_INFERENCE_ROLES"
 OPD = "MEGATRON_RL_PATCHES_OPD_"
 INVARIANT, VERL_ROWS = "MEGATRON_RL_PATCHES_INVARIANT", "MEGATRON_RL_PATCHES_VERL_ROWS"
+NATIVE = "MEGATRON_RL_PATCHES_NATIVE"
 
 # (case id, --patches or None, variables) -> applied names (exit 0) or the text of the refusal (exit 2)
 CASES = [
@@ -66,6 +67,8 @@ CASES = [
     ("invariant-on", None, {INVARIANT: "1"}, ALL),
     ("invariant-tru", None, {INVARIANT: "tru"},
      "MEGATRON_RL_PATCHES_INVARIANT='tru' is not a switch: use 1 (invariant vocabulary ops) or 0"),
+    ("native-off", None, {NATIVE: " Off "}, ALL),
+    ("native-typo", None, {NATIVE: "of"}, "MEGATRON_RL_PATCHES_NATIVE='of' is not a switch: use 0"),
     ("verl-rows-all", None, {VERL_ROWS: " ALL "}, ALL),
     ("verl-rows-typo", None, {VERL_ROWS: "al"}, "MEGATRON_RL_PATCHES_VERL_ROWS='al' is not a row choice"),
     ("teacher-api-key", None, {"MEGATRON_RL_PATCHES_TEACHER_API_KEY": "k-123"}, ALL),  # read by ServedTeacher only

@@ -48,6 +48,8 @@ from megatron_rl_patches._backend_env import AUTO, VARIABLE, environment_backend
 from megatron_rl_patches.ops._stats import GradFactors, RowStats
 from megatron_rl_patches.ops.kernels.contract import Backend
 from megatron_rl_patches.ops.kernels.invariant_tiles import InvariantTiles
+from megatron_rl_patches.ops.kernels.native.backend import InvariantNative
+from megatron_rl_patches.ops.kernels.native.build import native_library
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.kernels.torch_tiles import TorchTiles
 from megatron_rl_patches.ops.kernels.triton import LazyTritonTiles
@@ -115,7 +117,10 @@ def resolve_backend(name: object, device: torch.device, dtype: torch.dtype | Non
     if not invariant:
         return chosen
     own = chosen.invariant_backend()
-    return own if own is not None else InvariantTiles(chosen)
+    if own is not None:
+        return own
+    library = native_library() if device.type == "cpu" else None
+    return InvariantNative(chosen, library) if library is not None else InvariantTiles(chosen)
 
 
 def _chosen_backend(name: object, device: torch.device, dtype: torch.dtype | None) -> Backend:

@@ -62,9 +62,10 @@ GROUP_BYTES = 64 << 20
 
 
 def tile_shape(device: torch.device) -> tuple[int, int]:
-    """(rows, columns) of every tile on `device`: on CPU one tile is below the parallel grain (one
-    thread) and a multiple of every vector width; on CUDA elementwise kernels are per element."""
-    return (256, 4096) if device.type == "cuda" else (32, 2048)
+    """(rows, columns) of every tile on `device`: on CPU a multiple of every vector width, and rows
+    enough that its GEMM runs near a whole-T one's speed (32 rows ran ~20 % slower; fewer rows than a
+    tile still pay its GEMM); on CUDA elementwise kernels are per element."""
+    return (256, 4096) if device.type == "cuda" else (256, 2048)
 
 
 def _fixed_sum(t: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
@@ -134,7 +135,11 @@ class _Walk:
             # row, so the weight tile is read from memory once per group (the GEMMs keep their shape)
             self.group_rows = self.rows * _row_tiles_per_group(source, device, self.rows)
             self.h = source.hidden.new_zeros(self.group_rows, source.hidden.size(1))
-            self.buffer = torch.empty(len(self.col_starts), self.group_rows, self.cols, dtype=dtype, device=device)
+            # the real rows only: fewer rows than a tile take their GEMM's padded tile through `scratch`
+            buffer_rows = min(self.group_rows, source.n_rows)
+            self.buffer = torch.empty(len(self.col_starts), buffer_rows, self.cols, dtype=dtype, device=device)
+            self.scratch = torch.empty(self.rows, self.cols, dtype=dtype, device=device) \
+                if buffer_rows < self.group_rows else None
         else:
             self.chunk = _logits_chunk_rows(source.n_valid, device)
 
@@ -161,11 +166,14 @@ class _Walk:
             w = self.weight[c0: c0 + self.cols] if self.width(c0) == self.cols else self.last_weight
             assert w is not None  # a partial tile has its padded weight
             for tile in row_tiles:
-                out = self.buffer[index, tile]
+                real = min(tile.stop, r1 - r0) - tile.start
+                out = self.buffer[index, tile] if self.scratch is None else self.scratch
                 if self.h.dtype == out.dtype:
                     torch.matmul(self.h[tile], w.t(), out=out)
                 else:
                     out.copy_(torch.matmul(self.h[tile], w.t()))
+                if self.scratch is not None:
+                    self.buffer[index, tile.start: tile.start + real].copy_(self.scratch[:real])
 
     def views(self, g0: int, g1: int) -> Iterator[tuple[int, int, int, torch.Tensor]]:
         """(first row, last row + 1, first column, real entries [r, c]) covering rows [g0, g1)."""
@@ -206,12 +214,20 @@ def fixed_tiles(source: Source, dtype: torch.dtype) -> Iterator[tuple[slice, sli
             yield slice(r0, r1), slice(c0, c0 + x.size(1)), x
 
 
+# A compiled kernel's rest and moment sums of real entries x [r, c] at shifts [r] and base-2 scales [r]
+# (fp32), the marked columns (local, inside [r, k]) left out, added into int64 [r] outputs (moment: None
+# when not wanted) in units of 2^-44; False where it does not take x (the torch tiles' then serve)
+RestSums = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                     "torch.Tensor | None"], bool]
+
+
 def invariant_row_stats(source: Source, stats: RowStats, cols: torch.Tensor, owned: torch.Tensor,
                         keep_mask: torch.Tensor | None, scale: float | torch.Tensor,
-                        group: dist.ProcessGroup | None) -> RowStats:
+                        group: dist.ProcessGroup | None, rest_sums: RestSums | None = None) -> RowStats:
     """The full-vocabulary statistics (combined over the ranks) of `stats`' kind — its sums, marked
     ids `cols`/`owned` [T, k], subset (keep mask, or the tail) — in the invariant mode. The sums
-    come back in `stats`' dtype from their exact integer values."""
+    come back in `stats`' dtype from their exact integer values; `rest_sums` (a compiled kernel)
+    takes the rest and moment sums where it serves."""
     dtype = stats.shift.dtype
     walk = _Walk(source, dtype)
     device = stats.shift.device
@@ -224,7 +240,7 @@ def invariant_row_stats(source: Source, stats: RowStats, cols: torch.Tensor, own
         elif tp_size(group) == 1:  # whole rows, no rank to agree with: each chunk's max, then its sums
             for r0, r1, c0, x in walk.views(g0, g1):
                 _maxima(stats, slice(r0, r1), x, c0, cols, owned, keep_mask)
-                _sums(stats, ints, slice(r0, r1), x, c0, cols, owned, keep_mask, scale, work)
+                _sums(stats, ints, slice(r0, r1), x, c0, cols, owned, keep_mask, scale, work, rest_sums)
             continue
         for r0, r1, c0, x in walk.views(g0, g1):
             _maxima(stats, slice(r0, r1), x, c0, cols, owned, keep_mask)
@@ -236,7 +252,7 @@ def invariant_row_stats(source: Source, stats: RowStats, cols: torch.Tensor, own
             for s, value in zip(shifts, both):
                 s[g0:g1] = value
         for r0, r1, c0, x in walk.views(g0, g1):
-            _sums(stats, ints, slice(r0, r1), x, c0, cols, owned, keep_mask, scale, work)
+            _sums(stats, ints, slice(r0, r1), x, c0, cols, owned, keep_mask, scale, work, rest_sums)
     if tp_size(group) > 1:
         # SUM all-reduce over the tensor-parallel group: the marked logits from the ranks owning
         # them (0 elsewhere: exact), and every rank's integer sums (exact in any order)
@@ -276,13 +292,15 @@ def _maxima(stats: RowStats, rows: slice, x: torch.Tensor, c0: int, cols: torch.
 
 def _sums(stats: RowStats, ints: dict[str, torch.Tensor], part: slice, x: torch.Tensor, c0: int,
           cols: torch.Tensor, owned: torch.Tensor, keep_mask: torch.Tensor | None,
-          scale: float | torch.Tensor, work: _Buffers) -> None:
+          scale: float | torch.Tensor, work: _Buffers, rest_sums: RestSums | None) -> None:
     """Pass 2 over real entries x [r, c]: their exp-sums at the global shifts, in fixed point.
     Only per-element passes (exp and exp2 one code path for every element) and exact sums."""
     s = scale_rows(scale, part)
     local, inside = column_marks(cols[part], owned[part], c0, x.size(1))
     marked = marks_mask(x.shape, local, inside) if (cols.size(1) > 1 or stats.sub_shift is not None) else None
-    if stats.rest is not None:
+    if stats.rest is not None and not (rest_sums is not None and rest_sums(
+            x, finite_or_zero(stats.shift[part]), torch.as_tensor(base2(s), dtype=torch.float32).reshape(-1),
+            local, inside, ints["rest"][part], ints["moment"][part] if stats.moment is not None else None)):
         # u in powers of 2 (u·log2 e) and 2^u, into buffers walked in whole vector steps: exp2 is a
         # third of exp's cost; the moment Σ 2^u·u comes back to natural units (·ln 2) once summed
         n_rows, n_cols = x.shape

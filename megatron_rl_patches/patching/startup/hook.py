@@ -120,7 +120,8 @@ def run(registry_factory: str = DEFAULT_REGISTRY) -> None:
             if strict:
                 registry.poison_imports(ValueError(f"{exc} ({env.STRICT} is set)"))
         # read later, by the ops, the roles and the frameworks' patches (top-k OPD's variables)
-        for read in (env.backend, env.invariant, env.verl_rows, env.checked_role_names, check_settings):
+        for read in (env.backend, env.invariant, env.native, env.verl_rows, env.checked_role_names,
+                     check_settings):
             try:
                 read()
             except ValueError as exc:

@@ -11,6 +11,7 @@ from megatron_rl_patches.testing.multirank import run_multirank
 def every_check(rank: int, world: int) -> dict[str, Any]:
     """This rank's results of each check module that runs at this world size."""
     import test_invariant_layouts  # this folder's modules (pytest puts the folder on sys.path)
+    import test_invariant_native
     import test_invariant_tp
     import test_invariant_vocab_limit
     import test_temperature_boundary  # tests/ops/checks (on sys.path: this folder's conftest)
@@ -18,6 +19,7 @@ def every_check(rank: int, world: int) -> dict[str, Any]:
     results = {"tp": test_invariant_tp.tp_checks(rank, world)}
     if world == 2:
         results["vocab_limit"] = test_invariant_vocab_limit.limit_checks(rank, world)
+        results["native"] = test_invariant_native.native_checks(rank, world)
         results["tiny_temperature"] = test_temperature_boundary.tp_checks(rank, world)
     if world == test_invariant_layouts.CP:
         results["layouts"] = test_invariant_layouts.layout_checks(rank, world)

@@ -169,15 +169,18 @@ def test_packed_masked_and_micro_batch_split_rows_keep_their_bits(row_count_spli
 
 def test_the_backend_resolved_for_the_invariant_mode():
     """backend='triton' with invariant=True: the kernel's backend over the Triton gradients; the
-    torch backend keeps the torch invariant tiles."""
+    torch backend keeps the torch invariant tiles (on CPU their compiled sums where they build)."""
     from megatron_rl_patches.ops.kernels import resolve_backend
     from megatron_rl_patches.ops.kernels.invariant_tiles import InvariantTiles
+    from megatron_rl_patches.ops.kernels.native.backend import InvariantNative
+    from megatron_rl_patches.ops.kernels.native.build import native_library
     from megatron_rl_patches.ops.kernels.triton.invariant_backend import InvariantTriton
 
     ours = resolve_backend("triton", DEVICE, torch.float32, invariant=True)
     assert isinstance(ours, InvariantTriton) and ours.base.name == "triton"
     tiles = resolve_backend("torch", DEVICE, torch.float32, invariant=True)
-    assert type(tiles) is InvariantTiles and tiles.base.name == "torch"
+    native = DEVICE.type == "cpu" and native_library() is not None
+    assert type(tiles) is (InvariantNative if native else InvariantTiles) and tiles.base.name == "torch"
 
 
 def test_the_gpu_bench_rows_of_the_invariant_mode_are_the_ops():

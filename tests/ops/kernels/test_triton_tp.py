@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import triton_kit as kit  # noqa: E402
 
+from megatron_rl_patches.ops.kernels import resolve_backend  # noqa: E402
 from megatron_rl_patches.testing.multirank import run_multirank  # noqa: E402
 
 pytestmark = [pytest.mark.triton, pytest.mark.multirank]
@@ -128,10 +129,13 @@ def test_two_vocabulary_shards_equal_the_float64_reference_and_the_invariant_ker
                                      row_tau=True, n_valid=VOCAB))
         want.append(kit.topk_run(x, backend=None, fused=fused, dtype=torch.float32, n_valid=VOCAB))
     per = V // 2
+    # rank 0's route: the torch invariant tiles (on CPU their compiled sums where they build)
+    tiles = resolve_backend("torch", kit.DEVICE, torch.float32, invariant=True)
+    tiles_route = f"{tiles.name} ({type(tiles).__name__})"
     for rank, (cases, splits, mixed) in enumerate(run_multirank(_rank_outputs, 2, timeout=300)):
         # a backend chosen on one rank only: one error on both, naming each rank's kernels
         assert mixed[0] == "ValueError" and "the kernels (backend= or MEGATRON_RL_PATCHES_BACKEND) differs" in mixed[1]
-        assert "rank 0: invariant (InvariantTiles), rank 1: invariant (InvariantTriton)" in mixed[1], mixed
+        assert f"rank 0: {tiles_route}, rank 1: invariant (InvariantTriton)" in mixed[1], mixed
         assert len(splits) == 3 * 2 + 2, splits  # fp32: routes x modes; bf16: the fused head's two
         assert all(same for (_, _, invariant), same in splits.items() if invariant), splits
         assert not all(same for (_, _, invariant), same in splits.items() if not invariant), splits

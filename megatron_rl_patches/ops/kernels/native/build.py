@@ -1,0 +1,90 @@
+"""The invariant CPU kernel (:mod:`.source`) compiled with the system's C compiler at first use and
+cached by the hash of its source, flags, compiler and CPU; None where the setting turns it off or
+no compiler builds it (the torch invariant tiles then serve)."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from megatron_rl_patches._variables import NATIVE, native_setting
+from megatron_rl_patches.ops.kernels.native.source import SOURCE
+
+# IEEE operations only, never contracted into FMAs: a vector lane and a scalar loop give the same bits
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared")
+# rows over threads with OpenMP (libgomp.so.1: the one torch has loaded); a compiler without it builds serial
+THREADED = ("-fopenmp",)
+
+
+def compiler() -> str | None:
+    """$CC, else cc or gcc on PATH."""
+    named = os.environ.get("CC")
+    return shutil.which(named) if named else (shutil.which("cc") or shutil.which("gcc"))
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "megatron_rl_patches" / "native"
+
+
+def _cpu_signature() -> str:
+    """The CPU's flags (-march=native builds for them): a cached build moved to another CPU is rebuilt."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def build(cc: str, directory: Path, flags: tuple[str, ...] = FLAGS + THREADED) -> Path:
+    """The shared library in `directory` (built there when absent; CalledProcessError if `cc` fails)."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256("\0".join((SOURCE, *flags, version, _cpu_signature(), platform.machine())).encode())
+    library = directory / f"invariant_sums_{key.hexdigest()[:16]}.so"
+    if library.exists():
+        return library
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as work:  # concurrent builders each rename a whole file
+        source = Path(work) / "invariant_sums.c"
+        source.write_text(SOURCE)
+        built = Path(work) / library.name
+        subprocess.run([cc, *flags, str(source), "-o", str(built)], check=True, capture_output=True, timeout=300)
+        os.replace(built, library)
+    return library
+
+
+@functools.cache
+def _loaded(cc: str | None, directory: str) -> ctypes.CDLL | None:
+    if cc is None:
+        return None
+    for flags in (FLAGS + THREADED, FLAGS):
+        try:
+            return load(build(cc, Path(directory), flags))
+        except (OSError, subprocess.SubprocessError):
+            continue
+    return None
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built library with its function's signature declared."""
+    library = ctypes.CDLL(str(path))
+    function = library.invariant_row_sums
+    function.restype = None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
+                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    return library
+
+
+def native_library() -> ctypes.CDLL | None:
+    """The compiled kernel, or None: the setting off (MEGATRON_RL_PATCHES_NATIVE=0), no compiler, or
+    its build failed."""
+    if not native_setting(os.environ.get(NATIVE)):
+        return None
+    return _loaded(compiler(), str(cache_dir()))
