@@ -135,7 +135,8 @@ class _Walk:
             # row, so the weight tile is read from memory once per group (the GEMMs keep their shape)
             self.group_rows = self.rows * _row_tiles_per_group(source, device, self.rows)
             self.h = source.hidden.new_zeros(self.group_rows, source.hidden.size(1))
-            # the real rows only: fewer rows than a tile take their GEMM's padded tile through `scratch`
+            # the real rows only: a last tile of fewer rows than a tile takes its GEMM's padded tile
+            # through `scratch`; whole tiles go straight into the buffer
             buffer_rows = min(self.group_rows, source.n_rows)
             self.buffer = torch.empty(len(self.col_starts), buffer_rows, self.cols, dtype=dtype, device=device)
             self.scratch = torch.empty(self.rows, self.cols, dtype=dtype, device=device) \
@@ -167,13 +168,14 @@ class _Walk:
             assert w is not None  # a partial tile has its padded weight
             for tile in row_tiles:
                 real = min(tile.stop, r1 - r0) - tile.start
-                out = self.buffer[index, tile] if self.scratch is None else self.scratch
+                padded = self.scratch is not None and real < self.rows
+                out = self.scratch if padded else self.buffer[index, tile]
                 if self.h.dtype == out.dtype:
                     torch.matmul(self.h[tile], w.t(), out=out)
                 else:
                     out.copy_(torch.matmul(self.h[tile], w.t()))
-                if self.scratch is not None:
-                    self.buffer[index, tile.start: tile.start + real].copy_(self.scratch[:real])
+                if padded:
+                    self.buffer[index, tile.start: tile.start + real].copy_(out[:real])
 
     def views(self, g0: int, g1: int) -> Iterator[tuple[int, int, int, torch.Tensor]]:
         """(first row, last row + 1, first column, real entries [r, c]) covering rows [g0, g1)."""
