@@ -1,7 +1,7 @@
 """slime_opd with a served teacher of another tokenizer (`URL;engine=vllm;tokenizer=DIR`, a real vLLM
 server of its CPU build, MRP_VLLM_PYTHON) beside a snapshot teacher of the student's tokenizer,
-through slime 624b824a's real `MegatronTrainRayActor.train_actor` at one rank and TP=2 with
-sequence parallelism: the student a tiny GPT on part 1's SentencePiece-style tokenizer (no dummy
+through slime 624b824a's real `MegatronTrainRayActor.train_actor` at one rank, TP=2 with sequence
+parallelism, PP=2 and CP=2 (zigzag): the student a tiny GPT on part 1's SentencePiece-style tokenizer (no dummy
 prefix), the served teacher a tiny Qwen3 carrying the same BPE with a dummy prefix, so the two
 encodings differ while sharing strings. The served reply gives the token-level signal (its own
 tokens' log-probs) and the chunk-start buckets (its top-k; byte fallback spells a byte with two
@@ -29,7 +29,10 @@ from tests.cross_tokenizer import conftest as tokenizer_fixtures  # noqa: E402
 from tests.integrations.slime.lane import test_slime_opd_cross_tokenizer_lane as cross_lane  # noqa: E402
 
 VLLM_PYTHON = os.environ.get("MRP_VLLM_PYTHON", "")
-LAYOUTS = {"pp1": ((1, None), ("thd",)), "tp2sp": ((2, layouts.BY_MARKER["sp"].megatron_lm_args), ("tp2", "sp"))}
+# (pipeline, context, tensor, slime's extra flags) and the layout marks
+LAYOUTS = {"pp1": ((1, 1, 1, ()), ("thd",)),
+           "tp2sp": ((1, 1, 2, layouts.BY_MARKER["sp"].megatron_lm_args), ("tp2", "sp")),
+           "pp2": ((2, 1, 1, ()), ("pp2", "thd")), "cp2": ((1, 2, 1, ()), ("cp2-zigzag", "thd"))}
 
 
 @pytest.fixture(scope="module")
@@ -71,19 +74,25 @@ def test_train_actor_with_a_served_teacher_of_another_tokenizer_equals_float64(s
     from megatron_rl_patches.testing.multirank import run_multirank
 
     url, student_dir, teacher_dir = served
-    tensor, flags = LAYOUTS[layout][0]
+    pipeline, context, tensor, flags = LAYOUTS[layout][0]
     spm = tokenizer_fixtures.sentencepiece_like("never")
     own_tokenizer = cross_lane.snapshot_tokenizer()
     cross = {"teacher": teacher_dir, "student": student_dir, "vocab": cross_lane.STUDENT_VOCAB,
              "samples": cross_lane._samples(spm), "temperature": 1.0,
              "entries": f"teacher-a,{url};engine=vllm;tokenizer={teacher_dir}"}
-    ranks = run_multirank(slime_ranks.opd_train_actor, tensor, 1, 1, tensor, None, None,
-                          cross_lane.USE_OPD + (flags or ()), 1, None, 1, None, cross, timeout=600)
-    for rank in ranks:
+    per_stage = context * tensor
+    ranks = run_multirank(slime_ranks.opd_train_actor, pipeline * per_stage, pipeline, context, tensor, None, None,
+                          cross_lane.USE_OPD + flags, 1, None, 1, None, cross, timeout=600)
+    for rank in ranks[-per_stage:]:  # the last stage's ranks hold the fields
         assert {slime_opd.IDS, slime_opd.CROSS_RATIO, "opd_step_ids"} <= set(rank["keys"])
-    states = {tag: kit.unsplit([r["states"][tag] for r in ranks], ranks[0]["split"]) for tag in ("actor",
-                                                                                               "opd_teacher_0")}
-    grads = kit.unsplit([r["grads"] for r in ranks], ranks[0]["split"])
+    stages = [ranks[first:first + tensor] for first in range(0, len(ranks), per_stage)]
+
+    def whole(field, tag=None):
+        return kit.whole_stages([kit.unsplit([r[field] if tag is None else r[field][tag] for r in shards],
+                                             shards[0]["split"]) for shards in stages])
+
+    states = {tag: whole("states", tag) for tag in ("actor", "opd_teacher_0")}
+    grads = whole("grads")
     data = cross_lane._samples(spm)[0]
     samples = [cross_teachers.teacher_sample(t, r, m, spm, own_tokenizer) for t, r, m in
                zip(data["tokens"], data["response_lengths"], data["loss_masks"])]
@@ -99,7 +108,7 @@ def test_train_actor_with_a_served_teacher_of_another_tokenizer_equals_float64(s
             (teacher,) = build_inference_model_from_hf(teacher_dir, dtype=torch.float32)
             dense_teacher = kit.response_logps(teacher.double(), own, 1.0, getattr(teacher, "hf_vocab_size"))  # noqa: B009
         students = kit.response_logps(student, data, 1.0)
-        ids = kit.whole_ids(ranks, 1, tensor)
+        ids = kit.whole_ids(ranks, context, tensor)
         token_terms: list[torch.Tensor] = []
         folded: list[int] = []
         expected = cross_lane.reference(students, same, dense_teacher, data, ids, samples, shared,
@@ -112,8 +121,8 @@ def test_train_actor_with_a_served_teacher_of_another_tokenizer_equals_float64(s
     losses = ranks[-1]["losses"][0]
     loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
     grad_error = max((grads[name].double() - p.grad).abs().max().item() for name, p in student.named_parameters())
-    slime_kl = kit.whole_ids([{**rank, "ids": [kl[:, None] for kl in rank["opd_reverse_kl"]]} for rank in ranks], 1,
-                             tensor)
+    slime_kl = kit.whole_ids([{**rank, "ids": None if rank["opd_reverse_kl"] is None else
+                               [kl[:, None] for kl in rank["opd_reverse_kl"]]} for rank in ranks], context, tensor)
     kl_error = max((kl[:, 0].double() - r).abs().max().item() for kl, r in zip(slime_kl, token_terms))
     print(f"slime_opd train_actor {layout}, a snapshot teacher and a served teacher of another tokenizer vs "
           f"float64: loss {float(expected):.6f}, |Δloss| {loss_error:.2e}, max |Δgrad| {grad_error:.2e}, slime's "
