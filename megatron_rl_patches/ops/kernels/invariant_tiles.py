@@ -168,14 +168,14 @@ class _Walk:
             assert w is not None  # a partial tile has its padded weight
             for tile in row_tiles:
                 real = min(tile.stop, r1 - r0) - tile.start
-                padded = self.scratch is not None and real < self.rows
-                out = self.scratch if padded else self.buffer[index, tile]
+                scratch = self.scratch if real < self.rows else None
+                out = self.buffer[index, tile] if scratch is None else scratch
                 if self.h.dtype == out.dtype:
                     torch.matmul(self.h[tile], w.t(), out=out)
                 else:
                     out.copy_(torch.matmul(self.h[tile], w.t()))
-                if padded:
-                    self.buffer[index, tile.start: tile.start + real].copy_(out[:real])
+                if scratch is not None:
+                    self.buffer[index, tile.start: tile.start + real].copy_(scratch[:real])
 
     def views(self, g0: int, g1: int) -> Iterator[tuple[int, int, int, torch.Tensor]]:
         """(first row, last row + 1, first column, real entries [r, c]) covering rows [g0, g1)."""
