@@ -13,13 +13,11 @@ from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.client_settings import ClientSettings
 from megatron_rl_patches.teachers.contract import BatchScores
-from megatron_rl_patches.teachers.engine_names import check_engine
+from megatron_rl_patches.teachers.engines.names import check_engine, engine_class
+from megatron_rl_patches.teachers.engines.protocol import SampleRows, ServedModel
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.http_client import Deadline, TeacherClient
 from megatron_rl_patches.teachers.token_budget import TokenBudget
-from megatron_rl_patches.teachers.vllm_engine import SampleRows, ServedModel, VllmEngine
-
-ENGINES = {"vllm": VllmEngine}  # one module per engine in engine_names.SERVED_ENGINES
 
 
 class ServedTeacher:
@@ -44,7 +42,7 @@ class ServedTeacher:
         self.settings = client or ClientSettings()
         self.client = TeacherClient(url, self.settings)
         self.url = self.client.url
-        self.engine = ENGINES[self.engine_name](self.client, self.top_k, model)
+        self.engine = engine_class(self.engine_name)(self.client, self.top_k, model)
         self._model: ServedModel | None = None
         self._budget = TokenBudget(self.settings.max_tokens_in_flight)
         self._pool: futures.ThreadPoolExecutor | None = None
@@ -65,6 +63,12 @@ class ServedTeacher:
     def check(self) -> ServedModel:
         """Ask the server now (it answers, the model, its max length, K within its limit)."""
         return self.served_model()
+
+    def tokenize(self, text: str) -> list[int] | None:
+        """`text` tokenized by the served model's tokenizer, no special tokens added (None: the
+        server answered with no token list), within one request's timeout."""
+        deadline = Deadline.after(self.settings.timeout_s)
+        return self.engine.tokenize(self.served_model(deadline), text, deadline, threading.Event())
 
     # ------------------------------------------------------------------ scoring
     def score(self, batch: TeacherBatch, group: object = None) -> BatchScores:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
 from megatron_rl_patches._variables import TEACHER_API_KEY
-from megatron_rl_patches.teachers.engine_names import SERVED_ENGINES, check_engine
+from megatron_rl_patches.teachers.engines.names import SERVED_ENGINES, check_engine
 from megatron_rl_patches.teachers.kinds.entry import SERVED, RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
 from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, STOP_TOKENS, is_provider, split_entry

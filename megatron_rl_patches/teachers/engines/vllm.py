@@ -8,11 +8,11 @@ from __future__ import annotations
 import math
 import re
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from megatron_rl_patches.teachers.engines.protocol import SampleRows, ServedModel
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.http_client import Deadline, TeacherClient
 from megatron_rl_patches.teachers.tails import tail_log_probs
@@ -24,26 +24,12 @@ LOG_PROB_SLACK = 1e-3
 PROBE_IDS = [0, 0]  # id 0 exists in every vocabulary
 
 
-@dataclass(frozen=True)
-class ServedModel:
-    """What the server serves: the model's name and its max model length (prompt + generated)."""
-
-    name: str
-    max_model_len: int
-
-
-@dataclass(frozen=True)
-class SampleRows:
-    """One sample's scores on its response rows (float64; ids int64)."""
-
-    token_log_probs: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_log_probs: torch.Tensor
-    tail_log_probs: torch.Tensor
-
-
 class VllmEngine:
+    """vLLM's OpenAI-compatible server: `/v1/models`, `/v1/completions` with prompt log-probs,
+    `/tokenize` (a `ServedEngine`)."""
+
     path = "/v1/completions"
+    tokenize_path = "/tokenize"
 
     def __init__(self, client: TeacherClient, top_k: int, model: str | None) -> None:
         self.client = client
@@ -74,6 +60,13 @@ class VllmEngine:
         model = ServedModel(str(card["id"]), length)
         self.scores(model, PROBE_IDS, 1, deadline, cancel, sample=None)
         return model
+
+    def tokenize(self, model: ServedModel, text: str, deadline: Deadline, cancel: threading.Event) -> list[int] | None:
+        """`text` tokenized by the served model's tokenizer (`/tokenize`, no special tokens added)."""
+        reply = self.client.request("POST", self.tokenize_path, {"model": model.name, "prompt": text,
+                                                                   "add_special_tokens": False}, deadline, cancel)
+        tokens = reply.get("tokens") if isinstance(reply, dict) else None
+        return tokens if isinstance(tokens, list) else None
 
     # ------------------------------------------------------------------ one sample
     def body(self, model: ServedModel, ids: list[int]) -> dict[str, Any]:
