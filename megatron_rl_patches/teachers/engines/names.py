@@ -28,8 +28,11 @@ SERVED_ENGINES = tuple(name for name, row in ENGINES.items() if row.engine is no
 
 
 def check_engine(engine: object) -> str:
-    """`engine` as a served engine's name; ValueError naming it otherwise."""
-    row = ENGINES.get(engine)  # type: ignore[call-overload]
+    """`engine` as a served engine's name; TypeError (not a str) or ValueError naming it otherwise."""
+    if not isinstance(engine, str):
+        raise TypeError(f"engine must be a str naming the served engine, e.g. engine='vllm' (one of "
+                        f"{sorted(SERVED_ENGINES)}), got {engine!r}, a {type(engine).__name__}")
+    row = ENGINES.get(engine)
     if row is not None and row.engine is None:
         raise ValueError(f"engine={engine!r} is not served yet: serve the teacher with vLLM (engine='vllm'); "
                          f"{row.why_not}")
