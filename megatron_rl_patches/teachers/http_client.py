@@ -1,7 +1,12 @@
 """The HTTP client of a served teacher (`TeacherClient`): one connection pool per teacher
 (keep-alive), JSON requests with timeouts, retries with backoff on connection errors and 5xx
 only, a deadline per step, an API key from the environment, TLS verified against the system's CAs
-(or a bundle), the standard proxy variables honoured. httpx is the optional extra `served`."""
+(or a bundle), the standard proxy variables honoured. httpx is the optional extra `served`.
+
+The deadline is a wall-clock bound on the whole request: httpx's timeouts bound each read, so a
+server that trickles its reply (a byte a second) would outlive any of them. Each attempt therefore
+runs in a thread of its own that the caller waits for until the deadline only; past it the
+connection pool is closed (the abandoned attempt fails at its next byte) and the caller raises."""
 from __future__ import annotations
 
 import functools
@@ -110,13 +115,43 @@ class TeacherClient:
                 self._http.close()
                 self._http = None
 
+    def abandon(self, http: Any) -> None:
+        """Close the pool `http` (its connections cut, their requests failing at their next read)
+        and start a new one on next use: an attempt past the deadline is not waited for."""
+        with self._lock:
+            if self._http is http:
+                self._http = None
+        http.close()
+
+    def within(self, deadline: Deadline, call: Callable[[], Any], http: Any) -> tuple[bool, Any]:
+        """`call()` (one HTTP attempt on the pool `http`) run in a thread of its own and waited
+        for until `deadline`: (True, its result), its exception raised here, or (False, None) when
+        the deadline passed first, the pool then abandoned."""
+        outcome: list[Any] = []
+
+        def attempt() -> None:
+            try:
+                outcome.append((True, call()))
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting caller
+                outcome.append((False, error))
+
+        worker = threading.Thread(target=attempt, name="served-teacher-request", daemon=True)
+        worker.start()
+        worker.join(max(deadline.remaining(), 0.0))
+        if not outcome:
+            self.abandon(http)
+            return False, None
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return True, value
+
     def request(self, method: str, path: str, body: Any, deadline: Deadline, cancel: threading.Event,
                 sample: int | None = None) -> Any:
         """The JSON reply to `method path` (`body` as JSON), retried on connection errors and 5xx
         until `retries` or the deadline; a 4xx is a `ServedTeacherRefusal` with the server's words."""
         import httpx  # lazy: optional dependency httpx (the extra `served`)
 
-        http = self.http()
         s = self.settings
         who = f"{self.url}{path}" + ("" if sample is None else f" (sample {sample})")
         attempt, last = 0, ""
@@ -128,8 +163,15 @@ class TeacherClient:
                 raise ServedTeacherError(f"{who}: no answer within the step's deadline of {deadline.seconds:g} s"
                                          + (f" (last: {last})" if last else ""), self.url, sample)
             timeout = httpx.Timeout(min(s.timeout_s, left), connect=min(s.connect_timeout_s, left))
+            http = self.http()  # a new pool after one abandoned at a deadline
             try:
-                response = http.request(method, self.url + path, json=body, timeout=timeout)
+                attempt_once = functools.partial(http.request, method, self.url + path, json=body, timeout=timeout)
+                answered, response = self.within(deadline, attempt_once, http)
+                if not answered:
+                    raise ServedTeacherError(f"{who}: no complete reply within the step's deadline of "
+                                             f"{deadline.seconds:g} s (the server silent or still sending: "
+                                             f"connection closed)" + (f"; earlier: {last}" if last else ""),
+                                             self.url, sample)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
                     httpx.RemoteProtocolError, httpx.CloseError) as error:
                 last = f"{type(error).__name__}: {error}"

@@ -64,10 +64,10 @@ class ServedTeacher:
         """Ask the server now (it answers, the model, its max length, K within its limit)."""
         return self.served_model()
 
-    def tokenize(self, text: str) -> list[int] | None:
+    def tokenize(self, text: str, deadline: Deadline | None = None) -> list[int] | None:
         """`text` tokenized by the served model's tokenizer, no special tokens added (None: the
-        server answered with no token list), within one request's timeout."""
-        deadline = Deadline.after(self.settings.timeout_s)
+        server answered with no token list), within `deadline` (default: one request's timeout)."""
+        deadline = deadline or Deadline.after(self.settings.timeout_s)
         return self.engine.tokenize(self.served_model(deadline), text, deadline, threading.Event())
 
     # ------------------------------------------------------------------ scoring

@@ -7,22 +7,24 @@ from typing import Any
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from megatron_rl_patches.teachers.http_client import Deadline
     from megatron_rl_patches.teachers.served import ServedTeacher
 
 PROBE_IDS = 24
 STUDENTS = "the student's tokenizer"
 
 
-def probe_tokenizer(teacher: ServedTeacher, tokenizer: Any, where: str, whose: str = STUDENTS) -> None:
+def probe_tokenizer(teacher: ServedTeacher, tokenizer: Any, where: str, whose: str = STUDENTS,
+                    deadline: Deadline | None = None) -> None:
     """The served model's tokenizer against `tokenizer` (`whose`: the student's, or the one a served
     teacher of another tokenizer names): its spelling of ids spread over its vocabulary, tokenized
-    by the server (the engine's `tokenize`), must give its ids."""
+    by the server (the engine's `tokenize`), must give its ids; within `deadline` where given."""
     size = int(tokenizer.get_vocab_size(with_added_tokens=False))
     ids = sorted({round(i * (size - 1) / (PROBE_IDS - 1)) for i in range(PROBE_IDS)})
     text = tokenizer.decode(ids, skip_special_tokens=True)
     want = tokenizer.encode(text, add_special_tokens=False).ids
-    model = teacher.served_model()
-    got = teacher.tokenize(text)
+    model = teacher.served_model(deadline)
+    got = teacher.tokenize(text, deadline)
     if got != want:
         advice = ("top-k OPD compares the same token ids; serve a teacher of the student's tokenizer, or name "
                   "the served model's tokenizer with ';tokenizer=DIR'") if whose == STUDENTS else \

@@ -118,18 +118,20 @@ def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
     try:
         # lazy: optional dependency httpx (the served client, imported by served teachers only)
         from megatron_rl_patches.teachers.client_settings import ClientSettings
+        from megatron_rl_patches.teachers.http_client import Deadline  # lazy: optional dependency httpx
         from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: optional dependency httpx
 
         settings = ClientSettings(connect_timeout_s=DOCTOR_CONNECT_S, timeout_s=DOCTOR_DEADLINE_S,
                                   deadline_s=DOCTOR_DEADLINE_S, retries=0)
+        deadline = Deadline.after(DOCTOR_DEADLINE_S)  # the check and the probe within one bound
         with ServedTeacher(entry.path, str(entry.engine), top_k=facts.k, client=settings) as teacher:
-            teacher.check()
+            teacher.served_model(deadline)
             if named is not None:  # the served model's tokenizer is the one the entry names
                 # lazy: optional dependency tokenizers (a served teacher of another tokenizer only)
                 from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
 
                 probe_tokenizer(teacher, load_tokenizer(str(named), f";{TOKENIZER}"), "its tokenizer",
-                                f"the tokenizer ';{TOKENIZER}{entry.tokenizer}' names")
+                                f"the tokenizer ';{TOKENIZER}{entry.tokenizer}' names", deadline)
     except (ValueError, TypeError, RuntimeError, ImportError, OSError) as exc:  # ServedTeacherError: a RuntimeError
         found.append(f"{TEACHERS}: served teacher '{entry.path}' ({entry.engine}, k={facts.k}) fails its check: {exc}")
     return found
