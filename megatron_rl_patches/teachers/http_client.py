@@ -21,27 +21,30 @@ from typing import Any
 
 from megatron_rl_patches.teachers.client_settings import ClientSettings
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
+from megatron_rl_patches.teachers.redaction import has_userinfo, redacted
 
 BACKOFF_CAP_S = 8.0
 
 
 def check_url(url: object) -> str:
     """The teacher's base URL without its trailing '/': http(s)://host[:port][/path], no user or
-    password (the key comes from the environment), no query."""
+    password (the key comes from the environment; refused on the raw text, never echoed), no
+    query. Every message shows the URL `redacted`."""
     if not isinstance(url, str):
         raise TypeError(f"the teacher's url must be a str like 'http://host:port', got {type(url).__name__}")
+    said = redacted(url)
+    if has_userinfo(url):
+        raise ValueError(f"the teacher's url {said!r} carries a user or password: put the API key in an "
+                         f"environment variable (ClientSettings.api_key_env), never in the url")
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"the teacher's url must be http://host:port or https://host:port, got {url!r}")
-    if parts.username is not None or parts.password is not None:
-        raise ValueError(f"the teacher's url {parts.hostname!r} carries a user or password: put the API key in an "
-                         f"environment variable (ClientSettings.api_key_env), never in the url")
+        raise ValueError(f"the teacher's url must be http://host:port or https://host:port, got {said!r}")
     if parts.query or parts.fragment:
-        raise ValueError(f"the teacher's url must be a base address without '?' or '#', got {url!r}")
+        raise ValueError(f"the teacher's url must be a base address without '?' or '#', got {said!r}")
     try:
         parts.port  # noqa: B018 - raises on a port that is no number
     except ValueError as error:
-        raise ValueError(f"the teacher's url {url!r} has a bad port: {error}") from None
+        raise ValueError(f"the teacher's url {said!r} has a bad port: {error}") from None
     return url.rstrip("/")
 
 

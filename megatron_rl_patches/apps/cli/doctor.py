@@ -22,7 +22,7 @@ from megatron_rl_patches.patching import check_settings, env, registry
 from megatron_rl_patches.patching.startup import files as startup_files
 from megatron_rl_patches.patching.startup import hook
 from megatron_rl_patches.teachers.kinds import RunFacts, entry_problems
-from megatron_rl_patches.teachers.kinds.served_entry import shown
+from megatron_rl_patches.teachers.redaction import redacted
 
 # Installed distributions `doctor` reports. megatron-core, an optional extra, also gets its own
 # section: the code in use may be a source checkout with no distribution.
@@ -145,10 +145,10 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
         environment["inference_roles"] = list(DEFAULT_INFERENCE_ROLES) if unset else []
     problems = list(environment["errors"])
     # a user or password in a served teacher's URL (refused by its entry's check) is never printed
-    environment["opd"] = {name: shown(value) for name, value in sorted(os.environ.items())
+    environment["opd"] = {name: redacted(value) for name, value in sorted(os.environ.items())
                           if name.startswith(OPD_PREFIX)}
     if environment["variables"].get(OPD_TEACHERS):
-        environment["variables"][OPD_TEACHERS] = shown(environment["variables"][OPD_TEACHERS])
+        environment["variables"][OPD_TEACHERS] = redacted(environment["variables"][OPD_TEACHERS])
     if environment["variables"].get(TEACHER_API_KEY):  # a secret: whether it is set, never its value
         environment["variables"][TEACHER_API_KEY] = KEY_SET
     try:
