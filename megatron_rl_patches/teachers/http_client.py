@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import ssl
+import sys
 import threading
 import time
 import urllib.parse
@@ -189,6 +190,11 @@ class TeacherClient:
             except httpx.HTTPError as error:
                 raise ServedTeacherError(f"{who}: {type(error).__name__}: {error}", self.url, sample) from None
             else:
+                if 300 <= response.status_code < 400:  # httpx follows no redirect: refuse it by name
+                    where = redacted(response.headers.get("location", "nowhere named"))
+                    raise ServedTeacherRefusal(f"{who}: the server redirects (HTTP {response.status_code} to "
+                                               f"{where!r}), and a served teacher follows no redirect: give the "
+                                               f"URL the server answers at", self.url, sample)
                 if response.status_code < 400:
                     return decode(response.content, who, self.url, sample)
                 last = f"HTTP {response.status_code}: {server_words(response)}"
@@ -212,6 +218,9 @@ def decode(content: bytes, who: str, url: str, sample: int | None) -> Any:
         return json.loads(content)
     except ValueError as error:
         raise ServedTeacherError(f"{who}: the reply is not JSON ({error})", url, sample) from None
+    except RecursionError:
+        raise ServedTeacherError(f"{who}: the reply's JSON nests deeper than Python's recursion limit "
+                                 f"({sys.getrecursionlimit()}): no engine's reply is shaped so", url, sample) from None
 
 
 @functools.cache
