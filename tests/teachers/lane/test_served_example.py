@@ -18,7 +18,7 @@ import torch
 
 from tests.teachers.lane.served_kit import VLLM_PYTHON, VOCAB
 
-pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 STEPS = 3
