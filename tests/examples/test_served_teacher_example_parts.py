@@ -4,7 +4,7 @@ placed at the positions that predict their tokens, the padded vocabulary, bad ar
 before any world starts."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 
@@ -16,14 +16,10 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "served_teacher_loo
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("served_teacher_loop_parts", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(EXAMPLE.parent))
+        yield importlib.import_module(EXAMPLE.stem)
+    sys.modules.pop(EXAMPLE.stem, None)
 
 
 def test_each_served_row_sits_where_megatron_predicts_its_token(example):
