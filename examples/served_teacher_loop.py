@@ -6,6 +6,7 @@ their exact tail (docs/distillation.md, "Teachers served by an inference engine"
     python examples/served_teacher_loop.py --vllm-python .lanes/vllm/bin/python [--tp 2] [--steps 4]
     # or a server you already run, of a model with the student's tokenizer and vocabulary:
     python examples/served_teacher_loop.py --url http://teacher-node:8000 --vocab-size 1001 [--tp 2]
+    # (a server started with an API key: the key in $MEGATRON_RL_PATCHES_TEACHER_API_KEY)
 
 With --vllm-python the example writes a tiny random Qwen3 teacher (1001 words, its tokenizer
 beside it: it needs transformers and tokenizers) and serves it on 127.0.0.1 for the run (about a
