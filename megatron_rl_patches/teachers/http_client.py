@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_rl_patches._extras import install_hint
 from megatron_rl_patches.teachers.client_settings import ClientSettings
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.redaction import has_userinfo, redacted
@@ -104,7 +105,7 @@ class TeacherClient:
         try:
             import httpx  # lazy: optional dependency httpx (the extra `served`)
         except ImportError:
-            raise ImportError("a served teacher needs httpx: pip install 'megatron-rl-patches[served]'") from None
+            raise ImportError(f"a served teacher needs httpx: {install_hint('served', 'httpx')}") from None
         s = self.settings
         headers = {"Authorization": f"Bearer {s.api_key()}"} if s.api_key() else {}
         # system CAs (OpenSSL's default paths, SSL_CERT_FILE / SSL_CERT_DIR), or the bundle given
