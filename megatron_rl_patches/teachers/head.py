@@ -19,6 +19,7 @@ from megatron_rl_patches.inference.loading.hf.checkpoint_config import Checkpoin
 from megatron_rl_patches.inference.loading.hf.files import TensorEntry, safe_open_of, tensor_index
 from megatron_rl_patches.inference.loading.hf.model import padded_vocab
 from megatron_rl_patches.ops.agreement import agree, local_error
+from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy, lm_head_topk_ids, lm_head_topk_logprobs
 
 # The fused ops compute softmax(h·Wᵀ/τ) and nothing else: a config.json field that changes the
 # logits after the output layer is refused by name (value: what leaves the logits unchanged).
@@ -58,6 +59,50 @@ class TeacherHead:
     def nbytes(self) -> int:
         """This rank's bytes of the head."""
         return self.weight.numel() * self.weight.element_size()
+
+    # ------------------------------------------------------------------ the teacher's distribution
+    # hidden [R, H]: the teacher's final hidden states (row r predicts the token after it); every
+    # rank of `tp_group` calls with the same rows (the ops combine the shards). No gradient; no
+    # [R, V] tensor: the fused ops walk the vocabulary tile by tile.
+
+    def token_log_probs(self, hidden: torch.Tensor, tokens: torch.Tensor,
+                        temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+        """[R] log-probs of `tokens` [R] under softmax(h·Wᵀ/τ) over the real vocabulary."""
+        with torch.no_grad():
+            values, _ = lm_head_log_probs_and_entropy(self.rows(hidden), self.weight, tokens.to(self.weight.device),
+                                                      **self.options(temperature))
+        return values
+
+    def topk(self, hidden: torch.Tensor, k: int,
+             temperature: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The teacher's own top-`k` per row at `temperature`: (ids [R, k] best first, their
+        log-probs [R, k], the exact tail [R]: the log of the mass outside them)."""
+        h = self.rows(hidden)
+        with torch.no_grad():
+            ids = lm_head_topk_ids(h, self.weight, k, **self.options(temperature))
+            values, tail = lm_head_topk_logprobs(h, self.weight, ids, **self.options(temperature))
+        return ids, values, tail
+
+    def log_probs_at(self, hidden: torch.Tensor, ids: torch.Tensor, temperature: float | torch.Tensor = 1.0,
+                     ids_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's log-probs at ids the caller chose (e.g. the student's top-k) [R, k] and
+        the exact tail [R] (the log of the mass outside them); `ids_mask` [R, k] as in
+        `lm_head_topk_logprobs` (padded slots: -inf, their mass in the tail)."""
+        with torch.no_grad():
+            return lm_head_topk_logprobs(self.rows(hidden), self.weight, ids.to(self.weight.device),
+                                         ids_mask=ids_mask, **self.options(temperature))
+
+    def rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden` [R, H] in the head's dtype and on its device; ValueError naming another width."""
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            raise ValueError(f"TeacherHead: hidden must be [R, {self.hidden_size}] (the teacher's final hidden "
+                             f"states, this head's width), got {shape}")
+        return hidden.detach().to(device=self.weight.device, dtype=self.weight.dtype)
+
+    def options(self, temperature: float | torch.Tensor) -> dict[str, Any]:
+        """The ops' keywords for this head: its group, its real vocabulary, `temperature`."""
+        return {"tp_group": self.tp_group, "vocab_size": self.vocab_size, "temperature": temperature}
 
     def __repr__(self) -> str:
         rows = self.weight.shape[0]

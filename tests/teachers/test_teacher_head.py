@@ -114,6 +114,57 @@ def test_a_checkpoint_without_its_output_layer_is_named(saved, tmp_path):
         TeacherHead.from_hf(copy)
 
 
+def _states(model, length: int = 40, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [T], transformers' final hidden states [T, H]) of a random sequence."""
+    ids = torch.randint(0, 1001, (length,), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        hidden = model.model(ids[None]).last_hidden_state[0]
+    return ids, hidden
+
+
+def _dense(hidden: torch.Tensor, weight: torch.Tensor, tau: float) -> torch.Tensor:
+    return torch.log_softmax(hidden.double() @ weight.double().T / tau, dim=-1)
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.7])
+def test_the_heads_distribution_equals_transformers(saved, tau):
+    """float64 head: the dense float64 log-softmax within 1e-12; float32 head: transformers' own
+    logits (float64 log-softmax) within 1e-5; top-64 (any K) ids, values and exact tail; the
+    log-probs at ids the caller chose."""
+    root, models = saved
+    model = models["untied"]
+    ids, hidden = _states(model)
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0]
+    want = torch.log_softmax(logits.double() / tau, dim=-1)
+    exact = _dense(hidden, model.lm_head.weight, tau)
+    head32 = TeacherHead.from_hf(root / "untied", make_vocab_size_divisible_by=128)  # padded rows masked
+    head64 = TeacherHead.from_hf(root / "untied", dtype=torch.float64)
+    tokens = torch.roll(ids, -1)
+    for head, reference, tol in ((head32, want, 1e-5), (head64, exact, 1e-12)):
+        got = head.token_log_probs(hidden, tokens, temperature=tau)
+        torch.testing.assert_close(got.double(), reference.gather(1, tokens[:, None])[:, 0], atol=tol, rtol=0)
+        top_ids, top_values, tail = head.topk(hidden, 64, temperature=tau)
+        assert torch.equal(top_ids, exact.topk(64, dim=-1).indices)
+        torch.testing.assert_close(top_values.double(), reference.gather(1, top_ids), atol=tol, rtol=0)
+        rest = reference.clone().scatter_(1, top_ids, -torch.inf).logsumexp(-1)
+        torch.testing.assert_close(tail.double(), rest, atol=tol * 10, rtol=0)
+        chosen = torch.randint(0, 1001, (len(ids), 5), generator=torch.Generator().manual_seed(1))
+        at, at_tail = head.log_probs_at(hidden, chosen, temperature=tau)
+        torch.testing.assert_close(at.double(), reference.gather(1, chosen), atol=tol, rtol=0)
+    with pytest.raises(ValueError, match=r"hidden must be \[R, 32\]"):
+        head32.token_log_probs(hidden[:, :16], tokens)
+
+
+def test_another_checkpoints_head_is_far_off(saved):
+    """A negative control: the tied checkpoint's head over the untied one's states."""
+    root, models = saved
+    ids, hidden = _states(models["untied"])
+    exact = _dense(hidden, models["untied"].lm_head.weight, 1.0)
+    other = TeacherHead.from_hf(root / "tied").token_log_probs(hidden, torch.roll(ids, -1))
+    assert (other.double() - exact.gather(1, torch.roll(ids, -1)[:, None])[:, 0]).abs().max() > 0.1
+
+
 def _tp2(rank: int, world_size: int, root: str) -> dict:
     from megatron.core import parallel_state as ps
 
@@ -129,6 +180,10 @@ def _tp2(rank: int, world_size: int, root: str) -> dict:
             student = (student.shared_embedding_or_output_weight() if student.share_embeddings_and_output_weights
                        else student.output_layer.weight)
             out[name] = (head.weight.clone(), student.detach().clone(), head.first_id, head.padded_vocab_size)
+        model = __import__("transformers").AutoModelForCausalLM.from_pretrained(f"{root}/untied").float().eval()
+        ids, hidden = _states(model)
+        head = TeacherHead.from_hf(f"{root}/untied", tp_group=group)
+        out["scores"] = (head.token_log_probs(hidden, ids, temperature=0.7), *head.topk(hidden, 64, temperature=0.7))
         # one rank's bad argument is the same error on both ranks, raised before anything is shared
         try:
             TeacherHead.from_hf(f"{root}/untied", tp_group=group, dtype=torch.float32 if rank else "int8")
@@ -149,3 +204,11 @@ def test_tp2_shards_equal_the_students_output_layer_shards(saved):
             assert torch.equal(head[:real.shape[0]], real) and not head[real.shape[0]:].any(), (name, rank)
             assert torch.equal(head, student), (name, rank)  # the student's layout, padding included
     assert all("rank" in r["refused"] and "dtype" in r["refused"] for r in ranks)
+    # the sharded head's scores equal the whole head's on every rank
+    ids, hidden = _states(models["untied"])
+    whole = TeacherHead.from_hf(root / "untied")
+    want = (whole.token_log_probs(hidden, ids, temperature=0.7), *whole.topk(hidden, 64, temperature=0.7))
+    for result in ranks:
+        assert torch.equal(result["scores"][1], want[1])
+        for got, ref in zip(result["scores"], want):
+            torch.testing.assert_close(got, ref, atol=2e-6, rtol=0)
