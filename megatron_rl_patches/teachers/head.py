@@ -46,6 +46,7 @@ class TeacherHead:
     first_id: int
     tp_group: Any = None
     source: str = ""
+    checkpoint_dtype: torch.dtype | None = None  # the checkpoint's own (a served model's, usually)
 
     @property
     def hidden_size(self) -> int:
@@ -133,7 +134,7 @@ class TeacherHead:
         weight, error = local_error(plan.read)
         agree(tp_group, "TeacherHead.from_hf: reading", error=error, where="the tensor-parallel group")
         assert weight is not None
-        return cls(weight, plan.vocab_size, plan.padded, plan.first, tp_group, str(plan.root))
+        return cls(weight, plan.vocab_size, plan.padded, plan.first, tp_group, str(plan.root), plan.own_dtype)
 
 
 def group_position(group: Any) -> tuple[int, int]:
@@ -158,6 +159,7 @@ class HeadPlan:
     first: int
     rows: int
     dtype: torch.dtype
+    own_dtype: torch.dtype
 
     @classmethod
     def of(cls, path: Any, dtype: Any, divisible_by: int | None, size: int, rank: int) -> HeadPlan:
@@ -171,7 +173,8 @@ class HeadPlan:
             divisible_by = positive_int("TeacherHead.from_hf(make_vocab_size_divisible_by=...)", divisible_by)
         padded = padded_vocab(vocab, divisible_by or (MEGATRON_DIVISOR if size > 1 else 1), size)
         rows = padded // size
-        return cls(config.root, entry, vocab, hidden, padded, rank * rows, rows, wanted)
+        return cls(config.root, entry, vocab, hidden, padded, rank * rows, rows, wanted,
+                   head_dtype(None, config, entry))
 
     def read(self) -> torch.Tensor:
         """This rank's rows, converted to the dtype asked, zero rows past the vocabulary."""
