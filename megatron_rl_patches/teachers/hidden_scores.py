@@ -39,8 +39,9 @@ def head_temperature(temperature: object, top_k: int, head: TeacherHead) -> floa
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature <= 0:
         raise ValueError(f"ServedTeacher(temperature=...) must be a finite number > 0, got {temperature!r}")
-    if top_k > head.vocab_size:
-        raise ValueError(f"ServedTeacher(top_k={top_k}) is over the teacher head's vocabulary of {head.vocab_size}")
+    if top_k >= head.vocab_size:
+        raise ValueError(f"ServedTeacher(top_k={top_k}) must be smaller than the teacher head's vocabulary of "
+                         f"{head.vocab_size} (the tail bucket holds the rest; at K = vocabulary - 1 it is the last id)")
     return float(temperature)
 
 

@@ -78,15 +78,15 @@ def test_hidden_state_teacher_arguments_are_named(head, tmp_path):
         ServedTeacher(URL, "sglang", head=head)
     with pytest.raises(ValueError, match="temperature=...\\) must be a finite number > 0"):
         ServedTeacher(URL, head=head, temperature=0.0)
-    with pytest.raises(ValueError, match="top_k=51\\) is over the teacher head's vocabulary of 50"):
-        ServedTeacher(URL, head=head, top_k=51)
+    with pytest.raises(ValueError, match="top_k=50\\) must be smaller than the teacher head's vocabulary of 50"):
+        ServedTeacher(URL, head=head, top_k=50)
     with pytest.raises(TypeError, match="head=...\\) must be a TeacherHead"):
         ServedTeacher(URL, head=3)
     with pytest.raises(ValueError, match="hidden_dtype"):
         ServedTeacher(URL, head=head, hidden_dtype=torch.float64)
     with pytest.raises(FileNotFoundError, match="TeacherHead.from_hf\\(path\\)"):
         ServedTeacher(URL, head=tmp_path / "nowhere")
-    teacher = ServedTeacher(URL, head=head, top_k=50, temperature=0.7)  # any K of the vocabulary, any temperature
+    teacher = ServedTeacher(URL, head=head, top_k=49, temperature=0.7)  # any K of the vocabulary, any temperature
     assert teacher.temperature == 0.7 and teacher.engine.dtype == torch.float32
 
 

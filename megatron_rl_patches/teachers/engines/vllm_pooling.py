@@ -96,9 +96,10 @@ class VllmPoolingEngine(VllmEngine):
             raise refuse(f"the hidden states came {item.get('endianness')!r}-endian, not little-endian as asked")
         if not isinstance(shape, list) or len(shape) != 2 or shape[0] != length:
             raise refuse(f"{length} ids sent but hidden states of shape {shape} came back (one row per id expected)")
-        if shape[1] != width:
-            raise refuse(f"hidden states of width {shape[1]} came back, but the teacher's head has hidden size "
-                         f"{width}: the server serves another model than the head's checkpoint")
+        if shape[1] != width:  # another model than the head's: a refusal (fix the configuration), not a failure
+            raise ServedTeacherRefusal(f"{where}: hidden states of width {shape[1]} came back, but the teacher's head "
+                                       f"has hidden size {width}: the server serves another model than the head's "
+                                       f"checkpoint", self.client.url, sample)
         size = torch.tensor([], dtype=self.dtype).element_size()
         first, end, content = item.get("start"), item.get("end"), reply.content
         if not isinstance(first, int) or end != first + length * width * size or len(content) < end:
