@@ -171,3 +171,27 @@ def test_refusals_by_name_in_bounded_time(pooled, served, tmp_path):
             teacher.score(long)
         assert isinstance(teacher.check().max_model_len, int)
     assert issubclass(ServedTeacherRefusal, ServedTeacherError)
+
+
+def sharded_head_scores(rank: int, world: int, url: str, directory: str) -> tuple:
+    """One rank of a TP=2 student: its vocabulary shard of the head, the same batch on both ranks."""
+    import torch.distributed as dist
+
+    head = TeacherHead.from_hf(directory, tp_group=dist.group.WORLD)
+    with ServedTeacher(url, head=head, top_k=K, temperature=0.7, client=FAST) as teacher:
+        scores = teacher.score(samples(0), group=dist.group.WORLD)
+    return head.weight.shape, scores.token_log_probs, scores.topk_ids, scores.topk_log_probs, scores.tail_log_probs
+
+
+def test_a_head_sharded_over_tp2_scores_as_the_whole_head(pooled, scored):
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    warm = scored[4]
+    ranks = run_multirank(sharded_head_scores, 2, pooled.url, str(pooled.directory), timeout=300)
+    for shape, token, ids, values, tail in ranks:
+        assert tuple(shape) == (512, MODEL_SHAPE["hidden_size"])  # 1001 padded to 1024, half a rank
+        for i in range(len(token)):
+            assert torch.equal(ids[i], warm.topk_ids[i])
+            for got, want in ((token[i], warm.token_log_probs[i]), (values[i], warm.topk_log_probs[i]),
+                              (tail[i], warm.tail_log_probs[i])):
+                torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
