@@ -33,7 +33,7 @@ SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")
 MEGATRON_DIVISOR = 128  # Megatron-LM's default make_vocab_size_divisible_by: the student's padding
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # a tensor inside: compared by identity
 class TeacherHead:
     """A teacher's output weight: `weight` [V_local, H], rows [first_id, first_id + V_local) of the
     vocabulary padded to `padded_vocab_size` (zero rows past `vocab_size`, the real rows; pass
