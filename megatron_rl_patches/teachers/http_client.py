@@ -152,9 +152,10 @@ class TeacherClient:
         return True, value
 
     def request(self, method: str, path: str, body: Any, deadline: Deadline, cancel: threading.Event,
-                sample: int | None = None) -> Any:
+                sample: int | None = None, raw: bool = False) -> Any:
         """The JSON reply to `method path` (`body` as JSON), retried on connection errors and 5xx
-        until `retries` or the deadline; a 4xx is a `ServedTeacherRefusal` with the server's words."""
+        until `retries` or the deadline; a 4xx is a `ServedTeacherRefusal` with the server's words.
+        `raw`: the reply itself (httpx's Response: a binary body and its headers), undecoded."""
         import httpx  # lazy: optional dependency httpx (the extra `served`)
 
         s = self.settings
@@ -197,7 +198,7 @@ class TeacherClient:
                                                f"{where!r}), and a served teacher follows no redirect: give the "
                                                f"URL the server answers at", self.url, sample)
                 if response.status_code < 400:
-                    return decode(response.content, who, self.url, sample)
+                    return response if raw else decode(response.content, who, self.url, sample)
                 last = f"HTTP {response.status_code}: {server_words(response)}"
                 if response.status_code < 500:
                     raise refusal(response.status_code, last, who, self.url, sample, s)

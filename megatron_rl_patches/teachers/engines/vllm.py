@@ -62,8 +62,12 @@ class VllmEngine:
             raise ServedTeacherError(f"{self.client.url}/v1/models gives no max_model_len for {name!r}: "
                                      f"is this a vLLM server?", self.client.url)
         model = ServedModel(name, length)
-        self.scores(model, PROBE_IDS, 1, deadline, cancel, sample=None)
+        self.probe(model, deadline, cancel)
         return model
+
+    def probe(self, model: ServedModel, deadline: Deadline, cancel: threading.Event) -> None:
+        """One tiny scoring request: K within `--max-logprobs`, log-probs not logits."""
+        self.scores(model, PROBE_IDS, 1, deadline, cancel, sample=None)
 
     def tokenize(self, model: ServedModel, text: str, deadline: Deadline, cancel: threading.Event) -> list[int] | None:
         """`text` tokenized by the served model's tokenizer (`/tokenize`, no special tokens added)."""
@@ -83,6 +87,11 @@ class VllmEngine:
             reply = self.client.request("POST", self.path, self.body(model, ids), deadline, cancel, sample)
         except ServedTeacherRefusal as refused:
             found = MAX_LOGPROBS.search(str(refused))
+            if found is None and "HTTP 404" in str(refused):  # a pooling server has no /v1/completions
+                raise ServedTeacherRefusal(f"{self.client.url} does not serve {self.path} (HTTP 404): a pooling server "
+                                           f"(--runner pooling) sends hidden states, not prompt log-probs; give "
+                                           f"ServedTeacher(head=...) the teacher's checkpoint, or serve the teacher "
+                                           f"without --runner pooling", self.client.url, sample) from None
             if found is None:
                 raise
             limit = int(found.group(1))
