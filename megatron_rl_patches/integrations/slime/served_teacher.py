@@ -2,7 +2,8 @@
 `teachers.kinds`): `served_opd.ServedOpdTeacher` over a `ServedTeacher`, and the settings it needs,
 checked before anything loads (`check_served`): a served engine scores its own top-k only, so the
 buckets come from it (MEGATRON_RL_PATCHES_OPD_IDS_FROM=teacher, the served teacher first); one with
-another tokenizer (`;tokenizer=DIR`) is `served_cross_opd.ServedCrossOpdTeacher`."""
+another tokenizer (`;tokenizer=DIR`) is `served_cross_opd.ServedCrossOpdTeacher`; one with a head
+(`;head=DIR`: hidden states) is `served_head_opd.ServedHeadOpdTeacher`, which scores any ids."""
 from __future__ import annotations
 
 from typing import Any
@@ -11,24 +12,31 @@ from megatron_rl_patches._variables import OPD_IDS_FROM
 from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, OpdSettings, Teacher
 from megatron_rl_patches.integrations.slime.opd_teachers import OpdTeacher
 from megatron_rl_patches.integrations.slime.served_cross_opd import build_served_cross
+from megatron_rl_patches.integrations.slime.served_head_opd import build_served_head
 from megatron_rl_patches.integrations.slime.served_opd import build_served
 from megatron_rl_patches.teachers.kinds.entry import SERVED
 
 
+def top_k_only(teacher: Teacher) -> bool:
+    """A served teacher that scores only its own top-k (no `;head=DIR`: the engine's log-probs)."""
+    return teacher.kind == SERVED and teacher.head is None
+
+
 def check_served(settings: OpdSettings) -> None:
     """ValueError naming the entry for what slime's OPD cannot serve with a served teacher of the
-    student's tokenizer, the same on every rank: ids from the student or the union, one after the
-    first teacher of the student's tokenizer (a served teacher of another tokenizer scores its own
-    encoding: any place, any ids)."""
+    student's tokenizer without a head, the same on every rank: ids from the student or the union,
+    one after the first teacher of the student's tokenizer (a served teacher of another tokenizer
+    scores its own encoding, one with `;head=DIR` any ids from its hidden states: any place, any
+    ids)."""
     same = [index for index, teacher in enumerate(settings.teachers) if not teacher.other_tokenizer]
-    served = [index for index in same if settings.teachers[index].kind == SERVED]
+    served = [index for index in same if top_k_only(settings.teachers[index])]
     if not served:
         return
     first = settings.teachers[served[0]]
     if settings.ids_from != "teacher":
         raise ValueError(f"{TEACHERS} entry '{first.path}' with {OPD_IDS_FROM}={settings.ids_from}: a served engine "
                          f"scores its own top-k only, not given ids; set {OPD_IDS_FROM}=teacher and name the served "
-                         "teacher first")
+                         "teacher first, or serve its hidden states and add ';head=DIR' (its Hugging Face directory)")
     later = [index for index in served if index != same[0]]
     if later:
         raise ValueError(f"{TEACHERS} entry '{settings.teachers[later[0]].path}': a served teacher after the first "
@@ -45,6 +53,8 @@ def build_served_teacher(actor: Any, settings: OpdSettings, index: int, teacher:
     where = f"{TEACHERS} entry '{teacher.path}'"
     if teacher.tokenizer is not None:
         return build_served_cross(actor.args, settings, teacher, where)
+    if teacher.head is not None:
+        return build_served_head(actor, settings, teacher, student, where)
     head = actor.model[-1]
     while hasattr(head, "module"):  # the wrapped chunk (DDP, Float16Module) holds the vocabulary
         head = head.module

@@ -20,7 +20,9 @@ class TeacherEntry:
     (`;stop_tokens=module:function`): student special id -> the teacher's id or None; `tp` / `pp`
     (`;tp=N` / `;pp=N`): a Hugging Face directory at its own sizes over all ranks; `engine`
     (`;engine=vllm`): the engine serving a URL; `tokenizer` (`;tokenizer=DIR` of a URL): the served
-    teacher's own tokenizer (a directory or tokenizer.json)."""
+    teacher's own tokenizer (a directory or tokenizer.json); `head` (`;head=DIR` of a URL): the
+    teacher's Hugging Face directory whose output layer turns the served final hidden states into
+    its whole distribution on the trainer (`teachers.TeacherHead`)."""
 
     path: str
     provider: str | None = None
@@ -31,6 +33,7 @@ class TeacherEntry:
     kind: str = ""
     engine: str | None = None
     tokenizer: str | None = None
+    head: str | None = None
 
     def __post_init__(self) -> None:
         if not self.kind:

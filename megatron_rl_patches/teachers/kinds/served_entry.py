@@ -4,13 +4,16 @@ is split further (its ':' and '/' are no path, its '@' no provider); a user or p
 refused on the raw entry, before anything splits it, and every message shows the entry `redacted`
 (the API key comes from MEGATRON_RL_PATCHES_TEACHER_API_KEY). Options: `;engine=vllm`
 (required: the engines answer on different routes), `;tokenizer=DIR` (another tokenizer than the
-student's: a directory or tokenizer.json, `;stop_tokens=module:function` with it). Engines score
-at temperature 1 only: another rollout temperature is refused. `doctor` asks the server."""
+student's: a directory or tokenizer.json, `;stop_tokens=module:function` with it), `;head=DIR` (the
+teacher's Hugging Face directory: the server sends final hidden states, vLLM's pooling runner, and
+the trainer projects them through the directory's output layer). Engines score at temperature 1
+only: without a head another rollout temperature is refused. `doctor` asks the server."""
 from __future__ import annotations
 
 import re
 import urllib.parse
 from pathlib import Path
+from typing import Any
 
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
 from megatron_rl_patches._variables import TEACHER_API_KEY
@@ -21,8 +24,9 @@ from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, STOP_TOKEN
 from megatron_rl_patches.teachers.redaction import has_userinfo, redacted
 from megatron_rl_patches.teachers.tokenizer_probe import probe_tokenizer
 
-FORM = "http(s)://host:port;engine=vllm (a teacher served by vLLM; ;tokenizer=DIR for another tokenizer)"
-ENGINE, TOKENIZER = "engine=", "tokenizer="
+FORM = ("http(s)://host:port;engine=vllm (a teacher served by vLLM; ;tokenizer=DIR for another tokenizer; "
+        ";head=DIR for its hidden states through the head of its Hugging Face directory)")
+ENGINE, TOKENIZER, HEAD = "engine=", "tokenizer=", "head="
 SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # doctor's bounds: a server that does not answer is a problem in seconds, not a hang
 DOCTOR_CONNECT_S, DOCTOR_DEADLINE_S = 5.0, 15.0
@@ -56,7 +60,7 @@ def parse(entry: str) -> TeacherEntry:
                          f"put the API key in {TEACHER_API_KEY} (sent as a bearer token)")
     head, options = split_entry(entry)
     url = check_url_head(entry, head.strip())
-    engine = tokenizer = stop = None
+    engine = tokenizer = stop = head_dir = None
     for option in options:
         name, _, value = (part.strip() for part in option.partition("="))
         if name == "engine":
@@ -70,6 +74,8 @@ def parse(entry: str) -> TeacherEntry:
                              "holding tokenizer.json, or the file)")
         elif name == "tokenizer" and value:
             tokenizer = value
+        elif name == "head" and value:
+            head_dir = value
         elif name == "stop_tokens" and is_provider(value):
             stop = value
         elif name in ("tp", "pp", "ep"):
@@ -78,21 +84,26 @@ def parse(entry: str) -> TeacherEntry:
         else:
             raise ValueError(f"{TEACHERS} entry {said!r}: unknown option {option!r}; a served teacher's options "
                              f"are ';{ENGINE}NAME' (one of {list(SERVED_ENGINES)}), ';{TOKENIZER}DIR' (another "
-                             f"tokenizer than the student's: a directory or tokenizer.json) and "
-                             f"';{STOP_TOKENS}module:function' (with it)")
+                             f"tokenizer than the student's: a directory or tokenizer.json), "
+                             f"';{STOP_TOKENS}module:function' (with it) and ';{HEAD}DIR' (the teacher's Hugging "
+                             "Face directory: its hidden states served, projected through its head here)")
     if engine is None:
         raise ValueError(f"{TEACHERS} entry {said!r}: name the engine serving it, e.g. '{url};engine=vllm' "
                          f"(served: {list(SERVED_ENGINES)})")
     if stop is not None and tokenizer is None:
         raise ValueError(f"{TEACHERS} entry {said!r}: ';{STOP_TOKENS}' maps tokens between two tokenizers; add "
                          f"';{TOKENIZER}DIR' or drop it")
-    return TeacherEntry(url, stop_tokens=stop, kind=SERVED, engine=engine, tokenizer=tokenizer)
+    if head_dir is not None and tokenizer is not None:
+        raise ValueError(f"{TEACHERS} entry {said!r}: ';{HEAD}DIR' with ';{TOKENIZER}DIR' (exact cross-tokenizer "
+                         "buckets from hidden states) is not served yet in slime's OPD; drop one of them")
+    return TeacherEntry(url, stop_tokens=stop, kind=SERVED, engine=engine, tokenizer=tokenizer, head=head_dir)
 
 
 def check(entry: TeacherEntry, facts: RunFacts) -> None:
     """Engines score prompt log-probs at temperature 1 whatever is asked, while the teachers score
-    at the run's temperature (slime: its rollout temperature): another one is refused."""
-    if facts.temperature is not None and float(facts.temperature) != 1.0:
+    at the run's temperature (slime: its rollout temperature): another one is refused, except with
+    a head (`;head=DIR`: the trainer forms the distribution at any temperature)."""
+    if entry.head is None and facts.temperature is not None and float(facts.temperature) != 1.0:
         raise ValueError(f"{TEACHERS} entry '{entry.path}' is a served teacher, and {facts.temperature_from} is "
                          f"{facts.temperature:g}: served engines score prompt log-probs at temperature 1 whatever is "
                          f"asked (so would not score at the student's temperature); set {facts.temperature_from} to "
@@ -102,7 +113,9 @@ def check(entry: TeacherEntry, facts: RunFacts) -> None:
 def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
     """The server asked now, without loading anything (`ServedTeacher.check`: it answers, the
     model it serves, its max model length, k within its --max-logprobs), in bounded time; the
-    tokenizer of `;tokenizer=DIR` present and the served model's (its `/tokenize` of a probe)."""
+    tokenizer of `;tokenizer=DIR` present and the served model's (its `/tokenize` of a probe). With
+    `;head=DIR`: its config.json and head tensor found (no weight read), the server's pooling task
+    answering with states of the head's hidden size, and DIR's tokenizer.json the served model's."""
     found = []
     named = None
     if entry.tokenizer is not None:
@@ -121,17 +134,34 @@ def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
         settings = ClientSettings(connect_timeout_s=DOCTOR_CONNECT_S, timeout_s=DOCTOR_DEADLINE_S,
                                   deadline_s=DOCTOR_DEADLINE_S, retries=0)
         deadline = Deadline.after(DOCTOR_DEADLINE_S)  # the check and the probe within one bound
-        with ServedTeacher(entry.path, str(entry.engine), top_k=facts.k, client=settings) as teacher:
-            teacher.served_model(deadline)
+        head = None if entry.head is None else planned_head(entry.head)
+        if head is not None and named is None and (Path(head.source) / "tokenizer.json").is_file():
+            named = Path(head.source)  # the head's vocabulary: its directory's tokenizer, probed below
+        with ServedTeacher(entry.path, str(entry.engine), top_k=facts.k, client=settings, head=head) as teacher:
+            teacher.served_model(deadline)  # with a head: the pooling task answers, at the head's width
             if named is not None:  # the served model's tokenizer is the one the entry names
                 # lazy: optional dependency tokenizers (a served teacher of another tokenizer only)
                 from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
 
-                probe_tokenizer(teacher, load_tokenizer(str(named), f";{TOKENIZER}"), "its tokenizer",
-                                f"the tokenizer ';{TOKENIZER}{entry.tokenizer}' names", deadline)
+                whose = f"';{TOKENIZER}{entry.tokenizer}'" if entry.tokenizer is not None else f"';{HEAD}{entry.head}'"
+                probe_tokenizer(teacher, load_tokenizer(str(named), whose), "its tokenizer",
+                                f"the tokenizer {whose} names", deadline)
     except (ValueError, TypeError, RuntimeError, ImportError, OSError) as exc:  # ServedTeacherError: a RuntimeError
         found.append(f"{TEACHERS}: served teacher '{entry.path}' ({entry.engine}, k={facts.k}) fails its check: {exc}")
     return found
+
+
+def planned_head(directory: str) -> Any:
+    """A `TeacherHead` of `;head=DIR` without its weights (on the meta device): config.json's
+    vocabulary and hidden size, the head tensor found in the checkpoint's index (its dtype: the one
+    the states travel in), for the server's checks."""
+    import torch  # lazy: import cost (doctor's other checks need no torch)
+
+    from megatron_rl_patches.teachers.head import HeadPlan, TeacherHead  # lazy: import cost (torch)
+
+    plan = HeadPlan.of(directory, None, None, 1, 0)
+    weight = torch.empty(plan.vocab_size, plan.hidden_size, dtype=plan.dtype, device="meta")
+    return TeacherHead(weight, plan.vocab_size, plan.vocab_size, 0, None, str(plan.root), plan.own_dtype)
 
 
 KIND = TeacherKind(SERVED, FORM, recognizes=recognizes, parse=parse, check=check, problems=problems)

@@ -1,0 +1,71 @@
+"""slime's OPD with a served teacher's head (`http://host:port;engine=vllm;head=DIR`): the entry is
+parsed with its head, takes any MEGATRON_RL_PATCHES_OPD_IDS_FROM, any place in the teacher list
+and slime's --rollout-temperature, while a served teacher without a head keeps its refusals; what
+the head cannot serve is refused by name. (Against a real pooling server and slime's train_actor:
+tests/integrations/slime/lane/test_slime_opd_served_head_lane.py.)"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_rl_patches.integrations.slime import opd as slime_opd
+from megatron_rl_patches.integrations.slime.opd_settings import LOSS_PATH, opd_settings
+from megatron_rl_patches.teachers.kinds import parse_entries
+from megatron_rl_patches.teachers.kinds.entry import SERVED
+
+P = "MEGATRON_RL_PATCHES_OPD_"
+HEAD = "http://t:1;engine=vllm;head=/dirs/teacher"
+
+
+def _args(**values):
+    base = dict(loss_type="custom_loss", custom_loss_function_path=LOSS_PATH, context_parallel_size=1,
+                rollout_temperature=1.0)
+    return SimpleNamespace(**{**base, **values})
+
+
+def test_the_head_option_is_read_into_the_entry_beside_the_others():
+    head, plain, local = parse_entries(f"{HEAD},http://t:2;engine=vllm,/ckpt/b")
+    assert (head.kind, head.path, head.engine, head.head) == (SERVED, "http://t:1", "vllm", "/dirs/teacher")
+    assert (plain.kind, plain.head) == (SERVED, None)
+    assert local.head is None and not head.other_tokenizer
+
+
+@pytest.mark.parametrize("entry, words", [
+    ("http://t:1;engine=vllm;head=/d;tokenizer=/tok", "';head=DIR' with ';tokenizer=DIR'"),
+    ("http://t:1;engine=vllm;heads=/d", "unknown option 'heads=/d'.*';head=DIR'"),
+])
+def test_what_a_head_entry_cannot_be_is_refused_naming_the_entry(entry, words):
+    with pytest.raises(ValueError, match=words):
+        parse_entries(entry)
+
+
+@pytest.mark.parametrize("teachers, ids_from", [
+    (f"{HEAD},/b", "student"),
+    (f"/b,{HEAD}", "union"),
+    (f"/b,{HEAD}", "teacher"),  # after the first: it scores the first one's ids
+    (f"{HEAD},{HEAD.replace(':1', ':2')}", "student"),  # two served heads
+])
+def test_a_head_teacher_takes_any_ids_any_place_and_the_rollout_temperature(teachers, ids_from):
+    settings = opd_settings({P + "TEACHERS": teachers, P + "IDS_FROM": ids_from})
+    slime_opd.check_args(_args(rollout_temperature=0.7), settings)
+
+
+@pytest.mark.parametrize("teachers, ids_from, words", [
+    # without a head a served teacher keeps every refusal, beside a head teacher too
+    (f"{HEAD},http://t:2;engine=vllm", "teacher", "entry 'http://t:2': a served teacher after the first"),
+    (f"http://t:2;engine=vllm,{HEAD}", "student", "IDS_FROM=student: a served engine scores its own top-k only.*"
+                                                  "';head=DIR'"),
+])
+def test_a_served_teacher_without_a_head_keeps_its_refusals(teachers, ids_from, words):
+    settings = opd_settings({P + "TEACHERS": teachers, P + "IDS_FROM": ids_from})
+    with pytest.raises(ValueError, match=words):
+        slime_opd.check_args(_args(), settings)
+
+
+def test_only_a_served_teacher_without_a_head_refuses_another_temperature():
+    mixed = opd_settings({P + "TEACHERS": f"http://t:2;engine=vllm,{HEAD}", P + "IDS_FROM": "teacher"})
+    with pytest.raises(ValueError, match="entry 'http://t:2' is a served teacher, and slime's --rollout-temperature "
+                                         "is 0.7"):
+        slime_opd.check_args(_args(rollout_temperature=0.7), mixed)
+    slime_opd.check_args(_args(rollout_temperature=1.0), mixed)  # control: a top-k server first, a head after it
