@@ -221,7 +221,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
     another data-parallel rank planned more: its samples split, then its shortest one repeated);
     cross["temperature"]: the rollout's temperature (a served teacher's: 1); `served`: the teachers'
     entries served["entries"] (a served teacher first), the ids from the
-    teacher, the student's tokenizer in served["student"], the rollout at temperature 1."""
+    teacher (served["ids_from"]: from whom), the student's tokenizer in served["student"], the rollout
+    at temperature 1 (served["temperature"]: another, a served teacher with a head)."""
     with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual,
                    expert=expert) as patch:
         import slime_kit as kit
@@ -233,6 +234,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
         import megatron_rl_patches
         from megatron_rl_patches.integrations.slime import opd as slime_opd
         from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
+        from megatron_rl_patches.integrations.slime.served_head_opd import ServedHeadOpdTeacher
         from megatron_rl_patches.integrations.slime.served_opd import ServedOpdTeacher
         from megatron_rl_patches.integrations.slime.step_plan import STEP_SAME_AS
 
@@ -267,7 +269,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
             cross_flags = ("--vocab-size", str(cross["vocab"]))
         if served is not None:
             patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", served["entries"])
-            patch.setenv("MEGATRON_RL_PATCHES_OPD_IDS_FROM", "teacher")
+            patch.setenv("MEGATRON_RL_PATCHES_OPD_IDS_FROM", served.get("ids_from", "teacher"))
         agreed: list[int] = []  # the teacher micro-batch counts agreed (with expert parallelism)
         if cross is not None and cross.get("more_micro_batches"):
             from megatron_rl_patches.integrations.slime import expert_agreement
@@ -285,7 +287,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                                    *flags, *cross_flags,
                                    **({"hf_checkpoint": cross["student"]} if cross else {}),
                                    **({"hf_checkpoint": served["student"]} if served else {}),
-                                   rollout_temperature=1.0 if served else (cross or {}).get("temperature", TEMPERATURE),
+                                   rollout_temperature=float(served.get("temperature", 1.0)) if served
+                                   else (cross or {}).get("temperature", TEMPERATURE),
                                    log_probs_chunk_size=4,
                                    use_critic=False,  # what slime_validate_args sets
                                    **_whole_gradients(world_size // (pipeline * tensor)),  # EP=2: DP=2 here
@@ -298,7 +301,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 teachers = slime_opd.load_teachers(actor, opd_settings())
                 setattr(actor, slime_opd.ATTRIBUTE, teachers)
                 # a teacher with another tokenizer: its model; a served teacher has none in this process
-                models = [getattr(t, "model", t) for t in teachers if not isinstance(t, ServedOpdTeacher)]
+                remote = (ServedOpdTeacher, ServedHeadOpdTeacher)
+                models = [getattr(t, "model", t) for t in teachers if not isinstance(t, remote)]
                 separate = [_stage_state(t) for t in models if not isinstance(t, str)]
                 actor.prof, actor.rollout_data_postprocess = TrainProfiler(args), None
                 actor.optimizer, actor.opt_param_scheduler = optimizer, scheduler
