@@ -17,7 +17,13 @@ import torch
 from megatron_rl_patches.integrations.slime.allgather_cp import whole_from_zigzag, zigzag_of_whole
 from megatron_rl_patches.integrations.slime.opd_settings import OpdSettings, Teacher
 from megatron_rl_patches.integrations.slime.opd_teachers import OpdTeacher, ScoringStep
-from megatron_rl_patches.integrations.slime.served_opd import asking_group, batch_of, device_of, job_group
+from megatron_rl_patches.integrations.slime.served_opd import (
+    agree_at_load,
+    asking_group,
+    batch_of,
+    device_of,
+    job_group,
+)
 from megatron_rl_patches.integrations.slime.step_plan import IDS, IDS_MASK, TopkRequest
 from megatron_rl_patches.ops.topk import union_ids
 from megatron_rl_patches.teachers.agreement import agree_failure
@@ -151,10 +157,7 @@ def build_served_head(actor: Any, settings: OpdSettings, teacher: Teacher, stude
                 probe_tokenizer(served, student_tokenizer_of(args, where), where, STUDENTS)
     except Exception as failed:  # noqa: BLE001 - agreed over the job, then raised
         error = failed
-    try:
-        agree_failure(error, job_group())
-    except Exception as agreed:
-        raise ValueError(f"{where}: {agreed}") from agreed
+    agree_at_load(error, where)
     return ServedHeadOpdTeacher(served)
 
 

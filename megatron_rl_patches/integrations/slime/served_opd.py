@@ -178,12 +178,18 @@ def connect(args: Any, settings: OpdSettings, url: str, engine: str, where: str,
             probe_tokenizer(teacher, expected, where, whose)
     except Exception as failed:  # noqa: BLE001 - agreed over the job, then raised
         error = failed
+    agree_at_load(error, where)
+    assert teacher is not None  # no error: built
+    return teacher
+
+
+def agree_at_load(error: BaseException | None, where: str) -> None:
+    """A failure of a served teacher's load on any rank (`error` here) raised on every rank of the
+    job as a ValueError naming the entry (`where`)."""
     try:
         agree_failure(error, job_group())
     except Exception as agreed:
         raise ValueError(f"{where}: {agreed}") from agreed
-    assert teacher is not None  # no error: built
-    return teacher
 
 
 def build_served(args: Any, settings: OpdSettings, url: str, engine: str, student_vocab: int,
