@@ -133,7 +133,7 @@ def build_served_head(actor: Any, settings: OpdSettings, teacher: Teacher, stude
     group, padded as the actor pads its vocabulary), the server asked by the first of them (it
     serves the pooling task at the head's hidden size, its tokenizer is the student's); a failure
     on any rank raised on every rank of the job."""
-    from megatron_rl_patches.integrations.slime import hf_teachers
+    from megatron_rl_patches.inference.loading.hf.vocab import check_teacher_vocab
     from megatron_rl_patches.integrations.slime.served_opd import student_tokenizer_of
     from megatron_rl_patches.teachers.head import TeacherHead
     from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: optional dependency httpx
@@ -143,7 +143,7 @@ def build_served_head(actor: Any, settings: OpdSettings, teacher: Teacher, stude
     error: BaseException | None = None
     served = None
     try:
-        hf_teachers.check_vocab(teacher.head, student, where)
+        check_teacher_vocab(teacher.head, student)  # ';head=DIR' of another tokenizer: not served yet
         _, asks, last = asking_group()
         if last:
             head = TeacherHead.from_hf(teacher.head, tp_group=tp_group(),

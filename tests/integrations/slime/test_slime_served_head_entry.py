@@ -69,3 +69,14 @@ def test_only_a_served_teacher_without_a_head_refuses_another_temperature():
                                          "is 0.7"):
         slime_opd.check_args(_args(rollout_temperature=0.7), mixed)
     slime_opd.check_args(_args(rollout_temperature=1.0), mixed)  # control: a top-k server first, a head after it
+
+
+def test_a_head_of_another_vocabulary_is_refused_at_load_naming_the_entry(tmp_path):
+    from megatron_rl_patches.integrations.slime.served_teacher import build_served_teacher
+    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
+
+    write_tiny_checkpoint(tmp_path / "teacher", tiny_hf_config("qwen3"), seed=1)  # vocabulary 1001
+    settings = opd_settings({P + "TEACHERS": f"http://127.0.0.1:9;engine=vllm;head={tmp_path / 'teacher'}"})
+    actor = SimpleNamespace(args=_args(), model=[SimpleNamespace(vocab_size=64)])
+    with pytest.raises(ValueError, match=r"MEGATRON_RL_PATCHES_OPD_TEACHERS entry 'http://127.0.0.1:9'.*1001"):
+        build_served_teacher(actor, settings, 0, settings.teachers[0], 64, "served")
