@@ -339,8 +339,11 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 return {"states": states, "grads": grads, "losses": losses if last else None,
                         "step_seconds": [b - a for a, b in zip(seconds, seconds[1:])],
                         "opd_reverse_kl": first.get("opd_reverse_kl"),  # slime's --use-opd advantage term
-                        "ids": first.get(slime_opd.IDS), "rows": _response_rows(first),
+                        "ids": first.get(slime_opd.IDS), "ids_mask": first.get(slime_opd.IDS_MASK),
+                        "rows": _response_rows(first),
                         "teacher_logprobs": first.get(slime_opd.TEACHER_LOGPROBS),
+                        "served_logprobs": None if first.get(slime_opd.TEACHER_LOGPROBS) is None else
+                        [values[0] for values in first[slime_opd.TEACHER_LOGPROBS]],  # the first teacher's
                         "last_ids": data.get(slime_opd.IDS),
                         "teacher_micro_batches": agreed,
                         "step_repeats": sum(int((same_as >= 0).sum()) for same_as in first.get(STEP_SAME_AS, [])),

@@ -2,16 +2,19 @@
 pooling server (its CPU build, MRP_VLLM_PYTHON) sends the teacher's final hidden states, the
 trainer projects them through DIR's output layer, through slime 624b824a's real
 `MegatronTrainRayActor.train_actor` with a snapshot teacher beside it, at one rank and TP=2: the
-student's own ids (MEGATRON_RL_PATCHES_OPD_IDS_FROM=student, refused for a served teacher without a
-head) at slime's --rollout-temperature 0.8 (a served teacher without a head: 1 only); the first
-step's OPD loss and every gradient against dense float64 (the served checkpoint built alone in
-float64). Without MRP_VLLM_PYTHON the test skips naming it (the slime lane is outside `make test`)."""
+student's own ids and the union (MEGATRON_RL_PATCHES_OPD_IDS_FROM=student / union, refused for a
+served teacher without a head) and its own top-k (teacher) at slime's --rollout-temperature 0.8
+(a served teacher without a head: 1 only); the first step's OPD loss and every gradient against
+dense float64 (the served checkpoint built alone in float64). Without MRP_VLLM_PYTHON the test
+skips naming it (the slime lane is outside `make test`)."""
 from __future__ import annotations
 
 import os
 
 import pytest
 import torch
+
+from megatron_rl_patches.testing import layouts
 
 pytestmark = pytest.mark.slime
 
@@ -20,6 +23,14 @@ VOCAB = 64  # the lane's tiny GPT's vocabulary (slime_kit.VOCAB), the served mod
 SHAPE = dict(hidden_size=64, head_dim=32, intermediate_size=96, max_position_embeddings=256, vocab_size=VOCAB)
 WEIGHTS = (0.3, 0.7)  # slime_ranks.OPD_ENV's: the served teacher, the snapshot
 TEMPERATURE = 0.8
+SP = layouts.BY_MARKER["sp"].megatron_lm_args
+# name: ((pipeline, context, tensor, slime's extra flags, IDS_FROM), the layout's markers)
+LAYOUTS = {"pp1-student": ((1, 1, 1, (), "student"), ("thd",)),
+           "tp2sp-student": ((1, 1, 2, SP, "student"), ("tp2", "sp")),
+           "pp1-union": ((1, 1, 1, (), "union"), ("thd",)),
+           "tp2sp-teacher": ((1, 1, 2, SP, "teacher"), ("tp2", "sp")),
+           "pp2-student": ((2, 1, 1, (), "student"), ("pp2", "thd")),
+           "cp2-union": ((1, 2, 1, (), "union"), ("cp2-zigzag", "thd"))}
 # vLLM's pooling runner serving a causal LM's final hidden states per token
 POOLING = ("--runner", "pooling", "--convert", "embed", "--pooler-config", '{"task": "token_embed"}')
 
@@ -44,8 +55,8 @@ def pooled(tmp_path_factory):
         yield server.url, str(root / "qwen3")
 
 
-@pytest.mark.parametrize("tensor", [1, 2])
-def test_train_actor_with_a_served_head_on_the_student_ids_equals_dense_float64(slime_cpu, pooled, tensor):
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=layouts.mark(*LAYOUTS[name][1])) for name in LAYOUTS])
+def test_train_actor_with_a_served_head_equals_dense_float64(slime_cpu, pooled, layout):
     import slime_kit as kit
     import slime_ranks
 
@@ -53,42 +64,50 @@ def test_train_actor_with_a_served_head_on_the_student_ids_equals_dense_float64(
     from megatron_rl_patches.testing.multirank import run_multirank
 
     url, directory = pooled
+    pipeline, context, tensor, flags, ids_from = LAYOUTS[layout][0]
     served = {"entries": f"{url};engine=vllm;head={directory},teacher-a", "student": directory,
-              "ids_from": "student", "temperature": str(TEMPERATURE)}
-    ranks = run_multirank(slime_ranks.opd_train_actor, tensor, 1, 1, tensor, None, None, (), 1, None, 1, None, None,
-                          served, timeout=400)
-    for rank in ranks:
-        assert rank["keys"] == sorted([slime_opd.IDS, slime_opd.TEACHER_LOGPROBS, slime_opd.TEACHER_TAILS])
+              "ids_from": ids_from, "temperature": str(TEMPERATURE)}
+    per_stage = context * tensor
+    ranks = run_multirank(slime_ranks.opd_train_actor, pipeline * per_stage, pipeline, context, tensor, None, None,
+                          flags, 1, None, 1, None, None, served, timeout=600)
+    keys = [slime_opd.IDS, slime_opd.TEACHER_LOGPROBS, slime_opd.TEACHER_TAILS]
+    for rank in ranks[-per_stage:]:  # the last stage's ranks hold the fields
+        assert rank["keys"] == sorted(keys + ([slime_opd.IDS_MASK] if ids_from == "union" else []))
+    stages = [ranks[first:first + tensor] for first in range(0, len(ranks), per_stage)]
 
     def whole(field, tag=None):
-        return kit.unsplit([r[field] if tag is None else r[field][tag] for r in ranks], ranks[0]["split"])
+        return kit.whole_stages([kit.unsplit([r[field] if tag is None else r[field][tag] for r in shards],
+                                             shards[0]["split"]) for shards in stages])
 
-    states, grads = {tag: whole("states", tag) for tag in ranks[0]["states"]}, whole("grads")
+    def whole_rows(field):  # a per-row field of the last stage's context-parallel ranks, whole per sample
+        return kit.whole_ids([{**rank, "ids": rank[field]} for rank in ranks], context, tensor)
+
+    states, grads = {tag: whole("states", tag) for tag in ("actor", "opd_teacher_1")}, whole("grads")
     with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS) as args:
-        full = kit.provider_func(args)()
-        names = [name for name, _ in full.named_parameters()]
-        with torch.no_grad():
-            for name, p in full.named_parameters():
-                p.copy_(states["actor"][name])
+        names = [name for name, _ in kit.provider_func(args)().named_parameters()]
         data = kit.rollout(0)
-        ids = kit.whole_ids(ranks, 1, tensor)
+        ids = kit.whole_ids(ranks, context, tensor)
+        masks = whole_rows("ids_mask") if ids_from == "union" else None
         teacher = kit.hf_teacher_logps(directory, data, TEMPERATURE, VOCAB)
-        snapshot = [states["opd_teacher_1"][name] for name in names]
-        student = kit.float64_copy(args, [p.detach() for p in full.parameters()])
+        student = kit.float64_copy(args, [states["actor"][name] for name in names])
         dense_student = kit.response_logps(student, data, TEMPERATURE)
-        for sample_ids, logp in zip(ids, dense_student):  # the step's ids are the student's own top-k, ties aside
-            assert (sample_ids.sort(-1).values == logp.topk(sample_ids.shape[-1]).indices.sort(-1).values).float() \
-                .mean() > 0.9
+        k = int(slime_ranks.OPD_ENV["K"])
+        chooser = teacher if ids_from == "teacher" else dense_student  # a union: the student's ids first
+        for sample_ids, logp in zip(ids, chooser):  # whose own top-k the step's ids are, ties aside
+            assert (sample_ids[:, :k].sort(-1).values == logp.topk(k).indices.sort(-1).values).float().mean() > 0.9
         with torch.no_grad():
-            other = kit.response_logps(kit.float64_copy(args, snapshot), data, TEMPERATURE)
-        expected = kit.dense_opd_loss(dense_student, [teacher, other], data, ids, WEIGHTS)
+            other = kit.response_logps(kit.float64_copy(args, [states["opd_teacher_1"][n] for n in names]), data,
+                                       TEMPERATURE)
+        expected = kit.dense_opd_loss(dense_student, [teacher, other], data, ids, WEIGHTS, masks)
         expected.backward()
-    served_values = [values[0] for values in ranks[-1]["teacher_logprobs"]]  # the served teacher's [R, k]
-    value_error = max((v.double() - t.gather(-1, i)).abs().max().item() for v, t, i in zip(served_values, teacher, ids))
+    served_values = whole_rows("served_logprobs")  # the served teacher's [R, k] (the first teacher's)
+    real = masks or [torch.ones_like(i, dtype=torch.bool) for i in ids]
+    value_error = max((v.double() - t.gather(-1, i.clamp(min=0)))[m].abs().max().item()
+                      for v, t, i, m in zip(served_values, teacher, ids, real))
     (losses,) = ranks[-1]["losses"]
     loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
     grad_error = max((grads[name].double() - p.grad).abs().max().item() for name, p in student.named_parameters())
-    print(f"slime_opd train_actor TP={tensor} with a served head (student ids, T={TEMPERATURE}) vs dense float64: "
+    print(f"slime_opd train_actor {layout} with a served head ({ids_from} ids, T={TEMPERATURE}) vs dense float64: "
           f"loss {float(expected):.6f}, |Δloss| {loss_error:.2e}, max |Δteacher logp| {value_error:.2e}, "
           f"max |Δgrad| {grad_error:.2e}")
     assert value_error <= 1e-5
