@@ -344,6 +344,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                         "teacher_logprobs": first.get(slime_opd.TEACHER_LOGPROBS),
                         "served_logprobs": None if first.get(slime_opd.TEACHER_LOGPROBS) is None else
                         [values[0] for values in first[slime_opd.TEACHER_LOGPROBS]],  # the first teacher's
+                        "second_logprobs": None if first.get(slime_opd.TEACHER_LOGPROBS) is None else
+                        [values[-1] for values in first[slime_opd.TEACHER_LOGPROBS]],  # the last teacher's
                         "last_ids": data.get(slime_opd.IDS),
                         "teacher_micro_batches": agreed,
                         "step_repeats": sum(int((same_as >= 0).sum()) for same_as in first.get(STEP_SAME_AS, [])),

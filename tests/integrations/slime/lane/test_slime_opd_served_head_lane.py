@@ -30,7 +30,9 @@ LAYOUTS = {"pp1-student": ((1, 1, 1, (), "student"), ("thd",)),
            "pp1-union": ((1, 1, 1, (), "union"), ("thd",)),
            "tp2sp-teacher": ((1, 1, 2, SP, "teacher"), ("tp2", "sp")),
            "pp2-student": ((2, 1, 1, (), "student"), ("pp2", "thd")),
-           "cp2-union": ((1, 2, 1, (), "union"), ("cp2-zigzag", "thd"))}
+           "cp2-union": ((1, 2, 1, (), "union"), ("cp2-zigzag", "thd")),
+           # the served teacher second: it scores the union the snapshot teacher made (ids and mask)
+           "pp1-union-second": ((1, 1, 1, (), "union"), ("thd",))}
 # vLLM's pooling runner serving a causal LM's final hidden states per token
 POOLING = ("--runner", "pooling", "--convert", "embed", "--pooler-config", '{"task": "token_embed"}')
 
@@ -65,7 +67,9 @@ def test_train_actor_with_a_served_head_equals_dense_float64(slime_cpu, pooled, 
 
     url, directory = pooled
     pipeline, context, tensor, flags, ids_from = LAYOUTS[layout][0]
-    served = {"entries": f"{url};engine=vllm;head={directory},teacher-a", "student": directory,
+    second = layout.endswith("-second")
+    entry = f"{url};engine=vllm;head={directory}"
+    served = {"entries": f"teacher-a,{entry}" if second else f"{entry},teacher-a", "student": directory,
               "ids_from": ids_from, "temperature": str(TEMPERATURE)}
     per_stage = context * tensor
     ranks = run_multirank(slime_ranks.opd_train_actor, pipeline * per_stage, pipeline, context, tensor, None, None,
@@ -82,7 +86,8 @@ def test_train_actor_with_a_served_head_equals_dense_float64(slime_cpu, pooled, 
     def whole_rows(field):  # a per-row field of the last stage's context-parallel ranks, whole per sample
         return kit.whole_ids([{**rank, "ids": rank[field]} for rank in ranks], context, tensor)
 
-    states, grads = {tag: whole("states", tag) for tag in ("actor", "opd_teacher_1")}, whole("grads")
+    snapshot_tag = "opd_teacher_0" if second else "opd_teacher_1"
+    states, grads = {tag: whole("states", tag) for tag in ("actor", snapshot_tag)}, whole("grads")
     with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS) as args:
         names = [name for name, _ in kit.provider_func(args)().named_parameters()]
         data = kit.rollout(0)
@@ -92,15 +97,16 @@ def test_train_actor_with_a_served_head_equals_dense_float64(slime_cpu, pooled, 
         student = kit.float64_copy(args, [states["actor"][name] for name in names])
         dense_student = kit.response_logps(student, data, TEMPERATURE)
         k = int(slime_ranks.OPD_ENV["K"])
+        with torch.no_grad():
+            other = kit.response_logps(kit.float64_copy(args, [states[snapshot_tag][n] for n in names]), data,
+                                       TEMPERATURE)
         chooser = teacher if ids_from == "teacher" else dense_student  # a union: the student's ids first
         for sample_ids, logp in zip(ids, chooser):  # whose own top-k the step's ids are, ties aside
             assert (sample_ids[:, :k].sort(-1).values == logp.topk(k).indices.sort(-1).values).float().mean() > 0.9
-        with torch.no_grad():
-            other = kit.response_logps(kit.float64_copy(args, [states["opd_teacher_1"][n] for n in names]), data,
-                                       TEMPERATURE)
-        expected = kit.dense_opd_loss(dense_student, [teacher, other], data, ids, WEIGHTS, masks)
+        teachers = [other, teacher] if second else [teacher, other]
+        expected = kit.dense_opd_loss(dense_student, teachers, data, ids, WEIGHTS, masks)
         expected.backward()
-    served_values = whole_rows("served_logprobs")  # the served teacher's [R, k] (the first teacher's)
+    served_values = whole_rows("second_logprobs" if second else "served_logprobs")  # the served teacher's [R, k]
     real = masks or [torch.ones_like(i, dtype=torch.bool) for i in ids]
     value_error = max((v.double() - t.gather(-1, i.clamp(min=0)))[m].abs().max().item()
                       for v, t, i, m in zip(served_values, teacher, ids, real))
