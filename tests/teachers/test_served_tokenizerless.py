@@ -3,7 +3,8 @@
 tokenizer check's refusal names the flag and the way out; the entry's `;same_tokenizer` with
 `;vocab=N` or `;config=PATH` is accepted, the named vocabulary checked against the student's
 tokenizer, never by sending ids. The server here is a local one answering as vLLM 0.32 does (its
-error words read from vLLM's `renderers/base.py`), not a real vLLM started with the flag."""
+error words read from vLLM's `renderers/base.py`); the served lane runs the same against a real
+vLLM started with the flag (`lane/test_served_tokenizerless_vllm.py`)."""
 from __future__ import annotations
 
 import json
