@@ -4,7 +4,9 @@ is split further (its ':' and '/' are no path, its '@' no provider); a user or p
 refused on the raw entry, before anything splits it, and every message shows the entry `redacted`
 (the API key comes from MEGATRON_RL_PATCHES_TEACHER_API_KEY). Options: `;engine=vllm`
 (required: the engines answer on different routes), `;tokenizer=DIR` (another tokenizer than the
-student's: a directory or tokenizer.json, `;stop_tokens=module:function` with it). Engines score
+student's: a directory or tokenizer.json, `;stop_tokens=module:function` with it), `;same_tokenizer`
+with `;vocab=N` or `;config=PATH` (a server without a tokenizer to probe, `--skip-tokenizer-init`:
+the user's word that it is the student's, its vocabulary size named). Engines score
 at temperature 1 only: another rollout temperature is refused. `doctor` asks the server."""
 from __future__ import annotations
 
@@ -19,10 +21,12 @@ from megatron_rl_patches.teachers.kinds.entry import SERVED, RunFacts, TeacherEn
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
 from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, STOP_TOKENS, is_provider, split_entry
 from megatron_rl_patches.teachers.redaction import has_userinfo, redacted
-from megatron_rl_patches.teachers.tokenizer_probe import probe_tokenizer
+from megatron_rl_patches.teachers.tokenizer_probe import SAME_TOKENIZER, probe_tokenizer
 
-FORM = "http(s)://host:port;engine=vllm (a teacher served by vLLM; ;tokenizer=DIR for another tokenizer)"
+FORM = ("http(s)://host:port;engine=vllm (a teacher served by vLLM; ;tokenizer=DIR for another tokenizer; "
+        ";same_tokenizer;vocab=N for a server without a tokenizer)")
 ENGINE, TOKENIZER = "engine=", "tokenizer="
+VOCAB, CONFIG = "vocab=", "config="
 SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # doctor's bounds: a server that does not answer is a problem in seconds, not a hang
 DOCTOR_CONNECT_S, DOCTOR_DEADLINE_S = 5.0, 15.0
@@ -56,7 +60,9 @@ def parse(entry: str) -> TeacherEntry:
                          f"put the API key in {TEACHER_API_KEY} (sent as a bearer token)")
     head, options = split_entry(entry)
     url = check_url_head(entry, head.strip())
-    engine = tokenizer = stop = None
+    engine = tokenizer = stop = config = None
+    vocab: int | None = None
+    same = False
     for option in options:
         name, _, value = (part.strip() for part in option.partition("="))
         if name == "engine":
@@ -72,21 +78,50 @@ def parse(entry: str) -> TeacherEntry:
             tokenizer = value
         elif name == "stop_tokens" and is_provider(value):
             stop = value
+        elif option == SAME_TOKENIZER:
+            same = True
+        elif name == "vocab":
+            if not (value.isascii() and value.isdigit() and int(value) > 0):
+                raise ValueError(f"{TEACHERS} entry {said!r}: ';{VOCAB}{value}' must be the served model's vocabulary "
+                                 "size, a positive int (its config.json's vocab_size)")
+            vocab = int(value)
+        elif name == "config" and value:
+            config = value
         elif name in ("tp", "pp", "ep"):
             raise ValueError(f"{TEACHERS} entry {said!r}: option {option!r}: a served teacher runs at its server's "
                              "own layout (set it where the engine starts); drop it")
         else:
             raise ValueError(f"{TEACHERS} entry {said!r}: unknown option {option!r}; a served teacher's options "
                              f"are ';{ENGINE}NAME' (one of {list(SERVED_ENGINES)}), ';{TOKENIZER}DIR' (another "
-                             f"tokenizer than the student's: a directory or tokenizer.json) and "
-                             f"';{STOP_TOKENS}module:function' (with it)")
+                             f"tokenizer than the student's: a directory or tokenizer.json), "
+                             f"';{STOP_TOKENS}module:function' (with it) and ';{SAME_TOKENIZER}' with "
+                             f"';{VOCAB}N' or ';{CONFIG}PATH' (a server without a tokenizer)")
     if engine is None:
         raise ValueError(f"{TEACHERS} entry {said!r}: name the engine serving it, e.g. '{url};engine=vllm' "
                          f"(served: {list(SERVED_ENGINES)})")
     if stop is not None and tokenizer is None:
         raise ValueError(f"{TEACHERS} entry {said!r}: ';{STOP_TOKENS}' maps tokens between two tokenizers; add "
                          f"';{TOKENIZER}DIR' or drop it")
-    return TeacherEntry(url, stop_tokens=stop, kind=SERVED, engine=engine, tokenizer=tokenizer)
+    check_same_tokenizer_options(said, same, tokenizer, vocab, config)
+    return TeacherEntry(url, stop_tokens=stop, kind=SERVED, engine=engine, tokenizer=tokenizer, same_tokenizer=same,
+                        vocab=vocab, config=config)
+
+
+def check_same_tokenizer_options(said: str, same: bool, tokenizer: str | None, vocab: int | None,
+                                 config: str | None) -> None:
+    """`;same_tokenizer` with exactly one of `;vocab=N` / `;config=PATH`, without `;tokenizer=DIR`;
+    those two only with it."""
+    if not same and (vocab is not None or config is not None):
+        raise ValueError(f"{TEACHERS} entry {said!r}: ';{VOCAB}' / ';{CONFIG}' name the vocabulary of a served model "
+                         f"whose tokenizer cannot be probed; add ';{SAME_TOKENIZER}' (your word that it is the "
+                         "student's) or drop them")
+    if same and tokenizer is not None:
+        raise ValueError(f"{TEACHERS} entry {said!r}: ';{SAME_TOKENIZER}' and ';{TOKENIZER}' contradict each other: "
+                         "keep one")
+    if same and (vocab is None) == (config is None):
+        raise ValueError(f"{TEACHERS} entry {said!r}: ';{SAME_TOKENIZER}' takes the served model's vocabulary size "
+                         f"from exactly one of ';{VOCAB}N' or ';{CONFIG}PATH' (its config.json, or the directory "
+                         "holding it), checked against the student's tokenizer; name one")
 
 
 def check(entry: TeacherEntry, facts: RunFacts) -> None:
@@ -105,6 +140,13 @@ def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
     tokenizer of `;tokenizer=DIR` present and the served model's (its `/tokenize` of a probe)."""
     found = []
     named = None
+    if entry.same_tokenizer:
+        from megatron_rl_patches.teachers.named_vocab import named_vocab_size  # lazy: import cost
+
+        try:
+            named_vocab_size(entry, f"{TEACHERS}: teacher '{entry.path}'")
+        except ValueError as exc:
+            found.append(str(exc))
     if entry.tokenizer is not None:
         tokenizer = Path(entry.tokenizer).expanduser()
         if tokenizer.is_file() or (tokenizer / "tokenizer.json").is_file():
