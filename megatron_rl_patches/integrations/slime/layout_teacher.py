@@ -157,7 +157,10 @@ class LayoutTeacher(SeparateTeacher):
         if not step.last:
             return None
         device = ids[0].device if ids else torch.device("cpu")
-        logps, tails = [torch.zeros(r, k) for r in responses], [torch.zeros(r) for r in responses]
+        # every sample's rows start as zeros where the scores are (the model's device): the
+        # context-parallel sum concatenates them with this rank's scored rows
+        logps = [torch.zeros(r, k, device=logp.device) for r in responses]
+        tails = [torch.zeros(r, device=tail.device) for r in responses]
         for row, (i, span) in enumerate(zip(mine, spans)):
             logps[i], tails[i] = logp[row, span], tail[row, span]
         if cp_size > 1:  # every sample's whole scores on every context-parallel rank, then its own rows
