@@ -135,14 +135,20 @@ def _ours(path: str) -> bool:
     return "/megatron_rl_patches/" in Path(path).as_posix()
 
 
+def _placed(records: list) -> tuple[list, set]:
+    """(the collectives a module of this package calls with tensors it made, not the models'; their
+    (file, function) sites)."""
+    placed = [(Path(path).name, function, name, devices) for path, function, name, devices in records
+              if _ours(path) and not any(part in Path(path).as_posix() for part in MODEL_DATA)]
+    return placed, {(path, function) for path, function, _, _ in placed}
+
+
 def test_every_collective_on_the_teacher_path_receives_tensors_on_the_rules_device(world):
     served(world)
     for rank, result in enumerate(world):
-        placed = [(Path(path).name, function, name, devices) for path, function, name, devices in result["records"]
-                  if _ours(path) and not any(part in Path(path).as_posix() for part in MODEL_DATA)]
+        placed, sites = _placed(result["records"])
         wrong = [record for record in placed if set(record[3]) - {RULE, "object"}]
         assert not wrong, (rank, wrong)
-        sites = {(path, function) for path, function, _, _ in placed}
         # the replica's agreement and gather, the width over the job, the context-parallel sum: all
         # through the agreement home
         assert {("agreement.py", "agree"), ("agreement.py", "gathered"), ("agreement.py", "agreed_range"),
@@ -157,3 +163,18 @@ def test_the_fake_changes_no_score(world):
         for faked, plain in zip(result["faked"], result["plain"]):
             assert len(faked) == len(plain) and all(close(a, b) == 0.0 or torch.equal(a, b)
                                                     for a, b in zip(faked, plain))
+
+
+def test_a_role_at_its_own_layout_sends_its_micro_batch_count_on_the_rules_device(tmp_path_factory):
+    """`role;tp=2` (slime's forward_only at the role's own layout, test_slime_role_layout.py's world):
+    the micro-batch count agreed over the role's tensor-parallel group, and the replica's
+    agreement and gather, on the rule's device; its scores unchanged by the fake."""
+    world = two_rank_world(tmp_path_factory, "role")
+    served(world)
+    for rank, result in enumerate(world):
+        placed, sites = _placed(result["nccl_records"])
+        wrong = [record for record in placed if set(record[3]) - {RULE, "object"}]
+        assert not wrong, (rank, wrong)
+        assert {("agreement.py", "agreed_range"), ("agreement.py", "gathered")} <= sites, (rank, sites)
+        for key in result["scores"]:
+            assert all(torch.equal(a, b) for a, b in zip(result["nccl_scores"][key], result["scores"][key])), key
