@@ -51,7 +51,7 @@ MEANINGS: dict[str, str] = {
             "the torch tiles where no compiler builds it. Every rank of a tensor-parallel group must run the same "
             "(their bits differ)",
     OPD_TEACHERS: "slime_opd: comma-separated teachers, PATH (a checkpoint of the actor's architecture, or a "
-                  "Hugging Face directory of another served family: built by build_inference_model_from_hf) or "
+                  "Hugging Face directory of another supported family: built by build_inference_model_from_hf) or "
                   "PATH@module:function; a Hugging Face directory at its own layout: PATH;tp=N and/or "
                   "PATH;pp=N (its own tensor / pipeline-parallel sizes over all ranks); a Hugging Face "
                   "directory with another tokenizer than the student's: PATH;tokenizer=own, optionally "

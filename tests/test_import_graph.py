@@ -48,6 +48,7 @@ ROOMS = {
     "_shadow": "_shadow",
     "_residency_modes": "_residency_modes",
     "_variables": "_variables",
+    "_extras": "_extras",
     "_digits": "_digits",
     "_layout_option": "_layout_option",
 }

@@ -2,7 +2,8 @@
 (`TeacherScores`), the contract of a teacher that scores whole samples (`TeacherBatch` ->
 `BatchScores`: per response row the teacher's own top-k, their exact tail and the actual token's
 log-prob), teachers served by an inference engine (`ServedTeacher`, vLLM; `served_buckets`: the
-chunk-start buckets of one with another tokenizer from its top-k), and the kinds of
+chunk-start buckets of one with another tokenizer from its top-k), a teacher's output layer on the
+trainer (`TeacherHead`: a served teacher's hidden states through it), and the kinds of
 teacher as one table (`teachers.kinds`: how an entry of MEGATRON_RL_PATCHES_OPD_TEACHERS is read
 and checked). Importing this package is light (no torch, no HTTP client): names load on first use."""
 from __future__ import annotations
@@ -23,6 +24,7 @@ _LAZY = {
     "tail_log_probs": "tails",
     "served_buckets": "cross_buckets",
     "ServedBuckets": "cross_buckets",
+    "TeacherHead": "head",
 }
 
 __all__ = sorted(_LAZY)

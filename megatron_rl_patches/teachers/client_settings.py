@@ -50,12 +50,36 @@ class ClientSettings:
                              f"file (None: the system's CAs)")
 
     def api_key(self) -> str | None:
-        """The API key from `api_key_env`, or None where it is unset or empty."""
-        return os.environ.get(self.api_key_env) or None
+        """The API key from `api_key_env`, or None where it is unset or empty; a key that cannot be
+        sent as written (white space at either end, a character outside printable ASCII) refused
+        naming the variable and what is wrong, never echoing the key nor stripping it silently."""
+        key = os.environ.get(self.api_key_env) or None
+        if key is not None:
+            check_api_key(self.api_key_env, key)
+        return key
 
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def check_api_key(variable: str, key: str) -> None:
+    """ValueError naming `variable` (never showing `key`) where the key cannot be a bearer token as
+    written: white space at either end (a newline pasted with it), or a character that is no
+    printable ASCII (named by its position)."""
+    wrong = None
+    if key != key.strip():
+        end = "ends" if key[-1:].isspace() else "starts"
+        wrong = f"{end} with white space ({'a newline' if chr(10) in key or chr(13) in key else 'a space or tab'})"
+    else:
+        for position, char in enumerate(key):
+            if not " " < char < "\x7f":
+                what = "a non-ASCII character" if ord(char) > 127 else "a control character or space"
+                wrong = f"holds {what} at position {position}"
+                break
+    if wrong is not None:
+        raise ValueError(f"${variable}, the served teacher's API key, {wrong}: an HTTP header cannot carry it as "
+                         f"written; set it to the key exactly as the server expects (nothing is stripped here)")
 
 
 def seconds(name: str, value: object, allow_zero: bool) -> float:

@@ -18,12 +18,20 @@ class BatchScores:
     """Per sample i, on its R_i response rows (row r scores the token at response_start + r given
     every token before it): `token_log_probs` [R_i], the teacher's own top-k `topk_ids` [R_i, K]
     (int64) and `topk_log_probs` [R_i, K] (best first), and `tail_log_probs` [R_i] =
-    log(1 - sum_k p) — float64, at temperature 1."""
+    log(1 - sum_k p) — float64, at temperature 1 (a teacher with its head on the trainer: at the
+    temperature asked, the tail the exact mass outside the top-k). A hidden-state teacher
+    (`ServedTeacher(head=...)`) also returns `hidden_states` [R_i, H] (row r: the state that
+    predicts token response_start + r, as the server sent it) and, where `score(batch, ids=...)`
+    gave ids [R_i, k], `ids_log_probs` [R_i, k] at them and `ids_tail_log_probs` [R_i] (the
+    mass outside them); None otherwise."""
 
     token_log_probs: list[torch.Tensor]
     topk_ids: list[torch.Tensor]
     topk_log_probs: list[torch.Tensor]
     tail_log_probs: list[torch.Tensor]
+    hidden_states: list[torch.Tensor] | None = None
+    ids_log_probs: list[torch.Tensor] | None = None
+    ids_tail_log_probs: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.token_log_probs)

@@ -1,12 +1,18 @@
 """The HTTP client of a served teacher (`TeacherClient`): one connection pool per teacher
 (keep-alive), JSON requests with timeouts, retries with backoff on connection errors and 5xx
 only, a deadline per step, an API key from the environment, TLS verified against the system's CAs
-(or a bundle), the standard proxy variables honoured. httpx is the optional extra `served`."""
+(or a bundle), the standard proxy variables honoured. httpx is the optional extra `served`.
+
+The deadline is a wall-clock bound on the whole request: httpx's timeouts bound each read, so a
+server that trickles its reply (a byte a second) would outlive any of them. Each attempt therefore
+runs in a thread of its own that the caller waits for until the deadline only; past it the
+connection pool is closed (the abandoned attempt fails at its next byte) and the caller raises."""
 from __future__ import annotations
 
 import functools
 import json
 import ssl
+import sys
 import threading
 import time
 import urllib.parse
@@ -14,29 +20,33 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_rl_patches._extras import install_hint
 from megatron_rl_patches.teachers.client_settings import ClientSettings
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
+from megatron_rl_patches.teachers.redaction import has_userinfo, redacted
 
 BACKOFF_CAP_S = 8.0
 
 
 def check_url(url: object) -> str:
     """The teacher's base URL without its trailing '/': http(s)://host[:port][/path], no user or
-    password (the key comes from the environment), no query."""
+    password (the key comes from the environment; refused on the raw text, never echoed), no
+    query. Every message shows the URL `redacted`."""
     if not isinstance(url, str):
         raise TypeError(f"the teacher's url must be a str like 'http://host:port', got {type(url).__name__}")
+    said = redacted(url)
+    if has_userinfo(url):
+        raise ValueError(f"the teacher's url {said!r} carries a user or password: put the API key in an "
+                         f"environment variable (ClientSettings.api_key_env), never in the url")
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"the teacher's url must be http://host:port or https://host:port, got {url!r}")
-    if parts.username is not None or parts.password is not None:
-        raise ValueError(f"the teacher's url {parts.hostname!r} carries a user or password: put the API key in an "
-                         f"environment variable (ClientSettings.api_key_env), never in the url")
+        raise ValueError(f"the teacher's url must be http://host:port or https://host:port, got {said!r}")
     if parts.query or parts.fragment:
-        raise ValueError(f"the teacher's url must be a base address without '?' or '#', got {url!r}")
+        raise ValueError(f"the teacher's url must be a base address without '?' or '#', got {said!r}")
     try:
         parts.port  # noqa: B018 - raises on a port that is no number
     except ValueError as error:
-        raise ValueError(f"the teacher's url {url!r} has a bad port: {error}") from None
+        raise ValueError(f"the teacher's url {said!r} has a bad port: {error}") from None
     return url.rstrip("/")
 
 
@@ -95,7 +105,7 @@ class TeacherClient:
         try:
             import httpx  # lazy: optional dependency httpx (the extra `served`)
         except ImportError:
-            raise ImportError("a served teacher needs httpx: pip install 'megatron-rl-patches[served]'") from None
+            raise ImportError(f"a served teacher needs httpx: {install_hint('served', 'httpx')}") from None
         s = self.settings
         headers = {"Authorization": f"Bearer {s.api_key()}"} if s.api_key() else {}
         # system CAs (OpenSSL's default paths, SSL_CERT_FILE / SSL_CERT_DIR), or the bundle given
@@ -110,13 +120,44 @@ class TeacherClient:
                 self._http.close()
                 self._http = None
 
+    def abandon(self, http: Any) -> None:
+        """Close the pool `http` (its connections cut, their requests failing at their next read)
+        and start a new one on next use: an attempt past the deadline is not waited for."""
+        with self._lock:
+            if self._http is http:
+                self._http = None
+        http.close()
+
+    def within(self, deadline: Deadline, call: Callable[[], Any], http: Any) -> tuple[bool, Any]:
+        """`call()` (one HTTP attempt on the pool `http`) run in a thread of its own and waited
+        for until `deadline`: (True, its result), its exception raised here, or (False, None) when
+        the deadline passed first, the pool then abandoned."""
+        outcome: list[Any] = []
+
+        def attempt() -> None:
+            try:
+                outcome.append((True, call()))
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting caller
+                outcome.append((False, error))
+
+        worker = threading.Thread(target=attempt, name="served-teacher-request", daemon=True)
+        worker.start()
+        worker.join(max(deadline.remaining(), 0.0))
+        if not outcome:
+            self.abandon(http)
+            return False, None
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return True, value
+
     def request(self, method: str, path: str, body: Any, deadline: Deadline, cancel: threading.Event,
-                sample: int | None = None) -> Any:
+                sample: int | None = None, raw: bool = False) -> Any:
         """The JSON reply to `method path` (`body` as JSON), retried on connection errors and 5xx
-        until `retries` or the deadline; a 4xx is a `ServedTeacherRefusal` with the server's words."""
+        until `retries` or the deadline; a 4xx is a `ServedTeacherRefusal` with the server's words.
+        `raw`: the reply itself (httpx's Response: a binary body and its headers), undecoded."""
         import httpx  # lazy: optional dependency httpx (the extra `served`)
 
-        http = self.http()
         s = self.settings
         who = f"{self.url}{path}" + ("" if sample is None else f" (sample {sample})")
         attempt, last = 0, ""
@@ -128,8 +169,15 @@ class TeacherClient:
                 raise ServedTeacherError(f"{who}: no answer within the step's deadline of {deadline.seconds:g} s"
                                          + (f" (last: {last})" if last else ""), self.url, sample)
             timeout = httpx.Timeout(min(s.timeout_s, left), connect=min(s.connect_timeout_s, left))
+            http = self.http()  # a new pool after one abandoned at a deadline
             try:
-                response = http.request(method, self.url + path, json=body, timeout=timeout)
+                attempt_once = functools.partial(http.request, method, self.url + path, json=body, timeout=timeout)
+                answered, response = self.within(deadline, attempt_once, http)
+                if not answered:
+                    raise ServedTeacherError(f"{who}: no complete reply within the step's deadline of "
+                                             f"{deadline.seconds:g} s (the server silent or still sending: "
+                                             f"connection closed)" + (f"; earlier: {last}" if last else ""),
+                                             self.url, sample)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
                     httpx.RemoteProtocolError, httpx.CloseError) as error:
                 last = f"{type(error).__name__}: {error}"
@@ -144,8 +192,13 @@ class TeacherClient:
             except httpx.HTTPError as error:
                 raise ServedTeacherError(f"{who}: {type(error).__name__}: {error}", self.url, sample) from None
             else:
+                if 300 <= response.status_code < 400:  # httpx follows no redirect: refuse it by name
+                    where = redacted(response.headers.get("location", "nowhere named"))
+                    raise ServedTeacherRefusal(f"{who}: the server redirects (HTTP {response.status_code} to "
+                                               f"{where!r}), and a served teacher follows no redirect: give the "
+                                               f"URL the server answers at", self.url, sample)
                 if response.status_code < 400:
-                    return decode(response.content, who, self.url, sample)
+                    return response if raw else decode(response.content, who, self.url, sample)
                 last = f"HTTP {response.status_code}: {server_words(response)}"
                 if response.status_code < 500:
                     raise refusal(response.status_code, last, who, self.url, sample, s)
@@ -167,6 +220,9 @@ def decode(content: bytes, who: str, url: str, sample: int | None) -> Any:
         return json.loads(content)
     except ValueError as error:
         raise ServedTeacherError(f"{who}: the reply is not JSON ({error})", url, sample) from None
+    except RecursionError:
+        raise ServedTeacherError(f"{who}: the reply's JSON nests deeper than Python's recursion limit "
+                                 f"({sys.getrecursionlimit()}): no engine's reply is shaped so", url, sample) from None
 
 
 @functools.cache

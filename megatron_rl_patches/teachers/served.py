@@ -4,7 +4,10 @@ step's samples in flight at once (bounded in requests and tokens), within one de
 from __future__ import annotations
 
 import concurrent.futures as futures
+import os
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -13,13 +16,20 @@ from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.client_settings import ClientSettings
 from megatron_rl_patches.teachers.contract import BatchScores
-from megatron_rl_patches.teachers.engine_names import check_engine
+from megatron_rl_patches.teachers.engines.names import check_engine, engine_class
+from megatron_rl_patches.teachers.engines.protocol import SampleRows, ServedModel
+from megatron_rl_patches.teachers.engines.vllm_pooling import VllmPoolingEngine
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
+from megatron_rl_patches.teachers.head import TeacherHead
+from megatron_rl_patches.teachers.hidden_scores import (
+    check_given_ids,
+    head_scores,
+    head_temperature,
+    hidden_head,
+    states_dtype,
+)
 from megatron_rl_patches.teachers.http_client import Deadline, TeacherClient
 from megatron_rl_patches.teachers.token_budget import TokenBudget
-from megatron_rl_patches.teachers.vllm_engine import SampleRows, ServedModel, VllmEngine
-
-ENGINES = {"vllm": VllmEngine}  # one module per engine in engine_names.SERVED_ENGINES
 
 
 class ServedTeacher:
@@ -29,10 +39,16 @@ class ServedTeacher:
     timeouts, deadline, retries, bounds, API key variable and CA bundle (`ClientSettings`)."""
 
     def __init__(self, url: str, engine: str = "vllm", top_k: int = 20, *, model: str | None = None,
-                 temperature: float = 1.0, client: ClientSettings | None = None) -> None:
+                 temperature: float = 1.0, client: ClientSettings | None = None,
+                 head: TeacherHead | str | os.PathLike[str] | None = None,
+                 hidden_dtype: torch.dtype | None = None) -> None:
+        self.head = hidden_head(head, engine)
         self.engine_name = check_engine(engine)
         self.top_k = positive_int("ServedTeacher(top_k=...)", top_k, " (the teacher's buckets per row)")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature != 1.0:
+        self.temperature = 1.0
+        if self.head is not None:  # the trainer forms the distribution: any K of the vocabulary, any temperature
+            self.temperature = head_temperature(temperature, top_k, self.head)
+        elif isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature != 1.0:
             raise ValueError(f"ServedTeacher(temperature={temperature!r}): served engines score prompt log-probs at "
                              f"temperature 1 whatever is asked, so only temperature=1.0 can be served (score at the "
                              f"student's temperature 1, or use an in-process teacher)")
@@ -44,7 +60,11 @@ class ServedTeacher:
         self.settings = client or ClientSettings()
         self.client = TeacherClient(url, self.settings)
         self.url = self.client.url
-        self.engine = ENGINES[self.engine_name](self.client, self.top_k, model)
+        if self.head is None:
+            self.engine = engine_class(self.engine_name)(self.client, self.top_k, model)
+        else:  # one engine serves hidden states: vLLM's pooling runner
+            self.engine = VllmPoolingEngine(self.client, self.top_k, model, self.head.hidden_size,
+                                            states_dtype(hidden_dtype, self.head))
         self._model: ServedModel | None = None
         self._budget = TokenBudget(self.settings.max_tokens_in_flight)
         self._pool: futures.ThreadPoolExecutor | None = None
@@ -66,13 +86,22 @@ class ServedTeacher:
         """Ask the server now (it answers, the model, its max length, K within its limit)."""
         return self.served_model()
 
-    # ------------------------------------------------------------------ scoring
-    def score(self, batch: TeacherBatch, group: object = None) -> BatchScores:
-        """Every sample of `batch` on its response rows (`BatchScores`). With a process `group`
-        (torch.distributed initialized), a failure on any rank is the same error on every rank."""
-        return self.submit(batch).result(group)
+    def tokenize(self, text: str, deadline: Deadline | None = None) -> list[int] | None:
+        """`text` tokenized by the served model's tokenizer, no special tokens added (None: the
+        server answered with no token list), within `deadline` (default: one request's timeout)."""
+        deadline = deadline or Deadline.after(self.settings.timeout_s)
+        return self.engine.tokenize(self.served_model(deadline), text, deadline, threading.Event())
 
-    def submit(self, batch: TeacherBatch) -> PendingScores:
+    # ------------------------------------------------------------------ scoring
+    def score(self, batch: TeacherBatch, group: object = None, *, ids: list[torch.Tensor] | None = None) -> BatchScores:
+        """Every sample of `batch` on its response rows (`BatchScores`). With a process `group`
+        (torch.distributed initialized), a failure on any rank is the same error on every rank.
+        With a head: `ids` (one [R_i, k] id tensor per sample, e.g. the student's top-k) are scored
+        too (`BatchScores.ids_log_probs` / `ids_tail_log_probs`); every rank of the head's
+        tensor-parallel group scores the same batch."""
+        return self.submit(batch, ids=ids).result(group)
+
+    def submit(self, batch: TeacherBatch, *, ids: list[torch.Tensor] | None = None) -> PendingScores:
         """Send every sample now (background threads) and return at once: `.result()` collects.
         Nothing raises here: a refusal or failure (the server asked first, a sample too long)
         comes out of `.result()`, where it is agreed over a group like any other."""
@@ -81,35 +110,57 @@ class ServedTeacher:
         try:
             if not isinstance(batch, TeacherBatch):
                 raise TypeError(f"ServedTeacher.score(batch) takes a TeacherBatch, got {type(batch).__name__}")
+            given = self.check_ids(batch, ids)
             model = self.served_model(deadline)
             self.check_lengths(batch, model)
         except Exception as error:  # noqa: BLE001 - handed to result(), agreed there
             return PendingScores(self.url, batch, {}, deadline, cancel, self.top_k, failure=error)
         pending = {}
-        for i, ids in enumerate(batch.sequences):
+        for i, sequence in enumerate(batch.sequences):
             if batch.response_rows(i):
-                pending[i] = self.pool().submit(self._score_one, model, [int(v) for v in ids.tolist()],
+                pending[i] = self.pool().submit(self._score_one, model, [int(v) for v in sequence.tolist()],
                                                 batch.response_starts[i], deadline, cancel, i)
-        return PendingScores(self.url, batch, pending, deadline, cancel, self.top_k)
+        project = None
+        if self.head is not None:
+            head, k, tau = self.head, self.top_k, self.temperature
+            project = lambda states: head_scores(head, batch, states, k, tau, given)  # noqa: E731
+        return PendingScores(self.url, batch, pending, deadline, cancel, self.top_k, project=project)
+
+    def check_ids(self, batch: TeacherBatch, ids: object) -> list[torch.Tensor] | None:
+        """`ids` of `score` (a head only); with a head every sample's ids within its vocabulary."""
+        if self.head is None:
+            if ids is not None:
+                raise ServedTeacherRefusal("ServedTeacher.score(ids=...) needs a head (ServedTeacher(head=...)): an "
+                                           "engine's prompt log-probs hold only the teacher's own top-k", self.url)
+            return None
+        for i, sequence in enumerate(batch.sequences):
+            if len(sequence) and int(sequence.max()) >= self.head.vocab_size:
+                raise ServedTeacherRefusal(f"sample {i} holds id {int(sequence.max())}, outside the teacher head's "
+                                           f"vocabulary of {self.head.vocab_size}", self.url, i)
+        return check_given_ids(ids, batch, self.head.vocab_size)
 
     def check_lengths(self, batch: TeacherBatch, model: ServedModel) -> None:
-        """Every sample fits the served model: at most max model length - 1 ids."""
+        """Every sample fits the served model: at most max model length - 1 ids (a pooling
+        server generates nothing: max model length)."""
+        room = model.max_model_len - getattr(self.engine, "generates", 1)
         for i, ids in enumerate(batch.sequences):
-            if len(ids) > model.max_model_len - 1:
+            if len(ids) > room:
                 raise ServedTeacherRefusal(
-                    f"sample {i} has {len(ids)} ids, over {self.url}'s max model length {model.max_model_len} - 1 "
-                    f"(the engine generates one token after the prompt): a sequence cannot be split (every row "
-                    f"needs its whole prefix); serve the teacher with --max-model-len >= {len(ids) + 1}",
-                    self.url, i)
+                    f"sample {i} has {len(ids)} ids, over {self.url}'s max model length {model.max_model_len}"
+                    + (" - 1 (the engine generates one token after the prompt)" if room < model.max_model_len else "")
+                    + f": a sequence cannot be split (every row needs its whole prefix); serve the teacher with "
+                    f"--max-model-len >= {len(ids) + model.max_model_len - room}", self.url, i)
 
     def _score_one(self, model: ServedModel, ids: list[int], start: int, deadline: Deadline,
-                   cancel: threading.Event, sample: int) -> SampleRows:
+                   cancel: threading.Event, sample: int) -> SampleRows | torch.Tensor:
         if cancel.is_set():
             raise ServedTeacherError(f"{self.url}: sample {sample} not sent: the step failed before", self.url, sample)
         if not self._budget.acquire(len(ids), deadline.at, cancel):
             raise ServedTeacherError(f"{self.url}: sample {sample} waited for tokens in flight past the step's "
                                      f"deadline of {deadline.seconds:g} s", self.url, sample)
         try:
+            if isinstance(self.engine, VllmPoolingEngine):
+                return self.engine.hidden_states(model, ids, start, deadline, cancel, sample)
             return self.engine.scores(model, ids, start, deadline, cancel, sample)
         finally:
             self._budget.release(len(ids))
@@ -140,10 +191,12 @@ class PendingScores:
     """A step's samples in flight; `result()` waits (until the step's deadline) and assembles."""
 
     def __init__(self, url: str, batch: TeacherBatch, pending: dict[int, futures.Future], deadline: Deadline,
-                 cancel: threading.Event, top_k: int, failure: Exception | None = None) -> None:
+                 cancel: threading.Event, top_k: int, failure: Exception | None = None,
+                 project: Callable[[list[torch.Tensor]], BatchScores] | None = None) -> None:
         self.url, self.batch, self.pending = url, batch, pending
         self.deadline, self.cancel, self.top_k = deadline, cancel, top_k
         self.failure = failure
+        self.project = project  # hidden states -> scores through the head, after the failure is agreed
 
     def result(self, group: object = None) -> BatchScores:
         """The step's `BatchScores`; a failure (the first sample's, by index) raised on every rank
@@ -154,9 +207,11 @@ class PendingScores:
             agree_failure(error, group)
             raise
         agree_failure(None, group)
+        if self.project is not None:  # the head's ops (collectives over its group) on every rank alike
+            return self.project(scores)
         return scores
 
-    def _collect(self) -> BatchScores:
+    def _collect(self) -> Any:
         if self.failure is not None:
             raise self.failure
         done, waiting = futures.wait(list(self.pending.values()), timeout=max(self.deadline.remaining(), 0.0),
@@ -173,6 +228,9 @@ class PendingScores:
             raise ServedTeacherError(f"{self.url} (sample {late[0]}): no reply within the step's deadline of "
                                      f"{self.deadline.seconds:g} s ({len(late)} of {len(self.pending)} samples "
                                      f"unanswered)", self.url, late[0])
+        if self.project is not None:  # hidden states [R_i, H], projected once agreed
+            return [self.pending[i].result() if i in self.pending else torch.zeros(0, 0)
+                    for i in range(len(self.batch))]
         rows = [self.pending[i].result() if i in self.pending else empty_rows(self.top_k)
                 for i in range(len(self.batch))]
         return BatchScores([r.token_log_probs for r in rows], [r.topk_ids for r in rows],

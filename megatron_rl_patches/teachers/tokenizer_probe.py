@@ -1,38 +1,34 @@
 """Whether a served model shares a tokenizer, asked without loading anything: the tokenizer's
-spelling of ids spread over its vocabulary, tokenized by the server (`/tokenize`), must come back
-as the same ids (an offset or another vocabulary differs)."""
+spelling of ids spread over its vocabulary, tokenized by the server (its engine's `tokenize`), must
+come back as the same ids (an offset or another vocabulary differs)."""
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from megatron_rl_patches.teachers.http_client import Deadline
     from megatron_rl_patches.teachers.served import ServedTeacher
 
 PROBE_IDS = 24
 STUDENTS = "the student's tokenizer"
 
 
-def probe_tokenizer(teacher: ServedTeacher, tokenizer: Any, where: str, whose: str = STUDENTS) -> None:
+def probe_tokenizer(teacher: ServedTeacher, tokenizer: Any, where: str, whose: str = STUDENTS,
+                    deadline: Deadline | None = None) -> None:
     """The served model's tokenizer against `tokenizer` (`whose`: the student's, or the one a served
     teacher of another tokenizer names): its spelling of ids spread over its vocabulary, tokenized
-    by the server (`/tokenize`), must give its ids."""
+    by the server (the engine's `tokenize`), must give its ids; within `deadline` where given."""
     size = int(tokenizer.get_vocab_size(with_added_tokens=False))
     ids = sorted({round(i * (size - 1) / (PROBE_IDS - 1)) for i in range(PROBE_IDS)})
     text = tokenizer.decode(ids, skip_special_tokens=True)
     want = tokenizer.encode(text, add_special_tokens=False).ids
-    from megatron_rl_patches.teachers.http_client import Deadline  # lazy: optional dependency httpx
-
-    model = teacher.served_model()
-    reply = teacher.client.request("POST", "/tokenize", {"model": model.name, "prompt": text,
-                                                         "add_special_tokens": False},
-                                   Deadline.after(teacher.settings.timeout_s), threading.Event())
-    got = reply.get("tokens") if isinstance(reply, dict) else None
+    model = teacher.served_model(deadline)
+    got = teacher.tokenize(text, deadline)
     if got != want:
         advice = ("top-k OPD compares the same token ids; serve a teacher of the student's tokenizer, or name "
                   "the served model's tokenizer with ';tokenizer=DIR'") if whose == STUDENTS else \
             "name the served model's own tokenizer (its tokenizer.json)"
         raise ValueError(f"{where}: the served model {model.name!r} does not share {whose} (a probe "
-                         f"text of {len(want)} ids came back from {teacher.url}/tokenize as "
+                         f"text of {len(want)} ids came back from {teacher.url}{teacher.engine.tokenize_path} as "
                          f"{'no tokens' if got is None else f'{len(got)} other ids'}): {advice}")

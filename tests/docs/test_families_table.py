@@ -1,6 +1,7 @@
 """docs/inference-only.md's family x feature table, kept true: one row per registered family, per
-family refused by name and per RoPE type (served or refused), the status the code gives it, a
-refused family's reason as the error says it, and a test that exists for each row."""
+family refused by name and per RoPE type (supported or refused), the status the code gives it, a
+refused family's reason as the error says it, and a test that exists for each row. "supported", not
+"served" (issue 72 item 10g): a served teacher is one behind an inference engine."""
 from __future__ import annotations
 
 import ast
@@ -13,7 +14,7 @@ from megatron_rl_patches.inference.loading.hf.rope_scaling import SERVED
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "inference-only.md"
 MARK = "<!-- families-table"
-ROW = re.compile(r"^\| (RoPE )?`([\w.-]+)` \| (served|refused) \| (.+) \| `([^`]+)` \|$")
+ROW = re.compile(r"^\| (RoPE )?`([\w.-]+)` \| (supported|refused) \| (.+) \| `([^`]+)` \|$")
 REFUSED_ROPE = ("dynamic", "longrope")
 
 
@@ -33,8 +34,8 @@ def _rows() -> dict[str, tuple[str, str, str]]:
 
 def test_every_family_and_rope_type_has_its_row_and_status():
     rows = _rows()
-    want = {**{name: "served" for name in REGISTRY}, **{name: "refused" for name in REFUSED},
-            **{f"rope {kind}": "served" for kind in SERVED}, **{f"rope {kind}": "refused" for kind in REFUSED_ROPE}}
+    want = {**{name: "supported" for name in REGISTRY}, **{name: "refused" for name in REFUSED},
+            **{f"rope {kind}": "supported" for kind in SERVED}, **{f"rope {kind}": "refused" for kind in REFUSED_ROPE}}
     assert {name: status for name, (status, _, _) in rows.items()} == want
     for name, reason in REFUSED.items():
         assert rows[name][1] == reason  # the error's words

@@ -28,6 +28,8 @@ def test_sglang_is_refused_by_name():
 
 @pytest.mark.parametrize(("kwargs", "error", "words"), [
     (dict(url="http://127.0.0.1:9", engine="trt"), ValueError, "engine must be one of"),
+    (dict(url="http://127.0.0.1:9", engine=["vllm"]), TypeError, r"engine must be a str .*\['vllm'\], a list"),
+    (dict(url="http://127.0.0.1:9", engine=None), TypeError, "engine must be a str"),
     (dict(url="http://127.0.0.1:9", top_k=0), ValueError, r"top_k=...\) must be a positive int"),
     (dict(url="http://127.0.0.1:9", temperature=0.7), ValueError, "temperature 1 whatever is asked"),
     (dict(url="http://user:secret@127.0.0.1:9"), ValueError, "carries a user or password: put the API key in"),

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_rl_patches.teachers import ClientSettings, ServedTeacherError
+from megatron_rl_patches.teachers.engines.vllm import VllmEngine
 from megatron_rl_patches.teachers.http_client import TeacherClient
-from megatron_rl_patches.teachers.vllm_engine import VllmEngine
 
 URL = "http://127.0.0.1:9"
 

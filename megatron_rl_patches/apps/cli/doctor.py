@@ -13,6 +13,7 @@ from typing import Any
 import megatron_rl_patches
 from megatron_rl_patches._variables import OPD_PREFIX, OPD_TEACHERS, TEACHER_API_KEY
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG
+from megatron_rl_patches.apps.cli.doctor_summary import summary_lines, summary_of
 from megatron_rl_patches.apps.cli.targets import STATUS_HELP, find_module, shown_status
 from megatron_rl_patches.integrations import default_registry
 from megatron_rl_patches.integrations.megatron import version as megatron_version
@@ -22,7 +23,7 @@ from megatron_rl_patches.patching import check_settings, env, registry
 from megatron_rl_patches.patching.startup import files as startup_files
 from megatron_rl_patches.patching.startup import hook
 from megatron_rl_patches.teachers.kinds import RunFacts, entry_problems
-from megatron_rl_patches.teachers.kinds.served_entry import shown
+from megatron_rl_patches.teachers.redaction import redacted
 
 # Installed distributions `doctor` reports. megatron-core, an optional extra, also gets its own
 # section: the code in use may be a source checkout with no distribution.
@@ -121,7 +122,7 @@ def _startup_section(environment: dict[str, Any]) -> tuple[dict[str, Any], bool 
     pth_installed = any(f.ours and f.path.endswith(startup_files.PTH_NAME) for f in found)
     problems += [f"{f.path} exists but is not megatron-rl-patches' start-up file" for f in found if not f.ours]
     editable = _editable_install()
-    if environment["enabled_at_startup"] and not pth_installed:
+    if environment["enabled_at_startup"] and not pth_installed and not hook.has_run():  # ran: the launcher's
         problems.append(
             f"{env.SELECT} is set but no start-up file is installed in this interpreter's site "
             f"directories, so nothing applies without code"
@@ -145,10 +146,10 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
         environment["inference_roles"] = list(DEFAULT_INFERENCE_ROLES) if unset else []
     problems = list(environment["errors"])
     # a user or password in a served teacher's URL (refused by its entry's check) is never printed
-    environment["opd"] = {name: shown(value) for name, value in sorted(os.environ.items())
+    environment["opd"] = {name: redacted(value) for name, value in sorted(os.environ.items())
                           if name.startswith(OPD_PREFIX)}
     if environment["variables"].get(OPD_TEACHERS):
-        environment["variables"][OPD_TEACHERS] = shown(environment["variables"][OPD_TEACHERS])
+        environment["variables"][OPD_TEACHERS] = redacted(environment["variables"][OPD_TEACHERS])
     if environment["variables"].get(TEACHER_API_KEY):  # a secret: whether it is set, never its value
         environment["variables"][TEACHER_API_KEY] = KEY_SET
     try:
@@ -204,7 +205,7 @@ def collect() -> dict[str, Any]:
     environment, env_problems = _environment_section()
     startup_files, editable, startup_problems = _startup_section(environment)
     problems += found + target_problems + env_problems + startup_problems
-    return {
+    report = {
         "python": {"version": platform.python_version(), "executable": sys.executable},
         "packages": packages,
         "package": {
@@ -218,6 +219,8 @@ def collect() -> dict[str, Any]:
         "startup": startup_files,
         "problems": list(dict.fromkeys(problems)),
     }
+    report["summary"] = summary_of(report)
+    return report
 
 
 def _show(value: Any) -> str:
@@ -272,7 +275,8 @@ def _target_lines(t: dict[str, Any], width: int = 20) -> list[str]:
 def format_report(report: dict[str, Any]) -> str:
     """The text `doctor` prints."""
     py = report["python"]
-    lines = [f"python               {py['version']} ({py['executable']})"]
+    lines = summary_lines(report["summary"])
+    lines.append(f"python               {py['version']} ({py['executable']})")
     lines += [f"{name:<20} {_show(version)}" for name, version in report["packages"].items()]
     pkg = report["package"]
     lines.append(f"package location     {pkg['location']}" + (" (editable)" if pkg["editable"] else ""))
@@ -286,10 +290,14 @@ def format_report(report: dict[str, Any]) -> str:
     lines += [f"  {name}={_show_names(value) if name in LISTS else _show(value)}"
               for name, value in e["variables"].items()]
     if not e["enabled_at_startup"]:
-        selects = "nothing at start-up"
-    else:
-        selects = "nothing (see the problems below)" if e["error"] else ", ".join(e["resolved"])
-    lines.append(f"  start-up applies: {selects}")
+        selects = "nothing"
+    elif e["error"]:
+        selects = "nothing (see the problems below)"
+    else:  # what the variables select; whether it applies here is the summary's first line
+        selects = ", ".join(e["resolved"])
+        if e["resolved"] and not report["summary"]["applies_at_startup"]:
+            selects += " (not applied here: no start-up file; see the problems below)"
+    lines.append(f"  selected for start-up: {selects}")
     lines.append(f"  strict: {_show(e['strict'])}; allow untested: {_show(e['allow_untested'])}; "
                  f"inference roles: {_roles(e) or '-'}")
     s = report["startup"]

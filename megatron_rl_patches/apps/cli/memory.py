@@ -19,6 +19,7 @@ from megatron_rl_patches.apps.cli._common import OK, UsageError
 from megatron_rl_patches.apps.cli.memory_hf import run_hf
 from megatron_rl_patches.apps.cli.memory_teacher import run_teacher
 from megatron_rl_patches.apps.presentation import memory_report, residency_table
+from megatron_rl_patches.inference.loading.hf.checkpoint_config import CONFIG, checkpoint_dir
 from megatron_rl_patches.inference.sizing.memory import training_state_bytes
 from megatron_rl_patches.inference.sizing.residency_plan import MODES, residency_plan
 
@@ -118,8 +119,14 @@ RESIDENCY_OPTIONS = ("--layers", "--prefetch", "--vocab", "--hidden", "--tied", 
 def _planned_from(args: argparse.Namespace, plan: Callable[[argparse.Namespace], int]) -> int:
     """`plan(args)`; a config file given to --hf (a published config.json saved under its model's name,
     as docs/recipes.md's fixtures) is planned as its directory's config.json: the plan reads nothing
-    else, and the output names the file."""
+    else, and the output names the file. A file named config.json is a checkpoint's own: refused naming
+    its directory, by the check every entry point makes (round 7's one rule for a checkpoint's path)."""
     given = Path(args.hf).expanduser()
+    if given.name == CONFIG:
+        try:
+            checkpoint_dir(given, "--hf")
+        except (TypeError, ValueError, FileNotFoundError) as exc:
+            raise UsageError(str(exc)) from None
     if not (given.is_file() and given.suffix == ".json"):
         return plan(args)
     with tempfile.TemporaryDirectory() as folder:

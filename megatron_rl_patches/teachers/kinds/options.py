@@ -3,6 +3,7 @@ each option given once; `module:function` names. Standard library only."""
 from __future__ import annotations
 
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
+from megatron_rl_patches.teachers.redaction import redacted
 
 # An entry's options after its head: `PATH;tokenizer=own` (a Hugging Face teacher with another
 # tokenizer than the student's), `;stop_tokens=module:function` (with it: student special id ->
@@ -25,8 +26,8 @@ def split_entry(entry: str) -> tuple[str, list[str]]:
     for option in options:
         name = option.partition("=")[0].strip()
         if name and name in seen:
-            raise ValueError(f"{TEACHERS} entry {entry!r}: option {name!r} given twice; give each option once "
-                             "(no later value overrides an earlier one)")
+            raise ValueError(f"{TEACHERS} entry {redacted(entry)!r}: option {name!r} given twice; give each option "
+                             "once (no later value overrides an earlier one)")
         seen.add(name)
     return head, options
 

@@ -1,7 +1,8 @@
 """The served kind: `http://host:port;engine=vllm` (or `https://`) — a teacher served by an
 inference engine, asked over HTTP (`teachers.ServedTeacher`). The URL is read before the entry
 is split further (its ':' and '/' are no path, its '@' no provider); a user or password in it is
-refused (the API key comes from MEGATRON_RL_PATCHES_TEACHER_API_KEY). Options: `;engine=vllm`
+refused on the raw entry, before anything splits it, and every message shows the entry `redacted`
+(the API key comes from MEGATRON_RL_PATCHES_TEACHER_API_KEY). Options: `;engine=vllm`
 (required: the engines answer on different routes), `;tokenizer=DIR` (another tokenizer than the
 student's: a directory or tokenizer.json, `;stop_tokens=module:function` with it). Engines score
 at temperature 1 only: another rollout temperature is refused. `doctor` asks the server."""
@@ -13,10 +14,11 @@ from pathlib import Path
 
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
 from megatron_rl_patches._variables import TEACHER_API_KEY
-from megatron_rl_patches.teachers.engine_names import SERVED_ENGINES, check_engine
+from megatron_rl_patches.teachers.engines.names import SERVED_ENGINES, check_engine
 from megatron_rl_patches.teachers.kinds.entry import SERVED, RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
 from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, STOP_TOKENS, is_provider, split_entry
+from megatron_rl_patches.teachers.redaction import has_userinfo, redacted
 from megatron_rl_patches.teachers.tokenizer_probe import probe_tokenizer
 
 FORM = "http(s)://host:port;engine=vllm (a teacher served by vLLM; ;tokenizer=DIR for another tokenizer)"
@@ -31,32 +33,27 @@ def recognizes(entry: str) -> bool:
     return SCHEME.match(entry) is not None
 
 
-def shown(value: str) -> str:
-    """An entry (or the setting's whole value) as errors and `doctor` show it: a user or password
-    in a URL replaced by '***'."""
-    return re.sub(r"(://)[^/;,@\s]*@", r"\1***@", value)
-
-
 def check_url_head(entry: str, head: str) -> str:
-    """The URL of an entry: http or https, no user or password (refused by name, never echoed),
-    no query; its trailing '/' dropped."""
+    """The URL of an entry (whose user or password was refused already): http or https, no
+    query; its trailing '/' dropped."""
     from megatron_rl_patches.teachers.http_client import check_url  # lazy: import cost (ssl, json)
 
     parts = urllib.parse.urlsplit(head)
-    if "@" in parts.netloc:
-        raise ValueError(f"{TEACHERS} entry {shown(entry)!r}: the URL carries a user or password ('user:pass@'), "
-                         f"which would be printed wherever the entry is (doctor, logs): drop it and put the API key "
-                         f"in {TEACHER_API_KEY} (sent as a bearer token)")
     if parts.scheme.lower() not in ("http", "https"):
-        raise ValueError(f"{TEACHERS} entry {entry!r}: a served teacher's URL starts with http:// or https://, got "
-                         f"{parts.scheme}://")
+        raise ValueError(f"{TEACHERS} entry {redacted(entry)!r}: a served teacher's URL starts with http:// or "
+                         f"https://, got {parts.scheme}://")
     try:
         return check_url(head)
     except ValueError as exc:
-        raise ValueError(f"{TEACHERS} entry {entry!r}: {exc}") from None
+        raise ValueError(f"{TEACHERS} entry {redacted(entry)!r}: {exc}") from None
 
 
 def parse(entry: str) -> TeacherEntry:
+    said = redacted(entry)  # what every message shows of the entry
+    if has_userinfo(entry):  # on the raw text: a password may hold ';', '#', '/' or '@'
+        raise ValueError(f"{TEACHERS} entry {said!r}: the URL carries a user or password "
+                         f"('user:pass@'), which would be printed wherever the entry is (doctor, logs): drop it and "
+                         f"put the API key in {TEACHER_API_KEY} (sent as a bearer token)")
     head, options = split_entry(entry)
     url = check_url_head(entry, head.strip())
     engine = tokenizer = stop = None
@@ -66,9 +63,9 @@ def parse(entry: str) -> TeacherEntry:
             try:
                 engine = check_engine(value)
             except ValueError as exc:
-                raise ValueError(f"{TEACHERS} entry {entry!r}: {exc}") from None
+                raise ValueError(f"{TEACHERS} entry {said!r}: {exc}") from None
         elif name == "tokenizer" and value == "own":
-            raise ValueError(f"{TEACHERS} entry {entry!r}: ';{OWN_TOKENIZER}' reads a checkpoint directory's "
+            raise ValueError(f"{TEACHERS} entry {said!r}: ';{OWN_TOKENIZER}' reads a checkpoint directory's "
                              "tokenizer.json; a served teacher names its tokenizer: ';tokenizer=DIR' (a directory "
                              "holding tokenizer.json, or the file)")
         elif name == "tokenizer" and value:
@@ -76,18 +73,18 @@ def parse(entry: str) -> TeacherEntry:
         elif name == "stop_tokens" and is_provider(value):
             stop = value
         elif name in ("tp", "pp", "ep"):
-            raise ValueError(f"{TEACHERS} entry {entry!r}: option {option!r}: a served teacher runs at its server's "
+            raise ValueError(f"{TEACHERS} entry {said!r}: option {option!r}: a served teacher runs at its server's "
                              "own layout (set it where the engine starts); drop it")
         else:
-            raise ValueError(f"{TEACHERS} entry {entry!r}: unknown option {option!r}; a served teacher's options "
+            raise ValueError(f"{TEACHERS} entry {said!r}: unknown option {option!r}; a served teacher's options "
                              f"are ';{ENGINE}NAME' (one of {list(SERVED_ENGINES)}), ';{TOKENIZER}DIR' (another "
                              f"tokenizer than the student's: a directory or tokenizer.json) and "
                              f"';{STOP_TOKENS}module:function' (with it)")
     if engine is None:
-        raise ValueError(f"{TEACHERS} entry {entry!r}: name the engine serving it, e.g. '{url};engine=vllm' "
+        raise ValueError(f"{TEACHERS} entry {said!r}: name the engine serving it, e.g. '{url};engine=vllm' "
                          f"(served: {list(SERVED_ENGINES)})")
     if stop is not None and tokenizer is None:
-        raise ValueError(f"{TEACHERS} entry {entry!r}: ';{STOP_TOKENS}' maps tokens between two tokenizers; add "
+        raise ValueError(f"{TEACHERS} entry {said!r}: ';{STOP_TOKENS}' maps tokens between two tokenizers; add "
                          f"';{TOKENIZER}DIR' or drop it")
     return TeacherEntry(url, stop_tokens=stop, kind=SERVED, engine=engine, tokenizer=tokenizer)
 
@@ -118,18 +115,20 @@ def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
     try:
         # lazy: optional dependency httpx (the served client, imported by served teachers only)
         from megatron_rl_patches.teachers.client_settings import ClientSettings
+        from megatron_rl_patches.teachers.http_client import Deadline  # lazy: optional dependency httpx
         from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: optional dependency httpx
 
         settings = ClientSettings(connect_timeout_s=DOCTOR_CONNECT_S, timeout_s=DOCTOR_DEADLINE_S,
                                   deadline_s=DOCTOR_DEADLINE_S, retries=0)
+        deadline = Deadline.after(DOCTOR_DEADLINE_S)  # the check and the probe within one bound
         with ServedTeacher(entry.path, str(entry.engine), top_k=facts.k, client=settings) as teacher:
-            teacher.check()
+            teacher.served_model(deadline)
             if named is not None:  # the served model's tokenizer is the one the entry names
                 # lazy: optional dependency tokenizers (a served teacher of another tokenizer only)
                 from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
 
                 probe_tokenizer(teacher, load_tokenizer(str(named), f";{TOKENIZER}"), "its tokenizer",
-                                f"the tokenizer ';{TOKENIZER}{entry.tokenizer}' names")
+                                f"the tokenizer ';{TOKENIZER}{entry.tokenizer}' names", deadline)
     except (ValueError, TypeError, RuntimeError, ImportError, OSError) as exc:  # ServedTeacherError: a RuntimeError
         found.append(f"{TEACHERS}: served teacher '{entry.path}' ({entry.engine}, k={facts.k}) fails its check: {exc}")
     return found

@@ -32,3 +32,19 @@ def test_the_builder_still_refuses_a_config_file():
 
     with pytest.raises(ValueError, match="is a file; pass the checkpoint directory"):
         checkpoint_dir(FIXTURE)
+
+
+@pytest.mark.parametrize("extra", [("--json",), ("--teacher-tp", "8", "--dp", "8")])
+def test_a_checkpoints_own_config_json_is_refused_naming_its_directory(cli_run, tmp_path, extra):
+    """Issue 72 item 7 (round 7's one rule, CHANGELOG issue 55 item 5): a file named config.json sits in
+    its checkpoint directory, so that directory is what to pass, as every other entry point says; only
+    a config saved under another name (the recipes' fixture above) is planned as a file."""
+    shutil.copy(FIXTURE, tmp_path / "config.json")
+    given = tmp_path / "config.json"
+    before = given.read_bytes()
+    code, out, err = cli_run("memory", "--hf", str(given), *extra)
+    assert (code, out) == (2, "")
+    assert f"--hf {str(given)!r} is a file; pass the checkpoint directory that holds it as config.json " \
+           f"({str(tmp_path)!r} if it is that)" in err, err
+    assert given.read_bytes() == before
+    assert cli_run("memory", "--hf", str(tmp_path), *extra)[0] == 0  # what it says to pass: planned

@@ -11,3 +11,5 @@ VOCAB = 1001
 # vLLM's CPU attention serves head sizes 32, 64, ... (not the kit's default 8)
 MODEL_SHAPE = dict(hidden_size=64, head_dim=32, intermediate_size=96, max_position_embeddings=MAX_MODEL_LEN,
                    vocab_size=VOCAB)
+# vLLM's pooling runner serving a causal LM's final hidden states per token (CONTEXT §19)
+POOLING = ("--runner", "pooling", "--convert", "embed", "--pooler-config", '{"task": "token_embed"}')

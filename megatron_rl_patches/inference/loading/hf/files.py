@@ -13,12 +13,13 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
+from megatron_rl_patches._extras import install_hint
 from megatron_rl_patches.inference.loading.errors import shown
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
-EXTRA = "megatron-rl-patches[hf]"
+EXTRA = "hf"  # the extra bringing safetensors
 
 
 ITEMSIZES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
@@ -49,7 +50,7 @@ def safe_open_of(file: Path) -> Any:
         from safetensors import SafetensorError, safe_open  # lazy: optional dependency safetensors
     except ImportError:
         raise ImportError(f"reading Hugging Face checkpoints needs the safetensors library: "
-                          f"pip install '{EXTRA}' (or pip install safetensors)") from None
+                          f"{install_hint(EXTRA, 'safetensors')}") from None
     try:
         return safe_open(str(file), framework="pt", device="cpu")
     except (SafetensorError, OSError) as exc:

@@ -22,13 +22,14 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._chunks import unwrap
+from megatron_rl_patches._extras import install_hint
 from megatron_rl_patches.inference.loading.errors import copying_into_model
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, UnsupportedCheckpointError
 from megatron_rl_patches.inference.loading.hf.families import FAMILIES
 from megatron_rl_patches.inference.loading.hf.families.kv_heads import kv_repeat
 from megatron_rl_patches.inference.residency.placement import weights_on_host
 
-EXTRA = "pip install 'megatron-rl-patches[mbridge]'"
+EXTRA = install_hint("mbridge", "mbridge==0.15.1 einops 'transformers>=5,<6'")
 # the families whose mbridge bridge maps onto the local-spec build of this package
 SERVED = tuple(sorted(model_type for family in FAMILIES if family.mbridge for model_type in family.model_types))
 
@@ -44,7 +45,7 @@ def import_mbridge() -> Any:
     try:
         from mbridge import AutoBridge  # lazy: optional dependency mbridge
     except ImportError as exc:
-        raise ImportError(f"converter='mbridge' needs mbridge 0.15.1 ({exc}); install the extra: {EXTRA}, "
+        raise ImportError(f"converter='mbridge' needs mbridge 0.15.1 ({exc}): {EXTRA}, "
                           "or use converter='builtin'") from exc
     return AutoBridge
 

@@ -41,15 +41,18 @@ class InvariantNative(InvariantTiles):
 
     def rest_sums(self, x: torch.Tensor, shift: torch.Tensor, scale2: torch.Tensor, local: torch.Tensor,
                   inside: torch.Tensor, rest: torch.Tensor, moment: torch.Tensor | None) -> bool:
-        """:data:`..invariant_tiles.RestSums` by the kernel: fp32 or bf16 rows of unit column stride
-        on CPU, fp32 statistics; False otherwise."""
+        """:data:`..invariant_tiles.RestSums` by the kernel: fp32 or bf16 rows on CPU, fp32
+        statistics; False otherwise. Rows of another column stride (column-major or strided
+        logits) are copied to unit stride first, so every layout of the same values takes the
+        kernel and gets its bits (before, they took the torch tiles' exponent: other bits)."""
         kind = _KINDS.get(x.dtype)
-        unit_stride = x.size(1) <= 1 or x.stride(1) == 1
-        if kind is None or x.device.type != "cpu" or shift.dtype != torch.float32 or not unit_stride:
+        if kind is None or x.device.type != "cpu" or shift.dtype != torch.float32:
             return False
         rows = x.size(0)
         if rows == 0 or x.size(1) == 0:
             return True
+        if x.size(1) > 1 and x.stride(1) != 1:
+            x = x.contiguous()  # the kernel walks rows of unit column stride (one row chunk, ≤ 4 MiB)
         shift = shift.contiguous()
         scale2 = scale2.to(torch.float32).expand(rows).contiguous()
         local = local.to(torch.int64).contiguous()

@@ -31,17 +31,15 @@ def hub_cache(tmp_path):
     return root
 
 
-def _every_entry_point(path, capsys, memory_refuses=True):
-    """The error each entry point gives for `path`: (builder, check_teacher_vocab, memory --hf, slime);
-    without `memory_refuses`, memory --hf plans `path` (a config.json file) and is left out."""
+def _every_entry_point(path, capsys):
+    """The error each entry point gives for `path`: (builder, check_teacher_vocab, memory --hf, slime)."""
     errors = []
     for call in (lambda: build_inference_model_from_hf(path), lambda: check_teacher_vocab(path, 1001)):
         with pytest.raises(ValueError) as caught:
             call()
         errors.append(str(caught.value))
-    assert main(["memory", "--hf", str(path)]) == (2 if memory_refuses else 0)
-    if memory_refuses:
-        errors.append(capsys.readouterr().err)
+    assert main(["memory", "--hf", str(path)]) == 2
+    errors.append(capsys.readouterr().err)
     with pytest.raises(ValueError) as caught:
         hf_teachers.local_route(str(path), Namespace(), f"{TEACHERS}: teacher {str(path)!r}")
     errors.append(str(caught.value))
@@ -70,8 +68,9 @@ def test_the_config_json_file_is_refused_naming_its_directory(no_build, tmp_path
     write_tiny_checkpoint(tmp_path / "ckpt", tiny_hf_config("qwen3"))
     file = tmp_path / "ckpt" / "config.json"
     before = file.read_bytes()
-    # memory --hf plans a config.json file as its directory's (test_memory_hf_config_file.py, issue 63 item 9)
-    for error in _every_entry_point(file, capsys, memory_refuses=False)[:2]:  # slime's: test_slime_hf_teachers.py
+    # memory --hf too (issue 72 item 7: it planned the file); a config saved under another name it plans
+    # (test_memory_hf_config_file.py, issue 63 item 9). slime's message: test_slime_hf_teachers.py
+    for error in _every_entry_point(file, capsys)[:3]:
         assert f"{str(file)!r} is a file; pass the checkpoint directory that holds it as config.json " \
                f"({str(file.parent)!r} if it is that)" in error, error
     clean_patch_state.setenv(TEACHERS, str(file))

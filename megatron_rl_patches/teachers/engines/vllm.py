@@ -8,11 +8,19 @@ from __future__ import annotations
 import math
 import re
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from megatron_rl_patches.teachers.engines.protocol import SampleRows, ServedModel
+from megatron_rl_patches.teachers.engines.vllm_replies import (
+    Reply,
+    model_cards,
+    position_items,
+    prompt_positions,
+    token_list,
+    top_k,
+)
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.http_client import Deadline, TeacherClient
 from megatron_rl_patches.teachers.tails import tail_log_probs
@@ -24,26 +32,12 @@ LOG_PROB_SLACK = 1e-3
 PROBE_IDS = [0, 0]  # id 0 exists in every vocabulary
 
 
-@dataclass(frozen=True)
-class ServedModel:
-    """What the server serves: the model's name and its max model length (prompt + generated)."""
-
-    name: str
-    max_model_len: int
-
-
-@dataclass(frozen=True)
-class SampleRows:
-    """One sample's scores on its response rows (float64; ids int64)."""
-
-    token_log_probs: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_log_probs: torch.Tensor
-    tail_log_probs: torch.Tensor
-
-
 class VllmEngine:
+    """vLLM's OpenAI-compatible server: `/v1/models`, `/v1/completions` with prompt log-probs,
+    `/tokenize` (a `ServedEngine`)."""
+
     path = "/v1/completions"
+    tokenize_path = "/tokenize"
 
     def __init__(self, client: TeacherClient, top_k: int, model: str | None) -> None:
         self.client = client
@@ -55,25 +49,31 @@ class VllmEngine:
         """The model at the URL (`/v1/models`; the one named `model` when several are served),
         checked by one tiny scoring request: K within `--max-logprobs`, log-probs not logits."""
         listing = self.client.request("GET", "/v1/models", None, deadline, cancel)
-        cards = listing.get("data") if isinstance(listing, dict) else None
-        if not isinstance(cards, list) or not cards:
-            raise ServedTeacherError(f"{self.client.url}/v1/models lists no model: is this a vLLM server?",
-                                     self.client.url)
-        names = [str(card.get("id")) for card in cards]
+        cards = model_cards(listing, Reply(f"{self.client.url}/v1/models", self.client.url, None))
+        names = [name for name, _ in cards]
         if self.model is None and len(cards) > 1:
             raise ServedTeacherRefusal(f"{self.client.url} serves {len(cards)} models {names}: name one with "
                                        f"ServedTeacher(model=...)", self.client.url)
         if self.model is not None and self.model not in names:
             raise ServedTeacherRefusal(f"{self.client.url} does not serve model={self.model!r}: it serves {names}",
                                        self.client.url)
-        card = cards[0] if self.model is None else cards[names.index(self.model)]
-        length = card.get("max_model_len")
-        if not isinstance(length, int) or length < 2:
-            raise ServedTeacherError(f"{self.client.url}/v1/models gives no max_model_len for {card.get('id')!r}: "
+        name, length = cards[0] if self.model is None else cards[names.index(self.model)]
+        if isinstance(length, bool) or not isinstance(length, int) or length < 2:
+            raise ServedTeacherError(f"{self.client.url}/v1/models gives no max_model_len for {name!r}: "
                                      f"is this a vLLM server?", self.client.url)
-        model = ServedModel(str(card["id"]), length)
-        self.scores(model, PROBE_IDS, 1, deadline, cancel, sample=None)
+        model = ServedModel(name, length)
+        self.probe(model, deadline, cancel)
         return model
+
+    def probe(self, model: ServedModel, deadline: Deadline, cancel: threading.Event) -> None:
+        """One tiny scoring request: K within `--max-logprobs`, log-probs not logits."""
+        self.scores(model, PROBE_IDS, 1, deadline, cancel, sample=None)
+
+    def tokenize(self, model: ServedModel, text: str, deadline: Deadline, cancel: threading.Event) -> list[int] | None:
+        """`text` tokenized by the served model's tokenizer (`/tokenize`, no special tokens added)."""
+        reply = self.client.request("POST", self.tokenize_path, {"model": model.name, "prompt": text,
+                                                                   "add_special_tokens": False}, deadline, cancel)
+        return token_list(reply, Reply(f"{self.client.url}{self.tokenize_path}", self.client.url, None))
 
     # ------------------------------------------------------------------ one sample
     def body(self, model: ServedModel, ids: list[int]) -> dict[str, Any]:
@@ -87,6 +87,11 @@ class VllmEngine:
             reply = self.client.request("POST", self.path, self.body(model, ids), deadline, cancel, sample)
         except ServedTeacherRefusal as refused:
             found = MAX_LOGPROBS.search(str(refused))
+            if found is None and "HTTP 404" in str(refused):  # a pooling server has no /v1/completions
+                raise ServedTeacherRefusal(f"{self.client.url} does not serve {self.path} (HTTP 404): a pooling server "
+                                           f"(--runner pooling) sends hidden states, not prompt log-probs; give "
+                                           f"ServedTeacher(head=...) the teacher's checkpoint, or serve the teacher "
+                                           f"without --runner pooling", self.client.url, sample) from None
             if found is None:
                 raise
             limit = int(found.group(1))
@@ -96,51 +101,28 @@ class VllmEngine:
         return self.parse(reply, ids, start, sample)
 
     def parse(self, reply: Any, ids: list[int], start: int, sample: int | None) -> SampleRows:
-        """The reply's prompt log-probs as `SampleRows` (the top-k best first)."""
+        """The reply's prompt log-probs as `SampleRows` (the top-k best first), read against
+        their expected shape (`vllm_replies`)."""
         where = f"{self.client.url}{self.path}" + ("" if sample is None else f" (sample {sample})")
-        try:
-            positions = reply["choices"][0]["prompt_logprobs"]
-        except (KeyError, IndexError, TypeError):
-            raise ServedTeacherError(f"{where}: the reply has no choices[0].prompt_logprobs", self.client.url,
-                                     sample) from None
-        if not isinstance(positions, list) or len(positions) != len(ids):
-            raise ServedTeacherError(f"{where}: {len(ids)} prompt ids but prompt_logprobs of length "
-                                     f"{len(positions) if isinstance(positions, list) else type(positions).__name__}",
-                                     self.client.url, sample)
+        said = Reply(where, self.client.url, sample)
+        positions = prompt_positions(reply, len(ids), said)
         k = self.top_k
         rows = len(ids) - start
         token = [0.0] * rows
-        top_ids = [0] * (rows * k)
-        top_values = [0.0] * (rows * k)
+        top_ids: list[int] = []
+        top_values: list[float] = []
         for r in range(rows):
-            entry = positions[start + r]
-            actual = str(ids[start + r])
-            if not isinstance(entry, dict) or actual not in entry or len(entry) not in (k, k + 1):
-                raise ServedTeacherError(f"{where}: position {start + r} holds no top-{k} with the actual id "
-                                         f"{actual} (got {type(entry).__name__} of "
-                                         f"{len(entry) if isinstance(entry, dict) else 0} entries)",
-                                         self.client.url, sample)
-            token[r] = entry[actual]["logprob"]
-            # the top-k hold ranks 1..K; with K + 1 entries the actual id is the one outside them
-            skip = actual if len(entry) > k else None
-            base, placed = r * k, 0
-            for key, item in entry.items():
-                if key != skip:
-                    rank = item["rank"] - 1
-                    if not 0 <= rank < k or top_ids[base + rank]:
-                        break  # ranks not 1..K once each (0 is never placed twice): sort instead
-                    top_ids[base + rank] = int(key) + 1
-                    top_values[base + rank] = item["logprob"]
-                    placed += 1
-            if placed != k:
-                best = sorted((item["rank"], -item["logprob"], int(key)) for key, item in entry.items() if key != skip)
-                top_ids[base:base + k] = [key + 1 for _, _, key in best]
-                top_values[base:base + k] = [-value for _, value, _ in best]
+            actual = ids[start + r]
+            items = position_items(positions[start + r], start + r, actual, k, said)
+            token[r] = next(value for i, value, _ in items if i == actual)
+            for i, value in top_k(items, actual, k):
+                top_ids.append(i)
+                top_values.append(value)
         values = torch.tensor(top_values, dtype=torch.float64).reshape(rows, k)
         token_values = torch.tensor(token, dtype=torch.float64)
         self.check_log_probs(values, token_values, where, sample)
-        ids_out = torch.tensor(top_ids, dtype=torch.int64).reshape(rows, k) - 1  # placed as id + 1 (0: empty)
-        return SampleRows(token_values, ids_out, values, tail_log_probs(values))
+        return SampleRows(token_values, torch.tensor(top_ids, dtype=torch.int64).reshape(rows, k), values,
+                          tail_log_probs(values))
 
     def check_log_probs(self, values: torch.Tensor, token: torch.Tensor, where: str, sample: int | None) -> None:
         """Log-probabilities, not logits: each <= 0 and the top-k mass <= 1 (within fp32 slack)."""

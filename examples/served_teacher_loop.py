@@ -1,0 +1,220 @@
+"""A teacher served by vLLM in a hand-written Megatron training loop, on CPU, at 1 or 2 ranks
+(tensor parallelism 2): a tiny GPTModel student learns from the served teacher's own top-k with
+their exact tail (docs/distillation.md, "Teachers served by an inference engine").
+
+    # vLLM's CPU build in its own venv (the Makefile's served lane builds .lanes/vllm):
+    python examples/served_teacher_loop.py --vllm-python .lanes/vllm/bin/python [--tp 2] [--steps 4]
+    # or a server you already run, of a model with the student's tokenizer and vocabulary:
+    python examples/served_teacher_loop.py --url http://teacher-node:8000 --vocab-size 1001 [--tp 2]
+    # (a server started with an API key: the key in $MEGATRON_RL_PATCHES_TEACHER_API_KEY)
+
+With --vllm-python the example writes a tiny random Qwen3 teacher (1001 words, its tokenizer
+beside it: it needs transformers and tokenizers) and serves it on 127.0.0.1 for the run (about a
+minute to start on CPU). Each step:
+
+1. The samples (prompt + response ids; stand-ins for your rollouts) go to the server as a
+   `TeacherBatch`: the first rank of the tensor-parallel group asks, a failure there is raised on
+   every rank (`agree_failure`), and the scores are broadcast to the group (every rank holds the
+   same samples under tensor parallelism).
+2. The served rows are placed where the student's forward scores them. Row r of sample i scores
+   the token at `start_i + r`; Megatron's position p predicts the token at p + 1, so that row is
+   the student's position `start_i + r - 1` (the one-position shift). The served `topk_ids`
+   [R_i, K] go into `topk_output_processor`'s context ids [b, s, K] there; "row_mask" selects
+   those positions (the prompt and the padding are never computed).
+3. The student's forward runs the fused LM head (`lm_head_topk_logprobs` under the processor: no
+   [T, V] logits): its log-probs at the served ids and its exact tail. Under tensor parallelism the
+   ids stay global vocabulary ids; each rank holds half of the output layer and the op combines
+   the halves. The student's vocabulary is padded as Megatron pads it (1001 -> 1024);
+   `vocab_size=` gives the real one, so the padding rows take no mass.
+4. The loss is `topk_kl` over the k + 1 buckets with the served tail (forward KL, teacher to
+   student), then backward and an Adam step.
+
+On a GPU cluster: initialize Megatron as usual instead of entering `megatron_on_cpu()`, use your
+model and optimizer; the placing of the served rows and the loss stay as they are.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+K = 8  # the teacher's buckets per row (vLLM's --max-logprobs, default 20, bounds it)
+PROMPTS = (4, 7, 3, 5)  # each sample's prompt length: its response starts there
+LENGTHS = (12, 20, 9, 16)  # each sample's whole length (prompt + response)
+STEPS = 4
+LR = 1e-2
+PAD_TO = 128  # Megatron pads the vocabulary to a multiple of 128 x TP (make-vocab-size-divisible-by)
+
+warnings.filterwarnings("ignore", module="megatron")  # Apex / Transformer Engine absent on CPU (every rank)
+
+
+@dataclass
+class StepInputs:
+    """What one step computed its loss from, for `on_loss` (the served lane checks it)."""
+
+    step: int
+    student: torch.nn.Module
+    tokens: torch.Tensor  # [b, s]: the student's input (each sample without its last id, padded)
+    samples: Any  # the TeacherBatch sent to the server
+    scores: Any  # its BatchScores (the same on every rank)
+    loss: torch.Tensor  # the step's loss, before backward
+    vocab_size: int
+
+
+def padded(vocab_size: int, tp: int) -> int:
+    """The student's vocabulary rows as Megatron pads them."""
+    multiple = PAD_TO * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def rollouts(step: int, seed: int, vocab_size: int) -> list[torch.Tensor]:
+    """Stand-ins for the step's rollouts: one id sequence per sample (the same on every rank)."""
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    return [torch.randint(0, vocab_size, (n,), generator=gen) for n in LENGTHS]
+
+
+def served_scores(teacher: Any, batch: Any, tp_group: Any) -> Any:
+    """The server's scores of `batch` on every rank of `tp_group`: its first rank asks, the others
+    wait for the broadcast; a failure on the asking rank is raised on all of them."""
+    import torch.distributed as dist
+
+    from megatron_rl_patches.teachers import agree_failure
+
+    scores, error = None, None
+    if dist.get_rank(tp_group) == 0:
+        try:
+            scores = teacher.score(batch)
+        except Exception as failed:  # noqa: BLE001 - raised on every rank just below
+            error = failed
+    agree_failure(error, tp_group)
+    shared = [scores]
+    dist.broadcast_object_list(shared, src=dist.get_global_rank(tp_group, 0), group=tp_group)
+    return shared[0]
+
+
+def placed(sequences: list[torch.Tensor], starts: list[int], topk_ids: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The student's input and the served ids at the positions that predict each response token.
+
+    tokens [b, s] (s = the longest sample less one; padding 0), ids [b, s, K] and row_mask [b, s]:
+    sample i's served row r (the token at start_i + r) sits at position start_i + r - 1."""
+    width = max(len(ids) for ids in sequences) - 1
+    tokens = torch.zeros(len(sequences), width, dtype=torch.long)
+    ids = torch.zeros(len(sequences), width, K, dtype=torch.long)
+    row_mask = torch.zeros(len(sequences), width, dtype=torch.bool)
+    for i, (sequence, start, served) in enumerate(zip(sequences, starts, topk_ids)):
+        tokens[i, : len(sequence) - 1] = sequence[:-1]
+        rows = slice(start - 1, len(sequence) - 1)  # the one-position shift
+        ids[i, rows] = served
+        row_mask[i, rows] = True
+    return {"tokens": tokens, "ids": ids, "row_mask": row_mask}
+
+
+def student_forward(student: torch.nn.Module, tokens: torch.Tensor, **processor: Any) -> Any:
+    """The student's forward on [b, s] tokens (causal, positions 0..s-1)."""
+    batch, width = tokens.shape
+    positions = torch.arange(width).expand(batch, width)
+    causal = torch.ones(width, width, dtype=torch.bool).tril().logical_not()[None, None]
+    return student(tokens, positions, causal, **processor)
+
+
+def train(rank: int, world_size: int, url: str, vocab_size: int, steps: int, seed: int,
+          on_loss: Callable[[StepInputs], Any] | None = None) -> list[dict]:
+    """What every rank runs: the student at tensor parallelism `world_size`, `steps` steps against
+    the server at `url`. Returns per step its loss, the rows scored and what `on_loss` gave."""
+    from megatron.core import parallel_state
+
+    import megatron_rl_patches
+    from megatron_rl_patches import topk_kl, topk_output_processor
+    from megatron_rl_patches.teachers import ServedTeacher, TeacherBatch
+    from megatron_rl_patches.testing import megatron_cpu as kit
+
+    megatron_rl_patches.apply(only="gpt_output_processor")  # the processor keyword on megatron-core < 0.18
+    records = []
+    with kit.megatron_on_cpu(tensor_parallel=world_size, seed=seed), ServedTeacher(url, "vllm", top_k=K) as teacher:
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        config = kit.tiny_gpt_config(init_method_std=0.3)
+        student = kit.build_tiny_gpt(config, vocab_size=padded(vocab_size, world_size), seq_length=max(LENGTHS),
+                                     seed=seed)
+        optimizer = torch.optim.Adam(student.parameters(), lr=LR)
+        for step in range(steps):
+            sequences = rollouts(step, seed, vocab_size)
+            samples = TeacherBatch(sequences, list(PROMPTS))
+            scores = served_scores(teacher, samples, tp_group)
+            inputs = placed(sequences, samples.response_starts, scores.topk_ids)
+            processor = topk_output_processor(vocab_size=vocab_size)  # scores the context's ids
+            out = student_forward(student, inputs["tokens"], output_processor=processor,
+                                  output_processor_context={"ids": inputs["ids"], "row_mask": inputs["row_mask"]})
+            rows = inputs["row_mask"]  # [b, s] -> the response rows in sample order, as the server's
+            loss = topk_kl(out["topk_log_probs"][rows], out["tail"][rows],
+                           torch.cat(scores.topk_log_probs).float(), torch.cat(scores.tail_log_probs).float(),
+                           divergence="forward_kl").mean()
+            checked = None if on_loss is None else on_loss(
+                StepInputs(step, student, inputs["tokens"], samples, scores, loss.detach(), vocab_size))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            records.append({"step": step, "loss": loss.item(), "rows": int(rows.sum()), "checked": checked})
+    return records
+
+
+def main(url: str, vocab_size: int, tp: int = 1, steps: int = STEPS, seed: int = 0,
+         on_loss: Callable[[StepInputs], Any] | None = None) -> list[dict]:
+    """Train at tensor parallelism `tp` (1 or 2 gloo ranks); returns rank 0's records (every rank
+    computes the same loss). `on_loss` must be importable (it runs in the ranks)."""
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    for name, value, low in (("tp", tp, 1), ("steps", steps, 1), ("seed", seed, 0), ("vocab_size", vocab_size, K)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+    ranks = run_multirank(train, tp, url, vocab_size, steps, seed, on_loss, timeout=600)
+    return ranks[0]
+
+
+def tiny_teacher(directory: str, vocab_size: int) -> None:
+    """A tiny random Qwen3 of `vocab_size` words with its word-level tokenizer (vLLM's CPU
+    attention needs a head size of 32 or more)."""
+    from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
+
+    save_tiny_hf(directory, "qwen3", seed=3, hidden_size=64, head_dim=32, intermediate_size=96,
+                 max_position_embeddings=256, vocab_size=vocab_size)
+    save_word_tokenizer(directory, vocab_size)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    print(f"student GPT (vocab {args.vocab_size}, padded to {padded(args.vocab_size, args.tp)}) at TP={args.tp}, "
+          f"a served teacher's top-{K} + tail, {len(LENGTHS)} samples a step, Adam lr {LR}")
+    records = main(args.url, args.vocab_size, args.tp, args.steps, args.seed)
+    print(f"{'step':>4}  {'loss':>8}  {'rows':>4}")
+    for record in records:
+        print(f"{record['step']:>4}  {record['loss']:>8.4f}  {record['rows']:>4}")
+    return records
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="a running server of a model with the student's tokenizer")
+    where.add_argument("--vllm-python", help="vLLM's interpreter: serve a tiny teacher for the run")
+    parser.add_argument("--vocab-size", type=int, default=1001, help="the teacher's (and student's) vocabulary")
+    parser.add_argument("--tp", type=int, default=1, choices=(1, 2))
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--seed", type=int, default=0)
+    cli = parser.parse_args()
+    if cli.url is not None:
+        run(cli)
+    else:
+        from megatron_rl_patches.testing.vllm_server import vllm_server
+
+        with tempfile.TemporaryDirectory() as root:
+            tiny_teacher(os.path.join(root, "teacher"), cli.vocab_size)
+            with vllm_server(cli.vllm_python, os.path.join(root, "teacher"), os.path.join(root, "vllm.log")) as server:
+                cli.url = server.url
+                run(cli)

@@ -1,0 +1,50 @@
+"""The engines a served teacher can name, in one table, standard library only (the entry grammar
+checks an entry's `;engine=` without importing the client): each name with the module that serves
+it, or, for an engine users ask for whose module waits for a test against a real server of its
+own, why it is not served yet."""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from megatron_rl_patches.teachers.engines.protocol import ServedEngine
+
+
+@dataclass(frozen=True)
+class EngineName:
+    """`engine`: 'module:Class' of the engine (None: not served yet, for the reason `why_not`)."""
+
+    engine: str | None
+    why_not: str = ""
+
+
+ENGINES = {
+    "vllm": EngineName("megatron_rl_patches.teachers.engines.vllm:VllmEngine"),
+    "sglang": EngineName(None, "its server needs CUDA packages, so no test here runs one"),
+}
+SERVED_ENGINES = tuple(name for name, row in ENGINES.items() if row.engine is not None)
+
+
+def check_engine(engine: object) -> str:
+    """`engine` as a served engine's name; TypeError (not a str) or ValueError naming it otherwise."""
+    if not isinstance(engine, str):
+        raise TypeError(f"engine must be a str naming the served engine, e.g. engine='vllm' (one of "
+                        f"{sorted(SERVED_ENGINES)}), got {engine!r}, a {type(engine).__name__}")
+    row = ENGINES.get(engine)
+    if row is not None and row.engine is None:
+        raise ValueError(f"engine={engine!r} is not served yet: serve the teacher with vLLM (engine='vllm'); "
+                         f"{row.why_not}")
+    if row is None:
+        raise ValueError(f"engine must be one of {sorted(SERVED_ENGINES)}, got {engine!r}")
+    return str(engine)
+
+
+def engine_class(engine: str) -> type[ServedEngine]:
+    """The class of the served engine `engine` (checked by `check_engine`), imported now."""
+    where = ENGINES[check_engine(engine)].engine
+    assert where is not None  # check_engine refuses the engines not served yet
+    module, _, name = where.partition(":")
+    cls: type[ServedEngine] = getattr(importlib.import_module(module), name)
+    return cls

@@ -1,0 +1,235 @@
+"""A teacher's output layer on the trainer (`TeacherHead`): only `lm_head.weight` (or the embedding
+where config.json ties them) of a Hugging Face teacher directory, this rank's vocabulary shard at
+the student's tensor-parallel layout. With it, the final hidden states a served teacher sends become
+the teacher's whole distribution: the fused ops (`lm_head_log_probs_and_entropy`,
+`lm_head_topk_ids`, `lm_head_topk_logprobs`, `lm_head_divergence`) project them tile by tile."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl_patches._args import positive_int
+from megatron_rl_patches.inference.loading.hf.architecture import read_count
+from megatron_rl_patches.inference.loading.hf.checkpoint_config import CheckpointConfig, read_checkpoint_config
+from megatron_rl_patches.inference.loading.hf.files import TensorEntry, safe_open_of, tensor_index
+from megatron_rl_patches.inference.loading.hf.model import padded_vocab
+from megatron_rl_patches.ops.agreement import agree, local_error
+from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy, lm_head_topk_ids, lm_head_topk_logprobs
+
+# The fused ops compute softmax(h·Wᵀ/τ) and nothing else: a config.json field that changes the
+# logits after the output layer is refused by name (value: what leaves the logits unchanged).
+HEAD_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+HEAD = "lm_head.weight"
+# where a tied checkpoint keeps the embedding: a causal LM's, a vision-language wrapper's text model's
+EMBEDDINGS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+              "language_model.model.embed_tokens.weight")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")
+MEGATRON_DIVISOR = 128  # Megatron-LM's default make_vocab_size_divisible_by: the student's padding
+
+
+@dataclass(frozen=True, eq=False)  # a tensor inside: compared by identity
+class TeacherHead:
+    """A teacher's output weight: `weight` [V_local, H], rows [first_id, first_id + V_local) of the
+    vocabulary padded to `padded_vocab_size` (zero rows past `vocab_size`, the real rows; pass
+    `vocab_size=head.vocab_size` to the ops so the padding gets no probability mass); the whole
+    vocabulary on one rank without a `tp_group`."""
+
+    weight: torch.Tensor
+    vocab_size: int
+    padded_vocab_size: int
+    first_id: int
+    tp_group: Any = None
+    source: str = ""
+    checkpoint_dtype: torch.dtype | None = None  # the checkpoint's own (a served model's, usually)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.weight.shape[1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """This rank's bytes of the head."""
+        return self.weight.numel() * self.weight.element_size()
+
+    # ------------------------------------------------------------------ the teacher's distribution
+    # hidden [R, H]: the teacher's final hidden states (row r predicts the token after it); every
+    # rank of `tp_group` calls with the same rows (the ops combine the shards). No gradient; no
+    # [R, V] tensor: the fused ops walk the vocabulary tile by tile.
+
+    def token_log_probs(self, hidden: torch.Tensor, tokens: torch.Tensor,
+                        temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+        """[R] log-probs of `tokens` [R] under softmax(h·Wᵀ/τ) over the real vocabulary."""
+        with torch.no_grad():
+            values, _ = lm_head_log_probs_and_entropy(self.rows(hidden), self.weight, tokens.to(self.weight.device),
+                                                      **self.options(temperature))
+        return values
+
+    def topk(self, hidden: torch.Tensor, k: int,
+             temperature: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The teacher's own top-`k` per row at `temperature`: (ids [R, k] best first, their
+        log-probs [R, k], the exact tail [R]: the log of the mass outside them)."""
+        h = self.rows(hidden)
+        with torch.no_grad():
+            ids = lm_head_topk_ids(h, self.weight, k, **self.options(temperature))
+            values, tail = lm_head_topk_logprobs(h, self.weight, ids, **self.options(temperature))
+        return ids, values, tail
+
+    def log_probs_at(self, hidden: torch.Tensor, ids: torch.Tensor, temperature: float | torch.Tensor = 1.0,
+                     ids_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's log-probs at ids the caller chose (e.g. the student's top-k) [R, k] and
+        the exact tail [R] (the log of the mass outside them); `ids_mask` [R, k] as in
+        `lm_head_topk_logprobs` (padded slots: -inf, their mass in the tail)."""
+        with torch.no_grad():
+            return lm_head_topk_logprobs(self.rows(hidden), self.weight, ids.to(self.weight.device),
+                                         ids_mask=ids_mask, **self.options(temperature))
+
+    def rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden` [R, H] in the head's dtype and on its device; ValueError naming another width."""
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            raise ValueError(f"TeacherHead: hidden must be [R, {self.hidden_size}] (the teacher's final hidden "
+                             f"states, this head's width), got {shape}")
+        return hidden.detach().to(device=self.weight.device, dtype=self.weight.dtype)
+
+    def options(self, temperature: float | torch.Tensor) -> dict[str, Any]:
+        """The ops' keywords for this head: its group, its real vocabulary, `temperature`."""
+        return {"tp_group": self.tp_group, "vocab_size": self.vocab_size, "temperature": temperature}
+
+    def __repr__(self) -> str:
+        rows = self.weight.shape[0]
+        return (f"TeacherHead({self.source!r}, rows {self.first_id}..{self.first_id + rows} of "
+                f"{self.padded_vocab_size} (vocab {self.vocab_size}), hidden {self.hidden_size}, {self.dtype})")
+
+    @classmethod
+    def from_hf(cls, path: str | os.PathLike[str], tp_group: Any = None, dtype: torch.dtype | str | None = None, *,
+                make_vocab_size_divisible_by: int | None = None) -> TeacherHead:
+        """The output layer of the Hugging Face checkpoint directory `path` (lm_head.weight; the
+        embedding where config.json ties them and stores no lm_head.weight), only this rank's rows
+        read. `tp_group`: the student's tensor-parallel group (every rank of it calls this; the
+        checks are agreed over it before anything is shared); the vocabulary is padded as
+        Megatron-LM pads the student's, to a multiple of `make_vocab_size_divisible_by` (None:
+        128) x the group's size, and cut into equal shards. Without a group, the whole [V, H]
+        (padded only when `make_vocab_size_divisible_by` is given). `dtype`: the weight's dtype
+        (None: the checkpoint's; float32 / bfloat16 / float16 / float64). A config.json with a
+        head transform the ops do not compute (`final_logit_softcapping`, `logit_scale`,
+        `logits_scaling`) is refused naming it."""
+        rank, size = group_position(tp_group)
+        plan, error = local_error(lambda: HeadPlan.of(path, dtype, make_vocab_size_divisible_by, size, rank))
+        match: dict[str, Any] = {}
+        if plan is not None:
+            match = {"vocab_size": plan.vocab_size, "hidden_size": plan.hidden_size, "padded": plan.padded,
+                     "dtype": str(plan.dtype)}
+        agree(tp_group, "TeacherHead.from_hf", error=error, match=match, where="the tensor-parallel group")
+        assert plan is not None  # agree raised otherwise
+        weight, error = local_error(plan.read)
+        agree(tp_group, "TeacherHead.from_hf: reading", error=error, where="the tensor-parallel group")
+        assert weight is not None
+        return cls(weight, plan.vocab_size, plan.padded, plan.first, tp_group, str(plan.root), plan.own_dtype)
+
+
+def group_position(group: Any) -> tuple[int, int]:
+    """(rank in `group`, its size); (0, 1) without one."""
+    if group is None:
+        return 0, 1
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("TeacherHead.from_hf(tp_group=...) needs torch.distributed initialized (the student's "
+                         "tensor-parallel group), or tp_group=None for the whole vocabulary on this rank")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    """What one rank reads: tensor `entry`'s rows [first, first + rows) (zero rows past `vocab_size`)."""
+
+    root: Path
+    entry: TensorEntry
+    vocab_size: int
+    hidden_size: int
+    padded: int
+    first: int
+    rows: int
+    dtype: torch.dtype
+    own_dtype: torch.dtype
+
+    @classmethod
+    def of(cls, path: Any, dtype: Any, divisible_by: int | None, size: int, rank: int) -> HeadPlan:
+        config = read_checkpoint_config(path, "TeacherHead.from_hf(path)")
+        refuse_head_transforms(config)
+        vocab = config.vocab_size
+        hidden = read_count(config.text, config.source, "hidden_size")
+        entry = head_entry(config, vocab, hidden)
+        wanted = head_dtype(dtype, config, entry)
+        if divisible_by is not None:
+            divisible_by = positive_int("TeacherHead.from_hf(make_vocab_size_divisible_by=...)", divisible_by)
+        padded = padded_vocab(vocab, divisible_by or (MEGATRON_DIVISOR if size > 1 else 1), size)
+        rows = padded // size
+        return cls(config.root, entry, vocab, hidden, padded, rank * rows, rows, wanted,
+                   head_dtype(None, config, entry))
+
+    def read(self) -> torch.Tensor:
+        """This rank's rows, converted to the dtype asked, zero rows past the vocabulary."""
+        real = max(0, min(self.first + self.rows, self.vocab_size) - self.first)
+        out = torch.zeros(self.rows, self.hidden_size, dtype=self.dtype)
+        if real:
+            view = safe_open_of(self.entry.file).get_slice(self.entry.name)[self.first:self.first + real]
+            out[:real].copy_(view)
+        return out
+
+
+def refuse_head_transforms(config: CheckpointConfig) -> None:
+    """ValueError naming a config.json field that transforms the logits after the output layer."""
+    for fields in (config.text, config.fields):
+        for name, neutral in HEAD_TRANSFORMS.items():
+            value = fields.get(name)
+            if value is not None and value != neutral:
+                raise ValueError(f"TeacherHead.from_hf: {config.source!r}'s config.json sets {name}={value!r}, a "
+                                 f"transform of the logits after the output layer; the fused ops compute h·Wᵀ/τ "
+                                 f"only, so this teacher's distribution cannot be formed from its head (use an "
+                                 f"in-process teacher, or a served teacher's top-k without head=)")
+
+
+def head_entry(config: CheckpointConfig, vocab: int, hidden: int) -> TensorEntry:
+    """The checkpoint's output layer: lm_head.weight where stored (also when config.json ties it,
+    as transformers serves such a checkpoint), else the tied embedding; [vocab, hidden] checked."""
+    index = tensor_index(config.root)
+    tied = bool(config.text.get("tie_word_embeddings", False))
+    if HEAD in index:
+        entry = index[HEAD]
+    elif tied and any(name in index for name in EMBEDDINGS):
+        entry = index[next(name for name in EMBEDDINGS if name in index)]
+    else:
+        wanted = HEAD if not tied else f"{HEAD} or the tied embedding ({' / '.join(EMBEDDINGS)})"
+        raise ValueError(f"TeacherHead.from_hf: {config.source!r} holds no {wanted} (config.json's "
+                         f"tie_word_embeddings={tied}); is it a causal language model's checkpoint?")
+    if entry.shape != (vocab, hidden):
+        raise ValueError(f"TeacherHead.from_hf: {config.source!r}'s {entry.name} has shape {list(entry.shape)}, but "
+                         f"config.json says vocab_size={vocab} and hidden_size={hidden}: the config and the weights "
+                         f"belong to different models")
+    if entry.dtype not in SAFETENSORS_FLOATS:
+        raise ValueError(f"TeacherHead.from_hf: {config.source!r}'s {entry.name} is {entry.dtype}; the head is read "
+                         f"from a {' / '.join(SAFETENSORS_FLOATS)} checkpoint only (dequantize it first)")
+    return entry
+
+
+def head_dtype(dtype: Any, config: CheckpointConfig, entry: TensorEntry) -> torch.dtype:
+    """`dtype` (a torch dtype or its name), else the checkpoint's (config.json's, else the tensor's)."""
+    if dtype is None:
+        own = config.dtype
+        if isinstance(own, str) and own.removeprefix("torch.") in DTYPES:
+            return DTYPES[own.removeprefix("torch.")]
+        return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[entry.dtype]
+    named = DTYPES.get(dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    if not isinstance(named, torch.dtype) or named not in DTYPES.values():
+        raise ValueError(f"TeacherHead.from_hf(dtype=...) must be torch.float32, bfloat16, float16 or float64 (or "
+                         f"None: the checkpoint's own), got {dtype!r}")
+    return named

@@ -1,0 +1,115 @@
+"""A step's `BatchScores` from a served teacher's final hidden states through its head on the
+trainer (`head_scores`): every sample's response rows in one pass of each fused op (tile by tile;
+no [rows, V] tensor), at any K and temperature, and at ids the caller gives (`check_given_ids`)."""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from megatron_rl_patches.teachers.batch import TeacherBatch
+from megatron_rl_patches.teachers.contract import BatchScores
+from megatron_rl_patches.teachers.engines.vllm_pooling import EMBED_DTYPES
+from megatron_rl_patches.teachers.head import TeacherHead
+
+# engines whose hidden states are not served yet, and why
+HIDDEN_NOT_SERVED = {"sglang": "SGLang's hidden states (/generate with return_hidden_states) stay refused until a test "
+                               "runs against a real SGLang server (its server does not run on this project's CPUs)"}
+
+
+def hidden_head(head: object, engine: object) -> TeacherHead | None:
+    """`ServedTeacher(head=...)`: None, a TeacherHead, or a Hugging Face checkpoint directory (its
+    head read whole, on this rank); the engine must serve hidden states."""
+    if head is None:
+        return None
+    if isinstance(engine, str) and engine in HIDDEN_NOT_SERVED:
+        raise ValueError(f"ServedTeacher(engine={engine!r}, head=...): {HIDDEN_NOT_SERVED[engine]}; serve the teacher "
+                         f"with vLLM's pooling runner (engine='vllm')")
+    if isinstance(head, TeacherHead):
+        return head
+    if isinstance(head, (str, os.PathLike)):
+        return TeacherHead.from_hf(head)
+    raise TypeError(f"ServedTeacher(head=...) must be a TeacherHead (TeacherHead.from_hf(DIR, tp_group=...)) or the "
+                    f"teacher's Hugging Face checkpoint directory, got {type(head).__name__}")
+
+
+def head_temperature(temperature: object, top_k: int, head: TeacherHead) -> float:
+    """A positive finite temperature (the trainer applies it) and K within the head's vocabulary."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature <= 0:
+        raise ValueError(f"ServedTeacher(temperature=...) must be a finite number > 0, got {temperature!r}")
+    if top_k >= head.vocab_size:
+        raise ValueError(f"ServedTeacher(top_k={top_k}) must be smaller than the teacher head's vocabulary of "
+                         f"{head.vocab_size} (the tail bucket holds the rest; at K = vocabulary - 1 it is the last id)")
+    return float(temperature)
+
+
+def states_dtype(dtype: object, head: TeacherHead) -> torch.dtype:
+    """The dtype the hidden states travel in: `dtype`, else the head's checkpoint's (the served
+    model's, lossless), float32 where that is none of vLLM's embed dtypes."""
+    if dtype is not None:
+        if dtype not in EMBED_DTYPES:
+            raise ValueError(f"ServedTeacher(hidden_dtype=...) must be one of {[str(d) for d in EMBED_DTYPES]} or "
+                             f"None (the head's checkpoint's dtype), got {dtype!r}")
+        return dtype
+    own = head.checkpoint_dtype
+    return own if own in EMBED_DTYPES else torch.float32
+
+
+def check_given_ids(ids: object, batch: TeacherBatch, vocab_size: int) -> list[torch.Tensor] | None:
+    """`ids` of `score(batch, ids=...)`: None, or one [R_i, k] integer tensor per sample (one k),
+    each id in [0, vocab_size); TypeError / ValueError naming the sample otherwise."""
+    if ids is None:
+        return None
+    if not isinstance(ids, (list, tuple)) or len(ids) != len(batch):
+        raise TypeError(f"ServedTeacher.score(ids=...) must be a list of {len(batch)} id tensors [R_i, k] (one per "
+                        f"sample: the ids to score on each response row), got {type(ids).__name__}"
+                        + (f" of {len(ids)}" if isinstance(ids, (list, tuple)) else ""))
+    widths = set()
+    for i, given in enumerate(ids):
+        rows = batch.response_rows(i)
+        if not isinstance(given, torch.Tensor) or given.dim() != 2 or given.shape[0] != rows \
+                or given.dtype.is_floating_point or given.dtype == torch.bool:
+            shown = f"{tuple(given.shape)} {given.dtype}" if isinstance(given, torch.Tensor) else type(given).__name__
+            raise ValueError(f"ServedTeacher.score(ids=...): sample {i}'s ids must be an integer tensor [{rows}, k] "
+                             f"(one row per response row), got {shown}")
+        if given.numel() and not 0 <= int(given.min()) <= int(given.max()) < vocab_size:
+            raise ValueError(f"ServedTeacher.score(ids=...): sample {i} holds ids outside [0, {vocab_size}) (the "
+                             f"teacher head's vocabulary)")
+        widths.add(given.shape[1])
+    if len(widths) > 1:
+        raise ValueError(f"ServedTeacher.score(ids=...): every sample must give the same number of ids per row, got "
+                         f"{sorted(widths)}")
+    return list(ids)
+
+
+def head_scores(head: TeacherHead, batch: TeacherBatch, states: list[torch.Tensor], top_k: int,
+                temperature: float, given: list[torch.Tensor] | None = None) -> BatchScores:
+    """`BatchScores` (float64) from `states[i]` [R_i, H] through `head` at `temperature`: the actual
+    tokens' log-probs, the teacher's own top-`top_k` with their exact tail, the hidden states
+    themselves and, with `given`, the log-probs at those ids with the tail outside them."""
+    rows = [batch.response_rows(i) for i in range(len(batch))]
+    states = [s.reshape(-1, head.hidden_size) for s in states]
+    hidden = torch.cat(states)
+    tokens = torch.cat([ids[start:] for ids, start in zip(batch.sequences, batch.response_starts)]).long()
+    if hidden.shape[0]:
+        token = head.token_log_probs(hidden, tokens, temperature).double()
+        top_ids, top_values, tail = head.topk(hidden, top_k, temperature)
+    else:  # no response row anywhere (the same batch on every rank of the head's group)
+        token = torch.zeros(0, dtype=torch.float64)
+        top_ids, top_values, tail = (torch.zeros(0, top_k, dtype=torch.int64), torch.zeros(0, top_k),
+                                     torch.zeros(0))
+    at = at_tail = None
+    if given is not None:
+        width = given[0].shape[1] if given else 0
+        flat = torch.cat([g.reshape(-1, width) for g in given]).long()
+        if hidden.shape[0]:
+            values, rest = head.log_probs_at(hidden, flat, temperature)
+            at, at_tail = values.double().split(rows), rest.double().split(rows)
+        else:
+            at, at_tail = torch.zeros(0, width).split(rows), torch.zeros(0).split(rows)
+    return BatchScores(list(token.split(rows)), list(top_ids.cpu().split(rows)),
+                       list(top_values.double().cpu().split(rows)), list(tail.double().cpu().split(rows)),
+                       hidden_states=list(states), ids_log_probs=None if at is None else list(at),
+                       ids_tail_log_probs=None if at_tail is None else list(at_tail))

@@ -1,0 +1,53 @@
+"""The served-teacher example's parts that need no server (examples/served_teacher_loop.py; the
+whole loop against a real vLLM server: tests/teachers/lane/test_served_example.py): the served rows
+placed at the positions that predict their tokens, the padded vocabulary, bad arguments refused
+before any world starts."""
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "served_teacher_loop.py"
+
+
+@pytest.fixture(scope="module")
+def example():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(EXAMPLE.parent))
+        yield importlib.import_module(EXAMPLE.stem)
+    sys.modules.pop(EXAMPLE.stem, None)
+
+
+def test_each_served_row_sits_where_megatron_predicts_its_token(example):
+    sequences = [torch.arange(10, 16), torch.arange(20, 24)]  # lengths 6 and 4
+    starts = [2, 3]  # rows: tokens 2..5 of the first, token 3 of the second
+    served = [torch.full((4, example.K), 1) * torch.arange(4)[:, None] + 100, torch.full((1, example.K), 7)]
+    out = example.placed(sequences, starts, served)
+    assert out["tokens"].tolist() == [[10, 11, 12, 13, 14], [20, 21, 22, 0, 0]]  # inputs: all but the last id
+    assert out["row_mask"].tolist() == [[False, True, True, True, True], [False, False, True, False, False]]
+    assert torch.equal(out["ids"][0, 1:5], served[0]) and torch.equal(out["ids"][1, 2], served[1][0])
+    # position p predicts token p + 1: the row scoring token start + r is at position start + r - 1
+    for i, (ids, start) in enumerate(zip(sequences, starts)):
+        positions = out["row_mask"][i].nonzero().flatten()
+        assert (positions + 1).tolist() == list(range(start, len(ids)))
+
+
+def test_the_vocabulary_is_padded_as_megatron_pads_it(example):
+    assert [example.padded(1001, tp) for tp in (1, 2, 4)] == [1024, 1024, 1024]
+    assert example.padded(1025, 2) == 1280
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"tp": 0}, ValueError, "tp must be >= 1, got 0"),
+    ({"steps": 1.5}, TypeError, "steps must be an int, got float"),
+    ({"vocab_size": 4}, ValueError, "vocab_size must be >= 8, got 4"),
+])
+def test_bad_arguments_are_refused_before_any_world_starts(example, kwargs, error, words):
+    arguments = {"url": "http://127.0.0.1:9", "vocab_size": 1001, **kwargs}
+    with pytest.raises(error, match=words):
+        example.main(**arguments)
+    assert not torch.distributed.is_initialized()

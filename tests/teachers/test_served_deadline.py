@@ -1,0 +1,88 @@
+"""The step's deadline bounds the whole request in wall-clock time: a server that trickles its
+reply a byte a second (in its headers or its body) keeps every read under the read timeout, yet
+`check()`, `score()` and `doctor` give up within the deadline + 2 s naming the URL, and in a 2-rank
+world where only rank 1's server trickles, both ranks raise the same ServedTeacherError through the
+failure agreement (no collective timeout)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from megatron_rl_patches.teachers import ClientSettings, ServedTeacher, ServedTeacherError, TeacherBatch
+from tests.teachers.local_servers import BODY, HEADERS, completions, trickle, trickling, url_of, vllm_like
+
+pytest.importorskip("httpx", reason="the served extra (httpx) is missing")
+
+DEADLINE_S, SLACK_S = 2.0, 2.0
+# a read timeout far above the deadline: only the deadline can end the request in time
+SETTINGS = ClientSettings(timeout_s=60.0, deadline_s=DEADLINE_S, retries=0)
+
+
+def batch() -> TeacherBatch:
+    return TeacherBatch([torch.arange(6)], [3])
+
+
+@pytest.mark.parametrize("head", [BODY, HEADERS], ids=["body", "headers"])
+def test_check_gives_up_at_the_deadline_on_a_trickling_server(head):
+    with trickling(head) as server, ServedTeacher(url_of(server), top_k=2, client=SETTINGS) as teacher:
+        start = time.monotonic()
+        with pytest.raises(ServedTeacherError, match=r"/v1/models: no complete reply within the step's deadline "
+                                                     r"of 2 s") as caught:
+            teacher.check()
+        assert time.monotonic() - start < DEADLINE_S + SLACK_S
+        assert caught.value.url == url_of(server)
+
+
+def samples_trickle(body):
+    """The check's two-id probe answered, a sample's scores trickled."""
+    return completions(body) if len(body["prompt"]) <= 2 else trickle(body)
+
+
+def test_score_gives_up_at_the_deadline_when_the_scores_trickle():
+    with vllm_like(v1_completions=samples_trickle) as server, \
+            ServedTeacher(url_of(server), top_k=2, client=SETTINGS) as teacher:
+        start = time.monotonic()
+        with pytest.raises(ServedTeacherError, match=r"sample 0") as caught:
+            teacher.score(batch())
+        assert time.monotonic() - start < DEADLINE_S + SLACK_S
+        assert caught.value.sample == 0
+
+
+def test_doctor_gives_up_at_its_deadline(monkeypatch):
+    from megatron_rl_patches.apps.cli import doctor
+    from megatron_rl_patches.teachers.kinds import served_entry
+
+    monkeypatch.setattr(served_entry, "DOCTOR_DEADLINE_S", DEADLINE_S)
+    with trickling(BODY) as server:
+        monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"{url_of(server)};engine=vllm")
+        start = time.monotonic()
+        (problem,) = doctor.teacher_problems()
+        assert time.monotonic() - start < DEADLINE_S + SLACK_S
+    assert "no complete reply within the step's deadline" in problem, problem
+
+
+def trickle_on_rank_one(rank: int, world_size: int, urls: list[str]) -> str:
+    import torch.distributed as dist
+
+    teacher = ServedTeacher(urls[rank], top_k=2, client=SETTINGS)
+    start = time.monotonic()
+    try:
+        teacher.score(batch(), group=dist.group.WORLD)
+    except ServedTeacherError as error:
+        assert time.monotonic() - start < DEADLINE_S + SLACK_S
+        return f"{type(error).__name__}: {error}"
+    finally:
+        teacher.close()
+    return "no error"
+
+
+def test_two_ranks_raise_the_same_error_when_only_rank_one_trickles():
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    with vllm_like() as good, trickling(BODY) as bad:
+        said = run_multirank(trickle_on_rank_one, 2, [url_of(good), url_of(bad)], timeout=60)
+    assert said[0] == said[1], said
+    assert said[0].startswith("ServedTeacherError: served teacher failed on rank 1 of the group"), said[0]
+    assert "within the step's deadline" in said[0]
