@@ -95,9 +95,18 @@ def _alone(group: Any) -> bool:
     return group is None or not dist.is_initialized() or dist.get_world_size(group) == 1
 
 
+def _check_tensor(what: str, tensor: object) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+
+
 def agreed_range(group: Any, value: int) -> tuple[int, int]:
     """(min, max) of the integer `value` over the members of `group`: one all-reduce MIN of
-    (value, -value) on the group's device. (value, value) with no group to agree over."""
+    (value, -value) on the group's device. (value, value) with no group to agree over. TypeError
+    for anything but an int (a bool counts as 0 / 1), before any exchange."""
+    if not isinstance(value, int):
+        raise TypeError(f"agreed_range: value must be an int (a count, a width, a 0 / 1 flag), got "
+                        f"{type(value).__name__}; convert it first")
     if _alone(group):
         return int(value), int(value)
     both = on_device(torch.tensor([int(value), -int(value)], dtype=torch.int64), group_device(group))
@@ -119,6 +128,7 @@ def agreed_max(group: Any, value: int) -> int:
 def gathered(group: Any, tensor: torch.Tensor) -> list[torch.Tensor]:
     """Each member's `tensor` (every member passes one of the same shape and dtype), in the group's
     rank order, on `tensor`'s device: one all-gather on the group's device."""
+    _check_tensor("gathered", tensor)
     if _alone(group):
         return [tensor]
     device = group_device(group)
@@ -131,6 +141,7 @@ def gathered(group: Any, tensor: torch.Tensor) -> list[torch.Tensor]:
 def summed(group: Any, tensor: torch.Tensor) -> torch.Tensor:
     """The sum of the members' `tensor` (a new tensor on `tensor`'s device): one all-reduce SUM on
     the group's device."""
+    _check_tensor("summed", tensor)
     if _alone(group):
         return tensor.clone()
     total = on_device(tensor.clone(), group_device(group))
