@@ -133,7 +133,8 @@ def gathered(group: Any, tensor: torch.Tensor) -> list[torch.Tensor]:
         return [tensor]
     device = group_device(group)
     mine = on_device(tensor.contiguous(), device)
-    every = [on_device(torch.empty_like(tensor), device) for _ in range(dist.get_world_size(group))]
+    every = [on_device(torch.empty_like(tensor, memory_format=torch.contiguous_format), device)
+             for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
     return [on_device(part, tensor.device) for part in every]
 
