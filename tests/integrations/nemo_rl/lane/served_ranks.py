@@ -6,6 +6,7 @@ KL from NeMo-RL's own unpatched student log-probs), and a control with the teach
 position off. Imported in each spawned rank: the service stand-ins are installed first."""
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from typing import Any
@@ -88,28 +89,30 @@ def _step(model, cfg, teacher, loss_fn, patched: bool) -> tuple[float, list[torc
     return sum(float(r["loss"]) for r in results), grads
 
 
-def served_world(rank: int, world: int, layouts: list[dict], teacher: tuple[torch.Tensor, torch.Tensor]) -> list:
-    """At each layout and kl_type: the patched loss and gradients, the float64 reference's, the
-    control's loss (the served rows one position later) and NeMo-RL's own loss on the same batch."""
+def served_world(rank: int, world: int, layouts: list[dict],
+                 teachers: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list:
+    """For each served teacher's top-k, at each layout and kl_type: the patched loss and gradients,
+    the float64 reference's, the control's loss (the served rows one position later) and NeMo-RL's
+    own loss on the same batch."""
     import nemo_rl.models.megatron.train  # noqa: F401 - loaded before the shims, as nemo_ranks does
     from nemo_rl.algorithms.loss.loss_functions import DistillationLossConfig, DistillationLossFn
 
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
-    shifted = (teacher[0].roll(1, dims=1), teacher[1].roll(1, dims=1))
     results = []
     for layout in layouts:
         with megatron_on_cpu(tensor_parallel=layout["tp"]):
             cfg = kit.policy_cfg(tp=layout["tp"], sp=layout["sp"])
             model = _model(layout)
-            for kl_type in KL_TYPES:
+            for (route, teacher), kl_type in itertools.product(teachers.items(), KL_TYPES):
+                shifted = (teacher[0].roll(1, dims=1), teacher[1].roll(1, dims=1))
                 config = DistillationLossConfig(kl_type=kl_type, mixed_kl_weight=MIXED_WEIGHT)
                 loss, grads = _step(model, cfg, teacher, DistillationLossFn(config), patched=True)
                 reference, ref_grads = _step(model, cfg, teacher, Float64Reference(kl_type), patched=False)
                 control, _ = _step(model, cfg, shifted, Float64Reference(kl_type), patched=False)
                 own, _ = _step(model, cfg, teacher, DistillationLossFn(config), patched=False)
                 results.append({
-                    "layout": layout["name"], "kl_type": kl_type, "loss": loss, "float64": reference,
+                    "route": route, "layout": layout["name"], "kl_type": kl_type, "loss": loss, "float64": reference,
                     "control": control, "nemo_rl_own": own,
                     "grad_err": max(float((a.double() - b.double()).abs().max()) for a, b in zip(grads, ref_grads)),
                     "grad_scale": max(float(b.abs().max()) for b in ref_grads),
