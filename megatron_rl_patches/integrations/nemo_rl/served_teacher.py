@@ -15,7 +15,8 @@ loss reads (the prompt before the first `token_mask` token, the last token, padd
 
 `served_teacher_in_setup(policy)` puts the policy where `setup()` builds the teacher: within the
 block, `distillation.Policy(name_prefix="teacher", ...)` returns it and builds nothing (every
-other `Policy`, the student's, is NeMo-RL's own).
+other `Policy`, the student's, is NeMo-RL's own); a teacher config whose `generation.temperature`
+is not the served teacher's is refused by name (NeMo-RL's own teacher scores at it).
 """
 # lazy imports: optional dependency nemo_rl
 from __future__ import annotations
@@ -142,13 +143,29 @@ def served_teacher_in_setup(policy: ServedTeacherPolicy, module: Any = None) -> 
     original = module.Policy
 
     def build(*args: Any, **kwargs: Any) -> Any:
-        return policy if kwargs.get("name_prefix") == "teacher" else original(*args, **kwargs)
+        if kwargs.get("name_prefix") != "teacher":
+            return original(*args, **kwargs)
+        check_temperature(policy, kwargs.get("config"))
+        return policy
 
     module.Policy = build
     try:
         yield policy
     finally:
         module.Policy = original
+
+
+def check_temperature(policy: ServedTeacherPolicy, config: Any) -> None:
+    """NeMo-RL's own teacher scores its top-k at its config's `generation.temperature` (when the
+    teacher config has a generation section): the served teacher must score at the same one."""
+    generation = config.get("generation") if isinstance(config, dict) else None
+    wanted = 1.0 if not generation or generation.get("temperature") is None else float(generation["temperature"])
+    if wanted != policy.teacher.temperature:
+        raise ValueError(f"served_teacher_in_setup: the teacher's config asks generation.temperature={wanted} "
+                         f"(NeMo-RL's own teacher scores its top-k there) but the served teacher scores at "
+                         f"{policy.teacher.temperature}: serve hidden states and pass served_teacher_policy(..., "
+                         f"head=..., temperature={wanted}) (engines' prompt log-probs are at temperature 1 only), "
+                         f"or set the teacher's generation.temperature to {policy.teacher.temperature}")
 
 
 def served_teacher_policy(url: str, *, engine: str = "vllm", top_k: int = NEMO_RL_TOPK,

@@ -82,3 +82,16 @@ def test_in_setup_only_the_teacher_policy_is_the_served_one_and_the_name_is_rest
         with served_teacher_in_setup("http://host:8000", module):
             pass
     assert module.Policy is original
+
+
+def test_in_setup_a_teacher_temperature_the_server_cannot_give_is_refused_by_name():
+    import types
+
+    module = types.ModuleType("distillation")
+    module.Policy = lambda *args, **kwargs: None  # type: ignore[attr-defined]
+    policy = served_teacher_policy(NOWHERE)
+    with served_teacher_in_setup(policy, module):
+        with pytest.raises(ValueError, match=r"generation.temperature=0.7.*head=.*temperature=0.7"):
+            module.Policy(name_prefix="teacher", config={"generation": {"temperature": 0.7}})
+        assert module.Policy(name_prefix="teacher", config={"generation": {"temperature": 1.0}}) is policy
+        assert module.Policy(name_prefix="teacher", config={"generation": None}) is policy
