@@ -193,7 +193,9 @@ test-slime: $(STAMP)
 #   make test-nemo NEMO_RL=/path/to/NeMo-RL   (checkout or bare git dir; MEGATRON_LM is not needed:
 #   NeMo-RL's data.py reaches only megatron.training.utils, which the 0.19.2 wheel ships)
 # Its service imports (ray, mlflow, wandb, ...) are the kit's inert stand-ins
-# (megatron_rl_patches.testing.service_stubs, installed by the lane's conftest).
+# (megatron_rl_patches.testing.service_stubs, installed by the lane's conftest). The served-teacher
+# tests start a real vLLM server from the served lane's venv (.lanes/vllm, built by `make
+# test-served`; MRP_VLLM_PYTHON overrides it) and skip loudly without one.
 NEMO_LANE = .lanes
 test-nemo: $(STAMP_NEW)
 	@if [ -z "$(NEMO_RL)" ]; then \
@@ -202,6 +204,7 @@ test-nemo: $(STAMP_NEW)
 	  PIP=$(VENV_NEW)/bin/pip tools/nemo-rl-lane "$(NEMO_RL)" $(NEMO_LANE) && \
 	  echo "nemo-rl lane: Python $$($(VENV_NEW)/bin/python -c 'import platform; print(platform.python_version())'), megatron-core $$($(VENV_NEW)/bin/python -c 'import importlib.metadata as m; print(m.version("megatron-core"))') (NeMo-RL pins Python 3.13 and megatron-core 0.20)" && \
 	  PYTHONPATH=$(CURDIR):$(abspath $(NEMO_LANE))/nemo-rl:$(abspath $(NEMO_LANE))/nemo-rl-deps \
+	  MRP_VLLM_PYTHON=$${MRP_VLLM_PYTHON:-$(if $(wildcard $(VLLM_STAMP)),$(abspath $(VLLM_LANE))/bin/python)} \
 	    $(VENV_NEW)/bin/python -W ignore::DeprecationWarning -m pytest -m nemo_rl $(PYTEST_ARGS) tests/integrations/nemo_rl/lane; \
 	fi
 

@@ -91,6 +91,7 @@ def wire(tokens: int, vocab: int, rounds: int) -> list[dict]:
             seconds = median_seconds(lambda e=pooling, r=reply: e.rows(r, tokens, 1, 0), rounds)
             rows.append({"reply": f"hidden states, {str(dtype).removeprefix('torch.')}", "hidden": hidden,
                          "bytes_per_token": len(reply.content) / tokens, "decode_s": seconds})
+            print(rows[0] if len(rows) == 2 else "", rows[-1], flush=True)  # partial rows survive a timeout
     return rows
 
 
@@ -115,6 +116,7 @@ def head_pass(tokens: int, vocab: int, hidden: int, rounds: int) -> dict:
            "divergence_fwd_bwd_s": median_seconds(divergence, rounds)}
     for k in (20, 64):
         out[f"topk{k}_s"] = median_seconds(lambda k=k: teacher.topk(t_hidden, k), rounds)
+    print(out, flush=True)
     return out
 
 

@@ -431,3 +431,19 @@ def _listed(values: list[float] | torch.Tensor) -> list[float]:
 
 
 # ------------------------------------------------------------------------ full-vocabulary divergences
+
+
+def collective_values(rows: int, vocab: int, temperature: float | torch.Tensor | None = None,
+                      **own: bool | int | float | str | None) -> dict[str, bool | int | float | str | None]:
+    """The arguments that shape an op's collective work (or combine the ranks' shards into one
+    answer), named as the caller passed them, for the agreement step every op already takes at
+    tp > 1 (`invariance.agreed_route`: they travel in its one all-gather, no collective more): the
+    rows T, the global vocabulary, the temperature (a float; of a per-token tensor its shape: its
+    values are not compared) and the op's own (`k`, `with_entropy`, ...)."""
+    values: dict[str, bool | int | float | str | None] = {"the number of rows (T)": int(rows), "vocab_size": int(vocab)}
+    if isinstance(temperature, torch.Tensor):
+        values["temperature"] = f"a tensor of shape {tuple(temperature.shape)}"
+    elif temperature is not None:
+        values["temperature"] = float(temperature)
+    values.update(own)
+    return values

@@ -29,6 +29,7 @@ from megatron_rl_patches.ops import _divergence_tiles as tiles_math
 from megatron_rl_patches.ops._divergences import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_DIVERGENCE, ResolvedDivergence
 from megatron_rl_patches.ops._functions import save_tau, saved_scale
 from megatron_rl_patches.ops._rows import RowSelection, scatter_rows, take_rows
+from megatron_rl_patches.ops.agreement import Value
 from megatron_rl_patches.ops.invariance import VARIABLE, agreed_invariant
 from megatron_rl_patches.ops.kernels import Backend, divergence_step, resolve_backend
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows, reduce_rows
@@ -84,7 +85,6 @@ def lm_head_divergence(
     when the setting or a config asks for the mode, this op runs in the default mode with a warning.
     """
     _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
-    _refuse_invariant(invariant, tp_group)
     name, beta, alpha = divergence_checks.check_divergence_options(divergence, beta, alpha)
     checks = _checks.DeviceChecks()
     teachers = divergence_checks.check_teacher_models(teacher_hidden, teacher_weight, hidden, weight, checks)
@@ -92,6 +92,9 @@ def lm_head_divergence(
     log_w = _checks.check_weights(teacher_weights, len(teachers), dtype, hidden.device, checks)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
+    _refuse_invariant(invariant, tp_group, _checks.collective_values(
+        n_rows, vocab, tau, divergence=f"{name} (beta {beta}, alpha {alpha})", teachers=len(teachers),
+        keep_mask=keep_mask is not None))
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_divergence")
     plan = ResolvedDivergence.of(name, beta, alpha)
     chosen = resolve_backend(backend, hidden.device, hidden.dtype)
@@ -102,13 +105,14 @@ def lm_head_divergence(
     return selection.scatter(value)
 
 
-def _refuse_invariant(invariant: object, group: dist.ProcessGroup | None) -> None:
-    """This op has no invariant mode yet: an explicit request is an error, the setting a warning."""
+def _refuse_invariant(invariant: object, group: dist.ProcessGroup | None, match: dict[str, Value]) -> None:
+    """This op has no invariant mode yet: an explicit request is an error, the setting a warning.
+    The mode is agreed over the group with `match` (the values that must be the same on every rank)."""
     if invariant is True:
         raise ValueError("lm_head_divergence(invariant=True) is not supported: its divergence sums are not exact in "
                          "any order yet; use lm_head_topk_logprobs(..., invariant=True) with topk_kl(..., "
                          "invariant=True), or invariant=False")
-    if agreed_invariant(invariant, "lm_head_divergence", group):
+    if agreed_invariant(invariant, "lm_head_divergence", group, match=match):
         warn_once(f"lm_head_divergence has no invariant mode yet: it runs in the default mode although {VARIABLE} "
                   "or the model config's batch_invariant_mode asks for invariant vocabulary ops")
 

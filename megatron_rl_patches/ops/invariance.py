@@ -10,7 +10,7 @@ unset or "" defers), then the ``batch_invariant_mode`` of the model config the e
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from megatron_rl_patches._variables import BACKEND as BACKEND_VARIABLE
@@ -73,12 +73,15 @@ def deferred_invariant(invariant: object, config: Any) -> bool | None:
     return None if (os.environ.get(VARIABLE) or "").strip() else config_invariant(config)
 
 
-def agreed_invariant(invariant: object, op: str, group: Any, config: Any = None) -> bool:
+def agreed_invariant(invariant: object, op: str, group: Any, config: Any = None,
+                     match: Mapping[str, Value] | None = None) -> bool:
     """:func:`resolve_invariant` agreed over the tensor-parallel `group` (None: no tensor
     parallelism) before the op's first collective, since the two modes run different collectives:
     the setting on one rank only, or an argument one rank refuses, is the same error naming the
-    ranks on every rank (ops.agreement; one small all-gather per call at tp > 1)."""
-    return agreed_route(invariant, op, group, _no_kernels, config=config)[0]
+    ranks on every rank (ops.agreement; one small all-gather per call at tp > 1). `match`: the
+    op's other arguments that must be the same on every rank (`_checks.collective_values`),
+    matched in the same all-gather."""
+    return agreed_route(invariant, op, group, _no_kernels, config=config, match=match)[0]
 
 
 def _no_kernels(mode: bool) -> None:
@@ -86,12 +89,13 @@ def _no_kernels(mode: bool) -> None:
 
 
 def agreed_route(invariant: object, op: str, group: Any, pick: Callable[[bool], T],
-                 vocab: int | None = None, config: Any = None) -> tuple[bool, T]:
+                 vocab: int | None = None, config: Any = None,
+                 match: Mapping[str, Value] | None = None) -> tuple[bool, T]:
     """The mode (:func:`agreed_invariant`) and the kernels `pick(mode)` chooses for it (a backend:
     its `name` and class), agreed in the same all-gather: a backend chosen on one rank only (its
     `backend=` or the backend variable) runs other collectives, and one rank's refusal of it (a
     backend that cannot run there) would leave the others waiting. `vocab`: checked against the
-    invariant mode's limit (:func:`check_vocab`)."""
+    invariant mode's limit (:func:`check_vocab`). `match`: as :func:`agreed_invariant`'s."""
     check_group(group)  # a group without torch.distributed: the op's own refusal, on this rank alone
 
     def local() -> tuple[bool, T]:
@@ -104,15 +108,16 @@ def agreed_route(invariant: object, op: str, group: Any, pick: Callable[[bool], 
         return local()
     route, error = local_error(local)
     chosen, kernels = route if route is not None else (None, None)
-    match: dict[str, Value] = {f"the invariant mode (invariant= or {VARIABLE}; 1: on)": chosen}
+    matched: dict[str, Value] = {f"the invariant mode (invariant= or {VARIABLE}; 1: on)": chosen, **(match or {})}
     if pick is not _no_kernels:
-        match[f"the kernels (backend= or {BACKEND_VARIABLE})"] = (
+        matched[f"the kernels (backend= or {BACKEND_VARIABLE})"] = (
             None if kernels is None else f"{getattr(kernels, 'name', '')} ({type(kernels).__name__})")
-    agree(group, op, error=error, match=match, where="tp_group")
+    agree(group, op, error=error, match=matched, where="tp_group")
     return bool(chosen), kernels  # type: ignore[return-value]  # agreed: no rank failed
 
 
-def resolve_for_vocab(invariant: object, vocab: int, op: str, group: Any = None, config: Any = None) -> bool:
+def resolve_for_vocab(invariant: object, vocab: int, op: str, group: Any = None, config: Any = None,
+                      match: Mapping[str, Value] | None = None) -> bool:
     """:func:`agreed_invariant` for an op over `vocab` ids: the invariant mode's fixed-point sums
     hold only so many ids (ValueError naming `op` beyond them)."""
-    return agreed_route(invariant, op, group, _no_kernels, vocab=vocab, config=config)[0]
+    return agreed_route(invariant, op, group, _no_kernels, vocab=vocab, config=config, match=match)[0]

@@ -54,14 +54,15 @@ def lm_head_kept_log_probs(
     value a function of its hidden row, kept ids and the weight alone, bit for bit (None: the
     setting ``MEGATRON_RL_PATCHES_INVARIANT``); gradients exact, not bit-invariant."""
     _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, None)
-    invariant = resolve_for_vocab(invariant, vocab, "lm_head_kept_log_probs", tp_group)
-    chunk = _checks.check_chunk_size(chunk_size)
     checks = _checks.DeviceChecks()
+    tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
+    invariant = resolve_for_vocab(invariant, vocab, "lm_head_kept_log_probs", tp_group,
+                                  match=_checks.collective_values(n_rows, vocab, tau))
+    chunk = _checks.check_chunk_size(chunk_size)
     _checks.check_tokens_shape(tokens, n_rows, hidden.device, "(all rows, also under sequence parallelism)", "hidden")
     selection = RowSelection.of(row_mask, n_rows, hidden.device, "hidden (all rows)", tp_group)
     _checks.require_tokens_in_vocab(unselected_as(tokens, selection), vocab, checks, tp_group)
     ids, rows = _check_pairs(kept_ids, kept_rows, n_rows, vocab, hidden.device, checks)
-    tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
 
     targets = torch.arange(n_rows, device=hidden.device) if selection.rows is None else selection.rows
     if selection.mask is not None:  # the kept ids of unselected rows are ignored

@@ -106,7 +106,9 @@ def lm_head_log_probs_and_entropy(
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     _checks.check_keep_mask(keep_mask, (n_rows, weight.size(0)), hidden.device, "hidden rows x weight rows")
     invariant, chosen = agreed_route(invariant, "lm_head_log_probs_and_entropy", tp_group, _kernels(backend, hidden),
-                                     vocab)
+                                     vocab, match=_checks.collective_values(n_rows, vocab, tau,
+                                                                            with_entropy=bool(with_entropy),
+                                                                            keep_mask=keep_mask is not None))
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_log_probs_and_entropy",
                  with_entropy=bool(with_entropy), entropy_grad=bool(with_entropy and entropy_requires_grad),
                  invariant=invariant)
@@ -146,7 +148,8 @@ def lm_head_topk_ids(
     topk_checks.check_k(k, vocab)
     checks = _checks.DeviceChecks()
     _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
-    invariant, chosen = agreed_route(invariant, "lm_head_topk_ids", tp_group, _kernels(backend, hidden), vocab)
+    invariant, chosen = agreed_route(invariant, "lm_head_topk_ids", tp_group, _kernels(backend, hidden), vocab,
+                                     match=_checks.collective_values(n_rows, vocab, k=k))
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_ids",
                             invariant=invariant)
     selection = RowSelection.of(row_mask, n_rows, hidden.device, "hidden (all rows)", tp_group)
@@ -217,7 +220,9 @@ def lm_head_topk_logprobs(
     k = topk_checks.check_ids(unselected_as(ids, row_mask), torch.Size([n_rows]), vocab, checks, ids_mask)
     selection = RowSelection.of(row_mask, n_rows, hidden.device, "hidden (all rows)", tp_group)
     tau = _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
-    invariant, chosen = agreed_route(invariant, "lm_head_topk_logprobs", tp_group, _kernels(backend, hidden), vocab)
+    invariant, chosen = agreed_route(invariant, "lm_head_topk_logprobs", tp_group, _kernels(backend, hidden), vocab,
+                                     match=_checks.collective_values(n_rows, vocab, tau, k=k,
+                                                                     ids_mask=ids_mask is not None))
     spec = _vocab.head_spec(weight, tp_group, sequence_parallel, vocab, chunk_size, "lm_head_topk_logprobs",
                             invariant=invariant)
     flat = ids.reshape(n_rows, k).to(device=hidden.device, dtype=torch.long)

@@ -83,9 +83,12 @@ def log_probs_and_entropy(
                                         temperature, chunk_size, keep_mask, vocab_size, inplace_backward)
     selection = RowSelection.of(row_mask, logits.size(0), logits.device, "logits", tp_group)
     local_vocab = logits.size(1)
+    vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
     invariant, chosen = agreed_route(invariant, "log_probs_and_entropy", tp_group,
-                                     lambda mode: resolve_backend(backend, logits.device, logits.dtype, mode),
-                                     _checks.global_vocab(local_vocab, tp_group, vocab_size))
+                                     lambda mode: resolve_backend(backend, logits.device, logits.dtype, mode), vocab,
+                                     match=_checks.collective_values(logits.size(0), vocab, tau,
+                                                                     with_entropy=bool(with_entropy),
+                                                                     keep_mask=keep_mask is not None))
     spec = _vocab.op_spec(
         local_vocab, tp_group, vocab_size,
         _vocab.logits_chunk_rows(chunk_size, local_vocab, tp_group, vocab_size, logits),

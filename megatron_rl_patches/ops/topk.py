@@ -55,7 +55,8 @@ def topk_ids(
     k = topk_checks.check_int_k(k)
     vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
     topk_checks.check_k(k, vocab)
-    agreed_invariant(invariant, "topk_ids", tp_group)  # checked (alike on every rank); exact either way
+    # checked (alike on every rank, with the values that shape the candidates' all-gather); exact either way
+    agreed_invariant(invariant, "topk_ids", tp_group, match=_checks.collective_values(math.prod(lead), vocab, k=k))
     selection = _select(row_mask, lead, logits.device, tp_group)
     rows = selection.rows
     with torch.no_grad():
@@ -145,7 +146,9 @@ def _topk_logprobs_checked(
     tau = _checks.check_temperature(temperature, lead, logits.device, checks, logits.dtype)
     chunk_rows = _vocab.logits_chunk_rows(_checks.check_chunk_size(chunk_size), local_vocab, tp_group, vocab, logits)
     invariant, chosen = agreed_route(invariant, op, tp_group,
-                                     lambda mode: resolve_backend(backend, logits.device, logits.dtype, mode), vocab)
+                                     lambda mode: resolve_backend(backend, logits.device, logits.dtype, mode), vocab,
+                                     match=_checks.collective_values(math.prod(lead), vocab, tau, k=k,
+                                                                     ids_mask=ids_mask is not None))
     spec = _vocab.op_spec(local_vocab, tp_group, vocab, chunk_rows, op, arg=name, invariant=invariant)
     flat_ids = ids.reshape(-1, k).to(device=logits.device, dtype=torch.long)
     valid = None if ids_mask is None else ids_mask.reshape(-1, k).to(logits.device)

@@ -1,5 +1,6 @@
 """A served teacher's failure agreed over the ranks of a job (`agree_failure`): when any rank's
-step failed, every rank raises the same error, so no healthy rank waits in a later collective."""
+step failed, every rank raises the same error, so no healthy rank waits in a later collective.
+The exchange is the agreement home's (`ops.agreement.gathered_objects`: its device rule)."""
 from __future__ import annotations
 
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
@@ -14,13 +15,13 @@ def agree_failure(error: BaseException | None, group: object = None) -> None:
         if error is not None:
             raise error
         return
-    import torch.distributed as dist  # lazy: import cost: torch only when a group is given
+    # lazy: import cost: torch only when a group is given
+    from megatron_rl_patches.ops.agreement import gathered_objects
 
     refused = isinstance(error, (ValueError, TypeError))
     said = None if error is None else (refused, f"{type(error).__name__}: {error}", getattr(error, "url", ""),
                                        getattr(error, "sample", None))
-    gathered: list = [None] * dist.get_world_size(group)  # type: ignore[arg-type]
-    dist.all_gather_object(gathered, said, group=group)
+    gathered: list = gathered_objects(group, said)
     failed = [(rank, words) for rank, words in enumerate(gathered) if words is not None]
     if not failed:
         return

@@ -15,3 +15,7 @@ class ServedTeacherError(RuntimeError):
 
 class ServedTeacherRefusal(ServedTeacherError, ValueError):
     """A request the teacher refuses (or the server refused with a 4xx): fix the argument named."""
+
+
+class TokenizerUnavailable(ServedTeacherRefusal):
+    """The server has no tokenizer to ask (vLLM started with `--skip-tokenizer-init`)."""

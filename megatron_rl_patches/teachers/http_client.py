@@ -174,7 +174,7 @@ class TeacherClient:
                 attempt_once = functools.partial(http.request, method, self.url + path, json=body, timeout=timeout)
                 answered, response = self.within(deadline, attempt_once, http)
                 if not answered:
-                    raise ServedTeacherError(f"{who}: no complete reply within the step's deadline of "
+                    raise ServedTeacherError(f"{who}: no reply within the step's deadline of "
                                              f"{deadline.seconds:g} s (the server silent or still sending: "
                                              f"connection closed)" + (f"; earlier: {last}" if last else ""),
                                              self.url, sample)

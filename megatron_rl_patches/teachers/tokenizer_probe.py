@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_rl_patches.teachers.errors import TokenizerUnavailable
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from megatron_rl_patches.teachers.http_client import Deadline
     from megatron_rl_patches.teachers.served import ServedTeacher
 
 PROBE_IDS = 24
+SAME_TOKENIZER = "same_tokenizer"  # the entry option saying the tokenizers are the same
 STUDENTS = "the student's tokenizer"
 
 
@@ -24,7 +27,13 @@ def probe_tokenizer(teacher: ServedTeacher, tokenizer: Any, where: str, whose: s
     text = tokenizer.decode(ids, skip_special_tokens=True)
     want = tokenizer.encode(text, add_special_tokens=False).ids
     model = teacher.served_model(deadline)
-    got = teacher.tokenize(text, deadline)
+    try:
+        got = teacher.tokenize(text, deadline)
+    except TokenizerUnavailable as none:
+        raise ValueError(f"{where}: the served model's tokenizer cannot be checked against {whose}: {none}. Serve it "
+                         f"with its tokenizer (without --skip-tokenizer-init), or, if it is {whose}, say so in the "
+                         f"entry with ';{SAME_TOKENIZER}' and name the served model's vocabulary size: ';vocab=N' or "
+                         f"';config=PATH' (its config.json), checked against the student's tokenizer") from None
     if got != want:
         advice = ("top-k OPD compares the same token ids; serve a teacher of the student's tokenizer, or name "
                   "the served model's tokenizer with ';tokenizer=DIR'") if whose == STUDENTS else \

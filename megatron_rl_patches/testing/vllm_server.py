@@ -54,6 +54,8 @@ def vllm_server(python: str, model: str | Path, log: str | Path, *, max_model_le
     port = free_port()
     env = {**os.environ, **CPU_ENV}
     env.pop("VLLM_API_KEY", None)
+    # the server runs in its own venv: a caller's PYTHONPATH (a lane's packages, another Python's) would shadow it
+    env.pop("PYTHONPATH", None)
     if api_key is not None:
         env["VLLM_API_KEY"] = api_key
     log = Path(log)

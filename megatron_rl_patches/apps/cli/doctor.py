@@ -122,7 +122,7 @@ def _startup_section(environment: dict[str, Any]) -> tuple[dict[str, Any], bool 
     pth_installed = any(f.ours and f.path.endswith(startup_files.PTH_NAME) for f in found)
     problems += [f"{f.path} exists but is not megatron-rl-patches' start-up file" for f in found if not f.ours]
     editable = _editable_install()
-    if environment["enabled_at_startup"] and not pth_installed:
+    if environment["enabled_at_startup"] and not pth_installed and not hook.has_run():  # ran: the launcher's
         problems.append(
             f"{env.SELECT} is set but no start-up file is installed in this interpreter's site "
             f"directories, so nothing applies without code"

@@ -26,6 +26,7 @@ from megatron_rl_patches.inference.loading.errors import (
     shown,
 )
 from megatron_rl_patches.inference.loading.paths import DIST_METADATA
+from megatron_rl_patches.ops import agreement
 
 # checkpoint keys that are not model weights: a training checkpoint holds them beside the model
 _NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine_state")
@@ -237,9 +238,9 @@ def _agree(count: int, failed: bool) -> tuple[int, list[int]]:
     and a rank whose checks failed must stop the others before they wait for it."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return count, [0] if failed else []
-    states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, (count, failed))
-    return max(c for c, _ in states), [rank for rank, (_, bad) in enumerate(states) if bad]
+    every = agreement.agree(agreement.world(), "read a torch_dist checkpoint",
+                            share={"count": count, "failed": failed})
+    return int(max(m["count"] for m in every)), [rank for rank, m in enumerate(every) if m["failed"]]
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_rl_patches.inference.teacher_layout.groups import TeacherGroups
 from megatron_rl_patches.ops import agreement
@@ -110,6 +109,5 @@ def gathered(groups: TeacherGroups, value: torch.Tensor, batch: GroupBatch) -> t
     mine = torch.zeros(rows, length, *trailing, dtype=torch.int64)
     if value.numel():
         mine[: value.shape[0], : value.shape[1]] = value
-    every = [torch.empty_like(mine) for _ in batch.shapes]
-    dist.all_gather(every, mine, group=groups.replica_group)
+    every = agreement.gathered(groups.replica_group, mine)
     return torch.cat([part[:r] for part, (r, _) in zip(every, batch.shapes)])

@@ -7,7 +7,7 @@ over them first: the most any of them plans."""
 # lazy imports: import cost: megatron.core takes seconds; the settings checks import this package without it
 from __future__ import annotations
 
-import torch
+from megatron_rl_patches.ops import agreement
 
 
 def agreed_micro_batches(count: int) -> int:
@@ -18,8 +18,4 @@ def agreed_micro_batches(count: int) -> int:
 
     if parallel_state.get_expert_model_parallel_world_size() == 1:
         return count
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    device = "cuda" if torch.distributed.get_backend(group) == "nccl" else "cpu"
-    value = torch.tensor([count], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group)
-    return int(value.item())
+    return agreement.agreed_max(parallel_state.get_data_parallel_group(with_context_parallel=True), count)

@@ -55,14 +55,10 @@ def local_route(path: str, args: Any, what: str) -> tuple[str, list[str]]:
 
 def _agreed(code: int) -> tuple[int, int]:
     """(min, max) of `code` over every rank (itself without a process group)."""
-    import torch
+    # lazy: import cost: torch (the settings checks import this module without it)
+    from megatron_rl_patches.ops import agreement
 
-    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return code, code
-    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
-    values = torch.tensor([code, -code], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MIN)
-    return int(values[0].item()), -int(values[1].item())
+    return agreement.agreed_range(agreement.world(), code)
 
 
 def teacher_route(path: str, args: Any, what: str) -> tuple[str, list[str]]:

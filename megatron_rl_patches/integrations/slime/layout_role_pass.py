@@ -53,13 +53,12 @@ def _refuse_unserved(arguments: dict[str, Any], entry: str) -> None:
                          "at its own layout yet: drop ';tp=' or the replay")
 
 
-def _agreed_count(count: int, groups: Any, device: torch.device) -> int:
+def _agreed_count(count: int, groups: Any) -> int:
     """The largest micro-batch count of the teacher tensor-parallel group."""
-    import torch  # lazy: import cost: the patch records import this module without torch
+    # lazy: import cost: torch (the patch records import this module without it)
+    from megatron_rl_patches.ops import agreement
 
-    value = torch.tensor([count], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=groups.tp_group)
-    return int(value.item())
+    return agreement.agreed_max(groups.tp_group, count)
 
 
 def _padded(samples: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +121,7 @@ def layout_pass(arguments: dict[str, Any]) -> dict[str, list[torch.Tensor]]:
     with_entropy = bool(getattr(run_args, "use_rollout_entropy", False))
     log_probs: list[torch.Tensor] = []
     entropies: list[torch.Tensor] = []
-    for index in range(_agreed_count(count, groups, device)):
+    for index in range(_agreed_count(count, groups)):
         batch = batches[index] if index < count else {}  # this rank has no more: it takes part empty
         mine, entropy = _score_micro_batch(model, batch, temperature, with_entropy)
         log_probs += [value.to(device) for value in mine]

@@ -25,6 +25,7 @@ from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, OpdSet
 from megatron_rl_patches.integrations.slime.opd_teachers import ScoringStep, SeparateTeacher, TeacherScores
 from megatron_rl_patches.integrations.slime.step_plan import IDS, TopkRequest
 from megatron_rl_patches.integrations.step_mode import step_invariant
+from megatron_rl_patches.ops import agreement
 
 
 def process_group_collection_class() -> type:
@@ -46,8 +47,7 @@ def summed_over_context(values: list[torch.Tensor]) -> list[torch.Tensor]:
 
     if not values:
         return []
-    flat = torch.cat([v.reshape(-1) for v in values])
-    torch.distributed.all_reduce(flat, group=ps.get_context_parallel_group())
+    flat = agreement.summed(ps.get_context_parallel_group(), torch.cat([v.reshape(-1) for v in values]))
     return [part.view(v.shape) for part, v in zip(flat.split([v.numel() for v in values]), values)]
 
 
@@ -112,11 +112,7 @@ def _response_rows(data: dict) -> tuple[list[torch.Tensor], list[slice]]:
 
 def _agreed_width(ids: list[torch.Tensor]) -> int:
     """The ids' k over every rank (a rank without samples learns it from the others)."""
-    import torch.distributed as dist  # lazy: import cost (torch is loaded; kept beside its one use)
-
-    width = torch.tensor([int(ids[0].shape[-1]) if ids else 0])
-    dist.all_reduce(width, op=dist.ReduceOp.MAX)
-    return int(width.item())
+    return agreement.agreed_max(agreement.world(), int(ids[0].shape[-1]) if ids else 0)
 
 
 def _padded(samples: list[torch.Tensor], length: int) -> torch.Tensor:
@@ -161,7 +157,10 @@ class LayoutTeacher(SeparateTeacher):
         if not step.last:
             return None
         device = ids[0].device if ids else torch.device("cpu")
-        logps, tails = [torch.zeros(r, k) for r in responses], [torch.zeros(r) for r in responses]
+        # every sample's rows start as zeros where the scores are (the model's device): the
+        # context-parallel sum concatenates them with this rank's scored rows
+        logps = [torch.zeros(r, k, device=logp.device) for r in responses]
+        tails = [torch.zeros(r, device=tail.device) for r in responses]
         for row, (i, span) in enumerate(zip(mine, spans)):
             logps[i], tails[i] = logp[row, span], tail[row, span]
         if cp_size > 1:  # every sample's whole scores on every context-parallel rank, then its own rows

@@ -59,6 +59,7 @@ from megatron_rl_patches.integrations.slime.step_plan import (
 )
 from megatron_rl_patches.integrations.slime.topk import local_rows, packed_ids, per_sample_rows
 from megatron_rl_patches.integrations.step_mode import step_invariant, student_mode
+from megatron_rl_patches.ops import agreement
 from megatron_rl_patches.ops.topk import topk_kl, topk_logprobs
 from megatron_rl_patches.teachers.kinds import RunFacts, check_entries
 
@@ -174,13 +175,7 @@ def pipeline_agrees(flag: bool) -> bool:
     group), so all stages enter or skip the same pipelined passes."""
     from megatron.core import parallel_state  # lazy: import cost: seconds to import (see `_last_stage`)
 
-    group = parallel_state.get_pipeline_model_parallel_group()
-    if torch.distributed.get_world_size(group) == 1:
-        return flag
-    device = "cuda" if torch.distributed.get_backend(group) == "nccl" else "cpu"
-    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=group)
-    return bool(value.item())
+    return bool(agreement.agreed_min(parallel_state.get_pipeline_model_parallel_group(), int(flag)))
 
 
 def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> None:

@@ -27,6 +27,7 @@ from megatron_rl_patches.integrations.slime.served_opd import (
 from megatron_rl_patches.integrations.slime.step_plan import IDS, IDS_MASK, TopkRequest
 from megatron_rl_patches.ops.topk import union_ids
 from megatron_rl_patches.teachers.agreement import agree_failure
+from megatron_rl_patches.teachers.named_vocab import check_named_vocab, named_vocab_size
 from megatron_rl_patches.teachers.scores import TeacherScores
 from megatron_rl_patches.teachers.tokenizer_probe import STUDENTS, probe_tokenizer
 
@@ -154,7 +155,11 @@ def build_served_head(actor: Any, settings: OpdSettings, teacher: Teacher, stude
                                    temperature=rollout_temperature(args))
             if asks:
                 served.check()
-                probe_tokenizer(served, student_tokenizer_of(args, where), where, STUDENTS)
+                if teacher.same_tokenizer:  # the user's word: no tokenizer on the server to probe
+                    ids = int(student_tokenizer_of(args, where).get_vocab_size(with_added_tokens=True))
+                    check_named_vocab(named_vocab_size(teacher, where), ids, where)
+                else:
+                    probe_tokenizer(served, student_tokenizer_of(args, where), where, STUDENTS)
     except Exception as failed:  # noqa: BLE001 - agreed over the job, then raised
         error = failed
     agree_at_load(error, where)

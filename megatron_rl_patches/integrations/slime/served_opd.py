@@ -22,6 +22,7 @@ from megatron_rl_patches.integrations.slime.step_plan import IDS, IDS_MASK
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.errors import ServedTeacherRefusal
+from megatron_rl_patches.teachers.named_vocab import check_named_vocab
 from megatron_rl_patches.teachers.scores import TeacherScores
 from megatron_rl_patches.teachers.tokenizer_probe import STUDENTS, probe_tokenizer
 
@@ -161,11 +162,12 @@ def student_tokenizer_of(args: Any, where: str) -> Any:
 
 
 def connect(args: Any, settings: OpdSettings, url: str, engine: str, where: str,
-            tokenizer: Callable[[], tuple[Any, str]] | None = None) -> ServedTeacher:
+            tokenizer: Callable[[], tuple[Any, str]] | None = None, named_vocab: int | None = None) -> ServedTeacher:
     """The teacher at `url` (its own top-k, K = the settings' k), checked by the ranks that will ask
     it (the server answers, K within its --max-logprobs, its tokenizer: `tokenizer()` gives the one
-    it must share and whose it is, the student's by default); a failure on any rank raised on every
-    rank of the job."""
+    it must share and whose it is, the student's by default; with `named_vocab`, the entry's
+    `;same_tokenizer`, not probed: the student's tokenizer's ids within that vocabulary); a failure
+    on any rank raised on every rank of the job."""
     from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: optional dependency httpx
 
     error: BaseException | None = None
@@ -174,8 +176,12 @@ def connect(args: Any, settings: OpdSettings, url: str, engine: str, where: str,
         teacher = ServedTeacher(url, engine, top_k=settings.k)
         if asking_group()[1]:
             teacher.check()
-            expected, whose = (student_tokenizer_of(args, where), STUDENTS) if tokenizer is None else tokenizer()
-            probe_tokenizer(teacher, expected, where, whose)
+            if named_vocab is not None:  # the user's word: no tokenizer on the server to probe
+                ids = int(student_tokenizer_of(args, where).get_vocab_size(with_added_tokens=True))
+                check_named_vocab(named_vocab, ids, where)
+            else:
+                expected, whose = (student_tokenizer_of(args, where), STUDENTS) if tokenizer is None else tokenizer()
+                probe_tokenizer(teacher, expected, where, whose)
     except Exception as failed:  # noqa: BLE001 - agreed over the job, then raised
         error = failed
     agree_at_load(error, where)
@@ -193,6 +199,7 @@ def agree_at_load(error: BaseException | None, where: str) -> None:
 
 
 def build_served(args: Any, settings: OpdSettings, url: str, engine: str, student_vocab: int,
-                 where: str) -> ServedOpdTeacher:
-    """The teacher at `url` of the student's tokenizer (`connect`)."""
-    return ServedOpdTeacher(connect(args, settings, url, engine, where), student_vocab)
+                 where: str, named_vocab: int | None = None) -> ServedOpdTeacher:
+    """The teacher at `url` of the student's tokenizer (`connect`; `named_vocab`: the entry's
+    `;same_tokenizer` vocabulary, for a server without a tokenizer to probe)."""
+    return ServedOpdTeacher(connect(args, settings, url, engine, where, named_vocab=named_vocab), student_vocab)

@@ -15,6 +15,7 @@ from megatron_rl_patches.integrations.slime.served_cross_opd import build_served
 from megatron_rl_patches.integrations.slime.served_head_opd import build_served_head
 from megatron_rl_patches.integrations.slime.served_opd import build_served
 from megatron_rl_patches.teachers.kinds.entry import SERVED
+from megatron_rl_patches.teachers.named_vocab import named_vocab_size
 
 
 def top_k_only(teacher: Teacher) -> bool:
@@ -59,4 +60,5 @@ def build_served_teacher(actor: Any, settings: OpdSettings, index: int, teacher:
     while hasattr(head, "module"):  # the wrapped chunk (DDP, Float16Module) holds the vocabulary
         head = head.module
     vocab = int(head.vocab_size)
-    return build_served(actor.args, settings, teacher.path, str(teacher.engine), vocab, where)
+    named = named_vocab_size(teacher, where) if teacher.same_tokenizer else None
+    return build_served(actor.args, settings, teacher.path, str(teacher.engine), vocab, where, named)

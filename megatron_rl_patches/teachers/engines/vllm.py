@@ -21,12 +21,14 @@ from megatron_rl_patches.teachers.engines.vllm_replies import (
     token_list,
     top_k,
 )
-from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
+from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal, TokenizerUnavailable
 from megatron_rl_patches.teachers.http_client import Deadline, TeacherClient
 from megatron_rl_patches.teachers.tails import tail_log_probs
 
 # vLLM's words when K is over its --max-logprobs (a 400): "... greater than max allowed: 20"
 MAX_LOGPROBS = re.compile(r"greater than max allowed:\s*(-?\d+)")
+# vLLM's words when it was started with --skip-tokenizer-init (a 400 from /tokenize)
+NO_TOKENIZER = re.compile(r"Tokenizer not available|skip_tokenizer_init")
 # a log-prob above this (or top-k mass above e^this) is no log-probability: the server sends logits
 LOG_PROB_SLACK = 1e-3
 PROBE_IDS = [0, 0]  # id 0 exists in every vocabulary
@@ -71,8 +73,14 @@ class VllmEngine:
 
     def tokenize(self, model: ServedModel, text: str, deadline: Deadline, cancel: threading.Event) -> list[int] | None:
         """`text` tokenized by the served model's tokenizer (`/tokenize`, no special tokens added)."""
-        reply = self.client.request("POST", self.tokenize_path, {"model": model.name, "prompt": text,
-                                                                   "add_special_tokens": False}, deadline, cancel)
+        try:
+            reply = self.client.request("POST", self.tokenize_path, {"model": model.name, "prompt": text,
+                                                                       "add_special_tokens": False}, deadline, cancel)
+        except ServedTeacherRefusal as refused:
+            if NO_TOKENIZER.search(str(refused)) is None:
+                raise
+            raise TokenizerUnavailable(f"{self.client.url}{self.tokenize_path}: the server has no tokenizer (started "
+                                       f"with --skip-tokenizer-init; it said: {refused})", self.client.url) from None
         return token_list(reply, Reply(f"{self.client.url}{self.tokenize_path}", self.client.url, None))
 
     # ------------------------------------------------------------------ one sample

@@ -20,9 +20,12 @@ class TeacherEntry:
     (`;stop_tokens=module:function`): student special id -> the teacher's id or None; `tp` / `pp`
     (`;tp=N` / `;pp=N`): a Hugging Face directory at its own sizes over all ranks; `engine`
     (`;engine=vllm`): the engine serving a URL; `tokenizer` (`;tokenizer=DIR` of a URL): the served
-    teacher's own tokenizer (a directory or tokenizer.json); `head` (`;head=DIR` of a URL): the
-    teacher's Hugging Face directory whose output layer turns the served final hidden states into
-    its whole distribution on the trainer (`teachers.TeacherHead`)."""
+    teacher's own tokenizer (a directory or tokenizer.json); `same_tokenizer` (`;same_tokenizer` of a
+    URL): the user's word that the served model's tokenizer is the student's, for a server that has
+    none to probe (`--skip-tokenizer-init`), with its vocabulary size named by `vocab` (`;vocab=N`) or
+    read from `config` (`;config=PATH`: the teacher's config.json, or its directory); `head`
+    (`;head=DIR` of a URL): the teacher's Hugging Face directory whose output layer turns the served
+    final hidden states into its whole distribution on the trainer (`teachers.TeacherHead`)."""
 
     path: str
     provider: str | None = None
@@ -33,6 +36,9 @@ class TeacherEntry:
     kind: str = ""
     engine: str | None = None
     tokenizer: str | None = None
+    same_tokenizer: bool = False
+    vocab: int | None = None
+    config: str | None = None
     head: str | None = None
 
     def __post_init__(self) -> None:

@@ -4,10 +4,12 @@ is split further (its ':' and '/' are no path, its '@' no provider); a user or p
 refused on the raw entry, before anything splits it, and every message shows the entry `redacted`
 (the API key comes from MEGATRON_RL_PATCHES_TEACHER_API_KEY). Options: `;engine=vllm`
 (required: the engines answer on different routes), `;tokenizer=DIR` (another tokenizer than the
-student's: a directory or tokenizer.json, `;stop_tokens=module:function` with it), `;head=DIR` (the
-teacher's Hugging Face directory: the server sends final hidden states, vLLM's pooling runner, and
-the trainer projects them through the directory's output layer). Engines score at temperature 1
-only: without a head another rollout temperature is refused. `doctor` asks the server."""
+student's: a directory or tokenizer.json, `;stop_tokens=module:function` with it), `;same_tokenizer`
+with `;vocab=N` or `;config=PATH` (a server without a tokenizer to probe, `--skip-tokenizer-init`:
+the user's word that it is the student's, its vocabulary size named), `;head=DIR` (the teacher's
+Hugging Face directory: the server sends final hidden states, vLLM's pooling runner, and the
+trainer projects them through the directory's output layer). Engines score at temperature 1 only:
+without a head another rollout temperature is refused. `doctor` asks the server."""
 from __future__ import annotations
 
 import re
@@ -22,11 +24,13 @@ from megatron_rl_patches.teachers.kinds.entry import SERVED, RunFacts, TeacherEn
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
 from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, STOP_TOKENS, is_provider, split_entry
 from megatron_rl_patches.teachers.redaction import has_userinfo, redacted
-from megatron_rl_patches.teachers.tokenizer_probe import probe_tokenizer
+from megatron_rl_patches.teachers.tokenizer_probe import SAME_TOKENIZER, probe_tokenizer
 
 FORM = ("http(s)://host:port;engine=vllm (a teacher served by vLLM; ;tokenizer=DIR for another tokenizer; "
-        ";head=DIR for its hidden states through the head of its Hugging Face directory)")
+        ";same_tokenizer;vocab=N for a server without a tokenizer; ;head=DIR for its hidden states through the "
+        "head of its Hugging Face directory)")
 ENGINE, TOKENIZER, HEAD = "engine=", "tokenizer=", "head="
+VOCAB, CONFIG = "vocab=", "config="
 SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # doctor's bounds: a server that does not answer is a problem in seconds, not a hang
 DOCTOR_CONNECT_S, DOCTOR_DEADLINE_S = 5.0, 15.0
@@ -60,7 +64,9 @@ def parse(entry: str) -> TeacherEntry:
                          f"put the API key in {TEACHER_API_KEY} (sent as a bearer token)")
     head, options = split_entry(entry)
     url = check_url_head(entry, head.strip())
-    engine = tokenizer = stop = head_dir = None
+    engine = tokenizer = stop = config = head_dir = None
+    vocab: int | None = None
+    same = False
     for option in options:
         name, _, value = (part.strip() for part in option.partition("="))
         if name == "engine":
@@ -78,6 +84,15 @@ def parse(entry: str) -> TeacherEntry:
             head_dir = value
         elif name == "stop_tokens" and is_provider(value):
             stop = value
+        elif option == SAME_TOKENIZER:
+            same = True
+        elif name == "vocab":
+            if not (value.isascii() and value.isdigit() and int(value) > 0):
+                raise ValueError(f"{TEACHERS} entry {said!r}: ';{VOCAB}{value}' must be the served model's vocabulary "
+                                 "size, a positive int (its config.json's vocab_size)")
+            vocab = int(value)
+        elif name == "config" and value:
+            config = value
         elif name in ("tp", "pp", "ep"):
             raise ValueError(f"{TEACHERS} entry {said!r}: option {option!r}: a served teacher runs at its server's "
                              "own layout (set it where the engine starts); drop it")
@@ -85,8 +100,10 @@ def parse(entry: str) -> TeacherEntry:
             raise ValueError(f"{TEACHERS} entry {said!r}: unknown option {option!r}; a served teacher's options "
                              f"are ';{ENGINE}NAME' (one of {list(SERVED_ENGINES)}), ';{TOKENIZER}DIR' (another "
                              f"tokenizer than the student's: a directory or tokenizer.json), "
-                             f"';{STOP_TOKENS}module:function' (with it) and ';{HEAD}DIR' (the teacher's Hugging "
-                             "Face directory: its hidden states served, projected through its head here)")
+                             f"';{STOP_TOKENS}module:function' (with it), ';{SAME_TOKENIZER}' with "
+                             f"';{VOCAB}N' or ';{CONFIG}PATH' (a server without a tokenizer) and ';{HEAD}DIR' (the "
+                             "teacher's Hugging Face directory: its hidden states served, projected through its head "
+                             "here)")
     if engine is None:
         raise ValueError(f"{TEACHERS} entry {said!r}: name the engine serving it, e.g. '{url};engine=vllm' "
                          f"(served: {list(SERVED_ENGINES)})")
@@ -96,7 +113,26 @@ def parse(entry: str) -> TeacherEntry:
     if head_dir is not None and tokenizer is not None:
         raise ValueError(f"{TEACHERS} entry {said!r}: ';{HEAD}DIR' with ';{TOKENIZER}DIR' (exact cross-tokenizer "
                          "buckets from hidden states) is not served yet in slime's OPD; drop one of them")
-    return TeacherEntry(url, stop_tokens=stop, kind=SERVED, engine=engine, tokenizer=tokenizer, head=head_dir)
+    check_same_tokenizer_options(said, same, tokenizer, vocab, config)
+    return TeacherEntry(url, stop_tokens=stop, kind=SERVED, engine=engine, tokenizer=tokenizer, same_tokenizer=same,
+                        vocab=vocab, config=config, head=head_dir)
+
+
+def check_same_tokenizer_options(said: str, same: bool, tokenizer: str | None, vocab: int | None,
+                                 config: str | None) -> None:
+    """`;same_tokenizer` with exactly one of `;vocab=N` / `;config=PATH`, without `;tokenizer=DIR`;
+    those two only with it."""
+    if not same and (vocab is not None or config is not None):
+        raise ValueError(f"{TEACHERS} entry {said!r}: ';{VOCAB}' / ';{CONFIG}' name the vocabulary of a served model "
+                         f"whose tokenizer cannot be probed; add ';{SAME_TOKENIZER}' (your word that it is the "
+                         "student's) or drop them")
+    if same and tokenizer is not None:
+        raise ValueError(f"{TEACHERS} entry {said!r}: ';{SAME_TOKENIZER}' and ';{TOKENIZER}' contradict each other: "
+                         "keep one")
+    if same and (vocab is None) == (config is None):
+        raise ValueError(f"{TEACHERS} entry {said!r}: ';{SAME_TOKENIZER}' takes the served model's vocabulary size "
+                         f"from exactly one of ';{VOCAB}N' or ';{CONFIG}PATH' (its config.json, or the directory "
+                         "holding it), checked against the student's tokenizer; name one")
 
 
 def check(entry: TeacherEntry, facts: RunFacts) -> None:
@@ -118,6 +154,13 @@ def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
     answering with states of the head's hidden size, and DIR's tokenizer.json the served model's."""
     found = []
     named = None
+    if entry.same_tokenizer:
+        from megatron_rl_patches.teachers.named_vocab import named_vocab_size  # lazy: import cost
+
+        try:
+            named_vocab_size(entry, f"{TEACHERS}: teacher '{entry.path}'")
+        except ValueError as exc:
+            found.append(str(exc))
     if entry.tokenizer is not None:
         tokenizer = Path(entry.tokenizer).expanduser()
         if tokenizer.is_file() or (tokenizer / "tokenizer.json").is_file():
@@ -135,7 +178,8 @@ def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
                                   deadline_s=DOCTOR_DEADLINE_S, retries=0)
         deadline = Deadline.after(DOCTOR_DEADLINE_S)  # the check and the probe within one bound
         head = None if entry.head is None else planned_head(entry.head)
-        if head is not None and named is None and (Path(head.source) / "tokenizer.json").is_file():
+        if head is not None and named is None and not entry.same_tokenizer and \
+                (Path(head.source) / "tokenizer.json").is_file():
             named = Path(head.source)  # the head's vocabulary: its directory's tokenizer, probed below
         with ServedTeacher(entry.path, str(entry.engine), top_k=facts.k, client=settings, head=head) as teacher:
             teacher.served_model(deadline)  # with a head: the pooling task answers, at the head's width

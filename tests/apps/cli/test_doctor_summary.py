@@ -65,3 +65,15 @@ def test_the_json_report_carries_the_summary(cli_run, site, clean):
     assert code == 1 and summary["applies_at_startup"] == [] and summary["problems"] == 1
     assert "ddp_hooks" in summary["every_target_here"] and "slime_opd" in summary["no_target_here"]
     assert "slime" in summary["not_installed"]
+
+
+def test_under_the_launcher_the_selection_applies_without_a_start_up_file(cli_run, site, clean):
+    """`megatron-rl-patches run -- ... doctor`: the launcher's hook ran in this process (and runs in
+    every process it starts), so the selection applies and no problem says nothing does."""
+    from megatron_rl_patches.patching.startup import hook
+
+    clean.setenv("MEGATRON_RL_PATCHES", "ddp_hooks")
+    clean.setattr(hook, "has_run", lambda: True)
+    code, out, _ = cli_run("doctor")
+    assert code == 0, out
+    assert "  applies at start-up: ddp_hooks" in _summary(out) and "nothing applies without code" not in out

@@ -28,23 +28,25 @@ _TWO_RANKS: list[dict] = []  # the 2-rank world's results, once spawned (one per
 
 def _two_rank_checks(rank: int, world_size: int, root: str) -> dict:
     """Every 2-rank teacher-layout check in one world: the Python API's, slime_opd's, a role's,
-    the families' (test_teacher_layout_families.py), then swap / stream at a layout
-    (test_teacher_layout_residency.py)."""
+    the families' (test_teacher_layout_families.py), swap / stream at a layout
+    (test_teacher_layout_residency.py), then the device rule under a faked NCCL
+    (test_slime_layout_teacher_nccl_device.py)."""
     from tests.inference.teacher_layout.test_teacher_layout_2rank import api_checks
     from tests.inference.teacher_layout.test_teacher_layout_families import family_checks
     from tests.inference.teacher_layout.test_teacher_layout_residency import residency_checks
+    from tests.integrations.slime.test_slime_layout_teacher_nccl_device import device_checks
     from tests.integrations.slime.test_slime_opd_layout_teacher import opd_checks
     from tests.integrations.slime.test_slime_role_layout import role_checks
 
     return {"api": api_checks(rank, world_size, root), "opd": opd_checks(rank, world_size, root),
             "role": role_checks(rank, world_size, root), "families": family_checks(rank, world_size, root),
-            "residency": residency_checks(rank, world_size, root)}
+            "residency": residency_checks(rank, world_size, root), "device": device_checks(rank, world_size, root)}
 
 
 def two_rank_world(tmp_path_factory: Any, part: str) -> list[dict]:
-    """Each rank's results of `part` ("api", "opd", "role", "families" or "residency") from the one 2-rank world
-    (student DP=2, teacher TP=2 over a tiny qwen3 checkpoint and the families' beside it), spawned
-    by the first test module that asks."""
+    """Each rank's results of `part` ("api", "opd", "role", "families", "residency" or "device") from
+    the one 2-rank world (student DP=2, teacher TP=2 over a tiny qwen3 checkpoint and the families'
+    beside it), spawned by the first test module that asks."""
     if not _TWO_RANKS:
         _TWO_RANKS.extend(checkpoint_world(tmp_path_factory, "teacher_layout", _two_rank_checks))
     return [result[part] for result in _TWO_RANKS]

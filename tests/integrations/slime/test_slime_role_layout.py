@@ -122,6 +122,12 @@ def role_checks(rank: int, world_size: int, root: str) -> dict:
             results["built"] = (model[0].role, optimizer, scheduler, iteration, model[0].teacher_groups.tp_size,
                                 any(p.requires_grad for p in model[0].parameters()))
             results["scores"] = log_probs(model)
+            # the same pass with NCCL and a GPU faked as the device rule reads them (its own test module)
+            from tests.integrations.slime.test_slime_layout_teacher_nccl_device import nccl_on_a_gpu
+
+            results["nccl_records"] = []
+            with nccl_on_a_gpu(results["nccl_records"]):
+                results["nccl_scores"] = log_probs(model)
             # the same role streamed (each rank's own shard in host memory, layer by layer)
             streamed, *_ = role("prm_teacher:stream;tp=2")
             results["stream_scores"] = log_probs(streamed)

@@ -1,7 +1,12 @@
 """Every op with `row_mask=` under tensor parallelism (gloo, TP = 2, one world for the module): a
 mask that differs across the ranks is refused with a ValueError naming `row_mask` on every rank
 (never a hang), also when the two masks' rows cancel in a linear checksum ({0, 4} and {1, 3});
-the same mask on both ranks gives the TP = 1 values."""
+the same mask on both ranks gives the TP = 1 values.
+
+In the same world, the other per-rank arguments that shape the ops' collective work (issue 72 item
+5): `temperature` 0.5 on one rank and 1.0 on the other, `vocab_size` given on one rank only, `k`
+(or the ids' width) differing — each refused on every rank with a ValueError naming the argument
+(before: the first two combined silently, the third crashed in gloo)."""
 from __future__ import annotations
 
 import pytest
@@ -20,6 +25,15 @@ CASES = {
     "differs": ([0, 1], [0]),
     "collision": ([0, 4], [1, 3]),  # same count, same sum of indices (and of any linear checksum)
     "agree": ([0, 2, 4], [0, 2, 4]),
+}
+# per argument: (rank 0's keywords, rank 1's) and the ops that take it
+ARGUMENTS = {
+    "temperature": (({"temperature": 0.5}, {"temperature": 1.0}),
+                    ("log_probs_and_entropy", "topk_logprobs", "topk_opd_loss", "lm_head_log_probs_and_entropy",
+                     "lm_head_topk_logprobs", "lm_head_divergence")),
+    "vocab_size": (({}, {"vocab_size": V - 2}), None),  # None: every op
+    "k": (({}, {"k": K - 1}), ("topk_ids", "topk_logprobs", "topk_opd_loss", "lm_head_topk_ids",
+                               "lm_head_topk_logprobs")),
 }
 OPS = ("log_probs_and_entropy", "topk_ids", "topk_logprobs", "topk_opd_loss", "lm_head_log_probs_and_entropy",
        "lm_head_topk_ids", "lm_head_topk_logprobs", "lm_head_divergence")
@@ -41,19 +55,21 @@ def _mask(rows):
     return mask
 
 
-def _run(op, mask, h, w, th, tw, tokens, ids, teacher, group):
+def _run(op, mask, h, w, th, tw, tokens, ids, teacher, group, k=K, **given):
     x = h @ w.t()
+    ids, teacher = ids[:, :k], teacher[:, :k]
     calls = {
         "log_probs_and_entropy": lambda: log_probs_and_entropy(x, tokens, tp_group=group, with_entropy=True,
-                                                               row_mask=mask),
-        "topk_ids": lambda: topk_ids(x, K, tp_group=group, row_mask=mask),
-        "topk_logprobs": lambda: topk_logprobs(x, ids, tp_group=group, row_mask=mask),
-        "topk_opd_loss": lambda: topk_opd_loss(x, ids, teacher, tp_group=group, row_mask=mask),
+                                                               row_mask=mask, **given),
+        "topk_ids": lambda: topk_ids(x, k, tp_group=group, row_mask=mask, **given),
+        "topk_logprobs": lambda: topk_logprobs(x, ids, tp_group=group, row_mask=mask, **given),
+        "topk_opd_loss": lambda: topk_opd_loss(x, ids, teacher, tp_group=group, row_mask=mask, **given),
         "lm_head_log_probs_and_entropy": lambda: lm_head_log_probs_and_entropy(h, w, tokens, tp_group=group,
-                                                                               with_entropy=True, row_mask=mask),
-        "lm_head_topk_ids": lambda: lm_head_topk_ids(h, w, K, tp_group=group, row_mask=mask),
-        "lm_head_topk_logprobs": lambda: lm_head_topk_logprobs(h, w, ids, tp_group=group, row_mask=mask),
-        "lm_head_divergence": lambda: lm_head_divergence(h, w, th, tw, tp_group=group, row_mask=mask),
+                                                                               with_entropy=True, row_mask=mask,
+                                                                               **given),
+        "lm_head_topk_ids": lambda: lm_head_topk_ids(h, w, k, tp_group=group, row_mask=mask, **given),
+        "lm_head_topk_logprobs": lambda: lm_head_topk_logprobs(h, w, ids, tp_group=group, row_mask=mask, **given),
+        "lm_head_divergence": lambda: lm_head_divergence(h, w, th, tw, tp_group=group, row_mask=mask, **given),
     }
     out = calls[op]()
     return [t.detach() for t in (out if isinstance(out, tuple) else (out,))]
@@ -72,6 +88,14 @@ def _worker(rank, world_size):
                                          dist.group.WORLD)
             except ValueError as exc:
                 results[case, op] = str(exc)
+    mask = _mask(CASES["agree"][0])
+    for argument, (given, ops) in ARGUMENTS.items():
+        for op in ops or OPS:
+            try:
+                _run(op, mask, h, w[shard], th, tw[shard], tokens, ids, teacher, dist.group.WORLD, **given[rank])
+                results[argument, op] = None
+            except (ValueError, TypeError) as exc:
+                results[argument, op] = f"{type(exc).__name__}: {exc}"
     return results
 
 
@@ -98,3 +122,15 @@ def test_the_same_mask_on_every_rank_equals_tp1(tp2):
             assert not isinstance(got, str), (op, rank, got)
             for g, e in zip(got, want, strict=True):
                 torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12, msg=f"{op} rank {rank}")
+
+
+@pytest.mark.parametrize("argument", list(ARGUMENTS))
+def test_an_argument_that_differs_across_ranks_is_refused_on_every_rank_naming_it(tp2, argument):
+    given, ops = ARGUMENTS[argument]
+    for op in ops or OPS:
+        said = [results[argument, op] for results in tp2]
+        for rank, got in enumerate(said):
+            assert got is not None, f"{op} accepted {argument} {given} (rank {rank})"
+            assert got.startswith("ValueError") and f"{argument} differs between the ranks" in got, \
+                (op, rank, got)
+        assert said[0] == said[1], (op, said)  # the same error on every rank

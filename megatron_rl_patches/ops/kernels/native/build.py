@@ -78,14 +78,33 @@ def _loaded(cc: str | None, directory: str) -> ctypes.CDLL | None:
     for flags in (FLAGS + THREADED, FLAGS):
         try:
             library = build(cc, Path(directory), flags)
-        except (OSError, subprocess.SubprocessError):
-            continue  # no build with these flags (no OpenMP, no writable cache): the next, else the torch tiles
+        except subprocess.SubprocessError:
+            continue  # no build with these flags (no OpenMP): the next, else the torch tiles
+        except OSError as exc:  # a cache that cannot be written: built for this process alone
+            own = _built_for_this_process(cc, directory, flags, exc)
+            if own is None:
+                continue
+            library = own
         try:
             return load(library)
         except OSError as exc:  # a library its record vouches for that still does not load
             warnings.warn(f"the invariant CPU kernel could not be loaded: {exc}; the serial build or the torch "
                           "invariant tiles serve", RuntimeWarning, stacklevel=2)
     return None
+
+
+def _built_for_this_process(cc: str, directory: str, flags: tuple[str, ...], why: OSError) -> Path | None:
+    """The library built in a temporary directory of its own, with one warning naming the cache
+    that could not be written (without it the torch tiles would serve silently: about 1.35x the
+    default op's time, docs/benchmarks.md); None where that build fails too."""
+    try:
+        library = build(cc, Path(tempfile.mkdtemp(prefix="megatron_rl_patches_native_")), flags)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    warnings.warn(f"the invariant CPU kernel's cache {directory} cannot be written ({why.strerror or why}): "
+                  f"built in {library.parent} for this process (about 2 s at each start); point XDG_CACHE_HOME "
+                  "at a writable directory to keep it", RuntimeWarning, stacklevel=3)
+    return library
 
 
 def load(path: Path) -> ctypes.CDLL:

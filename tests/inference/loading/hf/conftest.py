@@ -13,8 +13,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(scope="module")
 def transformers():
     return pytest.importorskip(
-        "transformers", reason="the reference forward needs transformers (the `hf-test` extra: pip install "
-        "'megatron-rl-patches[hf-test]')"
+        "transformers", reason="the reference forward needs transformers (the `hf-test` extra: pip install -e "
+        "'.[hf-test]' in the clone)"
     )
 
 

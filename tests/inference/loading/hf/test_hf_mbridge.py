@@ -30,7 +30,7 @@ FAMILIES = [("qwen3", {}), ("llama", {}), ("qwen2", {}), ("qwen3_moe", {}), ("qw
 @pytest.fixture(scope="module")
 def mbridge():
     return pytest.importorskip("mbridge", reason="converter='mbridge' needs mbridge 0.15.1 (the lane: make "
-                               "test-mbridge, or pip install 'megatron-rl-patches[mbridge]')")
+                               "test-mbridge, or the wheel's extra [mbridge])")
 
 
 def needs_mbridge(test):
@@ -74,7 +74,7 @@ def test_converter_is_validated(tmp_path):
 
 def test_missing_mbridge_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "mbridge", None)  # what an environment without the extra sees
-    with pytest.raises(ImportError, match=r"converter='mbridge'.*pip install 'megatron-rl-patches\[mbridge\]'"):
+    with pytest.raises(ImportError, match=r"converter='mbridge'.*pip install mbridge==0.15.1 .*\.whl\[mbridge\]'"):
         build_inference_model_from_hf(tmp_path / "not-read", converter="mbridge")
 
 

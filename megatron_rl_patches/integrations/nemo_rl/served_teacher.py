@@ -1,0 +1,179 @@
+"""A teacher served by an inference engine as NeMo-RL's distillation teacher (`ServedTeacherPolicy`).
+
+NeMo-RL 7ea279ab's `distillation.setup()` builds the teacher as a second `Policy` on the training
+cluster; `distillation_train` then makes three calls on it: `offload_after_refit()` (after setup
+and after each step's teacher pass), `prepare_for_lp_inference()` and `get_topk_logits(data,
+k=topk_logits_k, timer=timer)`, whose `topk_logits` / `topk_indices` [B, S, k] become the batch's
+`teacher_topk_logits` / `teacher_topk_indices`. `ServedTeacherPolicy` answers the three from the
+driver through the package's `ServedTeacher`: nothing of the teacher is loaded on the job's GPUs
+(offload and prepare have nothing to move), and `topk_logits` are the teacher's top-k log-probs
+over its whole vocabulary, so `nemo_rl_topk_kd` forms the exact tail from them (NeMo-RL's own
+loss renormalizes them over the k ids, which gives what it gives from logits). Position s of a
+row holds the top-k that predicts token s + 1, as NeMo-RL's own teacher writes it; positions no
+loss reads (the prompt before the first `token_mask` token, the last token, padding) hold ids
+0 .. k−1 at log(1 / (k + 1)): finite log-probs, never read through the masks.
+
+`served_teacher_in_setup(policy)` puts the policy where `setup()` builds the teacher: within the
+block, `distillation.Policy(name_prefix="teacher", ...)` returns it and builds nothing (every
+other `Policy`, the student's, is NeMo-RL's own); a teacher config whose `generation.temperature`
+is not the served teacher's is refused by name (NeMo-RL's own teacher scores at it).
+"""
+# lazy imports: optional dependency nemo_rl
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import numbers
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from megatron_rl_patches.teachers.batch import TeacherBatch
+from megatron_rl_patches.teachers.client_settings import ClientSettings
+from megatron_rl_patches.teachers.head import TeacherHead
+from megatron_rl_patches.teachers.served import ServedTeacher
+
+# NeMo-RL's distillation.topk_logits_k default
+NEMO_RL_TOPK = 64
+
+
+class ServedTeacherPolicy:
+    """NeMo-RL's teacher-policy calls (`get_topk_logits`, `prepare_for_lp_inference`,
+    `offload_after_refit`) answered by `teacher`, a `ServedTeacher` whose `top_k` is NeMo-RL's
+    `distillation.topk_logits_k`. Runs in NeMo-RL's driver process (no process group)."""
+
+    def __init__(self, teacher: ServedTeacher) -> None:
+        if not isinstance(teacher, ServedTeacher):
+            raise TypeError(f"ServedTeacherPolicy(teacher=...) takes a megatron_rl_patches.teachers.ServedTeacher, "
+                            f"got {type(teacher).__name__}")
+        self.teacher = teacher
+
+    def __repr__(self) -> str:
+        return f"ServedTeacherPolicy({self.teacher!r})"
+
+    # ------------------------------------------------------------------ residency: nothing to move
+    def prepare_for_lp_inference(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to load: the teacher's weights live on the server."""
+
+    def offload_after_refit(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to offload: no teacher weights on the job's GPUs."""
+
+    def offload_before_refit(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to offload: no teacher weights on the job's GPUs."""
+
+    # ------------------------------------------------------------------ scoring
+    def get_topk_logits(self, data: Any, k: int, micro_batch_size: int | None = None,
+                        timer: Any = None) -> Any:
+        """`topk_logits` (float32 log-probs over the teacher's whole vocabulary) and `topk_indices`
+        (int64), [B, S, k], as NeMo-RL's `BatchedDataDict`; `data` is untouched."""
+        self.check_k(k)
+        ids, lengths, starts = rows_of(data)
+        from nemo_rl.distributed.batched_data_dict import BatchedDataDict  # lazy: optional dependency nemo_rl
+
+        batch = TeacherBatch(sequences=[ids[i, :int(lengths[i])] for i in range(ids.shape[0])],
+                             response_starts=starts)
+        with timer.time("get_topk_logits/served_teacher") if timer is not None else contextlib.nullcontext():
+            scores = self.teacher.score(batch)
+        values, indices = filler(ids.shape[0], ids.shape[1], self.teacher.top_k)
+        for i, start in enumerate(starts):
+            rows = batch.response_rows(i)
+            values[i, start - 1:start - 1 + rows] = scores.topk_log_probs[i].to(torch.float32)
+            indices[i, start - 1:start - 1 + rows] = scores.topk_ids[i].to(torch.int64)
+        return BatchedDataDict({"topk_logits": values, "topk_indices": indices})
+
+    def check_k(self, k: object) -> None:
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or int(k) != self.teacher.top_k:
+            raise ValueError(f"ServedTeacherPolicy.get_topk_logits(k={k!r}): the served teacher was built with "
+                             f"top_k={self.teacher.top_k}; set NeMo-RL's distillation.topk_logits_k to "
+                             f"{self.teacher.top_k} or build the teacher with top_k={k!r}")
+
+
+def filler(batch: int, seq: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, S, k] rows no loss reads: ids 0 .. k−1 at log(1 / (k + 1)) (a finite tail is left)."""
+    values = torch.full((batch, seq, k), -math.log(k + 1), dtype=torch.float32)
+    indices = torch.arange(k, dtype=torch.int64).expand(batch, seq, k).clone()
+    return values, indices
+
+
+def rows_of(data: Any) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """`input_ids` [B, S], `input_lengths` [B] and each sample's first scored position: the first
+    token `token_mask` marks (at least 1; the sample's length when it marks none), 1 without one."""
+    for key in ("input_ids", "input_lengths"):
+        if key not in data:
+            raise ValueError(f"ServedTeacherPolicy.get_topk_logits(data): data has no {key!r} (NeMo-RL's "
+                             f"distillation batch holds input_ids, input_lengths, token_mask)")
+    ids, lengths = data["input_ids"], data["input_lengths"]
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"ServedTeacherPolicy.get_topk_logits(data): data['input_ids'] must be a [B, S] integer "
+                        f"tensor, got {getattr(ids, 'shape', type(ids).__name__)}")
+    if not isinstance(lengths, torch.Tensor) or tuple(lengths.shape) != (ids.shape[0],) \
+            or lengths.dtype.is_floating_point:
+        raise TypeError(f"ServedTeacherPolicy.get_topk_logits(data): data['input_lengths'] must be a [B] = "
+                        f"[{ids.shape[0]}] integer tensor, got {getattr(lengths, 'shape', type(lengths).__name__)}")
+    if lengths.numel() and (int(lengths.min()) < 1 or int(lengths.max()) > ids.shape[1]):
+        raise ValueError(f"ServedTeacherPolicy.get_topk_logits(data): data['input_lengths'] must lie in "
+                         f"[1, {ids.shape[1]}] (the padded length), got {lengths.tolist()}")
+    ids, lengths = ids.detach().cpu(), lengths.detach().cpu()
+    mask = data["token_mask"] if "token_mask" in data else None
+    starts = []
+    for i in range(ids.shape[0]):
+        length = int(lengths[i])
+        if mask is None:
+            starts.append(1)
+            continue
+        marked = torch.nonzero(mask[i, 1:length].detach().cpu()).flatten()
+        starts.append(int(marked[0]) + 1 if marked.numel() else length)
+    return ids, lengths, starts
+
+
+@contextlib.contextmanager
+def served_teacher_in_setup(policy: ServedTeacherPolicy, module: Any = None) -> Iterator[ServedTeacherPolicy]:
+    """Within the block NeMo-RL's `distillation.setup()` gets `policy` as its teacher: the name
+    `Policy` in `module` (default `nemo_rl.algorithms.distillation`) answers
+    `Policy(name_prefix="teacher", ...)` with `policy` and passes every other call to NeMo-RL's
+    `Policy`; restored on exit."""
+    if not isinstance(policy, ServedTeacherPolicy):
+        raise TypeError(f"served_teacher_in_setup(policy=...) takes a ServedTeacherPolicy (served_teacher_policy("
+                        f"url, ...)), got {type(policy).__name__}")
+    if module is None:
+        module = importlib.import_module("nemo_rl.algorithms.distillation")  # lazy: optional dependency nemo_rl
+    original = module.Policy
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("name_prefix") != "teacher":
+            return original(*args, **kwargs)
+        check_temperature(policy, kwargs.get("config"))
+        return policy
+
+    module.Policy = build
+    try:
+        yield policy
+    finally:
+        module.Policy = original
+
+
+def check_temperature(policy: ServedTeacherPolicy, config: Any) -> None:
+    """NeMo-RL's own teacher scores its top-k at its config's `generation.temperature` (when the
+    teacher config has a generation section): the served teacher must score at the same one."""
+    generation = config.get("generation") if isinstance(config, dict) else None
+    wanted = 1.0 if not generation or generation.get("temperature") is None else float(generation["temperature"])
+    if wanted != policy.teacher.temperature:
+        raise ValueError(f"served_teacher_in_setup: the teacher's config asks generation.temperature={wanted} "
+                         f"(NeMo-RL's own teacher scores its top-k there) but the served teacher scores at "
+                         f"{policy.teacher.temperature}: serve hidden states and pass served_teacher_policy(..., "
+                         f"head=..., temperature={wanted}) (engines' prompt log-probs are at temperature 1 only), "
+                         f"or set the teacher's generation.temperature to {policy.teacher.temperature}")
+
+
+def served_teacher_policy(url: str, *, engine: str = "vllm", top_k: int = NEMO_RL_TOPK,
+                          head: TeacherHead | str | os.PathLike[str] | None = None, temperature: float = 1.0,
+                          model: str | None = None, client: ClientSettings | None = None) -> ServedTeacherPolicy:
+    """NeMo-RL's distillation teacher served at `url`: `ServedTeacher(url, engine, top_k, head=...,
+    temperature=..., model=..., client=...)` behind NeMo-RL's teacher-policy calls. `top_k` is
+    NeMo-RL's `distillation.topk_logits_k` (default 64: serve vLLM with `--max-logprobs 64` or
+    more, or a pooling server with `head=`, which serves any K and any temperature)."""
+    return ServedTeacherPolicy(ServedTeacher(url, engine, top_k, model=model, temperature=temperature,
+                                             client=client, head=head))

@@ -1,0 +1,49 @@
+"""A real vLLM server started with `--skip-tokenizer-init` (as slime starts its own engines): its
+`/tokenize` refuses, so the tokenizer check names the flag and the way out; the entry's
+`;same_tokenizer;vocab=N` is taken instead (no id sent to find out), and the server scores a
+sample of the student's ids as the lane's server with a tokenizer does."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+import torch
+
+from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
+from tests.teachers.lane.served_kit import MAX_LOGPROBS, MAX_MODEL_LEN, MODEL_SHAPE, VLLM_PYTHON, VOCAB
+
+
+@pytest.fixture(scope="module")
+def tokenizerless(tmp_path_factory):
+    from megatron_rl_patches.testing.vllm_server import vllm_server
+
+    root = tmp_path_factory.mktemp("tokenizerless")
+    directory = root / "qwen3"
+    save_tiny_hf(directory, "qwen3", seed=3, **MODEL_SHAPE)
+    save_word_tokenizer(directory, VOCAB)  # the student's, read from here; the server loads none
+    with vllm_server(VLLM_PYTHON, directory, root / "vllm.log", max_model_len=MAX_MODEL_LEN,
+                     max_logprobs=MAX_LOGPROBS, extra=("--skip-tokenizer-init",)) as server:
+        yield server.url, directory
+
+
+def test_the_probe_names_the_flag_and_the_entry_option_is_taken(tokenizerless, monkeypatch):
+    from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
+    from megatron_rl_patches.integrations.slime.served_opd import connect
+    from megatron_rl_patches.teachers import ServedTeacher, TeacherBatch
+    from megatron_rl_patches.teachers.tokenizer_probe import probe_tokenizer
+
+    monkeypatch.delenv("MEGATRON_RL_PATCHES_TEACHER_API_KEY", raising=False)
+    url, directory = tokenizerless
+    with ServedTeacher(url, top_k=4) as teacher:
+        with pytest.raises(ValueError, match=r"--skip-tokenizer-init.*';same_tokenizer'"):
+            probe_tokenizer(teacher, load_tokenizer(str(directory), "student"), "the entry")
+    args = SimpleNamespace(hf_checkpoint=str(directory))
+    with pytest.raises(ValueError, match=rf"past the served model's vocabulary of {VOCAB - 1}"):
+        connect(args, cast(Any, SimpleNamespace(k=4)), url, "vllm", "the entry", named_vocab=VOCAB - 1)
+    teacher = connect(args, cast(Any, SimpleNamespace(k=4)), url, "vllm", "the entry", named_vocab=VOCAB)
+    try:
+        scores = teacher.score(TeacherBatch([torch.tensor([1, 5, 9, 13, 17])], [2]))
+    finally:
+        teacher.close()
+    assert scores.topk_ids[0].shape == (3, 4) and bool((scores.topk_log_probs[0] <= 0).all())
