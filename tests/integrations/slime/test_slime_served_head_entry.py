@@ -29,6 +29,8 @@ def test_the_head_option_is_read_into_the_entry_beside_the_others():
     assert (head.kind, head.path, head.engine, head.head) == (SERVED, "http://t:1", "vllm", "/dirs/teacher")
     assert (plain.kind, plain.head) == (SERVED, None)
     assert local.head is None and not head.other_tokenizer
+    (tokenless,) = parse_entries("http://t:1;engine=vllm;head=/d;same_tokenizer;vocab=64")  # no tokenizer served
+    assert (tokenless.head, tokenless.same_tokenizer, tokenless.vocab) == ("/d", True, 64)
 
 
 @pytest.mark.parametrize("entry, words", [
