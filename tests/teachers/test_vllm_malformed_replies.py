@@ -66,7 +66,7 @@ def test_a_deeply_nested_reply_is_named():
     deep = b"[" * 200_000 + b"]" * 200_000
     with pytest.raises(ServedTeacherError, match=r"\(sample 0\): the reply's JSON nests deeper") as caught:
         scored(v1_completions=for_samples(deep))
-    assert caught.value.sample == 0
+    assert caught.value.sample == 0 and caught.value.url and str(caught.value).startswith(caught.value.url)
 
 
 @pytest.mark.parametrize(("cards", "words"), [
@@ -84,6 +84,7 @@ def test_values_decide_the_order_when_ranks_contradict_them():
     scores = scored(v1_completions=for_samples(reply_with(row)))
     assert scores.topk_ids[0][1].tolist() == [1, 0]
     assert scores.topk_log_probs[0][1].tolist() == [-0.5, -1.5]
+    assert scores.token_log_probs[0].tolist() == [-9.0, -0.5]  # each row's own id (7, then 1)
 
 
 def test_a_redirect_is_refused_by_name():
@@ -92,6 +93,8 @@ def test_a_redirect_is_refused_by_name():
                                                    r"'http://\*\*\*@elsewhere:1/v1/models'\)") as caught:
         scored(v1_models=lambda _: (302, moved))
     assert "pw1" not in str(caught.value)
+    with pytest.raises(ServedTeacherRefusal, match=r"redirects \(HTTP 307 to 'nowhere named'\)"):
+        scored(v1_models=lambda _: (307, {}))
 
 
 def test_several_models_or_an_unserved_name_is_refused_naming_the_url():
