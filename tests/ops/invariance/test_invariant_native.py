@@ -220,12 +220,11 @@ def _buffers(rows: int, k: int = 0):
 
 
 def test_rows_the_kernel_cannot_read_are_left_to_the_torch_tiles():
-    """False, the kernel not called: fp64 rows, rows off the CPU, fp64 shifts, strided columns."""
+    """False, the kernel not called: fp64 rows, rows off the CPU, fp64 shifts."""
     backend = InvariantNative(resolve_backend("torch", CPU), cast(Any, _Refusing()))  # stands for the CDLL
     scale2 = torch.ones(3)
     x = torch.randn(3, 8)
-    for rows, shift in ((x.double(), x.amax(1)), (x.to("meta"), x.amax(1).to("meta")), (x, x.amax(1).double()),
-                        (x[:, ::2], x.amax(1)), (x[:, :4:2], x.amax(1))):
+    for rows, shift in ((x.double(), x.amax(1)), (x.to("meta"), x.amax(1).to("meta")), (x, x.amax(1).double())):
         local, inside, rest, moment = _buffers(3)
         assert backend.rest_sums(rows, shift, scale2, local, inside, rest, moment) is False
         assert not rest.any() and not moment.any()
@@ -313,7 +312,7 @@ def test_a_build_is_kept_per_compiler_and_a_failed_one_raises_quietly(monkeypatc
         built = build(counting, directory, FLAGS)
         assert build(counting, directory, FLAGS) == built and (tmp_path / "compiled").read_text() == "x\n"
         assert build(other, directory, FLAGS) != built
-    assert sorted(p.name for p in directory.iterdir()) == sorted(p.name for p in directory.glob("*.so"))
+    assert all(p.is_file() and ".so" in p.name for p in directory.iterdir())  # libraries and their records only
     failing = _script(tmp_path, "failing-cc", '[ "$1" = --version ] && exit 0\necho broken >&2; exit 1')
     capfd.readouterr()
     with pytest.raises(subprocess.CalledProcessError):
