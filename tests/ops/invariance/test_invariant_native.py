@@ -109,7 +109,9 @@ def test_values_within_1e6_of_the_torch_tiles_and_of_float64(monkeypatch):
 def test_the_serial_build_gives_the_threaded_builds_integers(tmp_path):
     """A compiler without OpenMP builds the kernel serial: the same integers as the threaded one
     running on 3 threads."""
-    serial = load(build(compiler(), tmp_path, FLAGS))
+    cc = compiler()
+    assert cc is not None
+    serial = load(build(cc, tmp_path, FLAGS))
     values = torch.randn(600, 1000, generator=torch.Generator().manual_seed(3)) * 4
     shift = values.amax(1)
     saved = torch.get_num_threads()
