@@ -112,7 +112,8 @@ def test_served_buckets_refuse_a_reply_narrower_than_k(qwen3, deepseek):
     sample = _sample(pair, TEXTS["mixed"])
     _, _, dense = _teacher_rows(pair, sample, 3)
     top_lp, top_ids = dense.topk(K - 1, dim=-1)
-    with pytest.raises(ValueError, match="at least k"):
+    asked = f"returned {K - 1} ids per row and k={K} buckets are asked: ask the engine for at least k$"
+    with pytest.raises(ValueError, match=asked):
         served_buckets(top_ids, top_lp, sample, pair.shared, K)
     with pytest.raises(ValueError, match="one \\[R_teacher, K\\] shape"):
         served_buckets(top_ids, top_lp[:, :1], sample, pair.shared, 1)

@@ -11,7 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_rl_patches.teachers import ClientSettings, ServedTeacher, ServedTeacherError, TeacherBatch
+from megatron_rl_patches.teachers import (
+    ClientSettings,
+    ServedTeacher,
+    ServedTeacherError,
+    ServedTeacherRefusal,
+    TeacherBatch,
+)
 from megatron_rl_patches.teachers.engines.vllm_pooling import VllmPoolingEngine
 from megatron_rl_patches.teachers.http_client import TeacherClient
 
@@ -88,6 +94,7 @@ def test_hidden_state_teacher_arguments_are_named(head, tmp_path):
         ServedTeacher(URL, head=tmp_path / "nowhere")
     teacher = ServedTeacher(URL, head=head, top_k=49, temperature=0.7)  # any K of the vocabulary, any temperature
     assert teacher.temperature == 0.7 and teacher.engine.dtype == torch.float32
+    assert ServedTeacher(URL, head=head, model="b").engine.model == "b"  # the model asked of a server of several
 
 
 def test_score_arguments_are_refused_before_anything_is_sent(head):
@@ -98,8 +105,10 @@ def test_score_arguments_are_refused_before_anything_is_sent(head):
             teacher.score(batch, ids=[torch.zeros(3, 2, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long)])
         with pytest.raises(ValueError, match="sample 0 holds ids outside \\[0, 50\\)"):
             teacher.score(batch, ids=[torch.full((4, 2), 60), torch.zeros(0, 2, dtype=torch.long)])
-        with pytest.raises(ValueError, match="sample 1 holds id 70, outside the teacher head's vocabulary of 50"):
+        outside = "sample 1 holds id 70, outside the teacher head's vocabulary of 50"
+        with pytest.raises(ServedTeacherRefusal, match=outside) as caught:
             teacher.score(TeacherBatch([torch.arange(6), torch.tensor([1, 70])], [2, 1]))
+        assert (caught.value.url, caught.value.sample) == (URL, 1)
     with ServedTeacher(URL, client=ClientSettings(retries=0, deadline_s=5)) as plain:
         with pytest.raises(ValueError, match="ids=...\\) needs a head"):
             plain.score(batch, ids=[torch.zeros(4, 2, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long)])

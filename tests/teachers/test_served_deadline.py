@@ -2,7 +2,8 @@
 reply a byte a second (in its headers or its body) keeps every read under the read timeout, yet
 `check()`, `score()` and `doctor` give up within the deadline + 2 s naming the URL, and in a 2-rank
 world where only rank 1's server trickles, both ranks raise the same ServedTeacherError through the
-failure agreement (no collective timeout)."""
+failure agreement (no collective timeout). A 5xx is retried with a backoff (capped at 8 s) and named
+with the server's words; a slow reply names the shorter of the read timeout and the deadline."""
 from __future__ import annotations
 
 import time
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from megatron_rl_patches.teachers import ClientSettings, ServedTeacher, ServedTeacherError, TeacherBatch
-from tests.teachers.local_servers import BODY, HEADERS, completions, trickle, trickling, url_of, vllm_like
+from tests.teachers.local_servers import BODY, HEADERS, completions, models, trickle, trickling, url_of, vllm_like
 
 pytest.importorskip("httpx", reason="the served extra (httpx) is missing")
 
@@ -86,3 +87,64 @@ def test_two_ranks_raise_the_same_error_when_only_rank_one_trickles():
     assert said[0] == said[1], said
     assert said[0].startswith("ServedTeacherError: served teacher failed on rank 1 of the group"), said[0]
     assert "within the step's deadline" in said[0]
+
+
+def _busy_then(models_after: int):
+    """A /v1/models route answering 503 (the server's words: busy) `models_after` times, then the
+    model list; its calls counted."""
+    calls = []
+
+    def route(body):
+        calls.append(body)
+        return (503, {"message": "busy"}) if len(calls) <= models_after else models(body)
+
+    return route, calls
+
+
+def test_a_5xx_is_retried_with_backoff_then_named_with_the_servers_words():
+    route, calls = _busy_then(1)
+    with vllm_like(v1_models=route) as server, \
+            ServedTeacher(url_of(server), top_k=2, client=ClientSettings(retries=1, backoff_s=0.01)) as teacher:
+        teacher.check()  # the second try answers
+    assert len(calls) == 2
+    for retries, tries in ((0, "1 try"), (2, "3 tries")):
+        route, calls = _busy_then(99)
+        settings = ClientSettings(retries=retries, backoff_s=0.01, deadline_s=20)
+        with vllm_like(v1_models=route) as server, ServedTeacher(url_of(server), top_k=2, client=settings) as teacher:
+            url = url_of(server)
+            with pytest.raises(ServedTeacherError, match=rf"^{url}/v1/models: no answer after {tries} "
+                                                         r"\(HTTP 503: busy\)$") as caught:
+                teacher.check()
+        assert len(calls) == retries + 1 and caught.value.url == url
+    # the step's deadline ends the retries, naming the last answer
+    route, calls = _busy_then(10 ** 6)
+    settings = ClientSettings(retries=10 ** 6, backoff_s=0.05, deadline_s=1.0)
+    with vllm_like(v1_models=route) as server, ServedTeacher(url_of(server), top_k=2, client=settings) as teacher:
+        with pytest.raises(ServedTeacherError, match=r"/v1/models: no answer within the step's deadline of 1 s "
+                                                     r"\(last: HTTP 503: busy\)$"):
+            teacher.check()
+
+
+def test_the_backoff_is_capped_at_8_s():
+    route, calls = _busy_then(99)
+    settings = ClientSettings(retries=1, backoff_s=25.0, deadline_s=40)
+    start = time.monotonic()
+    with vllm_like(v1_models=route) as server, ServedTeacher(url_of(server), top_k=2, client=settings) as teacher:
+        with pytest.raises(ServedTeacherError, match=r"no answer after 2 tries"):
+            teacher.check()
+    assert 8 <= time.monotonic() - start < 8 + 2 * SLACK_S and len(calls) == 2
+
+
+def test_a_slow_reply_names_the_read_timeout_or_the_deadline_whichever_was_shorter():
+    def slow(body):
+        time.sleep(1.5)
+        return models(body)
+
+    for settings, bound in ((ClientSettings(timeout_s=0.3, deadline_s=20, retries=0),
+                             r"ClientSettings\(timeout_s=0.3\) \(ReadTimeout\)"),
+                            (ClientSettings(timeout_s=60, deadline_s=0.5, retries=0),
+                             r"the step's deadline of 0.5 s")):
+        with vllm_like(v1_models=slow) as server, ServedTeacher(url_of(server), top_k=2, client=settings) as teacher:
+            with pytest.raises(ServedTeacherError, match=rf"/v1/models: no (complete )?reply within {bound}") as caught:
+                teacher.check()
+        assert caught.value.url == url_of(server)

@@ -16,6 +16,7 @@ from megatron_rl_patches.teachers import (
     ClientSettings,
     ServedTeacher,
     ServedTeacherError,
+    ServedTeacherRefusal,
     TeacherBatch,
     agree_failure,
 )
@@ -30,7 +31,7 @@ def test_sglang_is_refused_by_name():
     (dict(url="http://127.0.0.1:9", engine="trt"), ValueError, "engine must be one of"),
     (dict(url="http://127.0.0.1:9", engine=["vllm"]), TypeError, r"engine must be a str .*\['vllm'\], a list"),
     (dict(url="http://127.0.0.1:9", engine=None), TypeError, "engine must be a str"),
-    (dict(url="http://127.0.0.1:9", top_k=0), ValueError, r"top_k=...\) must be a positive int"),
+    (dict(url="http://127.0.0.1:9", top_k=0), ValueError, r"^ServedTeacher\(top_k=...\) must be a positive int"),
     (dict(url="http://127.0.0.1:9", temperature=0.7), ValueError, "temperature 1 whatever is asked"),
     (dict(url="http://user:secret@127.0.0.1:9"), ValueError, "carries a user or password: put the API key in"),
     (dict(url="ftp://127.0.0.1:9"), ValueError, "must be http://host:port or https://host:port"),
@@ -98,3 +99,22 @@ def test_importing_the_package_loads_neither_torch_nor_httpx():
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                        timeout=120).stdout)
     assert not {"torch", "httpx", "httpcore"} & set(loaded), loaded
+
+
+def test_a_sample_over_the_max_model_length_or_ids_without_a_head_are_refused_whole():
+    pytest.importorskip("httpx", reason="the served extra (httpx) is missing")
+    from tests.teachers.local_servers import MAX_MODEL_LEN, url_of, vllm_like
+
+    with vllm_like() as server, ServedTeacher(url_of(server), top_k=2, client=ClientSettings(retries=0)) as teacher:
+        url = url_of(server)
+        long = TeacherBatch([torch.arange(4), torch.arange(MAX_MODEL_LEN)], [1, 1])
+        with pytest.raises(ServedTeacherRefusal, match=(
+                rf"^sample 1 has {MAX_MODEL_LEN} ids, over {url}'s max model length {MAX_MODEL_LEN} - 1 \(the engine "
+                r"generates one token after the prompt\): a sequence cannot be split \(every row needs its whole "
+                rf"prefix\); serve the teacher with --max-model-len >= {MAX_MODEL_LEN + 1}$")) as caught:
+            teacher.score(long)
+        assert (caught.value.url, caught.value.sample) == (url, 1)
+        with pytest.raises(ServedTeacherRefusal, match=r"^ServedTeacher.score\(ids=...\) needs a head \(ServedTeacher"
+                                                       r"\(head=...\)\): an engine's prompt log-probs hold only the "
+                                                       r"teacher's own top-k$"):
+            teacher.score(TeacherBatch([torch.arange(4)], [1]), ids=[torch.zeros(1, 2, dtype=torch.long)])

@@ -66,7 +66,7 @@ def test_a_deeply_nested_reply_is_named():
     deep = b"[" * 200_000 + b"]" * 200_000
     with pytest.raises(ServedTeacherError, match=r"\(sample 0\): the reply's JSON nests deeper") as caught:
         scored(v1_completions=for_samples(deep))
-    assert caught.value.sample == 0
+    assert caught.value.sample == 0 and caught.value.url and str(caught.value).startswith(caught.value.url)
 
 
 @pytest.mark.parametrize(("cards", "words"), [
@@ -84,6 +84,7 @@ def test_values_decide_the_order_when_ranks_contradict_them():
     scores = scored(v1_completions=for_samples(reply_with(row)))
     assert scores.topk_ids[0][1].tolist() == [1, 0]
     assert scores.topk_log_probs[0][1].tolist() == [-0.5, -1.5]
+    assert scores.token_log_probs[0].tolist() == [-9.0, -0.5]  # each row's own id (7, then 1)
 
 
 def test_a_redirect_is_refused_by_name():
@@ -92,3 +93,47 @@ def test_a_redirect_is_refused_by_name():
                                                    r"'http://\*\*\*@elsewhere:1/v1/models'\)") as caught:
         scored(v1_models=lambda _: (302, moved))
     assert "pw1" not in str(caught.value)
+    with pytest.raises(ServedTeacherRefusal, match=r"redirects \(HTTP 307 to 'nowhere named'\)"):
+        scored(v1_models=lambda _: (307, {}))
+
+
+def test_several_models_or_an_unserved_name_is_refused_naming_the_url():
+    two = {"data": [{"id": "a", "max_model_len": 64}, {"id": "b", "max_model_len": 64}]}
+    with vllm_like(v1_models=lambda _: (200, two)) as server:
+        url = url_of(server)
+        several = rf"^{url} serves 2 models \['a', 'b'\]: name one with ServedTeacher\(model=\.\.\.\)$"
+        for model, words in ((None, several), ("c", rf"^{url} does not serve model='c': it serves \['a', 'b'\]$")):
+            with ServedTeacher(url, top_k=K, model=model, client=SETTINGS) as teacher, \
+                    pytest.raises(ServedTeacherRefusal, match=words) as caught:
+                teacher.check()
+            assert caught.value.url == url and caught.value.sample is None
+
+
+def test_the_engines_refusals_say_what_to_do():
+    """vLLM's --max-logprobs 400 (top_k over it), a pooling server's 404 on /v1/completions, and
+    logits for log-probs: each names the URL and the fix; the request asks temperature 1 of raw
+    log-probs (vLLM scores prompt log-probs so), ids not detokenized."""
+    bodies = []
+
+    def over_max(body):
+        bodies.append(body)
+        return 400, {"object": "error", "message": "Requested prompt logprobs of 2, which is greater than max "
+                                                   "allowed: 1"}
+
+    over = r"^top_k=2 is over the server's --max-logprobs 1 at {}: ask for top_k <= 1, or serve the teacher with " \
+           r"--max-logprobs 2$"
+    with vllm_like(v1_completions=over_max) as server, \
+            ServedTeacher(url_of(server), top_k=K, client=SETTINGS) as teacher:
+        with pytest.raises(ServedTeacherRefusal, match=over.format(url_of(server))):
+            teacher.check()
+    assert bodies[0]["temperature"] == 1.0 and bodies[0]["detokenize"] is False
+    with vllm_like(v1_completions=lambda _: (404, {"detail": "Not Found"})) as server, \
+            ServedTeacher(url_of(server), top_k=K, client=SETTINGS) as teacher:
+        with pytest.raises(ServedTeacherRefusal, match=r"does not serve /v1/completions \(HTTP 404\): a pooling "
+                                                       r"server \(--runner pooling\)") as caught:
+            teacher.check()
+        assert caught.value.url == url_of(server)
+    logits = {"0": {"logprob": 3.5, "rank": 1}, "1": {"logprob": 2.5, "rank": 2}}
+    with pytest.raises(ServedTeacherError, match=r"are no log-probabilities .*--logprobs-mode raw_logprobs") as caught:
+        scored(v1_completions=for_samples(reply_with(logits)))
+    assert caught.value.url and str(caught.value).startswith(caught.value.url) and caught.value.sample == 0

@@ -2,6 +2,7 @@
 `make test-nemo`, runs them on NeMo-RL's real code)."""
 from __future__ import annotations
 
+import math
 import types
 
 import pytest
@@ -9,7 +10,11 @@ import torch
 
 from megatron_rl_patches import integrations
 from megatron_rl_patches.integrations.nemo_rl.patches import PATCHES, STEP
-from megatron_rl_patches.integrations.nemo_rl.topk_kd import ExactTopkDistillation, teacher_logprobs
+from megatron_rl_patches.integrations.nemo_rl.topk_kd import (
+    MASS_SLACK,
+    ExactTopkDistillation,
+    teacher_logprobs,
+)
 
 NAMES = ("nemo_rl_fused_logprobs", "nemo_rl_topk", "nemo_rl_topk_kd")
 
@@ -38,8 +43,11 @@ def test_the_exact_divergence_matches_float64_and_is_zero_at_the_teacher(kl_type
     student_full = torch.log_softmax(torch.randn(3, 7, vocab, generator=gen) * 2, -1)
     student = student_full.gather(-1, teacher.indices)
     tail = torch.log1p(-student.exp().sum(-1))
-    loss = ExactTopkDistillation(types.SimpleNamespace(loss_type="token", input_type="distillation",
-                                                       kl_type=kl_type, mixed_kl_weight=0.3))
+    original = types.SimpleNamespace(loss_type="token", input_type="distillation", kl_type=kl_type,
+                                     mixed_kl_weight=0.3)
+    loss = ExactTopkDistillation(original)
+    # NeMo-RL's loss wrapper reads the interface (loss_type, input_type) off the replacement
+    assert (loss.original, loss.loss_type, loss.input_type) == (original, "token", "distillation")
     got = loss.per_token(student, tail, teacher.values)
     assert torch.allclose(got.double(), _float64(student, teacher.values, kl_type), atol=1e-6)
     assert bool((got >= 0).all())
@@ -53,6 +61,22 @@ def test_raw_teacher_logits_are_refused_by_name_on_valid_tokens_only():
     valid = torch.ones(2, 5, dtype=torch.bool)
     assert teacher_logprobs(logprobs, valid).dtype == torch.float32
     raw = logprobs + 5.0  # logits: their exp sums past 1
-    with pytest.raises(ValueError, match="nemo_rl_topk"):
+    with pytest.raises(ValueError, match="nemo_rl_topk") as refused:
         teacher_logprobs(raw, valid)
+    text = str(refused.value)
+    assert text.startswith("nemo_rl_topk_kd: data['teacher_topk_logits'] must be log-probs over the teacher's whole "
+                           "vocabulary (their probabilities sum to at most 1; here up to ")
+    assert text.endswith("apply nemo_rl_topk to the teacher's get_topk_logits, or disable nemo_rl_topk_kd to keep "
+                         "NeMo-RL's loss on raw logits")
     assert teacher_logprobs(raw, torch.zeros_like(valid)) is not None  # padding rows are not read
+
+
+def test_teacher_log_probs_come_back_float32_and_a_whole_distribution_is_accepted():
+    """A top-k of the whole vocabulary (mass 1 up to rounding, or just within the slack) is taken,
+    in float32 (here from float64); a mass of 1.5 is refused."""
+    whole = torch.log_softmax(torch.randn(2, 3, 8, dtype=torch.float64), -1)
+    valid = torch.ones(2, 3, dtype=torch.bool)
+    for values in (whole, whole + 0.5 * MASS_SLACK):
+        assert teacher_logprobs(values, valid).dtype == torch.float32
+    with pytest.raises(ValueError, match="here up to 1.5000"):
+        teacher_logprobs(whole + math.log(1.5), valid)

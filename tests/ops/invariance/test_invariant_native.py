@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from megatron_rl_patches._variables import NATIVE
 from megatron_rl_patches.ops.kernels import resolve_backend
 from megatron_rl_patches.ops.kernels.invariant_tiles import InvariantTiles
 from megatron_rl_patches.ops.kernels.native.backend import InvariantNative
-from megatron_rl_patches.ops.kernels.native.build import FLAGS, build, compiler, load, native_library
+from megatron_rl_patches.ops.kernels.native.build import FLAGS, build, cache_dir, compiler, load, native_library
 
 CPU = torch.device("cpu")
 
@@ -107,7 +109,9 @@ def test_values_within_1e6_of_the_torch_tiles_and_of_float64(monkeypatch):
 def test_the_serial_build_gives_the_threaded_builds_integers(tmp_path):
     """A compiler without OpenMP builds the kernel serial: the same integers as the threaded one
     running on 3 threads."""
-    serial = load(build(compiler(), tmp_path, FLAGS))
+    cc = compiler()
+    assert cc is not None
+    serial = load(build(cc, tmp_path, FLAGS))
     values = torch.randn(600, 1000, generator=torch.Generator().manual_seed(3)) * 4
     shift = values.amax(1)
     saved = torch.get_num_threads()
@@ -165,3 +169,155 @@ def test_at_tp2_a_rank_without_the_kernel_is_the_same_error_on_every_rank(invari
         assert "differs between the ranks" in results["mixed"], results["mixed"]
         assert "InvariantNative" in results["mixed"] and "InvariantTiles" in results["mixed"]
         assert f"{NATIVE}=0" in results["mixed"]
+
+
+class _Counting:
+    """The real kernel, its calls counted (to show an op's sums came from it)."""
+
+    def __init__(self, library) -> None:
+        self.library, self.calls = library, 0
+
+    def invariant_row_sums(self, *args) -> None:
+        self.calls += 1
+        self.library.invariant_row_sums(*args)
+
+
+def test_the_ops_masked_log_probs_and_gradients_come_from_the_kernel(monkeypatch):
+    """Through the op: the kernel's sums (its calls counted) under a keep mask and in backward,
+    against float64 (the kept ids' log-softmax; its gradient)."""
+    import megatron_rl_patches.ops.kernels as kernels
+
+    counting = _Counting(native_library())
+    monkeypatch.setattr(kernels, "native_library", lambda: counting)
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(6, 700, generator=g) * 3).requires_grad_()
+    tokens = torch.randint(0, 700, (6,), generator=g)
+    keep = torch.rand(6, 700, generator=g) < 0.5
+    keep[torch.arange(6), tokens] = True
+    masked = ops.log_probs_and_entropy(x.detach(), tokens, keep_mask=keep, invariant=True)[0]
+    want = torch.log_softmax(x.detach().double().masked_fill(~keep, -math.inf), 1)[torch.arange(6), tokens]
+    torch.testing.assert_close(masked.double(), want, rtol=1e-6, atol=1e-6)
+    assert counting.calls > 0
+    calls = counting.calls
+    log_probs, entropy = ops.log_probs_and_entropy(x, tokens, with_entropy=True, invariant=True)
+    (log_probs.sum() + entropy.sum()).backward()
+    assert counting.calls > calls
+    reference = x.detach().double().requires_grad_()
+    logp = torch.log_softmax(reference, 1)
+    (logp[torch.arange(6), tokens].sum() - (logp.exp() * logp).sum()).backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad.double(), reference.grad, rtol=1e-5, atol=1e-6)
+
+
+class _Refusing:
+    """A kernel that must not be called."""
+
+    def invariant_row_sums(self, *args) -> None:
+        raise AssertionError("the kernel was called")
+
+
+def _buffers(rows: int, k: int = 0):
+    return (torch.zeros(rows, k, dtype=torch.int64), torch.ones(rows, k, dtype=torch.bool),
+            torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64))
+
+
+def test_rows_the_kernel_cannot_read_are_left_to_the_torch_tiles():
+    """False, the kernel not called: fp64 rows, rows off the CPU, fp64 shifts."""
+    backend = InvariantNative(resolve_backend("torch", CPU), cast(Any, _Refusing()))  # stands for the CDLL
+    scale2 = torch.ones(3)
+    x = torch.randn(3, 8)
+    for rows, shift in ((x.double(), x.amax(1)), (x.to("meta"), x.amax(1).to("meta")), (x, x.amax(1).double())):
+        local, inside, rest, moment = _buffers(3)
+        assert backend.rest_sums(rows, shift, scale2, local, inside, rest, moment) is False
+        assert not rest.any() and not moment.any()
+
+
+def test_one_column_rows_empty_rows_and_the_inputs_conversions():
+    """A one-column row at its own shift sums exactly 2^0 (2^44 units) and no moment, whatever its
+    stride; nothing to sum is done (True); the scale and marks in any dtype, no moment asked."""
+    library = native_library()
+    assert library is not None
+    backend = InvariantNative(resolve_backend("torch", CPU), library)
+    column = torch.randn(4, 3).t()[:, :1]  # [3, 1], column stride 3
+    assert column.stride(1) != 1
+    local, inside, rest, moment = _buffers(3)
+    assert backend.rest_sums(column, column[:, 0].clone(), torch.ones(3), local, inside, rest, moment)
+    assert rest.tolist() == [2 ** 44] * 3 and moment.tolist() == [0] * 3
+    for empty in (torch.zeros(0, 5), torch.zeros(3, 0)):
+        local, inside, rest, moment = _buffers(empty.size(0))
+        assert backend.rest_sums(empty, torch.zeros(empty.size(0)), torch.ones(empty.size(0)), local, inside,
+                                 rest, moment) is True
+        assert not rest.any()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 300, generator=g) * 4
+    shift = x.amax(1)
+    marks = torch.tensor([[1, 7], [0, 299], [5, 6]])
+    rest, moment = _sums(x, shift, marks)
+    got = torch.zeros(3, dtype=torch.int64)  # a float64 scale, int32 columns, int64 flags; moment not wanted
+    assert backend.rest_sums(x, shift, torch.tensor(1 / math.log(2), dtype=torch.float64), marks.int(),
+                             torch.ones(3, 2, dtype=torch.int64), got, None)
+    assert torch.equal(got, rest)
+    strided = torch.zeros(3, 2, dtype=torch.int64)[:, 0]
+    with pytest.raises(AssertionError):  # the kernel writes whole int64 rows in place: no strided buffer
+        backend.rest_sums(x, shift, torch.ones(3), marks, torch.ones(3, 2, dtype=torch.bool), strided, None)
+
+
+def _on_path(monkeypatch, tmp_path, names) -> Path:
+    """PATH = one folder holding the system compiler under each of `names`; no $CC."""
+    real = compiler()
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for name in names:
+        (folder / name).symlink_to(real)
+    monkeypatch.setenv("PATH", str(folder))
+    monkeypatch.delenv("CC", raising=False)
+    return folder
+
+
+@pytest.mark.parametrize("names", [("cc",), ("gcc",), ("cc", "gcc")])
+def test_the_compiler_is_cc_else_gcc_on_path_or_cc_by_name(monkeypatch, tmp_path, names):
+    folder = _on_path(monkeypatch, tmp_path, names)
+    assert compiler() == str(folder / names[0])
+    monkeypatch.setenv("CC", names[-1])
+    assert compiler() == str(folder / names[-1])
+
+
+def test_the_cache_is_under_xdg_cache_home_else_the_homes_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "megatron_rl_patches" / "native"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "megatron_rl_patches" / "native"
+
+
+def _script(folder: Path, name: str, body: str) -> str:
+    path = folder / name
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_build_is_kept_per_compiler_and_a_failed_one_raises_quietly(monkeypatch, tmp_path, capfd):
+    """Another compiler (its --version, even failing) is another library; the same one is reused
+    without compiling; missing parent folders are made and the temporary files stay inside the
+    cache (no system temporary folder needed); a compiler's failure is its CalledProcessError,
+    its output kept off the terminal and nothing left behind."""
+    import tempfile
+
+    real = compiler()
+    other = _script(tmp_path, "other-cc", f'[ "$1" = --version ] && {{ echo other 9; exit 3; }}\nexec {real} "$@"')
+    counting = _script(tmp_path, "counting-cc", f'[ "$1" = --version ] || echo x >> {tmp_path}/compiled\n'
+                       f'exec {real} "$@"')
+    directory = tmp_path / "a" / "b"
+    with monkeypatch.context() as patched:
+        patched.setattr(tempfile, "tempdir", str(tmp_path / "no-such-tmp"))
+        built = build(counting, directory, FLAGS)
+        assert build(counting, directory, FLAGS) == built and (tmp_path / "compiled").read_text() == "x\n"
+        assert build(other, directory, FLAGS) != built
+    assert all(p.is_file() and ".so" in p.name for p in directory.iterdir())  # libraries and their records only
+    failing = _script(tmp_path, "failing-cc", '[ "$1" = --version ] && exit 0\necho broken >&2; exit 1')
+    capfd.readouterr()
+    with pytest.raises(subprocess.CalledProcessError):
+        build(failing, tmp_path / "c", FLAGS)
+    assert capfd.readouterr() == ("", "")
+    assert list((tmp_path / "c").iterdir()) == []
