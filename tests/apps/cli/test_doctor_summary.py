@@ -64,7 +64,8 @@ def test_the_json_report_carries_the_summary(cli_run, site, clean):
     summary = json.loads(out)["summary"]
     assert code == 1 and summary["applies_at_startup"] == [] and summary["problems"] == 1
     assert "ddp_hooks" in summary["every_target_here"] and "slime_opd" in summary["no_target_here"]
-    assert "slime" in summary["not_installed"]
+    # "slime", or a module of it where a stand-in package named slime is importable (the test kit's)
+    assert any(name.split(".")[0] == "slime" for name in summary["not_installed"]), summary["not_installed"]
 
 
 def test_under_the_launcher_the_selection_applies_without_a_start_up_file(cli_run, site, clean):
