@@ -54,6 +54,7 @@ def vllm_server(python: str, model: str | Path, log: str | Path, *, max_model_le
     port = free_port()
     env = {**os.environ, **CPU_ENV}
     env.pop("VLLM_API_KEY", None)
+    env.pop("PYTHONPATH", None)  # the server runs in its own venv: another lane's path (verl's) would shadow it
     if api_key is not None:
         env["VLLM_API_KEY"] = api_key
     log = Path(log)
