@@ -134,12 +134,10 @@ def float64_loss(student: torch.Tensor, teacher: torch.Tensor, ids: torch.Tensor
     return (teacher.exp() * (teacher - log_p)).sum(1) + q_tail.exp() * (q_tail - p_tail)
 
 
-def test_loss_and_gradients_through_verls_padding_equal_float64_and_verls_own_loss_misses(entry):
-    """Two samples through the agent loop, padded by verl into its batch (prompts left, responses
-    right), packed as verl's trainer hands them to its Megatron loss; `verl_topk_kd` on the served
-    rows equals the float64 loss of transformers' float64 teacher at the same ids (losses and the
-    gradient to the student's logits). Negative control: verl's own top-k loss (no tail) on the
-    same rows misses the reference by far more than the tolerance."""
+def verl_batch(served) -> tuple[list, list, list]:
+    """Two samples through verl's agent loop, padded by verl into its batch (prompts left,
+    responses right) and unpadded as its trainer packs them: per sample the served ids and
+    log-probs [L, K], and transformers' float64 rows with those ids (the reference)."""
     from verl.experimental.teacher_loop.teacher_manager import _pad_teacher_outputs
 
     client = manager()
@@ -152,16 +150,12 @@ def test_loss_and_gradients_through_verls_padding_equal_float64_and_verls_own_lo
         rows = slice(max(PROMPTS) - len(prompt), max(PROMPTS) + len(response))  # verl's unpadding
         packed_ids.append(ids[0, rows])
         packed_log_probs.append(log_probs[0, rows])
-        teacher = reference(entry.model, prompt + response)
-        references.append((teacher, ids[0, rows].long()))
-    gen = torch.Generator().manual_seed(4)
-    total = sum(len(i) for i in packed_ids)
-    student = (2.0 * torch.randn(1, total, VOCAB, generator=gen)).requires_grad_(True)
-    teacher_ids, teacher_log_probs = nested(packed_ids), nested(packed_log_probs)
-    config = types.SimpleNamespace(distillation_loss=types.SimpleNamespace(topk=K, log_prob_min_clamp=None))
-    out = megatron_losses.compute_forward_kl_topk(student, teacher_log_probs, teacher_ids, config, "thd")
-    out["distillation_losses"].sum().backward()
+        references.append((reference(served.model, prompt + response), ids[0, rows].long()))
+    return packed_ids, packed_log_probs, references
 
+
+def float64_reference(student: torch.Tensor, references: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 loss per packed row and its gradient to the student's logits [T, V]."""
     student64 = student.detach()[0].double().requires_grad_(True)
     expected, start = [], 0
     for teacher, ids in references:
@@ -169,18 +163,83 @@ def test_loss_and_gradients_through_verls_padding_equal_float64_and_verls_own_lo
         expected += [float64_loss(student64[start:start + scored], teacher.gather(1, ids[:-1]), ids[:-1]),
                      torch.zeros(1, dtype=torch.float64)]
         start += len(ids)
-    expected = torch.cat(expected)
-    expected.sum().backward()
+    loss = torch.cat(expected)
+    loss.sum().backward()
+    return loss.detach(), student64.grad
+
+
+def student_logits(rows: int, vocab: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(4)
+    return (2.0 * torch.randn(1, rows, vocab, generator=gen)).requires_grad_(True)
+
+
+CONFIG = types.SimpleNamespace(distillation_loss=types.SimpleNamespace(topk=K, log_prob_min_clamp=None))
+
+
+def test_loss_and_gradients_through_verls_padding_equal_float64_and_verls_own_loss_misses(entry):
+    """`verl_topk_kd` on the served rows as verl packs them equals the float64 loss of
+    transformers' float64 teacher at the same ids (losses and the gradient to the student's
+    logits). Negative control: verl's own top-k loss (no tail) on the same rows misses the
+    reference by far more than the tolerance."""
+    packed_ids, packed_log_probs, references = verl_batch(entry)
+    student = student_logits(sum(len(i) for i in packed_ids), VOCAB)
+    teacher_ids, teacher_log_probs = nested(packed_ids), nested(packed_log_probs)
+    out = megatron_losses.compute_forward_kl_topk(student, teacher_log_probs, teacher_ids, CONFIG, "thd")
+    out["distillation_losses"].sum().backward()
+    expected, grad = float64_reference(student, references)
     loss_error = (out["distillation_losses"][0].double() - expected).abs().max().item()
-    grad_error = (student.grad[0].double() - student64.grad).abs().max().item()
+    grad_error = (student.grad[0].double() - grad).abs().max().item()
     print(f"served teacher through verl: loss vs float64 {loss_error:.2e}, gradient {grad_error:.2e}")
     assert loss_error < 2e-4 and grad_error < 2e-4
 
     megatron_rl_patches.revert()  # verl's own compute_forward_kl_topk: the same rows, no tail
-    own = megatron_losses.compute_forward_kl_topk(student, teacher_log_probs, teacher_ids, config, "thd")
+    own = megatron_losses.compute_forward_kl_topk(student, teacher_log_probs, teacher_ids, CONFIG, "thd")
     miss = (own["distillation_losses"][0].double() - expected).abs().max().item()
     print(f"verl's own top-k loss vs float64: {miss:.2e}")
     assert miss > 1e-2
+
+
+def tp2_rank(rank: int, world: int, student: torch.Tensor, ids: list, log_probs: list) -> tuple:
+    """One rank of TP=2: its vocabulary half of the student's logits through verl's loss (patched)."""
+    import verl.trainer.distillation.megatron.losses as losses
+
+    import megatron_rl_patches
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+
+    with megatron_on_cpu(tensor_parallel=2):
+        megatron_rl_patches.apply(only="verl_topk_kd")
+        half = student.shape[-1] // 2
+        shard = student[..., rank * half:(rank + 1) * half].clone().requires_grad_(True)
+        out = losses.compute_forward_kl_topk(shard, nested(log_probs), nested(ids), CONFIG, "thd")
+        out["distillation_losses"].sum().backward()
+        return out["distillation_losses"].detach(), shard.grad
+
+
+def test_at_tp2_the_loss_and_gradients_equal_float64(entry):
+    """The same served rows at TP=2 (the student's vocabulary split over two gloo ranks; one
+    padding column makes it even, as Megatron pads; verl packs each sequence to a multiple of TP,
+    so the student's packed rows hold one alignment row after an odd sequence): every rank's loss
+    and its gradient half equal the float64 reference over the whole vocabulary; the alignment
+    rows give 0 and no gradient."""
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    packed_ids, packed_log_probs, references = verl_batch(entry)
+    lengths = [len(i) for i in packed_ids]
+    starts = torch.tensor([0, *[n + n % 2 for n in lengths]]).cumsum(0)
+    keep = torch.cat([torch.arange(int(start), int(start) + n) for start, n in zip(starts, lengths)])
+    student = student_logits(int(starts[-1]), VOCAB + 1).detach()
+    results = run_multirank(tp2_rank, 2, student, packed_ids, packed_log_probs, timeout=300)
+    expected, grad = float64_reference(student[:, keep], references)
+    losses = [loss[0].double() for loss, _ in results]
+    grads = torch.cat([g[0] for _, g in results], dim=-1).double()
+    alignment = torch.ones(student.shape[1], dtype=torch.bool)
+    alignment[keep] = False
+    assert int(alignment.sum()) == sum(n % 2 for n in lengths) > 0
+    assert all(not loss[alignment].any() for loss in losses) and not grads[alignment].any()
+    loss_error = max((loss[keep] - expected).abs().max().item() for loss in losses)
+    grad_error = (grads[keep] - grad).abs().max().item()
+    print(f"served teacher through verl at TP=2: loss vs float64 {loss_error:.2e}, gradient {grad_error:.2e}")
+    assert loss_error < 2e-4 and grad_error < 2e-4
 
 
 def test_without_the_variable_verls_own_replicas_answer(served, verl_cpu, monkeypatch):
