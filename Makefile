@@ -114,7 +114,9 @@ endif
 
 # verl 0.9.1 on the newest lane's venv, installed --no-deps into .lanes/verl so that venv's torch
 # and megatron-core stay as they are (first build ~2 min, then a stamp). Loud skip when the lane
-# cannot be built; under CI=true a failing test naming the lane.
+# cannot be built; under CI=true a failing test naming the lane. Where the served lane's vLLM venv
+# is built (its stamp), its interpreter is passed on: one vLLM server for the served-teacher module
+# (tests/integrations/verl/lane/test_verl_served.py, about 2 minutes), which skips without it.
 VERL_LANE = .lanes/verl
 VERL_STAMP = $(VERL_LANE)/.installed
 $(VERL_STAMP): tools/verl-lane.txt
@@ -129,7 +131,8 @@ test-verl:
 	    MRP_MISSING_LANE=verl MRP_MISSING_LANE_REASON="verl 0.9.1 could not be installed into $(VERL_LANE)" \
 	    $(VENV)/bin/python -m pytest -q -p no:cacheprovider tools/lane_unavailable.py; fi; \
 	else \
-	  PYTHONPATH=$(abspath $(VERL_LANE)) $(VENV_NEW)/bin/python -m pytest -m verl $(PYTEST_ARGS) tests/integrations/verl/lane tests/docs; \
+	  served=; if [ -f $(VLLM_STAMP) ]; then served=$(abspath $(VLLM_LANE))/bin/python; fi; \
+	  MRP_VLLM_PYTHON=$$served PYTHONPATH=$(abspath $(VERL_LANE)) $(VENV_NEW)/bin/python -m pytest -m verl $(PYTEST_ARGS) tests/integrations/verl/lane tests/docs; \
 	fi
 
 # The served lane: vLLM's CPU build (tools/served-lane.txt) in its own venv .lanes/vllm (first build

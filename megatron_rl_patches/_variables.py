@@ -24,6 +24,7 @@ OPD_POLICY_WEIGHT = f"{OPD_PREFIX}POLICY_WEIGHT"
 OPD_RESIDENCY = f"{OPD_PREFIX}RESIDENCY"
 OPD_IDS_FROM = f"{OPD_PREFIX}IDS_FROM"
 VERL_ROWS = f"{PREFIX}_VERL_ROWS"
+VERL_TEACHER = f"{PREFIX}_VERL_TEACHER"
 TEACHER_API_KEY = f"{PREFIX}_TEACHER_API_KEY"  # a served teacher's key (teachers.ServedTeacher)
 LAUNCHER_ROOT = f"{PREFIX}_LAUNCHER_ROOT"  # set by `run` for its children, never by hand
 
@@ -70,6 +71,9 @@ MEANINGS: dict[str, str] = {
     OPD_IDS_FROM: "slime_opd: student (default), union (the student's and the first teacher's top-k) or teacher "
                   "(the first teacher's own top-k)",
     VERL_ROWS: "verl_fused_logprobs: all computes every row, not only the rows verl reads",
+    VERL_TEACHER: "verl_topk_kd: a teacher served by vLLM answering verl's teacher-loop client, "
+                  "http(s)://host:port;engine=vllm (its --max-logprobs at least verl's topk); unset: verl's own "
+                  "teacher replicas; set in the agent-loop workers' environment",
     TEACHER_API_KEY: "the API key sent to a teacher served by an inference engine (teachers.ServedTeacher), "
                      "as a bearer token; never part of a URL or an entry",
 }

@@ -1,7 +1,7 @@
 """Every verl record in one place (verl 0.9.x; 0.9.1 tested, the Megatron engine layout of 0.8+):
 `verl_fused_logprobs` (the processor, in `fused`; the rows verl reads, in `rows`) and
-`verl_topk_kd` (in `topk`). The listing order is `integrations.ORDER`'s. Every record is a no-op
-until verl's module is imported (post-import hooks)."""
+`verl_topk_kd` (in `topk`; its served teacher in `served`). The listing order is
+`integrations.ORDER`'s. Every record is a no-op until verl's module is imported (post-import hooks)."""
 from __future__ import annotations
 
 from megatron_rl_patches.patching.records import Patch
@@ -48,6 +48,18 @@ PATCHES = (
         versions=VERSIONS,
         optional=True,
         params=("self", "batch_iter", "model"),
+    ),
+    Patch(
+        name="verl_topk_kd",
+        target="verl.experimental.teacher_loop.teacher_manager:AsyncTeacherLLMServerManager."
+               "compute_teacher_logprobs_single",
+        wrapper=f"{HERE}.served:compute_teacher_logprobs_single_wrapper",
+        description="verl's teacher-loop client answered by the served teacher MEGATRON_RL_PATCHES_VERL_TEACHER "
+                    "names (unset: verl's own teacher replicas)",
+        requires="verl",
+        versions=VERSIONS,
+        optional=True,
+        params=("self", "sequence_ids", "multi_modal_data"),
     ),
     _fused(ENGINE, "rows:forward_step_wrapper",
            "verl's engine forward_step notes the rows verl reads (responses, loss mask) for the fused route",

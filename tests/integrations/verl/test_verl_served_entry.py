@@ -1,0 +1,30 @@
+"""MEGATRON_RL_PATCHES_VERL_TEACHER's entry read (`integrations.verl.served.parse_entry`): the URL
+and engine, and each refusal naming the variable. No verl and no server needed; the served
+teacher itself runs in the verl lane against a real vLLM server (lane/test_verl_served.py)."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_rl_patches.integrations.verl.served import parse_entry
+
+VARIABLE = "MEGATRON_RL_PATCHES_VERL_TEACHER"
+
+
+def test_url_and_engine_are_read_and_the_trailing_slash_dropped():
+    assert parse_entry("http://teacher:8000/;engine=vllm") == ("http://teacher:8000", "vllm")
+    assert parse_entry(" https://teacher:8443 ; engine = vllm ") == ("https://teacher:8443", "vllm")
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("http://teacher:8000", r"name the engine serving it, e.g. 'http://teacher:8000;engine=vllm'"),
+    ("http://teacher:8000;engine=vllm;tp=2", r"option 'tp=2' is unknown or given twice"),
+    ("http://teacher:8000;engine=vllm;engine=vllm", r"option 'engine=vllm' is unknown or given twice"),
+    ("http://teacher:8000;engine=nope", r"engine"),
+    ("ftp://teacher:8000;engine=vllm", r"http"),
+    ("http://user:secret@teacher:8000;engine=vllm", r"carries a user or password"),
+])
+def test_bad_entries_are_refused_naming_the_variable(entry, message):
+    with pytest.raises(ValueError, match=message) as refused:
+        parse_entry(entry)
+    assert str(refused.value).startswith(f"{VARIABLE}=")
+    assert "secret" not in str(refused.value)
