@@ -79,14 +79,15 @@ $(STAMP_NEW): $(DEPS)
 demo: $(STAMP)
 	$(VENV)/bin/megatron-rl-patches demo
 
-# Every lane runs even when an earlier one fails; the target fails if any did.
+# Every lane runs even when an earlier one fails; the target fails if any did. The served lane
+# runs before verl's, which asks its vLLM server (built by the served lane) for the served teacher.
 test:
 	@status=0; \
 	$(MAKE) --no-print-directory test-main || status=1; \
 	$(MAKE) --no-print-directory test-oldest || status=1; \
 	$(MAKE) --no-print-directory test-newest || status=1; \
-	$(MAKE) --no-print-directory test-verl || status=1; \
 	$(MAKE) --no-print-directory test-served || status=1; \
+	$(MAKE) --no-print-directory test-verl || status=1; \
 	exit $$status
 
 # mypy's cache lives outside the clone: a fresh clone on a machine that ran it before re-checks only
