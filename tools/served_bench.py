@@ -1,189 +1,167 @@
-"""A hidden-state teacher's costs on the server's side (issue 74 item 6): ONE vLLM CPU generate
-server and ONE pooling server of a tiny random Qwen3 with Qwen3's vocabulary (V = 151,936, H = 64),
-one after the other, each measured alone:
+"""A step's teacher time, served vs in-process, for one tiny model (issue 65 item 6):
 
-    MRP_VLLM_PYTHON=$PWD/.lanes/vllm/bin/python PYTHONPATH=. .venv/bin/python tools/served_bench.py \
-        --out bench-out/served
+    PYTHONPATH=. .venv/bin/python tools/served_bench.py --vllm-python .lanes/vllm/bin/python --out bench-out/served
 
-per sample of T = 1k / 4k / 8k tokens: the request's time (loopback, the client's wall clock of one
-request: the server's work plus the local transfer; the best of `--repeats`), the server's peak
-memory while it answered (resident set of the server's whole process tree, sampled every 5 ms, above
-its level before the request) and the reply's bytes on the wire: `prompt_logprobs` K = 20 (the
-engine forms [T, V] log-probs) against `/pooling` hidden states as float32 and bfloat16 binary
-(the engine never forms [T, V]). Writes served.json, served.md and served.png; states the load."""
+A tiny random Qwen3 (transformers, float32) is served by vLLM's CPU build on the loopback and run
+in this process by transformers (its forward, log-softmax, top-k and tail: what an in-process
+teacher computes). Rows: tokens/s of a step of `--samples` samples of `--tokens` ids each, served
+with 1..N requests in flight and in-process; the client's own share of a served request (JSON
+decoding and reading the reply into tensors) against the server's time, at K = `--k`. Writes
+served.json, served.md (rows for docs/benchmarks.md) and served.png; the machine's load is stated."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import threading
+import statistics
+import tempfile
 import time
-import urllib.request
 from pathlib import Path
-from typing import Any
 
-import psutil
 import torch
 
+from megatron_rl_patches.teachers import ClientSettings, ServedTeacher, TeacherBatch
+from megatron_rl_patches.teachers.http_client import decode, fast_loads
 from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
 from megatron_rl_patches.testing.vllm_server import vllm_server
 
-VOCAB = 151_936
+VOCAB = 1001
 SHAPE = dict(hidden_size=64, head_dim=32, intermediate_size=96, vocab_size=VOCAB)
-POOLING = ("--runner", "pooling", "--convert", "embed", "--pooler-config", '{"task": "token_embed"}')
-K = 20
 
 
 def load() -> str:
     return "load average " + " ".join(Path("/proc/loadavg").read_text().split()[:3]) + f" on {os.cpu_count()} cores"
 
 
-class TreePeak:
-    """The peak resident set of a process and its descendants while the block runs, above its level before."""
-
-    def __init__(self, pid: int) -> None:
-        root = psutil.Process(pid)
-        self.procs = [root, *root.children(recursive=True)]
-        self.before = self.rss()
-        self.peak = self.before
-        self.done = threading.Event()
-
-    def rss(self) -> int:
-        total = 0
-        for proc in self.procs:
-            try:
-                total += proc.memory_info().rss
-            except psutil.Error:
-                pass
-        return total
-
-    def __enter__(self) -> TreePeak:
-        def sample() -> None:
-            while not self.done.wait(0.005):
-                self.peak = max(self.peak, self.rss())
-        self.thread = threading.Thread(target=sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.done.set()
-        self.thread.join()
-        self.peak = max(self.peak, self.rss())
+def batch_of(samples: int, tokens: int, seed: int = 0) -> TeacherBatch:
+    gen = torch.Generator().manual_seed(seed)
+    return TeacherBatch([torch.randint(0, VOCAB, (tokens,), generator=gen) for _ in range(samples)], [1] * samples)
 
 
-def post(url: str, body: dict[str, Any]) -> bytes:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=600) as reply:
-        return reply.read()
+def median_seconds(run, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
-def measure(server: Any, path: str, body: dict[str, Any], repeats: int) -> dict[str, Any]:
-    times, peaks, size = [], [], 0
-    for _ in range(repeats):
-        with TreePeak(server.process.pid) as peak:
-            start = time.perf_counter()
-            size = len(post(server.url + path, body))
-            times.append(time.perf_counter() - start)
-        peaks.append((peak.peak - peak.before, peak.peak))
-    return {"seconds": min(times), "peak_above_bytes": max(p[0] for p in peaks),
-            "peak_rss_bytes": max(p[1] for p in peaks), "reply_bytes": size}
+def in_process(model, batch: TeacherBatch, k: int) -> None:
+    """What an in-process teacher does for the same rows: forward, log-softmax, top-k, tail."""
+    with torch.no_grad():
+        for ids in batch.sequences:
+            logp = torch.log_softmax(model(ids[None]).logits[0, :-1].float(), dim=-1)
+            top = logp.topk(k)
+            torch.log1p(-top.values.exp().sum(-1).clamp(max=1 - 1e-7))
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    out = Path(args.out)
-    model = out / "model"
-    if not (model / "config.json").exists():
-        save_tiny_hf(model, "qwen3", seed=0, max_position_embeddings=args.max_len, **SHAPE)
-        save_word_tokenizer(model, VOCAB)
-    gen = torch.Generator().manual_seed(0)
-    samples = {t: torch.randint(0, VOCAB, (t,), generator=gen).tolist() for t in args.tokens}
-    kinds = {
-        f"prompt_logprobs K={K} (JSON)": ((), "/v1/completions",
-                                          lambda ids: {"model": str(model), "prompt": ids, "max_tokens": 1,
-                                                       "prompt_logprobs": K, "detokenize": False}),
-        "pooling fp32 (binary)": (POOLING, "/pooling", lambda ids: pooling(model, ids, "float32")),
-        "pooling bf16 (binary)": (POOLING, "/pooling", lambda ids: pooling(model, ids, "bfloat16")),
-    }
-    rows: list[dict[str, Any]] = []
-    started: dict[tuple[str, ...], float] = {}
-    for extra in dict.fromkeys(extra for extra, _, _ in kinds.values()):  # one server per runner
-        begin = time.perf_counter()
-        with vllm_server(args.python, model, out / f"vllm{'-pooling' if extra else ''}.log",
-                         max_model_len=args.max_len, max_logprobs=K, extra=extra) as server:
-            started[extra] = time.perf_counter() - begin
-            for name, (own, path, body) in kinds.items():
-                if own != extra:
-                    continue
-                post(server.url + path, body(samples[min(samples)][:64]))  # warm-up
-                for t, ids in samples.items():
-                    need = 3 * t * VOCAB * 4  # [T, V] float32 logits and log-probs, with room
-                    if path != "/pooling" and psutil.virtual_memory().available < need + 2 ** 31:
-                        print(f"{name} at T={t}: skipped, under {(need + 2 ** 31) / 2 ** 30:.1f} GiB free", flush=True)
-                        continue
-                    row = {"kind": name, "tokens": t, **measure(server, path, body(ids), args.repeats)}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-    return {"load": load(), "vocab": VOCAB, "hidden": SHAPE["hidden_size"], "rows": rows,
-            "server_start_seconds": {"generate": started[()], "pooling": started[POOLING]}}
-
-
-def pooling(model: Path, ids: list[int], dtype: str) -> dict[str, Any]:
-    return {"model": str(model), "input": ids, "task": "token_embed", "use_activation": False,
-            "encoding_format": "bytes", "embed_dtype": dtype, "endianness": "little", "add_special_tokens": False}
-
-
-def table(result: dict[str, Any]) -> str:
-    base = {r["tokens"]: r for r in result["rows"] if r["kind"].startswith("prompt_logprobs")}
-    lines = ["| reply | T | time (s) | × K=20's time | peak above idle (MiB) | server RSS peak (MiB) "
-             "| reply bytes | bytes / token |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in result["rows"]:
-        if r["tokens"] not in base:
-            continue
-        mib, ratio = 2 ** 20, r["seconds"] / base[r["tokens"]]["seconds"]
-        lines.append(f"| {r['kind']} | {r['tokens']:,} | {r['seconds']:.3f} | {ratio:.3f} "
-                     f"| {r['peak_above_bytes'] / mib:,.1f} | {r['peak_rss_bytes'] / mib:,.0f} | {r['reply_bytes']:,} "
-                     f"| {r['reply_bytes'] / r['tokens']:,.0f} |")
-    return "\n".join(lines)
-
-
-def plot(result: dict[str, Any], file: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for kind in dict.fromkeys(r["kind"] for r in result["rows"]):
-        rows = [r for r in result["rows"] if r["kind"] == kind]
-        ts = [r["tokens"] for r in rows]
-        left.plot(ts, [r["seconds"] for r in rows], marker="o", label=kind)
-        right.plot(ts, [r["peak_above_bytes"] / 2 ** 20 for r in rows], marker="o", label=kind)
-    left.set(xlabel="tokens per sample", ylabel="seconds per request", title="server time (loopback)")
-    right.set(xlabel="tokens per sample", ylabel="MiB above idle", title="server peak RSS while answering")
-    left.legend(fontsize=8)
-    fig.suptitle(f"vLLM CPU, V = {VOCAB:,}, H = {result['hidden']}: prompt_logprobs K=20 vs pooling hidden states")
-    fig.tight_layout()
-    fig.savefig(file, dpi=100)
+def client_share(teacher: ServedTeacher, ids: list[int], rounds: int) -> dict:
+    """Seconds of one request at the server (the HTTP round trip on the loopback) and of the
+    client's own work on its reply (JSON decoding, then the reply read into tensors)."""
+    model = teacher.check()
+    http = teacher.client.http()
+    body = teacher.engine.body(model, ids)
+    server, decoding, parse, size = [], [], [], 0
+    for _ in range(rounds):
+        start = time.perf_counter()
+        content = http.post(teacher.url + teacher.engine.path, json=body).content
+        server.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        reply = decode(content, "", "", None)
+        decoding.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        teacher.engine.parse(reply, ids, 1, 0)
+        parse.append(time.perf_counter() - start)
+        size = len(content)
+    s, d, p = (statistics.median(v) for v in (server, decoding, parse))
+    return {"tokens": len(ids), "reply_bytes": size, "server_s": s, "json_s": d, "read_s": p,
+            "client_share": (d + p) / s, "decoder": fast_loads().__module__}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vllm-python", required=True, help="vLLM CPU build interpreter (.lanes/vllm/bin/python)")
     parser.add_argument("--out", default="bench-out/served")
-    parser.add_argument("--python", default=os.environ.get("MRP_VLLM_PYTHON", ""),
-                        help="vLLM's interpreter (the served lane's venv; default $MRP_VLLM_PYTHON)")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=2048, help="ids per sample of a step")
+    parser.add_argument("--share-tokens", type=int, default=8192, help="ids of the client-share sample")
+    parser.add_argument("--samples", type=int, default=8, help="samples per step")
+    parser.add_argument("--k", type=int, default=20)
+    parser.add_argument("--in-flight", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    if not args.python:
-        parser.error("--python PATH or MRP_VLLM_PYTHON: vLLM's interpreter (.lanes/vllm/bin/python)")
-    args.max_len = max(args.tokens) + 8  # the prompt and the one generated token
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    result = run(args)
-    (Path(args.out) / "served.json").write_text(json.dumps(result, indent=2))
-    (Path(args.out) / "served.md").write_text(table(result) + f"\n\n{result['load']}\n")
-    plot(result, Path(args.out) / "served.png")
-    print(table(result))
-    print(result["load"], "servers ready in", result["server_start_seconds"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    result: dict = {"load_before": load(), "tokens": args.tokens, "samples": args.samples, "k": args.k}
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp) / "qwen3"
+        longest = max(args.tokens, args.share_tokens) + 8
+        model = save_tiny_hf(directory, "qwen3", seed=1, max_position_embeddings=longest, **SHAPE)
+        save_word_tokenizer(directory, VOCAB)
+        batch = batch_of(args.samples, args.tokens)
+        step_tokens = args.samples * (args.tokens - 1)
+        with vllm_server(args.vllm_python, directory, Path(tmp) / "vllm.log", max_model_len=longest,
+                         max_logprobs=args.k) as server:
+            rows = []
+            for n in args.in_flight:
+                settings = ClientSettings(max_in_flight=n, max_tokens_in_flight=n * args.tokens, deadline_s=3600,
+                                          timeout_s=3600)
+                with ServedTeacher(server.url, top_k=args.k, client=settings) as teacher:
+                    teacher.score(batch_of(1, 64))  # warm: the pool and the server's first request
+                    seconds = median_seconds(lambda t=teacher: t.score(batch), args.rounds)
+                rows.append({"in_flight": n, "seconds": seconds, "tokens_per_s": step_tokens / seconds})
+                print(f"served, {n} in flight: {step_tokens / seconds:,.0f} tokens/s", flush=True)
+            with ServedTeacher(server.url, top_k=args.k, client=ClientSettings(timeout_s=3600)) as teacher:
+                share_ids = batch_of(1, args.share_tokens, seed=1).sequences[0].tolist()
+                result["client"] = client_share(teacher, share_ids, args.rounds)
+            print(f"client share: {result['client']['client_share']:.1%}", flush=True)
+        in_process(model, batch_of(1, 64), args.k)
+        seconds = median_seconds(lambda: in_process(model, batch, args.k), args.rounds)
+        result["in_process"] = {"seconds": seconds, "tokens_per_s": step_tokens / seconds}
+        result["served"] = rows
+    result["load_after"] = load()
+    result["torch_threads"] = torch.get_num_threads()
+    (out / "served.json").write_text(json.dumps(result, indent=2))
+    write_rows(result, out / "served.md")
+    plot(result, out / "served.png")
+    print((out / "served.md").read_text())
+
+
+def write_rows(result: dict, path: Path) -> None:
+    lines = ["| route | requests in flight | step seconds | tokens/s |", "|---|---|---|---|"]
+    for row in result["served"]:
+        lines.append(f"| served (vLLM CPU) | {row['in_flight']} | {row['seconds']:.2f} | {row['tokens_per_s']:,.0f} |")
+    ip = result["in_process"]
+    lines.append(f"| in-process (transformers) | - | {ip['seconds']:.2f} | {ip['tokens_per_s']:,.0f} |")
+    c = result["client"]
+    lines += ["", "| tokens per sample | reply MB | server s | JSON decoding s | read into tensors s | client share |",
+              "|---|---|---|---|---|---|",
+              f"| {c['tokens']} | {c['reply_bytes'] / 1e6:.1f} | {c['server_s']:.3f} | {c['json_s']:.3f} "
+              f"({c['decoder']}) | {c['read_s']:.3f} | {c['client_share']:.1%} |",
+              "", f"{result['samples']} samples of {result['tokens']} ids, K = {result['k']}; "
+              f"{result['load_before']} before, {result['load_after']} after."]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib  # lazy: optional dependency matplotlib (the extra `bench`)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # lazy: optional dependency matplotlib (the extra `bench`)
+
+    figure, axis = plt.subplots(figsize=(5.5, 3.5))
+    flights = [row["in_flight"] for row in result["served"]]
+    axis.plot(flights, [row["tokens_per_s"] for row in result["served"]], "o-", label="served (vLLM CPU build)")
+    axis.axhline(result["in_process"]["tokens_per_s"], color="grey", linestyle="--", label="in-process (transformers)")
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(flights, [str(f) for f in flights])
+    axis.set_xlabel("requests in flight")
+    axis.set_ylabel("scored tokens / s")
+    axis.set_title(f"teacher top-{result['k']} + tail, {result['samples']} x {result['tokens']} ids", fontsize=10)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
