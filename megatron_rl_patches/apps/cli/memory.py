@@ -16,12 +16,14 @@ from pathlib import Path
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches._digits import ascii_int
 from megatron_rl_patches.apps.cli._common import OK, UsageError
+from megatron_rl_patches.apps.cli.memory_head import run_with_heads
 from megatron_rl_patches.apps.cli.memory_hf import run_hf
 from megatron_rl_patches.apps.cli.memory_teacher import run_teacher
 from megatron_rl_patches.apps.presentation import memory_report, residency_table
 from megatron_rl_patches.inference.loading.hf.checkpoint_config import CONFIG, checkpoint_dir
 from megatron_rl_patches.inference.sizing.memory import training_state_bytes
 from megatron_rl_patches.inference.sizing.residency_plan import MODES, residency_plan
+from megatron_rl_patches.teachers.head import DTYPES
 
 _SUFFIXES = {"": 0, "k": 3, "m": 6, "b": 9, "g": 9, "t": 12}  # powers of ten
 _MAX_DIGITS = 30  # a count beyond 10**30 parameters is a typo (and 1e999999999 must not be expanded)
@@ -98,6 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --hf: the teacher's own pipeline-parallel size (beside --teacher-tp, default 1)")
     parser.add_argument("--teacher-ep", type=_count("--teacher-ep"), default=1,
                         help="the teacher's own expert-parallel size (with --teacher-tp; only 1 is served)")
+    parser.add_argument("--head", action="append", default=[], metavar="DIR",
+                        help="a served teacher's Hugging Face checkpoint (repeatable): its output layer's bytes per "
+                             "rank on the trainer at the student's --tp (default 1), from config.json alone; "
+                             "alone or beside --params / --hf")
+    parser.add_argument("--head-dtype", choices=tuple(DTYPES), default=None,
+                        help="the heads' dtype (with --head; default: each checkpoint's own)")
     parser.add_argument("--json", action="store_true", help="print a JSON object (bytes)")
 
 
@@ -142,6 +150,22 @@ def _planned_from(args: argparse.Namespace, plan: Callable[[argparse.Namespace],
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.head_dtype is not None and not args.head:
+        raise UsageError("--head-dtype sizes a teacher's head: add --head DIR (the teacher's checkpoint)")
+    if not args.head:
+        return _plan(args)
+    if args.params is None and args.hf is None:
+        given = [flag for flag in (*RESIDENCY_OPTIONS[:-1], "--residency", "--teacher-tp")
+                 if getattr(args, flag[2:].replace("-", "_")) not in (None, False)]
+        if given:
+            raise UsageError(f"{', '.join(given)}: --head DIR alone sizes the teachers' heads (at --tp); "
+                             "add --params N or --hf PATH for the rest")
+        return run_with_heads(args, None)
+    return run_with_heads(args, _plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """The training-state / residency / Hugging Face plan (--params or --hf)."""
     if (args.params is None) == (args.hf is None):
         raise UsageError("give --params N (a parameter count) or --hf PATH (a Hugging Face checkpoint), one of them")
     if args.hf is not None:
@@ -159,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
     if (args.pp, args.ep) != (1, 1):
         raise UsageError("--pp and --ep need --hf PATH (the layers and experts come from its config.json)")
     if args.residency is None:
-        given = [flag for flag in RESIDENCY_OPTIONS if getattr(args, flag[2:]) not in (None, False)]
+        sized = RESIDENCY_OPTIONS[:-1] if args.head else RESIDENCY_OPTIONS  # --tp also sizes the heads
+        given = [flag for flag in sized if getattr(args, flag[2:]) not in (None, False)]
         if given:
             raise UsageError(f"{', '.join(given)} only size{'s' if len(given) == 1 else ''} the residency plan: "
                              "add --residency resident|swap|stream (and --layers N)")
