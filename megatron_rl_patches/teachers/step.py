@@ -121,8 +121,7 @@ class TeacherStep:
         error: BaseException | None = None
         try:
             for i, waiting in pending.items():
-                waiting.project = None  # a head's projection runs on every rank after the broadcast (projected)
-                got[i] = waiting.result()
+                got[i] = waiting.result(projected=False)  # a head's states: projected on every rank below
             for i, teacher in enumerate(self.teachers):
                 if not isinstance(teacher, ServedTeacher):
                     run = self.host.teacher_pass

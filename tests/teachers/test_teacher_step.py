@@ -5,6 +5,7 @@ the asking rank (or an in-process teacher's on the other) raised alike on both; 
 torch.distributed (local_host) the step scores in place; bad arguments refused."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -18,9 +19,11 @@ from megatron_rl_patches.teachers import (
     ServedTeacherRefusal,
     StepPlan,
     TeacherBatch,
+    TeacherHead,
     TeacherStep,
     local_host,
 )
+from megatron_rl_patches.teachers.hidden_scores import head_scores
 from megatron_rl_patches.testing.multirank import run_multirank
 from tests.teachers.local_servers import MAX_MODEL_LEN, url_of, vllm_like
 
@@ -141,3 +144,47 @@ def test_bad_arguments_are_refused():
     step.send(batch())
     with pytest.raises(RuntimeError, match="not collected"):
         step.send(batch())
+
+
+H = 8
+
+
+def pooled_states(ids: list[int]) -> torch.Tensor:
+    """The hidden states the pooling server answers: position p's from its id alone."""
+    return torch.tensor(ids, dtype=torch.float32)[:, None] / 10 + torch.arange(H, dtype=torch.float32) / 100
+
+
+def pooling(body):
+    raw = pooled_states(body["input"]).numpy().tobytes()
+    item = {"index": 0, "embed_dtype": "float32", "endianness": "little", "start": 0, "end": len(raw),
+            "shape": [len(body["input"]), H]}
+    return 200, (raw, {"metadata": json.dumps({"data": [item]})})
+
+
+def head() -> TeacherHead:
+    weight = torch.randn(12, H, generator=torch.Generator().manual_seed(5))
+    return TeacherHead(weight=weight, vocab_size=12, padded_vocab_size=12, first_id=0)
+
+
+def rank_head_step(rank: int, world_size: int, url: str) -> list:
+    import torch.distributed as dist
+
+    host = LoopHost(vocab_size=12, share_group=dist.group.WORLD, job_group=dist.group.WORLD)
+    with ServedTeacher(url, "vllm", top_k=K, head=head()) as served:
+        step = TeacherStep([served], host)
+        step.send(batch())
+        (scores,) = step.collect()
+    return [flat(scores), [s.tolist() for s in scores.hidden_states]]
+
+
+@pytest.mark.multirank
+def test_a_head_teachers_states_are_asked_once_and_projected_on_every_rank():
+    with vllm_like(pooling=pooling) as server:
+        ranks = run_multirank(rank_head_step, 2, url_of(server))
+        asked = [path for path, _ in server.seen if path == "/pooling"]
+    assert len(asked) == 1 + 3  # the probe and the 3 samples, from rank 0 only
+    assert ranks[0] == ranks[1]
+    samples = batch()
+    expected = head_scores(head(), samples, [pooled_states(ids.tolist())[start - 1: -1]
+                                             for ids, start in zip(samples.sequences, samples.response_starts)], K, 1.0)
+    assert ranks[0][0] == flat(expected)
