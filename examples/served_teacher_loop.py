@@ -13,9 +13,10 @@ beside it: it needs transformers and tokenizers) and serves it on 127.0.0.1 for 
 minute to start on CPU). Each step:
 
 1. The samples (prompt + response ids; stand-ins for your rollouts) go to the server as a
-   `TeacherBatch`: the first rank of the tensor-parallel group asks, a failure there is raised on
-   every rank (`agree_failure`), and the scores are broadcast to the group (every rank holds the
-   same samples under tensor parallelism).
+   `TeacherBatch` through the teacher step (`TeacherStep` behind `megatron_host`: the loop's
+   groups): the first rank of the tensor-parallel group asks, a failure there is raised on every
+   rank, and the scores are broadcast to the group (every rank holds the same samples under
+   tensor parallelism).
 2. The served rows are placed where the student's forward scores them. Row r of sample i scores
    the token at `start_i + r`; Megatron's position p predicts the token at p + 1, so that row is
    the student's position `start_i + r - 1` (the one-position shift). The served `topk_ids`
@@ -79,25 +80,6 @@ def rollouts(step: int, seed: int, vocab_size: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab_size, (n,), generator=gen) for n in LENGTHS]
 
 
-def served_scores(teacher: Any, batch: Any, tp_group: Any) -> Any:
-    """The server's scores of `batch` on every rank of `tp_group`: its first rank asks, the others
-    wait for the broadcast; a failure on the asking rank is raised on all of them."""
-    import torch.distributed as dist
-
-    from megatron_rl_patches.teachers import agree_failure
-
-    scores, error = None, None
-    if dist.get_rank(tp_group) == 0:
-        try:
-            scores = teacher.score(batch)
-        except Exception as failed:  # noqa: BLE001 - raised on every rank just below
-            error = failed
-    agree_failure(error, tp_group)
-    shared = [scores]
-    dist.broadcast_object_list(shared, src=dist.get_global_rank(tp_group, 0), group=tp_group)
-    return shared[0]
-
-
 def placed(sequences: list[torch.Tensor], starts: list[int], topk_ids: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The student's input and the served ids at the positions that predict each response token.
 
@@ -131,13 +113,13 @@ def train(rank: int, world_size: int, url: str, vocab_size: int, steps: int, see
 
     import megatron_rl_patches
     from megatron_rl_patches import topk_kl, topk_output_processor
-    from megatron_rl_patches.teachers import ServedTeacher, TeacherBatch
+    from megatron_rl_patches.teachers import ServedTeacher, TeacherBatch, TeacherStep, megatron_host
     from megatron_rl_patches.testing import megatron_cpu as kit
 
     megatron_rl_patches.apply(only="gpt_output_processor")  # the processor keyword on megatron-core < 0.18
     records = []
     with kit.megatron_on_cpu(tensor_parallel=world_size, seed=seed), ServedTeacher(url, "vllm", top_k=K) as teacher:
-        tp_group = parallel_state.get_tensor_model_parallel_group()
+        step_teachers = TeacherStep([teacher], megatron_host(parallel_state, vocab_size))  # TP shares, the job agrees
         config = kit.tiny_gpt_config(init_method_std=0.3)
         student = kit.build_tiny_gpt(config, vocab_size=padded(vocab_size, world_size), seq_length=max(LENGTHS),
                                      seed=seed)
@@ -145,7 +127,8 @@ def train(rank: int, world_size: int, url: str, vocab_size: int, steps: int, see
         for step in range(steps):
             sequences = rollouts(step, seed, vocab_size)
             samples = TeacherBatch(sequences, list(PROMPTS))
-            scores = served_scores(teacher, samples, tp_group)
+            step_teachers.send(samples)  # asked now, on the first rank of each tensor-parallel group
+            (scores,) = step_teachers.collect()  # here before the forward: its served ids are the forward's input
             inputs = placed(sequences, samples.response_starts, scores.topk_ids)
             processor = topk_output_processor(vocab_size=vocab_size)  # scores the context's ids
             out = student_forward(student, inputs["tokens"], output_processor=processor,

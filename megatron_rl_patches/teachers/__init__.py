@@ -3,7 +3,8 @@
 `BatchScores`: per response row the teacher's own top-k, their exact tail and the actual token's
 log-prob), teachers served by an inference engine (`ServedTeacher`, vLLM; `served_buckets`: the
 chunk-start buckets of one with another tokenizer from its top-k), a teacher's output layer on the
-trainer (`TeacherHead`: a served teacher's hidden states through it), and the kinds of
+trainer (`TeacherHead`: a served teacher's hidden states through it), the teacher step of any loop
+(`TeacherStep` behind a `TeacherHost`: send early, ask once per group, share, agree a failure), and the kinds of
 teacher as one table (`teachers.kinds`: how an entry of MEGATRON_RL_PATCHES_OPD_TEACHERS is read
 and checked). Importing this package is light (no torch, no HTTP client): names load on first use."""
 from __future__ import annotations
@@ -25,6 +26,12 @@ _LAZY = {
     "served_buckets": "cross_buckets",
     "ServedBuckets": "cross_buckets",
     "TeacherHead": "head",
+    "TeacherStep": "step",
+    "StepPlan": "step",
+    "TeacherHost": "host",
+    "LoopHost": "host",
+    "megatron_host": "host",
+    "local_host": "host",
 }
 
 __all__ = sorted(_LAZY)

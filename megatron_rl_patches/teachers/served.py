@@ -198,16 +198,18 @@ class PendingScores:
         self.failure = failure
         self.project = project  # hidden states -> scores through the head, after the failure is agreed
 
-    def result(self, group: object = None) -> BatchScores:
+    def result(self, group: object = None, *, projected: bool = True) -> Any:
         """The step's `BatchScores`; a failure (the first sample's, by index) raised on every rank
-        of `group` when one is given (every rank of it calls `result` with it)."""
+        of `group` when one is given (every rank of it calls `result` with it). With a head and
+        `projected=False`: the hidden states [R_i, H] per sample as the server sent them (the
+        teacher step projects them on every rank itself)."""
         try:
             scores = self._collect()
         except Exception as error:  # noqa: BLE001 - agreed over the group, then raised
             agree_failure(error, group)
             raise
         agree_failure(None, group)
-        if self.project is not None:  # the head's ops (collectives over its group) on every rank alike
+        if self.project is not None and projected:  # the head's ops (collectives over its group) on every rank alike
             return self.project(scores)
         return scores
 

@@ -82,8 +82,13 @@ class Answer(http.server.BaseHTTPRequestHandler):
                     self.wfile.write(b" ")
                     self.wfile.flush()
             return
+        extra: dict[str, str] = {}
+        if isinstance(reply, tuple):  # (raw body, headers): a binary reply with its metadata header
+            reply, extra = reply
         data = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
         self.send_response(status)
+        for name, value in extra.items():
+            self.send_header(name, value)
         if isinstance(reply, dict) and "location" in reply:
             self.send_header("Location", reply["location"])
         self.send_header("Content-Type", "application/json")

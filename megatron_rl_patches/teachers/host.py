@@ -1,0 +1,68 @@
+"""What a training framework supplies to the teacher step (`TeacherStep`): its groups, its
+student's vocabulary and, optionally, how an in-process teacher's pass runs.
+
+- `share_group`: the ranks that hold the same samples (the tensor / context-parallel group). Its
+  first rank asks the served teachers; the others receive the scores by broadcast.
+- `job_group`: the ranks whose failures are agreed (the whole job: no healthy rank waits in the
+  gradient all-reduce while another raises).
+- `vocab_size`: the student's real vocabulary (before Megatron's padding).
+- `teacher_pass`: runs an in-process teacher on a batch (e.g. under the framework's no-grad /
+  offload context); None calls `teacher.score(batch)` as it is.
+
+`TeacherHost` is the protocol; `LoopHost` a plain one; `megatron_host` builds one from
+megatron-core's parallel_state for a hand-written Megatron loop (the module passed in: this
+package never imports megatron-core) and `local_host` one with no groups (one process)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+TeacherPass = Callable[[Any, Any], Any]  # (teacher, TeacherBatch) -> BatchScores
+
+
+class TeacherHost(Protocol):
+    """The groups, vocabulary and pass function a framework hands the teacher step."""
+
+    share_group: Any
+    job_group: Any
+    vocab_size: int
+    teacher_pass: TeacherPass | None
+
+
+@dataclass(frozen=True)
+class LoopHost:
+    """A `TeacherHost` from its parts (None for a group: nobody to share with / agree with)."""
+
+    vocab_size: int
+    share_group: Any = None
+    job_group: Any = None
+    teacher_pass: TeacherPass | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 1:
+            raise ValueError(f"LoopHost(vocab_size={self.vocab_size!r}): pass the student's real vocabulary size, a "
+                             f"positive int (before Megatron's padding)")
+        if self.teacher_pass is not None and not callable(self.teacher_pass):
+            raise TypeError(f"LoopHost(teacher_pass=...) must be a callable (teacher, batch) -> BatchScores or None, "
+                            f"got {type(self.teacher_pass).__name__}")
+
+
+def megatron_host(parallel_state: Any, vocab_size: int, teacher_pass: TeacherPass | None = None, *,
+                  context_parallel: bool = True) -> LoopHost:
+    """The host of a hand-written Megatron loop from megatron-core's `parallel_state` module (pass
+    it: `from megatron.core import parallel_state`; initialized first): the tensor (and context,
+    unless `context_parallel=False`) -parallel group shares, the whole world agrees."""
+    import torch.distributed as dist  # lazy: import cost: torch only when a host with groups is built
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("megatron_host: megatron-core's parallel_state is not initialized: call "
+                           "initialize_model_parallel(...) first, or use local_host() without a distributed job")
+    share = (parallel_state.get_tensor_and_context_parallel_group() if context_parallel
+             else parallel_state.get_tensor_model_parallel_group())
+    return LoopHost(vocab_size, share, dist.group.WORLD, teacher_pass)
+
+
+def local_host(vocab_size: int, teacher_pass: TeacherPass | None = None) -> LoopHost:
+    """The host of one process without torch.distributed: nothing shared, nothing agreed."""
+    return LoopHost(vocab_size, None, None, teacher_pass)

@@ -1,0 +1,157 @@
+"""The teacher step of any training loop, framework-free (`TeacherStep`): `send(batch)` before the
+student's forward, `collect()` after it.
+
+- Served teachers (`ServedTeacher`, with or without a head) are asked on one rank of each sharing
+  group (the host's `share_group`, its first rank) only; their requests run while the student's
+  forward does.
+- In-process teachers (any `BatchTeacher`: `.score(batch)`) run in `collect()` on every rank,
+  through the host's `teacher_pass` when it gives one (they are model-parallel like the student).
+- A failure anywhere (a server down, a sample too long, an in-process teacher raising) is agreed
+  over the host's `job_group`: every rank raises the same error (`ServedTeacherError` /
+  `ServedTeacherRefusal`), none is left waiting in a later collective.
+- The served scores are broadcast from the asking rank to its sharing group on the group's device
+  (`ops.agreement.group_device`); a head's hidden states are projected through the head on every
+  rank after it (the head's tensor-parallel ops need every rank).
+
+`StepPlan` carries the step's top-k, temperature and invariant mode explicitly (no context
+variable): built from the teachers when not given, checked once against each of them."""
+from __future__ import annotations
+
+# lazy imports: import cost: torch.distributed and the head's ops only when a group or a head is used
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_rl_patches.teachers.agreement import agree_failure, distributed
+from megatron_rl_patches.teachers.batch import TeacherBatch
+from megatron_rl_patches.teachers.contract import BatchScores
+from megatron_rl_patches.teachers.host import TeacherHost
+from megatron_rl_patches.teachers.served import PendingScores, ServedTeacher
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The step's top-k buckets per row, temperature and invariant mode (the student's ops read
+    them from here: passed down as arguments, never through module or context state)."""
+
+    top_k: int
+    temperature: float = 1.0
+    invariant: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ValueError(f"StepPlan(top_k={self.top_k!r}): pass a positive int (the teacher's buckets per row)")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not self.temperature > 0:
+            raise ValueError(f"StepPlan(temperature={self.temperature!r}): pass a positive float")
+        if not isinstance(self.invariant, bool):
+            raise TypeError(f"StepPlan(invariant=...) must be a bool, got {type(self.invariant).__name__}")
+
+
+def plan_of(teachers: Sequence[Any], plan: StepPlan | None) -> StepPlan:
+    """`plan`, checked against every teacher's top_k / temperature; without one, the teachers' own
+    (they must agree)."""
+    keys = {(teacher.top_k, float(getattr(teacher, "temperature", 1.0))) for teacher in teachers}
+    if plan is None:
+        if len(keys) > 1:
+            raise ValueError(f"TeacherStep: the teachers' (top_k, temperature) differ ({sorted(keys)}): give every "
+                             f"teacher the same, or pass plan=StepPlan(...) matching them")
+        top_k, temperature = keys.pop()
+        return StepPlan(top_k, temperature)
+    for teacher in teachers:
+        if (teacher.top_k, float(getattr(teacher, "temperature", 1.0))) != (plan.top_k, float(plan.temperature)):
+            raise ValueError(f"TeacherStep: {teacher!r} scores top_k={teacher.top_k} at temperature "
+                             f"{getattr(teacher, 'temperature', 1.0)}, the plan asks top_k={plan.top_k} at "
+                             f"{plan.temperature}: build the teacher with the plan's values")
+    return plan
+
+
+class TeacherStep:
+    """Teachers asked for one step's samples: `send(batch)` then, after the student's forward,
+    `collect()` -> one `BatchScores` per teacher, in the teachers' order, equal on every rank of a
+    sharing group. Every rank of the host's groups calls both, in the same order."""
+
+    def __init__(self, teachers: Sequence[Any], host: TeacherHost, plan: StepPlan | None = None) -> None:
+        if isinstance(teachers, (str, bytes)) or not isinstance(teachers, Sequence) or not teachers:
+            raise TypeError("TeacherStep(teachers=...) must be a non-empty list of teachers (ServedTeacher or any "
+                            f"object with .top_k and .score(batch)), got {type(teachers).__name__}")
+        for i, teacher in enumerate(teachers):
+            if not callable(getattr(teacher, "score", None)) or not hasattr(teacher, "top_k"):
+                raise TypeError(f"TeacherStep(teachers=...): teacher {i} ({type(teacher).__name__}) has no "
+                                f".score(batch) and .top_k: pass a ServedTeacher or a BatchTeacher")
+        for name in ("share_group", "job_group", "vocab_size", "teacher_pass"):
+            if not hasattr(host, name):
+                raise TypeError(f"TeacherStep(host=...) has no {name}: pass a TeacherHost (e.g. "
+                                f"megatron_host(vocab_size) or local_host(vocab_size))")
+        self.teachers = list(teachers)
+        self.host = host
+        self.plan = plan_of(self.teachers, plan)
+        self.batch: TeacherBatch | None = None
+        self.pending: dict[int, PendingScores] = {}
+
+    def asks(self) -> bool:
+        """Whether this rank asks the served teachers: the first rank of its sharing group."""
+        group = self.host.share_group
+        if group is None or not distributed():
+            return True
+        import torch.distributed as dist  # lazy: import cost: torch only with a group
+
+        return dist.get_rank(group) == 0
+
+    def send(self, batch: TeacherBatch) -> None:
+        """Send `batch` to the served teachers (on the asking rank; at once, in the background).
+        Every rank of the sharing group passes the same batch."""
+        if not isinstance(batch, TeacherBatch):
+            raise TypeError(f"TeacherStep.send(batch) takes a TeacherBatch, got {type(batch).__name__}")
+        if self.batch is not None:
+            raise RuntimeError("TeacherStep.send: the last batch was not collected: call collect() once per send()")
+        self.batch = batch
+        if self.asks():
+            self.pending = {i: teacher.submit(batch) for i, teacher in enumerate(self.teachers)
+                            if isinstance(teacher, ServedTeacher)}
+
+    def collect(self) -> list[BatchScores]:
+        """Every teacher's scores of the sent batch (a failure anywhere raised alike on every rank
+        of the job group)."""
+        if self.batch is None:
+            raise RuntimeError("TeacherStep.collect: nothing sent: call send(batch) first")
+        batch, pending = self.batch, self.pending
+        self.batch, self.pending = None, {}
+        got: dict[int, Any] = {}
+        error: BaseException | None = None
+        try:
+            for i, waiting in pending.items():
+                got[i] = waiting.result(projected=False)  # a head's states: projected on every rank below
+            for i, teacher in enumerate(self.teachers):
+                if not isinstance(teacher, ServedTeacher):
+                    run = self.host.teacher_pass
+                    got[i] = teacher.score(batch) if run is None else run(teacher, batch)
+        except Exception as failed:  # noqa: BLE001 - agreed over the job just below, raised on every rank
+            error = failed
+            for waiting in pending.values():
+                waiting.cancel.set()
+        agree_failure(error, self.host.job_group)
+        served = [i for i, teacher in enumerate(self.teachers) if isinstance(teacher, ServedTeacher)]
+        got.update(self.shared({i: got[i] for i in served if i in got}))
+        return [self.projected(teacher, batch, got[i]) for i, teacher in enumerate(self.teachers)]
+
+    def shared(self, served: dict[int, Any]) -> dict[int, Any]:
+        """The asking rank's served results on every rank of its sharing group."""
+        group = self.host.share_group
+        if group is None or not distributed() or not any(isinstance(t, ServedTeacher) for t in self.teachers):
+            return served
+        import torch.distributed as dist  # lazy: import cost: torch only with a group
+
+        from megatron_rl_patches.ops.agreement import group_device
+
+        box = [served if self.asks() else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group, device=group_device(group))
+        return box[0]  # type: ignore[return-value]
+
+    def projected(self, teacher: Any, batch: TeacherBatch, got: Any) -> BatchScores:
+        """A head teacher's hidden states through its head (every rank alike), else `got` as it is."""
+        if isinstance(teacher, ServedTeacher) and teacher.head is not None:
+            from megatron_rl_patches.teachers.hidden_scores import head_scores
+
+            return head_scores(teacher.head, batch, got, teacher.top_k, teacher.temperature)
+        return got

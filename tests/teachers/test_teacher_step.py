@@ -1,0 +1,190 @@
+"""The public teacher step (`TeacherStep` behind a host) in a real 2-rank gloo world against a small
+local server that answers as vLLM does: the served teacher asked once per sharing group (the
+server counts the requests: none from the second rank), the same scores on both ranks, a failure on
+the asking rank (or an in-process teacher's on the other) raised alike on both; without
+torch.distributed (local_host) the step scores in place; bad arguments refused."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from megatron_rl_patches.teachers import (
+    BatchScores,
+    LoopHost,
+    ServedTeacher,
+    ServedTeacherError,
+    ServedTeacherRefusal,
+    StepPlan,
+    TeacherBatch,
+    TeacherHead,
+    TeacherStep,
+    local_host,
+)
+from megatron_rl_patches.teachers.hidden_scores import head_scores
+from megatron_rl_patches.testing.multirank import run_multirank
+from tests.teachers.local_servers import MAX_MODEL_LEN, url_of, vllm_like
+
+K = 4
+SEQUENCES = ([5, 9, 2, 7, 11], [3, 8, 1], [6, 4, 10, 2])
+STARTS = [2, 1, 3]
+
+
+def batch(too_long: bool = False) -> TeacherBatch:
+    sequences = [torch.tensor(ids) for ids in SEQUENCES]
+    if too_long:
+        sequences[1] = torch.arange(MAX_MODEL_LEN + 5) % 12
+    return TeacherBatch(sequences, STARTS)
+
+
+class RankTeacher:
+    """An in-process teacher: every rank scores (row r: the ranks 0..K-1 at 1/2, 1/4, ...); with
+    `fail_on` it raises on that rank."""
+
+    top_k = K
+
+    def __init__(self, rank: int, fail_on: int | None = None) -> None:
+        self.rank, self.fail_on, self.calls = rank, fail_on, 0
+
+    def score(self, samples: TeacherBatch) -> BatchScores:
+        self.calls += 1
+        if self.rank == self.fail_on:
+            raise RuntimeError(f"in-process teacher broke on rank {self.rank}")
+        rows = [samples.response_rows(i) for i in range(len(samples))]
+        logp = torch.tensor([-(i + 1) * math.log(2.0) for i in range(K)], dtype=torch.float64)
+        return BatchScores([torch.zeros(r, dtype=torch.float64) for r in rows],
+                           [torch.arange(K).expand(r, K).clone() for r in rows],
+                           [logp.expand(r, K).clone() for r in rows],
+                           [torch.full((r,), math.log(1 - logp.exp().sum().item()), dtype=torch.float64) for r in rows])
+
+
+def flat(scores: BatchScores) -> list[list[float]]:
+    return [torch.cat([t.double().flatten() for t in part]).tolist()
+            for part in (scores.token_log_probs, scores.topk_ids, scores.topk_log_probs, scores.tail_log_probs)]
+
+
+def failure(step: TeacherStep, samples: TeacherBatch) -> tuple[str, str]:
+    step.send(samples)
+    try:
+        step.collect()
+    except (ServedTeacherError, ServedTeacherRefusal) as error:
+        return type(error).__name__, str(error)
+    return "", "no error"
+
+
+def rank_steps(rank: int, world_size: int, url: str) -> dict:
+    import torch.distributed as dist
+
+    host = LoopHost(vocab_size=12, share_group=dist.group.WORLD, job_group=dist.group.WORLD)
+    out: dict = {}
+    with ServedTeacher(url, "vllm", top_k=K) as served:
+        step = TeacherStep([served, RankTeacher(rank)], host)
+        out["asks"] = step.asks()
+        step.send(batch())
+        out["scores"] = [flat(scores) for scores in step.collect()]
+        out["refused"] = failure(TeacherStep([served], host), batch(too_long=True))
+        out["broken"] = failure(TeacherStep([served, RankTeacher(rank, fail_on=1)], host), batch())
+    return out
+
+
+@pytest.mark.multirank
+def test_asked_once_per_group_shared_and_failures_raised_alike():
+    with vllm_like() as server:
+        ranks = run_multirank(rank_steps, 2, url_of(server))
+        completions = [path for path, _ in server.seen if path == "/v1/completions"]
+        models = [path for path, _ in server.seen if path == "/v1/models"]
+    assert [r["asks"] for r in ranks] == [True, False]
+    # 3 samples for the first step, none for the refused one (too long: refused before sending), 3 for the
+    # in-process failure's step, and the one probe of K when the served model is first asked: by rank 0 only
+    # (both ranks asking would be 14 and 2 model queries)
+    assert len(models) == 1 and len(completions) == 1 + 6
+    assert ranks[0]["scores"] == ranks[1]["scores"]
+    served, in_process = ranks[0]["scores"]
+    assert served[1][:K] == [0.0, 1.0, 2.0, 3.0]
+    assert in_process[2][:K] == pytest.approx([-math.log(2) * i for i in (1, 2, 3, 4)])
+    for case, kind, words in (("refused", "ServedTeacherRefusal", "over"), ("broken", "ServedTeacherError",
+                                                                          "in-process teacher broke on rank 1")):
+        assert ranks[0][case] == ranks[1][case], case
+        assert ranks[0][case][0] == kind and words in ranks[0][case][1]
+
+
+def test_without_distributed_the_step_scores_in_place_and_passes_in_process_teachers_through_the_host():
+    seen = []
+
+    def teacher_pass(teacher, samples):
+        seen.append(type(teacher).__name__)
+        return teacher.score(samples)
+
+    with vllm_like() as server, ServedTeacher(url_of(server), "vllm", top_k=K) as served:
+        step = TeacherStep([served, RankTeacher(0)], local_host(12, teacher_pass))
+        assert step.plan == StepPlan(K, 1.0, False)
+        step.send(batch())
+        served_scores, in_process = step.collect()
+    assert seen == ["RankTeacher"] and len(served_scores) == 3 and len(in_process) == 3
+    assert [len(t) for t in served_scores.tail_log_probs] == [3, 2, 1]
+
+
+def test_bad_arguments_are_refused():
+    host = local_host(12)
+    with pytest.raises(TypeError, match="non-empty list of teachers"):
+        TeacherStep([], host)
+    with pytest.raises(TypeError, match="has no share_group"):
+        TeacherStep([RankTeacher(0)], object())
+    with pytest.raises(ValueError, match="the plan asks top_k=8"):
+        TeacherStep([RankTeacher(0)], host, StepPlan(8))
+    with pytest.raises(ValueError, match="vocab_size"):
+        LoopHost(vocab_size=0)
+    step = TeacherStep([RankTeacher(0)], host)
+    with pytest.raises(RuntimeError, match="nothing sent"):
+        step.collect()
+    with pytest.raises(TypeError, match="takes a TeacherBatch"):
+        step.send([torch.tensor([1, 2])])
+    step.send(batch())
+    with pytest.raises(RuntimeError, match="not collected"):
+        step.send(batch())
+
+
+H = 8
+
+
+def pooled_states(ids: list[int]) -> torch.Tensor:
+    """The hidden states the pooling server answers: position p's from its id alone."""
+    return torch.tensor(ids, dtype=torch.float32)[:, None] / 10 + torch.arange(H, dtype=torch.float32) / 100
+
+
+def pooling(body):
+    raw = pooled_states(body["input"]).numpy().tobytes()
+    item = {"index": 0, "embed_dtype": "float32", "endianness": "little", "start": 0, "end": len(raw),
+            "shape": [len(body["input"]), H]}
+    return 200, (raw, {"metadata": json.dumps({"data": [item]})})
+
+
+def head() -> TeacherHead:
+    weight = torch.randn(12, H, generator=torch.Generator().manual_seed(5))
+    return TeacherHead(weight=weight, vocab_size=12, padded_vocab_size=12, first_id=0)
+
+
+def rank_head_step(rank: int, world_size: int, url: str) -> list:
+    import torch.distributed as dist
+
+    host = LoopHost(vocab_size=12, share_group=dist.group.WORLD, job_group=dist.group.WORLD)
+    with ServedTeacher(url, "vllm", top_k=K, head=head()) as served:
+        step = TeacherStep([served], host)
+        step.send(batch())
+        (scores,) = step.collect()
+    return [flat(scores), [s.tolist() for s in scores.hidden_states]]
+
+
+@pytest.mark.multirank
+def test_a_head_teachers_states_are_asked_once_and_projected_on_every_rank():
+    with vllm_like(pooling=pooling) as server:
+        ranks = run_multirank(rank_head_step, 2, url_of(server))
+        asked = [path for path, _ in server.seen if path == "/pooling"]
+    assert len(asked) == 1 + 3  # the probe and the 3 samples, from rank 0 only
+    assert ranks[0] == ranks[1]
+    samples = batch()
+    expected = head_scores(head(), samples, [pooled_states(ids.tolist())[start - 1: -1]
+                                             for ids, start in zip(samples.sequences, samples.response_starts)], K, 1.0)
+    assert ranks[0][0] == flat(expected)
