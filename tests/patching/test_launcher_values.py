@@ -72,6 +72,8 @@ CASES = [
     ("verl-rows-all", None, {VERL_ROWS: " ALL "}, ALL),
     ("verl-rows-typo", None, {VERL_ROWS: "al"}, "MEGATRON_RL_PATCHES_VERL_ROWS='al' is not a row choice"),
     ("teacher-api-key", None, {"MEGATRON_RL_PATCHES_TEACHER_API_KEY": "k-123"}, ALL),  # read by ServedTeacher only
+    # read by verl's teacher-loop client only, when verl asks its teacher
+    ("verl-teacher", None, {"MEGATRON_RL_PATCHES_VERL_TEACHER": "http://127.0.0.1:1;engine=vllm"}, ALL),
     ("roles-custom", None, {ROLES: "teacher, ref_model"}, ALL),
     ("roles-empty", None, {ROLES: ""}, ALL),
     ("roles-duplicates", None, {ROLES: "teacher:swap,teacher:stream"}, "lists role 'teacher' more than once"),

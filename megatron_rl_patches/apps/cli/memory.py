@@ -23,11 +23,13 @@ from megatron_rl_patches.apps.presentation import memory_report, residency_table
 from megatron_rl_patches.inference.loading.hf.checkpoint_config import CONFIG, checkpoint_dir
 from megatron_rl_patches.inference.sizing.memory import training_state_bytes
 from megatron_rl_patches.inference.sizing.residency_plan import MODES, residency_plan
-from megatron_rl_patches.teachers.head import DTYPES
 
 _SUFFIXES = {"": 0, "k": 3, "m": 6, "b": 9, "g": 9, "t": 12}  # powers of ten
 _MAX_DIGITS = 30  # a count beyond 10**30 parameters is a typo (and 1e999999999 must not be expanded)
 _COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*$", re.IGNORECASE)
+
+# the head dtypes `TeacherHead` takes (teachers.head.DTYPES; named here: that module imports torch)
+HEAD_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def parse_param_count(text: str) -> int:
@@ -104,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a served teacher's Hugging Face checkpoint (repeatable): its output layer's bytes per "
                              "rank on the trainer at the student's --tp (default 1), from config.json alone; "
                              "alone or beside --params / --hf")
-    parser.add_argument("--head-dtype", choices=tuple(DTYPES), default=None,
+    parser.add_argument("--head-dtype", choices=HEAD_DTYPES, default=None,
                         help="the heads' dtype (with --head; default: each checkpoint's own)")
     parser.add_argument("--json", action="store_true", help="print a JSON object (bytes)")
 

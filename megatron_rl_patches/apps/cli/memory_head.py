@@ -12,15 +12,18 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from megatron_rl_patches.apps.cli._common import OK, UsageError
 from megatron_rl_patches.apps.presentation import human_bytes, text_table
-from megatron_rl_patches.teachers.head import HeadPlan
 
 
 def head_row(path: str, tp: int, dtype: str | None) -> dict[str, Any]:
     """One head's plan at TP=`tp` (rank 0's shard: every shard has the same rows)."""
+    # lazy: import cost: torch only once a head is planned (`memory`'s usage errors come before torch)
+    import torch
+
+    # lazy: import cost: the head's plan imports torch
+    from megatron_rl_patches.teachers.head import HeadPlan
+
     try:
         plan = HeadPlan.of(path, dtype, None, tp, 0)
     except (TypeError, ValueError, FileNotFoundError) as exc:

@@ -81,3 +81,10 @@ def test_refusals(heads, argv, words, capsys):
     assert main(["memory", *argv]) != 0
     err = capsys.readouterr().err
     assert words in err
+
+
+def test_the_cli_offers_the_head_dtypes_the_head_takes():
+    from megatron_rl_patches.apps.cli.memory import HEAD_DTYPES
+    from megatron_rl_patches.teachers.head import DTYPES
+
+    assert set(HEAD_DTYPES) == set(DTYPES)
