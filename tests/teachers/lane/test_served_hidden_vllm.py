@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
 import torch
 
@@ -139,6 +138,8 @@ def test_negative_controls_fail(scored, tmp_path):
 
 
 def test_bf16_states_equal_the_json_reply_rounded_bit_for_bit(pooled, scored):
+    # the served extra: the lanes without it (oldest, newest) collect this file too
+    httpx = pytest.importorskip("httpx", reason="the served extra (httpx) is missing")
     batch, head = scored[0], scored[1]
     ids = batch.sequences[1]
     with ServedTeacher(pooled.url, head=head, hidden_dtype=torch.bfloat16, client=FAST) as teacher:
