@@ -15,6 +15,7 @@ import torch
 from megatron_rl_patches.cross_tokenizer.teacher_passes import (
     TeacherSample,
     chunk_start_buckets,
+    log_ratio,
     teacher_buckets_on_student_rows,
 )
 from megatron_rl_patches.cross_tokenizer.vocabulary import SharedVocabulary
@@ -22,6 +23,7 @@ from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.cross_buckets import ServedBuckets
 from megatron_rl_patches.teachers.head import TeacherHead
+from megatron_rl_patches.teachers.scores import TeacherScores
 
 
 def cross_batch(samples: Sequence[TeacherSample]) -> TeacherBatch:
@@ -61,6 +63,27 @@ def head_buckets(head: TeacherHead, scores: BatchScores, samples: Sequence[Teach
         log_probs, on_student = teacher_buckets_on_student_rows(own, own_tails, b, s.alignment)
         out.append(ServedBuckets(b, log_probs, on_student, folded=0))
     return out
+
+
+def cross_scores(buckets: Sequence[ServedBuckets], own_log_probs: Sequence[torch.Tensor],
+                 student_log_probs: Sequence[torch.Tensor], samples: Sequence[TeacherSample],
+                 device: torch.device | str | None = None) -> TeacherScores:
+    """A step's `TeacherScores` of a teacher of another tokenizer, per sample on the student's
+    response rows: the buckets' float32 log-probs, tails, student ids, their mask and the live
+    buckets, and the token-level signal (`log_ratio`: the teacher's own tokens' log-probs
+    `own_log_probs` [R_teacher] spread over each chunk against the student's `student_log_probs`
+    [R_student]); on `device` (the student's log-probs' where None)."""
+    fields: dict[str, list[torch.Tensor]] = {key: [] for key in ("values", "tails", "ids", "mask", "alive", "ratio")}
+    for served, own, student, sample in zip(buckets, own_log_probs, student_log_probs, samples):
+        where = student.device if device is None else device
+        b = served.buckets
+        fields["ratio"].append(log_ratio(student.float(), own.to(student.device), sample.alignment).to(where))
+        for key, value in zip(("values", "tails", "ids", "mask", "alive"),
+                              (served.log_probs.float(), served.tails.float(), b.student_ids, b.student_mask,
+                               b.alive)):
+            fields[key].append(value.to(where))
+    return TeacherScores(fields["values"], fields["tails"], ids=fields["ids"], ids_mask=fields["mask"],
+                         alive=fields["alive"], log_ratio=fields["ratio"])
 
 
 def check_head_buckets(head: object, scores: object, samples: Sequence[TeacherSample], k: object) -> None:
