@@ -3,7 +3,8 @@ a real vLLM pooling server (its CPU build, MRP_VLLM_PYTHON) sends the teacher's 
 for its own encoding of each sample, the trainer projects them through DIR's output layer and
 scores every chunk-start bucket exactly (`teachers.head_cross_buckets`: nothing folded), beside a
 snapshot teacher of the student's tokenizer, through slime 624b824a's real
-`MegatronTrainRayActor.train_actor` at one rank and TP=2 with sequence parallelism. The pair is
+`MegatronTrainRayActor.train_actor` at one rank, TP=2 with sequence parallelism, PP=2 and CP=2
+(zigzag). The pair is
 the served cross lane's (`served_cross_kit`: byte fallback spells a byte with two teacher ids). The
 first step's OPD loss and every gradient against the cross lane's float64 reference of the
 in-process teacher (every bucket whole); the folding reference (a top-k engine's buckets) differs
@@ -23,7 +24,8 @@ from tests.integrations.slime.lane.served_cross_kit import serve_pair, train_and
 
 # (pipeline, context, tensor, slime's extra flags) and the layout marks
 LAYOUTS = {"pp1": ((1, 1, 1, ()), ("thd",)),
-           "tp2sp": ((1, 1, 2, layouts.BY_MARKER["sp"].megatron_lm_args), ("tp2", "sp"))}
+           "tp2sp": ((1, 1, 2, layouts.BY_MARKER["sp"].megatron_lm_args), ("tp2", "sp")),
+           "pp2": ((2, 1, 1, ()), ("pp2", "thd")), "cp2": ((1, 2, 1, ()), ("cp2-zigzag", "thd"))}
 # vLLM's pooling runner serving a causal LM's final hidden states per token
 POOLING = ("--runner", "pooling", "--convert", "embed", "--pooler-config", '{"task": "token_embed"}')
 
