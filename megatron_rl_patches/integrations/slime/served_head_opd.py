@@ -84,17 +84,12 @@ class ServedHeadOpdTeacher(OpdTeacher):
         return pending.result(job_group())
 
     def score(self, step: ScoringStep) -> TeacherScores | None:
+        if self.pair is not None:  # another tokenizer: its own buckets, not the step's ids
+            return self.cross_score(step)
         request = step.ids_request()
         scores = self.collected()
         if scores is None:
             return None
-        if self.pair is not None:  # another tokenizer: every bucket of the teacher's ids through the head
-            assert self.teacher is not None and self.teacher.head is not None and self.samples is not None
-            samples, self.samples = self.samples, None
-            buckets = head_buckets(self.teacher.head, scores, samples, self.pair.shared, self.k,
-                                   temperature=self.teacher.temperature)
-            return cross_scores(buckets, scores.token_log_probs, step.student_log_probs, samples,
-                                device_of(step.rollout_data))
         data = step.rollout_data
         totals, responses = [int(t) for t in data["total_lengths"]], [int(r) for r in data["response_lengths"]]
         device = device_of(data)
@@ -113,6 +108,21 @@ class ServedHeadOpdTeacher(OpdTeacher):
             data[IDS] = zigzag_of_whole([i.to(device) for i in ids], totals, responses)
             data[IDS_MASK] = zigzag_of_whole([m.to(device) for m in mask], totals, responses)  # type: ignore[union-attr]
         return TeacherScores(values, tails)
+
+    def cross_score(self, step: ScoringStep) -> TeacherScores | None:
+        """A teacher of another tokenizer: every chunk-start bucket of its own top-k scored through
+        the head (each bucket's teacher ids whole), and the token-level signal from its own tokens'
+        log-probs — the fields a teacher of another tokenizer gives (None off the last stage)."""
+        scores = self.collected()
+        if scores is None:
+            return None
+        assert self.teacher is not None and self.teacher.head is not None and self.samples is not None
+        assert self.pair is not None
+        samples, self.samples = self.samples, None
+        buckets = head_buckets(self.teacher.head, scores, samples, self.pair.shared, self.k,
+                               temperature=self.teacher.temperature)
+        return cross_scores(buckets, scores.token_log_probs, step.student_log_probs, samples,
+                            device_of(step.rollout_data))
 
     def step_ids(self, request: TopkRequest, data: dict, scores: BatchScores, totals: list[int],
                  responses: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
