@@ -115,3 +115,17 @@ def test_a_head_of_another_vocabulary_is_refused_at_load_naming_the_entry(tmp_pa
     assert settings is not None
     with pytest.raises(ValueError, match=r"MEGATRON_RL_PATCHES_OPD_TEACHERS entry 'http://127.0.0.1:9'.*1001"):
         build_served_teacher(actor, settings, 0, settings.teachers[0], 64, "served")
+
+
+def test_a_head_of_another_tokenizer_leaves_the_steps_ids_request_to_the_others():
+    """A served head of another tokenizer scores its own buckets: it takes no request for the
+    step's ids (a union's first request stays for the first teacher of the student's tokenizer),
+    as an in-process teacher of another tokenizer; off the last stage (no teacher) it scores None."""
+    from megatron_rl_patches.integrations.slime.opd_teachers import ScoringStep, teacher_requests
+    from megatron_rl_patches.integrations.slime.served_head_opd import ServedHeadOpdTeacher
+
+    settings = opd_settings({P + "TEACHERS": f"{HEAD};tokenizer=/tok,/b", P + "IDS_FROM": "union"})
+    assert settings is not None
+    step = ScoringStep(None, {}, settings, last=False, student={}, topk_pass=lambda *_: {})
+    assert ServedHeadOpdTeacher(None, pair=SimpleNamespace(), k=4).score(step) is None
+    assert step.scored_ids == 0 and step.ids_request() == teacher_requests(settings)[0]
