@@ -127,5 +127,5 @@ def test_a_head_of_another_tokenizer_leaves_the_steps_ids_request_to_the_others(
     settings = opd_settings({P + "TEACHERS": f"{HEAD};tokenizer=/tok,/b", P + "IDS_FROM": "union"})
     assert settings is not None
     step = ScoringStep(None, {}, settings, last=False, student={}, topk_pass=lambda *_: {})
-    assert ServedHeadOpdTeacher(None, pair=SimpleNamespace(), k=4).score(step) is None
+    assert ServedHeadOpdTeacher(None, pair=SimpleNamespace(), k=4).score(step) is None  # type: ignore[arg-type]
     assert step.scored_ids == 0 and step.ids_request() == teacher_requests(settings)[0]
