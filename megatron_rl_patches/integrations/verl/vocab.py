@@ -42,7 +42,7 @@ _TEACHERS: dict[tuple[str, int], Any] = {}  # (entry, id(head)) -> ServedTeacher
 def head_entry() -> tuple[str, Entry] | None:
     """The variable's value and its read when it names a head, else None."""
     raw = os.environ.get(VERL_TEACHER, "").strip()
-    if not raw:
+    if "head" not in raw:  # the top-k entry: read where the agent loop asks (httpx there), not on the trainer
         return None
     entry = parse_entry(raw)
     return (raw, entry) if entry.head is not None else None
