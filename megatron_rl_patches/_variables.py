@@ -72,8 +72,9 @@ MEANINGS: dict[str, str] = {
                   "(the first teacher's own top-k)",
     VERL_ROWS: "verl_fused_logprobs: all computes every row, not only the rows verl reads",
     VERL_TEACHER: "verl_topk_kd: a teacher served by vLLM answering verl's teacher-loop client, "
-                  "http(s)://host:port;engine=vllm (its --max-logprobs at least verl's topk); unset: verl's own "
-                  "teacher replicas; set in the agent-loop workers' environment",
+                  "http(s)://host:port;engine=vllm (its --max-logprobs at least verl's topk), or a pooling "
+                  "server with ;head=DIR (any K; on verl's fused route the whole-vocabulary KL); unset: verl's own "
+                  "teacher replicas; set in the agent-loop and trainer workers' environment",
     TEACHER_API_KEY: "the API key sent to a teacher served by an inference engine (teachers.ServedTeacher), "
                      "as a bearer token; never part of a URL or an entry",
 }

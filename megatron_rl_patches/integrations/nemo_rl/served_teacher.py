@@ -17,6 +17,13 @@ loss reads (the prompt before the first `token_mask` token, the last token, padd
 block, `distillation.Policy(name_prefix="teacher", ...)` returns it and builds nothing (every
 other `Policy`, the student's, is NeMo-RL's own); a teacher config whose `generation.temperature`
 is not the served teacher's is refused by name (NeMo-RL's own teacher scores at it).
+
+With a head and `full_vocabulary=True` (`served_teacher_policy(url, head=DIR, full_vocabulary=True)`)
+`get_topk_logits` also adds the teacher's final hidden states to NeMo-RL's batch as
+`teacher_hidden_states` [B, S, H] (the dtype the server sent, position s the state predicting
+token s + 1, zeros elsewhere): NeMo-RL ships them to the student workers with the batch, and
+within `served_teacher_in_setup` the loss `setup()` builds is `WholeVocabularyDistillationLossFn`,
+the whole-vocabulary divergence through the teacher's head there (`vocab_kd`).
 """
 # lazy imports: optional dependency nemo_rl
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches.integrations.nemo_rl.vocab_kd import STATES, WholeVocabularyDistillationLossFn
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.client_settings import ClientSettings
 from megatron_rl_patches.teachers.head import TeacherHead
@@ -45,11 +53,18 @@ class ServedTeacherPolicy:
     `offload_after_refit`) answered by `teacher`, a `ServedTeacher` whose `top_k` is NeMo-RL's
     `distillation.topk_logits_k`. Runs in NeMo-RL's driver process (no process group)."""
 
-    def __init__(self, teacher: ServedTeacher) -> None:
+    def __init__(self, teacher: ServedTeacher, full_vocabulary: bool = False) -> None:
         if not isinstance(teacher, ServedTeacher):
             raise TypeError(f"ServedTeacherPolicy(teacher=...) takes a megatron_rl_patches.teachers.ServedTeacher, "
                             f"got {type(teacher).__name__}")
+        if not isinstance(full_vocabulary, bool):
+            raise TypeError(f"ServedTeacherPolicy(full_vocabulary=...) must be True or False, got {full_vocabulary!r}")
+        if full_vocabulary and teacher.head is None:
+            raise ValueError("ServedTeacherPolicy(full_vocabulary=True) needs a teacher with a head (served_teacher_"
+                             "policy(url, head=DIR, full_vocabulary=True) against a vLLM pooling server): an engine's "
+                             "prompt log-probs hold only its top-k")
         self.teacher = teacher
+        self.full_vocabulary = full_vocabulary
 
     def __repr__(self) -> str:
         return f"ServedTeacherPolicy({self.teacher!r})"
@@ -68,7 +83,8 @@ class ServedTeacherPolicy:
     def get_topk_logits(self, data: Any, k: int, micro_batch_size: int | None = None,
                         timer: Any = None) -> Any:
         """`topk_logits` (float32 log-probs over the teacher's whole vocabulary) and `topk_indices`
-        (int64), [B, S, k], as NeMo-RL's `BatchedDataDict`; `data` is untouched."""
+        (int64), [B, S, k], as NeMo-RL's `BatchedDataDict`; `data`'s tensors are untouched (with
+        `full_vocabulary`, `data` gains `teacher_hidden_states`, also in the result)."""
         self.check_k(k)
         ids, lengths, starts = rows_of(data)
         from nemo_rl.distributed.batched_data_dict import BatchedDataDict  # lazy: optional dependency nemo_rl
@@ -82,13 +98,27 @@ class ServedTeacherPolicy:
             rows = batch.response_rows(i)
             values[i, start - 1:start - 1 + rows] = scores.topk_log_probs[i].to(torch.float32)
             indices[i, start - 1:start - 1 + rows] = scores.topk_ids[i].to(torch.int64)
-        return BatchedDataDict({"topk_logits": values, "topk_indices": indices})
+        result = {"topk_logits": values, "topk_indices": indices}
+        if self.full_vocabulary:
+            data[STATES] = result[STATES] = states_of(scores.hidden_states, starts, ids.shape[1])
+        return BatchedDataDict(result)
 
     def check_k(self, k: object) -> None:
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or int(k) != self.teacher.top_k:
             raise ValueError(f"ServedTeacherPolicy.get_topk_logits(k={k!r}): the served teacher was built with "
                              f"top_k={self.teacher.top_k}; set NeMo-RL's distillation.topk_logits_k to "
                              f"{self.teacher.top_k} or build the teacher with top_k={k!r}")
+
+
+def states_of(states: Any, starts: list[int], seq: int) -> torch.Tensor:
+    """[B, S, H] of each sample's hidden states [R_i, H] at positions start − 1 .. (the state
+    predicting token s + 1 at s), zeros at positions no loss reads."""
+    width = next((s.shape[-1] for s in states if s.numel()), 0)
+    dtype = next((s.dtype for s in states if s.numel()), torch.float32)
+    out = torch.zeros(len(states), seq, width, dtype=dtype)
+    for i, (rows, start) in enumerate(zip(states, starts)):
+        out[i, start - 1:start - 1 + rows.shape[0]] = rows.to(dtype)
+    return out
 
 
 def filler(batch: int, seq: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,13 +164,19 @@ def served_teacher_in_setup(policy: ServedTeacherPolicy, module: Any = None) -> 
     """Within the block NeMo-RL's `distillation.setup()` gets `policy` as its teacher: the name
     `Policy` in `module` (default `nemo_rl.algorithms.distillation`) answers
     `Policy(name_prefix="teacher", ...)` with `policy` and passes every other call to NeMo-RL's
-    `Policy`; restored on exit."""
+    `Policy`; with a `full_vocabulary` policy, `DistillationLossFn(cfg)` answers with
+    `WholeVocabularyDistillationLossFn(cfg, head=the teacher head's directory, temperature=...)`;
+    restored on exit."""
     if not isinstance(policy, ServedTeacherPolicy):
         raise TypeError(f"served_teacher_in_setup(policy=...) takes a ServedTeacherPolicy (served_teacher_policy("
                         f"url, ...)), got {type(policy).__name__}")
     if module is None:
         module = importlib.import_module("nemo_rl.algorithms.distillation")  # lazy: optional dependency nemo_rl
-    original = module.Policy
+    original, original_loss = module.Policy, getattr(module, "DistillationLossFn", None)
+
+    def build_loss(cfg: Any) -> Any:
+        return WholeVocabularyDistillationLossFn(cfg, head=policy.teacher.head.source,  # type: ignore[union-attr]
+                                                 temperature=policy.teacher.temperature)
 
     def build(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("name_prefix") != "teacher":
@@ -149,10 +185,14 @@ def served_teacher_in_setup(policy: ServedTeacherPolicy, module: Any = None) -> 
         return policy
 
     module.Policy = build
+    if policy.full_vocabulary:
+        module.DistillationLossFn = build_loss
     try:
         yield policy
     finally:
         module.Policy = original
+        if policy.full_vocabulary:
+            module.DistillationLossFn = original_loss
 
 
 def check_temperature(policy: ServedTeacherPolicy, config: Any) -> None:
@@ -170,10 +210,13 @@ def check_temperature(policy: ServedTeacherPolicy, config: Any) -> None:
 
 def served_teacher_policy(url: str, *, engine: str = "vllm", top_k: int = NEMO_RL_TOPK,
                           head: TeacherHead | str | os.PathLike[str] | None = None, temperature: float = 1.0,
-                          model: str | None = None, client: ClientSettings | None = None) -> ServedTeacherPolicy:
+                          model: str | None = None, client: ClientSettings | None = None,
+                          full_vocabulary: bool = False) -> ServedTeacherPolicy:
     """NeMo-RL's distillation teacher served at `url`: `ServedTeacher(url, engine, top_k, head=...,
     temperature=..., model=..., client=...)` behind NeMo-RL's teacher-policy calls. `top_k` is
     NeMo-RL's `distillation.topk_logits_k` (default 64: serve vLLM with `--max-logprobs 64` or
-    more, or a pooling server with `head=`, which serves any K and any temperature)."""
+    more, or a pooling server with `head=`, which serves any K and any temperature).
+    `full_vocabulary=True` (with `head=`): the teacher's hidden states reach the student's loss,
+    the whole-vocabulary divergence (`WholeVocabularyDistillationLossFn`)."""
     return ServedTeacherPolicy(ServedTeacher(url, engine, top_k, model=model, temperature=temperature,
-                                             client=client, head=head))
+                                             client=client, head=head), full_vocabulary=full_vocabulary)

@@ -135,3 +135,17 @@ def run_step(wrapped: Any, bound: inspect.BoundArguments, plan: StepPlan,
     if not isinstance(output, FusedOutput):
         return output, function  # an earlier pipeline stage: hidden states go on to the next
     return output, post_process(plan, function)
+
+
+def distillation_loss(per_token: Any, data: Any, global_valid_toks: Any) -> tuple[Any, dict[str, Any]]:
+    """NeMo-RL's `DistillationLossFn` reduction of a per-token divergence [B, S−1]: `masked_mean`
+    over `token_mask`·`sample_mask` with `global_valid_toks`, and its metrics."""
+    from nemo_rl.algorithms.utils import masked_mean  # lazy: optional dependency nemo_rl
+
+    if "token_mask" in data and "sample_mask" in data:
+        mask = data["token_mask"][:, 1:][:, :per_token.shape[1]] * data["sample_mask"].unsqueeze(-1)
+        loss = masked_mean(per_token, mask, global_normalization_factor=global_valid_toks)
+    else:
+        loss = per_token.mean()
+    return loss, {"loss": float(loss.item()) if loss.ndim == 0 else loss,
+                  "num_valid_samples": data["input_ids"].shape[0]}

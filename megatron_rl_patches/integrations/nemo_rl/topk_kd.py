@@ -23,6 +23,7 @@ from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.nemo_rl import logprobs as fused
 from megatron_rl_patches.integrations.nemo_rl import step as steps
+from megatron_rl_patches.integrations.nemo_rl import vocab_kd
 from megatron_rl_patches.ops.topk import topk_kl
 from megatron_rl_patches.processors.heads import topk_output_processor
 
@@ -73,16 +74,8 @@ class ExactTopkDistillation:
     def __call__(self, *, student_topk_logprobs: torch.Tensor, student_tail: torch.Tensor,
                  teacher_topk_logprobs: torch.Tensor, data: Any, global_valid_seqs: Any,
                  global_valid_toks: Any, **_ignored: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-        from nemo_rl.algorithms.utils import masked_mean  # lazy: optional dependency nemo_rl
-
         per_token = self.per_token(student_topk_logprobs, student_tail, teacher_topk_logprobs)
-        if "token_mask" in data and "sample_mask" in data:
-            mask = data["token_mask"][:, 1:][:, :per_token.shape[1]] * data["sample_mask"].unsqueeze(-1)
-            loss = masked_mean(per_token, mask, global_normalization_factor=global_valid_toks)
-        else:
-            loss = per_token.mean()
-        return loss, {"loss": float(loss.item()) if loss.ndim == 0 else loss,
-                      "num_valid_samples": data["input_ids"].shape[0]}
+        return steps.distillation_loss(per_token, data, global_valid_toks)
 
 
 def prepare_distillation_input(*, logits: Any, data: Any, **_ignored: Any) -> tuple[dict[str, Any], Any]:
@@ -122,6 +115,8 @@ def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
             and getattr(post.loss_fn, "input_type", None) == LossInputType.DISTILLATION):
         return wrapped(*args, **kwargs)
     assert bound is not None
+    if isinstance(post.loss_fn, vocab_kd.WholeVocabularyDistillationLossFn):  # a served teacher's hidden states
+        return vocab_kd.run_whole_vocabulary(wrapped, bound, post)
     feature = steps.unservable(bound.arguments, post.cfg)
     if feature is None and post.prepare_fn is not None:
         feature = "a custom prepare_fn"

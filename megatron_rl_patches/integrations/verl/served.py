@@ -9,15 +9,18 @@ into the batch, and `verl_topk_kd`'s exact tail reads them (a row of repeated id
 the padding, gives 0).
 
 With MEGATRON_RL_PATCHES_VERL_TEACHER=`http(s)://host:port;engine=vllm` the same rows come from
-that server through `ServedTeacher` (the engine's own top-k, K within its --max-logprobs); unset,
-verl's own teacher replicas answer as before. verl still places and starts its own teacher
+that server through `ServedTeacher` (the engine's own top-k, K within its --max-logprobs); with
+`;head=DIR` (the teacher's Hugging Face directory, readable where verl's agent loop runs) the
+server is a vLLM pooling server and the rows are its final hidden states through the teacher's
+head in the agent-loop process: any K (above --max-logprobs), only [L, K] rows in verl's batch.
+Unset, verl's own teacher replicas answer as before. verl still places and starts its own teacher
 replicas from its config (Ray): this patch changes who answers, not what verl starts."""
 from __future__ import annotations
 
 import asyncio
 import os
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,14 +31,22 @@ from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.engines.names import check_engine
 from megatron_rl_patches.teachers.redaction import has_userinfo, redacted
 
-FORM = "http(s)://host:port;engine=vllm"
+FORM = "http(s)://host:port;engine=vllm[;head=DIR]"
 _TEACHERS: dict[tuple[str, int], Any] = {}  # (entry, K) -> ServedTeacher, one per agent-loop process
 _LOCK = threading.Lock()
 
 
-def parse_entry(entry: str) -> tuple[str, str]:
-    """(url, engine) of MEGATRON_RL_PATCHES_VERL_TEACHER's value; ValueError naming the variable for
-    anything else."""
+class Entry(NamedTuple):
+    """MEGATRON_RL_PATCHES_VERL_TEACHER's value read: the URL, the engine, the head's directory (or None)."""
+
+    url: str
+    engine: str
+    head: str | None = None
+
+
+def parse_entry(entry: str) -> Entry:
+    """(url, engine, head) of MEGATRON_RL_PATCHES_VERL_TEACHER's value; ValueError naming the
+    variable for anything else."""
     from megatron_rl_patches.teachers.http_client import check_url  # lazy: optional dependency httpx
 
     said = redacted(entry)
@@ -43,18 +54,23 @@ def parse_entry(entry: str) -> tuple[str, str]:
         raise ValueError(f"{VERL_TEACHER}={said!r}: the URL carries a user or password; drop it and put the API key "
                          f"in MEGATRON_RL_PATCHES_TEACHER_API_KEY (sent as a bearer token)")
     url, *options = (part.strip() for part in entry.split(";"))
-    engine = None
+    engine = head = None
     for option in options:
         name, _, value = (part.strip() for part in option.partition("="))
         if name == "engine" and engine is None:
             engine = value
+        elif name == "head" and head is None:
+            if not value:
+                raise ValueError(f"{VERL_TEACHER}={said!r}: head= names the teacher's Hugging Face directory (its "
+                                 f"output layer is read where verl's agent loop runs); the form is {FORM}")
+            head = value
         else:
             raise ValueError(f"{VERL_TEACHER}={said!r}: option {option!r} is unknown or given twice; the form is "
                              f"{FORM}")
     if engine is None:
         raise ValueError(f"{VERL_TEACHER}={said!r}: name the engine serving it, e.g. '{url};engine=vllm'")
     try:
-        return check_url(url), check_engine(engine)
+        return Entry(check_url(url), check_engine(engine), head)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{VERL_TEACHER}={said!r}: {exc}") from None
 
@@ -66,8 +82,8 @@ def served_teacher(entry: str, k: int) -> Any:
     with _LOCK:
         teacher = _TEACHERS.get((entry, k))
         if teacher is None:
-            url, engine = parse_entry(entry)
-            teacher = _TEACHERS[(entry, k)] = ServedTeacher(url, engine, top_k=k)
+            url, engine, head = parse_entry(entry)
+            teacher = _TEACHERS[(entry, k)] = ServedTeacher(url, engine, top_k=k, head=head)
         return teacher
 
 

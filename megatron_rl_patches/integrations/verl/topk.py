@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.step_mode import run_in_student_mode, step_invariant
+from megatron_rl_patches.integrations.verl.vocab import whole_vocabulary_step
 from megatron_rl_patches.ops.invariance import resolve_invariant
 from megatron_rl_patches.ops.topk import topk_ids, topk_kl, topk_logprobs
 
@@ -139,4 +140,5 @@ def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
     top-k loss it computes runs in the student's invariant mode (`step_mode.student_mode`)."""
     bound = bind(wrapped, args, kwargs)
     model = None if bound is None else bound.arguments.get("model")
-    return wrapped(*args, **kwargs) if model is None else run_in_student_mode(model, wrapped, args, kwargs)
+    step = whole_vocabulary_step(wrapped, instance)  # a served teacher's head: the whole vocabulary (`vocab`)
+    return wrapped(*args, **kwargs) if model is None else run_in_student_mode(model, step, args, kwargs)

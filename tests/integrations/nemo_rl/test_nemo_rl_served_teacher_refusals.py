@@ -95,3 +95,10 @@ def test_in_setup_a_teacher_temperature_the_server_cannot_give_is_refused_by_nam
             module.Policy(name_prefix="teacher", config={"generation": {"temperature": 0.7}})
         assert module.Policy(name_prefix="teacher", config={"generation": {"temperature": 1.0}}) is policy
         assert module.Policy(name_prefix="teacher", config={"generation": None}) is policy
+
+
+def test_full_vocabulary_needs_a_head_and_a_bool():
+    with pytest.raises(ValueError, match=r"full_vocabulary=True\) needs a teacher with a head.*pooling server"):
+        served_teacher_policy(NOWHERE, full_vocabulary=True)
+    with pytest.raises(TypeError, match=r"full_vocabulary=\.\.\.\) must be True or False"):
+        served_teacher_policy(NOWHERE, full_vocabulary=1)  # type: ignore[arg-type]

@@ -11,8 +11,13 @@ VARIABLE = "MEGATRON_RL_PATCHES_VERL_TEACHER"
 
 
 def test_url_and_engine_are_read_and_the_trailing_slash_dropped():
-    assert parse_entry("http://teacher:8000/;engine=vllm") == ("http://teacher:8000", "vllm")
-    assert parse_entry(" https://teacher:8443 ; engine = vllm ") == ("https://teacher:8443", "vllm")
+    assert parse_entry("http://teacher:8000/;engine=vllm") == ("http://teacher:8000", "vllm", None)
+    assert parse_entry(" https://teacher:8443 ; engine = vllm ") == ("https://teacher:8443", "vllm", None)
+
+
+def test_a_head_names_the_teachers_directory():
+    entry = parse_entry("http://teacher:8000;engine=vllm;head=/ckpt/qwen3")
+    assert entry == ("http://teacher:8000", "vllm", "/ckpt/qwen3") and entry.head == "/ckpt/qwen3"
 
 
 @pytest.mark.parametrize("entry, message", [
@@ -20,6 +25,8 @@ def test_url_and_engine_are_read_and_the_trailing_slash_dropped():
     ("http://teacher:8000;engine=vllm;tp=2", r"option 'tp=2' is unknown or given twice"),
     ("http://teacher:8000;engine=vllm;engine=vllm", r"option 'engine=vllm' is unknown or given twice"),
     ("http://teacher:8000;engine=nope", r"engine"),
+    ("http://teacher:8000;engine=vllm;head=", r"head= names the teacher's Hugging Face directory"),
+    ("http://teacher:8000;engine=vllm;head=/a;head=/b", r"option 'head=/b' is unknown or given twice"),
     ("ftp://teacher:8000;engine=vllm", r"http"),
     ("http://user:secret@teacher:8000;engine=vllm", r"carries a user or password"),
 ])

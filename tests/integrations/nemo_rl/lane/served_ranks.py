@@ -61,6 +61,35 @@ class Float64Reference:
         return loss, {"loss": float(loss), "num_valid_samples": data["input_ids"].shape[0]}
 
 
+class VocabFloat64Reference:
+    """A NeMo-RL loss on its own logits (`LossInputType.LOGIT`, unpatched): the whole-vocabulary KL
+    of NeMo-RL's `kl_type` in float64 between the student's logits (gathered over the TP group,
+    their gradient through the gather) and the batch's served teacher hidden states through the
+    teacher's whole head (float64), masked and normalized as NeMo-RL's distillation loss."""
+
+    def __init__(self, kl_type: str, head: torch.Tensor, vocab: int) -> None:
+        from nemo_rl.algorithms.loss.interfaces import LossInputType, LossType
+
+        self.loss_type, self.input_type = LossType.TOKEN_LEVEL, LossInputType.LOGIT
+        self.kl_type, self.head, self.vocab = kl_type, head, vocab
+
+    def __call__(self, *, logits, data, global_valid_toks, **_ignored):
+        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+        from nemo_rl.algorithms.utils import masked_mean
+
+        whole = gather_from_tensor_model_parallel_region(logits)
+        length = whole.shape[1] - 1
+        p = torch.log_softmax(whole[:, :length, :self.vocab].double(), -1)
+        q = torch.log_softmax(data["teacher_hidden_states"][:, :length].double() @ self.head.T, -1)
+        forward = (q.exp() * (q - p)).sum(-1)
+        reverse = (p.exp() * (p - q)).sum(-1)
+        per_token = {"forward": forward, "reverse": reverse,
+                     "mixed": MIXED_WEIGHT * forward + (1 - MIXED_WEIGHT) * reverse}[self.kl_type]
+        mask = data["token_mask"][:, 1:][:, :length] * data["sample_mask"].unsqueeze(-1)
+        loss = masked_mean(per_token, mask.double(), global_normalization_factor=global_valid_toks)
+        return loss, {"loss": float(loss), "num_valid_samples": data["input_ids"].shape[0]}
+
+
 def _model(layout: dict) -> Any:
     from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
     from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
@@ -69,7 +98,8 @@ def _model(layout: dict) -> Any:
     return build_packed_gpt(vocab_size=kit.VOCAB, seq_length=64, seed=0, config=config)
 
 
-def _step(model, cfg, teacher, loss_fn, patched: bool) -> tuple[float, list[torch.Tensor]]:
+def _step(model, cfg, teacher, loss_fn, patched: bool, states: torch.Tensor | None = None
+          ) -> tuple[float, list[torch.Tensor]]:
     """One training step of NeMo-RL's driver (loss summed over micro-batches, gradients kept)."""
     from nemo_rl.models.megatron.train import LossPostProcessor
 
@@ -81,7 +111,10 @@ def _step(model, cfg, teacher, loss_fn, patched: bool) -> tuple[float, list[torc
     if patched:
         megatron_rl_patches.apply(["nemo_rl_topk_kd"], strict=True)
     try:
-        results = kit.drive(model, kit.batch(seed=5, teacher=teacher), cfg, post, mbs=2, forward_only=False)
+        data = kit.batch(seed=5, teacher=teacher)
+        if states is not None:
+            data["teacher_hidden_states"] = states
+        results = kit.drive(model, data, cfg, post, mbs=2, forward_only=False)
     finally:
         if patched:
             megatron_rl_patches.revert()
@@ -89,11 +122,39 @@ def _step(model, cfg, teacher, loss_fn, patched: bool) -> tuple[float, list[torc
     return sum(float(r["loss"]) for r in results), grads
 
 
+def _vocab_results(model, cfg, layout: dict, vocab: dict) -> list:
+    """The whole-vocabulary route at one layout, each kl_type: the loss `served_teacher_in_setup`
+    builds (`WholeVocabularyDistillationLossFn`) on the patched step against the float64 reference
+    on NeMo-RL's own logits, and the reference with the served states one position later."""
+    from megatron_rl_patches.integrations.nemo_rl.vocab_kd import WholeVocabularyDistillationLossFn
+    from megatron_rl_patches.teachers.head import TeacherHead
+
+    head = TeacherHead.from_hf(vocab["head"], dtype=torch.float64).weight
+    states, teacher = vocab["states"], vocab["topk"]
+    results = []
+    for kl_type in KL_TYPES:
+        config = {"kl_type": kl_type, "mixed_kl_weight": MIXED_WEIGHT, "zero_outside_topk": False}
+        loss, grads = _step(model, cfg, teacher, WholeVocabularyDistillationLossFn(config, head=vocab["head"]),
+                            patched=True, states=states)
+        reference, ref_grads = _step(model, cfg, teacher, VocabFloat64Reference(kl_type, head, kit.VOCAB),
+                                     patched=False, states=states)
+        control, _ = _step(model, cfg, teacher, VocabFloat64Reference(kl_type, head, kit.VOCAB), patched=False,
+                           states=states.roll(1, dims=1))
+        results.append({
+            "route": "vocab", "layout": layout["name"], "kl_type": kl_type, "loss": loss, "float64": reference,
+            "control": control,
+            "grad_err": max(float((a.double() - b.double()).abs().max()) for a, b in zip(grads, ref_grads)),
+            "grad_scale": max(float(b.abs().max()) for b in ref_grads),
+        })
+    return results
+
+
 def served_world(rank: int, world: int, layouts: list[dict],
-                 teachers: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list:
+                 teachers: dict[str, tuple[torch.Tensor, torch.Tensor]], vocab: dict | None = None) -> list:
     """For each served teacher's top-k, at each layout and kl_type: the patched loss and gradients,
     the float64 reference's, the control's loss (the served rows one position later) and NeMo-RL's
-    own loss on the same batch."""
+    own loss on the same batch; with `vocab` (the served hidden states, the head's directory) the
+    whole-vocabulary route too."""
     import nemo_rl.models.megatron.train  # noqa: F401 - loaded before the shims, as nemo_ranks does
     from nemo_rl.algorithms.loss.loss_functions import DistillationLossConfig, DistillationLossFn
 
@@ -117,4 +178,6 @@ def served_world(rank: int, world: int, layouts: list[dict],
                     "grad_err": max(float((a.double() - b.double()).abs().max()) for a, b in zip(grads, ref_grads)),
                     "grad_scale": max(float(b.abs().max()) for b in ref_grads),
                 })
+            if vocab is not None:
+                results.extend(_vocab_results(model, cfg, layout, vocab))
     return results

@@ -74,3 +74,24 @@ def test_revert_gives_nemo_rls_own_step_back(nemo_cpu):
     assert statuses == dict.fromkeys(("nemo_rl_fused_logprobs", "nemo_rl_topk", "nemo_rl_topk_kd"), "applied")
     megatron_rl_patches.revert()
     assert train.forward_with_post_processing_fn is original
+
+
+def test_the_whole_vocabulary_loss_refuses_by_name_what_it_cannot_serve(nemo_cpu, tmp_path):
+    """`WholeVocabularyDistillationLossFn` on `nemo_rl_topk_kd`'s step: a student step at another
+    temperature than the served teacher's, and a batch without the served states, are refused
+    naming the fix (there is no NeMo-RL path to fall back to)."""
+    from nemo_rl.models.megatron.train import LossPostProcessor
+
+    from megatron_rl_patches.integrations.nemo_rl.vocab_kd import WholeVocabularyDistillationLossFn
+    from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf
+
+    save_tiny_hf(tmp_path, "qwen3", seed=1, hidden_size=64, head_dim=32, intermediate_size=96,
+                 max_position_embeddings=64, vocab_size=kit.VOCAB)
+    cfg = kit.policy_cfg()
+    loss = WholeVocabularyDistillationLossFn({"kl_type": "forward"}, head=tmp_path, temperature=1.0)
+    megatron_rl_patches.apply(["nemo_rl_topk_kd"], strict=True)
+    fix = r"served_teacher_policy\(\.\.\., temperature=0.8\)"
+    with pytest.raises(ValueError, match=rf"temperature 0.8 .* at 1.0.*{fix}"):
+        kit.drive(_model(), kit.batch(), cfg, LossPostProcessor(loss, cfg), forward_only=False, temperature=0.8)
+    with pytest.raises(ValueError, match=r"needs data\['teacher_hidden_states'\].*full_vocabulary=True"):
+        kit.drive(_model(), kit.batch(), cfg, LossPostProcessor(loss, cfg), forward_only=False)

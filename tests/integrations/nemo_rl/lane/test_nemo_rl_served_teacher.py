@@ -6,7 +6,10 @@ k=64)` from NeMo-RL's driver process, checked against transformers' float64 forw
 `LossPostProcessor` and `DistillationLossFn` on `nemo_rl_topk_kd` at TP=1 and TP=2 (sequence
 parallel) over gloo, loss and gradients against a float64 reference. Beside it a vLLM pooling
 server of the same checkpoint with the teacher's head on the driver (`head=DIR`): K = 100, above
-what the generate server allows, through the same route. What cannot run on CPU
+what the generate server allows, through the same route; and the whole vocabulary: the policy
+with `full_vocabulary=True` adds the served hidden states to NeMo-RL's batch, and the loss
+`served_teacher_in_setup` builds (`WholeVocabularyDistillationLossFn`) takes them through the
+teacher's head on the student's ranks, against a float64 KL over NeMo-RL's own logits. What cannot run on CPU
 (NeMo-RL's Ray placement and its real Policy workers, and with them `distillation.setup()`) is
 not run here."""
 from __future__ import annotations
@@ -84,6 +87,42 @@ def _get_topk_logits(policy, k: int):
 
 
 @pytest.fixture(scope="module")
+def vocab(served, checkpoint):
+    """The whole-vocabulary route's batch fields: `get_topk_logits` of a full-vocabulary policy adds
+    `teacher_hidden_states` to NeMo-RL's batch (its other tensors untouched)."""
+    from nemo_rl.utils.timer import Timer
+
+    from megatron_rl_patches.integrations.nemo_rl import served_teacher_policy
+
+    _, pooled = served
+    root, _ = checkpoint
+    policy = served_teacher_policy(pooled, top_k=K, head=root / "qwen3", full_vocabulary=True)
+    data = kit.batch(seed=5)
+    before = {key: value.clone() for key, value in data.items()}
+    out = policy.get_topk_logits(data, k=K, timer=Timer())
+    assert all(torch.equal(before[key], data[key]) for key in before)
+    assert data["teacher_hidden_states"] is out["teacher_hidden_states"]
+    return {"states": out["teacher_hidden_states"], "topk": (out["topk_logits"], out["topk_indices"]),
+            "head": str(root / "qwen3")}
+
+
+def test_full_vocabulary_policy_adds_the_served_hidden_states_as_transformers_computes_them(checkpoint, vocab):
+    _, model = checkpoint
+    data = kit.batch(seed=5)
+    states = vocab["states"]
+    assert states.shape == (kit.BATCH, kit.SEQ, model.config.hidden_size)
+    worst, control = 0.0, float("inf")
+    for i, first, end in _scored(data):
+        with torch.no_grad():
+            hidden = model.model(data["input_ids"][i:i + 1, :end + 1]).last_hidden_state[0].double()
+        worst = max(worst, float((states[i, first:end].double() - hidden[first:end]).abs().max()))
+        control = min(control, float((states[i, first:end].double() - hidden[first + 1:end + 1]).abs().max()))
+        assert not bool(states[i, :first].any()) and not bool(states[i, end:].any())  # rows no loss reads
+    print(f"served hidden states vs transformers: {worst:.2e} (one position off: {control:.2e})")
+    assert worst <= SERVED_TOL and control > kit.CONTROL
+
+
+@pytest.fixture(scope="module")
 def teachers(served, checkpoint):
     """The served teacher's top-k both ways: prompt log-probs (K = 64) and hidden states through
     the head (K = 100)."""
@@ -131,8 +170,8 @@ def test_get_topk_logits_answers_from_the_server_as_transformers_float64(checkpo
     assert float(values.double().exp().sum(-1).max()) <= 1 + 1e-6  # whole-vocabulary log-probs: a tail is left
 
 
-def test_nemo_rls_distillation_step_with_the_served_teacher_equals_float64_at_tp1_and_tp2(teachers):
-    results = run_multirank(ranks.served_world, 2, LAYOUTS, teachers, timeout=1500)
+def test_nemo_rls_distillation_step_with_the_served_teacher_equals_float64_at_tp1_and_tp2(teachers, vocab):
+    results = run_multirank(ranks.served_world, 2, LAYOUTS, teachers, vocab, timeout=1500)
     for rank, outs in enumerate(results):
         for out in outs:
             print(f"rank {rank}: {out}")
@@ -141,4 +180,4 @@ def test_nemo_rls_distillation_step_with_the_served_teacher_equals_float64_at_tp
             # negative control: the served rows one position later are far from the step's loss
             assert abs(out["control"] - out["loss"]) > kit.CONTROL, out
     assert {(out["route"], out["layout"], out["kl_type"]) for out in results[0]} == {
-        (route, layout["name"], kl) for route in teachers for layout in LAYOUTS for kl in ranks.KL_TYPES}
+        (route, layout["name"], kl) for route in (*teachers, "vocab") for layout in LAYOUTS for kl in ranks.KL_TYPES}

@@ -47,3 +47,30 @@ def test_setups_teacher_policy_is_the_served_one_and_the_students_nemo_rls():
     with served_teacher_in_setup(policy, module):
         made = {prefix: module.Policy(name_prefix=prefix) for prefix in prefixes}
     assert made["teacher"] is policy and made["student"] is not policy and built == ["student"]
+
+
+def test_a_full_vocabulary_policy_makes_setups_loss_the_whole_vocabulary_one_and_restores_it(tmp_path):
+    """Within the block `DistillationLossFn(cfg)` (setup()'s loss) is the whole-vocabulary loss on
+    the teacher head's directory at the served teacher's temperature; NeMo-RL's class after it.
+    Called outside the package's fused step it refuses by name (NeMo-RL's own path would hand it
+    top-k logits)."""
+    import torch
+
+    from megatron_rl_patches.integrations.nemo_rl import served_teacher_in_setup, served_teacher_policy
+    from megatron_rl_patches.integrations.nemo_rl.vocab_kd import WholeVocabularyDistillationLossFn
+    from megatron_rl_patches.teachers.head import TeacherHead
+
+    head = TeacherHead(torch.zeros(8, 4), 8, 8, 0, source=str(tmp_path))
+    policy = served_teacher_policy("http://127.0.0.1:9", top_k=4, head=head, temperature=0.7, full_vocabulary=True)
+    module = types.ModuleType("distillation")
+    module.Policy = lambda **kwargs: object()  # type: ignore[attr-defined]
+    module.DistillationLossFn = nemo_rls_loss = object()  # type: ignore[attr-defined]
+    with served_teacher_in_setup(policy, module):
+        loss = module.DistillationLossFn({"kl_type": "mixed", "mixed_kl_weight": 0.25, "zero_outside_topk": False})
+    assert module.DistillationLossFn is nemo_rls_loss
+    assert isinstance(loss, WholeVocabularyDistillationLossFn)
+    assert (loss.head, loss.temperature, loss.divergence) == (str(tmp_path), 0.7, ("mixed_kl", 0.75))
+    with pytest.raises(RuntimeError, match="apply megatron_rl_patches' nemo_rl_topk_kd"):
+        loss(data={}, global_valid_toks=None, student_topk_logprobs=None)
+    with pytest.raises(ValueError, match=r"kl_type must be one of"):
+        WholeVocabularyDistillationLossFn({"kl_type": "jsd"}, head=str(tmp_path))
