@@ -56,9 +56,10 @@ class ServedHeadOpdTeacher(OpdTeacher):
         """The step scores no teacher: its requests collected all the same (the job's agreement)."""
         self.collected()
 
-    def collected(self) -> BatchScores | None:
-        """The step's scores through the head on the last stage's ranks (None on the others); a
-        failure on any rank raised on every rank of the job."""
+    def collected(self, projected: bool = True) -> BatchScores | list[torch.Tensor] | None:
+        """The step's scores through the head on the last stage's ranks (None on the others; with
+        `projected=False` the hidden states [R_i, H] as sent: `vocab_opd`); a failure on any rank
+        raised on every rank of the job."""
         pending, self.pending = self.pending, None
         if self.teacher is None:
             agree_failure(None, job_group())
@@ -67,13 +68,14 @@ class ServedHeadOpdTeacher(OpdTeacher):
             error = RuntimeError("slime_opd: a served teacher's step was not sent before its turn; please report this")
             agree_failure(error, job_group())
         assert pending is not None  # agree_failure raised otherwise
-        return pending.result(job_group())
+        return pending.result(job_group(), projected=projected)
 
     def score(self, step: ScoringStep) -> TeacherScores | None:
         request = step.ids_request()
         scores = self.collected()
         if scores is None:
             return None
+        assert not isinstance(scores, list)  # projected: the head's scores
         data = step.rollout_data
         totals, responses = [int(t) for t in data["total_lengths"]], [int(r) for r in data["response_lengths"]]
         device = device_of(data)

@@ -1,0 +1,92 @@
+"""Full-vocabulary OPD (MEGATRON_RL_PATCHES_OPD_K=vocab) through slime 624b824a's real
+`MegatronTrainRayActor.train_actor`: two snapshot teachers mixed 0.3 / 0.7, forward KL over the
+whole vocabulary from the teachers' final hidden states, at one rank, TP=2 with SP, PP=2, CP=2
+zigzag and CP=2 allgather. The first step's OPD loss and every gradient against dense float64
+(the ranks' weights put back together); a reference with the teachers' rows shifted by one (the
+misalignment a wrong row placement gives) must not match."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from megatron_rl_patches.testing import layouts
+from megatron_rl_patches.testing.layouts import BY_MARKER
+
+pytestmark = pytest.mark.slime
+
+WEIGHTS = (0.3, 0.7)
+TEMPERATURE = 0.8  # slime_ranks.TEMPERATURE: the rollout's
+VOCAB_ENV = {"K": "vocab"}
+# name: (pipeline, context, tensor, slime's extra flags), the layout's markers
+LAYOUTS = {"pp1": ((1, 1, 1, ()), ("thd",)),
+           "tp2sp": ((1, 1, 2, BY_MARKER["sp"].megatron_lm_args), ("tp2", "sp", "thd")),
+           "pp2": ((2, 1, 1, ()), ("pp2", "thd")),
+           "cp2": ((1, 2, 1, ()), ("cp2-zigzag", "thd")),
+           "cp2ag": ((1, 2, 1, BY_MARKER["cp2-allgather"].megatron_lm_args), ("cp2-allgather", "thd"))}
+
+
+def shifted(per_sample: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each sample's rows moved down by one (the negative control's misalignment)."""
+    return [rows.roll(1, dims=0) for rows in per_sample]
+
+
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=layouts.mark(*LAYOUTS[name][1])) for name in LAYOUTS])
+def world(request):
+    if "slime_standins" not in sys.modules:  # the lane's conftest installs them where slime's source is found
+        pytest.skip("slime is not importable; run `make test-slime SLIME=... MEGATRON_LM=...`")
+    import slime_ranks  # the lane folder is on sys.path (conftest)
+
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    pipeline, context, tensor, flags = LAYOUTS[request.param][0]
+    ranks = run_multirank(slime_ranks.opd_train_actor, pipeline * context * tensor, pipeline, context, tensor, None,
+                          None, flags, 1, None, 1, None, None, None, VOCAB_ENV, timeout=300)
+    return (pipeline, context, tensor), flags, ranks
+
+
+def test_train_actor_full_vocabulary_equals_dense_float64(slime_cpu, world):
+    import slime_kit as kit
+    import slime_ranks
+
+    from megatron_rl_patches.integrations.slime.step_plan import VOCAB_KEYS
+
+    (pipeline, context, tensor), flags, ranks = world
+    per_stage = context * tensor
+    for rank in ranks[:-per_stage]:  # the teachers' fields live on the last stage only
+        assert rank["keys"] == [] and rank["losses"] is None
+    for rank in ranks[-per_stage:]:
+        assert rank["keys"] == sorted(VOCAB_KEYS)
+    stages = [ranks[first:first + tensor] for first in range(0, len(ranks), per_stage)]
+
+    def whole(field, tag=None):
+        return kit.whole_stages([kit.unsplit([r[field] if tag is None else r[field][tag] for r in shards],
+                                             shards[0]["split"]) for shards in stages])
+
+    states, grads = {tag: whole("states", tag) for tag in ("actor", "opd_teacher_0", "opd_teacher_1")}, whole("grads")
+    nope = layouts.NOPE_ARGS
+    with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS,
+                           *(nope if nope[0] in flags else ())) as args:  # the model's positions
+        names = [name for name, _ in kit.provider_func(args)().named_parameters()]
+        data = kit.rollout(0)
+        student = kit.float64_copy(args, [states["actor"][name] for name in names])
+        with torch.no_grad():
+            teachers = [kit.response_logps(kit.float64_copy(args, [states[tag][n] for n in names]), data, TEMPERATURE)
+                        for tag in ("opd_teacher_0", "opd_teacher_1")]
+        expected = kit.dense_vocab_loss(kit.response_logps(student, data, TEMPERATURE), teachers, data, WEIGHTS)
+        expected.backward()
+        with torch.no_grad():
+            misaligned = kit.dense_vocab_loss(kit.response_logps(student, data, TEMPERATURE),
+                                          [shifted(t) for t in teachers], data, WEIGHTS)
+    (losses,) = ranks[-1]["losses"]
+    measured = float(losses["opd_vocab_loss"])
+    loss_error = abs(measured - float(expected))
+    grad_error = max((grads[name].double() - p.grad).abs().max().item() for name, p in student.named_parameters())
+    print(f"slime_opd K=vocab train_actor pp{pipeline} cp{context} tp{tensor} vs dense float64: loss "
+          f"{float(expected):.6f}, |Δloss| {loss_error:.2e}, max |Δgrad| {grad_error:.2e}; shifted teacher rows: "
+          f"|Δloss| {abs(measured - float(misaligned)):.2e}")
+    assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
+    assert abs(measured - float(misaligned)) > 1e-3  # the negative control: a misaligned reference must not match
+    for name, p in student.named_parameters():
+        torch.testing.assert_close(grads[name].double(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
