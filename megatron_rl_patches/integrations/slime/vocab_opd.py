@@ -28,6 +28,7 @@ from megatron_rl_patches.integrations.slime.served_opd import device_of
 from megatron_rl_patches.integrations.slime.step_plan import TEACHER_HEADS, TEACHER_HIDDEN, TopkRequest, VocabRequest
 from megatron_rl_patches.integrations.slime.topk import per_sample_rows
 from megatron_rl_patches.integrations.slime.vocab_step import DIVERGENCE, TeacherHeads
+from megatron_rl_patches.teachers.head_padding import head_padded_as
 
 # (args, model chunks, rollout data, request) -> per-sample fields: opd's `topk_pass` (agreed over the pipeline)
 Pass = Callable[[Any, list, dict, TopkRequest], dict]
@@ -87,9 +88,14 @@ def served_hidden(rollout_data: dict, teacher: ServedHeadOpdTeacher) -> tuple[An
 
 def check_loaded(actor: Any, teachers: list[OpdTeacher]) -> None:
     """ValueError naming the teacher whose output layer is not the student's vocabulary shard
-    (checked at load, the same on every rank: the padded vocabulary sizes are the models')."""
+    (checked at load, the same on every rank: the padded vocabulary sizes are the models'); a
+    served teacher's head re-cut to the student's padded vocabulary where it was read at another
+    (every rank of the last stage's tensor-parallel group holds one: `head_padded_as`)."""
     student = _padded_vocab(actor.model[-1])
     for index, teacher in enumerate(teachers):
+        if isinstance(teacher, ServedHeadOpdTeacher) and teacher.teacher is not None \
+                and teacher.teacher.head is not None:
+            teacher.teacher.head = head_padded_as(teacher.teacher.head, student)
         if isinstance(teacher, ModelTeacher) and not isinstance(teacher, str):
             own = _padded_vocab(teacher.model_chunks(actor)[-1])
             if own != student:
