@@ -92,3 +92,69 @@ def test_train_actor_full_vocabulary_equals_dense_float64(slime_cpu, world):
     assert abs(measured - float(misaligned)) > 10 * tolerance
     for name, p in student.named_parameters():
         torch.testing.assert_close(grads[name].double(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def wide_stages():
+    if "slime_standins" not in sys.modules:
+        pytest.skip("slime is not importable; run `make test-slime SLIME=... MEGATRON_LM=...`")
+    import tempfile
+
+    import slime_kit as kit
+    import slime_ranks
+    import slime_standins
+
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    with tempfile.TemporaryDirectory() as tmp:
+        slime_standins.cpu_accelerator()
+        with megatron_on_cpu(), kit.slime_session() as args:  # saved at one rank, loaded at PP=2 (resharded)
+            slime_ranks.save_wide_teacher(args, f"{tmp}/wide")
+        yield run_multirank(slime_ranks.opd_train_actor, 2, 2, 1, 1, None, None, (), 1, f"{tmp}/wide", 1, None,
+                            None, None, VOCAB_ENV, timeout=300)
+
+
+@pytest.mark.parametrize("layout", [pytest.param("pp2", marks=layouts.mark("pp2", "thd"))])
+def test_a_separate_teacher_of_another_hidden_size_at_pp2_equals_dense_float64(slime_cpu, wide_stages, layout):
+    """K=vocab with a snapshot and a separate model of another hidden size and depth
+    (`PATH@slime_ranks:wide_teacher`, H 48 beside the student's 32) on the actor's pipeline split:
+    its hidden states and its own output weight, against dense float64."""
+    import slime_kit as kit
+    import slime_ranks
+
+    first, last = wide_stages
+    assert first["losses"] is None and first["keys"] == []
+
+    def whole(tag):
+        return kit.whole_stages([stage["states"][tag] for stage in wide_stages])
+
+    states, grads = {tag: whole(tag) for tag in ("actor", "opd_teacher_0", "opd_teacher_1")}, \
+        kit.whole_stages([stage["grads"] for stage in wide_stages])
+    with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS) as args:
+        names = [name for name, _ in kit.provider_func(args)().named_parameters()]
+        data = kit.rollout(0)
+        student = kit.float64_copy(args, [states["actor"][name] for name in names])
+        wide = kit.provider_func(args)(config=slime_ranks.wide_config(args)).double()
+        with torch.no_grad():
+            for name, p in wide.named_parameters():
+                p.copy_(states["opd_teacher_1"][name])
+            teachers = [kit.response_logps(kit.float64_copy(args, [states["opd_teacher_0"][n] for n in names]), data,
+                                           TEMPERATURE), kit.response_logps(wide, data, TEMPERATURE)]
+        dense_student = kit.response_logps(student, data, TEMPERATURE)
+        expected = kit.dense_vocab_loss(dense_student, teachers, data, WEIGHTS)
+        expected.backward()
+        with torch.no_grad():
+            misaligned = kit.dense_vocab_loss(dense_student, [teachers[0], shifted(teachers[1])], data, WEIGHTS)
+    (losses,) = last["losses"]
+    measured = float(losses["opd_vocab_loss"])
+    loss_error = abs(measured - float(expected))
+    grad_error = max((grads[name].double() - p.grad).abs().max().item() for name, p in student.named_parameters())
+    print(f"slime_opd K=vocab train_actor {layout} with a separate teacher of hidden size 48 vs dense float64: loss "
+          f"{float(expected):.6f}, |Δloss| {loss_error:.2e}, max |Δgrad| {grad_error:.2e}; its rows shifted: "
+          f"|Δloss| {abs(measured - float(misaligned)):.2e}")
+    tolerance = 1e-5 * max(1.0, abs(float(expected)))
+    assert loss_error <= tolerance
+    assert abs(measured - float(misaligned)) > 10 * tolerance  # the negative control
+    for name, p in student.named_parameters():
+        torch.testing.assert_close(grads[name].double(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
