@@ -89,3 +89,11 @@ def test_a_separate_teacher_padded_otherwise_is_refused_at_load():
     vocab_opd.check_loaded(actor, [SnapshotTeacher("opd_teacher_0"), SeparateTeacher([_chunk(128)])])
     with pytest.raises(ValueError, match="teacher 1 .* padded vocabulary of 256, the student 128"):
         vocab_opd.check_loaded(actor, [SnapshotTeacher("opd_teacher_0"), SeparateTeacher([_chunk(256)])])
+
+
+def test_a_training_step_without_the_teachers_fields_is_a_clear_error():
+    from megatron_rl_patches.integrations.slime.vocab_step import NOT_SCORED, vocab_processor
+
+    with pytest.raises(RuntimeError, match="found no teacher hidden states") as error:
+        vocab_processor(VocabRequest(), lambda **_: {}, {"temperature": 1.0}, {"tokens": [1]}, 4, "cpu", False)
+    assert str(error.value) == NOT_SCORED
