@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slime
 
 WEIGHTS = (0.3, 0.7)
 TEMPERATURE = 0.8  # slime_ranks.TEMPERATURE: the rollout's
+LOSS = "megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss"  # slime_ranks.OPD_LOSS
 VOCAB_ENV = {"K": "vocab"}
 # name: (pipeline, context, tensor, slime's extra flags), the layout's markers
 LAYOUTS = {"pp1": ((1, 1, 1, ()), ("thd",)),
@@ -158,3 +159,47 @@ def test_a_separate_teacher_of_another_hidden_size_at_pp2_equals_dense_float64(s
     assert abs(measured - float(misaligned)) > 10 * tolerance  # the negative control
     for name, p in student.named_parameters():
         torch.testing.assert_close(grads[name].double(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_no_vocabulary_wide_tensor_in_the_teachers_passes_nor_the_step(slime_cpu, monkeypatch):
+    """One rank, jsd: the teachers' passes keep [R, H] hidden states per sample (no log-prob, no
+    [T, V]) and the training step's largest vocabulary-wide tensor is one tile of
+    --log-probs-chunk-size rows."""
+    import math
+
+    import slime_kit as kit
+    import slime_standins
+    from slime.backends.megatron_utils import model as slime_model
+
+    import megatron_rl_patches
+    from megatron_rl_patches.integrations.slime import opd as slime_opd
+    from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
+    from megatron_rl_patches.integrations.slime.step_plan import TEACHER_HIDDEN
+    from megatron_rl_patches.testing.vocab_watch import VocabWideTensors
+
+    slime_standins.cpu_pinned_memory(monkeypatch)
+    values = {"TEACHERS": "teacher-a,teacher-b", "WEIGHTS": "0.3,0.7", "K": "vocab", "DIVERGENCE": "jsd",
+              "POLICY_WEIGHT": "0", "COEF": "1"}
+    for name, value in values.items():
+        monkeypatch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
+    megatron_rl_patches.apply(only=["slime_fused", "gpt_output_processor", "slime_opd"])
+    with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", LOSS,
+                           rollout_temperature=TEMPERATURE, log_probs_chunk_size=4) as args:
+        model, optimizer, scheduler = kit.build(args)
+        actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2}, monkeypatch)
+        setattr(actor, slime_opd.ATTRIBUTE, slime_opd.load_teachers(actor, opd_settings()))
+        data = kit.rollout(0, kit.log_probs(args, model, kit.rollout(0))["log_probs"])
+        data["num_microbatches"] = [len(data["micro_batch_indices"])]
+        with VocabWideTensors(vocab=kit.VOCAB) as scoring:
+            slime_opd.score_teachers(actor, data, opd_settings())
+        assert actor._active_model_tag == "actor"
+        hidden = args.hidden_size
+        assert [[tuple(t.shape) for t in sample] for sample in data[TEACHER_HIDDEN]] == \
+            [[(r, hidden), (r, hidden)] for r in kit.RESPONSES]
+        for chunk in model:
+            chunk.train()
+        with VocabWideTensors(vocab=kit.VOCAB) as step:
+            losses, _ = slime_model.train_one_step(args, 0, 0, kit.iterators(data), model, optimizer, scheduler, 2, 4)
+    assert scoring.largest_bytes == 0, scoring.as_dict()  # the passes form no vocabulary-wide tensor at all
+    assert step.largest_bytes and math.prod(step.largest_shape[:-1]) <= 4, step.as_dict()  # tiles of 4 rows
+    assert math.isfinite(float(losses["opd_vocab_loss"])) and float(losses["opd_vocab_loss"]) > 0
