@@ -5,7 +5,10 @@ tensor-parallel group): the teacher's whole distribution at slime's --rollout-te
 scores any ids (MEGATRON_RL_PATCHES_OPD_IDS_FROM student, union or teacher) at any K, in any place
 of the teacher list. Every rank of the last pipeline stage asks the server for the step's samples
 (each rank of the head's group projects the same rows: its shard of the vocabulary); the other
-stages only join the job's agreement on a failure. Context-parallel ranks cut their zigzag rows."""
+stages only join the job's agreement on a failure. Context-parallel ranks cut their zigzag rows.
+With `;tokenizer=DIR` too (another tokenizer) each rank of the last stage re-tokenizes the samples
+for the teacher and the chunk-start buckets are scored exactly through the head
+(`teachers.head_cross_buckets`): no bucket folded."""
 # lazy imports: optional dependency megatron-core (and httpx, the extra `served`)
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.integrations.slime.allgather_cp import whole_from_zigzag, zigzag_of_whole
+from megatron_rl_patches.integrations.slime.cross_passes import cross_pair, teacher_samples
 from megatron_rl_patches.integrations.slime.opd_settings import OpdSettings, Teacher
 from megatron_rl_patches.integrations.slime.opd_teachers import OpdTeacher, ScoringStep
 from megatron_rl_patches.integrations.slime.served_opd import (
@@ -27,12 +31,14 @@ from megatron_rl_patches.integrations.slime.served_opd import (
 from megatron_rl_patches.integrations.slime.step_plan import IDS, IDS_MASK, TopkRequest
 from megatron_rl_patches.ops.topk import union_ids
 from megatron_rl_patches.teachers.agreement import agree_failure
+from megatron_rl_patches.teachers.head_cross_buckets import cross_batch, cross_scores, head_buckets
 from megatron_rl_patches.teachers.named_vocab import check_named_vocab, named_vocab_size
 from megatron_rl_patches.teachers.scores import TeacherScores
 from megatron_rl_patches.teachers.tokenizer_probe import STUDENTS, probe_tokenizer
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from megatron_rl_patches.cross_tokenizer.teacher import CrossTeacher
     from megatron_rl_patches.teachers.contract import BatchScores
     from megatron_rl_patches.teachers.served import PendingScores, ServedTeacher
 
@@ -41,16 +47,24 @@ class ServedHeadOpdTeacher(OpdTeacher):
     """A teacher at a URL whose hidden states go through its head here (`teacher`: a `ServedTeacher`
     with a head, on the last pipeline stage's ranks; None on the others)."""
 
-    def __init__(self, teacher: ServedTeacher | None) -> None:
+    def __init__(self, teacher: ServedTeacher | None, pair: CrossTeacher | None = None, k: int = 0) -> None:
         self.teacher = teacher
         self.pending: PendingScores | None = None
+        self.pair, self.k = pair, k  # a teacher of another tokenizer: both tokenizers, the buckets per chunk start
+        self.samples: list[Any] | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.teacher!r})"
 
     def begin(self, actor: Any, rollout_data: dict) -> None:
         """The step's samples sent now by every rank of the last stage, before the student's pass."""
-        self.pending = None if self.teacher is None else self.teacher.submit(batch_of(rollout_data))
+        if self.teacher is None:
+            self.pending = None
+        elif self.pair is None:
+            self.pending = self.teacher.submit(batch_of(rollout_data))
+        else:  # the teacher's own encoding of each sample
+            self.samples = teacher_samples(rollout_data, self.pair)
+            self.pending = self.teacher.submit(cross_batch(self.samples))
 
     def unscored(self) -> None:
         """The step scores no teacher: its requests collected all the same (the job's agreement)."""
@@ -71,6 +85,8 @@ class ServedHeadOpdTeacher(OpdTeacher):
         return pending.result(job_group(), projected=projected)
 
     def score(self, step: ScoringStep) -> TeacherScores | None:
+        if self.pair is not None:  # another tokenizer: its own buckets, not the step's ids
+            return self.cross_score(step)
         request = step.ids_request()
         scores = self.collected()
         if scores is None:
@@ -94,6 +110,21 @@ class ServedHeadOpdTeacher(OpdTeacher):
             data[IDS] = zigzag_of_whole([i.to(device) for i in ids], totals, responses)
             data[IDS_MASK] = zigzag_of_whole([m.to(device) for m in mask], totals, responses)  # type: ignore[union-attr]
         return TeacherScores(values, tails)
+
+    def cross_score(self, step: ScoringStep) -> TeacherScores | None:
+        """A teacher of another tokenizer: every chunk-start bucket of its own top-k scored through
+        the head (each bucket's teacher ids whole), and the token-level signal from its own tokens'
+        log-probs — the fields a teacher of another tokenizer gives (None off the last stage)."""
+        scores = self.collected()
+        if scores is None:
+            return None
+        assert self.teacher is not None and self.teacher.head is not None and self.samples is not None
+        assert self.pair is not None
+        samples, self.samples = self.samples, None
+        buckets = head_buckets(self.teacher.head, scores, samples, self.pair.shared, self.k,
+                               temperature=self.teacher.temperature)
+        return cross_scores(buckets, scores.token_log_probs, step.student_log_probs, samples,
+                            device_of(step.rollout_data))
 
     def step_ids(self, request: TopkRequest, data: dict, scores: BatchScores, totals: list[int],
                  responses: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
@@ -144,10 +175,13 @@ def build_served_head(actor: Any, settings: OpdSettings, teacher: Teacher, stude
     args = actor.args
     assert teacher.head is not None  # the builder's route for `;head=DIR`
     error: BaseException | None = None
-    served = None
+    served = pair = None
     try:
-        check_teacher_vocab(teacher.head, student)  # ';head=DIR' of another tokenizer: not served yet
+        if teacher.tokenizer is None:  # the student's tokenizer: DIR's vocabulary the student's
+            check_teacher_vocab(teacher.head, student)
         _, asks, last = asking_group()
+        if last and teacher.tokenizer is not None:  # another tokenizer: the pair read where samples are scored
+            pair = cross_pair(args, teacher)
         if last:
             head = TeacherHead.from_hf(teacher.head, tp_group=tp_group(),
                                        make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by",
@@ -157,7 +191,10 @@ def build_served_head(actor: Any, settings: OpdSettings, teacher: Teacher, stude
                                    temperature=rollout_temperature(args))
             if asks:
                 served.check()
-                if teacher.same_tokenizer:  # the user's word: no tokenizer on the server to probe
+                if pair is not None:
+                    probe_tokenizer(served, pair.tokenizer, where, f"the tokenizer ';tokenizer={teacher.tokenizer}' "
+                                                                   "names")
+                elif teacher.same_tokenizer:  # the user's word: no tokenizer on the server to probe
                     ids = int(student_tokenizer_of(args, where).get_vocab_size(with_added_tokens=True))
                     check_named_vocab(named_vocab_size(teacher, where), ids, where)
                 else:
@@ -165,7 +202,7 @@ def build_served_head(actor: Any, settings: OpdSettings, teacher: Teacher, stude
     except Exception as failed:  # noqa: BLE001 - agreed over the job, then raised
         error = failed
     agree_at_load(error, where)
-    return ServedHeadOpdTeacher(served)
+    return ServedHeadOpdTeacher(served, pair, settings.k)
 
 
 def rollout_temperature(args: Any) -> float:

@@ -52,10 +52,10 @@ def build_served_teacher(actor: Any, settings: OpdSettings, index: int, teacher:
     ranks that will ask it, agreed by all."""
     check_served(settings)
     where = f"{TEACHERS} entry '{teacher.path}'"
+    if teacher.head is not None:  # with ';tokenizer=DIR' too: exact buckets through the head
+        return build_served_head(actor, settings, teacher, student, where)
     if teacher.tokenizer is not None:
         return build_served_cross(actor.args, settings, teacher, where)
-    if teacher.head is not None:
-        return build_served_head(actor, settings, teacher, student, where)
     head = actor.model[-1]
     while hasattr(head, "module"):  # the wrapped chunk (DDP, Float16Module) holds the vocabulary
         head = head.module
