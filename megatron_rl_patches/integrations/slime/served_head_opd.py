@@ -118,6 +118,7 @@ class ServedHeadOpdTeacher(OpdTeacher):
         scores = self.collected()
         if scores is None:
             return None
+        assert not isinstance(scores, list)  # projected: the head's scores
         assert self.teacher is not None and self.teacher.head is not None and self.samples is not None
         assert self.pair is not None
         samples, self.samples = self.samples, None
