@@ -61,7 +61,8 @@ MEANINGS: dict[str, str] = {
                   "tokenizer; no user:pass@ in the URL: the key goes in MEGATRON_RL_PATCHES_TEACHER_API_KEY); quote "
                   "the ';'; set in the training actors' environment (--train-env-vars)",
     OPD_WEIGHTS: "slime_opd: mixture weights, one per teacher, summing to 1 (unset: uniform)",
-    OPD_K: "slime_opd: the student's top-k ids per token (default 16)",
+    OPD_K: "slime_opd: the student's top-k ids per token (default 16), or vocab (the divergence over the whole "
+           "vocabulary from the teachers' hidden states)",
     OPD_DIVERGENCE: "slime_opd: reverse_kl (default), forward_kl, jsd, skew_forward_kl, skew_reverse_kl, tv or "
                     "mixed_kl",
     OPD_COEF: "slime_opd: weight of the top-k divergence (default 1.0)",

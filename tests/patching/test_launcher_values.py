@@ -85,6 +85,10 @@ CASES = [
      "MEGATRON_RL_PATCHES_OPD_IDS_FROM='teachers'"),
     ("opd-weights", None, {OPD + "TEACHERS": "/a,/b", OPD + "WEIGHTS": "2,3"},
      "MEGATRON_RL_PATCHES_OPD_WEIGHTS='2,3' sums to 5"),
+    ("opd-k-vocab", None, {OPD + "TEACHERS": "/a,/b", OPD + "K": "vocab"}, ALL),  # full-vocabulary OPD
+    ("opd-k-vocab-top-k-server", None, {OPD + "TEACHERS": "/a,http://t:1;engine=vllm", OPD + "K": "vocab"},
+     "MEGATRON_RL_PATCHES_OPD_K=vocab: MEGATRON_RL_PATCHES_OPD_TEACHERS entry 'http://t:1' is a served teacher "
+     "without a head"),
     # misspelled names with our prefix (issue 49: ignored, `run` then defaulted to all)
     ("misspelled-select", None, {"MEGATRON_RL_PATCH": "ddp_hooks"},
      "unknown variable(s) MEGATRON_RL_PATCH (did you mean MEGATRON_RL_PATCHES?)"),

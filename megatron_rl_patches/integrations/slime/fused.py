@@ -19,9 +19,16 @@ from typing import Any
 from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
-from megatron_rl_patches.integrations.slime.step_plan import StepPlan, current_plan, run_planned, step_request
+from megatron_rl_patches.integrations.slime.step_plan import (
+    StepPlan,
+    VocabRequest,
+    current_plan,
+    run_planned,
+    step_request,
+)
 from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
 from megatron_rl_patches.integrations.slime.topk import topk_context, with_topk
+from megatron_rl_patches.integrations.slime.vocab_step import vocab_processor
 from megatron_rl_patches.integrations.step_mode import step_invariant
 from megatron_rl_patches.processors.heads import log_prob_output_processor
 from megatron_rl_patches.processors.mtp_loss import fused_mtp_loss_in_effect
@@ -253,7 +260,9 @@ class FusedModel:
                                               entropy_requires_grad=plan.entropy_requires_grad, **options)
         context: dict = row_context(rows[None])
         context.update(top_p_context(plan.args, batch, length, tokens.device, allgather_cp))
-        if plan.topk is not None:
+        if isinstance(plan.topk, VocabRequest):  # full-vocabulary OPD: a teacher's hidden states, or the divergence
+            processor = vocab_processor(plan.topk, processor, options, batch, length, tokens.device, allgather_cp)
+        elif plan.topk is not None:
             topk_ctx = topk_context(plan.topk, batch, length, tokens.device, allgather_cp)
             processor = with_topk(processor, plan.topk.k, options, topk_ctx, union=plan.topk.union)
         out = call(**{**kwargs, "labels": labels[None]}, output_processor=fused_output(processor),

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._args import bind
-from megatron_rl_patches.integrations.slime import cross_passes, hf_teachers, teacher_builders
+from megatron_rl_patches.integrations.slime import cross_passes, hf_teachers, teacher_builders, vocab_opd
 from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
 from megatron_rl_patches.integrations.slime.fused import unservable
 from megatron_rl_patches.integrations.slime.opd_settings import (
@@ -53,6 +53,7 @@ from megatron_rl_patches.integrations.slime.step_plan import (
     OPD_KEYS,
     TEACHER_LOGPROBS,
     TEACHER_TAILS,
+    VOCAB_KEYS,
     StepPlan,
     TopkRequest,
     run_planned,
@@ -98,6 +99,8 @@ def load_teachers(actor: Any, settings: OpdSettings) -> list[OpdTeacher]:
     student = hf_teachers.student_vocab(actor.args, teacher_builders.unwrap(actor.model[-1]).vocab_size)
     loaded = teacher_builders.load_all(actor, settings, student)
     actor._switch_model("actor")
+    if settings.full_vocab:
+        vocab_opd.check_loaded(actor, [opd_teacher(teacher) for teacher in loaded])
     return loaded
 
 
@@ -119,7 +122,8 @@ def collect_topk(output: Any, *, total_lengths: list[int], response_lengths: lis
                  fell_back: list | None = None, **_: Any) -> tuple:
     """slime's forward_only callback for a top-k pass: the buckets per sample (detached; with
     --allgather-cp in slime's zigzag rows, as slime keeps every per-sample field). Logits (a
-    fallback) are noted in `fell_back` for the pass to agree on; without it, an error here."""
+    fallback) are noted in `fell_back` for the pass to agree on; without it, an error here. A
+    full-vocabulary teacher's pass (`vocab_opd`) gives its hidden states the same way."""
     if not isinstance(output, dict):
         if fell_back is None:
             raise RuntimeError(FELL_BACK)
@@ -128,7 +132,7 @@ def collect_topk(output: Any, *, total_lengths: list[int], response_lengths: lis
     batch = {"total_lengths": total_lengths, "response_lengths": response_lengths}
     allgather = allgather_cp_active(args)
     result = {}
-    for key in ("topk_ids", "ids_mask", "topk_log_probs", "tail", "log_probs"):
+    for key in ("topk_ids", "ids_mask", "topk_log_probs", "tail", "log_probs", "teacher_hidden"):
         if key in output:
             pieces = [t.detach() for t in per_sample_rows(output[key], batch, allgather)]
             result[key] = zigzag_from_local(pieces, output[key].shape[1], total_lengths, response_lengths) \
@@ -194,6 +198,10 @@ def _score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> No
     teachers = [opd_teacher(teacher) for teacher in getattr(actor, ATTRIBUTE)]
     for teacher in teachers:  # a served teacher's requests go now, overlapping the student's pass
         teacher.begin(actor, rollout_data)
+    if settings.full_vocab:  # no ids: each teacher's hidden states and head (`vocab_opd`)
+        vocab_opd.score_teachers(actor, rollout_data, teachers, _last_stage(), topk_pass)
+        actor._switch_model("actor")
+        return
     student = topk_pass(actor.args, actor.model, rollout_data, TopkRequest(k=settings.k))
     ids = student.get("topk_ids")
     # Every pipeline stage takes part in each teacher's pipelined pass, in the same order; the ids
@@ -248,9 +256,10 @@ def log_rollout_data_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
     rollout data without them. The training steps still read them (the dict itself is unchanged)."""
     bound = bind(wrapped, args, kwargs)
     data = None if bound is None else bound.arguments.get("rollout_data")
-    if bound is None or not isinstance(data, dict) or not any(key in data for key in OPD_KEYS):
+    keys = (*OPD_KEYS, *VOCAB_KEYS)
+    if bound is None or not isinstance(data, dict) or not any(key in data for key in keys):
         return wrapped(*args, **kwargs)
-    bound.arguments["rollout_data"] = {key: value for key, value in data.items() if key not in OPD_KEYS}
+    bound.arguments["rollout_data"] = {key: value for key, value in data.items() if key not in keys}
     return wrapped(*bound.args, **bound.kwargs)
 
 
@@ -294,6 +303,8 @@ def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean
     from slime.backends.megatron_utils.loss import policy_loss_function  # slime is not a dependency
 
     settings = opd_settings()
+    if settings is not None and settings.full_vocab:
+        return vocab_opd.vocab_opd_loss(args, batch, logits, sum_of_sample_mean, settings)
     if settings is None or (batch.get(TEACHER_LOGPROBS) is None and batch.get(CROSS_RATIO) is None):
         raise ValueError(f"{LOSS_PATH} needs top-k OPD's teacher scores: set {TEACHERS} and apply the slime_opd "
                          "patch (megatron_rl_patches.apply(only=['slime_fused', 'slime_opd', ...]))")

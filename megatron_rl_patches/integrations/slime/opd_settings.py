@@ -22,6 +22,7 @@ from megatron_rl_patches._variables import OPD_RESIDENCY as RESIDENCY
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
 from megatron_rl_patches._variables import OPD_WEIGHTS as WEIGHTS
 from megatron_rl_patches.teachers.kinds import parse_entries
+from megatron_rl_patches.teachers.kinds.entry import SERVED
 from megatron_rl_patches.teachers.kinds.entry import TeacherEntry as Teacher
 from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, STOP_TOKENS  # noqa: F401 - the entry's options (--help)
 
@@ -48,6 +49,7 @@ class OpdSettings:
     policy_weight: float = 1.0
     residency: str | None = None
     ids_from: str = "student"
+    full_vocab: bool = False  # K=vocab: the divergence over the whole vocabulary from hidden states (`vocab_opd`)
 
 
 def load_function(spec: str, what: str, returns: str) -> Any:
@@ -84,12 +86,41 @@ def _number(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+FULL_VOCAB = "vocab"  # MEGATRON_RL_PATCHES_OPD_K=vocab: full-vocabulary OPD
+
+
 def _k(env: Mapping[str, str]) -> int:
     raw = env.get(K, "").strip() or "16"
+    if raw.lower() == FULL_VOCAB:
+        return 16  # no buckets: k is unused (a served head's own top-k stays at the default)
     k = ascii_int(raw) or 0
     if k <= 0:
-        raise ValueError(f"{K}={raw!r}: expected an integer k > 0 (the student's top-k ids per token)")
+        raise ValueError(f"{K}={raw!r}: expected an integer k > 0 (the student's top-k ids per token) or "
+                         f"'{FULL_VOCAB}' (the divergence over the whole vocabulary)")
     return k
+
+
+def full_vocab_refusal(teachers: tuple[Teacher, ...], ids_from: str) -> str | None:
+    """Why MEGATRON_RL_PATCHES_OPD_K=vocab cannot serve these settings, or None: every teacher must
+    give its final hidden states and an output layer over the student's vocabulary (a snapshot, a
+    separate model of the student's tokenizer, a served teacher with `;head=DIR`), and no ids are
+    selected. The first teacher that cannot is named."""
+    if ids_from != "student":
+        return (f"{IDS_FROM}={ids_from}: the full vocabulary selects no ids; unset {IDS_FROM} (or use a top-k "
+                f"{K}=N for {ids_from} ids)")
+    for teacher in teachers:
+        where = f"{TEACHERS} entry '{teacher.path}'"
+        if teacher.other_tokenizer:
+            return (f"{where} has another tokenizer: its vocabulary is not the student's, so its distribution "
+                    f"cannot be compared id by id; use a top-k {K}=N (its buckets are grouped by shared strings)")
+        if teacher.kind == SERVED and teacher.head is None:
+            return (f"{where} is a served teacher without a head: the engine sends its top-k log-probs only; "
+                    "serve its hidden states (vLLM --runner pooling --convert embed) and add ';head=DIR' (its "
+                    f"Hugging Face directory), or use a top-k {K}=N")
+        if teacher.at_layout:
+            return (f"{where} ';{teacher.layout_written}': a teacher at its own layout does not hand its hidden "
+                    f"states to the student's ranks yet; drop ';{teacher.layout_written}' or use a top-k {K}=N")
+    return None
 
 
 def _weights(env: Mapping[str, str], count: int) -> tuple[float, ...] | None:
@@ -136,6 +167,10 @@ def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
         raise ValueError(f"{IDS_FROM}=teacher with a first teacher of another tokenizer ({teachers[0].path!r}): its "
                          f"top-k ids are not the student's; name a teacher of the student's tokenizer first in "
                          f"{TEACHERS}, or use {IDS_FROM}=student")
+    full_vocab = env.get(K, "").strip().lower() == FULL_VOCAB
+    refusal = full_vocab_refusal(teachers, ids_from) if full_vocab else None
+    if refusal is not None:
+        raise ValueError(f"{K}={FULL_VOCAB}: {refusal}")
     return OpdSettings(teachers=teachers, weights=_weights(env, len(teachers)), k=_k(env), divergence=divergence,
                        coef=_number(env, COEF, 1.0), policy_weight=_number(env, POLICY_WEIGHT, 1.0),
-                       residency=_residency(env), ids_from=ids_from)
+                       residency=_residency(env), ids_from=ids_from, full_vocab=full_vocab)

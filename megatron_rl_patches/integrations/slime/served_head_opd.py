@@ -70,9 +70,10 @@ class ServedHeadOpdTeacher(OpdTeacher):
         """The step scores no teacher: its requests collected all the same (the job's agreement)."""
         self.collected()
 
-    def collected(self) -> BatchScores | None:
-        """The step's scores through the head on the last stage's ranks (None on the others); a
-        failure on any rank raised on every rank of the job."""
+    def collected(self, projected: bool = True) -> BatchScores | list[torch.Tensor] | None:
+        """The step's scores through the head on the last stage's ranks (None on the others; with
+        `projected=False` the hidden states [R_i, H] as sent: `vocab_opd`); a failure on any rank
+        raised on every rank of the job."""
         pending, self.pending = self.pending, None
         if self.teacher is None:
             agree_failure(None, job_group())
@@ -81,7 +82,7 @@ class ServedHeadOpdTeacher(OpdTeacher):
             error = RuntimeError("slime_opd: a served teacher's step was not sent before its turn; please report this")
             agree_failure(error, job_group())
         assert pending is not None  # agree_failure raised otherwise
-        return pending.result(job_group())
+        return pending.result(job_group(), projected=projected)
 
     def score(self, step: ScoringStep) -> TeacherScores | None:
         if self.pair is not None:  # another tokenizer: its own buckets, not the step's ids
@@ -90,6 +91,7 @@ class ServedHeadOpdTeacher(OpdTeacher):
         scores = self.collected()
         if scores is None:
             return None
+        assert not isinstance(scores, list)  # projected: the head's scores
         data = step.rollout_data
         totals, responses = [int(t) for t in data["total_lengths"]], [int(r) for r in data["response_lengths"]]
         device = device_of(data)
@@ -116,6 +118,7 @@ class ServedHeadOpdTeacher(OpdTeacher):
         scores = self.collected()
         if scores is None:
             return None
+        assert not isinstance(scores, list)  # projected: the head's scores
         assert self.teacher is not None and self.teacher.head is not None and self.samples is not None
         assert self.pair is not None
         samples, self.samples = self.samples, None

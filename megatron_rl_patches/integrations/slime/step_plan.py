@@ -60,6 +60,26 @@ OPD_KEYS = (IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS, *CROSS_KEYS)
 STEP_REQUEST = TopkRequest(ids_key=IDS, keys=(IDS, TEACHER_LOGPROBS, TEACHER_TAILS))
 UNION_STEP_REQUEST = TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS))
 
+# Full-vocabulary OPD (MEGATRON_RL_PATCHES_OPD_K=vocab, `vocab_opd`): per sample a tuple with each
+# teacher's final hidden states [R, H_j] on this rank's response rows (slime's zigzag rows), and the
+# teachers' output layers (`vocab_step.TeacherHeads`, the same object for every sample: a reference).
+TEACHER_HIDDEN, TEACHER_HEADS = "opd_teacher_hidden", "opd_teacher_heads"
+VOCAB_KEYS = (TEACHER_HIDDEN, TEACHER_HEADS)
+
+
+@dataclass(frozen=True)
+class VocabRequest(TopkRequest):
+    """Full-vocabulary OPD's part of a fused call (`vocab_step`). `hidden`: a teacher's pass giving
+    its final hidden states (its output weight kept once per pass in `captured`); else the training
+    step's: the per-token `divergence` between the student and the teachers of the batch's keys,
+    mixed with `weights` (None: equal)."""
+
+    hidden: bool = False
+    divergence: str = "reverse_kl"
+    weights: tuple[float, ...] | None = None
+    captured: list = field(default_factory=list, compare=False, hash=False, repr=False)
+
+
 _PLAN: contextvars.ContextVar[StepPlan | None] = contextvars.ContextVar("megatron_rl_patches_slime_plan", default=None)
 
 
@@ -85,6 +105,8 @@ def step_request(args: Any) -> TopkRequest | None:
         return None
     if getattr(args, "loss_type", None) != "custom_loss":
         return None
+    if settings.full_vocab:  # the divergence over the whole vocabulary from the teachers' hidden states
+        return VocabRequest(keys=VOCAB_KEYS, divergence=settings.divergence, weights=settings.weights)
     if any(teacher.other_tokenizer for teacher in settings.teachers):  # grouped buckets: the cross keys
         return TopkRequest(ids_key=STEP_IDS, mask_key=STEP_MASK, keys=(*UNION_STEP_REQUEST.keys, *CROSS_KEYS))
     return UNION_STEP_REQUEST if settings.ids_from == "union" else STEP_REQUEST

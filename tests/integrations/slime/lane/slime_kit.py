@@ -344,6 +344,20 @@ def dense_opd_loss(students: list[torch.Tensor], teachers: list[list[torch.Tenso
     return total / len(ids)
 
 
+def dense_vocab_loss(students: list[torch.Tensor], teachers: list[list[torch.Tensor]], data: dict,
+                     weights: Sequence[float]) -> torch.Tensor:
+    """The first step's full-vocabulary OPD loss (MEGATRON_RL_PATCHES_OPD_K=vocab, forward KL) from
+    per-sample dense [R, V] log-softmaxes: KL(q_mix ‖ p_s) per token over the whole vocabulary
+    (q_mix mixed in probability space), averaged over each sample's loss mask, then over samples."""
+    log_w = torch.tensor(weights, dtype=torch.float64).log()[:, None, None]
+    total = torch.zeros((), dtype=torch.float64)
+    for s, mask in enumerate(data["loss_masks"]):
+        mix = torch.logsumexp(torch.stack([t[s] for t in teachers]) + log_w, dim=0)
+        kl = (mix.exp() * (mix - students[s])).sum(-1)
+        total = total + (kl * mask).sum() / mask.sum().clamp(min=1)
+    return total / len(students)
+
+
 def whole_stages(stages: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The stages' named tensors (already under the whole model's names) in one dict."""
     whole: dict[str, torch.Tensor] = {}

@@ -202,7 +202,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                     virtual: int | None = None, hf_teacher: str | None = None, flags: tuple[str, ...] = (),
                     rollouts: int = 1, wide_path: str | None = None, expert: int = 1,
                     weights: str | None = None, cross: dict[str, Any] | None = None,
-                    served: dict[str, str] | None = None) -> dict[str, Any]:
+                    served: dict[str, str] | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
     """slime_opd with two teachers through slime's real `MegatronTrainRayActor.train_actor`
     (slime's log-probs, advantages, `log_rollout_data`, `train()`), on `pipeline` stages, with
     slime's extra `flags`; `rollouts` train_actor calls in a row (re-entry). Returns this stage's
@@ -222,7 +222,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
     cross["temperature"]: the rollout's temperature (a served teacher's: 1); `served`: the teachers'
     entries served["entries"] (a served teacher first), the ids from the
     teacher (served["ids_from"]: from whom), the student's tokenizer in served["student"], the rollout
-    at temperature 1 (served["temperature"]: another, a served teacher with a head)."""
+    at temperature 1 (served["temperature"]: another, a served teacher with a head); `env`: OPD variables
+    set last (their names without MEGATRON_RL_PATCHES_OPD_, e.g. {"K": "vocab"})."""
     with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual,
                    expert=expert) as patch:
         import slime_kit as kit
@@ -270,6 +271,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
         if served is not None:
             patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", served["entries"])
             patch.setenv("MEGATRON_RL_PATCHES_OPD_IDS_FROM", served.get("ids_from", "teacher"))
+        for name, value in (env or {}).items():
+            patch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
         agreed: list[int] = []  # the teacher micro-batch counts agreed (with expert parallelism)
         if cross is not None and cross.get("more_micro_batches"):
             from megatron_rl_patches.integrations.slime import expert_agreement

@@ -120,3 +120,66 @@ def test_train_actor_with_a_served_head_equals_dense_float64(slime_cpu, pooled, 
     assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
     for name, p in student.named_parameters():
         torch.testing.assert_close(grads[name].double(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+# full-vocabulary OPD (MEGATRON_RL_PATCHES_OPD_K=vocab) with the served head first, the snapshot second:
+# name: (pipeline, context, tensor, slime's extra flags), the layout's markers
+VOCAB_LAYOUTS = {"pp1-vocab": ((1, 1, 1, ()), ("thd",)), "tp2sp-vocab": ((1, 1, 2, SP), ("tp2", "sp")),
+                 "pp2-vocab": ((2, 1, 1, ()), ("pp2", "thd")), "cp2-vocab": ((1, 2, 1, ()), ("cp2-zigzag", "thd"))}
+
+
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=layouts.mark(*VOCAB_LAYOUTS[name][1]))
+                                    for name in VOCAB_LAYOUTS])
+def test_train_actor_full_vocabulary_with_a_served_head_equals_dense_float64(slime_cpu, pooled, layout):
+    """K=vocab: the served teacher's hidden states through its head and the snapshot's, mixed 0.3 /
+    0.7, forward KL over the whole vocabulary at --rollout-temperature 0.8; the loss and every
+    gradient against dense float64; the served checkpoint's rows shifted by one must not match."""
+    import slime_kit as kit
+    import slime_ranks
+
+    from megatron_rl_patches.integrations.slime.step_plan import VOCAB_KEYS
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    url, directory = pooled
+    pipeline, context, tensor, flags = VOCAB_LAYOUTS[layout][0]
+    served = {"entries": f"{url};engine=vllm;head={directory},teacher-a", "student": directory,
+              "ids_from": "student", "temperature": str(TEMPERATURE)}
+    per_stage = context * tensor
+    ranks = run_multirank(slime_ranks.opd_train_actor, pipeline * per_stage, pipeline, context, tensor, None, None,
+                          flags, 1, None, 1, None, None, served, {"K": "vocab"}, timeout=600)
+    for rank in ranks[-per_stage:]:  # the last stage's ranks hold the fields
+        assert rank["keys"] == sorted(VOCAB_KEYS)
+    stages = [ranks[first:first + tensor] for first in range(0, len(ranks), per_stage)]
+
+    def whole(field, tag=None):
+        return kit.whole_stages([kit.unsplit([r[field] if tag is None else r[field][tag] for r in shards],
+                                             shards[0]["split"]) for shards in stages])
+
+    states, grads = {tag: whole("states", tag) for tag in ("actor", "opd_teacher_1")}, whole("grads")
+    with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS) as args:
+        names = [name for name, _ in kit.provider_func(args)().named_parameters()]
+        data = kit.rollout(0)
+        teacher = kit.hf_teacher_logps(directory, data, TEMPERATURE, VOCAB)
+        student = kit.float64_copy(args, [states["actor"][name] for name in names])
+        with torch.no_grad():
+            other = kit.response_logps(kit.float64_copy(args, [states["opd_teacher_1"][n] for n in names]), data,
+                                       TEMPERATURE)
+        dense_student = kit.response_logps(student, data, TEMPERATURE)
+        expected = kit.dense_vocab_loss(dense_student, [teacher, other], data, WEIGHTS)
+        expected.backward()
+        with torch.no_grad():
+            misaligned = kit.dense_vocab_loss(dense_student, [[t.roll(1, dims=0) for t in teacher], other], data,
+                                              WEIGHTS)
+    (losses,) = ranks[-1]["losses"]
+    measured = float(losses["opd_vocab_loss"])
+    loss_error = abs(measured - float(expected))
+    grad_error = max((grads[name].double() - p.grad).abs().max().item() for name, p in student.named_parameters())
+    print(f"slime_opd K=vocab train_actor {layout} with a served head (T={TEMPERATURE}) vs dense float64: loss "
+          f"{float(expected):.6f}, |Δloss| {loss_error:.2e}, max |Δgrad| {grad_error:.2e}; the served rows shifted: "
+          f"|Δloss| {abs(measured - float(misaligned)):.2e}")
+    tolerance = 1e-5 * max(1.0, abs(float(expected)))
+    assert loss_error <= tolerance
+    # the negative control: a misaligned reference fails the same bound, by a wide margin
+    assert abs(measured - float(misaligned)) > 10 * tolerance
+    for name, p in student.named_parameters():
+        torch.testing.assert_close(grads[name].double(), p.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -1,0 +1,38 @@
+"""A `TeacherHead` re-cut to another padded vocabulary (`head_padded_as`): a full-vocabulary
+divergence compares the teacher's output layer with the student's row by row, so both must hold
+the same vocabulary rows on each tensor-parallel rank. A student whose padded vocabulary differs
+from the one the head was read at (another `--make-vocab-size-divisible-by`, a framework that pads
+otherwise) gets the head's real rows at its own layout and zero rows past them."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl_patches.teachers.head import TeacherHead, group_position
+
+
+def head_padded_as(head: TeacherHead, padded_vocab_size: int) -> TeacherHead:
+    """`head` with `padded_vocab_size` rows over its tensor-parallel group (this rank's equal
+    shard); unchanged when it already has them. Every rank of the head's group calls it (one
+    all-gather of the shards, once: the whole [V, H] lives on each rank for the copy). ValueError
+    when the padded vocabulary cannot hold the head's real one or does not split over the group."""
+    if head.padded_vocab_size == padded_vocab_size:
+        return head
+    rank, size = group_position(head.tp_group)
+    if padded_vocab_size < head.vocab_size or padded_vocab_size % size:
+        raise ValueError(f"a teacher head of {head.vocab_size} real rows ({head.source}) cannot be padded to "
+                         f"{padded_vocab_size} rows over {size} tensor-parallel ranks: the student's padded vocabulary "
+                         "must hold the teacher's real one and split evenly over its tensor-parallel group")
+    whole = head.weight
+    if size > 1:
+        shards = [torch.empty_like(head.weight) for _ in range(size)]
+        dist.all_gather(shards, head.weight.contiguous(), group=head.tp_group)
+        whole = torch.cat(shards)
+    rows = padded_vocab_size // size
+    first = rank * rows
+    weight = head.weight.new_zeros((rows, head.hidden_size))
+    real = whole[first:min(first + rows, head.vocab_size)]
+    weight[:real.shape[0]] = real
+    return dataclasses.replace(head, weight=weight, padded_vocab_size=padded_vocab_size, first_id=first)
