@@ -2,7 +2,8 @@
 (`TeacherScores`), the contract of a teacher that scores whole samples (`TeacherBatch` ->
 `BatchScores`: per response row the teacher's own top-k, their exact tail and the actual token's
 log-prob), teachers served by an inference engine (`ServedTeacher`, vLLM; `served_buckets`: the
-chunk-start buckets of one with another tokenizer from its top-k), a teacher's output layer on the
+chunk-start buckets of one with another tokenizer from its top-k; `head_buckets`: exact, from its
+hidden states through its head), a teacher's output layer on the
 trainer (`TeacherHead`: a served teacher's hidden states through it), the teacher step of any loop
 (`TeacherStep` behind a `TeacherHost`: send early, ask once per group, share, agree a failure), and the kinds of
 teacher as one table (`teachers.kinds`: how an entry of MEGATRON_RL_PATCHES_OPD_TEACHERS is read
@@ -25,6 +26,7 @@ _LAZY = {
     "tail_log_probs": "tails",
     "served_buckets": "cross_buckets",
     "ServedBuckets": "cross_buckets",
+    "head_buckets": "head_cross_buckets",
     "TeacherHead": "head",
     "TeacherStep": "step",
     "StepPlan": "step",

@@ -5,7 +5,8 @@ the same on every rank of a sharing group), per sample on its whole response row
 - `OwnTopkServed`: a teacher of the student's tokenizer scoring its own top-k — they become the
   step's ids (their float32 log-probs and exact tails beside them);
 - `CrossServed`: a teacher of another tokenizer — the chunk-start buckets of its top-k on the
-  student's rows (`served_buckets`), and the token-level log-ratio against the student;
+  student's rows (`served_buckets`; with a head every bucket exact, `head_buckets`), and the
+  token-level log-ratio against the student;
 - `HeadServed`: a teacher whose hidden states go through its head here (`ServedTeacher(head=...)`)
   — its own top-k, or its log-probs at any ids (the student's, or their union with its own)."""
 from __future__ import annotations
@@ -16,10 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl_patches.ops.topk import union_ids
-from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.cross_buckets import served_buckets
 from megatron_rl_patches.teachers.errors import ServedTeacherRefusal
+from megatron_rl_patches.teachers.head_cross_buckets import cross_scores, head_buckets
 from megatron_rl_patches.teachers.scores import TeacherScores
 
 TYPE_CHECKING = False
@@ -59,46 +60,34 @@ class OwnTopkServed:
 @dataclass
 class CrossServed:
     """A served teacher of another tokenizer (`pair`: both tokenizers and their shared vocabulary;
-    `k` buckets per row): it scores its own encoding of each sample (`batch`)."""
+    `k` buckets per chunk start): it scores its own encoding of each sample
+    (`head_cross_buckets.cross_batch`); with a head every bucket exactly (`head_buckets`), else
+    the engine's top-k (`served_buckets`: a bucket holding an id outside them folded into the
+    tail)."""
 
     teacher: ServedTeacher
     pair: CrossTeacher
     k: int
-
-    @staticmethod
-    def batch(samples: list[TeacherSample]) -> TeacherBatch:
-        """The teacher's encodings of the step's samples as the server scores them."""
-        return TeacherBatch([s.tokens.detach().cpu() for s in samples],
-                            [s.tokens.numel() - s.response_length for s in samples])
 
     def scores(self, scores: BatchScores, samples: list[TeacherSample], student_log_probs: Rows,
                device: torch.device) -> TeacherScores:
         """Per sample on the student's whole response rows: the buckets' values [R, k] and tails
         [R], the student's bucket ids [R, k·D] with their mask, the live buckets [R, k] and the
         log-ratio [R] against `student_log_probs` (on `device`)."""
-        fields: dict[str, Rows] = {key: [] for key in ("values", "tails", "ids", "mask", "alive", "ratio")}
-        folded = 0
-        for sample, ids, values, own, student in zip(samples, scores.topk_ids, scores.topk_log_probs,
-                                                     scores.token_log_probs, student_log_probs):
-            served = served_buckets(ids, values, sample, self.pair.shared, self.k)
-            folded += served.folded
-            b = served.buckets
-            for key, value in zip(("values", "tails", "ids", "mask", "alive"),
-                                  (served.log_probs.float(), served.tails.float(), b.student_ids, b.student_mask,
-                                   b.alive)):
-                fields[key].append(value.to(device))
-            fields["ratio"].append(log_ratio(student.float(), own.float().to(student.device), sample))
+        head = self.teacher.head
+        if head is not None:
+            buckets = head_buckets(head, scores, samples, self.pair.shared, self.k,
+                                   temperature=self.teacher.temperature)
+            return cross_scores(buckets, scores.token_log_probs, student_log_probs, samples, device)
+        buckets = [served_buckets(ids, values, sample, self.pair.shared, self.k)
+                   for sample, ids, values in zip(samples, scores.topk_ids, scores.topk_log_probs)]
+        folded = sum(b.folded for b in buckets)
         if folded:
             LOG.info("served teacher %s: %d chunk-start bucket(s) held a teacher id outside the engine's top-%d and "
                      "were folded into the tail", self.teacher.url, folded, self.k)
-        return TeacherScores(fields["values"], fields["tails"], ids=fields["ids"], ids_mask=fields["mask"],
-                             alive=fields["alive"], log_ratio=fields["ratio"])
-
-
-def log_ratio(student: torch.Tensor, own: torch.Tensor, sample: TeacherSample) -> torch.Tensor:
-    from megatron_rl_patches.cross_tokenizer.teacher_passes import log_ratio as ratio  # lazy: import cost
-
-    return ratio(student, own, sample.alignment)
+        # the engine's own tokens' log-probs as float32 (as the served rows always carried them)
+        return cross_scores(buckets, [own.float() for own in scores.token_log_probs], student_log_probs, samples,
+                            device)
 
 
 @dataclass

@@ -37,8 +37,8 @@ def free_port() -> int:
 
 
 def server_command(python: str, model: str | Path, port: int, max_model_len: int, max_logprobs: int,
-                   extra: tuple[str, ...] = ()) -> list[str]:
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
+                   extra: tuple[str, ...] = (), dtype: str = "float32") -> list[str]:
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", dtype,
             "--enforce-eager", "--max-model-len", str(max_model_len), "--max-logprobs", str(max_logprobs),
             "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port),
             *extra]
@@ -47,10 +47,11 @@ def server_command(python: str, model: str | Path, port: int, max_model_len: int
 @contextlib.contextmanager
 def vllm_server(python: str, model: str | Path, log: str | Path, *, max_model_len: int = 256,
                 max_logprobs: int = 20, api_key: str | None = None, extra: tuple[str, ...] = (),
-                ready_timeout: float = 600.0) -> Iterator[VllmServer]:
-    """A vLLM server of `model` (float32, eager, no prefix cache; a tokenizer in the directory, which
-    vLLM checks the ids against) on 127.0.0.1, ready (`/health` answers) when entered; its output in
-    `log`. `api_key`: the key the server demands (in its environment, not on its command line)."""
+                ready_timeout: float = 600.0, dtype: str = "float32") -> Iterator[VllmServer]:
+    """A vLLM server of `model` (in `dtype`, float32 by default; eager, no prefix cache; a tokenizer
+    in the directory, which vLLM checks the ids against) on 127.0.0.1, ready (`/health` answers)
+    when entered; its output in `log`. `api_key`: the key the server demands (in its environment,
+    not on its command line)."""
     port = free_port()
     env = {**os.environ, **CPU_ENV}
     env.pop("VLLM_API_KEY", None)
@@ -60,7 +61,7 @@ def vllm_server(python: str, model: str | Path, log: str | Path, *, max_model_le
         env["VLLM_API_KEY"] = api_key
     log = Path(log)
     with open(log, "wb") as out:
-        process = subprocess.Popen(server_command(python, model, port, max_model_len, max_logprobs, extra),
+        process = subprocess.Popen(server_command(python, model, port, max_model_len, max_logprobs, extra, dtype),
                                    stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = VllmServer(f"http://127.0.0.1:{port}", process, log)
     try:

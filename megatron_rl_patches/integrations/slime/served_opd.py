@@ -17,6 +17,7 @@ from megatron_rl_patches.integrations.slime.host import SlimeHost, batch_of, dev
 from megatron_rl_patches.integrations.slime.opd_teachers import OpdTeacher, ScoringStep
 from megatron_rl_patches.integrations.slime.step_plan import IDS, IDS_MASK
 from megatron_rl_patches.teachers.agreement import agree_failure
+from megatron_rl_patches.teachers.head_cross_buckets import cross_batch
 from megatron_rl_patches.teachers.scores import TeacherScores
 from megatron_rl_patches.teachers.step import TeacherStep
 from megatron_rl_patches.teachers.step_served import CrossServed, HeadServed, OwnTopkServed
@@ -30,10 +31,12 @@ Role = OwnTopkServed | CrossServed | HeadServed
 
 class ServedOpdTeacher(OpdTeacher):
     """A served teacher of slime's OPD: its `role` (None off the last pipeline stage: those ranks
-    only join the job's agreement) on a one-teacher `TeacherStep` behind `host`."""
+    only join the job's agreement) on a one-teacher `TeacherStep` behind `host`; `cross`: a teacher
+    of another tokenizer (on every stage: it takes no request for the step's ids, so every stage
+    hands the later teachers the same requests)."""
 
-    def __init__(self, role: Role | None, host: SlimeHost) -> None:
-        self.role, self.host = role, host
+    def __init__(self, role: Role | None, host: SlimeHost, cross: bool = False) -> None:
+        self.role, self.host, self.cross = role, host, cross or isinstance(role, CrossServed)
         self.step = None if role is None else TeacherStep([role.teacher], host)
         self.samples: list | None = None  # another tokenizer's encodings of the step's samples
 
@@ -51,7 +54,7 @@ class ServedOpdTeacher(OpdTeacher):
             return
         if isinstance(self.role, CrossServed):
             self.samples = teacher_samples(rollout_data, self.role.pair)
-            self.step.send(self.role.batch(self.samples))
+            self.step.send(cross_batch(self.samples))
         else:
             self.step.send(batch_of(rollout_data))
 
@@ -73,7 +76,7 @@ class ServedOpdTeacher(OpdTeacher):
         return scores
 
     def score(self, step: ScoringStep) -> TeacherScores | None:
-        if isinstance(self.role, CrossServed):
+        if self.cross:
             return self.cross_scores(step)
         request = step.ids_request()
         scores = self.collected()

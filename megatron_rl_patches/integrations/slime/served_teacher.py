@@ -69,14 +69,14 @@ def build_served_teacher(actor: Any, settings: OpdSettings, index: int, teacher:
     while hasattr(unwrapped, "module"):  # the wrapped chunk (DDP, Float16Module) holds the vocabulary
         unwrapped = unwrapped.module
     host = slime_host(int(unwrapped.vocab_size))
-    if teacher.tokenizer is not None:
-        role: Any = served_cross(actor.args, settings, teacher, host, where)
-    elif teacher.head is not None:
-        role = served_head(actor.args, settings, teacher, student, host, where)
+    if teacher.head is not None:  # with ';tokenizer=DIR' too: exact buckets through the head
+        role: Any = served_head(actor.args, settings, teacher, student, host, where)
+    elif teacher.tokenizer is not None:
+        role = served_cross(actor.args, settings, teacher, host, where)
     else:
         named = named_vocab_size(teacher, where) if teacher.same_tokenizer else None
         role = served_own(actor.args, settings, teacher, host, where, named)
-    return ServedOpdTeacher(role if host.last else None, host)
+    return ServedOpdTeacher(role if host.last else None, host, cross=teacher.tokenizer is not None)
 
 
 def named_or_none(args: Any, named: int | None, where: str) -> NamedVocab | None:
@@ -127,34 +127,45 @@ def served_cross(args: Any, settings: OpdSettings, teacher: Teacher, host: Slime
 
 
 def served_head(args: Any, settings: OpdSettings, teacher: Teacher, student: int | str, host: SlimeHost,
-                where: str) -> HeadServed | None:
-    """The teacher of `;head=DIR`: DIR's vocabulary checked against the student's (every rank), its
-    head read on the last pipeline stage's ranks (this rank's shard of the student's tensor-parallel
-    group, padded as the actor pads its vocabulary), the server asked by the first of them (it
-    serves the pooling task at the head's hidden size, its tokenizer is the student's)."""
+                where: str) -> HeadServed | CrossServed | None:
+    """The teacher of `;head=DIR`: DIR's vocabulary checked against the student's (every rank; with
+    `;tokenizer=DIR` another tokenizer: its pair read on the last stage's ranks instead, each
+    encoding the samples, every chunk-start bucket scored exactly through the head), its head read
+    on the last pipeline stage's ranks (this rank's shard of the student's tensor-parallel group,
+    padded as the actor pads its vocabulary), the server asked by the first of them (it serves the
+    pooling task at the head's hidden size, its tokenizer is the student's or DIR's)."""
     from megatron_rl_patches.inference.loading.hf.vocab import check_teacher_vocab
     from megatron_rl_patches.teachers.head import TeacherHead
     from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: optional dependency httpx
 
     assert teacher.head is not None  # the builder's route for `;head=DIR`
     head_dir: str = teacher.head
+    pairs: list = []
 
     def build() -> ServedTeacher | None:
-        check_teacher_vocab(head_dir, student)  # ';head=DIR' of another tokenizer: not served yet
+        if teacher.tokenizer is None:  # the student's tokenizer: DIR's vocabulary the student's
+            check_teacher_vocab(head_dir, student)
         if not host.last:
             return None
+        if teacher.tokenizer is not None:  # another tokenizer: the pair read where samples are scored
+            pairs.append(cross_pair(args, teacher))
         head = TeacherHead.from_hf(head_dir, tp_group=tp_group(),
                                    make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None))
         head = dataclasses.replace(head, weight=head.weight.to(head_device()))
         return ServedTeacher(teacher.path, str(teacher.engine), top_k=settings.k, head=head,
                              temperature=rollout_temperature(args))
 
+    tokenizer = students(args, where)
+    if teacher.tokenizer is not None:
+        tokenizer = lambda: (pairs[0].tokenizer, f"the tokenizer ';tokenizer={teacher.tokenizer}' names")  # noqa: E731
     named = (lambda: (named_vocab_size(teacher, where),
                       int(student_tokenizer_of(args, where).get_vocab_size(with_added_tokens=True)))) \
         if teacher.same_tokenizer else None
-    served = connect_served(build, where, asks=host.asks, job_group=host.job_group, tokenizer=students(args, where),
+    served = connect_served(build, where, asks=host.asks, job_group=host.job_group, tokenizer=tokenizer,
                             named_vocab=named)
-    return None if served is None else HeadServed(served)
+    if served is None:
+        return None
+    return CrossServed(served, pairs[0], settings.k) if pairs else HeadServed(served)
 
 
 def head_device() -> torch.device:

@@ -8,7 +8,8 @@ student's: a directory or tokenizer.json, `;stop_tokens=module:function` with it
 with `;vocab=N` or `;config=PATH` (a server without a tokenizer to probe, `--skip-tokenizer-init`:
 the user's word that it is the student's, its vocabulary size named), `;head=DIR` (the teacher's
 Hugging Face directory: the server sends final hidden states, vLLM's pooling runner, and the
-trainer projects them through the directory's output layer). Engines score at temperature 1 only:
+trainer projects them through the directory's output layer; with `;tokenizer=DIR` the
+chunk-start buckets of another tokenizer scored exactly through it). Engines score at temperature 1 only:
 without a head another rollout temperature is refused. `doctor` asks the server."""
 from __future__ import annotations
 
@@ -110,9 +111,6 @@ def parse(entry: str) -> TeacherEntry:
     if stop is not None and tokenizer is None:
         raise ValueError(f"{TEACHERS} entry {said!r}: ';{STOP_TOKENS}' maps tokens between two tokenizers; add "
                          f"';{TOKENIZER}DIR' or drop it")
-    if head_dir is not None and tokenizer is not None:
-        raise ValueError(f"{TEACHERS} entry {said!r}: ';{HEAD}DIR' with ';{TOKENIZER}DIR' (exact cross-tokenizer "
-                         "buckets from hidden states) is not served yet in slime's OPD; drop one of them")
     check_same_tokenizer_options(said, same, tokenizer, vocab, config)
     return TeacherEntry(url, stop_tokens=stop, kind=SERVED, engine=engine, tokenizer=tokenizer, same_tokenizer=same,
                         vocab=vocab, config=config, head=head_dir)

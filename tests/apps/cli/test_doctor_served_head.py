@@ -38,3 +38,16 @@ def test_the_head_is_planned_without_its_weights_then_the_server_asked(cli_run, 
     code, out, _ = cli_run("doctor", "--json")
     (problem,) = teacher_problems(out)
     assert code == cli.PROBLEM and "config.json" not in problem and "127.0.0.1:9" in problem, problem
+
+
+def test_a_head_with_another_tokenizer_is_checked_not_refused(cli_run, monkeypatch, tmp_path):
+    """`;tokenizer=DIR;head=DIR` (exact buckets through the head): the tokenizer it names looked
+    for and the server asked, the entry itself no problem."""
+    write_tiny_checkpoint(tmp_path / "teacher", tiny_hf_config("qwen3"), seed=1)
+    monkeypatch.setenv(TEACHERS, f"http://127.0.0.1:9;engine=vllm;tokenizer={tmp_path / 'absent'};"
+                                 f"head={tmp_path / 'teacher'}")
+    code, out, _ = cli_run("doctor", "--json")
+    problems = teacher_problems(out)
+    assert code == cli.PROBLEM and len(problems) == 2, problems
+    assert "neither a tokenizer.json nor a directory holding one" in problems[0], problems
+    assert "served teacher 'http://127.0.0.1:9' (vllm, k=16) fails its check" in problems[1], problems

@@ -33,13 +33,45 @@ def test_the_head_option_is_read_into_the_entry_beside_the_others():
     assert (tokenless.head, tokenless.same_tokenizer, tokenless.vocab) == ("/d", True, 64)
 
 
-@pytest.mark.parametrize("entry, words", [
-    ("http://t:1;engine=vllm;head=/d;tokenizer=/tok", "';head=DIR' with ';tokenizer=DIR'"),
-    ("http://t:1;engine=vllm;heads=/d", "unknown option 'heads=/d'.*';head=DIR'"),
-])
-def test_what_a_head_entry_cannot_be_is_refused_naming_the_entry(entry, words):
-    with pytest.raises(ValueError, match=words):
-        parse_entries(entry)
+def test_what_a_head_entry_cannot_be_is_refused_naming_the_entry():
+    with pytest.raises(ValueError, match="unknown option 'heads=/d'.*';head=DIR'"):
+        parse_entries("http://t:1;engine=vllm;heads=/d")
+
+
+def test_a_head_with_another_tokenizer_is_read_as_a_teacher_of_another_tokenizer():
+    """`;head=DIR;tokenizer=DIR` (refused before: exact cross-tokenizer buckets through the head)."""
+    (entry,) = parse_entries("http://t:1;engine=vllm;head=/d;tokenizer=/tok")
+    assert (entry.head, entry.tokenizer, entry.other_tokenizer) == ("/d", "/tok", True)
+    settings = opd_settings({P + "TEACHERS": f"/b,{entry.path};engine=vllm;head=/d;tokenizer=/tok",
+                             P + "IDS_FROM": "union"})
+    slime_opd.check_args(_args(rollout_temperature=0.7), settings)  # a head: any temperature
+
+
+def test_a_head_with_another_tokenizer_skips_the_students_vocabulary_and_asks_the_server(tmp_path):
+    """At load: DIR's vocabulary (1001) is not the student's (64) and is not refused for it; the
+    pair is read and the server asked (a generate server here: refused naming the pooling runner)."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("httpx", reason="the served extra (httpx) is missing")
+    from megatron_rl_patches.integrations.slime.served_teacher import build_served_teacher
+    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
+    from tests.cross_tokenizer.conftest import sentencepiece_like
+    from tests.teachers.local_servers import url_of, vllm_like
+
+    write_tiny_checkpoint(tmp_path / "teacher", tiny_hf_config("qwen3"), seed=1)  # vocabulary 1001
+    sentencepiece_like("first").save(str(tmp_path / "teacher" / "tokenizer.json"))
+    (tmp_path / "student").mkdir()
+    sentencepiece_like("never").save(str(tmp_path / "student" / "tokenizer.json"))
+    teacher = tmp_path / "teacher"
+    actor = SimpleNamespace(args=_args(hf_checkpoint=str(tmp_path / "student")),
+                            model=[SimpleNamespace(vocab_size=64)])
+    with vllm_like() as server:
+        url = url_of(server)
+        settings = opd_settings({P + "TEACHERS": f"{url};engine=vllm;head={teacher};tokenizer={teacher}"})
+        assert settings is not None
+        with pytest.raises(ValueError, match=f"OPD_TEACHERS entry '{url}'.*--runner pooling") as refused:
+            build_served_teacher(actor, settings, 0, settings.teachers[0], 64, "served")
+        assert any(path == "/pooling" for path, _ in server.seen)
+    assert "1001" not in str(refused.value)  # not the vocabulary check of a teacher of the student's tokenizer
 
 
 @pytest.mark.parametrize("teachers, ids_from", [
@@ -80,5 +112,21 @@ def test_a_head_of_another_vocabulary_is_refused_at_load_naming_the_entry(tmp_pa
     write_tiny_checkpoint(tmp_path / "teacher", tiny_hf_config("qwen3"), seed=1)  # vocabulary 1001
     settings = opd_settings({P + "TEACHERS": f"http://127.0.0.1:9;engine=vllm;head={tmp_path / 'teacher'}"})
     actor = SimpleNamespace(args=_args(), model=[SimpleNamespace(vocab_size=64)])
+    assert settings is not None
     with pytest.raises(ValueError, match=r"MEGATRON_RL_PATCHES_OPD_TEACHERS entry 'http://127.0.0.1:9'.*1001"):
         build_served_teacher(actor, settings, 0, settings.teachers[0], 64, "served")
+
+
+def test_a_head_of_another_tokenizer_leaves_the_steps_ids_request_to_the_others():
+    """A served head of another tokenizer scores its own buckets: it takes no request for the
+    step's ids (a union's first request stays for the first teacher of the student's tokenizer),
+    as an in-process teacher of another tokenizer; off the last stage (no teacher) it scores None."""
+    from megatron_rl_patches.integrations.slime.host import SlimeHost
+    from megatron_rl_patches.integrations.slime.opd_teachers import ScoringStep, teacher_requests
+    from megatron_rl_patches.integrations.slime.served_opd import ServedOpdTeacher
+
+    settings = opd_settings({P + "TEACHERS": f"{HEAD};tokenizer=/tok,/b", P + "IDS_FROM": "union"})
+    assert settings is not None
+    step = ScoringStep(None, {}, settings, last=False, student={}, topk_pass=lambda *_: {})
+    assert ServedOpdTeacher(None, SlimeHost(64, last=False, asks=False), cross=True).score(step) is None
+    assert step.scored_ids == 0 and step.ids_request() == teacher_requests(settings)[0]
