@@ -1,11 +1,15 @@
 """A teacher served by vLLM in a hand-written Megatron training loop, on CPU, at 1 or 2 ranks
 (tensor parallelism 2): a tiny GPTModel student learns from the served teacher's own top-k with
-their exact tail (docs/distillation.md, "Teachers served by an inference engine").
+their exact tail (docs/distillation.md, "Teachers served by an inference engine"); with
+--in-process an in-process teacher (a frozen tiny GPTModel at the student's layout) joins it on
+the same teacher step, or stands alone without a server.
 
     # vLLM's CPU build in its own venv (the Makefile's served lane builds .lanes/vllm):
     python examples/served_teacher_loop.py --vllm-python .lanes/vllm/bin/python [--tp 2] [--steps 4]
     # or a server you already run, of a model with the student's tokenizer and vocabulary:
     python examples/served_teacher_loop.py --url http://teacher-node:8000 --vocab-size 1001 [--tp 2]
+    # beside it (or, without --url / --vllm-python, alone) an in-process teacher:
+    python examples/served_teacher_loop.py --vllm-python .lanes/vllm/bin/python --in-process [--tp 2]
     # (a server started with an API key: the key in $MEGATRON_RL_PATCHES_TEACHER_API_KEY)
 
 With --vllm-python the example writes a tiny random Qwen3 teacher (1001 words, its tokenizer
@@ -30,17 +34,24 @@ minute to start on CPU). Each step:
 4. The loss is `topk_kl` over the k + 1 buckets with the served tail (forward KL, teacher to
    student), then backward and an Adam step.
 
+With --in-process, `InProcessTeacher` (any object with `.top_k` and `.score(TeacherBatch) ->
+BatchScores` serves) is the step's second teacher: `collect()` runs it on every rank (it is
+tensor-parallel like the student) after the served requests went out, so the server works while
+it does. Each teacher's own top-k are scored by the student (one forward per teacher: the ids
+differ) and the loss is the mean of the teachers' divergences.
+
 On a GPU cluster: initialize Megatron as usual instead of entering `megatron_on_cpu()`, use your
 model and optimizer; the placing of the served rows and the loss stay as they are.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,9 +74,10 @@ class StepInputs:
     student: torch.nn.Module
     tokens: torch.Tensor  # [b, s]: the student's input (each sample without its last id, padded)
     samples: Any  # the TeacherBatch sent to the server
-    scores: Any  # its BatchScores (the same on every rank)
+    scores: Any  # the first teacher's BatchScores (the same on every rank)
     loss: torch.Tensor  # the step's loss, before backward
     vocab_size: int
+    every: list = field(default_factory=list)  # every teacher's BatchScores, in the step's order
 
 
 def padded(vocab_size: int, tp: int) -> int:
@@ -97,6 +109,43 @@ def placed(sequences: list[torch.Tensor], starts: list[int], topk_ids: list[torc
     return {"tokens": tokens, "ids": ids, "row_mask": row_mask}
 
 
+def next_tokens(sequences: list[torch.Tensor], width: int) -> torch.Tensor:
+    """[b, s, 1]: at position p the token at p + 1 (what position p predicts; padding 0)."""
+    ids = torch.zeros(len(sequences), width, 1, dtype=torch.long)
+    for i, sequence in enumerate(sequences):
+        ids[i, : len(sequence) - 1, 0] = sequence[1:]
+    return ids
+
+
+class InProcessTeacher:
+    """A teacher in this process: a frozen tiny GPTModel at the student's tensor-parallel layout
+    (every rank of the group runs it), scoring a `TeacherBatch` into `BatchScores` as a served
+    teacher does: its own top-`top_k` with their exact tail and each actual token's log-prob."""
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int, top_k: int = K) -> None:
+        self.model, self.vocab_size, self.top_k = model.eval().requires_grad_(False), vocab_size, top_k
+
+    def score(self, batch: Any) -> Any:
+        from megatron_rl_patches import topk_output_processor
+        from megatron_rl_patches.teachers import BatchScores
+
+        blank = [torch.zeros(len(ids) - start, self.top_k, dtype=torch.long)
+                 for ids, start in zip(batch.sequences, batch.response_starts)]
+        inputs = placed(batch.sequences, batch.response_starts, blank)
+        rows, sizes = inputs["row_mask"], [len(ids) - start for ids, start in zip(batch.sequences,
+                                                                                  batch.response_starts)]
+        with torch.no_grad():
+            own = student_forward(self.model, inputs["tokens"], output_processor_context={"row_mask": rows},
+                                  output_processor=topk_output_processor(k=self.top_k, vocab_size=self.vocab_size))
+            token = student_forward(self.model, inputs["tokens"],  # each actual token scored: ids [b, s, 1]
+                                    output_processor=topk_output_processor(vocab_size=self.vocab_size),
+                                    output_processor_context={"ids": next_tokens(batch.sequences, rows.shape[1]),
+                                                              "row_mask": rows})
+        ids, values, tail = (own[key][rows].split(sizes) for key in ("topk_ids", "topk_log_probs", "tail"))
+        return BatchScores([t[:, 0].double() for t in token["topk_log_probs"][rows].split(sizes)], list(ids),
+                           [v.double() for v in values], [t.double() for t in tail])
+
+
 def student_forward(student: torch.nn.Module, tokens: torch.Tensor, **processor: Any) -> Any:
     """The student's forward on [b, s] tokens (causal, positions 0..s-1)."""
     batch, width = tokens.shape
@@ -105,10 +154,11 @@ def student_forward(student: torch.nn.Module, tokens: torch.Tensor, **processor:
     return student(tokens, positions, causal, **processor)
 
 
-def train(rank: int, world_size: int, url: str, vocab_size: int, steps: int, seed: int,
-          on_loss: Callable[[StepInputs], Any] | None = None) -> list[dict]:
+def train(rank: int, world_size: int, url: str | None, vocab_size: int, steps: int, seed: int,
+          on_loss: Callable[[StepInputs], Any] | None = None, in_process: bool = False) -> list[dict]:
     """What every rank runs: the student at tensor parallelism `world_size`, `steps` steps against
-    the server at `url`. Returns per step its loss, the rows scored and what `on_loss` gave."""
+    the server at `url` (None: none) and, with `in_process`, an in-process teacher beside it.
+    Returns per step its loss, the rows scored and what `on_loss` gave."""
     from megatron.core import parallel_state
 
     import megatron_rl_patches
@@ -118,27 +168,34 @@ def train(rank: int, world_size: int, url: str, vocab_size: int, steps: int, see
 
     megatron_rl_patches.apply(only="gpt_output_processor")  # the processor keyword on megatron-core < 0.18
     records = []
-    with kit.megatron_on_cpu(tensor_parallel=world_size, seed=seed), ServedTeacher(url, "vllm", top_k=K) as teacher:
-        step_teachers = TeacherStep([teacher], megatron_host(parallel_state, vocab_size))  # TP shares, the job agrees
+    with kit.megatron_on_cpu(tensor_parallel=world_size, seed=seed), contextlib.ExitStack() as stack:
         config = kit.tiny_gpt_config(init_method_std=0.3)
-        student = kit.build_tiny_gpt(config, vocab_size=padded(vocab_size, world_size), seq_length=max(LENGTHS),
-                                     seed=seed)
+        rows_padded = padded(vocab_size, world_size)
+        teachers: list[Any] = [] if url is None else [stack.enter_context(ServedTeacher(url, "vllm", top_k=K))]
+        if in_process:  # a frozen model of the student's shape, another seed: the same on 1 and 2 ranks
+            teachers.append(InProcessTeacher(kit.build_tiny_gpt(config, vocab_size=rows_padded,
+                                                                seq_length=max(LENGTHS), seed=seed + 1), vocab_size))
+        step_teachers = TeacherStep(teachers, megatron_host(parallel_state, vocab_size))  # TP shares, the job agrees
+        student = kit.build_tiny_gpt(config, vocab_size=rows_padded, seq_length=max(LENGTHS), seed=seed)
         optimizer = torch.optim.Adam(student.parameters(), lr=LR)
         for step in range(steps):
             sequences = rollouts(step, seed, vocab_size)
             samples = TeacherBatch(sequences, list(PROMPTS))
             step_teachers.send(samples)  # asked now, on the first rank of each tensor-parallel group
-            (scores,) = step_teachers.collect()  # here before the forward: its served ids are the forward's input
-            inputs = placed(sequences, samples.response_starts, scores.topk_ids)
-            processor = topk_output_processor(vocab_size=vocab_size)  # scores the context's ids
-            out = student_forward(student, inputs["tokens"], output_processor=processor,
-                                  output_processor_context={"ids": inputs["ids"], "row_mask": inputs["row_mask"]})
-            rows = inputs["row_mask"]  # [b, s] -> the response rows in sample order, as the server's
-            loss = topk_kl(out["topk_log_probs"][rows], out["tail"][rows],
-                           torch.cat(scores.topk_log_probs).float(), torch.cat(scores.tail_log_probs).float(),
-                           divergence="forward_kl").mean()
+            every = step_teachers.collect()  # here before the forward: the teachers' ids are the forward's input
+            losses = []
+            for scores in every:  # each teacher's own ids scored by the student
+                inputs = placed(sequences, samples.response_starts, scores.topk_ids)
+                processor = topk_output_processor(vocab_size=vocab_size)  # scores the context's ids
+                out = student_forward(student, inputs["tokens"], output_processor=processor,
+                                      output_processor_context={"ids": inputs["ids"], "row_mask": inputs["row_mask"]})
+                rows = inputs["row_mask"]  # [b, s] -> the response rows in sample order, as the teacher's
+                losses.append(topk_kl(out["topk_log_probs"][rows], out["tail"][rows],
+                                      torch.cat(scores.topk_log_probs).float(),
+                                      torch.cat(scores.tail_log_probs).float(), divergence="forward_kl").mean())
+            loss = torch.stack(losses).mean()
             checked = None if on_loss is None else on_loss(
-                StepInputs(step, student, inputs["tokens"], samples, scores, loss.detach(), vocab_size))
+                StepInputs(step, student, inputs["tokens"], samples, every[0], loss.detach(), vocab_size, every))
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -146,10 +203,11 @@ def train(rank: int, world_size: int, url: str, vocab_size: int, steps: int, see
     return records
 
 
-def main(url: str, vocab_size: int, tp: int = 1, steps: int = STEPS, seed: int = 0,
-         on_loss: Callable[[StepInputs], Any] | None = None) -> list[dict]:
-    """Train at tensor parallelism `tp` (1 or 2 gloo ranks); returns rank 0's records (every rank
-    computes the same loss). `on_loss` must be importable (it runs in the ranks)."""
+def main(url: str | None, vocab_size: int, tp: int = 1, steps: int = STEPS, seed: int = 0,
+         on_loss: Callable[[StepInputs], Any] | None = None, in_process: bool = False) -> list[dict]:
+    """Train at tensor parallelism `tp` (1 or 2 gloo ranks) against the server at `url` and, with
+    `in_process`, an in-process teacher (alone where `url` is None); returns rank 0's records (every
+    rank computes the same loss). `on_loss` must be importable (it runs in the ranks)."""
     from megatron_rl_patches.testing.multirank import run_multirank
 
     for name, value, low in (("tp", tp, 1), ("steps", steps, 1), ("seed", seed, 0), ("vocab_size", vocab_size, K)):
@@ -157,7 +215,11 @@ def main(url: str, vocab_size: int, tp: int = 1, steps: int = STEPS, seed: int =
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if value < low:
             raise ValueError(f"{name} must be >= {low}, got {value}")
-    ranks = run_multirank(train, tp, url, vocab_size, steps, seed, on_loss, timeout=600)
+    if not isinstance(in_process, bool):
+        raise TypeError(f"in_process must be True or False, got {in_process!r}")
+    if url is None and not in_process:
+        raise ValueError("no teacher: pass a server's url, or in_process=True (an in-process teacher alone)")
+    ranks = run_multirank(train, tp, url, vocab_size, steps, seed, on_loss, in_process, timeout=600)
     return ranks[0]
 
 
@@ -172,9 +234,11 @@ def tiny_teacher(directory: str, vocab_size: int) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    teachers = [f"a served teacher's top-{K} + tail"] * (args.url is not None) + \
+        [f"an in-process teacher's top-{K} + tail"] * args.in_process
     print(f"student GPT (vocab {args.vocab_size}, padded to {padded(args.vocab_size, args.tp)}) at TP={args.tp}, "
-          f"a served teacher's top-{K} + tail, {len(LENGTHS)} samples a step, Adam lr {LR}")
-    records = main(args.url, args.vocab_size, args.tp, args.steps, args.seed)
+          f"{' and '.join(teachers)}, {len(LENGTHS)} samples a step, Adam lr {LR}")
+    records = main(args.url, args.vocab_size, args.tp, args.steps, args.seed, in_process=args.in_process)
     print(f"{'step':>4}  {'loss':>8}  {'rows':>4}")
     for record in records:
         print(f"{record['step']:>4}  {record['loss']:>8.4f}  {record['rows']:>4}")
@@ -183,15 +247,18 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    where = parser.add_mutually_exclusive_group(required=True)
+    where = parser.add_mutually_exclusive_group()
     where.add_argument("--url", help="a running server of a model with the student's tokenizer")
     where.add_argument("--vllm-python", help="vLLM's interpreter: serve a tiny teacher for the run")
+    parser.add_argument("--in-process", action="store_true", help="an in-process teacher beside (or instead of) it")
     parser.add_argument("--vocab-size", type=int, default=1001, help="the teacher's (and student's) vocabulary")
     parser.add_argument("--tp", type=int, default=1, choices=(1, 2))
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--seed", type=int, default=0)
     cli = parser.parse_args()
-    if cli.url is not None:
+    if cli.vllm_python is None:
+        if cli.url is None and not cli.in_process:
+            parser.error("name a teacher: --url, --vllm-python or --in-process")
         run(cli)
     else:
         from megatron_rl_patches.testing.vllm_server import vllm_server

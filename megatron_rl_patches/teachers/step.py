@@ -110,9 +110,10 @@ class TeacherStep:
             self.pending = {i: teacher.submit(batch) for i, teacher in enumerate(self.teachers)
                             if isinstance(teacher, ServedTeacher)}
 
-    def collect(self) -> list[BatchScores]:
+    def collect(self, projected: bool = True) -> list[Any]:
         """Every teacher's scores of the sent batch (a failure anywhere raised alike on every rank
-        of the job group)."""
+        of the job group); with `projected=False` a head teacher's hidden states [R_i, H] per
+        sample as the server sent them (full-vocabulary divergences take the states, not scores)."""
         if self.batch is None:
             raise RuntimeError("TeacherStep.collect: nothing sent: call send(batch) first")
         batch, pending = self.batch, self.pending
@@ -133,6 +134,8 @@ class TeacherStep:
         agree_failure(error, self.host.job_group)
         served = [i for i, teacher in enumerate(self.teachers) if isinstance(teacher, ServedTeacher)]
         got.update(self.shared({i: got[i] for i in served if i in got}))
+        if not projected:
+            return [got[i] for i in range(len(self.teachers))]
         return [self.projected(teacher, batch, got[i]) for i, teacher in enumerate(self.teachers)]
 
     def shared(self, served: dict[int, Any]) -> dict[int, Any]:

@@ -51,3 +51,40 @@ def test_bad_arguments_are_refused_before_any_world_starts(example, kwargs, erro
     with pytest.raises(error, match=words):
         example.main(**arguments)
     assert not torch.distributed.is_initialized()
+
+
+def in_process_checks(inputs) -> dict:
+    """`on_loss` of the in-process run: the step's loss recomputed in float64 from the student's whole
+    logits (gathered over the tensor-parallel ranks) and the teacher's scores, and the teacher's
+    buckets (its own top-k, best first, and the tail) summing to one."""
+    from tests.teachers.lane.example_kit import bucket_kl, student_log_softmax
+
+    (scores,) = inputs.every
+    rows = student_log_softmax(inputs)
+    kl, mass = [], []
+    for i, (ids, start) in enumerate(zip(inputs.samples.sequences, inputs.samples.response_starts)):
+        values, tail = scores.topk_log_probs[i], scores.tail_log_probs[i]
+        kl.append(bucket_kl(rows[i, start - 1:len(ids) - 1], scores.topk_ids[i], values, tail))
+        mass.append(values.exp().sum(1) + tail.exp())
+        assert bool((scores.topk_log_probs[i][:, :-1] >= scores.topk_log_probs[i][:, 1:]).all())
+        assert scores.token_log_probs[i].shape == (len(ids) - start,)
+    return {"reference": float(torch.cat(kl).mean()), "mass": float((torch.cat(mass) - 1).abs().max())}
+
+
+def test_an_in_process_teacher_alone_trains_at_two_ranks(example):
+    """The example's in-process teacher on the teacher step without a server (`main(None, ...,
+    in_process=True)`) at TP=2 (teacher and student sharded alike): each step's loss the float64
+    bucket KL of the same scores from the student's whole logits, the buckets whole, the student
+    moved. (1 and 2 ranks beside a served teacher: tests/teachers/lane/test_served_example.py.)"""
+    records = example.main(None, 1001, tp=2, steps=2, in_process=True, on_loss=in_process_checks)
+    assert [r["rows"] for r in records] == [sum(n - p for n, p in zip(example.LENGTHS, example.PROMPTS))] * 2
+    for record in records:
+        assert abs(record["loss"] - record["checked"]["reference"]) <= 1e-6, record
+        assert record["checked"]["mass"] <= 1e-6, record
+    assert records[0]["loss"] != records[1]["loss"]
+
+
+def test_no_teacher_is_refused_before_any_world_starts(example):
+    with pytest.raises(ValueError, match="no teacher: pass a server's url, or in_process=True"):
+        example.main(None, 1001)
+    assert not torch.distributed.is_initialized()

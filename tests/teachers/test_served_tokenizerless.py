@@ -70,13 +70,16 @@ def test_same_tokenizer_options_are_refused_by_name(options, words):
 
 
 def connected(student, server, entry):
-    """slime's served teacher connected as its builder does (`served_opd.connect`)."""
-    from megatron_rl_patches.integrations.slime.served_opd import connect
+    """slime's served teacher connected as its builder does (`served_teacher.served_own`)."""
+    from megatron_rl_patches.integrations.slime.host import slime_host
+    from megatron_rl_patches.integrations.slime.served_teacher import served_own
     from megatron_rl_patches.teachers.named_vocab import named_vocab_size
 
     args = SimpleNamespace(hf_checkpoint=str(student))
-    named = named_vocab_size(parse_entry(entry), "the entry")
-    return connect(args, cast(Any, SimpleNamespace(k=2)), url_of(server), "vllm", "the entry", named_vocab=named)
+    teacher = parse_entry(entry)
+    named = named_vocab_size(teacher, "the entry")
+    return served_own(args, cast(Any, SimpleNamespace(k=2)), teacher, slime_host(STUDENT_WORDS), "the entry",
+                      named).teacher
 
 
 def test_the_users_word_is_taken_with_the_vocabulary_checked(student, tmp_path):

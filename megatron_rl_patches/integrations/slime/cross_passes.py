@@ -20,7 +20,7 @@ from megatron_rl_patches.cross_tokenizer.chunk_terms import chunk_distillation_t
 from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
 from megatron_rl_patches.cross_tokenizer.teacher import CrossTeacher
 from megatron_rl_patches.cross_tokenizer.vocabulary import shared_strings
-from megatron_rl_patches.integrations.slime import expert_agreement, step_repeats
+from megatron_rl_patches.integrations.slime import expert_agreement
 from megatron_rl_patches.integrations.slime.allgather_cp import (
     allgather_cp_active,
     whole_from_zigzag,
@@ -52,6 +52,7 @@ from megatron_rl_patches.integrations.slime.step_plan import (
 )
 from megatron_rl_patches.integrations.slime.topk import per_sample_rows
 from megatron_rl_patches.ops.topk import topk_kl
+from megatron_rl_patches.teachers import step_repeats
 
 # the teacher rollout's keys of its second pass: its bucket ids per sample and their mask
 TEACHER_IDS, TEACHER_MASK = "opd_cross_teacher_ids", "opd_cross_teacher_ids_mask"

@@ -19,7 +19,7 @@ from megatron_rl_patches.inference.loading.hf.families import architecture
 from megatron_rl_patches.inference.loading.hf.vocab import check_teacher_vocab
 from megatron_rl_patches.integrations.slime.actor_spec import actor_layer_spec, spec_core_attention
 from megatron_rl_patches.integrations.slime.opd_settings import OWN_TOKENIZER, TEACHERS
-from megatron_rl_patches.integrations.slime.teacher_shape import shape_differences
+from megatron_rl_patches.teachers.teacher_shape import shape_differences
 
 SNAPSHOT, HF = "snapshot", "hf"
 _ROUTES = (SNAPSHOT, HF)

@@ -6,7 +6,7 @@ Before slime's `train_actor`, each teacher hands over its final hidden states on
 and its output layer at the student's tensor-parallel layout (`score_teachers`): a snapshot of the
 actor or a separate model of the student's vocabulary in a pipelined pass over the rollout (the
 hidden states gathered under sequence parallelism, its output weight's shard kept once), a served
-teacher with `;head=DIR` from its pooling server (the head read by `served_head_opd`). They reach
+teacher with `;head=DIR` from its pooling server (the head read by `served_teacher`'s builder). They reach
 the training step as per-sample fields in slime's zigzag rows (`step_plan.TEACHER_HIDDEN`,
 cut from whole responses per context-parallel rank); the fused step places them on the packed rows
 of each micro-batch (the contiguous rows under --allgather-cp) and computes the divergence beside
@@ -22,9 +22,9 @@ import torch
 
 from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local, zigzag_of_whole
 from megatron_rl_patches.integrations.slime.fused import real_vocab_size
+from megatron_rl_patches.integrations.slime.host import device_of
 from megatron_rl_patches.integrations.slime.opd_teachers import ModelTeacher, OpdTeacher
-from megatron_rl_patches.integrations.slime.served_head_opd import ServedHeadOpdTeacher
-from megatron_rl_patches.integrations.slime.served_opd import device_of
+from megatron_rl_patches.integrations.slime.served_opd import ServedOpdTeacher
 from megatron_rl_patches.integrations.slime.step_plan import TEACHER_HEADS, TEACHER_HIDDEN, TopkRequest, VocabRequest
 from megatron_rl_patches.integrations.slime.topk import per_sample_rows
 from megatron_rl_patches.integrations.slime.vocab_step import DIVERGENCE, TeacherHeads
@@ -44,7 +44,7 @@ def score_teachers(actor: Any, rollout_data: dict, teachers: list[OpdTeacher], l
             hidden, weight = model_hidden(actor, rollout_data, teacher, passes)
             if not isinstance(teacher, str):  # a separate model (a snapshot is the actor's architecture)
                 vocabs.append(real_vocab_size(teacher.model_chunks(actor)[-1]))  # a Hugging Face one's real ids
-        elif isinstance(teacher, ServedHeadOpdTeacher):
+        elif isinstance(teacher, ServedOpdTeacher):
             hidden, weight = served_hidden(rollout_data, teacher)
             if teacher.teacher is not None and teacher.teacher.head is not None:
                 vocabs.append(teacher.teacher.head.vocab_size)  # its zero padding rows get no mass
@@ -71,7 +71,7 @@ def model_hidden(actor: Any, rollout_data: dict, teacher: ModelTeacher, passes: 
     return out["teacher_hidden"], request.captured[0]
 
 
-def served_hidden(rollout_data: dict, teacher: ServedHeadOpdTeacher) -> tuple[Any, Any]:
+def served_hidden(rollout_data: dict, teacher: ServedOpdTeacher) -> tuple[Any, Any]:
     """A served teacher's hidden states (its pooling server's reply, unprojected) in this
     context-parallel rank's zigzag rows and its head's shard (None, None off the last stage)."""
     states = teacher.collected(projected=False)
@@ -93,7 +93,7 @@ def check_loaded(actor: Any, teachers: list[OpdTeacher]) -> None:
     (every rank of the last stage's tensor-parallel group holds one: `head_padded_as`)."""
     student = _padded_vocab(actor.model[-1])
     for index, teacher in enumerate(teachers):
-        if isinstance(teacher, ServedHeadOpdTeacher) and teacher.teacher is not None \
+        if isinstance(teacher, ServedOpdTeacher) and teacher.teacher is not None \
                 and teacher.teacher.head is not None:
             teacher.teacher.head = head_padded_as(teacher.teacher.head, student)
         if isinstance(teacher, ModelTeacher) and not isinstance(teacher, str):

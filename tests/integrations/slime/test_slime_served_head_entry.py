@@ -121,11 +121,12 @@ def test_a_head_of_another_tokenizer_leaves_the_steps_ids_request_to_the_others(
     """A served head of another tokenizer scores its own buckets: it takes no request for the
     step's ids (a union's first request stays for the first teacher of the student's tokenizer),
     as an in-process teacher of another tokenizer; off the last stage (no teacher) it scores None."""
+    from megatron_rl_patches.integrations.slime.host import SlimeHost
     from megatron_rl_patches.integrations.slime.opd_teachers import ScoringStep, teacher_requests
-    from megatron_rl_patches.integrations.slime.served_head_opd import ServedHeadOpdTeacher
+    from megatron_rl_patches.integrations.slime.served_opd import ServedOpdTeacher
 
     settings = opd_settings({P + "TEACHERS": f"{HEAD};tokenizer=/tok,/b", P + "IDS_FROM": "union"})
     assert settings is not None
     step = ScoringStep(None, {}, settings, last=False, student={}, topk_pass=lambda *_: {})
-    assert ServedHeadOpdTeacher(None, pair=SimpleNamespace(), k=4).score(step) is None  # type: ignore[arg-type]
+    assert ServedOpdTeacher(None, SlimeHost(64, last=False, asks=False), cross=True).score(step) is None
     assert step.scored_ids == 0 and step.ids_request() == teacher_requests(settings)[0]

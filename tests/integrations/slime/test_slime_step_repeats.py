@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl_patches.integrations.slime import cross_passes, step_plan, step_repeats
+from megatron_rl_patches.integrations.slime import cross_passes, step_plan
 from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
 from megatron_rl_patches.ops.lm_head import lm_head_topk_logprobs
+from megatron_rl_patches.teachers import step_repeats
 
 R, H, V, K, D = 6, 8, 40, 3, 2
 SETTINGS = {"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/s,/t;tokenizer=own", "MEGATRON_RL_PATCHES_OPD_WEIGHTS": "0.4,0.6",

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.teachers.lane.example_kit import bucket_kl, student_log_softmax
 from tests.teachers.lane.served_kit import VLLM_PYTHON, VOCAB
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
@@ -37,30 +38,11 @@ def example():
         sys.modules.pop("served_teacher_loop", None)
 
 
-def bucket_kl(student_rows: torch.Tensor, ids: torch.Tensor, teacher_logp: torch.Tensor,
-              teacher_tail: torch.Tensor) -> torch.Tensor:
-    """Float64 forward KL over the k + 1 buckets per row: the student's full log-softmax rows at the
-    served ids, the tail its exact complement; the teacher's served values as given."""
-    p = student_rows.gather(1, ids).exp()
-    p = torch.cat([p, 1 - p.sum(1, keepdim=True)], dim=1)
-    q = torch.cat([teacher_logp.exp(), teacher_tail.exp()[:, None]], dim=1)
-    return (q * (q.log() - p.log())).sum(1)
-
-
 def float64_reference(inputs) -> dict:
     """`on_loss`: the step's loss recomputed in float64 from the student's whole logits (gathered
     over the tensor-parallel ranks) and the served scores; sample i's row r read at position
     start_i + r - 1, and (the negative control) one position earlier."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from served_teacher_loop import student_forward
-
-    group = parallel_state.get_tensor_model_parallel_group()
-    with torch.no_grad():
-        logits = student_forward(inputs.student, inputs.tokens)  # [b, s, V_padded / tp]
-        parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, logits.contiguous(), group=group)
-    rows = torch.log_softmax(torch.cat(parts, dim=-1)[..., :inputs.vocab_size].double(), dim=-1)
+    rows = student_log_softmax(inputs)
     kl: dict[str, list[torch.Tensor]] = {"reference": [], "shifted": []}
     for i, (ids, start) in enumerate(zip(inputs.samples.sequences, inputs.samples.response_starts)):
         served = (inputs.scores.topk_ids[i], inputs.scores.topk_log_probs[i].double(),
@@ -110,3 +92,31 @@ def test_the_script_runs_as_pasted_serving_its_own_teacher(runs):
     table = [line.split() for line in proc.stdout.splitlines() if re.match(r"\s+\d+\s", line)]
     assert [row[0] for row in table] == ["0", "1"], proc.stdout
     assert [float(row[1]) for row in table] == pytest.approx([r["loss"] for r in runs[2][:2]], abs=1e-4)
+
+
+def float64_every(inputs) -> dict:
+    """`on_loss` of a run with the in-process teacher beside the served one: the step's loss
+    recomputed in float64 as the mean over the teachers of each one's bucket KL (the student's whole
+    logits at that teacher's own ids), and the teachers' count."""
+    rows = student_log_softmax(inputs)
+    means = []
+    for scores in inputs.every:
+        kl = [bucket_kl(rows[i, start - 1:len(ids) - 1], scores.topk_ids[i], scores.topk_log_probs[i].double(),
+                        scores.tail_log_probs[i].double())
+              for i, (ids, start) in enumerate(zip(inputs.samples.sequences, inputs.samples.response_starts))]
+        means.append(torch.cat(kl).mean())
+    return {"reference": float(torch.stack(means).mean()), "teachers": len(inputs.every),
+            "same_ids": all(torch.equal(a, b) for a, b in zip(*(s.topk_ids for s in inputs.every)))}
+
+
+def test_an_in_process_teacher_beside_the_served_one_at_one_and_two_ranks(served, example):
+    """`main(url, ..., in_process=True)`: the served and the in-process teacher on one teacher step;
+    each step's loss the mean of their float64 bucket KLs, the same at TP=1 and TP=2."""
+    runs = {tp: example.main(served.url, VOCAB, tp=tp, steps=2, in_process=True, on_loss=float64_every)
+            for tp in (1, 2)}
+    for one, two in zip(runs[1], runs[2]):
+        assert one["loss"] == pytest.approx(two["loss"], abs=1e-5)
+    for records in runs.values():
+        for record in records:
+            assert record["checked"]["teachers"] == 2 and not record["checked"]["same_ids"]  # two teachers' own ids
+            assert abs(record["loss"] - record["checked"]["reference"]) <= TOLERANCE, record

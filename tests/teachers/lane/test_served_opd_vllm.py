@@ -16,12 +16,15 @@ import torch
 
 from megatron_rl_patches import topk_kl
 from megatron_rl_patches.integrations.slime import opd, served_opd
+from megatron_rl_patches.integrations.slime.host import batch_of, slime_host
 from megatron_rl_patches.integrations.slime.opd_settings import OpdSettings, opd_settings
 from megatron_rl_patches.integrations.slime.opd_teachers import SeparateTeacher
+from megatron_rl_patches.integrations.slime.served_teacher import served_own
 from megatron_rl_patches.integrations.slime.step_plan import STEP_REQUEST
 from megatron_rl_patches.integrations.slime.teacher_builders import BUILDERS
 from megatron_rl_patches.ops.topk import log1mexp
 from megatron_rl_patches.teachers import ServedTeacherError
+from megatron_rl_patches.teachers.kinds import parse_entry
 from tests.teachers.lane.forwarder import Forwarder
 from tests.teachers.lane.served_kit import VOCAB
 
@@ -94,6 +97,14 @@ def settings(url: str) -> OpdSettings:
                            "MEGATRON_RL_PATCHES_OPD_IDS_FROM": "teacher", "MEGATRON_RL_PATCHES_OPD_K": str(K)})
     assert chosen is not None and chosen.teachers[0].kind == "served"
     return chosen
+
+
+def build_served(args, url: str) -> served_opd.ServedOpdTeacher:
+    """slime's served teacher of the student's tokenizer at `url` on this rank's host (the entry
+    named "entry" in its errors)."""
+    host = slime_host(VOCAB)
+    return served_opd.ServedOpdTeacher(served_own(args, settings(url), parse_entry(f"{url};engine=vllm"), host,
+                                                  "entry"), host)
 
 
 def built(actor, url: str) -> served_opd.ServedOpdTeacher:
@@ -224,14 +235,16 @@ def _rank_step(url: str, data: dict, last: bool) -> dict:
     from megatron_rl_patches.integrations.slime.opd_teachers import ScoringStep
 
     args = SimpleNamespace(hf_checkpoint=data.pop("hf"), rollout_temperature=1.0)
-    teacher = served_opd.build_served(args, settings(url), url, "vllm", VOCAB, "entry")
+    teacher = build_served(args, url)
     asked: list[int] = []
-    submit = teacher.teacher.submit
-    teacher.teacher.submit = lambda batch: asked.append(len(batch)) or submit(batch)
+    if teacher.teacher is not None:  # the last stage's ranks hold it
+        submit = teacher.teacher.submit
+        teacher.teacher.submit = lambda batch: asked.append(len(batch)) or submit(batch)
     teacher.begin(None, data)
     scores = teacher.score(ScoringStep(Actor(student_rows(5), args.hf_checkpoint), data, settings(url), last, {},
                                        topk_pass))
-    teacher.teacher.close()
+    if teacher.teacher is not None:
+        teacher.teacher.close()
     kept = None if scores is None else {"ids": data[opd.IDS], "log_probs": scores.log_probs, "tails": scores.tails}
     return {"asked": asked, "kept": kept}
 
@@ -258,8 +271,7 @@ def served_world(rank: int, world: int, url: str, directory: str, dead: str) -> 
             results[name] = out
     with megatron_on_cpu():  # rank 1's server gone at load: the same error on both ranks
         try:
-            served_opd.build_served(SimpleNamespace(hf_checkpoint=directory), settings(url), dead if rank else url,
-                                    "vllm", VOCAB, "entry")
+            build_served(SimpleNamespace(hf_checkpoint=directory), dead if rank else url)
             results["dead"] = "no error"
         except ValueError as error:
             results["dead"] = str(error)
@@ -288,7 +300,7 @@ def _unscored_step(rank: int, url: str, directory: str) -> dict:
         opd.score_teachers(actor, data, chosen)
         seconds = time.monotonic() - start
         teacher.teacher.close()
-    return {"seconds": seconds, "scored": opd.IDS in data, "pending": teacher.pending is not None}
+    return {"seconds": seconds, "scored": opd.IDS in data, "pending": teacher.step.batch is not None}
 
 
 def test_each_sample_asked_once_per_data_parallel_rank_and_every_layout_keeps_its_rows(served):
@@ -308,7 +320,7 @@ def test_each_sample_asked_once_per_data_parallel_rank_and_every_layout_keeps_it
     samples = len(LENGTHS)
     with whole_teacher(served.url) as teacher:
         data = rollout()
-        whole = teacher.score(served_opd.batch_of(data))
+        whole = teacher.score(batch_of(data))
     assert [r["tp2"]["asked"] for r in ranks] == [[samples], []]
     assert [r["cp2"]["asked"] for r in ranks] == [[samples], []]
     assert [r["pp2"]["asked"] for r in ranks] == [[], [samples]] and ranks[0]["pp2"]["kept"] is None

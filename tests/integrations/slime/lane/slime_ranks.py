@@ -235,7 +235,6 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
         import megatron_rl_patches
         from megatron_rl_patches.integrations.slime import opd as slime_opd
         from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
-        from megatron_rl_patches.integrations.slime.served_head_opd import ServedHeadOpdTeacher
         from megatron_rl_patches.integrations.slime.served_opd import ServedOpdTeacher
         from megatron_rl_patches.integrations.slime.step_plan import STEP_SAME_AS
 
@@ -304,7 +303,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 teachers = slime_opd.load_teachers(actor, opd_settings())
                 setattr(actor, slime_opd.ATTRIBUTE, teachers)
                 # a teacher with another tokenizer: its model; a served teacher has none in this process
-                remote = (ServedOpdTeacher, ServedHeadOpdTeacher)
+                remote = (ServedOpdTeacher,)
                 models = [getattr(t, "model", t) for t in teachers if not isinstance(t, remote)]
                 separate = [_stage_state(t) for t in models if not isinstance(t, str)]
                 actor.prof, actor.rollout_data_postprocess = TrainProfiler(args), None

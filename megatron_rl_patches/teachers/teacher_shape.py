@@ -1,6 +1,7 @@
-"""The shape of a Hugging Face teacher against slime's actor, field by field: the teacher's as the
-converter reads its config.json (its family's `HFArchitecture`: experts however the family names
-them, multi-latent attention's widths), the actor's from its Megatron arguments. A config.json the
+"""The shape of a Hugging Face teacher against a Megatron actor, field by field (framework-free:
+slime's route reads it): the teacher's as the converter reads its config.json (its family's
+`HFArchitecture`: experts however the family names them, multi-latent attention's widths), the
+actor's from its Megatron arguments. A config.json the
 converter refuses gives the sizes every decoder writes alike (the route then refuses it by name
 where it differs from the actor)."""
 from __future__ import annotations
@@ -100,7 +101,7 @@ def _dense_layers(freq: Any) -> Any:
 
 
 def actor_shape(args: Any) -> dict[str, Any]:
-    """The same fields from the actor's Megatron arguments (slime's args)."""
+    """The same fields from the actor's Megatron arguments (e.g. slime's args)."""
     heads = getattr(args, "num_attention_heads", None)
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
     experts = getattr(args, "num_experts", None) or 0
