@@ -26,7 +26,8 @@ def model_config(model: Any) -> Any:
 def student_invariant(model: Any) -> bool:
     """The invariant mode of a step handed the student `model`: the setting, else its config's
     ``batch_invariant_mode`` (resolved once there, then passed down as an argument)."""
-    return resolve_invariant(None, model_config(model))
+    config = model_config(model)
+    return resolve_invariant(None, config)
 
 
 def step_invariant() -> bool | None:
