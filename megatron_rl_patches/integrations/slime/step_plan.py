@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rl_patches.integrations.slime.opd_settings import LOSS_PATHS, OpdSettings
+from megatron_rl_patches.integrations.slime.opd_settings import LOSS_PATHS, OpdSettings, opd_settings
 
 
 @dataclass(frozen=True)
@@ -107,10 +107,12 @@ def plan_in(batch: Any) -> StepPlan | None:
     return batch.get(PLAN) if isinstance(batch, dict) else None
 
 
-def step_request(args: Any, settings: OpdSettings | None) -> TopkRequest | None:
+def step_request(args: Any, settings: OpdSettings | None = None) -> TopkRequest | None:
     """The top-k request of slime's training step: the student scores the rollout's ids (with
-    their padding mask for a union) when top-k OPD is on (`settings`, `opd_settings()`'s) and
-    slime's loss is top-k OPD's."""
+    their padding mask for a union) when top-k OPD is on (`settings`: the step's, parsed once;
+    None: read from the environment here) and slime's loss is top-k OPD's."""
+    if settings is None:
+        settings = opd_settings()
     if settings is None or getattr(args, "custom_loss_function_path", None) not in LOSS_PATHS:
         return None
     if getattr(args, "loss_type", None) != "custom_loss":
