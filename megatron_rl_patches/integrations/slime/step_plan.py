@@ -82,6 +82,8 @@ class PlannedIterator:
         self.iterator, self.plan = iterator, plan
 
     def __getattr__(self, name: str) -> Any:
+        if name in ("iterator", "plan"):  # not set yet (a copy being built): no recursion through the wrapped one
+            raise AttributeError(name)
         return getattr(self.iterator, name)
 
 

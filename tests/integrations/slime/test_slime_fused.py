@@ -274,6 +274,21 @@ def test_the_plan_travels_with_the_data_iterators_not_the_calling_context(monkey
     assert isinstance(seen["model"], slime_fused.FusedModel) and parsed == [1]
 
 
+def test_a_planned_iterator_is_slimes_iterator_with_a_plan_and_copies():
+    """Every attribute but the plan is the wrapped iterator's; a copy keeps both (no recursion
+    through the wrapped one while the copy is built)."""
+    import copy
+
+    from megatron_rl_patches.integrations.slime.step_plan import plan_of, planned
+
+    plan = slime_fused.StepPlan(_args(), True, False)
+    inner = types.SimpleNamespace(offset=3, micro_batch_indices=[[0], [1]])
+    (wrapped,) = planned([inner], plan)
+    assert wrapped.offset == 3 and wrapped.micro_batch_indices == [[0], [1]] and plan_of([wrapped]) is plan
+    assert plan_of(copy.copy(wrapped)) is plan and copy.copy(wrapped).offset == 3
+    assert plan_of([inner]) is None and planned([inner], None) == [inner]
+
+
 @pytest.mark.megatron
 @pytest.mark.parametrize("topk", [False, True], ids=["log-probs", "top-k OPD (ids live on the last stage)"])
 def test_a_non_last_pipeline_stage_gets_the_plain_model_call(megatron_cpu, clean_patch_state, monkeypatch, topk):
