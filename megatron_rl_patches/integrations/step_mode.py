@@ -23,6 +23,13 @@ def model_config(model: Any) -> Any:
     return getattr(unwrap(chunks[0]), "config", None) if chunks and chunks[0] is not None else None
 
 
+def student_invariant(model: Any) -> bool:
+    """The invariant mode of a step handed the student `model`: the setting, else its config's
+    ``batch_invariant_mode`` (resolved once there, then passed down as an argument)."""
+    config = model_config(model)
+    return resolve_invariant(None, config)
+
+
 def step_invariant() -> bool | None:
     """The invariant mode of the step under way; None outside one (the route resolves its own)."""
     return _MODE.get()
@@ -37,8 +44,7 @@ def student_mode(model: Any) -> Iterator[bool]:
     if outer is not None:
         yield outer
         return
-    config = model_config(model)
-    mode = resolve_invariant(None, config)
+    mode = student_invariant(model)
     token = _MODE.set(mode)
     try:
         yield mode

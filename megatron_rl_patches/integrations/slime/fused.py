@@ -19,17 +19,19 @@ from typing import Any
 from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
+from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
 from megatron_rl_patches.integrations.slime.step_plan import (
+    PLAN,
     StepPlan,
     VocabRequest,
-    current_plan,
-    run_planned,
+    plan_of,
+    planned,
     step_request,
 )
 from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
 from megatron_rl_patches.integrations.slime.topk import topk_context, with_topk
 from megatron_rl_patches.integrations.slime.vocab_step import vocab_processor
-from megatron_rl_patches.integrations.step_mode import step_invariant
+from megatron_rl_patches.integrations.step_mode import student_invariant
 from megatron_rl_patches.processors.heads import log_prob_output_processor
 from megatron_rl_patches.processors.mtp_loss import fused_mtp_loss_in_effect
 
@@ -74,10 +76,10 @@ def unservable(args: Any) -> str | None:
 
 
 def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper for `forward_only(f, args, model, ...)`: a fused plan when `f` is slime's
-    log-prob callback and the configuration is servable."""
+    """wrapt wrapper for `forward_only(f, args, model, data_iterator, ...)`: a fused plan when `f` is
+    slime's log-prob callback and the configuration is servable, carried by the data iterators."""
     bound = bind(wrapped, args, kwargs)
-    if bound is None or current_plan() is not None:  # slime's own error; a pass planned by slime_opd
+    if bound is None or plan_of(bound.arguments.get("data_iterator")) is not None:  # slime's error; slime_opd's pass
         return wrapped(*args, **kwargs)
     slime_args, f = bound.arguments["args"], bound.arguments["f"]
     name = getattr(f, "__name__", type(f).__name__)
@@ -88,61 +90,77 @@ def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
         reason = f"a forward_only callback other than get_log_probs_and_entropy ({name})"
     if reason is not None:
         fall_back(reason)
-        return run_planned(None, wrapped, args, kwargs)
+        return wrapped(*args, **kwargs)
     with_entropy = bool(getattr(slime_args, "use_rollout_entropy", False))
-    return run_planned(StepPlan(slime_args, with_entropy, False), wrapped, args, kwargs)
+    plan = StepPlan(slime_args, with_entropy, False, invariant=student_invariant(bound.arguments.get("model")))
+    return run_planned(plan, wrapped, bound)
 
 
 def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper for `train_one_step(args, ...)`: entropy (with its gradient only when
-    `entropy_coef != 0`, as slime's `with_entropy_grad`) unless the loss is slime's SFT loss."""
+    """wrapt wrapper for `train_one_step(args, ..., data_iterator, model, ...)`: entropy (with its
+    gradient only when `entropy_coef != 0`, as slime's `with_entropy_grad`) unless the loss is
+    slime's SFT loss; top-k OPD's settings parsed once for the step."""
     bound = bind(wrapped, args, kwargs)
     if bound is None:
         return wrapped(*args, **kwargs)
     slime_args = bound.arguments["args"]
-    request = step_request(slime_args)
+    settings = opd_settings()
+    request = step_request(slime_args, settings)
+    invariant = student_invariant(bound.arguments.get("model"))
     reason = unservable(slime_args)
     if reason is not None:  # slime's logits path; a top-k loss still needs its batch keys
         fall_back(reason)
-        plan = None if request is None else StepPlan(slime_args, False, False, request, fused=False)
-        return run_planned(plan, wrapped, args, kwargs)
+        if request is None:
+            return wrapped(*args, **kwargs)
+        return run_planned(StepPlan(slime_args, False, False, request, fused=False, invariant=invariant,
+                                    settings=settings), wrapped, bound)
     with_entropy = getattr(slime_args, "loss_type", "policy_loss") != "sft_loss"
     grad = with_entropy and getattr(slime_args, "entropy_coef", 0.0) != 0
-    return run_planned(StepPlan(slime_args, with_entropy, grad, request), wrapped, args, kwargs)
+    plan = StepPlan(slime_args, with_entropy, grad, request, invariant=invariant, settings=settings)
+    return run_planned(plan, wrapped, bound)
+
+
+def run_planned(plan: StepPlan, wrapped: Any, bound: Any) -> Any:
+    """slime's `forward_only` / `train_one_step` call (`bound` to its signature) with its data
+    iterators carrying `plan`."""
+    bound.arguments["data_iterator"] = planned(bound.arguments.get("data_iterator"), plan)
+    return wrapped(*bound.args, **bound.kwargs)
 
 
 def get_batch_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper for slime's `get_batch`: the batch (with the keys a top-k request needs) is
-    noted for the fused model call."""
-    plan = current_plan()
-    if plan is not None and plan.topk is not None and plan.topk.keys:
-        bound = bind(wrapped, args, kwargs)
-        if bound is not None:
-            keys = list(bound.arguments["keys"])
-            bound.arguments["keys"] = keys + [key for key in plan.topk.keys if key not in keys]
-            args, kwargs = bound.args, bound.kwargs
-    batch = wrapped(*args, **kwargs)
-    if plan is not None:
-        plan.batch = batch
+    """wrapt wrapper for slime's `get_batch(data_iterator, keys, ...)`: from a planned iterator,
+    the batch (with the keys a top-k request needs) is noted for the fused model call and carries
+    the plan (key `PLAN`) to the loss."""
+    bound = bind(wrapped, args, kwargs)
+    plan = None if bound is None else plan_of(bound.arguments.get("data_iterator"))
+    if bound is None or plan is None:
+        return wrapped(*args, **kwargs)
+    if plan.topk is not None and plan.topk.keys:
+        keys = list(bound.arguments["keys"])
+        bound.arguments["keys"] = keys + [key for key in plan.topk.keys if key not in keys]
+    batch = wrapped(*bound.args, **bound.kwargs)
+    plan.batch = batch
+    if isinstance(batch, dict):
+        batch[PLAN] = plan
     return batch
 
 
 def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper for `get_forward_backward_func()`: inside a fused plan, the schedule it
-    returns runs slime's forward step with the fused model."""
+    """wrapt wrapper for `get_forward_backward_func()`: the schedule it returns runs slime's
+    forward step with the fused model when its data iterators carry a fused plan."""
     schedule = wrapped(*args, **kwargs)
-    plan = current_plan()
-    if plan is None or not plan.fused:
-        return schedule
 
-    def fused_schedule(*call_args: Any, **call_kwargs: Any) -> Any:
+    def planned_schedule(*call_args: Any, **call_kwargs: Any) -> Any:
+        plan = plan_of(call_kwargs.get("data_iterator"))
+        if plan is None or not plan.fused:
+            return schedule(*call_args, **call_kwargs)
         if "forward_step_func" in call_kwargs:
             call_kwargs["forward_step_func"] = fused_step(call_kwargs["forward_step_func"], plan)
         elif call_args:
             call_args = (fused_step(call_args[0], plan), *call_args[1:])
         return schedule(*call_args, **call_kwargs)
 
-    return fused_schedule
+    return planned_schedule
 
 
 def fused_step(step: Any, plan: StepPlan) -> Any:
@@ -250,9 +268,9 @@ class FusedModel:
         length = tokens.size(1)
         labels = slime_rows.shifted_targets(batch, length, tokens.device, allgather_cp)
         rows = slime_rows.response_rows(batch, length, tokens.device, allgather_cp)
-        # inside a step the student's invariant mode (a teacher's pass too); None: this model's config
+        # the step's invariant mode, the student's (a teacher's pass too); None: this model's config
         options: dict[str, Any] = dict(temperature=float(getattr(plan.args, "rollout_temperature", 1.0)),
-                                       chunk_size=_chunk_size(plan.args), invariant=step_invariant())
+                                       chunk_size=_chunk_size(plan.args), invariant=plan.invariant)
         real_vocab = real_vocab_size(self._model)
         if real_vocab is not None:  # a model built from a Hugging Face checkpoint: its padding rows get no mass
             options["vocab_size"] = real_vocab

@@ -24,7 +24,6 @@ from megatron_rl_patches.integrations.slime.allgather_cp import whole_from_zigza
 from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, OpdSettings, Teacher
 from megatron_rl_patches.integrations.slime.opd_teachers import ScoringStep, SeparateTeacher, TeacherScores
 from megatron_rl_patches.integrations.slime.step_plan import IDS, TopkRequest
-from megatron_rl_patches.integrations.step_mode import step_invariant
 from megatron_rl_patches.ops import agreement
 
 
@@ -153,7 +152,7 @@ class LayoutTeacher(SeparateTeacher):
         for row, i, span in zip(placeholder, mine, spans):
             row[span] = ids[i].cpu()  # the logits rows of the response tokens
         logp, tail = topk_at_layout(self, _padded(tokens, longest), placeholder, temperature=self.temperature,
-                                    invariant=step_invariant())
+                                    invariant=step.invariant)
         if not step.last:
             return None
         device = ids[0].device if ids else torch.device("cpu")
@@ -176,6 +175,7 @@ class LayoutTeacher(SeparateTeacher):
         ("topk_ids"); with `request.ids_key` the log-probs at those ids ("topk_log_probs", the
         slots `request.mask_key` marks False left in the tail) and the tails ("tail"). A
         collective: every rank calls it once per pass, with or without samples."""
+        invariant = None if step is None else step.invariant  # the student's mode (None: the setting's)
         tokens, spans = _response_rows(rollout_data)
         longest = max((t.shape[0] for t in tokens), default=0)
         padded = _padded(tokens, longest)
@@ -184,7 +184,7 @@ class LayoutTeacher(SeparateTeacher):
             labels = torch.zeros_like(padded)
             labels[:, :-1] = padded[:, 1:]  # Megatron's labels: the token after each position
             logp, ids = select_topk_at_layout(self, padded, labels, int(request.k), temperature=self.temperature,
-                                              invariant=step_invariant())
+                                              invariant=invariant)
             return {"log_probs": [logp[i, span].to(device) for i, span in enumerate(spans)],
                     "topk_ids": [ids[i, span].to(device) for i, span in enumerate(spans)]}
         given = list(rollout_data[request.ids_key])
@@ -198,6 +198,6 @@ class LayoutTeacher(SeparateTeacher):
             if sample_mask is not None:
                 mask[row, span] = sample_mask.cpu().bool()
         logp, tail = topk_at_layout(self, padded, ids, temperature=self.temperature, ids_mask=mask,
-                                    invariant=step_invariant())
+                                    invariant=invariant)
         return {"topk_log_probs": [logp[i, span].to(device) for i, span in enumerate(spans)],
                 "tail": [tail[i, span].to(device) for i, span in enumerate(spans)]}

@@ -56,10 +56,11 @@ from megatron_rl_patches.integrations.slime.step_plan import (
     VOCAB_KEYS,
     StepPlan,
     TopkRequest,
-    run_planned,
+    plan_in,
+    planned,
 )
 from megatron_rl_patches.integrations.slime.topk import local_rows, packed_ids, per_sample_rows
-from megatron_rl_patches.integrations.step_mode import step_invariant, student_mode
+from megatron_rl_patches.integrations.step_mode import student_invariant
 from megatron_rl_patches.ops import agreement
 from megatron_rl_patches.ops.topk import topk_kl, topk_logprobs
 from megatron_rl_patches.teachers.kinds import RunFacts, check_entries
@@ -141,25 +142,26 @@ def collect_topk(output: Any, *, total_lengths: list[int], response_lengths: lis
 
 
 def pipelined_topk(args: Any, model: list[Any], rollout_data: dict, request: TopkRequest,
-                   fell_back: list) -> dict[str, list[torch.Tensor]]:
-    """slime's `forward_only` over the rollout with the fused route's top-k request (a fallback
-    on this rank noted in `fell_back`)."""
+                   fell_back: list, invariant: bool | None = None) -> dict[str, list[torch.Tensor]]:
+    """slime's `forward_only` over the rollout with the fused route's top-k request in the step's
+    `invariant` mode, planned on its data iterators (a fallback on this rank noted in `fell_back`)."""
     # slime is not a dependency: this module imports without it (its tests, the settings checks)
     from slime.backends.megatron_utils import model as slime_model
     from slime.backends.megatron_utils.data import get_data_iterator
 
-    iterator = get_data_iterator(rollout_data)
-    plan = StepPlan(args, with_entropy=False, entropy_requires_grad=False, topk=request)
+    plan = StepPlan(args, with_entropy=False, entropy_requires_grad=False, topk=request, invariant=invariant)
+    iterator = planned(get_data_iterator(rollout_data), plan)
     collect = functools.partial(collect_topk, fell_back=fell_back)
-    return run_planned(plan, slime_model.forward_only, (collect, args, model, iterator,
-                                                        rollout_data["num_microbatches"]), {})
+    return slime_model.forward_only(collect, args, model, iterator, rollout_data["num_microbatches"])
 
 
-def topk_pass(args: Any, model: list[Any], rollout_data: dict, request: TopkRequest) -> dict[str, list[torch.Tensor]]:
-    """One top-k pass; a fallback (seen on the last stage only) is agreed by every pipeline stage
-    before any of them raises, so none waits in the next pass for a stage that left."""
+def topk_pass(args: Any, model: list[Any], rollout_data: dict, request: TopkRequest,
+              invariant: bool | None = None) -> dict[str, list[torch.Tensor]]:
+    """One top-k pass in the step's `invariant` mode; a fallback (seen on the last stage only) is
+    agreed by every pipeline stage before any of them raises, so none waits in the next pass for
+    a stage that left."""
     fell_back: list = []
-    out = pipelined_topk(args, model, rollout_data, request, fell_back)
+    out = pipelined_topk(args, model, rollout_data, request, fell_back, invariant)
     if not pipeline_agrees(not fell_back):
         raise RuntimeError(FELL_BACK)
     return out
@@ -187,22 +189,20 @@ def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> Non
     in order), stored per sample into the rollout data (`store_scores`; for a union, the first
     teacher's pass replaces the ids by the union [R, 2k] and adds its padding mask). With pipeline
     parallelism every stage runs every pass; the rollout data of the last stage only receives the
-    fields (the other stages' training steps read none of them)."""
-    with student_mode(actor.model):  # the teachers' passes follow the student's invariant mode
-        _score_teachers(actor, rollout_data, settings)
-
-
-def _score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> None:
+    fields (the other stages' training steps read none of them). Every pass runs in the student's
+    invariant mode, resolved once here from its model."""
     if actor._active_model_tag != "actor":
         actor._switch_model("actor")
+    invariant = student_invariant(actor.model)  # the teachers' passes follow the student's mode
     teachers = [opd_teacher(teacher) for teacher in getattr(actor, ATTRIBUTE)]
     for teacher in teachers:  # a served teacher's requests go now, overlapping the student's pass
         teacher.begin(actor, rollout_data)
     if settings.full_vocab:  # no ids: each teacher's hidden states and head (`vocab_opd`)
-        vocab_opd.score_teachers(actor, rollout_data, teachers, _last_stage(), topk_pass)
+        vocab_opd.score_teachers(actor, rollout_data, teachers, _last_stage(),
+                                 functools.partial(topk_pass, invariant=invariant))
         actor._switch_model("actor")
         return
-    student = topk_pass(actor.args, actor.model, rollout_data, TopkRequest(k=settings.k))
+    student = topk_pass(actor.args, actor.model, rollout_data, TopkRequest(k=settings.k), invariant=invariant)
     ids = student.get("topk_ids")
     # Every pipeline stage takes part in each teacher's pipelined pass, in the same order; the ids
     # live on the last stage only, so whether the passes run is the last stage's answer, agreed.
@@ -214,7 +214,8 @@ def _score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> No
     if last:
         rollout_data[IDS] = ids
         rollout_data.pop(IDS_MASK, None)
-    step = ScoringStep(actor, rollout_data, settings, last, student, topk_pass)
+    step = ScoringStep(actor, rollout_data, settings, last, student,
+                       functools.partial(topk_pass, invariant=invariant), invariant=invariant)
     scores = [teacher.score(step) for teacher in teachers]
     actor._switch_model("actor")
     if last:
@@ -263,10 +264,11 @@ def log_rollout_data_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
     return wrapped(*bound.args, **bound.kwargs)
 
 
-def student_buckets(args: Any, batch: dict, logits: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def student_buckets(args: Any, batch: dict, logits: Any,
+                    invariant: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The student's [N, k] log-probs at the rollout's ids (padded slots of a union -inf) and [N]
     tails over the batch's response tokens: from the fused output, or (slime's logits path) from
-    the logits by the top-k op."""
+    the logits by the top-k op in the step's `invariant` mode."""
     allgather = allgather_cp_active(args)
     if isinstance(logits, dict):
         if "topk_log_probs" not in logits:
@@ -287,7 +289,7 @@ def student_buckets(args: Any, batch: dict, logits: Any) -> tuple[torch.Tensor, 
         responses[torch.cat(positions)] = True  # the other rows' ids are placeholders (0), never read
         logp, tail = topk_logprobs(rows, packed_ids(ids, positions, rows.shape[0]), ids_mask=mask,
                                    tp_group=group, temperature=float(args.rollout_temperature), row_mask=responses,
-                                   invariant=step_invariant())
+                                   invariant=invariant)
         logp, tail = logp[None], tail[None]
     pieces = [per_sample_rows(values, batch, allgather) for values in (logp, tail)]
     if allgather:  # slime's per-sample fields (teacher buckets, masks) are in the zigzag rows
@@ -299,21 +301,23 @@ def student_buckets(args: Any, batch: dict, logits: Any) -> tuple[torch.Tensor, 
 def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean: Any) -> tuple[Any, dict]:
     """slime's custom loss: POLICY_WEIGHT · slime's policy loss + COEF · the top-k divergence
     between the student and the teachers' mixture (topk_kl; its per-token values averaged per
-    sample by slime's `sum_of_sample_mean`), logged as "opd_topk_loss"."""
+    sample by slime's `sum_of_sample_mean`), logged as "opd_topk_loss". The settings and the
+    invariant mode are the step's, carried by the batch (`step_plan.PLAN`)."""
     from slime.backends.megatron_utils.loss import policy_loss_function  # slime is not a dependency
 
-    settings = opd_settings()
+    plan = plan_in(batch)
+    settings, invariant = (None, None) if plan is None else (plan.settings, plan.invariant)
     if settings is not None and settings.full_vocab:
         return vocab_opd.vocab_opd_loss(args, batch, logits, sum_of_sample_mean, settings)
     if settings is None or (batch.get(TEACHER_LOGPROBS) is None and batch.get(CROSS_RATIO) is None):
         raise ValueError(f"{LOSS_PATH} needs top-k OPD's teacher scores: set {TEACHERS} and apply the slime_opd "
                          "patch (megatron_rl_patches.apply(only=['slime_fused', 'slime_opd', ...]))")
     loss, log = policy_loss_function(args, batch, logits, sum_of_sample_mean)
-    student, student_tail = student_buckets(args, batch, logits)
+    student, student_tail = student_buckets(args, batch, logits, invariant)
     if batch.get(CROSS_RATIO) is not None:  # a teacher with another tokenizer: every teacher's term
         opd = sum_of_sample_mean(cross_passes.loss_terms(settings, batch, student, student_tail,
                                                          cross_passes.token_log_probs(args, batch, logits),
-                                                         step_invariant()))
+                                                         invariant))
         log["opd_topk_loss"] = opd.clone().detach()
         return settings.policy_weight * loss + settings.coef * opd, log
     teachers = torch.cat(batch[TEACHER_LOGPROBS], dim=1).to(student)
@@ -322,7 +326,7 @@ def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean
     mask = batch.get(IDS_MASK)
     mask = None if mask is None else torch.cat(mask).to(device=student.device, dtype=torch.bool)
     divergence = topk_kl(student, student_tail, teachers, tails, teacher_weights=weights,
-                         divergence=settings.divergence, ids_mask=mask, invariant=step_invariant())
+                         divergence=settings.divergence, ids_mask=mask, invariant=invariant)
     opd = sum_of_sample_mean(divergence)
     log["opd_topk_loss"] = opd.clone().detach()
     return settings.policy_weight * loss + settings.coef * opd, log

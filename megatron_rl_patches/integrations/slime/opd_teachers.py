@@ -44,7 +44,8 @@ class ScoringStep:
     """What the teachers of one step share: slime's actor, the rollout data, the settings, whether
     this rank holds the last pipeline stage (the only one with buckets), the student's own top-k
     pass and `topk_pass`, the pass that runs a model over rollout data (opd's, agreed over the
-    pipeline). `scored_ids` counts the teachers that scored the step's ids so far."""
+    pipeline, in the step's mode). `scored_ids` counts the teachers that scored the step's ids so
+    far; `invariant` is the step's invariant mode, the student's, for the teachers' own ops."""
 
     actor: Any
     rollout_data: dict
@@ -53,6 +54,7 @@ class ScoringStep:
     student: dict[str, list[torch.Tensor]]
     topk_pass: TopkPass
     scored_ids: int = 0
+    invariant: bool | None = None  # the student's invariant mode (None: each op resolves its own)
 
     def ids_request(self) -> TopkRequest:
         """The request of the next teacher that scores the step's ids: the first one's (with a

@@ -1,14 +1,20 @@
 """The plan of one slime step on the fused route, shared by `fused` (which runs it) and `opd`
-(which asks it for top-k buckets): what the fused model call needs (`StepPlan`, `TopkRequest`), the
-plan of the step under way (`run_planned`, `current_plan`), and the rollout-data keys top-k OPD
-adds with the request its training step makes (`step_request`)."""
+(which asks it for top-k buckets): what the fused model call needs (`StepPlan`, `TopkRequest`),
+the data iterators that carry the plan through slime's step (`planned`, `plan_of`) to the batch
+the loss reads it from (`PLAN`, `plan_in`), and the rollout-data keys top-k OPD adds with the
+request its training step makes (`step_request`).
+
+slime's callbacks have fixed signatures (`get_batch(data_iterator, keys, ...)`, the schedule's
+`forward_step_func(data_iterator, model)`, the loss `func(args, batch, logits, ...)`), so the plan
+travels with the data slime hands them: the iterators a planned call passes on, and the batch
+`get_batch` returns (under the key `PLAN`)."""
 from __future__ import annotations
 
-import contextvars
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rl_patches.integrations.slime.opd_settings import LOSS_PATHS, opd_settings
+from megatron_rl_patches.integrations.slime.opd_settings import LOSS_PATHS, OpdSettings, opd_settings
 
 
 @dataclass(frozen=True)
@@ -29,7 +35,9 @@ class TopkRequest:
 class StepPlan:
     """What the fused model call of one slime step needs: slime's args, whether entropy is wanted
     (and its gradient), top-k buckets if asked, and the micro-batch `get_batch` returned last.
-    `fused=False`: a step on slime's own logits path that still fetches the request's batch keys."""
+    `fused=False`: a step on slime's own logits path that still fetches the request's batch keys.
+    `invariant`: the student's invariant mode, resolved once where the step is handed the model
+    (None: the ops resolve their own); `settings`: top-k OPD's, parsed once for the step (None: off)."""
 
     args: Any
     with_entropy: bool
@@ -37,6 +45,8 @@ class StepPlan:
     topk: TopkRequest | None = None
     batch: dict | None = field(default=None, repr=False)
     fused: bool = True
+    invariant: bool | None = None
+    settings: OpdSettings | None = field(default=None, repr=False)
 
 
 # The per-sample keys top-k OPD adds to slime's rollout data: the ids scored ([R, k], or [R, 2k]
@@ -80,27 +90,51 @@ class VocabRequest(TopkRequest):
     captured: list = field(default_factory=list, compare=False, hash=False, repr=False)
 
 
-_PLAN: contextvars.ContextVar[StepPlan | None] = contextvars.ContextVar("megatron_rl_patches_slime_plan", default=None)
+# the batch key under which a planned `get_batch` hands the loss its step's plan
+PLAN = "megatron_rl_patches_step_plan"
 
 
-def current_plan() -> StepPlan | None:
-    """The plan of the slime step under way (None: none, or a step left on slime's own path)."""
-    return _PLAN.get()
+class PlannedIterator:
+    """One of slime's data iterators with the plan of the step it feeds: `get_next`, `reset` and
+    every other attribute are the iterator's own."""
+
+    def __init__(self, iterator: Any, plan: StepPlan):
+        self.iterator, self.plan = iterator, plan
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("iterator", "plan"):  # not set yet (a copy being built): no recursion through the wrapped one
+            raise AttributeError(name)
+        return getattr(self.iterator, name)
 
 
-def run_planned(plan: StepPlan | None, wrapped: Any, args: tuple, kwargs: dict) -> Any:
-    """`wrapped(*args, **kwargs)` with `plan` as the fused plan of the slime step it runs (None: none)."""
-    token = _PLAN.set(plan)
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        _PLAN.reset(token)
+def planned(iterators: Any, plan: StepPlan | None) -> Any:
+    """slime's data iterator(s) (one, or a list: one per virtual stage) carrying `plan` (None: as
+    given)."""
+    if plan is None or iterators is None:
+        return iterators
+    if isinstance(iterators, Sequence):
+        return [PlannedIterator(iterator, plan) for iterator in iterators]
+    return PlannedIterator(iterators, plan)
 
 
-def step_request(args: Any) -> TopkRequest | None:
+def plan_of(iterators: Any) -> StepPlan | None:
+    """The plan a data iterator (or the first of a list) carries; None for slime's own."""
+    if isinstance(iterators, Sequence) and not isinstance(iterators, (str, bytes)):
+        iterators = iterators[0] if len(iterators) else None
+    return iterators.plan if isinstance(iterators, PlannedIterator) else None
+
+
+def plan_in(batch: Any) -> StepPlan | None:
+    """The plan a planned `get_batch` put in its micro-batch (None: a batch of slime's own)."""
+    return batch.get(PLAN) if isinstance(batch, dict) else None
+
+
+def step_request(args: Any, settings: OpdSettings | None = None) -> TopkRequest | None:
     """The top-k request of slime's training step: the student scores the rollout's ids (with
-    their padding mask for a union) when top-k OPD is on and slime's loss is top-k OPD's."""
-    settings = opd_settings()
+    their padding mask for a union) when top-k OPD is on (`settings`: the step's, parsed once;
+    None: read from the environment here) and slime's loss is top-k OPD's."""
+    if settings is None:
+        settings = opd_settings()
     if settings is None or getattr(args, "custom_loss_function_path", None) not in LOSS_PATHS:
         return None
     if getattr(args, "loss_type", None) != "custom_loss":

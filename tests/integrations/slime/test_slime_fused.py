@@ -198,28 +198,95 @@ def test_allgather_cp_with_a_bshd_batch_is_a_clear_error(packed):
 
 def test_a_fallen_back_train_step_still_fetches_a_top_k_losss_batch_keys(monkeypatch, caplog):
     """slime's logits path for the step (one log line), the schedule untouched, the OPD keys fetched."""
-    from megatron_rl_patches.integrations.slime.step_plan import TopkRequest
+    from megatron_rl_patches.integrations.slime.step_plan import TopkRequest, plan_in
 
     request = TopkRequest(ids_key="opd_ids", keys=("opd_ids",))
-    monkeypatch.setattr(slime_fused, "step_request", lambda args: request)
-    schedule, seen = object(), {}
+    monkeypatch.setattr(slime_fused, "step_request", lambda args, settings: request)
+    seen = {}
+
+    def schedule(*, forward_step_func, data_iterator):
+        return forward_step_func
+
+    def forward_step(data_iterator, model):
+        return None
 
     def get_batch(data_iterator, keys):
         return {"keys": list(keys)}
 
     def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer):
-        seen["schedule"] = slime_fused.schedule_wrapper(lambda: schedule, None, (), {})
-        seen["batch"] = slime_fused.get_batch_wrapper(get_batch, None, (None, ["tokens"]), {})
+        seen["schedule"] = slime_fused.schedule_wrapper(lambda: schedule, None, (), {})(
+            forward_step_func=forward_step, data_iterator=data_iterator)
+        seen["batch"] = slime_fused.get_batch_wrapper(get_batch, None, (data_iterator[0], ["tokens"]), {})
+        seen["plan"] = plan_in(seen["batch"])
+        seen["batch"].pop("megatron_rl_patches_step_plan", None)
 
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
-        slime_fused.train_one_step_wrapper(train_one_step, None, (_args(loss_type="value_loss"), 0, 0, None, None,
-                                                                  None), {})
-    assert seen["schedule"] is schedule and seen["batch"] == {"keys": ["tokens", "opd_ids"]}
+        slime_fused.train_one_step_wrapper(train_one_step, None, (_args(loss_type="value_loss"), 0, 0, [object()],
+                                                                  None, None), {})
+    assert seen["schedule"] is forward_step and seen["batch"] == {"keys": ["tokens", "opd_ids"]}
+    assert not seen["plan"].fused and seen["plan"].topk is request
     assert "critic's value head" in caplog.records[0].getMessage()
-    monkeypatch.setattr(slime_fused, "step_request", lambda args: None)
-    slime_fused.train_one_step_wrapper(train_one_step, None, (_args(loss_type="value_loss"), 0, 0, None, None,
+    monkeypatch.setattr(slime_fused, "step_request", lambda args, settings: None)
+    slime_fused.train_one_step_wrapper(train_one_step, None, (_args(loss_type="value_loss"), 0, 0, [object()], None,
                                                               None), {})
-    assert seen["batch"] == {"keys": ["tokens"]}
+    assert seen["batch"] == {"keys": ["tokens"]} and seen["plan"] is None
+
+
+def test_the_plan_travels_with_the_data_iterators_not_the_calling_context(monkeypatch):
+    """The step's plan reaches `get_batch`, the schedule and the loss's batch through the data
+    iterators slime passes on, also where slime's forward steps run in another thread (no context
+    variable follows there), and with every virtual stage's iterator; top-k OPD's settings are
+    parsed once for the step, not per micro-batch. Before: a plan in a ContextVar, the settings
+    parsed again by the loss of every micro-batch."""
+    import threading
+
+    from megatron_rl_patches.integrations.slime.step_plan import STEP_REQUEST, plan_in
+
+    parsed = []
+    monkeypatch.setattr(slime_fused, "opd_settings", lambda: parsed.append(1) or "settings")
+    monkeypatch.setattr(slime_fused, "step_request", lambda args, settings: STEP_REQUEST)
+    seen: dict = {"batches": []}
+
+    def get_batch(data_iterator, keys):
+        return {"keys": list(keys), "from": data_iterator.get_next(keys)}
+
+    def schedule(*, forward_step_func, data_iterator, model):
+        for chunk, iterator in zip(model, data_iterator):  # one micro-batch per virtual stage, elsewhere
+            worker = threading.Thread(target=forward_step_func, args=(iterator, chunk))
+            worker.start()
+            worker.join()
+
+    def forward_step(data_iterator, model):
+        seen["model"] = model
+        seen["batches"].append(slime_fused.get_batch_wrapper(get_batch, None, (data_iterator, ["tokens"]), {}))
+
+    def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer):
+        slime_fused.schedule_wrapper(lambda: schedule, None, (), {})(
+            forward_step_func=forward_step, data_iterator=data_iterator, model=model)
+
+    iterators = [types.SimpleNamespace(get_next=lambda keys, n=n: n) for n in range(2)]
+    slime_fused.train_one_step_wrapper(train_one_step, None, (_args(), 0, 0, iterators, ["chunk0", "chunk1"], None),
+                                       {})
+    assert [batch["from"] for batch in seen["batches"]] == [0, 1]
+    plans = [plan_in(batch) for batch in seen["batches"]]
+    assert plans[0] is plans[1] and plans[0].topk is STEP_REQUEST and plans[0].settings == "settings"
+    assert all(batch["keys"] == ["tokens", *STEP_REQUEST.keys] for batch in seen["batches"])
+    assert isinstance(seen["model"], slime_fused.FusedModel) and parsed == [1]
+
+
+def test_a_planned_iterator_is_slimes_iterator_with_a_plan_and_copies():
+    """Every attribute but the plan is the wrapped iterator's; a copy keeps both (no recursion
+    through the wrapped one while the copy is built)."""
+    import copy
+
+    from megatron_rl_patches.integrations.slime.step_plan import plan_of, planned
+
+    plan = slime_fused.StepPlan(_args(), True, False)
+    inner = types.SimpleNamespace(offset=3, micro_batch_indices=[[0], [1]])
+    (wrapped,) = planned([inner], plan)
+    assert wrapped.offset == 3 and wrapped.micro_batch_indices == [[0], [1]] and plan_of([wrapped]) is plan
+    assert plan_of(copy.copy(wrapped)) is plan and copy.copy(wrapped).offset == 3
+    assert plan_of([inner]) is None and planned([inner], None) == [inner]
 
 
 @pytest.mark.megatron

@@ -47,15 +47,16 @@ def _micro_batch(tokens, samples, monkeypatch):
     return layout, call
 
 
-def _responses(model, tokens, split, monkeypatch):
-    """Per output, every sample's response values, the samples run in micro-batches of `split`."""
+def _responses(model, tokens, split, monkeypatch, invariant=None):
+    """Per output, every sample's response values, the samples run in micro-batches of `split`
+    (in the step's `invariant` mode: None, the model's own)."""
     from megatron_rl_patches.integrations.slime import fused as slime_fused
 
     args = types.SimpleNamespace(rollout_temperature=1.0, allgather_cp=False, loss_type="policy_loss")
     out: dict[str, list[torch.Tensor]] = {"log_probs": [], "entropy": []}
     for first in range(0, len(TOTALS), split):
         layout, call = _micro_batch(tokens, range(first, first + split), monkeypatch)
-        plan = slime_fused.StepPlan(args, True, False, batch={"tokens": None})
+        plan = slime_fused.StepPlan(args, True, False, batch={"tokens": None}, invariant=invariant)
         with torch.no_grad():
             result = slime_fused.FusedModel(model, plan)(**call)
         assert isinstance(result, slime_fused.FusedOutput)
@@ -89,10 +90,10 @@ def test_micro_batch_splits_of_1_and_4_give_the_same_bits_with_batch_invariant_m
 def test_a_teacher_scored_inside_the_students_step_follows_the_students_mode(
         megatron_cpu, clean_patch_state, monkeypatch):
     """A teacher the package builds never sets batch_invariant_mode: inside the student's step
-    (`step_mode.student_mode`, what slime_opd's teacher passes run in) its fused pass takes the
-    student's mode; outside, its own config's (the negative control)."""
+    (the plan slime_opd's teacher passes run with: `step_mode.student_invariant`) its fused pass
+    takes the student's mode; outside, its own config's (the negative control)."""
     import megatron_rl_patches
-    from megatron_rl_patches.integrations.step_mode import student_mode
+    from megatron_rl_patches.integrations.step_mode import student_invariant
 
     monkeypatch.delenv("MEGATRON_RL_PATCHES_INVARIANT", raising=False)
     megatron_rl_patches.apply(only="gpt_output_processor")
@@ -103,8 +104,7 @@ def test_a_teacher_scored_inside_the_students_step_follows_the_students_mode(
     invariant = _responses(teacher, tokens, len(TOTALS), monkeypatch)
     teacher.config.batch_invariant_mode = False
     student = [types.SimpleNamespace(config=types.SimpleNamespace(batch_invariant_mode=True))]
-    with student_mode(student):
-        beside = _responses(teacher, tokens, len(TOTALS), monkeypatch)
+    beside = _responses(teacher, tokens, len(TOTALS), monkeypatch, student_invariant(student))
     alone = _responses(teacher, tokens, len(TOTALS), monkeypatch)
     for key in ("log_probs", "entropy"):
         assert torch.equal(beside[key], invariant[key]), key

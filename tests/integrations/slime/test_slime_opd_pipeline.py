@@ -49,7 +49,7 @@ def _fell_back() -> dict:
     from megatron_rl_patches.integrations.slime import opd
     from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
 
-    def logits_on_the_last_stage(args, model, rollout_data, request, fell_back):
+    def logits_on_the_last_stage(args, model, rollout_data, request, fell_back, invariant=None):
         activations = torch.zeros(4)
         if parallel_state.is_pipeline_first_stage():
             dist.send(activations, dst=1)
@@ -79,7 +79,7 @@ def _scored(with_work: bool) -> dict:
     log: list = []
     actor = _Actor(log)
 
-    def pipelined_pass(args, model, rollout_data, request):
+    def pipelined_pass(args, model, rollout_data, request, invariant=None):
         """One forward_only over the pipeline: stage 0 sends, stage 1 receives and scores."""
         activations = torch.zeros(4)
         if parallel_state.is_pipeline_first_stage():

@@ -59,7 +59,7 @@ class TinyHead:
         return torch.tanh(self.embedding[tokens] + 0.5 * self.embedding[torch.roll(tokens, 1)]) * 3
 
 
-def topk_pass(args, model, rollout_data, request):
+def topk_pass(args, model, rollout_data, request, invariant=None):
     """opd's `topk_pass` contract over `model[0]` (a TinyHead): per sample on the response rows, the
     tokens' log-probs, the top-k ids asked (`request.k`) or the ids of `request.ids_key` scored (with
     `request.mask_key`), and their tail. Without those ids (a stage before the last), nothing."""

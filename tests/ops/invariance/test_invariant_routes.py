@@ -159,7 +159,7 @@ def test_slimes_opd_student_buckets_on_the_logits_path_follow_the_students_confi
     from megatron_rl_patches.integrations.slime import opd
     from megatron_rl_patches.integrations.slime import rows as slime_rows
     from megatron_rl_patches.integrations.slime.step_plan import IDS
-    from megatron_rl_patches.integrations.step_mode import student_mode
+    from megatron_rl_patches.integrations.step_mode import student_invariant
 
     monkeypatch.delenv("MEGATRON_RL_PATCHES_INVARIANT", raising=False)
     totals, responses, k = (40, 56), (25, 31), 8
@@ -174,8 +174,7 @@ def test_slimes_opd_student_buckets_on_the_logits_path_follow_the_students_confi
     monkeypatch.setattr(slime_rows, "slime_loss", lambda: sliced)
     seen = {}
     for on in (True, False):
-        with student_mode(_student(on)):
-            seen[on] = opd.student_buckets(args, batch, logits[: sum(totals)][None])
+        seen[on] = opd.student_buckets(args, batch, logits[: sum(totals)][None], student_invariant(_student(on)))
     want = ops.topk_logprobs(logits[torch.cat(spans)], torch.cat(ids), invariant=True)
     assert torch.equal(seen[True][0], want[0]) and torch.equal(seen[True][1], want[1])
     _differ(seen[False][0], seen[True][0])
