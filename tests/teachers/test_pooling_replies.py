@@ -63,6 +63,21 @@ def test_bad_replies_are_refused_naming_the_sample(make, words):
     assert caught.value.sample == 3
 
 
+def test_every_non_finite_row_is_found_and_finite_extremes_pass():
+    """The reply is checked by one sum first: an infinity, two infinities of either sign and a NaN
+    are refused at their row; finite values whose sum overflows still pass, bit for bit."""
+    states = torch.randn(9, 8, generator=torch.Generator().manual_seed(3))
+    for bad, row in ((torch.tensor([float("inf")]), 6), (torch.tensor([float("inf"), -float("inf")]), 5)):
+        broken = states.clone()
+        broken[row, : bad.numel()] = bad
+        with pytest.raises(ServedTeacherError, match=f"position {row}\\) is not finite"):
+            engine(8).rows(reply(broken), 9, 1, 0)
+    huge = torch.full((9, 8), 3.0e38)
+    assert torch.equal(engine(8).rows(reply(huge), 9, 1, 0), huge[:8])
+    half = torch.full((9, 8), 3.0e38).bfloat16()
+    assert torch.equal(engine(8, torch.bfloat16).rows(reply(half), 9, 1, 0), half[:8])
+
+
 def test_a_truncated_body_is_refused():
     good = reply(torch.ones(9, 8))
     cut = SimpleNamespace(headers=good.headers, content=good.content[:-4])
