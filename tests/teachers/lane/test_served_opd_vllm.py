@@ -58,7 +58,7 @@ def student_rows(seed: int) -> DenseRows:
     return DenseRows(lambda ids: weight[torch.roll(ids, 1)] + weight[ids])
 
 
-def topk_pass(args, model, rollout_data, request):
+def topk_pass(args, model, rollout_data, request, invariant=None):
     """opd's `topk_pass` contract over dense float64 rows: the top-`request.k` ids, or the ids of
     `request.ids_key` scored, with their exact tail."""
     (dense,) = model
@@ -214,7 +214,7 @@ def test_a_server_that_dies_mid_step_fails_the_step_naming_it(served, megatron_c
     setattr(actor, opd.ATTRIBUTE, [teacher])
     link.hold_all()
 
-    def dying_pass(args, model, rollout_data, request):
+    def dying_pass(args, model, rollout_data, request, invariant=None):
         assert link.accepted.acquire(timeout=10)  # a request is in flight during the student's pass
         link.close()
         return topk_pass(args, model, rollout_data, request)
@@ -285,7 +285,7 @@ def _unscored_step(rank: int, url: str, directory: str) -> dict:
     `unscored`, rank 1 waited in the agreement rank 0 never joined)."""
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
-    def no_ids_on_rank_0(args, model, rollout_data, request):
+    def no_ids_on_rank_0(args, model, rollout_data, request, invariant=None):
         out = topk_pass(args, model, rollout_data, request)
         return {key: value for key, value in out.items() if key != "topk_ids"} if rank == 0 else out
 
