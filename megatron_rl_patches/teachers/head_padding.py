@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
+from megatron_rl_patches.ops.agreement import agree, gathered
 from megatron_rl_patches.teachers.head import TeacherHead, group_position
 
 
@@ -18,18 +18,20 @@ def head_padded_as(head: TeacherHead, padded_vocab_size: int) -> TeacherHead:
     shard); unchanged when it already has them. Every rank of the head's group calls it (one
     all-gather of the shards, once: the whole [V, H] lives on each rank for the copy). ValueError
     when the padded vocabulary cannot hold the head's real one or does not split over the group."""
+    rank, size = group_position(head.tp_group)
+    error = None
+    if padded_vocab_size < head.vocab_size or padded_vocab_size % size:
+        error = ValueError(f"a teacher head of {head.vocab_size} real rows ({head.source}) cannot be padded to "
+                           f"{padded_vocab_size} rows over {size} tensor-parallel ranks: the student's padded "
+                           "vocabulary must hold the teacher's real one and split evenly over its tensor-parallel "
+                           "group")
+    # agreed before the all-gather: a rank asking another size would otherwise return early or wait
+    agree(head.tp_group, "head_padded_as", error=error,
+          match={"padded_vocab_size": padded_vocab_size, "head_padded_vocab_size": head.padded_vocab_size},
+          where="the teacher head's tensor-parallel group")
     if head.padded_vocab_size == padded_vocab_size:
         return head
-    rank, size = group_position(head.tp_group)
-    if padded_vocab_size < head.vocab_size or padded_vocab_size % size:
-        raise ValueError(f"a teacher head of {head.vocab_size} real rows ({head.source}) cannot be padded to "
-                         f"{padded_vocab_size} rows over {size} tensor-parallel ranks: the student's padded vocabulary "
-                         "must hold the teacher's real one and split evenly over its tensor-parallel group")
-    whole = head.weight
-    if size > 1:
-        shards = [torch.empty_like(head.weight) for _ in range(size)]
-        dist.all_gather(shards, head.weight.contiguous(), group=head.tp_group)
-        whole = torch.cat(shards)
+    whole = torch.cat(gathered(head.tp_group, head.weight)) if size > 1 else head.weight
     rows = padded_vocab_size // size
     first = rank * rows
     weight = head.weight.new_zeros((rows, head.hidden_size))

@@ -29,3 +29,32 @@ def test_the_real_rows_stay_and_the_padding_is_zero(padded):
 def test_a_padding_below_the_real_vocabulary_is_refused_naming_the_head():
     with pytest.raises(ValueError, match=r"5 real rows \(/dirs/teacher\) cannot be padded to 4 rows"):
         head_padded_as(_head(5, 8), 4)
+
+
+def _two_ranks(rank: int, world: int, asked: list[int]) -> dict:
+    import torch.distributed as dist
+
+    whole = _head(5, 8)
+    group = dist.group.WORLD
+    shard = TeacherHead(whole.weight[rank * 4:(rank + 1) * 4].clone(), 5, 8, rank * 4, tp_group=group,
+                        source="/dirs/teacher")
+    try:
+        cut = head_padded_as(shard, asked[rank])
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"weight": cut.weight, "first": cut.first_id}
+
+
+def test_over_two_ranks_each_shard_is_its_part_and_a_rank_asking_another_size_fails_on_both():
+    """The shards gathered once, each rank keeping its rows of the single-rank cut; the sizes agreed
+    before the gather: a rank asking 16 beside one asking 8 (which alone returns at once) is the same
+    error on both ranks, not a wait in the gather."""
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    ranks = run_multirank(_two_ranks, 2, [16, 16])
+    whole = head_padded_as(_head(5, 8), 16).weight
+    for rank, out in enumerate(ranks):
+        assert out["first"] == rank * 8 and torch.equal(out["weight"], whole[rank * 8:(rank + 1) * 8])
+    mixed = run_multirank(_two_ranks, 2, [16, 8])
+    assert all("padded_vocab_size" in out.get("error", "") for out in mixed), mixed
+    assert mixed[0]["error"] == mixed[1]["error"]
