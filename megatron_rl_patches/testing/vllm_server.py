@@ -44,14 +44,10 @@ def server_command(python: str, model: str | Path, port: int, max_model_len: int
             *extra]
 
 
-@contextlib.contextmanager
-def vllm_server(python: str, model: str | Path, log: str | Path, *, max_model_len: int = 256,
-                max_logprobs: int = 20, api_key: str | None = None, extra: tuple[str, ...] = (),
-                ready_timeout: float = 600.0, dtype: str = "float32") -> Iterator[VllmServer]:
-    """A vLLM server of `model` (in `dtype`, float32 by default; eager, no prefix cache; a tokenizer
-    in the directory, which vLLM checks the ids against) on 127.0.0.1, ready (`/health` answers)
-    when entered; its output in `log`. `api_key`: the key the server demands (in its environment,
-    not on its command line)."""
+def launch(python: str, model: str | Path, log: str | Path, *, max_model_len: int = 256, max_logprobs: int = 20,
+           api_key: str | None = None, extra: tuple[str, ...] = (), dtype: str = "float32") -> VllmServer:
+    """A vLLM server of `model` started (not yet ready: `serving` waits for it and stops it), so a
+    caller can start several at once and let them load side by side."""
     port = free_port()
     env = {**os.environ, **CPU_ENV}
     env.pop("VLLM_API_KEY", None)
@@ -63,12 +59,31 @@ def vllm_server(python: str, model: str | Path, log: str | Path, *, max_model_le
     with open(log, "wb") as out:
         process = subprocess.Popen(server_command(python, model, port, max_model_len, max_logprobs, extra, dtype),
                                    stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = VllmServer(f"http://127.0.0.1:{port}", process, log)
+    return VllmServer(f"http://127.0.0.1:{port}", process, log)
+
+
+@contextlib.contextmanager
+def serving(server: VllmServer, ready_timeout: float = 600.0) -> Iterator[VllmServer]:
+    """`server` (from `launch`) once ready; stopped on exit, also when it never got ready."""
     try:
         wait_ready(server, ready_timeout)
         yield server
     finally:
-        stop(process)
+        stop(server.process)
+
+
+@contextlib.contextmanager
+def vllm_server(python: str, model: str | Path, log: str | Path, *, max_model_len: int = 256,
+                max_logprobs: int = 20, api_key: str | None = None, extra: tuple[str, ...] = (),
+                ready_timeout: float = 600.0, dtype: str = "float32") -> Iterator[VllmServer]:
+    """A vLLM server of `model` (in `dtype`, float32 by default; eager, no prefix cache; a tokenizer
+    in the directory, which vLLM checks the ids against) on 127.0.0.1, ready (`/health` answers)
+    when entered; its output in `log`. `api_key`: the key the server demands (in its environment,
+    not on its command line)."""
+    server = launch(python, model, log, max_model_len=max_model_len, max_logprobs=max_logprobs, api_key=api_key,
+                    extra=extra, dtype=dtype)
+    with serving(server, ready_timeout) as ready:
+        yield ready
 
 
 def wait_ready(server: VllmServer, timeout: float) -> None:

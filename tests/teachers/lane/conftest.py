@@ -2,13 +2,15 @@
 named by MRP_VLLM_PYTHON) for the whole session, serving a tiny random Qwen3 that transformers
 wrote (float32, every parameter perturbed) with a word-level tokenizer; the tests compare its
 scores with transformers' own forward in this process; beside it, for hidden-state teachers, one
-pooling server of the same checkpoint (started when a test first asks for it). Without
+pooling server of the same checkpoint, a server without a tokenizer and a bf16 pooling server.
+Every server the session's tests use starts together, when the first is asked for (`launched`). Without
 MRP_VLLM_PYTHON every test here skips (the main lane); with it, a server that does not start is an
 error, never a skip."""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -56,28 +58,99 @@ def checkpoint(tmp_path_factory):
     return root, directory, model
 
 
-@pytest.fixture(scope="session")
-def served(checkpoint):
-    """The session's vLLM server; its API key set in the client's variable for the session."""
-    from megatron_rl_patches.testing.vllm_server import vllm_server
+def bf16_checkpoint(root: Path) -> Path:
+    """A tiny random Qwen3 saved in bf16 (config.json's dtype and the tensors) with the lane's word
+    tokenizer (another seed than the lane's checkpoint)."""
+    import torch
 
-    root, directory, model = checkpoint
-    with vllm_server(VLLM_PYTHON, directory, root / "vllm.log", max_model_len=MAX_MODEL_LEN,
-                     max_logprobs=MAX_LOGPROBS, api_key=API_KEY) as server:
+    model = save_tiny_hf(root / "float32", "qwen3", seed=6, **MODEL_SHAPE)
+    directory = root / "qwen3-bf16"
+    model.to(torch.bfloat16).save_pretrained(directory)
+    save_word_tokenizer(directory, VOCAB)
+    return directory
+
+
+def start(name: str, root: Path, directory: Path) -> Any:
+    """The lane's server `name` started (not waited for): its model directory and options."""
+    from megatron_rl_patches.testing.vllm_server import launch
+
+    common = dict(max_model_len=MAX_MODEL_LEN, max_logprobs=MAX_LOGPROBS)
+    if name == "served":
+        return launch(VLLM_PYTHON, directory, root / "vllm.log", api_key=API_KEY, **common)
+    if name == "pooled":
+        return launch(VLLM_PYTHON, directory, root / "vllm-pooling.log", api_key=API_KEY, extra=POOLING, **common)
+    if name == "tokenizerless":  # as slime starts its own engines: no tokenizer, so no /tokenize
+        return launch(VLLM_PYTHON, directory, root / "vllm-tokenizerless.log", extra=("--skip-tokenizer-init",),
+                      **common)
+    assert name == "bf16_pooled", name
+    return launch(VLLM_PYTHON, bf16_checkpoint(root), root / "vllm-bf16.log", api_key=API_KEY, extra=POOLING,
+                  dtype="bfloat16", max_model_len=MAX_MODEL_LEN)
+
+
+SERVERS = ("served", "pooled", "tokenizerless", "bf16_pooled")
+
+
+@pytest.fixture(scope="session")
+def launched(request, checkpoint):
+    """Every server the session's tests use, started together the first time one is asked for (they
+    load side by side, which the lane's cores finish sooner than one after another); each fixture
+    below takes its own and stops it."""
+    from megatron_rl_patches.testing.vllm_server import stop
+
+    wanted = {name for item in request.session.items for name in item.fixturenames}
+    root, directory, _ = checkpoint
+    servers: dict[str, Any] = {}
+    try:
+        for name in SERVERS:
+            if name in wanted:
+                servers[name] = start(name, root, directory)
+        yield servers
+    finally:
+        for server in servers.values():
+            stop(server.process)
+
+
+def ready(launched: dict[str, Any], name: str, checkpoint: Any) -> Any:
+    """`name`'s server, ready (started now when the session did not list it)."""
+    from megatron_rl_patches.testing.vllm_server import serving
+
+    root, directory, _ = checkpoint
+    return serving(launched.pop(name, None) or start(name, root, directory))
+
+
+@pytest.fixture(scope="session")
+def served(launched, checkpoint):
+    """The session's vLLM server; its API key set in the client's variable for the session."""
+    _, directory, model = checkpoint
+    with ready(launched, "served", checkpoint) as server:
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("MEGATRON_RL_PATCHES_TEACHER_API_KEY", API_KEY)
             yield Served(server.url, model, directory, server.process)
 
 
 @pytest.fixture(scope="session")
-def pooled(checkpoint):
+def pooled(launched, checkpoint):
     """The session's vLLM pooling server of the same checkpoint (hidden states: `--runner pooling
     --convert embed --pooler-config '{"task": "token_embed"}'`), started beside the generate one."""
-    from megatron_rl_patches.testing.vllm_server import vllm_server
-
-    root, directory, model = checkpoint
-    with vllm_server(VLLM_PYTHON, directory, root / "vllm-pooling.log", max_model_len=MAX_MODEL_LEN,
-                     max_logprobs=MAX_LOGPROBS, api_key=API_KEY, extra=POOLING) as server:
+    _, directory, model = checkpoint
+    with ready(launched, "pooled", checkpoint) as server:
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("MEGATRON_RL_PATCHES_TEACHER_API_KEY", API_KEY)
             yield Served(server.url, model, directory, server.process)
+
+
+@pytest.fixture(scope="session")
+def tokenizerless(launched, checkpoint):
+    """A server of the lane's checkpoint started with `--skip-tokenizer-init` (as slime starts its
+    own engines): (url, the directory, whose tokenizer is the student's)."""
+    with ready(launched, "tokenizerless", checkpoint) as server:
+        yield server.url, checkpoint[1]
+
+
+@pytest.fixture(scope="session")
+def bf16_pooled(launched, checkpoint):
+    """A pooling server in bfloat16 of a bf16 checkpoint: (url, its directory); the API key set."""
+    with ready(launched, "bf16_pooled", checkpoint) as server:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("MEGATRON_RL_PATCHES_TEACHER_API_KEY", API_KEY)
+            yield server.url, checkpoint[0] / "qwen3-bf16"

@@ -12,28 +12,9 @@ import pytest
 import torch
 
 from megatron_rl_patches.teachers import ClientSettings, ServedTeacher, TeacherBatch, TeacherHead
-from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
-from tests.teachers.lane.served_kit import API_KEY, MAX_MODEL_LEN, MODEL_SHAPE, POOLING, VLLM_PYTHON, VOCAB
+from tests.teachers.lane.served_kit import API_KEY, VOCAB
 
 FAST = ClientSettings(retries=1, backoff_s=0.1, deadline_s=60.0)
-
-
-@pytest.fixture(scope="module")
-def bf16_pooled(tmp_path_factory):
-    """A tiny random Qwen3 saved in bf16 (config.json's dtype and the tensors) with the lane's word
-    tokenizer, behind a vLLM pooling server in bfloat16."""
-    from megatron_rl_patches.testing.vllm_server import vllm_server
-
-    root = tmp_path_factory.mktemp("bf16")
-    model = save_tiny_hf(root / "float32", "qwen3", seed=6, **MODEL_SHAPE)
-    directory = root / "qwen3-bf16"
-    model.to(torch.bfloat16).save_pretrained(directory)
-    save_word_tokenizer(directory, VOCAB)
-    with vllm_server(VLLM_PYTHON, directory, root / "vllm-bf16.log", max_model_len=MAX_MODEL_LEN, api_key=API_KEY,
-                     extra=POOLING, dtype="bfloat16") as server:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("MEGATRON_RL_PATCHES_TEACHER_API_KEY", API_KEY)
-            yield server.url, directory
 
 
 def json_states(url: str, directory, ids: torch.Tensor) -> torch.Tensor:

@@ -10,21 +10,7 @@ from typing import Any, cast
 import pytest
 import torch
 
-from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
-from tests.teachers.lane.served_kit import MAX_LOGPROBS, MAX_MODEL_LEN, MODEL_SHAPE, VLLM_PYTHON, VOCAB
-
-
-@pytest.fixture(scope="module")
-def tokenizerless(tmp_path_factory):
-    from megatron_rl_patches.testing.vllm_server import vllm_server
-
-    root = tmp_path_factory.mktemp("tokenizerless")
-    directory = root / "qwen3"
-    save_tiny_hf(directory, "qwen3", seed=3, **MODEL_SHAPE)
-    save_word_tokenizer(directory, VOCAB)  # the student's, read from here; the server loads none
-    with vllm_server(VLLM_PYTHON, directory, root / "vllm.log", max_model_len=MAX_MODEL_LEN,
-                     max_logprobs=MAX_LOGPROBS, extra=("--skip-tokenizer-init",)) as server:
-        yield server.url, directory
+from tests.teachers.lane.served_kit import VOCAB
 
 
 def test_the_probe_names_the_flag_and_the_entry_option_is_taken(tokenizerless, monkeypatch):
