@@ -2,8 +2,12 @@
 code on tiny packed GPTModels on CPU. Every module here is marked `verl` and skips cleanly where
 verl is not importable (the main lanes). The modules skip on `verl.models`, not `verl`: where
 verl is missing, tests/integrations/ on sys.path makes tests/integrations/verl/ a namespace
-package `verl` (a real verl, a regular package, always wins over it)."""
+package `verl` (a real verl, a regular package, always wins over it). The vLLM servers of the
+modules that define `launch_server(root)` start together, the first time one is asked for
+(`launched`)."""
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -15,3 +19,23 @@ def verl_cpu(clean_patch_state):
 
     with megatron_on_cpu() as env:
         yield env
+
+
+@pytest.fixture(scope="session")
+def launched(request, tmp_path_factory):
+    """{module name: (server, what the module's fixture needs)} for every collected module with a
+    `launch_server(root)` (a real vLLM server, started, not yet ready), all started at once so they
+    load side by side; each module's fixture takes its own (`served_by`). Stopped at the end."""
+    from megatron_rl_patches.testing.vllm_server import stop
+
+    started: dict[str, tuple] = {}
+    try:
+        if os.environ.get("MRP_VLLM_PYTHON"):
+            for module in dict.fromkeys(item.module for item in request.session.items):
+                launch = getattr(module, "launch_server", None)
+                if launch is not None:
+                    started[module.__name__] = launch(tmp_path_factory.mktemp(module.__name__.rpartition(".")[2]))
+        yield started
+    finally:
+        for server, _ in started.values():
+            stop(server.process)

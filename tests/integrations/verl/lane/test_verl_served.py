@@ -37,19 +37,27 @@ PROMPTS, RESPONSES = (5, 9), (14, 7)
 PAD = 0  # verl's pad token id here
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """One vLLM server of a tiny random Qwen3 (--max-logprobs 32) and transformers' model of it."""
+def launch_server(root):
+    """One vLLM server of a tiny random Qwen3 (--max-logprobs 32), started; transformers' model of it."""
     from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
-    from megatron_rl_patches.testing.vllm_server import vllm_server
+    from megatron_rl_patches.testing.vllm_server import launch
 
-    root = tmp_path_factory.mktemp("verl-served")
     directory = root / "qwen3"
     model = save_tiny_hf(directory, "qwen3", seed=5, **MODEL_SHAPE)
     save_word_tokenizer(directory, VOCAB)
-    with vllm_server(os.environ["MRP_VLLM_PYTHON"], directory, root / "vllm.log", max_model_len=MAX_MODEL_LEN,
-                     max_logprobs=K, api_key=API_KEY) as server:
-        yield types.SimpleNamespace(url=server.url, model=model, directory=directory)
+    server = launch(os.environ["MRP_VLLM_PYTHON"], directory, root / "vllm.log", max_model_len=MAX_MODEL_LEN,
+                    max_logprobs=K, api_key=API_KEY)
+    return server, types.SimpleNamespace(model=model, directory=directory)
+
+
+@pytest.fixture(scope="module")
+def served(launched, tmp_path_factory):
+    """The module's server (started with the lane's others: conftest's `launched`), ready."""
+    from megatron_rl_patches.testing.vllm_server import serving
+
+    server, info = launched.pop(__name__, None) or launch_server(tmp_path_factory.mktemp("verl-served"))
+    with serving(server):
+        yield types.SimpleNamespace(url=server.url, model=info.model, directory=info.directory)
 
 
 @pytest.fixture

@@ -38,22 +38,31 @@ LAYOUTS = [{"name": "tp1", "tp": 1, "sp": False}, {"name": "tp2-sp", "tp": 2, "s
 TOL = 2e-5  # float32 against float64, relative to the largest value
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """A vLLM pooling server of a tiny random Qwen3 of the student's vocabulary, transformers'
-    model of it, and another checkpoint's directory (the negative control's head)."""
+def launch_server(root):
+    """A vLLM pooling server of a tiny random Qwen3 of the student's vocabulary, started; transformers'
+    model of it and another checkpoint's directory (the negative control's head)."""
     from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
-    from megatron_rl_patches.testing.vllm_server import vllm_server
+    from megatron_rl_patches.testing.vllm_server import launch
 
-    root = tmp_path_factory.mktemp("verl-vocab")
     model = save_tiny_hf(root / "qwen3", "qwen3", seed=7, **MODEL_SHAPE)
     save_word_tokenizer(root / "qwen3", kit.VOCAB)
     save_tiny_hf(root / "other", "qwen3", seed=8, **MODEL_SHAPE)
-    with vllm_server(os.environ["MRP_VLLM_PYTHON"], root / "qwen3", root / "pooling.log",
-                     max_model_len=MAX_MODEL_LEN, max_logprobs=20, api_key=API_KEY, extra=POOLING) as server:
+    server = launch(os.environ["MRP_VLLM_PYTHON"], root / "qwen3", root / "pooling.log", max_model_len=MAX_MODEL_LEN,
+                    max_logprobs=20, api_key=API_KEY, extra=POOLING)
+    return server, {"model": model, "head": str(root / "qwen3"), "other": str(root / "other")}
+
+
+@pytest.fixture(scope="module")
+def served(launched, tmp_path_factory):
+    """The module's pooling server (started with the lane's others: conftest's `launched`), ready,
+    its API key set."""
+    from megatron_rl_patches.testing.vllm_server import serving
+
+    server, info = launched.pop(__name__, None) or launch_server(tmp_path_factory.mktemp("verl-vocab"))
+    with serving(server):
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("MEGATRON_RL_PATCHES_TEACHER_API_KEY", API_KEY)
-            yield {"url": server.url, "model": model, "head": str(root / "qwen3"), "other": str(root / "other")}
+            yield {"url": server.url, **info}
 
 
 def teacher_log_probs(model) -> list[torch.Tensor]:
