@@ -16,9 +16,11 @@ With --vllm-python the example writes a tiny random Qwen3 teacher (1001 words, i
 beside it: it needs transformers and tokenizers) and serves it on 127.0.0.1 for the run (about a
 minute to start on CPU). Each step:
 
-1. The samples (prompt + response ids; stand-ins for your rollouts) go to the server as a
-   `TeacherBatch` through the teacher step (`TeacherStep` behind `megatron_host`: the loop's
-   groups): the first rank of the tensor-parallel group asks, a failure there is raised on every
+1. The served teacher is built from its entry (`build_teachers("URL;engine=vllm;same_tokenizer;
+   vocab=N", host, top_k=K)`: the entry grammar of MEGATRON_RL_PATCHES_OPD_TEACHERS, connected by
+   the asking rank: the server answers, K within its limit). The samples (prompt + response ids;
+   stand-ins for your rollouts) go to the server as a `TeacherBatch` through the teacher step
+   (`TeacherStep` behind `megatron_host`: the loop's groups): the first rank of the tensor-parallel group asks, a failure there is raised on every
    rank, and the scores are broadcast to the group (every rank holds the same samples under
    tensor parallelism).
 2. The served rows are placed where the student's forward scores them. Row r of sample i scores
@@ -163,7 +165,7 @@ def train(rank: int, world_size: int, url: str | None, vocab_size: int, steps: i
 
     import megatron_rl_patches
     from megatron_rl_patches import topk_kl, topk_output_processor
-    from megatron_rl_patches.teachers import ServedTeacher, TeacherBatch, TeacherStep, megatron_host
+    from megatron_rl_patches.teachers import TeacherBatch, TeacherStep, build_teachers, megatron_host
     from megatron_rl_patches.testing import megatron_cpu as kit
 
     megatron_rl_patches.apply(only="gpt_output_processor")  # the processor keyword on megatron-core < 0.18
@@ -171,11 +173,17 @@ def train(rank: int, world_size: int, url: str | None, vocab_size: int, steps: i
     with kit.megatron_on_cpu(tensor_parallel=world_size, seed=seed), contextlib.ExitStack() as stack:
         config = kit.tiny_gpt_config(init_method_std=0.3)
         rows_padded = padded(vocab_size, world_size)
-        teachers: list[Any] = [] if url is None else [stack.enter_context(ServedTeacher(url, "vllm", top_k=K))]
+        host = megatron_host(parallel_state, vocab_size)  # the tensor-parallel group shares, the job agrees
+        # built from its entry through its kind, connected by each group's asking rank (the server's
+        # tokenizer is the student's: the entry says so and names the vocabulary)
+        entry = f"{url};engine=vllm;same_tokenizer;vocab={vocab_size}"
+        teachers: list[Any] = [] if url is None else build_teachers(entry, host, top_k=K)
+        for teacher in teachers:
+            stack.callback(teacher.close)
         if in_process:  # a frozen model of the student's shape, another seed: the same on 1 and 2 ranks
             teachers.append(InProcessTeacher(kit.build_tiny_gpt(config, vocab_size=rows_padded,
                                                                 seq_length=max(LENGTHS), seed=seed + 1), vocab_size))
-        step_teachers = TeacherStep(teachers, megatron_host(parallel_state, vocab_size))  # TP shares, the job agrees
+        step_teachers = TeacherStep(teachers, host)
         student = kit.build_tiny_gpt(config, vocab_size=rows_padded, seq_length=max(LENGTHS), seed=seed)
         optimizer = torch.optim.Adam(student.parameters(), lr=LR)
         for step in range(steps):

@@ -5,7 +5,8 @@ log-prob), teachers served by an inference engine (`ServedTeacher`, vLLM; `serve
 chunk-start buckets of one with another tokenizer from its top-k; `head_buckets`: exact, from its
 hidden states through its head), a teacher's output layer on the
 trainer (`TeacherHead`: a served teacher's hidden states through it), the teacher step of any loop
-(`TeacherStep` behind a `TeacherHost`: send early, ask once per group, share, agree a failure), and the kinds of
+(`TeacherStep` behind a `TeacherHost`: send early, ask once per group, share, agree a failure; its
+teachers built from entries through their kinds by `build_teachers`), and the kinds of
 teacher as one table (`teachers.kinds`: how an entry of MEGATRON_RL_PATCHES_OPD_TEACHERS is read
 and checked). Importing this package is light (no torch, no HTTP client): names load on first use."""
 from __future__ import annotations
@@ -34,6 +35,8 @@ _LAZY = {
     "LoopHost": "host",
     "megatron_host": "host",
     "local_host": "host",
+    "build_teachers": "build",
+    "BuildOptions": "build",
 }
 
 __all__ = sorted(_LAZY)

@@ -8,6 +8,8 @@ student's vocabulary and, optionally, how an in-process teacher's pass runs.
 - `vocab_size`: the student's real vocabulary (before Megatron's padding).
 - `teacher_pass`: runs an in-process teacher on a batch (e.g. under the framework's no-grad /
   offload context); None calls `teacher.score(batch)` as it is.
+- `build_teacher` (optional): (entry, options) -> the teacher of an in-process kind (a checkpoint,
+  a provider), for `build_teachers`; a host without one builds served teachers only.
 
 `TeacherHost` is the protocol; `LoopHost` a plain one; `megatron_host` builds one from
 megatron-core's parallel_state for a hand-written Megatron loop (the module passed in: this
@@ -38,6 +40,7 @@ class LoopHost:
     share_group: Any = None
     job_group: Any = None
     teacher_pass: TeacherPass | None = None
+    build_teacher: Callable[[Any, Any], Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 1:
@@ -46,6 +49,9 @@ class LoopHost:
         if self.teacher_pass is not None and not callable(self.teacher_pass):
             raise TypeError(f"LoopHost(teacher_pass=...) must be a callable (teacher, batch) -> BatchScores or None, "
                             f"got {type(self.teacher_pass).__name__}")
+        if self.build_teacher is not None and not callable(self.build_teacher):
+            raise TypeError(f"LoopHost(build_teacher=...) must be a callable (entry, options) -> teacher or None, "
+                            f"got {type(self.build_teacher).__name__}")
 
 
 def megatron_host(parallel_state: Any, vocab_size: int, teacher_pass: TeacherPass | None = None, *,

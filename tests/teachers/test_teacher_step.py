@@ -21,6 +21,7 @@ from megatron_rl_patches.teachers import (
     TeacherBatch,
     TeacherHead,
     TeacherStep,
+    build_teachers,
     local_host,
 )
 from megatron_rl_patches.teachers.hidden_scores import head_scores
@@ -86,6 +87,15 @@ def rank_steps(rank: int, world_size: int, url: str) -> dict:
         out["scores"] = [flat(scores) for scores in step.collect()]
         out["refused"] = failure(TeacherStep([served], host), batch(too_long=True))
         out["broken"] = failure(TeacherStep([served, RankTeacher(rank, fail_on=1)], host), batch())
+    # built from an entry through its kind: connected by the asking rank only; its bad vocabulary
+    # (rank 0's entry names 5 ids, the student writes 12) the same error on both ranks
+    (built,) = build_teachers(f"{url};engine=vllm;same_tokenizer;vocab=12", host, top_k=K)
+    built.close()
+    try:
+        build_teachers(f"{url};engine=vllm;same_tokenizer;vocab={5 if rank == 0 else 12}", host, top_k=K)
+        out["bad_vocab"] = "no error"
+    except ValueError as error:
+        out["bad_vocab"] = str(error)
     return out
 
 
@@ -99,7 +109,10 @@ def test_asked_once_per_group_shared_and_failures_raised_alike():
     # 3 samples for the first step, none for the refused one (too long: refused before sending), 3 for the
     # in-process failure's step, and the one probe of K when the served model is first asked: by rank 0 only
     # (both ranks asking would be 14 and 2 model queries)
-    assert len(models) == 1 and len(completions) == 1 + 6
+    # + the two built from entries (a model query and a probe of K each): rank 0 connects them
+    assert len(models) == 1 + 2 and len(completions) == 1 + 6 + 2
+    assert ranks[0]["bad_vocab"] == ranks[1]["bad_vocab"] and "past the served model's vocabulary of 5" in \
+        ranks[0]["bad_vocab"]
     assert ranks[0]["scores"] == ranks[1]["scores"]
     served, in_process = ranks[0]["scores"]
     assert served[1][:K] == [0.0, 1.0, 2.0, 3.0]

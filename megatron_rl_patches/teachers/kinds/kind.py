@@ -1,11 +1,12 @@
 """What a kind of teacher is to the entry grammar (`TeacherKind`): how its entries are written,
-which entries are its own, its parser, its checks against the run, and what `doctor` finds
-without loading anything. A framework's builder per kind lives with the framework
-(slime: `integrations/slime/teacher_builders.py`)."""
+which entries are its own, its parser, its checks against the run, what `doctor` finds without
+loading anything, and its framework-free builder where it has one (`build`: a served teacher
+needs no framework; an in-process kind is built by the host, `teachers.build`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from megatron_rl_patches.teachers.kinds.entry import RunFacts, TeacherEntry
 
@@ -25,7 +26,9 @@ class TeacherKind:
     for errors and --help), `recognizes` (whether a stripped entry is its own: the first row of
     the table that says so parses it), `parse` (the entry -> its record; ValueError naming the
     entry), `check` (against the run, before anything loads; ValueError naming the entry and the
-    setting) and `problems` (what loading it would fail on, found by `doctor` without loading)."""
+    setting), `problems` (what loading it would fail on, found by `doctor` without loading) and
+    `build` ((entry, host, options) -> the teacher, framework-free; None: a kind loaded in process,
+    which the host builds: `teachers.build.build_teachers`)."""
 
     name: str
     form: str
@@ -33,3 +36,4 @@ class TeacherKind:
     parse: Callable[[str], TeacherEntry]
     check: Callable[[TeacherEntry, RunFacts], None] = no_check
     problems: Callable[[TeacherEntry, RunFacts], list[str]] = no_problems
+    build: Callable[[TeacherEntry, Any, Any], Any] | None = None

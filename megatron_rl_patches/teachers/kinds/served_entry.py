@@ -206,4 +206,11 @@ def planned_head(directory: str) -> Any:
     return TeacherHead(weight, plan.vocab_size, plan.vocab_size, 0, None, str(plan.root), plan.own_dtype)
 
 
-KIND = TeacherKind(SERVED, FORM, recognizes=recognizes, parse=parse, check=check, problems=problems)
+def build(entry: TeacherEntry, host: Any, options: Any) -> Any:
+    """The entry's connected `ServedTeacher` (`teachers.served_build`)."""
+    from megatron_rl_patches.teachers.served_build import build_served  # lazy: import cost: httpx, torch
+
+    return build_served(entry, host, options)
+
+
+KIND = TeacherKind(SERVED, FORM, recognizes=recognizes, parse=parse, check=check, problems=problems, build=build)

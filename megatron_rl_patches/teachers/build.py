@@ -1,0 +1,95 @@
+"""Teachers from entries, framework-free (`build_teachers`): each entry of the teacher grammar
+(MEGATRON_RL_PATCHES_OPD_TEACHERS's: a URL, a checkpoint path, a provider) parsed by the kinds
+table and built through its kind (`TeacherKind.build(entry, host, options)`). A served entry is
+built here (`served_build`: connected on the host's asking rank, a failure the same error on every
+rank of its job); an in-process kind needs a framework to load a model, so the host builds it
+(`host.build_teacher(entry, options)`, where the host gives one) or the entry is refused by name.
+The teachers come back in the entries' order, ready for `TeacherStep(teachers, host)`."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_rl_patches._args import positive_int
+from megatron_rl_patches.teachers.kinds import kind_named, parse_entry
+from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """What every teacher of one step is built with: `top_k` (buckets per row), `temperature`,
+    `student_tokenizer` (a `tokenizers.Tokenizer`, a tokenizer.json or a directory holding one:
+    a served model's tokenizer is checked against it; None: the entry must say `;same_tokenizer`),
+    `client` (a `ClientSettings` for served teachers; None: the defaults)."""
+
+    top_k: int
+    temperature: float = 1.0
+    student_tokenizer: Any = None
+    client: Any = None
+
+    def __post_init__(self) -> None:
+        positive_int("build_teachers(top_k=...)", self.top_k, " (the teachers' buckets per row)")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not self.temperature > 0:
+            raise ValueError(f"build_teachers(temperature={self.temperature!r}): pass a positive float")
+
+
+def entries_of(entries: str | Sequence[str | TeacherEntry]) -> list[TeacherEntry]:
+    """A comma-separated string, or a list of entry strings / parsed entries, as parsed entries."""
+    if isinstance(entries, str):
+        pieces: list[str | TeacherEntry] = [piece for piece in entries.split(",") if piece.strip()]
+    elif isinstance(entries, Sequence) and not isinstance(entries, bytes):
+        pieces = list(entries)
+    else:
+        raise TypeError(f"build_teachers(entries=...) takes a comma-separated str or a list of entries, got "
+                        f"{type(entries).__name__}")
+    if not pieces:
+        raise ValueError("build_teachers(entries=...) names no teacher: give at least one entry, e.g. "
+                         "'http://host:8000;engine=vllm'")
+    parsed = []
+    for piece in pieces:
+        if isinstance(piece, TeacherEntry):
+            parsed.append(piece)
+        elif isinstance(piece, str):
+            parsed.append(parse_entry(piece))
+        else:
+            raise TypeError(f"build_teachers(entries=...): an entry is a str or a TeacherEntry, got "
+                            f"{type(piece).__name__}")
+    return parsed
+
+
+def build_teachers(entries: str | Sequence[str | TeacherEntry], host: Any, *, top_k: int, temperature: float = 1.0,
+                   student_tokenizer: Any = None, client: Any = None) -> list[Any]:
+    """Every entry's teacher built through its kind, in order; every rank of the host's job calls
+    it alike. Everything is checked before anything is built (the entries parsed, the options,
+    each in-process entry's host builder), so a bad entry leaves nothing open."""
+    options = BuildOptions(top_k, temperature, student_tokenizer, client)
+    parsed = entries_of(entries)
+    for name in ("share_group", "job_group", "vocab_size"):
+        if not hasattr(host, name):
+            raise TypeError(f"build_teachers(host=...) has no {name}: pass a TeacherHost (e.g. "
+                            f"megatron_host(parallel_state, vocab_size) or local_host(vocab_size))")
+    kinds = [kind_named(entry.kind) for entry in parsed]
+    for entry, kind in zip(parsed, kinds):
+        if kind.build is None and not callable(getattr(host, "build_teacher", None)):
+            raise ValueError(f"build_teachers: entry {entry.path!r} is a {kind.name} teacher, which a framework "
+                             f"loads in process: this host builds none (give it build_teacher(entry, options), "
+                             f"or build the model yourself and pass it to TeacherStep as a BatchTeacher)")
+    built: list[Any] = []
+    try:
+        for entry, kind in zip(parsed, kinds):
+            build = kind.build if kind.build is not None else host_build
+            built.append(build(entry, host, options))
+    except BaseException:
+        for teacher in built:  # the ones already connected: their clients closed
+            close = getattr(teacher, "close", None)
+            if callable(close):
+                close()
+        raise
+    return built
+
+
+def host_build(entry: TeacherEntry, host: Any, options: BuildOptions) -> Any:
+    """An in-process kind's teacher: the host's."""
+    return host.build_teacher(entry, options)

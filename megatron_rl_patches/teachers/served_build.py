@@ -1,0 +1,63 @@
+"""The served kind's framework-free builder (`build_served`): a `ServedTeacher` from its entry
+(`URL;engine=vllm`, `;head=DIR` for hidden states through the teacher's head), connected on the
+host's asking rank (the first rank of its sharing group): the server answers, K within its limit,
+its tokenizer the student's (probed with the student's tokenizer, or the entry's
+`;same_tokenizer;vocab=N` for a server without one). A failure anywhere is the same ValueError
+naming the entry on every rank of the host's job. An entry with another tokenizer
+(`;tokenizer=DIR`) scores its own encoding in chunk-start buckets, which the teacher step's
+per-row scores do not carry: refused by name."""
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_rl_patches.teachers.agreement import distributed
+from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
+from megatron_rl_patches.teachers.named_vocab import named_vocab_size
+from megatron_rl_patches.teachers.redaction import redacted
+from megatron_rl_patches.teachers.served_connect import connect_served
+
+
+def asks(host: Any) -> bool:
+    """Whether this rank asks the served teachers: the first rank of the host's sharing group."""
+    group = host.share_group
+    if group is None or not distributed():
+        return True
+    import torch.distributed as dist  # lazy: import cost: torch only with a group
+
+    return dist.get_rank(group) == 0
+
+
+def build_served(entry: TeacherEntry, host: Any, options: Any) -> Any:
+    """The entry's `ServedTeacher`, connected (see the module's words)."""
+    from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: import cost: httpx, torch
+
+    where = f"build_teachers: entry {redacted(entry.path)!r}"
+    if entry.tokenizer is not None:
+        raise ValueError(f"{where} has ';tokenizer={entry.tokenizer}' (another tokenizer than the student's): its "
+                         "chunk-start buckets are slime's top-k OPD's (MEGATRON_RL_PATCHES_OPD_TEACHERS); the teacher "
+                         "step scores the student's ids: serve a teacher of the student's tokenizer, or give it "
+                         "';head=DIR' and use teachers.head_buckets")
+    if options.student_tokenizer is None and not entry.same_tokenizer:
+        raise ValueError(f"{where}: its tokenizer is checked against the student's: pass "
+                         "build_teachers(student_tokenizer=...) (a tokenizers.Tokenizer, a tokenizer.json or a "
+                         "directory holding one), or write ';same_tokenizer;vocab=N' for a server without one")
+    tokenizer = None
+    if not entry.same_tokenizer:
+        from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer  # lazy: optional dependency tokenizers
+
+        student = load_tokenizer(options.student_tokenizer, "build_teachers(student_tokenizer=...)")
+
+        def tokenizer() -> tuple[Any, str]:
+            return student, "the student's"
+
+    def named_vocab() -> tuple[int, int]:
+        return named_vocab_size(entry, where), int(host.vocab_size)
+
+    def build() -> ServedTeacher:
+        return ServedTeacher(entry.path, engine=entry.engine or "vllm", top_k=options.top_k,
+                             temperature=options.temperature, client=options.client, head=entry.head)
+
+    teacher = connect_served(build, where, asks=asks(host), job_group=host.job_group, tokenizer=tokenizer,
+                             named_vocab=named_vocab if entry.same_tokenizer else None)
+    assert teacher is not None  # every rank builds it
+    return teacher
