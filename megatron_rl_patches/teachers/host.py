@@ -69,6 +69,18 @@ def megatron_host(parallel_state: Any, vocab_size: int, teacher_pass: TeacherPas
     return LoopHost(vocab_size, share, dist.group.WORLD, teacher_pass)
 
 
+def asks(host: TeacherHost) -> bool:
+    """Whether this rank asks the served teachers: the first rank of the host's sharing group."""
+    from megatron_rl_patches.teachers.agreement import distributed  # lazy: import cost: torch.distributed
+
+    group = host.share_group
+    if group is None or not distributed():
+        return True
+    import torch.distributed as dist  # lazy: import cost: torch only with a group
+
+    return dist.get_rank(group) == 0
+
+
 def local_host(vocab_size: int, teacher_pass: TeacherPass | None = None) -> LoopHost:
     """The host of one process without torch.distributed: nothing shared, nothing agreed."""
     return LoopHost(vocab_size, None, None, teacher_pass)

@@ -10,21 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl_patches.teachers.agreement import distributed
+from megatron_rl_patches.teachers.host import asks
 from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
 from megatron_rl_patches.teachers.named_vocab import named_vocab_size
 from megatron_rl_patches.teachers.redaction import redacted
 from megatron_rl_patches.teachers.served_connect import connect_served
-
-
-def asks(host: Any) -> bool:
-    """Whether this rank asks the served teachers: the first rank of the host's sharing group."""
-    group = host.share_group
-    if group is None or not distributed():
-        return True
-    import torch.distributed as dist  # lazy: import cost: torch only with a group
-
-    return dist.get_rank(group) == 0
 
 
 def build_served(entry: TeacherEntry, host: Any, options: Any) -> Any:

@@ -25,7 +25,7 @@ from typing import Any
 from megatron_rl_patches.teachers.agreement import agree_failure, distributed
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.contract import BatchScores
-from megatron_rl_patches.teachers.host import TeacherHost
+from megatron_rl_patches.teachers.host import TeacherHost, asks
 from megatron_rl_patches.teachers.served import PendingScores, ServedTeacher
 
 
@@ -91,12 +91,7 @@ class TeacherStep:
 
     def asks(self) -> bool:
         """Whether this rank asks the served teachers: the first rank of its sharing group."""
-        group = self.host.share_group
-        if group is None or not distributed():
-            return True
-        import torch.distributed as dist  # lazy: import cost: torch only with a group
-
-        return dist.get_rank(group) == 0
+        return asks(self.host)
 
     def send(self, batch: TeacherBatch) -> None:
         """Send `batch` to the served teachers (on the asking rank; at once, in the background).
