@@ -147,12 +147,13 @@ def get_batch_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
 
 def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for `get_forward_backward_func()`: the schedule it returns runs slime's
-    forward step with the fused model when its data iterators carry a fused plan."""
+    forward step with the fused model when its data iterators carry a plan (a plan for slime's
+    logits path: the model whose logits carry the step's invariant mode)."""
     schedule = wrapped(*args, **kwargs)
 
     def planned_schedule(*call_args: Any, **call_kwargs: Any) -> Any:
         plan = plan_of(call_kwargs.get("data_iterator"))
-        if plan is None or not plan.fused:
+        if plan is None:
             return schedule(*call_args, **call_kwargs)
         if "forward_step_func" in call_kwargs:
             call_kwargs["forward_step_func"] = fused_step(call_kwargs["forward_step_func"], plan)
@@ -168,7 +169,7 @@ def fused_step(step: Any, plan: StepPlan) -> Any:
     combined-1F1B schedule where megatron-core's takes `output_processor`)."""
 
     def forward_step(data_iterator: Any, model: Any, *rest: Any, **kwargs: Any) -> Any:
-        if kwargs.get("return_schedule_plan") or (rest and rest[0] is True):
+        if plan.fused and (kwargs.get("return_schedule_plan") or (rest and rest[0] is True)):
             reason = schedule_plan_unservable(model)
             if reason is not None:
                 fall_back(reason)
@@ -234,16 +235,19 @@ class FusedModel:
         return self._route(self._model.build_schedule_plan, "build_schedule_plan", args, kwargs)
 
     def _route(self, plain: Any, method: str, args: tuple, kwargs: dict) -> Any:
-        """`plain(*args, **kwargs)` with the processor where the micro-batch is servable."""
+        """`plain(*args, **kwargs)` with the processor where the micro-batch is servable; else its
+        logits, carrying the step's invariant mode to slime's log-prob code (`mode_logits`)."""
         if not is_last_stage(self._model):  # its hidden states go to the next stage: the plain call
             return plain(*args, **kwargs)
+        if not self._plan.fused:  # a plan for slime's logits path
+            return self._logits(plain, args, kwargs)
         batch = self._plan.batch
         if args or batch is None or "input_ids" not in kwargs:
             fall_back(f"a forward step that does not call {_called(method)}(input_ids=...) after get_batch")
-            return plain(*args, **kwargs)
+            return self._logits(plain, args, kwargs)
         if batch.get("multimodal_train_inputs"):
             fall_back("multimodal inputs (multimodal_train_inputs)")
-            return plain(*args, **kwargs)
+            return self._logits(plain, args, kwargs)
         layout = batch_layout(kwargs.get("packed_seq_params"))
         if layout != "thd":
             if getattr(self._plan.args, "allgather_cp", False):
@@ -251,14 +255,20 @@ class FusedModel:
                     "slime_fused: --allgather-cp needs packed thd batches (slime's get_batch builds them); this "
                     f"micro-batch is {layout!r}: drop --allgather-cp or pack as thd")
             fall_back(f"{layout} batches (packed_seq_params.qkv_format != 'thd': the route slices thd packing)")
-            return plain(*args, **kwargs)
+            return self._logits(plain, args, kwargs)
         if not _accepts_processor(self._model, method):
             fall_back(f"a model whose {_called(method)} lacks GPTModel's output_processor keyword (apply "
                       "gpt_output_processor on megatron-core < 0.18)")
-            return plain(*args, **kwargs)
+            return self._logits(plain, args, kwargs)
         if kwargs.get("mtp_kwargs") and mtp_heads_build_logits(self._model):
             warn_once(MTP_LOGITS)
         return self._fused(kwargs, batch, plain)
+
+    def _logits(self, plain: Any, args: tuple, kwargs: dict) -> Any:
+        """slime's logits path: the logits (a schedule plan: as given) marked with the step's mode."""
+        from megatron_rl_patches.integrations.mode_logits import with_mode  # lazy: import cost: torch
+
+        return with_mode(plain(*args, **kwargs), self._plan.invariant)
 
     def _fused(self, kwargs: dict, batch: dict, call: Any) -> FusedOutput:
         plan, tokens = self._plan, kwargs["input_ids"]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_rl_patches._args import bind
 from megatron_rl_patches.integrations.slime.layout_role import where
-from megatron_rl_patches.integrations.step_mode import step_invariant
+from megatron_rl_patches.integrations.step_mode import student_invariant
 
 if TYPE_CHECKING:  # torch is imported where a pass runs: the patch's records import this module cheaply
     import torch
@@ -75,7 +75,7 @@ def _padded(samples: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _score_micro_batch(model: list[Any], batch: dict[str, Any], temperature: float,
-                       with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                       with_entropy: bool, invariant: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per sample of the micro-batch, the role's log-probs (and entropy) on its response rows."""
     # lazy: import cost: torch (the patch records import this module without it)
     from megatron_rl_patches.inference.teacher_layout.scoring import score_with_entropy_at_layout
@@ -83,7 +83,7 @@ def _score_micro_batch(model: list[Any], batch: dict[str, Any], temperature: flo
     samples = list(batch.get("tokens") or [])
     tokens, labels = _padded(samples)
     log_probs, entropy = score_with_entropy_at_layout(model, tokens, labels, temperature=temperature,
-                                                      with_entropy=with_entropy, invariant=step_invariant())
+                                                      with_entropy=with_entropy, invariant=invariant)
     totals = [int(t) for t in batch["total_lengths"]] if samples else []
     responses = [int(r) for r in batch["response_lengths"]] if samples else []
     spans = [slice(total - response - 1, total - 1) for total, response in zip(totals, responses)]
@@ -119,11 +119,12 @@ def layout_pass(arguments: dict[str, Any]) -> dict[str, list[torch.Tensor]]:
     device = forward_device(model)  # a swap / stream role's parameters read host copies between forwards
     temperature = float(getattr(run_args, "rollout_temperature", 1.0) or 1.0)
     with_entropy = bool(getattr(run_args, "use_rollout_entropy", False))
+    invariant = student_invariant(model)  # the mode of the step handed this model, resolved once
     log_probs: list[torch.Tensor] = []
     entropies: list[torch.Tensor] = []
     for index in range(_agreed_count(count, groups)):
         batch = batches[index] if index < count else {}  # this rank has no more: it takes part empty
-        mine, entropy = _score_micro_batch(model, batch, temperature, with_entropy)
+        mine, entropy = _score_micro_batch(model, batch, temperature, with_entropy, invariant)
         log_probs += [value.to(device) for value in mine]
         entropies += [value.to(device) for value in entropy]
     result = {"log_probs": log_probs, **({"entropy": entropies} if with_entropy else {})}

@@ -1,14 +1,15 @@
 """slime's log-prob/entropy on the memory-optimal Function (patch `slime_logprobs`, declared in
 `patches`): `calculate_log_probs_and_entropy` keeps slime's signature and results. It gets logits,
-tokens and a group only: the invariant mode is the step's (`step_mode`), resolved from the
-student's model config by `student_step_wrapper` on slime's callers that hold the model."""
+tokens and a group only: the invariant mode is the step's, carried by the logits
+(`mode_logits`): marked where slime's step hands them over (`student_step_wrapper` on slime's
+`forward_only`, the planned schedule of `slime_fused`), resolved once from the student's model config."""
 # lazy imports: import cost: torch only inside the functions (tests/integrations/slime/test_slime_adapter.py)
 import inspect
 import numbers
 
 from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
-from megatron_rl_patches.integrations.step_mode import run_in_student_mode, step_invariant
+from megatron_rl_patches.integrations.step_mode import student_invariant
 
 
 def calculate_log_probs_and_entropy(
@@ -25,10 +26,12 @@ def calculate_log_probs_and_entropy(
     slime semantics kept: ``tp_group=None`` with torch.distributed initialized means the default
     group; log-probs come back as ``[T, 1]`` (``(0,)`` when T = 0); entropy ``[T]`` or None;
     ``chunk_size <= 0`` means no chunking preference; padded vocab columns are scored as slime does.
-    The invariant mode: the slime step's (the student's model config), else the setting.
+    The invariant mode: the one the logits carry (their step's: the student's model config, or the
+    setting), else the setting (logits handed over by no patched step).
     """
     import torch.distributed as dist
 
+    from megatron_rl_patches.integrations.mode_logits import mode_of, plain
     from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
 
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)):
@@ -38,6 +41,7 @@ def calculate_log_probs_and_entropy(
         )
     if tp_group is None and dist.is_available() and dist.is_initialized():
         tp_group = dist.group.WORLD
+    invariant, logits = mode_of(logits), plain(logits)
     log_prob, entropy = log_probs_and_entropy(
         logits,
         tokens,
@@ -46,7 +50,7 @@ def calculate_log_probs_and_entropy(
         entropy_requires_grad=with_entropy_grad,
         chunk_size=chunk_size if chunk_size is not None and chunk_size > 0 else None,
         keep_mask=log_prob_keep_mask,
-        invariant=step_invariant(),
+        invariant=invariant,
     )
     if logits.size(0) != 0:
         log_prob = log_prob.unsqueeze(-1)
@@ -85,13 +89,21 @@ def calculate_log_probs_and_entropy_wrapper(wrapped, instance, args, kwargs):
 
 
 def student_step_wrapper(wrapped, instance, args, kwargs):
-    """wrapt wrapper for slime's callers that hold the student (`forward_only` / `train_one_step`:
-    their `model`; the actor's `train_actor`: its own): the calls inside run in the student's
-    invariant mode (`step_mode.student_mode`; an enclosing step's mode is kept)."""
+    """wrapt wrapper for slime's `forward_only(f, args, model, ...)`: the logits handed to its
+    callback `f` carry the student's invariant mode (`mode_logits`), resolved once from `model`."""
+    import functools
+
+    from megatron_rl_patches.integrations.mode_logits import with_mode
+
     bound = bind(wrapped, args, kwargs)
-    model = bound.arguments.get("model") if bound is not None else None
-    if model is None:
-        model = getattr(instance, "model", None)
-    if model is None:
+    if bound is None or not callable(bound.arguments.get("f")):
         return wrapped(*args, **kwargs)
-    return run_in_student_mode(model, wrapped, args, kwargs)
+    f = bound.arguments["f"]
+    invariant = student_invariant(bound.arguments.get("model"))
+
+    @functools.wraps(f)  # slime's and our wrappers read the callback's name
+    def marked(logits, *rest, **options):
+        return f(with_mode(logits, invariant), *rest, **options)
+
+    bound.arguments["f"] = marked
+    return wrapped(*bound.args, **bound.kwargs)

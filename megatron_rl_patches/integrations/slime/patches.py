@@ -62,14 +62,12 @@ PATCHES = (
         params=SLIME_LOGPROB_PARAMS,
     ),
     *(Patch(name="slime_logprobs", target=target, wrapper=f"{HERE}.logprobs:student_step_wrapper",
-            description=f"{what}: the student's invariant mode (its model config's batch_invariant_mode) for "
-                        "the log-prob routes and teachers inside", requires=None, params=params, optional=optional)
-      for target, what, params, optional in (
-          (f"{MODEL}:forward_only", "slime's forward_only", ("f", "args", "model"), False),
-          (f"{MODEL}:train_one_step", "slime's train_one_step", ("args", "model"), False),
-          (f"{ACTOR}:forward_only", "the same, where slime's actor bound forward_only at import",
-           ("f", "args", "model"), True),
-          (f"{ACTOR}:MegatronTrainRayActor.train_actor", "the actor's train_actor", ("self", "rollout_id"), True))),
+            description=f"{what}: the logits its callback gets carry the student's invariant mode (its model "
+                        "config's batch_invariant_mode)", requires=None, params=("f", "args", "model"),
+            optional=optional)
+      for target, what, optional in (
+          (f"{MODEL}:forward_only", "slime's forward_only", False),
+          (f"{ACTOR}:forward_only", "the same, where slime's actor bound forward_only at import", True))),
     _fused(f"{MODEL}:forward_only", "forward_only_wrapper", "slime's forward_only on the fused log-prob processor",
            ("f", "args", "model", "data_iterator", "num_microbatches", "store_prefix")),
     _fused(f"{MODEL}:train_one_step", "train_one_step_wrapper", "slime's train_one_step on the fused processor",

@@ -40,10 +40,21 @@ PATCHES = (
     ),
     Patch(
         name="verl_topk_kd",
+        target="verl.trainer.distillation.losses:compute_topk_loss",
+        wrapper=f"{HERE}.topk:compute_topk_loss_wrapper",
+        description="verl's top-k loss as its logits processor: the exact KL in the invariant mode its micro-batch "
+                    "carries",
+        requires="verl",
+        versions=VERSIONS,
+        optional=True,
+        params=("config", "distillation_config", "data", "student_logits", "data_format"),
+    ),
+    Patch(
+        name="verl_topk_kd",
         target=ENGINE,
         wrapper=f"{HERE}.topk:forward_step_wrapper",
-        description="verl's engine forward_step: the top-k loss inside it in the student's invariant mode (its "
-                    "model config's batch_invariant_mode)",
+        description="verl's engine forward_step: its micro-batches carry the student's invariant mode (its model "
+                    "config's batch_invariant_mode) to the top-k loss",
         requires="verl",
         versions=VERSIONS,
         optional=True,

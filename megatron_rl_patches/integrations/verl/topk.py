@@ -18,11 +18,14 @@ import torch.distributed as dist
 
 from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
-from megatron_rl_patches.integrations.step_mode import run_in_student_mode, step_invariant
+from megatron_rl_patches.integrations.step_mode import student_invariant
 from megatron_rl_patches.integrations.verl.vocab import whole_vocabulary_step
 from megatron_rl_patches.ops.invariance import resolve_invariant
 from megatron_rl_patches.ops.topk import topk_ids, topk_kl, topk_logprobs
 
+# the micro-batch key (a non-tensor value) under which the patched engine step hands the top-k loss
+# the student's invariant mode: verl's loss gets the micro-batch, never the model
+MODE = "megatron_rl_patches_invariant"
 KEYS = ("distillation_losses", "student_mass", "teacher_mass", "overlap_count", "overlap_token_advantage")
 
 REPLACED = (
@@ -102,11 +105,12 @@ def exact_forward_kl_topk(
 
 
 def compute_forward_kl_topk(student_logits: Any, teacher_topk_log_probs: Any, teacher_topk_ids: Any, config: Any,
-                            data_format: str) -> dict[str, torch.Tensor]:
+                            data_format: str, invariant: bool | None = None) -> dict[str, torch.Tensor]:
     """verl 0.9.1's `compute_forward_kl_topk` signature and result (five [b, s/cp] tensors) on the
     exact (k+1)-bucket KL. The teacher's nested [b, s, k] tensors are split for context
-    parallelism by verl's own helpers, as verl does. The invariant mode: the engine step's (the
-    student's model config, `forward_step_wrapper`), else the setting."""
+    parallelism by verl's own helpers, as verl does. `invariant`: the engine step's mode (the
+    micro-batch's, `compute_topk_loss_wrapper`); None (verl's own call of this function, which
+    passes no mode): the setting."""
     from verl.models.mcore.util import preprocess_bshd_engine, preprocess_thd_engine  # lazy: optional dependency verl
 
     if not (getattr(teacher_topk_log_probs, "is_nested", False) and getattr(teacher_topk_ids, "is_nested", False)):
@@ -123,7 +127,7 @@ def compute_forward_kl_topk(student_logits: Any, teacher_topk_log_probs: Any, te
             f"logits {tuple(student_logits.shape)} in [b, s]"
         )
     clamp = getattr(getattr(config, "distillation_loss", None), "log_prob_min_clamp", None)
-    return exact_forward_kl_topk(student_logits, log_probs, ids, clamp, _tp_group(), step_invariant())
+    return exact_forward_kl_topk(student_logits, log_probs, ids, clamp, _tp_group(), invariant)
 
 
 def compute_forward_kl_topk_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -135,10 +139,46 @@ def compute_forward_kl_topk_wrapper(wrapped: Any, instance: Any, args: tuple, kw
     return compute_forward_kl_topk(**bound.arguments)
 
 
-def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper for `verl_topk_kd` on verl's engine `forward_step(batch_iter, model, ...)`: the
-    top-k loss it computes runs in the student's invariant mode (`step_mode.student_mode`)."""
+def compute_topk_loss_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for `verl_topk_kd` on verl's `compute_topk_loss(config, distillation_config, data,
+    student_logits, data_format)` (the top-k loss as verl's logits processor): on the Megatron
+    strategy, the exact KL in the mode the micro-batch `data` carries (key `MODE`, put there by
+    `forward_step_wrapper`; absent: the setting), with verl's shape check."""
     bound = bind(wrapped, args, kwargs)
-    model = None if bound is None else bound.arguments.get("model")
+    if bound is None or getattr(bound.arguments["config"], "strategy", None) != "megatron":
+        return wrapped(*args, **kwargs)
+    from verl.utils import tensordict_utils as tu  # lazy: optional dependency verl
+
+    data, student_logits = bound.arguments["data"], bound.arguments["student_logits"]
+    warn_once(REPLACED)
+    outputs = compute_forward_kl_topk(student_logits, data["teacher_logprobs"], data["teacher_ids"],
+                                      bound.arguments["distillation_config"], bound.arguments["data_format"],
+                                      tu.get_non_tensor_data(data, MODE, None))
+    for key, value in outputs.items():  # verl's own check of its loss's result
+        if value.shape != student_logits.shape[:2]:
+            raise RuntimeError(f"verl_topk_kd: {key} is {tuple(value.shape)}, expected "
+                               f"{tuple(student_logits.shape[:2])}")
+    return outputs
+
+
+def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for `verl_topk_kd` on verl's engine `forward_step(batch_iter, model, ...)`: each
+    micro-batch it takes carries the student's invariant mode (key `MODE`; resolved once from
+    `model`'s config) to the top-k loss; verl's own micro-batches are left as they are (a copy)."""
+    bound = bind(wrapped, args, kwargs)
     step = whole_vocabulary_step(wrapped, instance)  # a served teacher's head: the whole vocabulary (`vocab`)
-    return wrapped(*args, **kwargs) if model is None else run_in_student_mode(model, step, args, kwargs)
+    if bound is None or bound.arguments.get("model") is None:
+        return wrapped(*args, **kwargs)
+    model = bound.arguments["model"]
+    bound.arguments["batch_iter"] = with_mode(bound.arguments["batch_iter"], student_invariant(model))
+    return step(*bound.args, **bound.kwargs)
+
+
+def with_mode(batches: Any, invariant: bool) -> Any:
+    """verl's micro-batches (TensorDicts), each a shallow copy carrying `invariant` under `MODE`."""
+    from verl.utils import tensordict_utils as tu  # lazy: optional dependency verl
+
+    for batch in batches:
+        marked = batch.copy()
+        tu.assign_non_tensor_data(marked, MODE, invariant)
+        yield marked

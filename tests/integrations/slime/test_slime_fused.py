@@ -197,9 +197,12 @@ def test_allgather_cp_with_a_bshd_batch_is_a_clear_error(packed):
 
 
 def test_a_fallen_back_train_step_still_fetches_a_top_k_losss_batch_keys(monkeypatch, caplog):
-    """slime's logits path for the step (one log line), the schedule untouched, the OPD keys fetched."""
+    """slime's logits path for the step (one log line), the OPD keys fetched, the model's logits
+    carrying the step's invariant mode (the setting here: unset, False) to slime's log-prob code."""
+    from megatron_rl_patches.integrations.mode_logits import mode_of
     from megatron_rl_patches.integrations.slime.step_plan import TopkRequest, plan_in
 
+    monkeypatch.delenv("MEGATRON_RL_PATCHES_INVARIANT", raising=False)
     request = TopkRequest(ids_key="opd_ids", keys=("opd_ids",))
     monkeypatch.setattr(slime_fused, "step_request", lambda args, settings: request)
     seen = {}
@@ -208,7 +211,7 @@ def test_a_fallen_back_train_step_still_fetches_a_top_k_losss_batch_keys(monkeyp
         return forward_step_func
 
     def forward_step(data_iterator, model):
-        return None
+        return model(input_ids=None)
 
     def get_batch(data_iterator, keys):
         return {"keys": list(keys)}
@@ -223,7 +226,9 @@ def test_a_fallen_back_train_step_still_fetches_a_top_k_losss_batch_keys(monkeyp
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
         slime_fused.train_one_step_wrapper(train_one_step, None, (_args(loss_type="value_loss"), 0, 0, [object()],
                                                                   None, None), {})
-    assert seen["schedule"] is forward_step and seen["batch"] == {"keys": ["tokens", "opd_ids"]}
+    logits = seen["schedule"](None, lambda **_: torch.zeros(1, 3, 5))  # slime's step on the last stage's chunk
+    assert mode_of(logits) is False and logits.shape == (1, 3, 5)
+    assert seen["batch"] == {"keys": ["tokens", "opd_ids"]}
     assert not seen["plan"].fused and seen["plan"].topk is request
     assert "critic's value head" in caplog.records[0].getMessage()
     monkeypatch.setattr(slime_fused, "step_request", lambda args, settings: None)

@@ -48,29 +48,96 @@ def test_token_log_probs_follows_the_config_it_is_given(monkeypatch):
     _differ(default, got)
 
 
+def _slimes_callback(tokens):
+    """slime's `get_log_probs_and_entropy` as far as the adapter sees it: the [1, T, V] logits it is
+    handed, squeezed, scaled by the temperature and made contiguous, then the adapter."""
+    from megatron_rl_patches.integrations.slime.logprobs import calculate_log_probs_and_entropy
+
+    def get_log_probs_and_entropy(logits, **_):
+        return calculate_log_probs_and_entropy((logits.squeeze(0) / 1.0).contiguous(), tokens, None,
+                                               with_entropy=True)
+
+    return get_log_probs_and_entropy
+
+
 def test_slimes_log_prob_adapter_follows_the_students_config(monkeypatch):
-    from megatron_rl_patches.integrations.slime.logprobs import calculate_log_probs_and_entropy, student_step_wrapper
+    """The mode rides the logits slime's forward_only hands its callback (no context holds it):
+    the student's config True gives the invariant op's bits, False the default mode's; logits no
+    patched step handed over get the setting's mode (unset: the default)."""
+    from megatron_rl_patches.integrations.slime.logprobs import student_step_wrapper
 
     monkeypatch.delenv("MEGATRON_RL_PATCHES_INVARIANT", raising=False)
     logits, tokens = _logits(1)
+    callback = _slimes_callback(tokens)
 
-    def forward_only(f, args, model):  # slime's caller holding the student
-        return calculate_log_probs_and_entropy(logits, tokens, None, with_entropy=True)
+    def forward_only(f, args, model):  # slime's caller holding the student: its callback gets the logits
+        return f(logits[None], with_entropy=True)
 
-    seen = {on: student_step_wrapper(forward_only, None, (None, None, _student(on)), {}) for on in (True, False)}
+    seen = {on: student_step_wrapper(forward_only, None, (callback, None, _student(on)), {}) for on in (True, False)}
     want = ops.log_probs_and_entropy(logits, tokens, with_entropy=True, invariant=True)
     assert torch.equal(seen[True][0][:, 0], want[0]) and torch.equal(seen[True][1], want[1])
     _differ(seen[False][0], seen[True][0])
+    unmarked = callback(logits[None])
+    assert torch.equal(unmarked[0], seen[False][0])
+    assert student_step_wrapper(forward_only, None, (callback, None, _student(True)), {})[0].__class__ is torch.Tensor
 
 
-def test_a_teachers_pass_inside_the_students_step_keeps_the_students_mode():
-    from megatron_rl_patches.integrations.step_mode import step_invariant, student_mode
+@pytest.mark.megatron
+def test_slimes_logits_path_in_a_planned_step_carries_the_plans_mode(monkeypatch):
+    """A step slime_fused planned but that runs slime's logits path (a plan with `fused=False`, or a
+    fallback): the model's logits carry the plan's mode to the adapter; a non-last pipeline stage's
+    hidden states stay plain."""
+    from megatron_rl_patches.integrations.mode_logits import mode_of
+    from megatron_rl_patches.integrations.slime.fused import FusedModel, StepPlan
 
-    assert step_invariant() is None  # outside a step: the route's own resolution
-    with student_mode(_student(True)):
-        with student_mode(_student(False)):  # a teacher built by the package never sets the flag
-            assert step_invariant() is True
-    assert step_invariant() is None
+    monkeypatch.delenv("MEGATRON_RL_PATCHES_INVARIANT", raising=False)
+    logits, tokens = _logits(2)
+    args = types.SimpleNamespace(rollout_temperature=1.0)
+    callback = _slimes_callback(tokens)
+
+    def chunk(post_process=True):
+        return types.SimpleNamespace(post_process=post_process, forward=lambda **_: logits[None])
+
+    seen = {}
+    for on in (True, False):
+        out = FusedModel(_Callable(chunk()), StepPlan(args, True, False, fused=False, invariant=on))(input_ids=None)
+        assert mode_of(out) is on
+        seen[on] = callback(out)
+    want = ops.log_probs_and_entropy(logits, tokens, with_entropy=True, invariant=True)
+    assert torch.equal(seen[True][0][:, 0], want[0])
+    _differ(seen[False][0], seen[True][0])
+    stage = FusedModel(_Callable(chunk(post_process=False)), StepPlan(args, True, False, fused=False, invariant=True))
+    assert mode_of(stage(input_ids=None)) is None
+
+
+class _Callable:
+    """A model chunk: its call is its `forward`."""
+
+    def __init__(self, inner):
+        self.module = inner
+
+    def __call__(self, **kwargs):
+        return self.module.forward(**kwargs)
+
+
+def test_no_module_holds_the_steps_mode_or_plan_in_a_context_variable():
+    """Issue 73 item 5: the step's invariant mode and plan travel as arguments or with the data, never
+    in a ContextVar (or a module-level variable named for them)."""
+    import ast
+    import pathlib
+
+    import megatron_rl_patches
+
+    root = pathlib.Path(megatron_rl_patches.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "ContextVar":
+                first = node.args[0] if node.args else None
+                name = first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else ""
+                if any(word in name.lower() for word in ("mode", "invariant", "plan")):
+                    found.append(f"{path.relative_to(root)}: {name}")
+    assert not found, f"a ContextVar carries the step's mode or plan: {found}"
 
 
 def _kept(n_rows: int, seed: int = 2):

@@ -157,11 +157,15 @@ def test_disable_keeps_verls_loss(verl_cpu, monkeypatch):
 
 def test_the_loss_inside_verls_engine_step_follows_the_students_batch_invariant_mode(verl_cpu, monkeypatch):
     """verl hands the loss no model config: the engine's forward_step (patched) resolves the
-    student's mode from its model's config, and the patched loss inside runs in it (the invariant
-    op's bits; the default mode's differ)."""
+    student's mode from its model's config and its micro-batch carries it to verl's own
+    `compute_topk_loss` (patched), whose loss runs in it (the invariant op's bits; the default
+    mode's differ). verl's micro-batch is left as it was; a micro-batch no patched step handed
+    over gets the setting's mode (unset: the default)."""
     import types
 
-    from megatron_rl_patches.integrations.verl.topk import forward_step_wrapper
+    from verl.utils import tensordict_utils as tu
+
+    from megatron_rl_patches.integrations.verl.topk import MODE, forward_step_wrapper
 
     monkeypatch.delenv("MEGATRON_RL_PATCHES_INVARIANT", raising=False)
     gen = torch.Generator().manual_seed(5)
@@ -169,13 +173,21 @@ def test_the_loss_inside_verls_engine_step_follows_the_students_batch_invariant_
     teacher = torch.log_softmax(torch.randn(sum(LENGTHS), 5000, generator=gen), dim=-1).topk(K, dim=-1)
     split = list(torch.split(torch.arange(sum(LENGTHS)), LENGTHS))
     ids, log_probs = nested([teacher.indices[r] for r in split]), nested([teacher.values[r] for r in split])
+    micro_batch = tu.get_tensordict({"teacher_logprobs": log_probs, "teacher_ids": ids})
+    actor = types.SimpleNamespace(strategy="megatron")
     megatron_rl_patches.apply(only="verl_topk_kd")
 
-    def forward_step(batch_iter, model):  # verl's engine step: the loss runs inside it
-        return megatron_losses.compute_forward_kl_topk(student, log_probs, ids, _config(None), "thd")
+    def forward_step(batch_iter, model):  # verl's engine step: the loss runs inside it on its micro-batch
+        return verl_losses.compute_topk_loss(actor, _config(None), next(batch_iter), student, "thd")
 
-    seen = {on: forward_step_wrapper(forward_step, None, (iter(()), [types.SimpleNamespace(
-        config=types.SimpleNamespace(batch_invariant_mode=on))]), {})["distillation_losses"] for on in (True, False)}
+    def student_of(on):
+        return [types.SimpleNamespace(config=types.SimpleNamespace(batch_invariant_mode=on))]
+
+    seen = {on: forward_step_wrapper(forward_step, None, (iter([micro_batch]), student_of(on)), {})
+            ["distillation_losses"] for on in (True, False)}
     want = exact_forward_kl_topk(student, teacher.values[None], teacher.indices[None], None, invariant=True)
     assert torch.equal(seen[True], want["distillation_losses"])
     assert not torch.equal(seen[False], seen[True])
+    assert MODE not in micro_batch.keys()  # the caller's micro-batch untouched
+    unmarked = verl_losses.compute_topk_loss(actor, _config(None), micro_batch, student, "thd")
+    assert torch.equal(unmarked["distillation_losses"], seen[False])
