@@ -26,3 +26,17 @@ def positive_int(name: str, value: Any, meaning: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive int{meaning}, got {value!r}")
     return int(value)
+
+
+class CheckedK(int):
+    """A top-k size checked (a positive int) where the settings were parsed or the processor
+    built: the ops inside take it as it is. Made only by :func:`checked_k` or by a parser that ran
+    the same check (slime's MEGATRON_RL_PATCHES_OPD_K)."""
+
+    __slots__ = ()
+
+
+def checked_k(k: Any, meaning: str = "") -> CheckedK:
+    """`k` checked once: a :class:`CheckedK` as it is, anything else through :func:`positive_int`
+    (ValueError naming ``k``)."""
+    return k if isinstance(k, CheckedK) else CheckedK(positive_int("k", k, meaning))

@@ -11,7 +11,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches._args import positive_int
+from megatron_rl_patches._args import checked_k
 from megatron_rl_patches.ops._checks import (
     DeviceChecks,
     Weights,
@@ -44,7 +44,8 @@ def check_k(k: int, vocab: int, name: str = "k") -> None:
 
 
 def check_int_k(k: object) -> int:
-    return positive_int("k", k)
+    """`k` a positive int (a :class:`~megatron_rl_patches._args.CheckedK`: checked already, taken as it is)."""
+    return checked_k(k)
 
 
 def check_ids(ids: object, lead: torch.Size, vocab: int, checks: DeviceChecks, ids_mask: object = None) -> int:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import megatron_rl_patches.ops.kept_set as kept_set_ops
 import megatron_rl_patches.ops.lm_head as lm_head_ops
 import megatron_rl_patches.ops.topk as topk_ops
-from megatron_rl_patches._args import positive_int
+from megatron_rl_patches._args import checked_k, positive_int
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.ops._checks import check_scalar_temperature
 from megatron_rl_patches.ops._rows import RowSelection
@@ -320,8 +320,8 @@ def topk_output_processor(
     `invariant` as in `log_prob_output_processor`."""
     check_options(temperature, vocab_size, chunk_size)
     check_invariant(invariant)
-    if k is not None:
-        positive_int("k", k, " (ids to select) or None (ids from the context)")
+    if k is not None:  # checked here once (or where the settings were parsed): the ops inside take it as it is
+        k = checked_k(k, " (ids to select) or None (ids from the context)")
     if not isinstance(union, bool):
         raise TypeError(f"union must be True or False, got {union!r}")
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_rl_patches._args import CheckedK
 from megatron_rl_patches._digits import ascii_int
 from megatron_rl_patches._residency_modes import RESIDENCY_MODES
 from megatron_rl_patches._variables import OPD_COEF as COEF
@@ -97,7 +98,7 @@ def _k(env: Mapping[str, str]) -> int:
     if k <= 0:
         raise ValueError(f"{K}={raw!r}: expected an integer k > 0 (the student's top-k ids per token) or "
                          f"'{FULL_VOCAB}' (the divergence over the whole vocabulary)")
-    return k
+    return CheckedK(k)  # checked once, here: the top-k processor and ops take it as it is
 
 
 def full_vocab_refusal(teachers: tuple[Teacher, ...], ids_from: str) -> str | None:
