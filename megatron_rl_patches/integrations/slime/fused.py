@@ -19,7 +19,6 @@ from typing import Any
 from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
-from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
 from megatron_rl_patches.integrations.slime.step_plan import (
     PLAN,
     StepPlan,
@@ -27,6 +26,7 @@ from megatron_rl_patches.integrations.slime.step_plan import (
     plan_of,
     planned,
     step_request,
+    step_settings,
 )
 from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
 from megatron_rl_patches.integrations.slime.topk import topk_context, with_topk
@@ -99,12 +99,12 @@ def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
 def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for `train_one_step(args, ..., data_iterator, model, ...)`: entropy (with its
     gradient only when `entropy_coef != 0`, as slime's `with_entropy_grad`) unless the loss is
-    slime's SFT loss; top-k OPD's settings parsed once for the step."""
+    slime's SFT loss; top-k OPD's settings: the actor step's (on its rollout data), else parsed here."""
     bound = bind(wrapped, args, kwargs)
     if bound is None:
         return wrapped(*args, **kwargs)
     slime_args = bound.arguments["args"]
-    settings = opd_settings()
+    settings = step_settings(bound.arguments.get("data_iterator"))
     request = step_request(slime_args, settings)
     invariant = student_invariant(bound.arguments.get("model"))
     reason = unservable(slime_args)

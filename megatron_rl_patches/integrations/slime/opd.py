@@ -51,6 +51,7 @@ from megatron_rl_patches.integrations.slime.step_plan import (
     IDS,
     IDS_MASK,
     OPD_KEYS,
+    SETTINGS,
     TEACHER_LOGPROBS,
     TEACHER_TAILS,
     VOCAB_KEYS,
@@ -242,11 +243,15 @@ def store_scores(step: ScoringStep, scores: list[TeacherScores]) -> None:
 
 
 def train_actor_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper for the actor's `train_actor(rollout_id, rollout_data)`: teachers scored first."""
+    """wrapt wrapper for the actor's `train_actor(rollout_id, rollout_data)`: the settings parsed
+    once for the actor step and handed to its training steps with the rollout data (`SETTINGS`);
+    teachers scored first."""
     settings = opd_settings()
-    if settings is not None and hasattr(instance, ATTRIBUTE):
-        rollout_data = kwargs["rollout_data"] if "rollout_data" in kwargs else args[1]
-        score_teachers(instance, rollout_data, settings)
+    rollout_data = kwargs["rollout_data"] if "rollout_data" in kwargs else args[1] if len(args) > 1 else None
+    if isinstance(rollout_data, dict):
+        rollout_data[SETTINGS] = settings
+        if settings is not None and hasattr(instance, ATTRIBUTE):
+            score_teachers(instance, rollout_data, settings)
     return wrapped(*args, **kwargs)
 
 
@@ -257,7 +262,7 @@ def log_rollout_data_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
     rollout data without them. The training steps still read them (the dict itself is unchanged)."""
     bound = bind(wrapped, args, kwargs)
     data = None if bound is None else bound.arguments.get("rollout_data")
-    keys = (*OPD_KEYS, *VOCAB_KEYS)
+    keys = (*OPD_KEYS, *VOCAB_KEYS, SETTINGS)
     if bound is None or not isinstance(data, dict) or not any(key in data for key in keys):
         return wrapped(*args, **kwargs)
     bound.arguments["rollout_data"] = {key: value for key, value in data.items() if key not in keys}

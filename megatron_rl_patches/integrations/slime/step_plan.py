@@ -92,6 +92,9 @@ class VocabRequest(TopkRequest):
 
 # the batch key under which a planned `get_batch` hands the loss its step's plan
 PLAN = "megatron_rl_patches_step_plan"
+# the rollout-data key under which slime_opd's `train_actor` wrapper hands the training steps inside
+# it the top-k OPD settings it parsed (None: off), so that they are parsed once per actor step
+SETTINGS = "megatron_rl_patches_opd_settings"
 
 
 class PlannedIterator:
@@ -129,11 +132,25 @@ def plan_in(batch: Any) -> StepPlan | None:
     return batch.get(PLAN) if isinstance(batch, dict) else None
 
 
-def step_request(args: Any, settings: OpdSettings | None = None) -> TopkRequest | None:
+def step_settings(iterators: Any) -> OpdSettings | None:
+    """The top-k OPD settings of the step slime's data `iterators` (one, or one per virtual stage)
+    feed: those their rollout data carries (`SETTINGS`, parsed by the actor step), else parsed here."""
+    first = iterators[0] if isinstance(iterators, Sequence) and len(iterators) else iterators
+    data = getattr(first, "rollout_data", None)
+    if isinstance(data, dict) and SETTINGS in data:
+        return data[SETTINGS]
+    return opd_settings()
+
+
+# step_request's default: no settings given, they are read from the environment there
+READ: Any = object()
+
+
+def step_request(args: Any, settings: OpdSettings | None = READ) -> TopkRequest | None:
     """The top-k request of slime's training step: the student scores the rollout's ids (with
-    their padding mask for a union) when top-k OPD is on (`settings`: the step's, parsed once;
-    None: read from the environment here) and slime's loss is top-k OPD's."""
-    if settings is None:
+    their padding mask for a union) when top-k OPD is on (`settings`: the step's, parsed once,
+    None when off; left out: read from the environment here) and slime's loss is top-k OPD's."""
+    if settings is READ:
         settings = opd_settings()
     if settings is None or getattr(args, "custom_loss_function_path", None) not in LOSS_PATHS:
         return None

@@ -245,10 +245,11 @@ def test_the_plan_travels_with_the_data_iterators_not_the_calling_context(monkey
     parsed again by the loss of every micro-batch."""
     import threading
 
+    from megatron_rl_patches.integrations.slime import step_plan
     from megatron_rl_patches.integrations.slime.step_plan import STEP_REQUEST, plan_in
 
     parsed = []
-    monkeypatch.setattr(slime_fused, "opd_settings", lambda: parsed.append(1) or "settings")
+    monkeypatch.setattr(step_plan, "opd_settings", lambda: parsed.append(1) or "settings")
     monkeypatch.setattr(slime_fused, "step_request", lambda args, settings: STEP_REQUEST)
     seen: dict = {"batches": []}
 
@@ -277,6 +278,48 @@ def test_the_plan_travels_with_the_data_iterators_not_the_calling_context(monkey
     assert plans[0] is plans[1] and plans[0].topk is STEP_REQUEST and plans[0].settings == "settings"
     assert all(batch["keys"] == ["tokens", *STEP_REQUEST.keys] for batch in seen["batches"])
     assert isinstance(seen["model"], slime_fused.FusedModel) and parsed == [1]
+
+
+def test_the_actor_steps_settings_reach_its_training_steps_parsed_once(monkeypatch):
+    """Issue 73 item 5: top-k OPD's settings are parsed once per actor step: slime_opd's
+    `train_actor` wrapper parses them and puts them in the rollout data, whose data iterators
+    hand them to every `train_one_step` inside (no second parse; None: top-k OPD off, not parsed
+    again either); slime's metrics never see them. Before: parsed again by each train_one_step."""
+    from megatron_rl_patches.integrations.slime import opd, step_plan
+    from megatron_rl_patches.integrations.slime.step_plan import plan_of
+
+    parsed: list = []
+
+    def parse(who):
+        def opd_settings():
+            parsed.append(who)  # top-k OPD off: None
+
+        return opd_settings
+
+    monkeypatch.setattr(opd, "opd_settings", parse("actor"))
+    monkeypatch.setattr(step_plan, "opd_settings", parse("step"))
+    plans: list = []
+
+    def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer):
+        plans.append(plan_of(data_iterator))
+
+    def train_actor(rollout_id, rollout_data):  # slime's: its data iterators over the rollout data, its steps
+        iterators = [types.SimpleNamespace(rollout_data=rollout_data)]
+        for step in range(2):
+            slime_fused.train_one_step_wrapper(train_one_step, None, (_args(), rollout_id, step, iterators, None,
+                                                                      None), {})
+
+    rollout_data: dict = {"tokens": []}
+    opd.train_actor_wrapper(train_actor, types.SimpleNamespace(), (0, rollout_data), {})
+    assert parsed == ["actor"] and rollout_data[step_plan.SETTINGS] is None
+    assert all(plan is not None and plan.settings is None for plan in plans) and len(plans) == 2
+    logged: list = []
+    opd.log_rollout_data_wrapper(lambda rollout_id, args, rollout_data: logged.append(rollout_data), None,
+                                 (0, None, rollout_data), {})
+    assert logged == [{"tokens": []}]
+    slime_fused.train_one_step_wrapper(train_one_step, None, (_args(), 0, 0, [types.SimpleNamespace()], None, None),
+                                       {})
+    assert parsed == ["actor", "step"]  # iterators over no actor step's data: parsed by the step itself
 
 
 def test_a_planned_iterator_is_slimes_iterator_with_a_plan_and_copies():
