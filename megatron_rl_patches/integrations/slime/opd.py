@@ -28,24 +28,25 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._args import bind
-from megatron_rl_patches.integrations.slime import cross_passes, hf_teachers, teacher_builders, vocab_opd
-from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
-from megatron_rl_patches.integrations.slime.fused import unservable
-from megatron_rl_patches.integrations.slime.opd_settings import (
+from megatron_rl_patches.integrations.megatron.teachers import cross_passes, hf_teachers, teacher_builders
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import (
     LOSS_PATH,
     LOSS_PATHS,
     TEACHERS,
     OpdSettings,
     opd_settings,
 )
-from megatron_rl_patches.integrations.slime.opd_teachers import (
+from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import (
     OpdTeacher,
     ScoringStep,
     TeacherScores,
     opd_teacher,
 )
+from megatron_rl_patches.integrations.megatron.teachers.served_teacher import check_served
+from megatron_rl_patches.integrations.slime import vocab_opd
+from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
+from megatron_rl_patches.integrations.slime.fused import unservable
 from megatron_rl_patches.integrations.slime.rows import response_positions
-from megatron_rl_patches.integrations.slime.served_teacher import check_served
 from megatron_rl_patches.integrations.slime.step_plan import (
     CROSS_RATIO,
     IDS,

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rl_patches.integrations.slime.opd_settings import LOSS_PATHS, OpdSettings, opd_settings
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import LOSS_PATHS, OpdSettings, opd_settings
 
 
 @dataclass(frozen=True)

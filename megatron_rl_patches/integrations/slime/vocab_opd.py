@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import ModelTeacher, OpdTeacher
+from megatron_rl_patches.integrations.megatron.teachers.served_opd import ServedOpdTeacher
 from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local, zigzag_of_whole
 from megatron_rl_patches.integrations.slime.fused import real_vocab_size
 from megatron_rl_patches.integrations.slime.host import device_of
-from megatron_rl_patches.integrations.slime.opd_teachers import ModelTeacher, OpdTeacher
-from megatron_rl_patches.integrations.slime.served_opd import ServedOpdTeacher
 from megatron_rl_patches.integrations.slime.step_plan import TEACHER_HEADS, TEACHER_HIDDEN, TopkRequest, VocabRequest
 from megatron_rl_patches.integrations.slime.topk import per_sample_rows
 from megatron_rl_patches.integrations.slime.vocab_step import DIVERGENCE, TeacherHeads

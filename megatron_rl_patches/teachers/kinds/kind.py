@@ -1,7 +1,7 @@
 """What a kind of teacher is to the entry grammar (`TeacherKind`): how its entries are written,
 which entries are its own, its parser, its checks against the run, and what `doctor` finds
 without loading anything. A framework's builder per kind lives with the framework
-(slime: `integrations/slime/teacher_builders.py`)."""
+(slime: `integrations/megatron/teachers/teacher_builders.py`)."""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -15,10 +15,10 @@ import torch
 pytest.importorskip("tokenizers")
 
 from megatron_rl_patches.cross_tokenizer import teacher_passes as ct  # noqa: E402
-from megatron_rl_patches.integrations.slime import cross_passes, opd  # noqa: E402
-from megatron_rl_patches.integrations.slime.cross_rollout import teacher_rollout  # noqa: E402
-from megatron_rl_patches.integrations.slime.opd_settings import Teacher, opd_settings  # noqa: E402
-from megatron_rl_patches.integrations.slime.opd_teachers import (  # noqa: E402
+from megatron_rl_patches.integrations.megatron.teachers import cross_passes
+from megatron_rl_patches.integrations.megatron.teachers.cross_rollout import teacher_rollout  # noqa: E402
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import Teacher, opd_settings  # noqa: E402
+from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import (  # noqa: E402
     PassTeacher,
     ScoringStep,
     SeparateTeacher,
@@ -26,6 +26,7 @@ from megatron_rl_patches.integrations.slime.opd_teachers import (  # noqa: E402
     TeacherScores,
     model_teacher,
 )
+from megatron_rl_patches.integrations.slime import opd  # noqa: E402
 from megatron_rl_patches.integrations.slime.step_plan import STEP_REQUEST  # noqa: E402
 from megatron_rl_patches.ops.lm_head import (  # noqa: E402
     lm_head_log_probs_and_entropy,

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl_patches.integrations.slime import cross_passes, step_plan
-from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
+from megatron_rl_patches.integrations.megatron.teachers import cross_passes
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+from megatron_rl_patches.integrations.slime import step_plan
 from megatron_rl_patches.ops.lm_head import lm_head_topk_logprobs
 from megatron_rl_patches.teachers import step_repeats
 

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import LOSS_PATH, opd_settings
+from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import SeparateTeacher, SnapshotTeacher
 from megatron_rl_patches.integrations.slime import opd as slime_opd
 from megatron_rl_patches.integrations.slime import step_plan as plan
 from megatron_rl_patches.integrations.slime import vocab_opd
-from megatron_rl_patches.integrations.slime.opd_settings import LOSS_PATH, opd_settings
-from megatron_rl_patches.integrations.slime.opd_teachers import SeparateTeacher, SnapshotTeacher
 from megatron_rl_patches.integrations.slime.step_plan import TEACHER_HEADS, TEACHER_HIDDEN, VocabRequest
 
 P = "MEGATRON_RL_PATCHES_OPD_"

@@ -29,8 +29,8 @@ def tokenizerless(tmp_path_factory):
 
 def test_the_probe_names_the_flag_and_the_entry_option_is_taken(tokenizerless, monkeypatch):
     from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
+    from megatron_rl_patches.integrations.megatron.teachers.served_teacher import served_own
     from megatron_rl_patches.integrations.slime.host import slime_host
-    from megatron_rl_patches.integrations.slime.served_teacher import served_own
     from megatron_rl_patches.teachers import ServedTeacher, TeacherBatch
     from megatron_rl_patches.teachers.kinds import parse_entry
     from megatron_rl_patches.teachers.tokenizer_probe import probe_tokenizer

@@ -172,8 +172,8 @@ def test_no_vocabulary_wide_tensor_in_the_teachers_passes_nor_the_step(slime_cpu
     from slime.backends.megatron_utils import model as slime_model
 
     import megatron_rl_patches
+    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
     from megatron_rl_patches.integrations.slime import opd as slime_opd
-    from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
     from megatron_rl_patches.integrations.slime.step_plan import TEACHER_HIDDEN
     from megatron_rl_patches.testing.vocab_watch import VocabWideTensors
 

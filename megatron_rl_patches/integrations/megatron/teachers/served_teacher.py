@@ -14,7 +14,9 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._variables import OPD_IDS_FROM
-from megatron_rl_patches.integrations.slime.cross_passes import cross_pair
+from megatron_rl_patches.integrations.megatron.teachers.cross_passes import cross_pair
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, OpdSettings, Teacher
+from megatron_rl_patches.integrations.megatron.teachers.served_opd import ServedOpdTeacher
 from megatron_rl_patches.integrations.slime.host import (
     SlimeHost,
     rollout_temperature,
@@ -22,8 +24,6 @@ from megatron_rl_patches.integrations.slime.host import (
     student_tokenizer_of,
     tp_group,
 )
-from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, OpdSettings, Teacher
-from megatron_rl_patches.integrations.slime.served_opd import ServedOpdTeacher
 from megatron_rl_patches.teachers.kinds.entry import SERVED
 from megatron_rl_patches.teachers.named_vocab import named_vocab_size
 from megatron_rl_patches.teachers.served_connect import NamedVocab, connect_served

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import OpdSettings
 from megatron_rl_patches.integrations.slime.allgather_cp import whole_from_zigzag
-from megatron_rl_patches.integrations.slime.opd_settings import OpdSettings
 from megatron_rl_patches.integrations.slime.step_plan import IDS, IDS_MASK, TopkRequest
 from megatron_rl_patches.teachers.scores import TeacherScores
 

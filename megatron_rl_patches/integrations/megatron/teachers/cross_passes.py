@@ -20,20 +20,25 @@ from megatron_rl_patches.cross_tokenizer.chunk_terms import chunk_distillation_t
 from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
 from megatron_rl_patches.cross_tokenizer.teacher import CrossTeacher
 from megatron_rl_patches.cross_tokenizer.vocabulary import shared_strings
-from megatron_rl_patches.integrations.slime import expert_agreement
-from megatron_rl_patches.integrations.slime.allgather_cp import (
-    allgather_cp_active,
-    whole_from_zigzag,
-    zigzag_from_local,
+from megatron_rl_patches.integrations.megatron.teachers import expert_agreement
+from megatron_rl_patches.integrations.megatron.teachers.cross_rollout import teacher_rollout
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import (
+    TEACHERS,
+    OpdSettings,
+    Teacher,
+    load_function,
 )
-from megatron_rl_patches.integrations.slime.cross_rollout import teacher_rollout
-from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, OpdSettings, Teacher, load_function
-from megatron_rl_patches.integrations.slime.opd_teachers import (
+from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import (
     OpdTeacher,
     PassTeacher,
     ScoringStep,
     TeacherScores,
     model_teacher,
+)
+from megatron_rl_patches.integrations.slime.allgather_cp import (
+    allgather_cp_active,
+    whole_from_zigzag,
+    zigzag_from_local,
 )
 from megatron_rl_patches.integrations.slime.step_plan import (
     CROSS_ALIVE,

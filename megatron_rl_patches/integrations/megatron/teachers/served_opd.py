@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_rl_patches.integrations.megatron.teachers.cross_passes import teacher_samples
+from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import OpdTeacher, ScoringStep
 from megatron_rl_patches.integrations.slime.allgather_cp import whole_from_zigzag, zigzag_of_whole
-from megatron_rl_patches.integrations.slime.cross_passes import teacher_samples
 from megatron_rl_patches.integrations.slime.host import SlimeHost, batch_of, device_of
-from megatron_rl_patches.integrations.slime.opd_teachers import OpdTeacher, ScoringStep
 from megatron_rl_patches.integrations.slime.step_plan import IDS, IDS_MASK
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.head_cross_buckets import cross_batch
