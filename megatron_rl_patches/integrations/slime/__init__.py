@@ -1,9 +1,9 @@
 """slime (624b824a): its records (`patches`), and the modules that do the work: the log-prob
 adapter (`logprobs`), inference-only roles (`roles`), the fused route (`fused`, slicing with
 slime's helpers in `rows`, top-k buckets in `topk`), the step plan both the fused route and top-k
-OPD use (`step_plan`) and top-k OPD (`opd`, settings in `opd_settings`, its teachers behind one
-interface in `opd_teachers`; teachers with another tokenizer in `cross_passes`, over
-`megatron_rl_patches.cross_tokenizer`).
+OPD use (`step_plan`) and top-k OPD (`opd`; its teachers live on megatron-core in
+`megatron_rl_patches.integrations.megatron.teachers`, handed slime's actor as `actor.SlimeActor`;
+the fields and loss terms of teachers with another tokenizer in `cross_loss`).
 
 `megatron_rl_patches.integrations.slime.calculate_log_probs_and_entropy` (a path users type) is
 the adapter's function."""

@@ -266,7 +266,7 @@ def test_log_ratio_is_part_one_token_term(pair):
 def test_slime_opd_modes_refused_before_loading(values, named):
     from types import SimpleNamespace
 
-    from megatron_rl_patches.integrations.megatron.teachers.cross_passes import check_args
+    from megatron_rl_patches.integrations.slime.cross_loss import check_args
 
     own = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/t;tokenizer=own"})
     same = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/t"})

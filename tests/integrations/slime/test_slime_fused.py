@@ -198,7 +198,8 @@ def test_allgather_cp_with_a_bshd_batch_is_a_clear_error(packed):
 
 def test_a_fallen_back_train_step_still_fetches_a_top_k_losss_batch_keys(monkeypatch, caplog):
     """slime's logits path for the step (one log line), the schedule untouched, the OPD keys fetched."""
-    from megatron_rl_patches.integrations.slime.step_plan import TopkRequest, plan_in
+    from megatron_rl_patches.integrations.megatron.teachers.topk_request import TopkRequest
+    from megatron_rl_patches.integrations.slime.step_plan import plan_in
 
     request = TopkRequest(ids_key="opd_ids", keys=("opd_ids",))
     monkeypatch.setattr(slime_fused, "step_request", lambda args, settings: request)

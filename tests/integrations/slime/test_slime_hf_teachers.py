@@ -147,7 +147,7 @@ def fused_processors(clean_patch_state):
 
 def test_a_teacher_of_another_size_scores_the_students_ids_as_transformers(megatron_cpu, fused_processors, tmp_path):
     pytest.importorskip("transformers", reason="the reference forward needs transformers (the hf-test extra)")
-    from megatron_rl_patches.integrations.slime.fused import real_vocab_size
+    from megatron_rl_patches.integrations.megatron.teachers.hidden_teachers import real_vocab_size
     from megatron_rl_patches.integrations.slime.topk import with_topk
     from megatron_rl_patches.processors.heads import log_prob_output_processor
     from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf
@@ -196,7 +196,7 @@ def test_one_tokenizer_with_another_padded_vocab_gives_its_padding_no_mass(megat
     import json
 
     from megatron_rl_patches.integrations.megatron.teachers import hf_teachers
-    from megatron_rl_patches.integrations.slime.fused import real_vocab_size
+    from megatron_rl_patches.integrations.megatron.teachers.hidden_teachers import real_vocab_size
     from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
 
     tokenizer = json.dumps({"model": {"type": "BPE", "vocab": {f"t{i}": i for i in range(900)}}, "added_tokens": []})

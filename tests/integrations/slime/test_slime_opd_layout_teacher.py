@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl_patches.integrations.slime.step_plan import IDS, TEACHER_LOGPROBS
+from megatron_rl_patches.integrations.megatron.teachers.topk_request import IDS, TEACHER_LOGPROBS
 from tests.inference.teacher_layout.layout_worlds import close, read_shares, served, two_rank_world
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
@@ -121,8 +121,8 @@ def _student_layout_checks(rank: int, root: str, whole) -> dict:
     from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, opd_settings
     from megatron_rl_patches.integrations.megatron.teachers.opd_settings import K as K_SETTING
     from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import ScoringStep
+    from megatron_rl_patches.integrations.megatron.teachers.zigzag import whole_from_zigzag, zigzag_of_whole
     from megatron_rl_patches.integrations.slime import opd as slime_opd
-    from megatron_rl_patches.integrations.slime.allgather_cp import whole_from_zigzag, zigzag_of_whole
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
     from tests.integrations.slime.tiny_actor import TinyActor
 

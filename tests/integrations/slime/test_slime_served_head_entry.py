@@ -123,10 +123,10 @@ def test_a_head_of_another_tokenizer_leaves_the_steps_ids_request_to_the_others(
     as an in-process teacher of another tokenizer; off the last stage (no teacher) it scores None."""
     from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import ScoringStep, teacher_requests
     from megatron_rl_patches.integrations.megatron.teachers.served_opd import ServedOpdTeacher
-    from megatron_rl_patches.integrations.slime.host import SlimeHost
+    from megatron_rl_patches.integrations.megatron.teachers.stage_host import StageHost
 
     settings = opd_settings({P + "TEACHERS": f"{HEAD};tokenizer=/tok,/b", P + "IDS_FROM": "union"})
     assert settings is not None
     step = ScoringStep(None, {}, settings, last=False, student={}, topk_pass=lambda *_: {})
-    assert ServedOpdTeacher(None, SlimeHost(64, last=False, asks=False), cross=True).score(step) is None
+    assert ServedOpdTeacher(None, StageHost(64, last=False, asks=False), cross=True).score(step) is None
     assert step.scored_ids == 0 and step.ids_request() == teacher_requests(settings)[0]

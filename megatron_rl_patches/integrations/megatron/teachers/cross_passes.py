@@ -1,13 +1,11 @@
-"""slime_opd's teachers with another tokenizer inside slime: their loading (the two tokenizers and
-the shared vocabulary: `cross_tokenizer.CrossTeacher`), `CrossTokenizerTeacher`, the OPD teacher
-wrapping a snapshot or a separate model whose two pipelined passes per step run over the teacher's
-own packed rollout (its top-k ids and its own tokens' log-probs, then its bucket ids scored), the
-per-sample fields the student's step reads, and their terms in the loss: the (k+1)-bucket
-divergence at chunk starts and the token-level reverse-KL term (`cross_tokenizer.chunk_terms`;
-docs/distillation.md, "Teachers with another tokenizer"). The framework-free parts are in
-`cross_tokenizer` (`teacher_passes`, `teacher`, `chunk_terms`); the teacher's rollout in slime's
-keys in `cross_rollout`."""
-# lazy imports: optional dependency slime
+"""Top-k OPD's teachers with another tokenizer on megatron-core: their loading (the two tokenizers
+and the shared vocabulary: `cross_tokenizer.CrossTeacher`) and `CrossTokenizerTeacher`, the OPD
+teacher wrapping a snapshot or a separate model whose two pipelined passes per step run over the
+teacher's own packed rollout (its top-k ids and its own tokens' log-probs, then its bucket ids
+scored; docs/distillation.md, "Teachers with another tokenizer"). The framework-free parts are in
+`cross_tokenizer` (`teacher_passes`, `teacher`, `chunk_terms`); the teacher's rollout in the
+rollout data's keys in `cross_rollout`; the fields the student's step reads and their loss terms
+are the host's (slime: `integrations.slime.cross_loss`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,18 +14,12 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.cross_tokenizer import teacher_passes as ct
-from megatron_rl_patches.cross_tokenizer.chunk_terms import chunk_distillation_terms, masked_tail
 from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
 from megatron_rl_patches.cross_tokenizer.teacher import CrossTeacher
 from megatron_rl_patches.cross_tokenizer.vocabulary import shared_strings
 from megatron_rl_patches.integrations.megatron.teachers import expert_agreement
 from megatron_rl_patches.integrations.megatron.teachers.cross_rollout import teacher_rollout
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import (
-    TEACHERS,
-    OpdSettings,
-    Teacher,
-    load_function,
-)
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, Teacher, load_function
 from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import (
     OpdTeacher,
     PassTeacher,
@@ -35,29 +27,8 @@ from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import (
     TeacherScores,
     model_teacher,
 )
-from megatron_rl_patches.integrations.slime.allgather_cp import (
-    allgather_cp_active,
-    whole_from_zigzag,
-    zigzag_from_local,
-)
-from megatron_rl_patches.integrations.slime.step_plan import (
-    CROSS_ALIVE,
-    CROSS_LOGPROBS,
-    CROSS_RATIO,
-    CROSS_TAILS,
-    CROSS_TEACHERS,
-    IDS,
-    IDS_MASK,
-    STEP_IDS,
-    STEP_MASK,
-    STEP_SAME_AS,
-    TEACHER_LOGPROBS,
-    TEACHER_TAILS,
-    TopkRequest,
-)
-from megatron_rl_patches.integrations.slime.topk import per_sample_rows
-from megatron_rl_patches.ops.topk import topk_kl
-from megatron_rl_patches.teachers import step_repeats
+from megatron_rl_patches.integrations.megatron.teachers.topk_request import TopkRequest
+from megatron_rl_patches.integrations.megatron.teachers.zigzag import whole_from_zigzag
 
 # the teacher rollout's keys of its second pass: its bucket ids per sample and their mask
 TEACHER_IDS, TEACHER_MASK = "opd_cross_teacher_ids", "opd_cross_teacher_ids_mask"
@@ -101,33 +72,6 @@ def load_cross(args: Any, teacher: Teacher, model: PassTeacher | str | list[Any]
     return CrossTokenizerTeacher(inner, cross_pair(args, teacher))
 
 
-def check_args(args: Any, settings: OpdSettings) -> None:
-    """Before anything loads: slime's `--use-opd` with teachers of another tokenizer (one such
-    teacher, whose spread signal are its teacher_log_probs; slime's sglang mode: its megatron mode
-    overwrites teacher_log_probs with its own teacher's). Every layout is served (expert parallelism:
-    the teacher's micro-batches agreed over the data-parallel ranks, `expert_agreement`)."""
-    if not any(t.other_tokenizer for t in settings.teachers):
-        return
-    if not getattr(args, "use_opd", False):
-        return
-    own = sum(t.other_tokenizer for t in settings.teachers)
-    if own != 1:
-        raise ValueError(f"{TEACHERS}: slime's --use-opd takes one teacher's log-probs; name one teacher with "
-                         f"';tokenizer=own' (got {own}), or use top-k OPD's loss for several")
-    if getattr(args, "opd_type", None) != "sglang":
-        raise ValueError(f"{TEACHERS} with ';tokenizer=own' fills slime's teacher_log_probs: run --use-opd with "
-                         f"--opd-type sglang (--opd-type {getattr(args, 'opd_type', None)} loads its own teacher "
-                         "over them)")
-
-
-def _cut(values: list[torch.Tensor], data: dict) -> list[torch.Tensor]:
-    """Whole-response values as slime keeps per-sample fields on this context-parallel rank."""
-    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp  # slime is not a dependency
-
-    return [slice_log_prob_with_cp(v, total, response) for v, total, response in
-            zip(values, data["total_lengths"], data["response_lengths"])]
-
-
 def _whole(values: list[torch.Tensor], data: dict) -> list[torch.Tensor]:
     return whole_from_zigzag(values, list(data["total_lengths"]), list(data["response_lengths"]))
 
@@ -169,8 +113,8 @@ class CrossTokenizerTeacher(OpdTeacher):
         if last:
             top = plan.unpadded(_whole(first["topk_ids"], own))
             buckets = [ct.chunk_start_buckets(ids, s.alignment, self.pair.shared) for ids, s in zip(top, samples)]
-            own[TEACHER_IDS] = _cut(plan.padded([b.teacher_ids for b in buckets]), own)
-            own[TEACHER_MASK] = _cut(plan.padded([b.teacher_mask for b in buckets]), own)
+            own[TEACHER_IDS] = step.cut(plan.padded([b.teacher_ids for b in buckets]), own)
+            own[TEACHER_MASK] = step.cut(plan.padded([b.teacher_mask for b in buckets]), own)
         second = run(own, TopkRequest(ids_key=TEACHER_IDS, mask_key=TEACHER_MASK, keys=(TEACHER_IDS, TEACHER_MASK)))
         if not last:
             return None
@@ -190,114 +134,3 @@ class CrossTokenizerTeacher(OpdTeacher):
             out["mask"].append(b.student_mask)
         return TeacherScores(out["logprobs"], out["tails"], ids=out["ids"], ids_mask=out["mask"], alive=out["alive"],
                              log_ratio=out["ratio"])
-
-
-def place(rollout_data: dict, scored: list[TeacherScores], same: bool, union: bool,
-          indices: list[int]) -> None:
-    """The cross teachers' fields in the rollout data, cut to this rank's rows: per sample the
-    step's ids (the same-tokenizer ids when `same`, then each teacher's bucket ids), the stacked
-    per-teacher values, and which teachers (`indices`: their places in the settings) gave them."""
-    n = len(rollout_data["tokens"])
-    parts: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    masks: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    if same:
-        for i, ids in enumerate(rollout_data[IDS]):
-            parts[i].append(ids)
-            masks[i].append(rollout_data[IDS_MASK][i] if union else torch.ones_like(ids, dtype=torch.bool))
-    depth = max(_first(out.ids).shape[-1] // _first(out.alive).shape[-1] for out in scored)
-    for out in scored:
-        pairs = zip(_cut(_each(out.ids), rollout_data), _cut(_each(out.ids_mask), rollout_data), _each(out.alive))
-        for i, (ids, mask, alive) in enumerate(pairs):
-            device = rollout_data[IDS][i].device
-            parts[i].append(_deepened(ids, alive.shape[-1], depth).to(device))
-            masks[i].append(_deepened(mask, alive.shape[-1], depth).to(device))
-    rollout_data[STEP_IDS] = [torch.cat(p, dim=1) for p in parts]
-    once = [step_repeats.unrepeated(ids, torch.cat(m, dim=1)) for ids, m in zip(rollout_data[STEP_IDS], masks)]
-    rollout_data[STEP_MASK] = [mask for mask, _ in once]
-    rollout_data[STEP_SAME_AS] = [same_as for _, same_as in once]
-    for key, field in ((CROSS_RATIO, "log_ratio"), (CROSS_LOGPROBS, "log_probs"), (CROSS_TAILS, "tails"),
-                       (CROSS_ALIVE, "alive")):
-        per_teacher = [_cut(_each(getattr(out, field)), rollout_data) for out in scored]
-        rollout_data[key] = [torch.stack(values, dim=1) for values in zip(*per_teacher)]
-    rollout_data[CROSS_TEACHERS] = [torch.tensor(indices, dtype=torch.int64) for _ in range(n)]  # host: loss_terms
-
-
-def _each(values: list[torch.Tensor] | None) -> list[torch.Tensor]:
-    """A grouped-bucket field of `TeacherScores` (set by every teacher `place` receives)."""
-    assert values is not None, "a teacher with grouped buckets gives ids, their mask, alive and log_ratio"
-    return values
-
-
-def _first(values: list[torch.Tensor] | None) -> torch.Tensor:
-    return _each(values)[0]
-
-
-def _deepened(values: torch.Tensor, k: int, depth: int) -> torch.Tensor:
-    """[R, k·D] bucket slots as [R, k·depth] (each bucket padded with zeros / False to `depth` slots)."""
-    rows = values.reshape(values.shape[0], k, -1)
-    pad = rows.new_zeros((rows.shape[0], k, depth - rows.shape[-1]))
-    return torch.cat([rows, pad], dim=-1).reshape(values.shape[0], -1)
-
-
-def spread_for_slime(rollout_data: dict, scored: TeacherScores, student_log_probs: list[torch.Tensor]) -> None:
-    """slime's `--use-opd` field: teacher_log_probs = the spread teacher signal (log pS + log-ratio),
-    cut to this rank's rows as slime cuts it."""
-    spread = [lp.float() + ratio.to(lp.device) for lp, ratio in zip(student_log_probs, _each(scored.log_ratio))]
-    rollout_data["teacher_log_probs"] = _cut(spread, rollout_data)
-
-
-def token_log_probs(args: Any, batch: dict, output: Any) -> torch.Tensor:
-    """The student's log p(y_i) [N] of the micro-batch's response tokens with their gradient, in
-    the rows slime's per-sample fields use (zigzag with --allgather-cp)."""
-    if not isinstance(output, dict):
-        raise RuntimeError("slime_opd: a teacher with another tokenizer needs the fused route's output; the step "
-                           "fell back to slime's logits path (the slime_fused log line names why)")
-    allgather = allgather_cp_active(args)
-    values = output["log_probs"]
-    pieces = per_sample_rows(values, batch, allgather)
-    if allgather:
-        # differentiable: the pieces require grad
-        pieces = zigzag_from_local(pieces, values.shape[1], batch["total_lengths"], batch["response_lengths"])
-    return torch.cat(pieces)
-
-
-def loss_terms(settings: OpdSettings, batch: dict, student: torch.Tensor, student_tail: torch.Tensor,
-               token_log_probs: torch.Tensor, invariant: bool | None = None) -> torch.Tensor:
-    """Per response token [N] of the micro-batch: the weighted OPD terms of every teacher, the
-    same-tokenizer ones as one mixture over the student's top-k ids, each other-tokenizer one as its
-    chunk-start bucket divergence plus its token-level reverse-KL term (gradient r·∇log pS);
-    `invariant`: the divergences' mode (the student's)."""
-    n = len(settings.teachers)
-    weights = settings.weights or tuple(1.0 / n for _ in range(n))
-    # which teachers gave grouped buckets: their scores say so (`place`), not the settings
-    cross = [int(i) for i in batch[CROSS_TEACHERS][0].tolist()]
-    same = [i for i in range(n) if i not in cross]
-    mask = torch.cat(batch[STEP_MASK]).to(device=student.device, dtype=torch.bool)
-    if batch.get(STEP_SAME_AS) is not None:  # an id repeated across the parts: scored once, read by each
-        student, mask = step_repeats.restored(student, mask, torch.cat(batch[STEP_SAME_AS]))
-    parts = len(cross) + bool(same)
-    total = torch.zeros_like(token_log_probs)
-    start = 0
-    if same:
-        width = batch[IDS][0].shape[-1]
-        cols, part_mask = student[:, :width], mask[:, :width]
-        tail = student_tail if parts == 1 else masked_tail(cols, part_mask)
-        group = torch.tensor([weights[i] for i in same], dtype=torch.float64)
-        teachers = torch.cat(batch[TEACHER_LOGPROBS], dim=1).to(cols)
-        tails = torch.cat(batch[TEACHER_TAILS], dim=1).to(cols)
-        total = total + float(group.sum()) * topk_kl(cols, tail, teachers, tails, teacher_weights=group / group.sum(),
-                                                     divergence=settings.divergence, ids_mask=part_mask,
-                                                     invariant=invariant)
-        start = width
-    ratio = torch.cat(batch[CROSS_RATIO]).to(token_log_probs)
-    scores, tails = torch.cat(batch[CROSS_LOGPROBS]).to(student), torch.cat(batch[CROSS_TAILS]).to(student)
-    alive = torch.cat(batch[CROSS_ALIVE]).to(device=student.device, dtype=torch.bool)
-    width = (mask.shape[1] - start) // max(len(cross), 1)  # `place` gives every such teacher one width
-    for x, index in enumerate(cross):
-        cols, part_mask = student[:, start:start + width], mask[:, start:start + width]
-        start += width
-        tail = student_tail if parts == 1 else masked_tail(cols, part_mask)
-        total = total + weights[index] * chunk_distillation_terms(cols, part_mask, tail, scores[:, x], tails[:, x],
-                                                                  alive[:, x], ratio[:, x], token_log_probs,
-                                                                  settings.divergence, invariant)
-    return total

@@ -235,8 +235,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
         import megatron_rl_patches
         from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
         from megatron_rl_patches.integrations.megatron.teachers.served_opd import ServedOpdTeacher
+        from megatron_rl_patches.integrations.megatron.teachers.topk_request import STEP_SAME_AS
         from megatron_rl_patches.integrations.slime import opd as slime_opd
-        from megatron_rl_patches.integrations.slime.step_plan import STEP_SAME_AS
 
         for name, value in OPD_ENV.items():
             patch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
