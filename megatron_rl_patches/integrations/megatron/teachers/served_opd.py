@@ -1,6 +1,6 @@
 """slime_opd's served teachers (`http://host:port;engine=vllm[;tokenizer=DIR|;head=DIR]`) on the
 framework-free teacher step: `ServedOpdTeacher` sends the step's samples through a
-`teachers.TeacherStep` behind slime's host (`host.stage_host`) before the student's pass
+`teachers.TeacherStep` behind the actor's host (`stage_host.stage_host`) before the student's pass
 (`begin`) and collects them in the teacher's turn (`score`). Each sample is asked once per
 data-parallel rank, by the first rank of the last pipeline stage's tensor and context-parallel
 group, which broadcasts the scores to the rest of that group (a head's hidden states too: every

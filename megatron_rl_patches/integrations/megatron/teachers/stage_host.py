@@ -105,3 +105,7 @@ def rollout_temperature(args: Any) -> float:
     """slime's --rollout-temperature, which the student's buckets are scored at too (1 when unset)."""
     value = getattr(args, "rollout_temperature", None)
     return 1.0 if value is None else float(value)
+
+
+# the names from when this module was slime's `host.py` (issue 73), kept for code that typed them
+SlimeHost, slime_host = StageHost, stage_host
