@@ -338,3 +338,32 @@ def test_a_room_importing_itself_is_no_cycle():
 def test_a_module_outside_every_room_fails_loudly():
     with pytest.raises(KeyError, match="in no room"):
         room(f"{PACKAGE}.newthing.module")
+
+
+# The in-process teachers' home on megatron-core serves every Megatron host: it names no framework's
+# module (slime's own, nor our slime integration); the hosts supply what differs (issue 73 item 1).
+TEACHERS_HOME = f"{PACKAGE}.integrations.megatron.teachers"
+FRAMEWORKS = ("slime", f"{PACKAGE}.integrations.slime")
+
+
+def framework_imports(imports: dict[str, set[str]]) -> list[str]:
+    """`module -> name` for each import of a framework by a module of the teachers' home."""
+    return sorted(f"{module} -> {name}" for module, names in imports.items()
+                  if module == TEACHERS_HOME or module.startswith(TEACHERS_HOME + ".")
+                  for name in names if any(name == f or name.startswith(f + ".") for f in FRAMEWORKS))
+
+
+def test_the_teachers_home_imports_no_framework():
+    files = {module_name(path): path for path in ROOT.rglob("*.py")}
+    imports = {module: imported_names(ast.parse(path.read_text(), str(path)), module, path.name == "__init__.py")
+               for module, path in files.items()}
+    assert any(module.startswith(TEACHERS_HOME + ".") for module in imports)
+    assert framework_imports(imports) == []
+
+
+def test_a_framework_import_in_the_teachers_home_is_reported():
+    found = framework_imports({f"{TEACHERS_HOME}.a": {"slime.utils.misc", "torch"},
+                               f"{TEACHERS_HOME}.b": {f"{PACKAGE}.integrations.slime.host"},
+                               f"{PACKAGE}.integrations.slime.opd": {"slime.utils"}})
+    assert found == [f"{TEACHERS_HOME}.a -> slime.utils.misc",
+                     f"{TEACHERS_HOME}.b -> {PACKAGE}.integrations.slime.host"]

@@ -5,21 +5,16 @@ data (log-probs, advantages, masks) in the zigzag rows of the rank (its
 contiguous rows go to the zigzag rows for the rollout data (`zigzag_from_local`), and the rollout's
 ids go back to the contiguous rows of a pass (`local_from_zigzag`). Both are the ops' row moves
 (`ops.packing`: one sum over the context-parallel group, as slime's own redistribution); slime's
-zigzag (`cp_utils`) is the ops' `thd` zigzag."""
+zigzag (`cp_utils`) is the ops' `thd` zigzag, whose whole-response moves every Megatron host shares
+(`integrations.megatron.teachers.zigzag`)."""
 # lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from megatron_rl_patches.ops.packing import (
-    PackedLayout,
-    allgather_cp_to_zigzag,
-    response_pieces,
-    zigzag_to_allgather_cp,
-)
+from megatron_rl_patches.ops.packing import PackedLayout, allgather_cp_to_zigzag, zigzag_to_allgather_cp
 
 
 def allgather_cp_active(args: Any) -> bool:
@@ -50,7 +45,6 @@ def _cp_layout(local_len: int, total_lengths: list[int], response_lengths: list[
     """The layout, rows and group arguments of the ops' row moves for this context-parallel rank."""
     from megatron.core import parallel_state
 
-
     layout = PackedLayout(tuple(total_lengths), tuple(response_lengths),
                           cp_size=parallel_state.get_context_parallel_world_size(),
                           cp_rank=parallel_state.get_context_parallel_rank(), allgather_cp=True)
@@ -70,55 +64,3 @@ def local_from_zigzag(per_sample: list[torch.Tensor], local_len: int, total_leng
     """Per sample, the rows of this rank's contiguous slice from per-sample zigzag values (the
     rollout data's ids and masks)."""
     return zigzag_to_allgather_cp(per_sample, **_cp_layout(local_len, total_lengths, response_lengths))
-
-
-def _zigzag_pieces(total_lengths: list[int], response_lengths: list[int]) -> list[list[Any]] | None:
-    """Per sample, this context-parallel rank's runs of the response (`ops.packing.Piece`s, in
-    response order); None with one context-parallel rank."""
-    from megatron.core import parallel_state
-
-    cp_size = parallel_state.get_context_parallel_world_size()
-    if cp_size == 1:
-        return None
-    layout = PackedLayout(tuple(total_lengths), tuple(response_lengths), cp_size=cp_size,
-                          cp_rank=parallel_state.get_context_parallel_rank())
-    return response_pieces(layout, sum(layout.sample_rows(t) for t in total_lengths))
-
-
-def whole_from_zigzag(per_sample: list[torch.Tensor], total_lengths: list[int],
-                      response_lengths: list[int]) -> list[torch.Tensor]:
-    """Per sample, the whole response's values from each context-parallel rank's zigzag rows (every
-    rank gets them all, as plain values: one SUM over the context-parallel group; unchanged with one
-    context-parallel rank)."""
-    from megatron.core import parallel_state
-
-    pieces = _zigzag_pieces(total_lengths, response_lengths) if per_sample else None
-    if pieces is None:
-        return list(per_sample)
-    if per_sample[0].dtype == torch.bool:  # a SUM of bools is not every backend's; each row is set on one rank
-        return [whole != 0 for whole in whole_from_zigzag([v.to(torch.int32) for v in per_sample],
-                                                          total_lengths, response_lengths)]
-    full = []
-    for values, held, response in zip(per_sample, pieces, response_lengths):
-        whole = values.new_zeros((response, *values.shape[1:]))
-        row = 0
-        for piece in held:  # this rank's runs of the response, in response order
-            rows = piece.stop - piece.start
-            whole[piece.offset:piece.offset + rows] = values[row:row + rows].detach()
-            row += rows
-        full.append(whole)
-    summed = torch.cat(full)
-    dist.all_reduce(summed, group=parallel_state.get_context_parallel_group())
-    return list(summed.split(list(response_lengths)))
-
-
-def zigzag_of_whole(per_sample: list[torch.Tensor], total_lengths: list[int],
-                    response_lengths: list[int]) -> list[torch.Tensor]:
-    """Per sample, this context-parallel rank's zigzag rows of whole-response values (as slime keeps
-    per-sample fields: `whole_from_zigzag`'s inverse, no communication; unchanged with one
-    context-parallel rank)."""
-    pieces = _zigzag_pieces(total_lengths, response_lengths) if per_sample else None
-    if pieces is None:
-        return list(per_sample)
-    return [torch.cat([whole[piece.offset:piece.offset + piece.stop - piece.start] for piece in held])
-            if held else whole[:0] for whole, held in zip(per_sample, pieces)]

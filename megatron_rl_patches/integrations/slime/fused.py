@@ -18,11 +18,13 @@ from typing import Any
 
 from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
+from megatron_rl_patches.integrations.megatron.teachers.hidden_teachers import real_vocab_size
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+from megatron_rl_patches.integrations.megatron.teachers.topk_request import VocabRequest
 from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
 from megatron_rl_patches.integrations.slime.step_plan import (
     PLAN,
     StepPlan,
-    VocabRequest,
     plan_of,
     planned,
     step_request,
@@ -326,17 +328,6 @@ def mtp_heads_build_logits(model: Any) -> bool:
 
 def _called(method: str) -> str:
     return "model" if method == "forward" else f"model.{method}"
-
-
-def real_vocab_size(model: Any) -> int | None:
-    """The unpadded vocab a chunk (or a wrapper of it) built by build_inference_model_from_hf
-    carries as `hf_vocab_size`; None for other models (slime scores their padded columns)."""
-    while model is not None:
-        size = getattr(model, "__dict__", {}).get("hf_vocab_size")
-        if size is not None:
-            return int(size)
-        model = getattr(model, "module", None)
-    return None
 
 
 def batch_layout(packed_seq_params: Any) -> str:

@@ -28,25 +28,23 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._args import bind
-from megatron_rl_patches.integrations.slime import cross_passes, hf_teachers, teacher_builders, vocab_opd
-from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
-from megatron_rl_patches.integrations.slime.fused import unservable
-from megatron_rl_patches.integrations.slime.opd_settings import (
+from megatron_rl_patches.integrations.megatron.teachers import hf_teachers, hidden_teachers, teacher_builders
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import (
     LOSS_PATH,
     LOSS_PATHS,
     TEACHERS,
     OpdSettings,
     opd_settings,
 )
-from megatron_rl_patches.integrations.slime.opd_teachers import (
+from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import (
     OpdTeacher,
     ScoringStep,
     TeacherScores,
     opd_teacher,
 )
-from megatron_rl_patches.integrations.slime.rows import response_positions
-from megatron_rl_patches.integrations.slime.served_teacher import check_served
-from megatron_rl_patches.integrations.slime.step_plan import (
+from megatron_rl_patches.integrations.megatron.teachers.served_teacher import check_served
+from megatron_rl_patches.integrations.megatron.teachers.stage_host import last_stage, pipeline_agrees
+from megatron_rl_patches.integrations.megatron.teachers.topk_request import (
     CROSS_RATIO,
     IDS,
     IDS_MASK,
@@ -55,14 +53,16 @@ from megatron_rl_patches.integrations.slime.step_plan import (
     TEACHER_LOGPROBS,
     TEACHER_TAILS,
     VOCAB_KEYS,
-    StepPlan,
     TopkRequest,
-    plan_in,
-    planned,
 )
+from megatron_rl_patches.integrations.slime import cross_loss, vocab_opd
+from megatron_rl_patches.integrations.slime.actor import SlimeActor
+from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
+from megatron_rl_patches.integrations.slime.fused import unservable
+from megatron_rl_patches.integrations.slime.rows import response_positions
+from megatron_rl_patches.integrations.slime.step_plan import StepPlan, plan_in, planned
 from megatron_rl_patches.integrations.slime.topk import local_rows, packed_ids, per_sample_rows
 from megatron_rl_patches.integrations.step_mode import student_invariant
-from megatron_rl_patches.ops import agreement
 from megatron_rl_patches.ops.topk import topk_kl, topk_logprobs
 from megatron_rl_patches.teachers.kinds import RunFacts, check_entries
 
@@ -80,7 +80,7 @@ def check_args(args: Any, settings: OpdSettings | None = None) -> None:
                                                   ids_from=settings.ids_from, k=settings.k,
                                                   temperature_from="slime's --rollout-temperature"))
         check_served(settings)
-        cross_passes.check_args(args, settings)
+        cross_loss.check_args(args, settings)
     if not advantages_only and (not custom or getattr(args, "custom_loss_function_path", None) not in LOSS_PATHS):
         raise ValueError(f"{TEACHERS} is set: top-k OPD needs slime's flags --loss-type custom_loss "
                          f"--custom-loss-function-path {LOSS_PATH} (got --loss-type {args.loss_type}); "
@@ -99,10 +99,10 @@ def load_teachers(actor: Any, settings: OpdSettings) -> list[OpdTeacher]:
     weights are active again afterwards."""
     check_args(actor.args, settings)
     student = hf_teachers.student_vocab(actor.args, teacher_builders.unwrap(actor.model[-1]).vocab_size)
-    loaded = teacher_builders.load_all(actor, settings, student)
+    loaded = teacher_builders.load_all(SlimeActor(actor), settings, student)
     actor._switch_model("actor")
     if settings.full_vocab:
-        vocab_opd.check_loaded(actor, [opd_teacher(teacher) for teacher in loaded])
+        hidden_teachers.check_loaded(SlimeActor(actor), [opd_teacher(teacher) for teacher in loaded])
     return loaded
 
 
@@ -168,23 +168,6 @@ def topk_pass(args: Any, model: list[Any], rollout_data: dict, request: TopkRequ
     return out
 
 
-def _last_stage() -> bool:
-    """Whether this rank holds the last pipeline stage (True without pipeline parallelism)."""
-    # lazy: import cost: megatron.core takes seconds (4.4 s measured after torch); the settings checks need none
-    from megatron.core import parallel_state
-
-    return parallel_state.get_pipeline_model_parallel_world_size() == 1 or \
-        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-
-
-def pipeline_agrees(flag: bool) -> bool:
-    """`flag` held by every stage of this rank's pipeline (an all-reduce MIN over the pipeline
-    group), so all stages enter or skip the same pipelined passes."""
-    from megatron.core import parallel_state  # lazy: import cost: seconds to import (see `_last_stage`)
-
-    return bool(agreement.agreed_min(parallel_state.get_pipeline_model_parallel_group(), int(flag)))
-
-
 def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> None:
     """The actor's top-k ids (first, never skipped), then each teacher's scores (`OpdTeacher.score`,
     in order), stored per sample into the rollout data (`store_scores`; for a union, the first
@@ -199,15 +182,15 @@ def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> Non
     for teacher in teachers:  # a served teacher's requests go now, overlapping the student's pass
         teacher.begin(actor, rollout_data)
     if settings.full_vocab:  # no ids: each teacher's hidden states and head (`vocab_opd`)
-        vocab_opd.score_teachers(actor, rollout_data, teachers, _last_stage(),
-                                 functools.partial(topk_pass, invariant=invariant))
+        hidden_teachers.score_teachers(SlimeActor(actor), rollout_data, teachers, last_stage(),
+                                       functools.partial(topk_pass, invariant=invariant))
         actor._switch_model("actor")
         return
     student = topk_pass(actor.args, actor.model, rollout_data, TopkRequest(k=settings.k), invariant=invariant)
     ids = student.get("topk_ids")
     # Every pipeline stage takes part in each teacher's pipelined pass, in the same order; the ids
     # live on the last stage only, so whether the passes run is the last stage's answer, agreed.
-    if not pipeline_agrees(ids is not None or not _last_stage()):
+    if not pipeline_agrees(ids is not None or not last_stage()):
         for teacher in teachers:  # a served teacher's requests collected, its job-wide agreement joined
             teacher.unscored()
         return
@@ -215,8 +198,9 @@ def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> Non
     if last:
         rollout_data[IDS] = ids
         rollout_data.pop(IDS_MASK, None)
-    step = ScoringStep(actor, rollout_data, settings, last, student,
-                       functools.partial(topk_pass, invariant=invariant), invariant=invariant)
+    step = ScoringStep(SlimeActor(actor), rollout_data, settings, last, student,
+                       functools.partial(topk_pass, invariant=invariant), invariant=invariant,
+                       cut_rows=cross_loss.cut)
     scores = [teacher.score(step) for teacher in teachers]
     actor._switch_model("actor")
     if last:
@@ -226,7 +210,7 @@ def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> Non
 def store_scores(step: ScoringStep, scores: list[TeacherScores]) -> None:
     """The teachers' scores in the rollout data: those of the step's ids stacked per sample as
     [n, R, k] / [n, R]; those of grouped buckets (another tokenizer) with the step's ids and their
-    own (`cross_passes.place`), and slime's `--use-opd` field from the first of them."""
+    own (`cross_loss.place`), and slime's `--use-opd` field from the first of them."""
     rollout_data = step.rollout_data
     on_ids = [out for out in scores if out.ids is None]
     grouped = [out for out in scores if out.ids is not None]
@@ -236,10 +220,10 @@ def store_scores(step: ScoringStep, scores: list[TeacherScores]) -> None:
                                           zip(*(out.log_probs for out in on_ids))]
         rollout_data[TEACHER_TAILS] = [torch.stack(per_teacher) for per_teacher in zip(*(out.tails for out in on_ids))]
     if grouped:
-        cross_passes.place(rollout_data, grouped, same=bool(on_ids), union=step.settings.ids_from == "union",
+        cross_loss.place(rollout_data, grouped, same=bool(on_ids), union=step.settings.ids_from == "union",
                            indices=indices)
         if getattr(step.actor.args, "use_opd", False):
-            cross_passes.spread_for_slime(rollout_data, grouped[0], step.student_log_probs)
+            cross_loss.spread_for_slime(rollout_data, grouped[0], step.student_log_probs)
 
 
 def train_actor_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -320,9 +304,9 @@ def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean
     loss, log = policy_loss_function(args, batch, logits, sum_of_sample_mean)
     student, student_tail = student_buckets(args, batch, logits, invariant)
     if batch.get(CROSS_RATIO) is not None:  # a teacher with another tokenizer: every teacher's term
-        opd = sum_of_sample_mean(cross_passes.loss_terms(settings, batch, student, student_tail,
-                                                         cross_passes.token_log_probs(args, batch, logits),
-                                                         invariant))
+        opd = sum_of_sample_mean(cross_loss.loss_terms(settings, batch, student, student_tail,
+                                                       cross_loss.token_log_probs(args, batch, logits),
+                                                       invariant))
         log["opd_topk_loss"] = opd.clone().detach()
         return settings.policy_weight * loss + settings.coef * opd, log
     teachers = torch.cat(batch[TEACHER_LOGPROBS], dim=1).to(student)

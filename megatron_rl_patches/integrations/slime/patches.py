@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
 from megatron_rl_patches.integrations.megatron.train_reentry import train_reentry_patches
-from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
 from megatron_rl_patches.patching.records import Patch
 
 HERE = "megatron_rl_patches.integrations.slime"
@@ -20,7 +20,8 @@ ACTOR = "slime.backends.megatron_utils.actor"
 METRICS = "slime.observability.train_metric_utils"
 SLIME_TRAIN_PARAMS = ("rollout_id", "model", "optimizer", "opt_param_scheduler", "data_iterator")
 SLIME_LOGPROB_PARAMS = ("logits", "tokens", "tp_group")
-LAYOUT_PASS = f"{HERE}.layout_role_pass:forward_only_wrapper"  # a role at its own layout (role;tp=N)
+# a role at its own layout (role;tp=N)
+LAYOUT_PASS = "megatron_rl_patches.integrations.megatron.teachers.layout_role_pass:forward_only_wrapper"
 
 
 def _fused(target: str, wrapper: str, description: str, params: tuple[str, ...], optional: bool = False) -> Patch:

@@ -2,116 +2,24 @@
 the student and the teachers' mixture over the whole vocabulary, from every model's final hidden
 states through its own output layer (`lm_head_divergence`, tile by tile: no [T, V] tensor).
 
-Before slime's `train_actor`, each teacher hands over its final hidden states on the response rows
-and its output layer at the student's tensor-parallel layout (`score_teachers`): a snapshot of the
-actor or a separate model of the student's vocabulary in a pipelined pass over the rollout (the
-hidden states gathered under sequence parallelism, its output weight's shard kept once), a served
-teacher with `;head=DIR` from its pooling server (the head read by `served_teacher`'s builder). They reach
-the training step as per-sample fields in slime's zigzag rows (`step_plan.TEACHER_HIDDEN`,
-cut from whole responses per context-parallel rank); the fused step places them on the packed rows
+Before slime's `train_actor`, each teacher hands over its final hidden states and its output layer
+(`integrations.megatron.teachers.hidden_teachers`). They reach the training step as per-sample
+fields in slime's zigzag rows (`topk_request.TEACHER_HIDDEN`, cut from whole responses per
+context-parallel rank); the fused step places them on the packed rows
 of each micro-batch (the contiguous rows under --allgather-cp) and computes the divergence beside
 slime's log-probs on the response rows only (`vocab_step`); `vocab_opd_loss` averages it per
 sample with slime's `sum_of_sample_mean`."""
 # lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local, zigzag_of_whole
-from megatron_rl_patches.integrations.slime.fused import real_vocab_size
-from megatron_rl_patches.integrations.slime.host import device_of
-from megatron_rl_patches.integrations.slime.opd_teachers import ModelTeacher, OpdTeacher
-from megatron_rl_patches.integrations.slime.served_opd import ServedOpdTeacher
-from megatron_rl_patches.integrations.slime.step_plan import TEACHER_HEADS, TEACHER_HIDDEN, TopkRequest, VocabRequest
+from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
 from megatron_rl_patches.integrations.slime.topk import per_sample_rows
-from megatron_rl_patches.integrations.slime.vocab_step import DIVERGENCE, TeacherHeads
-from megatron_rl_patches.teachers.head_padding import head_padded_as
+from megatron_rl_patches.integrations.slime.vocab_step import DIVERGENCE
 
-# (args, model chunks, rollout data, request) -> per-sample fields: opd's `topk_pass` (agreed over the pipeline)
-Pass = Callable[[Any, list, dict, TopkRequest], dict]
-
-
-def score_teachers(actor: Any, rollout_data: dict, teachers: list[OpdTeacher], last: bool, passes: Pass) -> None:
-    """Every teacher's hidden states and head, in teacher order on every pipeline stage (each
-    model teacher's pipelined pass by `passes`; each served teacher's reply collected, its failure
-    agreed over the job); stored into the rollout data on the last stage (`last`)."""
-    states, weights, vocabs = [], [], []
-    for teacher in teachers:
-        if isinstance(teacher, ModelTeacher):
-            hidden, weight = model_hidden(actor, rollout_data, teacher, passes)
-            if not isinstance(teacher, str):  # a separate model (a snapshot is the actor's architecture)
-                vocabs.append(real_vocab_size(teacher.model_chunks(actor)[-1]))  # a Hugging Face one's real ids
-        elif isinstance(teacher, ServedOpdTeacher):
-            hidden, weight = served_hidden(rollout_data, teacher)
-            if teacher.teacher is not None and teacher.teacher.head is not None:
-                vocabs.append(teacher.teacher.head.vocab_size)  # its zero padding rows get no mass
-        else:  # the settings refuse it (opd_settings.full_vocab_refusal)
-            raise RuntimeError(f"slime_opd: {teacher!r} gives no hidden states for MEGATRON_RL_PATCHES_OPD_K=vocab; "
-                               "please report this")
-        states.append(hidden)
-        weights.append(weight)
-    if not last:
-        return
-    rollout_data[TEACHER_HIDDEN] = [tuple(sample) for sample in zip(*states)]
-    real = [size for size in vocabs if size is not None]
-    heads = TeacherHeads(tuple(weights), min(real) if real else None)
-    rollout_data[TEACHER_HEADS] = [heads] * len(rollout_data[TEACHER_HIDDEN])
-
-
-def model_hidden(actor: Any, rollout_data: dict, teacher: ModelTeacher, passes: Pass) -> tuple[Any, Any]:
-    """A model teacher's per-sample hidden states and its output weight's shard (None, None on a
-    stage before the last)."""
-    request = VocabRequest(hidden=True)
-    out = passes(actor.args, teacher.model_chunks(actor), rollout_data, request)
-    if "teacher_hidden" not in out:
-        return None, None
-    return out["teacher_hidden"], request.captured[0]
-
-
-def served_hidden(rollout_data: dict, teacher: ServedOpdTeacher) -> tuple[Any, Any]:
-    """A served teacher's hidden states (its pooling server's reply, unprojected) in this
-    context-parallel rank's zigzag rows and its head's shard (None, None off the last stage)."""
-    states = teacher.collected(projected=False)
-    if states is None or teacher.teacher is None or teacher.teacher.head is None:
-        return None, None
-    assert isinstance(states, list)  # unprojected: the hidden states
-    head = teacher.teacher.head
-    totals = [int(t) for t in rollout_data["total_lengths"]]
-    responses = [int(r) for r in rollout_data["response_lengths"]]
-    device = device_of(rollout_data)
-    whole = [s.reshape(-1, head.hidden_size).to(device=device, dtype=head.dtype) for s in states]
-    return zigzag_of_whole(whole, totals, responses), head.weight
-
-
-def check_loaded(actor: Any, teachers: list[OpdTeacher]) -> None:
-    """ValueError naming the teacher whose output layer is not the student's vocabulary shard
-    (checked at load, the same on every rank: the padded vocabulary sizes are the models'); a
-    served teacher's head re-cut to the student's padded vocabulary where it was read at another
-    (every rank of the last stage's tensor-parallel group holds one: `head_padded_as`)."""
-    student = _padded_vocab(actor.model[-1])
-    for index, teacher in enumerate(teachers):
-        if isinstance(teacher, ServedOpdTeacher) and teacher.teacher is not None \
-                and teacher.teacher.head is not None:
-            teacher.teacher.head = head_padded_as(teacher.teacher.head, student)
-        if isinstance(teacher, ModelTeacher) and not isinstance(teacher, str):
-            own = _padded_vocab(teacher.model_chunks(actor)[-1])
-            if own != student:
-                raise ValueError(f"MEGATRON_RL_PATCHES_OPD_K=vocab: teacher {index} (MEGATRON_RL_PATCHES_OPD_TEACHERS) "
-                                 f"has a padded vocabulary of {own}, the student {student}: the full-vocabulary "
-                                 "divergence compares their output layers row by row; pad both alike "
-                                 "(--make-vocab-size-divisible-by) or use a top-k MEGATRON_RL_PATCHES_OPD_K=N")
-
-
-def _padded_vocab(chunk: Any) -> int:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return int(chunk.vocab_size)
-
-
-# ---------------------------------------------------------------- the training step's loss
 
 def vocab_opd_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean: Any, settings: Any) -> tuple[Any, dict]:
     """slime's custom loss under K=vocab: POLICY_WEIGHT · slime's policy loss + COEF · the

@@ -9,14 +9,14 @@ response rows only, the teachers' per-sample hidden states placed on the micro-b
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from megatron_rl_patches.integrations.megatron.teachers.hidden_teachers import TeacherHeads
+from megatron_rl_patches.integrations.megatron.teachers.topk_request import TEACHER_HEADS, TEACHER_HIDDEN, VocabRequest
 from megatron_rl_patches.integrations.slime.allgather_cp import local_from_zigzag
 from megatron_rl_patches.integrations.slime.rows import response_positions, response_rows
-from megatron_rl_patches.integrations.slime.step_plan import TEACHER_HEADS, TEACHER_HIDDEN, VocabRequest
 from megatron_rl_patches.integrations.slime.topk import packed_ids
 from megatron_rl_patches.processors.distill import divergence_output_processor, hidden_output_processor
 from megatron_rl_patches.processors.heads import output_layer_pre_hooks_ran
@@ -24,16 +24,6 @@ from megatron_rl_patches.processors.heads import output_layer_pre_hooks_ran
 DIVERGENCE = "opd_divergence"  # the fused output's key: the per-token divergence [1, T]
 NOT_SCORED = ("slime_opd: the training step under MEGATRON_RL_PATCHES_OPD_K=vocab found no teacher hidden states in "
               "its batch; the teachers' passes did not run before it (apply the slime_opd patch with slime_fused)")
-
-
-@dataclass(frozen=True, eq=False)  # tensors inside: compared by identity
-class TeacherHeads:
-    """The teachers' output weights [V_local, H_j] (the student's vocabulary shard), in the order
-    of MEGATRON_RL_PATCHES_OPD_TEACHERS, and the real vocabulary the divergence runs over (None:
-    the student's whole padded one, as slime's log-probs)."""
-
-    weights: tuple[torch.Tensor, ...]
-    vocab_size: int | None = None
 
 
 def vocab_processor(request: VocabRequest, log_prob: Callable, options: dict, batch: dict, length: int, device: Any,

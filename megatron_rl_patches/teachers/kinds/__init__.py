@@ -2,7 +2,7 @@
 (one module each; `kind.py` says what a kind is), `kind_named(name)`, and the entry grammar of
 MEGATRON_RL_PATCHES_OPD_TEACHERS read through it (`parse_entries`). Adding a kind is a module here,
 a row below, and its builder beside the framework that loads it
-(`integrations/slime/teacher_builders.py`). Standard library only at import."""
+(`integrations/megatron/teachers/teacher_builders.py`). Standard library only at import."""
 from __future__ import annotations
 
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS

@@ -1,7 +1,8 @@
 """What a kind of teacher is to the entry grammar (`TeacherKind`): how its entries are written,
 which entries are its own, its parser, its checks against the run, what `doctor` finds without
 loading anything, and its framework-free builder where it has one (`build`: a served teacher
-needs no framework; an in-process kind is built by the host, `teachers.build`)."""
+needs no framework; an in-process kind is built by the host: `teachers.build`; slime's host builds
+every kind through `integrations/megatron/teachers/teacher_builders.py`)."""
 from __future__ import annotations
 
 from collections.abc import Callable

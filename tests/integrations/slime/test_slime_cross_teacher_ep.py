@@ -60,9 +60,9 @@ def _actor(student_dir: str, teacher_dir: str):
 
 def scores_of(student_dir: str, teacher_dir: str, data: dict, topk_pass) -> dict:
     """The cross teacher's scores of `data` through `topk_pass` (the student's pass first)."""
+    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+    from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import ScoringStep
     from megatron_rl_patches.integrations.slime import opd
-    from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
-    from megatron_rl_patches.integrations.slime.opd_teachers import ScoringStep
 
     actor, teacher = _actor(student_dir, teacher_dir)
     settings = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": f"{teacher_dir};tokenizer=own",
@@ -102,7 +102,7 @@ def _scored_at_ep2(rank: int, world_size: int, student_dir: str, teacher_dir: st
 
     from megatron.core import parallel_state
 
-    from megatron_rl_patches.integrations.slime import expert_agreement
+    from megatron_rl_patches.integrations.megatron.teachers import expert_agreement
     from megatron_rl_patches.testing.megatron_cpu import megatron_world
 
     sys.path.insert(0, standins)  # the stand-in slime (its cp_utils at one context-parallel rank)

@@ -7,10 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_rl_patches.integrations.megatron.teachers import teacher_builders
+from megatron_rl_patches.integrations.megatron.teachers import topk_request as keys
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import LOSS_PATH, Teacher, opd_settings
 from megatron_rl_patches.integrations.slime import opd as slime_opd
 from megatron_rl_patches.integrations.slime import step_plan as plan
-from megatron_rl_patches.integrations.slime import teacher_builders
-from megatron_rl_patches.integrations.slime.opd_settings import LOSS_PATH, Teacher, opd_settings
 from megatron_rl_patches.integrations.slime.topk import packed_ids
 
 P = "MEGATRON_RL_PATCHES_OPD_"
@@ -117,8 +118,8 @@ def test_step_request_only_with_teachers_and_this_loss(monkeypatch):
     assert plan.step_request(_args(custom_loss_function_path=new_path)) is plan.STEP_REQUEST
     monkeypatch.setenv(P + "IDS_FROM", "union")
     request = plan.step_request(_args())
-    assert request is plan.UNION_STEP_REQUEST and request.mask_key == plan.IDS_MASK
-    assert plan.IDS_MASK in request.keys
+    assert request is plan.UNION_STEP_REQUEST and request.mask_key == keys.IDS_MASK
+    assert keys.IDS_MASK in request.keys
     monkeypatch.setenv(P + "IDS_FROM", "teacher")  # the first teacher's own top-k: [R, k], no padding
     assert plan.step_request(_args()) is plan.STEP_REQUEST
 

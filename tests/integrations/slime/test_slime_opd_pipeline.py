@@ -46,8 +46,8 @@ def _fell_back() -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
     from megatron_rl_patches.integrations.slime import opd
-    from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
 
     def logits_on_the_last_stage(args, model, rollout_data, request, fell_back, invariant=None):
         activations = torch.zeros(4)
@@ -74,8 +74,8 @@ def _scored(with_work: bool) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
     from megatron_rl_patches.integrations.slime import opd
-    from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
     log: list = []
     actor = _Actor(log)
 

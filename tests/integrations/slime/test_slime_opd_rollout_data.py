@@ -11,6 +11,7 @@ import pickle
 import pytest
 import torch
 
+from megatron_rl_patches.integrations.megatron.teachers import topk_request as keys
 from megatron_rl_patches.integrations.slime import step_plan as plan
 
 RESPONSES, K, TEACHERS = (3, 5), 4, 2
@@ -28,11 +29,11 @@ def rollout_data(union: bool) -> dict:
         "log_probs": [-torch.rand(r, generator=g) for r in RESPONSES],
     }
     width = 2 * K if union else K
-    data[plan.IDS] = [torch.randint(0, 64, (r, width), generator=g) for r in RESPONSES]
+    data[keys.IDS] = [torch.randint(0, 64, (r, width), generator=g) for r in RESPONSES]
     if union:
-        data[plan.IDS_MASK] = [torch.rand(r, width, generator=g) > 0.3 for r in RESPONSES]
-    data[plan.TEACHER_LOGPROBS] = [-torch.rand(TEACHERS, r, width, generator=g) for r in RESPONSES]
-    data[plan.TEACHER_TAILS] = [-torch.rand(TEACHERS, r, generator=g) for r in RESPONSES]
+        data[keys.IDS_MASK] = [torch.rand(r, width, generator=g) > 0.3 for r in RESPONSES]
+    data[keys.TEACHER_LOGPROBS] = [-torch.rand(TEACHERS, r, width, generator=g) for r in RESPONSES]
+    data[keys.TEACHER_TAILS] = [-torch.rand(TEACHERS, r, generator=g) for r in RESPONSES]
     return data
 
 
@@ -50,7 +51,7 @@ def test_slimes_rollout_metrics_run_and_leave_the_opd_fields_to_the_steps(metric
     data = rollout_data(union)
     with pytest.raises(RuntimeError, match="could not infer output dtype"):
         metrics.log_rollout_data(0, None, data)  # unpatched: slime's own failure
-    slimes_own = {key: value for key, value in data.items() if key not in plan.OPD_KEYS}
+    slimes_own = {key: value for key, value in data.items() if key not in keys.OPD_KEYS}
     expected = metrics.log_rollout_data(0, None, slimes_own)
 
     statuses = megatron_rl_patches.apply(only="slime_opd")
@@ -71,9 +72,9 @@ def test_the_opd_fields_survive_the_debug_dump_and_the_micro_batches(metrics):
     buffer = io.BytesIO()
     torch.save(pickle.loads(pickle.dumps(data)), buffer)
     restored = torch.load(io.BytesIO(buffer.getvalue()))
-    for key in (key for key in plan.OPD_KEYS if key not in plan.CROSS_KEYS):  # no teacher of another tokenizer
+    for key in (key for key in keys.OPD_KEYS if key not in keys.CROSS_KEYS):  # no teacher of another tokenizer
         assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(restored[key], data[key]))
     micro_batch = [1]
     fetched = {key: [data[key][i] for i in micro_batch] for key in plan.UNION_STEP_REQUEST.keys}
-    assert [tuple(t.shape) for t in fetched[plan.TEACHER_LOGPROBS]] == [(TEACHERS, RESPONSES[1], 2 * K)]
-    assert fetched[plan.IDS][0].dtype == torch.int64 and fetched[plan.IDS_MASK][0].dtype == torch.bool
+    assert [tuple(t.shape) for t in fetched[keys.TEACHER_LOGPROBS]] == [(TEACHERS, RESPONSES[1], 2 * K)]
+    assert fetched[keys.IDS][0].dtype == torch.int64 and fetched[keys.IDS_MASK][0].dtype == torch.bool

@@ -15,10 +15,10 @@ import torch
 pytest.importorskip("tokenizers")
 
 from megatron_rl_patches.cross_tokenizer import teacher_passes as ct  # noqa: E402
-from megatron_rl_patches.integrations.slime import cross_passes, opd  # noqa: E402
-from megatron_rl_patches.integrations.slime.cross_rollout import teacher_rollout  # noqa: E402
-from megatron_rl_patches.integrations.slime.opd_settings import Teacher, opd_settings  # noqa: E402
-from megatron_rl_patches.integrations.slime.opd_teachers import (  # noqa: E402
+from megatron_rl_patches.integrations.megatron.teachers import cross_passes
+from megatron_rl_patches.integrations.megatron.teachers.cross_rollout import teacher_rollout  # noqa: E402
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import Teacher, opd_settings  # noqa: E402
+from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import (  # noqa: E402
     PassTeacher,
     ScoringStep,
     SeparateTeacher,
@@ -26,6 +26,8 @@ from megatron_rl_patches.integrations.slime.opd_teachers import (  # noqa: E402
     TeacherScores,
     model_teacher,
 )
+from megatron_rl_patches.integrations.slime import opd  # noqa: E402
+from megatron_rl_patches.integrations.slime.actor import SlimeActor  # noqa: E402
 from megatron_rl_patches.integrations.slime.step_plan import STEP_REQUEST  # noqa: E402
 from megatron_rl_patches.ops.lm_head import (  # noqa: E402
     lm_head_log_probs_and_entropy,
@@ -114,7 +116,7 @@ def step_of(actor: Actor, data: dict, settings) -> ScoringStep:
     """The step after the student's pass (its top-k ids in the rollout data), on the last stage."""
     student = topk_pass(actor.args, actor.model, data, opd.TopkRequest(k=settings.k))
     data[opd.IDS] = student["topk_ids"]
-    return ScoringStep(actor, data, settings, True, student, topk_pass)
+    return ScoringStep(SlimeActor(actor), data, settings, True, student, topk_pass)  # as slime's opd hands it
 
 
 def cross_teacher(actor_args, teacher_dir, model) -> cross_passes.CrossTokenizerTeacher:
@@ -176,7 +178,7 @@ def old_route(actor, data, teacher, settings, student_log_probs):
     """The cross teacher's scores as the route before the interface composed them (cross_passes.score
     of 544f86b, with one rank's cut): the teacher's samples and rollout, its top-k pass, the chunk-start
     buckets, the bucket pass, the values brought back to the student's rows."""
-    model = teacher.model.model_chunks(actor)
+    model = teacher.model.model_chunks(SlimeActor(actor))
     samples = [ct.teacher_sample(t, int(r), m, teacher.pair.student_tokenizer, teacher.pair.tokenizer)
                for t, r, m in zip(data["tokens"], data["response_lengths"], data["loss_masks"])]
     budget = ct.student_budget(data["total_lengths"], data["micro_batch_indices"])
@@ -210,7 +212,8 @@ def test_a_cross_teacher_wrapping_either_equals_the_route_before_bit_for_bit(wor
         assert len(got[field]) == len(values) == 2
         assert all(torch.equal(a, b) for a, b in zip(got[field], values)), field
     assert any(bool(a.any()) for a in scores.alive) and all(bool(r.abs().sum() > 0) for r in scores.log_ratio)
-    assert not teacher.score(ScoringStep(world.actor, world.data, world.settings, False, step.student, topk_pass))
+    off_last = ScoringStep(SlimeActor(world.actor), world.data, world.settings, False, step.student, topk_pass)
+    assert not teacher.score(off_last)
 
 
 def test_score_teachers_is_one_loop_over_the_interface(world, monkeypatch):

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl_patches.integrations.slime import cross_passes, hf_teachers
+from megatron_rl_patches.integrations.megatron.teachers import cross_passes, hf_teachers
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, opd_settings
 from megatron_rl_patches.integrations.slime import opd as slime_opd
-from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, opd_settings
 from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, transformers_layout, write_tiny_checkpoint
 from tests.integrations.slime.tiny_actor import tiny_actor_args

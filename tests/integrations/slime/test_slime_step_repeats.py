@@ -3,15 +3,16 @@ the step scores the student's top-k ids and the other teacher's bucket ids side 
 parts share ids wherever the teachers agree with the student (its top id in a teacher's top
 string's bucket). The top-k op scores each id of a row once, so before the fix such a row was a
 ValueError at the training step ("ids must not repeat within a row"; the negative control); now a
-repeat is scored once and read by each part (`step_repeats`): `cross_passes.loss_terms` equals each
+repeat is scored once and read by each part (`step_repeats`): `cross_loss.loss_terms` equals each
 part scored by its own op call, values and gradients, and with no repeats nothing changes."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_rl_patches.integrations.slime import cross_passes, step_plan
-from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
+from megatron_rl_patches.integrations.megatron.teachers import topk_request as keys
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+from megatron_rl_patches.integrations.slime import cross_loss
 from megatron_rl_patches.ops.lm_head import lm_head_topk_logprobs
 from megatron_rl_patches.teachers import step_repeats
 
@@ -43,14 +44,14 @@ def _batch(repeats: bool) -> tuple[dict, torch.Tensor, torch.Tensor]:
         for row in (0, 2, 4):
             cross[row, D] = same[row, row % K]
     alive = torch.ones(R, 1, K, dtype=torch.bool)
-    batch = {step_plan.IDS: [same], step_plan.STEP_IDS: [torch.cat([same, cross], 1)],
-             step_plan.STEP_MASK: [torch.cat([torch.ones_like(same, dtype=torch.bool), cross_mask], 1)],
-             step_plan.TEACHER_LOGPROBS: [torch.log_softmax(torch.randn(1, R, K + 1, generator=gen), -1)[..., :K]],
-             step_plan.TEACHER_TAILS: [torch.full((1, R), -2.0)],
-             step_plan.CROSS_RATIO: [torch.randn(R, 1, generator=gen) * 0.1],
-             step_plan.CROSS_LOGPROBS: [torch.log_softmax(torch.randn(R, 1, K + 1, generator=gen), -1)[..., :K]],
-             step_plan.CROSS_TAILS: [torch.full((R, 1), -1.5)], step_plan.CROSS_ALIVE: [alive],
-             step_plan.CROSS_TEACHERS: [torch.tensor([1])]}
+    batch = {keys.IDS: [same], keys.STEP_IDS: [torch.cat([same, cross], 1)],
+             keys.STEP_MASK: [torch.cat([torch.ones_like(same, dtype=torch.bool), cross_mask], 1)],
+             keys.TEACHER_LOGPROBS: [torch.log_softmax(torch.randn(1, R, K + 1, generator=gen), -1)[..., :K]],
+             keys.TEACHER_TAILS: [torch.full((1, R), -2.0)],
+             keys.CROSS_RATIO: [torch.randn(R, 1, generator=gen) * 0.1],
+             keys.CROSS_LOGPROBS: [torch.log_softmax(torch.randn(R, 1, K + 1, generator=gen), -1)[..., :K]],
+             keys.CROSS_TAILS: [torch.full((R, 1), -1.5)], keys.CROSS_ALIVE: [alive],
+             keys.CROSS_TEACHERS: [torch.tensor([1])]}
     return batch, hidden, weight
 
 
@@ -58,7 +59,7 @@ def _loss(batch: dict, hidden: torch.Tensor, weight: torch.Tensor, per_part: boo
     """loss_terms' sum and its gradient to the hidden states; the student's columns scored in one op
     call over the step's ids (as the step does), or (`per_part`) each part by its own call."""
     hidden = hidden.clone().requires_grad_()
-    ids, mask = batch[step_plan.STEP_IDS][0], batch[step_plan.STEP_MASK][0]
+    ids, mask = batch[keys.STEP_IDS][0], batch[keys.STEP_MASK][0]
     if per_part:
         parts = [lm_head_topk_logprobs(hidden, weight, ids[:, cols], ids_mask=mask[:, cols])
                  for cols in (slice(0, K), slice(K, None))]
@@ -66,7 +67,7 @@ def _loss(batch: dict, hidden: torch.Tensor, weight: torch.Tensor, per_part: boo
     else:
         student, tail = lm_head_topk_logprobs(hidden, weight, ids, ids_mask=mask)
     token = torch.zeros(R, dtype=torch.float64)
-    total = cross_passes.loss_terms(opd_settings(SETTINGS), batch, student, tail, token).sum()
+    total = cross_loss.loss_terms(opd_settings(SETTINGS), batch, student, tail, token).sum()
     total.backward()
     return total.detach(), hidden.grad
 
@@ -76,9 +77,9 @@ def test_a_repeat_across_the_parts_is_scored_once_and_read_by_each_part():
     with pytest.raises(ValueError, match="ids must not repeat within a row"):  # the step before the fix
         _loss(batch, hidden, weight, per_part=False)
     reference = _loss(batch, hidden, weight, per_part=True)
-    once, same_as = step_repeats.unrepeated(batch[step_plan.STEP_IDS][0], batch[step_plan.STEP_MASK][0])
+    once, same_as = step_repeats.unrepeated(batch[keys.STEP_IDS][0], batch[keys.STEP_MASK][0])
     assert int((same_as >= 0).sum()) == 3
-    fixed = {**batch, step_plan.STEP_MASK: [once], step_plan.STEP_SAME_AS: [same_as]}
+    fixed = {**batch, keys.STEP_MASK: [once], keys.STEP_SAME_AS: [same_as]}
     got = _loss(fixed, hidden, weight, per_part=False)
     torch.testing.assert_close(got[0], reference[0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got[1], reference[1], rtol=1e-12, atol=1e-12)
@@ -86,10 +87,10 @@ def test_a_repeat_across_the_parts_is_scored_once_and_read_by_each_part():
 
 def test_without_repeats_the_step_is_unchanged():
     batch, hidden, weight = _batch(repeats=False)
-    once, same_as = step_repeats.unrepeated(batch[step_plan.STEP_IDS][0], batch[step_plan.STEP_MASK][0])
-    assert torch.equal(once, batch[step_plan.STEP_MASK][0]) and bool((same_as < 0).all())
+    once, same_as = step_repeats.unrepeated(batch[keys.STEP_IDS][0], batch[keys.STEP_MASK][0])
+    assert torch.equal(once, batch[keys.STEP_MASK][0]) and bool((same_as < 0).all())
     before = _loss(batch, hidden, weight, per_part=False)
-    after = _loss({**batch, step_plan.STEP_SAME_AS: [same_as]}, hidden, weight, per_part=False)
+    after = _loss({**batch, keys.STEP_SAME_AS: [same_as]}, hidden, weight, per_part=False)
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
 
 
@@ -101,11 +102,11 @@ def test_the_loss_reads_which_teachers_gave_grouped_buckets_from_their_scores():
     batch, hidden, weight = _batch(repeats=False)
     flagged = _loss(batch, hidden, weight, per_part=False)
     flags_off = {**SETTINGS, "MEGATRON_RL_PATCHES_OPD_TEACHERS": "/s,/t"}
-    student, tail = lm_head_topk_logprobs(hidden, weight, batch[step_plan.STEP_IDS][0],
-                                          ids_mask=batch[step_plan.STEP_MASK][0])
+    student, tail = lm_head_topk_logprobs(hidden, weight, batch[keys.STEP_IDS][0],
+                                          ids_mask=batch[keys.STEP_MASK][0])
     token = torch.zeros(R, dtype=torch.float64)
-    unflagged = cross_passes.loss_terms(opd_settings(flags_off), batch, student, tail, token).sum()
+    unflagged = cross_loss.loss_terms(opd_settings(flags_off), batch, student, tail, token).sum()
     assert torch.equal(unflagged.detach(), flagged[0])
-    swapped = cross_passes.loss_terms(opd_settings(flags_off), {**batch, step_plan.CROSS_TEACHERS: [torch.tensor([0])]},
+    swapped = cross_loss.loss_terms(opd_settings(flags_off), {**batch, keys.CROSS_TEACHERS: [torch.tensor([0])]},
                                       student, tail, token).sum()
     assert not torch.allclose(swapped.detach(), flagged[0])

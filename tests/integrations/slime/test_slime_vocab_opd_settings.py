@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_rl_patches.integrations.megatron.teachers import hidden_teachers
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import LOSS_PATH, opd_settings
+from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import SeparateTeacher, SnapshotTeacher
+from megatron_rl_patches.integrations.megatron.teachers.topk_request import TEACHER_HEADS, TEACHER_HIDDEN, VocabRequest
 from megatron_rl_patches.integrations.slime import opd as slime_opd
 from megatron_rl_patches.integrations.slime import step_plan as plan
-from megatron_rl_patches.integrations.slime import vocab_opd
-from megatron_rl_patches.integrations.slime.opd_settings import LOSS_PATH, opd_settings
-from megatron_rl_patches.integrations.slime.opd_teachers import SeparateTeacher, SnapshotTeacher
-from megatron_rl_patches.integrations.slime.step_plan import TEACHER_HEADS, TEACHER_HIDDEN, VocabRequest
 
 P = "MEGATRON_RL_PATCHES_OPD_"
 HEAD = "http://t:1;engine=vllm;head=/dirs/teacher"
@@ -86,9 +86,9 @@ def _chunk(vocab):
 
 def test_a_separate_teacher_padded_otherwise_is_refused_at_load():
     actor = SimpleNamespace(model=[SimpleNamespace(module=_chunk(128))])
-    vocab_opd.check_loaded(actor, [SnapshotTeacher("opd_teacher_0"), SeparateTeacher([_chunk(128)])])
+    hidden_teachers.check_loaded(actor, [SnapshotTeacher("opd_teacher_0"), SeparateTeacher([_chunk(128)])])
     with pytest.raises(ValueError, match="teacher 1 .* padded vocabulary of 256, the student 128"):
-        vocab_opd.check_loaded(actor, [SnapshotTeacher("opd_teacher_0"), SeparateTeacher([_chunk(256)])])
+        hidden_teachers.check_loaded(actor, [SnapshotTeacher("opd_teacher_0"), SeparateTeacher([_chunk(256)])])
 
 
 def test_a_training_step_without_the_teachers_fields_is_a_clear_error():

@@ -223,9 +223,9 @@ def test_the_mtp_heads_fused_loss_follows_the_model_config(monkeypatch):
 
 @pytest.mark.megatron
 def test_slimes_opd_student_buckets_on_the_logits_path_follow_the_students_config(megatron_cpu, monkeypatch):
+    from megatron_rl_patches.integrations.megatron.teachers.topk_request import IDS
     from megatron_rl_patches.integrations.slime import opd
     from megatron_rl_patches.integrations.slime import rows as slime_rows
-    from megatron_rl_patches.integrations.slime.step_plan import IDS
     from megatron_rl_patches.integrations.step_mode import student_invariant
 
     monkeypatch.delenv("MEGATRON_RL_PATCHES_INVARIANT", raising=False)

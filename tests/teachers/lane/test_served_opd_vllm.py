@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from megatron_rl_patches import topk_kl
-from megatron_rl_patches.integrations.slime import opd, served_opd
-from megatron_rl_patches.integrations.slime.host import batch_of, slime_host
-from megatron_rl_patches.integrations.slime.opd_settings import OpdSettings, opd_settings
-from megatron_rl_patches.integrations.slime.opd_teachers import SeparateTeacher
-from megatron_rl_patches.integrations.slime.served_teacher import served_own
+from megatron_rl_patches.integrations.megatron.teachers import served_opd
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import OpdSettings, opd_settings
+from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import SeparateTeacher
+from megatron_rl_patches.integrations.megatron.teachers.served_teacher import served_own
+from megatron_rl_patches.integrations.megatron.teachers.stage_host import batch_of, stage_host
+from megatron_rl_patches.integrations.megatron.teachers.teacher_builders import BUILDERS
+from megatron_rl_patches.integrations.slime import opd
 from megatron_rl_patches.integrations.slime.step_plan import STEP_REQUEST
-from megatron_rl_patches.integrations.slime.teacher_builders import BUILDERS
 from megatron_rl_patches.ops.topk import log1mexp
 from megatron_rl_patches.teachers import ServedTeacherError
 from megatron_rl_patches.teachers.kinds import parse_entry
@@ -102,7 +103,7 @@ def settings(url: str) -> OpdSettings:
 def build_served(args, url: str) -> served_opd.ServedOpdTeacher:
     """slime's served teacher of the student's tokenizer at `url` on this rank's host (the entry
     named "entry" in its errors)."""
-    host = slime_host(VOCAB)
+    host = stage_host(VOCAB)
     return served_opd.ServedOpdTeacher(served_own(args, settings(url), parse_entry(f"{url};engine=vllm"), host,
                                                   "entry"), host)
 
@@ -232,7 +233,7 @@ def test_a_server_that_dies_mid_step_fails_the_step_naming_it(served, megatron_c
 
 def _rank_step(url: str, data: dict, last: bool) -> dict:
     """A served teacher's step on this rank (begin, then score): what it asked and the rows it kept."""
-    from megatron_rl_patches.integrations.slime.opd_teachers import ScoringStep
+    from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import ScoringStep
 
     args = SimpleNamespace(hf_checkpoint=data.pop("hf"), rollout_temperature=1.0)
     teacher = build_served(args, url)
@@ -252,7 +253,7 @@ def _rank_step(url: str, data: dict, last: bool) -> dict:
 def served_world(rank: int, world: int, url: str, directory: str, dead: str) -> dict:
     from megatron.core import parallel_state as ps
 
-    from megatron_rl_patches.integrations.slime.allgather_cp import whole_from_zigzag
+    from megatron_rl_patches.integrations.megatron.teachers.zigzag import whole_from_zigzag
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
     results = {}

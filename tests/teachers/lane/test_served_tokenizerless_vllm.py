@@ -15,8 +15,8 @@ from tests.teachers.lane.served_kit import VOCAB
 
 def test_the_probe_names_the_flag_and_the_entry_option_is_taken(tokenizerless, monkeypatch):
     from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
-    from megatron_rl_patches.integrations.slime.host import slime_host
-    from megatron_rl_patches.integrations.slime.served_teacher import served_own
+    from megatron_rl_patches.integrations.megatron.teachers.served_teacher import served_own
+    from megatron_rl_patches.integrations.megatron.teachers.stage_host import stage_host
     from megatron_rl_patches.teachers import ServedTeacher, TeacherBatch
     from megatron_rl_patches.teachers.kinds import parse_entry
     from megatron_rl_patches.teachers.tokenizer_probe import probe_tokenizer
@@ -28,9 +28,9 @@ def test_the_probe_names_the_flag_and_the_entry_option_is_taken(tokenizerless, m
             probe_tokenizer(teacher, load_tokenizer(str(directory), "student"), "the entry")
     args = SimpleNamespace(hf_checkpoint=str(directory))
     with pytest.raises(ValueError, match=rf"past the served model's vocabulary of {VOCAB - 1}"):
-        served_own(args, cast(Any, SimpleNamespace(k=4)), parse_entry(f"{url};engine=vllm"), slime_host(VOCAB),
+        served_own(args, cast(Any, SimpleNamespace(k=4)), parse_entry(f"{url};engine=vllm"), stage_host(VOCAB),
                    "the entry", VOCAB - 1)
-    teacher = served_own(args, cast(Any, SimpleNamespace(k=4)), parse_entry(f"{url};engine=vllm"), slime_host(VOCAB),
+    teacher = served_own(args, cast(Any, SimpleNamespace(k=4)), parse_entry(f"{url};engine=vllm"), stage_host(VOCAB),
                          "the entry", VOCAB).teacher
     try:
         scores = teacher.score(TeacherBatch([torch.tensor([1, 5, 9, 13, 17])], [2]))

@@ -233,17 +233,17 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
         from slime.observability.timer import Timer
 
         import megatron_rl_patches
+        from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+        from megatron_rl_patches.integrations.megatron.teachers.served_opd import ServedOpdTeacher
+        from megatron_rl_patches.integrations.megatron.teachers.topk_request import STEP_SAME_AS
         from megatron_rl_patches.integrations.slime import opd as slime_opd
-        from megatron_rl_patches.integrations.slime.opd_settings import opd_settings
-        from megatron_rl_patches.integrations.slime.served_opd import ServedOpdTeacher
-        from megatron_rl_patches.integrations.slime.step_plan import STEP_SAME_AS
 
         for name, value in OPD_ENV.items():
             patch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
         if hf_teacher is not None:  # on the actor's own --spec core attention (hf_teachers.packed_core_attention)
             patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"teacher-a,{hf_teacher}")
             if context > 1:  # the actor keeps the lane's context-parallel core, the teachers the kit's (zigzag)
-                from megatron_rl_patches.integrations.slime import hf_teachers
+                from megatron_rl_patches.integrations.megatron.teachers import hf_teachers
                 from megatron_rl_patches.testing.cp_attention import ContextParallelAttention
 
                 patch.setattr(hf_teachers, "packed_core_attention", lambda args: ContextParallelAttention)
@@ -255,7 +255,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
             patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"teacher-a,{wide_path}@slime_ranks:wide_teacher")
         cross_flags: tuple[str, ...] = ()
         if cross is not None:
-            from megatron_rl_patches.integrations.slime import hf_teachers
+            from megatron_rl_patches.integrations.megatron.teachers import hf_teachers
             from megatron_rl_patches.testing.packed_gpt import packed_attention_class
 
             patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS",
@@ -274,7 +274,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
             patch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
         agreed: list[int] = []  # the teacher micro-batch counts agreed (with expert parallelism)
         if cross is not None and cross.get("more_micro_batches"):
-            from megatron_rl_patches.integrations.slime import expert_agreement
+            from megatron_rl_patches.integrations.megatron.teachers import expert_agreement
 
             def more(count: int, real: Any = expert_agreement.agreed_micro_batches) -> int:
                 agreed.append(real(count) + cross["more_micro_batches"])  # as if another rank planned more

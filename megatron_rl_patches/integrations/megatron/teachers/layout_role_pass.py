@@ -13,11 +13,12 @@ response rows (the logits row before each response token: rows total - R - 1 .. 
 order (--use-dynamic-batch-size: back to the rollout's)."""
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from megatron_rl_patches._args import bind
-from megatron_rl_patches.integrations.slime.layout_role import where
+from megatron_rl_patches.integrations.megatron.teachers.layout_role import where
 from megatron_rl_patches.integrations.step_mode import student_invariant
 
 if TYPE_CHECKING:  # torch is imported where a pass runs: the patch's records import this module cheaply
@@ -92,12 +93,12 @@ def _score_micro_batch(model: list[Any], batch: dict[str, Any], temperature: flo
 
 
 def _run_before_hook(run_args: Any, model: Any, prefix: str) -> None:
-    """slime's --custom-megatron-before-log-prob-hook-path, called as slime's forward_only does."""
+    """The args' `custom_megatron_before_log_prob_hook_path` (slime's flag: "module.function",
+    resolved as slime's `load_function` does), called as slime's forward_only does."""
     path = getattr(run_args, "custom_megatron_before_log_prob_hook_path", None)
     if path:
-        from slime.utils.misc import load_function  # lazy: optional dependency slime
-
-        load_function(path)(run_args, model, prefix)
+        module, _, name = path.rpartition(".")
+        getattr(importlib.import_module(module), name)(run_args, model, prefix)
 
 
 def layout_pass(arguments: dict[str, Any]) -> dict[str, list[torch.Tensor]]:

@@ -14,16 +14,16 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._variables import OPD_IDS_FROM
-from megatron_rl_patches.integrations.slime.cross_passes import cross_pair
-from megatron_rl_patches.integrations.slime.host import (
-    SlimeHost,
+from megatron_rl_patches.integrations.megatron.teachers.cross_passes import cross_pair
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, OpdSettings, Teacher
+from megatron_rl_patches.integrations.megatron.teachers.served_opd import ServedOpdTeacher
+from megatron_rl_patches.integrations.megatron.teachers.stage_host import (
+    StageHost,
     rollout_temperature,
-    slime_host,
+    stage_host,
     student_tokenizer_of,
     tp_group,
 )
-from megatron_rl_patches.integrations.slime.opd_settings import TEACHERS, OpdSettings, Teacher
-from megatron_rl_patches.integrations.slime.served_opd import ServedOpdTeacher
 from megatron_rl_patches.teachers.kinds.entry import SERVED
 from megatron_rl_patches.teachers.named_vocab import named_vocab_size
 from megatron_rl_patches.teachers.served_connect import NamedVocab, connect_served
@@ -68,7 +68,7 @@ def build_served_teacher(actor: Any, settings: OpdSettings, index: int, teacher:
     unwrapped = actor.model[-1]
     while hasattr(unwrapped, "module"):  # the wrapped chunk (DDP, Float16Module) holds the vocabulary
         unwrapped = unwrapped.module
-    host = slime_host(int(unwrapped.vocab_size))
+    host = stage_host(int(unwrapped.vocab_size))
     if teacher.head is not None:  # with ';tokenizer=DIR' too: exact buckets through the head
         role: Any = served_head(actor.args, settings, teacher, student, host, where)
     elif teacher.tokenizer is not None:
@@ -91,7 +91,7 @@ def students(args: Any, where: str) -> Any:
     return lambda: (student_tokenizer_of(args, where), STUDENTS)
 
 
-def served_own(args: Any, settings: OpdSettings, teacher: Teacher, host: SlimeHost, where: str,
+def served_own(args: Any, settings: OpdSettings, teacher: Teacher, host: StageHost, where: str,
                named: int | None = None) -> OwnTopkServed | None:
     """A served teacher of the student's tokenizer (`named`: the entry's `;same_tokenizer`
     vocabulary, for a server without a tokenizer to probe)."""
@@ -106,7 +106,7 @@ def served_own(args: Any, settings: OpdSettings, teacher: Teacher, host: SlimeHo
     return None if served is None else OwnTopkServed(served, host.vocab_size)
 
 
-def served_cross(args: Any, settings: OpdSettings, teacher: Teacher, host: SlimeHost,
+def served_cross(args: Any, settings: OpdSettings, teacher: Teacher, host: StageHost,
                  where: str) -> CrossServed | None:
     """A served teacher of another tokenizer (`;tokenizer=DIR`): the pair read on the last stage's
     ranks (each encodes the samples), the server checked to share DIR's tokenizer."""
@@ -126,7 +126,7 @@ def served_cross(args: Any, settings: OpdSettings, teacher: Teacher, host: Slime
     return None if served is None else CrossServed(served, pairs[0], settings.k)
 
 
-def served_head(args: Any, settings: OpdSettings, teacher: Teacher, student: int | str, host: SlimeHost,
+def served_head(args: Any, settings: OpdSettings, teacher: Teacher, student: int | str, host: StageHost,
                 where: str) -> HeadServed | CrossServed | None:
     """The teacher of `;head=DIR`: DIR's vocabulary checked against the student's (every rank; with
     `;tokenizer=DIR` another tokenizer: its pair read on the last stage's ranks instead, each

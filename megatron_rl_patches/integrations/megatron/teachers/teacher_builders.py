@@ -1,13 +1,14 @@
-"""How slime's top-k OPD loads each kind of teacher (`teachers.kinds.KINDS`): one `SlimeBuilder`
-per kind in `BUILDERS`, keyed by the kind's name. Every rank decides each teacher's route first
-(`route`: the decisions that read files, agreed over the ranks, and the checks that come before
-anything is built), a kind checks its teachers' routes together (`check_routes`), then each
-teacher is built from slime's actor (`build`) as an `OpdTeacher`.
+"""How top-k OPD loads each kind of teacher (`teachers.kinds.KINDS`) for a Megatron host (slime's
+today; the builder's name stays `SlimeBuilder`): one per kind in `BUILDERS`, keyed by the kind's
+name. Every rank decides each teacher's route first (`route`: the decisions that read files, agreed
+over the ranks, and the checks that come before anything is built), a kind checks its teachers'
+routes together (`check_routes`), then each teacher is built from the host's actor (a
+`opd_teachers.TeacherActor`; `build`) as an `OpdTeacher`.
 
-- checkpoint (`PATH`): slime's snapshot route (a checkpoint of the actor's architecture, loaded
-  into the actor and kept as a host snapshot) or a Hugging Face directory of another architecture
-  (a separate inference-only model on the actor's split, or at its own layout `;tp=N;pp=M`); with
-  `;tokenizer=own` wrapped as a teacher with another tokenizer (`cross_passes`).
+- checkpoint (`PATH`): the snapshot route (a checkpoint of the actor's architecture, loaded into the
+  actor and kept as a snapshot: `TeacherActor.load_snapshot`) or a Hugging Face directory of another
+  architecture (a separate inference-only model on the actor's split, or at its own layout
+  `;tp=N;pp=M`); with `;tokenizer=own` wrapped as a teacher with another tokenizer (`cross_passes`).
 - provider (`PATH@module:function`): the provider's model built inference-only.
 - served (`http://host:port;engine=vllm`): `served_teacher.build_served_teacher`."""
 # lazy imports: optional dependency megatron-core (through the builders it calls)
@@ -20,16 +21,25 @@ from typing import Any
 
 from megatron_rl_patches._log import logger
 from megatron_rl_patches.inference import build_inference_model
-from megatron_rl_patches.integrations.slime import cross_passes, hf_teachers
-from megatron_rl_patches.integrations.slime.layout_teacher import build_layout_teacher, check_layout_teachers
-from megatron_rl_patches.integrations.slime.opd_settings import RESIDENCY, TEACHERS, OpdSettings, Teacher, load_function
-from megatron_rl_patches.integrations.slime.opd_teachers import (
+from megatron_rl_patches.integrations.megatron.teachers import cross_passes, hf_teachers
+from megatron_rl_patches.integrations.megatron.teachers.layout_teacher import (
+    build_layout_teacher,
+    check_layout_teachers,
+)
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import (
+    RESIDENCY,
+    TEACHERS,
+    OpdSettings,
+    Teacher,
+    load_function,
+)
+from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import (
     ModelTeacher,
     OpdTeacher,
     SeparateTeacher,
     SnapshotTeacher,
 )
-from megatron_rl_patches.integrations.slime.served_teacher import build_served_teacher
+from megatron_rl_patches.integrations.megatron.teachers.served_teacher import build_served_teacher
 from megatron_rl_patches.teachers.kinds.entry import CHECKPOINT, PROVIDER, SERVED
 
 # (actor, settings, teacher, student vocabulary) -> the route its build takes
@@ -74,7 +84,7 @@ def separate_teacher(args: Any, teacher: Teacher, residency: str | None) -> list
 
 def check_snapshot(actor: Any, tag: str, teacher: Teacher) -> None:
     """ValueError where a snapshot's tensors do not have the actor's shapes."""
-    own, other = actor.weights_backuper.get("actor"), actor.weights_backuper.get(tag)
+    own, other = actor.snapshot_tensors("actor"), actor.snapshot_tensors(tag)
     wrong = [name for name in own if name not in other or other[name].shape != own[name].shape]
     if wrong:
         raise ValueError(f"{TEACHERS}: teacher {teacher.path} does not have the actor's shapes ({wrong[:3]}): "
@@ -116,7 +126,7 @@ def snapshot_teacher(actor: Any, settings: OpdSettings, index: int, teacher: Tea
                      ) -> ModelTeacher:
     """A checkpoint of the actor's architecture: loaded into the actor, kept as a host snapshot."""
     tag = SnapshotTeacher(f"opd_teacher_{index}")
-    actor.load_other_checkpoint(tag, teacher.path)
+    actor.load_snapshot(tag, teacher.path)
     check_snapshot(actor, tag, teacher)
     return tag
 

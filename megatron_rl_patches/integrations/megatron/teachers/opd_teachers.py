@@ -1,26 +1,46 @@
-"""slime_opd's teachers behind one interface: a teacher scores one step (`OpdTeacher.score`: its
-pipelined passes over the rollout, run by every pipeline stage in teacher order) and returns its
-outputs in one shape contract (`TeacherScores`: framework-free, in `megatron_rl_patches.teachers`;
-this module's name for it stays). A snapshot of the actor's own weights (`SnapshotTeacher`) and a
-separate inference-only model (`SeparateTeacher`: a Hugging Face directory of another
-architecture, or `PATH@module:function`) score the step's own ids; both run passes over any
-rollout handed to them (`PassTeacher`), which a teacher with another tokenizer wraps
-(`cross_passes.CrossTokenizerTeacher`). What the teachers of one step share (the actor, the
-rollout, the student's pass, the pass function) is a `ScoringStep`."""
+"""Top-k OPD's teachers behind one interface, for any Megatron host (slime's `slime_opd` today): a
+teacher scores one step (`OpdTeacher.score`: its pipelined passes over the rollout, run by every
+pipeline stage in teacher order) and returns its outputs in one shape contract (`TeacherScores`:
+framework-free, in `megatron_rl_patches.teachers`; this module's name for it stays). A snapshot of
+the actor's own weights (`SnapshotTeacher`) and a separate inference-only model (`SeparateTeacher`:
+a Hugging Face directory of another architecture, or `PATH@module:function`) score the step's own
+ids; both run passes over any rollout handed to them (`PassTeacher`), which a teacher with another
+tokenizer wraps (`cross_passes.CrossTokenizerTeacher`). What the teachers of one step share (the
+host's actor as a `TeacherActor`, the rollout, the student's pass, the pass function, the host's row
+cut) is a `ScoringStep`."""
 from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from megatron_rl_patches.integrations.slime.allgather_cp import whole_from_zigzag
-from megatron_rl_patches.integrations.slime.opd_settings import OpdSettings
-from megatron_rl_patches.integrations.slime.step_plan import IDS, IDS_MASK, TopkRequest
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import OpdSettings
+from megatron_rl_patches.integrations.megatron.teachers.topk_request import IDS, IDS_MASK, TopkRequest
+from megatron_rl_patches.integrations.megatron.teachers.zigzag import whole_from_zigzag, zigzag_of_whole
 from megatron_rl_patches.teachers.scores import TeacherScores
+
+
+class TeacherActor(Protocol):
+    """The student's actor as the in-process teachers see it; its host supplies it (slime:
+    `integrations.slime.actor.SlimeActor`): its args, its model chunks, and its snapshots (a
+    checkpoint of its architecture kept under a tag: loaded, swapped in, read)."""
+
+    args: Any
+    model: list[Any]
+
+    def switch_snapshot(self, tag: str) -> list[Any]:
+        """The actor's model chunks with the snapshot `tag` swapped in ("actor": its own weights)."""
+
+    def load_snapshot(self, tag: str, path: str) -> None:
+        """The checkpoint at `path` (of the actor's architecture) kept as the snapshot `tag`."""
+
+    def snapshot_tensors(self, tag: str) -> Mapping[str, Any]:
+        """The snapshot `tag`'s tensors by name ("actor": the actor's own)."""
+
 
 # (args, model chunks, rollout data, request) -> per-sample top-k fields: opd's `topk_pass`
 TopkPass = Callable[[Any, list, dict, TopkRequest], dict]
@@ -41,7 +61,7 @@ def teacher_requests(settings: OpdSettings) -> tuple[TopkRequest, TopkRequest]:
 
 @dataclass
 class ScoringStep:
-    """What the teachers of one step share: slime's actor, the rollout data, the settings, whether
+    """What the teachers of one step share: the host's actor (a `TeacherActor`), the rollout data, the settings, whether
     this rank holds the last pipeline stage (the only one with buckets), the student's own top-k
     pass and `topk_pass`, the pass that runs a model over rollout data (opd's, agreed over the
     pipeline, in the step's mode). `scored_ids` counts the teachers that scored the step's ids so
@@ -55,6 +75,15 @@ class ScoringStep:
     topk_pass: TopkPass
     scored_ids: int = 0
     invariant: bool | None = None  # the student's invariant mode (None: each op resolves its own)
+    # whole-response values -> this context-parallel rank's rows as the host keeps per-sample fields
+    # (slime: its `cp_utils`; None: megatron-core's zigzag, `zigzag.zigzag_of_whole`)
+    cut_rows: Callable[[list[torch.Tensor], dict], list[torch.Tensor]] | None = None
+
+    def cut(self, values: list[torch.Tensor], data: dict) -> list[torch.Tensor]:
+        """Whole-response values as the host keeps per-sample fields of `data` on this rank."""
+        if self.cut_rows is not None:
+            return self.cut_rows(values, data)
+        return zigzag_of_whole(values, list(data["total_lengths"]), list(data["response_lengths"]))
 
     def ids_request(self) -> TopkRequest:
         """The request of the next teacher that scores the step's ids: the first one's (with a
@@ -108,7 +137,7 @@ class ModelTeacher(PassTeacher):
     """A teacher of the student's tokenizer: it scores the step's ids with its model."""
 
     @abstractmethod
-    def model_chunks(self, actor: Any) -> list[Any]:
+    def model_chunks(self, actor: TeacherActor) -> list[Any]:
         """The model chunks its passes run (a snapshot is switched into the actor's first)."""
 
     def topk_pass(self, step: ScoringStep, chunks: list[Any], rollout_data: dict,
@@ -140,13 +169,12 @@ class ModelTeacher(PassTeacher):
 
 
 class SnapshotTeacher(str, ModelTeacher):
-    """A checkpoint of the actor's architecture loaded the slime way: a host snapshot in the actor's
-    TensorBackuper, swapped into the actor's own weights for its passes. It is its tag (compares
-    and hashes as the string)."""
+    """A checkpoint of the actor's architecture kept by the host as a snapshot (slime: a host copy in
+    the actor's TensorBackuper), swapped into the actor's own weights for its passes
+    (`TeacherActor.switch_snapshot`). It is its tag (compares and hashes as the string)."""
 
-    def model_chunks(self, actor: Any) -> list[Any]:
-        actor._switch_model(str(self))
-        return actor.model
+    def model_chunks(self, actor: TeacherActor) -> list[Any]:
+        return actor.switch_snapshot(str(self))
 
 
 class SeparateTeacher(list, ModelTeacher):

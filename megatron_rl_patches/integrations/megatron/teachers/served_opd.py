@@ -1,6 +1,6 @@
 """slime_opd's served teachers (`http://host:port;engine=vllm[;tokenizer=DIR|;head=DIR]`) on the
 framework-free teacher step: `ServedOpdTeacher` sends the step's samples through a
-`teachers.TeacherStep` behind slime's host (`host.slime_host`) before the student's pass
+`teachers.TeacherStep` behind the actor's host (`stage_host.stage_host`) before the student's pass
 (`begin`) and collects them in the teacher's turn (`score`). Each sample is asked once per
 data-parallel rank, by the first rank of the last pipeline stage's tensor and context-parallel
 group, which broadcasts the scores to the rest of that group (a head's hidden states too: every
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl_patches.integrations.slime.allgather_cp import whole_from_zigzag, zigzag_of_whole
-from megatron_rl_patches.integrations.slime.cross_passes import teacher_samples
-from megatron_rl_patches.integrations.slime.host import SlimeHost, batch_of, device_of
-from megatron_rl_patches.integrations.slime.opd_teachers import OpdTeacher, ScoringStep
-from megatron_rl_patches.integrations.slime.step_plan import IDS, IDS_MASK
+from megatron_rl_patches.integrations.megatron.teachers.cross_passes import teacher_samples
+from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import OpdTeacher, ScoringStep
+from megatron_rl_patches.integrations.megatron.teachers.stage_host import StageHost, batch_of, device_of
+from megatron_rl_patches.integrations.megatron.teachers.topk_request import IDS, IDS_MASK
+from megatron_rl_patches.integrations.megatron.teachers.zigzag import whole_from_zigzag, zigzag_of_whole
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.head_cross_buckets import cross_batch
 from megatron_rl_patches.teachers.scores import TeacherScores
@@ -35,7 +35,7 @@ class ServedOpdTeacher(OpdTeacher):
     of another tokenizer (on every stage: it takes no request for the step's ids, so every stage
     hands the later teachers the same requests)."""
 
-    def __init__(self, role: Role | None, host: SlimeHost, cross: bool = False) -> None:
+    def __init__(self, role: Role | None, host: StageHost, cross: bool = False) -> None:
         self.role, self.host, self.cross = role, host, cross or isinstance(role, CrossServed)
         self.step = None if role is None else TeacherStep([role.teacher], host)
         self.samples: list | None = None  # another tokenizer's encodings of the step's samples
@@ -110,7 +110,7 @@ class ServedOpdTeacher(OpdTeacher):
         return TeacherScores(cut(values), cut(tails))
 
     def cross_scores(self, step: ScoringStep) -> TeacherScores | None:
-        """Another tokenizer's buckets on the student's whole rows (as `cross_passes.place` stores them)."""
+        """Another tokenizer's buckets on the student's whole rows (as slime's `cross_loss.place` stores them)."""
         scores = self.collected()
         if scores is None:
             return None
