@@ -20,9 +20,9 @@ minute to start on CPU). Each step:
    vocab=N", host, top_k=K)`: the entry grammar of MEGATRON_RL_PATCHES_OPD_TEACHERS, connected by
    the asking rank: the server answers, K within its limit). The samples (prompt + response ids;
    stand-ins for your rollouts) go to the server as a `TeacherBatch` through the teacher step
-   (`TeacherStep` behind `megatron_host`: the loop's groups): the first rank of the tensor-parallel group asks, a failure there is raised on every
-   rank, and the scores are broadcast to the group (every rank holds the same samples under
-   tensor parallelism).
+   (`TeacherStep` behind `megatron_host`: the loop's groups): the first rank of the
+   tensor-parallel group asks, a failure there is raised on every rank, and the scores are
+   broadcast to the group (every rank holds the same samples under tensor parallelism).
 2. The served rows are placed where the student's forward scores them. Row r of sample i scores
    the token at `start_i + r`; Megatron's position p predicts the token at p + 1, so that row is
    the student's position `start_i + r - 1` (the one-position shift). The served `topk_ids`

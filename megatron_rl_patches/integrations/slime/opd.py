@@ -49,7 +49,6 @@ from megatron_rl_patches.integrations.megatron.teachers.topk_request import (
     IDS,
     IDS_MASK,
     OPD_KEYS,
-    SETTINGS,
     TEACHER_LOGPROBS,
     TEACHER_TAILS,
     VOCAB_KEYS,
@@ -60,7 +59,7 @@ from megatron_rl_patches.integrations.slime.actor import SlimeActor
 from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
 from megatron_rl_patches.integrations.slime.fused import unservable
 from megatron_rl_patches.integrations.slime.rows import response_positions
-from megatron_rl_patches.integrations.slime.step_plan import StepPlan, plan_in, planned
+from megatron_rl_patches.integrations.slime.step_plan import SETTINGS, StepPlan, plan_in, planned
 from megatron_rl_patches.integrations.slime.topk import local_rows, packed_ids, per_sample_rows
 from megatron_rl_patches.integrations.step_mode import student_invariant
 from megatron_rl_patches.ops.topk import topk_kl, topk_logprobs
