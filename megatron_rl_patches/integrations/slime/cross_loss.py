@@ -1,9 +1,8 @@
 """slime's side of top-k OPD's teachers with another tokenizer (`integrations.megatron.teachers
 .cross_passes`): slime's `--use-opd` checks, the per-sample fields the student's step reads cut to
-slime's context-parallel rows (`place`, `spread_for_slime`, cut by slime's `cp_utils`: `cut`), and
-their terms in the loss: the (k+1)-bucket divergence at chunk starts and the token-level
-reverse-KL term (`cross_tokenizer.chunk_terms`; docs/distillation.md, "Teachers with another
-tokenizer")."""
+slime's context-parallel rows (`place`, `spread_for_slime`, cut by slime's `cp_utils`: `cut`) and
+the student's token log-probs they are read against (`token_log_probs`); their terms in the loss
+are `integrations.megatron.teachers.opd_terms`'."""
 # lazy imports: optional dependency slime
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.cross_tokenizer.chunk_terms import chunk_distillation_terms, masked_tail
 from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, OpdSettings
 from megatron_rl_patches.integrations.megatron.teachers.topk_request import (
     CROSS_ALIVE,
@@ -24,12 +22,9 @@ from megatron_rl_patches.integrations.megatron.teachers.topk_request import (
     STEP_IDS,
     STEP_MASK,
     STEP_SAME_AS,
-    TEACHER_LOGPROBS,
-    TEACHER_TAILS,
 )
 from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
 from megatron_rl_patches.integrations.slime.topk import per_sample_rows
-from megatron_rl_patches.ops.topk import topk_kl
 from megatron_rl_patches.teachers import step_repeats
 from megatron_rl_patches.teachers.scores import TeacherScores
 
@@ -88,7 +83,7 @@ def place(rollout_data: dict, scored: list[TeacherScores], same: bool, union: bo
                        (CROSS_ALIVE, "alive")):
         per_teacher = [cut(_each(getattr(out, field)), rollout_data) for out in scored]
         rollout_data[key] = [torch.stack(values, dim=1) for values in zip(*per_teacher)]
-    rollout_data[CROSS_TEACHERS] = [torch.tensor(indices, dtype=torch.int64) for _ in range(n)]  # host: loss_terms
+    rollout_data[CROSS_TEACHERS] = [torch.tensor(indices, dtype=torch.int64) for _ in range(n)]  # read by opd_terms
 
 
 def _each(values: list[torch.Tensor] | None) -> list[torch.Tensor]:
@@ -128,45 +123,3 @@ def token_log_probs(args: Any, batch: dict, output: Any) -> torch.Tensor:
         # differentiable: the pieces require grad
         pieces = zigzag_from_local(pieces, values.shape[1], batch["total_lengths"], batch["response_lengths"])
     return torch.cat(pieces)
-
-
-def loss_terms(settings: OpdSettings, batch: dict, student: torch.Tensor, student_tail: torch.Tensor,
-               token_log_probs: torch.Tensor, invariant: bool | None = None) -> torch.Tensor:
-    """Per response token [N] of the micro-batch: the weighted OPD terms of every teacher, the
-    same-tokenizer ones as one mixture over the student's top-k ids, each other-tokenizer one as its
-    chunk-start bucket divergence plus its token-level reverse-KL term (gradient r·∇log pS);
-    `invariant`: the divergences' mode (the student's)."""
-    n = len(settings.teachers)
-    weights = settings.weights or tuple(1.0 / n for _ in range(n))
-    # which teachers gave grouped buckets: their scores say so (`place`), not the settings
-    cross = [int(i) for i in batch[CROSS_TEACHERS][0].tolist()]
-    same = [i for i in range(n) if i not in cross]
-    mask = torch.cat(batch[STEP_MASK]).to(device=student.device, dtype=torch.bool)
-    if batch.get(STEP_SAME_AS) is not None:  # an id repeated across the parts: scored once, read by each
-        student, mask = step_repeats.restored(student, mask, torch.cat(batch[STEP_SAME_AS]))
-    parts = len(cross) + bool(same)
-    total = torch.zeros_like(token_log_probs)
-    start = 0
-    if same:
-        width = batch[IDS][0].shape[-1]
-        cols, part_mask = student[:, :width], mask[:, :width]
-        tail = student_tail if parts == 1 else masked_tail(cols, part_mask)
-        group = torch.tensor([weights[i] for i in same], dtype=torch.float64)
-        teachers = torch.cat(batch[TEACHER_LOGPROBS], dim=1).to(cols)
-        tails = torch.cat(batch[TEACHER_TAILS], dim=1).to(cols)
-        total = total + float(group.sum()) * topk_kl(cols, tail, teachers, tails, teacher_weights=group / group.sum(),
-                                                     divergence=settings.divergence, ids_mask=part_mask,
-                                                     invariant=invariant)
-        start = width
-    ratio = torch.cat(batch[CROSS_RATIO]).to(token_log_probs)
-    scores, tails = torch.cat(batch[CROSS_LOGPROBS]).to(student), torch.cat(batch[CROSS_TAILS]).to(student)
-    alive = torch.cat(batch[CROSS_ALIVE]).to(device=student.device, dtype=torch.bool)
-    width = (mask.shape[1] - start) // max(len(cross), 1)  # `place` gives every such teacher one width
-    for x, index in enumerate(cross):
-        cols, part_mask = student[:, start:start + width], mask[:, start:start + width]
-        start += width
-        tail = student_tail if parts == 1 else masked_tail(cols, part_mask)
-        total = total + weights[index] * chunk_distillation_terms(cols, part_mask, tail, scores[:, x], tails[:, x],
-                                                                  alive[:, x], ratio[:, x], token_log_probs,
-                                                                  settings.divergence, invariant)
-    return total

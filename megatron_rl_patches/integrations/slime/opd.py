@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._args import bind
-from megatron_rl_patches.integrations.megatron.teachers import hf_teachers, hidden_teachers, teacher_builders
+from megatron_rl_patches.integrations.megatron.teachers import hf_teachers, hidden_teachers, opd_terms, teacher_builders
 from megatron_rl_patches.integrations.megatron.teachers.opd_settings import (
     LOSS_PATH,
     LOSS_PATHS,
@@ -303,7 +303,7 @@ def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean
     loss, log = policy_loss_function(args, batch, logits, sum_of_sample_mean)
     student, student_tail = student_buckets(args, batch, logits, invariant)
     if batch.get(CROSS_RATIO) is not None:  # a teacher with another tokenizer: every teacher's term
-        opd = sum_of_sample_mean(cross_loss.loss_terms(settings, batch, student, student_tail,
+        opd = sum_of_sample_mean(opd_terms.loss_terms(settings, batch, student, student_tail,
                                                        cross_loss.token_log_probs(args, batch, logits),
                                                        invariant))
         log["opd_topk_loss"] = opd.clone().detach()

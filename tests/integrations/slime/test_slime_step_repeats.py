@@ -3,16 +3,16 @@ the step scores the student's top-k ids and the other teacher's bucket ids side 
 parts share ids wherever the teachers agree with the student (its top id in a teacher's top
 string's bucket). The top-k op scores each id of a row once, so before the fix such a row was a
 ValueError at the training step ("ids must not repeat within a row"; the negative control); now a
-repeat is scored once and read by each part (`step_repeats`): `cross_loss.loss_terms` equals each
+repeat is scored once and read by each part (`step_repeats`): `opd_terms.loss_terms` equals each
 part scored by its own op call, values and gradients, and with no repeats nothing changes."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from megatron_rl_patches.integrations.megatron.teachers import opd_terms
 from megatron_rl_patches.integrations.megatron.teachers import topk_request as keys
 from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
-from megatron_rl_patches.integrations.slime import cross_loss
 from megatron_rl_patches.ops.lm_head import lm_head_topk_logprobs
 from megatron_rl_patches.teachers import step_repeats
 
@@ -67,7 +67,7 @@ def _loss(batch: dict, hidden: torch.Tensor, weight: torch.Tensor, per_part: boo
     else:
         student, tail = lm_head_topk_logprobs(hidden, weight, ids, ids_mask=mask)
     token = torch.zeros(R, dtype=torch.float64)
-    total = cross_loss.loss_terms(opd_settings(SETTINGS), batch, student, tail, token).sum()
+    total = opd_terms.loss_terms(opd_settings(SETTINGS), batch, student, tail, token).sum()
     total.backward()
     return total.detach(), hidden.grad
 
@@ -105,8 +105,8 @@ def test_the_loss_reads_which_teachers_gave_grouped_buckets_from_their_scores():
     student, tail = lm_head_topk_logprobs(hidden, weight, batch[keys.STEP_IDS][0],
                                           ids_mask=batch[keys.STEP_MASK][0])
     token = torch.zeros(R, dtype=torch.float64)
-    unflagged = cross_loss.loss_terms(opd_settings(flags_off), batch, student, tail, token).sum()
+    unflagged = opd_terms.loss_terms(opd_settings(flags_off), batch, student, tail, token).sum()
     assert torch.equal(unflagged.detach(), flagged[0])
-    swapped = cross_loss.loss_terms(opd_settings(flags_off), {**batch, keys.CROSS_TEACHERS: [torch.tensor([0])]},
+    swapped = opd_terms.loss_terms(opd_settings(flags_off), {**batch, keys.CROSS_TEACHERS: [torch.tensor([0])]},
                                       student, tail, token).sum()
     assert not torch.allclose(swapped.detach(), flagged[0])
