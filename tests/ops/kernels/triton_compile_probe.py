@@ -3,7 +3,10 @@ ptxas): proof that the GPU compiler, not only the interpreter, accepts them. Run
 without TRITON_INTERPRET: ``python triton_compile_probe.py ARCH...`` prints one line per variant."""
 from __future__ import annotations
 
+import concurrent.futures as futures
 import itertools
+import multiprocessing
+import os
 import sys
 
 import triton
@@ -61,30 +64,48 @@ GRAD_FLAGS = ("ROW_SCALE", "HAS_ALPHA", "HAS_BETA", "HAS_SUB", "HAS_GAMMA", "HAS
               "HAS_DELTA")
 
 
-def main(arches: list[int]) -> None:
+def variants(arches: list[int]) -> list[tuple]:
+    """Every variant to compile: (kernel, arch, dtype, fused, flags, k), in the order printed."""
+    todo: list[tuple] = []
     for arch, dtype, fused, on in itertools.product(arches, ("bf16", "fp32"), (True, False), (True, False)):
         k = 4 if on else 1
-        print(compile_variant(row_stats_kernel, arch, dtype, fused, dict.fromkeys(FOLD_FLAGS, on), k), flush=True)
-        print(compile_variant(grad_tile_kernel, arch, dtype, fused, dict.fromkeys(GRAD_FLAGS, on), k), flush=True)
+        todo.append((row_stats_kernel, arch, dtype, fused, dict.fromkeys(FOLD_FLAGS, on), k))
+        todo.append((grad_tile_kernel, arch, dtype, fused, dict.fromkeys(GRAD_FLAGS, on), k))
     # the invariant mode's two passes, every flag on: bf16 fused, fp32 logits (the tile's two ways
     # in are the fold kernel's, compiled above in all four)
     for arch, (dtype, fused), sums in itertools.product(arches, (("bf16", True), ("fp32", False)), (False, True)):
         flags = {**dict.fromkeys(FOLD_FLAGS, True), "SUMS": sums}
-        print(compile_variant(invariant_tile_kernel, arch, dtype, fused, flags, 4), flush=True)
+        todo.append((invariant_tile_kernel, arch, dtype, fused, flags, 4))
     for arch, dtype in itertools.product(arches, ("bf16", "fp32")):  # lm_head_divergence's normalizers
         flags = {**dict.fromkeys(FOLD_FLAGS, False), "HAS_REST": True}
-        print(compile_variant(row_stats_kernel, arch, dtype, True, flags, 0), flush=True)
+        todo.append((row_stats_kernel, arch, dtype, True, flags, 0))
     for arch, dtype, fused in itertools.product(arches, ("bf16", "fp32"), (True, False)):  # the top-k ids
-        print(compile_variant(topk_tile_kernel, arch, dtype, fused, {}, 8), flush=True)
+        todo.append((topk_tile_kernel, arch, dtype, fused, {}, 8))
     # lm_head_divergence's pass 2 and backward: both modes with every flag on in each dtype, and
     # every table row once
     jsd = DIVERGENCES.index("jsd")
     for arch, dtype, grad in itertools.product(arches, ("bf16", "fp32"), (False, True)):
         flags = {"DIV": jsd, "GRAD": grad, "HAS_CONSTANT": grad, "ROW_SCALE": True, "HAS_KEEP": True}
-        print(compile_variant(divergence_tile_kernel, arch, dtype, True, flags, None), flush=True)
+        todo.append((divergence_tile_kernel, arch, dtype, True, flags, None))
     for arch, div in itertools.product(arches, range(len(DIVERGENCES))):
         flags = {"DIV": div, "GRAD": True, "HAS_CONSTANT": False, "ROW_SCALE": False, "HAS_KEEP": False}
-        print(compile_variant(divergence_tile_kernel, arch, "fp32", True, flags, None), flush=True)
+        todo.append((divergence_tile_kernel, arch, "fp32", True, flags, None))
+    return todo
+
+
+def compile_nth(index: int, arches: list[int]) -> str:
+    """The `index`-th variant compiled (in a worker process: it builds the same list)."""
+    return compile_variant(*variants(arches)[index])
+
+
+def main(arches: list[int]) -> None:
+    """Every variant compiled, one worker process per core (compiling is CPU-bound and each
+    variant is independent), the lines printed in the variants' order."""
+    count = len(variants(arches))
+    workers = max(1, min(count, len(os.sched_getaffinity(0))))
+    with futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        for line in pool.map(compile_nth, range(count), itertools.repeat(arches)):
+            print(line, flush=True)
 
 
 if __name__ == "__main__":
