@@ -31,16 +31,10 @@ class StageHost:
     teacher_pass: TeacherPass | None = None
 
 
-def job_group() -> Any:
-    """The job's group (None without torch.distributed: one process)."""
-    dist = torch.distributed
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-
-
 def stage_host(vocab_size: int) -> StageHost:
     """This rank's host from megatron-core's parallel_state (no groups without torch.distributed);
     a sharing group of one rank is none."""
-    job = job_group()
+    job = agreement.world()  # the job's group (None without torch.distributed: one process)
     if job is None:
         return StageHost(vocab_size)
     from megatron.core import parallel_state as ps  # lazy: optional dependency megatron-core
@@ -71,7 +65,7 @@ def pipeline_agrees(flag: bool) -> bool:
 
 def tp_group() -> Any:
     """The student's tensor-parallel group (None without torch.distributed: one process)."""
-    if job_group() is None:
+    if agreement.world() is None:
         return None
     from megatron.core import parallel_state as ps  # lazy: optional dependency megatron-core
 
