@@ -40,10 +40,9 @@ def with_mode(logits: Any, invariant: bool | None) -> Any:
     else (a fused output dict, None) or a None mode: as given."""
     if invariant is None or not isinstance(logits, torch.Tensor):
         return logits
-    marked = logits.as_subclass(ModeLogits) if not isinstance(logits, ModeLogits) else logits
-    if marked is logits:  # already marked: a fresh alias, so the caller's mark is untouched
-        with torch._C.DisableTorchFunctionSubclass():
-            marked = logits.view_as(logits).as_subclass(ModeLogits)
+    with torch._C.DisableTorchFunctionSubclass():
+        # already marked: a fresh alias, so the caller's mark is untouched
+        marked = (logits.view_as(logits) if isinstance(logits, ModeLogits) else logits).as_subclass(ModeLogits)
     marked.invariant = invariant
     return marked
 
