@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
-from megatron_rl_patches._variables import TEACHER_API_KEY
 from megatron_rl_patches.teachers.engines.names import SERVED_ENGINES, check_engine
 from megatron_rl_patches.teachers.kinds.entry import SERVED, RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
 from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, STOP_TOKENS, is_provider, split_entry
-from megatron_rl_patches.teachers.redaction import has_userinfo, redacted
+from megatron_rl_patches.teachers.redaction import redacted, refuse_userinfo
 from megatron_rl_patches.teachers.tokenizer_probe import SAME_TOKENIZER, probe_tokenizer
 
 FORM = ("http(s)://host:port;engine=vllm (a teacher served by vLLM; ;tokenizer=DIR for another tokenizer; "
@@ -58,11 +57,8 @@ def check_url_head(entry: str, head: str) -> str:
 
 
 def parse(entry: str) -> TeacherEntry:
+    refuse_userinfo(entry, f"{TEACHERS} entry")  # on the raw text: a password may hold ';', ',', '@', ...
     said = redacted(entry)  # what every message shows of the entry
-    if has_userinfo(entry):  # on the raw text: a password may hold ';', '#', '/' or '@'
-        raise ValueError(f"{TEACHERS} entry {said!r}: the URL carries a user or password "
-                         f"('user:pass@'), which would be printed wherever the entry is (doctor, logs): drop it and "
-                         f"put the API key in {TEACHER_API_KEY} (sent as a bearer token)")
     head, options = split_entry(entry)
     url = check_url_head(entry, head.strip())
     engine = tokenizer = stop = config = head_dir = None
