@@ -25,6 +25,7 @@ AUTHORITY_END = "/?#;,|"
 HOST = r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~%-]+)(?::[0-9]*)?"
 PLAIN_AUTHORITY = re.compile(HOST + rf"(?=$|[{re.escape(AUTHORITY_END)}\s])")
 OPTION_VALUE = re.compile(r"\s*[A-Za-z_][A-Za-z0-9_]*\s*=")  # `name=` after a ';': an option's value
+AT = re.compile("@")
 BEARER = re.compile(r"(?i)(\bbearer\s+)\S+")
 KEY_PIECE = 8  # a piece of the API key this long is hidden wherever a server quotes it
 
@@ -43,7 +44,7 @@ def userinfo_spans(text: str) -> list[tuple[int, int]]:
             following = next((j for j in range(i + 1, len(starts)) if plain[j]), len(starts))
             region_end = starts[following] - len(SCHEME_END) if following < len(starts) else len(text)
             ats = ats_before_a_host(text, start, region_end) or \
-                [at for at in range(start, region_end) if text[at] == "@"]
+                [at.start() for at in AT.finditer(text, start, region_end)]
         if ats:
             spans.append((start, ats[-1]))
             while i < len(starts) and starts[i] <= ats[-1]:  # a '://' inside the password is the password's
@@ -55,7 +56,7 @@ def userinfo_spans(text: str) -> list[tuple[int, int]]:
 
 def ats_before_a_host(text: str, start: int, end: int) -> list[int]:
     """The '@'s in text[start:end] that a plain authority (host[:port], then its end) follows."""
-    return [at for at in range(start, end) if text[at] == "@" and PLAIN_AUTHORITY.match(text, at + 1)]
+    return [at.start() for at in AT.finditer(text, start, end) if PLAIN_AUTHORITY.match(text, at.start() + 1)]
 
 
 def in_option(text: str, start: int, at: int) -> bool:

@@ -1,6 +1,6 @@
 """A password holding what splits an entry (',' between entries, '|' between replicas, ';' before
 options, white space around it) or what ends a URL's userinfo ('@') is refused wherever a URL can
-arrive — the constructor, a list element, a comma-separated setting, verl's variable, doctor —
+arrive — the constructor (NeMo-RL's policy too), a list element, a comma-separated setting, verl's variable, doctor —
 with an error naming the argument or variable, and no piece of it (the user name, any three
 characters of the password) in the error, the warnings, the log or doctor's text and JSON."""
 from __future__ import annotations
@@ -49,6 +49,14 @@ def served_teacher(url: str, env: Any) -> str:
 
     with pytest.raises(ValueError, match=r"url .*carries a user or password") as refused:
         ServedTeacher(url, top_k=2, client=ClientSettings(retries=0)).check()
+    return str(refused.value)
+
+
+def nemo_rl_policy(url: str, env: Any) -> str:
+    from megatron_rl_patches.integrations.nemo_rl.served_teacher import served_teacher_policy
+
+    with pytest.raises(ValueError, match=r"url .*carries a user or password") as refused:
+        served_teacher_policy(url, top_k=2)
     return str(refused.value)
 
 
@@ -145,6 +153,7 @@ def doctor_text(variable: str, value: Callable[[str], str], env: Any, capsys: An
 
 ENTRY_POINTS: dict[str, Callable[..., str]] = {
     "ServedTeacher": served_teacher,
+    "nemo_rl_served_teacher_policy": nemo_rl_policy,
     "build_teachers_list": build_list,
     "build_teachers_list_head": build_list_head,
     "build_teachers_string": build_string,
