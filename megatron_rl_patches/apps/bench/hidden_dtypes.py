@@ -7,8 +7,8 @@ The states: a float32 checkpoint's final (normed) hidden states from transformer
 4 layers, hidden 256, vocab 32000, 4 x 512 random tokens). The reference: its float32 states
 through its head in float64 (float32 is that model's own dtype: exact). Each dtype: the same states
 cast as vLLM casts them (`tensor.to(dtype)`) and back, through the same float64 head. Per dtype,
-against the reference: the actual tokens' log-probs, the reference's top-64 ids' log-probs and
-the tail outside them (the largest |error| over rows and buckets), and the whole vocabulary's
+against the reference: the actual tokens' log-probs (mean and largest |error|), the reference's
+top-64 ids' log-probs and the tail outside them (the largest |error| over rows and buckets), and the whole vocabulary's
 forward KL(reference || dtype) and reverse KL(dtype || reference) per row (mean and largest): the
 divergence the transport alone adds to a distillation loss. A random model's head is nearly
 uniform (entropy near log V); the errors grow with the logits' spread, so every figure is also
@@ -34,7 +34,8 @@ EMBED_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16
                "float8_e5m2": "fp8_e5m2"}
 TARGET_ENTROPY = 2.0  # nats: the sharpened head's mean row entropy
 BIG_H = 5120
-COLUMNS = ("head", "embed_dtype", "bytes_per_token", "bytes_at_H5120", "token_lp_max_err", "topk_tail_max_err",
+COLUMNS = ("head", "entropy", "embed_dtype", "bytes_per_token", "bytes_at_H5120", "token_lp_mean_err",
+           "token_lp_max_err", "topk_tail_max_err",
            "fwd_kl_mean", "fwd_kl_max", "rev_kl_mean", "rev_kl_max", "max_abs_state")
 
 
@@ -79,7 +80,7 @@ def errors(states, tokens, weight, dtype, k: int) -> dict:
 
     reference = log_softmax64(states, weight)
     sent = log_softmax64(states.to(dtype).float(), weight)
-    token = (sent.gather(1, tokens[:, None]) - reference.gather(1, tokens[:, None])).abs().max()
+    token = (sent.gather(1, tokens[:, None]) - reference.gather(1, tokens[:, None])).abs()
     top = reference.topk(k, dim=-1).indices
 
     def buckets(log_probs):
@@ -90,7 +91,8 @@ def errors(states, tokens, weight, dtype, k: int) -> dict:
     forward = (reference.exp() * (reference - sent)).sum(-1)
     reverse = (sent.exp() * (sent - reference)).sum(-1)
     bucket_error = (buckets(sent) - buckets(reference)).abs().max()
-    return {"token_lp_max_err": float(token), "topk_tail_max_err": float(bucket_error),
+    return {"token_lp_mean_err": float(token.mean()), "token_lp_max_err": float(token.max()),
+            "topk_tail_max_err": float(bucket_error),
             "fwd_kl_mean": float(forward.mean()), "fwd_kl_max": float(forward.max()),
             "rev_kl_mean": float(reverse.mean()), "rev_kl_max": float(reverse.max())}
 

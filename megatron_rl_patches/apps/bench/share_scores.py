@@ -1,5 +1,5 @@
 """`bench share-scores`: a step's served hidden states moved from the asking rank to its sharing
-group, pickled (`broadcast_object_list`, what `TeacherStep.shared` did before issue 82) against
+group, pickled (`broadcast_object_list`, what `TeacherStep.shared` did before) against
 as tensors (`teachers.share_tensors.shared_results`: the layout, then one flat broadcast per
 dtype), on a spawned gloo world of 2 CPU ranks.
 
