@@ -119,6 +119,8 @@ def head():
 
 
 def test_hidden_state_teacher_arguments_are_named(head, tmp_path):
+    from megatron_rl_patches.teachers import TeacherHead
+
     with pytest.raises(ValueError, match="SGLang's hidden states .*return_hidden_states.* stay refused"):
         ServedTeacher(URL, "sglang", head=head)
     with pytest.raises(ValueError, match="temperature=...\\) must be a finite number > 0"):
@@ -133,8 +135,12 @@ def test_hidden_state_teacher_arguments_are_named(head, tmp_path):
         ServedTeacher(URL, head=tmp_path / "nowhere")
     teacher = ServedTeacher(URL, head=head, top_k=49, temperature=0.7)  # any K of the vocabulary, any temperature
     assert teacher.temperature == 0.7 and teacher.engine.dtype == torch.float32
-    for dtype in FP8:  # asked only: never the default
+    for dtype in FP8:  # asked only: never the default, even for a checkpoint that names fp8
         assert ServedTeacher(URL, head=head, hidden_dtype=dtype).engine.dtype == dtype
+        fp8_named = TeacherHead(head.weight, 50, 50, 0, source="test", checkpoint_dtype=dtype)
+        assert ServedTeacher(URL, head=fp8_named).engine.dtype == torch.float32
+    bf16_named = TeacherHead(head.weight, 50, 50, 0, source="test", checkpoint_dtype=torch.bfloat16)
+    assert ServedTeacher(URL, head=bf16_named).engine.dtype == torch.bfloat16  # the model's own: exact
     assert ServedTeacher(URL, head=head, model="b").engine.model == "b"  # the model asked of a server of several
 
 
