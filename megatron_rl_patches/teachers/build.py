@@ -97,5 +97,13 @@ def build_teachers(entries: str | Sequence[str | TeacherEntry], host: Any, *, to
 
 
 def host_build(entry: TeacherEntry, host: Any, options: BuildOptions) -> Any:
-    """An in-process kind's teacher: the host's."""
-    return host.build_teacher(entry, options)
+    """An in-process kind's teacher: the host's, carrying the entry's `;context=KEY`."""
+    teacher = host.build_teacher(entry, options)
+    if entry.context is not None and getattr(teacher, "context", None) != entry.context:
+        try:
+            teacher.context = entry.context
+        except AttributeError as error:
+            raise TypeError(f"build_teachers: entry {entry.path!r} has ';context={entry.context}', but the host's "
+                            f"teacher ({type(teacher).__name__}) takes no `context` attribute: give it one (the "
+                            "teacher step reads it)") from error
+    return teacher

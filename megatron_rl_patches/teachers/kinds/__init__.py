@@ -6,14 +6,14 @@ a row below, and its builder beside the framework that loads it
 from __future__ import annotations
 
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
-from megatron_rl_patches.teachers.kinds import checkpoint, provider, served_entry
+from megatron_rl_patches.teachers.kinds import checkpoint, provider, served_entry, student
 from megatron_rl_patches.teachers.kinds.entry import RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
 from megatron_rl_patches.teachers.redaction import refuse_userinfo
 
-# The first row that recognizes an entry parses it: a URL before anything splits it, a provider's
-# '@' before a path, a path last (it takes every other entry).
-KINDS: tuple[TeacherKind, ...] = (served_entry.KIND, provider.KIND, checkpoint.KIND)
+# The first row that recognizes an entry parses it: a URL before anything splits it, the live
+# self-teacher's word `student`, a provider's '@' before a path, a path last (it takes every other entry).
+KINDS: tuple[TeacherKind, ...] = (served_entry.KIND, student.KIND, provider.KIND, checkpoint.KIND)
 REGISTRY: dict[str, TeacherKind] = {kind.name: kind for kind in KINDS}
 
 

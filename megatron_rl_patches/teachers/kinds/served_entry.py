@@ -22,7 +22,13 @@ from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
 from megatron_rl_patches.teachers.engines.names import SERVED_ENGINES, check_engine
 from megatron_rl_patches.teachers.kinds.entry import SERVED, RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
-from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, STOP_TOKENS, is_provider, split_entry
+from megatron_rl_patches.teachers.kinds.options import (
+    OWN_TOKENIZER,
+    STOP_TOKENS,
+    context_option,
+    is_provider,
+    split_entry,
+)
 from megatron_rl_patches.teachers.redaction import redacted, refuse_userinfo
 from megatron_rl_patches.teachers.tokenizer_probe import SAME_TOKENIZER, probe_tokenizer
 
@@ -61,6 +67,7 @@ def parse(entry: str) -> TeacherEntry:
     said = redacted(entry)  # what every message shows of the entry
     head, options = split_entry(entry)
     url = check_url_head(entry, head.strip())
+    context, options = context_option(said, options)
     engine = tokenizer = stop = config = head_dir = None
     vocab: int | None = None
     same = False
@@ -109,7 +116,7 @@ def parse(entry: str) -> TeacherEntry:
                          f"';{TOKENIZER}DIR' or drop it")
     check_same_tokenizer_options(said, same, tokenizer, vocab, config)
     return TeacherEntry(url, stop_tokens=stop, kind=SERVED, engine=engine, tokenizer=tokenizer, same_tokenizer=same,
-                        vocab=vocab, config=config, head=head_dir)
+                        vocab=vocab, config=config, head=head_dir, context=context)
 
 
 def check_same_tokenizer_options(said: str, same: bool, tokenizer: str | None, vocab: int | None,
