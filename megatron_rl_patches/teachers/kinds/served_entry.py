@@ -201,7 +201,7 @@ def planned_head(directory: str) -> Any:
 
     from megatron_rl_patches.teachers.head import HeadPlan, TeacherHead  # lazy: import cost (torch)
 
-    plan = HeadPlan.of(directory, None, None, 1, 0)
+    plan = HeadPlan.of(directory, None, None, 1, 0, fingerprinted=False)
     weight = torch.empty(plan.vocab_size, plan.hidden_size, dtype=plan.dtype, device="meta")
     return TeacherHead(weight, plan.vocab_size, plan.vocab_size, 0, None, str(plan.root), plan.own_dtype)
 
