@@ -1,0 +1,42 @@
+"""A teacher step's heads checked when the step is built (`step_heads_failure`): every rank of the
+sharing group projects the states one rank asked for through its own head, so the ranks must hold
+the same checkpoint's head (`head_fingerprint.compare_heads`: its config and a few rows of its
+output layer, its width, vocabulary, padding and dtype), and a head's vocabulary must lie within
+the student's (a larger one gives top-k ids the student cannot score). The comparison is one
+object all-gather over the sharing group when the step is built (every rank of it builds the step);
+its failure is kept and raised at the step's first `collect`, agreed over the job there (ranks of
+other sharing groups learn it too). Without a group it is raised at once."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from megatron_rl_patches.teachers.agreement import distributed
+from megatron_rl_patches.teachers.served import ServedTeacher
+
+
+def step_heads_failure(teachers: Sequence[Any], host: Any) -> Exception | None:
+    """The step's head failure on this rank (None: the heads agree), every rank of the host's
+    sharing group (else its job group) calling it alike; raised here without a group."""
+    heads = [teacher.head if isinstance(teacher, ServedTeacher) else None for teacher in teachers]
+    local = None
+    for i, head in enumerate(heads):
+        if head is not None and head.vocab_size > int(host.vocab_size):
+            local = ValueError(f"TeacherStep: teacher {i}'s head ({head.source or 'built by hand'}) has a vocabulary "
+                               f"of {head.vocab_size}, larger than the student's {host.vocab_size} (host.vocab_size): "
+                               "its top-k would hold ids the student cannot score; serve a teacher of the student's "
+                               "vocabulary")
+            break
+    group = host.share_group if host.share_group is not None else host.job_group
+    if group is None or not distributed():
+        if local is not None:
+            raise local
+        return None
+    from megatron_rl_patches.teachers.head_fingerprint import compare_heads, head_facts  # lazy: import cost
+
+    try:
+        compare_heads(group, "TeacherStep", [None if head is None else head_facts(head) for head in heads], local,
+                      where="the sharing group")
+    except Exception as failed:  # noqa: BLE001 - raised at the first collect, agreed over the job there
+        return failed
+    return None
