@@ -64,8 +64,13 @@ class VllmEngine:
             raise ServedTeacherError(f"{self.client.url}/v1/models gives no max_model_len for {name!r}: "
                                      f"is this a vLLM server?", self.client.url)
         model = ServedModel(name, length)
+        self.check_card(listing["data"][names.index(name)])
         self.probe(model, deadline, cancel)
         return model
+
+    def check_card(self, card: dict[str, Any]) -> None:
+        """What else the engine compares with the served model's card (`/v1/models`): nothing
+        here (the pooling engine: the checkpoint it serves against the head's)."""
 
     def probe(self, model: ServedModel, deadline: Deadline, cancel: threading.Event) -> None:
         """One tiny scoring request: K within `--max-logprobs`, log-probs not logits."""
