@@ -64,8 +64,8 @@ class VllmEngine:
             raise ServedTeacherError(f"{self.client.url}/v1/models gives no max_model_len for {name!r}: "
                                      f"is this a vLLM server?", self.client.url)
         model = ServedModel(name, length)
-        self.check_card(listing["data"][names.index(name)])
         self.probe(model, deadline, cancel)
+        self.check_card(listing["data"][names.index(name)])
         return model
 
     def check_card(self, card: dict[str, Any]) -> None:
