@@ -1,7 +1,8 @@
 """Ranks holding different teacher heads, in one 2-rank gloo world: `TeacherHead.from_hf(tp_group=)`
 with rank 0 on checkpoint A and rank 1 on checkpoint B of the same shapes, and `TeacherStep` with
 whole heads A / B and heads of widths 16 / 24 — each the same ValueError on both ranks naming both
-directories (rank 1 never raising alone); a copy of A at another path on rank 1 agrees. A head whose
+directories (rank 1 never raising alone); a copy of A at another path on rank 1 agrees; a pipelined
+actor's step on one stage only compares nothing over the job at build. A head whose
 vocabulary is larger than the student's is refused when the step is built, naming both sizes."""
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def heads(tmp_path_factory):
 def outcome(call) -> str:
     try:
         call()
-    except ValueError as error:
+    except ValueError as error:  # a ServedTeacherRefusal (the step's agreed failure) is one
         return f"{type(error).__name__}: {error}"
     return "no error"
 
@@ -74,7 +75,25 @@ def rank_heads(rank: int, world_size: int, paths: dict) -> dict:
     host = LoopHost(V, share_group=world, job_group=world)
     with ServedTeacher(NOWHERE, "vllm", top_k=4, head=paths["A"] if rank == 0 else paths["A_copy"]) as teacher:
         out["step_copy"] = TeacherStep([teacher], host).heads_failure
+    out["off_stage"] = outcome(lambda: pipelined(rank, paths["A"]))
     return out
+
+
+def pipelined(rank: int, path: str) -> None:
+    """A pipelined actor's two stages: the last (rank 0) holds the step, no sharing group, a head
+    larger than the student's vocabulary; the other (rank 1) only joins the job's agreement, as
+    slime's off-stage ranks do — nothing at build waits for it, the refusal reaches it."""
+    import torch.distributed as dist
+
+    from megatron_rl_patches.teachers.agreement import agree_failure
+
+    if rank == 1:
+        agree_failure(None, dist.group.WORLD)
+        return
+    with ServedTeacher(NOWHERE, "vllm", top_k=4, head=path) as teacher:
+        step = TeacherStep([teacher], LoopHost(256, share_group=None, job_group=dist.group.WORLD))
+        step.send(TeacherBatch([torch.tensor([1, 2, 3])], [1]))
+        step.collect()
 
 
 @pytest.mark.multirank
@@ -85,6 +104,8 @@ def test_ranks_holding_different_heads_are_refused_alike_on_every_rank(heads):
         assert said[0] == said[1], case  # the same error on both ranks: rank 1 never raises alone
         assert "different teacher heads" in said[0] and heads[a] in said[0] and heads[b] in said[0], (case, said[0])
     assert "hidden 24" in ranks[0]["widths"] and "hidden 16" in ranks[0]["widths"]
+    for result in ranks:
+        assert f"vocabulary of {V}, larger than the student's 256" in result["off_stage"], result["off_stage"]
     # the positive control: a copy of A at another path agrees (a TP head of A's rows on both ranks)
     whole = TeacherHead.from_hf(heads["A"], make_vocab_size_divisible_by=256).weight
     for rank, result in enumerate(ranks):
