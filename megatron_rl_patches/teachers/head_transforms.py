@@ -68,9 +68,9 @@ HEAD_TRANSFORMS: tuple[HeadTransform, ...] = (
 # where config.json omits the soft cap, transformers' default for these architectures sets one
 SOFTCAP_DEFAULTS = {"Gemma2ForCausalLM": 30.0, "Gemma3nForCausalLM": 30.0, "Gemma3nForConditionalGeneration": 30.0,
                     "MuseGlimmerForCausalLM": 20.0, "MuseGlimmerForConditionalGeneration": 20.0}
-# the fields some engine reads as a logits transform: set on an architecture no row names, refused
-TRANSFORM_KEYS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_mult", "output_multiplier",
-                  "final_logit_softcapping")
+# the fields some engine reads as a logits multiplier: set on an architecture no row names, refused
+# (final_logit_softcapping, a soft cap, is refused on every architecture)
+SCALE_KEYS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_mult", "output_multiplier")
 ENGINE = "vLLM 0.32"
 
 
@@ -108,7 +108,7 @@ def head_logit_scale(fields: dict[str, Any], text: dict[str, Any], tensors: Any,
     if cap is not None:
         raise refuse("final_logit_softcapping", cap, f"{ENGINE} soft-caps the logits (cap·tanh(logits / cap))")
     scale = 1.0
-    for key in TRANSFORM_KEYS[:-1]:
+    for key in SCALE_KEYS:
         rows = [row for row in HEAD_TRANSFORMS if row.key == key and architecture in row.architectures]
         found = value(key, rows[0].default if rows else None)
         if found is None or (not rows and found == 1.0):
