@@ -47,7 +47,8 @@ def build_served(entry: TeacherEntry, host: Any, options: Any) -> Any:
     def build() -> ServedTeacher:
         named = named_vocab_size(entry, where) if entry.same_tokenizer and entry.head is not None else None
         teacher = ServedTeacher(entry.path, engine=entry.engine or "vllm", top_k=options.top_k,
-                                temperature=options.temperature, client=options.client, head=entry.head)
+                                temperature=options.temperature, client=options.client, head=entry.head,
+                                context=entry.context)
         if named is not None and teacher.head is not None:
             try:
                 check_head_vocab(named, teacher.head.vocab_size, entry.head, where)
