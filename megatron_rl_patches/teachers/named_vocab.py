@@ -43,3 +43,11 @@ def check_named_vocab(size: int, student_ids: int, where: str) -> None:
                          f"model's vocabulary of {size} the entry names: its tokenizer is not the student's (or the "
                          "size named is wrong); serve a teacher of the student's tokenizer, or correct ';vocab=' / "
                          "';config='")
+
+
+def check_head_vocab(named: int, head: int, directory: str | None, where: str) -> None:
+    """The vocabulary `;same_tokenizer` names equals the `;head=DIR` head's (one served model)."""
+    if named != head:
+        raise ValueError(f"{where}: ';same_tokenizer' names a served vocabulary of {named}, but the head of "
+                         f"';head={directory}' has {head} rows (its config.json's vocab_size): the head and the "
+                         "served model must be one model; correct ';vocab=' / ';config=' or the head's directory")

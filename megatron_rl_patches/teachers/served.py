@@ -68,7 +68,8 @@ class ServedTeacher:
             self.engine = engine_class(self.engine_name)(self.client, self.top_k, model)
         else:  # one engine serves hidden states: vLLM's pooling runner
             self.engine = VllmPoolingEngine(self.client, self.top_k, model, self.head.hidden_size,
-                                            states_dtype(hidden_dtype, self.head))
+                                            states_dtype(hidden_dtype, self.head), self.head.source,
+                                            self.head.fingerprint)
         self._model: ServedModel | None = None
         self._budget = TokenBudget(self.settings.max_tokens_in_flight)
         self._pool: futures.ThreadPoolExecutor | None = None

@@ -6,6 +6,8 @@ student's forward, `collect()` after it.
   forward does.
 - In-process teachers (any `BatchTeacher`: `.score(batch)`) run in `collect()` on every rank,
   through the host's `teacher_pass` when it gives one (they are model-parallel like the student).
+- The ranks of a sharing group hold the same checkpoint's head, within the student's vocabulary
+  (`step_heads`: compared when the step is built, a difference raised by the first `collect`).
 - A failure anywhere (a server down, a sample too long, an in-process teacher raising) is agreed
   over the host's `job_group`: every rank raises the same error (`ServedTeacherError` /
   `ServedTeacherRefusal`), none is left waiting in a later collective.
@@ -34,6 +36,7 @@ from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.host import TeacherHost, asks
 from megatron_rl_patches.teachers.served import PendingScores, ServedTeacher
 from megatron_rl_patches.teachers.step_contexts import teacher_batches
+from megatron_rl_patches.teachers.step_heads import step_heads_failure
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class TeacherStep:
         self.batches: list[TeacherBatch] = []  # per teacher: the student's batch, or its context's
         self.failed: BaseException | None = None  # a bad context found in send(), agreed in collect()
         self.pending: dict[int, PendingScores] = {}
+        self.heads_failure = step_heads_failure(self.teachers, host)  # raised by the first collect, agreed
 
     def asks(self) -> bool:
         """Whether this rank asks the served teachers: the first rank of its sharing group."""
@@ -121,7 +125,7 @@ class TeacherStep:
             self.batch, self.batches, self.failed = batch, [batch] * len(self.teachers), error  # agreed in collect()
             return
         self.batch = batch
-        if self.asks():
+        if self.asks() and self.heads_failure is None:
             self.pending = {i: teacher.submit(self.batches[i]) for i, teacher in enumerate(self.teachers)
                             if isinstance(teacher, ServedTeacher)}
 
@@ -135,6 +139,8 @@ class TeacherStep:
         self.batch, self.batches, self.pending, self.failed = None, [], {}, None
         got: dict[int, Any] = {}
         try:
+            if self.heads_failure is not None:
+                raise self.heads_failure
             for i, waiting in pending.items():
                 got[i] = waiting.result(projected=False)  # a head's states: projected on every rank below
             for i, teacher in enumerate(self.teachers):

@@ -75,7 +75,12 @@ class VllmEngine:
                                                    f"as vLLM's own server does"), self.client.url)
         model = ServedModel(name, length)
         self.probe(model, deadline, cancel)
+        self.check_card(listing["data"][names.index(name)])
         return model
+
+    def check_card(self, card: dict[str, Any]) -> None:
+        """What else the engine compares with the served model's card (`/v1/models`): nothing
+        here (the pooling engine: the checkpoint it serves against the head's)."""
 
     def probe(self, model: ServedModel, deadline: Deadline, cancel: threading.Event) -> None:
         """One tiny scoring request: K within `--max-logprobs`, log-probs not logits."""

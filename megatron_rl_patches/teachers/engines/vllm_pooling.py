@@ -36,13 +36,21 @@ class VllmPoolingEngine(VllmEngine):
     generates = 0  # a pooling request generates nothing: a sample may fill the max model length
 
     def __init__(self, client: TeacherClient, top_k: int, model: str | None, hidden_size: int = 0,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, head_source: str = "", head_fingerprint: str = "") -> None:
         super().__init__(client, top_k, model)
+        self.head_source, self.head_fingerprint = head_source, head_fingerprint
         if dtype not in EMBED_DTYPES:
             raise ValueError(f"ServedTeacher(hidden_dtype=...) must be one of {[str(d) for d in EMBED_DTYPES]} (the "
                              f"served model's dtype, in which its hidden states travel), got {dtype!r}")
         self.hidden_size = hidden_size
         self.dtype = dtype
+
+    def check_card(self, card: dict[str, Any]) -> None:
+        """The checkpoint the server serves (its card's `root`, the path it was started with) is the
+        head's, where both are directories on this machine (`served_checkpoint`)."""
+        from megatron_rl_patches.teachers.served_checkpoint import check_served_checkpoint  # lazy: import cost
+
+        check_served_checkpoint(card.get("root"), self.head_source, self.head_fingerprint, self.client.url)
 
     def probe(self, model: ServedModel, deadline: Deadline, cancel: threading.Event) -> None:
         """One tiny request: the server runs the pooling task and its states have the head's width."""

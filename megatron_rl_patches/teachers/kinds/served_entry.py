@@ -154,12 +154,12 @@ def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
     `;head=DIR`: its config.json and head tensor found (no weight read), the server's pooling task
     answering with states of the head's hidden size, and DIR's tokenizer.json the served model's."""
     found = []
-    named = None
+    named = named_size = None
     if entry.same_tokenizer:
         from megatron_rl_patches.teachers.named_vocab import named_vocab_size  # lazy: import cost
 
         try:
-            named_vocab_size(entry, f"{TEACHERS}: teacher '{entry.path}'")
+            named_size = named_vocab_size(entry, f"{TEACHERS}: teacher '{entry.path}'")
         except ValueError as exc:
             found.append(str(exc))
     if entry.tokenizer is not None:
@@ -179,6 +179,10 @@ def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
                                   deadline_s=DOCTOR_DEADLINE_S, retries=0)
         deadline = Deadline.after(DOCTOR_DEADLINE_S)  # the check and the probe within one bound
         head = None if entry.head is None else planned_head(entry.head)
+        if head is not None and named_size is not None:
+            from megatron_rl_patches.teachers.named_vocab import check_head_vocab  # lazy: import cost
+
+            check_head_vocab(named_size, head.vocab_size, entry.head, "the entry")
         if head is not None and named is None and not entry.same_tokenizer and \
                 (Path(head.source) / "tokenizer.json").is_file():
             named = Path(head.source)  # the head's vocabulary: its directory's tokenizer, probed below
@@ -204,7 +208,7 @@ def planned_head(directory: str) -> Any:
 
     from megatron_rl_patches.teachers.head import HeadPlan, TeacherHead  # lazy: import cost (torch)
 
-    plan = HeadPlan.of(directory, None, None, 1, 0)
+    plan = HeadPlan.of(directory, None, None, 1, 0, fingerprinted=False)
     weight = torch.empty(plan.vocab_size, plan.hidden_size, dtype=plan.dtype, device="meta")
     return TeacherHead(weight, plan.vocab_size, plan.vocab_size, 0, None, str(plan.root), plan.own_dtype)
 
