@@ -7,13 +7,13 @@ only the response's rows are decoded. The server is started with `--runner pooli
 embed --pooler-config '{"task": "token_embed"}'`; it never forms [T, V]."""
 from __future__ import annotations
 
-import json
 import sys
 import threading
 from typing import Any
 
 import torch
 
+from megatron_rl_patches._json_read import parsed_json
 from megatron_rl_patches.teachers.engines.protocol import SampleRows, ServedModel
 from megatron_rl_patches.teachers.engines.vllm import PROBE_IDS, VllmEngine
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
@@ -120,10 +120,9 @@ class VllmPoolingEngine(VllmEngine):
 def metadata_item(reply: Any, where: str, url: str, sample: int | None) -> dict[str, Any]:
     """The one item of a binary pooling reply's `metadata` header (one input per request)."""
     header = reply.headers.get("metadata")
-    try:
-        items = json.loads(header)["data"] if header is not None else None
-    except (ValueError, KeyError, TypeError):
-        items = None
+    parsed = None if header is None else parsed_json(header, lambda problem: ServedTeacherError(
+        f"{where}: the reply's metadata header {problem}", url, sample))
+    items = parsed.get("data") if isinstance(parsed, dict) else None
     if not isinstance(items, list) or len(items) != 1 or not isinstance(items[0], dict):
         raise ServedTeacherError(f"{where}: the reply has no binary pooling metadata for one input (header "
                                  f"'metadata': {str(header)[:200]!r}); is this a vLLM pooling server (vLLM >= 0.32)?",
