@@ -78,6 +78,37 @@ def test_every_non_finite_row_is_found_and_finite_extremes_pass():
     assert torch.equal(engine(8, torch.bfloat16).rows(reply(half), 9, 1, 0), half[:8])
 
 
+def ranged(states: torch.Tensor, start: object, end: object, shape: object = None) -> SimpleNamespace:
+    """A well-formed reply whose metadata names another byte range (or shape)."""
+    good = reply(states)
+    item = json.loads(good.headers["metadata"])["data"][0]
+    item.update(start=start, end=end, **({} if shape is None else {"shape": shape}))
+    return SimpleNamespace(headers={"metadata": json.dumps({"data": [item]})}, content=good.content)
+
+
+BODY = 9 * 8 * 4  # the bytes of a 9 x 8 float32 reply
+
+
+@pytest.mark.parametrize(("start", "end", "shape"), [
+    (-BODY + 4, 4, None),  # read from 4 bytes into the body before: states 2.63 off, no error
+    (-BODY - 8, -8, None),  # a bare torch RuntimeError before
+    (4, BODY + 4, None),  # past the body's end
+    (8, 4, None),  # backwards
+    (True, BODY + 1, None),  # a bool is no offset
+    (0.0, float(BODY), None),  # nor a float
+    (0, BODY, [9, True]),  # nor a bool width (True == 1)
+    (0, BODY, [9.0, 8]),  # nor a float row count
+], ids=["negative-inside", "negative-outside", "past-the-end", "backwards", "bool", "float", "bool-width",
+        "float-rows"])
+def test_every_byte_range_is_checked_against_the_body(start, end, shape):
+    states = torch.randn(9, 8, generator=torch.Generator().manual_seed(4))
+    with pytest.raises(ServedTeacherError, match=rf"{URL}/pooling \(sample 5\): ") as caught:
+        engine(8).rows(ranged(states, start, end, shape), 9, 2, 5)
+    assert (caught.value.url, caught.value.sample) == (URL, 5)
+    assert type(caught.value) is ServedTeacherError  # a reply's fault, never a refusal to fix the request
+    assert torch.equal(engine(8).rows(ranged(states, 0, BODY), 9, 2, 5), states[1:8])
+
+
 def test_a_truncated_body_is_refused():
     good = reply(torch.ones(9, 8))
     cut = SimpleNamespace(headers=good.headers, content=good.content[:-4])
