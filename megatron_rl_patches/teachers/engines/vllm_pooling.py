@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -120,7 +120,7 @@ class VllmPoolingEngine(VllmEngine):
         return states
 
 
-def is_count(value: object) -> bool:
+def is_count(value: object) -> TypeGuard[int]:
     """A non-negative int as JSON writes one (no bool, no float)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
