@@ -88,11 +88,14 @@ def head_scores(head: TeacherHead, batch: TeacherBatch, states: list[torch.Tenso
                 temperature: float, given: list[torch.Tensor] | None = None) -> BatchScores:
     """`BatchScores` (float64) from `states[i]` [R_i, H] through `head` at `temperature`: the actual
     tokens' log-probs, the teacher's own top-`top_k` with their exact tail, the hidden states
-    themselves and, with `given`, the log-probs at those ids with the tail outside them."""
+    themselves and, with `given`, the log-probs at those ids with the tail outside them. Zero
+    sizes are scores of their shapes: no sample, no row, ids of width 0 (no log-prob; the whole
+    mass outside them: a tail of log 1 = 0); a sample of no rows in the other samples' dtype."""
     rows = [batch.response_rows(i) for i in range(len(batch))]
-    states = [s.reshape(-1, head.hidden_size) for s in states]
-    hidden = torch.cat(states)
-    tokens = torch.cat([ids[start:] for ids, start in zip(batch.sequences, batch.response_starts)]).long()
+    states = in_one_dtype([s.reshape(-1, head.hidden_size) for s in states])
+    hidden = torch.cat(states) if states else torch.zeros(0, head.hidden_size, dtype=head.dtype)
+    tokens = torch.cat([ids[start:] for ids, start in zip(batch.sequences, batch.response_starts)]).long() \
+        if len(batch) else torch.zeros(0, dtype=torch.int64)
     if hidden.shape[0]:
         token = head.token_log_probs(hidden, tokens, temperature).double()
         top_ids, top_values, tail = head.topk(hidden, top_k, temperature)
@@ -103,13 +106,25 @@ def head_scores(head: TeacherHead, batch: TeacherBatch, states: list[torch.Tenso
     at = at_tail = None
     if given is not None:
         width = given[0].shape[1] if given else 0
-        flat = torch.cat([g.reshape(-1, width) for g in given]).long()
-        if hidden.shape[0]:
+        flat = torch.cat([g.long() for g in given]) if given else torch.zeros(0, 0, dtype=torch.int64)
+        if hidden.shape[0] and width:  # the same on every rank of the head's group (one batch, one ids)
             values, rest = head.log_probs_at(hidden, flat, temperature)
-            at, at_tail = values.double().split(rows), rest.double().split(rows)
+            at, at_tail = values.double(), rest.double()
         else:
-            at, at_tail = torch.zeros(0, width).split(rows), torch.zeros(0).split(rows)
-    return BatchScores(list(token.split(rows)), list(top_ids.cpu().split(rows)),
-                       list(top_values.double().cpu().split(rows)), list(tail.double().cpu().split(rows)),
-                       hidden_states=list(states), ids_log_probs=None if at is None else list(at),
-                       ids_tail_log_probs=None if at_tail is None else list(at_tail))
+            at = torch.zeros(hidden.shape[0], width, dtype=torch.float64)
+            at_tail = torch.zeros(hidden.shape[0], dtype=torch.float64)
+    return BatchScores(per_sample(token, rows), per_sample(top_ids.cpu(), rows),
+                       per_sample(top_values.double().cpu(), rows), per_sample(tail.double().cpu(), rows),
+                       hidden_states=list(states), ids_log_probs=None if at is None else per_sample(at, rows),
+                       ids_tail_log_probs=None if at_tail is None else per_sample(at_tail, rows))
+
+
+def in_one_dtype(states: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A sample of no rows in the dtype of the others' states (torch.cat would promote them)."""
+    dtype = next((s.dtype for s in states if s.numel()), None)
+    return [s if s.numel() or dtype is None else s.to(dtype) for s in states]
+
+
+def per_sample(values: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
+    """`values` [sum R_i, ...] cut into the samples' rows (no sample: none)."""
+    return list(values.split(rows)) if rows else []
