@@ -57,9 +57,14 @@ def states_dtype(dtype: object, head: TeacherHead) -> torch.dtype:
     return own if own in EMBED_DTYPES else torch.float32
 
 
+# the dtypes ids may come in (no float, complex, bool or unsigned type wider than a byte: torch reduces few of them)
+ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
 def check_given_ids(ids: object, batch: TeacherBatch, vocab_size: int) -> list[torch.Tensor] | None:
     """`ids` of `score(batch, ids=...)`: None, or one [R_i, k] integer tensor per sample (one k),
-    each id in [0, vocab_size); TypeError / ValueError naming the sample otherwise."""
+    each id in [0, vocab_size), no id twice in a row (the op refuses repeats: refused here, before
+    anything is sent); TypeError / ValueError naming the sample otherwise."""
     if ids is None:
         return None
     if not isinstance(ids, (list, tuple)) or len(ids) != len(batch):
@@ -70,13 +75,20 @@ def check_given_ids(ids: object, batch: TeacherBatch, vocab_size: int) -> list[t
     for i, given in enumerate(ids):
         rows = batch.response_rows(i)
         if not isinstance(given, torch.Tensor) or given.dim() != 2 or given.shape[0] != rows \
-                or given.dtype.is_floating_point or given.dtype == torch.bool:
+                or given.dtype not in ID_DTYPES:
             shown = f"{tuple(given.shape)} {given.dtype}" if isinstance(given, torch.Tensor) else type(given).__name__
             raise ValueError(f"ServedTeacher.score(ids=...): sample {i}'s ids must be an integer tensor [{rows}, k] "
                              f"(one row per response row), got {shown}")
         if given.numel() and not 0 <= int(given.min()) <= int(given.max()) < vocab_size:
             raise ValueError(f"ServedTeacher.score(ids=...): sample {i} holds ids outside [0, {vocab_size}) (the "
                              f"teacher head's vocabulary)")
+        ordered = given.detach().cpu().long().sort(dim=1).values
+        twice = (ordered[:, 1:] == ordered[:, :-1]).nonzero()
+        if twice.numel():
+            row, column = (int(v) for v in twice[0])
+            raise ValueError(f"ServedTeacher.score(ids=...): sample {i}'s row {row} holds id "
+                             f"{int(ordered[row, column])} twice; give each row distinct ids (the log-probs at "
+                             f"them and the tail outside them count each id once)")
         widths.add(given.shape[1])
     if len(widths) > 1:
         raise ValueError(f"ServedTeacher.score(ids=...): every sample must give the same number of ids per row, got "

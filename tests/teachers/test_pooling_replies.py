@@ -158,3 +158,19 @@ def test_score_arguments_are_refused_before_anything_is_sent(head):
     with ServedTeacher(URL, client=ClientSettings(retries=0, deadline_s=5)) as plain:
         with pytest.raises(ValueError, match="ids=...\\) needs a head"):
             plain.score(batch, ids=[torch.zeros(4, 2, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long)])
+
+
+@pytest.mark.parametrize(("given", "words"), [
+    (torch.zeros(4, 2, dtype=torch.complex64), r"sample 1's ids must be an integer tensor \[4, k\].*complex64"),
+    (torch.tensor([[1, 2], [3, 4], [5, 5], [6, 7]]), r"sample 1's row 2 holds id 5 twice"),
+    (torch.tensor([[1, 2, 1], [3, 4, 0], [5, 6, 7], [8, 9, 3]], dtype=torch.int32), r"sample 1's row 0 holds id 1 "
+                                                                                    r"twice"),
+])
+def test_ids_the_op_would_refuse_are_refused_naming_the_sample_before_anything_is_sent(head, given, words):
+    """Nothing listens at URL: a ValueError here comes before any request (the op refused repeated
+    ids only after every pooling request was sent, naming no sample)."""
+    batch = TeacherBatch([torch.arange(3), torch.arange(6)], [2, 2])
+    first = torch.zeros(1, given.shape[1], dtype=torch.long) + torch.arange(given.shape[1])
+    with ServedTeacher(URL, head=head, client=ClientSettings(retries=0, deadline_s=5)) as teacher:
+        with pytest.raises(ValueError, match=rf"ServedTeacher.score\(ids=...\): {words}"):
+            teacher.score(batch, ids=[first, given])
