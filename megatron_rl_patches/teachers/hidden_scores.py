@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from megatron_rl_patches.ops._checks import largest_temperature, smallest_temperature, temperature_range
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.engines.vllm_pooling import EMBED_DTYPES
@@ -35,10 +36,14 @@ def hidden_head(head: object, engine: object) -> TeacherHead | None:
 
 
 def head_temperature(temperature: object, top_k: int, head: TeacherHead) -> float:
-    """A positive finite temperature (the trainer applies it) and K within the head's vocabulary."""
+    """A temperature the head's ops compute (the trainer applies it: finite, > 0, within
+    `temperature_range` of the head's dtype) and K within the head's vocabulary."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature <= 0:
         raise ValueError(f"ServedTeacher(temperature=...) must be a finite number > 0, got {temperature!r}")
+    if not smallest_temperature(head.dtype) <= temperature <= largest_temperature(head.dtype):
+        raise ValueError(f"ServedTeacher(temperature={temperature!r}) is outside the temperatures the head's ops "
+                         f"compute: {temperature_range(head.dtype)}")
     if top_k >= head.vocab_size:
         raise ValueError(f"ServedTeacher(top_k={top_k}) must be smaller than the teacher head's vocabulary of "
                          f"{head.vocab_size} (the tail bucket holds the rest; at K = vocabulary - 1 it is the last id)")

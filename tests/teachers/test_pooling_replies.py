@@ -6,6 +6,7 @@ refused naming the sample. And the arguments of a hidden-state teacher, refused 
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -174,3 +175,22 @@ def test_ids_the_op_would_refuse_are_refused_naming_the_sample_before_anything_i
     with ServedTeacher(URL, head=head, client=ClientSettings(retries=0, deadline_s=5)) as teacher:
         with pytest.raises(ValueError, match=rf"ServedTeacher.score\(ids=...\): {words}"):
             teacher.score(batch, ids=[first, given])
+
+
+def test_a_temperature_the_heads_ops_cannot_compute_is_refused_at_construction(head):
+    """`temperature=1e50` passed "finite, > 0", and the head's top-k log-probs and tails came back
+    NaN from about 1e46 (1/τ underflows float32); at the largest accepted one they are finite and
+    float64's (uniform to 1e-37 there)."""
+    from megatron_rl_patches.ops._checks import largest_temperature, smallest_temperature
+
+    largest, smallest = largest_temperature(torch.float32), smallest_temperature(torch.float32)
+    for tau in (largest * (1 + 2**-20), 1e46, 1e50, smallest * (1 - 2**-20)):
+        words = rf"ServedTeacher\(temperature={re.escape(repr(tau))}\) is outside the temperatures the head's ops "
+        with pytest.raises(ValueError, match=words + r"compute: \[4\.2397e-39, 8\.50705e\+37\]"):
+            ServedTeacher(URL, head=head, temperature=tau)
+    teacher = ServedTeacher(URL, head=head, top_k=4, temperature=largest)
+    hidden = torch.randn(3, 8, generator=torch.Generator().manual_seed(6))
+    ids, values, tail = head.topk(hidden, 4, teacher.temperature)
+    logp = torch.log_softmax((hidden.double() @ head.weight.double().T) / largest, dim=1)
+    torch.testing.assert_close(values.double(), logp.gather(1, ids), atol=1e-6, rtol=0)
+    torch.testing.assert_close(tail.double(), torch.log1p(-logp.gather(1, ids).exp().sum(1)), atol=1e-6, rtol=0)
