@@ -10,10 +10,8 @@ connection pool is closed (the abandoned attempt fails at its next byte) and the
 from __future__ import annotations
 
 import functools
-import json
 import os
 import ssl
-import sys
 import threading
 import time
 import urllib.parse
@@ -22,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_rl_patches._extras import install_hint
+from megatron_rl_patches._json_read import parsed_json
 from megatron_rl_patches.teachers.client_settings import ClientSettings
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.redaction import has_userinfo, redacted, without_key
@@ -224,25 +223,17 @@ class TeacherClient:
 def decode(content: bytes, who: str, url: str, sample: int | None) -> Any:
     """The reply's JSON: orjson where installed (the extra `served`; twice json's speed on the
     megabytes of a long sample's log-probs), json otherwise and for what orjson refuses (NaN)."""
-    try:
-        return fast_loads()(content)
-    except ValueError:
-        pass
-    try:
-        return json.loads(content)
-    except ValueError as error:
-        raise ServedTeacherError(f"{who}: the reply is not JSON ({error})", url, sample) from None
-    except RecursionError:
-        raise ServedTeacherError(f"{who}: the reply's JSON nests deeper than Python's recursion limit "
-                                 f"({sys.getrecursionlimit()}): no engine's reply is shaped so", url, sample) from None
+    return parsed_json(content, lambda problem: ServedTeacherError(f"{who}: the reply {problem}", url, sample),
+                       fast_loads())
 
 
 @functools.cache
-def fast_loads() -> Callable[[bytes], Any]:
+def fast_loads() -> Callable[[bytes], Any] | None:
+    """orjson's reader where installed (None: json's alone)."""
     try:
         import orjson  # lazy: optional dependency orjson (the extra `served`)
     except ImportError:
-        return json.loads
+        return None
     return orjson.loads
 
 

@@ -129,7 +129,9 @@ class ServedTeacher:
         if self.head is not None:
             head, k, tau = self.head, self.top_k, self.temperature
             project = lambda states: head_scores(head, batch, states, k, tau, given)  # noqa: E731
-        return PendingScores(self.url, batch, pending, deadline, cancel, self.top_k, project=project)
+        no_rows = torch.zeros(0, self.engine.hidden_size, dtype=self.engine.dtype) \
+            if isinstance(self.engine, VllmPoolingEngine) else None
+        return PendingScores(self.url, batch, pending, deadline, cancel, self.top_k, project=project, no_rows=no_rows)
 
     def check_ids(self, batch: TeacherBatch, ids: object) -> list[torch.Tensor] | None:
         """`ids` of `score` (a head only); with a head every sample's ids within its vocabulary."""
@@ -197,11 +199,13 @@ class PendingScores:
 
     def __init__(self, url: str, batch: TeacherBatch, pending: dict[int, futures.Future], deadline: Deadline,
                  cancel: threading.Event, top_k: int, failure: Exception | None = None,
-                 project: Callable[[list[torch.Tensor]], BatchScores] | None = None) -> None:
+                 project: Callable[[list[torch.Tensor]], BatchScores] | None = None,
+                 no_rows: torch.Tensor | None = None) -> None:
         self.url, self.batch, self.pending = url, batch, pending
         self.deadline, self.cancel, self.top_k = deadline, cancel, top_k
         self.failure = failure
         self.project = project  # hidden states -> scores through the head, after the failure is agreed
+        self.no_rows = torch.zeros(0, 0) if no_rows is None else no_rows  # a sample of no rows' states [0, H]
 
     def result(self, group: object = None, *, projected: bool = True) -> Any:
         """The step's `BatchScores`; a failure (the first sample's, by index) raised on every rank
@@ -236,7 +240,7 @@ class PendingScores:
                                      f"{self.deadline.seconds:g} s ({len(late)} of {len(self.pending)} samples "
                                      f"unanswered)", self.url, late[0])
         if self.project is not None:  # hidden states [R_i, H], projected once agreed
-            return [self.pending[i].result() if i in self.pending else torch.zeros(0, 0)
+            return [self.pending[i].result() if i in self.pending else self.no_rows
                     for i in range(len(self.batch))]
         rows = [self.pending[i].result() if i in self.pending else empty_rows(self.top_k)
                 for i in range(len(self.batch))]

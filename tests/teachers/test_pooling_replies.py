@@ -6,6 +6,7 @@ refused naming the sample. And the arguments of a hidden-state teacher, refused 
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -78,6 +79,37 @@ def test_every_non_finite_row_is_found_and_finite_extremes_pass():
     assert torch.equal(engine(8).rows(reply(huge), 9, 1, 0), huge[:8])
     half = torch.full((9, 8), 3.0e38).bfloat16()
     assert torch.equal(engine(8, torch.bfloat16).rows(reply(half), 9, 1, 0), half[:8])
+
+
+def ranged(states: torch.Tensor, start: object, end: object, shape: object = None) -> SimpleNamespace:
+    """A well-formed reply whose metadata names another byte range (or shape)."""
+    good = reply(states)
+    item = json.loads(good.headers["metadata"])["data"][0]
+    item.update(start=start, end=end, **({} if shape is None else {"shape": shape}))
+    return SimpleNamespace(headers={"metadata": json.dumps({"data": [item]})}, content=good.content)
+
+
+BODY = 9 * 8 * 4  # the bytes of a 9 x 8 float32 reply
+
+
+@pytest.mark.parametrize(("start", "end", "shape"), [
+    (-BODY + 4, 4, None),  # read from 4 bytes into the body before: states 2.63 off, no error
+    (-BODY - 8, -8, None),  # a bare torch RuntimeError before
+    (4, BODY + 4, None),  # past the body's end
+    (8, 4, None),  # backwards
+    (True, BODY + 1, None),  # a bool is no offset
+    (0.0, float(BODY), None),  # nor a float
+    (0, BODY, [9, True]),  # nor a bool width (True == 1)
+    (0, BODY, [9.0, 8]),  # nor a float row count
+], ids=["negative-inside", "negative-outside", "past-the-end", "backwards", "bool", "float", "bool-width",
+        "float-rows"])
+def test_every_byte_range_is_checked_against_the_body(start, end, shape):
+    states = torch.randn(9, 8, generator=torch.Generator().manual_seed(4))
+    with pytest.raises(ServedTeacherError, match=rf"{URL}/pooling \(sample 5\): ") as caught:
+        engine(8).rows(ranged(states, start, end, shape), 9, 2, 5)
+    assert (caught.value.url, caught.value.sample) == (URL, 5)
+    assert type(caught.value) is ServedTeacherError  # a reply's fault, never a refusal to fix the request
+    assert torch.equal(engine(8).rows(ranged(states, 0, BODY), 9, 2, 5), states[1:8])
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=str)
@@ -159,3 +191,38 @@ def test_score_arguments_are_refused_before_anything_is_sent(head):
     with ServedTeacher(URL, client=ClientSettings(retries=0, deadline_s=5)) as plain:
         with pytest.raises(ValueError, match="ids=...\\) needs a head"):
             plain.score(batch, ids=[torch.zeros(4, 2, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long)])
+
+
+@pytest.mark.parametrize(("given", "words"), [
+    (torch.zeros(4, 2, dtype=torch.complex64), r"sample 1's ids must be an integer tensor \[4, k\].*complex64"),
+    (torch.tensor([[1, 2], [3, 4], [5, 5], [6, 7]]), r"sample 1's row 2 holds id 5 twice"),
+    (torch.tensor([[1, 2, 1], [3, 4, 0], [5, 6, 7], [8, 9, 3]], dtype=torch.int32), r"sample 1's row 0 holds id 1 "
+                                                                                    r"twice"),
+])
+def test_ids_the_op_would_refuse_are_refused_naming_the_sample_before_anything_is_sent(head, given, words):
+    """Nothing listens at URL: a ValueError here comes before any request (the op refused repeated
+    ids only after every pooling request was sent, naming no sample)."""
+    batch = TeacherBatch([torch.arange(3), torch.arange(6)], [2, 2])
+    first = torch.zeros(1, given.shape[1], dtype=torch.long) + torch.arange(given.shape[1])
+    with ServedTeacher(URL, head=head, client=ClientSettings(retries=0, deadline_s=5)) as teacher:
+        with pytest.raises(ValueError, match=rf"ServedTeacher.score\(ids=...\): {words}"):
+            teacher.score(batch, ids=[first, given])
+
+
+def test_a_temperature_the_heads_ops_cannot_compute_is_refused_at_construction(head):
+    """`temperature=1e50` passed "finite, > 0", and the head's top-k log-probs and tails came back
+    NaN from about 1e46 (1/τ underflows float32); at the largest accepted one they are finite and
+    float64's (uniform to 1e-37 there)."""
+    from megatron_rl_patches.ops._checks import largest_temperature, smallest_temperature
+
+    largest, smallest = largest_temperature(torch.float32), smallest_temperature(torch.float32)
+    for tau in (largest * (1 + 2**-20), 1e46, 1e50, smallest * (1 - 2**-20)):
+        words = rf"ServedTeacher\(temperature={re.escape(repr(tau))}\) is outside the temperatures the head's ops "
+        with pytest.raises(ValueError, match=words + r"compute: \[4\.2397e-39, 8\.50705e\+37\]"):
+            ServedTeacher(URL, head=head, temperature=tau)
+    teacher = ServedTeacher(URL, head=head, top_k=4, temperature=largest)
+    hidden = torch.randn(3, 8, generator=torch.Generator().manual_seed(6))
+    ids, values, tail = head.topk(hidden, 4, teacher.temperature)
+    logp = torch.log_softmax((hidden.double() @ head.weight.double().T) / largest, dim=1)
+    torch.testing.assert_close(values.double(), logp.gather(1, ids), atol=1e-6, rtol=0)
+    torch.testing.assert_close(tail.double(), torch.log1p(-logp.gather(1, ids).exp().sum(1)), atol=1e-6, rtol=0)

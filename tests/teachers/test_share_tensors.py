@@ -134,7 +134,8 @@ def test_served_results_cross_ranks_as_tensors_bit_identical_and_failures_alike(
     assert ranks[0]["cannot_travel"] == ranks[1]["cannot_travel"]
     assert "teacher 0's result[0] is a torch.complex64" in ranks[0]["cannot_travel"]
     samples = step_batch()
-    expected = [pooled(ids.tolist())[start - 1: -1] if start < len(ids) else torch.zeros(0, 0)  # nothing asked
+    expected = [pooled(ids.tolist())[start - 1: -1] if start < len(ids)
+                else torch.zeros(0, H, dtype=torch.bfloat16)  # nothing asked: [0, H] in the states' dtype
                 for ids, start in zip(samples.sequences, samples.response_starts)]
     assert ranks[0]["step_states"] == ranks[1]["step_states"] == exact(expected)
     assert ranks[0]["failed_ask"] == ranks[1]["failed_ask"] and "max model length" in ranks[0]["failed_ask"]

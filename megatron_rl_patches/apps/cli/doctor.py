@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 import megatron_rl_patches
+from megatron_rl_patches._json_read import parsed_json
 from megatron_rl_patches._variables import OPD_PREFIX, TEACHER_API_KEY, VERL_TEACHER
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG
 from megatron_rl_patches.apps.cli.doctor_summary import summary_lines, summary_of
@@ -48,8 +49,8 @@ def _editable_install() -> bool | None:
         text = dist.read_text("direct_url.json")
         if text:
             try:
-                return bool(json.loads(text).get("dir_info", {}).get("editable", False))
-            except (ValueError, AttributeError):
+                return bool(parsed_json(text, ValueError).get("dir_info", {}).get("editable", False))
+            except (ValueError, AttributeError):  # the installer's record is damaged: not known
                 return None
     return False if dists else None
 

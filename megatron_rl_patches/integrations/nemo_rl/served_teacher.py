@@ -117,9 +117,10 @@ class ServedTeacherPolicy:
 
 def states_of(states: Any, starts: list[int], seq: int) -> torch.Tensor:
     """[B, S, H] of each sample's hidden states [R_i, H] at positions start − 1 .. (the state
-    predicting token s + 1 at s), zeros at positions no loss reads."""
-    width = next((s.shape[-1] for s in states if s.numel()), 0)
-    dtype = next((s.dtype for s in states if s.numel()), torch.float32)
+    predicting token s + 1 at s), zeros at positions no loss reads (every one where no sample has
+    a row: a sample of no rows comes as [0, H] in the dtype the states travel in)."""
+    width = states[0].shape[-1] if len(states) else 0
+    dtype = states[0].dtype if len(states) else torch.float32
     out = torch.zeros(len(states), seq, width, dtype=dtype)
     for i, (rows, start) in enumerate(zip(states, starts)):
         out[i, start - 1:start - 1 + rows.shape[0]] = rows.to(dtype)

@@ -7,13 +7,13 @@ only the response's rows are decoded. The server is started with `--runner pooli
 embed --pooler-config '{"task": "token_embed"}'`; it never forms [T, V]."""
 from __future__ import annotations
 
-import json
 import sys
 import threading
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
+from megatron_rl_patches._json_read import parsed_json
 from megatron_rl_patches.teachers.engines.protocol import SampleRows, ServedModel
 from megatron_rl_patches.teachers.engines.vllm import PROBE_IDS, VllmEngine
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
@@ -105,7 +105,9 @@ class VllmPoolingEngine(VllmEngine):
         order = item.get("endianness")
         if order != "little" and not (order == "native" and sys.byteorder == "little"):
             raise refuse(f"the hidden states came {item.get('endianness')!r}-endian, not little-endian as asked")
-        if not isinstance(shape, list) or len(shape) != 2 or shape[0] != length:
+        if not isinstance(shape, list) or len(shape) != 2 or not all(is_count(n) for n in shape):
+            raise refuse(f"the reply's shape {shape!r:.80} is no [rows, width] of ints")
+        if shape[0] != length:
             raise refuse(f"{length} ids sent but hidden states of shape {shape} came back (one row per id expected)")
         if shape[1] != width:  # another model than the head's: a refusal (fix the configuration), not a failure
             raise ServedTeacherRefusal(f"{where}: hidden states of width {shape[1]} came back, but the teacher's head "
@@ -113,9 +115,10 @@ class VllmPoolingEngine(VllmEngine):
                                        f"checkpoint", self.client.url, sample)
         size = torch.tensor([], dtype=self.dtype).element_size()
         first, end, content = item.get("start"), item.get("end"), reply.content
-        if not isinstance(first, int) or end != first + length * width * size or len(content) < end:
-            raise refuse(f"the reply's bytes [{first}, {end}) of {len(content)} do not hold {length} x {width} "
-                         f"{asked} values")
+        # the range read against the body before anything is read: a negative start would slice from the end
+        if not (is_count(first) and is_count(end) and end == first + length * width * size <= len(content)):
+            raise refuse(f"the reply's bytes [{first!r:.40}, {end!r:.40}) of {len(content)} do not hold {length} x "
+                         f"{width} {asked} values")
         row_bytes = width * size
         needed = bytearray(content[first + (start - 1) * row_bytes: first + (length - 1) * row_bytes])
         states = torch.frombuffer(needed, dtype=self.dtype).reshape(length - start, width) if needed \
@@ -130,13 +133,17 @@ class VllmPoolingEngine(VllmEngine):
         return states
 
 
+def is_count(value: object) -> TypeGuard[int]:
+    """A non-negative int as JSON writes one (no bool, no float)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def metadata_item(reply: Any, where: str, url: str, sample: int | None) -> dict[str, Any]:
     """The one item of a binary pooling reply's `metadata` header (one input per request)."""
     header = reply.headers.get("metadata")
-    try:
-        items = json.loads(header)["data"] if header is not None else None
-    except (ValueError, KeyError, TypeError):
-        items = None
+    parsed = None if header is None else parsed_json(header, lambda problem: ServedTeacherError(
+        f"{where}: the reply's metadata header {problem}", url, sample))
+    items = parsed.get("data") if isinstance(parsed, dict) else None
     if not isinstance(items, list) or len(items) != 1 or not isinstance(items[0], dict):
         raise ServedTeacherError(f"{where}: the reply has no binary pooling metadata for one input (header "
                                  f"'metadata': {str(header)[:200]!r}); is this a vLLM pooling server (vLLM >= 0.32)?",
