@@ -38,14 +38,15 @@ class Replica:
 
 
 class AttemptCancel(threading.Event):
-    """One request's cancel: set itself (the sample answered elsewhere), or the step's."""
+    """One request's cancel: set itself (the sample answered elsewhere), the step's, or its
+    replica taken out (another request found it failed: no more retries there)."""
 
-    def __init__(self, step: threading.Event) -> None:
+    def __init__(self, step: threading.Event, out: Callable[[], bool]) -> None:
         super().__init__()
-        self.step = step
+        self.step, self.out = step, out
 
     def is_set(self) -> bool:
-        return super().is_set() or self.step.is_set()
+        return super().is_set() or self.step.is_set() or self.out()
 
     def wait(self, timeout: float | None = None) -> bool:
         end = None if timeout is None else time.monotonic() + timeout
@@ -112,7 +113,7 @@ class StepReplicas:
         index = self.choose(set(live), prompt)
         if index is None:
             return False
-        replica, mine = self.replicas[index], AttemptCancel(cancel)
+        replica, mine = self.replicas[index], AttemptCancel(cancel, lambda: index in self.out)
         live[index] = (mine, time.monotonic())
 
         def attempt() -> None:

@@ -76,7 +76,8 @@ class ServedTeacher:
                                     replicas or ReplicaSettings(), self.url)
         self.engine = self.replicas.replicas[0].engine
         self._model: ServedModel | None = None
-        self._budget = TokenBudget(self.settings.max_tokens_in_flight)
+        # the bounds in flight are each server's: n replicas hold n times as much
+        self._budget = TokenBudget(self.settings.max_tokens_in_flight * len(self.replicas))
         self._pool: futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 

@@ -20,7 +20,7 @@ from megatron_rl_patches.teachers import (
     ServedTeacherRefusal,
     TeacherBatch,
 )
-from megatron_rl_patches.teachers.kinds import parse_entry
+from megatron_rl_patches.teachers.kinds import parse_entries, parse_entry
 from tests.teachers.local_servers import MAX_MODEL_LEN, MODEL, dies_after, held, url_of, vllm_like
 
 pytest.importorskip("httpx", reason="the served extra (httpx) is missing")
@@ -48,6 +48,8 @@ def assert_same(scores, want) -> None:
 def test_an_entry_names_its_replicas_joined_by_a_bar():
     entry = parse_entry("http://a:8000/| http://b:8000 ;engine=vllm")
     assert entry.path == "http://a:8000|http://b:8000" and entry.engine == "vllm"
+    served, local = parse_entries("http://a:8000|https://b:8443/base;engine=vllm;head=/h,/ckpt/x")
+    assert served.path == "http://a:8000|https://b:8443/base" and served.head == "/h" and local.path == "/ckpt/x"
 
 
 @pytest.mark.parametrize(("entry", "words"), [
