@@ -142,7 +142,7 @@ def plot(result: dict, path: Path) -> None:
     cases = [row["case"] for row in result["rows"]]
     axis.barh(cases, [row["seconds"] for row in result["rows"]], color=["grey", "tab:blue", "tab:orange", "tab:red"])
     axis.invert_yaxis()
-    axis.set_xlabel("a step's teacher seconds (vLLM CPU, 2 shared cores)")
+    axis.set_xlabel("a step's teacher seconds (vLLM CPU build)")
     axis.set_title(f"a teacher's replicas: {result['samples']} x {result['tokens']} ids, top-{result['k']}",
                    fontsize=10)
     figure.tight_layout()
