@@ -16,6 +16,7 @@ from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.client_settings import ClientSettings
+from megatron_rl_patches.teachers.context_key import context_key
 from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.engines.names import check_engine, engine_class
 from megatron_rl_patches.teachers.engines.protocol import SampleRows, ServedModel
@@ -44,12 +45,16 @@ class ServedTeacher:
     timeouts, deadline, retries, bounds, API key variable and CA bundle (`ClientSettings`; the
     bounds in flight are each server's). `url` may name the teacher's replicas: a list of URLs
     (or one str of them joined by '|'), one teacher served the same by each; `replicas` says how
-    a step spreads, fails over and hedges over them (`ReplicaSettings`)."""
+    a step spreads, fails over and hedges over them (`ReplicaSettings`).
+    `context`: the key of each sample's privileged context in the teacher step
+    (`TeacherStep.send(batch, contexts={KEY: ...})`): it scores them before the student's response."""
 
     def __init__(self, url: str | list[str], engine: str = "vllm", top_k: int = 20, *, model: str | None = None,
                  temperature: float = 1.0, client: ClientSettings | None = None,
                  head: TeacherHead | str | os.PathLike[str] | None = None,
-                 hidden_dtype: torch.dtype | None = None, replicas: ReplicaSettings | None = None) -> None:
+                 hidden_dtype: torch.dtype | None = None, context: str | None = None,
+                 replicas: ReplicaSettings | None = None) -> None:
+        self.context = context_key(context, "ServedTeacher(context=...)")
         self.head = hidden_head(head, engine)
         self.engine_name = check_engine(engine)
         self.top_k = positive_int("ServedTeacher(top_k=...)", top_k, " (the teacher's buckets per row)")
@@ -179,6 +184,7 @@ class ServedTeacher:
         if not self._budget.acquire(len(ids), deadline.at, cancel):
             raise ServedTeacherError(f"{self.url}: sample {sample} waited for tokens in flight past the step's "
                                      f"deadline of {deadline.seconds:g} s", self.url, sample)
+
         def ask(engine: Any, cancelled: threading.Event) -> SampleRows | torch.Tensor:
             if isinstance(engine, VllmPoolingEngine):
                 return engine.hidden_states(model, ids, start, deadline, cancelled, sample)

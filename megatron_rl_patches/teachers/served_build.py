@@ -45,7 +45,8 @@ def build_served(entry: TeacherEntry, host: Any, options: Any) -> Any:
 
     def build() -> ServedTeacher:
         return ServedTeacher(entry.path, engine=entry.engine or "vllm", top_k=options.top_k,
-                             temperature=options.temperature, client=options.client, head=entry.head)
+                             temperature=options.temperature, client=options.client, head=entry.head,
+                             context=entry.context)
 
     teacher = connect_served(build, where, asks=asks(host), job_group=host.job_group, tokenizer=tokenizer,
                              named_vocab=named_vocab if entry.same_tokenizer else None)
