@@ -24,6 +24,7 @@ _LAZY = {
     "ServedTeacher": "served",
     "PendingScores": "served",
     "ClientSettings": "client_settings",
+    "ReplicaSettings": "replica_settings",
     "ServedTeacherError": "errors",
     "ServedTeacherRefusal": "errors",
     "agree_failure": "agreement",

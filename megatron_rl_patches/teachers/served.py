@@ -1,6 +1,7 @@
 """A teacher served by an inference engine (`ServedTeacher`): its own top-k with the exact tail
-for every response row of a `TeacherBatch`, asked over HTTP. One connection pool per teacher; a
-step's samples in flight at once (bounded in requests and tokens), within one deadline."""
+for every response row of a `TeacherBatch`, asked over HTTP. One connection pool per server; a
+step's samples in flight at once (bounded in requests and tokens), within one deadline; a
+teacher's replicas (several URLs) spread, failed over and hedged by `replicas.ReplicaPool`."""
 from __future__ import annotations
 
 import concurrent.futures as futures
@@ -30,6 +31,10 @@ from megatron_rl_patches.teachers.hidden_scores import (
     states_dtype,
 )
 from megatron_rl_patches.teachers.http_client import Deadline, TeacherClient
+from megatron_rl_patches.teachers.replica_settings import ReplicaSettings
+from megatron_rl_patches.teachers.replica_step import Replica, StepReplicas
+from megatron_rl_patches.teachers.replica_urls import SEPARATOR, replica_urls
+from megatron_rl_patches.teachers.replicas import ReplicaPool
 from megatron_rl_patches.teachers.token_budget import TokenBudget
 
 
@@ -37,14 +42,18 @@ class ServedTeacher:
     """A teacher at `url` (http(s)://host:port) served by `engine`, scoring its own `top_k`
     buckets per row (K within the server's limit: vLLM's `--max-logprobs`, default 20). Engines
     score at temperature 1 whatever is asked: another `temperature` is refused. `client` sets the
-    timeouts, deadline, retries, bounds, API key variable and CA bundle (`ClientSettings`).
+    timeouts, deadline, retries, bounds, API key variable and CA bundle (`ClientSettings`; the
+    bounds in flight are each server's). `url` may name the teacher's replicas: a list of URLs
+    (or one str of them joined by '|'), one teacher served the same by each; `replicas` says how
+    a step spreads, fails over and hedges over them (`ReplicaSettings`).
     `context`: the key of each sample's privileged context in the teacher step
     (`TeacherStep.send(batch, contexts={KEY: ...})`): it scores them before the student's response."""
 
-    def __init__(self, url: str, engine: str = "vllm", top_k: int = 20, *, model: str | None = None,
+    def __init__(self, url: str | list[str], engine: str = "vllm", top_k: int = 20, *, model: str | None = None,
                  temperature: float = 1.0, client: ClientSettings | None = None,
                  head: TeacherHead | str | os.PathLike[str] | None = None,
-                 hidden_dtype: torch.dtype | None = None, context: str | None = None) -> None:
+                 hidden_dtype: torch.dtype | None = None, context: str | None = None,
+                 replicas: ReplicaSettings | None = None) -> None:
         self.context = context_key(context, "ServedTeacher(context=...)")
         self.head = hidden_head(head, engine)
         self.engine_name = check_engine(engine)
@@ -61,30 +70,41 @@ class ServedTeacher:
                             f"{type(model).__name__}")
         if client is not None and not isinstance(client, ClientSettings):
             raise TypeError(f"ServedTeacher(client=...) must be a ClientSettings, got {type(client).__name__}")
+        if replicas is not None and not isinstance(replicas, ReplicaSettings):
+            raise TypeError(f"ServedTeacher(replicas=...) must be a ReplicaSettings, got {type(replicas).__name__}")
         self.settings = client or ClientSettings()
-        self.client = TeacherClient(url, self.settings)
-        self.url = self.client.url
-        if self.head is None:
-            self.engine = engine_class(self.engine_name)(self.client, self.top_k, model)
-        else:  # one engine serves hidden states: vLLM's pooling runner
-            self.engine = VllmPoolingEngine(self.client, self.top_k, model, self.head.hidden_size,
-                                            states_dtype(hidden_dtype, self.head), self.head.source,
-                                            self.head.fingerprint)
+        clients = [TeacherClient(one, self.settings) for one in replica_urls(url)]
+        self.client = clients[0]
+        self.url = SEPARATOR.join(c.url for c in clients)
+        dtype = None if self.head is None else states_dtype(hidden_dtype, self.head)
+        self.replicas = ReplicaPool([Replica(c.url, c, self.engine_for(c, model, dtype)) for c in clients],
+                                    replicas or ReplicaSettings(), self.url)
+        self.engine = self.replicas.replicas[0].engine
         self._model: ServedModel | None = None
-        self._budget = TokenBudget(self.settings.max_tokens_in_flight)
+        # the bounds in flight are each server's: n replicas hold n times as much
+        self._budget = TokenBudget(self.settings.max_tokens_in_flight * len(self.replicas))
         self._pool: futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+
+    def engine_for(self, client: TeacherClient, model: str | None, dtype: torch.dtype | None) -> Any:
+        """The engine asking one server through `client`."""
+        if self.head is None:
+            return engine_class(self.engine_name)(client, self.top_k, model)
+        assert dtype is not None  # one engine serves hidden states: vLLM's pooling runner
+        return VllmPoolingEngine(client, self.top_k, model, self.head.hidden_size, dtype, self.head.source,
+                                 self.head.fingerprint)
 
     def __repr__(self) -> str:
         return f"ServedTeacher({self.url!r}, engine={self.engine_name!r}, top_k={self.top_k})"
 
     # ------------------------------------------------------------------ the server
     def served_model(self, deadline: Deadline | None = None) -> ServedModel:
-        """The served model (name, max model length), asked once; K checked against the server."""
+        """The served model (name, max model length), asked once; K checked against the server
+        (each replica: the same model on all, or refused naming the one that differs)."""
         with self._lock:
             if self._model is None:
-                self._model = self.engine.served_model(deadline or Deadline.after(self.settings.deadline_s),
-                                                       threading.Event())
+                self._model = self.replicas.served_model(deadline or Deadline.after(self.settings.deadline_s),
+                                                         threading.Event())
             return self._model
 
     def check(self) -> ServedModel:
@@ -93,9 +113,10 @@ class ServedTeacher:
 
     def tokenize(self, text: str, deadline: Deadline | None = None) -> list[int] | None:
         """`text` tokenized by the served model's tokenizer, no special tokens added (None: the
-        server answered with no token list), within `deadline` (default: one request's timeout)."""
+        server answered with no token list), within `deadline` (default: one request's timeout);
+        every replica asked (the same ids from each, or refused naming the one that differs)."""
         deadline = deadline or Deadline.after(self.settings.timeout_s)
-        return self.engine.tokenize(self.served_model(deadline), text, deadline, threading.Event())
+        return self.replicas.tokenize(self.served_model(deadline), text, deadline, threading.Event())
 
     # ------------------------------------------------------------------ scoring
     def score(self, batch: TeacherBatch, group: object = None, *, ids: list[torch.Tensor] | None = None) -> BatchScores:
@@ -121,10 +142,11 @@ class ServedTeacher:
         except Exception as error:  # noqa: BLE001 - handed to result(), agreed there
             return PendingScores(self.url, batch, {}, deadline, cancel, self.top_k, failure=error)
         pending = {}
+        step = self.replicas.step()
         for i, sequence in enumerate(batch.sequences):
             if batch.response_rows(i):
                 pending[i] = self.pool().submit(self._score_one, model, [int(v) for v in sequence.tolist()],
-                                                batch.response_starts[i], deadline, cancel, i)
+                                                batch.response_starts[i], deadline, cancel, i, step)
         project = None
         if self.head is not None:
             head, k, tau = self.head, self.top_k, self.temperature
@@ -159,23 +181,29 @@ class ServedTeacher:
                     f"--max-model-len >= {len(ids) + model.max_model_len - room}", self.url, i)
 
     def _score_one(self, model: ServedModel, ids: list[int], start: int, deadline: Deadline,
-                   cancel: threading.Event, sample: int) -> SampleRows | torch.Tensor:
+                   cancel: threading.Event, sample: int, step: StepReplicas) -> SampleRows | torch.Tensor:
         if cancel.is_set():
             raise ServedTeacherError(f"{self.url}: sample {sample} not sent: the step failed before", self.url, sample)
         if not self._budget.acquire(len(ids), deadline.at, cancel):
             raise ServedTeacherError(f"{self.url}: sample {sample} waited for tokens in flight past the step's "
                                      f"deadline of {deadline.seconds:g} s", self.url, sample)
+
+        def ask(engine: Any, cancelled: threading.Event) -> SampleRows | torch.Tensor:
+            if isinstance(engine, VllmPoolingEngine):
+                return engine.hidden_states(model, ids, start, deadline, cancelled, sample)
+            return engine.scores(model, ids, start, deadline, cancelled, sample)
+
         try:
-            if isinstance(self.engine, VllmPoolingEngine):
-                return self.engine.hidden_states(model, ids, start, deadline, cancel, sample)
-            return self.engine.scores(model, ids, start, deadline, cancel, sample)
+            if len(self.replicas) == 1:  # one server: asked as it always was
+                return ask(self.engine, cancel)
+            return step.run(ask, sample, tuple(ids[:start]), deadline, cancel)
         finally:
             self._budget.release(len(ids))
 
     def pool(self) -> futures.ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = futures.ThreadPoolExecutor(self.settings.max_in_flight,
+                self._pool = futures.ThreadPoolExecutor(self.settings.max_in_flight * len(self.replicas),
                                                         thread_name_prefix="served-teacher")
             return self._pool
 
@@ -185,7 +213,8 @@ class ServedTeacher:
             if self._pool is not None:
                 self._pool.shutdown(wait=False, cancel_futures=True)
                 self._pool = None
-        self.client.close()
+        for replica in self.replicas.replicas:
+            replica.client.close()
 
     def __enter__(self) -> ServedTeacher:
         return self

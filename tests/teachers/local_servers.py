@@ -1,6 +1,7 @@
 """Small HTTP servers on 127.0.0.1 for the served teacher's tests (beside the served lane's real
-vLLM server): one that answers as vLLM does, with replies a test may replace route by route, and
-one that trickles its reply a byte at a time (a stalled proxy, an overloaded engine)."""
+vLLM server): one that answers as vLLM does, with replies a test may replace route by route (a
+slow route: `held`; a server that dies mid-step: `dies_after`), and one that trickles its reply a
+byte at a time (a stalled proxy, an overloaded engine)."""
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +17,7 @@ MODEL, MAX_MODEL_LEN = "m", 64
 # route -> (status, JSON-able body or raw bytes or TRICKLE), given the request's JSON body (None for a GET)
 Route = Callable[[Any], tuple[int, Any]]
 TRICKLE = object()  # a reply of a promised long body sent a byte a second
+DIE = object()  # the server dies here: this request and every later one cut without a reply
 
 
 def trickle(_: Any) -> tuple[int, Any]:
@@ -48,6 +50,29 @@ def tokenize(body: Any) -> tuple[int, Any]:
     return 200, {"tokens": [int(word[1:]) for word in body["prompt"].split()], "count": 0, "max_model_len": 64}
 
 
+def held(release: threading.Event, route: Route = completions, seconds: float = 60.0) -> Route:
+    """`route`, answered once `release` is set (or after `seconds`): a slow or paused replica."""
+    def answer(body: Any) -> tuple[int, Any]:
+        release.wait(seconds)
+        return route(body)
+    return answer
+
+
+def dies_after(answers: int, route: Route = completions) -> Route:
+    """`route` for its first `answers` requests; then the server dies (`DIE`): a replica killed
+    mid-step (connections cut without a reply, as a reset)."""
+    count = [0]
+    lock = threading.Lock()
+
+    def answer(body: Any) -> tuple[int, Any]:
+        with lock:
+            count[0] += 1
+            if count[0] > answers:
+                return 0, DIE
+        return route(body)
+    return answer
+
+
 VLLM_ROUTES: dict[str, Route] = {"/v1/models": models, "/v1/completions": completions, "/tokenize": tokenize}
 
 
@@ -58,7 +83,13 @@ class VllmLike(http.server.ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), Answer)
         self.routes = routes
         self.stop = threading.Event()
+        self.dead = False
         self.seen: list[tuple[str, dict[str, str]]] = []  # (path, headers) of every request
+        self.bodies: list[tuple[str, Any]] = []  # (path, JSON body or None) of every request
+
+    def answered(self, path: str) -> int:
+        """How many requests to `path` reached this server."""
+        return sum(1 for seen, _ in self.seen if seen == path)
 
 
 class Answer(http.server.BaseHTTPRequestHandler):
@@ -72,8 +103,14 @@ class Answer(http.server.BaseHTTPRequestHandler):
 
     def answer(self, body: Any) -> None:
         self.server.seen.append((self.path, dict(self.headers)))
+        self.server.bodies.append((self.path, body))
         route = self.server.routes.get(self.path)
-        status, reply = (404, {"detail": "Not Found"}) if route is None else route(body)
+        status, reply = (0, DIE) if self.server.dead else (404, {"detail": "Not Found"}) if route is None \
+            else route(body)
+        if reply is DIE:
+            self.server.dead = True
+            self.close_connection = True
+            return
         if reply is TRICKLE:
             with contextlib.suppress(OSError):
                 self.wfile.write(BODY)
@@ -113,7 +150,7 @@ def vllm_like(**routes: Route) -> Iterator[VllmLike]:
 @contextlib.contextmanager
 def serving(server: Any) -> Iterator[Any]:
     """`server` (with a `stop` event) serving from a thread until the block ends."""
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
         yield server
     finally:

@@ -9,7 +9,8 @@ into the batch, and `verl_topk_kd`'s exact tail reads them (a row of repeated id
 the padding, gives 0).
 
 With MEGATRON_RL_PATCHES_VERL_TEACHER=`http(s)://host:port;engine=vllm` the same rows come from
-that server through `ServedTeacher` (the engine's own top-k, K within its --max-logprobs); with
+that server through `ServedTeacher` (the engine's own top-k, K within its --max-logprobs; the
+replicas of one teacher as URLs joined by '|', spread and failed over by the client); with
 `;head=DIR` (the teacher's Hugging Face directory, readable where verl's agent loop runs) the
 server is a vLLM pooling server and the rows are its final hidden states through the teacher's
 head in the agent-loop process: any K (above --max-logprobs), only [L, K] rows in verl's batch.
@@ -30,8 +31,9 @@ from megatron_rl_patches._variables import VERL_TEACHER
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.engines.names import check_engine
 from megatron_rl_patches.teachers.redaction import has_userinfo, redacted
+from megatron_rl_patches.teachers.replica_urls import SEPARATOR, replica_urls
 
-FORM = "http(s)://host:port;engine=vllm[;head=DIR]"
+FORM = "http(s)://host:port[|http(s)://host:port...];engine=vllm[;head=DIR]"
 _TEACHERS: dict[tuple[str, int], Any] = {}  # (entry, K) -> ServedTeacher, one per agent-loop process
 _LOCK = threading.Lock()
 
@@ -70,7 +72,7 @@ def parse_entry(entry: str) -> Entry:
     if engine is None:
         raise ValueError(f"{VERL_TEACHER}={said!r}: name the engine serving it, e.g. '{url};engine=vllm'")
     try:
-        return Entry(check_url(url), check_engine(engine), head)
+        return Entry(SEPARATOR.join(check_url(one) for one in replica_urls(url)), check_engine(engine), head)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{VERL_TEACHER}={said!r}: {exc}") from None
 

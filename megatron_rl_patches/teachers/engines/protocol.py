@@ -15,10 +15,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ServedModel:
-    """What the server serves: the model's name and its max model length (prompt + generated)."""
+    """What the server serves: the model's name and its max model length (prompt + generated);
+    `root`: where the server loaded it from (vLLM's card `root`; None where not sent), which tells
+    two checkpoints served under one name apart."""
 
     name: str
     max_model_len: int
+    root: str | None = None
 
 
 @dataclass(frozen=True)

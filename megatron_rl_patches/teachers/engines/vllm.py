@@ -62,18 +62,18 @@ class VllmEngine:
         checked by one tiny scoring request: K within `--max-logprobs`, log-probs not logits."""
         listing = self.client.request("GET", "/v1/models", None, deadline, cancel)
         cards = model_cards(listing, Reply(f"{self.client.url}/v1/models", self.client.url, None))
-        names = [name for name, _ in cards]
+        names = [name for name, _, _ in cards]
         if self.model is None and len(cards) > 1:
             raise ServedTeacherRefusal(f"{self.client.url} serves {len(cards)} models {names}: name one with "
                                        f"ServedTeacher(model=...)", self.client.url)
         if self.model is not None and self.model not in names:
             raise ServedTeacherRefusal(f"{self.client.url} does not serve model={self.model!r}: it serves {names}",
                                        self.client.url)
-        name, length = cards[0] if self.model is None else cards[names.index(self.model)]
+        name, length, root = cards[0] if self.model is None else cards[names.index(self.model)]
         if isinstance(length, bool) or not isinstance(length, int) or length < 2:
             raise ServedTeacherError(behind_router(self.client.url, f"/v1/models gives no max_model_len for {name!r}, "
                                                    f"as vLLM's own server does"), self.client.url)
-        model = ServedModel(name, length)
+        model = ServedModel(name, length, root)
         self.probe(model, deadline, cancel)
         self.check_card(listing["data"][names.index(name)])
         return model

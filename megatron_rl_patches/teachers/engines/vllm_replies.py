@@ -30,8 +30,8 @@ class Reply:
         return ServedTeacherError(f"{self.where}: the reply's {field} {what}", self.url, self.sample)
 
 
-def model_cards(reply: Any, said: Reply) -> list[tuple[str, Any]]:
-    """(id, max_model_len as sent) of every card of a `/v1/models` reply."""
+def model_cards(reply: Any, said: Reply) -> list[tuple[str, Any, str | None]]:
+    """(id, max_model_len as sent, root: a str or None) of every card of a `/v1/models` reply."""
     cards = reply.get("data") if isinstance(reply, dict) else None
     if not isinstance(cards, list) or not cards:
         raise ServedTeacherError(f"{said.where} lists no model: is this a vLLM server?", said.url)
@@ -40,7 +40,8 @@ def model_cards(reply: Any, said: Reply) -> list[tuple[str, Any]]:
         if not isinstance(card, dict) or not isinstance(card.get("id"), str):
             raise said.bad(f"data[{i}]", f"is no model card with a str id (got {card!r:.60}): is this a vLLM "
                                          f"server?")
-        found.append((card["id"], card.get("max_model_len")))
+        root = card.get("root")
+        found.append((card["id"], card.get("max_model_len"), root if isinstance(root, str) else None))
     return found
 
 

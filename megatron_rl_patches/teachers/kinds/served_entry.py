@@ -1,5 +1,6 @@
 """The served kind: `http://host:port;engine=vllm` (or `https://`) — a teacher served by an
-inference engine, asked over HTTP (`teachers.ServedTeacher`). The URL is read before the entry
+inference engine, asked over HTTP (`teachers.ServedTeacher`); its replicas' URLs joined by '|'
+before the options (`http://a:8000|http://b:8000;engine=vllm`). The URL is read before the entry
 is split further (its ':' and '/' are no path, its '@' no provider); a user or password in it is
 refused on the raw entry, before anything splits it, and every message shows the entry `redacted`
 (the API key comes from MEGATRON_RL_PATCHES_TEACHER_API_KEY). Options: `;engine=vllm`
@@ -32,7 +33,8 @@ from megatron_rl_patches.teachers.kinds.options import (
 from megatron_rl_patches.teachers.redaction import redacted, refuse_userinfo
 from megatron_rl_patches.teachers.tokenizer_probe import SAME_TOKENIZER, probe_tokenizer
 
-FORM = ("http(s)://host:port;engine=vllm (a teacher served by vLLM; ;tokenizer=DIR for another tokenizer; "
+FORM = ("http(s)://host:port;engine=vllm (a teacher served by vLLM; its replicas' URLs joined by '|'; "
+        ";tokenizer=DIR for another tokenizer; "
         ";same_tokenizer;vocab=N for a server without a tokenizer; ;head=DIR for its hidden states through the "
         "head of its Hugging Face directory)")
 ENGINE, TOKENIZER, HEAD = "engine=", "tokenizer=", "head="
@@ -48,8 +50,19 @@ def recognizes(entry: str) -> bool:
 
 
 def check_url_head(entry: str, head: str) -> str:
-    """The URL of an entry (whose user or password was refused already): http or https, no
-    query; its trailing '/' dropped."""
+    """The URL(s) of an entry (whose user or password was refused already, on the whole text):
+    each replica's http or https, no query, its trailing '/' dropped; joined by '|' again."""
+    from megatron_rl_patches.teachers.replica_urls import SEPARATOR, replica_urls  # lazy: import cost
+
+    try:
+        urls = replica_urls(head)
+    except ValueError as exc:
+        raise ValueError(f"{TEACHERS} entry {redacted(entry)!r}: {exc}") from None
+    return SEPARATOR.join(check_one_url(entry, url) for url in urls)
+
+
+def check_one_url(entry: str, head: str) -> str:
+    """One URL of an entry: http or https, no query; its trailing '/' dropped."""
     from megatron_rl_patches.teachers.http_client import check_url  # lazy: import cost (ssl, json)
 
     parts = urllib.parse.urlsplit(head)
@@ -152,7 +165,9 @@ def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
     model it serves, its max model length, k within its --max-logprobs), in bounded time; the
     tokenizer of `;tokenizer=DIR` present and the served model's (its `/tokenize` of a probe). With
     `;head=DIR`: its config.json and head tensor found (no weight read), the server's pooling task
-    answering with states of the head's hidden size, and DIR's tokenizer.json the served model's."""
+    answering with states of the head's hidden size, and DIR's tokenizer.json the served model's.
+    Replicas (URLs joined by '|'): each checked so, then all of them as one teacher (the same
+    model, tokenizer and width on each)."""
     found = []
     named = named_size = None
     if entry.same_tokenizer:
@@ -169,6 +184,20 @@ def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
         else:
             found.append(f"{TEACHERS}: teacher '{entry.path}' names ';{TOKENIZER}{entry.tokenizer}', which is neither "
                          "a tokenizer.json nor a directory holding one on this machine")
+    urls = entry.path.split("|")
+    failed = False
+    for url in urls:  # each replica on its own, then (several, all answering) the replicas as one teacher
+        which = "" if len(urls) == 1 else f" replica '{url}'"
+        failed |= served_problem(found, entry, url, facts, named, which)
+    if len(urls) > 1 and not failed:
+        served_problem(found, entry, entry.path, facts, named, f" (its {len(urls)} replicas as one teacher)")
+    return found
+
+
+def served_problem(found: list[str], entry: TeacherEntry, url: str, facts: RunFacts, named: Path | None,
+                   which: str) -> bool:
+    """The server(s) at `url` asked as `problems` says, within doctor's bounds; a problem appended
+    to `found` (naming `which` replica) and True when the check fails."""
     try:
         # lazy: optional dependency httpx (the served client, imported by served teachers only)
         from megatron_rl_patches.teachers.client_settings import ClientSettings
@@ -186,7 +215,7 @@ def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
         if head is not None and named is None and not entry.same_tokenizer and \
                 (Path(head.source) / "tokenizer.json").is_file():
             named = Path(head.source)  # the head's vocabulary: its directory's tokenizer, probed below
-        with ServedTeacher(entry.path, str(entry.engine), top_k=facts.k, client=settings, head=head) as teacher:
+        with ServedTeacher(url, str(entry.engine), top_k=facts.k, client=settings, head=head) as teacher:
             teacher.served_model(deadline)  # with a head: the pooling task answers, at the head's width
             if named is not None:  # the served model's tokenizer is the one the entry names
                 # lazy: optional dependency tokenizers (a served teacher of another tokenizer only)
@@ -196,8 +225,10 @@ def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
                 probe_tokenizer(teacher, load_tokenizer(str(named), whose), "its tokenizer",
                                 f"the tokenizer {whose} names", deadline)
     except (ValueError, TypeError, RuntimeError, ImportError, OSError) as exc:  # ServedTeacherError: a RuntimeError
-        found.append(f"{TEACHERS}: served teacher '{entry.path}' ({entry.engine}, k={facts.k}) fails its check: {exc}")
-    return found
+        found.append(f"{TEACHERS}: served teacher '{entry.path}'{which} ({entry.engine}, k={facts.k}) fails its "
+                     f"check: {exc}")
+        return True
+    return False
 
 
 def planned_head(directory: str) -> Any:

@@ -2,7 +2,8 @@
 named by MRP_VLLM_PYTHON) for the whole session, serving a tiny random Qwen3 that transformers
 wrote (float32, every parameter perturbed) with a word-level tokenizer; the tests compare its
 scores with transformers' own forward in this process; beside it, for hidden-state teachers, one
-pooling server of the same checkpoint, a server without a tokenizer and a bf16 pooling server.
+pooling server of the same checkpoint, a server without a tokenizer and a bf16 pooling server; for
+a teacher's replicas, a spare generate server of the same checkpoint (paused, then killed).
 Every server the session's tests use starts together, when the first is asked for (`launched`). Without
 MRP_VLLM_PYTHON every test here skips (the main lane); with it, a server that does not start is an
 error, never a skip."""
@@ -75,8 +76,9 @@ def start(name: str, root: Path, directory: Path) -> Any:
     from megatron_rl_patches.testing.vllm_server import launch
 
     common = dict(max_model_len=MAX_MODEL_LEN, max_logprobs=MAX_LOGPROBS)
-    if name == "served":
-        return launch(VLLM_PYTHON, directory, root / "vllm.log", api_key=API_KEY, **common)
+    if name in ("served", "spare"):
+        log = root / ("vllm.log" if name == "served" else "vllm-spare.log")
+        return launch(VLLM_PYTHON, directory, log, api_key=API_KEY, **common)
     if name == "pooled":
         return launch(VLLM_PYTHON, directory, root / "vllm-pooling.log", api_key=API_KEY, extra=POOLING, **common)
     if name == "tokenizerless":  # as slime starts its own engines: no tokenizer, so no /tokenize
@@ -87,7 +89,7 @@ def start(name: str, root: Path, directory: Path) -> Any:
                   dtype="bfloat16", max_model_len=MAX_MODEL_LEN)
 
 
-SERVERS = ("served", "pooled", "tokenizerless", "bf16_pooled")
+SERVERS = ("served", "pooled", "tokenizerless", "bf16_pooled", "spare")
 
 
 @pytest.fixture(scope="session")
@@ -154,3 +156,11 @@ def bf16_pooled(launched, checkpoint):
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("MEGATRON_RL_PATCHES_TEACHER_API_KEY", API_KEY)
             yield server.url, checkpoint[0] / "qwen3-bf16"
+
+
+@pytest.fixture(scope="session")
+def spare(launched, checkpoint):
+    """A second generate server of the lane's checkpoint (a replica beside `served`), for the
+    replica tests alone: they pause it and kill it."""
+    with ready(launched, "spare", checkpoint) as server:
+        yield server

@@ -1,0 +1,77 @@
+"""A served teacher's replicas (`ReplicaPool`): one engine's clients, one per URL, checked at
+connect as one teacher and asked through the step's scheduler (`replica_step.StepReplicas`:
+spreading, failover, hedging). The engines stay a request body and a parsed reply; everything
+about several servers lives here. How the pool behaves is `replica_settings.ReplicaSettings`.
+
+At connect every replica is asked (in order) and must serve the same model: the same
+`ServedModel` (the `/v1/models` card's name, root and max model length), the engine's probe on
+each (K within its limit; with a head, states of the head's width), the same tokenization of the
+tokenizer probe; a replica that differs, or does not answer, is refused by its URL. One URL
+behaves exactly as a single server always did."""
+from __future__ import annotations
+
+import threading
+
+from megatron_rl_patches.teachers.engines.protocol import ServedModel
+from megatron_rl_patches.teachers.errors import ServedTeacherRefusal
+from megatron_rl_patches.teachers.redaction import redacted
+from megatron_rl_patches.teachers.replica_settings import ReplicaSettings
+from megatron_rl_patches.teachers.replica_step import Replica, StepReplicas
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from megatron_rl_patches.teachers.http_client import Deadline
+
+
+class ReplicaPool:
+    """The replicas (`Replica`: URL, client, engine) of the teacher at `url` (their URLs joined
+    by '|'), scheduled by `settings`."""
+
+    def __init__(self, replicas: list[Replica], settings: ReplicaSettings, url: str) -> None:
+        self.replicas = replicas
+        self.settings = settings
+        self.url = url
+        self.lock = threading.Lock()  # the replicas' requests in flight
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    def served_model(self, deadline: Deadline, cancel: threading.Event) -> ServedModel:
+        """Every replica's served model (its engine's checks on each), the same on all, or refused
+        naming the replica that differs."""
+        first = self.replicas[0]
+        model = first.engine.served_model(deadline, cancel)
+        for replica in self.replicas[1:]:
+            other = replica.engine.served_model(deadline, cancel)
+            if other != model:
+                raise ServedTeacherRefusal(
+                    f"replica {redacted(replica.url)} serves {described(other)}, but replica {redacted(first.url)} "
+                    f"serves {described(model)}: the replicas of one teacher serve the same model (the same "
+                    f"checkpoint and max model length); serve it the same, or take it out of the teacher's URLs",
+                    self.url)
+        return model
+
+    def tokenize(self, model: ServedModel, text: str, deadline: Deadline, cancel: threading.Event) -> list[int] | None:
+        """`text` tokenized by every replica: the same ids from each, or refused naming the one
+        that differs."""
+        first = self.replicas[0]
+        ids = first.engine.tokenize(model, text, deadline, cancel)
+        for replica in self.replicas[1:]:
+            other = replica.engine.tokenize(model, text, deadline, cancel)
+            if other != ids:
+                raise ServedTeacherRefusal(
+                    f"replica {redacted(replica.url)} tokenizes a probe text into other ids than replica "
+                    f"{redacted(first.url)} ({'no tokens' if other is None else f'{len(other)} ids'} against "
+                    f"{'no tokens' if ids is None else f'{len(ids)}'}): the replicas of one teacher serve the same "
+                    f"tokenizer; serve it the same, or take it out of the teacher's URLs", self.url)
+        return ids
+
+    def step(self) -> StepReplicas:
+        """One step's scheduler: every replica healthy again (one taken out last step is tried)."""
+        return StepReplicas(self.replicas, self.settings, self.url, self.lock)
+
+
+def described(model: ServedModel) -> str:
+    root = "" if model.root is None else f", root {model.root!r}"
+    return f"model {model.name!r}{root}, max model length {model.max_model_len}"
+
