@@ -1,5 +1,6 @@
 """The served kind's framework-free builder (`build_served`): a `ServedTeacher` from its entry
-(`URL;engine=vllm`, `;head=DIR` for hidden states through the teacher's head), connected on the
+(`URL;engine=vllm`, `;head=DIR` for hidden states through the teacher's head, cut and padded for the
+host's student: `host_head`), connected on the
 host's asking rank (the first rank of its sharing group): the server answers, K within its limit,
 its tokenizer the student's (probed with the student's tokenizer, or the entry's
 `;same_tokenizer;vocab=N` for a server without one). A failure anywhere is the same ValueError
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl_patches.teachers.host import asks
+from megatron_rl_patches.teachers.host_head import head_for_host
 from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
 from megatron_rl_patches.teachers.named_vocab import named_vocab_size
 from megatron_rl_patches.teachers.redaction import redacted
@@ -44,8 +46,9 @@ def build_served(entry: TeacherEntry, host: Any, options: Any) -> Any:
         return named_vocab_size(entry, where), int(host.vocab_size)
 
     def build() -> ServedTeacher:
+        head = None if entry.head is None else head_for_host(entry.head, host, where)
         return ServedTeacher(entry.path, engine=entry.engine or "vllm", top_k=options.top_k,
-                             temperature=options.temperature, client=options.client, head=entry.head)
+                             temperature=options.temperature, client=options.client, head=head)
 
     teacher = connect_served(build, where, asks=asks(host), job_group=host.job_group, tokenizer=tokenizer,
                              named_vocab=named_vocab if entry.same_tokenizer else None)
