@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches.teachers.engines.names import HEAD_FIX
 from megatron_rl_patches.teachers.engines.protocol import SampleRows, ServedModel
 from megatron_rl_patches.teachers.engines.vllm_replies import (
     Reply,
@@ -32,7 +33,6 @@ NO_TOKENIZER = re.compile(r"Tokenizer not available|skip_tokenizer_init")
 # a log-prob above this (or top-k mass above e^this) is no log-probability: the server sends logits
 LOG_PROB_SLACK = 1e-3
 PROBE_IDS = [0, 0]  # id 0 exists in every vocabulary
-
 
 class VllmEngine:
     """vLLM's OpenAI-compatible server: `/v1/models`, `/v1/completions` with prompt log-probs,
@@ -97,9 +97,9 @@ class VllmEngine:
             found = MAX_LOGPROBS.search(str(refused))
             if found is None and "HTTP 404" in str(refused):  # a pooling server has no /v1/completions
                 raise ServedTeacherRefusal(f"{self.client.url} does not serve {self.path} (HTTP 404): a pooling server "
-                                           f"(--runner pooling) sends hidden states, not prompt log-probs; give "
-                                           f"ServedTeacher(head=...) the teacher's checkpoint, or serve the teacher "
-                                           f"without --runner pooling", self.client.url, sample) from None
+                                           f"(--runner pooling) sends hidden states, not prompt log-probs; {HEAD_FIX}, "
+                                           f"or serve the teacher without --runner pooling", self.client.url,
+                                           sample) from None
             if found is None:
                 raise
             limit = int(found.group(1))

@@ -20,7 +20,7 @@ from typing import Any
 
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
 from megatron_rl_patches._variables import TEACHER_API_KEY
-from megatron_rl_patches.teachers.engines.names import SERVED_ENGINES, check_engine
+from megatron_rl_patches.teachers.engines.names import SERVED_ENGINES, check_engine, in_entry_words
 from megatron_rl_patches.teachers.kinds.entry import SERVED, RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
 from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, STOP_TOKENS, is_provider, split_entry
@@ -145,12 +145,21 @@ def check(entry: TeacherEntry, facts: RunFacts) -> None:
 
 
 def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
+    """What `report` finds wrong."""
+    return report(entry, facts)[0]
+
+
+def report(entry: TeacherEntry, facts: RunFacts) -> tuple[list[str], list[str]]:
     """The server asked now, without loading anything (`ServedTeacher.check`: it answers, the
     model it serves, its max model length, k within its --max-logprobs), in bounded time; the
     tokenizer of `;tokenizer=DIR` present and the served model's (its `/tokenize` of a probe). With
     `;head=DIR`: its config.json and head tensor found (no weight read), the server's pooling task
-    answering with states of the head's hidden size, and DIR's tokenizer.json the served model's."""
-    found = []
+    answering with states of the head's hidden size, and DIR's tokenizer.json the served model's.
+    (problems, and when none: one line saying what was checked: the URL, engine, route, model.)"""
+    found: list[str] = []
+    k = "K=vocab" if facts.full_vocab else f"k={facts.k}"
+    said = f"served teacher '{redacted(entry.path)}' ({entry.engine}, {k})"
+    checked = ""
     named = None
     if entry.same_tokenizer:
         from megatron_rl_patches.teachers.named_vocab import named_vocab_size  # lazy: import cost
@@ -180,7 +189,11 @@ def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
                 (Path(head.source) / "tokenizer.json").is_file():
             named = Path(head.source)  # the head's vocabulary: its directory's tokenizer, probed below
         with ServedTeacher(entry.path, str(entry.engine), top_k=facts.k, client=settings, head=head) as teacher:
-            teacher.served_model(deadline)  # with a head: the pooling task answers, at the head's width
+            model = teacher.served_model(deadline)  # with a head: the pooling task answers, at the head's width
+            checked = (f"{said}: answers, serves {model.name!r} (max model length {model.max_model_len}); route: "
+                       + ("prompt log-probs, k within its --max-logprobs" if head is None else
+                          f"hidden states through the head of {entry.head} ({head.vocab_size} x {head.hidden_size}, "
+                          f"{str(head.dtype).removeprefix('torch.')}), the pooling task at width {head.hidden_size}"))
             if named is not None:  # the served model's tokenizer is the one the entry names
                 # lazy: optional dependency tokenizers (a served teacher of another tokenizer only)
                 from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
@@ -188,9 +201,10 @@ def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
                 whose = f"';{TOKENIZER}{entry.tokenizer}'" if entry.tokenizer is not None else f"';{HEAD}{entry.head}'"
                 probe_tokenizer(teacher, load_tokenizer(str(named), whose), "its tokenizer",
                                 f"the tokenizer {whose} names", deadline)
+                checked += f"; its tokenizer the one {whose} names"
     except (ValueError, TypeError, RuntimeError, ImportError, OSError) as exc:  # ServedTeacherError: a RuntimeError
-        found.append(f"{TEACHERS}: served teacher '{entry.path}' ({entry.engine}, k={facts.k}) fails its check: {exc}")
-    return found
+        found.append(f"{TEACHERS}: {said} fails its check: {in_entry_words(str(exc))}")
+    return found, [] if found or not checked else [checked]
 
 
 def planned_head(directory: str) -> Any:
@@ -213,4 +227,5 @@ def build(entry: TeacherEntry, host: Any, options: Any) -> Any:
     return build_served(entry, host, options)
 
 
-KIND = TeacherKind(SERVED, FORM, recognizes=recognizes, parse=parse, check=check, problems=problems, build=build)
+KIND = TeacherKind(SERVED, FORM, recognizes=recognizes, parse=parse, check=check, problems=problems, report=report,
+                   build=build)
