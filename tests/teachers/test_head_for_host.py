@@ -14,10 +14,7 @@ from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tin
 from megatron_rl_patches.testing.multirank import run_multirank
 from tests.teachers.local_servers import url_of, vllm_like
 
-pytestmark = pytest.mark.multirank
-
 VOCAB, WIDTH = 1001, 32  # the kit's tiny qwen3 config
-BY64 = True
 
 
 def pooling(body):
@@ -48,15 +45,14 @@ def layouts(rank: int, world_size: int, directory: str, url: str) -> dict:
             out[f"entry tp={tp}"] = shapes(teacher.head)
             out[f"entry tp={tp} group"] = teacher.head.tp_group is group
             teacher.close()
-            host = megatron_host(parallel_state, VOCAB, make_vocab_size_divisible_by=64) if BY64 else None
-            if host is None:
-                continue
+            host = megatron_host(parallel_state, VOCAB, make_vocab_size_divisible_by=64)
             (teacher,) = build_teachers(entry, host, top_k=4)
             out[f"entry tp={tp} by 64"] = shapes(teacher.head)
             teacher.close()
     return out
 
 
+@pytest.mark.multirank
 def test_a_head_is_padded_and_cut_as_the_hosts_student_at_one_and_two_ranks(tmp_path):
     write_tiny_checkpoint(tmp_path / "teacher", tiny_hf_config("qwen3"), seed=1)
     with vllm_like(pooling=pooling) as server:
@@ -72,3 +68,25 @@ def test_a_head_is_padded_and_cut_as_the_hosts_student_at_one_and_two_ranks(tmp_
         # the host's own padding (--make-vocab-size-divisible-by 64): 1024 at TP=1, 1024 at TP=2 (64 x 2)
         assert out["entry tp=1 by 64"] == ((1024, WIDTH), 1024, 0, VOCAB), out
         assert out["entry tp=2 by 64"] == ((512, WIDTH), 1024, 512 * rank, VOCAB), out
+
+
+@pytest.mark.parametrize("padded", [128, 1024])
+def test_a_head_larger_than_the_hosts_padded_vocabulary_is_refused_naming_both(tmp_path, padded):
+    from megatron_rl_patches.teachers import LoopHost
+    from megatron_rl_patches.teachers.host_head import head_for_host
+
+    write_tiny_checkpoint(tmp_path / "teacher", tiny_hf_config("qwen3"), seed=1)
+    host = LoopHost(vocab_size=100, padded_vocab_size=padded)
+    if padded == 128:
+        with pytest.raises(ValueError, match=r"entry X: the teacher head of .* has 1001 vocabulary rows, more than "
+                                             r"the student's padded vocabulary of 128"):
+            head_for_host(str(tmp_path / "teacher"), host, "entry X")
+    else:
+        assert head_for_host(str(tmp_path / "teacher"), host, "entry X").weight.shape == (1024, WIDTH)
+
+
+def test_a_hosts_padding_below_its_vocabulary_is_refused():
+    from megatron_rl_patches.teachers import LoopHost
+
+    with pytest.raises(ValueError, match="padded_vocab_size=64"):
+        LoopHost(vocab_size=100, padded_vocab_size=64)
