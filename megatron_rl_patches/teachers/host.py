@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from megatron_rl_patches._args import positive_int
+
 TeacherPass = Callable[[Any, Any], Any]  # (teacher, TeacherBatch) -> BatchScores
 
 
@@ -73,8 +75,6 @@ def megatron_host(parallel_state: Any, vocab_size: int, teacher_pass: TeacherPas
     `--make-vocab-size-divisible-by`, default 128) and sharded over the tensor-parallel group: a
     `;head=DIR` teacher built for this host holds the same rows on each rank."""
     import torch.distributed as dist  # lazy: import cost: torch only when a host with groups is built
-
-    from megatron_rl_patches._args import positive_int
 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("megatron_host: megatron-core's parallel_state is not initialized: call "
