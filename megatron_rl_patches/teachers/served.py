@@ -15,6 +15,7 @@ from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.client_settings import ClientSettings
+from megatron_rl_patches.teachers.context_key import context_key
 from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.engines.names import check_engine, engine_class
 from megatron_rl_patches.teachers.engines.protocol import SampleRows, ServedModel
@@ -36,12 +37,15 @@ class ServedTeacher:
     """A teacher at `url` (http(s)://host:port) served by `engine`, scoring its own `top_k`
     buckets per row (K within the server's limit: vLLM's `--max-logprobs`, default 20). Engines
     score at temperature 1 whatever is asked: another `temperature` is refused. `client` sets the
-    timeouts, deadline, retries, bounds, API key variable and CA bundle (`ClientSettings`)."""
+    timeouts, deadline, retries, bounds, API key variable and CA bundle (`ClientSettings`).
+    `context`: the key of each sample's privileged context in the teacher step
+    (`TeacherStep.send(batch, contexts={KEY: ...})`): it scores them before the student's response."""
 
     def __init__(self, url: str, engine: str = "vllm", top_k: int = 20, *, model: str | None = None,
                  temperature: float = 1.0, client: ClientSettings | None = None,
                  head: TeacherHead | str | os.PathLike[str] | None = None,
-                 hidden_dtype: torch.dtype | None = None) -> None:
+                 hidden_dtype: torch.dtype | None = None, context: str | None = None) -> None:
+        self.context = context_key(context, "ServedTeacher(context=...)")
         self.head = hidden_head(head, engine)
         self.engine_name = check_engine(engine)
         self.top_k = positive_int("ServedTeacher(top_k=...)", top_k, " (the teacher's buckets per row)")

@@ -48,7 +48,8 @@ def build_served(entry: TeacherEntry, host: Any, options: Any) -> Any:
     def build() -> ServedTeacher:
         head = None if entry.head is None else head_for_host(entry.head, host, where)
         return ServedTeacher(entry.path, engine=entry.engine or "vllm", top_k=options.top_k,
-                             temperature=options.temperature, client=options.client, head=head)
+                             temperature=options.temperature, client=options.client, head=head,
+                             context=entry.context)
 
     teacher = connect_served(build, where, asks=asks(host), job_group=host.job_group, tokenizer=tokenizer,
                              named_vocab=named_vocab if entry.same_tokenizer else None)

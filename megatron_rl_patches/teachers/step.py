@@ -9,9 +9,14 @@ student's forward, `collect()` after it.
 - A failure anywhere (a server down, a sample too long, an in-process teacher raising) is agreed
   over the host's `job_group`: every rank raises the same error (`ServedTeacherError` /
   `ServedTeacherRefusal`), none is left waiting in a later collective.
-- The served scores are broadcast from the asking rank to its sharing group on the group's device
-  (`ops.agreement.group_device`); a head's hidden states are projected through the head on every
-  rank after it (the head's tensor-parallel ops need every rank).
+- The served scores are broadcast from the asking rank to its sharing group as tensors on the
+  group's device (`share_tensors`: the layout first, then one flat buffer per dtype, never
+  pickled); a head's hidden states are projected through the head on every rank after it (the
+  head's tensor-parallel ops need every rank).
+
+- A teacher with a privileged context (`context=KEY`: its entry's `;context=KEY`) scores
+  `with_context(batch, its contexts)`: the contexts come with the batch
+  (`send(batch, contexts=...)`, `step_contexts`); its rows line up with the student's.
 
 `StepPlan` carries the step's top-k, temperature and invariant mode explicitly (no context
 variable): built from the teachers when not given, checked once against each of them."""
@@ -24,9 +29,11 @@ from typing import Any
 
 from megatron_rl_patches.teachers.agreement import agree_failure, distributed
 from megatron_rl_patches.teachers.batch import TeacherBatch
+from megatron_rl_patches.teachers.context_key import teacher_context
 from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.host import TeacherHost, asks
 from megatron_rl_patches.teachers.served import PendingScores, ServedTeacher
+from megatron_rl_patches.teachers.step_contexts import teacher_batches
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,7 @@ class TeacherStep:
             if not callable(getattr(teacher, "score", None)) or not hasattr(teacher, "top_k"):
                 raise TypeError(f"TeacherStep(teachers=...): teacher {i} ({type(teacher).__name__}) has no "
                                 f".score(batch) and .top_k: pass a ServedTeacher or a BatchTeacher")
+            teacher_context(teacher, i)
         for name in ("share_group", "job_group", "vocab_size", "teacher_pass"):
             if not hasattr(host, name):
                 raise TypeError(f"TeacherStep(host=...) has no {name}: pass a TeacherHost (e.g. "
@@ -87,22 +95,34 @@ class TeacherStep:
         self.host = host
         self.plan = plan_of(self.teachers, plan)
         self.batch: TeacherBatch | None = None
+        self.batches: list[TeacherBatch] = []  # per teacher: the student's batch, or its context's
+        self.failed: BaseException | None = None  # a bad context found in send(), agreed in collect()
         self.pending: dict[int, PendingScores] = {}
 
     def asks(self) -> bool:
         """Whether this rank asks the served teachers: the first rank of its sharing group."""
         return asks(self.host)
 
-    def send(self, batch: TeacherBatch) -> None:
+    def send(self, batch: TeacherBatch, contexts: Any = None) -> None:
         """Send `batch` to the served teachers (on the asking rank; at once, in the background).
-        Every rank of the sharing group passes the same batch."""
+        Every rank of the sharing group passes the same batch. `contexts`: the privileged contexts
+        of the teachers with a `context` key (`{KEY: [one per sample]}` or one `{KEY: context}`
+        mapping per sample; `step_contexts`): each such teacher scores `with_context(batch, its
+        contexts)`. A bad context is raised here in one process, else agreed in `collect()`."""
         if not isinstance(batch, TeacherBatch):
             raise TypeError(f"TeacherStep.send(batch) takes a TeacherBatch, got {type(batch).__name__}")
         if self.batch is not None:
             raise RuntimeError("TeacherStep.send: the last batch was not collected: call collect() once per send()")
+        try:
+            self.batches = teacher_batches(self.teachers, batch, contexts, self.host.vocab_size)
+        except (TypeError, ValueError) as error:
+            if self.host.job_group is None or not distributed():
+                raise
+            self.batch, self.batches, self.failed = batch, [batch] * len(self.teachers), error  # agreed in collect()
+            return
         self.batch = batch
         if self.asks():
-            self.pending = {i: teacher.submit(batch) for i, teacher in enumerate(self.teachers)
+            self.pending = {i: teacher.submit(self.batches[i]) for i, teacher in enumerate(self.teachers)
                             if isinstance(teacher, ServedTeacher)}
 
     def collect(self, projected: bool = True) -> list[Any]:
@@ -111,17 +131,16 @@ class TeacherStep:
         sample as the server sent them (full-vocabulary divergences take the states, not scores)."""
         if self.batch is None:
             raise RuntimeError("TeacherStep.collect: nothing sent: call send(batch) first")
-        batch, pending = self.batch, self.pending
-        self.batch, self.pending = None, {}
+        batches, pending, error = self.batches, self.pending, self.failed
+        self.batch, self.batches, self.pending, self.failed = None, [], {}, None
         got: dict[int, Any] = {}
-        error: BaseException | None = None
         try:
             for i, waiting in pending.items():
                 got[i] = waiting.result(projected=False)  # a head's states: projected on every rank below
             for i, teacher in enumerate(self.teachers):
-                if not isinstance(teacher, ServedTeacher):
+                if error is None and not isinstance(teacher, ServedTeacher):
                     run = self.host.teacher_pass
-                    got[i] = teacher.score(batch) if run is None else run(teacher, batch)
+                    got[i] = teacher.score(batches[i]) if run is None else run(teacher, batches[i])
         except Exception as failed:  # noqa: BLE001 - agreed over the job just below, raised on every rank
             error = failed
             for waiting in pending.values():
@@ -131,20 +150,16 @@ class TeacherStep:
         got.update(self.shared({i: got[i] for i in served if i in got}))
         if not projected:
             return [got[i] for i in range(len(self.teachers))]
-        return [self.projected(teacher, batch, got[i]) for i, teacher in enumerate(self.teachers)]
+        return [self.projected(teacher, batches[i], got[i]) for i, teacher in enumerate(self.teachers)]
 
     def shared(self, served: dict[int, Any]) -> dict[int, Any]:
-        """The asking rank's served results on every rank of its sharing group."""
+        """The asking rank's served results on every rank of its sharing group (as tensors, never pickled)."""
         group = self.host.share_group
         if group is None or not distributed() or not any(isinstance(t, ServedTeacher) for t in self.teachers):
             return served
-        import torch.distributed as dist  # lazy: import cost: torch only with a group
+        from megatron_rl_patches.teachers.share_tensors import shared_results  # lazy: import cost: torch
 
-        from megatron_rl_patches.ops.agreement import group_device
-
-        box = [served if self.asks() else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group, device=group_device(group))
-        return box[0]  # type: ignore[return-value]
+        return shared_results(served if self.asks() else None, group)
 
     def projected(self, teacher: Any, batch: TeacherBatch, got: Any) -> BatchScores:
         """A head teacher's hidden states through its head (every rank alike), else `got` as it is."""
