@@ -1,20 +1,27 @@
 """A teacher served by vLLM in a hand-written Megatron training loop, on CPU, at 1 or 2 ranks
 (tensor parallelism 2): a tiny GPTModel student learns from the served teacher's own top-k with
-their exact tail (docs/distillation.md, "Teachers served by an inference engine"); with
---in-process an in-process teacher (a frozen tiny GPTModel at the student's layout) joins it on
-the same teacher step, or stands alone without a server.
+their exact tail (docs/distillation.md, "Teachers served by an inference engine"); with --head
+from the teacher's whole vocabulary instead (a pooling server's hidden states through the
+teacher's output layer); with --in-process an in-process teacher (a frozen tiny GPTModel at the
+student's layout) joins the top-k teacher on the same teacher step, or stands alone without a server.
 
-    # vLLM's CPU build in its own venv (the Makefile's served lane builds .lanes/vllm):
-    python examples/served_teacher_loop.py --vllm-python .lanes/vllm/bin/python [--tp 2] [--steps 4]
-    # or a server you already run, of a model with the student's tokenizer and vocabulary:
-    python examples/served_teacher_loop.py --url http://teacher-node:8000 --vocab-size 1001 [--tp 2]
-    # beside it (or, without --url / --vllm-python, alone) an in-process teacher:
-    python examples/served_teacher_loop.py --vllm-python .lanes/vllm/bin/python --in-process [--tp 2]
+Run it with the package's interpreter (torch, megatron-core: `.venv/bin/python` after `make
+venv`); --vllm-python names vLLM's own (its CPU build in another venv: `make test-served` builds
+.lanes/vllm and runs this example's tests against it):
+
+    .venv/bin/python examples/served_teacher_loop.py --vllm-python .lanes/vllm/bin/python [--tp 2] [--steps 4]
+    # the whole vocabulary: the teacher served by a pooling server, its head on the trainer
+    .venv/bin/python examples/served_teacher_loop.py --vllm-python .lanes/vllm/bin/python --head [--tp 2]
+    # or a server you already run, of a model with the student's tokenizer and vocabulary (a pooling
+    # server and its Hugging Face directory with --head DIR):
+    .venv/bin/python examples/served_teacher_loop.py --url http://teacher-node:8000 --vocab-size 1001 [--tp 2]
+    # beside the top-k teacher (or, without --url / --vllm-python, alone) an in-process teacher:
+    .venv/bin/python examples/served_teacher_loop.py --vllm-python .lanes/vllm/bin/python --in-process [--tp 2]
     # (a server started with an API key: the key in $MEGATRON_RL_PATCHES_TEACHER_API_KEY)
 
 With --vllm-python the example writes a tiny random Qwen3 teacher (1001 words, its tokenizer
 beside it: it needs transformers and tokenizers) and serves it on 127.0.0.1 for the run (about a
-minute to start on CPU). Each step:
+minute to start on CPU; with --head as a pooling server). Each step:
 
 1. The served teacher is built from its entry (`build_teachers("URL;engine=vllm;same_tokenizer;
    vocab=N", host, top_k=K)`: the entry grammar of MEGATRON_RL_PATCHES_OPD_TEACHERS, connected by
@@ -35,6 +42,21 @@ minute to start on CPU). Each step:
    `vocab_size=` gives the real one, so the padding rows take no mass.
 4. The loss is `topk_kl` over the k + 1 buckets with the served tail (forward KL, teacher to
    student), then backward and an Adam step.
+
+With --head (the whole-vocabulary route), steps 1-4 become:
+
+1. The entry names the teacher's Hugging Face directory (`"URL;engine=vllm;head=DIR;same_tokenizer;
+   vocab=N"`): `build_teachers` reads its output layer for the host's student, this rank's shard of
+   the vocabulary padded as Megatron pads the student's (1001 -> 1024, halves at TP=2), and the
+   pooling server sends the teacher's final hidden states [R_i, H_t] per sample (`scores.hidden_states`).
+2. Row r of sample i is the state that predicts the token at start_i + r: it goes to the student's
+   position start_i + r - 1 of a [b, s, H_t] tensor (the same one-position shift).
+3. The student's forward runs `divergence_output_processor` with that tensor as "teacher_hidden"
+   and the head's shard (`teacher.head.weight`) as "teacher_weight": the exact divergence over the
+   whole vocabulary from both models' hidden states, tile by tile (no [T, V] logits), with the
+   gradient to the student (the states of `hidden_output_processor` are a detached copy: the
+   teacher's side only).
+4. The loss is the mean forward KL over the response rows.
 
 With --in-process, `InProcessTeacher` (any object with `.top_k` and `.score(TeacherBatch) ->
 BatchScores` serves) is the step's second teacher: `collect()` runs it on every rank (it is
@@ -64,6 +86,8 @@ LENGTHS = (12, 20, 9, 16)  # each sample's whole length (prompt + response)
 STEPS = 4
 LR = 1e-2
 PAD_TO = 128  # Megatron pads the vocabulary to a multiple of 128 x TP (make-vocab-size-divisible-by)
+# vLLM's pooling runner serving a causal LM's final hidden states per token (the --head route)
+POOLING = ("--runner", "pooling", "--convert", "embed", "--pooler-config", '{"task": "token_embed"}')
 
 warnings.filterwarnings("ignore", module="megatron")  # Apex / Transformer Engine absent on CPU (every rank)
 
@@ -80,6 +104,7 @@ class StepInputs:
     loss: torch.Tensor  # the step's loss, before backward
     vocab_size: int
     every: list = field(default_factory=list)  # every teacher's BatchScores, in the step's order
+    teacher_weight: Any = None  # --head: this rank's shard of the teacher's output layer
 
 
 def padded(vocab_size: int, tp: int) -> int:
@@ -109,6 +134,16 @@ def placed(sequences: list[torch.Tensor], starts: list[int], topk_ids: list[torc
         ids[i, rows] = served
         row_mask[i, rows] = True
     return {"tokens": tokens, "ids": ids, "row_mask": row_mask}
+
+
+def placed_states(sequences: list[torch.Tensor], starts: list[int], states: list[torch.Tensor]) -> torch.Tensor:
+    """[b, s, H_t]: sample i's served state r (the one that predicts the token at start_i + r) at
+    position start_i + r - 1, zeros elsewhere (rows the row mask leaves out)."""
+    width = max(len(ids) for ids in sequences) - 1
+    out = torch.zeros(len(sequences), width, states[0].shape[1], dtype=states[0].dtype)
+    for i, (sequence, start, rows) in enumerate(zip(sequences, starts, states)):
+        out[i, start - 1:len(sequence) - 1] = rows  # the one-position shift
+    return out
 
 
 def next_tokens(sequences: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -157,14 +192,16 @@ def student_forward(student: torch.nn.Module, tokens: torch.Tensor, **processor:
 
 
 def train(rank: int, world_size: int, url: str | None, vocab_size: int, steps: int, seed: int,
-          on_loss: Callable[[StepInputs], Any] | None = None, in_process: bool = False) -> list[dict]:
+          on_loss: Callable[[StepInputs], Any] | None = None, in_process: bool = False,
+          head: str | None = None) -> list[dict]:
     """What every rank runs: the student at tensor parallelism `world_size`, `steps` steps against
-    the server at `url` (None: none) and, with `in_process`, an in-process teacher beside it.
+    the server at `url` (None: none) and, with `in_process`, an in-process teacher beside it; with
+    `head` (the teacher's directory; `url` a pooling server) the whole-vocabulary divergence.
     Returns per step its loss, the rows scored and what `on_loss` gave."""
     from megatron.core import parallel_state
 
     import megatron_rl_patches
-    from megatron_rl_patches import topk_kl, topk_output_processor
+    from megatron_rl_patches import divergence_output_processor, topk_kl, topk_output_processor
     from megatron_rl_patches.teachers import TeacherBatch, TeacherStep, build_teachers, megatron_host
     from megatron_rl_patches.testing import megatron_cpu as kit
 
@@ -176,7 +213,7 @@ def train(rank: int, world_size: int, url: str | None, vocab_size: int, steps: i
         host = megatron_host(parallel_state, vocab_size)  # the tensor-parallel group shares, the job agrees
         # built from its entry through its kind, connected by each group's asking rank (the server's
         # tokenizer is the student's: the entry says so and names the vocabulary)
-        entry = f"{url};engine=vllm;same_tokenizer;vocab={vocab_size}"
+        entry = f"{url};engine=vllm;same_tokenizer;vocab={vocab_size}" + (f";head={head}" if head else "")
         teachers: list[Any] = [] if url is None else build_teachers(entry, host, top_k=K)
         for teacher in teachers:
             stack.callback(teacher.close)
@@ -192,7 +229,19 @@ def train(rank: int, world_size: int, url: str | None, vocab_size: int, steps: i
             step_teachers.send(samples)  # asked now, on the first rank of each tensor-parallel group
             every = step_teachers.collect()  # here before the forward: the teachers' ids are the forward's input
             losses = []
-            for scores in every:  # each teacher's own ids scored by the student
+            if head is not None:  # the whole vocabulary: the served states through the teacher's head
+                (scores,) = every
+                inputs = placed(sequences, samples.response_starts, scores.topk_ids)  # tokens and row mask
+                rows = inputs["row_mask"]
+                weight = teachers[0].head.weight  # this rank's shard, at the student's padded layout
+                processor = divergence_output_processor(divergence="forward_kl", vocab_size=vocab_size)
+                divergence = student_forward(student, inputs["tokens"], output_processor=processor,
+                                             output_processor_context={
+                                                 "teacher_hidden": placed_states(sequences, samples.response_starts,
+                                                                                 scores.hidden_states),
+                                                 "teacher_weight": weight, "row_mask": rows})
+                losses.append(divergence[rows].mean())
+            for scores in every if head is None else []:  # each teacher's own ids scored by the student
                 inputs = placed(sequences, samples.response_starts, scores.topk_ids)
                 processor = topk_output_processor(vocab_size=vocab_size)  # scores the context's ids
                 out = student_forward(student, inputs["tokens"], output_processor=processor,
@@ -203,7 +252,8 @@ def train(rank: int, world_size: int, url: str | None, vocab_size: int, steps: i
                                       torch.cat(scores.tail_log_probs).float(), divergence="forward_kl").mean())
             loss = torch.stack(losses).mean()
             checked = None if on_loss is None else on_loss(
-                StepInputs(step, student, inputs["tokens"], samples, every[0], loss.detach(), vocab_size, every))
+                StepInputs(step, student, inputs["tokens"], samples, every[0], loss.detach(), vocab_size, every,
+                           None if head is None else teachers[0].head.weight))
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -212,10 +262,13 @@ def train(rank: int, world_size: int, url: str | None, vocab_size: int, steps: i
 
 
 def main(url: str | None, vocab_size: int, tp: int = 1, steps: int = STEPS, seed: int = 0,
-         on_loss: Callable[[StepInputs], Any] | None = None, in_process: bool = False) -> list[dict]:
+         on_loss: Callable[[StepInputs], Any] | None = None, in_process: bool = False,
+         head: str | None = None) -> list[dict]:
     """Train at tensor parallelism `tp` (1 or 2 gloo ranks) against the server at `url` and, with
-    `in_process`, an in-process teacher (alone where `url` is None); returns rank 0's records (every
-    rank computes the same loss). `on_loss` must be importable (it runs in the ranks)."""
+    `in_process`, an in-process teacher (alone where `url` is None); with `head` (the teacher's
+    Hugging Face directory, `url` its pooling server) the whole-vocabulary divergence instead of
+    top-k. Returns rank 0's records (every rank computes the same loss). `on_loss` must be
+    importable (it runs in the ranks)."""
     from megatron_rl_patches.testing.multirank import run_multirank
 
     for name, value, low in (("tp", tp, 1), ("steps", steps, 1), ("seed", seed, 0), ("vocab_size", vocab_size, K)):
@@ -227,7 +280,10 @@ def main(url: str | None, vocab_size: int, tp: int = 1, steps: int = STEPS, seed
         raise TypeError(f"in_process must be True or False, got {in_process!r}")
     if url is None and not in_process:
         raise ValueError("no teacher: pass a server's url, or in_process=True (an in-process teacher alone)")
-    ranks = run_multirank(train, tp, url, vocab_size, steps, seed, on_loss, in_process, timeout=600)
+    if head is not None and (url is None or in_process or not isinstance(head, str) or not head):
+        raise ValueError(f"head={head!r}: the whole-vocabulary route takes the teacher's Hugging Face directory (a "
+                         "str) beside its pooling server's url, without in_process")
+    ranks = run_multirank(train, tp, url, vocab_size, steps, seed, on_loss, in_process, head, timeout=600)
     return ranks[0]
 
 
@@ -242,11 +298,12 @@ def tiny_teacher(directory: str, vocab_size: int) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    teachers = [f"a served teacher's top-{K} + tail"] * (args.url is not None) + \
-        [f"an in-process teacher's top-{K} + tail"] * args.in_process
+    served = "a served teacher's whole vocabulary (its head)" if args.head else f"a served teacher's top-{K} + tail"
+    teachers = [served] * (args.url is not None) + [f"an in-process teacher's top-{K} + tail"] * args.in_process
     print(f"student GPT (vocab {args.vocab_size}, padded to {padded(args.vocab_size, args.tp)}) at TP={args.tp}, "
           f"{' and '.join(teachers)}, {len(LENGTHS)} samples a step, Adam lr {LR}")
-    records = main(args.url, args.vocab_size, args.tp, args.steps, args.seed, in_process=args.in_process)
+    records = main(args.url, args.vocab_size, args.tp, args.steps, args.seed, in_process=args.in_process,
+                   head=args.head or None)
     print(f"{'step':>4}  {'loss':>8}  {'rows':>4}")
     for record in records:
         print(f"{record['step']:>4}  {record['loss']:>8.4f}  {record['rows']:>4}")
@@ -259,20 +316,30 @@ if __name__ == "__main__":
     where.add_argument("--url", help="a running server of a model with the student's tokenizer")
     where.add_argument("--vllm-python", help="vLLM's interpreter: serve a tiny teacher for the run")
     parser.add_argument("--in-process", action="store_true", help="an in-process teacher beside (or instead of) it")
+    parser.add_argument("--head", nargs="?", const="", default=None, metavar="DIR",
+                        help="the whole vocabulary: a pooling server's hidden states through the teacher's head (with "
+                             "--url: its Hugging Face directory DIR; with --vllm-python: the example's own teacher)")
     parser.add_argument("--vocab-size", type=int, default=1001, help="the teacher's (and student's) vocabulary")
     parser.add_argument("--tp", type=int, default=1, choices=(1, 2))
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--seed", type=int, default=0)
     cli = parser.parse_args()
+    if cli.head is not None and cli.in_process:
+        parser.error("--head is the served teacher's whole vocabulary: run it without --in-process")
     if cli.vllm_python is None:
         if cli.url is None and not cli.in_process:
             parser.error("name a teacher: --url, --vllm-python or --in-process")
+        if cli.head == "":
+            parser.error("--head DIR: with --url, name the served teacher's Hugging Face directory")
         run(cli)
     else:
         from megatron_rl_patches.testing.vllm_server import vllm_server
 
         with tempfile.TemporaryDirectory() as root:
             tiny_teacher(os.path.join(root, "teacher"), cli.vocab_size)
-            with vllm_server(cli.vllm_python, os.path.join(root, "teacher"), os.path.join(root, "vllm.log")) as server:
+            if cli.head is not None:  # the example's own teacher, served by a pooling server
+                cli.head = os.path.join(root, "teacher")
+            with vllm_server(cli.vllm_python, os.path.join(root, "teacher"), os.path.join(root, "vllm.log"),
+                             extra=POOLING if cli.head else ()) as server:
                 cli.url = server.url
                 run(cli)

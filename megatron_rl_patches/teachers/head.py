@@ -127,6 +127,8 @@ class TeacherHead:
         every rank's checkpoint is compared (config.json and a few rows of the output layer: the
         same error on every rank, naming each rank's directory, when they differ)."""
         rank, size = group_position(tp_group)
+        if make_vocab_size_divisible_by is None and tp_group is not None:  # a one-rank group pads too
+            make_vocab_size_divisible_by = MEGATRON_DIVISOR
         plan, error = local_error(lambda: HeadPlan.of(path, dtype, make_vocab_size_divisible_by, size, rank))
         match: dict[str, Any] = {}
         if plan is not None:
@@ -180,7 +182,7 @@ class HeadPlan:
         wanted = head_dtype(dtype, config, entry)
         if divisible_by is not None:
             divisible_by = positive_int("TeacherHead.from_hf(make_vocab_size_divisible_by=...)", divisible_by)
-        padded = padded_vocab(vocab, divisible_by or (MEGATRON_DIVISOR if size > 1 else 1), size)
+        padded = padded_vocab(vocab, divisible_by or 1, size)
         rows = padded // size
         fingerprint = checkpoint_fingerprint(config.fields, entry) if fingerprinted else ""
         return cls(config.root, entry, vocab, hidden, padded, rank * rows, rows, wanted,

@@ -13,6 +13,9 @@ student's vocabulary and, optionally, how an in-process teacher's pass runs.
 - `student_pass` (optional): the host's own pass of the student's current model over a
   `TeacherBatch` -> per sample its logits [R_i, V] on the response rows: the live self-teacher's
   (`student;context=KEY`, `teachers.self_teacher`), run under no grad, no copy of the weights.
+- `tp_group`, `padded_vocab_size` (optional): the student's tensor-parallel group and its padded
+  vocabulary (the rows of its output layer over that group): a teacher head built from a `;head=DIR`
+  entry is cut and padded to the student's layout (None: the whole head, unpadded).
 
 `TeacherHost` is the protocol; `LoopHost` a plain one; `megatron_host` builds one from
 megatron-core's parallel_state for a hand-written Megatron loop (the module passed in: this
@@ -22,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from megatron_rl_patches._args import positive_int
 
 TeacherPass = Callable[[Any, Any], Any]  # (teacher, TeacherBatch) -> BatchScores
 
@@ -45,6 +50,8 @@ class LoopHost:
     teacher_pass: TeacherPass | None = None
     build_teacher: Callable[[Any, Any], Any] | None = None
     student_pass: Callable[[Any], Any] | None = None
+    tp_group: Any = None
+    padded_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 1:
@@ -59,21 +66,33 @@ class LoopHost:
         if self.build_teacher is not None and not callable(self.build_teacher):
             raise TypeError(f"LoopHost(build_teacher=...) must be a callable (entry, options) -> teacher or None, "
                             f"got {type(self.build_teacher).__name__}")
+        padded = self.padded_vocab_size
+        if padded is not None and (isinstance(padded, bool) or not isinstance(padded, int)
+                                   or padded < self.vocab_size):
+            raise ValueError(f"LoopHost(padded_vocab_size={padded!r}): pass the rows of the student's output layer "
+                             f"over its tensor-parallel group, an int >= vocab_size ({self.vocab_size}), or None")
 
 
 def megatron_host(parallel_state: Any, vocab_size: int, teacher_pass: TeacherPass | None = None, *,
-                  context_parallel: bool = True) -> LoopHost:
+                  context_parallel: bool = True, make_vocab_size_divisible_by: int = 128) -> LoopHost:
     """The host of a hand-written Megatron loop from megatron-core's `parallel_state` module (pass
     it: `from megatron.core import parallel_state`; initialized first): the tensor (and context,
-    unless `context_parallel=False`) -parallel group shares, the whole world agrees."""
+    unless `context_parallel=False`) -parallel group shares, the whole world agrees. The student's
+    vocabulary is padded as Megatron-LM pads it (`make_vocab_size_divisible_by` x TP, its
+    `--make-vocab-size-divisible-by`, default 128) and sharded over the tensor-parallel group: a
+    `;head=DIR` teacher built for this host holds the same rows on each rank."""
     import torch.distributed as dist  # lazy: import cost: torch only when a host with groups is built
 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("megatron_host: megatron-core's parallel_state is not initialized: call "
                            "initialize_model_parallel(...) first, or use local_host() without a distributed job")
+    divisor = positive_int("megatron_host(make_vocab_size_divisible_by=...)", make_vocab_size_divisible_by)
     share = (parallel_state.get_tensor_and_context_parallel_group() if context_parallel
              else parallel_state.get_tensor_model_parallel_group())
-    return LoopHost(vocab_size, share, dist.group.WORLD, teacher_pass)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    multiple = divisor * dist.get_world_size(tp_group)
+    padded = -(-vocab_size // multiple) * multiple if isinstance(vocab_size, int) and vocab_size > 0 else None
+    return LoopHost(vocab_size, share, dist.group.WORLD, teacher_pass, tp_group=tp_group, padded_vocab_size=padded)
 
 
 def asks(host: TeacherHost) -> bool:

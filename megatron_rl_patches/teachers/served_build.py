@@ -1,5 +1,6 @@
 """The served kind's framework-free builder (`build_served`): a `ServedTeacher` from its entry
-(`URL;engine=vllm`, `;head=DIR` for hidden states through the teacher's head), connected on the
+(`URL;engine=vllm`, `;head=DIR` for hidden states through the teacher's head, cut and padded for the
+host's student: `host_head`), connected on the
 host's asking rank (the first rank of its sharing group): the server answers, K within its limit,
 its tokenizer the student's (probed with the student's tokenizer, or the entry's
 `;same_tokenizer;vocab=N` for a server without one; with `;head=DIR` too, N must be the head's
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl_patches.teachers.host import asks
+from megatron_rl_patches.teachers.host_head import head_for_host
 from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
 from megatron_rl_patches.teachers.named_vocab import check_head_vocab, named_vocab_size
 from megatron_rl_patches.teachers.redaction import redacted
@@ -46,8 +48,9 @@ def build_served(entry: TeacherEntry, host: Any, options: Any) -> Any:
 
     def build() -> ServedTeacher:
         named = named_vocab_size(entry, where) if entry.same_tokenizer and entry.head is not None else None
+        head = None if entry.head is None else head_for_host(entry.head, host, where)
         teacher = ServedTeacher(entry.path, engine=entry.engine or "vllm", top_k=options.top_k,
-                                temperature=options.temperature, client=options.client, head=entry.head,
+                                temperature=options.temperature, client=options.client, head=head,
                                 context=entry.context)
         if named is not None and teacher.head is not None:
             try:

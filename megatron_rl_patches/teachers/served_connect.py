@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_rl_patches.teachers.agreement import agree_failure
+from megatron_rl_patches.teachers.engines.names import in_entry_words
 from megatron_rl_patches.teachers.named_vocab import check_named_vocab
 from megatron_rl_patches.teachers.tokenizer_probe import probe_tokenizer
 
@@ -52,4 +53,4 @@ def agree_at_load(error: BaseException | None, where: str, job_group: Any) -> No
     try:
         agree_failure(error, job_group)
     except Exception as agreed:
-        raise ValueError(f"{where}: {agreed}") from agreed
+        raise ValueError(f"{where}: {in_entry_words(str(agreed))}") from agreed

@@ -88,3 +88,39 @@ def test_no_teacher_is_refused_before_any_world_starts(example):
     with pytest.raises(ValueError, match="no teacher: pass a server's url, or in_process=True"):
         example.main(None, 1001)
     assert not torch.distributed.is_initialized()
+
+
+def test_each_served_state_sits_where_megatron_predicts_its_token(example):
+    """--head: sample i's state r (predicting the token at start_i + r) at position start_i + r - 1."""
+    sequences = [torch.arange(10, 16), torch.arange(20, 24)]
+    starts = [2, 3]
+    states = [torch.arange(4.0)[:, None].expand(4, 3) + 1, torch.full((1, 3), 9.0)]
+    out = example.placed_states(sequences, starts, states)
+    assert out.shape == (2, 5, 3)
+    assert torch.equal(out[0, 1:5], states[0]) and torch.equal(out[1, 2], states[1][0])
+    assert not out[0, 0].any() and not out[1, [0, 1, 3, 4]].any()
+
+
+@pytest.mark.parametrize("kwargs", [{"url": None, "in_process": True}, {"in_process": True}, {"head": ""},
+                                    {"head": 3}])
+def test_a_head_without_its_server_or_beside_in_process_is_refused(example, kwargs):
+    arguments = {"url": "http://127.0.0.1:9", "vocab_size": 1001, "head": "/models/teacher", **kwargs}
+    with pytest.raises(ValueError, match="the whole-vocabulary route takes the teacher's Hugging Face directory"):
+        example.main(**arguments)
+    assert not torch.distributed.is_initialized()
+
+
+def test_the_readme_runs_the_example_with_the_package_venv_and_says_how_the_lane_is_built():
+    """`python examples/served_teacher_loop.py` with a system Python has no torch: every command line
+    of the example (README, docs, its docstring) names `.venv/bin/python`, and the README says how
+    `.lanes/vllm` is built (a rule of the Makefile)."""
+    import re
+
+    root = EXAMPLE.parents[1]
+    texts = {path: path.read_text() for path in [root / "README.md", *sorted((root / "docs").glob("*.md")), EXAMPLE]}
+    runs = [(path.name, m.group(0)) for path, text in texts.items()
+            for m in re.finditer(r"[\w./-]*python[\w.]* examples/served_teacher_loop\.py", text)]
+    assert len(runs) >= 4 and all(run.startswith(".venv/bin/python ") for _, run in runs), runs
+    makefile = (root / "Makefile").read_text()
+    assert "VLLM_LANE = .lanes/vllm" in makefile and "VLLM_STAMP = $(VLLM_LANE)/.installed" in makefile
+    assert "make .lanes/vllm/.installed" in texts[root / "README.md"]

@@ -23,7 +23,7 @@ from megatron_rl_patches.integrations.slime.roles import DEFAULT_INFERENCE_ROLES
 from megatron_rl_patches.patching import check_settings, env, registry
 from megatron_rl_patches.patching.startup import files as startup_files
 from megatron_rl_patches.patching.startup import hook
-from megatron_rl_patches.teachers.kinds import RunFacts, entry_problems
+from megatron_rl_patches.teachers.kinds import RunFacts, entry_report
 from megatron_rl_patches.teachers.redaction import redacted, refuse_userinfo
 
 # Installed distributions `doctor` reports. megatron-core, an optional extra, also gets its own
@@ -154,9 +154,11 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
                           if name.startswith(OPD_PREFIX)}
     if environment["variables"].get(TEACHER_API_KEY):  # a secret: whether it is set, never its value
         environment["variables"][TEACHER_API_KEY] = KEY_SET
+    environment["teachers_checked"] = []
     try:
         check_settings()  # the frameworks' own variables, as `run` and slime_opd check them
-        problems += teacher_problems()
+        found, environment["teachers_checked"] = teacher_report()
+        problems += found
     except ValueError as exc:
         problems.append(str(exc))
     try:  # verl's served teacher is read where verl runs (httpx, torch); its URL's user refused here too
@@ -187,17 +189,24 @@ def opd_selection_problems(environment: dict[str, Any]) -> list[str]:
             f"COMMAND ...` (which selects every patch when {env.SELECT} is unset)"]
 
 
-def teacher_problems() -> list[str]:
+def teacher_report() -> tuple[list[str], list[str]]:
     """What slime_opd's teachers (MEGATRON_RL_PATCHES_OPD_TEACHERS) would fail on at load time,
     found now by each entry's kind (`teachers.kinds`) without loading anything: a path's files (a
     path that does not exist, a hub cache folder, a checkpoint's file instead of its directory, a
     Hugging Face directory the converter refuses, a `;tokenizer=own` teacher without its
     tokenizer.json), a served teacher's server (it answers, its model and max model length, k
-    within its --max-logprobs: `ServedTeacher.check`, in bounded time)."""
+    within its --max-logprobs: `ServedTeacher.check`, in bounded time); beside the problems, what
+    was checked and held (a served teacher's URL, engine, route and model)."""
     settings = opd_settings()
     if settings is None:
-        return []
-    return entry_problems(settings.teachers, RunFacts(ids_from=settings.ids_from, k=settings.k))
+        return [], []
+    return entry_report(settings.teachers, RunFacts(ids_from=settings.ids_from, k=settings.k,
+                                                    full_vocab=bool(settings.full_vocab)))
+
+
+def teacher_problems() -> list[str]:
+    """What `teacher_report` finds wrong."""
+    return teacher_report()[0]
 
 
 def collect() -> dict[str, Any]:
@@ -306,6 +315,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"  selected for start-up: {selects}")
     lines.append(f"  strict: {_show(e['strict'])}; allow untested: {_show(e['allow_untested'])}; "
                  f"inference roles: {_roles(e) or '-'}")
+    lines += [f"  checked: {checked}" for checked in e.get("teachers_checked", [])]
     s = report["startup"]
     lines.append("start-up files:")
     lines += [f"  {f['path']}" + ("" if f["ours"] else " (NOT OURS)") for f in s["files"]] or ["  none installed"]

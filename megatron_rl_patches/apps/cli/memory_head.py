@@ -22,10 +22,10 @@ def head_row(path: str, tp: int, dtype: str | None) -> dict[str, Any]:
     import torch
 
     # lazy: import cost: the head's plan imports torch
-    from megatron_rl_patches.teachers.head import HeadPlan
+    from megatron_rl_patches.teachers.head import MEGATRON_DIVISOR, HeadPlan
 
-    try:
-        plan = HeadPlan.of(path, dtype, None, tp, 0, fingerprinted=False)
+    try:  # padded as from_hf(tp_group=...) pads it: the student's layout, at TP=1 too
+        plan = HeadPlan.of(path, dtype, MEGATRON_DIVISOR, tp, 0, fingerprinted=False)
     except (TypeError, ValueError, FileNotFoundError) as exc:
         raise UsageError(f"--head {path}: {exc}") from None
     element = torch.empty((), dtype=plan.dtype).element_size()
@@ -39,7 +39,7 @@ def head_table(rows: list[dict[str, Any]]) -> str:
                        [[r["head"], r["tensor"], str(r["tp"]), f"{r['rows_per_rank']:,}", str(r["hidden_size"]),
                          r["dtype"], human_bytes(r["bytes_per_rank"])] for r in rows], numeric=True, rule=False)
     return table + ("\n\nper rank of the student's tensor-parallel group: the vocabulary padded as the student's "
-                    "(a multiple of 128 x TP when TP > 1) and cut into TP shards of V_padded / TP rows x H")
+                    "(a multiple of 128 x TP) and cut into TP shards of V_padded / TP rows x H")
 
 
 def run_with_heads(args: argparse.Namespace, plan: Callable[[argparse.Namespace], int] | None) -> int:

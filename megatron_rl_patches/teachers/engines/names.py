@@ -48,3 +48,13 @@ def engine_class(engine: str) -> type[ServedEngine]:
     module, _, name = where.partition(":")
     cls: type[ServedEngine] = getattr(importlib.import_module(module), name)
     return cls
+
+# the fix a pooling server's refusal of prompt log-probs names (`ServedTeacher`'s words); where the
+# teacher comes from an entry of the teacher grammar, the entry's own option is named instead
+HEAD_FIX = "give ServedTeacher(head=...) the teacher's checkpoint"
+ENTRY_HEAD_FIX = "add ';head=DIR' (the teacher's Hugging Face directory) to the entry"
+
+
+def in_entry_words(message: str) -> str:
+    """A served teacher's refusal as an entry's check says it: the entry's option for the fix."""
+    return message.replace(HEAD_FIX, ENTRY_HEAD_FIX)

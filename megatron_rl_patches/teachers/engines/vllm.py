@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches.teachers.engines.names import HEAD_FIX
 from megatron_rl_patches.teachers.engines.protocol import SampleRows, ServedModel
 from megatron_rl_patches.teachers.engines.vllm_replies import (
     Reply,
@@ -42,7 +43,6 @@ def behind_router(url: str, what: str) -> str:
             f"card (no max_model_len) and passes neither vLLM's token-id prompts (/v1/completions: 422) nor /pooling "
             f"or /tokenize (404); give the engine replicas' own URLs joined by '|' (http://a:8000|http://b:8000;"
             f"engine=vllm): the client spreads the samples over them and survives a dead or slow one")
-
 
 class VllmEngine:
     """vLLM's OpenAI-compatible server: `/v1/models`, `/v1/completions` with prompt log-probs,
@@ -115,9 +115,9 @@ class VllmEngine:
                                            self.client.url, sample) from None
             if found is None and "HTTP 404" in str(refused):  # a pooling server has no /v1/completions
                 raise ServedTeacherRefusal(f"{self.client.url} does not serve {self.path} (HTTP 404): a pooling server "
-                                           f"(--runner pooling) sends hidden states, not prompt log-probs; give "
-                                           f"ServedTeacher(head=...) the teacher's checkpoint, or serve the teacher "
-                                           f"without --runner pooling", self.client.url, sample) from None
+                                           f"(--runner pooling) sends hidden states, not prompt log-probs; {HEAD_FIX}, "
+                                           f"or serve the teacher without --runner pooling", self.client.url,
+                                           sample) from None
             if found is None:
                 raise
             limit = int(found.group(1))

@@ -51,10 +51,23 @@ def entry_problems(entries: tuple[TeacherEntry, ...], facts: RunFacts) -> list[s
     return [problem for entry in entries for problem in kind_named(entry.kind).problems(entry, facts)]
 
 
+def entry_report(entries: tuple[TeacherEntry, ...], facts: RunFacts) -> tuple[list[str], list[str]]:
+    """`entry_problems` and, beside them, what each entry's kind checked that held (`doctor`: a
+    served teacher's server, its route)."""
+    problems: list[str] = []
+    checked: list[str] = []
+    for entry in entries:
+        kind = kind_named(entry.kind)
+        found, held = kind.report(entry, facts) if kind.report is not None else (kind.problems(entry, facts), [])
+        problems += found
+        checked += held
+    return problems, checked
+
+
 def forms() -> str:
     """How entries are written, one kind per clause (errors, --help)."""
     return "; ".join(kind.form for kind in KINDS)
 
 
 __all__ = ["KINDS", "REGISTRY", "TEACHERS", "RunFacts", "TeacherEntry", "TeacherKind", "check_entries",
-           "entry_problems", "forms", "kind_named", "parse_entries", "parse_entry"]
+           "entry_problems", "entry_report", "forms", "kind_named", "parse_entries", "parse_entry"]

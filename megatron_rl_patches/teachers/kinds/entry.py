@@ -76,9 +76,10 @@ class RunFacts:
     """What a kind's checks read of the run: the temperature every teacher scores at (None: not
     known, as in `doctor`) and the setting it comes from as errors name it (`temperature_from`,
     e.g. slime's "--rollout-temperature"), whose top-k ids make the buckets, and k
-    (MEGATRON_RL_PATCHES_OPD_K)."""
+    (MEGATRON_RL_PATCHES_OPD_K; `full_vocab`: MEGATRON_RL_PATCHES_OPD_K=vocab, k then unused)."""
 
     temperature: float | None = None
     ids_from: str = "student"
     k: int = 16
+    full_vocab: bool = False
     temperature_from: str = "the rollout temperature"

@@ -27,8 +27,9 @@ class TeacherKind:
     for errors and --help), `recognizes` (whether a stripped entry is its own: the first row of
     the table that says so parses it), `parse` (the entry -> its record; ValueError naming the
     entry), `check` (against the run, before anything loads; ValueError naming the entry and the
-    setting), `problems` (what loading it would fail on, found by `doctor` without loading) and
-    `build` ((entry, host, options) -> the teacher, framework-free; None: a kind loaded in process,
+    setting), `problems` (what loading it would fail on, found by `doctor` without loading),
+    `report` (where a kind asks something: its problems and what it checked that held, for `doctor`)
+    and `build` ((entry, host, options) -> the teacher, framework-free; None: a kind loaded in process,
     which the host builds: `teachers.build.build_teachers`)."""
 
     name: str
@@ -37,4 +38,5 @@ class TeacherKind:
     parse: Callable[[str], TeacherEntry]
     check: Callable[[TeacherEntry, RunFacts], None] = no_check
     problems: Callable[[TeacherEntry, RunFacts], list[str]] = no_problems
+    report: Callable[[TeacherEntry, RunFacts], tuple[list[str], list[str]]] | None = None
     build: Callable[[TeacherEntry, Any, Any], Any] | None = None

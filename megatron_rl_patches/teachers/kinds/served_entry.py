@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
-from megatron_rl_patches.teachers.engines.names import SERVED_ENGINES, check_engine
+from megatron_rl_patches.teachers.engines.names import SERVED_ENGINES, check_engine, in_entry_words
 from megatron_rl_patches.teachers.kinds.entry import SERVED, RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
 from megatron_rl_patches.teachers.kinds.options import (
@@ -161,15 +161,23 @@ def check(entry: TeacherEntry, facts: RunFacts) -> None:
 
 
 def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
+    """What `report` finds wrong."""
+    return report(entry, facts)[0]
+
+
+def report(entry: TeacherEntry, facts: RunFacts) -> tuple[list[str], list[str]]:
     """The server asked now, without loading anything (`ServedTeacher.check`: it answers, the
     model it serves, its max model length, k within its --max-logprobs), in bounded time; the
     tokenizer of `;tokenizer=DIR` present and the served model's (its `/tokenize` of a probe). With
     `;head=DIR`: its config.json and head tensor found (no weight read), the server's pooling task
     answering with states of the head's hidden size, and DIR's tokenizer.json the served model's.
     Replicas (URLs joined by '|'): each checked so, then all of them as one teacher (the same
-    model, tokenizer and width on each)."""
-    found = []
-    named = named_size = None
+    model, tokenizer and width on each). (problems, and when none: one line per check saying what
+    was checked: the URL, engine, route, model.)"""
+    found: list[str] = []
+    k = "K=vocab" if facts.full_vocab else f"k={facts.k}"
+    named: Path | None = None
+    named_size = None
     if entry.same_tokenizer:
         from megatron_rl_patches.teachers.named_vocab import named_vocab_size  # lazy: import cost
 
@@ -185,19 +193,23 @@ def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
             found.append(f"{TEACHERS}: teacher '{entry.path}' names ';{TOKENIZER}{entry.tokenizer}', which is neither "
                          "a tokenizer.json nor a directory holding one on this machine")
     urls = entry.path.split("|")
-    failed = False
+    checked: list[str] = []
+    said = f"served teacher '{redacted(entry.path)}'"
     for url in urls:  # each replica on its own, then (several, all answering) the replicas as one teacher
-        which = "" if len(urls) == 1 else f" replica '{url}'"
-        failed |= served_problem(found, entry, url, facts, named, which)
-    if len(urls) > 1 and not failed:
-        served_problem(found, entry, entry.path, facts, named, f" (its {len(urls)} replicas as one teacher)")
-    return found
+        which = "" if len(urls) == 1 else f" replica '{redacted(url)}'"
+        line = served_problem(found, entry, url, facts, named, named_size, f"{said}{which} ({entry.engine}, {k})")
+        checked += [] if line is None else [line]
+    if len(urls) > 1 and len(checked) == len(urls):
+        line = served_problem(found, entry, entry.path, facts, named, named_size,
+                              f"{said} (its {len(urls)} replicas as one teacher) ({entry.engine}, {k})")
+        checked += [] if line is None else [line]
+    return found, [] if found else checked
 
 
 def served_problem(found: list[str], entry: TeacherEntry, url: str, facts: RunFacts, named: Path | None,
-                   which: str) -> bool:
-    """The server(s) at `url` asked as `problems` says, within doctor's bounds; a problem appended
-    to `found` (naming `which` replica) and True when the check fails."""
+                   named_size: int | None, said: str) -> str | None:
+    """The server(s) at `url` asked as `report` says, within doctor's bounds: what was checked, or
+    None with a problem (starting with `said`) appended to `found`."""
     try:
         # lazy: optional dependency httpx (the served client, imported by served teachers only)
         from megatron_rl_patches.teachers.client_settings import ClientSettings
@@ -216,7 +228,11 @@ def served_problem(found: list[str], entry: TeacherEntry, url: str, facts: RunFa
                 (Path(head.source) / "tokenizer.json").is_file():
             named = Path(head.source)  # the head's vocabulary: its directory's tokenizer, probed below
         with ServedTeacher(url, str(entry.engine), top_k=facts.k, client=settings, head=head) as teacher:
-            teacher.served_model(deadline)  # with a head: the pooling task answers, at the head's width
+            model = teacher.served_model(deadline)  # with a head: the pooling task answers, at the head's width
+            checked = (f"{said}: answers, serves {model.name!r} (max model length {model.max_model_len}); route: "
+                       + ("prompt log-probs, k within its --max-logprobs" if head is None else
+                          f"hidden states through the head of {entry.head} ({head.vocab_size} x {head.hidden_size}, "
+                          f"{str(head.dtype).removeprefix('torch.')}), the pooling task at width {head.hidden_size}"))
             if named is not None:  # the served model's tokenizer is the one the entry names
                 # lazy: optional dependency tokenizers (a served teacher of another tokenizer only)
                 from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
@@ -224,11 +240,11 @@ def served_problem(found: list[str], entry: TeacherEntry, url: str, facts: RunFa
                 whose = f"';{TOKENIZER}{entry.tokenizer}'" if entry.tokenizer is not None else f"';{HEAD}{entry.head}'"
                 probe_tokenizer(teacher, load_tokenizer(str(named), whose), "its tokenizer",
                                 f"the tokenizer {whose} names", deadline)
+                checked += f"; its tokenizer the one {whose} names"
     except (ValueError, TypeError, RuntimeError, ImportError, OSError) as exc:  # ServedTeacherError: a RuntimeError
-        found.append(f"{TEACHERS}: served teacher '{entry.path}'{which} ({entry.engine}, k={facts.k}) fails its "
-                     f"check: {exc}")
-        return True
-    return False
+        found.append(f"{TEACHERS}: {said} fails its check: {in_entry_words(str(exc))}")
+        return None
+    return checked
 
 
 def planned_head(directory: str) -> Any:
@@ -251,4 +267,5 @@ def build(entry: TeacherEntry, host: Any, options: Any) -> Any:
     return build_served(entry, host, options)
 
 
-KIND = TeacherKind(SERVED, FORM, recognizes=recognizes, parse=parse, check=check, problems=problems, build=build)
+KIND = TeacherKind(SERVED, FORM, recognizes=recognizes, parse=parse, check=check, problems=problems, report=report,
+                   build=build)

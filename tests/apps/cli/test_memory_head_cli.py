@@ -45,9 +45,10 @@ def _tp2_heads(rank, world, root):
 def test_bytes_equal_the_loaded_heads(heads, capsys):
     untied, tied = str(heads / "untied"), str(heads / "tied")
     rows = _json(["--head", untied, "--head", tied], capsys)["teacher_heads"]
-    assert [r["bytes_per_rank"] for r in rows] == [TeacherHead.from_hf(untied).nbytes,
-                                                   TeacherHead.from_hf(tied).nbytes]
-    assert rows[0]["bytes_per_rank"] == 1001 * 32 * 4 and rows[0]["tensor"] == "lm_head.weight"
+    # TP=1: padded as the student's vocabulary (1001 -> 1024, a multiple of 128), as from_hf(tp_group=...) pads it
+    assert [r["bytes_per_rank"] for r in rows] == [TeacherHead.from_hf(untied, make_vocab_size_divisible_by=128).nbytes,
+                                                   TeacherHead.from_hf(tied, make_vocab_size_divisible_by=128).nbytes]
+    assert rows[0]["bytes_per_rank"] == 1024 * 32 * 4 and rows[0]["tensor"] == "lm_head.weight"
     assert rows[1]["tensor"] == "model.embed_tokens.weight"  # tied: the embedding is the head
     # TP=2: the vocabulary padded to 1024 (a multiple of 128 x 2), 512 rows per rank
     per_rank = run_multirank(_tp2_heads, 2, str(heads), timeout=300)

@@ -29,3 +29,16 @@ def student_log_softmax(inputs) -> torch.Tensor:
         parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, logits.contiguous(), group=group)
     return torch.log_softmax(torch.cat(parts, dim=-1)[..., :inputs.vocab_size].double(), dim=-1)
+
+
+def teacher_log_softmax(states: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, V] float64: a served teacher's states [R, H_t] through its head (this rank's shard
+    `weight`, gathered over the tensor-parallel ranks), log-softmaxed over the real vocabulary."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(weight) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, weight.contiguous(), group=group)
+    whole = torch.cat(parts)[:vocab_size].double()
+    return torch.log_softmax(states.double() @ whole.T, dim=-1)

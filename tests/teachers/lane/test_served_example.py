@@ -120,3 +120,58 @@ def test_an_in_process_teacher_beside_the_served_one_at_one_and_two_ranks(served
         for record in records:
             assert record["checked"]["teachers"] == 2 and not record["checked"]["same_ids"]  # two teachers' own ids
             assert abs(record["loss"] - record["checked"]["reference"]) <= TOLERANCE, record
+
+
+def float64_head(inputs) -> dict:
+    """`on_loss` of the whole-vocabulary route (`--head`): the step's forward KL recomputed in
+    float64 over the real vocabulary from the student's whole logits and the served states through
+    the teacher's whole head; sample i's state r read at position start_i + r - 1, and (the negative
+    control) the states one position off."""
+    from tests.teachers.lane.example_kit import teacher_log_softmax
+
+    rows = student_log_softmax(inputs)
+    kl: dict[str, list[torch.Tensor]] = {"reference": [], "shifted": []}
+    for i, start in enumerate(inputs.samples.response_starts):
+        teacher = teacher_log_softmax(inputs.scores.hidden_states[i], inputs.teacher_weight, inputs.vocab_size)
+        for name, at in (("reference", start - 1), ("shifted", start - 2)):
+            student = rows[i, at:at + teacher.shape[0]]
+            kl[name].append((teacher.exp() * (teacher - student)).sum(-1))
+    return {name: float(torch.cat(values).mean()) for name, values in kl.items()} | {
+        "loss": float(inputs.loss), "rows": tuple(inputs.teacher_weight.shape)}
+
+
+@pytest.fixture(scope="module")
+def head_runs(pooled, example):
+    return {tp: example.main(pooled.url, VOCAB, tp=tp, steps=2, on_loss=float64_head, head=str(pooled.directory))
+            for tp in (1, 2)}
+
+
+def test_the_whole_vocabulary_route_at_one_and_two_ranks_against_float64(head_runs):
+    """`main(url, ..., head=DIR)` against the lane's pooling server: the served states through the
+    teacher's head (this rank's shard at the student's padded layout: 1024 rows, 512 at TP=2) in
+    `divergence_output_processor`; each step's loss the float64 forward KL over the whole
+    vocabulary, the same at TP=1 and TP=2, and states one position off miss it."""
+    runs = head_runs
+    for tp, records in runs.items():
+        for record in records:
+            checked = record["checked"]
+            assert checked["rows"] == (1024 // tp, 64), checked
+            assert abs(record["loss"] - checked["reference"]) <= TOLERANCE, (tp, record)
+            assert abs(checked["shifted"] - checked["reference"]) > 10 * TOLERANCE, (tp, record)
+        print(f"TP={tp} --head: the loss vs float64 over the whole vocabulary: max |error| "
+              f"{max(abs(r['loss'] - r['checked']['reference']) for r in records):.1e}")
+    for one, two in zip(runs[1], runs[2]):
+        assert one["loss"] == pytest.approx(two["loss"], abs=1e-5)
+    assert runs[1][0]["loss"] != runs[1][1]["loss"]  # the optimizer moved the student
+
+
+def test_the_whole_vocabulary_script_runs_as_pasted_serving_its_own_teacher(head_runs):
+    """The README's `.venv/bin/python examples/served_teacher_loop.py --vllm-python ... --head --tp 2`
+    in a fresh interpreter: its own pooling server of the same tiny teacher, the same loss."""
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "served_teacher_loop.py"), "--vllm-python", VLLM_PYTHON,
+                           "--head", "--tp", "2", "--steps", "1"], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "whole vocabulary" in proc.stdout, proc.stdout
+    table = [line.split() for line in proc.stdout.splitlines() if re.match(r"\s+\d+\s", line)]
+    assert [float(row[1]) for row in table] == pytest.approx([head_runs[2][0]["loss"]], abs=1e-4)
