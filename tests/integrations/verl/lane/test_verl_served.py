@@ -84,14 +84,16 @@ def manager(loss_mode: str = "forward_kl_topk", topk: int = K, client: object = 
     return AsyncTeacherLLMServerManager(config, {"default": client})
 
 
-def agent_loop_rows(teacher_client: object, prompt: list[int], response: list[int]) -> tuple:
-    """verl's agent-loop worker's own call (`AgentLoopWorker._compute_teacher_logprobs`) on one sample."""
+def agent_loop_rows(teacher_client: object, prompt: list[int], response: list[int], fields: dict | None = None) -> tuple:
+    """verl's agent-loop worker's own call (`AgentLoopWorker._compute_teacher_logprobs`) on one sample
+    (`fields`: the sample's non-tensor batch fields)."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
     worker = object.__new__(AgentLoopWorker)  # its __init__ starts servers: only what this method reads
     worker.distillation_enabled, worker.teacher_key, worker.teacher_server_manager = True, "data_source", teacher_client
     output = types.SimpleNamespace(multi_modal_data=None, mm_processor_kwargs=None, extra_fields={})
-    asyncio.run(worker._compute_teacher_logprobs(output, prompt_ids=prompt, response_ids=response, validate=False))
+    asyncio.run(worker._compute_teacher_logprobs(output, prompt_ids=prompt, response_ids=response, validate=False,
+                                                 sample_kwargs=fields))
     return output.extra_fields["teacher_ids"], output.extra_fields["teacher_logprobs"]
 
 
@@ -282,3 +284,49 @@ def test_refusals_name_the_variable_and_the_server(entry, monkeypatch):
     client = manager()
     with pytest.raises(ValueError, match=rf"{VARIABLE}: a served teacher scores token ids only.*\['images'\]"):
         asyncio.run(client.compute_teacher_logprobs_single(prompt + response, multi_modal_data={"images": [1]}))
+
+
+def response_rows(model, context: list[int], response: list[int]) -> torch.Tensor:
+    """transformers' float64 rows predicting the response after `context` ([R, V])."""
+    return reference(model, context + response)[len(context) - 1:]
+
+
+def test_a_privileged_context_from_verls_non_tensor_field_is_scored_before_the_response(served, verl_cpu,
+                                                                                       monkeypatch):
+    """`;context=hint`: the response's rows are the teacher's on hint + response (ids from verl's
+    non-tensor row, or text through `;tokenizer=DIR`), exact against transformers' float64; the
+    prompt's rows zeros. Controls: the rows without the context, and with it rolled by one
+    token, miss by far more than the bound."""
+    import numpy as np
+
+    monkeypatch.setenv("MEGATRON_RL_PATCHES_TEACHER_API_KEY", API_KEY)
+    monkeypatch.setenv(VARIABLE, f"{served.url};engine=vllm;context=hint;tokenizer={served.directory}")
+    megatron_rl_patches.apply(only="verl_topk_kd")
+    client = manager()
+    gen = torch.Generator().manual_seed(9)
+    for (prompt, response), as_text in zip(samples(3), (False, True)):
+        hint = torch.randint(1, VOCAB, (6,), generator=gen).tolist()
+        value = np.array(" ".join(f"t{i}" for i in hint), dtype=object) if as_text else np.array(hint)
+        ids, log_probs = agent_loop_rows(client, prompt, response, {"hint": value, "data_source": "x"})
+        first = len(prompt) - 1
+        assert ids.shape == (len(prompt) + len(response), K)
+        assert not ids[:first].any() and not log_probs[:first].any() and not ids[-1].any()
+        scored, chosen = log_probs[first:-1].double(), ids[first:-1].long()
+        error = (scored - response_rows(served.model, hint, response).gather(1, chosen)).abs().max().item()
+        no_context = (scored - response_rows(served.model, prompt, response).gather(1, chosen)).abs().max().item()
+        rolled = (scored - response_rows(served.model, hint[1:] + hint[:1], response).gather(1, chosen)).abs().max()
+        print(f"verl privileged context ({'text' if as_text else 'ids'}): {error:.2e}; controls: no context "
+              f"{no_context:.2e}, rolled {rolled.item():.2e}")
+        assert error < 1e-4 and no_context > 1e-2 and rolled.item() > 1e-2
+
+
+def test_a_privileged_context_past_the_servers_max_model_len_is_refused_before_sending(served, verl_cpu,
+                                                                                      monkeypatch):
+    monkeypatch.setenv("MEGATRON_RL_PATCHES_TEACHER_API_KEY", API_KEY)
+    monkeypatch.setenv(VARIABLE, f"{served.url};engine=vllm;context=hint")
+    megatron_rl_patches.apply(only="verl_topk_kd")
+    prompt, response = samples(4)[0]
+    with pytest.raises(ServedTeacherRefusal, match=r"max model length 256"):
+        agent_loop_rows(manager(), prompt, response, {"hint": [5] * MAX_MODEL_LEN})
+    with pytest.raises(ValueError, match=r"prompt of 5 ids .*no non-tensor batch field 'hint'"):
+        agent_loop_rows(manager(), prompt, response, {"data_source": "x"})
