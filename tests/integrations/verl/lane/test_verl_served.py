@@ -84,7 +84,8 @@ def manager(loss_mode: str = "forward_kl_topk", topk: int = K, client: object = 
     return AsyncTeacherLLMServerManager(config, {"default": client})
 
 
-def agent_loop_rows(teacher_client: object, prompt: list[int], response: list[int], fields: dict | None = None) -> tuple:
+def agent_loop_rows(teacher_client: object, prompt: list[int], response: list[int],
+                    fields: dict | None = None) -> tuple:
     """verl's agent-loop worker's own call (`AgentLoopWorker._compute_teacher_logprobs`) on one sample
     (`fields`: the sample's non-tensor batch fields)."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
