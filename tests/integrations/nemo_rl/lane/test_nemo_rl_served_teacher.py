@@ -226,6 +226,6 @@ def test_a_privileged_context_past_the_servers_max_model_len_is_refused_before_s
 
     url, _ = served
     policy = served_teacher_policy(url, top_k=K, context="hint")
-    long = [[5] * (250 if i == 2 else 3) for i in range(kit.BATCH)]
+    long = [[5] * (300 if i == 2 else 3) for i in range(kit.BATCH)]  # sample 2: 300 + its 4 response ids
     with pytest.raises(ServedTeacherRefusal, match=r"sample 2 has \d+ ids, over .* max model length 256"):
         _get_topk_logits(policy, K, hint=long)

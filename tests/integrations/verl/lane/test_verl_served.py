@@ -182,9 +182,9 @@ def float64_reference(student: torch.Tensor, references: list) -> tuple[torch.Te
     expected, start = [], 0
     for teacher, ids, first in references:
         scored = len(ids) - 1  # the last row is verl's dummy: no loss
-        read = torch.arange(scored) >= first  # a privileged teacher's rows: the response's only
-        expected += [torch.where(read, float64_loss(student64[start:start + scored], teacher.gather(1, ids[:-1]),
-                                                    ids[:-1]), 0.0),
+        read = slice(first, scored)  # a privileged teacher's rows: the response's only (no loss before)
+        expected += [torch.zeros(first, dtype=torch.float64),
+                     float64_loss(student64[start:start + scored][read], teacher[read].gather(1, ids[read]), ids[read]),
                      torch.zeros(1, dtype=torch.float64)]
         start += len(ids)
     loss = torch.cat(expected)
