@@ -14,6 +14,9 @@ from typing import Any
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.teachers.kinds import kind_named, parse_entry
 from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
+from megatron_rl_patches.teachers.redaction import refuse_userinfo
+
+ENTRIES = "build_teachers(entries=...)"
 
 
 @dataclass(frozen=True)
@@ -36,8 +39,10 @@ class BuildOptions:
 
 
 def entries_of(entries: str | Sequence[str | TeacherEntry]) -> list[TeacherEntry]:
-    """A comma-separated string, or a list of entry strings / parsed entries, as parsed entries."""
+    """A comma-separated string, or a list of entry strings / parsed entries, as parsed entries; a
+    user or password in a URL refused before anything splits the string or an entry."""
     if isinstance(entries, str):
+        refuse_userinfo(entries, ENTRIES)
         pieces: list[str | TeacherEntry] = [piece for piece in entries.split(",") if piece.strip()]
     elif isinstance(entries, Sequence) and not isinstance(entries, bytes):
         pieces = list(entries)
@@ -52,6 +57,7 @@ def entries_of(entries: str | Sequence[str | TeacherEntry]) -> list[TeacherEntry
         if isinstance(piece, TeacherEntry):
             parsed.append(piece)
         elif isinstance(piece, str):
+            refuse_userinfo(piece, ENTRIES)
             parsed.append(parse_entry(piece))
         else:
             raise TypeError(f"build_teachers(entries=...): an entry is a str or a TeacherEntry, got "

@@ -13,6 +13,8 @@ from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.engines.vllm_pooling import EMBED_DTYPES
 from megatron_rl_patches.teachers.head import TeacherHead
 
+# the dtypes a model's hidden states travel in exactly (the default: the checkpoint's own among them)
+LOSSLESS = (torch.float32, torch.bfloat16, torch.float16)
 # engines whose hidden states are not served yet, and why
 HIDDEN_NOT_SERVED = {"sglang": "SGLang's hidden states (/generate with return_hidden_states) stay refused until a test "
                                "runs against a real SGLang server (its server does not run on this project's CPUs)"}
@@ -46,15 +48,15 @@ def head_temperature(temperature: object, top_k: int, head: TeacherHead) -> floa
 
 
 def states_dtype(dtype: object, head: TeacherHead) -> torch.dtype:
-    """The dtype the hidden states travel in: `dtype`, else the head's checkpoint's (the served
-    model's, lossless), float32 where that is none of vLLM's embed dtypes."""
+    """The dtype the hidden states travel in: `dtype` (fp8 only when asked: lossy), else the head's
+    checkpoint's (the served model's, lossless), float32 where that is not float32 / bf16 / fp16."""
     if dtype is not None:
         if dtype not in EMBED_DTYPES:
             raise ValueError(f"ServedTeacher(hidden_dtype=...) must be one of {[str(d) for d in EMBED_DTYPES]} or "
                              f"None (the head's checkpoint's dtype), got {dtype!r}")
         return dtype
     own = head.checkpoint_dtype
-    return own if own in EMBED_DTYPES else torch.float32
+    return own if own in LOSSLESS else torch.float32
 
 
 def check_given_ids(ids: object, batch: TeacherBatch, vocab_size: int) -> list[torch.Tensor] | None:

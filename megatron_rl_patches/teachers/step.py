@@ -9,9 +9,10 @@ student's forward, `collect()` after it.
 - A failure anywhere (a server down, a sample too long, an in-process teacher raising) is agreed
   over the host's `job_group`: every rank raises the same error (`ServedTeacherError` /
   `ServedTeacherRefusal`), none is left waiting in a later collective.
-- The served scores are broadcast from the asking rank to its sharing group on the group's device
-  (`ops.agreement.group_device`); a head's hidden states are projected through the head on every
-  rank after it (the head's tensor-parallel ops need every rank).
+- The served scores are broadcast from the asking rank to its sharing group as tensors on the
+  group's device (`share_tensors`: the layout first, then one flat buffer per dtype, never
+  pickled); a head's hidden states are projected through the head on every rank after it (the
+  head's tensor-parallel ops need every rank).
 
 - A teacher with a privileged context (`context=KEY`: its entry's `;context=KEY`) scores
   `with_context(batch, its contexts)`: the contexts come with the batch
@@ -152,17 +153,13 @@ class TeacherStep:
         return [self.projected(teacher, batches[i], got[i]) for i, teacher in enumerate(self.teachers)]
 
     def shared(self, served: dict[int, Any]) -> dict[int, Any]:
-        """The asking rank's served results on every rank of its sharing group."""
+        """The asking rank's served results on every rank of its sharing group (as tensors, never pickled)."""
         group = self.host.share_group
         if group is None or not distributed() or not any(isinstance(t, ServedTeacher) for t in self.teachers):
             return served
-        import torch.distributed as dist  # lazy: import cost: torch only with a group
+        from megatron_rl_patches.teachers.share_tensors import shared_results  # lazy: import cost: torch
 
-        from megatron_rl_patches.ops.agreement import group_device
-
-        box = [served if self.asks() else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group, device=group_device(group))
-        return box[0]  # type: ignore[return-value]
+        return shared_results(served if self.asks() else None, group)
 
     def projected(self, teacher: Any, batch: TeacherBatch, got: Any) -> BatchScores:
         """A head teacher's hidden states through its head (every rank alike), else `got` as it is."""

@@ -22,7 +22,9 @@ from megatron_rl_patches.teachers.engines.vllm_pooling import VllmPoolingEngine
 from megatron_rl_patches.teachers.http_client import TeacherClient
 
 URL = "http://127.0.0.1:9"
-NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+         torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def engine(width: int, dtype: torch.dtype = torch.float32) -> VllmPoolingEngine:
@@ -78,6 +80,28 @@ def test_every_non_finite_row_is_found_and_finite_extremes_pass():
     assert torch.equal(engine(8, torch.bfloat16).rows(reply(half), 9, 1, 0), half[:8])
 
 
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+def test_fp8_states_are_decoded_as_vllm_encodes_them(dtype):
+    """vLLM 0.32 writes fp8 as `tensor.to(dtype)` viewed as uint8, one byte a value (endianness moot):
+    decoded bit for bit; the request names vLLM's embed_dtype; e4m3fn saturates at +-448 in that cast,
+    e5m2 overflows to an infinity (refused naming the row), a NaN byte is refused in both."""
+    states = torch.randn(9, 8, generator=torch.Generator().manual_seed(4)) * 3
+    sent = states.to(dtype)
+    rows = engine(8, dtype).rows(reply(sent, offset=3), 9, 2, 0)
+    assert rows.dtype == dtype and torch.equal(rows.view(torch.uint8), sent[1:8].view(torch.uint8))
+    assert engine(8, dtype).body(SimpleNamespace(name="m"), [1, 2])["embed_dtype"] == NAMES[dtype]
+    big = states.index_fill(0, torch.tensor([4]), 1e6).to(dtype)
+    if dtype == torch.float8_e4m3fn:
+        assert engine(8, dtype).rows(reply(big), 9, 1, 0)[4].float().eq(448).all()
+    else:
+        with pytest.raises(ServedTeacherError, match="row 3 \\(position 4\\) is not finite"):
+            engine(8, dtype).rows(reply(big), 9, 2, 0)
+    nan = sent.clone()
+    nan.view(torch.uint8)[6, 2] = 0x7F  # a NaN in both formats
+    with pytest.raises(ServedTeacherError, match="row 5 \\(position 6\\) is not finite"):
+        engine(8, dtype).rows(reply(nan), 9, 2, 0)
+
+
 def test_a_truncated_body_is_refused():
     good = reply(torch.ones(9, 8))
     cut = SimpleNamespace(headers=good.headers, content=good.content[:-4])
@@ -95,6 +119,8 @@ def head():
 
 
 def test_hidden_state_teacher_arguments_are_named(head, tmp_path):
+    from megatron_rl_patches.teachers import TeacherHead
+
     with pytest.raises(ValueError, match="SGLang's hidden states .*return_hidden_states.* stay refused"):
         ServedTeacher(URL, "sglang", head=head)
     with pytest.raises(ValueError, match="temperature=...\\) must be a finite number > 0"):
@@ -109,6 +135,12 @@ def test_hidden_state_teacher_arguments_are_named(head, tmp_path):
         ServedTeacher(URL, head=tmp_path / "nowhere")
     teacher = ServedTeacher(URL, head=head, top_k=49, temperature=0.7)  # any K of the vocabulary, any temperature
     assert teacher.temperature == 0.7 and teacher.engine.dtype == torch.float32
+    for dtype in FP8:  # asked only: never the default, even for a checkpoint that names fp8
+        assert ServedTeacher(URL, head=head, hidden_dtype=dtype).engine.dtype == dtype
+        fp8_named = TeacherHead(head.weight, 50, 50, 0, source="test", checkpoint_dtype=dtype)
+        assert ServedTeacher(URL, head=fp8_named).engine.dtype == torch.float32
+    bf16_named = TeacherHead(head.weight, 50, 50, 0, source="test", checkpoint_dtype=torch.bfloat16)
+    assert ServedTeacher(URL, head=bf16_named).engine.dtype == torch.bfloat16  # the model's own: exact
     assert ServedTeacher(URL, head=head, model="b").engine.model == "b"  # the model asked of a server of several
 
 

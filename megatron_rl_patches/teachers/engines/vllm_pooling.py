@@ -20,8 +20,11 @@ from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeache
 from megatron_rl_patches.teachers.http_client import Deadline, TeacherClient
 
 SERVE_POOLING = "--runner pooling --convert embed --pooler-config '{\"task\": \"token_embed\"}'"
-# the values a pooling reply travels as (vLLM's embed_dtype names), lossless for a model of that dtype
-EMBED_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# the values a pooling reply travels as (vLLM's embed_dtype names, vllm/utils/serial_utils.py): the
+# first three lossless for a model of that dtype; fp8 one byte a value (the server casts with torch:
+# e4m3fn saturates at +-448, e5m2 overflows to an infinity, refused below)
+EMBED_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+                torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 
 class VllmPoolingEngine(VllmEngine):
@@ -110,8 +113,10 @@ class VllmPoolingEngine(VllmEngine):
         states = torch.frombuffer(needed, dtype=self.dtype).reshape(length - start, width) if needed \
             else torch.zeros(0, width, dtype=self.dtype)
         # one sum first (a NaN or an infinity makes it non-finite; finite values may overflow it, so
-        # only a non-finite sum pays for the row-by-row check): 8x less time on large replies
-        bad = (~torch.isfinite(states)).any(dim=1).nonzero() if not torch.isfinite(states.sum()) else states[:0, 0]
+        # only a non-finite sum pays for the row-by-row check): 8x less time on large replies. fp8
+        # (no sum on the CPU) is checked through float16, which holds every fp8 value exactly
+        checked = states.to(torch.float16) if size == 1 else states
+        bad = (~torch.isfinite(checked)).any(dim=1).nonzero() if not torch.isfinite(checked.sum()) else states[:0, 0]
         if bad.numel():
             raise refuse(f"the hidden state of row {int(bad[0])} (position {start - 1 + int(bad[0])}) is not finite")
         return states

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
-from megatron_rl_patches._variables import TEACHER_API_KEY
 from megatron_rl_patches.teachers.engines.names import SERVED_ENGINES, check_engine
 from megatron_rl_patches.teachers.kinds.entry import SERVED, RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
@@ -30,7 +29,7 @@ from megatron_rl_patches.teachers.kinds.options import (
     is_provider,
     split_entry,
 )
-from megatron_rl_patches.teachers.redaction import has_userinfo, redacted
+from megatron_rl_patches.teachers.redaction import redacted, refuse_userinfo
 from megatron_rl_patches.teachers.tokenizer_probe import SAME_TOKENIZER, probe_tokenizer
 
 FORM = ("http(s)://host:port;engine=vllm (a teacher served by vLLM; ;tokenizer=DIR for another tokenizer; "
@@ -64,11 +63,8 @@ def check_url_head(entry: str, head: str) -> str:
 
 
 def parse(entry: str) -> TeacherEntry:
+    refuse_userinfo(entry, f"{TEACHERS} entry")  # on the raw text: a password may hold ';', ',', '@', ...
     said = redacted(entry)  # what every message shows of the entry
-    if has_userinfo(entry):  # on the raw text: a password may hold ';', '#', '/' or '@'
-        raise ValueError(f"{TEACHERS} entry {said!r}: the URL carries a user or password "
-                         f"('user:pass@'), which would be printed wherever the entry is (doctor, logs): drop it and "
-                         f"put the API key in {TEACHER_API_KEY} (sent as a bearer token)")
     head, options = split_entry(entry)
     url = check_url_head(entry, head.strip())
     context, options = context_option(said, options)
