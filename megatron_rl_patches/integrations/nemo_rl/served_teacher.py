@@ -24,6 +24,14 @@ With a head and `full_vocabulary=True` (`served_teacher_policy(url, head=DIR, fu
 token s + 1, zeros elsewhere): NeMo-RL ships them to the student workers with the batch, and
 within `served_teacher_in_setup` the loss `setup()` builds is `WholeVocabularyDistillationLossFn`,
 the whole-vocabulary divergence through the teacher's head there (`vocab_kd`).
+
+With `context=KEY` (`served_teacher_policy(url, context=KEY, tokenizer=...)`) the teacher is
+privileged: for each sample it scores NeMo-RL's batch field KEY (one entry per sample: ids, or
+text tokenized by the teacher's `tokenizer`) followed by the sample's response ids
+(`teachers.with_context`), its rows (and hidden states) placed at the student's response
+positions. A missing field, a missing sample, text without a tokenizer, ids past the teacher's
+vocabulary, or a sample past the server's max model length is refused naming the sample and the
+key, before anything is sent (the driver is one process: nothing to agree).
 """
 # lazy imports: optional dependency nemo_rl
 from __future__ import annotations
@@ -38,9 +46,12 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches.integrations.context_fields import field_contexts, tokenizer_vocab
+from megatron_rl_patches.integrations.nemo_rl.rollout_contexts import ROLLOUTS, remembering
 from megatron_rl_patches.integrations.nemo_rl.vocab_kd import STATES, WholeVocabularyDistillationLossFn
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.client_settings import ClientSettings
+from megatron_rl_patches.teachers.context import with_context
 from megatron_rl_patches.teachers.head import TeacherHead
 from megatron_rl_patches.teachers.served import ServedTeacher
 
@@ -51,9 +62,11 @@ NEMO_RL_TOPK = 64
 class ServedTeacherPolicy:
     """NeMo-RL's teacher-policy calls (`get_topk_logits`, `prepare_for_lp_inference`,
     `offload_after_refit`) answered by `teacher`, a `ServedTeacher` whose `top_k` is NeMo-RL's
-    `distillation.topk_logits_k`. Runs in NeMo-RL's driver process (no process group)."""
+    `distillation.topk_logits_k`. Runs in NeMo-RL's driver process (no process group). A teacher
+    with a `context` key scores each sample's batch field of that name before its response;
+    `tokenizer` (the teacher's) reads text contexts."""
 
-    def __init__(self, teacher: ServedTeacher, full_vocabulary: bool = False) -> None:
+    def __init__(self, teacher: ServedTeacher, full_vocabulary: bool = False, tokenizer: Any = None) -> None:
         if not isinstance(teacher, ServedTeacher):
             raise TypeError(f"ServedTeacherPolicy(teacher=...) takes a megatron_rl_patches.teachers.ServedTeacher, "
                             f"got {type(teacher).__name__}")
@@ -68,8 +81,13 @@ class ServedTeacherPolicy:
                              "student workers re-read it from its source (the loss WholeVocabularyDistillationLossFn("
                              "head=DIR)), and this TeacherHead has none (built by hand); pass head=DIR or "
                              "TeacherHead.from_hf(DIR)")
+        if tokenizer is not None and teacher.context is None:
+            raise ValueError("ServedTeacherPolicy(tokenizer=...) reads text contexts, and the teacher has no context "
+                             "key: pass served_teacher_policy(url, context=KEY, tokenizer=...) or drop tokenizer")
         self.teacher = teacher
         self.full_vocabulary = full_vocabulary
+        self.tokenizer = tokenizer
+        self.rollout_values: list[Any] | None = None  # the last rollout batch's contexts (rollout_contexts)
 
     def __repr__(self) -> str:
         return f"ServedTeacherPolicy({self.teacher!r})"
@@ -92,12 +110,12 @@ class ServedTeacherPolicy:
         `full_vocabulary`, `data` gains `teacher_hidden_states`, also in the result)."""
         self.check_k(k)
         ids, lengths, starts = rows_of(data)
-        from nemo_rl.distributed.batched_data_dict import BatchedDataDict  # lazy: optional dependency nemo_rl
-
         batch = TeacherBatch(sequences=[ids[i, :int(lengths[i])] for i in range(ids.shape[0])],
                              response_starts=starts)
+        key = self.teacher.context
+        scored = self.privileged(batch, data, key) if key is not None else batch
         with timer.time("get_topk_logits/served_teacher") if timer is not None else contextlib.nullcontext():
-            scores = self.teacher.score(batch)
+            scores = self.teacher.score(scored)
         values, indices = filler(ids.shape[0], ids.shape[1], self.teacher.top_k)
         for i, start in enumerate(starts):
             rows = batch.response_rows(i)
@@ -106,7 +124,32 @@ class ServedTeacherPolicy:
         result = {"topk_logits": values, "topk_indices": indices}
         if self.full_vocabulary:
             data[STATES] = result[STATES] = states_of(scores.hidden_states, starts, ids.shape[1])
+        from nemo_rl.distributed.batched_data_dict import BatchedDataDict  # lazy: optional dependency nemo_rl
+
         return BatchedDataDict(result)
+
+    def privileged(self, batch: TeacherBatch, data: Any, key: str) -> TeacherBatch:
+        """The teacher's batch: each sample's context (the batch field `key`) then its response ids."""
+        where = "ServedTeacherPolicy.get_topk_logits(data)"
+        values, self.rollout_values = (data[key] if key in data else self.rollout_values), None
+        if values is None:
+            raise ValueError(f"{where}: the teacher has context={key!r} and neither this batch (it has "
+                             f"{sorted(map(str, data))}) nor a rollout seen by served_teacher_in_setup holds the "
+                             "field: run distillation_train inside the served_teacher_in_setup(policy) block (its "
+                             f"rollouts read each sample's field {key!r} or extra_env_info[{key!r}])")
+        if isinstance(values, (str, bytes, torch.Tensor)) or not hasattr(values, "__len__"):
+            raise TypeError(f"{where}: data[{key!r}] must hold one context per sample (a list), got "
+                            f"{type(values).__name__}")
+        if len(values) != len(batch):
+            raise ValueError(f"{where}: data[{key!r}] holds {len(values)} contexts for a batch of {len(batch)} "
+                             "samples: give one per sample, in the batch's order")
+        head = self.teacher.head
+        vocab = head.vocab_size if head is not None else tokenizer_vocab(self.tokenizer)
+        contexts = field_contexts(list(values), key, where, self.tokenizer, vocab)
+        try:
+            return with_context(batch, contexts, vocab_size=vocab)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{where}: context {key!r}: {error}") from None
 
     def check_k(self, k: object) -> None:
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or int(k) != self.teacher.top_k:
@@ -196,15 +239,24 @@ def served_teacher_in_setup(policy: ServedTeacherPolicy, module: Any = None) -> 
         check_temperature(policy, kwargs.get("config"))
         return policy
 
+    def keep(values: list[Any]) -> None:
+        policy.rollout_values = values
+
+    key = policy.teacher.context
+    rollouts = {name: getattr(module, name) for name in ROLLOUTS if key is not None and hasattr(module, name)}
     module.Policy = build
     if policy.full_vocabulary:
         module.DistillationLossFn = build_loss
+    for name, rollout in rollouts.items():
+        setattr(module, name, remembering(rollout, key, keep))  # type: ignore[arg-type]
     try:
         yield policy
     finally:
         module.Policy = original
         if policy.full_vocabulary:
             module.DistillationLossFn = original_loss
+        for name, rollout in rollouts.items():
+            setattr(module, name, rollout)
 
 
 def check_temperature(policy: ServedTeacherPolicy, config: Any) -> None:
@@ -223,12 +275,16 @@ def check_temperature(policy: ServedTeacherPolicy, config: Any) -> None:
 def served_teacher_policy(url: str, *, engine: str = "vllm", top_k: int = NEMO_RL_TOPK,
                           head: TeacherHead | str | os.PathLike[str] | None = None, temperature: float = 1.0,
                           model: str | None = None, client: ClientSettings | None = None,
-                          full_vocabulary: bool = False) -> ServedTeacherPolicy:
+                          full_vocabulary: bool = False, context: str | None = None,
+                          tokenizer: Any = None) -> ServedTeacherPolicy:
     """NeMo-RL's distillation teacher served at `url`: `ServedTeacher(url, engine, top_k, head=...,
     temperature=..., model=..., client=...)` behind NeMo-RL's teacher-policy calls. `top_k` is
     NeMo-RL's `distillation.topk_logits_k` (default 64: serve vLLM with `--max-logprobs 64` or
     more, or a pooling server with `head=`, which serves any K and any temperature).
     `full_vocabulary=True` (with `head=`): the teacher's hidden states reach the student's loss,
-    the whole-vocabulary divergence (`WholeVocabularyDistillationLossFn`)."""
+    the whole-vocabulary divergence (`WholeVocabularyDistillationLossFn`). `context=KEY`: a
+    privileged teacher reading each sample's context from NeMo-RL's batch field KEY (ids, or text
+    through `tokenizer`, the teacher's: a tokenizers.Tokenizer, tokenizer.json or directory)."""
     return ServedTeacherPolicy(ServedTeacher(url, engine, top_k, model=model, temperature=temperature,
-                                             client=client, head=head), full_vocabulary=full_vocabulary)
+                                             client=client, head=head, context=context),
+                               full_vocabulary=full_vocabulary, tokenizer=tokenizer)

@@ -72,6 +72,17 @@ PATCHES = (
         optional=True,
         params=("self", "sequence_ids", "multi_modal_data"),
     ),
+    Patch(
+        name="verl_topk_kd",
+        target="verl.experimental.agent_loop.agent_loop:AgentLoopWorker._compute_teacher_logprobs",
+        wrapper=f"{HERE}.served:compute_teacher_logprobs_wrapper",
+        description="verl's agent-loop worker hands the sample's non-tensor fields to the served teacher "
+                    "(MEGATRON_RL_PATCHES_VERL_TEACHER with ;context=KEY: a privileged context)",
+        requires="verl",
+        versions=VERSIONS,
+        optional=True,
+        params=("self", "output", "prompt_ids", "response_ids", "validate", "sample_kwargs"),
+    ),
     _fused(ENGINE, "rows:forward_step_wrapper",
            "verl's engine forward_step notes the rows verl reads (responses, loss mask) for the fused route",
            ("self", "batch_iter", "model", "logits_processor_func", "postprocess_micro_batch_func"), optional=True),

@@ -15,10 +15,21 @@ replicas of one teacher as URLs joined by '|', spread and failed over by the cli
 server is a vLLM pooling server and the rows are its final hidden states through the teacher's
 head in the agent-loop process: any K (above --max-logprobs), only [L, K] rows in verl's batch.
 Unset, verl's own teacher replicas answer as before. verl still places and starts its own teacher
-replicas from its config (Ray): this patch changes who answers, not what verl starts."""
+replicas from its config (Ray): this patch changes who answers, not what verl starts.
+
+With `;context=KEY` the teacher is privileged: for each sample it scores the sample's non-tensor
+batch field KEY (ids, or text tokenized by the teacher's tokenizer `;tokenizer=DIR`, else the
+head's directory) followed by the student's response ids (`teachers.with_context`); verl's rows on
+the response are the teacher's on that sequence, the prompt's rows repeated zeros (read as 0, as
+verl's dummy row). verl's agent-loop worker reads the sample's fields
+(`AgentLoopWorker._compute_teacher_logprobs`, wrapped to hand them to the teacher client); a
+missing field, text without a tokenizer, ids past the vocabulary, or a sample past the server's
+max model length is refused naming the sample's prompt length and the key, before anything is
+sent."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import threading
 from typing import Any, NamedTuple
@@ -28,14 +39,18 @@ import torch
 from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches._variables import VERL_TEACHER
+from megatron_rl_patches.integrations.context_fields import field_contexts, tokenizer_vocab
 from megatron_rl_patches.teachers.batch import TeacherBatch
+from megatron_rl_patches.teachers.context import with_context
 from megatron_rl_patches.teachers.engines.names import check_engine
 from megatron_rl_patches.teachers.redaction import has_userinfo, redacted
 from megatron_rl_patches.teachers.replica_urls import SEPARATOR, replica_urls
 
-FORM = "http(s)://host:port[|http(s)://host:port...];engine=vllm[;head=DIR]"
+FORM = "http(s)://host:port[|http(s)://host:port...];engine=vllm[;head=DIR][;context=KEY[;tokenizer=DIR]]"
 _TEACHERS: dict[tuple[str, int], Any] = {}  # (entry, K) -> ServedTeacher, one per agent-loop process
 _LOCK = threading.Lock()
+# the sample verl's agent-loop worker is scoring: (prompt length, its non-tensor fields)
+SAMPLE: contextvars.ContextVar[tuple[int, dict[str, Any]] | None] = contextvars.ContextVar("verl_sample", default=None)
 
 
 class Entry(NamedTuple):
@@ -44,6 +59,8 @@ class Entry(NamedTuple):
     url: str
     engine: str
     head: str | None = None
+    context: str | None = None
+    tokenizer: str | None = None
 
 
 def parse_entry(entry: str) -> Entry:
@@ -57,6 +74,7 @@ def parse_entry(entry: str) -> Entry:
                          f"in MEGATRON_RL_PATCHES_TEACHER_API_KEY (sent as a bearer token)")
     url, *options = (part.strip() for part in entry.split(";"))
     engine = head = None
+    named: dict[str, str] = {}  # context=KEY, tokenizer=DIR
     for option in options:
         name, _, value = (part.strip() for part in option.partition("="))
         if name == "engine" and engine is None:
@@ -66,13 +84,24 @@ def parse_entry(entry: str) -> Entry:
                 raise ValueError(f"{VERL_TEACHER}={said!r}: head= names the teacher's Hugging Face directory (its "
                                  f"output layer is read where verl's agent loop runs); the form is {FORM}")
             head = value
+        elif name in ("context", "tokenizer") and name not in named:
+            if not value:
+                raise ValueError(f"{VERL_TEACHER}={said!r}: {name}= needs a value (context=KEY: the non-tensor batch "
+                                 f"field holding each sample's privileged context; tokenizer=DIR: the teacher's "
+                                 f"tokenizer for text contexts); the form is {FORM}")
+            named[name] = value
         else:
             raise ValueError(f"{VERL_TEACHER}={said!r}: option {option!r} is unknown or given twice; the form is "
                              f"{FORM}")
     if engine is None:
         raise ValueError(f"{VERL_TEACHER}={said!r}: name the engine serving it, e.g. '{url};engine=vllm'")
+    context, tokenizer = named.get("context"), named.get("tokenizer")
+    if tokenizer is not None and context is None:
+        raise ValueError(f"{VERL_TEACHER}={said!r}: tokenizer= reads text contexts and there is no context=KEY; "
+                         f"drop it or add the context's field; the form is {FORM}")
     try:
-        return Entry(SEPARATOR.join(check_url(one) for one in replica_urls(url)), check_engine(engine), head)
+        return Entry(SEPARATOR.join(check_url(one) for one in replica_urls(url)), check_engine(engine), head, context,
+                     tokenizer)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{VERL_TEACHER}={said!r}: {exc}") from None
 
@@ -84,28 +113,66 @@ def served_teacher(entry: str, k: int) -> Any:
     with _LOCK:
         teacher = _TEACHERS.get((entry, k))
         if teacher is None:
-            url, engine, head = parse_entry(entry)
-            teacher = _TEACHERS[(entry, k)] = ServedTeacher(url, engine, top_k=k, head=head)
+            read = parse_entry(entry)
+            teacher = _TEACHERS[(entry, k)] = ServedTeacher(read.url, read.engine, top_k=k, head=read.head,
+                                                            context=read.context)
         return teacher
 
 
-def verl_rows(teacher: Any, sequence_ids: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def verl_rows(teacher: Any, sequence_ids: list[int], k: int,
+              context: torch.Tensor | None = None, prompt_length: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's teacher rows of one sequence from `teacher`: ids [L, max(k, 1)] int32 and log-probs
     [L, max(k, 1)] float32, row r predicting token r + 1 (its top-k best first; k = 0: the token
-    itself and its log-prob), the last row zeros, as verl's vLLM adapter returns them."""
+    itself and its log-prob), the last row zeros, as verl's vLLM adapter returns them. With a
+    `context` the teacher scores it followed by the response (the ids from `prompt_length` on):
+    the response's rows are its, the prompt's repeated zeros."""
     ids = torch.as_tensor(list(sequence_ids), dtype=torch.long)
     if ids.ndim != 1 or len(ids) < 2:
         raise ValueError(f"{VERL_TEACHER}: a sequence of {len(ids)} ids has no row to score (verl asks for "
                          "prompt + response ids, at least 2)")
-    scores = teacher.score(TeacherBatch([ids], [1]))
+    batch = TeacherBatch([ids], [prompt_length if context is not None else 1])
+    scored = batch if context is None else with_context(batch, [context], vocab_size=teacher_vocab(teacher))
+    scores = teacher.score(scored)
+    first = batch.response_starts[0] - 1
     if k:
         top_ids, log_probs = scores.topk_ids[0], scores.topk_log_probs[0]
     else:
-        top_ids, log_probs = ids[1:, None], scores.token_log_probs[0][:, None]
+        top_ids, log_probs = ids[first + 1:, None], scores.token_log_probs[0][:, None]
     width = top_ids.shape[1]
-    dummy = torch.zeros(1, width)
-    return (torch.cat([top_ids, dummy.long()]).to(torch.int32),
-            torch.cat([log_probs.float(), dummy]))
+    before, dummy = torch.zeros(first, width), torch.zeros(1, width)
+    return (torch.cat([before.long(), top_ids, dummy.long()]).to(torch.int32),
+            torch.cat([before, log_probs.float(), dummy]))
+
+
+def teacher_vocab(teacher: Any) -> int | None:
+    """The teacher's vocabulary where the trainer knows it: its head's."""
+    head = getattr(teacher, "head", None)
+    return head.vocab_size if head is not None else None
+
+
+def sample_context(entry: Entry, sequence_ids: list[int]) -> tuple[torch.Tensor, int]:
+    """The privileged context of the sample verl's agent-loop worker is scoring, and its prompt
+    length (refusals name the key and the sample)."""
+    sample = SAMPLE.get()
+    key = entry.context
+    if sample is None:
+        raise ValueError(f"{VERL_TEACHER}: context={key!r} reads the sample's non-tensor batch fields, which verl's "
+                         "agent-loop worker (AgentLoopWorker._compute_teacher_logprobs) hands over; this call came "
+                         "from elsewhere: apply verl_topk_kd in the agent-loop process")
+    prompt_length, fields = sample
+    said = f"the sample with a prompt of {prompt_length} ids (of {len(sequence_ids)})"
+    if key not in fields:
+        raise ValueError(f"{VERL_TEACHER}: {said} has no non-tensor batch field {key!r} (context={key!r}; its fields "
+                         f"are {sorted(map(str, fields))}): put each sample's privileged context in that field")
+    tokenizer = entry.tokenizer or entry.head
+    vocab = tokenizer_vocab(tokenizer) if tokenizer is not None else None
+    try:
+        return field_contexts([fields[key]], key, VERL_TEACHER, tokenizer, vocab)[0], prompt_length
+    except (TypeError, ValueError) as error:
+        text = str(error).replace("sample 0", said)
+        if "no teacher tokenizer" in text:
+            text += f" (add ';tokenizer=DIR' to {VERL_TEACHER})"
+        raise type(error)(text) from None
 
 
 def served_k(manager: Any) -> int:
@@ -133,8 +200,11 @@ async def served_rows(manager: Any, arguments: dict[str, Any], entry: str) -> tu
     HTTP requests in a worker thread, so the agent loop's event loop keeps running)."""
     check_call(manager, arguments)
     k = served_k(manager)
+    sequence = list(arguments["sequence_ids"])
+    read = parse_entry(entry)
+    context, prompt_length = sample_context(read, sequence) if read.context is not None else (None, 1)
     teacher = served_teacher(entry, max(k, 1))
-    return await asyncio.to_thread(verl_rows, teacher, list(arguments["sequence_ids"]), k)
+    return await asyncio.to_thread(verl_rows, teacher, sequence, k, context, prompt_length)
 
 
 def compute_teacher_logprobs_single_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -147,3 +217,24 @@ def compute_teacher_logprobs_single_wrapper(wrapped: Any, instance: Any, args: t
     warn_once(f"verl_topk_kd: verl's teacher rows come from the served teacher {redacted(entry)} ({VERL_TEACHER}), "
               "not verl's teacher replicas")
     return served_rows(instance, dict(bound.arguments), entry)
+
+
+def compute_teacher_logprobs_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for `verl_topk_kd` on verl's agent-loop worker: with a `;context=KEY` entry,
+    the sample's prompt length and non-tensor fields reach the teacher client (`SAMPLE`) for
+    the call it makes."""
+    entry = os.environ.get(VERL_TEACHER, "").strip()
+    bound = bind(wrapped, args, kwargs)
+    if not entry or "context" not in entry or bound is None:
+        return wrapped(*args, **kwargs)
+    prompt = bound.arguments.get("prompt_ids") or []
+    fields = bound.arguments.get("sample_kwargs") or {}
+
+    async def scored() -> Any:
+        token = SAMPLE.set((len(prompt), dict(fields)))
+        try:
+            return await wrapped(*args, **kwargs)
+        finally:
+            SAMPLE.reset(token)
+
+    return scored()

@@ -170,6 +170,10 @@ def whole_vocabulary_step(wrapped: Callable[..., Any], instance: Any) -> Callabl
             return wrapped(iter([batch]), model, *rest, **options)
         check_layout(batch)
         raw, entry = named
+        if entry.context is not None:  # every rank reads the same variable: the same error everywhere
+            raise ValueError(f"{WHO}: context={entry.context!r} is not read on the trainer's whole-vocabulary route "
+                             "yet (it would score the student's own sequence): drop head= (the top-k rows with the "
+                             "exact tail, whose agent loop reads the context) or drop context=")
         weight = output_weight(core)
         group = output_tp_group(core.output_layer)
         head = student_layout_head(entry.head, weight, group, WHO)  # type: ignore[arg-type]

@@ -11,13 +11,13 @@ VARIABLE = "MEGATRON_RL_PATCHES_VERL_TEACHER"
 
 
 def test_url_and_engine_are_read_and_the_trailing_slash_dropped():
-    assert parse_entry("http://teacher:8000/;engine=vllm") == ("http://teacher:8000", "vllm", None)
-    assert parse_entry(" https://teacher:8443 ; engine = vllm ") == ("https://teacher:8443", "vllm", None)
+    assert parse_entry("http://teacher:8000/;engine=vllm")[:3] == ("http://teacher:8000", "vllm", None)
+    assert parse_entry(" https://teacher:8443 ; engine = vllm ")[:3] == ("https://teacher:8443", "vllm", None)
 
 
 def test_a_head_names_the_teachers_directory():
     entry = parse_entry("http://teacher:8000;engine=vllm;head=/ckpt/qwen3")
-    assert entry == ("http://teacher:8000", "vllm", "/ckpt/qwen3") and entry.head == "/ckpt/qwen3"
+    assert entry[:3] == ("http://teacher:8000", "vllm", "/ckpt/qwen3") and entry.head == "/ckpt/qwen3"
 
 
 @pytest.mark.parametrize("entry, message", [
@@ -35,3 +35,20 @@ def test_bad_entries_are_refused_naming_the_variable(entry, message):
         parse_entry(entry)
     assert str(refused.value).startswith(f"{VARIABLE}=")
     assert "secret" not in str(refused.value)
+
+
+def test_a_privileged_context_names_its_field_and_the_teachers_tokenizer():
+    entry = parse_entry("http://teacher:8000;engine=vllm;context=hint;tokenizer=/ckpt/qwen3")
+    assert (entry.context, entry.tokenizer, entry.head) == ("hint", "/ckpt/qwen3", None)
+    assert parse_entry("http://teacher:8000;engine=vllm;context=hint").tokenizer is None
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("http://teacher:8000;engine=vllm;context=", r"context= needs a value"),
+    ("http://teacher:8000;engine=vllm;context=a;context=b", r"option 'context=b' is unknown or given twice"),
+    ("http://teacher:8000;engine=vllm;tokenizer=/ckpt", r"tokenizer= reads text contexts and there is no context"),
+])
+def test_bad_context_options_are_refused_naming_the_variable(entry, message):
+    with pytest.raises(ValueError, match=message) as refused:
+        parse_entry(entry)
+    assert str(refused.value).startswith(f"{VARIABLE}=")

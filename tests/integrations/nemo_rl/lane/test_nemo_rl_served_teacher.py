@@ -72,13 +72,14 @@ def served(checkpoint):
             yield server.url, pooled.url
 
 
-def _get_topk_logits(policy, k: int):
+def _get_topk_logits(policy, k: int, **fields):
     """NeMo-RL's distillation calls on its teacher: prepare, `get_topk_logits(train_data, k, timer)`,
-    offload; the caller's batch untouched."""
+    offload; the caller's batch untouched (`fields`: batch fields beside the tensors)."""
     from nemo_rl.utils.timer import Timer
 
     data = kit.batch(seed=5)
-    before = {key: value.clone() for key, value in data.items()}
+    data.update(fields)
+    before = {key: value.clone() for key, value in data.items() if isinstance(value, torch.Tensor)}
     policy.prepare_for_lp_inference()
     out = policy.get_topk_logits(data, k=k, timer=Timer())
     policy.offload_after_refit()
@@ -122,16 +123,26 @@ def test_full_vocabulary_policy_adds_the_served_hidden_states_as_transformers_co
     assert worst <= SERVED_TOL and control > kit.CONTROL
 
 
+def hints(seed: int = 7) -> list[list[int]]:
+    """Each sample's privileged context: ids of the teacher's vocabulary (sample 1's as text)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, kit.VOCAB, (4 + i,), generator=gen).tolist() for i in range(kit.BATCH)]
+
+
 @pytest.fixture(scope="module")
 def teachers(served, checkpoint):
     """The served teacher's top-k both ways: prompt log-probs (K = 64) and hidden states through
-    the head (K = 100)."""
+    the head (K = 100); and a privileged teacher (`context="hint"`: each sample's NeMo-RL batch
+    field, one of them text through the teacher's tokenizer) on the generate server."""
     from megatron_rl_patches.integrations.nemo_rl import served_teacher_policy
 
     url, pooled = served
     root, _ = checkpoint
+    fields = [" ".join(f"t{i}" for i in hint) if sample == 1 else hint for sample, hint in enumerate(hints())]
+    privileged = served_teacher_policy(url, top_k=K, context="hint", tokenizer=root / "qwen3")
     return {"logprobs": _get_topk_logits(served_teacher_policy(url, top_k=K), K),
-            "head": _get_topk_logits(served_teacher_policy(pooled, top_k=HEAD_K, head=root / "qwen3"), HEAD_K)}
+            "head": _get_topk_logits(served_teacher_policy(pooled, top_k=HEAD_K, head=root / "qwen3"), HEAD_K),
+            "privileged": _get_topk_logits(privileged, K, hint=fields)}
 
 
 def _scored(data) -> list[tuple[int, int, int]]:
@@ -142,6 +153,32 @@ def _scored(data) -> list[tuple[int, int, int]]:
         first = int(torch.nonzero(data["token_mask"][i, 1:length]).flatten()[0]) + 1
         rows.append((i, first - 1, length - 1))
     return rows
+
+
+def test_a_privileged_teacher_scores_each_samples_context_then_its_response_as_transformers_float64(
+        checkpoint, teachers):
+    """The privileged rows at the student's response positions equal transformers' float64 on
+    hint + response; controls (no context, the hint rolled by one token) miss by far more."""
+    _, model = checkpoint
+    values, ids = teachers["privileged"]
+    data = kit.batch(seed=5)
+    reference = copy.deepcopy(model).double()
+
+    def rows(context: list[int], response: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            logits = reference(torch.tensor([context + response.tolist()])).logits[0].double()
+        return torch.log_softmax(logits, -1)[len(context) - 1:-1].gather(-1, chosen)
+
+    worst, control = 0.0, float("inf")
+    for (i, first, end), hint in zip(_scored(data), hints()):
+        response, chosen, got = data["input_ids"][i, first + 1:end + 1], ids[i, first:end], values[i, first:end]
+        worst = max(worst, float((got.double() - rows(hint, response, chosen)).abs().max()))
+        own = data["input_ids"][i, :first + 1].tolist()
+        for other in (own, hint[1:] + hint[:1]):
+            control = min(control, float((got.double() - rows(other, response, chosen)).abs().max()))
+    print(f"privileged served top-{K} vs transformers float64 on hint + response: {worst:.2e} (controls: "
+          f"{control:.2e})")
+    assert worst <= SERVED_TOL and control > 1e-2
 
 
 @pytest.mark.parametrize("route,k", [("logprobs", K), ("head", HEAD_K)])
@@ -181,3 +218,14 @@ def test_nemo_rls_distillation_step_with_the_served_teacher_equals_float64_at_tp
             assert abs(out["control"] - out["loss"]) > kit.CONTROL, out
     assert {(out["route"], out["layout"], out["kl_type"]) for out in results[0]} == {
         (route, layout["name"], kl) for route in (*teachers, "vocab") for layout in LAYOUTS for kl in ranks.KL_TYPES}
+
+
+def test_a_privileged_context_past_the_servers_max_model_len_is_refused_before_sending(served):
+    from megatron_rl_patches.integrations.nemo_rl import served_teacher_policy
+    from megatron_rl_patches.teachers import ServedTeacherRefusal
+
+    url, _ = served
+    policy = served_teacher_policy(url, top_k=K, context="hint")
+    long = [[5] * (300 if i == 2 else 3) for i in range(kit.BATCH)]  # sample 2: 300 + its 4 response ids
+    with pytest.raises(ServedTeacherRefusal, match=r"sample 2 has \d+ ids, over .* max model length 256"):
+        _get_topk_logits(policy, K, hint=long)

@@ -4,6 +4,8 @@ one server for this module): verl's agent-loop worker asks its teacher client
 (`compute_teacher_logprobs_single`), which the served teacher answers in verl's rows; verl pads them
 into the batch (`_pad_teacher_outputs`) and its Megatron top-k loss (`verl_topk_kd`: the exact tail)
 gives losses and gradients equal to float64 from transformers' forward of the same checkpoint.
+A privileged teacher (`;context=hint`, verl's non-tensor field) is scored the same way against
+transformers' float64 forward of hint + response, at TP=1 and TP=2.
 Without MRP_VLLM_PYTHON (`make test` without the served lane) every test here skips, saying why."""
 from __future__ import annotations
 
@@ -84,14 +86,17 @@ def manager(loss_mode: str = "forward_kl_topk", topk: int = K, client: object = 
     return AsyncTeacherLLMServerManager(config, {"default": client})
 
 
-def agent_loop_rows(teacher_client: object, prompt: list[int], response: list[int]) -> tuple:
-    """verl's agent-loop worker's own call (`AgentLoopWorker._compute_teacher_logprobs`) on one sample."""
+def agent_loop_rows(teacher_client: object, prompt: list[int], response: list[int],
+                    fields: dict | None = None) -> tuple:
+    """verl's agent-loop worker's own call (`AgentLoopWorker._compute_teacher_logprobs`) on one sample
+    (`fields`: the sample's non-tensor batch fields)."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
     worker = object.__new__(AgentLoopWorker)  # its __init__ starts servers: only what this method reads
     worker.distillation_enabled, worker.teacher_key, worker.teacher_server_manager = True, "data_source", teacher_client
     output = types.SimpleNamespace(multi_modal_data=None, mm_processor_kwargs=None, extra_fields={})
-    asyncio.run(worker._compute_teacher_logprobs(output, prompt_ids=prompt, response_ids=response, validate=False))
+    asyncio.run(worker._compute_teacher_logprobs(output, prompt_ids=prompt, response_ids=response, validate=False,
+                                                 sample_kwargs=fields))
     return output.extra_fields["teacher_ids"], output.extra_fields["teacher_logprobs"]
 
 
@@ -142,23 +147,32 @@ def float64_loss(student: torch.Tensor, teacher: torch.Tensor, ids: torch.Tensor
     return (teacher.exp() * (teacher - log_p)).sum(1) + q_tail.exp() * (q_tail - p_tail)
 
 
-def verl_batch(served) -> tuple[list, list, list]:
+def verl_batch(served, privileged: bool = False) -> tuple[list, list, list]:
     """Two samples through verl's agent loop, padded by verl into its batch (prompts left,
     responses right) and unpadded as its trainer packs them: per sample the served ids and
-    log-probs [L, K], and transformers' float64 rows with those ids (the reference)."""
+    log-probs [L, K], and transformers' float64 rows with those ids (the reference: with
+    `privileged`, the teacher's rows on a hint + the response, from verl's non-tensor field
+    `hint`; the prompt's rows then carry no loss)."""
     from verl.experimental.teacher_loop.teacher_manager import _pad_teacher_outputs
 
     client = manager()
+    gen = torch.Generator().manual_seed(11)
     packed_ids, packed_log_probs, references = [], [], []
     for prompt, response in samples(2):
-        ids, log_probs = agent_loop_rows(client, prompt, response)
+        hint = torch.randint(1, VOCAB, (len(prompt) + 2,), generator=gen).tolist()
+        ids, log_probs = agent_loop_rows(client, prompt, response, {"hint": hint} if privileged else None)
         ids, log_probs = _pad_teacher_outputs(ids, log_probs, max(PROMPTS), max(RESPONSES), len(prompt),
                                               len(response), PAD)
         assert ids.shape == (1, max(PROMPTS) + max(RESPONSES), K)
         rows = slice(max(PROMPTS) - len(prompt), max(PROMPTS) + len(response))  # verl's unpadding
         packed_ids.append(ids[0, rows])
         packed_log_probs.append(log_probs[0, rows])
-        references.append((reference(served.model, prompt + response), ids[0, rows].long()))
+        if privileged:
+            teacher = response_rows(served.model, hint, response)
+            teacher = torch.cat([torch.zeros(len(prompt) - 1, VOCAB, dtype=torch.float64), teacher])
+        else:
+            teacher = reference(served.model, prompt + response)
+        references.append((teacher, ids[0, rows].long(), len(prompt) - 1 if privileged else 0))
     return packed_ids, packed_log_probs, references
 
 
@@ -166,9 +180,11 @@ def float64_reference(student: torch.Tensor, references: list) -> tuple[torch.Te
     """The float64 loss per packed row and its gradient to the student's logits [T, V]."""
     student64 = student.detach()[0].double().requires_grad_(True)
     expected, start = [], 0
-    for teacher, ids in references:
+    for teacher, ids, first in references:
         scored = len(ids) - 1  # the last row is verl's dummy: no loss
-        expected += [float64_loss(student64[start:start + scored], teacher.gather(1, ids[:-1]), ids[:-1]),
+        read = slice(first, scored)  # a privileged teacher's rows: the response's only (no loss before)
+        expected += [torch.zeros(first, dtype=torch.float64),
+                     float64_loss(student64[start:start + scored][read], teacher[read].gather(1, ids[read]), ids[read]),
                      torch.zeros(1, dtype=torch.float64)]
         start += len(ids)
     loss = torch.cat(expected)
@@ -184,12 +200,16 @@ def student_logits(rows: int, vocab: int) -> torch.Tensor:
 CONFIG = types.SimpleNamespace(distillation_loss=types.SimpleNamespace(topk=K, log_prob_min_clamp=None))
 
 
-def test_loss_and_gradients_through_verls_padding_equal_float64_and_verls_own_loss_misses(entry):
+@pytest.mark.parametrize("privileged", [False, True], ids=["own", "privileged"])
+def test_loss_and_gradients_through_verls_padding_equal_float64_and_verls_own_loss_misses(entry, privileged,
+                                                                                        monkeypatch):
     """`verl_topk_kd` on the served rows as verl packs them equals the float64 loss of
     transformers' float64 teacher at the same ids (losses and the gradient to the student's
     logits). Negative control: verl's own top-k loss (no tail) on the same rows misses the
     reference by far more than the tolerance."""
-    packed_ids, packed_log_probs, references = verl_batch(entry)
+    if privileged:
+        monkeypatch.setenv(VARIABLE, f"{entry.url};engine=vllm;context=hint")
+    packed_ids, packed_log_probs, references = verl_batch(entry, privileged)
     student = student_logits(sum(len(i) for i in packed_ids), VOCAB)
     teacher_ids, teacher_log_probs = nested(packed_ids), nested(packed_log_probs)
     out = megatron_losses.compute_forward_kl_topk(student, teacher_log_probs, teacher_ids, CONFIG, "thd")
@@ -223,7 +243,8 @@ def tp2_rank(rank: int, world: int, student: torch.Tensor, ids: list, log_probs:
         return out["distillation_losses"].detach(), shard.grad
 
 
-def test_at_tp2_the_loss_and_gradients_equal_float64(entry):
+@pytest.mark.parametrize("privileged", [False, True], ids=["own", "privileged"])
+def test_at_tp2_the_loss_and_gradients_equal_float64(entry, privileged, monkeypatch):
     """The same served rows at TP=2 (the student's vocabulary split over two gloo ranks; one
     padding column makes it even, as Megatron pads; verl packs each sequence to a multiple of TP,
     so the student's packed rows hold one alignment row after an odd sequence): every rank's loss
@@ -231,7 +252,9 @@ def test_at_tp2_the_loss_and_gradients_equal_float64(entry):
     rows give 0 and no gradient."""
     from megatron_rl_patches.testing.multirank import run_multirank
 
-    packed_ids, packed_log_probs, references = verl_batch(entry)
+    if privileged:
+        monkeypatch.setenv(VARIABLE, f"{entry.url};engine=vllm;context=hint")
+    packed_ids, packed_log_probs, references = verl_batch(entry, privileged)
     lengths = [len(i) for i in packed_ids]
     starts = torch.tensor([0, *[n + n % 2 for n in lengths]]).cumsum(0)
     keep = torch.cat([torch.arange(int(start), int(start) + n) for start, n in zip(starts, lengths)])
@@ -282,3 +305,49 @@ def test_refusals_name_the_variable_and_the_server(entry, monkeypatch):
     client = manager()
     with pytest.raises(ValueError, match=rf"{VARIABLE}: a served teacher scores token ids only.*\['images'\]"):
         asyncio.run(client.compute_teacher_logprobs_single(prompt + response, multi_modal_data={"images": [1]}))
+
+
+def response_rows(model, context: list[int], response: list[int]) -> torch.Tensor:
+    """transformers' float64 rows predicting the response after `context` ([R, V])."""
+    return reference(model, context + response)[len(context) - 1:]
+
+
+def test_a_privileged_context_from_verls_non_tensor_field_is_scored_before_the_response(served, verl_cpu,
+                                                                                       monkeypatch):
+    """`;context=hint`: the response's rows are the teacher's on hint + response (ids from verl's
+    non-tensor row, or text through `;tokenizer=DIR`), exact against transformers' float64; the
+    prompt's rows zeros. Controls: the rows without the context, and with it rolled by one
+    token, miss by far more than the bound."""
+    import numpy as np
+
+    monkeypatch.setenv("MEGATRON_RL_PATCHES_TEACHER_API_KEY", API_KEY)
+    monkeypatch.setenv(VARIABLE, f"{served.url};engine=vllm;context=hint;tokenizer={served.directory}")
+    megatron_rl_patches.apply(only="verl_topk_kd")
+    client = manager()
+    gen = torch.Generator().manual_seed(9)
+    for (prompt, response), as_text in zip(samples(3), (False, True)):
+        hint = torch.randint(1, VOCAB, (6,), generator=gen).tolist()
+        value = np.array(" ".join(f"t{i}" for i in hint), dtype=object) if as_text else np.array(hint)
+        ids, log_probs = agent_loop_rows(client, prompt, response, {"hint": value, "data_source": "x"})
+        first = len(prompt) - 1
+        assert ids.shape == (len(prompt) + len(response), K)
+        assert not ids[:first].any() and not log_probs[:first].any() and not ids[-1].any()
+        scored, chosen = log_probs[first:-1].double(), ids[first:-1].long()
+        error = (scored - response_rows(served.model, hint, response).gather(1, chosen)).abs().max().item()
+        no_context = (scored - response_rows(served.model, prompt, response).gather(1, chosen)).abs().max().item()
+        rolled = (scored - response_rows(served.model, hint[1:] + hint[:1], response).gather(1, chosen)).abs().max()
+        print(f"verl privileged context ({'text' if as_text else 'ids'}): {error:.2e}; controls: no context "
+              f"{no_context:.2e}, rolled {rolled.item():.2e}")
+        assert error < 1e-4 and no_context > 1e-2 and rolled.item() > 1e-2
+
+
+def test_a_privileged_context_past_the_servers_max_model_len_is_refused_before_sending(served, verl_cpu,
+                                                                                      monkeypatch):
+    monkeypatch.setenv("MEGATRON_RL_PATCHES_TEACHER_API_KEY", API_KEY)
+    monkeypatch.setenv(VARIABLE, f"{served.url};engine=vllm;context=hint")
+    megatron_rl_patches.apply(only="verl_topk_kd")
+    prompt, response = samples(4)[0]
+    with pytest.raises(ServedTeacherRefusal, match=r"max model length 256"):
+        agent_loop_rows(manager(), prompt, response, {"hint": [5] * MAX_MODEL_LEN})
+    with pytest.raises(ValueError, match=r"prompt of 5 ids .*no non-tensor batch field 'hint'"):
+        agent_loop_rows(manager(), prompt, response, {"data_source": "x"})

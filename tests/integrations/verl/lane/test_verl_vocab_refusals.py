@@ -40,3 +40,13 @@ def test_without_a_head_the_fused_route_is_verls_own(verl_cpu, monkeypatch):
     megatron_rl_patches.apply(only=["verl_fused_logprobs", "verl_topk_kd"])
     output = kit.forward_step(kit.engine(True), _model(), kit.rl_batch(kit.PROMPTS, kit.RESPONSES))
     assert "distillation_losses" not in output and "log_probs" in output
+
+
+def test_a_privileged_context_is_refused_on_the_whole_vocabulary_route_before_any_request(verl_cpu, monkeypatch,
+                                                                                         tmp_path):
+    monkeypatch.setenv(VARIABLE, f"{NOWHERE};engine=vllm;head={tmp_path};context=hint")
+    megatron_rl_patches.apply(only=["verl_fused_logprobs", "verl_topk_kd"])
+    batch = kit.rl_batch(kit.PROMPTS, kit.RESPONSES, distillation_use_topk=True)
+    with pytest.raises(ValueError, match=rf"{VARIABLE} with head=.*context='hint' is not read on the trainer's "
+                                         "whole-vocabulary route"):
+        kit.forward_step(kit.engine(True), _model(), batch)
