@@ -120,6 +120,7 @@ def one_rank_wrong(rank: int, world_size: int, url: str, names: tuple[str, ...] 
     host = LoopHost(vocab_size=12, share_group=world, job_group=world)
     lone = dist.new_group([1])  # every rank creates it; only rank 1 is in it
     out: dict = {}
+    entry = f"{url};engine=vllm;same_tokenizer;vocab=12"
     with ServedTeacher(url, "vllm", top_k=K) as served:
         def step_of(wrong_host: LoopHost | None = None, plan: StepPlan | None = None) -> TeacherStep:
             return TeacherStep([served], wrong_host if rank == 1 and wrong_host else host, plan if rank == 1 else None)
@@ -174,6 +175,10 @@ def one_rank_wrong(rank: int, world_size: int, url: str, names: tuple[str, ...] 
             "bad_plan": lambda: step_of(plan=StepPlan(8)),
             "steps_after": steps_after,
             "joined": joined,
+            # build_teachers: its checks agreed over the job before the asking rank connects
+            "build_bad_top_k": lambda: build_teachers(entry, host, top_k=0 if rank == 1 else K),
+            "build_entries_differ": lambda: build_teachers(entry if rank == 1 else f"{entry},{entry}", host, top_k=K),
+            "build_unprobed": lambda: build_teachers(entry if rank == 0 else f"{url};engine=vllm", host, top_k=K),
             "joined_but_shared": lambda: used(step_of()) if rank == 0 else join_build(host),
             "share_none": lambda: used(step_of(LoopHost(vocab_size=12, share_group=None, job_group=world))),
             "share_apart": lambda: used(step_of(LoopHost(vocab_size=12, share_group=lone, job_group=world))),
@@ -199,6 +204,9 @@ def test_one_ranks_bad_call_or_lying_host_is_the_same_error_on_every_rank_at_onc
         "bad_plan": ("ValueError", "the plan asks top_k=8"),
         "steps_after": ("", "no error"),
         "joined": ("", "no error"),
+        "build_bad_top_k": ("ValueError", "top_k"),
+        "build_entries_differ": ("ValueError", "the ranks name different teachers"),
+        "build_unprobed": ("ValueError", "its tokenizer is checked against the student's"),
         "joined_but_shared": ("ValueError", "but rank 1 builds no step"),
         "share_none": ("ValueError", "sharing groups"),
         "share_apart": ("ValueError", "sharing groups"),
