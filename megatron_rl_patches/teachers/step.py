@@ -109,7 +109,8 @@ class TeacherStep:
     teachers differ between the ranks, is the same error on every rank, never a rank left waiting.
     Building exchanges each rank's view (`step_views`); `send` exchanges nothing: its refusal is
     kept and raised at once only without a group to agree over, else agreed (on every rank) by the
-    `collect` that follows, which every rank makes in any case."""
+    `collect` that follows, which every rank makes in any case; `collect` also compares its
+    `projected` and the batch each rank of a sharing group sent."""
 
     def __init__(self, teachers: Sequence[Any], host: TeacherHost, plan: StepPlan | None = None) -> None:
         from megatron_rl_patches.teachers.step_views import agreement_group, built_view, check_built
@@ -129,6 +130,7 @@ class TeacherStep:
         except Exception as failed:  # noqa: BLE001 - agreed over the job just below, raised on every rank
             error = failed
         check_built(agreed_views(error, self.group, view, own=True))
+        self.asker = view["share"][0] if view is not None else 0  # the global rank asking for this rank's group
 
     def asks(self) -> bool:
         """Whether this rank asks the served teachers: the first rank of its sharing group."""
@@ -194,7 +196,7 @@ class TeacherStep:
             error = failed
             for waiting in pending.values():
                 waiting.cancel.set()
-        check_collect(agreed_views(error, self.group, collect_view(projected)))
+        check_collect(agreed_views(error, self.group, collect_view(projected, self.asker, batch)))
         served = [i for i, teacher in enumerate(self.teachers) if isinstance(teacher, ServedTeacher)]
         got.update(self.shared({i: got[i] for i in served if i in got}))
         if not projected:

@@ -7,6 +7,7 @@ same ValueError on every rank: each rank checks the same gathered views, so each
 before any rank broadcasts to a group the others do not hold."""
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,13 +88,31 @@ def check_built(views: list[dict]) -> None:
                              "asks the served teachers and broadcasts their scores to the others)")
 
 
-def collect_view(projected: bool) -> dict:
-    return {"rank": global_rank(), "projected": projected}
+def batch_fingerprint(batch: Any) -> tuple:
+    """A sent batch in a few numbers: its lengths, its response starts and a crc32 of its ids."""
+    import torch  # lazy: import cost: torch only where a batch is sent
+
+    ids = torch.cat([s.detach().reshape(-1).long().cpu() for s in batch.sequences]) if len(batch) else None
+    return (tuple(len(s) for s in batch.sequences), tuple(batch.response_starts),
+            0 if ids is None else zlib.crc32(ids.numpy().tobytes()))
+
+
+def collect_view(projected: bool, asker: int, batch: Any) -> dict:
+    return {"rank": global_rank(), "projected": projected, "asker": asker, "batch": batch_fingerprint(batch)}
 
 
 def check_collect(views: list[Any]) -> None:
-    """ValueError, alike on every rank, where the ranks called `collect` differently."""
+    """ValueError, alike on every rank, where the ranks called `collect` differently, or the ranks
+    of a sharing group sent different batches (each would read the asking rank's scores)."""
     holding = [view for view in views if view is not None]
     if len({view["projected"] for view in holding}) > 1:
         raise ValueError(f"TeacherStep.collect: projected differs between the ranks ({by_rank(holding, 'projected')}"
                          "): pass the same on every rank (a head's projection runs over every rank of its group)")
+    for asker in sorted({view["asker"] for view in holding}):
+        group = [view for view in holding if view["asker"] == asker]
+        if len({view["batch"] for view in group}) > 1:
+            shown = ", ".join(f"rank {view['rank']}: lengths {list(view['batch'][0])}, starts "
+                              f"{list(view['batch'][1])}, ids crc32 {view['batch'][2]}" for view in group)
+            raise ValueError(f"TeacherStep.send: the ranks of the sharing group asked by rank {asker} sent different "
+                             f"batches ({shown}): every rank of a sharing group sends the same samples (they all read "
+                             "the asking rank's scores)")

@@ -143,6 +143,11 @@ def one_rank_wrong(rank: int, world_size: int, url: str, names: tuple[str, ...] 
                 step.send(batch())
             step.collect()
 
+        def batch_differs() -> None:  # the second rank would read the first's scores as its own
+            step = step_of()
+            step.send(batch() if rank == 0 else TeacherBatch([ids + 1 for ids in batch().sequences], STARTS))
+            step.collect()
+
         def projected_differs() -> None:
             step = step_of()
             step.send(batch())
@@ -172,6 +177,7 @@ def one_rank_wrong(rank: int, world_size: int, url: str, names: tuple[str, ...] 
             "send_not_a_batch": send_not_a_batch,
             "sent_twice": sent_twice,
             "projected_differs": projected_differs,
+            "batch_differs": batch_differs,
             "bad_plan": lambda: step_of(plan=StepPlan(8)),
             "steps_after": steps_after,
             "joined": joined,
@@ -201,6 +207,7 @@ def test_one_ranks_bad_call_or_lying_host_is_the_same_error_on_every_rank_at_onc
         "send_not_a_batch": ("TypeError", "takes a TeacherBatch, got str"),
         "sent_twice": ("RuntimeError", "was not collected"),
         "projected_differs": ("ValueError", "projected differs"),
+        "batch_differs": ("ValueError", "sent different batches"),
         "bad_plan": ("ValueError", "the plan asks top_k=8"),
         "steps_after": ("", "no error"),
         "joined": ("", "no error"),
