@@ -151,9 +151,16 @@ $(VLLM_STAMP): tools/served-lane.txt
 	$(VLLM_LANE)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
+# sglang-router 0.3.2 beside vLLM in the lane's venv (tools/router-lane.txt; its dependencies are vLLM's
+# own, unpinned): the router tests ask what a real router in front of the engines passes
+ROUTER_STAMP = $(VLLM_LANE)/.router-installed
+$(ROUTER_STAMP): tools/router-lane.txt $(VLLM_STAMP)
+	$(VLLM_LANE)/bin/pip install -q -r tools/router-lane.txt
+	touch $(ROUTER_STAMP)
+
 test-served: $(STAMP)
-	@if ! $(MAKE) --no-print-directory $(VLLM_STAMP); then \
-	  reason="vLLM 0.32.0's CPU build could not be installed into $(VLLM_LANE) (Python 3.11, tools/served-lane.txt)"; \
+	@if ! $(MAKE) --no-print-directory $(VLLM_STAMP) $(ROUTER_STAMP); then \
+	  reason="vLLM 0.32.0's CPU build or sglang-router 0.3.2 could not be installed into $(VLLM_LANE) (Python 3.11, tools/served-lane.txt, tools/router-lane.txt)"; \
 	elif ! reason=$$(tools/served-lane-check $(VLLM_LANE)/bin/python); then :; \
 	else reason=""; fi; \
 	if [ -n "$$reason" ]; then \

@@ -51,6 +51,7 @@ ROOMS = {
     "_extras": "_extras",
     "_digits": "_digits",
     "_layout_option": "_layout_option",
+    "_json_read": "_json_read",
 }
 # The apps: under apps/ (issue 20 item 6); their former names at the package root still count
 # as apps, so one put back there is held to the same rules.

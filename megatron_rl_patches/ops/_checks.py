@@ -278,13 +278,34 @@ def smallest_temperature(dtype: torch.dtype = torch.float32) -> float:
     return held if held >= bound else struct.unpack("<f", struct.pack("<I", bits + 1))[0]
 
 
+@functools.cache
+def largest_temperature(dtype: torch.dtype = torch.float32) -> float:
+    """The largest temperature every path computes with `dtype` inputs: its scale 1/τ a normal
+    number of the compute dtype (with 2^-20 to spare). Past it the scale is subnormal (flushed to
+    zero where a kernel flushes them), then 0, and the top-k log-probs and tails come out NaN (from
+    about τ = 7e45 with float32: 0·(-inf)); a value that dtype holds exactly, rounded down."""
+    math_dtype = compute_dtype(dtype)
+    bound = 1.0 / (torch.finfo(math_dtype).tiny * _SPARE)
+    if math_dtype == torch.float64:
+        return bound
+    (bits,) = struct.unpack("<I", struct.pack("<f", bound))  # rounded to the nearest float32
+    held = struct.unpack("<f", struct.pack("<I", bits))[0]
+    return held if held <= bound else struct.unpack("<f", struct.pack("<I", bits - 1))[0]
+
+
+def temperature_range(dtype: torch.dtype = torch.float32) -> str:
+    """The temperatures the ops compute with `dtype` inputs, in words for an error."""
+    return (f"[{smallest_temperature(dtype):.6g}, {largest_temperature(dtype):.6g}] (the scale 1/temperature finite "
+            f"and a normal number in {compute_dtype(dtype)})")
+
+
 def check_temperature(
     temperature: object, lead: Sequence[int], device: torch.device, checks: DeviceChecks,
     dtype: torch.dtype = torch.float32,
 ) -> float | torch.Tensor:
     """A float, or a tensor of shape [] or `lead` (one value per token) flattened to [T].
 
-    Values (finite, > 0, and 1/τ finite in the compute dtype of `dtype` inputs) of a tensor are
+    Values (finite, > 0, 1/τ finite and normal in the compute dtype of `dtype` inputs) of a tensor are
     checked through `checks`; a temperature that requires grad is rejected: it is a sampling
     constant, and no gradient is computed for it.
     """
@@ -296,8 +317,8 @@ def check_temperature(
 
 def check_scalar_temperature(temperature: object, dtype: torch.dtype = torch.float32,
                              expected: str = "a float") -> float:
-    """A real number temperature as a float: finite, > 0, and 1/τ finite in the compute dtype of
-    `dtype` inputs; else TypeError/ValueError naming it (`expected` describes what is accepted)."""
+    """A real number temperature as a float: finite, > 0, and 1/τ finite and normal in the compute
+    dtype of `dtype` inputs; else TypeError/ValueError naming it (`expected` describes what is accepted)."""
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be {expected}, got {type(temperature).__name__}")
     try:
@@ -315,6 +336,12 @@ def check_scalar_temperature(temperature: object, dtype: torch.dtype = torch.flo
             f"temperature must be >= {smallest:.6g} (the smallest whose scale 1/temperature·log2(e) is finite "
             f"in {compute_dtype(dtype)}), got {value}"
         )
+    largest = largest_temperature(dtype)
+    if value > largest:
+        raise ValueError(
+            f"temperature must be <= {largest:.6g} (the largest whose scale 1/temperature is a normal number in "
+            f"{compute_dtype(dtype)}: past it the top-k log-probs and tails underflow to NaN), got {value}"
+        )
     return value
 
 
@@ -324,7 +351,7 @@ def _check_temperature_tensor(
     """A per-token temperature tensor: its form here, its values (finite, > 0, 1/τ finite in the
     compute dtype) through `checks`; flattened to [T] (shape [] kept)."""
     math_dtype = compute_dtype(dtype)
-    smallest = smallest_temperature(dtype)
+    smallest, largest = smallest_temperature(dtype), largest_temperature(dtype)
     if not temperature.is_floating_point():
         raise TypeError(f"temperature must be a float or a floating tensor, got dtype {temperature.dtype}")
     if temperature.shape not in ((), lead):
@@ -347,6 +374,13 @@ def _check_temperature_tensor(
         lambda: ValueError(
             f"temperature must be >= {smallest:.6g} for every token (smaller ones make the scale "
             f"1/temperature·log2(e) overflow {math_dtype}); check the per-token temperatures"
+        ),
+    )
+    checks.require(
+        flat.to(math_dtype) <= largest,
+        lambda: ValueError(
+            f"temperature must be <= {largest:.6g} for every token (larger ones make the scale 1/temperature "
+            f"underflow {math_dtype}: NaN top-k log-probs and tails); check the per-token temperatures"
         ),
     )
     return flat

@@ -8,7 +8,10 @@ trainer (`TeacherHead`: a served teacher's hidden states through it), the teache
 (`TeacherStep` behind a `TeacherHost`: send early, ask once per group, share, agree a failure; its
 teachers built from entries through their kinds by `build_teachers`), and the kinds of
 teacher as one table (`teachers.kinds`: how an entry of MEGATRON_RL_PATCHES_OPD_TEACHERS is read
-and checked). Importing this package is light (no torch, no HTTP client): names load on first use."""
+and checked), and teachers that see a privileged context the student does not (`with_context`: the
+teacher's batch of context + the student's response per sample; `context_ids`, `placed_before`;
+`SelfTeacher`: the live self-teacher, the student's own pass over them).
+Importing this package is light (no torch, no HTTP client): names load on first use."""
 from __future__ import annotations
 
 from megatron_rl_patches._lazy import lazy_getattr
@@ -37,6 +40,10 @@ _LAZY = {
     "local_host": "host",
     "build_teachers": "build",
     "BuildOptions": "build",
+    "with_context": "context",
+    "context_ids": "context",
+    "placed_before": "context",
+    "SelfTeacher": "self_teacher",
 }
 
 __all__ = sorted(_LAZY)

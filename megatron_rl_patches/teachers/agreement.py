@@ -10,6 +10,7 @@ from typing import Any
 
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 
+JOINED_BY_NONE = {"TeacherStep.collect"}
 OWN_KINDS: dict[str, type[Exception]] = {kind.__name__: kind for kind in (TypeError, ValueError, RuntimeError)}
 
 
@@ -40,6 +41,7 @@ def agreed_views(error: BaseException | None, group: object, view: Any, *, own: 
     gathered: list = gathered_objects(group, (said, view))
     failed = [(rank, told) for rank, (told, _) in enumerate(gathered) if told is not None]
     if not failed:
+        check_calls([seen for _, seen in gathered])
         return [seen for _, seen in gathered]
     rank, (refusal, words, url, sample, called) = failed[0]
     ranks = [r for r, _ in failed]
@@ -50,6 +52,20 @@ def agreed_views(error: BaseException | None, group: object, view: Any, *, own: 
     kind = ServedTeacherRefusal if refusal else ServedTeacherError
     others = f" ({len(failed)} of {len(gathered)} ranks failed)" if len(failed) > 1 else ""
     raise kind(f"served teacher failed on rank {rank} of the group{others}: {words}", url, sample) from error
+
+
+def check_calls(views: list[Any]) -> None:
+    """RuntimeError, alike on every rank, where the ranks are in different calls: a view's `call`
+    names its call; a rank without a view (`agree_failure`) meets only a call that takes such
+    ranks (`JOINED_BY_NONE`: a teacher step's collect, which the ranks holding no step join)."""
+    calls = [view.get("call") if isinstance(view, dict) else None for view in views]
+    named = set(calls) - {None}
+    if len(named) > 1 or (named and None in calls and not named <= JOINED_BY_NONE):
+        shown = ", ".join(f"rank {rank}: {call or 'a failure agreement (agree_failure)'}"
+                          for rank, call in enumerate(calls))
+        raise RuntimeError(f"the ranks of the group are in different calls ({shown}): every rank of the job builds "
+                           "the teacher step (or joins its build with teachers.step.join_build(host)), then sends "
+                           "and collects in the same order")
 
 
 def distributed() -> bool:

@@ -15,6 +15,9 @@ from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.teachers.agreement import agreed_views
 from megatron_rl_patches.teachers.kinds import kind_named, parse_entry
 from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
+from megatron_rl_patches.teachers.redaction import refuse_userinfo
+
+ENTRIES = "build_teachers(entries=...)"
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,10 @@ class BuildOptions:
 
 
 def entries_of(entries: str | Sequence[str | TeacherEntry]) -> list[TeacherEntry]:
-    """A comma-separated string, or a list of entry strings / parsed entries, as parsed entries."""
+    """A comma-separated string, or a list of entry strings / parsed entries, as parsed entries; a
+    user or password in a URL refused before anything splits the string or an entry."""
     if isinstance(entries, str):
+        refuse_userinfo(entries, ENTRIES)
         pieces: list[str | TeacherEntry] = [piece for piece in entries.split(",") if piece.strip()]
     elif isinstance(entries, Sequence) and not isinstance(entries, bytes):
         pieces = list(entries)
@@ -53,6 +58,7 @@ def entries_of(entries: str | Sequence[str | TeacherEntry]) -> list[TeacherEntry
         if isinstance(piece, TeacherEntry):
             parsed.append(piece)
         elif isinstance(piece, str):
+            refuse_userinfo(piece, ENTRIES)
             parsed.append(parse_entry(piece))
         else:
             raise TypeError(f"build_teachers(entries=...): an entry is a str or a TeacherEntry, got "
@@ -113,5 +119,13 @@ def checked(entries: str | Sequence[str | TeacherEntry], host: Any, top_k: int, 
 
 
 def host_build(entry: TeacherEntry, host: Any, options: BuildOptions) -> Any:
-    """An in-process kind's teacher: the host's."""
-    return host.build_teacher(entry, options)
+    """An in-process kind's teacher: the host's, carrying the entry's `;context=KEY`."""
+    teacher = host.build_teacher(entry, options)
+    if entry.context is not None and getattr(teacher, "context", None) != entry.context:
+        try:
+            teacher.context = entry.context
+        except AttributeError as error:
+            raise TypeError(f"build_teachers: entry {entry.path!r} has ';context={entry.context}', but the host's "
+                            f"teacher ({type(teacher).__name__}) takes no `context` attribute: give it one (the "
+                            "teacher step reads it)") from error
+    return teacher

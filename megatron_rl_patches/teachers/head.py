@@ -20,10 +20,9 @@ from megatron_rl_patches.inference.loading.hf.files import TensorEntry, safe_ope
 from megatron_rl_patches.inference.loading.hf.model import padded_vocab
 from megatron_rl_patches.ops.agreement import agree, local_error
 from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy, lm_head_topk_ids, lm_head_topk_logprobs
+from megatron_rl_patches.teachers.head_fingerprint import HeadFacts, checkpoint_fingerprint, compare_heads
+from megatron_rl_patches.teachers.head_transforms import head_logit_scale
 
-# The fused ops compute softmax(h·Wᵀ/τ) and nothing else: a config.json field that changes the
-# logits after the output layer is refused by name (value: what leaves the logits unchanged).
-HEAD_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
 HEAD = "lm_head.weight"
 # where a tied checkpoint keeps the embedding: a causal LM's, a vision-language wrapper's text model's
 EMBEDDINGS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
@@ -47,6 +46,8 @@ class TeacherHead:
     tp_group: Any = None
     source: str = ""
     checkpoint_dtype: torch.dtype | None = None  # the checkpoint's own (a served model's, usually)
+    logit_scale: float = 1.0  # the engine's logits multiplier, already in `weight` (teachers.head_transforms)
+    fingerprint: str = ""  # of the checkpoint read (teachers.head_fingerprint); "" for a head built by hand
 
     @property
     def hidden_size(self) -> int:
@@ -120,9 +121,11 @@ class TeacherHead:
         Megatron-LM pads the student's, to a multiple of `make_vocab_size_divisible_by` (None:
         128) x the group's size, and cut into equal shards. Without a group, the whole [V, H]
         (padded only when `make_vocab_size_divisible_by` is given). `dtype`: the weight's dtype
-        (None: the checkpoint's; float32 / bfloat16 / float16 / float64). A config.json with a
-        head transform the ops do not compute (`final_logit_softcapping`, `logit_scale`,
-        `logits_scaling`) is refused naming it."""
+        (None: the checkpoint's; float32 / bfloat16 / float16 / float64). The engine's logits
+        transforms (`teachers.head_transforms`): a scale is applied (the weight read times it), a
+        soft cap, a bias or a field unknown for the architecture is refused naming it. With a group,
+        every rank's checkpoint is compared (config.json and a few rows of the output layer: the
+        same error on every rank, naming each rank's directory, when they differ)."""
         rank, size = group_position(tp_group)
         plan, error = local_error(lambda: HeadPlan.of(path, dtype, make_vocab_size_divisible_by, size, rank))
         match: dict[str, Any] = {}
@@ -131,10 +134,12 @@ class TeacherHead:
                      "dtype": str(plan.dtype)}
         agree(tp_group, "TeacherHead.from_hf", error=error, match=match, where="the tensor-parallel group")
         assert plan is not None  # agree raised otherwise
+        compare_heads(tp_group, "TeacherHead.from_hf", [plan.facts()], where="the tensor-parallel group")
         weight, error = local_error(plan.read)
         agree(tp_group, "TeacherHead.from_hf: reading", error=error, where="the tensor-parallel group")
         assert weight is not None
-        return cls(weight, plan.vocab_size, plan.padded, plan.first, tp_group, str(plan.root), plan.own_dtype)
+        return cls(weight, plan.vocab_size, plan.padded, plan.first, tp_group, str(plan.root), plan.own_dtype,
+                   plan.scale, plan.fingerprint)
 
 
 def group_position(group: Any) -> tuple[int, int]:
@@ -160,48 +165,45 @@ class HeadPlan:
     rows: int
     dtype: torch.dtype
     own_dtype: torch.dtype
+    scale: float = 1.0  # the engine's logits multiplier (teachers.head_transforms)
+    fingerprint: str = ""
 
     @classmethod
-    def of(cls, path: Any, dtype: Any, divisible_by: int | None, size: int, rank: int) -> HeadPlan:
+    def of(cls, path: Any, dtype: Any, divisible_by: int | None, size: int, rank: int,
+           fingerprinted: bool = True) -> HeadPlan:
         config = read_checkpoint_config(path, "TeacherHead.from_hf(path)")
-        refuse_head_transforms(config)
         vocab = config.vocab_size
         hidden = read_count(config.text, config.source, "hidden_size")
-        entry = head_entry(config, vocab, hidden)
+        index = tensor_index(config.root)
+        scale = head_logit_scale(config.fields, config.text, index, config.source)
+        entry = head_entry(config, index, vocab, hidden)
         wanted = head_dtype(dtype, config, entry)
         if divisible_by is not None:
             divisible_by = positive_int("TeacherHead.from_hf(make_vocab_size_divisible_by=...)", divisible_by)
         padded = padded_vocab(vocab, divisible_by or (MEGATRON_DIVISOR if size > 1 else 1), size)
         rows = padded // size
+        fingerprint = checkpoint_fingerprint(config.fields, entry) if fingerprinted else ""
         return cls(config.root, entry, vocab, hidden, padded, rank * rows, rows, wanted,
-                   head_dtype(None, config, entry))
+                   head_dtype(None, config, entry), scale, fingerprint)
+
+    def facts(self) -> HeadFacts:
+        return HeadFacts(str(self.root), self.fingerprint, self.hidden_size, self.vocab_size, self.padded,
+                         str(self.dtype))
 
     def read(self) -> torch.Tensor:
-        """This rank's rows, converted to the dtype asked, zero rows past the vocabulary."""
+        """This rank's rows, converted to the dtype asked (times the engine's logits scale, formed
+        in float64), zero rows past the vocabulary."""
         real = max(0, min(self.first + self.rows, self.vocab_size) - self.first)
         out = torch.zeros(self.rows, self.hidden_size, dtype=self.dtype)
         if real:
             view = safe_open_of(self.entry.file).get_slice(self.entry.name)[self.first:self.first + real]
-            out[:real].copy_(view)
+            out[:real].copy_(view if self.scale == 1.0 else view.double() * self.scale)
         return out
 
 
-def refuse_head_transforms(config: CheckpointConfig) -> None:
-    """ValueError naming a config.json field that transforms the logits after the output layer."""
-    for fields in (config.text, config.fields):
-        for name, neutral in HEAD_TRANSFORMS.items():
-            value = fields.get(name)
-            if value is not None and value != neutral:
-                raise ValueError(f"TeacherHead.from_hf: {config.source!r}'s config.json sets {name}={value!r}, a "
-                                 f"transform of the logits after the output layer; the fused ops compute h·Wᵀ/τ "
-                                 f"only, so this teacher's distribution cannot be formed from its head (use an "
-                                 f"in-process teacher, or a served teacher's top-k without head=)")
-
-
-def head_entry(config: CheckpointConfig, vocab: int, hidden: int) -> TensorEntry:
+def head_entry(config: CheckpointConfig, index: dict[str, TensorEntry], vocab: int, hidden: int) -> TensorEntry:
     """The checkpoint's output layer: lm_head.weight where stored (also when config.json ties it,
     as transformers serves such a checkpoint), else the tied embedding; [vocab, hidden] checked."""
-    index = tensor_index(config.root)
     tied = bool(config.text.get("tie_word_embeddings", False))
     if HEAD in index:
         entry = index[HEAD]

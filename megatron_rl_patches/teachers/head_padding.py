@@ -6,6 +6,7 @@ otherwise) gets the head's real rows at its own layout and zero rows past them."
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import torch
 
@@ -19,16 +20,24 @@ def head_padded_as(head: TeacherHead, padded_vocab_size: int) -> TeacherHead:
     all-gather of the shards, once: the whole [V, H] lives on each rank for the copy). ValueError
     when the padded vocabulary cannot hold the head's real one or does not split over the group."""
     rank, size = group_position(head.tp_group)
-    error = None
-    if padded_vocab_size < head.vocab_size or padded_vocab_size % size:
-        error = ValueError(f"a teacher head of {head.vocab_size} real rows ({head.source}) cannot be padded to "
-                           f"{padded_vocab_size} rows over {size} tensor-parallel ranks: the student's padded "
-                           "vocabulary must hold the teacher's real one and split evenly over its tensor-parallel "
-                           "group")
+    error: Exception | None = None
+    asked = -1  # what the group compares where no int was given (that rank's error is raised then)
+    if isinstance(padded_vocab_size, bool) or not isinstance(padded_vocab_size, numbers.Integral):
+        error = TypeError(f"head_padded_as(padded_vocab_size=...) must be an int (the student's padded vocabulary: "
+                          f"its output layer's rows over the tensor-parallel group), got "
+                          f"{type(padded_vocab_size).__name__} {padded_vocab_size!r:.40}")
+    else:
+        asked = int(padded_vocab_size)
+        if asked < head.vocab_size or asked % size:
+            error = ValueError(f"head_padded_as(padded_vocab_size={asked}): a teacher head of {head.vocab_size} real "
+                               f"rows ({head.source}) cannot be padded to {asked} rows over {size} tensor-parallel "
+                               "ranks: the student's padded vocabulary must hold the teacher's real one and split "
+                               "evenly over its tensor-parallel group")
     # agreed before the all-gather: a rank asking another size would otherwise return early or wait
     agree(head.tp_group, "head_padded_as", error=error,
-          match={"padded_vocab_size": padded_vocab_size, "head_padded_vocab_size": head.padded_vocab_size},
+          match={"padded_vocab_size": asked, "head_padded_vocab_size": head.padded_vocab_size},
           where="the teacher head's tensor-parallel group")
+    padded_vocab_size = asked
     if head.padded_vocab_size == padded_vocab_size:
         return head
     whole = torch.cat(gathered(head.tp_group, head.weight)) if size > 1 else head.weight

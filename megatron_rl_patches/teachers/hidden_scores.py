@@ -8,11 +8,14 @@ import os
 
 import torch
 
+from megatron_rl_patches.ops._checks import largest_temperature, smallest_temperature, temperature_range
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.engines.vllm_pooling import EMBED_DTYPES
 from megatron_rl_patches.teachers.head import TeacherHead
 
+# the dtypes a model's hidden states travel in exactly (the default: the checkpoint's own among them)
+LOSSLESS = (torch.float32, torch.bfloat16, torch.float16)
 # engines whose hidden states are not served yet, and why
 HIDDEN_NOT_SERVED = {"sglang": "SGLang's hidden states (/generate with return_hidden_states) stay refused until a test "
                                "runs against a real SGLang server (its server does not run on this project's CPUs)"}
@@ -35,10 +38,14 @@ def hidden_head(head: object, engine: object) -> TeacherHead | None:
 
 
 def head_temperature(temperature: object, top_k: int, head: TeacherHead) -> float:
-    """A positive finite temperature (the trainer applies it) and K within the head's vocabulary."""
+    """A temperature the head's ops compute (the trainer applies it: finite, > 0, within
+    `temperature_range` of the head's dtype) and K within the head's vocabulary."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature <= 0:
         raise ValueError(f"ServedTeacher(temperature=...) must be a finite number > 0, got {temperature!r}")
+    if not smallest_temperature(head.dtype) <= temperature <= largest_temperature(head.dtype):
+        raise ValueError(f"ServedTeacher(temperature={temperature!r}) is outside the temperatures the head's ops "
+                         f"compute: {temperature_range(head.dtype)}")
     if top_k >= head.vocab_size:
         raise ValueError(f"ServedTeacher(top_k={top_k}) must be smaller than the teacher head's vocabulary of "
                          f"{head.vocab_size} (the tail bucket holds the rest; at K = vocabulary - 1 it is the last id)")
@@ -46,20 +53,25 @@ def head_temperature(temperature: object, top_k: int, head: TeacherHead) -> floa
 
 
 def states_dtype(dtype: object, head: TeacherHead) -> torch.dtype:
-    """The dtype the hidden states travel in: `dtype`, else the head's checkpoint's (the served
-    model's, lossless), float32 where that is none of vLLM's embed dtypes."""
+    """The dtype the hidden states travel in: `dtype` (fp8 only when asked: lossy), else the head's
+    checkpoint's (the served model's, lossless), float32 where that is not float32 / bf16 / fp16."""
     if dtype is not None:
         if dtype not in EMBED_DTYPES:
             raise ValueError(f"ServedTeacher(hidden_dtype=...) must be one of {[str(d) for d in EMBED_DTYPES]} or "
                              f"None (the head's checkpoint's dtype), got {dtype!r}")
         return dtype
     own = head.checkpoint_dtype
-    return own if own in EMBED_DTYPES else torch.float32
+    return own if own in LOSSLESS else torch.float32
+
+
+# the dtypes ids may come in (no float, complex, bool or unsigned type wider than a byte: torch reduces few of them)
+ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def check_given_ids(ids: object, batch: TeacherBatch, vocab_size: int) -> list[torch.Tensor] | None:
     """`ids` of `score(batch, ids=...)`: None, or one [R_i, k] integer tensor per sample (one k),
-    each id in [0, vocab_size); TypeError / ValueError naming the sample otherwise."""
+    each id in [0, vocab_size), no id twice in a row (the op refuses repeats: refused here, before
+    anything is sent); TypeError / ValueError naming the sample otherwise."""
     if ids is None:
         return None
     if not isinstance(ids, (list, tuple)) or len(ids) != len(batch):
@@ -70,13 +82,20 @@ def check_given_ids(ids: object, batch: TeacherBatch, vocab_size: int) -> list[t
     for i, given in enumerate(ids):
         rows = batch.response_rows(i)
         if not isinstance(given, torch.Tensor) or given.dim() != 2 or given.shape[0] != rows \
-                or given.dtype.is_floating_point or given.dtype == torch.bool:
+                or given.dtype not in ID_DTYPES:
             shown = f"{tuple(given.shape)} {given.dtype}" if isinstance(given, torch.Tensor) else type(given).__name__
             raise ValueError(f"ServedTeacher.score(ids=...): sample {i}'s ids must be an integer tensor [{rows}, k] "
                              f"(one row per response row), got {shown}")
         if given.numel() and not 0 <= int(given.min()) <= int(given.max()) < vocab_size:
             raise ValueError(f"ServedTeacher.score(ids=...): sample {i} holds ids outside [0, {vocab_size}) (the "
                              f"teacher head's vocabulary)")
+        ordered = given.detach().cpu().long().sort(dim=1).values
+        twice = (ordered[:, 1:] == ordered[:, :-1]).nonzero()
+        if twice.numel():
+            row, column = (int(v) for v in twice[0])
+            raise ValueError(f"ServedTeacher.score(ids=...): sample {i}'s row {row} holds id "
+                             f"{int(ordered[row, column])} twice; give each row distinct ids (the log-probs at "
+                             f"them and the tail outside them count each id once)")
         widths.add(given.shape[1])
     if len(widths) > 1:
         raise ValueError(f"ServedTeacher.score(ids=...): every sample must give the same number of ids per row, got "
@@ -88,11 +107,14 @@ def head_scores(head: TeacherHead, batch: TeacherBatch, states: list[torch.Tenso
                 temperature: float, given: list[torch.Tensor] | None = None) -> BatchScores:
     """`BatchScores` (float64) from `states[i]` [R_i, H] through `head` at `temperature`: the actual
     tokens' log-probs, the teacher's own top-`top_k` with their exact tail, the hidden states
-    themselves and, with `given`, the log-probs at those ids with the tail outside them."""
+    themselves and, with `given`, the log-probs at those ids with the tail outside them. Zero
+    sizes are scores of their shapes: no sample, no row, ids of width 0 (no log-prob; the whole
+    mass outside them: a tail of log 1 = 0); a sample of no rows in the other samples' dtype."""
     rows = [batch.response_rows(i) for i in range(len(batch))]
-    states = [s.reshape(-1, head.hidden_size) for s in states]
-    hidden = torch.cat(states)
-    tokens = torch.cat([ids[start:] for ids, start in zip(batch.sequences, batch.response_starts)]).long()
+    states = in_one_dtype([s.reshape(-1, head.hidden_size) for s in states])
+    hidden = torch.cat(states) if states else torch.zeros(0, head.hidden_size, dtype=head.dtype)
+    tokens = torch.cat([ids[start:] for ids, start in zip(batch.sequences, batch.response_starts)]).long() \
+        if len(batch) else torch.zeros(0, dtype=torch.int64)
     if hidden.shape[0]:
         token = head.token_log_probs(hidden, tokens, temperature).double()
         top_ids, top_values, tail = head.topk(hidden, top_k, temperature)
@@ -103,13 +125,25 @@ def head_scores(head: TeacherHead, batch: TeacherBatch, states: list[torch.Tenso
     at = at_tail = None
     if given is not None:
         width = given[0].shape[1] if given else 0
-        flat = torch.cat([g.reshape(-1, width) for g in given]).long()
-        if hidden.shape[0]:
+        flat = torch.cat([g.long() for g in given]) if given else torch.zeros(0, 0, dtype=torch.int64)
+        if hidden.shape[0] and width:  # the same on every rank of the head's group (one batch, one ids)
             values, rest = head.log_probs_at(hidden, flat, temperature)
-            at, at_tail = values.double().split(rows), rest.double().split(rows)
+            at, at_tail = values.double(), rest.double()
         else:
-            at, at_tail = torch.zeros(0, width).split(rows), torch.zeros(0).split(rows)
-    return BatchScores(list(token.split(rows)), list(top_ids.cpu().split(rows)),
-                       list(top_values.double().cpu().split(rows)), list(tail.double().cpu().split(rows)),
-                       hidden_states=list(states), ids_log_probs=None if at is None else list(at),
-                       ids_tail_log_probs=None if at_tail is None else list(at_tail))
+            at = torch.zeros(hidden.shape[0], width, dtype=torch.float64)
+            at_tail = torch.zeros(hidden.shape[0], dtype=torch.float64)
+    return BatchScores(per_sample(token, rows), per_sample(top_ids.cpu(), rows),
+                       per_sample(top_values.double().cpu(), rows), per_sample(tail.double().cpu(), rows),
+                       hidden_states=list(states), ids_log_probs=None if at is None else per_sample(at, rows),
+                       ids_tail_log_probs=None if at_tail is None else per_sample(at_tail, rows))
+
+
+def in_one_dtype(states: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A sample of no rows in the dtype of the others' states (torch.cat would promote them)."""
+    dtype = next((s.dtype for s in states if s.numel()), None)
+    return [s if s.numel() or dtype is None else s.to(dtype) for s in states]
+
+
+def per_sample(values: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
+    """`values` [sum R_i, ...] cut into the samples' rows (no sample: none)."""
+    return list(values.split(rows)) if rows else []

@@ -10,6 +10,9 @@ student's vocabulary and, optionally, how an in-process teacher's pass runs.
   offload context); None calls `teacher.score(batch)` as it is.
 - `build_teacher` (optional): (entry, options) -> the teacher of an in-process kind (a checkpoint,
   a provider), for `build_teachers`; a host without one builds served teachers only.
+- `student_pass` (optional): the host's own pass of the student's current model over a
+  `TeacherBatch` -> per sample its logits [R_i, V] on the response rows: the live self-teacher's
+  (`student;context=KEY`, `teachers.self_teacher`), run under no grad, no copy of the weights.
 
 `TeacherHost` is the protocol; `LoopHost` a plain one; `megatron_host` builds one from
 megatron-core's parallel_state for a hand-written Megatron loop (the module passed in: this
@@ -41,6 +44,7 @@ class LoopHost:
     job_group: Any = None
     teacher_pass: TeacherPass | None = None
     build_teacher: Callable[[Any, Any], Any] | None = None
+    student_pass: Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 1:
@@ -49,6 +53,9 @@ class LoopHost:
         if self.teacher_pass is not None and not callable(self.teacher_pass):
             raise TypeError(f"LoopHost(teacher_pass=...) must be a callable (teacher, batch) -> BatchScores or None, "
                             f"got {type(self.teacher_pass).__name__}")
+        if self.student_pass is not None and not callable(self.student_pass):
+            raise TypeError(f"LoopHost(student_pass=...) must be a callable (TeacherBatch) -> per-sample logits "
+                            f"[R_i, V] or None, got {type(self.student_pass).__name__}")
         if self.build_teacher is not None and not callable(self.build_teacher):
             raise TypeError(f"LoopHost(build_teacher=...) must be a callable (entry, options) -> teacher or None, "
                             f"got {type(self.build_teacher).__name__}")

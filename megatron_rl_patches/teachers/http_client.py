@@ -10,9 +10,8 @@ connection pool is closed (the abandoned attempt fails at its next byte) and the
 from __future__ import annotations
 
 import functools
-import json
+import os
 import ssl
-import sys
 import threading
 import time
 import urllib.parse
@@ -21,11 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_rl_patches._extras import install_hint
+from megatron_rl_patches._json_read import parsed_json
 from megatron_rl_patches.teachers.client_settings import ClientSettings
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
-from megatron_rl_patches.teachers.redaction import has_userinfo, redacted
+from megatron_rl_patches.teachers.redaction import has_userinfo, redacted, without_key
 
 BACKOFF_CAP_S = 8.0
+QUOTED = 500  # characters of a server's error text quoted
 
 
 def check_url(url: object) -> str:
@@ -69,20 +70,20 @@ class Deadline:
         return self.at - time.monotonic()
 
 
-def server_words(response: Any) -> str:
+def server_words(response: Any, key: str | None) -> str:
     """What a server said in an error reply: its JSON `message` / `error.message` / `detail`, else
-    the start of its text."""
+    the start of its text; the API key `key` (and any bearer token) taken out before it is cut."""
     try:
         body = response.json()
     except ValueError:
-        return response.text[:500]
+        return without_key(response.text[:QUOTED + len(key or "")], key)[:QUOTED]
     if isinstance(body, dict):
         error = body.get("error")
         for said in (body.get("message"), error.get("message") if isinstance(error, dict) else error,
                      body.get("detail")):
             if said:
-                return str(said)
-    return response.text[:500]
+                return without_key(str(said), key)
+    return without_key(response.text[:QUOTED + len(key or "")], key)[:QUOTED]
 
 
 class TeacherClient:
@@ -113,6 +114,14 @@ class TeacherClient:
         limits = httpx.Limits(max_connections=s.max_in_flight, max_keepalive_connections=s.max_in_flight)
         return httpx.Client(headers=headers, verify=verify, limits=limits, trust_env=True,
                             timeout=httpx.Timeout(s.timeout_s, connect=s.connect_timeout_s))
+
+    def key(self) -> str | None:
+        """The API key as the environment holds it (what a server could quote back), or None."""
+        return os.environ.get(self.settings.api_key_env) or None
+
+    def quoted(self, text: str) -> str:
+        """`text` (a server's words, an exception's) as a message may quote it: without the API key."""
+        return without_key(text, self.key())
 
     def close(self) -> None:
         with self._lock:
@@ -180,26 +189,28 @@ class TeacherClient:
                                              self.url, sample)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
                     httpx.RemoteProtocolError, httpx.CloseError) as error:
-                last = f"{type(error).__name__}: {error}"
+                last = f"{type(error).__name__}: {self.quoted(str(error))}"
                 if isinstance(error, httpx.ConnectError) and "CERTIFICATE_VERIFY_FAILED" in str(error):
-                    raise ServedTeacherError(f"{who}: TLS verification failed ({error}); give the server's CA as "
-                                             f"ClientSettings(ca_bundle=PEM)", self.url, sample) from None
+                    raise ServedTeacherError(f"{who}: TLS verification failed ({self.quoted(str(error))}); give "
+                                             f"the server's CA as ClientSettings(ca_bundle=PEM)", self.url,
+                                             sample) from None
             except httpx.TimeoutException as error:
                 bound = (f"the step's deadline of {deadline.seconds:g} s" if left < s.timeout_s
                          else f"ClientSettings(timeout_s={s.timeout_s:g})")
                 raise ServedTeacherError(f"{who}: no reply within {bound} ({type(error).__name__})",
                                          self.url, sample) from None
             except httpx.HTTPError as error:
-                raise ServedTeacherError(f"{who}: {type(error).__name__}: {error}", self.url, sample) from None
+                raise ServedTeacherError(f"{who}: {type(error).__name__}: {self.quoted(str(error))}", self.url,
+                                         sample) from None
             else:
                 if 300 <= response.status_code < 400:  # httpx follows no redirect: refuse it by name
-                    where = redacted(response.headers.get("location", "nowhere named"))
+                    where = self.quoted(redacted(response.headers.get("location", "nowhere named")))
                     raise ServedTeacherRefusal(f"{who}: the server redirects (HTTP {response.status_code} to "
                                                f"{where!r}), and a served teacher follows no redirect: give the "
                                                f"URL the server answers at", self.url, sample)
                 if response.status_code < 400:
                     return response if raw else decode(response.content, who, self.url, sample)
-                last = f"HTTP {response.status_code}: {server_words(response)}"
+                last = f"HTTP {response.status_code}: {server_words(response, self.key())}"
                 if response.status_code < 500:
                     raise refusal(response.status_code, last, who, self.url, sample, s)
             if attempt >= s.retries or cancel.is_set():
@@ -212,25 +223,17 @@ class TeacherClient:
 def decode(content: bytes, who: str, url: str, sample: int | None) -> Any:
     """The reply's JSON: orjson where installed (the extra `served`; twice json's speed on the
     megabytes of a long sample's log-probs), json otherwise and for what orjson refuses (NaN)."""
-    try:
-        return fast_loads()(content)
-    except ValueError:
-        pass
-    try:
-        return json.loads(content)
-    except ValueError as error:
-        raise ServedTeacherError(f"{who}: the reply is not JSON ({error})", url, sample) from None
-    except RecursionError:
-        raise ServedTeacherError(f"{who}: the reply's JSON nests deeper than Python's recursion limit "
-                                 f"({sys.getrecursionlimit()}): no engine's reply is shaped so", url, sample) from None
+    return parsed_json(content, lambda problem: ServedTeacherError(f"{who}: the reply {problem}", url, sample),
+                       fast_loads())
 
 
 @functools.cache
-def fast_loads() -> Callable[[bytes], Any]:
+def fast_loads() -> Callable[[bytes], Any] | None:
+    """orjson's reader where installed (None: json's alone)."""
     try:
         import orjson  # lazy: optional dependency orjson (the extra `served`)
     except ImportError:
-        return json.loads
+        return None
     return orjson.loads
 
 

@@ -5,8 +5,9 @@ tokenizer can write, never by sending ids (an id past its vocabulary stops such 
 Standard library only."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from megatron_rl_patches._json_read import json_file
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -21,12 +22,9 @@ def named_vocab_size(entry: TeacherEntry, where: str) -> int:
         raise ValueError(f"{where}: ';same_tokenizer' needs ';vocab=N' or ';config=PATH'")
     path = Path(entry.config).expanduser()
     file = path / "config.json" if path.is_dir() else path
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{where}: ';config={entry.config}' is no readable config.json ({type(error).__name__}: "
-                         f"{error}); name the served model's config.json or its directory, or give ';vocab=N'"
-                         ) from None
+    config = json_file(file, lambda problem: ValueError(
+        f"{where}: ';config={entry.config}' is no readable config.json ({str(file)!r} {problem}); name the served "
+        "model's config.json or its directory, or give ';vocab=N'"))
     nested = config.get("text_config") if isinstance(config, dict) else None
     size = config.get("vocab_size") if isinstance(config, dict) else None
     if size is None and isinstance(nested, dict):
@@ -43,3 +41,11 @@ def check_named_vocab(size: int, student_ids: int, where: str) -> None:
                          f"model's vocabulary of {size} the entry names: its tokenizer is not the student's (or the "
                          "size named is wrong); serve a teacher of the student's tokenizer, or correct ';vocab=' / "
                          "';config='")
+
+
+def check_head_vocab(named: int, head: int, directory: str | None, where: str) -> None:
+    """The vocabulary `;same_tokenizer` names equals the `;head=DIR` head's (one served model)."""
+    if named != head:
+        raise ValueError(f"{where}: ';same_tokenizer' names a served vocabulary of {named}, but the head of "
+                         f"';head={directory}' has {head} rows (its config.json's vocab_size): the head and the "
+                         "served model must be one model; correct ';vocab=' / ';config=' or the head's directory")

@@ -1,36 +1,72 @@
-"""What errors, logs and `doctor` may show of a URL or a teacher entry (`redacted`), and whether
-one carries a user or password (`has_userinfo`), both read on the raw text before anything splits
-or parses it: a password may hold '/', '#', ';' or '@', which cut a parsed authority short or are
-split off as a path, fragment or option first. Standard library only."""
+"""What errors, logs and `doctor` may show of a URL, a teacher entry or a setting of several
+(`redacted`), whether one carries a user or password (`has_userinfo`, `refuse_userinfo`), and a
+served teacher's API key taken out of what a server said (`without_key`). URLs are read on the raw text, before
+anything splits or parses it: a password may hold what splits a setting or an entry (',' between
+entries, '|' between replicas, ';' before options, white space around them) or ends a parsed
+authority early ('/', '#', '@'). Standard library only (and the leaf `_variables`).
+
+Where a URL's user or password ends: after '://' comes either a plain authority (host[:port],
+then the end of the text or one of the characters that end it) or not. A plain authority holds
+no user; an '@' after it is a password's only where it is not in an option's value (`;head=DIR`
+may name a path holding '@') and a host follows it — so a password of digits before a
+separator (`bob:1234,5678@host`) is still found. Anything else before an '@' is a user or
+password up to the last '@' a host follows (or the last '@') before the next URL whose authority
+is plain. Redacting more than the password is harmless; showing a piece of it is not."""
 from __future__ import annotations
 
 import re
 
+from megatron_rl_patches._variables import TEACHER_API_KEY
+
 SCHEME_END = "://"
 HIDDEN = "***"
-# an entry ends at the next ',' (entries of a setting) or white space (the text around it)
-ENTRY_END = re.compile(r"[,\s]")
+# what ends an authority: a path, a query, a fragment, an option, another entry or replica, white space
+AUTHORITY_END = "/?#;,|"
+HOST = r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~%-]+)(?::[0-9]*)?"
+PLAIN_AUTHORITY = re.compile(HOST + rf"(?=$|[{re.escape(AUTHORITY_END)}\s])")
+OPTION_VALUE = re.compile(r"\s*[A-Za-z_][A-Za-z0-9_]*\s*=")  # `name=` after a ';': an option's value
+AT = re.compile("@")
+BEARER = re.compile(r"(?i)(\bbearer\s+)\S+")
+KEY_PIECE = 8  # a piece of the API key this long is hidden wherever a server quotes it
 
 
 def userinfo_spans(text: str) -> list[tuple[int, int]]:
-    """For every '://' in `text`: (just after it, the last '@' before its entry's end), where
-    there is such an '@'."""
-    spans = []
-    start = text.find(SCHEME_END)
-    while start >= 0:
-        start += len(SCHEME_END)
-        stop = ENTRY_END.search(text, start)
-        end = len(text) if stop is None else stop.start()
-        at = text.rfind("@", start, end)
-        if at >= 0:
-            spans.append((start, at))
-        start = text.find(SCHEME_END, end)
+    """(just after '://', its user's '@') for every URL in `text` that carries a user or password."""
+    starts = [match.end() for match in re.finditer(re.escape(SCHEME_END), text)]
+    plain = [PLAIN_AUTHORITY.match(text, start) is not None for start in starts]
+    spans, i = [], 0
+    while i < len(starts):
+        start = starts[i]
+        if plain[i]:  # host[:port] and its end: an '@' after it is a password's only outside option values
+            region_end = starts[i + 1] - len(SCHEME_END) if i + 1 < len(starts) else len(text)
+            ats = [at for at in ats_before_a_host(text, start, region_end) if not in_option(text, start, at)]
+        else:  # anything else up to the next URL whose authority is plain
+            following = next((j for j in range(i + 1, len(starts)) if plain[j]), len(starts))
+            region_end = starts[following] - len(SCHEME_END) if following < len(starts) else len(text)
+            ats = ats_before_a_host(text, start, region_end) or \
+                [at.start() for at in AT.finditer(text, start, region_end)]
+        if ats:
+            spans.append((start, ats[-1]))
+            while i < len(starts) and starts[i] <= ats[-1]:  # a '://' inside the password is the password's
+                i += 1
+        else:
+            i += 1
     return spans
 
 
+def ats_before_a_host(text: str, start: int, end: int) -> list[int]:
+    """The '@'s in text[start:end] that a plain authority (host[:port], then its end) follows."""
+    return [at.start() for at in AT.finditer(text, start, end) if PLAIN_AUTHORITY.match(text, at.start() + 1)]
+
+
+def in_option(text: str, start: int, at: int) -> bool:
+    """Whether the '@' at `at` is in an option's value: `;name=` before it, after the URL's start."""
+    semicolon = text.rfind(";", start, at)
+    return semicolon >= 0 and OPTION_VALUE.match(text, semicolon + 1) is not None
+
+
 def redacted(text: str) -> str:
-    """`text` with every URL's user and password (from '://' to the last '@' before its entry's
-    end) replaced by '***'."""
+    """`text` with every URL's user and password (from '://' to its user's '@') replaced by '***'."""
     pieces, done = [], 0
     for start, at in userinfo_spans(text):
         pieces += [text[done:start], HIDDEN]
@@ -39,5 +75,36 @@ def redacted(text: str) -> str:
 
 
 def has_userinfo(text: str) -> bool:
-    """Whether a URL in `text` carries a user or password (an '@' after '://' within its entry)."""
+    """Whether a URL in `text` carries a user or password."""
     return bool(userinfo_spans(text))
+
+
+def refuse_userinfo(text: str, where: str) -> None:
+    """A ValueError naming `where` (the setting, argument or entry `text` came in) when a URL in
+    `text` carries a user or password: called on the raw text, before anything splits it."""
+    if has_userinfo(text):
+        raise ValueError(f"{where}: {redacted(text)!r} carries a user or password in a URL ('user:pass@'), which "
+                         f"would be printed wherever it is (doctor, logs): drop it and put the API key in "
+                         f"{TEACHER_API_KEY} (sent as a bearer token)")
+
+
+def without_key(text: str, key: str | None) -> str:
+    """What a server said, without the API key: every piece of `key` of 8 characters or more (or
+    the whole of a shorter key; a server may cut what it quotes) and the value of every
+    `Bearer <value>` replaced by '***', before the text is quoted or cut."""
+    text = BEARER.sub(lambda match: match.group(1) + HIDDEN, text)
+    if not key:
+        return text
+    shortest = min(len(key), KEY_PIECE)
+    windows = {key[i:i + shortest] for i in range(len(key) - shortest + 1)}
+    pieces, done, i = [], 0, 0
+    while i <= len(text) - shortest:
+        if text[i:i + shortest] not in windows:
+            i += 1
+            continue
+        end = i + shortest
+        while end < len(text) and text[i:end + 1] in key:  # the piece as long as it goes on
+            end += 1
+        pieces += [text[done:i], HIDDEN]
+        done = i = end
+    return "".join(pieces) + text[done:]

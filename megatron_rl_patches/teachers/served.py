@@ -15,6 +15,7 @@ from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.client_settings import ClientSettings
+from megatron_rl_patches.teachers.context_key import context_key
 from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.engines.names import check_engine, engine_class
 from megatron_rl_patches.teachers.engines.protocol import SampleRows, ServedModel
@@ -36,12 +37,15 @@ class ServedTeacher:
     """A teacher at `url` (http(s)://host:port) served by `engine`, scoring its own `top_k`
     buckets per row (K within the server's limit: vLLM's `--max-logprobs`, default 20). Engines
     score at temperature 1 whatever is asked: another `temperature` is refused. `client` sets the
-    timeouts, deadline, retries, bounds, API key variable and CA bundle (`ClientSettings`)."""
+    timeouts, deadline, retries, bounds, API key variable and CA bundle (`ClientSettings`).
+    `context`: the key of each sample's privileged context in the teacher step
+    (`TeacherStep.send(batch, contexts={KEY: ...})`): it scores them before the student's response."""
 
     def __init__(self, url: str, engine: str = "vllm", top_k: int = 20, *, model: str | None = None,
                  temperature: float = 1.0, client: ClientSettings | None = None,
                  head: TeacherHead | str | os.PathLike[str] | None = None,
-                 hidden_dtype: torch.dtype | None = None) -> None:
+                 hidden_dtype: torch.dtype | None = None, context: str | None = None) -> None:
+        self.context = context_key(context, "ServedTeacher(context=...)")
         self.head = hidden_head(head, engine)
         self.engine_name = check_engine(engine)
         self.top_k = positive_int("ServedTeacher(top_k=...)", top_k, " (the teacher's buckets per row)")
@@ -64,7 +68,8 @@ class ServedTeacher:
             self.engine = engine_class(self.engine_name)(self.client, self.top_k, model)
         else:  # one engine serves hidden states: vLLM's pooling runner
             self.engine = VllmPoolingEngine(self.client, self.top_k, model, self.head.hidden_size,
-                                            states_dtype(hidden_dtype, self.head))
+                                            states_dtype(hidden_dtype, self.head), self.head.source,
+                                            self.head.fingerprint)
         self._model: ServedModel | None = None
         self._budget = TokenBudget(self.settings.max_tokens_in_flight)
         self._pool: futures.ThreadPoolExecutor | None = None
@@ -124,7 +129,9 @@ class ServedTeacher:
         if self.head is not None:
             head, k, tau = self.head, self.top_k, self.temperature
             project = lambda states: head_scores(head, batch, states, k, tau, given)  # noqa: E731
-        return PendingScores(self.url, batch, pending, deadline, cancel, self.top_k, project=project)
+        no_rows = torch.zeros(0, self.engine.hidden_size, dtype=self.engine.dtype) \
+            if isinstance(self.engine, VllmPoolingEngine) else None
+        return PendingScores(self.url, batch, pending, deadline, cancel, self.top_k, project=project, no_rows=no_rows)
 
     def check_ids(self, batch: TeacherBatch, ids: object) -> list[torch.Tensor] | None:
         """`ids` of `score` (a head only); with a head every sample's ids within its vocabulary."""
@@ -192,11 +199,13 @@ class PendingScores:
 
     def __init__(self, url: str, batch: TeacherBatch, pending: dict[int, futures.Future], deadline: Deadline,
                  cancel: threading.Event, top_k: int, failure: Exception | None = None,
-                 project: Callable[[list[torch.Tensor]], BatchScores] | None = None) -> None:
+                 project: Callable[[list[torch.Tensor]], BatchScores] | None = None,
+                 no_rows: torch.Tensor | None = None) -> None:
         self.url, self.batch, self.pending = url, batch, pending
         self.deadline, self.cancel, self.top_k = deadline, cancel, top_k
         self.failure = failure
         self.project = project  # hidden states -> scores through the head, after the failure is agreed
+        self.no_rows = torch.zeros(0, 0) if no_rows is None else no_rows  # a sample of no rows' states [0, H]
 
     def result(self, group: object = None, *, projected: bool = True) -> Any:
         """The step's `BatchScores`; a failure (the first sample's, by index) raised on every rank
@@ -231,7 +240,7 @@ class PendingScores:
                                      f"{self.deadline.seconds:g} s ({len(late)} of {len(self.pending)} samples "
                                      f"unanswered)", self.url, late[0])
         if self.project is not None:  # hidden states [R_i, H], projected once agreed
-            return [self.pending[i].result() if i in self.pending else torch.zeros(0, 0)
+            return [self.pending[i].result() if i in self.pending else self.no_rows
                     for i in range(len(self.batch))]
         rows = [self.pending[i].result() if i in self.pending else empty_rows(self.top_k)
                 for i in range(len(self.batch))]

@@ -2,7 +2,8 @@
 (`URL;engine=vllm`, `;head=DIR` for hidden states through the teacher's head), connected on the
 host's asking rank (the first rank of its sharing group): the server answers, K within its limit,
 its tokenizer the student's (probed with the student's tokenizer, or the entry's
-`;same_tokenizer;vocab=N` for a server without one). A failure anywhere is the same ValueError
+`;same_tokenizer;vocab=N` for a server without one; with `;head=DIR` too, N must be the head's
+vocabulary). A failure anywhere is the same ValueError
 naming the entry on every rank of the host's job. An entry with another tokenizer
 (`;tokenizer=DIR`) scores its own encoding in chunk-start buckets, which the teacher step's
 per-row scores do not carry: refused by name."""
@@ -13,7 +14,7 @@ from typing import Any
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.host import asks
 from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
-from megatron_rl_patches.teachers.named_vocab import named_vocab_size
+from megatron_rl_patches.teachers.named_vocab import check_head_vocab, named_vocab_size
 from megatron_rl_patches.teachers.redaction import redacted
 from megatron_rl_patches.teachers.served_connect import connect_served
 
@@ -59,8 +60,17 @@ def build_served(entry: TeacherEntry, host: Any, options: Any) -> Any:
         return named_vocab_size(entry, where), int(host.vocab_size)
 
     def build() -> ServedTeacher:
-        return ServedTeacher(entry.path, engine=entry.engine or "vllm", top_k=options.top_k,
-                             temperature=options.temperature, client=options.client, head=entry.head)
+        named = named_vocab_size(entry, where) if entry.same_tokenizer and entry.head is not None else None
+        teacher = ServedTeacher(entry.path, engine=entry.engine or "vllm", top_k=options.top_k,
+                                temperature=options.temperature, client=options.client, head=entry.head,
+                                context=entry.context)
+        if named is not None and teacher.head is not None:
+            try:
+                check_head_vocab(named, teacher.head.vocab_size, entry.head, where)
+            except ValueError:
+                teacher.close()
+                raise
+        return teacher
 
     teacher = connect_served(build, where, asks=asks(host), job_group=host.job_group, tokenizer=tokenizer,
                              named_vocab=named_vocab if entry.same_tokenizer else None)

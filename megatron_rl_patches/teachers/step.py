@@ -6,15 +6,23 @@ student's forward, `collect()` after it.
   forward does.
 - In-process teachers (any `BatchTeacher`: `.score(batch)`) run in `collect()` on every rank,
   through the host's `teacher_pass` when it gives one (they are model-parallel like the student).
+- The ranks of a sharing group hold the same checkpoint's head, within the student's vocabulary
+  (`step_heads`: compared when the step is built, a difference raised by the first `collect`).
 - A failure anywhere (a server down, a sample too long, an in-process teacher raising) is agreed
   over the host's `job_group`: every rank raises the same error (`ServedTeacherError` /
   `ServedTeacherRefusal`), none is left waiting in a later collective. So is a bad call on one
   rank (`collect()` before `send()`, a batch that is not a `TeacherBatch`: its own TypeError /
   RuntimeError on every rank) and, when the step is built, a host whose sharing groups, vocabulary
-  or teachers differ between the ranks (a ValueError on every rank: `step_views`).
-- The served scores are broadcast from the asking rank to its sharing group on the group's device
-  (`ops.agreement.group_device`); a head's hidden states are projected through the head on every
-  rank after it (the head's tensor-parallel ops need every rank).
+  or teachers differ between the ranks (a ValueError on every rank: `step_views`, exchanged over
+  the job before the sharing group's head comparison).
+- The served scores are broadcast from the asking rank to its sharing group as tensors on the
+  group's device (`share_tensors`: the layout first, then one flat buffer per dtype, never
+  pickled); a head's hidden states are projected through the head on every rank after it (the
+  head's tensor-parallel ops need every rank).
+
+- A teacher with a privileged context (`context=KEY`: its entry's `;context=KEY`) scores
+  `with_context(batch, its contexts)`: the contexts come with the batch
+  (`send(batch, contexts=...)`, `step_contexts`); its rows line up with the student's.
 
 `StepPlan` carries the step's top-k, temperature and invariant mode explicitly (no context
 variable): built from the teachers when not given, checked once against each of them."""
@@ -27,9 +35,12 @@ from typing import Any
 
 from megatron_rl_patches.teachers.agreement import agree_failure, agreed_views, distributed
 from megatron_rl_patches.teachers.batch import TeacherBatch
+from megatron_rl_patches.teachers.context_key import teacher_context
 from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.host import TeacherHost, asks
 from megatron_rl_patches.teachers.served import PendingScores, ServedTeacher
+from megatron_rl_patches.teachers.step_contexts import teacher_batches
+from megatron_rl_patches.teachers.step_heads import step_heads_failure
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,7 @@ def checked(teachers: Sequence[Any], host: TeacherHost, plan: StepPlan | None) -
         if not callable(getattr(teacher, "score", None)) or not hasattr(teacher, "top_k"):
             raise TypeError(f"TeacherStep(teachers=...): teacher {i} ({type(teacher).__name__}) has no "
                             f".score(batch) and .top_k: pass a ServedTeacher or a BatchTeacher")
+        teacher_context(teacher, i)
     for name in ("share_group", "job_group", "vocab_size", "teacher_pass"):
         if not hasattr(host, name):
             raise TypeError(f"TeacherStep(host=...) has no {name}: pass a TeacherHost (e.g. "
@@ -120,8 +132,10 @@ class TeacherStep:
         self.plan: StepPlan | None = None
         self.host = host
         self.batch: TeacherBatch | None = None
+        self.batches: list[TeacherBatch] = []  # per teacher: the student's batch, or its context's
+        self.failed: BaseException | None = None  # a bad context found in send(), agreed in collect()
+        self.refused: Exception | None = None  # a refused send (a bad call), agreed by the next collect
         self.pending: dict[int, PendingScores] = {}
-        self.refused: Exception | None = None  # a refused send, agreed by the next collect
         error: Exception | None = None
         view = None
         try:
@@ -131,6 +145,8 @@ class TeacherStep:
             error = failed
         check_built(agreed_views(error, self.group, view, own=True))
         self.asker = view["share"][0] if view is not None else 0  # the global rank asking for this rank's group
+        # the sharing groups agree now: the heads' exchange over the sharing group cannot wait for a rank outside it
+        self.heads_failure = step_heads_failure(self.teachers, host)  # raised by the first collect, agreed
 
     def asks(self) -> bool:
         """Whether this rank asks the served teachers: the first rank of its sharing group."""
@@ -144,23 +160,33 @@ class TeacherStep:
 
         return dist.get_world_size(self.group) == 1
 
-    def send(self, batch: TeacherBatch) -> None:
+    def send(self, batch: TeacherBatch, contexts: Any = None) -> None:
         """Send `batch` to the served teachers (on the asking rank; at once, in the background).
-        Every rank of the sharing group passes the same batch. A bad call raises here without a
-        group; with one, the following `collect` raises it on every rank of the job."""
-        error: Exception | None = None
+        Every rank of the sharing group passes the same batch. `contexts`: the privileged contexts
+        of the teachers with a `context` key (`{KEY: [one per sample]}` or one `{KEY: context}`
+        mapping per sample; `step_contexts`): each such teacher scores `with_context(batch, its
+        contexts)`. A bad call or a bad context raises here in one process; with a group the
+        following `collect` raises it on every rank of the job."""
+        refused: Exception | None = None
         if not isinstance(batch, TeacherBatch):
-            error = TypeError(f"TeacherStep.send(batch) takes a TeacherBatch, got {type(batch).__name__}")
+            refused = TypeError(f"TeacherStep.send(batch) takes a TeacherBatch, got {type(batch).__name__}")
         elif self.batch is not None or self.refused is not None:
-            error = RuntimeError("TeacherStep.send: the last batch was not collected: call collect() once per send()")
-        if error is not None:
+            refused = RuntimeError("TeacherStep.send: the last batch was not collected: call collect() once per send()")
+        if refused is not None:
             if self.alone():
-                raise error
-            self.refused = self.refused or error
+                raise refused
+            self.refused = self.refused or refused
+            return
+        try:
+            self.batches = teacher_batches(self.teachers, batch, contexts, self.host.vocab_size)
+        except (TypeError, ValueError) as error:
+            if self.alone():
+                raise
+            self.batch, self.batches, self.failed = batch, [batch] * len(self.teachers), error  # agreed in collect()
             return
         self.batch = batch
-        if self.asks():
-            self.pending = {i: teacher.submit(batch) for i, teacher in enumerate(self.teachers)
+        if self.asks() and self.heads_failure is None:
+            self.pending = {i: teacher.submit(self.batches[i]) for i, teacher in enumerate(self.teachers)
                             if isinstance(teacher, ServedTeacher)}
 
     def collect(self, projected: bool = True) -> list[Any]:
@@ -170,28 +196,30 @@ class TeacherStep:
         take the states, not scores)."""
         from megatron_rl_patches.teachers.step_views import check_collect, collect_view
 
-        batch, pending, refused = self.batch, self.pending, self.refused
-        self.batch, self.pending, self.refused = None, {}, None  # a refused step leaves nothing behind
+        batch, batches, pending, error, refused = self.batch, self.batches, self.pending, self.failed, self.refused
+        self.batch, self.batches, self.pending, self.failed, self.refused = None, [], {}, None, None
         if refused is None and batch is None:
             refused = RuntimeError("TeacherStep.collect: nothing sent: call send(batch) first")
         if refused is None and not isinstance(projected, bool):
             refused = TypeError(f"TeacherStep.collect(projected=...) must be True or False, got {projected!r}")
-        if refused is not None:
+        if refused is not None or error is not None:
             for waiting in pending.values():
                 waiting.cancel.set()
+        if refused is not None:
             agree_failure(refused, self.group, own=True)
         elif any(not isinstance(t, ServedTeacher) for t in self.teachers):
-            agree_failure(None, self.group)  # every rank has a batch before any runs an in-process teacher's pass
+            agree_failure(error, self.group)  # every rank has its batches before any runs an in-process pass
         assert batch is not None  # refused on every rank above otherwise
         got: dict[int, Any] = {}
-        error: BaseException | None = None
         try:
+            if self.heads_failure is not None:
+                raise self.heads_failure
             for i, waiting in pending.items():
                 got[i] = waiting.result(projected=False)  # a head's states: projected on every rank below
             for i, teacher in enumerate(self.teachers):
-                if not isinstance(teacher, ServedTeacher):
+                if error is None and not isinstance(teacher, ServedTeacher):
                     run = self.host.teacher_pass
-                    got[i] = teacher.score(batch) if run is None else run(teacher, batch)
+                    got[i] = teacher.score(batches[i]) if run is None else run(teacher, batches[i])
         except Exception as failed:  # noqa: BLE001 - agreed over the job just below, raised on every rank
             error = failed
             for waiting in pending.values():
@@ -201,20 +229,16 @@ class TeacherStep:
         got.update(self.shared({i: got[i] for i in served if i in got}))
         if not projected:
             return [got[i] for i in range(len(self.teachers))]
-        return [self.projected(teacher, batch, got[i]) for i, teacher in enumerate(self.teachers)]
+        return [self.projected(teacher, batches[i], got[i]) for i, teacher in enumerate(self.teachers)]
 
     def shared(self, served: dict[int, Any]) -> dict[int, Any]:
-        """The asking rank's served results on every rank of its sharing group."""
+        """The asking rank's served results on every rank of its sharing group (as tensors, never pickled)."""
         group = self.host.share_group
         if group is None or not distributed() or not any(isinstance(t, ServedTeacher) for t in self.teachers):
             return served
-        import torch.distributed as dist  # lazy: import cost: torch only with a group
+        from megatron_rl_patches.teachers.share_tensors import shared_results  # lazy: import cost: torch
 
-        from megatron_rl_patches.ops.agreement import group_device
-
-        box = [served if self.asks() else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group, device=group_device(group))
-        return box[0]  # type: ignore[return-value]
+        return shared_results(served if self.asks() else None, group)
 
     def projected(self, teacher: Any, batch: TeacherBatch, got: Any) -> BatchScores:
         """A head teacher's hidden states through its head (every rank alike), else `got` as it is."""

@@ -52,14 +52,15 @@ def teacher_kind(teacher: Any) -> str:
 
 def built_view(host: Any, teachers: Sequence[Any], plan: Any) -> dict:
     """This rank's view of a step it builds (its local checks passed)."""
-    return {"rank": global_rank(), "vocab_size": host.vocab_size, "share": share_ranks(host),
+    return {"call": "TeacherStep build", "rank": global_rank(), "vocab_size": host.vocab_size,
+            "share": share_ranks(host),
             "plan": (plan.top_k, float(plan.temperature), plan.invariant),
             "teachers": [teacher_kind(t) for t in teachers]}
 
 
 def absent_view(host: Any) -> dict:
     """The view of a rank of the job that holds no step (it shares and asks nothing)."""
-    return {"rank": global_rank(), "vocab_size": getattr(host, "vocab_size", None)}
+    return {"call": "TeacherStep build", "rank": global_rank(), "vocab_size": getattr(host, "vocab_size", None)}
 
 
 def by_rank(views: list[dict], key: str) -> str:
@@ -98,7 +99,8 @@ def batch_fingerprint(batch: Any) -> tuple:
 
 
 def collect_view(projected: bool, asker: int, batch: Any) -> dict:
-    return {"rank": global_rank(), "projected": projected, "asker": asker, "batch": batch_fingerprint(batch)}
+    return {"call": "TeacherStep.collect", "rank": global_rank(), "projected": projected, "asker": asker,
+            "batch": batch_fingerprint(batch)}
 
 
 def check_collect(views: list[Any]) -> None:

@@ -3,7 +3,6 @@ torch call given a tensor that lies in a memory map of those files, and that doe
 it, reads that tensor's elements. For the tests of per-rank shard reads (Linux: /proc/self/maps)."""
 from __future__ import annotations
 
-import json
 import os
 import struct
 from collections.abc import Iterator
@@ -13,6 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megatron_rl_patches._json_read import parsed_json
 
 # calls that look at a tensor's metadata, not its data (attribute reads come as `__get__`)
 _METADATA = frozenset({"__get__", "__hash__", "__len__", "size", "stride", "dim", "numel", "nelement", "data_ptr",
@@ -35,7 +36,7 @@ def _layout(file: Path) -> tuple[int, list[tuple[int, int, str]]]:
     """Where a safetensors file's data starts and each tensor's (begin, end, name) within it."""
     with open(file, "rb") as handle:
         (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
+        header = parsed_json(handle.read(length), lambda problem: ValueError(f"{str(file)!r}'s header {problem}"))
     spans = sorted((*entry["data_offsets"], name) for name, entry in header.items() if name != "__metadata__")
     return 8 + length, spans
 

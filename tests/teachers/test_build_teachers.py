@@ -120,3 +120,28 @@ def test_bad_arguments_are_refused_before_any_request(student, entries, options,
 def test_a_host_without_groups_is_refused_by_name():
     with pytest.raises(TypeError, match=r"build_teachers\(host=\.\.\.\) has no share_group"):
         build_teachers("http://h:1;engine=vllm;same_tokenizer;vocab=5", object(), top_k=2)
+
+
+def test_same_tokenizer_vocabulary_is_compared_with_the_heads(tmp_path):
+    """`;same_tokenizer;vocab=N` names the served model's vocabulary; `;head=DIR` is that model's head:
+    two sizes, one model. Refused naming both, on the entry and in doctor, before any request."""
+    import json
+
+    from megatron_rl_patches.teachers.kinds.entry import RunFacts
+    from megatron_rl_patches.teachers.kinds.served_entry import problems
+    from megatron_rl_patches.testing.hf_checkpoints import write_safetensors
+
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64,
+                                                  "hidden_size": 8, "torch_dtype": "float32"}))
+    write_safetensors(head / "model.safetensors", {"lm_head.weight": torch.randn(64, 8)})
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 100}))
+    with vllm_like() as server:
+        for named in ("vocab=100", f"config={tmp_path / 'config.json'}"):
+            entry = f"{url_of(server)};engine=vllm;head={head};same_tokenizer;{named}"
+            with pytest.raises(ValueError, match=r"names a served vocabulary of 100, but the head of .*has 64 rows"):
+                build_teachers(entry, local_host(100), top_k=2)
+            said = problems(parse_entry(entry), RunFacts(k=2))
+            assert any("vocabulary of 100" in line and "64 rows" in line for line in said), said
+        assert server.seen == []

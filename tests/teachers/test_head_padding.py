@@ -31,30 +31,50 @@ def test_a_padding_below_the_real_vocabulary_is_refused_naming_the_head():
         head_padded_as(_head(5, 8), 4)
 
 
-def _two_ranks(rank: int, world: int, asked: list[int]) -> dict:
+@pytest.mark.parametrize("asked", [128.0, "128", None, True, torch.tensor(128)])
+def test_a_padded_size_that_is_no_int_is_refused_naming_the_argument(asked):
+    with pytest.raises(TypeError, match=r"head_padded_as\(padded_vocab_size=\.\.\.\) must be an int .*got "):
+        head_padded_as(_head(5, 8), asked)
+
+
+@pytest.mark.parametrize("asked", [0, -8, 4])
+def test_a_padded_size_below_the_real_vocabulary_names_the_argument(asked):
+    with pytest.raises(ValueError, match=rf"head_padded_as\(padded_vocab_size={asked}\): a teacher head of 5 real"):
+        head_padded_as(_head(5, 8), asked)
+
+
+def _two_ranks(rank: int, world: int, cases: list[list]) -> list[dict]:
+    """Each case's size asked by rank 0 and rank 1, in one world."""
     import torch.distributed as dist
 
     whole = _head(5, 8)
     group = dist.group.WORLD
     shard = TeacherHead(whole.weight[rank * 4:(rank + 1) * 4].clone(), 5, 8, rank * 4, tp_group=group,
                         source="/dirs/teacher")
-    try:
-        cut = head_padded_as(shard, asked[rank])
-    except ValueError as error:
-        return {"error": str(error)}
-    return {"weight": cut.weight, "first": cut.first_id}
+    out = []
+    for asked in cases:
+        try:
+            cut = head_padded_as(shard, asked[rank])
+        except (TypeError, ValueError) as error:
+            out.append({"error": f"{type(error).__name__}: {error}"})
+            continue
+        out.append({"weight": cut.weight, "first": cut.first_id})
+    return out
 
 
 def test_over_two_ranks_each_shard_is_its_part_and_a_rank_asking_another_size_fails_on_both():
     """The shards gathered once, each rank keeping its rows of the single-rank cut; the sizes agreed
-    before the gather: a rank asking 16 beside one asking 8 (which alone returns at once) is the same
-    error on both ranks, not a wait in the gather."""
+    before the gather: a rank asking 16 beside one asking 8 (which alone returns at once), or one
+    asking "16" (no int), is the same error on both ranks, not a wait in the gather."""
     from megatron_rl_patches.testing.multirank import run_multirank
 
-    ranks = run_multirank(_two_ranks, 2, [16, 16])
+    ranks = run_multirank(_two_ranks, 2, [[16, 16], [16, 8], [16, "16"]])
     whole = head_padded_as(_head(5, 8), 16).weight
-    for rank, out in enumerate(ranks):
+    for rank, (out, _, _) in enumerate(ranks):
         assert out["first"] == rank * 8 and torch.equal(out["weight"], whole[rank * 8:(rank + 1) * 8])
-    mixed = run_multirank(_two_ranks, 2, [16, 8])
+    mixed = [outs[1] for outs in ranks]
     assert all("padded_vocab_size" in out.get("error", "") for out in mixed), mixed
     assert mixed[0]["error"] == mixed[1]["error"]
+    typed = [outs[2] for outs in ranks]
+    assert typed[0]["error"] == typed[1]["error"] and typed[0]["error"].startswith("TypeError: "), typed
+    assert "head_padded_as(padded_vocab_size=...) must be an int" in typed[0]["error"], typed

@@ -13,6 +13,7 @@ import pytest
 
 from megatron_rl_patches.teachers.kinds import KINDS, REGISTRY, RunFacts, check_entries, parse_entries, parse_entry
 from megatron_rl_patches.teachers.kinds.entry import CHECKPOINT, PROVIDER, SERVED, TeacherEntry
+from megatron_rl_patches.teachers.kinds.student import STUDENT
 
 TEACHERS = "MEGATRON_RL_PATCHES_OPD_TEACHERS"
 
@@ -88,7 +89,7 @@ def test_a_rollout_temperature_other_than_one_is_refused_with_a_served_entry():
 
 def test_the_table_names_each_kind_once_with_the_path_kind_last():
     assert [kind.name for kind in KINDS] == list(REGISTRY) and len(REGISTRY) == len(KINDS)
-    assert set(REGISTRY) == {CHECKPOINT, PROVIDER, SERVED}
+    assert set(REGISTRY) == {CHECKPOINT, PROVIDER, SERVED, STUDENT}
     assert KINDS[-1].name == CHECKPOINT and all(KINDS[-1].recognizes(e) for e in ("/a", "rel/dir", "x@y"))
     assert TeacherEntry("/a").kind == CHECKPOINT and TeacherEntry("/a", "m:f").kind == PROVIDER
 

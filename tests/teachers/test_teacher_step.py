@@ -165,6 +165,12 @@ def one_rank_wrong(rank: int, world_size: int, url: str, names: tuple[str, ...] 
                 return
             used(TeacherStep([served], alone))
 
+        def unjoined() -> None:  # rank 1 skips the build (no join_build): told, not left behind
+            if rank == 1:
+                agree_failure(None, world)
+                return
+            TeacherStep([served], LoopHost(vocab_size=12, share_group=None, job_group=world))
+
         def steps_after() -> None:  # a refused step leaves nothing behind: the next one scores
             step = step_of()
             step.send(batch() if rank == 0 else "not a batch")
@@ -181,6 +187,7 @@ def one_rank_wrong(rank: int, world_size: int, url: str, names: tuple[str, ...] 
             "bad_plan": lambda: step_of(plan=StepPlan(8)),
             "steps_after": steps_after,
             "joined": joined,
+            "unjoined": unjoined,
             # build_teachers: its checks agreed over the job before the asking rank connects
             "build_bad_top_k": lambda: build_teachers(entry, host, top_k=0 if rank == 1 else K),
             "build_entries_differ": lambda: build_teachers(entry if rank == 1 else f"{entry},{entry}", host, top_k=K),
@@ -211,6 +218,7 @@ def test_one_ranks_bad_call_or_lying_host_is_the_same_error_on_every_rank_at_onc
         "bad_plan": ("ValueError", "the plan asks top_k=8"),
         "steps_after": ("", "no error"),
         "joined": ("", "no error"),
+        "unjoined": ("RuntimeError", "in different calls"),
         "build_bad_top_k": ("ValueError", "top_k"),
         "build_entries_differ": ("ValueError", "the ranks name different teachers"),
         "build_unprobed": ("ValueError", "its tokenizer is checked against the student's"),

@@ -64,7 +64,7 @@ def test_a_malformed_row_names_url_sample_and_field(row, words):
 
 def test_a_deeply_nested_reply_is_named():
     deep = b"[" * 200_000 + b"]" * 200_000
-    with pytest.raises(ServedTeacherError, match=r"\(sample 0\): the reply's JSON nests deeper") as caught:
+    with pytest.raises(ServedTeacherError, match=r"\(sample 0\): the reply nests deeper") as caught:
         scored(v1_completions=for_samples(deep))
     assert caught.value.sample == 0 and caught.value.url and str(caught.value).startswith(caught.value.url)
 

@@ -1,4 +1,5 @@
-"""`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|distill|residency|teacher-layout|load|gpu|all]
+"""`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|distill|residency|teacher-layout|share-scores|
+hidden-dtypes|load|gpu|all]
 [--quick] [--out DIR] [--only PART]`; `bench ops [--baseline REV] [--T N] [--V N] [--H N] [--runs N]
 [--invariant [--threads N]]`.
 An option of one benchmark given to another is a usage error (exit 2), never silently ignored.
@@ -6,8 +7,9 @@ An option of one benchmark given to another is a usage error (exit 2), never sil
 `bench gpu` (not part of `all`) needs a CUDA device; without one it says so in one line and
 exits non-zero. `bench load` (not part of `all`: it writes a ~3 GB checkpoint under the temporary
 folder, deleted afterwards) times Hugging Face checkpoint loading against transformers.
-`bench teacher-layout` is part of `all` but not of `all --quick` (it spawns a world of 2 ranks:
-half a minute even on its tiny shapes)."""
+`bench teacher-layout`, `bench share-scores` (each spawns a world of 2 ranks) and `bench
+hidden-dtypes` (a transformers model) are part of `all` but not of `all --quick` (half a minute
+each even on tiny shapes)."""
 from __future__ import annotations
 
 import argparse
@@ -30,10 +32,13 @@ BENCHMARKS = {
     "distill": "megatron_rl_patches.apps.bench.distill",
     "residency": "megatron_rl_patches.apps.bench.residency",
     "teacher-layout": "megatron_rl_patches.apps.bench.teacher_layout",
+    "share-scores": "megatron_rl_patches.apps.bench.share_scores",
+    "hidden-dtypes": "megatron_rl_patches.apps.bench.hidden_dtypes",
 }
 # Left out of `bench all --quick` (make test runs it): a spawned world's start-up alone takes half
-# a minute on a busy 2-core machine; `bench NAME --quick` still runs it.
-NOT_IN_QUICK_ALL = ("teacher-layout",)
+# a minute on a busy 2-core machine, and so does transformers' model (hidden-dtypes); `bench NAME
+# --quick` still runs it.
+NOT_IN_QUICK_ALL = ("teacher-layout", "share-scores", "hidden-dtypes")
 # Run only when named (not part of `all`): `load` writes and reads a checkpoint of several GB.
 SEPARATE = {"load": "megatron_rl_patches.apps.bench.hf_load"}
 # `bench ops` only: (flag, default, meaning); every other benchmark refuses them
@@ -42,7 +47,7 @@ OPS_OPTIONS = (("--T", 1024, "tokens"), ("--V", 8192, "vocabulary"), ("--H", 256
 # Rough wall time of each full benchmark on a 2-core CPU (docs/benchmarks.md); --quick takes seconds.
 DURATIONS = {"logprobs": "2-4 min", "topk": "1-2 min", "reentrant": "1 min", "fused": "5-6 min",
              "windows": "1 min", "distill": "2-3 min", "residency": "1-2 min", "teacher-layout": "3-5 min",
-             "load": "3-4 min"}
+             "share-scores": "3-6 min", "hidden-dtypes": "3-5 min", "load": "3-4 min"}
 # `bench fused --only PART` (megatron_rl_patches.apps.bench.fused.PARTS, kept here so --help imports no torch)
 FUSED_PARTS = ("logprob", "opd", "invariant")
 # `bench logprobs --only PART` (megatron_rl_patches.apps.bench.logprobs.PARTS)
@@ -126,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     for name in names:
         options = {"only": args.only} if args.only is not None else {}
         took = (f"about {DURATIONS[name]} on 2 CPU cores; --quick takes seconds" if not args.quick
-                else "about 30 s: a spawned world" if name in NOT_IN_QUICK_ALL else "seconds")
+                else "about 30 s: a spawned world or a model" if name in NOT_IN_QUICK_ALL else "seconds")
         print(f"bench {name}: running ({took}); a line per case as it ends", file=sys.stderr, flush=True)
         module = importlib.import_module({**BENCHMARKS, **SEPARATE}[name])
         rows = module.run(quick=args.quick, out_dir=args.out, **options)

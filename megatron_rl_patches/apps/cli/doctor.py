@@ -11,7 +11,8 @@ import sys
 from typing import Any
 
 import megatron_rl_patches
-from megatron_rl_patches._variables import OPD_PREFIX, OPD_TEACHERS, TEACHER_API_KEY
+from megatron_rl_patches._json_read import parsed_json
+from megatron_rl_patches._variables import OPD_PREFIX, TEACHER_API_KEY, VERL_TEACHER
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG
 from megatron_rl_patches.apps.cli.doctor_summary import summary_lines, summary_of
 from megatron_rl_patches.apps.cli.targets import STATUS_HELP, find_module, shown_status
@@ -23,7 +24,7 @@ from megatron_rl_patches.patching import check_settings, env, registry
 from megatron_rl_patches.patching.startup import files as startup_files
 from megatron_rl_patches.patching.startup import hook
 from megatron_rl_patches.teachers.kinds import RunFacts, entry_problems
-from megatron_rl_patches.teachers.redaction import redacted
+from megatron_rl_patches.teachers.redaction import redacted, refuse_userinfo
 
 # Installed distributions `doctor` reports. megatron-core, an optional extra, also gets its own
 # section: the code in use may be a source checkout with no distribution.
@@ -48,8 +49,8 @@ def _editable_install() -> bool | None:
         text = dist.read_text("direct_url.json")
         if text:
             try:
-                return bool(json.loads(text).get("dir_info", {}).get("editable", False))
-            except (ValueError, AttributeError):
+                return bool(parsed_json(text, ValueError).get("dir_info", {}).get("editable", False))
+            except (ValueError, AttributeError):  # the installer's record is damaged: not known
                 return None
     return False if dists else None
 
@@ -145,16 +146,21 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
         unset = environment["variables"][env.INFERENCE_ROLES] is None
         environment["inference_roles"] = list(DEFAULT_INFERENCE_ROLES) if unset else []
     problems = list(environment["errors"])
-    # a user or password in a served teacher's URL (refused by its entry's check) is never printed
+    # a user or password in a URL (refused by the settings' checks) is never printed: every value
+    # goes through the one redaction, whichever variable holds a URL (or was given one by mistake)
+    environment["variables"] = {name: value if value is None else redacted(value)
+                                for name, value in environment["variables"].items()}
     environment["opd"] = {name: redacted(value) for name, value in sorted(os.environ.items())
                           if name.startswith(OPD_PREFIX)}
-    if environment["variables"].get(OPD_TEACHERS):
-        environment["variables"][OPD_TEACHERS] = redacted(environment["variables"][OPD_TEACHERS])
     if environment["variables"].get(TEACHER_API_KEY):  # a secret: whether it is set, never its value
         environment["variables"][TEACHER_API_KEY] = KEY_SET
     try:
         check_settings()  # the frameworks' own variables, as `run` and slime_opd check them
         problems += teacher_problems()
+    except ValueError as exc:
+        problems.append(str(exc))
+    try:  # verl's served teacher is read where verl runs (httpx, torch); its URL's user refused here too
+        refuse_userinfo(os.environ.get(VERL_TEACHER, ""), VERL_TEACHER)
     except ValueError as exc:
         problems.append(str(exc))
     try:
@@ -217,7 +223,7 @@ def collect() -> dict[str, Any]:
         "targets": targets,
         "environment": environment,
         "startup": startup_files,
-        "problems": list(dict.fromkeys(problems)),
+        "problems": list(dict.fromkeys(redacted(problem) for problem in problems)),  # whatever quoted a URL
     }
     report["summary"] = summary_of(report)
     return report

@@ -25,7 +25,7 @@ def head_row(path: str, tp: int, dtype: str | None) -> dict[str, Any]:
     from megatron_rl_patches.teachers.head import HeadPlan
 
     try:
-        plan = HeadPlan.of(path, dtype, None, tp, 0)
+        plan = HeadPlan.of(path, dtype, None, tp, 0, fingerprinted=False)
     except (TypeError, ValueError, FileNotFoundError) as exc:
         raise UsageError(f"--head {path}: {exc}") from None
     element = torch.empty((), dtype=plan.dtype).element_size()

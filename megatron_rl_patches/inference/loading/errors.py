@@ -1,11 +1,15 @@
 """The errors weights-only loading raises, the model-fit check that runs before anything is
-copied, and the guard that turns a failure while copying into a CheckpointReadError."""
+copied, the guard that turns a failure while copying into a CheckpointReadError, and the JSON
+files of a checkpoint read into the same error."""
 from __future__ import annotations
 
 import contextlib
 import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
+from megatron_rl_patches._json_read import json_file
 from megatron_rl_patches._log import warn_once
 
 SHOW = 5  # offending keys / files named in a message; the rest are counted
@@ -56,6 +60,14 @@ class CheckpointReadError(ValueError):
 
 def _rebuild_read_error(path: str, problem: str, weights_undefined: bool) -> CheckpointReadError:
     return CheckpointReadError(path, problem, weights_undefined=weights_undefined)
+
+
+def checkpoint_json(file: str | os.PathLike[str]) -> Any:
+    """The JSON of one of a checkpoint's files (config.json, an index, tokenizer.json, metadata.json);
+    CheckpointReadError naming it where it cannot be read or holds no JSON (malformed, or nested
+    past Python's recursion limit)."""
+    name = Path(file).name
+    return json_file(file, lambda problem: CheckpointReadError(file, f"{name} {problem}; download or save it again"))
 
 
 def describe(exc: BaseException) -> str:

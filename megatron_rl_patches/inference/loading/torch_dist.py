@@ -6,7 +6,6 @@ fit, storage file lengths); tensors are then staged on CPU in bounded batches an
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import warnings
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from megatron_rl_patches.inference.loading.errors import (
     CheckpointReadError,
     check_fit,
+    checkpoint_json,
     copying_into_model,
     describe,
     shown,
@@ -71,10 +71,7 @@ class _ShardedKeys:
 def _read_config(path: Path) -> None:
     """metadata.json must be a JSON object naming the torch_dist backend."""
     config_file = path / DIST_METADATA
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointReadError(config_file, f"{DIST_METADATA} is unreadable or not JSON ({describe(exc)})") from exc
+    config = checkpoint_json(config_file)
     backend = config.get("sharded_backend") if isinstance(config, dict) else None
     if not isinstance(backend, str):
         raise CheckpointReadError(config_file, f"{DIST_METADATA} names no sharded_backend (found {config!r:.200})")

@@ -63,6 +63,11 @@ class ServedTeacherPolicy:
             raise ValueError("ServedTeacherPolicy(full_vocabulary=True) needs a teacher with a head (served_teacher_"
                              "policy(url, head=DIR, full_vocabulary=True) against a vLLM pooling server): an engine's "
                              "prompt log-probs hold only its top-k")
+        if full_vocabulary and not (isinstance(teacher.head.source, str) and teacher.head.source):  # type: ignore[union-attr]
+            raise ValueError("ServedTeacherPolicy(full_vocabulary=True) needs a head read from a directory: NeMo-RL's "
+                             "student workers re-read it from its source (the loss WholeVocabularyDistillationLossFn("
+                             "head=DIR)), and this TeacherHead has none (built by hand); pass head=DIR or "
+                             "TeacherHead.from_hf(DIR)")
         self.teacher = teacher
         self.full_vocabulary = full_vocabulary
 
@@ -112,9 +117,10 @@ class ServedTeacherPolicy:
 
 def states_of(states: Any, starts: list[int], seq: int) -> torch.Tensor:
     """[B, S, H] of each sample's hidden states [R_i, H] at positions start − 1 .. (the state
-    predicting token s + 1 at s), zeros at positions no loss reads."""
-    width = next((s.shape[-1] for s in states if s.numel()), 0)
-    dtype = next((s.dtype for s in states if s.numel()), torch.float32)
+    predicting token s + 1 at s), zeros at positions no loss reads (every one where no sample has
+    a row: a sample of no rows comes as [0, H] in the dtype the states travel in)."""
+    width = states[0].shape[-1] if len(states) else 0
+    dtype = states[0].dtype if len(states) else torch.float32
     out = torch.zeros(len(states), seq, width, dtype=dtype)
     for i, (rows, start) in enumerate(zip(states, starts)):
         out[i, start - 1:start - 1 + rows.shape[0]] = rows.to(dtype)
@@ -148,6 +154,12 @@ def rows_of(data: Any) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
                          f"[1, {ids.shape[1]}] (the padded length), got {lengths.tolist()}")
     ids, lengths = ids.detach().cpu(), lengths.detach().cpu()
     mask = data["token_mask"] if "token_mask" in data else None
+    if mask is not None and (not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(ids.shape)
+                             or mask.dtype.is_floating_point and not bool(((mask == 0) | (mask == 1)).all())):
+        shown = f"{tuple(mask.shape)} {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise TypeError(f"ServedTeacherPolicy.get_topk_logits(data): data['token_mask'] must be a [B, S] = "
+                        f"{list(ids.shape)} tensor of 0 / 1 (input_ids' shape: 1 on the tokens the loss reads), got "
+                        f"{shown}")
     starts = []
     for i in range(ids.shape[0]):
         length = int(lengths[i])

@@ -32,6 +32,16 @@ NO_TOKENIZER = re.compile(r"Tokenizer not available|skip_tokenizer_init")
 # a log-prob above this (or top-k mass above e^this) is no log-probability: the server sends logits
 LOG_PROB_SLACK = 1e-3
 PROBE_IDS = [0, 0]  # id 0 exists in every vocabulary
+# a router's words when it refuses a token-id prompt (sglang-router 0.3.2 reads `prompt` as text only: a 422)
+ROUTER_PROMPT = re.compile(r"StringOrArray")
+
+
+def behind_router(url: str, what: str) -> str:
+    """The refusal of a router in front of the engine that does not pass what the teacher needs."""
+    return (f"{url} {what}: is a router in front of the engine? sglang-router 0.3.2 answers /v1/models with its own "
+            f"card (no max_model_len) and passes neither vLLM's token-id prompts (/v1/completions: 422) nor /pooling "
+            f"or /tokenize (404); give the engine replicas' own URLs joined by '|' (http://a:8000|http://b:8000;"
+            f"engine=vllm): the client spreads the samples over them and survives a dead or slow one")
 
 
 class VllmEngine:
@@ -61,11 +71,16 @@ class VllmEngine:
                                        self.client.url)
         name, length = cards[0] if self.model is None else cards[names.index(self.model)]
         if isinstance(length, bool) or not isinstance(length, int) or length < 2:
-            raise ServedTeacherError(f"{self.client.url}/v1/models gives no max_model_len for {name!r}: "
-                                     f"is this a vLLM server?", self.client.url)
+            raise ServedTeacherError(behind_router(self.client.url, f"/v1/models gives no max_model_len for {name!r}, "
+                                                   f"as vLLM's own server does"), self.client.url)
         model = ServedModel(name, length)
         self.probe(model, deadline, cancel)
+        self.check_card(listing["data"][names.index(name)])
         return model
+
+    def check_card(self, card: dict[str, Any]) -> None:
+        """What else the engine compares with the served model's card (`/v1/models`): nothing
+        here (the pooling engine: the checkpoint it serves against the head's)."""
 
     def probe(self, model: ServedModel, deadline: Deadline, cancel: threading.Event) -> None:
         """One tiny scoring request: K within `--max-logprobs`, log-probs not logits."""
@@ -95,6 +110,9 @@ class VllmEngine:
             reply = self.client.request("POST", self.path, self.body(model, ids), deadline, cancel, sample)
         except ServedTeacherRefusal as refused:
             found = MAX_LOGPROBS.search(str(refused))
+            if found is None and ROUTER_PROMPT.search(str(refused)):
+                raise ServedTeacherRefusal(behind_router(self.client.url, f"refuses a prompt of token ids ({refused})"),
+                                           self.client.url, sample) from None
             if found is None and "HTTP 404" in str(refused):  # a pooling server has no /v1/completions
                 raise ServedTeacherRefusal(f"{self.client.url} does not serve {self.path} (HTTP 404): a pooling server "
                                            f"(--runner pooling) sends hidden states, not prompt log-probs; give "

@@ -7,21 +7,24 @@ only the response's rows are decoded. The server is started with `--runner pooli
 embed --pooler-config '{"task": "token_embed"}'`; it never forms [T, V]."""
 from __future__ import annotations
 
-import json
 import sys
 import threading
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
+from megatron_rl_patches._json_read import parsed_json
 from megatron_rl_patches.teachers.engines.protocol import SampleRows, ServedModel
 from megatron_rl_patches.teachers.engines.vllm import PROBE_IDS, VllmEngine
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.http_client import Deadline, TeacherClient
 
 SERVE_POOLING = "--runner pooling --convert embed --pooler-config '{\"task\": \"token_embed\"}'"
-# the values a pooling reply travels as (vLLM's embed_dtype names), lossless for a model of that dtype
-EMBED_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# the values a pooling reply travels as (vLLM's embed_dtype names, vllm/utils/serial_utils.py): the
+# first three lossless for a model of that dtype; fp8 one byte a value (the server casts with torch:
+# e4m3fn saturates at +-448, e5m2 overflows to an infinity, refused below)
+EMBED_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+                torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 
 class VllmPoolingEngine(VllmEngine):
@@ -33,13 +36,21 @@ class VllmPoolingEngine(VllmEngine):
     generates = 0  # a pooling request generates nothing: a sample may fill the max model length
 
     def __init__(self, client: TeacherClient, top_k: int, model: str | None, hidden_size: int = 0,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, head_source: str = "", head_fingerprint: str = "") -> None:
         super().__init__(client, top_k, model)
+        self.head_source, self.head_fingerprint = head_source, head_fingerprint
         if dtype not in EMBED_DTYPES:
             raise ValueError(f"ServedTeacher(hidden_dtype=...) must be one of {[str(d) for d in EMBED_DTYPES]} (the "
                              f"served model's dtype, in which its hidden states travel), got {dtype!r}")
         self.hidden_size = hidden_size
         self.dtype = dtype
+
+    def check_card(self, card: dict[str, Any]) -> None:
+        """The checkpoint the server serves (its card's `root`, the path it was started with) is the
+        head's, where both are directories on this machine (`served_checkpoint`)."""
+        from megatron_rl_patches.teachers.served_checkpoint import check_served_checkpoint  # lazy: import cost
+
+        check_served_checkpoint(card.get("root"), self.head_source, self.head_fingerprint, self.client.url)
 
     def probe(self, model: ServedModel, deadline: Deadline, cancel: threading.Event) -> None:
         """One tiny request: the server runs the pooling task and its states have the head's width."""
@@ -94,7 +105,9 @@ class VllmPoolingEngine(VllmEngine):
         order = item.get("endianness")
         if order != "little" and not (order == "native" and sys.byteorder == "little"):
             raise refuse(f"the hidden states came {item.get('endianness')!r}-endian, not little-endian as asked")
-        if not isinstance(shape, list) or len(shape) != 2 or shape[0] != length:
+        if not isinstance(shape, list) or len(shape) != 2 or not all(is_count(n) for n in shape):
+            raise refuse(f"the reply's shape {shape!r:.80} is no [rows, width] of ints")
+        if shape[0] != length:
             raise refuse(f"{length} ids sent but hidden states of shape {shape} came back (one row per id expected)")
         if shape[1] != width:  # another model than the head's: a refusal (fix the configuration), not a failure
             raise ServedTeacherRefusal(f"{where}: hidden states of width {shape[1]} came back, but the teacher's head "
@@ -102,28 +115,35 @@ class VllmPoolingEngine(VllmEngine):
                                        f"checkpoint", self.client.url, sample)
         size = torch.tensor([], dtype=self.dtype).element_size()
         first, end, content = item.get("start"), item.get("end"), reply.content
-        if not isinstance(first, int) or end != first + length * width * size or len(content) < end:
-            raise refuse(f"the reply's bytes [{first}, {end}) of {len(content)} do not hold {length} x {width} "
-                         f"{asked} values")
+        # the range read against the body before anything is read: a negative start would slice from the end
+        if not (is_count(first) and is_count(end) and end == first + length * width * size <= len(content)):
+            raise refuse(f"the reply's bytes [{first!r:.40}, {end!r:.40}) of {len(content)} do not hold {length} x "
+                         f"{width} {asked} values")
         row_bytes = width * size
         needed = bytearray(content[first + (start - 1) * row_bytes: first + (length - 1) * row_bytes])
         states = torch.frombuffer(needed, dtype=self.dtype).reshape(length - start, width) if needed \
             else torch.zeros(0, width, dtype=self.dtype)
         # one sum first (a NaN or an infinity makes it non-finite; finite values may overflow it, so
-        # only a non-finite sum pays for the row-by-row check): 8x less time on large replies
-        bad = (~torch.isfinite(states)).any(dim=1).nonzero() if not torch.isfinite(states.sum()) else states[:0, 0]
+        # only a non-finite sum pays for the row-by-row check): 8x less time on large replies. fp8
+        # (no sum on the CPU) is checked through float16, which holds every fp8 value exactly
+        checked = states.to(torch.float16) if size == 1 else states
+        bad = (~torch.isfinite(checked)).any(dim=1).nonzero() if not torch.isfinite(checked.sum()) else states[:0, 0]
         if bad.numel():
             raise refuse(f"the hidden state of row {int(bad[0])} (position {start - 1 + int(bad[0])}) is not finite")
         return states
 
 
+def is_count(value: object) -> TypeGuard[int]:
+    """A non-negative int as JSON writes one (no bool, no float)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def metadata_item(reply: Any, where: str, url: str, sample: int | None) -> dict[str, Any]:
     """The one item of a binary pooling reply's `metadata` header (one input per request)."""
     header = reply.headers.get("metadata")
-    try:
-        items = json.loads(header)["data"] if header is not None else None
-    except (ValueError, KeyError, TypeError):
-        items = None
+    parsed = None if header is None else parsed_json(header, lambda problem: ServedTeacherError(
+        f"{where}: the reply's metadata header {problem}", url, sample))
+    items = parsed.get("data") if isinstance(parsed, dict) else None
     if not isinstance(items, list) or len(items) != 1 or not isinstance(items[0], dict):
         raise ServedTeacherError(f"{where}: the reply has no binary pooling metadata for one input (header "
                                  f"'metadata': {str(header)[:200]!r}); is this a vLLM pooling server (vLLM >= 0.32)?",

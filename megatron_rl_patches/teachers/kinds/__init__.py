@@ -6,13 +6,14 @@ a row below, and its builder beside the framework that loads it
 from __future__ import annotations
 
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
-from megatron_rl_patches.teachers.kinds import checkpoint, provider, served_entry
+from megatron_rl_patches.teachers.kinds import checkpoint, provider, served_entry, student
 from megatron_rl_patches.teachers.kinds.entry import RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
+from megatron_rl_patches.teachers.redaction import refuse_userinfo
 
-# The first row that recognizes an entry parses it: a URL before anything splits it, a provider's
-# '@' before a path, a path last (it takes every other entry).
-KINDS: tuple[TeacherKind, ...] = (served_entry.KIND, provider.KIND, checkpoint.KIND)
+# The first row that recognizes an entry parses it: a URL before anything splits it, the live
+# self-teacher's word `student`, a provider's '@' before a path, a path last (it takes every other entry).
+KINDS: tuple[TeacherKind, ...] = (served_entry.KIND, student.KIND, provider.KIND, checkpoint.KIND)
 REGISTRY: dict[str, TeacherKind] = {kind.name: kind for kind in KINDS}
 
 
@@ -25,13 +26,17 @@ def kind_named(name: str) -> TeacherKind:
 
 
 def parse_entry(entry: str) -> TeacherEntry:
-    """One entry (stripped) read by the first kind that recognizes it."""
+    """One entry (stripped) read by the first kind that recognizes it; a user or password in a URL
+    refused first, whatever the kind."""
+    refuse_userinfo(entry, f"{TEACHERS} entry")
     entry = entry.strip()
     return next(kind for kind in KINDS if kind.recognizes(entry)).parse(entry)
 
 
 def parse_entries(raw: str) -> tuple[TeacherEntry, ...]:
-    """Every comma-separated entry of the setting's value (empty pieces skipped)."""
+    """Every comma-separated entry of the setting's value (empty pieces skipped); a user or
+    password in a URL refused before the value is split (a password may hold ',')."""
+    refuse_userinfo(raw, TEACHERS)
     return tuple(parse_entry(entry) for entry in raw.split(",") if entry.strip())
 
 

@@ -12,7 +12,13 @@ from megatron_rl_patches._layout_option import is_layout_option, layout_size
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
 from megatron_rl_patches.teachers.kinds.entry import CHECKPOINT, RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
-from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, STOP_TOKENS, split_entry, stop_tokens
+from megatron_rl_patches.teachers.kinds.options import (
+    OWN_TOKENIZER,
+    STOP_TOKENS,
+    context_option,
+    split_entry,
+    stop_tokens,
+)
 
 FORM = "PATH (same architecture as the actor, or a Hugging Face directory of another architecture)"
 
@@ -56,8 +62,10 @@ def parse(entry: str) -> TeacherEntry:
     head, options = split_entry(entry)
     if not head.strip():
         raise expected_forms(entry)
+    context, options = context_option(entry, options)
     own, stop, sizes = path_options(entry, options)
-    return TeacherEntry(head.strip(), None, own, stop, sizes.get("tp"), sizes.get("pp"), kind=CHECKPOINT)
+    return TeacherEntry(head.strip(), None, own, stop, sizes.get("tp"), sizes.get("pp"), kind=CHECKPOINT,
+                        context=context)
 
 
 def path_problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:

@@ -25,7 +25,9 @@ class TeacherEntry:
     none to probe (`--skip-tokenizer-init`), with its vocabulary size named by `vocab` (`;vocab=N`) or
     read from `config` (`;config=PATH`: the teacher's config.json, or its directory); `head`
     (`;head=DIR` of a URL): the teacher's Hugging Face directory whose output layer turns the served
-    final hidden states into its whole distribution on the trainer (`teachers.TeacherHead`)."""
+    final hidden states into its whole distribution on the trainer (`teachers.TeacherHead`);
+    `context` (`;context=KEY`, any kind): the teacher sees a privileged context, each sample's under
+    KEY in the loop's per-sample data, before the student's response (`teachers.with_context`)."""
 
     path: str
     provider: str | None = None
@@ -40,6 +42,7 @@ class TeacherEntry:
     vocab: int | None = None
     config: str | None = None
     head: str | None = None
+    context: str | None = None
 
     def __post_init__(self) -> None:
         if not self.kind:

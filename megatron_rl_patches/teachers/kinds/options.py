@@ -7,9 +7,11 @@ from megatron_rl_patches.teachers.redaction import redacted
 
 # An entry's options after its head: `PATH;tokenizer=own` (a Hugging Face teacher with another
 # tokenizer than the student's), `;stop_tokens=module:function` (with it: student special id ->
-# the teacher's id or None), `URL;engine=vllm`, `URL;tokenizer=DIR`.
+# the teacher's id or None), `URL;engine=vllm`, `URL;tokenizer=DIR`; any kind's `;context=KEY` (a
+# privileged context per sample under KEY).
 OWN_TOKENIZER = "tokenizer=own"
 STOP_TOKENS = "stop_tokens="
+CONTEXT = "context="
 
 
 def is_provider(spec: str) -> bool:
@@ -37,3 +39,19 @@ def stop_tokens(option: str) -> str | None:
     if option.startswith(STOP_TOKENS) and is_provider(option[len(STOP_TOKENS):].strip()):
         return option[len(STOP_TOKENS):].strip()
     return None
+
+
+def context_option(entry: str, options: list[str]) -> tuple[str | None, list[str]]:
+    """(the KEY of a `;context=KEY` option or None, the other options) of an entry's options; an
+    empty KEY refused naming the entry."""
+    key, others = None, []
+    for option in options:
+        name, _, value = (part.strip() for part in option.partition("="))
+        if name != CONTEXT[:-1]:
+            others.append(option)
+        elif not value:
+            raise ValueError(f"{TEACHERS} entry {redacted(entry)!r}: ';{CONTEXT}' names no key: write ';{CONTEXT}KEY' "
+                             "(the key of each sample's privileged context in the loop's per-sample data)")
+        else:
+            key = value
+    return key, others

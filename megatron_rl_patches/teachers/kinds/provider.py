@@ -9,7 +9,7 @@ from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
 from megatron_rl_patches.teachers.kinds.checkpoint import expected_forms, path_options, path_problems
 from megatron_rl_patches.teachers.kinds.entry import PROVIDER, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
-from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, is_provider, split_entry
+from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, context_option, is_provider, split_entry
 
 FORM = "PATH@module:function (a provider for another architecture, e.g. /ckpt/teacher@my_models:teacher_provider)"
 
@@ -23,6 +23,7 @@ def parse(entry: str) -> TeacherEntry:
     path, _, provider = head.partition("@")
     if not path.strip() or not is_provider(provider.strip()):
         raise expected_forms(entry)
+    context, options = context_option(entry, options)
     own, _, sizes = path_options(entry, options)
     if own:
         raise ValueError(f"{TEACHERS} entry {entry!r}: ';{OWN_TOKENIZER}' serves Hugging Face directories (their "
@@ -32,7 +33,7 @@ def parse(entry: str) -> TeacherEntry:
                          "Hugging Face directories of another architecture (built from their config.json); a "
                          "provider's model '@module:function' is not served at its own layout yet: drop ';tp=' / "
                          "';pp=' or the provider")
-    return TeacherEntry(path.strip(), provider.strip(), kind=PROVIDER)
+    return TeacherEntry(path.strip(), provider.strip(), kind=PROVIDER, context=context)
 
 
 KIND = TeacherKind(PROVIDER, FORM, recognizes=recognizes, parse=parse, problems=path_problems)

@@ -19,12 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
-from megatron_rl_patches._variables import TEACHER_API_KEY
 from megatron_rl_patches.teachers.engines.names import SERVED_ENGINES, check_engine
 from megatron_rl_patches.teachers.kinds.entry import SERVED, RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
-from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, STOP_TOKENS, is_provider, split_entry
-from megatron_rl_patches.teachers.redaction import has_userinfo, redacted
+from megatron_rl_patches.teachers.kinds.options import (
+    OWN_TOKENIZER,
+    STOP_TOKENS,
+    context_option,
+    is_provider,
+    split_entry,
+)
+from megatron_rl_patches.teachers.redaction import redacted, refuse_userinfo
 from megatron_rl_patches.teachers.tokenizer_probe import SAME_TOKENIZER, probe_tokenizer
 
 FORM = ("http(s)://host:port;engine=vllm (a teacher served by vLLM; ;tokenizer=DIR for another tokenizer; "
@@ -58,13 +63,11 @@ def check_url_head(entry: str, head: str) -> str:
 
 
 def parse(entry: str) -> TeacherEntry:
+    refuse_userinfo(entry, f"{TEACHERS} entry")  # on the raw text: a password may hold ';', ',', '@', ...
     said = redacted(entry)  # what every message shows of the entry
-    if has_userinfo(entry):  # on the raw text: a password may hold ';', '#', '/' or '@'
-        raise ValueError(f"{TEACHERS} entry {said!r}: the URL carries a user or password "
-                         f"('user:pass@'), which would be printed wherever the entry is (doctor, logs): drop it and "
-                         f"put the API key in {TEACHER_API_KEY} (sent as a bearer token)")
     head, options = split_entry(entry)
     url = check_url_head(entry, head.strip())
+    context, options = context_option(said, options)
     engine = tokenizer = stop = config = head_dir = None
     vocab: int | None = None
     same = False
@@ -113,7 +116,7 @@ def parse(entry: str) -> TeacherEntry:
                          f"';{TOKENIZER}DIR' or drop it")
     check_same_tokenizer_options(said, same, tokenizer, vocab, config)
     return TeacherEntry(url, stop_tokens=stop, kind=SERVED, engine=engine, tokenizer=tokenizer, same_tokenizer=same,
-                        vocab=vocab, config=config, head=head_dir)
+                        vocab=vocab, config=config, head=head_dir, context=context)
 
 
 def check_same_tokenizer_options(said: str, same: bool, tokenizer: str | None, vocab: int | None,
@@ -151,12 +154,12 @@ def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
     `;head=DIR`: its config.json and head tensor found (no weight read), the server's pooling task
     answering with states of the head's hidden size, and DIR's tokenizer.json the served model's."""
     found = []
-    named = None
+    named = named_size = None
     if entry.same_tokenizer:
         from megatron_rl_patches.teachers.named_vocab import named_vocab_size  # lazy: import cost
 
         try:
-            named_vocab_size(entry, f"{TEACHERS}: teacher '{entry.path}'")
+            named_size = named_vocab_size(entry, f"{TEACHERS}: teacher '{entry.path}'")
         except ValueError as exc:
             found.append(str(exc))
     if entry.tokenizer is not None:
@@ -176,6 +179,10 @@ def problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
                                   deadline_s=DOCTOR_DEADLINE_S, retries=0)
         deadline = Deadline.after(DOCTOR_DEADLINE_S)  # the check and the probe within one bound
         head = None if entry.head is None else planned_head(entry.head)
+        if head is not None and named_size is not None:
+            from megatron_rl_patches.teachers.named_vocab import check_head_vocab  # lazy: import cost
+
+            check_head_vocab(named_size, head.vocab_size, entry.head, "the entry")
         if head is not None and named is None and not entry.same_tokenizer and \
                 (Path(head.source) / "tokenizer.json").is_file():
             named = Path(head.source)  # the head's vocabulary: its directory's tokenizer, probed below
@@ -201,7 +208,7 @@ def planned_head(directory: str) -> Any:
 
     from megatron_rl_patches.teachers.head import HeadPlan, TeacherHead  # lazy: import cost (torch)
 
-    plan = HeadPlan.of(directory, None, None, 1, 0)
+    plan = HeadPlan.of(directory, None, None, 1, 0, fingerprinted=False)
     weight = torch.empty(plan.vocab_size, plan.hidden_size, dtype=plan.dtype, device="meta")
     return TeacherHead(weight, plan.vocab_size, plan.vocab_size, 0, None, str(plan.root), plan.own_dtype)
 

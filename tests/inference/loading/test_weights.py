@@ -303,6 +303,17 @@ def test_corrupt_checkpoint_metadata_names_the_file(megatron_cpu, tmp_path, weig
     weights_kit.assert_same(weights_kit.state(model), before)
 
 
+def test_checkpoint_metadata_nested_past_the_recursion_limit_names_the_file(megatron_cpu, tmp_path, weights_kit):
+    from megatron_rl_patches import load_inference_weights
+    from megatron_rl_patches.inference import CheckpointReadError
+
+    path = weights_kit.save(megatron_cpu.gpt(seed=65), tmp_path, iteration=1)
+    (path / "metadata.json").write_text("[" * 100_000 + "]" * 100_000)  # json's decoder: RecursionError
+    with pytest.raises(CheckpointReadError, match=rf"{str(path / 'metadata.json')!r}: metadata.json nests deeper "
+                                                  r"than Python's recursion limit.*nothing was copied"):
+        load_inference_weights(megatron_cpu.gpt(seed=66), tmp_path)
+
+
 @pytest.mark.parametrize("cut", [0.3, 0.6, 0.99])
 def test_truncated_state_dict_file_names_the_path(megatron_cpu, tmp_path, weights_kit, cut):
     from megatron_rl_patches import load_inference_weights

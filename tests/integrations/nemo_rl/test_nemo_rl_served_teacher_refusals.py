@@ -37,14 +37,19 @@ def test_a_policy_takes_a_served_teacher_only():
     ({"input_ids": torch.zeros(2, 5)}, TypeError, r"\[B, S\] integer"),
     ({"input_lengths": torch.tensor([4])}, TypeError, r"\[B\] = \[2\]"),
     ({"input_lengths": torch.tensor([4, 6])}, ValueError, r"\[1, 5\]"),
+    ({"token_mask": [[0, 0, 1, 1, 0], [0, 1, 1, 1, 1]]}, TypeError, r"data\['token_mask'\] must be a \[B, S\] = "
+                                                                   r"\[2, 5\] tensor.*got list"),
+    ({"token_mask": torch.tensor([[0, 1, 1, 1, 1]])}, TypeError, r"token_mask'\] must be .*got \(1, 5\)"),
+    ({"token_mask": torch.full((2, 5), 0.5)}, TypeError, r"token_mask'\] must be .*of 0 / 1"),
 ])
 def test_a_batch_nemo_rl_would_not_send_is_refused_by_name(change, error, match):
     data = _data(**change)
     data = {key: value for key, value in data.items() if value is not None}
-    before = {key: value.clone() for key, value in data.items()}
+    before = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in data.items()}
     with pytest.raises(error, match=match):
         served_teacher_policy(NOWHERE, top_k=4).get_topk_logits(data, k=4)
-    assert all(torch.equal(before[key], data[key]) for key in before)
+    assert all(torch.equal(before[key], data[key]) if isinstance(data[key], torch.Tensor) else before[key] == data[key]
+               for key in before)
 
 
 def test_rows_start_at_the_first_masked_token_and_without_a_mask_at_one():
@@ -102,3 +107,14 @@ def test_full_vocabulary_needs_a_head_and_a_bool():
         served_teacher_policy(NOWHERE, full_vocabulary=True)
     with pytest.raises(TypeError, match=r"full_vocabulary=\.\.\.\) must be True or False"):
         served_teacher_policy(NOWHERE, full_vocabulary=1)  # type: ignore[arg-type]
+
+
+def test_full_vocabulary_needs_a_head_its_workers_can_read_again():
+    """The student workers build the loss's head from the head's directory: a head with no source
+    (built by hand) is refused when the policy is built, not when a worker reads ''."""
+    from megatron_rl_patches.teachers import TeacherHead
+
+    head = TeacherHead(torch.zeros(12, 4), vocab_size=12, padded_vocab_size=12, first_id=0, source="")
+    with pytest.raises(ValueError, match=r"full_vocabulary=True\) needs a head read from a directory.*head=DIR"):
+        served_teacher_policy(NOWHERE, top_k=4, head=head, full_vocabulary=True)
+    assert served_teacher_policy(NOWHERE, top_k=4, head=head).teacher.head is head  # top-k only: no re-read

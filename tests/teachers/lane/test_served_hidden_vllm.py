@@ -154,13 +154,17 @@ def test_bf16_states_equal_the_json_reply_rounded_bit_for_bit(pooled, scored):
 def test_refusals_by_name_in_bounded_time(pooled, served, tmp_path):
     head_dir = tmp_path / "narrow"
     save_tiny_hf(head_dir, "qwen3", seed=5, **{**MODEL_SHAPE, "hidden_size": 32})
+    other_dir = tmp_path / "other"  # another checkpoint of the served one's width and vocabulary
+    save_tiny_hf(other_dir, "qwen3", seed=4, **MODEL_SHAPE)
     batch = TeacherBatch([torch.arange(6)], [2])
     cases = [(lambda: ServedTeacher(served.url, head=pooled.directory, client=FAST),
               "does not serve /pooling .*--runner pooling --convert embed"),
              (lambda: ServedTeacher(pooled.url, top_k=4, client=FAST),
               "a pooling server .*sends hidden states, not prompt log-probs"),
              (lambda: ServedTeacher(pooled.url, head=head_dir, client=FAST),
-              "width 64 came back, but the teacher's head has hidden size 32")]
+              "width 64 came back, but the teacher's head has hidden size 32"),
+             (lambda: ServedTeacher(pooled.url, head=other_dir, client=FAST),  # vLLM's card names its root
+              f"serves the checkpoint '{pooled.directory}' .*differs from the head's directory '{other_dir}'")]
     for make, words in cases:
         started = time.monotonic()
         with make() as teacher, pytest.raises(ServedTeacherRefusal, match=words):

@@ -6,11 +6,12 @@ model unwrapped (`text_config`: Qwen3.5 as its model card and transformers' save
 it), so each reads `vocab_size`, `model_type` and the dtype the same way. JSON only: no torch."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from megatron_rl_patches.inference.loading.errors import checkpoint_json
 
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
@@ -87,10 +88,7 @@ def checkpoint_dir(path: Any, argument: str = "path") -> Path:
 def _read_fields(path: Any, argument: str = "path") -> dict[str, Any]:
     """config.json of the checkpoint directory `path` as written (wrappers still nested)."""
     file = checkpoint_dir(path, argument) / CONFIG
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{str(file)!r} is not a readable JSON config ({type(exc).__name__}: {exc})") from None
+    data = checkpoint_json(file)
     if not isinstance(data, dict):
         raise ValueError(f"{str(file)!r} holds a JSON {type(data).__name__}, expected an object")
     return data

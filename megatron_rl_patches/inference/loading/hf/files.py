@@ -3,7 +3,6 @@ read), checked against their index before anything is loaded; headers and tensor
 `safetensors` library (memory-mapped: a tensor is a view of the file's pages, read when touched)."""
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl_patches._extras import install_hint
-from megatron_rl_patches.inference.loading.errors import shown
+from megatron_rl_patches.inference.loading.errors import checkpoint_json, shown
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -74,11 +73,7 @@ def _header(file: Path) -> dict[str, TensorEntry]:
 
 def _weight_map(index_file: Path) -> dict[str, str]:
     """The index's tensor name -> file name map, its structure checked."""
-    try:
-        data = json.loads(index_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{str(index_file)!r} is not a readable safetensors index ({type(exc).__name__}: {exc})") \
-            from None
+    data = checkpoint_json(index_file)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
         raise ValueError(f"{str(index_file)!r}: field weight_map must be an object of tensor name -> file name, "

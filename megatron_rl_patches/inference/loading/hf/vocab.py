@@ -4,12 +4,11 @@ same vocab_size (config.json).
 A teacher with another tokenizer scores other tokens: its log-probs would be silently wrong."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
-from megatron_rl_patches.inference.loading.errors import shown
+from megatron_rl_patches.inference.loading.errors import checkpoint_json, shown
 from megatron_rl_patches.inference.loading.hf.checkpoint_config import TOKENIZER, read_checkpoint_config
 
 
@@ -18,10 +17,7 @@ def _token_ids(root: Path) -> dict[str, int] | None:
     file = root / TOKENIZER
     if not file.is_file():
         return None
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{str(file)!r} is not a readable tokenizer.json ({type(exc).__name__}: {exc})") from None
+    data = checkpoint_json(file)
     if not isinstance(data, dict):
         raise ValueError(f"{str(file)!r} is a JSON {type(data).__name__}, not a tokenizer.json object; "
                          "download the tokenizer again")

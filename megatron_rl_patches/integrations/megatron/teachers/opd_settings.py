@@ -155,6 +155,11 @@ def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
     if not teachers:
         raise ValueError(f"{TEACHERS}={raw!r} names no teacher: give comma-separated entries (PATH, "
                          "PATH@module:function or http://host:port;engine=vllm), or unset it to switch top-k OPD off")
+    privileged = [teacher.path for teacher in teachers if teacher.context is not None]
+    if privileged:  # refused rather than scored without it: slime's contexts do not reach its training ranks yet
+        raise ValueError(f"{TEACHERS}: teacher(s) {privileged} have ';context=KEY' (a privileged context), which "
+                         "slime's OPD does not pass yet; the public teacher step takes them "
+                         "(TeacherStep.send(batch, contexts=...)): drop the option here")
     from megatron_rl_patches.ops._divergences import DIVERGENCES  # the table's rows (mixed_kl included)
 
     divergence = env.get(DIVERGENCE, "").strip() or "reverse_kl"

@@ -41,6 +41,7 @@ from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import (
 )
 from megatron_rl_patches.integrations.megatron.teachers.served_teacher import build_served_teacher
 from megatron_rl_patches.teachers.kinds.entry import CHECKPOINT, PROVIDER, SERVED
+from megatron_rl_patches.teachers.kinds.student import STUDENT
 
 # (actor, settings, teacher, student vocabulary) -> the route its build takes
 Route = Callable[[Any, OpdSettings, Teacher, "int | str"], str]
@@ -152,10 +153,19 @@ def build_provider(actor: Any, settings: OpdSettings, index: int, teacher: Teach
     return SeparateTeacher(chunks)
 
 
+def refuse_student(actor: Any, settings: OpdSettings, index: int, teacher: Teacher, student: int | str,
+                   route: str) -> OpdTeacher:
+    """`student;context=KEY`: the live self-teacher runs in the public teacher step; slime's OPD
+    does not pass privileged contexts yet (opd_settings refuses the entry before this)."""
+    raise ValueError(f"{TEACHERS}: entry 'student;context={teacher.context}' (the live self-teacher) is not wired in "
+                     "slime's OPD yet: use it in the public teacher step (LoopHost(student_pass=...))")
+
+
 BUILDERS: dict[str, SlimeBuilder] = {
     CHECKPOINT: SlimeBuilder(build_checkpoint, checkpoint_route, check_checkpoint_routes),
     PROVIDER: SlimeBuilder(build_provider),
     SERVED: SlimeBuilder(build_served_teacher),
+    STUDENT: SlimeBuilder(refuse_student),
 }
 
 

@@ -1,0 +1,56 @@
+"""A teacher whose engine scales its logits (a tiny Llama with config.json's `logit_scale` = 0.5,
+which vLLM 0.32's llama.py passes to `LogitsProcessor(scale=...)` after the states a pooling server
+sends): its served prompt log-probs (a generate server) against the log-probs its pooled states
+give through `TeacherHead.from_hf` (the scale applied in the head); the same states through the
+head of a copy without the field (no scale: far off) as the negative control. Two servers of this
+checkpoint, started together."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+
+from megatron_rl_patches.teachers import ClientSettings, ServedTeacher, TeacherBatch, TeacherHead
+from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
+from tests.teachers.lane.served_kit import MAX_LOGPROBS, MODEL_SHAPE, POOLING, VLLM_PYTHON, VOCAB
+
+SCALE = 0.5
+FAST = ClientSettings(retries=1, backoff_s=0.1, deadline_s=120.0)
+
+
+def test_an_engine_logit_scale_is_the_heads(tmp_path):
+    from megatron_rl_patches.testing.vllm_server import launch, serving
+
+    directory = tmp_path / "llama"
+    save_tiny_hf(directory, "llama", seed=11, logit_scale=SCALE, **MODEL_SHAPE)
+    save_word_tokenizer(directory, VOCAB)
+    assert json.loads((directory / "config.json").read_text())["logit_scale"] == SCALE
+    unscaled = tmp_path / "unscaled"
+    shutil.copytree(directory, unscaled)
+    config = json.loads((unscaled / "config.json").read_text())
+    del config["logit_scale"]
+    (unscaled / "config.json").write_text(json.dumps(config))
+
+    generate = launch(VLLM_PYTHON, directory, tmp_path / "generate.log")
+    pooling = launch(VLLM_PYTHON, directory, tmp_path / "pooling.log", extra=POOLING)
+    gen = torch.Generator().manual_seed(2)
+    batch = TeacherBatch([torch.randint(0, VOCAB, (n,), generator=gen) for n in (30, 12)], [10, 2])
+    with serving(generate) as served, serving(pooling) as pooled:
+        with ServedTeacher(served.url, top_k=MAX_LOGPROBS, client=FAST) as teacher:
+            engine = teacher.score(batch)
+        with ServedTeacher(pooled.url, head=directory, top_k=MAX_LOGPROBS, client=FAST) as teacher:
+            assert teacher.head is not None and teacher.head.logit_scale == SCALE
+            through_head = teacher.score(batch)
+    off = 0.0
+    for i in range(len(batch)):
+        torch.testing.assert_close(through_head.token_log_probs[i].double(), engine.token_log_probs[i].double(),
+                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(through_head.topk_log_probs[i].double(), engine.topk_log_probs[i].double(),
+                                   atol=1e-4, rtol=0)
+        assert torch.equal(through_head.topk_ids[i][:, :5], engine.topk_ids[i][:, :5])
+        tokens = batch.sequences[i][batch.response_starts[i]:]
+        plain = TeacherHead.from_hf(unscaled).token_log_probs(through_head.hidden_states[i], tokens).double()
+        off = max(off, float((plain - engine.token_log_probs[i].double()).abs().max()))
+    assert off > 0.05, off  # without the scale the head is another distribution
+    print(f"logit_scale {SCALE}: head vs vLLM's prompt log-probs within 1e-4; unscaled head {off:.3f} nats off")
