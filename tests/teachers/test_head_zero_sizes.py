@@ -4,6 +4,7 @@ give scores of their shapes in float64, a sample of no rows beside bf16 states k
 NeMo-RL's full-vocabulary route with a `token_mask` marking nothing gives zero states."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import types
@@ -89,7 +90,9 @@ def test_nemo_rls_whole_vocabulary_route_with_a_mask_marking_nothing(server, mon
     monkeypatch.setitem(sys.modules, module.__name__, module)
     data = {"input_ids": torch.tensor([[5, 6, 7, 8], [1, 2, 3, 0]]), "input_lengths": torch.tensor([4, 3]),
             "token_mask": torch.zeros(2, 4, dtype=torch.long)}
-    with teacher(server, torch.bfloat16) as served:
+    # NeMo-RL's workers re-read a whole-vocabulary head from its directory: this one names one (never read here)
+    sourced = dataclasses.replace(head(), source="/checkpoints/teacher")
+    with ServedTeacher(url_of(server), head=sourced, top_k=K, client=SETTINGS, hidden_dtype=torch.bfloat16) as served:
         out = ServedTeacherPolicy(served, full_vocabulary=True).get_topk_logits(data, K)
     states = out["teacher_hidden_states"]
     assert states.shape == (2, 4, H) and states.dtype == torch.bfloat16 and not states.any()
