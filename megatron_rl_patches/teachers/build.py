@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_rl_patches._args import positive_int
+from megatron_rl_patches.teachers.agreement import agreed_views
 from megatron_rl_patches.teachers.kinds import kind_named, parse_entry
 from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
 from megatron_rl_patches.teachers.redaction import refuse_userinfo
@@ -69,19 +70,21 @@ def build_teachers(entries: str | Sequence[str | TeacherEntry], host: Any, *, to
                    student_tokenizer: Any = None, client: Any = None) -> list[Any]:
     """Every entry's teacher built through its kind, in order; every rank of the host's job calls
     it alike. Everything is checked before anything is built (the entries parsed, the options,
-    each in-process entry's host builder), so a bad entry leaves nothing open."""
-    options = BuildOptions(top_k, temperature, student_tokenizer, client)
-    parsed = entries_of(entries)
-    for name in ("share_group", "job_group", "vocab_size"):
-        if not hasattr(host, name):
-            raise TypeError(f"build_teachers(host=...) has no {name}: pass a TeacherHost (e.g. "
-                            f"megatron_host(parallel_state, vocab_size) or local_host(vocab_size))")
-    kinds = [kind_named(entry.kind) for entry in parsed]
-    for entry, kind in zip(parsed, kinds):
-        if kind.build is None and not callable(getattr(host, "build_teacher", None)):
-            raise ValueError(f"build_teachers: entry {entry.path!r} is a {kind.name} teacher, which a framework "
-                             f"loads in process: this host builds none (give it build_teacher(entry, options), "
-                             f"or build the model yourself and pass it to TeacherStep as a BatchTeacher)")
+    each in-process entry's host builder), so a bad entry leaves nothing open; the checks and the
+    entries' kinds are agreed over the host's job group, so one rank's bad argument is the same
+    error on every rank, never a rank left waiting in another's connection."""
+    group = getattr(host, "job_group", None)
+    error: Exception | None = None
+    view = None
+    try:
+        options, parsed, kinds = checked(entries, host, top_k, temperature, student_tokenizer, client)
+        view = [kind.name for kind in kinds]
+    except Exception as failed:  # noqa: BLE001 - agreed over the job: the same error on every rank
+        error = failed
+    views = agreed_views(error, group, view, own=True)
+    if len({repr(seen) for seen in views}) > 1:  # each entry's build makes collectives: the same on every rank
+        raise ValueError(f"build_teachers: the ranks name different teachers ({', '.join(map(str, views))}, by rank): "
+                         "pass the same entries, in the same order, on every rank of the job")
     built: list[Any] = []
     try:
         for entry, kind in zip(parsed, kinds):
@@ -94,6 +97,25 @@ def build_teachers(entries: str | Sequence[str | TeacherEntry], host: Any, *, to
                 close()
         raise
     return built
+
+
+def checked(entries: str | Sequence[str | TeacherEntry], host: Any, top_k: int, temperature: float,
+            student_tokenizer: Any, client: Any) -> tuple[BuildOptions, list[TeacherEntry], list[Any]]:
+    """The options, the parsed entries and their kinds, each checked (everything before anything
+    is built)."""
+    options = BuildOptions(top_k, temperature, student_tokenizer, client)
+    parsed = entries_of(entries)
+    for name in ("share_group", "job_group", "vocab_size"):
+        if not hasattr(host, name):
+            raise TypeError(f"build_teachers(host=...) has no {name}: pass a TeacherHost (e.g. "
+                            f"megatron_host(parallel_state, vocab_size) or local_host(vocab_size))")
+    kinds = [kind_named(entry.kind) for entry in parsed]
+    for entry, kind in zip(parsed, kinds):
+        if kind.build is None and not callable(getattr(host, "build_teacher", None)):
+            raise ValueError(f"build_teachers: entry {entry.path!r} is a {kind.name} teacher, which a framework "
+                             f"loads in process: this host builds none (give it build_teacher(entry, options), "
+                             f"or build the model yourself and pass it to TeacherStep as a BatchTeacher)")
+    return options, parsed, kinds
 
 
 def host_build(entry: TeacherEntry, host: Any, options: BuildOptions) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.host import asks
 from megatron_rl_patches.teachers.host_head import head_for_host
 from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
@@ -20,11 +21,9 @@ from megatron_rl_patches.teachers.redaction import redacted
 from megatron_rl_patches.teachers.served_connect import connect_served
 
 
-def build_served(entry: TeacherEntry, host: Any, options: Any) -> Any:
-    """The entry's `ServedTeacher`, connected (see the module's words)."""
-    from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: import cost: httpx, torch
-
-    where = f"build_teachers: entry {redacted(entry.path)!r}"
+def checked_tokenizer(entry: TeacherEntry, options: Any, where: str) -> Any:
+    """The student's tokenizer the served model is probed against (None for `;same_tokenizer`);
+    ValueError naming the entry for one this step cannot serve."""
     if entry.tokenizer is not None:
         raise ValueError(f"{where} has ';tokenizer={entry.tokenizer}' (another tokenizer than the student's): its "
                          "chunk-start buckets are slime's top-k OPD's (MEGATRON_RL_PATCHES_OPD_TEACHERS); the teacher "
@@ -34,11 +33,27 @@ def build_served(entry: TeacherEntry, host: Any, options: Any) -> Any:
         raise ValueError(f"{where}: its tokenizer is checked against the student's: pass "
                          "build_teachers(student_tokenizer=...) (a tokenizers.Tokenizer, a tokenizer.json or a "
                          "directory holding one), or write ';same_tokenizer;vocab=N' for a server without one")
-    tokenizer = None
-    if not entry.same_tokenizer:
-        from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer  # lazy: optional dependency tokenizers
+    if entry.same_tokenizer:
+        return None
+    from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer  # lazy: optional dependency tokenizers
 
-        student = load_tokenizer(options.student_tokenizer, "build_teachers(student_tokenizer=...)")
+    return load_tokenizer(options.student_tokenizer, "build_teachers(student_tokenizer=...)")
+
+
+def build_served(entry: TeacherEntry, host: Any, options: Any) -> Any:
+    """The entry's `ServedTeacher`, connected (see the module's words)."""
+    from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: import cost: httpx, torch
+
+    where = f"build_teachers: entry {redacted(entry.path)!r}"
+    tokenizer = None
+    student: Any = None
+    error: Exception | None = None
+    try:  # checked on every rank, agreed before the connection's collective
+        student = checked_tokenizer(entry, options, where)
+    except Exception as failed:  # noqa: BLE001 - agreed over the job just below
+        error = failed
+    agree_failure(error, host.job_group, own=True)
+    if student is not None:
 
         def tokenizer() -> tuple[Any, str]:
             return student, "the student's"

@@ -10,7 +10,11 @@ student's forward, `collect()` after it.
   (`step_heads`: compared when the step is built, a difference raised by the first `collect`).
 - A failure anywhere (a server down, a sample too long, an in-process teacher raising) is agreed
   over the host's `job_group`: every rank raises the same error (`ServedTeacherError` /
-  `ServedTeacherRefusal`), none is left waiting in a later collective.
+  `ServedTeacherRefusal`), none is left waiting in a later collective. So is a bad call on one
+  rank (`collect()` before `send()`, a batch that is not a `TeacherBatch`: its own TypeError /
+  RuntimeError on every rank) and, when the step is built, a host whose sharing groups, vocabulary
+  or teachers differ between the ranks (a ValueError on every rank: `step_views`, exchanged over
+  the job before the sharing group's head comparison).
 - The served scores are broadcast from the asking rank to its sharing group as tensors on the
   group's device (`share_tensors`: the layout first, then one flat buffer per dtype, never
   pickled); a head's hidden states are projected through the head on every rank after it (the
@@ -29,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl_patches.teachers.agreement import agree_failure, distributed
+from megatron_rl_patches.teachers.agreement import agree_failure, agreed_views, distributed
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context_key import teacher_context
 from megatron_rl_patches.teachers.contract import BatchScores
@@ -76,51 +80,107 @@ def plan_of(teachers: Sequence[Any], plan: StepPlan | None) -> StepPlan:
     return plan
 
 
+def checked(teachers: Sequence[Any], host: TeacherHost, plan: StepPlan | None) -> tuple[list[Any], StepPlan]:
+    """The step's teachers as a list and its plan, each argument checked (TypeError / ValueError
+    naming it)."""
+    if isinstance(teachers, (str, bytes)) or not isinstance(teachers, Sequence) or not teachers:
+        raise TypeError("TeacherStep(teachers=...) must be a non-empty list of teachers (ServedTeacher or any "
+                        f"object with .top_k and .score(batch)), got {type(teachers).__name__}")
+    for i, teacher in enumerate(teachers):
+        if not callable(getattr(teacher, "score", None)) or not hasattr(teacher, "top_k"):
+            raise TypeError(f"TeacherStep(teachers=...): teacher {i} ({type(teacher).__name__}) has no "
+                            f".score(batch) and .top_k: pass a ServedTeacher or a BatchTeacher")
+        teacher_context(teacher, i)
+    for name in ("share_group", "job_group", "vocab_size", "teacher_pass"):
+        if not hasattr(host, name):
+            raise TypeError(f"TeacherStep(host=...) has no {name}: pass a TeacherHost (e.g. "
+                            f"megatron_host(vocab_size) or local_host(vocab_size))")
+    if plan is not None and not isinstance(plan, StepPlan):
+        raise TypeError(f"TeacherStep(plan=...) must be a StepPlan or None, got {type(plan).__name__}")
+    return list(teachers), plan_of(teachers, plan)
+
+
+def join_build(host: TeacherHost) -> None:
+    """On a rank of the host's job group that builds no `TeacherStep` where the others build one
+    (slime's earlier pipeline stages): its part of the build's agreement (a disagreement, or a rank
+    that refused its step's arguments, raised here too)."""
+    from megatron_rl_patches.teachers.step_views import absent_view, agreement_group, check_built
+
+    check_built(agreed_views(None, agreement_group(host), absent_view(host)))
+
+
 class TeacherStep:
     """Teachers asked for one step's samples: `send(batch)` then, after the student's forward,
     `collect()` -> one `BatchScores` per teacher, in the teachers' order, equal on every rank of a
-    sharing group. Every rank of the host's groups calls both, in the same order."""
+    sharing group. Every rank of the host's groups builds it and calls both, in the same order (a
+    rank of the job holding no step joins its build with `join_build(host)` and each collect with
+    `agree_failure(None, host.job_group)`).
+
+    Every check of a call that leads to a collective is agreed over the job group
+    (`agreement_group`) before it: one rank's bad call, or a host whose groups, vocabulary or
+    teachers differ between the ranks, is the same error on every rank, never a rank left waiting.
+    Building exchanges each rank's view (`step_views`); `send` exchanges nothing: its refusal is
+    kept and raised at once only without a group to agree over, else agreed (on every rank) by the
+    `collect` that follows, which every rank makes in any case; `collect` also compares its
+    `projected` and the batch each rank of a sharing group sent."""
 
     def __init__(self, teachers: Sequence[Any], host: TeacherHost, plan: StepPlan | None = None) -> None:
-        if isinstance(teachers, (str, bytes)) or not isinstance(teachers, Sequence) or not teachers:
-            raise TypeError("TeacherStep(teachers=...) must be a non-empty list of teachers (ServedTeacher or any "
-                            f"object with .top_k and .score(batch)), got {type(teachers).__name__}")
-        for i, teacher in enumerate(teachers):
-            if not callable(getattr(teacher, "score", None)) or not hasattr(teacher, "top_k"):
-                raise TypeError(f"TeacherStep(teachers=...): teacher {i} ({type(teacher).__name__}) has no "
-                                f".score(batch) and .top_k: pass a ServedTeacher or a BatchTeacher")
-            teacher_context(teacher, i)
-        for name in ("share_group", "job_group", "vocab_size", "teacher_pass"):
-            if not hasattr(host, name):
-                raise TypeError(f"TeacherStep(host=...) has no {name}: pass a TeacherHost (e.g. "
-                                f"megatron_host(vocab_size) or local_host(vocab_size))")
-        self.teachers = list(teachers)
+        from megatron_rl_patches.teachers.step_views import agreement_group, built_view, check_built
+
+        self.group = agreement_group(host)
+        self.teachers: list[Any] = []
+        self.plan: StepPlan | None = None
         self.host = host
-        self.plan = plan_of(self.teachers, plan)
         self.batch: TeacherBatch | None = None
         self.batches: list[TeacherBatch] = []  # per teacher: the student's batch, or its context's
         self.failed: BaseException | None = None  # a bad context found in send(), agreed in collect()
+        self.refused: Exception | None = None  # a refused send (a bad call), agreed by the next collect
         self.pending: dict[int, PendingScores] = {}
+        error: Exception | None = None
+        view = None
+        try:
+            self.teachers, self.plan = checked(teachers, host, plan)
+            view = built_view(host, self.teachers, self.plan)
+        except Exception as failed:  # noqa: BLE001 - agreed over the job just below, raised on every rank
+            error = failed
+        check_built(agreed_views(error, self.group, view, own=True))
+        self.asker = view["share"][0] if view is not None else 0  # the global rank asking for this rank's group
+        # the sharing groups agree now: the heads' exchange over the sharing group cannot wait for a rank outside it
         self.heads_failure = step_heads_failure(self.teachers, host)  # raised by the first collect, agreed
 
     def asks(self) -> bool:
         """Whether this rank asks the served teachers: the first rank of its sharing group."""
         return asks(self.host)
 
+    def alone(self) -> bool:
+        """Nothing to agree with: no group, torch.distributed not initialized, or a group of one."""
+        if self.group is None or not distributed():
+            return True
+        import torch.distributed as dist  # lazy: import cost: torch only with a group
+
+        return dist.get_world_size(self.group) == 1
+
     def send(self, batch: TeacherBatch, contexts: Any = None) -> None:
         """Send `batch` to the served teachers (on the asking rank; at once, in the background).
         Every rank of the sharing group passes the same batch. `contexts`: the privileged contexts
         of the teachers with a `context` key (`{KEY: [one per sample]}` or one `{KEY: context}`
         mapping per sample; `step_contexts`): each such teacher scores `with_context(batch, its
-        contexts)`. A bad context is raised here in one process, else agreed in `collect()`."""
+        contexts)`. A bad call or a bad context raises here in one process; with a group the
+        following `collect` raises it on every rank of the job."""
+        refused: Exception | None = None
         if not isinstance(batch, TeacherBatch):
-            raise TypeError(f"TeacherStep.send(batch) takes a TeacherBatch, got {type(batch).__name__}")
-        if self.batch is not None:
-            raise RuntimeError("TeacherStep.send: the last batch was not collected: call collect() once per send()")
+            refused = TypeError(f"TeacherStep.send(batch) takes a TeacherBatch, got {type(batch).__name__}")
+        elif self.batch is not None or self.refused is not None:
+            refused = RuntimeError("TeacherStep.send: the last batch was not collected: call collect() once per send()")
+        if refused is not None:
+            if self.alone():
+                raise refused
+            self.refused = self.refused or refused
+            return
         try:
             self.batches = teacher_batches(self.teachers, batch, contexts, self.host.vocab_size)
         except (TypeError, ValueError) as error:
-            if self.host.job_group is None or not distributed():
+            if self.alone():
                 raise
             self.batch, self.batches, self.failed = batch, [batch] * len(self.teachers), error  # agreed in collect()
             return
@@ -130,13 +190,26 @@ class TeacherStep:
                             if isinstance(teacher, ServedTeacher)}
 
     def collect(self, projected: bool = True) -> list[Any]:
-        """Every teacher's scores of the sent batch (a failure anywhere raised alike on every rank
-        of the job group); with `projected=False` a head teacher's hidden states [R_i, H] per
-        sample as the server sent them (full-vocabulary divergences take the states, not scores)."""
-        if self.batch is None:
-            raise RuntimeError("TeacherStep.collect: nothing sent: call send(batch) first")
-        batches, pending, error = self.batches, self.pending, self.failed
-        self.batch, self.batches, self.pending, self.failed = None, [], {}, None
+        """Every teacher's scores of the sent batch (a failure anywhere, or a bad call on any rank,
+        raised alike on every rank of the job group); with `projected=False` a head teacher's
+        hidden states [R_i, H] per sample as the server sent them (full-vocabulary divergences
+        take the states, not scores)."""
+        from megatron_rl_patches.teachers.step_views import check_collect, collect_view
+
+        batch, batches, pending, error, refused = self.batch, self.batches, self.pending, self.failed, self.refused
+        self.batch, self.batches, self.pending, self.failed, self.refused = None, [], {}, None, None
+        if refused is None and batch is None:
+            refused = RuntimeError("TeacherStep.collect: nothing sent: call send(batch) first")
+        if refused is None and not isinstance(projected, bool):
+            refused = TypeError(f"TeacherStep.collect(projected=...) must be True or False, got {projected!r}")
+        if refused is not None or error is not None:
+            for waiting in pending.values():
+                waiting.cancel.set()
+        if refused is not None:
+            agree_failure(refused, self.group, own=True)
+        elif any(not isinstance(t, ServedTeacher) for t in self.teachers):
+            agree_failure(error, self.group)  # every rank has its batches before any runs an in-process pass
+        assert batch is not None  # refused on every rank above otherwise
         got: dict[int, Any] = {}
         try:
             if self.heads_failure is not None:
@@ -151,7 +224,7 @@ class TeacherStep:
             error = failed
             for waiting in pending.values():
                 waiting.cancel.set()
-        agree_failure(error, self.host.job_group)
+        check_collect(agreed_views(error, self.group, collect_view(projected, self.asker, batch)))
         served = [i for i, teacher in enumerate(self.teachers) if isinstance(teacher, ServedTeacher)]
         got.update(self.shared({i: got[i] for i in served if i in got}))
         if not projected:

@@ -81,17 +81,20 @@ def rank_heads(rank: int, world_size: int, paths: dict) -> dict:
 
 def pipelined(rank: int, path: str) -> None:
     """A pipelined actor's two stages: the last (rank 0) holds the step, no sharing group, a head
-    larger than the student's vocabulary; the other (rank 1) only joins the job's agreement, as
-    slime's off-stage ranks do — nothing at build waits for it, the refusal reaches it."""
+    larger than the student's vocabulary; the other (rank 1) only joins the build's agreement and
+    the collect's, as slime's off-stage ranks do — the refusal reaches it."""
     import torch.distributed as dist
 
     from megatron_rl_patches.teachers.agreement import agree_failure
+    from megatron_rl_patches.teachers.step import join_build
 
+    host = LoopHost(256, share_group=None, job_group=dist.group.WORLD)
     if rank == 1:
+        join_build(host)  # its part of the build's agreement over the job (slime's served_opd does the same)
         agree_failure(None, dist.group.WORLD)
         return
     with ServedTeacher(NOWHERE, "vllm", top_k=4, head=path) as teacher:
-        step = TeacherStep([teacher], LoopHost(256, share_group=None, job_group=dist.group.WORLD))
+        step = TeacherStep([teacher], host)
         step.send(TeacherBatch([torch.tensor([1, 2, 3])], [1]))
         step.collect()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -21,10 +22,12 @@ from megatron_rl_patches.teachers import (
     TeacherBatch,
     TeacherHead,
     TeacherStep,
+    agree_failure,
     build_teachers,
     local_host,
 )
 from megatron_rl_patches.teachers.hidden_scores import head_scores
+from megatron_rl_patches.teachers.step import join_build
 from megatron_rl_patches.testing.multirank import run_multirank
 from tests.teachers.local_servers import MAX_MODEL_LEN, url_of, vllm_like
 
@@ -97,6 +100,138 @@ def rank_steps(rank: int, world_size: int, url: str) -> dict:
     except ValueError as error:
         out["bad_vocab"] = str(error)
     return out
+
+
+def raised(call) -> tuple[str, str]:
+    """(the error's type, its text) from `call()`, or ("", "no error")."""
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - compared between the ranks
+        return type(error).__name__, str(error)
+    return "", "no error"
+
+
+def one_rank_wrong(rank: int, world_size: int, url: str, names: tuple[str, ...] | None = None) -> dict:
+    """Each case: one rank's bad call (or a host that differs between the ranks) beside the other's
+    good one; every rank must raise the same error at once, none left waiting in a collective."""
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    host = LoopHost(vocab_size=12, share_group=world, job_group=world)
+    lone = dist.new_group([1])  # every rank creates it; only rank 1 is in it
+    out: dict = {}
+    entry = f"{url};engine=vllm;same_tokenizer;vocab=12"
+    with ServedTeacher(url, "vllm", top_k=K) as served:
+        def step_of(wrong_host: LoopHost | None = None, plan: StepPlan | None = None) -> TeacherStep:
+            return TeacherStep([served], wrong_host if rank == 1 and wrong_host else host, plan if rank == 1 else None)
+
+        def collect_unsent() -> None:
+            step = step_of()
+            if rank == 0:
+                step.send(batch())
+            step.collect()
+
+        def send_not_a_batch() -> None:
+            step = step_of()
+            step.send(batch() if rank == 0 else "not a batch")
+            step.collect()
+
+        def sent_twice() -> None:
+            step = step_of()
+            step.send(batch())
+            if rank == 1:
+                step.send(batch())
+            step.collect()
+
+        def batch_differs() -> None:  # the second rank would read the first's scores as its own
+            step = step_of()
+            step.send(batch() if rank == 0 else TeacherBatch([ids + 1 for ids in batch().sequences], STARTS))
+            step.collect()
+
+        def projected_differs() -> None:
+            step = step_of()
+            step.send(batch())
+            step.collect(projected=rank == 0)
+
+        def used(step: TeacherStep) -> None:
+            step.send(batch())
+            step.collect()
+
+        def joined() -> None:  # rank 1 holds no step (slime's earlier stages): it joins the build and the collect
+            alone = LoopHost(vocab_size=12, share_group=None, job_group=world)
+            if rank == 1:
+                join_build(alone)
+                agree_failure(None, world)
+                return
+            used(TeacherStep([served], alone))
+
+        def unjoined() -> None:  # rank 1 skips the build (no join_build): told, not left behind
+            if rank == 1:
+                agree_failure(None, world)
+                return
+            TeacherStep([served], LoopHost(vocab_size=12, share_group=None, job_group=world))
+
+        def steps_after() -> None:  # a refused step leaves nothing behind: the next one scores
+            step = step_of()
+            step.send(batch() if rank == 0 else "not a batch")
+            raised(step.collect)
+            step.send(batch())
+            step.collect()
+
+        cases = {
+            "collect_unsent": collect_unsent,
+            "send_not_a_batch": send_not_a_batch,
+            "sent_twice": sent_twice,
+            "projected_differs": projected_differs,
+            "batch_differs": batch_differs,
+            "bad_plan": lambda: step_of(plan=StepPlan(8)),
+            "steps_after": steps_after,
+            "joined": joined,
+            "unjoined": unjoined,
+            # build_teachers: its checks agreed over the job before the asking rank connects
+            "build_bad_top_k": lambda: build_teachers(entry, host, top_k=0 if rank == 1 else K),
+            "build_entries_differ": lambda: build_teachers(entry if rank == 1 else f"{entry},{entry}", host, top_k=K),
+            "build_unprobed": lambda: build_teachers(entry if rank == 0 else f"{url};engine=vllm", host, top_k=K),
+            "joined_but_shared": lambda: used(step_of()) if rank == 0 else join_build(host),
+            "share_none": lambda: used(step_of(LoopHost(vocab_size=12, share_group=None, job_group=world))),
+            "share_apart": lambda: used(step_of(LoopHost(vocab_size=12, share_group=lone, job_group=world))),
+            "vocab_differs": lambda: used(step_of(LoopHost(vocab_size=16, share_group=world, job_group=world))),
+        }
+        for name, case in cases.items():
+            if names is None or name in names:
+                start = time.monotonic()
+                out[name] = raised(case)
+                out.setdefault("seconds", {})[name] = time.monotonic() - start
+    return out
+
+
+@pytest.mark.multirank
+def test_one_ranks_bad_call_or_lying_host_is_the_same_error_on_every_rank_at_once():
+    with vllm_like() as server:
+        ranks = run_multirank(one_rank_wrong, 2, url_of(server), timeout=60)
+    expected = {
+        "collect_unsent": ("RuntimeError", "nothing sent"),
+        "send_not_a_batch": ("TypeError", "takes a TeacherBatch, got str"),
+        "sent_twice": ("RuntimeError", "was not collected"),
+        "projected_differs": ("ValueError", "projected differs"),
+        "batch_differs": ("ValueError", "sent different batches"),
+        "bad_plan": ("ValueError", "the plan asks top_k=8"),
+        "steps_after": ("", "no error"),
+        "joined": ("", "no error"),
+        "unjoined": ("RuntimeError", "in different calls"),
+        "build_bad_top_k": ("ValueError", "top_k"),
+        "build_entries_differ": ("ValueError", "the ranks name different teachers"),
+        "build_unprobed": ("ValueError", "its tokenizer is checked against the student's"),
+        "joined_but_shared": ("ValueError", "but rank 1 builds no step"),
+        "share_none": ("ValueError", "sharing groups"),
+        "share_apart": ("ValueError", "sharing groups"),
+        "vocab_differs": ("ValueError", "vocab_size differs"),
+    }
+    for case, (kind, words) in expected.items():
+        assert ranks[0][case] == ranks[1][case], case
+        assert ranks[0][case][0] == kind and words in ranks[0][case][1], (case, ranks[0][case])
+    # at once: no rank waited for another (gloo's timeout is minutes)
+    assert max(max(r["seconds"].values()) for r in ranks) < 10, ranks[0]["seconds"]
 
 
 @pytest.mark.multirank

@@ -56,7 +56,7 @@ def read_rows(batch: Any) -> Any:
     total = int(ends[-1]) if len(ends) else 0
     rows = torch.zeros(total, dtype=torch.bool)
     told = False
-    responses = _response_lengths(batch)
+    responses = response_lengths(batch)
     if responses is not None:  # no_padding_2_padding's slice: the resp_len rows before the last
         told = True
         first = torch.maximum(ends - 1 - torch.tensor(responses, dtype=torch.long), ends - lengths)
@@ -78,8 +78,9 @@ def read_rows(batch: Any) -> Any:
     return rows if told else None
 
 
-def _response_lengths(batch: Any) -> list[int] | None:
-    """Per sequence, the response length `no_padding_2_padding` slices (or None: no responses)."""
+def response_lengths(batch: Any) -> list[int] | None:
+    """Per sequence, the response length `no_padding_2_padding` slices (or None: no responses):
+    the nested `responses`' lengths, or the padded `attention_mask`'s count past the prompts."""
     import torch
 
     prompts, responses = batch.get("prompts", None), batch.get("responses", None)

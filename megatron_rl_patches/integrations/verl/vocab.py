@@ -7,7 +7,8 @@ engine (`distillation_use_topk`: `forward_kl_topk`) takes this route:
 
 - the batch carries ids only: [S, H] states per sample are too big for the agent loop's batch, so
   on the last pipeline stage `forward_step` asks the pooling server itself for each sequence's
-  final hidden states on the rows verl's loss reads (its `loss_mask`; every tensor-parallel rank
+  final hidden states on the rows verl's loss reads (its response-aligned `loss_mask` after the
+  prompt, `response_starts`; every tensor-parallel rank
   asks for its micro-batch, a failure agreed over the group);
 - the student's side is verl's fused route: its forward runs with the output processor verl
   gives it, and beside it the package's `lm_head_divergence` from the student's hidden states
@@ -30,6 +31,7 @@ import torch
 
 from megatron_rl_patches._variables import VERL_TEACHER
 from megatron_rl_patches.integrations.student_head import student_layout_head
+from megatron_rl_patches.integrations.verl.rows import response_lengths
 from megatron_rl_patches.integrations.verl.served import Entry, parse_entry
 from megatron_rl_patches.processors.distill import divergence_output_processor
 from megatron_rl_patches.processors.heads import output_tp_group
@@ -63,13 +65,47 @@ def output_weight(core: Any) -> torch.Tensor:
 
 
 def response_starts(batch: Any) -> list[int]:
-    """Per sequence, the first position whose token verl's loss reads (`loss_mask`): rows from
-    start − 1 on are scored; the sequence's length where it reads none."""
-    ids, mask = batch["input_ids"], batch.get("loss_mask", None)
+    """Per sequence, the first position whose token verl's loss reads: rows from start − 1 on are
+    scored; the sequence's length where it reads none. In verl's trainer batch
+    (`left_right_2_no_padding`) `loss_mask` is the response-aligned `response_mask` ([b, R],
+    padded): the start is the prompt's length (the sequence's less the response's, as
+    `no_padding_2_padding` slices it, or the engine's last R columns of `attention_mask`) plus
+    the first marked response position. A nested mask as long as each sequence marks positions
+    of the whole sequence. Where the batch cannot place its mask: every row after the first."""
+    ids = batch["input_ids"]
+    mask = batch.get("loss_mask", None)
+    lengths = [int(n) for n in ids.offsets().diff().tolist()] if ids.is_nested else [ids.shape[-1]] * ids.shape[0]
+    if mask is not None and mask.is_nested and [int(n) for n in mask.offsets().diff().tolist()] == lengths:
+        return first_marked(mask, [0] * len(lengths), lengths, lengths)
+    responses = response_lengths(batch) or mask_responses(batch, mask)
+    if responses is None:
+        return [1] * len(lengths)
+    prompts = [length - response for length, response in zip(lengths, responses)]
+    return first_marked(mask, prompts, responses, lengths)
+
+
+def mask_responses(batch: Any, mask: Any) -> list[int] | None:
+    """The response lengths a response-aligned `mask` implies: a nested mask's own lengths, or
+    (padded [b, R]) the count of the padded `attention_mask`'s last R columns, as verl's engine
+    reads its response span."""
+    if mask is None:
+        return None
+    if mask.is_nested:
+        return [int(n) for n in mask.offsets().diff().tolist()]
+    attention = batch.get("attention_mask", None)
+    if isinstance(attention, torch.Tensor) and not attention.is_nested:
+        return [int(n) for n in attention[:, -mask.shape[-1]:].sum(dim=1).tolist()]
+    return None
+
+
+def first_marked(mask: Any, offsets: list[int], spans: list[int], lengths: list[int]) -> list[int]:
+    """Per sequence, `offsets[i]` plus the first position of its first `spans[i]` that `mask`
+    marks (every one without a mask); its length where none is."""
     starts = []
-    for i, sequence in enumerate(ids.unbind()):
-        marked = torch.nonzero(mask[i].detach().cpu()).flatten() if mask is not None else torch.ones(1)
-        starts.append(max(int(marked[0]), 1) if marked.numel() else len(sequence))
+    for i, (offset, span, length) in enumerate(zip(offsets, spans, lengths)):
+        marks = torch.ones(span) if mask is None else mask[i].detach().cpu()[:span]
+        marked = torch.nonzero(marks).flatten()
+        starts.append(max(offset + int(marked[0]), 1) if marked.numel() else length)
     return starts
 
 

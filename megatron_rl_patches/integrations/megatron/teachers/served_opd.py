@@ -19,7 +19,7 @@ from megatron_rl_patches.integrations.megatron.teachers.zigzag import whole_from
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.head_cross_buckets import cross_batch
 from megatron_rl_patches.teachers.scores import TeacherScores
-from megatron_rl_patches.teachers.step import TeacherStep
+from megatron_rl_patches.teachers.step import TeacherStep, join_build
 from megatron_rl_patches.teachers.step_served import CrossServed, HeadServed, OwnTopkServed
 
 TYPE_CHECKING = False
@@ -38,6 +38,8 @@ class ServedOpdTeacher(OpdTeacher):
     def __init__(self, role: Role | None, host: StageHost, cross: bool = False) -> None:
         self.role, self.host, self.cross = role, host, cross or isinstance(role, CrossServed)
         self.step = None if role is None else TeacherStep([role.teacher], host)
+        if role is None:  # the earlier stages' part of the last stage's build agreement
+            join_build(host)
         self.samples: list | None = None  # another tokenizer's encodings of the step's samples
 
     @property

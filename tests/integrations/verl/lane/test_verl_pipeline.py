@@ -67,11 +67,13 @@ def _schedule(fused: bool, chunks: list, config) -> dict:
     return {"reduced": reduced, "grads": grads}
 
 
-def _rows(reduced: list, key: str, last: bool = True) -> list:
+def _rows(reduced: list, key: str, last: bool = False) -> list:
     return [row for out in reduced for row in kit.response_rows(out["model_output"][key], PROMPTS, last)]
 
 
 def _checks(virtual: int | None) -> dict:
+    import torch
+
     import megatron_rl_patches
 
     chunks, config = _chunks(virtual)
@@ -84,7 +86,7 @@ def _checks(virtual: int | None) -> dict:
            "same_names": sorted(fused["grads"]) == sorted(plain["grads"]) and len(plain["grads"]) > 2,
            "last_stage": bool(plain["reduced"])}
     if plain["reduced"]:  # the last stage: the micro-batches' outputs and losses
-        for key in ("log_probs", "entropy"):
+        for key in ("log_probs", "entropy"):  # the rows verl reads (its trainer's batch: no sequence's last row)
             pairs = zip(_rows(fused["reduced"], key), _rows(plain["reduced"], key))
             out[key] = max(kit.relative(got, want) for got, want in pairs)
         out["loss"] = max(abs(f["loss"] - p["loss"]) / abs(p["loss"])
@@ -92,7 +94,7 @@ def _checks(virtual: int | None) -> dict:
         # rows per micro-batch, sequence by sequence: the first sequence of the second micro-batch
         other = _rows(plain["reduced"], "log_probs")[len(PROMPTS)]
         out["control_other_micro_batch"] = kit.relative(other, _rows(fused["reduced"], "log_probs")[0])
-        out["unread_rows"] = max(float(row[:p - 1].abs().max()) for o in fused["reduced"]
+        out["unread_rows"] = max(float(torch.cat([row[:p - 1], row[-1:]]).abs().max()) for o in fused["reduced"]
                                  for row, p in zip(o["model_output"]["log_probs"].unbind(), PROMPTS))
         out["micro_batches"] = len(fused["reduced"])
     return out

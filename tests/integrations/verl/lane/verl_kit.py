@@ -107,31 +107,39 @@ def distillation_config(topk: int, clamp: float | None = -10.0, **loss_fields: A
 
 def rl_batch(prompts: tuple[int, ...], responses: tuple[int, ...], vocab: int = VOCAB, temperature: float = 0.7,
              seed: int = 0, **extra: Any) -> Any:
-    """A verl actor micro-batch as its trainer hands it to the Megatron engine (no padding): nested
-    prompt + response `input_ids`, `loss_mask` on the responses, `prompts` / `responses` (what
-    `no_padding_2_padding` slices by), the PPO fields (`response_mask`, `old_log_probs`,
-    `advantages`) and the global-batch numbers verl's losses normalize by; `extra` non-tensor keys."""
+    """A verl actor micro-batch as its trainer builds it (`ray_trainer`'s `_update_actor`): the
+    rollout's left-padded prompts and right-padded responses ([b, P + R] `input_ids`,
+    `attention_mask`, `position_ids`; [b, R] `response_mask`, `old_log_probs`, `advantages`;
+    `prompts` / `responses`) through verl's own `left_right_2_no_padding`, which nests
+    `input_ids` / `position_ids` and sets `loss_mask` to the padded, response-aligned
+    `response_mask` (no whole-sequence mask); the global-batch numbers verl's losses normalize by
+    and `extra` non-tensor keys beside them."""
+    from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
 
     gen = torch.Generator().manual_seed(seed)
     ids = [torch.randint(0, vocab, (p + r,), generator=gen) for p, r in zip(prompts, responses)]
-    per_response = {
-        "response_mask": [torch.ones(r) for r in responses],
-        # near a fresh model's log-probs (about -log V): PPO ratios inside and outside the clip range
-        "old_log_probs": [-math.log(vocab) + 0.1 * torch.randn(r, generator=gen) for r in responses],
-        "advantages": [torch.randn(r, generator=gen) for r in responses],
-    }
-    tensors = {
-        "input_ids": nested(ids),
-        "loss_mask": nested([torch.cat([torch.zeros(p), torch.ones(r)]) for p, r in zip(prompts, responses)]),
-        "prompts": nested([seq[:p] for seq, p in zip(ids, prompts)]),
-        "responses": nested([seq[p:] for seq, p in zip(ids, prompts)]),
-        "temperature": torch.full((len(ids),), temperature),
-        **{key: nested(rows) for key, rows in per_response.items()},
-    }
-    non_tensor = {"dp_size": 1, "batch_num_tokens": sum(responses), "global_batch_size": len(ids),
-                  "num_micro_batch": 1, **extra}
-    return tu.get_tensordict(tensors, non_tensor)
+    # near a fresh model's log-probs (about -log V): PPO ratios inside and outside the clip range
+    old = [-math.log(vocab) + 0.1 * torch.randn(r, generator=gen) for r in responses]
+    advantages = [torch.randn(r, generator=gen) for r in responses]
+    width, length = max(prompts), max(responses)
+    padded = torch.zeros(len(ids), width + length, dtype=torch.long)
+    attention = torch.zeros_like(padded)
+    per_response = {name: torch.zeros(len(ids), length) for name in ("response_mask", "old_log_probs", "advantages")}
+    for i, (sequence, p, r) in enumerate(zip(ids, prompts, responses)):
+        padded[i, width - p:width + r] = sequence
+        attention[i, width - p:width + r] = 1
+        for name, rows in (("response_mask", torch.ones(r)), ("old_log_probs", old[i]), ("advantages", advantages[i])):
+            per_response[name][i, :r] = rows
+    batch = TensorDict({"input_ids": padded, "attention_mask": attention,
+                        "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+                        "prompts": padded[:, :width], "responses": padded[:, width:],
+                        "temperature": torch.full((len(ids),), temperature), **per_response}, batch_size=[len(ids)])
+    batch = left_right_2_no_padding(batch)
+    tu.assign_non_tensor(batch, **{"dp_size": 1, "batch_num_tokens": sum(responses), "global_batch_size": len(ids),
+                                   "num_micro_batch": 1, **extra})
+    return batch
 
 
 def train_step(eng: Any, model: Any, micro_batch: Any, loss_function: Any, logits_processor_func: Any = None) -> tuple:
