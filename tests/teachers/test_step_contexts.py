@@ -207,5 +207,9 @@ def test_slimes_opd_refuses_a_privileged_teacher_it_would_score_without_its_cont
     from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
 
     assert opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher"}) is not None
-    with pytest.raises(ValueError, match=r"\['/ckpt/hinted'\] have ';context=KEY'.*slime's OPD does not pass yet"):
+    served = "http://127.0.0.1:9;engine=vllm;context=solution"
+    assert opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": served,
+                         "MEGATRON_RL_PATCHES_OPD_IDS_FROM": "teacher"}).teachers[0].context == "solution"
+    with pytest.raises(ValueError, match=r"\['/ckpt/hinted'\] have ';context=KEY'.*served teacher of the student's "
+                                         "tokenizer only yet"):
         opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher,/ckpt/hinted;context=solution"})

@@ -222,7 +222,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
     cross["temperature"]: the rollout's temperature (a served teacher's: 1); `served`: the teachers'
     entries served["entries"] (a served teacher first), the ids from the
     teacher (served["ids_from"]: from whom), the student's tokenizer in served["student"], the rollout
-    at temperature 1 (served["temperature"]: another, a served teacher with a head); `env`: OPD variables
+    at temperature 1 (served["temperature"]: another, a served teacher with a head; served["contexts"]: each
+    sample's privileged contexts as the rollout manager's split carries them); `env`: OPD variables
     set last (their names without MEGATRON_RL_PATCHES_OPD_, e.g. {"K": "vocab"})."""
     with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual,
                    expert=expert) as patch:
@@ -318,6 +319,10 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                     states["opd_teacher_1"] = separate[0]
                 samples = None if cross is None else cross["samples"]
                 data = actor_rollout(0, samples)
+                if served is not None and "contexts" in served:  # as slime_opd's split carries train_metadata
+                    from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
+
+                    data[CONTEXTS] = served["contexts"]
                 Timer().seq_lens = data["total_lengths"]  # what slime's process_rollout_data notes
                 grads = first_grads(patch, optimizer, model)
                 losses: list[dict] = []
