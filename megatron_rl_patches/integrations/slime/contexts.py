@@ -19,7 +19,9 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, OpdSettings, opd_settings
+from megatron_rl_patches.integrations.megatron.teachers.stage_host import batch_of
 from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
+from megatron_rl_patches.teachers.context import with_context
 
 # slime's own key of the samples' train_metadata (a list of dicts), kept out of its metrics too
 METADATA = "metadata"
@@ -72,10 +74,12 @@ MISSING = ("slime_opd: the rollout data reached train_actor without the samples'
            "so that its split carries each sample's train_metadata keys to the training ranks")
 
 
-def step_contexts(args: Any, rollout_data: dict, settings: OpdSettings, group: Any = None) -> list[dict] | None:
+def step_contexts(args: Any, rollout_data: dict, settings: OpdSettings, vocab_size: int | None = None,
+                  group: Any = None) -> list[dict] | None:
     """Per sample of this rank's rollout `{KEY: 1-D int64 ids}` for every context key of the
     teachers (None: no teacher has one); text tokenized by the student's tokenizer (slime's
-    --hf-checkpoint). A missing or bad one on any rank is the same error on every rank of `group`
+    --hf-checkpoint), each checked as `teachers.with_context` checks it (non-empty, ids within
+    `vocab_size`, the student's). A missing or bad one on any rank is the same error on every rank of `group`
     (the job by default; one all-gather, before any teacher is asked), the sample and key named."""
     keys = context_keys(settings)
     if not keys:
@@ -84,6 +88,12 @@ def step_contexts(args: Any, rollout_data: dict, settings: OpdSettings, group: A
     contexts: list[dict] = []
     try:
         contexts = read_contexts(args, rollout_data, keys, settings)
+        batch = batch_of(rollout_data)
+        for key in keys:
+            try:
+                with_context(batch, [one[key] for one in contexts], vocab_size=vocab_size)
+            except (TypeError, ValueError) as bad:
+                raise type(bad)(f"slime_opd: train_metadata[{key!r}]: {bad}") from None
     except (TypeError, ValueError) as caught:
         error = caught
     agree_contexts(error, group)

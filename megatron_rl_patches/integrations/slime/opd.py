@@ -236,7 +236,8 @@ def train_actor_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
     if isinstance(rollout_data, dict):
         rollout_data[SETTINGS] = settings
         if settings is not None and hasattr(instance, ATTRIBUTE):
-            contexts = step_contexts(instance.args, rollout_data, settings)  # agreed before any teacher is asked
+            vocab = int(teacher_builders.unwrap(instance.model[-1]).vocab_size)
+            contexts = step_contexts(instance.args, rollout_data, settings, vocab)  # agreed before any teacher is asked
             if contexts is not None:
                 rollout_data[CONTEXTS] = contexts
             score_teachers(instance, rollout_data, settings)

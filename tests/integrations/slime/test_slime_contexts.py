@@ -49,7 +49,7 @@ def test_the_split_carries_each_ranks_samples_contexts_and_nothing_without_a_pri
 def test_contexts_read_as_ids_and_a_missing_key_named_with_the_sample():
     settings = opd_settings(ENV)
     given = [{"hint": [4, 5]}, {"hint": torch.tensor([6], dtype=torch.int32)}]
-    data = {"tokens": [torch.arange(3)] * 2, CONTEXTS: given}
+    data = {"tokens": [torch.arange(3)] * 2, "response_lengths": [2, 2], CONTEXTS: given}
     got = contexts.step_contexts(None, data, settings)
     assert [c["hint"].tolist() for c in got] == [[4, 5], [6]] and got[1]["hint"].dtype == torch.long
     data[CONTEXTS][1] = {"other": [1]}
@@ -58,14 +58,18 @@ def test_contexts_read_as_ids_and_a_missing_key_named_with_the_sample():
     with pytest.raises(ValueError, match=missing):
         contexts.step_contexts(None, data, settings)
     with pytest.raises(ValueError, match="without the samples' contexts.*runtime_env"):
-        contexts.step_contexts(None, {"tokens": [torch.arange(3)]}, settings)
-    with pytest.raises(TypeError, match=r"sample 0's train_metadata\['hint'\] must be text or token ids"):
-        contexts.step_contexts(None, {"tokens": [torch.arange(3)], CONTEXTS: [{"hint": 3.5}]}, settings)
+        contexts.step_contexts(None, {"tokens": [torch.arange(3)], "response_lengths": [2]}, settings)
+    with pytest.raises(ValueError, match=r"train_metadata\['hint'\]: .*contexts\[0\] holds id 64, past the teacher's "
+                                         "vocabulary of 64"):
+        contexts.step_contexts(None, {**data, CONTEXTS: [{"hint": [64]}, {"hint": [1]}]}, settings, vocab_size=64)
+    with pytest.raises(TypeError, match=r"sample 5's train_metadata\['hint'\] must be text or token ids"):
+        contexts.step_contexts(None, {**data, CONTEXTS: [{"hint": 3.5}, {"hint": [1]}]}, settings)
 
 
 def rank_missing(rank: int, world_size: int) -> str:
     samples = [{"hint": [1, 2]}, {"hint": [3]}] if rank == 0 else [{"hint": [1]}, {"other": [3]}]
-    data = {"tokens": [torch.arange(3)] * 2, CONTEXTS: samples, "partition": [2 * rank, 2 * rank + 1]}
+    data = {"tokens": [torch.arange(3)] * 2, "response_lengths": [2, 2], CONTEXTS: samples,
+            "partition": [2 * rank, 2 * rank + 1]}
     try:
         contexts.step_contexts(None, data, opd_settings(ENV))
     except ValueError as error:

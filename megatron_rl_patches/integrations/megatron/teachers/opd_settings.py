@@ -159,11 +159,11 @@ def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
         raise ValueError(f"{TEACHERS}={raw!r} names no teacher: give comma-separated entries (PATH, "
                          "PATH@module:function or http://host:port;engine=vllm), or unset it to switch top-k OPD off")
     unwired = [teacher.path for teacher in teachers if teacher.context is not None and
-               (teacher.kind != SERVED or teacher.other_tokenizer)]
+               (teacher.other_tokenizer or teacher.at_layout)]
     if unwired:  # refused rather than scored without it
-        raise ValueError(f"{TEACHERS}: teacher(s) {unwired} have ';context=KEY' (a privileged context), which "
-                         "slime's OPD passes to a served teacher of the student's tokenizer only yet; the public "
-                         "teacher step takes the others (TeacherStep.send(batch, contexts=...)): drop the option here")
+        raise ValueError(f"{TEACHERS}: teacher(s) {unwired} have ';context=KEY' (a privileged context) with another "
+                         "tokenizer or their own layout, which slime's OPD does not pass a context to yet; the public "
+                         "teacher step takes them (TeacherStep.send(batch, contexts=...)): drop the option here")
     from megatron_rl_patches.ops._divergences import DIVERGENCES  # the table's rows (mixed_kl included)
 
     divergence = env.get(DIVERGENCE, "").strip() or "reverse_kl"
