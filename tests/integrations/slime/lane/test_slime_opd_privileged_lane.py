@@ -83,3 +83,47 @@ def test_snapshot_and_live_self_teacher_with_a_context_equal_dense_float64(slime
     assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
     for name, p in student.named_parameters():
         torch.testing.assert_close(grads[name].double(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_hugging_face_teacher_with_a_context_beside_a_snapshot_without_equals_dense_float64(slime_cpu, tmp_path):
+    """A Hugging Face directory of another size (a Qwen3, hidden 48, 4 layers; built as a separate
+    inference-only model) with `;context=hint` beside the snapshot `teacher-a` without one."""
+    import slime_kit as kit
+    import slime_ranks
+
+    from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, transformers_layout, write_tiny_checkpoint
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    path = str(tmp_path / "qwen3")
+    other = dict(hidden_size=48, num_hidden_layers=4, intermediate_size=64, vocab_size=64, max_position_embeddings=64)
+    write_tiny_checkpoint(path, transformers_layout(tiny_hf_config("qwen3", **other)), seed=12)
+    contexts = hints(kit.VOCAB)
+    env = {"TEACHERS": f"teacher-a,{path};context=hint"}
+    (rank,) = run_multirank(slime_ranks.opd_train_actor, 1, 1, 1, 1, None, path, (), 1, None, 1, None, None, None,
+                            env, [{"hint": c} for c in contexts], timeout=400)
+    t = slime_ranks.TEMPERATURE
+    with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS) as args:
+        data, ids = kit.rollout(0), rank["ids"]
+        student, snapshot = kit.student_and_snapshot(args, rank["states"], data, t)
+        hf = {name: kit.hf_teacher_logps(path, rollout, t, kit.VOCAB) for name, rollout in
+              (("context", privileged(data, contexts)), ("without", data),
+               ("shifted", privileged(data, [c[1:] + [(c[0] + 1) % kit.VOCAB] for c in contexts])))}
+        expected = kit.dense_opd_loss(kit.response_logps(student, data, t), [snapshot, hf["context"]], data, ids,
+                                      WEIGHTS)
+        expected.backward()
+    got = rank["teacher_logprobs"]
+    errors = {name: max((g[1].double() - r.gather(-1, i)).abs().max().item() for g, r, i in zip(got, reference, ids))
+              for name, reference in hf.items()}
+    (losses,) = rank["losses"]
+    loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
+    grads = rank["grads"]
+    grad_error = max((grads[name].double() - p.grad).abs().max().item() for name, p in student.named_parameters())
+    print(f"slime_opd train_actor, a Hugging Face teacher with a context vs dense float64: log-probs at the ids "
+          f"|Δ| {errors['context']:.2e} (without the context {errors['without']:.2e}, shifted by one "
+          f"{errors['shifted']:.2e}); loss {float(expected):.6f} |Δloss| {loss_error:.2e}, max |Δgrad| "
+          f"{grad_error:.2e}")
+    assert errors["context"] <= 1e-4
+    assert min(errors["without"], errors["shifted"]) > 1000 * max(errors["context"], 1e-6)
+    assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
+    for name, p in student.named_parameters():
+        torch.testing.assert_close(grads[name].double(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
