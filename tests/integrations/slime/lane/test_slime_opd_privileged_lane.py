@@ -29,21 +29,33 @@ def privileged(data: dict, contexts: list[list[int]]) -> dict:
     return {**data, "tokens": tokens}
 
 
-def test_snapshot_and_live_self_teacher_with_a_context_equal_dense_float64(slime_cpu):
+# name -> (pipeline stages, tensor-parallel size, slime's extra flags)
+LAYOUTS = {"1rank": (1, 1, ()), "pp2": (2, 1, ()), "tp2sp": (1, 2, ("--sequence-parallel",))}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_snapshot_and_live_self_teacher_with_a_context_equal_dense_float64(slime_cpu, layout):
     import slime_kit as kit
     import slime_ranks
 
     from megatron_rl_patches.testing.multirank import run_multirank
 
+    pipeline, tensor, flags = LAYOUTS[layout]
     contexts = hints(kit.VOCAB)
     env = {"TEACHERS": "teacher-a;context=hint,student;context=hint"}
-    (rank,) = run_multirank(slime_ranks.opd_train_actor, 1, 1, 1, 1, None, None, (), 1, None, 1, None, None, None,
-                            env, [{"hint": c} for c in contexts], timeout=400)
-    assert rank["active"] == "actor"
+    ranks = run_multirank(slime_ranks.opd_train_actor, pipeline * tensor, pipeline, 1, tensor, None, None, flags, 1,
+                          None, 1, None, None, None, env, [{"hint": c} for c in contexts], timeout=400)
+    assert all(r["active"] == "actor" for r in ranks)
+
+    def whole(field, tag=None):
+        parts = [r[field] if tag is None else r[field][tag] for r in ranks]
+        return kit.unsplit(parts, ranks[0]["split"]) if tensor > 1 else kit.whole_stages(parts)
+
+    rank = {**ranks[-1], "grads": whole("grads")}
     t = slime_ranks.TEMPERATURE
     with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS) as args:
         names = [name for name, _ in kit.provider_func(args)().named_parameters()]
-        states = rank["states"]
+        states = {tag: whole("states", tag) for tag in ranks[0]["states"]}
         data, ids = kit.rollout(0), rank["ids"]
         student = kit.float64_copy(args, [states["actor"][name] for name in names])
         with torch.no_grad():
@@ -71,8 +83,8 @@ def test_snapshot_and_live_self_teacher_with_a_context_equal_dense_float64(slime
     loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
     grads = rank["grads"]
     grad_error = max((grads[name].double() - p.grad).abs().max().item() for name, p in student.named_parameters())
-    print(f"slime_opd train_actor, snapshot / live self-teacher with a context vs dense float64: log-probs at the "
-          f"ids |Δ| {errors['context'][0]:.2e} / {errors['context'][1]:.2e} (without the context "
+    print(f"slime_opd train_actor {layout}, snapshot / live self-teacher with a context vs dense float64: "
+          f"log-probs at the ids |Δ| {errors['context'][0]:.2e} / {errors['context'][1]:.2e} (without the context "
           f"{errors['without'][0]:.2e} / {errors['without'][1]:.2e}, shifted by one {errors['shifted'][0]:.2e} / "
           f"{errors['shifted'][1]:.2e}); loss {float(expected):.6f} |Δloss| {loss_error:.2e}, max |Δgrad| "
           f"{grad_error:.2e}")
