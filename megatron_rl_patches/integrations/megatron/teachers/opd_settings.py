@@ -122,7 +122,7 @@ def full_vocab_refusal(teachers: tuple[Teacher, ...], ids_from: str) -> str | No
             return (f"{where} ';context={teacher.context}': a privileged context does not reach a teacher's hidden "
                     f"states in slime's OPD yet; use a top-k {K}=N")
         if teacher.at_layout:
-            return (f"{where} ';{teacher.layout_written}'': a teacher at its own layout does not hand its hidden "
+            return (f"{where} ';{teacher.layout_written}': a teacher at its own layout does not hand its hidden "
                     f"states to the student's ranks yet; drop ';{teacher.layout_written}' or use a top-k {K}=N")
     return None
 
