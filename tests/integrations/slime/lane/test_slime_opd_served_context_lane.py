@@ -28,7 +28,9 @@ def privileged(data: dict, contexts: list[list[int]]) -> dict:
     return {**data, "tokens": tokens}
 
 
-def test_train_actor_with_a_privileged_served_teacher_equals_dense_float64_on_its_context(slime_cpu, served):  # noqa: F811
+@pytest.mark.parametrize("context", [1, 2])  # CP=2: each rank its zigzag rows of the privileged teacher's scores
+def test_train_actor_with_a_privileged_served_teacher_equals_dense_float64_on_its_context(slime_cpu, served,  # noqa: F811
+                                                                                          context):
     import slime_kit as kit
     import slime_ranks
 
@@ -38,8 +40,16 @@ def test_train_actor_with_a_privileged_served_teacher_equals_dense_float64_on_it
     contexts = hints()
     entries = {"entries": f"{url};engine=vllm;context=hint,teacher-a", "student": directory,
                "contexts": [{"hint": c} for c in contexts]}
-    (rank,) = run_multirank(slime_ranks.opd_train_actor, 1, 1, 1, 1, None, None, (), 1, None, 1, None, None,
-                            entries, timeout=400)
+    ranks = run_multirank(slime_ranks.opd_train_actor, context, 1, context, 1, None, None, (), 1, None, 1, None,
+                          None, entries, timeout=400)
+
+    def whole(field):
+        return kit.unsplit([r[field] for r in ranks], ranks[0]["split"])
+
+    rank = {"states": {tag: kit.unsplit([r["states"][tag] for r in ranks], ranks[0]["split"])
+                       for tag in ranks[0]["states"]},
+            "grads": whole("grads"), "losses": ranks[-1]["losses"], "ids": kit.whole_ids(ranks, context, 1),
+            "served_logprobs": kit.whole_ids([{**r, "ids": r["served_logprobs"]} for r in ranks], context, 1)}
     with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS) as args:
         full = kit.provider_func(args)()
         names = [name for name, _ in full.named_parameters()]
@@ -67,8 +77,8 @@ def test_train_actor_with_a_privileged_served_teacher_equals_dense_float64_on_it
     loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
     grads = rank["grads"]
     grad_error = max((grads[name].double() - p.grad).abs().max().item() for name, p in student.named_parameters())
-    print(f"slime_opd train_actor with a privileged served teacher vs dense float64: teacher log-probs at the ids "
-          f"|Δ| {miss(at_ids):.2e} (without its context {miss(without):.2e}, context shifted by one "
+    print(f"slime_opd train_actor CP={context} with a privileged served teacher vs dense float64: teacher log-probs "
+          f"at the ids |Δ| {miss(at_ids):.2e} (without its context {miss(without):.2e}, context shifted by one "
           f"{miss(shifted):.2e}), loss {float(expected):.6f} |Δloss| {loss_error:.2e}, max |Δgrad| {grad_error:.2e}")
     assert miss(at_ids) <= 1e-4
     assert miss(without) > 100 * max(miss(at_ids), 1e-4) and miss(shifted) > 100 * max(miss(at_ids), 1e-4)
