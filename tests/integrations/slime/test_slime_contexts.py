@@ -111,3 +111,15 @@ def test_an_in_process_privileged_teacher_at_context_parallelism_refused_and_its
     seen = privileged_rollout(data, "hint")
     assert seen["tokens"][0].tolist() == [9, 8, 7, 3, 4] and seen["total_lengths"] == [5]
     assert seen["response_lengths"] == [2] and data["tokens"][0].tolist() == [1, 2, 3, 4]  # the caller's untouched
+
+
+def test_text_contexts_tokenized_by_the_students_tokenizer(tmp_path):
+    from types import SimpleNamespace
+
+    from megatron_rl_patches.testing.hf_checkpoints import save_word_tokenizer
+
+    save_word_tokenizer(tmp_path, 16)
+    data = {"tokens": [torch.arange(3)] * 2, "response_lengths": [2, 2],
+            CONTEXTS: [{"hint": "t3 t5 t7"}, {"hint": [2]}]}
+    got = contexts.step_contexts(SimpleNamespace(hf_checkpoint=str(tmp_path)), data, opd_settings(ENV), vocab_size=16)
+    assert [c["hint"].tolist() for c in got] == [[3, 5, 7], [2]]
