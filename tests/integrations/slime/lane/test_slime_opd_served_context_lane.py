@@ -43,12 +43,9 @@ def test_train_actor_with_a_privileged_served_teacher_equals_dense_float64_on_it
     ranks = run_multirank(slime_ranks.opd_train_actor, context, 1, context, 1, None, None, (), 1, None, 1, None,
                           None, entries, timeout=400)
 
-    def whole(field):
-        return kit.unsplit([r[field] for r in ranks], ranks[0]["split"])
-
-    rank = {"states": {tag: kit.unsplit([r["states"][tag] for r in ranks], ranks[0]["split"])
-                       for tag in ranks[0]["states"]},
-            "grads": whole("grads"), "losses": ranks[-1]["losses"], "ids": kit.whole_ids(ranks, context, 1),
+    # every context-parallel rank holds the whole weights and the reduced gradients: the first rank's
+    rank = {"states": ranks[0]["states"], "grads": ranks[0]["grads"], "losses": ranks[-1]["losses"],
+            "ids": kit.whole_ids(ranks, context, 1),
             "served_logprobs": kit.whole_ids([{**r, "ids": r["served_logprobs"]} for r in ranks], context, 1)}
     with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS) as args:
         full = kit.provider_func(args)()
@@ -85,3 +82,18 @@ def test_train_actor_with_a_privileged_served_teacher_equals_dense_float64_on_it
     assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
     for name, p in student.named_parameters():
         torch.testing.assert_close(grads[name].double(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_context_past_the_servers_max_model_len_is_named(slime_cpu, served):  # noqa: F811
+    import slime_ranks
+
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    url, directory = served
+    contexts = hints()
+    contexts[2] = [1] * 250  # + its 8 response ids: past the server's --max-model-len 256
+    entries = {"entries": f"{url};engine=vllm;context=hint,teacher-a", "student": directory,
+               "contexts": [{"hint": c} for c in contexts]}
+    with pytest.raises(RuntimeError, match=r"sample 2 has 258 ids, over .*max model length 256"):
+        run_multirank(slime_ranks.opd_train_actor, 1, 1, 1, 1, None, None, (), 1, None, 1, None, None, entries,
+                      timeout=400)
