@@ -207,5 +207,14 @@ def test_slimes_opd_refuses_a_privileged_teacher_it_would_score_without_its_cont
     from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
 
     assert opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher"}) is not None
-    with pytest.raises(ValueError, match=r"\['/ckpt/hinted'\] have ';context=KEY'.*slime's OPD does not pass yet"):
-        opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher,/ckpt/hinted;context=solution"})
+    served = "http://127.0.0.1:9;engine=vllm;context=solution"
+    assert opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": served,
+                         "MEGATRON_RL_PATCHES_OPD_IDS_FROM": "teacher"}).teachers[0].context == "solution"
+    both = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/hinted;context=solution,student;context=solution"})
+    assert [t.context for t in both.teachers] == ["solution", "solution"]
+    with pytest.raises(ValueError, match=r"\['/ckpt/hinted'\] have ';context=KEY'.*another tokenizer or their own "
+                                         "layout"):
+        opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher,/ckpt/hinted;context=solution;tokenizer=own"})
+    with pytest.raises(ValueError, match=r"K=vocab: .*';context=solution': a privileged context does not reach"):
+        opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/hinted;context=solution",
+                      "MEGATRON_RL_PATCHES_OPD_K": "vocab"})

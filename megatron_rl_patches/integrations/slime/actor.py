@@ -21,6 +21,12 @@ class SlimeActor:
     def model(self) -> list[Any]:  # read when asked: a switch may hand the actor other chunks
         return self.actor.model
 
+    def student_chunks(self) -> list[Any]:
+        """The actor's own model chunks with its current weights (switched back only if a snapshot is in)."""
+        if getattr(self.actor, "_active_model_tag", "actor") != "actor":
+            self.actor._switch_model("actor")
+        return self.actor.model
+
     def switch_snapshot(self, tag: str) -> list[Any]:
         self.actor._switch_model(tag)
         return self.actor.model

@@ -45,6 +45,7 @@ from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import (
 from megatron_rl_patches.integrations.megatron.teachers.served_teacher import check_served
 from megatron_rl_patches.integrations.megatron.teachers.stage_host import last_stage, pipeline_agrees
 from megatron_rl_patches.integrations.megatron.teachers.topk_request import (
+    CONTEXTS,
     CROSS_RATIO,
     IDS,
     IDS_MASK,
@@ -57,6 +58,7 @@ from megatron_rl_patches.integrations.megatron.teachers.topk_request import (
 from megatron_rl_patches.integrations.slime import cross_loss, vocab_opd
 from megatron_rl_patches.integrations.slime.actor import SlimeActor
 from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
+from megatron_rl_patches.integrations.slime.contexts import METADATA, step_contexts
 from megatron_rl_patches.integrations.slime.fused import unservable
 from megatron_rl_patches.integrations.slime.rows import response_positions
 from megatron_rl_patches.integrations.slime.step_plan import SETTINGS, StepPlan, plan_in, planned
@@ -234,6 +236,10 @@ def train_actor_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
     if isinstance(rollout_data, dict):
         rollout_data[SETTINGS] = settings
         if settings is not None and hasattr(instance, ATTRIBUTE):
+            vocab = int(teacher_builders.unwrap(instance.model[-1]).vocab_size)
+            contexts = step_contexts(instance.args, rollout_data, settings, vocab)  # agreed before any teacher is asked
+            if contexts is not None:
+                rollout_data[CONTEXTS] = contexts
             score_teachers(instance, rollout_data, settings)
     return wrapped(*args, **kwargs)
 
@@ -242,10 +248,11 @@ def log_rollout_data_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
     """wrapt wrapper for slime's `log_rollout_data(rollout_id, args, rollout_data)`: slime averages
     every tensor list outside its ignore sets, and top-k OPD's fields are no metric (int64 ids and a
     bool mask have no mean; [n, R, k] scores do not concatenate across samples): slime logs the
-    rollout data without them. The training steps still read them (the dict itself is unchanged)."""
+    rollout data without them, and without the samples' privileged contexts (`contexts`: per-sample
+    dicts, which slime would sum). The training steps still read them (the dict itself is unchanged)."""
     bound = bind(wrapped, args, kwargs)
     data = None if bound is None else bound.arguments.get("rollout_data")
-    keys = (*OPD_KEYS, *VOCAB_KEYS, SETTINGS)
+    keys = (*OPD_KEYS, *VOCAB_KEYS, SETTINGS, CONTEXTS, METADATA)
     if bound is None or not isinstance(data, dict) or not any(key in data for key in keys):
         return wrapped(*args, **kwargs)
     bound.arguments["rollout_data"] = {key: value for key, value in data.items() if key not in keys}

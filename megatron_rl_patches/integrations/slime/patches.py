@@ -18,6 +18,7 @@ MODEL = "slime.backends.megatron_utils.model"
 LOSS = "slime.backends.megatron_utils.loss"
 ACTOR = "slime.backends.megatron_utils.actor"
 METRICS = "slime.observability.train_metric_utils"
+ROLLOUT = "slime.ray.rollout"  # the rollout manager's module (its process applies the patches too)
 SLIME_TRAIN_PARAMS = ("rollout_id", "model", "optimizer", "opt_param_scheduler", "data_iterator")
 SLIME_LOGPROB_PARAMS = ("logits", "tokens", "tp_group")
 # a role at its own layout (role;tp=N)
@@ -92,6 +93,15 @@ PATCHES = (
     Patch(name="slime_opd", target=f"{METRICS}:log_rollout_data", wrapper=f"{HERE}.opd:log_rollout_data_wrapper",
           description="top-k OPD's rollout-data fields (ids, teacher scores) kept out of slime's rollout metrics",
           requires=None, params=("rollout_id", "args", "rollout_data")),
+    Patch(name="slime_opd", target=f"{ROLLOUT}:RolloutManager._split_train_data_by_dp",
+          wrapper=f"{HERE}.contexts:split_wrapper",
+          description="the rollout manager's per-rank split carries each sample's train_metadata keys named by "
+                      "';context=KEY' teachers (slime copies a fixed list of keys)",
+          requires=None, params=("self", "data"), optional=True),
+    Patch(name="slime_opd", target=f"{ROLLOUT}:tensorize_rollout_data_for_training",
+          wrapper=f"{HERE}.contexts:tensorize_wrapper",
+          description="each rank's samples' contexts put in its rollout data as the split packages it",
+          requires=None, params=("rollout_data",), optional=True),
 )
 
 

@@ -118,6 +118,9 @@ def full_vocab_refusal(teachers: tuple[Teacher, ...], ids_from: str) -> str | No
             return (f"{where} is a served teacher without a head: the engine sends its top-k log-probs only; "
                     "serve its hidden states (vLLM --runner pooling --convert embed) and add ';head=DIR' (its "
                     f"Hugging Face directory), or use a top-k {K}=N")
+        if teacher.context is not None:
+            return (f"{where} ';context={teacher.context}': a privileged context does not reach a teacher's hidden "
+                    f"states in slime's OPD yet; use a top-k {K}=N")
         if teacher.at_layout:
             return (f"{where} ';{teacher.layout_written}': a teacher at its own layout does not hand its hidden "
                     f"states to the student's ranks yet; drop ';{teacher.layout_written}' or use a top-k {K}=N")
@@ -155,11 +158,12 @@ def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
     if not teachers:
         raise ValueError(f"{TEACHERS}={raw!r} names no teacher: give comma-separated entries (PATH, "
                          "PATH@module:function or http://host:port;engine=vllm), or unset it to switch top-k OPD off")
-    privileged = [teacher.path for teacher in teachers if teacher.context is not None]
-    if privileged:  # refused rather than scored without it: slime's contexts do not reach its training ranks yet
-        raise ValueError(f"{TEACHERS}: teacher(s) {privileged} have ';context=KEY' (a privileged context), which "
-                         "slime's OPD does not pass yet; the public teacher step takes them "
-                         "(TeacherStep.send(batch, contexts=...)): drop the option here")
+    unwired = [teacher.path for teacher in teachers if teacher.context is not None and
+               (teacher.other_tokenizer or teacher.at_layout)]
+    if unwired:  # refused rather than scored without it
+        raise ValueError(f"{TEACHERS}: teacher(s) {unwired} have ';context=KEY' (a privileged context) with another "
+                         "tokenizer or their own layout, which slime's OPD does not pass a context to yet; the public "
+                         "teacher step takes them (TeacherStep.send(batch, contexts=...)): drop the option here")
     from megatron_rl_patches.ops._divergences import DIVERGENCES  # the table's rows (mixed_kl included)
 
     divergence = env.get(DIVERGENCE, "").strip() or "reverse_kl"

@@ -14,7 +14,7 @@ from typing import Any
 from megatron_rl_patches.integrations.megatron.teachers.cross_passes import teacher_samples
 from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import OpdTeacher, ScoringStep
 from megatron_rl_patches.integrations.megatron.teachers.stage_host import StageHost, batch_of, device_of
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import IDS, IDS_MASK
+from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS, IDS, IDS_MASK
 from megatron_rl_patches.integrations.megatron.teachers.zigzag import whole_from_zigzag, zigzag_of_whole
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.head_cross_buckets import cross_batch
@@ -58,7 +58,8 @@ class ServedOpdTeacher(OpdTeacher):
             self.samples = teacher_samples(rollout_data, self.role.pair)
             self.step.send(cross_batch(self.samples))
         else:
-            self.step.send(batch_of(rollout_data))
+            # a privileged teacher (`;context=KEY`) scores each sample's context + response
+            self.step.send(batch_of(rollout_data), contexts=rollout_data.get(CONTEXTS))
 
     def unscored(self) -> None:
         """The step scores no teacher: its requests collected all the same, so the job's agreement

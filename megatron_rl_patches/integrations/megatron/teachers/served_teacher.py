@@ -98,7 +98,8 @@ def served_own(args: Any, settings: OpdSettings, teacher: Teacher, host: StageHo
     from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: optional dependency httpx
 
     def build() -> ServedTeacher | None:
-        return ServedTeacher(teacher.path, str(teacher.engine), top_k=settings.k) if host.last else None
+        return ServedTeacher(teacher.path, str(teacher.engine), top_k=settings.k,
+                             context=teacher.context) if host.last else None
 
     served = connect_served(build, where,
                             asks=host.asks, job_group=host.job_group, tokenizer=students(args, where),
@@ -153,7 +154,7 @@ def served_head(args: Any, settings: OpdSettings, teacher: Teacher, student: int
                                    make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None))
         head = dataclasses.replace(head, weight=head.weight.to(head_device()))
         return ServedTeacher(teacher.path, str(teacher.engine), top_k=settings.k, head=head,
-                             temperature=rollout_temperature(args))
+                             temperature=rollout_temperature(args), context=teacher.context)
 
     tokenizer = students(args, where)
     if teacher.tokenizer is not None:

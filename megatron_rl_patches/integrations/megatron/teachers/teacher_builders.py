@@ -38,7 +38,9 @@ from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import (
     OpdTeacher,
     SeparateTeacher,
     SnapshotTeacher,
+    model_teacher,
 )
+from megatron_rl_patches.integrations.megatron.teachers.privileged import LiveTeacher, PrivilegedTeacher
 from megatron_rl_patches.integrations.megatron.teachers.served_teacher import build_served_teacher
 from megatron_rl_patches.teachers.kinds.entry import CHECKPOINT, PROVIDER, SERVED
 from megatron_rl_patches.teachers.kinds.student import STUDENT
@@ -153,19 +155,18 @@ def build_provider(actor: Any, settings: OpdSettings, index: int, teacher: Teach
     return SeparateTeacher(chunks)
 
 
-def refuse_student(actor: Any, settings: OpdSettings, index: int, teacher: Teacher, student: int | str,
-                   route: str) -> OpdTeacher:
-    """`student;context=KEY`: the live self-teacher runs in the public teacher step; slime's OPD
-    does not pass privileged contexts yet (opd_settings refuses the entry before this)."""
-    raise ValueError(f"{TEACHERS}: entry 'student;context={teacher.context}' (the live self-teacher) is not wired in "
-                     "slime's OPD yet: use it in the public teacher step (LoopHost(student_pass=...))")
+def live_teacher(actor: Any, settings: OpdSettings, index: int, teacher: Teacher, student: int | str,
+                 route: str) -> OpdTeacher:
+    """`student;context=KEY`: the actor's current weights (`privileged.LiveTeacher`, wrapped with its
+    context by `load_all`); nothing is loaded or copied."""
+    return LiveTeacher()
 
 
 BUILDERS: dict[str, SlimeBuilder] = {
     CHECKPOINT: SlimeBuilder(build_checkpoint, checkpoint_route, check_checkpoint_routes),
     PROVIDER: SlimeBuilder(build_provider),
     SERVED: SlimeBuilder(build_served_teacher),
-    STUDENT: SlimeBuilder(refuse_student),
+    STUDENT: SlimeBuilder(live_teacher),
 }
 
 
@@ -177,5 +178,27 @@ def load_all(actor: Any, settings: OpdSettings, student: int | str) -> list[OpdT
     for builder in dict.fromkeys(builders):
         if builder.check_routes is not None:
             builder.check_routes(settings, routes)
-    return [builder.build(actor, settings, index, teacher, student, route)
-            for index, (builder, teacher, route) in enumerate(zip(builders, settings.teachers, routes))]
+    check_contexts(actor, settings)
+    loaded = [builder.build(actor, settings, index, teacher, student, route)
+              for index, (builder, teacher, route) in enumerate(zip(builders, settings.teachers, routes))]
+    # an in-process teacher with a privileged context runs its passes over context + response
+    return [given_context(one, teacher) for one, teacher in zip(loaded, settings.teachers)]
+
+
+def given_context(loaded: Any, teacher: Teacher) -> OpdTeacher:
+    """An in-process teacher with `;context=KEY` as a `PrivilegedTeacher` (a served one sends its
+    contexts itself); any other as loaded."""
+    if teacher.context is None or teacher.kind == SERVED:
+        return loaded
+    return PrivilegedTeacher(model_teacher(loaded), teacher.context)
+
+
+def check_contexts(actor: Any, settings: OpdSettings) -> None:
+    """An in-process teacher with a privileged context at context parallelism 1 only (its rows are
+    its response's at any context length there), refused by name before anything loads."""
+    privileged = [t.path for t in settings.teachers if t.context is not None and t.kind != SERVED]
+    cp = int(getattr(actor.args, "context_parallel_size", 1) or 1)
+    if privileged and cp > 1:
+        raise ValueError(f"{TEACHERS}: teacher(s) {privileged} with ';context=KEY' run in-process at "
+                         f"--context-parallel-size {cp}, which slime's OPD does not split a privileged sequence "
+                         "over yet: run them at context parallelism 1, or serve the teacher")

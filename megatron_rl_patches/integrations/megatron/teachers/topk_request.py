@@ -45,6 +45,8 @@ OPD_KEYS = (IDS, IDS_MASK, TEACHER_LOGPROBS, TEACHER_TAILS, *CROSS_KEYS)
 # teachers' output layers (`vocab_step.TeacherHeads`, the same object for every sample: a reference).
 TEACHER_HIDDEN, TEACHER_HEADS = "opd_teacher_hidden", "opd_teacher_heads"
 VOCAB_KEYS = (TEACHER_HIDDEN, TEACHER_HEADS)
+# each sample's privileged contexts ({KEY: text or ids}, one per sample), carried to the training ranks
+CONTEXTS = "megatron_rl_patches_contexts"
 
 
 @dataclass(frozen=True)

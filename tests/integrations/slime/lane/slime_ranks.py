@@ -202,7 +202,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                     virtual: int | None = None, hf_teacher: str | None = None, flags: tuple[str, ...] = (),
                     rollouts: int = 1, wide_path: str | None = None, expert: int = 1,
                     weights: str | None = None, cross: dict[str, Any] | None = None,
-                    served: dict[str, str] | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+                    served: dict[str, str] | None = None, env: dict[str, str] | None = None,
+                    contexts: list[dict] | None = None) -> dict[str, Any]:
     """slime_opd with two teachers through slime's real `MegatronTrainRayActor.train_actor`
     (slime's log-probs, advantages, `log_rollout_data`, `train()`), on `pipeline` stages, with
     slime's extra `flags`; `rollouts` train_actor calls in a row (re-entry). Returns this stage's
@@ -222,7 +223,9 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
     cross["temperature"]: the rollout's temperature (a served teacher's: 1); `served`: the teachers'
     entries served["entries"] (a served teacher first), the ids from the
     teacher (served["ids_from"]: from whom), the student's tokenizer in served["student"], the rollout
-    at temperature 1 (served["temperature"]: another, a served teacher with a head); `env`: OPD variables
+    at temperature 1 (served["temperature"]: another, a served teacher with a head; served["contexts"]: each
+    sample's privileged contexts as the rollout manager's split carries them); `contexts`: the same for any
+    teachers' entries; `env`: OPD variables
     set last (their names without MEGATRON_RL_PATCHES_OPD_, e.g. {"K": "vocab"})."""
     with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual,
                    expert=expert) as patch:
@@ -234,6 +237,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
 
         import megatron_rl_patches
         from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+        from megatron_rl_patches.integrations.megatron.teachers.privileged import LiveTeacher, PrivilegedTeacher
         from megatron_rl_patches.integrations.megatron.teachers.served_opd import ServedOpdTeacher
         from megatron_rl_patches.integrations.megatron.teachers.topk_request import STEP_SAME_AS
         from megatron_rl_patches.integrations.slime import opd as slime_opd
@@ -303,8 +307,9 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 teachers = slime_opd.load_teachers(actor, opd_settings())
                 setattr(actor, slime_opd.ATTRIBUTE, teachers)
                 # a teacher with another tokenizer: its model; a served teacher has none in this process
-                remote = (ServedOpdTeacher,)
-                models = [getattr(t, "model", t) for t in teachers if not isinstance(t, remote)]
+                remote = (ServedOpdTeacher, LiveTeacher)  # the live self-teacher: the actor's own chunks
+                inner = [t.teacher if isinstance(t, PrivilegedTeacher) else t for t in teachers]
+                models = [getattr(t, "model", t) for t in inner if not isinstance(t, remote)]
                 separate = [_stage_state(t) for t in models if not isinstance(t, str)]
                 actor.prof, actor.rollout_data_postprocess = TrainProfiler(args), None
                 actor.optimizer, actor.opt_param_scheduler = optimizer, scheduler
@@ -318,6 +323,11 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                     states["opd_teacher_1"] = separate[0]
                 samples = None if cross is None else cross["samples"]
                 data = actor_rollout(0, samples)
+                if contexts is not None or (served is not None and "contexts" in served):
+                    from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
+
+                    # as slime_opd's split carries each sample's train_metadata
+                    data[CONTEXTS] = contexts if contexts is not None else served["contexts"]
                 Timer().seq_lens = data["total_lengths"]  # what slime's process_rollout_data notes
                 grads = first_grads(patch, optimizer, model)
                 losses: list[dict] = []

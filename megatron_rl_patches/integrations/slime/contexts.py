@@ -1,0 +1,169 @@
+"""slime's privileged contexts (`;context=KEY` teachers of top-k OPD): each sample's
+`train_metadata[KEY]`, text or ids, carried from the rollout manager to the training ranks and read
+there as the teacher step's per-sample contexts.
+
+slime 624b824a hands `train_metadata` to its rollout manager's `_split_train_data_by_dp` as
+`data["metadata"]` (one dict per sample), which copies a fixed list of keys into each rank's rollout
+data, `metadata` not among them. `split_wrapper` (around it) and `tensorize_wrapper` (around the
+per-rank `tensorize_rollout_data_for_training` it calls once each rank's `partition` is set) put
+the named keys of each rank's samples under `CONTEXTS`; slime's `log_rollout_data` never sees them
+(`opd.log_rollout_data_wrapper`). On the training ranks `step_contexts` reads them, tokenizes text
+with the student's tokenizer (the teachers' of the student's tokenizer) and agrees a missing one
+over the job before any teacher is asked."""
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, OpdSettings, opd_settings
+from megatron_rl_patches.integrations.megatron.teachers.stage_host import batch_of
+from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
+from megatron_rl_patches.teachers.context import with_context
+
+# slime's own key of the samples' train_metadata (a list of dicts), kept out of its metrics too
+METADATA = "metadata"
+PENDING: contextvars.ContextVar[list[dict] | None] = contextvars.ContextVar("megatron_rl_patches_contexts",
+                                                                            default=None)
+
+
+def context_keys(settings: OpdSettings | None) -> list[str]:
+    """The keys the step's teachers read their contexts under, in entry order, once each."""
+    if settings is None:
+        return []
+    return list(dict.fromkeys(t.context for t in settings.teachers if t.context is not None))
+
+
+def carried(data: Mapping, keys: Sequence[str]) -> list[dict]:
+    """Per sample of the whole rollout the named keys of its train_metadata (a sample without one,
+    or without a key, carries what it has: the training ranks name what is missing)."""
+    samples = len(data["tokens"])
+    metadata = data.get(METADATA) or [None] * samples
+    return [{key: meta[key] for key in keys if key in meta} if isinstance(meta, Mapping) else {}
+            for meta in metadata]
+
+
+def split_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for slime's `RolloutManager._split_train_data_by_dp(data)`: with teachers of
+    a privileged context, their keys of every sample's train_metadata noted for the per-rank split."""
+    keys = context_keys(opd_settings())
+    data = kwargs["data"] if "data" in kwargs else args[0] if args else None
+    if not keys or not isinstance(data, Mapping) or "tokens" not in data:
+        return wrapped(*args, **kwargs)
+    token = PENDING.set(carried(data, keys))
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        PENDING.reset(token)
+
+
+def tensorize_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for `tensorize_rollout_data_for_training(rollout_data)` as slime's rollout
+    manager calls it per data-parallel rank: that rank's samples' contexts (`partition`) added."""
+    pending = PENDING.get()
+    rollout_data = kwargs["rollout_data"] if "rollout_data" in kwargs else args[0] if args else None
+    if pending is not None and isinstance(rollout_data, dict) and "partition" in rollout_data:
+        rollout_data[CONTEXTS] = [pending[j] for j in rollout_data["partition"]]
+    return wrapped(*args, **kwargs)
+
+
+MISSING = ("slime_opd: the rollout data reached train_actor without the samples' contexts: run slime's rollout "
+           "manager with MEGATRON_RL_PATCHES and {teachers} in the job's runtime_env (not only --train-env-vars), "
+           "so that its split carries each sample's train_metadata keys to the training ranks")
+
+
+def step_contexts(args: Any, rollout_data: dict, settings: OpdSettings, vocab_size: int | None = None,
+                  group: Any = None) -> list[dict] | None:
+    """Per sample of this rank's rollout `{KEY: 1-D int64 ids}` for every context key of the
+    teachers (None: no teacher has one); text tokenized by the student's tokenizer (slime's
+    --hf-checkpoint), each checked as `teachers.with_context` checks it (non-empty, ids within
+    `vocab_size`, the student's). A missing or bad one on any rank is the same error on every rank of `group`
+    (the job by default; one all-gather, before any teacher is asked), the sample and key named."""
+    keys = context_keys(settings)
+    if not keys:
+        return None
+    error: BaseException | None = None
+    contexts: list[dict] = []
+    try:
+        contexts = read_contexts(args, rollout_data, keys, settings)
+        batch = batch_of(rollout_data)
+        for key in keys:
+            try:
+                with_context(batch, [one[key] for one in contexts], vocab_size=vocab_size)
+            except (TypeError, ValueError) as bad:
+                raise type(bad)(f"slime_opd: train_metadata[{key!r}]: {bad}") from None
+    except (TypeError, ValueError) as caught:
+        error = caught
+    agree_contexts(error, group)
+    return contexts
+
+
+def agree_contexts(error: BaseException | None, group: Any = None) -> None:
+    """The lowest failing rank's error raised on every rank of `group` (the job when None) as a
+    ValueError naming that rank; alone (no process group) `error` itself."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        if error is not None:
+            raise error
+        return
+    from megatron_rl_patches.ops.agreement import gathered_objects
+
+    said = None if error is None else f"{type(error).__name__}: {error}"
+    gathered = gathered_objects(dist.group.WORLD if group is None else group, said)
+    failed = [(rank, words) for rank, words in enumerate(gathered) if words is not None]
+    if failed:
+        rank, words = failed[0]
+        others = f" ({len(failed)} of {len(gathered)} ranks failed)" if len(failed) > 1 else ""
+        raise ValueError(f"slime_opd: the privileged contexts failed on rank {rank}{others}: {words}") from error
+
+
+def read_contexts(args: Any, rollout_data: dict, keys: list[str], settings: OpdSettings) -> list[dict]:
+    """`step_contexts` on this rank alone (raises the first problem found)."""
+    samples = len(rollout_data["tokens"])
+    given = rollout_data.get(CONTEXTS)
+    if given is None:  # a slime that hands the train_metadata itself
+        given = rollout_data.get(METADATA)
+    if given is None:
+        raise ValueError(MISSING.format(teachers=TEACHERS))
+    if len(given) != samples:
+        raise ValueError(f"slime_opd: the rollout data holds {len(given)} samples' contexts for {samples} samples")
+    partition = rollout_data.get("partition")
+    names = [int(partition[i]) if partition is not None else i for i in range(samples)]
+    texts: dict[tuple[int, str], str] = {}
+    out: list[dict] = [{} for _ in range(samples)]
+    for i, meta in enumerate(given):
+        for key in keys:
+            users = [t.path for t in settings.teachers if t.context == key]
+            if not isinstance(meta, Mapping) or meta.get(key) is None:
+                held = sorted(map(str, meta)) if isinstance(meta, Mapping) else []
+                raise ValueError(f"slime_opd: sample {names[i]} (rollout index) has no train_metadata[{key!r}] for "
+                                 f"the teacher(s) {users} with ';context={key}' (its train_metadata holds {held}): "
+                                 "fill it for every sample in the rollout's generate function")
+            value = meta[key]
+            if isinstance(value, str):
+                texts[(i, key)] = value
+            else:
+                out[i][key] = as_ids(value, names[i], key)
+    if texts:
+        from megatron_rl_patches.integrations.megatron.teachers.stage_host import student_tokenizer_of
+        from megatron_rl_patches.teachers.context import context_ids
+
+        where = f"{TEACHERS} (text contexts are tokenized by the student's tokenizer)"
+        tokenized = context_ids(list(texts.values()), student_tokenizer_of(args, where))
+        for (i, key), ids in zip(texts, tokenized):
+            out[i][key] = ids
+    return out
+
+
+def as_ids(value: object, sample: int, key: str) -> torch.Tensor:
+    """A context given as ids (a list of ints or a 1-D integer tensor) as 1-D int64 on the CPU."""
+    if isinstance(value, torch.Tensor) and value.dim() == 1 and not value.dtype.is_floating_point \
+            and value.dtype != torch.bool:
+        return value.detach().to("cpu", torch.long)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return torch.tensor(list(value), dtype=torch.long)
+    raise TypeError(f"slime_opd: sample {sample}'s train_metadata[{key!r}] must be text or token ids (a list of "
+                    f"ints, a 1-D integer tensor), got {type(value).__name__}")

@@ -1,0 +1,125 @@
+"""slime's privileged contexts (`integrations.slime.contexts`): each sample's train_metadata keys
+carried through the rollout manager's per-rank split (slime copies a fixed list of keys), read on
+the training ranks, a missing one the same error on every rank, and kept out of slime's metrics."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
+from megatron_rl_patches.integrations.slime import contexts, opd
+from megatron_rl_patches.testing.multirank import run_multirank
+
+SERVED = "http://127.0.0.1:9;engine=vllm;context=hint"
+ENV = {"MEGATRON_RL_PATCHES_OPD_TEACHERS": SERVED, "MEGATRON_RL_PATCHES_OPD_IDS_FROM": "teacher"}
+
+
+def split_like_slime(data: dict, partitions: list[list[int]]) -> list[dict]:
+    """slime 624b824a's `_split_train_data_by_dp` in little: a fixed list of keys per rank, then
+    `tensorize_rollout_data_for_training` on each rank's dict (here through the wrappers)."""
+    def tensorize(rollout_data: dict) -> None:
+        rollout_data["tokens"] = [torch.as_tensor(t) for t in rollout_data["tokens"]]
+
+    out = []
+    for partition in partitions:
+        rollout_data = {"partition": partition, "tokens": [data["tokens"][j] for j in partition]}
+        contexts.tensorize_wrapper(tensorize, None, (rollout_data,), {})
+        out.append(rollout_data)
+    return out
+
+
+def test_the_split_carries_each_ranks_samples_contexts_and_nothing_without_a_privileged_teacher(monkeypatch):
+    data = {"tokens": [[1, 2], [3], [4, 5], [6]],
+            "metadata": [{"hint": "a b", "other": 1}, {"hint": [7, 8]}, None, {"x": 0}]}
+
+    def split(data):
+        return split_like_slime(data, [[0, 2], [3, 1]])
+
+    for name, value in ENV.items():
+        monkeypatch.setenv(name, value)
+    ranks = contexts.split_wrapper(split, None, (data,), {})
+    assert ranks[0][CONTEXTS] == [{"hint": "a b"}, {}]
+    assert ranks[1][CONTEXTS] == [{}, {"hint": [7, 8]}]
+    assert contexts.PENDING.get() is None  # nothing left for a later split
+    monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", "http://127.0.0.1:9;engine=vllm")
+    assert all(CONTEXTS not in rank for rank in contexts.split_wrapper(split, None, (data,), {}))
+
+
+def test_contexts_read_as_ids_and_a_missing_key_named_with_the_sample():
+    settings = opd_settings(ENV)
+    given = [{"hint": [4, 5]}, {"hint": torch.tensor([6], dtype=torch.int32)}]
+    data = {"tokens": [torch.arange(3)] * 2, "response_lengths": [2, 2], CONTEXTS: given}
+    got = contexts.step_contexts(None, data, settings)
+    assert [c["hint"].tolist() for c in got] == [[4, 5], [6]] and got[1]["hint"].dtype == torch.long
+    data[CONTEXTS][1] = {"other": [1]}
+    data["partition"] = [5, 2]
+    missing = r"sample 2 \(rollout index\) has no train_metadata\['hint'\].*holds \['other'\]"
+    with pytest.raises(ValueError, match=missing):
+        contexts.step_contexts(None, data, settings)
+    with pytest.raises(ValueError, match="without the samples' contexts.*runtime_env"):
+        contexts.step_contexts(None, {"tokens": [torch.arange(3)], "response_lengths": [2]}, settings)
+    with pytest.raises(ValueError, match=r"train_metadata\['hint'\]: .*contexts\[0\] holds id 64, past the teacher's "
+                                         "vocabulary of 64"):
+        contexts.step_contexts(None, {**data, CONTEXTS: [{"hint": [64]}, {"hint": [1]}]}, settings, vocab_size=64)
+    with pytest.raises(TypeError, match=r"sample 5's train_metadata\['hint'\] must be text or token ids"):
+        contexts.step_contexts(None, {**data, CONTEXTS: [{"hint": 3.5}, {"hint": [1]}]}, settings)
+
+
+def rank_missing(rank: int, world_size: int) -> str:
+    samples = [{"hint": [1, 2]}, {"hint": [3]}] if rank == 0 else [{"hint": [1]}, {"other": [3]}]
+    data = {"tokens": [torch.arange(3)] * 2, "response_lengths": [2, 2], CONTEXTS: samples,
+            "partition": [2 * rank, 2 * rank + 1]}
+    try:
+        contexts.step_contexts(None, data, opd_settings(ENV))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multirank
+def test_a_missing_key_on_one_sample_of_one_rank_is_the_same_error_on_every_rank():
+    words = run_multirank(rank_missing, 2)
+    assert words[0] == words[1], words
+    assert "failed on rank 1" in words[0] and "sample 3 (rollout index) has no train_metadata['hint']" in words[0]
+
+
+def test_slimes_metrics_never_see_the_contexts_or_the_metadata():
+    seen = []
+
+    def log_rollout_data(rollout_id, args, rollout_data):
+        seen.append(sorted(rollout_data))
+
+    data = {"rewards": [1.0], CONTEXTS: [{"hint": torch.arange(2)}], "metadata": [{"hint": "x"}]}
+    opd.log_rollout_data_wrapper(log_rollout_data, None, (0, None, data), {})
+    assert seen == [["rewards"]] and CONTEXTS in data  # the training steps still read them
+
+
+def test_an_in_process_privileged_teacher_at_context_parallelism_refused_and_its_rollout_built():
+    from types import SimpleNamespace
+
+    from megatron_rl_patches.integrations.megatron.teachers import teacher_builders
+    from megatron_rl_patches.integrations.megatron.teachers.privileged import privileged_rollout
+
+    actor = SimpleNamespace(args=SimpleNamespace(context_parallel_size=2))
+    live = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "student;context=hint"})
+    with pytest.raises(ValueError, match=r"\['student'\] with ';context=KEY' run in-process at --context-parallel"):
+        teacher_builders.check_contexts(actor, live)
+    teacher_builders.check_contexts(actor, opd_settings(ENV))  # a served one sends its own sequences
+    data = {"tokens": [torch.tensor([1, 2, 3, 4])], "response_lengths": [2], "loss_masks": [torch.ones(2)],
+            CONTEXTS: [{"hint": torch.tensor([9, 8, 7])}]}
+    seen = privileged_rollout(data, "hint")
+    assert seen["tokens"][0].tolist() == [9, 8, 7, 3, 4] and seen["total_lengths"] == [5]
+    assert seen["response_lengths"] == [2] and data["tokens"][0].tolist() == [1, 2, 3, 4]  # the caller's untouched
+
+
+def test_text_contexts_tokenized_by_the_students_tokenizer(tmp_path):
+    from types import SimpleNamespace
+
+    from megatron_rl_patches.testing.hf_checkpoints import save_word_tokenizer
+
+    save_word_tokenizer(tmp_path, 16)
+    data = {"tokens": [torch.arange(3)] * 2, "response_lengths": [2, 2],
+            CONTEXTS: [{"hint": "t3 t5 t7"}, {"hint": [2]}]}
+    got = contexts.step_contexts(SimpleNamespace(hf_checkpoint=str(tmp_path)), data, opd_settings(ENV), vocab_size=16)
+    assert [c["hint"].tolist() for c in got] == [[3, 5, 7], [2]]
