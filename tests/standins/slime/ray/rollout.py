@@ -1,0 +1,14 @@
+"""Stand-in for slime.ray.rollout (624b824a): the rollout manager's per-rank split of the training
+data and the per-rank packaging it calls, with slime's signatures; their behaviour is tested on a
+copy of slime's split (tests/integrations/slime/test_slime_contexts.py), since slime's own module
+needs ray and SGLang."""
+from __future__ import annotations
+
+
+def tensorize_rollout_data_for_training(rollout_data):
+    raise LookupError("tensorize_rollout_data_for_training: slime's own needs ray")
+
+
+class RolloutManager:
+    def _split_train_data_by_dp(self, data):
+        raise LookupError("RolloutManager._split_train_data_by_dp: slime's own needs ray")
