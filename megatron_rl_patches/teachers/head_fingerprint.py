@@ -109,7 +109,7 @@ def group_ranks(group: Any, size: int) -> list[int]:
     """The global ranks of `group`'s members, in its order (0 .. size − 1 without one)."""
     if size == 1 or group is None:
         return list(range(size))
-    import torch.distributed as dist  # lazy: only with a group
+    import torch.distributed as dist  # lazy: import cost: only with a group
 
     return list(dist.get_process_group_ranks(group))
 

@@ -103,13 +103,13 @@ def step_contexts(args: Any, rollout_data: dict, settings: OpdSettings, vocab_si
 def agree_contexts(error: BaseException | None, group: Any = None) -> None:
     """The lowest failing rank's error raised on every rank of `group` (the job when None) as a
     ValueError naming that rank; alone (no process group) `error` itself."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: import cost: torch (the rollout manager's wrappers need none)
 
     if not (dist.is_available() and dist.is_initialized()):
         if error is not None:
             raise error
         return
-    from megatron_rl_patches.ops.agreement import gathered_objects
+    from megatron_rl_patches.ops.agreement import gathered_objects  # lazy: import cost: torch
 
     said = None if error is None else f"{type(error).__name__}: {error}"
     gathered = gathered_objects(dist.group.WORLD if group is None else group, said)
@@ -148,8 +148,9 @@ def read_contexts(args: Any, rollout_data: dict, keys: list[str], settings: OpdS
             else:
                 out[i][key] = as_ids(value, names[i], key)
     if texts:
+        # lazy: import cost: torch and the tokenizer loading, only for text contexts
         from megatron_rl_patches.integrations.megatron.teachers.stage_host import student_tokenizer_of
-        from megatron_rl_patches.teachers.context import context_ids
+        from megatron_rl_patches.teachers.context import context_ids  # lazy: import cost: torch, text contexts only
 
         where = f"{TEACHERS} (text contexts are tokenized by the student's tokenizer)"
         tokenized = context_ids(list(texts.values()), student_tokenizer_of(args, where))
