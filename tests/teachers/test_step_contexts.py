@@ -203,7 +203,7 @@ def test_a_missing_key_on_one_rank_is_the_same_error_on_every_rank():
     assert "rank 1" in words and "sample 0 has no context under 'hint'" in words, words
 
 
-def test_slimes_opd_refuses_a_privileged_teacher_it_would_score_without_its_context():
+def test_slimes_opd_takes_a_privileged_teacher_of_another_tokenizer_and_refuses_what_it_cannot_score():
     from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
 
     assert opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher"}) is not None
@@ -212,9 +212,18 @@ def test_slimes_opd_refuses_a_privileged_teacher_it_would_score_without_its_cont
                          "MEGATRON_RL_PATCHES_OPD_IDS_FROM": "teacher"}).teachers[0].context == "solution"
     both = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/hinted;context=solution,student;context=solution"})
     assert [t.context for t in both.teachers] == ["solution", "solution"]
-    with pytest.raises(ValueError, match=r"\['/ckpt/hinted'\] have ';context=KEY'.*another tokenizer or their own "
-                                         "layout"):
-        opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher,/ckpt/hinted;context=solution;tokenizer=own"})
+    # another tokenizer takes a context (its own encoding after it: test_slime_opd_cross_tokenizer_lane.py);
+    # one key read in two tokenizers is refused, naming both
+    crossed = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher,/ckpt/hinted;context=solution;"
+                                                                "tokenizer=own"})
+    assert [t.context for t in crossed.teachers] == [None, "solution"]
+    with pytest.raises(ValueError, match=r"';context=solution' is read by teachers of different tokenizers "
+                                         r"\(\['/ckpt/a'\] in the student's tokenizer; \['/ckpt/hinted'\] in "
+                                         r"'/ckpt/hinted''s tokenizer\)"):
+        opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/a;context=solution,/ckpt/hinted;context=solution;"
+                                                          "tokenizer=own"})
+    with pytest.raises(ValueError, match=r"\['/ckpt/hinted'\] have ';context=KEY'.*at their own layout"):
+        opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher,/ckpt/hinted;context=solution;tp=2"})
     with pytest.raises(ValueError, match=r"K=vocab: .*';context=solution': a privileged context does not reach"):
         opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/hinted;context=solution",
                       "MEGATRON_RL_PATCHES_OPD_K": "vocab"})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,6 +147,30 @@ def _weights(env: Mapping[str, str], count: int) -> tuple[float, ...] | None:
     return weights
 
 
+def context_tokenizer(teacher: Teacher) -> str | None:
+    """Whose tokenizer reads a teacher's privileged context: None for the student's, else the
+    teacher's own (its directory with `;tokenizer=own`, the directory `;tokenizer=DIR` names)."""
+    if not teacher.other_tokenizer:
+        return None
+    return teacher.path if teacher.tokenizer is None else teacher.tokenizer
+
+
+def check_context_tokenizers(teachers: Sequence[Teacher]) -> None:
+    """One context key is read in one tokenizer: a key shared by teachers of different tokenizers
+    refused, naming them (its ids or text would be the teachers' different tokens)."""
+    readers: dict[str, dict[str | None, list[str]]] = {}
+    for teacher in teachers:
+        if teacher.context is not None:
+            readers.setdefault(teacher.context, {}).setdefault(context_tokenizer(teacher), []).append(teacher.path)
+    for key, by_tokenizer in readers.items():
+        if len(by_tokenizer) > 1:
+            said = "; ".join(f"{paths} in {'the student' if who is None else repr(who)}'s tokenizer"
+                             for who, paths in by_tokenizer.items())
+            raise ValueError(f"{TEACHERS}: ';context={key}' is read by teachers of different tokenizers ({said}): "
+                             f"give each tokenizer's teachers their own key (the context in that tokenizer's ids "
+                             f"or text)")
+
+
 def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
     """The settings from the environment, or None when MEGATRON_RL_PATCHES_OPD_TEACHERS is unset
     (slime's flow untouched)."""
@@ -158,12 +182,12 @@ def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
     if not teachers:
         raise ValueError(f"{TEACHERS}={raw!r} names no teacher: give comma-separated entries (PATH, "
                          "PATH@module:function or http://host:port;engine=vllm), or unset it to switch top-k OPD off")
-    unwired = [teacher.path for teacher in teachers if teacher.context is not None and
-               (teacher.other_tokenizer or teacher.at_layout)]
+    unwired = [teacher.path for teacher in teachers if teacher.context is not None and teacher.at_layout]
     if unwired:  # refused rather than scored without it
-        raise ValueError(f"{TEACHERS}: teacher(s) {unwired} have ';context=KEY' (a privileged context) with another "
-                         "tokenizer or their own layout, which slime's OPD does not pass a context to yet; the public "
-                         "teacher step takes them (TeacherStep.send(batch, contexts=...)): drop the option here")
+        raise ValueError(f"{TEACHERS}: teacher(s) {unwired} have ';context=KEY' (a privileged context) at their own "
+                         "layout, which slime's OPD does not pass a context to yet; the public teacher step takes "
+                         "them (TeacherStep.send(batch, contexts=...)): drop the option here")
+    check_context_tokenizers(teachers)
     from megatron_rl_patches.ops._divergences import DIVERGENCES  # the table's rows (mixed_kl included)
 
     divergence = env.get(DIVERGENCE, "").strip() or "reverse_kl"

@@ -14,6 +14,7 @@ routes together (`check_routes`), then each teacher is built from the host's act
 # lazy imports: optional dependency megatron-core (through the builders it calls)
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -186,10 +187,13 @@ def load_all(actor: Any, settings: OpdSettings, student: int | str) -> list[OpdT
 
 
 def given_context(loaded: Any, teacher: Teacher) -> OpdTeacher:
-    """An in-process teacher with `;context=KEY` as a `PrivilegedTeacher` (a served one sends its
-    contexts itself); any other as loaded."""
+    """An in-process teacher with `;context=KEY` as a `PrivilegedTeacher` (one of another tokenizer:
+    its own encoding after the context; a served one sends its contexts itself); any other as
+    loaded."""
     if teacher.context is None or teacher.kind == SERVED:
         return loaded
+    if isinstance(loaded, cross_passes.CrossTokenizerTeacher):  # its own encoding after the context
+        return dataclasses.replace(loaded, context=teacher.context)
     return PrivilegedTeacher(model_teacher(loaded), teacher.context)
 
 
