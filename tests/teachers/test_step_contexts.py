@@ -203,7 +203,7 @@ def test_a_missing_key_on_one_rank_is_the_same_error_on_every_rank():
     assert "rank 1" in words and "sample 0 has no context under 'hint'" in words, words
 
 
-def test_slimes_opd_takes_a_privileged_teacher_of_another_tokenizer_and_refuses_what_it_cannot_score():
+def test_slimes_opd_takes_privileged_teachers_of_another_tokenizer_or_layout_and_refuses_what_it_cannot():
     from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
 
     assert opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher"}) is not None
@@ -222,8 +222,9 @@ def test_slimes_opd_takes_a_privileged_teacher_of_another_tokenizer_and_refuses_
                                          r"'/ckpt/hinted''s tokenizer\)"):
         opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/a;context=solution,/ckpt/hinted;context=solution;"
                                                           "tokenizer=own"})
-    with pytest.raises(ValueError, match=r"\['/ckpt/hinted'\] have ';context=KEY'.*at their own layout"):
-        opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher,/ckpt/hinted;context=solution;tp=2"})
+    # at its own layout too (its scoring pass over context + response: test_slime_layout_teacher_lane.py)
+    layout = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher,/ckpt/hinted;context=solution;tp=2"})
+    assert layout.teachers[1].context == "solution" and layout.teachers[1].at_layout
     with pytest.raises(ValueError, match=r"K=vocab: .*';context=solution': a privileged context does not reach"):
         opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/hinted;context=solution",
                       "MEGATRON_RL_PATCHES_OPD_K": "vocab"})

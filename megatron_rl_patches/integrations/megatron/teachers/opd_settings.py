@@ -182,11 +182,6 @@ def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
     if not teachers:
         raise ValueError(f"{TEACHERS}={raw!r} names no teacher: give comma-separated entries (PATH, "
                          "PATH@module:function or http://host:port;engine=vllm), or unset it to switch top-k OPD off")
-    unwired = [teacher.path for teacher in teachers if teacher.context is not None and teacher.at_layout]
-    if unwired:  # refused rather than scored without it
-        raise ValueError(f"{TEACHERS}: teacher(s) {unwired} have ';context=KEY' (a privileged context) at their own "
-                         "layout, which slime's OPD does not pass a context to yet; the public teacher step takes "
-                         "them (TeacherStep.send(batch, contexts=...)): drop the option here")
     check_context_tokenizers(teachers)
     from megatron_rl_patches.ops._divergences import DIVERGENCES  # the table's rows (mixed_kl included)
 
