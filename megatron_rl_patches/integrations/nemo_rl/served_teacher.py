@@ -53,6 +53,7 @@ from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.client_settings import ClientSettings
 from megatron_rl_patches.teachers.context import with_context
 from megatron_rl_patches.teachers.head import TeacherHead
+from megatron_rl_patches.teachers.kinds import student
 from megatron_rl_patches.teachers.served import ServedTeacher
 
 # NeMo-RL's distillation.topk_logits_k default
@@ -284,7 +285,11 @@ def served_teacher_policy(url: str, *, engine: str = "vllm", top_k: int = NEMO_R
     `full_vocabulary=True` (with `head=`): the teacher's hidden states reach the student's loss,
     the whole-vocabulary divergence (`WholeVocabularyDistillationLossFn`). `context=KEY`: a
     privileged teacher reading each sample's context from NeMo-RL's batch field KEY (ids, or text
-    through `tokenizer`, the teacher's: a tokenizers.Tokenizer, tokenizer.json or directory)."""
+    through `tokenizer`, the teacher's: a tokenizers.Tokenizer, tokenizer.json or directory). The
+    live self-teacher's word (`student`, `student;context=KEY`) is refused by name: this policy
+    stands where NeMo-RL builds a separate teacher, not in the student's own workers."""
+    if isinstance(url, str) and student.recognizes(url):
+        raise student.not_hosted("NeMo-RL", f"served_teacher_policy({url!r})")
     return ServedTeacherPolicy(ServedTeacher(url, engine, top_k, model=model, temperature=temperature,
                                              client=client, head=head, context=context),
                                full_vocabulary=full_vocabulary, tokenizer=tokenizer)

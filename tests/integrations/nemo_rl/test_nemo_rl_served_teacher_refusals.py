@@ -118,3 +118,13 @@ def test_full_vocabulary_needs_a_head_its_workers_can_read_again():
     with pytest.raises(ValueError, match=r"full_vocabulary=True\) needs a head read from a directory.*head=DIR"):
         served_teacher_policy(NOWHERE, top_k=4, head=head, full_vocabulary=True)
     assert served_teacher_policy(NOWHERE, top_k=4, head=head).teacher.head is head  # top-k only: no re-read
+
+
+@pytest.mark.parametrize("word", ["student", "student;context=hint"])
+def test_the_live_self_teacher_is_refused_by_name_naming_the_routes_that_take_it(word):
+    """The policy stands where NeMo-RL builds a separate teacher: no pass of the student's current weights."""
+    with pytest.raises(ValueError) as refused:
+        served_teacher_policy(word, context="hint")
+    words = str(refused.value)
+    assert words.startswith(f"served_teacher_policy({word!r})") and "not hosted in NeMo-RL" in words
+    assert "MEGATRON_RL_PATCHES_OPD_TEACHERS='student;context=KEY'" in words and "LoopHost(" in words
