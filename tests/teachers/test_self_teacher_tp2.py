@@ -1,5 +1,5 @@
 """The live self-teacher (`student;context=KEY`) in the public teacher step at tensor parallel 2, on a
-real megatron-core GPTModel on CPU (gloo): the host's pass returns each rank's vocabulary shard of
+real megatron-core GPTModel on CPU (gloo), through `megatron_host(..., student_pass=fn)`: the host's pass returns each rank's vocabulary shard of
 the logits (Megatron's padding included) and the teacher's top-k, tail and token log-probs are
 computed vocab-parallel (no [R, V] gather). One world, many checks: the scores equal the float64
 forward of the 1-rank model (the same weights) on context + response and the 1-rank step's scores;
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_rl_patches import topk_kl, topk_logprobs
-from megatron_rl_patches.teachers import LoopHost, TeacherBatch, TeacherStep, build_teachers
+from megatron_rl_patches.teachers import LoopHost, TeacherBatch, TeacherStep, build_teachers, megatron_host
 from megatron_rl_patches.testing.multirank import run_multirank
 
 V, PADDED, K, TAU = 50, 64, 6, 0.8  # the real vocabulary, the model's (padded) output rows, buckets, temperature
@@ -71,7 +71,9 @@ def tp2_world(rank: int, world_size: int) -> dict:
         def student_pass(privileged: TeacherBatch) -> list[torch.Tensor]:  # the model's parallel output: a shard
             return [rows_of(model, s, start) for s, start in zip(privileged.sequences, privileged.response_starts)]
 
-        host = LoopHost(V, tp, dist.group.WORLD, student_pass=student_pass, tp_group=tp, padded_vocab_size=PADDED)
+        # a hand-written Megatron loop's host: Megatron-LM's padding of 50 ids to a multiple of 32 x TP = 64
+        host = megatron_host(ps, V, make_vocab_size_divisible_by=32, student_pass=student_pass)
+        assert (host.padded_vocab_size, host.tp_group) == (PADDED, tp)
         step, scores, grads = step_and_loss(model, host, batch, contexts, tp)
         out["scores"] = scores
         out["grads"] = grads
