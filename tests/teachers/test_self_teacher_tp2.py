@@ -1,11 +1,12 @@
 """The live self-teacher (`student;context=KEY`) in the public teacher step at tensor parallel 2, on a
-real megatron-core GPTModel on CPU (gloo), through `megatron_host(..., student_pass=fn)`: the host's pass returns each rank's vocabulary shard of
-the logits (Megatron's padding included) and the teacher's top-k, tail and token log-probs are
-computed vocab-parallel (no [R, V] gather). One world, many checks: the scores equal the float64
-forward of the 1-rank model (the same weights) on context + response and the 1-rank step's scores;
-each rank's gradient shard equals the float64 reference's with the teacher's terms detached; one
-rank's missing context, one rank's other context and one rank's gathered (not parallel) logits are
-each the same clear error on both ranks, never a hang."""
+real megatron-core GPTModel on CPU (gloo), through `megatron_host(..., student_pass=fn)`: the host's
+pass returns each rank's vocabulary shard of the logits (Megatron's padding included) and the
+teacher's top-k, tail and token log-probs are computed vocab-parallel (no [R, V] gather). One world,
+many checks: the scores equal the float64 forward of the 1-rank model (the same weights) on
+context + response and the 1-rank step's scores; each rank's gradient shard equals the float64
+reference's with the teacher's terms detached; one rank's missing context, one rank's other context
+and one rank's gathered (not parallel) logits are each the same clear error on both ranks, never a
+hang."""
 from __future__ import annotations
 
 import pytest
