@@ -121,10 +121,8 @@ def test_full_vocabulary_needs_a_head_its_workers_can_read_again():
 
 
 @pytest.mark.parametrize("word", ["student", "student;context=hint"])
-def test_the_live_self_teacher_is_refused_by_name_naming_the_routes_that_take_it(word):
-    """The policy stands where NeMo-RL builds a separate teacher: no pass of the student's current weights."""
+def test_the_live_self_teacher_as_a_served_url_is_refused_pointing_to_the_students_own_policy(word):
     with pytest.raises(ValueError) as refused:
         served_teacher_policy(word, context="hint")
     words = str(refused.value)
-    assert words.startswith(f"served_teacher_policy({word!r})") and "not hosted in NeMo-RL" in words
-    assert "MEGATRON_RL_PATCHES_OPD_TEACHERS='student;context=KEY'" in words and "LoopHost(" in words
+    assert words.startswith(f"served_teacher_policy({word!r})") and "self_teacher_policy(context=KEY)" in words
