@@ -26,8 +26,8 @@ verl's dummy row). verl's agent-loop worker reads the sample's fields
 missing field, text without a tokenizer, ids past the vocabulary, or a sample past the server's
 max model length is refused naming the sample's prompt length and the key, before anything is
 sent. The live self-teacher's entry (`student;context=KEY`) is refused by name: verl scores its
-teacher in the agent loop, where the student's current weights are not (slime and the public
-teacher step take it)."""
+teacher in the agent loop, where the student's current weights are not (slime, NeMo-RL and the
+public teacher step take it)."""
 from __future__ import annotations
 
 import asyncio

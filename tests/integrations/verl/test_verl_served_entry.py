@@ -62,4 +62,5 @@ def test_the_live_self_teacher_is_refused_by_name_naming_the_routes_that_take_it
     words = str(refused.value)
     assert words.startswith(f"{VARIABLE}=") and "the live self-teacher" in words and "not hosted in verl" in words
     assert "MEGATRON_RL_PATCHES_OPD_TEACHERS='student;context=KEY'" in words and "LoopHost(" in words
+    assert "self_teacher_policy(context=KEY)" in words
     assert parse_entry("http://student:8000;engine=vllm;context=hint").url == "http://student:8000"  # a host named so
