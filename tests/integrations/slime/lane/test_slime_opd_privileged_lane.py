@@ -41,6 +41,8 @@ LAYOUTS = {"1rank": (1, 1, 1, (), False), "pp2": (2, 1, 1, (), False),
            "tp2sp": (1, 1, 2, ("--sequence-parallel",), False), "cp2": (1, 2, 1, (), True),
            "cp2ag": (1, 2, 1, ALLGATHER_CP, False)}
 HF_WEIGHTS = (0.3, 0.5, 0.2)  # the snapshot, the live self-teacher, the Hugging Face teacher
+# the layouts whose ids are the first (privileged) teacher's own top-k, moved back to the student's rows
+TEACHER_IDS = ("cp2ag",)
 
 
 def write_hf_teacher(path: str) -> None:
@@ -65,6 +67,8 @@ def test_snapshot_and_live_self_teacher_with_a_context_equal_dense_float64(slime
     if hf is not None:
         write_hf_teacher(hf)
         env = {"TEACHERS": f"{env['TEACHERS']},{hf};context=hint", "WEIGHTS": ",".join(map(str, HF_WEIGHTS))}
+    if layout in TEACHER_IDS:
+        env["IDS_FROM"] = "teacher"
     ranks = run_multirank(slime_ranks.opd_train_actor, pipeline * context * tensor, pipeline, context, tensor, None,
                           hf, flags, 1, None, 1, None, None, None, env, [{"hint": c} for c in contexts],
                           timeout=400)
@@ -103,6 +107,10 @@ def test_snapshot_and_live_self_teacher_with_a_context_equal_dense_float64(slime
                                       HF_WEIGHTS if hf is not None else WEIGHTS)
         expected.backward()
     scored = range(len(teachers))
+    if layout in TEACHER_IDS:  # the snapshot's own top-k on its privileged sequence, on the student's rows
+        k = int(slime_ranks.OPD_ENV["K"])
+        own = [logp.topk(k, dim=-1).indices.sort(dim=-1).values for logp in teachers[0]]
+        assert all(torch.equal(i.sort(dim=-1).values, o) for i, o in zip(ids, own))
     # per teacher, per sample [R, k] on the student's response rows
     got = [on_response(lambda r, i=i: [v[i] for v in r["teacher_logprobs"] or []]) for i in scored]
 
