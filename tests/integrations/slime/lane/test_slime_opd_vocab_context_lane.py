@@ -3,19 +3,21 @@
 its pass over sample i's train_metadata["hint"] + the student's response, on the student's
 response rows (at CP=2 each rank's rows of the response differ between the two sequences: moved).
 In-process: a snapshot (`teacher-a;context=hint`, θ₀) and the live self-teacher
-(`student;context=hint`), with a Hugging Face teacher of another size beside them at CP=2; served:
-a vLLM pooling server's hidden states through `;head=DIR` (`..;head=DIR;context=hint`) beside a
-snapshot without a context, at one rank and CP=2. Per token, each teacher's whole-vocabulary
-log-probs (its hidden states through its head) against float64 on the privileged sequence; the
-first step's loss (forward KL over the whole vocabulary) and every gradient against dense float64
-(the teachers' side detached: no gradient flows through the live pass); negative controls: the
-teachers scored without their context, and with it shifted by one token, miss by far more."""
+(`student;context=hint`) at one rank, CP=2 (a Hugging Face teacher of another size beside them)
+and CP=2 with --allgather-cp; served: a vLLM pooling server's hidden states through `;head=DIR`
+(`..;head=DIR;context=hint`) beside a snapshot without a context, at one rank and CP=2. Per
+token, each teacher's whole-vocabulary log-probs (its hidden states through its head) against
+float64 on the privileged sequence; the first step's loss (forward KL over the whole vocabulary)
+and every gradient against dense float64 (the teachers' side detached: no gradient flows through
+the live pass); negative controls: the teachers scored without their context, and with it shifted
+by one token, miss by far more."""
 from __future__ import annotations
 
 import pytest
 import torch
 from test_slime_opd_served_head_lane import pooled  # noqa: F401 - the module's vLLM pooling server fixture
 
+from megatron_rl_patches.testing.layouts import ALLGATHER_CP_ARGS as ALLGATHER_CP
 from megatron_rl_patches.testing.layouts import NOPE_ARGS as NOPE
 
 pytestmark = pytest.mark.slime
@@ -95,8 +97,11 @@ def check(label: str, rank: dict, student: torch.nn.Module, expected: torch.Tens
 
 
 # name -> (context-parallel size, slime's extra flags, whether a Hugging Face teacher scores beside them;
-# its 64 ids unpadded, as the actor's output layer: K=vocab compares the layers row by row)
-LAYOUTS = {"1rank": (1, (), False), "cp2": (2, ("--make-vocab-size-divisible-by", "64"), True)}
+# its 64 ids unpadded, as the actor's output layer: K=vocab compares the layers row by row). With
+# --allgather-cp the states go from a pass's contiguous rows to the privileged zigzag rows, then to
+# the student's, then to the training step's contiguous rows (a Hugging Face teacher is refused there).
+LAYOUTS = {"1rank": (1, (), False), "cp2": (2, ("--make-vocab-size-divisible-by", "64"), True),
+           "cp2ag": (2, ALLGATHER_CP, False)}
 WEIGHTS = {False: (0.3, 0.7), True: (0.3, 0.5, 0.2)}  # the snapshot, the live self-teacher[, Hugging Face]
 
 
