@@ -215,6 +215,8 @@ def test_slimes_opd_refuses_a_privileged_teacher_it_would_score_without_its_cont
     with pytest.raises(ValueError, match=r"\['/ckpt/hinted'\] have ';context=KEY'.*another tokenizer or their own "
                                          "layout"):
         opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher,/ckpt/hinted;context=solution;tokenizer=own"})
-    with pytest.raises(ValueError, match=r"K=vocab: .*';context=solution': a privileged context does not reach"):
-        opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/hinted;context=solution",
-                      "MEGATRON_RL_PATCHES_OPD_K": "vocab"})
+    # K=vocab: each privileged teacher's hidden states from its pass over context + response
+    whole = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/hinted;context=solution,student;context=solution,"
+                          "http://127.0.0.1:9;engine=vllm;head=/ckpt/head;context=solution",
+                          "MEGATRON_RL_PATCHES_OPD_K": "vocab"})
+    assert whole.full_vocab and [t.context for t in whole.teachers] == ["solution"] * 3
