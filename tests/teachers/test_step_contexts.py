@@ -225,6 +225,8 @@ def test_slimes_opd_takes_privileged_teachers_of_another_tokenizer_or_layout_and
     # at its own layout too (its scoring pass over context + response: test_slime_layout_teacher_lane.py)
     layout = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher,/ckpt/hinted;context=solution;tp=2"})
     assert layout.teachers[1].context == "solution" and layout.teachers[1].at_layout
-    with pytest.raises(ValueError, match=r"K=vocab: .*';context=solution': a privileged context does not reach"):
-        opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/hinted;context=solution",
-                      "MEGATRON_RL_PATCHES_OPD_K": "vocab"})
+    # K=vocab: each privileged teacher's hidden states from its pass over context + response
+    whole = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/hinted;context=solution,student;context=solution,"
+                          "http://127.0.0.1:9;engine=vllm;head=/ckpt/head;context=solution",
+                          "MEGATRON_RL_PATCHES_OPD_K": "vocab"})
+    assert whole.full_vocab and [t.context for t in whole.teachers] == ["solution"] * 3

@@ -95,17 +95,9 @@ def test_slimes_metrics_never_see_the_contexts_or_the_metadata():
     assert seen == [["rewards"]] and CONTEXTS in data  # the training steps still read them
 
 
-def test_an_in_process_privileged_teacher_at_context_parallelism_refused_and_its_rollout_built():
-    from types import SimpleNamespace
-
-    from megatron_rl_patches.integrations.megatron.teachers import teacher_builders
+def test_a_privileged_teachers_rollout_is_its_context_then_the_students_response():
     from megatron_rl_patches.integrations.megatron.teachers.privileged import privileged_rollout
 
-    actor = SimpleNamespace(args=SimpleNamespace(context_parallel_size=2))
-    live = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "student;context=hint"})
-    with pytest.raises(ValueError, match=r"\['student'\] with ';context=KEY' run in-process at --context-parallel"):
-        teacher_builders.check_contexts(actor, live)
-    teacher_builders.check_contexts(actor, opd_settings(ENV))  # a served one sends its own sequences
     data = {"tokens": [torch.tensor([1, 2, 3, 4])], "response_lengths": [2], "loss_masks": [torch.ones(2)],
             CONTEXTS: [{"hint": torch.tensor([9, 8, 7])}]}
     seen = privileged_rollout(data, "hint")

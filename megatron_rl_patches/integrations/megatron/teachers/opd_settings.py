@@ -105,7 +105,8 @@ def full_vocab_refusal(teachers: tuple[Teacher, ...], ids_from: str) -> str | No
     """Why MEGATRON_RL_PATCHES_OPD_K=vocab cannot serve these settings, or None: every teacher must
     give its final hidden states and an output layer over the student's vocabulary (a snapshot, a
     separate model of the student's tokenizer, a served teacher with `;head=DIR`), and no ids are
-    selected. The first teacher that cannot is named."""
+    selected (a privileged context is taken: the states come from the teacher's pass over context +
+    response). The first teacher that cannot is named."""
     if ids_from != "student":
         return (f"{IDS_FROM}={ids_from}: the full vocabulary selects no ids; unset {IDS_FROM} (or use a top-k "
                 f"{K}=N for {ids_from} ids)")
@@ -118,9 +119,6 @@ def full_vocab_refusal(teachers: tuple[Teacher, ...], ids_from: str) -> str | No
             return (f"{where} is a served teacher without a head: the engine sends its top-k log-probs only; "
                     "serve its hidden states (vLLM --runner pooling --convert embed) and add ';head=DIR' (its "
                     f"Hugging Face directory), or use a top-k {K}=N")
-        if teacher.context is not None:
-            return (f"{where} ';context={teacher.context}': a privileged context does not reach a teacher's hidden "
-                    f"states in slime's OPD yet; use a top-k {K}=N")
         if teacher.at_layout:
             return (f"{where} ';{teacher.layout_written}': a teacher at its own layout does not hand its hidden "
                     f"states to the student's ranks yet; drop ';{teacher.layout_written}' or use a top-k {K}=N")

@@ -179,7 +179,6 @@ def load_all(actor: Any, settings: OpdSettings, student: int | str) -> list[OpdT
     for builder in dict.fromkeys(builders):
         if builder.check_routes is not None:
             builder.check_routes(settings, routes)
-    check_contexts(actor, settings)
     loaded = [builder.build(actor, settings, index, teacher, student, route)
               for index, (builder, teacher, route) in enumerate(zip(builders, settings.teachers, routes))]
     # an in-process teacher with a privileged context runs its passes over context + response
@@ -196,13 +195,3 @@ def given_context(loaded: Any, teacher: Teacher) -> OpdTeacher:
         return dataclasses.replace(loaded, context=teacher.context)
     return PrivilegedTeacher(model_teacher(loaded), teacher.context)
 
-
-def check_contexts(actor: Any, settings: OpdSettings) -> None:
-    """An in-process teacher with a privileged context at context parallelism 1 only (its rows are
-    its response's at any context length there), refused by name before anything loads."""
-    privileged = [t.path for t in settings.teachers if t.context is not None and t.kind != SERVED]
-    cp = int(getattr(actor.args, "context_parallel_size", 1) or 1)
-    if privileged and cp > 1:
-        raise ValueError(f"{TEACHERS}: teacher(s) {privileged} with ';context=KEY' run in-process at "
-                         f"--context-parallel-size {cp}, which slime's OPD does not split a privileged sequence "
-                         "over yet: run them at context parallelism 1, or serve the teacher")
