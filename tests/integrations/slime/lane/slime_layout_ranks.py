@@ -40,6 +40,10 @@ def layout_world(rank: int, world_size: int, hf: str) -> dict[str, Any]:
         _timer_reset()
         results[name] = slime_ranks.opd_train_actor(rank, world_size, 1, hf_teacher=entry,
                                                     contexts=[{"hint": list(h)} for h in contexts])
+    for name, entry in (("cp2_ctx_student_layout", f"{hf};context=hint"), ("cp2_ctx_tp2", f"{hf};tp=2;context=hint")):
+        _timer_reset()  # the student at CP=2: each rank its zigzag rows of the privileged sequences
+        results[name] = slime_ranks.opd_train_actor(rank, world_size, 1, 2, hf_teacher=entry,
+                                                    contexts=[{"hint": list(h)} for h in HINTS])
     with slime_ranks.lane_rank(rank, world_size) as patch:
         import slime_kit as kit
 

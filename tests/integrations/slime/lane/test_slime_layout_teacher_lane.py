@@ -121,6 +121,24 @@ def test_a_privileged_teacher_at_tp2_equals_it_at_the_students_layout(slime_cpu,
             torch.testing.assert_close(at["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_a_privileged_teacher_at_tp2_beside_a_student_at_cp2_equals_it_at_the_students_layout(slime_cpu, world):
+    """The student at CP=2 (each rank its zigzag rows; the privileged sequence's rows differ from the
+    student's), `PATH;tp=2;context=hint` against `PATH;context=hint` at the student's layout: the
+    scores slime keeps, the loss and every reduced gradient."""
+    for rank in world:
+        at, theirs = rank["cp2_ctx_tp2"], rank["cp2_ctx_student_layout"]
+        assert all(torch.equal(a, b) for a, b in zip(at["ids"], theirs["ids"]))
+        errors = [_close(a, b) for a, b in zip(at["teacher_logprobs"], theirs["teacher_logprobs"])]
+        print(f"CP=2 student, privileged teacher at tp=2 vs at the student's layout: max error beyond 1e-6 "
+              f"relative {max(errors):.2e}")
+        assert len(errors) == 4 and max(errors) <= 1e-6, errors
+        (mine,), (other,) = at["losses"], theirs["losses"]
+        assert abs(float(mine["opd_topk_loss"]) - float(other["opd_topk_loss"])) <= 1e-6 * max(
+            1.0, abs(float(other["opd_topk_loss"])))
+        for name, grad in theirs["grads"].items():
+            torch.testing.assert_close(at["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_the_prm_teacher_role_at_tp2_gives_each_rank_its_log_probs_at_the_students_layout(slime_cpu, world):
     import slime_kit as kit
 
