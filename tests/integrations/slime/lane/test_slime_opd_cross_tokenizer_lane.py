@@ -18,8 +18,8 @@ more with such a snapshot teacher (the MoE actor's), whose buckets share ids wit
 top-k in the step's rows (`step_repeats`: each scored once; before, a ValueError at the training
 step). Each world is spawned once; a negative control (the teacher's chunks shifted by one) moves
 the reference far from the run. The same worlds run slime's own `--use-opd --opd-type sglang`
-advantage path, whose teacher log-probs are the spread signal: its reverse KL is r per token. One
-more 1-rank world gives the teacher of another tokenizer a privileged context (`;context=hint`:
+advantage path, whose teacher log-probs are the spread signal: its reverse KL is r per token. Two
+more worlds (one rank, and CP=2 zigzag) give the teacher of another tokenizer a privileged context (`;context=hint`:
 train_metadata text tokenized by DeepSeek's tokenizer, or its ids), scored on context + its own
 encoding of the response against float64 on that sequence; controls: the teacher without its
 context, and with the context rolled by one token."""
@@ -55,10 +55,10 @@ LAYOUTS = {"pp1": ((1, 1, 1, None), ("thd",)), "tp2sp": ((1, 1, 2, None), ("tp2"
            "pp2": ((2, 1, 1, None), ("pp2", "thd")), "pp2vpp2": ((2, 1, 1, 2), ("pp2", "vpp2", "thd")),
            "cp2": ((1, 2, 1, None), ("cp2-zigzag", "thd")), "ep2": ((1, 1, 1, None), ("ep2", "thd")),
            "cp2ag": ((1, 2, 1, None), ("cp2-allgather", "thd")), "ep2snapshot": ((1, 1, 1, None), ("ep2", "thd")),
-           "ctx": ((1, 1, 1, None), ("thd",))}
+           "ctx": ((1, 1, 1, None), ("thd",)), "ctxcp2": ((1, 2, 1, None), ("cp2-zigzag", "thd"))}
 # the world whose teacher of another tokenizer is privileged (`;context=hint`): each sample's
 # train_metadata["hint"], text (tokenized by the teacher's DeepSeek tokenizer) or the teacher's ids
-PRIVILEGED = "ctx"
+PRIVILEGED = ("ctx", "ctxcp2")
 HINTS = ("Hint: the quick fox answers.", [3, 1024, 77, 50000, 12], "Use the weather tool, then say Done.",
          [129000, 42, 9])
 EP2 = layouts.BY_MARKER["ep2"].megatron_lm_args
@@ -158,7 +158,7 @@ def world(request, dirs, spm):
     if request.param in SNAPSHOT_SEED:
         cross.update(entries=f"teacher-a,{snapshot};tokenizer=own", seeds={snapshot: SNAPSHOT_SEED[request.param]})
     contexts = None
-    if request.param == PRIVILEGED:  # one rollout: the contexts are the first's
+    if request.param in PRIVILEGED:  # one rollout: the contexts are the first's
         cross.update(entries=f"teacher-a,{teacher};tokenizer=own;context=hint")
         contexts = [{"hint": hint} for hint in HINTS]
     expert = _experts(request.param)
@@ -290,7 +290,7 @@ def test_train_actor_with_a_teacher_of_another_tokenizer_equals_float64(slime_cp
     samples = [cross_teachers.teacher_sample(t, r, m, spm, own_tokenizer) for t, r, m in
                zip(data["tokens"], data["response_lengths"], data["loss_masks"])]
     plain = samples  # the teacher's own encodings (its prompt): the privileged world's control
-    if layout == PRIVILEGED:  # context + the teacher's encoding of the response, the alignment unchanged
+    if layout in PRIVILEGED:  # context + the teacher's encoding of the response, the alignment unchanged
         from megatron_rl_patches.teachers import cross_with_context
 
         samples = cross_with_context(plain, hint_ids())
@@ -323,7 +323,7 @@ def test_train_actor_with_a_teacher_of_another_tokenizer_equals_float64(slime_cp
                                               getattr(teacher, "hf_vocab_size"))  # noqa: B009
 
                 cross = scored(samples)
-                if layout == PRIVILEGED:
+                if layout in PRIVILEGED:
                     controls = {"without its context": (scored(plain), plain), "context rolled": (scored(rolled),
                                                                                                  rolled)}
         students = kit.response_logps(student, data, slime_ranks.TEMPERATURE)
@@ -333,7 +333,7 @@ def test_train_actor_with_a_teacher_of_another_tokenizer_equals_float64(slime_cp
         with torch.no_grad():
             shifted = reference(students, same, cross, data, ids, samples, shared, shift=True)
             missed = {name: float(reference(students, same, lt, data, ids, seen, shared))
-                      for name, (lt, seen) in (controls.items() if layout == PRIVILEGED else ())}
+                      for name, (lt, seen) in (controls.items() if layout in PRIVILEGED else ())}
         expected.backward()
     losses = last["losses"][0]
     loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
