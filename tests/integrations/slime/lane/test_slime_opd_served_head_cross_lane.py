@@ -10,7 +10,7 @@ first step's OPD loss and every gradient against the cross lane's float64 refere
 in-process teacher (every bucket whole); the folding reference (a top-k engine's buckets) differs
 from it by far more than the run's error (a negative control). Beside it, the public API on the same
 server (`head_buckets`): every bucket of the rollout's samples against the in-process teacher's.
-And at one rank the same served head with a privileged context (`;context=hint`). Without
+And at one rank and CP=2 the same served head with a privileged context (`;context=hint`). Without
 MRP_VLLM_PYTHON it skips."""
 from __future__ import annotations
 
@@ -51,14 +51,17 @@ def test_train_actor_with_a_served_head_of_another_tokenizer_equals_float64(slim
     assert abs(compared.other - compared.expected) > 100 * max(compared.loss_error, 1e-7)
 
 
-def test_train_actor_with_a_privileged_served_head_of_another_tokenizer_equals_float64(slime_cpu, served):
-    """`;context=hint` on the served head of another tokenizer (one rank): each sample's
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=layouts.mark(*LAYOUTS[name][1]))
+                                    for name in ("pp1", "cp2")])
+def test_train_actor_with_a_privileged_served_head_of_another_tokenizer_equals_float64(slime_cpu, served, layout):
+    """`;context=hint` on the served head of another tokenizer (one rank, CP=2): each sample's
     train_metadata (text through the teacher's tokenizer, or its ids) before the teacher's own
     encoding of the response, against float64 on that sequence; controls: without it, rolled."""
     url, _, teacher_dir = served
     entry = f"{url};engine=vllm;tokenizer={teacher_dir};head={teacher_dir};context=hint"
-    compared = train_and_compare(served, LAYOUTS["pp1"][0], entry, folds=False, privileged=True,
-                                 label="pp1, a snapshot teacher and a privileged served head of another tokenizer")
+    compared = train_and_compare(served, LAYOUTS[layout][0], entry, folds=False, privileged=True,
+                                 label=f"{layout}, a snapshot teacher and a privileged served head of another "
+                                       "tokenizer")
     assert compared.controls is not None and len(compared.controls) == 2
 
 
