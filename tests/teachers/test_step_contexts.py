@@ -230,3 +230,16 @@ def test_slimes_opd_takes_privileged_teachers_of_another_tokenizer_or_layout_and
                           "http://127.0.0.1:9;engine=vllm;head=/ckpt/head;context=solution",
                           "MEGATRON_RL_PATCHES_OPD_K": "vocab"})
     assert whole.full_vocab and [t.context for t in whole.teachers] == ["solution"] * 3
+
+
+def test_a_served_heads_context_is_checked_against_the_heads_vocabulary():
+    """A served teacher with a head (its own tokenizer's vocabulary, here smaller than the
+    student's): its context ids are checked against the head's, before anything is sent."""
+    from megatron_rl_patches.teachers import TeacherHead
+
+    head = TeacherHead(torch.zeros(50, 8), 50, 50, 0, source="in-memory")
+    with ServedTeacher("http://127.0.0.1:9", head=head, top_k=1, context="hint") as teacher:
+        step = TeacherStep([teacher], local_host(64))
+        with pytest.raises(ValueError, match=r"teacher 0's context 'hint'.*holds id 55, past the teacher's "
+                                             r"vocabulary of 50"):
+            step.send(student(), contexts={"hint": [[55], [3]]})

@@ -71,8 +71,9 @@ def test_every_bucket_from_the_served_head_equals_the_in_process_teachers(slime_
     in-process teacher's (the checkpoint built in-process, its float64 forward, its top-k's strings,
     each bucket's ids summed); a top-k engine's buckets (`served_buckets`) fold some (a negative
     control). The same with a privileged context (`cross_with_context`: the teacher's ids before its
-    encoding of each response) against float64 on context + response; its controls (the teacher
-    without the context, the context rolled by one) miss by far."""
+    encoding of each response, and the public teacher step's `send(cross_batch(samples),
+    contexts=...)`) against float64 on context + response; its controls (the teacher without the
+    context, the context rolled by one) miss by far."""
     import slime_kit as kit
     import slime_ranks
 
@@ -82,8 +83,10 @@ def test_every_bucket_from_the_served_head_equals_the_in_process_teachers(slime_
     from megatron_rl_patches.teachers import (
         ServedTeacher,
         TeacherHead,
+        TeacherStep,
         cross_with_context,
         head_buckets,
+        local_host,
         served_buckets,
     )
     from megatron_rl_patches.teachers.head_cross_buckets import cross_batch
@@ -102,6 +105,11 @@ def test_every_bucket_from_the_served_head_equals_the_in_process_teachers(slime_
     head = TeacherHead.from_hf(teacher_dir)
     with ServedTeacher(url, head=head, top_k=k) as teacher:
         scores = {name: teacher.score(cross_batch(sets[name])) for name in ("plain", "privileged")}
+    # the public teacher step: the teacher's own encodings sent with the contexts (`send(contexts=)`)
+    with ServedTeacher(url, head=head, top_k=k, context="hint") as hinted:
+        step = TeacherStep([hinted], local_host(cross_lane.STUDENT_VOCAB))
+        step.send(cross_batch(plain), contexts={"hint": hint_ids(own)})
+        (scores["step"],) = step.collect()
     with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS,
                            "--vocab-size", str(cross_lane.STUDENT_VOCAB)), torch.no_grad():
         (model,) = build_inference_model_from_hf(teacher_dir, dtype=torch.float32)
@@ -136,9 +144,11 @@ def test_every_bucket_from_the_served_head_equals_the_in_process_teachers(slime_
           f"{worst:.2e}; a top-k engine's reply folds {folded}")
     assert alive > 0 and worst < 1e-5
     assert folded > 0
+    stepped = compared(scores["step"], sets["privileged"], denses["privileged"])[0]
     hinted, _, hinted_alive = compared(scores["privileged"], sets["privileged"], denses["privileged"])
     without = compared(scores["privileged"], plain, denses["plain"], strict=False)[0]
     rolled = compared(scores["privileged"], sets["rolled"], denses["rolled"], strict=False)[0]
-    print(f"privileged (context + response): {hinted_alive} buckets, max |Δ| {hinted:.2e}; controls: without the "
-          f"context {without:.2e}, context rolled {rolled:.2e}")
-    assert hinted_alive > 0 and hinted < 1e-5 < 1e-2 < min(without, rolled)
+    print(f"privileged (context + response): {hinted_alive} buckets, max |Δ| {hinted:.2e} (through the teacher "
+          f"step's send(contexts=...): {stepped:.2e}); controls: without the context {without:.2e}, context rolled "
+          f"{rolled:.2e}")
+    assert hinted_alive > 0 and max(hinted, stepped) < 1e-5 < 1e-2 < min(without, rolled)
