@@ -52,3 +52,21 @@ def test_refusals_are_named(samples):
         cross_with_context(samples, [torch.tensor([1, 2, 3]), torch.tensor([1])], max_length=4)
     with pytest.raises(TypeError, match=r"takes the teacher's TeacherSamples"):
         cross_with_context([torch.tensor([1, 2])], [torch.tensor([1])])
+
+
+def test_an_in_process_teacher_of_another_tokenizer_in_the_teacher_step_gets_the_same_sequences(samples):
+    """The teacher step's route (`send(cross_batch(samples), contexts=...)` to an in-process teacher
+    with `context`) hands it `cross_batch(cross_with_context(samples, contexts))`, and its rows come
+    back one per teacher response row."""
+    from megatron_rl_patches.teachers import TeacherStep, local_host
+    from tests.teachers.test_step_contexts import PrefixTeacher
+
+    contexts = [torch.tensor([7, 8, 9]), torch.tensor([4])]
+    teacher = PrefixTeacher("hint")
+    step = TeacherStep([teacher], local_host(1000))
+    step.send(cross_batch(samples), contexts={"hint": contexts})
+    (scores,) = step.collect()
+    want = cross_batch(cross_with_context(samples, contexts))
+    assert [s.tolist() for s in teacher.seen[0].sequences] == [s.tolist() for s in want.sequences]
+    assert teacher.seen[0].response_starts == want.response_starts
+    assert [len(v) for v in scores.token_log_probs] == [s.response_length for s in samples]
