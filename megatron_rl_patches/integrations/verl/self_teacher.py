@@ -20,58 +20,24 @@ on each top-k distillation micro-batch (`distillation_use_topk`, verl's logits-p
 The weights: the micro-batch's, i.e. during verl's actor update each micro-batch is scored by the
 weights that update step starts from (the old log-probs' weights on the first mini-batch of a
 rollout; after an optimizer step, the updated ones). K: the micro-batch's placeholder
-`teacher_ids` width (the agent loop's rows, `placeholder_rows`), else the loss's
+`teacher_ids` width (the agent loop's rows, `self_entry.placeholder_rows`), else the loss's
 `distillation_config.distillation_loss.topk`. Pipeline and context parallelism are refused by name
 (the pass runs one whole model chunk over whole sequences). Every refusal is agreed over the
 tensor-parallel group before the pass's first collective."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-from megatron_rl_patches._variables import OPD_TEACHERS, VERL_TEACHER
 from megatron_rl_patches.integrations.context_fields import field_contexts, tokenizer_vocab
+from megatron_rl_patches.integrations.verl.self_entry import WHO
 from megatron_rl_patches.integrations.verl.vocab import core_model, output_weight, response_starts
 from megatron_rl_patches.processors.heads import output_tp_group
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context import with_context
-from megatron_rl_patches.teachers.kinds import student
 from megatron_rl_patches.teachers.self_teacher import SelfTeacher
-
-WHO = f"verl's live self-teacher ({VERL_TEACHER}='student;context=KEY')"
-FORM = "student;context=KEY[;tokenizer=DIR]"
-
-
-def self_entry() -> tuple[str, str | None] | None:
-    """(KEY, tokenizer DIR or None) when the variable names the live self-teacher, else None; a bad
-    entry refused naming the variable (every rank reads the same variable: the same error)."""
-    raw = os.environ.get(VERL_TEACHER, "").strip()
-    if not raw or not student.recognizes(raw):
-        return None
-    options = [part.strip() for part in raw.split(";")[1:]]
-    tokenizer = next((o.partition("=")[2].strip() for o in options if o.partition("=")[0].strip() == "tokenizer"),
-                     None)
-    rest = ";".join([student.STUDENT] + [o for o in options if o.partition("=")[0].strip() != "tokenizer"])
-    try:
-        key = student.parse(rest).context
-    except ValueError as error:
-        said = str(error).replace(f"{OPD_TEACHERS} entry ", "entry ")  # the slime variable's name: not verl's
-        raise ValueError(f"{VERL_TEACHER}={raw!r}: {said}; the form is {FORM}") from None
-    assert key is not None  # parse requires it
-    if tokenizer == "":
-        raise ValueError(f"{VERL_TEACHER}={raw!r}: tokenizer= needs the teacher's tokenizer directory (the student's: "
-                         f"text contexts are tokenized by it); the form is {FORM}")
-    return key, tokenizer
-
-
-def placeholder_rows(sequence_ids: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What verl's agent loop stores for the live self-teacher: zeros in verl's teacher-row layout
-    ([L, max(k, 1)] int32 ids and float32 log-probs), replaced on the trainer (nothing is asked)."""
-    shape = (len(list(sequence_ids)), max(int(k), 1))
-    return torch.zeros(shape, dtype=torch.int32), torch.zeros(shape)
 
 
 def field_values(batch: Any, key: str) -> list[Any] | None:

@@ -42,6 +42,7 @@ from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches._variables import VERL_TEACHER
 from megatron_rl_patches.integrations.context_fields import field_contexts, tokenizer_vocab
+from megatron_rl_patches.integrations.verl.self_entry import placeholder_rows, self_entry
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context import with_context
 from megatron_rl_patches.teachers.engines.names import check_engine
@@ -208,9 +209,6 @@ async def served_rows(manager: Any, arguments: dict[str, Any], entry: str) -> tu
     check_call(manager, arguments)
     k = served_k(manager)
     sequence = list(arguments["sequence_ids"])
-    # lazy: self_teacher reads vocab, which reads this module
-    from megatron_rl_patches.integrations.verl.self_teacher import placeholder_rows, self_entry
-
     if self_entry() is not None:  # the live self-teacher: scored on the trainer, nothing asked here
         return placeholder_rows(sequence, k)
     read = parse_entry(entry)

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.step_mode import student_invariant
-from megatron_rl_patches.integrations.verl.self_teacher import self_entry, self_taught
+from megatron_rl_patches.integrations.verl.self_entry import self_entry
+from megatron_rl_patches.integrations.verl.self_teacher import self_taught
 from megatron_rl_patches.integrations.verl.vocab import whole_vocabulary_step
 from megatron_rl_patches.ops.invariance import resolve_invariant
 from megatron_rl_patches.ops.topk import topk_ids, topk_kl, topk_logprobs

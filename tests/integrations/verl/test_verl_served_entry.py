@@ -63,7 +63,7 @@ def test_bad_context_options_are_refused_naming_the_variable(entry, message):
 def test_the_live_self_teacher_is_read_for_verls_trainer(entry, read, monkeypatch):
     """`student;context=KEY`: scored on verl's trainer by the student's own model (lane:
     lane/test_verl_self_teacher.py); the served entry's reader points there."""
-    from megatron_rl_patches.integrations.verl.self_teacher import self_entry
+    from megatron_rl_patches.integrations.verl.self_entry import self_entry
 
     monkeypatch.setenv(VARIABLE, entry)
     assert self_entry() == read
@@ -78,7 +78,7 @@ def test_the_live_self_teacher_is_read_for_verls_trainer(entry, read, monkeypatc
     ("student;context=hint;tokenizer=", r"tokenizer= needs the teacher's tokenizer directory"),
 ])
 def test_a_bad_live_self_teacher_entry_is_refused_naming_verls_variable(entry, message, monkeypatch):
-    from megatron_rl_patches.integrations.verl.self_teacher import self_entry
+    from megatron_rl_patches.integrations.verl.self_entry import self_entry
 
     monkeypatch.setenv(VARIABLE, entry)
     with pytest.raises(ValueError, match=message) as refused:
@@ -89,7 +89,7 @@ def test_a_bad_live_self_teacher_entry_is_refused_naming_verls_variable(entry, m
 
 
 def test_the_agent_loop_stores_zero_rows_of_verls_layout_for_the_live_self_teacher():
-    from megatron_rl_patches.integrations.verl.self_teacher import placeholder_rows
+    from megatron_rl_patches.integrations.verl.self_entry import placeholder_rows
 
     ids, log_probs = placeholder_rows([5, 6, 7, 8], 3)
     assert ids.shape == log_probs.shape == (4, 3) and ids.dtype.is_floating_point is False

@@ -183,3 +183,16 @@ def test_verls_live_self_teacher_scores_the_privileged_sequence_exactly(monkeypa
                 assert f"no non-tensor field {KEY!r}" in out["refusal"], out
                 assert "refused on rank(s) [1]" in out["refusal"], out
     assert [out["layout"] for out in results[0]] == [layout["name"] for layout in LAYOUTS]
+
+
+def test_verls_agent_loop_asks_nobody_for_the_live_self_teacher(verl_cpu, monkeypatch):
+    """verl's agent-loop worker and teacher client (real, from verl's generated config; no replica
+    behind it): zero rows of verl's layout, K wide, which the trainer's micro-batch replaces."""
+    from test_verl_served import agent_loop_rows, manager
+
+    import megatron_rl_patches
+
+    monkeypatch.setenv(VARIABLE, f"student;context={KEY}")
+    megatron_rl_patches.apply(only="verl_topk_kd")
+    ids, log_probs = agent_loop_rows(manager(topk=TOPK), [5, 9, 200], [44, 310, 7, 2], fields={KEY: [3, 4]})
+    assert ids.shape == log_probs.shape == (7, TOPK) and not ids.any() and not log_probs.any()
