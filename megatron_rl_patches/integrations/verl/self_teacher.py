@@ -21,7 +21,8 @@ The weights: the micro-batch's, i.e. during verl's actor update each micro-batch
 weights that update step starts from (the old log-probs' weights on the first mini-batch of a
 rollout; after an optimizer step, the updated ones). K: the micro-batch's placeholder
 `teacher_ids` width (the agent loop's rows, `self_entry.placeholder_rows`), else the loss's
-`distillation_config.distillation_loss.topk`. Pipeline and context parallelism are refused by name
+`distillation_config.distillation_loss.topk`. Pipeline and context parallelism and verl's fused route
+(`use_fused_kernels`: no logits processor reads the rows there) are refused by name
 (the pass runs one whole model chunk over whole sequences). Every refusal is agreed over the
 tensor-parallel group before the pass's first collective."""
 from __future__ import annotations
@@ -63,10 +64,14 @@ def topk_width(batch: Any, loss_function: Any) -> int:
     return k
 
 
-def check_layout(core: Any, batch: Any) -> None:
+def check_layout(core: Any, batch: Any, instance: Any) -> None:
     from megatron.core import parallel_state  # lazy: optional dependency megatron-core
     from verl.utils import tensordict_utils as tu  # lazy: optional dependency verl
 
+    fused = getattr(getattr(instance, "engine_config", None), "use_fused_kernels", False)
+    if tu.get_non_tensor_data(batch, "use_fused_kernels", fused):
+        raise ValueError(f"{WHO}: verl's fused route (use_fused_kernels) has no logits processor for the top-k loss "
+                         "to read the teacher's rows in; run the live self-teacher with use_fused_kernels=False")
     if not (getattr(core, "pre_process", True) and getattr(core, "post_process", True)):
         raise ValueError(f"{WHO}: pipeline parallelism is not hosted (the no-grad pass runs one whole model chunk); "
                          "run the live self-teacher at pipeline-parallel size 1, or serve a copy of the student")
@@ -146,7 +151,7 @@ def self_taught(batch: Any, model: Any, instance: Any, loss_function: Any, named
     privileged = None
     k = 0
     try:
-        check_layout(core, batch)
+        check_layout(core, batch, instance)
         vocab = student_vocab(instance, core)
         k = topk_width(batch, loss_function)
         privileged = privileged_batch(batch, key, tokenizer, vocab)

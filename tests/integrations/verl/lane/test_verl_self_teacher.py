@@ -196,3 +196,20 @@ def test_verls_agent_loop_asks_nobody_for_the_live_self_teacher(verl_cpu, monkey
     megatron_rl_patches.apply(only="verl_topk_kd")
     ids, log_probs = agent_loop_rows(manager(topk=TOPK), [5, 9, 200], [44, 310, 7, 2], fields={KEY: [3, 4]})
     assert ids.shape == log_probs.shape == (7, TOPK) and not ids.any() and not log_probs.any()
+
+
+def test_verls_fused_route_is_refused_by_name_before_the_pass(verl_cpu):
+    """verl's fused forward calls no logits processor: nothing would read the teacher's rows."""
+    from verl.utils import tensordict_utils as tu
+
+    from megatron_rl_patches.integrations.verl.self_teacher import self_taught
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    batch = kit.rl_batch(PROMPTS, RESPONSES, distillation_use_topk=True)
+    tu.assign_non_tensor_stack(batch, KEY, [list(c) for c in CONTEXTS])
+    calls = []
+    model = build_packed_gpt(vocab_size=kit.VOCAB, seed=3)
+    model.register_forward_hook(lambda *_: calls.append(1))
+    with pytest.raises(ValueError, match=r"fused route \(use_fused_kernels\).*use_fused_kernels=False"):
+        self_taught(batch, model, kit.engine(True), None, (KEY, None))
+    assert not calls and "teacher_ids" not in batch.keys()
