@@ -25,9 +25,9 @@ verl's dummy row). verl's agent-loop worker reads the sample's fields
 (`AgentLoopWorker._compute_teacher_logprobs`, wrapped to hand them to the teacher client); a
 missing field, text without a tokenizer, ids past the vocabulary, or a sample past the server's
 max model length is refused naming the sample's prompt length and the key, before anything is
-sent. The live self-teacher's entry (`student;context=KEY`) is refused by name: verl scores its
-teacher in the agent loop, where the student's current weights are not (slime, NeMo-RL and the
-public teacher step take it)."""
+sent. The live self-teacher's entry (`student;context=KEY`) is scored on the trainer
+(`self_teacher`): here the agent loop stores zero rows of verl's layout in its place and asks
+nobody."""
 from __future__ import annotations
 
 import asyncio
@@ -42,6 +42,7 @@ from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches._variables import VERL_TEACHER
 from megatron_rl_patches.integrations.context_fields import field_contexts, tokenizer_vocab
+from megatron_rl_patches.integrations.verl.self_entry import placeholder_rows, self_entry
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context import with_context
 from megatron_rl_patches.teachers.engines.names import check_engine
@@ -76,7 +77,9 @@ def parse_entry(entry: str) -> Entry:
         raise ValueError(f"{VERL_TEACHER}={said!r}: the URL carries a user or password; drop it and put the API key "
                          f"in MEGATRON_RL_PATCHES_TEACHER_API_KEY (sent as a bearer token)")
     if student.recognizes(entry):
-        raise student.not_hosted("verl", f"{VERL_TEACHER}={said!r}")
+        raise ValueError(f"{VERL_TEACHER}={said!r}: the live self-teacher ('student;context=KEY') is scored on the "
+                         "trainer by the student's own model, not served: it takes no URL options (head=, engine=); "
+                         "the form is 'student;context=KEY[;tokenizer=DIR]'")
     url, *options = (part.strip() for part in entry.split(";"))
     engine = head = None
     named: dict[str, str] = {}  # context=KEY, tokenizer=DIR
@@ -206,6 +209,8 @@ async def served_rows(manager: Any, arguments: dict[str, Any], entry: str) -> tu
     check_call(manager, arguments)
     k = served_k(manager)
     sequence = list(arguments["sequence_ids"])
+    if self_entry() is not None:  # the live self-teacher: scored on the trainer, nothing asked here
+        return placeholder_rows(sequence, k)
     read = parse_entry(entry)
     context, prompt_length = sample_context(read, sequence) if read.context is not None else (None, 1)
     teacher = served_teacher(entry, max(k, 1))

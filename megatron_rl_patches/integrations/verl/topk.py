@@ -19,6 +19,8 @@ import torch.distributed as dist
 from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.step_mode import student_invariant
+from megatron_rl_patches.integrations.verl.self_entry import self_entry
+from megatron_rl_patches.integrations.verl.self_teacher import self_taught
 from megatron_rl_patches.integrations.verl.vocab import whole_vocabulary_step
 from megatron_rl_patches.ops.invariance import resolve_invariant
 from megatron_rl_patches.ops.topk import topk_ids, topk_kl, topk_logprobs
@@ -170,8 +172,22 @@ def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
     if bound is None or bound.arguments.get("model") is None:
         return wrapped(*args, **kwargs)
     model = bound.arguments["model"]
-    bound.arguments["batch_iter"] = with_mode(bound.arguments["batch_iter"], student_invariant(model))
+    batches = with_mode(bound.arguments["batch_iter"], student_invariant(model))
+    named = self_entry()  # `student;context=KEY`: the live self-teacher's rows in each top-k micro-batch
+    if named is not None:
+        batches = self_teaching(batches, model, instance, bound.arguments.get("logits_processor_func"), named)
+    bound.arguments["batch_iter"] = batches
     return step(*bound.args, **bound.kwargs)
+
+
+def self_teaching(batches: Any, model: Any, instance: Any, loss_function: Any, named: tuple[str, str | None]) -> Any:
+    """verl's micro-batches; each top-k distillation one with the live self-teacher's rows
+    (`self_teacher.self_taught`, a copy)."""
+    from verl.utils import tensordict_utils as tu  # lazy: optional dependency verl
+
+    for batch in batches:
+        use_topk = tu.get_non_tensor_data(batch, "distillation_use_topk", False)
+        yield self_taught(batch, model, instance, loss_function, named) if use_topk else batch
 
 
 def with_mode(batches: Any, invariant: bool) -> Any:

@@ -54,13 +54,43 @@ def test_bad_context_options_are_refused_naming_the_variable(entry, message):
     assert str(refused.value).startswith(f"{VARIABLE}=")
 
 
-@pytest.mark.parametrize("entry", ["student;context=hint", " student ", "student;context=hint;engine=vllm"])
-def test_the_live_self_teacher_is_refused_by_name_naming_the_routes_that_take_it(entry):
-    """verl scores its teacher in the agent loop, where the student's current weights are not."""
-    with pytest.raises(ValueError) as refused:
-        parse_entry(entry)
+@pytest.mark.parametrize("entry, read", [
+    ("student;context=hint", ("hint", None)),
+    (" student ; context = hint ; tokenizer = /ckpt/student ", ("hint", "/ckpt/student")),
+    ("http://student:8000;engine=vllm;context=hint", None),  # a host named so: a served teacher
+    ("", None),
+])
+def test_the_live_self_teacher_is_read_for_verls_trainer(entry, read, monkeypatch):
+    """`student;context=KEY`: scored on verl's trainer by the student's own model (lane:
+    lane/test_verl_self_teacher.py); the served entry's reader points there."""
+    from megatron_rl_patches.integrations.verl.self_entry import self_entry
+
+    monkeypatch.setenv(VARIABLE, entry)
+    assert self_entry() == read
+    if read is not None:
+        with pytest.raises(ValueError, match="scored on the trainer by the student's own model, not served"):
+            parse_entry(entry)
+
+
+@pytest.mark.parametrize("entry, message", [
+    (" student ", r"needs a privileged context, 'student;context=KEY'"),
+    ("student;context=hint;engine=vllm", r"unknown option\(s\) \['engine=vllm'\]"),
+    ("student;context=hint;tokenizer=", r"tokenizer= needs the teacher's tokenizer directory"),
+])
+def test_a_bad_live_self_teacher_entry_is_refused_naming_verls_variable(entry, message, monkeypatch):
+    from megatron_rl_patches.integrations.verl.self_entry import self_entry
+
+    monkeypatch.setenv(VARIABLE, entry)
+    with pytest.raises(ValueError, match=message) as refused:
+        self_entry()
     words = str(refused.value)
-    assert words.startswith(f"{VARIABLE}=") and "the live self-teacher" in words and "not hosted in verl" in words
-    assert "MEGATRON_RL_PATCHES_OPD_TEACHERS='student;context=KEY'" in words and "LoopHost(" in words
-    assert "self_teacher_policy(context=KEY)" in words
-    assert parse_entry("http://student:8000;engine=vllm;context=hint").url == "http://student:8000"  # a host named so
+    assert words.startswith(f"{VARIABLE}=") and "OPD_TEACHERS" not in words
+    assert "student;context=KEY[;tokenizer=DIR]" in words
+
+
+def test_the_agent_loop_stores_zero_rows_of_verls_layout_for_the_live_self_teacher():
+    from megatron_rl_patches.integrations.verl.self_entry import placeholder_rows
+
+    ids, log_probs = placeholder_rows([5, 6, 7, 8], 3)
+    assert ids.shape == log_probs.shape == (4, 3) and ids.dtype.is_floating_point is False
+    assert not ids.any() and not log_probs.any() and placeholder_rows([5, 6], 0)[0].shape == (2, 1)

@@ -1,0 +1,174 @@
+"""verl's live self-teacher: MEGATRON_RL_PATCHES_VERL_TEACHER=`student;context=KEY`.
+
+verl scores its teachers in the agent loop, away from the student's weights; this teacher runs on
+the trainer instead, inside verl's Megatron engine `forward_step` (`topk.forward_step_wrapper`),
+on each top-k distillation micro-batch (`distillation_use_topk`, verl's logits-processor route):
+
+- each sample's privileged context is the micro-batch's non-tensor field KEY (ids, or text through
+  the tokenizer `;tokenizer=DIR` names), followed by the sample's response ids (`with_context`;
+  the response starts where verl's loss mask does, `vocab.response_starts`);
+- before the step's own forward, a pass of the same model chunk over those privileged sequences
+  under `torch.no_grad()` (the student's weights at that micro-batch: no copy, no server, no
+  weight sync; its logits detached, so no gradient flows through the teacher's side) scores each
+  response row as `teachers.SelfTeacher` does: the top-k of the student's whole distribution at
+  temperature 1 (as verl's own teacher rows), vocab-parallel at tensor parallelism;
+- those rows replace the micro-batch's `teacher_ids` / `teacher_logprobs` (in a copy: verl's
+  batch untouched), laid out as verl's agent loop lays them (row r predicts token r + 1, the
+  prompt's rows and the last row zeros), and verl's top-k loss (`verl_topk_kd`'s exact (k+1)-bucket
+  KL: the tail is the rest of the teacher's mass) reads them.
+
+The weights: the micro-batch's, i.e. during verl's actor update each micro-batch is scored by the
+weights that update step starts from (the old log-probs' weights on the first mini-batch of a
+rollout; after an optimizer step, the updated ones). K: the micro-batch's placeholder
+`teacher_ids` width (the agent loop's rows, `self_entry.placeholder_rows`), else the loss's
+`distillation_config.distillation_loss.topk`. Pipeline and context parallelism and verl's fused route
+(`use_fused_kernels`: no logits processor reads the rows there) are refused by name
+(the pass runs one whole model chunk over whole sequences). Every refusal is agreed over the
+tensor-parallel group before the pass's first collective."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_rl_patches.integrations.context_fields import field_contexts, tokenizer_vocab
+from megatron_rl_patches.integrations.verl.self_entry import WHO
+from megatron_rl_patches.integrations.verl.vocab import core_model, output_weight, response_starts
+from megatron_rl_patches.processors.heads import output_tp_group
+from megatron_rl_patches.teachers.agreement import agree_failure
+from megatron_rl_patches.teachers.batch import TeacherBatch
+from megatron_rl_patches.teachers.context import with_context
+from megatron_rl_patches.teachers.self_teacher import SelfTeacher
+
+
+def field_values(batch: Any, key: str) -> list[Any] | None:
+    """The micro-batch's per-sample non-tensor field `key` (None: absent)."""
+    if key not in batch.keys():
+        return None
+    stack = batch.get(key)
+    values = stack.tolist() if hasattr(stack, "tolist") else list(stack)
+    return list(values)
+
+
+def topk_width(batch: Any, loss_function: Any) -> int:
+    """K: the placeholder rows' width, else the loss's distillation config (verl binds it with partial)."""
+    ids = batch.get("teacher_ids", None) if "teacher_ids" in batch.keys() else None
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+        return int(ids.values().shape[-1] if ids.is_nested else ids.shape[-1])
+    config = (getattr(loss_function, "keywords", None) or {}).get("distillation_config")
+    k = getattr(getattr(config, "distillation_loss", None), "topk", None)
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"{WHO}: the micro-batch has no teacher_ids to take K from and the loss names no "
+                         "distillation_config.distillation_loss.topk: configure verl's top-k distillation (use_topk, "
+                         "topk=K)")
+    return k
+
+
+def check_layout(core: Any, batch: Any, instance: Any) -> None:
+    from megatron.core import parallel_state  # lazy: optional dependency megatron-core
+    from verl.utils import tensordict_utils as tu  # lazy: optional dependency verl
+
+    fused = getattr(getattr(instance, "engine_config", None), "use_fused_kernels", False)
+    if tu.get_non_tensor_data(batch, "use_fused_kernels", fused):
+        raise ValueError(f"{WHO}: verl's fused route (use_fused_kernels) has no logits processor for the top-k loss "
+                         "to read the teacher's rows in; run the live self-teacher with use_fused_kernels=False")
+    if not (getattr(core, "pre_process", True) and getattr(core, "post_process", True)):
+        raise ValueError(f"{WHO}: pipeline parallelism is not hosted (the no-grad pass runs one whole model chunk); "
+                         "run the live self-teacher at pipeline-parallel size 1, or serve a copy of the student")
+    if parallel_state.get_context_parallel_world_size() > 1 or tu.get_non_tensor_data(batch, "local_cp_size", None):
+        raise ValueError(f"{WHO}: context parallelism is not hosted (the no-grad pass runs whole sequences); run it "
+                         "without context parallelism")
+
+
+def student_vocab(instance: Any, core: Any) -> int:
+    """The student's real vocabulary: its Hugging Face config's where verl has one, else the output layer's."""
+    padded = int(core.vocab_size)
+    real = getattr(getattr(getattr(instance, "model_config", None), "hf_config", None), "vocab_size", None)
+    return int(real) if isinstance(real, int) and 0 < real <= padded else padded
+
+
+def privileged_batch(batch: Any, key: str, tokenizer: str | None, vocab: int) -> TeacherBatch:
+    """The teacher's batch of the micro-batch: each sample's context under `key`, then its response."""
+    values = field_values(batch, key)
+    ids = batch["input_ids"]
+    if values is None:
+        fields = sorted(k for k in batch.keys() if not isinstance(batch.get(k), torch.Tensor))
+        raise ValueError(f"{WHO}: the micro-batch has no non-tensor field {key!r} (context={key!r}; its non-tensor "
+                         f"fields are {fields}): put each sample's privileged context in that field of verl's batch")
+    if len(values) != ids.shape[0]:
+        raise ValueError(f"{WHO}: the non-tensor field {key!r} holds {len(values)} values for {ids.shape[0]} samples: "
+                         "one context per sample")
+    contexts = field_contexts(values, key, WHO, tokenizer, tokenizer_vocab(tokenizer) if tokenizer else vocab)
+    student_side = TeacherBatch([s.detach().cpu().long() for s in ids.unbind()], response_starts(batch))
+    return with_context(student_side, contexts, vocab_size=vocab)
+
+
+def student_pass(model: Any, sequence_parallel: int) -> Any:
+    """The `StudentPass` of verl's model chunk: each privileged sequence alone, causal, padded at its
+    end to a multiple of `sequence_parallel` (rows after the sequence change none before it); the
+    logits (this rank's vocabulary shard) of its response rows."""
+    device = next(model.parameters()).device
+
+    def run(privileged: TeacherBatch) -> list[torch.Tensor]:
+        out = []
+        for sequence, start in zip(privileged.sequences, privileged.response_starts):
+            n = len(sequence)
+            width = -(-n // sequence_parallel) * sequence_parallel
+            ids = torch.zeros(1, width, dtype=torch.long, device=device)
+            ids[0, :n] = sequence.to(device)
+            causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().logical_not()[None, None]
+            logits = model(ids, torch.arange(width, device=device)[None], causal)
+            out.append(logits[0, start - 1:n - 1].float())
+        return out
+
+    return run
+
+
+def verl_teacher_rows(privileged: TeacherBatch, scores: Any, lengths: list[int], starts: list[int],
+                      k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nested [b, L_i, k] ids (int32) and log-probs (float32) in verl's layout: sample i's response
+    rows from row starts[i] − 1, zeros elsewhere."""
+    ids, log_probs = [], []
+    for sample, (length, start) in enumerate(zip(lengths, starts)):
+        top, values = scores.topk_ids[sample], scores.topk_log_probs[sample]
+        rows_ids = torch.zeros(length, k, dtype=torch.int32)
+        rows = torch.zeros(length, k)
+        rows_ids[start - 1:start - 1 + top.shape[0]] = top.to(torch.int32)
+        rows[start - 1:start - 1 + values.shape[0]] = values.float()
+        ids.append(rows_ids)
+        log_probs.append(rows)
+    return (torch.nested.nested_tensor(ids, layout=torch.jagged),
+            torch.nested.nested_tensor(log_probs, layout=torch.jagged))
+
+
+def self_taught(batch: Any, model: Any, instance: Any, loss_function: Any, named: tuple[str, str | None]) -> Any:
+    """A copy of the micro-batch whose `teacher_ids` / `teacher_logprobs` are the live
+    self-teacher's on the privileged sequences (see the module's note)."""
+    key, tokenizer = named
+    core = core_model(model)
+    group = output_tp_group(core.output_layer)
+    error: Exception | None = None
+    privileged = None
+    k = 0
+    try:
+        check_layout(core, batch, instance)
+        vocab = student_vocab(instance, core)
+        k = topk_width(batch, loss_function)
+        privileged = privileged_batch(batch, key, tokenizer, vocab)
+    except (TypeError, ValueError) as refused:
+        error = refused
+    agree_failure(error, group, own=True)  # every rank's refusal before the pass's first collective
+    assert privileged is not None
+    shards = 1 if group is None else torch.distributed.get_world_size(group)
+    sequence_parallel = shards if getattr(core.config, "sequence_parallel", False) else 1
+    teacher = SelfTeacher(student_pass(model, sequence_parallel), vocab, k, context=key, temperature=1.0,
+                          tp_group=group, padded_vocab_size=int(output_weight(core).shape[0]) * shards)
+    scores = teacher.score(privileged)
+    ids = batch["input_ids"]
+    lengths = [int(n) for n in ids.offsets().diff().tolist()]
+    teacher_ids, teacher_log_probs = verl_teacher_rows(privileged, scores, lengths, response_starts(batch), k)
+    device = ids.device
+    marked = batch.copy()
+    marked["teacher_ids"] = teacher_ids.to(device)
+    marked["teacher_logprobs"] = teacher_log_probs.to(device)
+    return marked
