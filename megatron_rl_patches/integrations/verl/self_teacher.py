@@ -105,20 +105,25 @@ def privileged_batch(batch: Any, key: str, tokenizer: str | None, vocab: int) ->
 
 def student_pass(model: Any, sequence_parallel: int) -> Any:
     """The `StudentPass` of verl's model chunk: each privileged sequence alone, causal, padded at its
-    end to a multiple of `sequence_parallel` (rows after the sequence change none before it); the
-    logits (this rank's vocabulary shard) of its response rows."""
+    end to a multiple of `sequence_parallel` (rows after the sequence change none before it), in eval
+    mode (the chunk's mode restored after); the logits (this rank's vocabulary shard) of its response rows."""
     device = next(model.parameters()).device
 
     def run(privileged: TeacherBatch) -> list[torch.Tensor]:
         out = []
-        for sequence, start in zip(privileged.sequences, privileged.response_starts):
-            n = len(sequence)
-            width = -(-n // sequence_parallel) * sequence_parallel
-            ids = torch.zeros(1, width, dtype=torch.long, device=device)
-            ids[0, :n] = sequence.to(device)
-            causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().logical_not()[None, None]
-            logits = model(ids, torch.arange(width, device=device)[None], causal)
-            out.append(logits[0, start - 1:n - 1].float())
+        training = model.training
+        model.eval()  # a teacher's pass: no dropout, whatever the student's update configures
+        try:
+            for sequence, start in zip(privileged.sequences, privileged.response_starts):
+                n = len(sequence)
+                width = -(-n // sequence_parallel) * sequence_parallel
+                ids = torch.zeros(1, width, dtype=torch.long, device=device)
+                ids[0, :n] = sequence.to(device)
+                causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().logical_not()[None, None]
+                logits = model(ids, torch.arange(width, device=device)[None], causal)
+                out.append(logits[0, start - 1:n - 1].float())
+        finally:
+            model.train(training)
         return out
 
     return run
