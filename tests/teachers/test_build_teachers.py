@@ -93,12 +93,47 @@ def test_an_in_process_kind_is_the_hosts_to_build(student, tmp_path):
     assert built == [(parse_entry(f"{tmp_path}/ckpt"), 2, 1.0)]
 
 
+class Closing:
+    """A host's teacher that notes being closed."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_failed_build_closes_the_teachers_built_before_it():
+    built: list[Closing] = []
+
+    def build_teacher(entry, options):
+        if entry.path.endswith("broken"):
+            raise OSError("no such checkpoint")
+        built.append(Closing())
+        return built[-1]
+
+    with pytest.raises(OSError, match="no such checkpoint"):
+        build_teachers("/ckpt/a,/ckpt/broken", LoopHost(WORDS, build_teacher=build_teacher), top_k=2)
+    assert [teacher.closed for teacher in built] == [True]
+
+
+def test_a_host_teacher_without_a_context_attribute_is_refused_by_name():
+    class Fixed:
+        __slots__ = ()
+
+    with pytest.raises(TypeError, match=r"^build_teachers: entry '/ckpt/t' has ';context=hint', but the host's teacher "
+                                        r"\(Fixed\) takes no `context` attribute: give it one \(the teacher step "
+                                        r"reads it\)$"):
+        build_teachers("/ckpt/t;context=hint", LoopHost(WORDS, build_teacher=lambda entry, options: Fixed()), top_k=2)
+
+
 @pytest.mark.parametrize(("entries", "options", "error", "words"), [
     ("{url};engine=vllm", {}, ValueError,
      r"pass build_teachers\(student_tokenizer=\.\.\.\).*';same_tokenizer;vocab=N'"),
     ("{url};engine=vllm;tokenizer={student}", {"student_tokenizer": True}, ValueError,
      r"';tokenizer=.*another tokenizer than the student's.*';head=DIR'"),
-    ("{url};engine=vllm", {"top_k": 0, "student_tokenizer": True}, ValueError, r"build_teachers\(top_k=\.\.\.\)"),
+    ("{url};engine=vllm", {"top_k": 0, "student_tokenizer": True}, ValueError,
+     r"build_teachers\(top_k=\.\.\.\) must be a positive int \(the teachers' buckets per row\), got 0"),
     ("{url};engine=vllm", {"temperature": -1.0, "student_tokenizer": True}, ValueError,
      r"build_teachers\(temperature=-1\.0\)"),
     ("", {}, ValueError, r"names no teacher"),

@@ -97,3 +97,4 @@ def test_nemo_rls_whole_vocabulary_route_with_a_mask_marking_nothing(server, mon
     states = out["teacher_hidden_states"]
     assert states.shape == (2, 4, H) and states.dtype == torch.bfloat16 and not states.any()
     assert data["teacher_hidden_states"] is states and out["topk_logits"].shape == (2, 4, K)
+    assert torch.equal(out["topk_indices"], torch.arange(K).expand(2, 4, K))  # no row read: ids 0 .. K−1

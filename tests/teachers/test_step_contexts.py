@@ -172,10 +172,20 @@ def test_build_teachers_carries_the_entrys_key():
     assert built.context == "solution"
 
 
+def model_parallel_pass(teacher: PrefixTeacher, batch: TeacherBatch) -> BatchScores:
+    """An in-process teacher's pass with a collective over the job, as a model-parallel one has:
+    a rank that skipped it while another ran it would be left waiting."""
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.zeros(1))
+    return teacher.score(batch)
+
+
 def rank_missing_key(rank: int, world_size: int, url: str) -> dict:
     import torch.distributed as dist
 
-    host = LoopHost(vocab_size=12, share_group=dist.group.WORLD, job_group=dist.group.WORLD)
+    host = LoopHost(vocab_size=12, share_group=dist.group.WORLD, job_group=dist.group.WORLD,
+                    teacher_pass=model_parallel_pass)
     out: dict = {}
     with ServedTeacher(url, "vllm", top_k=K, context="hint") as served:
         step = TeacherStep([PrefixTeacher(), served, PrefixTeacher("hint")], host)

@@ -285,13 +285,27 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="vocab_size"):
         LoopHost(vocab_size=0)
     step = TeacherStep([RankTeacher(0)], host)
-    with pytest.raises(RuntimeError, match="nothing sent"):
+    with pytest.raises(RuntimeError, match=r"^TeacherStep\.collect: nothing sent: call send\(batch\) first$"):
         step.collect()
     with pytest.raises(TypeError, match="takes a TeacherBatch"):
         step.send([torch.tensor([1, 2])])
     step.send(batch())
     with pytest.raises(RuntimeError, match="not collected"):
         step.send(batch())
+
+
+class WarmTeacher(RankTeacher):
+    temperature = 0.7
+
+
+def test_the_plan_is_each_teachers_temperature_and_a_different_one_is_refused():
+    host = local_host(12)
+    assert TeacherStep([WarmTeacher(0)], host).plan == StepPlan(K, 0.7)
+    differ = r"the teachers' \(top_k, temperature\) differ \(\[\(4, 0\.7\), \(4, 1\.0\)\]\)"
+    with pytest.raises(ValueError, match=differ):
+        TeacherStep([WarmTeacher(0), RankTeacher(0)], host)
+    with pytest.raises(ValueError, match=r"scores top_k=4 at temperature 0\.7, the plan asks top_k=4 at 1\.0"):
+        TeacherStep([WarmTeacher(0)], host, StepPlan(K))
 
 
 H = 8

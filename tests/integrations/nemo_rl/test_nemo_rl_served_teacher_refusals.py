@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_rl_patches.integrations.nemo_rl import ServedTeacherPolicy, served_teacher_in_setup, served_teacher_policy
-from megatron_rl_patches.integrations.nemo_rl.served_teacher import filler, rows_of
+from megatron_rl_patches.integrations.nemo_rl.served_teacher import filler, rows_of, states_of
 
 NOWHERE = "http://127.0.0.1:9"  # the discard port: nothing is asked before the checks
 
@@ -34,7 +34,7 @@ def test_a_policy_takes_a_served_teacher_only():
 
 @pytest.mark.parametrize("change,error,match", [
     ({"input_ids": None}, ValueError, "no 'input_ids'"),
-    ({"input_ids": torch.zeros(2, 5)}, TypeError, r"\[B, S\] integer"),
+    ({"input_ids": torch.zeros(2, 5)}, TypeError, r"\[B, S\] integer tensor, got torch\.Size\(\[2, 5\]\)"),
     ({"input_lengths": torch.tensor([4])}, TypeError, r"\[B\] = \[2\]"),
     ({"input_lengths": torch.tensor([4, 6])}, ValueError, r"\[1, 5\]"),
     ({"token_mask": [[0, 0, 1, 1, 0], [0, 1, 1, 1, 1]]}, TypeError, r"data\['token_mask'\] must be a \[B, S\] = "
@@ -59,6 +59,15 @@ def test_rows_start_at_the_first_masked_token_and_without_a_mask_at_one():
     data = _data()
     del data["token_mask"]
     assert rows_of(data)[2] == [1, 1]
+
+
+def test_the_edges_of_a_batch_nemo_rl_sends_are_taken():
+    """A sample of one token (nothing to score), a 0 / 1 mask in floats, a batch without samples."""
+    _, lengths, starts = rows_of(_data(input_lengths=torch.tensor([1, 5])))
+    assert lengths.tolist() == [1, 5] and starts == [1, 1]
+    assert rows_of(_data(token_mask=_data()["token_mask"].float()))[2] == [2, 1]
+    empty = states_of([], [], 3)
+    assert empty.shape == (0, 3, 0) and empty.dtype == torch.float32
 
 
 def test_unread_rows_are_finite_log_probs_that_leave_a_tail():
@@ -103,7 +112,9 @@ def test_in_setup_a_teacher_temperature_the_server_cannot_give_is_refused_by_nam
 
 
 def test_full_vocabulary_needs_a_head_and_a_bool():
-    with pytest.raises(ValueError, match=r"full_vocabulary=True\) needs a teacher with a head.*pooling server"):
+    with pytest.raises(ValueError, match=r"^ServedTeacherPolicy\(full_vocabulary=True\) needs a teacher with a head "
+                                         r"\(served_teacher_policy\(url, head=DIR, full_vocabulary=True\) against a "
+                                         r"vLLM pooling server\)"):
         served_teacher_policy(NOWHERE, full_vocabulary=True)
     with pytest.raises(TypeError, match=r"full_vocabulary=\.\.\.\) must be True or False"):
         served_teacher_policy(NOWHERE, full_vocabulary=1)  # type: ignore[arg-type]
