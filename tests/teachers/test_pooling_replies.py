@@ -180,6 +180,10 @@ def test_score_arguments_are_refused_before_anything_is_sent(head):
     """Nothing listens at URL: a refusal here comes before any request."""
     batch = TeacherBatch([torch.arange(6), torch.arange(4)], [2, 4])
     with ServedTeacher(URL, head=head, client=ClientSettings(retries=0, deadline_s=5)) as teacher:
+        for ids, shown in ((torch.zeros(2, 4, 2), "Tensor"), ([torch.zeros(4, 2, dtype=torch.long)], "list of 1")):
+            with pytest.raises(TypeError, match=r"score\(ids=...\) must be a list of 2 id tensors \[R_i, k\] \(one per "
+                                                rf"sample: the ids to score on each response row\), got {shown}$"):
+                teacher.score(batch, ids=ids)
         with pytest.raises(ValueError, match="sample 0's ids must be an integer tensor \\[4, k\\]"):
             teacher.score(batch, ids=[torch.zeros(3, 2, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long)])
         with pytest.raises(ValueError, match="sample 0 holds ids outside \\[0, 50\\)"):
