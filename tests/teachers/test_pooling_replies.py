@@ -58,12 +58,13 @@ def test_only_the_response_rows_are_decoded_bit_for_bit():
     (lambda s: reply(s.index_fill(0, torch.tensor([5]), float("nan"))), "row 2 \\(position 5\\) is not finite"),
     (lambda s: SimpleNamespace(headers={}, content=b""), "no binary pooling metadata"),
     (lambda s: SimpleNamespace(headers={"metadata": "{}"}, content=b""), "no binary pooling metadata"),
+    (lambda s: SimpleNamespace(headers={"metadata": "{not json"}, content=b""), "the reply's metadata header "),
 ])
 def test_bad_replies_are_refused_naming_the_sample(make, words):
     states = torch.randn(9, 8, generator=torch.Generator().manual_seed(1))
     with pytest.raises(ServedTeacherError, match=f"\\(sample 3\\): .*{words}") as caught:
         engine(8).rows(make(states), 9, 4, 3)
-    assert caught.value.sample == 3
+    assert (caught.value.url, caught.value.sample) == (URL, 3)
 
 
 def test_every_non_finite_row_is_found_and_finite_extremes_pass():
