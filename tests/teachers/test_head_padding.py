@@ -5,6 +5,7 @@ the slime lane's served-head K=vocab world at TP=2 with SP.)"""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -58,7 +59,7 @@ def _two_ranks(rank: int, world: int, cases: list[list]) -> list[dict]:
     import torch.distributed as dist
 
     group = dist.group.WORLD
-    out = []
+    out: list[dict[str, Any]] = []
     for case in cases:
         padded = case[2] if rank and len(case) > 2 else 8
         rows = padded // 2

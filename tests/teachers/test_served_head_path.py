@@ -38,6 +38,10 @@ def pooling(body):
     return 200, (raw, {"metadata": json.dumps({"data": [item]})})
 
 
+def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def server():
     with vllm_like(pooling=pooling) as running:
@@ -57,14 +61,13 @@ def test_scores_at_the_heads_temperature_equal_float64_over_the_served_states(se
         assert torch.equal(scores.hidden_states[i], states)  # row r: the state before token start + r
         logp = torch.log_softmax(states.double() @ weight.T / TAU, dim=1)
         top = logp.topk(K, dim=1)
-        close = {"atol": 1e-5, "rtol": 0}
-        torch.testing.assert_close(scores.token_log_probs[i], logp.gather(1, ids[start:, None])[:, 0], **close)
+        close(scores.token_log_probs[i], logp.gather(1, ids[start:, None])[:, 0])
         assert torch.equal(scores.topk_ids[i], top.indices)
-        torch.testing.assert_close(scores.topk_log_probs[i], top.values, **close)
-        torch.testing.assert_close(scores.tail_log_probs[i], torch.log1p(-top.values.exp().sum(1)), **close)
+        close(scores.topk_log_probs[i], top.values)
+        close(scores.tail_log_probs[i], torch.log1p(-top.values.exp().sum(1)))
         at = logp.gather(1, given[i])
-        torch.testing.assert_close(scores.ids_log_probs[i], at, **close)
-        torch.testing.assert_close(scores.ids_tail_log_probs[i], torch.log1p(-at.exp().sum(1)), **close)
+        close(scores.ids_log_probs[i], at)
+        close(scores.ids_tail_log_probs[i], torch.log1p(-at.exp().sum(1)))
     assert scores.hidden_states[1].shape == (0, H) and scores.hidden_states[1].dtype == torch.float32
     asked = next(body for path, body in server.bodies if path == "/pooling" and body["input"] == [6, 4, 10, 2])
     assert asked == {"model": "m", "input": [6, 4, 10, 2], "task": "token_embed", "use_activation": False,
