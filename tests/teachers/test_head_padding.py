@@ -4,6 +4,9 @@ padding already agrees, and a padding that cannot hold the real rows refused. (O
 the slime lane's served-head K=vocab world at TP=2 with SP.)"""
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import pytest
 import torch
 
@@ -26,14 +29,22 @@ def test_the_real_rows_stay_and_the_padding_is_zero(padded):
     assert head_padded_as(head, 8) is head
 
 
+BELOW = ("head_padded_as(padded_vocab_size=4): a teacher head of 5 real rows (/dirs/teacher) cannot be padded to 4 "
+         "rows over 1 tensor-parallel ranks: the student's padded vocabulary must hold the teacher's real one and "
+         "split evenly over its tensor-parallel group")
+
+
 def test_a_padding_below_the_real_vocabulary_is_refused_naming_the_head():
-    with pytest.raises(ValueError, match=r"5 real rows \(/dirs/teacher\) cannot be padded to 4 rows"):
+    with pytest.raises(ValueError) as caught:
         head_padded_as(_head(5, 8), 4)
+    assert str(caught.value) == BELOW
 
 
-@pytest.mark.parametrize("asked", [128.0, "128", None, True, torch.tensor(128)])
-def test_a_padded_size_that_is_no_int_is_refused_naming_the_argument(asked):
-    with pytest.raises(TypeError, match=r"head_padded_as\(padded_vocab_size=\.\.\.\) must be an int .*got "):
+@pytest.mark.parametrize(("asked", "shown"), [(128.0, "float 128.0"), ("128", "str '128'"), (None, "NoneType None"),
+                                              (True, "bool True"), (torch.tensor(128), "Tensor tensor(128)")])
+def test_a_padded_size_that_is_no_int_is_refused_naming_the_argument(asked, shown):
+    with pytest.raises(TypeError, match=r"head_padded_as\(padded_vocab_size=\.\.\.\) must be an int .*got "
+                                        + re.escape(shown) + "$"):
         head_padded_as(_head(5, 8), asked)
 
 
@@ -44,17 +55,18 @@ def test_a_padded_size_below_the_real_vocabulary_names_the_argument(asked):
 
 
 def _two_ranks(rank: int, world: int, cases: list[list]) -> list[dict]:
-    """Each case's size asked by rank 0 and rank 1, in one world."""
+    """Each case's size asked by rank 0 and rank 1 (and rank 1's head padded to the third, else 8), in one world."""
     import torch.distributed as dist
 
-    whole = _head(5, 8)
     group = dist.group.WORLD
-    shard = TeacherHead(whole.weight[rank * 4:(rank + 1) * 4].clone(), 5, 8, rank * 4, tp_group=group,
-                        source="/dirs/teacher")
-    out = []
-    for asked in cases:
+    out: list[dict[str, Any]] = []
+    for case in cases:
+        padded = case[2] if rank and len(case) > 2 else 8
+        rows = padded // 2
+        shard = TeacherHead(_head(5, padded).weight[rank * rows:(rank + 1) * rows].clone(), 5, padded, rank * rows,
+                            tp_group=group, source="/dirs/teacher")
         try:
-            cut = head_padded_as(shard, asked[rank])
+            cut = head_padded_as(shard, case[rank])
         except (TypeError, ValueError) as error:
             out.append({"error": f"{type(error).__name__}: {error}"})
             continue
@@ -62,19 +74,25 @@ def _two_ranks(rank: int, world: int, cases: list[list]) -> list[dict]:
     return out
 
 
+GROUP = "the teacher head's tensor-parallel group [0, 1]"
+
+
 def test_over_two_ranks_each_shard_is_its_part_and_a_rank_asking_another_size_fails_on_both():
     """The shards gathered once, each rank keeping its rows of the single-rank cut; the sizes agreed
-    before the gather: a rank asking 16 beside one asking 8 (which alone returns at once), or one
-    asking "16" (no int), is the same error on both ranks, not a wait in the gather."""
+    before the gather: a rank asking 16 beside one asking 8 (which alone returns at once), one asking
+    "16" (no int), or a rank whose head is already padded to 16 beside one padded to 8 (which alone
+    would gather), is the same error on both ranks, not a wait in the gather."""
     from megatron_rl_patches.testing.multirank import run_multirank
 
-    ranks = run_multirank(_two_ranks, 2, [[16, 16], [16, 8], [16, "16"]])
+    ranks = run_multirank(_two_ranks, 2, [[16, 16], [16, 8], [16, "16"], [16, 16, 16]])
     whole = head_padded_as(_head(5, 8), 16).weight
-    for rank, (out, _, _) in enumerate(ranks):
+    for rank, (out, *_) in enumerate(ranks):
         assert out["first"] == rank * 8 and torch.equal(out["weight"], whole[rank * 8:(rank + 1) * 8])
-    mixed = [outs[1] for outs in ranks]
-    assert all("padded_vocab_size" in out.get("error", "") for out in mixed), mixed
-    assert mixed[0]["error"] == mixed[1]["error"]
-    typed = [outs[2] for outs in ranks]
-    assert typed[0]["error"] == typed[1]["error"] and typed[0]["error"].startswith("TypeError: "), typed
-    assert "head_padded_as(padded_vocab_size=...) must be an int" in typed[0]["error"], typed
+    for case, words in ((1, f"ValueError: head_padded_as: padded_vocab_size differs between the ranks of {GROUP} "
+                            "(rank 0: 16, rank 1: 8): pass the same padded_vocab_size on every rank"),
+                        (2, "TypeError: head_padded_as(padded_vocab_size=...) must be an int (the student's padded "
+                            "vocabulary: its output layer's rows over the tensor-parallel group), got str '16' "
+                            f"[head_padded_as: refused on rank(s) [1] of {GROUP}, so on every rank]"),
+                        (3, f"ValueError: head_padded_as: head_padded_vocab_size differs between the ranks of {GROUP} "
+                            "(rank 0: 8, rank 1: 16): pass the same head_padded_vocab_size on every rank")):
+        assert [outs[case].get("error") for outs in ranks] == [words] * 2

@@ -66,6 +66,7 @@ def test_samples_of_no_rows_give_float64_scores_of_their_shapes(server):
                    scores.tail_log_probs):
         assert [t.dtype for t in values] == [torch.float64] * 2
     assert [t.shape for t in scores.ids_log_probs] == [(0, 2)] * 2
+    assert [(t.shape, t.dtype) for t in scores.topk_ids] == [((0, K), torch.int64)] * 2
     assert [t.shape for t in scores.hidden_states] == [(0, H)] * 2
 
 

@@ -58,12 +58,13 @@ def test_only_the_response_rows_are_decoded_bit_for_bit():
     (lambda s: reply(s.index_fill(0, torch.tensor([5]), float("nan"))), "row 2 \\(position 5\\) is not finite"),
     (lambda s: SimpleNamespace(headers={}, content=b""), "no binary pooling metadata"),
     (lambda s: SimpleNamespace(headers={"metadata": "{}"}, content=b""), "no binary pooling metadata"),
+    (lambda s: SimpleNamespace(headers={"metadata": "{not json"}, content=b""), "the reply's metadata header "),
 ])
 def test_bad_replies_are_refused_naming_the_sample(make, words):
     states = torch.randn(9, 8, generator=torch.Generator().manual_seed(1))
     with pytest.raises(ServedTeacherError, match=f"\\(sample 3\\): .*{words}") as caught:
         engine(8).rows(make(states), 9, 4, 3)
-    assert caught.value.sample == 3
+    assert (caught.value.url, caught.value.sample) == (URL, 3)
 
 
 def test_every_non_finite_row_is_found_and_finite_extremes_pass():
@@ -180,6 +181,10 @@ def test_score_arguments_are_refused_before_anything_is_sent(head):
     """Nothing listens at URL: a refusal here comes before any request."""
     batch = TeacherBatch([torch.arange(6), torch.arange(4)], [2, 4])
     with ServedTeacher(URL, head=head, client=ClientSettings(retries=0, deadline_s=5)) as teacher:
+        for ids, shown in ((torch.zeros(2, 4, 2), "Tensor"), ([torch.zeros(4, 2, dtype=torch.long)], "list of 1")):
+            with pytest.raises(TypeError, match=r"score\(ids=...\) must be a list of 2 id tensors \[R_i, k\] \(one per "
+                                                rf"sample: the ids to score on each response row\), got {shown}$"):
+                teacher.score(batch, ids=ids)
         with pytest.raises(ValueError, match="sample 0's ids must be an integer tensor \\[4, k\\]"):
             teacher.score(batch, ids=[torch.zeros(3, 2, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long)])
         with pytest.raises(ValueError, match="sample 0 holds ids outside \\[0, 50\\)"):

@@ -4,6 +4,7 @@ gloo, against the output-layer shard the package's own builder gives the student
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -84,7 +85,9 @@ def test_bad_arguments_are_named(saved, tmp_path):
         TeacherHead.from_hf(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="a file; pass the checkpoint directory"):
         TeacherHead.from_hf(root / "untied" / "config.json")
-    with pytest.raises(ValueError, match="tp_group"):
+    words = ("TeacherHead.from_hf(tp_group=...) needs torch.distributed initialized (the student's tensor-parallel "
+             "group), or tp_group=None for the whole vocabulary on this rank")
+    with pytest.raises(ValueError, match=re.escape(words)):
         TeacherHead.from_hf(root / "untied", tp_group=object())  # torch.distributed is not initialized here
 
 
@@ -112,6 +115,55 @@ def test_a_checkpoint_without_its_output_layer_is_named(saved, tmp_path):
     write_safetensors(copy / "model.safetensors", state)
     with pytest.raises(ValueError, match="holds no lm_head.weight"):
         TeacherHead.from_hf(copy)
+    config = json.loads((root / "untied" / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    write_safetensors(copy / "model.safetensors", {k: v for k, v in state.items() if "embed_tokens" not in k})
+    words = ("holds no lm_head.weight or the tied embedding (model.embed_tokens.weight / "
+             "model.language_model.embed_tokens.weight / language_model.model.embed_tokens.weight) (config.json's "
+             "tie_word_embeddings=True)")
+    with pytest.raises(ValueError, match=re.escape(words)):
+        TeacherHead.from_hf(copy)
+
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16, torch.float64])
+def test_without_a_dtype_in_config_json_the_tensors_own_is_kept(saved, tmp_path, stored):
+    from megatron_rl_patches.testing.hf_checkpoints import write_safetensors
+
+    root, models = saved
+    config = json.loads((root / "untied" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                      if k not in ("dtype", "torch_dtype")}))
+    weight = models["untied"].lm_head.weight.detach().to(stored)
+    write_safetensors(tmp_path / "model.safetensors", {"lm_head.weight": weight.contiguous()})
+    head = TeacherHead.from_hf(tmp_path)
+    assert head.dtype == stored and head.checkpoint_dtype == stored and torch.equal(head.weight, weight)
+
+
+def test_a_config_json_dtype_named_torch_dot_and_an_integer_weight(saved, tmp_path):
+    """config.json's "torch.float16" (as torch writes a dtype) is float16; an int8 output layer is refused by name."""
+    from safetensors.torch import save_file
+
+    from megatron_rl_patches.testing.hf_checkpoints import write_safetensors
+
+    root, models = saved
+    config = json.loads((root / "untied" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": "torch.float16", "torch_dtype": None}))
+    weight = models["untied"].lm_head.weight.detach().contiguous()
+    write_safetensors(tmp_path / "model.safetensors", {"lm_head.weight": weight})
+    assert TeacherHead.from_hf(tmp_path).checkpoint_dtype == torch.float16
+    save_file({"lm_head.weight": weight.to(torch.int8)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=re.escape("'s lm_head.weight is I8; the head is read from a F64 / F32 / F16 "
+                                                   "/ BF16 checkpoint only (dequantize it first)")):
+        TeacherHead.from_hf(tmp_path)
+
+
+@pytest.mark.parametrize(("hidden", "shown"), [([[0.0] * 32], "list"), (torch.zeros(2, 31), "(2, 31)"),
+                                               (torch.zeros(32), "(32,)")])
+def test_hidden_states_of_another_shape_are_refused_by_name(hidden, shown):
+    head = TeacherHead(torch.zeros(5, 32), 5, 5, 0)
+    with pytest.raises(ValueError, match=re.escape(f"hidden must be [R, 32] (the teacher's final hidden states, this "
+                                                   f"head's width), got {shown}")):
+        head.token_log_probs(hidden, torch.zeros(1, dtype=torch.long))
 
 
 def _states(model, length: int = 40, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
