@@ -68,6 +68,9 @@ def rank_heads(rank: int, world_size: int, paths: dict) -> dict:
 
     world = dist.group.WORLD
     out = {"tp": outcome(lambda: TeacherHead.from_hf(paths["A"] if rank == 0 else paths["B"], tp_group=world))}
+    # one checkpoint, another dtype asked on rank 1: the agreement names the differing fact
+    out["dtype"] = outcome(lambda: TeacherHead.from_hf(paths["A"], tp_group=world,
+                                                       dtype=torch.float32 if rank == 0 else torch.bfloat16))
     copy = TeacherHead.from_hf(paths["A"] if rank == 0 else paths["A_copy"], tp_group=world)
     out["tp_copy"] = (copy.weight.clone(), copy.first_id)
     out["step"] = step_outcome(paths["A"], paths["B"], rank)
@@ -107,6 +110,12 @@ def test_ranks_holding_different_heads_are_refused_alike_on_every_rank(heads):
         assert said[0] == said[1], case  # the same error on both ranks: rank 1 never raises alone
         assert "different teacher heads" in said[0] and heads[a] in said[0] and heads[b] in said[0], (case, said[0])
     assert "hidden 24" in ranks[0]["widths"] and "hidden 16" in ranks[0]["widths"]
+    assert ranks[0]["tp"].startswith("ValueError: TeacherHead.from_hf: the ranks of the tensor-parallel group hold "
+                                     "different teacher heads"), ranks[0]["tp"]
+    for result in ranks:  # the differing fact named on both ranks, with each rank's value
+        assert result["dtype"] == ("ValueError: TeacherHead.from_hf: dtype differs between the ranks of the "
+                                   "tensor-parallel group [0, 1] (rank 0: torch.float32, rank 1: torch.bfloat16): "
+                                   "pass the same dtype on every rank"), result["dtype"]
     for result in ranks:
         assert f"vocabulary of {V}, larger than the student's 256" in result["off_stage"], result["off_stage"]
     # the positive control: a copy of A at another path agrees (a TP head of A's rows on both ranks)
