@@ -8,7 +8,9 @@ for bit and only the splice added); contexts of several lengths (random ids) in 
 prompt. Per case: the tokens the teacher's forward runs (context + response per sample), the
 response rows scored (the same in every case), the step's time (send + collect; the cases
 interleaved, one step each per round after a warm-up round: median and min-max spread, and
-`vs_without` = the median over rounds of the time over the no-context step's in the same round),
+`vs_without` = the median over rounds of the time over the no-context step's in the same round;
+the same for the process's CPU time, one torch thread: `cpu_ms`, `cpu_vs_without`, which a shared
+machine's other jobs move far less than the wall time),
 the time of building the teacher's batch alone (`with_context`, median) and the largest |difference|
 of the scores from the no-context case's (0 for the control)."""
 # lazy imports: import cost: torch and megatron-core load when a benchmark runs
@@ -30,7 +32,7 @@ QUICK: dict[str, Any] = {
     "contexts": (4, 16), "top_k": 4, "rounds": 1}
 WITHOUT, CONTROL = "no context", "context = the sample's own prompt"
 COLUMNS = ("case", "context_tokens", "teacher_tokens", "response_rows", "tokens_vs_without", "step_ms", "spread_ms",
-           "vs_without", "splice_ms", "max_abs_diff", "note")
+           "vs_without", "cpu_ms", "cpu_vs_without", "splice_ms", "max_abs_diff", "note")
 
 
 def label(length: int) -> str:
@@ -67,6 +69,8 @@ def max_diff(scores: Any, reference: Any) -> float:
 
 def measure(plan: dict) -> list[dict]:
     """One row per case, the cases interleaved one step each per round after a warm-up round."""
+    import torch
+
     from megatron_rl_patches.apps.bench.gpt_teacher import GptTeacher
     from megatron_rl_patches.teachers import TeacherStep, local_host, with_context
     from megatron_rl_patches.testing.megatron_cpu import build_tiny_gpt, megatron_world, tiny_gpt_config
@@ -74,6 +78,8 @@ def measure(plan: dict) -> list[dict]:
     batch = student_batch(plan)
     cases = case_contexts(plan, batch)
     longest = plan["response"] + max(plan["prompt"], *plan["contexts"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread, as every benchmark case: its CPU time is the step's work
     with megatron_world("cpu"):
         config = tiny_gpt_config(num_layers=plan["layers"], hidden_size=plan["hidden"],
                                  num_attention_heads=plan["heads"])
@@ -83,22 +89,25 @@ def measure(plan: dict) -> list[dict]:
                                                None if contexts is None else "hint")], host)
                  for case, contexts in cases.items()}
         seconds: dict[str, list[float]] = {case: [] for case in cases}
+        cpu: dict[str, list[float]] = {case: [] for case in cases}
         splice: dict[str, list[float]] = {case: [] for case in cases}
         scores: dict[str, Any] = {}
         for round_index in range(plan["rounds"] + 1):
             for case, contexts in cases.items():
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.process_time()
                 steps[case].send(batch, contexts=None if contexts is None else {"hint": contexts})
                 (scores[case],) = steps[case].collect()
-                took = time.perf_counter() - started
+                took, cpu_took = time.perf_counter() - started, time.process_time() - cpu_started
                 if contexts is not None:
                     started = time.perf_counter()
                     with_context(batch, contexts, vocab_size=plan["vocab"])
                     splice[case].append(time.perf_counter() - started)
                 if round_index:  # the first round warms up
                     seconds[case].append(took)
+                    cpu[case].append(cpu_took)
+    torch.set_num_threads(threads)
     rows = []
-    plain = seconds[WITHOUT]
+    plain, plain_cpu = seconds[WITHOUT], cpu[WITHOUT]
     for case, contexts in cases.items():
         context = 0 if contexts is None else len(contexts[0])
         tokens = plan["samples"] * ((context or plan["prompt"]) + plan["response"])
@@ -109,6 +118,8 @@ def measure(plan: dict) -> list[dict]:
             "step_ms": statistics.median(seconds[case]) * 1e3,
             "spread_ms": f"{min(seconds[case]) * 1e3:.0f}-{max(seconds[case]) * 1e3:.0f}",
             "vs_without": statistics.median(s / p for s, p in zip(seconds[case], plain)),
+            "cpu_ms": statistics.median(cpu[case]) * 1e3,
+            "cpu_vs_without": statistics.median(s / p for s, p in zip(cpu[case], plain_cpu)),
             "splice_ms": statistics.median(splice[case]) * 1e3 if splice[case] else 0.0,
             "max_abs_diff": max_diff(scores[case], scores[WITHOUT]) if case in (WITHOUT, CONTROL) else None,
             "note": "",
@@ -140,7 +151,8 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
         if "error" not in rows[0]:
             outputs.plot_grouped_bars([dict(row, teacher="in-process GPTModel") for row in rows],
                                       os.path.join(out_dir, "context_pass.png"), group="case", series="teacher",
-                                      values=["tokens_vs_without", "vs_without"],
-                                      titles=["teacher forward tokens / no context", "step time / no context"],
+                                      values=["tokens_vs_without", "cpu_vs_without"],
+                                      titles=["teacher forward tokens / no context",
+                                              "step CPU time / no context"],
                                       suptitle=title)
     return rows

@@ -12,7 +12,8 @@ a warm-up step and `steps` timed ones. Per teacher: `built_MiB`, the resident se
 building the teacher; `peak_MiB`, the high-water mark above the mark over the build and every step
 (the resident set: RSS, not tracemalloc and not an allocator's counters); `own_weights_MiB`, the
 exact bytes of the parameters the teacher holds apart from the student's (each storage counted
-once, those shared with the student not at all); the step's median time; and the largest
+once, those shared with the student not at all); the step's median time, wall and CPU (the
+process's, one torch thread: a shared machine's other jobs move it far less); and the largest
 |difference| of the two teachers' token log-probs (the same weights: 0 up to the order of ops)."""
 # lazy imports: import cost: torch and megatron-core load in the case workers
 from __future__ import annotations
@@ -35,7 +36,8 @@ QUICK: dict[str, Any] = {
     "layers": 2, "hidden": 32, "heads": 4, "vocab": 64, "samples": 2, "prompt": 8, "context": 6,
     "response": 8, "top_k": 4, "steps": 1, "rounds": 1}
 TEACHERS = {"live": "live self-teacher (student;context=hint)", "snapshot": "snapshot teacher (θ₀ copy)"}
-COLUMNS = ("teacher", "own_weights_MiB", "built_MiB", "peak_MiB", "step_ms", "spread_ms", "vs_live", "max_abs_diff",
+COLUMNS = ("teacher", "own_weights_MiB", "built_MiB", "peak_MiB", "step_ms", "spread_ms", "vs_live", "cpu_ms",
+           "cpu_vs_live", "max_abs_diff",
            "note")
 MMAP_THRESHOLD = str(128 << 10)
 CASE = "megatron_rl_patches.apps.bench.live_teacher:one_teacher"
@@ -79,17 +81,18 @@ def one_teacher(probe: Any, teacher: str, plan: dict, device: str = "cpu") -> di
             built = GptTeacher(snapshot.requires_grad_(False).eval(), vocab, plan["top_k"], context="hint")
         built_bytes = probe.current()
         step = TeacherStep([built], host)
-        seconds = []
+        seconds, cpu = [], []
         for index in range(plan["steps"] + 1):
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             step.send(batch, contexts=contexts)
             (scores,) = step.collect()
             if index:  # the first step warms up
                 seconds.append(time.perf_counter() - started)
+                cpu.append(time.process_time() - cpu_started)
         return {"teacher": teacher, "own_weight_bytes": own_weight_bytes(built, student),
                 "student_weight_bytes": sum(p.numel() * p.element_size() for p in student.parameters()),
                 "built_bytes": built_bytes, "peak_bytes": probe.peak(), "peak_reset": probe.peak_reset,
-                "seconds": seconds, "token_log_probs": torch.cat(scores.token_log_probs).tolist()}
+                "seconds": seconds, "cpu_seconds": cpu, "token_log_probs": torch.cat(scores.token_log_probs).tolist()}
 
 
 @contextmanager
@@ -112,12 +115,14 @@ def rows_of(results: list[dict], quick: bool) -> list[dict]:
         raise RuntimeError(failed[0])
     by = {name: [r for r in results if r["teacher"] == name] for name in TEACHERS}
     live_steps = [statistics.median(r["seconds"]) for r in by["live"]]
+    live_cpu = [statistics.median(r["cpu_seconds"]) for r in by["live"]]
     reference = by["live"][0]["token_log_probs"]
     weights = by["live"][0]["student_weight_bytes"]
     resolved = not quick and memory_resolved(weights, "cpu") and all(r["peak_reset"] for r in results)
     rows = []
     for name, label in TEACHERS.items():
         steps = [statistics.median(r["seconds"]) for r in by[name]]
+        cpu = [statistics.median(r["cpu_seconds"]) for r in by[name]]
         rows.append({
             "teacher": label, "student_weights_MiB": weights / MIB,
             "own_weights_MiB": max(r["own_weight_bytes"] for r in by[name]) / MIB,
@@ -126,6 +131,8 @@ def rows_of(results: list[dict], quick: bool) -> list[dict]:
             "step_ms": statistics.median(steps) * 1e3,
             "spread_ms": f"{min(steps) * 1e3:.0f}-{max(steps) * 1e3:.0f}",
             "vs_live": statistics.median(s / live for s, live in zip(steps, live_steps)),
+            "cpu_ms": statistics.median(cpu) * 1e3,
+            "cpu_vs_live": statistics.median(s / live for s, live in zip(cpu, live_cpu)),
             "max_abs_diff": max(abs(a - b) for r in by[name] for a, b in zip(r["token_log_probs"], reference)),
             "note": "" if resolved else "memory not measured (--quick: below RSS resolution; or no peak reset here)",
         })
@@ -159,7 +166,7 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
         if "error" not in rows[0]:
             outputs.plot_grouped_bars([dict(row, model=f"{plan['layers']} x {plan['hidden']}") for row in rows],
                                       os.path.join(out_dir, "self_teacher.png"), group="teacher", series="model",
-                                      values=["own_weights_MiB", "peak_MiB", "vs_live"],
+                                      values=["own_weights_MiB", "peak_MiB", "cpu_vs_live"],
                                       titles=["teacher's own weights (MiB, exact)", "peak above the mark (MiB, RSS)",
-                                              "step time / live"], suptitle=title)
+                                              "step CPU time / live"], suptitle=title)
     return rows
