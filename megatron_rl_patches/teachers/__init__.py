@@ -10,6 +10,7 @@ teachers built from entries through their kinds by `build_teachers`), and the ki
 teacher as one table (`teachers.kinds`: how an entry of MEGATRON_RL_PATCHES_OPD_TEACHERS is read
 and checked), and teachers that see a privileged context the student does not (`with_context`: the
 teacher's batch of context + the student's response per sample; `context_ids`, `placed_before`;
+`cross_with_context`: a teacher of another tokenizer's own samples after a context of its ids;
 `SelfTeacher`: the live self-teacher, the student's own pass over them).
 Importing this package is light (no torch, no HTTP client): names load on first use."""
 from __future__ import annotations
@@ -32,6 +33,7 @@ _LAZY = {
     "served_buckets": "cross_buckets",
     "ServedBuckets": "cross_buckets",
     "head_buckets": "head_cross_buckets",
+    "cross_with_context": "cross_context",
     "TeacherHead": "head",
     "TeacherStep": "step",
     "StepPlan": "step",

@@ -74,13 +74,16 @@ class LoopHost:
 
 
 def megatron_host(parallel_state: Any, vocab_size: int, teacher_pass: TeacherPass | None = None, *,
-                  context_parallel: bool = True, make_vocab_size_divisible_by: int = 128) -> LoopHost:
+                  context_parallel: bool = True, make_vocab_size_divisible_by: int = 128,
+                  student_pass: Callable[[Any], Any] | None = None) -> LoopHost:
     """The host of a hand-written Megatron loop from megatron-core's `parallel_state` module (pass
     it: `from megatron.core import parallel_state`; initialized first): the tensor (and context,
     unless `context_parallel=False`) -parallel group shares, the whole world agrees. The student's
     vocabulary is padded as Megatron-LM pads it (`make_vocab_size_divisible_by` x TP, its
     `--make-vocab-size-divisible-by`, default 128) and sharded over the tensor-parallel group: a
-    `;head=DIR` teacher built for this host holds the same rows on each rank."""
+    `;head=DIR` teacher built for this host holds the same rows on each rank. `student_pass`: the
+    live self-teacher's pass (see `LoopHost`): this rank's vocabulary shard of the student's logits
+    [R_i, padded / TP] per sample, the model's parallel output as it comes."""
     import torch.distributed as dist  # lazy: import cost: torch only when a host with groups is built
 
     if not parallel_state.model_parallel_is_initialized():
@@ -92,7 +95,8 @@ def megatron_host(parallel_state: Any, vocab_size: int, teacher_pass: TeacherPas
     tp_group = parallel_state.get_tensor_model_parallel_group()
     multiple = divisor * dist.get_world_size(tp_group)
     padded = -(-vocab_size // multiple) * multiple if isinstance(vocab_size, int) and vocab_size > 0 else None
-    return LoopHost(vocab_size, share, dist.group.WORLD, teacher_pass, tp_group=tp_group, padded_vocab_size=padded)
+    return LoopHost(vocab_size, share, dist.group.WORLD, teacher_pass, student_pass=student_pass, tp_group=tp_group,
+                    padded_vocab_size=padded)
 
 
 def asks(host: TeacherHost) -> bool:

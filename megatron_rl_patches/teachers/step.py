@@ -208,7 +208,10 @@ class TeacherStep:
         if refused is not None:
             agree_failure(refused, self.group, own=True)
         elif any(not isinstance(t, ServedTeacher) for t in self.teachers):
-            agree_failure(error, self.group)  # every rank has its batches before any runs an in-process pass
+            # every rank has its batches before any runs an in-process pass, and the ranks of a sharing group
+            # hold the same ones (a model-parallel pass over different sequences would hang in its collectives)
+            own = [b for b, t in zip(batches, self.teachers) if not isinstance(t, ServedTeacher)]
+            check_collect(agreed_views(error, self.group, collect_view(projected, self.asker, batch, own)))
         assert batch is not None  # refused on every rank above otherwise
         got: dict[int, Any] = {}
         try:

@@ -6,9 +6,11 @@ the contexts with the batch, in either form of its own data:
   NeMo-RL batch field);
 - per sample: `[{KEY: context, ...}, ...]`, one mapping per sample (slime's `train_metadata`).
 
-A context is a 1-D integer id tensor or a list of ints in the teacher's tokenizer (the student's:
-the step's teachers share it); text is tokenized first (`teachers.context_ids`). A missing key or
-sample is named with the teacher asking for it."""
+A context is a 1-D integer id tensor or a list of ints in the teacher's tokenizer (the student's,
+checked against the host's vocabulary; a served head's, against the head's); text is tokenized
+first (`teachers.context_ids`). A teacher of another tokenizer is sent its own encodings
+(`cross_batch` of the `TeacherSample`s): its context replaces the prompt of each, as
+`cross_with_context` does. A missing key or sample is named with the teacher asking for it."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -36,8 +38,9 @@ def teacher_batches(teachers: Sequence[Any], batch: TeacherBatch, contexts: obje
         if key in built or key is None:  # None: the student's batch, built above
             continue
         ids = [as_ids(value, sample, key) for sample, value in enumerate(per_sample(contexts, key, len(batch), i))]
+        head = getattr(teachers[i], "head", None)  # a served head's vocabulary is the teacher's own
         try:
-            built[key] = with_context(batch, ids, vocab_size=vocab_size)
+            built[key] = with_context(batch, ids, vocab_size=vocab_size if head is None else head.vocab_size)
         except (TypeError, ValueError) as error:
             raise type(error)(f"{WHERE}: teacher {i}'s context {key!r}: {error}") from None
     return [built[key] for key in keys]

@@ -98,9 +98,11 @@ def batch_fingerprint(batch: Any) -> tuple:
             0 if ids is None else zlib.crc32(ids.numpy().tobytes()))
 
 
-def collect_view(projected: bool, asker: int, batch: Any) -> dict:
+def collect_view(projected: bool, asker: int, batch: Any, scored: Any = ()) -> dict:
+    """A rank's collect: its arguments, the batch it sent and (`scored`) the batches its in-process
+    teachers score (a privileged teacher's: its contexts before the responses)."""
     return {"call": "TeacherStep.collect", "rank": global_rank(), "projected": projected, "asker": asker,
-            "batch": batch_fingerprint(batch)}
+            "batch": batch_fingerprint(batch), "scored": tuple(batch_fingerprint(one) for one in scored)}
 
 
 def check_collect(views: list[Any]) -> None:
@@ -118,3 +120,10 @@ def check_collect(views: list[Any]) -> None:
             raise ValueError(f"TeacherStep.send: the ranks of the sharing group asked by rank {asker} sent different "
                              f"batches ({shown}): every rank of a sharing group sends the same samples (they all read "
                              "the asking rank's scores)")
+        if len({view["scored"] for view in group}) > 1:
+            shown = ", ".join(f"rank {view['rank']}: " + "; ".join(
+                f"lengths {list(one[0])}, starts {list(one[1])}, ids crc32 {one[2]}" for one in view["scored"])
+                for view in group)
+            raise ValueError(f"TeacherStep.send: the ranks of the sharing group asked by rank {asker} sent different "
+                             f"privileged contexts for the in-process teachers ({shown}): every rank of a sharing "
+                             "group passes the same contexts (their model-parallel pass runs over every rank)")

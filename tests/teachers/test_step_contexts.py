@@ -203,7 +203,7 @@ def test_a_missing_key_on_one_rank_is_the_same_error_on_every_rank():
     assert "rank 1" in words and "sample 0 has no context under 'hint'" in words, words
 
 
-def test_slimes_opd_refuses_a_privileged_teacher_it_would_score_without_its_context():
+def test_slimes_opd_takes_privileged_teachers_of_another_tokenizer_or_layout_and_refuses_what_it_cannot():
     from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
 
     assert opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher"}) is not None
@@ -212,9 +212,34 @@ def test_slimes_opd_refuses_a_privileged_teacher_it_would_score_without_its_cont
                          "MEGATRON_RL_PATCHES_OPD_IDS_FROM": "teacher"}).teachers[0].context == "solution"
     both = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/hinted;context=solution,student;context=solution"})
     assert [t.context for t in both.teachers] == ["solution", "solution"]
-    with pytest.raises(ValueError, match=r"\['/ckpt/hinted'\] have ';context=KEY'.*another tokenizer or their own "
-                                         "layout"):
-        opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher,/ckpt/hinted;context=solution;tokenizer=own"})
-    with pytest.raises(ValueError, match=r"K=vocab: .*';context=solution': a privileged context does not reach"):
-        opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/hinted;context=solution",
-                      "MEGATRON_RL_PATCHES_OPD_K": "vocab"})
+    # another tokenizer takes a context (its own encoding after it: test_slime_opd_cross_tokenizer_lane.py);
+    # one key read in two tokenizers is refused, naming both
+    crossed = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher,/ckpt/hinted;context=solution;"
+                                                                "tokenizer=own"})
+    assert [t.context for t in crossed.teachers] == [None, "solution"]
+    with pytest.raises(ValueError, match=r"';context=solution' is read by teachers of different tokenizers "
+                                         r"\(\['/ckpt/a'\] in the student's tokenizer; \['/ckpt/hinted'\] in "
+                                         r"'/ckpt/hinted''s tokenizer\)"):
+        opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/a;context=solution,/ckpt/hinted;context=solution;"
+                                                          "tokenizer=own"})
+    # at its own layout too (its scoring pass over context + response: test_slime_layout_teacher_lane.py)
+    layout = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher,/ckpt/hinted;context=solution;tp=2"})
+    assert layout.teachers[1].context == "solution" and layout.teachers[1].at_layout
+    # K=vocab: each privileged teacher's hidden states from its pass over context + response
+    whole = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/hinted;context=solution,student;context=solution,"
+                          "http://127.0.0.1:9;engine=vllm;head=/ckpt/head;context=solution",
+                          "MEGATRON_RL_PATCHES_OPD_K": "vocab"})
+    assert whole.full_vocab and [t.context for t in whole.teachers] == ["solution"] * 3
+
+
+def test_a_served_heads_context_is_checked_against_the_heads_vocabulary():
+    """A served teacher with a head (its own tokenizer's vocabulary, here smaller than the
+    student's): its context ids are checked against the head's, before anything is sent."""
+    from megatron_rl_patches.teachers import TeacherHead
+
+    head = TeacherHead(torch.zeros(50, 8), 50, 50, 0, source="in-memory")
+    with ServedTeacher("http://127.0.0.1:9", head=head, top_k=1, context="hint") as teacher:
+        step = TeacherStep([teacher], local_host(64))
+        with pytest.raises(ValueError, match=r"teacher 0's context 'hint'.*holds id 55, past the teacher's "
+                                             r"vocabulary of 50"):
+            step.send(student(), contexts={"hint": [[55], [3]]})

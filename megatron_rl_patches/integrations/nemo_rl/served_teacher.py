@@ -46,13 +46,14 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.context_fields import field_contexts, tokenizer_vocab
+from megatron_rl_patches.integrations.context_fields import tokenizer_vocab
+from megatron_rl_patches.integrations.nemo_rl.privileged import privileged_batch
 from megatron_rl_patches.integrations.nemo_rl.rollout_contexts import ROLLOUTS, remembering
 from megatron_rl_patches.integrations.nemo_rl.vocab_kd import STATES, WholeVocabularyDistillationLossFn
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.client_settings import ClientSettings
-from megatron_rl_patches.teachers.context import with_context
 from megatron_rl_patches.teachers.head import TeacherHead
+from megatron_rl_patches.teachers.kinds import student
 from megatron_rl_patches.teachers.served import ServedTeacher
 
 # NeMo-RL's distillation.topk_logits_k default
@@ -130,26 +131,11 @@ class ServedTeacherPolicy:
 
     def privileged(self, batch: TeacherBatch, data: Any, key: str) -> TeacherBatch:
         """The teacher's batch: each sample's context (the batch field `key`) then its response ids."""
-        where = "ServedTeacherPolicy.get_topk_logits(data)"
-        values, self.rollout_values = (data[key] if key in data else self.rollout_values), None
-        if values is None:
-            raise ValueError(f"{where}: the teacher has context={key!r} and neither this batch (it has "
-                             f"{sorted(map(str, data))}) nor a rollout seen by served_teacher_in_setup holds the "
-                             "field: run distillation_train inside the served_teacher_in_setup(policy) block (its "
-                             f"rollouts read each sample's field {key!r} or extra_env_info[{key!r}])")
-        if isinstance(values, (str, bytes, torch.Tensor)) or not hasattr(values, "__len__"):
-            raise TypeError(f"{where}: data[{key!r}] must hold one context per sample (a list), got "
-                            f"{type(values).__name__}")
-        if len(values) != len(batch):
-            raise ValueError(f"{where}: data[{key!r}] holds {len(values)} contexts for a batch of {len(batch)} "
-                             "samples: give one per sample, in the batch's order")
+        values, self.rollout_values = self.rollout_values, None
         head = self.teacher.head
         vocab = head.vocab_size if head is not None else tokenizer_vocab(self.tokenizer)
-        contexts = field_contexts(list(values), key, where, self.tokenizer, vocab)
-        try:
-            return with_context(batch, contexts, vocab_size=vocab)
-        except (TypeError, ValueError) as error:
-            raise type(error)(f"{where}: context {key!r}: {error}") from None
+        return privileged_batch(batch, data, key, values, self.tokenizer, vocab,
+                                "ServedTeacherPolicy.get_topk_logits(data)", "served_teacher_in_setup(policy)")
 
     def check_k(self, k: object) -> None:
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or int(k) != self.teacher.top_k:
@@ -284,7 +270,13 @@ def served_teacher_policy(url: str, *, engine: str = "vllm", top_k: int = NEMO_R
     `full_vocabulary=True` (with `head=`): the teacher's hidden states reach the student's loss,
     the whole-vocabulary divergence (`WholeVocabularyDistillationLossFn`). `context=KEY`: a
     privileged teacher reading each sample's context from NeMo-RL's batch field KEY (ids, or text
-    through `tokenizer`, the teacher's: a tokenizers.Tokenizer, tokenizer.json or directory)."""
+    through `tokenizer`, the teacher's: a tokenizers.Tokenizer, tokenizer.json or directory). The
+    live self-teacher's word (`student`, `student;context=KEY`) is refused by name, pointing to
+    `self_teacher_policy` (the student's own policy)."""
+    if isinstance(url, str) and student.recognizes(url):
+        raise ValueError(f"served_teacher_policy({url!r}): the live self-teacher ('student;context=KEY') is the "
+                         "student's own policy, not a served one: use self_teacher_policy(context=KEY) inside "
+                         "self_teacher_in_setup(policy) around NeMo-RL's distillation setup()")
     return ServedTeacherPolicy(ServedTeacher(url, engine, top_k, model=model, temperature=temperature,
                                              client=client, head=head, context=context),
                                full_vocabulary=full_vocabulary, tokenizer=tokenizer)

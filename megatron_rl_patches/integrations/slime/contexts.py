@@ -8,8 +8,8 @@ data, `metadata` not among them. `split_wrapper` (around it) and `tensorize_wrap
 per-rank `tensorize_rollout_data_for_training` it calls once each rank's `partition` is set) put
 the named keys of each rank's samples under `CONTEXTS`; slime's `log_rollout_data` never sees them
 (`opd.log_rollout_data_wrapper`). On the training ranks `step_contexts` reads them, tokenizes text
-with the student's tokenizer (the teachers' of the student's tokenizer) and agrees a missing one
-over the job before any teacher is asked."""
+with the student's tokenizer (a key read by teachers of another tokenizer: theirs, its ids checked
+against its vocabulary) and agrees a missing one over the job before any teacher is asked."""
 from __future__ import annotations
 
 import contextvars
@@ -18,7 +18,12 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, OpdSettings, opd_settings
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import (
+    TEACHERS,
+    OpdSettings,
+    context_tokenizer,
+    opd_settings,
+)
 from megatron_rl_patches.integrations.megatron.teachers.stage_host import batch_of
 from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
 from megatron_rl_patches.teachers.context import with_context
@@ -90,8 +95,10 @@ def step_contexts(args: Any, rollout_data: dict, settings: OpdSettings, vocab_si
         contexts = read_contexts(args, rollout_data, keys, settings)
         batch = batch_of(rollout_data)
         for key in keys:
+            own = key_tokenizer(settings, key)
             try:
-                with_context(batch, [one[key] for one in contexts], vocab_size=vocab_size)
+                with_context(batch, [one[key] for one in contexts],
+                             vocab_size=vocab_size if own is None else tokenizer_vocab(own))
             except (TypeError, ValueError) as bad:
                 raise type(bad)(f"slime_opd: train_metadata[{key!r}]: {bad}") from None
     except (TypeError, ValueError) as caught:
@@ -152,11 +159,30 @@ def read_contexts(args: Any, rollout_data: dict, keys: list[str], settings: OpdS
         from megatron_rl_patches.integrations.megatron.teachers.stage_host import student_tokenizer_of
         from megatron_rl_patches.teachers.context import context_ids  # lazy: import cost: torch, text contexts only
 
-        where = f"{TEACHERS} (text contexts are tokenized by the student's tokenizer)"
-        tokenized = context_ids(list(texts.values()), student_tokenizer_of(args, where))
-        for (i, key), ids in zip(texts, tokenized):
-            out[i][key] = ids
+        for key in keys:
+            asked = [(i, text) for (i, named), text in texts.items() if named == key]
+            if not asked:
+                continue
+            own = key_tokenizer(settings, key)
+            tokenizer = student_tokenizer_of(args, f"{TEACHERS} (text contexts are tokenized by the student's "
+                                                   "tokenizer)") if own is None else own
+            for (i, _), ids in zip(asked, context_ids([text for _, text in asked], tokenizer)):
+                out[i][key] = ids
     return out
+
+
+def key_tokenizer(settings: OpdSettings, key: str) -> str | None:
+    """The tokenizer a context key is read in: None for the student's, else the teachers' of
+    another tokenizer reading it (one per key: `opd_settings` refuses a key read in two)."""
+    return next((context_tokenizer(t) for t in settings.teachers if t.context == key), None)
+
+
+def tokenizer_vocab(path: str) -> int:
+    """The vocabulary of the tokenizer at `path` (a teacher of another tokenizer's), added tokens included."""
+    from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer  # lazy: optional dependency tokenizers
+
+    return int(load_tokenizer(path, f"{TEACHERS}: the tokenizer of a teacher with a context").get_vocab_size(
+        with_added_tokens=True))
 
 
 def as_ids(value: object, sample: int, key: str) -> torch.Tensor:

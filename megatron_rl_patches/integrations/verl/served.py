@@ -25,7 +25,9 @@ verl's dummy row). verl's agent-loop worker reads the sample's fields
 (`AgentLoopWorker._compute_teacher_logprobs`, wrapped to hand them to the teacher client); a
 missing field, text without a tokenizer, ids past the vocabulary, or a sample past the server's
 max model length is refused naming the sample's prompt length and the key, before anything is
-sent."""
+sent. The live self-teacher's entry (`student;context=KEY`) is refused by name: verl scores its
+teacher in the agent loop, where the student's current weights are not (slime, NeMo-RL and the
+public teacher step take it)."""
 from __future__ import annotations
 
 import asyncio
@@ -43,6 +45,7 @@ from megatron_rl_patches.integrations.context_fields import field_contexts, toke
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context import with_context
 from megatron_rl_patches.teachers.engines.names import check_engine
+from megatron_rl_patches.teachers.kinds import student
 from megatron_rl_patches.teachers.redaction import has_userinfo, redacted
 from megatron_rl_patches.teachers.replica_urls import SEPARATOR, replica_urls
 
@@ -72,6 +75,8 @@ def parse_entry(entry: str) -> Entry:
     if has_userinfo(entry):
         raise ValueError(f"{VERL_TEACHER}={said!r}: the URL carries a user or password; drop it and put the API key "
                          f"in MEGATRON_RL_PATCHES_TEACHER_API_KEY (sent as a bearer token)")
+    if student.recognizes(entry):
+        raise student.not_hosted("verl", f"{VERL_TEACHER}={said!r}")
     url, *options = (part.strip() for part in entry.split(";"))
     engine = head = None
     named: dict[str, str] = {}  # context=KEY, tokenizer=DIR

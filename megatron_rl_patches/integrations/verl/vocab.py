@@ -19,6 +19,10 @@ engine (`distillation_use_topk`: `forward_kl_topk`) takes this route:
   `distillation_losses` [b, j] (and `student_mass` = `teacher_mass` = 1: the whole distribution),
   then masks, clamps at 0 (never bites: the KL is >= 0) and aggregates as verl does.
 
+With `;context=KEY` the teacher is privileged: the server scores each sample's non-tensor field
+KEY (ids, or text through the teacher's tokenizer) followed by the sample's response
+(`vocab_context`), and its states line up with the student's response rows.
+
 What crosses the network: ids to the server, [R, H] states back (the dtype the server's model
 has). Context parallelism on this route is refused by name."""
 from __future__ import annotations
@@ -33,6 +37,7 @@ from megatron_rl_patches._variables import VERL_TEACHER
 from megatron_rl_patches.integrations.student_head import student_layout_head
 from megatron_rl_patches.integrations.verl.rows import response_lengths
 from megatron_rl_patches.integrations.verl.served import Entry, parse_entry
+from megatron_rl_patches.integrations.verl.vocab_context import agreed_privileged_batch
 from megatron_rl_patches.processors.distill import divergence_output_processor
 from megatron_rl_patches.processors.heads import output_tp_group
 from megatron_rl_patches.teachers.batch import TeacherBatch
@@ -119,7 +124,10 @@ def teacher_rows(raw: str, entry: Entry, head: Any, batch: Any, group: Any) -> t
         teacher = _TEACHERS[key] = ServedTeacher(entry.url, entry.engine, top_k=1, head=head)
     sequences = [s.detach().cpu().long() for s in batch["input_ids"].unbind()]
     starts = response_starts(batch)
-    states = teacher.submit(TeacherBatch(sequences, starts)).result(group, projected=False)
+    scored = TeacherBatch(sequences, starts)
+    if entry.context is not None:  # context_i + response_i: the teacher's row r still predicts response token r
+        scored = agreed_privileged_batch(entry, batch, scored, head.vocab_size, group)
+    states = teacher.submit(scored).result(group, projected=False)
     return states, starts
 
 
@@ -206,10 +214,6 @@ def whole_vocabulary_step(wrapped: Callable[..., Any], instance: Any) -> Callabl
             return wrapped(iter([batch]), model, *rest, **options)
         check_layout(batch)
         raw, entry = named
-        if entry.context is not None:  # every rank reads the same variable: the same error everywhere
-            raise ValueError(f"{WHO}: context={entry.context!r} is not read on the trainer's whole-vocabulary route "
-                             "yet (it would score the student's own sequence): drop head= (the top-k rows with the "
-                             "exact tail, whose agent loop reads the context) or drop context=")
         weight = output_weight(core)
         group = output_tp_group(core.output_layer)
         head = student_layout_head(entry.head, weight, group, WHO)  # type: ignore[arg-type]

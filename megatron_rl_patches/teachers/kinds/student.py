@@ -33,6 +33,18 @@ def parse(entry: str) -> TeacherEntry:
     return TeacherEntry(STUDENT, kind=STUDENT, context=context)
 
 
+def not_hosted(framework: str, where: str) -> ValueError:
+    """The refusal of `student[;context=KEY]` where `framework`'s route has no pass of the student's
+    current weights to run it in, naming the routes that take it."""
+    return ValueError(f"{where}: the live self-teacher ('{STUDENT};{CONTEXT}KEY': the student's current weights "
+                      f"scoring its privileged sequences) is not hosted in {framework}: it runs in slime "
+                      f"({TEACHERS}='{STUDENT};{CONTEXT}KEY', the slime_opd patch), in NeMo-RL "
+                      "(integrations.nemo_rl.self_teacher_policy(context=KEY)) and in the public teacher step "
+                      f"(teachers.build_teachers('{STUDENT};{CONTEXT}KEY', LoopHost(..., student_pass=fn)) or "
+                      f"teachers.SelfTeacher: any loop, one rank or tensor parallel); in {framework}, serve a copy of "
+                      f"the student (vLLM) and give its URL ';{CONTEXT}KEY' (a frozen teacher, not the live weights)")
+
+
 def build(entry: TeacherEntry, host: Any, options: Any) -> Any:
     """The host's `SelfTeacher` (its `student_pass`)."""
     from megatron_rl_patches.teachers.self_teacher import self_teacher  # lazy: import cost: torch

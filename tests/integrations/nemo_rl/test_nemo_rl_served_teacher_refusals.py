@@ -118,3 +118,11 @@ def test_full_vocabulary_needs_a_head_its_workers_can_read_again():
     with pytest.raises(ValueError, match=r"full_vocabulary=True\) needs a head read from a directory.*head=DIR"):
         served_teacher_policy(NOWHERE, top_k=4, head=head, full_vocabulary=True)
     assert served_teacher_policy(NOWHERE, top_k=4, head=head).teacher.head is head  # top-k only: no re-read
+
+
+@pytest.mark.parametrize("word", ["student", "student;context=hint"])
+def test_the_live_self_teacher_as_a_served_url_is_refused_pointing_to_the_students_own_policy(word):
+    with pytest.raises(ValueError) as refused:
+        served_teacher_policy(word, context="hint")
+    words = str(refused.value)
+    assert words.startswith(f"served_teacher_policy({word!r})") and "self_teacher_policy(context=KEY)" in words

@@ -95,17 +95,9 @@ def test_slimes_metrics_never_see_the_contexts_or_the_metadata():
     assert seen == [["rewards"]] and CONTEXTS in data  # the training steps still read them
 
 
-def test_an_in_process_privileged_teacher_at_context_parallelism_refused_and_its_rollout_built():
-    from types import SimpleNamespace
-
-    from megatron_rl_patches.integrations.megatron.teachers import teacher_builders
+def test_a_privileged_teachers_rollout_is_its_context_then_the_students_response():
     from megatron_rl_patches.integrations.megatron.teachers.privileged import privileged_rollout
 
-    actor = SimpleNamespace(args=SimpleNamespace(context_parallel_size=2))
-    live = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "student;context=hint"})
-    with pytest.raises(ValueError, match=r"\['student'\] with ';context=KEY' run in-process at --context-parallel"):
-        teacher_builders.check_contexts(actor, live)
-    teacher_builders.check_contexts(actor, opd_settings(ENV))  # a served one sends its own sequences
     data = {"tokens": [torch.tensor([1, 2, 3, 4])], "response_lengths": [2], "loss_masks": [torch.ones(2)],
             CONTEXTS: [{"hint": torch.tensor([9, 8, 7])}]}
     seen = privileged_rollout(data, "hint")
@@ -123,3 +115,25 @@ def test_text_contexts_tokenized_by_the_students_tokenizer(tmp_path):
             CONTEXTS: [{"hint": "t3 t5 t7"}, {"hint": [2]}]}
     got = contexts.step_contexts(SimpleNamespace(hf_checkpoint=str(tmp_path)), data, opd_settings(ENV), vocab_size=16)
     assert [c["hint"].tolist() for c in got] == [[3, 5, 7], [2]]
+
+
+def test_a_key_of_a_teacher_of_another_tokenizer_is_read_in_its_tokenizer(tmp_path):
+    """`PATH;tokenizer=own;context=hint`: text through the teacher's tokenizer (PATH's tokenizer.json),
+    ids checked against its vocabulary (here larger than the student's), not the student's."""
+    from types import SimpleNamespace
+
+    from megatron_rl_patches.testing.hf_checkpoints import save_word_tokenizer
+
+    student, teacher = tmp_path / "student", tmp_path / "teacher"
+    student.mkdir(), teacher.mkdir()
+    save_word_tokenizer(student, 16)
+    save_word_tokenizer(teacher, 40)
+    settings = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": f"{teacher};tokenizer=own;context=hint"})
+    args = SimpleNamespace(hf_checkpoint=str(student))
+    data = {"tokens": [torch.arange(3)] * 2, "response_lengths": [2, 2],
+            CONTEXTS: [{"hint": "t30 t5"}, {"hint": [39, 1]}]}
+    got = contexts.step_contexts(args, data, settings, vocab_size=16)
+    assert [c["hint"].tolist() for c in got] == [[30, 5], [39, 1]]
+    data[CONTEXTS] = [{"hint": "t3"}, {"hint": [40]}]
+    with pytest.raises(ValueError, match=r"contexts\[1\] holds id 40, past the teacher's vocabulary of 40"):
+        contexts.step_contexts(args, data, settings, vocab_size=16)

@@ -52,3 +52,15 @@ def test_bad_context_options_are_refused_naming_the_variable(entry, message):
     with pytest.raises(ValueError, match=message) as refused:
         parse_entry(entry)
     assert str(refused.value).startswith(f"{VARIABLE}=")
+
+
+@pytest.mark.parametrize("entry", ["student;context=hint", " student ", "student;context=hint;engine=vllm"])
+def test_the_live_self_teacher_is_refused_by_name_naming_the_routes_that_take_it(entry):
+    """verl scores its teacher in the agent loop, where the student's current weights are not."""
+    with pytest.raises(ValueError) as refused:
+        parse_entry(entry)
+    words = str(refused.value)
+    assert words.startswith(f"{VARIABLE}=") and "the live self-teacher" in words and "not hosted in verl" in words
+    assert "MEGATRON_RL_PATCHES_OPD_TEACHERS='student;context=KEY'" in words and "LoopHost(" in words
+    assert "self_teacher_policy(context=KEY)" in words
+    assert parse_entry("http://student:8000;engine=vllm;context=hint").url == "http://student:8000"  # a host named so

@@ -27,8 +27,9 @@ from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import (
     TeacherScores,
     model_teacher,
 )
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import TopkRequest
+from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS, TopkRequest
 from megatron_rl_patches.integrations.megatron.teachers.zigzag import whole_from_zigzag
+from megatron_rl_patches.teachers.cross_context import cross_with_context
 
 # the teacher rollout's keys of its second pass: its bucket ids per sample and their mask
 TEACHER_IDS, TEACHER_MASK = "opd_cross_teacher_ids", "opd_cross_teacher_ids_mask"
@@ -72,6 +73,15 @@ def load_cross(args: Any, teacher: Teacher, model: PassTeacher | str | list[Any]
     return CrossTokenizerTeacher(inner, cross_pair(args, teacher))
 
 
+def context_of(rollout_data: dict, key: str) -> list[torch.Tensor]:
+    """Every sample's context under `key` (the train_actor wrapper reads and agrees them first)."""
+    contexts = rollout_data.get(CONTEXTS)
+    if contexts is None:
+        raise RuntimeError(f"slime_opd: a teacher of another tokenizer with ';context={key}' scores a rollout without "
+                           "its contexts; please report this")
+    return [one[key] for one in contexts]
+
+
 def _whole(values: list[torch.Tensor], data: dict) -> list[torch.Tensor]:
     return whole_from_zigzag(values, list(data["total_lengths"]), list(data["response_lengths"]))
 
@@ -92,6 +102,7 @@ class CrossTokenizerTeacher(OpdTeacher):
 
     model: PassTeacher
     pair: CrossTeacher
+    context: str | None = None  # `;context=KEY`: each sample's context (the teacher's ids) before its response
 
     def score(self, step: ScoringStep) -> TeacherScores | None:
         """The teacher's two passes over its own rollout; on the last stage, per sample and whole:
@@ -100,6 +111,8 @@ class CrossTokenizerTeacher(OpdTeacher):
         rollout_data, settings, last = step.rollout_data, step.settings, step.last
         run = self.model.passes(step)
         samples = teacher_samples(rollout_data, self.pair)
+        if self.context is not None:  # the step's checked contexts (`step_contexts`), in the teacher's ids
+            samples = cross_with_context(samples, context_of(rollout_data, self.context))
         budget = ct.student_budget(rollout_data["total_lengths"], rollout_data["micro_batch_indices"])
         lengths = [s.tokens.numel() for s in samples]
         # at least the student's count (a pipeline schedule's minimum); with expert parallelism as many

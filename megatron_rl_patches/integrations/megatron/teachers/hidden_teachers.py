@@ -4,7 +4,10 @@ response rows and its output layer at the student's tensor-parallel layout (`sco
 snapshot of the actor or a separate model of the student's vocabulary in a pipelined pass over the
 rollout (the hidden states gathered under sequence parallelism, its output weight's shard kept
 once), a served teacher with `;head=DIR` from its pooling server (the head read by
-`served_teacher`'s builder). They reach the training step as per-sample fields in the
+`served_teacher`'s builder). A teacher with a privileged context (`;context=KEY`) gives its
+states from its pass over each sample's context + response, on the student's response rows (an
+in-process one's pass over `privileged.privileged_rollout`, its rows moved to the student's; a
+served one sends its contexts itself). They reach the training step as per-sample fields in the
 context-parallel zigzag rows (`topk_request.TEACHER_HIDDEN`, `TEACHER_HEADS`: `TeacherHeads`); the
 host's step computes the divergence (slime: `integrations.slime.vocab_opd`)."""
 # lazy imports: optional dependency megatron-core
@@ -17,6 +20,11 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import ModelTeacher, OpdTeacher
+from megatron_rl_patches.integrations.megatron.teachers.privileged import (
+    PrivilegedTeacher,
+    moved_rows,
+    privileged_rollout,
+)
 from megatron_rl_patches.integrations.megatron.teachers.served_opd import ServedOpdTeacher
 from megatron_rl_patches.integrations.megatron.teachers.stage_host import device_of
 from megatron_rl_patches.integrations.megatron.teachers.topk_request import (
@@ -60,10 +68,15 @@ def score_teachers(actor: Any, rollout_data: dict, teachers: list[OpdTeacher], l
     agreed over the job); stored into the rollout data on the last stage (`last`)."""
     states, weights, vocabs = [], [], []
     for teacher in teachers:
-        if isinstance(teacher, ModelTeacher):
-            hidden, weight = model_hidden(actor, rollout_data, teacher, passes)
-            if not isinstance(teacher, str):  # a separate model (a snapshot is the actor's architecture)
-                vocabs.append(real_vocab_size(teacher.model_chunks(actor)[-1]))  # a Hugging Face one's real ids
+        if isinstance(teacher, (PrivilegedTeacher, ModelTeacher)):
+            if isinstance(teacher, PrivilegedTeacher):  # its states from context + response, its model's vocabulary
+                hidden, weight = privileged_hidden(actor, rollout_data, teacher, passes)
+                model: ModelTeacher = teacher.teacher
+            else:
+                hidden, weight = model_hidden(actor, rollout_data, teacher, passes)
+                model = teacher
+            if not isinstance(model, str):  # a separate model (a snapshot is the actor's architecture)
+                vocabs.append(real_vocab_size(model.model_chunks(actor)[-1]))  # a Hugging Face one's real ids
         elif isinstance(teacher, ServedOpdTeacher):
             hidden, weight = served_hidden(rollout_data, teacher)
             if teacher.teacher is not None and teacher.teacher.head is not None:
@@ -91,6 +104,18 @@ def model_hidden(actor: Any, rollout_data: dict, teacher: ModelTeacher, passes: 
     return out["teacher_hidden"], request.captured[0]
 
 
+def privileged_hidden(actor: Any, rollout_data: dict, teacher: PrivilegedTeacher,
+                      passes: Pass) -> tuple[Any, Any]:
+    """An in-process teacher's hidden states from its pass over each sample's context + response,
+    on this context-parallel rank's rows of the student's responses, and its output weight's
+    shard (None, None on a stage before the last)."""
+    seen = privileged_rollout(rollout_data, teacher.key)
+    hidden, weight = model_hidden(actor, seen, teacher.teacher, passes)
+    if hidden is None:
+        return None, None
+    return moved_rows(hidden, seen, rollout_data), weight
+
+
 def served_hidden(rollout_data: dict, teacher: ServedOpdTeacher) -> tuple[Any, Any]:
     """A served teacher's hidden states (its pooling server's reply, unprojected) in this
     context-parallel rank's zigzag rows and its head's shard (None, None off the last stage)."""
@@ -113,6 +138,8 @@ def check_loaded(actor: Any, teachers: list[OpdTeacher]) -> None:
     (every rank of the last stage's tensor-parallel group holds one: `head_padded_as`)."""
     student = _padded_vocab(actor.model[-1])
     for index, teacher in enumerate(teachers):
+        if isinstance(teacher, PrivilegedTeacher):  # its model's output layer
+            teacher = teacher.teacher
         if isinstance(teacher, ServedOpdTeacher) and teacher.teacher is not None \
                 and teacher.teacher.head is not None:
             teacher.teacher.head = head_padded_as(teacher.teacher.head, student)

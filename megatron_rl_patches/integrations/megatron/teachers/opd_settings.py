@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,7 +105,8 @@ def full_vocab_refusal(teachers: tuple[Teacher, ...], ids_from: str) -> str | No
     """Why MEGATRON_RL_PATCHES_OPD_K=vocab cannot serve these settings, or None: every teacher must
     give its final hidden states and an output layer over the student's vocabulary (a snapshot, a
     separate model of the student's tokenizer, a served teacher with `;head=DIR`), and no ids are
-    selected. The first teacher that cannot is named."""
+    selected (a privileged context is taken: the states come from the teacher's pass over context +
+    response). The first teacher that cannot is named."""
     if ids_from != "student":
         return (f"{IDS_FROM}={ids_from}: the full vocabulary selects no ids; unset {IDS_FROM} (or use a top-k "
                 f"{K}=N for {ids_from} ids)")
@@ -118,9 +119,6 @@ def full_vocab_refusal(teachers: tuple[Teacher, ...], ids_from: str) -> str | No
             return (f"{where} is a served teacher without a head: the engine sends its top-k log-probs only; "
                     "serve its hidden states (vLLM --runner pooling --convert embed) and add ';head=DIR' (its "
                     f"Hugging Face directory), or use a top-k {K}=N")
-        if teacher.context is not None:
-            return (f"{where} ';context={teacher.context}': a privileged context does not reach a teacher's hidden "
-                    f"states in slime's OPD yet; use a top-k {K}=N")
         if teacher.at_layout:
             return (f"{where} ';{teacher.layout_written}': a teacher at its own layout does not hand its hidden "
                     f"states to the student's ranks yet; drop ';{teacher.layout_written}' or use a top-k {K}=N")
@@ -147,6 +145,30 @@ def _weights(env: Mapping[str, str], count: int) -> tuple[float, ...] | None:
     return weights
 
 
+def context_tokenizer(teacher: Teacher) -> str | None:
+    """Whose tokenizer reads a teacher's privileged context: None for the student's, else the
+    teacher's own (its directory with `;tokenizer=own`, the directory `;tokenizer=DIR` names)."""
+    if not teacher.other_tokenizer:
+        return None
+    return teacher.path if teacher.tokenizer is None else teacher.tokenizer
+
+
+def check_context_tokenizers(teachers: Sequence[Teacher]) -> None:
+    """One context key is read in one tokenizer: a key shared by teachers of different tokenizers
+    refused, naming them (its ids or text would be the teachers' different tokens)."""
+    readers: dict[str, dict[str | None, list[str]]] = {}
+    for teacher in teachers:
+        if teacher.context is not None:
+            readers.setdefault(teacher.context, {}).setdefault(context_tokenizer(teacher), []).append(teacher.path)
+    for key, by_tokenizer in readers.items():
+        if len(by_tokenizer) > 1:
+            said = "; ".join(f"{paths} in {'the student' if who is None else repr(who)}'s tokenizer"
+                             for who, paths in by_tokenizer.items())
+            raise ValueError(f"{TEACHERS}: ';context={key}' is read by teachers of different tokenizers ({said}): "
+                             f"give each tokenizer's teachers their own key (the context in that tokenizer's ids "
+                             f"or text)")
+
+
 def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
     """The settings from the environment, or None when MEGATRON_RL_PATCHES_OPD_TEACHERS is unset
     (slime's flow untouched)."""
@@ -158,12 +180,7 @@ def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
     if not teachers:
         raise ValueError(f"{TEACHERS}={raw!r} names no teacher: give comma-separated entries (PATH, "
                          "PATH@module:function or http://host:port;engine=vllm), or unset it to switch top-k OPD off")
-    unwired = [teacher.path for teacher in teachers if teacher.context is not None and
-               (teacher.other_tokenizer or teacher.at_layout)]
-    if unwired:  # refused rather than scored without it
-        raise ValueError(f"{TEACHERS}: teacher(s) {unwired} have ';context=KEY' (a privileged context) with another "
-                         "tokenizer or their own layout, which slime's OPD does not pass a context to yet; the public "
-                         "teacher step takes them (TeacherStep.send(batch, contexts=...)): drop the option here")
+    check_context_tokenizers(teachers)
     from megatron_rl_patches.ops._divergences import DIVERGENCES  # the table's rows (mixed_kl included)
 
     divergence = env.get(DIVERGENCE, "").strip() or "reverse_kl"

@@ -3,17 +3,23 @@ separate model (a Hugging Face directory, `PATH@module:function`) or the live se
 (`student;context=KEY`: the actor's current weights, `LiveTeacher`) scoring each sample's context
 then the student's response. `PrivilegedTeacher` runs the wrapped teacher's passes over the
 rollout with each sample's tokens replaced by context + response (`privileged_rollout`); the
-response rows, the step's ids and the teacher's scores line up one to one with the student's (at
-context parallelism 1: the rows of a sample are its response's, wherever the response starts)."""
+response rows, the step's ids and the teacher's scores line up one to one with the student's. With
+context parallelism (megatron-core's zigzag, or slime's `--allgather-cp`, whose per-sample fields
+are kept in the zigzag rows too) a rank holds other rows of the response in the privileged
+sequence than in the student's, whose length differs: the step's ids go to the rows of the
+privileged sequence before the teacher's pass, and its scores come back to the student's rows
+(`moved_rows`: one sum over the context-parallel group each way)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import ModelTeacher, OpdTeacher, ScoringStep
 from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS, IDS, IDS_MASK
+from megatron_rl_patches.integrations.megatron.teachers.zigzag import whole_from_zigzag, zigzag_of_whole
 from megatron_rl_patches.teachers.scores import TeacherScores
 
 
@@ -32,6 +38,18 @@ def privileged_rollout(rollout_data: dict, key: str) -> dict:
     return {**rollout_data, "tokens": tokens, "total_lengths": [len(t) for t in tokens]}
 
 
+def moved_rows(values: list[torch.Tensor], source: dict, target: dict,
+               cut: Callable[[list[torch.Tensor], dict], list[torch.Tensor]] | None = None) -> list[torch.Tensor]:
+    """Per sample, values on this context-parallel rank's rows of the response in `source`'s
+    sequences, on its rows of the same response in `target`'s (`cut`: the host's rows of whole
+    responses, `ScoringStep.cut`; None: megatron-core's zigzag); every rank of the context-parallel
+    group calls it together (one sum over it). Unchanged with one context-parallel rank."""
+    whole = whole_from_zigzag(values, list(source["total_lengths"]), list(source["response_lengths"]))
+    if cut is None:
+        return zigzag_of_whole(whole, list(target["total_lengths"]), list(target["response_lengths"]))
+    return cut(whole, target)
+
+
 class PrivilegedTeacher(OpdTeacher):
     """`teacher` (a teacher of the student's tokenizer) scoring its context `key` before each response."""
 
@@ -42,15 +60,24 @@ class PrivilegedTeacher(OpdTeacher):
         return f"{type(self).__name__}({self.teacher!r}, context={self.key!r})"
 
     def score(self, step: ScoringStep) -> TeacherScores | None:
-        seen = dataclasses.replace(step, rollout_data=privileged_rollout(step.rollout_data, self.key))
+        """The wrapped teacher's scores on the privileged sequences, on the student's rows (the ids
+        it scores moved to the privileged sequences' rows, a first teacher's own ids moved back)."""
+        own = step.rollout_data
+        data = privileged_rollout(own, self.key)
+        given = {key: moved_rows(own[key], own, data, step.cut) for key in (IDS, IDS_MASK) if key in own}
+        data.update(given)
+        seen = dataclasses.replace(step, rollout_data=data)
         out = self.teacher.score(seen)
         step.scored_ids = seen.scored_ids
         for key in (IDS, IDS_MASK):  # a first teacher's own top-k (or union) become the step's ids
-            if key in seen.rollout_data:
-                step.rollout_data[key] = seen.rollout_data[key]
-            else:
-                step.rollout_data.pop(key, None)
-        return out
+            if key not in data:
+                own.pop(key, None)
+            elif data[key] is not given.get(key):
+                own[key] = moved_rows(data[key], data, own, step.cut)
+        if out is None:  # a stage before the last
+            return None
+        return dataclasses.replace(out, **{name: moved_rows(getattr(out, name), data, own, step.cut)
+                                           for name in ("log_probs", "tails")})
 
 
 class LiveTeacher(ModelTeacher):

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl_patches.integrations.megatron.teachers.cross_passes import teacher_samples
+from megatron_rl_patches.integrations.megatron.teachers.cross_passes import context_of, teacher_samples
 from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import OpdTeacher, ScoringStep
 from megatron_rl_patches.integrations.megatron.teachers.stage_host import StageHost, batch_of, device_of
 from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS, IDS, IDS_MASK
 from megatron_rl_patches.integrations.megatron.teachers.zigzag import whole_from_zigzag, zigzag_of_whole
 from megatron_rl_patches.teachers.agreement import agree_failure
+from megatron_rl_patches.teachers.cross_context import cross_with_context
 from megatron_rl_patches.teachers.head_cross_buckets import cross_batch
 from megatron_rl_patches.teachers.scores import TeacherScores
 from megatron_rl_patches.teachers.step import TeacherStep, join_build
@@ -33,10 +34,12 @@ class ServedOpdTeacher(OpdTeacher):
     """A served teacher of slime's OPD: its `role` (None off the last pipeline stage: those ranks
     only join the job's agreement) on a one-teacher `TeacherStep` behind `host`; `cross`: a teacher
     of another tokenizer (on every stage: it takes no request for the step's ids, so every stage
-    hands the later teachers the same requests)."""
+    hands the later teachers the same requests); `context`: such a teacher's `;context=KEY` (its
+    own encodings sent after each sample's context)."""
 
-    def __init__(self, role: Role | None, host: StageHost, cross: bool = False) -> None:
+    def __init__(self, role: Role | None, host: StageHost, cross: bool = False, context: str | None = None) -> None:
         self.role, self.host, self.cross = role, host, cross or isinstance(role, CrossServed)
+        self.context = context  # another tokenizer's `;context=KEY` (the student's: its ServedTeacher's own)
         self.step = None if role is None else TeacherStep([role.teacher], host)
         if role is None:  # the earlier stages' part of the last stage's build agreement
             join_build(host)
@@ -56,6 +59,8 @@ class ServedOpdTeacher(OpdTeacher):
             return
         if isinstance(self.role, CrossServed):
             self.samples = teacher_samples(rollout_data, self.role.pair)
+            if self.context is not None:  # its own encodings after each sample's context (the teacher's ids)
+                self.samples = cross_with_context(self.samples, context_of(rollout_data, self.context))
             self.step.send(cross_batch(self.samples))
         else:
             # a privileged teacher (`;context=KEY`) scores each sample's context + response

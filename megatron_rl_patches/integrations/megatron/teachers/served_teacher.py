@@ -76,7 +76,8 @@ def build_served_teacher(actor: Any, settings: OpdSettings, index: int, teacher:
     else:
         named = named_vocab_size(teacher, where) if teacher.same_tokenizer else None
         role = served_own(actor.args, settings, teacher, host, where, named)
-    return ServedOpdTeacher(role if host.last else None, host, cross=teacher.tokenizer is not None)
+    cross = teacher.tokenizer is not None  # another tokenizer: its own encodings sent after their contexts
+    return ServedOpdTeacher(role if host.last else None, host, cross=cross, context=teacher.context if cross else None)
 
 
 def named_or_none(args: Any, named: int | None, where: str) -> NamedVocab | None:
@@ -154,7 +155,8 @@ def served_head(args: Any, settings: OpdSettings, teacher: Teacher, student: int
                                    make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None))
         head = dataclasses.replace(head, weight=head.weight.to(head_device()))
         return ServedTeacher(teacher.path, str(teacher.engine), top_k=settings.k, head=head,
-                             temperature=rollout_temperature(args), context=teacher.context)
+                             temperature=rollout_temperature(args),
+                             context=teacher.context if teacher.tokenizer is None else None)
 
     tokenizer = students(args, where)
     if teacher.tokenizer is not None:

@@ -14,6 +14,7 @@ routes together (`check_routes`), then each teacher is built from the host's act
 # lazy imports: optional dependency megatron-core (through the builders it calls)
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -178,7 +179,6 @@ def load_all(actor: Any, settings: OpdSettings, student: int | str) -> list[OpdT
     for builder in dict.fromkeys(builders):
         if builder.check_routes is not None:
             builder.check_routes(settings, routes)
-    check_contexts(actor, settings)
     loaded = [builder.build(actor, settings, index, teacher, student, route)
               for index, (builder, teacher, route) in enumerate(zip(builders, settings.teachers, routes))]
     # an in-process teacher with a privileged context runs its passes over context + response
@@ -186,19 +186,12 @@ def load_all(actor: Any, settings: OpdSettings, student: int | str) -> list[OpdT
 
 
 def given_context(loaded: Any, teacher: Teacher) -> OpdTeacher:
-    """An in-process teacher with `;context=KEY` as a `PrivilegedTeacher` (a served one sends its
-    contexts itself); any other as loaded."""
+    """An in-process teacher with `;context=KEY` as a `PrivilegedTeacher` (one of another tokenizer:
+    its own encoding after the context; a served one sends its contexts itself); any other as
+    loaded."""
     if teacher.context is None or teacher.kind == SERVED:
         return loaded
+    if isinstance(loaded, cross_passes.CrossTokenizerTeacher):  # its own encoding after the context
+        return dataclasses.replace(loaded, context=teacher.context)
     return PrivilegedTeacher(model_teacher(loaded), teacher.context)
 
-
-def check_contexts(actor: Any, settings: OpdSettings) -> None:
-    """An in-process teacher with a privileged context at context parallelism 1 only (its rows are
-    its response's at any context length there), refused by name before anything loads."""
-    privileged = [t.path for t in settings.teachers if t.context is not None and t.kind != SERVED]
-    cp = int(getattr(actor.args, "context_parallel_size", 1) or 1)
-    if privileged and cp > 1:
-        raise ValueError(f"{TEACHERS}: teacher(s) {privileged} with ';context=KEY' run in-process at "
-                         f"--context-parallel-size {cp}, which slime's OPD does not split a privileged sequence "
-                         "over yet: run them at context parallelism 1, or serve the teacher")

@@ -63,14 +63,27 @@ class Compared:
     loss_error: float
     grad_error: float
     kl_error: float
+    controls: dict[str, float] | None = None  # a privileged teacher's: its loss without its context, rolled
 
 
-def train_and_compare(served: tuple[str, str, str], spec: tuple, entry: str, *, folds: bool, label: str) -> Compared:
+HINTS = ("Hint: a fox.", [5, 9, 14, 2], "Use the tool.", [30, 31])  # text (the teacher's tokenizer) or its ids
+
+
+def hint_ids(own_tokenizer) -> list[torch.Tensor]:
+    """`HINTS` as the teacher's ids."""
+    return [torch.tensor(own_tokenizer.encode(h, add_special_tokens=False).ids if isinstance(h, str) else h)
+            for h in HINTS]
+
+
+def train_and_compare(served: tuple[str, str, str], spec: tuple, entry: str, *, folds: bool, label: str,
+                      privileged: bool = False) -> Compared:
     """slime_opd's first step through `train_actor` at `spec` (pipeline, context, tensor, slime's
     flags) with a snapshot teacher and the served `entry`, against the float64 reference of the
     in-process teacher (`folds`: as a top-k engine gives its buckets, a bucket with a teacher id
     outside the top-k in the tail); the rollout's fields present, slime's --use-opd reverse KL,
-    the loss and every gradient checked here, the figures printed after `label`."""
+    the loss and every gradient checked here, the figures printed after `label`. `privileged`: the
+    entry reads `;context=hint`, each sample's train_metadata `HINTS[i]`, and the reference is the
+    teacher's on context + its encoding of the response (the controls: without it, rolled by one)."""
     import slime_kit as kit
     import slime_ranks
 
@@ -88,7 +101,8 @@ def train_and_compare(served: tuple[str, str, str], spec: tuple, entry: str, *, 
              "samples": cross_lane._samples(spm), "temperature": 1.0, "entries": f"teacher-a,{entry}"}
     per_stage = context * tensor
     ranks = run_multirank(slime_ranks.opd_train_actor, pipeline * per_stage, pipeline, context, tensor, None, None,
-                          cross_lane.USE_OPD + flags, 1, None, 1, None, cross, timeout=600)
+                          cross_lane.USE_OPD + flags, 1, None, 1, None, cross, None, None,
+                          [{"hint": h} for h in HINTS] if privileged else None, timeout=600)
     for rank in ranks[-per_stage:]:  # the last stage's ranks hold the fields
         assert {slime_opd.IDS, slime_opd.CROSS_RATIO, "opd_step_ids"} <= set(rank["keys"])
     stages = [ranks[first:first + tensor] for first in range(0, len(ranks), per_stage)]
@@ -102,6 +116,12 @@ def train_and_compare(served: tuple[str, str, str], spec: tuple, entry: str, *, 
     data = cross_lane._samples(spm)[0]
     samples = [cross_teachers.teacher_sample(t, r, m, spm, own_tokenizer) for t, r, m in
                zip(data["tokens"], data["response_lengths"], data["loss_masks"])]
+    plain = samples
+    if privileged:
+        from megatron_rl_patches.teachers import cross_with_context
+
+        samples = cross_with_context(plain, hint_ids(own_tokenizer))
+        rolled = cross_with_context(plain, [h.roll(1) for h in hint_ids(own_tokenizer)])
     shared = shared_strings(spm, own_tokenizer)
     assert shared.most_ids("teacher") == 2  # a byte has two teacher ids (`a`, `<0x61>`): a bucket can fold
     with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS,
@@ -110,9 +130,14 @@ def train_and_compare(served: tuple[str, str, str], spec: tuple, entry: str, *, 
         student = kit.float64_copy(args, [states["actor"][name] for name in names])
         with torch.no_grad():
             same = kit.response_logps(kit.float64_copy(args, [states["opd_teacher_0"][n] for n in names]), data, 1.0)
-            own = {"tokens": [s.tokens for s in samples], "response_lengths": [s.response_length for s in samples]}
             (teacher,) = build_inference_model_from_hf(teacher_dir, dtype=torch.float32)
-            dense_teacher = kit.response_logps(teacher.double(), own, 1.0, getattr(teacher, "hf_vocab_size"))  # noqa: B009
+            teacher = teacher.double()
+
+            def scored(seen):
+                own = {"tokens": [s.tokens for s in seen], "response_lengths": [s.response_length for s in seen]}
+                return kit.response_logps(teacher, own, 1.0, getattr(teacher, "hf_vocab_size"))  # noqa: B009
+
+            dense_teacher = scored(samples)
         students = kit.response_logps(student, data, 1.0)
         ids = kit.whole_ids(ranks, context, tensor)
         token_terms: list[torch.Tensor] = []
@@ -122,6 +147,10 @@ def train_and_compare(served: tuple[str, str, str], spec: tuple, entry: str, *, 
         with torch.no_grad():
             shifted = cross_lane.reference(*inputs, shift=True, folded=[] if folds else None)
             other = cross_lane.reference(*inputs) if folds else cross_lane.reference(*inputs, folded=folded)
+            controls = None if not privileged else {
+                name: float(cross_lane.reference(students, same, scored(seen), data, ids, seen, shared,
+                                                  folded=[] if folds else None))
+                for name, seen in (("without its context", plain), ("context rolled", rolled))}
         expected.backward()
     losses = ranks[-1]["losses"][0]
     slime_kl = kit.whole_ids([{**rank, "ids": None if rank["opd_reverse_kl"] is None else
@@ -130,12 +159,16 @@ def train_and_compare(served: tuple[str, str, str], spec: tuple, entry: str, *, 
         float(expected), float(other), sum(folded), float(shifted),
         loss_error=abs(float(losses["opd_topk_loss"]) - float(expected)),
         grad_error=max((grads[name].double() - p.grad).abs().max().item() for name, p in student.named_parameters()),
-        kl_error=max((kl[:, 0].double() - r).abs().max().item() for kl, r in zip(slime_kl, token_terms)))
+        kl_error=max((kl[:, 0].double() - r).abs().max().item() for kl, r in zip(slime_kl, token_terms)),
+        controls=controls)
     print(f"slime_opd train_actor {label} vs float64: loss {compared.expected:.6f}, |Δloss| {compared.loss_error:.2e}, "
           f"max |Δgrad| {compared.grad_error:.2e}, slime's --use-opd reverse KL max |Δ| {compared.kl_error:.2e}; "
           f"chunks shifted by one: |Δloss| {abs(compared.shifted - compared.expected):.2e}; {compared.folded} of the "
           f"chunk starts' buckets fold in a top-k engine's reply; the other bucket rule's loss "
           f"({'unfolded' if folds else 'folded'}) differs by {abs(compared.other - compared.expected):.2e}")
+    for name, value in (compared.controls or {}).items():  # a privileged teacher's controls
+        print(f"  the teacher {name}: |Δloss| {abs(value - compared.expected):.2e}")
+        assert abs(value - compared.expected) > 100 * max(compared.loss_error, 1e-7), name
     assert compared.kl_error < 1e-4  # the served float32 values against float64
     assert compared.loss_error <= 1e-4 * max(1.0, abs(compared.expected))
     assert abs(compared.shifted - compared.expected) > 100 * max(compared.loss_error, 1e-7)

@@ -1,7 +1,8 @@
 """One 2-rank slime lane world (the student at TP=1 x DP=2) for a teacher at its own layout (issue
 58): slime_opd's `train_actor` with a Hugging Face teacher at the student's layout and written
-`PATH;tp=2`, then the `prm_teacher` role from the same directory at `prm_teacher;tp=2` and at the
-student's layout, each rank with its own rollout. Spawned ranks import it by name."""
+`PATH;tp=2` (and with a privileged context, `PATH;tp=2;context=hint`), then the `prm_teacher` role
+from the same directory at `prm_teacher;tp=2` and at the student's layout, each rank with its own
+rollout. Spawned ranks import it by name."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 ROLLOUTS = 2  # train_actor re-entered: the teacher at its layout scores a second rollout on the same groups
 # the student at other layouts over the same 2 ranks, the teacher at tp=2 beside it: (pipeline, context)
 STUDENTS = {"pp2": (2, 1), "cp2": (1, 2)}
+HINTS = ([5, 9, 33, 2, 17], [40, 1, 8], [12, 60, 7, 7, 3, 21], [2, 50])  # each sample's context (ids < 64)
 
 
 def _timer_reset() -> None:
@@ -30,6 +32,18 @@ def layout_world(rank: int, world_size: int, hf: str) -> dict[str, Any]:
             _timer_reset()
             results[f"{student}_{name}"] = slime_ranks.opd_train_actor(rank, world_size, pipeline, context,
                                                                         hf_teacher=entry)
+    # a privileged context (`;context=hint`): at the student's layout, at tp=2, and at tp=2 with each
+    # context rolled by one token (a control; the run without a context is "tp2" above)
+    for name, entry, contexts in (("ctx_student_layout", f"{hf};context=hint", HINTS),
+                                  ("ctx_tp2", f"{hf};tp=2;context=hint", HINTS),
+                                  ("rolled_tp2", f"{hf};tp=2;context=hint", [h[1:] + h[:1] for h in HINTS])):
+        _timer_reset()
+        results[name] = slime_ranks.opd_train_actor(rank, world_size, 1, hf_teacher=entry,
+                                                    contexts=[{"hint": list(h)} for h in contexts])
+    for name, entry in (("cp2_ctx_student_layout", f"{hf};context=hint"), ("cp2_ctx_tp2", f"{hf};tp=2;context=hint")):
+        _timer_reset()  # the student at CP=2: each rank its zigzag rows of the privileged sequences
+        results[name] = slime_ranks.opd_train_actor(rank, world_size, 1, 2, hf_teacher=entry,
+                                                    contexts=[{"hint": list(h)} for h in HINTS])
     with slime_ranks.lane_rank(rank, world_size) as patch:
         import slime_kit as kit
 

@@ -239,7 +239,11 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
         from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
         from megatron_rl_patches.integrations.megatron.teachers.privileged import LiveTeacher, PrivilegedTeacher
         from megatron_rl_patches.integrations.megatron.teachers.served_opd import ServedOpdTeacher
-        from megatron_rl_patches.integrations.megatron.teachers.topk_request import STEP_SAME_AS
+        from megatron_rl_patches.integrations.megatron.teachers.topk_request import (
+            STEP_SAME_AS,
+            TEACHER_HEADS,
+            TEACHER_HIDDEN,
+        )
         from megatron_rl_patches.integrations.slime import opd as slime_opd
 
         for name, value in OPD_ENV.items():
@@ -359,6 +363,9 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                         "second_logprobs": None if first.get(slime_opd.TEACHER_LOGPROBS) is None else
                         [values[-1] for values in first[slime_opd.TEACHER_LOGPROBS]],  # the last teacher's
                         "last_ids": data.get(slime_opd.IDS),
+                        # K=vocab: per sample each teacher's hidden states, and the teachers' output weights
+                        "teacher_hidden": first.get(TEACHER_HIDDEN),
+                        "teacher_heads": first[TEACHER_HEADS][0].weights if first.get(TEACHER_HEADS) else None,
                         "teacher_micro_batches": agreed,
                         "step_repeats": sum(int((same_as >= 0).sum()) for same_as in first.get(STEP_SAME_AS, [])),
                         "keys": sorted(k for k in data if k.startswith("opd_")), "split": _partition_dims(model),

@@ -7,7 +7,8 @@ and every reduced gradient of the same run with the teacher at the student's lay
 `initialize_model_and_optimizer` and passed to slime's real `forward_only`, gives each rank (its own
 rollout) the log-probs of the role at the student's layout on slime's packed route (1e-6). Then the
 student at PP=2 and at CP=2 over the same ranks beside the `PATH;tp=2` teacher, against the
-teacher at the student's layout (1e-6)."""
+teacher at the student's layout (1e-6); and the `PATH;tp=2` teacher with a privileged context
+(`;context=hint`) against it at the student's layout with its context."""
 from __future__ import annotations
 
 import sys
@@ -92,6 +93,50 @@ def test_train_actor_beside_a_student_at_pp2_or_cp2_equals_the_teacher_at_the_st
     if student == "cp2":  # each rank its own rows of the same samples
         assert any(a.shape != b.shape for a, b in zip(world[0]["cp2_tp2"]["teacher_logprobs"],
                                                       world[1]["cp2_tp2"]["teacher_logprobs"]))
+
+
+def test_a_privileged_teacher_at_tp2_equals_it_at_the_students_layout(slime_cpu, world):
+    """`PATH;tp=2;context=hint` (each sample's train_metadata ids before its response): the teacher
+    log-probs, the loss and every reduced gradient equal the privileged teacher at the student's
+    layout (itself against float64 on context + response: test_slime_opd_privileged_lane.py);
+    controls: the teacher without its context ("tp2"'s first rollout) and with each context rolled
+    by one token miss by far."""
+    for rank in world:
+        at, student = rank["ctx_tp2"], rank["ctx_student_layout"]
+        assert all(torch.equal(a, b) for a, b in zip(at["ids"], student["ids"]))
+        error = max(_close(a, b) for a, b in zip(at["teacher_logprobs"], student["teacher_logprobs"]))
+        without = max((a.double() - b.double()).abs().max().item()
+                      for a, b in zip(at["teacher_logprobs"], rank["tp2"]["teacher_logprobs"]))
+        rolled = max((a.double() - b.double()).abs().max().item()
+                     for a, b in zip(at["teacher_logprobs"], rank["rolled_tp2"]["teacher_logprobs"]))
+        print(f"slime_opd train_actor DP=2, a privileged Hugging Face teacher at tp=2 vs at the student's layout: "
+              f"max error beyond 1e-6 relative {error:.2e}; controls: without its context {without:.2e}, context "
+              f"rolled {rolled:.2e}")
+        assert len(at["teacher_logprobs"]) == 4 and error <= 1e-6
+        assert min(without, rolled) > 1e-2
+        (mine,), (theirs,) = at["losses"], student["losses"]
+        assert abs(float(mine["opd_topk_loss"]) - float(theirs["opd_topk_loss"])) <= 1e-6 * max(
+            1.0, abs(float(theirs["opd_topk_loss"])))
+        for name, grad in student["grads"].items():
+            torch.testing.assert_close(at["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_privileged_teacher_at_tp2_beside_a_student_at_cp2_equals_it_at_the_students_layout(slime_cpu, world):
+    """The student at CP=2 (each rank its zigzag rows; the privileged sequence's rows differ from the
+    student's), `PATH;tp=2;context=hint` against `PATH;context=hint` at the student's layout: the
+    scores slime keeps, the loss and every reduced gradient."""
+    for rank in world:
+        at, theirs = rank["cp2_ctx_tp2"], rank["cp2_ctx_student_layout"]
+        assert all(torch.equal(a, b) for a, b in zip(at["ids"], theirs["ids"]))
+        errors = [_close(a, b) for a, b in zip(at["teacher_logprobs"], theirs["teacher_logprobs"])]
+        print(f"CP=2 student, privileged teacher at tp=2 vs at the student's layout: max error beyond 1e-6 "
+              f"relative {max(errors):.2e}")
+        assert len(errors) == 4 and max(errors) <= 1e-6, errors
+        (mine,), (other,) = at["losses"], theirs["losses"]
+        assert abs(float(mine["opd_topk_loss"]) - float(other["opd_topk_loss"])) <= 1e-6 * max(
+            1.0, abs(float(other["opd_topk_loss"])))
+        for name, grad in theirs["grads"].items():
+            torch.testing.assert_close(at["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_the_prm_teacher_role_at_tp2_gives_each_rank_its_log_probs_at_the_students_layout(slime_cpu, world):

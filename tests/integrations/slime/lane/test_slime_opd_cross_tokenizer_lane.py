@@ -18,7 +18,11 @@ more with such a snapshot teacher (the MoE actor's), whose buckets share ids wit
 top-k in the step's rows (`step_repeats`: each scored once; before, a ValueError at the training
 step). Each world is spawned once; a negative control (the teacher's chunks shifted by one) moves
 the reference far from the run. The same worlds run slime's own `--use-opd --opd-type sglang`
-advantage path, whose teacher log-probs are the spread signal: its reverse KL is r per token."""
+advantage path, whose teacher log-probs are the spread signal: its reverse KL is r per token. Two
+more worlds (one rank, and CP=2 zigzag) give the teacher of another tokenizer a privileged context (`;context=hint`:
+train_metadata text tokenized by DeepSeek's tokenizer, or its ids), scored on context + its own
+encoding of the response against float64 on that sequence; controls: the teacher without its
+context, and with the context rolled by one token."""
 from __future__ import annotations
 
 import shutil
@@ -50,7 +54,13 @@ USE_OPD = ("--use-opd", "--opd-type", "sglang", "--opd-kl-coef", "1.0")
 LAYOUTS = {"pp1": ((1, 1, 1, None), ("thd",)), "tp2sp": ((1, 1, 2, None), ("tp2", "sp", "thd")),
            "pp2": ((2, 1, 1, None), ("pp2", "thd")), "pp2vpp2": ((2, 1, 1, 2), ("pp2", "vpp2", "thd")),
            "cp2": ((1, 2, 1, None), ("cp2-zigzag", "thd")), "ep2": ((1, 1, 1, None), ("ep2", "thd")),
-           "cp2ag": ((1, 2, 1, None), ("cp2-allgather", "thd")), "ep2snapshot": ((1, 1, 1, None), ("ep2", "thd"))}
+           "cp2ag": ((1, 2, 1, None), ("cp2-allgather", "thd")), "ep2snapshot": ((1, 1, 1, None), ("ep2", "thd")),
+           "ctx": ((1, 1, 1, None), ("thd",)), "ctxcp2": ((1, 2, 1, None), ("cp2-zigzag", "thd"))}
+# the world whose teacher of another tokenizer is privileged (`;context=hint`): each sample's
+# train_metadata["hint"], text (tokenized by the teacher's DeepSeek tokenizer) or the teacher's ids
+PRIVILEGED = ("ctx", "ctxcp2")
+HINTS = ("Hint: the quick fox answers.", [3, 1024, 77, 50000, 12], "Use the weather tool, then say Done.",
+         [129000, 42, 9])
 EP2 = layouts.BY_MARKER["ep2"].megatron_lm_args
 FLAGS = {"tp2sp": layouts.BY_MARKER["sp"].megatron_lm_args, "ep2": EP2, "ep2snapshot": EP2,
          "cp2ag": layouts.BY_MARKER["cp2-allgather"].megatron_lm_args}
@@ -147,10 +157,24 @@ def world(request, dirs, spm):
         cross["more_micro_batches"] = PADDED[request.param]
     if request.param in SNAPSHOT_SEED:
         cross.update(entries=f"teacher-a,{snapshot};tokenizer=own", seeds={snapshot: SNAPSHOT_SEED[request.param]})
+    contexts = None
+    if request.param in PRIVILEGED:  # one rollout: the contexts are the first's
+        cross.update(entries=f"teacher-a,{teacher};tokenizer=own;context=hint")
+        contexts = [{"hint": hint} for hint in HINTS]
     expert = _experts(request.param)
     return request.param, (pipeline, context, tensor, virtual), run_multirank(
         slime_ranks.opd_train_actor, pipeline * context * tensor * expert, pipeline, context, tensor, virtual, None,
-        USE_OPD + FLAGS.get(request.param, ()), 2, None, expert, None, cross, timeout=600)
+        USE_OPD + FLAGS.get(request.param, ()), 1 if contexts else 2, None, expert, None, cross, None, None, contexts,
+        timeout=600)
+
+
+def hint_ids() -> list[torch.Tensor]:
+    """The contexts as the teacher's ids: text through DeepSeek's tokenizer (no special tokens)."""
+    from tokenizers import Tokenizer
+
+    deepseek = Tokenizer.from_file(str(DEEPSEEK / "tokenizer.json"))
+    return [torch.tensor(deepseek.encode(h, add_special_tokens=False).ids if isinstance(h, str) else h)
+            for h in HINTS]
 
 
 def _experts(layout: str) -> int:
@@ -265,6 +289,12 @@ def test_train_actor_with_a_teacher_of_another_tokenizer_equals_float64(slime_cp
     own_tokenizer = snapshot_tokenizer() if snapshot else DEEPSEEK
     samples = [cross_teachers.teacher_sample(t, r, m, spm, own_tokenizer) for t, r, m in
                zip(data["tokens"], data["response_lengths"], data["loss_masks"])]
+    plain = samples  # the teacher's own encodings (its prompt): the privileged world's control
+    if layout in PRIVILEGED:  # context + the teacher's encoding of the response, the alignment unchanged
+        from megatron_rl_patches.teachers import cross_with_context
+
+        samples = cross_with_context(plain, hint_ids())
+        rolled = cross_with_context(plain, [h.roll(1) for h in hint_ids()])
     shared = shared_strings(spm, own_tokenizer)
     nope = layouts.NOPE_ARGS if layouts.NOPE_ARGS[0] in FLAGS.get(layout, ()) else ()
     with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS,
@@ -284,14 +314,26 @@ def test_train_actor_with_a_teacher_of_another_tokenizer_equals_float64(slime_cp
                                            slime_ranks.TEMPERATURE)
             else:
                 (teacher,) = build_inference_model_from_hf(teacher_dir, dtype=torch.float32)
-                cross = kit.response_logps(teacher.double(), own, slime_ranks.TEMPERATURE,
-                                           getattr(teacher, "hf_vocab_size"))  # noqa: B009
+                teacher = teacher.double()
+
+                def scored(teacher_samples):
+                    own = {"tokens": [s.tokens for s in teacher_samples],
+                           "response_lengths": [s.response_length for s in teacher_samples]}
+                    return kit.response_logps(teacher, own, slime_ranks.TEMPERATURE,
+                                              getattr(teacher, "hf_vocab_size"))  # noqa: B009
+
+                cross = scored(samples)
+                if layout in PRIVILEGED:
+                    controls = {"without its context": (scored(plain), plain), "context rolled": (scored(rolled),
+                                                                                                 rolled)}
         students = kit.response_logps(student, data, slime_ranks.TEMPERATURE)
         ids = kit.whole_ids(ranks, context, tensor)
         token_terms: list[torch.Tensor] = []
         expected = reference(students, same, cross, data, ids, samples, shared, token_terms=token_terms)
         with torch.no_grad():
             shifted = reference(students, same, cross, data, ids, samples, shared, shift=True)
+            missed = {name: float(reference(students, same, lt, data, ids, seen, shared))
+                      for name, (lt, seen) in (controls.items() if layout in PRIVILEGED else ())}
         expected.backward()
     losses = last["losses"][0]
     loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
@@ -310,6 +352,9 @@ def test_train_actor_with_a_teacher_of_another_tokenizer_equals_float64(slime_cp
     print(f"  step ids repeated across the parts (scored once, read by each): {repeats}")
     if layout in REPEATING:  # the world whose rows repeat ids: before step_repeats, a ValueError at the step
         assert repeats > 0
+    for name, value in missed.items():  # the privileged teacher's controls
+        print(f"  the teacher {name}: |Δloss| {abs(value - float(expected)):.2e}")
+        assert abs(value - float(expected)) > 100 * max(loss_error, 1e-7), name
     assert kl_error < 5e-5  # slime's float32 log-probs against float64
     assert loss_error <= 1e-5 * max(1.0, abs(float(expected)))
     assert abs(float(shifted) - float(expected)) > 100 * max(loss_error, 1e-7)

@@ -5,7 +5,10 @@ MEGATRON_RL_PATCHES_VERL_TEACHER=`URL;engine=vllm;head=DIR` the trainer asks the
 teacher's final hidden states of the batch's ids, and the student's fused forward computes the
 forward KL over the whole vocabulary through both heads. Per-token KL, loss and gradients equal a
 float64 reference (the student's own logits in float64, transformers' float64 teacher) at TP=1
-and TP=2 with sequence parallelism; negative control: the head of another checkpoint. Without
+and TP=2 with sequence parallelism; negative control: the head of another checkpoint. A privileged
+teacher (`;context=hint`, verl's non-tensor field: ids or text) is scored on context + response,
+against float64 on that sequence; controls: its KL against the teacher without the context and
+with the context rolled by one token. Without
 MRP_VLLM_PYTHON every test here skips, saying why."""
 from __future__ import annotations
 
@@ -65,26 +68,38 @@ def served(launched, tmp_path_factory):
             yield {"url": server.url, **info}
 
 
-def teacher_log_probs(model) -> list[torch.Tensor]:
-    """transformers' float64 teacher log-probs at TEMPERATURE, per sequence of verl's batch ([L, V],
-    row r predicting token r + 1)."""
+def teacher_log_probs(model, contexts: list[list[int]] | None = None) -> list[torch.Tensor]:
+    """transformers' float64 teacher log-probs at TEMPERATURE on the rows predicting each response
+    token of verl's batch ([R, V]): after the sequence's own prompt, or after `contexts[i]` (the
+    privileged sequence context + response)."""
     batch = kit.rl_batch(PROMPTS, RESPONSES, temperature=TEMPERATURE)
     reference = copy.deepcopy(model).double()
     out = []
-    for sequence in batch["input_ids"].unbind():
+    for i, (sequence, prompt) in enumerate(zip(batch["input_ids"].unbind(), PROMPTS)):
+        before = sequence[:prompt] if contexts is None else torch.tensor(contexts[i])
+        scored = torch.cat([before, sequence[prompt:]])
         with torch.no_grad():
-            logits = reference(sequence[None]).logits[0]
-        out.append(torch.log_softmax(logits / TEMPERATURE, -1))
+            logits = reference(scored[None]).logits[0]
+        out.append(torch.log_softmax(logits / TEMPERATURE, -1)[len(before) - 1:-1])
     return out
 
 
-def distillation_step(model) -> tuple[list[torch.Tensor], float, dict]:
+def hint_values(contexts: list[list[int]]) -> list:
+    """The contexts as verl's trainer batch holds a non-tensor field (numpy rows, as
+    `DataProto.to_tensordict` stacks them): sample 0 as ids, sample 1 as the word tokenizer's text."""
+    import numpy as np
+
+    return [np.array(contexts[0]), np.array(" ".join(f"t{i}" for i in contexts[1]), dtype=object)]
+
+
+def distillation_step(model, **fields) -> tuple[list[torch.Tensor], float, dict]:
     """verl's engine on its fused route with verl's distillation loss (forward_kl_topk, no policy
-    loss): the per-token KL on the response rows, the loss it backpropagates, the gradients."""
+    loss): the per-token KL on the response rows, the loss it backpropagates, the gradients.
+    `fields`: non-tensor batch fields (a privileged context)."""
     from verl.trainer.distillation import distillation_ppo_loss
 
     batch = kit.rl_batch(PROMPTS, RESPONSES, temperature=TEMPERATURE, distillation_use_topk=True,
-                         distillation_only=True)
+                         distillation_only=True, **fields)
     config = kit.distillation_config(8, use_task_rewards=False, use_policy_gradient=False, loss_max_clamp=None)
     loss_function = functools.partial(distillation_ppo_loss, config=kit.actor_config(), distillation_config=config)
     output, loss = kit.train_step(kit.engine(True), model, batch, loss_function)
@@ -123,17 +138,19 @@ def float64_step(model, build, teacher: list[torch.Tensor]) -> tuple[list[torch.
         n = sequence.numel()
         causal = torch.ones(n, n, dtype=torch.bool).tril().logical_not()[None, None]
         logits = gather_from_tensor_model_parallel_region(reference(sequence[None], torch.arange(n)[None], causal))
-        p = torch.log_softmax(logits[0, :, :kit.VOCAB] / TEMPERATURE, -1)
-        rows.append((q.exp() * (q - p)).sum(-1)[prompt - 1:-1])
+        p = torch.log_softmax(logits[0, :, :kit.VOCAB] / TEMPERATURE, -1)[prompt - 1:-1]
+        rows.append((q.exp() * (q - p)).sum(-1))
     loss = torch.cat(rows).sum() / sum(RESPONSES)
     loss.backward()
     return [r.detach() for r in rows], float(loss), kit.grads(reference)
 
 
-def vocab_world(rank: int, world: int, layouts: list[dict], teacher: list[torch.Tensor], other: str) -> list:
+def vocab_world(rank: int, world: int, layouts: list[dict], teacher: list[torch.Tensor], other: str,
+                privileged: dict) -> list:
     """Each layout: verl's fused distillation step with the served head against float64, and the
     step with another checkpoint's head (the negative control: refused at connect, the served model's
-    root differing from the head's checkpoint)."""
+    root differing from the head's checkpoint); then the privileged step (`;context=hint`) against
+    float64 on context + response, its controls, and (TP=2) one rank's batch without the field."""
     import megatron_rl_patches
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
     from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
@@ -159,14 +176,35 @@ def vocab_world(rank: int, world: int, layouts: list[dict], teacher: list[torch.
                     control = f"{type(refused).__name__}: {refused}"
                 finally:
                     os.environ[VARIABLE] = entry
+                os.environ[VARIABLE] = f"{entry};context=hint"
+                try:
+                    hint = hint_values(privileged["contexts"])
+                    ctx_kl, ctx_loss, ctx_grads = distillation_step(model, hint=hint)
+                    missing = "not tried (TP=1)"
+                    if layout["tp"] > 1:  # rank 1's micro-batch lacks the field: the same error on both ranks
+                        try:
+                            distillation_step(model, **({} if rank == 1 else {"hint": hint}))
+                            missing = "no error"
+                        except Exception as refused:  # noqa: BLE001 - compared below, the same on every rank
+                            missing = f"{type(refused).__name__}: {refused}"
+                finally:
+                    os.environ[VARIABLE] = entry
             finally:
                 megatron_rl_patches.revert()
             ref_kl, ref_loss, ref_grads = float64_step(model, build, teacher)
+            ctx_ref_kl, ctx_ref_loss, ctx_ref_grads = float64_step(model, build, privileged["teacher"])
+            rolled_kl = float64_step(model, build, privileged["rolled"])[0]
             results.append({
                 "layout": layout["name"], "loss": loss, "float64": ref_loss,
                 "kl_err": max(kit.relative(a, b) for a, b in zip(kl, ref_kl)),
                 "grad_err": max(kit.relative(grads[name], ref_grads[name]) for name in ref_grads),
                 "control": control,
+                "ctx_loss": ctx_loss, "ctx_float64": ctx_ref_loss,
+                "ctx_kl_err": max(kit.relative(a, b) for a, b in zip(ctx_kl, ctx_ref_kl)),
+                "ctx_grad_err": max(kit.relative(ctx_grads[name], ctx_ref_grads[name]) for name in ctx_ref_grads),
+                "ctx_without": max(kit.relative(a, b) for a, b in zip(ctx_kl, ref_kl)),
+                "ctx_rolled": max(kit.relative(a, b) for a, b in zip(ctx_kl, rolled_kl)),
+                "missing": missing,
             })
     return results
 
@@ -174,7 +212,11 @@ def vocab_world(rank: int, world: int, layouts: list[dict], teacher: list[torch.
 def test_verls_fused_distillation_step_over_the_whole_vocabulary_equals_float64(served, monkeypatch):
     monkeypatch.setenv(VARIABLE, f"{served['url']};engine=vllm;head={served['head']}")
     teacher = teacher_log_probs(served["model"])
-    results = run_multirank(vocab_world, 2, LAYOUTS, teacher, served["other"], timeout=600)
+    gen = torch.Generator().manual_seed(11)
+    contexts = [torch.randint(1, kit.VOCAB, (n,), generator=gen).tolist() for n in (7, 4)]
+    privileged = {"contexts": contexts, "teacher": teacher_log_probs(served["model"], contexts),
+                  "rolled": teacher_log_probs(served["model"], [c[1:] + c[:1] for c in contexts])}
+    results = run_multirank(vocab_world, 2, LAYOUTS, teacher, served["other"], privileged, timeout=600)
     for rank, outs in enumerate(results):
         for out in outs:
             print(f"rank {rank}: {out}")
@@ -183,6 +225,13 @@ def test_verls_fused_distillation_step_over_the_whole_vocabulary_equals_float64(
             # another checkpoint's head: refused before any state is projected, naming both directories
             assert out["control"].startswith("ServedTeacherRefusal") and served["other"] in out["control"], out
             assert "differs from the head's directory" in out["control"], out
+            # the privileged teacher (sample 0's context as ids, sample 1's as text): float64 on context + response
+            assert abs(out["ctx_loss"] - out["ctx_float64"]) <= TOL * abs(out["ctx_float64"]), out
+            assert out["ctx_kl_err"] <= TOL and out["ctx_grad_err"] <= TOL, out
+            assert min(out["ctx_without"], out["ctx_rolled"]) > 1e3 * TOL, out  # the controls miss by far
+    missing = [out["missing"] for outs in results for out in outs if out["layout"] == "tp2-sp"]
+    assert missing[0].startswith("ValueError") and "no non-tensor field 'hint'" in missing[0], missing
+    assert "refused on rank(s) [1]" in missing[0] and missing[0] == missing[1], missing
     assert [out["layout"] for out in results[0]] == [layout["name"] for layout in LAYOUTS]
 
 

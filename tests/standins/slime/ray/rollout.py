@@ -1,7 +1,8 @@
 """Stand-in for slime.ray.rollout (624b824a): the rollout manager's per-rank split of the training
 data and the per-rank packaging it calls, with slime's signatures; their behaviour is tested on a
-copy of slime's split (tests/integrations/slime/test_slime_contexts.py), since slime's own module
-needs ray and SGLang."""
+copy of slime's split (tests/integrations/slime/test_slime_contexts.py), and on slime's own module in
+the slime lane (tests/integrations/slime/lane/test_slime_rollout_split_lane.py, ray and SGLang as
+inert stand-ins there)."""
 from __future__ import annotations
 
 
