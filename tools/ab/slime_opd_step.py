@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = os.environ.get("AB_SRC") or str(Path(__file__).resolve().parents[2])
@@ -48,20 +49,38 @@ def served_teacher(python: str, root: Path):
         yield server.url, str(root / "qwen3")
 
 
-def step_seconds(rollouts: int, served: dict | None) -> float:
-    """The median seconds of the train_actor calls after the first, one rank."""
+class ProcessClock:
+    """`time` as slime_ranks reads it, with `perf_counter` the process's CPU seconds (every thread)."""
+
+    def __getattr__(self, name: str):
+        return time.process_time if name == "perf_counter" else getattr(time, name)
+
+
+def cpu_timed_train_actor(rank: int, world_size: int, *args):
+    """slime_ranks.opd_train_actor with its step times in CPU seconds: on a machine whose cores are
+    shared, the CPU time of one rank's step moves far less with the other jobs than its wall time."""
+    import slime_ranks
+
+    slime_ranks.time = ProcessClock()
+    return slime_ranks.opd_train_actor(rank, world_size, *args)
+
+
+def step_seconds(rollouts: int, served: dict | None, clock: str = "wall") -> float:
+    """The median seconds (wall, or the rank's CPU seconds) of the train_actor calls after the first, one rank."""
     import slime_ranks
 
     from megatron_rl_patches.testing.multirank import run_multirank
 
-    (rank,) = run_multirank(slime_ranks.opd_train_actor, 1, 1, 1, 1, None, None, (), rollouts, None, 1, None, None,
-                            served, timeout=900)
+    fn = cpu_timed_train_actor if clock == "cpu" else slime_ranks.opd_train_actor
+    (rank,) = run_multirank(fn, 1, 1, 1, 1, None, None, (), rollouts, None, 1, None, None, served, timeout=900)
     return statistics.median(rank["step_seconds"][1:] or rank["step_seconds"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rollouts", type=int, default=4, help="train_actor calls per case (the first warms up)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time each step by the wall clock or by the rank's CPU seconds (a shared machine)")
     options = parser.parse_args()
     sys.path.insert(0, LANE)
     import slime_megatron_patch
@@ -72,12 +91,12 @@ def main() -> None:
     slime_megatron_patch.install()  # as the lane's conftest: slime's GPT-model hunks, then its stand-ins
     slime_standins.install()
     multirank.use_spawn()
-    result = {"snapshot_step_s": step_seconds(options.rollouts, None)}
+    result = {"snapshot_step_s": step_seconds(options.rollouts, None, options.clock)}
     python = os.environ.get("MRP_VLLM_PYTHON", "")
     if python:
         with tempfile.TemporaryDirectory() as tmp, served_teacher(python, Path(tmp)) as (url, directory):
             served = {"entries": f"{url};engine=vllm,teacher-a", "student": directory}
-            result["served_step_s"] = step_seconds(options.rollouts, served)
+            result["served_step_s"] = step_seconds(options.rollouts, served, options.clock)
     print(json.dumps(result))
 
 
