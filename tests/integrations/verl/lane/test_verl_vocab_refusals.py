@@ -64,3 +64,12 @@ def test_a_privileged_context_the_teacher_cannot_score_is_refused_naming_the_sam
     with pytest.raises(ValueError, match=rf"sample 1's context under 'hint' holds id {kit.VOCAB}, past the teacher's "
                                          rf"vocabulary of {kit.VOCAB}"):
         kit.forward_step(kit.engine(True), _model(), batch)
+
+
+def test_with_a_head_a_micro_batch_that_is_not_distillation_is_verls_own(verl_cpu, monkeypatch, tmp_path):
+    """The entry names a head, but this micro-batch asks no distillation (an old-log-prob pass): handed
+    to verl's own forward as it came, no teacher asked (the discard port would refuse any request)."""
+    monkeypatch.setenv(VARIABLE, f"{NOWHERE};engine=vllm;head={tmp_path}")
+    megatron_rl_patches.apply(only=["verl_fused_logprobs", "verl_topk_kd"])
+    output = kit.forward_step(kit.engine(True), _model(), kit.rl_batch(kit.PROMPTS, kit.RESPONSES))
+    assert "distillation_losses" not in output and "log_probs" in output
