@@ -1,7 +1,8 @@
 """NeMo-RL (7ea279ab): its records (`patches`); a served teacher as its distillation teacher
 (`served_teacher`: `served_teacher_policy`, `served_teacher_in_setup`); the live self-teacher, the
 student's own policy over privileged contexts (`self_teacher`: `self_teacher_policy`,
-`self_teacher_in_setup`); its Megatron driver's
+`self_teacher_in_setup`); NeMo-RL's own teacher Policy over privileged contexts
+(`privileged_teacher`: `privileged_teacher_policy`, `privileged_teacher_in_setup`); its Megatron driver's
 log-prob route on the fused head (`logprobs`), its teacher top-k on the package's top-k (`topk`)
 and its top-k distillation loss as the exact (k+1)-bucket divergence (`topk_kd`), each through one
 forward step (`step`) and NeMo-RL's own row layouts (`rows`)."""
@@ -12,6 +13,8 @@ from megatron_rl_patches._lazy import lazy_getattr
 # loaded on first use: the records (`patches`) are read without the teachers' client
 _LAZY = {"ServedTeacherPolicy": "served_teacher", "served_teacher_policy": "served_teacher",
          "served_teacher_in_setup": "served_teacher", "SelfTeacherPolicy": "self_teacher",
-         "self_teacher_policy": "self_teacher", "self_teacher_in_setup": "self_teacher"}
+         "self_teacher_policy": "self_teacher", "self_teacher_in_setup": "self_teacher",
+         "PrivilegedTeacherPolicy": "privileged_teacher", "privileged_teacher_policy": "privileged_teacher",
+         "privileged_teacher_in_setup": "privileged_teacher"}
 __all__ = sorted(_LAZY)
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_rl_patches.integrations.nemo_rl import SelfTeacherPolicy, self_teacher_in_setup, self_teacher_policy
-from megatron_rl_patches.integrations.nemo_rl.self_teacher import nemo_rl_data
+from megatron_rl_patches.integrations.nemo_rl.privileged_topk import nemo_rl_data
 from megatron_rl_patches.teachers import TeacherBatch
 
 
@@ -31,13 +31,13 @@ def _data(**change):
 
 def test_the_policy_needs_a_context_and_a_student():
     with pytest.raises(ValueError, match=r"context=None\): .*the student scoring itself"):
-        SelfTeacherPolicy(None)  # type: ignore[arg-type]
+        SelfTeacherPolicy(None)
     with pytest.raises(TypeError, match="student Policy"):
         self_teacher_policy("hint", student=object())
     with pytest.raises(RuntimeError, match=r"no student policy yet: build it inside self_teacher_in_setup"):
         self_teacher_policy("hint").get_topk_logits(_data(hint=[[1], [2]]), k=4)
     with pytest.raises(TypeError, match="takes a SelfTeacherPolicy"):
-        with self_teacher_in_setup("hint"):  # type: ignore[arg-type]
+        with self_teacher_in_setup("hint"):
             pass
 
 

@@ -2,7 +2,9 @@
 driver with its TopkLogitsPostProcessor on `nemo_rl_topk`, what its Megatron worker runs) over
 the privileged sequences through `SelfTeacherPolicy`, then NeMo-RL's distillation step
 (`LossPostProcessor` over `DistillationLossFn` on `nemo_rl_topk_kd`) on those rows, at TP=1 and
-TP=2 in one world. Imported in each spawned rank (the service stand-ins before NeMo-RL)."""
+TP=2 in one world; and NeMo-RL's own teacher Policy (other random weights, the same driver) over
+the same privileged sequences through `PrivilegedTeacherPolicy`. Imported in each spawned rank
+(the service stand-ins before NeMo-RL)."""
 from __future__ import annotations
 
 import os
@@ -19,6 +21,7 @@ import nemo_kit as kit  # noqa: E402
 import nemo_ranks as ranks  # noqa: E402
 import torch  # noqa: E402
 
+TEACHER_SEED = 1  # NeMo-RL's own teacher Policy: weights other than the student's
 CONTEXTS = (5, 2, 7, 4)  # each sample's privileged context length
 
 
@@ -49,6 +52,7 @@ def self_teacher_world(rank: int, world: int, tps: list[int]) -> list[dict]:
     from nemo_rl.algorithms.loss.loss_functions import DistillationLossConfig, DistillationLossFn
     from nemo_rl.models.megatron.train import LossPostProcessor
 
+    from megatron_rl_patches.integrations.nemo_rl.privileged_teacher import privileged_teacher_policy
     from megatron_rl_patches.integrations.nemo_rl.self_teacher import self_teacher_policy
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
@@ -73,6 +77,8 @@ def self_teacher_world(rank: int, world: int, tps: list[int]) -> list[dict]:
             done = ranks._applied(("nemo_rl_topk_kd",), lambda step=(model, train, cfg, post): kit.drive(
                 *step, mbs=2, forward_only=False))
             grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+            own_teacher = StudentPolicy(ranks._model(layout, seed=TEACHER_SEED), cfg)  # NeMo-RL's teacher Policy
+            privileged = privileged_teacher_policy("hint", teacher=own_teacher).get_topk_logits(data, k=kit.K)
             missing = ""
             try:  # a batch short of one context: refused before the student's pass (the driver is one process)
                 bad = kit.batch(seed=3)
@@ -82,5 +88,6 @@ def self_teacher_world(rank: int, world: int, tps: list[int]) -> list[dict]:
                 missing = str(error)
             results.append({"tp": tp, "values": rows["topk_logits"], "ids": rows["topk_indices"],
                             "loss": sum(float(r["loss"]) for r in done), "grads": grads, "untouched": untouched,
-                            "calls": student.calls, "missing": missing})
+                            "calls": student.calls, "missing": missing, "teacher_values": privileged["topk_logits"],
+                            "teacher_ids": privileged["topk_indices"], "teacher_calls": own_teacher.calls})
     return results

@@ -4,7 +4,10 @@ its Megatron worker runs them) over context + response, the rows placed at the s
 positions, then NeMo-RL's distillation step on them (`nemo_rl_topk_kd`, forward KL). At TP=1 and
 TP=2 in one 2-rank world: the teacher's rows equal the float64 forward of the same weights on the
 privileged sequence; the loss and each rank's gradients equal the float64 reference with the
-teacher's terms detached; controls (no context, the context shifted by one token) miss by far."""
+teacher's terms detached; controls (no context, the context shifted by one token) miss by far.
+In the same world NeMo-RL's own teacher Policy (other random weights) through
+`PrivilegedTeacherPolicy`: its rows equal its float64 forward on context + response, its controls
+miss by far."""
 from __future__ import annotations
 
 import pytest
@@ -39,6 +42,33 @@ def tails(log_probs: torch.Tensor) -> torch.Tensor:
     return torch.log1p(-log_probs.exp().sum(-1).clamp(max=1 - 1e-12))
 
 
+def check_own_teacher(teacher64, got: list[dict], tp: int) -> None:
+    """NeMo-RL's own teacher Policy's privileged rows against its float64 forward on context +
+    response at the student's positions (both ranks); without the context / shifted: far off."""
+    data, hints = kit.batch(seed=3), world.contexts()
+    ids, lengths, mask = data["input_ids"], data["input_lengths"], data["token_mask"]
+    misses, error = {"none": 0.0, "shifted": 0.0}, 0.0
+    with torch.no_grad():
+        for i in range(kit.BATCH):
+            n = int(lengths[i])
+            start = int(torch.nonzero(mask[i, 1:n]).flatten()[0]) + 1
+            response, rows = ids[i, start:n], slice(start - 1, n - 1)
+            teacher = float64_log_probs(teacher64, torch.cat([hints[i], response]))[len(hints[i]) - 1:-1]
+            for out in got:
+                assert out["teacher_calls"] == 1, tp
+                assert torch.equal(out["teacher_ids"][i, rows], teacher.topk(kit.K, -1).indices), (tp, i)
+                error = max(error, float((out["teacher_values"][i, rows].double()
+                                          - teacher.gather(1, out["teacher_ids"][i, rows])).abs().max()))
+            values, top = got[0]["teacher_values"], got[0]["teacher_ids"]
+            for name, context in (("none", ids[i, :start]), ("shifted", hints[i].roll(1))):
+                control = float64_log_probs(teacher64, torch.cat([context, response]))[len(context) - 1:-1]
+                misses[name] = max(misses[name], float((control.gather(1, top[i, rows]) - values[i, rows])
+                                                       .abs().max()))
+    assert not torch.equal(got[0]["teacher_ids"], got[0]["ids"]), tp  # its own weights, not the student's
+    print(f"tp {tp}: NeMo-RL's own teacher's privileged rows: error {error:.2e}, controls {misses}")
+    assert error <= BOUND and min(misses.values()) > kit.CONTROL, (tp, error, misses)
+
+
 def test_the_live_self_teacher_in_nemo_rls_step_equals_float64_at_tp1_and_tp2():
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu, tiny_gpt_config
     from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
@@ -49,8 +79,11 @@ def test_the_live_self_teacher_in_nemo_rls_step_equals_float64_at_tp1_and_tp2():
     with megatron_on_cpu():
         model64 = build_packed_gpt(vocab_size=kit.VOCAB, seq_length=64, seed=0,
                                    config=tiny_gpt_config(num_layers=2)).double()
+        teacher64 = build_packed_gpt(vocab_size=kit.VOCAB, seq_length=64, seed=world.TEACHER_SEED,
+                                     config=tiny_gpt_config(num_layers=2)).double()
         for tp_index, tp in enumerate((1, 2)):
             got = [rank[tp_index] for rank in ranks]
+            check_own_teacher(teacher64, got, tp)
             values, top = got[0]["values"], got[0]["ids"]
             model64.zero_grad()
             total, misses = torch.zeros((), dtype=torch.float64), {"none": 0.0, "shifted": 0.0}

@@ -1,7 +1,8 @@
-"""`served_teacher_in_setup` against NeMo-RL 7ea279ab's own `distillation.setup()` source: the lane
-cannot import distillation.py (it needs torchdata, datasets, Ray and vLLM generation), so its
-`Policy(...)` calls are read from the source and each is made, with its own keywords' names, on a
-module whose `Policy` records what it builds: the teacher's is the served policy, the student's
+"""`served_teacher_in_setup` and `privileged_teacher_in_setup` against NeMo-RL 7ea279ab's own
+`distillation.setup()` source: the lane cannot import distillation.py (it needs torchdata,
+datasets, Ray and vLLM generation), so its `Policy(...)` calls are read from the source and each
+is made, with its own keywords' names, on a module whose `Policy` records what it builds: the
+teacher's is the served policy (or NeMo-RL's own inside the privileged wrapper), the student's
 NeMo-RL's own."""
 from __future__ import annotations
 
@@ -47,6 +48,25 @@ def test_setups_teacher_policy_is_the_served_one_and_the_students_nemo_rls():
     with served_teacher_in_setup(policy, module):
         made = {prefix: module.Policy(name_prefix=prefix) for prefix in prefixes}
     assert made["teacher"] is policy and made["student"] is not policy and built == ["student"]
+
+
+def test_setups_teacher_policy_is_nemo_rls_own_inside_the_privileged_wrapper():
+    from megatron_rl_patches.integrations.nemo_rl import privileged_teacher_in_setup, privileged_teacher_policy
+
+    prefixes = _setup_policy_prefixes()
+    built = {}
+    module = types.ModuleType("distillation")
+
+    def nemo_rls_policy(**kwargs):
+        built[kwargs["name_prefix"]] = made = types.SimpleNamespace(get_topk_logits=lambda *a, **k: None)
+        return made
+
+    module.Policy = nemo_rls_policy  # type: ignore[attr-defined]
+    policy = privileged_teacher_policy("solution")
+    with privileged_teacher_in_setup(policy, module):
+        made = {prefix: module.Policy(name_prefix=prefix) for prefix in prefixes}
+    assert made["teacher"] is policy and policy.teacher is built["teacher"]
+    assert made["student"] is built["student"] and module.Policy is nemo_rls_policy
 
 
 def test_a_full_vocabulary_policy_makes_setups_loss_the_whole_vocabulary_one_and_restores_it(tmp_path):
