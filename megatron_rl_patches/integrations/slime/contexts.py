@@ -50,6 +50,22 @@ def carried(data: Mapping, keys: Sequence[str]) -> list[dict]:
             for meta in metadata]
 
 
+def check_layouts(args: Any, settings: OpdSettings) -> None:
+    """A privileged teacher of another tokenizer or at its own layout under slime's `--allgather-cp`
+    (more than one context-parallel rank), refused by name: its rows there are not checked against
+    float64 yet (its zigzag context parallelism is; the student's tokenizer's privileged teachers
+    are at both)."""
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    if not getattr(args, "allgather_cp", False) or cp < 2:
+        return
+    named = [t.path for t in settings.teachers if t.context is not None and (t.other_tokenizer or t.at_layout)]
+    if named:
+        raise ValueError(f"{TEACHERS}: teacher(s) {named} with ';context=KEY' of another tokenizer or at their own "
+                         f"layout run under --allgather-cp at --context-parallel-size {cp}, which slime's OPD does "
+                         "not score them at yet: drop --allgather-cp (megatron-core's zigzag context parallelism "
+                         "takes them), or give the teacher the student's tokenizer and layout")
+
+
 def split_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for slime's `RolloutManager._split_train_data_by_dp(data)`: with teachers of
     a privileged context, their keys of every sample's train_metadata noted for the per-rank split."""

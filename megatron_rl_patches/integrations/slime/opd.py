@@ -58,7 +58,7 @@ from megatron_rl_patches.integrations.megatron.teachers.topk_request import (
 from megatron_rl_patches.integrations.slime import cross_loss, vocab_opd
 from megatron_rl_patches.integrations.slime.actor import SlimeActor
 from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
-from megatron_rl_patches.integrations.slime.contexts import METADATA, step_contexts
+from megatron_rl_patches.integrations.slime.contexts import METADATA, check_layouts, step_contexts
 from megatron_rl_patches.integrations.slime.fused import unservable
 from megatron_rl_patches.integrations.slime.rows import response_positions
 from megatron_rl_patches.integrations.slime.step_plan import SETTINGS, StepPlan, plan_in, planned
@@ -81,6 +81,7 @@ def check_args(args: Any, settings: OpdSettings | None = None) -> None:
                                                   ids_from=settings.ids_from, k=settings.k,
                                                   temperature_from="slime's --rollout-temperature"))
         check_served(settings)
+        check_layouts(args, settings)
         cross_loss.check_args(args, settings)
     if not advantages_only and (not custom or getattr(args, "custom_loss_function_path", None) not in LOSS_PATHS):
         raise ValueError(f"{TEACHERS} is set: top-k OPD needs slime's flags --loss-type custom_loss "

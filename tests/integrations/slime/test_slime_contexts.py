@@ -137,3 +137,23 @@ def test_a_key_of_a_teacher_of_another_tokenizer_is_read_in_its_tokenizer(tmp_pa
     data[CONTEXTS] = [{"hint": "t3"}, {"hint": [40]}]
     with pytest.raises(ValueError, match=r"contexts\[1\] holds id 40, past the teacher's vocabulary of 40"):
         contexts.step_contexts(args, data, settings, vocab_size=16)
+
+
+@pytest.mark.parametrize("entry", ["/ckpt/teacher;tokenizer=own;context=hint", "/ckpt/teacher;tp=2;context=hint",
+                                   "http://127.0.0.1:9;engine=vllm;tokenizer=/ckpt/t;context=hint"])
+def test_a_privileged_teacher_of_another_tokenizer_or_layout_under_allgather_cp_is_refused_by_name(entry):
+    from types import SimpleNamespace
+
+    settings = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": entry})
+    args = SimpleNamespace(allgather_cp=True, context_parallel_size=2, loss_type="custom_loss",
+                           custom_loss_function_path=opd.LOSS_PATH, rollout_temperature=1.0)
+    path = entry.split(";")[0]
+    with pytest.raises(ValueError, match=rf"teacher\(s\) \['{path}'\] with ';context=KEY' of another tokenizer or at "
+                                         r"their own layout run under --allgather-cp at --context-parallel-size 2.*"
+                                         r"drop --allgather-cp"):
+        opd.check_args(args, settings)
+    contexts.check_layouts(SimpleNamespace(allgather_cp=False, context_parallel_size=2), settings)  # zigzag: taken
+    contexts.check_layouts(SimpleNamespace(allgather_cp=True, context_parallel_size=1), settings)  # no CP: taken
+    plain = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": entry.replace(";context=hint", "")})
+    contexts.check_layouts(args, plain)  # without a context: as before
+    contexts.check_layouts(args, opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher;context=hint"}))
