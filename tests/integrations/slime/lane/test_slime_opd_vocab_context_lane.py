@@ -3,8 +3,9 @@
 its pass over sample i's train_metadata["hint"] + the student's response, on the student's
 response rows (at CP=2 each rank's rows of the response differ between the two sequences: moved).
 In-process: a snapshot (`teacher-a;context=hint`, θ₀) and the live self-teacher
-(`student;context=hint`) at one rank, CP=2 (a Hugging Face teacher of another size beside them)
-and CP=2 with --allgather-cp; served: a vLLM pooling server's hidden states through `;head=DIR`
+(`student;context=hint`) at one rank, TP=2 with sequence parallelism (each rank's output weights a
+vocabulary shard), PP=2, CP=2 (a Hugging Face teacher of another size beside them) and CP=2 with
+--allgather-cp; served: a vLLM pooling server's hidden states through `;head=DIR`
 (`..;head=DIR;context=hint`) beside a snapshot without a context, at one rank and CP=2. Per
 token, each teacher's whole-vocabulary log-probs (its hidden states through its head) against
 float64 on the privileged sequence; the first step's loss (forward KL over the whole vocabulary)
@@ -18,6 +19,7 @@ import torch
 from test_slime_opd_served_head_lane import pooled  # noqa: F401 - the module's vLLM pooling server fixture
 
 from megatron_rl_patches.testing.layouts import ALLGATHER_CP_ARGS as ALLGATHER_CP
+from megatron_rl_patches.testing.layouts import BY_MARKER
 from megatron_rl_patches.testing.layouts import NOPE_ARGS as NOPE
 
 pytestmark = pytest.mark.slime
@@ -44,17 +46,30 @@ def shifted(contexts: list[list[int]], vocab: int) -> list[list[int]]:
     return [c[1:] + [(c[0] + 1) % vocab] for c in contexts]
 
 
-def gathered(ranks: list[dict], context: int) -> dict:
+def gathered(ranks: list[dict], context: int, tensor: int = 1) -> dict:
     """The last rank's results with every per-row field put together from each context-parallel
-    rank's rows (the weights and reduced gradients: every context-parallel rank holds them whole)."""
+    rank's rows (the weights and reduced gradients: every context-parallel rank holds them whole;
+    else from the tensor-parallel shards, or the pipeline stages), the teachers' output weights
+    from the last stage's tensor-parallel ranks' vocabulary shards."""
     import slime_kit as kit
 
-    def on_response(values):
-        return kit.whole_ids([{**r, "ids": values(r)} for r in ranks], context, 1)
+    def whole(field, tag=None):
+        parts = [r[field] if tag is None else r[field][tag] for r in ranks]
+        if context > 1:
+            return parts[0]
+        return kit.unsplit(parts, ranks[0]["split"]) if tensor > 1 else kit.whole_stages(parts)
 
+    last = ranks[-context * tensor:]  # the last stage's: the teachers' fields live there
+
+    def on_response(values):
+        return kit.whole_ids([{**r, "ids": values(r)} for r in last], context, tensor)
+
+    shards = last[:tensor]  # the first context-parallel rank's tensor-parallel ranks
     count = len(ranks[-1]["teacher_heads"])
+    heads = [torch.cat([r["teacher_heads"][j] for r in shards]) for j in range(count)]
     hidden = [on_response(lambda r, j=j: [sample[j] for sample in r["teacher_hidden"]]) for j in range(count)]
-    return {**ranks[-1], "states": ranks[0]["states"], "grads": ranks[0]["grads"], "hidden": hidden}
+    states = {tag: whole("states", tag) for tag in ranks[0]["states"]}
+    return {**ranks[-1], "states": states, "grads": whole("grads"), "hidden": hidden, "teacher_heads": heads}
 
 
 def teacher_errors(rank: dict, references: dict[str, list[list[torch.Tensor]]]) -> dict[str, list[float]]:
@@ -96,12 +111,16 @@ def check(label: str, rank: dict, student: torch.nn.Module, expected: torch.Tens
         torch.testing.assert_close(grads[name].double(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-# name -> (context-parallel size, slime's extra flags, whether a Hugging Face teacher scores beside them;
-# its 64 ids unpadded, as the actor's output layer: K=vocab compares the layers row by row). With
-# --allgather-cp the states go from a pass's contiguous rows to the privileged zigzag rows, then to
-# the student's, then to the training step's contiguous rows (a Hugging Face teacher is refused there).
-LAYOUTS = {"1rank": (1, (), False), "cp2": (2, ("--make-vocab-size-divisible-by", "64"), True),
-           "cp2ag": (2, ALLGATHER_CP, False)}
+# name -> (pipeline stages, context-parallel size, tensor-parallel size, slime's extra flags, whether a
+# Hugging Face teacher scores beside them; its 64 ids unpadded, as the actor's output layer: K=vocab
+# compares the layers row by row). With --allgather-cp the states go from a pass's contiguous rows to
+# the privileged zigzag rows, then to the student's, then to the training step's contiguous rows (a
+# Hugging Face teacher is refused there). At TP=2 with sequence parallelism the passes' states are
+# gathered whole per rank and each rank's heads are its vocabulary shard; at PP=2 the teachers' fields
+# live on the last stage.
+LAYOUTS = {"1rank": (1, 1, 1, (), False), "tp2sp": (1, 1, 2, BY_MARKER["sp"].megatron_lm_args, False),
+           "pp2": (2, 1, 1, (), False), "cp2": (1, 2, 1, ("--make-vocab-size-divisible-by", "64"), True),
+           "cp2ag": (1, 2, 1, ALLGATHER_CP, False)}
 WEIGHTS = {False: (0.3, 0.7), True: (0.3, 0.5, 0.2)}  # the snapshot, the live self-teacher[, Hugging Face]
 
 
@@ -113,7 +132,7 @@ def test_in_process_privileged_teachers_full_vocabulary_equals_dense_float64(sli
 
     from megatron_rl_patches.testing.multirank import run_multirank
 
-    context, flags, with_hf = LAYOUTS[layout]
+    pipeline, context, tensor, flags, with_hf = LAYOUTS[layout]
     contexts = hints(kit.VOCAB)
     weights = WEIGHTS[with_hf]
     entries = ["teacher-a;context=hint", "student;context=hint"]
@@ -122,9 +141,11 @@ def test_in_process_privileged_teachers_full_vocabulary_equals_dense_float64(sli
         write_hf_teacher(hf)
         entries.append(f"{hf};context=hint")
     env = {**VOCAB_ENV, "TEACHERS": ",".join(entries), "WEIGHTS": ",".join(map(str, weights))}
-    ranks = run_multirank(slime_ranks.opd_train_actor, context, 1, context, 1, None, hf, flags, 1, None, 1, None,
-                          None, None, env, [{"hint": c} for c in contexts], timeout=400)
-    rank = gathered(ranks, context)
+    ranks = run_multirank(slime_ranks.opd_train_actor, pipeline * context * tensor, pipeline, context, tensor, None,
+                          hf, flags, 1, None, 1, None, None, None, env, [{"hint": c} for c in contexts], timeout=400)
+    for first in ranks[:-context * tensor]:  # the stages before the last hold no teacher field
+        assert first["teacher_hidden"] is None and first["losses"] is None
+    rank = gathered(ranks, context, tensor)
     with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS,
                            *(NOPE if NOPE[0] in flags else ())) as args:
         names = [name for name, _ in kit.provider_func(args)().named_parameters()]
