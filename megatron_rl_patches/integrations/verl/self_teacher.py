@@ -7,23 +7,33 @@ on each top-k distillation micro-batch (`distillation_use_topk`, verl's logits-p
 - each sample's privileged context is the micro-batch's non-tensor field KEY (ids, or text through
   the tokenizer `;tokenizer=DIR` names), followed by the sample's response ids (`with_context`;
   the response starts where verl's loss mask does, `vocab.response_starts`);
-- before the step's own forward, a pass of the same model chunk over those privileged sequences
-  under `torch.no_grad()` (the student's weights at that micro-batch: no copy, no server, no
-  weight sync; its logits detached, so no gradient flows through the teacher's side) scores each
-  response row as `teachers.SelfTeacher` does: the top-k of the student's whole distribution at
-  temperature 1 (as verl's own teacher rows), vocab-parallel at tensor parallelism;
+- a pass of the same model chunk over those privileged sequences under `torch.no_grad()` (the
+  student's own weights, as below: no copy, no server, no weight sync; its logits detached, so
+  no gradient flows through the teacher's side) scores each response row as
+  `teachers.SelfTeacher` does: the top-k of the student's whole distribution at temperature 1 (as
+  verl's own teacher rows), vocab-parallel at tensor parallelism;
 - those rows replace the micro-batch's `teacher_ids` / `teacher_logprobs` (in a copy: verl's
   batch untouched), laid out as verl's agent loop lays them (row r predicts token r + 1, the
   prompt's rows and the last row zeros), and verl's top-k loss (`verl_topk_kd`'s exact (k+1)-bucket
   KL: the tail is the rest of the teacher's mass) reads them.
 
-The weights: the micro-batch's, i.e. during verl's actor update each micro-batch is scored by the
-weights that update step starts from (the old log-probs' weights on the first mini-batch of a
-rollout; after an optimizer step, the updated ones). K: the micro-batch's placeholder
-`teacher_ids` width (the agent loop's rows, `self_entry.placeholder_rows`), else the loss's
-`distillation_config.distillation_loss.topk`. Pipeline and context parallelism and verl's fused route
-(`use_fused_kernels`: no logits processor reads the rows there) are refused by name
-(the pass runs one whole model chunk over whole sequences). Every refusal is agreed over the
+The weights: those the step's old log-probs come from. verl's actor `compute_log_prob` (the
+old-log-prob pass: `infer_batch`, no loss, no grad, `calculate_entropy=True`; its reference pass
+asks for no entropy and is left alone) runs the same engine `forward_step` over the rollout's
+micro-batches before the update; there each micro-batch carrying the context field and the agent
+loop's placeholder rows is scored (`remember_old_rows`) and its rows kept on the CPU by the
+privileged sequence's content (`old_rows`: one pass's rows, forgotten when the next pass starts).
+The update's distillation micro-batches read them back, so every mini-batch and PPO epoch of the
+rollout is taught by the weights before its first optimizer step. Where a sample has no kept rows
+on some tensor-parallel rank (verl took its old log-probs from the rollout, `bypass_mode`, so no
+pass ran; a sample verl moved to another data-parallel rank), the micro-batch is scored in the
+update, by the weights that update step starts from (equal on a rollout's first mini-batch).
+
+K: the micro-batch's placeholder `teacher_ids` width (the agent loop's rows,
+`self_entry.placeholder_rows`), else the loss's `distillation_config.distillation_loss.topk`.
+Pipeline and context parallelism and verl's fused route (`use_fused_kernels`: no logits processor
+reads the rows there) are refused by name (the pass runs one whole model chunk over whole
+sequences). Every refusal, and whether every rank holds a micro-batch's kept rows, is agreed over the
 tensor-parallel group before the pass's first collective."""
 from __future__ import annotations
 
@@ -32,10 +42,11 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.integrations.context_fields import field_contexts, tokenizer_vocab
+from megatron_rl_patches.integrations.verl.old_rows import OLD_ROWS, sample_key
 from megatron_rl_patches.integrations.verl.self_entry import WHO
 from megatron_rl_patches.integrations.verl.vocab import core_model, output_weight, response_starts
 from megatron_rl_patches.processors.heads import output_tp_group
-from megatron_rl_patches.teachers.agreement import agree_failure
+from megatron_rl_patches.teachers.agreement import agreed_views
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context import with_context
 from megatron_rl_patches.teachers.self_teacher import SelfTeacher
@@ -129,49 +140,90 @@ def student_pass(model: Any, sequence_parallel: int) -> Any:
     return run
 
 
-def verl_teacher_rows(privileged: TeacherBatch, scores: Any, lengths: list[int], starts: list[int],
+def verl_teacher_rows(rows: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int], starts: list[int],
                       k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Nested [b, L_i, k] ids (int32) and log-probs (float32) in verl's layout: sample i's response
-    rows from row starts[i] − 1, zeros elsewhere."""
+    rows (`rows[i]`: its top-k ids and log-probs) from row starts[i] − 1, zeros elsewhere."""
     ids, log_probs = [], []
-    for sample, (length, start) in enumerate(zip(lengths, starts)):
-        top, values = scores.topk_ids[sample], scores.topk_log_probs[sample]
+    for (top, values), length, start in zip(rows, lengths, starts):
         rows_ids = torch.zeros(length, k, dtype=torch.int32)
-        rows = torch.zeros(length, k)
+        laid = torch.zeros(length, k)
         rows_ids[start - 1:start - 1 + top.shape[0]] = top.to(torch.int32)
-        rows[start - 1:start - 1 + values.shape[0]] = values.float()
+        laid[start - 1:start - 1 + values.shape[0]] = values.float()
         ids.append(rows_ids)
-        log_probs.append(rows)
+        log_probs.append(laid)
     return (torch.nested.nested_tensor(ids, layout=torch.jagged),
             torch.nested.nested_tensor(log_probs, layout=torch.jagged))
 
 
-def self_taught(batch: Any, model: Any, instance: Any, loss_function: Any, named: tuple[str, str | None]) -> Any:
-    """A copy of the micro-batch whose `teacher_ids` / `teacher_logprobs` are the live
-    self-teacher's on the privileged sequences (see the module's note)."""
-    key, tokenizer = named
-    core = core_model(model)
-    group = output_tp_group(core.output_layer)
-    error: Exception | None = None
-    privileged = None
-    k = 0
-    try:
-        check_layout(core, batch, instance)
-        vocab = student_vocab(instance, core)
-        k = topk_width(batch, loss_function)
-        privileged = privileged_batch(batch, key, tokenizer, vocab)
-    except (TypeError, ValueError) as refused:
-        error = refused
-    agree_failure(error, group, own=True)  # every rank's refusal before the pass's first collective
-    assert privileged is not None
+def scored_rows(model: Any, core: Any, group: Any, vocab: int, k: int, key: str,
+                privileged: TeacherBatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per privileged sequence, the self-teacher's top-k ids and log-probs of its response rows,
+    from a no-grad pass of `model` now (every rank of `group` calls it)."""
     shards = 1 if group is None else torch.distributed.get_world_size(group)
     sequence_parallel = shards if getattr(core.config, "sequence_parallel", False) else 1
     teacher = SelfTeacher(student_pass(model, sequence_parallel), vocab, k, context=key, temperature=1.0,
                           tp_group=group, padded_vocab_size=int(output_weight(core).shape[0]) * shards)
     scores = teacher.score(privileged)
+    return [(scores.topk_ids[i], scores.topk_log_probs[i]) for i in range(len(privileged.sequences))]
+
+
+def sample_keys(privileged: TeacherBatch, k: int) -> list[bytes]:
+    return [sample_key(sequence, start, k) for sequence, start in zip(privileged.sequences, privileged.response_starts)]
+
+
+def remember_old_rows(batch: Any, model: Any, instance: Any, named: tuple[str, str | None]) -> None:
+    """In verl's old-log-prob pass: score the micro-batch's privileged sequences with the weights
+    the step's old log-probs come from and keep their rows (`old_rows.OLD_ROWS`) for the update.
+    A micro-batch without the context field or the agent loop's placeholder rows is not scored
+    (its update scores it then); the decision and any refusal agreed over the tensor-parallel group."""
+    key, tokenizer = named
+    core = core_model(model)
+    group = output_tp_group(core.output_layer)
+    error: Exception | None = None
+    privileged = None
+    k = vocab = 0
+    try:
+        if "teacher_ids" in batch.keys() and field_values(batch, key) is not None:
+            check_layout(core, batch, instance)
+            vocab = student_vocab(instance, core)
+            k = topk_width(batch, None)
+            privileged = privileged_batch(batch, key, tokenizer, vocab)
+    except (TypeError, ValueError) as refused:
+        error = refused
+    scoring = agreed_views(error, group, privileged is not None, own=True)
+    if privileged is None or not all(scoring):
+        return
+    for sample, rows in zip(sample_keys(privileged, k), scored_rows(model, core, group, vocab, k, key, privileged)):
+        OLD_ROWS.put(sample, *rows)
+
+
+def self_taught(batch: Any, model: Any, instance: Any, loss_function: Any, named: tuple[str, str | None]) -> Any:
+    """A copy of the micro-batch whose `teacher_ids` / `teacher_logprobs` are the live
+    self-teacher's on the privileged sequences: the old-log-prob pass's rows where every sample
+    of the micro-batch has them on every tensor-parallel rank, else scored now (the module's note)."""
+    key, tokenizer = named
+    core = core_model(model)
+    group = output_tp_group(core.output_layer)
+    error: Exception | None = None
+    privileged = None
+    cached = None
+    k = vocab = 0
+    try:
+        check_layout(core, batch, instance)
+        vocab = student_vocab(instance, core)
+        k = topk_width(batch, loss_function)
+        privileged = privileged_batch(batch, key, tokenizer, vocab)
+        cached = OLD_ROWS.get(sample_keys(privileged, k))
+    except (TypeError, ValueError) as refused:
+        error = refused
+    # every rank's refusal, and whether every rank has the old rows, before the pass's first collective
+    everywhere = all(agreed_views(error, group, cached is not None, own=True))
+    assert privileged is not None
+    rows = cached if cached is not None and everywhere else scored_rows(model, core, group, vocab, k, key, privileged)
     ids = batch["input_ids"]
     lengths = [int(n) for n in ids.offsets().diff().tolist()]
-    teacher_ids, teacher_log_probs = verl_teacher_rows(privileged, scores, lengths, response_starts(batch), k)
+    teacher_ids, teacher_log_probs = verl_teacher_rows(rows, lengths, response_starts(batch), k)
     device = ids.device
     marked = batch.copy()
     marked["teacher_ids"] = teacher_ids.to(device)

@@ -19,8 +19,9 @@ import torch.distributed as dist
 from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.step_mode import student_invariant
+from megatron_rl_patches.integrations.verl.old_rows import OLD_ROWS
 from megatron_rl_patches.integrations.verl.self_entry import self_entry
-from megatron_rl_patches.integrations.verl.self_teacher import self_taught
+from megatron_rl_patches.integrations.verl.self_teacher import remember_old_rows, self_taught
 from megatron_rl_patches.integrations.verl.vocab import whole_vocabulary_step
 from megatron_rl_patches.ops.invariance import resolve_invariant
 from megatron_rl_patches.ops.topk import topk_ids, topk_kl, topk_logprobs
@@ -175,19 +176,39 @@ def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
     batches = with_mode(bound.arguments["batch_iter"], student_invariant(model))
     named = self_entry()  # `student;context=KEY`: the live self-teacher's rows in each top-k micro-batch
     if named is not None:
-        batches = self_teaching(batches, model, instance, bound.arguments.get("logits_processor_func"), named)
+        batches = self_teaching(batches, model, instance, bound.arguments.get("logits_processor_func"), named,
+                                id(bound.arguments["batch_iter"]))
     bound.arguments["batch_iter"] = batches
     return step(*bound.args, **bound.kwargs)
 
 
-def self_teaching(batches: Any, model: Any, instance: Any, loss_function: Any, named: tuple[str, str | None]) -> Any:
-    """verl's micro-batches; each top-k distillation one with the live self-teacher's rows
-    (`self_teacher.self_taught`, a copy)."""
+def self_teaching(batches: Any, model: Any, instance: Any, loss_function: Any, named: tuple[str, str | None],
+                  pass_id: int) -> Any:
+    """verl's micro-batches; in verl's old-log-prob pass (`old_log_prob_pass`) each one's privileged
+    sequences scored and kept (`self_teacher.remember_old_rows`, the batch as it is); each top-k
+    distillation one with the live self-teacher's rows (`self_teacher.self_taught`, a copy)."""
     from verl.utils import tensordict_utils as tu  # lazy: optional dependency verl
 
     for batch in batches:
-        use_topk = tu.get_non_tensor_data(batch, "distillation_use_topk", False)
-        yield self_taught(batch, model, instance, loss_function, named) if use_topk else batch
+        log_prob_pass = old_log_prob_pass(batch, loss_function)
+        OLD_ROWS.note_step(pass_id if log_prob_pass else None)
+        if log_prob_pass:
+            remember_old_rows(batch, model, instance, named)
+            yield batch
+        elif tu.get_non_tensor_data(batch, "distillation_use_topk", False):
+            yield self_taught(batch, model, instance, loss_function, named)
+        else:
+            yield batch
+
+
+def old_log_prob_pass(batch: Any, loss_function: Any) -> bool:
+    """Whether the engine step is on a micro-batch of verl's old-log-prob pass: the actor's
+    `compute_log_prob` (`infer_batch`: no loss, no grad) with the entropy the trainer asks for
+    there (`calculate_entropy=True`; its reference pass asks for none)."""
+    from verl.utils import tensordict_utils as tu  # lazy: optional dependency verl
+
+    return (loss_function is None and not torch.is_grad_enabled()
+            and bool(tu.get_non_tensor_data(batch, "calculate_entropy", False)))
 
 
 def with_mode(batches: Any, invariant: bool) -> Any:

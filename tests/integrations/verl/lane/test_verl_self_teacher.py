@@ -7,7 +7,10 @@ the same GPTModel (the lane has no transformers family of it) on the privileged 
 teacher's top-k log-probs (ids: the float64 top-k), the per-token KL, verl's loss and the student's
 gradients with the teacher's terms detached. Controls: the teacher's rows against float64 scored
 without the context (the student's own sequence) and with the context shifted by one token. A
-missing field on rank 1 only: the same ValueError on both ranks, before the pass."""
+missing field on rank 1 only: the same ValueError on both ranks, before the pass. The weights:
+verl's old-log-prob pass (its real `forward_step`, no loss, no grad) then changed weights then the
+update micro-batch: its rows are the float64 teacher's of the OLD weights (not the new ones'), read
+back with no pass of their own; where one rank lacks the kept rows, both score with the new ones."""
 from __future__ import annotations
 
 import functools
@@ -21,6 +24,7 @@ pytestmark = [pytest.mark.verl, pytest.mark.multirank]
 import verl.models.mcore.registry  # noqa: E402,F401  (bound by name before any patch: see verl_kit)
 import verl_kit as kit  # noqa: E402
 
+from megatron_rl_patches.integrations.verl.old_rows import OLD_ROWS  # noqa: E402
 from megatron_rl_patches.testing.multirank import run_multirank  # noqa: E402
 
 VARIABLE = "MEGATRON_RL_PATCHES_VERL_TEACHER"
@@ -124,6 +128,64 @@ def float64_step(model, build, rows) -> tuple[list, list, float, dict]:
     return teacher, [k.detach() for k in kl], float(loss), kit.grads(reference), controls
 
 
+def log_prob_pass(model) -> None:
+    """verl's old-log-prob pass on the rollout's micro-batch: its real `forward_step` with no loss,
+    under no grad, with the entropy verl's trainer asks for there; the agent loop's placeholder rows."""
+    from verl.utils import tensordict_utils as tu
+
+    batch = kit.rl_batch(PROMPTS, RESPONSES, temperature=TEMPERATURE, calculate_entropy=True)
+    tu.assign_non_tensor_stack(batch, KEY, [list(c) for c in CONTEXTS])
+    lengths = [p + r for p, r in zip(PROMPTS, RESPONSES)]
+    batch["teacher_ids"] = kit.nested([torch.zeros(n, TOPK, dtype=torch.int32) for n in lengths])
+    batch["teacher_logprobs"] = kit.nested([torch.zeros(n, TOPK) for n in lengths])
+    with torch.no_grad():
+        kit.forward_step(kit.engine(False), model, batch)
+
+
+def old_weights_checks(model, build, rank: int, split: bool) -> dict:
+    """The log-prob pass, the weights changed (scaled, as an optimizer step would move them), then the
+    update micro-batch: its rows against the float64 teacher of the old and of the new weights, and
+    the model's forwards in the update (1: the student's own, no teacher pass). `split`: again with
+    the kept rows forgotten on rank 1 only: both ranks score now, with the new weights. Weights restored."""
+    saved = [param.detach().clone() for param in model.parameters()]
+
+    def float64_teacher():
+        reference = build(sequence_parallel=False)
+        reference.load_state_dict(model.state_dict())
+        return teacher_reference(reference.double(), CONTEXTS)
+
+    log_prob_pass(model)
+    old = float64_teacher()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1.25)
+    new = float64_teacher()
+    forwards = []
+    hook = model.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        rows = step(model, CONTEXTS, placeholder=True)[0]
+        out = {"old_err": terms_error(rows, old), "new_err": terms_error(rows, new), "update_forwards": len(forwards)}
+        if split:
+            with torch.no_grad():
+                for param, value in zip(model.parameters(), saved):
+                    param.copy_(value)
+            log_prob_pass(model)
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.mul_(1.25)
+            if rank == 1:
+                OLD_ROWS.forget()
+            rows = step(model, CONTEXTS, placeholder=True)[0]
+            out.update(split_old_err=terms_error(rows, old), split_new_err=terms_error(rows, new))
+    finally:
+        hook.remove()
+        with torch.no_grad():
+            for param, value in zip(model.parameters(), saved):
+                param.copy_(value)
+        model.zero_grad()
+    return out
+
+
 def terms_error(rows, teacher) -> float:
     return max(kit.relative(values, want.gather(1, ids)) for (ids, values), want in zip(rows, teacher))
 
@@ -151,8 +213,10 @@ def self_teacher_world(rank: int, world: int) -> list:
                     except ValueError as refused:
                         refusal = str(refused)
                 model.zero_grad()
+                weights = old_weights_checks(model, build, rank, split=layout["tp"] > 1)
             finally:
                 megatron_rl_patches.revert()
+                OLD_ROWS.forget()
             teacher, ref_kl, ref_loss, ref_grads, controls = float64_step(model, build, rows)
             kth = [want.topk(TOPK).values[:, -1] for want in teacher]
             results.append({
@@ -164,7 +228,7 @@ def self_teacher_world(rank: int, world: int) -> list:
                 "grad_err": max(kit.relative(grads[name], ref_grads[name]) for name in ref_grads),
                 "grads_compared": len(ref_grads),
                 **{f"control_{name}": terms_error(rows, want) for name, want in controls.items()},
-                "refusal": refusal,
+                "refusal": refusal, **weights,
             })
     return results
 
@@ -179,9 +243,13 @@ def test_verls_live_self_teacher_scores_the_privileged_sequence_exactly(monkeypa
             assert abs(out["loss"] - out["float64"]) <= TOL * abs(out["float64"]), out
             assert out["kl_err"] <= TOL and out["grad_err"] <= TOL and out["grads_compared"] > 4, out
             assert out["control_no_context"] > kit.CONTROL and out["control_shifted"] > kit.CONTROL, out
+            # the update's rows: the old-log-prob pass's, from the weights before the change
+            assert out["old_err"] <= TOL and out["new_err"] > kit.CONTROL and out["update_forwards"] == 1, out
             if out["layout"] != "tp1":  # rank 1's missing field, raised on both ranks by name
                 assert f"no non-tensor field {KEY!r}" in out["refusal"], out
                 assert "refused on rank(s) [1]" in out["refusal"], out
+                # rank 1 without the kept rows: both ranks score now, with the new weights (no hang)
+                assert out["split_new_err"] <= TOL and out["split_old_err"] > kit.CONTROL, out
     assert [out["layout"] for out in results[0]] == [layout["name"] for layout in LAYOUTS]
 
 
