@@ -1,5 +1,6 @@
 """A served teacher with a privileged context (`URL;engine=vllm;context=hint`) in slime_opd through
-slime 624b824a's real `MegatronTrainRayActor.train_actor` at one rank: each sample's
+slime 624b824a's real `MegatronTrainRayActor.train_actor` at one rank, CP=2 zigzag, TP=2 with sequence
+parallelism and PP=2: each sample's
 train_metadata["hint"] as the rollout manager's split carries it (`integrations.slime.contexts`),
 the real vLLM server (its CPU build) scoring hint + the student's response, a snapshot teacher
 without a context beside it. The served teacher's log-probs at the step's ids, the first step's OPD
@@ -11,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 from test_slime_opd_served_lane import VOCAB, dense_with, served  # noqa: F401 - the module's vLLM server fixture
+
+from megatron_rl_patches.testing.layouts import BY_MARKER
 
 pytestmark = pytest.mark.slime
 HINTS = (5, 9, 4, 7)  # context lengths of the kit's 4 samples
@@ -28,9 +31,15 @@ def privileged(data: dict, contexts: list[list[int]]) -> dict:
     return {**data, "tokens": tokens}
 
 
-@pytest.mark.parametrize("context", [1, 2])  # CP=2: each rank its zigzag rows of the privileged teacher's scores
+# name -> (pipeline, context, tensor, slime's extra flags); CP=2: each rank its zigzag rows of the privileged
+# teacher's scores; TP=2 with sequence parallelism and PP=2: the scores on the last stage's ranks
+LAYOUTS = {"1rank": (1, 1, 1, ()), "cp2": (1, 2, 1, ()), "tp2sp": (1, 1, 2, BY_MARKER["sp"].megatron_lm_args),
+           "pp2": (2, 1, 1, ())}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_train_actor_with_a_privileged_served_teacher_equals_dense_float64_on_its_context(slime_cpu, served,  # noqa: F811
-                                                                                          context):
+                                                                                          layout):
     import slime_kit as kit
     import slime_ranks
 
@@ -40,13 +49,20 @@ def test_train_actor_with_a_privileged_served_teacher_equals_dense_float64_on_it
     contexts = hints()
     entries = {"entries": f"{url};engine=vllm;context=hint,teacher-a", "student": directory,
                "contexts": [{"hint": c} for c in contexts]}
-    ranks = run_multirank(slime_ranks.opd_train_actor, context, 1, context, 1, None, None, (), 1, None, 1, None,
-                          None, entries, timeout=400)
+    pipeline, context, tensor, flags = LAYOUTS[layout]
+    ranks = run_multirank(slime_ranks.opd_train_actor, pipeline * context * tensor, pipeline, context, tensor, None,
+                          None, flags, 1, None, 1, None, None, entries, timeout=400)
 
-    # every context-parallel rank holds the whole weights and the reduced gradients: the first rank's
-    rank = {"states": ranks[0]["states"], "grads": ranks[0]["grads"], "losses": ranks[-1]["losses"],
-            "ids": kit.whole_ids(ranks, context, 1),
-            "served_logprobs": kit.whole_ids([{**r, "ids": r["served_logprobs"]} for r in ranks], context, 1)}
+    def whole(field, tag=None):  # every context-parallel rank holds the whole weights and reduced gradients;
+        parts = [r[field] if tag is None else r[field][tag] for r in ranks]  # else the shards or stages joined
+        if context > 1:
+            return parts[0]
+        return kit.unsplit(parts, ranks[0]["split"]) if tensor > 1 else kit.whole_stages(parts)
+
+    last = ranks[-context * tensor:]  # the last stage's ranks: the teachers' fields live there
+    rank = {"states": {tag: whole("states", tag) for tag in ranks[0]["states"]}, "grads": whole("grads"),
+            "losses": ranks[-1]["losses"], "ids": kit.whole_ids(last, context, tensor),
+            "served_logprobs": kit.whole_ids([{**r, "ids": r["served_logprobs"]} for r in last], context, tensor)}
     with kit.slime_session("--loss-type", "custom_loss", "--custom-loss-function-path", slime_ranks.OPD_LOSS) as args:
         full = kit.provider_func(args)()
         names = [name for name, _ in full.named_parameters()]
@@ -74,7 +90,7 @@ def test_train_actor_with_a_privileged_served_teacher_equals_dense_float64_on_it
     loss_error = abs(float(losses["opd_topk_loss"]) - float(expected))
     grads = rank["grads"]
     grad_error = max((grads[name].double() - p.grad).abs().max().item() for name, p in student.named_parameters())
-    print(f"slime_opd train_actor CP={context} with a privileged served teacher vs dense float64: teacher log-probs "
+    print(f"slime_opd train_actor {layout} with a privileged served teacher vs dense float64: teacher log-probs "
           f"at the ids |Δ| {miss(at_ids):.2e} (without its context {miss(without):.2e}, context shifted by one "
           f"{miss(shifted):.2e}), loss {float(expected):.6f} |Δloss| {loss_error:.2e}, max |Δgrad| {grad_error:.2e}")
     assert miss(at_ids) <= 1e-4
