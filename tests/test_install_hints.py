@@ -18,8 +18,8 @@ WHEEL = f"pip install 'dist/megatron_rl_patches-{megatron_rl_patches.__version__
 
 
 def _the_client_opened():
-    from megatron_rl_patches.teachers.client_settings import ClientSettings
-    from megatron_rl_patches.teachers.http_client import TeacherClient
+    from megatron_rl_patches.teachers.served.http import TeacherClient
+    from megatron_rl_patches.teachers.served.settings import ClientSettings
 
     TeacherClient("http://127.0.0.1:9", ClientSettings()).http()
 

@@ -28,9 +28,9 @@ import torch
 
 from megatron_rl_patches import lm_head_divergence, lm_head_log_probs_and_entropy
 from megatron_rl_patches.teachers import ClientSettings, TeacherHead
-from megatron_rl_patches.teachers.engines.vllm import VllmEngine
-from megatron_rl_patches.teachers.engines.vllm_pooling import VllmPoolingEngine
-from megatron_rl_patches.teachers.http_client import TeacherClient, decode
+from megatron_rl_patches.teachers.served.engines.vllm import VllmEngine
+from megatron_rl_patches.teachers.served.engines.vllm_pooling import VllmPoolingEngine
+from megatron_rl_patches.teachers.served.http import TeacherClient, decode
 
 URL = "http://127.0.0.1:9"
 JSON_K = 20

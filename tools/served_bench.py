@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl_patches.teachers import ClientSettings, ServedTeacher, TeacherBatch
-from megatron_rl_patches.teachers.http_client import decode, fast_loads
+from megatron_rl_patches.teachers.served.http import decode, fast_loads
 from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
 from megatron_rl_patches.testing.vllm_server import vllm_server
 

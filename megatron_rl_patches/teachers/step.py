@@ -38,7 +38,7 @@ from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context_key import teacher_context
 from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.host import TeacherHost, asks
-from megatron_rl_patches.teachers.served import PendingScores, ServedTeacher
+from megatron_rl_patches.teachers.served.client import PendingScores, ServedTeacher
 from megatron_rl_patches.teachers.step_contexts import teacher_batches
 from megatron_rl_patches.teachers.step_heads import step_heads_failure
 
@@ -246,7 +246,7 @@ class TeacherStep:
     def projected(self, teacher: Any, batch: TeacherBatch, got: Any) -> BatchScores:
         """A head teacher's hidden states through its head (every rank alike), else `got` as it is."""
         if isinstance(teacher, ServedTeacher) and teacher.head is not None:
-            from megatron_rl_patches.teachers.hidden_scores import head_scores
+            from megatron_rl_patches.teachers.served.hidden_states import head_scores
 
             return head_scores(teacher.head, batch, got, teacher.top_k, teacher.temperature)
         return got

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_rl_patches.teachers.agreement import distributed
-from megatron_rl_patches.teachers.served import ServedTeacher
+from megatron_rl_patches.teachers.served.client import ServedTeacher
 
 
 def step_heads_failure(teachers: Sequence[Any], host: Any) -> Exception | None:

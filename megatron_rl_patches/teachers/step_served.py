@@ -27,7 +27,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from megatron_rl_patches.cross_tokenizer.teacher import CrossTeacher
     from megatron_rl_patches.cross_tokenizer.teacher_passes import TeacherSample
-    from megatron_rl_patches.teachers.served import ServedTeacher
+    from megatron_rl_patches.teachers.served.client import ServedTeacher
 
 LOG = logging.getLogger(__name__)
 Rows = list[torch.Tensor]

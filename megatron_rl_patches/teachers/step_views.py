@@ -43,7 +43,7 @@ def share_ranks(host: Any) -> list[int]:
 
 
 def teacher_kind(teacher: Any) -> str:
-    from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: optional dependency httpx
+    from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
 
     if isinstance(teacher, ServedTeacher):
         return "served with a head" if teacher.head is not None else "served"

@@ -16,7 +16,7 @@ from megatron_rl_patches import cross_tokenizer as xt  # noqa: E402
 from megatron_rl_patches.ops.lm_head import lm_head_topk_logprobs  # noqa: E402
 from megatron_rl_patches.teachers import BatchScores, TeacherHead, head_buckets, served_buckets  # noqa: E402
 from megatron_rl_patches.teachers.head_cross_buckets import cross_batch  # noqa: E402
-from megatron_rl_patches.teachers.hidden_scores import head_scores  # noqa: E402
+from megatron_rl_patches.teachers.served.hidden_states import head_scores  # noqa: E402
 from tests.cross_tokenizer.conftest import TEXTS, sentencepiece_like  # noqa: E402
 
 H, K, TAU = 8, 4, 0.7

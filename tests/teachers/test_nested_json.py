@@ -99,7 +99,8 @@ def test_a_deep_pooling_metadata_header_is_named_with_the_sample():
 @pytest.mark.parametrize("orjson", [True, False], ids=["orjson", "json"])
 def test_a_deep_reply_is_named_with_or_without_orjson(monkeypatch, orjson):
     pytest.importorskip("httpx", reason="the served extra (httpx) is missing")
-    from megatron_rl_patches.teachers import ServedTeacherError, http_client
+    from megatron_rl_patches.teachers import ServedTeacherError
+    from megatron_rl_patches.teachers.served import http as http_client
     from tests.teachers.test_vllm_malformed_replies import for_samples, scored
 
     if not orjson:

@@ -19,8 +19,8 @@ from megatron_rl_patches.teachers import (
     ServedTeacherRefusal,
     TeacherBatch,
 )
-from megatron_rl_patches.teachers.engines.vllm_pooling import VllmPoolingEngine
-from megatron_rl_patches.teachers.http_client import TeacherClient
+from megatron_rl_patches.teachers.served.engines.vllm_pooling import VllmPoolingEngine
+from megatron_rl_patches.teachers.served.http import TeacherClient
 
 URL = "http://127.0.0.1:9"
 NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from megatron_rl_patches.teachers import ClientSettings, ServedTeacherError
-from megatron_rl_patches.teachers.http_client import Deadline, TeacherClient
+from megatron_rl_patches.teachers.served.http import Deadline, TeacherClient
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 

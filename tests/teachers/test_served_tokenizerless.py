@@ -15,7 +15,7 @@ import pytest
 
 from megatron_rl_patches.teachers import ServedTeacher
 from megatron_rl_patches.teachers.kinds import parse_entry
-from megatron_rl_patches.teachers.tokenizer_probe import probe_tokenizer
+from megatron_rl_patches.teachers.served.tokenizer_probe import probe_tokenizer
 from tests.teachers.local_servers import url_of, vllm_like
 
 pytest.importorskip("httpx", reason="the served extra (httpx) is missing")

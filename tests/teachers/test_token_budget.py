@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from megatron_rl_patches.teachers.token_budget import TokenBudget
+from megatron_rl_patches.teachers.served.budget import TokenBudget
 
 
 def test_tokens_in_flight_stay_within_the_budget():

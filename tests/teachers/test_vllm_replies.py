@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_rl_patches.teachers import ClientSettings, ServedTeacherError
-from megatron_rl_patches.teachers.engines.vllm import VllmEngine
-from megatron_rl_patches.teachers.http_client import TeacherClient
+from megatron_rl_patches.teachers.served.engines.vllm import VllmEngine
+from megatron_rl_patches.teachers.served.http import TeacherClient
 
 URL = "http://127.0.0.1:9"
 
@@ -74,7 +74,7 @@ def test_ranks_other_than_one_to_k_are_sorted_by_rank_then_value():
 
 
 def test_replies_are_decoded_with_json_where_orjson_refuses():
-    from megatron_rl_patches.teachers.http_client import decode
+    from megatron_rl_patches.teachers.served.http import decode
 
     assert decode(b'{"logprob": -Infinity}', "", URL, 0) == {"logprob": -math.inf}  # orjson refuses this
     assert decode(b'{"logprob": -1.5}', "", URL, 0) == {"logprob": -1.5}

@@ -51,10 +51,10 @@ from megatron_rl_patches.integrations.nemo_rl.privileged import privileged_batch
 from megatron_rl_patches.integrations.nemo_rl.rollout_contexts import ROLLOUTS, remembering
 from megatron_rl_patches.integrations.nemo_rl.vocab_kd import STATES, WholeVocabularyDistillationLossFn
 from megatron_rl_patches.teachers.batch import TeacherBatch
-from megatron_rl_patches.teachers.client_settings import ClientSettings
 from megatron_rl_patches.teachers.head import TeacherHead
 from megatron_rl_patches.teachers.kinds import student
-from megatron_rl_patches.teachers.served import ServedTeacher
+from megatron_rl_patches.teachers.served.client import ServedTeacher
+from megatron_rl_patches.teachers.served.settings import ClientSettings
 
 # NeMo-RL's distillation.topk_logits_k default
 NEMO_RL_TOPK = 64

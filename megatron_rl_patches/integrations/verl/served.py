@@ -45,10 +45,10 @@ from megatron_rl_patches.integrations.context_fields import field_contexts, toke
 from megatron_rl_patches.integrations.verl.self_entry import placeholder_rows, self_entry
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context import with_context
-from megatron_rl_patches.teachers.engines.names import check_engine
 from megatron_rl_patches.teachers.kinds import student
 from megatron_rl_patches.teachers.redaction import has_userinfo, redacted
-from megatron_rl_patches.teachers.replica_urls import SEPARATOR, replica_urls
+from megatron_rl_patches.teachers.served.engines.names import check_engine
+from megatron_rl_patches.teachers.served.urls import SEPARATOR, replica_urls
 
 FORM = "http(s)://host:port[|http(s)://host:port...];engine=vllm[;head=DIR][;context=KEY[;tokenizer=DIR]]"
 _TEACHERS: dict[tuple[str, int], Any] = {}  # (entry, K) -> ServedTeacher, one per agent-loop process
@@ -70,7 +70,7 @@ class Entry(NamedTuple):
 def parse_entry(entry: str) -> Entry:
     """(url, engine, head) of MEGATRON_RL_PATCHES_VERL_TEACHER's value; ValueError naming the
     variable for anything else."""
-    from megatron_rl_patches.teachers.http_client import check_url  # lazy: optional dependency httpx
+    from megatron_rl_patches.teachers.served.http import check_url  # lazy: optional dependency httpx
 
     said = redacted(entry)
     if has_userinfo(entry):
@@ -116,7 +116,7 @@ def parse_entry(entry: str) -> Entry:
 
 def served_teacher(entry: str, k: int) -> Any:
     """The `ServedTeacher` of `entry` scoring `k` buckets per row, built once per process."""
-    from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: optional dependency httpx
+    from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
 
     with _LOCK:
         teacher = _TEACHERS.get((entry, k))

@@ -116,7 +116,7 @@ def first_marked(mask: Any, offsets: list[int], spans: list[int], lengths: list[
 
 def teacher_rows(raw: str, entry: Entry, head: Any, batch: Any, group: Any) -> tuple[list[torch.Tensor], list[int]]:
     """Each sequence's served hidden states [R_i, H] (row r predicts token start_i + r) and its start."""
-    from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: optional dependency httpx
+    from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
 
     key = (raw, id(head))
     teacher = _TEACHERS.get(key)

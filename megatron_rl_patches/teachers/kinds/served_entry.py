@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
-from megatron_rl_patches.teachers.engines.names import SERVED_ENGINES, check_engine, in_entry_words
 from megatron_rl_patches.teachers.kinds.entry import SERVED, RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
 from megatron_rl_patches.teachers.kinds.options import (
@@ -31,7 +30,8 @@ from megatron_rl_patches.teachers.kinds.options import (
     split_entry,
 )
 from megatron_rl_patches.teachers.redaction import redacted, refuse_userinfo
-from megatron_rl_patches.teachers.tokenizer_probe import SAME_TOKENIZER, probe_tokenizer
+from megatron_rl_patches.teachers.served.engines.names import SERVED_ENGINES, check_engine, in_entry_words
+from megatron_rl_patches.teachers.served.tokenizer_probe import SAME_TOKENIZER, probe_tokenizer
 
 FORM = ("http(s)://host:port;engine=vllm (a teacher served by vLLM; its replicas' URLs joined by '|'; "
         ";tokenizer=DIR for another tokenizer; "
@@ -52,7 +52,7 @@ def recognizes(entry: str) -> bool:
 def check_url_head(entry: str, head: str) -> str:
     """The URL(s) of an entry (whose user or password was refused already, on the whole text):
     each replica's http or https, no query, its trailing '/' dropped; joined by '|' again."""
-    from megatron_rl_patches.teachers.replica_urls import SEPARATOR, replica_urls  # lazy: import cost
+    from megatron_rl_patches.teachers.served.urls import SEPARATOR, replica_urls  # lazy: import cost
 
     try:
         urls = replica_urls(head)
@@ -63,7 +63,7 @@ def check_url_head(entry: str, head: str) -> str:
 
 def check_one_url(entry: str, head: str) -> str:
     """One URL of an entry: http or https, no query; its trailing '/' dropped."""
-    from megatron_rl_patches.teachers.http_client import check_url  # lazy: import cost (ssl, json)
+    from megatron_rl_patches.teachers.served.http import check_url  # lazy: import cost (ssl, json)
 
     parts = urllib.parse.urlsplit(head)
     if parts.scheme.lower() not in ("http", "https"):
@@ -212,9 +212,9 @@ def served_problem(found: list[str], entry: TeacherEntry, url: str, facts: RunFa
     None with a problem (starting with `said`) appended to `found`."""
     try:
         # lazy: optional dependency httpx (the served client, imported by served teachers only)
-        from megatron_rl_patches.teachers.client_settings import ClientSettings
-        from megatron_rl_patches.teachers.http_client import Deadline  # lazy: optional dependency httpx
-        from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: optional dependency httpx
+        from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
+        from megatron_rl_patches.teachers.served.http import Deadline  # lazy: optional dependency httpx
+        from megatron_rl_patches.teachers.served.settings import ClientSettings  # lazy: import cost (the client wing)
 
         settings = ClientSettings(connect_timeout_s=DOCTOR_CONNECT_S, timeout_s=DOCTOR_DEADLINE_S,
                                   deadline_s=DOCTOR_DEADLINE_S, retries=0)
@@ -261,8 +261,8 @@ def planned_head(directory: str) -> Any:
 
 
 def build(entry: TeacherEntry, host: Any, options: Any) -> Any:
-    """The entry's connected `ServedTeacher` (`teachers.served_build`)."""
-    from megatron_rl_patches.teachers.served_build import build_served  # lazy: import cost: httpx, torch
+    """The entry's connected `ServedTeacher` (`teachers.served.build`)."""
+    from megatron_rl_patches.teachers.served.build import build_served  # lazy: import cost: httpx, torch
 
     return build_served(entry, host, options)
 

@@ -18,7 +18,7 @@ from megatron_rl_patches.teachers.host_head import head_for_host
 from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
 from megatron_rl_patches.teachers.named_vocab import check_head_vocab, named_vocab_size
 from megatron_rl_patches.teachers.redaction import redacted
-from megatron_rl_patches.teachers.served_connect import connect_served
+from megatron_rl_patches.teachers.served.connect import connect_served
 
 
 def checked_tokenizer(entry: TeacherEntry, options: Any, where: str) -> Any:
@@ -42,7 +42,7 @@ def checked_tokenizer(entry: TeacherEntry, options: Any, where: str) -> Any:
 
 def build_served(entry: TeacherEntry, host: Any, options: Any) -> Any:
     """The entry's `ServedTeacher`, connected (see the module's words)."""
-    from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: import cost: httpx, torch
+    from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: import cost: httpx, torch
 
     where = f"build_teachers: entry {redacted(entry.path)!r}"
     tokenizer = None

@@ -15,27 +15,27 @@ import torch
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.batch import TeacherBatch
-from megatron_rl_patches.teachers.client_settings import ClientSettings
 from megatron_rl_patches.teachers.context_key import context_key
 from megatron_rl_patches.teachers.contract import BatchScores
-from megatron_rl_patches.teachers.engines.names import check_engine, engine_class
-from megatron_rl_patches.teachers.engines.protocol import SampleRows, ServedModel
-from megatron_rl_patches.teachers.engines.vllm_pooling import VllmPoolingEngine
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.head import TeacherHead
-from megatron_rl_patches.teachers.hidden_scores import (
+from megatron_rl_patches.teachers.served.budget import TokenBudget
+from megatron_rl_patches.teachers.served.engines.names import check_engine, engine_class
+from megatron_rl_patches.teachers.served.engines.protocol import SampleRows, ServedModel
+from megatron_rl_patches.teachers.served.engines.vllm_pooling import VllmPoolingEngine
+from megatron_rl_patches.teachers.served.hidden_states import (
     check_given_ids,
     head_scores,
     head_temperature,
     hidden_head,
     states_dtype,
 )
-from megatron_rl_patches.teachers.http_client import Deadline, TeacherClient
-from megatron_rl_patches.teachers.replica_settings import ReplicaSettings
-from megatron_rl_patches.teachers.replica_step import Replica, StepReplicas
-from megatron_rl_patches.teachers.replica_urls import SEPARATOR, replica_urls
-from megatron_rl_patches.teachers.replicas import ReplicaPool
-from megatron_rl_patches.teachers.token_budget import TokenBudget
+from megatron_rl_patches.teachers.served.http import Deadline, TeacherClient
+from megatron_rl_patches.teachers.served.pool import ReplicaPool
+from megatron_rl_patches.teachers.served.replica_settings import ReplicaSettings
+from megatron_rl_patches.teachers.served.scheduler import Replica, StepReplicas
+from megatron_rl_patches.teachers.served.settings import ClientSettings
+from megatron_rl_patches.teachers.served.urls import SEPARATOR, replica_urls
 
 
 class ServedTeacher:

@@ -8,13 +8,13 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_rl_patches.teachers.agreement import agree_failure
-from megatron_rl_patches.teachers.engines.names import in_entry_words
 from megatron_rl_patches.teachers.named_vocab import check_named_vocab
-from megatron_rl_patches.teachers.tokenizer_probe import probe_tokenizer
+from megatron_rl_patches.teachers.served.engines.names import in_entry_words
+from megatron_rl_patches.teachers.served.tokenizer_probe import probe_tokenizer
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from megatron_rl_patches.teachers.served import ServedTeacher
+    from megatron_rl_patches.teachers.served.client import ServedTeacher
 
 # () -> (the tokenizer the served model must share, whose it is: for the refusal's words)
 ExpectedTokenizer = Callable[[], tuple[Any, str]]

@@ -11,8 +11,8 @@ import torch
 from megatron_rl_patches.ops._checks import largest_temperature, smallest_temperature, temperature_range
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.contract import BatchScores
-from megatron_rl_patches.teachers.engines.vllm_pooling import EMBED_DTYPES
 from megatron_rl_patches.teachers.head import TeacherHead
+from megatron_rl_patches.teachers.served.engines.vllm_pooling import EMBED_DTYPES
 
 # the dtypes a model's hidden states travel in exactly (the default: the checkpoint's own among them)
 LOSSLESS = (torch.float32, torch.bfloat16, torch.float16)

@@ -21,9 +21,9 @@ from typing import Any
 
 from megatron_rl_patches._extras import install_hint
 from megatron_rl_patches._json_read import parsed_json
-from megatron_rl_patches.teachers.client_settings import ClientSettings
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.redaction import has_userinfo, redacted, without_key
+from megatron_rl_patches.teachers.served.settings import ClientSettings
 
 BACKOFF_CAP_S = 8.0
 QUOTED = 500  # characters of a server's error text quoted

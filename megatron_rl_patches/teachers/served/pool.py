@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import threading
 
-from megatron_rl_patches.teachers.engines.protocol import ServedModel
 from megatron_rl_patches.teachers.errors import ServedTeacherRefusal
 from megatron_rl_patches.teachers.redaction import redacted
-from megatron_rl_patches.teachers.replica_settings import ReplicaSettings
-from megatron_rl_patches.teachers.replica_step import Replica, StepReplicas
+from megatron_rl_patches.teachers.served.engines.protocol import ServedModel
+from megatron_rl_patches.teachers.served.replica_settings import ReplicaSettings
+from megatron_rl_patches.teachers.served.scheduler import Replica, StepReplicas
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from megatron_rl_patches.teachers.http_client import Deadline
+    from megatron_rl_patches.teachers.served.http import Deadline
 
 
 class ReplicaPool:

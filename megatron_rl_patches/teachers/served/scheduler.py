@@ -20,8 +20,8 @@ from megatron_rl_patches.teachers.redaction import redacted
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from megatron_rl_patches.teachers.http_client import Deadline
-    from megatron_rl_patches.teachers.replica_settings import ReplicaSettings
+    from megatron_rl_patches.teachers.served.http import Deadline
+    from megatron_rl_patches.teachers.served.replica_settings import ReplicaSettings
 
 T = TypeVar("T")
 POLL_S = 0.05  # how often a waiting sample looks whether it is due a hedge

@@ -9,8 +9,8 @@ from megatron_rl_patches.teachers.errors import TokenizerUnavailable
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from megatron_rl_patches.teachers.http_client import Deadline
-    from megatron_rl_patches.teachers.served import ServedTeacher
+    from megatron_rl_patches.teachers.served.client import ServedTeacher
+    from megatron_rl_patches.teachers.served.http import Deadline
 
 PROBE_IDS = 24
 SAME_TOKENIZER = "same_tokenizer"  # the entry option saying the tokenizers are the same

@@ -19,7 +19,7 @@ def test_the_probe_names_the_flag_and_the_entry_option_is_taken(tokenizerless, m
     from megatron_rl_patches.integrations.megatron.teachers.stage_host import stage_host
     from megatron_rl_patches.teachers import ServedTeacher, TeacherBatch
     from megatron_rl_patches.teachers.kinds import parse_entry
-    from megatron_rl_patches.teachers.tokenizer_probe import probe_tokenizer
+    from megatron_rl_patches.teachers.served.tokenizer_probe import probe_tokenizer
 
     monkeypatch.delenv("MEGATRON_RL_PATCHES_TEACHER_API_KEY", raising=False)
     url, directory = tokenizerless

@@ -4,7 +4,7 @@
 (`check_served`): a served engine scores its own top-k only, so the buckets come from it
 (MEGATRON_RL_PATCHES_OPD_IDS_FROM=teacher, the served teacher first); one with another tokenizer
 (`;tokenizer=DIR`) scores its own encoding, one with a head (`;head=DIR`: hidden states) any ids.
-The server is asked at load by the rank that will ask it (`teachers.served_connect`)."""
+The server is asked at load by the rank that will ask it (`teachers.served.connect`)."""
 # lazy imports: optional dependency megatron-core (and httpx, the extra `served`)
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ from megatron_rl_patches.integrations.megatron.teachers.stage_host import (
 )
 from megatron_rl_patches.teachers.kinds.entry import SERVED
 from megatron_rl_patches.teachers.named_vocab import named_vocab_size
-from megatron_rl_patches.teachers.served_connect import NamedVocab, connect_served
+from megatron_rl_patches.teachers.served.connect import NamedVocab, connect_served
+from megatron_rl_patches.teachers.served.tokenizer_probe import STUDENTS
 from megatron_rl_patches.teachers.step_served import CrossServed, HeadServed, OwnTopkServed
-from megatron_rl_patches.teachers.tokenizer_probe import STUDENTS
 
 
 def top_k_only(teacher: Teacher) -> bool:
@@ -96,7 +96,7 @@ def served_own(args: Any, settings: OpdSettings, teacher: Teacher, host: StageHo
                named: int | None = None) -> OwnTopkServed | None:
     """A served teacher of the student's tokenizer (`named`: the entry's `;same_tokenizer`
     vocabulary, for a server without a tokenizer to probe)."""
-    from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: optional dependency httpx
+    from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
 
     def build() -> ServedTeacher | None:
         return ServedTeacher(teacher.path, str(teacher.engine), top_k=settings.k,
@@ -112,7 +112,7 @@ def served_cross(args: Any, settings: OpdSettings, teacher: Teacher, host: Stage
                  where: str) -> CrossServed | None:
     """A served teacher of another tokenizer (`;tokenizer=DIR`): the pair read on the last stage's
     ranks (each encodes the samples), the server checked to share DIR's tokenizer."""
-    from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: optional dependency httpx
+    from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
 
     pairs: list = []
 
@@ -138,7 +138,7 @@ def served_head(args: Any, settings: OpdSettings, teacher: Teacher, student: int
     pooling task at the head's hidden size, its tokenizer is the student's or DIR's)."""
     from megatron_rl_patches.inference.loading.hf.vocab import check_teacher_vocab
     from megatron_rl_patches.teachers.head import TeacherHead
-    from megatron_rl_patches.teachers.served import ServedTeacher  # lazy: optional dependency httpx
+    from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
 
     assert teacher.head is not None  # the builder's route for `;head=DIR`
     head_dir: str = teacher.head

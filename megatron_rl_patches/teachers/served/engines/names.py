@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from megatron_rl_patches.teachers.engines.protocol import ServedEngine
+    from megatron_rl_patches.teachers.served.engines.protocol import ServedEngine
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class EngineName:
 
 
 ENGINES = {
-    "vllm": EngineName("megatron_rl_patches.teachers.engines.vllm:VllmEngine"),
+    "vllm": EngineName("megatron_rl_patches.teachers.served.engines.vllm:VllmEngine"),
     "sglang": EngineName(None, "its server needs CUDA packages, so no test here runs one"),
 }
 SERVED_ENGINES = tuple(name for name, row in ENGINES.items() if row.engine is not None)

@@ -10,7 +10,7 @@ import torch
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from megatron_rl_patches.teachers.http_client import Deadline, TeacherClient
+    from megatron_rl_patches.teachers.served.http import Deadline, TeacherClient
 
 
 @dataclass(frozen=True)

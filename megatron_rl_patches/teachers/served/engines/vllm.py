@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.teachers.engines.names import HEAD_FIX
-from megatron_rl_patches.teachers.engines.protocol import SampleRows, ServedModel
-from megatron_rl_patches.teachers.engines.vllm_replies import (
+from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal, TokenizerUnavailable
+from megatron_rl_patches.teachers.served.engines.names import HEAD_FIX
+from megatron_rl_patches.teachers.served.engines.protocol import SampleRows, ServedModel
+from megatron_rl_patches.teachers.served.engines.vllm_replies import (
     Reply,
     model_cards,
     position_items,
@@ -22,8 +23,7 @@ from megatron_rl_patches.teachers.engines.vllm_replies import (
     token_list,
     top_k,
 )
-from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal, TokenizerUnavailable
-from megatron_rl_patches.teachers.http_client import Deadline, TeacherClient
+from megatron_rl_patches.teachers.served.http import Deadline, TeacherClient
 from megatron_rl_patches.teachers.tails import tail_log_probs
 
 # vLLM's words when K is over its --max-logprobs (a 400): "... greater than max allowed: 20"

@@ -14,10 +14,10 @@ from typing import Any, TypeGuard
 import torch
 
 from megatron_rl_patches._json_read import parsed_json
-from megatron_rl_patches.teachers.engines.protocol import SampleRows, ServedModel
-from megatron_rl_patches.teachers.engines.vllm import PROBE_IDS, VllmEngine
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
-from megatron_rl_patches.teachers.http_client import Deadline, TeacherClient
+from megatron_rl_patches.teachers.served.engines.protocol import SampleRows, ServedModel
+from megatron_rl_patches.teachers.served.engines.vllm import PROBE_IDS, VllmEngine
+from megatron_rl_patches.teachers.served.http import Deadline, TeacherClient
 
 SERVE_POOLING = "--runner pooling --convert embed --pooler-config '{\"task\": \"token_embed\"}'"
 # the values a pooling reply travels as (vLLM's embed_dtype names, vllm/utils/serial_utils.py): the
@@ -48,7 +48,7 @@ class VllmPoolingEngine(VllmEngine):
     def check_card(self, card: dict[str, Any]) -> None:
         """The checkpoint the server serves (its card's `root`, the path it was started with) is the
         head's, where both are directories on this machine (`served_checkpoint`)."""
-        from megatron_rl_patches.teachers.served_checkpoint import check_served_checkpoint  # lazy: import cost
+        from megatron_rl_patches.teachers.served.engines.checkpoint import check_served_checkpoint  # lazy: import cost
 
         check_served_checkpoint(card.get("root"), self.head_source, self.head_fingerprint, self.client.url)
 
