@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from megatron_rl_patches.teachers import ClientSettings, ServedTeacher, TeacherBatch
-from megatron_rl_patches.teachers.served.http import decode, fast_loads
+from megatron_rl_patches.teachers.served.engines.vllm import VllmEngine
+from megatron_rl_patches.teachers.served.http import TeacherClient, decode, fast_loads
 from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
 from megatron_rl_patches.testing.vllm_server import vllm_server
 
@@ -60,18 +61,19 @@ def client_share(teacher: ServedTeacher, ids: list[int], rounds: int) -> dict:
     """Seconds of one request at the server (the HTTP round trip on the loopback) and of the
     client's own work on its reply (JSON decoding, then the reply read into tensors)."""
     model = teacher.check()
-    http = teacher.client.http()
-    body = teacher.engine.body(model, ids)
+    engine = VllmEngine(TeacherClient(teacher.url, teacher.settings), teacher.top_k, None)  # its routes, asked by hand
+    http = engine.client.http()
+    body = engine.body(model, ids)
     server, decoding, parse, size = [], [], [], 0
     for _ in range(rounds):
         start = time.perf_counter()
-        content = http.post(teacher.url + teacher.engine.path, json=body).content
+        content = http.post(teacher.url + engine.path, json=body).content
         server.append(time.perf_counter() - start)
         start = time.perf_counter()
         reply = decode(content, "", "", None)
         decoding.append(time.perf_counter() - start)
         start = time.perf_counter()
-        teacher.engine.parse(reply, ids, 1, 0)
+        engine.parse(reply, ids, 1, 0)
         parse.append(time.perf_counter() - start)
         size = len(content)
     s, d, p = (statistics.median(v) for v in (server, decoding, parse))

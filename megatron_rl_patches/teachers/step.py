@@ -1,9 +1,9 @@
 """The teacher step of any training loop, framework-free (`TeacherStep`): `send(batch)` before the
 student's forward, `collect()` after it.
 
-- Served teachers (`ServedTeacher`, with or without a head) are asked on one rank of each sharing
-  group (the host's `share_group`, its first rank) only; their requests run while the student's
-  forward does.
+- Asynchronous teachers (`asynchronous.AsyncTeacher`: `ServedTeacher`, with or without a head) are
+  asked on one rank of each sharing group (the host's `share_group`, its first rank) only; their
+  requests run while the student's forward does.
 - In-process teachers (any `BatchTeacher`: `.score(batch)`) run in `collect()` on every rank,
   through the host's `teacher_pass` when it gives one (they are model-parallel like the student).
 - The ranks of a sharing group hold the same checkpoint's head, within the student's vocabulary
@@ -34,11 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_rl_patches.teachers.agreement import agree_failure, agreed_views, distributed
+from megatron_rl_patches.teachers.asynchronous import AsyncTeacher, Pending
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context_key import teacher_context
-from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.host import TeacherHost, asks
-from megatron_rl_patches.teachers.served.client import PendingScores, ServedTeacher
 from megatron_rl_patches.teachers.step_contexts import teacher_batches
 from megatron_rl_patches.teachers.step_heads import step_heads_failure
 
@@ -135,7 +134,7 @@ class TeacherStep:
         self.batches: list[TeacherBatch] = []  # per teacher: the student's batch, or its context's
         self.failed: BaseException | None = None  # a bad context found in send(), agreed in collect()
         self.refused: Exception | None = None  # a refused send (a bad call), agreed by the next collect
-        self.pending: dict[int, PendingScores] = {}
+        self.pending: dict[int, Pending] = {}
         error: Exception | None = None
         view = None
         try:
@@ -145,6 +144,8 @@ class TeacherStep:
             error = failed
         check_built(agreed_views(error, self.group, view, own=True))
         self.asker = view["share"][0] if view is not None else 0  # the global rank asking for this rank's group
+        # the teachers asked on the asking rank and shared (the others: in-process, on every rank)
+        self.asynchronous = [isinstance(teacher, AsyncTeacher) for teacher in self.teachers]
         # the sharing groups agree now: the heads' exchange over the sharing group cannot wait for a rank outside it
         self.heads_failure = step_heads_failure(self.teachers, host)  # raised by the first collect, agreed
 
@@ -187,7 +188,7 @@ class TeacherStep:
         self.batch = batch
         if self.asks() and self.heads_failure is None:
             self.pending = {i: teacher.submit(self.batches[i]) for i, teacher in enumerate(self.teachers)
-                            if isinstance(teacher, ServedTeacher)}
+                            if self.asynchronous[i]}
 
     def collect(self, projected: bool = True) -> list[Any]:
         """Every teacher's scores of the sent batch (a failure anywhere, or a bad call on any rank,
@@ -204,13 +205,13 @@ class TeacherStep:
             refused = TypeError(f"TeacherStep.collect(projected=...) must be True or False, got {projected!r}")
         if refused is not None or error is not None:
             for waiting in pending.values():
-                waiting.cancel.set()
+                waiting.cancel()
         if refused is not None:
             agree_failure(refused, self.group, own=True)
-        elif any(not isinstance(t, ServedTeacher) for t in self.teachers):
+        elif not all(self.asynchronous):
             # every rank has its batches before any runs an in-process pass, and the ranks of a sharing group
             # hold the same ones (a model-parallel pass over different sequences would hang in its collectives)
-            own = [b for b, t in zip(batches, self.teachers) if not isinstance(t, ServedTeacher)]
+            own = [b for b, asked in zip(batches, self.asynchronous) if not asked]
             check_collect(agreed_views(error, self.group, collect_view(projected, self.asker, batch, own)))
         assert batch is not None  # refused on every rank above otherwise
         got: dict[int, Any] = {}
@@ -220,33 +221,27 @@ class TeacherStep:
             for i, waiting in pending.items():
                 got[i] = waiting.result(projected=False)  # a head's states: projected on every rank below
             for i, teacher in enumerate(self.teachers):
-                if error is None and not isinstance(teacher, ServedTeacher):
+                if error is None and not self.asynchronous[i]:
                     run = self.host.teacher_pass
                     got[i] = teacher.score(batches[i]) if run is None else run(teacher, batches[i])
         except Exception as failed:  # noqa: BLE001 - agreed over the job just below, raised on every rank
             error = failed
             for waiting in pending.values():
-                waiting.cancel.set()
+                waiting.cancel()
         check_collect(agreed_views(error, self.group, collect_view(projected, self.asker, batch)))
-        served = [i for i, teacher in enumerate(self.teachers) if isinstance(teacher, ServedTeacher)]
-        got.update(self.shared({i: got[i] for i in served if i in got}))
+        asked = [i for i, is_asked in enumerate(self.asynchronous) if is_asked]
+        got.update(self.shared({i: got[i] for i in asked if i in got}))
         if not projected:
             return [got[i] for i in range(len(self.teachers))]
-        return [self.projected(teacher, batches[i], got[i]) for i, teacher in enumerate(self.teachers)]
+        return [teacher.project(batches[i], got[i]) if self.asynchronous[i] else got[i]
+                for i, teacher in enumerate(self.teachers)]
 
     def shared(self, served: dict[int, Any]) -> dict[int, Any]:
-        """The asking rank's served results on every rank of its sharing group (as tensors, never pickled)."""
+        """The asking rank's asynchronous teachers' results on every rank of its sharing group (as
+        tensors, never pickled)."""
         group = self.host.share_group
-        if group is None or not distributed() or not any(isinstance(t, ServedTeacher) for t in self.teachers):
+        if group is None or not distributed() or not any(self.asynchronous):
             return served
         from megatron_rl_patches.teachers.share_tensors import shared_results  # lazy: import cost: torch
 
         return shared_results(served if self.asks() else None, group)
-
-    def projected(self, teacher: Any, batch: TeacherBatch, got: Any) -> BatchScores:
-        """A head teacher's hidden states through its head (every rank alike), else `got` as it is."""
-        if isinstance(teacher, ServedTeacher) and teacher.head is not None:
-            from megatron_rl_patches.teachers.served.hidden_states import head_scores
-
-            return head_scores(teacher.head, batch, got, teacher.top_k, teacher.temperature)
-        return got

@@ -32,6 +32,11 @@ def engine(width: int, dtype: torch.dtype = torch.float32) -> VllmPoolingEngine:
     return VllmPoolingEngine(TeacherClient(URL, ClientSettings()), 4, None, width, dtype)
 
 
+def engine_of(teacher: ServedTeacher) -> VllmPoolingEngine:
+    """The engine asking the teacher's one server."""
+    return teacher.endpoint.replicas[0].engine
+
+
 def reply(states: torch.Tensor, name: str | None = None, shape: list[int] | None = None, offset: int = 0,
           endianness: str = "little") -> SimpleNamespace:
     """A binary pooling reply of one input as vLLM writes it (after `offset` bytes of padding)."""
@@ -167,14 +172,14 @@ def test_hidden_state_teacher_arguments_are_named(head, tmp_path):
     with pytest.raises(FileNotFoundError, match="TeacherHead.from_hf\\(path\\)"):
         ServedTeacher(URL, head=tmp_path / "nowhere")
     teacher = ServedTeacher(URL, head=head, top_k=49, temperature=0.7)  # any K of the vocabulary, any temperature
-    assert teacher.temperature == 0.7 and teacher.engine.dtype == torch.float32
+    assert teacher.temperature == 0.7 and engine_of(teacher).dtype == torch.float32
     for dtype in FP8:  # asked only: never the default, even for a checkpoint that names fp8
-        assert ServedTeacher(URL, head=head, hidden_dtype=dtype).engine.dtype == dtype
+        assert engine_of(ServedTeacher(URL, head=head, hidden_dtype=dtype)).dtype == dtype
         fp8_named = TeacherHead(head.weight, 50, 50, 0, source="test", checkpoint_dtype=dtype)
-        assert ServedTeacher(URL, head=fp8_named).engine.dtype == torch.float32
+        assert engine_of(ServedTeacher(URL, head=fp8_named)).dtype == torch.float32
     bf16_named = TeacherHead(head.weight, 50, 50, 0, source="test", checkpoint_dtype=torch.bfloat16)
-    assert ServedTeacher(URL, head=bf16_named).engine.dtype == torch.bfloat16  # the model's own: exact
-    assert ServedTeacher(URL, head=head, model="b").engine.model == "b"  # the model asked of a server of several
+    assert engine_of(ServedTeacher(URL, head=bf16_named)).dtype == torch.bfloat16  # the model's own: exact
+    assert engine_of(ServedTeacher(URL, head=head, model="b")).model == "b"  # the model asked of a server of several
 
 
 def test_score_arguments_are_refused_before_anything_is_sent(head):

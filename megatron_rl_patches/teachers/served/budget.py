@@ -12,10 +12,22 @@ class TokenBudget:
         self.in_flight = 0
         self._changed = threading.Condition()
 
+    def fits(self, tokens: int) -> bool:
+        """Whether `tokens` fit now beside those in flight (alone, anything fits)."""
+        return not self.in_flight or self.in_flight + tokens <= self.limit
+
+    def take(self, tokens: int) -> bool:
+        """Take `tokens` now where they fit (True), else nothing (False): never waits."""
+        with self._changed:
+            if not self.fits(tokens):
+                return False
+            self.in_flight += tokens
+            return True
+
     def acquire(self, tokens: int, until: float, cancel: threading.Event) -> bool:
         """Take `tokens` (True), or give up at the monotonic time `until` or on `cancel` (False)."""
         with self._changed:
-            while self.in_flight and self.in_flight + tokens > self.limit:
+            while not self.fits(tokens):
                 left = until - time.monotonic()
                 if left <= 0 or cancel.is_set():
                     return False

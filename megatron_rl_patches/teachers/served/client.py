@@ -1,10 +1,12 @@
 """A teacher served by an inference engine (`ServedTeacher`): its own top-k with the exact tail
-for every response row of a `TeacherBatch`, asked over HTTP. One connection pool per server; a
-step's samples in flight at once (bounded in requests and tokens), within one deadline; a
-teacher's replicas (several URLs) spread, failed over and hedged by `replicas.ReplicaPool`."""
+for every response row of a `TeacherBatch` (or, with its head on the trainer, its hidden states
+through the head), asked over HTTP. It holds one endpoint (`endpoint.Endpoint`: its replicas as
+a `pool.ReplicaPool`, one URL a pool of one): a step's samples in flight at once (bounded in
+requests and tokens per server), within one deadline; `PendingScores` collects them."""
 from __future__ import annotations
 
 import concurrent.futures as futures
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -19,10 +21,9 @@ from megatron_rl_patches.teachers.context_key import context_key
 from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.head import TeacherHead
-from megatron_rl_patches.teachers.served.budget import TokenBudget
+from megatron_rl_patches.teachers.served.endpoint import Endpoint, SampleAsk, Step
 from megatron_rl_patches.teachers.served.engines.names import check_engine, engine_class
-from megatron_rl_patches.teachers.served.engines.protocol import SampleRows, ServedModel
-from megatron_rl_patches.teachers.served.engines.vllm_pooling import VllmPoolingEngine
+from megatron_rl_patches.teachers.served.engines.protocol import SampleRows, ServedEngine, ServedModel
 from megatron_rl_patches.teachers.served.hidden_states import (
     check_given_ids,
     head_scores,
@@ -32,9 +33,8 @@ from megatron_rl_patches.teachers.served.hidden_states import (
 )
 from megatron_rl_patches.teachers.served.http import Deadline, TeacherClient
 from megatron_rl_patches.teachers.served.pool import ReplicaPool
-from megatron_rl_patches.teachers.served.replica_settings import ReplicaSettings
-from megatron_rl_patches.teachers.served.scheduler import Replica, StepReplicas
-from megatron_rl_patches.teachers.served.settings import ClientSettings
+from megatron_rl_patches.teachers.served.server import Server
+from megatron_rl_patches.teachers.served.settings import ClientSettings, ReplicaSettings
 from megatron_rl_patches.teachers.served.urls import SEPARATOR, replica_urls
 
 
@@ -46,7 +46,9 @@ class ServedTeacher:
     bounds in flight are each server's). `url` may name the teacher's replicas: a list of URLs
     (or one str of them joined by '|'), one teacher served the same by each; `replicas` says how
     a step spreads, fails over and hedges over them (`ReplicaSettings`).
-    `context`: the key of each sample's privileged context in the teacher step
+    `head`: the teacher's output layer on the trainer (a `TeacherHead` or its checkpoint's
+    directory): the server sends hidden states (in `hidden_dtype`), projected here at any K and
+    temperature. `context`: the key of each sample's privileged context in the teacher step
     (`TeacherStep.send(batch, contexts={KEY: ...})`): it scores them before the student's response."""
 
     def __init__(self, url: str | list[str], engine: str = "vllm", top_k: int = 20, *, model: str | None = None,
@@ -73,26 +75,26 @@ class ServedTeacher:
         if replicas is not None and not isinstance(replicas, ReplicaSettings):
             raise TypeError(f"ServedTeacher(replicas=...) must be a ReplicaSettings, got {type(replicas).__name__}")
         self.settings = client or ClientSettings()
-        clients = [TeacherClient(one, self.settings) for one in replica_urls(url)]
-        self.client = clients[0]
-        self.url = SEPARATOR.join(c.url for c in clients)
-        dtype = None if self.head is None else states_dtype(hidden_dtype, self.head)
-        self.replicas = ReplicaPool([Replica(c.url, c, self.engine_for(c, model, dtype)) for c in clients],
-                                    replicas or ReplicaSettings(), self.url)
-        self.engine = self.replicas.replicas[0].engine
-        self._model: ServedModel | None = None
-        # the bounds in flight are each server's: n replicas hold n times as much
-        self._budget = TokenBudget(self.settings.max_tokens_in_flight * len(self.replicas))
-        self._pool: futures.ThreadPoolExecutor | None = None
+        self.model = model  # the served model's name to ask for (None: the one each server serves)
+        self.hidden_dtype = None if self.head is None else states_dtype(hidden_dtype, self.head)
+        servers = [Server(self.engine_at(TeacherClient(one, self.settings)), self.settings)
+                   for one in replica_urls(url)]
+        self.endpoint: Endpoint = ReplicaPool(servers, replicas or ReplicaSettings())
+        self.url = self.endpoint.url
+        self._served: ServedModel | None = None
         self._lock = threading.Lock()
 
-    def engine_for(self, client: TeacherClient, model: str | None, dtype: torch.dtype | None) -> Any:
-        """The engine asking one server through `client`."""
+    def engine_at(self, client: TeacherClient) -> ServedEngine:
+        """The engine asking one server through `client`: rows, or with a head hidden states."""
         if self.head is None:
-            return engine_class(self.engine_name)(client, self.top_k, model)
-        assert dtype is not None  # one engine serves hidden states: vLLM's pooling runner
-        return VllmPoolingEngine(client, self.top_k, model, self.head.hidden_size, dtype, self.head.source,
-                                 self.head.fingerprint)
+            return engine_class(self.engine_name)(client, self.top_k, self.model)
+        return engine_class(self.engine_name, states=True)(client, self.top_k, self.model, self.head.hidden_size,
+                                                          self.hidden_dtype, self.head.source, self.head.fingerprint)
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        """The replicas' URLs (one URL: one replica)."""
+        return tuple(self.url.split(SEPARATOR))
 
     def __repr__(self) -> str:
         return f"ServedTeacher({self.url!r}, engine={self.engine_name!r}, top_k={self.top_k})"
@@ -102,10 +104,10 @@ class ServedTeacher:
         """The served model (name, max model length), asked once; K checked against the server
         (each replica: the same model on all, or refused naming the one that differs)."""
         with self._lock:
-            if self._model is None:
-                self._model = self.replicas.served_model(deadline or Deadline.after(self.settings.deadline_s),
-                                                         threading.Event())
-            return self._model
+            if self._served is None:
+                self._served = self.endpoint.served_model(deadline or Deadline.after(self.settings.deadline_s),
+                                                          threading.Event())
+            return self._served
 
     def check(self) -> ServedModel:
         """Ask the server now (it answers, the model, its max length, K within its limit)."""
@@ -116,7 +118,7 @@ class ServedTeacher:
         server answered with no token list), within `deadline` (default: one request's timeout);
         every replica asked (the same ids from each, or refused naming the one that differs)."""
         deadline = deadline or Deadline.after(self.settings.timeout_s)
-        return self.replicas.tokenize(self.served_model(deadline), text, deadline, threading.Event())
+        return self.endpoint.tokenize(self.served_model(deadline), text, deadline, threading.Event())
 
     # ------------------------------------------------------------------ scoring
     def score(self, batch: TeacherBatch, group: object = None, *, ids: list[torch.Tensor] | None = None) -> BatchScores:
@@ -128,32 +130,34 @@ class ServedTeacher:
         return self.submit(batch, ids=ids).result(group)
 
     def submit(self, batch: TeacherBatch, *, ids: list[torch.Tensor] | None = None) -> PendingScores:
-        """Send every sample now (background threads) and return at once: `.result()` collects.
-        Nothing raises here: a refusal or failure (the server asked first, a sample too long)
-        comes out of `.result()`, where it is agreed over a group like any other."""
-        deadline = Deadline.after(self.settings.deadline_s)
-        cancel = threading.Event()
+        """Send every sample now and return at once: `.result()` collects. Nothing raises here: a
+        refusal or failure (the server asked first, a sample too long) comes out of `.result()`,
+        where it is agreed over a group like any other."""
+        step = Step.within(self.settings.deadline_s)
         try:
             if not isinstance(batch, TeacherBatch):
                 raise TypeError(f"ServedTeacher.score(batch) takes a TeacherBatch, got {type(batch).__name__}")
             given = self.check_ids(batch, ids)
-            model = self.served_model(deadline)
+            model = self.served_model(step.deadline)
             self.check_lengths(batch, model)
         except Exception as error:  # noqa: BLE001 - handed to result(), agreed there
-            return PendingScores(self.url, batch, {}, deadline, cancel, self.top_k, failure=error)
-        pending = {}
-        step = self.replicas.step()
-        for i, sequence in enumerate(batch.sequences):
-            if batch.response_rows(i):
-                pending[i] = self.pool().submit(self._score_one, model, [int(v) for v in sequence.tolist()],
-                                                batch.response_starts[i], deadline, cancel, i, step)
-        project = None
-        if self.head is not None:
-            head, k, tau = self.head, self.top_k, self.temperature
-            project = lambda states: head_scores(head, batch, states, k, tau, given)  # noqa: E731
-        no_rows = torch.zeros(0, self.engine.hidden_size, dtype=self.engine.dtype) \
-            if isinstance(self.engine, VllmPoolingEngine) else None
-        return PendingScores(self.url, batch, pending, deadline, cancel, self.top_k, project=project, no_rows=no_rows)
+            return PendingScores(self.url, batch, {}, step, self.top_k, failure=error)
+        pending = {i: self.endpoint.ask(model, SampleAsk([int(v) for v in sequence.tolist()],
+                                                         batch.response_starts[i], i), step)
+                   for i, sequence in enumerate(batch.sequences) if batch.response_rows(i)}
+        if self.head is None:
+            return PendingScores(self.url, batch, pending, step, self.top_k)
+        no_rows = torch.zeros(0, self.head.hidden_size, dtype=self.hidden_dtype)
+        return PendingScores(self.url, batch, pending, step, self.top_k, no_rows=no_rows,
+                             project=functools.partial(self.project, batch, ids=given))
+
+    def project(self, batch: TeacherBatch, got: Any, ids: list[torch.Tensor] | None = None) -> BatchScores:
+        """What every rank makes of what was asked for `batch` (`AsyncTeacher`): with a head the
+        hidden states [R_i, H] through it (with `ids`, scored at them too), the head's ops alike on
+        every rank of its group; without one the scores as they came."""
+        if self.head is None:
+            return got
+        return head_scores(self.head, batch, got, self.top_k, self.temperature, ids)
 
     def check_ids(self, batch: TeacherBatch, ids: object) -> list[torch.Tensor] | None:
         """`ids` of `score` (a head only); with a head every sample's ids within its vocabulary."""
@@ -169,52 +173,21 @@ class ServedTeacher:
         return check_given_ids(ids, batch, self.head.vocab_size)
 
     def check_lengths(self, batch: TeacherBatch, model: ServedModel) -> None:
-        """Every sample fits the served model: at most max model length - 1 ids (a pooling
-        server generates nothing: max model length)."""
-        room = model.max_model_len - getattr(self.engine, "generates", 1)
+        """Every sample fits the served model: at most `model.longest` ids (max model length - 1
+        where the engine generates a token after the prompt; a pooling server's whole length)."""
+        room = model.longest
         for i, ids in enumerate(batch.sequences):
             if len(ids) > room:
                 raise ServedTeacherRefusal(
                     f"sample {i} has {len(ids)} ids, over {self.url}'s max model length {model.max_model_len}"
-                    + (" - 1 (the engine generates one token after the prompt)" if room < model.max_model_len else "")
+                    + (f" - {model.generates} (the engine generates one token after the prompt)"
+                       if room < model.max_model_len else "")
                     + f": a sequence cannot be split (every row needs its whole prefix); serve the teacher with "
-                    f"--max-model-len >= {len(ids) + model.max_model_len - room}", self.url, i)
-
-    def _score_one(self, model: ServedModel, ids: list[int], start: int, deadline: Deadline,
-                   cancel: threading.Event, sample: int, step: StepReplicas) -> SampleRows | torch.Tensor:
-        if cancel.is_set():
-            raise ServedTeacherError(f"{self.url}: sample {sample} not sent: the step failed before", self.url, sample)
-        if not self._budget.acquire(len(ids), deadline.at, cancel):
-            raise ServedTeacherError(f"{self.url}: sample {sample} waited for tokens in flight past the step's "
-                                     f"deadline of {deadline.seconds:g} s", self.url, sample)
-
-        def ask(engine: Any, cancelled: threading.Event) -> SampleRows | torch.Tensor:
-            if isinstance(engine, VllmPoolingEngine):
-                return engine.hidden_states(model, ids, start, deadline, cancelled, sample)
-            return engine.scores(model, ids, start, deadline, cancelled, sample)
-
-        try:
-            if len(self.replicas) == 1:  # one server: asked as it always was
-                return ask(self.engine, cancel)
-            return step.run(ask, sample, tuple(ids[:start]), deadline, cancel)
-        finally:
-            self._budget.release(len(ids))
-
-    def pool(self) -> futures.ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = futures.ThreadPoolExecutor(self.settings.max_in_flight * len(self.replicas),
-                                                        thread_name_prefix="served-teacher")
-            return self._pool
+                    f"--max-model-len >= {len(ids) + model.generates}", self.url, i)
 
     def close(self) -> None:
-        """Stop the worker threads and close the connection pool."""
-        with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = None
-        for replica in self.replicas.replicas:
-            replica.client.close()
+        """Stop the worker threads and close the connection pools."""
+        self.endpoint.close()
 
     def __enter__(self) -> ServedTeacher:
         return self
@@ -224,17 +197,25 @@ class ServedTeacher:
 
 
 class PendingScores:
-    """A step's samples in flight; `result()` waits (until the step's deadline) and assembles."""
+    """A step's samples in flight (one future per sample with rows); `result()` waits (until the
+    step's deadline) and assembles; `cancel()` stops them."""
 
-    def __init__(self, url: str, batch: TeacherBatch, pending: dict[int, futures.Future], deadline: Deadline,
-                 cancel: threading.Event, top_k: int, failure: Exception | None = None,
-                 project: Callable[[list[torch.Tensor]], BatchScores] | None = None,
+    def __init__(self, url: str, batch: TeacherBatch, pending: dict[int, futures.Future], step: Step, top_k: int,
+                 failure: Exception | None = None, project: Callable[[list[torch.Tensor]], BatchScores] | None = None,
                  no_rows: torch.Tensor | None = None) -> None:
         self.url, self.batch, self.pending = url, batch, pending
-        self.deadline, self.cancel, self.top_k = deadline, cancel, top_k
+        self.step, self.top_k = step, top_k
         self.failure = failure
         self.project = project  # hidden states -> scores through the head, after the failure is agreed
         self.no_rows = torch.zeros(0, 0) if no_rows is None else no_rows  # a sample of no rows' states [0, H]
+
+    @property
+    def deadline(self) -> Deadline:
+        return self.step.deadline
+
+    def cancel(self) -> None:
+        """Stop the step's requests (their answers dropped, no retry)."""
+        self.step.cancel.set()
 
     def result(self, group: object = None, *, projected: bool = True) -> Any:
         """The step's `BatchScores`; a failure (the first sample's, by index) raised on every rank
@@ -258,9 +239,7 @@ class PendingScores:
                                      return_when=futures.FIRST_EXCEPTION)
         failed = sorted(i for i, f in self.pending.items() if f in done and f.exception() is not None)
         if failed or waiting:
-            self.cancel.set()
-            for future in waiting:
-                future.cancel()
+            self.cancel()
         if failed:
             raise self.pending[failed[0]].exception()  # type: ignore[misc]
         if waiting:

@@ -1,176 +1,186 @@
-"""One step of a teacher's replicas (`StepReplicas.run`): each sample sent to the healthy replica
-with the fewest requests in flight (or its prompt group's, `keep_prompt_groups`); a replica that
-fails (refused, reset, 5xx after the client's retries, a read timeout) is taken out for the rest
-of the step and the sample re-sent to another; a request past the hedging point (`hedge_after`
-times the step's median request time, at least `hedge_floor_s`) is sent again to another
-replica, the first answer winning and the other cancelled. The sample fails only when every
-replica has failed (or the deadline passed); a 4xx refusal is the request's, raised as it is."""
+"""The replicas' scheduler (`Scheduler`): each sample sent to the healthy replica the spreading
+policy picks (`ReplicaSettings.spread`); a replica that fails (refused at connection, reset, a 5xx
+after the client's retries, a read timeout) is taken out for the rest of the step, its other
+requests stop retrying there, and the sample is re-sent to another; a request past the hedging
+point (`hedge_after` times the step's median request time, at least `hedge_floor_s`) is sent
+again to another replica, the first answer winning and the other cancelled. The sample fails
+only when every replica has failed (or the deadline passed); a 4xx refusal is the request's,
+raised as it is.
+
+Nothing polls: a request's answer completes its future, whose callback moves the sample on; one
+watcher thread per pool sleeps until the next hedging point or deadline of a sample in flight (or
+until something changes)."""
 from __future__ import annotations
 
-import queue
+import concurrent.futures as futures
 import statistics
 import threading
 import time
-from collections.abc import Callable, Hashable
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.redaction import redacted
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from megatron_rl_patches.teachers.served.http import Deadline
-    from megatron_rl_patches.teachers.served.replica_settings import ReplicaSettings
-
-T = TypeVar("T")
-POLL_S = 0.05  # how often a waiting sample looks whether it is due a hedge
+from megatron_rl_patches.teachers.served.endpoint import Endpoint, SampleAsk, Step
+from megatron_rl_patches.teachers.served.engines.protocol import ServedModel
+from megatron_rl_patches.teachers.served.settings import ReplicaSettings
+from megatron_rl_patches.teachers.served.spreading import FewestInFlight, Placements
 
 
-@dataclass
-class Replica:
-    """One server of a teacher: its URL, client and engine, and its requests in flight now."""
+class StepState:
+    """What one step has learnt of the replicas: those taken out (with their errors), its answered
+    requests' times (and their median), its placements."""
 
-    url: str
-    client: Any
-    engine: Any
-    in_flight: int = field(default=0, compare=False)
-
-
-class AttemptCancel(threading.Event):
-    """One request's cancel: set itself (the sample answered elsewhere), the step's, or its
-    replica taken out (another request found it failed: no more retries there)."""
-
-    def __init__(self, step: threading.Event, out: Callable[[], bool]) -> None:
-        super().__init__()
-        self.step, self.out = step, out
-
-    def is_set(self) -> bool:
-        return super().is_set() or self.step.is_set() or self.out()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        end = None if timeout is None else time.monotonic() + timeout
-        while not self.is_set():
-            left = POLL_S if end is None else min(POLL_S, end - time.monotonic())
-            if left <= 0:
-                return False
-            super().wait(left)
-        return True
-
-
-class StepReplicas:
-    """A step's view of the replicas: which are taken out (with their errors), the answered
-    requests' times, the prompt groups' replicas."""
-
-    def __init__(self, replicas: list[Replica], settings: ReplicaSettings, url: str, lock: threading.Lock) -> None:
-        self.replicas, self.settings, self.url, self.lock = replicas, settings, url, lock
+    def __init__(self) -> None:
         self.out: dict[int, BaseException] = {}
         self.times: list[float] = []
-        self.homes: dict[Hashable, int] = {}
-        self.turn = 0  # ties of requests in flight go round the replicas
+        self.median = 0.0
+        self.placements = Placements()
 
-    def run(self, call: Callable[[Any, threading.Event], T], sample: int, prompt: Hashable, deadline: Deadline,
-            cancel: threading.Event) -> T:
-        """`call(engine, cancel)` for `sample` (its prompt ids `prompt`) on the replicas, until one
-        answers (see the module's words)."""
-        answers: queue.Queue = queue.Queue()
-        live: dict[int, tuple[AttemptCancel, float]] = {}  # replica -> (its cancel, when sent)
-        while True:
-            if cancel.is_set():
-                self.drop(live)
-                raise ServedTeacherError(f"{self.url}: sample {sample} not answered: the step failed before",
-                                         self.url, sample)
-            if not live and not self.send(call, sample, prompt, live, answers, cancel):
-                raise self.all_failed(sample)
-            left = deadline.remaining()
-            if left <= 0:
-                self.drop(live)
-                asked = ", ".join(redacted(self.replicas[i].url) for i in live)
-                raise ServedTeacherError(f"{self.url} (sample {sample}): no reply within the step's deadline of "
-                                         f"{deadline.seconds:g} s (asked: {asked})", self.url, sample)
-            try:
-                index, ok, value, seconds = answers.get(timeout=min(POLL_S, left))
-            except queue.Empty:
-                if self.hedge_due(live):
-                    self.send(call, sample, None, live, answers, cancel)
-                continue
-            live.pop(index, None)
-            if ok:
-                self.drop(live)
-                with self.lock:
-                    self.times.append(seconds)
-                return value
-            if isinstance(value, ServedTeacherRefusal) or not isinstance(value, ServedTeacherError):
-                self.drop(live)
-                raise value
-            if not cancel.is_set():
-                with self.lock:
-                    self.out.setdefault(index, value)
+    def answered_in(self, seconds: float) -> None:
+        self.times.append(seconds)
+        self.median = statistics.median(self.times)
 
-    def send(self, call: Callable[[Any, threading.Event], Any], sample: int, prompt: Hashable | None,
-             live: dict[int, tuple[AttemptCancel, float]], answers: queue.Queue, cancel: threading.Event) -> bool:
-        """Send the sample to a healthy replica not asked for it now (False: there is none)."""
-        index = self.choose(set(live), prompt)
-        if index is None:
-            return False
-        replica, mine = self.replicas[index], AttemptCancel(cancel, lambda: index in self.out)
-        live[index] = (mine, time.monotonic())
 
-        def attempt() -> None:
-            began = time.monotonic()
-            try:
-                answers.put((index, True, call(replica.engine, mine), time.monotonic() - began))
-            except BaseException as error:  # noqa: BLE001 - handed to the waiting sample
-                answers.put((index, False, error, 0.0))
-            finally:
-                with self.lock:
-                    replica.in_flight -= 1
+@dataclass(eq=False)
+class Attempt:
+    """One request of a sample to one replica: its own cancel (`step.cancel`), when it was sent."""
 
-        threading.Thread(target=attempt, name="served-teacher-replica", daemon=True).start()
-        return True
+    replica: int
+    step: Step
+    sent: float = field(default_factory=time.monotonic)
 
-    def choose(self, asked: set[int], prompt: Hashable | None) -> int | None:
-        """The healthy replica (not in `asked`) with the fewest requests in flight, or the prompt
-        group's own (`keep_prompt_groups`); its count taken up."""
-        n = len(self.replicas)
+
+@dataclass(eq=False)
+class Job:
+    """One sample over the replicas: its requests in flight (replica -> attempt) and its future."""
+
+    model: ServedModel
+    sample: SampleAsk
+    step: Step
+    state: StepState
+    future: futures.Future = field(default_factory=futures.Future)
+    live: dict[int, Attempt] = field(default_factory=dict)
+    done: bool = False
+
+
+class Scheduler:
+    """The samples of a teacher's steps over its `replicas` (endpoints), as `settings` says."""
+
+    def __init__(self, replicas: Sequence[Endpoint], settings: ReplicaSettings, url: str) -> None:
+        self.replicas, self.settings, self.url = list(replicas), settings, url
+        self.spread = settings.spread or FewestInFlight()  # ReplicaSettings resolves it: never None there
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # the watcher's wake-up
+        self.in_flight = [0] * len(self.replicas)
+        self.attempts: list[set[Attempt]] = [set() for _ in self.replicas]  # each replica's requests in flight
+        self.steps: weakref.WeakKeyDictionary[Step, StepState] = weakref.WeakKeyDictionary()
+        self.jobs: set[Job] = set()
+        self.watcher: threading.Thread | None = None
+        self.closed = False
+
+    # ------------------------------------------------------------------ a sample in
+    def ask(self, model: ServedModel, sample: SampleAsk, step: Step) -> futures.Future:
+        """The sample's future (see the module's words)."""
         with self.lock:
-            healthy = [i for i in range(n) if i not in self.out and i not in asked]
-            if not healthy:
-                return None
-            home = self.homes.get(prompt) if prompt is not None else None
-            if home in healthy:
-                index = home
+            state = self.steps.setdefault(step, StepState())
+            job = Job(model, sample, step, state)
+            self.jobs.add(job)
+            attempt = self.reserve(job, sample.prompt)
+            self.watch()
+        step.cancel.on_set(lambda: self.cancelled(job))
+        if attempt is None:
+            self.finish(job, self.all_failed(job), None)
+        else:
+            self.send(job, attempt)
+        return job.future
+
+    def reserve(self, job: Job, prompt: tuple[int, ...] | None) -> Attempt | None:
+        """A request of `job` on a healthy replica not asked for it now, its count taken up (None:
+        there is none); called holding the lock."""
+        loads = {i: self.in_flight[i] for i in range(len(self.replicas))
+                 if i not in job.state.out and i not in job.live}
+        if not loads:
+            return None
+        index = self.spread.choose(loads, len(self.replicas), prompt, job.state.placements)
+        attempt = Attempt(index, job.step.child())
+        job.live[index] = attempt
+        self.in_flight[index] += 1
+        self.attempts[index].add(attempt)
+        self.changed.notify_all()
+        return attempt
+
+    def send(self, job: Job, attempt: Attempt) -> None:
+        future = self.replicas[attempt.replica].ask(job.model, job.sample, attempt.step)
+        future.add_done_callback(lambda done: self.answered(job, attempt, done))
+
+    # ------------------------------------------------------------------ a request out
+    def answered(self, job: Job, attempt: Attempt, done: futures.Future) -> None:
+        """A request's answer or failure: the sample answered, failed, or sent on."""
+        seconds = time.monotonic() - attempt.sent
+        error = done.exception()
+        index = attempt.replica
+        stopped: list[Attempt] = []
+        resend = None
+        ended: tuple[BaseException | None, Any] | None = None
+        with self.lock:
+            self.in_flight[index] -= 1
+            self.attempts[index].discard(attempt)
+            if job.live.get(index) is attempt:
+                del job.live[index]
+            if job.done:
+                return
+            if error is None:
+                job.state.answered_in(seconds)
+                ended = (None, done.result())
+            elif isinstance(error, ServedTeacherRefusal) or not isinstance(error, ServedTeacherError):
+                ended = (error, None)
             else:
-                index = min(healthy, key=lambda i: (self.replicas[i].in_flight, (i - self.turn) % n))
-                self.turn += 1
-                if prompt is not None and self.settings.keep_prompt_groups:
-                    self.homes[prompt] = index
-            self.replicas[index].in_flight += 1
-            return index
+                if not job.step.cancel.is_set() and index not in job.state.out:
+                    job.state.out[index] = error
+                    stopped = list(self.attempts[index])  # no more retries there
+                if not job.live:
+                    resend = self.reserve(job, job.sample.prompt)
+                    if resend is None:
+                        ended = (self.all_failed(job), None)
+            self.changed.notify_all()
+        for other in stopped:
+            other.step.cancel.set()
+        if ended is not None:
+            self.finish(job, *ended)
+        elif resend is not None:
+            self.send(job, resend)
 
-    def hedge_due(self, live: dict[int, tuple[AttemptCancel, float]]) -> bool:
-        """Whether the sample's latest request has waited past the hedging point."""
-        after = self.settings.hedge_after
-        if after is None or not live:
-            return False
+    def finish(self, job: Job, error: BaseException | None, answer: Any) -> None:
+        """The sample answered (or failed), once: its other requests cancelled, its future completed."""
         with self.lock:
-            if not self.times or len(self.out) + len(live) >= len(self.replicas):
-                return False
-            point = max(self.settings.hedge_floor_s, after * statistics.median(self.times))
-        return time.monotonic() - max(sent for _, sent in live.values()) >= point
+            if job.done:
+                return
+            job.done = True
+            self.jobs.discard(job)
+            others = list(job.live.values())
+            self.changed.notify_all()
+        for other in others:
+            other.step.cancel.set()
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(answer)
 
-    @staticmethod
-    def drop(live: dict[int, tuple[AttemptCancel, float]]) -> None:
-        """Cancel the sample's other requests (their replies dropped, no retry)."""
-        for mine, _ in live.values():
-            mine.set()
-        live.clear()
+    def cancelled(self, job: Job) -> None:
+        """The step failed: the sample ends now."""
+        if not job.done:
+            index = job.sample.index
+            self.finish(job, ServedTeacherError(f"{self.url}: sample {index} not answered: the step failed before",
+                                                self.url, index), None)
 
-    def all_failed(self, sample: int) -> ServedTeacherError:
-        """The sample's error once every replica is out: the one replica's own error, as a single
+    def all_failed(self, job: Job) -> ServedTeacherError:
+        """The sample's error once every replica is out: with one replica its own error, as a single
         server's always was; with several, every replica's."""
-        with self.lock:
-            errors = [self.out[i] for i in sorted(self.out)]
+        sample = job.sample.index
+        errors = [job.state.out[i] for i in sorted(job.state.out)]
         if len(self.replicas) == 1 and errors:
             error = errors[0]
             return error if isinstance(error, ServedTeacherError) else ServedTeacherError(str(error), self.url, sample)
@@ -178,3 +188,69 @@ class StepReplicas:
         return ServedTeacherError(f"{self.url} (sample {sample}): every one of the teacher's {len(self.replicas)} "
                                   f"replicas failed this step (each is asked again next step): {said}",
                                   self.url, sample)
+
+    # ------------------------------------------------------------------ hedging and the deadline
+    def hedge_at(self, job: Job) -> float | None:
+        """When the sample's latest request is due a hedge (None: never now); holding the lock."""
+        after = self.settings.hedge_after
+        state = job.state
+        if after is None or not job.live or not state.times or len(state.out) + len(job.live) >= len(self.replicas):
+            return None
+        point = max(self.settings.hedge_floor_s, after * state.median)
+        return max(attempt.sent for attempt in job.live.values()) + point
+
+    def watch(self) -> None:
+        """The watcher thread started (holding the lock)."""
+        if self.watcher is None or not self.watcher.is_alive():
+            self.closed = False
+            self.watcher = threading.Thread(target=self.watching, name="served-teacher-replicas", daemon=True)
+            self.watcher.start()
+
+    def watching(self) -> None:
+        while True:
+            with self.changed:
+                if self.closed:
+                    return
+                now = time.monotonic()
+                due, wake = [], None
+                for job in self.jobs:
+                    hedge = self.hedge_at(job)
+                    at = job.step.deadline.at if hedge is None else min(hedge, job.step.deadline.at)
+                    if at <= now:
+                        due.append(job)
+                    else:
+                        wake = at if wake is None else min(wake, at)
+                if not due:
+                    self.changed.wait(None if wake is None else wake - now)
+                    continue
+            for job in due:
+                self.due(job)
+
+    def due(self, job: Job) -> None:
+        """A sample at its deadline fails naming the replicas asked; one at its hedging point is sent
+        again to another replica."""
+        with self.lock:
+            if job.done:
+                return
+            now = time.monotonic()
+            late = now >= job.step.deadline.at
+            hedge = None
+            if late:
+                asked = ", ".join(redacted(self.replicas[i].url) for i in job.live)
+            else:
+                at = self.hedge_at(job)
+                if at is None or at > now:
+                    return
+                hedge = self.reserve(job, None)
+        if late:
+            sample, deadline = job.sample.index, job.step.deadline
+            self.finish(job, ServedTeacherError(f"{self.url} (sample {sample}): no reply within the step's deadline "
+                                                f"of {deadline.seconds:g} s (asked: {asked})", self.url, sample), None)
+        elif hedge is not None:
+            self.send(job, hedge)
+
+    def close(self) -> None:
+        """Stop the watcher."""
+        with self.changed:
+            self.closed = True
+            self.changed.notify_all()

@@ -1,6 +1,6 @@
-"""How a served teacher's HTTP client behaves (`ClientSettings`): timeouts, the step's deadline,
-retries, what is in flight at once, the API key's variable and the CAs TLS is verified against.
-Standard library only."""
+"""How a served teacher behaves: its HTTP client (`ClientSettings`: timeouts, the step's deadline,
+retries, what is in flight at once, the API key's variable and the CAs TLS is verified against)
+and its replicas (`ReplicaSettings`: how they share a step). Standard library only."""
 from __future__ import annotations
 
 import math
@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches._variables import TEACHER_API_KEY
+from megatron_rl_patches.teachers.served.spreading import FewestInFlight, PromptAffinity
 
 API_KEY_ENV = TEACHER_API_KEY
 
@@ -91,3 +92,47 @@ def seconds(name: str, value: object, allow_zero: bool) -> float:
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
     return float(value)
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """How a teacher's replicas share a step (ignored with one URL).
+
+    `hedge_after`: a sample whose request has waited this multiple of the step's median request
+    time (its answered requests so far; never less than `hedge_floor_s`, always within the step's
+    deadline) is sent again to another healthy replica; the first answer wins and the other is
+    cancelled (its reply dropped, no retry). None: no hedging.
+
+    `spread`: how a sample picks its replica (`spreading`): `FewestInFlight()` (the default) or
+    `PromptAffinity()`, the samples of one prompt (the same ids before their response start) on
+    the replica the first of them went to while it is healthy. `keep_prompt_groups=True` is the
+    same as `spread=PromptAffinity()`. Prompt affinity loads the replicas unevenly (a group of long
+    samples on one replica while another idles)."""
+
+    hedge_after: float | None = 3.0
+    hedge_floor_s: float = 1.0
+    keep_prompt_groups: bool = False
+    spread: FewestInFlight | None = None
+
+    def __post_init__(self) -> None:
+        if self.hedge_after is not None and (isinstance(self.hedge_after, bool) or
+                                             not isinstance(self.hedge_after, numbers.Real) or
+                                             not math.isfinite(self.hedge_after) or self.hedge_after < 1):
+            raise ValueError(f"ReplicaSettings(hedge_after={self.hedge_after!r}) must be a finite multiple >= 1 of "
+                             f"the step's median request time, or None (no hedging)")
+        if isinstance(self.hedge_floor_s, bool) or not isinstance(self.hedge_floor_s, numbers.Real) or \
+                not math.isfinite(self.hedge_floor_s) or self.hedge_floor_s < 0:
+            raise ValueError(f"ReplicaSettings(hedge_floor_s={self.hedge_floor_s!r}) must be a finite number of "
+                             f"seconds >= 0")
+        if not isinstance(self.keep_prompt_groups, bool):
+            raise TypeError(f"ReplicaSettings(keep_prompt_groups=...) must be a bool, got "
+                            f"{type(self.keep_prompt_groups).__name__}")
+        if self.spread is not None and not isinstance(self.spread, FewestInFlight):
+            raise TypeError(f"ReplicaSettings(spread=...) must be a spreading policy (FewestInFlight() or "
+                            f"PromptAffinity()), got {type(self.spread).__name__}")
+        spread = self.spread or (PromptAffinity() if self.keep_prompt_groups else FewestInFlight())
+        if self.keep_prompt_groups and not isinstance(spread, PromptAffinity):
+            raise ValueError(f"ReplicaSettings(keep_prompt_groups=True, spread={spread!r}): keep_prompt_groups=True "
+                             f"is spread=PromptAffinity(); give one of the two")
+        object.__setattr__(self, "spread", spread)
+        object.__setattr__(self, "keep_prompt_groups", isinstance(spread, PromptAffinity))

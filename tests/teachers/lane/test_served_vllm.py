@@ -111,7 +111,8 @@ def test_many_samples_in_flight_within_bounds(served):
     with ServedTeacher(url, top_k=4, client=bounded) as teacher:
         together = teacher.score(batch)
         alone = teacher.score(TeacherBatch(batch.sequences[7:8], batch.response_starts[7:8]))
-        assert teacher.settings.max_tokens_in_flight == 600 and teacher.client.http() is teacher.client.http()
+        client = teacher.endpoint.replicas[0].engine.client  # the one server's connection pool, kept
+        assert teacher.settings.max_tokens_in_flight == 600 and client.http() is client.http()
     torch.testing.assert_close(together.topk_log_probs[7], alone.topk_log_probs[0], rtol=0, atol=1e-5)
     assert [t.shape[0] for t in together.tail_log_probs] == [batch.response_rows(i) for i in range(24)]
 

@@ -5,6 +5,7 @@ own, why it is not served yet."""
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 TYPE_CHECKING = False
@@ -14,14 +15,17 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class EngineName:
-    """`engine`: 'module:Class' of the engine (None: not served yet, for the reason `why_not`)."""
+    """`engine`: 'module:Class' of the engine scoring rows (None: not served yet, for the reason
+    `why_not`); `states`: the one answering hidden states (a teacher with a head)."""
 
     engine: str | None
     why_not: str = ""
+    states: str | None = None
 
 
 ENGINES = {
-    "vllm": EngineName("megatron_rl_patches.teachers.served.engines.vllm:VllmEngine"),
+    "vllm": EngineName("megatron_rl_patches.teachers.served.engines.vllm:VllmEngine",
+                       states="megatron_rl_patches.teachers.served.engines.vllm_pooling:VllmPoolingEngine"),
     "sglang": EngineName(None, "its server needs CUDA packages, so no test here runs one"),
 }
 SERVED_ENGINES = tuple(name for name, row in ENGINES.items() if row.engine is not None)
@@ -41,12 +45,14 @@ def check_engine(engine: object) -> str:
     return str(engine)
 
 
-def engine_class(engine: str) -> type[ServedEngine]:
-    """The class of the served engine `engine` (checked by `check_engine`), imported now."""
-    where = ENGINES[check_engine(engine)].engine
-    assert where is not None  # check_engine refuses the engines not served yet
+def engine_class(engine: str, states: bool = False) -> Callable[..., ServedEngine]:
+    """The class of the served engine `engine` (checked by `check_engine`) scoring rows, or with
+    `states` answering hidden states, imported now."""
+    row = ENGINES[check_engine(engine)]
+    where = row.states if states else row.engine
+    assert where is not None  # check_engine refuses the engines not served yet; hidden_head those without states
     module, _, name = where.partition(":")
-    cls: type[ServedEngine] = getattr(importlib.import_module(module), name)
+    cls: Callable[..., ServedEngine] = getattr(importlib.import_module(module), name)
     return cls
 
 # the fix a pooling server's refusal of prompt log-probs names (`ServedTeacher`'s words); where the

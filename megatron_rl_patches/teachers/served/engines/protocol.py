@@ -1,5 +1,7 @@
 """What every served engine answers to (`ServedEngine`) and the reply types it answers with:
-the served model (`ServedModel`) and one sample's scores on its response rows (`SampleRows`)."""
+the served model (`ServedModel`) and one sample's scores on its response rows (`SampleRows`), or
+their hidden states (a tensor [R, H]): an engine declares which (`kind`: `ROWS` or `STATES`) and
+answers only that."""
 from __future__ import annotations
 
 import threading
@@ -12,16 +14,26 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from megatron_rl_patches.teachers.served.http import Deadline, TeacherClient
 
+ROWS = "rows"  # an engine's `ask` answers `SampleRows`: the teacher's own top-k, tail and token log-probs
+STATES = "states"  # an engine's `ask` answers the final hidden states [R, H], projected by the head on the trainer
+
 
 @dataclass(frozen=True)
 class ServedModel:
     """What the server serves: the model's name and its max model length (prompt + generated);
     `root`: where the server loaded it from (vLLM's card `root`; None where not sent), which tells
-    two checkpoints served under one name apart."""
+    two checkpoints served under one name apart; `generates`: the tokens a request generates after
+    the prompt (a sample holds at most `max_model_len - generates` ids)."""
 
     name: str
     max_model_len: int
     root: str | None = None
+    generates: int = 1
+
+    @property
+    def longest(self) -> int:
+        """The most ids a sample may hold."""
+        return self.max_model_len - self.generates
 
 
 @dataclass(frozen=True)
@@ -35,22 +47,20 @@ class SampleRows:
 
 
 class ServedEngine(Protocol):
-    """One engine's routes over a teacher's client, built as `Engine(client, top_k, model)`
-    (`model`: the served model's name to ask for, None: the one the server serves)."""
+    """One engine's routes over a teacher's client (`model`: the served model's name to ask for,
+    None: the one the server serves); `kind`: what `ask` answers (`ROWS` or `STATES`)."""
 
     client: TeacherClient
     top_k: int
-    tokenize_path: str  # the route `tokenize` asks (messages name it)
-
-    def __init__(self, client: TeacherClient, top_k: int, model: str | None) -> None: ...
+    kind: str
 
     def served_model(self, deadline: Deadline, cancel: threading.Event) -> ServedModel:
         """The model at the URL, asked once (and whatever else the engine checks then)."""
         ...
 
-    def scores(self, model: ServedModel, ids: list[int], start: int, deadline: Deadline,
-               cancel: threading.Event, sample: int | None) -> SampleRows:
-        """Rows start..len(ids)-1 of one sample (its ids), scored by the server."""
+    def ask(self, model: ServedModel, ids: list[int], start: int, deadline: Deadline,
+            cancel: threading.Event, sample: int | None) -> SampleRows | torch.Tensor:
+        """Rows start..len(ids)-1 of one sample (its ids), as the engine's `kind` says."""
         ...
 
     def tokenize(self, model: ServedModel, text: str, deadline: Deadline, cancel: threading.Event) -> list[int] | None:

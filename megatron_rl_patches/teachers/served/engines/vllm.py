@@ -14,7 +14,7 @@ import torch
 
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal, TokenizerUnavailable
 from megatron_rl_patches.teachers.served.engines.names import HEAD_FIX
-from megatron_rl_patches.teachers.served.engines.protocol import SampleRows, ServedModel
+from megatron_rl_patches.teachers.served.engines.protocol import ROWS, SampleRows, ServedModel
 from megatron_rl_patches.teachers.served.engines.vllm_replies import (
     Reply,
     model_cards,
@@ -46,10 +46,12 @@ def behind_router(url: str, what: str) -> str:
 
 class VllmEngine:
     """vLLM's OpenAI-compatible server: `/v1/models`, `/v1/completions` with prompt log-probs,
-    `/tokenize` (a `ServedEngine`)."""
+    `/tokenize` (a `ServedEngine` of `kind` ROWS)."""
 
+    kind = ROWS
     path = "/v1/completions"
     tokenize_path = "/tokenize"
+    generates = 1  # max_tokens=1: one token after the prompt
 
     def __init__(self, client: TeacherClient, top_k: int, model: str | None) -> None:
         self.client = client
@@ -73,7 +75,7 @@ class VllmEngine:
         if isinstance(length, bool) or not isinstance(length, int) or length < 2:
             raise ServedTeacherError(behind_router(self.client.url, f"/v1/models gives no max_model_len for {name!r}, "
                                                    f"as vLLM's own server does"), self.client.url)
-        model = ServedModel(name, length, root)
+        model = ServedModel(name, length, root, self.generates)
         self.probe(model, deadline, cancel)
         self.check_card(listing["data"][names.index(name)])
         return model
@@ -84,7 +86,7 @@ class VllmEngine:
 
     def probe(self, model: ServedModel, deadline: Deadline, cancel: threading.Event) -> None:
         """One tiny scoring request: K within `--max-logprobs`, log-probs not logits."""
-        self.scores(model, PROBE_IDS, 1, deadline, cancel, sample=None)
+        self.ask(model, PROBE_IDS, 1, deadline, cancel, sample=None)
 
     def tokenize(self, model: ServedModel, text: str, deadline: Deadline, cancel: threading.Event) -> list[int] | None:
         """`text` tokenized by the served model's tokenizer (`/tokenize`, no special tokens added)."""
@@ -103,8 +105,8 @@ class VllmEngine:
         return {"model": model.name, "prompt": ids, "max_tokens": 1, "prompt_logprobs": self.top_k,
                 "temperature": 1.0, "detokenize": False}
 
-    def scores(self, model: ServedModel, ids: list[int], start: int, deadline: Deadline,
-               cancel: threading.Event, sample: int | None) -> SampleRows:
+    def ask(self, model: ServedModel, ids: list[int], start: int, deadline: Deadline,
+            cancel: threading.Event, sample: int | None) -> SampleRows:
         """Rows start..len(ids)-1 of one sample, scored by the server."""
         try:
             reply = self.client.request("POST", self.path, self.body(model, ids), deadline, cancel, sample)

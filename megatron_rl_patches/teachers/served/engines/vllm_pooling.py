@@ -15,7 +15,7 @@ import torch
 
 from megatron_rl_patches._json_read import parsed_json
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
-from megatron_rl_patches.teachers.served.engines.protocol import SampleRows, ServedModel
+from megatron_rl_patches.teachers.served.engines.protocol import STATES, ServedModel
 from megatron_rl_patches.teachers.served.engines.vllm import PROBE_IDS, VllmEngine
 from megatron_rl_patches.teachers.served.http import Deadline, TeacherClient
 
@@ -30,8 +30,9 @@ EMBED_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 class VllmPoolingEngine(VllmEngine):
     """vLLM's pooling server: `/v1/models`, `/pooling` (hidden states), `/tokenize`. Built with the
     head's `hidden_size` (checked against the server at connect) and the `dtype` the states
-    travel in (the served model's: bf16 round-trips exactly)."""
+    travel in (the served model's: bf16 round-trips exactly); of `kind` STATES."""
 
+    kind = STATES
     path = "/pooling"
     generates = 0  # a pooling request generates nothing: a sample may fill the max model length
 
@@ -47,28 +48,22 @@ class VllmPoolingEngine(VllmEngine):
 
     def check_card(self, card: dict[str, Any]) -> None:
         """The checkpoint the server serves (its card's `root`, the path it was started with) is the
-        head's, where both are directories on this machine (`served_checkpoint`)."""
+        head's, where both are directories on this machine (`engines/checkpoint.py`)."""
         from megatron_rl_patches.teachers.served.engines.checkpoint import check_served_checkpoint  # lazy: import cost
 
         check_served_checkpoint(card.get("root"), self.head_source, self.head_fingerprint, self.client.url)
 
     def probe(self, model: ServedModel, deadline: Deadline, cancel: threading.Event) -> None:
         """One tiny request: the server runs the pooling task and its states have the head's width."""
-        self.hidden_states(model, PROBE_IDS, 1, deadline, cancel, sample=None)
+        self.ask(model, PROBE_IDS, 1, deadline, cancel, sample=None)
 
     def body(self, model: ServedModel, ids: list[int]) -> dict[str, Any]:
         return {"model": model.name, "input": ids, "task": "token_embed", "use_activation": False,
                 "encoding_format": "bytes", "embed_dtype": EMBED_DTYPES[self.dtype], "endianness": "little",
                 "add_special_tokens": False}
 
-    def scores(self, model: ServedModel, ids: list[int], start: int, deadline: Deadline,
-               cancel: threading.Event, sample: int | None) -> SampleRows:
-        raise ServedTeacherRefusal(f"{self.client.url} serves hidden states (a pooling server): its scores are "
-                                   f"formed through the teacher's head on the trainer (ServedTeacher(head=...))",
-                                   self.client.url, sample)
-
-    def hidden_states(self, model: ServedModel, ids: list[int], start: int, deadline: Deadline,
-                      cancel: threading.Event, sample: int | None) -> torch.Tensor:
+    def ask(self, model: ServedModel, ids: list[int], start: int, deadline: Deadline,  # type: ignore[override]
+            cancel: threading.Event, sample: int | None) -> torch.Tensor:
         """[R, H] in the dtype asked: row r the state that predicts token start + r (positions
         start - 1 ... len(ids) - 2 of the reply; no other row is decoded)."""
         try:

@@ -1,0 +1,79 @@
+"""Endpoints in memory for the replicas' scheduler's tests (fast, deterministic; beside the HTTP
+stand-ins of tests/teachers/local_servers.py and the served lane's real servers): each answers a
+sample with rows computed from its ids (`rows_of`, shifted by `offset`: another checkpoint's),
+at once, after `delay` seconds, when released by hand (`hold`), or fails as `fails` says."""
+from __future__ import annotations
+
+import concurrent.futures as futures
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_rl_patches.teachers.served.endpoint import SampleAsk, Step
+from megatron_rl_patches.teachers.served.engines.protocol import ROWS, SampleRows, ServedModel
+
+MODEL = ServedModel("m", 64)
+
+
+def rows_of(ids: list[int], start: int, offset: float = 0.0) -> SampleRows:
+    """Two buckets per row at log 1/2 and log 1/4 (plus `offset`), the actual id's log-prob its id / -10."""
+    rows = len(ids) - start
+    values = torch.tensor([[-0.6931 + offset, -1.3863 + offset]] * rows, dtype=torch.float64)
+    token = torch.tensor([-ids[start + r] / 10 + offset for r in range(rows)], dtype=torch.float64)
+    return SampleRows(token, torch.tensor([[0, 1]] * rows), values, torch.full((rows,), -1.3863, dtype=torch.float64))
+
+
+class MemoryEndpoint:
+    """One replica in memory at `url` (see the module's words); `asked` lists the sample index of
+    every request it got, `cancels` each request's cancel."""
+
+    kind = ROWS
+
+    def __init__(self, url: str, *, delay: float = 0.0, hold: bool = False, offset: float = 0.0,
+                 fails: Callable[[SampleAsk], BaseException | None] | None = None,
+                 model: ServedModel = MODEL) -> None:
+        self.url, self.delay, self.hold, self.offset, self.fails, self.model = url, delay, hold, offset, fails, model
+        self.asked: list[int | None] = []
+        self.cancels: list[threading.Event] = []
+        self.held: list[tuple[futures.Future, SampleAsk]] = []
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def served_model(self, deadline: Any, cancel: threading.Event) -> ServedModel:
+        return self.model
+
+    def tokenize(self, model: ServedModel, text: str, deadline: Any, cancel: threading.Event) -> list[int] | None:
+        return [int(word[1:]) for word in text.split()]
+
+    def ask(self, model: ServedModel, sample: SampleAsk, step: Step) -> futures.Future:
+        future: futures.Future = futures.Future()
+        with self.lock:
+            self.asked.append(sample.index)
+            self.cancels.append(step.cancel)
+            if self.hold:
+                self.held.append((future, sample))
+                return future
+        if self.delay:
+            threading.Timer(self.delay, self.answer, (future, sample)).start()
+        else:
+            self.answer(future, sample)
+        return future
+
+    def answer(self, future: futures.Future, sample: SampleAsk) -> None:
+        failure = self.fails(sample) if self.fails is not None else None
+        if failure is not None:
+            future.set_exception(failure)
+        else:
+            future.set_result(rows_of(sample.ids, sample.start, self.offset))
+
+    def release(self) -> None:
+        """Answer every held request now (and those to come)."""
+        with self.lock:
+            held, self.held, self.hold = self.held, [], False
+        for future, sample in held:
+            self.answer(future, sample)
+
+    def close(self) -> None:
+        self.closed = True
