@@ -21,7 +21,7 @@ from megatron_rl_patches.teachers import (
     TeacherBatch,
 )
 from megatron_rl_patches.teachers.kinds import parse_entries, parse_entry
-from tests.teachers.local_servers import MAX_MODEL_LEN, MODEL, dies_after, held, url_of, vllm_like
+from tests.teachers.local_servers import MAX_MODEL_LEN, MODEL, completions, dies_after, held, url_of, vllm_like
 
 pytest.importorskip("httpx", reason="the served extra (httpx) is missing")
 
@@ -110,7 +110,6 @@ def card(root: str = "/ckpt/m", length: int = MAX_MODEL_LEN):
 
 
 @pytest.mark.parametrize(("other", "words"), [
-    (card(root="/ckpt/other"), "root '/ckpt/other'.*but replica .* serves model 'm', root '/ckpt/m'"),
     (card(length=32), "root '/ckpt/m', max model length 32, but replica"),
 ])
 def test_a_replica_serving_another_model_is_refused_by_name(other, words):
@@ -118,6 +117,10 @@ def test_a_replica_serving_another_model_is_refused_by_name(other, words):
             ServedTeacher([url_of(a), url_of(b)], top_k=2, client=FAST) as teacher:
         with pytest.raises(ServedTeacherRefusal, match=f"replica {url_of(b)} serves model 'm', {words}"):
             teacher.check()
+    # another root computing the same is the same teacher (issue 86 item 1: what it computes, not its path)
+    with vllm_like(v1_models=card()) as a, vllm_like(v1_models=card(root="/ckpt/other")) as b, \
+            ServedTeacher([url_of(a), url_of(b)], top_k=2, client=FAST) as teacher:
+        teacher.check()
 
 
 def test_a_replica_with_another_tokenizer_is_refused_by_name():
@@ -151,12 +154,18 @@ def test_a_replica_whose_states_have_another_width_is_refused_by_name():
             teacher.check()
 
 
-def test_a_replica_that_does_not_answer_at_connect_is_named():
+def test_a_replica_that_does_not_answer_at_connect_is_named(caplog):
     with vllm_like() as b:
         dead = url_of(b)
-    with vllm_like() as a, ServedTeacher([url_of(a), dead], top_k=2, client=FAST) as teacher:
+    with vllm_like() as a, ServedTeacher([url_of(a), dead], top_k=2, client=FAST,
+                                         replicas=ReplicaSettings(min_replicas=2)) as teacher:
         with pytest.raises(ServedTeacherError, match=f"{dead}/v1/models: no answer after 2 tries"):
             teacher.check()
+    # with min_replicas=1 (the default) the teacher starts without it, named in a warning (issue 86 item 4)
+    with vllm_like() as a, ServedTeacher([url_of(a), dead], top_k=2, client=FAST) as teacher, \
+            caplog.at_level("WARNING", logger="megatron_rl_patches.teachers.served"):
+        teacher.check()
+    assert any(f"{dead}/v1/models: no answer after 2 tries" in record.getMessage() for record in caplog.records)
 
 
 # ------------------------------------------------------------------ a step
@@ -196,6 +205,9 @@ def test_a_replica_that_dies_mid_step_is_taken_out_and_its_samples_resent():
         first = b.answered(COMPLETIONS)
         b.dead, b.routes[COMPLETIONS] = False, a.routes[COMPLETIONS]  # it comes back
         assert_same(teacher.score(got), scores)
+        until = time.monotonic() + 10
+        while b.answered(COMPLETIONS) == first and time.monotonic() < until:
+            time.sleep(0.01)  # re-checked at the next step, in the background (issue 86 item 3)
         assert b.answered(COMPLETIONS) > first  # tried again at the next step
 
 
@@ -235,14 +247,22 @@ def test_doctor_checks_every_replica(monkeypatch):
 
     with vllm_like() as gone:
         dead = url_of(gone)
-    with vllm_like(v1_models=card()) as a, vllm_like(v1_models=card(root="/ckpt/other")) as b, \
-            vllm_like(v1_models=card()) as c:
+    def other_weights(body):  # another checkpoint's scores (issue 86 item 1: replicas known by what they compute)
+        status, reply = completions(body)
+        for entry in reply["choices"][0]["prompt_logprobs"][1:]:
+            for item in entry.values():
+                item["logprob"] -= 0.5
+        return status, reply
+
+    with vllm_like(v1_models=card()) as a, vllm_like(v1_models=card(), v1_completions=other_weights) as b, \
+            vllm_like(v1_models=card(root="/ckpt/copy")) as c:
         monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_K", "2")
         monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"{url_of(a)}|{url_of(c)};engine=vllm")
         assert doctor.teacher_problems() == []
         monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"{url_of(a)}|{url_of(b)};engine=vllm")
         (problem,) = doctor.teacher_problems()
-        assert "(its 2 replicas as one teacher)" in problem and f"replica {url_of(b)} serves" in problem, problem
+        assert "(its 2 replicas as one teacher)" in problem and f"replica {url_of(b)} scores the probe other" in \
+            problem, problem
         monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"{url_of(a)}|{dead};engine=vllm")
         (problem,) = doctor.teacher_problems()
     assert f"replica '{dead}'" in problem and "fails its check" in problem, problem

@@ -77,9 +77,13 @@ class ServedTeacher:
         self.settings = client or ClientSettings()
         self.model = model  # the served model's name to ask for (None: the one each server serves)
         self.hidden_dtype = None if self.head is None else states_dtype(hidden_dtype, self.head)
-        servers = [Server(self.engine_at(TeacherClient(one, self.settings)), self.settings)
-                   for one in replica_urls(url)]
-        self.endpoint: Endpoint = ReplicaPool(servers, replicas or ReplicaSettings())
+        urls = replica_urls(url)
+        replicas = replicas or ReplicaSettings()
+        if replicas.min_replicas > len(urls):
+            raise ValueError(f"ServedTeacher(replicas=ReplicaSettings(min_replicas={replicas.min_replicas})): the url "
+                             f"names {len(urls)} replicas; ask for at most {len(urls)} to answer at connect")
+        servers = [Server(self.engine_at(TeacherClient(one, self.settings)), self.settings) for one in urls]
+        self.endpoint: Endpoint = ReplicaPool(servers, replicas)
         self.url = self.endpoint.url
         self._served: ServedModel | None = None
         self._lock = threading.Lock()

@@ -1,11 +1,16 @@
-"""The replicas' scheduler (`Scheduler`): each sample sent to the healthy replica the spreading
-policy picks (`ReplicaSettings.spread`); a replica that fails (refused at connection, reset, a 5xx
-after the client's retries, a read timeout) is taken out for the rest of the step, its other
-requests stop retrying there, and the sample is re-sent to another; a request past the hedging
-point (`hedge_after` times the step's median request time, at least `hedge_floor_s`) is sent
-again to another replica, the first answer winning and the other cancelled. The sample fails
-only when every replica has failed (or the deadline passed); a 4xx refusal is the request's,
-raised as it is.
+"""The replicas' scheduler (`Scheduler`): each sample sent to a healthy replica the spreading policy
+picks (`ReplicaSettings.spread`); a replica that fails (refused at connection, reset, a 5xx after
+the client's retries, a read timeout) is taken out, its other requests stop retrying there, and the
+sample is re-sent to another; a request past the hedging point is sent again to another replica,
+the first answer winning and the other cancelled. The sample fails only when every replica has
+failed (or the deadline passed); a 4xx refusal is the request's, raised as it is.
+
+It remembers across steps: a replica taken out (or down at connect) stays out until it is
+re-checked — at the first sample of the next step, in the background (`recheck`: its card and the
+probe, compared with the teacher's), the step's samples going to the others meanwhile or waiting
+for it where none is left; the hedging point is `hedge_after` times the median of the replicas'
+latest answer times (at least `hedge_floor_s`; before any answer, only to an idle replica); ties
+of requests in flight go round the replicas from step to step.
 
 Nothing polls: a request's answer completes its future, whose callback moves the sample on; one
 watcher thread per pool sleeps until the next hedging point or deadline of a sample in flight (or
@@ -13,11 +18,13 @@ until something changes)."""
 from __future__ import annotations
 
 import concurrent.futures as futures
+import logging
 import statistics
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,20 +35,15 @@ from megatron_rl_patches.teachers.served.engines.protocol import ServedModel
 from megatron_rl_patches.teachers.served.settings import ReplicaSettings
 from megatron_rl_patches.teachers.served.spreading import FewestInFlight, Placements
 
+LOG = logging.getLogger(__name__)
+HISTORY = 64  # the latest answer times the hedging point is read from
 
+
+@dataclass
 class StepState:
-    """What one step has learnt of the replicas: those taken out (with their errors), its answered
-    requests' times (and their median), its placements."""
+    """What one step saw: the replicas it took out (each named once in a warning)."""
 
-    def __init__(self) -> None:
-        self.out: dict[int, BaseException] = {}
-        self.times: list[float] = []
-        self.median = 0.0
-        self.placements = Placements()
-
-    def answered_in(self, seconds: float) -> None:
-        self.times.append(seconds)
-        self.median = statistics.median(self.times)
+    taken_out: set[int] = field(default_factory=set)
 
 
 @dataclass(eq=False)
@@ -67,44 +69,81 @@ class Job:
 
 
 class Scheduler:
-    """The samples of a teacher's steps over its `replicas` (endpoints), as `settings` says."""
+    """The samples of a teacher's steps over its `replicas` (endpoints), as `settings` says;
+    `recheck(replica, step)` re-checks a replica taken out (its outcome comes back by `rejoin`)."""
 
-    def __init__(self, replicas: Sequence[Endpoint], settings: ReplicaSettings, url: str) -> None:
-        self.replicas, self.settings, self.url = list(replicas), settings, url
+    def __init__(self, replicas: Sequence[Endpoint], settings: ReplicaSettings, url: str,
+                 recheck: Callable[[int, Step], None]) -> None:
+        self.replicas, self.settings, self.url, self.recheck = list(replicas), settings, url, recheck
         self.spread = settings.spread or FewestInFlight()  # ReplicaSettings resolves it: never None there
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # the watcher's wake-up
-        self.in_flight = [0] * len(self.replicas)
-        self.attempts: list[set[Attempt]] = [set() for _ in self.replicas]  # each replica's requests in flight
+        n = len(self.replicas)
+        self.in_flight = [0] * n
+        self.attempts: list[set[Attempt]] = [set() for _ in range(n)]  # each replica's requests in flight
+        self.models: list[ServedModel | None] = [None] * n  # each replica's own served model (the name it is asked by)
+        self.out: dict[int, BaseException] = {}  # replicas taken out (or down at connect), with their latest error
+        self.checking: set[int] = set()  # of those, the ones being re-checked now
+        self.history: deque[float] = deque(maxlen=HISTORY)
+        self.median = 0.0
+        self.placements = Placements()
         self.steps: weakref.WeakKeyDictionary[Step, StepState] = weakref.WeakKeyDictionary()
         self.jobs: set[Job] = set()
+        self.waiting: list[Job] = []  # samples with no replica to go to while some are re-checked
         self.watcher: threading.Thread | None = None
         self.closed = False
+
+    def connected(self, models: Mapping[int, ServedModel], errors: Mapping[int, BaseException]) -> None:
+        """The replicas' served models at connect, and those that did not answer (out until re-checked)."""
+        with self.lock:
+            for index, model in models.items():
+                self.models[index] = model
+                self.out.pop(index, None)
+            self.out.update(errors)
+
+    def usable(self) -> list[int]:
+        """The replicas samples may go to now (holding the lock)."""
+        return [i for i in range(len(self.replicas)) if i not in self.out]
+
+    def usable_now(self) -> list[int]:
+        with self.lock:
+            return self.usable()
 
     # ------------------------------------------------------------------ a sample in
     def ask(self, model: ServedModel, sample: SampleAsk, step: Step) -> futures.Future:
         """The sample's future (see the module's words)."""
+        checks: list[int] = []
         with self.lock:
-            state = self.steps.setdefault(step, StepState())
+            state = self.steps.get(step)
+            if state is None:  # a new step: the replicas taken out are asked again, before any sample goes there
+                state = self.steps[step] = StepState()
+                self.placements.homes.clear()
+                checks = [i for i in self.out if i not in self.checking]
+                self.checking.update(checks)
             job = Job(model, sample, step, state)
             self.jobs.add(job)
             attempt = self.reserve(job, sample.prompt)
+            waits = attempt is None and bool(self.checking)
+            if waits:
+                self.waiting.append(job)
+            failure = self.all_failed(job) if attempt is None and not waits else None
             self.watch()
+        for index in checks:
+            self.recheck(index, step)
         step.cancel.on_set(lambda: self.cancelled(job))
-        if attempt is None:
-            self.finish(job, self.all_failed(job), None)
-        else:
+        if attempt is not None:
             self.send(job, attempt)
+        elif failure is not None:
+            self.finish(job, failure, None)
         return job.future
 
     def reserve(self, job: Job, prompt: tuple[int, ...] | None) -> Attempt | None:
         """A request of `job` on a healthy replica not asked for it now, its count taken up (None:
-        there is none); called holding the lock."""
-        loads = {i: self.in_flight[i] for i in range(len(self.replicas))
-                 if i not in job.state.out and i not in job.live}
+        there is none); holding the lock."""
+        loads = {i: self.in_flight[i] for i in self.usable() if i not in job.live}
         if not loads:
             return None
-        index = self.spread.choose(loads, len(self.replicas), prompt, job.state.placements)
+        index = self.spread.choose(loads, len(self.replicas), prompt, self.placements)
         attempt = Attempt(index, job.step.child())
         job.live[index] = attempt
         self.in_flight[index] += 1
@@ -113,7 +152,8 @@ class Scheduler:
         return attempt
 
     def send(self, job: Job, attempt: Attempt) -> None:
-        future = self.replicas[attempt.replica].ask(job.model, job.sample, attempt.step)
+        model = self.models[attempt.replica] or job.model
+        future = self.replicas[attempt.replica].ask(model, job.sample, attempt.step)
         future.add_done_callback(lambda done: self.answered(job, attempt, done))
 
     # ------------------------------------------------------------------ a request out
@@ -124,6 +164,7 @@ class Scheduler:
         index = attempt.replica
         stopped: list[Attempt] = []
         resend = None
+        warn = False
         ended: tuple[BaseException | None, Any] | None = None
         with self.lock:
             self.in_flight[index] -= 1
@@ -133,19 +174,27 @@ class Scheduler:
             if job.done:
                 return
             if error is None:
-                job.state.answered_in(seconds)
+                self.history.append(seconds)
+                self.median = statistics.median(self.history)
                 ended = (None, done.result())
             elif isinstance(error, ServedTeacherRefusal) or not isinstance(error, ServedTeacherError):
                 ended = (error, None)
             else:
-                if not job.step.cancel.is_set() and index not in job.state.out:
-                    job.state.out[index] = error
+                if not job.step.cancel.is_set() and index not in self.out:
+                    self.out[index] = error
                     stopped = list(self.attempts[index])  # no more retries there
+                    warn = index not in job.state.taken_out
+                    job.state.taken_out.add(index)
                 if not job.live:
                     resend = self.reserve(job, job.sample.prompt)
-                    if resend is None:
+                    if resend is None and self.checking:
+                        self.waiting.append(job)
+                    elif resend is None:
                         ended = (self.all_failed(job), None)
             self.changed.notify_all()
+        if warn:
+            LOG.warning("served teacher %s: replica %s taken out (%s); its samples go to the others, and it is asked "
+                        "again next step", redacted(self.url), redacted(self.replicas[index].url), error)
         for other in stopped:
             other.step.cancel.set()
         if ended is not None:
@@ -160,6 +209,8 @@ class Scheduler:
                 return
             job.done = True
             self.jobs.discard(job)
+            if job in self.waiting:
+                self.waiting.remove(job)
             others = list(job.live.values())
             self.changed.notify_all()
         for other in others:
@@ -178,9 +229,9 @@ class Scheduler:
 
     def all_failed(self, job: Job) -> ServedTeacherError:
         """The sample's error once every replica is out: with one replica its own error, as a single
-        server's always was; with several, every replica's."""
+        server's always was; with several, every replica's (holding the lock)."""
         sample = job.sample.index
-        errors = [job.state.out[i] for i in sorted(job.state.out)]
+        errors = [self.out[i] for i in sorted(self.out)]
         if len(self.replicas) == 1 and errors:
             error = errors[0]
             return error if isinstance(error, ServedTeacherError) else ServedTeacherError(str(error), self.url, sample)
@@ -189,14 +240,48 @@ class Scheduler:
                                   f"replicas failed this step (each is asked again next step): {said}",
                                   self.url, sample)
 
+    # ------------------------------------------------------------------ a replica re-checked
+    def rejoin(self, index: int, model: ServedModel | None, error: BaseException | None) -> None:
+        """A re-check's outcome: the replica back in (its waiting samples sent), or still out."""
+        sent: list[tuple[Job, Attempt]] = []
+        failed: list[tuple[Job, ServedTeacherError]] = []
+        with self.lock:
+            self.checking.discard(index)
+            if error is None:
+                self.out.pop(index, None)
+                self.models[index] = model
+            else:
+                self.out[index] = error
+            waiting, self.waiting = self.waiting, []
+            for job in waiting:
+                attempt = None if job.done else self.reserve(job, job.sample.prompt)
+                if attempt is not None:
+                    sent.append((job, attempt))
+                elif not job.done and self.checking:
+                    self.waiting.append(job)
+                elif not job.done:
+                    failed.append((job, self.all_failed(job)))
+            self.changed.notify_all()
+        for job, attempt in sent:
+            self.send(job, attempt)
+        for job, failure in failed:
+            self.finish(job, failure, None)
+
     # ------------------------------------------------------------------ hedging and the deadline
     def hedge_at(self, job: Job) -> float | None:
-        """When the sample's latest request is due a hedge (None: never now); holding the lock."""
+        """When the sample's latest request is due a hedge (None: not now); holding the lock."""
         after = self.settings.hedge_after
-        state = job.state
-        if after is None or not job.live or not state.times or len(state.out) + len(job.live) >= len(self.replicas):
+        if after is None or not job.live:
             return None
-        point = max(self.settings.hedge_floor_s, after * state.median)
+        others = [i for i in self.usable() if i not in job.live]
+        if not others:
+            return None
+        if self.history:
+            point = max(self.settings.hedge_floor_s, after * self.median)
+        elif any(self.in_flight[i] == 0 for i in others):  # no answer yet: only to a replica with nothing to do
+            point = self.settings.hedge_floor_s
+        else:
+            return None
         return max(attempt.sent for attempt in job.live.values()) + point
 
     def watch(self) -> None:
@@ -245,7 +330,8 @@ class Scheduler:
         if late:
             sample, deadline = job.sample.index, job.step.deadline
             self.finish(job, ServedTeacherError(f"{self.url} (sample {sample}): no reply within the step's deadline "
-                                                f"of {deadline.seconds:g} s (asked: {asked})", self.url, sample), None)
+                                                f"of {deadline.seconds:g} s (asked: {asked or 'none'})", self.url,
+                                                sample), None)
         elif hedge is not None:
             self.send(job, hedge)
 

@@ -13,6 +13,7 @@ from megatron_rl_patches._variables import TEACHER_API_KEY
 from megatron_rl_patches.teachers.served.spreading import FewestInFlight, PromptAffinity
 
 API_KEY_ENV = TEACHER_API_KEY
+MAX_REPLICAS = 1024  # a bound on the replicas a setting may name (no teacher has more URLs)
 
 
 @dataclass(frozen=True)
@@ -98,21 +99,26 @@ def seconds(name: str, value: object, allow_zero: bool) -> float:
 class ReplicaSettings:
     """How a teacher's replicas share a step (ignored with one URL).
 
-    `hedge_after`: a sample whose request has waited this multiple of the step's median request
-    time (its answered requests so far; never less than `hedge_floor_s`, always within the step's
-    deadline) is sent again to another healthy replica; the first answer wins and the other is
-    cancelled (its reply dropped, no retry). None: no hedging.
+    `hedge_after`: a sample whose request has waited this multiple of the replicas' median request
+    time (their latest answers, across steps; never less than `hedge_floor_s`, always within the
+    step's deadline) is sent again to another healthy replica; the first answer wins and the other
+    is cancelled (its reply dropped, no retry). Before any answer, a request past `hedge_floor_s`
+    is sent again only to a replica with nothing in flight. None: no hedging.
 
     `spread`: how a sample picks its replica (`spreading`): `FewestInFlight()` (the default) or
     `PromptAffinity()`, the samples of one prompt (the same ids before their response start) on
     the replica the first of them went to while it is healthy. `keep_prompt_groups=True` is the
     same as `spread=PromptAffinity()`. Prompt affinity loads the replicas unevenly (a group of long
-    samples on one replica while another idles)."""
+    samples on one replica while another idles).
+
+    `min_replicas`: the replicas that must answer (and agree) when the teacher connects; the others
+    are named in one warning, left out, and asked again between steps (re-probed before use)."""
 
     hedge_after: float | None = 3.0
     hedge_floor_s: float = 1.0
     keep_prompt_groups: bool = False
     spread: FewestInFlight | None = None
+    min_replicas: int = 1
 
     def __post_init__(self) -> None:
         if self.hedge_after is not None and (isinstance(self.hedge_after, bool) or
@@ -130,6 +136,10 @@ class ReplicaSettings:
         if self.spread is not None and not isinstance(self.spread, FewestInFlight):
             raise TypeError(f"ReplicaSettings(spread=...) must be a spreading policy (FewestInFlight() or "
                             f"PromptAffinity()), got {type(self.spread).__name__}")
+        if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, numbers.Integral) or \
+                not 1 <= self.min_replicas <= MAX_REPLICAS:
+            raise ValueError(f"ReplicaSettings(min_replicas={self.min_replicas!r}) must be an int from 1 to "
+                             f"{MAX_REPLICAS} (the replicas that must answer at connect)")
         spread = self.spread or (PromptAffinity() if self.keep_prompt_groups else FewestInFlight())
         if self.keep_prompt_groups and not isinstance(spread, PromptAffinity):
             raise ValueError(f"ReplicaSettings(keep_prompt_groups=True, spread={spread!r}): keep_prompt_groups=True "

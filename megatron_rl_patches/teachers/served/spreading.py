@@ -35,7 +35,13 @@ class FewestInFlight:
 class PromptAffinity(FewestInFlight):
     """The samples of one prompt (the same ids before their response start: a group of rollouts
     of one prompt) go to the replica the first of them went to while it is healthy; a new prompt
-    goes to the replica with the fewest requests in flight."""
+    goes to the replica with the fewest requests in flight.
+
+    It saves no compute on vLLM 0.32: vLLM turns prefix-cache reads off for requests with prompt
+    log-probs and for all-token pooling (`skip_reading_prefix_cache`), the two routes a served
+    teacher asks, even with `--enable-prefix-caching` (the served lane reads its `/metrics`). What
+    it buys is one server's numerics for a whole group, and a group failed over together; it loads
+    the replicas unevenly."""
 
     def choose(self, loads: Mapping[int, int], replicas: int, prompt: Hashable | None,
                placements: Placements) -> int:

@@ -3,7 +3,8 @@ named by MRP_VLLM_PYTHON) for the whole session, serving a tiny random Qwen3 tha
 wrote (float32, every parameter perturbed) with a word-level tokenizer; the tests compare its
 scores with transformers' own forward in this process; beside it, for hidden-state teachers, one
 pooling server of the same checkpoint, a server without a tokenizer and a bf16 pooling server; for
-a teacher's replicas, a spare generate server of the same checkpoint (paused, then killed).
+a teacher's replicas, a spare generate server of a byte copy of the checkpoint at another path (its
+prefix cache on; paused, then killed).
 Every server the session's tests use starts together, when the first is asked for (`launched`). Without
 MRP_VLLM_PYTHON every test here skips (the main lane); with it, a server that does not start is an
 error, never a skip."""
@@ -71,14 +72,26 @@ def bf16_checkpoint(root: Path) -> Path:
     return directory
 
 
+def spare_copy(root: Path, directory: Path) -> Path:
+    """A byte copy of the lane's checkpoint at another path (the spare replica serves it)."""
+    import shutil
+
+    copy = root / "qwen3-copy"
+    if not copy.exists():
+        shutil.copytree(directory, copy)
+    return copy
+
+
 def start(name: str, root: Path, directory: Path) -> Any:
     """The lane's server `name` started (not waited for): its model directory and options."""
     from megatron_rl_patches.testing.vllm_server import launch
 
     common = dict(max_model_len=MAX_MODEL_LEN, max_logprobs=MAX_LOGPROBS)
-    if name in ("served", "spare"):
-        log = root / ("vllm.log" if name == "served" else "vllm-spare.log")
-        return launch(VLLM_PYTHON, directory, log, api_key=API_KEY, **common)
+    if name == "served":
+        return launch(VLLM_PYTHON, directory, root / "vllm.log", api_key=API_KEY, **common)
+    if name == "spare":  # the same weights from a byte copy at another path, its prefix cache on (issue 86 items 1, 2)
+        return launch(VLLM_PYTHON, spare_copy(root, directory), root / "vllm-spare.log", api_key=API_KEY,
+                      extra=("--enable-prefix-caching",), **common)
     if name == "pooled":
         return launch(VLLM_PYTHON, directory, root / "vllm-pooling.log", api_key=API_KEY, extra=POOLING, **common)
     if name == "tokenizerless":  # as slime starts its own engines: no tokenizer, so no /tokenize
@@ -160,7 +173,8 @@ def bf16_pooled(launched, checkpoint):
 
 @pytest.fixture(scope="session")
 def spare(launched, checkpoint):
-    """A second generate server of the lane's checkpoint (a replica beside `served`), for the
-    replica tests alone: they pause it and kill it."""
+    """A second generate server of the lane's checkpoint from a byte copy at another path (a
+    replica beside `served`), its prefix cache on, for the replica tests alone: they pause it and
+    kill it (last)."""
     with ready(launched, "spare", checkpoint) as server:
         yield server

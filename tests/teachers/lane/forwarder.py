@@ -1,6 +1,7 @@
 """A loopback TCP forwarder in front of a real server, for the failure tests: after `hold_all` it
 takes connections and answers nothing (a server hung mid-step); `close` resets every connection and
-stops listening (a server that died: connections reset, then refused)."""
+stops listening (a server that died: connections reset, then refused); `retarget` puts another server
+behind the same URL."""
 from __future__ import annotations
 
 import contextlib
@@ -29,7 +30,13 @@ class Forwarder:
             self.sockets.append(client)
             self.accepted.release()
             if not self.hold:
-                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+                try:
+                    upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+                except OSError:  # nothing behind it now: the connection reset, as a dead server's
+                    with contextlib.suppress(OSError):
+                        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        client.close()
+                    continue
                 self.sockets.append(upstream)
                 threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
                 threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
@@ -39,6 +46,12 @@ class Forwarder:
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
                 target.sendall(data)
+
+    def retarget(self, upstream_port: int) -> None:
+        """Forward to another server from now on (a server restarted behind the same URL): the open
+        connections reset."""
+        self.upstream_port = upstream_port
+        self._reset()
 
     def hold_all(self) -> None:
         """From now on answer nothing: the open connections reset, new ones held."""

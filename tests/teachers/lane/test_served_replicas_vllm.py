@@ -117,7 +117,7 @@ def test_a_replica_serving_another_checkpoint_is_refused_at_connect(pooled, bf16
     with ServedTeacher([pooled.url, other], top_k=K, client=FAST, head=pooled.directory) as teacher:
         with pytest.raises(ServedTeacherRefusal) as refused:
             teacher.check()
-    # refused by the replica that differs: its card's root against the others' (the stand-in tests pin that
+    # refused by the replica that differs: its probe's states against the others' (the stand-in tests pin that
     # check alone), or first, with a head, its root's checkpoint against the head's (the served-checkpoint check)
     said = str(refused.value)
     assert other in said and "qwen3-bf16" in said, said

@@ -5,16 +5,25 @@ at once, after `delay` seconds, when released by hand (`hold`), or fails as `fai
 from __future__ import annotations
 
 import concurrent.futures as futures
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from megatron_rl_patches.teachers import ServedTeacherError
 from megatron_rl_patches.teachers.served.endpoint import SampleAsk, Step
 from megatron_rl_patches.teachers.served.engines.protocol import ROWS, SampleRows, ServedModel
 
 MODEL = ServedModel("m", 64)
+PROBE = [0, 0]  # the engines' fixed probe
+
+
+def failing(url: str) -> Callable[[SampleAsk], ServedTeacherError]:
+    """A replica that does not answer (connection refused after the client's retries)."""
+    return lambda sample: ServedTeacherError(f"{url}/v1/completions: no answer after 2 tries (ConnectError)", url,
+                                             sample.index)
 
 
 def rows_of(ids: list[int], start: int, offset: float = 0.0) -> SampleRows:
@@ -36,13 +45,21 @@ class MemoryEndpoint:
                  model: ServedModel = MODEL) -> None:
         self.url, self.delay, self.hold, self.offset, self.fails, self.model = url, delay, hold, offset, fails, model
         self.asked: list[int | None] = []
+        self.checks = 0  # served_model calls: at connect, and each re-check
         self.cancels: list[threading.Event] = []
         self.held: list[tuple[futures.Future, SampleAsk]] = []
         self.lock = threading.Lock()
         self.closed = False
 
     def served_model(self, deadline: Any, cancel: threading.Event) -> ServedModel:
-        return self.model
+        """The card and the probe's answer (or the replica's failure, as `fails` says)."""
+        self.checks += 1
+        failure = self.fails(SampleAsk(PROBE, 1, None)) if self.fails is not None else None
+        if failure is not None:
+            raise failure
+        if "answer" not in {f.name for f in dataclasses.fields(ServedModel)}:
+            return self.model
+        return dataclasses.replace(self.model, answer=rows_of(PROBE, 1, self.offset))
 
     def tokenize(self, model: ServedModel, text: str, deadline: Any, cancel: threading.Event) -> list[int] | None:
         return [int(word[1:]) for word in text.split()]

@@ -5,8 +5,8 @@ answers only that."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -22,13 +22,16 @@ STATES = "states"  # an engine's `ask` answers the final hidden states [R, H], p
 class ServedModel:
     """What the server serves: the model's name and its max model length (prompt + generated);
     `root`: where the server loaded it from (vLLM's card `root`; None where not sent), which tells
-    two checkpoints served under one name apart; `generates`: the tokens a request generates after
-    the prompt (a sample holds at most `max_model_len - generates` ids)."""
+    two checkpoints served under one name apart, not two copies of one; `generates`: the tokens a
+    request generates after the prompt (a sample holds at most `max_model_len - generates` ids);
+    `answer`: what the server computed for the engine's fixed probe (its rows, or hidden states),
+    which tells replicas of one teacher from servers of another (`served.identity`)."""
 
     name: str
     max_model_len: int
     root: str | None = None
     generates: int = 1
+    answer: Any = field(default=None, compare=False, repr=False)
 
     @property
     def longest(self) -> int:

@@ -5,6 +5,7 @@ them; position 0 is None. vLLM scores prompt log-probs at temperature 1, from th
 (its default `--logprobs-mode raw_logprobs`; `raw_logits` sends logits, which have no tail)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import threading
@@ -76,17 +77,18 @@ class VllmEngine:
             raise ServedTeacherError(behind_router(self.client.url, f"/v1/models gives no max_model_len for {name!r}, "
                                                    f"as vLLM's own server does"), self.client.url)
         model = ServedModel(name, length, root, self.generates)
-        self.probe(model, deadline, cancel)
+        answer = self.probe(model, deadline, cancel)
         self.check_card(listing["data"][names.index(name)])
-        return model
+        return dataclasses.replace(model, answer=answer)
 
     def check_card(self, card: dict[str, Any]) -> None:
         """What else the engine compares with the served model's card (`/v1/models`): nothing
         here (the pooling engine: the checkpoint it serves against the head's)."""
 
-    def probe(self, model: ServedModel, deadline: Deadline, cancel: threading.Event) -> None:
-        """One tiny scoring request: K within `--max-logprobs`, log-probs not logits."""
-        self.ask(model, PROBE_IDS, 1, deadline, cancel, sample=None)
+    def probe(self, model: ServedModel, deadline: Deadline, cancel: threading.Event) -> SampleRows:
+        """One tiny scoring request: K within `--max-logprobs`, log-probs not logits; its rows are
+        what the server computes for the fixed probe."""
+        return self.ask(model, PROBE_IDS, 1, deadline, cancel, sample=None)
 
     def tokenize(self, model: ServedModel, text: str, deadline: Deadline, cancel: threading.Event) -> list[int] | None:
         """`text` tokenized by the served model's tokenizer (`/tokenize`, no special tokens added)."""

@@ -53,9 +53,11 @@ class VllmPoolingEngine(VllmEngine):
 
         check_served_checkpoint(card.get("root"), self.head_source, self.head_fingerprint, self.client.url)
 
-    def probe(self, model: ServedModel, deadline: Deadline, cancel: threading.Event) -> None:
-        """One tiny request: the server runs the pooling task and its states have the head's width."""
-        self.ask(model, PROBE_IDS, 1, deadline, cancel, sample=None)
+    def probe(self, model: ServedModel, deadline: Deadline,  # type: ignore[override]
+              cancel: threading.Event) -> torch.Tensor:
+        """One tiny request: the server runs the pooling task and its states have the head's width
+        (they are what it computes for the fixed probe)."""
+        return self.ask(model, PROBE_IDS, 1, deadline, cancel, sample=None)
 
     def body(self, model: ServedModel, ids: list[int]) -> dict[str, Any]:
         return {"model": model.name, "input": ids, "task": "token_embed", "use_activation": False,

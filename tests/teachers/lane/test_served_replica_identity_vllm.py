@@ -1,0 +1,92 @@
+"""Replicas known by what they compute, against real vLLM CPU servers (issue 86 item 1): A (the
+session's `served`, from the lane's checkpoint directory) and C (the `spare`, from a byte copy at
+another path: another card name and root) are one teacher, each asked by its own name, the scores
+within 1e-5 of A's alone; B, started from C's directory after it was overwritten with another
+checkpoint (the same path and card as C), is refused at connect by its URL; and a replica behind
+one URL, taken out and back as B, is probed again and kept out: the steps' scores are A's. B is
+one more server for this module only (about 2 GB, started after the session's are ready)."""
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import pytest
+
+from megatron_rl_patches.teachers import ClientSettings, ReplicaSettings, ServedTeacher, ServedTeacherRefusal
+from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
+from tests.teachers.lane.forwarder import Forwarder
+from tests.teachers.lane.served_kit import API_KEY, MAX_LOGPROBS, MAX_MODEL_LEN, MODEL_SHAPE, VLLM_PYTHON, VOCAB
+from tests.teachers.lane.test_served_replicas_vllm import K, assert_close, samples
+
+FAST = ClientSettings(retries=1, backoff_s=0.1, deadline_s=60.0)
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def other_weights(checkpoint, spare):
+    """B: a server of another checkpoint started from the spare's directory, overwritten once the
+    spare had loaded it (a node holding a stale copy at the same path)."""
+    from megatron_rl_patches.testing.vllm_server import launch, serving
+
+    root = checkpoint[0]
+    copy = root / "qwen3-copy"
+    save_tiny_hf(copy, "qwen3", seed=9, **MODEL_SHAPE)
+    save_word_tokenizer(copy, VOCAB)
+    server = launch(VLLM_PYTHON, copy, root / "vllm-other.log", api_key=API_KEY, max_model_len=MAX_MODEL_LEN,
+                    max_logprobs=MAX_LOGPROBS)
+    with serving(server) as ready:
+        yield ready
+
+
+def test_the_same_weights_at_another_path_are_one_teacher(served, spare):
+    batch = samples(21, count=6)
+    with ServedTeacher(served.url, top_k=K, client=FAST) as alone:
+        want = alone.score(batch)
+    with ServedTeacher([served.url, spare.url], top_k=K, client=FAST) as teacher:
+        model = teacher.check()
+        got = teacher.score(batch)
+    assert model.root != spare_root(spare.url)  # two paths, one teacher
+    assert_close(got, want)
+
+
+def spare_root(url: str) -> str:
+    import httpx
+
+    reply = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    return reply["data"][0]["root"]
+
+
+def test_other_weights_at_the_same_path_are_refused(served, spare, other_weights):
+    assert spare_root(other_weights.url) == spare_root(spare.url)  # the same path, the same card
+    with ServedTeacher([spare.url, other_weights.url], top_k=K, client=FAST) as teacher:
+        with pytest.raises(ServedTeacherRefusal, match=rf"replica {other_weights.url} scores the probe other than "
+                                                       rf"replica {spare.url}: its log-probs are off by"):
+            teacher.check()
+
+
+def test_a_replica_back_with_other_weights_is_probed_again_and_kept_out(served, other_weights, caplog):
+    batch = samples(22, count=6)
+    link = Forwarder(port_of(served.url))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        nothing = probe.getsockname()[1]
+    with ServedTeacher([served.url, link.url], top_k=K, client=FAST,
+                       replicas=ReplicaSettings(hedge_after=None)) as teacher:
+        teacher.check()
+        want = teacher.score(batch)
+        link.retarget(nothing)  # the server behind it gone: its requests reset, it is taken out
+        assert_close(teacher.score(batch), want)
+        link.retarget(port_of(other_weights.url))  # back, with another checkpoint
+        with caplog.at_level(logging.WARNING, logger="megatron_rl_patches.teachers.served"):
+            for _ in range(3):
+                assert_close(teacher.score(batch), want)
+            until = time.monotonic() + 30
+            while not any("other than" in r.getMessage() for r in caplog.records) and time.monotonic() < until:
+                time.sleep(0.1)
+    link.close()
+    assert any(link.url in r.getMessage() and "scores the probe other than" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
