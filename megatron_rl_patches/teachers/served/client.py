@@ -32,6 +32,7 @@ from megatron_rl_patches.teachers.served.hidden_states import (
     states_dtype,
 )
 from megatron_rl_patches.teachers.served.http import Deadline, TeacherClient
+from megatron_rl_patches.teachers.served.metrics import Recorder
 from megatron_rl_patches.teachers.served.pool import ReplicaPool
 from megatron_rl_patches.teachers.served.server import Server
 from megatron_rl_patches.teachers.served.settings import ClientSettings, ReplicaSettings
@@ -82,8 +83,10 @@ class ServedTeacher:
         if replicas.min_replicas > len(urls):
             raise ValueError(f"ServedTeacher(replicas=ReplicaSettings(min_replicas={replicas.min_replicas})): the url "
                              f"names {len(urls)} replicas; ask for at most {len(urls)} to answer at connect")
-        servers = [Server(self.engine_at(TeacherClient(one, self.settings)), self.settings) for one in urls]
-        self.endpoint: Endpoint = ReplicaPool(servers, replicas)
+        self.recorder = Recorder()  # what it did since `metrics()` was last asked
+        servers = [Server(self.engine_at(TeacherClient(one, self.settings, self.recorder)), self.settings)
+                   for one in urls]
+        self.endpoint: Endpoint = ReplicaPool(servers, replicas, self.recorder)
         self.url = self.endpoint.url
         self._served: ServedModel | None = None
         self._lock = threading.Lock()
@@ -112,6 +115,15 @@ class ServedTeacher:
                 self._served = self.endpoint.served_model(deadline or Deadline.after(self.settings.deadline_s),
                                                           threading.Event())
             return self._served
+
+    def metrics(self) -> dict[str, Any]:
+        """What the teacher did since the last call (a dashboard's step: call it once a step):
+        `samples` and `rows` answered, `bytes` received, `retries` (the client's, on connection
+        errors and 5xx), `failovers` (samples re-sent after a replica failed), `hedges_sent` and
+        `hedges_won`, `taken_out` (the replicas taken out, redacted URLs: one entry each time) and
+        `replicas`: per replica (its redacted URL) its `requests`, `failed` and the answered
+        requests' `latency_p50_s` / `latency_p95_s` (None without one). Counting starts again at zero."""
+        return self.recorder.take()
 
     def check(self) -> ServedModel:
         """Ask the server now (it answers, the model, its max length, K within its limit)."""

@@ -23,6 +23,7 @@ from megatron_rl_patches._extras import install_hint
 from megatron_rl_patches._json_read import parsed_json
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.redaction import has_userinfo, redacted, without_key
+from megatron_rl_patches.teachers.served.metrics import Recorder
 from megatron_rl_patches.teachers.served.settings import ClientSettings
 
 BACKOFF_CAP_S = 8.0
@@ -90,9 +91,10 @@ class TeacherClient:
     """One teacher's connection pool (created on first use, thread-safe: a step's requests run
     from several threads at once)."""
 
-    def __init__(self, url: str, settings: ClientSettings) -> None:
+    def __init__(self, url: str, settings: ClientSettings, recorder: Recorder | None = None) -> None:
         self.url = check_url(url)
         self.settings = settings
+        self.recorder = recorder or Recorder()  # the bytes received and the retries, for the teacher's metrics
         self._http: Any = None
         self._lock = threading.Lock()
 
@@ -209,6 +211,7 @@ class TeacherClient:
                                                f"{where!r}), and a served teacher follows no redirect: give the "
                                                f"URL the server answers at", self.url, sample)
                 if response.status_code < 400:
+                    self.recorder.add("bytes", len(response.content))
                     return response if raw else decode(response.content, who, self.url, sample)
                 last = f"HTTP {response.status_code}: {server_words(response, self.key())}"
                 if response.status_code < 500:
@@ -218,6 +221,7 @@ class TeacherClient:
                 raise ServedTeacherError(f"{who}: no answer after {tries} ({last})", self.url, sample)
             cancel.wait(min(s.backoff_s * 2 ** attempt, BACKOFF_CAP_S, max(deadline.remaining(), 0.0)))
             attempt += 1
+            self.recorder.add("retries")
 
 
 def decode(content: bytes, who: str, url: str, sample: int | None) -> Any:

@@ -26,6 +26,7 @@ from megatron_rl_patches.teachers.served.endpoint import Endpoint, SampleAsk, St
 from megatron_rl_patches.teachers.served.engines.protocol import ServedModel
 from megatron_rl_patches.teachers.served.http import Deadline
 from megatron_rl_patches.teachers.served.identity import difference
+from megatron_rl_patches.teachers.served.metrics import Recorder
 from megatron_rl_patches.teachers.served.scheduler import Scheduler
 from megatron_rl_patches.teachers.served.settings import ReplicaSettings
 from megatron_rl_patches.teachers.served.urls import SEPARATOR
@@ -39,12 +40,14 @@ class ReplicaPool:
     """The `replicas` (endpoints of one kind) of one teacher, scheduled by `settings`; its `url`
     their URLs joined by '|'."""
 
-    def __init__(self, replicas: Sequence[Endpoint], settings: ReplicaSettings) -> None:
+    def __init__(self, replicas: Sequence[Endpoint], settings: ReplicaSettings,
+                 recorder: Recorder | None = None) -> None:
         self.replicas = list(replicas)
         self.settings = settings
         self.url = SEPARATOR.join(replica.url for replica in self.replicas)
         self.kind = self.replicas[0].kind
-        self.scheduler = Scheduler(self.replicas, settings, self.url, self.recheck)
+        self.recorder = recorder or Recorder()  # what the replicas did, for the teacher's metrics
+        self.scheduler = Scheduler(self.replicas, settings, self.url, self.recheck, self.recorder)
         self.reference: tuple[int, ServedModel] | None = None  # the first replica that answered at connect
         self.checks: futures.ThreadPoolExecutor | None = None
         self.lock = threading.Lock()
@@ -78,6 +81,8 @@ class ReplicaPool:
                 raise ServedTeacherRefusal(f"{problem}: {SAME}", self.url)
         self.reference = (first, models[first])
         self.scheduler.connected(models, errors)
+        for index in sorted(errors):
+            self.recorder.took_out(self.replicas[index].url)
         if errors:
             LOG.warning("served teacher %s: %d of the teacher's %d replicas did not answer at connect; it starts with "
                         "the others and asks these again between steps: %s", redacted(self.url), len(errors),

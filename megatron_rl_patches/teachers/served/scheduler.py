@@ -32,6 +32,7 @@ from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeache
 from megatron_rl_patches.teachers.redaction import redacted
 from megatron_rl_patches.teachers.served.endpoint import Endpoint, SampleAsk, Step
 from megatron_rl_patches.teachers.served.engines.protocol import ServedModel
+from megatron_rl_patches.teachers.served.metrics import Recorder
 from megatron_rl_patches.teachers.served.settings import ReplicaSettings
 from megatron_rl_patches.teachers.served.spreading import FewestInFlight, Placements
 
@@ -52,6 +53,7 @@ class Attempt:
 
     replica: int
     step: Step
+    hedge: bool = False
     sent: float = field(default_factory=time.monotonic)
 
 
@@ -70,11 +72,13 @@ class Job:
 
 class Scheduler:
     """The samples of a teacher's steps over its `replicas` (endpoints), as `settings` says;
-    `recheck(replica, step)` re-checks a replica taken out (its outcome comes back by `rejoin`)."""
+    `recheck(replica, step)` re-checks a replica taken out (its outcome comes back by `rejoin`);
+    what it does is counted in `recorder`."""
 
     def __init__(self, replicas: Sequence[Endpoint], settings: ReplicaSettings, url: str,
-                 recheck: Callable[[int, Step], None]) -> None:
+                 recheck: Callable[[int, Step], None], recorder: Recorder) -> None:
         self.replicas, self.settings, self.url, self.recheck = list(replicas), settings, url, recheck
+        self.recorder = recorder
         self.spread = settings.spread or FewestInFlight()  # ReplicaSettings resolves it: never None there
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # the watcher's wake-up
@@ -137,14 +141,14 @@ class Scheduler:
             self.finish(job, failure, None)
         return job.future
 
-    def reserve(self, job: Job, prompt: tuple[int, ...] | None) -> Attempt | None:
+    def reserve(self, job: Job, prompt: tuple[int, ...] | None, hedge: bool = False) -> Attempt | None:
         """A request of `job` on a healthy replica not asked for it now, its count taken up (None:
         there is none); holding the lock."""
         loads = {i: self.in_flight[i] for i in self.usable() if i not in job.live}
         if not loads:
             return None
         index = self.spread.choose(loads, len(self.replicas), prompt, self.placements)
-        attempt = Attempt(index, job.step.child())
+        attempt = Attempt(index, job.step.child(), hedge)
         job.live[index] = attempt
         self.in_flight[index] += 1
         self.attempts[index].add(attempt)
@@ -164,7 +168,7 @@ class Scheduler:
         index = attempt.replica
         stopped: list[Attempt] = []
         resend = None
-        warn = False
+        warn = failed_over = False
         ended: tuple[BaseException | None, Any] | None = None
         with self.lock:
             self.in_flight[index] -= 1
@@ -187,12 +191,25 @@ class Scheduler:
                     job.state.taken_out.add(index)
                 if not job.live:
                     resend = self.reserve(job, job.sample.prompt)
-                    if resend is None and self.checking:
+                    failed_over = resend is None and bool(self.checking)
+                    if failed_over:
                         self.waiting.append(job)
                     elif resend is None:
                         ended = (self.all_failed(job), None)
             self.changed.notify_all()
+        url = self.replicas[index].url
+        if error is None:
+            self.recorder.answered(url, seconds)
+        else:
+            self.recorder.failed(url)
+        if ended is not None and ended[0] is None:
+            self.recorder.add("samples")
+            self.recorder.add("rows", len(job.sample.ids) - job.sample.start)
+            self.recorder.add("hedges_won", int(attempt.hedge))
+        if resend is not None or failed_over:
+            self.recorder.add("failovers")
         if warn:
+            self.recorder.took_out(url)
             LOG.warning("served teacher %s: replica %s taken out (%s); its samples go to the others, and it is asked "
                         "again next step", redacted(self.url), redacted(self.replicas[index].url), error)
         for other in stopped:
@@ -326,13 +343,14 @@ class Scheduler:
                 at = self.hedge_at(job)
                 if at is None or at > now:
                     return
-                hedge = self.reserve(job, None)
+                hedge = self.reserve(job, None, hedge=True)
         if late:
             sample, deadline = job.sample.index, job.step.deadline
             self.finish(job, ServedTeacherError(f"{self.url} (sample {sample}): no reply within the step's deadline "
                                                 f"of {deadline.seconds:g} s (asked: {asked or 'none'})", self.url,
                                                 sample), None)
         elif hedge is not None:
+            self.recorder.add("hedges_sent")
             self.send(job, hedge)
 
     def close(self) -> None:
