@@ -99,6 +99,11 @@ class ServedTeacher:
                                                           self.hidden_dtype, self.head.source, self.head.fingerprint)
 
     @property
+    def tokenize_path(self) -> str:
+        """The route its tokenizer is asked at (messages name it)."""
+        return self.endpoint.tokenize_path
+
+    @property
     def replicas(self) -> tuple[str, ...]:
         """The replicas' URLs (one URL: one replica)."""
         return tuple(self.url.split(SEPARATOR))

@@ -49,10 +49,12 @@ class Step:
 
 class Endpoint(Protocol):
     """One teacher's server(s): `url` (several joined by '|'), `kind` (what `ask` answers:
-    `engines.protocol.ROWS` or `STATES`)."""
+    `engines.protocol.ROWS` or `STATES`), `tokenize_path` (the route `tokenize` asks: messages
+    name it)."""
 
     url: str
     kind: str
+    tokenize_path: str
 
     def served_model(self, deadline: Deadline, cancel: threading.Event) -> ServedModel:
         """The served model (name, max model length), checked as the endpoint checks it."""

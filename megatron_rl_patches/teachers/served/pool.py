@@ -46,6 +46,7 @@ class ReplicaPool:
         self.settings = settings
         self.url = SEPARATOR.join(replica.url for replica in self.replicas)
         self.kind = self.replicas[0].kind
+        self.tokenize_path = self.replicas[0].tokenize_path
         self.recorder = recorder or Recorder()  # what the replicas did, for the teacher's metrics
         self.scheduler = Scheduler(self.replicas, settings, self.url, self.recheck, self.recorder)
         self.reference: tuple[int, ServedModel] | None = None  # the first replica that answered at connect

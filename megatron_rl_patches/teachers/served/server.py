@@ -25,6 +25,7 @@ class Server:
         self.engine = engine
         self.url: str = engine.client.url
         self.kind: str = engine.kind
+        self.tokenize_path: str = engine.tokenize_path
         self.settings = settings
         self.budget = TokenBudget(settings.max_tokens_in_flight)
         self.waiting: deque[Request] = deque()

@@ -39,5 +39,5 @@ def probe_tokenizer(teacher: ServedTeacher, tokenizer: Any, where: str, whose: s
                   "the served model's tokenizer with ';tokenizer=DIR'") if whose == STUDENTS else \
             "name the served model's own tokenizer (its tokenizer.json)"
         raise ValueError(f"{where}: the served model {model.name!r} does not share {whose} (a probe "
-                         f"text of {len(want)} ids came back from {teacher.url}'s tokenizer as "
+                         f"text of {len(want)} ids came back from {teacher.url}{teacher.tokenize_path} as "
                          f"{'no tokens' if got is None else f'{len(got)} other ids'}): {advice}")

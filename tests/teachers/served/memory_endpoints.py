@@ -39,6 +39,7 @@ class MemoryEndpoint:
     every request it got, `cancels` each request's cancel."""
 
     kind = ROWS
+    tokenize_path = "/tokenize"
 
     def __init__(self, url: str, *, delay: float = 0.0, hold: bool = False, offset: float = 0.0,
                  fails: Callable[[SampleAsk], BaseException | None] | None = None,

@@ -56,6 +56,7 @@ class ServedEngine(Protocol):
     client: TeacherClient
     top_k: int
     kind: str
+    tokenize_path: str  # the route `tokenize` asks (messages name it)
 
     def served_model(self, deadline: Deadline, cancel: threading.Event) -> ServedModel:
         """The model at the URL, asked once (and whatever else the engine checks then)."""
