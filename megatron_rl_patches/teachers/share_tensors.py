@@ -79,11 +79,11 @@ def teacher_index(index: object) -> int:
     except TypeError:
         number = None
     if number is None or isinstance(index, bool):
-        raise TypeError(f"served=...: teacher index {index!r} is no int: key each result by its teacher's position "
-                        "in the step")
+        raise TypeError(f"shared_results(served=...): teacher index {index!r} is no int: key each result by its "
+                        "teacher's position in the step")
     if not 0 <= number < INT64_END:
-        raise ValueError(f"served=...: teacher index {number} is outside 0 .. 2**63 - 1: key each result by its "
-                         "teacher's position in the step")
+        raise ValueError(f"shared_results(served=...): teacher index {number} is outside 0 .. 2**63 - 1: key each "
+                         "result by its teacher's position in the step")
     return number
 
 
