@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._args import positive_int
-from megatron_rl_patches.teachers.agreement import agree_failure
+from megatron_rl_patches.teachers.agreement import agree_failure, agree_teacher
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.client_settings import ClientSettings
 from megatron_rl_patches.teachers.context_key import context_key
@@ -124,7 +124,9 @@ class ServedTeacher:
         (torch.distributed initialized), a failure on any rank is the same error on every rank.
         With a head: `ids` (one [R_i, k] id tensor per sample, e.g. the student's top-k) are scored
         too (`BatchScores.ids_log_probs` / `ids_tail_log_probs`); every rank of the head's
-        tensor-parallel group scores the same batch."""
+        tensor-parallel group scores the same batch. The group's ranks must hold the same teacher
+        (URLs, engine, top-k, temperature, head, context key): compared before anything is asked."""
+        agree_teacher(self, group)
         return self.submit(batch, ids=ids).result(group)
 
     def submit(self, batch: TeacherBatch, *, ids: list[torch.Tensor] | None = None) -> PendingScores:
