@@ -10,9 +10,10 @@ checkpoint's architecture is refused by name (what the engine does with it is no
 Standard library only."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
+
+from megatron_rl_patches.teachers.finite import finite, shown
 
 APPLIED, REFUSED, IN_STATES = "applied", "refused", "in the pooled states"
 
@@ -135,7 +136,7 @@ def factor(key: str, architecture: str, found: Any, value: Any, source: str) -> 
 
 
 def nonzero_number(key: str, found: Any, source: str) -> float:
-    if isinstance(found, bool) or not isinstance(found, (int, float)) or not math.isfinite(found) or found == 0:
-        raise ValueError(f"TeacherHead.from_hf: {source!r}'s config.json sets {key}={found!r}; a logits multiplier "
-                         "must be a finite non-zero number")
+    if not isinstance(found, (int, float)) or not finite(found) or found == 0:  # an int no float holds too
+        raise ValueError(f"TeacherHead.from_hf: {source!r}'s config.json sets {key}={shown(found)}; a logits "
+                         "multiplier must be a finite non-zero number")
     return float(found)
