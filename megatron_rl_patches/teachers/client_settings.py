@@ -3,13 +3,13 @@ retries, what is in flight at once, the API key's variable and the CAs TLS is ve
 Standard library only."""
 from __future__ import annotations
 
-import math
 import numbers
 import os
 from dataclasses import dataclass, fields
 
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches._variables import TEACHER_API_KEY
+from megatron_rl_patches.teachers.finite import shown, utf8_text, wait_seconds
 
 API_KEY_ENV = TEACHER_API_KEY
 
@@ -39,12 +39,17 @@ class ClientSettings:
             seconds(f"ClientSettings({name}=...)", getattr(self, name), allow_zero=False)
         seconds("ClientSettings(backoff_s=...)", self.backoff_s, allow_zero=True)
         if isinstance(self.retries, bool) or not isinstance(self.retries, numbers.Integral) or self.retries < 0:
-            raise ValueError(f"ClientSettings(retries=...) must be an int >= 0, got {self.retries!r}")
+            raise ValueError(f"ClientSettings(retries=...) must be an int >= 0, got {shown(self.retries)}")
         positive_int("ClientSettings(max_in_flight=...)", self.max_in_flight, " (requests at once)")
         positive_int("ClientSettings(max_tokens_in_flight=...)", self.max_tokens_in_flight, " (prompt tokens at once)")
         if not isinstance(self.api_key_env, str) or not self.api_key_env:
             raise ValueError(f"ClientSettings(api_key_env=...) must name an environment variable, got "
                              f"{self.api_key_env!r}")
+        utf8_text(self.api_key_env, "ClientSettings(api_key_env=...)")
+        if "=" in self.api_key_env or "\0" in self.api_key_env:
+            held = "NUL" if "\0" in self.api_key_env else "'='"
+            raise ValueError(f"ClientSettings(api_key_env=...) holds {held} ({self.api_key_env!r}), which no "
+                             "environment variable's name holds: name the variable the API key is in")
         if self.ca_bundle is not None and not os.path.isfile(self.ca_bundle):
             raise ValueError(f"ClientSettings(ca_bundle=...) must be a PEM file of CAs, {self.ca_bundle!r} is not a "
                              f"file (None: the system's CAs)")
@@ -83,11 +88,6 @@ def check_api_key(variable: str, key: str) -> None:
 
 
 def seconds(name: str, value: object, allow_zero: bool) -> float:
-    """`value` as a finite number of seconds (> 0, or >= 0 with `allow_zero`); ValueError naming
-    `name` otherwise."""
-    low_ok = (lambda v: v >= 0) if allow_zero else (lambda v: v > 0)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
-            or not low_ok(value):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
-    return float(value)
+    """`value` as a finite number of seconds (> 0, or >= 0 with `allow_zero`) a wait can take;
+    ValueError naming `name` otherwise (`finite.wait_seconds`)."""
+    return wait_seconds(name, value, allow_zero)

@@ -23,7 +23,8 @@ from megatron_rl_patches._extras import install_hint
 from megatron_rl_patches._json_read import parsed_json
 from megatron_rl_patches.teachers.client_settings import ClientSettings
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
-from megatron_rl_patches.teachers.redaction import has_userinfo, redacted, without_key
+from megatron_rl_patches.teachers.finite import utf8_text
+from megatron_rl_patches.teachers.redaction import has_userinfo, key_variable, redacted, without_key
 
 BACKOFF_CAP_S = 8.0
 QUOTED = 500  # characters of a server's error text quoted
@@ -35,6 +36,7 @@ def check_url(url: object) -> str:
     query. Every message shows the URL `redacted`."""
     if not isinstance(url, str):
         raise TypeError(f"the teacher's url must be a str like 'http://host:port', got {type(url).__name__}")
+    utf8_text(url, "the teacher's url")  # httpx's bare InvalidURL at the first request otherwise
     said = redacted(url)
     if has_userinfo(url):
         raise ValueError(f"the teacher's url {said!r} carries a user or password: put the API key in an "
@@ -93,6 +95,7 @@ class TeacherClient:
     def __init__(self, url: str, settings: ClientSettings) -> None:
         self.url = check_url(url)
         self.settings = settings
+        key_variable(settings.api_key_env)  # its key, whatever a server quotes of it, hidden in every message
         self._http: Any = None
         self._lock = threading.Lock()
 

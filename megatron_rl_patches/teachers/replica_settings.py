@@ -2,9 +2,9 @@
 Standard library only."""
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
+
+from megatron_rl_patches.teachers.finite import finite, shown, wait_seconds
 
 
 @dataclass(frozen=True)
@@ -29,15 +29,10 @@ class ReplicaSettings:
     keep_prompt_groups: bool = False
 
     def __post_init__(self) -> None:
-        if self.hedge_after is not None and (isinstance(self.hedge_after, bool) or
-                                             not isinstance(self.hedge_after, numbers.Real) or
-                                             not math.isfinite(self.hedge_after) or self.hedge_after < 1):
-            raise ValueError(f"ReplicaSettings(hedge_after={self.hedge_after!r}) must be a finite multiple >= 1 of "
-                             f"the step's median request time, or None (no hedging)")
-        if isinstance(self.hedge_floor_s, bool) or not isinstance(self.hedge_floor_s, numbers.Real) or \
-                not math.isfinite(self.hedge_floor_s) or self.hedge_floor_s < 0:
-            raise ValueError(f"ReplicaSettings(hedge_floor_s={self.hedge_floor_s!r}) must be a finite number of "
-                             f"seconds >= 0")
+        if self.hedge_after is not None and (not finite(self.hedge_after) or self.hedge_after < 1):
+            raise ValueError(f"ReplicaSettings(hedge_after={shown(self.hedge_after)}) must be a finite multiple >= 1 "
+                             f"of the step's median request time, or None (no hedging)")
+        wait_seconds(f"ReplicaSettings(hedge_floor_s={shown(self.hedge_floor_s)})", self.hedge_floor_s, allow_zero=True)
         if not isinstance(self.keep_prompt_groups, bool):
             raise TypeError(f"ReplicaSettings(keep_prompt_groups=...) must be a bool, got "
                             f"{type(self.keep_prompt_groups).__name__}")

@@ -22,6 +22,7 @@ from megatron_rl_patches.teachers.engines.names import check_engine, engine_clas
 from megatron_rl_patches.teachers.engines.protocol import SampleRows, ServedModel
 from megatron_rl_patches.teachers.engines.vllm_pooling import VllmPoolingEngine
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
+from megatron_rl_patches.teachers.finite import utf8_text
 from megatron_rl_patches.teachers.head import TeacherHead
 from megatron_rl_patches.teachers.hidden_scores import (
     check_given_ids,
@@ -76,7 +77,7 @@ class ServedTeacher:
         clients = [TeacherClient(one, self.settings) for one in replica_urls(url)]
         self.client = clients[0]
         self.url = SEPARATOR.join(c.url for c in clients)
-        dtype = None if self.head is None else states_dtype(hidden_dtype, self.head)
+        dtype = states_dtype(hidden_dtype, self.head)  # None without a head (a hidden_dtype then refused)
         self.replicas = ReplicaPool([Replica(c.url, c, self.engine_for(c, model, dtype)) for c in clients],
                                     replicas or ReplicaSettings(), self.url)
         self.engine = self.replicas.replicas[0].engine
@@ -115,6 +116,7 @@ class ServedTeacher:
         """`text` tokenized by the served model's tokenizer, no special tokens added (None: the
         server answered with no token list), within `deadline` (default: one request's timeout);
         every replica asked (the same ids from each, or refused naming the one that differs)."""
+        utf8_text(text, "ServedTeacher.tokenize(text=...)")  # a bare UnicodeEncodeError from the JSON body otherwise
         deadline = deadline or Deadline.after(self.settings.timeout_s)
         return self.replicas.tokenize(self.served_model(deadline), text, deadline, threading.Event())
 

@@ -24,7 +24,7 @@ from megatron_rl_patches.patching import check_settings, env, registry
 from megatron_rl_patches.patching.startup import files as startup_files
 from megatron_rl_patches.patching.startup import hook
 from megatron_rl_patches.teachers.kinds import RunFacts, entry_report
-from megatron_rl_patches.teachers.redaction import redacted, refuse_userinfo
+from megatron_rl_patches.teachers.redaction import redacted, refuse_userinfo, scrubbed_all
 
 # Installed distributions `doctor` reports. megatron-core, an optional extra, also gets its own
 # section: the code in use may be a source checkout with no distribution.
@@ -235,7 +235,8 @@ def collect() -> dict[str, Any]:
         "problems": list(dict.fromkeys(redacted(problem) for problem in problems)),  # whatever quoted a URL
     }
     report["summary"] = summary_of(report)
-    return report
+    # whatever a server said, a 200's fields too (a served model's name in a check's line): no piece of the API key
+    return scrubbed_all(report)
 
 
 def _show(value: Any) -> str:
