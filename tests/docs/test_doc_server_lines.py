@@ -49,7 +49,8 @@ SAVE_TEACHER = ".venv/bin/python examples/served_teacher_loop.py --save-teacher 
 def test_the_any_loop_recipe_serves_a_teacher_small_enough_for_cpu_and_says_how_to_make_it():
     """recipes.md's "A teacher served by vLLM (any loop)": its CPU lines serve the directory the line
     above them writes (the example's tiny teacher); a new user found no model small enough for CPU."""
-    section = [b for b in BLOCKS if b.page == "docs/recipes.md" and b.line > _heading_line("## A teacher served by vLLM")]
+    start = _heading_line("## A teacher served by vLLM")
+    section = [b for b in BLOCKS if b.page == "docs/recipes.md" and b.line > start]
     assert len(section) == 2, [b.where for b in section]
     (save,) = [c for c in commands(section[0]) if c.startswith(SAVE_TEACHER)]
     directory = save.removeprefix(SAVE_TEACHER)
@@ -74,7 +75,7 @@ def test_the_tiny_teacher_line_runs_as_written(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = json.loads((tmp_path / "teacher" / "config.json").read_text())
     assert (config["model_type"], config["vocab_size"], config["head_dim"]) == ("qwen3", 1001, 32)
-    assert (tmp_path / "teacher" / "tokenizer.json").is_file() and (tmp_path / "teacher" / "model.safetensors").is_file()
+    assert all((tmp_path / "teacher" / name).is_file() for name in ("tokenizer.json", "model.safetensors"))
 
 
 def _heading_line(prefix: str) -> int:
