@@ -68,7 +68,7 @@ def test_the_tiny_teacher_line_runs_as_written(tmp_path):
     from doc_blocks import REPO
 
     pytest.importorskip("transformers", reason="the tiny teacher is written by transformers")
-    (save,) = [c for b in BLOCKS for c in commands(b) if c.startswith(SAVE_TEACHER)]
+    (save,) = {c for b in BLOCKS for c in commands(b) if c.startswith(SAVE_TEACHER)}  # one line, on every page
     directory = save.removeprefix(SAVE_TEACHER)
     line = save.replace(".venv/bin/python", sys.executable).replace(directory, str(tmp_path / "teacher"))
     proc = subprocess.run(shlex.split(line), cwd=REPO, capture_output=True, text=True, timeout=600)
