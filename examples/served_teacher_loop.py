@@ -24,7 +24,7 @@ venv`); --vllm-python names vLLM's own (its CPU build in another venv: `make tes
     .venv/bin/python examples/served_teacher_loop.py --save-teacher /tmp/tiny-teacher
 
 With --vllm-python the example writes a tiny random Qwen3 teacher (1001 words, its tokenizer
-beside it: it needs transformers and tokenizers) and serves it on 127.0.0.1 for the run (1.5-2
+beside it: it needs transformers and tokenizers) and serves it on 127.0.0.1 for the run (up to 2
 minutes to start on CPU, said when it starts; with --head as a pooling server). Each step's line is
 printed when the step ends. Each step:
 
@@ -377,7 +377,7 @@ if __name__ == "__main__":
             if cli.head is not None:  # the example's own teacher, served by a pooling server
                 cli.head = os.path.join(root, "teacher")
             log = os.path.join(root, "vllm.log")
-            print(f"starting a vLLM server of the tiny teacher ({'a pooling server, ' if cli.head else ''}1.5-2 "
+            print(f"starting a vLLM server of the tiny teacher ({'a pooling server, ' if cli.head else ''}up to 2 "
                   f"minutes on CPU; its log: {log})", flush=True)
             with vllm_server(cli.vllm_python, os.path.join(root, "teacher"), log,
                              extra=POOLING if cli.head else ()) as server:

@@ -120,7 +120,7 @@ def test_the_replica_run_of_the_docs_runs_as_written_one_replica_stopped_mid_run
             .replace("http://127.0.0.1:8001", served.url).replace("http://127.0.0.1:8002", replica_b.url))
     assert text.count(served.url) == 1 and text.count(replica_b.url) == 1
     try:
-        proc = subprocess.run(["bash", "-c", text], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+        proc = subprocess.run(["bash", "-c", text], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                               env={**os.environ, "B": str(replica_b.process.pid), "PYTHONWARNINGS": "ignore"})
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert replica_b.process.wait(60) is not None  # stopped by the block
@@ -132,5 +132,6 @@ def test_the_replica_run_of_the_docs_runs_as_written_one_replica_stopped_mid_run
     stopped = "replica b (port 8002) stopped"
     assert printed.index(stopped) == expected.index(stopped) == 4, printed  # after steps 0 and 1
     got, want = steps(proc.stdout), steps(shown.text)
-    assert [(n, rows) for n, _, rows in got] == [(n, rows) for n, _, rows in want] and len(got) == 6, printed
+    assert [(n, rows) for n, _, rows in got] == [(n, rows) for n, _, rows in want] and len(got) == 4, printed
     assert [loss for _, loss, _ in got] == pytest.approx([loss for _, loss, _ in want], abs=2e-4), printed
+    print("\n".join(printed))
