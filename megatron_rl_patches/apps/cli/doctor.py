@@ -15,6 +15,7 @@ from megatron_rl_patches._json_read import parsed_json
 from megatron_rl_patches._variables import OPD_PREFIX, TEACHER_API_KEY, VERL_TEACHER
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG
 from megatron_rl_patches.apps.cli.doctor_summary import summary_lines, summary_of
+from megatron_rl_patches.apps.cli.doctor_verl import verl_teacher_report
 from megatron_rl_patches.apps.cli.targets import STATUS_HELP, find_module, shown_status
 from megatron_rl_patches.integrations import default_registry
 from megatron_rl_patches.integrations.megatron import version as megatron_version
@@ -161,8 +162,11 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
         problems += found
     except ValueError as exc:
         problems.append(str(exc))
-    try:  # verl's served teacher is read where verl runs (httpx, torch); its URL's user refused here too
+    try:  # verl's served teacher: its URL's user refused, then its servers asked as slime's (each replica)
         refuse_userinfo(os.environ.get(VERL_TEACHER, ""), VERL_TEACHER)
+        found, checked = verl_teacher_report()
+        problems += found
+        environment["teachers_checked"] += checked
     except ValueError as exc:
         problems.append(str(exc))
     try:
