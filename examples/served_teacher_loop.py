@@ -18,10 +18,15 @@ venv`); --vllm-python names vLLM's own (its CPU build in another venv: `make tes
     # beside the top-k teacher (or, without --url / --vllm-python, alone) an in-process teacher:
     .venv/bin/python examples/served_teacher_loop.py --vllm-python .lanes/vllm/bin/python --in-process [--tp 2]
     # (a server started with an API key: the key in $MEGATRON_RL_PATCHES_TEACHER_API_KEY)
+    # a teacher's replicas: their URLs joined by '|'; --pause gives time to stop one by hand mid-run
+    .venv/bin/python examples/served_teacher_loop.py --url 'http://127.0.0.1:8001|http://127.0.0.1:8002' --pause 5
+    # the tiny teacher alone (a directory vLLM's CPU build serves), for servers of your own
+    .venv/bin/python examples/served_teacher_loop.py --save-teacher /tmp/tiny-teacher
 
 With --vllm-python the example writes a tiny random Qwen3 teacher (1001 words, its tokenizer
-beside it: it needs transformers and tokenizers) and serves it on 127.0.0.1 for the run (about a
-minute to start on CPU; with --head as a pooling server). Each step:
+beside it: it needs transformers and tokenizers) and serves it on 127.0.0.1 for the run (up to 2
+minutes to start on CPU, said when it starts; with --head as a pooling server). Each step's line is
+printed when the step ends. Each step:
 
 1. The served teacher is built from its entry (`build_teachers("URL;engine=vllm;same_tokenizer;
    vocab=N", host, top_k=K)`: the entry grammar of MEGATRON_RL_PATCHES_OPD_TEACHERS, connected by
@@ -71,8 +76,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -191,13 +198,19 @@ def student_forward(student: torch.nn.Module, tokens: torch.Tensor, **processor:
     return student(tokens, positions, causal, **processor)
 
 
+def step_line(record: dict) -> str:
+    """A step's line of the table `run` prints: its index, loss and response rows."""
+    return f"{record['step']:>4}  {record['loss']:>8.4f}  {record['rows']:>4}"
+
+
 def train(rank: int, world_size: int, url: str | None, vocab_size: int, steps: int, seed: int,
           on_loss: Callable[[StepInputs], Any] | None = None, in_process: bool = False,
-          head: str | None = None) -> list[dict]:
+          head: str | None = None, pause: float = 0.0, echo: bool = False) -> list[dict]:
     """What every rank runs: the student at tensor parallelism `world_size`, `steps` steps against
     the server at `url` (None: none) and, with `in_process`, an in-process teacher beside it; with
     `head` (the teacher's directory; `url` a pooling server) the whole-vocabulary divergence.
-    Returns per step its loss, the rows scored and what `on_loss` gave."""
+    With `echo` rank 0 prints each step's line when the step ends; `pause` seconds pass between
+    steps. Returns per step its loss, the rows scored and what `on_loss` gave."""
     from megatron.core import parallel_state
 
     import megatron_rl_patches
@@ -258,17 +271,22 @@ def train(rank: int, world_size: int, url: str | None, vocab_size: int, steps: i
             loss.backward()
             optimizer.step()
             records.append({"step": step, "loss": loss.item(), "rows": int(rows.sum()), "checked": checked})
+            if echo and rank == 0:
+                print(step_line(records[-1]), flush=True)
+            if pause and step + 1 < steps:
+                time.sleep(pause)  # time to stop a replica (or a server) by hand and watch the next step
     return records
 
 
 def main(url: str | None, vocab_size: int, tp: int = 1, steps: int = STEPS, seed: int = 0,
          on_loss: Callable[[StepInputs], Any] | None = None, in_process: bool = False,
-         head: str | None = None) -> list[dict]:
-    """Train at tensor parallelism `tp` (1 or 2 gloo ranks) against the server at `url` and, with
-    `in_process`, an in-process teacher (alone where `url` is None); with `head` (the teacher's
-    Hugging Face directory, `url` its pooling server) the whole-vocabulary divergence instead of
-    top-k. Returns rank 0's records (every rank computes the same loss). `on_loss` must be
-    importable (it runs in the ranks)."""
+         head: str | None = None, pause: float = 0.0, echo: bool = False) -> list[dict]:
+    """Train at tensor parallelism `tp` (1 or 2 gloo ranks) against the server at `url` (a
+    teacher's replicas: their URLs joined by '|') and, with `in_process`, an in-process teacher
+    (alone where `url` is None); with `head` (the teacher's Hugging Face directory, `url` its
+    pooling server) the whole-vocabulary divergence instead of top-k. `pause`: seconds between
+    steps; `echo`: each step's line printed when it ends. Returns rank 0's records (every rank
+    computes the same loss). `on_loss` must be importable (it runs in the ranks)."""
     from megatron_rl_patches.testing.multirank import run_multirank
 
     for name, value, low in (("tp", tp, 1), ("steps", steps, 1), ("seed", seed, 0), ("vocab_size", vocab_size, K)):
@@ -278,12 +296,15 @@ def main(url: str | None, vocab_size: int, tp: int = 1, steps: int = STEPS, seed
             raise ValueError(f"{name} must be >= {low}, got {value}")
     if not isinstance(in_process, bool):
         raise TypeError(f"in_process must be True or False, got {in_process!r}")
+    if isinstance(pause, bool) or not isinstance(pause, (int, float)) or not math.isfinite(pause) or pause < 0:
+        raise ValueError(f"pause must be a finite number of seconds >= 0, got {pause!r}")
     if url is None and not in_process:
         raise ValueError("no teacher: pass a server's url, or in_process=True (an in-process teacher alone)")
     if head is not None and (url is None or in_process or not isinstance(head, str) or not head):
         raise ValueError(f"head={head!r}: the whole-vocabulary route takes the teacher's Hugging Face directory (a "
                          "str) beside its pooling server's url, without in_process")
-    ranks = run_multirank(train, tp, url, vocab_size, steps, seed, on_loss, in_process, head, timeout=600)
+    ranks = run_multirank(train, tp, url, vocab_size, steps, seed, on_loss, in_process, head, pause, echo,
+                          timeout=600 + pause * steps)
     return ranks[0]
 
 
@@ -298,16 +319,24 @@ def tiny_teacher(directory: str, vocab_size: int) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    """The run the command line asks for: its header, then each step's line as the step ends."""
     served = "a served teacher's whole vocabulary (its head)" if args.head else f"a served teacher's top-{K} + tail"
+    replicas = 0 if args.url is None else len(args.url.split("|"))
+    if replicas > 1:
+        served += f" ({replicas} replicas)"
     teachers = [served] * (args.url is not None) + [f"an in-process teacher's top-{K} + tail"] * args.in_process
     print(f"student GPT (vocab {args.vocab_size}, padded to {padded(args.vocab_size, args.tp)}) at TP={args.tp}, "
           f"{' and '.join(teachers)}, {len(LENGTHS)} samples a step, Adam lr {LR}")
-    records = main(args.url, args.vocab_size, args.tp, args.steps, args.seed, in_process=args.in_process,
-                   head=args.head or None)
-    print(f"{'step':>4}  {'loss':>8}  {'rows':>4}")
-    for record in records:
-        print(f"{record['step']:>4}  {record['loss']:>8.4f}  {record['rows']:>4}")
-    return records
+    print(f"{'step':>4}  {'loss':>8}  {'rows':>4}", flush=True)
+    return main(args.url, args.vocab_size, args.tp, args.steps, args.seed, in_process=args.in_process,
+                head=args.head or None, pause=args.pause, echo=True)
+
+
+def save_teacher(directory: str, vocab_size: int) -> None:
+    """`--save-teacher DIR`: the example's tiny teacher written to DIR, for a server of your own."""
+    tiny_teacher(directory, vocab_size)
+    print(f"{directory}: a tiny random Qwen3 teacher ({vocab_size} words; config.json, model.safetensors, "
+          "tokenizer.json), small enough for vLLM's CPU build to serve")
 
 
 if __name__ == "__main__":
@@ -315,6 +344,7 @@ if __name__ == "__main__":
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--url", help="a running server of a model with the student's tokenizer")
     where.add_argument("--vllm-python", help="vLLM's interpreter: serve a tiny teacher for the run")
+    where.add_argument("--save-teacher", metavar="DIR", help="only write the tiny teacher to DIR (for vLLM to serve)")
     parser.add_argument("--in-process", action="store_true", help="an in-process teacher beside (or instead of) it")
     parser.add_argument("--head", nargs="?", const="", default=None, metavar="DIR",
                         help="the whole vocabulary: a pooling server's hidden states through the teacher's head (with "
@@ -323,7 +353,14 @@ if __name__ == "__main__":
     parser.add_argument("--tp", type=int, default=1, choices=(1, 2))
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pause", type=float, default=0.0, metavar="SECONDS",
+                        help="wait between steps (time to stop a replica by hand and watch the run go on)")
     cli = parser.parse_args()
+    if cli.save_teacher is not None:
+        save_teacher(cli.save_teacher, cli.vocab_size)
+        raise SystemExit(0)
+    if not (math.isfinite(cli.pause) and cli.pause >= 0):
+        parser.error(f"--pause takes seconds >= 0, got {cli.pause}")
     if cli.head is not None and cli.in_process:
         parser.error("--head is the served teacher's whole vocabulary: run it without --in-process")
     if cli.vllm_python is None:
@@ -339,7 +376,11 @@ if __name__ == "__main__":
             tiny_teacher(os.path.join(root, "teacher"), cli.vocab_size)
             if cli.head is not None:  # the example's own teacher, served by a pooling server
                 cli.head = os.path.join(root, "teacher")
-            with vllm_server(cli.vllm_python, os.path.join(root, "teacher"), os.path.join(root, "vllm.log"),
+            log = os.path.join(root, "vllm.log")
+            print(f"starting a vLLM server of the tiny teacher ({'a pooling server, ' if cli.head else ''}up to 2 "
+                  f"minutes on CPU; its log: {log})", flush=True)
+            with vllm_server(cli.vllm_python, os.path.join(root, "teacher"), log,
                              extra=POOLING if cli.head else ()) as server:
+                print(f"served at {server.url}", flush=True)
                 cli.url = server.url
                 run(cli)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.teachers.context import context_ids
+from megatron_rl_patches.teachers.context import context_ids, id_tensor
 
 
 def unwrapped(value: Any) -> Any:
@@ -39,7 +39,7 @@ def field_contexts(values: Sequence[Any], key: str, where: str, tokenizer: Any =
             ids[sample] = value.detach().cpu()
         elif isinstance(value, (list, tuple)) and all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
                                                       for v in value):
-            ids[sample] = torch.tensor([int(v) for v in value], dtype=torch.long)
+            ids[sample] = id_tensor([int(v) for v in value], f"{where}: sample {sample}'s context under {key!r}")
         else:
             raise TypeError(f"{where}: sample {sample}'s context under {key!r} must be text or the teacher's ids (a "
                             f"1-D integer list, array or tensor), got {type(value).__name__}")
@@ -48,7 +48,7 @@ def field_contexts(values: Sequence[Any], key: str, where: str, tokenizer: Any =
             first = min(texts)
             raise ValueError(f"{where}: sample {first}'s context under {key!r} is text and no teacher tokenizer is "
                              "named to tokenize it: name the teacher's tokenizer, or store the context as ids")
-        for sample, one in zip(texts, context_ids(list(texts.values()), tokenizer)):
+        for sample, one in zip(texts, context_ids(list(texts.values()), tokenizer, samples=list(texts))):
             ids[sample] = one
     for sample, one in enumerate(ids):
         if one.dim() != 1 or one.dtype.is_floating_point or one.dtype == torch.bool:

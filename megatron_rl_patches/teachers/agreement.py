@@ -3,12 +3,15 @@ step failed, every rank raises the same error, so no healthy rank waits in a lat
 `agreed_views` is the same exchange carrying each rank's view of the step (its groups, its
 vocabulary, its call's arguments), for the checks that must compare the ranks; a caller's own bad
 call (`own=True`) is raised on every rank as its own kind (TypeError, ValueError, RuntimeError).
+`agree_teacher` compares the ranks' teachers (`teacher_identity`) before a direct
+`ServedTeacher.score(batch, group=...)` asks anything.
 The exchange is the agreement home's (`ops.agreement.gathered_objects`: its device rule)."""
 from __future__ import annotations
 
 from typing import Any
 
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
+from megatron_rl_patches.teachers.teacher_identity import URLS, identity_difference, teacher_identity
 
 JOINED_BY_NONE = {"TeacherStep.collect"}
 OWN_KINDS: dict[str, type[Exception]] = {kind.__name__: kind for kind in (TypeError, ValueError, RuntimeError)}
@@ -52,6 +55,25 @@ def agreed_views(error: BaseException | None, group: object, view: Any, *, own: 
     kind = ServedTeacherRefusal if refusal else ServedTeacherError
     others = f" ({len(failed)} of {len(gathered)} ranks failed)" if len(failed) > 1 else ""
     raise kind(f"served teacher failed on rank {rank} of the group{others}: {words}", url, sample) from error
+
+
+def agree_teacher(teacher: Any, group: object, where: str = "ServedTeacher.score") -> None:
+    """Every rank of `group` holds the same served teacher (its URLs, engine, top-k, temperature, head
+    and context key: `teacher_identity`), else the same ValueError on every rank naming each rank's
+    value of the first field that differs; nothing without a group. One object all-gather, before
+    anything is asked (each rank would otherwise score with its own teacher, a mix of teachers
+    over the group). The batches are not compared: a data-parallel group's ranks score their own."""
+    if group is None or not distributed():
+        return
+    import torch.distributed as dist  # lazy: import cost: torch only when a group is given
+
+    mine = teacher_identity(teacher, served=True)
+    views = agreed_views(None, group, {"call": where, "rank": dist.get_rank(), "teacher": mine})
+    differs = identity_difference([view["rank"] for view in views], [[view["teacher"]] for view in views], one=True)
+    if differs:
+        field, words = differs
+        raise ValueError(f"{where}(group=...): {words}: build the same teacher on every rank of the group"
+                         + (" (its replicas: all of them on every rank, joined by '|')" if field == URLS else ""))
 
 
 def check_calls(views: list[Any]) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.teachers.batch import TeacherBatch
+from megatron_rl_patches.teachers.finite import int64_id, utf8_text
 
 WHERE = "with_context"
 OCCURRENCES = ("only", "first", "last")
@@ -29,7 +30,8 @@ def with_context(batch: TeacherBatch, contexts: Sequence[torch.Tensor], *, vocab
     `response_starts[i] = len(contexts[i])`. `vocab_size`: the teacher's vocabulary (ids at or past
     it refused); `max_length`: the teacher's length budget per sample (e.g. the server's
     max_model_len), a longer sample refused before anything is sent. The caller's tensors are
-    read only (each context is cast to the response's dtype and device in a new tensor)."""
+    read only. The teacher's sequence keeps the response's dtype and device (each context cast to
+    them in a new tensor): an id that dtype cannot hold is refused before anything is cast."""
     if not isinstance(batch, TeacherBatch):
         raise TypeError(f"{WHERE}(batch=...) takes the student's TeacherBatch, got {type(batch).__name__}")
     check_budget("vocab_size", vocab_size, "the teacher's vocabulary size")
@@ -37,8 +39,8 @@ def with_context(batch: TeacherBatch, contexts: Sequence[torch.Tensor], *, vocab
     contexts = context_list(contexts, len(batch))
     sequences, starts = [], []
     for sample, context in enumerate(contexts):
-        check_context(sample, context, vocab_size)
         response = batch.sequences[sample][batch.response_starts[sample]:]
+        check_context(sample, context, vocab_size, response.dtype)
         if max_length is not None and len(context) + len(response) > max_length:
             raise ValueError(f"{WHERE}: sample {sample}'s context ({len(context)} ids) and response ({len(response)} "
                              f"ids) make {len(context) + len(response)} ids, past max_length={max_length} (the "
@@ -66,8 +68,11 @@ def context_list(contexts: object, samples: int) -> list[Any]:
     return list(contexts)
 
 
-def check_context(sample: int, context: object, vocab_size: int | None) -> None:
-    """Sample `sample`'s context: a non-empty 1-D integer id tensor of ids in [0, vocab_size)."""
+def check_context(sample: int, context: object, vocab_size: int | None, dtype: torch.dtype | None = None,
+                  names: tuple[str, str] = ("contexts", "response")) -> None:
+    """Sample `sample`'s context: a non-empty 1-D integer id tensor of ids in [0, vocab_size),
+    each one `dtype` holds (the dtype it is cast to: the sequence's it joins; `names`: how the
+    messages name the contexts and that sequence)."""
     if context is None:
         raise ValueError(f"{WHERE}(contexts=...): sample {sample} has no context (None): give every sample its "
                          "context, or score that teacher without one")
@@ -87,33 +92,67 @@ def check_context(sample: int, context: object, vocab_size: int | None) -> None:
     if vocab_size is not None and high >= vocab_size:
         raise ValueError(f"{WHERE}(contexts=...): contexts[{sample}] holds id {high}, past the teacher's vocabulary "
                          f"of {vocab_size}: tokenize the context with the teacher's tokenizer")
+    if dtype is not None and high > torch.iinfo(dtype).max:  # checked before the cast, which would wrap it
+        given, joined = names
+        raise ValueError(f"{given}[{sample}] holds id {high}, which the {joined}'s dtype {dtype} cannot hold (ids up "
+                         f"to {torch.iinfo(dtype).max}): the teacher's sequence keeps the {joined}'s dtype; give the "
+                         "student's sequences as int64 (or a dtype holding the teacher's vocabulary)")
 
 
-def context_ids(texts: Sequence[str], tokenizer: Any, *, add_special_tokens: bool = False) -> list[torch.Tensor]:
+def id_tensor(values: Sequence[Any], where: str) -> torch.Tensor:
+    """Ids given as ints (a list or tuple) as an int64 tensor; one outside int64 refused naming
+    `where` (torch's bare "Overflow when unpacking long long" otherwise)."""
+    try:
+        return torch.tensor(list(values), dtype=torch.long)
+    except (RuntimeError, OverflowError, ValueError, TypeError):
+        for value in values:
+            int64_id(int(value), where)
+        raise
+
+
+def context_ids(texts: Sequence[str], tokenizer: Any, *, add_special_tokens: bool = False,
+                samples: Sequence[int] | None = None) -> list[torch.Tensor]:
     """Text contexts, one per sample, as the teacher's ids (int64): `tokenizer` a
     `tokenizers.Tokenizer`, a tokenizer.json path or a checkpoint directory holding one. No special
-    tokens are added unless `add_special_tokens=True` (a chat template's own markers are text)."""
+    tokens are added unless `add_special_tokens=True` (a chat template's own markers are text).
+    `samples`: the sample each text is (where the texts are some samples' only, the others' given
+    as ids), for the messages; None: texts[i] is sample i."""
     # lazy: optional dependency tokenizers (text contexts only)
     from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
 
     if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
         raise TypeError(f"context_ids(texts=...) takes a list of strings, one per sample, got {type(texts).__name__}")
-    for sample, text in enumerate(texts):
+    if not isinstance(add_special_tokens, bool):
+        raise TypeError(f"context_ids(add_special_tokens=...) must be a bool (whether the tokenizer's template adds "
+                        f"its special tokens), got {type(add_special_tokens).__name__}")
+    named = text_names(len(texts), samples)
+    for i, text in enumerate(texts):
         if text is None:
-            raise ValueError(f"context_ids(texts=...): sample {sample} has no context (None): give every sample its "
-                             "context text")
+            raise ValueError(f"context_ids(texts=...): sample {i if samples is None else samples[i]} has no context "
+                             "(None): give every sample its context text")
         if not isinstance(text, str):
-            raise TypeError(f"context_ids(texts=...): texts[{sample}] must be a str, got {type(text).__name__}")
+            raise TypeError(f"context_ids(texts=...): {named[i]} must be a str, got {type(text).__name__}")
         if not text:
-            raise ValueError(f"context_ids(texts=...): texts[{sample}] is empty: give that sample its context text")
+            raise ValueError(f"context_ids(texts=...): {named[i]} is empty: give that sample its context text")
+        utf8_text(text, f"context_ids(texts=...): {named[i]}")  # the tokenizers library's bare TypeError otherwise
     read = load_tokenizer(tokenizer, "context_ids(tokenizer=...)")
     encoded = read.encode_batch(list(texts), add_special_tokens=add_special_tokens)
     ids = [torch.tensor(one.ids, dtype=torch.long) for one in encoded]
-    for sample, one in enumerate(ids):
+    for i, one in enumerate(ids):
         if not one.numel():
-            raise ValueError(f"context_ids(texts=...): texts[{sample}] tokenizes to no ids: give that sample a context "
-                             "the teacher's tokenizer reads")
+            raise ValueError(f"context_ids(texts=...): {named[i]} tokenizes to no ids: give that sample a context the "
+                             "teacher's tokenizer reads")
     return ids
+
+
+def text_names(count: int, samples: Sequence[int] | None) -> list[str]:
+    """How `context_ids`' messages name each of `count` texts: texts[i], or sample n's text."""
+    if samples is None:
+        return [f"texts[{i}]" for i in range(count)]
+    if isinstance(samples, (str, bytes)) or not isinstance(samples, Sequence) or len(samples) != count:
+        raise ValueError(f"context_ids(samples=...) must name the sample of each of the {count} texts (a list of "
+                         f"{count} ints), or be None")
+    return [f"sample {n}'s text" for n in samples]
 
 
 def placed_before(batch: TeacherBatch, privileged: Sequence[torch.Tensor], marker: Sequence[int] | torch.Tensor, *,
@@ -131,8 +170,8 @@ def placed_before(batch: TeacherBatch, privileged: Sequence[torch.Tensor], marke
     privileged = context_list(privileged, len(batch))
     contexts = []
     for sample, ids in enumerate(privileged):
-        check_context(sample, ids, None)
         prompt = batch.sequences[sample][:batch.response_starts[sample]]
+        check_context(sample, ids, None, prompt.dtype, ("privileged", "prompt"))
         at = marker_at(sample, prompt, wanted, occurrence)
         contexts.append(torch.cat([prompt[:at], ids.to(device=prompt.device, dtype=prompt.dtype), prompt[at:]]))
     return contexts
@@ -147,7 +186,7 @@ def marker_ids(marker: object) -> torch.Tensor:
         ids = marker.to(torch.long).cpu()
     elif isinstance(marker, Sequence) and not isinstance(marker, (str, bytes)) \
             and all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in marker):
-        ids = torch.tensor(list(marker), dtype=torch.long)
+        ids = id_tensor(marker, "placed_before(marker=...)")
     else:
         raise TypeError(f"placed_before(marker=...) must be the marker's ids (a 1-D integer tensor or a list of ints), "
                         f"got {type(marker).__name__} (text: tokenize it with context_ids([text], tokenizer)[0])")

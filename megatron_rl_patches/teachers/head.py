@@ -5,6 +5,7 @@ the teacher's whole distribution: the fused ops (`lm_head_log_probs_and_entropy`
 `lm_head_topk_ids`, `lm_head_topk_logprobs`, `lm_head_divergence`) project them tile by tile."""
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from megatron_rl_patches.inference.loading.hf.files import TensorEntry, safe_ope
 from megatron_rl_patches.inference.loading.hf.model import padded_vocab
 from megatron_rl_patches.ops.agreement import agree, local_error
 from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy, lm_head_topk_ids, lm_head_topk_logprobs
+from megatron_rl_patches.teachers.finite import INT64_MAX, finite, shown
 from megatron_rl_patches.teachers.head_fingerprint import HeadFacts, checkpoint_fingerprint, compare_heads
 from megatron_rl_patches.teachers.head_transforms import head_logit_scale
 
@@ -48,6 +50,9 @@ class TeacherHead:
     checkpoint_dtype: torch.dtype | None = None  # the checkpoint's own (a served model's, usually)
     logit_scale: float = 1.0  # the engine's logits multiplier, already in `weight` (teachers.head_transforms)
     fingerprint: str = ""  # of the checkpoint read (teachers.head_fingerprint); "" for a head built by hand
+
+    def __post_init__(self) -> None:
+        check_head_fields(self)
 
     @property
     def hidden_size(self) -> int:
@@ -142,6 +147,31 @@ class TeacherHead:
         assert weight is not None
         return cls(weight, plan.vocab_size, plan.padded, plan.first, tp_group, str(plan.root), plan.own_dtype,
                    plan.scale, plan.fingerprint)
+
+
+def check_head_fields(head: TeacherHead) -> None:
+    """A head built by hand, checked as `from_hf` builds one: a 2-D floating weight, its rows
+    within the padded vocabulary, the real vocabulary within it, each count an int a tensor
+    holds (int64), a finite non-zero logit scale; TypeError / ValueError naming the field."""
+    weight = head.weight
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.dtype.is_floating_point:
+        shown_weight = f"a tensor of shape {tuple(weight.shape)} and dtype {weight.dtype}" \
+            if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise TypeError(f"TeacherHead(weight=...) must be a 2-D floating tensor [V_local, H] (the output layer's "
+                        f"rows), got {shown_weight}")
+    for name, low in (("vocab_size", 1), ("padded_vocab_size", 1), ("first_id", 0)):
+        value = getattr(head, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= int(value) <= INT64_MAX:
+            raise ValueError(f"TeacherHead({name}={shown(value)}) must be an int in [{low}, int64's largest]")
+    if head.vocab_size > head.padded_vocab_size:
+        raise ValueError(f"TeacherHead(vocab_size={head.vocab_size}) is past padded_vocab_size="
+                         f"{head.padded_vocab_size}: the padded vocabulary holds the real one")
+    if head.first_id + weight.shape[0] > head.padded_vocab_size:
+        raise ValueError(f"TeacherHead: the weight's rows {head.first_id}..{head.first_id + weight.shape[0]} "
+                         f"(first_id + its {weight.shape[0]} rows) are past padded_vocab_size={head.padded_vocab_size}")
+    if not finite(head.logit_scale) or head.logit_scale == 0:
+        raise ValueError(f"TeacherHead(logit_scale={shown(head.logit_scale)}) must be a finite non-zero number (the "
+                         "engine's logits multiplier, already in the weight)")
 
 
 def group_position(group: Any) -> tuple[int, int]:

@@ -1,6 +1,8 @@
 """What errors, logs and `doctor` may show of a URL, a teacher entry or a setting of several
 (`redacted`), whether one carries a user or password (`has_userinfo`, `refuse_userinfo`), and a
-served teacher's API key taken out of what a server said (`without_key`). URLs are read on the raw text, before
+served teacher's API key taken out of what a server said (`without_key`) and out of every message
+the served client builds, whatever the reply's status (`scrubbed`: the live keys, read from the
+variables the clients read them from). URLs are read on the raw text, before
 anything splits or parses it: a password may hold what splits a setting or an entry (',' between
 entries, '|' between replicas, ';' before options, white space around them) or ends a parsed
 authority early ('/', '#', '@'). Standard library only (and the leaf `_variables`).
@@ -11,10 +13,18 @@ no user; an '@' after it is a password's only where it is not in an option's val
 may name a path holding '@') and a host follows it — so a password of digits before a
 separator (`bob:1234,5678@host`) is still found. Anything else before an '@' is a user or
 password up to the last '@' a host follows (or the last '@') before the next URL whose authority
-is plain. Redacting more than the password is harmless; showing a piece of it is not."""
+is plain. Redacting more than the password is harmless; showing a piece of it is not.
+
+The key's rule: no message holds `KEY_PIECE` (8) characters of the key in a row, nor the whole of a
+shorter key, as written or escaped (JSON, repr). A server may cut or split what it quotes, and the
+client cuts the fields it quotes (30 to 200 characters): every piece of 8 or more is hidden wherever
+it stands, so a cut shows at most 7 characters of the key at the cut."""
 from __future__ import annotations
 
+import json
+import os
 import re
+from typing import Any
 
 from megatron_rl_patches._variables import TEACHER_API_KEY
 
@@ -28,6 +38,9 @@ OPTION_VALUE = re.compile(r"\s*[A-Za-z_][A-Za-z0-9_]*\s*=")  # `name=` after a '
 AT = re.compile("@")
 BEARER = re.compile(r"(?i)(\bbearer\s+)\S+")
 KEY_PIECE = 8  # a piece of the API key this long is hidden wherever a server quotes it
+# the environment variables a served teacher's API key is read from: the default one, and each
+# `ClientSettings(api_key_env=...)` a client was built with (`key_variable`)
+KEY_VARIABLES = {TEACHER_API_KEY}
 
 
 def userinfo_spans(text: str) -> list[tuple[int, int]]:
@@ -92,9 +105,51 @@ def without_key(text: str, key: str | None) -> str:
     """What a server said, without the API key: every piece of `key` of 8 characters or more (or
     the whole of a shorter key; a server may cut what it quotes) and the value of every
     `Bearer <value>` replaced by '***', before the text is quoted or cut."""
-    text = BEARER.sub(lambda match: match.group(1) + HIDDEN, text)
+    return key_hidden(BEARER.sub(lambda match: match.group(1) + HIDDEN, text), key)
+
+
+def key_variable(name: str) -> None:
+    """Note `name` as a variable an API key is read from: its value is hidden by `scrubbed`."""
+    KEY_VARIABLES.add(name)
+
+
+def live_keys() -> list[str]:
+    """The API keys the environment holds now, in every variable a client reads one from."""
+    return [key for key in (os.environ.get(name) for name in sorted(KEY_VARIABLES)) if key]
+
+
+def scrubbed(text: str) -> str:
+    """`text` without any piece of a live API key (`live_keys`; the module's rule): every message
+    the served client builds (`ServedTeacherError`), every line `doctor` shows."""
+    for key in live_keys():
+        text = key_hidden(text, key)
+    return text
+
+
+def scrubbed_all(value: Any) -> Any:
+    """`value` (str, or dicts and lists of them: a JSON-ready report) with every str `scrubbed`."""
+    if isinstance(value, str):
+        return scrubbed(value)
+    if isinstance(value, dict):
+        return {scrubbed_all(name): scrubbed_all(item) for name, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(scrubbed_all(item) for item in value)
+    return value
+
+
+def key_hidden(text: str, key: str | None) -> str:
+    """`text` with every piece of `key` (as written, JSON- or repr-escaped) of `KEY_PIECE`
+    characters or more, or the whole of a shorter key, replaced by '***'."""
     if not key:
         return text
+    for written in dict.fromkeys((key, json.dumps(key)[1:-1], repr(key)[1:-1])):
+        text = pieces_hidden(text, written)
+    return text
+
+
+def pieces_hidden(text: str, key: str) -> str:
+    """`text` with every piece of `key` of `KEY_PIECE` characters or more (the whole of a shorter
+    key) replaced by '***', each as long as it goes on."""
     shortest = min(len(key), KEY_PIECE)
     windows = {key[i:i + shortest] for i in range(len(key) - shortest + 1)}
     pieces, done, i = [], 0, 0

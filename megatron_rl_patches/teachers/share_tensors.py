@@ -1,15 +1,20 @@
 """A step's served results, moved from the asking rank to its sharing group as tensors
 (`shared_results`): never pickled.
 
-Three steps, all broadcasts from the group's first rank on the group's device
-(`ops.agreement.group_device`: the host for gloo, the current CUDA device for NCCL):
+Three steps, all on the group's device (`ops.agreement.group_device`: the host for gloo, the
+current CUDA device for NCCL):
 
-1. the layout's length (one int64), then the layout (int64s): per teacher its index and kind (a
-   `BatchScores`, or a list of per-sample tensors such as a head's hidden states), per field
-   whether it is there, per sample its dtype code, device, rank and shape; or, when the asking
-   rank cannot pack its results, an error code and its message, raised alike on every rank;
-2. one flat buffer per dtype present (every tensor of that dtype, flattened end to end; a 1-byte
-   dtype such as fp8 or bool travels viewed as uint8), filled in place on the asking rank;
+1. one int64 all-gather of two words per rank: the asking rank's layout length, and each other
+   rank's word on its own arguments (results passed where None is due): every rank's mistake is
+   known to every rank before anything else moves; then the layout (int64s, broadcast from the
+   group's first rank): per teacher its index and kind (a `BatchScores`, or a list of per-sample
+   tensors such as a head's hidden states), per field whether it is there, per sample its dtype
+   code, device, rank and shape; or, when the asking rank cannot pack its results (anything wrong
+   with them: no dict, a teacher index that is no int64, a tensor that cannot travel), an error
+   code and its message, raised alike on every rank;
+2. one flat buffer per dtype present (every tensor of that dtype, flattened end to end), filled in
+   place on the asking rank and broadcast; a dtype a backend refuses (gloo and NCCL: int16; fp8,
+   bool) travels as its bytes (`wire`);
 3. on the other ranks each tensor a view of its dtype's buffer, placed where the asking rank held
    it (on the host, or on the current CUDA device).
 
@@ -18,18 +23,23 @@ types (list or tuple, dtype, shape)."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches.ops.agreement import group_device, on_device
+from megatron_rl_patches.ops.agreement import gathered, group_device, on_device
 from megatron_rl_patches.teachers.contract import BatchScores
 
 # the dtypes that travel, by code (a code is a position here, the same on every rank)
 DTYPES: tuple[torch.dtype, ...] = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
                                    torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
                                    torch.float8_e4m3fn, torch.float8_e5m2)
+# the dtypes gloo and NCCL broadcast as themselves; any other travels as its bytes (uint8)
+NATIVE: tuple[torch.dtype, ...] = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                                   torch.int32, torch.int8, torch.uint8)
+INT64_END = 2 ** 63
 SCORES, ROWS = 0, 1  # a teacher's result: BatchScores, or a list / tuple of per-sample tensors
 LIST, TUPLE, ABSENT = 0, 1, 2  # a field's container (ABSENT: a BatchScores field of None)
 HOST, CUDA = 0, 1  # where a tensor is held
@@ -62,17 +72,36 @@ class Layout:
             self.tensors.append(tensor)
 
 
-def layout_of(served: dict[int, Any]) -> Layout:
-    """The layout of the asking rank's results (TypeError for anything that cannot travel)."""
+def teacher_index(index: object) -> int:
+    """A result's key: a teacher's position in the step, an int of int64's non-negative range."""
+    try:
+        number = operator.index(index)  # type: ignore[arg-type]
+    except TypeError:
+        number = None
+    if number is None or isinstance(index, bool):
+        raise TypeError(f"shared_results(served=...): teacher index {index!r} is no int: key each result by its "
+                        "teacher's position in the step")
+    if not 0 <= number < INT64_END:
+        raise ValueError(f"shared_results(served=...): teacher index {number} is outside 0 .. 2**63 - 1: key each "
+                         "result by its teacher's position in the step")
+    return number
+
+
+def layout_of(served: object) -> Layout:
+    """The layout of the asking rank's results (TypeError / ValueError for anything that cannot travel)."""
+    if not isinstance(served, dict):
+        raise TypeError(f"shared_results(served=...) on the asking rank must be a dict {{teacher index: result}}, "
+                        f"got {type(served).__name__}")
     layout = Layout()
     layout.values.append(len(served))
-    for index, result in served.items():
+    for key, result in served.items():
+        index = teacher_index(key)
         if isinstance(result, BatchScores):
-            layout.values += [int(index), SCORES]
+            layout.values += [index, SCORES]
             for name in FIELDS:
                 layout.container(f"teacher {index}'s scores.{name}", getattr(result, name))
         elif isinstance(result, (list, tuple)):
-            layout.values += [int(index), ROWS]
+            layout.values += [index, ROWS]
             layout.container(f"teacher {index}'s result", result)
         else:
             raise TypeError(f"teacher {index}'s result is a {type(result).__name__}: only BatchScores or a list of "
@@ -136,42 +165,70 @@ def buffers_of(tensors: list[tuple[int, int, int, tuple[int, ...]]], device: tor
 
 
 def wire(buffer: torch.Tensor) -> torch.Tensor:
-    """What a buffer travels as: itself, or (a 1-byte dtype a backend may not know: fp8, bool) its uint8 view."""
-    return buffer.view(torch.uint8) if buffer.element_size() == 1 and buffer.dtype != torch.uint8 else buffer
+    """What a buffer travels as: itself (a dtype every backend broadcasts), or its bytes (uint8):
+    int16 (gloo and NCCL refuse it), fp8, bool. A broadcast copies bits, so either arrives exact."""
+    return buffer if buffer.dtype in NATIVE else buffer.view(torch.uint8)
 
 
-def broadcast_layout(values: list[int] | None, src: int, group: Any, device: torch.device) -> list[int]:
-    """The asking rank's layout on every rank: its length, then itself (two small int64 broadcasts)."""
-    length = on_device(torch.tensor([len(values) if values is not None else 0], dtype=torch.int64), device)
-    dist.broadcast(length, src=src, group=group)
+STRAY = 1  # a receiving rank's word: it passed results where None is due
+
+
+def agreed_words(length: int, word: int, group: Any, device: torch.device) -> int:
+    """The asking rank's layout length, once every rank's word on its own arguments is known (one
+    int64 all-gather, the first collective): a receiving rank's stray results are the same
+    ValueError on every rank, naming it."""
+    words = gathered(group, on_device(torch.tensor([length, word], dtype=torch.int64), device))
+    strays = [position for position, told in enumerate(words) if int(told[1]) == STRAY]
+    if strays:
+        ranks = dist.get_process_group_ranks(group)
+        named = ", ".join(f"rank {ranks[position]}" for position in strays)
+        raise ValueError(f"shared_results: {named} of the group passed results (served=...) but only the group's "
+                         f"first rank (rank {ranks[0]}) shares: pass None on the others (they receive its results)")
+    return int(words[0][0])
+
+
+def broadcast_layout(values: list[int] | None, length: int, src: int, group: Any, device: torch.device) -> list[int]:
+    """The asking rank's layout (`length` int64s) on every rank: one int64 broadcast."""
     layout = on_device(torch.tensor(values, dtype=torch.int64), device) if values is not None else \
-        torch.empty(int(length.item()), dtype=torch.int64, device=device)
+        torch.empty(length, dtype=torch.int64, device=device)
     dist.broadcast(layout, src=src, group=group)
     return values if values is not None else layout.cpu().tolist()
+
+
+def packed(served: object, device: torch.device) -> tuple[list[int], dict[int, torch.Tensor], Exception | None]:
+    """On the asking rank: the layout of `served` and its dtypes' filled buffers, or (anything
+    wrong with them) the error layout and the error, to be raised alike on every rank."""
+    try:
+        layout = layout_of(served)
+        tensors, _ = described(layout.values)
+        buffers, offsets = buffers_of(tensors, device)
+        for (code, _, numel, _), offset, tensor in zip(tensors, offsets, layout.tensors):
+            buffers[code][offset: offset + numel].copy_(tensor.reshape(-1))
+        return layout.values, buffers, None
+    except Exception as error:  # noqa: BLE001 - the same error on every rank, sent in the layout
+        return error_layout(error), {}, error
 
 
 def shared_results(served: dict[int, Any] | None, group: Any) -> dict[int, Any]:
     """`served` (the asking rank's results by teacher index; None on the other ranks) on every rank
     of `group`, sent from its first rank as tensors (see the module's docstring). Every rank of the
-    group calls it; the asking rank gets `served` itself back."""
+    group calls it; the asking rank gets `served` itself back. A mistake on any rank (the asking
+    rank's results, another's stray ones) is the same error on every rank, none left waiting."""
+    position = dist.get_rank(group)
+    if position < 0:  # not a member: the group's collectives never wait for it
+        raise ValueError(f"shared_results: this rank ({dist.get_rank()}) is not in the group passed: pass its "
+                         "sharing group")
     device = group_device(group)
     src = dist.get_global_rank(group, 0)
-    asking = dist.get_rank(group) == 0
+    asking = position == 0
     values: list[int] | None = None
     buffers: dict[int, torch.Tensor] = {}
     failure: Exception | None = None
     if asking:
-        assert served is not None  # the asking rank holds the results
-        try:
-            layout = layout_of(served)
-            tensors, _ = described(layout.values)
-            buffers, offsets = buffers_of(tensors, device)
-            for (code, _, numel, _), offset, tensor in zip(tensors, offsets, layout.tensors):
-                buffers[code][offset: offset + numel].copy_(tensor.reshape(-1))
-            values = layout.values
-        except (TypeError, ValueError, RuntimeError) as error:  # the same error on every rank, after the layout
-            values, buffers, failure = error_layout(error), {}, error
-    values = broadcast_layout(values, src, group, device)
+        values, buffers, failure = packed(served, device)
+    length = agreed_words(len(values) if values is not None else 0, 0 if asking or served is None else STRAY,
+                          group, device)
+    values = broadcast_layout(values, length, src, group, device)
     if values and values[0] == ERROR:
         raise_error(values, failure)
     tensors, skeleton = described(values)

@@ -195,7 +195,7 @@ class TeacherStep:
         raised alike on every rank of the job group); with `projected=False` a head teacher's
         hidden states [R_i, H] per sample as the server sent them (full-vocabulary divergences
         take the states, not scores)."""
-        from megatron_rl_patches.teachers.step_views import check_collect, collect_view
+        from megatron_rl_patches.teachers.step_views import check_collect, collect_view, served_contexts
 
         batch, batches, pending, error, refused = self.batch, self.batches, self.pending, self.failed, self.refused
         self.batch, self.batches, self.pending, self.failed, self.refused = None, [], {}, None, None
@@ -228,7 +228,8 @@ class TeacherStep:
             error = failed
             for waiting in pending.values():
                 waiting.cancel()
-        check_collect(agreed_views(error, self.group, collect_view(projected, self.asker, batch)))
+        sent = served_contexts(self.teachers, batches)  # digests, compared before the asking rank's scores are shared
+        check_collect(agreed_views(error, self.group, collect_view(projected, self.asker, batch, sent=sent)))
         asked = [i for i, is_asked in enumerate(self.asynchronous) if is_asked]
         got.update(self.shared({i: got[i] for i in asked if i in got}))
         if not projected:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.teachers.batch import TeacherBatch
-from megatron_rl_patches.teachers.context import with_context
+from megatron_rl_patches.teachers.context import id_tensor, with_context
 from megatron_rl_patches.teachers.context_key import teacher_context
 
 WHERE = "TeacherStep.send(contexts=...)"
@@ -89,5 +89,5 @@ def as_ids(value: object, sample: int, key: str) -> Any:
         raise TypeError(f"{WHERE}: sample {sample}'s context under {key!r} is text: tokenize it with the teacher's "
                         "tokenizer first (teachers.context_ids(texts, tokenizer))")
     if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return torch.tensor(list(value), dtype=torch.long)
+        return id_tensor(value, f"{WHERE}: sample {sample}'s context under {key!r}")
     return value

@@ -1,10 +1,14 @@
 """What the ranks of a teacher step (`TeacherStep`) compare before its collectives, framework-free:
 when it is built, each rank's view (`built_view`: its global rank, the host's vocabulary, its
-sharing group's ranks and asking rank, its plan and its teachers' kinds; `absent_view` for a rank of
-the job that holds no step, such as slime's earlier pipeline stages) and, at each collect, its
-call's arguments (`collect_view`). `check_built` / `check_collect` refuse a disagreement with the
-same ValueError on every rank: each rank checks the same gathered views, so each raises alike,
-before any rank broadcasts to a group the others do not hold."""
+sharing group's ranks and asking rank, its plan, its teachers' kinds and identities:
+`teacher_identity`, a served teacher's URLs, engine, top-k, temperature and context key; `absent_view`
+for a rank of the job that holds no step, such as slime's earlier pipeline stages) and, at each
+collect, its call's arguments and a digest of each batch it sent (`collect_view`: the student's,
+and each privileged context's: a served teacher's context batch is scored by the asking rank
+alone, so a rank of its sharing group with other contexts would read scores of contexts it never
+passed). `check_built` / `check_collect` refuse a disagreement with the same ValueError on every
+rank: each rank checks the same gathered views, so each raises alike, before any rank broadcasts
+to a group the others do not hold (the asking rank's scores reach no rank whose batch differs)."""
 from __future__ import annotations
 
 import zlib
@@ -12,6 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_rl_patches.teachers.agreement import distributed
+from megatron_rl_patches.teachers.context_key import teacher_context
+from megatron_rl_patches.teachers.teacher_identity import URLS, identity_difference, teacher_identity
 
 
 def agreement_group(host: Any) -> Any:
@@ -55,7 +61,9 @@ def built_view(host: Any, teachers: Sequence[Any], plan: Any) -> dict:
     return {"call": "TeacherStep build", "rank": global_rank(), "vocab_size": host.vocab_size,
             "share": share_ranks(host),
             "plan": (plan.top_k, float(plan.temperature), plan.invariant),
-            "teachers": [teacher_kind(t) for t in teachers]}
+            "teachers": [teacher_kind(t) for t in teachers],
+            # a head is compared over the sharing group by step_heads (its facts, its vocabulary against the host's)
+            "identity": [teacher_identity(t, teacher_kind(t) != "in-process", head=False) for t in teachers]}
 
 
 def absent_view(host: Any) -> dict:
@@ -77,6 +85,11 @@ def check_built(views: list[dict]) -> None:
         if len({repr(view[key]) for view in holding}) > 1:
             raise ValueError(f"TeacherStep: the {what} differ between the ranks ({by_rank(holding, key)}): build "
                              "the same teachers, in the same order, on every rank")
+    differs = identity_difference([view["rank"] for view in holding], [view["identity"] for view in holding])
+    if differs:
+        field, words = differs
+        raise ValueError(f"TeacherStep: {words}: build the same teachers, in the same order, on every rank"
+                         + (" (a served teacher's replicas: all of them on every rank)" if field == URLS else ""))
     shares = {view["rank"]: view["share"] for view in holding}
     for view in holding:
         strays = [rank for rank in view["share"] if shares.get(rank) != view["share"]]
@@ -98,11 +111,29 @@ def batch_fingerprint(batch: Any) -> tuple:
             0 if ids is None else zlib.crc32(ids.numpy().tobytes()))
 
 
-def collect_view(projected: bool, asker: int, batch: Any, scored: Any = ()) -> dict:
-    """A rank's collect: its arguments, the batch it sent and (`scored`) the batches its in-process
-    teachers score (a privileged teacher's: its contexts before the responses)."""
+def served_contexts(teachers: Sequence[Any], batches: Sequence[Any]) -> list[tuple[int, str, Any]]:
+    """(index, context key, batch) of each served teacher with a privileged context: the batches
+    the asking rank alone sends (`with_context`: its contexts before the responses)."""
+    from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
+
+    return [(i, key, batches[i]) for i, teacher in enumerate(teachers)
+            if isinstance(teacher, ServedTeacher) and (key := teacher_context(teacher, i)) is not None]
+
+
+def collect_view(projected: bool, asker: int, batch: Any, scored: Any = (),
+                 sent: Sequence[tuple[int, str, Any]] = ()) -> dict:
+    """A rank's collect: its arguments, the batch it sent, (`scored`) the batches its in-process
+    teachers score (a privileged teacher's: its contexts before the responses) and (`sent`:
+    `served_contexts`) the served teachers' context batches, each key's digested once."""
+    digests: dict[str, tuple] = {}
+    contexts = tuple((i, key, digests.setdefault(key, batch_fingerprint(one))) for i, key, one in sent)
     return {"call": "TeacherStep.collect", "rank": global_rank(), "projected": projected, "asker": asker,
-            "batch": batch_fingerprint(batch), "scored": tuple(batch_fingerprint(one) for one in scored)}
+            "batch": batch_fingerprint(batch), "scored": tuple(batch_fingerprint(one) for one in scored),
+            "contexts": contexts}
+
+
+def digest_words(fingerprint: tuple) -> str:
+    return f"lengths {list(fingerprint[0])}, starts {list(fingerprint[1])}, ids crc32 {fingerprint[2]}"
 
 
 def check_collect(views: list[Any]) -> None:
@@ -115,15 +146,28 @@ def check_collect(views: list[Any]) -> None:
     for asker in sorted({view["asker"] for view in holding}):
         group = [view for view in holding if view["asker"] == asker]
         if len({view["batch"] for view in group}) > 1:
-            shown = ", ".join(f"rank {view['rank']}: lengths {list(view['batch'][0])}, starts "
-                              f"{list(view['batch'][1])}, ids crc32 {view['batch'][2]}" for view in group)
+            shown = ", ".join(f"rank {view['rank']}: {digest_words(view['batch'])}" for view in group)
             raise ValueError(f"TeacherStep.send: the ranks of the sharing group asked by rank {asker} sent different "
                              f"batches ({shown}): every rank of a sharing group sends the same samples (they all read "
                              "the asking rank's scores)")
         if len({view["scored"] for view in group}) > 1:
-            shown = ", ".join(f"rank {view['rank']}: " + "; ".join(
-                f"lengths {list(one[0])}, starts {list(one[1])}, ids crc32 {one[2]}" for one in view["scored"])
-                for view in group)
+            shown = ", ".join(f"rank {view['rank']}: " + "; ".join(digest_words(one) for one in view["scored"])
+                              for view in group)
             raise ValueError(f"TeacherStep.send: the ranks of the sharing group asked by rank {asker} sent different "
                              f"privileged contexts for the in-process teachers ({shown}): every rank of a sharing "
                              "group passes the same contexts (their model-parallel pass runs over every rank)")
+        check_served_contexts(asker, group)
+
+
+def check_served_contexts(asker: int, group: list[dict]) -> None:
+    """ValueError where the ranks of one sharing group (`group`: their views) sent a served
+    teacher different privileged contexts, naming the teacher, its key and each rank's digest."""
+    for position, (teacher, key, _) in enumerate(group[0]["contexts"]):
+        seen = [view["contexts"][position] if position < len(view["contexts"]) else None for view in group]
+        if len({repr(one) for one in seen}) > 1:
+            shown = ", ".join(f"rank {view['rank']}: " + ("none" if one is None else digest_words(one[2]))
+                              for view, one in zip(group, seen))
+            raise ValueError(f"TeacherStep.send: the ranks of the sharing group asked by rank {asker} sent different "
+                             f"privileged contexts for served teacher {teacher} (context {key!r}; the batch it "
+                             f"scores, context + response: {shown}): every rank of a sharing group passes the same "
+                             "contexts (the asking rank alone asks; the others read its scores)")

@@ -16,8 +16,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-# vLLM's CPU backend sizes its KV cache from this (GiB) and pins OpenMP threads unless told not to
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# vLLM's CPU backend pins OpenMP threads unless told not to
+CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# The KV cache a test server holds (`--kv-cache-memory-bytes`): vLLM's CPU backend touches all of it at
+# start, and its legacy VLLM_CPU_KVCACHE_SPACE counts whole GiB. A tiny model at --max-model-len 256
+# needs a few MiB; 128 MiB keeps a server at ~2.1 GiB resident where 1 GiB of cache made it ~3 GiB.
+KV_CACHE_BYTES = 128 << 20
+# What one such server holds at its peak (measured: 2.15 GiB resident while it loads, fp32 and bf16),
+# with room: the lanes start as many at once as the machine's available memory takes (`servers_that_fit`)
+SERVER_PEAK_BYTES = int(2.5 * (1 << 30))
+# What vLLM writes when its engine or one of its workers is gone
+DEATH_MARKS = ("died unexpectedly", "EngineDeadError", "EngineCore encountered a fatal error")
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,27 @@ class VllmServer:
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def death(self) -> str | None:
+        """Why the server is dead (its process exited, or its log says its engine or a worker died),
+        naming its log; None while it is alive. A test that then sees only "Connection refused"
+        attaches this (the lanes' conftest)."""
+        code = self.process.poll()
+        said = [line.strip() for line in self.log.read_text(errors="replace").splitlines()
+                if any(mark in line for mark in DEATH_MARKS)] if self.log.exists() else []
+        if code is None and not said:
+            return None
+        if code is None:
+            how = "its engine died while the server process lives on"
+        elif code < 0:
+            how = f"killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exited with {code}"
+        if code is not None and code < 0 or any("died unexpectedly" in line for line in said):
+            how += " (a process killed by a signal it did not raise itself is most often the kernel's OOM killer: " \
+                   "see `dmesg` and the machine's available memory)"
+        first = f"; its log says: {said[0]}" if said else ""
+        return f"the vLLM server {self.url} died: {how}{first}; its log: {self.log}\n{self.log_tail(15)}"
 
 
 def free_port() -> int:
@@ -40,8 +70,8 @@ def server_command(python: str, model: str | Path, port: int, max_model_len: int
                    extra: tuple[str, ...] = (), dtype: str = "float32") -> list[str]:
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", dtype,
             "--enforce-eager", "--max-model-len", str(max_model_len), "--max-logprobs", str(max_logprobs),
-            "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port),
-            *extra]
+            "--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+            "--host", "127.0.0.1", "--port", str(port), *extra]
 
 
 def launch(python: str, model: str | Path, log: str | Path, *, max_model_len: int = 256, max_logprobs: int = 20,
@@ -51,6 +81,7 @@ def launch(python: str, model: str | Path, log: str | Path, *, max_model_len: in
     port = free_port()
     env = {**os.environ, **CPU_ENV}
     env.pop("VLLM_API_KEY", None)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
     # the server runs in its own venv: a caller's PYTHONPATH (a lane's packages, another Python's) would shadow it
     env.pop("PYTHONPATH", None)
     if api_key is not None:
@@ -86,14 +117,35 @@ def vllm_server(python: str, model: str | Path, log: str | Path, *, max_model_le
         yield ready
 
 
+def available_bytes() -> int | None:
+    """The machine's available memory (Linux's MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def servers_that_fit(wanted: int, reserve_bytes: int = 4 << 30, available: int | None = None) -> int:
+    """How many of `wanted` servers to start at once so their peaks fit the available memory with
+    `reserve_bytes` left for the tests' own process (at least one; all when memory cannot be read)."""
+    available = available_bytes() if available is None else available
+    if available is None:
+        return wanted
+    return max(1, min(wanted, (available - reserve_bytes) // SERVER_PEAK_BYTES))
+
+
 def wait_ready(server: VllmServer, timeout: float) -> None:
     """Until `/health` answers 200; RuntimeError with the log's end if the server exits or the
     time runs out."""
     until = time.monotonic() + timeout
     while time.monotonic() < until:
         if server.process.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited with {server.process.returncode} before it was ready:\n"
-                               f"{server.log_tail()}")
+            raise RuntimeError(f"the vLLM server exited with {server.process.returncode} before it was ready "
+                               f"(its log: {server.log}):\n{server.log_tail()}")
         try:
             with urllib.request.urlopen(server.url + "/health", timeout=2) as reply:
                 if reply.status == 200:
@@ -101,7 +153,8 @@ def wait_ready(server: VllmServer, timeout: float) -> None:
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"the vLLM server was not ready within {timeout:g} s:\n{server.log_tail()}")
+    raise RuntimeError(f"the vLLM server was not ready within {timeout:g} s (its log: {server.log}):\n"
+                       f"{server.log_tail()}")
 
 
 def stop(process: subprocess.Popen, grace: float = 20.0) -> None:

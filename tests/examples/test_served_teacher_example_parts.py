@@ -45,6 +45,8 @@ def test_the_vocabulary_is_padded_as_megatron_pads_it(example):
     ({"tp": 0}, ValueError, "tp must be >= 1, got 0"),
     ({"steps": 1.5}, TypeError, "steps must be an int, got float"),
     ({"vocab_size": 4}, ValueError, "vocab_size must be >= 8, got 4"),
+    ({"pause": -1.0}, ValueError, "pause must be a finite number of seconds >= 0, got -1.0"),
+    ({"pause": float("inf")}, ValueError, "pause must be a finite number of seconds >= 0, got inf"),
 ])
 def test_bad_arguments_are_refused_before_any_world_starts(example, kwargs, error, words):
     arguments = {"url": "http://127.0.0.1:9", "vocab_size": 1001, **kwargs}

@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from megatron_rl_patches.teachers import TeacherHead
-from megatron_rl_patches.teachers.head_transforms import APPLIED, HEAD_TRANSFORMS, IN_STATES, REFUSED
+from megatron_rl_patches.teachers.head_transforms import (
+    APPLIED,
+    EITHER,
+    HEAD_TRANSFORMS,
+    IN_STATES,
+    OUTER,
+    REFUSED,
+    TEXT,
+)
 from megatron_rl_patches.testing.hf_checkpoints import write_safetensors
 
 V, H = 96, 16
@@ -94,6 +102,69 @@ def test_a_transform_the_head_cannot_form_is_refused_by_name(tmp_path, architect
     root, _ = checkpoint(tmp_path, architecture, bias=bias, **fields)
     with pytest.raises(ValueError, match=named):
         TeacherHead.from_hf(root)
+
+
+def nested(tmp_path, architecture: str, outer: dict, text: dict):
+    """A wrapper's checkpoint: the sizes in `text_config` (with `text`), `outer` on top."""
+    root, weight = checkpoint(tmp_path, architecture, **outer)
+    config = json.loads((root / "config.json").read_text())
+    config["text_config"] = {"vocab_size": V, "hidden_size": H, **text}
+    (root / "config.json").write_text(json.dumps(config))
+    return root, weight
+
+
+WHERE_CASES = [  # (architecture, config.json's own fields, its text_config's, the scale vLLM 0.32 applies)
+    # aria.py: `getattr(config, "logit_scale", 1.0)` of the wrapper's hf_config, not its text_config
+    ("AriaForConditionalGeneration", {}, {"logit_scale": 0.5}, 1.0),
+    ("AriaForConditionalGeneration", {"logit_scale": 0.5}, {"logit_scale": 4.0}, 0.5),
+    # llama.py: the hf_config as config.json writes it
+    ("LlamaForCausalLM", {"logit_scale": 2.0}, {"logit_scale": 0.5}, 2.0),
+    ("LlamaForCausalLM", {}, {"logit_scale": 0.5}, 1.0),
+    # granite.py: logit_scale / logits_scaling, both the hf_config's
+    ("GraniteForCausalLM", {"logits_scaling": 8.0}, {"logit_scale": 3.0, "logits_scaling": 2.0}, 1 / 8.0),
+    # commandr.py: `config.logit_scale`, transformers' default where config.json omits it
+    ("CohereForCausalLM", {}, {"logit_scale": 0.5}, 0.0625),
+    ("FalconH1ForCausalLM", {"lm_head_multiplier": 0.25}, {"lm_head_multiplier": 4.0}, 0.25),
+    # teleflm.py: use_mup and its factors the hf_config's
+    ("TeleFLMForCausalLM", {"output_mult": 3.0, "mup_scale_factor": 2.5}, {"use_mup": True}, 1.0),
+    # exaone_moe.py: `hf_config.get_text_config()`: the text_config where there is one
+    ("ExaoneMoeForCausalLM", {"logit_scale": 2.0}, {"logit_scale": 0.5}, 0.5),
+    ("ExaoneMoeForCausalLM", {"logit_scale": 2.0}, {}, 1.0),
+]
+
+
+@pytest.mark.parametrize("architecture, outer, text, scale", WHERE_CASES,
+                         ids=[f"{a}-{'-'.join(o) or 'none'}-text-{'-'.join(t) or 'none'}"
+                              for a, o, t, _ in WHERE_CASES])
+def test_a_scale_is_read_where_the_engine_reads_it(tmp_path, architecture, outer, text, scale):
+    root, weight = nested(tmp_path, architecture, outer, text)
+    head = TeacherHead.from_hf(root, dtype="float64")
+    assert head.logit_scale == pytest.approx(scale, rel=1e-15)
+    torch.testing.assert_close(head.weight, weight.double() * scale, atol=1e-12, rtol=0)
+
+
+def test_exaone_moe_without_a_text_config_reads_its_own_fields(tmp_path):
+    root, _ = checkpoint(tmp_path, "ExaoneMoeForCausalLM", logit_scale=2.0)  # get_text_config(): the config itself
+    assert TeacherHead.from_hf(root).logit_scale == 2.0
+
+
+@pytest.mark.parametrize(("architecture", "outer", "text", "named"), [
+    ("Qwen3_5ForConditionalGeneration", {}, {"logit_scale": 0.5}, "logit_scale=0.5.*not known for Qwen3_5"),
+    ("Gemma3ForConditionalGeneration", {}, {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+])
+def test_a_field_refused_is_refused_wherever_it_is_written(tmp_path, architecture, outer, text, named):
+    """A refusal reads both configs: refusing a field the engine would not read is safe, serving
+    one it reads is not."""
+    root, _ = nested(tmp_path, architecture, outer, text)
+    with pytest.raises(ValueError, match=named):
+        TeacherHead.from_hf(root)
+
+
+def test_each_applied_row_names_the_config_and_the_vllm_file_it_reads():
+    for row in HEAD_TRANSFORMS:
+        assert row.reads in (OUTER, TEXT, EITHER), row
+        assert row.files and all(name.endswith(".py") for name in row.files), row
+    assert {row.reads for row in HEAD_TRANSFORMS if row.action == APPLIED} == {OUTER, TEXT}
 
 
 def test_neutral_values_and_other_families_are_served_as_they_are(tmp_path):

@@ -1,7 +1,7 @@
 """The step's deadline bounds the whole request in wall-clock time: a server that trickles its
 reply a byte a second (in its headers or its body) keeps every read under the read timeout, yet
 `check()`, `score()` and `doctor` give up within the deadline + 2 s naming the URL, and in a 2-rank
-world where only rank 1's server trickles, both ranks raise the same ServedTeacherError through the
+world where the server trickles only rank 1's sample, both ranks raise the same ServedTeacherError through the
 failure agreement (no collective timeout). A 5xx is retried with a backoff (capped at 8 s) and named
 with the server's words; a slow reply names the shorter of the read timeout and the deadline."""
 from __future__ import annotations
@@ -64,13 +64,20 @@ def test_doctor_gives_up_at_its_deadline(monkeypatch):
     assert "no reply within the step's deadline" in problem, problem
 
 
-def trickle_on_rank_one(rank: int, world_size: int, urls: list[str]) -> str:
+def trickle_rank_ones(body):
+    """The check's two-id probe and rank 0's sample answered, rank 1's (its first id 1) trickled."""
+    return trickle(body) if len(body["prompt"]) > 2 and body["prompt"][0] == 1 else completions(body)
+
+
+def trickle_on_rank_one(rank: int, world_size: int, url: str) -> str:
+    """Both ranks hold the one teacher (a group's ranks must: compared before anything is asked);
+    rank 1 sends a sample of its own, which the server trickles."""
     import torch.distributed as dist
 
-    teacher = ServedTeacher(urls[rank], top_k=2, client=SETTINGS)
+    teacher = ServedTeacher(url, top_k=2, client=SETTINGS)
     start = time.monotonic()
     try:
-        teacher.score(batch(), group=dist.group.WORLD)
+        teacher.score(TeacherBatch([torch.arange(6) + rank], [3]), group=dist.group.WORLD)
     except ServedTeacherError as error:
         assert time.monotonic() - start < DEADLINE_S + SLACK_S
         return f"{type(error).__name__}: {error}"
@@ -82,8 +89,8 @@ def trickle_on_rank_one(rank: int, world_size: int, urls: list[str]) -> str:
 def test_two_ranks_raise_the_same_error_when_only_rank_one_trickles():
     from megatron_rl_patches.testing.multirank import run_multirank
 
-    with vllm_like() as good, trickling(BODY) as bad:
-        said = run_multirank(trickle_on_rank_one, 2, [url_of(good), url_of(bad)], timeout=60)
+    with vllm_like(v1_completions=trickle_rank_ones) as server:
+        said = run_multirank(trickle_on_rank_one, 2, url_of(server), timeout=60)
     assert said[0] == said[1], said
     assert said[0].startswith("ServedTeacherError: served teacher failed on rank 1 of the group"), said[0]
     assert "within the step's deadline" in said[0]

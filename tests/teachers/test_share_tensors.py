@@ -4,10 +4,15 @@ log-probs, int64 top-k ids, bf16 hidden states) and a head's per-sample states (
 zero-row samples, a tuple) arrive bit-identical, of the same dtypes, shapes and containers, in two
 layout broadcasts and one broadcast per dtype; through `TeacherStep` a bf16 pooling stand-in's
 states arrive bit-identical on both ranks; a result that cannot travel and a failed ask are the
-same error on both ranks."""
+same error on both ranks. Every dtype of `DTYPES` travels over gloo bit-identical (int16, which
+gloo and NCCL refuse, as its bytes); the asking rank's bad results (a list where a dict is due,
+None, an infinite or past-int64 teacher index) and a receiving rank's stray results are the same
+error on both ranks at once, never a rank left waiting in the layout's broadcast."""
 from __future__ import annotations
 
 import json
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -80,10 +85,64 @@ def step_batch() -> TeacherBatch:
     return TeacherBatch([torch.tensor([5, 9, 2, 7, 11]), torch.tensor([3, 8]), torch.tensor([6, 4, 10, 2])], [2, 2, 3])
 
 
+def every_dtype() -> dict:
+    """One tensor of each dtype that travels, every byte random (all of a dtype's bit patterns: NaN
+    payloads, negative zeros, int16's extremes)."""
+    from megatron_rl_patches.teachers.share_tensors import DTYPES
+
+    gen = torch.Generator().manual_seed(11)
+    tensors = []
+    for dtype in DTYPES:
+        size = torch.empty(0, dtype=dtype).element_size()
+        raw = torch.randint(0, 256, (6 * size,), dtype=torch.uint8, generator=gen)
+        raw = (raw % 2) if dtype == torch.bool else raw  # a bool's byte is 0 or 1
+        tensors.append(raw.view(dtype).reshape(2, 3))
+    return {0: tensors}
+
+
+def bad_results() -> dict:
+    """Each case: what rank 0 (the asking rank) and rank 1 pass; one of them wrong."""
+    good = {0: [torch.zeros(2)]}
+    return {
+        "list_for_dict": ([torch.zeros(2)], None),
+        "none_on_asker": (None, None),
+        "infinite_index": ({float("inf"): [torch.zeros(2)]}, None),
+        "past_int64_index": ({2 ** 63: [torch.zeros(2)]}, None),
+        "receiver_gives": (good, good),
+    }
+
+
+def rank_bad_sharing(rank: int) -> dict:
+    """Every case on a fresh group of a 5 s timeout: a rank left waiting fails the case in 5 s, not
+    the world."""
+    import torch.distributed as dist
+
+    from megatron_rl_patches.teachers.share_tensors import shared_results
+
+    out = {}
+    for name, passed in bad_results().items():
+        group = dist.new_group([0, 1], timeout=timedelta(seconds=5))
+        start = time.monotonic()
+        try:
+            shared_results(passed[rank], group)
+            said = ("", "no error")
+        except Exception as error:  # noqa: BLE001 - compared between the ranks
+            said = (type(error).__name__, str(error))
+        out[name] = (said, time.monotonic() - start)
+    return out
+
+
 def rank_sharing(rank: int, world_size: int, url: str) -> dict:
     import torch.distributed as dist
 
     from megatron_rl_patches.teachers.share_tensors import shared_results
+
+    out: dict = {"bad": rank_bad_sharing(rank)}
+    dtypes_group = dist.new_group([0, 1], timeout=timedelta(seconds=5))
+    try:
+        out["dtypes"] = exact(shared_results(every_dtype() if rank == 0 else None, dtypes_group))
+    except Exception as error:  # noqa: BLE001 - compared with the expected values below
+        out["dtypes"] = f"{type(error).__name__}: {error}"
 
     def pickled(*args, **kwargs):
         raise AssertionError("a step's results were pickled across ranks (broadcast_object_list)")
@@ -97,7 +156,13 @@ def rank_sharing(rank: int, world_size: int, url: str) -> dict:
         return plain(tensor, *args, **kwargs)
 
     dist.broadcast = counted
-    out: dict = {}
+    gather = dist.all_gather
+
+    def gathered(tensors, tensor, *args, **kwargs):
+        broadcasts.append(f"all_gather {tensor.dtype}")
+        return gather(tensors, tensor, *args, **kwargs)
+
+    dist.all_gather = gathered
     got = shared_results(served_results() if rank == 0 else None, dist.group.WORLD)
     out["direct"] = exact(got)
     out["broadcasts"] = list(broadcasts)
@@ -123,13 +188,20 @@ def rank_sharing(rank: int, world_size: int, url: str) -> dict:
     return out
 
 
-@pytest.mark.multirank
-def test_served_results_cross_ranks_as_tensors_bit_identical_and_failures_alike():
+@pytest.fixture(scope="module")
+def sharing_world() -> list[dict]:
+    """The module's one 2-rank world: every check below runs in it."""
     with vllm_like(pooling=pooling) as server:
-        ranks = run_multirank(rank_sharing, 2, url_of(server))
+        return run_multirank(rank_sharing, 2, url_of(server), timeout=120)
+
+
+@pytest.mark.multirank
+def test_served_results_cross_ranks_as_tensors_bit_identical_and_failures_alike(sharing_world):
+    ranks = sharing_world
     assert ranks[0]["direct"] == ranks[1]["direct"] == exact(served_results())
-    # the layout's length and the layout (int64), then one per dtype: float64, float32, bfloat16, int64, int32, fp8
-    assert ranks[1]["broadcasts"] == ["torch.int64", "torch.int64", "torch.float64", "torch.float32",
+    # each rank's word and the layout's length (one int64 all-gather), the layout (int64), then one per dtype:
+    # float64, float32, bfloat16, int64, int32, fp8
+    assert ranks[1]["broadcasts"] == ["all_gather torch.int64", "torch.int64", "torch.float64", "torch.float32",
                                       "torch.bfloat16", "torch.int64", "torch.int32", "torch.uint8"]
     assert ranks[0]["cannot_travel"] == ranks[1]["cannot_travel"]
     assert "teacher 0's result[0] is a torch.complex64" in ranks[0]["cannot_travel"]
@@ -139,3 +211,28 @@ def test_served_results_cross_ranks_as_tensors_bit_identical_and_failures_alike(
                 for ids, start in zip(samples.sequences, samples.response_starts)]
     assert ranks[0]["step_states"] == ranks[1]["step_states"] == exact(expected)
     assert ranks[0]["failed_ask"] == ranks[1]["failed_ask"] and "max model length" in ranks[0]["failed_ask"]
+
+
+WRONG = {  # what every rank raises, at once
+    "list_for_dict": ("TypeError", "shared_results(served=...) on the asking rank must be a dict {teacher index: "
+                                   "result}, got list"),
+    "none_on_asker": ("TypeError", "shared_results(served=...) on the asking rank must be a dict {teacher index: "
+                                   "result}, got NoneType"),
+    "infinite_index": ("TypeError", "teacher index inf is no int"),
+    "past_int64_index": ("ValueError", f"teacher index {2 ** 63} is outside 0 .. 2**63 - 1"),
+    "receiver_gives": ("ValueError", "rank 1 of the group passed results (served=...) but only the group's first "
+                                     "rank (rank 0) shares: pass None on the others"),
+}
+
+
+@pytest.mark.multirank
+def test_every_dtype_travels_and_one_ranks_bad_results_are_the_same_error_on_every_rank(sharing_world):
+    ranks = sharing_world
+    expected = exact(every_dtype())
+    assert ranks[0]["dtypes"] == ranks[1]["dtypes"] == expected, ranks[1]["dtypes"] if isinstance(
+        ranks[1]["dtypes"], str) else "bits differ"
+    for case, (kind, words) in WRONG.items():
+        (said0, seconds0), (said1, seconds1) = ranks[0]["bad"][case], ranks[1]["bad"][case]
+        assert said0 == said1, (case, said0, said1)
+        assert said0[0] == kind and words in said0[1], (case, said0)
+        assert max(seconds0, seconds1) < 4, (case, seconds0, seconds1)  # at once: the group's timeout is 5 s

@@ -3,7 +3,8 @@ read by every kind and carried on the teacher; `TeacherStep.send(batch, contexts
 per-sample) gives each teacher with a key `with_context(batch, its contexts)` and the others the
 student's batch; their rows line up with the student's; a served teacher is sent the privileged
 sequence (the stand-in server records it); a missing key on one sample of one rank is the same
-error on every rank of a 2-rank gloo world, sample and key named."""
+error on every rank of a 2-rank gloo world, sample and key named, and so are a served teacher's
+different contexts on the ranks of one sharing group (only the asking rank asks)."""
 from __future__ import annotations
 
 import pytest
@@ -200,6 +201,15 @@ def rank_missing_key(rank: int, world_size: int, url: str) -> dict:
             out["missing"] = ("", "no error")
         except ServedTeacherRefusal as error:
             out["missing"] = (type(error).__name__, str(error))
+        # the served teacher alone: only the asking rank asks, so rank 1's other context would read rank 0's scores
+        alone = TeacherStep([served], host)
+        mine = [[1, 2, 3], [4]] if rank == 0 else [[1, 2, 5], [4]]
+        for case, hints in (("same", [[1, 2, 3], [4]]), ("differ", mine)):
+            alone.send(student(), contexts={"hint": hints})
+            try:
+                out[f"served_{case}"] = ("", [[t.tolist() for t in s.token_log_probs] for s in alone.collect()])
+            except ValueError as error:
+                out[f"served_{case}"] = (type(error).__name__, str(error))
     return out
 
 
@@ -211,6 +221,12 @@ def test_a_missing_key_on_one_rank_is_the_same_error_on_every_rank():
     assert ranks[0]["missing"] == ranks[1]["missing"]
     words = ranks[0]["missing"][1]
     assert "rank 1" in words and "sample 0 has no context under 'hint'" in words, words
+    # a served teacher's contexts compared over the sharing group before its scores are shared
+    assert ranks[0]["served_same"] == ranks[1]["served_same"] and ranks[0]["served_same"][0] == ""
+    assert ranks[0]["served_differ"] == ranks[1]["served_differ"]
+    kind, words = ranks[0]["served_differ"]
+    assert kind == "ValueError" and "sent different privileged contexts for served teacher 0 (context 'hint'" in \
+        words and "rank 0: lengths [6, 3]" in words and "rank 1: lengths [6, 3]" in words, words
 
 
 def test_slimes_opd_takes_privileged_teachers_of_another_tokenizer_or_layout_and_refuses_what_it_cannot():

@@ -1,8 +1,10 @@
 """The public teacher step (`TeacherStep` behind a host) in a real 2-rank gloo world against a small
 local server that answers as vLLM does: the served teacher asked once per sharing group (the
 server counts the requests: none from the second rank), the same scores on both ranks, a failure on
-the asking rank (or an in-process teacher's on the other) raised alike on both; without
-torch.distributed (local_host) the step scores in place; bad arguments refused."""
+the asking rank (or an in-process teacher's on the other) raised alike on both; ranks holding
+different teachers (URL, context key; for `ServedTeacher.score(batch, group=...)` also top-k and
+head) refused alike on both before anything is asked, replicas listed in another order accepted;
+without torch.distributed (local_host) the step scores in place; bad arguments refused."""
 from __future__ import annotations
 
 import json
@@ -111,9 +113,10 @@ def raised(call) -> tuple[str, str]:
     return "", "no error"
 
 
-def one_rank_wrong(rank: int, world_size: int, url: str, names: tuple[str, ...] | None = None) -> dict:
-    """Each case: one rank's bad call (or a host that differs between the ranks) beside the other's
-    good one; every rank must raise the same error at once, none left waiting in a collective."""
+def one_rank_wrong(rank: int, world_size: int, url: str, other: str, names: tuple[str, ...] | None = None) -> dict:
+    """Each case: one rank's bad call (or a host, or a teacher, that differs between the ranks)
+    beside the other's good one; every rank must raise the same error at once, none left waiting
+    in a collective (`other`: a second server's URL)."""
     import torch.distributed as dist
 
     world = dist.group.WORLD
@@ -178,6 +181,21 @@ def one_rank_wrong(rank: int, world_size: int, url: str, names: tuple[str, ...] 
             step.send(batch())
             step.collect()
 
+        def with_teacher(call, url_0: str = url, url_1: str = url, **options) -> None:
+            """`call(teacher)` with rank 0's teacher at `url_0`, rank 1's at `url_1` (`options`: (rank 0's
+            value, rank 1's) per keyword)."""
+            mine = {name: values[rank] for name, values in options.items()}
+            with ServedTeacher(url_0 if rank == 0 else url_1, "vllm", **{"top_k": K, **mine}) as teacher:
+                call(teacher)
+
+        def step_with(teacher: ServedTeacher) -> None:  # without an identity check rank 1 reads rank 0's scores
+            step = TeacherStep([teacher], host)
+            step.send(batch(), contexts={"hint": [[1], [2], [3]], "other": [[4], [5], [6]]})
+            step.collect()
+
+        def scored(teacher: ServedTeacher) -> None:  # without an identity check each rank its own teacher's scores
+            teacher.score(batch(), group=world)
+
         cases = {
             "collect_unsent": collect_unsent,
             "send_not_a_batch": send_not_a_batch,
@@ -196,6 +214,15 @@ def one_rank_wrong(rank: int, world_size: int, url: str, names: tuple[str, ...] 
             "share_none": lambda: used(step_of(LoopHost(vocab_size=12, share_group=None, job_group=world))),
             "share_apart": lambda: used(step_of(LoopHost(vocab_size=12, share_group=lone, job_group=world))),
             "vocab_differs": lambda: used(step_of(LoopHost(vocab_size=16, share_group=world, job_group=world))),
+            # the ranks' served teachers compared when the step is built (before anything is asked)
+            "step_url_differs": lambda: with_teacher(step_with, url, other),
+            "step_context_key_differs": lambda: with_teacher(step_with, context=("hint", "other")),
+            "step_replicas_in_any_order": lambda: with_teacher(step_with, f"{url}|{other}", f"{other}|{url}"),
+            # and before ServedTeacher.score(batch, group=...) asks
+            "score_url_differs": lambda: with_teacher(scored, url, other),
+            "score_top_k_differs": lambda: with_teacher(scored, top_k=(K, K - 1)),
+            "score_head_differs": lambda: with_teacher(scored, head=(head(), head(seed=6))),
+            "score_same_teacher": lambda: with_teacher(scored),
         }
         for name, case in cases.items():
             if names is None or name in names:
@@ -207,8 +234,8 @@ def one_rank_wrong(rank: int, world_size: int, url: str, names: tuple[str, ...] 
 
 @pytest.mark.multirank
 def test_one_ranks_bad_call_or_lying_host_is_the_same_error_on_every_rank_at_once():
-    with vllm_like() as server:
-        ranks = run_multirank(one_rank_wrong, 2, url_of(server), timeout=60)
+    with vllm_like() as server, vllm_like() as other:
+        ranks = run_multirank(one_rank_wrong, 2, url_of(server), url_of(other), timeout=60)
     expected = {
         "collect_unsent": ("RuntimeError", "nothing sent"),
         "send_not_a_batch": ("TypeError", "takes a TeacherBatch, got str"),
@@ -226,6 +253,17 @@ def test_one_ranks_bad_call_or_lying_host_is_the_same_error_on_every_rank_at_onc
         "share_none": ("ValueError", "sharing groups"),
         "share_apart": ("ValueError", "sharing groups"),
         "vocab_differs": ("ValueError", "vocab_size differs"),
+        "step_url_differs": ("ValueError", "TeacherStep: teacher 0 differs between the ranks in its URL(s) (rank 0: "
+                                           f"{url_of(server)}, rank 1: {url_of(other)})"),
+        "step_context_key_differs": ("ValueError", "teacher 0 differs between the ranks in its context key (rank 0: "
+                                                   "'hint', rank 1: 'other')"),
+        "step_replicas_in_any_order": ("", "no error"),
+        "score_url_differs": ("ValueError", "ServedTeacher.score(group=...): the teacher differs between the ranks in "
+                                            f"its URL(s) (rank 0: {url_of(server)}, rank 1: {url_of(other)})"),
+        "score_top_k_differs": ("ValueError", f"in its top_k (rank 0: {K}, rank 1: {K - 1})"),
+        "score_head_differs": ("ValueError", "the teacher differs between the ranks in its head (rank 0: a head "
+                                             "built by hand (fingerprint weight:"),
+        "score_same_teacher": ("", "no error"),
     }
     for case, (kind, words) in expected.items():
         assert ranks[0][case] == ranks[1][case], case
@@ -323,8 +361,8 @@ def pooling(body):
     return 200, (raw, {"metadata": json.dumps({"data": [item]})})
 
 
-def head() -> TeacherHead:
-    weight = torch.randn(12, H, generator=torch.Generator().manual_seed(5))
+def head(seed: int = 5) -> TeacherHead:
+    weight = torch.randn(12, H, generator=torch.Generator().manual_seed(seed))
     return TeacherHead(weight=weight, vocab_size=12, padded_vocab_size=12, first_id=0)
 
 

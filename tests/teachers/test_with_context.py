@@ -72,6 +72,30 @@ def test_bad_budgets_named(keyword, value):
         with_context(student_batch(), [torch.tensor([1])] * 3, **{keyword: value})
 
 
+@pytest.mark.parametrize(("dtype", "context", "vocab_size"), [
+    (torch.uint8, [7, 300], 1000),  # would become id 44 silently
+    (torch.int16, [40000], None),  # would become id -25536, an id the caller never passed
+    (torch.int8, [1, 2, 128], 1000),
+    (torch.int32, [2**31], None),
+])
+def test_an_id_the_responses_dtype_cannot_hold_is_refused_before_any_cast(dtype, context, vocab_size):
+    """The teacher's sequence keeps the response's dtype: a context id past that dtype's range is
+    refused naming the sample and the id the caller passed, before anything is cast."""
+    batch = TeacherBatch([torch.tensor([1, 6, 7], dtype=dtype), torch.tensor([1, 2], dtype=dtype)], [1, 1])
+    contexts = [torch.tensor([1]), torch.tensor(context)]
+    top = torch.iinfo(dtype).max
+    with pytest.raises(ValueError, match=rf"contexts\[1\] holds id {max(context)}, which the response's dtype "
+                                         rf"{dtype} cannot hold \(ids up to {top}\)"):
+        with_context(batch, contexts, vocab_size=vocab_size)
+    with pytest.raises(ValueError, match=rf"privileged\[1\] holds id {max(context)}, which the prompt's dtype "
+                                         rf"{dtype} cannot hold"):
+        placed_before(batch, contexts, [1])
+    fits = [torch.tensor([1]), torch.tensor([top])]
+    assert with_context(batch, fits).sequences[1].tolist() == [top, 2]  # the largest id it holds passes
+    assert with_context(batch, fits).sequences[1].dtype == dtype
+    assert placed_before(batch, fits, [1])[1].tolist() == [top, 1]
+
+
 def test_batch_must_be_a_teacher_batch():
     with pytest.raises(TypeError, match=r"with_context\(batch=...\) takes the student's TeacherBatch, got list"):
         with_context([torch.tensor([1, 2])], [torch.tensor([1])])

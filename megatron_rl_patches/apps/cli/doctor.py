@@ -15,6 +15,7 @@ from megatron_rl_patches._json_read import parsed_json
 from megatron_rl_patches._variables import OPD_PREFIX, TEACHER_API_KEY, VERL_TEACHER
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG
 from megatron_rl_patches.apps.cli.doctor_summary import summary_lines, summary_of
+from megatron_rl_patches.apps.cli.doctor_verl import verl_teacher_report
 from megatron_rl_patches.apps.cli.targets import STATUS_HELP, find_module, shown_status
 from megatron_rl_patches.integrations import default_registry
 from megatron_rl_patches.integrations.megatron import version as megatron_version
@@ -24,7 +25,7 @@ from megatron_rl_patches.patching import check_settings, env, registry
 from megatron_rl_patches.patching.startup import files as startup_files
 from megatron_rl_patches.patching.startup import hook
 from megatron_rl_patches.teachers.kinds import RunFacts, entry_report
-from megatron_rl_patches.teachers.redaction import redacted, refuse_userinfo
+from megatron_rl_patches.teachers.redaction import redacted, refuse_userinfo, scrubbed_all
 
 # Installed distributions `doctor` reports. megatron-core, an optional extra, also gets its own
 # section: the code in use may be a source checkout with no distribution.
@@ -161,8 +162,11 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
         problems += found
     except ValueError as exc:
         problems.append(str(exc))
-    try:  # verl's served teacher is read where verl runs (httpx, torch); its URL's user refused here too
+    try:  # verl's served teacher: its URL's user refused, then its servers asked as slime's (each replica)
         refuse_userinfo(os.environ.get(VERL_TEACHER, ""), VERL_TEACHER)
+        found, checked = verl_teacher_report()
+        problems += found
+        environment["teachers_checked"] += checked
     except ValueError as exc:
         problems.append(str(exc))
     try:
@@ -235,7 +239,8 @@ def collect() -> dict[str, Any]:
         "problems": list(dict.fromkeys(redacted(problem) for problem in problems)),  # whatever quoted a URL
     }
     report["summary"] = summary_of(report)
-    return report
+    # whatever a server said, a 200's fields too (a served model's name in a check's line): no piece of the API key
+    return scrubbed_all(report)
 
 
 def _show(value: Any) -> str:

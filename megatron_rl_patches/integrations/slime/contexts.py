@@ -26,7 +26,7 @@ from megatron_rl_patches.integrations.megatron.teachers.opd_settings import (
 )
 from megatron_rl_patches.integrations.megatron.teachers.stage_host import batch_of
 from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
-from megatron_rl_patches.teachers.context import with_context
+from megatron_rl_patches.teachers.context import id_tensor, with_context
 
 # slime's own key of the samples' train_metadata (a list of dicts), kept out of its metrics too
 METADATA = "metadata"
@@ -182,7 +182,8 @@ def read_contexts(args: Any, rollout_data: dict, keys: list[str], settings: OpdS
             own = key_tokenizer(settings, key)
             tokenizer = student_tokenizer_of(args, f"{TEACHERS} (text contexts are tokenized by the student's "
                                                    "tokenizer)") if own is None else own
-            for (i, _), ids in zip(asked, context_ids([text for _, text in asked], tokenizer)):
+            for (i, _), ids in zip(asked, context_ids([text for _, text in asked], tokenizer,
+                                                      samples=[names[i] for i, _ in asked])):
                 out[i][key] = ids
     return out
 
@@ -207,6 +208,6 @@ def as_ids(value: object, sample: int, key: str) -> torch.Tensor:
             and value.dtype != torch.bool:
         return value.detach().to("cpu", torch.long)
     if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return torch.tensor(list(value), dtype=torch.long)
+        return id_tensor(value, f"slime_opd: sample {sample}'s train_metadata[{key!r}]")
     raise TypeError(f"slime_opd: sample {sample}'s train_metadata[{key!r}] must be text or token ids (a list of "
                     f"ints, a 1-D integer tensor), got {type(value).__name__}")

@@ -15,11 +15,12 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._args import positive_int
-from megatron_rl_patches.teachers.agreement import agree_failure
+from megatron_rl_patches.teachers.agreement import agree_failure, agree_teacher
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context_key import context_key
 from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
+from megatron_rl_patches.teachers.finite import utf8_text
 from megatron_rl_patches.teachers.head import TeacherHead
 from megatron_rl_patches.teachers.served.endpoint import Endpoint, SampleAsk, Step
 from megatron_rl_patches.teachers.served.engines.names import check_engine, engine_class
@@ -77,7 +78,7 @@ class ServedTeacher:
             raise TypeError(f"ServedTeacher(replicas=...) must be a ReplicaSettings, got {type(replicas).__name__}")
         self.settings = client or ClientSettings()
         self.model = model  # the served model's name to ask for (None: the one each server serves)
-        self.hidden_dtype = None if self.head is None else states_dtype(hidden_dtype, self.head)
+        self.hidden_dtype = states_dtype(hidden_dtype, self.head)  # None without a head (a hidden_dtype then refused)
         urls = replica_urls(url)
         replicas = replicas or ReplicaSettings()
         if replicas.min_replicas > len(urls):
@@ -138,6 +139,7 @@ class ServedTeacher:
         """`text` tokenized by the served model's tokenizer, no special tokens added (None: the
         server answered with no token list), within `deadline` (default: one request's timeout);
         every replica asked (the same ids from each, or refused naming the one that differs)."""
+        utf8_text(text, "ServedTeacher.tokenize(text=...)")  # a bare UnicodeEncodeError from the JSON body otherwise
         deadline = deadline or Deadline.after(self.settings.timeout_s)
         return self.endpoint.tokenize(self.served_model(deadline), text, deadline, threading.Event())
 
@@ -147,7 +149,9 @@ class ServedTeacher:
         (torch.distributed initialized), a failure on any rank is the same error on every rank.
         With a head: `ids` (one [R_i, k] id tensor per sample, e.g. the student's top-k) are scored
         too (`BatchScores.ids_log_probs` / `ids_tail_log_probs`); every rank of the head's
-        tensor-parallel group scores the same batch."""
+        tensor-parallel group scores the same batch. The group's ranks must hold the same teacher
+        (URLs, engine, top-k, temperature, head, context key): compared before anything is asked."""
+        agree_teacher(self, group)
         return self.submit(batch, ids=ids).result(group)
 
     def submit(self, batch: TeacherBatch, *, ids: list[torch.Tensor] | None = None) -> PendingScores:

@@ -3,7 +3,6 @@ trainer (`head_scores`): every sample's response rows in one pass of each fused 
 no [rows, V] tensor), at any K and temperature, and at ids the caller gives (`check_given_ids`)."""
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -11,6 +10,7 @@ import torch
 from megatron_rl_patches.ops._checks import largest_temperature, smallest_temperature, temperature_range
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.contract import BatchScores
+from megatron_rl_patches.teachers.finite import finite, shown
 from megatron_rl_patches.teachers.head import TeacherHead
 from megatron_rl_patches.teachers.served.engines.vllm_pooling import EMBED_DTYPES
 
@@ -40,9 +40,8 @@ def hidden_head(head: object, engine: object) -> TeacherHead | None:
 def head_temperature(temperature: object, top_k: int, head: TeacherHead) -> float:
     """A temperature the head's ops compute (the trainer applies it: finite, > 0, within
     `temperature_range` of the head's dtype) and K within the head's vocabulary."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or temperature <= 0:
-        raise ValueError(f"ServedTeacher(temperature=...) must be a finite number > 0, got {temperature!r}")
+    if not isinstance(temperature, (int, float)) or not finite(temperature) or temperature <= 0:
+        raise ValueError(f"ServedTeacher(temperature=...) must be a finite number > 0, got {shown(temperature)}")
     if not smallest_temperature(head.dtype) <= temperature <= largest_temperature(head.dtype):
         raise ValueError(f"ServedTeacher(temperature={temperature!r}) is outside the temperatures the head's ops "
                          f"compute: {temperature_range(head.dtype)}")
@@ -52,13 +51,22 @@ def head_temperature(temperature: object, top_k: int, head: TeacherHead) -> floa
     return float(temperature)
 
 
-def states_dtype(dtype: object, head: TeacherHead) -> torch.dtype:
+def states_dtype(dtype: object, head: TeacherHead | None) -> torch.dtype | None:
     """The dtype the hidden states travel in: `dtype` (fp8 only when asked: lossy), else the head's
-    checkpoint's (the served model's, lossless), float32 where that is not float32 / bf16 / fp16."""
+    checkpoint's (the served model's, lossless), float32 where that is not float32 / bf16 / fp16.
+    None without a head (nothing travels: a `dtype` given then is refused, never ignored)."""
+    if head is None:
+        if dtype is not None:
+            raise ValueError(f"ServedTeacher(hidden_dtype={dtype!r}) is the dtype a head's hidden states travel in, "
+                             "and this teacher has no head (its engine sends prompt log-probs): give "
+                             "head=TeacherHead or the checkpoint directory, or drop hidden_dtype")
+        return None
     if dtype is not None:
-        if dtype not in EMBED_DTYPES:
-            raise ValueError(f"ServedTeacher(hidden_dtype=...) must be one of {[str(d) for d in EMBED_DTYPES]} or "
-                             f"None (the head's checkpoint's dtype), got {dtype!r}")
+        if not isinstance(dtype, torch.dtype) or dtype not in EMBED_DTYPES:
+            raise (ValueError if isinstance(dtype, torch.dtype) else TypeError)(
+                f"ServedTeacher(hidden_dtype=...) must be a torch.dtype, one of {[str(d) for d in EMBED_DTYPES]}, or "
+                f"None (the head's checkpoint's dtype), got {dtype!r}"
+                + ("" if isinstance(dtype, torch.dtype) else f", a {type(dtype).__name__}"))
         return dtype
     own = head.checkpoint_dtype
     return own if own in LOSSLESS else torch.float32

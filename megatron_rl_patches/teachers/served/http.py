@@ -22,7 +22,8 @@ from typing import Any
 from megatron_rl_patches._extras import install_hint
 from megatron_rl_patches._json_read import parsed_json
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
-from megatron_rl_patches.teachers.redaction import has_userinfo, redacted, without_key
+from megatron_rl_patches.teachers.finite import utf8_text
+from megatron_rl_patches.teachers.redaction import has_userinfo, key_variable, redacted, without_key
 from megatron_rl_patches.teachers.served.metrics import Recorder
 from megatron_rl_patches.teachers.served.settings import ClientSettings
 
@@ -36,6 +37,7 @@ def check_url(url: object) -> str:
     query. Every message shows the URL `redacted`."""
     if not isinstance(url, str):
         raise TypeError(f"the teacher's url must be a str like 'http://host:port', got {type(url).__name__}")
+    utf8_text(url, "the teacher's url")  # httpx's bare InvalidURL at the first request otherwise
     said = redacted(url)
     if has_userinfo(url):
         raise ValueError(f"the teacher's url {said!r} carries a user or password: put the API key in an "
@@ -95,6 +97,7 @@ class TeacherClient:
         self.url = check_url(url)
         self.settings = settings
         self.recorder = recorder or Recorder()  # the bytes received and the retries, for the teacher's metrics
+        key_variable(settings.api_key_env)  # its key, whatever a server quotes of it, hidden in every message
         self._http: Any = None
         self._lock = threading.Lock()
 

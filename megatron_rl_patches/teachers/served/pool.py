@@ -20,7 +20,7 @@ import threading
 from collections.abc import Sequence
 
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
-from megatron_rl_patches.teachers.redaction import redacted
+from megatron_rl_patches.teachers.redaction import redacted, scrubbed
 from megatron_rl_patches.teachers.served.cancel import Cancel
 from megatron_rl_patches.teachers.served.endpoint import Endpoint, SampleAsk, Step
 from megatron_rl_patches.teachers.served.engines.protocol import ServedModel
@@ -138,7 +138,8 @@ class ReplicaPool:
         if problem is None:
             self.scheduler.rejoin(index, model, None)
             return
-        LOG.warning("served teacher %s: %s: kept out (asked again next step); %s", redacted(self.url), problem, SAME)
+        LOG.warning("served teacher %s: %s: kept out (asked again next step); %s", redacted(self.url),
+                    scrubbed(problem), SAME)
         self.scheduler.rejoin(index, None, ServedTeacherRefusal(f"{problem}: {SAME}", self.url))
 
     def close(self) -> None:

@@ -3,13 +3,13 @@ retries, what is in flight at once, the API key's variable and the CAs TLS is ve
 and its replicas (`ReplicaSettings`: how they share a step). Standard library only."""
 from __future__ import annotations
 
-import math
 import numbers
 import os
 from dataclasses import dataclass, fields
 
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches._variables import TEACHER_API_KEY
+from megatron_rl_patches.teachers.finite import finite, shown, utf8_text, wait_seconds
 from megatron_rl_patches.teachers.served.spreading import FewestInFlight, PromptAffinity
 
 API_KEY_ENV = TEACHER_API_KEY
@@ -41,12 +41,17 @@ class ClientSettings:
             seconds(f"ClientSettings({name}=...)", getattr(self, name), allow_zero=False)
         seconds("ClientSettings(backoff_s=...)", self.backoff_s, allow_zero=True)
         if isinstance(self.retries, bool) or not isinstance(self.retries, numbers.Integral) or self.retries < 0:
-            raise ValueError(f"ClientSettings(retries=...) must be an int >= 0, got {self.retries!r}")
+            raise ValueError(f"ClientSettings(retries=...) must be an int >= 0, got {shown(self.retries)}")
         positive_int("ClientSettings(max_in_flight=...)", self.max_in_flight, " (requests at once)")
         positive_int("ClientSettings(max_tokens_in_flight=...)", self.max_tokens_in_flight, " (prompt tokens at once)")
         if not isinstance(self.api_key_env, str) or not self.api_key_env:
             raise ValueError(f"ClientSettings(api_key_env=...) must name an environment variable, got "
                              f"{self.api_key_env!r}")
+        utf8_text(self.api_key_env, "ClientSettings(api_key_env=...)")
+        if "=" in self.api_key_env or "\0" in self.api_key_env:
+            held = "NUL" if "\0" in self.api_key_env else "'='"
+            raise ValueError(f"ClientSettings(api_key_env=...) holds {held} ({self.api_key_env!r}), which no "
+                             "environment variable's name holds: name the variable the API key is in")
         if self.ca_bundle is not None and not os.path.isfile(self.ca_bundle):
             raise ValueError(f"ClientSettings(ca_bundle=...) must be a PEM file of CAs, {self.ca_bundle!r} is not a "
                              f"file (None: the system's CAs)")
@@ -85,15 +90,9 @@ def check_api_key(variable: str, key: str) -> None:
 
 
 def seconds(name: str, value: object, allow_zero: bool) -> float:
-    """`value` as a finite number of seconds (> 0, or >= 0 with `allow_zero`); ValueError naming
-    `name` otherwise."""
-    low_ok = (lambda v: v >= 0) if allow_zero else (lambda v: v > 0)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
-            or not low_ok(value):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
-    return float(value)
-
+    """`value` as a finite number of seconds (> 0, or >= 0 with `allow_zero`) a wait can take;
+    ValueError naming `name` otherwise (`finite.wait_seconds`)."""
+    return wait_seconds(name, value, allow_zero)
 
 @dataclass(frozen=True)
 class ReplicaSettings:
@@ -121,15 +120,10 @@ class ReplicaSettings:
     min_replicas: int = 1
 
     def __post_init__(self) -> None:
-        if self.hedge_after is not None and (isinstance(self.hedge_after, bool) or
-                                             not isinstance(self.hedge_after, numbers.Real) or
-                                             not math.isfinite(self.hedge_after) or self.hedge_after < 1):
-            raise ValueError(f"ReplicaSettings(hedge_after={self.hedge_after!r}) must be a finite multiple >= 1 of "
-                             f"the step's median request time, or None (no hedging)")
-        if isinstance(self.hedge_floor_s, bool) or not isinstance(self.hedge_floor_s, numbers.Real) or \
-                not math.isfinite(self.hedge_floor_s) or self.hedge_floor_s < 0:
-            raise ValueError(f"ReplicaSettings(hedge_floor_s={self.hedge_floor_s!r}) must be a finite number of "
-                             f"seconds >= 0")
+        if self.hedge_after is not None and (not finite(self.hedge_after) or self.hedge_after < 1):
+            raise ValueError(f"ReplicaSettings(hedge_after={shown(self.hedge_after)}) must be a finite multiple >= 1 "
+                             f"of the replicas' median request time, or None (no hedging)")
+        wait_seconds(f"ReplicaSettings(hedge_floor_s={shown(self.hedge_floor_s)})", self.hedge_floor_s, allow_zero=True)
         if not isinstance(self.keep_prompt_groups, bool):
             raise TypeError(f"ReplicaSettings(keep_prompt_groups=...) must be a bool, got "
                             f"{type(self.keep_prompt_groups).__name__}")
@@ -138,7 +132,7 @@ class ReplicaSettings:
                             f"PromptAffinity()), got {type(self.spread).__name__}")
         if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, numbers.Integral) or \
                 not 1 <= self.min_replicas <= MAX_REPLICAS:
-            raise ValueError(f"ReplicaSettings(min_replicas={self.min_replicas!r}) must be an int from 1 to "
+            raise ValueError(f"ReplicaSettings(min_replicas={shown(self.min_replicas)}) must be an int from 1 to "
                              f"{MAX_REPLICAS} (the replicas that must answer at connect)")
         spread = self.spread or (PromptAffinity() if self.keep_prompt_groups else FewestInFlight())
         if self.keep_prompt_groups and not isinstance(spread, PromptAffinity):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl_patches.teachers.errors import TokenizerUnavailable
+from megatron_rl_patches.teachers.redaction import scrubbed
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ def probe_tokenizer(teacher: ServedTeacher, tokenizer: Any, where: str, whose: s
         advice = ("top-k OPD compares the same token ids; serve a teacher of the student's tokenizer, or name "
                   "the served model's tokenizer with ';tokenizer=DIR'") if whose == STUDENTS else \
             "name the served model's own tokenizer (its tokenizer.json)"
-        raise ValueError(f"{where}: the served model {model.name!r} does not share {whose} (a probe "
-                         f"text of {len(want)} ids came back from {teacher.url}{teacher.tokenize_path} as "
-                         f"{'no tokens' if got is None else f'{len(got)} other ids'}): {advice}")
+        raise ValueError(scrubbed(f"{where}: the served model {model.name!r} does not share {whose} (a probe "
+                                  f"text of {len(want)} ids came back from {teacher.url}"
+                                  f"{teacher.tokenize_path} as "
+                                  f"{'no tokens' if got is None else f'{len(got)} other ids'}): {advice}"))

@@ -117,6 +117,25 @@ def test_text_contexts_tokenized_by_the_students_tokenizer(tmp_path):
     assert [c["hint"].tolist() for c in got] == [[3, 5, 7], [2]]
 
 
+def test_a_bad_text_after_id_contexts_and_an_id_past_int64_name_their_rollout_sample(tmp_path):
+    """A text context among id contexts is named by its sample (its rollout index), not by its
+    place among the texts; an id past int64 is named, not torch's bare overflow."""
+    from types import SimpleNamespace
+
+    from megatron_rl_patches.testing.hf_checkpoints import save_word_tokenizer
+
+    save_word_tokenizer(tmp_path, 16)
+    args, settings = SimpleNamespace(hf_checkpoint=str(tmp_path)), opd_settings(ENV)
+    base = {"tokens": [torch.arange(3)] * 3, "response_lengths": [2, 2, 2], "partition": [7, 4, 9]}
+    for hint, words in (("t3\ud800", r"sample 9's text holds a lone surrogate"), ("", r"sample 9's text is empty")):
+        with pytest.raises(ValueError, match=words):
+            contexts.step_contexts(args, {**base, CONTEXTS: [{"hint": [1]}, {"hint": "t2"}, {"hint": hint}]},
+                                   settings, vocab_size=16)
+    with pytest.raises(ValueError, match=r"sample 4's train_metadata\['hint'\] holds id 18446744073709551616, past "
+                                         "int64"):
+        contexts.step_contexts(args, {**base, CONTEXTS: [{"hint": [1]}, {"hint": [2**64]}, {"hint": [2]}]}, settings)
+
+
 def test_a_key_of_a_teacher_of_another_tokenizer_is_read_in_its_tokenizer(tmp_path):
     """`PATH;tokenizer=own;context=hint`: text through the teacher's tokenizer (PATH's tokenizer.json),
     ids checked against its vocabulary (here larger than the student's), not the student's."""

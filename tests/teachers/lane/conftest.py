@@ -107,22 +107,48 @@ SERVERS = ("served", "pooled", "tokenizerless", "bf16_pooled", "spare")
 
 @pytest.fixture(scope="session")
 def launched(request, checkpoint):
-    """Every server the session's tests use, started together the first time one is asked for (they
-    load side by side, which the lane's cores finish sooner than one after another); each fixture
-    below takes its own and stops it."""
-    from megatron_rl_patches.testing.vllm_server import stop
+    """Every server the session's tests use, started when the first is asked for: as many at once as
+    the machine's available memory takes with room to spare (`servers_that_fit`; all five on a 24 GiB
+    machine), the next wave once those are ready (they load side by side, which the lane's cores
+    finish sooner than one after another); each fixture below takes its own and stops it."""
+    from megatron_rl_patches.testing.vllm_server import servers_that_fit, stop, wait_ready
 
     wanted = {name for item in request.session.items for name in item.fixturenames}
     root, directory, _ = checkpoint
+    names = [name for name in SERVERS if name in wanted]
+    wave = servers_that_fit(len(names)) if names else 1
     servers: dict[str, Any] = {}
     try:
-        for name in SERVERS:
-            if name in wanted:
-                servers[name] = start(name, root, directory)
+        for at in range(0, len(names), wave):
+            if at:  # the earlier wave loaded: its peak is behind it
+                for server in servers.values():
+                    wait_ready(server, 600.0)
+            for name in names[at: at + wave]:
+                servers[name] = STARTED[name] = start(name, root, directory)
         yield servers
     finally:
         for server in servers.values():
             stop(server.process)
+
+
+# every lane server started this session, by name: a failing test is told which of them died
+STARTED: dict[str, Any] = {}
+# the replica tests pause and kill this one on purpose
+KILLED_ON_PURPOSE = ("spare",)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing lane test whose server died (a signal, not an exception: the client sees only
+    "Connection refused") says which server, how, and where its log is."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    notes = [f"{name}: {said}" for name, server in STARTED.items()
+             if name not in KILLED_ON_PURPOSE and (said := server.death()) is not None]
+    if notes:
+        report.sections.append(("lane servers that died", "\n\n".join(notes)))
 
 
 def ready(launched: dict[str, Any], name: str, checkpoint: Any) -> Any:
@@ -130,7 +156,10 @@ def ready(launched: dict[str, Any], name: str, checkpoint: Any) -> Any:
     from megatron_rl_patches.testing.vllm_server import serving
 
     root, directory, _ = checkpoint
-    return serving(launched.pop(name, None) or start(name, root, directory))
+    server = launched.pop(name, None)
+    if server is None:
+        server = STARTED[name] = start(name, root, directory)
+    return serving(server)
 
 
 @pytest.fixture(scope="session")

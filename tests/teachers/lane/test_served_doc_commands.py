@@ -1,12 +1,19 @@
 """The docs' vLLM CPU server lines started as written (tests/docs/doc_servers.py finds them: each
-`vllm serve` block's CPU line; the lane's interpreter for `python`, its checkpoint for `--model`, a
+`vllm serve` block's CPU line; the lane's interpreter for vLLM's, its checkpoint for `--model`, a
 free port, nothing else changed, and none of the CPU backend's variables from this process: the
 line's own prefix is what lets it start), each distinct line once, all at once; each answers its
 route (prompt log-probs, or the pooling task at the head's width). Then docs/distillation.md's
-whole-vocabulary block runs as written against the pooling line's server."""
+whole-vocabulary block runs as written against the pooling line's server, and the replica run of
+README.md and docs/distillation.md runs as written against two replicas of the tiny teacher (the
+replicas' own line's server and the lane's server of the same checkpoint, which is the docs'
+`--save-teacher` directory: tests/examples/test_served_teacher_example_cli.py), one of them stopped
+by the block mid-run (last: it stops that server)."""
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +24,9 @@ from megatron_rl_patches.testing.vllm_server import VllmServer, free_port, stop,
 from tests.teachers.lane.served_kit import VLLM_PYTHON
 
 DOCS_TESTS = Path(__file__).resolve().parents[2] / "docs"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+REPLICA_RUN = "examples/served_teacher_loop.py --url 'http://127.0.0.1:8001|http://127.0.0.1:8002'"
+STEP = re.compile(r"^\s*(\d+)\s+(-?\d+\.\d+)\s+(\d+)$")
 
 
 def doc_servers():
@@ -79,3 +89,49 @@ def test_the_whole_vocabulary_block_of_distillation_md_runs_as_written(started, 
     text = block.text.replace("/ckpt/Qwen3-8B", str(directory)).replace("http://127.0.0.1:8000", url)
     assert text.count(str(directory)) == 1 and text.count(url) == 1
     exec(compile(text, block.where, "exec"), {"__name__": "__doc_block__"})  # noqa: S102 - the docs' own block
+
+
+def replica_blocks() -> tuple:
+    """(the servers block, the run block, the output block) of the replica run, the same on each page
+    that shows it (README.md and docs/distillation.md)."""
+    blocks, _ = doc_servers()
+    shown = {}
+    for page in ("README.md", "docs/distillation.md"):
+        found = blocks.page_blocks(blocks.REPO / page)
+        (i,) = [n for n, block in enumerate(found) if REPLICA_RUN in block.text]
+        shown[page] = found[i - 1:i + 2]
+    first, *others = shown.values()
+    assert all([b.text for b in other] == [b.text for b in first] for other in others), "the pages show other runs"
+    return tuple(first)
+
+
+def steps(text: str) -> list[tuple[int, float, int]]:
+    return [(int(m.group(1)), float(m.group(2)), int(m.group(3))) for m in map(STEP.match, text.splitlines()) if m]
+
+
+def test_the_replica_run_of_the_docs_runs_as_written_one_replica_stopped_mid_run(started, served, tmp_path):
+    """The run block as pasted (the package's interpreter for `.venv/bin/python`, the two replicas'
+    URLs the lane's): replica b is the server of the replicas' own CPU line, which the block stops
+    (`kill $B`) once step 1's line is out; the run goes on with replica a and prints what the docs
+    show, every loss within 2e-4 (the shown numbers are a run against one server)."""
+    servers, run, shown = replica_blocks()
+    (replica_b,) = [server for server, where in started.values() if servers.where in where]
+    text = (run.text.replace(".venv/bin/python", sys.executable).replace("examples/", f"{EXAMPLES}/")
+            .replace("http://127.0.0.1:8001", served.url).replace("http://127.0.0.1:8002", replica_b.url))
+    assert text.count(served.url) == 1 and text.count(replica_b.url) == 1
+    try:
+        proc = subprocess.run(["bash", "-c", text], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "B": str(replica_b.process.pid), "PYTHONWARNINGS": "ignore"})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert replica_b.process.wait(60) is not None  # stopped by the block
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(replica_b.process.pid, signal.SIGKILL)  # its engine core too
+    printed, expected = proc.stdout.splitlines(), shown.text.splitlines()
+    assert printed[:2] == expected[:2], printed  # the header: two replicas
+    stopped = "replica b (port 8002) stopped"
+    assert printed.index(stopped) == expected.index(stopped) == 4, printed  # after steps 0 and 1
+    got, want = steps(proc.stdout), steps(shown.text)
+    assert [(n, rows) for n, _, rows in got] == [(n, rows) for n, _, rows in want] and len(got) == 4, printed
+    assert [loss for _, loss, _ in got] == pytest.approx([loss for _, loss, _ in want], abs=2e-4), printed
+    print("\n".join(printed))

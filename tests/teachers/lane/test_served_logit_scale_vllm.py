@@ -3,15 +3,20 @@ which vLLM 0.32's llama.py passes to `LogitsProcessor(scale=...)` after the stat
 sends): its served prompt log-probs (a generate server) against the log-probs its pooled states
 give through `TeacherHead.from_hf` (the scale applied in the head); the same states through the
 head of a copy without the field (no scale: far off) as the negative control. Two servers of this
-checkpoint, started together."""
+checkpoint, started together. And the table's rows against the lane's vLLM source (no server): each
+applied row's model files read its field, from the config the row says (`hf_config` as written, or
+`hf_config.get_text_config()`)."""
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+from pathlib import Path
 
 import torch
 
 from megatron_rl_patches.teachers import ClientSettings, ServedTeacher, TeacherBatch, TeacherHead
+from megatron_rl_patches.teachers.head_transforms import APPLIED, HEAD_TRANSFORMS, OUTER, TEXT
 from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
 from tests.teachers.lane.served_kit import MAX_LOGPROBS, MODEL_SHAPE, POOLING, VLLM_PYTHON, VOCAB
 
@@ -54,3 +59,24 @@ def test_an_engine_logit_scale_is_the_heads(tmp_path):
         off = max(off, float((plain - engine.token_log_probs[i].double()).abs().max()))
     assert off > 0.05, off  # without the scale the head is another distribution
     print(f"logit_scale {SCALE}: head vs vLLM's prompt log-probs within 1e-4; unscaled head {off:.3f} nats off")
+
+
+def test_each_applied_row_is_read_where_the_lanes_vllm_reads_it():
+    """Every file an applied row names is one of the lane's vLLM model files, reads the row's
+    field, and reads it from the config the row says: `get_text_config()` in a `TEXT` row's file,
+    none in an `OUTER` row's (each reads `vllm_config.model_config.hf_config`, config.json as written;
+    teleflm.py through llama.py's `self.config`)."""
+    found = subprocess.run([VLLM_PYTHON, "-c", "import importlib.util; "
+                            "print(importlib.util.find_spec('vllm').submodule_search_locations[0])"],
+                           capture_output=True, text=True, check=True, timeout=120)
+    models = Path(found.stdout.strip()) / "model_executor" / "models"
+    for row in HEAD_TRANSFORMS:
+        for name in row.files:
+            assert (models / name).is_file(), (row.key, name)
+        if row.action != APPLIED:
+            continue
+        for name in row.files:
+            source = (models / name).read_text()
+            assert row.key in source, (row.key, name)
+            assert ("get_text_config()" in source) == (row.reads == TEXT), (row.key, name, row.reads)
+    assert {row.reads for row in HEAD_TRANSFORMS if row.action == APPLIED} == {OUTER, TEXT}

@@ -85,7 +85,9 @@ def every_replica_killed(rank: int, world: int, url: str) -> tuple[str, float]:
 
     settings = ClientSettings(retries=1, backoff_s=0.1, deadline_s=DEADLINE_S)
     links = [Forwarder(int(url.rsplit(":", 1)[1])) for _ in range(2)] if rank == 0 else []
-    teacher = ServedTeacher([link.url for link in links] if rank == 0 else url, top_k=K, client=settings)
+    urls = [[link.url for link in links]]
+    dist.broadcast_object_list(urls, src=0)  # rank 1 holds the same teacher (compared when the step is built)
+    teacher = ServedTeacher(urls[0], top_k=K, client=settings)
     if rank == 0:
         teacher.check()  # connected through both links while they forward
     step = TeacherStep([teacher], LoopHost(VOCAB, dist.group.WORLD, dist.group.WORLD))

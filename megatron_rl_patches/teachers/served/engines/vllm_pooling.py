@@ -40,7 +40,7 @@ class VllmPoolingEngine(VllmEngine):
                  dtype: torch.dtype = torch.float32, head_source: str = "", head_fingerprint: str = "") -> None:
         super().__init__(client, top_k, model)
         self.head_source, self.head_fingerprint = head_source, head_fingerprint
-        if dtype not in EMBED_DTYPES:
+        if not isinstance(dtype, torch.dtype) or dtype not in EMBED_DTYPES:  # a list: no bare "unhashable type"
             raise ValueError(f"ServedTeacher(hidden_dtype=...) must be one of {[str(d) for d in EMBED_DTYPES]} (the "
                              f"served model's dtype, in which its hidden states travel), got {dtype!r}")
         self.hidden_size = hidden_size

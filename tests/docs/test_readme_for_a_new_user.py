@@ -1,0 +1,88 @@
+"""README.md as a new user reads it: how to switch the package on in each framework, near the top,
+one line each, linking the index's table; the teacher entries as their own table, each entry one
+that the variables' parsers take (verl's where the table says so); the stated `make test` time adds
+up; no history words in the docs ("behaves exactly as before": a reader has no "before")."""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from doc_blocks import REPO  # noqa: E402
+
+README = (REPO / "README.md").read_text(encoding="utf-8")
+FRAMEWORKS = ("slime", "verl", "NeMo-RL", "Megatron-LM")
+# what a page says of the package's own past: the reader meets the package as it is
+HISTORY = ("exactly as before", "was built for", "used to ", "always did")
+NOT_READER_PAGES = ("design.md", "testing.md", "benchmarks.md")  # the maintainers' pages
+
+
+def section(text: str, heading: str) -> str:
+    return text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_readme_switches_each_framework_on_in_one_line_near_the_top():
+    headings = re.findall(r"^## (.+)$", README, flags=re.M)
+    assert headings[0] == "Switch it on", headings
+    part = section(README, "## Switch it on")
+    assert "](docs/index.md#which-patches-your-loop-uses)" in part
+    items = [line for line in part.splitlines() if line.startswith("- ")]
+    assert [re.match(r"- \*\*([\w-]+)", item).group(1) for item in items] == list(FRAMEWORKS)
+    for item in items:
+        assert "MEGATRON_RL_PATCHES=all" in item and re.search(r"\]\(docs/recipes\.md#[\w-]+\)", item), item
+
+
+def entry_rows() -> list[tuple[list[str], str]]:
+    """(the entries of its first cell, what its last cell says of verl) per row of the entry table."""
+    table = README.split("| teacher entry |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    rows = []
+    for line in table:
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]]
+        rows.append(([e.replace("\\|", "|") for e in re.findall(r"`([^`]+)`", cells[0])], cells[-1]))
+    return rows
+
+
+def test_the_teacher_entries_are_their_own_table_each_entry_one_the_parsers_take():
+    from megatron_rl_patches._variables import VERL_TEACHER
+    from megatron_rl_patches.integrations.verl.self_entry import self_entry
+    from megatron_rl_patches.integrations.verl.served import parse_entry
+    from megatron_rl_patches.teachers.kinds import parse_entries, student
+
+    rows = entry_rows()
+    assert len(rows) >= 8 and all(entries for entries, _ in rows)
+    for entries, verl in rows:
+        for entry in entries:
+            assert len(parse_entries(entry)) == 1, entry  # slime's variable takes every entry of the table
+            takes = verl == "yes" or (verl == "yes (served)" and entry.startswith("http"))
+            if student.recognizes(entry):
+                with pytest.MonkeyPatch.context() as patch:
+                    patch.setenv(VERL_TEACHER, entry)
+                    assert self_entry() is not None
+            elif takes:
+                parse_entry(entry)
+            else:
+                with pytest.raises(ValueError):
+                    parse_entry(entry)
+    opd_row = next(line for line in README.splitlines() if line.startswith("| `MEGATRON_RL_PATCHES_OPD_TEACHERS`"))
+    assert "the table below" in opd_row and ";head=" not in opd_row  # the grammar is no longer one cell
+
+
+def test_the_make_test_time_adds_up_from_its_lanes():
+    """One sentence holds the figures (easy to update): the total is their sum."""
+    said = re.search(r"its lanes took (\d+):(\d\d) on an idle machine \(([^)]*)\)", " ".join(README.split()))
+    assert said, "README states make test's lane time"
+    lanes = re.findall(r"(\w+) (\d+):(\d\d)", said.group(3))
+    assert [name for name, _, _ in lanes] == ["main", "oldest", "newest", "served", "verl"]
+    total = sum(int(m) * 60 + int(s) for _, m, s in lanes)
+    assert total == int(said.group(1)) * 60 + int(said.group(2)), (total, said.group(0))
+
+
+@pytest.mark.parametrize("page", [REPO / "README.md", *[p for p in sorted((REPO / "docs").glob("*.md"))
+                                                        if p.name not in NOT_READER_PAGES]],
+                         ids=lambda p: p.name)
+def test_no_page_speaks_of_the_packages_past(page):
+    text = " ".join(page.read_text(encoding="utf-8").split())
+    assert [phrase for phrase in HISTORY if phrase in text] == []

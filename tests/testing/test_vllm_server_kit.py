@@ -1,0 +1,72 @@
+"""The lanes' vLLM server kit without vLLM: how many servers start at once for the memory there is,
+what a dead server says (a signal or a dead worker, not the client's "Connection refused"), and the
+KV cache each one holds (the flag, not vLLM's legacy whole-GiB variable)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from megatron_rl_patches.testing import vllm_server
+from megatron_rl_patches.testing.vllm_server import SERVER_PEAK_BYTES, VllmServer, servers_that_fit
+
+GiB = 1 << 30
+
+
+def test_servers_start_in_waves_that_fit_the_available_memory(monkeypatch):
+    assert servers_that_fit(5, available=24 * GiB) == 5  # this kind's 24 GiB: all at once
+    assert servers_that_fit(5, available=4 * GiB + 2 * SERVER_PEAK_BYTES) == 2
+    assert servers_that_fit(5, available=6 * GiB) == 1  # never fewer than one
+    monkeypatch.setattr(vllm_server, "available_bytes", lambda: None)  # memory unknown: all at once
+    assert servers_that_fit(3) == 3
+    monkeypatch.setattr(vllm_server, "available_bytes", lambda: 5 * GiB)
+    assert servers_that_fit(3) == 1
+
+
+def _sleeper(tmp_path, said: str) -> VllmServer:
+    log = tmp_path / "vllm.log"
+    log.write_text(f"INFO starting\n{said}\n")
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    return VllmServer("http://127.0.0.1:1", process, log)
+
+
+def test_a_server_killed_by_a_signal_says_so_and_names_its_log(tmp_path):
+    server = _sleeper(tmp_path, "INFO serving")
+    try:
+        assert server.death() is None
+        os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait(10)
+        said = server.death()
+        assert said is not None and "killed by SIGKILL" in said and "OOM killer" in said
+        assert str(server.log) in said and "INFO serving" in said
+    finally:
+        vllm_server.stop(server.process)
+
+
+def test_a_dead_worker_behind_a_live_server_is_named_from_the_log(tmp_path):
+    line = "ERROR Worker proc VllmWorker-0 died unexpectedly (exit code: None), shutting down executor."
+    server = _sleeper(tmp_path, line)
+    try:
+        said = server.death()
+        assert said is not None and "engine died while the server process lives on" in said and line in said
+        assert str(server.log) in said
+    finally:
+        vllm_server.stop(server.process)
+
+
+def test_the_kv_cache_is_a_flag_and_the_legacy_variable_is_dropped(monkeypatch, tmp_path):
+    command = vllm_server.server_command("python", "m", 1, 256, 20)
+    at = command.index("--kv-cache-memory-bytes")
+    assert int(command[at + 1]) == vllm_server.KV_CACHE_BYTES < GiB
+    seen = {}
+
+    class Recorder:
+        def __init__(self, argv, **kwargs):
+            seen.update(kwargs["env"])
+            self.pid = 0
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")  # a user's setting would override the flag in vLLM
+    monkeypatch.setattr(vllm_server.subprocess, "Popen", Recorder)
+    vllm_server.launch("python", "m", tmp_path / "log")
+    assert "VLLM_CPU_KVCACHE_SPACE" not in seen
