@@ -22,7 +22,7 @@ def verl_teacher_report() -> tuple[list[str], list[str]]:
     raw = os.environ.get(VERL_TEACHER, "").strip()
     if not raw:
         return [], []
-    from megatron_rl_patches.teachers.kinds import student  # lazy: standard library only, as doctor's others
+    from megatron_rl_patches.teachers.kinds import student  # lazy: import cost (doctor imports only what a set variable needs)
 
     try:
         if student.recognizes(raw):  # scored on verl's trainer by the student's own model: no server
