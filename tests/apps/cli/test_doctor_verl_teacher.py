@@ -9,7 +9,7 @@ import json
 import pytest
 
 from megatron_rl_patches.apps import cli
-from tests.teachers.local_servers import MODEL, url_of, vllm_like
+from tests.teachers.local_servers import MODEL, completions, url_of, vllm_like
 
 pytest.importorskip("httpx", reason="the served extra (httpx) is missing")
 
@@ -42,9 +42,18 @@ def test_a_dead_replica_of_verls_teacher_is_a_problem_naming_it(cli_run, monkeyp
     assert checked == [] and "no problems found" not in text and f"  - {VERL}: served teacher" in text
 
 
+def other_weights(body):
+    """Another checkpoint's scores: replicas are one teacher by what they compute (issue 86 item 1)."""
+    status, reply = completions(body)
+    for entry in reply["choices"][0]["prompt_logprobs"][1:]:
+        for item in entry.values():
+            item["logprob"] -= 0.5
+    return status, reply
+
+
 def test_verls_replicas_are_checked_each_then_as_one_teacher(cli_run, monkeypatch):
-    with vllm_like(v1_models=card("/ckpt/m")) as a, vllm_like(v1_models=card("/ckpt/m")) as b, \
-            vllm_like(v1_models=card("/ckpt/other")) as other:
+    with vllm_like(v1_models=card("/ckpt/m")) as a, vllm_like(v1_models=card("/ckpt/copy")) as b, \
+            vllm_like(v1_models=card("/ckpt/m"), v1_completions=other_weights) as other:
         monkeypatch.setenv(VERL, f"{url_of(a)}|{url_of(b)};engine=vllm")
         code, problems, checked = report(cli_run)
         monkeypatch.setenv(VERL, f"{url_of(a)}|{url_of(other)};engine=vllm")
@@ -56,7 +65,7 @@ def test_verls_replicas_are_checked_each_then_as_one_teacher(cli_run, monkeypatc
     assert "(its 2 replicas as one teacher) (vllm; verl's K checked when verl first asks): answers" in checked[2]
     assert min(asked) >= 2  # each replica on its own, then again as one teacher
     (problem,) = [p for p in differing if VERL in p]
-    assert "(its 2 replicas as one teacher)" in problem and f"replica {url_of(other)} serves" in problem, problem
+    assert "(its 2 replicas as one teacher)" in problem and f"replica {url_of(other)} scores the probe other" in problem, problem
 
 
 @pytest.mark.parametrize(("entry", "words"), [
