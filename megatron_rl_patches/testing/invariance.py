@@ -101,6 +101,15 @@ class InvariantCalls:
     def count(self) -> int:
         return sum(self.by_method.values())
 
+    @property
+    def backend(self) -> int:
+        """The calls into the invariant backends (statistics, finalize, top-k ids)."""
+        return self.count - self.row_blocks
+
+    @property
+    def row_blocks(self) -> int:
+        return self.by_method[ROW_BLOCKS]
+
 
 def _invariant_classes() -> list[type[InvariantTiles]]:
     """InvariantTiles and every subclass imported so far (compiled CPU sums; Triton's kernel)."""
