@@ -7,15 +7,31 @@ other rows (before, after, around them) give the same bits (docs/train-rollout-a
         lambda h, t: ops.lm_head_log_probs_and_entropy(h, weight, t, invariant=True)[0],
         (hidden, tokens), others=(other_hidden, other_tokens))
     assert report.identical, report
+
+Which path an op ran, the same on every CPU (its two modes' bits may coincide on one CPU's
+kernels, so a bit difference proves nothing there):
+
+    from megatron_rl_patches.testing.invariance import counting_invariant_calls
+
+    with counting_invariant_calls() as calls:
+        ops.topk_logprobs(logits, ids, invariant=True)
+    assert calls.count > 0, calls
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-__all__ = ["InvarianceReport", "check_rows_invariant", "surround"]
+from megatron_rl_patches.ops import row_blocks
+from megatron_rl_patches.ops.kernels.invariant_tiles import InvariantTiles
+
+__all__ = ["InvarianceReport", "InvariantCalls", "check_rows_invariant", "counting_invariant_calls", "surround"]
 
 Outputs = torch.Tensor | Sequence[torch.Tensor]
 
@@ -65,3 +81,88 @@ def check_rows_invariant(fn: Callable[..., Outputs], rows: Sequence[torch.Tensor
                     diff = diff or float("inf")  # NaN in different places, or equal values with other bits
             report.max_abs_diff[name] = diff
     return report
+
+
+# The forward entry points of a backend (the contract of megatron_rl_patches.ops.kernels): the
+# statistics, their finalize step, the top-k ids and a tie's tiles
+FORWARD_METHODS = ("row_stats", "combined_stats", "finalize", "topk", "tie_tiles")
+ROW_BLOCKS = "in_row_blocks"
+
+
+@dataclass
+class InvariantCalls:
+    """Calls into the invariant mode's code while :func:`counting_invariant_calls` was open: the
+    invariant backends' forward methods by ``Class.method``, and the fixed row blocks
+    (``in_row_blocks``); a call that makes another counts both."""
+
+    by_method: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_method.values())
+
+    @property
+    def backend(self) -> int:
+        """The calls into the invariant backends (statistics, finalize, top-k ids)."""
+        return self.count - self.row_blocks
+
+    @property
+    def row_blocks(self) -> int:
+        return self.by_method[ROW_BLOCKS]
+
+
+def _invariant_classes() -> list[type[InvariantTiles]]:
+    """InvariantTiles and every subclass imported so far (compiled CPU sums; Triton's kernel)."""
+    found: list[type[InvariantTiles]] = []
+    pending: list[type[InvariantTiles]] = [InvariantTiles]
+    while pending:
+        cls = pending.pop()
+        found.append(cls)
+        pending.extend(cls.__subclasses__())
+    return found
+
+
+def _counted(calls: InvariantCalls, key: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        calls.by_method[key] += 1
+        return function(*args, **kwargs)
+
+    return call
+
+
+@contextmanager
+def counting_invariant_calls() -> Iterator[InvariantCalls]:
+    """Count, while the block runs, the calls into the invariant mode's code: the forward methods
+    of the invariant tiles backend
+    (:class:`~megatron_rl_patches.ops.kernels.invariant_tiles.InvariantTiles`) and its subclasses
+    (the compiled CPU sums; Triton's kernel), and ``row_blocks.in_row_blocks``, the fixed row
+    blocks every invariant finalize runs in (also the kept-set head's and ``topk_kl``'s, which
+    use no backend). An op resolved to the invariant mode calls them, one in the default mode
+    never does, on every CPU: the path an op took, where its two modes' bits may coincide. A
+    subclass imported inside the block is counted through what it inherits (finalize, topk).
+    Not thread-safe: the methods and every module's binding of in_row_blocks (also of a module
+    imported inside the block) are replaced until the block ends."""
+    calls = InvariantCalls()
+    replaced: list[tuple[type, str, Any]] = []
+    blocks = row_blocks.in_row_blocks
+    counted_blocks = _counted(calls, ROW_BLOCKS, blocks)
+    try:
+        for cls in _invariant_classes():
+            for name in FORWARD_METHODS:
+                if callable(cls.__dict__.get(name)):
+                    replaced.append((cls, name, cls.__dict__[name]))
+                    setattr(cls, name, _counted(calls, f"{cls.__name__}.{name}", cls.__dict__[name]))
+        for module in _package_modules():  # row_blocks' own too: a module imported in the block binds the count
+            if getattr(module, ROW_BLOCKS, None) is blocks:
+                setattr(module, ROW_BLOCKS, counted_blocks)
+        yield calls
+    finally:
+        for owner, name, value in reversed(replaced):
+            setattr(owner, name, value)
+        for module in _package_modules():
+            if getattr(module, ROW_BLOCKS, None) is counted_blocks:
+                setattr(module, ROW_BLOCKS, blocks)
+
+
+def _package_modules() -> list[Any]:
+    return [module for name, module in list(sys.modules.items()) if name.split(".")[0] == "megatron_rl_patches"]

@@ -1,13 +1,14 @@
 """`slime_fused` in the invariant mode: the same four samples as one micro-batch or as four give
 every response token the same log-prob and entropy bits, the switch read off the model config's
 `batch_invariant_mode` (megatron-core's TransformerConfig attribute, set on the config object: a
-model cannot be built with it on CPU); without it (the default mode) the fused head's values move
-with the split (the negative control). A real GPTModel on CPU through the fused route's model call
-and the GPT output-processor patch; its layers' output projections are zeroed so the hidden states
-are a function of the token alone (the layers' own invariance is megatron-core's
-batch_invariant_mode on a GPU, not this package's: docs/train-rollout-agreement.md). slime's row
-helpers are replaced by the package's `ops.packing` ones (thd, one CP rank); the slime lane runs
-slime's own."""
+model cannot be built with it on CPU); the negative control, the same on every CPU: with it the
+step runs the invariant code, without it (the default mode) none of it (counted; the default
+fused head's values usually move with the split, but whether they do is the CPU's BLAS's choice).
+A real GPTModel on CPU through the fused route's model call and the GPT output-processor patch;
+its layers' output projections are zeroed so the hidden states are a function of the token alone
+(the layers' own invariance is megatron-core's batch_invariant_mode on a GPU, not this package's:
+docs/train-rollout-agreement.md). slime's row helpers are replaced by the package's `ops.packing`
+ones (thd, one CP rank); the slime lane runs slime's own."""
 from __future__ import annotations
 
 import types
@@ -17,6 +18,7 @@ import torch
 from kit.zeroed_gpt import zeroed_output_gpt
 
 from megatron_rl_patches.ops import packing
+from megatron_rl_patches.testing.invariance import counting_invariant_calls
 
 pytestmark = pytest.mark.megatron
 TOTALS, RESPONSES = (150, 97, 211, 64), (60, 40, 130, 20)
@@ -73,25 +75,25 @@ def test_micro_batch_splits_of_1_and_4_give_the_same_bits_with_batch_invariant_m
     model = zeroed_output_gpt(V, sum(TOTALS), hidden_size=H)
     g = torch.Generator().manual_seed(4)
     tokens = [torch.randint(0, V, (n,), generator=g) for n in TOTALS]
-    seen = {}
+    seen, calls = {}, {}
     for mode in (True, False):
         model.config.batch_invariant_mode = mode  # what megatron-core's config carries on a GPU
-        seen[mode] = {split: _responses(model, tokens, split, monkeypatch) for split in (len(TOTALS), 1)}
+        with counting_invariant_calls() as calls[mode]:
+            seen[mode] = {split: _responses(model, tokens, split, monkeypatch) for split in (len(TOTALS), 1)}
     whole, alone = seen[True][len(TOTALS)], seen[True][1]
     for key in ("log_probs", "entropy"):
         assert whole[key].numel() == sum(RESPONSES) and torch.isfinite(whole[key]).all()
         assert torch.equal(whole[key], alone[key]), (key, float((whole[key] - alone[key]).abs().max()))
-    default_whole, default_alone = seen[False][len(TOTALS)], seen[False][1]
-    assert not torch.equal(default_whole["log_probs"], default_alone["log_probs"]), \
-        "the default mode matched across splits: this test no longer shows a difference"
-    torch.testing.assert_close(default_whole["log_probs"], whole["log_probs"], rtol=0, atol=1e-4)
+    assert calls[True].count > 0 and calls[False].count == 0, calls  # the negative control: the path taken
+    torch.testing.assert_close(seen[False][len(TOTALS)]["log_probs"], whole["log_probs"], rtol=0, atol=1e-4)
 
 
 def test_a_teacher_scored_inside_the_students_step_follows_the_students_mode(
         megatron_cpu, clean_patch_state, monkeypatch):
     """A teacher the package builds never sets batch_invariant_mode: inside the student's step
     (the plan slime_opd's teacher passes run with: `step_mode.student_invariant`) its fused pass
-    takes the student's mode; outside, its own config's (the negative control)."""
+    takes the student's mode; outside, its own config's (the negative control: no invariant code
+    runs there, counted on every CPU)."""
     import megatron_rl_patches
     from megatron_rl_patches.integrations.step_mode import student_invariant
 
@@ -105,7 +107,9 @@ def test_a_teacher_scored_inside_the_students_step_follows_the_students_mode(
     teacher.config.batch_invariant_mode = False
     student = [types.SimpleNamespace(config=types.SimpleNamespace(batch_invariant_mode=True))]
     beside = _responses(teacher, tokens, len(TOTALS), monkeypatch, student_invariant(student))
-    alone = _responses(teacher, tokens, len(TOTALS), monkeypatch)
+    with counting_invariant_calls() as calls:
+        alone = _responses(teacher, tokens, len(TOTALS), monkeypatch)
     for key in ("log_probs", "entropy"):
         assert torch.equal(beside[key], invariant[key]), key
-    assert not torch.equal(alone["log_probs"], invariant["log_probs"])
+    assert calls.count == 0, calls
+    torch.testing.assert_close(alone["log_probs"], invariant["log_probs"], rtol=0, atol=1e-4)

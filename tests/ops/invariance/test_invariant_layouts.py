@@ -4,8 +4,10 @@ back (`thd`), padded to a common length (`bshd`), context parallelism at CP = 2 
 the package slices — zigzag and all-gather (`allgather_cp`, contiguous slices of the packed stream)
 — and packed with the vocabulary split over the two ranks (TP = 2), through `ops.packing` (targets,
 response pieces) and the public ops, fp32 and bf16. Every layout's response log-probs and
-entropies are the unpadded bits; in the default mode the fused head differs on the same inputs,
-and so does the packing route at TP = 2 (the negative controls: these checks can fail)."""
+entropies are the unpadded bits. The negative control, the same on every CPU: both routes run the
+invariant backend in every layout in the invariant mode and none of it in the default mode (counted),
+so a route that dropped `invariant=` would fail here (the default mode's bits often move with the
+layout, but whether they do is a matter of one CPU's BLAS and roundings)."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 
 from megatron_rl_patches import ops
 from megatron_rl_patches.ops import packing
+from megatron_rl_patches.testing.invariance import counting_invariant_calls
 
 pytestmark = pytest.mark.multirank
 TOTALS, RESPONSES = (150, 97, 211, 64), (60, 40, 130, 20)  # 522 rows: the fused head's default chunks show
@@ -61,19 +64,24 @@ def _layout(name, rank):
 
 def _responses(layout, tokens, hidden, logits, weight, invariant, tp_group=None):
     """Per route, per output, per sample: this rank's response rows, the rest zero (full length);
-    `tp_group`: the logits and weight are this rank's vocabulary shard."""
+    and per route, its calls into the invariant backend. `tp_group`: the logits and weight are this
+    rank's vocabulary shard."""
     n_rows = hidden.size(0)
     targets = packing.shifted_targets(tokens, layout, n_rows)
-    fused = ops.lm_head_log_probs_and_entropy(hidden, weight, targets, with_entropy=True, invariant=invariant,
-                                              tp_group=tp_group)
-    through_logits = packing.response_log_probs_and_entropy(logits.float(), tokens, layout, with_entropy=True,
-                                                            invariant=invariant, tp_group=tp_group)
+    with counting_invariant_calls() as fused_calls:
+        fused = ops.lm_head_log_probs_and_entropy(hidden, weight, targets, with_entropy=True, invariant=invariant,
+                                                  tp_group=tp_group)
+    with counting_invariant_calls() as packing_calls:
+        through_logits = packing.response_log_probs_and_entropy(logits.float(), tokens, layout, with_entropy=True,
+                                                                invariant=invariant, tp_group=tp_group)
+    calls = {"lm_head_log_probs_and_entropy": fused_calls.backend,
+             "response_log_probs_and_entropy": packing_calls.backend}
     out = {}
     for j, name in enumerate(("log_prob", "entropy")):
         out["lm_head_log_probs_and_entropy", name] = _placed_split(packing.split_responses(fused[j], layout),
                                                                    layout, n_rows)
         out["response_log_probs_and_entropy", name] = _placed_split(through_logits[j], layout, n_rows)
-    return out
+    return out, calls
 
 
 def _placed_split(per_sample, layout, n_rows):
@@ -90,18 +98,24 @@ def _placed_split(per_sample, layout, n_rows):
 
 
 def layout_checks(rank, world):
-    """Per (layout, route, output, dtype, invariant): the responses, gathered over the CP ranks."""
+    """"values": per (layout, route, output, dtype, invariant) the responses, gathered over the CP
+    ranks; "calls": per (layout, route, dtype, invariant) the calls into the invariant backend (of
+    every sample alone: their sum)."""
     import torch.distributed as dist
 
-    results = {}
+    results, calls = {}, {}
     for dtype in (torch.float32, torch.bfloat16):
         tokens, hidden, logits, weight = _samples(dtype)
         for invariant in (True, False):
             alone: dict = {}
             for i in range(len(TOTALS)):  # every sample on its own, unpadded
                 one = packing.PackedLayout((TOTALS[i],), (RESPONSES[i],))
-                for key, value in _responses(one, [tokens[i]], hidden[i], logits[i], weight, invariant).items():
+                got, used = _responses(one, [tokens[i]], hidden[i], logits[i], weight, invariant)
+                for key, value in got.items():
                     alone.setdefault(key, []).append(value)
+                for route, count in used.items():
+                    key = ("alone", route, str(dtype).removeprefix("torch."), invariant)
+                    calls[key] = calls.get(key, 0) + count
             for key, parts in alone.items():
                 results[("alone", *key, str(dtype).removeprefix("torch."), invariant)] = torch.cat(parts)
             for name in LAYOUTS:
@@ -109,13 +123,15 @@ def layout_checks(rank, world):
                 rows, shard, group = _local_rows(name, logits, rank), slice(None), None
                 if name == "packed_tp":  # this rank's half of the vocabulary
                     shard, group = slice(rank * V // CP, (rank + 1) * V // CP), dist.group.WORLD
-                got = _responses(layout, tokens, _local_rows(name, hidden, rank), rows[:, shard], weight[shard],
-                                 invariant, group)
+                got, used = _responses(layout, tokens, _local_rows(name, hidden, rank), rows[:, shard],
+                                       weight[shard], invariant, group)
                 for key, value in got.items():
                     if name in ("zigzag", "allgather"):  # each response row on one rank: the sum is that row
                         dist.all_reduce(value, group=dist.group.WORLD)
                     results[(name, *key, str(dtype).removeprefix("torch."), invariant)] = value
-    return results
+                for route, count in used.items():
+                    calls[(name, route, str(dtype).removeprefix("torch."), invariant)] = count
+    return {"values": results, "calls": calls}
 
 
 @pytest.fixture(scope="module")
@@ -128,35 +144,20 @@ def _differ(a, b):
 
 
 def test_every_layout_gives_the_unpadded_bits_in_the_invariant_mode(results):
-    for rank, rank_results in enumerate(results):
+    for rank, rank_results in enumerate(result["values"] for result in results):
         assert len(rank_results) == (1 + len(LAYOUTS)) * 2 * 2 * 2 * 2  # layouts x routes x outputs x dtypes x modes
         wrong = {case: _differ(value, rank_results[("alone", *case[1:])]) for case, value in rank_results.items()
                  if case[-1] and not torch.equal(value, rank_results[("alone", *case[1:])])}
         assert not wrong, f"rank {rank}: invariant mode differs from the samples alone: {wrong}"
 
 
-def test_the_default_fused_head_moves_with_the_layout(results):
-    """The negative control: in the default mode the fused head's responses differ between the
-    samples alone and packed, and between packed and each CP layout, in both dtypes (so the
-    invariant check above compares values that can move)."""
-    for rank_results in results:
-        for dtype in ("float32", "bfloat16"):
-            def default(name, dtype=dtype, got=rank_results):
-                return got[(name, "lm_head_log_probs_and_entropy", "log_prob", dtype, False)]
-
-            assert _differ(default("alone"), default("packed")) > 0, dtype
-            for name in ("zigzag", "allgather"):
-                assert _differ(default(name), default("packed")) > 0, (name, dtype)
-
-
-def test_the_default_packing_route_moves_with_the_tensor_parallel_split(results):
-    """The negative control of the packing route (`response_log_probs_and_entropy`, a logits op,
-    whose default mode keeps its rows' bits in every one-rank layout): at TP = 2 its default
-    responses differ from the samples alone, so an `invariant` it dropped would show above."""
-    for rank_results in results:
-        for dtype in ("float32", "bfloat16"):
-            def default(name, dtype=dtype, got=rank_results):
-                return got[(name, "response_log_probs_and_entropy", "log_prob", dtype, False)]
-
-            assert _differ(default("alone"), default("packed_tp")) > 0, dtype
-            assert _differ(default("alone"), default("packed")) == 0, dtype  # one rank: the default keeps the bits
+def test_every_layout_runs_the_invariant_code_in_the_invariant_mode_only(results):
+    """The negative control: in every layout (the samples alone too), each route — the fused head
+    and the packing route (`response_log_probs_and_entropy`, a logits op) — called the invariant
+    backend in the invariant mode and never in the default mode, in both dtypes, on every rank; so an
+    `invariant` a route dropped would show, whatever the CPU's bits."""
+    for rank, result in enumerate(results):
+        calls = result["calls"]
+        assert len(calls) == (1 + len(LAYOUTS)) * 2 * 2 * 2  # layouts x routes x dtypes x modes
+        wrong = {case: count for case, count in calls.items() if (count > 0) is not case[-1]}
+        assert not wrong, f"rank {rank}: (layout, route, dtype, invariant): calls into the invariant backend {wrong}"

@@ -1,7 +1,8 @@
 """`batch_invariant_mode` on the model config reaches every route to the vocabulary ops (issue 64
 item 1), each route given the config it should obey — set on a config object (a model cannot be
-built with it on CPU): the route's values equal the invariant op's bits, and the default mode's
-differ (the negative control: the fixed-point sums round otherwise). The fused routes' own tests
+built with it on CPU): the route's values equal the invariant op's bits; given the default mode it
+runs none of the invariant code and the invariant mode runs it (the negative control, counted:
+the two modes' bits may coincide on some CPU's kernels). The fused routes' own tests
 are test_slime_fused_invariant.py and the verl lane's test_verl_invariant.py; teachers beside the
 student: test_slime_fused_invariant.py; verl's top-k loss: the verl lane's test_verl_topk.py."""
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from megatron_rl_patches import ops
 from megatron_rl_patches.ops.kept_set import lm_head_kept_log_probs
+from megatron_rl_patches.testing.invariance import counting_invariant_calls
 
 T, H, V = 96, 64, 5000
 
@@ -31,9 +33,19 @@ def _logits(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return 3 * torch.randn(T, V, generator=g), torch.randint(0, V, (T,), generator=g)
 
 
-def _differ(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert not torch.equal(a, b), "the default mode gave the invariant bits: this test no longer shows a difference"
-    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+def _by_mode(run):
+    """`run(on)` for the invariant mode on and off: (values, the invariant code's calls) by mode."""
+    values, calls = {}, {}
+    for on in (True, False):
+        with counting_invariant_calls() as calls[on]:
+            values[on] = run(on)
+    return values, calls
+
+
+def _apart(default: torch.Tensor, invariant: torch.Tensor, calls: dict) -> None:
+    """The negative control: the invariant code ran in the invariant mode only; values close."""
+    assert calls[True].count > 0 and calls[False].count == 0, calls
+    torch.testing.assert_close(default, invariant, rtol=0, atol=1e-5)
 
 
 def test_token_log_probs_follows_the_config_it_is_given(monkeypatch):
@@ -41,11 +53,10 @@ def test_token_log_probs_follows_the_config_it_is_given(monkeypatch):
 
     monkeypatch.delenv("MEGATRON_RL_PATCHES_INVARIANT", raising=False)
     logits, targets = _logits()
-    got = token_log_probs(config=_config(True))(logits[None], targets[None])["log_probs"][0]
+    got, calls = _by_mode(lambda on: token_log_probs(config=_config(on))(logits[None], targets[None])["log_probs"][0])
     want = ops.log_probs_and_entropy(logits, targets, invariant=True)[0]
-    default = token_log_probs(config=_config(False))(logits[None], targets[None])["log_probs"][0]
-    assert torch.equal(got, want)
-    _differ(default, got)
+    assert torch.equal(got[True], want)
+    _apart(got[False], got[True], calls)
 
 
 def _slimes_callback(tokens):
@@ -73,10 +84,10 @@ def test_slimes_log_prob_adapter_follows_the_students_config(monkeypatch):
     def forward_only(f, args, model):  # slime's caller holding the student: its callback gets the logits
         return f(logits[None], with_entropy=True)
 
-    seen = {on: student_step_wrapper(forward_only, None, (callback, None, _student(on)), {}) for on in (True, False)}
+    seen, calls = _by_mode(lambda on: student_step_wrapper(forward_only, None, (callback, None, _student(on)), {}))
     want = ops.log_probs_and_entropy(logits, tokens, with_entropy=True, invariant=True)
     assert torch.equal(seen[True][0][:, 0], want[0]) and torch.equal(seen[True][1], want[1])
-    _differ(seen[False][0], seen[True][0])
+    _apart(seen[False][0], seen[True][0], calls)
     unmarked = callback(logits[None])
     assert torch.equal(unmarked[0], seen[False][0])
     assert student_step_wrapper(forward_only, None, (callback, None, _student(True)), {})[0].__class__ is torch.Tensor
@@ -98,14 +109,15 @@ def test_slimes_logits_path_in_a_planned_step_carries_the_plans_mode(monkeypatch
     def chunk(post_process=True):
         return types.SimpleNamespace(post_process=post_process, forward=lambda **_: logits[None])
 
-    seen = {}
-    for on in (True, False):
+    def run(on):
         out = FusedModel(_Callable(chunk()), StepPlan(args, True, False, fused=False, invariant=on))(input_ids=None)
         assert mode_of(out) is on
-        seen[on] = callback(out)
+        return callback(out)
+
+    seen, calls = _by_mode(run)
     want = ops.log_probs_and_entropy(logits, tokens, with_entropy=True, invariant=True)
     assert torch.equal(seen[True][0][:, 0], want[0])
-    _differ(seen[False][0], seen[True][0])
+    _apart(seen[False][0], seen[True][0], calls)
     stage = FusedModel(_Callable(chunk(post_process=False)), StepPlan(args, True, False, fused=False, invariant=True))
     assert mode_of(stage(input_ids=None)) is None
 
@@ -150,11 +162,12 @@ def _kept(n_rows: int, seed: int = 2):
 
 def test_the_kept_set_head_is_row_invariant_in_the_invariant_mode():
     hidden, weight, tokens, ids, rows = _kept(T)
-    whole = lm_head_kept_log_probs(hidden, weight, tokens, ids, rows, invariant=True)
+    got, calls = _by_mode(lambda on: lm_head_kept_log_probs(hidden, weight, tokens, ids, rows, invariant=on))
+    whole = got[True]
     alone = [lm_head_kept_log_probs(hidden[r:r + 1], weight, tokens[r:r + 1], ids[rows == r], rows[rows == r] * 0,
                                     invariant=True) for r in (0, 17, T - 1)]
     assert torch.equal(torch.cat(alone), whole[[0, 17, T - 1]])
-    _differ(lm_head_kept_log_probs(hidden, weight, tokens, ids, rows, invariant=False), whole)
+    _apart(got[False], whole, calls)
     h = hidden.clone().requires_grad_(True)
     lm_head_kept_log_probs(h, weight, tokens, ids, rows, invariant=True).sum().backward()
     h0 = hidden.clone().requires_grad_(True)
@@ -184,24 +197,26 @@ def test_the_kept_set_processor_follows_the_model_config(megatron_cpu, clean_pat
     ids = torch.randint(0, vocab, positions.shape, generator=g)
     mask = torch.ones(labels.shape, dtype=torch.bool)
     context = {"kept_ids": ids, "kept_positions": positions, "kept_row_mask": mask}
-    seen, out = {}, {}
+    seen = {}
     processor = megatron_rl_patches.log_prob_output_processor()
 
     def spy(**kwargs):
         seen.update(kwargs)
         return processor(**kwargs)
 
+    def run(on):
+        model.config.batch_invariant_mode = on  # what megatron-core's config carries on a GPU
+        return model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=labels,
+                     output_processor=spy, output_processor_context=context)["kept_log_probs"]
+
     with torch.no_grad():
-        for on in (True, False):
-            model.config.batch_invariant_mode = on  # what megatron-core's config carries on a GPU
-            out[on] = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=labels,
-                            output_processor=spy, output_processor_context=context)["kept_log_probs"]
+        out, calls = _by_mode(run)
         hidden = seen["hidden_states"].reshape(seq * b, -1)
         rows = (positions % seq) * b + positions // seq  # [b, s] -> the hidden states' (s, b) rows
         want = lm_head_kept_log_probs(hidden, model.output_layer.weight, labels.t().reshape(-1), ids, rows,
                                       invariant=True)
     assert torch.equal(out[True], want.reshape(seq, b).t())
-    _differ(out[False], out[True])
+    _apart(out[False], out[True], calls)
 
 
 @pytest.mark.megatron
@@ -214,11 +229,11 @@ def test_the_mtp_heads_fused_loss_follows_the_model_config(monkeypatch):
     hidden = torch.randn(24, 2, H, generator=g)  # [s, b, h]
     labels = torch.randint(0, V, (2, 24), generator=g)  # [b, s]
     with torch.no_grad():
-        got = {on: FusedHeadLogits(hidden, layer, None, _config(on)).cross_entropy(labels) for on in (True, False)}
+        got, calls = _by_mode(lambda on: FusedHeadLogits(hidden, layer, None, _config(on)).cross_entropy(labels))
         want = ops.lm_head_log_probs_and_entropy(hidden.reshape(-1, H), layer.weight, labels.t().reshape(-1),
                                                  invariant=True)[0]
     assert torch.equal(got[True], -want.reshape(24, 2).t())
-    _differ(got[False], got[True])
+    _apart(got[False], got[True], calls)
 
 
 @pytest.mark.megatron
@@ -239,9 +254,8 @@ def test_slimes_opd_student_buckets_on_the_logits_path_follow_the_students_confi
     # slime's per-sample slicing (slime is not installed on this lane; its lane runs slime's own)
     sliced = types.SimpleNamespace(_extract_per_sample=lambda positions, *_: ([positions[s] for s in spans], None))
     monkeypatch.setattr(slime_rows, "slime_loss", lambda: sliced)
-    seen = {}
-    for on in (True, False):
-        seen[on] = opd.student_buckets(args, batch, logits[: sum(totals)][None], student_invariant(_student(on)))
+    seen, calls = _by_mode(lambda on: opd.student_buckets(args, batch, logits[: sum(totals)][None],
+                                                         student_invariant(_student(on))))
     want = ops.topk_logprobs(logits[torch.cat(spans)], torch.cat(ids), invariant=True)
     assert torch.equal(seen[True][0], want[0]) and torch.equal(seen[True][1], want[1])
-    _differ(seen[False][0], seen[True][0])
+    _apart(seen[False][0], seen[True][0], calls)

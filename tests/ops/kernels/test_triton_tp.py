@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import triton_kit as kit  # noqa: E402
 
 from megatron_rl_patches.ops.kernels import resolve_backend  # noqa: E402
+from megatron_rl_patches.testing.invariance import counting_invariant_calls  # noqa: E402
 from megatron_rl_patches.testing.multirank import run_multirank  # noqa: E402
 
 pytestmark = [pytest.mark.triton, pytest.mark.multirank]
@@ -88,9 +89,10 @@ def _fused_values(x: kit.Inputs, h: torch.Tensor, w: torch.Tensor, group, **opts
             *kit.lm_head_topk_logprobs(h, w, x.ids, temperature=x.tau, tp_group=group, **opts)]
 
 
-def _invariant_splits(rank: int, world_size: int) -> dict[tuple[str, str, bool], bool]:
+def _invariant_splits(rank: int, world_size: int) -> dict[tuple[str, str, bool], tuple[bool, int]]:
     """Per (route, dtype, invariant): whether TP = world_size gave the TP = 1 bits from the Triton
-    backend (forward values); the fused head with and without sequence parallelism."""
+    backend (forward values), and its calls into the invariant backend at TP = world_size; the fused
+    head with and without sequence parallelism."""
     import torch.distributed as dist
 
     x = _inputs()
@@ -106,22 +108,32 @@ def _invariant_splits(rank: int, world_size: int) -> dict[tuple[str, str, bool],
             opts = dict(vocab_size=VOCAB, backend="triton", invariant=invariant)
             fused_one = _fused_values(x, h, w, None, **opts)
             cases = {
-                "fused": (fused_one, _fused_values(x, h, w[cols], group, **opts)),
-                "fused/sequence_parallel": (fused_one, _fused_values(x, h[rows], w[cols], group,
-                                                                     sequence_parallel=True, **opts)),
+                "fused": (fused_one, _counted(_fused_values, x, h, w[cols], group, **opts)),
+                "fused/sequence_parallel": (fused_one, _counted(_fused_values, x, h[rows], w[cols], group,
+                                                                sequence_parallel=True, **opts)),
             }
             if dtype == torch.float32:
                 cases["logits"] = (_logit_values(x, logits, None, **opts),
-                                   _logit_values(x, logits[:, cols], group, **opts))
-            for route, (a, b) in cases.items():
-                results[route, str(dtype), invariant] = all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+                                   _counted(_logit_values, x, logits[:, cols], group, **opts))
+            for route, (a, (b, used)) in cases.items():
+                same = all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+                results[route, str(dtype), invariant] = (same, used)
     return results
+
+
+def _counted(values, *args, **kwargs):
+    """`values(*args, **kwargs)` and its calls into the invariant backend."""
+    with counting_invariant_calls() as used:
+        got = values(*args, **kwargs)
+    return got, used.backend
 
 
 def test_two_vocabulary_shards_equal_the_float64_reference_and_the_invariant_kernel_the_tp1_bits():
     """The float64 TP = 1 reference; and the invariant mode's kernel at TP = 2 (integer sums
-    all-reduced) gives the TP = 1 bits on every route and dtype, where the default mode's
-    rescaled float sums move for some (the negative control)."""
+    all-reduced) gives the TP = 1 bits on every route and dtype. The negative control, the same on
+    every CPU: the invariant mode ran the invariant backend on every route, the default mode none of
+    it (counted; the default mode's rescaled float sums usually move with the split, but whether
+    they do is a matter of one CPU's roundings)."""
     x = _inputs()
     want = []
     for fused in (False, True):
@@ -137,8 +149,8 @@ def test_two_vocabulary_shards_equal_the_float64_reference_and_the_invariant_ker
         assert mixed[0] == "ValueError" and "the kernels (backend= or MEGATRON_RL_PATCHES_BACKEND) differs" in mixed[1]
         assert f"rank 0: {tiles_route}, rank 1: invariant (InvariantTriton)" in mixed[1], mixed
         assert len(splits) == 3 * 2 + 2, splits  # fp32: routes x modes; bf16: the fused head's two
-        assert all(same for (_, _, invariant), same in splits.items() if invariant), splits
-        assert not all(same for (_, _, invariant), same in splits.items() if not invariant), splits
+        assert all(same for (_, _, invariant), (same, _) in splits.items() if invariant), splits
+        assert all((used > 0) is invariant for (_, _, invariant), (_, used) in splits.items()), splits
         cols = slice(rank * per, (rank + 1) * per)
         for index, (got, ref) in enumerate(zip(cases, want)):
             fused = index >= 2

@@ -17,6 +17,7 @@ from verl_kit import distillation_config, nested  # noqa: E402
 
 import megatron_rl_patches  # noqa: E402
 from megatron_rl_patches.integrations.verl.topk import KEYS, REPLACED, exact_forward_kl_topk  # noqa: E402
+from megatron_rl_patches.testing.invariance import counting_invariant_calls  # noqa: E402
 
 VOCAB, K, PROMPT, RESPONSE = 512, 16, 4, 10
 LENGTHS = (PROMPT + RESPONSE, PROMPT + RESPONSE)
@@ -159,8 +160,8 @@ def test_the_loss_inside_verls_engine_step_follows_the_students_batch_invariant_
     """verl hands the loss no model config: the engine's forward_step (patched) resolves the
     student's mode from its model's config and its micro-batch carries it to verl's own
     `compute_topk_loss` (patched), whose loss runs in it (the invariant op's bits; the default
-    mode's differ). verl's micro-batch is left as it was; a micro-batch no patched step handed
-    over gets the setting's mode (unset: the default)."""
+    mode runs no invariant code, counted on every CPU). verl's micro-batch is left as it was; a
+    micro-batch no patched step handed over gets the setting's mode (unset: the default)."""
     import types
 
     from verl.utils import tensordict_utils as tu
@@ -183,11 +184,14 @@ def test_the_loss_inside_verls_engine_step_follows_the_students_batch_invariant_
     def student_of(on):
         return [types.SimpleNamespace(config=types.SimpleNamespace(batch_invariant_mode=on))]
 
-    seen = {on: forward_step_wrapper(forward_step, None, (iter([micro_batch]), student_of(on)), {})
-            ["distillation_losses"] for on in (True, False)}
+    seen, calls = {}, {}
+    for on in (True, False):
+        with counting_invariant_calls() as calls[on]:
+            seen[on] = forward_step_wrapper(forward_step, None, (iter([micro_batch]), student_of(on)), {})[
+                "distillation_losses"]
     want = exact_forward_kl_topk(student, teacher.values[None], teacher.indices[None], None, invariant=True)
     assert torch.equal(seen[True], want["distillation_losses"])
-    assert not torch.equal(seen[False], seen[True])
+    assert calls[True].count > 0 and calls[False].count == 0, calls
     assert MODE not in micro_batch.keys()  # the caller's micro-batch untouched
     unmarked = verl_losses.compute_topk_loss(actor, _config(None), micro_batch, student, "thd")
     assert torch.equal(unmarked["distillation_losses"], seen[False])
