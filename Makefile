@@ -2,12 +2,14 @@
 #
 # Test lanes (`make test` runs all five; each lane's venv is built on first use):
 #   main    .venv            Python 3.11, megatron-core 0.16.1: every test
-#   oldest  .venv-mcore013   Python 3.11, megatron-core 0.13.1: tests marked `megatron`
-#   newest  .venv-mcore019   Python 3.12, megatron-core 0.19.2: tests marked `megatron` or
-#                            `triton` (megatron-core >= 0.17 needs Python >= 3.12; its wheel ships
-#                            megatron.training, so the real Megatron-LM train() runs here; torch's
-#                            CUDA wheel brings triton, whose kernels run on CPU under
-#                            TRITON_INTERPRET=1, exported for that pytest process only)
+#   oldest  .venv-mcore013   Python 3.11, megatron-core 0.13.1: tests marked `megatron`, not
+#                            `version_blind` or `reader_facing` (docs/testing.md, "Where a test runs")
+#   newest  .venv-mcore019   Python 3.12, megatron-core 0.19.2: tests marked `megatron` (not
+#                            `version_blind`) or `triton` (megatron-core >= 0.17 needs Python
+#                            >= 3.12; its wheel ships megatron.training, so the real Megatron-LM
+#                            train() runs here; torch's CUDA wheel brings triton, whose kernels
+#                            run on CPU under TRITON_INTERPRET=1, exported for that pytest process
+#                            only)
 #   verl    .venv-mcore019 + .lanes/verl: verl 0.9.1 and the modules its engine and
 #                            distillation files import (tools/verl-lane.txt), --no-deps:
 #                            tests marked `verl`
@@ -97,9 +99,11 @@ test-main: $(STAMP)
 	@status=0; $(VENV)/bin/ruff check . || status=1; $(VENV)/bin/mypy --cache-dir "$(MYPY_CACHE)" || status=1; \
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS) || status=1; exit $$status
 
-# Only what touches megatron-core runs again; the pure math does not depend on its version.
+# Only what touches megatron-core runs again; the pure math does not depend on its version, nor do
+# the tests marked `version_blind` (benchmark harnesses, the demo: the main lane only) or
+# `reader_facing` (the docs' pages and examples: the main and newest lanes).
 test-oldest: $(STAMP_OLD)
-	$(VENV_OLD)/bin/python -m pytest -m megatron $(PYTEST_ARGS)
+	$(VENV_OLD)/bin/python -m pytest -m "megatron and not version_blind and not reader_facing" $(PYTEST_ARGS)
 
 # Without Python 3.12 the lane is skipped loudly; under CI=true that is a failing test.
 test-newest:
@@ -110,7 +114,7 @@ ifeq ($(PYTHON_NEW),)
 	  $(VENV)/bin/python -m pytest -q -p no:cacheprovider tools/lane_unavailable.py; fi
 else
 	$(MAKE) --no-print-directory $(STAMP_NEW)
-	TRITON_INTERPRET=1 $(VENV_NEW)/bin/python -m pytest -m "megatron or triton" $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(VENV_NEW)/bin/python -m pytest -m "(megatron or triton) and not version_blind" $(PYTEST_ARGS)
 endif
 
 # verl 0.9.1 on the newest lane's venv, installed --no-deps into .lanes/verl so that venv's torch

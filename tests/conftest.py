@@ -237,13 +237,20 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` run only where torch sees a CUDA device (`make test-gpu`); elsewhere
     they are skipped, never needed by `make test`. A test that runs once per model kind
     (`megatron_cpu_kind`) carries `layout("hybrid")` in its HybridModel run (docs/layouts.md); a
-    `layout(...)` marker naming no layout of megatron_rl_patches.testing.layouts stops the session."""
+    `layout(...)` marker naming no layout of megatron_rl_patches.testing.layouts, or a layout proof
+    marked `version_blind` or `reader_facing` (fewer lanes), stops the session."""
     for item in items:
         if getattr(getattr(item, "callspec", None), "params", {}).get("megatron_cpu_kind") == "hybrid":
             item.add_marker(layouts.mark("hybrid"))
     problems = layouts.marker_problems(items)
     if problems:
         raise pytest.UsageError("layout(...) markers naming no layout of testing/layouts.py:\n" + "\n".join(problems))
+    # a layout's proof runs on every lane whose megatron-core has the feature (docs/layouts.md)
+    narrowed = [item.nodeid for item in items if item.get_closest_marker("layout")
+                and (item.get_closest_marker("version_blind") or item.get_closest_marker("reader_facing"))]
+    if narrowed:
+        raise pytest.UsageError("layout(...) proofs marked version_blind or reader_facing (a layout's proof runs on "
+                                "every megatron lane):\n" + "\n".join(narrowed))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

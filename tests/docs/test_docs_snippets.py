@@ -23,6 +23,7 @@ from doc_running import (  # noqa: E402
 )
 from doc_skipped import skipped_block_checks  # noqa: E402
 
+pytestmark = pytest.mark.reader_facing  # the main and newest lanes (docs/testing.md, "Where a test runs")
 BLOCKS = all_blocks()
 PAGE_KINDS = ("python", "cli", "output")
 

@@ -24,6 +24,7 @@ def test_the_blocks_the_issue_names_are_held_to_it():
 
 
 @pytest.mark.megatron
+@pytest.mark.reader_facing  # the main and newest lanes
 @pytest.mark.parametrize("block", FRESH, ids=[block.where for block in FRESH])
 def test_the_block_runs_as_pasted_in_a_fresh_interpreter(block):
     from megatron.core.package_info import __version__

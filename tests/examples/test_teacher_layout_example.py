@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.megatron, pytest.mark.multirank]
+pytestmark = [pytest.mark.megatron, pytest.mark.reader_facing, pytest.mark.multirank]  # main and newest lanes
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "teacher_layout_2rank.py"
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron, pytest.mark.reader_facing]  # main and newest lanes
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "topk_opd_cpu.py"
 STEPS = 4

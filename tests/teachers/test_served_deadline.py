@@ -6,6 +6,7 @@ failure agreement (no collective timeout). A 5xx is retried with a backoff (capp
 with the server's words; a slow reply names the shorter of the read timeout and the deadline."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -132,14 +133,28 @@ def test_a_5xx_is_retried_with_backoff_then_named_with_the_servers_words():
             teacher.check()
 
 
-def test_the_backoff_is_capped_at_8_s():
+def test_the_backoff_is_capped_at_8_s(monkeypatch):
+    """25 s of backoff asked, 8 s waited between the two tries. The wait is the client's one seam,
+    `cancel.wait(seconds)` (a threading.Event's): recorded here instead of slept, so the bound is the
+    length asked, exactly, without 8 s of wall time (waits under 1 s, the servers' own, still wait)."""
+    asked: list[float] = []
+    event_wait = threading.Event.wait
+
+    def recorded(self, timeout=None):
+        if timeout is None or timeout < 1.0:
+            return event_wait(self, timeout)
+        asked.append(timeout)
+        return self.is_set()
+
+    monkeypatch.setattr(threading.Event, "wait", recorded)
     route, calls = _busy_then(99)
     settings = ClientSettings(retries=1, backoff_s=25.0, deadline_s=40)
     start = time.monotonic()
     with vllm_like(v1_models=route) as server, ServedTeacher(url_of(server), top_k=2, client=settings) as teacher:
         with pytest.raises(ServedTeacherError, match=r"no answer after 2 tries"):
             teacher.check()
-    assert 8 <= time.monotonic() - start < 8 + 2 * SLACK_S and len(calls) == 2
+    assert asked == [8.0] and len(calls) == 2
+    assert time.monotonic() - start < 2 * SLACK_S  # no other wait of a second or more
 
 
 def test_a_slow_reply_names_the_read_timeout_or_the_deadline_whichever_was_shorter():

@@ -12,7 +12,7 @@ import pytest
 
 from megatron_rl_patches.apps.cli.demo import heading
 
-pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+pytestmark = [pytest.mark.megatron, pytest.mark.version_blind, pytest.mark.slow]  # the demo's screen: main lane only
 
 
 def _read_all(fd: int) -> bytes:

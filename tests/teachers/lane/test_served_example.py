@@ -82,12 +82,43 @@ def test_one_and_two_ranks_train_alike_and_the_optimizer_moves_the_student(runs,
         assert len(set(weights)) == STEPS  # each step's optimizer step moved the output layer
 
 
-def test_the_script_runs_as_pasted_serving_its_own_teacher(runs):
+# the example's two command lines as pasted (README, the script's docstring): each serves its own teacher
+AS_PASTED = {"top-k": ("--tp", "2", "--steps", "2"), "head": ("--head", "--tp", "2", "--steps", "1")}
+
+
+@pytest.fixture(scope="module")
+def as_pasted(tmp_path_factory):
+    """Both command lines of `AS_PASTED` started together in fresh interpreters when the first is
+    asked for, so their two vLLM servers load side by side (as the lane's own do) rather than one
+    after the other; each test takes its own run's (returncode, stdout, stderr)."""
+    folder = tmp_path_factory.mktemp("as-pasted")
+    started = {}
+    for name, options in AS_PASTED.items():
+        out, err = (open(folder / f"{name}.{kind}", "w+") for kind in ("out", "err"))
+        command = [sys.executable, str(EXAMPLES / "served_teacher_loop.py"), "--vllm-python", VLLM_PYTHON, *options]
+        started[name] = (subprocess.Popen(command, stdout=out, stderr=err, text=True,
+                                          env={**os.environ, "PYTHONWARNINGS": "ignore"}), out, err)
+
+    def finished(name: str) -> subprocess.CompletedProcess:
+        proc, out, err = started[name]
+        proc.wait(timeout=900)
+        out.seek(0), err.seek(0)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+
+    try:
+        yield finished
+    finally:
+        for proc, out, err in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            out.close(), err.close()
+
+
+def test_the_script_runs_as_pasted_serving_its_own_teacher(runs, as_pasted):
     """`python examples/served_teacher_loop.py --vllm-python ... --tp 2` in a fresh interpreter: its
     own server of the same tiny teacher (the lane's shape), the same losses as the in-process run."""
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "served_teacher_loop.py"), "--vllm-python", VLLM_PYTHON,
-                           "--tp", "2", "--steps", "2"], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = as_pasted("top-k")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = [line.split() for line in proc.stdout.splitlines() if re.match(r"\s+\d+\s", line)]
     assert [row[0] for row in table] == ["0", "1"], proc.stdout
@@ -165,12 +196,10 @@ def test_the_whole_vocabulary_route_at_one_and_two_ranks_against_float64(head_ru
     assert runs[1][0]["loss"] != runs[1][1]["loss"]  # the optimizer moved the student
 
 
-def test_the_whole_vocabulary_script_runs_as_pasted_serving_its_own_teacher(head_runs):
+def test_the_whole_vocabulary_script_runs_as_pasted_serving_its_own_teacher(head_runs, as_pasted):
     """The README's `.venv/bin/python examples/served_teacher_loop.py --vllm-python ... --head --tp 2`
     in a fresh interpreter: its own pooling server of the same tiny teacher, the same loss."""
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "served_teacher_loop.py"), "--vllm-python", VLLM_PYTHON,
-                           "--head", "--tp", "2", "--steps", "1"], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = as_pasted("head")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "whole vocabulary" in proc.stdout, proc.stdout
     table = [line.split() for line in proc.stdout.splitlines() if re.match(r"\s+\d+\s", line)]
