@@ -13,7 +13,7 @@ from typing import Any
 
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.teachers.agreement import agreed_views
-from megatron_rl_patches.teachers.kinds import kind_named, parse_entry
+from megatron_rl_patches.teachers.kinds import kind_named, read_entry
 from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
 from megatron_rl_patches.teachers.redaction import refuse_userinfo
 
@@ -41,12 +41,16 @@ class BuildOptions:
 
 def entries_of(entries: str | Sequence[str | TeacherEntry]) -> list[TeacherEntry]:
     """A comma-separated string, or a list of entry strings / parsed entries, as parsed entries; a
-    user or password in a URL refused before anything splits the string or an entry."""
+    user or password in a URL refused once where it comes in, before anything splits the string or
+    an entry (a hand-made `TeacherEntry` is checked by the client it builds)."""
     if isinstance(entries, str):
         refuse_userinfo(entries, ENTRIES)
         pieces: list[str | TeacherEntry] = [piece for piece in entries.split(",") if piece.strip()]
     elif isinstance(entries, Sequence) and not isinstance(entries, bytes):
         pieces = list(entries)
+        for piece in pieces:
+            if isinstance(piece, str):
+                refuse_userinfo(piece, ENTRIES)
     else:
         raise TypeError(f"build_teachers(entries=...) takes a comma-separated str or a list of entries, got "
                         f"{type(entries).__name__}")
@@ -58,8 +62,7 @@ def entries_of(entries: str | Sequence[str | TeacherEntry]) -> list[TeacherEntry
         if isinstance(piece, TeacherEntry):
             parsed.append(piece)
         elif isinstance(piece, str):
-            refuse_userinfo(piece, ENTRIES)
-            parsed.append(parse_entry(piece))
+            parsed.append(read_entry(piece))
         else:
             raise TypeError(f"build_teachers(entries=...): an entry is a str or a TeacherEntry, got "
                             f"{type(piece).__name__}")

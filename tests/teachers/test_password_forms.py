@@ -103,7 +103,7 @@ def slime_check(url: str, env: Any) -> str:
 
 
 def verl_entry(url: str, env: Any) -> str:
-    from megatron_rl_patches.integrations.verl.served import parse_entry
+    from megatron_rl_patches.integrations.verl.entry import parse_entry
 
     with pytest.raises(ValueError, match=rf"{VERL_TEACHER}.*carries a user or password") as refused:
         parse_entry(f"{url};engine=vllm")
@@ -124,6 +124,28 @@ def verl_client(url: str, env: Any) -> str:
     with pytest.raises(ValueError, match=rf"{VERL_TEACHER}.*carries a user or password") as refused:
         asyncio.run(compute_teacher_logprobs_single_wrapper(compute_teacher_logprobs_single, manager,
                                                             ([1, 2, 3],), {}))
+    return str(refused.value)
+
+
+def verl_self_teacher(url: str, env: Any) -> str:
+    """verl's live self-teacher entry with a URL where its tokenizer goes (issue 86 item 8), read where
+    verl's trainer reads it."""
+    from megatron_rl_patches.integrations.verl.self_entry import self_entry
+
+    env.setenv(VERL_TEACHER, f"student;context=hint;tokenizer={url}/t")
+    with pytest.raises(ValueError, match=rf"{VERL_TEACHER}.*carries a user or password") as refused:
+        self_entry()
+    return str(refused.value)
+
+
+def verl_self_teacher_unread(url: str, env: Any) -> str:
+    """The same without its context (an entry refused for another reason too): the password is
+    refused first, never quoted in the other refusal (issue 86 item 8)."""
+    from megatron_rl_patches.integrations.verl.self_entry import self_entry
+
+    env.setenv(VERL_TEACHER, f"student;tokenizer={url}/t")
+    with pytest.raises(ValueError, match=rf"{VERL_TEACHER}.*carries a user or password") as refused:
+        self_entry()
     return str(refused.value)
 
 
@@ -163,11 +185,14 @@ ENTRY_POINTS: dict[str, Callable[..., str]] = {
     "verl_parse_entry": verl_entry,
     "verl_client": verl_client,
     "verl_trainer": verl_trainer,
+    "verl_self_teacher": verl_self_teacher,
+    "verl_self_teacher_unread": verl_self_teacher_unread,
 }
 DOCTOR: dict[str, tuple[str, Callable[[str], str]]] = {
     "doctor_opd": (TEACHERS, lambda url: f"/ckpt/a,{url};engine=vllm"),
     "doctor_opd_vocab": (TEACHERS, lambda url: f"{url};engine=vllm;head=/nonexistent/head"),
     "doctor_verl": (VERL_TEACHER, lambda url: f"{url};engine=vllm"),
+    "doctor_verl_self_teacher": (VERL_TEACHER, lambda url: f"student;context=hint;tokenizer={url}/t"),
 }
 
 
@@ -218,7 +243,7 @@ def test_a_password_in_any_form_is_refused_by_name_and_never_shown(where, passwo
 def test_an_at_sign_in_an_option_value_is_no_password(entry):
     """Only the URL's authority holds a user or password: an '@' in a head's or tokenizer's path
     is the path's."""
-    from megatron_rl_patches.integrations.verl.served import parse_entry as verl_entry
+    from megatron_rl_patches.integrations.verl.entry import parse_entry as verl_entry
     from megatron_rl_patches.teachers.kinds import parse_entries, parse_entry
     from megatron_rl_patches.teachers.redaction import has_userinfo, redacted
 

@@ -77,9 +77,9 @@ def test_a_password_in_any_replica_is_refused_on_the_whole_entry(entry):
 
 
 def test_verl_reads_replicas_too():
-    from megatron_rl_patches.integrations.verl.served import parse_entry as verl_entry
+    from megatron_rl_patches.integrations.verl.entry import parse_entry as verl_entry
 
-    assert verl_entry("http://a:1/|http://b:2;engine=vllm").url == "http://a:1|http://b:2"
+    assert verl_entry("http://a:1/|http://b:2;engine=vllm").path == "http://a:1|http://b:2"
     with pytest.raises(ValueError, match="MEGATRON_RL_PATCHES_VERL_TEACHER=.*hold an empty URL"):
         verl_entry("http://a:1|;engine=vllm")
 

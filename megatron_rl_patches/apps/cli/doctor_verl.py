@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from megatron_rl_patches._variables import OPD_TEACHERS, VERL_TEACHER
-from megatron_rl_patches.teachers.kinds import RunFacts, TeacherEntry
+from megatron_rl_patches.teachers.kinds import RunFacts
 from megatron_rl_patches.teachers.kinds.entry import SERVED
 
 CHECK_K = 1  # any top-k server answers k=1; verl's own K is its config's
@@ -22,23 +22,16 @@ def verl_teacher_report() -> tuple[list[str], list[str]]:
     raw = os.environ.get(VERL_TEACHER, "").strip()
     if not raw:
         return [], []
-    from megatron_rl_patches.teachers.kinds import student  # lazy: import cost (doctor imports only what a set variable needs)
+    from megatron_rl_patches.integrations.verl.entry import parse_entry  # lazy: import cost (the kinds table)
 
     try:
-        if student.recognizes(raw):  # scored on verl's trainer by the student's own model: no server
-            from megatron_rl_patches.integrations.verl.self_entry import self_entry  # lazy: import cost (torch)
-
-            self_entry()
-            return [], []
-        from megatron_rl_patches.integrations.verl.served import parse_entry  # lazy: import cost (torch)
-
-        read = parse_entry(raw)
+        entry = parse_entry(raw)
     except ValueError as exc:
         return [str(exc)], []
+    if entry.kind != SERVED:  # the live self-teacher: scored on verl's trainer by the student's own model
+        return [], []
     from megatron_rl_patches.teachers.kinds.served_entry import report  # lazy: import cost
 
-    entry = TeacherEntry(read.url, kind=SERVED, engine=read.engine, tokenizer=read.tokenizer, head=read.head,
-                         context=read.context)
     found, checked = report(entry, RunFacts(k=CHECK_K))
     return [verl_words(line) for line in found], [verl_words(line) for line in checked]
 

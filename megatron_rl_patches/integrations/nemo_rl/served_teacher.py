@@ -53,6 +53,8 @@ from megatron_rl_patches.integrations.nemo_rl.vocab_kd import STATES, WholeVocab
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.head import TeacherHead
 from megatron_rl_patches.teachers.kinds import student
+from megatron_rl_patches.teachers.kinds.entry import SERVED, TeacherEntry
+from megatron_rl_patches.teachers.served.build import served_teacher_of
 from megatron_rl_patches.teachers.served.client import ServedTeacher
 from megatron_rl_patches.teachers.served.settings import ClientSettings
 
@@ -277,6 +279,7 @@ def served_teacher_policy(url: str, *, engine: str = "vllm", top_k: int = NEMO_R
         raise ValueError(f"served_teacher_policy({url!r}): the live self-teacher ('student;context=KEY') is the "
                          "student's own policy, not a served one: use self_teacher_policy(context=KEY) inside "
                          "self_teacher_in_setup(policy) around NeMo-RL's distillation setup()")
-    return ServedTeacherPolicy(ServedTeacher(url, engine, top_k, model=model, temperature=temperature,
-                                             client=client, head=head, context=context),
+    entry = TeacherEntry(url, kind=SERVED, engine=engine, context=context)  # the URL checked by the client
+    return ServedTeacherPolicy(served_teacher_of(entry, top_k=top_k, model=model, temperature=temperature,
+                                                 client=client, head=head),
                                full_vocabulary=full_vocabulary, tokenizer=tokenizer)

@@ -4,16 +4,18 @@ there as the teacher step's per-sample contexts.
 
 slime 624b824a hands `train_metadata` to its rollout manager's `_split_train_data_by_dp` as
 `data["metadata"]` (one dict per sample), which copies a fixed list of keys into each rank's rollout
-data, `metadata` not among them. `split_wrapper` (around it) and `tensorize_wrapper` (around the
-per-rank `tensorize_rollout_data_for_training` it calls once each rank's `partition` is set) put
-the named keys of each rank's samples under `CONTEXTS`; slime's `log_rollout_data` never sees them
+data, `metadata` not among them, and each rank's samples' `tokens` by reference. `split_wrapper`
+(around it) hands each sample's tokens to slime carrying the sample's named keys (`CarriedTokens`),
+so they reach the per-rank `tensorize_rollout_data_for_training` slime calls with each rank's
+data; `tensorize_wrapper` (around it) takes them off, under `CONTEXTS`, and gives slime its tokens
+back as they were: the state travels in slime's own arguments, through no module or context
+variable. slime's `log_rollout_data` never sees them
 (`opd.log_rollout_data_wrapper`). On the training ranks `step_contexts` reads them, tokenizes text
 with the student's tokenizer (a key read by teachers of another tokenizer: theirs, its ids checked
 against its vocabulary) and agrees a missing one over the job before any teacher is asked."""
 from __future__ import annotations
 
-import contextvars
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -30,8 +32,6 @@ from megatron_rl_patches.teachers.context import id_tensor, with_context
 
 # slime's own key of the samples' train_metadata (a list of dicts), kept out of its metrics too
 METADATA = "metadata"
-PENDING: contextvars.ContextVar[list[dict] | None] = contextvars.ContextVar("megatron_rl_patches_contexts",
-                                                                            default=None)
 
 
 def context_keys(settings: OpdSettings | None) -> list[str]:
@@ -66,27 +66,46 @@ def check_layouts(args: Any, settings: OpdSettings) -> None:
                          "takes them), or give the teacher the student's tokenizer and layout")
 
 
+class CarriedTokens(Sequence):
+    """One sample's `tokens` as slime's split sees them (their length, their items), carrying the
+    sample's named train_metadata keys (`contexts`) to its rank's rollout data."""
+
+    def __init__(self, tokens: Any, contexts: dict) -> None:
+        self.tokens, self.contexts = tokens, contexts
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.tokens[index]
+
+
 def split_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for slime's `RolloutManager._split_train_data_by_dp(data)`: with teachers of
-    a privileged context, their keys of every sample's train_metadata noted for the per-rank split."""
+    a privileged context, every sample's tokens carry their keys of its train_metadata through the
+    split (`CarriedTokens`); `data`'s tokens handed back as they were after it."""
     keys = context_keys(opd_settings())
     data = kwargs["data"] if "data" in kwargs else args[0] if args else None
-    if not keys or not isinstance(data, Mapping) or "tokens" not in data:
+    if not keys or not isinstance(data, MutableMapping) or "tokens" not in data:
         return wrapped(*args, **kwargs)
-    token = PENDING.set(carried(data, keys))
+    tokens = data["tokens"]
+    data["tokens"] = [CarriedTokens(one, contexts) for one, contexts in zip(tokens, carried(data, keys))]
     try:
         return wrapped(*args, **kwargs)
     finally:
-        PENDING.reset(token)
+        data["tokens"] = tokens
 
 
 def tensorize_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for `tensorize_rollout_data_for_training(rollout_data)` as slime's rollout
-    manager calls it per data-parallel rank: that rank's samples' contexts (`partition`) added."""
-    pending = PENDING.get()
+    manager calls it per data-parallel rank: that rank's samples' contexts (carried by their tokens)
+    added under `CONTEXTS`, the tokens slime's own again."""
     rollout_data = kwargs["rollout_data"] if "rollout_data" in kwargs else args[0] if args else None
-    if pending is not None and isinstance(rollout_data, dict) and "partition" in rollout_data:
-        rollout_data[CONTEXTS] = [pending[j] for j in rollout_data["partition"]]
+    tokens = rollout_data.get("tokens") if isinstance(rollout_data, dict) else None
+    if isinstance(rollout_data, dict) and isinstance(tokens, list) and \
+            any(isinstance(one, CarriedTokens) for one in tokens):
+        rollout_data[CONTEXTS] = [one.contexts if isinstance(one, CarriedTokens) else {} for one in tokens]
+        rollout_data["tokens"] = [one.tokens if isinstance(one, CarriedTokens) else one for one in tokens]
     return wrapped(*args, **kwargs)
 
 

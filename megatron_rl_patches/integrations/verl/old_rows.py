@@ -4,12 +4,16 @@ log-probs come from, read back by the update's distillation micro-batches.
 
 Keyed by what the rows depend on: the privileged sequence (context + response ids), where its
 response starts, and K. One pass's rows at a time: the first micro-batch of a new log-prob pass
-forgets the last pass's (`OldRows.note_step`), so the cache holds one rollout's rows (on the CPU) at most."""
+forgets the last pass's (`OldRows.note_step`), so the cache holds one rollout's rows (on the CPU) at most.
+Held by verl's engine that runs both passes (`old_rows_of`), not by the module."""
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
+
+from megatron_rl_patches.integrations.verl.held import held
 
 
 def sample_key(sequence: torch.Tensor, start: int, k: int) -> bytes:
@@ -48,4 +52,7 @@ class OldRows:
         self.pass_id = None
 
 
-OLD_ROWS = OldRows()
+def old_rows_of(engine: Any) -> OldRows:
+    """The rows kept by verl's engine (its `MegatronEngineWithLMHead`: the actor's log-prob pass and
+    its update run on the same one)."""
+    return held(engine, "old_rows", OldRows)

@@ -22,9 +22,9 @@ old-log-prob pass: `infer_batch`, no loss, no grad, `calculate_entropy=True`; it
 asks for no entropy and is left alone) runs the same engine `forward_step` over the rollout's
 micro-batches before the update; there each micro-batch carrying the context field and the agent
 loop's placeholder rows is scored (`remember_old_rows`) and its rows kept on the CPU by the
-privileged sequence's content (`old_rows`: one pass's rows, forgotten when the next pass starts).
-The update's distillation micro-batches read them back, so every mini-batch and PPO epoch of the
-rollout is taught by the weights before its first optimizer step. Where a sample has no kept rows
+privileged sequence's content (`old_rows`: one pass's rows, held by the engine, forgotten when the
+next pass starts). The update's distillation micro-batches read them back, so every mini-batch and
+PPO epoch of the rollout is taught by the weights before its first optimizer step. Where a sample has no kept rows
 on some tensor-parallel rank (verl took its old log-probs from the rollout, `bypass_mode`, so no
 pass ran; a sample verl moved to another data-parallel rank), the micro-batch is scored in the
 update, by the weights that update step starts from (equal on a rollout's first mini-batch).
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.integrations.context_fields import field_contexts, tokenizer_vocab
-from megatron_rl_patches.integrations.verl.old_rows import OLD_ROWS, sample_key
+from megatron_rl_patches.integrations.verl.old_rows import old_rows_of, sample_key
 from megatron_rl_patches.integrations.verl.self_entry import WHO
 from megatron_rl_patches.integrations.verl.vocab import core_model, output_weight, response_starts
 from megatron_rl_patches.processors.heads import output_tp_group
@@ -174,7 +174,7 @@ def sample_keys(privileged: TeacherBatch, k: int) -> list[bytes]:
 
 def remember_old_rows(batch: Any, model: Any, instance: Any, named: tuple[str, str | None]) -> None:
     """In verl's old-log-prob pass: score the micro-batch's privileged sequences with the weights
-    the step's old log-probs come from and keep their rows (`old_rows.OLD_ROWS`) for the update.
+    the step's old log-probs come from and keep their rows on verl's engine (`old_rows_of`) for the update.
     A micro-batch without the context field or the agent loop's placeholder rows is not scored
     (its update scores it then); the decision and any refusal agreed over the tensor-parallel group."""
     key, tokenizer = named
@@ -195,7 +195,7 @@ def remember_old_rows(batch: Any, model: Any, instance: Any, named: tuple[str, s
     if privileged is None or not all(scoring):
         return
     for sample, rows in zip(sample_keys(privileged, k), scored_rows(model, core, group, vocab, k, key, privileged)):
-        OLD_ROWS.put(sample, *rows)
+        old_rows_of(instance).put(sample, *rows)
 
 
 def self_taught(batch: Any, model: Any, instance: Any, loss_function: Any, named: tuple[str, str | None]) -> Any:
@@ -214,7 +214,7 @@ def self_taught(batch: Any, model: Any, instance: Any, loss_function: Any, named
         vocab = student_vocab(instance, core)
         k = topk_width(batch, loss_function)
         privileged = privileged_batch(batch, key, tokenizer, vocab)
-        cached = OLD_ROWS.get(sample_keys(privileged, k))
+        cached = old_rows_of(instance).get(sample_keys(privileged, k))
     except (TypeError, ValueError) as refused:
         error = refused
     # every rank's refusal, and whether every rank has the old rows, before the pass's first collective

@@ -21,20 +21,22 @@ With `;context=KEY` the teacher is privileged: for each sample it scores the sam
 batch field KEY (ids, or text tokenized by the teacher's tokenizer `;tokenizer=DIR`, else the
 head's directory) followed by the student's response ids (`teachers.with_context`); verl's rows on
 the response are the teacher's on that sequence, the prompt's rows repeated zeros (read as 0, as
-verl's dummy row). verl's agent-loop worker reads the sample's fields
-(`AgentLoopWorker._compute_teacher_logprobs`, wrapped to hand them to the teacher client); a
-missing field, text without a tokenizer, ids past the vocabulary, or a sample past the server's
-max model length is refused naming the sample's prompt length and the key, before anything is
-sent. The live self-teacher's entry (`student;context=KEY`) is scored on the trainer
-(`self_teacher`): here the agent loop stores zero rows of verl's layout in its place and asks
-nobody."""
+verl's dummy row). verl's agent-loop worker holds the sample's fields: its call for the sample's
+teacher rows (`AgentLoopWorker._compute_teacher_logprobs`) is answered by the patch's wrapper,
+which passes them to the served teacher as arguments; a missing field, text without a tokenizer,
+ids past the vocabulary, or a sample past the server's max model length is refused naming the
+sample's prompt length and the key, before anything is sent. The live self-teacher's entry
+(`student;context=KEY`) is scored on the trainer (`self_teacher`): here the agent loop stores zero
+rows of verl's layout in its place and asks nobody.
+
+The entry is read by the teachers' grammar (`entry.parse_entry`); each served teacher is built once
+per teacher client (verl's `AsyncTeacherLLMServerManager`, which holds it: `held`) through the one
+construction from an entry (`teachers.served.build.served_teacher_of`)."""
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import os
-import threading
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -42,89 +44,28 @@ from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches._variables import VERL_TEACHER
 from megatron_rl_patches.integrations.context_fields import field_contexts, tokenizer_vocab
-from megatron_rl_patches.integrations.verl.self_entry import placeholder_rows, self_entry
+from megatron_rl_patches.integrations.verl.entry import parse_entry
+from megatron_rl_patches.integrations.verl.held import held
+from megatron_rl_patches.integrations.verl.self_entry import placeholder_rows
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context import with_context
-from megatron_rl_patches.teachers.kinds import student
-from megatron_rl_patches.teachers.redaction import has_userinfo, redacted
-from megatron_rl_patches.teachers.served.engines.names import check_engine
-from megatron_rl_patches.teachers.served.urls import SEPARATOR, replica_urls
+from megatron_rl_patches.teachers.kinds.entry import SERVED, STUDENT, TeacherEntry
+from megatron_rl_patches.teachers.redaction import redacted
 
-FORM = "http(s)://host:port[|http(s)://host:port...];engine=vllm[;head=DIR][;context=KEY[;tokenizer=DIR]]"
-_TEACHERS: dict[tuple[str, int], Any] = {}  # (entry, K) -> ServedTeacher, one per agent-loop process
-_LOCK = threading.Lock()
-# the sample verl's agent-loop worker is scoring: (prompt length, its non-tensor fields)
-SAMPLE: contextvars.ContextVar[tuple[int, dict[str, Any]] | None] = contextvars.ContextVar("verl_sample", default=None)
+# the sample verl's agent-loop worker is scoring: (its prompt length, its non-tensor fields)
+Sample = tuple[int, dict[str, Any]]
 
 
-class Entry(NamedTuple):
-    """MEGATRON_RL_PATCHES_VERL_TEACHER's value read: the URL, the engine, the head's directory (or None)."""
+def served_teacher(manager: Any, raw: str, entry: TeacherEntry, k: int) -> Any:
+    """The `ServedTeacher` of `entry` (the variable's value `raw`, read) scoring `k` buckets per row,
+    built once per verl teacher client `manager` and held by it."""
+    from megatron_rl_patches.teachers.served.build import served_teacher_of  # lazy: optional dependency httpx
 
-    url: str
-    engine: str
-    head: str | None = None
-    context: str | None = None
-    tokenizer: str | None = None
-
-
-def parse_entry(entry: str) -> Entry:
-    """(url, engine, head) of MEGATRON_RL_PATCHES_VERL_TEACHER's value; ValueError naming the
-    variable for anything else."""
-    from megatron_rl_patches.teachers.served.http import check_url  # lazy: optional dependency httpx
-
-    said = redacted(entry)
-    if has_userinfo(entry):
-        raise ValueError(f"{VERL_TEACHER}={said!r}: the URL carries a user or password; drop it and put the API key "
-                         f"in MEGATRON_RL_PATCHES_TEACHER_API_KEY (sent as a bearer token)")
-    if student.recognizes(entry):
-        raise ValueError(f"{VERL_TEACHER}={said!r}: the live self-teacher ('student;context=KEY') is scored on the "
-                         "trainer by the student's own model, not served: it takes no URL options (head=, engine=); "
-                         "the form is 'student;context=KEY[;tokenizer=DIR]'")
-    url, *options = (part.strip() for part in entry.split(";"))
-    engine = head = None
-    named: dict[str, str] = {}  # context=KEY, tokenizer=DIR
-    for option in options:
-        name, _, value = (part.strip() for part in option.partition("="))
-        if name == "engine" and engine is None:
-            engine = value
-        elif name == "head" and head is None:
-            if not value:
-                raise ValueError(f"{VERL_TEACHER}={said!r}: head= names the teacher's Hugging Face directory (its "
-                                 f"output layer is read where verl's agent loop runs); the form is {FORM}")
-            head = value
-        elif name in ("context", "tokenizer") and name not in named:
-            if not value:
-                raise ValueError(f"{VERL_TEACHER}={said!r}: {name}= needs a value (context=KEY: the non-tensor batch "
-                                 f"field holding each sample's privileged context; tokenizer=DIR: the teacher's "
-                                 f"tokenizer for text contexts); the form is {FORM}")
-            named[name] = value
-        else:
-            raise ValueError(f"{VERL_TEACHER}={said!r}: option {option!r} is unknown or given twice; the form is "
-                             f"{FORM}")
-    if engine is None:
-        raise ValueError(f"{VERL_TEACHER}={said!r}: name the engine serving it, e.g. '{url};engine=vllm'")
-    context, tokenizer = named.get("context"), named.get("tokenizer")
-    if tokenizer is not None and context is None:
-        raise ValueError(f"{VERL_TEACHER}={said!r}: tokenizer= reads text contexts and there is no context=KEY; "
-                         f"drop it or add the context's field; the form is {FORM}")
-    try:
-        return Entry(SEPARATOR.join(check_url(one) for one in replica_urls(url)), check_engine(engine), head, context,
-                     tokenizer)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{VERL_TEACHER}={said!r}: {exc}") from None
-
-
-def served_teacher(entry: str, k: int) -> Any:
-    """The `ServedTeacher` of `entry` scoring `k` buckets per row, built once per process."""
-    from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
-
-    with _LOCK:
-        teacher = _TEACHERS.get((entry, k))
-        if teacher is None:
-            read = parse_entry(entry)
-            teacher = _TEACHERS[(entry, k)] = ServedTeacher(read.url, read.engine, top_k=k, head=read.head,
-                                                            context=read.context)
-        return teacher
+    teachers: dict[tuple[str, int], Any] = held(manager, "served_teachers", dict)
+    teacher = teachers.get((raw, k))
+    if teacher is None:
+        teacher = teachers[(raw, k)] = served_teacher_of(entry, top_k=k)
+    return teacher
 
 
 def verl_rows(teacher: Any, sequence_ids: list[int], k: int,
@@ -158,10 +99,9 @@ def teacher_vocab(teacher: Any) -> int | None:
     return head.vocab_size if head is not None else None
 
 
-def sample_context(entry: Entry, sequence_ids: list[int]) -> tuple[torch.Tensor, int]:
-    """The privileged context of the sample verl's agent-loop worker is scoring, and its prompt
+def sample_context(entry: TeacherEntry, sequence_ids: list[int], sample: Sample | None) -> tuple[torch.Tensor, int]:
+    """The privileged context of the `sample` verl's agent-loop worker is scoring, and its prompt
     length (refusals name the key and the sample)."""
-    sample = SAMPLE.get()
     key = entry.context
     if sample is None:
         raise ValueError(f"{VERL_TEACHER}: context={key!r} reads the sample's non-tensor batch fields, which verl's "
@@ -203,48 +143,60 @@ def check_call(manager: Any, arguments: dict[str, Any]) -> None:
                          "or configure one teacher")
 
 
-async def served_rows(manager: Any, arguments: dict[str, Any], entry: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """`compute_teacher_logprobs_single`'s result from the served teacher at `entry` (the blocking
-    HTTP requests in a worker thread, so the agent loop's event loop keeps running)."""
+async def served_rows(manager: Any, arguments: dict[str, Any], raw: str,
+                      sample: Sample | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`compute_teacher_logprobs_single`'s result from the teacher the variable's value `raw` names
+    (the blocking HTTP requests in a worker thread, so the agent loop's event loop keeps running);
+    `sample`: the one verl's agent-loop worker is scoring, for a `;context=KEY` entry."""
     check_call(manager, arguments)
     k = served_k(manager)
     sequence = list(arguments["sequence_ids"])
-    if self_entry() is not None:  # the live self-teacher: scored on the trainer, nothing asked here
+    entry = parse_entry(raw)
+    if entry.kind == STUDENT:  # the live self-teacher: scored on the trainer, nothing asked here
         return placeholder_rows(sequence, k)
-    read = parse_entry(entry)
-    context, prompt_length = sample_context(read, sequence) if read.context is not None else (None, 1)
-    teacher = served_teacher(entry, max(k, 1))
+    context, prompt_length = sample_context(entry, sequence, sample) if entry.context is not None else (None, 1)
+    teacher = served_teacher(manager, raw, entry, max(k, 1))
     return await asyncio.to_thread(verl_rows, teacher, sequence, k, context, prompt_length)
 
 
 def compute_teacher_logprobs_single_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for `verl_topk_kd` on verl's teacher client: the served teacher answers when
     MEGATRON_RL_PATCHES_VERL_TEACHER names one, verl's replicas otherwise."""
-    entry = os.environ.get(VERL_TEACHER, "").strip()
+    raw = os.environ.get(VERL_TEACHER, "").strip()
     bound = bind(wrapped, args, kwargs)
-    if not entry or bound is None:
+    if not raw or bound is None:
         return wrapped(*args, **kwargs)
-    warn_once(f"verl_topk_kd: verl's teacher rows come from the served teacher {redacted(entry)} ({VERL_TEACHER}), "
+    warn_once(f"verl_topk_kd: verl's teacher rows come from the served teacher {redacted(raw)} ({VERL_TEACHER}), "
               "not verl's teacher replicas")
-    return served_rows(instance, dict(bound.arguments), entry)
+    return served_rows(instance, dict(bound.arguments), raw)
 
 
 def compute_teacher_logprobs_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper for `verl_topk_kd` on verl's agent-loop worker: with a `;context=KEY` entry,
-    the sample's prompt length and non-tensor fields reach the teacher client (`SAMPLE`) for
-    the call it makes."""
-    entry = os.environ.get(VERL_TEACHER, "").strip()
+    """wrapt wrapper for `verl_topk_kd` on verl's agent-loop worker: with a served `;context=KEY`
+    entry, the worker's call answered here, the sample's prompt length and non-tensor fields passed
+    to the teacher (`privileged_rows`); every other call is verl's own."""
+    raw = os.environ.get(VERL_TEACHER, "").strip()
     bound = bind(wrapped, args, kwargs)
-    if not entry or "context" not in entry or bound is None:
+    if not raw or "context" not in raw or bound is None:
         return wrapped(*args, **kwargs)
-    prompt = bound.arguments.get("prompt_ids") or []
-    fields = bound.arguments.get("sample_kwargs") or {}
+    return privileged_rows(wrapped, instance, args, kwargs, dict(bound.arguments), raw)
 
-    async def scored() -> Any:
-        token = SAMPLE.set((len(prompt), dict(fields)))
-        try:
-            return await wrapped(*args, **kwargs)
-        finally:
-            SAMPLE.reset(token)
 
-    return scored()
+async def privileged_rows(wrapped: Any, worker: Any, args: tuple, kwargs: dict, arguments: dict[str, Any],
+                          raw: str) -> Any:
+    """`AgentLoopWorker._compute_teacher_logprobs(output, prompt_ids, response_ids, validate,
+    sample_kwargs)` for a served privileged teacher: what verl's own method does (distillation on,
+    not validating: the sample's teacher rows in `output.extra_fields`), its teacher client's call
+    made with the sample passed along (`served_rows`)."""
+    entry = parse_entry(raw)
+    if entry.kind != SERVED or entry.context is None or not getattr(worker, "distillation_enabled", False) \
+            or arguments.get("validate"):
+        return await wrapped(*args, **kwargs)
+    output = arguments["output"]
+    prompt, response = list(arguments.get("prompt_ids") or []), list(arguments.get("response_ids") or [])
+    sample = (len(prompt), dict(arguments.get("sample_kwargs") or {}))
+    call = {"sequence_ids": prompt + response, "multi_modal_data": getattr(output, "multi_modal_data", None)}
+    ids, log_probs = await served_rows(worker.teacher_server_manager, call, raw, sample)
+    output.extra_fields["teacher_ids"] = ids
+    output.extra_fields["teacher_logprobs"] = log_probs
+    return None

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.step_mode import student_invariant
-from megatron_rl_patches.integrations.verl.old_rows import OLD_ROWS
+from megatron_rl_patches.integrations.verl.old_rows import old_rows_of
 from megatron_rl_patches.integrations.verl.self_entry import self_entry
 from megatron_rl_patches.integrations.verl.self_teacher import remember_old_rows, self_taught
 from megatron_rl_patches.integrations.verl.vocab import whole_vocabulary_step
@@ -191,7 +191,7 @@ def self_teaching(batches: Any, model: Any, instance: Any, loss_function: Any, n
 
     for batch in batches:
         log_prob_pass = old_log_prob_pass(batch, loss_function)
-        OLD_ROWS.note_step(pass_id if log_prob_pass else None)
+        old_rows_of(instance).note_step(pass_id if log_prob_pass else None)
         if log_prob_pass:
             remember_old_rows(batch, model, instance, named)
             yield batch

@@ -27,6 +27,7 @@ What crosses the network: ids to the server, [R, H] states back (the dtype the s
 has). Context parallelism on this route is refused by name."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
@@ -35,18 +36,19 @@ import torch
 
 from megatron_rl_patches._variables import VERL_TEACHER
 from megatron_rl_patches.integrations.student_head import student_layout_head
+from megatron_rl_patches.integrations.verl.entry import parse_entry
+from megatron_rl_patches.integrations.verl.held import held
 from megatron_rl_patches.integrations.verl.rows import response_lengths
-from megatron_rl_patches.integrations.verl.served import Entry, parse_entry
 from megatron_rl_patches.integrations.verl.vocab_context import agreed_privileged_batch
 from megatron_rl_patches.processors.distill import divergence_output_processor
 from megatron_rl_patches.processors.heads import output_tp_group
 from megatron_rl_patches.teachers.batch import TeacherBatch
+from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
 
 WHO = f"verl_topk_kd ({VERL_TEACHER} with head=)"
-_TEACHERS: dict[tuple[str, int], Any] = {}  # (entry, id(head)) -> ServedTeacher, one per trainer process
 
 
-def head_entry() -> tuple[str, Entry] | None:
+def head_entry() -> tuple[str, TeacherEntry] | None:
     """The variable's value and its read when it names a head, else None."""
     raw = os.environ.get(VERL_TEACHER, "").strip()
     if "head" not in raw:  # the top-k entry: read where the agent loop asks (httpx there), not on the trainer
@@ -114,14 +116,17 @@ def first_marked(mask: Any, offsets: list[int], spans: list[int], lengths: list[
     return starts
 
 
-def teacher_rows(raw: str, entry: Entry, head: Any, batch: Any, group: Any) -> tuple[list[torch.Tensor], list[int]]:
-    """Each sequence's served hidden states [R_i, H] (row r predicts token start_i + r) and its start."""
-    from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
+def teacher_rows(engine: Any, raw: str, entry: TeacherEntry, head: Any, batch: Any,
+                 group: Any) -> tuple[list[torch.Tensor], list[int]]:
+    """Each sequence's served hidden states [R_i, H] (row r predicts token start_i + r) and its
+    start; the teacher built once per head for verl's `engine` and held by it."""
+    from megatron_rl_patches.teachers.served.build import served_teacher_of  # lazy: optional dependency httpx
 
+    teachers: dict[tuple[str, int], Any] = held(engine, "served_teachers", dict)
     key = (raw, id(head))
-    teacher = _TEACHERS.get(key)
-    if teacher is None:
-        teacher = _TEACHERS[key] = ServedTeacher(entry.url, entry.engine, top_k=1, head=head)
+    teacher = teachers.get(key)
+    if teacher is None:  # the context goes into the sequences sent (`agreed_privileged_batch`), not the client
+        teacher = teachers[key] = served_teacher_of(dataclasses.replace(entry, context=None), top_k=1, head=head)
     sequences = [s.detach().cpu().long() for s in batch["input_ids"].unbind()]
     starts = response_starts(batch)
     scored = TeacherBatch(sequences, starts)
@@ -217,7 +222,7 @@ def whole_vocabulary_step(wrapped: Callable[..., Any], instance: Any) -> Callabl
         weight = output_weight(core)
         group = output_tp_group(core.output_layer)
         head = student_layout_head(entry.head, weight, group, WHO)  # type: ignore[arg-type]
-        states, starts = teacher_rows(raw, entry, head, batch, group)
+        states, starts = teacher_rows(instance, raw, entry, head, batch, group)
         distilling = Distilling(head, states, starts)
         handle = model.register_forward_pre_hook(distilling.pre_hook, with_kwargs=True)
         try:

@@ -15,10 +15,10 @@ from typing import Any
 from megatron_rl_patches._variables import VERL_TEACHER
 from megatron_rl_patches.integrations.context_fields import field_contexts
 from megatron_rl_patches.integrations.verl.rows import response_lengths
-from megatron_rl_patches.integrations.verl.served import Entry
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context import with_context
+from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
 
 WHERE = f"verl_topk_kd ({VERL_TEACHER} with head= and context=)"
 
@@ -50,7 +50,7 @@ def prompt_lengths(batch: Any, starts: list[int]) -> list[int]:
     return [length - response for length, response in zip(lengths, responses)]
 
 
-def privileged_batch(entry: Entry, batch: Any, student: TeacherBatch, vocab_size: int) -> TeacherBatch:
+def privileged_batch(entry: TeacherEntry, batch: Any, student: TeacherBatch, vocab_size: int) -> TeacherBatch:
     """The teacher's batch: sample i's context, then its ids from the end of its prompt on; its
     response start moved so that row r still predicts the token the student's row r predicts."""
     key = entry.context
@@ -68,7 +68,7 @@ def privileged_batch(entry: Entry, batch: Any, student: TeacherBatch, vocab_size
     return TeacherBatch(privileged.sequences, shifted)
 
 
-def agreed_privileged_batch(entry: Entry, batch: Any, student: TeacherBatch, vocab_size: int,
+def agreed_privileged_batch(entry: TeacherEntry, batch: Any, student: TeacherBatch, vocab_size: int,
                             group: Any) -> TeacherBatch:
     """`privileged_batch`, a refusal on any rank of the tensor-parallel `group` raised on every rank
     (agreed before the server is asked and before the forward's first collective)."""

@@ -1,14 +1,18 @@
 """The kinds of teacher, registered in one table as `FAMILIES` is for model families: `KINDS`
 (one module each; `kind.py` says what a kind is), `kind_named(name)`, and the entry grammar of
-MEGATRON_RL_PATCHES_OPD_TEACHERS read through it (`parse_entries`). Adding a kind is a module here,
+MEGATRON_RL_PATCHES_OPD_TEACHERS read through it (`parse_entries`; any other setting's through
+`parse_entry` / `parse_variable`, its own name passed in: the one parser of entries). Adding a kind is a module here,
 a row below, and its builder beside the framework that loads it
 (`integrations/megatron/teachers/teacher_builders.py`). Standard library only at import."""
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
 from megatron_rl_patches.teachers.kinds import checkpoint, provider, served_entry, student
 from megatron_rl_patches.teachers.kinds.entry import RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
+from megatron_rl_patches.teachers.kinds.options import entry_named, variable_named
 from megatron_rl_patches.teachers.redaction import refuse_userinfo
 
 # The first row that recognizes an entry parses it: a URL before anything splits it, the live
@@ -25,19 +29,39 @@ def kind_named(name: str) -> TeacherKind:
     return kind
 
 
-def parse_entry(entry: str) -> TeacherEntry:
-    """One entry (stripped) read by the first kind that recognizes it; a user or password in a URL
-    refused first, whatever the kind."""
-    refuse_userinfo(entry, f"{TEACHERS} entry")
+def read_entry(entry: str, said: str | None = None, kinds: Sequence[TeacherKind] = KINDS) -> TeacherEntry:
+    """One entry (stripped) read by the first of `kinds` that recognizes it, every message naming it
+    as `said` (default: an entry of MEGATRON_RL_PATCHES_OPD_TEACHERS). Its URLs' user or password
+    was refused where the text came in (`parse_entry`, `parse_entries`, `parse_variable`,
+    `build_teachers`): nothing here scans for one again."""
     entry = entry.strip()
-    return next(kind for kind in KINDS if kind.recognizes(entry)).parse(entry)
+    said = entry_named(entry) if said is None else said
+    kind = next((kind for kind in kinds if kind.recognizes(entry)), None)
+    if kind is None:
+        raise ValueError(f"{said}: expected {' or '.join(kind.form for kind in kinds)}")
+    return kind.parse(entry, said)
 
 
-def parse_entries(raw: str) -> tuple[TeacherEntry, ...]:
-    """Every comma-separated entry of the setting's value (empty pieces skipped); a user or
-    password in a URL refused before the value is split (a password may hold ',')."""
-    refuse_userinfo(raw, TEACHERS)
-    return tuple(parse_entry(entry) for entry in raw.split(",") if entry.strip())
+def parse_entry(entry: str, setting: str = TEACHERS) -> TeacherEntry:
+    """One entry of `setting` (the variable or argument it came in, which every message names), a
+    user or password in a URL refused first (the one check), whatever the kind."""
+    refuse_userinfo(entry, f"{setting} entry")
+    return read_entry(entry, entry_named(entry.strip(), setting))
+
+
+def parse_entries(raw: str, setting: str = TEACHERS) -> tuple[TeacherEntry, ...]:
+    """Every comma-separated entry of `setting`'s value (empty pieces skipped); a user or password in
+    a URL refused once, before the value is split (a password may hold ',')."""
+    refuse_userinfo(raw, setting)
+    return tuple(read_entry(entry, entry_named(entry.strip(), setting)) for entry in raw.split(",") if entry.strip())
+
+
+def parse_variable(raw: str, variable: str, kinds: Sequence[TeacherKind] = KINDS) -> TeacherEntry:
+    """The one entry a variable holds (verl's MEGATRON_RL_PATCHES_VERL_TEACHER), read by `kinds`: a
+    user or password in a URL refused on the raw value first (the one check), every message naming
+    the variable as the user set it (`VARIABLE='value'`)."""
+    refuse_userinfo(raw, variable)
+    return read_entry(raw, variable_named(raw, variable), kinds)
 
 
 def check_entries(entries: tuple[TeacherEntry, ...], facts: RunFacts) -> None:
@@ -70,4 +94,5 @@ def forms() -> str:
 
 
 __all__ = ["KINDS", "REGISTRY", "TEACHERS", "RunFacts", "TeacherEntry", "TeacherKind", "check_entries",
-           "entry_problems", "entry_report", "forms", "kind_named", "parse_entries", "parse_entry"]
+           "entry_problems", "entry_report", "forms", "kind_named", "parse_entries", "parse_entry", "parse_variable",
+           "read_entry"]

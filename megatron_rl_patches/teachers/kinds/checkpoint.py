@@ -23,9 +23,9 @@ from megatron_rl_patches.teachers.kinds.options import (
 FORM = "PATH (same architecture as the actor, or a Hugging Face directory of another architecture)"
 
 
-def path_options(entry: str, options: list[str]) -> tuple[bool, str | None, dict[str, int]]:
+def path_options(said: str, options: list[str]) -> tuple[bool, str | None, dict[str, int]]:
     """(own tokenizer asked, the stop-token map's module:function, the teacher's own sizes: "tp" /
-    "pp" -> size where written) from a path entry's options."""
+    "pp" -> size where written) from a path entry's options (refusals naming it as `said`)."""
     own, stop = False, None
     sizes: dict[str, int] = {}
     for option in options:
@@ -34,36 +34,36 @@ def path_options(entry: str, options: list[str]) -> tuple[bool, str | None, dict
         elif stop_tokens(option) is not None:
             stop = stop_tokens(option)
         elif is_layout_option(option):
-            size, value = layout_size(option, f"{TEACHERS} entry {entry!r}")
+            size, value = layout_size(option, said)
             if size != "ep":  # ep=1: the only expert size served, nothing to record
                 sizes[size] = value
         else:
-            raise ValueError(f"{TEACHERS} entry {entry!r}: unknown option {option!r}; the options are "
+            raise ValueError(f"{said}: unknown option {option!r}; the options are "
                              f"';{OWN_TOKENIZER}' (a Hugging Face teacher with another tokenizer, e.g. "
                              f"/ckpt/qwen35;{OWN_TOKENIZER}), ';{STOP_TOKENS}module:function' (with it: "
                              "student special id -> teacher id or None) and ';tp=N' / ';pp=N' (the teacher at its "
                              "own tensor / pipeline-parallel sizes)")
     if stop is not None and not own:
-        raise ValueError(f"{TEACHERS} entry {entry!r}: ';{STOP_TOKENS}' maps tokens between two tokenizers; add "
+        raise ValueError(f"{said}: ';{STOP_TOKENS}' maps tokens between two tokenizers; add "
                          f"';{OWN_TOKENIZER}' or drop it")
     return own, stop, sizes
 
 
-def expected_forms(entry: str) -> ValueError:
-    """The error of an entry no kind reads: what an entry can be."""
-    return ValueError(f"{TEACHERS} entry {entry!r}: expected PATH (same architecture as the actor), "
+def expected_forms(said: str) -> ValueError:
+    """The error of an entry no kind reads (named as `said`): what an entry can be."""
+    return ValueError(f"{said}: expected PATH (same architecture as the actor), "
                       "PATH@module:function (a provider for another architecture, e.g. "
                       f"/ckpt/teacher@my_models:teacher_provider), PATH;{OWN_TOKENIZER} (a Hugging Face "
                       "directory with another tokenizer) or http(s)://host:port;engine=vllm (a teacher served by "
                       "vLLM)")
 
 
-def parse(entry: str) -> TeacherEntry:
-    head, options = split_entry(entry)
+def parse(entry: str, said: str) -> TeacherEntry:
+    head, options = split_entry(entry, said)
     if not head.strip():
-        raise expected_forms(entry)
-    context, options = context_option(entry, options)
-    own, stop, sizes = path_options(entry, options)
+        raise expected_forms(said)
+    context, options = context_option(said, options)
+    own, stop, sizes = path_options(said, options)
     return TeacherEntry(head.strip(), None, own, stop, sizes.get("tp"), sizes.get("pp"), kind=CHECKPOINT,
                         context=context)
 

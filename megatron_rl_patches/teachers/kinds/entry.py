@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from megatron_rl_patches._layout_option import written_sizes
 
-CHECKPOINT, PROVIDER, SERVED = "checkpoint", "provider", "served"
+CHECKPOINT, PROVIDER, SERVED, STUDENT = "checkpoint", "provider", "served", "student"
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,8 @@ class TeacherEntry:
     (`;stop_tokens=module:function`): student special id -> the teacher's id or None; `tp` / `pp`
     (`;tp=N` / `;pp=N`): a Hugging Face directory at its own sizes over all ranks; `engine`
     (`;engine=vllm`): the engine serving a URL; `tokenizer` (`;tokenizer=DIR` of a URL): the served
-    teacher's own tokenizer (a directory or tokenizer.json); `same_tokenizer` (`;same_tokenizer` of a
+    teacher's own tokenizer (a directory or tokenizer.json; of the live self-teacher, where its
+    variable names one: the student's, which reads text contexts); `same_tokenizer` (`;same_tokenizer` of a
     URL): the user's word that the served model's tokenizer is the student's, for a server that has
     none to probe (`--skip-tokenizer-init`), with its vocabulary size named by `vocab` (`;vocab=N`) or
     read from `config` (`;config=PATH`: the teacher's config.json, or its directory); `head`
@@ -67,8 +68,8 @@ class TeacherEntry:
     def other_tokenizer(self) -> bool:
         """Whether the teacher has another tokenizer than the student's: its scores come in buckets
         of the student's ids grouped by shared strings (`;tokenizer=own`, or a URL's
-        `;tokenizer=DIR`)."""
-        return self.own_tokenizer or self.tokenizer is not None
+        `;tokenizer=DIR`). The live self-teacher is the student: never."""
+        return self.kind != STUDENT and (self.own_tokenizer or self.tokenizer is not None)
 
 
 @dataclass(frozen=True)

@@ -25,17 +25,19 @@ def no_problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
 class TeacherKind:
     """One kind of teacher: its `name` (`TeacherEntry.kind`), `form` (how its entries are written,
     for errors and --help), `recognizes` (whether a stripped entry is its own: the first row of
-    the table that says so parses it), `parse` (the entry -> its record; ValueError naming the
-    entry), `check` (against the run, before anything loads; ValueError naming the entry and the
-    setting), `problems` (what loading it would fail on, found by `doctor` without loading),
-    `report` (where a kind asks something: its problems and what it checked that held, for `doctor`)
-    and `build` ((entry, host, options) -> the teacher, framework-free; None: a kind loaded in process,
-    which the host builds: `teachers.build.build_teachers`)."""
+    the table that says so parses it), `parse` ((the entry, how every message names it: the
+    setting it came in, `options.entry_named`) -> its record; ValueError naming the entry so; its
+    user or password refused where it came in, not here), `check` (against the run, before
+    anything loads; ValueError naming the entry and the setting), `problems` (what loading it would
+    fail on, found by `doctor` without loading), `report` (where a kind asks something: its
+    problems and what it checked that held, for `doctor`) and `build` ((entry, host, options) ->
+    the teacher, framework-free; None: a kind loaded in process, which the host builds:
+    `teachers.build.build_teachers`)."""
 
     name: str
     form: str
     recognizes: Callable[[str], bool]
-    parse: Callable[[str], TeacherEntry]
+    parse: Callable[[str, str], TeacherEntry]
     check: Callable[[TeacherEntry, RunFacts], None] = no_check
     problems: Callable[[TeacherEntry, RunFacts], list[str]] = no_problems
     report: Callable[[TeacherEntry, RunFacts], tuple[list[str], list[str]]] | None = None

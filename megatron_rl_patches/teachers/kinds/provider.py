@@ -5,7 +5,6 @@ directories only."""
 from __future__ import annotations
 
 from megatron_rl_patches._layout_option import written_sizes
-from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
 from megatron_rl_patches.teachers.kinds.checkpoint import expected_forms, path_options, path_problems
 from megatron_rl_patches.teachers.kinds.entry import PROVIDER, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
@@ -18,18 +17,18 @@ def recognizes(entry: str) -> bool:
     return "@" in entry.partition(";")[0]
 
 
-def parse(entry: str) -> TeacherEntry:
-    head, options = split_entry(entry)
+def parse(entry: str, said: str) -> TeacherEntry:
+    head, options = split_entry(entry, said)
     path, _, provider = head.partition("@")
     if not path.strip() or not is_provider(provider.strip()):
-        raise expected_forms(entry)
-    context, options = context_option(entry, options)
-    own, _, sizes = path_options(entry, options)
+        raise expected_forms(said)
+    context, options = context_option(said, options)
+    own, _, sizes = path_options(said, options)
     if own:
-        raise ValueError(f"{TEACHERS} entry {entry!r}: ';{OWN_TOKENIZER}' serves Hugging Face directories (their "
+        raise ValueError(f"{said}: ';{OWN_TOKENIZER}' serves Hugging Face directories (their "
                          "tokenizer.json is read); drop '@module:function' or the option")
     if sizes:
-        raise ValueError(f"{TEACHERS} entry {entry!r}: ';{written_sizes(sizes.get('tp'), sizes.get('pp'))}' serves "
+        raise ValueError(f"{said}: ';{written_sizes(sizes.get('tp'), sizes.get('pp'))}' serves "
                          "Hugging Face directories of another architecture (built from their config.json); a "
                          "provider's model '@module:function' is not served at its own layout yet: drop ';tp=' / "
                          "';pp=' or the provider")

@@ -1,9 +1,9 @@
 """The served kind: `http://host:port;engine=vllm` (or `https://`) — a teacher served by an
 inference engine, asked over HTTP (`teachers.ServedTeacher`); its replicas' URLs joined by '|'
 before the options (`http://a:8000|http://b:8000;engine=vllm`). The URL is read before the entry
-is split further (its ':' and '/' are no path, its '@' no provider); a user or password in it is
-refused on the raw entry, before anything splits it, and every message shows the entry `redacted`
-(the API key comes from MEGATRON_RL_PATCHES_TEACHER_API_KEY). Options: `;engine=vllm`
+is split further (its ':' and '/' are no path, its '@' no provider); a user or password in it was
+refused where the entry came in, on the raw text, before anything split it (`teachers.kinds`; the
+API key comes from MEGATRON_RL_PATCHES_TEACHER_API_KEY). Options: `;engine=vllm`
 (required: the engines answer on different routes), `;tokenizer=DIR` (another tokenizer than the
 student's: a directory or tokenizer.json, `;stop_tokens=module:function` with it), `;same_tokenizer`
 with `;vocab=N` or `;config=PATH` (a server without a tokenizer to probe, `--skip-tokenizer-init`:
@@ -14,6 +14,7 @@ chunk-start buckets of another tokenizer scored exactly through it). Engines sco
 without a head another rollout temperature is refused. `doctor` asks the server."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import urllib.parse
 from pathlib import Path
@@ -29,7 +30,7 @@ from megatron_rl_patches.teachers.kinds.options import (
     is_provider,
     split_entry,
 )
-from megatron_rl_patches.teachers.redaction import redacted, refuse_userinfo
+from megatron_rl_patches.teachers.redaction import redacted
 from megatron_rl_patches.teachers.served.engines.names import SERVED_ENGINES, check_engine, in_entry_words
 from megatron_rl_patches.teachers.served.tokenizer_probe import SAME_TOKENIZER, probe_tokenizer
 
@@ -49,37 +50,41 @@ def recognizes(entry: str) -> bool:
     return SCHEME.match(entry) is not None
 
 
-def check_url_head(entry: str, head: str) -> str:
-    """The URL(s) of an entry (whose user or password was refused already, on the whole text):
+def check_url_head(said: str, head: str) -> str:
+    """The URL(s) of an entry named as `said` (its user or password refused where it came in):
     each replica's http or https, no query, its trailing '/' dropped; joined by '|' again."""
-    from megatron_rl_patches.teachers.served.urls import SEPARATOR, replica_urls  # lazy: import cost
+    from megatron_rl_patches.teachers.served.urls import SEPARATOR, replica_pieces  # lazy: import cost
 
     try:
-        urls = replica_urls(head)
+        urls = replica_pieces(head)
     except ValueError as exc:
-        raise ValueError(f"{TEACHERS} entry {redacted(entry)!r}: {exc}") from None
-    return SEPARATOR.join(check_one_url(entry, url) for url in urls)
+        raise ValueError(f"{said}: {exc}") from None
+    return SEPARATOR.join(check_one_url(said, url) for url in urls)
 
 
-def check_one_url(entry: str, head: str) -> str:
+def check_one_url(said: str, url: str) -> str:
     """One URL of an entry: http or https, no query; its trailing '/' dropped."""
-    from megatron_rl_patches.teachers.served.http import check_url  # lazy: import cost (ssl, json)
+    from megatron_rl_patches.teachers.served.http import url_form  # lazy: import cost (ssl, json)
 
-    parts = urllib.parse.urlsplit(head)
+    parts = urllib.parse.urlsplit(url)
     if parts.scheme.lower() not in ("http", "https"):
-        raise ValueError(f"{TEACHERS} entry {redacted(entry)!r}: a served teacher's URL starts with http:// or "
-                         f"https://, got {parts.scheme}://")
+        raise ValueError(f"{said}: a served teacher's URL starts with http:// or https://, got {parts.scheme}://")
     try:
-        return check_url(head)
+        return url_form(url)
     except ValueError as exc:
-        raise ValueError(f"{TEACHERS} entry {redacted(entry)!r}: {exc}") from None
+        raise ValueError(f"{said}: {exc}") from None
 
 
-def parse(entry: str) -> TeacherEntry:
-    refuse_userinfo(entry, f"{TEACHERS} entry")  # on the raw text: a password may hold ';', ',', '@', ...
-    said = redacted(entry)  # what every message shows of the entry
-    head, options = split_entry(entry)
-    url = check_url_head(entry, head.strip())
+# what an option's value names, where it is left empty
+VALUES = {"tokenizer": "the served teacher's tokenizer (a directory holding tokenizer.json, or the file)",
+          "head": "the teacher's Hugging Face directory (its output layer turns the served hidden states into its "
+                  "distribution)",
+          "config": "the served model's config.json (or the directory holding it)"}
+
+
+def parse(entry: str, said: str) -> TeacherEntry:
+    head, options = split_entry(entry, said)
+    url = check_url_head(said, head.strip())
     context, options = context_option(said, options)
     engine = tokenizer = stop = config = head_dir = None
     vocab: int | None = None
@@ -90,11 +95,14 @@ def parse(entry: str) -> TeacherEntry:
             try:
                 engine = check_engine(value)
             except ValueError as exc:
-                raise ValueError(f"{TEACHERS} entry {said!r}: {exc}") from None
+                raise ValueError(f"{said}: {exc}") from None
         elif name == "tokenizer" and value == "own":
-            raise ValueError(f"{TEACHERS} entry {said!r}: ';{OWN_TOKENIZER}' reads a checkpoint directory's "
+            raise ValueError(f"{said}: ';{OWN_TOKENIZER}' reads a checkpoint directory's "
                              "tokenizer.json; a served teacher names its tokenizer: ';tokenizer=DIR' (a directory "
                              "holding tokenizer.json, or the file)")
+        elif name in VALUES and "=" in option and not value:
+            raise ValueError(f"{said}: option {option!r} is empty: {name}= names {VALUES[name]}; give it, or drop "
+                             "the option")
         elif name == "tokenizer" and value:
             tokenizer = value
         elif name == "head" and value:
@@ -105,16 +113,16 @@ def parse(entry: str) -> TeacherEntry:
             same = True
         elif name == "vocab":
             if not (value.isascii() and value.isdigit() and int(value) > 0):
-                raise ValueError(f"{TEACHERS} entry {said!r}: ';{VOCAB}{value}' must be the served model's vocabulary "
+                raise ValueError(f"{said}: ';{VOCAB}{value}' must be the served model's vocabulary "
                                  "size, a positive int (its config.json's vocab_size)")
             vocab = int(value)
         elif name == "config" and value:
             config = value
         elif name in ("tp", "pp", "ep"):
-            raise ValueError(f"{TEACHERS} entry {said!r}: option {option!r}: a served teacher runs at its server's "
+            raise ValueError(f"{said}: option {option!r}: a served teacher runs at its server's "
                              "own layout (set it where the engine starts); drop it")
         else:
-            raise ValueError(f"{TEACHERS} entry {said!r}: unknown option {option!r}; a served teacher's options "
+            raise ValueError(f"{said}: unknown option {option!r}; a served teacher's options "
                              f"are ';{ENGINE}NAME' (one of {list(SERVED_ENGINES)}), ';{TOKENIZER}DIR' (another "
                              f"tokenizer than the student's: a directory or tokenizer.json), "
                              f"';{STOP_TOKENS}module:function' (with it), ';{SAME_TOKENIZER}' with "
@@ -122,10 +130,10 @@ def parse(entry: str) -> TeacherEntry:
                              "teacher's Hugging Face directory: its hidden states served, projected through its head "
                              "here)")
     if engine is None:
-        raise ValueError(f"{TEACHERS} entry {said!r}: name the engine serving it, e.g. '{url};engine=vllm' "
+        raise ValueError(f"{said}: name the engine serving it, e.g. '{url};engine=vllm' "
                          f"(served: {list(SERVED_ENGINES)})")
     if stop is not None and tokenizer is None:
-        raise ValueError(f"{TEACHERS} entry {said!r}: ';{STOP_TOKENS}' maps tokens between two tokenizers; add "
+        raise ValueError(f"{said}: ';{STOP_TOKENS}' maps tokens between two tokenizers; add "
                          f"';{TOKENIZER}DIR' or drop it")
     check_same_tokenizer_options(said, same, tokenizer, vocab, config)
     return TeacherEntry(url, stop_tokens=stop, kind=SERVED, engine=engine, tokenizer=tokenizer, same_tokenizer=same,
@@ -135,16 +143,16 @@ def parse(entry: str) -> TeacherEntry:
 def check_same_tokenizer_options(said: str, same: bool, tokenizer: str | None, vocab: int | None,
                                  config: str | None) -> None:
     """`;same_tokenizer` with exactly one of `;vocab=N` / `;config=PATH`, without `;tokenizer=DIR`;
-    those two only with it."""
+    those two only with it (refusals naming the entry as `said`)."""
     if not same and (vocab is not None or config is not None):
-        raise ValueError(f"{TEACHERS} entry {said!r}: ';{VOCAB}' / ';{CONFIG}' name the vocabulary of a served model "
+        raise ValueError(f"{said}: ';{VOCAB}' / ';{CONFIG}' name the vocabulary of a served model "
                          f"whose tokenizer cannot be probed; add ';{SAME_TOKENIZER}' (your word that it is the "
                          "student's) or drop them")
     if same and tokenizer is not None:
-        raise ValueError(f"{TEACHERS} entry {said!r}: ';{SAME_TOKENIZER}' and ';{TOKENIZER}' contradict each other: "
+        raise ValueError(f"{said}: ';{SAME_TOKENIZER}' and ';{TOKENIZER}' contradict each other: "
                          "keep one")
     if same and (vocab is None) == (config is None):
-        raise ValueError(f"{TEACHERS} entry {said!r}: ';{SAME_TOKENIZER}' takes the served model's vocabulary size "
+        raise ValueError(f"{said}: ';{SAME_TOKENIZER}' takes the served model's vocabulary size "
                          f"from exactly one of ';{VOCAB}N' or ';{CONFIG}PATH' (its config.json, or the directory "
                          "holding it), checked against the student's tokenizer; name one")
 
@@ -212,7 +220,7 @@ def served_problem(found: list[str], entry: TeacherEntry, url: str, facts: RunFa
     None with a problem (starting with `said`) appended to `found`."""
     try:
         # lazy: optional dependency httpx (the served client, imported by served teachers only)
-        from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
+        from megatron_rl_patches.teachers.served.build import served_teacher_of  # lazy: optional dependency httpx
         from megatron_rl_patches.teachers.served.http import Deadline  # lazy: optional dependency httpx
         from megatron_rl_patches.teachers.served.settings import ClientSettings  # lazy: import cost (the client wing)
 
@@ -227,7 +235,8 @@ def served_problem(found: list[str], entry: TeacherEntry, url: str, facts: RunFa
         if head is not None and named is None and not entry.same_tokenizer and \
                 (Path(head.source) / "tokenizer.json").is_file():
             named = Path(head.source)  # the head's vocabulary: its directory's tokenizer, probed below
-        with ServedTeacher(url, str(entry.engine), top_k=facts.k, client=settings, head=head) as teacher:
+        asked = dataclasses.replace(entry, path=url, context=None)  # this replica (or all), nothing to score
+        with served_teacher_of(asked, top_k=facts.k, client=settings, head=head) as teacher:
             model = teacher.served_model(deadline)  # with a head: the pooling task answers, at the head's width
             checked = (f"{said}: answers, serves {model.name!r} (max model length {model.max_model_len}); route: "
                        + ("prompt log-probs, k within its --max-logprobs" if head is None else

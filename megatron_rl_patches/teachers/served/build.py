@@ -21,6 +21,19 @@ from megatron_rl_patches.teachers.redaction import redacted
 from megatron_rl_patches.teachers.served.connect import connect_served
 
 
+def served_teacher_of(entry: TeacherEntry, *, top_k: int, temperature: float = 1.0, client: Any = None,
+                      head: Any = None, model: str | None = None) -> Any:
+    """The `ServedTeacher` an entry names (its URLs, engine and context key): the one construction
+    from an entry, which every framework's builder goes through. `head`: the entry's `;head=DIR` as
+    the caller holds it (a `TeacherHead` cut for its layout); None reads that directory whole here.
+    A caller that puts the context in the sequences it sends itself passes the entry without it."""
+    from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: import cost: httpx, torch
+
+    return ServedTeacher(entry.path, "vllm" if entry.engine is None else entry.engine, top_k=top_k,
+                         temperature=temperature, client=client, head=entry.head if head is None else head,
+                         model=model, context=entry.context)
+
+
 def checked_tokenizer(entry: TeacherEntry, options: Any, where: str) -> Any:
     """The student's tokenizer the served model is probed against (None for `;same_tokenizer`);
     ValueError naming the entry for one this step cannot serve."""
@@ -64,9 +77,8 @@ def build_served(entry: TeacherEntry, host: Any, options: Any) -> Any:
     def build() -> ServedTeacher:
         named = named_vocab_size(entry, where) if entry.same_tokenizer and entry.head is not None else None
         head = None if entry.head is None else head_for_host(entry.head, host, where)
-        teacher = ServedTeacher(entry.path, engine=entry.engine or "vllm", top_k=options.top_k,
-                                temperature=options.temperature, client=options.client, head=head,
-                                context=entry.context)
+        teacher = served_teacher_of(entry, top_k=options.top_k, temperature=options.temperature,
+                                    client=options.client, head=head)
         if named is not None and teacher.head is not None:
             try:
                 check_head_vocab(named, teacher.head.vocab_size, entry.head, where)

@@ -37,20 +37,26 @@ def check_url(url: object) -> str:
     query. Every message shows the URL `redacted`."""
     if not isinstance(url, str):
         raise TypeError(f"the teacher's url must be a str like 'http://host:port', got {type(url).__name__}")
-    utf8_text(url, "the teacher's url")  # httpx's bare InvalidURL at the first request otherwise
-    said = redacted(url)
     if has_userinfo(url):
-        raise ValueError(f"the teacher's url {said!r} carries a user or password: put the API key in an "
+        raise ValueError(f"the teacher's url {redacted(url)!r} carries a user or password: put the API key in an "
                          f"environment variable (ClientSettings.api_key_env), never in the url")
+    return url_form(url)
+
+
+def url_form(url: str) -> str:
+    """`check_url` less the user-or-password scan, for a URL whose text was refused one where it
+    came in (an entry: `teachers.kinds`): http or https, a host, no query, a port that is a number,
+    UTF-8 text; its trailing '/' dropped."""
+    utf8_text(url, "the teacher's url")  # httpx's bare InvalidURL at the first request otherwise
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"the teacher's url must be http://host:port or https://host:port, got {said!r}")
+        raise ValueError(f"the teacher's url must be http://host:port or https://host:port, got {url!r}")
     if parts.query or parts.fragment:
-        raise ValueError(f"the teacher's url must be a base address without '?' or '#', got {said!r}")
+        raise ValueError(f"the teacher's url must be a base address without '?' or '#', got {url!r}")
     try:
         parts.port  # noqa: B018 - raises on a port that is no number
     except ValueError as error:
-        raise ValueError(f"the teacher's url {said!r} has a bad port: {error}") from None
+        raise ValueError(f"the teacher's url {url!r} has a bad port: {error}") from None
     return url.rstrip("/")
 
 

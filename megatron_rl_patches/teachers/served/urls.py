@@ -19,12 +19,19 @@ def replica_urls(url: object) -> list[str]:
     if has_userinfo(whole):
         raise ValueError(f"the teacher's url {redacted(whole)!r} carries a user or password: put the API key in an "
                          f"environment variable (ClientSettings.api_key_env), never in the url")
+    return replica_pieces(url)
+
+
+def replica_pieces(url: object) -> list[str]:
+    """`replica_urls` less the user-or-password scan: for text whose user or password was refused
+    where it came in (an entry, `teachers.kinds`; the client's own constructor), so its messages
+    quote it as it is."""
     if isinstance(url, str):
         pieces = [piece.strip() for piece in url.split(SEPARATOR)]
-        said = redacted(url)
+        said = url
     elif isinstance(url, (list, tuple)) and url and all(isinstance(u, str) for u in url):
         pieces = [u.strip() for u in url]
-        said = redacted(SEPARATOR.join(url))
+        said = SEPARATOR.join(url)
         if any(SEPARATOR in piece for piece in pieces):
             raise ValueError(f"the teacher's urls {said!r}: give each replica's URL as one item of the list (no "
                              f"'{SEPARATOR}' inside an item)")
@@ -38,6 +45,6 @@ def replica_urls(url: object) -> list[str]:
     for piece in pieces:
         key = piece.rstrip("/")
         if key in seen:
-            raise ValueError(f"the teacher's urls {said!r} name {redacted(piece)!r} twice: name each replica once")
+            raise ValueError(f"the teacher's urls {said!r} name {piece!r} twice: name each replica once")
         seen.add(key)
     return pieces

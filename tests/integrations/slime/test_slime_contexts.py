@@ -19,6 +19,7 @@ def split_like_slime(data: dict, partitions: list[list[int]]) -> list[dict]:
     """slime 624b824a's `_split_train_data_by_dp` in little: a fixed list of keys per rank, then
     `tensorize_rollout_data_for_training` on each rank's dict (here through the wrappers)."""
     def tensorize(rollout_data: dict) -> None:
+        assert all(type(t) is list for t in rollout_data["tokens"])  # slime's own tokens, whatever carried them
         rollout_data["tokens"] = [torch.as_tensor(t) for t in rollout_data["tokens"]]
 
     out = []
@@ -41,7 +42,7 @@ def test_the_split_carries_each_ranks_samples_contexts_and_nothing_without_a_pri
     ranks = contexts.split_wrapper(split, None, (data,), {})
     assert ranks[0][CONTEXTS] == [{"hint": "a b"}, {}]
     assert ranks[1][CONTEXTS] == [{}, {"hint": [7, 8]}]
-    assert contexts.PENDING.get() is None  # nothing left for a later split
+    assert data["tokens"] == [[1, 2], [3], [4, 5], [6]]  # slime's data as it was: nothing left for a later split
     monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", "http://127.0.0.1:9;engine=vllm")
     assert all(CONTEXTS not in rank for rank in contexts.split_wrapper(split, None, (data,), {}))
 

@@ -35,3 +35,20 @@ def test_a_pass_keeps_its_rows_until_the_next_pass_starts():
     kept.put(first, *rows(-3.0))
     kept.note_step(11)  # another pass straight after
     assert kept.get([first]) is None
+
+
+def test_each_engine_holds_its_own_rows():
+    """Held by verl's engine (the actor's passes run on one), not by the module (issue 87 item 5):
+    another engine (a reference policy's) neither sees nor forgets them."""
+    from types import SimpleNamespace
+
+    from megatron_rl_patches.integrations.verl.old_rows import old_rows_of
+
+    actor, reference = SimpleNamespace(), SimpleNamespace()
+    key = sample_key(torch.tensor([1, 2, 3]), 1, 2)
+    old_rows_of(actor).note_step(7)
+    old_rows_of(actor).put(key, *rows(-1.0))
+    old_rows_of(reference).note_step(None)  # the reference policy's step between the actor's
+    old_rows_of(actor).note_step(7)  # the same pass's next micro-batch: nothing forgotten
+    assert old_rows_of(actor) is old_rows_of(actor) and old_rows_of(reference).get([key]) is None
+    assert old_rows_of(actor).get([key]) is not None

@@ -1,14 +1,16 @@
 """The privileged context of `verl_topk_kd`'s served teacher (`;context=KEY`), read from the sample
-verl's agent-loop worker is scoring (`served.sample_context`): ids or text, and each refusal naming
-the key and the sample, before anything is sent. No verl and no server needed; the teacher's rows
-against transformers' float64 run in the verl lane (lane/test_verl_served.py)."""
+verl's agent-loop worker is scoring (`served.sample_context`, the sample passed as an argument):
+ids or text, and each refusal naming the key and the sample, before anything is sent. No verl and
+no server needed; the teacher's rows against transformers' float64 run in the verl lane
+(lane/test_verl_served.py)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from megatron_rl_patches.integrations.verl.served import SAMPLE, parse_entry, sample_context, verl_rows
+from megatron_rl_patches.integrations.verl.entry import parse_entry
+from megatron_rl_patches.integrations.verl.served import sample_context, verl_rows
 from megatron_rl_patches.teachers.contract import BatchScores
 
 VARIABLE = "MEGATRON_RL_PATCHES_VERL_TEACHER"
@@ -25,11 +27,7 @@ def tokenizer_dir(tmp_path):
 
 
 def read(fields, entry=ENTRY, prompt=3):
-    token = SAMPLE.set((prompt, fields))
-    try:
-        return sample_context(parse_entry(entry), list(range(prompt + 4)))
-    finally:
-        SAMPLE.reset(token)
+    return sample_context(parse_entry(entry), list(range(prompt + 4)), (prompt, fields))
 
 
 def test_ids_as_verls_non_tensor_rows_hold_them_are_the_context():
@@ -64,7 +62,7 @@ def test_ids_past_the_teachers_vocabulary_are_refused(tokenizer_dir):
 
 def test_outside_verls_agent_loop_a_context_entry_is_refused():
     with pytest.raises(ValueError, match=r"agent-loop worker"):
-        sample_context(parse_entry(ENTRY), [1, 2, 3])
+        sample_context(parse_entry(ENTRY), [1, 2, 3], None)
 
 
 class Recording:

@@ -96,11 +96,11 @@ def served_own(args: Any, settings: OpdSettings, teacher: Teacher, host: StageHo
                named: int | None = None) -> OwnTopkServed | None:
     """A served teacher of the student's tokenizer (`named`: the entry's `;same_tokenizer`
     vocabulary, for a server without a tokenizer to probe)."""
+    from megatron_rl_patches.teachers.served.build import served_teacher_of  # lazy: optional dependency httpx
     from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
 
     def build() -> ServedTeacher | None:
-        return ServedTeacher(teacher.path, str(teacher.engine), top_k=settings.k,
-                             context=teacher.context) if host.last else None
+        return served_teacher_of(teacher, top_k=settings.k) if host.last else None
 
     served = connect_served(build, where,
                             asks=host.asks, job_group=host.job_group, tokenizer=students(args, where),
@@ -112,6 +112,7 @@ def served_cross(args: Any, settings: OpdSettings, teacher: Teacher, host: Stage
                  where: str) -> CrossServed | None:
     """A served teacher of another tokenizer (`;tokenizer=DIR`): the pair read on the last stage's
     ranks (each encodes the samples), the server checked to share DIR's tokenizer."""
+    from megatron_rl_patches.teachers.served.build import served_teacher_of  # lazy: optional dependency httpx
     from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
 
     pairs: list = []
@@ -120,7 +121,8 @@ def served_cross(args: Any, settings: OpdSettings, teacher: Teacher, host: Stage
         if not host.last:
             return None
         pairs.append(cross_pair(args, teacher))
-        return ServedTeacher(teacher.path, str(teacher.engine), top_k=settings.k)
+        # its context is sent before its own encoding by `ServedOpdTeacher`, not by the client
+        return served_teacher_of(dataclasses.replace(teacher, context=None), top_k=settings.k)
 
     whose = f"the tokenizer ';tokenizer={teacher.tokenizer}' names"
     served = connect_served(build, where, asks=host.asks, job_group=host.job_group,
@@ -138,6 +140,7 @@ def served_head(args: Any, settings: OpdSettings, teacher: Teacher, student: int
     pooling task at the head's hidden size, its tokenizer is the student's or DIR's)."""
     from megatron_rl_patches.inference.loading.hf.vocab import check_teacher_vocab
     from megatron_rl_patches.teachers.head import TeacherHead
+    from megatron_rl_patches.teachers.served.build import served_teacher_of  # lazy: optional dependency httpx
     from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
 
     assert teacher.head is not None  # the builder's route for `;head=DIR`
@@ -154,9 +157,9 @@ def served_head(args: Any, settings: OpdSettings, teacher: Teacher, student: int
         head = TeacherHead.from_hf(head_dir, tp_group=tp_group(),
                                    make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None))
         head = dataclasses.replace(head, weight=head.weight.to(head_device()))
-        return ServedTeacher(teacher.path, str(teacher.engine), top_k=settings.k, head=head,
-                             temperature=rollout_temperature(args),
-                             context=teacher.context if teacher.tokenizer is None else None)
+        # of another tokenizer: its context is sent before its own encoding by `ServedOpdTeacher`
+        entry = teacher if teacher.tokenizer is None else dataclasses.replace(teacher, context=None)
+        return served_teacher_of(entry, top_k=settings.k, head=head, temperature=rollout_temperature(args))
 
     tokenizer = students(args, where)
     if teacher.tokenizer is not None:

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.verl, pytest.mark.multirank]
 import verl.models.mcore.registry  # noqa: E402,F401  (bound by name before any patch: see verl_kit)
 import verl_kit as kit  # noqa: E402
 
-from megatron_rl_patches.integrations.verl.old_rows import OLD_ROWS  # noqa: E402
+from megatron_rl_patches.integrations.verl.old_rows import old_rows_of  # noqa: E402
 from megatron_rl_patches.testing.multirank import run_multirank  # noqa: E402
 
 VARIABLE = "MEGATRON_RL_PATCHES_VERL_TEACHER"
@@ -35,9 +35,10 @@ LAYOUTS = [{"name": "tp1", "tp": 1, "sp": False}, {"name": "tp2-sp", "tp": 2, "s
 TOL = 2e-5  # float32 against float64, relative to the largest value
 
 
-def step(model, contexts, placeholder: bool = False):
-    """verl's engine step on a top-k distillation micro-batch with `contexts` under KEY (None: no
-    field): the teacher rows its loss read, the per-token KL, the loss, the gradients."""
+def step(model, contexts, placeholder: bool = False, eng=None):
+    """verl's engine step (on `eng`, default a new one) on a top-k distillation micro-batch with
+    `contexts` under KEY (None: no field): the teacher rows its loss read, the per-token KL, the
+    loss, the gradients."""
     from verl.trainer.distillation import distillation_ppo_loss
     from verl.utils import tensordict_utils as tu
 
@@ -60,7 +61,7 @@ def step(model, contexts, placeholder: bool = False):
 
     # bound as verl binds its loss (the route reads K from the partial's distillation_config)
     loss_function = functools.partial(seeing, config=kit.actor_config(), distillation_config=config)
-    output, loss = kit.train_step(kit.engine(False), model, batch, loss_function, loss_function)
+    output, loss = kit.train_step(eng or kit.engine(False), model, batch, loss_function, loss_function)
     loss.backward()
     reduce_sequence_parallel_grads(model)
     data = seen["data"]
@@ -128,9 +129,10 @@ def float64_step(model, build, rows) -> tuple[list, list, float, dict]:
     return teacher, [k.detach() for k in kl], float(loss), kit.grads(reference), controls
 
 
-def log_prob_pass(model) -> None:
-    """verl's old-log-prob pass on the rollout's micro-batch: its real `forward_step` with no loss,
-    under no grad, with the entropy verl's trainer asks for there; the agent loop's placeholder rows."""
+def log_prob_pass(model, eng) -> None:
+    """verl's old-log-prob pass on the rollout's micro-batch: its real `forward_step` (on the engine
+    `eng`, which keeps the rows) with no loss, under no grad, with the entropy verl's trainer asks
+    for there; the agent loop's placeholder rows."""
     from verl.utils import tensordict_utils as tu
 
     batch = kit.rl_batch(PROMPTS, RESPONSES, temperature=TEMPERATURE, calculate_entropy=True)
@@ -139,14 +141,15 @@ def log_prob_pass(model) -> None:
     batch["teacher_ids"] = kit.nested([torch.zeros(n, TOPK, dtype=torch.int32) for n in lengths])
     batch["teacher_logprobs"] = kit.nested([torch.zeros(n, TOPK) for n in lengths])
     with torch.no_grad():
-        kit.forward_step(kit.engine(False), model, batch)
+        kit.forward_step(eng, model, batch)
 
 
 def old_weights_checks(model, build, rank: int, split: bool) -> dict:
     """The log-prob pass, the weights changed (scaled, as an optimizer step would move them), then the
     update micro-batch: its rows against the float64 teacher of the old and of the new weights, and
-    the model's forwards in the update (1: the student's own, no teacher pass). `split`: again with
-    the kept rows forgotten on rank 1 only: both ranks score now, with the new weights. Weights restored."""
+    the model's forwards in the update (1: the student's own, no teacher pass); both passes on one
+    engine, as verl's actor runs them. `split`: again with the kept rows forgotten on rank 1 only:
+    both ranks score now, with the new weights. Weights restored."""
     saved = [param.detach().clone() for param in model.parameters()]
 
     def float64_teacher():
@@ -154,7 +157,8 @@ def old_weights_checks(model, build, rank: int, split: bool) -> dict:
         reference.load_state_dict(model.state_dict())
         return teacher_reference(reference.double(), CONTEXTS)
 
-    log_prob_pass(model)
+    eng = kit.engine(False)
+    log_prob_pass(model, eng)
     old = float64_teacher()
     with torch.no_grad():
         for param in model.parameters():
@@ -163,19 +167,19 @@ def old_weights_checks(model, build, rank: int, split: bool) -> dict:
     forwards = []
     hook = model.register_forward_hook(lambda *_: forwards.append(1))
     try:
-        rows = step(model, CONTEXTS, placeholder=True)[0]
+        rows = step(model, CONTEXTS, placeholder=True, eng=eng)[0]
         out = {"old_err": terms_error(rows, old), "new_err": terms_error(rows, new), "update_forwards": len(forwards)}
         if split:
             with torch.no_grad():
                 for param, value in zip(model.parameters(), saved):
                     param.copy_(value)
-            log_prob_pass(model)
+            log_prob_pass(model, eng)
             with torch.no_grad():
                 for param in model.parameters():
                     param.mul_(1.25)
             if rank == 1:
-                OLD_ROWS.forget()
-            rows = step(model, CONTEXTS, placeholder=True)[0]
+                old_rows_of(eng).forget()
+            rows = step(model, CONTEXTS, placeholder=True, eng=eng)[0]
             out.update(split_old_err=terms_error(rows, old), split_new_err=terms_error(rows, new))
     finally:
         hook.remove()
@@ -216,7 +220,6 @@ def self_teacher_world(rank: int, world: int) -> list:
                 weights = old_weights_checks(model, build, rank, split=layout["tp"] > 1)
             finally:
                 megatron_rl_patches.revert()
-                OLD_ROWS.forget()
             teacher, ref_kl, ref_loss, ref_grads, controls = float64_step(model, build, rows)
             kth = [want.topk(TOPK).values[:, -1] for want in teacher]
             results.append({

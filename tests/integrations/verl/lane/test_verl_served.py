@@ -299,7 +299,7 @@ def test_refusals_name_the_variable_and_the_server(entry, monkeypatch):
     with pytest.raises(ValueError, match=rf"{VARIABLE}=.*name the engine serving it, e.g. '{entry.url};engine=vllm'"):
         agent_loop_rows(manager(), prompt, response)
     monkeypatch.setenv(VARIABLE, f"{entry.url};engine=vllm;tp=2")
-    with pytest.raises(ValueError, match=rf"{VARIABLE}=.*option 'tp=2' is unknown"):
+    with pytest.raises(ValueError, match=rf"{VARIABLE}=.*option 'tp=2': a served teacher runs at its server's own"):
         agent_loop_rows(manager(), prompt, response)
     monkeypatch.setenv(VARIABLE, f"{entry.url};engine=vllm")
     client = manager()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import types
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.verl
 import verl_kit as kit  # noqa: E402
 
 from megatron_rl_patches.integrations.verl import vocab  # noqa: E402
-from megatron_rl_patches.integrations.verl.served import parse_entry  # noqa: E402
+from megatron_rl_patches.integrations.verl.entry import parse_entry  # noqa: E402
 from megatron_rl_patches.teachers import TeacherHead  # noqa: E402
 
 # the suite's stand-in vLLM server, by its path: verl's lane installs a `tests` package of its own
@@ -48,7 +49,8 @@ def test_the_served_rows_are_the_responses_verl_reads():
     head = TeacherHead(weight=torch.zeros(kit.VOCAB, H), vocab_size=kit.VOCAB, padded_vocab_size=kit.VOCAB, first_id=0)
     with servers.vllm_like(pooling=pooling) as server:
         raw = f"{servers.url_of(server)};engine=vllm;head=/unused"
-        states, starts = vocab.teacher_rows(raw, parse_entry(raw), head, batch, None)
+        engine = types.SimpleNamespace()  # verl's engine: holds the teacher it builds
+        states, starts = vocab.teacher_rows(engine, raw, parse_entry(raw), head, batch, None)
         asked = [body for path, body in server.seen if path == "/pooling"]
     read = int(batch["response_mask"].sum())  # what verl's losses read
     assert read == 27 and sum(s.shape[0] for s in states) == read  # not 45: no prompt row
