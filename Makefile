@@ -38,6 +38,10 @@ PYTHON_VLLM ?= $(shell tools/find-python 3.11)
 # torch 2.13: on Python 3.11 this index serves a CPU build; on 3.12 the CUDA build (it runs on CPU).
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
+# The three megatron lanes run on both cores: pytest-xdist, one test module per worker at a time
+# (--dist loadfile: a module's multi-rank world is still spawned once). `make test WORKERS=0` runs serially.
+WORKERS ?= 2
+PARALLEL = $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadfile)
 # The interpreter of the GPU targets: whatever has torch with CUDA there (nothing is installed).
 GPU_PYTHON ?= python3
 GPU_ENV = env -u TRITON_INTERPRET PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}
@@ -97,13 +101,13 @@ test:
 MYPY_CACHE ?= $(HOME)/.cache/megatron-rl-patches/mypy
 test-main: $(STAMP)
 	@status=0; $(VENV)/bin/ruff check . || status=1; $(VENV)/bin/mypy --cache-dir "$(MYPY_CACHE)" || status=1; \
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS) || status=1; exit $$status
+	$(VENV)/bin/python -m pytest $(PARALLEL) $(PYTEST_ARGS) || status=1; exit $$status
 
 # Only what touches megatron-core runs again; the pure math does not depend on its version, nor do
 # the tests marked `version_blind` (benchmark harnesses, the demo: the main lane only) or
 # `reader_facing` (the docs' pages and examples: the main and newest lanes).
 test-oldest: $(STAMP_OLD)
-	$(VENV_OLD)/bin/python -m pytest -m "megatron and not version_blind and not reader_facing" $(PYTEST_ARGS)
+	$(VENV_OLD)/bin/python -m pytest -m "megatron and not version_blind and not reader_facing" $(PARALLEL) $(PYTEST_ARGS)
 
 # Without Python 3.12 the lane is skipped loudly; under CI=true that is a failing test.
 test-newest:
@@ -114,7 +118,7 @@ ifeq ($(PYTHON_NEW),)
 	  $(VENV)/bin/python -m pytest -q -p no:cacheprovider tools/lane_unavailable.py; fi
 else
 	$(MAKE) --no-print-directory $(STAMP_NEW)
-	TRITON_INTERPRET=1 $(VENV_NEW)/bin/python -m pytest -m "(megatron or triton) and not version_blind" $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(VENV_NEW)/bin/python -m pytest -m "(megatron or triton) and not version_blind" $(PARALLEL) $(PYTEST_ARGS)
 endif
 
 # verl 0.9.1 on the newest lane's venv, installed --no-deps into .lanes/verl so that venv's torch
