@@ -32,7 +32,7 @@ from __future__ import annotations
 
 # lazy imports: import cost: torch.distributed and the head's ops only when a group or a head is used
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +44,7 @@ from megatron_rl_patches.teachers.host import TeacherHost, asks
 from megatron_rl_patches.teachers.step_contexts import teacher_batches
 from megatron_rl_patches.teachers.step_heads import step_heads_failure
 from megatron_rl_patches.teachers.step_metrics import StepFigures, step_metrics
-from megatron_rl_patches.teachers.step_parts import JoinedPending, joined_batch
+from megatron_rl_patches.teachers.step_parts import JoinedPending, Ready, joined_batch, scored_problem
 
 
 @dataclass
@@ -191,7 +191,7 @@ class TeacherStep:
             return
         self.hand_over(batch, contexts, "send")
 
-    def add(self, batch: TeacherBatch, contexts: Any = None) -> None:
+    def add(self, batch: TeacherBatch, contexts: Any = None, *, scored: Mapping[int, Any] | None = None) -> None:
         """Hand `batch` to the step now (the rollout finished these samples): the served teachers
         are asked for it at once, in the background, on the asking rank; any number of times before
         `collect()`, which returns every added sample's scores in the order added (the in-process
@@ -200,13 +200,24 @@ class TeacherStep:
         this part's samples for the teachers with a `context` key (`{KEY: [one per sample]}` or one
         `{KEY: context}` mapping per sample; `step_contexts`): each such teacher scores
         `with_context(batch, its contexts)`. A bad call or a bad context raises here in one process;
-        with a group the following `collect` raises it on every rank of the job."""
-        self.hand_over(batch, contexts, "add")
+        with a group the following `collect` raises it on every rank of the job.
 
-    def hand_over(self, batch: TeacherBatch, contexts: Any, call: str) -> None:
+        `scored`: {teacher index: what it answered for this part} for asynchronous teachers that
+        already scored these samples elsewhere (a rollout's teacher, asked as each generation
+        ended): not asked again; their answer (as `submit(...).result(projected=False)` gives it:
+        `BatchScores`, or a head's states per sample) joins the others' in `collect()`, read on
+        the asking rank and shared like an answer. Who scored them checks they are this part's
+        samples (`integrations/slime/rollout_scores.py`: a digest of the ids)."""
+        self.hand_over(batch, contexts, "add", scored)
+
+    def hand_over(self, batch: TeacherBatch, contexts: Any, call: str, scored: Any = None) -> None:
         """`add`'s work (`call`: the method the user called, named in a refusal)."""
         if not isinstance(batch, TeacherBatch):
             self.refuse(TypeError(f"TeacherStep.{call}(batch) takes a TeacherBatch, got {type(batch).__name__}"))
+            return
+        wrong = scored_problem(scored, self.asynchronous, len(batch))
+        if wrong is not None:
+            self.refuse(wrong)
             return
         self.figures.adds += 1
         if self.refused is not None or self.failed is not None:  # collect() fails the step: nothing more is asked
@@ -220,10 +231,12 @@ class TeacherStep:
             self.added.append(Added(batch, [batch] * len(self.teachers), {}))
             self.failed = error  # agreed in collect()
             return
+        given = dict(scored or {})
+        self.figures.scored_before += len(batch) if given else 0
         pending: dict[int, Pending] = {}
         if self.asks() and self.heads_failure is None:
-            pending = {i: teacher.submit(batches[i]) for i, teacher in enumerate(self.teachers)
-                       if self.asynchronous[i]}
+            pending = {i: Ready(given[i]) if i in given else teacher.submit(batches[i])
+                       for i, teacher in enumerate(self.teachers) if self.asynchronous[i]}
         self.added.append(Added(batch, batches, pending))
 
     def refuse(self, refused: Exception) -> None:

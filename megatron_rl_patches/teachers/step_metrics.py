@@ -1,10 +1,11 @@
 """A teacher step's figures for a dashboard (`TeacherStep.metrics()`), framework-free:
 
 - the step's own: `samples` and `rows` (response rows) collected, `adds` (parts handed over),
-  `collects`, `collect_s` (seconds inside `collect()`) and `collect_wait_s` (of those, the seconds
-  it waited for the asynchronous teachers' answers and their share over the group: `collect_s` less
-  the in-process teachers' passes and a head's projection — what a served teacher still adds to the
-  step after the student's forward);
+  `collects`, `scored_before` (samples added with their served scores, `add(scored=...)`: asked
+  during the rollout, not by the step), `collect_s` (seconds inside `collect()`) and
+  `collect_wait_s` (of those, the seconds it waited for the asynchronous teachers' answers and
+  their share over the group: `collect_s` less the in-process teachers' passes and a head's
+  projection — what a served teacher still adds to the step after the student's forward);
 - its served teachers' (each one's `metrics()`, `served.metrics.Recorder`), summed: `bytes`,
   `retries`, `failovers`, `hedges_sent`, `hedges_won`, `taken_out` (redacted URLs), `replicas`
   (per redacted URL: requests, failed, latency p50 / p95; a URL serving two of the step's teachers:
@@ -28,12 +29,13 @@ class StepFigures:
         self.reset()
 
     def reset(self) -> None:
-        self.samples = self.rows = self.adds = self.collects = 0
+        self.samples = self.rows = self.adds = self.collects = self.scored_before = 0
         self.collect_s = self.collect_wait_s = 0.0
 
     def take(self) -> dict[str, Any]:
         out = {"samples": self.samples, "rows": self.rows, "adds": self.adds, "collects": self.collects,
-               "collect_s": self.collect_s, "collect_wait_s": self.collect_wait_s}
+               "scored_before": self.scored_before, "collect_s": self.collect_s,
+               "collect_wait_s": self.collect_wait_s}
         self.reset()
         return out
 

@@ -5,11 +5,13 @@ them): each part asked at once, the parts joined in the order added when the ste
 - `JoinedPending`: an asynchronous teacher's requests of every part as one `Pending` — its
   `result(projected=False)` each part's result joined end to end (a `BatchScores` field by field,
   a head's per-sample hidden states as one list), `cancel()` every part's;
-- `joined_results`: that joining, for results already in hand."""
+- `joined_results`: that joining, for results already in hand;
+- `Ready`: a part's answer already in hand (`add(batch, scored={i: answer})`: scored during the
+  rollout), as a `Pending`; `scored_problem` checks such answers."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from megatron_rl_patches.teachers.asynchronous import Pending
@@ -65,3 +67,36 @@ class JoinedPending:
     def cancel(self) -> None:
         for part in self.parts:
             part.cancel()
+
+
+class Ready:
+    """An answer already in hand, as a `Pending` (nothing in flight, nothing to cancel)."""
+
+    def __init__(self, got: Any) -> None:
+        self.got = got
+
+    def result(self, group: object = None, *, projected: bool = True) -> Any:
+        return self.got
+
+    def cancel(self) -> None:
+        pass
+
+
+def scored_problem(scored: Any, asynchronous: Sequence[bool], samples: int) -> Exception | None:
+    """What is wrong with `add(..., scored=...)` (None: nothing): a mapping from the index of an
+    asynchronous teacher to one answer per sample of the part."""
+    if scored is None:
+        return None
+    where = "TeacherStep.add(scored=...)"
+    if not isinstance(scored, Mapping):
+        return TypeError(f"{where} must map a teacher's index to its answer for the part, got {type(scored).__name__}")
+    for index, got in scored.items():
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(asynchronous) \
+                or not asynchronous[index]:
+            return ValueError(f"{where}: key {index!r} is not the index of one of the step's asynchronous (served) "
+                              "teachers: an in-process teacher scores the joined batch in collect()")
+        if not isinstance(got, (BatchScores, list, tuple)) or len(got) != samples:
+            shown = f"{len(got)} samples" if isinstance(got, (BatchScores, list, tuple)) else type(got).__name__
+            return ValueError(f"{where}: teacher {index}'s answer must be a BatchScores (or a head's states: a list) "
+                              f"of the part's {samples} samples, got {shown}")
+    return None

@@ -171,3 +171,27 @@ def test_a_replica_killed_mid_step_shows_in_the_steps_metrics_and_one_warning(ca
     assert len(warned) == 1 and "taken out" in warned[0], warned
     assert got["taken_out"] == [url_of(b)] and got["failovers"] >= 1 and got["samples"] == 8
     assert flat(got)["teacher/taken_out"] == 1
+
+
+def test_a_part_scored_before_is_not_asked_again_and_joins_the_others():
+    samples = batch()
+    with vllm_like() as server, ServedTeacher(url_of(server), "vllm", top_k=K) as served:
+        step = TeacherStep([served, RankTeacher(0)], local_host(12))
+        step.send(samples)
+        whole = step.collect()
+        step.metrics()
+        before = server.answered("/v1/completions")
+        earlier = served.score(part(samples, 0, 1))  # as a rollout asked it, sample by sample as each ended
+        asked = server.answered("/v1/completions")
+        step.add(part(samples, 0, 1), scored={0: earlier})
+        step.add(part(samples, 2))
+        joined = step.collect()
+        figures = step.metrics()
+    assert asked == before + 2 and server.answered("/v1/completions") == asked + 1  # only sample 2 asked by the step
+    assert [flat_scores(s) for s in joined] == [flat_scores(s) for s in whole]
+    assert (figures["samples"], figures["scored_before"]) == (3, 2)
+    step = TeacherStep([RankTeacher(0)], local_host(12))
+    with pytest.raises(ValueError, match=r"key 0 is not the index of one of the step's asynchronous \(served\)"):
+        step.add(part(samples, 0), scored={0: earlier})
+    with pytest.raises(ValueError, match=r"must be a BatchScores .* of the part's 1 samples, got 2 samples"):
+        TeacherStep([served], local_host(12)).add(part(samples, 0), scored={0: earlier})
