@@ -161,6 +161,7 @@ class TeacherStep:
         self.asker = view["share"][0] if view is not None else 0  # the global rank asking for this rank's group
         # the teachers asked on the asking rank and shared (the others: in-process, on every rank)
         self.asynchronous = [isinstance(teacher, AsyncTeacher) for teacher in self.teachers]
+        self.metrics()  # the step's figures start here (a served teacher's connect and probes are not a step's)
         # the sharing groups agree now: the heads' exchange over the sharing group cannot wait for a rank outside it
         self.heads_failure = step_heads_failure(self.teachers, host)  # raised by the first collect, agreed
 
@@ -246,12 +247,12 @@ class TeacherStep:
         self.refused = self.refused or refused
 
     def metrics(self) -> dict[str, Any]:
-        """The step's figures since the last call (call it once a step, after `collect()`): its
-        samples, rows, parts, seconds in `collect()` and of those waited for the asynchronous
-        teachers, and its served teachers' figures (`ServedTeacher.metrics()`: bytes, retries,
-        failovers, hedges, replicas taken out, per replica latency p50 / p95) summed and per
-        teacher (`step_metrics`; `step_metrics.flat` gives `teacher/...` keys). Counting starts
-        again at zero."""
+        """The step's figures since the last call, or since it was built (call it once a step,
+        after `collect()`): its samples, rows, parts, seconds in `collect()` and of those waited for
+        the asynchronous teachers, and its served teachers' figures (`ServedTeacher.metrics()`:
+        bytes, retries, failovers, hedges, replicas taken out, per replica latency p50 / p95)
+        summed and per teacher (`step_metrics`; `step_metrics.flat` gives `teacher/...` keys).
+        Counting starts again at zero."""
         served = {i: teacher.metrics() for i, teacher in enumerate(self.teachers)
                   if self.asynchronous[i] and callable(getattr(teacher, "metrics", None))}
         return step_metrics(self.figures.take(), served)
@@ -286,19 +287,17 @@ class TeacherStep:
             own = [b for b, asked in zip(batches, self.asynchronous) if not asked]
             check_collect(agreed_views(error, self.group, collect_view(projected, self.asker, batch, own)))
         got: dict[int, Any] = {}
-        passes = 0.0  # seconds of the in-process teachers' passes (not a wait for the served ones)
-        waited = time.perf_counter()
+        asking, waited = time.perf_counter(), 0.0  # the seconds the asking rank waits for the served answers
         try:
             if self.heads_failure is not None:
                 raise self.heads_failure
             for i, waiting in pending.items():
                 got[i] = waiting.result(projected=False)  # a head's states: projected on every rank below
+            waited = time.perf_counter() - asking
             for i, teacher in enumerate(self.teachers):
                 if error is None and not self.asynchronous[i]:
                     run = self.host.teacher_pass
-                    passing = time.perf_counter()
                     got[i] = teacher.score(batches[i]) if run is None else run(teacher, batches[i])
-                    passes += time.perf_counter() - passing
         except Exception as failed:  # noqa: BLE001 - agreed over the job just below, raised on every rank
             error = failed
             for waiting in pending.values():
@@ -307,7 +306,7 @@ class TeacherStep:
         check_collect(agreed_views(error, self.group, collect_view(projected, self.asker, batch, sent=sent)))
         asked = [i for i, is_asked in enumerate(self.asynchronous) if is_asked]
         got.update(self.shared({i: got[i] for i in asked if i in got}))
-        self.counted(batch, time.perf_counter() - waited - passes)
+        self.counted(batch, waited)
         if not projected:
             out = [got[i] for i in range(len(self.teachers))]
         else:

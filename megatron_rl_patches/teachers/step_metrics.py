@@ -3,9 +3,9 @@
 - the step's own: `samples` and `rows` (response rows) collected, `adds` (parts handed over),
   `collects`, `scored_before` (samples added with their served scores, `add(scored=...)`: asked
   during the rollout, not by the step), `collect_s` (seconds inside `collect()`) and
-  `collect_wait_s` (of those, the seconds it waited for the asynchronous teachers' answers and
-  their share over the group: `collect_s` less the in-process teachers' passes and a head's
-  projection — what a served teacher still adds to the step after the student's forward);
+  `collect_wait_s` (of those, the seconds the asking rank waited for the asynchronous teachers'
+  answers: what a served teacher still adds to the step after the student's forward; the other
+  ranks of its sharing group wait for it in the share, and count 0 here);
 - its served teachers' (each one's `metrics()`, `served.metrics.Recorder`), summed: `bytes`,
   `retries`, `failovers`, `hedges_sent`, `hedges_won`, `taken_out` (redacted URLs), `replicas`
   (per redacted URL: requests, failed, latency p50 / p95; a URL serving two of the step's teachers:

@@ -92,8 +92,9 @@ async def zero_reward(args: Any, sample: Any, **kwargs: Any) -> float:
 
 
 def captured_log(rollout_id: int, args: Any, samples: Any, rollout_extra_metrics: dict, rollout_time: float) -> bool:
-    """slime's --custom-rollout-log-function-path: what its log_rollout_data was handed, kept."""
-    LOGGED.update(rollout_extra_metrics or {})
+    """slime's --custom-rollout-log-function-path: what its log_rollout_data was handed, kept (in
+    the script's own module: slime imports this file again under its name)."""
+    sys.modules["__main__"].LOGGED.update(rollout_extra_metrics or {})
     return True  # slime's own logging skipped (no tracker here)
 
 
@@ -107,7 +108,8 @@ def rollout_args(engine: GenerateStandIn, config: dict) -> Any:
         partial_rollout=False, mask_offpolicy_in_partial_rollout=False, group_rm=False,
         custom_generate_function_path=None, custom_rm_path="slime_rollout_scores.zero_reward", rm_type=None,
         use_rollout_routing_replay=False, ci_test=False, router_policy=None, rollout_sample_hook_path=None,
-        sglang_enable_deterministic_inference=False, custom_rollout_log_function_path="slime_rollout_scores.captured_log",
+        sglang_enable_deterministic_inference=False,
+        custom_rollout_log_function_path="slime_rollout_scores.captured_log",
         load_debug_rollout_data=False, reward_key=None, advantage_estimator="reinforce", rewards_normalization=False,
         rollout_batch_size=len(config["prompts"]), micro_batch_size=1, use_dynamic_batch_size=False,
         max_tokens_per_gpu=None, balance_data=False, balance_by_flops=False, global_batch_size=len(config["prompts"]),
