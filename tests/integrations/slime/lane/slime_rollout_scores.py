@@ -9,8 +9,11 @@ MEGATRON_RL_PATCHES_OPD_SCORE_AT) as in the rollout manager's runtime_env.
 
     python slime_rollout_scores.py CONFIG.json
 CONFIG: {"engine": the vLLM URL generating, "model": its directory (slime's --hf-checkpoint),
-"prompts": [prompt length per sample], "response": new tokens per sample, "seed", "contexts":
-[per sample a train_metadata dict or null], "out": a torch.save path}. Writes the data-parallel
+"prompts": [prompt length per sample], "response": new tokens per sample (slime's
+--rollout-max-response-len), "spread": whether the responses end at different lengths (as EOS
+ends them: each between a quarter of it and all of it), "seed", "rounds": rollouts in a row (one
+process, as slime's long-lived rollout manager: seeds seed, seed + 1, ...), "contexts": [per sample
+a train_metadata dict or null], "out": a torch.save path}. Writes per round the data-parallel
 rank's rollout data (one rank), the rollout's seconds and the extra metrics slime's
 `log_rollout_data` received; prints one JSON line of the figures."""
 from __future__ import annotations
@@ -23,6 +26,7 @@ import threading
 import time
 import types
 import urllib.request
+import zlib
 from typing import Any
 
 from megatron_rl_patches.testing.service_stubs import SERVICES, install_service_stubs
@@ -48,9 +52,9 @@ class GenerateStandIn(http.server.ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, engine: str) -> None:
+    def __init__(self, engine: str, spread: bool = False) -> None:
         super().__init__(("127.0.0.1", 0), GenerateAnswer)
-        self.engine = engine
+        self.engine, self.spread = engine, spread
         with urllib.request.urlopen(f"{engine}/v1/models", timeout=60) as reply:
             self.model = json.loads(reply.read())["data"][0]["id"]
         self.seed = 0
@@ -59,15 +63,19 @@ class GenerateStandIn(http.server.ThreadingHTTPServer):
     def answer(self, body: dict) -> dict:
         params = body.get("sampling_params", {})
         self.seed += 1
+        longest = int(params["max_new_tokens"])
+        wanted = longest  # with `spread`: where an EOS would have ended it, from the prompt's ids
+        if self.spread:
+            wanted = max(1, round(longest * (0.25 + 0.75 * (zlib.crc32(bytes(body["input_ids"])) % 1000) / 999)))
         reply = post_json(f"{self.engine}/v1/completions", {
-            "model": self.model, "prompt": list(body["input_ids"]), "max_tokens": int(params["max_new_tokens"]),
+            "model": self.model, "prompt": list(body["input_ids"]), "max_tokens": wanted,
             "temperature": float(params.get("temperature", 1.0)), "top_p": float(params.get("top_p", 1.0)),
             "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True, "seed": self.seed})
         choice = reply["choices"][0]
         ids = [int(token.split(":")[-1]) for token in choice["logprobs"]["tokens"]]
         return {"text": choice.get("text", ""), "meta_info": {
             "output_token_logprobs": [[float(lp), i, None] for lp, i in zip(choice["logprobs"]["token_logprobs"], ids)],
-            "finish_reason": {"type": "length", "length": len(ids)}}}
+            "finish_reason": {"type": "length", "length": len(ids)} if len(ids) >= longest else {"type": "stop"}}}
 
 
 class GenerateAnswer(http.server.BaseHTTPRequestHandler):
@@ -125,37 +133,41 @@ def main(config: dict) -> dict:
     from slime.utils.http_utils import init_http_client
     from slime.utils.types import Sample
 
-    engine = GenerateStandIn(config["engine"])
+    engine = GenerateStandIn(config["engine"], bool(config.get("spread", False)))
     args = rollout_args(engine, config)
     init_http_client(args)
-    gen = torch.Generator().manual_seed(config["seed"])
-    samples = []
-    for index, (length, meta) in enumerate(zip(config["prompts"], config.get("contexts") or [None] * 99)):
-        prompt = torch.randint(1, 64, (length,), generator=gen).tolist()
-        samples.append(Sample(index=index, prompt="", tokens=prompt, train_metadata=meta))
     state = sglang_rollout.GenerateState(args)
-
-    async def rollout() -> list:
-        return await asyncio.gather(*(sglang_rollout.generate_and_rm_group(args, [s], state.sampling_params.copy())
-                                      for s in samples))
-
-    started = time.perf_counter()
-    groups = asyncio.run(rollout())
-    seconds = time.perf_counter() - started
-    done = [s for group in groups for s in group]
-    manager_module.log_rollout_data(0, args, done, {}, seconds)  # as the rollout manager's generate() does
     manager_module.ray = types.SimpleNamespace(put=lambda value, **_: value)  # the object store: the dict itself
     manager = object.__new__(manager_module.RolloutManager)
     manager.args = args
     manager.custom_convert_samples_to_train_data_func = manager.custom_reward_post_process_func = None
     manager.set_train_parallel_config({"dp_size": 1, "cp_size": 1, "vpp_size": 1,
                                        "microbatch_group_size_per_vp_stage": 1})
-    (box,) = manager._split_train_data_by_dp(manager._convert_samples_to_train_data(done))
-    rank = box.inner
-    torch.save({"rank": rank, "logged": dict(LOGGED), "rollout_s": seconds}, config["out"])
+    rounds = []
+    for seed in range(config["seed"], config["seed"] + int(config.get("rounds", 1))):
+        gen = torch.Generator().manual_seed(seed)
+        samples = []
+        for index, (length, meta) in enumerate(zip(config["prompts"], config.get("contexts") or [None] * 999)):
+            prompt = torch.randint(1, 64, (length,), generator=gen).tolist()
+            samples.append(Sample(index=index, prompt="", tokens=prompt, train_metadata=meta))
+
+        async def rollout(samples: list = samples) -> list:
+            return await asyncio.gather(*(sglang_rollout.generate_and_rm_group(args, [s], state.sampling_params.copy())
+                                          for s in samples))
+
+        started = time.perf_counter()
+        groups = asyncio.run(rollout())
+        seconds = time.perf_counter() - started
+        done = [s for group in groups for s in group]
+        LOGGED.clear()
+        manager_module.log_rollout_data(0, args, done, {}, seconds)  # as the rollout manager's generate() does
+        (box,) = manager._split_train_data_by_dp(manager._convert_samples_to_train_data(done))
+        rounds.append({"rank": box.inner, "logged": dict(LOGGED), "rollout_s": seconds})
+    torch.save({"rounds": rounds}, config["out"])
     engine.shutdown()
-    return {"rollout_s": seconds, "logged": {k: v for k, v in LOGGED.items() if k.startswith("teacher/")},
-            "keys": sorted(rank)}
+    return {"rollout_s": [r["rollout_s"] for r in rounds],
+            "logged": {k: v for k, v in rounds[-1]["logged"].items() if k.startswith("teacher/")},
+            "keys": sorted(rounds[-1]["rank"])}
 
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@ def slime_rollout(tmp_path, url: str, directory: str, score_at: str) -> dict:
                            str(tmp_path / f"rollout-{score_at}.json")], env=env, capture_output=True, text=True,
                           timeout=600, cwd=HERE)
     assert done.returncode == 0, done.stderr[-4000:]
-    return {**torch.load(out, weights_only=False), "printed": json.loads(done.stdout.strip().splitlines()[-1])}
+    (one,) = torch.load(out, weights_only=False)["rounds"]
+    return {**one, "printed": json.loads(done.stdout.strip().splitlines()[-1])}
 
 
 def trained(rank_data: dict, url: str, directory: str, tensor: int) -> list[dict]:
@@ -94,7 +95,7 @@ def rollouts(served, tmp_path_factory):
     return {where: slime_rollout(tmp, url, directory, where) for where in ("rollout", "train")}
 
 
-def test_slimes_rollout_carries_each_samples_rows_and_logs_the_teachers_figures(rollouts):
+def test_slimes_rollout_carries_each_samples_rows_and_logs_the_teachers_figures(slime_cpu, rollouts):
     from megatron_rl_patches.integrations.megatron.teachers.carried_rows import ROWS
     from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
 
@@ -112,7 +113,7 @@ def test_slimes_rollout_carries_each_samples_rows_and_logs_the_teachers_figures(
 
 
 @pytest.mark.parametrize("tensor", [1, 2])
-def test_train_actor_reads_the_carried_rows_unasked_with_the_train_steps_losses(rollouts, served, tensor):
+def test_train_actor_reads_the_carried_rows_unasked_with_the_train_steps_losses(slime_cpu, rollouts, served, tensor):
     from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
 
     url, directory = served
