@@ -72,9 +72,9 @@ MEANINGS: dict[str, str] = {
                    "(PATH@module:function, Hugging Face folders of another architecture)",
     OPD_IDS_FROM: "slime_opd: student (default), union (the student's and the first teacher's top-k) or teacher "
                   "(the first teacher's own top-k)",
-    OPD_SCORE_AT: "slime_opd: where a served teacher of the student's tokenizer (top-k route) is asked: rollout "
-                  "(default: each sample as its generation ends, in slime's rollout manager; its rows carried with "
-                  "the sample to the training ranks) or train (by the train step); set where the rollout runs",
+    OPD_SCORE_AT: "slime_opd: where a served teacher of the student's tokenizer (top-k route) is asked: train "
+                  "(default: by the train step) or rollout (each sample as its generation ends, in slime's rollout "
+                  "manager; its rows carried with the sample to the training ranks); set where the rollout runs",
     VERL_ROWS: "verl_fused_logprobs: all computes every row, not only the rows verl reads",
     VERL_TEACHER: "verl_topk_kd: a teacher served by vLLM answering verl's teacher-loop client, "
                   "http(s)://host:port;engine=vllm (its --max-logprobs at least verl's topk), or a pooling "

@@ -106,7 +106,7 @@ PATCHES = (
     Patch(name="slime_opd", target=f"{GENERATE}:apply_rollout_sample_hooks",
           wrapper=f"{HERE}.rollout_scores:hooks_wrapper",
           description="each sample sent to the served teachers as its generation ends, its rows carried with it "
-                      "(MEGATRON_RL_PATCHES_OPD_SCORE_AT=rollout, the default)",
+                      "(MEGATRON_RL_PATCHES_OPD_SCORE_AT=rollout)",
           requires=None, params=("args", "value"), optional=True),
     Patch(name="slime_opd", target=f"{ROLLOUT}:log_rollout_data",
           wrapper=f"{HERE}.rollout_scores:log_rollout_data_wrapper",

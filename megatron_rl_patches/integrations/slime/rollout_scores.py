@@ -1,6 +1,8 @@
 """slime's served teachers asked as each sample's generation ends (`MEGATRON_RL_PATCHES_OPD_SCORE_AT=
-rollout`, the default): slime 624b824a applies its rollout sample hooks in `generate_and_rm` right
-after a sample's generation, before its reward; `slime_opd` adds `score_sample` to them
+rollout`; the default, `train`, leaves them to the train step: docs/benchmarks.md, "A served teacher
+off the train step", has the measurement it follows): slime 624b824a applies its rollout sample
+hooks in `generate_and_rm` right after a sample's generation, before its reward; `slime_opd` adds
+`score_sample` to them
 (`hooks_wrapper`, around `apply_rollout_sample_hooks` in slime's rollout module: no flag to
 add; naming it in `--rollout-sample-hook-path` yourself is the same, once). Each sample is sent to
 every served teacher of the student's tokenizer on the top-k route (`RolloutTeachers`, built in the
@@ -18,7 +20,8 @@ train step raises: a failure the client's retries and replicas did not absorb is
 and a rollout cannot leave a sample half-scored. A teacher of another tokenizer (`;tokenizer=DIR`)
 or with a head (`;head=DIR`: its hidden states, 2H bytes a token) stays at the train step.
 
-`MEGATRON_RL_PATCHES_OPD_SCORE_AT=train`: every served teacher asked by the train step, as before.
+`MEGATRON_RL_PATCHES_OPD_SCORE_AT=train` (the default): every served teacher asked by the train
+step, as before.
 The teachers' figures of each rollout go into slime's rollout metrics under `teacher/...`
 (`log_rollout_data_wrapper`)."""
 # lazy imports: optional dependency slime (and httpx, the extra `served`)
@@ -37,19 +40,19 @@ from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEAC
 from megatron_rl_patches.teachers.kinds.entry import SERVED
 
 PLACES = ("rollout", "train")
-DEFAULT = "rollout"
+DEFAULT = "train"  # measured: docs/benchmarks.md, "A served teacher off the train step"
 HOOK = "megatron_rl_patches.integrations.slime.rollout_scores.score_sample"  # its --rollout-sample-hook-path
 ATTRIBUTE = "megatron_rl_patches_rollout_teachers"  # on slime's args in the rollout manager's process
 
 
 def score_at(environ: Mapping[str, str] | None = None) -> str:
-    """Where slime's served teachers are asked: "rollout" or "train" (unset or "": `DEFAULT`);
+    """Where slime's served teachers are asked: "rollout" or "train" (unset or "": `DEFAULT`, train);
     ValueError naming the variable for any other value."""
     text = (os.environ if environ is None else environ).get(SCORE_AT, "")
     word = text.strip().lower() or DEFAULT
     if word not in PLACES:
         raise ValueError(f"{SCORE_AT}={text[:40]!r}: use rollout (each sample scored as its generation ends) or "
-                         "train (scored by the train step), or leave it unset (rollout)")
+                         "train (scored by the train step), or leave it unset (train)")
     return word
 
 
@@ -77,12 +80,15 @@ class RolloutTeachers:
     `metrics()`, and the student's tokenizer for text contexts (read once). Pickled empty (slime's
     args travel between processes): the teachers are built again where the rollout runs."""
 
-    def __init__(self, settings: OpdSettings, args: Any = None) -> None:
-        from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
-
+    def __init__(self, settings: OpdSettings | None, args: Any = None) -> None:
         self.args = args
-        self.teachers = [ServedTeacher(t.path, str(t.engine), top_k=settings.k, context=t.context)
-                         for t in rollout_entries(settings)]
+        self.teachers: list[Any] = []
+        if rollout_entries(settings):
+            from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
+
+            assert settings is not None  # rollout_entries found some
+            self.teachers = [ServedTeacher(t.path, str(t.engine), top_k=settings.k, context=t.context)
+                             for t in rollout_entries(settings)]
         self.samples = 0
         self.waited_s = 0.0
         self.tokenizer: Any = None
@@ -125,17 +131,13 @@ def empty_holder() -> None:
 
 def rollout_teachers(args: Any) -> RolloutTeachers | None:
     """The rollout's teachers, built at first use and kept on slime's `args` (None: nothing is
-    asked at the rollout)."""
+    asked at the rollout; that answer kept too: a job without a served teacher reads its settings
+    once, not once a sample)."""
     held = getattr(args, ATTRIBUTE, None)
-    if isinstance(held, RolloutTeachers):
-        return held
-    settings = opd_settings()
-    if not rollout_entries(settings):
-        return None
-    assert settings is not None  # rollout_entries found some
-    held = RolloutTeachers(settings, args)
-    setattr(args, ATTRIBUTE, held)
-    return held
+    if not isinstance(held, RolloutTeachers):
+        held = RolloutTeachers(opd_settings(), args)
+        setattr(args, ATTRIBUTE, held)
+    return held if held.teachers else None
 
 
 def sample_contexts(held: RolloutTeachers, sample: Any) -> list[dict] | None:
@@ -226,7 +228,7 @@ def log_rollout_data_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
     metrics as `teacher/...` keys (wandb and its log line show them)."""
     bound = bind(wrapped, args, kwargs)
     held = None if bound is None else getattr(bound.arguments.get("args"), ATTRIBUTE, None)
-    if bound is None or not isinstance(held, RolloutTeachers):
+    if bound is None or not isinstance(held, RolloutTeachers) or not held.teachers:
         return wrapped(*args, **kwargs)
     from megatron_rl_patches.teachers.step_metrics import flat  # lazy: import cost: the step's module
 

@@ -50,7 +50,7 @@ def slime_args() -> types.SimpleNamespace:
 
 @pytest.fixture
 def teachers_at(monkeypatch):
-    def at(url: str, where: str | None = None, context: str | None = None) -> None:
+    def at(url: str, where: str | None = "rollout", context: str | None = None) -> None:
         monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"{url};engine=vllm" + (f";context={context}"
                                                                                          if context else ""))
         monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_K", str(K))
@@ -78,8 +78,8 @@ def training_data(samples) -> dict:
 
 
 def test_the_setting_and_the_entries_it_takes(teachers_at):
-    assert rollout_scores.score_at({}) == "rollout" and rollout_scores.score_at({rollout_scores.SCORE_AT: "Train"}) \
-        == "train"
+    assert rollout_scores.score_at({}) == "train" and rollout_scores.score_at({rollout_scores.SCORE_AT: "Rollout"}) \
+        == "rollout"
     with pytest.raises(ValueError, match=r"MEGATRON_RL_PATCHES_OPD_SCORE_AT='later': use rollout .* or train"):
         rollout_scores.score_at({rollout_scores.SCORE_AT: "later"})
     from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
@@ -87,9 +87,11 @@ def test_the_setting_and_the_entries_it_takes(teachers_at):
     teachers_at("http://127.0.0.1:9")
     assert len(rollout_scores.rollout_entries(opd_settings())) == 1
     assert rollout_scores.carried_keys(opd_settings()) == [ROWS]
-    teachers_at("http://127.0.0.1:9", where="train")
-    assert rollout_scores.rollout_entries(opd_settings()) == [] and rollout_scores.carried_keys(opd_settings()) == []
-    assert rollout_scores.rollout_teachers(slime_args()) is None
+    for where in ("train", None):  # None: unset, the default (train)
+        teachers_at("http://127.0.0.1:9", where=where)
+        assert rollout_scores.rollout_entries(opd_settings()) == [] and \
+            rollout_scores.carried_keys(opd_settings()) == []
+        assert rollout_scores.rollout_teachers(slime_args()) is None
 
 
 def test_each_sample_scored_as_its_generation_ends_and_read_by_the_train_step_unasked(teachers_at):

@@ -196,8 +196,9 @@ def one_case(tmp: Path, engine: str, student_dir: str, teacher: str, route: str,
 
 def rows_of(results: dict[tuple[str, str], list[dict]]) -> list[dict]:
     """The table: per teacher and route the medians over the repeats (the routes interleaved), the
-    total against the train-step route's of the same repeat; the teacher's time alone against the
-    student's own pass with no teacher in flight (the rollout route's)."""
+    total against the train-step route's of the same repeat; the teacher's time alone (every
+    measurement of it) against the student's own pass with no teacher in flight (the rollout
+    route's)."""
     rows = []
     for (teacher, route), each in results.items():
         base = results[(teacher, "train")]
@@ -209,7 +210,8 @@ def rows_of(results: dict[tuple[str, str], list[dict]]) -> list[dict]:
                      "teacher at the rollout", **numbers, "total_s": statistics.median(totals),
                      "total_vs_train_route": statistics.median(
                          total / (b["rollout_s"] + b["train_step_s"]) for total, b in zip(totals, base)),
-                     "teacher_vs_student": statistics.median(got["teacher_alone_s"] for got in each)
+                     "teacher_vs_student": statistics.median(got["teacher_alone_s"] for both in
+                                                             (base, alone) for got in both)
                      / statistics.median(got["student_pass_s"] for got in alone)})
     return rows
 
