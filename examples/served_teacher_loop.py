@@ -31,10 +31,12 @@ printed when the step ends. Each step:
 1. The served teacher is built from its entry (`build_teachers("URL;engine=vllm;same_tokenizer;
    vocab=N", host, top_k=K)`: the entry grammar of MEGATRON_RL_PATCHES_OPD_TEACHERS, connected by
    the asking rank: the server answers, K within its limit). The samples (prompt + response ids;
-   stand-ins for your rollouts) go to the server as a `TeacherBatch` through the teacher step
-   (`TeacherStep` behind `megatron_host`: the loop's groups): the first rank of the
-   tensor-parallel group asks, a failure there is raised on every rank, and the scores are
-   broadcast to the group (every rank holds the same samples under tensor parallelism).
+   stand-ins for your rollouts) go to the server through the teacher step (`TeacherStep` behind
+   `megatron_host`: the loop's groups) as the rollout finishes them: `step.add(TeacherBatch([ids],
+   [start]))` per sample, each asked at once, and `collect()` returns them all in the order added.
+   The first rank of the tensor-parallel group asks, a failure there is raised on every rank, and
+   the scores are broadcast to the group (every rank holds the same samples under tensor
+   parallelism).
 2. The served rows are placed where the student's forward scores them. Row r of sample i scores
    the token at `start_i + r`; Megatron's position p predicts the token at p + 1, so that row is
    the student's position `start_i + r - 1` (the one-position shift). The served `topk_ids`
@@ -210,7 +212,8 @@ def train(rank: int, world_size: int, url: str | None, vocab_size: int, steps: i
     the server at `url` (None: none) and, with `in_process`, an in-process teacher beside it; with
     `head` (the teacher's directory; `url` a pooling server) the whole-vocabulary divergence.
     With `echo` rank 0 prints each step's line when the step ends; `pause` seconds pass between
-    steps. Returns per step its loss, the rows scored and what `on_loss` gave."""
+    steps. Returns per step its loss, the rows scored, what `on_loss` gave and the teacher step's
+    figures (`TeacherStep.metrics()`)."""
     from megatron.core import parallel_state
 
     import megatron_rl_patches
@@ -239,7 +242,8 @@ def train(rank: int, world_size: int, url: str | None, vocab_size: int, steps: i
         for step in range(steps):
             sequences = rollouts(step, seed, vocab_size)
             samples = TeacherBatch(sequences, list(PROMPTS))
-            step_teachers.send(samples)  # asked now, on the first rank of each tensor-parallel group
+            for ids, start in zip(sequences, PROMPTS):  # as the rollout finishes each sample: asked at once,
+                step_teachers.add(TeacherBatch([ids], [start]))  # on the first rank of each tensor-parallel group
             every = step_teachers.collect()  # here before the forward: the teachers' ids are the forward's input
             losses = []
             if head is not None:  # the whole vocabulary: the served states through the teacher's head
@@ -270,7 +274,8 @@ def train(rank: int, world_size: int, url: str | None, vocab_size: int, steps: i
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            records.append({"step": step, "loss": loss.item(), "rows": int(rows.sum()), "checked": checked})
+            records.append({"step": step, "loss": loss.item(), "rows": int(rows.sum()), "checked": checked,
+                            "teacher": step_teachers.metrics()})  # the step's figures: samples, waits, replicas
             if echo and rank == 0:
                 print(step_line(records[-1]), flush=True)
             if pause and step + 1 < steps:

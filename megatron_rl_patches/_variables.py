@@ -23,6 +23,7 @@ OPD_COEF = f"{OPD_PREFIX}COEF"
 OPD_POLICY_WEIGHT = f"{OPD_PREFIX}POLICY_WEIGHT"
 OPD_RESIDENCY = f"{OPD_PREFIX}RESIDENCY"
 OPD_IDS_FROM = f"{OPD_PREFIX}IDS_FROM"
+OPD_SCORE_AT = f"{OPD_PREFIX}SCORE_AT"
 VERL_ROWS = f"{PREFIX}_VERL_ROWS"
 VERL_TEACHER = f"{PREFIX}_VERL_TEACHER"
 TEACHER_API_KEY = f"{PREFIX}_TEACHER_API_KEY"  # a served teacher's key (teachers.ServedTeacher)
@@ -71,6 +72,9 @@ MEANINGS: dict[str, str] = {
                    "(PATH@module:function, Hugging Face folders of another architecture)",
     OPD_IDS_FROM: "slime_opd: student (default), union (the student's and the first teacher's top-k) or teacher "
                   "(the first teacher's own top-k)",
+    OPD_SCORE_AT: "slime_opd: where a served teacher of the student's tokenizer (top-k route) is asked: train "
+                  "(default: by the train step) or rollout (each sample as its generation ends, in slime's rollout "
+                  "manager; its rows carried with the sample to the training ranks); set where the rollout runs",
     VERL_ROWS: "verl_fused_logprobs: all computes every row, not only the rows verl reads",
     VERL_TEACHER: "verl_topk_kd: a teacher served by vLLM answering verl's teacher-loop client, "
                   "http(s)://host:port;engine=vllm (its --max-logprobs at least verl's topk), or a pooling "

@@ -1,5 +1,7 @@
 """The teacher step of any training loop, framework-free (`TeacherStep`): `send(batch)` before the
-student's forward, `collect()` after it.
+student's forward (or `add(batch)` as the rollout finishes each part of it, any number of times),
+`collect()` after it: every added sample's scores in the order added; `metrics()` the step's
+figures for a dashboard (`step_metrics`).
 
 - Asynchronous teachers (`asynchronous.AsyncTeacher`: `ServedTeacher`, with or without a head) are
   asked on one rank of each sharing group (the host's `share_group`, its first rank) only; their
@@ -29,7 +31,8 @@ variable): built from the teachers when not given, checked once against each of 
 from __future__ import annotations
 
 # lazy imports: import cost: torch.distributed and the head's ops only when a group or a head is used
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +43,18 @@ from megatron_rl_patches.teachers.context_key import teacher_context
 from megatron_rl_patches.teachers.host import TeacherHost, asks
 from megatron_rl_patches.teachers.step_contexts import teacher_batches
 from megatron_rl_patches.teachers.step_heads import step_heads_failure
+from megatron_rl_patches.teachers.step_metrics import StepFigures, step_metrics
+from megatron_rl_patches.teachers.step_parts import JoinedPending, Ready, joined_batch, scored_problem
+
+
+@dataclass
+class Added:
+    """One part of a step's samples (`TeacherStep.add`): the student's batch, each teacher's batch
+    (the student's, or its context's) and the asynchronous teachers' requests (the asking rank's)."""
+
+    batch: TeacherBatch
+    batches: list[TeacherBatch]
+    pending: dict[int, Pending]
 
 
 @dataclass(frozen=True)
@@ -109,16 +124,17 @@ def join_build(host: TeacherHost) -> None:
 
 
 class TeacherStep:
-    """Teachers asked for one step's samples: `send(batch)` then, after the student's forward,
-    `collect()` -> one `BatchScores` per teacher, in the teachers' order, equal on every rank of a
-    sharing group. Every rank of the host's groups builds it and calls both, in the same order (a
-    rank of the job holding no step joins its build with `join_build(host)` and each collect with
-    `agree_failure(None, host.job_group)`).
+    """Teachers asked for one step's samples: `send(batch)` (or `add(batch)` for each part, as the
+    rollout finishes it) then, after the student's forward, `collect()` -> one `BatchScores` per
+    teacher over every sample handed over, in the teachers' order, equal on every rank of a
+    sharing group; `metrics()` the step's figures. Every rank of the host's groups builds it and
+    calls both, in the same order (a rank of the job holding no step joins its build with
+    `join_build(host)` and each collect with `agree_failure(None, host.job_group)`).
 
     Every check of a call that leads to a collective is agreed over the job group
     (`agreement_group`) before it: one rank's bad call, or a host whose groups, vocabulary or
     teachers differ between the ranks, is the same error on every rank, never a rank left waiting.
-    Building exchanges each rank's view (`step_views`); `send` exchanges nothing: its refusal is
+    Building exchanges each rank's view (`step_views`); `send` / `add` exchange nothing: a refusal is
     kept and raised at once only without a group to agree over, else agreed (on every rank) by the
     `collect` that follows, which every rank makes in any case; `collect` also compares its
     `projected` and the batch each rank of a sharing group sent."""
@@ -130,11 +146,10 @@ class TeacherStep:
         self.teachers: list[Any] = []
         self.plan: StepPlan | None = None
         self.host = host
-        self.batch: TeacherBatch | None = None
-        self.batches: list[TeacherBatch] = []  # per teacher: the student's batch, or its context's
-        self.failed: BaseException | None = None  # a bad context found in send(), agreed in collect()
-        self.refused: Exception | None = None  # a refused send (a bad call), agreed by the next collect
-        self.pending: dict[int, Pending] = {}
+        self.added: list[Added] = []  # the parts handed over since the last collect, in order
+        self.failed: BaseException | None = None  # a bad context found in add(), agreed in collect()
+        self.refused: Exception | None = None  # a refused send / add (a bad call), agreed by the next collect
+        self.figures = StepFigures()  # since the last metrics()
         error: Exception | None = None
         view = None
         try:
@@ -146,6 +161,7 @@ class TeacherStep:
         self.asker = view["share"][0] if view is not None else 0  # the global rank asking for this rank's group
         # the teachers asked on the asking rank and shared (the others: in-process, on every rank)
         self.asynchronous = [isinstance(teacher, AsyncTeacher) for teacher in self.teachers]
+        self.metrics()  # the step's figures start here (a served teacher's connect and probes are not a step's)
         # the sharing groups agree now: the heads' exchange over the sharing group cannot wait for a rank outside it
         self.heads_failure = step_heads_failure(self.teachers, host)  # raised by the first collect, agreed
 
@@ -161,65 +177,123 @@ class TeacherStep:
 
         return dist.get_world_size(self.group) == 1
 
+    @property
+    def batch(self) -> TeacherBatch | None:
+        """The samples handed over since the last `collect()`, joined in order (None: none)."""
+        return joined_batch([part.batch for part in self.added]) if self.added else None
+
     def send(self, batch: TeacherBatch, contexts: Any = None) -> None:
-        """Send `batch` to the served teachers (on the asking rank; at once, in the background).
-        Every rank of the sharing group passes the same batch. `contexts`: the privileged contexts
-        of the teachers with a `context` key (`{KEY: [one per sample]}` or one `{KEY: context}`
-        mapping per sample; `step_contexts`): each such teacher scores `with_context(batch, its
-        contexts)`. A bad call or a bad context raises here in one process; with a group the
-        following `collect` raises it on every rank of the job."""
-        refused: Exception | None = None
+        """The step's samples in one part: `add(batch, contexts)` where nothing waits to be
+        collected (a second `send` before `collect()` is refused: a loop that forgot its collect;
+        a step handed over in parts takes `add`)."""
+        if self.added or self.refused is not None:
+            self.refuse(RuntimeError("TeacherStep.send: the last batch was not collected: call collect() once per "
+                                     "send(), or add(batch) for each part of one step"))
+            return
+        self.hand_over(batch, contexts, "send")
+
+    def add(self, batch: TeacherBatch, contexts: Any = None, *, scored: Mapping[int, Any] | None = None) -> None:
+        """Hand `batch` to the step now (the rollout finished these samples): the served teachers
+        are asked for it at once, in the background, on the asking rank; any number of times before
+        `collect()`, which returns every added sample's scores in the order added (the in-process
+        teachers score the joined batch there). Every rank of the sharing group adds the same
+        samples (in any parts: the joined batch is compared). `contexts`: the privileged contexts of
+        this part's samples for the teachers with a `context` key (`{KEY: [one per sample]}` or one
+        `{KEY: context}` mapping per sample; `step_contexts`): each such teacher scores
+        `with_context(batch, its contexts)`. A bad call or a bad context raises here in one process;
+        with a group the following `collect` raises it on every rank of the job.
+
+        `scored`: {teacher index: what it answered for this part} for asynchronous teachers that
+        already scored these samples elsewhere (a rollout's teacher, asked as each generation
+        ended): not asked again; their answer (as `submit(...).result(projected=False)` gives it:
+        `BatchScores`, or a head's states per sample) joins the others' in `collect()`, read on
+        the asking rank and shared like an answer. Who scored them checks they are this part's
+        samples (`integrations/slime/rollout_scores.py`: a digest of the ids)."""
+        self.hand_over(batch, contexts, "add", scored)
+
+    def hand_over(self, batch: TeacherBatch, contexts: Any, call: str, scored: Any = None) -> None:
+        """`add`'s work (`call`: the method the user called, named in a refusal)."""
         if not isinstance(batch, TeacherBatch):
-            refused = TypeError(f"TeacherStep.send(batch) takes a TeacherBatch, got {type(batch).__name__}")
-        elif self.batch is not None or self.refused is not None:
-            refused = RuntimeError("TeacherStep.send: the last batch was not collected: call collect() once per send()")
-        if refused is not None:
-            if self.alone():
-                raise refused
-            self.refused = self.refused or refused
+            self.refuse(TypeError(f"TeacherStep.{call}(batch) takes a TeacherBatch, got {type(batch).__name__}"))
+            return
+        wrong = scored_problem(scored, self.asynchronous, len(batch))
+        if wrong is not None:
+            self.refuse(wrong)
+            return
+        self.figures.adds += 1
+        if self.refused is not None or self.failed is not None:  # collect() fails the step: nothing more is asked
+            self.added.append(Added(batch, [batch] * len(self.teachers), {}))
             return
         try:
-            self.batches = teacher_batches(self.teachers, batch, contexts, self.host.vocab_size)
+            batches = teacher_batches(self.teachers, batch, contexts, self.host.vocab_size)
         except (TypeError, ValueError) as error:
             if self.alone():
                 raise
-            self.batch, self.batches, self.failed = batch, [batch] * len(self.teachers), error  # agreed in collect()
+            self.added.append(Added(batch, [batch] * len(self.teachers), {}))
+            self.failed = error  # agreed in collect()
             return
-        self.batch = batch
+        given = dict(scored or {})
+        self.figures.scored_before += len(batch) if given else 0
+        pending: dict[int, Pending] = {}
         if self.asks() and self.heads_failure is None:
-            self.pending = {i: teacher.submit(self.batches[i]) for i, teacher in enumerate(self.teachers)
-                            if self.asynchronous[i]}
+            pending = {i: Ready(given[i]) if i in given else teacher.submit(batches[i])
+                       for i, teacher in enumerate(self.teachers) if self.asynchronous[i]}
+        self.added.append(Added(batch, batches, pending))
+
+    def refuse(self, refused: Exception) -> None:
+        """A bad call: raised at once without a group, else kept for the next `collect` to agree."""
+        if self.alone():
+            raise refused
+        self.refused = self.refused or refused
+
+    def metrics(self) -> dict[str, Any]:
+        """The step's figures since the last call, or since it was built (call it once a step,
+        after `collect()`): its samples, rows, parts, seconds in `collect()` and of those waited for
+        the asynchronous teachers, and its served teachers' figures (`ServedTeacher.metrics()`:
+        bytes, retries, failovers, hedges, replicas taken out, per replica latency p50 / p95)
+        summed and per teacher (`step_metrics`; `step_metrics.flat` gives `teacher/...` keys).
+        Counting starts again at zero."""
+        served = {i: teacher.metrics() for i, teacher in enumerate(self.teachers)
+                  if self.asynchronous[i] and callable(getattr(teacher, "metrics", None))}
+        return step_metrics(self.figures.take(), served)
 
     def collect(self, projected: bool = True) -> list[Any]:
-        """Every teacher's scores of the sent batch (a failure anywhere, or a bad call on any rank,
-        raised alike on every rank of the job group); with `projected=False` a head teacher's
-        hidden states [R_i, H] per sample as the server sent them (full-vocabulary divergences
-        take the states, not scores)."""
+        """Every teacher's scores of the samples sent (or added, joined in the order added; a
+        failure anywhere, or a bad call on any rank, raised alike on every rank of the job
+        group); with `projected=False` a head teacher's hidden states [R_i, H] per sample as the
+        server sent them (full-vocabulary divergences take the states, not scores)."""
         from megatron_rl_patches.teachers.step_views import check_collect, collect_view, served_contexts
 
-        batch, batches, pending, error, refused = self.batch, self.batches, self.pending, self.failed, self.refused
-        self.batch, self.batches, self.pending, self.failed, self.refused = None, [], {}, None, None
-        if refused is None and batch is None:
+        started = time.perf_counter()
+        parts, error, refused = self.added, self.failed, self.refused
+        self.added, self.failed, self.refused = [], None, None
+        if refused is None and not parts:
             refused = RuntimeError("TeacherStep.collect: nothing sent: call send(batch) first")
         if refused is None and not isinstance(projected, bool):
             refused = TypeError(f"TeacherStep.collect(projected=...) must be True or False, got {projected!r}")
+        pending = {i: JoinedPending([part.pending[i] for part in parts if i in part.pending])
+                   for i in range(len(self.teachers)) if any(i in part.pending for part in parts)}
         if refused is not None or error is not None:
             for waiting in pending.values():
                 waiting.cancel()
+            pending = {}  # the parts asked before the failure: dropped, the step fails below
         if refused is not None:
             agree_failure(refused, self.group, own=True)
-        elif not all(self.asynchronous):
+        batch = joined_batch([part.batch for part in parts])
+        batches = [joined_batch([part.batches[i] for part in parts]) for i in range(len(self.teachers))]
+        if not all(self.asynchronous):
             # every rank has its batches before any runs an in-process pass, and the ranks of a sharing group
             # hold the same ones (a model-parallel pass over different sequences would hang in its collectives)
             own = [b for b, asked in zip(batches, self.asynchronous) if not asked]
             check_collect(agreed_views(error, self.group, collect_view(projected, self.asker, batch, own)))
-        assert batch is not None  # refused on every rank above otherwise
         got: dict[int, Any] = {}
+        asking, waited = time.perf_counter(), 0.0  # the seconds the asking rank waits for the served answers
         try:
             if self.heads_failure is not None:
                 raise self.heads_failure
             for i, waiting in pending.items():
                 got[i] = waiting.result(projected=False)  # a head's states: projected on every rank below
+            waited = time.perf_counter() - asking
             for i, teacher in enumerate(self.teachers):
                 if error is None and not self.asynchronous[i]:
                     run = self.host.teacher_pass
@@ -232,10 +306,21 @@ class TeacherStep:
         check_collect(agreed_views(error, self.group, collect_view(projected, self.asker, batch, sent=sent)))
         asked = [i for i, is_asked in enumerate(self.asynchronous) if is_asked]
         got.update(self.shared({i: got[i] for i in asked if i in got}))
+        self.counted(batch, waited)
         if not projected:
-            return [got[i] for i in range(len(self.teachers))]
-        return [teacher.project(batches[i], got[i]) if self.asynchronous[i] else got[i]
-                for i, teacher in enumerate(self.teachers)]
+            out = [got[i] for i in range(len(self.teachers))]
+        else:
+            out = [teacher.project(batches[i], got[i]) if self.asynchronous[i] else got[i]
+                   for i, teacher in enumerate(self.teachers)]
+        self.figures.collect_s += time.perf_counter() - started
+        return out
+
+    def counted(self, batch: TeacherBatch, waited: float) -> None:
+        """A collected step in the figures: its samples and rows, the seconds it waited."""
+        self.figures.collects += 1
+        self.figures.samples += len(batch)
+        self.figures.rows += sum(batch.response_rows(i) for i in range(len(batch)))
+        self.figures.collect_wait_s += waited
 
     def shared(self, served: dict[int, Any]) -> dict[int, Any]:
         """The asking rank's asynchronous teachers' results on every rank of its sharing group (as

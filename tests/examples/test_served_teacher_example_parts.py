@@ -77,13 +77,16 @@ def test_an_in_process_teacher_alone_trains_at_two_ranks(example):
     """The example's in-process teacher on the teacher step without a server (`main(None, ...,
     in_process=True)`) at TP=2 (teacher and student sharded alike): each step's loss the float64
     bucket KL of the same scores from the student's whole logits, the buckets whole, the student
-    moved. (1 and 2 ranks beside a served teacher: tests/teachers/lane/test_served_example.py.)"""
+    moved; the samples added one by one. (1 and 2 ranks beside a served teacher:
+    tests/teachers/lane/test_served_example.py.)"""
     records = example.main(None, 1001, tp=2, steps=2, in_process=True, on_loss=in_process_checks)
     assert [r["rows"] for r in records] == [sum(n - p for n, p in zip(example.LENGTHS, example.PROMPTS))] * 2
     for record in records:
         assert abs(record["loss"] - record["checked"]["reference"]) <= 1e-6, record
         assert record["checked"]["mass"] <= 1e-6, record
     assert records[0]["loss"] != records[1]["loss"]
+    # the rollout's samples handed to the step one by one as produced (`TeacherStep.add`)
+    assert [(r["teacher"]["adds"], r["teacher"]["samples"]) for r in records] == [(4, 4)] * 2
 
 
 def test_no_teacher_is_refused_before_any_world_starts(example):

@@ -90,6 +90,16 @@ def rank_steps(rank: int, world_size: int, url: str) -> dict:
         out["asks"] = step.asks()
         step.send(batch())
         out["scores"] = [flat(scores) for scores in step.collect()]
+        step.metrics()
+        # the same samples added in parts, split differently on each rank (the joined batch is what is compared)
+        whole = batch()
+        cut = ((0, 1, 3), (0, 2, 3))[rank]
+        for lo, hi in zip(cut, cut[1:]):
+            step.add(TeacherBatch(whole.sequences[lo:hi], whole.response_starts[lo:hi]))
+        out["added"] = [flat(scores) for scores in step.collect()]
+        figures = step.metrics()
+        out["metrics"] = {name: figures[name] for name in ("samples", "rows", "adds", "collects")}
+        out["served_samples"] = figures["teachers"][0]["samples"]
         out["refused"] = failure(TeacherStep([served], host), batch(too_long=True))
         out["broken"] = failure(TeacherStep([served, RankTeacher(rank, fail_on=1)], host), batch())
     # built from an entry through its kind: connected by the asking rank only; its bad vocabulary
@@ -144,6 +154,18 @@ def one_rank_wrong(rank: int, world_size: int, url: str, other: str, names: tupl
             step.send(batch())
             if rank == 1:
                 step.send(batch())
+            step.collect()
+
+        def added_differs() -> None:  # add: the joined parts compared (rank 1 left sample 2 out)
+            step = step_of()
+            step.add(TeacherBatch(list(batch().sequences[:1]), STARTS[:1]))
+            step.add(TeacherBatch(list(batch().sequences[1:3 if rank == 0 else 2]), STARTS[1:3 if rank == 0 else 2]))
+            step.collect()
+
+        def add_not_a_batch() -> None:
+            step = step_of()
+            step.add(batch())
+            step.add(batch() if rank == 0 else "not a batch")
             step.collect()
 
         def batch_differs() -> None:  # the second rank would read the first's scores as its own
@@ -202,6 +224,8 @@ def one_rank_wrong(rank: int, world_size: int, url: str, other: str, names: tupl
             "sent_twice": sent_twice,
             "projected_differs": projected_differs,
             "batch_differs": batch_differs,
+            "added_differs": added_differs,
+            "add_not_a_batch": add_not_a_batch,
             "bad_plan": lambda: step_of(plan=StepPlan(8)),
             "steps_after": steps_after,
             "joined": joined,
@@ -242,6 +266,8 @@ def test_one_ranks_bad_call_or_lying_host_is_the_same_error_on_every_rank_at_onc
         "sent_twice": ("RuntimeError", "was not collected"),
         "projected_differs": ("ValueError", "projected differs"),
         "batch_differs": ("ValueError", "sent different batches"),
+        "added_differs": ("ValueError", "sent different batches"),
+        "add_not_a_batch": ("TypeError", "TeacherStep.add(batch) takes a TeacherBatch, got str"),
         "bad_plan": ("ValueError", "the plan asks top_k=8"),
         "steps_after": ("", "no error"),
         "joined": ("", "no error"),
@@ -283,10 +309,14 @@ def test_asked_once_per_group_shared_and_failures_raised_alike():
     # in-process failure's step, and the one probe of K when the served model is first asked: by rank 0 only
     # (both ranks asking would be 14 and 2 model queries)
     # + the two built from entries (a model query and a probe of K each): rank 0 connects them
-    assert len(models) == 1 + 2 and len(completions) == 1 + 6 + 2
+    # (+ 3: the streamed step's samples, added in parts)
+    assert len(models) == 1 + 2 and len(completions) == 1 + 6 + 2 + 3
     assert ranks[0]["bad_vocab"] == ranks[1]["bad_vocab"] and "past the served model's vocabulary of 5" in \
         ranks[0]["bad_vocab"]
     assert ranks[0]["scores"] == ranks[1]["scores"]
+    assert ranks[0]["added"] == ranks[1]["added"] == ranks[0]["scores"]  # added in parts: as one send
+    assert [r["metrics"] for r in ranks] == [{"samples": 3, "rows": 6, "adds": 2, "collects": 1}] * 2
+    assert [r["served_samples"] for r in ranks] == [3, 0]  # asked by rank 0 alone
     served, in_process = ranks[0]["scores"]
     assert served[1][:K] == [0.0, 1.0, 2.0, 3.0]
     assert in_process[2][:K] == pytest.approx([-math.log(2) * i for i in (1, 2, 3, 4)])

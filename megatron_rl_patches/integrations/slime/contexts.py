@@ -28,6 +28,7 @@ from megatron_rl_patches.integrations.megatron.teachers.opd_settings import (
 )
 from megatron_rl_patches.integrations.megatron.teachers.stage_host import batch_of
 from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
+from megatron_rl_patches.integrations.slime.rollout_scores import carried_keys
 from megatron_rl_patches.teachers.context import id_tensor, with_context
 
 # slime's own key of the samples' train_metadata (a list of dicts), kept out of its metrics too
@@ -83,9 +84,11 @@ class CarriedTokens(Sequence):
 def split_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for slime's `RolloutManager._split_train_data_by_dp(data)`: with teachers of
     a privileged context, every sample's tokens carry their keys of its train_metadata through the
-    split (`CarriedTokens`); `data`'s tokens handed back as they were after it."""
-    keys = context_keys(opd_settings())
+    split (`CarriedTokens`), and so do the rows a rollout's served teachers gave; `data`'s tokens
+    handed back as they were after it."""
+    settings = opd_settings()
     data = kwargs["data"] if "data" in kwargs else args[0] if args else None
+    keys = context_keys(settings) + carried_keys(settings, data)
     if not keys or not isinstance(data, MutableMapping) or "tokens" not in data:
         return wrapped(*args, **kwargs)
     tokens = data["tokens"]

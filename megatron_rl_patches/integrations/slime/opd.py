@@ -29,6 +29,7 @@ import torch
 
 from megatron_rl_patches._args import bind
 from megatron_rl_patches.integrations.megatron.teachers import hf_teachers, hidden_teachers, opd_terms, teacher_builders
+from megatron_rl_patches.integrations.megatron.teachers.carried_rows import CARRIED, take_rows
 from megatron_rl_patches.integrations.megatron.teachers.opd_settings import (
     LOSS_PATH,
     LOSS_PATHS,
@@ -62,6 +63,7 @@ from megatron_rl_patches.integrations.slime.contexts import METADATA, check_layo
 from megatron_rl_patches.integrations.slime.fused import unservable
 from megatron_rl_patches.integrations.slime.rows import response_positions
 from megatron_rl_patches.integrations.slime.step_plan import SETTINGS, StepPlan, plan_in, planned
+from megatron_rl_patches.integrations.slime.teacher_metrics import FIGURES, log_figures, note_figures
 from megatron_rl_patches.integrations.slime.topk import local_rows, packed_ids, per_sample_rows
 from megatron_rl_patches.integrations.step_mode import student_invariant
 from megatron_rl_patches.ops.topk import topk_kl, topk_logprobs
@@ -238,10 +240,12 @@ def train_actor_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
         rollout_data[SETTINGS] = settings
         if settings is not None and hasattr(instance, ATTRIBUTE):
             vocab = int(teacher_builders.unwrap(instance.model[-1]).vocab_size)
+            take_rows(rollout_data)  # the rows a rollout's served teachers gave, off the carried contexts
             contexts = step_contexts(instance.args, rollout_data, settings, vocab)  # agreed before any teacher is asked
             if contexts is not None:
                 rollout_data[CONTEXTS] = contexts
             score_teachers(instance, rollout_data, settings)
+            note_figures([opd_teacher(t) for t in getattr(instance, ATTRIBUTE)], rollout_data)  # teacher/... keys
     return wrapped(*args, **kwargs)
 
 
@@ -253,11 +257,13 @@ def log_rollout_data_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
     dicts, which slime would sum). The training steps still read them (the dict itself is unchanged)."""
     bound = bind(wrapped, args, kwargs)
     data = None if bound is None else bound.arguments.get("rollout_data")
-    keys = (*OPD_KEYS, *VOCAB_KEYS, SETTINGS, CONTEXTS, METADATA)
+    keys = (*OPD_KEYS, *VOCAB_KEYS, SETTINGS, CONTEXTS, METADATA, CARRIED, FIGURES)
     if bound is None or not isinstance(data, dict) or not any(key in data for key in keys):
         return wrapped(*args, **kwargs)
     bound.arguments["rollout_data"] = {key: value for key, value in data.items() if key not in keys}
-    return wrapped(*bound.args, **bound.kwargs)
+    result = wrapped(*bound.args, **bound.kwargs)
+    log_figures(bound.arguments.get("rollout_id"), bound.arguments.get("args"), data.get(FIGURES))  # teacher/...
+    return result
 
 
 def student_buckets(args: Any, batch: dict, logits: Any,

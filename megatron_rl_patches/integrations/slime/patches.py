@@ -19,6 +19,7 @@ LOSS = "slime.backends.megatron_utils.loss"
 ACTOR = "slime.backends.megatron_utils.actor"
 METRICS = "slime.observability.train_metric_utils"
 ROLLOUT = "slime.ray.rollout"  # the rollout manager's module (its process applies the patches too)
+GENERATE = "slime.rollout.sglang_rollout"  # the rollout's generate_and_rm (in the rollout manager's process)
 SLIME_TRAIN_PARAMS = ("rollout_id", "model", "optimizer", "opt_param_scheduler", "data_iterator")
 SLIME_LOGPROB_PARAMS = ("logits", "tokens", "tp_group")
 # a role at its own layout (role;tp=N)
@@ -102,6 +103,16 @@ PATCHES = (
           wrapper=f"{HERE}.contexts:tensorize_wrapper",
           description="each rank's samples' contexts put in its rollout data as the split packages it",
           requires=None, params=("rollout_data",), optional=True),
+    Patch(name="slime_opd", target=f"{GENERATE}:apply_rollout_sample_hooks",
+          wrapper=f"{HERE}.rollout_scores:hooks_wrapper",
+          description="each sample sent to the served teachers as its generation ends, its rows carried with it "
+                      "(MEGATRON_RL_PATCHES_OPD_SCORE_AT=rollout)",
+          requires=None, params=("args", "value"), optional=True),
+    Patch(name="slime_opd", target=f"{ROLLOUT}:log_rollout_data",
+          wrapper=f"{HERE}.rollout_scores:log_rollout_data_wrapper",
+          description="the rollout's served teachers' figures in slime's rollout metrics (teacher/...)",
+          requires=None, params=("rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"),
+          optional=True),
 )
 
 

@@ -55,7 +55,7 @@ def test_slimes_rollout_metrics_run_and_leave_the_opd_fields_to_the_steps(metric
     expected = metrics.log_rollout_data(0, None, slimes_own)
 
     statuses = megatron_rl_patches.apply(only="slime_opd")
-    assert {s.status for s in statuses if s.target.endswith("log_rollout_data")} == {"applied"}
+    assert {s.status for s in statuses if s.target == f"{metrics.__name__}:log_rollout_data"} == {"applied"}
     entries = {key: list(value) if isinstance(value, list) else value for key, value in data.items()}
     assert metrics.log_rollout_data(0, None, data) == expected  # positional, as slime's actor calls it
     assert metrics.log_rollout_data(rollout_id=0, args=None, rollout_data=data) == expected

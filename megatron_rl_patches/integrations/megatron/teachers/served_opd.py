@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_rl_patches.integrations.megatron.teachers.carried_rows import add_carried
 from megatron_rl_patches.integrations.megatron.teachers.cross_passes import context_of, teacher_samples
 from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import OpdTeacher, ScoringStep
 from megatron_rl_patches.integrations.megatron.teachers.stage_host import StageHost, batch_of, device_of
@@ -63,8 +64,11 @@ class ServedOpdTeacher(OpdTeacher):
                 self.samples = cross_with_context(self.samples, context_of(rollout_data, self.context))
             self.step.send(cross_batch(self.samples))
         else:
-            # a privileged teacher (`;context=KEY`) scores each sample's context + response
-            self.step.send(batch_of(rollout_data), contexts=rollout_data.get(CONTEXTS))
+            # a privileged teacher (`;context=KEY`) scores each sample's context + response; rows a rollout's
+            # served teacher gave (slime's MEGATRON_RL_PATCHES_OPD_SCORE_AT=rollout) are read, not asked again
+            batch, contexts = batch_of(rollout_data), rollout_data.get(CONTEXTS)
+            if not add_carried(self.step, batch, contexts, rollout_data):
+                self.step.send(batch, contexts=contexts)
 
     def unscored(self) -> None:
         """The step scores no teacher: its requests collected all the same, so the job's agreement

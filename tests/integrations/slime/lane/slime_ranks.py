@@ -222,10 +222,11 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
     another data-parallel rank planned more: its samples split, then its shortest one repeated);
     cross["temperature"]: the rollout's temperature (a served teacher's: 1); `served`: the teachers'
     entries served["entries"] (a served teacher first), the ids from the
-    teacher (served["ids_from"]: from whom), the student's tokenizer in served["student"], the rollout
-    at temperature 1 (served["temperature"]: another, a served teacher with a head; served["contexts"]: each
-    sample's privileged contexts as the rollout manager's split carries them); `contexts`: the same for any
-    teachers' entries; `env`: OPD variables
+    teacher (served["ids_from"]: from whom), the student's tokenizer in served["student"]
+    (served["rollouts"]: the rollouts' per-sample fields, as `cross["samples"]`), the rollout at
+    temperature 1 (served["temperature"]: another, a served teacher with a head; served["contexts"]:
+    each sample's privileged contexts as the rollout manager's split carries them); `contexts`: the
+    same for any teachers' entries; `env`: OPD variables
     set last (their names without MEGATRON_RL_PATCHES_OPD_, e.g. {"K": "vocab"})."""
     with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual,
                    expert=expert) as patch:
@@ -245,6 +246,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
             TEACHER_HIDDEN,
         )
         from megatron_rl_patches.integrations.slime import opd as slime_opd
+        from megatron_rl_patches.integrations.slime.teacher_metrics import FIGURES as TEACHER_FIGURES
 
         for name, value in OPD_ENV.items():
             patch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
@@ -325,7 +327,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                     states[tag] = _stage_state(model)
                 if wide_path is not None:  # the separate teacher's own chunks
                     states["opd_teacher_1"] = separate[0]
-                samples = None if cross is None else cross["samples"]
+                samples = (cross or {}).get("samples") or (served or {}).get("rollouts")
                 data = actor_rollout(0, samples)
                 if contexts is not None or (served is not None and "contexts" in served):
                     from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
@@ -347,10 +349,12 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 actor.train_actor(0, data)
                 seconds.append(time.perf_counter())
                 first = data
+                figures = [data.get(TEACHER_FIGURES)]
                 for rollout_id in range(1, rollouts):  # re-entry: slime's train() and the teacher passes again
                     data = actor_rollout(rollout_id, samples)
                     actor.train_actor(rollout_id, data)
                     seconds.append(time.perf_counter())
+                    figures.append(data.get(TEACHER_FIGURES))
                 last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                 return {"states": states, "grads": grads, "losses": losses if last else None,
                         "step_seconds": [b - a for a, b in zip(seconds, seconds[1:])],
@@ -367,6 +371,8 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                         "teacher_hidden": first.get(TEACHER_HIDDEN),
                         "teacher_heads": first[TEACHER_HEADS][0].weights if first.get(TEACHER_HEADS) else None,
                         "teacher_micro_batches": agreed,
+                        "teacher_figures": first.get(TEACHER_FIGURES),  # the served teachers' step metrics
+                        "figures_per_step": figures,
                         "step_repeats": sum(int((same_as >= 0).sum()) for same_as in first.get(STEP_SAME_AS, [])),
                         "keys": sorted(k for k in data if k.startswith("opd_")), "split": _partition_dims(model),
                         "active": actor._active_model_tag,

@@ -1,0 +1,108 @@
+"""A served teacher's rows carried with their sample from a rollout to its training ranks (slime's
+`MEGATRON_RL_PATCHES_OPD_SCORE_AT=rollout`: `integrations/slime/rollout_scores.py`), framework-free
+given the keys:
+
+- at the rollout, `packed(scores, batch)`: one sample's `BatchScores` as the train step reads them
+  (its top-k ids as int32, their log-probs and tails as float32: what `step_served.own_topk` makes
+  of them, so a carried row and an asked one train alike) and a digest of the ids the teacher
+  scored (its length, response start and crc32: the sample's own ids, or its privileged context's
+  before them), under the teacher's key (`teacher_key`: a digest of its identity, URLs redacted)
+  in the sample's `train_metadata[ROWS]`;
+- on the training ranks `take_rows` moves them out of the split's carried keys (`CONTEXTS`) to
+  `CARRIED`, and `add_carried(step, batch, contexts, rollout_data)` hands the step's samples to
+  the teacher step in runs: a run whose rows were carried (each digest that of the batch the
+  teacher would be asked for: else asked again) with them (`TeacherStep.add(scored=...)`), any
+  other run asked there. 8K + 8 bytes a response token (168 at K = 20)."""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
+from megatron_rl_patches.teachers.batch import TeacherBatch
+from megatron_rl_patches.teachers.contract import BatchScores
+from megatron_rl_patches.teachers.step_contexts import teacher_batches
+from megatron_rl_patches.teachers.teacher_identity import teacher_identity
+
+ROWS = "megatron_rl_patches_teacher_rows"  # the reserved train_metadata key of the carried rows
+CARRIED = "opd_rollout_rows"  # per sample of a training rank's rollout data: its carried rows (or None)
+
+
+def teacher_key(teacher: Any) -> str:
+    """A served teacher's key among a sample's carried rows: a digest of its identity (replica
+    URLs redacted and sorted, engine, top-k, temperature, context key)."""
+    return f"{zlib.crc32(repr(sorted(teacher_identity(teacher, True, head=False).items())).encode()):08x}"
+
+
+def digest(ids: torch.Tensor, start: int) -> list[int]:
+    """One scored sequence in three ints: its length, its response start, the crc32 of its ids."""
+    flat = ids.detach().reshape(-1).to("cpu", torch.int64).contiguous()
+    return [int(flat.numel()), int(start), zlib.crc32(flat.numpy().tobytes())]
+
+
+def packed(scores: BatchScores, batch: TeacherBatch) -> dict[str, Any]:
+    """The one sample of `batch` scored (`scores`) as it travels: its digest and rows."""
+    return {"digest": digest(batch.sequences[0], batch.response_starts[0]),
+            "ids": scores.topk_ids[0].to(torch.int32), "values": scores.topk_log_probs[0].float(),
+            "tails": scores.tail_log_probs[0].float(), "token": scores.token_log_probs[0].float()}
+
+
+def unpacked(rows: Sequence[Mapping[str, Any]]) -> BatchScores:
+    """Carried samples' rows as the teacher's `BatchScores` (float64 and int64, as a client gives
+    them: the float32 values widened exactly)."""
+    return BatchScores([torch.as_tensor(r["token"]).double() for r in rows],
+                       [torch.as_tensor(r["ids"]).long() for r in rows],
+                       [torch.as_tensor(r["values"]).double() for r in rows],
+                       [torch.as_tensor(r["tails"]).double() for r in rows])
+
+
+def take_rows(rollout_data: dict) -> None:
+    """The carried rows out of the split's per-sample keys (`CONTEXTS`, which then holds the
+    privileged contexts alone, or goes where none is left) into `CARRIED`."""
+    contexts = rollout_data.get(CONTEXTS)
+    if not isinstance(contexts, list) or not any(isinstance(c, dict) and ROWS in c for c in contexts):
+        return
+    rollout_data[CARRIED] = [c.pop(ROWS, None) if isinstance(c, dict) else None for c in contexts]
+    if not any(contexts):
+        del rollout_data[CONTEXTS]
+
+
+def part_of(contexts: Any, lo: int, hi: int) -> Any:
+    """Samples lo..hi of the step's contexts, in either form (`step_contexts`)."""
+    if contexts is None:
+        return None
+    if isinstance(contexts, Mapping):
+        return {key: list(values)[lo:hi] for key, values in contexts.items()}
+    return list(contexts)[lo:hi]
+
+
+def add_carried(step: Any, batch: TeacherBatch, contexts: Any, rollout_data: Mapping) -> bool:
+    """The step's samples handed to `step` (a one-teacher `TeacherStep` of a served teacher): runs
+    whose rows were carried with them, the others to be asked. False (nothing added) where no row
+    was carried for this teacher: the caller sends as before."""
+    carried = rollout_data.get(CARRIED)
+    if not isinstance(carried, list) or len(carried) != len(batch):
+        return False
+    key = teacher_key(step.teachers[0])
+    mine = [rows.get(key) if isinstance(rows, Mapping) else None for rows in carried]
+    if not any(mine):
+        return False
+    try:  # the batch the teacher is asked for: with its privileged contexts before each response
+        (asked,) = teacher_batches(step.teachers, batch, contexts, step.host.vocab_size)
+    except (TypeError, ValueError):
+        return False  # the step's own send names the problem (on every rank)
+    usable = [rows is not None and list(rows["digest"]) == digest(ids, start)
+              for rows, ids, start in zip(mine, asked.sequences, asked.response_starts)]
+    lo = 0
+    while lo < len(batch):
+        hi = lo
+        while hi < len(batch) and usable[hi] == usable[lo]:
+            hi += 1
+        part = TeacherBatch(batch.sequences[lo:hi], batch.response_starts[lo:hi])
+        scored = {0: unpacked([rows for rows in mine[lo:hi] if rows is not None])} if usable[lo] else None
+        step.add(part, contexts=part_of(contexts, lo, hi), scored=scored)
+        lo = hi
+    return True

@@ -1,0 +1,236 @@
+"""slime's served teachers asked as each sample's generation ends (`MEGATRON_RL_PATCHES_OPD_SCORE_AT=
+rollout`; the default, `train`, leaves them to the train step: docs/benchmarks.md, "A served teacher
+off the train step", has the measurement it follows): slime 624b824a applies its rollout sample
+hooks in `generate_and_rm` right after a sample's generation, before its reward; `slime_opd` adds
+`score_sample` to them
+(`hooks_wrapper`, around `apply_rollout_sample_hooks` in slime's rollout module: no flag to
+add; naming it in `--rollout-sample-hook-path` yourself is the same, once). Each sample is sent to
+every served teacher of the student's tokenizer on the top-k route (`RolloutTeachers`, built in the
+rollout manager's process from MEGATRON_RL_PATCHES_OPD_TEACHERS, kept on slime's `args`), with its
+privileged context from its `train_metadata` where the teacher has `;context=KEY`; the hook awaits
+the answers without blocking the other samples (slime runs each as an asyncio task) and puts the
+rows in the sample's `train_metadata` (`carried_rows`), which slime's split carries to the training
+ranks (`contexts.split_wrapper`); there the teacher step reads them instead of asking (each row's
+digest checked against the batch it would ask for: a sample whose rows are missing or stale is
+asked at the train step). What the rollout's end still waits for is waited there.
+
+A teacher failing during the rollout (every replica down, the deadline passed, a sample too long)
+fails the rollout with the same named error (`ServedTeacherError` / `ServedTeacherRefusal`) the
+train step raises: a failure the client's retries and replicas did not absorb is no transient one,
+and a rollout cannot leave a sample half-scored. A teacher of another tokenizer (`;tokenizer=DIR`)
+or with a head (`;head=DIR`: its hidden states, 2H bytes a token) stays at the train step.
+
+`MEGATRON_RL_PATCHES_OPD_SCORE_AT=train` (the default): every served teacher asked by the train
+step, as before.
+The teachers' figures of each rollout go into slime's rollout metrics under `teacher/...`
+(`log_rollout_data_wrapper`)."""
+# lazy imports: optional dependency slime (and httpx, the extra `served`)
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from megatron_rl_patches._args import bind
+from megatron_rl_patches._variables import OPD_SCORE_AT as SCORE_AT
+from megatron_rl_patches.integrations.megatron.teachers.carried_rows import ROWS, packed, teacher_key
+from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, OpdSettings, opd_settings
+from megatron_rl_patches.teachers.kinds.entry import SERVED
+
+PLACES = ("rollout", "train")
+DEFAULT = "train"  # measured: docs/benchmarks.md, "A served teacher off the train step"
+HOOK = "megatron_rl_patches.integrations.slime.rollout_scores.score_sample"  # its --rollout-sample-hook-path
+ATTRIBUTE = "megatron_rl_patches_rollout_teachers"  # on slime's args in the rollout manager's process
+
+
+def score_at(environ: Mapping[str, str] | None = None) -> str:
+    """Where slime's served teachers are asked: "rollout" or "train" (unset or "": `DEFAULT`, train);
+    ValueError naming the variable for any other value."""
+    text = (os.environ if environ is None else environ).get(SCORE_AT, "")
+    word = text.strip().lower() or DEFAULT
+    if word not in PLACES:
+        raise ValueError(f"{SCORE_AT}={text[:40]!r}: use rollout (each sample scored as its generation ends) or "
+                         "train (scored by the train step), or leave it unset (train)")
+    return word
+
+
+def rollout_entries(settings: OpdSettings | None) -> list[Any]:
+    """The entries asked at the rollout: served teachers of the student's tokenizer on the top-k
+    route (no `;tokenizer=DIR`, no `;head=DIR`), where the settings ask for it."""
+    if settings is None or settings.full_vocab or score_at() != "rollout":
+        return []
+    return [t for t in settings.teachers if t.kind == SERVED and t.head is None and t.tokenizer is None]
+
+
+def carried_keys(settings: OpdSettings | None, data: Any = None) -> list[str]:
+    """The train_metadata keys slime's split carries for the rollout's rows: none where nothing is
+    asked at the rollout, or (`data`: the rollout manager's training data) no sample holds rows."""
+    if not rollout_entries(settings):
+        return []
+    metadata = data.get("metadata") if isinstance(data, Mapping) else None
+    if data is not None and not any(isinstance(meta, Mapping) and ROWS in meta for meta in metadata or []):
+        return []
+    return [ROWS]
+
+
+class RolloutTeachers:
+    """The served teachers the rollout asks (`rollout_entries`), their figures since the last
+    `metrics()`, and the student's tokenizer for text contexts (read once). Pickled empty (slime's
+    args travel between processes): the teachers are built again where the rollout runs."""
+
+    def __init__(self, settings: OpdSettings | None, args: Any = None) -> None:
+        self.args = args
+        self.teachers: list[Any] = []
+        if rollout_entries(settings):
+            from megatron_rl_patches.teachers.served.build import served_teacher_of  # lazy: import cost: httpx, torch
+
+            assert settings is not None  # rollout_entries found some
+            self.teachers = [served_teacher_of(t, top_k=settings.k) for t in rollout_entries(settings)]
+        self.samples = 0
+        self.waited_s = 0.0
+        self.tokenizer: Any = None
+
+    @property
+    def keys(self) -> list[str]:
+        """Each teacher's key among a sample's carried rows."""
+        return [teacher_key(teacher) for teacher in self.teachers]
+
+    def __reduce__(self) -> tuple:
+        return (empty_holder, ())
+
+    def student_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            # lazy: import cost: torch and megatron's groups, only for text contexts
+            from megatron_rl_patches.integrations.megatron.teachers.stage_host import student_tokenizer_of
+
+            self.tokenizer = student_tokenizer_of(self.args, f"{TEACHERS} (text contexts are tokenized by the "
+                                                             "student's tokenizer)")
+        return self.tokenizer
+
+    def metrics(self) -> dict[str, Any]:
+        """The rollout's figures (`TeacherStep.metrics()`'s shape): samples scored, the seconds the
+        hooks waited, the teachers' own summed (`step_metrics`)."""
+        from megatron_rl_patches.teachers.step_metrics import step_metrics  # lazy: import cost: the step's module
+
+        own = {"samples": self.samples, "hook_wait_s": self.waited_s}
+        self.samples, self.waited_s = 0, 0.0
+        return step_metrics(own, {i: teacher.metrics() for i, teacher in enumerate(self.teachers)})
+
+    def close(self) -> None:
+        for teacher in self.teachers:
+            teacher.close()
+
+
+def empty_holder() -> None:
+    """What a pickled `RolloutTeachers` becomes: nothing (built again where it is used)."""
+    return None
+
+
+def rollout_teachers(args: Any) -> RolloutTeachers | None:
+    """The rollout's teachers, built at first use and kept on slime's `args` (None: nothing is
+    asked at the rollout; that answer kept too: a job without a served teacher reads its settings
+    once, not once a sample)."""
+    held = getattr(args, ATTRIBUTE, None)
+    if not isinstance(held, RolloutTeachers):
+        held = RolloutTeachers(opd_settings(), args)
+        setattr(args, ATTRIBUTE, held)
+    return held if held.teachers else None
+
+
+def sample_contexts(held: RolloutTeachers, sample: Any) -> list[dict] | None:
+    """The sample's privileged contexts for the teachers with a key (text tokenized by the
+    student's tokenizer, as the training ranks read it), one mapping; None: no teacher has one."""
+    keys = [t.context for t in held.teachers if t.context is not None]
+    if not keys:
+        return None
+    from megatron_rl_patches.teachers.context import context_ids  # lazy: import cost: tokenizers, text only
+    from megatron_rl_patches.teachers.step_contexts import as_ids
+
+    meta = sample.train_metadata if isinstance(sample.train_metadata, Mapping) else {}
+    out = {}
+    for key in keys:
+        value = meta.get(key)
+        if value is None:
+            raise ValueError(f"slime_opd: sample {sample.index} has no train_metadata[{key!r}] for the served teacher "
+                             f"with ';context={key}' asked at the rollout: fill it in the rollout's generate function")
+        out[key] = context_ids([value], held.student_tokenizer())[0] if isinstance(value, str) \
+            else as_ids(value, sample.index, key)  # ids as given (a list of ints: a tensor)
+    return [out]
+
+
+async def score_sample(args: Any, sample: Any, *, rollout_id: int | None = None, evaluation: bool = False) -> None:
+    """slime's rollout sample hook: `sample` sent to the rollout's served teachers now, its rows
+    put in its train_metadata (an evaluation's samples, an aborted one or one without a response:
+    left alone). A failure raises the teacher's named error (see the module's words)."""
+    import torch  # lazy: import cost: torch only where the rollout asks a teacher
+
+    from megatron_rl_patches.teachers.batch import TeacherBatch  # lazy: import cost: torch
+    from megatron_rl_patches.teachers.step_contexts import teacher_batches  # lazy: import cost: torch
+
+    held = None if evaluation else rollout_teachers(args)
+    if held is None or not held.teachers or getattr(getattr(sample, "status", None), "name", "") == "ABORTED":
+        return None
+    if sample.train_metadata is None:
+        sample.train_metadata = {}  # every sample alike: slime carries train_metadata only when the first has one
+    response = int(sample.response_length or 0)
+    if not response:
+        return None
+    tokens = torch.tensor(list(sample.tokens), dtype=torch.long)
+    batch = TeacherBatch([tokens], [len(tokens) - response])
+    asked = teacher_batches(held.teachers, batch, sample_contexts(held, sample), None)
+    started = time.perf_counter()
+    pending = [teacher.submit(one) for teacher, one in zip(held.teachers, asked)]
+    try:
+        futures = [asyncio.wrap_future(f) for waiting in pending for f in waiting.pending.values()]
+        if futures:  # each sample's requests answered while the other samples' tasks run
+            await asyncio.wait(futures, timeout=max(min(p.deadline.remaining() for p in pending), 0.0),
+                               return_when=asyncio.FIRST_EXCEPTION)
+        scores = [waiting.result() for waiting in pending]  # the named error of a failure, or its deadline
+    except BaseException:
+        for waiting in pending:
+            waiting.cancel()
+        raise
+    held.waited_s += time.perf_counter() - started
+    held.samples += 1
+    rows = sample.train_metadata.setdefault(ROWS, {})
+    for key, got, one in zip(held.keys, scores, asked):
+        rows[key] = packed(got, one)
+    return None
+
+
+def hooks_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for slime's `apply_rollout_sample_hooks(args, value, **kwargs)` as its rollout
+    module calls it after each generation: slime's hooks, then `score_sample` on every sample of
+    `value` (unless `--rollout-sample-hook-path` already names it)."""
+    bound = bind(wrapped, args, kwargs)
+    slime_args = None if bound is None else bound.arguments.get("args")
+    paths = getattr(slime_args, "rollout_sample_hook_path", None) or []
+    if bound is None or slime_args is None or HOOK in paths or rollout_teachers(slime_args) is None:
+        return wrapped(*args, **kwargs)
+    extra = dict(bound.arguments.get("kwargs") or {})
+
+    async def hooked() -> Any:
+        value = await wrapped(*args, **kwargs)
+        for sample in value if isinstance(value, list) else [value]:
+            await score_sample(slime_args, sample, rollout_id=extra.get("rollout_id"),
+                               evaluation=bool(extra.get("evaluation", False)))
+        return value
+
+    return hooked()
+
+
+def log_rollout_data_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper for the rollout manager's `log_rollout_data(rollout_id, args, samples,
+    rollout_extra_metrics, rollout_time)`: the rollout's teachers' figures added to slime's extra
+    metrics as `teacher/...` keys (wandb and its log line show them)."""
+    bound = bind(wrapped, args, kwargs)
+    held = None if bound is None else getattr(bound.arguments.get("args"), ATTRIBUTE, None)
+    if bound is None or not isinstance(held, RolloutTeachers) or not held.teachers:
+        return wrapped(*args, **kwargs)
+    from megatron_rl_patches.teachers.step_metrics import flat  # lazy: import cost: the step's module
+
+    extra = bound.arguments.get("rollout_extra_metrics") or {}
+    bound.arguments["rollout_extra_metrics"] = {**extra, **flat(held.metrics())}
+    return wrapped(*bound.args, **bound.kwargs)
