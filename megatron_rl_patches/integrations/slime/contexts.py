@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import (
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import (
     TEACHERS,
     OpdSettings,
     context_tokenizer,
     opd_settings,
 )
-from megatron_rl_patches.integrations.megatron.teachers.stage_host import batch_of
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
+from megatron_rl_patches.integrations.megatron.opd.stage_host import batch_of
+from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
 from megatron_rl_patches.teachers.context import id_tensor, with_context
 
 # slime's own key of the samples' train_metadata (a list of dicts), kept out of its metrics too
@@ -191,7 +191,7 @@ def read_contexts(args: Any, rollout_data: dict, keys: list[str], settings: OpdS
                 out[i][key] = as_ids(value, names[i], key)
     if texts:
         # lazy: import cost: torch and the tokenizer loading, only for text contexts
-        from megatron_rl_patches.integrations.megatron.teachers.stage_host import student_tokenizer_of
+        from megatron_rl_patches.integrations.megatron.opd.stage_host import student_tokenizer_of
         from megatron_rl_patches.teachers.context import context_ids  # lazy: import cost: torch, text contexts only
 
         for key in keys:
