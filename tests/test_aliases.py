@@ -133,13 +133,13 @@ def test_the_inference_modules_that_became_packages_keep_their_names():
 
 
 def test_the_teachers_moved_out_of_slime_keep_their_earlier_paths_and_names():
-    """issue 73: slime's in-process teacher modules live in `integrations.megatron.teachers`; their
+    """issue 73: slime's in-process teacher modules live in `integrations.megatron.opd`; their
     slime paths name the same modules (slime's `host` is `stage_host`, its names kept)."""
     import megatron_rl_patches.integrations.slime  # noqa: F401 - installs its table
-    from megatron_rl_patches.integrations.megatron.teachers import stage_host
+    from megatron_rl_patches.integrations.megatron.opd import stage_host
 
     moved = _aliases.moved_paths()
-    home = "megatron_rl_patches.integrations.megatron.teachers"
+    home = "megatron_rl_patches.integrations.megatron.opd"
     for name in ("opd_teachers", "teacher_builders", "hf_teachers", "cross_passes", "served_opd", "opd_settings"):
         assert moved[f"megatron_rl_patches.integrations.slime.{name}"] == (f"{home}.{name}", True)
     assert moved["megatron_rl_patches.integrations.slime.host"] == (f"{home}.stage_host", True)

@@ -341,9 +341,10 @@ def test_a_module_outside_every_room_fails_loudly():
         room(f"{PACKAGE}.newthing.module")
 
 
-# The in-process teachers' home on megatron-core serves every Megatron host: it names no framework's
-# module (slime's own, nor our slime integration); the hosts supply what differs (issue 73 item 1).
-TEACHERS_HOME = f"{PACKAGE}.integrations.megatron.teachers"
+# The in-process OPD wing on megatron-core (integrations/megatron/opd/, issue 87 item 6; issue 73 item 1
+# named it integrations/megatron/teachers/) serves every Megatron host: it names no framework's module
+# (slime's own, nor our slime integration); the hosts supply what differs.
+TEACHERS_HOME = f"{PACKAGE}.integrations.megatron.opd"
 FRAMEWORKS = ("slime", f"{PACKAGE}.integrations.slime")
 
 

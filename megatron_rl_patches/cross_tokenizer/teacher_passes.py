@@ -4,8 +4,8 @@ loss-mask change are forced chunk boundaries), the teacher's own micro-batches p
 student's token budget (`PassPlan`: plain indices; a framework builds its own batch from them), the
 chunk-start buckets over shared byte strings, and the teacher's values brought back to the student's
 response rows (whole responses: a chunk can straddle context-parallel ranks, each rank cuts its rows
-afterwards). slime's top-k OPD runs its passes (`integrations/megatron/teachers/cross_passes.py`, its rollout
-built by `integrations/megatron/teachers/cross_rollout.py`); the module was `integrations/slime/cross_teachers.py`."""
+afterwards). slime's top-k OPD runs its passes (`integrations/megatron/opd/cross_passes.py`, its rollout
+built by `integrations/megatron/opd/cross_rollout.py`); the module was `integrations/slime/cross_teachers.py`."""
 from __future__ import annotations
 
 from collections.abc import Sequence

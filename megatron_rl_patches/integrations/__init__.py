@@ -128,7 +128,7 @@ _aliases.install(__name__, {
     "gpt_signature": "megatron_rl_patches.processors.gpt_signature",
     "slime_fused": "megatron_rl_patches.integrations.slime.fused",
     "slime_opd": "megatron_rl_patches.integrations.slime.opd",
-    "slime_opd_settings": "megatron_rl_patches.integrations.megatron.teachers.opd_settings",
+    "slime_opd_settings": "megatron_rl_patches.integrations.megatron.opd.opd_settings",
     "slime_roles": "megatron_rl_patches.integrations.slime.roles",
     "slime_rows": "megatron_rl_patches.integrations.slime.rows",
     "slime_topk": "megatron_rl_patches.integrations.slime.topk",

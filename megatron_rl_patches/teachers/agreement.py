@@ -17,16 +17,19 @@ JOINED_BY_NONE = {"TeacherStep.collect"}
 OWN_KINDS: dict[str, type[Exception]] = {kind.__name__: kind for kind in (TypeError, ValueError, RuntimeError)}
 
 
-def agree_failure(error: BaseException | None, group: object = None, *, own: bool = False) -> None:
+def agree_failure(error: BaseException | None, group: object = None, *, own: bool = False,
+                  what: str | None = None) -> None:
     """Raise on every rank of `group` the lowest failing rank's error (a `ServedTeacherError`; a
     `ServedTeacherRefusal` for a refusal or a bad argument; with `own` on that rank, the caller's
-    bad call: its own kind) when any rank passes one; return on every rank when none does. Without
-    a group, or torch.distributed not initialized: `error` raised here as it is. Every rank of the
-    group must call it (one all-gather)."""
-    agreed_views(error, group, None, own=own)
+    bad call: its own kind; with `what`, a ValueError saying what failed there, e.g. a loop's
+    "the privileged contexts") when any rank passes one; return on every rank when none does.
+    Without a group, or torch.distributed not initialized: `error` raised here as it is. Every
+    rank of the group must call it (one all-gather)."""
+    agreed_views(error, group, None, own=own, what=what)
 
 
-def agreed_views(error: BaseException | None, group: object, view: Any, *, own: bool = False) -> list[Any]:
+def agreed_views(error: BaseException | None, group: object, view: Any, *, own: bool = False,
+                 what: str | None = None) -> list[Any]:
     """Every rank's picklable `view`, in the group's rank order, once no rank passed an `error`
     (else `agree_failure`'s error, on every rank). `[view]` without a group to agree over."""
     if group is None or not distributed():
@@ -52,8 +55,10 @@ def agreed_views(error: BaseException | None, group: object, view: Any, *, own: 
         kind_name, text = called
         raise OWN_KINDS[kind_name](f"{text} [refused on rank(s) {ranks} of the group's {len(gathered)} ranks, so on "
                                    "every rank]") from error
-    kind = ServedTeacherRefusal if refusal else ServedTeacherError
     others = f" ({len(failed)} of {len(gathered)} ranks failed)" if len(failed) > 1 else ""
+    if what is not None:
+        raise ValueError(f"{what} failed on rank {rank}{others}: {words}") from error
+    kind = ServedTeacherRefusal if refusal else ServedTeacherError
     raise kind(f"served teacher failed on rank {rank} of the group{others}: {words}", url, sample) from error
 
 

@@ -51,6 +51,20 @@ def with_context(batch: TeacherBatch, contexts: Sequence[torch.Tensor], *, vocab
     return TeacherBatch(sequences, starts)
 
 
+def checked_contexts(batch: TeacherBatch, contexts: Sequence[torch.Tensor], *,
+                     vocab_size: int | None = None) -> list[torch.Tensor]:
+    """`contexts` checked as `with_context(batch, contexts, vocab_size=...)` checks them (the same
+    refusals, in the same words), nothing built: for a loop that checks the contexts where its
+    ranks can agree them and hands them on to the step, which builds the teacher's batch once."""
+    if not isinstance(batch, TeacherBatch):
+        raise TypeError(f"{WHERE}(batch=...) takes the student's TeacherBatch, got {type(batch).__name__}")
+    check_budget("vocab_size", vocab_size, "the teacher's vocabulary size")
+    contexts = context_list(contexts, len(batch))
+    for sample, context in enumerate(contexts):
+        check_context(sample, context, vocab_size, batch.sequences[sample].dtype)
+    return contexts
+
+
 def check_budget(name: str, value: object, what: str) -> None:
     """An optional positive int keyword of `with_context`."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
@@ -111,12 +125,13 @@ def id_tensor(values: Sequence[Any], where: str) -> torch.Tensor:
 
 
 def context_ids(texts: Sequence[str], tokenizer: Any, *, add_special_tokens: bool = False,
-                samples: Sequence[int] | None = None) -> list[torch.Tensor]:
+                samples: Sequence[int | str] | None = None) -> list[torch.Tensor]:
     """Text contexts, one per sample, as the teacher's ids (int64): `tokenizer` a
     `tokenizers.Tokenizer`, a tokenizer.json path or a checkpoint directory holding one. No special
     tokens are added unless `add_special_tokens=True` (a chat template's own markers are text).
     `samples`: the sample each text is (where the texts are some samples' only, the others' given
-    as ids), for the messages; None: texts[i] is sample i."""
+    as ids), for the messages: its index, or words naming it (`sample_name`); None: texts[i] is
+    sample i."""
     # lazy: optional dependency tokenizers (text contexts only)
     from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
 
@@ -128,8 +143,8 @@ def context_ids(texts: Sequence[str], tokenizer: Any, *, add_special_tokens: boo
     named = text_names(len(texts), samples)
     for i, text in enumerate(texts):
         if text is None:
-            raise ValueError(f"context_ids(texts=...): sample {i if samples is None else samples[i]} has no context "
-                             "(None): give every sample its context text")
+            raise ValueError(f"context_ids(texts=...): {sample_name(i if samples is None else samples[i])} has no "
+                             "context (None): give every sample its context text")
         if not isinstance(text, str):
             raise TypeError(f"context_ids(texts=...): {named[i]} must be a str, got {type(text).__name__}")
         if not text:
@@ -145,14 +160,20 @@ def context_ids(texts: Sequence[str], tokenizer: Any, *, add_special_tokens: boo
     return ids
 
 
-def text_names(count: int, samples: Sequence[int] | None) -> list[str]:
+def text_names(count: int, samples: Sequence[int | str] | None) -> list[str]:
     """How `context_ids`' messages name each of `count` texts: texts[i], or sample n's text."""
     if samples is None:
         return [f"texts[{i}]" for i in range(count)]
     if isinstance(samples, (str, bytes)) or not isinstance(samples, Sequence) or len(samples) != count:
         raise ValueError(f"context_ids(samples=...) must name the sample of each of the {count} texts (a list of "
                          f"{count} ints), or be None")
-    return [f"sample {n}'s text" for n in samples]
+    return [f"{sample_name(n)}'s text" for n in samples]
+
+
+def sample_name(sample: int | str) -> str:
+    """How a message names a sample: `sample N` for its index, else the caller's words (e.g. verl's
+    "the sample with a prompt of 3 ids (of 7)")."""
+    return sample if isinstance(sample, str) else f"sample {sample}"
 
 
 def placed_before(batch: TeacherBatch, privileged: Sequence[torch.Tensor], marker: Sequence[int] | torch.Tensor, *,

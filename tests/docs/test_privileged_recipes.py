@@ -63,7 +63,7 @@ def test_the_slime_job_passes_slime_opds_own_checks(monkeypatch):
     """Each teacher the block offers (the live self-teacher, the frozen θ₀ snapshot, θ₀ served),
     read by slime_opd from the job's variables and checked with the block's flags as slime_opd
     checks them before the first step (a missing `--loss-type custom_loss` is refused there)."""
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
     from megatron_rl_patches.integrations.slime.opd import check_args
 
     variables, alternatives, argv = slime_job()

@@ -51,7 +51,7 @@ def _words(row: list[str]) -> str:
 def _run(asked: str, tmp_path: Path) -> tuple[bool, str] | None:
     """(failed, message) of what the row asks for, where it runs without a world; None elsewhere."""
     from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, opd_settings
 
     ticked = re.findall(r"`([^`]+)`", asked)
     first = ticked[0] if ticked else ""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_rl_patches._log import launcher_rank
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
 from megatron_rl_patches.patching import env
 
 TEACHERS, ROLES = "MEGATRON_RL_PATCHES_OPD_TEACHERS", "MEGATRON_RL_PATCHES_INFERENCE_ROLES"

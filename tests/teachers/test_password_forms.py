@@ -81,7 +81,7 @@ def build_string(url: str, env: Any) -> str:
 
 
 def opd_settings(url: str, env: Any, extra: dict[str, str] | None = None, option: str = "") -> str:
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
 
     with pytest.raises(ValueError, match=rf"{TEACHERS}.*carries a user or password") as refused:
         opd_settings({TEACHERS: f"/ckpt/a,{url};engine=vllm{option}", **(extra or {})})

@@ -71,8 +71,8 @@ def test_same_tokenizer_options_are_refused_by_name(options, words):
 
 def connected(student, server, entry):
     """slime's served teacher connected as its builder does (`served_teacher.served_own`)."""
-    from megatron_rl_patches.integrations.megatron.teachers.served_teacher import served_own
-    from megatron_rl_patches.integrations.megatron.teachers.stage_host import stage_host
+    from megatron_rl_patches.integrations.megatron.opd.served_teacher import served_own
+    from megatron_rl_patches.integrations.megatron.opd.stage_host import stage_host
     from megatron_rl_patches.teachers.named_vocab import named_vocab_size
 
     args = SimpleNamespace(hf_checkpoint=str(student))

@@ -230,7 +230,7 @@ def test_a_missing_key_on_one_rank_is_the_same_error_on_every_rank():
 
 
 def test_slimes_opd_takes_privileged_teachers_of_another_tokenizer_or_layout_and_refuses_what_it_cannot():
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
 
     assert opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/teacher"}) is not None
     served = "http://127.0.0.1:9;engine=vllm;context=solution"

@@ -42,7 +42,7 @@ def test_urls_mix_with_paths_providers_and_layouts_in_one_setting():
 
 
 def test_the_settings_read_the_table_with_one_weight_per_entry():
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
 
     settings = opd_settings({TEACHERS: "/ckpt/a,http://h:8000;engine=vllm,/ckpt/b@m:f",
                              "MEGATRON_RL_PATCHES_OPD_WEIGHTS": "0.5,0.3,0.2"})

@@ -19,7 +19,7 @@ from megatron_rl_patches.apps.cli.doctor_verl import verl_teacher_report
 from megatron_rl_patches.apps.cli.targets import STATUS_HELP, find_module, shown_status
 from megatron_rl_patches.integrations import default_registry
 from megatron_rl_patches.integrations.megatron import version as megatron_version
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
 from megatron_rl_patches.integrations.slime.roles import DEFAULT_INFERENCE_ROLES
 from megatron_rl_patches.patching import check_settings, env, registry
 from megatron_rl_patches.patching.startup import files as startup_files

@@ -2,7 +2,9 @@
 (`served_teacher`: `served_teacher_policy`, `served_teacher_in_setup`); the live self-teacher, the
 student's own policy over privileged contexts (`self_teacher`: `self_teacher_policy`,
 `self_teacher_in_setup`); NeMo-RL's own teacher Policy over privileged contexts
-(`privileged_teacher`: `privileged_teacher_policy`, `privileged_teacher_in_setup`); its Megatron driver's
+(`privileged_teacher`: `privileged_teacher_policy`, `privileged_teacher_in_setup`), the three one
+`TeacherPolicy` whose wrapped scorer is data, with one setup block (`teacher_policy`, over NeMo-RL's
+batch as its teacher reads it: `teacher_rows`); its Megatron driver's
 log-prob route on the fused head (`logprobs`), its teacher top-k on the package's top-k (`topk`)
 and its top-k distillation loss as the exact (k+1)-bucket divergence (`topk_kd`), each through one
 forward step (`step`) and NeMo-RL's own row layouts (`rows`)."""

@@ -37,20 +37,17 @@ key, before anything is sent (the driver is one process: nothing to agree).
 from __future__ import annotations
 
 import contextlib
-import importlib
-import math
 import numbers
 import os
-from collections.abc import Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.context_fields import tokenizer_vocab
-from megatron_rl_patches.integrations.nemo_rl.privileged import privileged_batch
-from megatron_rl_patches.integrations.nemo_rl.rollout_contexts import ROLLOUTS, remembering
+from megatron_rl_patches.integrations.nemo_rl.teacher_policy import Role, TeacherPolicy, teacher_in_setup
+from megatron_rl_patches.integrations.nemo_rl.teacher_rows import filler, states_of, student_batch
 from megatron_rl_patches.integrations.nemo_rl.vocab_kd import STATES, WholeVocabularyDistillationLossFn
-from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.head import TeacherHead
 from megatron_rl_patches.teachers.kinds import student
 from megatron_rl_patches.teachers.kinds.entry import SERVED, TeacherEntry
@@ -61,13 +58,19 @@ from megatron_rl_patches.teachers.served.settings import ClientSettings
 # NeMo-RL's distillation.topk_logits_k default
 NEMO_RL_TOPK = 64
 
+SERVED_ROLE = Role(name="ServedTeacherPolicy", make="served_teacher_policy(url, ...)",
+                   block="served_teacher_in_setup(policy)", who="served",
+                   hint="pass ServedTeacherPolicy(teacher=...)")
 
-class ServedTeacherPolicy:
+
+class ServedTeacherPolicy(TeacherPolicy):
     """NeMo-RL's teacher-policy calls (`get_topk_logits`, `prepare_for_lp_inference`,
     `offload_after_refit`) answered by `teacher`, a `ServedTeacher` whose `top_k` is NeMo-RL's
     `distillation.topk_logits_k`. Runs in NeMo-RL's driver process (no process group). A teacher
     with a `context` key scores each sample's batch field of that name before its response;
     `tokenizer` (the teacher's) reads text contexts."""
+
+    role = SERVED_ROLE
 
     def __init__(self, teacher: ServedTeacher, full_vocabulary: bool = False, tokenizer: Any = None) -> None:
         if not isinstance(teacher, ServedTeacher):
@@ -87,23 +90,12 @@ class ServedTeacherPolicy:
         if tokenizer is not None and teacher.context is None:
             raise ValueError("ServedTeacherPolicy(tokenizer=...) reads text contexts, and the teacher has no context "
                              "key: pass served_teacher_policy(url, context=KEY, tokenizer=...) or drop tokenizer")
-        self.teacher = teacher
+        super().__init__(teacher, teacher.context, tokenizer)
+        self.teacher: ServedTeacher = teacher
         self.full_vocabulary = full_vocabulary
-        self.tokenizer = tokenizer
-        self.rollout_values: list[Any] | None = None  # the last rollout batch's contexts (rollout_contexts)
 
     def __repr__(self) -> str:
         return f"ServedTeacherPolicy({self.teacher!r})"
-
-    # ------------------------------------------------------------------ residency: nothing to move
-    def prepare_for_lp_inference(self, *args: Any, **kwargs: Any) -> None:
-        """Nothing to load: the teacher's weights live on the server."""
-
-    def offload_after_refit(self, *args: Any, **kwargs: Any) -> None:
-        """Nothing to offload: no teacher weights on the job's GPUs."""
-
-    def offload_before_refit(self, *args: Any, **kwargs: Any) -> None:
-        """Nothing to offload: no teacher weights on the job's GPUs."""
 
     # ------------------------------------------------------------------ scoring
     def get_topk_logits(self, data: Any, k: int, micro_batch_size: int | None = None,
@@ -112,32 +104,28 @@ class ServedTeacherPolicy:
         (int64), [B, S, k], as NeMo-RL's `BatchedDataDict`; `data`'s tensors are untouched (with
         `full_vocabulary`, `data` gains `teacher_hidden_states`, also in the result)."""
         self.check_k(k)
-        ids, lengths, starts = rows_of(data)
-        batch = TeacherBatch(sequences=[ids[i, :int(lengths[i])] for i in range(ids.shape[0])],
-                             response_starts=starts)
-        key = self.teacher.context
+        batch, (rows_b, seq) = student_batch(data)
+        starts = batch.response_starts
+        key = self.context
         scored = self.privileged(batch, data, key) if key is not None else batch
         with timer.time("get_topk_logits/served_teacher") if timer is not None else contextlib.nullcontext():
             scores = self.teacher.score(scored)
-        values, indices = filler(ids.shape[0], ids.shape[1], self.teacher.top_k)
+        values, indices = filler(rows_b, seq, self.teacher.top_k)
         for i, start in enumerate(starts):
             rows = batch.response_rows(i)
             values[i, start - 1:start - 1 + rows] = scores.topk_log_probs[i].to(torch.float32)
             indices[i, start - 1:start - 1 + rows] = scores.topk_ids[i].to(torch.int64)
         result = {"topk_logits": values, "topk_indices": indices}
         if self.full_vocabulary:
-            data[STATES] = result[STATES] = states_of(scores.hidden_states, starts, ids.shape[1])
+            data[STATES] = result[STATES] = states_of(scores.hidden_states, starts, seq)
         from nemo_rl.distributed.batched_data_dict import BatchedDataDict  # lazy: optional dependency nemo_rl
 
         return BatchedDataDict(result)
 
-    def privileged(self, batch: TeacherBatch, data: Any, key: str) -> TeacherBatch:
-        """The teacher's batch: each sample's context (the batch field `key`) then its response ids."""
-        values, self.rollout_values = self.rollout_values, None
+    def context_vocab(self) -> int | None:
+        """The teacher head's vocabulary, else the named tokenizer's (None: neither)."""
         head = self.teacher.head
-        vocab = head.vocab_size if head is not None else tokenizer_vocab(self.tokenizer)
-        return privileged_batch(batch, data, key, values, self.tokenizer, vocab,
-                                "ServedTeacherPolicy.get_topk_logits(data)", "served_teacher_in_setup(policy)")
+        return head.vocab_size if head is not None else super().context_vocab()
 
     def check_k(self, k: object) -> None:
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or int(k) != self.teacher.top_k:
@@ -145,106 +133,35 @@ class ServedTeacherPolicy:
                              f"top_k={self.teacher.top_k}; set NeMo-RL's distillation.topk_logits_k to "
                              f"{self.teacher.top_k} or build the teacher with top_k={k!r}")
 
+    # ------------------------------------------------------------------ setup: nothing built for the teacher
+    def teacher_built(self, build: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """This policy for `Policy(name_prefix="teacher", ...)` (its config's temperature checked),
+        NeMo-RL's `Policy` for every other."""
+        if kwargs.get("name_prefix") != "teacher":
+            return build(*args, **kwargs)
+        check_temperature(self, kwargs.get("config"))
+        return self
 
-def states_of(states: Any, starts: list[int], seq: int) -> torch.Tensor:
-    """[B, S, H] of each sample's hidden states [R_i, H] at positions start − 1 .. (the state
-    predicting token s + 1 at s), zeros at positions no loss reads (every one where no sample has
-    a row: a sample of no rows comes as [0, H] in the dtype the states travel in)."""
-    width = states[0].shape[-1] if len(states) else 0
-    dtype = states[0].dtype if len(states) else torch.float32
-    out = torch.zeros(len(states), seq, width, dtype=dtype)
-    for i, (rows, start) in enumerate(zip(states, starts)):
-        out[i, start - 1:start - 1 + rows.shape[0]] = rows.to(dtype)
-    return out
+    def setup_names(self, module: Any) -> dict[str, Any]:
+        """With `full_vocabulary`, `DistillationLossFn(cfg)` answered by the whole-vocabulary loss."""
+        if not self.full_vocabulary:
+            return {}
 
+        def build_loss(cfg: Any) -> Any:
+            return WholeVocabularyDistillationLossFn(cfg, head=self.teacher.head.source,  # type: ignore[union-attr]
+                                                     temperature=self.teacher.temperature)
 
-def filler(batch: int, seq: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, S, k] rows no loss reads: ids 0 .. k−1 at log(1 / (k + 1)) (a finite tail is left)."""
-    values = torch.full((batch, seq, k), -math.log(k + 1), dtype=torch.float32)
-    indices = torch.arange(k, dtype=torch.int64).expand(batch, seq, k).clone()
-    return values, indices
-
-
-def rows_of(data: Any) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """`input_ids` [B, S], `input_lengths` [B] and each sample's first scored position: the first
-    token `token_mask` marks (at least 1; the sample's length when it marks none), 1 without one."""
-    for key in ("input_ids", "input_lengths"):
-        if key not in data:
-            raise ValueError(f"ServedTeacherPolicy.get_topk_logits(data): data has no {key!r} (NeMo-RL's "
-                             f"distillation batch holds input_ids, input_lengths, token_mask)")
-    ids, lengths = data["input_ids"], data["input_lengths"]
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise TypeError(f"ServedTeacherPolicy.get_topk_logits(data): data['input_ids'] must be a [B, S] integer "
-                        f"tensor, got {getattr(ids, 'shape', type(ids).__name__)}")
-    if not isinstance(lengths, torch.Tensor) or tuple(lengths.shape) != (ids.shape[0],) \
-            or lengths.dtype.is_floating_point:
-        raise TypeError(f"ServedTeacherPolicy.get_topk_logits(data): data['input_lengths'] must be a [B] = "
-                        f"[{ids.shape[0]}] integer tensor, got {getattr(lengths, 'shape', type(lengths).__name__)}")
-    if lengths.numel() and (int(lengths.min()) < 1 or int(lengths.max()) > ids.shape[1]):
-        raise ValueError(f"ServedTeacherPolicy.get_topk_logits(data): data['input_lengths'] must lie in "
-                         f"[1, {ids.shape[1]}] (the padded length), got {lengths.tolist()}")
-    ids, lengths = ids.detach().cpu(), lengths.detach().cpu()
-    mask = data["token_mask"] if "token_mask" in data else None
-    if mask is not None and (not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(ids.shape)
-                             or mask.dtype.is_floating_point and not bool(((mask == 0) | (mask == 1)).all())):
-        shown = f"{tuple(mask.shape)} {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise TypeError(f"ServedTeacherPolicy.get_topk_logits(data): data['token_mask'] must be a [B, S] = "
-                        f"{list(ids.shape)} tensor of 0 / 1 (input_ids' shape: 1 on the tokens the loss reads), got "
-                        f"{shown}")
-    starts = []
-    for i in range(ids.shape[0]):
-        length = int(lengths[i])
-        if mask is None:
-            starts.append(1)
-            continue
-        marked = torch.nonzero(mask[i, 1:length].detach().cpu()).flatten()
-        starts.append(int(marked[0]) + 1 if marked.numel() else length)
-    return ids, lengths, starts
+        return {"DistillationLossFn": build_loss}
 
 
-@contextlib.contextmanager
-def served_teacher_in_setup(policy: ServedTeacherPolicy, module: Any = None) -> Iterator[ServedTeacherPolicy]:
+def served_teacher_in_setup(policy: ServedTeacherPolicy, module: Any = None) -> AbstractContextManager[Any]:
     """Within the block NeMo-RL's `distillation.setup()` gets `policy` as its teacher: the name
     `Policy` in `module` (default `nemo_rl.algorithms.distillation`) answers
     `Policy(name_prefix="teacher", ...)` with `policy` and passes every other call to NeMo-RL's
     `Policy`; with a `full_vocabulary` policy, `DistillationLossFn(cfg)` answers with
     `WholeVocabularyDistillationLossFn(cfg, head=the teacher head's directory, temperature=...)`;
-    restored on exit."""
-    if not isinstance(policy, ServedTeacherPolicy):
-        raise TypeError(f"served_teacher_in_setup(policy=...) takes a ServedTeacherPolicy (served_teacher_policy("
-                        f"url, ...)), got {type(policy).__name__}")
-    if module is None:
-        module = importlib.import_module("nemo_rl.algorithms.distillation")  # lazy: optional dependency nemo_rl
-    original, original_loss = module.Policy, getattr(module, "DistillationLossFn", None)
-
-    def build_loss(cfg: Any) -> Any:
-        return WholeVocabularyDistillationLossFn(cfg, head=policy.teacher.head.source,  # type: ignore[union-attr]
-                                                 temperature=policy.teacher.temperature)
-
-    def build(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("name_prefix") != "teacher":
-            return original(*args, **kwargs)
-        check_temperature(policy, kwargs.get("config"))
-        return policy
-
-    def keep(values: list[Any]) -> None:
-        policy.rollout_values = values
-
-    key = policy.teacher.context
-    rollouts = {name: getattr(module, name) for name in ROLLOUTS if key is not None and hasattr(module, name)}
-    module.Policy = build
-    if policy.full_vocabulary:
-        module.DistillationLossFn = build_loss
-    for name, rollout in rollouts.items():
-        setattr(module, name, remembering(rollout, key, keep))  # type: ignore[arg-type]
-    try:
-        yield policy
-    finally:
-        module.Policy = original
-        if policy.full_vocabulary:
-            module.DistillationLossFn = original_loss
-        for name, rollout in rollouts.items():
-            setattr(module, name, rollout)
+    restored on exit (`teacher_in_setup`)."""
+    return teacher_in_setup(policy, module, SERVED_ROLE)
 
 
 def check_temperature(policy: ServedTeacherPolicy, config: Any) -> None:

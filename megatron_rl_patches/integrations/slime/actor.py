@@ -1,4 +1,4 @@
-"""slime's actor as the in-process teachers see it (`integrations.megatron.teachers.opd_teachers
+"""slime's actor as the in-process teachers see it (`integrations.megatron.opd.opd_teachers
 .TeacherActor`): its args and model chunks, its snapshots in its TensorBackuper (slime's
 `load_other_checkpoint`, `_switch_model`, `weights_backuper`)."""
 from __future__ import annotations

@@ -6,7 +6,7 @@ contiguous rows go to the zigzag rows for the rollout data (`zigzag_from_local`)
 ids go back to the contiguous rows of a pass (`local_from_zigzag`). Both are the ops' row moves
 (`ops.packing`: one sum over the context-parallel group, as slime's own redistribution); slime's
 zigzag (`cp_utils`) is the ops' `thd` zigzag, whose whole-response moves every Megatron host shares
-(`integrations.megatron.teachers.zigzag`)."""
+(`integrations.megatron.opd.zigzag`)."""
 # lazy imports: optional dependency megatron-core
 from __future__ import annotations
 

@@ -18,18 +18,18 @@ from __future__ import annotations
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
-import torch
-
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import (
+from megatron_rl_patches.integrations.context_fields import field_contexts, tokenizer_vocab
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import (
     TEACHERS,
     OpdSettings,
     context_tokenizer,
     opd_settings,
 )
-from megatron_rl_patches.integrations.megatron.teachers.stage_host import batch_of
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
+from megatron_rl_patches.integrations.megatron.opd.stage_host import batch_of, student_tokenizer_of
+from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
 from megatron_rl_patches.integrations.slime.rollout_scores import carried_keys
-from megatron_rl_patches.teachers.context import id_tensor, with_context
+from megatron_rl_patches.teachers.agreement import agree_failure
+from megatron_rl_patches.teachers.context import checked_contexts
 
 # slime's own key of the samples' train_metadata (a list of dicts), kept out of its metrics too
 METADATA = "metadata"
@@ -122,8 +122,9 @@ def step_contexts(args: Any, rollout_data: dict, settings: OpdSettings, vocab_si
     """Per sample of this rank's rollout `{KEY: 1-D int64 ids}` for every context key of the
     teachers (None: no teacher has one); text tokenized by the student's tokenizer (slime's
     --hf-checkpoint), each checked as `teachers.with_context` checks it (non-empty, ids within
-    `vocab_size`, the student's). A missing or bad one on any rank is the same error on every rank of `group`
-    (the job by default; one all-gather, before any teacher is asked), the sample and key named."""
+    `vocab_size`, the student's), nothing built: the teacher step builds each teacher's batch once.
+    A missing or bad one on any rank is the same error on every rank of `group` (the job by
+    default; one all-gather, before any teacher is asked), the sample and key named."""
     keys = context_keys(settings)
     if not keys:
         return None
@@ -135,38 +136,28 @@ def step_contexts(args: Any, rollout_data: dict, settings: OpdSettings, vocab_si
         for key in keys:
             own = key_tokenizer(settings, key)
             try:
-                with_context(batch, [one[key] for one in contexts],
-                             vocab_size=vocab_size if own is None else tokenizer_vocab(own))
+                checked_contexts(batch, [one[key] for one in contexts],
+                                 vocab_size=vocab_size if own is None else tokenizer_vocab(own))
             except (TypeError, ValueError) as bad:
                 raise type(bad)(f"slime_opd: train_metadata[{key!r}]: {bad}") from None
     except (TypeError, ValueError) as caught:
         error = caught
-    agree_contexts(error, group)
+    agree_failure(error, job_group(group), what="slime_opd: the privileged contexts")
     return contexts
 
 
-def agree_contexts(error: BaseException | None, group: Any = None) -> None:
-    """The lowest failing rank's error raised on every rank of `group` (the job when None) as a
-    ValueError naming that rank; alone (no process group) `error` itself."""
+def job_group(group: Any) -> Any:
+    """`group`, else the job's (torch.distributed's world, where it is initialized)."""
+    if group is not None:
+        return group
     import torch.distributed as dist  # lazy: import cost: torch (the rollout manager's wrappers need none)
 
-    if not (dist.is_available() and dist.is_initialized()):
-        if error is not None:
-            raise error
-        return
-    from megatron_rl_patches.ops.agreement import gathered_objects  # lazy: import cost: torch
-
-    said = None if error is None else f"{type(error).__name__}: {error}"
-    gathered = gathered_objects(dist.group.WORLD if group is None else group, said)
-    failed = [(rank, words) for rank, words in enumerate(gathered) if words is not None]
-    if failed:
-        rank, words = failed[0]
-        others = f" ({len(failed)} of {len(gathered)} ranks failed)" if len(failed) > 1 else ""
-        raise ValueError(f"slime_opd: the privileged contexts failed on rank {rank}{others}: {words}") from error
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 def read_contexts(args: Any, rollout_data: dict, keys: list[str], settings: OpdSettings) -> list[dict]:
-    """`step_contexts` on this rank alone (raises the first problem found)."""
+    """`step_contexts` on this rank alone (raises the first problem found): each key's values read
+    by the one adapter of a framework's fields (`context_fields.field_contexts`)."""
     samples = len(rollout_data["tokens"])
     given = rollout_data.get(CONTEXTS)
     if given is None:  # a slime that hands the train_metadata itself
@@ -177,36 +168,25 @@ def read_contexts(args: Any, rollout_data: dict, keys: list[str], settings: OpdS
         raise ValueError(f"slime_opd: the rollout data holds {len(given)} samples' contexts for {samples} samples")
     partition = rollout_data.get("partition")
     names = [int(partition[i]) if partition is not None else i for i in range(samples)]
-    texts: dict[tuple[int, str], str] = {}
-    out: list[dict] = [{} for _ in range(samples)]
     for i, meta in enumerate(given):
         for key in keys:
-            users = [t.path for t in settings.teachers if t.context == key]
             if not isinstance(meta, Mapping) or meta.get(key) is None:
+                users = [t.path for t in settings.teachers if t.context == key]
                 held = sorted(map(str, meta)) if isinstance(meta, Mapping) else []
                 raise ValueError(f"slime_opd: sample {names[i]} (rollout index) has no train_metadata[{key!r}] for "
                                  f"the teacher(s) {users} with ';context={key}' (its train_metadata holds {held}): "
                                  "fill it for every sample in the rollout's generate function")
-            value = meta[key]
-            if isinstance(value, str):
-                texts[(i, key)] = value
-            else:
-                out[i][key] = as_ids(value, names[i], key)
-    if texts:
-        # lazy: import cost: torch and the tokenizer loading, only for text contexts
-        from megatron_rl_patches.integrations.megatron.teachers.stage_host import student_tokenizer_of
-        from megatron_rl_patches.teachers.context import context_ids  # lazy: import cost: torch, text contexts only
-
-        for key in keys:
-            asked = [(i, text) for (i, named), text in texts.items() if named == key]
-            if not asked:
-                continue
+    out: list[dict] = [{} for _ in range(samples)]
+    for key in keys:
+        values = [meta[key] for meta in given]
+        tokenizer = None
+        if any(isinstance(value, str) for value in values):  # loaded only for text contexts
             own = key_tokenizer(settings, key)
             tokenizer = student_tokenizer_of(args, f"{TEACHERS} (text contexts are tokenized by the student's "
                                                    "tokenizer)") if own is None else own
-            for (i, _), ids in zip(asked, context_ids([text for _, text in asked], tokenizer,
-                                                      samples=[names[i] for i, _ in asked])):
-                out[i][key] = ids
+        for i, ids in enumerate(field_contexts(values, key, "slime_opd", tokenizer, samples=names,
+                                               field=f"train_metadata[{key!r}]", ids="token ids")):
+            out[i][key] = ids
     return out
 
 
@@ -214,22 +194,3 @@ def key_tokenizer(settings: OpdSettings, key: str) -> str | None:
     """The tokenizer a context key is read in: None for the student's, else the teachers' of
     another tokenizer reading it (one per key: `opd_settings` refuses a key read in two)."""
     return next((context_tokenizer(t) for t in settings.teachers if t.context == key), None)
-
-
-def tokenizer_vocab(path: str) -> int:
-    """The vocabulary of the tokenizer at `path` (a teacher of another tokenizer's), added tokens included."""
-    from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer  # lazy: optional dependency tokenizers
-
-    return int(load_tokenizer(path, f"{TEACHERS}: the tokenizer of a teacher with a context").get_vocab_size(
-        with_added_tokens=True))
-
-
-def as_ids(value: object, sample: int, key: str) -> torch.Tensor:
-    """A context given as ids (a list of ints or a 1-D integer tensor) as 1-D int64 on the CPU."""
-    if isinstance(value, torch.Tensor) and value.dim() == 1 and not value.dtype.is_floating_point \
-            and value.dtype != torch.bool:
-        return value.detach().to("cpu", torch.long)
-    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return id_tensor(value, f"slime_opd: sample {sample}'s train_metadata[{key!r}]")
-    raise TypeError(f"slime_opd: sample {sample}'s train_metadata[{key!r}] must be text or token ids (a list of "
-                    f"ints, a 1-D integer tensor), got {type(value).__name__}")

@@ -1,8 +1,8 @@
-"""slime's side of top-k OPD's teachers with another tokenizer (`integrations.megatron.teachers
+"""slime's side of top-k OPD's teachers with another tokenizer (`integrations.megatron.opd
 .cross_passes`): slime's `--use-opd` checks, the per-sample fields the student's step reads cut to
 slime's context-parallel rows (`place`, `spread_for_slime`, cut by slime's `cp_utils`: `cut`) and
 the student's token log-probs they are read against (`token_log_probs`); their terms in the loss
-are `integrations.megatron.teachers.opd_terms`'."""
+are `integrations.megatron.opd.opd_terms`'."""
 # lazy imports: optional dependency slime
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, OpdSettings
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import (
+from megatron_rl_patches.integrations.megatron.opd import step_repeats
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, OpdSettings
+from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     CROSS_ALIVE,
     CROSS_LOGPROBS,
     CROSS_RATIO,
@@ -25,7 +26,6 @@ from megatron_rl_patches.integrations.megatron.teachers.topk_request import (
 )
 from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
 from megatron_rl_patches.integrations.slime.topk import per_sample_rows
-from megatron_rl_patches.teachers import step_repeats
 from megatron_rl_patches.teachers.scores import TeacherScores
 
 

@@ -18,8 +18,8 @@ from typing import Any
 
 from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
-from megatron_rl_patches.integrations.megatron.teachers.hidden_teachers import real_vocab_size
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import VocabRequest
+from megatron_rl_patches.integrations.megatron.opd.hidden_teachers import real_vocab_size
+from megatron_rl_patches.integrations.megatron.opd.topk_request import VocabRequest
 from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
 from megatron_rl_patches.integrations.slime.step_plan import (
     PLAN,

@@ -28,24 +28,24 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._args import bind
-from megatron_rl_patches.integrations.megatron.teachers import hf_teachers, hidden_teachers, opd_terms, teacher_builders
-from megatron_rl_patches.integrations.megatron.teachers.carried_rows import CARRIED, take_rows
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import (
+from megatron_rl_patches.integrations.megatron.opd import hf_teachers, hidden_teachers, opd_terms, teacher_builders
+from megatron_rl_patches.integrations.megatron.opd.carried_rows import CARRIED, take_rows
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import (
     LOSS_PATH,
     LOSS_PATHS,
     TEACHERS,
     OpdSettings,
     opd_settings,
 )
-from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import (
+from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (
     OpdTeacher,
     ScoringStep,
     TeacherScores,
     opd_teacher,
 )
-from megatron_rl_patches.integrations.megatron.teachers.served_teacher import check_served
-from megatron_rl_patches.integrations.megatron.teachers.stage_host import last_stage, pipeline_agrees
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import (
+from megatron_rl_patches.integrations.megatron.opd.served_teacher import check_served
+from megatron_rl_patches.integrations.megatron.opd.stage_host import last_stage, pipeline_agrees
+from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     CONTEXTS,
     CROSS_RATIO,
     IDS,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
 from megatron_rl_patches.integrations.megatron.train_reentry import train_reentry_patches
 from megatron_rl_patches.patching.records import Patch
 
@@ -23,7 +23,7 @@ GENERATE = "slime.rollout.sglang_rollout"  # the rollout's generate_and_rm (in t
 SLIME_TRAIN_PARAMS = ("rollout_id", "model", "optimizer", "opt_param_scheduler", "data_iterator")
 SLIME_LOGPROB_PARAMS = ("logits", "tokens", "tp_group")
 # a role at its own layout (role;tp=N)
-LAYOUT_PASS = "megatron_rl_patches.integrations.megatron.teachers.layout_role_pass:forward_only_wrapper"
+LAYOUT_PASS = "megatron_rl_patches.integrations.megatron.opd.layout_role_pass:forward_only_wrapper"
 
 
 def _fused(target: str, wrapper: str, description: str, params: tuple[str, ...], optional: bool = False) -> Patch:

@@ -90,7 +90,7 @@ def _hf_of_another_architecture(run_args: Any, role: str, path: str, residency: 
     """The role's chunks built from the Hugging Face directory `path` by its own config.json when
     it differs from the actor's architecture (slime's provider and loader build the actor's), its
     vocabulary checked against the student's first; None for any other path."""
-    from megatron_rl_patches.integrations.megatron.teachers import hf_teachers
+    from megatron_rl_patches.integrations.megatron.opd import hf_teachers
 
     what = f"role {role!r}: weights {path!r}"
     route, differences = hf_teachers.teacher_route(path, run_args, what)
@@ -132,7 +132,7 @@ def initialize_model_and_optimizer_wrapper(
     residency = env.role_residencies().get(role, "resident")
     tp = env.role_layouts().get(role)
     if tp is not None:  # `role;tp=N`: at its own layout (layout_role; its passes: layout_role_pass)
-        from megatron_rl_patches.integrations.megatron.teachers.layout_role import build_role_at_layout
+        from megatron_rl_patches.integrations.megatron.opd.layout_role import build_role_at_layout
 
         return build_role_at_layout(run_args, role, tp, path, step, residency), None, None, 0
     if step is None:

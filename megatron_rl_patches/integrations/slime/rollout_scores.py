@@ -35,8 +35,8 @@ from typing import Any
 
 from megatron_rl_patches._args import bind
 from megatron_rl_patches._variables import OPD_SCORE_AT as SCORE_AT
-from megatron_rl_patches.integrations.megatron.teachers.carried_rows import ROWS, packed, teacher_key
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, OpdSettings, opd_settings
+from megatron_rl_patches.integrations.megatron.opd.carried_rows import ROWS, packed, teacher_key
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, OpdSettings, opd_settings
 from megatron_rl_patches.teachers.kinds.entry import SERVED
 
 PLACES = ("rollout", "train")
@@ -103,7 +103,7 @@ class RolloutTeachers:
     def student_tokenizer(self) -> Any:
         if self.tokenizer is None:
             # lazy: import cost: torch and megatron's groups, only for text contexts
-            from megatron_rl_patches.integrations.megatron.teachers.stage_host import student_tokenizer_of
+            from megatron_rl_patches.integrations.megatron.opd.stage_host import student_tokenizer_of
 
             self.tokenizer = student_tokenizer_of(self.args, f"{TEACHERS} (text contexts are tokenized by the "
                                                              "student's tokenizer)")

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import LOSS_PATHS, OpdSettings, opd_settings
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import (
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import LOSS_PATHS, OpdSettings, opd_settings
+from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     CROSS_KEYS,
     IDS,
     IDS_MASK,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_rl_patches.integrations.megatron.teachers.served_opd import ServedOpdTeacher
+from megatron_rl_patches.integrations.megatron.opd.served_opd import ServedOpdTeacher
 
 FIGURES = "opd_teacher_figures"
 COUNTS = ("samples", "rows", "scored_before", "collect_s", "collect_wait_s", "bytes", "retries", "failovers",

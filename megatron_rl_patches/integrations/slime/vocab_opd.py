@@ -3,7 +3,7 @@ the student and the teachers' mixture over the whole vocabulary, from every mode
 states through its own output layer (`lm_head_divergence`, tile by tile: no [T, V] tensor).
 
 Before slime's `train_actor`, each teacher hands over its final hidden states and its output layer
-(`integrations.megatron.teachers.hidden_teachers`). They reach the training step as per-sample
+(`integrations.megatron.opd.hidden_teachers`). They reach the training step as per-sample
 fields in slime's zigzag rows (`topk_request.TEACHER_HIDDEN`, cut from whole responses per
 context-parallel rank); the fused step places them on the packed rows
 of each micro-batch (the contiguous rows under --allgather-cp) and computes the divergence beside

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.megatron.teachers.hidden_teachers import TeacherHeads
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import TEACHER_HEADS, TEACHER_HIDDEN, VocabRequest
+from megatron_rl_patches.integrations.megatron.opd.hidden_teachers import TeacherHeads
+from megatron_rl_patches.integrations.megatron.opd.topk_request import TEACHER_HEADS, TEACHER_HIDDEN, VocabRequest
 from megatron_rl_patches.integrations.slime.allgather_cp import local_from_zigzag
 from megatron_rl_patches.integrations.slime.rows import response_positions, response_rows
 from megatron_rl_patches.integrations.slime.topk import packed_ids

@@ -41,24 +41,15 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.context_fields import field_contexts, tokenizer_vocab
+from megatron_rl_patches.integrations.context_fields import privileged_batch, tokenizer_vocab
 from megatron_rl_patches.integrations.verl.old_rows import old_rows_of, sample_key
 from megatron_rl_patches.integrations.verl.self_entry import WHO
 from megatron_rl_patches.integrations.verl.vocab import core_model, output_weight, response_starts
+from megatron_rl_patches.integrations.verl.vocab_context import field_values
 from megatron_rl_patches.processors.heads import output_tp_group
 from megatron_rl_patches.teachers.agreement import agreed_views
 from megatron_rl_patches.teachers.batch import TeacherBatch
-from megatron_rl_patches.teachers.context import with_context
 from megatron_rl_patches.teachers.self_teacher import SelfTeacher
-
-
-def field_values(batch: Any, key: str) -> list[Any] | None:
-    """The micro-batch's per-sample non-tensor field `key` (None: absent)."""
-    if key not in batch.keys():
-        return None
-    stack = batch.get(key)
-    values = stack.tolist() if hasattr(stack, "tolist") else list(stack)
-    return list(values)
 
 
 def topk_width(batch: Any, loss_function: Any) -> int:
@@ -98,20 +89,16 @@ def student_vocab(instance: Any, core: Any) -> int:
     return int(real) if isinstance(real, int) and 0 < real <= padded else padded
 
 
-def privileged_batch(batch: Any, key: str, tokenizer: str | None, vocab: int) -> TeacherBatch:
+def self_batch(batch: Any, key: str, tokenizer: str | None, vocab: int) -> TeacherBatch:
     """The teacher's batch of the micro-batch: each sample's context under `key`, then its response."""
     values = field_values(batch, key)
-    ids = batch["input_ids"]
     if values is None:
         fields = sorted(k for k in batch.keys() if not isinstance(batch.get(k), torch.Tensor))
         raise ValueError(f"{WHO}: the micro-batch has no non-tensor field {key!r} (context={key!r}; its non-tensor "
                          f"fields are {fields}): put each sample's privileged context in that field of verl's batch")
-    if len(values) != ids.shape[0]:
-        raise ValueError(f"{WHO}: the non-tensor field {key!r} holds {len(values)} values for {ids.shape[0]} samples: "
-                         "one context per sample")
-    contexts = field_contexts(values, key, WHO, tokenizer, tokenizer_vocab(tokenizer) if tokenizer else vocab)
-    student_side = TeacherBatch([s.detach().cpu().long() for s in ids.unbind()], response_starts(batch))
-    return with_context(student_side, contexts, vocab_size=vocab)
+    student_side = TeacherBatch([s.detach().cpu().long() for s in batch["input_ids"].unbind()], response_starts(batch))
+    own = min(vocab, tokenizer_vocab(tokenizer) or vocab)  # the student's ids, in its tokenizer's
+    return privileged_batch(student_side, values, key, WHO, tokenizer, own)
 
 
 def student_pass(model: Any, sequence_parallel: int) -> Any:
@@ -188,7 +175,7 @@ def remember_old_rows(batch: Any, model: Any, instance: Any, named: tuple[str, s
             check_layout(core, batch, instance)
             vocab = student_vocab(instance, core)
             k = topk_width(batch, None)
-            privileged = privileged_batch(batch, key, tokenizer, vocab)
+            privileged = self_batch(batch, key, tokenizer, vocab)
     except (TypeError, ValueError) as refused:
         error = refused
     scoring = agreed_views(error, group, privileged is not None, own=True)
@@ -213,7 +200,7 @@ def self_taught(batch: Any, model: Any, instance: Any, loss_function: Any, named
         check_layout(core, batch, instance)
         vocab = student_vocab(instance, core)
         k = topk_width(batch, loss_function)
-        privileged = privileged_batch(batch, key, tokenizer, vocab)
+        privileged = self_batch(batch, key, tokenizer, vocab)
         cached = old_rows_of(instance).get(sample_keys(privileged, k))
     except (TypeError, ValueError) as refused:
         error = refused

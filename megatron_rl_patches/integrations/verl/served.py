@@ -115,12 +115,11 @@ def sample_context(entry: TeacherEntry, sequence_ids: list[int], sample: Sample 
     tokenizer = entry.tokenizer or entry.head
     vocab = tokenizer_vocab(tokenizer) if tokenizer is not None else None
     try:
-        return field_contexts([fields[key]], key, VERL_TEACHER, tokenizer, vocab)[0], prompt_length
-    except (TypeError, ValueError) as error:
-        text = str(error).replace("sample 0", said)
-        if "no teacher tokenizer" in text:
-            text += f" (add ';tokenizer=DIR' to {VERL_TEACHER})"
-        raise type(error)(text) from None
+        return field_contexts([fields[key]], key, VERL_TEACHER, tokenizer, vocab, samples=[said])[0], prompt_length
+    except ValueError as error:
+        if "no teacher tokenizer" not in str(error):
+            raise
+        raise ValueError(f"{error} (add ';tokenizer=DIR' to {VERL_TEACHER})") from None
 
 
 def served_k(manager: Any) -> int:

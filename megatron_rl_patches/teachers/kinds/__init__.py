@@ -3,7 +3,7 @@
 MEGATRON_RL_PATCHES_OPD_TEACHERS read through it (`parse_entries`; any other setting's through
 `parse_entry` / `parse_variable`, its own name passed in: the one parser of entries). Adding a kind is a module here,
 a row below, and its builder beside the framework that loads it
-(`integrations/megatron/teachers/teacher_builders.py`). Standard library only at import."""
+(`integrations/megatron/opd/teacher_builders.py`). Standard library only at import."""
 from __future__ import annotations
 
 from collections.abc import Sequence

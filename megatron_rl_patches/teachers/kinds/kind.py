@@ -2,7 +2,7 @@
 which entries are its own, its parser, its checks against the run, what `doctor` finds without
 loading anything, and its framework-free builder where it has one (`build`: a served teacher
 needs no framework; an in-process kind is built by the host: `teachers.build`; slime's host builds
-every kind through `integrations/megatron/teachers/teacher_builders.py`)."""
+every kind through `integrations/megatron/opd/teacher_builders.py`)."""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -22,7 +22,7 @@ def test_help_describes_every_variable_the_backend_and_the_default_roles(cli_run
     code, out, _ = cli_run("--help")
     assert code == 0
     described = _variable_help(out)
-    from megatron_rl_patches.integrations.megatron.teachers import opd_settings
+    from megatron_rl_patches.integrations.megatron.opd import opd_settings
     from megatron_rl_patches.integrations.verl.rows import ROWS_ENV
 
     opd = {value for name, value in vars(opd_settings).items()
@@ -49,7 +49,7 @@ def test_the_misspelling_check_knows_every_variable_help_describes():
 
 def test_help_and_run_help_give_the_teacher_entry_options(cli_run):
     """The OPD teachers' entry options, as opd_settings parses them, in --help and run --help."""
-    from megatron_rl_patches.integrations.megatron.teachers import opd_settings
+    from megatron_rl_patches.integrations.megatron.opd import opd_settings
 
     for argv in (("--help",), ("run", "--help")):
         code, out, _ = cli_run(*argv)

@@ -99,7 +99,7 @@ def test_union_ids_give_the_same_rollout_on_both_routes():
 def test_the_default_ids_are_a_value_slime_opd_accepts():
     """issue 49: the demo's default was "teacher", which MEGATRON_RL_PATCHES_OPD_IDS_FROM refused then."""
     from megatron_rl_patches.apps.demo.loop import DemoConfig
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import IDS_FROM, TEACHERS, opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import IDS_FROM, TEACHERS, opd_settings
 
     settings = opd_settings({TEACHERS: "/ckpt/t", IDS_FROM: DemoConfig().ids_from})
     assert settings is not None and settings.ids_from == DemoConfig().ids_from == "student"

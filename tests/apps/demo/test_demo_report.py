@@ -74,7 +74,7 @@ def test_the_teachers_lines_say_what_they_count():
 
 
 def test_the_closing_lines_name_what_a_slime_user_switches_on():
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS
     from megatron_rl_patches.patching.env import SELECT
 
     text = format_comparison(summary(False), summary(True))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_rl_patches.integrations.nemo_rl import SelfTeacherPolicy, self_teacher_in_setup, self_teacher_policy
-from megatron_rl_patches.integrations.nemo_rl.privileged_topk import nemo_rl_data
+from megatron_rl_patches.integrations.nemo_rl.teacher_rows import nemo_rl_data
 from megatron_rl_patches.teachers import TeacherBatch
 
 

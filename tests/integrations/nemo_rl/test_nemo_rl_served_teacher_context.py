@@ -40,7 +40,7 @@ def test_the_teachers_batch_is_each_samples_context_then_its_response(tokenizer_
 
 
 def _rows():
-    from megatron_rl_patches.integrations.nemo_rl.served_teacher import rows_of
+    from megatron_rl_patches.integrations.nemo_rl.teacher_rows import rows_of
     from megatron_rl_patches.teachers.batch import TeacherBatch
 
     ids, lengths, starts = rows_of(_data())

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_rl_patches.integrations.nemo_rl import ServedTeacherPolicy, served_teacher_in_setup, served_teacher_policy
-from megatron_rl_patches.integrations.nemo_rl.served_teacher import filler, rows_of, states_of
+from megatron_rl_patches.integrations.nemo_rl.teacher_rows import filler, rows_of, states_of
 
 NOWHERE = "http://127.0.0.1:9"  # the discard port: nothing is asked before the checks
 

@@ -1,5 +1,5 @@
 """The actor's `--spec` attention core for Hugging Face teachers inside slime
-(integrations/megatron/teachers/actor_spec.py; issue 50, item 7) without slime's source, on real megatron-core:
+(integrations/megatron/opd/actor_spec.py; issue 50, item 7) without slime's source, on real megatron-core:
 read from a layer spec, a block spec, a ModuleSpec around either and a core named by a ModuleSpec;
 nothing read (megatron-core's local core, warned) from a model provider or layers of different
 cores; a teacher built by `build_hf_teacher` for a local actor with `--spec` runs that core. slime's
@@ -12,7 +12,7 @@ from argparse import Namespace
 
 import pytest
 
-from megatron_rl_patches.integrations.megatron.teachers import actor_spec, hf_teachers
+from megatron_rl_patches.integrations.megatron.opd import actor_spec, hf_teachers
 
 pytestmark = pytest.mark.megatron
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
+from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
 from megatron_rl_patches.integrations.slime import contexts, opd
 from megatron_rl_patches.testing.multirank import run_multirank
 
@@ -97,7 +97,7 @@ def test_slimes_metrics_never_see_the_contexts_or_the_metadata():
 
 
 def test_a_privileged_teachers_rollout_is_its_context_then_the_students_response():
-    from megatron_rl_patches.integrations.megatron.teachers.privileged import privileged_rollout
+    from megatron_rl_patches.integrations.megatron.opd.privileged import privileged_rollout
 
     data = {"tokens": [torch.tensor([1, 2, 3, 4])], "response_lengths": [2], "loss_masks": [torch.ones(2)],
             CONTEXTS: [{"hint": torch.tensor([9, 8, 7])}]}

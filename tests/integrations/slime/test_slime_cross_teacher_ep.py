@@ -60,8 +60,8 @@ def _actor(student_dir: str, teacher_dir: str):
 
 def scores_of(student_dir: str, teacher_dir: str, data: dict, topk_pass) -> dict:
     """The cross teacher's scores of `data` through `topk_pass` (the student's pass first)."""
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
-    from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import ScoringStep
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.opd_teachers import ScoringStep
     from megatron_rl_patches.integrations.slime import opd
 
     actor, teacher = _actor(student_dir, teacher_dir)
@@ -102,7 +102,7 @@ def _scored_at_ep2(rank: int, world_size: int, student_dir: str, teacher_dir: st
 
     from megatron.core import parallel_state
 
-    from megatron_rl_patches.integrations.megatron.teachers import expert_agreement
+    from megatron_rl_patches.integrations.megatron.opd import expert_agreement
     from megatron_rl_patches.testing.megatron_cpu import megatron_world
 
     sys.path.insert(0, standins)  # the stand-in slime (its cp_utils at one context-parallel rank)

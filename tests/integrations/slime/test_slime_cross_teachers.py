@@ -11,7 +11,7 @@ pytest.importorskip("tokenizers")
 
 from megatron_rl_patches import cross_tokenizer as xt  # noqa: E402
 from megatron_rl_patches.cross_tokenizer import teacher_passes as ct  # noqa: E402
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings  # noqa: E402
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings  # noqa: E402
 from megatron_rl_patches.ops.lm_head import (  # noqa: E402
     lm_head_log_probs_and_entropy,
     lm_head_topk_ids,
@@ -67,8 +67,8 @@ def end_of_turn(student_id: int) -> int | None:
 def test_stop_token_map_loaded_and_honoured(qwen3, deepseek, tmp_path):
     from types import SimpleNamespace
 
-    from megatron_rl_patches.integrations.megatron.teachers import cross_passes
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import Teacher
+    from megatron_rl_patches.integrations.megatron.opd import cross_passes
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import Teacher
 
     qwen3.save(str(tmp_path / "tokenizer.json"))
     args = SimpleNamespace(hf_checkpoint=str(tmp_path))
@@ -90,7 +90,7 @@ def test_check_teacher_vocab_says_how_to_ask(tmp_path):
     """The core check names its arguments and the cross-tokenizer route; slime's OPD teachers add
     how their entry asks for it (issue 64: the core named slime's variable); a role adds nothing."""
     from megatron_rl_patches.inference.loading.hf.vocab import check_teacher_vocab
-    from megatron_rl_patches.integrations.megatron.teachers.hf_teachers import check_vocab
+    from megatron_rl_patches.integrations.megatron.opd.hf_teachers import check_vocab
 
     for name, size in (("t", 100), ("s", 64)):
         (tmp_path / name).mkdir()
@@ -169,8 +169,8 @@ def test_micro_batches_under_the_student_budget():
 
 
 def test_slimes_rollout_of_the_teachers_passes():
-    """integrations/megatron/teachers/cross_rollout.py: the plan in slime's keys (the core returns plain indices)."""
-    from megatron_rl_patches.integrations.megatron.teachers.cross_rollout import teacher_rollout
+    """integrations/megatron/opd/cross_rollout.py: the plan in slime's keys (the core returns plain indices)."""
+    from megatron_rl_patches.integrations.megatron.opd.cross_rollout import teacher_rollout
 
     sample = ct.TeacherSample(torch.arange(6), 2, None)
     rollout = teacher_rollout([sample, sample], ct.plan_passes([6, 6], 12))

@@ -199,7 +199,7 @@ def test_allgather_cp_with_a_bshd_batch_is_a_clear_error(packed):
 def test_a_fallen_back_train_step_still_fetches_a_top_k_losss_batch_keys(monkeypatch, caplog):
     """slime's logits path for the step (one log line), the OPD keys fetched, the model's logits
     carrying the step's invariant mode (the setting here: unset, False) to slime's log-prob code."""
-    from megatron_rl_patches.integrations.megatron.teachers.topk_request import TopkRequest
+    from megatron_rl_patches.integrations.megatron.opd.topk_request import TopkRequest
     from megatron_rl_patches.integrations.mode_logits import mode_of
     from megatron_rl_patches.integrations.slime.step_plan import plan_in
 

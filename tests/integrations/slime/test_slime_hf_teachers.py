@@ -1,4 +1,4 @@
-"""slime_opd's `PATH` teachers from Hugging Face directories (integrations/megatron/teachers/hf_teachers.py)
+"""slime_opd's `PATH` teachers from Hugging Face directories (integrations/megatron/opd/hf_teachers.py)
 without slime's source, on real megatron-core (1 rank; PP=2 in tests/inference/loading/hf/
 test_hf_multirank.py, slime's real train_actor in the slime lane): the routing decision (the same
 architecture as the actor: slime's snapshot route; another: a separate inference-only model), bad
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from megatron_rl_patches.inference.loading.hf.architecture import UnsupportedCheckpointError
-from megatron_rl_patches.integrations.megatron.teachers import hf_teachers
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import LOSS_PATH, TEACHERS, opd_settings
+from megatron_rl_patches.integrations.megatron.opd import hf_teachers
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import LOSS_PATH, TEACHERS, opd_settings
 from megatron_rl_patches.integrations.slime import opd as slime_opd
 from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config
 
@@ -147,7 +147,7 @@ def fused_processors(clean_patch_state):
 
 def test_a_teacher_of_another_size_scores_the_students_ids_as_transformers(megatron_cpu, fused_processors, tmp_path):
     pytest.importorskip("transformers", reason="the reference forward needs transformers (the hf-test extra)")
-    from megatron_rl_patches.integrations.megatron.teachers.hidden_teachers import real_vocab_size
+    from megatron_rl_patches.integrations.megatron.opd.hidden_teachers import real_vocab_size
     from megatron_rl_patches.integrations.slime.topk import with_topk
     from megatron_rl_patches.processors.heads import log_prob_output_processor
     from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf
@@ -195,8 +195,8 @@ def test_one_tokenizer_with_another_padded_vocab_gives_its_padding_no_mass(megat
     fused route passes to the ops as vocab_size, so neither model's padding rows get mass."""
     import json
 
-    from megatron_rl_patches.integrations.megatron.teachers import hf_teachers
-    from megatron_rl_patches.integrations.megatron.teachers.hidden_teachers import real_vocab_size
+    from megatron_rl_patches.integrations.megatron.opd import hf_teachers
+    from megatron_rl_patches.integrations.megatron.opd.hidden_teachers import real_vocab_size
     from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
 
     tokenizer = json.dumps({"model": {"type": "BPE", "vocab": {f"t{i}": i for i in range(900)}}, "added_tokens": []})

@@ -40,7 +40,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into
 # logits and stage outputs, the student's ids made whole over its context-parallel group)
 MODEL_DATA = ("/megatron/core/", "/torch/distributed/nn/", "/megatron_rl_patches/ops/_dist.py",
               "/megatron_rl_patches/integrations/slime/allgather_cp.py",
-              "/megatron_rl_patches/integrations/megatron/teachers/zigzag.py",
+              "/megatron_rl_patches/integrations/megatron/opd/zigzag.py",
               "/megatron_rl_patches/ops/kernels/", "/megatron_rl_patches/inference/teacher_layout/pipeline.py",
               "/megatron_rl_patches/inference/teacher_layout/scoring.py")
 
@@ -96,11 +96,11 @@ def nccl_on_a_gpu(records: list[tuple[str, str, str, list[str]]]) -> Iterator[No
 
 def device_checks(rank: int, world_size: int, root: str) -> dict:
     """slime_opd's `;tp=2` teacher beside a student at CP=2, scored with and without the fake."""
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, opd_settings
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import K as K_SETTING
-    from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import ScoringStep
-    from megatron_rl_patches.integrations.megatron.teachers.topk_request import IDS, TopkRequest
-    from megatron_rl_patches.integrations.megatron.teachers.zigzag import zigzag_of_whole
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import K as K_SETTING
+    from megatron_rl_patches.integrations.megatron.opd.opd_teachers import ScoringStep
+    from megatron_rl_patches.integrations.megatron.opd.topk_request import IDS, TopkRequest
+    from megatron_rl_patches.integrations.megatron.opd.zigzag import zigzag_of_whole
     from megatron_rl_patches.integrations.slime import opd as slime_opd
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
     from tests.integrations.slime.test_slime_opd_layout_teacher import K, _rollout

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_rl_patches.integrations.megatron.teachers import teacher_builders
-from megatron_rl_patches.integrations.megatron.teachers import topk_request as keys
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import LOSS_PATH, Teacher, opd_settings
+from megatron_rl_patches.integrations.megatron.opd import teacher_builders
+from megatron_rl_patches.integrations.megatron.opd import topk_request as keys
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import LOSS_PATH, Teacher, opd_settings
 from megatron_rl_patches.integrations.slime import opd as slime_opd
 from megatron_rl_patches.integrations.slime import step_plan as plan
 from megatron_rl_patches.integrations.slime.topk import packed_ids

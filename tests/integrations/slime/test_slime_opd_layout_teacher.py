@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import IDS, TEACHER_LOGPROBS
+from megatron_rl_patches.integrations.megatron.opd.topk_request import IDS, TEACHER_LOGPROBS
 from tests.inference.teacher_layout.layout_worlds import close, read_shares, served, two_rank_world
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
@@ -54,10 +54,10 @@ def opd_checks(rank: int, world_size: int, root: str) -> dict:
     import torch.distributed as dist
 
     from megatron_rl_patches import build_inference_model_from_hf, residency_report
-    from megatron_rl_patches.integrations.megatron.teachers.layout_teacher import LayoutTeacher
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import RESIDENCY, TEACHERS, opd_settings
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import K as K_SETTING
-    from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import ScoringStep
+    from megatron_rl_patches.integrations.megatron.opd.layout_teacher import LayoutTeacher
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import RESIDENCY, TEACHERS, opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import K as K_SETTING
+    from megatron_rl_patches.integrations.megatron.opd.opd_teachers import ScoringStep
     from megatron_rl_patches.integrations.slime import opd as slime_opd
     from megatron_rl_patches.testing.file_reads import FileReads
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
@@ -118,10 +118,10 @@ def _student_layout_checks(rank: int, root: str, whole) -> dict:
     rows of their ids): the scores slime's rollout data keeps on each rank against the 1-rank
     teacher's, cut to those rows (`zigzag_of_whole`, which `whole_from_zigzag` — slime's rows in the
     slime lane — undoes)."""
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, opd_settings
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import K as K_SETTING
-    from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import ScoringStep
-    from megatron_rl_patches.integrations.megatron.teachers.zigzag import whole_from_zigzag, zigzag_of_whole
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import K as K_SETTING
+    from megatron_rl_patches.integrations.megatron.opd.opd_teachers import ScoringStep
+    from megatron_rl_patches.integrations.megatron.opd.zigzag import whole_from_zigzag, zigzag_of_whole
     from megatron_rl_patches.integrations.slime import opd as slime_opd
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
     from tests.integrations.slime.tiny_actor import TinyActor
@@ -208,11 +208,11 @@ def _cross_checks(rank: int, root: str, actor) -> dict:
 
     import torch.distributed as dist
 
-    from megatron_rl_patches.integrations.megatron.teachers import cross_passes, hf_teachers
-    from megatron_rl_patches.integrations.megatron.teachers.layout_teacher import LayoutTeacher
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, Teacher, opd_settings
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import K as K_SETTING
-    from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import ScoringStep, SeparateTeacher
+    from megatron_rl_patches.integrations.megatron.opd import cross_passes, hf_teachers
+    from megatron_rl_patches.integrations.megatron.opd.layout_teacher import LayoutTeacher
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, Teacher, opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import K as K_SETTING
+    from megatron_rl_patches.integrations.megatron.opd.opd_teachers import ScoringStep, SeparateTeacher
     from megatron_rl_patches.integrations.slime import opd as slime_opd
     from tests.cross_tokenizer.conftest import sentencepiece_like
 

@@ -46,7 +46,7 @@ def _fell_back() -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
     from megatron_rl_patches.integrations.slime import opd
 
     def logits_on_the_last_stage(args, model, rollout_data, request, fell_back, invariant=None):
@@ -74,7 +74,7 @@ def _scored(with_work: bool) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
     from megatron_rl_patches.integrations.slime import opd
     log: list = []
     actor = _Actor(log)

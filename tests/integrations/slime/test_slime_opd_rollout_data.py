@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 
-from megatron_rl_patches.integrations.megatron.teachers import topk_request as keys
+from megatron_rl_patches.integrations.megatron.opd import topk_request as keys
 from megatron_rl_patches.integrations.slime import step_plan as plan
 
 RESPONSES, K, TEACHERS = (3, 5), 4, 2

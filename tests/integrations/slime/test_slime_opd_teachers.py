@@ -15,10 +15,10 @@ import torch
 pytest.importorskip("tokenizers")
 
 from megatron_rl_patches.cross_tokenizer import teacher_passes as ct  # noqa: E402
-from megatron_rl_patches.integrations.megatron.teachers import cross_passes
-from megatron_rl_patches.integrations.megatron.teachers.cross_rollout import teacher_rollout  # noqa: E402
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import Teacher, opd_settings  # noqa: E402
-from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import (  # noqa: E402
+from megatron_rl_patches.integrations.megatron.opd import cross_passes
+from megatron_rl_patches.integrations.megatron.opd.cross_rollout import teacher_rollout  # noqa: E402
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import Teacher, opd_settings  # noqa: E402
+from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (  # noqa: E402
     PassTeacher,
     ScoringStep,
     SeparateTeacher,

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl_patches.integrations.megatron.teachers import cross_passes, hf_teachers
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, opd_settings
+from megatron_rl_patches.integrations.megatron.opd import cross_passes, hf_teachers
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, opd_settings
 from megatron_rl_patches.integrations.slime import opd as slime_opd
 from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, transformers_layout, write_tiny_checkpoint

@@ -1,5 +1,5 @@
 """slime's served teachers asked at the rollout (issue 88 item 2, `MEGATRON_RL_PATCHES_OPD_SCORE_AT`,
-integrations/slime/rollout_scores.py and integrations/megatron/teachers/carried_rows.py), without
+integrations/slime/rollout_scores.py and integrations/megatron/opd/carried_rows.py), without
 slime: samples shaped as slime's `Sample` (tokens, response_length, train_metadata, status) go
 through the rollout hook against a local server that answers as vLLM does, each as an asyncio
 task (a held sample does not hold the others back), their rows put in their train_metadata; on
@@ -19,14 +19,14 @@ import types
 import pytest
 import torch
 
-from megatron_rl_patches.integrations.megatron.teachers.carried_rows import (
+from megatron_rl_patches.integrations.megatron.opd.carried_rows import (
     CARRIED,
     ROWS,
     add_carried,
     take_rows,
     teacher_key,
 )
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
+from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
 from megatron_rl_patches.integrations.slime import rollout_scores
 from megatron_rl_patches.teachers import ServedTeacher, ServedTeacherError, TeacherBatch, TeacherStep, local_host
 from tests.teachers.local_servers import completions, dies_after, held, url_of, vllm_like
@@ -82,7 +82,7 @@ def test_the_setting_and_the_entries_it_takes(teachers_at):
         == "rollout"
     with pytest.raises(ValueError, match=r"MEGATRON_RL_PATCHES_OPD_SCORE_AT='later': use rollout .* or train"):
         rollout_scores.score_at({rollout_scores.SCORE_AT: "later"})
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
 
     teachers_at("http://127.0.0.1:9")
     assert len(rollout_scores.rollout_entries(opd_settings())) == 1

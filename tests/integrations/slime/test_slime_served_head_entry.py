@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import LOSS_PATH, opd_settings
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import LOSS_PATH, opd_settings
 from megatron_rl_patches.integrations.slime import opd as slime_opd
 from megatron_rl_patches.teachers.kinds import parse_entries
 from megatron_rl_patches.teachers.kinds.entry import SERVED
@@ -52,7 +52,7 @@ def test_a_head_with_another_tokenizer_skips_the_students_vocabulary_and_asks_th
     pair is read and the server asked (a generate server here: refused naming the pooling runner)."""
     pytest.importorskip("tokenizers")
     pytest.importorskip("httpx", reason="the served extra (httpx) is missing")
-    from megatron_rl_patches.integrations.megatron.teachers.served_teacher import build_served_teacher
+    from megatron_rl_patches.integrations.megatron.opd.served_teacher import build_served_teacher
     from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
     from tests.cross_tokenizer.conftest import sentencepiece_like
     from tests.teachers.local_servers import url_of, vllm_like
@@ -106,7 +106,7 @@ def test_only_a_served_teacher_without_a_head_refuses_another_temperature():
 
 
 def test_a_head_of_another_vocabulary_is_refused_at_load_naming_the_entry(tmp_path):
-    from megatron_rl_patches.integrations.megatron.teachers.served_teacher import build_served_teacher
+    from megatron_rl_patches.integrations.megatron.opd.served_teacher import build_served_teacher
     from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
 
     write_tiny_checkpoint(tmp_path / "teacher", tiny_hf_config("qwen3"), seed=1)  # vocabulary 1001
@@ -121,9 +121,9 @@ def test_a_head_of_another_tokenizer_leaves_the_steps_ids_request_to_the_others(
     """A served head of another tokenizer scores its own buckets: it takes no request for the
     step's ids (a union's first request stays for the first teacher of the student's tokenizer),
     as an in-process teacher of another tokenizer; off the last stage (no teacher) it scores None."""
-    from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import ScoringStep, teacher_requests
-    from megatron_rl_patches.integrations.megatron.teachers.served_opd import ServedOpdTeacher
-    from megatron_rl_patches.integrations.megatron.teachers.stage_host import StageHost
+    from megatron_rl_patches.integrations.megatron.opd.opd_teachers import ScoringStep, teacher_requests
+    from megatron_rl_patches.integrations.megatron.opd.served_opd import ServedOpdTeacher
+    from megatron_rl_patches.integrations.megatron.opd.stage_host import StageHost
 
     settings = opd_settings({P + "TEACHERS": f"{HEAD};tokenizer=/tok,/b", P + "IDS_FROM": "union"})
     assert settings is not None

@@ -10,11 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl_patches.integrations.megatron.teachers import opd_terms
-from megatron_rl_patches.integrations.megatron.teachers import topk_request as keys
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+from megatron_rl_patches.integrations.megatron.opd import opd_terms, step_repeats
+from megatron_rl_patches.integrations.megatron.opd import topk_request as keys
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
 from megatron_rl_patches.ops.lm_head import lm_head_topk_logprobs
-from megatron_rl_patches.teachers import step_repeats
 
 R, H, V, K, D = 6, 8, 40, 3, 2
 SETTINGS = {"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/s,/t;tokenizer=own", "MEGATRON_RL_PATCHES_OPD_WEIGHTS": "0.4,0.6",

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl_patches.integrations.megatron.teachers import teacher_builders
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import LOSS_PATH, opd_settings
+from megatron_rl_patches.integrations.megatron.opd import teacher_builders
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import LOSS_PATH, opd_settings
 from megatron_rl_patches.integrations.slime import opd as slime_opd
 from megatron_rl_patches.teachers import kinds
 

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
-from megatron_rl_patches.integrations.megatron.teachers import hf_teachers, layout_teacher
-from megatron_rl_patches.integrations.megatron.teachers.layout_role import check_role_layout
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, Teacher, opd_settings
+from megatron_rl_patches.integrations.megatron.opd import hf_teachers, layout_teacher
+from megatron_rl_patches.integrations.megatron.opd.layout_role import check_role_layout
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, Teacher, opd_settings
 from megatron_rl_patches.integrations.slime import opd as slime_opd
 from megatron_rl_patches.patching import env
 from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint

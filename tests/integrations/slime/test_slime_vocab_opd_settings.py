@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl_patches.integrations.megatron.teachers import hidden_teachers
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import LOSS_PATH, opd_settings
-from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import SeparateTeacher, SnapshotTeacher
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import TEACHER_HEADS, TEACHER_HIDDEN, VocabRequest
+from megatron_rl_patches.integrations.megatron.opd import hidden_teachers
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import LOSS_PATH, opd_settings
+from megatron_rl_patches.integrations.megatron.opd.opd_teachers import SeparateTeacher, SnapshotTeacher
+from megatron_rl_patches.integrations.megatron.opd.topk_request import TEACHER_HEADS, TEACHER_HIDDEN, VocabRequest
 from megatron_rl_patches.integrations.slime import opd as slime_opd
 from megatron_rl_patches.integrations.slime import step_plan as plan
 

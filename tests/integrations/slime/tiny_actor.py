@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import LOSS_PATH
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import LOSS_PATH
 
 
 def tiny_actor_args(**overrides: Any) -> Namespace:

@@ -238,7 +238,7 @@ def test_the_mtp_heads_fused_loss_follows_the_model_config(monkeypatch):
 
 @pytest.mark.megatron
 def test_slimes_opd_student_buckets_on_the_logits_path_follow_the_students_config(megatron_cpu, monkeypatch):
-    from megatron_rl_patches.integrations.megatron.teachers.topk_request import IDS
+    from megatron_rl_patches.integrations.megatron.opd.topk_request import IDS
     from megatron_rl_patches.integrations.slime import opd
     from megatron_rl_patches.integrations.slime import rows as slime_rows
     from megatron_rl_patches.integrations.step_mode import student_invariant

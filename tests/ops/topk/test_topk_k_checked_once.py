@@ -39,7 +39,7 @@ def _head(k):
 
 
 def test_the_settings_k_reaches_the_op_checked_once(monkeypatch):
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
 
     environ = {"MEGATRON_RL_PATCHES_OPD_TEACHERS": "snapshot:/ckpt", "MEGATRON_RL_PATCHES_OPD_K": "8"}
     settings = opd_settings(environ)
@@ -65,7 +65,7 @@ def test_the_public_entries_still_refuse_a_bad_k_by_name(bad):
 
 
 def test_the_parser_refuses_a_bad_k_by_its_variable():
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
 
     for raw in ("0", "-2", "x"):
         with pytest.raises(ValueError, match="MEGATRON_RL_PATCHES_OPD_K"):

@@ -25,7 +25,7 @@ def rollout() -> dict:
 
 
 def settings(url: str, directory: str):
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
 
     return opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": f"{url};engine=vllm;head={directory}",
                          "MEGATRON_RL_PATCHES_OPD_IDS_FROM": "teacher", "MEGATRON_RL_PATCHES_OPD_K": str(K)})
@@ -39,12 +39,12 @@ def pooling_requests(log) -> int:
 def head_world(rank: int, world: int, url: str, directory: str) -> dict:
     """Per layout: this rank's step with slime's head teacher (load, begin, score), the rows kept
     (whole responses: a CP rank's zigzag part joined with the other's)."""
-    from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import ScoringStep
-    from megatron_rl_patches.integrations.megatron.teachers.served_opd import ServedOpdTeacher
-    from megatron_rl_patches.integrations.megatron.teachers.served_teacher import served_head
-    from megatron_rl_patches.integrations.megatron.teachers.stage_host import stage_host
-    from megatron_rl_patches.integrations.megatron.teachers.topk_request import IDS
-    from megatron_rl_patches.integrations.megatron.teachers.zigzag import whole_from_zigzag
+    from megatron_rl_patches.integrations.megatron.opd.opd_teachers import ScoringStep
+    from megatron_rl_patches.integrations.megatron.opd.served_opd import ServedOpdTeacher
+    from megatron_rl_patches.integrations.megatron.opd.served_teacher import served_head
+    from megatron_rl_patches.integrations.megatron.opd.stage_host import stage_host
+    from megatron_rl_patches.integrations.megatron.opd.topk_request import IDS
+    from megatron_rl_patches.integrations.megatron.opd.zigzag import whole_from_zigzag
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
     chosen = settings(url, directory)
@@ -66,7 +66,7 @@ def head_world(rank: int, world: int, url: str, directory: str) -> dict:
 
 
 def test_a_head_teacher_is_asked_once_per_group_and_every_rank_keeps_the_rows(pooled, checkpoint):
-    from megatron_rl_patches.integrations.megatron.teachers.stage_host import batch_of
+    from megatron_rl_patches.integrations.megatron.opd.stage_host import batch_of
     from megatron_rl_patches.teachers import ServedTeacher
     from megatron_rl_patches.testing.multirank import run_multirank
 

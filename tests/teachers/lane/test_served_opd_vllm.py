@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from megatron_rl_patches import topk_kl
-from megatron_rl_patches.integrations.megatron.teachers import served_opd
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import OpdSettings, opd_settings
-from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import SeparateTeacher
-from megatron_rl_patches.integrations.megatron.teachers.served_teacher import served_own
-from megatron_rl_patches.integrations.megatron.teachers.stage_host import batch_of, stage_host
-from megatron_rl_patches.integrations.megatron.teachers.teacher_builders import BUILDERS
+from megatron_rl_patches.integrations.megatron.opd import served_opd
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import OpdSettings, opd_settings
+from megatron_rl_patches.integrations.megatron.opd.opd_teachers import SeparateTeacher
+from megatron_rl_patches.integrations.megatron.opd.served_teacher import served_own
+from megatron_rl_patches.integrations.megatron.opd.stage_host import batch_of, stage_host
+from megatron_rl_patches.integrations.megatron.opd.teacher_builders import BUILDERS
 from megatron_rl_patches.integrations.slime import opd
 from megatron_rl_patches.integrations.slime.step_plan import STEP_REQUEST
 from megatron_rl_patches.ops.topk import log1mexp
@@ -233,7 +233,7 @@ def test_a_server_that_dies_mid_step_fails_the_step_naming_it(served, megatron_c
 
 def _rank_step(url: str, data: dict, last: bool) -> dict:
     """A served teacher's step on this rank (begin, then score): what it asked and the rows it kept."""
-    from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import ScoringStep
+    from megatron_rl_patches.integrations.megatron.opd.opd_teachers import ScoringStep
 
     args = SimpleNamespace(hf_checkpoint=data.pop("hf"), rollout_temperature=1.0)
     teacher = build_served(args, url)
@@ -253,7 +253,7 @@ def _rank_step(url: str, data: dict, last: bool) -> dict:
 def served_world(rank: int, world: int, url: str, directory: str, dead: str) -> dict:
     from megatron.core import parallel_state as ps
 
-    from megatron_rl_patches.integrations.megatron.teachers.zigzag import whole_from_zigzag
+    from megatron_rl_patches.integrations.megatron.opd.zigzag import whole_from_zigzag
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
 
     results = {}

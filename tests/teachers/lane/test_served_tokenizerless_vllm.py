@@ -15,8 +15,8 @@ from tests.teachers.lane.served_kit import VOCAB
 
 def test_the_probe_names_the_flag_and_the_entry_option_is_taken(tokenizerless, monkeypatch):
     from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
-    from megatron_rl_patches.integrations.megatron.teachers.served_teacher import served_own
-    from megatron_rl_patches.integrations.megatron.teachers.stage_host import stage_host
+    from megatron_rl_patches.integrations.megatron.opd.served_teacher import served_own
+    from megatron_rl_patches.integrations.megatron.opd.stage_host import stage_host
     from megatron_rl_patches.teachers import ServedTeacher, TeacherBatch
     from megatron_rl_patches.teachers.kinds import parse_entry
     from megatron_rl_patches.teachers.served.tokenizer_probe import probe_tokenizer

@@ -12,8 +12,8 @@ import pytest
 from megatron_rl_patches import build_inference_model_from_hf
 from megatron_rl_patches.apps.cli import main
 from megatron_rl_patches.inference.loading.hf import check_teacher_vocab
-from megatron_rl_patches.integrations.megatron.teachers import hf_teachers
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS
+from megatron_rl_patches.integrations.megatron.opd import hf_teachers
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS
 from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tiny_checkpoint
 
 REVISION, OLD = "0123abcd", "fedc9876"

@@ -131,7 +131,7 @@ def _slime_actor(pipeline_size: int):
     from argparse import Namespace
     from types import SimpleNamespace
 
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import LOSS_PATH
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import LOSS_PATH
 
     args = Namespace(hidden_size=32, num_layers=2, num_attention_heads=4, group_query_attention=True,
                      num_query_groups=2, kv_channels=8, ffn_hidden_size=48, vocab_size=VOCAB, qk_layernorm=True,
@@ -148,7 +148,7 @@ def _worker(rank: int, world_size: int, root: str, batch: dict) -> dict:
 
     from megatron_rl_patches import apply, build_inference_model_from_hf
     from megatron_rl_patches.inference.loading.hf import UnsupportedCheckpointError
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, opd_settings
     from megatron_rl_patches.integrations.slime import opd
     from megatron_rl_patches.testing.file_reads import FileReads
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu

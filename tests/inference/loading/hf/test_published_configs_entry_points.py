@@ -14,8 +14,8 @@ from kit.published_configs import NAMES, published_checkpoint, published_config
 
 from megatron_rl_patches.inference.build_hf import hf_vocab_size
 from megatron_rl_patches.inference.loading.hf import check_teacher_vocab, hf_memory_plan, read_architecture
-from megatron_rl_patches.integrations.megatron.teachers import hf_teachers
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS
+from megatron_rl_patches.integrations.megatron.opd import hf_teachers
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS
 
 WHAT = f"{TEACHERS}: teacher"
 # the tiny actor the teachers are routed against (slime's args): every published model differs from it

@@ -19,8 +19,8 @@ from megatron_rl_patches.inference.loading.hf import (
     hf_memory_plan,
     read_architecture,
 )
-from megatron_rl_patches.integrations.megatron.teachers import hf_teachers
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS
+from megatron_rl_patches.integrations.megatron.opd import hf_teachers
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS
 from megatron_rl_patches.testing.hf_checkpoints import (
     save_tiny_hf,
     tiny_hf_config,

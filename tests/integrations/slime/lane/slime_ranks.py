@@ -237,10 +237,10 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
         from slime.observability.timer import Timer
 
         import megatron_rl_patches
-        from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
-        from megatron_rl_patches.integrations.megatron.teachers.privileged import LiveTeacher, PrivilegedTeacher
-        from megatron_rl_patches.integrations.megatron.teachers.served_opd import ServedOpdTeacher
-        from megatron_rl_patches.integrations.megatron.teachers.topk_request import (
+        from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
+        from megatron_rl_patches.integrations.megatron.opd.privileged import LiveTeacher, PrivilegedTeacher
+        from megatron_rl_patches.integrations.megatron.opd.served_opd import ServedOpdTeacher
+        from megatron_rl_patches.integrations.megatron.opd.topk_request import (
             STEP_SAME_AS,
             TEACHER_HEADS,
             TEACHER_HIDDEN,
@@ -253,7 +253,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
         if hf_teacher is not None:  # on the actor's own --spec core attention (hf_teachers.packed_core_attention)
             patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"teacher-a,{hf_teacher}")
             if context > 1:  # the actor keeps the lane's context-parallel core, the teachers the kit's (zigzag)
-                from megatron_rl_patches.integrations.megatron.teachers import hf_teachers
+                from megatron_rl_patches.integrations.megatron.opd import hf_teachers
                 from megatron_rl_patches.testing.cp_attention import ContextParallelAttention
 
                 patch.setattr(hf_teachers, "packed_core_attention", lambda args: ContextParallelAttention)
@@ -265,7 +265,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
             patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"teacher-a,{wide_path}@slime_ranks:wide_teacher")
         cross_flags: tuple[str, ...] = ()
         if cross is not None:
-            from megatron_rl_patches.integrations.megatron.teachers import hf_teachers
+            from megatron_rl_patches.integrations.megatron.opd import hf_teachers
             from megatron_rl_patches.testing.packed_gpt import packed_attention_class
 
             patch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS",
@@ -284,7 +284,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
             patch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
         agreed: list[int] = []  # the teacher micro-batch counts agreed (with expert parallelism)
         if cross is not None and cross.get("more_micro_batches"):
-            from megatron_rl_patches.integrations.megatron.teachers import expert_agreement
+            from megatron_rl_patches.integrations.megatron.opd import expert_agreement
 
             def more(count: int, real: Any = expert_agreement.agreed_micro_batches) -> int:
                 agreed.append(real(count) + cross["more_micro_batches"])  # as if another rank planned more
@@ -330,7 +330,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 samples = (cross or {}).get("samples") or (served or {}).get("rollouts")
                 data = actor_rollout(0, samples)
                 if contexts is not None or (served is not None and "contexts" in served):
-                    from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
+                    from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
 
                     # as slime_opd's split carries each sample's train_metadata
                     data[CONTEXTS] = contexts if contexts is not None else served["contexts"]

@@ -14,7 +14,7 @@ from megatron_rl_patches.testing.service_stubs import SERVICES, install_service_
 install_service_stubs((*SERVICES, "sglang", "sglang_router"))
 
 import megatron_rl_patches  # noqa: E402
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS  # noqa: E402
+from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS  # noqa: E402
 
 
 def main(patched: bool) -> None:

@@ -90,7 +90,7 @@ def entries(url: str) -> str:
 def rollouts(tmp: Path, engine: str, student_dir: str, teacher: str, route: str, plan: dict) -> list[dict]:
     """`plan["rounds"]` rollouts of slime's in a row, in a fresh interpreter (its rollout manager's
     process, long-lived: the teacher connected once), the responses ending at different lengths."""
-    from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
+    from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
 
     path = tmp / f"rollout-{route}.pt"
     config = {"engine": engine, "model": student_dir, "prompts": [plan["prompt"]] * plan["samples"],
@@ -150,7 +150,7 @@ def train_rank(rank: int, world_size: int, served: dict, rounds: int, flags: tup
 
 def teacher_alone(url: str, data: dict, repeats: int = 3) -> float:
     """The served teacher's seconds for one step's samples, asked alone (the median of `repeats`)."""
-    from megatron_rl_patches.integrations.megatron.teachers.stage_host import batch_of
+    from megatron_rl_patches.integrations.megatron.opd.stage_host import batch_of
     from megatron_rl_patches.teachers import ServedTeacher
 
     with ServedTeacher(url, "vllm", top_k=4) as teacher:
@@ -171,8 +171,8 @@ def student_flags(plan: dict) -> tuple[str, ...]:
 
 
 def one_case(tmp: Path, engine: str, student_dir: str, teacher: str, route: str, plan: dict) -> dict:
-    from megatron_rl_patches.integrations.megatron.teachers.carried_rows import ROWS
-    from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
+    from megatron_rl_patches.integrations.megatron.opd.carried_rows import ROWS
+    from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
     from megatron_rl_patches.testing.multirank import run_multirank
 
     made = rollouts(tmp, engine, student_dir, teacher, route, plan)

@@ -59,7 +59,7 @@ def test_topk_opd_two_teachers_first_step_equals_dense_float64(slime_cpu, monkey
     import slime_standins
     from slime.backends.megatron_utils import model as slime_model
 
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
     from megatron_rl_patches.integrations.slime import fused as slime_fused
     from megatron_rl_patches.integrations.slime import opd as slime_opd
     from megatron_rl_patches.testing.vocab_watch import VocabWideTensors

@@ -72,7 +72,7 @@ def trained(rank_data: dict, url: str, directory: str, tensor: int) -> list[dict
     """slime's train_actor on the rollout's samples (the CONTEXTS the split carried, rows or none)."""
     import slime_ranks
 
-    from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
+    from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
     from megatron_rl_patches.testing.multirank import run_multirank
 
     gen = torch.Generator().manual_seed(1)
@@ -96,8 +96,8 @@ def rollouts(served, tmp_path_factory):
 
 
 def test_slimes_rollout_carries_each_samples_rows_and_logs_the_teachers_figures(slime_cpu, rollouts):
-    from megatron_rl_patches.integrations.megatron.teachers.carried_rows import ROWS
-    from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
+    from megatron_rl_patches.integrations.megatron.opd.carried_rows import ROWS
+    from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
 
     carried, asked = rollouts["rollout"], rollouts["train"]
     assert [int(r) for r in carried["rank"]["response_lengths"]] == [RESPONSE] * 4
@@ -114,7 +114,7 @@ def test_slimes_rollout_carries_each_samples_rows_and_logs_the_teachers_figures(
 
 @pytest.mark.parametrize("tensor", [1, 2])
 def test_train_actor_reads_the_carried_rows_unasked_with_the_train_steps_losses(slime_cpu, rollouts, served, tensor):
-    from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
+    from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
 
     url, directory = served
     carried = rollouts["rollout"]["rank"]

@@ -137,7 +137,7 @@ def test_train_actor_full_vocabulary_with_a_served_head_equals_dense_float64(sli
     import slime_kit as kit
     import slime_ranks
 
-    from megatron_rl_patches.integrations.megatron.teachers.topk_request import VOCAB_KEYS
+    from megatron_rl_patches.integrations.megatron.opd.topk_request import VOCAB_KEYS
     from megatron_rl_patches.testing.multirank import run_multirank
 
     url, directory = pooled

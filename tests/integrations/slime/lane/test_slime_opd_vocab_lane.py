@@ -51,7 +51,7 @@ def test_train_actor_full_vocabulary_equals_dense_float64(slime_cpu, world):
     import slime_kit as kit
     import slime_ranks
 
-    from megatron_rl_patches.integrations.megatron.teachers.topk_request import VOCAB_KEYS
+    from megatron_rl_patches.integrations.megatron.opd.topk_request import VOCAB_KEYS
 
     (pipeline, context, tensor), flags, ranks = world
     per_stage = context * tensor
@@ -172,8 +172,8 @@ def test_no_vocabulary_wide_tensor_in_the_teachers_passes_nor_the_step(slime_cpu
     from slime.backends.megatron_utils import model as slime_model
 
     import megatron_rl_patches
-    from megatron_rl_patches.integrations.megatron.teachers.opd_settings import opd_settings
-    from megatron_rl_patches.integrations.megatron.teachers.topk_request import TEACHER_HIDDEN
+    from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
+    from megatron_rl_patches.integrations.megatron.opd.topk_request import TEACHER_HIDDEN
     from megatron_rl_patches.integrations.slime import opd as slime_opd
     from megatron_rl_patches.testing.vocab_watch import VocabWideTensors
 

@@ -30,7 +30,7 @@ def split(patched: bool, teacher: str) -> dict:
 
 
 def test_slimes_own_rollout_manager_carries_each_ranks_contexts_with_the_patch_only(slime_cpu):
-    from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
+    from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
 
     unpatched = split(False, f"{TEACHER};context=hint")  # slime as it is: train_metadata stops at the split
     assert unpatched["wrapped"] == [False, False]

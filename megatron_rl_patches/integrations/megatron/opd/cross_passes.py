@@ -17,18 +17,18 @@ from megatron_rl_patches.cross_tokenizer import teacher_passes as ct
 from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
 from megatron_rl_patches.cross_tokenizer.teacher import CrossTeacher
 from megatron_rl_patches.cross_tokenizer.vocabulary import shared_strings
-from megatron_rl_patches.integrations.megatron.teachers import expert_agreement
-from megatron_rl_patches.integrations.megatron.teachers.cross_rollout import teacher_rollout
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, Teacher, load_function
-from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import (
+from megatron_rl_patches.integrations.megatron.opd import expert_agreement
+from megatron_rl_patches.integrations.megatron.opd.cross_rollout import teacher_rollout
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, Teacher, load_function
+from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (
     OpdTeacher,
     PassTeacher,
     ScoringStep,
     TeacherScores,
     model_teacher,
 )
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS, TopkRequest
-from megatron_rl_patches.integrations.megatron.teachers.zigzag import whole_from_zigzag
+from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS, TopkRequest
+from megatron_rl_patches.integrations.megatron.opd.zigzag import whole_from_zigzag
 from megatron_rl_patches.teachers.cross_context import cross_with_context
 
 # the teacher rollout's keys of its second pass: its bucket ids per sample and their mask

@@ -30,7 +30,7 @@ def check_role_layout(run_args: Any, role: str, tp: int, path: str, step: int | 
     import torch
 
     # lazy: import cost: both import torch and megatron-core (as torch above)
-    from megatron_rl_patches.integrations.megatron.teachers import hf_teachers, layout_teacher
+    from megatron_rl_patches.integrations.megatron.opd import hf_teachers, layout_teacher
 
     entry = where(role, tp)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -59,7 +59,7 @@ def build_role_at_layout(run_args: Any, role: str, tp: int, path: str, step: int
     """The role's chunks built at TeacherLayout(tp=tp) from the Hugging Face directory `path`
     (checked first; a collective: every rank builds it) at `residency`, its vocabulary checked
     against the student's, chunk 0 tagged with the role as slime does."""
-    from megatron_rl_patches.integrations.megatron.teachers import (
+    from megatron_rl_patches.integrations.megatron.opd import (
         hf_teachers,  # lazy: import cost: torch (check_role_layout)
     )
 

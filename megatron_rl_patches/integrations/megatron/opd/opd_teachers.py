@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import OpdSettings
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import IDS, IDS_MASK, TopkRequest
-from megatron_rl_patches.integrations.megatron.teachers.zigzag import whole_from_zigzag, zigzag_of_whole
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import OpdSettings
+from megatron_rl_patches.integrations.megatron.opd.topk_request import IDS, IDS_MASK, TopkRequest
+from megatron_rl_patches.integrations.megatron.opd.zigzag import whole_from_zigzag, zigzag_of_whole
 from megatron_rl_patches.teachers.scores import TeacherScores
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 from megatron_rl_patches.cross_tokenizer.chunk_terms import chunk_distillation_terms, masked_tail
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import OpdSettings
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import (
+from megatron_rl_patches.integrations.megatron.opd import step_repeats
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import OpdSettings
+from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     CROSS_ALIVE,
     CROSS_LOGPROBS,
     CROSS_RATIO,
@@ -23,7 +24,6 @@ from megatron_rl_patches.integrations.megatron.teachers.topk_request import (
     TEACHER_TAILS,
 )
 from megatron_rl_patches.ops.topk import topk_kl
-from megatron_rl_patches.teachers import step_repeats
 
 
 def loss_terms(settings: OpdSettings, batch: dict, student: torch.Tensor, student_tail: torch.Tensor,

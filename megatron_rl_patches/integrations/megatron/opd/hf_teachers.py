@@ -17,9 +17,9 @@ from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
 from megatron_rl_patches.inference.loading.hf.checkpoint_config import CONFIG, hub_cache_problem, read_checkpoint_config
 from megatron_rl_patches.inference.loading.hf.families import architecture
 from megatron_rl_patches.inference.loading.hf.vocab import check_teacher_vocab
-from megatron_rl_patches.integrations.megatron.teachers.actor_spec import actor_layer_spec, spec_core_attention
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import OWN_TOKENIZER, TEACHERS
-from megatron_rl_patches.teachers.teacher_shape import shape_differences
+from megatron_rl_patches.integrations.megatron.opd.actor_spec import actor_layer_spec, spec_core_attention
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import OWN_TOKENIZER, TEACHERS
+from megatron_rl_patches.integrations.megatron.opd.teacher_shape import shape_differences
 
 SNAPSHOT, HF = "snapshot", "hf"
 _ROUTES = (SNAPSHOT, HF)

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._variables import OPD_IDS_FROM
-from megatron_rl_patches.integrations.megatron.teachers.cross_passes import cross_pair
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, OpdSettings, Teacher
-from megatron_rl_patches.integrations.megatron.teachers.served_opd import ServedOpdTeacher
-from megatron_rl_patches.integrations.megatron.teachers.stage_host import (
+from megatron_rl_patches.integrations.megatron.opd.cross_passes import cross_pair
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, OpdSettings, Teacher
+from megatron_rl_patches.integrations.megatron.opd.served_opd import ServedOpdTeacher
+from megatron_rl_patches.integrations.megatron.opd.stage_host import (
     StageHost,
     rollout_temperature,
     stage_host,

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl_patches.integrations.megatron.teachers.carried_rows import add_carried
-from megatron_rl_patches.integrations.megatron.teachers.cross_passes import context_of, teacher_samples
-from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import OpdTeacher, ScoringStep
-from megatron_rl_patches.integrations.megatron.teachers.stage_host import StageHost, batch_of, device_of
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS, IDS, IDS_MASK
-from megatron_rl_patches.integrations.megatron.teachers.zigzag import whole_from_zigzag, zigzag_of_whole
+from megatron_rl_patches.integrations.megatron.opd.carried_rows import add_carried
+from megatron_rl_patches.integrations.megatron.opd.cross_passes import context_of, teacher_samples
+from megatron_rl_patches.integrations.megatron.opd.opd_teachers import OpdTeacher, ScoringStep
+from megatron_rl_patches.integrations.megatron.opd.stage_host import StageHost, batch_of, device_of
+from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS, IDS, IDS_MASK
+from megatron_rl_patches.integrations.megatron.opd.zigzag import whole_from_zigzag, zigzag_of_whole
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.cross_context import cross_with_context
 from megatron_rl_patches.teachers.head_cross_buckets import cross_batch

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS
+from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.step_contexts import teacher_batches

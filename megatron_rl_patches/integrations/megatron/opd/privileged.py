@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import ModelTeacher, OpdTeacher, ScoringStep
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import CONTEXTS, IDS, IDS_MASK
-from megatron_rl_patches.integrations.megatron.teachers.zigzag import whole_from_zigzag, zigzag_of_whole
+from megatron_rl_patches.integrations.megatron.opd.opd_teachers import ModelTeacher, OpdTeacher, ScoringStep
+from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS, IDS, IDS_MASK
+from megatron_rl_patches.integrations.megatron.opd.zigzag import whole_from_zigzag, zigzag_of_whole
 from megatron_rl_patches.teachers.scores import TeacherScores
 
 

@@ -19,21 +19,21 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import ModelTeacher, OpdTeacher
-from megatron_rl_patches.integrations.megatron.teachers.privileged import (
+from megatron_rl_patches.integrations.megatron.opd.opd_teachers import ModelTeacher, OpdTeacher
+from megatron_rl_patches.integrations.megatron.opd.privileged import (
     PrivilegedTeacher,
     moved_rows,
     privileged_rollout,
 )
-from megatron_rl_patches.integrations.megatron.teachers.served_opd import ServedOpdTeacher
-from megatron_rl_patches.integrations.megatron.teachers.stage_host import device_of
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import (
+from megatron_rl_patches.integrations.megatron.opd.served_opd import ServedOpdTeacher
+from megatron_rl_patches.integrations.megatron.opd.stage_host import device_of
+from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     TEACHER_HEADS,
     TEACHER_HIDDEN,
     TopkRequest,
     VocabRequest,
 )
-from megatron_rl_patches.integrations.megatron.teachers.zigzag import zigzag_of_whole
+from megatron_rl_patches.integrations.megatron.opd.zigzag import zigzag_of_whole
 from megatron_rl_patches.teachers.head_padding import head_padded_as
 
 

@@ -22,27 +22,27 @@ from typing import Any
 
 from megatron_rl_patches._log import logger
 from megatron_rl_patches.inference import build_inference_model
-from megatron_rl_patches.integrations.megatron.teachers import cross_passes, hf_teachers
-from megatron_rl_patches.integrations.megatron.teachers.layout_teacher import (
+from megatron_rl_patches.integrations.megatron.opd import cross_passes, hf_teachers
+from megatron_rl_patches.integrations.megatron.opd.layout_teacher import (
     build_layout_teacher,
     check_layout_teachers,
 )
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import (
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import (
     RESIDENCY,
     TEACHERS,
     OpdSettings,
     Teacher,
     load_function,
 )
-from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import (
+from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (
     ModelTeacher,
     OpdTeacher,
     SeparateTeacher,
     SnapshotTeacher,
     model_teacher,
 )
-from megatron_rl_patches.integrations.megatron.teachers.privileged import LiveTeacher, PrivilegedTeacher
-from megatron_rl_patches.integrations.megatron.teachers.served_teacher import build_served_teacher
+from megatron_rl_patches.integrations.megatron.opd.privileged import LiveTeacher, PrivilegedTeacher
+from megatron_rl_patches.integrations.megatron.opd.served_teacher import build_served_teacher
 from megatron_rl_patches.teachers.kinds.entry import CHECKPOINT, PROVIDER, SERVED
 from megatron_rl_patches.teachers.kinds.student import STUDENT
 

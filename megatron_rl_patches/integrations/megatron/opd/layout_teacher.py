@@ -19,11 +19,11 @@ from megatron_rl_patches._layout_option import check_world
 from megatron_rl_patches.inference.teacher_layout import groups
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 from megatron_rl_patches.inference.teacher_layout.scoring import select_topk_at_layout, topk_at_layout
-from megatron_rl_patches.integrations.megatron.teachers import hf_teachers
-from megatron_rl_patches.integrations.megatron.teachers.opd_settings import TEACHERS, OpdSettings, Teacher
-from megatron_rl_patches.integrations.megatron.teachers.opd_teachers import ScoringStep, SeparateTeacher, TeacherScores
-from megatron_rl_patches.integrations.megatron.teachers.topk_request import IDS, TopkRequest
-from megatron_rl_patches.integrations.megatron.teachers.zigzag import whole_from_zigzag, zigzag_of_whole
+from megatron_rl_patches.integrations.megatron.opd import hf_teachers
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, OpdSettings, Teacher
+from megatron_rl_patches.integrations.megatron.opd.opd_teachers import ScoringStep, SeparateTeacher, TeacherScores
+from megatron_rl_patches.integrations.megatron.opd.topk_request import IDS, TopkRequest
+from megatron_rl_patches.integrations.megatron.opd.zigzag import whole_from_zigzag, zigzag_of_whole
 from megatron_rl_patches.ops import agreement
 
 
