@@ -17,12 +17,14 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Any
 
-from megatron_rl_patches.integrations.nemo_rl.teacher_policy import Role, TeacherPolicy, teacher_in_setup
-from megatron_rl_patches.teachers.context_key import context_key
+from megatron_rl_patches.integrations.nemo_rl.teacher_policy import Role, TeacherPolicy, policy_key, teacher_in_setup
 
 PRIVILEGED = Role(name="PrivilegedTeacherPolicy", make="privileged_teacher_policy(context=KEY)",
                   block="privileged_teacher_in_setup(policy)", who="teacher", prepares=True,
                   offloads=True, builds_teacher=True,
+                  no_context="without a privileged context this is NeMo-RL's own teacher: use its Policy as it is, "
+                             "or give the batch field of each sample's context, e.g. "
+                             "privileged_teacher_policy(context='solution')",
                   hint="call NeMo-RL's setup() inside privileged_teacher_in_setup(policy) (it hands over the teacher "
                        "Policy setup() builds) or pass PrivilegedTeacherPolicy(..., teacher=policy)")
 
@@ -35,15 +37,7 @@ class PrivilegedTeacherPolicy(TeacherPolicy):
     role = PRIVILEGED
 
     def __init__(self, context: str, *, tokenizer: Any = None, teacher: Any = None) -> None:
-        key = context_key(context, "PrivilegedTeacherPolicy(context=...)")
-        if key is None:
-            raise ValueError("PrivilegedTeacherPolicy(context=None): without a privileged context this is NeMo-RL's "
-                             "own teacher: use its Policy as it is, or give the batch field of each sample's "
-                             "context, e.g. privileged_teacher_policy(context='solution')")
-        if teacher is not None and not callable(getattr(teacher, "get_topk_logits", None)):
-            raise TypeError(f"PrivilegedTeacherPolicy(teacher=...) must be NeMo-RL's teacher Policy (with "
-                            f"get_topk_logits), got {type(teacher).__name__}")
-        super().__init__(teacher, key, tokenizer)
+        super().__init__(teacher, policy_key(PRIVILEGED, context, teacher, "teacher"), tokenizer)
 
     @property
     def teacher(self) -> Any:

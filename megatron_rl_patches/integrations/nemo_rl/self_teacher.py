@@ -18,11 +18,13 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Any
 
-from megatron_rl_patches.integrations.nemo_rl.teacher_policy import Role, TeacherPolicy, teacher_in_setup
-from megatron_rl_patches.teachers.context_key import context_key
+from megatron_rl_patches.integrations.nemo_rl.teacher_policy import Role, TeacherPolicy, policy_key, teacher_in_setup
 
 SELF = Role(name="SelfTeacherPolicy", make="self_teacher_policy(context=KEY)", block="self_teacher_in_setup(policy)",
             who="student", prepares=True,
+            no_context="the live self-teacher without a privileged context would be the student scoring itself "
+                       "(every divergence zero); give it the batch field of each sample's context, e.g. "
+                       "self_teacher_policy(context='solution')",
             hint="build it inside self_teacher_in_setup(policy) (NeMo-RL's distillation.setup() hands it the "
                  "student's Policy) or pass SelfTeacherPolicy(..., student=policy)")
 
@@ -36,15 +38,7 @@ class SelfTeacherPolicy(TeacherPolicy):
     role = SELF
 
     def __init__(self, context: str, *, tokenizer: Any = None, student: Any = None) -> None:
-        key = context_key(context, "SelfTeacherPolicy(context=...)")
-        if key is None:
-            raise ValueError("SelfTeacherPolicy(context=None): the live self-teacher without a privileged context "
-                             "would be the student scoring itself (every divergence zero); give it the batch field "
-                             "of each sample's context, e.g. self_teacher_policy(context='solution')")
-        if student is not None and not callable(getattr(student, "get_topk_logits", None)):
-            raise TypeError(f"SelfTeacherPolicy(student=...) must be NeMo-RL's student Policy (with get_topk_logits), "
-                            f"got {type(student).__name__}")
-        super().__init__(student, key, tokenizer)
+        super().__init__(student, policy_key(SELF, context, student, "student"), tokenizer)
 
     @property
     def student(self) -> Any:

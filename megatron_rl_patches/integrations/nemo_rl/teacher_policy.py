@@ -30,6 +30,7 @@ from megatron_rl_patches.integrations.context_fields import privileged_batch, to
 from megatron_rl_patches.integrations.nemo_rl.rollout_contexts import ROLLOUTS, remembering
 from megatron_rl_patches.integrations.nemo_rl.teacher_rows import nemo_rl_data, placed_topk, student_batch
 from megatron_rl_patches.teachers.batch import TeacherBatch
+from megatron_rl_patches.teachers.context_key import context_key
 
 
 @dataclass(frozen=True)
@@ -37,15 +38,16 @@ class Role:
     """Whose scorer a `TeacherPolicy` wraps and the words its messages use: `name` (the public
     class), `make` (the function users call), `block` (its setup block's name), `who` (whose
     `Policy`: "teacher" or "student"; "served" for a served teacher, asked in the driver), `hint`
-    (what a policy without its scorer is told), `prepares` / `offloads` (whether those calls are
-    its `Policy`'s own), `builds_teacher` (NeMo-RL's teacher `Policy`, built by `setup()` and handed
-    over)."""
+    (what a policy without its scorer is told), `no_context` (why it needs a context key),
+    `prepares` / `offloads` (whether those calls are its `Policy`'s own), `builds_teacher`
+    (NeMo-RL's teacher `Policy`, built by `setup()` and handed over)."""
 
     name: str
     make: str
     block: str
     who: str
     hint: str
+    no_context: str = ""
     prepares: bool = False
     offloads: bool = False
     builds_teacher: bool = False
@@ -53,6 +55,18 @@ class Role:
     @property
     def where(self) -> str:
         return f"{self.name}.get_topk_logits(data)"
+
+
+def policy_key(role: Role, context: Any, scorer: Any, argument: str) -> str:
+    """The context key of a policy of `role` that must have one, its `Policy` (`argument`, None
+    until its setup block hands it over) checked to be NeMo-RL's: ValueError / TypeError naming them."""
+    key = context_key(context, f"{role.name}(context=...)")
+    if key is None:
+        raise ValueError(f"{role.name}(context=None): {role.no_context}")
+    if scorer is not None and not callable(getattr(scorer, "get_topk_logits", None)):
+        raise TypeError(f"{role.name}({argument}=...) must be NeMo-RL's {role.who} Policy (with get_topk_logits), "
+                        f"got {type(scorer).__name__}")
+    return key
 
 
 class TeacherPolicy:
