@@ -3,7 +3,8 @@ on the asking rank of a sharing group sends at once and returns a `Pending`, who
 collects after the student's forward (a failure agreed over a group); what came back is shared
 with the group, and `project(batch, got)` turns it into the step's scores on every rank (a head's
 hidden states through the head, whose tensor-parallel ops need every rank; scores as they came
-otherwise). `ServedTeacher` is one; a teacher without `submit` is asked in-process on every rank."""
+otherwise). `ServedTeacher` is one; a teacher without `submit` is asked in-process on every rank.
+The step tells the kinds apart by this protocol alone, never by a teacher's class."""
 from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
@@ -32,6 +33,7 @@ class AsyncTeacher(Protocol):
     """A teacher the step asks on one rank and shares (see the module's words)."""
 
     top_k: int
+    head: Any  # what turns its hidden states into scores (None: it answers scores)
 
     def submit(self, batch: TeacherBatch) -> Pending: ...
 

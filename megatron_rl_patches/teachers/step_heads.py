@@ -13,14 +13,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_rl_patches.teachers.agreement import distributed
-from megatron_rl_patches.teachers.served.client import ServedTeacher
+from megatron_rl_patches.teachers.asynchronous import AsyncTeacher
 
 
 def step_heads_failure(teachers: Sequence[Any], host: Any) -> Exception | None:
     """The step's head failure on this rank (None: the heads agree), every rank of the host's
     sharing group calling it alike (none: this rank's own check only); raised here without
     torch.distributed or any group."""
-    heads = [teacher.head if isinstance(teacher, ServedTeacher) else None for teacher in teachers]
+    heads = [teacher.head if isinstance(teacher, AsyncTeacher) else None for teacher in teachers]
     local = None
     for i, head in enumerate(heads):
         if head is not None and head.vocab_size > int(host.vocab_size):

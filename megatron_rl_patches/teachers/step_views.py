@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_rl_patches.teachers.agreement import distributed
+from megatron_rl_patches.teachers.asynchronous import AsyncTeacher
 from megatron_rl_patches.teachers.context_key import teacher_context
 from megatron_rl_patches.teachers.teacher_identity import URLS, identity_difference, teacher_identity
 
@@ -49,9 +50,7 @@ def share_ranks(host: Any) -> list[int]:
 
 
 def teacher_kind(teacher: Any) -> str:
-    from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
-
-    if isinstance(teacher, ServedTeacher):
+    if isinstance(teacher, AsyncTeacher):
         return "served with a head" if teacher.head is not None else "served"
     return "in-process"
 
@@ -114,10 +113,8 @@ def batch_fingerprint(batch: Any) -> tuple:
 def served_contexts(teachers: Sequence[Any], batches: Sequence[Any]) -> list[tuple[int, str, Any]]:
     """(index, context key, batch) of each served teacher with a privileged context: the batches
     the asking rank alone sends (`with_context`: its contexts before the responses)."""
-    from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
-
     return [(i, key, batches[i]) for i, teacher in enumerate(teachers)
-            if isinstance(teacher, ServedTeacher) and (key := teacher_context(teacher, i)) is not None]
+            if isinstance(teacher, AsyncTeacher) and (key := teacher_context(teacher, i)) is not None]
 
 
 def collect_view(projected: bool, asker: int, batch: Any, scored: Any = (),
