@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import socket
 import types
 
 import numpy as np
@@ -115,7 +116,7 @@ def tokenizer(tmp_path):
     return PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), pad_token="t0")
 
 
-def run_steps(tokenizer: object, url: str) -> list[dict]:
+def run_steps(tokenizer: object) -> list[dict]:
     """verl's trainer metrics of each step of STEPS (`compute_timing_metrics` of the manager's timing)."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopManager
     from verl.trainer.ppo.metric_utils import compute_timing_metrics
@@ -134,7 +135,7 @@ def test_each_steps_served_teacher_figures_reach_verls_trainer_metrics(tokenizer
     with servers.vllm_like() as server:
         monkeypatch.setenv(VARIABLE, f"{servers.url_of(server)};engine=vllm")
         megatron_rl_patches.apply(only="verl_topk_kd")
-        steps = run_steps(tokenizer, servers.url_of(server))
+        steps = run_steps(tokenizer)
         where = servers.url_of(server).split("://", 1)[1]
         completions = server.answered("/v1/completions")
     replica = f"timing_s/teacher/replica/{where}"
@@ -170,3 +171,27 @@ def test_without_the_variable_verls_metrics_have_no_teacher_keys(tokenizer, clea
     metrics = compute_timing_metrics(batch=output, timing_raw=output.meta_info["timing"])
     assert not [key for key in metrics if "teacher/" in key] and "timing_s/agent_loop/generate_sequences/max" in metrics
 
+
+
+def closed_port() -> int:
+    """A local port nothing listens on (a replica that is down: connections refused)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_replica_down_shows_in_verls_metrics_and_a_warning(tokenizer, clean_patch_state, monkeypatch, caplog):
+    """Two replicas, one down: each worker's teacher starts with the other and takes the dead one
+    out, verl's metrics count both take-outs (one a worker) and the retries, every sample is
+    answered, and the client names the dead replica in a warning line. (A replica killed mid-step:
+    the client's failover and hedging, tests/teachers/test_served_replicas.py; what it records
+    reaches verl by this same seam.)"""
+    dead = f"127.0.0.1:{closed_port()}"
+    with servers.vllm_like() as alive:
+        monkeypatch.setenv(VARIABLE, f"{servers.url_of(alive)}|http://{dead};engine=vllm")
+        megatron_rl_patches.apply(only="verl_topk_kd")
+        with caplog.at_level("WARNING"):
+            first, second = run_steps(tokenizer)
+    assert first["timing_s/teacher/samples"] == len(STEPS[0]) and second["timing_s/teacher/samples"] == len(STEPS[1])
+    assert first["timing_s/teacher/taken_out"] == 2 and first["timing_s/teacher/retries"] >= 1
+    assert any(dead in record.getMessage() for record in caplog.records if record.levelname == "WARNING")
