@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 SUMMED = ("bytes", "retries", "failovers", "hedges_sent", "hedges_won")
+# a served teacher's counts (`served.metrics.Recorder`): its samples and rows besides the summed ones
+SERVED_COUNTS = ("samples", "rows", *SUMMED)
 PERCENTILES = ("latency_p50_s", "latency_p95_s")
 
 
@@ -65,6 +67,16 @@ def step_metrics(own: dict[str, Any], served: dict[int, dict[str, Any]]) -> dict
     out["taken_out"] = [url for one in served.values() for url in one.get("taken_out", [])]
     out["replicas"] = merged_replicas([one.get("replicas", {}) for one in served.values()])
     out["teachers"] = dict(served)
+    return out
+
+
+def served_summed(each: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several served teachers' `metrics()` (or sums of them) as one: the counts summed, `taken_out`
+    joined, `replicas` merged (counts summed, per replica the larger percentile of the parts: an
+    upper bound of the whole's, not its percentile)."""
+    out: dict[str, Any] = {name: sum(int(one.get(name, 0)) for one in each) for name in SERVED_COUNTS}
+    out["taken_out"] = [url for one in each for url in one.get("taken_out", [])]
+    out["replicas"] = merged_replicas([one.get("replicas", {}) for one in each])
     return out
 
 

@@ -19,3 +19,8 @@ def held(owner: Any, name: str, make: Callable[[], T]) -> T:
         value = make()
         setattr(owner, attribute, value)
     return value
+
+
+def peek(owner: Any, name: str) -> Any:
+    """`owner`'s `name` if it was made (`held`), else None; makes nothing."""
+    return getattr(owner, PREFIX + name, None)

@@ -1,6 +1,7 @@
 """Every verl record in one place (verl 0.9.x; 0.9.1 tested, the Megatron engine layout of 0.8+):
 `verl_fused_logprobs` (the processor, in `fused`; the rows verl reads, in `rows`) and
-`verl_topk_kd` (in `topk`; its served teacher in `served`). The listing order is
+`verl_topk_kd` (in `topk`; its served teacher in `served`, its figures in verl's metrics in
+`teacher_metrics`). The listing order is
 `integrations.ORDER`'s. Every record is a no-op until verl's module is imported (post-import hooks)."""
 from __future__ import annotations
 
@@ -82,6 +83,28 @@ PATCHES = (
         versions=VERSIONS,
         optional=True,
         params=("self", "output", "prompt_ids", "response_ids", "validate", "sample_kwargs"),
+    ),
+    Patch(
+        name="verl_topk_kd",
+        target="verl.experimental.agent_loop.agent_loop:AgentLoopWorker.generate_sequences",
+        wrapper=f"{HERE}.teacher_metrics:generate_sequences_wrapper",
+        description="verl's agent-loop worker's per-sample metrics carry its served teacher's figures since the "
+                    "last step (MEGATRON_RL_PATCHES_VERL_TEACHER set)",
+        requires="verl",
+        versions=VERSIONS,
+        optional=True,
+        params=("self", "batch"),
+    ),
+    Patch(
+        name="verl_topk_kd",
+        target="verl.experimental.agent_loop.agent_loop:AgentLoopManager._performance_metrics",
+        wrapper=f"{HERE}.teacher_metrics:performance_metrics_wrapper",
+        description="verl's agent-loop timing dict gets the workers' served-teacher figures as teacher/... (logged "
+                    "by verl's trainer as timing_s/teacher/...)",
+        requires="verl",
+        versions=VERSIONS,
+        optional=True,
+        params=("self", "metrics", "output"),
     ),
     _fused(ENGINE, "rows:forward_step_wrapper",
            "verl's engine forward_step notes the rows verl reads (responses, loss mask) for the fused route",
