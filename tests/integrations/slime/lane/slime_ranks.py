@@ -374,7 +374,9 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                         "teacher_figures": first.get(TEACHER_FIGURES),  # the served teachers' step metrics
                         "figures_per_step": figures,
                         "step_repeats": sum(int((same_as >= 0).sum()) for same_as in first.get(STEP_SAME_AS, [])),
-                        "keys": sorted(k for k in data if k.startswith("opd_")), "split": _partition_dims(model),
+                        # the step's OPD fields (the teachers' figures apart: "teacher_figures")
+                        "keys": sorted(k for k in data if k.startswith("opd_") and k != TEACHER_FIGURES),
+                        "split": _partition_dims(model),
                         "active": actor._active_model_tag,
                         "hf_layers": [[layer.layer_number for layer in chunk.decoder.layers]
                                       for t in models if not isinstance(t, str) for chunk in t]}

@@ -54,6 +54,7 @@ def test_train_actor_with_a_served_teacher_first_equals_dense_float64(slime_cpu,
                           entries, timeout=400)
     for rank in ranks:
         assert rank["keys"] == sorted([slime_opd.IDS, slime_opd.TEACHER_LOGPROBS, slime_opd.TEACHER_TAILS])
+        assert rank["teacher_figures"]["samples"] > 0 and rank["teacher_figures"]["taken_out"] == 0  # the dashboard's
 
     def whole(field, tag=None):
         return kit.unsplit([r[field] if tag is None else r[field][tag] for r in ranks], ranks[0]["split"])
