@@ -63,6 +63,9 @@ def _worker(rank: int, world_size: int, init_file: str, call: bytes, queue: Any,
     os.environ.update(environ)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    # every rank's mesh whole before any rank may finish: a rank done at once (no collective) would
+    # otherwise exit while another is still connecting to it ("Connection closed by peer" at its init)
+    dist.barrier()
     try:
         fn, args = pickle.loads(call)  # after the environment: the caller's module imports see it
         queue.put((rank, "ok", _pack(fn(rank, world_size, *args))))
