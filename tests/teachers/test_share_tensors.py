@@ -138,6 +138,11 @@ def rank_sharing(rank: int, world_size: int, url: str) -> dict:
     from megatron_rl_patches.teachers.share_tensors import shared_results
 
     out: dict = {"bad": rank_bad_sharing(rank)}
+    first_only = dist.new_group([0])  # rank 1 is no member: refused before any collective
+    try:
+        out["not_a_member"] = "no error" if rank == 0 else shared_results(None, first_only)
+    except ValueError as error:
+        out["not_a_member"] = str(error)
     dtypes_group = dist.new_group([0, 1], timeout=timedelta(seconds=5))
     try:
         out["dtypes"] = exact(shared_results(every_dtype() if rank == 0 else None, dtypes_group))
@@ -211,6 +216,8 @@ def test_served_results_cross_ranks_as_tensors_bit_identical_and_failures_alike(
                 for ids, start in zip(samples.sequences, samples.response_starts)]
     assert ranks[0]["step_states"] == ranks[1]["step_states"] == exact(expected)
     assert ranks[0]["failed_ask"] == ranks[1]["failed_ask"] and "max model length" in ranks[0]["failed_ask"]
+    assert ranks[1]["not_a_member"] == ("shared_results: this rank (1) is not in the group passed: pass its sharing "
+                                        "group")
 
 
 WRONG = {  # what every rank raises, at once
