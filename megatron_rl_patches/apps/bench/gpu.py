@@ -100,8 +100,8 @@ def _ours_topk(backend: str) -> Callable[[Inputs], Any]:
 
         from megatron_rl_patches.ops.lm_head import lm_head_topk_ids, lm_head_topk_logprobs
 
-        with torch.no_grad():
-            ids = lm_head_topk_ids(x.hidden, x.weight, TOPK)
+        with torch.no_grad():  # the ids on the row's backend too (auto would take Triton's on CUDA)
+            ids = lm_head_topk_ids(x.hidden, x.weight, TOPK, backend=backend)
         lp, tail = lm_head_topk_logprobs(x.hidden, x.weight, ids, backend=backend)
         return lp.mean(1), tail  # weighted like log-prob and entropy by the driver
 

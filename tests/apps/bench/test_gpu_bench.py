@@ -113,3 +113,17 @@ def test_every_row_needing_no_extra_package_runs_on_cpu_and_the_invariant_row_is
     want, want_entropy = lm_head_log_probs_and_entropy(x.hidden, x.weight, x.tokens, with_entropy=True,
                                                        invariant=True)
     assert torch.equal(got, want) and torch.equal(entropy, want_entropy)
+
+
+def test_a_topk_row_runs_both_of_its_ops_on_its_backend(monkeypatch):
+    """The top-k row's ids as well as its log-probs on the row's backend: the H200 run's torch-tiles
+    row took its ids from `auto` (the Triton kernel on CUDA) and showed the kernel's peak."""
+    from megatron_rl_patches.ops import lm_head
+
+    asked = []
+    for name in ("lm_head_topk_ids", "lm_head_topk_logprobs"):
+        real = getattr(lm_head, name)
+        monkeypatch.setattr(lm_head, name, lambda *a, _real=real, _name=name, **kw:
+                            asked.append((_name, kw.get("backend"))) or _real(*a, **kw))
+    gpu._ours_topk("torch")(gpu.make_inputs(8, 16, 2 * gpu.TOPK, "cpu", torch.float32))
+    assert asked == [("lm_head_topk_ids", "torch"), ("lm_head_topk_logprobs", "torch")]

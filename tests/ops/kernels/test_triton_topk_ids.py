@@ -56,3 +56,38 @@ def test_bad_rows_raise_as_on_the_torch_tiles():
     with pytest.raises(ValueError) as torch_error:
         topk_ids(x, 3, backend="torch")
     assert str(triton_error.value) == str(torch_error.value)
+
+
+def test_candidates_are_made_a_row_block_at_a_time(monkeypatch):
+    """Each launch holds at most the tile budget's rows of candidates (k per vocabulary tile), a
+    whole number of the kernel's row blocks; the ids are those of one launch over every row.
+    Before: one launch of all T rows (bench gpu on an H200: 8.0 U excess at T = 4096, k = 64)."""
+    from megatron_rl_patches.ops.kernels.triton import backend
+
+    g = torch.Generator().manual_seed(2)
+    h = torch.randint(-2, 3, (100, 16), generator=g).float()
+    w = torch.randint(-1, 2, (300, 16), generator=g).float()
+    k = 5
+    b = backend.blocks(kit.DEVICE, True)
+    per_row = backend.TOPK_BYTES_PER_CANDIDATE * k * -(-300 // b.n)
+    budget = per_row * 2 * b.m  # two row blocks a launch
+    launches: list[tuple[int, int]] = []
+    kernel = backend.topk_tile_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((args[5], args[2].size(0)))  # n_rows, the candidates' rows
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(backend, "topk_tile_kernel", Recording())
+    monkeypatch.setattr(backend, "CPU_TILE_BYTES", budget)
+    monkeypatch.setattr(backend, "CUDA_TILE_BYTES", budget)
+    got = lm_head_topk_ids(h.to(kit.DEVICE), w.to(kit.DEVICE), k, backend="triton").cpu()
+    per_launch = 2 * b.m
+    whole, rest = divmod(100, per_launch)
+    assert [rows for rows, _ in launches] == [per_launch] * whole + [rest] * (rest > 0)
+    assert all(rows == cand_rows for rows, cand_rows in launches)
+    assert torch.equal(got, _stable(h @ w.T, k))
+    assert torch.equal(got, lm_head_topk_ids(h, w, k, backend="torch"))

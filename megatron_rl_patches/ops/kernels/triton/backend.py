@@ -126,7 +126,9 @@ class TritonTiles(Backend):
 
     def topk(self, source: Source, run: RunningTopk, first_id: int) -> RunningTopk:
         """Every tile's k best (value desc, id asc, exact: no ambiguous cut) merged into `run`
-        (empty, as the top-k ops hand it); fp64 goes to the torch tiles."""
+        (empty, as the top-k ops hand it); fp64 goes to the torch tiles. The candidates (k per
+        vocabulary tile: V·k/BLOCK_N a row) and their merge are made for a block of rows at a
+        time (:func:`topk_rows_per_launch`), so the call's excess memory does not grow with T."""
         if source.first.dtype == torch.float64:
             return self._torch.topk(source, run, first_id)
         n_rows, n_valid, k = source.n_rows, source.n_valid, run.values.size(1)
@@ -135,18 +137,22 @@ class TritonTiles(Backend):
         device = source.first.device
         b = blocks(device, source.fused)
         tiles = triton.cdiv(n_valid, b.n)
-        values = torch.empty(n_rows, tiles * k, dtype=torch.float32, device=device)
-        ids = torch.empty(n_rows, tiles * k, dtype=torch.long, device=device)
-        tile_max = torch.empty(tiles, n_rows, dtype=torch.float32, device=device)
-        src, weight, n_hidden, *strides = src_args(source)
-        topk_tile_kernel[(triton.cdiv(n_rows, b.m), tiles)](
-            src, weight, values, ids, tile_max, n_rows, n_valid, n_hidden, first_id, run.sentinel, *strides,
-            K=k, FUSED=source.fused, **b.launch(source.first.dtype),
-        )
-        best_values, best_ids = best_of(torch.cat([run.values.float(), values], dim=1),
-                                        torch.cat([run.ids, ids], dim=1), k)
-        return RunningTopk(best_values.to(run.values.dtype), best_ids, run.ambiguous,
-                           torch.maximum(run.row_max, tile_max.amax(dim=0).to(run.row_max.dtype)), run.sentinel)
+        values, ids, row_max = torch.empty_like(run.values), torch.empty_like(run.ids), torch.empty_like(run.row_max)
+        for r0, r1 in row_chunks(n_rows, topk_rows_per_launch(tiles * k, b.m, device)):
+            part = _row_slice(source, r0, r1)
+            cand_values = torch.empty(r1 - r0, tiles * k, dtype=torch.float32, device=device)
+            cand_ids = torch.empty(r1 - r0, tiles * k, dtype=torch.long, device=device)
+            tile_max = torch.empty(tiles, r1 - r0, dtype=torch.float32, device=device)
+            src, weight, n_hidden, *strides = src_args(part)
+            topk_tile_kernel[(triton.cdiv(r1 - r0, b.m), tiles)](
+                src, weight, cand_values, cand_ids, tile_max, r1 - r0, n_valid, n_hidden, first_id, run.sentinel,
+                *strides, K=k, FUSED=part.fused, **b.launch(source.first.dtype),
+            )
+            best_values, best_ids = best_of(torch.cat([run.values[r0:r1].float(), cand_values], dim=1),
+                                            torch.cat([run.ids[r0:r1], cand_ids], dim=1), k)
+            values[r0:r1], ids[r0:r1] = best_values.to(values.dtype), best_ids
+            row_max[r0:r1] = torch.maximum(run.row_max[r0:r1], tile_max.amax(dim=0).to(row_max.dtype))
+        return RunningTopk(values, ids, run.ambiguous, row_max, run.sentinel)
 
     # ------------------------------------------------------------------------- backward
 
@@ -322,3 +328,26 @@ def merge_splits(parts: RowStats, splits: int, scale: float | torch.Tensor) -> R
                     rest=None if moved.rest is None else moved.rest.sum(0),
                     moment=None if moved.moment is None else moved.moment.sum(0),
                     sub_shift=sub_shift, sub_sum=None if moved.sub_sum is None else moved.sub_sum.sum(0))
+
+
+# bytes a top-k candidate costs at its row block's merge: its value and id, the concatenation,
+# best_of's argsort, gathers and stable sort (fp32 values, int64 ids and indices)
+TOPK_BYTES_PER_CANDIDATE = 56
+
+
+def topk_rows_per_launch(candidates_per_row: int, block_m: int, device: torch.device) -> int:
+    """Rows of one top-k launch: its candidates and their merge within the tile budget (the torch
+    tiles' CUDA_TILE_BYTES / CPU_TILE_BYTES), a whole number of the kernel's row blocks (so each
+    row is computed in the same block as in one launch over all rows), at least one block."""
+    budget = CUDA_TILE_BYTES if device.type == "cuda" else CPU_TILE_BYTES
+    blocks_fit = budget // (TOPK_BYTES_PER_CANDIDATE * candidates_per_row * block_m)
+    return block_m * max(1, blocks_fit)
+
+
+def _row_slice(source: Source, r0: int, r1: int) -> Source:
+    """The source's rows [r0, r1) (views: the kernel reads them where they are)."""
+    if source.fused:
+        assert source.hidden is not None  # fused
+        return dataclasses.replace(source, hidden=source.hidden[r0:r1])
+    assert source.logits is not None  # not fused
+    return dataclasses.replace(source, logits=source.logits[r0:r1])

@@ -35,7 +35,7 @@ class Blocks:
 
 
 def blocks(device: torch.device, fused: bool) -> Blocks:
-    """Untuned defaults (no GPU has run them yet): fused tiles sized for the tensor cores, logits
+    """Untuned defaults (run once on an H200, not tuned): fused tiles sized for the tensor cores, logits
     tiles wide rows for bandwidth; the interpreter gets the smallest legal tiles (tl.dot needs 16)."""
     if device.type != "cuda" or INTERPRETED:
         return Blocks(16, 16, 16, 1, 1)
