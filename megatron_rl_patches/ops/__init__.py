@@ -16,14 +16,8 @@ from megatron_rl_patches._lazy import lazy_getattr
 # public name -> module that defines it (resolved on first access)
 _LAZY = {
     "log_probs_and_entropy": "logprobs",
-    "topk_ids": "topk",
-    "topk_logprobs": "topk",
-    "topk_opd_loss": "topk",
-    "topk_kl": "topk",
-    "union_ids": "topk",
-    "lm_head_log_probs_and_entropy": "lm_head",
-    "lm_head_topk_ids": "lm_head",
-    "lm_head_topk_logprobs": "lm_head",
+    **dict.fromkeys(("topk_ids", "topk_logprobs", "topk_opd_loss", "topk_kl", "union_ids"), "topk"),
+    **dict.fromkeys(("lm_head_log_probs_and_entropy", "lm_head_topk_ids", "lm_head_topk_logprobs"), "lm_head"),
     "lm_head_divergence": "divergence",
 }
 

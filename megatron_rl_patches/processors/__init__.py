@@ -10,10 +10,9 @@ from megatron_rl_patches import _aliases
 from megatron_rl_patches._lazy import lazy_getattr
 
 _LAZY = {
-    "log_prob_output_processor": "megatron_rl_patches.processors.heads",
-    "topk_output_processor": "megatron_rl_patches.processors.heads",
-    "hidden_output_processor": "megatron_rl_patches.processors.distill",
-    "divergence_output_processor": "megatron_rl_patches.processors.distill",
+    **dict.fromkeys(("log_prob_output_processor", "topk_output_processor"), "megatron_rl_patches.processors.heads"),
+    **dict.fromkeys(("hidden_output_processor",
+                     "divergence_output_processor"), "megatron_rl_patches.processors.distill"),
 }
 __all__ = sorted(_LAZY)
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())

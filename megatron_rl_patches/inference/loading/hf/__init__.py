@@ -8,14 +8,11 @@ from megatron_rl_patches import _aliases
 from megatron_rl_patches._lazy import lazy_getattr
 
 _LAZY = {
-    "build_inference_model_from_hf": "megatron_rl_patches.inference.build_hf",
-    "hf_vocab_size": "megatron_rl_patches.inference.build_hf",
+    **dict.fromkeys(("build_inference_model_from_hf", "hf_vocab_size"), "megatron_rl_patches.inference.build_hf"),
     "check_teacher_vocab": "vocab",
-    "read_checkpoint_config": "checkpoint_config",
-    "CheckpointConfig": "checkpoint_config",
+    **dict.fromkeys(("read_checkpoint_config", "CheckpointConfig"), "checkpoint_config"),
     "read_architecture": "families",
-    "HFArchitecture": "architecture",
-    "UnsupportedCheckpointError": "architecture",
+    **dict.fromkeys(("HFArchitecture", "UnsupportedCheckpointError"), "architecture"),
     "hf_memory_plan": "memory_plan",
 }
 
