@@ -18,11 +18,13 @@ from typing import Any
 from megatron_rl_patches.teachers.context_key import context_key
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Privileged:
     """`teacher` scoring each sample's privileged context under `context` (the key in the step's
     contexts, `TeacherStep.send(batch, contexts={KEY: ...})`) before the student's response. The
-    teacher itself is left as it is: the step unwraps it and scores `with_context(batch, ...)`."""
+    teacher itself is left as it is: the step unwraps it and scores `with_context(batch, ...)`
+    (slime's OPD runs the wrapped teacher's passes over context + response itself: its
+    `PrivilegedTeacher` is this wrapper)."""
 
     teacher: Any
     context: str
@@ -43,7 +45,7 @@ class Privileged:
             close()
 
     def __repr__(self) -> str:
-        return f"Privileged({self.teacher!r}, context={self.context!r})"
+        return f"{type(self).__name__}({self.teacher!r}, context={self.context!r})"
 
 
 def declared(teacher: Any, index: int) -> tuple[Any, str | None]:

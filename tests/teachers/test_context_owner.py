@@ -128,3 +128,19 @@ def test_privileged_closes_the_teacher_it_wraps():
     Privileged(inner, "hint").close()
     Privileged(Plain(), "hint").close()  # a teacher without close(): nothing to do
     assert inner.closed
+
+
+def test_slimes_in_process_privileged_teachers_are_the_one_wrapper():
+    """slime's OPD gives an in-process teacher of a `;context=KEY` entry its key through
+    `teachers.Privileged` too (its `PrivilegedTeacher` is one), the loaded teacher untouched."""
+    from megatron_rl_patches.integrations.megatron.opd.opd_teachers import SeparateTeacher
+    from megatron_rl_patches.integrations.megatron.opd.privileged import LiveTeacher
+    from megatron_rl_patches.integrations.megatron.opd.teacher_builders import given_context
+    from megatron_rl_patches.teachers.kinds import parse_entry
+
+    live, chunks = LiveTeacher(), SeparateTeacher(["chunk"])
+    for loaded, entry in ((live, "student;context=hint"), (chunks, "/ckpt/theta0;context=hint")):
+        wrapped = given_context(loaded, parse_entry(entry))
+        assert isinstance(wrapped, Privileged) and wrapped.teacher is loaded and wrapped.context == "hint"
+        assert not hasattr(loaded, "context")
+    assert given_context(live, parse_entry("/ckpt/theta0")) is live  # no key: as loaded
