@@ -144,3 +144,23 @@ def test_slimes_in_process_privileged_teachers_are_the_one_wrapper():
         assert isinstance(wrapped, Privileged) and wrapped.teacher is loaded and wrapped.context == "hint"
         assert not hasattr(loaded, "context")
     assert given_context(live, parse_entry("/ckpt/theta0")) is live  # no key: as loaded
+
+
+def test_a_served_teacher_given_its_key_by_the_wrapper_is_asked_for_the_privileged_sequences():
+    from megatron_rl_patches.teachers import ServedTeacher
+    from tests.teachers.local_servers import completions, url_of, vllm_like
+
+    prompts: list = []
+
+    def recording(body):
+        prompts.append(body["prompt"])
+        return completions(body)
+
+    with vllm_like(v1_completions=recording) as server, ServedTeacher(url_of(server), "vllm", top_k=K) as served:
+        step = TeacherStep([Privileged(served, "hint")], LoopHost(VOCAB))
+        assert step.keys == ["hint"] and served.context is None  # the served teacher itself untouched
+        step.send(STUDENT, contexts=HINTS)
+        (got,) = step.collect()
+    assert [1, 2, 3, 2, 7] in prompts and [4, 8, 1] in prompts  # context + response, not the student's own
+    assert [5, 9, 2, 7] not in prompts and [3, 8, 1] not in prompts
+    assert [t.shape[0] for t in got.token_log_probs] == [2, 2]  # the student's response rows
