@@ -9,7 +9,8 @@ trainer (`TeacherHead`: a served teacher's hidden states through it), the teache
 teachers built from entries through their kinds by `build_teachers`), and the kinds of
 teacher as one table (`teachers.kinds`: how an entry of MEGATRON_RL_PATCHES_OPD_TEACHERS is read
 and checked), and teachers that see a privileged context the student does not (`with_context`: the
-teacher's batch of context + the student's response per sample; `context_ids`, `placed_before`;
+teacher's batch of context + the student's response per sample; `Privileged(teacher, KEY)`: any
+teacher given a key; `context_ids`, `placed_before`;
 `cross_with_context`: a teacher of another tokenizer's own samples after a context of its ids;
 `SelfTeacher`: the live self-teacher, the student's own pass over them).
 Importing this package is light (no torch, no HTTP client): names load on first use."""
@@ -36,6 +37,7 @@ _LAZY = {
     **dict.fromkeys(("TeacherHost", "LoopHost", "megatron_host", "local_host"), "host"),
     **dict.fromkeys(("build_teachers", "BuildOptions"), "build"),
     **dict.fromkeys(("with_context", "context_ids", "placed_before"), "context"),
+    "Privileged": "privileged",
     "SelfTeacher": "self_teacher",
 }
 

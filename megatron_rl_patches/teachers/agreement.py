@@ -72,7 +72,7 @@ def agree_teacher(teacher: Any, group: object, where: str = "ServedTeacher.score
         return
     import torch.distributed as dist  # lazy: import cost: torch only when a group is given
 
-    mine = teacher_identity(teacher, served=True)
+    mine = teacher_identity(teacher, teacher.context, served=True)
     views = agreed_views(None, group, {"call": where, "rank": dist.get_rank(), "teacher": mine})
     differs = identity_difference([view["rank"] for view in views], [[view["teacher"]] for view in views], one=True)
     if differs:

@@ -3,7 +3,8 @@
 table and built through its kind (`TeacherKind.build(entry, host, options)`). A served entry is
 built here (`served_build`: connected on the host's asking rank, a failure the same error on every
 rank of its job); an in-process kind needs a framework to load a model, so the host builds it
-(`host.build_teacher(entry, options)`, where the host gives one) or the entry is refused by name.
+(`host.build_teacher(entry, options)`, where the host gives one; with `;context=KEY` wrapped in
+`Privileged(teacher, KEY)`) or the entry is refused by name.
 The teachers come back in the entries' order, ready for `TeacherStep(teachers, host)`."""
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.teachers.agreement import agreed_views
 from megatron_rl_patches.teachers.kinds import kind_named, read_entry
 from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
+from megatron_rl_patches.teachers.privileged import Privileged
 from megatron_rl_patches.teachers.redaction import refuse_userinfo
 
 ENTRIES = "build_teachers(entries=...)"
@@ -122,13 +124,7 @@ def checked(entries: str | Sequence[str | TeacherEntry], host: Any, top_k: int, 
 
 
 def host_build(entry: TeacherEntry, host: Any, options: BuildOptions) -> Any:
-    """An in-process kind's teacher: the host's, carrying the entry's `;context=KEY`."""
+    """An in-process kind's teacher: the host's, given the entry's `;context=KEY` by the one
+    wrapper (`Privileged(teacher, KEY)`): the host's teacher itself is never changed."""
     teacher = host.build_teacher(entry, options)
-    if entry.context is not None and getattr(teacher, "context", None) != entry.context:
-        try:
-            teacher.context = entry.context
-        except AttributeError as error:
-            raise TypeError(f"build_teachers: entry {entry.path!r} has ';context={entry.context}', but the host's "
-                            f"teacher ({type(teacher).__name__}) takes no `context` attribute: give it one (the "
-                            "teacher step reads it)") from error
-    return teacher
+    return teacher if entry.context is None else Privileged(teacher, entry.context)

@@ -22,9 +22,10 @@ figures for a dashboard (`step_metrics`).
   pickled); a head's hidden states are projected through the head on every rank after it (the
   head's tensor-parallel ops need every rank).
 
-- A teacher with a privileged context (`context=KEY`: its entry's `;context=KEY`) scores
-  `with_context(batch, its contexts)`: the contexts come with the batch
-  (`send(batch, contexts=...)`, `step_contexts`); its rows line up with the student's.
+- A teacher with a privileged context (`Privileged(teacher, KEY)`, its entry's `;context=KEY`, or
+  a key of its own: `privileged`) scores `with_context(batch, its contexts)`: the contexts come
+  with the batch (`send(batch, contexts=...)`, `step_contexts`); its rows line up with the
+  student's. The step owns the keys: each teacher's read once, when the step is built.
 
 `StepPlan` carries the step's top-k, temperature and invariant mode explicitly (no context
 variable): built from the teachers when not given, checked once against each of them."""
@@ -39,8 +40,8 @@ from typing import Any
 from megatron_rl_patches.teachers.agreement import agree_failure, agreed_views, distributed
 from megatron_rl_patches.teachers.asynchronous import AsyncTeacher, Pending
 from megatron_rl_patches.teachers.batch import TeacherBatch
-from megatron_rl_patches.teachers.context_key import teacher_context
 from megatron_rl_patches.teachers.host import TeacherHost, asks
+from megatron_rl_patches.teachers.privileged import step_teachers
 from megatron_rl_patches.teachers.step_contexts import teacher_batches
 from megatron_rl_patches.teachers.step_heads import step_heads_failure
 from megatron_rl_patches.teachers.step_metrics import StepFigures, step_metrics
@@ -94,24 +95,25 @@ def plan_of(teachers: Sequence[Any], plan: StepPlan | None) -> StepPlan:
     return plan
 
 
-def checked(teachers: Sequence[Any], host: TeacherHost, plan: StepPlan | None) -> tuple[list[Any], StepPlan]:
-    """The step's teachers as a list and its plan, each argument checked (TypeError / ValueError
-    naming it)."""
+def checked(teachers: Sequence[Any], host: TeacherHost,
+            plan: StepPlan | None) -> tuple[list[Any], list[str | None], StepPlan]:
+    """The step's teachers as a list (a `Privileged` one unwrapped), their context keys and its
+    plan, each argument checked (TypeError / ValueError naming it)."""
     if isinstance(teachers, (str, bytes)) or not isinstance(teachers, Sequence) or not teachers:
         raise TypeError("TeacherStep(teachers=...) must be a non-empty list of teachers (ServedTeacher or any "
                         f"object with .top_k and .score(batch)), got {type(teachers).__name__}")
+    teachers, keys = step_teachers(teachers)
     for i, teacher in enumerate(teachers):
         if not callable(getattr(teacher, "score", None)) or not hasattr(teacher, "top_k"):
             raise TypeError(f"TeacherStep(teachers=...): teacher {i} ({type(teacher).__name__}) has no "
                             f".score(batch) and .top_k: pass a ServedTeacher or a BatchTeacher")
-        teacher_context(teacher, i)
     for name in ("share_group", "job_group", "vocab_size", "teacher_pass"):
         if not hasattr(host, name):
             raise TypeError(f"TeacherStep(host=...) has no {name}: pass a TeacherHost (e.g. "
                             f"megatron_host(vocab_size) or local_host(vocab_size))")
     if plan is not None and not isinstance(plan, StepPlan):
         raise TypeError(f"TeacherStep(plan=...) must be a StepPlan or None, got {type(plan).__name__}")
-    return list(teachers), plan_of(teachers, plan)
+    return teachers, keys, plan_of(teachers, plan)
 
 
 def join_build(host: TeacherHost) -> None:
@@ -144,6 +146,7 @@ class TeacherStep:
 
         self.group = agreement_group(host)
         self.teachers: list[Any] = []
+        self.keys: list[str | None] = []  # each teacher's context key (None: the student's batch), read once here
         self.plan: StepPlan | None = None
         self.host = host
         self.added: list[Added] = []  # the parts handed over since the last collect, in order
@@ -153,8 +156,8 @@ class TeacherStep:
         error: Exception | None = None
         view = None
         try:
-            self.teachers, self.plan = checked(teachers, host, plan)
-            view = built_view(host, self.teachers, self.plan)
+            self.teachers, self.keys, self.plan = checked(teachers, host, plan)
+            view = built_view(host, self.teachers, self.keys, self.plan)
         except Exception as failed:  # noqa: BLE001 - agreed over the job just below, raised on every rank
             error = failed
         check_built(agreed_views(error, self.group, view, own=True))
@@ -225,7 +228,7 @@ class TeacherStep:
             self.added.append(Added(batch, [batch] * len(self.teachers), {}))
             return
         try:
-            batches = teacher_batches(self.teachers, batch, contexts, self.host.vocab_size)
+            batches = teacher_batches(self.teachers, self.keys, batch, contexts, self.host.vocab_size)
         except (TypeError, ValueError) as error:
             if self.alone():
                 raise
@@ -302,7 +305,8 @@ class TeacherStep:
             error = failed
             for waiting in pending.values():
                 waiting.cancel()
-        sent = served_contexts(self.teachers, batches)  # digests, compared before the asking rank's scores are shared
+        # digests, compared before the asking rank's scores are shared
+        sent = served_contexts(self.teachers, self.keys, batches)
         check_collect(agreed_views(error, self.group, collect_view(projected, self.asker, batch, sent=sent)))
         asked = [i for i, is_asked in enumerate(self.asynchronous) if is_asked]
         got.update(self.shared({i: got[i] for i in asked if i in got}))

@@ -1,5 +1,5 @@
 """Each teacher's batch of one step (`teacher_batches`): the student's `TeacherBatch` for a teacher
-without a context, `with_context(batch, its contexts)` for one with `context=KEY`. The loop passes
+without a context, `with_context(batch, its contexts)` for one with a key (the step's: `privileged`). The loop passes
 the contexts with the batch, in either form of its own data:
 
 - keyed: `{KEY: [context of sample 0, context of sample 1, ...]}` (verl's non-tensor batch, a
@@ -20,15 +20,14 @@ import torch
 
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context import id_tensor, with_context
-from megatron_rl_patches.teachers.context_key import teacher_context
 
 WHERE = "TeacherStep.send(contexts=...)"
 
 
-def teacher_batches(teachers: Sequence[Any], batch: TeacherBatch, contexts: object,
+def teacher_batches(teachers: Sequence[Any], keys: Sequence[str | None], batch: TeacherBatch, contexts: object,
                     vocab_size: int | None) -> list[TeacherBatch]:
-    """Per teacher the batch it scores (teachers with one key share one batch)."""
-    keys = [teacher_context(teacher, i) for i, teacher in enumerate(teachers)]
+    """Per teacher the batch it scores (`keys`: each one's context key, the step's; teachers with
+    one key share one batch)."""
     if contexts is not None and not isinstance(contexts, Mapping) and \
             (isinstance(contexts, (str, bytes, torch.Tensor)) or not isinstance(contexts, Sequence)):
         raise TypeError(f"{WHERE} takes {{KEY: [one context per sample]}} or one mapping {{KEY: context}} per sample, "

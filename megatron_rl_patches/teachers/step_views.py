@@ -17,7 +17,6 @@ from typing import Any
 
 from megatron_rl_patches.teachers.agreement import distributed
 from megatron_rl_patches.teachers.asynchronous import AsyncTeacher
-from megatron_rl_patches.teachers.context_key import teacher_context
 from megatron_rl_patches.teachers.teacher_identity import URLS, identity_difference, teacher_identity
 
 
@@ -55,14 +54,16 @@ def teacher_kind(teacher: Any) -> str:
     return "in-process"
 
 
-def built_view(host: Any, teachers: Sequence[Any], plan: Any) -> dict:
-    """This rank's view of a step it builds (its local checks passed)."""
+def built_view(host: Any, teachers: Sequence[Any], keys: Sequence[str | None], plan: Any) -> dict:
+    """This rank's view of a step it builds (its local checks passed; `keys`: its teachers' context
+    keys)."""
     return {"call": "TeacherStep build", "rank": global_rank(), "vocab_size": host.vocab_size,
             "share": share_ranks(host),
             "plan": (plan.top_k, float(plan.temperature), plan.invariant),
             "teachers": [teacher_kind(t) for t in teachers],
             # a head is compared over the sharing group by step_heads (its facts, its vocabulary against the host's)
-            "identity": [teacher_identity(t, teacher_kind(t) != "in-process", head=False) for t in teachers]}
+            "identity": [teacher_identity(t, key, teacher_kind(t) != "in-process", head=False)
+                         for t, key in zip(teachers, keys)]}
 
 
 def absent_view(host: Any) -> dict:
@@ -110,11 +111,13 @@ def batch_fingerprint(batch: Any) -> tuple:
             0 if ids is None else zlib.crc32(ids.numpy().tobytes()))
 
 
-def served_contexts(teachers: Sequence[Any], batches: Sequence[Any]) -> list[tuple[int, str, Any]]:
-    """(index, context key, batch) of each served teacher with a privileged context: the batches
-    the asking rank alone sends (`with_context`: its contexts before the responses)."""
-    return [(i, key, batches[i]) for i, teacher in enumerate(teachers)
-            if isinstance(teacher, AsyncTeacher) and (key := teacher_context(teacher, i)) is not None]
+def served_contexts(teachers: Sequence[Any], keys: Sequence[str | None],
+                    batches: Sequence[Any]) -> list[tuple[int, str, Any]]:
+    """(index, context key, batch) of each served teacher with a privileged context (`keys`: the
+    step's): the batches the asking rank alone sends (`with_context`: its contexts before the
+    responses)."""
+    return [(i, key, batches[i]) for i, (teacher, key) in enumerate(zip(teachers, keys))
+            if isinstance(teacher, AsyncTeacher) and key is not None]
 
 
 def collect_view(projected: bool, asker: int, batch: Any, scored: Any = (),

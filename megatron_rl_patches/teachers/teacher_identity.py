@@ -21,8 +21,9 @@ from megatron_rl_patches.teachers.served.urls import SEPARATOR
 URLS = "URL(s)"
 
 
-def teacher_identity(teacher: Any, served: bool, head: bool = True) -> dict[str, Any]:
-    """`teacher`'s identity, field by field (see the module's words); `served`: whether it is a
+def teacher_identity(teacher: Any, context: str | None, served: bool, head: bool = True) -> dict[str, Any]:
+    """`teacher`'s identity, field by field (see the module's words); `context`: its context key
+    (its owner's: the step's, or a `ServedTeacher`'s own); `served`: whether it is a
     `ServedTeacher` (the caller knows: this module imports no client)."""
     fields: dict[str, Any] = {}
     if served:
@@ -34,7 +35,7 @@ def teacher_identity(teacher: Any, served: bool, head: bool = True) -> dict[str,
 
             facts = None if teacher.head is None else head_facts(teacher.head)
             fields["head"] = None if facts is None else (str(facts), facts.compared())
-    fields["context key"] = getattr(teacher, "context", None)
+    fields["context key"] = context
     return fields
 
 

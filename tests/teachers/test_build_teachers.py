@@ -117,16 +117,6 @@ def test_a_failed_build_closes_the_teachers_built_before_it():
     assert [teacher.closed for teacher in built] == [True]
 
 
-def test_a_host_teacher_without_a_context_attribute_is_refused_by_name():
-    class Fixed:
-        __slots__ = ()
-
-    with pytest.raises(TypeError, match=r"^build_teachers: entry '/ckpt/t' has ';context=hint', but the host's teacher "
-                                        r"\(Fixed\) takes no `context` attribute: give it one \(the teacher step "
-                                        r"reads it\)$"):
-        build_teachers("/ckpt/t;context=hint", LoopHost(WORDS, build_teacher=lambda entry, options: Fixed()), top_k=2)
-
-
 @pytest.mark.parametrize(("entries", "options", "error", "words"), [
     ("{url};engine=vllm", {}, ValueError,
      r"pass build_teachers\(student_tokenizer=\.\.\.\).*';same_tokenizer;vocab=N'"),

@@ -179,7 +179,8 @@ async def score_sample(args: Any, sample: Any, *, rollout_id: int | None = None,
         return None
     tokens = torch.tensor(list(sample.tokens), dtype=torch.long)
     batch = TeacherBatch([tokens], [len(tokens) - response])
-    asked = teacher_batches(held.teachers, batch, sample_contexts(held, sample), None)
+    asked = teacher_batches(held.teachers, [t.context for t in held.teachers], batch, sample_contexts(held, sample),
+                            None)
     started = time.perf_counter()
     pending = [teacher.submit(one) for teacher, one in zip(held.teachers, asked)]
     try:

@@ -34,7 +34,8 @@ CARRIED = "opd_rollout_rows"  # per sample of a training rank's rollout data: it
 def teacher_key(teacher: Any) -> str:
     """A served teacher's key among a sample's carried rows: a digest of its identity (replica
     URLs redacted and sorted, engine, top-k, temperature, context key)."""
-    return f"{zlib.crc32(repr(sorted(teacher_identity(teacher, True, head=False).items())).encode()):08x}"
+    identity = teacher_identity(teacher, teacher.context, True, head=False)  # a ServedTeacher's own key
+    return f"{zlib.crc32(repr(sorted(identity.items())).encode()):08x}"
 
 
 def digest(ids: torch.Tensor, start: int) -> list[int]:
@@ -91,7 +92,7 @@ def add_carried(step: Any, batch: TeacherBatch, contexts: Any, rollout_data: Map
     if not any(mine):
         return False
     try:  # the batch the teacher is asked for: with its privileged contexts before each response
-        (asked,) = teacher_batches(step.teachers, batch, contexts, step.host.vocab_size)
+        (asked,) = teacher_batches(step.teachers, step.keys, batch, contexts, step.host.vocab_size)
     except (TypeError, ValueError):
         return False  # the step's own send names the problem (on every rank)
     usable = [rows is not None and list(rows["digest"]) == digest(ids, start)

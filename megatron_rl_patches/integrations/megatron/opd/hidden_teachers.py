@@ -109,7 +109,7 @@ def privileged_hidden(actor: Any, rollout_data: dict, teacher: PrivilegedTeacher
     """An in-process teacher's hidden states from its pass over each sample's context + response,
     on this context-parallel rank's rows of the student's responses, and its output weight's
     shard (None, None on a stage before the last)."""
-    seen = privileged_rollout(rollout_data, teacher.key)
+    seen = privileged_rollout(rollout_data, teacher.context)
     hidden, weight = model_hidden(actor, seen, teacher.teacher, passes)
     if hidden is None:
         return None, None

@@ -1,8 +1,9 @@
 """In-process teachers of top-k OPD with a privileged context (`;context=KEY`): a snapshot (θ₀), a
 separate model (a Hugging Face directory, `PATH@module:function`) or the live self-teacher
 (`student;context=KEY`: the actor's current weights, `LiveTeacher`) scoring each sample's context
-then the student's response. `PrivilegedTeacher` runs the wrapped teacher's passes over the
-rollout with each sample's tokens replaced by context + response (`privileged_rollout`); the
+then the student's response. `PrivilegedTeacher` (the framework-free wrapper `teachers.Privileged`,
+the one owner of a teacher's key) runs the wrapped teacher's passes over the rollout with each
+sample's tokens replaced by context + response (`privileged_rollout`); the
 response rows, the step's ids and the teacher's scores line up one to one with the student's. With
 context parallelism (megatron-core's zigzag, or slime's `--allgather-cp`, whose per-sample fields
 are kept in the zigzag rows too) a rank holds other rows of the response in the privileged
@@ -20,6 +21,7 @@ import torch
 from megatron_rl_patches.integrations.megatron.opd.opd_teachers import ModelTeacher, OpdTeacher, ScoringStep
 from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS, IDS, IDS_MASK
 from megatron_rl_patches.integrations.megatron.opd.zigzag import whole_from_zigzag, zigzag_of_whole
+from megatron_rl_patches.teachers.privileged import Privileged
 from megatron_rl_patches.teachers.scores import TeacherScores
 
 
@@ -50,20 +52,18 @@ def moved_rows(values: list[torch.Tensor], source: dict, target: dict,
     return cut(whole, target)
 
 
-class PrivilegedTeacher(OpdTeacher):
-    """`teacher` (a teacher of the student's tokenizer) scoring its context `key` before each response."""
+class PrivilegedTeacher(Privileged, OpdTeacher):
+    """`teacher` (a `ModelTeacher`: of the student's tokenizer) scoring its context `context` before
+    each response: the framework-free wrapper (`teachers.Privileged`, the one owner of its key),
+    whose passes slime's OPD runs over `privileged_rollout`."""
 
-    def __init__(self, teacher: ModelTeacher, key: str) -> None:
-        self.teacher, self.key = teacher, key
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.teacher!r}, context={self.key!r})"
+    teacher: ModelTeacher
 
     def score(self, step: ScoringStep) -> TeacherScores | None:
         """The wrapped teacher's scores on the privileged sequences, on the student's rows (the ids
         it scores moved to the privileged sequences' rows, a first teacher's own ids moved back)."""
         own = step.rollout_data
-        data = privileged_rollout(own, self.key)
+        data = privileged_rollout(own, self.context)
         given = {key: moved_rows(own[key], own, data, step.cut) for key in (IDS, IDS_MASK) if key in own}
         data.update(given)
         seen = dataclasses.replace(step, rollout_data=data)
