@@ -79,9 +79,9 @@ def bf16_checkpoint(root: Path) -> Path:
 
 def cohere_checkpoint(root: Path) -> Path:
     """A tiny random Cohere (Command R: logits × logit_scale, which config.json omits here, so the
-    engine uses its 0.0625 default), its output layer tied to the embeddings as Command R ships (vLLM
-    0.32's commandr.py projects through the embeddings whatever config.json says), with the lane's
-    word tokenizer (issue 86 item 11)."""
+    engine uses its 0.0625 default), untied: a stored lm_head.weight unlike the embeddings, which
+    vLLM 0.32's commandr.py drops (it projects through the embeddings whatever config.json says),
+    with the lane's word tokenizer (issue 86 item 11)."""
     import json
 
     import torch
@@ -92,7 +92,7 @@ def cohere_checkpoint(root: Path) -> Path:
         return directory
     config = transformers.CohereConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=MAX_MODEL_LEN, tie_word_embeddings=True, bos_token_id=1,
+        num_key_value_heads=1, max_position_embeddings=MAX_MODEL_LEN, tie_word_embeddings=False, bos_token_id=1,
         eos_token_id=2, pad_token_id=0)
     torch.manual_seed(13)
     model = transformers.CohereForCausalLM(config).float().eval()

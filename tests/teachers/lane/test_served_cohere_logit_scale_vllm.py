@@ -11,10 +11,10 @@ disagreement item 11 names): vLLM 0.32 refuses to serve a Llama whose config.jso
 `text_config` (its `ModelConfig`: "The text_config extracted from the model config does not have
 `num_attention_heads`": transformers keeps it a dict), so no CPU server disagrees with itself there;
 a Llama with an outer scale alone is `test_served_logit_scale_vllm.py`. The states come from the
-pooling server of the same checkpoint. The checkpoint ties its output layer to the embeddings, as
-Command R ships: vLLM 0.32's commandr.py projects through the embeddings and drops a stored
-`lm_head.weight` (found here: an untied tiny Cohere's head, read from `lm_head.weight`, missed the
-server by 0.36 nats)."""
+pooling server of the same checkpoint. The checkpoint is untied (a stored `lm_head.weight` unlike
+its embeddings): vLLM 0.32's commandr.py projects through the embeddings and drops it, and so must
+the head (`head_transforms.EMBEDDING_OUTPUT`; read from `lm_head.weight` it missed the server by
+0.36 nats)."""
 from __future__ import annotations
 
 import json
