@@ -129,8 +129,9 @@ class Scheduler:
         return due
 
     def usable_now(self) -> list[int]:
+        """The replicas not out, those being checked included (a text to tokenize may go there)."""
         with self.lock:
-            return self.usable()
+            return [i for i in range(len(self.replicas)) if i not in self.out]
 
     # ------------------------------------------------------------------ a sample in
     def ask(self, model: ServedModel, sample: SampleAsk, step: Step) -> futures.Future:
