@@ -23,7 +23,7 @@ from megatron_rl_patches.ops.agreement import agree, local_error
 from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy, lm_head_topk_ids, lm_head_topk_logprobs
 from megatron_rl_patches.teachers.finite import INT64_MAX, finite, shown
 from megatron_rl_patches.teachers.head_fingerprint import HeadFacts, checkpoint_fingerprint, compare_heads
-from megatron_rl_patches.teachers.head_transforms import head_logit_scale
+from megatron_rl_patches.teachers.head_transforms import head_logit_scale, projects_through_embeddings
 
 HEAD = "lm_head.weight"
 # where a tied checkpoint keeps the embedding: a causal LM's, a vision-language wrapper's text model's
@@ -235,9 +235,12 @@ class HeadPlan:
 
 def head_entry(config: CheckpointConfig, index: dict[str, TensorEntry], vocab: int, hidden: int) -> TensorEntry:
     """The checkpoint's output layer: lm_head.weight where stored (also when config.json ties it,
-    as transformers serves such a checkpoint), else the tied embedding; [vocab, hidden] checked."""
-    tied = bool(config.text.get("tie_word_embeddings", False))
-    if HEAD in index:
+    as transformers serves such a checkpoint), else the tied embedding; the embedding always for an
+    architecture whose engine projects through it (`head_transforms.EMBEDDING_OUTPUT`: Cohere's
+    drops lm_head.weight); [vocab, hidden] checked."""
+    embedded = projects_through_embeddings(config.fields, config.text)
+    tied = embedded or bool(config.text.get("tie_word_embeddings", False))
+    if HEAD in index and not (embedded and any(name in index for name in EMBEDDINGS)):
         entry = index[HEAD]
     elif tied and any(name in index for name in EMBEDDINGS):
         entry = index[next(name for name in EMBEDDINGS if name in index)]

@@ -99,6 +99,14 @@ HEAD_TRANSFORMS: tuple[HeadTransform, ...] = (
 # where config.json omits the soft cap, transformers' default for these architectures sets one
 SOFTCAP_DEFAULTS = {"Gemma2ForCausalLM": 30.0, "Gemma3nForCausalLM": 30.0, "Gemma3nForConditionalGeneration": 30.0,
                     "MuseGlimmerForCausalLM": 20.0, "MuseGlimmerForConditionalGeneration": 20.0}
+# the architectures whose vLLM 0.32 model projects through its input embeddings whatever config.json
+# says (commandr.py and cohere2_moe.py drop a stored lm_head.weight at load), by model file
+EMBEDDING_OUTPUT = {
+    "commandr.py": ("CohereForCausalLM", "Cohere2ForCausalLM"),
+    "cohere2_moe.py": ("Cohere2MoeForCausalLM",),
+    "gemma2.py": ("Gemma2ForCausalLM",),
+    "gemma3n.py": ("Gemma3nForCausalLM",),
+}
 # the fields some engine reads as a logits multiplier: set on an architecture no row names, refused
 # (final_logit_softcapping, a soft cap, is refused on every architecture)
 SCALE_KEYS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_mult", "output_multiplier")
@@ -112,6 +120,13 @@ def architecture_of(fields: dict[str, Any], text: dict[str, Any]) -> str:
         if isinstance(names, list) and names and isinstance(names[0], str):
             return names[0]
     return ""
+
+
+def projects_through_embeddings(fields: dict[str, Any], text: dict[str, Any]) -> bool:
+    """Whether the engine's output layer for this checkpoint is its input embeddings, whatever
+    config.json's tie_word_embeddings says (`EMBEDDING_OUTPUT`)."""
+    architecture = architecture_of(fields, text)
+    return any(architecture in names for names in EMBEDDING_OUTPUT.values())
 
 
 def head_logit_scale(fields: dict[str, Any], text: dict[str, Any], tensors: Any, source: str) -> float:

@@ -10,8 +10,10 @@ probe. The replicas that answer are one teacher by what they compute (`identity`
 answers within the engine's tolerance, the same max model length), whatever path they were started
 from; one that differs from the first that answered is refused naming it. One that does not
 answer is left out, named in one warning, and asked again between steps (`recheck`: its card and
-the probe again, compared with the first's) — as is a replica taken out during a step; at least
-`min_replicas` must answer at connect."""
+the probe again, compared with the first's) — as is a replica taken out during a step, and every
+replica in use `ReplicaSettings.recheck_s` after its last check (a server restarted with other
+weights behind its URL is taken out, named in a warning); at least `min_replicas` must answer at
+connect."""
 from __future__ import annotations
 
 import concurrent.futures as futures
@@ -118,28 +120,28 @@ class ReplicaPool:
     def ask(self, model: ServedModel, sample: SampleAsk, step: Step) -> futures.Future:
         return self.scheduler.ask(model, sample, step)
 
-    def recheck(self, index: int, step: Step) -> None:
-        """Replica `index` asked again in the background (its card and probe), within the step's
-        deadline; the scheduler told the outcome."""
+    def recheck(self, index: int, step: Step, in_use: bool) -> None:
+        """Replica `index` (`in_use`: not out, its check due) asked again in the background (its card
+        and probe), within the step's deadline; the scheduler told the outcome."""
         with self.lock:
             if self.checks is None:
                 self.checks = futures.ThreadPoolExecutor(len(self.replicas), thread_name_prefix="served-teacher-check")
             checks = self.checks
-        checks.submit(self.check_again, index, step.deadline)
+        checks.submit(self.check_again, index, step.deadline, in_use)
 
-    def check_again(self, index: int, deadline: Deadline) -> None:
+    def check_again(self, index: int, deadline: Deadline, in_use: bool) -> None:
         replica = self.replicas[index]
         try:
             model = replica.served_model(deadline, Cancel())
-        except Exception as failed:  # noqa: BLE001 - still out: asked again next step
+        except Exception as failed:  # noqa: BLE001 - out: asked again next step
             self.scheduler.rejoin(index, None, failed)
             return
         problem = None if self.reference is None else self.problem(*self.reference, index, model)
         if problem is None:
             self.scheduler.rejoin(index, model, None)
             return
-        LOG.warning("served teacher %s: %s: kept out (asked again next step); %s", redacted(self.url),
-                    scrubbed(problem), SAME)
+        LOG.warning("served teacher %s: %s: %s (asked again next step); %s", redacted(self.url), scrubbed(problem),
+                    "taken out" if in_use else "kept out", SAME)
         self.scheduler.rejoin(index, None, ServedTeacherRefusal(f"{problem}: {SAME}", self.url))
 
     def close(self) -> None:

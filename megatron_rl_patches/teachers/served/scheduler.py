@@ -8,9 +8,12 @@ failed (or the deadline passed); a 4xx refusal is the request's, raised as it is
 It remembers across steps: a replica taken out (or down at connect) stays out until it is
 re-checked — at the first sample of the next step, in the background (`recheck`: its card and the
 probe, compared with the teacher's), the step's samples going to the others meanwhile or waiting
-for it where none is left; the hedging point is `hedge_after` times the median of the replicas'
-latest answer times (at least `hedge_floor_s`; before any answer, only to an idle replica); ties
-of requests in flight go round the replicas from step to step.
+for it where none is left; a replica in use is checked so too at the first step
+`ReplicaSettings.recheck_s` after its last check (a server restarted with other weights behind its
+URL), sent no sample of that step until its check is back; the hedging point is `hedge_after`
+times the median of the replicas' latest answer times (at least `hedge_floor_s`; before any
+answer, only to an idle replica); ties of requests in flight go round the replicas from step to
+step.
 
 Nothing polls: a request's answer completes its future, whose callback moves the sample on; one
 watcher thread per pool sleeps until the next hedging point or deadline of a sample in flight (or
@@ -72,11 +75,12 @@ class Job:
 
 class Scheduler:
     """The samples of a teacher's steps over its `replicas` (endpoints), as `settings` says;
-    `recheck(replica, step)` re-checks a replica taken out (its outcome comes back by `rejoin`);
+    `recheck(replica, step, in_use)` re-checks a replica (out, or in use: `in_use`; its outcome comes
+    back by `rejoin`);
     what it does is counted in `recorder`."""
 
     def __init__(self, replicas: Sequence[Endpoint], settings: ReplicaSettings, url: str,
-                 recheck: Callable[[int, Step], None], recorder: Recorder) -> None:
+                 recheck: Callable[[int, Step, bool], None], recorder: Recorder) -> None:
         self.replicas, self.settings, self.url, self.recheck = list(replicas), settings, url, recheck
         self.recorder = recorder
         self.spread = settings.spread or FewestInFlight()  # ReplicaSettings resolves it: never None there
@@ -87,7 +91,8 @@ class Scheduler:
         self.attempts: list[set[Attempt]] = [set() for _ in range(n)]  # each replica's requests in flight
         self.models: list[ServedModel | None] = [None] * n  # each replica's own served model (the name it is asked by)
         self.out: dict[int, BaseException] = {}  # replicas taken out (or down at connect), with their latest error
-        self.checking: set[int] = set()  # of those, the ones being re-checked now
+        self.checking: set[int] = set()  # replicas being re-checked now (out, or in use and due): sent no sample
+        self.checked = [time.monotonic()] * n  # when each replica's card and probe were last asked
         self.history: deque[float] = deque(maxlen=HISTORY)
         self.median = 0.0
         self.placements = Placements()
@@ -104,26 +109,40 @@ class Scheduler:
                 self.models[index] = model
                 self.out.pop(index, None)
             self.out.update(errors)
+            self.checked = [time.monotonic()] * len(self.replicas)
 
     def usable(self) -> list[int]:
-        """The replicas samples may go to now (holding the lock)."""
-        return [i for i in range(len(self.replicas)) if i not in self.out]
+        """The replicas samples may go to now: neither out nor being checked (holding the lock)."""
+        return [i for i in range(len(self.replicas)) if i not in self.out and i not in self.checking]
+
+    def to_check(self) -> list[tuple[int, bool]]:
+        """The replicas to check at the start of a step, marked as being checked (holding the lock):
+        each one out, and each in use whose last check is `recheck_s` old (several replicas only);
+        (index, whether it is in use)."""
+        every = self.settings.recheck_s
+        now = time.monotonic()
+        due = [(i, i not in self.out) for i in range(len(self.replicas)) if i not in self.checking and (
+            i in self.out or (every is not None and len(self.replicas) > 1 and now - self.checked[i] >= every))]
+        for index, _ in due:
+            self.checking.add(index)
+            self.checked[index] = now
+        return due
 
     def usable_now(self) -> list[int]:
+        """The replicas not out, those being checked included (a text to tokenize may go there)."""
         with self.lock:
-            return self.usable()
+            return [i for i in range(len(self.replicas)) if i not in self.out]
 
     # ------------------------------------------------------------------ a sample in
     def ask(self, model: ServedModel, sample: SampleAsk, step: Step) -> futures.Future:
         """The sample's future (see the module's words)."""
-        checks: list[int] = []
+        checks: list[tuple[int, bool]] = []
         with self.lock:
             state = self.steps.get(step)
-            if state is None:  # a new step: the replicas taken out are asked again, before any sample goes there
+            if state is None:  # a new step: the replicas out (or due) are asked again, before any sample goes there
                 state = self.steps[step] = StepState()
                 self.placements.homes.clear()
-                checks = [i for i in self.out if i not in self.checking]
-                self.checking.update(checks)
+                checks = self.to_check()
             job = Job(model, sample, step, state)
             self.jobs.add(job)
             attempt = self.reserve(job, sample.prompt)
@@ -132,8 +151,8 @@ class Scheduler:
                 self.waiting.append(job)
             failure = self.all_failed(job) if attempt is None and not waits else None
             self.watch()
-        for index in checks:
-            self.recheck(index, step)
+        for index, in_use in checks:
+            self.recheck(index, step, in_use)
         step.cancel.on_set(lambda: self.cancelled(job))
         if attempt is not None:
             self.send(job, attempt)
@@ -259,11 +278,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ a replica re-checked
     def rejoin(self, index: int, model: ServedModel | None, error: BaseException | None) -> None:
-        """A re-check's outcome: the replica back in (its waiting samples sent), or still out."""
+        """A re-check's outcome: the replica back in (its waiting samples sent), or out; one that was
+        in use and is out now is counted and (failing: a refusal is the pool's to word) warned of."""
         sent: list[tuple[Job, Attempt]] = []
         failed: list[tuple[Job, ServedTeacherError]] = []
         with self.lock:
             self.checking.discard(index)
+            taken_out = error is not None and index not in self.out
             if error is None:
                 self.out.pop(index, None)
                 self.models[index] = model
@@ -279,6 +300,12 @@ class Scheduler:
                 elif not job.done:
                     failed.append((job, self.all_failed(job)))
             self.changed.notify_all()
+        if taken_out:
+            url = self.replicas[index].url
+            self.recorder.took_out(url)
+            if not isinstance(error, ServedTeacherRefusal):
+                LOG.warning("served teacher %s: replica %s taken out at its re-check (%s); its samples go to the "
+                            "others, and it is asked again next step", redacted(self.url), redacted(url), error)
         for job, attempt in sent:
             self.send(job, attempt)
         for job, failure in failed:

@@ -111,13 +111,23 @@ class ReplicaSettings:
     samples on one replica while another idles).
 
     `min_replicas`: the replicas that must answer (and agree) when the teacher connects; the others
-    are named in one warning, left out, and asked again between steps (re-probed before use)."""
+    are named in one warning, left out, and asked again between steps (re-probed before use).
+
+    `recheck_s`: every replica in use is probed again (its card and the probe, compared with the
+    teacher's) at the start of the first step this many seconds after its last check, before that
+    step sends it a sample: a server restarted behind the same URL with other weights is taken
+    out, named in a warning, and the step is scored by the others. A replica is checked while the
+    step's samples go to the rest (or wait for the first one back: one probe's time); None or 0:
+    only a replica taken out is checked again. A change is found at the first step `recheck_s`
+    after it, not sooner (a probe each step would cost each step a round trip to every replica).
+    Ignored with one URL (nothing to compare with but itself)."""
 
     hedge_after: float | None = 3.0
     hedge_floor_s: float = 1.0
     keep_prompt_groups: bool = False
     spread: FewestInFlight | None = None
     min_replicas: int = 1
+    recheck_s: float | None = 60.0
 
     def __post_init__(self) -> None:
         if self.hedge_after is not None and (not finite(self.hedge_after) or self.hedge_after < 1):
@@ -134,6 +144,12 @@ class ReplicaSettings:
                 not 1 <= self.min_replicas <= MAX_REPLICAS:
             raise ValueError(f"ReplicaSettings(min_replicas={shown(self.min_replicas)}) must be an int from 1 to "
                              f"{MAX_REPLICAS} (the replicas that must answer at connect)")
+        if self.recheck_s is not None:
+            if isinstance(self.recheck_s, bool) or not isinstance(self.recheck_s, numbers.Real):
+                raise TypeError(f"ReplicaSettings(recheck_s=...) must be a number of seconds or None (no re-check of "
+                                f"the replicas in use), got {type(self.recheck_s).__name__}")
+            wait_seconds(f"ReplicaSettings(recheck_s={shown(self.recheck_s)})", self.recheck_s, allow_zero=True)
+            object.__setattr__(self, "recheck_s", float(self.recheck_s) or None)  # 0: off, as None
         spread = self.spread or (PromptAffinity() if self.keep_prompt_groups else FewestInFlight())
         if self.keep_prompt_groups and not isinstance(spread, PromptAffinity):
             raise ValueError(f"ReplicaSettings(keep_prompt_groups=True, spread={spread!r}): keep_prompt_groups=True "

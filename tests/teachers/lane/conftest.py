@@ -4,7 +4,9 @@ wrote (float32, every parameter perturbed) with a word-level tokenizer; the test
 scores with transformers' own forward in this process; beside it, for hidden-state teachers, one
 pooling server of the same checkpoint, a server without a tokenizer and a bf16 pooling server; for
 a teacher's replicas, a spare generate server of a byte copy of the checkpoint at another path (its
-prefix cache on; paused, then killed).
+prefix cache on; paused, then killed); for the head's logit scale, a generate server of a tiny
+random Cohere whose config.json omits logit_scale (the engine's 0.0625 default) and a pooling
+server of it (`served_extra`: only with MRP_SERVED_EXTRA=1).
 Every server the session's tests use starts together, when the first is asked for (`launched`). Without
 MRP_VLLM_PYTHON every test here skips (the main lane); with it, a server that does not start is an
 error, never a skip."""
@@ -36,6 +38,9 @@ def pytest_collection_modifyitems(items):
             if not VLLM_PYTHON:
                 item.add_marker(pytest.mark.skip(reason="the served lane runs this (make test-served; "
                                                         "MRP_VLLM_PYTHON names vLLM's interpreter)"))
+            elif item.get_closest_marker("served_extra") and not EXTRA:
+                item.add_marker(pytest.mark.skip(reason="servers of its own past the served lane's time budget: "
+                                                        "MRP_SERVED_EXTRA=1 make test-served runs it"))
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,36 @@ def bf16_checkpoint(root: Path) -> Path:
     return directory
 
 
+def cohere_checkpoint(root: Path) -> Path:
+    """A tiny random Cohere (Command R: logits × logit_scale, which config.json omits here, so the
+    engine uses its 0.0625 default), untied: a stored lm_head.weight unlike the embeddings, which
+    vLLM 0.32's commandr.py drops (it projects through the embeddings whatever config.json says),
+    with the lane's word tokenizer (issue 86 item 11)."""
+    import json
+
+    import torch
+    import transformers
+
+    directory = root / "cohere"
+    if (directory / "config.json").exists():
+        return directory
+    config = transformers.CohereConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=MAX_MODEL_LEN, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(13)
+    model = transformers.CohereForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # random, norms about 1 (a norm left at 1 hides nothing here)
+            param.copy_(torch.randn_like(param) * 0.2 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(directory)
+    save_word_tokenizer(directory, VOCAB)
+    written = json.loads((directory / "config.json").read_text())
+    del written["logit_scale"]  # omitted: the engine's default applies
+    (directory / "config.json").write_text(json.dumps(written))
+    return directory
+
+
 def spare_copy(root: Path, directory: Path) -> Path:
     """A byte copy of the lane's checkpoint at another path (the spare replica serves it)."""
     import shutil
@@ -94,6 +129,10 @@ def start(name: str, root: Path, directory: Path) -> Any:
                       extra=("--enable-prefix-caching",), **common)
     if name == "pooled":
         return launch(VLLM_PYTHON, directory, root / "vllm-pooling.log", api_key=API_KEY, extra=POOLING, **common)
+    if name == "cohere":  # a family whose engine scales its logits by a default (issue 86 item 11)
+        return launch(VLLM_PYTHON, cohere_checkpoint(root), root / "vllm-cohere.log", **common)
+    if name == "cohere_pooled":
+        return launch(VLLM_PYTHON, cohere_checkpoint(root), root / "vllm-cohere-pooling.log", extra=POOLING, **common)
     if name == "tokenizerless":  # as slime starts its own engines: no tokenizer, so no /tokenize
         return launch(VLLM_PYTHON, directory, root / "vllm-tokenizerless.log", extra=("--skip-tokenizer-init",),
                       **common)
@@ -102,7 +141,9 @@ def start(name: str, root: Path, directory: Path) -> Any:
                   dtype="bfloat16", max_model_len=MAX_MODEL_LEN)
 
 
-SERVERS = ("served", "pooled", "tokenizerless", "bf16_pooled", "spare")
+SERVERS = ("served", "pooled", "tokenizerless", "bf16_pooled", "spare", "cohere", "cohere_pooled")
+# a module marked served_extra starts servers of its own past the lane's time budget: run with this set
+EXTRA = bool(os.environ.get("MRP_SERVED_EXTRA"))
 
 
 @pytest.fixture(scope="session")
@@ -113,7 +154,8 @@ def launched(request, checkpoint):
     finish sooner than one after another); each fixture below takes its own and stops it."""
     from megatron_rl_patches.testing.vllm_server import servers_that_fit, stop, wait_ready
 
-    wanted = {name for item in request.session.items for name in item.fixturenames}
+    wanted = {name for item in request.session.items if not item.get_closest_marker("skip")
+              for name in item.fixturenames}
     root, directory, _ = checkpoint
     names = [name for name in SERVERS if name in wanted]
     wave = servers_that_fit(len(names)) if names else 1
@@ -198,6 +240,20 @@ def bf16_pooled(launched, checkpoint):
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("MEGATRON_RL_PATCHES_TEACHER_API_KEY", API_KEY)
             yield server.url, checkpoint[0] / "qwen3-bf16"
+
+
+@pytest.fixture(scope="session")
+def cohere(launched, checkpoint):
+    """A generate server of a tiny random Cohere whose config.json omits logit_scale: (url, its directory)."""
+    with ready(launched, "cohere", checkpoint) as server:
+        yield server.url, checkpoint[0] / "cohere"
+
+
+@pytest.fixture(scope="session")
+def cohere_pooled(launched, checkpoint):
+    """A pooling server of the same Cohere (its final hidden states per token): its url."""
+    with ready(launched, "cohere_pooled", checkpoint) as server:
+        yield server.url
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """A loopback TCP forwarder in front of a real server, for the failure tests: after `hold_all` it
 takes connections and answers nothing (a server hung mid-step); `close` resets every connection and
 stops listening (a server that died: connections reset, then refused); `retarget` puts another server
-behind the same URL."""
+behind the same URL (the open connections reset), `restart` too (closed as a stopped server's are)."""
 from __future__ import annotations
 
 import contextlib
@@ -52,6 +52,18 @@ class Forwarder:
         connections reset."""
         self.upstream_port = upstream_port
         self._reset()
+
+    def restart(self, upstream_port: int) -> None:
+        """Forward to another server from now on, the open connections closed as a stopped server's
+        are (FIN, not a reset): a server restarted behind the same URL between steps, which a
+        client's next request does not notice (it opens a new connection)."""
+        self.upstream_port = upstream_port
+        sockets, self.sockets = self.sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                sock.close()
 
     def hold_all(self) -> None:
         """From now on answer nothing: the open connections reset, new ones held."""

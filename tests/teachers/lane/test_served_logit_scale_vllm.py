@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl_patches.teachers import ClientSettings, ServedTeacher, TeacherBatch, TeacherHead
-from megatron_rl_patches.teachers.head_transforms import APPLIED, HEAD_TRANSFORMS, OUTER, TEXT
+from megatron_rl_patches.teachers.head_transforms import APPLIED, EMBEDDING_OUTPUT, HEAD_TRANSFORMS, OUTER, TEXT
 from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
 from tests.teachers.lane.served_kit import MAX_LOGPROBS, MODEL_SHAPE, POOLING, VLLM_PYTHON, VOCAB
 
@@ -80,3 +80,16 @@ def test_each_applied_row_is_read_where_the_lanes_vllm_reads_it():
             assert row.key in source, (row.key, name)
             assert ("get_text_config()" in source) == (row.reads == TEXT), (row.key, name, row.reads)
     assert {row.reads for row in HEAD_TRANSFORMS if row.action == APPLIED} == {OUTER, TEXT}
+
+
+def test_each_embedding_output_file_projects_through_the_embeddings():
+    """Every architecture `EMBEDDING_OUTPUT` reads the head of from the embeddings is built by a
+    lane vLLM model file whose logits come from `self.model.embed_tokens` (no lm_head of its own)."""
+    found = subprocess.run([VLLM_PYTHON, "-c", "import importlib.util; "
+                            "print(importlib.util.find_spec('vllm').submodule_search_locations[0])"],
+                           capture_output=True, text=True, check=True, timeout=120)
+    models = Path(found.stdout.strip()) / "model_executor" / "models"
+    for name in EMBEDDING_OUTPUT:
+        source = (models / name).read_text()
+        assert "logits_processor(self.model.embed_tokens" in source, name
+        assert "self.lm_head" not in source, name

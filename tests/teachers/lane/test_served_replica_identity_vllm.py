@@ -90,3 +90,33 @@ def test_a_replica_back_with_other_weights_is_probed_again_and_kept_out(served, 
     link.close()
     assert any(link.url in r.getMessage() and "scores the probe other than" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_a_replica_restarted_with_other_weights_between_steps_is_taken_out_at_its_recheck(spare, other_weights,
+                                                                                          caplog, monkeypatch):
+    """Issue 86 item 1's last sentence: C (the spare) and one URL in front of C whose server is swapped
+    for B between two steps (the same path and card as C; its connections closed as a stopped
+    server's are, no request failing): every later step's scores are C's (none mixes B's), and the
+    replica is named as computing otherwise, taken out at its re-check. The module's servers only."""
+    monkeypatch.setenv("MEGATRON_RL_PATCHES_TEACHER_API_KEY", API_KEY)  # the `served` fixture's, not asked for here
+    batch = samples(23, count=6)
+    link = Forwarder(port_of(spare.url))
+    said: list[str] = []
+    with ServedTeacher([spare.url, link.url], top_k=K, client=FAST,
+                       replicas=ReplicaSettings(hedge_after=None, recheck_s=0.5)) as teacher:
+        teacher.check()
+        want = teacher.score(batch)
+        link.restart(port_of(other_weights.url))  # restarted behind the same URL with another checkpoint
+        time.sleep(1.0)
+        with caplog.at_level(logging.WARNING, logger="megatron_rl_patches.teachers.served"):
+            until = time.monotonic() + 30
+            steps = 0
+            while time.monotonic() < until and not any("other than" in r.getMessage() for r in caplog.records):
+                assert_close(teacher.score(batch), want)
+                steps += 1
+            said = [r.getMessage() for r in caplog.records]
+            assert_close(teacher.score(batch), want)
+    link.close()
+    print(f"{steps} steps until the warning: {said}")
+    assert any(link.url in words and "scores the probe other than" in words and "taken out" in words
+               for words in said), said

@@ -135,3 +135,31 @@ def test_names_served_alike_are_still_compared_for_length():
             teacher.check()
 
 
+
+
+def test_a_replica_restarted_with_other_weights_between_steps_is_taken_out_at_its_recheck(caplog):
+    """Issue 86 item 1's last sentence through the HTTP client: b answers every request, but serves
+    another checkpoint from the second step on (no failure to notice): the step `recheck_s` after
+    its last check probes it first and scores with a alone."""
+    with vllm_like() as a, vllm_like() as b, \
+            ServedTeacher([url_of(a), url_of(b)], top_k=2, client=FAST,
+                          replicas=ReplicaSettings(hedge_after=None, recheck_s=0.05)) as teacher:
+        teacher.check()
+        want = teacher.score(batch())
+        b.routes[COMPLETIONS] = named("m", shift=-0.5)  # restarted behind the same URL with another checkpoint
+        time.sleep(0.1)
+        back = len(b.bodies)
+        with caplog.at_level(logging.WARNING, logger="megatron_rl_patches.teachers.served"):
+            got = teacher.score(batch())
+
+            def warned() -> bool:
+                return any(url_of(b) in r.getMessage() and "scores the probe other than" in r.getMessage() and
+                           "taken out (asked again next step)" in r.getMessage() for r in caplog.records)
+
+            until = time.monotonic() + 10
+            while not warned() and time.monotonic() < until:
+                time.sleep(0.01)  # b's check may end after the step, which a scored alone meanwhile
+        samples_to_b = [body for path, body in b.bodies[back:] if path == COMPLETIONS and len(body["prompt"]) == 6]
+    assert samples_to_b == [], "b scored samples of the step after its weights changed"
+    assert all(torch.equal(g, w) for g, w in zip(got.topk_log_probs, want.topk_log_probs))
+    assert warned()
