@@ -124,8 +124,9 @@ endif
 # verl 0.9.1 on the newest lane's venv, installed --no-deps into .lanes/verl so that venv's torch
 # and megatron-core stay as they are (first build ~2 min, then a stamp). Loud skip when the lane
 # cannot be built; under CI=true a failing test naming the lane. Where the served lane's vLLM venv
-# is built (its stamp), its interpreter is passed on: one vLLM server for the served-teacher module
-# (tests/integrations/verl/lane/test_verl_served.py, about 2 minutes), which skips without it.
+# is built (its stamp), its interpreter is passed on: the vLLM servers of the served-teacher modules
+# (tests/integrations/verl/lane/test_verl_served.py, test_verl_served_vocab.py), which skip without
+# it; they start together at the lane's first test and load while the modules before theirs run.
 VERL_LANE = .lanes/verl
 VERL_STAMP = $(VERL_LANE)/.installed
 $(VERL_STAMP): tools/verl-lane.txt

@@ -36,14 +36,21 @@ class VocabWideTensors:
 
     def __enter__(self) -> VocabWideTensors:
         watch = self
+        allocates: dict[Any, bool] = {}  # per op: none of its results aliases an input (a view, in place)
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                if not any(ret.alias_info is not None for ret in func._schema.returns):
-                    for value in tree_flatten(out)[0]:
-                        if isinstance(value, torch.Tensor):
-                            watch.record(value)
+                fresh = allocates.get(func)
+                if fresh is None:  # reading the schema's returns costs more than most tiny ops
+                    fresh = allocates[func] = not any(ret.alias_info is not None for ret in func._schema.returns)
+                if fresh:
+                    if isinstance(out, torch.Tensor):
+                        watch.record(out)
+                    else:
+                        for value in tree_flatten(out)[0]:
+                            if isinstance(value, torch.Tensor):
+                                watch.record(value)
                 return out
 
         self._mode = _Mode()

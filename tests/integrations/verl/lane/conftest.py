@@ -3,8 +3,8 @@ code on tiny packed GPTModels on CPU. Every module here is marked `verl` and ski
 verl is not importable (the main lanes). The modules skip on `verl.models`, not `verl`: where
 verl is missing, tests/integrations/ on sys.path makes tests/integrations/verl/ a namespace
 package `verl` (a real verl, a regular package, always wins over it). The vLLM servers of the
-modules that define `launch_server(root)` start together, the first time one is asked for
-(`launched`)."""
+modules that define `launch_server(root)` start together at the lane's first test (`launched`,
+asked for by `servers_load_from_the_first_test`), so they load while the modules before theirs run."""
 from __future__ import annotations
 
 import os
@@ -39,3 +39,11 @@ def launched(request, tmp_path_factory):
     finally:
         for server, _ in started.values():
             stop(server.process)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def servers_load_from_the_first_test(launched):
+    """The lane's vLLM servers started with its first test, not with the first served module's
+    (alphabetically the eighth): a server's load is about one core for 30-60 s, which the lane's
+    serial tests before it leave free (issue 87 item 8)."""
+    return launched
