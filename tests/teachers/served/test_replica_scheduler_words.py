@@ -32,7 +32,7 @@ def told_by_hand(replicas: list[MemoryEndpoint], settings: ReplicaSettings) -> t
     """A scheduler whose re-checks are only listed: the test tells their outcome (`rejoin`)."""
     asked: list[int] = []
     url = "|".join(replica.url for replica in replicas)
-    return Scheduler(replicas, settings, url, lambda index, step: asked.append(index), Recorder()), asked
+    return Scheduler(replicas, settings, url, lambda index, step, in_use: asked.append(index), Recorder()), asked
 
 
 def test_every_replica_failed_is_one_error_naming_each_in_order():
