@@ -83,11 +83,15 @@ class RolloutTeachers:
     def __init__(self, settings: OpdSettings | None, args: Any = None) -> None:
         self.args = args
         self.teachers: list[Any] = []
+        self.contexts: list[str | None] = []  # each teacher's context key, read once (teachers.privileged)
         if rollout_entries(settings):
             from megatron_rl_patches.teachers.served.build import served_teacher_of  # lazy: import cost: httpx, torch
 
             assert settings is not None  # rollout_entries found some
-            self.teachers = [served_teacher_of(t, top_k=settings.k) for t in rollout_entries(settings)]
+            from megatron_rl_patches.teachers.privileged import step_teachers
+
+            built = [served_teacher_of(t, top_k=settings.k) for t in rollout_entries(settings)]
+            self.teachers, self.contexts = step_teachers(built)
         self.samples = 0
         self.waited_s = 0.0
         self.tokenizer: Any = None
@@ -95,7 +99,7 @@ class RolloutTeachers:
     @property
     def keys(self) -> list[str]:
         """Each teacher's key among a sample's carried rows."""
-        return [teacher_key(teacher) for teacher in self.teachers]
+        return [teacher_key(teacher, key) for teacher, key in zip(self.teachers, self.contexts)]
 
     def __reduce__(self) -> tuple:
         return (empty_holder, ())
@@ -142,7 +146,7 @@ def rollout_teachers(args: Any) -> RolloutTeachers | None:
 def sample_contexts(held: RolloutTeachers, sample: Any) -> list[dict] | None:
     """The sample's privileged contexts for the teachers with a key (text tokenized by the
     student's tokenizer, as the training ranks read it), one mapping; None: no teacher has one."""
-    keys = [t.context for t in held.teachers if t.context is not None]
+    keys = [key for key in held.contexts if key is not None]
     if not keys:
         return None
     from megatron_rl_patches.teachers.context import context_ids  # lazy: import cost: tokenizers, text only
@@ -179,8 +183,7 @@ async def score_sample(args: Any, sample: Any, *, rollout_id: int | None = None,
         return None
     tokens = torch.tensor(list(sample.tokens), dtype=torch.long)
     batch = TeacherBatch([tokens], [len(tokens) - response])
-    asked = teacher_batches(held.teachers, [t.context for t in held.teachers], batch, sample_contexts(held, sample),
-                            None)
+    asked = teacher_batches(held.teachers, held.contexts, batch, sample_contexts(held, sample), None)
     started = time.perf_counter()
     pending = [teacher.submit(one) for teacher, one in zip(held.teachers, asked)]
     try:

@@ -140,7 +140,7 @@ def test_each_sample_scored_as_its_generation_ends_and_read_by_the_train_step_un
             (fresh,) = step.collect()
         held_teachers.close()
     assert order[-1] == 0  # the held sample did not hold the other two back
-    assert all(set(s.train_metadata[ROWS]) == {teacher_key(served)} for s in samples)
+    assert all(set(s.train_metadata[ROWS]) == {teacher_key(served, served.context)} for s in samples)
     assert (figures["samples"], figures["teachers"][0]["samples"]) == (3, 3) and figures["hook_wait_s"] > 0
     assert (read["samples"], read["scored_before"]) == (3, 3) and read["collect_wait_s"] < 0.5
     for got, want in ((carried.topk_ids, fresh.topk_ids), (carried.topk_log_probs, fresh.topk_log_probs),

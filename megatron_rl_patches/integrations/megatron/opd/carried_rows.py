@@ -31,10 +31,11 @@ ROWS = "megatron_rl_patches_teacher_rows"  # the reserved train_metadata key of 
 CARRIED = "opd_rollout_rows"  # per sample of a training rank's rollout data: its carried rows (or None)
 
 
-def teacher_key(teacher: Any) -> str:
+def teacher_key(teacher: Any, context: str | None) -> str:
     """A served teacher's key among a sample's carried rows: a digest of its identity (replica
-    URLs redacted and sorted, engine, top-k, temperature, context key)."""
-    identity = teacher_identity(teacher, teacher.context, True, head=False)  # a ServedTeacher's own key
+    URLs redacted and sorted, engine, top-k, temperature, `context`: its context key, read by the
+    key's one reader, `teachers.privileged`)."""
+    identity = teacher_identity(teacher, context, True, head=False)
     return f"{zlib.crc32(repr(sorted(identity.items())).encode()):08x}"
 
 
@@ -87,7 +88,7 @@ def add_carried(step: Any, batch: TeacherBatch, contexts: Any, rollout_data: Map
     carried = rollout_data.get(CARRIED)
     if not isinstance(carried, list) or len(carried) != len(batch):
         return False
-    key = teacher_key(step.teachers[0])
+    key = teacher_key(step.teachers[0], step.keys[0])
     mine = [rows.get(key) if isinstance(rows, Mapping) else None for rows in carried]
     if not any(mine):
         return False
