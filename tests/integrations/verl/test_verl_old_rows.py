@@ -52,3 +52,15 @@ def test_each_engine_holds_its_own_rows():
     old_rows_of(actor).note_step(7)  # the same pass's next micro-batch: nothing forgotten
     assert old_rows_of(actor) is old_rows_of(actor) and old_rows_of(reference).get([key]) is None
     assert old_rows_of(actor).get([key]) is not None
+
+
+def test_forget_drops_the_rows_and_the_pass_so_the_same_pass_id_starts_afresh():
+    kept = OldRows()
+    key = sample_key(torch.tensor([1, 2, 3]), 1, 2)
+    kept.note_step(10)
+    kept.put(key, *rows(-1.0))
+    kept.forget()
+    assert kept.get([key]) is None and kept.pass_id is None
+    kept.put(key, *rows(-2.0))
+    kept.note_step(10)  # the first micro-batch of a pass after the forgetting, even with the last one's id
+    assert kept.get([key]) is None
