@@ -21,6 +21,7 @@ from megatron_rl_patches.integrations.nemo_rl import (
     privileged_teacher_policy,
     self_teacher_in_setup,
     self_teacher_policy,
+    served_teacher_policy,
 )
 from megatron_rl_patches.integrations.nemo_rl.privileged_teacher import PRIVILEGED
 from megatron_rl_patches.integrations.nemo_rl.self_teacher import SELF
@@ -120,6 +121,13 @@ def test_the_last_rollouts_contexts_read_once_where_the_batch_has_no_field():
         policy.get_topk_logits(student_data(), k=K)
 
 
+def test_a_batch_without_nemo_rls_fields_refused_whole_naming_the_policys_call():
+    with pytest.raises(ValueError, match=whole(
+            "SelfTeacherPolicy.get_topk_logits(data): data has no 'input_lengths' (NeMo-RL's distillation batch holds "
+            "input_ids, input_lengths, token_mask)")):
+        self_teacher_policy("hint", student=Scorer()).get_topk_logits({"input_ids": torch.zeros(2, 3)}, k=K)
+
+
 def test_an_answer_of_another_shape_refused_whole_naming_whose_pass():
     class Short(Scorer):
         def get_topk_logits(self, data, k, micro_batch_size=None, timer=None):
@@ -135,14 +143,17 @@ def test_each_roles_residency_calls():
     teacher, student = Scorer(), Scorer()
     privileged = privileged_teacher_policy("hint", teacher=teacher)
     assert privileged.prepare_for_lp_inference(1, a=2) == "prepared"
-    assert privileged.offload_after_refit(3, b=4) == "after" and privileged.offload_before_refit() == "before"
-    assert teacher.moves == [("prepare", (1,), {"a": 2}), ("after", (3,), {"b": 4}), ("before", (), {})]
+    assert privileged.offload_after_refit(3, b=4) == "after" and privileged.offload_before_refit(6, c=7) == "before"
+    assert teacher.moves == [("prepare", (1,), {"a": 2}), ("after", (3,), {"b": 4}), ("before", (6,), {"c": 7})]
     live = self_teacher_policy("hint", student=student)
     assert live.prepare_for_lp_inference(5) == "prepared"
     assert live.offload_after_refit() is None and live.offload_before_refit() is None  # the student trains next
     assert student.moves == [("prepare", (5,), {})]
     assert privileged.teacher is teacher and live.student is student
     assert repr(privileged) == "PrivilegedTeacherPolicy(context='hint')"
+    served = served_teacher_policy("http://127.0.0.1:9")  # the discard port: residency asks the server nothing
+    assert served.prepare_for_lp_inference(1) is None and served.offload_after_refit() is None
+    assert served.offload_before_refit() is None
     assert repr(live) == "SelfTeacherPolicy(context='hint')"
 
 
@@ -152,6 +163,10 @@ def test_the_refusals_matched_whole():
             "its Policy as it is, or give the batch field of each sample's context, e.g. "
             "privileged_teacher_policy(context='solution')")):
         PrivilegedTeacherPolicy(None)
+    with pytest.raises(ValueError, match=whole(
+            "PrivilegedTeacherPolicy(context=...): the key of each sample's privileged context must be a non-empty "
+            "str or None, got ''")):
+        PrivilegedTeacherPolicy("")
     with pytest.raises(ValueError, match=whole(
             "SelfTeacherPolicy(context=None): the live self-teacher without a privileged context would be the student "
             "scoring itself (every divergence zero); give it the batch field of each sample's context, e.g. "
