@@ -165,7 +165,8 @@ def measure_once(fn: Callable[[Inputs], Any], x: Inputs, probe: measure.MemoryPr
                  clock: Callable[[], float]) -> dict:
     """One forward + backward: {"time_s", "excess_bytes"} or {"oom": True} or {"error": text}."""
     x.hidden.grad = x.weight.grad = None
-    gc.collect()
+    if probe.cuda:  # a measured peak needs the last run freed first (on CPU no peak is measured)
+        gc.collect()
     probe.start()
     try:
         sync()
@@ -252,10 +253,11 @@ def run_token_count(T: int, H: int, V: int, runs: int, device: str, dtype: Any,
 
 
 def _free(cuda: bool) -> None:
-    gc.collect()
+    """Free the last run's memory before the next is measured: CUDA only (no peak is measured on CPU)."""
     if cuda:
         import torch
 
+        gc.collect()
         torch.cuda.empty_cache()
 
 
