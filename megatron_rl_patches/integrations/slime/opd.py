@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._args import bind
+from megatron_rl_patches.integrations.megatron.model_chunk import unwrap
 from megatron_rl_patches.integrations.megatron.opd import hf_teachers, hidden_teachers, opd_terms, teacher_builders
 from megatron_rl_patches.integrations.megatron.opd.carried_rows import CARRIED, take_rows
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import (
@@ -102,7 +103,7 @@ def load_teachers(actor: Any, settings: OpdSettings) -> list[OpdTeacher]:
     directory's of another architecture), wrapped when it keeps its own tokenizer; the actor's own
     weights are active again afterwards."""
     check_args(actor.args, settings)
-    student = hf_teachers.student_vocab(actor.args, teacher_builders.unwrap(actor.model[-1]).vocab_size)
+    student = hf_teachers.student_vocab(actor.args, unwrap(actor.model[-1]).vocab_size)
     loaded = teacher_builders.load_all(SlimeActor(actor), settings, student)
     actor._switch_model("actor")
     if settings.full_vocab:
@@ -239,7 +240,7 @@ def train_actor_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
     if isinstance(rollout_data, dict):
         rollout_data[SETTINGS] = settings
         if settings is not None and hasattr(instance, ATTRIBUTE):
-            vocab = int(teacher_builders.unwrap(instance.model[-1]).vocab_size)
+            vocab = int(unwrap(instance.model[-1]).vocab_size)
             take_rows(rollout_data)  # the rows a rollout's served teachers gave, off the carried contexts
             contexts = step_contexts(instance.args, rollout_data, settings, vocab)  # agreed before any teacher is asked
             if contexts is not None:

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from megatron_rl_patches.integrations.megatron.model_chunk import mtp_heads_build_logits
 from megatron_rl_patches.integrations.slime import fused as slime_fused
 
 
@@ -389,9 +390,9 @@ def test_mtp_heads_building_logits_are_named_until_mtp_output_processor_is_appli
     model = gpt_model.GPTModel(config=config, transformer_layer_spec=spec, vocab_size=100, max_sequence_length=16,
                                mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
     native = hasattr(gpt_model, "process_mtp_loss")
-    assert slime_fused.mtp_heads_build_logits(model) is native
+    assert mtp_heads_build_logits(model) is native
     megatron_rl_patches.apply(only=["mtp_output_processor"])
-    assert slime_fused.mtp_heads_build_logits(model) is False
+    assert mtp_heads_build_logits(model) is False
     plain = gpt_model.GPTModel(config=megatron_cpu.config(), transformer_layer_spec=spec, vocab_size=100,
                                max_sequence_length=16)
-    assert slime_fused.mtp_heads_build_logits(plain) is False
+    assert mtp_heads_build_logits(plain) is False
