@@ -24,7 +24,8 @@ from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     STEP_MASK,
     STEP_SAME_AS,
 )
-from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
+from megatron_rl_patches.integrations.megatron.opd.zigzag import zigzag_from_local
+from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active
 from megatron_rl_patches.integrations.slime.topk import per_sample_rows
 from megatron_rl_patches.teachers.scores import TeacherScores
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches.integrations.megatron.opd.zigzag import local_spans
 from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
-from megatron_rl_patches.integrations.slime.allgather_cp import local_spans
 
 IDS, OFFSETS = "rollout_top_p_token_ids", "rollout_top_p_token_offsets"
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.slime.allgather_cp import local_from_zigzag
+from megatron_rl_patches.integrations.megatron.opd.zigzag import local_rows
 from megatron_rl_patches.integrations.slime.rows import response_positions
 from megatron_rl_patches.processors.heads import one_row_selection, output_layer_pre_hooks_ran, topk_output_processor
 
@@ -66,20 +66,6 @@ def topk_context(request: Any, batch: dict, length: int, device: Any, allgather_
     if masks is not None:
         context["ids_mask"] = packed_ids(masks, positions, length, dtype=torch.bool)[None]
     return context
-
-
-def local_rows(batch: dict, length: int, ids: list[torch.Tensor],
-               masks: list[torch.Tensor] | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """The rollout's per-sample ids (and masks), kept in slime's zigzag rows, on the contiguous rows
-    of this rank's slice under --allgather-cp (unchanged with one context-parallel rank)."""
-    from megatron.core import parallel_state
-
-    if parallel_state.get_context_parallel_world_size() == 1:
-        return ids, masks
-
-    lengths = (batch["total_lengths"], batch["response_lengths"])
-    return (local_from_zigzag(ids, length, *lengths),
-            None if masks is None else local_from_zigzag(masks, length, *lengths))
 
 
 def per_sample_rows(values: torch.Tensor, batch: dict, allgather_cp: bool = False) -> list[torch.Tensor]:

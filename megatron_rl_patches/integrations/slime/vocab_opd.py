@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
+from megatron_rl_patches.integrations.megatron.opd.zigzag import zigzag_from_local
+from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active
 from megatron_rl_patches.integrations.slime.topk import per_sample_rows
 from megatron_rl_patches.integrations.slime.vocab_step import DIVERGENCE
 

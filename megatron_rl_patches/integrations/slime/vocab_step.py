@@ -15,7 +15,7 @@ import torch
 
 from megatron_rl_patches.integrations.megatron.opd.hidden_teachers import TeacherHeads
 from megatron_rl_patches.integrations.megatron.opd.topk_request import TEACHER_HEADS, TEACHER_HIDDEN, VocabRequest
-from megatron_rl_patches.integrations.slime.allgather_cp import local_from_zigzag
+from megatron_rl_patches.integrations.megatron.opd.zigzag import local_from_zigzag
 from megatron_rl_patches.integrations.slime.rows import response_positions, response_rows
 from megatron_rl_patches.integrations.slime.topk import packed_ids
 from megatron_rl_patches.processors.distill import divergence_output_processor, hidden_output_processor
