@@ -29,7 +29,13 @@ import torch
 
 from megatron_rl_patches._args import bind
 from megatron_rl_patches.integrations.megatron.model_chunk import unwrap
-from megatron_rl_patches.integrations.megatron.opd import hf_teachers, hidden_teachers, opd_terms, teacher_builders
+from megatron_rl_patches.integrations.megatron.opd import (
+    hf_teachers,
+    hidden_teachers,
+    opd_terms,
+    teacher_builders,
+    topk_teachers,
+)
 from megatron_rl_patches.integrations.megatron.opd.carried_rows import CARRIED, take_rows
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import (
     LOSS_PATH,
@@ -192,44 +198,25 @@ def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> Non
                                        functools.partial(topk_pass, invariant=invariant))
         actor._switch_model("actor")
         return
-    student = topk_pass(actor.args, actor.model, rollout_data, TopkRequest(k=settings.k), invariant=invariant)
-    ids = student.get("topk_ids")
-    # Every pipeline stage takes part in each teacher's pipelined pass, in the same order; the ids
-    # live on the last stage only, so whether the passes run is the last stage's answer, agreed.
-    if not pipeline_agrees(ids is not None or not last_stage()):
-        for teacher in teachers:  # a served teacher's requests collected, its job-wide agreement joined
-            teacher.unscored()
+    scored = topk_teachers.score_teachers(SlimeActor(actor), rollout_data, settings, teachers,
+                                          functools.partial(topk_pass, invariant=invariant), invariant=invariant,
+                                          cut_rows=cross_loss.cut)
+    if scored is None:  # no stage had ids: no teacher pass ran
         return
-    last = ids is not None
-    if last:
-        rollout_data[IDS] = ids
-        rollout_data.pop(IDS_MASK, None)
-    step = ScoringStep(SlimeActor(actor), rollout_data, settings, last, student,
-                       functools.partial(topk_pass, invariant=invariant), invariant=invariant,
-                       cut_rows=cross_loss.cut)
-    scores = [teacher.score(step) for teacher in teachers]
     actor._switch_model("actor")
-    if last:
+    step, scores = scored
+    if step.last:
         store_scores(step, [out for out in scores if out is not None])
 
 
 def store_scores(step: ScoringStep, scores: list[TeacherScores]) -> None:
-    """The teachers' scores in the rollout data: those of the step's ids stacked per sample as
-    [n, R, k] / [n, R]; those of grouped buckets (another tokenizer) with the step's ids and their
-    own (`cross_loss.place`), and slime's `--use-opd` field from the first of them."""
-    rollout_data = step.rollout_data
-    on_ids = [out for out in scores if out.ids is None]
+    """The teachers' scores in the rollout data (`topk_teachers.store_scores`: stacked over the
+    step's ids, grouped buckets placed), and slime's `--use-opd` field from the first teacher of
+    grouped buckets (another tokenizer)."""
+    topk_teachers.store_scores(step, scores)
     grouped = [out for out in scores if out.ids is not None]
-    indices = [index for index, out in enumerate(scores) if out.ids is not None]
-    if on_ids:
-        rollout_data[TEACHER_LOGPROBS] = [torch.stack(per_teacher) for per_teacher in
-                                          zip(*(out.log_probs for out in on_ids))]
-        rollout_data[TEACHER_TAILS] = [torch.stack(per_teacher) for per_teacher in zip(*(out.tails for out in on_ids))]
-    if grouped:
-        cross_loss.place(rollout_data, grouped, same=bool(on_ids), union=step.settings.ids_from == "union",
-                           indices=indices)
-        if getattr(step.actor.args, "use_opd", False):
-            cross_loss.spread_for_slime(rollout_data, grouped[0], step.student_log_probs)
+    if grouped and getattr(step.actor.args, "use_opd", False):
+        cross_loss.spread_for_slime(step.rollout_data, grouped[0], step.student_log_probs)
 
 
 def train_actor_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

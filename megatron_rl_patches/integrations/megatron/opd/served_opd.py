@@ -122,7 +122,7 @@ class ServedOpdTeacher(OpdTeacher):
         return TeacherScores(cut(values), cut(tails))
 
     def cross_scores(self, step: ScoringStep) -> TeacherScores | None:
-        """Another tokenizer's buckets on the student's whole rows (as slime's `cross_loss.place` stores them)."""
+        """Another tokenizer's buckets on the student's whole rows (as `topk_teachers.place` stores them)."""
         scores = self.collected()
         if scores is None:
             return None
