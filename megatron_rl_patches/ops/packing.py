@@ -36,6 +36,7 @@ __all__ = [
     "response_log_probs_and_entropy",
     "allgather_cp_to_zigzag",
     "zigzag_to_allgather_cp",
+    "packed_ids",
 ]
 
 
@@ -367,3 +368,20 @@ def _moved(
     picked = full[positions(targets)]
     sizes = [sum(p.stop - p.start for p in pieces) for pieces in targets]
     return list(picked.split(sizes))
+
+
+def packed_ids(per_sample: list[torch.Tensor], positions: list[torch.Tensor], length: int,
+               dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """[T, k] ids on the packed rows from per-sample [R_i, k] (rows outside responses: id 0); with
+    `dtype=torch.bool`, an ids mask the same way (rows outside responses: False)."""
+    if len(per_sample) != len(positions):
+        raise ValueError(f"top-k ids for {len(per_sample)} samples, the micro-batch has {len(positions)}")
+    k = per_sample[0].shape[-1]
+    device = positions[0].device
+    ids = torch.zeros(length, k, dtype=dtype, device=device)
+    for sample, rows in zip(per_sample, positions):
+        if sample.shape != (rows.numel(), k):
+            raise ValueError(f"top-k ids of shape {tuple(sample.shape)} for a response of {rows.numel()} tokens "
+                             f"(expected [{rows.numel()}, {k}])")
+        ids[rows] = sample.to(device=device, dtype=dtype)
+    return ids

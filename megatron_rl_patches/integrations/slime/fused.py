@@ -35,9 +35,10 @@ from megatron_rl_patches.integrations.slime.step_plan import (
     step_settings,
 )
 from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
-from megatron_rl_patches.integrations.slime.topk import topk_context, with_topk
+from megatron_rl_patches.integrations.slime.topk import topk_context
 from megatron_rl_patches.integrations.slime.vocab_step import vocab_processor
 from megatron_rl_patches.integrations.step_mode import student_invariant
+from megatron_rl_patches.processors.combined import with_topk
 from megatron_rl_patches.processors.heads import log_prob_output_processor
 
 FALLBACK = "slime_fused: {feature}: this step uses slime's own logits path"

@@ -72,8 +72,9 @@ from megatron_rl_patches.integrations.slime.fused import unservable
 from megatron_rl_patches.integrations.slime.rows import response_positions
 from megatron_rl_patches.integrations.slime.step_plan import SETTINGS, StepPlan, plan_in, planned
 from megatron_rl_patches.integrations.slime.teacher_metrics import FIGURES, log_figures, note_figures
-from megatron_rl_patches.integrations.slime.topk import packed_ids, per_sample_rows
+from megatron_rl_patches.integrations.slime.topk import per_sample_rows
 from megatron_rl_patches.integrations.step_mode import student_invariant
+from megatron_rl_patches.ops.packing import packed_ids
 from megatron_rl_patches.ops.topk import topk_kl, topk_logprobs
 from megatron_rl_patches.teachers.kinds import RunFacts, check_entries
 
