@@ -59,10 +59,10 @@ from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     IDS_MASK,
     OPD_KEYS,
     TEACHER_LOGPROBS,
-    TEACHER_TAILS,
     VOCAB_KEYS,
     TopkRequest,
 )
+from megatron_rl_patches.integrations.megatron.opd.topk_request import TEACHER_TAILS as TEACHER_TAILS
 from megatron_rl_patches.integrations.megatron.opd.zigzag import local_rows, zigzag_from_local
 from megatron_rl_patches.integrations.slime import cross_loss, vocab_opd
 from megatron_rl_patches.integrations.slime.actor import SlimeActor
@@ -75,9 +75,12 @@ from megatron_rl_patches.integrations.slime.teacher_metrics import FIGURES, log_
 from megatron_rl_patches.integrations.slime.topk import per_sample_rows
 from megatron_rl_patches.integrations.step_mode import student_invariant
 from megatron_rl_patches.ops.packing import packed_ids
-from megatron_rl_patches.ops.topk import topk_kl, topk_logprobs
+from megatron_rl_patches.ops.topk import topk_kl as topk_kl
+from megatron_rl_patches.ops.topk import topk_logprobs
 from megatron_rl_patches.teachers.kinds import RunFacts, check_entries
 
+# TEACHER_TAILS and topk_kl are imported `as` themselves: re-exported, read off this module by tests (the loss
+# that used them is opd_terms.mixture_terms now)
 ATTRIBUTE = "_megatron_rl_patches_opd_teachers"
 
 
@@ -307,18 +310,10 @@ def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean
     loss, log = policy_loss_function(args, batch, logits, sum_of_sample_mean)
     student, student_tail = student_buckets(args, batch, logits, invariant)
     if batch.get(CROSS_RATIO) is not None:  # a teacher with another tokenizer: every teacher's term
-        opd = sum_of_sample_mean(opd_terms.loss_terms(settings, batch, student, student_tail,
-                                                       cross_loss.token_log_probs(args, batch, logits),
-                                                       invariant))
-        log["opd_topk_loss"] = opd.clone().detach()
-        return settings.policy_weight * loss + settings.coef * opd, log
-    teachers = torch.cat(batch[TEACHER_LOGPROBS], dim=1).to(student)
-    tails = torch.cat(batch[TEACHER_TAILS], dim=1).to(student)
-    weights = None if settings.weights is None else torch.tensor(settings.weights, dtype=torch.float64)
-    mask = batch.get(IDS_MASK)
-    mask = None if mask is None else torch.cat(mask).to(device=student.device, dtype=torch.bool)
-    divergence = topk_kl(student, student_tail, teachers, tails, teacher_weights=weights,
-                         divergence=settings.divergence, ids_mask=mask, invariant=invariant)
-    opd = sum_of_sample_mean(divergence)
+        terms = opd_terms.loss_terms(settings, batch, student, student_tail,
+                                     cross_loss.token_log_probs(args, batch, logits), invariant)
+    else:
+        terms = opd_terms.mixture_terms(settings, batch, student, student_tail, invariant)
+    opd = sum_of_sample_mean(terms)
     log["opd_topk_loss"] = opd.clone().detach()
     return settings.policy_weight * loss + settings.coef * opd, log

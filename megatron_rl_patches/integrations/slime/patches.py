@@ -31,6 +31,11 @@ def _fused(target: str, wrapper: str, description: str, params: tuple[str, ...],
                  requires=None, params=params, optional=optional)
 
 
+def _opd(target: str, wrapper: str, description: str, params: tuple[str, ...], optional: bool = False) -> Patch:
+    return Patch(name="slime_opd", target=target, wrapper=f"{HERE}.{wrapper}", description=description,
+                 requires=None, params=params, optional=optional)
+
+
 PATCHES = (
     *train_reentry_patches(MODEL, SLIME_TRAIN_PARAMS, "slime"),
     Patch(
@@ -84,35 +89,27 @@ PATCHES = (
            ("logits", "args", "unconcat_tokens", "total_lengths", "response_lengths", "with_entropy")),
     _fused(f"{ACTOR}:forward_only", "forward_only_wrapper",
            "the same, where slime's actor bound forward_only at import", ("f", "args", "model"), optional=True),
-    Patch(name="slime_opd", target=f"{ACTOR}:MegatronTrainRayActor.init", wrapper=f"{HERE}.opd:init_wrapper",
-          description="top-k OPD teachers loaded after slime's actor init (MEGATRON_RL_PATCHES_OPD_TEACHERS)",
-          requires=None, params=("self", "args", "role", "with_ref", "with_opd_teacher")),
-    Patch(name="slime_opd", target=f"{ACTOR}:MegatronTrainRayActor.train_actor",
-          wrapper=f"{HERE}.opd:train_actor_wrapper",
-          description="the actor's top-k ids, then every teacher's scores, before slime's train_actor",
-          requires=None, params=("self", "rollout_id", "rollout_data")),
-    Patch(name="slime_opd", target=f"{METRICS}:log_rollout_data", wrapper=f"{HERE}.opd:log_rollout_data_wrapper",
-          description="top-k OPD's rollout-data fields (ids, teacher scores) kept out of slime's rollout metrics",
-          requires=None, params=("rollout_id", "args", "rollout_data")),
-    Patch(name="slime_opd", target=f"{ROLLOUT}:RolloutManager._split_train_data_by_dp",
-          wrapper=f"{HERE}.contexts:split_wrapper",
-          description="the rollout manager's per-rank split carries each sample's train_metadata keys named by "
-                      "';context=KEY' teachers (slime copies a fixed list of keys)",
-          requires=None, params=("self", "data"), optional=True),
-    Patch(name="slime_opd", target=f"{ROLLOUT}:tensorize_rollout_data_for_training",
-          wrapper=f"{HERE}.contexts:tensorize_wrapper",
-          description="each rank's samples' contexts put in its rollout data as the split packages it",
-          requires=None, params=("rollout_data",), optional=True),
-    Patch(name="slime_opd", target=f"{GENERATE}:apply_rollout_sample_hooks",
-          wrapper=f"{HERE}.rollout_scores:hooks_wrapper",
-          description="each sample sent to the served teachers as its generation ends, its rows carried with it "
-                      "(MEGATRON_RL_PATCHES_OPD_SCORE_AT=rollout)",
-          requires=None, params=("args", "value"), optional=True),
-    Patch(name="slime_opd", target=f"{ROLLOUT}:log_rollout_data",
-          wrapper=f"{HERE}.rollout_scores:log_rollout_data_wrapper",
-          description="the rollout's served teachers' figures in slime's rollout metrics (teacher/...)",
-          requires=None, params=("rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"),
-          optional=True),
+    _opd(f"{ACTOR}:MegatronTrainRayActor.init", "opd:init_wrapper",
+         "top-k OPD teachers loaded after slime's actor init (MEGATRON_RL_PATCHES_OPD_TEACHERS)",
+         ("self", "args", "role", "with_ref", "with_opd_teacher")),
+    _opd(f"{ACTOR}:MegatronTrainRayActor.train_actor", "opd:train_actor_wrapper",
+         "the actor's top-k ids, then every teacher's scores, before slime's train_actor",
+         ("self", "rollout_id", "rollout_data")),
+    _opd(f"{METRICS}:log_rollout_data", "opd:log_rollout_data_wrapper",
+         "top-k OPD's rollout-data fields (ids, teacher scores) kept out of slime's rollout metrics",
+         ("rollout_id", "args", "rollout_data")),
+    _opd(f"{ROLLOUT}:RolloutManager._split_train_data_by_dp", "contexts:split_wrapper",
+         "the rollout manager's per-rank split carries each sample's train_metadata keys named by "
+         "';context=KEY' teachers (slime copies a fixed list of keys)", ("self", "data"), optional=True),
+    _opd(f"{ROLLOUT}:tensorize_rollout_data_for_training", "contexts:tensorize_wrapper",
+         "each rank's samples' contexts put in its rollout data as the split packages it", ("rollout_data",),
+         optional=True),
+    _opd(f"{GENERATE}:apply_rollout_sample_hooks", "rollout_scores:hooks_wrapper",
+         "each sample sent to the served teachers as its generation ends, its rows carried with it "
+         "(MEGATRON_RL_PATCHES_OPD_SCORE_AT=rollout)", ("args", "value"), optional=True),
+    _opd(f"{ROLLOUT}:log_rollout_data", "rollout_scores:log_rollout_data_wrapper",
+         "the rollout's served teachers' figures in slime's rollout metrics (teacher/...)",
+         ("rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"), optional=True),
 )
 
 
