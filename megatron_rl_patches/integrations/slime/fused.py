@@ -25,15 +25,9 @@ from megatron_rl_patches.integrations.megatron.model_chunk import (
 )
 from megatron_rl_patches.integrations.megatron.opd.hidden_teachers import real_vocab_size
 from megatron_rl_patches.integrations.megatron.opd.topk_request import VocabRequest
+from megatron_rl_patches.integrations.megatron.planned_iterators import plan_of, planned
 from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
-from megatron_rl_patches.integrations.slime.step_plan import (
-    PLAN,
-    StepPlan,
-    plan_of,
-    planned,
-    step_request,
-    step_settings,
-)
+from megatron_rl_patches.integrations.slime.step_plan import PLAN, StepPlan, step_request, step_settings
 from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
 from megatron_rl_patches.integrations.slime.topk import topk_context
 from megatron_rl_patches.integrations.slime.vocab_step import vocab_processor

@@ -64,13 +64,14 @@ from megatron_rl_patches.integrations.megatron.opd.topk_request import (
 )
 from megatron_rl_patches.integrations.megatron.opd.topk_request import TEACHER_TAILS as TEACHER_TAILS
 from megatron_rl_patches.integrations.megatron.opd.zigzag import local_rows, zigzag_from_local
+from megatron_rl_patches.integrations.megatron.planned_iterators import planned
 from megatron_rl_patches.integrations.slime import cross_loss, vocab_opd
 from megatron_rl_patches.integrations.slime.actor import SlimeActor
 from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active
 from megatron_rl_patches.integrations.slime.contexts import METADATA, check_layouts, step_contexts
 from megatron_rl_patches.integrations.slime.fused import unservable
 from megatron_rl_patches.integrations.slime.rows import response_positions
-from megatron_rl_patches.integrations.slime.step_plan import SETTINGS, StepPlan, plan_in, planned
+from megatron_rl_patches.integrations.slime.step_plan import SETTINGS, StepPlan, plan_in
 from megatron_rl_patches.integrations.slime.teacher_metrics import FIGURES, log_figures, note_figures
 from megatron_rl_patches.integrations.slime.topk import per_sample_rows
 from megatron_rl_patches.integrations.step_mode import student_invariant

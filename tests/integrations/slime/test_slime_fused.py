@@ -287,8 +287,8 @@ def test_the_actor_steps_settings_reach_its_training_steps_parsed_once(monkeypat
     `train_actor` wrapper parses them and puts them in the rollout data, whose data iterators
     hand them to every `train_one_step` inside (no second parse; None: top-k OPD off, not parsed
     again either); slime's metrics never see them. Before: parsed again by each train_one_step."""
+    from megatron_rl_patches.integrations.megatron.planned_iterators import plan_of
     from megatron_rl_patches.integrations.slime import opd, step_plan
-    from megatron_rl_patches.integrations.slime.step_plan import plan_of
 
     parsed: list = []
 
@@ -329,7 +329,7 @@ def test_a_planned_iterator_is_slimes_iterator_with_a_plan_and_copies():
     through the wrapped one while the copy is built)."""
     import copy
 
-    from megatron_rl_patches.integrations.slime.step_plan import plan_of, planned
+    from megatron_rl_patches.integrations.megatron.planned_iterators import plan_of, planned
 
     plan = slime_fused.StepPlan(_args(), True, False)
     inner = types.SimpleNamespace(offset=3, micro_batch_indices=[[0], [1]])
