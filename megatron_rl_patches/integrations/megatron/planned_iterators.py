@@ -2,11 +2,12 @@
 the schedule its data iterators, and the schedule hands them, untouched, to the framework's
 `forward_step_func(data_iterator, model)` and from there to its batch getter: callbacks of fixed
 signatures, so a plan for the step (what a fused model call needs) travels with the iterators
-(`planned`), and whoever holds one reads it back (`plan_of`). No module or context variable holds
+(`planned`), and whoever holds one reads it back (`plan_of`; the schedule's forward step given
+the plan: `planned_schedule`). No module or context variable holds
 it. slime's step plan (`integrations.slime.step_plan`) rides on them."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -38,3 +39,20 @@ def plan_of(iterators: Any) -> Any:
     if isinstance(iterators, Sequence) and not isinstance(iterators, (str, bytes)):
         iterators = iterators[0] if len(iterators) else None
     return iterators.plan if isinstance(iterators, PlannedIterator) else None
+
+
+def planned_schedule(schedule: Callable[..., Any], step_for: Callable[[Any, Any], Any]) -> Callable[..., Any]:
+    """`schedule` (one `get_forward_backward_func()` returned) running `step_for(forward_step_func,
+    plan)` as its forward step when its data iterators carry a plan; as it is otherwise."""
+
+    def run(*call_args: Any, **call_kwargs: Any) -> Any:
+        plan = plan_of(call_kwargs.get("data_iterator"))
+        if plan is None:
+            return schedule(*call_args, **call_kwargs)
+        if "forward_step_func" in call_kwargs:
+            call_kwargs["forward_step_func"] = step_for(call_kwargs["forward_step_func"], plan)
+        elif call_args:
+            call_args = (step_for(call_args[0], plan), *call_args[1:])
+        return schedule(*call_args, **call_kwargs)
+
+    return run

@@ -25,7 +25,7 @@ from megatron_rl_patches.integrations.megatron.model_chunk import (
 )
 from megatron_rl_patches.integrations.megatron.opd.hidden_teachers import real_vocab_size
 from megatron_rl_patches.integrations.megatron.opd.topk_request import VocabRequest
-from megatron_rl_patches.integrations.megatron.planned_iterators import plan_of, planned
+from megatron_rl_patches.integrations.megatron.planned_iterators import plan_of, planned, planned_schedule
 from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
 from megatron_rl_patches.integrations.slime.step_plan import PLAN, StepPlan, step_request, step_settings
 from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
@@ -149,19 +149,7 @@ def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
     """wrapt wrapper for `get_forward_backward_func()`: the schedule it returns runs slime's
     forward step with the fused model when its data iterators carry a plan (a plan for slime's
     logits path: the model whose logits carry the step's invariant mode)."""
-    schedule = wrapped(*args, **kwargs)
-
-    def planned_schedule(*call_args: Any, **call_kwargs: Any) -> Any:
-        plan = plan_of(call_kwargs.get("data_iterator"))
-        if plan is None:
-            return schedule(*call_args, **call_kwargs)
-        if "forward_step_func" in call_kwargs:
-            call_kwargs["forward_step_func"] = fused_step(call_kwargs["forward_step_func"], plan)
-        elif call_args:
-            call_args = (fused_step(call_args[0], plan), *call_args[1:])
-        return schedule(*call_args, **call_kwargs)
-
-    return planned_schedule
+    return planned_schedule(wrapped(*args, **kwargs), fused_step)
 
 
 def fused_step(step: Any, plan: StepPlan) -> Any:

@@ -24,55 +24,40 @@ SLIME_TRAIN_PARAMS = ("rollout_id", "model", "optimizer", "opt_param_scheduler",
 SLIME_LOGPROB_PARAMS = ("logits", "tokens", "tp_group")
 # a role at its own layout (role;tp=N)
 LAYOUT_PASS = "megatron_rl_patches.integrations.megatron.opd.layout_role_pass:forward_only_wrapper"
+LOGPROBS = f"{HERE}.logprobs:calculate_log_probs_and_entropy_wrapper"
+
+
+def _record(name: str, target: str, wrapper: str, description: str, params: tuple[str, ...],
+            optional: bool = False) -> Patch:
+    return Patch(name=name, target=target, wrapper=wrapper, description=description, requires=None, params=params,
+                 optional=optional)
 
 
 def _fused(target: str, wrapper: str, description: str, params: tuple[str, ...], optional: bool = False) -> Patch:
-    return Patch(name="slime_fused", target=target, wrapper=f"{HERE}.fused:{wrapper}", description=description,
-                 requires=None, params=params, optional=optional)
+    return _record("slime_fused", target, f"{HERE}.fused:{wrapper}", description, params, optional)
 
 
 def _opd(target: str, wrapper: str, description: str, params: tuple[str, ...], optional: bool = False) -> Patch:
-    return Patch(name="slime_opd", target=target, wrapper=f"{HERE}.{wrapper}", description=description,
-                 requires=None, params=params, optional=optional)
+    return _record("slime_opd", target, f"{HERE}.{wrapper}", description, params, optional)
 
 
 PATCHES = (
     *train_reentry_patches(MODEL, SLIME_TRAIN_PARAMS, "slime"),
-    Patch(
-        name="inference_roles",
-        target=f"{MODEL}:initialize_model_and_optimizer",
-        wrapper=f"{HERE}.roles:initialize_model_and_optimizer_wrapper",
-        description="roles in MEGATRON_RL_PATCHES_INFERENCE_ROLES built inference-only",
-        requires=None,
-        params=("args", "role"),
-    ),
-    Patch(name="inference_roles", target=f"{MODEL}:forward_only", wrapper=LAYOUT_PASS,
-          description="slime's log-prob pass of a role at its own layout (role;tp=N) through score_at_layout",
-          requires=None, params=("f", "args", "model", "data_iterator", "num_microbatches", "store_prefix")),
-    Patch(name="inference_roles", target=f"{ACTOR}:forward_only", wrapper=LAYOUT_PASS,
-          description="the same, where slime's actor bound forward_only at import", requires=None,
-          params=("f", "args", "model"), optional=True),
-    Patch(
-        name="slime_logprobs",
-        target="slime.utils.ppo_utils:calculate_log_probs_and_entropy",
-        wrapper=f"{HERE}.logprobs:calculate_log_probs_and_entropy_wrapper",
-        description="slime's log-prob/entropy replaced by the memory-optimal Function",
-        requires=None,
-        params=SLIME_LOGPROB_PARAMS,
-    ),
-    Patch(
-        name="slime_logprobs",
-        target=f"{LOSS}:calculate_log_probs_and_entropy",
-        optional=True,
-        wrapper=f"{HERE}.logprobs:calculate_log_probs_and_entropy_wrapper",
-        description="the same, where slime's loss module bound the name at import",
-        requires=None,
-        params=SLIME_LOGPROB_PARAMS,
-    ),
-    *(Patch(name="slime_logprobs", target=target, wrapper=f"{HERE}.logprobs:student_step_wrapper",
-            description=f"{what}: the logits its callback gets carry the student's invariant mode (its model "
-                        "config's batch_invariant_mode)", requires=None, params=("f", "args", "model"),
-            optional=optional)
+    _record("inference_roles", f"{MODEL}:initialize_model_and_optimizer",
+            f"{HERE}.roles:initialize_model_and_optimizer_wrapper",
+            "roles in MEGATRON_RL_PATCHES_INFERENCE_ROLES built inference-only", ("args", "role")),
+    _record("inference_roles", f"{MODEL}:forward_only", LAYOUT_PASS,
+            "slime's log-prob pass of a role at its own layout (role;tp=N) through score_at_layout",
+            ("f", "args", "model", "data_iterator", "num_microbatches", "store_prefix")),
+    _record("inference_roles", f"{ACTOR}:forward_only", LAYOUT_PASS,
+            "the same, where slime's actor bound forward_only at import", ("f", "args", "model"), optional=True),
+    _record("slime_logprobs", "slime.utils.ppo_utils:calculate_log_probs_and_entropy", LOGPROBS,
+            "slime's log-prob/entropy replaced by the memory-optimal Function", SLIME_LOGPROB_PARAMS),
+    _record("slime_logprobs", f"{LOSS}:calculate_log_probs_and_entropy", LOGPROBS,
+            "the same, where slime's loss module bound the name at import", SLIME_LOGPROB_PARAMS, optional=True),
+    *(_record("slime_logprobs", target, f"{HERE}.logprobs:student_step_wrapper",
+              f"{what}: the logits its callback gets carry the student's invariant mode (its model config's "
+              "batch_invariant_mode)", ("f", "args", "model"), optional=optional)
       for target, what, optional in (
           (f"{MODEL}:forward_only", "slime's forward_only", False),
           (f"{ACTOR}:forward_only", "the same, where slime's actor bound forward_only at import", True))),
