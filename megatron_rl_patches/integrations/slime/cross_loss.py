@@ -12,9 +12,8 @@ import torch
 
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, OpdSettings
 from megatron_rl_patches.integrations.megatron.opd.topk_teachers import grouped_field
-from megatron_rl_patches.integrations.megatron.opd.zigzag import zigzag_from_local
 from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active
-from megatron_rl_patches.integrations.slime.topk import per_sample_rows
+from megatron_rl_patches.integrations.slime.topk import sample_rows
 from megatron_rl_patches.teachers.scores import TeacherScores
 
 
@@ -58,10 +57,4 @@ def token_log_probs(args: Any, batch: dict, output: Any) -> torch.Tensor:
     if not isinstance(output, dict):
         raise RuntimeError("slime_opd: a teacher with another tokenizer needs the fused route's output; the step "
                            "fell back to slime's logits path (the slime_fused log line names why)")
-    allgather = allgather_cp_active(args)
-    values = output["log_probs"]
-    pieces = per_sample_rows(values, batch, allgather)
-    if allgather:
-        # differentiable: the pieces require grad
-        pieces = zigzag_from_local(pieces, values.shape[1], batch["total_lengths"], batch["response_lengths"])
-    return torch.cat(pieces)
+    return torch.cat(sample_rows(output["log_probs"], batch, allgather_cp_active(args)))  # with its gradient

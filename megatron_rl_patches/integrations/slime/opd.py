@@ -63,7 +63,7 @@ from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     TopkRequest,
 )
 from megatron_rl_patches.integrations.megatron.opd.topk_request import TEACHER_TAILS as TEACHER_TAILS
-from megatron_rl_patches.integrations.megatron.opd.zigzag import local_rows, zigzag_from_local
+from megatron_rl_patches.integrations.megatron.opd.zigzag import local_rows
 from megatron_rl_patches.integrations.megatron.planned_iterators import planned
 from megatron_rl_patches.integrations.slime import cross_loss, vocab_opd
 from megatron_rl_patches.integrations.slime.actor import SlimeActor
@@ -73,7 +73,7 @@ from megatron_rl_patches.integrations.slime.fused import unservable
 from megatron_rl_patches.integrations.slime.rows import response_positions
 from megatron_rl_patches.integrations.slime.step_plan import SETTINGS, StepPlan, plan_in
 from megatron_rl_patches.integrations.slime.teacher_metrics import FIGURES, log_figures, note_figures
-from megatron_rl_patches.integrations.slime.topk import per_sample_rows
+from megatron_rl_patches.integrations.slime.topk import sample_rows
 from megatron_rl_patches.integrations.step_mode import student_invariant
 from megatron_rl_patches.ops.packing import packed_ids
 from megatron_rl_patches.ops.topk import topk_kl as topk_kl
@@ -153,9 +153,7 @@ def collect_topk(output: Any, *, total_lengths: list[int], response_lengths: lis
     result = {}
     for key in ("topk_ids", "ids_mask", "topk_log_probs", "tail", "log_probs", "teacher_hidden"):
         if key in output:
-            pieces = [t.detach() for t in per_sample_rows(output[key], batch, allgather)]
-            result[key] = zigzag_from_local(pieces, output[key].shape[1], total_lengths, response_lengths) \
-                if allgather else pieces
+            result[key] = sample_rows(output[key].detach(), batch, allgather)
     return torch.empty((0,), device=output["log_probs"].device), result
 
 
@@ -287,11 +285,8 @@ def student_buckets(args: Any, batch: dict, logits: Any,
                                    tp_group=group, temperature=float(args.rollout_temperature), row_mask=responses,
                                    invariant=invariant)
         logp, tail = logp[None], tail[None]
-    pieces = [per_sample_rows(values, batch, allgather) for values in (logp, tail)]
-    if allgather:  # slime's per-sample fields (teacher buckets, masks) are in the zigzag rows
-        lengths = (batch["total_lengths"], batch["response_lengths"])
-        pieces = [zigzag_from_local(p, v.shape[1], *lengths) for p, v in zip(pieces, (logp, tail))]
-    return torch.cat(pieces[0]), torch.cat(pieces[1])
+    # in the rows of slime's per-sample fields (teacher buckets, masks): zigzag ones under --allgather-cp
+    return torch.cat(sample_rows(logp, batch, allgather)), torch.cat(sample_rows(tail, batch, allgather))
 
 
 def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean: Any) -> tuple[Any, dict]:

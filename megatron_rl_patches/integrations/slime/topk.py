@@ -1,6 +1,7 @@
 """Top-k buckets on slime's fused route: the top-k processor's context for a micro-batch (the
 per-sample ids of slime's rollout data placed back on its packed rows, `ops.packing.packed_ids`)
-and per-token results cut back to slime's per-sample response slices; the processor itself is
+and per-token results cut back to slime's per-sample response slices (`sample_rows`: in the
+rows slime keeps per-sample fields in); the processor itself is
 `processors.combined.with_topk`."""
 # lazy imports: optional dependency megatron-core
 from __future__ import annotations
@@ -9,7 +10,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.megatron.opd.zigzag import local_rows
+from megatron_rl_patches.integrations.megatron.opd.zigzag import local_rows, zigzag_from_local
 from megatron_rl_patches.integrations.slime.rows import response_positions
 from megatron_rl_patches.ops.packing import packed_ids
 
@@ -38,3 +39,13 @@ def per_sample_rows(values: torch.Tensor, batch: dict, allgather_cp: bool = Fals
     """[1, T, ...] per-token values of a micro-batch as slime's per-sample response slices."""
     rows = values.reshape(-1, *values.shape[2:])
     return [rows[p] for p in response_positions(batch, rows.shape[0], rows.device, allgather_cp)]
+
+
+def sample_rows(values: torch.Tensor, batch: dict, allgather: bool) -> list[torch.Tensor]:
+    """[1, T, ...] per-token values in the rows slime keeps per-sample fields in: its response
+    slices, moved to the rank's zigzag rows under an active `--allgather-cp` (`allgather`; gradients
+    flow back when the values require grad, as in slime's own redistribution)."""
+    pieces = per_sample_rows(values, batch, allgather)
+    if not allgather:
+        return pieces
+    return zigzag_from_local(pieces, values.shape[1], batch["total_lengths"], batch["response_lengths"])
