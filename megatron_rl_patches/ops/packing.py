@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 
 from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
+from megatron_rl_patches.ops.topk import topk_logprobs
 
 __all__ = [
     "PackedLayout",
@@ -37,6 +38,8 @@ __all__ = [
     "allgather_cp_to_zigzag",
     "zigzag_to_allgather_cp",
     "packed_ids",
+    "packed_topk_logprobs",
+    "positions_mask",
 ]
 
 
@@ -385,3 +388,23 @@ def packed_ids(per_sample: list[torch.Tensor], positions: list[torch.Tensor], le
                              f"(expected [{rows.numel()}, {k}])")
         ids[rows] = sample.to(device=device, dtype=dtype)
     return ids
+
+
+def packed_topk_logprobs(rows: torch.Tensor, ids: list[torch.Tensor], masks: list[torch.Tensor] | None,
+                         positions: list[torch.Tensor], **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """`topk_logprobs` of packed [T, V] logits `rows` at per-sample ids ([R_i, k] each, with their
+    bool `masks` or None) placed on each sample's response `positions` (`packed_ids`): only those
+    rows are scored (the other rows' ids are placeholders, 0, never read). `options`:
+    `topk_logprobs`' own (tp_group, temperature, invariant)."""
+    length = rows.shape[0]
+    mask = None if masks is None else packed_ids(masks, positions, length, dtype=torch.bool)
+    return topk_logprobs(rows, packed_ids(ids, positions, length), ids_mask=mask,
+                         row_mask=positions_mask(positions, length, rows.device), **options)
+
+
+def positions_mask(positions: list[torch.Tensor], length: int, device: Any) -> torch.Tensor:
+    """[length] bool: True at every row of `positions` (per sample, its row indices)."""
+    rows = torch.zeros(length, dtype=torch.bool, device=device)
+    if positions:
+        rows[torch.cat(positions)] = True
+    return rows

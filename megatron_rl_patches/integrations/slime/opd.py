@@ -50,11 +50,13 @@ from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (
     TeacherScores,
     opd_teacher,
 )
+from megatron_rl_patches.integrations.megatron.opd.served_opd import note_figures
 from megatron_rl_patches.integrations.megatron.opd.served_teacher import check_served
 from megatron_rl_patches.integrations.megatron.opd.stage_host import last_stage, pipeline_agrees
 from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     CONTEXTS,
     CROSS_RATIO,
+    FIGURES,
     IDS,
     IDS_MASK,
     OPD_KEYS,
@@ -72,16 +74,14 @@ from megatron_rl_patches.integrations.slime.contexts import METADATA, check_layo
 from megatron_rl_patches.integrations.slime.fused import unservable
 from megatron_rl_patches.integrations.slime.rows import response_positions
 from megatron_rl_patches.integrations.slime.step_plan import SETTINGS, StepPlan, plan_in
-from megatron_rl_patches.integrations.slime.teacher_metrics import FIGURES, log_figures, note_figures
+from megatron_rl_patches.integrations.slime.teacher_metrics import log_figures
 from megatron_rl_patches.integrations.slime.topk import sample_rows
 from megatron_rl_patches.integrations.step_mode import student_invariant
-from megatron_rl_patches.ops.packing import packed_ids
+from megatron_rl_patches.ops.packing import packed_topk_logprobs
 from megatron_rl_patches.ops.topk import topk_kl as topk_kl
-from megatron_rl_patches.ops.topk import topk_logprobs
 from megatron_rl_patches.teachers.kinds import RunFacts, check_entries
 
-# TEACHER_TAILS and topk_kl are imported `as` themselves: re-exported, read off this module by tests (the loss
-# that used them is opd_terms.mixture_terms now)
+# TEACHER_TAILS, topk_kl: imported `as` themselves, re-exported for the tests that read them off this module
 ATTRIBUTE = "_megatron_rl_patches_opd_teachers"
 
 
@@ -278,12 +278,8 @@ def student_buckets(args: Any, batch: dict, logits: Any,
         ids, mask = batch[IDS], batch.get(IDS_MASK)
         if allgather:
             ids, mask = local_rows(batch, rows.shape[0], ids, mask)
-        mask = None if mask is None else packed_ids(mask, positions, rows.shape[0], dtype=torch.bool)
-        responses = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
-        responses[torch.cat(positions)] = True  # the other rows' ids are placeholders (0), never read
-        logp, tail = topk_logprobs(rows, packed_ids(ids, positions, rows.shape[0]), ids_mask=mask,
-                                   tp_group=group, temperature=float(args.rollout_temperature), row_mask=responses,
-                                   invariant=invariant)
+        logp, tail = packed_topk_logprobs(rows, ids, mask, positions, tp_group=group,
+                                          temperature=float(args.rollout_temperature), invariant=invariant)
         logp, tail = logp[None], tail[None]
     # in the rows of slime's per-sample fields (teacher buckets, masks): zigzag ones under --allgather-cp
     return torch.cat(sample_rows(logp, batch, allgather)), torch.cat(sample_rows(tail, batch, allgather))

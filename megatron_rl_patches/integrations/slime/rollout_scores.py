@@ -14,11 +14,9 @@ ranks (`contexts.split_wrapper`); there the teacher step reads them instead of a
 digest checked against the batch it would ask for: a sample whose rows are missing or stale is
 asked at the train step). What the rollout's end still waits for is waited there.
 
-A teacher failing during the rollout (every replica down, the deadline passed, a sample too long)
-fails the rollout with the same named error (`ServedTeacherError` / `ServedTeacherRefusal`) the
-train step raises: a failure the client's retries and replicas did not absorb is no transient one,
-and a rollout cannot leave a sample half-scored. A teacher of another tokenizer (`;tokenizer=DIR`)
-or with a head (`;head=DIR`: its hidden states, 2H bytes a token) stays at the train step.
+A teacher failing during the rollout fails it with the train step's named error, and only teachers
+of the student's tokenizer without a head are asked there (`integrations.megatron.opd
+.rollout_teachers` says why).
 
 `MEGATRON_RL_PATCHES_OPD_SCORE_AT=train` (the default): every served teacher asked by the train
 step, as before.

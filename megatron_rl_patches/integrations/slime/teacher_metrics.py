@@ -1,6 +1,6 @@
 """The train step's served teachers in slime's train-side metrics (`teacher/...`): after the
-teachers scored a step (`note_figures`, on the last pipeline stage: each served teacher's
-`TeacherStep.metrics()`, summed, under `FIGURES` in the rollout data), slime's own
+teachers scored a step (`served_opd.note_figures`, on the last pipeline stage: each served teacher's
+`TeacherStep.metrics()`, summed, under `topk_request.FIGURES` in the rollout data), slime's own
 `log_rollout_data` logs them through its `gather_log_data("teacher", ...)` — averaged over the
 data-parallel ranks, to wandb / TensorBoard and its log line — on the ranks that log slime's own
 (tensor-parallel rank 0 of the last stage: the same collective). Fixed keys
@@ -10,21 +10,7 @@ data-parallel ranks, to wandb / TensorBoard and its log line — on the ranks th
 replica's `latency_p50_s` / `latency_p95_s` (0 without an answer)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
-
-from megatron_rl_patches.integrations.megatron.opd.served_opd import ServedOpdTeacher
-from megatron_rl_patches.teachers.step_metrics import fixed_figures
-
-FIGURES = "opd_teacher_figures"
-
-
-def note_figures(teachers: Sequence[Any], rollout_data: dict) -> None:
-    """The step's served teachers' figures (those holding a `TeacherStep`: the last stage's) in
-    `rollout_data[FIGURES]`; nothing where none holds one."""
-    steps = [teacher.step for teacher in teachers if isinstance(teacher, ServedOpdTeacher) and teacher.step is not None]
-    if steps:
-        rollout_data[FIGURES] = fixed_figures([step.metrics() for step in steps])
 
 
 def log_figures(rollout_id: Any, args: Any, figures: dict[str, float] | None) -> None:

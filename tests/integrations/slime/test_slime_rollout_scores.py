@@ -270,8 +270,8 @@ def test_a_replica_killed_during_the_rollout_is_one_warning_and_in_the_rollout_m
 
 
 def test_slimes_split_carries_the_rows_and_its_metrics_never_see_them(teachers_at):
+    from megatron_rl_patches.integrations.megatron.opd.topk_request import FIGURES
     from megatron_rl_patches.integrations.slime import contexts, opd
-    from megatron_rl_patches.integrations.slime.teacher_metrics import FIGURES
     from tests.integrations.slime.test_slime_contexts import split_like_slime
 
     rows = {"abc": {"digest": [3, 1, 0]}}

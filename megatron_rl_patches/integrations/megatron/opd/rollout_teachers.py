@@ -5,8 +5,13 @@ student's tokenizer on the top-k route (`rollout_entries`), their figures and th
 tokenizer for text contexts; `ask_rows` sends one sample to every one of them, awaits the answers
 without blocking the event loop's other samples and gives each teacher's rows packed under its key
 (`carried_rows.packed`, `teacher_key`), which the host carries with the sample to its training
-ranks. A failure raises the teacher's named error (`ServedTeacherError` / `ServedTeacherRefusal`).
-slime's rollout sample hook is the host today (`integrations.slime.rollout_scores`)."""
+ranks. slime's rollout sample hook is the host today (`integrations.slime.rollout_scores`).
+
+A teacher failing during the rollout (every replica down, the deadline passed, a sample too long)
+fails the rollout with the same named error (`ServedTeacherError` / `ServedTeacherRefusal`) the
+train step raises: a failure the client's retries and replicas did not absorb is no transient one,
+and a rollout cannot leave a sample half-scored. A teacher of another tokenizer (`;tokenizer=DIR`)
+or with a head (`;head=DIR`: its hidden states, 2H bytes a token) stays at the train step."""
 # lazy imports: optional dependency httpx (the extra `served`), torch only where a teacher is asked
 from __future__ import annotations
 
