@@ -41,7 +41,7 @@ def provider_role(provider: Callable[..., Any], run_args: Any, role: str, reside
     from megatron_rl_patches.inference.build import build_inference_model
     from megatron_rl_patches.inference.residency.placement import weights_on_host
 
-    chunks = build_inference_model(provider, model_type=ModelType.encoder_or_decoder, residency=residency)
+    chunks: list[Any] = build_inference_model(provider, model_type=ModelType.encoder_or_decoder, residency=residency)
     with weights_on_host(chunks):  # swap/stream: the host's own loader (delegated) writes the host copies too
         iteration = load(chunks)
     chunks[0].role = role  # slime tags chunk 0 with its role for logging
