@@ -20,6 +20,27 @@ def bind(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> inspect.Boun
     return bound
 
 
+def adapter_arguments(adapter: Callable[..., Any], wrapped: Callable[..., Any], args: tuple,
+                      kwargs: dict) -> tuple[dict[str, Any] | None, list[str]]:
+    """A call of `wrapped` (an installed function an adapter replaces) bound to `wrapped`'s own
+    signature (forks order and name parameters differently; the adapter's where `wrapped` takes
+    *args / **kwargs), its defaults applied: the arguments `adapter` takes, and the names of those
+    it does not take given a non-default value (the caller then runs `wrapped`). (None, []): the
+    call does not fit (`wrapped` raises its own error)."""
+    known = inspect.signature(adapter).parameters
+    signature = inspect.signature(wrapped)
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
+        signature = inspect.signature(adapter)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return None, []
+    bound.apply_defaults()
+    foreign = [name for name, value in bound.arguments.items()
+               if name not in known and value is not signature.parameters[name].default]
+    return {name: value for name, value in bound.arguments.items() if name in known}, foreign
+
+
 def positive_int(name: str, value: Any, meaning: str = "") -> int:
     """`value` as an int when it is an integer >= 1 (bool excluded, numpy integers accepted);
     ValueError naming `name` (and what it means) otherwise."""

@@ -58,3 +58,15 @@ def plain(logits: Any) -> Any:
         return logits
     with torch._C.DisableTorchFunctionSubclass():
         return logits.as_subclass(torch.Tensor)
+
+
+def marking(f: Any, invariant: bool | None) -> Any:
+    """`f` (a callback taking logits first) handed them marked with `invariant` (`with_mode`); its
+    name kept (`functools.wraps`: the framework's wrappers and ours read the callback's name)."""
+    import functools
+
+    @functools.wraps(f)
+    def marked(logits: Any, *rest: Any, **options: Any) -> Any:
+        return f(with_mode(logits, invariant), *rest, **options)
+
+    return marked

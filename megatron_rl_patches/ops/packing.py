@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 
 from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
+from megatron_rl_patches.ops.topk import topk_logprobs
 
 __all__ = [
     "PackedLayout",
@@ -36,6 +37,9 @@ __all__ = [
     "response_log_probs_and_entropy",
     "allgather_cp_to_zigzag",
     "zigzag_to_allgather_cp",
+    "packed_ids",
+    "packed_topk_logprobs",
+    "positions_mask",
 ]
 
 
@@ -367,3 +371,40 @@ def _moved(
     picked = full[positions(targets)]
     sizes = [sum(p.stop - p.start for p in pieces) for pieces in targets]
     return list(picked.split(sizes))
+
+
+def packed_ids(per_sample: list[torch.Tensor], positions: list[torch.Tensor], length: int,
+               dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """[T, k] ids on the packed rows from per-sample [R_i, k] (rows outside responses: id 0); with
+    `dtype=torch.bool`, an ids mask the same way (rows outside responses: False)."""
+    if len(per_sample) != len(positions):
+        raise ValueError(f"top-k ids for {len(per_sample)} samples, the micro-batch has {len(positions)}")
+    k = per_sample[0].shape[-1]
+    device = positions[0].device
+    ids = torch.zeros(length, k, dtype=dtype, device=device)
+    for sample, rows in zip(per_sample, positions):
+        if sample.shape != (rows.numel(), k):
+            raise ValueError(f"top-k ids of shape {tuple(sample.shape)} for a response of {rows.numel()} tokens "
+                             f"(expected [{rows.numel()}, {k}])")
+        ids[rows] = sample.to(device=device, dtype=dtype)
+    return ids
+
+
+def packed_topk_logprobs(rows: torch.Tensor, ids: list[torch.Tensor], masks: list[torch.Tensor] | None,
+                         positions: list[torch.Tensor], **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """`topk_logprobs` of packed [T, V] logits `rows` at per-sample ids ([R_i, k] each, with their
+    bool `masks` or None) placed on each sample's response `positions` (`packed_ids`): only those
+    rows are scored (the other rows' ids are placeholders, 0, never read). `options`:
+    `topk_logprobs`' own (tp_group, temperature, invariant)."""
+    length = rows.shape[0]
+    mask = None if masks is None else packed_ids(masks, positions, length, dtype=torch.bool)
+    return topk_logprobs(rows, packed_ids(ids, positions, length), ids_mask=mask,
+                         row_mask=positions_mask(positions, length, rows.device), **options)
+
+
+def positions_mask(positions: list[torch.Tensor], length: int, device: Any) -> torch.Tensor:
+    """[length] bool: True at every row of `positions` (per sample, its row indices)."""
+    rows = torch.zeros(length, dtype=torch.bool, device=device)
+    if positions:
+        rows[torch.cat(positions)] = True
+    return rows

@@ -1,5 +1,6 @@
 """Output processors for megatron-core's GPTModel and HybridModel (`output_processor=`), on every
-supported version: the log-prob and top-k heads (`heads`), the distillation ones (`distill`), the
+supported version: the log-prob and top-k heads (`heads`), the distillation ones (`distill`), several
+run in one call (`combined`), a rollout's top-p nuclei as the kept-set context (`nucleus`), the
 keyword's backport (`backport_common`, the shared forward; the wrappers `gpt_backport` and
 `hybrid_backport`; `gpt_signature`; patches `gpt_output_processor`
 for GPTModel before 0.18 and `hybrid_output_processor`), and the MTP heads' loss through the

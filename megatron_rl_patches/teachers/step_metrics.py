@@ -96,3 +96,21 @@ def flat(metrics: dict[str, Any], prefix: str = "teacher/") -> dict[str, float]:
             if value is not None:
                 out[f"{prefix}replica/{where}/{name}"] = value
     return out
+
+
+# `fixed_figures`' keys besides `taken_out` and the percentiles: the same on every rank
+FIXED_COUNTS = ("samples", "rows", "scored_before", "collect_s", "collect_wait_s", *SUMMED)
+
+
+def fixed_figures(each: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Several `TeacherStep.metrics()` dicts as one of fixed keys, every value a float (a framework
+    that averages a dict over its ranks needs every rank's to have the same keys): the counts
+    summed, `taken_out` a count, the slowest replica's `latency_p50_s` / `latency_p95_s` (0 without
+    an answer)."""
+    out = {name: float(sum(one.get(name, 0) for one in each)) for name in FIXED_COUNTS}
+    out["taken_out"] = float(sum(len(one.get("taken_out", [])) for one in each))
+    for name in PERCENTILES:
+        known = [figures[name] for one in each for figures in one.get("replicas", {}).values()
+                 if figures.get(name) is not None]
+        out[name] = float(max(known)) if known else 0.0
+    return out

@@ -11,30 +11,29 @@ What the route cannot serve goes to slime's own logits path with one log line na
 """
 from __future__ import annotations
 
-import inspect
 import logging
-import sys
 from typing import Any
 
 from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
+from megatron_rl_patches.integrations.megatron.model_chunk import (
+    accepts_processor,
+    batch_layout,
+    is_last_stage,
+    mtp_heads_build_logits,
+    schedule_plan_unservable,
+)
 from megatron_rl_patches.integrations.megatron.opd.hidden_teachers import real_vocab_size
 from megatron_rl_patches.integrations.megatron.opd.topk_request import VocabRequest
+from megatron_rl_patches.integrations.megatron.planned_iterators import plan_of, planned, planned_schedule
 from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
-from megatron_rl_patches.integrations.slime.step_plan import (
-    PLAN,
-    StepPlan,
-    plan_of,
-    planned,
-    step_request,
-    step_settings,
-)
+from megatron_rl_patches.integrations.slime.step_plan import PLAN, StepPlan, step_request, step_settings
 from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
-from megatron_rl_patches.integrations.slime.topk import topk_context, with_topk
+from megatron_rl_patches.integrations.slime.topk import topk_context
 from megatron_rl_patches.integrations.slime.vocab_step import vocab_processor
 from megatron_rl_patches.integrations.step_mode import student_invariant
+from megatron_rl_patches.processors.combined import with_topk
 from megatron_rl_patches.processors.heads import log_prob_output_processor
-from megatron_rl_patches.processors.mtp_loss import fused_mtp_loss_in_effect
 
 FALLBACK = "slime_fused: {feature}: this step uses slime's own logits path"
 
@@ -150,19 +149,7 @@ def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
     """wrapt wrapper for `get_forward_backward_func()`: the schedule it returns runs slime's
     forward step with the fused model when its data iterators carry a plan (a plan for slime's
     logits path: the model whose logits carry the step's invariant mode)."""
-    schedule = wrapped(*args, **kwargs)
-
-    def planned_schedule(*call_args: Any, **call_kwargs: Any) -> Any:
-        plan = plan_of(call_kwargs.get("data_iterator"))
-        if plan is None:
-            return schedule(*call_args, **call_kwargs)
-        if "forward_step_func" in call_kwargs:
-            call_kwargs["forward_step_func"] = fused_step(call_kwargs["forward_step_func"], plan)
-        elif call_args:
-            call_args = (fused_step(call_args[0], plan), *call_args[1:])
-        return schedule(*call_args, **call_kwargs)
-
-    return planned_schedule
+    return planned_schedule(wrapped(*args, **kwargs), fused_step)
 
 
 def fused_step(step: Any, plan: StepPlan) -> Any:
@@ -178,40 +165,6 @@ def fused_step(step: Any, plan: StepPlan) -> Any:
         return step(data_iterator, FusedModel(model, plan), *rest, **kwargs)
 
     return forward_step
-
-
-SCHEDULE_PLAN_FALLBACK = ("the combined-1F1B schedule plan (this megatron-core's model.build_schedule_plan has no "
-                          "output_processor keyword; megatron-core >= 0.18 has it)")
-
-
-def schedule_plan_unservable(model: Any) -> str | None:
-    """Why the combined-1F1B plan of this chunk goes to slime's logits path, or None: the last
-    stage's `build_schedule_plan` must take `output_processor` (megatron-core >= 0.18)."""
-    if not is_last_stage(model) or _accepts_processor(model, "build_schedule_plan"):
-        return None
-    return SCHEDULE_PLAN_FALLBACK
-
-
-def _inner(model: Any) -> Any:
-    """The language model under DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def is_last_stage(model: Any) -> bool:
-    """Whether this chunk computes the output layer (GPTModel's `post_process`): only the last
-    pipeline stage (per virtual stage with VPP) has log-probs to return."""
-    return bool(getattr(_inner(model), "post_process", True))
-
-
-def _accepts_processor(model: Any, method: str = "forward") -> bool:
-    inner = _inner(model)
-    try:
-        parameters = inspect.signature(getattr(inner, method)).parameters
-    except (AttributeError, TypeError, ValueError):
-        return False
-    return "output_processor" in parameters and "output_processor_context" in parameters
 
 
 class FusedModel:
@@ -257,7 +210,7 @@ class FusedModel:
                     f"micro-batch is {layout!r}: drop --allgather-cp or pack as thd")
             fall_back(f"{layout} batches (packed_seq_params.qkv_format != 'thd': the route slices thd packing)")
             return self._logits(plain, args, kwargs)
-        if not _accepts_processor(self._model, method):
+        if not accepts_processor(self._model, method):
             fall_back(f"a model whose {_called(method)} lacks GPTModel's output_processor keyword (apply "
                       "gpt_output_processor on megatron-core < 0.18)")
             return self._logits(plain, args, kwargs)
@@ -313,27 +266,8 @@ MTP_LOGITS = ("slime_fused: MTP training on this megatron-core computes the MTP 
               "from [T, V] logits: apply patch mtp_output_processor too (it is in `all`)")
 
 
-def mtp_heads_build_logits(model: Any) -> bool:
-    """Whether this chunk's MTP heads would project [T, V] logits beside the fused main head: on
-    megatron-core >= 0.18 (`process_mtp_loss` in the model's module) unless patch
-    `mtp_output_processor` is in effect; before 0.18 the GPT backport serves them."""
-    inner = _inner(model)
-    if not getattr(getattr(inner, "config", None), "mtp_num_layers", None):
-        return False
-    module = sys.modules.get(type(inner).__module__)
-    namespace = vars(module) if module is not None else {}
-    return "process_mtp_loss" in namespace and not fused_mtp_loss_in_effect(namespace)
-
-
 def _called(method: str) -> str:
     return "model" if method == "forward" else f"model.{method}"
-
-
-def batch_layout(packed_seq_params: Any) -> str:
-    """The micro-batch's qkv layout: its `packed_seq_params.qkv_format`, "bshd" without packing."""
-    if packed_seq_params is None:
-        return "bshd"
-    return str(getattr(packed_seq_params, "qkv_format", "thd"))
 
 
 def _chunk_size(args: Any) -> int | None:

@@ -4,10 +4,9 @@ tokens and a group only: the invariant mode is the step's, carried by the logits
 (`mode_logits`): marked where slime's step hands them over (`student_step_wrapper` on slime's
 `forward_only`, the planned schedule of `slime_fused`), resolved once from the student's model config."""
 # lazy imports: import cost: torch only inside the functions (tests/integrations/slime/test_slime_adapter.py)
-import inspect
 import numbers
 
-from megatron_rl_patches._args import bind
+from megatron_rl_patches._args import adapter_arguments, bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.step_mode import student_invariant
 
@@ -65,45 +64,25 @@ def calculate_log_probs_and_entropy_wrapper(wrapped, instance, args, kwargs):
     a non-default value goes to slime's original, with one warning, rather than being
     misread or failing the training step.
     """
-    known = inspect.signature(calculate_log_probs_and_entropy).parameters
-    signature = inspect.signature(wrapped)
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
-        signature = inspect.signature(calculate_log_probs_and_entropy)  # slime's documented one
-    try:
-        bound = signature.bind(*args, **kwargs)
-    except TypeError:
+    known, foreign = adapter_arguments(calculate_log_probs_and_entropy, wrapped, args, kwargs)
+    if known is None:
         return wrapped(*args, **kwargs)  # slime's own error message for a bad call
-    bound.apply_defaults()
-    foreign = [
-        name
-        for name, value in bound.arguments.items()
-        if name not in known and value is not signature.parameters[name].default
-    ]
     if foreign:
         warn_once(
             f"slime_logprobs: this slime passes {', '.join(foreign)}, which the replacement does not "
             "support; those calls use slime's own calculate_log_probs_and_entropy"
         )
         return wrapped(*args, **kwargs)
-    return calculate_log_probs_and_entropy(**{k: v for k, v in bound.arguments.items() if k in known})
+    return calculate_log_probs_and_entropy(**known)
 
 
 def student_step_wrapper(wrapped, instance, args, kwargs):
     """wrapt wrapper for slime's `forward_only(f, args, model, ...)`: the logits handed to its
     callback `f` carry the student's invariant mode (`mode_logits`), resolved once from `model`."""
-    import functools
-
-    from megatron_rl_patches.integrations.mode_logits import with_mode
+    from megatron_rl_patches.integrations.mode_logits import marking
 
     bound = bind(wrapped, args, kwargs)
     if bound is None or not callable(bound.arguments.get("f")):
         return wrapped(*args, **kwargs)
-    f = bound.arguments["f"]
-    invariant = student_invariant(bound.arguments.get("model"))
-
-    @functools.wraps(f)  # slime's and our wrappers read the callback's name
-    def marked(logits, *rest, **options):
-        return f(with_mode(logits, invariant), *rest, **options)
-
-    bound.arguments["f"] = marked
+    bound.arguments["f"] = marking(bound.arguments["f"], student_invariant(bound.arguments.get("model")))
     return wrapped(*bound.args, **bound.kwargs)

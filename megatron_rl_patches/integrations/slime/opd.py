@@ -28,7 +28,14 @@ from typing import Any
 import torch
 
 from megatron_rl_patches._args import bind
-from megatron_rl_patches.integrations.megatron.opd import hf_teachers, hidden_teachers, opd_terms, teacher_builders
+from megatron_rl_patches.integrations.megatron.model_chunk import unwrap
+from megatron_rl_patches.integrations.megatron.opd import (
+    hf_teachers,
+    hidden_teachers,
+    opd_terms,
+    teacher_builders,
+    topk_teachers,
+)
 from megatron_rl_patches.integrations.megatron.opd.carried_rows import CARRIED, take_rows
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import (
     LOSS_PATH,
@@ -43,32 +50,38 @@ from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (
     TeacherScores,
     opd_teacher,
 )
+from megatron_rl_patches.integrations.megatron.opd.served_opd import note_figures
 from megatron_rl_patches.integrations.megatron.opd.served_teacher import check_served
 from megatron_rl_patches.integrations.megatron.opd.stage_host import last_stage, pipeline_agrees
 from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     CONTEXTS,
     CROSS_RATIO,
+    FIGURES,
     IDS,
     IDS_MASK,
     OPD_KEYS,
     TEACHER_LOGPROBS,
-    TEACHER_TAILS,
     VOCAB_KEYS,
     TopkRequest,
 )
+from megatron_rl_patches.integrations.megatron.opd.topk_request import TEACHER_TAILS as TEACHER_TAILS
+from megatron_rl_patches.integrations.megatron.opd.zigzag import local_rows
+from megatron_rl_patches.integrations.megatron.planned_iterators import planned
 from megatron_rl_patches.integrations.slime import cross_loss, vocab_opd
 from megatron_rl_patches.integrations.slime.actor import SlimeActor
-from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
+from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active
 from megatron_rl_patches.integrations.slime.contexts import METADATA, check_layouts, step_contexts
 from megatron_rl_patches.integrations.slime.fused import unservable
 from megatron_rl_patches.integrations.slime.rows import response_positions
-from megatron_rl_patches.integrations.slime.step_plan import SETTINGS, StepPlan, plan_in, planned
-from megatron_rl_patches.integrations.slime.teacher_metrics import FIGURES, log_figures, note_figures
-from megatron_rl_patches.integrations.slime.topk import local_rows, packed_ids, per_sample_rows
+from megatron_rl_patches.integrations.slime.step_plan import SETTINGS, StepPlan, plan_in
+from megatron_rl_patches.integrations.slime.teacher_metrics import log_figures
+from megatron_rl_patches.integrations.slime.topk import sample_rows
 from megatron_rl_patches.integrations.step_mode import student_invariant
-from megatron_rl_patches.ops.topk import topk_kl, topk_logprobs
+from megatron_rl_patches.ops.packing import packed_topk_logprobs
+from megatron_rl_patches.ops.topk import topk_kl as topk_kl
 from megatron_rl_patches.teachers.kinds import RunFacts, check_entries
 
+# TEACHER_TAILS, topk_kl: imported `as` themselves, re-exported for the tests that read them off this module
 ATTRIBUTE = "_megatron_rl_patches_opd_teachers"
 
 
@@ -102,7 +115,7 @@ def load_teachers(actor: Any, settings: OpdSettings) -> list[OpdTeacher]:
     directory's of another architecture), wrapped when it keeps its own tokenizer; the actor's own
     weights are active again afterwards."""
     check_args(actor.args, settings)
-    student = hf_teachers.student_vocab(actor.args, teacher_builders.unwrap(actor.model[-1]).vocab_size)
+    student = hf_teachers.student_vocab(actor.args, unwrap(actor.model[-1]).vocab_size)
     loaded = teacher_builders.load_all(SlimeActor(actor), settings, student)
     actor._switch_model("actor")
     if settings.full_vocab:
@@ -140,9 +153,7 @@ def collect_topk(output: Any, *, total_lengths: list[int], response_lengths: lis
     result = {}
     for key in ("topk_ids", "ids_mask", "topk_log_probs", "tail", "log_probs", "teacher_hidden"):
         if key in output:
-            pieces = [t.detach() for t in per_sample_rows(output[key], batch, allgather)]
-            result[key] = zigzag_from_local(pieces, output[key].shape[1], total_lengths, response_lengths) \
-                if allgather else pieces
+            result[key] = sample_rows(output[key].detach(), batch, allgather)
     return torch.empty((0,), device=output["log_probs"].device), result
 
 
@@ -190,44 +201,25 @@ def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings) -> Non
                                        functools.partial(topk_pass, invariant=invariant))
         actor._switch_model("actor")
         return
-    student = topk_pass(actor.args, actor.model, rollout_data, TopkRequest(k=settings.k), invariant=invariant)
-    ids = student.get("topk_ids")
-    # Every pipeline stage takes part in each teacher's pipelined pass, in the same order; the ids
-    # live on the last stage only, so whether the passes run is the last stage's answer, agreed.
-    if not pipeline_agrees(ids is not None or not last_stage()):
-        for teacher in teachers:  # a served teacher's requests collected, its job-wide agreement joined
-            teacher.unscored()
+    scored = topk_teachers.score_teachers(SlimeActor(actor), rollout_data, settings, teachers,
+                                          functools.partial(topk_pass, invariant=invariant), invariant=invariant,
+                                          cut_rows=cross_loss.cut)
+    if scored is None:  # no stage had ids: no teacher pass ran
         return
-    last = ids is not None
-    if last:
-        rollout_data[IDS] = ids
-        rollout_data.pop(IDS_MASK, None)
-    step = ScoringStep(SlimeActor(actor), rollout_data, settings, last, student,
-                       functools.partial(topk_pass, invariant=invariant), invariant=invariant,
-                       cut_rows=cross_loss.cut)
-    scores = [teacher.score(step) for teacher in teachers]
     actor._switch_model("actor")
-    if last:
+    step, scores = scored
+    if step.last:
         store_scores(step, [out for out in scores if out is not None])
 
 
 def store_scores(step: ScoringStep, scores: list[TeacherScores]) -> None:
-    """The teachers' scores in the rollout data: those of the step's ids stacked per sample as
-    [n, R, k] / [n, R]; those of grouped buckets (another tokenizer) with the step's ids and their
-    own (`cross_loss.place`), and slime's `--use-opd` field from the first of them."""
-    rollout_data = step.rollout_data
-    on_ids = [out for out in scores if out.ids is None]
+    """The teachers' scores in the rollout data (`topk_teachers.store_scores`: stacked over the
+    step's ids, grouped buckets placed), and slime's `--use-opd` field from the first teacher of
+    grouped buckets (another tokenizer)."""
+    topk_teachers.store_scores(step, scores)
     grouped = [out for out in scores if out.ids is not None]
-    indices = [index for index, out in enumerate(scores) if out.ids is not None]
-    if on_ids:
-        rollout_data[TEACHER_LOGPROBS] = [torch.stack(per_teacher) for per_teacher in
-                                          zip(*(out.log_probs for out in on_ids))]
-        rollout_data[TEACHER_TAILS] = [torch.stack(per_teacher) for per_teacher in zip(*(out.tails for out in on_ids))]
-    if grouped:
-        cross_loss.place(rollout_data, grouped, same=bool(on_ids), union=step.settings.ids_from == "union",
-                           indices=indices)
-        if getattr(step.actor.args, "use_opd", False):
-            cross_loss.spread_for_slime(rollout_data, grouped[0], step.student_log_probs)
+    if grouped and getattr(step.actor.args, "use_opd", False):
+        cross_loss.spread_for_slime(step.rollout_data, grouped[0], step.student_log_probs)
 
 
 def train_actor_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -239,7 +231,7 @@ def train_actor_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
     if isinstance(rollout_data, dict):
         rollout_data[SETTINGS] = settings
         if settings is not None and hasattr(instance, ATTRIBUTE):
-            vocab = int(teacher_builders.unwrap(instance.model[-1]).vocab_size)
+            vocab = int(unwrap(instance.model[-1]).vocab_size)
             take_rows(rollout_data)  # the rows a rollout's served teachers gave, off the carried contexts
             contexts = step_contexts(instance.args, rollout_data, settings, vocab)  # agreed before any teacher is asked
             if contexts is not None:
@@ -286,18 +278,11 @@ def student_buckets(args: Any, batch: dict, logits: Any,
         ids, mask = batch[IDS], batch.get(IDS_MASK)
         if allgather:
             ids, mask = local_rows(batch, rows.shape[0], ids, mask)
-        mask = None if mask is None else packed_ids(mask, positions, rows.shape[0], dtype=torch.bool)
-        responses = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
-        responses[torch.cat(positions)] = True  # the other rows' ids are placeholders (0), never read
-        logp, tail = topk_logprobs(rows, packed_ids(ids, positions, rows.shape[0]), ids_mask=mask,
-                                   tp_group=group, temperature=float(args.rollout_temperature), row_mask=responses,
-                                   invariant=invariant)
+        logp, tail = packed_topk_logprobs(rows, ids, mask, positions, tp_group=group,
+                                          temperature=float(args.rollout_temperature), invariant=invariant)
         logp, tail = logp[None], tail[None]
-    pieces = [per_sample_rows(values, batch, allgather) for values in (logp, tail)]
-    if allgather:  # slime's per-sample fields (teacher buckets, masks) are in the zigzag rows
-        lengths = (batch["total_lengths"], batch["response_lengths"])
-        pieces = [zigzag_from_local(p, v.shape[1], *lengths) for p, v in zip(pieces, (logp, tail))]
-    return torch.cat(pieces[0]), torch.cat(pieces[1])
+    # in the rows of slime's per-sample fields (teacher buckets, masks): zigzag ones under --allgather-cp
+    return torch.cat(sample_rows(logp, batch, allgather)), torch.cat(sample_rows(tail, batch, allgather))
 
 
 def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean: Any) -> tuple[Any, dict]:
@@ -317,18 +302,10 @@ def topk_opd_policy_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean
     loss, log = policy_loss_function(args, batch, logits, sum_of_sample_mean)
     student, student_tail = student_buckets(args, batch, logits, invariant)
     if batch.get(CROSS_RATIO) is not None:  # a teacher with another tokenizer: every teacher's term
-        opd = sum_of_sample_mean(opd_terms.loss_terms(settings, batch, student, student_tail,
-                                                       cross_loss.token_log_probs(args, batch, logits),
-                                                       invariant))
-        log["opd_topk_loss"] = opd.clone().detach()
-        return settings.policy_weight * loss + settings.coef * opd, log
-    teachers = torch.cat(batch[TEACHER_LOGPROBS], dim=1).to(student)
-    tails = torch.cat(batch[TEACHER_TAILS], dim=1).to(student)
-    weights = None if settings.weights is None else torch.tensor(settings.weights, dtype=torch.float64)
-    mask = batch.get(IDS_MASK)
-    mask = None if mask is None else torch.cat(mask).to(device=student.device, dtype=torch.bool)
-    divergence = topk_kl(student, student_tail, teachers, tails, teacher_weights=weights,
-                         divergence=settings.divergence, ids_mask=mask, invariant=invariant)
-    opd = sum_of_sample_mean(divergence)
+        terms = opd_terms.loss_terms(settings, batch, student, student_tail,
+                                     cross_loss.token_log_probs(args, batch, logits), invariant)
+    else:
+        terms = opd_terms.mixture_terms(settings, batch, student, student_tail, invariant)
+    opd = sum_of_sample_mean(terms)
     log["opd_topk_loss"] = opd.clone().detach()
     return settings.policy_weight * loss + settings.coef * opd, log

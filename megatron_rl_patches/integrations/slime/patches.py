@@ -24,50 +24,40 @@ SLIME_TRAIN_PARAMS = ("rollout_id", "model", "optimizer", "opt_param_scheduler",
 SLIME_LOGPROB_PARAMS = ("logits", "tokens", "tp_group")
 # a role at its own layout (role;tp=N)
 LAYOUT_PASS = "megatron_rl_patches.integrations.megatron.opd.layout_role_pass:forward_only_wrapper"
+LOGPROBS = f"{HERE}.logprobs:calculate_log_probs_and_entropy_wrapper"
+
+
+def _record(name: str, target: str, wrapper: str, description: str, params: tuple[str, ...],
+            optional: bool = False) -> Patch:
+    return Patch(name=name, target=target, wrapper=wrapper, description=description, requires=None, params=params,
+                 optional=optional)
 
 
 def _fused(target: str, wrapper: str, description: str, params: tuple[str, ...], optional: bool = False) -> Patch:
-    return Patch(name="slime_fused", target=target, wrapper=f"{HERE}.fused:{wrapper}", description=description,
-                 requires=None, params=params, optional=optional)
+    return _record("slime_fused", target, f"{HERE}.fused:{wrapper}", description, params, optional)
+
+
+def _opd(target: str, wrapper: str, description: str, params: tuple[str, ...], optional: bool = False) -> Patch:
+    return _record("slime_opd", target, f"{HERE}.{wrapper}", description, params, optional)
 
 
 PATCHES = (
     *train_reentry_patches(MODEL, SLIME_TRAIN_PARAMS, "slime"),
-    Patch(
-        name="inference_roles",
-        target=f"{MODEL}:initialize_model_and_optimizer",
-        wrapper=f"{HERE}.roles:initialize_model_and_optimizer_wrapper",
-        description="roles in MEGATRON_RL_PATCHES_INFERENCE_ROLES built inference-only",
-        requires=None,
-        params=("args", "role"),
-    ),
-    Patch(name="inference_roles", target=f"{MODEL}:forward_only", wrapper=LAYOUT_PASS,
-          description="slime's log-prob pass of a role at its own layout (role;tp=N) through score_at_layout",
-          requires=None, params=("f", "args", "model", "data_iterator", "num_microbatches", "store_prefix")),
-    Patch(name="inference_roles", target=f"{ACTOR}:forward_only", wrapper=LAYOUT_PASS,
-          description="the same, where slime's actor bound forward_only at import", requires=None,
-          params=("f", "args", "model"), optional=True),
-    Patch(
-        name="slime_logprobs",
-        target="slime.utils.ppo_utils:calculate_log_probs_and_entropy",
-        wrapper=f"{HERE}.logprobs:calculate_log_probs_and_entropy_wrapper",
-        description="slime's log-prob/entropy replaced by the memory-optimal Function",
-        requires=None,
-        params=SLIME_LOGPROB_PARAMS,
-    ),
-    Patch(
-        name="slime_logprobs",
-        target=f"{LOSS}:calculate_log_probs_and_entropy",
-        optional=True,
-        wrapper=f"{HERE}.logprobs:calculate_log_probs_and_entropy_wrapper",
-        description="the same, where slime's loss module bound the name at import",
-        requires=None,
-        params=SLIME_LOGPROB_PARAMS,
-    ),
-    *(Patch(name="slime_logprobs", target=target, wrapper=f"{HERE}.logprobs:student_step_wrapper",
-            description=f"{what}: the logits its callback gets carry the student's invariant mode (its model "
-                        "config's batch_invariant_mode)", requires=None, params=("f", "args", "model"),
-            optional=optional)
+    _record("inference_roles", f"{MODEL}:initialize_model_and_optimizer",
+            f"{HERE}.roles:initialize_model_and_optimizer_wrapper",
+            "roles in MEGATRON_RL_PATCHES_INFERENCE_ROLES built inference-only", ("args", "role")),
+    _record("inference_roles", f"{MODEL}:forward_only", LAYOUT_PASS,
+            "slime's log-prob pass of a role at its own layout (role;tp=N) through score_at_layout",
+            ("f", "args", "model", "data_iterator", "num_microbatches", "store_prefix")),
+    _record("inference_roles", f"{ACTOR}:forward_only", LAYOUT_PASS,
+            "the same, where slime's actor bound forward_only at import", ("f", "args", "model"), optional=True),
+    _record("slime_logprobs", "slime.utils.ppo_utils:calculate_log_probs_and_entropy", LOGPROBS,
+            "slime's log-prob/entropy replaced by the memory-optimal Function", SLIME_LOGPROB_PARAMS),
+    _record("slime_logprobs", f"{LOSS}:calculate_log_probs_and_entropy", LOGPROBS,
+            "the same, where slime's loss module bound the name at import", SLIME_LOGPROB_PARAMS, optional=True),
+    *(_record("slime_logprobs", target, f"{HERE}.logprobs:student_step_wrapper",
+              f"{what}: the logits its callback gets carry the student's invariant mode (its model config's "
+              "batch_invariant_mode)", ("f", "args", "model"), optional=optional)
       for target, what, optional in (
           (f"{MODEL}:forward_only", "slime's forward_only", False),
           (f"{ACTOR}:forward_only", "the same, where slime's actor bound forward_only at import", True))),
@@ -84,35 +74,27 @@ PATCHES = (
            ("logits", "args", "unconcat_tokens", "total_lengths", "response_lengths", "with_entropy")),
     _fused(f"{ACTOR}:forward_only", "forward_only_wrapper",
            "the same, where slime's actor bound forward_only at import", ("f", "args", "model"), optional=True),
-    Patch(name="slime_opd", target=f"{ACTOR}:MegatronTrainRayActor.init", wrapper=f"{HERE}.opd:init_wrapper",
-          description="top-k OPD teachers loaded after slime's actor init (MEGATRON_RL_PATCHES_OPD_TEACHERS)",
-          requires=None, params=("self", "args", "role", "with_ref", "with_opd_teacher")),
-    Patch(name="slime_opd", target=f"{ACTOR}:MegatronTrainRayActor.train_actor",
-          wrapper=f"{HERE}.opd:train_actor_wrapper",
-          description="the actor's top-k ids, then every teacher's scores, before slime's train_actor",
-          requires=None, params=("self", "rollout_id", "rollout_data")),
-    Patch(name="slime_opd", target=f"{METRICS}:log_rollout_data", wrapper=f"{HERE}.opd:log_rollout_data_wrapper",
-          description="top-k OPD's rollout-data fields (ids, teacher scores) kept out of slime's rollout metrics",
-          requires=None, params=("rollout_id", "args", "rollout_data")),
-    Patch(name="slime_opd", target=f"{ROLLOUT}:RolloutManager._split_train_data_by_dp",
-          wrapper=f"{HERE}.contexts:split_wrapper",
-          description="the rollout manager's per-rank split carries each sample's train_metadata keys named by "
-                      "';context=KEY' teachers (slime copies a fixed list of keys)",
-          requires=None, params=("self", "data"), optional=True),
-    Patch(name="slime_opd", target=f"{ROLLOUT}:tensorize_rollout_data_for_training",
-          wrapper=f"{HERE}.contexts:tensorize_wrapper",
-          description="each rank's samples' contexts put in its rollout data as the split packages it",
-          requires=None, params=("rollout_data",), optional=True),
-    Patch(name="slime_opd", target=f"{GENERATE}:apply_rollout_sample_hooks",
-          wrapper=f"{HERE}.rollout_scores:hooks_wrapper",
-          description="each sample sent to the served teachers as its generation ends, its rows carried with it "
-                      "(MEGATRON_RL_PATCHES_OPD_SCORE_AT=rollout)",
-          requires=None, params=("args", "value"), optional=True),
-    Patch(name="slime_opd", target=f"{ROLLOUT}:log_rollout_data",
-          wrapper=f"{HERE}.rollout_scores:log_rollout_data_wrapper",
-          description="the rollout's served teachers' figures in slime's rollout metrics (teacher/...)",
-          requires=None, params=("rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"),
-          optional=True),
+    _opd(f"{ACTOR}:MegatronTrainRayActor.init", "opd:init_wrapper",
+         "top-k OPD teachers loaded after slime's actor init (MEGATRON_RL_PATCHES_OPD_TEACHERS)",
+         ("self", "args", "role", "with_ref", "with_opd_teacher")),
+    _opd(f"{ACTOR}:MegatronTrainRayActor.train_actor", "opd:train_actor_wrapper",
+         "the actor's top-k ids, then every teacher's scores, before slime's train_actor",
+         ("self", "rollout_id", "rollout_data")),
+    _opd(f"{METRICS}:log_rollout_data", "opd:log_rollout_data_wrapper",
+         "top-k OPD's rollout-data fields (ids, teacher scores) kept out of slime's rollout metrics",
+         ("rollout_id", "args", "rollout_data")),
+    _opd(f"{ROLLOUT}:RolloutManager._split_train_data_by_dp", "contexts:split_wrapper",
+         "the rollout manager's per-rank split carries each sample's train_metadata keys named by "
+         "';context=KEY' teachers (slime copies a fixed list of keys)", ("self", "data"), optional=True),
+    _opd(f"{ROLLOUT}:tensorize_rollout_data_for_training", "contexts:tensorize_wrapper",
+         "each rank's samples' contexts put in its rollout data as the split packages it", ("rollout_data",),
+         optional=True),
+    _opd(f"{GENERATE}:apply_rollout_sample_hooks", "rollout_scores:hooks_wrapper",
+         "each sample sent to the served teachers as its generation ends, its rows carried with it "
+         "(MEGATRON_RL_PATCHES_OPD_SCORE_AT=rollout)", ("args", "value"), optional=True),
+    _opd(f"{ROLLOUT}:log_rollout_data", "rollout_scores:log_rollout_data_wrapper",
+         "the rollout's served teachers' figures in slime's rollout metrics (teacher/...)",
+         ("rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"), optional=True),
 )
 
 

@@ -23,7 +23,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from megatron_rl_patches._args import bind
-from megatron_rl_patches._log import logger, warn_once
+from megatron_rl_patches._log import warn_once
+from megatron_rl_patches.integrations.megatron.opd.frozen_role import hf_role, provider_role
 from megatron_rl_patches.patching import env
 
 if TYPE_CHECKING:
@@ -86,25 +87,6 @@ def _delegated(path: str, step: int | None, module: Any) -> bool:
     return step is None and callable(getattr(module, "load_checkpoint", None)) and is_foreign_directory(path)
 
 
-def _hf_of_another_architecture(run_args: Any, role: str, path: str, residency: str) -> list[Any] | None:
-    """The role's chunks built from the Hugging Face directory `path` by its own config.json when
-    it differs from the actor's architecture (slime's provider and loader build the actor's), its
-    vocabulary checked against the student's first; None for any other path."""
-    from megatron_rl_patches.integrations.megatron.opd import hf_teachers
-
-    what = f"role {role!r}: weights {path!r}"
-    route, differences = hf_teachers.teacher_route(path, run_args, what)
-    if route != hf_teachers.HF:
-        return None
-    hf_teachers.check_allgather_cp(run_args, what)  # megatron-core's thd RoPE cuts in zigzag
-    student = hf_teachers.student_vocab(run_args, getattr(run_args, "padded_vocab_size", None) or 0)
-    chunks = hf_teachers.build_hf_teacher(run_args, path, residency, student, run_args, what)
-    chunks[0].role = role
-    logger.info("megatron-rl-patches: role %r built inference-only from the Hugging Face directory %s (%s; %s)",
-                role, path, "; ".join(differences), residency)
-    return chunks
-
-
 def initialize_model_and_optimizer_wrapper(
     wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
 ) -> Any:
@@ -123,9 +105,6 @@ def initialize_model_and_optimizer_wrapper(
             f"role {role!r} is built trainable, as upstream does"
         )
         return wrapped(*args, **kwargs)
-    from megatron.core.enums import ModelType  # lazy: optional dependency megatron-core
-
-    from megatron_rl_patches.inference.build import build_inference_model
     from megatron_rl_patches.inference.loading.paths import resolve_checkpoint
 
     path, step = weights_source(run_args, role)
@@ -136,25 +115,11 @@ def initialize_model_and_optimizer_wrapper(
 
         return build_role_at_layout(run_args, role, tp, path, step, residency), None, None, 0
     if step is None:
-        built = _hf_of_another_architecture(run_args, role, path, residency)
+        built = hf_role(run_args, role, path, residency)
         if built is not None:
             return built, None, None, 0
     if not _delegated(path, step, module):
         resolve_checkpoint(path, step)  # a wrong path fails before the model is built
-    from megatron_rl_patches.inference.residency.placement import weights_on_host
-
-    chunks = build_inference_model(
-        _provider(factory, run_args, role), model_type=ModelType.encoder_or_decoder, residency=residency
-    )
-    with weights_on_host(chunks):  # swap/stream: slime's own loader (delegated) writes the host copies too
-        iteration = _load(chunks, run_args, path, step, module)
-    chunks[0].role = role  # slime tags chunk 0 with its role for logging
-    if getattr(run_args, "finetune", False):  # Megatron-LM's load_checkpoint reports 0 then too
-        iteration = 0
-    logger.info(
-        "megatron-rl-patches: role %r built inference-only (%d chunk(s), no grad buffer, no optimizer, %s)",
-        role,
-        len(chunks),
-        residency,
-    )
+    chunks, iteration = provider_role(_provider(factory, run_args, role), run_args, role, residency,
+                                      lambda chunks: _load(chunks, run_args, path, step, module))
     return chunks, None, None, iteration

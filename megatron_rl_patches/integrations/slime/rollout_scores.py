@@ -14,11 +14,9 @@ ranks (`contexts.split_wrapper`); there the teacher step reads them instead of a
 digest checked against the batch it would ask for: a sample whose rows are missing or stale is
 asked at the train step). What the rollout's end still waits for is waited there.
 
-A teacher failing during the rollout (every replica down, the deadline passed, a sample too long)
-fails the rollout with the same named error (`ServedTeacherError` / `ServedTeacherRefusal`) the
-train step raises: a failure the client's retries and replicas did not absorb is no transient one,
-and a rollout cannot leave a sample half-scored. A teacher of another tokenizer (`;tokenizer=DIR`)
-or with a head (`;head=DIR`: its hidden states, 2H bytes a token) stays at the train step.
+A teacher failing during the rollout fails it with the train step's named error, and only teachers
+of the student's tokenizer without a head are asked there (`integrations.megatron.opd
+.rollout_teachers` says why).
 
 `MEGATRON_RL_PATCHES_OPD_SCORE_AT=train` (the default): every served teacher asked by the train
 step, as before.
@@ -27,41 +25,20 @@ The teachers' figures of each rollout go into slime's rollout metrics under `tea
 # lazy imports: optional dependency slime (and httpx, the extra `served`)
 from __future__ import annotations
 
-import asyncio
-import os
-import time
 from collections.abc import Mapping
 from typing import Any
 
 from megatron_rl_patches._args import bind
-from megatron_rl_patches._variables import OPD_SCORE_AT as SCORE_AT
-from megatron_rl_patches.integrations.megatron.opd.carried_rows import ROWS, packed, teacher_key
-from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, OpdSettings, opd_settings
-from megatron_rl_patches.teachers.kinds.entry import SERVED
+from megatron_rl_patches.integrations.megatron.opd.carried_rows import ROWS
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import OpdSettings, opd_settings
+from megatron_rl_patches.integrations.megatron.opd.rollout_teachers import (
+    RolloutTeachers,
+    ask_rows,
+    rollout_entries,
+)
 
-PLACES = ("rollout", "train")
-DEFAULT = "train"  # measured: docs/benchmarks.md, "A served teacher off the train step"
 HOOK = "megatron_rl_patches.integrations.slime.rollout_scores.score_sample"  # its --rollout-sample-hook-path
 ATTRIBUTE = "megatron_rl_patches_rollout_teachers"  # on slime's args in the rollout manager's process
-
-
-def score_at(environ: Mapping[str, str] | None = None) -> str:
-    """Where slime's served teachers are asked: "rollout" or "train" (unset or "": `DEFAULT`, train);
-    ValueError naming the variable for any other value."""
-    text = (os.environ if environ is None else environ).get(SCORE_AT, "")
-    word = text.strip().lower() or DEFAULT
-    if word not in PLACES:
-        raise ValueError(f"{SCORE_AT}={text[:40]!r}: use rollout (each sample scored as its generation ends) or "
-                         "train (scored by the train step), or leave it unset (train)")
-    return word
-
-
-def rollout_entries(settings: OpdSettings | None) -> list[Any]:
-    """The entries asked at the rollout: served teachers of the student's tokenizer on the top-k
-    route (no `;tokenizer=DIR`, no `;head=DIR`), where the settings ask for it."""
-    if settings is None or settings.full_vocab or score_at() != "rollout":
-        return []
-    return [t for t in settings.teachers if t.kind == SERVED and t.head is None and t.tokenizer is None]
 
 
 def carried_keys(settings: OpdSettings | None, data: Any = None) -> list[str]:
@@ -73,63 +50,6 @@ def carried_keys(settings: OpdSettings | None, data: Any = None) -> list[str]:
     if data is not None and not any(isinstance(meta, Mapping) and ROWS in meta for meta in metadata or []):
         return []
     return [ROWS]
-
-
-class RolloutTeachers:
-    """The served teachers the rollout asks (`rollout_entries`), their figures since the last
-    `metrics()`, and the student's tokenizer for text contexts (read once). Pickled empty (slime's
-    args travel between processes): the teachers are built again where the rollout runs."""
-
-    def __init__(self, settings: OpdSettings | None, args: Any = None) -> None:
-        self.args = args
-        self.teachers: list[Any] = []
-        self.contexts: list[str | None] = []  # each teacher's context key, read once (teachers.privileged)
-        if rollout_entries(settings):
-            from megatron_rl_patches.teachers.served.build import served_teacher_of  # lazy: import cost: httpx, torch
-
-            assert settings is not None  # rollout_entries found some
-            from megatron_rl_patches.teachers.privileged import step_teachers
-
-            built = [served_teacher_of(t, top_k=settings.k) for t in rollout_entries(settings)]
-            self.teachers, self.contexts = step_teachers(built)
-        self.samples = 0
-        self.waited_s = 0.0
-        self.tokenizer: Any = None
-
-    @property
-    def keys(self) -> list[str]:
-        """Each teacher's key among a sample's carried rows."""
-        return [teacher_key(teacher, key) for teacher, key in zip(self.teachers, self.contexts)]
-
-    def __reduce__(self) -> tuple:
-        return (empty_holder, ())
-
-    def student_tokenizer(self) -> Any:
-        if self.tokenizer is None:
-            # lazy: import cost: torch and megatron's groups, only for text contexts
-            from megatron_rl_patches.integrations.megatron.opd.stage_host import student_tokenizer_of
-
-            self.tokenizer = student_tokenizer_of(self.args, f"{TEACHERS} (text contexts are tokenized by the "
-                                                             "student's tokenizer)")
-        return self.tokenizer
-
-    def metrics(self) -> dict[str, Any]:
-        """The rollout's figures (`TeacherStep.metrics()`'s shape): samples scored, the seconds the
-        hooks waited, the teachers' own summed (`step_metrics`)."""
-        from megatron_rl_patches.teachers.step_metrics import step_metrics  # lazy: import cost: the step's module
-
-        own = {"samples": self.samples, "hook_wait_s": self.waited_s}
-        self.samples, self.waited_s = 0, 0.0
-        return step_metrics(own, {i: teacher.metrics() for i, teacher in enumerate(self.teachers)})
-
-    def close(self) -> None:
-        for teacher in self.teachers:
-            teacher.close()
-
-
-def empty_holder() -> None:
-    """What a pickled `RolloutTeachers` becomes: nothing (built again where it is used)."""
-    return None
 
 
 def rollout_teachers(args: Any) -> RolloutTeachers | None:
@@ -168,11 +88,6 @@ async def score_sample(args: Any, sample: Any, *, rollout_id: int | None = None,
     """slime's rollout sample hook: `sample` sent to the rollout's served teachers now, its rows
     put in its train_metadata (an evaluation's samples, an aborted one or one without a response:
     left alone). A failure raises the teacher's named error (see the module's words)."""
-    import torch  # lazy: import cost: torch only where the rollout asks a teacher
-
-    from megatron_rl_patches.teachers.batch import TeacherBatch  # lazy: import cost: torch
-    from megatron_rl_patches.teachers.step_contexts import teacher_batches  # lazy: import cost: torch
-
     held = None if evaluation else rollout_teachers(args)
     if held is None or not held.teachers or getattr(getattr(sample, "status", None), "name", "") == "ABORTED":
         return None
@@ -181,26 +96,8 @@ async def score_sample(args: Any, sample: Any, *, rollout_id: int | None = None,
     response = int(sample.response_length or 0)
     if not response:
         return None
-    tokens = torch.tensor(list(sample.tokens), dtype=torch.long)
-    batch = TeacherBatch([tokens], [len(tokens) - response])
-    asked = teacher_batches(held.teachers, held.contexts, batch, sample_contexts(held, sample), None)
-    started = time.perf_counter()
-    pending = [teacher.submit(one) for teacher, one in zip(held.teachers, asked)]
-    try:
-        futures = [asyncio.wrap_future(f) for waiting in pending for f in waiting.pending.values()]
-        if futures:  # each sample's requests answered while the other samples' tasks run
-            await asyncio.wait(futures, timeout=max(min(p.deadline.remaining() for p in pending), 0.0),
-                               return_when=asyncio.FIRST_EXCEPTION)
-        scores = [waiting.result() for waiting in pending]  # the named error of a failure, or its deadline
-    except BaseException:
-        for waiting in pending:
-            waiting.cancel()
-        raise
-    held.waited_s += time.perf_counter() - started
-    held.samples += 1
-    rows = sample.train_metadata.setdefault(ROWS, {})
-    for key, got, one in zip(held.keys, scores, asked):
-        rows[key] = packed(got, one)
+    rows = await ask_rows(held, sample.tokens, response, sample_contexts(held, sample))
+    sample.train_metadata.setdefault(ROWS, {}).update(rows)
     return None
 
 

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches.ops.packing import positions_mask
+
 LOSS = "slime.backends.megatron_utils.loss"
 HELPERS = ("_build_shifted_tokens", "_extract_per_sample", "_allgather_cp_redistribute", "slice_log_prob_with_cp")
 
@@ -40,11 +42,7 @@ def response_positions(batch: dict, length: int, device: Any, allgather_cp: bool
 
 def response_rows(batch: dict, length: int, device: Any, allgather_cp: bool) -> torch.Tensor:
     """[T] bool: the local rows slime's slicing reads (every response token, loss-masked or not)."""
-    pieces = response_positions(batch, length, device, allgather_cp)
-    rows = torch.zeros(length, dtype=torch.bool, device=device)
-    if pieces:
-        rows[torch.cat(pieces)] = True
-    return rows
+    return positions_mask(response_positions(batch, length, device, allgather_cp), length, device)
 
 
 def per_sample(output: dict, args: Any, total_lengths: list[int], response_lengths: list[int],

@@ -1,8 +1,8 @@
 """The plan of one slime step on the fused route, shared by `fused` (which runs it) and `opd`
 (which asks it for top-k buckets): what the fused model call needs (`StepPlan`, `TopkRequest`),
-the data iterators that carry the plan through slime's step (`planned`, `plan_of`) to the batch
-the loss reads it from (`PLAN`, `plan_in`), and the rollout-data keys top-k OPD adds with the
-request its training step makes (`step_request`).
+the data iterators that carry the plan through slime's step (`integrations.megatron
+.planned_iterators`) to the batch the loss reads it from (`PLAN`, `plan_in`), and the rollout-data
+keys top-k OPD adds with the request its training step makes (`step_request`).
 
 slime's callbacks have fixed signatures (`get_batch(data_iterator, keys, ...)`, the schedule's
 `forward_step_func(data_iterator, model)`, the loss `func(args, batch, logits, ...)`), so the plan
@@ -56,36 +56,6 @@ PLAN = "megatron_rl_patches_step_plan"
 # the rollout-data key under which slime_opd's `train_actor` wrapper hands the training steps inside
 # it the top-k OPD settings it parsed (None: off), so that they are parsed once per actor step
 SETTINGS = "megatron_rl_patches_opd_settings"
-
-
-class PlannedIterator:
-    """One of slime's data iterators with the plan of the step it feeds: `get_next`, `reset` and
-    every other attribute are the iterator's own."""
-
-    def __init__(self, iterator: Any, plan: StepPlan):
-        self.iterator, self.plan = iterator, plan
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("iterator", "plan"):  # not set yet (a copy being built): no recursion through the wrapped one
-            raise AttributeError(name)
-        return getattr(self.iterator, name)
-
-
-def planned(iterators: Any, plan: StepPlan | None) -> Any:
-    """slime's data iterator(s) (one, or a list: one per virtual stage) carrying `plan` (None: as
-    given)."""
-    if plan is None or iterators is None:
-        return iterators
-    if isinstance(iterators, Sequence):
-        return [PlannedIterator(iterator, plan) for iterator in iterators]
-    return PlannedIterator(iterators, plan)
-
-
-def plan_of(iterators: Any) -> StepPlan | None:
-    """The plan a data iterator (or the first of a list) carries; None for slime's own."""
-    if isinstance(iterators, Sequence) and not isinstance(iterators, (str, bytes)):
-        iterators = iterators[0] if len(iterators) else None
-    return iterators.plan if isinstance(iterators, PlannedIterator) else None
 
 
 def plan_in(batch: Any) -> StepPlan | None:

@@ -1,42 +1,16 @@
 """The train step's served teachers in slime's train-side metrics (`teacher/...`): after the
-teachers scored a step (`note_figures`, on the last pipeline stage: each served teacher's
-`TeacherStep.metrics()`, summed, under `FIGURES` in the rollout data), slime's own
+teachers scored a step (`served_opd.note_figures`, on the last pipeline stage: each served teacher's
+`TeacherStep.metrics()`, summed, under `topk_request.FIGURES` in the rollout data), slime's own
 `log_rollout_data` logs them through its `gather_log_data("teacher", ...)` — averaged over the
 data-parallel ranks, to wandb / TensorBoard and its log line — on the ranks that log slime's own
-(tensor-parallel rank 0 of the last stage: the same collective). Fixed keys, so every rank's dict
-reduces alike: the step's `samples`, `rows`, `scored_before` (carried from the rollout),
-`collect_s`, `collect_wait_s`, the teachers' `bytes`, `retries`, `failovers`, `hedges_sent`,
-`hedges_won`, `taken_out` (a count) and the slowest replica's `latency_p50_s` / `latency_p95_s`
-(0 without an answer)."""
+(tensor-parallel rank 0 of the last stage: the same collective). Fixed keys
+(`step_metrics.fixed_figures`), so every rank's dict reduces alike: the step's `samples`, `rows`,
+`scored_before` (carried from the rollout), `collect_s`, `collect_wait_s`, the teachers' `bytes`,
+`retries`, `failovers`, `hedges_sent`, `hedges_won`, `taken_out` (a count) and the slowest
+replica's `latency_p50_s` / `latency_p95_s` (0 without an answer)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
-
-from megatron_rl_patches.integrations.megatron.opd.served_opd import ServedOpdTeacher
-
-FIGURES = "opd_teacher_figures"
-COUNTS = ("samples", "rows", "scored_before", "collect_s", "collect_wait_s", "bytes", "retries", "failovers",
-          "hedges_sent", "hedges_won")
-
-
-def summed(each: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Several `TeacherStep.metrics()` dicts as one of the fixed keys."""
-    out = {name: float(sum(one.get(name, 0) for one in each)) for name in COUNTS}
-    out["taken_out"] = float(sum(len(one.get("taken_out", [])) for one in each))
-    for name in ("latency_p50_s", "latency_p95_s"):
-        known = [figures[name] for one in each for figures in one.get("replicas", {}).values()
-                 if figures.get(name) is not None]
-        out[name] = float(max(known)) if known else 0.0
-    return out
-
-
-def note_figures(teachers: Sequence[Any], rollout_data: dict) -> None:
-    """The step's served teachers' figures (those holding a `TeacherStep`: the last stage's) in
-    `rollout_data[FIGURES]`; nothing where none holds one."""
-    steps = [teacher.step for teacher in teachers if isinstance(teacher, ServedOpdTeacher) and teacher.step is not None]
-    if steps:
-        rollout_data[FIGURES] = summed([step.metrics() for step in steps])
 
 
 def log_figures(rollout_id: Any, args: Any, figures: dict[str, float] | None) -> None:

@@ -1,7 +1,8 @@
 """slime's top-p replay on the fused route: the rollout's nucleus of each response token, as slime
 carries it (per sample `rollout_top_p_token_ids`, flat, with `rollout_top_p_token_offsets`:
 response token r keeps ids[offsets[r]:offsets[r + 1]]), turned into the kept-set context of the
-log-prob processor — the kept ids and their packed rows, never slime's dense [T, V] keep-mask.
+log-prob processor (`processors.nucleus`) — the kept ids and their packed rows, never slime's dense
+[T, V] keep-mask.
 Semantics are slime 624b824a's `_build_topp_keep_mask`: the log-prob is renormalized over the
 kept ids and the target, entropy stays unmasked, response tokens past the recorded offsets keep
 the full vocabulary."""
@@ -11,8 +12,9 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches.integrations.megatron.opd.zigzag import local_spans
 from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
-from megatron_rl_patches.integrations.slime.allgather_cp import local_spans
+from megatron_rl_patches.processors.nucleus import nucleus_context
 
 IDS, OFFSETS = "rollout_top_p_token_ids", "rollout_top_p_token_offsets"
 
@@ -43,29 +45,6 @@ def kept_context(batch: dict, length: int, device: Any,
     if batch.get(IDS) is None or batch.get(OFFSETS) is None:
         return None
     pieces = slime_rows.response_positions(batch, length, device, allgather_cp)
-    ids_out, positions_out = [], []
-    row_mask = torch.zeros(length, dtype=torch.bool, device=device)
-    for rows, tokens, ids, offsets in zip(pieces, local_response_tokens(batch, length, device, allgather_cp),
-                                          batch[IDS], batch[OFFSETS], strict=True):
-        ids = torch.as_tensor(ids, dtype=torch.long).to(device)
-        offsets = torch.as_tensor(offsets, dtype=torch.long)
-        if offsets.numel() and int(offsets[0]) < 0:  # read where slime keeps them (host lists): no device sync
-            raise ValueError(f"slime_fused: {OFFSETS} must start at 0 or above (the first token's ids begin there), "
-                             f"got {offsets.tolist()}")
-        offsets = offsets.to(device)
-        if tokens.numel() != rows.numel():
-            raise RuntimeError(f"slime_fused: {rows.numel()} local response rows but {tokens.numel()} response tokens "
-                               "of a sample; please report this")
-        replayed = tokens < offsets.numel() - 1  # tokens past the offsets keep the full vocabulary
-        rows, tokens = rows[replayed], tokens[replayed]
-        counts = offsets[tokens + 1] - offsets[tokens]
-        if bool((counts < 0).any()) or (tokens.numel() and int(offsets[tokens + 1].max()) > ids.numel()):
-            raise ValueError(f"slime_fused: {OFFSETS} must be non-decreasing and end within {IDS} "
-                             f"({ids.numel()} ids), got {offsets.tolist()}")
-        row_mask[rows] = True
-        first = torch.repeat_interleave(offsets[tokens] - (counts.cumsum(0) - counts), counts)
-        ids_out.append(ids[first + torch.arange(first.numel(), device=device)])
-        positions_out.append(torch.repeat_interleave(rows, counts))
-    empty = torch.zeros(0, dtype=torch.long, device=device)
-    return {"kept_ids": torch.cat([empty, *ids_out]), "kept_positions": torch.cat([empty, *positions_out]),
-            "kept_row_mask": row_mask[None]}
+    samples = zip(pieces, local_response_tokens(batch, length, device, allgather_cp), batch[IDS], batch[OFFSETS],
+                  strict=True)
+    return nucleus_context(samples, length, device, who="slime_fused", ids_name=IDS, offsets_name=OFFSETS)

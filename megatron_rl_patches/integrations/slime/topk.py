@@ -1,51 +1,18 @@
-"""Top-k buckets on slime's fused route: one output processor returning the log-prob processor's
-results and the top-k processor's, and the per-sample ids of slime's rollout data placed back on
-the packed rows of a micro-batch."""
+"""Top-k buckets on slime's fused route: the top-k processor's context for a micro-batch (the
+per-sample ids of slime's rollout data placed back on its packed rows, `ops.packing.packed_ids`)
+and per-token results cut back to slime's per-sample response slices (`sample_rows`: in the
+rows slime keeps per-sample fields in); the processor itself is
+`processors.combined.with_topk`."""
 # lazy imports: optional dependency megatron-core
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.slime.allgather_cp import local_from_zigzag
+from megatron_rl_patches.integrations.megatron.opd.zigzag import local_rows, zigzag_from_local
 from megatron_rl_patches.integrations.slime.rows import response_positions
-from megatron_rl_patches.processors.heads import one_row_selection, output_layer_pre_hooks_ran, topk_output_processor
-
-
-def with_topk(log_prob: Callable, k: int | None, options: dict, topk_context: dict, union: bool = False) -> Callable:
-    """The log-prob processor's dict plus "topk_log_probs" [b, s, k] and "tail" [b, s] (and
-    "topk_ids" when `k` selects them, "ids_mask" with `union`); both read the same hidden states
-    and the same row mask."""
-    topk = topk_output_processor(k=k, union=union, **options)
-
-    def process(*, output_layer: Any, context: dict | None = None, **kwargs: Any) -> dict:
-        with one_row_selection():  # one host sync and one tensor-parallel check for the three ops
-            result = dict(log_prob(output_layer=output_layer, context=context, **kwargs))
-            with output_layer_pre_hooks_ran(output_layer):  # the log-prob call ran them for this forward
-                shared = {key: value for key, value in (context or {}).items() if not key.startswith("kept_")}
-                result.update(topk(output_layer=output_layer, context={**shared, **topk_context}, **kwargs))
-        return result
-
-    return process
-
-
-def packed_ids(per_sample: list[torch.Tensor], positions: list[torch.Tensor], length: int,
-               dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """[T, k] ids on the packed rows from per-sample [R_i, k] (rows outside responses: id 0); with
-    `dtype=torch.bool`, an ids mask the same way (rows outside responses: False)."""
-    if len(per_sample) != len(positions):
-        raise ValueError(f"top-k ids for {len(per_sample)} samples, the micro-batch has {len(positions)}")
-    k = per_sample[0].shape[-1]
-    device = positions[0].device
-    ids = torch.zeros(length, k, dtype=dtype, device=device)
-    for sample, rows in zip(per_sample, positions):
-        if sample.shape != (rows.numel(), k):
-            raise ValueError(f"top-k ids of shape {tuple(sample.shape)} for a response of {rows.numel()} tokens "
-                             f"(expected [{rows.numel()}, {k}])")
-        ids[rows] = sample.to(device=device, dtype=dtype)
-    return ids
+from megatron_rl_patches.ops.packing import packed_ids
 
 
 def topk_context(request: Any, batch: dict, length: int, device: Any, allgather_cp: bool) -> dict:
@@ -68,21 +35,17 @@ def topk_context(request: Any, batch: dict, length: int, device: Any, allgather_
     return context
 
 
-def local_rows(batch: dict, length: int, ids: list[torch.Tensor],
-               masks: list[torch.Tensor] | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """The rollout's per-sample ids (and masks), kept in slime's zigzag rows, on the contiguous rows
-    of this rank's slice under --allgather-cp (unchanged with one context-parallel rank)."""
-    from megatron.core import parallel_state
-
-    if parallel_state.get_context_parallel_world_size() == 1:
-        return ids, masks
-
-    lengths = (batch["total_lengths"], batch["response_lengths"])
-    return (local_from_zigzag(ids, length, *lengths),
-            None if masks is None else local_from_zigzag(masks, length, *lengths))
-
-
 def per_sample_rows(values: torch.Tensor, batch: dict, allgather_cp: bool = False) -> list[torch.Tensor]:
     """[1, T, ...] per-token values of a micro-batch as slime's per-sample response slices."""
     rows = values.reshape(-1, *values.shape[2:])
     return [rows[p] for p in response_positions(batch, rows.shape[0], rows.device, allgather_cp)]
+
+
+def sample_rows(values: torch.Tensor, batch: dict, allgather: bool) -> list[torch.Tensor]:
+    """[1, T, ...] per-token values in the rows slime keeps per-sample fields in: its response
+    slices, moved to the rank's zigzag rows under an active `--allgather-cp` (`allgather`; gradients
+    flow back when the values require grad, as in slime's own redistribution)."""
+    pieces = per_sample_rows(values, batch, allgather)
+    if not allgather:
+        return pieces
+    return zigzag_from_local(pieces, values.shape[1], batch["total_lengths"], batch["response_lengths"])

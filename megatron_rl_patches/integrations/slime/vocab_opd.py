@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active, zigzag_from_local
-from megatron_rl_patches.integrations.slime.topk import per_sample_rows
+from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active
+from megatron_rl_patches.integrations.slime.topk import sample_rows
 from megatron_rl_patches.integrations.slime.vocab_step import DIVERGENCE
 
 
@@ -31,11 +31,7 @@ def vocab_opd_loss(args: Any, batch: dict, logits: Any, sum_of_sample_mean: Any,
         raise RuntimeError("slime_opd: MEGATRON_RL_PATCHES_OPD_K=vocab needs the fused training step (slime_fused) "
                            "with the full-vocabulary request; this step ran without it")
     loss, log = policy_loss_function(args, batch, logits, sum_of_sample_mean)
-    values = logits[DIVERGENCE]
-    allgather = allgather_cp_active(args)
-    pieces = per_sample_rows(values, batch, allgather)
-    if allgather:  # slime's per-sample fields (masks) are in the zigzag rows
-        pieces = zigzag_from_local(pieces, values.shape[1], batch["total_lengths"], batch["response_lengths"])
+    pieces = sample_rows(logits[DIVERGENCE], batch, allgather_cp_active(args))  # masks: slime's zigzag rows
     opd = sum_of_sample_mean(torch.cat(pieces))
     log["opd_vocab_loss"] = opd.clone().detach()
     return settings.policy_weight * loss + settings.coef * opd, log

@@ -1,7 +1,8 @@
 """Full-vocabulary OPD's fused calls in slime (MEGATRON_RL_PATCHES_OPD_K=vocab, `vocab_opd`): a
 teacher's pass returning its final hidden states and keeping its output weight's shard
-(`hidden_pass_processor`), and the training step's processor: slime's log-probs plus the per-token
-divergence between the student and the teachers' mixture over the whole vocabulary
+(`processors.combined.hidden_pass_processor`), and the training step's processor: slime's
+log-probs plus the per-token divergence between the student and the teachers' mixture over the
+whole vocabulary
 (`lm_head_divergence` through `divergence_output_processor`, tile by tile: no [T, V] tensor), on the
 response rows only, the teachers' per-sample hidden states placed on the micro-batch's packed rows
 (the contiguous rows under --allgather-cp)."""
@@ -15,11 +16,11 @@ import torch
 
 from megatron_rl_patches.integrations.megatron.opd.hidden_teachers import TeacherHeads
 from megatron_rl_patches.integrations.megatron.opd.topk_request import TEACHER_HEADS, TEACHER_HIDDEN, VocabRequest
-from megatron_rl_patches.integrations.slime.allgather_cp import local_from_zigzag
+from megatron_rl_patches.integrations.megatron.opd.zigzag import local_from_zigzag
 from megatron_rl_patches.integrations.slime.rows import response_positions, response_rows
-from megatron_rl_patches.integrations.slime.topk import packed_ids
-from megatron_rl_patches.processors.distill import divergence_output_processor, hidden_output_processor
-from megatron_rl_patches.processors.heads import output_layer_pre_hooks_ran
+from megatron_rl_patches.ops.packing import packed_ids
+from megatron_rl_patches.processors.combined import hidden_pass_processor, with_divergence
+from megatron_rl_patches.processors.distill import divergence_output_processor
 
 DIVERGENCE = "opd_divergence"  # the fused output's key: the per-token divergence [1, T]
 NOT_SCORED = ("slime_opd: the training step under MEGATRON_RL_PATCHES_OPD_K=vocab found no teacher hidden states in "
@@ -32,7 +33,7 @@ def vocab_processor(request: VocabRequest, log_prob: Callable, options: dict, ba
     step's log-probs (slime's) plus the per-token divergence under `DIVERGENCE` ([1, T], 0 outside
     the response rows)."""
     if request.hidden:
-        return hidden_pass_processor(request)
+        return hidden_pass_processor(request.captured)
     heads, teacher_rows = teacher_context(batch, length, device, allgather_cp)
     sizes = [size for size in (options.get("vocab_size"), heads.vocab_size) if size is not None]
     divergence = divergence_output_processor(divergence=request.divergence, teacher_weights=request.weights,
@@ -40,14 +41,7 @@ def vocab_processor(request: VocabRequest, log_prob: Callable, options: dict, ba
                                              vocab_size=min(sizes) if sizes else None)
     vocab_context = {"teacher_hidden": teacher_rows, "teacher_weight": list(heads.weights),
                      "row_mask": response_rows(batch, length, device, allgather_cp)[None]}
-
-    def process(*, output_layer: Any, context: dict | None = None, **kwargs: Any) -> dict:
-        result = dict(log_prob(output_layer=output_layer, context=context, **kwargs))
-        with output_layer_pre_hooks_ran(output_layer):  # the log-prob call ran them for this forward
-            result[DIVERGENCE] = divergence(output_layer=output_layer, context=vocab_context, **kwargs)
-        return result
-
-    return process
+    return with_divergence(log_prob, divergence, DIVERGENCE, vocab_context)
 
 
 def teacher_context(batch: dict, length: int, device: Any,
@@ -65,21 +59,3 @@ def teacher_context(batch: dict, length: int, device: Any,
             states = local_from_zigzag(states, length, batch["total_lengths"], batch["response_lengths"])
         rows.append(packed_ids(states, positions, length, dtype=states[0].dtype)[None])
     return heads[0], rows
-
-
-def hidden_pass_processor(request: VocabRequest) -> Callable:
-    """A teacher's pass: its final hidden states [1, T, H] (every rank's rows under sequence
-    parallelism) and, once per pass, a copy of its output weight's shard (a snapshot's weights
-    leave the actor after its pass) into `request.captured`. "log_probs" holds zeros: no log-prob
-    is computed (opd's `collect_topk` reads its device)."""
-    hidden = hidden_output_processor()
-
-    def process(*, hidden_states: Any, output_layer: Any, output_weight: Any = None, config: Any = None,
-                **_: Any) -> dict:
-        states = hidden(hidden_states=hidden_states, output_layer=output_layer, config=config)
-        if not request.captured:  # the output weight: the tied embedding's where GPTModel hands it
-            weight = output_layer.weight if output_weight is None else output_weight
-            request.captured.append(weight.detach().clone())
-        return {"teacher_hidden": states, "log_probs": torch.zeros(states.shape[:2], device=states.device)}
-
-    return process

@@ -32,7 +32,7 @@ def _moved(rank: int, world_size: int) -> dict:
     import torch
     from megatron.core import parallel_state
 
-    from megatron_rl_patches.integrations.slime import allgather_cp
+    from megatron_rl_patches.integrations.megatron.opd import zigzag as allgather_cp
     from megatron_rl_patches.ops.packing import PackedLayout, allgather_cp_to_zigzag
     from megatron_rl_patches.testing.megatron_cpu import megatron_world
 

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from megatron_rl_patches.integrations.megatron.model_chunk import mtp_heads_build_logits
 from megatron_rl_patches.integrations.slime import fused as slime_fused
 
 
@@ -286,8 +287,8 @@ def test_the_actor_steps_settings_reach_its_training_steps_parsed_once(monkeypat
     `train_actor` wrapper parses them and puts them in the rollout data, whose data iterators
     hand them to every `train_one_step` inside (no second parse; None: top-k OPD off, not parsed
     again either); slime's metrics never see them. Before: parsed again by each train_one_step."""
+    from megatron_rl_patches.integrations.megatron.planned_iterators import plan_of
     from megatron_rl_patches.integrations.slime import opd, step_plan
-    from megatron_rl_patches.integrations.slime.step_plan import plan_of
 
     parsed: list = []
 
@@ -328,7 +329,7 @@ def test_a_planned_iterator_is_slimes_iterator_with_a_plan_and_copies():
     through the wrapped one while the copy is built)."""
     import copy
 
-    from megatron_rl_patches.integrations.slime.step_plan import plan_of, planned
+    from megatron_rl_patches.integrations.megatron.planned_iterators import plan_of, planned
 
     plan = slime_fused.StepPlan(_args(), True, False)
     inner = types.SimpleNamespace(offset=3, micro_batch_indices=[[0], [1]])
@@ -389,9 +390,9 @@ def test_mtp_heads_building_logits_are_named_until_mtp_output_processor_is_appli
     model = gpt_model.GPTModel(config=config, transformer_layer_spec=spec, vocab_size=100, max_sequence_length=16,
                                mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False))
     native = hasattr(gpt_model, "process_mtp_loss")
-    assert slime_fused.mtp_heads_build_logits(model) is native
+    assert mtp_heads_build_logits(model) is native
     megatron_rl_patches.apply(only=["mtp_output_processor"])
-    assert slime_fused.mtp_heads_build_logits(model) is False
+    assert mtp_heads_build_logits(model) is False
     plain = gpt_model.GPTModel(config=megatron_cpu.config(), transformer_layer_spec=spec, vocab_size=100,
                                max_sequence_length=16)
-    assert slime_fused.mtp_heads_build_logits(plain) is False
+    assert mtp_heads_build_logits(plain) is False

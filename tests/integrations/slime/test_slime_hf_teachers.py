@@ -148,7 +148,7 @@ def fused_processors(clean_patch_state):
 def test_a_teacher_of_another_size_scores_the_students_ids_as_transformers(megatron_cpu, fused_processors, tmp_path):
     pytest.importorskip("transformers", reason="the reference forward needs transformers (the hf-test extra)")
     from megatron_rl_patches.integrations.megatron.opd.hidden_teachers import real_vocab_size
-    from megatron_rl_patches.integrations.slime.topk import with_topk
+    from megatron_rl_patches.processors.combined import with_topk
     from megatron_rl_patches.processors.heads import log_prob_output_processor
     from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf
     from megatron_rl_patches.testing.megatron_cpu import make_batch

@@ -19,6 +19,7 @@ import types
 import pytest
 import torch
 
+from megatron_rl_patches.integrations.megatron.opd import rollout_teachers
 from megatron_rl_patches.integrations.megatron.opd.carried_rows import (
     CARRIED,
     ROWS,
@@ -78,10 +79,10 @@ def training_data(samples) -> dict:
 
 
 def test_the_setting_and_the_entries_it_takes(teachers_at):
-    assert rollout_scores.score_at({}) == "train" and rollout_scores.score_at({rollout_scores.SCORE_AT: "Rollout"}) \
-        == "rollout"
+    assert rollout_teachers.score_at({}) == "train" and \
+        rollout_teachers.score_at({rollout_teachers.SCORE_AT: "Rollout"}) == "rollout"
     with pytest.raises(ValueError, match=r"MEGATRON_RL_PATCHES_OPD_SCORE_AT='later': use rollout .* or train"):
-        rollout_scores.score_at({rollout_scores.SCORE_AT: "later"})
+        rollout_teachers.score_at({rollout_teachers.SCORE_AT: "later"})
     from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
 
     teachers_at("http://127.0.0.1:9")
@@ -269,8 +270,8 @@ def test_a_replica_killed_during_the_rollout_is_one_warning_and_in_the_rollout_m
 
 
 def test_slimes_split_carries_the_rows_and_its_metrics_never_see_them(teachers_at):
+    from megatron_rl_patches.integrations.megatron.opd.topk_request import FIGURES
     from megatron_rl_patches.integrations.slime import contexts, opd
-    from megatron_rl_patches.integrations.slime.teacher_metrics import FIGURES
     from tests.integrations.slime.test_slime_contexts import split_like_slime
 
     rows = {"abc": {"digest": [3, 1, 0]}}

@@ -69,7 +69,7 @@ def test_top_p_and_top_k_buckets_in_one_fused_call(megatron_cpu, clean_patch_sta
 
     import megatron_rl_patches
     from megatron_rl_patches import log_prob_output_processor, topk_output_processor
-    from megatron_rl_patches.integrations.slime.topk import with_topk
+    from megatron_rl_patches.processors.combined import with_topk
 
     megatron_rl_patches.apply(only="gpt_output_processor")
     torch.manual_seed(0)

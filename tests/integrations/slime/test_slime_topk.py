@@ -9,8 +9,8 @@ import torch
 
 import megatron_rl_patches
 from megatron_rl_patches import log_prob_output_processor, topk_output_processor
-from megatron_rl_patches.integrations.slime.topk import with_topk
 from megatron_rl_patches.ops import _checks, _rows
+from megatron_rl_patches.processors.combined import with_topk
 
 pytestmark = pytest.mark.megatron
 

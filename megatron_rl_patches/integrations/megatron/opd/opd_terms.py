@@ -1,4 +1,5 @@
-"""The per-token OPD terms of every teacher of a step (`loss_terms`), from the micro-batch's
+"""The per-token OPD terms of every teacher of a step (`loss_terms`; `mixture_terms` when every
+teacher has the student's tokenizer), from the micro-batch's
 per-sample fields (the keys of `topk_request`, which a host fills from the teachers' scores): the
 same-tokenizer teachers as one mixture over the student's top-k ids with their exact tails, each
 teacher with another tokenizer as its chunk-start bucket divergence plus its token-level
@@ -18,6 +19,7 @@ from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     CROSS_TAILS,
     CROSS_TEACHERS,
     IDS,
+    IDS_MASK,
     STEP_MASK,
     STEP_SAME_AS,
     TEACHER_LOGPROBS,
@@ -66,3 +68,17 @@ def loss_terms(settings: OpdSettings, batch: dict, student: torch.Tensor, studen
                                                                   alive[:, x], ratio[:, x], token_log_probs,
                                                                   settings.divergence, invariant)
     return total
+
+
+def mixture_terms(settings: OpdSettings, batch: dict, student: torch.Tensor, student_tail: torch.Tensor,
+                  invariant: bool | None = None) -> torch.Tensor:
+    """Per response token [N] of the micro-batch: the divergence between the student's buckets over
+    the step's ids and the mixture of the teachers (all of the student's tokenizer: their
+    `TEACHER_LOGPROBS` / `TEACHER_TAILS`, a union's padded slots masked by `IDS_MASK`)."""
+    teachers = torch.cat(batch[TEACHER_LOGPROBS], dim=1).to(student)
+    tails = torch.cat(batch[TEACHER_TAILS], dim=1).to(student)
+    weights = None if settings.weights is None else torch.tensor(settings.weights, dtype=torch.float64)
+    mask = batch.get(IDS_MASK)
+    mask = None if mask is None else torch.cat(mask).to(device=student.device, dtype=torch.bool)
+    return topk_kl(student, student_tail, teachers, tails, teacher_weights=weights, divergence=settings.divergence,
+                   ids_mask=mask, invariant=invariant)

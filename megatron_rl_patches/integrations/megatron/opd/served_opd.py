@@ -9,19 +9,21 @@ every rank of the job. What the scores give is the framework-free role's (`teach
 here they are cut to each context-parallel rank's zigzag rows and placed in slime's rollout data."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from megatron_rl_patches.integrations.megatron.opd.carried_rows import add_carried
 from megatron_rl_patches.integrations.megatron.opd.cross_passes import context_of, teacher_samples
 from megatron_rl_patches.integrations.megatron.opd.opd_teachers import OpdTeacher, ScoringStep
 from megatron_rl_patches.integrations.megatron.opd.stage_host import StageHost, batch_of, device_of
-from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS, IDS, IDS_MASK
+from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS, FIGURES, IDS, IDS_MASK
 from megatron_rl_patches.integrations.megatron.opd.zigzag import whole_from_zigzag, zigzag_of_whole
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.cross_context import cross_with_context
 from megatron_rl_patches.teachers.head_cross_buckets import cross_batch
 from megatron_rl_patches.teachers.scores import TeacherScores
 from megatron_rl_patches.teachers.step import TeacherStep, join_build
+from megatron_rl_patches.teachers.step_metrics import fixed_figures
 from megatron_rl_patches.teachers.step_served import CrossServed, HeadServed, OwnTopkServed
 
 TYPE_CHECKING = False
@@ -122,7 +124,7 @@ class ServedOpdTeacher(OpdTeacher):
         return TeacherScores(cut(values), cut(tails))
 
     def cross_scores(self, step: ScoringStep) -> TeacherScores | None:
-        """Another tokenizer's buckets on the student's whole rows (as slime's `cross_loss.place` stores them)."""
+        """Another tokenizer's buckets on the student's whole rows (as `topk_teachers.place` stores them)."""
         scores = self.collected()
         if scores is None:
             return None
@@ -130,3 +132,12 @@ class ServedOpdTeacher(OpdTeacher):
         assert isinstance(self.role, CrossServed) and self.samples is not None  # `begin`'s, on the last stage
         samples, self.samples = self.samples, None
         return self.role.scores(scores, samples, step.student_log_probs, device_of(step.rollout_data))
+
+
+def note_figures(teachers: Sequence[Any], rollout_data: dict) -> None:
+    """The step's served teachers' figures (those holding a `TeacherStep`: the last stage's) in
+    `rollout_data[FIGURES]` (`step_metrics.fixed_figures`: the same keys on every rank, for the host
+    to average); nothing where none holds one."""
+    steps = [teacher.step for teacher in teachers if isinstance(teacher, ServedOpdTeacher) and teacher.step is not None]
+    if steps:
+        rollout_data[FIGURES] = fixed_figures([step.metrics() for step in steps])

@@ -1,6 +1,6 @@
 """The student's step ids when an id repeats in a row (framework-free; slime's OPD uses it): the step
 scores the same-tokenizer ids and each other-tokenizer teacher's bucket ids side by side
-(slime's `cross_loss.place`), and those parts share ids whenever the teachers agree with the student (its
+(`topk_teachers.place`), and those parts share ids whenever the teachers agree with the student (its
 top id is often a teacher's top string's), but the top-k op scores each id of a row once (its tail
 is one minus their sum). A repeat is scored once: masked in the step's mask, and its column read
 from the first column holding the id (`restored`)."""

@@ -22,6 +22,7 @@ from typing import Any
 
 from megatron_rl_patches._log import logger
 from megatron_rl_patches.inference import build_inference_model
+from megatron_rl_patches.integrations.megatron.model_chunk import unwrap
 from megatron_rl_patches.integrations.megatron.opd import cross_passes, hf_teachers
 from megatron_rl_patches.integrations.megatron.opd.layout_teacher import (
     build_layout_teacher,
@@ -66,12 +67,6 @@ class SlimeBuilder:
     build: Build
     route: Route = kind_route
     check_routes: Callable[[OpdSettings, list[str]], None] | None = None
-
-
-def unwrap(chunk: Any) -> Any:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def separate_teacher(args: Any, teacher: Teacher, residency: str | None) -> list[Any]:

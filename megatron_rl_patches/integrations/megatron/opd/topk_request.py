@@ -47,6 +47,8 @@ TEACHER_HIDDEN, TEACHER_HEADS = "opd_teacher_hidden", "opd_teacher_heads"
 VOCAB_KEYS = (TEACHER_HIDDEN, TEACHER_HEADS)
 # each sample's privileged contexts ({KEY: text or ids}, one per sample), carried to the training ranks
 CONTEXTS = "megatron_rl_patches_contexts"
+# the train step's served teachers' figures (`served_opd.note_figures`: one dict, on the last stage)
+FIGURES = "opd_teacher_figures"
 
 
 @dataclass(frozen=True)

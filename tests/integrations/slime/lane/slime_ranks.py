@@ -240,13 +240,13 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
         from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
         from megatron_rl_patches.integrations.megatron.opd.privileged import LiveTeacher, PrivilegedTeacher
         from megatron_rl_patches.integrations.megatron.opd.served_opd import ServedOpdTeacher
+        from megatron_rl_patches.integrations.megatron.opd.topk_request import FIGURES as TEACHER_FIGURES
         from megatron_rl_patches.integrations.megatron.opd.topk_request import (
             STEP_SAME_AS,
             TEACHER_HEADS,
             TEACHER_HIDDEN,
         )
         from megatron_rl_patches.integrations.slime import opd as slime_opd
-        from megatron_rl_patches.integrations.slime.teacher_metrics import FIGURES as TEACHER_FIGURES
 
         for name, value in OPD_ENV.items():
             patch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)

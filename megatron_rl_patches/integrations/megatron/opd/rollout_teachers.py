@@ -1,0 +1,137 @@
+"""Served teachers asked at the rollout, one sample at a time as its generation ends
+(`MEGATRON_RL_PATCHES_OPD_SCORE_AT=rollout`; `score_at`), framework-free given the sample's tokens,
+its response length and its privileged contexts: `RolloutTeachers` holds the served teachers of the
+student's tokenizer on the top-k route (`rollout_entries`), their figures and the student's
+tokenizer for text contexts; `ask_rows` sends one sample to every one of them, awaits the answers
+without blocking the event loop's other samples and gives each teacher's rows packed under its key
+(`carried_rows.packed`, `teacher_key`), which the host carries with the sample to its training
+ranks. slime's rollout sample hook is the host today (`integrations.slime.rollout_scores`).
+
+A teacher failing during the rollout (every replica down, the deadline passed, a sample too long)
+fails the rollout with the same named error (`ServedTeacherError` / `ServedTeacherRefusal`) the
+train step raises: a failure the client's retries and replicas did not absorb is no transient one,
+and a rollout cannot leave a sample half-scored. A teacher of another tokenizer (`;tokenizer=DIR`)
+or with a head (`;head=DIR`: its hidden states, 2H bytes a token) stays at the train step."""
+# lazy imports: optional dependency httpx (the extra `served`), torch only where a teacher is asked
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from megatron_rl_patches._variables import OPD_SCORE_AT as SCORE_AT
+from megatron_rl_patches.integrations.megatron.opd.carried_rows import packed, teacher_key
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, OpdSettings
+from megatron_rl_patches.teachers.kinds.entry import SERVED
+
+PLACES = ("rollout", "train")
+DEFAULT = "train"  # measured: docs/benchmarks.md, "A served teacher off the train step"
+
+
+def score_at(environ: Mapping[str, str] | None = None) -> str:
+    """Where the served teachers are asked: "rollout" or "train" (unset or "": `DEFAULT`, train);
+    ValueError naming the variable for any other value."""
+    text = (os.environ if environ is None else environ).get(SCORE_AT, "")
+    word = text.strip().lower() or DEFAULT
+    if word not in PLACES:
+        raise ValueError(f"{SCORE_AT}={text[:40]!r}: use rollout (each sample scored as its generation ends) or "
+                         "train (scored by the train step), or leave it unset (train)")
+    return word
+
+
+def rollout_entries(settings: OpdSettings | None) -> list[Any]:
+    """The entries asked at the rollout: served teachers of the student's tokenizer on the top-k
+    route (no `;tokenizer=DIR`, no `;head=DIR`), where the settings ask for it."""
+    if settings is None or settings.full_vocab or score_at() != "rollout":
+        return []
+    return [t for t in settings.teachers if t.kind == SERVED and t.head is None and t.tokenizer is None]
+
+
+class RolloutTeachers:
+    """The served teachers the rollout asks (`rollout_entries`), their figures since the last
+    `metrics()`, and the student's tokenizer for text contexts (read once). Pickled empty (a
+    host's args travel between processes): the teachers are built again where the rollout runs."""
+
+    def __init__(self, settings: OpdSettings | None, args: Any = None) -> None:
+        self.args = args
+        self.teachers: list[Any] = []
+        self.contexts: list[str | None] = []  # each teacher's context key, read once (teachers.privileged)
+        if rollout_entries(settings):
+            from megatron_rl_patches.teachers.served.build import served_teacher_of  # lazy: import cost: httpx, torch
+
+            assert settings is not None  # rollout_entries found some
+            from megatron_rl_patches.teachers.privileged import step_teachers
+
+            built = [served_teacher_of(t, top_k=settings.k) for t in rollout_entries(settings)]
+            self.teachers, self.contexts = step_teachers(built)
+        self.samples = 0
+        self.waited_s = 0.0
+        self.tokenizer: Any = None
+
+    @property
+    def keys(self) -> list[str]:
+        """Each teacher's key among a sample's carried rows."""
+        return [teacher_key(teacher, key) for teacher, key in zip(self.teachers, self.contexts)]
+
+    def __reduce__(self) -> tuple:
+        return (empty_holder, ())
+
+    def student_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            # lazy: import cost: torch and megatron's groups, only for text contexts
+            from megatron_rl_patches.integrations.megatron.opd.stage_host import student_tokenizer_of
+
+            self.tokenizer = student_tokenizer_of(self.args, f"{TEACHERS} (text contexts are tokenized by the "
+                                                             "student's tokenizer)")
+        return self.tokenizer
+
+    def metrics(self) -> dict[str, Any]:
+        """The rollout's figures (`TeacherStep.metrics()`'s shape): samples scored, the seconds the
+        hooks waited, the teachers' own summed (`step_metrics`)."""
+        from megatron_rl_patches.teachers.step_metrics import step_metrics  # lazy: import cost: the step's module
+
+        own = {"samples": self.samples, "hook_wait_s": self.waited_s}
+        self.samples, self.waited_s = 0, 0.0
+        return step_metrics(own, {i: teacher.metrics() for i, teacher in enumerate(self.teachers)})
+
+    def close(self) -> None:
+        for teacher in self.teachers:
+            teacher.close()
+
+
+def empty_holder() -> None:
+    """What a pickled `RolloutTeachers` becomes: nothing (built again where it is used)."""
+    return None
+
+
+async def ask_rows(held: RolloutTeachers, tokens: Any, response: int,
+                   contexts: list[dict] | None) -> dict[str, dict[str, Any]]:
+    """One sample (`tokens`, its last `response` of them the response; `contexts`: its privileged
+    contexts, one mapping, or None) sent to every teacher of `held` now: each teacher's rows packed
+    under its key, the wait counted in `held`'s figures. A failure cancels what is still asked and
+    raises the teacher's named error (or its deadline's)."""
+    import torch  # lazy: import cost: torch only where the rollout asks a teacher
+
+    from megatron_rl_patches.teachers.batch import TeacherBatch  # lazy: import cost: torch
+    from megatron_rl_patches.teachers.step_contexts import teacher_batches  # lazy: import cost: torch
+
+    ids = torch.tensor(list(tokens), dtype=torch.long)
+    batch = TeacherBatch([ids], [len(ids) - response])
+    asked = teacher_batches(held.teachers, held.contexts, batch, contexts, None)
+    started = time.perf_counter()
+    pending = [teacher.submit(one) for teacher, one in zip(held.teachers, asked)]
+    try:
+        futures = [asyncio.wrap_future(f) for waiting in pending for f in waiting.pending.values()]
+        if futures:  # each sample's requests answered while the other samples' tasks run
+            await asyncio.wait(futures, timeout=max(min(p.deadline.remaining() for p in pending), 0.0),
+                               return_when=asyncio.FIRST_EXCEPTION)
+        scores = [waiting.result() for waiting in pending]  # the named error of a failure, or its deadline
+    except BaseException:
+        for waiting in pending:
+            waiting.cancel()
+        raise
+    held.waited_s += time.perf_counter() - started
+    held.samples += 1
+    return {key: packed(got, one) for key, got, one in zip(held.keys, scores, asked)}
