@@ -9,6 +9,7 @@ op's result is a plain tensor. :func:`mode_of` reads it (None: unmarked, the rou
 own), :func:`plain` gives the tensor back unmarked."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -63,7 +64,6 @@ def plain(logits: Any) -> Any:
 def marking(f: Any, invariant: bool | None) -> Any:
     """`f` (a callback taking logits first) handed them marked with `invariant` (`with_mode`); its
     name kept (`functools.wraps`: the framework's wrappers and ours read the callback's name)."""
-    import functools
 
     @functools.wraps(f)
     def marked(logits: Any, *rest: Any, **options: Any) -> Any:
