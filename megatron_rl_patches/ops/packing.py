@@ -37,10 +37,9 @@ __all__ = [
     "response_log_probs_and_entropy",
     "allgather_cp_to_zigzag",
     "zigzag_to_allgather_cp",
-    "packed_ids",
-    "packed_topk_logprobs",
-    "positions_mask",
 ]
+# Not in __all__ (no promise to users): packed_ids, packed_topk_logprobs and positions_mask, the
+# per-sample top-k rows a host's OPD route places on packed rows (integrations' helpers).
 
 
 @dataclass(frozen=True)
