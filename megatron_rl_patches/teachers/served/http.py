@@ -106,9 +106,13 @@ class TeacherClient:
         key_variable(settings.api_key_env)  # its key, whatever a server quotes of it, hidden in every message
         self._http: Any = None
         self._lock = threading.Lock()
+        self._closed = False  # close(): no attempt starts, and every wait for one ends at once
+        self._changed = threading.Condition(self._lock)  # an attempt ended, or the client closed
 
     def http(self) -> Any:
         with self._lock:
+            if self._closed:
+                raise ServedTeacherError(f"{self.url}: the teacher was closed", self.url)
             if self._http is None:
                 self._http = self._open()
             return self._http
@@ -135,10 +139,15 @@ class TeacherClient:
         return without_key(text, self.key())
 
     def close(self) -> None:
+        """Close the pool and end every wait for a reply now: the threads that wait (a step's,
+        the replicas' probes) fail at once instead of holding the interpreter's exit until a
+        silent server's timeout."""
         with self._lock:
-            if self._http is not None:
-                self._http.close()
-                self._http = None
+            self._closed = True
+            http, self._http = self._http, None
+            self._changed.notify_all()
+        if http is not None:
+            http.close()
 
     def abandon(self, http: Any) -> None:
         """Close the pool `http` (its connections cut, their requests failing at their next read)
@@ -151,18 +160,24 @@ class TeacherClient:
     def within(self, deadline: Deadline, call: Callable[[], Any], http: Any) -> tuple[bool, Any]:
         """`call()` (one HTTP attempt on the pool `http`) run in a thread of its own and waited
         for until `deadline`: (True, its result), its exception raised here, or (False, None) when
-        the deadline passed first, the pool then abandoned."""
+        the deadline passed first or the client was closed, the pool then abandoned (the attempt's
+        own thread is a daemon: left blocked in a read, it holds no exit)."""
         outcome: list[Any] = []
 
         def attempt() -> None:
             try:
-                outcome.append((True, call()))
+                result = (True, call())
             except BaseException as error:  # noqa: BLE001 - handed to the waiting caller
-                outcome.append((False, error))
+                result = (False, error)
+            with self._changed:
+                outcome.append(result)
+                self._changed.notify_all()
 
         worker = threading.Thread(target=attempt, name="served-teacher-request", daemon=True)
-        worker.start()
-        worker.join(max(deadline.remaining(), 0.0))
+        with self._changed:
+            if not self._closed:
+                worker.start()
+                self._changed.wait_for(lambda: outcome or self._closed, max(deadline.remaining(), 0.0))
         if not outcome:
             self.abandon(http)
             return False, None
@@ -193,6 +208,9 @@ class TeacherClient:
             try:
                 attempt_once = functools.partial(http.request, method, self.url + path, json=body, timeout=timeout)
                 answered, response = self.within(deadline, attempt_once, http)
+                if not answered and self._closed:
+                    raise ServedTeacherError(f"{who}: the teacher was closed while it waited for the reply",
+                                             self.url, sample)
                 if not answered:
                     raise ServedTeacherError(f"{who}: no reply within the step's deadline of "
                                              f"{deadline.seconds:g} s (the server silent or still sending: "

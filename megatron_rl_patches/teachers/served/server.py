@@ -32,6 +32,7 @@ class Server:
         self.running = 0
         self.lock = threading.Lock()
         self.threads: futures.ThreadPoolExecutor | None = None
+        self.closed = False  # close(): no thread is started again (a failover to a closed server fails)
 
     def served_model(self, deadline: Deadline, cancel: threading.Event) -> ServedModel:
         return self.engine.served_model(deadline, cancel)
@@ -61,8 +62,10 @@ class Server:
         for request in requests:
             try:
                 self.pool().submit(self.run, *request)
-            except RuntimeError as closed:  # the server was closed meanwhile
-                self.done(request, closed, None)
+            except RuntimeError as closed:  # the server was closed meanwhile (the executor's words or ours)
+                self.done(request, closed if isinstance(closed, ServedTeacherError) else ServedTeacherError(
+                    f"{self.url}: sample {request[1].index} not sent: the teacher was closed", self.url,
+                    request[1].index), None)
 
     def run(self, model: ServedModel, sample: SampleAsk, step: Step, future: futures.Future) -> None:
         error: BaseException | None = None
@@ -94,6 +97,8 @@ class Server:
 
     def pool(self) -> futures.ThreadPoolExecutor:
         with self.lock:
+            if self.closed:
+                raise ServedTeacherError(f"{self.url}: the teacher was closed", self.url)
             if self.threads is None:
                 self.threads = futures.ThreadPoolExecutor(self.settings.max_in_flight,
                                                           thread_name_prefix="served-teacher")
@@ -102,6 +107,7 @@ class Server:
     def close(self) -> None:
         """Stop the threads (the requests waiting for room fail) and close the connections."""
         with self.lock:
+            self.closed = True
             threads, self.threads = self.threads, None
             waiting, self.waiting = list(self.waiting), deque()
         if threads is not None:
