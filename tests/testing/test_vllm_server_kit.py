@@ -70,3 +70,22 @@ def test_the_kv_cache_is_a_flag_and_the_legacy_variable_is_dropped(monkeypatch, 
     monkeypatch.setattr(vllm_server.subprocess, "Popen", Recorder)
     vllm_server.launch("python", "m", tmp_path / "log")
     assert "VLLM_CPU_KVCACHE_SPACE" not in seen
+
+
+def test_a_server_runs_its_model_in_the_engine_cores_process(monkeypatch, tmp_path):
+    """Two processes a server, not three: the uni executor, which vLLM's CPU backend turns back into
+    its multiprocess one unless VLLM_ENABLE_V1_MULTIPROCESSING=0 is in the server's environment."""
+    command = vllm_server.server_command("python", "m", 1, 256, 20)
+    at = command.index("--distributed-executor-backend")
+    assert command[at + 1] == "uni"
+    seen = {}
+
+    class Recorder:
+        def __init__(self, argv, **kwargs):
+            seen.update(kwargs["env"], argv=argv)
+            self.pid = 0
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # a caller's own setting does not undo it
+    monkeypatch.setattr(vllm_server.subprocess, "Popen", Recorder)
+    vllm_server.launch("python", "m", tmp_path / "log")
+    assert seen["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "uni" in seen["argv"]
