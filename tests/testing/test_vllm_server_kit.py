@@ -59,17 +59,9 @@ def test_the_kv_cache_is_a_flag_and_the_legacy_variable_is_dropped(monkeypatch, 
     command = vllm_server.server_command("python", "m", 1, 256, 20)
     at = command.index("--kv-cache-memory-bytes")
     assert int(command[at + 1]) == vllm_server.KV_CACHE_BYTES < GiB
-    seen = {}
-
-    class Recorder:
-        def __init__(self, argv, **kwargs):
-            seen.update(kwargs["env"])
-            self.pid = 0
-
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")  # a user's setting would override the flag in vLLM
-    monkeypatch.setattr(vllm_server.subprocess, "Popen", Recorder)
-    vllm_server.launch("python", "m", tmp_path / "log")
-    assert "VLLM_CPU_KVCACHE_SPACE" not in seen
+    _, env = launched(monkeypatch, tmp_path)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
 
 
 def test_a_server_runs_its_model_in_the_engine_cores_process(monkeypatch, tmp_path):
@@ -78,14 +70,21 @@ def test_a_server_runs_its_model_in_the_engine_cores_process(monkeypatch, tmp_pa
     command = vllm_server.server_command("python", "m", 1, 256, 20)
     at = command.index("--distributed-executor-backend")
     assert command[at + 1] == "uni"
-    seen = {}
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # a caller's own setting does not undo it
+    argv, env = launched(monkeypatch, tmp_path)
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
+
+
+def launched(monkeypatch, tmp_path) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment `launch` starts its server with (recorded, nothing started)."""
+    seen: dict = {}
 
     class Recorder:
         def __init__(self, argv, **kwargs):
-            seen.update(kwargs["env"], argv=argv)
+            seen.update(argv=argv, env=kwargs["env"])
             self.pid = 0
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # a caller's own setting does not undo it
     monkeypatch.setattr(vllm_server.subprocess, "Popen", Recorder)
     vllm_server.launch("python", "m", tmp_path / "log")
-    assert seen["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "uni" in seen["argv"]
+    return seen["argv"], seen["env"]

@@ -62,10 +62,12 @@ class Server:
         for request in requests:
             try:
                 self.pool().submit(self.run, *request)
-            except RuntimeError as closed:  # the server was closed meanwhile (the executor's words or ours)
-                self.done(request, closed if isinstance(closed, ServedTeacherError) else ServedTeacherError(
-                    f"{self.url}: sample {request[1].index} not sent: the teacher was closed", self.url,
-                    request[1].index), None)
+            except ServedTeacherError as closed:  # closed before this request got a thread
+                self.done(request, closed, None)
+            except RuntimeError:  # closed between pool() and submit(): the executor's own words
+                index = request[1].index
+                self.done(request, ServedTeacherError(f"{self.url}: sample {index} not sent: the teacher was closed",
+                                                      self.url, index), None)
 
     def run(self, model: ServedModel, sample: SampleAsk, step: Step, future: futures.Future) -> None:
         error: BaseException | None = None
