@@ -45,7 +45,15 @@ from megatron_rl_patches.teachers.privileged import step_teachers
 from megatron_rl_patches.teachers.step_contexts import teacher_batches
 from megatron_rl_patches.teachers.step_heads import step_heads_failure
 from megatron_rl_patches.teachers.step_metrics import StepFigures, step_metrics
-from megatron_rl_patches.teachers.step_parts import JoinedPending, Ready, joined_batch, scored_problem
+from megatron_rl_patches.teachers.step_parts import (
+    JoinedPending,
+    Ready,
+    ScoredBefore,
+    batch_part,
+    before_runs,
+    joined_batch,
+    scored_problem,
+)
 
 
 @dataclass
@@ -210,8 +218,10 @@ class TeacherStep:
         already scored these samples elsewhere (a rollout's teacher, asked as each generation
         ended): not asked again; their answer (as `submit(...).result(projected=False)` gives it:
         `BatchScores`, or a head's states per sample) joins the others' in `collect()`, read on
-        the asking rank and shared like an answer. Who scored them checks they are this part's
-        samples (`integrations/slime/rollout_scores.py`: a digest of the ids)."""
+        the asking rank and shared like an answer. A `ScoredBefore` (`teachers.step_parts`) gives
+        answers per sample with the digest of the ids each scored: the step reads those whose digest
+        is that of its own batch for the teacher (the sample's ids, or its context's before them)
+        and asks the teacher for the others (slime's carried rows, `opd/carried_rows.py`)."""
         self.hand_over(batch, contexts, "add", scored)
 
     def hand_over(self, batch: TeacherBatch, contexts: Any, call: str, scored: Any = None) -> None:
@@ -235,12 +245,18 @@ class TeacherStep:
             self.added.append(Added(batch, [batch] * len(self.teachers), {}))
             self.failed = error  # agreed in collect()
             return
-        given = dict(scored or {})
-        self.figures.scored_before += len(batch) if given else 0
+        # each given answer in runs of the part: read (a ScoredBefore's where its digest matches) or asked
+        runs = {i: before_runs(got, batches[i]) if isinstance(got, ScoredBefore) else [(0, len(batch), got)]
+                for i, got in (scored or {}).items()}
+        self.figures.scored_before += max((sum(hi - lo for lo, hi, got in parts if got is not None)
+                                           for parts in runs.values()), default=0)
         pending: dict[int, Pending] = {}
         if self.asks() and self.heads_failure is None:
-            pending = {i: Ready(given[i]) if i in given else teacher.submit(batches[i])
-                       for i, teacher in enumerate(self.teachers) if self.asynchronous[i]}
+            for i, teacher in enumerate(self.teachers):
+                if self.asynchronous[i]:
+                    asked = [Ready(got) if got is not None else teacher.submit(batch_part(batches[i], lo, hi))
+                             for lo, hi, got in runs.get(i, [(0, len(batch), None)])]
+                    pending[i] = asked[0] if len(asked) == 1 else JoinedPending(asked)
         self.added.append(Added(batch, batches, pending))
 
     def refuse(self, refused: Exception) -> None:

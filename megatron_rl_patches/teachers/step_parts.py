@@ -7,12 +7,18 @@ them): each part asked at once, the parts joined in the order added when the ste
   a head's per-sample hidden states as one list), `cancel()` every part's;
 - `joined_results`: that joining, for results already in hand;
 - `Ready`: a part's answer already in hand (`add(batch, scored={i: answer})`: scored during the
-  rollout), as a `Pending`; `scored_problem` checks such answers."""
+  rollout), as a `Pending`; `scored_problem` checks such answers;
+- `ScoredBefore`: answers given elsewhere for some samples of a part, each with the digest of the
+  ids it scored (`ids_digest`); `before_runs` reads those whose digest is that of the teacher's
+  batch and leaves the others to be asked, in runs of the part's order."""
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import torch
 
 from megatron_rl_patches.teachers.asynchronous import Pending
 from megatron_rl_patches.teachers.batch import TeacherBatch
@@ -25,6 +31,13 @@ def joined_batch(parts: Sequence[TeacherBatch]) -> TeacherBatch:
         return parts[0]
     return TeacherBatch([ids for part in parts for ids in part.sequences],
                         [start for part in parts for start in part.response_starts])
+
+
+def batch_part(batch: TeacherBatch, lo: int, hi: int) -> TeacherBatch:
+    """Samples lo..hi of `batch` (all of them: `batch` itself)."""
+    if (lo, hi) == (0, len(batch)):
+        return batch
+    return TeacherBatch(batch.sequences[lo:hi], batch.response_starts[lo:hi])
 
 
 def joined_results(results: Sequence[Any]) -> Any:
@@ -82,9 +95,46 @@ class Ready:
         pass
 
 
+def ids_digest(ids: torch.Tensor, start: int) -> list[int]:
+    """One scored sequence in three ints: its length, its response start, the crc32 of its ids."""
+    flat = ids.detach().reshape(-1).to("cpu", torch.int64).contiguous()
+    return [int(flat.numel()), int(start), zlib.crc32(flat.numpy().tobytes())]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoredBefore:
+    """A teacher's answers given elsewhere (a rollout's served teacher, asked as each generation
+    ended), one entry per sample of the part: `(digest, answer)` — the `ids_digest` of the
+    sequence it scored (the sample's ids, or its privileged context's before them) and its answer
+    for that one sample (a one-sample `BatchScores`, or a head's states as a one-element list) —
+    or None where none was given. The step reads an answer where its digest is that of the
+    teacher's own batch of the sample and asks the teacher for the others."""
+
+    samples: Sequence[tuple[Sequence[int], Any] | None]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def before_runs(before: ScoredBefore, batch: TeacherBatch) -> list[tuple[int, int, Any]]:
+    """The part's samples in runs `(lo, hi, answer)`: `answer` the joined answers of a run whose
+    digests are `batch`'s (the teacher's batch of the part), None for a run to be asked."""
+    usable = [given is not None and list(given[0]) == ids_digest(ids, start)
+              for given, ids, start in zip(before.samples, batch.sequences, batch.response_starts)]
+    runs, lo = [], 0
+    while lo < len(usable):
+        hi = lo
+        while hi < len(usable) and usable[hi] == usable[lo]:
+            hi += 1
+        answers = [given[1] for given in before.samples[lo:hi] if given is not None]
+        runs.append((lo, hi, joined_results(answers) if usable[lo] else None))
+        lo = hi
+    return runs
+
+
 def scored_problem(scored: Any, asynchronous: Sequence[bool], samples: int) -> Exception | None:
     """What is wrong with `add(..., scored=...)` (None: nothing): a mapping from the index of an
-    asynchronous teacher to one answer per sample of the part."""
+    asynchronous teacher to one answer per sample of the part (or a `ScoredBefore` of them)."""
     if scored is None:
         return None
     where = "TeacherStep.add(scored=...)"
@@ -95,8 +145,12 @@ def scored_problem(scored: Any, asynchronous: Sequence[bool], samples: int) -> E
                 or not asynchronous[index]:
             return ValueError(f"{where}: key {index!r} is not the index of one of the step's asynchronous (served) "
                               "teachers: an in-process teacher scores the joined batch in collect()")
-        if not isinstance(got, (BatchScores, list, tuple)) or len(got) != samples:
-            shown = f"{len(got)} samples" if isinstance(got, (BatchScores, list, tuple)) else type(got).__name__
-            return ValueError(f"{where}: teacher {index}'s answer must be a BatchScores (or a head's states: a list) "
-                              f"of the part's {samples} samples, got {shown}")
+        if not isinstance(got, (BatchScores, list, tuple, ScoredBefore)) or len(got) != samples:
+            shown = f"{len(got)} samples" if isinstance(got, (BatchScores, list, tuple, ScoredBefore)) \
+                else type(got).__name__
+            return ValueError(f"{where}: teacher {index}'s answer must be a BatchScores (or a head's states: a list; "
+                              f"or a ScoredBefore) of the part's {samples} samples, got {shown}")
+        if isinstance(got, ScoredBefore) and not all(
+                given is None or (isinstance(given, tuple) and len(given) == 2) for given in got.samples):
+            return TypeError(f"{where}: teacher {index}'s ScoredBefore holds per sample (digest, answer) or None")
     return None

@@ -6,7 +6,8 @@ one `send` of the joined batch; in-process teachers score the joined batch, priv
 given per part); `send` is one `add` (a second `send` before `collect` still refused); the
 step's figures per step: samples, rows, parts, the seconds `collect()` waited for the served
 teacher, the served teacher's own figures (a replica killed mid-step: in the metrics and in one
-warning line); `flat` gives the `teacher/...` keys a dashboard takes. (The 2-rank world's add:
+warning line); `flat` gives the `teacher/...` keys a dashboard takes; answers scored before
+(`ScoredBefore`) read where their digest is the teacher's batch's, the other samples asked. (The 2-rank world's add:
 tests/teachers/test_teacher_step.py.)"""
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from megatron_rl_patches.teachers import (
     local_host,
 )
 from megatron_rl_patches.teachers.step_metrics import flat
+from megatron_rl_patches.teachers.step_parts import ScoredBefore, ids_digest
 from tests.teachers.local_servers import completions, dies_after, held, url_of, vllm_like
 from tests.teachers.test_teacher_step import K, RankTeacher, batch
 from tests.teachers.test_teacher_step import flat as flat_scores
@@ -195,3 +197,30 @@ def test_a_part_scored_before_is_not_asked_again_and_joins_the_others():
         step.add(part(samples, 0), scored={0: earlier})
     with pytest.raises(ValueError, match=r"must be a BatchScores .* of the part's 1 samples, got 2 samples"):
         TeacherStep([served], local_host(12)).add(part(samples, 0), scored={0: earlier})
+
+
+def test_answers_scored_before_are_read_where_their_digest_is_the_teachers_batchs_and_the_rest_asked():
+    samples = batch()
+    with vllm_like() as server, ServedTeacher(url_of(server), "vllm", top_k=K) as served:
+        step = TeacherStep([served], local_host(12))
+        step.send(samples)
+        (whole,) = step.collect()
+        step.metrics()
+        ones = [served.score(part(samples, i)) for i in range(3)]  # as a rollout asked them, one by one
+        stale = samples.sequences[1].clone()
+        stale[-1] += 1  # sample 1 changed after it was scored
+        given = [(ids_digest(samples.sequences[0], samples.response_starts[0]), ones[0]),
+                 (ids_digest(stale, samples.response_starts[1]), ones[1]), None]
+        before = server.answered("/v1/completions")
+        step.add(samples, scored={0: ScoredBefore(given)})  # one part: samples 1 and 2 asked, in one run
+        (got,) = step.collect()
+        figures = step.metrics()
+        asked = server.answered("/v1/completions") - before
+        step.add(samples, scored={0: ScoredBefore([None, given[0], None])})  # a digest of another sample's ids
+        (again,) = step.collect()
+    assert asked == 2 and (figures["scored_before"], figures["adds"], figures["samples"]) == (1, 1, 3)
+    assert flat_scores(got) == flat_scores(whole) and flat_scores(again) == flat_scores(whole)
+    with pytest.raises(TypeError, match=r"teacher 0's ScoredBefore holds per sample \(digest, answer\) or None"):
+        TeacherStep([served], local_host(12)).add(part(samples, 0), scored={0: ScoredBefore([ones[0]])})
+    with pytest.raises(ValueError, match=r"or a ScoredBefore\) of the part's 1 samples, got 3 samples"):
+        TeacherStep([served], local_host(12)).add(part(samples, 0), scored={0: ScoredBefore(given)})

@@ -10,9 +10,9 @@ given the keys:
   in the sample's `train_metadata[ROWS]`;
 - on the training ranks `take_rows` moves them out of the split's carried keys (`CONTEXTS`) to
   `CARRIED`, and `add_carried(step, batch, contexts, rollout_data)` hands the step's samples to
-  the teacher step in runs: a run whose rows were carried (each digest that of the batch the
-  teacher would be asked for: else asked again) with them (`TeacherStep.add(scored=...)`), any
-  other run asked there. 8K + 8 bytes a response token (168 at K = 20)."""
+  the teacher step with their rows (`TeacherStep.add(scored={0: ScoredBefore(...)})`): the step
+  reads a row where its digest is that of the batch it would ask the teacher for, and asks for
+  the others. 8K + 8 bytes a response token (168 at K = 20)."""
 from __future__ import annotations
 
 import zlib
@@ -24,7 +24,7 @@ import torch
 from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.contract import BatchScores
-from megatron_rl_patches.teachers.step_contexts import teacher_batches
+from megatron_rl_patches.teachers.step_parts import ScoredBefore, ids_digest
 from megatron_rl_patches.teachers.teacher_identity import teacher_identity
 
 ROWS = "megatron_rl_patches_teacher_rows"  # the reserved train_metadata key of the carried rows
@@ -39,15 +39,9 @@ def teacher_key(teacher: Any, context: str | None) -> str:
     return f"{zlib.crc32(repr(sorted(identity.items())).encode()):08x}"
 
 
-def digest(ids: torch.Tensor, start: int) -> list[int]:
-    """One scored sequence in three ints: its length, its response start, the crc32 of its ids."""
-    flat = ids.detach().reshape(-1).to("cpu", torch.int64).contiguous()
-    return [int(flat.numel()), int(start), zlib.crc32(flat.numpy().tobytes())]
-
-
 def packed(scores: BatchScores, batch: TeacherBatch) -> dict[str, Any]:
     """The one sample of `batch` scored (`scores`) as it travels: its digest and rows."""
-    return {"digest": digest(batch.sequences[0], batch.response_starts[0]),
+    return {"digest": ids_digest(batch.sequences[0], batch.response_starts[0]),
             "ids": scores.topk_ids[0].to(torch.int32), "values": scores.topk_log_probs[0].float(),
             "tails": scores.tail_log_probs[0].float(), "token": scores.token_log_probs[0].float()}
 
@@ -72,19 +66,12 @@ def take_rows(rollout_data: dict) -> None:
         del rollout_data[CONTEXTS]
 
 
-def part_of(contexts: Any, lo: int, hi: int) -> Any:
-    """Samples lo..hi of the step's contexts, in either form (`step_contexts`)."""
-    if contexts is None:
-        return None
-    if isinstance(contexts, Mapping):
-        return {key: list(values)[lo:hi] for key, values in contexts.items()}
-    return list(contexts)[lo:hi]
-
-
 def add_carried(step: Any, batch: TeacherBatch, contexts: Any, rollout_data: Mapping) -> bool:
-    """The step's samples handed to `step` (a one-teacher `TeacherStep` of a served teacher): runs
-    whose rows were carried with them, the others to be asked. False (nothing added) where no row
-    was carried for this teacher: the caller sends as before."""
+    """The step's samples handed to `step` (a one-teacher `TeacherStep` of a served teacher) with
+    the rows carried for them (`ScoredBefore`: the step reads a row where its digest is that of
+    the batch it asks the teacher for, with the privileged contexts before each response, and
+    asks for the others). False (nothing added) where no row was carried for this teacher: the
+    caller sends as before."""
     carried = rollout_data.get(CARRIED)
     if not isinstance(carried, list) or len(carried) != len(batch):
         return False
@@ -92,19 +79,6 @@ def add_carried(step: Any, batch: TeacherBatch, contexts: Any, rollout_data: Map
     mine = [rows.get(key) if isinstance(rows, Mapping) else None for rows in carried]
     if not any(mine):
         return False
-    try:  # the batch the teacher is asked for: with its privileged contexts before each response
-        (asked,) = teacher_batches(step.teachers, step.keys, batch, contexts, step.host.vocab_size)
-    except (TypeError, ValueError):
-        return False  # the step's own send names the problem (on every rank)
-    usable = [rows is not None and list(rows["digest"]) == digest(ids, start)
-              for rows, ids, start in zip(mine, asked.sequences, asked.response_starts)]
-    lo = 0
-    while lo < len(batch):
-        hi = lo
-        while hi < len(batch) and usable[hi] == usable[lo]:
-            hi += 1
-        part = TeacherBatch(batch.sequences[lo:hi], batch.response_starts[lo:hi])
-        scored = {0: unpacked([rows for rows in mine[lo:hi] if rows is not None])} if usable[lo] else None
-        step.add(part, contexts=part_of(contexts, lo, hi), scored=scored)
-        lo = hi
+    before = ScoredBefore([None if rows is None else (list(rows["digest"]), unpacked([rows])) for rows in mine])
+    step.add(batch, contexts=contexts, scored={0: before})
     return True
