@@ -222,5 +222,14 @@ def test_answers_scored_before_are_read_where_their_digest_is_the_teachers_batch
     assert flat_scores(got) == flat_scores(whole) and flat_scores(again) == flat_scores(whole)
     with pytest.raises(TypeError, match=r"teacher 0's ScoredBefore holds per sample \(digest, answer\) or None"):
         TeacherStep([served], local_host(12)).add(part(samples, 0), scored={0: ScoredBefore([ones[0]])})
+    with pytest.raises(TypeError, match=r"teacher 0's ScoredBefore holds per sample \(digest, answer\) or None"):
+        TeacherStep([served], local_host(12)).add(part(samples, 0), scored={0: ScoredBefore([(given[0][0],)])})
     with pytest.raises(ValueError, match=r"or a ScoredBefore\) of the part's 1 samples, got 3 samples"):
         TeacherStep([served], local_host(12)).add(part(samples, 0), scored={0: ScoredBefore(given)})
+
+
+def test_a_digest_is_of_the_ids_and_their_response_start_not_their_dtype_or_shape():
+    ids = torch.tensor([5, 7, 1 << 20])
+    assert ids_digest(ids.int(), 1) == ids_digest(ids, 1) == ids_digest(ids.view(1, 3), 1)
+    assert ids_digest(ids, 2) != ids_digest(ids, 1) and ids_digest(ids[:2], 1) != ids_digest(ids, 1)
+    assert ids_digest(torch.tensor([5, 7, 1 << 21]), 1) != ids_digest(ids, 1)
