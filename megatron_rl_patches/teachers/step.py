@@ -48,9 +48,8 @@ from megatron_rl_patches.teachers.step_metrics import StepFigures, step_metrics
 from megatron_rl_patches.teachers.step_parts import (
     JoinedPending,
     Ready,
-    ScoredBefore,
+    answer_runs,
     batch_part,
-    before_runs,
     joined_batch,
     scored_problem,
 )
@@ -246,8 +245,7 @@ class TeacherStep:
             self.failed = error  # agreed in collect()
             return
         # each given answer in runs of the part: read (a ScoredBefore's where its digest matches) or asked
-        runs = {i: before_runs(got, batches[i]) if isinstance(got, ScoredBefore) else [(0, len(batch), got)]
-                for i, got in (scored or {}).items()}
+        runs = {i: answer_runs(got, batches[i]) for i, got in (scored or {}).items()}
         self.figures.scored_before += max((sum(hi - lo for lo, hi, got in parts if got is not None)
                                            for parts in runs.values()), default=0)
         pending: dict[int, Pending] = {}

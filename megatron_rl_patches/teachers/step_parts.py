@@ -10,7 +10,8 @@ them): each part asked at once, the parts joined in the order added when the ste
   rollout), as a `Pending`; `scored_problem` checks such answers;
 - `ScoredBefore`: answers given elsewhere for some samples of a part, each with the digest of the
   ids it scored (`ids_digest`); `before_runs` reads those whose digest is that of the teacher's
-  batch and leaves the others to be asked, in runs of the part's order."""
+  batch and leaves the others to be asked, in runs of the part's order (`answer_runs`: any given
+  answer as such runs)."""
 from __future__ import annotations
 
 import dataclasses
@@ -114,6 +115,14 @@ class ScoredBefore:
 
     def __len__(self) -> int:
         return len(self.samples)
+
+
+def answer_runs(given: Any, batch: TeacherBatch) -> list[tuple[int, int, Any]]:
+    """What `add(scored={i: given})` gives teacher i for the part, in runs `(lo, hi, answer)` of
+    `batch` (its batch of the part): a whole answer one run; a `ScoredBefore`'s `before_runs`."""
+    if isinstance(given, ScoredBefore):
+        return before_runs(given, batch)
+    return [(0, len(batch), given)]
 
 
 def before_runs(before: ScoredBefore, batch: TeacherBatch) -> list[tuple[int, int, Any]]:
