@@ -159,7 +159,19 @@ def scored_problem(scored: Any, asynchronous: Sequence[bool], samples: int) -> E
                 else type(got).__name__
             return ValueError(f"{where}: teacher {index}'s answer must be a BatchScores (or a head's states: a list; "
                               f"or a ScoredBefore) of the part's {samples} samples, got {shown}")
-        if isinstance(got, ScoredBefore) and not all(
-                given is None or (isinstance(given, tuple) and len(given) == 2) for given in got.samples):
-            return TypeError(f"{where}: teacher {index}'s ScoredBefore holds per sample (digest, answer) or None")
+        if isinstance(got, ScoredBefore) and \
+                not all(given is None or one_sample_before(given) for given in got.samples):
+            return TypeError(f"{where}: teacher {index}'s ScoredBefore holds per sample (digest, answer) or None: the "
+                             "digest three ints (ids_digest), the answer of that one sample")
     return None
+
+
+def one_sample_before(given: Any) -> bool:
+    """Whether `given` is one sample's `(digest, answer)`: `ids_digest`'s three ints and an answer of
+    one sample (a `BatchScores`, or a head's states as a one-element list)."""
+    if not isinstance(given, tuple) or len(given) != 2:
+        return False
+    digest, answer = given
+    return isinstance(digest, (list, tuple)) and len(digest) == 3 and \
+        all(isinstance(v, int) and not isinstance(v, bool) for v in digest) and \
+        isinstance(answer, (BatchScores, list, tuple)) and len(answer) == 1

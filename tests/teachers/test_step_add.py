@@ -222,8 +222,13 @@ def test_answers_scored_before_are_read_where_their_digest_is_the_teachers_batch
     assert flat_scores(got) == flat_scores(whole) and flat_scores(again) == flat_scores(whole)
     with pytest.raises(TypeError, match=r"teacher 0's ScoredBefore holds per sample \(digest, answer\) or None"):
         TeacherStep([served], local_host(12)).add(part(samples, 0), scored={0: ScoredBefore([ones[0]])})
-    with pytest.raises(TypeError, match=r"teacher 0's ScoredBefore holds per sample \(digest, answer\) or None"):
-        TeacherStep([served], local_host(12)).add(part(samples, 0), scored={0: ScoredBefore([(given[0][0],)])})
+    # a digest not three ints; an answer not one sample's
+    wrong = [(given[0][0],), (given[0][0][0], ones[0]), (given[0][0][:2], ones[0]), ([True, 1, 2], ones[0]),
+             (given[0][0], ones[0].topk_ids[0]), (given[0][0], whole)]
+    for entry in wrong:
+        with pytest.raises(TypeError, match=r"teacher 0's ScoredBefore holds per sample \(digest, answer\) or None: "
+                                            r"the digest three ints \(ids_digest\), the answer of that one sample"):
+            TeacherStep([served], local_host(12)).add(part(samples, 0), scored={0: ScoredBefore([entry])})
     with pytest.raises(ValueError, match=r"or a ScoredBefore\) of the part's 1 samples, got 3 samples"):
         TeacherStep([served], local_host(12)).add(part(samples, 0), scored={0: ScoredBefore(given)})
 

@@ -79,6 +79,8 @@ def add_carried(step: Any, batch: TeacherBatch, contexts: Any, rollout_data: Map
     mine = [rows.get(key) if isinstance(rows, Mapping) else None for rows in carried]
     if not any(mine):
         return False
-    before = ScoredBefore([None if rows is None else (list(rows["digest"]), unpacked([rows])) for rows in mine])
+    # the digest as plain ints, whatever carried it (the step refuses anything but three ints)
+    before = ScoredBefore([None if rows is None else ([int(v) for v in rows["digest"]], unpacked([rows]))
+                           for rows in mine])
     step.add(batch, contexts=contexts, scored={0: before})
     return True
