@@ -27,7 +27,6 @@ What crosses the network: ids to the server, [R, H] states back (the dtype the s
 has). Context parallelism on this route is refused by name."""
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
@@ -126,7 +125,7 @@ def teacher_rows(engine: Any, raw: str, entry: TeacherEntry, head: Any, batch: A
     key = (raw, id(head))
     teacher = teachers.get(key)
     if teacher is None:  # the context goes into the sequences sent (`agreed_privileged_batch`), not the client
-        teacher = teachers[key] = served_teacher_of(dataclasses.replace(entry, context=None), top_k=1, head=head)
+        teacher = teachers[key] = served_teacher_of(entry.without_context(), top_k=1, head=head)
     sequences = [s.detach().cpu().long() for s in batch["input_ids"].unbind()]
     starts = response_starts(batch)
     scored = TeacherBatch(sequences, starts)

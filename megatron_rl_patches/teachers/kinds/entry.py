@@ -3,6 +3,7 @@ record every kind's parser returns) and what a kind's checks read of the run (`R
 Standard library only."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron_rl_patches._layout_option import written_sizes
@@ -48,6 +49,11 @@ class TeacherEntry:
     def __post_init__(self) -> None:
         if not self.kind:
             object.__setattr__(self, "kind", PROVIDER if self.provider is not None else CHECKPOINT)
+
+    def without_context(self) -> TeacherEntry:
+        """The entry as a client is built from it where its context key has another owner (the
+        caller's wrapper, or the sequences it sends): the same entry, no key."""
+        return dataclasses.replace(self, context=None)
 
     @property
     def same_architecture(self) -> bool:

@@ -57,15 +57,14 @@ class RolloutTeachers:
     def __init__(self, settings: OpdSettings | None, args: Any = None) -> None:
         self.args = args
         self.teachers: list[Any] = []
-        self.contexts: list[str | None] = []  # each teacher's context key, read once (teachers.privileged)
+        self.contexts: list[str | None] = []  # each teacher's context key: its entry's, held here (the client has none)
         if rollout_entries(settings):
             from megatron_rl_patches.teachers.served.build import served_teacher_of  # lazy: import cost: httpx, torch
 
             assert settings is not None  # rollout_entries found some
-            from megatron_rl_patches.teachers.privileged import step_teachers
-
-            built = [served_teacher_of(t, top_k=settings.k) for t in rollout_entries(settings)]
-            self.teachers, self.contexts = step_teachers(built)
+            entries = rollout_entries(settings)
+            self.teachers = [served_teacher_of(t.without_context(), top_k=settings.k) for t in entries]
+            self.contexts = [t.context for t in entries]
         self.samples = 0
         self.waited_s = 0.0
         self.tokenizer: Any = None

@@ -21,6 +21,7 @@ from megatron_rl_patches.integrations.megatron.opd.zigzag import whole_from_zigz
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.cross_context import cross_with_context
 from megatron_rl_patches.teachers.head_cross_buckets import cross_batch
+from megatron_rl_patches.teachers.privileged import Privileged
 from megatron_rl_patches.teachers.scores import TeacherScores
 from megatron_rl_patches.teachers.step import TeacherStep, join_build
 from megatron_rl_patches.teachers.step_metrics import fixed_figures
@@ -37,16 +38,22 @@ class ServedOpdTeacher(OpdTeacher):
     """A served teacher of slime's OPD: its `role` (None off the last pipeline stage: those ranks
     only join the job's agreement) on a one-teacher `TeacherStep` behind `host`; `cross`: a teacher
     of another tokenizer (on every stage: it takes no request for the step's ids, so every stage
-    hands the later teachers the same requests); `context`: such a teacher's `;context=KEY` (its
-    own encodings sent after each sample's context)."""
+    hands the later teachers the same requests); `context`: the entry's `;context=KEY`, whose one
+    owner it is (its client is built without it): the step is handed `Privileged(client, KEY)`, or,
+    for another tokenizer, the teacher's own encodings go after each sample's context."""
 
     def __init__(self, role: Role | None, host: StageHost, cross: bool = False, context: str | None = None) -> None:
         self.role, self.host, self.cross = role, host, cross or isinstance(role, CrossServed)
-        self.context = context  # another tokenizer's `;context=KEY` (the student's: its ServedTeacher's own)
-        self.step = None if role is None else TeacherStep([role.teacher], host)
+        self.context = context
+        self.step = None if role is None else TeacherStep([self.stepped(role.teacher)], host)
         if role is None:  # the earlier stages' part of the last stage's build agreement
             join_build(host)
         self.samples: list | None = None  # another tokenizer's encodings of the step's samples
+
+    def stepped(self, client: Any) -> Any:
+        """The client as its step takes it: with the key (of the student's tokenizer: the step puts
+        the contexts before the responses), or as it is."""
+        return client if self.context is None or self.cross else Privileged(client, self.context)
 
     @property
     def teacher(self) -> Any:

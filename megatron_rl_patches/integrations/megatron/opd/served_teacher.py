@@ -77,7 +77,7 @@ def build_served_teacher(actor: Any, settings: OpdSettings, index: int, teacher:
         named = named_vocab_size(teacher, where) if teacher.same_tokenizer else None
         role = served_own(actor.args, settings, teacher, host, where, named)
     cross = teacher.tokenizer is not None  # another tokenizer: its own encodings sent after their contexts
-    return ServedOpdTeacher(role if host.last else None, host, cross=cross, context=teacher.context if cross else None)
+    return ServedOpdTeacher(role if host.last else None, host, cross=cross, context=teacher.context)
 
 
 def named_or_none(args: Any, named: int | None, where: str) -> NamedVocab | None:
@@ -100,7 +100,8 @@ def served_own(args: Any, settings: OpdSettings, teacher: Teacher, host: StageHo
     from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
 
     def build() -> ServedTeacher | None:
-        return served_teacher_of(teacher, top_k=settings.k) if host.last else None
+        # its context key is its `ServedOpdTeacher`'s, the one owner of a slime served teacher's key
+        return served_teacher_of(teacher.without_context(), top_k=settings.k) if host.last else None
 
     served = connect_served(build, where,
                             asks=host.asks, job_group=host.job_group, tokenizer=students(args, where),
@@ -122,7 +123,7 @@ def served_cross(args: Any, settings: OpdSettings, teacher: Teacher, host: Stage
             return None
         pairs.append(cross_pair(args, teacher))
         # its context is sent before its own encoding by `ServedOpdTeacher`, not by the client
-        return served_teacher_of(dataclasses.replace(teacher, context=None), top_k=settings.k)
+        return served_teacher_of(teacher.without_context(), top_k=settings.k)
 
     whose = f"the tokenizer ';tokenizer={teacher.tokenizer}' names"
     served = connect_served(build, where, asks=host.asks, job_group=host.job_group,
@@ -157,9 +158,9 @@ def served_head(args: Any, settings: OpdSettings, teacher: Teacher, student: int
         head = TeacherHead.from_hf(head_dir, tp_group=tp_group(),
                                    make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None))
         head = dataclasses.replace(head, weight=head.weight.to(head_device()))
-        # of another tokenizer: its context is sent before its own encoding by `ServedOpdTeacher`
-        entry = teacher if teacher.tokenizer is None else dataclasses.replace(teacher, context=None)
-        return served_teacher_of(entry, top_k=settings.k, head=head, temperature=rollout_temperature(args))
+        # its context key is its `ServedOpdTeacher`'s (of another tokenizer: sent before its own encoding)
+        return served_teacher_of(teacher.without_context(), top_k=settings.k, head=head,
+                                 temperature=rollout_temperature(args))
 
     tokenizer = students(args, where)
     if teacher.tokenizer is not None:
