@@ -10,7 +10,8 @@ without the context (the student's own sequence) and with the context shifted by
 missing field on rank 1 only: the same ValueError on both ranks, before the pass. The weights:
 verl's old-log-prob pass (its real `forward_step`, no loss, no grad) then changed weights then the
 update micro-batch: its rows are the float64 teacher's of the OLD weights (not the new ones'), read
-back with no pass of their own; where one rank lacks the kept rows, both score with the new ones."""
+back with no pass of their own; where one rank lacks the kept rows, both score with the new ones;
+a log-prob pass whose micro-batch lacks the field on rank 1 only keeps no rows on either rank."""
 from __future__ import annotations
 
 import functools
@@ -129,14 +130,15 @@ def float64_step(model, build, rows) -> tuple[list, list, float, dict]:
     return teacher, [k.detach() for k in kl], float(loss), kit.grads(reference), controls
 
 
-def log_prob_pass(model, eng) -> None:
+def log_prob_pass(model, eng, with_field: bool = True) -> None:
     """verl's old-log-prob pass on the rollout's micro-batch: its real `forward_step` (on the engine
     `eng`, which keeps the rows) with no loss, under no grad, with the entropy verl's trainer asks
-    for there; the agent loop's placeholder rows."""
+    for there; the agent loop's placeholder rows (`with_field`: the contexts' field too)."""
     from verl.utils import tensordict_utils as tu
 
     batch = kit.rl_batch(PROMPTS, RESPONSES, temperature=TEMPERATURE, calculate_entropy=True)
-    tu.assign_non_tensor_stack(batch, KEY, [list(c) for c in CONTEXTS])
+    if with_field:
+        tu.assign_non_tensor_stack(batch, KEY, [list(c) for c in CONTEXTS])
     lengths = [p + r for p, r in zip(PROMPTS, RESPONSES)]
     batch["teacher_ids"] = kit.nested([torch.zeros(n, TOPK, dtype=torch.int32) for n in lengths])
     batch["teacher_logprobs"] = kit.nested([torch.zeros(n, TOPK) for n in lengths])
@@ -181,6 +183,11 @@ def old_weights_checks(model, build, rank: int, split: bool) -> dict:
                 old_rows_of(eng).forget()
             rows = step(model, CONTEXTS, placeholder=True, eng=eng)[0]
             out.update(split_old_err=terms_error(rows, old), split_new_err=terms_error(rows, new))
+            # the log-prob pass's micro-batch without the field on rank 1 only: no rank scores it there
+            # (rank 0 alone would run the pass's collectives against rank 1's forward)
+            lone = kit.engine(False)
+            log_prob_pass(model, lone, with_field=rank == 0)
+            out["kept_without_field_on_one_rank"] = len(old_rows_of(lone).rows)
     finally:
         hook.remove()
         with torch.no_grad():
@@ -253,6 +260,7 @@ def test_verls_live_self_teacher_scores_the_privileged_sequence_exactly(monkeypa
                 assert "refused on rank(s) [1]" in out["refusal"], out
                 # rank 1 without the kept rows: both ranks score now, with the new weights (no hang)
                 assert out["split_new_err"] <= TOL and out["split_old_err"] > kit.CONTROL, out
+                assert out["kept_without_field_on_one_rank"] == 0, out
     assert [out["layout"] for out in results[0]] == [layout["name"] for layout in LAYOUTS]
 
 
