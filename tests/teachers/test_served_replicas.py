@@ -26,6 +26,7 @@ from tests.teachers.local_servers import MAX_MODEL_LEN, MODEL, completions, dies
 pytest.importorskip("httpx", reason="the served extra (httpx) is missing")
 
 FAST = ClientSettings(retries=1, backoff_s=0.01, deadline_s=20.0, timeout_s=20.0)
+NO_HEDGE = ReplicaSettings(hedge_after=None)  # placement counted: a hedge on a loaded machine adds a request
 COMPLETIONS = "/v1/completions"
 
 
@@ -174,7 +175,7 @@ def test_samples_spread_over_the_replicas_by_fewest_in_flight():
     got = batch(8)
     with vllm_like(v1_completions=held(release, seconds=0.3)) as a, \
             vllm_like(v1_completions=held(release, seconds=0.3)) as b, \
-            ServedTeacher([url_of(a), url_of(b)], top_k=2, client=FAST) as teacher:
+            ServedTeacher([url_of(a), url_of(b)], top_k=2, client=FAST, replicas=NO_HEDGE) as teacher:
         teacher.check()
         scores = teacher.score(got)
         counts = a.answered(COMPLETIONS) - 1, b.answered(COMPLETIONS) - 1  # less the connect's probe
@@ -186,7 +187,7 @@ def test_a_prompt_group_can_be_kept_on_one_replica():
     got = batch(8, prompt_of=lambda i: 5 + i // 4)  # two prompts of four samples each
     with vllm_like() as a, vllm_like() as b, \
             ServedTeacher([url_of(a), url_of(b)], top_k=2, client=FAST,
-                          replicas=ReplicaSettings(keep_prompt_groups=True)) as teacher:
+                          replicas=ReplicaSettings(keep_prompt_groups=True, hedge_after=None)) as teacher:
         teacher.check()
         teacher.score(got)
         prompts = [{body["prompt"][0] for path, body in server.bodies if path == COMPLETIONS and

@@ -58,7 +58,8 @@ def named(name: str, shift: float = 0.0):
 def test_the_same_weights_at_another_path_are_one_teacher_each_asked_by_its_own_name():
     with vllm_like(v1_models=card("/ckpt/x", "/ckpt/x"), v1_completions=named("/ckpt/x")) as a, \
             vllm_like(v1_models=card("/copy/x", "/copy/x"), v1_completions=named("/copy/x")) as c, \
-            ServedTeacher([url_of(a), url_of(c)], top_k=2, client=FAST) as teacher:
+            ServedTeacher([url_of(a), url_of(c)], top_k=2, client=FAST,
+                          replicas=ReplicaSettings(hedge_after=None)) as teacher:  # requests counted: no hedge
         teacher.check()
         scores = teacher.score(batch())
         asked = [sum(1 for path, body in server.bodies if path == COMPLETIONS and len(body["prompt"]) == 6)
