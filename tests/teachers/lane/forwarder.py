@@ -17,6 +17,7 @@ class Forwarder:
         self.port = self.listener.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.sockets: list[socket.socket] = []
+        self.lock = threading.Lock()  # the open sockets, against a reset from another thread
         self.accepted = threading.Semaphore(0)
         self.closed = False
         threading.Thread(target=self._accept, daemon=True).start()
@@ -27,17 +28,23 @@ class Forwarder:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            self.sockets.append(client)
+            with self.lock:
+                if self.closed:  # accepted as it closed: reset, as a dead server's
+                    reset(client)
+                    return
+                self.sockets.append(client)
             self.accepted.release()
             if not self.hold:
                 try:
                     upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
                 except OSError:  # nothing behind it now: the connection reset, as a dead server's
-                    with contextlib.suppress(OSError):
-                        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                        client.close()
+                    reset(client)
                     continue
-                self.sockets.append(upstream)
+                with self.lock:
+                    if not any(sock is client for sock in self.sockets):  # reset meanwhile: the pair goes with it
+                        reset(upstream)
+                        continue
+                    self.sockets.append(upstream)
                 threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
                 threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
 
@@ -58,7 +65,8 @@ class Forwarder:
         are (FIN, not a reset): a server restarted behind the same URL between steps, which a
         client's next request does not notice (it opens a new connection)."""
         self.upstream_port = upstream_port
-        sockets, self.sockets = self.sockets, []
+        with self.lock:
+            sockets, self.sockets = self.sockets, []
         for sock in sockets:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -72,7 +80,8 @@ class Forwarder:
 
     def close(self) -> None:
         """Reset every connection and stop listening."""
-        self.closed = True
+        with self.lock:
+            self.closed = True
         with contextlib.suppress(OSError):
             self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
         with contextlib.suppress(OSError):
@@ -80,8 +89,19 @@ class Forwarder:
         self._reset()
 
     def _reset(self) -> None:
-        sockets, self.sockets = self.sockets, []
+        with self.lock:
+            sockets, self.sockets = self.sockets, []
         for sock in sockets:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST on close
-                sock.close()
+            reset(sock)
+
+
+def reset(sock: socket.socket) -> None:
+    """`sock` closed with a reset (RST). A pump blocked in `recv` on it holds the socket open past
+    `close` (Linux frees it when that call returns; a client mid-request then waits for its deadline
+    instead of seeing the server die): shutting its reading side first wakes that call."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST on close
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RD)
+    with contextlib.suppress(OSError):
+        sock.close()
