@@ -32,6 +32,9 @@ from tests.teachers.lane.served_kit import (
 
 
 def pytest_collection_modifyitems(items):
+    # a test that kills a shared server runs after the rest, in any selection of modules (the lane's
+    # file order had put them last; a subset given in another order failed every test after them)
+    items.sort(key=killed_last)
     for item in items:
         if "teachers/lane" in str(item.fspath).replace(os.sep, "/"):
             item.add_marker(pytest.mark.served)
@@ -41,6 +44,12 @@ def pytest_collection_modifyitems(items):
             elif item.get_closest_marker("served_extra") and not EXTRA:
                 item.add_marker(pytest.mark.skip(reason="servers of its own past the served lane's time budget: "
                                                         "MRP_SERVED_EXTRA=1 make test-served runs it"))
+
+
+def killed_last(item: pytest.Item) -> int:
+    """0: kills no shared server; 1: kills one; 2: kills `served`, which the others' tests use too."""
+    kills = item.get_closest_marker("kills_server")
+    return 0 if kills is None else 2 if kills.args == ("served",) else 1
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ def test_a_replica_paused_during_a_step_is_hedged(served, spare, batch_and_alone
     assert_close(scores, alone)
 
 
+@pytest.mark.kills_server("spare")
 def test_a_replica_killed_during_a_step_is_failed_over(served, spare, batch_and_alone):
     batch, alone = batch_and_alone
     with ServedTeacher([spare.url, served.url], top_k=K, client=FAST, replicas=HEDGED) as teacher:

@@ -205,6 +205,7 @@ def test_a_failure_on_one_rank_is_the_same_error_on_every_rank(served):
                               f"ServedTeacherError: {served.url}/v1/models: no answer")
 
 
+@pytest.mark.kills_server("served")
 def test_the_server_killed_mid_step_fails_the_step(served):
     """Last: the session's real server killed (its process group, SIGKILL) while a step's
     requests are in flight; the step fails naming the URL and a sample, nothing hangs."""
