@@ -62,7 +62,11 @@ def field_contexts(values: Sequence[Any], key: str, where: str, tokenizer: Any =
             raise ValueError(f"{where}: {names[first]}'s {field} is text and no teacher tokenizer is named to "
                              "tokenize it: name the teacher's tokenizer, or store the context as ids")
         told = [samples[i] if samples is not None else i for i in texts]
-        for sample, one in zip(texts, context_ids(list(texts.values()), tokenizer, samples=told)):
+        try:
+            read = context_ids(list(texts.values()), tokenizer, samples=told)
+        except (TypeError, ValueError) as error:  # a text's refusal, with the field (its key) it came from
+            raise type(error)(f"{where}: {field}: {error}") from None
+        for sample, one in zip(texts, read):
             found[sample] = one
     for sample, one in enumerate(found):
         if one.dim() != 1 or one.dtype.is_floating_point or one.dtype == torch.bool:

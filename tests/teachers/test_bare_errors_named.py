@@ -129,15 +129,16 @@ def test_add_special_tokens_other_than_a_bool_is_named(flag):
         context_ids(["solve"], hinted_tokenizer(), add_special_tokens=flag)
 
 
+@pytest.mark.parametrize("key", ["hint", "sol"])  # two privileged teachers' keys: the message says whose data
 @pytest.mark.parametrize(("values", "words"), [
     ([[1, 2], "the\ud800"], "sample 1's text holds a lone surrogate"),
     ([[1, 2], [3], ""], "sample 2's text is empty"),
     ([torch.tensor([1]), "solve", "   "], "sample 2's text tokenizes to no ids"),
 ])
-def test_a_text_context_after_id_contexts_names_its_sample(values, words):
+def test_a_text_context_after_id_contexts_names_its_sample_and_key(values, words, key):
     with pytest.raises(ValueError) as error:
-        field_contexts(values, "hint", "verl", tokenizer=hinted_tokenizer())
-    assert words in str(error.value), error.value
+        field_contexts(values, key, "verl", tokenizer=hinted_tokenizer())
+    assert words in str(error.value) and str(error.value).startswith(f"verl: context under {key!r}: "), error.value
 
 
 def test_a_huge_int_is_shown_by_its_size():

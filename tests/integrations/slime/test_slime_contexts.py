@@ -137,6 +137,29 @@ def test_a_bad_text_after_id_contexts_and_an_id_past_int64_name_their_rollout_sa
         contexts.step_contexts(args, {**base, CONTEXTS: [{"hint": [1]}, {"hint": [2**64]}, {"hint": [2]}]}, settings)
 
 
+@pytest.mark.parametrize(("text", "words"), [("", "sample 9's text is empty"),
+                                             ("  ", "sample 9's text tokenizes to no ids"),
+                                             ("t3\ud800", "sample 9's text holds a lone surrogate")])
+@pytest.mark.parametrize("bad", ["hint", "sol"])
+def test_a_bad_text_names_the_key_it_came_from_among_two_privileged_teachers(tmp_path, text, words, bad):
+    """Two privileged teachers (';context=hint', ';context=sol'): a bad text names its train_metadata
+    key, not only its sample (issue 96 item 9: round 11's one context owner dropped the key)."""
+    from types import SimpleNamespace
+
+    from megatron_rl_patches.testing.hf_checkpoints import save_word_tokenizer
+
+    save_word_tokenizer(tmp_path, 16)
+    settings = opd_settings({"MEGATRON_RL_PATCHES_OPD_TEACHERS": f"{SERVED},http://127.0.0.1:10;engine=vllm;context=sol",
+                             "MEGATRON_RL_PATCHES_OPD_IDS_FROM": "teacher"})
+    base = {"tokens": [torch.arange(3)] * 2, "response_lengths": [2, 2], "partition": [4, 9]}
+    good = "hint" if bad == "sol" else "sol"
+    given = [{"hint": "t2", "sol": [1]}, {bad: text, good: "t5"}]
+    with pytest.raises(ValueError) as error:
+        contexts.step_contexts(SimpleNamespace(hf_checkpoint=str(tmp_path)), {**base, CONTEXTS: given}, settings,
+                               vocab_size=16)
+    assert f"slime_opd: train_metadata[{bad!r}]: context_ids(texts=...): {words}" in str(error.value), error.value
+
+
 def test_a_key_of_a_teacher_of_another_tokenizer_is_read_in_its_tokenizer(tmp_path):
     """`PATH;tokenizer=own;context=hint`: text through the teacher's tokenizer (PATH's tokenizer.json),
     ids checked against its vocabulary (here larger than the student's), not the student's."""
