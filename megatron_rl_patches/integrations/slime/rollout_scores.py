@@ -39,6 +39,7 @@ from megatron_rl_patches.integrations.megatron.opd.rollout_teachers import (
 
 HOOK = "megatron_rl_patches.integrations.slime.rollout_scores.score_sample"  # its --rollout-sample-hook-path
 ATTRIBUTE = "megatron_rl_patches_rollout_teachers"  # on slime's args in the rollout manager's process
+WHERE = "slime_opd (the rollout's sample hook, score_sample)"  # where a rollout-time refusal was asked
 
 
 def carried_keys(settings: OpdSettings | None, data: Any = None) -> list[str]:
@@ -65,22 +66,30 @@ def rollout_teachers(args: Any) -> RolloutTeachers | None:
 
 def sample_contexts(held: RolloutTeachers, sample: Any) -> list[dict] | None:
     """The sample's privileged contexts for the teachers with a key (text tokenized by the
-    student's tokenizer, as the training ranks read it), one mapping; None: no teacher has one."""
-    keys = [key for key in held.contexts if key is not None]
+    student's tokenizer, as the training ranks read it: `context_fields.field_contexts`), one
+    mapping, each checked as the train step checks it before anything is sent (ids, not empty,
+    none negative, within the teacher's vocabulary: `RolloutTeachers.context_vocab`), a refusal
+    naming the sample by its rollout index and the key; None: no teacher has one."""
+    keys = list(dict.fromkeys(key for key in held.contexts if key is not None))
     if not keys:
         return None
-    from megatron_rl_patches.teachers.context import context_ids  # lazy: import cost: tokenizers, text only
-    from megatron_rl_patches.teachers.step_contexts import as_ids
+    from megatron_rl_patches.integrations.context_fields import field_contexts  # lazy: import cost: torch
 
     meta = sample.train_metadata if isinstance(sample.train_metadata, Mapping) else {}
     out = {}
     for key in keys:
-        value = meta.get(key)
+        value, field = meta.get(key), f"train_metadata[{key!r}]"
         if value is None:
-            raise ValueError(f"slime_opd: sample {sample.index} has no train_metadata[{key!r}] for the served teacher "
-                             f"with ';context={key}' asked at the rollout: fill it in the rollout's generate function")
-        out[key] = context_ids([value], held.student_tokenizer())[0] if isinstance(value, str) \
-            else as_ids(value, sample.index, key)  # ids as given (a list of ints: a tensor)
+            raise ValueError(f"{WHERE}: sample {sample.index} has no {field} for the served teacher with "
+                             f"';context={key}' asked at the rollout: fill it in the rollout's generate function")
+        tokenizer = held.student_tokenizer() if isinstance(value, str) else None
+        (ids,) = field_contexts([value], key, WHERE, tokenizer, held.context_vocab(key), samples=[sample.index],
+                                field=field, ids="token ids")
+        if not ids.numel() or int(ids.min()) < 0:
+            what = "holds no ids" if not ids.numel() else f"holds a negative id ({int(ids.min())})"
+            raise ValueError(f"{WHERE}: sample {sample.index}'s {field} {what}: the teacher reads the context's ids "
+                             "(its vocabulary indices) before the response; fill it in the rollout's generate function")
+        out[key] = ids
     return [out]
 
 
@@ -96,7 +105,8 @@ async def score_sample(args: Any, sample: Any, *, rollout_id: int | None = None,
     response = int(sample.response_length or 0)
     if not response:
         return None
-    rows = await ask_rows(held, sample.tokens, response, sample_contexts(held, sample))
+    rows = await ask_rows(held, sample.tokens, response, sample_contexts(held, sample), sample=sample.index,
+                          where=WHERE)
     sample.train_metadata.setdefault(ROWS, {}).update(rows)
     return None
 

@@ -154,27 +154,35 @@ class ServedTeacher:
         agree_teacher(self, group)
         return self.submit(batch, ids=ids).result(group)
 
-    def submit(self, batch: TeacherBatch, *, ids: list[torch.Tensor] | None = None) -> PendingScores:
+    def submit(self, batch: TeacherBatch, *, ids: list[torch.Tensor] | None = None,
+               samples: list[int] | None = None) -> PendingScores:
         """Send every sample now and return at once: `.result()` collects. Nothing raises here: a
         refusal or failure (the server asked first, a sample too long) comes out of `.result()`,
-        where it is agreed over a group like any other."""
+        where it is agreed over a group like any other. `samples`: the index each sample of `batch`
+        is named by in those errors (a rollout asking for one sample: its index in the rollout);
+        None: its place in `batch`."""
         step = Step.within(self.settings.deadline_s)
         try:
             if not isinstance(batch, TeacherBatch):
                 raise TypeError(f"ServedTeacher.score(batch) takes a TeacherBatch, got {type(batch).__name__}")
+            names = list(range(len(batch))) if samples is None else samples
+            if not isinstance(names, list) or len(names) != len(batch) or \
+                    not all(isinstance(n, int) and not isinstance(n, bool) for n in names):
+                raise TypeError(f"ServedTeacher.submit(samples=...) must be a list of {len(batch)} ints (the index "
+                                "each sample is named by), or None")
             given = self.check_ids(batch, ids)
             model = self.served_model(step.deadline)
-            self.check_lengths(batch, model)
+            self.check_lengths(batch, model, names)
         except Exception as error:  # noqa: BLE001 - handed to result(), agreed there
             return PendingScores(self.url, batch, {}, step, self.top_k, failure=error)
         pending = {i: self.endpoint.ask(model, SampleAsk([int(v) for v in sequence.tolist()],
-                                                         batch.response_starts[i], i), step)
+                                                         batch.response_starts[i], names[i]), step)
                    for i, sequence in enumerate(batch.sequences) if batch.response_rows(i)}
         if self.head is None:
-            return PendingScores(self.url, batch, pending, step, self.top_k)
+            return PendingScores(self.url, batch, pending, step, self.top_k, names=names)
         no_rows = torch.zeros(0, self.head.hidden_size, dtype=self.hidden_dtype)
         return PendingScores(self.url, batch, pending, step, self.top_k, no_rows=no_rows,
-                             project=functools.partial(self.project, batch, ids=given))
+                             project=functools.partial(self.project, batch, ids=given), names=names)
 
     def project(self, batch: TeacherBatch, got: Any, ids: list[torch.Tensor] | None = None) -> BatchScores:
         """What every rank makes of what was asked for `batch` (`AsyncTeacher`): with a head the
@@ -197,12 +205,14 @@ class ServedTeacher:
                                            f"vocabulary of {self.head.vocab_size}", self.url, i)
         return check_given_ids(ids, batch, self.head.vocab_size)
 
-    def check_lengths(self, batch: TeacherBatch, model: ServedModel) -> None:
+    def check_lengths(self, batch: TeacherBatch, model: ServedModel, names: list[int] | None = None) -> None:
         """Every sample fits the served model: at most `model.longest` ids (max model length - 1
-        where the engine generates a token after the prompt; a pooling server's whole length)."""
+        where the engine generates a token after the prompt; a pooling server's whole length).
+        `names`: each sample's index in the messages (None: its place in `batch`)."""
         room = model.longest
         for i, ids in enumerate(batch.sequences):
             if len(ids) > room:
+                i = i if names is None else names[i]
                 raise ServedTeacherRefusal(
                     f"sample {i} has {len(ids)} ids, over {self.url}'s max model length {model.max_model_len}"
                     + (f" - {model.generates} (the engine generates one token after the prompt)"
@@ -227,8 +237,9 @@ class PendingScores:
 
     def __init__(self, url: str, batch: TeacherBatch, pending: dict[int, futures.Future], step: Step, top_k: int,
                  failure: Exception | None = None, project: Callable[[list[torch.Tensor]], BatchScores] | None = None,
-                 no_rows: torch.Tensor | None = None) -> None:
+                 no_rows: torch.Tensor | None = None, names: list[int] | None = None) -> None:
         self.url, self.batch, self.pending = url, batch, pending
+        self.names = names  # each sample's index in the messages (None: its place in the batch)
         self.step, self.top_k = step, top_k
         self.failure = failure
         self.project = project  # hidden states -> scores through the head, after the failure is agreed
@@ -269,9 +280,10 @@ class PendingScores:
             raise self.pending[failed[0]].exception()  # type: ignore[misc]
         if waiting:
             late = sorted(i for i, f in self.pending.items() if f in waiting)
-            raise ServedTeacherError(f"{self.url} (sample {late[0]}): no reply within the step's deadline of "
+            first = late[0] if self.names is None else self.names[late[0]]
+            raise ServedTeacherError(f"{self.url} (sample {first}): no reply within the step's deadline of "
                                      f"{self.deadline.seconds:g} s ({len(late)} of {len(self.pending)} samples "
-                                     f"unanswered)", self.url, late[0])
+                                     f"unanswered)", self.url, first)
         if self.project is not None:  # hidden states [R_i, H], projected once agreed
             return [self.pending[i].result() if i in self.pending else self.no_rows
                     for i in range(len(self.batch))]

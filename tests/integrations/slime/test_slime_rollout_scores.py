@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+import re
 import threading
 import types
 
@@ -292,3 +293,61 @@ def test_slimes_split_carries_the_rows_and_its_metrics_never_see_them(teachers_a
         return sorted(rollout_data)
     seen = opd.log_rollout_data_wrapper(log_rollout_data, None, (0, None, {**ranks[0], FIGURES: None}), {})
     assert CARRIED not in seen and FIGURES not in seen
+
+
+def rollout_sample(index: int, tokens: list[int], response: int, **meta) -> types.SimpleNamespace:
+    return types.SimpleNamespace(index=index, tokens=tokens, response_length=response, train_metadata=dict(meta),
+                                 status=types.SimpleNamespace(name="COMPLETED"))
+
+
+HOOK_WORDS = "slime_opd (the rollout's sample hook, score_sample)"
+
+
+@pytest.mark.parametrize(("tokens", "response", "meta", "error", "words"), [
+    (list(range(2, 72)), 3, {}, ServedTeacherError,
+     f"{HOOK_WORDS}: sample 37 has 70 ids, over "),  # the server's max model length is 64
+    ([5, 9, 2, 7, 11], 3, {"hint": [1.5, 2.0]}, TypeError,
+     f"{HOOK_WORDS}: sample 37's train_metadata['hint'] must be text or token ids"),
+    ([5, 9, 2, 7, 11], 3, {"hint": []}, ValueError, f"{HOOK_WORDS}: sample 37's train_metadata['hint'] holds no ids"),
+    ([5, 9, 2, 7, 11], 3, {"hint": [4, -2]}, ValueError,
+     f"{HOOK_WORDS}: sample 37's train_metadata['hint'] holds a negative id (-2)"),
+    ([5, 9, 2, 7, 11], 9, {"hint": [4]}, ValueError,
+     f"{HOOK_WORDS}: sample 37's response_length 9 is not within its 5 tokens"),
+], ids=["too-long", "float-context", "empty-context", "negative-context", "response-past-tokens"])
+def test_a_rollout_failure_names_the_rollouts_sample_and_where_it_was_asked(teachers_at, tokens, response, meta,
+                                                                           error, words):
+    """Issue 96 item 4: the sample's rollout index (not its place, 0, in the one-sample batch) and the
+    rollout's hook (not TeacherStep.send)."""
+    with vllm_like() as server:
+        teachers_at(url_of(server), context="hint" if meta else None)
+        args = slime_args()
+        with pytest.raises(error) as caught:
+            asyncio.run(rollout_scores.score_sample(args, rollout_sample(37, tokens, response, **meta)))
+        rollout_scores.rollout_teachers(args).close()
+        sent = [body["prompt"] for path, body in server.bodies if path == "/v1/completions"]
+    message = str(caught.value)
+    assert message.startswith(words) and "sample 0" not in message and "TeacherStep" not in message, message
+    assert tokens not in sent  # refused before it was sent
+    if error is ServedTeacherError:
+        assert caught.value.sample == 37
+
+
+def test_a_context_id_past_the_teachers_vocabulary_is_refused_before_the_rollout_sends_it(monkeypatch):
+    """Issue 96 item 5: `;same_tokenizer;vocab=512;context=ctx` with train_metadata['ctx'] = [3, 612]
+    refused as the train step refuses it (the sample, the key), nothing sent; an id inside is sent."""
+    with vllm_like() as server:
+        monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"{url_of(server)};engine=vllm;same_tokenizer;"
+                                                               "vocab=512;context=ctx")
+        monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_K", str(K))
+        monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_IDS_FROM", "teacher")
+        monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_SCORE_AT", "rollout")
+        args = slime_args()
+        with pytest.raises(ValueError, match=re.escape(
+                f"{HOOK_WORDS}: sample 37's train_metadata['ctx'] holds id 612, past the teacher's vocabulary of 512")):
+            asyncio.run(rollout_scores.score_sample(args, rollout_sample(37, [5, 9, 2, 7, 11], 3, ctx=[3, 612])))
+        sent = [body["prompt"] for path, body in server.bodies if path == "/v1/completions"]
+        inside = rollout_sample(38, [5, 9, 2, 7, 11], 3, ctx=[3, 511])
+        asyncio.run(rollout_scores.score_sample(args, inside))
+        rollout_scores.rollout_teachers(args).close()
+    assert not any(612 in prompt for prompt in sent)
+    assert ROWS in inside.train_metadata

@@ -58,6 +58,7 @@ class RolloutTeachers:
         self.args = args
         self.teachers: list[Any] = []
         self.contexts: list[str | None] = []  # each teacher's context key: its entry's, held here (the client has none)
+        self.entries: list[Any] = []
         if rollout_entries(settings):
             from megatron_rl_patches.teachers.served.build import served_teacher_of  # lazy: import cost: httpx, torch
 
@@ -65,6 +66,7 @@ class RolloutTeachers:
             entries = rollout_entries(settings)
             self.teachers = [served_teacher_of(t.without_context(), top_k=settings.k) for t in entries]
             self.contexts = [t.context for t in entries]
+            self.entries = entries
         self.samples = 0
         self.waited_s = 0.0
         self.tokenizer: Any = None
@@ -86,6 +88,24 @@ class RolloutTeachers:
                                                              "student's tokenizer)")
         return self.tokenizer
 
+    def context_vocab(self, key: str) -> int | None:
+        """The vocabulary a context under `key` is checked against before it is sent (as the train
+        step checks it): the smallest of the entries with that key that name one (`;same_tokenizer;
+        vocab=N` or `;config=PATH`), else the student's tokenizer's where `--hf-checkpoint` names it
+        (a teacher of the student's tokenizer reads the student's ids); None: neither (the server
+        checks)."""
+        from megatron_rl_patches.teachers.named_vocab import named_vocab_size  # lazy: import cost: json only
+
+        named = [named_vocab_size(t, f"{TEACHERS} entry '{t.path}'") for t in self.entries
+                 if t.context == key and t.same_tokenizer]
+        if named:
+            return min(named)
+        if not isinstance(getattr(self.args, "hf_checkpoint", None), str):
+            return None
+        from megatron_rl_patches.integrations.context_fields import tokenizer_vocab  # lazy: import cost: tokenizers
+
+        return tokenizer_vocab(self.student_tokenizer())
+
     def metrics(self) -> dict[str, Any]:
         """The rollout's figures (`TeacherStep.metrics()`'s shape): samples scored, the seconds the
         hooks waited, the teachers' own summed (`step_metrics`)."""
@@ -105,31 +125,42 @@ def empty_holder() -> None:
     return None
 
 
-async def ask_rows(held: RolloutTeachers, tokens: Any, response: int,
-                   contexts: list[dict] | None) -> dict[str, dict[str, Any]]:
+async def ask_rows(held: RolloutTeachers, tokens: Any, response: int, contexts: list[dict] | None, *,
+                   sample: int = 0, where: str = "the rollout") -> dict[str, dict[str, Any]]:
     """One sample (`tokens`, its last `response` of them the response; `contexts`: its privileged
     contexts, one mapping, or None) sent to every teacher of `held` now: each teacher's rows packed
     under its key, the wait counted in `held`'s figures. A failure cancels what is still asked and
-    raises the teacher's named error (or its deadline's)."""
+    raises the teacher's named error (or its deadline's), naming the sample by `sample` (its index
+    in the rollout) and the host's hook by `where`."""
     import torch  # lazy: import cost: torch only where the rollout asks a teacher
 
     from megatron_rl_patches.teachers.batch import TeacherBatch  # lazy: import cost: torch
+    from megatron_rl_patches.teachers.errors import ServedTeacherError
     from megatron_rl_patches.teachers.step_contexts import teacher_batches  # lazy: import cost: torch
 
+    if isinstance(response, bool) or not isinstance(response, int) or not 0 < response <= len(tokens):
+        raise ValueError(f"{where}: sample {sample}'s response_length {response!r} is not within its "
+                         f"{len(tokens)} tokens (the response is their last response_length): hand the hook the "
+                         "sample's whole prompt and response ids")
     ids = torch.tensor(list(tokens), dtype=torch.long)
     batch = TeacherBatch([ids], [len(ids) - response])
-    asked = teacher_batches(held.teachers, held.contexts, batch, contexts, None)
+    try:
+        asked = teacher_batches(held.teachers, held.contexts, batch, contexts, None)
+    except (TypeError, ValueError) as error:  # the contexts are checked by the host first: the words of the last net
+        raise type(error)(f"{where}: sample {sample}: {error}") from None
     started = time.perf_counter()
-    pending = [teacher.submit(one) for teacher, one in zip(held.teachers, asked)]
+    pending = [teacher.submit(one, samples=[sample]) for teacher, one in zip(held.teachers, asked)]
     try:
         futures = [asyncio.wrap_future(f) for waiting in pending for f in waiting.pending.values()]
         if futures:  # each sample's requests answered while the other samples' tasks run
             await asyncio.wait(futures, timeout=max(min(p.deadline.remaining() for p in pending), 0.0),
                                return_when=asyncio.FIRST_EXCEPTION)
         scores = [waiting.result() for waiting in pending]  # the named error of a failure, or its deadline
-    except BaseException:
+    except BaseException as failed:
         for waiting in pending:
             waiting.cancel()
+        if isinstance(failed, ServedTeacherError):  # where it was asked before the teacher's own words
+            raise type(failed)(f"{where}: {failed}", failed.url, failed.sample) from failed
         raise
     held.waited_s += time.perf_counter() - started
     held.samples += 1
