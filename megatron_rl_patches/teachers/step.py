@@ -40,6 +40,7 @@ from typing import Any
 from megatron_rl_patches.teachers.agreement import agree_failure, agreed_views, distributed
 from megatron_rl_patches.teachers.asynchronous import AsyncTeacher, Pending
 from megatron_rl_patches.teachers.batch import TeacherBatch
+from megatron_rl_patches.teachers.given_rows import given_problem
 from megatron_rl_patches.teachers.host import TeacherHost, asks
 from megatron_rl_patches.teachers.privileged import step_teachers
 from megatron_rl_patches.teachers.step_contexts import teacher_batches
@@ -48,6 +49,7 @@ from megatron_rl_patches.teachers.step_metrics import StepFigures, step_metrics
 from megatron_rl_patches.teachers.step_parts import (
     JoinedPending,
     Ready,
+    ScoredBefore,
     answer_runs,
     batch_part,
     joined_batch,
@@ -220,7 +222,9 @@ class TeacherStep:
         the asking rank and shared like an answer. A `ScoredBefore` (`teachers.step_parts`) gives
         answers per sample with the digest of the ids each scored: the step reads those whose digest
         is that of its own batch for the teacher (the sample's ids, or its context's before them)
-        and asks the teacher for the others (slime's carried rows, `opd/carried_rows.py`)."""
+        and asks the teacher for the others (slime's carried rows, `opd/carried_rows.py`). What it
+        reads must hold what the teacher would have sent (`given_rows`: the checks of a served
+        reply), or it is refused naming the sample and where the rows came from."""
         self.hand_over(batch, contexts, "add", scored)
 
     def hand_over(self, batch: TeacherBatch, contexts: Any, call: str, scored: Any = None) -> None:
@@ -238,14 +242,20 @@ class TeacherStep:
             return
         try:
             batches = teacher_batches(self.teachers, self.keys, batch, contexts, self.host.vocab_size)
+            # each given answer in runs of the part: read (a ScoredBefore's where its digest matches) or asked
+            runs = {i: answer_runs(got, batches[i]) for i, got in (scored or {}).items()}
+            for i, parts in runs.items():  # what is read holds what the teacher would have sent (given_rows)
+                got = (scored or {})[i]
+                wrong = given_problem(self.teachers[i], i, parts, batches[i],
+                                      *((got.origin, got.vocab_size) if isinstance(got, ScoredBefore) else ()))
+                if wrong is not None:
+                    raise wrong
         except (TypeError, ValueError) as error:
             if self.alone():
                 raise
             self.added.append(Added(batch, [batch] * len(self.teachers), {}))
             self.failed = error  # agreed in collect()
             return
-        # each given answer in runs of the part: read (a ScoredBefore's where its digest matches) or asked
-        runs = {i: answer_runs(got, batches[i]) for i, got in (scored or {}).items()}
         self.figures.scored_before += max((sum(hi - lo for lo, hi, got in parts if got is not None)
                                            for parts in runs.values()), default=0)
         pending: dict[int, Pending] = {}

@@ -109,9 +109,23 @@ class ScoredBefore:
     sequence it scored (the sample's ids, or its privileged context's before them) and its answer
     for that one sample (a one-sample `BatchScores`, or a head's states as a one-element list) —
     or None where none was given. The step reads an answer where its digest is that of the
-    teacher's own batch of the sample and asks the teacher for the others."""
+    teacher's own batch of the sample and asks the teacher for the others; an answer it reads must
+    hold what the served teacher would have sent (`given_rows`), or the step refuses it naming
+    `origin` (where the rows came from: e.g. slime's `train_metadata` field) and, for top-k rows,
+    ids past `vocab_size` (the teacher's vocabulary, where the giver knows it; None: ids >= 0)."""
 
     samples: Sequence[tuple[Sequence[int], Any] | None]
+    origin: str = "scored= of TeacherStep.add()"
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.origin, str):
+            raise TypeError(f"ScoredBefore(origin=...) must be words naming where the rows came from, got "
+                            f"{type(self.origin).__name__}")
+        if self.vocab_size is not None and (isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int)
+                                            or self.vocab_size < 1):
+            raise ValueError(f"ScoredBefore(vocab_size={self.vocab_size!r}): the teacher's vocabulary size (a "
+                             "positive int) or None")
 
     def __len__(self) -> int:
         return len(self.samples)

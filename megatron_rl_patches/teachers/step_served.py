@@ -49,6 +49,10 @@ class OwnTopkServed:
 
     def rows(self, scores: BatchScores) -> tuple[Rows, Rows, Rows]:
         for sample, ids in enumerate(scores.topk_ids):
+            if ids.numel() and int(ids.min()) < 0:  # the client refuses one; rows given to the step are checked too
+                raise ServedTeacherRefusal(f"{self.teacher.url} (sample {sample}): the served teacher's top-k holds "
+                                           f"a negative id ({int(ids.min())}): ids are vocabulary indices",
+                                           self.teacher.url, sample)
             if ids.numel() and int(ids.max()) >= self.student_vocab:
                 raise ServedTeacherRefusal(f"{self.teacher.url} (sample {sample}): the served teacher's top-k holds "
                                            f"id {int(ids.max())}, past the student's vocabulary of "

@@ -351,3 +351,71 @@ def test_a_context_id_past_the_teachers_vocabulary_is_refused_before_the_rollout
         rollout_scores.rollout_teachers(args).close()
     assert not any(612 in prompt for prompt in sent)
     assert ROWS in inside.train_metadata
+
+
+def cut_rows(entry: dict) -> dict:
+    return {**entry, **{name: entry[name][:1] for name in ("ids", "values", "tails", "token")}}
+
+
+def with_value(name: str, value: float):
+    def put(entry: dict) -> dict:
+        changed = entry[name].clone()
+        changed.view(-1)[0] = value
+        return {**entry, name: changed}
+    return put
+
+
+def carried_refusal(teachers_at, change) -> tuple[str, str, int]:
+    """Two samples scored at the rollout, sample 1's carried entry changed by `change`, handed to the
+    train step: the ValueError's words, the entry's key and the requests the step made."""
+    with vllm_like() as server:
+        teachers_at(url_of(server))
+        args, samples = slime_args(), [sample(i) for i in range(2)]
+        rollout(args, samples)
+        (key,) = samples[1].train_metadata[ROWS]
+        samples[1].train_metadata[ROWS][key] = change(samples[1].train_metadata[ROWS][key])
+        with ServedTeacher(url_of(server), "vllm", top_k=K) as served:
+            data = training_data(samples)
+            take_rows(data)
+            step = TeacherStep([served], local_host(12))
+            batch = TeacherBatch([torch.tensor(s.tokens) for s in samples],
+                                 [len(s.tokens) - s.response_length for s in samples])
+            before = server.answered("/v1/completions")
+            with pytest.raises(ValueError) as caught:
+                add_carried(step, batch, None, data)
+            asked = server.answered("/v1/completions") - before
+        rollout_scores.rollout_teachers(args).close()
+    return str(caught.value), key, asked
+
+
+@pytest.mark.parametrize(("corrupt", "words"), [
+    (cut_rows, "token_log_probs is of shape (1,) and dtype torch.float64, not (2,) and torch.float64"),
+    (with_value("ids", -3), "topk_ids holds a negative id (-3)"),
+    (with_value("ids", 12), "topk_ids holds id 12, past the vocabulary of 12"),
+    (with_value("values", float("nan")), "are no log-probabilities (a NaN log-prob)"),
+    (with_value("values", 0.7), "are no log-probabilities (a top-k mass or log-prob of e^"),
+], ids=["rows-cut", "negative-id", "id-past-the-vocabulary", "nan", "plus-0.7"])
+def test_carried_rows_that_a_served_reply_could_not_hold_are_refused_naming_the_sample_and_field(teachers_at, corrupt,
+                                                                                                 words):
+    """Issue 96 item 1: a carried row whose digest matches is read only if it holds what the
+    teacher would have sent; else refused naming the sample and the train_metadata field."""
+    message, _, asked = carried_refusal(teachers_at, corrupt)
+    assert message.startswith(
+        f"TeacherStep.add: teacher 0's rows of sample 1 (slime's train_metadata[{ROWS!r}], carried from the rollout) "
+        "are not what the served teacher answers: "), message
+    assert words in message and asked == 0
+
+
+@pytest.mark.parametrize(("entry", "words"), [
+    (lambda e: {**e, "digest": "abc"}, "holds a digest 'abc' that is not three ints (ids_digest)"),
+    (lambda e: {name: v for name, v in e.items() if name != "values"}, "has no 'values'"),
+    (lambda e: "rows", "is a str, not a mapping of digest, ids, values, tails and token"),
+    (lambda e: {**e, "ids": e["ids"].float()}, "holds ids of dtype torch.float32 (integer ids expected)"),
+    (lambda e: {**e, "tails": ["a"]}, "holds tails that are no tensor (a list)"),
+], ids=["digest-abc", "no-values", "a-string", "float-ids", "text-tails"])
+def test_a_malformed_carried_entry_is_a_named_error(teachers_at, entry, words):
+    """Issue 96 item 2: no bare ValueError / KeyError / TypeError from int(), a dict or torch."""
+    message, key, asked = carried_refusal(teachers_at, entry)
+    assert message.startswith(f"slime_opd: sample 1's train_metadata[{ROWS!r}][{key!r}] {words}: it is not what the "
+                              "rollout's hook writes"), message
+    assert asked == 0

@@ -12,9 +12,12 @@ given the keys:
   `CARRIED`, and `add_carried(step, batch, contexts, rollout_data)` hands the step's samples to
   the teacher step with their rows (`TeacherStep.add(scored={0: ScoredBefore(...)})`): the step
   reads a row where its digest is that of the batch it would ask the teacher for, and asks for
-  the others. 8K + 8 bytes a response token (168 at K = 20)."""
+  the others; each entry read back by `carried_entry` (a malformed one refused naming the sample
+  and the field), the rows the step reads checked as a served reply (`teachers.given_rows`, ids
+  within the student's vocabulary). 8K + 8 bytes a response token (168 at K = 20)."""
 from __future__ import annotations
 
+import numbers
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,10 +27,12 @@ import torch
 from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.contract import BatchScores
+from megatron_rl_patches.teachers.finite import shown
 from megatron_rl_patches.teachers.step_parts import ScoredBefore, ids_digest
 from megatron_rl_patches.teachers.teacher_identity import teacher_identity
 
 ROWS = "megatron_rl_patches_teacher_rows"  # the reserved train_metadata key of the carried rows
+FIELDS = ("ids", "values", "tails", "token")  # a carried entry's rows, beside its digest
 CARRIED = "opd_rollout_rows"  # per sample of a training rank's rollout data: its carried rows (or None)
 
 
@@ -55,6 +60,37 @@ def unpacked(rows: Sequence[Mapping[str, Any]]) -> BatchScores:
                        [torch.as_tensor(r["tails"]).double() for r in rows])
 
 
+def carried_entry(rows: Any, sample: int, key: str) -> tuple[list[int], BatchScores]:
+    """One sample's carried entry for the teacher of `key` read back (its digest as three ints, its
+    rows as `unpacked` gives them), or a ValueError naming the sample and the train_metadata field
+    where it is no entry `packed` writes (a bare library error otherwise: int('a'), a KeyError)."""
+    field = f"sample {sample}'s train_metadata[{ROWS!r}][{key!r}]"
+
+    def refused(what: str) -> ValueError:
+        return ValueError(f"slime_opd: {field} {what}: it is not what the rollout's hook writes (carried_rows.packed); "
+                          "drop the field (the train step then asks the teacher) or let the hook write it")
+
+    if not isinstance(rows, Mapping):
+        raise refused(f"is a {type(rows).__name__}, not a mapping of digest, ids, values, tails and token")
+    missing = [name for name in ("digest", *FIELDS) if name not in rows]
+    if missing:
+        raise refused(f"has no {missing[0]!r}")
+    digest = rows["digest"]
+    if isinstance(digest, (str, bytes)) or not isinstance(digest, Sequence) or len(digest) != 3 or \
+            not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in digest):
+        raise refused(f"holds a digest {shown(digest)[:60]} that is not three ints (ids_digest)")
+    for name in FIELDS:
+        try:
+            tensor = torch.as_tensor(rows[name])
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            raise refused(f"holds {name} that are no tensor (a {type(rows[name]).__name__})") from None
+        integer = name == "ids"
+        if tensor.dtype == torch.bool or tensor.is_complex() or tensor.dtype.is_floating_point == integer:
+            raise refused(f"holds {name} of dtype {tensor.dtype} ({'integer ids' if integer else 'floating log-probs'} "
+                          "expected)")
+    return [int(v) for v in digest], unpacked([rows])
+
+
 def take_rows(rollout_data: dict) -> None:
     """The carried rows out of the split's per-sample keys (`CONTEXTS`, which then holds the
     privileged contexts alone, or goes where none is left) into `CARRIED`."""
@@ -77,10 +113,18 @@ def add_carried(step: Any, batch: TeacherBatch, contexts: Any, rollout_data: Map
         return False
     key = teacher_key(step.teachers[0], step.keys[0])
     mine = [rows.get(key) if isinstance(rows, Mapping) else None for rows in carried]
-    if not any(mine):
+    if all(rows is None for rows in mine):
         return False
-    # the digest as plain ints, whatever carried it (the step refuses anything but three ints)
-    before = ScoredBefore([None if rows is None else ([int(v) for v in rows["digest"]], unpacked([rows]))
-                           for rows in mine])
+    try:  # each entry read back as packed wrote it, or refused by name (agreed by the step's next collect)
+        given = [None if rows is None else carried_entry(rows, sample, key) for sample, rows in enumerate(mine)]
+    except ValueError as error:
+        step.refuse(error)
+        return True
+    # the step checks what it reads as a served reply (teachers.given_rows), ids within the student's
+    # vocabulary (a rollout's teacher is of the student's tokenizer)
+    vocab = step.host.vocab_size
+    before = ScoredBefore(given, origin=f"slime's train_metadata[{ROWS!r}], carried from the rollout",
+                          vocab_size=vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0
+                          else None)
     step.add(batch, contexts=contexts, scored={0: before})
     return True

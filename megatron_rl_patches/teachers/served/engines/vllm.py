@@ -6,7 +6,6 @@ them; position 0 is None. vLLM scores prompt log-probs at temperature 1, from th
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import threading
 from typing import Any
@@ -25,14 +24,13 @@ from megatron_rl_patches.teachers.served.engines.vllm_replies import (
     top_k,
 )
 from megatron_rl_patches.teachers.served.http import Deadline, TeacherClient
+from megatron_rl_patches.teachers.served.rows_check import log_prob_problem
 from megatron_rl_patches.teachers.tails import tail_log_probs
 
 # vLLM's words when K is over its --max-logprobs (a 400): "... greater than max allowed: 20"
 MAX_LOGPROBS = re.compile(r"greater than max allowed:\s*(-?\d+)")
 # vLLM's words when it was started with --skip-tokenizer-init (a 400 from /tokenize)
 NO_TOKENIZER = re.compile(r"Tokenizer not available|skip_tokenizer_init")
-# a log-prob above this (or top-k mass above e^this) is no log-probability: the server sends logits
-LOG_PROB_SLACK = 1e-3
 PROBE_IDS = [0, 0]  # id 0 exists in every vocabulary
 # a router's words when it refuses a token-id prompt (sglang-router 0.3.2 reads `prompt` as text only: a 422)
 ROUTER_PROMPT = re.compile(r"StringOrArray")
@@ -155,12 +153,10 @@ class VllmEngine:
                           tail_log_probs(values))
 
     def check_log_probs(self, values: torch.Tensor, token: torch.Tensor, where: str, sample: int | None) -> None:
-        """Log-probabilities, not logits: each <= 0 and the top-k mass <= 1 (within fp32 slack)."""
-        if not values.numel():
-            return
-        mass = torch.logsumexp(values, dim=-1)
-        worst = max(float(mass.max()), float(values.max()), float(token.max()) if token.numel() else -math.inf)
-        if worst > LOG_PROB_SLACK or bool(torch.isnan(values).any()):
-            raise ServedTeacherError(f"{where}: the server's prompt_logprobs are no log-probabilities (a top-k mass "
-                                     f"of e^{worst:.3g}): serve the teacher with vLLM's default "
-                                     f"--logprobs-mode raw_logprobs (raw_logits has no tail)", self.client.url, sample)
+        """Log-probabilities, not logits: each <= 0 and the top-k mass <= 1 (within fp32 slack;
+        `rows_check`, which given rows pass too)."""
+        bad = log_prob_problem(values, token)
+        if bad is not None:
+            raise ServedTeacherError(f"{where}: the server's prompt_logprobs are no log-probabilities ({bad}): serve "
+                                     f"the teacher with vLLM's default --logprobs-mode raw_logprobs (raw_logits has "
+                                     f"no tail)", self.client.url, sample)

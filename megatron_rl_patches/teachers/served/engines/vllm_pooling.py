@@ -18,6 +18,7 @@ from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeache
 from megatron_rl_patches.teachers.served.engines.protocol import STATES, ServedModel
 from megatron_rl_patches.teachers.served.engines.vllm import PROBE_IDS, VllmEngine
 from megatron_rl_patches.teachers.served.http import Deadline, TeacherClient
+from megatron_rl_patches.teachers.served.rows_check import first_non_finite_row
 
 SERVE_POOLING = "--runner pooling --convert embed --pooler-config '{\"task\": \"token_embed\"}'"
 # the values a pooling reply travels as (vLLM's embed_dtype names, vllm/utils/serial_utils.py): the
@@ -120,13 +121,9 @@ class VllmPoolingEngine(VllmEngine):
         needed = bytearray(content[first + (start - 1) * row_bytes: first + (length - 1) * row_bytes])
         states = torch.frombuffer(needed, dtype=self.dtype).reshape(length - start, width) if needed \
             else torch.zeros(0, width, dtype=self.dtype)
-        # one sum first (a NaN or an infinity makes it non-finite; finite values may overflow it, so
-        # only a non-finite sum pays for the row-by-row check): 8x less time on large replies. fp8
-        # (no sum on the CPU) is checked through float16, which holds every fp8 value exactly
-        checked = states.to(torch.float16) if size == 1 else states
-        bad = (~torch.isfinite(checked)).any(dim=1).nonzero() if not torch.isfinite(checked.sum()) else states[:0, 0]
-        if bad.numel():
-            raise refuse(f"the hidden state of row {int(bad[0])} (position {start - 1 + int(bad[0])}) is not finite")
+        bad = first_non_finite_row(states)  # one sum first: 8x less time on large replies (`rows_check`)
+        if bad is not None:
+            raise refuse(f"the hidden state of row {bad} (position {start - 1 + bad}) is not finite")
         return states
 
 
