@@ -218,7 +218,30 @@ def one_rank_wrong(rank: int, world_size: int, url: str, other: str, names: tupl
         def scored(teacher: ServedTeacher) -> None:  # without an identity check each rank its own teacher's scores
             teacher.score(batch(), group=world)
 
+        def given_rows_differ() -> None:  # rank 1's given rows hold a NaN (issue 96 item 1): refused on both ranks
+            import dataclasses
+
+            step = step_of()
+            given = served.score(batch())
+            if rank == 1:
+                values = [v.clone() for v in given.topk_log_probs]
+                values[2][0, 0] = float("nan")
+                given = dataclasses.replace(given, topk_log_probs=values)
+            step.add(batch(), scored={0: given})
+            step.collect()
+
+        def carried_malformed() -> None:  # rank 1's carried entry is a string (item 2): refused on both ranks
+            from megatron_rl_patches.integrations.megatron.opd.carried_rows import CARRIED, add_carried, teacher_key
+
+            step = step_of()
+            entry = {teacher_key(served, None): "rows"} if rank == 1 else None
+            if not add_carried(step, batch(), None, {CARRIED: [None, entry, None]}):
+                step.send(batch())
+            step.collect()
+
         cases = {
+            "given_rows_differ": given_rows_differ,
+            "carried_malformed": carried_malformed,
             "collect_unsent": collect_unsent,
             "send_not_a_batch": send_not_a_batch,
             "sent_twice": sent_twice,
@@ -261,6 +284,10 @@ def test_one_ranks_bad_call_or_lying_host_is_the_same_error_on_every_rank_at_onc
     with vllm_like() as server, vllm_like() as other:
         ranks = run_multirank(one_rank_wrong, 2, url_of(server), url_of(other), timeout=60)
     expected = {
+        "given_rows_differ": ("ServedTeacherRefusal", "failed on rank 1 of the group: ValueError: TeacherStep.add: "
+                                                      "teacher 0's rows of sample 2 (scored= of TeacherStep.add()) are "
+                                                      "not what the served teacher answers"),
+        "carried_malformed": ("ValueError", "slime_opd: sample 1's train_metadata['megatron_rl_patches_teacher_rows']"),
         "collect_unsent": ("RuntimeError", "nothing sent"),
         "send_not_a_batch": ("TypeError", "takes a TeacherBatch, got str"),
         "sent_twice": ("RuntimeError", "was not collected"),
