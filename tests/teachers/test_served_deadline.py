@@ -42,14 +42,24 @@ def samples_trickle(body):
     return completions(body) if len(body["prompt"]) <= 2 else trickle(body)
 
 
-def test_score_gives_up_at_the_deadline_when_the_scores_trickle():
+@pytest.mark.parametrize("named", [None, [37]], ids=["its-place", "the-callers-index"])
+def test_score_gives_up_at_the_deadline_when_the_scores_trickle(named):
+    """`submit(batch, samples=[37])` (a rollout asking for its sample 37 alone) names it 37, not 0."""
     with vllm_like(v1_completions=samples_trickle) as server, \
             ServedTeacher(url_of(server), top_k=2, client=SETTINGS) as teacher:
         start = time.monotonic()
-        with pytest.raises(ServedTeacherError, match=r"sample 0") as caught:
-            teacher.score(batch())
+        index = 0 if named is None else named[0]
+        with pytest.raises(ServedTeacherError, match=rf"\(sample {index}\): no reply within") as caught:
+            teacher.submit(batch(), samples=named).result()
         assert time.monotonic() - start < DEADLINE_S + SLACK_S
-        assert caught.value.sample == 0
+        assert caught.value.sample == index
+
+
+@pytest.mark.parametrize("named", [[1, 2], [True], ["a"], (3,)])
+def test_samples_other_than_one_int_per_sample_are_refused_by_name(named):
+    with ServedTeacher("http://127.0.0.1:9", top_k=2, client=SETTINGS) as teacher:
+        with pytest.raises(TypeError, match=r"ServedTeacher.submit\(samples=...\) must be a list of 1 ints"):
+            teacher.submit(batch(), samples=named).result()
 
 
 def test_doctor_gives_up_at_its_deadline(monkeypatch):
