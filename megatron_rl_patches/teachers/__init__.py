@@ -12,7 +12,8 @@ and checked), and teachers that see a privileged context the student does not (`
 teacher's batch of context + the student's response per sample; `Privileged(teacher, KEY)`: any
 teacher given a key; `context_ids`, `placed_before`;
 `cross_with_context`: a teacher of another tokenizer's own samples after a context of its ids;
-`SelfTeacher`: the live self-teacher, the student's own pass over them).
+`SelfTeacher`: the live self-teacher, the student's own pass over them: its hidden states and
+output layer, `StudentHidden`).
 Importing this package is light (no torch, no HTTP client): names load on first use."""
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ _LAZY = lazy_names("""
     build: build_teachers BuildOptions
     context: with_context context_ids placed_before
     privileged: Privileged
-    self_teacher: SelfTeacher
+    self_teacher: SelfTeacher StudentHidden
 """)
 
 __all__ = sorted(_LAZY)
