@@ -15,7 +15,7 @@ from megatron_rl_patches._lazy import lazy_getattr, lazy_names
 # loaded on first use: the records (`patches`) are read without the teachers' client
 _LAZY = lazy_names("""
     served_teacher: ServedTeacherPolicy served_teacher_policy served_teacher_in_setup
-    self_teacher: SelfTeacherPolicy self_teacher_policy self_teacher_in_setup
+    self_teacher: StudentPolicyPass self_teacher_policy self_teacher_in_setup
     privileged_teacher: PrivilegedTeacherPolicy privileged_teacher_policy privileged_teacher_in_setup
 """)
 __all__ = sorted(_LAZY)
