@@ -113,8 +113,8 @@ class SelfTeacher:
                     tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The token's log-prob [R], the top-k ids [R, k], their log-probs [R, k] and the tail [R]
         (float64) from the fused head: one top-k pass and one log-prob pass over the vocabulary
-        tiles, the actual token scored beside the top-k (a slot masked out where it is one of them,
-        its mass then in the tail already; else the tail of the top-k is the rest's plus its)."""
+        tiles, the actual token scored beside the top-k (its slot masked out where it is one of them:
+        the op's tail is then the top-k's; else the top-k's tail is the rest's plus the token's)."""
         group = self.tp_group if self.shards() > 1 else None
         options: dict[str, Any] = dict(tp_group=group, temperature=self.temperature, vocab_size=self.vocab_size)
         with torch.no_grad():
@@ -126,7 +126,7 @@ class SelfTeacher:
             scored, rest = lm_head_topk_logprobs(hidden, weight, asked, ids_mask=mask, **options)
         values = scored[:, :self.top_k].double()
         own = scored[:, self.top_k].double()
-        token = torch.where(repeated, (values * among).sum(dim=1), own)
+        token = torch.where(repeated, values.gather(1, among.int().argmax(dim=1, keepdim=True))[:, 0], own)
         tail = torch.where(repeated, rest.double(), torch.logaddexp(rest.double(), own))
         return token, ids.long(), values, tail
 

@@ -44,6 +44,9 @@ def test_scores_are_the_float64_log_softmax_of_the_pass_at_the_temperature():
     teacher = SelfTeacher(student_pass, V, K, context="hint", temperature=0.7)
     scores = teacher.score(batch)
     assert grads == [False] and repr(teacher) == "SelfTeacher(context='hint', top_k=3)"
+    tokens = torch.cat([s[start:] for s, start in zip(batch.sequences, batch.response_starts)])
+    among = (torch.cat(scores.topk_ids) == tokens[:, None]).any(1)
+    assert among.any() and not among.all()  # the token among the top-k on some rows, outside it on others
     for i, one in enumerate(given.hidden):
         want = torch.log_softmax((one @ given.output_weight.T)[:, :V] / 0.7, dim=-1)  # the padding past V cut
         ids = want.topk(K, dim=-1).indices
