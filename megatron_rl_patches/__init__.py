@@ -6,30 +6,26 @@ a public name that needs them is first used.
 """
 from __future__ import annotations
 
-from megatron_rl_patches._lazy import lazy_getattr
+from megatron_rl_patches._lazy import lazy_getattr, lazy_names
 from megatron_rl_patches.patching.startup.hook import warn_on_first_import
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it (resolved on first access)
-_LAZY = {
-    **dict.fromkeys(("apply", "revert", "applied"), "megatron_rl_patches.integrations"),
-    "PatchStatus": "megatron_rl_patches.patching.records",
-    "reentrant_train": "megatron_rl_patches.reentrant",
-    "accumulation_window": "megatron_rl_patches.windows",
-    **dict.fromkeys(("build_inference_model", "build_inference_model_from_hf", "check_teacher_vocab",
-                     "load_inference_weights", "training_state_bytes", "on_device", "hold", "ResidencyBudget",
-                     "residency_report", "ResidencyReport", "score_layer_major"), "megatron_rl_patches.inference"),
-    "log_probs_and_entropy": "megatron_rl_patches.ops.logprobs",
-    **dict.fromkeys(("topk_ids", "topk_logprobs", "topk_opd_loss", "topk_kl",
-                     "union_ids"), "megatron_rl_patches.ops.topk"),
-    **dict.fromkeys(("lm_head_log_probs_and_entropy", "lm_head_topk_ids",
-                     "lm_head_topk_logprobs"), "megatron_rl_patches.ops.lm_head"),
-    "lm_head_divergence": "megatron_rl_patches.ops.divergence",
-    **dict.fromkeys(("log_prob_output_processor", "topk_output_processor"), "megatron_rl_patches.processors.heads"),
-    **dict.fromkeys(("hidden_output_processor",
-                     "divergence_output_processor"), "megatron_rl_patches.processors.distill"),
-}
+# module: the public names it defines (each resolved on first access)
+_LAZY = lazy_names("""
+    integrations: apply revert applied
+    megatron_rl_patches.patching.records: PatchStatus
+    reentrant: reentrant_train
+    windows: accumulation_window
+    inference: build_inference_model build_inference_model_from_hf check_teacher_vocab load_inference_weights
+        training_state_bytes on_device hold ResidencyBudget residency_report ResidencyReport score_layer_major
+    megatron_rl_patches.ops.logprobs: log_probs_and_entropy
+    megatron_rl_patches.ops.topk: topk_ids topk_logprobs topk_opd_loss topk_kl union_ids
+    megatron_rl_patches.ops.lm_head: lm_head_log_probs_and_entropy lm_head_topk_ids lm_head_topk_logprobs
+    megatron_rl_patches.ops.divergence: lm_head_divergence
+    megatron_rl_patches.processors.heads: log_prob_output_processor topk_output_processor
+    megatron_rl_patches.processors.distill: hidden_output_processor divergence_output_processor
+""")
 
 __all__ = sorted([*_LAZY, "__version__"])
 

@@ -10,23 +10,23 @@ Needs the optional `tokenizers` library (``pip install tokenizers``, or from a c
 importing this package imports nothing until a public name is first used."""
 from __future__ import annotations
 
-from megatron_rl_patches._lazy import lazy_getattr
+from megatron_rl_patches._lazy import lazy_getattr, lazy_names
 
-# public name -> module that defines it (resolved on first access)
-_LAZY = {
-    "load_tokenizer": "loading",
-    "token_bytes": "spelling",
-    **dict.fromkeys(("Alignment", "align"), "alignment"),
-    "retokenize": "retokenizing",
-    **dict.fromkeys(("SharedVocabulary", "shared_vocabulary", "shared_strings"), "vocabulary"),
-    "spread_chunk_log_probs": "spreading",
-    **dict.fromkeys(("chunk_reverse_kl", "chunk_start_topk_divergence", "chunk_start_full_divergence"), "losses"),
+# module: the public names it defines (each resolved on first access)
+_LAZY = lazy_names("""
+    loading: load_tokenizer
+    spelling: token_bytes
+    alignment: Alignment align
+    retokenizing: retokenize
+    vocabulary: SharedVocabulary shared_vocabulary shared_strings
+    spreading: spread_chunk_log_probs
+    losses: chunk_reverse_kl chunk_start_topk_divergence chunk_start_full_divergence
     # a teacher with another tokenizer scored by a training loop's own passes
-    **dict.fromkeys(("CrossTeacher", "cross_teacher"), "teacher"),
-    **dict.fromkeys(("TeacherSample", "teacher_sample", "plan_micro_batches", "PassPlan", "plan_passes", "Buckets",
-                     "chunk_start_buckets", "teacher_buckets_on_student_rows", "log_ratio"), "teacher_passes"),
-    **dict.fromkeys(("chunk_distillation_terms", "masked_tail"), "chunk_terms"),
-}
+    teacher: CrossTeacher cross_teacher
+    teacher_passes: TeacherSample teacher_sample plan_micro_batches PassPlan plan_passes Buckets chunk_start_buckets
+        teacher_buckets_on_student_rows log_ratio
+    chunk_terms: chunk_distillation_terms masked_tail
+""")
 
 __all__ = sorted(_LAZY)
 

@@ -58,6 +58,18 @@ def alive_strings(strings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return strings, alive
 
 
+def _checked_chunk_starts(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
+                          teacher_weight: torch.Tensor, alignment: Alignment,
+                          shared: SharedVocabulary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inputs checked, then the chunk starts' student and teacher rows and the zero output
+    [n_student] (float64 for float64 hidden, else float32) the chunk-start losses fill."""
+    check_loss_inputs(hidden, weight, teacher_hidden, teacher_weight, alignment, shared)
+    s_rows, t_rows = alignment.chunk_starts()
+    out = torch.zeros(hidden.size(0), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32,
+                      device=hidden.device)
+    return s_rows, t_rows, out
+
+
 def chunk_start_topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
                                 teacher_weight: torch.Tensor, alignment: Alignment, shared: SharedVocabulary,
                                 *, k: int = 8, temperature: float = 1.0, chunk_size: int | None = None,
@@ -71,10 +83,7 @@ def chunk_start_topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teac
     hidden [n_student, H] / teacher_hidden [n_teacher, H_t]: the rows that predict each student /
     teacher token (row i scores token i); weight / teacher_weight the output layers [V, H]. The
     gradient flows to the student's hidden and weight only."""
-    check_loss_inputs(hidden, weight, teacher_hidden, teacher_weight, alignment, shared)
-    s_rows, t_rows = alignment.chunk_starts()
-    out = torch.zeros(hidden.size(0), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32,
-                      device=hidden.device)
+    s_rows, t_rows, out = _checked_chunk_starts(hidden, weight, teacher_hidden, teacher_weight, alignment, shared)
     if s_rows.numel() == 0:
         return out + 0.0 * hidden.sum()
     s_rows, t_rows = s_rows.to(hidden.device), t_rows.to(hidden.device)
@@ -131,10 +140,7 @@ def chunk_start_full_divergence(hidden: torch.Tensor, weight: torch.Tensor, teac
     of no shared string, padded weight rows included); 0 elsewhere. Each model's layer is
     re-indexed by string (a copy of its shared weight rows, never [T, V] logits). Arguments as
     `chunk_start_topk_divergence`; the gradient flows to the student's hidden and weight only."""
-    check_loss_inputs(hidden, weight, teacher_hidden, teacher_weight, alignment, shared)
-    s_rows, t_rows = alignment.chunk_starts()
-    out = torch.zeros(hidden.size(0), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32,
-                      device=hidden.device)
+    s_rows, t_rows, out = _checked_chunk_starts(hidden, weight, teacher_hidden, teacher_weight, alignment, shared)
     if s_rows.numel() == 0:
         return out + 0.0 * hidden.sum()
     device = hidden.device

@@ -11,29 +11,28 @@ imports the memory report without torch.
 from __future__ import annotations
 
 from megatron_rl_patches import _aliases
-from megatron_rl_patches._lazy import lazy_getattr
+from megatron_rl_patches._lazy import lazy_getattr, lazy_names
 
-_LAZY = {
-    "build_inference_model": "build",
-    "build_inference_model_from_hf": "build_hf",
-    "check_teacher_vocab": "megatron_rl_patches.inference.loading.hf.vocab",
-    **dict.fromkeys(("InferenceOnlyError", "assert_trainable", "is_inference_only"), "guard"),
-    "load_inference_weights": "megatron_rl_patches.inference.loading.weights",
-    **dict.fromkeys(("WeightsMismatchError", "CheckpointReadError"), "megatron_rl_patches.inference.loading.errors"),
-    **dict.fromkeys(("inference_forward", "token_log_probs"), "forward"),
-    "score_layer_major": "megatron_rl_patches.inference.layer_major.scoring",
-    "ActivationStats": "megatron_rl_patches.inference.layer_major.activation_store",
-    **dict.fromkeys(("training_state_bytes", "TrainingStateBytes"), "megatron_rl_patches.inference.sizing.memory"),
-    **dict.fromkeys(("on_device", "hold", "release_streamed",
-                     "weights_on_host"), "megatron_rl_patches.inference.residency.placement"),
-    "RESIDENCY_MODES": "megatron_rl_patches.inference.residency.modes",
-    **dict.fromkeys(("residency_report", "ResidencyReport"), "megatron_rl_patches.inference.residency.reporting"),
-    "ResidencyBudget": "megatron_rl_patches.inference.residency.budget",
-    "TeacherLayout": "megatron_rl_patches.inference.teacher_layout.layout",
-    **dict.fromkeys(("score_at_layout", "topk_at_layout", "hidden_at_layout", "select_topk_at_layout",
-                     "output_weight_at_layout"), "megatron_rl_patches.inference.teacher_layout.scoring"),
-    "teacher_groups": "megatron_rl_patches.inference.teacher_layout.groups",
-}
+_LAZY = lazy_names("""
+    build: build_inference_model
+    build_hf: build_inference_model_from_hf
+    megatron_rl_patches.inference.loading.hf.vocab: check_teacher_vocab
+    guard: InferenceOnlyError assert_trainable is_inference_only
+    megatron_rl_patches.inference.loading.weights: load_inference_weights
+    megatron_rl_patches.inference.loading.errors: WeightsMismatchError CheckpointReadError
+    forward: inference_forward token_log_probs
+    megatron_rl_patches.inference.layer_major.scoring: score_layer_major
+    megatron_rl_patches.inference.layer_major.activation_store: ActivationStats
+    megatron_rl_patches.inference.sizing.memory: training_state_bytes TrainingStateBytes
+    megatron_rl_patches.inference.residency.placement: on_device hold release_streamed weights_on_host
+    megatron_rl_patches.inference.residency.modes: RESIDENCY_MODES
+    megatron_rl_patches.inference.residency.reporting: residency_report ResidencyReport
+    megatron_rl_patches.inference.residency.budget: ResidencyBudget
+    megatron_rl_patches.inference.teacher_layout.layout: TeacherLayout
+    megatron_rl_patches.inference.teacher_layout.scoring: score_at_layout topk_at_layout hidden_at_layout
+        select_topk_at_layout output_weight_at_layout
+    megatron_rl_patches.inference.teacher_layout.groups: teacher_groups
+""")
 
 __all__ = sorted(_LAZY)
 

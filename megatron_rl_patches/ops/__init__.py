@@ -11,15 +11,15 @@ LM head), at the memory floor. Importing this package is cheap; each op loads on
 """
 from __future__ import annotations
 
-from megatron_rl_patches._lazy import lazy_getattr
+from megatron_rl_patches._lazy import lazy_getattr, lazy_names
 
-# public name -> module that defines it (resolved on first access)
-_LAZY = {
-    "log_probs_and_entropy": "logprobs",
-    **dict.fromkeys(("topk_ids", "topk_logprobs", "topk_opd_loss", "topk_kl", "union_ids"), "topk"),
-    **dict.fromkeys(("lm_head_log_probs_and_entropy", "lm_head_topk_ids", "lm_head_topk_logprobs"), "lm_head"),
-    "lm_head_divergence": "divergence",
-}
+# module: the public names it defines (each resolved on first access)
+_LAZY = lazy_names("""
+    logprobs: log_probs_and_entropy
+    topk: topk_ids topk_logprobs topk_opd_loss topk_kl union_ids
+    lm_head: lm_head_log_probs_and_entropy lm_head_topk_ids lm_head_topk_logprobs
+    divergence: lm_head_divergence
+""")
 
 __all__ = sorted(_LAZY)
 

@@ -36,29 +36,28 @@ def _width(value: Any, n_rows: int) -> int:
     return 1
 
 
-def _pad(value: Any, n_rows: int, total: int) -> Any:
-    """Per-row tensors (leading dim `n_rows`) padded to `total` rows with copies of row 0."""
+def _map_rows(value: Any, n_rows: int, rows_fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`value` with `rows_fn` applied to each per-row tensor (leading dim `n_rows`) inside it,
+    through dataclasses, tuples and lists; anything else as it is."""
     if isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) == n_rows:
-        if total == n_rows:
-            return value
-        return torch.cat([value, value[:1].expand(total - n_rows, *value.shape[1:])])
+        return rows_fn(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: _pad(getattr(value, f.name), n_rows, total)
+        return dataclasses.replace(value, **{f.name: _map_rows(getattr(value, f.name), n_rows, rows_fn)
                                              for f in dataclasses.fields(value)})
     if isinstance(value, (tuple, list)):
-        return type(value)(_pad(v, n_rows, total) for v in value)
+        return type(value)(_map_rows(v, n_rows, rows_fn) for v in value)
     return value
+
+
+def _pad(value: Any, n_rows: int, total: int) -> Any:
+    """Per-row tensors (leading dim `n_rows`) padded to `total` rows with copies of row 0."""
+    if total == n_rows:
+        return value
+    return _map_rows(value, n_rows, lambda t: torch.cat([t, t[:1].expand(total - n_rows, *t.shape[1:])]))
 
 
 def _take(value: Any, total: int, rows: slice) -> Any:
-    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) == total:
-        return value[rows]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: _take(getattr(value, f.name), total, rows)
-                                             for f in dataclasses.fields(value)})
-    if isinstance(value, (tuple, list)):
-        return type(value)(_take(v, total, rows) for v in value)
-    return value
+    return _map_rows(value, total, lambda t: t[rows])
 
 
 def _merge(parts: list[Any], n_rows: int) -> Any:

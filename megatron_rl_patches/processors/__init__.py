@@ -8,13 +8,12 @@ fused head (`mtp_loss`; patch `mtp_output_processor`)."""
 from __future__ import annotations
 
 from megatron_rl_patches import _aliases
-from megatron_rl_patches._lazy import lazy_getattr
+from megatron_rl_patches._lazy import lazy_getattr, lazy_names
 
-_LAZY = {
-    **dict.fromkeys(("log_prob_output_processor", "topk_output_processor"), "megatron_rl_patches.processors.heads"),
-    **dict.fromkeys(("hidden_output_processor",
-                     "divergence_output_processor"), "megatron_rl_patches.processors.distill"),
-}
+_LAZY = lazy_names("""
+    heads: log_prob_output_processor topk_output_processor
+    distill: hidden_output_processor divergence_output_processor
+""")
 __all__ = sorted(_LAZY)
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())
 

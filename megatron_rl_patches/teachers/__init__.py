@@ -12,34 +12,35 @@ and checked), and teachers that see a privileged context the student does not (`
 teacher's batch of context + the student's response per sample; `Privileged(teacher, KEY)`: any
 teacher given a key; `context_ids`, `placed_before`;
 `cross_with_context`: a teacher of another tokenizer's own samples after a context of its ids;
-`SelfTeacher`: the live self-teacher, the student's own pass over them).
+`SelfTeacher`: the live self-teacher, the student's own pass over them: its hidden states and
+output layer, `StudentHidden`).
 Importing this package is light (no torch, no HTTP client): names load on first use."""
 from __future__ import annotations
 
-from megatron_rl_patches._lazy import lazy_getattr
+from megatron_rl_patches._lazy import lazy_getattr, lazy_names
 
-_LAZY = {
-    "TeacherScores": "scores",
-    "TeacherBatch": "batch",
-    **dict.fromkeys(("BatchScores", "BatchTeacher"), "contract"),
-    **dict.fromkeys(("ServedTeacher", "PendingScores"), "megatron_rl_patches.teachers.served.client"),
-    **dict.fromkeys(("ClientSettings", "ReplicaSettings"), "megatron_rl_patches.teachers.served.settings"),
-    **dict.fromkeys(("FewestInFlight", "PromptAffinity"), "megatron_rl_patches.teachers.served.spreading"),
-    "AsyncTeacher": "asynchronous",
-    **dict.fromkeys(("ServedTeacherError", "ServedTeacherRefusal"), "errors"),
-    "agree_failure": "agreement",
-    "tail_log_probs": "tails",
-    **dict.fromkeys(("served_buckets", "ServedBuckets"), "cross_buckets"),
-    "head_buckets": "head_cross_buckets",
-    "cross_with_context": "cross_context",
-    "TeacherHead": "head",
-    **dict.fromkeys(("TeacherStep", "StepPlan"), "step"),
-    **dict.fromkeys(("TeacherHost", "LoopHost", "megatron_host", "local_host"), "host"),
-    **dict.fromkeys(("build_teachers", "BuildOptions"), "build"),
-    **dict.fromkeys(("with_context", "context_ids", "placed_before"), "context"),
-    "Privileged": "privileged",
-    "SelfTeacher": "self_teacher",
-}
+_LAZY = lazy_names("""
+    scores: TeacherScores
+    batch: TeacherBatch
+    contract: BatchScores BatchTeacher
+    megatron_rl_patches.teachers.served.client: ServedTeacher PendingScores
+    megatron_rl_patches.teachers.served.settings: ClientSettings ReplicaSettings
+    megatron_rl_patches.teachers.served.spreading: FewestInFlight PromptAffinity
+    asynchronous: AsyncTeacher
+    errors: ServedTeacherError ServedTeacherRefusal
+    agreement: agree_failure
+    tails: tail_log_probs
+    cross_buckets: served_buckets ServedBuckets
+    head_cross_buckets: head_buckets
+    cross_context: cross_with_context
+    head: TeacherHead
+    step: TeacherStep StepPlan
+    host: TeacherHost LoopHost megatron_host local_host
+    build: build_teachers BuildOptions
+    context: with_context context_ids placed_before
+    privileged: Privileged
+    self_teacher: SelfTeacher StudentHidden
+""")
 
 __all__ = sorted(_LAZY)
 

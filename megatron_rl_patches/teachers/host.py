@@ -11,8 +11,9 @@ student's vocabulary and, optionally, how an in-process teacher's pass runs.
 - `build_teacher` (optional): (entry, options) -> the teacher of an in-process kind (a checkpoint,
   a provider), for `build_teachers`; a host without one builds served teachers only.
 - `student_pass` (optional): the host's own pass of the student's current model over a
-  `TeacherBatch` -> per sample its logits [R_i, V] on the response rows: the live self-teacher's
-  (`student;context=KEY`, `teachers.self_teacher`), run under no grad, no copy of the weights.
+  `TeacherBatch` -> `StudentHidden`: per sample its final hidden states [R_i, H] on the response
+  rows and its output layer's weight (never logits): the live self-teacher's (`student;context=KEY`,
+  `teachers.SelfTeacher`: the fused head's top-k), run under no grad, no copy of the weights.
 - `tp_group`, `padded_vocab_size` (optional): the student's tensor-parallel group and its padded
   vocabulary (the rows of its output layer over that group): a teacher head built from a `;head=DIR`
   entry is cut and padded to the student's layout (None: the whole head, unpadded).
@@ -61,8 +62,8 @@ class LoopHost:
             raise TypeError(f"LoopHost(teacher_pass=...) must be a callable (teacher, batch) -> BatchScores or None, "
                             f"got {type(self.teacher_pass).__name__}")
         if self.student_pass is not None and not callable(self.student_pass):
-            raise TypeError(f"LoopHost(student_pass=...) must be a callable (TeacherBatch) -> per-sample logits "
-                            f"[R_i, V] or None, got {type(self.student_pass).__name__}")
+            raise TypeError(f"LoopHost(student_pass=...) must be a callable (TeacherBatch) -> StudentHidden "
+                            f"(hidden states and output weight) or None, got {type(self.student_pass).__name__}")
         if self.build_teacher is not None and not callable(self.build_teacher):
             raise TypeError(f"LoopHost(build_teacher=...) must be a callable (entry, options) -> teacher or None, "
                             f"got {type(self.build_teacher).__name__}")
@@ -82,8 +83,8 @@ def megatron_host(parallel_state: Any, vocab_size: int, teacher_pass: TeacherPas
     vocabulary is padded as Megatron-LM pads it (`make_vocab_size_divisible_by` x TP, its
     `--make-vocab-size-divisible-by`, default 128) and sharded over the tensor-parallel group: a
     `;head=DIR` teacher built for this host holds the same rows on each rank. `student_pass`: the
-    live self-teacher's pass (see `LoopHost`): this rank's vocabulary shard of the student's logits
-    [R_i, padded / TP] per sample, the model's parallel output as it comes."""
+    live self-teacher's pass (see `LoopHost`): whole hidden rows [R_i, H] per sample and this rank's
+    shard of the output weight [padded / TP, H], as the model's output layer holds it."""
     import torch.distributed as dist  # lazy: import cost: torch only when a host with groups is built
 
     if not parallel_state.model_parallel_is_initialized():

@@ -1,49 +1,68 @@
 """The live self-teacher (`SelfTeacher`, entry `student;context=KEY`): the student's current
 weights scoring the privileged sequences (`with_context`), through the host's own pass of the
 student's model (`LoopHost(student_pass=...)`): no copy of the weights, no server, no weight sync.
-The pass runs under `torch.no_grad()` and its logits are detached: no gradient flows through the
-teacher's side. Its scores are the student's whole distribution on each row at the step's
-temperature: its own top-k, the exact tail (the log-sum-exp of every id outside them) and the
-actual token's log-prob, float64.
+The pass runs under `torch.no_grad()` and returns the student's final hidden states on the
+response rows and its output layer's weight (`StudentHidden`), never logits: the scores come from
+the fused head's ops (`lm_head_topk_ids`, `lm_head_topk_logprobs`, as the top-k output processor
+of `processors.heads` computes them: vocabulary tiles, no [R, V] logits on any rank). Nothing is
+differentiated: no gradient flows through the teacher's side. Its scores are the student's whole
+distribution on each row at the step's temperature: its own top-k, the exact tail (the mass of
+every id outside them) and the actual token's log-prob, float64.
 
-At tensor parallelism (`tp_group`: the host's) the pass returns each rank's vocabulary shard of
-the logits (the model's parallel output, [R_i, V_local], Megatron's padding included): the scores
-are computed vocab-parallel by the package's ops (`topk_ids`, `topk_logprobs`: no [R, V] gather),
-the same on every rank of the group. Each rank's shape check is agreed over the group before the
-ops' first collective (one rank's bad pass is the same error on every rank)."""
+At tensor parallelism (`tp_group`: the host's) the pass returns whole hidden rows on every rank
+of the group (sequence parallelism gathered: [R_i, H], cheap beside the logits) and this rank's
+shard of the output weight ([V_local, H], Megatron's padding included): the scores are computed
+vocab-parallel, the same on every rank of the group. Each rank's shape check is agreed over the
+group before the ops' first collective (one rank's bad pass is the same error on every rank).
+slime's and NeMo-RL's live self-teachers are this computation inside their output processor
+(`topk_output_processor` in the student's own forward); their adapters only supply that pass."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from megatron_rl_patches._args import positive_int
-from megatron_rl_patches.ops.topk import topk_ids, topk_logprobs
+from megatron_rl_patches.ops.lm_head import lm_head_topk_ids, lm_head_topk_logprobs
 from megatron_rl_patches.teachers.agreement import agree_failure, distributed
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context_key import context_key
 from megatron_rl_patches.teachers.contract import BatchScores
 
-# (the teacher's TeacherBatch) -> per sample the student's logits [R_i, V'] on its response rows
-# (row r: the logits that predict token response_start + r; V' >= the student's vocabulary: padding cut;
-# at tensor parallelism this rank's vocabulary shard [R_i, V_local])
-StudentPass = Callable[[TeacherBatch], Sequence[torch.Tensor]]
+
+@dataclass(frozen=True)
+class StudentHidden:
+    """What the host's pass returns: per sample the student's final hidden states on its response
+    rows (`hidden[i]` [R_i, H], after the final norm: what the output layer takes; row r the state
+    that predicts token response_start + r) and the output layer's weight `output_weight` [V', H]
+    (V' >= the student's vocabulary: padding cut; at tensor parallelism this rank's shard
+    [V_local, H]), in the hidden states' dtype."""
+
+    hidden: Sequence[torch.Tensor]
+    output_weight: torch.Tensor
+
+
+# (the teacher's TeacherBatch) -> the student's hidden states on its response rows and output weight
+StudentPass = Callable[[TeacherBatch], StudentHidden]
 
 
 class SelfTeacher:
     """The student scoring `context + its own response` with its current weights: `student_pass`
-    the host's pass (see `StudentPass`), `vocab_size` the student's real vocabulary, `top_k` its
-    buckets per row, `temperature` the step's, `context` the key of its privileged contexts
-    (required: without one it would be the student scoring itself). `tp_group`: the student's
-    tensor-parallel group when the pass returns vocab-parallel logits (None: whole rows), and
-    `padded_vocab_size` the rows of its output layer over that group (None: not checked)."""
+    the host's pass (see `StudentPass`: hidden states and output weight, no logits), `vocab_size`
+    the student's real vocabulary, `top_k` its buckets per row, `temperature` the step's, `context`
+    the key of its privileged contexts (required: without one it would be the student scoring
+    itself). `tp_group`: the student's tensor-parallel group when the pass returns this rank's
+    shard of the output weight (None: the whole weight), and `padded_vocab_size` the rows of its
+    output layer over that group (None: not checked)."""
 
     def __init__(self, student_pass: StudentPass, vocab_size: int, top_k: int, *, context: str,
                  temperature: float = 1.0, tp_group: Any = None, padded_vocab_size: int | None = None) -> None:
         if not callable(student_pass):
             raise TypeError(f"SelfTeacher(student_pass=...) must be the host's pass of the student's model, a "
-                            f"callable (TeacherBatch) -> per-sample logits [R_i, V], got {type(student_pass).__name__}")
+                            f"callable (TeacherBatch) -> StudentHidden(hidden=[R_i, H] per sample, output_weight="
+                            f"[V, H]), got {type(student_pass).__name__}")
         key = context_key(context, "SelfTeacher(context=...)")
         if key is None:
             raise ValueError("SelfTeacher(context=None): the live self-teacher without a privileged context would be "
@@ -69,10 +88,10 @@ class SelfTeacher:
         if not isinstance(batch, TeacherBatch):
             raise TypeError(f"SelfTeacher.score(batch) takes a TeacherBatch, got {type(batch).__name__}")
         with torch.no_grad():
-            logits = [one.detach() if isinstance(one, torch.Tensor) else one for one in self.student_pass(batch)]
+            given = self.student_pass(batch)
         error: Exception | None = None
         try:
-            self.check_pass(logits, batch)
+            self.check_pass(given, batch)
         except ValueError as refused:
             error = refused
         if self.shards() > 1:  # every rank's check before the ops' first collective
@@ -84,53 +103,70 @@ class SelfTeacher:
             empty = [torch.zeros(n, dtype=torch.float64) for n in rows]
             return BatchScores(empty, [torch.zeros(n, self.top_k, dtype=torch.int64) for n in rows],
                                [torch.zeros(n, self.top_k, dtype=torch.float64) for n in rows], list(empty))
-        every = torch.cat([one[:, :self.vocab_size] if self.shards() == 1 else one for one in logits]).double()
+        weight = given.output_weight.detach()
+        hidden = torch.cat([one.detach() for one in given.hidden]).to(weight.device)
         tokens = torch.cat([s[start:] for s, start in zip(batch.sequences, batch.response_starts)]).long()
-        group, vocab = (self.tp_group, self.vocab_size) if self.shards() > 1 else (None, None)
+        token, ids, values, tail = self.head_scores(hidden, weight, tokens.to(hidden.device))
+        return BatchScores(*(list(part.cpu().split(rows)) for part in (token, ids, values, tail)))
+
+    def head_scores(self, hidden: torch.Tensor, weight: torch.Tensor,
+                    tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The token's log-prob [R], the top-k ids [R, k], their log-probs [R, k] and the tail [R]
+        (float64) from the fused head: one top-k pass and one log-prob pass over the vocabulary
+        tiles, the actual token scored beside the top-k (its slot masked out where it is one of them:
+        the op's tail is then the top-k's; else the top-k's tail is the rest's plus the token's)."""
+        group = self.tp_group if self.shards() > 1 else None
+        options: dict[str, Any] = dict(tp_group=group, temperature=self.temperature, vocab_size=self.vocab_size)
         with torch.no_grad():
-            ids = topk_ids(every, self.top_k, tp_group=group, vocab_size=vocab)
-            values, tail = topk_logprobs(every, ids, tp_group=group, temperature=self.temperature, vocab_size=vocab)
-            token, _ = topk_logprobs(every, tokens.to(every.device)[:, None], tp_group=group,
-                                     temperature=self.temperature, vocab_size=vocab)
-        return BatchScores(*(list(part.cpu().split(rows)) for part in (token[:, 0], ids, values, tail)))
+            ids = lm_head_topk_ids(hidden, weight, self.top_k, **options)
+            among = ids == tokens[:, None]
+            repeated = among.any(dim=1)
+            asked = torch.cat([ids, tokens[:, None]], dim=1)
+            mask = torch.cat([torch.ones_like(ids, dtype=torch.bool), ~repeated[:, None]], dim=1)
+            scored, rest = lm_head_topk_logprobs(hidden, weight, asked, ids_mask=mask, **options)
+        values = scored[:, :self.top_k].double()
+        own = scored[:, self.top_k].double()
+        token = torch.where(repeated, values.gather(1, among.int().argmax(dim=1, keepdim=True))[:, 0], own)
+        tail = torch.where(repeated, rest.double(), torch.logaddexp(rest.double(), own))
+        return token, ids.long(), values, tail
 
     def shards(self) -> int:
-        """The tensor-parallel size the pass's logits are split over (1: whole rows)."""
+        """The tensor-parallel size the output weight is split over (1: the whole weight)."""
         if self.tp_group is None or not distributed():
             return 1
         import torch.distributed as dist  # lazy: import cost: torch.distributed only with a group
 
         return dist.get_world_size(self.tp_group)
 
-    def check_pass(self, logits: list[Any], batch: TeacherBatch) -> None:
-        """ValueError naming the sample where the pass returned another shape than its response rows of
-        logits over the student's vocabulary (this rank's shard of it at tensor parallelism)."""
-        if len(logits) != len(batch):
-            raise ValueError(f"SelfTeacher: the host's student_pass returned {len(logits)} logit tensors for a batch "
-                             f"of {len(batch)} samples: return one [R_i, V] tensor per sample")
-        shards, padded = self.shards(), self.padded_vocab_size
-        widths = set()
-        for sample, one in enumerate(logits):
+    def check_pass(self, given: Any, batch: TeacherBatch) -> None:
+        """ValueError naming what the pass returned where it is not a `StudentHidden` of the batch's
+        response rows of hidden states and an output weight over the student's vocabulary (this
+        rank's shard of it at tensor parallelism)."""
+        if not isinstance(given, StudentHidden):
+            raise ValueError(f"SelfTeacher: the host's student_pass returned {type(given).__name__}: return "
+                             "StudentHidden(hidden=[R_i, H] per sample, output_weight=[V, H]) (the student's final "
+                             "hidden states and output layer's weight, never logits)")
+        weight, shards, padded = given.output_weight, self.shards(), self.padded_vocab_size
+        local = padded // shards if padded is not None and shards > 1 else None
+        if not (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] * shards >= self.vocab_size
+                and (local is None or weight.shape[0] == local)):
+            shown = str(tuple(weight.shape)) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            wanted = (f"[V >= {self.vocab_size}, H]" if shards == 1 else
+                      f"[{local if local is not None else 'V_local'}, H] (this rank's shard of the output layer at "
+                      f"tensor-parallel size {shards}: not gathered)")
+            raise ValueError(f"SelfTeacher: the host's student_pass returned an output_weight of {shown}: expected "
+                             f"the student's output layer over its {self.vocab_size} ids {wanted}")
+        if len(given.hidden) != len(batch):
+            raise ValueError(f"SelfTeacher: the host's student_pass returned {len(given.hidden)} hidden-state tensors "
+                             f"for a batch of {len(batch)} samples: return one [R_i, H] tensor per sample")
+        for sample, one in enumerate(given.hidden):
             count = batch.response_rows(sample)
-            if shards == 1:
-                good = isinstance(one, torch.Tensor) and one.dim() == 2 and one.shape[0] == count \
-                    and one.shape[1] >= self.vocab_size
-                wanted = f"[{count}, V >= {self.vocab_size}]"
-            else:
-                local = padded // shards if padded is not None else None
-                good = isinstance(one, torch.Tensor) and one.dim() == 2 and one.shape[0] == count \
-                    and one.shape[1] * shards >= self.vocab_size and (local is None or one.shape[1] == local)
-                wanted = f"[{count}, {local if local is not None else 'V_local'}] (this rank's shard of the " \
-                         f"vocabulary at tensor-parallel size {shards}: the model's parallel output, not gathered)"
-            if not good:
-                shown = tuple(one.shape) if isinstance(one, torch.Tensor) else type(one).__name__
-                raise ValueError(f"SelfTeacher: the host's student_pass returned {shown} for sample {sample}: expected "
-                                 f"its {count} response rows of logits over the student's {self.vocab_size} ids "
-                                 f"{wanted}")
-            widths.add(one.shape[1])
-        if len(widths) > 1:
-            raise ValueError(f"SelfTeacher: the host's student_pass returned logits of widths {sorted(widths)}: every "
-                             "sample's rows come from one output layer (one width)")
+            if not (isinstance(one, torch.Tensor) and one.dim() == 2 and one.shape[0] == count
+                    and one.shape[1] == weight.shape[1] and one.dtype == weight.dtype):
+                shown = f"{tuple(one.shape)} {one.dtype}" if isinstance(one, torch.Tensor) else type(one).__name__
+                raise ValueError(f"SelfTeacher: the host's student_pass returned hidden states {shown} for sample "
+                                 f"{sample}: expected its {count} response rows [{count}, {weight.shape[1]}] in the "
+                                 f"output weight's dtype {weight.dtype} (whole rows: sequence parallelism gathered)")
 
 
 def self_teacher(host: Any, top_k: int, temperature: float, context: str, where: str) -> SelfTeacher:
@@ -138,8 +174,9 @@ def self_teacher(host: Any, top_k: int, temperature: float, context: str, where:
     student_pass = getattr(host, "student_pass", None)
     if student_pass is None:
         raise ValueError(f"{where}: the live self-teacher scores through the host's own pass of the student's model: "
-                         "give the host one (LoopHost(vocab_size, ..., student_pass=fn): fn(batch) -> per-sample "
-                         "logits [R_i, V] of the student's current weights on the batch's response rows)")
+                         "give the host one (LoopHost(vocab_size, ..., student_pass=fn): fn(batch) -> StudentHidden "
+                         "of the student's current weights on the batch's response rows: hidden states [R_i, H] and "
+                         "the output layer's weight)")
     return SelfTeacher(student_pass, int(host.vocab_size), top_k, context=context, temperature=temperature,
                        tp_group=getattr(host, "tp_group", None),
                        padded_vocab_size=getattr(host, "padded_vocab_size", None))

@@ -134,11 +134,11 @@ def test_slimes_in_process_privileged_teachers_are_the_one_wrapper():
     """slime's OPD gives an in-process teacher of a `;context=KEY` entry its key through
     `teachers.Privileged` too (its `PrivilegedTeacher` is one), the loaded teacher untouched."""
     from megatron_rl_patches.integrations.megatron.opd.opd_teachers import SeparateTeacher
-    from megatron_rl_patches.integrations.megatron.opd.privileged import LiveTeacher
+    from megatron_rl_patches.integrations.megatron.opd.privileged import StudentChunksPass
     from megatron_rl_patches.integrations.megatron.opd.teacher_builders import given_context
     from megatron_rl_patches.teachers.kinds import parse_entry
 
-    live, chunks = LiveTeacher(), SeparateTeacher(["chunk"])
+    live, chunks = StudentChunksPass(), SeparateTeacher(["chunk"])
     for loaded, entry in ((live, "student;context=hint"), (chunks, "/ckpt/theta0;context=hint")):
         wrapped = given_context(loaded, parse_entry(entry))
         assert isinstance(wrapped, Privileged) and wrapped.teacher is loaded and wrapped.context == "hint"

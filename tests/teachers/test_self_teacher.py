@@ -1,6 +1,7 @@
 """The live self-teacher (`student;context=KEY`, `teachers.SelfTeacher`) in the public teacher step,
 on a real megatron-core GPTModel on CPU at 1 rank: its pass is the host's own pass of the student's
-model over the privileged sequences (no copy of the weights); its per-token terms equal the same
+model over the privileged sequences (no copy of the weights: its final hidden states and output
+layer, no logits); its per-token terms equal the same
 weights' float64 forward on context + response; the student's gradients through the step's loss
 equal the float64 reference with the teacher's terms detached (and miss it when they are not: no
 gradient flows through the teacher's pass); negative controls (no context, context shifted by one
@@ -10,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import megatron_rl_patches
 from megatron_rl_patches import topk_kl, topk_logprobs
-from megatron_rl_patches.teachers import LoopHost, SelfTeacher, TeacherBatch, TeacherStep, build_teachers
+from megatron_rl_patches.teachers import LoopHost, SelfTeacher, StudentHidden, TeacherBatch, TeacherStep, build_teachers
 from megatron_rl_patches.teachers.kinds import parse_entry
 
 V, K = 50, 6
@@ -37,7 +39,7 @@ def test_the_entry_and_its_neighbours():
 
 def test_built_from_the_host_or_refused_naming_the_entry():
     def student_pass(batch):
-        return [torch.zeros(batch.response_rows(i), V) for i in range(len(batch))]
+        return StudentHidden([torch.zeros(batch.response_rows(i), 4) for i in range(len(batch))], torch.zeros(V, 4))
 
     (teacher,) = build_teachers("student;context=hint", LoopHost(V, student_pass=student_pass), top_k=K)
     assert isinstance(teacher, SelfTeacher) and teacher.context == "hint" and teacher.student_pass is student_pass
@@ -51,11 +53,14 @@ def test_built_from_the_host_or_refused_naming_the_entry():
 
 def test_a_pass_of_the_wrong_shape_named():
     batch = TeacherBatch([torch.tensor([1, 2, 3])], [1])
-    teacher = SelfTeacher(lambda b: [torch.zeros(1, V)], V, K, context="hint")
-    with pytest.raises(ValueError, match=r"returned \(1, 50\) for sample 0: expected its 2 response rows"):
+    teacher = SelfTeacher(lambda b: StudentHidden([torch.zeros(1, 4)], torch.zeros(V, 4)), V, K, context="hint")
+    with pytest.raises(ValueError, match=r"returned hidden states \(1, 4\) torch.float32 for sample 0: expected its 2 "
+                                         r"response rows"):
         teacher.score(batch)
-    with pytest.raises(ValueError, match=r"returned 0 logit tensors for a batch of 1 samples"):
-        SelfTeacher(lambda b: [], V, K, context="hint").score(batch)
+    with pytest.raises(ValueError, match=r"returned 0 hidden-state tensors for a batch of 1 samples"):
+        SelfTeacher(lambda b: StudentHidden([], torch.zeros(V, 4)), V, K, context="hint").score(batch)
+    with pytest.raises(ValueError, match=r"returned list: return StudentHidden\(hidden=.*never logits"):
+        SelfTeacher(lambda b: [torch.zeros(2, V)], V, K, context="hint").score(batch)
 
 
 def logits_rows(model, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -91,6 +96,7 @@ def bucket_forward_kl(student: torch.Tensor, teacher: torch.Tensor, ids: torch.T
 @pytest.mark.megatron
 def test_the_live_self_teacher_on_a_real_gpt_model_equals_float64_and_passes_no_gradient():
     from megatron_rl_patches.testing.megatron_cpu import build_tiny_gpt, megatron_on_cpu
+    from megatron_rl_patches.testing.student_hidden import response_hidden
 
     batch, contexts = student_batch()
     with megatron_on_cpu():
@@ -98,9 +104,11 @@ def test_the_live_self_teacher_on_a_real_gpt_model_equals_float64_and_passes_no_
         model64 = build_tiny_gpt(vocab_size=V, seq_length=64, seed=0).double()  # the same weights, float64
         passes: list[bool] = []
 
-        def student_pass(privileged: TeacherBatch) -> list[torch.Tensor]:  # the host's own pass: the model itself
+        megatron_rl_patches.apply(only="gpt_output_processor")  # megatron-core < 0.18: its output_processor= hook
+
+        def student_pass(privileged: TeacherBatch) -> StudentHidden:  # the host's own pass: the model itself
             passes.append(torch.is_grad_enabled())
-            return [logits_rows(model, s, start) for s, start in zip(privileged.sequences, privileged.response_starts)]
+            return response_hidden(model, privileged)
 
         host = LoopHost(V, student_pass=student_pass)
         (teacher,) = build_teachers("student;context=hint", host, top_k=K)

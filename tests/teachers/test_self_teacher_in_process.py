@@ -1,7 +1,7 @@
-"""`SelfTeacher` on logits given by hand, in one process (fast, beside test_self_teacher.py's real
-GPTModel): its scores the float64 log-softmax of the pass's rows at the step's temperature (the
-output layer's padding cut), a pass run without autograd, a batch without rows, and each refusal
-matched whole."""
+"""`SelfTeacher` on hidden states and an output weight given by hand, in one process (fast, beside
+test_self_teacher.py's real GPTModel): its scores the float64 log-softmax of the rows' logits
+(hidden @ weight.T) at the step's temperature (the output layer's padding cut), a pass run without
+autograd, a batch without rows, and each refusal matched whole."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_rl_patches.teachers import LoopHost, SelfTeacher, TeacherBatch
+from megatron_rl_patches.teachers import LoopHost, SelfTeacher, StudentHidden, TeacherBatch
 from megatron_rl_patches.teachers.self_teacher import self_teacher
 
-V, PADDED, K = 12, 16, 3
+V, PADDED, K, H = 12, 16, 3, 5
 
 
 def words(kind: type[Exception], function: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
@@ -24,27 +24,31 @@ def words(kind: type[Exception], function: Callable[..., Any], *args: Any, **kwa
     return str(raised.value)
 
 
-def batch_and_logits() -> tuple[TeacherBatch, list[torch.Tensor]]:
+def batch_and_hidden() -> tuple[TeacherBatch, StudentHidden]:
     gen = torch.Generator().manual_seed(3)
     batch = TeacherBatch([torch.randint(0, V, (7,), generator=gen), torch.randint(0, V, (4,), generator=gen)], [3, 2])
-    logits = [torch.randn(batch.response_rows(i), PADDED, generator=gen) * 3 for i in range(len(batch))]
-    return batch, logits
+    hidden = [torch.randn(batch.response_rows(i), H, generator=gen, dtype=torch.float64) for i in range(len(batch))]
+    return batch, StudentHidden(hidden, torch.randn(PADDED, H, generator=gen, dtype=torch.float64) * 2)
 
 
 def test_scores_are_the_float64_log_softmax_of_the_pass_at_the_temperature():
-    batch, logits = batch_and_logits()
+    batch, given = batch_and_hidden()
     grads: list[bool] = []
 
-    def student_pass(given: TeacherBatch) -> list[torch.Tensor]:
-        assert given is batch
+    def student_pass(asked: TeacherBatch) -> StudentHidden:
+        assert asked is batch
         grads.append(torch.is_grad_enabled())
-        return [one.clone().requires_grad_() for one in logits]
+        return StudentHidden([one.clone().requires_grad_() for one in given.hidden],
+                             given.output_weight.clone().requires_grad_())
 
     teacher = SelfTeacher(student_pass, V, K, context="hint", temperature=0.7)
     scores = teacher.score(batch)
     assert grads == [False] and repr(teacher) == "SelfTeacher(context='hint', top_k=3)"
-    for i, one in enumerate(logits):
-        want = torch.log_softmax(one[:, :V].double() / 0.7, dim=-1)  # the padding past V cut
+    tokens = torch.cat([s[start:] for s, start in zip(batch.sequences, batch.response_starts)])
+    among = (torch.cat(scores.topk_ids) == tokens[:, None]).any(1)
+    assert among.any() and not among.all()  # the token among the top-k on some rows, outside it on others
+    for i, one in enumerate(given.hidden):
+        want = torch.log_softmax((one @ given.output_weight.T)[:, :V] / 0.7, dim=-1)  # the padding past V cut
         ids = want.topk(K, dim=-1).indices
         tokens = batch.sequences[i][batch.response_starts[i]:]
         assert torch.equal(scores.topk_ids[i], ids)
@@ -57,7 +61,8 @@ def test_scores_are_the_float64_log_softmax_of_the_pass_at_the_temperature():
 
 def test_a_batch_without_response_rows_scores_empty_rows():
     batch = TeacherBatch([torch.tensor([1, 2]), torch.tensor([3])], [2, 1])
-    scores = SelfTeacher(lambda b: [torch.zeros(0, V), torch.zeros(0, V)], V, K, context="hint").score(batch)
+    empty = StudentHidden([torch.zeros(0, H), torch.zeros(0, H)], torch.zeros(V, H))
+    scores = SelfTeacher(lambda b: empty, V, K, context="hint").score(batch)
     for part, shape, dtype in ((scores.token_log_probs, (0,), torch.float64), (scores.topk_ids, (0, K), torch.int64),
                                (scores.topk_log_probs, (0, K), torch.float64),
                                (scores.tail_log_probs, (0,), torch.float64)):
@@ -65,26 +70,38 @@ def test_a_batch_without_response_rows_scores_empty_rows():
 
 
 def test_a_pass_of_another_shape_or_width_is_refused_whole():
-    batch, logits = batch_and_logits()
-    teacher = SelfTeacher(lambda b: [logits[0], logits[1][:, :V + 1]], V, K, context="hint")
-    assert words(ValueError, teacher.score, batch) == (
-        "SelfTeacher: the host's student_pass returned logits of widths [13, 16]: every sample's rows come from one "
-        "output layer (one width)")
-    narrow = SelfTeacher(lambda b: [logits[0], logits[1][:, :V - 1]], V, K, context="hint")
-    assert words(ValueError, narrow.score, batch) == (
-        "SelfTeacher: the host's student_pass returned (2, 11) for sample 1: expected its 2 response rows of logits "
-        "over the student's 12 ids [2, V >= 12]")
-    flat = SelfTeacher(lambda b: [logits[0][0], logits[1]], V, K, context="hint")
-    assert words(ValueError, flat.score, batch) == (
-        "SelfTeacher: the host's student_pass returned (16,) for sample 0: expected its 4 response rows of logits "
-        "over the student's 12 ids [4, V >= 12]")
-    listed = SelfTeacher(lambda b: [logits[0].tolist(), logits[1]], V, K, context="hint")
-    assert words(ValueError, listed.score, batch) == (
-        "SelfTeacher: the host's student_pass returned list for sample 0: expected its 4 response rows of logits "
-        "over the student's 12 ids [4, V >= 12]")
-    assert words(ValueError, SelfTeacher(lambda b: logits[:1], V, K, context="hint").score, batch) == (
-        "SelfTeacher: the host's student_pass returned 1 logit tensors for a batch of 2 samples: return one [R_i, V] "
-        "tensor per sample")
+    batch, given = batch_and_hidden()
+    hidden, weight = given.hidden, given.output_weight
+
+    def refusal(*returned: Any) -> str:
+        return words(ValueError, SelfTeacher(lambda b: returned[0] if len(returned) == 1 else StudentHidden(*returned),
+                                             V, K, context="hint").score, batch)
+
+    assert refusal([hidden[0] @ weight.T, hidden[1] @ weight.T]) == (
+        "SelfTeacher: the host's student_pass returned list: return StudentHidden(hidden=[R_i, H] per sample, "
+        "output_weight=[V, H]) (the student's final hidden states and output layer's weight, never logits)")
+    assert refusal(hidden, weight[:V - 1]) == (
+        "SelfTeacher: the host's student_pass returned an output_weight of (11, 5): expected the student's output "
+        "layer over its 12 ids [V >= 12, H]")
+    assert refusal(hidden, weight[0]) == (
+        "SelfTeacher: the host's student_pass returned an output_weight of (5,): expected the student's output "
+        "layer over its 12 ids [V >= 12, H]")
+    assert refusal([hidden[0], hidden[1][:, :H - 1]], weight) == (
+        "SelfTeacher: the host's student_pass returned hidden states (2, 4) torch.float64 for sample 1: expected its "
+        "2 response rows [2, 5] in the output weight's dtype torch.float64 (whole rows: sequence parallelism gathered)")
+    assert refusal([hidden[0][0], hidden[1]], weight) == (
+        "SelfTeacher: the host's student_pass returned hidden states (5,) torch.float64 for sample 0: expected its "
+        "4 response rows [4, 5] in the output weight's dtype torch.float64 (whole rows: sequence parallelism gathered)")
+    assert refusal([hidden[0].float(), hidden[1]], weight) == (
+        "SelfTeacher: the host's student_pass returned hidden states (4, 5) torch.float32 for sample 0: expected its "
+        "4 response rows [4, 5] in the output weight's dtype torch.float64 (whole rows: sequence parallelism gathered)")
+    assert refusal([hidden[0].tolist(), hidden[1]], weight) == (
+        "SelfTeacher: the host's student_pass returned hidden states list for sample 0: expected its 4 response rows "
+        "[4, 5] in the output weight's dtype torch.float64 (whole rows: sequence parallelism gathered)")
+    assert refusal(hidden[:1], weight) == (
+        "SelfTeacher: the host's student_pass returned 1 hidden-state tensors for a batch of 2 samples: return one "
+        "[R_i, H] tensor per sample")
+    teacher = SelfTeacher(lambda b: given, V, K, context="hint")
     assert words(TypeError, teacher.score, [batch]) == "SelfTeacher.score(batch) takes a TeacherBatch, got list"
 
 
@@ -94,7 +111,7 @@ def test_bad_arguments_are_refused_whole():
 
     assert words(TypeError, SelfTeacher, 3, V, K, context="hint") == (
         "SelfTeacher(student_pass=...) must be the host's pass of the student's model, a callable (TeacherBatch) -> "
-        "per-sample logits [R_i, V], got int")
+        "StudentHidden(hidden=[R_i, H] per sample, output_weight=[V, H]), got int")
     assert words(ValueError, SelfTeacher, student_pass, V, V + 1, context="hint") == (
         "SelfTeacher(top_k=13) is over the student's vocabulary of 12")
     for bad in (0, -1.0, True, "1", float("nan")):
@@ -119,5 +136,6 @@ def test_the_hosts_self_teacher_takes_its_pass_and_layout_or_is_refused_naming_w
     assert (teacher.tp_group, teacher.padded_vocab_size) == (group, PADDED)
     assert words(ValueError, self_teacher, LoopHost(V), K, 1.0, "hint", "entry 'student;context=hint'") == (
         "entry 'student;context=hint': the live self-teacher scores through the host's own pass of the student's "
-        "model: give the host one (LoopHost(vocab_size, ..., student_pass=fn): fn(batch) -> per-sample logits "
-        "[R_i, V] of the student's current weights on the batch's response rows)")
+        "model: give the host one (LoopHost(vocab_size, ..., student_pass=fn): fn(batch) -> StudentHidden of the "
+        "student's current weights on the batch's response rows: hidden states [R_i, H] and the output layer's "
+        "weight)")

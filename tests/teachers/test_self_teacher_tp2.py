@@ -1,20 +1,30 @@
 """The live self-teacher (`student;context=KEY`) in the public teacher step at tensor parallel 2, on a
 real megatron-core GPTModel on CPU (gloo), through `megatron_host(..., student_pass=fn)`: the host's
-pass returns each rank's vocabulary shard of the logits (Megatron's padding included) and the
-teacher's top-k, tail and token log-probs are computed vocab-parallel (no [R, V] gather). One world,
+pass returns whole hidden rows and each rank's shard of the output weight (Megatron's padding
+included) and the teacher's top-k, tail and token log-probs are computed vocab-parallel by the
+fused head (no logits, no [R, V] gather). One world,
 many checks: the scores equal the float64 forward of the 1-rank model (the same weights) on
 context + response and the 1-rank step's scores; each rank's gradient shard equals the float64
 reference's with the teacher's terms detached; one rank's missing context, one rank's other context
-and one rank's gathered (not parallel) logits are each the same clear error on both ranks, never a
+and one rank's gathered (not parallel) output weight are each the same clear error on both ranks, never a
 hang."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+import megatron_rl_patches
 from megatron_rl_patches import topk_kl, topk_logprobs
-from megatron_rl_patches.teachers import LoopHost, TeacherBatch, TeacherStep, build_teachers, megatron_host
+from megatron_rl_patches.teachers import (
+    LoopHost,
+    StudentHidden,
+    TeacherBatch,
+    TeacherStep,
+    build_teachers,
+    megatron_host,
+)
 from megatron_rl_patches.testing.multirank import run_multirank
+from megatron_rl_patches.testing.student_hidden import response_hidden
 
 V, PADDED, K, TAU = 50, 64, 6, 0.8  # the real vocabulary, the model's (padded) output rows, buckets, temperature
 BOUND = 1e-5
@@ -69,8 +79,10 @@ def tp2_world(rank: int, world_size: int) -> dict:
         tp = ps.get_tensor_model_parallel_group()
         model = build_tiny_gpt(vocab_size=PADDED, seq_length=64, seed=0)
 
-        def student_pass(privileged: TeacherBatch) -> list[torch.Tensor]:  # the model's parallel output: a shard
-            return [rows_of(model, s, start) for s, start in zip(privileged.sequences, privileged.response_starts)]
+        megatron_rl_patches.apply(only="gpt_output_processor")  # megatron-core < 0.18: its output_processor= hook
+
+        def student_pass(privileged: TeacherBatch) -> StudentHidden:  # whole hidden rows, the weight's shard
+            return response_hidden(model, privileged)
 
         # a hand-written Megatron loop's host: Megatron-LM's padding of 50 ids to a multiple of 32 x TP = 64
         host = megatron_host(ps, V, make_vocab_size_divisible_by=32, student_pass=student_pass)
@@ -82,11 +94,11 @@ def tp2_world(rank: int, world_size: int) -> dict:
         out["missing"] = refused(step, batch, {"hint": contexts} if rank == 0 else {"other": contexts})
         out["other"] = refused(step, batch, {"hint": contexts if rank == 0 else [c.roll(1) for c in contexts]})
 
-        def gathered_on_rank_1(privileged: TeacherBatch) -> list[torch.Tensor]:
-            shards = student_pass(privileged)
+        def gathered_on_rank_1(privileged: TeacherBatch) -> StudentHidden:
+            given = student_pass(privileged)
             if rank == 0:
-                return shards
-            return [torch.cat([s, s], dim=1) for s in shards]  # a pass that gathered [R, 64] (wrongly)
+                return given
+            return StudentHidden(given.hidden, torch.cat([given.output_weight] * 2))  # gathered [64, H] (wrongly)
 
         host = LoopHost(V, tp, dist.group.WORLD, student_pass=gathered_on_rank_1, tp_group=tp,
                         padded_vocab_size=PADDED)
@@ -116,8 +128,10 @@ def test_the_live_self_teacher_at_tp2_equals_float64_and_one_rank():
         model = build_tiny_gpt(vocab_size=PADDED, seq_length=64, seed=0)
         model64 = build_tiny_gpt(vocab_size=PADDED, seq_length=64, seed=0).double()
 
-        def student_pass(privileged: TeacherBatch) -> list[torch.Tensor]:
-            return [rows_of(model, s, start) for s, start in zip(privileged.sequences, privileged.response_starts)]
+        megatron_rl_patches.apply(only="gpt_output_processor")
+
+        def student_pass(privileged: TeacherBatch) -> StudentHidden:
+            return response_hidden(model, privileged)
 
         _, one_rank, _ = step_and_loss(model, LoopHost(V, student_pass=student_pass), batch, contexts)
         scores = ranks[0]["scores"]
@@ -159,6 +173,6 @@ def test_the_live_self_teacher_at_tp2_equals_float64_and_one_rank():
             assert torch.equal(got, want)
     for case, words in (("missing", "the contexts hold no key 'hint' (they hold ['other'])"),
                         ("other", "sent different privileged contexts for the in-process teachers"),
-                        ("gathered", "returned (8, 64) for sample 0")):
+                        ("gathered", "returned an output_weight of (64, 32)")):
         assert ranks[0][case] == ranks[1][case], (case, ranks[0][case], ranks[1][case])
         assert words in ranks[0][case] and "rank" in ranks[0][case], (case, ranks[0][case])

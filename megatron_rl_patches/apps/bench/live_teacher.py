@@ -1,5 +1,6 @@
 """`bench self-teacher`: the live self-teacher (`student;context=KEY`, `teachers.SelfTeacher`: the
-student's current weights through the host's own pass, `LoopHost(student_pass=...)`) against a
+student's current weights through the host's own pass, `LoopHost(student_pass=...)`: its hidden
+states and output layer through the fused head) against a
 snapshot teacher of the same model (θ₀: a frozen copy of the student's weights, an in-process
 `GptTeacher`), both scoring the same privileged batches through the public teacher step.
 
@@ -14,7 +15,9 @@ building the teacher; `peak_MiB`, the high-water mark above the mark over the bu
 exact bytes of the parameters the teacher holds apart from the student's (each storage counted
 once, those shared with the student not at all); the step's median time, wall and CPU (the
 process's, one torch thread: a shared machine's other jobs move it far less); and the largest
-|difference| of the two teachers' token log-probs (the same weights: 0 up to the order of ops)."""
+|difference| of the two teachers' token log-probs (the same weights; the live teacher's fused head
+sums in float32, the snapshot's log-softmax of float32 logits in float64: float32 rounding apart).
+Then verl's self-teacher pass's memory rows (`self_teacher_pass`)."""
 # lazy imports: import cost: torch and megatron-core load in the case workers
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from megatron_rl_patches.apps.bench import outputs
+from megatron_rl_patches.apps.bench import outputs, self_teacher_pass
 from megatron_rl_patches.apps.bench.measure import MIB, memory_resolved
 from megatron_rl_patches.apps.bench.runner import run_cases
 
@@ -57,9 +60,11 @@ def one_teacher(probe: Any, teacher: str, plan: dict, device: str = "cpu") -> di
     """A runner case: one teacher's build and steps in this (fresh) process."""
     import torch
 
-    from megatron_rl_patches.apps.bench.gpt_teacher import GptTeacher, response_logits
+    import megatron_rl_patches
+    from megatron_rl_patches.apps.bench.gpt_teacher import GptTeacher
     from megatron_rl_patches.teachers import LoopHost, TeacherBatch, TeacherStep, build_teachers
     from megatron_rl_patches.testing.megatron_cpu import build_tiny_gpt, megatron_world, tiny_gpt_config
+    from megatron_rl_patches.testing.student_hidden import response_hidden
 
     gen = torch.Generator().manual_seed(0)
     length, vocab = plan["prompt"] + plan["response"], plan["vocab"]
@@ -71,7 +76,8 @@ def one_teacher(probe: Any, teacher: str, plan: dict, device: str = "cpu") -> di
                                  num_attention_heads=plan["heads"])
         longest = plan["response"] + max(plan["prompt"], plan["context"])
         student = build_tiny_gpt(config, vocab_size=vocab, seq_length=longest, seed=0)
-        host = LoopHost(vocab, student_pass=lambda b: response_logits(student, b, vocab))
+        megatron_rl_patches.apply(only="gpt_output_processor")  # megatron-core < 0.18: its output_processor= hook
+        host = LoopHost(vocab, student_pass=lambda b: response_hidden(student, b))
         probe.start()
         if teacher == "live":
             (built,) = build_teachers("student;context=hint", host, top_k=plan["top_k"])
@@ -149,7 +155,8 @@ def title_of(plan: dict, quick: bool, seconds: float) -> str:
 
 
 def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
-    """Print the table; write self_teacher.csv / .md / .png into `out_dir` when given."""
+    """Print the table; write self_teacher.csv / .md / .png into `out_dir` when given; then verl's
+    self-teacher pass's memory rows (`self_teacher_pass`: self_teacher_pass.csv / .md)."""
     started = time.perf_counter()
     plan = QUICK if quick else FULL
     cases = [{"target": CASE, "kwargs": {"teacher": name, "plan": plan}}
@@ -169,4 +176,5 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
                                       values=["own_weights_MiB", "peak_MiB", "cpu_vs_live"],
                                       titles=["teacher's own weights (MiB, exact)", "peak above the mark (MiB, RSS)",
                                               "step CPU time / live"], suptitle=title)
+    self_teacher_pass.run(quick, out_dir)
     return rows

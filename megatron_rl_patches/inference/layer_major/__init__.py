@@ -6,12 +6,12 @@ states kept between layers (`activation_store`).
 `megatron_rl_patches.inference.layer_major`."""
 from __future__ import annotations
 
-from megatron_rl_patches._lazy import lazy_getattr
+from megatron_rl_patches._lazy import lazy_getattr, lazy_names
 
-_LAZY = {
-    "score_layer_major": "megatron_rl_patches.inference.layer_major.scoring",
-    "ActivationStats": "megatron_rl_patches.inference.layer_major.activation_store",
-}
+_LAZY = lazy_names("""
+    scoring: score_layer_major
+    activation_store: ActivationStats
+""")
 
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())
 

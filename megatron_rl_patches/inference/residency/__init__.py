@@ -7,20 +7,16 @@ Names resolve lazily (the `memory` CLI imports `modes` without torch); those of 
 `megatron_rl_patches.inference.residency` keep working here."""
 from __future__ import annotations
 
-from megatron_rl_patches._lazy import lazy_getattr
+from megatron_rl_patches._lazy import lazy_getattr, lazy_names
 
-_LAZY = {
-    "RESIDENCY_MODES": "megatron_rl_patches.inference.residency.modes",
-    "ResidencyBudget": "megatron_rl_patches.inference.residency.budget",
-    "residency_report": "megatron_rl_patches.inference.residency.reporting",
-    "ResidencyReport": "megatron_rl_patches.inference.residency.reporting",
-    "device_weight_bytes": "megatron_rl_patches.inference.residency.storage",
-    **dict.fromkeys(
-        ("ATTR", "Residency", "attach_residency", "check_residency_args", "forward_device", "hold", "hold_if_room",
-         "module_list", "note_activation_bytes", "on_device", "release_streamed", "residency_of", "weights_on_host"),
-        "megatron_rl_patches.inference.residency.placement",
-    ),
-}
+_LAZY = lazy_names("""
+    modes: RESIDENCY_MODES
+    budget: ResidencyBudget
+    reporting: residency_report ResidencyReport
+    storage: device_weight_bytes
+    placement: ATTR Residency attach_residency check_residency_args forward_device hold hold_if_room module_list
+        note_activation_bytes on_device release_streamed residency_of weights_on_host
+""")
 
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())
 

@@ -10,13 +10,13 @@ and its top-k distillation loss as the exact (k+1)-bucket divergence (`topk_kd`)
 forward step (`step`) and NeMo-RL's own row layouts (`rows`)."""
 from __future__ import annotations
 
-from megatron_rl_patches._lazy import lazy_getattr
+from megatron_rl_patches._lazy import lazy_getattr, lazy_names
 
 # loaded on first use: the records (`patches`) are read without the teachers' client
-_LAZY = {"ServedTeacherPolicy": "served_teacher", "served_teacher_policy": "served_teacher",
-         "served_teacher_in_setup": "served_teacher", "SelfTeacherPolicy": "self_teacher",
-         "self_teacher_policy": "self_teacher", "self_teacher_in_setup": "self_teacher",
-         "PrivilegedTeacherPolicy": "privileged_teacher", "privileged_teacher_policy": "privileged_teacher",
-         "privileged_teacher_in_setup": "privileged_teacher"}
+_LAZY = lazy_names("""
+    served_teacher: ServedTeacherPolicy served_teacher_policy served_teacher_in_setup
+    self_teacher: StudentPolicyPass self_teacher_policy self_teacher_in_setup
+    privileged_teacher: PrivilegedTeacherPolicy privileged_teacher_policy privileged_teacher_in_setup
+""")
 __all__ = sorted(_LAZY)
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())

@@ -39,10 +39,8 @@ class PrivilegedTeacherPolicy(TeacherPolicy):
     def __init__(self, context: str, *, tokenizer: Any = None, teacher: Any = None) -> None:
         super().__init__(teacher, policy_key(PRIVILEGED, context, teacher, "teacher"), tokenizer)
 
-    @property
-    def teacher(self) -> Any:
-        """NeMo-RL's teacher `Policy` (None until `privileged_teacher_in_setup` hands it over)."""
-        return self.scorer
+    teacher = property(TeacherPolicy.scoring_policy, doc="NeMo-RL's teacher `Policy` (None until "
+                                                          "`privileged_teacher_in_setup` hands it over).")
 
 
 def privileged_teacher_in_setup(policy: PrivilegedTeacherPolicy, module: Any = None) -> AbstractContextManager[Any]:

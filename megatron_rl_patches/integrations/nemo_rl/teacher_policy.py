@@ -4,7 +4,7 @@
   teacher on the job's GPUs, so nothing to prepare or offload;
 - NeMo-RL's own teacher `Policy` (`PrivilegedTeacherPolicy`): the `Policy` its `setup()` builds,
   handed over; its residency its own;
-- the student's `Policy` (`SelfTeacherPolicy`, the live self-teacher): NeMo-RL's own no-grad top-k
+- the student's `Policy` (`StudentPolicyPass`, the live self-teacher): NeMo-RL's own no-grad top-k
   pass with the student's current weights; it prepares as the student does and offloads nothing
   (the student trains next).
 
@@ -85,6 +85,10 @@ class TeacherPolicy:
 
     def __repr__(self) -> str:
         return f"{self.role.name}(context={self.context!r})"
+
+    def scoring_policy(self) -> Any:
+        """The scorer as it is (None until `teacher_in_setup` hands it over)."""
+        return self.scorer
 
     def scoring(self) -> Any:
         """The scorer, or a RuntimeError saying where it comes from."""

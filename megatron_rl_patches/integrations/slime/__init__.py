@@ -10,12 +10,11 @@ the adapter's function."""
 from __future__ import annotations
 
 from megatron_rl_patches import _aliases
-from megatron_rl_patches._lazy import lazy_getattr
+from megatron_rl_patches._lazy import lazy_getattr, lazy_names
 
-_LAZY = {
-    "calculate_log_probs_and_entropy": "logprobs",
-    "calculate_log_probs_and_entropy_wrapper": "logprobs",
-}
+_LAZY = lazy_names("""
+    logprobs: calculate_log_probs_and_entropy calculate_log_probs_and_entropy_wrapper
+""")
 __all__ = sorted(_LAZY)
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())
 

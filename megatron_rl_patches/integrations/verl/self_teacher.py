@@ -8,10 +8,12 @@ on each top-k distillation micro-batch (`distillation_use_topk`, verl's logits-p
   the tokenizer `;tokenizer=DIR` names), followed by the sample's response ids (`with_context`;
   the response starts where verl's loss mask does, `vocab.response_starts`);
 - a pass of the same model chunk over those privileged sequences under `torch.no_grad()` (the
-  student's own weights, as below: no copy, no server, no weight sync; its logits detached, so
-  no gradient flows through the teacher's side) scores each response row as
-  `teachers.SelfTeacher` does: the top-k of the student's whole distribution at temperature 1 (as
-  verl's own teacher rows), vocab-parallel at tensor parallelism;
+  student's own weights, as below: no copy, no server, no weight sync; no gradient flows through
+  the teacher's side), its output layer replaced by `hidden_output_processor` (GPTModel's
+  `output_processor=`: megatron-core >= 0.18, or the package's `gpt_output_processor` patch), hands
+  `teachers.SelfTeacher` the response rows' hidden states and the output weight: the top-k of the
+  student's whole distribution at temperature 1 (as verl's own teacher rows) from the fused head,
+  vocab-parallel at tensor parallelism, never the privileged sequences' [R, V] logits;
 - those rows replace the micro-batch's `teacher_ids` / `teacher_logprobs` (in a copy: verl's
   batch untouched), laid out as verl's agent loop lays them (row r predicts token r + 1, the
   prompt's rows and the last row zeros), and verl's top-k loss (`verl_topk_kd`'s exact (k+1)-bucket
@@ -46,10 +48,11 @@ from megatron_rl_patches.integrations.verl.old_rows import old_rows_of, sample_k
 from megatron_rl_patches.integrations.verl.self_entry import WHO
 from megatron_rl_patches.integrations.verl.vocab import core_model, output_weight, response_starts
 from megatron_rl_patches.integrations.verl.vocab_context import field_values
+from megatron_rl_patches.processors.distill import hidden_output_processor
 from megatron_rl_patches.processors.heads import output_tp_group
 from megatron_rl_patches.teachers.agreement import agreed_views
 from megatron_rl_patches.teachers.batch import TeacherBatch
-from megatron_rl_patches.teachers.self_teacher import SelfTeacher
+from megatron_rl_patches.teachers.self_teacher import SelfTeacher, StudentHidden
 
 
 def topk_width(batch: Any, loss_function: Any) -> int:
@@ -104,10 +107,13 @@ def self_batch(batch: Any, key: str, tokenizer: str | None, vocab: int) -> Teach
 def student_pass(model: Any, sequence_parallel: int) -> Any:
     """The `StudentPass` of verl's model chunk: each privileged sequence alone, causal, padded at its
     end to a multiple of `sequence_parallel` (rows after the sequence change none before it), in eval
-    mode (the chunk's mode restored after); the logits (this rank's vocabulary shard) of its response rows."""
+    mode (the chunk's mode restored after), its output layer replaced by `hidden_output_processor`
+    (the final hidden states, sequence parallelism gathered: no logits); the hidden states of its
+    response rows and the output weight (this rank's vocabulary shard)."""
     device = next(model.parameters()).device
+    weight = output_weight(core_model(model))
 
-    def run(privileged: TeacherBatch) -> list[torch.Tensor]:
+    def run(privileged: TeacherBatch) -> StudentHidden:
         out = []
         training = model.training
         model.eval()  # a teacher's pass: no dropout, whatever the student's update configures
@@ -118,11 +124,13 @@ def student_pass(model: Any, sequence_parallel: int) -> Any:
                 ids = torch.zeros(1, width, dtype=torch.long, device=device)
                 ids[0, :n] = sequence.to(device)
                 causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().logical_not()[None, None]
-                logits = model(ids, torch.arange(width, device=device)[None], causal)
-                out.append(logits[0, start - 1:n - 1].float())
+                hidden = model(ids, torch.arange(width, device=device)[None], causal,
+                               output_processor=hidden_output_processor())
+                # Float16Module hands a float32 copy back: the weight's own dtype again (exact)
+                out.append(hidden[0, start - 1:n - 1].to(weight.dtype))
         finally:
             model.train(training)
-        return out
+        return StudentHidden(out, weight)
 
     return run
 

@@ -1,4 +1,4 @@
-"""`SelfTeacherPolicy`'s refusals and its privileged layout, without NeMo-RL's source (the NeMo-RL
+"""`StudentPolicyPass`'s refusals and its privileged layout, without NeMo-RL's source (the NeMo-RL
 lane runs it through NeMo-RL's own driver at TP=1/2: tests/integrations/nemo_rl/lane/
 test_nemo_rl_self_teacher.py). Every refusal here comes before the student's pass."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from megatron_rl_patches.integrations.nemo_rl import SelfTeacherPolicy, self_teacher_in_setup, self_teacher_policy
+from megatron_rl_patches.integrations.nemo_rl import StudentPolicyPass, self_teacher_in_setup, self_teacher_policy
 from megatron_rl_patches.integrations.nemo_rl.teacher_rows import nemo_rl_data
 from megatron_rl_patches.teachers import TeacherBatch
 
@@ -31,12 +31,12 @@ def _data(**change):
 
 def test_the_policy_needs_a_context_and_a_student():
     with pytest.raises(ValueError, match=r"context=None\): .*the student scoring itself"):
-        SelfTeacherPolicy(None)
+        StudentPolicyPass(None)
     with pytest.raises(TypeError, match="student Policy"):
         self_teacher_policy("hint", student=object())
     with pytest.raises(RuntimeError, match=r"no student policy yet: build it inside self_teacher_in_setup"):
         self_teacher_policy("hint").get_topk_logits(_data(hint=[[1], [2]]), k=4)
-    with pytest.raises(TypeError, match="takes a SelfTeacherPolicy"):
+    with pytest.raises(TypeError, match="takes a StudentPolicyPass"):
         with self_teacher_in_setup("hint"):
             pass
 

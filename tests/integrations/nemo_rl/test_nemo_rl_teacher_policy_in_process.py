@@ -1,5 +1,5 @@
 """NeMo-RL's teacher policies of a `Policy` (`teacher_policy`'s skeleton, `PrivilegedTeacherPolicy`,
-`SelfTeacherPolicy`) in one process, beside the refusal files and the NeMo-RL lane
+`StudentPolicyPass`) in one process, beside the refusal files and the NeMo-RL lane
 (`lane/test_nemo_rl_self_teacher.py`: NeMo-RL's own driver at TP=1/2): NeMo-RL's `BatchedDataDict`
 stood in (a dict), its `Policy` a stand-in whose top-k answer is a function of the ids it is
 asked. The privileged batch asked exactly, its rows placed at the student's positions, NeMo-RL's
@@ -16,7 +16,7 @@ import torch
 
 from megatron_rl_patches.integrations.nemo_rl import (
     PrivilegedTeacherPolicy,
-    SelfTeacherPolicy,
+    StudentPolicyPass,
     privileged_teacher_in_setup,
     privileged_teacher_policy,
     self_teacher_in_setup,
@@ -114,7 +114,7 @@ def test_the_last_rollouts_contexts_read_once_where_the_batch_has_no_field():
     policy.get_topk_logits(student_data(hint=[[40], [50]]), k=K)  # the batch's field first
     assert scorer.asked[1][0]["input_ids"][:, 0].tolist() == [40, 50] and policy.rollout_values is None
     with pytest.raises(ValueError, match=whole(
-            "SelfTeacherPolicy.get_topk_logits(data): the teacher has context='hint' and neither this batch (it has "
+            "StudentPolicyPass.get_topk_logits(data): the teacher has context='hint' and neither this batch (it has "
             "['input_ids', 'input_lengths', 'token_mask']) nor a rollout seen by self_teacher_in_setup(policy) holds "
             "the field: run distillation_train inside the self_teacher_in_setup(policy) block (its rollouts read "
             "each sample's field 'hint' or extra_env_info['hint'])")):
@@ -123,7 +123,7 @@ def test_the_last_rollouts_contexts_read_once_where_the_batch_has_no_field():
 
 def test_a_batch_without_nemo_rls_fields_refused_whole_naming_the_policys_call():
     with pytest.raises(ValueError, match=whole(
-            "SelfTeacherPolicy.get_topk_logits(data): data has no 'input_lengths' (NeMo-RL's distillation batch holds "
+            "StudentPolicyPass.get_topk_logits(data): data has no 'input_lengths' (NeMo-RL's distillation batch holds "
             "input_ids, input_lengths, token_mask)")):
         self_teacher_policy("hint", student=Scorer()).get_topk_logits({"input_ids": torch.zeros(2, 3)}, k=K)
 
@@ -154,7 +154,7 @@ def test_each_roles_residency_calls():
     served = served_teacher_policy("http://127.0.0.1:9")  # the discard port: residency asks the server nothing
     assert served.prepare_for_lp_inference(1) is None and served.offload_after_refit() is None
     assert served.offload_before_refit() is None
-    assert repr(live) == "SelfTeacherPolicy(context='hint')"
+    assert repr(live) == "StudentPolicyPass(context='hint')"
 
 
 def test_the_refusals_matched_whole():
@@ -168,16 +168,16 @@ def test_the_refusals_matched_whole():
             "str or None, got ''")):
         PrivilegedTeacherPolicy("")
     with pytest.raises(ValueError, match=whole(
-            "SelfTeacherPolicy(context=None): the live self-teacher without a privileged context would be the student "
+            "StudentPolicyPass(context=None): the live self-teacher without a privileged context would be the student "
             "scoring itself (every divergence zero); give it the batch field of each sample's context, e.g. "
             "self_teacher_policy(context='solution')")):
-        SelfTeacherPolicy(None)
+        StudentPolicyPass(None)
     with pytest.raises(TypeError, match=whole(
             "PrivilegedTeacherPolicy(teacher=...) must be NeMo-RL's teacher Policy (with get_topk_logits), got "
             "object")):
         privileged_teacher_policy("hint", teacher=object())
     with pytest.raises(TypeError, match=whole(
-            "SelfTeacherPolicy(student=...) must be NeMo-RL's student Policy (with get_topk_logits), got int")):
+            "StudentPolicyPass(student=...) must be NeMo-RL's student Policy (with get_topk_logits), got int")):
         self_teacher_policy("hint", student=3)
     with pytest.raises(RuntimeError, match=whole(
             "PrivilegedTeacherPolicy: no teacher policy yet: call NeMo-RL's setup() inside "
@@ -185,15 +185,15 @@ def test_the_refusals_matched_whole():
             "PrivilegedTeacherPolicy(..., teacher=policy)")):
         privileged_teacher_policy("hint").prepare_for_lp_inference()
     with pytest.raises(RuntimeError, match=whole(
-            "SelfTeacherPolicy: no student policy yet: build it inside self_teacher_in_setup(policy) (NeMo-RL's "
-            "distillation.setup() hands it the student's Policy) or pass SelfTeacherPolicy(..., student=policy)")):
+            "StudentPolicyPass: no student policy yet: build it inside self_teacher_in_setup(policy) (NeMo-RL's "
+            "distillation.setup() hands it the student's Policy) or pass StudentPolicyPass(..., student=policy)")):
         self_teacher_policy("hint").prepare_for_lp_inference()
     with pytest.raises(TypeError, match=whole(
             "privileged_teacher_in_setup(policy=...) takes a PrivilegedTeacherPolicy "
-            "(privileged_teacher_policy(context=KEY)), got SelfTeacherPolicy")):
+            "(privileged_teacher_policy(context=KEY)), got StudentPolicyPass")):
         privileged_teacher_in_setup(self_teacher_policy("hint")).__enter__()
     with pytest.raises(TypeError, match=whole(
-            "self_teacher_in_setup(policy=...) takes a SelfTeacherPolicy (self_teacher_policy(context=KEY)), got str")):
+            "self_teacher_in_setup(policy=...) takes a StudentPolicyPass (self_teacher_policy(context=KEY)), got str")):
         self_teacher_in_setup("hint").__enter__()
     with pytest.raises(TypeError, match=whole("teacher_in_setup(policy=...) takes a TeacherPolicy, got NoneType")):
         teacher_in_setup(None).__enter__()

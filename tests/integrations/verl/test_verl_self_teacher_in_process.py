@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_rl_patches.apps.bench.allocated import AllocatedPeak
 from megatron_rl_patches.integrations.verl import self_teacher
 from megatron_rl_patches.integrations.verl.old_rows import old_rows_of
 from megatron_rl_patches.teachers.batch import TeacherBatch
@@ -49,9 +50,13 @@ class Core(torch.nn.Module):
         self.config = SimpleNamespace(sequence_parallel=False)
         self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
-    def forward(self, ids, positions, mask):
+    def forward(self, ids, positions, mask, output_processor=None):
         self.calls.append((ids, positions, mask))
-        return self.output_layer(self.embedding(ids))
+        hidden = self.embedding(ids)
+        if output_processor is not None:  # megatron-core's hook: [s, b, H] in place of the output layer
+            return output_processor(hidden_states=hidden.transpose(0, 1), output_layer=self.output_layer,
+                                    config=self.config)
+        return self.output_layer(hidden)
 
 
 class Wrapped(torch.nn.Module):
@@ -61,8 +66,8 @@ class Wrapped(torch.nn.Module):
         super().__init__()
         self.module = core
 
-    def forward(self, *args):
-        return self.module(*args)
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
 
 
 @pytest.fixture(autouse=True)
@@ -176,15 +181,15 @@ def test_the_teachers_batch_is_each_context_then_its_response_and_a_missing_fiel
 def test_each_sequence_runs_alone_causal_and_padded_to_the_sequence_parallel_width():
     core = Core()
     batch = TeacherBatch([torch.tensor([1, 2, 3, 4, 5]), torch.tensor([6, 7])], [2, 1])
-    rows = self_teacher.student_pass(Wrapped(core), 4)(batch)
+    given = self_teacher.student_pass(Wrapped(core), 4)(batch)
     (ids, positions, mask), (ids2, _, mask2) = core.calls
     assert ids.tolist() == [[1, 2, 3, 4, 5, 0, 0, 0]] and ids2.tolist() == [[6, 7, 0, 0]]
     assert positions.tolist() == [list(range(8))]
     assert mask.dtype == torch.bool and mask.shape == (1, 1, 8, 8)
     assert torch.equal(mask[0, 0], torch.ones(8, 8, dtype=torch.bool).triu(1)) and mask2.shape == (1, 1, 4, 4)
-    with torch.no_grad():
-        logits = core(torch.tensor([[1, 2, 3, 4, 5]]), None, None)
-    assert [tuple(r.shape) for r in rows] == [(3, PADDED), (1, PADDED)] and torch.equal(rows[0], logits[0, 1:4])
+    hidden = core.embedding.weight[torch.tensor([1, 2, 3, 4, 5])].detach()  # the final hidden states: no logits
+    assert [tuple(r.shape) for r in given.hidden] == [(3, 5), (1, 5)] and torch.equal(given.hidden[0], hidden[1:4])
+    assert given.output_weight is core.output_layer.weight
     self_teacher.student_pass(Wrapped(core), 1)(batch)
     assert core.calls[2][0].shape == (1, 5)
 
@@ -274,3 +279,26 @@ def test_a_core_without_stage_flags_is_one_whole_chunk_and_context_parallelism_r
     with pytest.raises(ValueError, match=whole(f"{WHO}: context parallelism is not hosted (the no-grad pass runs "
                                                "whole sequences); run it without context parallelism")):
         self_teacher.check_layout(Core(), micro_batch(), instance())
+
+
+def test_the_pass_never_holds_the_privileged_sequences_logits():
+    """At a shape where the logits dominate (V = 8192, H = 5, 600 response rows: [R, V] float32 is
+    19 MiB, the output weight 0.16 MiB), the pass and its scoring hold no [R, V] tensor: the fused
+    head's vocabulary tiles (4 MiB on CPU) are the largest. The old pass (the model's logits of
+    every privileged sequence) held [L, V] > [R, V]."""
+    wide, rows = 8192, 600
+    core = Core()
+    core.embedding = torch.nn.Embedding(wide, 5)
+    core.output_layer = torch.nn.Linear(5, wide, bias=False)
+    core.vocab_size = wide
+    gen = torch.Generator().manual_seed(1)
+    privileged = TeacherBatch([torch.randint(0, wide, (rows + 3,), generator=gen)], [3])
+    with AllocatedPeak() as seen:
+        scored = self_teacher.scored_rows(Wrapped(core), core, None, wide, K, KEY, privileged)
+    (ids, values), = scored
+    assert ids.shape == (rows, K) and values.shape == (rows, K)
+    assert seen.largest < rows * wide * 4 // 2, (seen.largest, rows * wide * 4)  # bytes: float32 [R, V] is 4 R V
+    expected = (core.embedding.weight[privileged.sequences[0][2:-1]].double()
+                @ core.output_layer.weight.double().T).log_softmax(-1)
+    assert torch.equal(ids, expected.topk(K, dim=-1).indices)
+    torch.testing.assert_close(values, expected.gather(1, ids), rtol=0, atol=1e-5)

@@ -5,16 +5,16 @@ Names resolve lazily: the memory planner reads config.json without torch."""
 from __future__ import annotations
 
 from megatron_rl_patches import _aliases
-from megatron_rl_patches._lazy import lazy_getattr
+from megatron_rl_patches._lazy import lazy_getattr, lazy_names
 
-_LAZY = {
-    **dict.fromkeys(("build_inference_model_from_hf", "hf_vocab_size"), "megatron_rl_patches.inference.build_hf"),
-    "check_teacher_vocab": "vocab",
-    **dict.fromkeys(("read_checkpoint_config", "CheckpointConfig"), "checkpoint_config"),
-    "read_architecture": "families",
-    **dict.fromkeys(("HFArchitecture", "UnsupportedCheckpointError"), "architecture"),
-    "hf_memory_plan": "memory_plan",
-}
+_LAZY = lazy_names("""
+    megatron_rl_patches.inference.build_hf: build_inference_model_from_hf hf_vocab_size
+    vocab: check_teacher_vocab
+    checkpoint_config: read_checkpoint_config CheckpointConfig
+    families: read_architecture
+    architecture: HFArchitecture UnsupportedCheckpointError
+    memory_plan: hf_memory_plan
+""")
 
 __all__ = sorted(_LAZY)
 

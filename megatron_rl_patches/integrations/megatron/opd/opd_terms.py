@@ -11,20 +11,8 @@ import torch
 
 from megatron_rl_patches.cross_tokenizer.chunk_terms import chunk_distillation_terms, masked_tail
 from megatron_rl_patches.integrations.megatron.opd import step_repeats
+from megatron_rl_patches.integrations.megatron.opd import topk_request as fields
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import OpdSettings
-from megatron_rl_patches.integrations.megatron.opd.topk_request import (
-    CROSS_ALIVE,
-    CROSS_LOGPROBS,
-    CROSS_RATIO,
-    CROSS_TAILS,
-    CROSS_TEACHERS,
-    IDS,
-    IDS_MASK,
-    STEP_MASK,
-    STEP_SAME_AS,
-    TEACHER_LOGPROBS,
-    TEACHER_TAILS,
-)
 from megatron_rl_patches.ops.topk import topk_kl
 
 
@@ -37,28 +25,29 @@ def loss_terms(settings: OpdSettings, batch: dict, student: torch.Tensor, studen
     n = len(settings.teachers)
     weights = settings.weights or tuple(1.0 / n for _ in range(n))
     # which teachers gave grouped buckets: their scores say so (`place`), not the settings
-    cross = [int(i) for i in batch[CROSS_TEACHERS][0].tolist()]
+    cross = [int(i) for i in batch[fields.CROSS_TEACHERS][0].tolist()]
     same = [i for i in range(n) if i not in cross]
-    mask = torch.cat(batch[STEP_MASK]).to(device=student.device, dtype=torch.bool)
-    if batch.get(STEP_SAME_AS) is not None:  # an id repeated across the parts: scored once, read by each
-        student, mask = step_repeats.restored(student, mask, torch.cat(batch[STEP_SAME_AS]))
+    mask = torch.cat(batch[fields.STEP_MASK]).to(device=student.device, dtype=torch.bool)
+    if batch.get(fields.STEP_SAME_AS) is not None:  # an id repeated across the parts: scored once, read by each
+        student, mask = step_repeats.restored(student, mask, torch.cat(batch[fields.STEP_SAME_AS]))
     parts = len(cross) + bool(same)
     total = torch.zeros_like(token_log_probs)
     start = 0
     if same:
-        width = batch[IDS][0].shape[-1]
+        width = batch[fields.IDS][0].shape[-1]
         cols, part_mask = student[:, :width], mask[:, :width]
         tail = student_tail if parts == 1 else masked_tail(cols, part_mask)
         group = torch.tensor([weights[i] for i in same], dtype=torch.float64)
-        teachers = torch.cat(batch[TEACHER_LOGPROBS], dim=1).to(cols)
-        tails = torch.cat(batch[TEACHER_TAILS], dim=1).to(cols)
+        teachers = torch.cat(batch[fields.TEACHER_LOGPROBS], dim=1).to(cols)
+        tails = torch.cat(batch[fields.TEACHER_TAILS], dim=1).to(cols)
         total = total + float(group.sum()) * topk_kl(cols, tail, teachers, tails, teacher_weights=group / group.sum(),
                                                      divergence=settings.divergence, ids_mask=part_mask,
                                                      invariant=invariant)
         start = width
-    ratio = torch.cat(batch[CROSS_RATIO]).to(token_log_probs)
-    scores, tails = torch.cat(batch[CROSS_LOGPROBS]).to(student), torch.cat(batch[CROSS_TAILS]).to(student)
-    alive = torch.cat(batch[CROSS_ALIVE]).to(device=student.device, dtype=torch.bool)
+    ratio = torch.cat(batch[fields.CROSS_RATIO]).to(token_log_probs)
+    scores = torch.cat(batch[fields.CROSS_LOGPROBS]).to(student)
+    tails = torch.cat(batch[fields.CROSS_TAILS]).to(student)
+    alive = torch.cat(batch[fields.CROSS_ALIVE]).to(device=student.device, dtype=torch.bool)
     width = (mask.shape[1] - start) // max(len(cross), 1)  # `place` gives every such teacher one width
     for x, index in enumerate(cross):
         cols, part_mask = student[:, start:start + width], mask[:, start:start + width]
@@ -75,10 +64,10 @@ def mixture_terms(settings: OpdSettings, batch: dict, student: torch.Tensor, stu
     """Per response token [N] of the micro-batch: the divergence between the student's buckets over
     the step's ids and the mixture of the teachers (all of the student's tokenizer: their
     `TEACHER_LOGPROBS` / `TEACHER_TAILS`, a union's padded slots masked by `IDS_MASK`)."""
-    teachers = torch.cat(batch[TEACHER_LOGPROBS], dim=1).to(student)
-    tails = torch.cat(batch[TEACHER_TAILS], dim=1).to(student)
+    teachers = torch.cat(batch[fields.TEACHER_LOGPROBS], dim=1).to(student)
+    tails = torch.cat(batch[fields.TEACHER_TAILS], dim=1).to(student)
     weights = None if settings.weights is None else torch.tensor(settings.weights, dtype=torch.float64)
-    mask = batch.get(IDS_MASK)
+    mask = batch.get(fields.IDS_MASK)
     mask = None if mask is None else torch.cat(mask).to(device=student.device, dtype=torch.bool)
     return topk_kl(student, student_tail, teachers, tails, teacher_weights=weights, divergence=settings.divergence,
                    ids_mask=mask, invariant=invariant)

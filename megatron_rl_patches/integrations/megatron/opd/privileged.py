@@ -1,6 +1,6 @@
 """In-process teachers of top-k OPD with a privileged context (`;context=KEY`): a snapshot (θ₀), a
 separate model (a Hugging Face directory, `PATH@module:function`) or the live self-teacher
-(`student;context=KEY`: the actor's current weights, `LiveTeacher`) scoring each sample's context
+(`student;context=KEY`: the actor's current weights, through `StudentChunksPass`) scoring each sample's context
 then the student's response. `PrivilegedTeacher` (the framework-free wrapper `teachers.Privileged`,
 the one owner of a teacher's key) runs the wrapped teacher's passes over the rollout with each
 sample's tokens replaced by context + response (`privileged_rollout`); the
@@ -80,10 +80,12 @@ class PrivilegedTeacher(Privileged, OpdTeacher):
                                            for name in ("log_probs", "tails")})
 
 
-class LiveTeacher(ModelTeacher):
-    """The live self-teacher: the actor's own current weights (before the rollout's first optimizer
-    step, where slime computes its other per-rollout fields), no copy of them; its passes are the
-    step's no-grad `forward_only`, in the student's mode."""
+class StudentChunksPass(ModelTeacher):
+    """The live self-teacher's pass in slime, nothing else: a `ModelTeacher` whose chunks are the
+    actor's own, with its current weights (before the rollout's first optimizer step, where slime
+    computes its other per-rollout fields), no copy of them; its passes are the step's no-grad
+    `forward_only` in the student's mode. What they compute is `teachers.SelfTeacher`'s: the fused
+    top-k head (`topk_output_processor`) over the student's hidden states and output layer."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

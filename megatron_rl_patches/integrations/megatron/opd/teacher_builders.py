@@ -42,7 +42,7 @@ from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (
     SnapshotTeacher,
     model_teacher,
 )
-from megatron_rl_patches.integrations.megatron.opd.privileged import LiveTeacher, PrivilegedTeacher
+from megatron_rl_patches.integrations.megatron.opd.privileged import PrivilegedTeacher, StudentChunksPass
 from megatron_rl_patches.integrations.megatron.opd.served_teacher import build_served_teacher
 from megatron_rl_patches.teachers.kinds.entry import CHECKPOINT, PROVIDER, SERVED
 from megatron_rl_patches.teachers.kinds.student import STUDENT
@@ -153,9 +153,9 @@ def build_provider(actor: Any, settings: OpdSettings, index: int, teacher: Teach
 
 def live_teacher(actor: Any, settings: OpdSettings, index: int, teacher: Teacher, student: int | str,
                  route: str) -> OpdTeacher:
-    """`student;context=KEY`: the actor's current weights (`privileged.LiveTeacher`, wrapped with its
+    """`student;context=KEY`: the actor's current weights (`privileged.StudentChunksPass`, wrapped with its
     context by `load_all`); nothing is loaded or copied."""
-    return LiveTeacher()
+    return StudentChunksPass()
 
 
 BUILDERS: dict[str, SlimeBuilder] = {

@@ -1,6 +1,6 @@
 """The NeMo-RL lane's live self-teacher world: the student's own `get_topk_logits` (NeMo-RL's
 driver with its TopkLogitsPostProcessor on `nemo_rl_topk`, what its Megatron worker runs) over
-the privileged sequences through `SelfTeacherPolicy`, then NeMo-RL's distillation step
+the privileged sequences through `StudentPolicyPass`, then NeMo-RL's distillation step
 (`LossPostProcessor` over `DistillationLossFn` on `nemo_rl_topk_kd`) on those rows, at TP=1 and
 TP=2 in one world; and NeMo-RL's own teacher Policy (other random weights, the same driver) over
 the same privileged sequences through `PrivilegedTeacherPolicy`. Imported in each spawned rank

@@ -238,7 +238,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
 
         import megatron_rl_patches
         from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
-        from megatron_rl_patches.integrations.megatron.opd.privileged import LiveTeacher, PrivilegedTeacher
+        from megatron_rl_patches.integrations.megatron.opd.privileged import PrivilegedTeacher, StudentChunksPass
         from megatron_rl_patches.integrations.megatron.opd.served_opd import ServedOpdTeacher
         from megatron_rl_patches.integrations.megatron.opd.topk_request import FIGURES as TEACHER_FIGURES
         from megatron_rl_patches.integrations.megatron.opd.topk_request import (
@@ -313,7 +313,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 teachers = slime_opd.load_teachers(actor, opd_settings())
                 setattr(actor, slime_opd.ATTRIBUTE, teachers)
                 # a teacher with another tokenizer: its model; a served teacher has none in this process
-                remote = (ServedOpdTeacher, LiveTeacher)  # the live self-teacher: the actor's own chunks
+                remote = (ServedOpdTeacher, StudentChunksPass)  # the live self-teacher: the actor's own chunks
                 inner = [t.teacher if isinstance(t, PrivilegedTeacher) else t for t in teachers]
                 models = [getattr(t, "model", t) for t in inner if not isinstance(t, remote)]
                 separate = [_stage_state(t) for t in models if not isinstance(t, str)]

@@ -1,0 +1,26 @@
+"""The packages' lazy export tables: one reader (`_lazy.lazy_names`) of `module: Name ...` lines."""
+import pytest
+
+from megatron_rl_patches._lazy import lazy_names
+
+
+def test_lines_map_each_name_to_its_module_in_order():
+    table = lazy_names("""
+        scores: TeacherScores
+        # a comment: not a module
+        megatron_rl_patches.teachers.served.client: ServedTeacher
+            PendingScores
+    """)
+    assert list(table.items()) == [("TeacherScores", "scores"),
+                                   ("ServedTeacher", "megatron_rl_patches.teachers.served.client"),
+                                   ("PendingScores", "megatron_rl_patches.teachers.served.client")]
+
+
+def test_a_name_under_two_modules_is_refused():
+    with pytest.raises(ValueError, match=r"'align' is listed under both 'alignment' and 'losses'"):
+        lazy_names("alignment: align\nlosses: align")
+
+
+def test_names_before_any_module_are_refused():
+    with pytest.raises(ValueError, match="names no module"):
+        lazy_names("Alignment align")
