@@ -60,7 +60,9 @@ MEANINGS: dict[str, str] = {
                   "followed by ;stop_tokens=module:function (a student special id -> the teacher's id or "
                   "None); a teacher served by vLLM: http(s)://host:port;engine=vllm (;tokenizer=DIR for another "
                   "tokenizer; no user:pass@ in the URL: the key goes in MEGATRON_RL_PATCHES_TEACHER_API_KEY); quote "
-                  "the ';'; set in the training actors' environment (--train-env-vars)",
+                  "the ';'; read by slime's training actors and, for ;context=KEY entries and "
+                  "MEGATRON_RL_PATCHES_OPD_SCORE_AT=rollout, by its rollout manager: set it in the job's runtime_env "
+                  "(it reaches both; --train-env-vars reaches the training actors only)",
     OPD_WEIGHTS: "slime_opd: mixture weights, one per teacher, summing to 1 (unset: uniform)",
     OPD_K: "slime_opd: the student's top-k ids per token (default 16), or vocab (the divergence over the whole "
            "vocabulary from the teachers' hidden states)",
@@ -73,8 +75,10 @@ MEANINGS: dict[str, str] = {
     OPD_IDS_FROM: "slime_opd: student (default), union (the student's and the first teacher's top-k) or teacher "
                   "(the first teacher's own top-k)",
     OPD_SCORE_AT: "slime_opd: where a served teacher of the student's tokenizer (top-k route) is asked: train "
-                  "(default: by the train step) or rollout (each sample as its generation ends, in slime's rollout "
-                  "manager; its rows carried with the sample to the training ranks); set where the rollout runs",
+                  "(default: by the train step) or rollout (each sample as its generation ends; its rows carried "
+                  "with the sample to the training ranks); read by slime's rollout manager only: set it in the job's "
+                  "runtime_env, beside MEGATRON_RL_PATCHES_OPD_TEACHERS (--train-env-vars does not reach the rollout "
+                  "manager; with no teachers there it warns once and the train step asks)",
     VERL_ROWS: "verl_fused_logprobs: all computes every row, not only the rows verl reads",
     VERL_TEACHER: "verl_topk_kd: a teacher served by vLLM answering verl's teacher-loop client, "
                   "http(s)://host:port;engine=vllm (its --max-logprobs at least verl's topk), or a pooling "

@@ -43,6 +43,17 @@ KEY_PIECE = 8  # a piece of the API key this long is hidden wherever a server qu
 KEY_VARIABLES = {TEACHER_API_KEY}
 
 
+QUOTED = 300  # characters of an entry, an option or a setting's value a message quotes
+
+
+def quoted(text: str, limit: int = QUOTED) -> str:
+    """`text` as a message quotes it: its repr, cut past `limit` characters to its first `limit` and
+    its length (a pasted megabyte must not make a megabyte message)."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text):,} characters)"
+
+
 def userinfo_spans(text: str) -> list[tuple[int, int]]:
     """(just after '://', its user's '@') for every URL in `text` that carries a user or password."""
     starts = [match.end() for match in re.finditer(re.escape(SCHEME_END), text)]

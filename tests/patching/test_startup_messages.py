@@ -88,7 +88,8 @@ def test_a_misspelled_variable_name_warns_one_line_and_patches_anyway(startup_di
 
 @pytest.mark.parametrize("variable, value", [("MEGATRON_RL_PATCHES_BACKEND", "cuda"),
                                              ("MEGATRON_RL_PATCHES_INFERENCE_ROLES", "prm-teacher"),
-                                             ("MEGATRON_RL_PATCHES_OPD_IDS_FROM", "teachers")])
+                                             ("MEGATRON_RL_PATCHES_OPD_IDS_FROM", "teachers"),
+                                             ("MEGATRON_RL_PATCHES_OPD_SCORE_AT", "rolout")])  # issue 96 item 3
 def test_a_bad_backend_or_role_list_warns_one_line_and_patches_anyway(startup_dir, variable, value):
     """What the launcher refuses, a plain start-up reports once and goes on (patches applied)."""
     opd = {"MEGATRON_RL_PATCHES_OPD_TEACHERS": "/ckpt/t"} if "_OPD_" in variable else {}

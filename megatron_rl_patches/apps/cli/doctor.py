@@ -157,10 +157,13 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
         environment["variables"][TEACHER_API_KEY] = KEY_SET
     environment["teachers_checked"] = []
     try:
-        check_settings()  # the frameworks' own variables, as `run` and slime_opd check them
+        check_settings()  # the frameworks' own variables, as `run` and slime_opd check them (a served teacher's ids)
+    except ValueError as exc:
+        problems.append(str(exc))
+    try:  # the teachers' files and servers, also where check_settings refused a setting they do not depend on
         found, environment["teachers_checked"] = teacher_report()
         problems += found
-    except ValueError as exc:
+    except ValueError as exc:  # the settings unreadable: check_settings' refusal again (listed once)
         problems.append(str(exc))
     try:  # verl's served teacher: its URL's user refused, then its servers asked as slime's (each replica)
         refuse_userinfo(os.environ.get(VERL_TEACHER, ""), VERL_TEACHER)

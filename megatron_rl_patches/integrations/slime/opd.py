@@ -50,8 +50,8 @@ from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (
     TeacherScores,
     opd_teacher,
 )
+from megatron_rl_patches.integrations.megatron.opd.served_checks import check_served
 from megatron_rl_patches.integrations.megatron.opd.served_opd import note_figures
-from megatron_rl_patches.integrations.megatron.opd.served_teacher import check_served
 from megatron_rl_patches.integrations.megatron.opd.stage_host import last_stage, pipeline_agrees
 from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     CONTEXTS,

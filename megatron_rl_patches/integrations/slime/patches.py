@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings, score_at
+from megatron_rl_patches.integrations.megatron.opd.served_checks import check_served
 from megatron_rl_patches.integrations.megatron.train_reentry import train_reentry_patches
 from megatron_rl_patches.patching.records import Patch
 
@@ -99,6 +100,12 @@ PATCHES = (
 
 
 def check_settings(environ: Any = None) -> None:
-    """slime's own variables (top-k OPD's MEGATRON_RL_PATCHES_OPD_*), read as slime_opd reads them:
-    a ValueError naming the variable at fault (integrations.check_settings calls every framework's)."""
-    opd_settings(environ)
+    """slime's own variables (top-k OPD's MEGATRON_RL_PATCHES_OPD_*), read as slime_opd reads them,
+    and what the actor refuses of them before anything loads (a served teacher's ids: `check_served`):
+    a ValueError naming the variable at fault (integrations.check_settings calls every framework's).
+    MEGATRON_RL_PATCHES_OPD_SCORE_AT is checked even without the teachers: the rollout manager's
+    environment, where it is read, may be checked apart from the training actors'."""
+    score_at(environ)
+    settings = opd_settings(environ)
+    if settings is not None:
+        check_served(settings)

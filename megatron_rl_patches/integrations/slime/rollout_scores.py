@@ -29,8 +29,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from megatron_rl_patches._args import bind
+from megatron_rl_patches._log import warn_once
+from megatron_rl_patches._variables import SELECT
 from megatron_rl_patches.integrations.megatron.opd.carried_rows import ROWS
-from megatron_rl_patches.integrations.megatron.opd.opd_settings import OpdSettings, opd_settings
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import (
+    SCORE_AT,
+    TEACHERS,
+    OpdSettings,
+    opd_settings,
+    score_at,
+)
 from megatron_rl_patches.integrations.megatron.opd.rollout_teachers import (
     RolloutTeachers,
     ask_rows,
@@ -40,6 +48,11 @@ from megatron_rl_patches.integrations.megatron.opd.rollout_teachers import (
 HOOK = "megatron_rl_patches.integrations.slime.rollout_scores.score_sample"  # its --rollout-sample-hook-path
 ATTRIBUTE = "megatron_rl_patches_rollout_teachers"  # on slime's args in the rollout manager's process
 WHERE = "slime_opd (the rollout's sample hook, score_sample)"  # where a rollout-time refusal was asked
+# the rollout asked to score finds no teachers in its process: the settings went to the training actors only
+NO_TEACHERS = (f"slime_opd: {SCORE_AT}=rollout is set in slime's rollout manager, but {TEACHERS} is not: no sample is "
+               f"scored at the rollout and the train step asks every served teacher; set {TEACHERS} (with {SELECT} "
+               f"and the other OPD variables) in the job's runtime_env, which reaches the rollout manager "
+               f"(--train-env-vars reaches the training actors only)")
 
 
 def carried_keys(settings: OpdSettings | None, data: Any = None) -> list[str]:
@@ -59,7 +72,10 @@ def rollout_teachers(args: Any) -> RolloutTeachers | None:
     once, not once a sample)."""
     held = getattr(args, ATTRIBUTE, None)
     if not isinstance(held, RolloutTeachers):
-        held = RolloutTeachers(opd_settings(), args)
+        settings = opd_settings()
+        if settings is None and score_at() == "rollout":
+            warn_once(NO_TEACHERS)
+        held = RolloutTeachers(settings, args)
         setattr(args, ATTRIBUTE, held)
     return held if held.teachers else None
 

@@ -19,6 +19,7 @@ from megatron_rl_patches.teachers.kinds.options import (
     split_entry,
     stop_tokens,
 )
+from megatron_rl_patches.teachers.redaction import quoted
 
 FORM = "PATH (same architecture as the actor, or a Hugging Face directory of another architecture)"
 
@@ -38,7 +39,7 @@ def path_options(said: str, options: list[str]) -> tuple[bool, str | None, dict[
             if size != "ep":  # ep=1: the only expert size served, nothing to record
                 sizes[size] = value
         else:
-            raise ValueError(f"{said}: unknown option {option!r}; the options are "
+            raise ValueError(f"{said}: unknown option {quoted(option)}; the options are "
                              f"';{OWN_TOKENIZER}' (a Hugging Face teacher with another tokenizer, e.g. "
                              f"/ckpt/qwen35;{OWN_TOKENIZER}), ';{STOP_TOKENS}module:function' (with it: "
                              "student special id -> teacher id or None) and ';tp=N' / ';pp=N' (the teacher at its "

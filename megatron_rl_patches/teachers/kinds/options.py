@@ -4,6 +4,7 @@ the setting the user set, passed in by whoever reads it). Standard library only.
 from __future__ import annotations
 
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
+from megatron_rl_patches.teachers.redaction import quoted
 
 # An entry's options after its head: `PATH;tokenizer=own` (a Hugging Face teacher with another
 # tokenizer than the student's), `;stop_tokens=module:function` (with it: student special id ->
@@ -16,13 +17,14 @@ CONTEXT = "context="
 
 def entry_named(entry: str, setting: str = TEACHERS) -> str:
     """How every message names `entry`, one of the comma-separated entries of `setting` (the
-    variable or argument it came in; its user or password refused there already)."""
-    return f"{setting} entry {entry!r}"
+    variable or argument it came in; its user or password refused there already), a long one cut."""
+    return f"{setting} entry {quoted(entry)}"
 
 
 def variable_named(raw: str, variable: str) -> str:
-    """How every message names the one entry a variable holds (verl's): as the user set it."""
-    return f"{variable}={raw.strip()!r}"
+    """How every message names the one entry a variable holds (verl's): as the user set it, a long
+    one cut."""
+    return f"{variable}={quoted(raw.strip())}"
 
 
 def is_provider(spec: str) -> bool:

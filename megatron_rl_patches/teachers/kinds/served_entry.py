@@ -20,6 +20,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from megatron_rl_patches._digits import ascii_int
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
 from megatron_rl_patches.teachers.kinds.entry import SERVED, RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
@@ -30,7 +31,7 @@ from megatron_rl_patches.teachers.kinds.options import (
     is_provider,
     split_entry,
 )
-from megatron_rl_patches.teachers.redaction import redacted
+from megatron_rl_patches.teachers.redaction import quoted, redacted
 from megatron_rl_patches.teachers.served.engines.names import SERVED_ENGINES, check_engine, in_entry_words
 from megatron_rl_patches.teachers.served.tokenizer_probe import SAME_TOKENIZER, probe_tokenizer
 
@@ -101,8 +102,8 @@ def parse(entry: str, said: str) -> TeacherEntry:
                              "tokenizer.json; a served teacher names its tokenizer: ';tokenizer=DIR' (a directory "
                              "holding tokenizer.json, or the file)")
         elif name in VALUES and "=" in option and not value:
-            raise ValueError(f"{said}: option {option!r} is empty: {name}= names {VALUES[name]}; give it, or drop "
-                             "the option")
+            raise ValueError(f"{said}: option {quoted(option)} is empty: {name}= names {VALUES[name]}; give it, "
+                             "or drop the option")
         elif name == "tokenizer" and value:
             tokenizer = value
         elif name == "head" and value:
@@ -112,17 +113,17 @@ def parse(entry: str, said: str) -> TeacherEntry:
         elif option == SAME_TOKENIZER:
             same = True
         elif name == "vocab":
-            if not (value.isascii() and value.isdigit() and int(value) > 0):
-                raise ValueError(f"{said}: ';{VOCAB}{value}' must be the served model's vocabulary "
-                                 "size, a positive int (its config.json's vocab_size)")
-            vocab = int(value)
+            vocab = ascii_int(value)  # digit-bounded: int() of 4,300 digits or more raises a message naming nothing
+            if not vocab:
+                raise ValueError(f"{said}: option {quoted(option)} must be ';{VOCAB}N', the served model's "
+                                 "vocabulary size: a positive int in ASCII digits (its config.json's vocab_size)")
         elif name == "config" and value:
             config = value
         elif name in ("tp", "pp", "ep"):
-            raise ValueError(f"{said}: option {option!r}: a served teacher runs at its server's "
+            raise ValueError(f"{said}: option {quoted(option)}: a served teacher runs at its server's "
                              "own layout (set it where the engine starts); drop it")
         else:
-            raise ValueError(f"{said}: unknown option {option!r}; a served teacher's options "
+            raise ValueError(f"{said}: unknown option {quoted(option)}; a served teacher's options "
                              f"are ';{ENGINE}NAME' (one of {list(SERVED_ENGINES)}), ';{TOKENIZER}DIR' (another "
                              f"tokenizer than the student's: a directory or tokenizer.json), "
                              f"';{STOP_TOKENS}module:function' (with it), ';{SAME_TOKENIZER}' with "

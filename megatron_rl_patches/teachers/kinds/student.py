@@ -12,6 +12,7 @@ from typing import Any
 from megatron_rl_patches.teachers.kinds.entry import STUDENT, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
 from megatron_rl_patches.teachers.kinds.options import CONTEXT, context_option, split_entry
+from megatron_rl_patches.teachers.redaction import quoted
 
 TOKENIZER = "tokenizer="
 FORM = f"{STUDENT};{CONTEXT}KEY (the live self-teacher: the student's current weights, given a privileged context)"
@@ -38,7 +39,8 @@ def parse(entry: str, said: str, named_tokenizer: bool = False) -> TeacherEntry:
     if others:
         takes = (f"';{CONTEXT}KEY' and ';{TOKENIZER}DIR' (the student's tokenizer, for text contexts)"
                  if named_tokenizer else f"one option, ';{CONTEXT}KEY'")
-        raise ValueError(f"{said}: unknown option(s) {others}; the live self-teacher takes {takes}{form}")
+        unknown = ", ".join(quoted(option) for option in others)
+        raise ValueError(f"{said}: unknown option(s) [{unknown}]; the live self-teacher takes {takes}{form}")
     if context is None:
         raise ValueError(f"{said}: the live self-teacher needs a privileged context, '{STUDENT};{CONTEXT}KEY' "
                          "(without one it would be the student scoring itself: every divergence zero); for a "

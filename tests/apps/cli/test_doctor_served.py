@@ -10,6 +10,7 @@ import time
 from megatron_rl_patches.apps import cli
 
 TEACHERS = "MEGATRON_RL_PATCHES_OPD_TEACHERS"
+IDS_FROM = "MEGATRON_RL_PATCHES_OPD_IDS_FROM"  # =teacher: a served top-k teacher's buckets (else refused first)
 
 
 def closed_port() -> int:
@@ -26,6 +27,7 @@ def teacher_problems(out: str) -> list[str]:
 def test_doctor_names_a_served_teacher_nothing_answers_in_bounded_time(cli_run, monkeypatch):
     url = f"http://127.0.0.1:{closed_port()}"
     monkeypatch.setenv(TEACHERS, f"{url};engine=vllm,/nonexistent")
+    monkeypatch.setenv(IDS_FROM, "teacher")
     start = time.monotonic()
     code, out, _ = cli_run("doctor", "--json")
     elapsed = time.monotonic() - start

@@ -13,6 +13,7 @@ from megatron_rl_patches.testing.hf_checkpoints import tiny_hf_config, write_tin
 from tests.teachers.local_servers import url_of, vllm_like
 
 TEACHERS, K = "MEGATRON_RL_PATCHES_OPD_TEACHERS", "MEGATRON_RL_PATCHES_OPD_K"
+IDS_FROM = "MEGATRON_RL_PATCHES_OPD_IDS_FROM"
 WIDTH = 32  # the kit's tiny qwen3
 
 
@@ -58,6 +59,7 @@ def test_a_failure_under_k_vocab_names_k_vocab(cli_run, monkeypatch, tmp_path):
 def test_a_pooling_server_without_a_head_names_the_entry_option(cli_run, monkeypatch):
     with vllm_like(pooling=pooling, v1_completions=no_completions) as server:
         monkeypatch.setenv(TEACHERS, f"{url_of(server)};engine=vllm")
+        monkeypatch.setenv(IDS_FROM, "teacher")  # the top-k route's buckets (else refused before the server)
         found = report(cli_run)
     (problem,) = [p for p in found["problems"] if p.startswith(TEACHERS)]
     assert "';head=DIR'" in problem and "ServedTeacher(head=" not in problem, problem
@@ -67,5 +69,6 @@ def test_a_pooling_server_without_a_head_names_the_entry_option(cli_run, monkeyp
 def test_a_top_k_entry_that_holds_names_its_route(cli_run, monkeypatch):
     with vllm_like() as server:
         monkeypatch.setenv(TEACHERS, f"{url_of(server)};engine=vllm;same_tokenizer;vocab=64")
+        monkeypatch.setenv(IDS_FROM, "teacher")
         (checked,) = report(cli_run)["environment"]["teachers_checked"]
     assert "(vllm, k=16)" in checked and "route: prompt log-probs" in checked, checked

@@ -20,14 +20,19 @@ from megatron_rl_patches._variables import OPD_K as K
 from megatron_rl_patches._variables import OPD_POLICY_WEIGHT as POLICY_WEIGHT
 from megatron_rl_patches._variables import OPD_PREFIX as PREFIX  # noqa: F401 - the variables' common start
 from megatron_rl_patches._variables import OPD_RESIDENCY as RESIDENCY
+from megatron_rl_patches._variables import OPD_SCORE_AT as SCORE_AT
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
 from megatron_rl_patches._variables import OPD_WEIGHTS as WEIGHTS
 from megatron_rl_patches.teachers.kinds import parse_entries
 from megatron_rl_patches.teachers.kinds.entry import SERVED
 from megatron_rl_patches.teachers.kinds.entry import TeacherEntry as Teacher
 from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, STOP_TOKENS  # noqa: F401 - the entry's options (--help)
+from megatron_rl_patches.teachers.redaction import quoted, redacted, scrubbed
 
 IDS_SOURCES = ("student", "union", "teacher")
+SCORE_PLACES = ("rollout", "train")  # where a served teacher is asked (MEGATRON_RL_PATCHES_OPD_SCORE_AT)
+SCORE_DEFAULT = "train"  # measured: docs/benchmarks.md, "A served teacher off the train step"
+SHOWN = 40  # characters of a setting's value its refusal quotes (a pasted megabyte must not flood stderr)
 # slime's --custom-loss-function-path for top-k OPD: the documented path (users type it), and the
 # loss's module path since integrations/slime/ became a package; both are accepted.
 LOSS_PATH = "megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss"
@@ -50,7 +55,27 @@ class OpdSettings:
     policy_weight: float = 1.0
     residency: str | None = None
     ids_from: str = "student"
+    score_at: str = SCORE_DEFAULT  # "rollout": slime's rollout asks its served teachers (`rollout_teachers`)
     full_vocab: bool = False  # K=vocab: the divergence over the whole vocabulary from hidden states (`vocab_opd`)
+
+
+def shown(text: str) -> str:
+    """A setting's value as its refusal quotes it: a URL's user and password and any piece of a live
+    API key hidden, then cut to `SHOWN` characters (`quoted`)."""
+    return quoted(scrubbed(redacted(text)), SHOWN)
+
+
+def score_at(env: Mapping[str, str] | None = None) -> str:
+    """Where the served teachers are asked: "rollout" or "train" (unset or "": `SCORE_DEFAULT`);
+    ValueError naming the variable for any other value. Read by slime's rollout manager (the
+    rollout asks) and checked with the other settings wherever they are (`opd_settings`, and
+    `check_settings` even where the teachers are not set: the rollout manager's environment)."""
+    text = (os.environ if env is None else env).get(SCORE_AT, "")
+    word = text.strip().lower() or SCORE_DEFAULT
+    if word not in SCORE_PLACES:
+        raise ValueError(f"{SCORE_AT}={shown(text)}: use rollout (each sample scored as its generation ends) or "
+                         "train (scored by the train step), or leave it unset (train)")
+    return word
 
 
 def load_function(spec: str, what: str, returns: str) -> Any:
@@ -70,7 +95,7 @@ def load_function(spec: str, what: str, returns: str) -> Any:
 def _residency(env: Mapping[str, str]) -> str | None:
     raw = env.get(RESIDENCY, "").strip().lower()
     if raw and raw not in RESIDENCY_MODES:
-        raise ValueError(f"{RESIDENCY}={raw!r}: expected one of {list(RESIDENCY_MODES)} (the residency of the "
+        raise ValueError(f"{RESIDENCY}={shown(raw)}: expected one of {list(RESIDENCY_MODES)} (the residency of the "
                          "separate teachers: PATH@module:function, Hugging Face folders of another "
                          "architecture), or unset it for resident")
     return raw or None
@@ -81,9 +106,9 @@ def _number(env: Mapping[str, str], name: str, default: float) -> float:
     try:
         value = float(raw) if raw else default
     except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a finite number") from None
+        raise ValueError(f"{name}={shown(raw)}: expected a finite number") from None
     if not math.isfinite(value):
-        raise ValueError(f"{name}={raw!r}: expected a finite number")
+        raise ValueError(f"{name}={shown(raw)}: expected a finite number")
     return value
 
 
@@ -96,7 +121,7 @@ def _k(env: Mapping[str, str]) -> int:
         return 16  # no buckets: k is unused (a served head's own top-k stays at the default)
     k = ascii_int(raw) or 0
     if k <= 0:
-        raise ValueError(f"{K}={raw!r}: expected an integer k > 0 (the student's top-k ids per token) or "
+        raise ValueError(f"{K}={shown(raw)}: expected an integer k > 0 (the student's top-k ids per token) or "
                          f"'{FULL_VOCAB}' (the divergence over the whole vocabulary)")
     return CheckedK(k)  # checked once, here: the top-k processor and ops take it as it is
 
@@ -178,26 +203,28 @@ def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
         return None
     teachers = parse_entries(raw)
     if not teachers:
-        raise ValueError(f"{TEACHERS}={raw!r} names no teacher: give comma-separated entries (PATH, "
+        raise ValueError(f"{TEACHERS}={shown(raw)} names no teacher: give comma-separated entries (PATH, "
                          "PATH@module:function or http://host:port;engine=vllm), or unset it to switch top-k OPD off")
     check_context_tokenizers(teachers)
     from megatron_rl_patches.ops._divergences import DIVERGENCES  # the table's rows (mixed_kl included)
 
     divergence = env.get(DIVERGENCE, "").strip() or "reverse_kl"
     if divergence not in DIVERGENCES:
-        raise ValueError(f"{DIVERGENCE}={divergence!r}: expected one of {list(DIVERGENCES)}")
+        raise ValueError(f"{DIVERGENCE}={shown(divergence)}: expected one of {list(DIVERGENCES)}")
     ids_from = env.get(IDS_FROM, "").strip() or "student"
     if ids_from not in IDS_SOURCES:
-        raise ValueError(f"{IDS_FROM}={ids_from!r}: expected one of {list(IDS_SOURCES)} (whose top-k ids make the "
-                         "buckets: the student's, the student's and the first teacher's, or the first teacher's)")
+        raise ValueError(f"{IDS_FROM}={shown(ids_from)}: expected one of {list(IDS_SOURCES)} (whose top-k ids "
+                         "make the buckets: the student's, the student's and the first teacher's, or the first "
+                         "teacher's)")
     if ids_from == "teacher" and teachers[0].other_tokenizer:
         raise ValueError(f"{IDS_FROM}=teacher with a first teacher of another tokenizer ({teachers[0].path!r}): its "
                          f"top-k ids are not the student's; name a teacher of the student's tokenizer first in "
                          f"{TEACHERS}, or use {IDS_FROM}=student")
+    place = score_at(env)  # before K=vocab's refusal: a bad value is refused whatever K is
     full_vocab = env.get(K, "").strip().lower() == FULL_VOCAB
     refusal = full_vocab_refusal(teachers, ids_from) if full_vocab else None
     if refusal is not None:
         raise ValueError(f"{K}={FULL_VOCAB}: {refusal}")
     return OpdSettings(teachers=teachers, weights=_weights(env, len(teachers)), k=_k(env), divergence=divergence,
                        coef=_number(env, COEF, 1.0), policy_weight=_number(env, POLICY_WEIGHT, 1.0),
-                       residency=_residency(env), ids_from=ids_from, full_vocab=full_vocab)
+                       residency=_residency(env), ids_from=ids_from, score_at=place, full_vocab=full_vocab)

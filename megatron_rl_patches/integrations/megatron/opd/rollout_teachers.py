@@ -16,35 +16,20 @@ or with a head (`;head=DIR`: its hidden states, 2H bytes a token) stays at the t
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import Mapping
 from typing import Any
 
-from megatron_rl_patches._variables import OPD_SCORE_AT as SCORE_AT
 from megatron_rl_patches.integrations.megatron.opd.carried_rows import packed, teacher_key
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import SCORE_AT as SCORE_AT  # the setting's name
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, OpdSettings
+from megatron_rl_patches.integrations.megatron.opd.opd_settings import score_at as score_at  # its one parser
 from megatron_rl_patches.teachers.kinds.entry import SERVED
-
-PLACES = ("rollout", "train")
-DEFAULT = "train"  # measured: docs/benchmarks.md, "A served teacher off the train step"
-
-
-def score_at(environ: Mapping[str, str] | None = None) -> str:
-    """Where the served teachers are asked: "rollout" or "train" (unset or "": `DEFAULT`, train);
-    ValueError naming the variable for any other value."""
-    text = (os.environ if environ is None else environ).get(SCORE_AT, "")
-    word = text.strip().lower() or DEFAULT
-    if word not in PLACES:
-        raise ValueError(f"{SCORE_AT}={text[:40]!r}: use rollout (each sample scored as its generation ends) or "
-                         "train (scored by the train step), or leave it unset (train)")
-    return word
 
 
 def rollout_entries(settings: OpdSettings | None) -> list[Any]:
     """The entries asked at the rollout: served teachers of the student's tokenizer on the top-k
-    route (no `;tokenizer=DIR`, no `;head=DIR`), where the settings ask for it."""
-    if settings is None or settings.full_vocab or score_at() != "rollout":
+    route (no `;tokenizer=DIR`, no `;head=DIR`), where the settings ask for it (`score_at`)."""
+    if settings is None or settings.full_vocab or settings.score_at != "rollout":
         return []
     return [t for t in settings.teachers if t.kind == SERVED and t.head is None and t.tokenizer is None]
 

@@ -1,7 +1,7 @@
 """slime's OPD builder for a served teacher (`http://host:port;engine=vllm`, the `served` row of
 `teachers.kinds`): a `served_opd.ServedOpdTeacher` over its framework-free role
 (`teachers.step_served`), and the settings it needs, checked before anything loads
-(`check_served`): a served engine scores its own top-k only, so the buckets come from it
+(`served_checks.check_served`): a served engine scores its own top-k only, so the buckets come from it
 (MEGATRON_RL_PATCHES_OPD_IDS_FROM=teacher, the served teacher first); one with another tokenizer
 (`;tokenizer=DIR`) scores its own encoding, one with a head (`;head=DIR`: hidden states) any ids.
 The server is asked at load by the rank that will ask it (`teachers.served.connect`)."""
@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches._variables import OPD_IDS_FROM
 from megatron_rl_patches.integrations.megatron.opd.cross_passes import cross_pair
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, OpdSettings, Teacher
+from megatron_rl_patches.integrations.megatron.opd.served_checks import check_served
 from megatron_rl_patches.integrations.megatron.opd.served_opd import ServedOpdTeacher
 from megatron_rl_patches.integrations.megatron.opd.stage_host import (
     StageHost,
@@ -24,38 +24,10 @@ from megatron_rl_patches.integrations.megatron.opd.stage_host import (
     student_tokenizer_of,
     tp_group,
 )
-from megatron_rl_patches.teachers.kinds.entry import SERVED
 from megatron_rl_patches.teachers.named_vocab import named_vocab_size
 from megatron_rl_patches.teachers.served.connect import NamedVocab, connect_served
 from megatron_rl_patches.teachers.served.tokenizer_probe import STUDENTS
 from megatron_rl_patches.teachers.step_served import CrossServed, HeadServed, OwnTopkServed
-
-
-def top_k_only(teacher: Teacher) -> bool:
-    """A served teacher that scores only its own top-k (no `;head=DIR`: the engine's log-probs)."""
-    return teacher.kind == SERVED and teacher.head is None
-
-
-def check_served(settings: OpdSettings) -> None:
-    """ValueError naming the entry for what slime's OPD cannot serve with a served teacher of the
-    student's tokenizer without a head, the same on every rank: ids from the student or the union,
-    one after the first teacher of the student's tokenizer (a served teacher of another tokenizer
-    scores its own encoding, one with `;head=DIR` any ids from its hidden states: any place, any
-    ids)."""
-    same = [index for index, teacher in enumerate(settings.teachers) if not teacher.other_tokenizer]
-    served = [index for index in same if top_k_only(settings.teachers[index])]
-    if not served:
-        return
-    first = settings.teachers[served[0]]
-    if settings.ids_from != "teacher":
-        raise ValueError(f"{TEACHERS} entry '{first.path}' with {OPD_IDS_FROM}={settings.ids_from}: a served engine "
-                         f"scores its own top-k only, not given ids; set {OPD_IDS_FROM}=teacher and name the served "
-                         "teacher first, or serve its hidden states and add ';head=DIR' (its Hugging Face directory)")
-    later = [index for index in served if index != same[0]]
-    if later:
-        raise ValueError(f"{TEACHERS} entry '{settings.teachers[later[0]].path}': a served teacher after the first "
-                         "would score the first teacher's ids, which the engine does not take (it scores its own "
-                         f"top-k only); name it first in {TEACHERS}, or serve one teacher")
 
 
 def build_served_teacher(actor: Any, settings: OpdSettings, index: int, teacher: Teacher, student: int | str,

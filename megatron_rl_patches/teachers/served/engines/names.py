@@ -8,6 +8,8 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from megatron_rl_patches.teachers.redaction import quoted
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from megatron_rl_patches.teachers.served.engines.protocol import ServedEngine
@@ -41,7 +43,7 @@ def check_engine(engine: object) -> str:
         raise ValueError(f"engine={engine!r} is not served yet: serve the teacher with vLLM (engine='vllm'); "
                          f"{row.why_not}")
     if row is None:
-        raise ValueError(f"engine must be one of {sorted(SERVED_ENGINES)}, got {engine!r}")
+        raise ValueError(f"engine must be one of {sorted(SERVED_ENGINES)}, got {quoted(engine)}")
     return str(engine)
 
 
