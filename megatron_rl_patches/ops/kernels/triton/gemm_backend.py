@@ -33,6 +33,7 @@ from megatron_rl_patches.ops.kernels.contract import Backend
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.kernels.torch_tiles import CPU_TILE_BYTES
 from megatron_rl_patches.ops.kernels.triton.backend import TritonTiles, column_block_grads
+from megatron_rl_patches.ops.kernels.triton.launch import blocks
 from megatron_rl_patches.ops.topk_select import RunningTopk
 
 FORWARD_SHARE = 1 / 16
@@ -44,20 +45,21 @@ MIN_CHUNK_ROWS = 1024
 
 def forward_chunk_rows(n_rows: int, n_valid: int, device: torch.device, chunk_rows: int | None) -> int:
     """Rows of one forward GEMM: the op's chunk_size when given, else as many as the buffer's
-    budget allows (MIN_CHUNK_ROWS where it does), at least one."""
+    budget allows (MIN_CHUNK_ROWS where it does), at least one row block of the row kernel."""
     if chunk_rows:
         return chunk_rows
     row_bytes = n_valid * 4
     cap = FORWARD_CAP_BYTES if device.type == "cuda" else CPU_TILE_BYTES
     budget = min(cap, int(FORWARD_SHARE * n_rows * row_bytes))
-    return max(1, min(n_rows, budget // row_bytes))
+    return max(blocks(device, False).m, min(n_rows, budget // row_bytes))
 
 
 def backward_slice_width(n_rows: int, n_valid: int, dz_bytes: int, device: torch.device) -> int:
-    """Columns of one backward vocabulary slice: its fp32 z and its dz within the budget."""
+    """Columns of one backward vocabulary slice: its fp32 z and its dz within the budget, at
+    least one column tile of the gradient kernel."""
     cap = BACKWARD_CAP_BYTES if device.type == "cuda" else CPU_TILE_BYTES
     budget = min(cap, int(BACKWARD_SHARE * n_rows * n_valid * 4))
-    return max(1, min(n_valid, budget // (n_rows * (4 + dz_bytes))))
+    return min(n_valid, max(blocks(device, False).n, budget // (n_rows * (4 + dz_bytes))))
 
 
 class Fp32Products:
