@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
 AUTO = "auto"
-BUILTIN = ("torch", "triton")  # the backends that always exist; others register by name at run time
+BUILTIN = ("torch", "triton", "gemm")  # the backends that always exist; others register by name at run time
 
 
 def parse_backend(value: str | None, known: Iterable[str] = BUILTIN) -> str:

@@ -41,7 +41,7 @@ MEANINGS: dict[str, str] = {
                      "swap or stream (e.g. teacher:swap,prm_teacher:stream); role;tp=N (or role:mode;tp=N) "
                      "builds the role's model at its own tensor-parallel size (quote the ';')",
     ALLOW_UNTESTED: "1: apply patches outside their supported megatron-core range (one warning each)",
-    BACKEND: "the vocabulary ops' tile backend: torch or triton (any case); unset, \"\" or \"auto\": each op "
+    BACKEND: "the vocabulary ops' tile backend: torch, triton or gemm (any case); unset, \"\" or \"auto\": each op "
              "picks the first backend that runs on its tensors' device (triton on CUDA when installed, else "
              "torch); an op's backend= argument wins",
     INVARIANT: "1/true/yes/on: the vocabulary ops run in the invariant mode (each row's values from that row "

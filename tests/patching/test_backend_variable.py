@@ -49,7 +49,7 @@ def test_a_value_the_ops_refuse_the_launcher_and_doctor_refuse(value, monkeypatc
     assert not _ops_accept(value, monkeypatch)
     assert not _launcher_accepts(value)
     (error,) = env.summary({VARIABLE: value})["errors"]
-    assert f"{VARIABLE}={value!r} is not a backend" in error and "torch or triton" in error
+    assert f"{VARIABLE}={value!r} is not a backend" in error and "torch or triton or gemm" in error
 
 
 def test_the_variable_reads_as_the_backend_the_ops_pick():

@@ -61,7 +61,7 @@ CASES = [
     ("backend-spaced-upper", None, {BACKEND: " TORCH "}, ALL),
     ("backend-empty", None, {BACKEND: ""}, ALL),
     ("backend-cuda", None, {BACKEND: "cuda"},
-     "MEGATRON_RL_PATCHES_BACKEND='cuda' is not a backend: use torch or triton"),
+     "MEGATRON_RL_PATCHES_BACKEND='cuda' is not a backend: use torch or triton or gemm"),
     ("backend-greek-o", None, {BACKEND: "tοrch"}, "MEGATRON_RL_PATCHES_BACKEND="),
     # issue 63 item 1: the documented switch was an unknown variable (exit 2); its value checked up front
     ("invariant-on", None, {INVARIANT: "1"}, ALL),

@@ -74,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Hugging Face checkpoint loading; neither in `all`)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: seconds, for smoke tests")
     parser.add_argument("--out", metavar="DIR", help="write CSV files and PNG plots (needs the [bench] extra) here")
+    parser.add_argument("--slow", action="store_true",
+                        help="bench gpu: also the rows that take minutes at the largest T (the torch tiles)")
     parser.add_argument("--only", choices=FUSED_PARTS, metavar="PART",
                         help=f"bench fused: run one part, {' or '.join(FUSED_PARTS)} "
                              "(log-prob + entropy, the top-k OPD step with 1 and 2 teachers, or the default "
@@ -109,6 +111,8 @@ def check_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--only {args.only} selects a part of `bench fused`"
                          + (" or `bench logprobs`" if args.only in LOGPROBS_PARTS else "")
                          + f"; run `bench fused --only {args.only}`")
+    if args.slow and args.which != "gpu":
+        raise UsageError(f"--slow belongs to `bench gpu`; `bench {args.which}` runs every row it has")
     if args.which == "ops":
         if args.quick:
             raise UsageError("bench ops has no --quick: make it smaller with --T, --V, --H and --runs")
@@ -162,7 +166,7 @@ def _run_gpu(args: argparse.Namespace) -> int:
         return PROBLEM
     if args.out:
         check_output_folder(args.out)
-    rows = gpu.run(quick=args.quick, out_dir=args.out)
+    rows = gpu.run(quick=args.quick, out_dir=args.out, slow=args.slow)
     errors = [row["note"] for row in rows if str(row.get("note", "")).startswith("error")]
     for error in errors[:3]:
         say("bench gpu", error)

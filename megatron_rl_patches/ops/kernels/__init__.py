@@ -52,7 +52,7 @@ from megatron_rl_patches.ops.kernels.native.backend import InvariantNative
 from megatron_rl_patches.ops.kernels.native.build import native_library
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.kernels.torch_tiles import TorchTiles
-from megatron_rl_patches.ops.kernels.triton import LazyTritonTiles
+from megatron_rl_patches.ops.kernels.triton import LazyTritonTiles, LazyVendorGemm
 
 if TYPE_CHECKING:
     from megatron_rl_patches.ops._divergences import ResolvedDivergence
@@ -147,6 +147,7 @@ def _register_builtins() -> None:
     # always registered (a lazy proxy: nothing of triton is imported here), so that a forced
     # backend='triton' without triton says why it cannot run instead of "not a backend"
     register_backend(LazyTritonTiles())
+    register_backend(LazyVendorGemm())
 
 
 _register_builtins()

@@ -3,6 +3,7 @@ logic run for real on CPU with tiny shapes — interleaved runs, OOM recorded an
 on, rows for packages that are not installed, ratios, CSV / markdown / PNG outputs."""
 from __future__ import annotations
 
+import argparse
 import csv
 import os
 import subprocess
@@ -49,7 +50,8 @@ def test_token_count_rows_record_oom_missing_packages_and_errors_and_go_on():
     ]
     rows = gpu.with_ratios(gpu.run_token_count(32, 16, 80, 3, "cpu", torch.float32, impls))
     by_label = {row["implementation"]: row for row in rows}
-    assert [row["implementation"] for row in rows] == [label for label, _, _ in impls]
+    assert [row["implementation"] for row in rows] == [gpu.GEMM] + [label for label, _, _ in impls]
+    assert by_label[gpu.GEMM]["time_ms"] > 0
     assert by_label["oom stand-in"]["note"] == gpu.OOM and "time_ms" not in by_label["oom stand-in"]
     assert by_label["absent package"]["note"] == gpu.NOT_INSTALLED
     assert by_label["broken"]["note"] == "error: RuntimeError: kernel exploded"
@@ -73,9 +75,10 @@ def test_measure_once_counts_the_excess_over_the_gradients():
         def peak(self):
             return 1 << 20
 
-    result = gpu.measure_once(gpu._naive, x, Probe(), lambda: None, iter([1.0, 1.25]).__next__)
+    result = gpu.measure_once(gpu._naive, x, Probe(), lambda: None, iter([1.0, 1.125, 1.25, 2.0, 2.5]).__next__)
     grads = x.hidden.numel() * 4 + x.weight.numel() * 4
-    assert result == {"time_s": 0.25, "excess_bytes": (1 << 20) - grads}
+    assert result == {"time_s": 0.25, "fwd_s": 0.125, "bwd_s": 0.125, "nograd_s": 0.5,
+                      "excess_bytes": (1 << 20) - grads}
     assert x.hidden.grad is None and x.weight.grad is None  # freed for the next run
 
 
@@ -127,3 +130,42 @@ def test_a_topk_row_runs_both_of_its_ops_on_its_backend(monkeypatch):
                             asked.append((_name, kw.get("backend"))) or _real(*a, **kw))
     gpu._ours_topk("torch")(gpu.make_inputs(8, 16, 2 * gpu.TOPK, "cpu", torch.float32))
     assert asked == [("lm_head_topk_ids", "torch"), ("lm_head_topk_logprobs", "torch")]
+
+
+def test_a_line_per_case_as_it_ends_the_gemm_first_and_ratios_to_it():
+    """A fake clock and case list: the GEMM's line comes first, each case's line before the next
+    case runs (a case sees every earlier line printed), its phases apart and their ratios to the
+    GEMM; a peer that does not import says why in its line; slow rows skipped unless asked."""
+    ticks = iter(float(i) for i in range(10_000))
+    lines: list[str] = []
+    seen_when_run: dict[str, int] = {}
+
+    def case(label):
+        def fn(x):
+            seen_when_run.setdefault(label, len(lines))
+            return x.hidden.float().sum(1), None
+        return fn
+
+    impls = [("first", case("first"), None), ("peer", case("peer"), "a_peer_that_is_not_installed"),
+             (gpu.SLOW[0], case("slow"), None), ("last", case("last"), None)]
+    rows = gpu.run_token_count(8, 4, 16, 2, "cpu", torch.float32, impls, emit=lambda r: lines.append(gpu.line(r)),
+                               slow=False, clock=lambda: next(ticks))
+    assert len(lines) == 5 and lines[0].startswith("T=     8  " + gpu.GEMM)
+    assert seen_when_run == {"first": 1, "last": 4}  # each case ran after every earlier line was out
+    assert "not installed: ModuleNotFoundError: No module named 'a_peer_that_is_not_installed'" in lines[2]
+    assert gpu.SKIPPED_SLOW in lines[3]
+    first = rows[1]
+    # the fake clock ticks once a call: GEMM 1 s a run; fwd 1, bwd 1, no-grad 1 s
+    assert (first["fwd_ms"], first["bwd_ms"], first["nograd_ms"]) == (1000.0, 1000.0, 1000.0)
+    assert first["nograd_vs_gemm"] == 1.0 and first["total_vs_4gemm"] == 0.5
+    assert "no-grad fwd 1000.0 ms  1.00x GEMM  fwd+bwd 0.50x 4 GEMMs" in lines[1]
+
+
+def test_slow_is_a_bench_gpu_option():
+    from megatron_rl_patches.apps.cli import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args(["gpu", "--quick", "--slow"]).slow
+    with pytest.raises(bench.UsageError, match="--slow belongs to `bench gpu`"):
+        bench.check_options(parser.parse_args(["fused", "--slow"]))

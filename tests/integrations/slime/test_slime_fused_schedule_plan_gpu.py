@@ -131,7 +131,8 @@ def _rank(rank: int, world_size: int, port: int) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="needs 2 CUDA devices (expert parallelism 2 with the alltoall dispatcher)")
+                    reason=f"needs 2 CUDA devices, {torch.cuda.device_count()} here (expert parallelism 2 with "
+                           "the alltoall dispatcher)")
 def test_full_combined_1f1b_plan_equals_the_fused_model_call():
     if not _plan_takes_processor():
         pytest.skip("megatron-core < 0.18: build_schedule_plan has no output_processor (slime_fused falls back)")

@@ -22,7 +22,8 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", kernels.BACKEND_ENV)}
-    environ.update(env, PYTHONPATH=os.pathsep.join([str(ROOT), environ.get("PYTHONPATH", "")]))
+    first = [env.pop("PYTHONPATH")] if "PYTHONPATH" in env else []
+    environ.update(env, PYTHONPATH=os.pathsep.join([*first, str(ROOT), environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ, capture_output=True, text=True,
                           timeout=120)
 
@@ -41,7 +42,7 @@ FORCED_ON_CPU = """
 
 def test_auto_keeps_the_torch_tiles_on_cpu_and_names_both_backends():
     assert kernels.resolve_backend("auto", CPU).name == "torch"
-    assert kernels.backend_names() == ("auto", "torch", "triton")
+    assert kernels.backend_names() == ("auto", "torch", "triton", "gemm")
 
 
 def test_forced_triton_without_triton_says_it_cannot_be_imported():
@@ -58,11 +59,31 @@ def test_forced_triton_on_cpu_without_the_interpreter_says_how_to_get_it():
     assert "backend='triton' cannot run on cpu" in result.stdout and "TRITON_INTERPRET=1" in result.stdout
 
 
-def test_environment_variable_forces_the_kernels_under_the_interpreter():
+# Other tritons the lanes can meet (the GPU machine's 3.6 beside the lanes' 3.7), each a folder that
+# `pip install --no-deps --target DIR triton==X` filled, put first on the path (os.pathsep-separated)
+OTHER_TRITONS = [p for p in os.environ.get("MRP_OTHER_TRITONS", "").split(os.pathsep) if p]
+
+# the fused head too: its hidden-size loop is the other loop whose bound comes from an argument
+FUSED_ON_CPU = """
+    import torch
+    from megatron_rl_patches import lm_head_log_probs_and_entropy
+    h, w, t = torch.randn(5, 24), torch.randn(50, 24), torch.tensor([1, 2, 3, 4, 5])
+    want = lm_head_log_probs_and_entropy(h, w, t, backend="torch")[0]
+    print(float((lm_head_log_probs_and_entropy(h, w, t)[0] - want).abs().max()))
+"""
+
+
+@pytest.mark.parametrize("other_triton", [None, *OTHER_TRITONS])
+def test_environment_variable_forces_the_kernels_under_the_interpreter(other_triton):
+    """Before, triton 3.6's interpreter (every int argument a 1-element array, ``int()`` of it
+    refused by numpy >= 2.4) failed the column loop's run-time bounds: TypeError."""
     pytest.importorskip("triton")
+    path = {} if other_triton is None else {"PYTHONPATH": other_triton}
     result = _run(FORCED_ON_CPU.replace(', backend="triton"', ""), TRITON_INTERPRET="1",
-                  MEGATRON_RL_PATCHES_BACKEND="triton")
+                  MEGATRON_RL_PATCHES_BACKEND="triton", **path)
     assert result.returncode == 0 and result.stdout.strip() == "ran", result.stdout + result.stderr
+    result = _run(FUSED_ON_CPU, TRITON_INTERPRET="1", MEGATRON_RL_PATCHES_BACKEND="triton", **path)
+    assert result.returncode == 0 and float(result.stdout) < 1e-5, result.stdout + result.stderr
     result = _run(FORCED_ON_CPU.replace(', backend="triton"', ""), MEGATRON_RL_PATCHES_BACKEND="triton")
     assert "MEGATRON_RL_PATCHES_BACKEND='triton' cannot run on cpu" in result.stdout
 

@@ -22,42 +22,22 @@ pytestmark = pytest.mark.triton
 kit.require_kernels()
 
 V, PADDED = 72, 67  # the weight's rows; the valid vocabulary of the padded cases (a partial last tile)
-# Tolerances relative to max(1, the reference's largest magnitude). fp32: rounding only. bf16: the
-# values stay fp32 (fp32 accumulation of exact bf16 products), the gradients come back in bf16
-# (and dz is rounded to bf16 before the dh/dW matmuls, as in the torch tiles).
-VALUE_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5}
-GRAD_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
-LOG_PROB_NAMES = ("log_probs", "entropy", "grad_0", "grad_1")
-
-LOG_PROB_CASES = {
-    # name: (entropy, masked, row_tau, padded, lp_grad, entropy_grad)
-    "logprob-only": (False, False, False, False, True, True),
-    "entropy-tau-padded": (True, False, True, True, True, True),
-    "entropy-mask-tau": (True, True, True, False, True, True),
-    "mask-padded-no-entropy": (False, True, False, True, True, True),
-    "entropy-metric-only": (True, True, True, True, True, False),
-    "entropy-grad-only": (True, False, False, True, False, True),
-}
-
-
-def _check(got, want, names, dtype):
-    kit.assert_close(got[:2], want[:2], names[:2], VALUE_TOL[dtype])
-    kit.assert_close(got[2:], want[2:], names[2:], GRAD_TOL[dtype])
+VALUE_TOL, GRAD_TOL = kit.VALUE_TOL, kit.GRAD_TOL
+LOG_PROB_NAMES, LOG_PROB_CASES = kit.LOG_PROB_NAMES, kit.LOG_PROB_CASES
+_check = kit.check
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fused", [False, True], ids=["logits", "hidden"])
 @pytest.mark.parametrize("case", list(LOG_PROB_CASES))
 def test_log_prob_and_entropy_kernels_match_float64_and_torch(case, fused, dtype):
-    entropy, masked, row_tau, padded, lp_grad, entropy_grad = LOG_PROB_CASES[case]
-    n_valid = PADDED if padded else V
-    x = kit.make_inputs(dtype, V=V, n_valid=n_valid)
-    kwargs = dict(fused=fused, dtype=dtype, entropy=entropy, masked=masked, row_tau=row_tau, n_valid=n_valid,
-                  lp_grad=lp_grad, entropy_grad=entropy_grad)
-    got = kit.log_prob_run(x, backend="triton", **kwargs)
-    _check(got, kit.log_prob_run(x, backend=None, **kwargs), LOG_PROB_NAMES, dtype)
-    if dtype == torch.float32 or not fused:  # bf16 torch tiles round the recomputed logits to bf16
-        _check(got, kit.log_prob_run(x, backend="torch", **kwargs), LOG_PROB_NAMES, dtype)
+    # bf16 torch tiles round the recomputed logits to bf16: compared in fp32 or on logits only
+    with_torch = dtype == torch.float32 or not fused
+    runs = kit.log_prob_case_runs(case, dtype, fused, V, PADDED, ("triton", None, "torch") if with_torch
+                                  else ("triton", None))
+    _check(runs["triton"], runs[None], LOG_PROB_NAMES, dtype)
+    if with_torch:
+        _check(runs["triton"], runs["torch"], LOG_PROB_NAMES, dtype)
 
 
 @pytest.mark.parametrize("grads", [(0.3, 1.0), (1.0, 0.0), (0.0, 1.0)], ids=["both", "logp", "tail"])

@@ -58,36 +58,55 @@ def test_bad_rows_raise_as_on_the_torch_tiles():
     assert str(triton_error.value) == str(torch_error.value)
 
 
-def test_candidates_are_made_a_row_block_at_a_time(monkeypatch):
-    """Each launch holds at most the tile budget's rows of candidates (k per vocabulary tile), a
-    whole number of the kernel's row blocks; the ids are those of one launch over every row.
-    Before: one launch of all T rows (bench gpu on an H200: 8.0 U excess at T = 4096, k = 64)."""
-    from megatron_rl_patches.ops.kernels.triton import backend
+def test_candidates_are_made_a_launch_at_a_time(monkeypatch):
+    """Each launch is whole row blocks times whole vocabulary tiles within the budget; the ids are
+    those of one launch over everything (the tiles' values and the exact merge do not depend on
+    the cut). Before: one launch of all T rows (8.0 U excess at T = 4096, k = 64 on an H200)."""
+    from megatron_rl_patches.ops.kernels.triton import backend, topk_launches
 
     g = torch.Generator().manual_seed(2)
     h = torch.randint(-2, 3, (100, 16), generator=g).float()
     w = torch.randint(-1, 2, (300, 16), generator=g).float()
     k = 5
     b = backend.blocks(kit.DEVICE, True)
-    per_row = backend.TOPK_BYTES_PER_CANDIDATE * k * -(-300 // b.n)
-    budget = per_row * 2 * b.m  # two row blocks a launch
+    tile_block = topk_launches.TOPK_BYTES_PER_CANDIDATE * k * b.m
     launches: list[tuple[int, int]] = []
     kernel = backend.topk_tile_kernel
 
     class Recording:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launches.append((args[5], args[2].size(0)))  # n_rows, the candidates' rows
+                launches.append((args[5], args[6]))  # the launch's rows and columns
                 return kernel[grid](*args, **kwargs)
             return launch
 
     monkeypatch.setattr(backend, "topk_tile_kernel", Recording())
-    monkeypatch.setattr(backend, "CPU_TILE_BYTES", budget)
-    monkeypatch.setattr(backend, "CUDA_TILE_BYTES", budget)
-    got = lm_head_topk_ids(h.to(kit.DEVICE), w.to(kit.DEVICE), k, backend="triton").cpu()
-    per_launch = 2 * b.m
-    whole, rest = divmod(100, per_launch)
-    assert [rows for rows, _ in launches] == [per_launch] * whole + [rest] * (rest > 0)
-    assert all(rows == cand_rows for rows, cand_rows in launches)
-    assert torch.equal(got, _stable(h @ w.T, k))
-    assert torch.equal(got, lm_head_topk_ids(h, w, k, backend="torch"))
+    for budget, shape in ((tile_block * 3, (b.m, 3 * b.n)), (tile_block * 19 * 2, (2 * b.m, 300))):
+        launches.clear()
+        monkeypatch.setattr(topk_launches, "topk_budget", lambda *_, budget=budget: budget)
+        got = lm_head_topk_ids(h.to(kit.DEVICE), w.to(kit.DEVICE), k, backend="triton").cpu()
+        rows = [min(shape[0], 100 - r0) for r0 in range(0, 100, shape[0])]
+        cols = [min(shape[1], 300 - c0) for c0 in range(0, 300, shape[1])]
+        assert launches == [(r, c) for r in rows for c in cols], budget
+        assert torch.equal(got, _stable(h @ w.T, k))
+        assert torch.equal(got, lm_head_topk_ids(h, w, k, backend="torch"))
+
+
+@pytest.mark.parametrize("n_rows", [64, 256])
+def test_the_launches_hold_a_small_share_of_u_whatever_t(n_rows):
+    """The step's excess (every tensor it makes, counted on CPU) stays within 0.1 U = T·V·4·0.1 and,
+    measured in U, does not grow with T. Before: a whole tile budget of candidates (8 MiB on CPU,
+    256 MiB on CUDA) whatever T: 0.129 U at T = 8,192, V = 65,536 on an H100; 2.9 U here."""
+    from megatron_rl_patches.ops.kernels.sources import Source
+    from megatron_rl_patches.ops.kernels.triton import backend
+    from megatron_rl_patches.ops.topk_select import RunningTopk
+
+    V, k = 512, 4
+    x = torch.randn(n_rows, V, generator=torch.Generator().manual_seed(3)).to(kit.DEVICE)
+    run = RunningTopk.empty(n_rows, k, torch.float32, x.device, sentinel=V)
+    with kit.LiveBytes(x) as counted:
+        got = backend.TritonTiles().topk(Source(V, None, logits=x), run, 0)
+    held = got.values.nbytes + got.ids.nbytes + got.row_max.nbytes  # the result
+    excess = (counted.peak - held) / (n_rows * V * 4)
+    assert excess <= 0.1, f"excess {excess:.3f} U"
+    assert torch.equal(got.ids.cpu(), _stable(x, k))

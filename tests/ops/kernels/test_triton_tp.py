@@ -1,7 +1,8 @@
 """The Triton kernels under tensor parallelism (2 gloo ranks, vocabulary-sharded logits and
 weight, the last shard padded): every rank's outputs and gradients equal the float64 TP = 1
 reference — log-prob + entropy with keep mask and per-row temperature, top-k log-probs + tail,
-both sources. CPU ranks run the kernels under Triton's interpreter (inherited TRITON_INTERPRET)."""
+both sources, the fused head on the `triton` and the `gemm` backends. CPU ranks run the kernels
+under Triton's interpreter (inherited TRITON_INTERPRET)."""
 from __future__ import annotations
 
 import sys
@@ -42,9 +43,10 @@ def _rank_outputs(rank: int, world_size: int) -> list[list[torch.Tensor]]:
     logits = (x.hidden.float() @ x.weight[cols].float().t()).requires_grad_()
     keep = x.keep[:, cols]
     out = []
-    for fused in (False, True):
+    # the fused head on both of its CUDA routes: the Triton GEMM, and the vendor GEMM + row pass
+    for fused, backend in ((False, "triton"), (True, "triton"), (True, "gemm")):
         args = (h, w) if fused else (logits,)
-        common = dict(tp_group=group, vocab_size=VOCAB, backend="triton")
+        common = dict(tp_group=group, vocab_size=VOCAB, backend=backend)
         op = kit.lm_head_log_probs_and_entropy if fused else kit.log_probs_and_entropy
         lp, ent = op(*args, x.tokens, with_entropy=True, keep_mask=keep, temperature=x.tau, **common)
         ((lp * x.a).sum() + (ent * x.b).sum()).backward()
@@ -140,6 +142,7 @@ def test_two_vocabulary_shards_equal_the_float64_reference_and_the_invariant_ker
         want.append(kit.log_prob_run(x, backend=None, fused=fused, dtype=torch.float32, entropy=True, masked=True,
                                      row_tau=True, n_valid=VOCAB))
         want.append(kit.topk_run(x, backend=None, fused=fused, dtype=torch.float32, n_valid=VOCAB))
+    want += want[2:]  # the gemm backend's fused cases: the same references
     per = V // 2
     # rank 0's route: the torch invariant tiles (on CPU their compiled sums where they build)
     tiles = resolve_backend("torch", kit.DEVICE, torch.float32, invariant=True)
@@ -152,6 +155,7 @@ def test_two_vocabulary_shards_equal_the_float64_reference_and_the_invariant_ker
         assert all(same for (_, _, invariant), (same, _) in splits.items() if invariant), splits
         assert all((used > 0) is invariant for (_, _, invariant), (_, used) in splits.items()), splits
         cols = slice(rank * per, (rank + 1) * per)
+        assert len(cases) == len(want) == 6
         for index, (got, ref) in enumerate(zip(cases, want)):
             fused = index >= 2
             ref = list(ref)

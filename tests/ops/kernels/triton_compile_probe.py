@@ -21,8 +21,10 @@ from megatron_rl_patches.ops.kernels.triton._grad import grad_tile_kernel
 from megatron_rl_patches.ops.kernels.triton._invariant import invariant_tile_kernel
 from megatron_rl_patches.ops.kernels.triton._topk import topk_tile_kernel
 
-INTS = {"n_rows", "n_valid", "n_hidden", "cols_per_split", "row_begin", "row_end", "col_begin", "col_end",
-        "first_id", "sentinel", "n_hidden_s", "n_hidden_t"}
+INTS = {"n_rows", "n_valid", "cols_per_split", "row_begin", "row_end", "col_begin", "col_end",
+        "first_id", "sentinel"}
+# the hidden size is a constexpr of the kernels (a loop bound every triton's interpreter takes)
+HIDDEN = 4096
 FLOATS = {"scale_value", "w", "log_w", "log_1mw", "to_fixed"}
 
 
@@ -45,6 +47,8 @@ def compile_variant(fn, arch: int, dtype: str, fused: bool, flags: dict, k: int 
     b = launch.blocks(torch.device("cuda"), fused)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     consts = {**flags, **({} if k is None else {"K": k, "FUSED": fused}), **b.launch(torch_dtype)}
+    hidden_names = ("n_hidden_s", "n_hidden_t") if fn is divergence_tile_kernel else ("n_hidden",)
+    consts.update(dict.fromkeys(hidden_names, HIDDEN if fused else 0))
     options = {"num_warps": consts.pop("num_warps"), "num_stages": consts.pop("num_stages")}
     consts["DOT_FP32"] = False  # the GPU path, whatever this process's interpreter setting
     pointers = {"src": f"*{dtype}", "weight": f"*{dtype}", "keep": "*i8", "marks": "*i32", "out": f"*{dtype}",

@@ -2,10 +2,12 @@
 Triton's interpreter), inputs, float64 references and the two public routes (logits, hidden)."""
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode  # the documented __torch_dispatch__ mode
 
 from megatron_rl_patches import (
     lm_head_log_probs_and_entropy,
@@ -128,3 +130,64 @@ def assert_close(got: list[torch.Tensor], want: list[torch.Tensor], names: tuple
         scale = max(1.0, float(w.abs().max()))
         err = float((g - w).abs().max())
         assert err <= rel * scale, f"{name}: max error {err:.3g} > {rel:g} x {scale:.3g}"
+
+
+# Tolerances relative to max(1, the reference's largest magnitude). fp32: rounding only. bf16: the
+# values stay fp32 (fp32 accumulation of exact bf16 products), the gradients come back in bf16
+# (and dz is rounded to bf16 before the dh/dW matmuls, as in the torch tiles).
+VALUE_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5}
+GRAD_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+LOG_PROB_NAMES = ("log_probs", "entropy", "grad_0", "grad_1")
+
+LOG_PROB_CASES = {
+    # name: (entropy, masked, row_tau, padded, lp_grad, entropy_grad)
+    "logprob-only": (False, False, False, False, True, True),
+    "entropy-tau-padded": (True, False, True, True, True, True),
+    "entropy-mask-tau": (True, True, True, False, True, True),
+    "mask-padded-no-entropy": (False, True, False, True, True, True),
+    "entropy-metric-only": (True, True, True, True, True, False),
+    "entropy-grad-only": (True, False, False, True, False, True),
+}
+
+
+def check(got, want, names, dtype):
+    assert_close(got[:2], want[:2], names[:2], VALUE_TOL[dtype])
+    assert_close(got[2:], want[2:], names[2:], GRAD_TOL[dtype])
+
+
+def log_prob_case_runs(case: str, dtype: torch.dtype, fused: bool, V: int, padded: int,
+                      backends: tuple[str | None, ...]) -> dict[str | None, list[torch.Tensor]]:
+    """:func:`log_prob_run` of the LOG_PROB_CASES row `case` on each of `backends` (None: float64)."""
+    entropy, masked, row_tau, is_padded, lp_grad, entropy_grad = LOG_PROB_CASES[case]
+    n_valid = padded if is_padded else V
+    x = make_inputs(dtype, V=V, n_valid=n_valid)
+    kwargs = dict(fused=fused, dtype=dtype, entropy=entropy, masked=masked, row_tau=row_tau, n_valid=n_valid,
+                  lp_grad=lp_grad, entropy_grad=entropy_grad)
+    return {backend: log_prob_run(x, backend=backend, **kwargs) for backend in backends}
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak of the bytes held by tensors made inside the mode (each new storage counted once,
+    until the tensor that brought it dies; views of the `inputs` are not new): CPU has no allocator
+    statistics to read. A dispatch mode (torch's documented ``__torch_dispatch__`` hook) sees every
+    aten call, those inside autograd Functions and their backward included."""
+
+    def __init__(self, *inputs: torch.Tensor) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen = {t.untyped_storage().data_ptr() for t in inputs}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.seen:
+                ptr, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+                self.seen.add(ptr)
+                self.live += size
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._free, ptr, size)
+        return out
+
+    def _free(self, ptr: int, size: int) -> None:
+        self.live -= size
+        self.seen.discard(ptr)

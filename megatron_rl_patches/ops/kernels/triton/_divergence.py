@@ -88,8 +88,8 @@ def entry_terms(a, b, w, log_w, log_1mw, DIV: tl.constexpr):
 
 
 @triton.jit
-def _log_probs(hidden, weight, norm, rows64, row_ok, cols, col_ok, s, n_hidden, s_h_r, s_h_c, s_w_r, s_w_c,
-               n_rows, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _log_probs(hidden, weight, norm, rows64, row_ok, cols, col_ok, s, n_hidden: tl.constexpr, s_h_r, s_h_c, s_w_r,
+               s_w_c, n_rows, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One model's log-probs (x − m)·s − L of a tile; `norm` [2, n_rows]: the shifts, then log S."""
     x = logits_tile(hidden, weight, rows64, row_ok, cols, col_ok, n_hidden, s_h_r, s_h_c, s_w_r, s_w_c,
@@ -102,7 +102,8 @@ def _log_probs(hidden, weight, norm, rows64, row_ok, cols, col_ok, s, n_hidden, 
 @triton.jit
 def divergence_tile_kernel(
     h_s, w_s, h_t, w_t, norm_s, norm_t, keep, scale_ptr, constant, row_factor, out,
-    n_rows, col_begin, col_end, cols_per_split, n_hidden_s, n_hidden_t, scale_value, w, log_w, log_1mw,
+    n_rows, col_begin, col_end, cols_per_split, n_hidden_s: tl.constexpr, n_hidden_t: tl.constexpr, scale_value, w,
+    log_w, log_1mw,
     s_hs_r, s_hs_c, s_ws_r, s_ws_c, s_ht_r, s_ht_c, s_wt_r, s_wt_c, s_keep_r, s_keep_c, s_out_r, s_out_c,
     DIV: tl.constexpr, GRAD: tl.constexpr, HAS_CONSTANT: tl.constexpr, ROW_SCALE: tl.constexpr,
     HAS_KEEP: tl.constexpr,
@@ -127,7 +128,8 @@ def divergence_tile_kernel(
         c_end = tl.minimum(c_begin + cols_per_split, col_end)
     value = tl.zeros((BLOCK_M,), dtype=tl.float32)
     g_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for c0 in range(c_begin, c_end, BLOCK_N):
+    c0 = c_begin
+    while c0 < c_end:  # run-time bounds: see _tiles' docstring
         cols = c0 + tl.arange(0, BLOCK_N)
         col_ok = cols < c_end
         ok = row_ok[:, None] & col_ok[None, :]
@@ -153,6 +155,7 @@ def divergence_tile_kernel(
         else:
             value += tl.sum(tl.where(ok, term, 0.0), axis=1)
             g_sum += tl.sum(tl.where(ok, g, 0.0), axis=1)
+        c0 += BLOCK_N
     if not GRAD:
         out_row = (pid_n.to(tl.int64) * n_rows + rows64) * 2
         tl.store(out + out_row, value, mask=row_ok)

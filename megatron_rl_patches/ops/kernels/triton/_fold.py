@@ -25,7 +25,7 @@ from megatron_rl_patches.ops.kernels.triton._tiles import (
 def row_stats_kernel(
     src, weight, keep, marks, scale_ptr,
     out_shift, out_rest, out_moment, out_sub_shift, out_sub_sum, out_marked,
-    n_rows, n_valid, n_hidden, cols_per_split, scale_value,
+    n_rows, n_valid, n_hidden: tl.constexpr, cols_per_split, scale_value,
     s_src_r, s_src_c, s_w_r, s_w_c, s_keep_r, s_keep_c,
     K: tl.constexpr, FUSED: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_REST: tl.constexpr,
     HAS_MOMENT: tl.constexpr, HAS_SUB: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -49,7 +49,8 @@ def row_stats_kernel(
     out_row = pid_s.to(tl.int64) * n_rows + rows64
     c_begin = pid_s * cols_per_split
     c_end = tl.minimum(c_begin + cols_per_split, n_valid)
-    for c0 in range(c_begin, c_end, BLOCK_N):
+    c0 = c_begin
+    while c0 < c_end:  # run-time bounds: see _tiles' docstring
         cols = c0 + tl.arange(0, BLOCK_N)
         col_ok = cols < c_end
         x = logits_tile(src, weight, rows64, row_ok, cols, col_ok, n_hidden, s_src_r, s_src_c, s_w_r, s_w_c,
@@ -81,6 +82,7 @@ def row_stats_kernel(
             sub_e = tl.where(marked, 0.0, tl.exp((sub_x - safe_sub[:, None]) * s[:, None]))
             sub_sum = sub_sum * sub_factor + tl.sum(sub_e, axis=1)
             sub_shift = new_sub
+        c0 += BLOCK_N
     tl.store(out_shift + out_row, shift, mask=row_ok)
     if HAS_REST:
         tl.store(out_rest + out_row, rest, mask=row_ok)

@@ -19,7 +19,7 @@ from megatron_rl_patches.ops.kernels.triton._tiles import NEG_FLOOR, expm1, logi
 def grad_tile_kernel(
     src, weight, keep, marks, scale_ptr, out,
     f_shift, f_log_sum, f_alpha, f_beta, f_sub_shift, f_log_sub, f_gamma, f_mark_alpha, f_eta, f_delta,
-    row_begin, row_end, col_begin, col_end, n_hidden, scale_value,
+    row_begin, row_end, col_begin, col_end, n_hidden: tl.constexpr, scale_value,
     s_src_r, s_src_c, s_w_r, s_w_c, s_keep_r, s_keep_c, s_out_r, s_out_c,
     K: tl.constexpr, FUSED: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_ALPHA: tl.constexpr, HAS_BETA: tl.constexpr,
     HAS_SUB: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_MARK_ALPHA: tl.constexpr,

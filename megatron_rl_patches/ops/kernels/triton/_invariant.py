@@ -44,7 +44,7 @@ def _fixed_sum(v, to_fixed):
 def invariant_tile_kernel(
     src, weight, keep, marks, scale_ptr, shift_ptr, sub_shift_ptr,
     out_shift, out_sub_shift, out_marked, out_rest, out_moment, out_sub_sum,
-    n_rows, n_valid, n_hidden, cols_per_split, scale_value, to_fixed,
+    n_rows, n_valid, n_hidden: tl.constexpr, cols_per_split, scale_value, to_fixed,
     s_src_r, s_src_c, s_w_r, s_w_c, s_keep_r, s_keep_c,
     SUMS: tl.constexpr, K: tl.constexpr, FUSED: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_REST: tl.constexpr,
     HAS_MOMENT: tl.constexpr, HAS_SUB: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -74,7 +74,8 @@ def invariant_tile_kernel(
     sub_sum = tl.zeros((BLOCK_M,), dtype=tl.int64)
     c_begin = pid_s * cols_per_split
     c_end = tl.minimum(c_begin + cols_per_split, n_valid)
-    for c0 in range(c_begin, c_end, BLOCK_N):
+    c0 = c_begin
+    while c0 < c_end:  # run-time bounds: see _tiles' docstring
         cols = c0 + tl.arange(0, BLOCK_N)
         col_ok = cols < c_end
         x = logits_tile(src, weight, rows64, row_ok, cols, col_ok, n_hidden, s_src_r, s_src_c, s_w_r, s_w_c,
@@ -97,6 +98,7 @@ def invariant_tile_kernel(
             shift = tl.maximum(shift, _no_nan_max(x))
             if HAS_SUB:
                 sub_shift = tl.maximum(sub_shift, _no_nan_max(sub_x))
+        c0 += BLOCK_N
     if SUMS:
         if HAS_REST:
             tl.store(out_rest + out_row, rest, mask=row_ok)

@@ -3,6 +3,13 @@ recomputed as h·Wᵀ with fp32 accumulation), a finiteness test and an accurate
 
 Kept to plain tl.load / tl.dot / tl.where / tl.exp patterns that both the GPU compiler (triton
 3.6, 3.7) and the interpreter (TRITON_INTERPRET=1) accept.
+
+Loop bounds: triton 3.6's interpreter passes every int argument as a 1-element array and turns it
+into a Python int with ``int(array)``, which numpy ≥ 2.4 refuses ("only 0-dimensional arrays can
+be converted to Python scalars"); 3.7 squeezes first. So no kernel here hands ``range`` a bound
+known only at run time: the hidden size is a ``tl.constexpr`` (one compile per model width, and a
+trip count the compiler knows), and the column loops, whose bounds depend on the program and T,
+are ``while c0 < c_end`` loops (a 1-element array's truth value is still allowed).
 """
 from __future__ import annotations
 
@@ -46,7 +53,7 @@ def expm1(y):
 
 
 @triton.jit
-def logits_tile(src, weight, rows64, row_ok, cols, col_ok, n_hidden, s_src_r, s_src_c, s_w_r, s_w_c,
+def logits_tile(src, weight, rows64, row_ok, cols, col_ok, n_hidden: tl.constexpr, s_src_r, s_src_c, s_w_r, s_w_c,
                 FUSED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The fp32 tile x [BLOCK_M, BLOCK_N] of rows `rows64` and columns `cols`: loaded from the

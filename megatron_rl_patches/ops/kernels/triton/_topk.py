@@ -18,7 +18,7 @@ from megatron_rl_patches.ops.kernels.triton._tiles import logits_tile
 @triton.jit
 def topk_tile_kernel(
     src, weight, out_values, out_ids, out_max,
-    n_rows, n_valid, n_hidden, first_id, sentinel,
+    n_rows, n_valid, n_hidden: tl.constexpr, first_id, sentinel,
     s_src_r, s_src_c, s_w_r, s_w_c,
     K: tl.constexpr, FUSED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,

@@ -55,6 +55,7 @@ from megatron_rl_patches.ops.kernels.triton.launch import (
     scale_args,
     src_args,
 )
+from megatron_rl_patches.ops.kernels.triton.topk_launches import topk_launch_shape
 from megatron_rl_patches.ops.topk_select import RunningTopk, best_of
 
 
@@ -127,8 +128,9 @@ class TritonTiles(Backend):
     def topk(self, source: Source, run: RunningTopk, first_id: int) -> RunningTopk:
         """Every tile's k best (value desc, id asc, exact: no ambiguous cut) merged into `run`
         (empty, as the top-k ops hand it); fp64 goes to the torch tiles. The candidates (k per
-        vocabulary tile: V·k/BLOCK_N a row) and their merge are made for a block of rows at a
-        time (:func:`topk_rows_per_launch`), so the call's excess memory does not grow with T."""
+        vocabulary tile and row) and their merge are made a launch at a time, a block of rows
+        times a group of tiles (:func:`.topk_launches.topk_launch_shape`), so the call's excess
+        memory stays a small share of T·V_local·4 bytes and does not grow with T."""
         if source.first.dtype == torch.float64:
             return self._torch.topk(source, run, first_id)
         n_rows, n_valid, k = source.n_rows, source.n_valid, run.values.size(1)
@@ -136,22 +138,25 @@ class TritonTiles(Backend):
             return run
         device = source.first.device
         b = blocks(device, source.fused)
-        tiles = triton.cdiv(n_valid, b.n)
-        values, ids, row_max = torch.empty_like(run.values), torch.empty_like(run.ids), torch.empty_like(run.row_max)
-        for r0, r1 in row_chunks(n_rows, topk_rows_per_launch(tiles * k, b.m, device)):
-            part = _row_slice(source, r0, r1)
-            cand_values = torch.empty(r1 - r0, tiles * k, dtype=torch.float32, device=device)
-            cand_ids = torch.empty(r1 - r0, tiles * k, dtype=torch.long, device=device)
-            tile_max = torch.empty(tiles, r1 - r0, dtype=torch.float32, device=device)
-            src, weight, n_hidden, *strides = src_args(part)
-            topk_tile_kernel[(triton.cdiv(r1 - r0, b.m), tiles)](
-                src, weight, cand_values, cand_ids, tile_max, r1 - r0, n_valid, n_hidden, first_id, run.sentinel,
-                *strides, K=k, FUSED=part.fused, **b.launch(source.first.dtype),
-            )
-            best_values, best_ids = best_of(torch.cat([run.values[r0:r1].float(), cand_values], dim=1),
-                                            torch.cat([run.ids[r0:r1], cand_ids], dim=1), k)
-            values[r0:r1], ids[r0:r1] = best_values.to(values.dtype), best_ids
-            row_max[r0:r1] = torch.maximum(run.row_max[r0:r1], tile_max.amax(dim=0).to(row_max.dtype))
+        rows_per_launch, cols_per_launch = topk_launch_shape(n_rows, n_valid, k, b.m, b.n, device)
+        values, ids, row_max = run.values.clone(), run.ids.clone(), run.row_max.clone()
+        for r0, r1 in row_chunks(n_rows, rows_per_launch):
+            for c0, c1 in row_chunks(n_valid, cols_per_launch):
+                part = _block(source, r0, r1, c0, c1)
+                tiles = triton.cdiv(c1 - c0, b.n)
+                cand_values = torch.empty(r1 - r0, tiles * k, dtype=torch.float32, device=device)
+                cand_ids = torch.empty(r1 - r0, tiles * k, dtype=torch.long, device=device)
+                tile_max = torch.empty(tiles, r1 - r0, dtype=torch.float32, device=device)
+                src, weight, n_hidden, *strides = src_args(part)
+                topk_tile_kernel[(triton.cdiv(r1 - r0, b.m), tiles)](
+                    src, weight, cand_values, cand_ids, tile_max, r1 - r0, c1 - c0, n_hidden, first_id + c0,
+                    run.sentinel, *strides, K=k, FUSED=part.fused, **b.launch(source.first.dtype),
+                )
+                best_values, best_ids = best_of(torch.cat([values[r0:r1].float(), cand_values], dim=1),
+                                                torch.cat([ids[r0:r1], cand_ids], dim=1), k)
+                del cand_values, cand_ids
+                values[r0:r1], ids[r0:r1] = best_values.to(values.dtype), best_ids
+                row_max[r0:r1] = torch.maximum(row_max[r0:r1], tile_max.amax(dim=0).to(row_max.dtype))
         return RunningTopk(values, ids, run.ambiguous, row_max, run.sentinel)
 
     # ------------------------------------------------------------------------- backward
@@ -164,13 +169,13 @@ class TritonTiles(Backend):
             raise ValueError("GradFactors with mark_alpha but no alpha: the marked e^(u - L) term needs the full shift")
         if not source.fused:
             grad = logits_grad_buffer(source)
-            self._grad_tiles(source, factors, scale, keep_mask, grad, 0, source.n_rows, 0, source.n_valid)
+            self.grad_tiles(source, factors, scale, keep_mask, grad, 0, source.n_rows, 0, source.n_valid)
             return (grad,)
         return column_block_grads(source, factors.dtype, needs,
-                                  lambda dz, c0, c1: self._grad_tiles(source, factors, scale, keep_mask, dz, 0,
+                                  lambda dz, c0, c1: self.grad_tiles(source, factors, scale, keep_mask, dz, 0,
                                                                       source.n_rows, c0, c1))
 
-    def _grad_tiles(self, source: Source, f: GradFactors, scale: float | torch.Tensor,
+    def grad_tiles(self, source: Source, f: GradFactors, scale: float | torch.Tensor,
                     keep_mask: torch.Tensor | None, out: torch.Tensor, r0: int, r1: int, c0: int, c1: int) -> None:
         """dL/dx of rows [r0, r1) and valid columns [c0, c1) into `out` (its [0, 0] = source [r0, c0])."""
         if r1 <= r0 or c1 <= c0:
@@ -264,10 +269,12 @@ class TritonTiles(Backend):
 
 
 def column_block_grads(source: Source, dtype: torch.dtype, needs: tuple[bool, ...],
-                       write_dz: Callable[[torch.Tensor, int, int], None]) -> tuple[torch.Tensor | None, ...]:
+                       write_dz: Callable[[torch.Tensor, int, int], None],
+                       block_width: int | None = None) -> tuple[torch.Tensor | None, ...]:
     """(dL/dh, dL/dW) of a hidden-state source from dz written block of columns by block:
     `write_dz(dz, c0, c1)` fills dz [T, c1 − c0] for the valid columns [c0, c1), then two matmuls
-    give dW[c0:c1] = dzᵀ·h and dh += dz·W[c0:c1] (see the module docstring)."""
+    give dW[c0:c1] = dzᵀ·h and dh += dz·W[c0:c1] (see the module docstring). `block_width`:
+    columns per block (None: the dz buffer's byte budget, or the op's chunk_size)."""
     hidden, weight = source.hidden, source.weight
     assert hidden is not None and weight is not None  # fused
     n_rows, n_valid = source.n_rows, source.n_valid
@@ -288,7 +295,7 @@ def column_block_grads(source: Source, dtype: torch.dtype, needs: tuple[bool, ..
     budget = CUDA_TILE_BYTES if hidden.device.type == "cuda" else CPU_TILE_BYTES
     # the op's chunk_size (rows per tile elsewhere) caps the block at chunk_size·V_local entries
     entries = source.chunk_rows * n_valid if source.chunk_rows else budget // dz_dtype.itemsize
-    width = max(1, entries // n_rows)
+    width = block_width if block_width is not None else max(1, entries // n_rows)
     buf = torch.empty(n_rows, min(width, n_valid), dtype=dz_dtype, device=hidden.device)
     for c0, c1 in row_chunks(n_valid, width):
         dz = buf[:, : c1 - c0]
@@ -330,24 +337,11 @@ def merge_splits(parts: RowStats, splits: int, scale: float | torch.Tensor) -> R
                     sub_shift=sub_shift, sub_sum=None if moved.sub_sum is None else moved.sub_sum.sum(0))
 
 
-# bytes a top-k candidate costs at its row block's merge: its value and id, the concatenation,
-# best_of's argsort, gathers and stable sort (fp32 values, int64 ids and indices)
-TOPK_BYTES_PER_CANDIDATE = 56
-
-
-def topk_rows_per_launch(candidates_per_row: int, block_m: int, device: torch.device) -> int:
-    """Rows of one top-k launch: its candidates and their merge within the tile budget (the torch
-    tiles' CUDA_TILE_BYTES / CPU_TILE_BYTES), a whole number of the kernel's row blocks (so each
-    row is computed in the same block as in one launch over all rows), at least one block."""
-    budget = CUDA_TILE_BYTES if device.type == "cuda" else CPU_TILE_BYTES
-    blocks_fit = budget // (TOPK_BYTES_PER_CANDIDATE * candidates_per_row * block_m)
-    return block_m * max(1, blocks_fit)
-
-
-def _row_slice(source: Source, r0: int, r1: int) -> Source:
-    """The source's rows [r0, r1) (views: the kernel reads them where they are)."""
+def _block(source: Source, r0: int, r1: int, c0: int, c1: int) -> Source:
+    """The source's rows [r0, r1) and valid columns [c0, c1) (views: the kernel reads them where
+    they are; c0 a whole number of tiles, so each tile is the one a single launch computes)."""
     if source.fused:
-        assert source.hidden is not None  # fused
-        return dataclasses.replace(source, hidden=source.hidden[r0:r1])
+        assert source.hidden is not None and source.weight is not None  # fused
+        return dataclasses.replace(source, n_valid=c1 - c0, hidden=source.hidden[r0:r1], weight=source.weight[c0:c1])
     assert source.logits is not None  # not fused
-    return dataclasses.replace(source, logits=source.logits[r0:r1])
+    return dataclasses.replace(source, n_valid=c1 - c0, logits=source.logits[r0:r1, c0:c1])
