@@ -15,8 +15,9 @@ With `response_start` (the field this server adds) only the rows from the respon
 are computed and sent: log-prob entries before it are None, a pooling reply's rows start at its
 `first_row`. Every route asks for the API key (`Authorization: Bearer KEY`) when one is set; the key
 is compared in constant time and never written to a reply or a log. A dead engine answers 500 and
-stops the server, so a client fails over to another replica."""
-from __future__ import annotations
+stops the server, so a client fails over to another replica.
+
+(No `from __future__ import annotations` here: FastAPI reads the routes' annotations at definition.)"""
 
 import hmac
 import json
@@ -34,11 +35,11 @@ CARD_FIELD = "megatron_rl_patches"  # the card's field naming this server and wh
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def card_extension() -> dict[str, Any]:
+def card_extension(block_size: int) -> dict[str, Any]:
     from megatron_rl_patches import __version__
 
     return {"server": "serve-teacher", "version": __version__, "shares_prefix": True,
-            "request_field": bodies.RESPONSE_START}
+            "request_field": bodies.RESPONSE_START, "block_size": block_size}
 
 
 def error(status: int, message: str) -> Any:
@@ -115,7 +116,7 @@ def teacher_app(engine: Any, api_key: str | None, on_engine_death: Callable[[], 
     async def models() -> Any:
         card = {"id": engine.name, "object": "model", "created": int(time.time()), "owned_by": "vllm",
                 "root": engine.root, "parent": None, "max_model_len": engine.max_model_len,
-                CARD_FIELD: card_extension()}
+                CARD_FIELD: card_extension(engine.block_size)}
         return {"object": "list", "data": [card]}
 
     @app.post("/tokenize")
@@ -123,7 +124,10 @@ def teacher_app(engine: Any, api_key: str | None, on_engine_death: Callable[[], 
         async def answer(body: Any) -> Any:
             if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
                 raise bodies.BadRequest("this server tokenizes a text: prompt must be a str")
-            tokens = await engine.tokenize(body["prompt"], bool(body.get("add_special_tokens", True)))
+            try:
+                tokens = engine.tokenize(body["prompt"], bool(body.get("add_special_tokens", True)))
+            except LookupError as none:
+                raise bodies.BadRequest(str(none)) from None
             return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,
                     "token_strs": None}
         return await answered(request, answer)

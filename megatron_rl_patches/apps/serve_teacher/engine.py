@@ -8,6 +8,7 @@ vLLM is imported only here, when the command runs."""
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,10 +36,10 @@ def engine_arguments(model: str, extra: Sequence[str]) -> Any:
     if getattr(given, "enable_prefix_caching", None) is False:
         raise ValueError("serve-teacher shares a group's prefix through vLLM's prefix cache: drop "
                          "--no-enable-prefix-caching from the engine arguments")
-    given.runner, given.convert, given.enable_prefix_caching = "pooling", "embed", True
-    given.pooler_config = dict(POOLER)
-    given.disable_log_stats = False  # the engine's counters (/metrics)
-    return AsyncEngineArgs.from_cli_args(given)
+    ours = parser.parse_args(["--model", model, *extra, "--runner", "pooling", "--convert", "embed",
+                              "--pooler-config", json.dumps(POOLER), "--enable-prefix-caching"])
+    ours.disable_log_stats = False  # the engine's counters (/metrics)
+    return AsyncEngineArgs.from_cli_args(ours)
 
 
 class TeacherEngine:
@@ -59,6 +60,7 @@ class TeacherEngine:
         self.max_model_len = int(config.max_model_len)
         self.max_logprobs = int(config.max_logprobs)
         self.vocab_size = int(config.get_vocab_size())
+        self.block_size = int(self.engine.vllm_config.cache_config.block_size)
         self.head = output_layer(model, self.vocab_size)
         self.prefixes = SharedPrefixes()
         self.counter = itertools.count()
@@ -94,8 +96,11 @@ class TeacherEngine:
             self.prefixes.keep(ids, start, rows)
             return rows
 
-    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
-        tokenizer = await self.engine.get_tokenizer()
+    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        """`text` in the served model's tokenizer's ids; LookupError where it was started without one."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise LookupError("Tokenizer not available: the engine was started with --skip-tokenizer-init")
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def shutdown(self) -> None:
