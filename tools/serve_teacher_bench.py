@@ -64,9 +64,12 @@ def measure(url: str, directory: Path, shape: tuple[int, int, int], groups: int,
     prompt, response, size = shape
     head = {"head": str(directory)} if states else {}
     with ServedTeacher(url, top_k=20, client=ClientSettings(deadline_s=600), **head) as teacher:
-        teacher.score(group(prompt, response, size, seed=999))  # warm: the first request's one-off costs
+        # seeds of their own per shape: one shape's prompt must not be the start of another's (whose cached
+        # blocks would hold the row before the response, which the group's first then computes twice)
+        first = 1_000 * (prompt + 7 * response)
+        teacher.score(group(prompt, response, size, seed=first + groups))  # warm: the first request's one-off costs
         times, tokens = [], []
-        for seed in range(groups):
+        for seed in range(first, first + groups):
             batch = group(prompt, response, size, seed)
             before = computed(url)
             start = time.perf_counter()

@@ -19,11 +19,12 @@ stops the server, so a client fails over to another replica.
 
 (No `from __future__ import annotations` here: FastAPI reads the routes' annotations at definition.)"""
 
+import contextlib
 import hmac
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import torch
@@ -55,7 +56,17 @@ def teacher_app(engine: Any, api_key: str | None, on_engine_death: Callable[[], 
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
 
-    app = FastAPI(title="megatron-rl-patches serve-teacher", docs_url=None, redoc_url=None, openapi_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # the engine stopped here, inside uvicorn's serve: after it, uvicorn re-raises the SIGTERM it
+        # caught and the process ends before any code after serve() runs (its engine core left behind)
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="megatron-rl-patches serve-teacher", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
     wanted = f"Bearer {api_key}".encode() if api_key else None
 
     @app.middleware("http")

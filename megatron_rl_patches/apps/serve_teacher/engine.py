@@ -104,7 +104,10 @@ class TeacherEngine:
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """The engine and its core process stopped (once; a second call does nothing)."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.shutdown()
 
 
 def output_layer(model: str, vocab_size: int) -> torch.Tensor:
