@@ -115,6 +115,35 @@ def test_a_privileged_context_shared_by_a_group_equals_the_stock_server(ours, se
     assert_rows_equal(got, want, batch)
 
 
+def rank_half(rank: int, world: int, url: str) -> list[list[torch.Tensor]]:
+    """This rank's half of every group's samples (rank r: members r, r + 2, ...), scored with the
+    data-parallel group: both halves of a group at one server at once."""
+    import torch.distributed as dist
+
+    batch = grouped(5, [(4, 2 * OURS_BLOCK), (8, 45)])
+    mine = [i for i in range(len(batch)) if i % world == rank]
+    half = TeacherBatch([batch.sequences[i] for i in mine], [batch.response_starts[i] for i in mine])
+    with ServedTeacher(url, top_k=K, client=FAST) as teacher:
+        scores = teacher.score(half, group=dist.group.WORLD)
+    return [[getattr(scores, field)[j] for field in ("token_log_probs", "topk_ids", "topk_log_probs",
+                                                     "tail_log_probs")] for j in range(len(mine))]
+
+
+def test_a_group_split_over_two_ranks_equals_the_stock_server(ours, served):
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    halves = run_multirank(rank_half, 2, ours.url, timeout=180)
+    batch = grouped(5, [(4, 2 * OURS_BLOCK), (8, 45)])
+    with ServedTeacher(served.url, top_k=K, client=FAST) as stock:
+        want = stock.score(batch)
+    for i in range(len(batch)):
+        got = halves[i % 2][i // 2]
+        assert torch.equal(got[1], want.topk_ids[i]), i
+        for value, field in zip((got[0], got[2], got[3]), ("token_log_probs", "topk_log_probs", "tail_log_probs"),
+                                strict=True):
+            torch.testing.assert_close(value, getattr(want, field)[i], rtol=0, atol=BOUND)
+
+
 def test_a_group_costs_its_prompt_once(ours, served):
     """P + G·R (and the prompt's partly filled last block again for each later member) on serve-teacher;
     G·(P + R) on the stock server. Prompts never asked before (no cached block, no kept rows)."""
