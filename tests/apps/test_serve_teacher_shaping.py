@@ -119,9 +119,12 @@ def test_a_vllm_outside_the_tested_versions_is_refused_naming_them():
             check_vllm_version(version)
 
 
-def test_the_command_refuses_a_missing_directory(capsys):
+def test_the_command_refuses_a_missing_directory_and_a_key_among_the_engine_arguments(capsys, tmp_path):
     assert main(["serve-teacher", "/nonexistent/teacher", "--", "--dtype", "float32"]) == 2
     assert "MODEL_DIR '/nonexistent/teacher' is no directory" in capsys.readouterr().err
+    assert main(["serve-teacher", str(tmp_path), "--", "--api-key=secret-words"]) == 2
+    said = capsys.readouterr().err
+    assert "--api-key is this command's, not an engine argument" in said and "secret-words" not in said
 
 
 def test_a_server_that_shares_prefixes_is_sent_the_response_start_and_vllm_never():

@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     extra = list(args.passed_through)
+    if any(word == "--api-key" or word.startswith("--api-key=") for word in extra):  # vLLM's parser would echo it
+        raise UsageError(f"--api-key is this command's, not an engine argument: give it before '--' (or set "
+                         f"${KEY_VARIABLE})")
     if not os.path.isdir(args.model):
         raise UsageError(f"MODEL_DIR {args.model!r} is no directory: give the teacher's Hugging Face checkpoint "
                          f"directory")
