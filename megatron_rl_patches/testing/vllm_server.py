@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # vLLM's CPU backend pins OpenMP threads unless told not to. Its engine's model runner runs inside the
@@ -38,6 +38,7 @@ class VllmServer:
     url: str
     process: subprocess.Popen
     log: Path
+    api_key: str | None = field(default=None, repr=False)  # sent to /health (serve-teacher asks for it there too)
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
@@ -78,23 +79,40 @@ def server_command(python: str, model: str | Path, port: int, max_model_len: int
             "--distributed-executor-backend", "uni", "--host", "127.0.0.1", "--port", str(port), *extra]
 
 
+def serve_teacher_command(python: str, model: str | Path, port: int, max_model_len: int, max_logprobs: int,
+                          extra: tuple[str, ...] = (), dtype: str = "float32") -> list[str]:
+    """`megatron-rl-patches serve-teacher` run by vLLM's interpreter, with the test servers' engine
+    arguments (its prefix cache is the server's own)."""
+    engine = server_command(python, model, port, max_model_len, max_logprobs, extra, dtype)[5:]
+    engine = [word for word in engine if word != "--no-enable-prefix-caching"]
+    at = engine.index("--host")
+    return [python, "-m", "megatron_rl_patches", "serve-teacher", str(model), "--host", "127.0.0.1", "--port",
+            str(port), "--", *engine[:at], *engine[at + 4:]]
+
+
 def launch(python: str, model: str | Path, log: str | Path, *, max_model_len: int = 256, max_logprobs: int = 20,
-           api_key: str | None = None, extra: tuple[str, ...] = (), dtype: str = "float32") -> VllmServer:
+           api_key: str | None = None, extra: tuple[str, ...] = (), dtype: str = "float32",
+           serve_teacher: bool = False) -> VllmServer:
     """A vLLM server of `model` started (not yet ready: `serving` waits for it and stops it), so a
-    caller can start several at once and let them load side by side."""
+    caller can start several at once and let them load side by side. `serve_teacher`: this package's
+    `serve-teacher` (vLLM's engine in process) instead of vLLM's own server, the package importable
+    from vLLM's interpreter through PYTHONPATH (this checkout's root, nothing else)."""
     port = free_port()
     env = {**os.environ, **CPU_ENV}
     env.pop("VLLM_API_KEY", None)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
     # the server runs in its own venv: a caller's PYTHONPATH (a lane's packages, another Python's) would shadow it
     env.pop("PYTHONPATH", None)
+    command = server_command(python, model, port, max_model_len, max_logprobs, extra, dtype)
+    if serve_teacher:
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+        command = serve_teacher_command(python, model, port, max_model_len, max_logprobs, extra, dtype)
     if api_key is not None:
         env["VLLM_API_KEY"] = api_key
     log = Path(log)
     with open(log, "wb") as out:
-        process = subprocess.Popen(server_command(python, model, port, max_model_len, max_logprobs, extra, dtype),
-                                   stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return VllmServer(f"http://127.0.0.1:{port}", process, log)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return VllmServer(f"http://127.0.0.1:{port}", process, log, api_key)
 
 
 @contextlib.contextmanager
@@ -151,7 +169,9 @@ def wait_ready(server: VllmServer, timeout: float) -> None:
             raise RuntimeError(f"the vLLM server exited with {server.process.returncode} before it was ready "
                                f"(its log: {server.log}):\n{server.log_tail()}")
         try:
-            with urllib.request.urlopen(server.url + "/health", timeout=2) as reply:
+            headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+            with urllib.request.urlopen(urllib.request.Request(server.url + "/health", headers=headers),
+                                        timeout=2) as reply:
                 if reply.status == 200:
                     return
         except (urllib.error.URLError, OSError):

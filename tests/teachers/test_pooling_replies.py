@@ -127,7 +127,8 @@ def test_fp8_states_are_decoded_as_vllm_encodes_them(dtype):
     sent = states.to(dtype)
     rows = engine(8, dtype).rows(reply(sent, offset=3), 9, 2, 0)
     assert rows.dtype == dtype and torch.equal(rows.view(torch.uint8), sent[1:8].view(torch.uint8))
-    assert engine(8, dtype).body(SimpleNamespace(name="m"), [1, 2])["embed_dtype"] == NAMES[dtype]
+    stock = SimpleNamespace(name="m", shares_prefix=False)
+    assert engine(8, dtype).body(stock, [1, 2], 1)["embed_dtype"] == NAMES[dtype]
     big = states.index_fill(0, torch.tensor([4]), 1e6).to(dtype)
     if dtype == torch.float8_e4m3fn:
         assert engine(8, dtype).rows(reply(big), 9, 1, 0)[4].float().eq(448).all()

@@ -3,7 +3,8 @@
 Every command module provides `add_arguments(parser)` and `run(args) -> int`; `run` may raise
 :class:`UsageError` for a one-line usage error. Only the module of the command being run is
 imported, so `--help` and the light commands stay cheap. Exit codes, for every command: 0 ok,
-1 a problem found, 2 usage error (also: a command this installation does not have).
+1 a problem found, 2 usage error (also: a command this installation does not have). A module that
+sets `PASSES_THROUGH = True` gets the words after the first '--' unparsed, as `args.passed_through`.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "benchmarks: log-prob and top-k losses (memory, time), re-entrant wrapper cost; "
               "gpu: every implementation on CUDA"),
     "memory": ("megatron_rl_patches.apps.cli.memory", "training-state bytes an inference-only build saves"),
+    "serve-teacher": ("megatron_rl_patches.apps.cli.serve_teacher",
+                      "a teacher server on vLLM's engine that computes a group's shared prompt once"),
     "run": ("megatron_rl_patches.apps.cli.run",
             "run a command whose Python processes all apply the patches at start-up"),
 }
@@ -120,10 +123,14 @@ def _run(argv: list[str]) -> int:
     except ModuleNotFoundError as exc:
         say(str(command), f"needs the module {exc.name!r}, which is not installed")
         return PROBLEM
+    passed: list[str] = []
+    if getattr(implementation, "PASSES_THROUGH", False) and "--" in argv:  # e.g. another program's arguments
+        argv, passed = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error (argparse printed why)
         return exc.code if isinstance(exc.code, int) else USAGE
+    args.passed_through = passed
     if implementation is None:
         parser.print_help(sys.stderr)
         return USAGE

@@ -37,7 +37,7 @@ from megatron_rl_patches.teachers.served.endpoint import Endpoint, SampleAsk, St
 from megatron_rl_patches.teachers.served.engines.protocol import ServedModel
 from megatron_rl_patches.teachers.served.metrics import Recorder
 from megatron_rl_patches.teachers.served.settings import ReplicaSettings
-from megatron_rl_patches.teachers.served.spreading import FewestInFlight, Placements
+from megatron_rl_patches.teachers.served.spreading import FewestInFlight, Placements, PromptAffinity
 
 LOG = logging.getLogger(__name__)
 HISTORY = 64  # the latest answer times the hedging point is read from
@@ -110,6 +110,8 @@ class Scheduler:
                 self.out.pop(index, None)
             self.out.update(errors)
             self.checked = [time.monotonic()] * len(self.replicas)
+            if not self.settings.spread_given and models and all(model.shares_prefix for model in models.values()):
+                self.spread = PromptAffinity()  # serve-teacher replicas: a group's prompt computed once, on one
 
     def usable(self) -> list[int]:
         """The replicas samples may go to now: neither out nor being checked (holding the lock)."""

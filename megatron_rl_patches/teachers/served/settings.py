@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches._variables import TEACHER_API_KEY
@@ -108,7 +108,9 @@ class ReplicaSettings:
     `PromptAffinity()`, the samples of one prompt (the same ids before their response start) on
     the replica the first of them went to while it is healthy. `keep_prompt_groups=True` is the
     same as `spread=PromptAffinity()`. Prompt affinity loads the replicas unevenly (a group of long
-    samples on one replica while another idles).
+    samples on one replica while another idles). Neither given, replicas that are all
+    `megatron-rl-patches serve-teacher` servers (their cards say so) are spread by prompt affinity,
+    each computing a group's shared prompt once; any other servers by `FewestInFlight()`.
 
     `min_replicas`: the replicas that must answer (and agree) when the teacher connects; the others
     are named in one warning, left out, and asked again between steps (re-probed before use).
@@ -128,6 +130,7 @@ class ReplicaSettings:
     spread: FewestInFlight | None = None
     min_replicas: int = 1
     recheck_s: float | None = 60.0
+    spread_given: bool = field(default=False, init=False, repr=False, compare=False)  # spread or keep_prompt_groups
 
     def __post_init__(self) -> None:
         if self.hedge_after is not None and (not finite(self.hedge_after) or self.hedge_after < 1):
@@ -154,5 +157,6 @@ class ReplicaSettings:
         if self.keep_prompt_groups and not isinstance(spread, PromptAffinity):
             raise ValueError(f"ReplicaSettings(keep_prompt_groups=True, spread={spread!r}): keep_prompt_groups=True "
                              f"is spread=PromptAffinity(); give one of the two")
+        object.__setattr__(self, "spread_given", self.spread is not None or self.keep_prompt_groups)
         object.__setattr__(self, "spread", spread)
         object.__setattr__(self, "keep_prompt_groups", isinstance(spread, PromptAffinity))

@@ -37,11 +37,12 @@ class PromptAffinity(FewestInFlight):
     of one prompt) go to the replica the first of them went to while it is healthy; a new prompt
     goes to the replica with the fewest requests in flight.
 
-    It saves no compute on vLLM 0.32: vLLM turns prefix-cache reads off for requests with prompt
-    log-probs and for all-token pooling (`skip_reading_prefix_cache`), the two routes a served
-    teacher asks, even with `--enable-prefix-caching` (the served lane reads its `/metrics`). What
-    it buys is one server's numerics for a whole group, and a group failed over together; it loads
-    the replicas unevenly."""
+    On stock vLLM 0.32 it saves no compute: vLLM turns prefix-cache reads off for requests with
+    prompt log-probs and for all-token pooling (`skip_reading_prefix_cache`), the two routes a
+    served teacher asks, even with `--enable-prefix-caching` (the served lane reads its `/metrics`);
+    there it buys one server's numerics for a whole group, and a group failed over together, and
+    loads the replicas unevenly. On `megatron-rl-patches serve-teacher` replicas it is what lets
+    the replica holding a group compute its prompt once (the default there)."""
 
     def choose(self, loads: Mapping[int, int], replicas: int, prompt: Hashable | None,
                placements: Placements) -> int:

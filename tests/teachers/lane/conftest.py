@@ -25,6 +25,7 @@ from tests.teachers.lane.served_kit import (
     MAX_LOGPROBS,
     MAX_MODEL_LEN,
     MODEL_SHAPE,
+    OURS_BLOCK,
     POOLING,
     VLLM_PYTHON,
     VOCAB,
@@ -136,6 +137,9 @@ def start(name: str, root: Path, directory: Path) -> Any:
     if name == "spare":  # the same weights from a byte copy at another path, its prefix cache on (issue 86 items 1, 2)
         return launch(VLLM_PYTHON, spare_copy(root, directory), root / "vllm-spare.log", api_key=API_KEY,
                       extra=("--enable-prefix-caching",), **common)
+    if name == "ours":  # megatron-rl-patches serve-teacher: vLLM's engine in process, a group's prefix once (issue 98)
+        return launch(VLLM_PYTHON, directory, root / "serve-teacher.log", api_key=API_KEY, serve_teacher=True,
+                      extra=("--block-size", str(OURS_BLOCK)), **common)
     if name == "pooled":
         return launch(VLLM_PYTHON, directory, root / "vllm-pooling.log", api_key=API_KEY, extra=POOLING, **common)
     if name == "cohere":  # a family whose engine scales its logits by a default (issue 86 item 11)
@@ -150,7 +154,7 @@ def start(name: str, root: Path, directory: Path) -> Any:
                   dtype="bfloat16", max_model_len=MAX_MODEL_LEN)
 
 
-SERVERS = ("served", "pooled", "tokenizerless", "bf16_pooled", "spare", "cohere", "cohere_pooled")
+SERVERS = ("served", "ours", "pooled", "tokenizerless", "bf16_pooled", "spare", "cohere", "cohere_pooled")
 # a module marked served_extra starts servers of its own past the lane's time budget: run with this set
 EXTRA = bool(os.environ.get("MRP_SERVED_EXTRA"))
 
@@ -229,6 +233,17 @@ def pooled(launched, checkpoint):
     --convert embed --pooler-config '{"task": "token_embed"}'`), started beside the generate one."""
     _, directory, model = checkpoint
     with ready(launched, "pooled", checkpoint) as server:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("MEGATRON_RL_PATCHES_TEACHER_API_KEY", API_KEY)
+            yield Served(server.url, model, directory, server.process)
+
+
+@pytest.fixture(scope="session")
+def ours(launched, checkpoint):
+    """`megatron-rl-patches serve-teacher` of the lane's checkpoint (its prefix cache on, blocks of
+    OURS_BLOCK tokens); the API key set in the client's variable."""
+    _, directory, model = checkpoint
+    with ready(launched, "ours", checkpoint) as server:
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("MEGATRON_RL_PATCHES_TEACHER_API_KEY", API_KEY)
             yield Served(server.url, model, directory, server.process)

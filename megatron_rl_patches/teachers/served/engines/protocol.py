@@ -25,13 +25,17 @@ class ServedModel:
     two checkpoints served under one name apart, not two copies of one; `generates`: the tokens a
     request generates after the prompt (a sample holds at most `max_model_len - generates` ids);
     `answer`: what the server computed for the engine's fixed probe (its rows, or hidden states),
-    which tells replicas of one teacher from servers of another (`served.identity`)."""
+    which tells replicas of one teacher from servers of another (`served.identity`); `shares_prefix`:
+    the server is `megatron-rl-patches serve-teacher` (its card says so), which computes the ids
+    before a sample's response once for the samples that share them when told where the response
+    starts (the request field `response_start`)."""
 
     name: str
     max_model_len: int
     root: str | None = None
     generates: int = 1
     answer: Any = field(default=None, compare=False, repr=False)
+    shares_prefix: bool = field(default=False, compare=False)
 
     @property
     def longest(self) -> int:

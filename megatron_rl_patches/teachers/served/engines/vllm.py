@@ -32,8 +32,19 @@ MAX_LOGPROBS = re.compile(r"greater than max allowed:\s*(-?\d+)")
 # vLLM's words when it was started with --skip-tokenizer-init (a 400 from /tokenize)
 NO_TOKENIZER = re.compile(r"Tokenizer not available|skip_tokenizer_init")
 PROBE_IDS = [0, 0]  # id 0 exists in every vocabulary
+# `megatron-rl-patches serve-teacher`'s card field, and the request field telling it where the response
+# starts (apps/serve_teacher: the samples of one prompt then share what comes before)
+SERVE_TEACHER_CARD = "megatron_rl_patches"
+RESPONSE_START = "response_start"
 # a router's words when it refuses a token-id prompt (sglang-router 0.3.2 reads `prompt` as text only: a 422)
 ROUTER_PROMPT = re.compile(r"StringOrArray")
+
+
+def shares_prefix(card: dict[str, Any]) -> bool:
+    """Whether the model card is `serve-teacher`'s, which shares a group's prefix (its field
+    `SERVE_TEACHER_CARD` saying so)."""
+    ours = card.get(SERVE_TEACHER_CARD)
+    return isinstance(ours, dict) and ours.get("shares_prefix") is True and ours.get("request_field") == RESPONSE_START
 
 
 def behind_router(url: str, what: str) -> str:
@@ -74,9 +85,10 @@ class VllmEngine:
         if isinstance(length, bool) or not isinstance(length, int) or length < 2:
             raise ServedTeacherError(behind_router(self.client.url, f"/v1/models gives no max_model_len for {name!r}, "
                                                    f"as vLLM's own server does"), self.client.url)
-        model = ServedModel(name, length, root, self.generates)
+        card = listing["data"][names.index(name)]
+        model = ServedModel(name, length, root, self.generates, shares_prefix=shares_prefix(card))
         answer = self.probe(model, deadline, cancel)
-        self.check_card(listing["data"][names.index(name)])
+        self.check_card(card)
         return dataclasses.replace(model, answer=answer)
 
     def check_card(self, card: dict[str, Any]) -> None:
@@ -101,15 +113,18 @@ class VllmEngine:
         return token_list(reply, Reply(f"{self.client.url}{self.tokenize_path}", self.client.url, None))
 
     # ------------------------------------------------------------------ one sample
-    def body(self, model: ServedModel, ids: list[int]) -> dict[str, Any]:
-        return {"model": model.name, "prompt": ids, "max_tokens": 1, "prompt_logprobs": self.top_k,
+    def body(self, model: ServedModel, ids: list[int], start: int) -> dict[str, Any]:
+        """The request of rows start..len(ids)-1; to a server that shares a group's prefix, with
+        where the response starts (vLLM's own server is sent its stock body)."""
+        body = {"model": model.name, "prompt": ids, "max_tokens": 1, "prompt_logprobs": self.top_k,
                 "temperature": 1.0, "detokenize": False}
+        return {**body, RESPONSE_START: start} if model.shares_prefix else body
 
     def ask(self, model: ServedModel, ids: list[int], start: int, deadline: Deadline,
             cancel: threading.Event, sample: int | None) -> SampleRows:
         """Rows start..len(ids)-1 of one sample, scored by the server."""
         try:
-            reply = self.client.request("POST", self.path, self.body(model, ids), deadline, cancel, sample)
+            reply = self.client.request("POST", self.path, self.body(model, ids, start), deadline, cancel, sample)
         except ServedTeacherRefusal as refused:
             found = MAX_LOGPROBS.search(str(refused))
             if found is None and ROUTER_PROMPT.search(str(refused)):

@@ -16,7 +16,7 @@ import torch
 from megatron_rl_patches._json_read import parsed_json
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.served.engines.protocol import STATES, ServedModel
-from megatron_rl_patches.teachers.served.engines.vllm import PROBE_IDS, VllmEngine
+from megatron_rl_patches.teachers.served.engines.vllm import PROBE_IDS, RESPONSE_START, VllmEngine
 from megatron_rl_patches.teachers.served.http import Deadline, TeacherClient
 from megatron_rl_patches.teachers.served.rows_check import first_non_finite_row
 
@@ -60,17 +60,19 @@ class VllmPoolingEngine(VllmEngine):
         (they are what it computes for the fixed probe)."""
         return self.ask(model, PROBE_IDS, 1, deadline, cancel, sample=None)
 
-    def body(self, model: ServedModel, ids: list[int]) -> dict[str, Any]:
-        return {"model": model.name, "input": ids, "task": "token_embed", "use_activation": False,
+    def body(self, model: ServedModel, ids: list[int], start: int) -> dict[str, Any]:
+        body = {"model": model.name, "input": ids, "task": "token_embed", "use_activation": False,
                 "encoding_format": "bytes", "embed_dtype": EMBED_DTYPES[self.dtype], "endianness": "little",
                 "add_special_tokens": False}
+        return {**body, RESPONSE_START: start} if model.shares_prefix else body
 
     def ask(self, model: ServedModel, ids: list[int], start: int, deadline: Deadline,  # type: ignore[override]
             cancel: threading.Event, sample: int | None) -> torch.Tensor:
         """[R, H] in the dtype asked: row r the state that predicts token start + r (positions
         start - 1 ... len(ids) - 2 of the reply; no other row is decoded)."""
         try:
-            reply = self.client.request("POST", self.path, self.body(model, ids), deadline, cancel, sample, raw=True)
+            reply = self.client.request("POST", self.path, self.body(model, ids, start), deadline, cancel, sample,
+                                        raw=True)
         except ServedTeacherRefusal as refused:
             raise self.reworded(refused, sample) from None
         return self.rows(reply, len(ids), start, sample)
@@ -105,8 +107,15 @@ class VllmPoolingEngine(VllmEngine):
             raise refuse(f"the hidden states came {item.get('endianness')!r}-endian, not little-endian as asked")
         if not isinstance(shape, list) or len(shape) != 2 or not all(is_count(n) for n in shape):
             raise refuse(f"the reply's shape {shape!r:.80} is no [rows, width] of ints")
+        # serve-teacher, told where the response starts, sends the rows from start - 1 on (`first_row`)
+        offset = item.get("first_row", 0)
+        if not is_count(offset) or offset > start - 1:
+            raise refuse(f"the reply's first_row {offset!r:.40} is past the response's first row {start - 1}")
+        length -= offset
+        start -= offset
         if shape[0] != length:
-            raise refuse(f"{length} ids sent but hidden states of shape {shape} came back (one row per id expected)")
+            raise refuse(f"{length + offset} ids sent but hidden states of shape {shape} came back from row {offset} "
+                         f"(one row per id expected)")
         if shape[1] != width:  # another model than the head's: a refusal (fix the configuration), not a failure
             raise ServedTeacherRefusal(f"{where}: hidden states of width {shape[1]} came back, but the teacher's head "
                                        f"has hidden size {width}: the server serves another model than the head's "
@@ -123,7 +132,7 @@ class VllmPoolingEngine(VllmEngine):
             else torch.zeros(0, width, dtype=self.dtype)
         bad = first_non_finite_row(states)  # one sum first: 8x less time on large replies (`rows_check`)
         if bad is not None:
-            raise refuse(f"the hidden state of row {bad} (position {start - 1 + bad}) is not finite")
+            raise refuse(f"the hidden state of row {bad} (position {offset + start - 1 + bad}) is not finite")
         return states
 
 

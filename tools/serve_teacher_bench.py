@@ -1,0 +1,129 @@
+"""A group's teacher time on `megatron-rl-patches serve-teacher` against a stock vLLM server (issue 98):
+
+    PYTHONPATH=. .venv/bin/python tools/serve_teacher_bench.py --vllm-python .lanes/vllm/bin/python --out bench-out/st
+
+A tiny random Qwen3 (float32) served on the loopback by both, each alone on the machine in turn (one
+started, measured and stopped before the other). Per shape (P prompt ids, R response ids a sample,
+G samples a group): the median time per group over `--groups` groups of fresh prompts, scored
+through `ServedTeacher` (top-20 with the exact tail; with `--states` hidden states), the teacher
+tokens each computed per group (the engine's own `/metrics`), the ratio and its floor
+(P + G·R) / (G·(P + R)). Writes serve_teacher.json and serve_teacher.md (rows for
+docs/benchmarks.md), the CPU and its load named."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_rl_patches.teachers import ClientSettings, ServedTeacher, TeacherBatch
+from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
+from megatron_rl_patches.testing.vllm_server import launch as launch_server
+from megatron_rl_patches.testing.vllm_server import serving
+
+VOCAB = 1001
+SHAPE = dict(hidden_size=64, head_dim=32, intermediate_size=96, vocab_size=VOCAB)
+KEY = "bench-key"
+SHAPES = ((1024, 128, 8), (256, 1024, 8))
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def load() -> str:
+    return "load average " + " ".join(Path("/proc/loadavg").read_text().split()[:3]) + f" on {os.cpu_count()} cores"
+
+
+def group(prompt: int, response: int, size: int, seed: int) -> TeacherBatch:
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, VOCAB, (prompt,), generator=gen)
+    firsts = torch.randperm(VOCAB, generator=gen)[:size]
+    return TeacherBatch([torch.cat([shared, firsts[i: i + 1], torch.randint(0, VOCAB, (response - 1,), generator=gen)])
+                         for i in range(size)], [prompt] * size)
+
+
+def computed(url: str) -> float:
+    import httpx
+
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prompt_tokens_by_source_total{") and 'source="local_compute"' in line)
+
+
+def measure(url: str, directory: Path, shape: tuple[int, int, int], groups: int, states: bool) -> dict:
+    prompt, response, size = shape
+    head = {"head": str(directory)} if states else {}
+    with ServedTeacher(url, top_k=20, client=ClientSettings(deadline_s=600), **head) as teacher:
+        # seeds of their own per shape: one shape's prompt must not be the start of another's (whose cached
+        # blocks would hold the row before the response, which the group's first then computes twice)
+        first = 1_000 * (prompt + 7 * response)
+        teacher.score(group(prompt, response, size, seed=first + groups))  # warm: the first request's one-off costs
+        times, tokens = [], []
+        for seed in range(first, first + groups):
+            batch = group(prompt, response, size, seed)
+            before = computed(url)
+            start = time.perf_counter()
+            teacher.score(batch)
+            times.append(time.perf_counter() - start)
+            tokens.append(computed(url) - before)
+    return {"seconds": statistics.median(times), "tokens": statistics.median(tokens)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm-python", required=True, help="vLLM 0.32's interpreter (the served lane's venv)")
+    parser.add_argument("--out", default="bench-out/serve-teacher")
+    parser.add_argument("--groups", type=int, default=3, help="groups timed per shape and server")
+    parser.add_argument("--scale", type=float, default=1.0, help="P and R times this (a reduced run: 0.25)")
+    parser.add_argument("--states", action="store_true", help="hidden states (a head) instead of top-k rows")
+    args = parser.parse_args()
+    os.environ["MEGATRON_RL_PATCHES_TEACHER_API_KEY"] = KEY
+    shapes = [(max(1, round(p * args.scale)), max(1, round(r * args.scale)), g) for p, r, g in SHAPES]
+    longest = max(p + r for p, r, _ in shapes) + 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = Path(scratch) / "qwen3"
+        save_tiny_hf(directory, "qwen3", seed=3, max_position_embeddings=longest, **SHAPE)
+        save_word_tokenizer(directory, VOCAB)
+        found: dict[str, dict] = {}
+        for name, ours in (("stock vLLM", False), ("serve-teacher", True)):
+            extra: tuple[str, ...] = ("--block-size", "32") if ours else ()
+            if args.states and not ours:
+                extra = ("--runner", "pooling", "--convert", "embed", "--pooler-config", '{"task": "token_embed"}')
+            server = launch_server(args.vllm_python, directory, Path(scratch) / f"{name}.log", max_model_len=longest,
+                                   api_key=KEY, extra=extra, serve_teacher=ours)
+            with serving(server, 900):
+                found[name] = {f"{p}/{r}/{g}": measure(server.url, directory, (p, r, g), args.groups, args.states)
+                               for p, r, g in shapes}
+        for p, r, g in shapes:
+            key = f"{p}/{r}/{g}"
+            stock, ours_ = found["stock vLLM"][key], found["serve-teacher"][key]
+            rows.append({"P": p, "R": r, "G": g, "stock_s": stock["seconds"], "ours_s": ours_["seconds"],
+                         "ratio": ours_["seconds"] / stock["seconds"], "floor": (p + g * r) / (g * (p + r)),
+                         "stock_tokens": stock["tokens"], "ours_tokens": ours_["tokens"]})
+    said = {"cpu": cpu_name(), "load": load(), "route": "hidden states" if args.states else "top-20 rows",
+            "rows": rows}
+    (out / "serve_teacher.json").write_text(json.dumps(said, indent=1))
+    lines = ["| P | R | G | stock vLLM s/group | serve-teacher s/group | ratio | floor "
+             "| tokens computed (stock / ours) |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['P']} | {r['R']} | {r['G']} | {r['stock_s']:.3f} | {r['ours_s']:.3f} | {r['ratio']:.2f} | "
+              f"{r['floor']:.3f} | {r['stock_tokens']:g} / {r['ours_tokens']:g} |" for r in rows]
+    (out / "serve_teacher.md").write_text("\n".join(lines) + f"\n\n{said['cpu']}, {said['load']}, {said['route']}\n")
+    print("\n".join(lines))
+    print(said["cpu"], "|", said["load"], "|", said["route"])
+
+
+if __name__ == "__main__":
+    main()
