@@ -83,19 +83,20 @@ def test_a_replica_killed_under_the_default_settings_is_taken_out_and_named_once
     hedging on). b dies after step 1: its request is in its retries when the hedge to a answers,
     and that request's failure takes b out all the same — one warning, counted, the next step on a
     alone (it had stayed in, hedged every step)."""
-    batch = TeacherBatch([torch.tensor([i, 1, 2, 5, 3, 4]) for i in range(4)], [3] * 4)
-    with vllm_like() as a, vllm_like(v1_completions=dies_after(5)) as b, \
-            ServedTeacher([url_of(a), url_of(b)], top_k=2) as teacher:
-        teacher.check()  # the probe: b's first answer
+    batch = TeacherBatch([torch.tensor([i, 1, 2, 5, 3, 4]) for i in range(8)], [3] * 8)  # some on b, surely
+    with vllm_like() as a, vllm_like() as b, ServedTeacher([url_of(a), url_of(b)], top_k=2) as teacher:
         for _ in range(2):
-            teacher.score(batch)  # b answers two samples of each
+            teacher.score(batch)
         assert teacher.metrics()["taken_out"] == []
+        b.dead = True  # killed: every later request cut without a reply
         with caplog.at_level(logging.WARNING, logger=LOGGER):
-            teacher.score(batch)  # b's sample: reset, retried; hedged to a after hedge_floor_s
+            teacher.score(batch)  # b's samples: reset, retried; hedged to a after hedge_floor_s
             step = teacher.metrics()
             teacher.score(batch)
             after = teacher.metrics()
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and url_of(b) in r.getMessage()]
     assert len(warned) == 1 and "taken out" in warned[0], warned
     assert step["taken_out"] == [url_of(b)] and step["failovers"] >= 1 and step["hedges_won"] >= 1, step
-    assert after["samples"] == 4 and url_of(b) not in after["replicas"] and after["hedges_sent"] == 0, after
+    # no sample of the next step went to b (one would have failed over); a stopped request of the step
+    # before may end (failed) during it
+    assert after["samples"] == 8 and after["failovers"] == after["hedges_sent"] == 0, after
