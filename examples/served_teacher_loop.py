@@ -205,13 +205,37 @@ def step_line(record: dict) -> str:
     return f"{record['step']:>4}  {record['loss']:>8.4f}  {record['rows']:>4}"
 
 
+def teacher_line(figures: dict) -> str:
+    """The served teacher's figures of a step (`TeacherStep.metrics()`), printed under its line:
+    what a failover shows (retries, samples failed over, hedges, the replicas taken out)."""
+    taken_out = ", ".join(figures["taken_out"]) or "none"
+    return (f"      teacher: samples {figures['samples']}, retries {figures['retries']}, failed over "
+            f"{figures['failovers']}, hedges sent {figures['hedges_sent']} / won {figures['hedges_won']}, taken out: "
+            f"{taken_out}")
+
+
+def warnings_printed(stack: contextlib.ExitStack) -> None:
+    """The served teacher's warnings (a replica taken out, back) printed as they come, to stdout
+    beside the step lines (`warning: ...`), for the rest of the run."""
+    import logging
+    import sys
+
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("warning: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    logger = logging.getLogger("megatron_rl_patches.teachers")
+    logger.addHandler(handler)
+    stack.callback(logger.removeHandler, handler)
+
+
 def train(rank: int, world_size: int, url: str | None, vocab_size: int, steps: int, seed: int,
           on_loss: Callable[[StepInputs], Any] | None = None, in_process: bool = False,
           head: str | None = None, pause: float = 0.0, echo: bool = False) -> list[dict]:
     """What every rank runs: the student at tensor parallelism `world_size`, `steps` steps against
     the server at `url` (None: none) and, with `in_process`, an in-process teacher beside it; with
     `head` (the teacher's directory; `url` a pooling server) the whole-vocabulary divergence.
-    With `echo` rank 0 prints each step's line when the step ends; `pause` seconds pass between
+    With `echo` rank 0 prints each step's line when the step ends (with a served teacher, its
+    figures under it) and the served teacher's warnings as they come; `pause` seconds pass between
     steps. Returns per step its loss, the rows scored, what `on_loss` gave and the teacher step's
     figures (`TeacherStep.metrics()`)."""
     from megatron.core import parallel_state
@@ -230,6 +254,8 @@ def train(rank: int, world_size: int, url: str | None, vocab_size: int, steps: i
         # built from its entry through its kind, connected by each group's asking rank (the server's
         # tokenizer is the student's: the entry says so and names the vocabulary)
         entry = f"{url};engine=vllm;same_tokenizer;vocab={vocab_size}" + (f";head={head}" if head else "")
+        if echo and rank == 0:
+            warnings_printed(stack)
         teachers: list[Any] = [] if url is None else build_teachers(entry, host, top_k=K)
         for teacher in teachers:
             stack.callback(teacher.close)
@@ -278,6 +304,8 @@ def train(rank: int, world_size: int, url: str | None, vocab_size: int, steps: i
                             "teacher": step_teachers.metrics()})  # the step's figures: samples, waits, replicas
             if echo and rank == 0:
                 print(step_line(records[-1]), flush=True)
+                if url is not None:
+                    print(teacher_line(records[-1]["teacher"]), flush=True)
             if pause and step + 1 < steps:
                 time.sleep(pause)  # time to stop a replica (or a server) by hand and watch the next step
     return records

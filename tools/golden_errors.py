@@ -1,6 +1,6 @@
 """Error against float64 of the recorded golden results and of the current code, case by case.
 
-    python tools/golden_errors.py RECORDED.pt
+    python tools/golden_errors.py RECORDED.pt   # this capability's results in it (else AVX2's)
 
 The reference runs the same cases with every op computing in float64 (the compute dtype patched),
 on the same (rounded) inputs. Prints one row per key whose result changed: max |recorded - ref|,
@@ -29,7 +29,7 @@ def _float64_cases() -> dict[str, torch.Tensor]:
 
 
 def main(recorded_path: str) -> int:
-    recorded, now, ref = torch.load(recorded_path), golden_cases.cases(), _float64_cases()
+    recorded, now, ref = golden_cases.recorded(Path(recorded_path))[0], golden_cases.cases(), _float64_cases()
     grew = 0
     print(f"{'key':44} {'recorded err':>13} {'now err':>13} {'now/recorded':>12}")
     for key in sorted(recorded):

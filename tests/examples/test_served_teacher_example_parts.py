@@ -129,3 +129,22 @@ def test_the_readme_runs_the_example_with_the_package_venv_and_says_how_the_lane
     makefile = (root / "Makefile").read_text()
     assert "VLLM_LANE = .lanes/vllm" in makefile and "VLLM_STAMP = $(VLLM_LANE)/.installed" in makefile
     assert "make .lanes/vllm/.installed" in texts[root / "README.md"]
+
+
+def test_a_failover_is_printed_as_it_happens_and_in_the_steps_figures(example, capsys):
+    """What the replica run shows a user (issue 96 item 0): the served teacher's warning line as it
+    comes (stdout, beside the step lines), and under each step's line its figures."""
+    import contextlib
+    import logging
+
+    with contextlib.ExitStack() as stack:
+        example.warnings_printed(stack)
+        logging.getLogger("megatron_rl_patches.teachers.served.scheduler").warning(
+            "served teacher %s: replica %s taken out (refused)", "http://a|http://b", "http://b")
+    logging.getLogger("megatron_rl_patches.teachers.served.scheduler").warning("after the run: not printed")
+    figures = {"samples": 4, "retries": 2, "failovers": 1, "hedges_sent": 1, "hedges_won": 1, "taken_out": ["http://b"]}
+    print(example.teacher_line(figures))
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["warning: served teacher http://a|http://b: replica http://b taken out (refused)",
+                       "      teacher: samples 4, retries 2, failed over 1, hedges sent 1 / won 1, taken out: http://b"]
+    assert example.teacher_line({**figures, "taken_out": []}).endswith("taken out: none")

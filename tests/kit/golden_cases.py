@@ -1,39 +1,75 @@
 """A fixed set of inputs for the ops and what they return (outputs and gradients): written once
-from a reference commit (`python tests/kit/golden_cases.py OUT.pt [TP_OUT.pt]`) and compared
-bitwise by test_golden.py, so refactors of the ops cannot change a single bit of their results.
+from a reference commit and compared bitwise by test_golden.py / test_golden_tp.py, so refactors
+of the ops cannot change a single bit of their results.
 
-Bitwise on the CPU kind they were recorded on (torch's vectorized kernels sum in another order
-on AVX2 than on AVX512): elsewhere the results must agree to the dtype's default tolerance.
+What the bits rest on, and how each is held fixed (docs/testing.md, "Golden results"):
+- the matrix products (the fused head's logits tiles and its gradients): a BLAS sums them in an
+  order that follows the CPU and the thread count, so the cases run under `FixedOrderGemm`
+  (tests/kit/fixed_gemm.py), the same bits on every CPU at every thread count;
+- torch's vectorized kernels (sums, max, exp): another order on AVX2 than on AVX-512, per element
+  the same on every CPU of one capability; so the results are recorded once per capability
+  torch dispatches to (`torch.backends.cpu.get_cpu_capability()`: "AVX2" and "AVX512", the
+  second natively on an AVX-512 CPU, the first there with ATEN_CPU_CAPABILITY=avx2), and compared
+  bitwise on either; on a capability or a torch release not recorded, within the dtype's default
+  tolerance of the AVX2 results.
+
+Recording (from the reference commit, each capability in a process of its own; each run replaces
+its capability's results in the files and keeps the other's):
+
+    python tests/kit/golden_cases.py                          # this CPU's capability
+    ATEN_CPU_CAPABILITY=avx2 python tests/kit/golden_cases.py  # AVX2, on an AVX-512 CPU
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script (tests/ is on pytest's path)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kit.fixed_gemm import FixedOrderGemm  # noqa: E402
+
 # the recorded files stay in tests/ops/data/ (the path the issues and the lead name)
 DATA = Path(__file__).resolve().parents[1] / "ops" / "data"
-RECORDED_ON = DATA / "golden_recorded_on.json"
+SINGLE, TP = DATA / "golden_ops.pt", DATA / "golden_ops_tp.pt"
+FALLBACK = "AVX2"  # the results compared within tolerance where this capability or torch was not recorded
 
 
-def machine() -> dict[str, str]:
-    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__.split("+")[0]}
+def machine() -> tuple[str, str]:
+    """(the capability torch dispatches to here, the torch release)."""
+    return torch.backends.cpu.get_cpu_capability(), torch.__version__.split("+")[0]
 
 
-def assert_same(before: torch.Tensor, after: torch.Tensor, key: object) -> None:
-    """Bitwise equal on the machine kind the golden files were recorded on, else close."""
+def recorded(path: Path) -> tuple[Any, bool]:
+    """The results recorded in `path` for this machine's capability and bitwise=True, or the
+    fallback's and bitwise=False (a capability or torch release not recorded)."""
+    files = torch.load(path)
+    capability, release = machine()
+    if release == files["torch"] and capability in files["cases"]:
+        return files["cases"][capability], True
+    return files["cases"][FALLBACK], False
+
+
+def assert_same(before: torch.Tensor, after: torch.Tensor, key: object, bitwise: bool) -> None:
+    """Bitwise equal (`bitwise`: the results of this capability and torch release), else close."""
     assert before.dtype == after.dtype and before.shape == after.shape, key
-    if json.loads(RECORDED_ON.read_text()) == machine():
+    if bitwise:
         assert torch.equal(before.nan_to_num(), after.nan_to_num()), key
     else:
         torch.testing.assert_close(after, before, equal_nan=True, msg=lambda m: f"{key}: {m}")
 
 
 def cases() -> dict[str, torch.Tensor]:
+    """Every single-process case, its products in the fixed order."""
+    with FixedOrderGemm():
+        return unfixed_cases()
+
+
+def unfixed_cases() -> dict[str, torch.Tensor]:
     from megatron_rl_patches.ops.logprobs import log_probs_and_entropy
     from megatron_rl_patches.ops.topk import topk_ids, topk_logprobs, topk_opd_loss
 
@@ -225,7 +261,13 @@ def _packing_modes(out: dict[str, torch.Tensor]) -> None:
 
 def tp_cases(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     """This rank's outputs and gradients of the vocab-parallel ops on its vocab shard (run on
-    `world_size` gloo ranks by test_golden_tp.py): the cross-rank combine is recorded too."""
+    `world_size` gloo ranks by test_golden_tp.py): the cross-rank combine is recorded too; its
+    products in the fixed order."""
+    with FixedOrderGemm():
+        return unfixed_tp_cases(rank, world_size)
+
+
+def unfixed_tp_cases(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     import torch.distributed as dist
 
     from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy, lm_head_topk_ids, lm_head_topk_logprobs
@@ -312,10 +354,20 @@ def tp_cases(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     return out
 
 
-if __name__ == "__main__":
-    if len(sys.argv) > 2:  # OUT.pt TP_OUT.pt: the tensor-parallel cases on 2 gloo ranks too
-        from megatron_rl_patches.testing.multirank import run_multirank
+def record(path: Path, results: Any) -> None:
+    """`results` stored in `path` as this machine's capability's, beside the others recorded with
+    the same torch release."""
+    capability, release = machine()
+    files = torch.load(path) if path.exists() else {"torch": release, "cases": {}}
+    if files["torch"] != release:
+        files = {"torch": release, "cases": {}}
+    files["cases"][capability] = results
+    torch.save(files, path)
+    print(f"{path}: {capability} recorded (torch {release}; recorded: {', '.join(sorted(files['cases']))})")
 
-        torch.save(run_multirank(tp_cases, 2), sys.argv[2])
-    torch.save(cases(), sys.argv[1])
-    RECORDED_ON.write_text(json.dumps(machine()) + "\n")
+
+if __name__ == "__main__":
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    record(TP, run_multirank(tp_cases, 2))
+    record(SINGLE, cases())

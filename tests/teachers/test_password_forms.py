@@ -8,24 +8,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from kit.ports import refused_port
 
 TEACHERS, VERL_TEACHER = "MEGATRON_RL_PATCHES_OPD_TEACHERS", "MEGATRON_RL_PATCHES_VERL_TEACHER"
 OPD_K = "MEGATRON_RL_PATCHES_OPD_K"
 USER = "bob"
 PASSWORDS = ["hunt,er2pw", "hunt er2pw", "hunt\ter2pw", "hunt\ner2pw", "hunt;er2pw", "hunt|er2pw", "hunt%2Cer2pw",
              "hunt@er2pw"]
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def pieces(password: str) -> set[str]:
@@ -225,13 +219,14 @@ def test_a_password_in_any_form_is_refused_by_name_and_never_shown(where, passwo
     more often than with the decoy (the messages' own words hold "nt " and "count")."""
     pytest.importorskip("httpx", reason="the served extra (httpx) is missing")
     texts = []
-    for user, secret in (("zed", decoy(password)), (USER, password)):
-        url = f"http://{user}:{secret}@127.0.0.1:{closed_port()}"
-        if where in DOCTOR:
-            variable, value = DOCTOR[where]
-            texts.append(shown(doctor_text(variable, value, clean_patch_state, capsys, url)))
-        else:
-            texts.append(shown(ENTRY_POINTS[where](url, clean_patch_state)))
+    with refused_port() as port:  # nothing answers there, for the whole test
+        for user, secret in (("zed", decoy(password)), (USER, password)):
+            url = f"http://{user}:{secret}@127.0.0.1:{port}"
+            if where in DOCTOR:
+                variable, value = DOCTOR[where]
+                texts.append(shown(doctor_text(variable, value, clean_patch_state, capsys, url)))
+            else:
+                texts.append(shown(ENTRY_POINTS[where](url, clean_patch_state)))
     without, text = texts
     leaked = sorted(piece for piece in pieces(password) if text.count(piece) > without.count(piece))
     assert not leaked, (leaked, text[-3000:])

@@ -4,13 +4,13 @@ nor the HTTP client."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
+from kit.ports import refused_port
 
 from megatron_rl_patches.teachers import (
     ClientSettings,
@@ -74,13 +74,13 @@ def test_the_api_key_comes_from_the_named_variable(monkeypatch):
 
 def test_nothing_listening_is_named_in_bounded_time():
     pytest.importorskip("httpx", reason="the served extra (httpx) is missing")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
-    teacher = ServedTeacher(url, top_k=4, client=ClientSettings(retries=2, backoff_s=0.05))
-    start = time.monotonic()
-    with pytest.raises(ServedTeacherError, match=rf"{url}/v1/models: no answer after 3 tries \(ConnectError") as caught:
-        teacher.score(TeacherBatch([torch.arange(4)], [1]))
+    with refused_port() as port:  # held for the test: no other process can take it and answer
+        url = f"http://127.0.0.1:{port}"
+        teacher = ServedTeacher(url, top_k=4, client=ClientSettings(retries=2, backoff_s=0.05))
+        start = time.monotonic()
+        with pytest.raises(ServedTeacherError, match=rf"{url}/v1/models: no answer after 3 tries \(ConnectError") \
+                as caught:
+            teacher.score(TeacherBatch([torch.arange(4)], [1]))
     assert caught.value.url == url and time.monotonic() - start < 5
     # a bad batch comes out of result() too (agreed over a group like a server's failure)
     with pytest.raises(TypeError, match="takes a TeacherBatch"):

@@ -125,7 +125,8 @@ class ServedTeacher:
     def metrics(self) -> dict[str, Any]:
         """What the teacher did since the last call (a dashboard's step: call it once a step):
         `samples` and `rows` answered, `bytes` received, `retries` (the client's, on connection
-        errors and 5xx), `failovers` (samples re-sent after a replica failed), `hedges_sent` and
+        errors and 5xx), `failovers` (samples a failing replica's request
+        left to another: re-sent after it failed, or answered by a hedge sent before), `hedges_sent` and
         `hedges_won`, `taken_out` (the replicas taken out, redacted URLs: one entry each time) and
         `replicas`: per replica (its redacted URL) its `requests`, `failed` and the answered
         requests' `latency_p50_s` / `latency_p95_s` (None without one). Counting starts again at zero."""

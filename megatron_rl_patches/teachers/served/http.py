@@ -197,8 +197,10 @@ class TeacherClient:
         who = f"{self.url}{path}" + ("" if sample is None else f" (sample {sample})")
         attempt, last = 0, ""
         while True:
-            if attempt and cancel.is_set():  # another sample of the step failed: no more tries
-                raise ServedTeacherError(f"{who}: the step failed elsewhere ({last})", self.url, sample)
+            if attempt and cancel.is_set():  # stopped: its sample answered elsewhere, or the step failed
+                tries = f"{attempt} tr{'y' if attempt == 1 else 'ies'}"
+                raise ServedTeacherError(f"{who}: no answer after {tries} ({last}), then stopped (its sample answered "
+                                         f"elsewhere, or the step failed)", self.url, sample)
             left = deadline.remaining()
             if left <= 0:
                 raise ServedTeacherError(f"{who}: no answer within the step's deadline of {deadline.seconds:g} s"

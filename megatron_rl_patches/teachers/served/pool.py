@@ -140,8 +140,9 @@ class ReplicaPool:
         if problem is None:
             self.scheduler.rejoin(index, model, None)
             return
-        LOG.warning("served teacher %s: %s: %s (asked again next step); %s", redacted(self.url), scrubbed(problem),
-                    "taken out" if in_use else "kept out", SAME)
+        if self.scheduler.new_reason(index, problem):  # one line per reason, not one per re-check
+            LOG.warning("served teacher %s: %s: %s (asked again next step); %s", redacted(self.url), scrubbed(problem),
+                        "taken out" if in_use else "kept out", SAME)
         self.scheduler.rejoin(index, None, ServedTeacherRefusal(f"{problem}: {SAME}", self.url))
 
     def close(self) -> None:

@@ -2,8 +2,12 @@
 picks (`ReplicaSettings.spread`); a replica that fails (refused at connection, reset, a 5xx after
 the client's retries, a read timeout) is taken out, its other requests stop retrying there, and the
 sample is re-sent to another; a request past the hedging point is sent again to another replica,
-the first answer winning and the other cancelled. The sample fails only when every replica has
-failed (or the deadline passed); a 4xx refusal is the request's, raised as it is.
+the first answer winning and the other cancelled. A request that fails is its replica failing
+whoever answered its sample (a dead replica's request, in the client's retries when the hedge
+answered, fails as they stop: taken out, counted failed over, named). The sample fails only when
+every replica has failed (or the deadline passed); a 4xx refusal is the request's, raised as it is.
+A replica out is named in a warning once per reason it is out (failing; refused again for another
+reason) and once when it is back, not at every re-check.
 
 It remembers across steps: a replica taken out (or down at connect) stays out until it is
 re-checked — at the first sample of the next step, in the background (`recheck`: its card and the
@@ -41,6 +45,7 @@ from megatron_rl_patches.teachers.served.spreading import FewestInFlight, Placem
 
 LOG = logging.getLogger(__name__)
 HISTORY = 64  # the latest answer times the hedging point is read from
+FAILING = "failing"  # why a replica is out when it failed (its card, probe or a request): not its computing
 
 
 @dataclass
@@ -71,6 +76,8 @@ class Job:
     future: futures.Future = field(default_factory=futures.Future)
     live: dict[int, Attempt] = field(default_factory=dict)
     done: bool = False
+    answered: bool = False  # done with an answer (not an error)
+    moved: bool = False  # counted as failed over once, for a request that failed while another had it
 
 
 class Scheduler:
@@ -91,6 +98,7 @@ class Scheduler:
         self.attempts: list[set[Attempt]] = [set() for _ in range(n)]  # each replica's requests in flight
         self.models: list[ServedModel | None] = [None] * n  # each replica's own served model (the name it is asked by)
         self.out: dict[int, BaseException] = {}  # replicas taken out (or down at connect), with their latest error
+        self.said: dict[int, str] = {}  # why each replica out was last named in a warning (one line per reason)
         self.checking: set[int] = set()  # replicas being re-checked now (out, or in use and due): sent no sample
         self.checked = [time.monotonic()] * n  # when each replica's card and probe were last asked
         self.history: deque[float] = deque(maxlen=HISTORY)
@@ -108,7 +116,9 @@ class Scheduler:
             for index, model in models.items():
                 self.models[index] = model
                 self.out.pop(index, None)
+                self.said.pop(index, None)
             self.out.update(errors)
+            self.said.update(dict.fromkeys(errors, FAILING))  # the pool's one warning at connect names them
             self.checked = [time.monotonic()] * len(self.replicas)
             if not self.settings.spread_given and models and all(model.shares_prefix for model in models.values()):
                 self.spread = PromptAffinity()  # serve-teacher replicas: a group's prompt computed once, on one
@@ -183,10 +193,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ a request out
     def answered(self, job: Job, attempt: Attempt, done: futures.Future) -> None:
-        """A request's answer or failure: the sample answered, failed, or sent on."""
+        """A request's answer or failure: the sample answered, failed, or sent on. A request that
+        fails is its replica failing even where the sample was answered by another (a hedge that
+        answered first stopped its retries): taken out, counted, named."""
         seconds = time.monotonic() - attempt.sent
         error = done.exception()
         index = attempt.replica
+        failing = isinstance(error, ServedTeacherError) and not isinstance(error, ServedTeacherRefusal)
         stopped: list[Attempt] = []
         resend = None
         warn = failed_over = False
@@ -196,21 +209,25 @@ class Scheduler:
             self.attempts[index].discard(attempt)
             if job.live.get(index) is attempt:
                 del job.live[index]
-            if job.done:
+            if job.done and not (failing and job.answered and not self.closed and not job.step.cancel.is_set()):
                 return
             if error is None:
                 self.history.append(seconds)
                 self.median = statistics.median(self.history)
                 ended = (None, done.result())
-            elif isinstance(error, ServedTeacherRefusal) or not isinstance(error, ServedTeacherError):
+            elif not failing:
                 ended = (error, None)
             else:
                 if not job.step.cancel.is_set() and index not in self.out:
                     self.out[index] = error
+                    self.said[index] = FAILING
                     stopped = list(self.attempts[index])  # no more retries there
                     warn = index not in job.state.taken_out
                     job.state.taken_out.add(index)
-                if not job.live:
+                if job.done or job.live:  # answered by another replica, or asked of one now (a hedge)
+                    failed_over = not job.moved
+                    job.moved = True
+                else:
                     resend = self.reserve(job, job.sample.prompt)
                     failed_over = resend is None and bool(self.checking)
                     if failed_over:
@@ -246,6 +263,7 @@ class Scheduler:
             if job.done:
                 return
             job.done = True
+            job.answered = error is None
             self.jobs.discard(job)
             if job in self.waiting:
                 self.waiting.remove(job)
@@ -281,17 +299,24 @@ class Scheduler:
     # ------------------------------------------------------------------ a replica re-checked
     def rejoin(self, index: int, model: ServedModel | None, error: BaseException | None) -> None:
         """A re-check's outcome: the replica back in (its waiting samples sent), or out; one that was
-        in use and is out now is counted and (failing: a refusal is the pool's to word) warned of."""
+        in use and is out now is counted. Warned of once per reason it is out (failing: here; a
+        refusal is the pool's to word, `new_reason`), and once when it is back, not at every re-check."""
         sent: list[tuple[Job, Attempt]] = []
         failed: list[tuple[Job, ServedTeacherError]] = []
         with self.lock:
             self.checking.discard(index)
             taken_out = error is not None and index not in self.out
+            back = error is None and index in self.out
+            failing = error is not None and not isinstance(error, ServedTeacherRefusal)
+            said = failing and self.said.get(index) != FAILING
             if error is None:
                 self.out.pop(index, None)
+                self.said.pop(index, None)
                 self.models[index] = model
             else:
                 self.out[index] = error
+                if failing:
+                    self.said[index] = FAILING
             waiting, self.waiting = self.waiting, []
             for job in waiting:
                 attempt = None if job.done else self.reserve(job, job.sample.prompt)
@@ -302,16 +327,28 @@ class Scheduler:
                 elif not job.done:
                     failed.append((job, self.all_failed(job)))
             self.changed.notify_all()
+        url = self.replicas[index].url
         if taken_out:
-            url = self.replicas[index].url
             self.recorder.took_out(url)
-            if not isinstance(error, ServedTeacherRefusal):
-                LOG.warning("served teacher %s: replica %s taken out at its re-check (%s); its samples go to the "
-                            "others, and it is asked again next step", redacted(self.url), redacted(url), error)
+        if said:
+            LOG.warning("served teacher %s: replica %s %s at its re-check (%s); its samples go to the others, and it "
+                        "is asked again next step", redacted(self.url), redacted(url),
+                        "taken out" if taken_out else "kept out", error)
+        if back:
+            LOG.warning("served teacher %s: replica %s is back (its card and probe as the teacher's): samples go to it "
+                        "again", redacted(self.url), redacted(url))
         for job, attempt in sent:
             self.send(job, attempt)
         for job, failure in failed:
             self.finish(job, failure, None)
+
+    def new_reason(self, index: int, reason: str) -> bool:
+        """Whether `reason` (why replica `index` is out now) is not the one it was last named for,
+        remembered as named: the caller words the warning."""
+        with self.lock:
+            fresh = self.said.get(index) != reason
+            self.said[index] = reason
+            return fresh
 
     # ------------------------------------------------------------------ hedging and the deadline
     def hedge_at(self, job: Job) -> float | None:

@@ -4,8 +4,9 @@ reported as a missing path, and a user or password written in it is never printe
 from __future__ import annotations
 
 import json
-import socket
 import time
+
+from kit.ports import refused_port
 
 from megatron_rl_patches.apps import cli
 
@@ -13,24 +14,18 @@ TEACHERS = "MEGATRON_RL_PATCHES_OPD_TEACHERS"
 IDS_FROM = "MEGATRON_RL_PATCHES_OPD_IDS_FROM"  # =teacher: a served top-k teacher's buckets (else refused first)
 
 
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def teacher_problems(out: str) -> list[str]:
     return [p for p in json.loads(out)["problems"] if p.startswith(TEACHERS)]
 
 
 def test_doctor_names_a_served_teacher_nothing_answers_in_bounded_time(cli_run, monkeypatch):
-    url = f"http://127.0.0.1:{closed_port()}"
-    monkeypatch.setenv(TEACHERS, f"{url};engine=vllm,/nonexistent")
-    monkeypatch.setenv(IDS_FROM, "teacher")
-    start = time.monotonic()
-    code, out, _ = cli_run("doctor", "--json")
-    elapsed = time.monotonic() - start
+    with refused_port() as port:  # held: nothing can take it and answer
+        url = f"http://127.0.0.1:{port}"
+        monkeypatch.setenv(TEACHERS, f"{url};engine=vllm,/nonexistent")
+        monkeypatch.setenv(IDS_FROM, "teacher")
+        start = time.monotonic()
+        code, out, _ = cli_run("doctor", "--json")
+        elapsed = time.monotonic() - start
     problems = teacher_problems(out)
     assert code == cli.PROBLEM and len(problems) == 2, problems
     assert problems[0].startswith(f"{TEACHERS}: served teacher '{url}' (vllm, k=16) fails its check"), problems

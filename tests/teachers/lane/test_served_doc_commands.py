@@ -130,7 +130,16 @@ def test_the_replica_run_of_the_docs_runs_as_written_one_replica_stopped_mid_run
     printed, expected = proc.stdout.splitlines(), shown.text.splitlines()
     assert printed[:2] == expected[:2], printed  # the header: two replicas
     stopped = "replica b (port 8002) stopped"
-    assert printed.index(stopped) == expected.index(stopped) == 4, printed  # after steps 0 and 1
+    assert printed.index(stopped) == expected.index(stopped), printed  # after steps 0 and 1 (and their figures)
+    assert [n for n, _, _ in steps("\n".join(printed[:printed.index(stopped)]))] == [0, 1], printed
+    # the failover as a user sees it (the default settings: hedging on): one warning naming b, and
+    # the step's figures listing it taken out; the next step's list nothing more
+    after = printed[printed.index(stopped):]
+    warned = [line for line in after if line.startswith("warning: ") and replica_b.url in line]
+    assert len(warned) == 1 and "taken out" in warned[0], printed
+    figures = [line for line in after if line.strip().startswith("teacher:")]
+    assert len(figures) == 2 and f"taken out: {replica_b.url}" in figures[0], printed
+    assert "failed over 0," not in figures[0] and figures[1].endswith("taken out: none"), printed
     got, want = steps(proc.stdout), steps(shown.text)
     assert [(n, rows) for n, _, rows in got] == [(n, rows) for n, _, rows in want] and len(got) == 4, printed
     assert [loss for _, loss, _ in got] == pytest.approx([loss for _, loss, _ in want], abs=2e-4), printed

@@ -310,14 +310,13 @@ def test_each_sample_asked_once_per_data_parallel_rank_and_every_layout_keeps_it
     first scores nothing; DP=2: each rank asks its own samples. Every layout's rows equal one
     rank's whole scores of the same samples. A server gone on one rank at load: one error on both.
     One rank's step scoring no teacher while the other's scores the served one: both finish."""
-    import socket
+    from kit.ports import refused_port
 
     from megatron_rl_patches.testing.multirank import run_multirank
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
-    ranks = run_multirank(served_world, 2, served.url, str(served.directory), dead, timeout=400)
+    with refused_port() as port:  # held while the ranks run: nothing can take it and answer
+        dead = f"http://127.0.0.1:{port}"
+        ranks = run_multirank(served_world, 2, served.url, str(served.directory), dead, timeout=400)
     samples = len(LENGTHS)
     with whole_teacher(served.url) as teacher:
         data = rollout()

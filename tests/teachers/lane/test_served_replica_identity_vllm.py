@@ -8,10 +8,10 @@ one more server for this module only (about 2 GB, started after the session's ar
 from __future__ import annotations
 
 import logging
-import socket
 import time
 
 import pytest
+from kit.ports import refused_port
 
 from megatron_rl_patches.teachers import ClientSettings, ReplicaSettings, ServedTeacher, ServedTeacherRefusal
 from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
@@ -71,11 +71,8 @@ def test_other_weights_at_the_same_path_are_refused(served, spare, other_weights
 def test_a_replica_back_with_other_weights_is_probed_again_and_kept_out(served, other_weights, caplog):
     batch = samples(22, count=6)
     link = Forwarder(port_of(served.url))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        nothing = probe.getsockname()[1]
-    with ServedTeacher([served.url, link.url], top_k=K, client=FAST,
-                       replicas=ReplicaSettings(hedge_after=None)) as teacher:
+    with refused_port() as nothing, ServedTeacher([served.url, link.url], top_k=K, client=FAST,
+                                                  replicas=ReplicaSettings(hedge_after=None)) as teacher:
         teacher.check()
         want = teacher.score(batch)
         link.retarget(nothing)  # the server behind it gone: its requests reset, it is taken out

@@ -1,7 +1,9 @@
 """Endpoints in memory for the replicas' scheduler's tests (fast, deterministic; beside the HTTP
 stand-ins of tests/teachers/local_servers.py and the served lane's real servers): each answers a
 sample with rows computed from its ids (`rows_of`, shifted by `offset`: another checkpoint's),
-at once, after `delay` seconds, when released by hand (`hold`), or fails as `fails` says."""
+at once, after `delay` seconds, when released by hand (`hold`), or fails as `fails` says; with
+`retrying` a request ends at once when its cancel is set (the client's retries stopped: a dead
+server's request, in its backoff, fails then)."""
 from __future__ import annotations
 
 import concurrent.futures as futures
@@ -43,8 +45,9 @@ class MemoryEndpoint:
 
     def __init__(self, url: str, *, delay: float = 0.0, hold: bool = False, offset: float = 0.0,
                  fails: Callable[[SampleAsk], BaseException | None] | None = None,
-                 model: ServedModel = MODEL) -> None:
+                 model: ServedModel = MODEL, retrying: bool = False) -> None:
         self.url, self.delay, self.hold, self.offset, self.fails, self.model = url, delay, hold, offset, fails, model
+        self.retrying = retrying
         self.asked: list[int | None] = []
         self.checks = 0  # served_model calls: at connect, and each re-check
         self.cancels: list[threading.Event] = []
@@ -75,12 +78,18 @@ class MemoryEndpoint:
                 return future
         if self.delay:
             threading.Timer(self.delay, self.answer, (future, sample)).start()
+            if self.retrying:
+                step.cancel.on_set(lambda: self.answer(future, sample))
         else:
             self.answer(future, sample)
         return future
 
     def answer(self, future: futures.Future, sample: SampleAsk) -> None:
         failure = self.fails(sample) if self.fails is not None else None
+        with self.lock:  # once: a retrying request ends at its cancel or its delay, whichever is first
+            if future.running() or future.done():
+                return
+            future.set_running_or_notify_cancel()
         if failure is not None:
             future.set_exception(failure)
         else:

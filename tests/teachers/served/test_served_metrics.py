@@ -76,3 +76,27 @@ def test_a_replica_killed_mid_step_shows_in_the_metrics_and_one_warning(caplog):
     assert step["taken_out"] == [url_of(b)] and step["failovers"] >= 1 and step["retries"] >= 1
     assert step["replicas"][url_of(b)]["failed"] >= 1 and step["replicas"][url_of(a)]["latency_p95_s"] is not None
     assert after["samples"] == 8 and after["taken_out"] == [] and after["failovers"] == 0  # b stays out: not again
+
+
+def test_a_replica_killed_under_the_default_settings_is_taken_out_and_named_once(caplog):
+    """Issue 96 item 0 through HTTP: the default client and replica settings (retries with backoff,
+    hedging on). b dies after step 1: its request is in its retries when the hedge to a answers,
+    and that request's failure takes b out all the same — one warning, counted, the next step on a
+    alone (it had stayed in, hedged every step)."""
+    batch = TeacherBatch([torch.tensor([i, 1, 2, 5, 3, 4]) for i in range(8)], [3] * 8)  # some on b, surely
+    with vllm_like() as a, vllm_like() as b, ServedTeacher([url_of(a), url_of(b)], top_k=2) as teacher:
+        for _ in range(2):
+            teacher.score(batch)
+        assert teacher.metrics()["taken_out"] == []
+        b.dead = True  # killed: every later request cut without a reply
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            teacher.score(batch)  # b's samples: reset, retried; hedged to a after hedge_floor_s
+            step = teacher.metrics()
+            teacher.score(batch)
+            after = teacher.metrics()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and url_of(b) in r.getMessage()]
+    assert len(warned) == 1 and "taken out" in warned[0], warned
+    assert step["taken_out"] == [url_of(b)] and step["failovers"] >= 1 and step["hedges_won"] >= 1, step
+    # no sample of the next step went to b (one would have failed over); a stopped request of the step
+    # before may end (failed) during it
+    assert after["samples"] == 8 and after["failovers"] == after["hedges_sent"] == 0, after

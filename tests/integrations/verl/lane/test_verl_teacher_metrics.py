@@ -11,11 +11,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
-import socket
 import types
 
 import numpy as np
 import pytest
+from kit.ports import refused_port
 
 pytest.importorskip("verl.models", reason="verl is not installed: run `make test-verl` (the verl lane)")
 pytestmark = pytest.mark.verl
@@ -173,21 +173,14 @@ def test_without_the_variable_verls_metrics_have_no_teacher_keys(tokenizer, clea
 
 
 
-def closed_port() -> int:
-    """A local port nothing listens on (a replica that is down: connections refused)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_a_replica_down_shows_in_verls_metrics_and_a_warning(tokenizer, clean_patch_state, monkeypatch, caplog):
     """Two replicas, one down: each worker's teacher starts with the other and takes the dead one
     out, verl's metrics count both take-outs (one a worker) and the retries, every sample is
     answered, and the client names the dead replica in a warning line. (A replica killed mid-step:
     the client's failover and hedging, tests/teachers/test_served_replicas.py; what it records
     reaches verl by this same seam.)"""
-    dead = f"127.0.0.1:{closed_port()}"
-    with servers.vllm_like() as alive:
+    with refused_port() as port, servers.vllm_like() as alive:  # a replica that is down: connections refused
+        dead = f"127.0.0.1:{port}"
         monkeypatch.setenv(VARIABLE, f"{servers.url_of(alive)}|http://{dead};engine=vllm")
         megatron_rl_patches.apply(only="verl_topk_kd")
         with caplog.at_level("WARNING"):
