@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.teachers.batch import TeacherBatch
-from megatron_rl_patches.teachers.context import context_ids, id_tensor, sample_name, with_context
+from megatron_rl_patches.teachers.context.teacher_context import context_ids, id_tensor, sample_name, with_context
 
 
 def unwrapped(value: Any) -> Any:

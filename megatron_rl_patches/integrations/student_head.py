@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.teachers.head import TeacherHead
+from megatron_rl_patches.teachers.head.teacher_head import TeacherHead
 
 _HEADS: dict[tuple[str, int, int, torch.dtype], TeacherHead] = {}  # (dir, group id, rows, dtype) -> shard
 _LOCK = threading.Lock()

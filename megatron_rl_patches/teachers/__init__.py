@@ -31,14 +31,14 @@ _LAZY = lazy_names("""
     agreement: agree_failure
     tails: tail_log_probs
     cross_buckets: served_buckets ServedBuckets
-    head_cross_buckets: head_buckets
-    cross_context: cross_with_context
-    head: TeacherHead
-    step: TeacherStep StepPlan
+    megatron_rl_patches.teachers.head.cross_buckets: head_buckets
+    megatron_rl_patches.teachers.context.cross: cross_with_context
+    megatron_rl_patches.teachers.head.teacher_head: TeacherHead
+    megatron_rl_patches.teachers.step.teacher_step: TeacherStep StepPlan
     host: TeacherHost LoopHost megatron_host local_host
     build: build_teachers BuildOptions
-    context: with_context context_ids placed_before
-    privileged: Privileged
+    megatron_rl_patches.teachers.context.teacher_context: with_context context_ids placed_before
+    megatron_rl_patches.teachers.context.privileged: Privileged
     self_teacher: SelfTeacher StudentHidden
 """)
 

@@ -91,8 +91,8 @@ def check_calls(views: list[Any]) -> None:
         shown = ", ".join(f"rank {rank}: {call or 'a failure agreement (agree_failure)'}"
                           for rank, call in enumerate(calls))
         raise RuntimeError(f"the ranks of the group are in different calls ({shown}): every rank of the job builds "
-                           "the teacher step (or joins its build with teachers.step.join_build(host)), then sends "
-                           "and collects in the same order")
+                           "the teacher step (or joins its build with teachers.step.teacher_step.join_build(host)), "
+                           "then sends and collects in the same order")
 
 
 def distributed() -> bool:

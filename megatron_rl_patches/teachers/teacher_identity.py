@@ -31,7 +31,7 @@ def teacher_identity(teacher: Any, context: str | None, served: bool, head: bool
         fields.update({"engine": teacher.engine_name, "top_k": teacher.top_k,
                        "temperature": float(teacher.temperature)})
         if head:
-            from megatron_rl_patches.teachers.head_fingerprint import head_facts  # lazy: import cost
+            from megatron_rl_patches.teachers.head.fingerprint import head_facts  # lazy: import cost
 
             facts = None if teacher.head is None else head_facts(teacher.head)
             fields["head"] = None if facts is None else (str(facts), facts.compared())

@@ -80,7 +80,7 @@ def test_a_bad_number_or_name_is_named(build, words):
 
 def test_a_logit_scale_no_float_holds_is_named(tmp_path):
     """config.json's `logit_scale` an int of 400 digits (JSON reads it as a Python int)."""
-    from megatron_rl_patches.teachers.head_transforms import head_logit_scale
+    from megatron_rl_patches.teachers.head.transforms import head_logit_scale
 
     fields = json.loads('{"architectures": ["LlamaForCausalLM"], "logit_scale": 1' + "0" * 400 + "}")
     with pytest.raises(ValueError, match=r"sets logit_scale=an int of about 401 digits; a logits multiplier must be"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_rl_patches.teachers import BatchScores, LoopHost, TeacherBatch, TeacherStep, build_teachers
-from megatron_rl_patches.teachers.privileged import Privileged
+from megatron_rl_patches.teachers.context.privileged import Privileged
 
 K = 2
 VOCAB = 12

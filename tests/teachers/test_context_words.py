@@ -1,4 +1,4 @@
-"""The privileged-context helpers' (`teachers.context`) refusals matched whole, and
+"""The privileged-context helpers' (`teachers.context.teacher_context`) refusals matched whole, and
 `checked_contexts` (the contexts checked as `with_context` checks them, nothing built): the
 words `test_with_context.py` matches in part, each here in full, so a changed word or a lost
 type name fails."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_rl_patches.teachers import TeacherBatch, context_ids, placed_before
-from megatron_rl_patches.teachers.context import checked_contexts, with_context
+from megatron_rl_patches.teachers.context.teacher_context import checked_contexts, with_context
 
 USER, ASSISTANT = 7, 6
 

@@ -11,7 +11,7 @@ pytest.importorskip("tokenizers")
 
 from megatron_rl_patches import cross_tokenizer as xt  # noqa: E402
 from megatron_rl_patches.teachers import cross_with_context  # noqa: E402
-from megatron_rl_patches.teachers.head_cross_buckets import cross_batch  # noqa: E402
+from megatron_rl_patches.teachers.head.cross_buckets import cross_batch  # noqa: E402
 from tests.cross_tokenizer.conftest import sentencepiece_like  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Rows handed to a teacher step instead of asked (`TeacherStep.add(batch, scored={i: ...})`, a
 `ScoredBefore` whose digest matches) meet every check a served reply meets (issue 96 item 1,
-`teachers/given_rows.py` over `teachers/served/rows_check.py`): a row that does not is refused,
+`teachers/step/given_rows.py` over `teachers/served/rows_check.py`): a row that does not is refused,
 naming the teacher, the sample and where the rows came from, and nothing is asked or returned;
 rows as the teacher sent them are read (nothing asked). slime's carried rows:
 tests/integrations/slime/test_slime_rollout_scores.py."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_rl_patches.teachers import BatchScores, ServedTeacher, TeacherBatch, TeacherStep, local_host
-from megatron_rl_patches.teachers.step_parts import ScoredBefore, ids_digest
+from megatron_rl_patches.teachers.step.parts import ScoredBefore, ids_digest
 from tests.teachers.local_servers import url_of, vllm_like
 from tests.teachers.test_teacher_step import K, batch
 from tests.teachers.test_teacher_step import flat as flat_scores
@@ -149,7 +149,7 @@ def test_slimes_own_topk_rows_refuse_an_id_outside_the_students_vocabulary(serve
     """`OwnTopkServed.rows` (what slime's step reads of a served teacher of the student's tokenizer)
     refused only ids past the vocabulary; a negative one is refused too."""
     from megatron_rl_patches.teachers.errors import ServedTeacherRefusal
-    from megatron_rl_patches.teachers.step_served import OwnTopkServed
+    from megatron_rl_patches.teachers.step.served import OwnTopkServed
 
     server, teacher = served
     scores = teacher.score(batch())

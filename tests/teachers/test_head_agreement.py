@@ -89,7 +89,7 @@ def pipelined(rank: int, path: str) -> None:
     import torch.distributed as dist
 
     from megatron_rl_patches.teachers.agreement import agree_failure
-    from megatron_rl_patches.teachers.step import join_build
+    from megatron_rl_patches.teachers.step.teacher_step import join_build
 
     host = LoopHost(256, share_group=None, job_group=dist.group.WORLD)
     if rank == 1:

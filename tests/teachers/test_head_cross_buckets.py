@@ -1,4 +1,4 @@
-"""A served head teacher of another tokenizer (`teachers.head_cross_buckets.head_buckets`): from the hidden states a
+"""A served head teacher of another tokenizer (`teachers.head.cross_buckets.head_buckets`): from the hidden states a
 pooling server sends for the teacher's own encoding (projected by `hidden_scores.head_scores`, the
 code `ServedTeacher(head=...)` runs on a reply), every chunk-start bucket equals the in-process
 teacher's (its top-k ids, then every bucket id scored through its output layer), on a byte-fallback
@@ -15,7 +15,7 @@ pytest.importorskip("tokenizers")
 from megatron_rl_patches import cross_tokenizer as xt  # noqa: E402
 from megatron_rl_patches.ops.lm_head import lm_head_topk_logprobs  # noqa: E402
 from megatron_rl_patches.teachers import BatchScores, TeacherHead, head_buckets, served_buckets  # noqa: E402
-from megatron_rl_patches.teachers.head_cross_buckets import cross_batch  # noqa: E402
+from megatron_rl_patches.teachers.head.cross_buckets import cross_batch  # noqa: E402
 from megatron_rl_patches.teachers.served.hidden_states import head_scores  # noqa: E402
 from tests.cross_tokenizer.conftest import TEXTS, sentencepiece_like  # noqa: E402
 

@@ -73,7 +73,7 @@ def test_a_head_is_padded_and_cut_as_the_hosts_student_at_one_and_two_ranks(tmp_
 @pytest.mark.parametrize("padded", [128, 1024])
 def test_a_head_larger_than_the_hosts_padded_vocabulary_is_refused_naming_both(tmp_path, padded):
     from megatron_rl_patches.teachers import LoopHost
-    from megatron_rl_patches.teachers.host_head import head_for_host
+    from megatron_rl_patches.teachers.head.for_host import head_for_host
 
     write_tiny_checkpoint(tmp_path / "teacher", tiny_hf_config("qwen3"), seed=1)
     host = LoopHost(vocab_size=100, padded_vocab_size=padded)

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_rl_patches.teachers.head import TeacherHead
-from megatron_rl_patches.teachers.head_padding import head_padded_as
+from megatron_rl_patches.teachers.head.padding import head_padded_as
+from megatron_rl_patches.teachers.head.teacher_head import TeacherHead
 
 
 def _head(vocab: int, padded: int) -> TeacherHead:

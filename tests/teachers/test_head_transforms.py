@@ -1,4 +1,4 @@
-"""The engine's logits transforms through `TeacherHead.from_hf` (`teachers.head_transforms`): one
+"""The engine's logits transforms through `TeacherHead.from_hf` (`teachers.head.transforms`): one
 config.json per row of the table, the head's log-probs against a float64 reference of the formula
 vLLM 0.32 applies after the states it pools (`LogitsProcessor(scale=...)` in each model file), or
 the refusal naming the field. Small checkpoints written here: config.json and lm_head.weight."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_rl_patches.teachers import TeacherHead
-from megatron_rl_patches.teachers.head_transforms import (
+from megatron_rl_patches.teachers.head.transforms import (
     APPLIED,
     EITHER,
     HEAD_TRANSFORMS,

@@ -1,4 +1,4 @@
-"""`head_logit_scale` (`teachers.head_transforms`) on config dicts, in one process: a config
+"""`head_logit_scale` (`teachers.head.transforms`) on config dicts, in one process: a config
 without architectures (none anywhere, or only its text_config's) and each refusal matched whole,
 where `test_head_transforms.py` (checkpoints on disk, through `TeacherHead.from_hf`) matches the
 field named."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl_patches.teachers.head_transforms import head_logit_scale
+from megatron_rl_patches.teachers.head.transforms import head_logit_scale
 
 REST = ("; the served hidden states do not carry it, and the head forms h·Wᵀ/τ times a scale only, so this "
         "teacher's distribution cannot be formed from its head (use an in-process teacher, or a served teacher's "

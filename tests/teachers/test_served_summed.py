@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 
-from megatron_rl_patches.teachers.step_metrics import flat, served_summed
+from megatron_rl_patches.teachers.step.metrics import flat, served_summed
 
 
 def figures(samples: int, url: str, p50: float | None, p95: float | None, failed: int = 0,

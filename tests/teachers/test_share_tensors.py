@@ -1,4 +1,4 @@
-"""A step's served results cross the sharing group as tensors (`teachers.share_tensors`), in a real
+"""A step's served results cross the sharing group as tensors (`teachers.step.share_tensors`), in a real
 2-rank gloo world with pickled broadcasts forbidden: every field of `BatchScores` (float64 / float32
 log-probs, int64 top-k ids, bf16 hidden states) and a head's per-sample states (bf16, fp8, empty and
 zero-row samples, a tuple) arrive bit-identical, of the same dtypes, shapes and containers, in two
@@ -88,7 +88,7 @@ def step_batch() -> TeacherBatch:
 def every_dtype() -> dict:
     """One tensor of each dtype that travels, every byte random (all of a dtype's bit patterns: NaN
     payloads, negative zeros, int16's extremes)."""
-    from megatron_rl_patches.teachers.share_tensors import DTYPES
+    from megatron_rl_patches.teachers.step.share_tensors import DTYPES
 
     gen = torch.Generator().manual_seed(11)
     tensors = []
@@ -117,7 +117,7 @@ def rank_bad_sharing(rank: int) -> dict:
     the world."""
     import torch.distributed as dist
 
-    from megatron_rl_patches.teachers.share_tensors import shared_results
+    from megatron_rl_patches.teachers.step.share_tensors import shared_results
 
     out = {}
     for name, passed in bad_results().items():
@@ -135,7 +135,7 @@ def rank_bad_sharing(rank: int) -> dict:
 def rank_sharing(rank: int, world_size: int, url: str) -> dict:
     import torch.distributed as dist
 
-    from megatron_rl_patches.teachers.share_tensors import shared_results
+    from megatron_rl_patches.teachers.step.share_tensors import shared_results
 
     out: dict = {"bad": rank_bad_sharing(rank)}
     first_only = dist.new_group([0])  # rank 1 is no member: refused before any collective

@@ -1,4 +1,4 @@
-"""`teachers.share_tensors` in one process: the asking rank's packing and a receiving rank's
+"""`teachers.step.share_tensors` in one process: the asking rank's packing and a receiving rank's
 unpacking, with the broadcast between them a byte copy of each dtype's buffer as it travels
 (`wire`), give back every result bit-identical, of the same types; the asking rank's packing
 errors cross as the same kind and words; in a one-rank gloo world `shared_results` hands the
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl_patches.teachers import BatchScores
-from megatron_rl_patches.teachers.share_tensors import (
+from megatron_rl_patches.teachers.step.share_tensors import (
     DTYPES,
     ERROR,
     buffers_of,

@@ -26,8 +26,8 @@ from megatron_rl_patches.teachers import (
     TeacherStep,
     local_host,
 )
-from megatron_rl_patches.teachers.step_metrics import flat
-from megatron_rl_patches.teachers.step_parts import ScoredBefore, ids_digest
+from megatron_rl_patches.teachers.step.metrics import flat
+from megatron_rl_patches.teachers.step.parts import ScoredBefore, ids_digest
 from tests.teachers.local_servers import completions, dies_after, held, url_of, vllm_like
 from tests.teachers.test_teacher_step import K, RankTeacher, batch
 from tests.teachers.test_teacher_step import flat as flat_scores

@@ -1,4 +1,4 @@
-"""`teachers.step_metrics` in memory, every dict compared whole: the step's own counts taken and
+"""`teachers.step.metrics` in memory, every dict compared whole: the step's own counts taken and
 reset, replicas merged across teachers (counts summed, the larger percentile, a missing one left
 None), the step's dict (the served teachers' counts summed, `taken_out` joined, each teacher under
 its index), several served teachers summed with keys missing, `flat`'s number-valued
@@ -7,7 +7,7 @@ URL; a percentile without an answer left out; another prefix), and `fixed_figure
 floats (the slowest replica's percentiles, 0 without an answer)."""
 from __future__ import annotations
 
-from megatron_rl_patches.teachers.step_metrics import (
+from megatron_rl_patches.teachers.step.metrics import (
     FIXED_COUNTS,
     StepFigures,
     fixed_figures,

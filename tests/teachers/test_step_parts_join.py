@@ -1,4 +1,4 @@
-"""`teachers.step_parts`' joining of a step's added parts: `joined_results` puts each part's answer
+"""`teachers.step.parts`' joining of a step's added parts: `joined_results` puts each part's answer
 end to end (`BatchScores` field by field, per-sample lists in order; one part is itself) and
 refuses parts answered alike in no way, naming what differs; `JoinedPending` asks every part for
 its unprojected answer with the caller's group (one part: as asked), refuses a projected answer of
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_rl_patches.teachers.contract import BatchScores
-from megatron_rl_patches.teachers.step_parts import JoinedPending, Ready, joined_results, scored_problem
+from megatron_rl_patches.teachers.step.parts import JoinedPending, Ready, joined_results, scored_problem
 
 
 def scores(rows: list[int], first: float, hidden: bool = False) -> BatchScores:

@@ -23,7 +23,7 @@ def concrete_checks(source: str, name: str) -> list[str]:
 
 
 def test_the_step_and_the_client_switch_on_no_class():
-    modules = sorted(TEACHERS.glob("step*.py")) + [TEACHERS / "served" / "client.py"]
+    modules = sorted(TEACHERS.glob("step/*.py")) + [TEACHERS / "served" / "client.py"]
     assert len(modules) >= 7
     found = [hit for path in modules for hit in concrete_checks(path.read_text(), path.name)]
     assert found == []

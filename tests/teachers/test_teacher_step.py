@@ -29,7 +29,7 @@ from megatron_rl_patches.teachers import (
     local_host,
 )
 from megatron_rl_patches.teachers.served.hidden_states import head_scores
-from megatron_rl_patches.teachers.step import join_build
+from megatron_rl_patches.teachers.step.teacher_step import join_build
 from megatron_rl_patches.testing.multirank import run_multirank
 from tests.teachers.local_servers import MAX_MODEL_LEN, url_of, vllm_like
 

@@ -1,6 +1,6 @@
 """`bench share-scores`: a step's served hidden states moved from the asking rank to its sharing
 group, pickled (`broadcast_object_list`, what `TeacherStep.shared` did before) against
-as tensors (`teachers.share_tensors.shared_results`: the layout, then one flat broadcast per
+as tensors (`teachers.step.share_tensors.shared_results`: the layout, then one flat broadcast per
 dtype), on a spawned gloo world of 2 CPU ranks.
 
 The results: a head teacher's unprojected states, 32 samples of bf16 [rows, 4096] — 128 MiB (512
@@ -50,7 +50,7 @@ def pickled(served: dict | None, group: object) -> dict:
 
 
 def tensors(served: dict | None, group: object) -> dict:
-    from megatron_rl_patches.teachers.share_tensors import shared_results
+    from megatron_rl_patches.teachers.step.share_tensors import shared_results
 
     return shared_results(served, group)
 

@@ -28,7 +28,7 @@ _SUFFIXES = {"": 0, "k": 3, "m": 6, "b": 9, "g": 9, "t": 12}  # powers of ten
 _MAX_DIGITS = 30  # a count beyond 10**30 parameters is a typo (and 1e999999999 must not be expanded)
 _COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*$", re.IGNORECASE)
 
-# the head dtypes `TeacherHead` takes (teachers.head.DTYPES; named here: that module imports torch)
+# the head dtypes `TeacherHead` takes (teachers.head.teacher_head.DTYPES; named here: that module imports torch)
 HEAD_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 

@@ -22,7 +22,7 @@ def head_row(path: str, tp: int, dtype: str | None) -> dict[str, Any]:
     import torch
 
     # lazy: import cost: the head's plan imports torch
-    from megatron_rl_patches.teachers.head import MEGATRON_DIVISOR, HeadPlan
+    from megatron_rl_patches.teachers.head.teacher_head import MEGATRON_DIVISOR, HeadPlan
 
     try:  # padded as from_hf(tp_group=...) pads it: the student's layout, at TP=1 too
         plan = HeadPlan.of(path, dtype, MEGATRON_DIVISOR, tp, 0, fingerprinted=False)

@@ -113,7 +113,7 @@ class TeacherEngine:
 def output_layer(model: str, vocab_size: int) -> torch.Tensor:
     """The model's output layer [V, H] in float32 (lm_head.weight, or the embedding where tied; a
     family's logit scale applied, a soft cap refused), read as the trainer's head reads it."""
-    from megatron_rl_patches.teachers.head import TeacherHead  # lazy: safetensors
+    from megatron_rl_patches.teachers.head.teacher_head import TeacherHead  # lazy: safetensors
 
     head = TeacherHead.from_hf(model, dtype=torch.float32)
     if head.vocab_size != vocab_size:

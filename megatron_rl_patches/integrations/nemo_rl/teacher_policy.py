@@ -30,7 +30,7 @@ from megatron_rl_patches.integrations.context_fields import privileged_batch, to
 from megatron_rl_patches.integrations.nemo_rl.rollout_contexts import ROLLOUTS, remembering
 from megatron_rl_patches.integrations.nemo_rl.teacher_rows import nemo_rl_data, placed_topk, student_batch
 from megatron_rl_patches.teachers.batch import TeacherBatch
-from megatron_rl_patches.teachers.context_key import context_key
+from megatron_rl_patches.teachers.context.key import context_key
 
 
 @dataclass(frozen=True)

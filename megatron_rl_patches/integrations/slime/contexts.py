@@ -29,7 +29,7 @@ from megatron_rl_patches.integrations.megatron.opd.stage_host import batch_of, s
 from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
 from megatron_rl_patches.integrations.slime.rollout_scores import carried_keys
 from megatron_rl_patches.teachers.agreement import agree_failure
-from megatron_rl_patches.teachers.context import checked_contexts
+from megatron_rl_patches.teachers.context.teacher_context import checked_contexts
 
 # slime's own key of the samples' train_metadata (a list of dicts), kept out of its metrics too
 METADATA = "metadata"

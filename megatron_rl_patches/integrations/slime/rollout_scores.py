@@ -156,7 +156,7 @@ def log_rollout_data_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
     held = None if bound is None else getattr(bound.arguments.get("args"), ATTRIBUTE, None)
     if bound is None or not isinstance(held, RolloutTeachers) or not held.teachers:
         return wrapped(*args, **kwargs)
-    from megatron_rl_patches.teachers.step_metrics import flat  # lazy: import cost: the step's module
+    from megatron_rl_patches.teachers.step.metrics import flat  # lazy: import cost: the step's module
 
     extra = bound.arguments.get("rollout_extra_metrics") or {}
     bound.arguments["rollout_extra_metrics"] = {**extra, **flat(held.metrics())}

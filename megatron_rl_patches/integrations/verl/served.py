@@ -48,7 +48,7 @@ from megatron_rl_patches.integrations.verl.entry import parse_entry
 from megatron_rl_patches.integrations.verl.held import held
 from megatron_rl_patches.integrations.verl.self_entry import placeholder_rows
 from megatron_rl_patches.teachers.batch import TeacherBatch
-from megatron_rl_patches.teachers.context import with_context
+from megatron_rl_patches.teachers.context.teacher_context import with_context
 from megatron_rl_patches.teachers.kinds.entry import SERVED, STUDENT, TeacherEntry
 from megatron_rl_patches.teachers.redaction import redacted
 

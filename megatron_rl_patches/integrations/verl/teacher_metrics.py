@@ -29,7 +29,7 @@ from typing import Any
 from megatron_rl_patches._args import bind
 from megatron_rl_patches._variables import VERL_TEACHER
 from megatron_rl_patches.integrations.verl.held import peek
-from megatron_rl_patches.teachers.step_metrics import flat, served_summed
+from megatron_rl_patches.teachers.step.metrics import flat, served_summed
 
 KEY = "megatron_rl_patches_teacher"
 

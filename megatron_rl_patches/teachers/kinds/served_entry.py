@@ -263,7 +263,7 @@ def planned_head(directory: str) -> Any:
     the states travel in), for the server's checks."""
     import torch  # lazy: import cost (doctor's other checks need no torch)
 
-    from megatron_rl_patches.teachers.head import HeadPlan, TeacherHead  # lazy: import cost (torch)
+    from megatron_rl_patches.teachers.head.teacher_head import HeadPlan, TeacherHead  # lazy: import cost (torch)
 
     plan = HeadPlan.of(directory, None, None, 1, 0, fingerprinted=False)
     weight = torch.empty(plan.vocab_size, plan.hidden_size, dtype=plan.dtype, device="meta")

@@ -17,11 +17,11 @@ import torch
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.teachers.agreement import agree_failure, agree_teacher
 from megatron_rl_patches.teachers.batch import TeacherBatch
-from megatron_rl_patches.teachers.context_key import context_key
+from megatron_rl_patches.teachers.context.key import context_key
 from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.finite import utf8_text
-from megatron_rl_patches.teachers.head import TeacherHead
+from megatron_rl_patches.teachers.head.teacher_head import TeacherHead
 from megatron_rl_patches.teachers.served.endpoint import Endpoint, SampleAsk, Step
 from megatron_rl_patches.teachers.served.engines.names import check_engine, engine_class
 from megatron_rl_patches.teachers.served.engines.protocol import SampleRows, ServedEngine, ServedModel

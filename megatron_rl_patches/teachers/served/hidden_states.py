@@ -11,7 +11,7 @@ from megatron_rl_patches.ops._checks import largest_temperature, smallest_temper
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.finite import finite, shown
-from megatron_rl_patches.teachers.head import TeacherHead
+from megatron_rl_patches.teachers.head.teacher_head import TeacherHead
 from megatron_rl_patches.teachers.served.engines.vllm_pooling import EMBED_DTYPES
 
 # the dtypes a model's hidden states travel in exactly (the default: the checkpoint's own among them)

@@ -1,7 +1,7 @@
 """What a served teacher's answer for one sample holds, checked in one place: the client's replies
 (`engines/vllm.py`'s prompt log-probs, `engines/vllm_pooling.py`'s hidden states) and the answers a
 teacher step is given instead of asking (`TeacherStep.add(scored=...)`, slime's carried rows:
-`teachers/given_rows.py`) pass the same checks.
+`teachers/step/given_rows.py`) pass the same checks.
 
 - `log_prob_problem`: log-probabilities, not logits: none NaN, each <= 0 and a row's top-k mass
   <= 1 (within fp32 slack);

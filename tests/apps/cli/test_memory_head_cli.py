@@ -86,6 +86,6 @@ def test_refusals(heads, argv, words, capsys):
 
 def test_the_cli_offers_the_head_dtypes_the_head_takes():
     from megatron_rl_patches.apps.cli.memory import HEAD_DTYPES
-    from megatron_rl_patches.teachers.head import DTYPES
+    from megatron_rl_patches.teachers.head.teacher_head import DTYPES
 
     assert set(HEAD_DTYPES) == set(DTYPES)

@@ -13,7 +13,7 @@ from megatron_rl_patches.integrations.megatron.opd.served_opd import ServedOpdTe
 from megatron_rl_patches.integrations.megatron.opd.stage_host import StageHost  # noqa: E402
 from megatron_rl_patches.teachers.kinds import parse_entries  # noqa: E402
 from megatron_rl_patches.teachers.served.build import served_teacher_of  # noqa: E402
-from megatron_rl_patches.teachers.step_served import OwnTopkServed  # noqa: E402
+from megatron_rl_patches.teachers.step.served import OwnTopkServed  # noqa: E402
 
 URL = "http://teacher.invalid:1;engine=vllm;context=hint"
 

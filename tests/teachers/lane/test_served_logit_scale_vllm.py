@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl_patches.teachers import ClientSettings, ServedTeacher, TeacherBatch, TeacherHead
-from megatron_rl_patches.teachers.head_transforms import APPLIED, EMBEDDING_OUTPUT, HEAD_TRANSFORMS, OUTER, TEXT
+from megatron_rl_patches.teachers.head.transforms import APPLIED, EMBEDDING_OUTPUT, HEAD_TRANSFORMS, OUTER, TEXT
 from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
 from tests.teachers.lane.served_kit import MAX_LOGPROBS, MODEL_SHAPE, POOLING, VLLM_PYTHON, VOCAB
 

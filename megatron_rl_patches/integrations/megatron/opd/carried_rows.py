@@ -13,7 +13,7 @@ given the keys:
   the teacher step with their rows (`TeacherStep.add(scored={0: ScoredBefore(...)})`): the step
   reads a row where its digest is that of the batch it would ask the teacher for, and asks for
   the others; each entry read back by `carried_entry` (a malformed one refused naming the sample
-  and the field), the rows the step reads checked as a served reply (`teachers.given_rows`, ids
+  and the field), the rows the step reads checked as a served reply (`teachers.step.given_rows`, ids
   within the student's vocabulary). 8K + 8 bytes a response token (168 at K = 20)."""
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.finite import shown
-from megatron_rl_patches.teachers.step_parts import ScoredBefore, ids_digest
+from megatron_rl_patches.teachers.step.parts import ScoredBefore, ids_digest
 from megatron_rl_patches.teachers.teacher_identity import teacher_identity
 
 ROWS = "megatron_rl_patches_teacher_rows"  # the reserved train_metadata key of the carried rows
@@ -39,7 +39,7 @@ CARRIED = "opd_rollout_rows"  # per sample of a training rank's rollout data: it
 def teacher_key(teacher: Any, context: str | None) -> str:
     """A served teacher's key among a sample's carried rows: a digest of its identity (replica
     URLs redacted and sorted, engine, top-k, temperature, `context`: its context key, read by the
-    key's one reader, `teachers.privileged`)."""
+    key's one reader, `teachers.context.privileged`)."""
     identity = teacher_identity(teacher, context, True, head=False)
     return f"{zlib.crc32(repr(sorted(identity.items())).encode()):08x}"
 
@@ -120,7 +120,7 @@ def add_carried(step: Any, batch: TeacherBatch, contexts: Any, rollout_data: Map
     except ValueError as error:
         step.refuse(error)
         return True
-    # the step checks what it reads as a served reply (teachers.given_rows), ids within the student's
+    # the step checks what it reads as a served reply (teachers.step.given_rows), ids within the student's
     # vocabulary (a rollout's teacher is of the student's tokenizer)
     vocab = step.host.vocab_size
     before = ScoredBefore(given, origin=f"slime's train_metadata[{ROWS!r}], carried from the rollout",

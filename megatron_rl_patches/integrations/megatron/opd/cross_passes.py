@@ -29,7 +29,7 @@ from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (
 )
 from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS, TopkRequest
 from megatron_rl_patches.integrations.megatron.opd.zigzag import whole_from_zigzag
-from megatron_rl_patches.teachers.cross_context import cross_with_context
+from megatron_rl_patches.teachers.context.cross import cross_with_context
 
 # the teacher rollout's keys of its second pass: its bucket ids per sample and their mask
 TEACHER_IDS, TEACHER_MASK = "opd_cross_teacher_ids", "opd_cross_teacher_ids_mask"

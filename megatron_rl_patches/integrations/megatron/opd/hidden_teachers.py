@@ -34,7 +34,7 @@ from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     VocabRequest,
 )
 from megatron_rl_patches.integrations.megatron.opd.zigzag import zigzag_of_whole
-from megatron_rl_patches.teachers.head_padding import head_padded_as
+from megatron_rl_patches.teachers.head.padding import head_padded_as
 
 
 @dataclass(frozen=True, eq=False)  # tensors inside: compared by identity

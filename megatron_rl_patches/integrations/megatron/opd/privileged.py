@@ -21,7 +21,7 @@ import torch
 from megatron_rl_patches.integrations.megatron.opd.opd_teachers import ModelTeacher, OpdTeacher, ScoringStep
 from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS, IDS, IDS_MASK
 from megatron_rl_patches.integrations.megatron.opd.zigzag import whole_from_zigzag, zigzag_of_whole
-from megatron_rl_patches.teachers.privileged import Privileged
+from megatron_rl_patches.teachers.context.privileged import Privileged
 from megatron_rl_patches.teachers.scores import TeacherScores
 
 

@@ -94,7 +94,7 @@ class RolloutTeachers:
     def metrics(self) -> dict[str, Any]:
         """The rollout's figures (`TeacherStep.metrics()`'s shape): samples scored, the seconds the
         hooks waited, the teachers' own summed (`step_metrics`)."""
-        from megatron_rl_patches.teachers.step_metrics import step_metrics  # lazy: import cost: the step's module
+        from megatron_rl_patches.teachers.step.metrics import step_metrics  # lazy: import cost: the step's module
 
         own = {"samples": self.samples, "hook_wait_s": self.waited_s}
         self.samples, self.waited_s = 0, 0.0
@@ -121,7 +121,7 @@ async def ask_rows(held: RolloutTeachers, tokens: Any, response: int, contexts: 
 
     from megatron_rl_patches.teachers.batch import TeacherBatch  # lazy: import cost: torch
     from megatron_rl_patches.teachers.errors import ServedTeacherError
-    from megatron_rl_patches.teachers.step_contexts import teacher_batches  # lazy: import cost: torch
+    from megatron_rl_patches.teachers.step.contexts import teacher_batches  # lazy: import cost: torch
 
     if isinstance(response, bool) or not isinstance(response, int) or not 0 < response <= len(tokens):
         raise ValueError(f"{where}: sample {sample}'s response_length {response!r} is not within its "

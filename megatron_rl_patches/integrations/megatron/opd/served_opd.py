@@ -5,7 +5,7 @@ framework-free teacher step: `ServedOpdTeacher` sends the step's samples through
 data-parallel rank, by the first rank of the last pipeline stage's tensor and context-parallel
 group, which broadcasts the scores to the rest of that group (a head's hidden states too: every
 rank projects them through its shard of the head); a failure on any rank is the same error on
-every rank of the job. What the scores give is the framework-free role's (`teachers.step_served`);
+every rank of the job. What the scores give is the framework-free role's (`teachers.step.served`);
 here they are cut to each context-parallel rank's zigzag rows and placed in slime's rollout data."""
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from megatron_rl_patches.integrations.megatron.opd.stage_host import StageHost, 
 from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS, FIGURES, IDS, IDS_MASK
 from megatron_rl_patches.integrations.megatron.opd.zigzag import whole_from_zigzag, zigzag_of_whole
 from megatron_rl_patches.teachers.agreement import agree_failure
-from megatron_rl_patches.teachers.cross_context import cross_with_context
-from megatron_rl_patches.teachers.head_cross_buckets import cross_batch
-from megatron_rl_patches.teachers.privileged import Privileged
+from megatron_rl_patches.teachers.context.cross import cross_with_context
+from megatron_rl_patches.teachers.context.privileged import Privileged
+from megatron_rl_patches.teachers.head.cross_buckets import cross_batch
 from megatron_rl_patches.teachers.scores import TeacherScores
-from megatron_rl_patches.teachers.step import TeacherStep, join_build
-from megatron_rl_patches.teachers.step_metrics import fixed_figures
-from megatron_rl_patches.teachers.step_served import CrossServed, HeadServed, OwnTopkServed
+from megatron_rl_patches.teachers.step.metrics import fixed_figures
+from megatron_rl_patches.teachers.step.served import CrossServed, HeadServed, OwnTopkServed
+from megatron_rl_patches.teachers.step.teacher_step import TeacherStep, join_build
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """slime's OPD builder for a served teacher (`http://host:port;engine=vllm`, the `served` row of
 `teachers.kinds`): a `served_opd.ServedOpdTeacher` over its framework-free role
-(`teachers.step_served`), and the settings it needs, checked before anything loads
+(`teachers.step.served`), and the settings it needs, checked before anything loads
 (`served_checks.check_served`): a served engine scores its own top-k only, so the buckets come from it
 (MEGATRON_RL_PATCHES_OPD_IDS_FROM=teacher, the served teacher first); one with another tokenizer
 (`;tokenizer=DIR`) scores its own encoding, one with a head (`;head=DIR`: hidden states) any ids.
@@ -27,7 +27,7 @@ from megatron_rl_patches.integrations.megatron.opd.stage_host import (
 from megatron_rl_patches.teachers.named_vocab import named_vocab_size
 from megatron_rl_patches.teachers.served.connect import NamedVocab, connect_served
 from megatron_rl_patches.teachers.served.tokenizer_probe import STUDENTS
-from megatron_rl_patches.teachers.step_served import CrossServed, HeadServed, OwnTopkServed
+from megatron_rl_patches.teachers.step.served import CrossServed, HeadServed, OwnTopkServed
 
 
 def build_served_teacher(actor: Any, settings: OpdSettings, index: int, teacher: Teacher, student: int | str,
@@ -112,7 +112,7 @@ def served_head(args: Any, settings: OpdSettings, teacher: Teacher, student: int
     padded as the actor pads its vocabulary), the server asked by the first of them (it serves the
     pooling task at the head's hidden size, its tokenizer is the student's or DIR's)."""
     from megatron_rl_patches.inference.loading.hf.vocab import check_teacher_vocab
-    from megatron_rl_patches.teachers.head import TeacherHead
+    from megatron_rl_patches.teachers.head.teacher_head import TeacherHead
     from megatron_rl_patches.teachers.served.build import served_teacher_of  # lazy: optional dependency httpx
     from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: optional dependency httpx
 

@@ -31,7 +31,7 @@ def check_served_checkpoint(root: Any, head_source: str, head_fingerprint: str, 
 def fingerprint_of(directory: str) -> str:
     """The checkpoint fingerprint of `directory` ('' where it is no checkpoint the head reader takes:
     then nothing is compared)."""
-    from megatron_rl_patches.teachers.head import HeadPlan  # lazy: import cost (torch, safetensors)
+    from megatron_rl_patches.teachers.head.teacher_head import HeadPlan  # lazy: import cost (torch, safetensors)
 
     try:
         return HeadPlan.of(directory, None, None, 1, 0).fingerprint

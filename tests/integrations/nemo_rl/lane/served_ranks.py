@@ -127,7 +127,7 @@ def _vocab_results(model, cfg, layout: dict, vocab: dict) -> list:
     builds (`WholeVocabularyDistillationLossFn`) on the patched step against the float64 reference
     on NeMo-RL's own logits, and the reference with the served states one position later."""
     from megatron_rl_patches.integrations.nemo_rl.vocab_kd import WholeVocabularyDistillationLossFn
-    from megatron_rl_patches.teachers.head import TeacherHead
+    from megatron_rl_patches.teachers.head.teacher_head import TeacherHead
 
     head = TeacherHead.from_hf(vocab["head"], dtype=torch.float64).weight
     states, teacher = vocab["states"], vocab["topk"]

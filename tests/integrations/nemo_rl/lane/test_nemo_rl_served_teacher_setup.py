@@ -78,7 +78,7 @@ def test_a_full_vocabulary_policy_makes_setups_loss_the_whole_vocabulary_one_and
 
     from megatron_rl_patches.integrations.nemo_rl import served_teacher_in_setup, served_teacher_policy
     from megatron_rl_patches.integrations.nemo_rl.vocab_kd import WholeVocabularyDistillationLossFn
-    from megatron_rl_patches.teachers.head import TeacherHead
+    from megatron_rl_patches.teachers.head.teacher_head import TeacherHead
 
     head = TeacherHead(torch.zeros(8, 4), 8, 8, 0, source=str(tmp_path))
     policy = served_teacher_policy("http://127.0.0.1:9", top_k=4, head=head, temperature=0.7, full_vocabulary=True)

@@ -1,7 +1,7 @@
 """slime_opd with a served teacher of another tokenizer and its head (`URL;engine=vllm;tokenizer=DIR;head=DIR`):
 a real vLLM pooling server (its CPU build, MRP_VLLM_PYTHON) sends the teacher's final hidden states
 for its own encoding of each sample, the trainer projects them through DIR's output layer and
-scores every chunk-start bucket exactly (`teachers.head_cross_buckets`: nothing folded), beside a
+scores every chunk-start bucket exactly (`teachers.head.cross_buckets`: nothing folded), beside a
 snapshot teacher of the student's tokenizer, through slime 624b824a's real
 `MegatronTrainRayActor.train_actor` at one rank, TP=2 with sequence parallelism, PP=2 and CP=2
 (zigzag). The pair is
@@ -89,7 +89,7 @@ def test_every_bucket_from_the_served_head_equals_the_in_process_teachers(slime_
         local_host,
         served_buckets,
     )
-    from megatron_rl_patches.teachers.head_cross_buckets import cross_batch
+    from megatron_rl_patches.teachers.head.cross_buckets import cross_batch
     from tests.cross_tokenizer.conftest import sentencepiece_like
     from tests.integrations.slime.lane import test_slime_opd_cross_tokenizer_lane as cross_lane
     from tests.integrations.slime.lane.served_cross_kit import hint_ids

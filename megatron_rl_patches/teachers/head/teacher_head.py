@@ -22,8 +22,8 @@ from megatron_rl_patches.inference.loading.hf.model import padded_vocab
 from megatron_rl_patches.ops.agreement import agree, local_error
 from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy, lm_head_topk_ids, lm_head_topk_logprobs
 from megatron_rl_patches.teachers.finite import INT64_MAX, finite, shown
-from megatron_rl_patches.teachers.head_fingerprint import HeadFacts, checkpoint_fingerprint, compare_heads
-from megatron_rl_patches.teachers.head_transforms import head_logit_scale, projects_through_embeddings
+from megatron_rl_patches.teachers.head.fingerprint import HeadFacts, checkpoint_fingerprint, compare_heads
+from megatron_rl_patches.teachers.head.transforms import head_logit_scale, projects_through_embeddings
 
 HEAD = "lm_head.weight"
 # where a tied checkpoint keeps the embedding: a causal LM's, a vision-language wrapper's text model's
@@ -48,8 +48,8 @@ class TeacherHead:
     tp_group: Any = None
     source: str = ""
     checkpoint_dtype: torch.dtype | None = None  # the checkpoint's own (a served model's, usually)
-    logit_scale: float = 1.0  # the engine's logits multiplier, already in `weight` (teachers.head_transforms)
-    fingerprint: str = ""  # of the checkpoint read (teachers.head_fingerprint); "" for a head built by hand
+    logit_scale: float = 1.0  # the engine's logits multiplier, already in `weight` (teachers.head.transforms)
+    fingerprint: str = ""  # of the checkpoint read (teachers.head.fingerprint); "" for a head built by hand
 
     def __post_init__(self) -> None:
         check_head_fields(self)
@@ -127,7 +127,7 @@ class TeacherHead:
         128) x the group's size, and cut into equal shards. Without a group, the whole [V, H]
         (padded only when `make_vocab_size_divisible_by` is given). `dtype`: the weight's dtype
         (None: the checkpoint's; float32 / bfloat16 / float16 / float64). The engine's logits
-        transforms (`teachers.head_transforms`): a scale is applied (the weight read times it), a
+        transforms (`teachers.head.transforms`): a scale is applied (the weight read times it), a
         soft cap, a bias or a field unknown for the architecture is refused naming it. With a group,
         every rank's checkpoint is compared (config.json and a few rows of the output layer: the
         same error on every rank, naming each rank's directory, when they differ)."""
@@ -197,7 +197,7 @@ class HeadPlan:
     rows: int
     dtype: torch.dtype
     own_dtype: torch.dtype
-    scale: float = 1.0  # the engine's logits multiplier (teachers.head_transforms)
+    scale: float = 1.0  # the engine's logits multiplier (teachers.head.transforms)
     fingerprint: str = ""
 
     @classmethod

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl_patches.teachers.context_key import context_key
+from megatron_rl_patches.teachers.context.key import context_key
 
 
 @dataclass(frozen=True, eq=False)

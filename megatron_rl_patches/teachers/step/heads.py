@@ -35,7 +35,7 @@ def step_heads_failure(teachers: Sequence[Any], host: Any) -> Exception | None:
         return None
     if host.share_group is None:  # each rank asks for its own states: only its own head's vocabulary to check
         return local  # (the job group is not compared here: a pipelined actor builds the step on one stage only)
-    from megatron_rl_patches.teachers.head_fingerprint import compare_heads, head_facts  # lazy: import cost
+    from megatron_rl_patches.teachers.head.fingerprint import compare_heads, head_facts  # lazy: import cost
 
     try:
         compare_heads(host.share_group, "TeacherStep", [None if head is None else head_facts(head) for head in heads],

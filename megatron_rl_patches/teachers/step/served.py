@@ -20,7 +20,7 @@ from megatron_rl_patches.ops.topk import union_ids
 from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.cross_buckets import served_buckets
 from megatron_rl_patches.teachers.errors import ServedTeacherRefusal
-from megatron_rl_patches.teachers.head_cross_buckets import cross_scores, head_buckets
+from megatron_rl_patches.teachers.head.cross_buckets import cross_scores, head_buckets
 from megatron_rl_patches.teachers.scores import TeacherScores
 
 TYPE_CHECKING = False

@@ -11,7 +11,7 @@ import numbers
 import torch
 
 from megatron_rl_patches.ops.agreement import agree, gathered
-from megatron_rl_patches.teachers.head import TeacherHead, group_position
+from megatron_rl_patches.teachers.head.teacher_head import TeacherHead, group_position
 
 
 def head_padded_as(head: TeacherHead, padded_vocab_size: int) -> TeacherHead:

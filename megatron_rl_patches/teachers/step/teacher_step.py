@@ -40,13 +40,13 @@ from typing import Any
 from megatron_rl_patches.teachers.agreement import agree_failure, agreed_views, distributed
 from megatron_rl_patches.teachers.asynchronous import AsyncTeacher, Pending
 from megatron_rl_patches.teachers.batch import TeacherBatch
-from megatron_rl_patches.teachers.given_rows import given_problem
+from megatron_rl_patches.teachers.context.privileged import step_teachers
 from megatron_rl_patches.teachers.host import TeacherHost, asks
-from megatron_rl_patches.teachers.privileged import step_teachers
-from megatron_rl_patches.teachers.step_contexts import teacher_batches
-from megatron_rl_patches.teachers.step_heads import step_heads_failure
-from megatron_rl_patches.teachers.step_metrics import StepFigures, step_metrics
-from megatron_rl_patches.teachers.step_parts import (
+from megatron_rl_patches.teachers.step.contexts import teacher_batches
+from megatron_rl_patches.teachers.step.given_rows import given_problem
+from megatron_rl_patches.teachers.step.heads import step_heads_failure
+from megatron_rl_patches.teachers.step.metrics import StepFigures, step_metrics
+from megatron_rl_patches.teachers.step.parts import (
     JoinedPending,
     Ready,
     ScoredBefore,
@@ -129,7 +129,7 @@ def join_build(host: TeacherHost) -> None:
     """On a rank of the host's job group that builds no `TeacherStep` where the others build one
     (slime's earlier pipeline stages): its part of the build's agreement (a disagreement, or a rank
     that refused its step's arguments, raised here too)."""
-    from megatron_rl_patches.teachers.step_views import absent_view, agreement_group, check_built
+    from megatron_rl_patches.teachers.step.views import absent_view, agreement_group, check_built
 
     check_built(agreed_views(None, agreement_group(host), absent_view(host)))
 
@@ -151,7 +151,7 @@ class TeacherStep:
     `projected` and the batch each rank of a sharing group sent."""
 
     def __init__(self, teachers: Sequence[Any], host: TeacherHost, plan: StepPlan | None = None) -> None:
-        from megatron_rl_patches.teachers.step_views import agreement_group, built_view, check_built
+        from megatron_rl_patches.teachers.step.views import agreement_group, built_view, check_built
 
         self.group = agreement_group(host)
         self.teachers: list[Any] = []
@@ -219,7 +219,7 @@ class TeacherStep:
         already scored these samples elsewhere (a rollout's teacher, asked as each generation
         ended): not asked again; their answer (as `submit(...).result(projected=False)` gives it:
         `BatchScores`, or a head's states per sample) joins the others' in `collect()`, read on
-        the asking rank and shared like an answer. A `ScoredBefore` (`teachers.step_parts`) gives
+        the asking rank and shared like an answer. A `ScoredBefore` (`teachers.step.parts`) gives
         answers per sample with the digest of the ids each scored: the step reads those whose digest
         is that of its own batch for the teacher (the sample's ids, or its context's before them)
         and asks the teacher for the others (slime's carried rows, `opd/carried_rows.py`). What it
@@ -289,7 +289,7 @@ class TeacherStep:
         failure anywhere, or a bad call on any rank, raised alike on every rank of the job
         group); with `projected=False` a head teacher's hidden states [R_i, H] per sample as the
         server sent them (full-vocabulary divergences take the states, not scores)."""
-        from megatron_rl_patches.teachers.step_views import check_collect, collect_view, served_contexts
+        from megatron_rl_patches.teachers.step.views import check_collect, collect_view, served_contexts
 
         started = time.perf_counter()
         parts, error, refused = self.added, self.failed, self.refused
@@ -356,6 +356,6 @@ class TeacherStep:
         group = self.host.share_group
         if group is None or not distributed() or not any(self.asynchronous):
             return served
-        from megatron_rl_patches.teachers.share_tensors import shared_results  # lazy: import cost: torch
+        from megatron_rl_patches.teachers.step.share_tensors import shared_results  # lazy: import cost: torch
 
         return shared_results(served if self.asks() else None, group)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl_patches.teachers.head import TeacherHead, group_position
+from megatron_rl_patches.teachers.head.teacher_head import TeacherHead, group_position
 
 
 def head_for_host(directory: str, host: Any, where: str) -> TeacherHead:

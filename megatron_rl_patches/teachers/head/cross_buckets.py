@@ -22,7 +22,7 @@ from megatron_rl_patches.cross_tokenizer.vocabulary import SharedVocabulary
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.cross_buckets import ServedBuckets
-from megatron_rl_patches.teachers.head import TeacherHead
+from megatron_rl_patches.teachers.head.teacher_head import TeacherHead
 from megatron_rl_patches.teachers.scores import TeacherScores
 
 

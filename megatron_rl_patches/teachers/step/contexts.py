@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from megatron_rl_patches.teachers.batch import TeacherBatch
-from megatron_rl_patches.teachers.context import id_tensor, with_context
+from megatron_rl_patches.teachers.context.teacher_context import id_tensor, with_context
 
 WHERE = "TeacherStep.send(contexts=...)"
 

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import torch
 
 from megatron_rl_patches.cross_tokenizer.teacher_passes import TeacherSample
-from megatron_rl_patches.teachers.context import with_context
-from megatron_rl_patches.teachers.head_cross_buckets import cross_batch
+from megatron_rl_patches.teachers.context.teacher_context import with_context
+from megatron_rl_patches.teachers.head.cross_buckets import cross_batch
 
 
 def cross_with_context(samples: Sequence[TeacherSample], contexts: Sequence[torch.Tensor], *,
