@@ -178,7 +178,9 @@ class TeacherClient:
             if not self._closed:
                 worker.start()
                 self._changed.wait_for(lambda: outcome or self._closed, max(deadline.remaining(), 0.0))
-        if not outcome:
+        # closed meanwhile: what the attempt raised on the closed pool (httpx's RuntimeError "the client has
+        # been closed", a read cut short) is the close, not the server's answer
+        if not outcome or (self._closed and not outcome[0][0]):
             self.abandon(http)
             return False, None
         ok, value = outcome[0]

@@ -64,7 +64,9 @@ def test_the_same_weights_at_another_path_are_one_teacher_each_asked_by_its_own_
         scores = teacher.score(batch())
         asked = [sum(1 for path, body in server.bodies if path == COMPLETIONS and len(body["prompt"]) == 6)
                  for server in (a, c)]
-    assert asked == [3, 3]
+    # both asked, each by its own name (named() refuses any other); how many each got follows which answered
+    # first (fewest in flight: [2, 4] on a loaded machine), not what this test is about
+    assert sum(asked) == 6 and min(asked) >= 1, asked
     assert all(torch.allclose(rows, torch.tensor([-math.log(2), -2 * math.log(2)], dtype=torch.float64))
                for rows in scores.topk_log_probs)
 
