@@ -15,8 +15,8 @@ from typing import Any
 from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.teachers.agreement import agreed_views
 from megatron_rl_patches.teachers.context.privileged import Privileged
+from megatron_rl_patches.teachers.entry import TeacherEntry
 from megatron_rl_patches.teachers.kinds import kind_named, read_entry
-from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
 from megatron_rl_patches.teachers.redaction import refuse_userinfo
 
 ENTRIES = "build_teachers(entries=...)"

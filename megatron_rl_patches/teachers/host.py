@@ -102,13 +102,13 @@ def megatron_host(parallel_state: Any, vocab_size: int, teacher_pass: TeacherPas
 
 def asks(host: TeacherHost) -> bool:
     """Whether this rank asks the served teachers: the first rank of the host's sharing group."""
-    from megatron_rl_patches.teachers.agreement import distributed  # lazy: import cost: torch.distributed
-
     group = host.share_group
-    if group is None or not distributed():
+    if group is None:
         return True
     import torch.distributed as dist  # lazy: import cost: torch only with a group
 
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
     return dist.get_rank(group) == 0
 
 

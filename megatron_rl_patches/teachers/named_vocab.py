@@ -11,7 +11,7 @@ from megatron_rl_patches._json_read import json_file
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
+    from megatron_rl_patches.teachers.entry import TeacherEntry
 
 
 def named_vocab_size(entry: TeacherEntry, where: str) -> int:

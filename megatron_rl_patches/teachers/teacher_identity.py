@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_rl_patches.teachers.redaction import redacted
-from megatron_rl_patches.teachers.served.urls import SEPARATOR
+from megatron_rl_patches.teachers.replica_urls import SEPARATOR
 
 URLS = "URL(s)"
 

@@ -152,7 +152,7 @@ def test_same_tokenizer_vocabulary_is_compared_with_the_heads(tmp_path):
     two sizes, one model. Refused naming both, on the entry and in doctor, before any request."""
     import json
 
-    from megatron_rl_patches.teachers.kinds.entry import RunFacts
+    from megatron_rl_patches.teachers.entry import RunFacts
     from megatron_rl_patches.teachers.kinds.served_entry import problems
     from megatron_rl_patches.testing.hf_checkpoints import write_safetensors
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from megatron_rl_patches.teachers.entry import CHECKPOINT, PROVIDER, SERVED, TeacherEntry
 from megatron_rl_patches.teachers.kinds import KINDS, REGISTRY, RunFacts, check_entries, parse_entries, parse_entry
-from megatron_rl_patches.teachers.kinds.entry import CHECKPOINT, PROVIDER, SERVED, TeacherEntry
 from megatron_rl_patches.teachers.kinds.student import STUDENT
 
 TEACHERS = "MEGATRON_RL_PATCHES_OPD_TEACHERS"

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 
 from megatron_rl_patches._variables import OPD_TEACHERS, VERL_TEACHER
+from megatron_rl_patches.teachers.entry import SERVED
 from megatron_rl_patches.teachers.kinds import RunFacts
-from megatron_rl_patches.teachers.kinds.entry import SERVED
 
 CHECK_K = 1  # any top-k server answers k=1; verl's own K is its config's
 ASKED = f", k={CHECK_K})"

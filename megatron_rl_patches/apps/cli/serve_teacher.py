@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
                          f"directory")
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port} is no port: give 1..65535")
-    from megatron_rl_patches.apps.serve_teacher.serving import serve  # lazy: vLLM, FastAPI, uvicorn
+    from megatron_rl_patches.apps.serve_teacher.serving import serve  # lazy: import cost: vLLM, FastAPI, uvicorn
 
     try:
         serve(args.model, args.host, args.port, args.api_key or os.environ.get(KEY_VARIABLE) or None, extra)

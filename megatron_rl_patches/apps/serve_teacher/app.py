@@ -18,6 +18,7 @@ is compared in constant time and never written to a reply or a log. A dead engin
 stops the server, so a client fails over to another replica.
 
 (No `from __future__ import annotations` here: FastAPI reads the routes' annotations at definition.)"""
+# lazy imports: import cost: vLLM, FastAPI, uvicorn and prometheus_client load only when the command runs
 
 import contextlib
 import hmac

@@ -5,6 +5,7 @@ vLLM's own server computes it); with `start` the positions from `start` - 1 on, 
 prefix read from the cache where an earlier member of the group wrote it (`prefixes`). Rows for
 prompt log-probs come from the same states through the model's output layer (`rows`), in float32.
 vLLM is imported only here, when the command runs."""
+# lazy imports: import cost: vLLM, FastAPI, uvicorn and prometheus_client load only when the command runs
 from __future__ import annotations
 
 import itertools
@@ -113,7 +114,7 @@ class TeacherEngine:
 def output_layer(model: str, vocab_size: int) -> torch.Tensor:
     """The model's output layer [V, H] in float32 (lm_head.weight, or the embedding where tied; a
     family's logit scale applied, a soft cap refused), read as the trainer's head reads it."""
-    from megatron_rl_patches.teachers.head.teacher_head import TeacherHead  # lazy: safetensors
+    from megatron_rl_patches.teachers.head.teacher_head import TeacherHead  # lazy: import cost: safetensors, torch
 
     head = TeacherHead.from_hf(model, dtype=torch.float32)
     if head.vocab_size != vocab_size:

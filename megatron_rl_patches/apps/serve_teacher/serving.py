@@ -1,5 +1,6 @@
 """Start `serve-teacher` (`serve`): the engine built, then the app served by uvicorn on one event
 loop (vLLM's own server does the same); the engine shut down on exit."""
+# lazy imports: import cost: vLLM, FastAPI, uvicorn and prometheus_client load only when the command runs
 from __future__ import annotations
 
 import asyncio

@@ -48,9 +48,9 @@ import torch
 from megatron_rl_patches.integrations.nemo_rl.teacher_policy import Role, TeacherPolicy, teacher_in_setup
 from megatron_rl_patches.integrations.nemo_rl.teacher_rows import filler, states_of, student_batch
 from megatron_rl_patches.integrations.nemo_rl.vocab_kd import STATES, WholeVocabularyDistillationLossFn
+from megatron_rl_patches.teachers.entry import SERVED, TeacherEntry
 from megatron_rl_patches.teachers.head.teacher_head import TeacherHead
 from megatron_rl_patches.teachers.kinds import student
-from megatron_rl_patches.teachers.kinds.entry import SERVED, TeacherEntry
 from megatron_rl_patches.teachers.served.build import served_teacher_of
 from megatron_rl_patches.teachers.served.client import ServedTeacher
 from megatron_rl_patches.teachers.served.settings import ClientSettings

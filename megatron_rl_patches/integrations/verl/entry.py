@@ -8,8 +8,8 @@ name: verl's `;tokenizer=DIR` reads text contexts only."""
 from __future__ import annotations
 
 from megatron_rl_patches._variables import VERL_TEACHER
+from megatron_rl_patches.teachers.entry import SERVED, TeacherEntry
 from megatron_rl_patches.teachers.kinds import parse_variable, served_entry, student
-from megatron_rl_patches.teachers.kinds.entry import SERVED, TeacherEntry
 from megatron_rl_patches.teachers.kinds.options import variable_named
 
 FORM = "http(s)://host:port[|http(s)://host:port...];engine=vllm[;head=DIR][;context=KEY[;tokenizer=DIR]]"

@@ -49,7 +49,7 @@ from megatron_rl_patches.integrations.verl.held import held
 from megatron_rl_patches.integrations.verl.self_entry import placeholder_rows
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context.teacher_context import with_context
-from megatron_rl_patches.teachers.kinds.entry import SERVED, STUDENT, TeacherEntry
+from megatron_rl_patches.teachers.entry import SERVED, STUDENT, TeacherEntry
 from megatron_rl_patches.teachers.redaction import redacted
 
 # the sample verl's agent-loop worker is scoring: (its prompt length, its non-tensor fields)

@@ -42,7 +42,7 @@ from megatron_rl_patches.integrations.verl.vocab_context import agreed_privilege
 from megatron_rl_patches.processors.distill import divergence_output_processor
 from megatron_rl_patches.processors.heads import output_tp_group
 from megatron_rl_patches.teachers.batch import TeacherBatch
-from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
+from megatron_rl_patches.teachers.entry import TeacherEntry
 
 WHO = f"verl_topk_kd ({VERL_TEACHER} with head=)"
 

@@ -17,7 +17,7 @@ from megatron_rl_patches.integrations.context_fields import privileged_batch
 from megatron_rl_patches.integrations.verl.rows import response_lengths
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.batch import TeacherBatch
-from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
+from megatron_rl_patches.teachers.entry import TeacherEntry
 
 WHERE = f"verl_topk_kd ({VERL_TEACHER} with head= and context=)"
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl_patches.teachers.kinds.entry import RunFacts, TeacherEntry
+from megatron_rl_patches.teachers.entry import RunFacts, TeacherEntry
 
 
 def no_check(entry: TeacherEntry, facts: RunFacts) -> None:

@@ -5,8 +5,8 @@ directories only."""
 from __future__ import annotations
 
 from megatron_rl_patches._layout_option import written_sizes
+from megatron_rl_patches.teachers.entry import PROVIDER, TeacherEntry
 from megatron_rl_patches.teachers.kinds.checkpoint import expected_forms, path_options, path_problems
-from megatron_rl_patches.teachers.kinds.entry import PROVIDER, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
 from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, context_option, is_provider, split_entry
 

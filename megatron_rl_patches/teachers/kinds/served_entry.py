@@ -22,7 +22,7 @@ from typing import Any
 
 from megatron_rl_patches._digits import ascii_int
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
-from megatron_rl_patches.teachers.kinds.entry import SERVED, RunFacts, TeacherEntry
+from megatron_rl_patches.teachers.entry import SERVED, RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
 from megatron_rl_patches.teachers.kinds.options import (
     OWN_TOKENIZER,
@@ -54,7 +54,7 @@ def recognizes(entry: str) -> bool:
 def check_url_head(said: str, head: str) -> str:
     """The URL(s) of an entry named as `said` (its user or password refused where it came in):
     each replica's http or https, no query, its trailing '/' dropped; joined by '|' again."""
-    from megatron_rl_patches.teachers.served.urls import SEPARATOR, replica_pieces  # lazy: import cost
+    from megatron_rl_patches.teachers.replica_urls import SEPARATOR, replica_pieces  # lazy: import cost
 
     try:
         urls = replica_pieces(head)

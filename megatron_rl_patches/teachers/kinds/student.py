@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from megatron_rl_patches.teachers.kinds.entry import STUDENT, TeacherEntry
+from megatron_rl_patches.teachers.entry import STUDENT, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
 from megatron_rl_patches.teachers.kinds.options import CONTEXT, context_option, split_entry
 from megatron_rl_patches.teachers.redaction import quoted

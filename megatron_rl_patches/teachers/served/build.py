@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl_patches.teachers.agreement import agree_failure
+from megatron_rl_patches.teachers.entry import TeacherEntry
 from megatron_rl_patches.teachers.head.for_host import head_for_host
 from megatron_rl_patches.teachers.host import asks
-from megatron_rl_patches.teachers.kinds.entry import TeacherEntry
 from megatron_rl_patches.teachers.named_vocab import check_head_vocab, named_vocab_size
 from megatron_rl_patches.teachers.redaction import redacted
 from megatron_rl_patches.teachers.served.connect import connect_served

@@ -22,6 +22,7 @@ from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.finite import utf8_text
 from megatron_rl_patches.teachers.head.teacher_head import TeacherHead
+from megatron_rl_patches.teachers.replica_urls import SEPARATOR, replica_urls
 from megatron_rl_patches.teachers.served.endpoint import Endpoint, SampleAsk, Step
 from megatron_rl_patches.teachers.served.engines.names import check_engine, engine_class
 from megatron_rl_patches.teachers.served.engines.protocol import SampleRows, ServedEngine, ServedModel
@@ -37,7 +38,6 @@ from megatron_rl_patches.teachers.served.metrics import Recorder
 from megatron_rl_patches.teachers.served.pool import ReplicaPool
 from megatron_rl_patches.teachers.served.server import Server
 from megatron_rl_patches.teachers.served.settings import ClientSettings, ReplicaSettings
-from megatron_rl_patches.teachers.served.urls import SEPARATOR, replica_urls
 
 
 class ServedTeacher:

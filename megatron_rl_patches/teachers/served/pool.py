@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.redaction import redacted, scrubbed
+from megatron_rl_patches.teachers.replica_urls import SEPARATOR
 from megatron_rl_patches.teachers.served.cancel import Cancel
 from megatron_rl_patches.teachers.served.endpoint import Endpoint, SampleAsk, Step
 from megatron_rl_patches.teachers.served.engines.protocol import ServedModel
@@ -31,7 +32,6 @@ from megatron_rl_patches.teachers.served.identity import difference
 from megatron_rl_patches.teachers.served.metrics import Recorder
 from megatron_rl_patches.teachers.served.scheduler import Scheduler
 from megatron_rl_patches.teachers.served.settings import ReplicaSettings
-from megatron_rl_patches.teachers.served.urls import SEPARATOR
 
 LOG = logging.getLogger(__name__)
 SAME = ("the replicas of one teacher compute the same (the same checkpoint, dtype and max model length); serve it "

@@ -11,8 +11,8 @@ import pytest
 
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import LOSS_PATH, opd_settings
 from megatron_rl_patches.integrations.slime import opd as slime_opd
+from megatron_rl_patches.teachers.entry import SERVED
 from megatron_rl_patches.teachers.kinds import parse_entries
-from megatron_rl_patches.teachers.kinds.entry import SERVED
 
 P = "MEGATRON_RL_PATCHES_OPD_"
 HEAD = "http://t:1;engine=vllm;head=/dirs/teacher"

@@ -1,7 +1,8 @@
-"""What prompt affinity buys, said where users read it (issue 86 item 2): on vLLM 0.32 it saves no
-compute (prefix-cache reads are off for prompt log-probs and all-token pooling, measured against a
+"""What prompt affinity buys, said where users read it (issue 86 item 2): on stock vLLM 0.32 it saves
+no compute (prefix-cache reads are off for prompt log-probs and all-token pooling, measured against a
 real server's `/metrics` in tests/teachers/lane/test_served_prefix_cache_vllm.py), so neither the
-docs nor the policy's docstring may promise a prompt computed once."""
+docs nor the policy's docstring may promise a prompt computed once there; on `serve-teacher` replicas
+it is what lets a group's prompt be computed once (tests/teachers/lane/test_served_serve_teacher_vllm.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,5 +26,7 @@ def test_the_docs_say_what_prompt_affinity_buys_on_vllm():
 
 def test_the_policy_says_it_too_and_keep_prompt_groups_still_spells_it():
     said = " ".join((PromptAffinity.__doc__ or "").split())
-    assert "saves no compute on vLLM 0.32" in said
+    assert "On stock vLLM 0.32 it saves no compute" in said
+    assert "`megatron-rl-patches serve-teacher` replicas it is what lets the replica holding a group compute its " \
+           "prompt once" in said
     assert ReplicaSettings(keep_prompt_groups=True).spread == PromptAffinity()

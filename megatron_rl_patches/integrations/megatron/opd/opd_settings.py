@@ -23,9 +23,9 @@ from megatron_rl_patches._variables import OPD_RESIDENCY as RESIDENCY
 from megatron_rl_patches._variables import OPD_SCORE_AT as SCORE_AT
 from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
 from megatron_rl_patches._variables import OPD_WEIGHTS as WEIGHTS
+from megatron_rl_patches.teachers.entry import SERVED
+from megatron_rl_patches.teachers.entry import TeacherEntry as Teacher
 from megatron_rl_patches.teachers.kinds import parse_entries
-from megatron_rl_patches.teachers.kinds.entry import SERVED
-from megatron_rl_patches.teachers.kinds.entry import TeacherEntry as Teacher
 from megatron_rl_patches.teachers.kinds.options import OWN_TOKENIZER, STOP_TOKENS  # noqa: F401 - the entry's options (--help)
 from megatron_rl_patches.teachers.redaction import quoted, redacted, scrubbed
 

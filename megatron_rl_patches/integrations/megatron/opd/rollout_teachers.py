@@ -23,7 +23,7 @@ from megatron_rl_patches.integrations.megatron.opd.carried_rows import packed, t
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import SCORE_AT as SCORE_AT  # the setting's name
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, OpdSettings
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import score_at as score_at  # its one parser
-from megatron_rl_patches.teachers.kinds.entry import SERVED
+from megatron_rl_patches.teachers.entry import SERVED
 
 
 def rollout_entries(settings: OpdSettings | None) -> list[Any]:

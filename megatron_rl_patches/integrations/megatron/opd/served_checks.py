@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from megatron_rl_patches._variables import OPD_IDS_FROM
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, OpdSettings, Teacher
-from megatron_rl_patches.teachers.kinds.entry import SERVED
+from megatron_rl_patches.teachers.entry import SERVED
 
 
 def top_k_only(teacher: Teacher) -> bool:

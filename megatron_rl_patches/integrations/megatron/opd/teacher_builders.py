@@ -44,7 +44,7 @@ from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (
 )
 from megatron_rl_patches.integrations.megatron.opd.privileged import PrivilegedTeacher, StudentChunksPass
 from megatron_rl_patches.integrations.megatron.opd.served_teacher import build_served_teacher
-from megatron_rl_patches.teachers.kinds.entry import CHECKPOINT, PROVIDER, SERVED
+from megatron_rl_patches.teachers.entry import CHECKPOINT, PROVIDER, SERVED
 from megatron_rl_patches.teachers.kinds.student import STUDENT
 
 # (actor, settings, teacher, student vocabulary) -> the route its build takes
