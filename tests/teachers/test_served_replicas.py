@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from kit.ports import refused_port
 
 from megatron_rl_patches.teachers import (
     ClientSettings,
@@ -246,8 +247,6 @@ def test_every_replica_dead_is_one_error_naming_each_within_the_deadline():
 def test_doctor_checks_every_replica(monkeypatch):
     from megatron_rl_patches.apps.cli import doctor
 
-    with vllm_like() as gone:
-        dead = url_of(gone)
     def other_weights(body):  # another checkpoint's scores (issue 86 item 1: replicas known by what they compute)
         status, reply = completions(body)
         for entry in reply["choices"][0]["prompt_logprobs"][1:]:
@@ -255,8 +254,11 @@ def test_doctor_checks_every_replica(monkeypatch):
                 item["logprob"] -= 0.5
         return status, reply
 
-    with vllm_like(v1_models=card()) as a, vllm_like(v1_models=card(), v1_completions=other_weights) as b, \
+    # the dead replica a port held and refusing (a server stopped first could hand its port to a, b or c)
+    with refused_port() as port, vllm_like(v1_models=card()) as a, \
+            vllm_like(v1_models=card(), v1_completions=other_weights) as b, \
             vllm_like(v1_models=card(root="/ckpt/copy")) as c:
+        dead = f"http://127.0.0.1:{port}"
         monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_K", "2")
         monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_TEACHERS", f"{url_of(a)}|{url_of(c)};engine=vllm")
         assert doctor.teacher_problems() == []

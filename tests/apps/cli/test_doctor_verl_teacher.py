@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from kit.ports import refused_port
 
 from megatron_rl_patches.apps import cli
 from tests.teachers.local_servers import MODEL, completions, url_of, vllm_like
@@ -30,9 +31,9 @@ def report(cli_run) -> tuple[int, list[str], list[str]]:
 
 
 def test_a_dead_replica_of_verls_teacher_is_a_problem_naming_it(cli_run, monkeypatch):
-    with vllm_like() as gone:
-        dead = url_of(gone)
-    with vllm_like() as live:
+    # the dead replica a port held and refusing (a server stopped first could hand its port to the live one)
+    with refused_port() as port, vllm_like() as live:
+        dead = f"http://127.0.0.1:{port}"
         monkeypatch.setenv(VERL, f"{dead}|{url_of(live)};engine=vllm")
         code, problems, checked = report(cli_run)
         text = cli_run("doctor")[1]
