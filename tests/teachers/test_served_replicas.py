@@ -156,9 +156,8 @@ def test_a_replica_whose_states_have_another_width_is_refused_by_name():
             teacher.check()
 
 
-def test_a_replica_that_does_not_answer_at_connect_is_named(caplog):
-    with vllm_like() as b:
-        dead = url_of(b)
+def test_a_replica_that_does_not_answer_at_connect_is_named(caplog, held_dead_port):
+    dead = f"http://127.0.0.1:{held_dead_port}"  # held: no server of the test can be handed its port
     with vllm_like() as a, ServedTeacher([url_of(a), dead], top_k=2, client=FAST,
                                          replicas=ReplicaSettings(min_replicas=2)) as teacher:
         with pytest.raises(ServedTeacherError, match=f"{dead}/v1/models: no answer after 2 tries"):
@@ -168,6 +167,12 @@ def test_a_replica_that_does_not_answer_at_connect_is_named(caplog):
             caplog.at_level("WARNING", logger="megatron_rl_patches.teachers.served"):
         teacher.check()
     assert any(f"{dead}/v1/models: no answer after 2 tries" in record.getMessage() for record in caplog.records)
+
+
+@pytest.fixture
+def held_dead_port():
+    with refused_port() as port:
+        yield port
 
 
 # ------------------------------------------------------------------ a step
