@@ -15,6 +15,7 @@ def teacher_problems() -> list[str]:
 
 def test_doctor_asks_the_served_teacher_and_names_k_over_its_limit(served, monkeypatch):
     monkeypatch.setenv(TEACHERS, f"{served.url};engine=vllm")
+    monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_IDS_FROM", "teacher")  # a served top-k teacher's buckets (else refused)
     monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_K", str(MAX_LOGPROBS))
     assert teacher_problems() == []
     monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_K", str(MAX_LOGPROBS + 5))

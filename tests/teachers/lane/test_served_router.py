@@ -76,7 +76,7 @@ def test_the_teacher_behind_the_router_is_refused_naming_it(router, served, rout
 def test_doctor_names_the_router(router, monkeypatch):
     monkeypatch.setenv(TEACHERS, f"{router};engine=vllm")
     monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_K", "4")
-    monkeypatch.delenv("MEGATRON_RL_PATCHES_OPD_IDS_FROM", raising=False)
+    monkeypatch.setenv("MEGATRON_RL_PATCHES_OPD_IDS_FROM", "teacher")  # a served top-k teacher's buckets (else refused)
     problems = [p for p in doctor.collect()["problems"] if p.startswith(TEACHERS)]
     assert len(problems) == 1 and "router in front" in problems[0], problems
     assert API_KEY not in problems[0], problems
