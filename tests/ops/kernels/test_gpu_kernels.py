@@ -72,3 +72,18 @@ def test_topk_ids_excess_peak_does_not_grow_with_the_rows():
     excess = torch.cuda.max_memory_allocated() - base - ids.nbytes
     assert excess <= 0.1 * T * V * 4, f"excess peak {excess / (T * V * 4):.3f} U"
     assert torch.equal(ids, lm_head_topk_ids(hidden, weight, k, backend="torch"))
+
+
+def test_the_gemm_backends_products_take_fp32_output_from_bf16_on_this_torch():
+    """The `gemm` route's speed rests on `torch.mm(out_dtype=float32)` from bf16 operands: where this
+    torch lacks it the route upcasts every chunk (right, several times slower) and warns once; on the
+    GPU check it must not have to."""
+    from megatron_rl_patches.ops.kernels.triton.gemm_backend import Fp32Products
+
+    products = Fp32Products()
+    a = torch.randn(64, 32, device=CUDA).bfloat16()
+    b = torch.randn(48, 32, device=CUDA).bfloat16()
+    out = torch.empty(64, 48, device=CUDA)
+    products(a, b, out)
+    assert products.out_dtype_works
+    torch.testing.assert_close(out, a.float() @ b.float().t(), rtol=1e-5, atol=1e-5)

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
+from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.ops._stats import GradFactors, RowStats
 from megatron_rl_patches.ops._vocab import row_chunks
 from megatron_rl_patches.ops.kernels.contract import Backend
@@ -75,8 +76,11 @@ class Fp32Products:
         if a.device.type == "cuda" and self.out_dtype_works:
             try:
                 return torch.mm(a, b.t(), out_dtype=torch.float32, out=out)
-            except (RuntimeError, TypeError):  # a torch without it: upcast, as on CPU
+            except (RuntimeError, TypeError) as error:  # a torch without it: upcast, as on CPU
                 self.out_dtype_works = False
+                warn_once(f"backend 'gemm': this torch's torch.mm has no fp32 output from {a.dtype} operands "
+                          f"({type(error).__name__}: {error}); each chunk's operands are upcast to fp32 instead "
+                          "(the same values, several times slower): use the 'triton' backend here")
         return torch.mm(a.float(), b.float().t(), out=out)
 
 
