@@ -17,6 +17,12 @@ class ServedTeacherError(RuntimeError):
         self.sample = sample
 
 
+class ServedTeacherStopped(ServedTeacherError):
+    """A request stopped before it was sent (its sample answered by another replica, or its step
+    failed or the teacher closed): where the sample was answered elsewhere it says nothing of the
+    replica it was queued for, which is not taken out for it."""
+
+
 class ServedTeacherRefusal(ServedTeacherError, ValueError):
     """A request the teacher refuses (or the server refused with a 4xx): fix the argument named."""
 

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
+from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal, ServedTeacherStopped
 from megatron_rl_patches.teachers.redaction import redacted
 from megatron_rl_patches.teachers.served.endpoint import Endpoint, SampleAsk, Step
 from megatron_rl_patches.teachers.served.engines.protocol import ServedModel
@@ -199,7 +199,10 @@ class Scheduler:
         seconds = time.monotonic() - attempt.sent
         error = done.exception()
         index = attempt.replica
-        failing = isinstance(error, ServedTeacherError) and not isinstance(error, ServedTeacherRefusal)
+        # a refusal is the request's; a request stopped unsent because its sample was answered elsewhere (queued
+        # there as a hedge's loser) says nothing of its replica
+        failing = isinstance(error, ServedTeacherError) and not isinstance(error, ServedTeacherRefusal) and \
+            not (isinstance(error, ServedTeacherStopped) and job.answered)
         stopped: list[Attempt] = []
         resend = None
         warn = failed_over = False

@@ -8,7 +8,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from megatron_rl_patches.teachers.errors import ServedTeacherError
+from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherStopped
 from megatron_rl_patches.teachers.served.budget import TokenBudget
 from megatron_rl_patches.teachers.served.endpoint import SampleAsk, Step
 from megatron_rl_patches.teachers.served.engines.protocol import ServedEngine, ServedModel
@@ -74,8 +74,8 @@ class Server:
         answer = None
         try:
             if step.cancel.is_set():
-                raise ServedTeacherError(f"{self.url}: sample {sample.index} not sent: the step failed before",
-                                         self.url, sample.index)
+                raise ServedTeacherStopped(f"{self.url}: sample {sample.index} not sent: answered elsewhere or the "
+                                           f"step failed before", self.url, sample.index)
             if step.deadline.remaining() <= 0:
                 raise ServedTeacherError(f"{self.url}: sample {sample.index} waited for tokens in flight past the "
                                          f"step's deadline of {step.deadline.seconds:g} s", self.url, sample.index)

@@ -9,7 +9,10 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from megatron_rl_patches.teachers import ReplicaSettings
+from megatron_rl_patches.teachers.errors import ServedTeacherStopped
 from megatron_rl_patches.teachers.served.endpoint import SampleAsk, Step
 from megatron_rl_patches.teachers.served.metrics import Recorder
 from megatron_rl_patches.teachers.served.pool import ReplicaPool
@@ -69,3 +72,51 @@ def test_a_replica_lost_under_default_settings_is_taken_out_counted_and_named_on
     assert after["failovers"] == after["hedges_sent"] == 0 and after["taken_out"] == []
     pool.close()
 
+
+
+class Queued(MemoryEndpoint):
+    """A healthy replica whose requests wait in its queue (its tokens in flight full) and, when the
+    sample is answered elsewhere, end unsent: `Server.run`'s `ServedTeacherStopped`."""
+
+    def ask(self, model, sample, step):
+        future = super().ask(model, sample, step)  # held: never answered by itself
+        step.cancel.on_set(lambda: future.done() or future.set_exception(
+            ServedTeacherStopped(f"{self.url}: sample {sample.index} not sent", self.url, sample.index)))
+        return future
+
+
+def test_a_hedge_loser_stopped_in_its_queue_takes_its_healthy_replica_out_of_nothing(caplog):
+    a, b = MemoryEndpoint("http://a"), Queued("http://b", hold=True)
+    recorder = Recorder()
+    pool = ReplicaPool([a, b], ReplicaSettings(hedge_after=2.0, hedge_floor_s=0.05), recorder)
+    step = Step.within(30.0)
+    pool.ask(MODEL, sample(0), step).result(5)  # a's answer: the step's first time
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        got = pool.ask(MODEL, sample(1), step).result(5)  # queued at b (its turn), hedged to a, answered there
+    assert b.asked == [1] and b.cancels[0].is_set()  # b's request was stopped unsent
+    assert torch.equal(got.token_log_probs, rows_of(sample(1).ids, 3).token_log_probs)
+    time.sleep(0.1)  # the stopped request's end reaches the scheduler
+    figures = recorder.take()
+    assert figures["taken_out"] == [] and figures["failovers"] == 0 and not pool.scheduler.out, str(figures)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    pool.close()
+
+
+def test_the_server_ends_a_request_stopped_before_it_was_sent_as_stopped():
+    """What `Queued` stands in for: `Server.run` of a request whose cancel was set while it waited."""
+    from types import SimpleNamespace
+
+    from megatron_rl_patches.teachers import ClientSettings
+    from megatron_rl_patches.teachers.served.server import Server
+
+    def never_sent(*args):
+        raise AssertionError("a stopped request was sent")
+
+    client = SimpleNamespace(url="http://q", close=lambda: None)
+    engine = SimpleNamespace(client=client, kind="rows", tokenize_path="/tokenize", ask=never_sent)
+    server = Server(engine, ClientSettings())  # type: ignore[arg-type]
+    step = Step.within(30.0)
+    step.cancel.set()
+    error = server.ask(MODEL, sample(2), step).exception(5)
+    server.close()
+    assert isinstance(error, ServedTeacherStopped) and "sample 2 not sent" in str(error), error
