@@ -81,13 +81,14 @@ def test_the_choice_for_cuda_is_one_named_place(monkeypatch):
     assert kernels.resolve_backend("auto", torch.device("cpu")).name == "torch"
 
 
-@pytest.mark.slow  # 50 interpreter launches under a dispatch mode: about a minute, more on a loaded machine
+@pytest.mark.slow  # 48 interpreter launches under a dispatch mode: ~10 s of one core
 def test_forward_and_backward_buffers_stay_a_share_of_u():
     """The route's own tensors (counted on CPU) within 0.1 U = T·V·4·0.1 beyond the inputs, the
-    outputs and the two gradients, forward and backward (H/V_local = 1/64)."""
+    outputs and the two gradients, forward and backward (H/V_local = 1/32; 16 row chunks forward,
+    32 vocabulary slices backward: 0.093 U measured, a [T, V] buffer anywhere is 1 U)."""
     from megatron_rl_patches.ops.kernels.triton import gemm_backend
 
-    T, H, Vs = 256, 16, 1024
+    T, H, Vs = 256, 16, 512
     g = torch.Generator().manual_seed(5)
     h = torch.randn(T, H, generator=g).requires_grad_()
     w = (torch.randn(Vs, H, generator=g) * H**-0.5).requires_grad_()
