@@ -193,7 +193,8 @@ def actor_rollout(seed: int, samples: list[dict] | None = None) -> dict:
     from megatron.core import parallel_state
 
     data = kit.rollout(seed) if samples is None else dict(samples[seed % len(samples)])
-    data.update(rewards=[1.0, 0.0, 0.5, -1.0], num_microbatches=[len(data["micro_batch_indices"])],
+    rewards = [1.0, 0.0, 0.5, -1.0] * (len(data["tokens"]) // 4 + 1)  # these four, again for a longer rollout
+    data.update(rewards=rewards[:len(data["tokens"])], num_microbatches=[len(data["micro_batch_indices"])],
                 global_batch_sizes=[len(data["tokens"]) * parallel_state.get_data_parallel_world_size()])
     return data
 

@@ -9,13 +9,15 @@ MEGATRON_RL_PATCHES_OPD_SCORE_AT) as in the rollout manager's runtime_env.
 
     python slime_rollout_scores.py CONFIG.json
 CONFIG: {"engine": the vLLM URL generating, "model": its directory (slime's --hf-checkpoint),
-"prompts": [prompt length per sample], "response": new tokens per sample (slime's
---rollout-max-response-len), "spread": whether the responses end at different lengths (as EOS
-ends them: each between a quarter of it and all of it), "seed", "rounds": rollouts in a row (one
-process, as slime's long-lived rollout manager: seeds seed, seed + 1, ...), "contexts": [per sample
-a train_metadata dict or null], "out": a torch.save path}. Writes per round the data-parallel
-rank's rollout data (one rank), the rollout's seconds and the extra metrics slime's
-`log_rollout_data` received; prints one JSON line of the figures."""
+"prompts": [prompt length per prompt], "group": samples per prompt (slime's --n-samples-per-prompt;
+default 1): each prompt's samples one `generate_and_rm_group` call, GRPO's, their responses seeded
+by session ids the script names (a rerun samples the same responses whatever order the requests
+arrive in), "response": new tokens per sample (slime's --rollout-max-response-len), "spread":
+whether the responses end at different lengths (as EOS ends them: each between a quarter of it and
+all of it), "seed", "rounds": rollouts in a row (one process, as slime's long-lived rollout
+manager: seeds seed, seed + 1, ...), "contexts": [per sample a train_metadata dict or null], "out":
+a torch.save path}. Writes per round the data-parallel rank's rollout data (one rank), the
+rollout's seconds and the extra metrics slime's `log_rollout_data` received; prints one JSON line of the figures."""
 from __future__ import annotations
 
 import asyncio
@@ -60,9 +62,10 @@ class GenerateStandIn(http.server.ThreadingHTTPServer):
         self.seed = 0
         threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
 
-    def answer(self, body: dict) -> dict:
+    def answer(self, body: dict, session: str | None = None) -> dict:
         params = body.get("sampling_params", {})
         self.seed += 1
+        seed = self.seed if session is None else zlib.crc32(session.encode())  # a named sample's own seed
         longest = int(params["max_new_tokens"])
         wanted = longest  # with `spread`: where an EOS would have ended it, from the prompt's ids
         if self.spread:
@@ -70,7 +73,7 @@ class GenerateStandIn(http.server.ThreadingHTTPServer):
         reply = post_json(f"{self.engine}/v1/completions", {
             "model": self.model, "prompt": list(body["input_ids"]), "max_tokens": wanted,
             "temperature": float(params.get("temperature", 1.0)), "top_p": float(params.get("top_p", 1.0)),
-            "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True, "seed": self.seed})
+            "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True, "seed": seed})
         choice = reply["choices"][0]
         ids = [int(token.split(":")[-1]) for token in choice["logprobs"]["tokens"]]
         return {"text": choice.get("text", ""), "meta_info": {
@@ -83,7 +86,7 @@ class GenerateAnswer(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 - the standard library's name
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-        data = json.dumps(self.server.answer(body)).encode()
+        data = json.dumps(self.server.answer(body, self.headers.get("X-SMG-Routing-Key"))).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -108,19 +111,23 @@ def captured_log(rollout_id: int, args: Any, samples: Any, rollout_extra_metrics
 
 def rollout_args(engine: GenerateStandIn, config: dict) -> Any:
     """slime's arguments as its rollout functions read them (the rollout manager's parsed args)."""
+    group = int(config.get("group", 1))
     return types.SimpleNamespace(
         hf_checkpoint=config["model"], sglang_router_ip="127.0.0.1", sglang_router_port=engine.server_address[1],
         rollout_num_engines=1, sglang_server_concurrency=64, sglang_dp_size=None, use_distributed_post=False,
         rollout_temperature=1.0, rollout_top_p=1.0, rollout_top_k=-1, rollout_max_response_len=config["response"],
-        rollout_stop=None, rollout_stop_token_ids=None, rollout_skip_special_tokens=False, n_samples_per_prompt=1,
+        rollout_stop=None, rollout_stop_token_ids=None, rollout_skip_special_tokens=False, n_samples_per_prompt=group,
         partial_rollout=False, mask_offpolicy_in_partial_rollout=False, group_rm=False,
         custom_generate_function_path=None, custom_rm_path="slime_rollout_scores.zero_reward", rm_type=None,
-        use_rollout_routing_replay=False, ci_test=False, router_policy=None, rollout_sample_hook_path=None,
+        use_rollout_routing_replay=False, ci_test=False, rollout_sample_hook_path=None,
+        # slime sends a sample's session id (X-SMG-Routing-Key) with consistent hashing: the stand-in seeds by it
+        router_policy="consistent_hashing" if group > 1 else None,
         sglang_enable_deterministic_inference=False,
         custom_rollout_log_function_path="slime_rollout_scores.captured_log",
         load_debug_rollout_data=False, reward_key=None, advantage_estimator="reinforce", rewards_normalization=False,
         rollout_batch_size=len(config["prompts"]), micro_batch_size=1, use_dynamic_batch_size=False,
-        max_tokens_per_gpu=None, balance_data=False, balance_by_flops=False, global_batch_size=len(config["prompts"]),
+        max_tokens_per_gpu=None, balance_data=False, balance_by_flops=False,
+        global_batch_size=len(config["prompts"]) * group,
         rollout_data_transport="object-store")
 
 
@@ -146,14 +153,19 @@ def main(config: dict) -> dict:
     rounds = []
     for seed in range(config["seed"], config["seed"] + int(config.get("rounds", 1))):
         gen = torch.Generator().manual_seed(seed)
-        samples = []
-        for index, (length, meta) in enumerate(zip(config["prompts"], config.get("contexts") or [None] * 999)):
+        group, groups = int(config.get("group", 1)), []
+        metas = config.get("contexts") or [None] * 999
+        for number, length in enumerate(config["prompts"]):
             prompt = torch.randint(1, 64, (length,), generator=gen).tolist()
-            samples.append(Sample(index=index, prompt="", tokens=prompt, train_metadata=meta))
+            members = range(number * group, (number + 1) * group)
+            groups.append([Sample(index=index, group_index=number, prompt="", tokens=list(prompt),
+                                  train_metadata=metas[index],
+                                  session_id=None if group == 1 else f"{seed}-{index}") for index in members])
 
-        async def rollout(samples: list = samples) -> list:
-            return await asyncio.gather(*(sglang_rollout.generate_and_rm_group(args, [s], state.sampling_params.copy())
-                                          for s in samples))
+        async def rollout(groups: list = groups) -> list:
+            return await asyncio.gather(*(sglang_rollout.generate_and_rm_group(args, members,
+                                                                               state.sampling_params.copy())
+                                          for members in groups))
 
         started = time.perf_counter()
         groups = asyncio.run(rollout())

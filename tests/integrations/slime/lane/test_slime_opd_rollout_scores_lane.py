@@ -10,62 +10,34 @@ its losses equal those of the same rollout scored by the train step within 1e-6 
 nothing carried, the step asks). Without MRP_VLLM_PYTHON the test skips naming it."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from tests.integrations.slime.lane.served_qwen3_kit import VLLM_PYTHON, served_checkpoint, slime_rollout
+
 pytestmark = pytest.mark.slime
 
-HERE = os.path.dirname(__file__)
-VLLM_PYTHON = os.environ.get("MRP_VLLM_PYTHON", "")
-VOCAB = 64
-SHAPE = dict(hidden_size=64, head_dim=32, intermediate_size=96, max_position_embeddings=256, vocab_size=VOCAB)
 PROMPTS, RESPONSE = (5, 7, 4, 6), 5
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    if not VLLM_PYTHON:
-        pytest.skip("MRP_VLLM_PYTHON names vLLM's interpreter (the served lane's, .lanes/vllm/bin/python): unset")
-    from megatron_rl_patches.testing.hf_checkpoints import (
-        save_word_tokenizer,
-        tiny_hf_config,
-        transformers_layout,
-        write_tiny_checkpoint,
-    )
     from megatron_rl_patches.testing.vllm_server import vllm_server
 
     root = tmp_path_factory.mktemp("served")
-    config = {**transformers_layout(tiny_hf_config("qwen3", **SHAPE)), "architectures": ["Qwen3ForCausalLM"]}
-    write_tiny_checkpoint(root / "qwen3", config, seed=3)
-    save_word_tokenizer(root / "qwen3", VOCAB)
-    with vllm_server(VLLM_PYTHON, root / "qwen3", root / "vllm.log", max_model_len=256, max_logprobs=20) as server:
-        yield server.url, str(root / "qwen3")
+    directory = served_checkpoint(root)
+    with vllm_server(VLLM_PYTHON, directory, root / "vllm.log", max_model_len=256, max_logprobs=20) as server:
+        yield server.url, str(directory)
 
 
 def entries(url: str) -> str:
     return f"{url};engine=vllm,teacher-a"
 
 
-def slime_rollout(tmp_path, url: str, directory: str, score_at: str) -> dict:
+def rollout_at(tmp_path, url: str, directory: str, score_at: str) -> dict:
     """slime's rollout in its own interpreter (as its rollout manager runs): the rank's data and figures."""
-    out = tmp_path / f"rollout-{score_at}.pt"
-    config = {"engine": url, "model": directory, "prompts": list(PROMPTS), "response": RESPONSE, "seed": 0,
-              "out": str(out)}
-    (tmp_path / f"rollout-{score_at}.json").write_text(json.dumps(config))
-    env = {**os.environ, "MEGATRON_RL_PATCHES_OPD_TEACHERS": entries(url), "MEGATRON_RL_PATCHES_OPD_K": "4",
-           "MEGATRON_RL_PATCHES_OPD_IDS_FROM": "teacher", "MEGATRON_RL_PATCHES_OPD_SCORE_AT": score_at}
-    env.pop("MEGATRON_RL_PATCHES", None)
-    done = subprocess.run([sys.executable, "-W", "ignore", os.path.join(HERE, "slime_rollout_scores.py"),
-                           str(tmp_path / f"rollout-{score_at}.json")], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=HERE)
-    assert done.returncode == 0, done.stderr[-4000:]
-    (one,) = torch.load(out, weights_only=False)["rounds"]
-    return {**one, "printed": json.loads(done.stdout.strip().splitlines()[-1])}
+    config = {"engine": url, "model": directory, "prompts": list(PROMPTS), "response": RESPONSE, "seed": 0}
+    return slime_rollout(tmp_path, score_at, config, entries(url), score_at)
 
 
 def trained(rank_data: dict, url: str, directory: str, tensor: int) -> list[dict]:
@@ -92,7 +64,7 @@ def trained(rank_data: dict, url: str, directory: str, tensor: int) -> list[dict
 def rollouts(served, tmp_path_factory):
     url, directory = served
     tmp = tmp_path_factory.mktemp("rollouts")
-    return {where: slime_rollout(tmp, url, directory, where) for where in ("rollout", "train")}
+    return {where: rollout_at(tmp, url, directory, where) for where in ("rollout", "train")}
 
 
 def test_slimes_rollout_carries_each_samples_rows_and_logs_the_teachers_figures(slime_cpu, rollouts):

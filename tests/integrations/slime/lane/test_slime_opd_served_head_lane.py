@@ -9,18 +9,14 @@ dense float64 (the served checkpoint built alone in float64). Without MRP_VLLM_P
 skips naming it (the slime lane is outside `make test`)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from megatron_rl_patches.testing import layouts
+from tests.integrations.slime.lane.served_qwen3_kit import VLLM_PYTHON, VOCAB, served_checkpoint
 
 pytestmark = pytest.mark.slime
 
-VLLM_PYTHON = os.environ.get("MRP_VLLM_PYTHON", "")
-VOCAB = 64  # the lane's tiny GPT's vocabulary (slime_kit.VOCAB), the served model's too
-SHAPE = dict(hidden_size=64, head_dim=32, intermediate_size=96, max_position_embeddings=256, vocab_size=VOCAB)
 WEIGHTS = (0.3, 0.7)  # slime_ranks.OPD_ENV's: the served teacher, the snapshot
 TEMPERATURE = 0.8
 SP = layouts.BY_MARKER["sp"].megatron_lm_args
@@ -39,22 +35,12 @@ POOLING = ("--runner", "pooling", "--convert", "embed", "--pooler-config", '{"ta
 
 @pytest.fixture(scope="module")
 def pooled(tmp_path_factory):
-    if not VLLM_PYTHON:
-        pytest.skip("MRP_VLLM_PYTHON names vLLM's interpreter (the served lane's, .lanes/vllm/bin/python): unset")
-    from megatron_rl_patches.testing.hf_checkpoints import (
-        save_word_tokenizer,
-        tiny_hf_config,
-        transformers_layout,
-        write_tiny_checkpoint,
-    )
     from megatron_rl_patches.testing.vllm_server import vllm_server
 
     root = tmp_path_factory.mktemp("pooled")
-    config = {**transformers_layout(tiny_hf_config("qwen3", **SHAPE)), "architectures": ["Qwen3ForCausalLM"]}
-    write_tiny_checkpoint(root / "qwen3", config, seed=3)
-    save_word_tokenizer(root / "qwen3", VOCAB)
-    with vllm_server(VLLM_PYTHON, root / "qwen3", root / "vllm.log", max_model_len=256, extra=POOLING) as server:
-        yield server.url, str(root / "qwen3")
+    directory = served_checkpoint(root)
+    with vllm_server(VLLM_PYTHON, directory, root / "vllm.log", max_model_len=256, extra=POOLING) as server:
+        yield server.url, str(directory)
 
 
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=layouts.mark(*LAYOUTS[name][1])) for name in LAYOUTS])
