@@ -69,9 +69,9 @@ def test_a_failing_teacher_is_raised_while_another_teachers_answer_is_still_out(
     def failing(body):
         return (400, {"detail": "no such prompt"}) if failing_now.is_set() else completions(body)
 
-    def slow(body):  # once slow_now is set: answers when released (or after 2 s)
+    def slow(body):  # once slow_now is set: answers when released (or after 30 s: never, unless the test fails)
         if slow_now.is_set():
-            release.wait(2.0)
+            release.wait(30.0)
             replied.append(True)
         return completions(body)
 
