@@ -69,7 +69,8 @@ def performance_metrics_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs
     bound = bind(wrapped, args, kwargs)
     if bound is None or not isinstance(timing, dict):
         return timing
-    each = [sample[KEY] for chunk in bound.arguments["metrics"] or [] for sample in chunk
+    # a fork's method without verl's `metrics` parameter: its timing as it is (a KeyError after verl's call before)
+    each = [sample[KEY] for chunk in bound.arguments.get("metrics") or [] for sample in chunk
             if isinstance(sample, dict) and sample.get(KEY)]
     if each:
         timing.update(flat(served_summed(each)))

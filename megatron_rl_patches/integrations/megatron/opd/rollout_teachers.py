@@ -123,10 +123,10 @@ async def ask_rows(held: RolloutTeachers, tokens: Any, response: int, contexts: 
     from megatron_rl_patches.teachers.errors import ServedTeacherError
     from megatron_rl_patches.teachers.step.contexts import teacher_batches  # lazy: import cost: torch
 
-    if isinstance(response, bool) or not isinstance(response, int) or not 0 < response <= len(tokens):
+    if isinstance(response, bool) or not isinstance(response, int) or not 0 < response < len(tokens):
         raise ValueError(f"{where}: sample {sample}'s response_length {response!r} is not within its "
-                         f"{len(tokens)} tokens (the response is their last response_length): hand the hook the "
-                         "sample's whole prompt and response ids")
+                         f"{len(tokens)} tokens (the response is their last response_length, after a prompt of at "
+                         "least one token): hand the hook the sample's whole prompt and response ids")
     ids = torch.tensor(list(tokens), dtype=torch.long)
     batch = TeacherBatch([ids], [len(ids) - response])
     try:
@@ -135,18 +135,33 @@ async def ask_rows(held: RolloutTeachers, tokens: Any, response: int, contexts: 
         raise type(error)(f"{where}: sample {sample}: {error}") from None
     started = time.perf_counter()
     pending = [teacher.submit(one, samples=[sample]) for teacher, one in zip(held.teachers, asked)]
+    futures: list[asyncio.Future] = []
     try:
         futures = [asyncio.wrap_future(f) for waiting in pending for f in waiting.pending.values()]
-        if futures:  # each sample's requests answered while the other samples' tasks run
+        # each sample's requests answered while the other samples' tasks run; a teacher that refused the
+        # sample before sending it (too long, its server down at the first ask) raised at once, unwaited
+        if futures and not any(waiting.failure is not None for waiting in pending):
             await asyncio.wait(futures, timeout=max(min(p.deadline.remaining() for p in pending), 0.0),
                                return_when=asyncio.FIRST_EXCEPTION)
+        for waiting in pending:  # a failed teacher's error first: another's result() would wait for its answer
+            if failed_already(waiting):
+                waiting.result()
         scores = [waiting.result() for waiting in pending]  # the named error of a failure, or its deadline
     except BaseException as failed:
         for waiting in pending:
             waiting.cancel()
+        for future in futures:  # the loop's wrappers of the stopped requests, never awaited again: not logged
+            future.cancel()
         if isinstance(failed, ServedTeacherError):  # where it was asked before the teacher's own words
             raise type(failed)(f"{where}: {failed}", failed.url, failed.sample) from failed
         raise
     held.waited_s += time.perf_counter() - started
     held.samples += 1
     return {key: packed(got, one) for key, got, one in zip(held.keys, scores, asked)}
+
+
+def failed_already(waiting: Any) -> bool:
+    """Whether a teacher's `PendingScores` holds a failure now: refused before sending, or a
+    request that ended in an error."""
+    return waiting.failure is not None or any(f.done() and not f.cancelled() and f.exception() is not None
+                                              for f in waiting.pending.values())
