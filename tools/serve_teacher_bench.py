@@ -124,6 +124,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="the model's layers")
     args = parser.parse_args()
     os.environ["MEGATRON_RL_PATCHES_TEACHER_API_KEY"] = KEY
+    # the client's own work (reading the replies, the head's top-k with `--states`) on one thread: the
+    # servers hold the cores, and a client of two OpenMP threads on a loaded machine spins (a [1024, 64]
+    # x [64, 1001] product took 86 ms at load average 20), a cost both servers' times carry alike
+    torch.set_num_threads(1)
     shapes = [(max(1, round(p * args.scale)), max(1, round(r * args.scale)), g) for p, r, g in SHAPES]
     longest = max(p + r for p, r, _ in shapes) + 1
     out = Path(args.out)
