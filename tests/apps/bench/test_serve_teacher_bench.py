@@ -57,3 +57,5 @@ def test_each_group_is_scored_by_both_servers_in_turning_order(monkeypatch):
     assert timed[0] == timed[1] and timed[2] == timed[3] and timed[4] == timed[5]  # the same group for both
     assert len({timed[0], timed[2], timed[4]}) == 3  # fresh prompts each turn
     assert found["stock vLLM"]["tokens"] == 10.0 and found["serve-teacher"]["tokens"] == 3.0
+    for name in found:  # each group's time kept in the groups' order, for the ratio of each pair
+        assert len(found[name]["times"]) == 3 and found[name]["best"] == min(found[name]["times"])
