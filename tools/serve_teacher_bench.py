@@ -2,16 +2,20 @@
 
     PYTHONPATH=. .venv/bin/python tools/serve_teacher_bench.py --vllm-python .lanes/vllm/bin/python --out bench-out/st
 
-A tiny random Qwen3 (float32) served on the loopback by both, each alone on the machine in turn (one
-started, measured and stopped before the other). Per shape (P prompt ids, R response ids a sample,
-G samples a group): the median time per group over `--groups` groups of fresh prompts, scored
-through `ServedTeacher` (top-20 with the exact tail; with `--states` hidden states), the teacher
-tokens each computed per group (the engine's own `/metrics`), the ratio and its floor
+A random Qwen3 (float32; tiny, or `--hidden 512 --layers 4` for a forward that is a real part of the
+time) served on the loopback by both, both up at once and asked in turn: each group is scored by one
+server then the other, the order turning from group to group, so a load that drifts over the run
+weighs on both alike. Per shape (P prompt ids, R response ids a sample, G samples a group): the
+median and the best time per group over `--groups` groups of fresh prompts, scored through
+`ServedTeacher` (top-20 with the exact tail; with `--states` hidden states), the teacher tokens each
+computed per group (the engine's own `/metrics`), the ratio (the median of each group's
+two times' ratio, and the ratio of the bests) and its floor
 (P + G·R) / (G·(P + R)). Writes serve_teacher.json and serve_teacher.md (rows for
 docs/benchmarks.md), the CPU and its load named."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -19,6 +23,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,9 +33,23 @@ from megatron_rl_patches.testing.vllm_server import launch as launch_server
 from megatron_rl_patches.testing.vllm_server import serving
 
 VOCAB = 1001
-SHAPE = dict(hidden_size=64, head_dim=32, intermediate_size=96, vocab_size=VOCAB)
 KEY = "bench-key"
 SHAPES = ((1024, 128, 8), (256, 1024, 8))
+
+
+def model_shape(hidden: int, layers: int) -> dict[str, int]:
+    """A random Qwen3 of `hidden` width and `layers` layers. Below a width of 256 the tiny test model's
+    heads (4 of 32, 2 key/value) and an MLP 1.5 times as wide (hidden 64: the earlier runs' model);
+    from 256 on, Qwen3's proportions: heads of 64, a quarter as many key/value heads, an MLP three
+    times as wide. The vocabulary stays tiny (the head is the client's, the same for both servers)."""
+    if hidden < 256:
+        return dict(hidden_size=hidden, head_dim=32, intermediate_size=3 * hidden // 2, num_hidden_layers=layers,
+                    vocab_size=VOCAB)
+    if hidden % 64:
+        raise ValueError(f"--hidden must be a multiple of 64 from 256 on, got {hidden}")
+    heads = hidden // 64
+    return dict(hidden_size=hidden, head_dim=64, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+                intermediate_size=3 * hidden, num_hidden_layers=layers, vocab_size=VOCAB)
 
 
 def cpu_name() -> str:
@@ -41,7 +60,7 @@ def cpu_name() -> str:
 
 
 def load() -> str:
-    return "load average " + " ".join(Path("/proc/loadavg").read_text().split()[:3]) + f" on {os.cpu_count()} cores"
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def group(prompt: int, response: int, size: int, seed: int) -> TeacherBatch:
@@ -60,34 +79,58 @@ def computed(url: str) -> float:
                if line.startswith("vllm:prompt_tokens_by_source_total{") and 'source="local_compute"' in line)
 
 
-def measure(url: str, directory: Path, shape: tuple[int, int, int], groups: int, states: bool) -> dict:
+def timed_group(teacher: ServedTeacher, url: str, batch: TeacherBatch) -> tuple[float, float]:
+    """(seconds, teacher tokens the engine computed) for one group scored through `teacher`."""
+    before = computed(url)
+    start = time.perf_counter()
+    teacher.score(batch)
+    seconds = time.perf_counter() - start
+    return seconds, computed(url) - before
+
+
+def measure(servers: dict[str, str], directory: Path, shape: tuple[int, int, int], groups: int,
+            states: bool) -> dict[str, dict[str, Any]]:
+    """Per server: each group's seconds (`times`, in the groups' order), their median and best, and
+    the median tokens per group. Both servers are up; each group is scored by one then the other (the
+    order turning from group to group), so a load that drifts over the run weighs on both alike."""
     prompt, response, size = shape
     head = {"head": str(directory)} if states else {}
-    with ServedTeacher(url, top_k=20, client=ClientSettings(deadline_s=600), **head) as teacher:
+    settings = ClientSettings(deadline_s=600)
+    with contextlib.ExitStack() as stack:
+        teachers = {name: stack.enter_context(ServedTeacher(url, top_k=20, client=settings, **head))
+                    for name, url in servers.items()}
         # seeds of their own per shape: one shape's prompt must not be the start of another's (whose cached
         # blocks would hold the row before the response, which the group's first then computes twice)
         first = 1_000 * (prompt + 7 * response)
-        teacher.score(group(prompt, response, size, seed=first + groups))  # warm: the first request's one-off costs
-        times, tokens = [], []
-        for seed in range(first, first + groups):
+        for teacher in teachers.values():  # warm: the first request's one-off costs
+            teacher.score(group(prompt, response, size, seed=first + groups))
+        found: dict[str, list[tuple[float, float]]] = {name: [] for name in servers}
+        for turn, seed in enumerate(range(first, first + groups)):
             batch = group(prompt, response, size, seed)
-            before = computed(url)
-            start = time.perf_counter()
-            teacher.score(batch)
-            times.append(time.perf_counter() - start)
-            tokens.append(computed(url) - before)
-    return {"seconds": statistics.median(times), "tokens": statistics.median(tokens)}
+            names = list(servers) if turn % 2 == 0 else list(reversed(servers))
+            for name in names:
+                found[name].append(timed_group(teachers[name], servers[name], batch))
+    return {name: {"times": [t for t, _ in pairs], "seconds": statistics.median(t for t, _ in pairs),
+                   "best": min(t for t, _ in pairs), "tokens": statistics.median(n for _, n in pairs)}
+            for name, pairs in found.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", required=True, help="vLLM 0.32's interpreter (the served lane's venv)")
     parser.add_argument("--out", default="bench-out/serve-teacher")
-    parser.add_argument("--groups", type=int, default=3, help="groups timed per shape and server")
+    parser.add_argument("--groups", type=int, default=5, help="groups timed per shape and server")
     parser.add_argument("--scale", type=float, default=1.0, help="P and R times this (a reduced run: 0.25)")
     parser.add_argument("--states", action="store_true", help="hidden states (a head) instead of top-k rows")
+    parser.add_argument("--hidden", type=int, default=64, help="the model's width (512: a forward that is a real "
+                                                               "part of the time; 64: overheads dominate)")
+    parser.add_argument("--layers", type=int, default=2, help="the model's layers")
     args = parser.parse_args()
     os.environ["MEGATRON_RL_PATCHES_TEACHER_API_KEY"] = KEY
+    # the client's own work (reading the replies, the head's top-k with `--states`) on one thread: the
+    # servers hold the cores, and a client of two OpenMP threads on a loaded machine spins (a [1024, 64]
+    # x [64, 1001] product took 86 ms at load average 20), a cost both servers' times carry alike
+    torch.set_num_threads(1)
     shapes = [(max(1, round(p * args.scale)), max(1, round(r * args.scale)), g) for p, r, g in SHAPES]
     longest = max(p + r for p, r, _ in shapes) + 1
     out = Path(args.out)
@@ -95,34 +138,49 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch) / "qwen3"
-        save_tiny_hf(directory, "qwen3", seed=3, max_position_embeddings=longest, **SHAPE)
+        shape = model_shape(args.hidden, args.layers)
+        save_tiny_hf(directory, "qwen3", seed=3, max_position_embeddings=longest, **shape)
         save_word_tokenizer(directory, VOCAB)
-        found: dict[str, dict] = {}
+        launched = {}
         for name, ours in (("stock vLLM", False), ("serve-teacher", True)):
             extra: tuple[str, ...] = ("--block-size", "32") if ours else ()
             if args.states and not ours:
                 extra = ("--runner", "pooling", "--convert", "embed", "--pooler-config", '{"task": "token_embed"}')
-            server = launch_server(args.vllm_python, directory, Path(scratch) / f"{name}.log", max_model_len=longest,
-                                   api_key=KEY, extra=extra, serve_teacher=ours)
-            with serving(server, 900):
-                found[name] = {f"{p}/{r}/{g}": measure(server.url, directory, (p, r, g), args.groups, args.states)
-                               for p, r, g in shapes}
+            launched[name] = launch_server(args.vllm_python, directory, Path(scratch) / f"{name}.log",
+                                           max_model_len=longest, api_key=KEY, extra=extra, serve_teacher=ours)
+        with contextlib.ExitStack() as up:
+            urls = {name: up.enter_context(serving(server, 900)).url for name, server in launched.items()}
+            loads = [load()]
+            found = {f"{p}/{r}/{g}": measure(urls, directory, (p, r, g), args.groups, args.states)
+                     for p, r, g in shapes}
+            loads.append(load())
         for p, r, g in shapes:
             key = f"{p}/{r}/{g}"
-            stock, ours_ = found["stock vLLM"][key], found["serve-teacher"][key]
+            stock, ours_ = found[key]["stock vLLM"], found[key]["serve-teacher"]
+            # the ratio of each group's two times (scored one after the other), their median: the figure a load
+            # that swings within seconds moves least; the ratio of the two bests beside it
+            paired = [o / s for o, s in zip(ours_["times"], stock["times"], strict=True)]
             rows.append({"P": p, "R": r, "G": g, "stock_s": stock["seconds"], "ours_s": ours_["seconds"],
-                         "ratio": ours_["seconds"] / stock["seconds"], "floor": (p + g * r) / (g * (p + r)),
+                         "stock_best": stock["best"], "ours_best": ours_["best"],
+                         "stock_times": stock["times"], "ours_times": ours_["times"],
+                         "ratio": statistics.median(paired), "best_ratio": ours_["best"] / stock["best"],
+                         "floor": (p + g * r) / (g * (p + r)),
                          "stock_tokens": stock["tokens"], "ours_tokens": ours_["tokens"]})
-    said = {"cpu": cpu_name(), "load": load(), "route": "hidden states" if args.states else "top-20 rows",
+    said = {"cpu": f"{cpu_name()}, {os.cpu_count()} cores", "load": f"load average {loads[0]} before, {loads[1]} after",
+            "route": "hidden states" if args.states else "top-20 rows",
+            "model": f"random Qwen3, hidden {args.hidden}, {args.layers} layers, vocabulary {VOCAB}, float32",
             "rows": rows}
     (out / "serve_teacher.json").write_text(json.dumps(said, indent=1))
-    lines = ["| P | R | G | stock vLLM s/group | serve-teacher s/group | ratio | floor "
-             "| tokens computed (stock / ours) |", "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['P']} | {r['R']} | {r['G']} | {r['stock_s']:.3f} | {r['ours_s']:.3f} | {r['ratio']:.2f} | "
-              f"{r['floor']:.3f} | {r['stock_tokens']:g} / {r['ours_tokens']:g} |" for r in rows]
-    (out / "serve_teacher.md").write_text("\n".join(lines) + f"\n\n{said['cpu']}, {said['load']}, {said['route']}\n")
+    lines = ["| P | R | G | stock vLLM s/group (median / best) | serve-teacher s/group (median / best) "
+             "| ratio (median of the groups' / of the bests) | floor | tokens computed (stock / ours) |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['P']} | {r['R']} | {r['G']} | {r['stock_s']:.3f} / {r['stock_best']:.3f} | {r['ours_s']:.3f} / "
+              f"{r['ours_best']:.3f} | {r['ratio']:.2f} / {r['best_ratio']:.2f} | {r['floor']:.3f} | "
+              f"{r['stock_tokens']:g} / {r['ours_tokens']:g} |" for r in rows]
+    (out / "serve_teacher.md").write_text("\n".join(lines) + f"\n\n{said['cpu']}, {said['load']}, {said['route']}, "
+                                             f"{said['model']}\n")
     print("\n".join(lines))
-    print(said["cpu"], "|", said["load"], "|", said["route"])
+    print(said["cpu"], "|", said["load"], "|", said["route"], "|", said["model"])
 
 
 if __name__ == "__main__":
