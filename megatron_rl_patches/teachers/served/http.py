@@ -95,6 +95,24 @@ def server_words(response: Any, key: str | None) -> str:
     return without_key(response.text[:QUOTED + len(key or "")], key)[:QUOTED]
 
 
+def tls_context(ca_bundle: str | None) -> ssl.SSLContext:
+    """The verifying TLS context of every client given `ca_bundle` (None: the system's CAs, from
+    OpenSSL's default paths or SSL_CERT_FILE / SSL_CERT_DIR), loaded once per process: loading the
+    system's CAs costs ~30 ms, and a step opens a client per teacher and replica. A changed bundle
+    file or CA variable is loaded again."""
+    try:
+        stamp = os.stat(ca_bundle).st_mtime_ns if ca_bundle is not None else None
+    except OSError:
+        stamp = None  # ClientSettings checked it is a file: loading it names what is wrong now
+    return _loaded_context(ca_bundle, stamp, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+
+
+@functools.lru_cache(maxsize=8)
+def _loaded_context(ca_bundle: str | None, *key: Any) -> ssl.SSLContext:
+    """`tls_context`'s load (`key`: the bundle's change time and the CA variables, the cache key only)."""
+    return ssl.create_default_context(cafile=ca_bundle)
+
+
 class TeacherClient:
     """One teacher's connection pool (created on first use, thread-safe: a step's requests run
     from several threads at once)."""
@@ -124,12 +142,7 @@ class TeacherClient:
             raise ImportError(f"a served teacher needs httpx: {install_hint('served', 'httpx')}") from None
         s = self.settings
         headers = {"Authorization": f"Bearer {s.api_key()}"} if s.api_key() else {}
-        # https: the system's CAs (OpenSSL's default paths, SSL_CERT_FILE / SSL_CERT_DIR) or the bundle
-        # given. Every request goes to this URL, so plain http never negotiates TLS, and loading the
-        # system's CAs (~30 ms a client) is skipped there (a bundle given is still read: a bad one is named)
-        verify: Any = False
-        if self.url.startswith("https://") or s.ca_bundle is not None:
-            verify = ssl.create_default_context(cafile=s.ca_bundle)
+        verify = tls_context(s.ca_bundle)
         limits = httpx.Limits(max_connections=s.max_in_flight, max_keepalive_connections=s.max_in_flight)
         return httpx.Client(headers=headers, verify=verify, limits=limits, trust_env=True,
                             timeout=httpx.Timeout(s.timeout_s, connect=s.connect_timeout_s))
