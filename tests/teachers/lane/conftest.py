@@ -7,7 +7,8 @@ a teacher's replicas, a spare generate server of a byte copy of the checkpoint a
 prefix cache on; paused, then killed); for the head's logit scale, a generate server of a tiny
 random Cohere whose config.json omits logit_scale (the engine's 0.0625 default) and a pooling
 server of it (`served_extra`: only with MRP_SERVED_EXTRA=1).
-Every server the session's tests use starts together, when the first is asked for (`launched`). Without
+Every server the session's tests use starts together, when the first is asked for (`launched`); a
+module's servers of its own load in the background once those are ready (`early_work`). Without
 MRP_VLLM_PYTHON every test here skips (the main lane); with it, a server that does not start is an
 error, never a skip."""
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 
 from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
+from tests.teachers.lane.early_work import JOBS, EarlyWork
 from tests.teachers.lane.served_kit import (
     API_KEY,
     MAX_LOGPROBS,
@@ -34,8 +36,9 @@ from tests.teachers.lane.served_kit import (
 
 def pytest_collection_modifyitems(items):
     # a test that kills a shared server runs after the rest, in any selection of modules (the lane's
-    # file order had put them last; a subset given in another order failed every test after them)
-    items.sort(key=killed_last)
+    # file order had put them last; a subset given in another order failed every test after them);
+    # before those, the modules that offer work of their own (early_work): it loads meanwhile
+    items.sort(key=lambda item: (killed_last(item), offers_work(item)))
     for item in items:
         if "teachers/lane" in str(item.fspath).replace(os.sep, "/"):
             item.add_marker(pytest.mark.served)
@@ -45,6 +48,11 @@ def pytest_collection_modifyitems(items):
             elif item.get_closest_marker("served_extra") and not EXTRA:
                 item.add_marker(pytest.mark.skip(reason="servers of its own past the served lane's time budget: "
                                                         "MRP_SERVED_EXTRA=1 make test-served runs it"))
+
+
+def offers_work(item: pytest.Item) -> bool:
+    """Whether the item's module offers work of its own to begin early (`early_work.offer`)."""
+    return any(job.module == item.module.__name__ for job in JOBS.values())
 
 
 def killed_last(item: pytest.Item) -> int:
@@ -164,15 +172,17 @@ def launched(request, checkpoint):
     """Every server the session's tests use, started when the first is asked for: as many at once as
     the machine's available memory takes with room to spare (`servers_that_fit`; all five on a 24 GiB
     machine), the next wave once those are ready (they load side by side, which the lane's cores
-    finish sooner than one after another); each fixture below takes its own and stops it."""
+    finish sooner than one after another); each fixture below takes its own and stops it. Once
+    they are ready, the modules' own work (`early_work`) is begun in the background."""
     from megatron_rl_patches.testing.vllm_server import servers_that_fit, stop, wait_ready
 
-    wanted = {name for item in request.session.items if not item.get_closest_marker("skip")
-              for name in item.fixturenames}
+    running = [item for item in request.session.items if not item.get_closest_marker("skip")]
+    wanted = {name for item in running for name in item.fixturenames}
     root, directory, _ = checkpoint
     names = [name for name in SERVERS if name in wanted]
     wave = servers_that_fit(len(names)) if names else 1
     servers: dict[str, Any] = {}
+    early = None
     try:
         for at in range(0, len(names), wave):
             if at:  # the earlier wave loaded: its peak is behind it
@@ -180,10 +190,27 @@ def launched(request, checkpoint):
                     wait_ready(server, 600.0)
             for name in names[at: at + wave]:
                 servers[name] = STARTED[name] = start(name, root, directory)
+        shared = list(servers.values())
+        modules = list(dict.fromkeys(item.module.__name__ for item in running))
+        jobs = [name for module in modules for name, job in JOBS.items() if job.module == module]
+        early = EARLY["work"] = EarlyWork(jobs, root, directory, lambda: [wait_ready(s, 600.0) for s in shared])
         yield servers
     finally:
+        if early is not None:
+            early.close()
         for server in servers.values():
             stop(server.process)
+
+
+# the session's `EarlyWork` (made by `launched`)
+EARLY: dict[str, EarlyWork] = {}
+
+
+@pytest.fixture(scope="session")
+def early_work(launched) -> EarlyWork:
+    """The lane's modules' own work, begun in the background once the shared servers are ready
+    (`early_work`): a module's fixture takes its job's handle (`early_work.take(name)`)."""
+    return EARLY["work"]
 
 
 # every lane server started this session, by name: a failing test is told which of them died

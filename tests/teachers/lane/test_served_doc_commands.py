@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl_patches.testing.vllm_server import VllmServer, free_port, stop, wait_ready
+from tests.teachers.lane.early_work import Job, offer
 from tests.teachers.lane.served_kit import VLLM_PYTHON
 
 DOCS_TESTS = Path(__file__).resolve().parents[2] / "docs"
@@ -39,12 +40,11 @@ def doc_servers():
     return doc_blocks, found
 
 
-@pytest.fixture(scope="module")
-def started(checkpoint, tmp_path_factory):
-    """{command as run: (its server, where the docs show it)}, every one ready."""
-    _, directory, _ = checkpoint
+def begin_doc_servers(root: Path, directory: Path) -> dict[str, tuple[VllmServer, list[str]]]:
+    """{command as run: (its server, where the docs show it)}, every one started (not waited for)."""
     _, servers = doc_servers()
-    logs = tmp_path_factory.mktemp("doc-servers")
+    logs = root / "doc-servers"
+    logs.mkdir(exist_ok=True)
     env = {name: value for name, value in os.environ.items()
            if not name.startswith("VLLM_") and name != "PYTHONPATH"}
     running: dict[str, tuple[VllmServer, list[str]]] = {}
@@ -57,6 +57,32 @@ def started(checkpoint, tmp_path_factory):
                 process = subprocess.Popen(["bash", "-c", line], stdout=out, stderr=subprocess.STDOUT, env=env,
                                            start_new_session=True)
             running[line] = (VllmServer(f"http://127.0.0.1:{port}", process, log), where)
+    except BaseException:
+        stop_doc_servers(running)
+        raise
+    return running
+
+
+def settle_doc_servers(running: dict[str, tuple[VllmServer, list[str]]]) -> None:
+    for server, _ in running.values():
+        wait_ready(server, 600)
+
+
+def stop_doc_servers(running: dict[str, tuple[VllmServer, list[str]]]) -> None:
+    for server, _ in running.values():
+        stop(server.process)
+
+
+# the docs' servers load while the lane's other tests run (early_work); about 2 GB each
+offer("doc servers", Job(__name__, len(doc_servers()[1].distinct("python", "model")), begin_doc_servers,
+                         settle_doc_servers, stop_doc_servers))
+
+
+@pytest.fixture(scope="module")
+def started(early_work):
+    """{command as run: (its server, where the docs show it)}, every one ready."""
+    running = early_work.take("doc servers")
+    try:
         for server, where in running.values():
             try:
                 wait_ready(server, 600)
@@ -64,8 +90,7 @@ def started(checkpoint, tmp_path_factory):
                 raise AssertionError(f"the docs' CPU line at {where} did not start as written: {error}") from None
         yield running
     finally:
-        for server, _ in running.values():
-            stop(server.process)
+        stop_doc_servers(running)
 
 
 def test_each_cpu_line_of_the_docs_starts_and_answers(started, checkpoint):

@@ -12,10 +12,12 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from tests.teachers.lane.early_work import Job, offer
 from tests.teachers.lane.example_kit import bucket_kl, student_log_softmax
 from tests.teachers.lane.served_kit import VLLM_PYTHON, VOCAB
 
@@ -86,18 +88,48 @@ def test_one_and_two_ranks_train_alike_and_the_optimizer_moves_the_student(runs,
 AS_PASTED = {"top-k": ("--tp", "2", "--steps", "2"), "head": ("--head", "--tp", "2", "--steps", "1")}
 
 
-@pytest.fixture(scope="module")
-def as_pasted(tmp_path_factory):
-    """Both command lines of `AS_PASTED` started together in fresh interpreters when the first is
-    asked for, so their two vLLM servers load side by side (as the lane's own do) rather than one
-    after the other; each test takes its own run's (returncode, stdout, stderr)."""
-    folder = tmp_path_factory.mktemp("as-pasted")
+def begin_as_pasted(root: Path, _directory: Path) -> dict[str, tuple[subprocess.Popen, Any, Any]]:
+    """Both command lines of `AS_PASTED` started together in fresh interpreters, so their two vLLM
+    servers load side by side: {name: (its process, its stdout file, its stderr file)}."""
+    folder = root / "as-pasted"
+    folder.mkdir(exist_ok=True)
     started = {}
-    for name, options in AS_PASTED.items():
-        out, err = (open(folder / f"{name}.{kind}", "w+") for kind in ("out", "err"))
-        command = [sys.executable, str(EXAMPLES / "served_teacher_loop.py"), "--vllm-python", VLLM_PYTHON, *options]
-        started[name] = (subprocess.Popen(command, stdout=out, stderr=err, text=True,
-                                          env={**os.environ, "PYTHONWARNINGS": "ignore"}), out, err)
+    try:
+        for name, options in AS_PASTED.items():
+            out, err = (open(folder / f"{name}.{kind}", "w+") for kind in ("out", "err"))
+            command = [sys.executable, str(EXAMPLES / "served_teacher_loop.py"), "--vllm-python", VLLM_PYTHON,
+                       *options]
+            started[name] = (subprocess.Popen(command, stdout=out, stderr=err, text=True,
+                                              env={**os.environ, "PYTHONWARNINGS": "ignore"}), out, err)
+    except BaseException:
+        end_as_pasted(started)
+        raise
+    return started
+
+
+def settle_as_pasted(started: dict[str, tuple[subprocess.Popen, Any, Any]]) -> None:
+    for proc, _, _ in started.values():  # their servers and ranks: the peak lasts the run
+        proc.wait(timeout=900)
+
+
+def end_as_pasted(started: dict[str, tuple[subprocess.Popen, Any, Any]]) -> None:
+    for proc, out, err in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close(), err.close()
+
+
+# the two runs as pasted go while the lane's other tests run (early_work): each a vLLM server of its
+# own and a world of two ranks, about one and a half servers' peak
+offer("example as pasted", Job(__name__, 3, begin_as_pasted, settle_as_pasted, end_as_pasted))
+
+
+@pytest.fixture(scope="module")
+def as_pasted(early_work):
+    """The runs of `begin_as_pasted` (begun early, or when the first is asked for); each test takes
+    its own run's (returncode, stdout, stderr)."""
+    started = early_work.take("example as pasted")
 
     def finished(name: str) -> subprocess.CompletedProcess:
         proc, out, err = started[name]
@@ -108,11 +140,7 @@ def as_pasted(tmp_path_factory):
     try:
         yield finished
     finally:
-        for proc, out, err in started.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            out.close(), err.close()
+        end_as_pasted(started)
 
 
 def test_the_script_runs_as_pasted_serving_its_own_teacher(runs, as_pasted):

@@ -3,9 +3,9 @@ which vLLM 0.32's llama.py passes to `LogitsProcessor(scale=...)` after the stat
 sends): its served prompt log-probs (a generate server) against the log-probs its pooled states
 give through `TeacherHead.from_hf` (the scale applied in the head); the same states through the
 head of a copy without the field (no scale: far off) as the negative control. Two servers of this
-checkpoint, started together. And the table's rows against the lane's vLLM source (no server): each
-applied row's model files read its field, from the config the row says (`hf_config` as written, or
-`hf_config.get_text_config()`)."""
+checkpoint, started together while the lane's other tests run (`early_work`). And the table's
+rows against the lane's vLLM source (no server): each applied row's model files read its field,
+from the config the row says (`hf_config` as written, or `hf_config.get_text_config()`)."""
 from __future__ import annotations
 
 import json
@@ -18,27 +18,53 @@ import torch
 from megatron_rl_patches.teachers import ClientSettings, ServedTeacher, TeacherBatch, TeacherHead
 from megatron_rl_patches.teachers.head.transforms import APPLIED, EMBEDDING_OUTPUT, HEAD_TRANSFORMS, OUTER, TEXT
 from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
+from megatron_rl_patches.testing.vllm_server import VllmServer, launch, serving, stop, wait_ready
+from tests.teachers.lane.early_work import Job, offer
 from tests.teachers.lane.served_kit import MAX_LOGPROBS, MODEL_SHAPE, POOLING, VLLM_PYTHON, VOCAB
 
 SCALE = 0.5
 FAST = ClientSettings(retries=1, backoff_s=0.1, deadline_s=120.0)
 
 
-def test_an_engine_logit_scale_is_the_heads(tmp_path):
-    from megatron_rl_patches.testing.vllm_server import launch, serving
-
-    directory = tmp_path / "llama"
+def begin_logit_scale(root: Path, _directory: Path) -> tuple[Path, VllmServer, VllmServer]:
+    """A tiny Llama with `logit_scale` = SCALE and a copy without the field (the negative control),
+    and the generate and pooling servers of the first started (not waited for)."""
+    folder = root / "logit-scale"
+    directory = folder / "llama"
     save_tiny_hf(directory, "llama", seed=11, logit_scale=SCALE, **MODEL_SHAPE)
     save_word_tokenizer(directory, VOCAB)
     assert json.loads((directory / "config.json").read_text())["logit_scale"] == SCALE
-    unscaled = tmp_path / "unscaled"
-    shutil.copytree(directory, unscaled)
+    unscaled = folder / "unscaled"
+    shutil.copytree(directory, unscaled, dirs_exist_ok=True)
     config = json.loads((unscaled / "config.json").read_text())
     del config["logit_scale"]
     (unscaled / "config.json").write_text(json.dumps(config))
+    generate = launch(VLLM_PYTHON, directory, folder / "generate.log")
+    try:
+        pooling = launch(VLLM_PYTHON, directory, folder / "pooling.log", extra=POOLING)
+    except BaseException:
+        stop(generate.process)
+        raise
+    return folder, generate, pooling
 
-    generate = launch(VLLM_PYTHON, directory, tmp_path / "generate.log")
-    pooling = launch(VLLM_PYTHON, directory, tmp_path / "pooling.log", extra=POOLING)
+
+def settle_logit_scale(begun: tuple[Path, VllmServer, VllmServer]) -> None:
+    for server in begun[1:]:
+        wait_ready(server, 600)
+
+
+def end_logit_scale(begun: tuple[Path, VllmServer, VllmServer]) -> None:
+    for server in begun[1:]:
+        stop(server.process)
+
+
+# its two servers load while the lane's other tests run (early_work)
+offer("logit scale", Job(__name__, 2, begin_logit_scale, settle_logit_scale, end_logit_scale))
+
+
+def test_an_engine_logit_scale_is_the_heads(early_work):
+    folder, generate, pooling = early_work.take("logit scale")
+    directory, unscaled = folder / "llama", folder / "unscaled"
     gen = torch.Generator().manual_seed(2)
     batch = TeacherBatch([torch.randint(0, VOCAB, (n,), generator=gen) for n in (30, 12)], [10, 2])
     with serving(generate) as served, serving(pooling) as pooled:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import pytest
 from kit.ports import refused_port
 
 from megatron_rl_patches.teachers import ClientSettings, ReplicaSettings, ServedTeacher, ServedTeacherRefusal
 from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
+from megatron_rl_patches.testing.vllm_server import VllmServer, launch, serving, stop, wait_ready
+from tests.teachers.lane.early_work import Job, offer
 from tests.teachers.lane.forwarder import Forwarder
 from tests.teachers.lane.served_kit import API_KEY, MAX_LOGPROBS, MAX_MODEL_LEN, MODEL_SHAPE, VLLM_PYTHON, VOCAB
 from tests.teachers.lane.test_served_replicas_vllm import K, assert_close, samples
@@ -26,19 +29,26 @@ def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 
 
-@pytest.fixture(scope="module")
-def other_weights(checkpoint, spare):
+def begin_other_weights(root: Path, _directory: Path) -> VllmServer:
     """B: a server of another checkpoint started from the spare's directory, overwritten once the
-    spare had loaded it (a node holding a stale copy at the same path)."""
-    from megatron_rl_patches.testing.vllm_server import launch, serving
-
-    root = checkpoint[0]
+    spare had loaded it (a node holding a stale copy at the same path); begun once the lane's shared
+    servers are ready (`early_work`), the spare among them."""
     copy = root / "qwen3-copy"
     save_tiny_hf(copy, "qwen3", seed=9, **MODEL_SHAPE)
     save_word_tokenizer(copy, VOCAB)
-    server = launch(VLLM_PYTHON, copy, root / "vllm-other.log", api_key=API_KEY, max_model_len=MAX_MODEL_LEN,
-                    max_logprobs=MAX_LOGPROBS)
-    with serving(server) as ready:
+    return launch(VLLM_PYTHON, copy, root / "vllm-other.log", api_key=API_KEY, max_model_len=MAX_MODEL_LEN,
+                  max_logprobs=MAX_LOGPROBS)
+
+
+# B loads while the lane's other tests run (early_work)
+offer("other weights", Job(__name__, 1, begin_other_weights, lambda server: wait_ready(server, 600),
+                           lambda server: stop(server.process)))
+
+
+@pytest.fixture(scope="module")
+def other_weights(spare, early_work):
+    """B (`begin_other_weights`), ready."""
+    with serving(early_work.take("other weights")) as ready:
         yield ready
 
 
