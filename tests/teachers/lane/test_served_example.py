@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -107,9 +108,13 @@ def begin_as_pasted(root: Path, _directory: Path) -> dict[str, tuple[subprocess.
     return started
 
 
-def settle_as_pasted(started: dict[str, tuple[subprocess.Popen, Any, Any]]) -> None:
-    for proc, _, _ in started.values():  # their servers and ranks: the peak lasts the run
-        proc.wait(timeout=900)
+def settle_as_pasted(started: dict[str, tuple[subprocess.Popen, Any, Any]], timeout: float = 600.0) -> None:
+    """Until each run's server is up (the script prints "served at URL") or the run has ended: the
+    servers' load is the runs' peak (their ranks, about 1 GB a run, fit the lane's reserve)."""
+    until = time.monotonic() + timeout
+    for proc, out, _ in started.values():
+        while proc.poll() is None and "served at " not in Path(out.name).read_text() and time.monotonic() < until:
+            time.sleep(0.5)
 
 
 def end_as_pasted(started: dict[str, tuple[subprocess.Popen, Any, Any]]) -> None:
