@@ -41,9 +41,7 @@ def loads(monkeypatch):
 
 def forget() -> None:
     """The contexts loaded by earlier tests forgotten (a process's cache)."""
-    cached = getattr(served_http, "_loaded_context", None)
-    if cached is not None:
-        cached.cache_clear()
+    served_http.loaded_context.cache_clear()
 
 
 VERIFIED: list = []

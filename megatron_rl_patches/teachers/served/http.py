@@ -104,12 +104,13 @@ def tls_context(ca_bundle: str | None) -> ssl.SSLContext:
         stamp = os.stat(ca_bundle).st_mtime_ns if ca_bundle is not None else None
     except OSError:
         stamp = None  # ClientSettings checked it is a file: loading it names what is wrong now
-    return _loaded_context(ca_bundle, stamp, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+    return loaded_context(ca_bundle, stamp, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
 
 
 @functools.lru_cache(maxsize=8)
-def _loaded_context(ca_bundle: str | None, *key: Any) -> ssl.SSLContext:
-    """`tls_context`'s load (`key`: the bundle's change time and the CA variables, the cache key only)."""
+def loaded_context(ca_bundle: str | None, *key: Any) -> ssl.SSLContext:
+    """`tls_context`'s load, cached per process (`key`: the bundle's change time and the CA variables,
+    the cache key only; `loaded_context.cache_clear()` forgets every context)."""
     return ssl.create_default_context(cafile=ca_bundle)
 
 

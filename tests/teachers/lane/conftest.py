@@ -193,7 +193,12 @@ def launched(request, checkpoint):
         shared = list(servers.values())
         modules = list(dict.fromkeys(item.module.__name__ for item in running))
         jobs = [name for module in modules for name, job in JOBS.items() if job.module == module]
-        early = EARLY["work"] = EarlyWork(jobs, root, directory, lambda: [wait_ready(s, 600.0) for s in shared])
+
+        def shared_ready() -> None:
+            for server in shared:
+                wait_ready(server, 600.0)
+
+        early = EARLY["work"] = EarlyWork(jobs, root, directory, shared_ready)
         yield servers
     finally:
         if early is not None:

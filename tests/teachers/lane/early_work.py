@@ -9,16 +9,16 @@ its work (`offer`, at import: a `Job`); once the lane's shared servers are ready
 begun one at a time in the order the modules run, each when the machine's available memory takes
 its peak with room to spare, the next once its peak is behind it (its servers ready). A module's
 fixture takes its job's handle (`EarlyWork.take`): begun early, or begun then (never twice). What
-no test took is ended with the session. Standard library only (the jobs bring their own)."""
+no test took is ended with the session (`server_job`: a job of servers only)."""
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl_patches.testing.vllm_server import SERVER_PEAK_BYTES, available_bytes
+from megatron_rl_patches.testing.vllm_server import SERVER_PEAK_BYTES, VllmServer, available_bytes, stop, wait_ready
 
 # memory kept free beside a job's peak: the tests' own process and the ranks they spawn
 RESERVE_BYTES = 4 << 30
@@ -35,6 +35,21 @@ class Job:
     begin: Callable[[Any, Any], Any]
     settle: Callable[[Any], None]
     end: Callable[[Any], None]
+
+
+def server_job(module: str, units: int, begin: Callable[[Any, Any], Any],
+               servers: Callable[[Any], Iterable[VllmServer]]) -> Job:
+    """A job of `units` vLLM servers (`servers(handle)`): settled once each is ready, ended by
+    stopping each."""
+    def settle(handle: Any) -> None:
+        for server in servers(handle):
+            wait_ready(server, 600.0)
+
+    def end(handle: Any) -> None:
+        for server in servers(handle):
+            stop(server.process)
+
+    return Job(module, units, begin, settle, end)
 
 
 JOBS: dict[str, Job] = {}

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl_patches.testing.vllm_server import VllmServer, free_port, stop, wait_ready
-from tests.teachers.lane.early_work import Job, offer
+from tests.teachers.lane.early_work import offer, server_job
 from tests.teachers.lane.served_kit import VLLM_PYTHON
 
 DOCS_TESTS = Path(__file__).resolve().parents[2] / "docs"
@@ -63,19 +63,18 @@ def begin_doc_servers(root: Path, directory: Path) -> dict[str, tuple[VllmServer
     return running
 
 
-def settle_doc_servers(running: dict[str, tuple[VllmServer, list[str]]]) -> None:
-    for server, _ in running.values():
-        wait_ready(server, 600)
+def servers_of(running: dict[str, tuple[VllmServer, list[str]]]) -> list[VllmServer]:
+    return [server for server, _ in running.values()]
 
 
 def stop_doc_servers(running: dict[str, tuple[VllmServer, list[str]]]) -> None:
-    for server, _ in running.values():
+    for server in servers_of(running):
         stop(server.process)
 
 
 # the docs' servers load while the lane's other tests run (early_work); about 2 GB each
-offer("doc servers", Job(__name__, len(doc_servers()[1].distinct("python", "model")), begin_doc_servers,
-                         settle_doc_servers, stop_doc_servers))
+offer("doc servers", server_job(__name__, len(doc_servers()[1].distinct("python", "model")), begin_doc_servers,
+                                servers_of))
 
 
 @pytest.fixture(scope="module")

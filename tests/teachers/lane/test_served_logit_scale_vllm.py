@@ -18,8 +18,8 @@ import torch
 from megatron_rl_patches.teachers import ClientSettings, ServedTeacher, TeacherBatch, TeacherHead
 from megatron_rl_patches.teachers.head.transforms import APPLIED, EMBEDDING_OUTPUT, HEAD_TRANSFORMS, OUTER, TEXT
 from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
-from megatron_rl_patches.testing.vllm_server import VllmServer, launch, serving, stop, wait_ready
-from tests.teachers.lane.early_work import Job, offer
+from megatron_rl_patches.testing.vllm_server import VllmServer, launch, serving, stop
+from tests.teachers.lane.early_work import offer, server_job
 from tests.teachers.lane.served_kit import MAX_LOGPROBS, MODEL_SHAPE, POOLING, VLLM_PYTHON, VOCAB
 
 SCALE = 0.5
@@ -48,18 +48,8 @@ def begin_logit_scale(root: Path, _directory: Path) -> tuple[Path, VllmServer, V
     return folder, generate, pooling
 
 
-def settle_logit_scale(begun: tuple[Path, VllmServer, VllmServer]) -> None:
-    for server in begun[1:]:
-        wait_ready(server, 600)
-
-
-def end_logit_scale(begun: tuple[Path, VllmServer, VllmServer]) -> None:
-    for server in begun[1:]:
-        stop(server.process)
-
-
 # its two servers load while the lane's other tests run (early_work)
-offer("logit scale", Job(__name__, 2, begin_logit_scale, settle_logit_scale, end_logit_scale))
+offer("logit scale", server_job(__name__, 2, begin_logit_scale, lambda begun: begun[1:]))
 
 
 def test_an_engine_logit_scale_is_the_heads(early_work):

@@ -16,8 +16,8 @@ from kit.ports import refused_port
 
 from megatron_rl_patches.teachers import ClientSettings, ReplicaSettings, ServedTeacher, ServedTeacherRefusal
 from megatron_rl_patches.testing.hf_checkpoints import save_tiny_hf, save_word_tokenizer
-from megatron_rl_patches.testing.vllm_server import VllmServer, launch, serving, stop, wait_ready
-from tests.teachers.lane.early_work import Job, offer
+from megatron_rl_patches.testing.vllm_server import VllmServer, launch, serving
+from tests.teachers.lane.early_work import offer, server_job
 from tests.teachers.lane.forwarder import Forwarder
 from tests.teachers.lane.served_kit import API_KEY, MAX_LOGPROBS, MAX_MODEL_LEN, MODEL_SHAPE, VLLM_PYTHON, VOCAB
 from tests.teachers.lane.test_served_replicas_vllm import K, assert_close, samples
@@ -41,8 +41,7 @@ def begin_other_weights(root: Path, _directory: Path) -> VllmServer:
 
 
 # B loads while the lane's other tests run (early_work)
-offer("other weights", Job(__name__, 1, begin_other_weights, lambda server: wait_ready(server, 600),
-                           lambda server: stop(server.process)))
+offer("other weights", server_job(__name__, 1, begin_other_weights, lambda server: [server]))
 
 
 @pytest.fixture(scope="module")
