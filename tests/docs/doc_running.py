@@ -6,13 +6,13 @@ import ast
 import contextlib
 import inspect
 import io
-import os
 import re
 import shlex
 from collections.abc import Iterator
 from typing import Any
 
 from doc_blocks import CLI_PROGRAMS, REPO, Block
+from kit.environ import environment
 
 ELLIPSIS = "..."
 
@@ -76,20 +76,6 @@ def cli_commands(block: Block) -> Iterator[tuple[str, str]]:
             output.append(lines[i])
             i += 1
         yield command, "\n".join(output) + "\n"
-
-
-@contextlib.contextmanager
-def environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def run_documented_command(command: str) -> tuple[int, str]:

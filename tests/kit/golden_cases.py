@@ -6,8 +6,13 @@ What the bits rest on, and how each is held fixed (docs/testing.md, "Golden resu
 - the matrix products (the fused head's logits tiles and its gradients): a BLAS sums them in an
   order that follows the CPU and the thread count, so the cases run under `FixedOrderGemm`
   (tests/kit/fixed_gemm.py), the same bits on every CPU at every thread count;
-- torch's vectorized kernels (sums, max, exp): another order on AVX2 than on AVX-512, per element
-  the same on every CPU of one capability; so the results are recorded once per capability
+- the vector math of MKL (torch.exp and torch.log of a CPU float tensor are MKL's vsExp / vsLn):
+  MKL picks its code by the CPU's vendor and features (an Intel Xeon's AVX-512 path gives other
+  bits than an AMD EPYC's, both "AVX512" to torch), so the cases run in a fresh process started
+  with `MKL_CBWR=COMPATIBLE` (MKL's reproducibility mode: one code path on every x86 CPU; MKL
+  reads it once, at its first call, so it cannot be set in a process that ran MKL already);
+- torch's vectorized kernels (sums, max, softmax's exp): another order on AVX2 than on AVX-512, per
+  element the same on every CPU of one capability; so the results are recorded once per capability
   torch dispatches to (`torch.backends.cpu.get_cpu_capability()`: "AVX2" and "AVX512", the
   second natively on an AVX-512 CPU, the first there with ATEN_CPU_CAPABILITY=avx2), and compared
   bitwise on either; on a capability or a torch release not recorded, within the dtype's default
@@ -31,11 +36,14 @@ import torch
 
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script (tests/ is on pytest's path)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kit.environ import environment  # noqa: E402
 from kit.fixed_gemm import FixedOrderGemm  # noqa: E402
 
 # the recorded files stay in tests/ops/data/ (the path the issues and the lead name)
 DATA = Path(__file__).resolve().parents[1] / "ops" / "data"
 SINGLE, TP = DATA / "golden_ops.pt", DATA / "golden_ops_tp.pt"
+# MKL's conditional numerical reproducibility: the same code path on every x86 CPU (its SSE2 one)
+PINNED = {"MKL_CBWR": "COMPATIBLE"}
 FALLBACK = "AVX2"  # the results compared within tolerance where this capability or torch was not recorded
 
 
@@ -61,6 +69,20 @@ def assert_same(before: torch.Tensor, after: torch.Tensor, key: object, bitwise:
         assert torch.equal(before.nan_to_num(), after.nan_to_num()), key
     else:
         torch.testing.assert_close(after, before, equal_nan=True, msg=lambda m: f"{key}: {m}")
+
+
+def pinned(fn: Any, world_size: int) -> list[Any]:
+    """`fn(rank, world_size)` on `world_size` fresh processes (gloo ranks) started with MKL's code
+    path pinned (`PINNED`); their results by rank. The caller's environment is left as it was."""
+    from megatron_rl_patches.testing.multirank import run_multirank
+
+    with environment(PINNED):  # spawn: a fresh interpreter, whose MKL reads MKL_CBWR at its first call
+        return run_multirank(fn, world_size, start_method="spawn")
+
+
+def single_cases(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """`cases()` as a rank function of `pinned` (one rank)."""
+    return cases()
 
 
 def cases() -> dict[str, torch.Tensor]:
@@ -367,7 +389,5 @@ def record(path: Path, results: Any) -> None:
 
 
 if __name__ == "__main__":
-    from megatron_rl_patches.testing.multirank import run_multirank
-
-    record(TP, run_multirank(tp_cases, 2))
-    record(SINGLE, cases())
+    record(TP, pinned(tp_cases, 2))
+    record(SINGLE, pinned(single_cases, 1)[0])
