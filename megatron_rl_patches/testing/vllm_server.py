@@ -29,6 +29,9 @@ KV_CACHE_BYTES = 128 << 20
 # What one such server holds at its peak (measured: 2.15 GiB resident while it loads, fp32 and bf16),
 # with room: the lanes start as many at once as the machine's available memory takes (`servers_that_fit`)
 SERVER_PEAK_BYTES = int(2.5 * (1 << 30))
+# Imported first by every process of a test server (sitecustomize.py): vLLM's CPU attention runs AMX
+# tile instructions for bf16 without asking Linux for them (SIGILL on an Intel Xeon with AMX)
+STARTUP = Path(__file__).resolve().parent / "server_startup"
 # What vLLM writes when its engine or one of its workers is gone
 DEATH_MARKS = ("died unexpectedly", "EngineDeadError", "EngineCore encountered a fatal error")
 
@@ -90,6 +93,12 @@ def serve_teacher_command(python: str, model: str | Path, port: int, max_model_l
             str(port), "--", *engine[:at], *engine[at + 4:]]
 
 
+def server_path(serve_teacher: bool) -> list[str]:
+    """The PYTHONPATH of a test server's processes: `STARTUP` (its sitecustomize asks Linux for the
+    AMX tile state in each of them) and, for `serve-teacher`, this checkout's root."""
+    return [str(STARTUP)] + ([str(Path(__file__).resolve().parents[2])] if serve_teacher else [])
+
+
 def launch(python: str, model: str | Path, log: str | Path, *, max_model_len: int = 256, max_logprobs: int = 20,
            api_key: str | None = None, extra: tuple[str, ...] = (), dtype: str = "float32",
            serve_teacher: bool = False) -> VllmServer:
@@ -101,11 +110,11 @@ def launch(python: str, model: str | Path, log: str | Path, *, max_model_len: in
     env = {**os.environ, **CPU_ENV}
     env.pop("VLLM_API_KEY", None)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
-    # the server runs in its own venv: a caller's PYTHONPATH (a lane's packages, another Python's) would shadow it
-    env.pop("PYTHONPATH", None)
+    # the server runs in its own venv: a caller's PYTHONPATH (a lane's packages, another Python's) would
+    # shadow it; only the startup folder (the AMX request) and, for serve-teacher, this checkout's root
+    env["PYTHONPATH"] = os.pathsep.join(server_path(serve_teacher))
     command = server_command(python, model, port, max_model_len, max_logprobs, extra, dtype)
     if serve_teacher:
-        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
         command = serve_teacher_command(python, model, port, max_model_len, max_logprobs, extra, dtype)
     if api_key is not None:
         env["VLLM_API_KEY"] = api_key
