@@ -12,7 +12,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from doc_blocks import CLI_PROGRAMS, REPO, Block
-from kit.environ import environment
+
+from megatron_rl_patches.testing.environ import environment
 
 ELLIPSIS = "..."
 

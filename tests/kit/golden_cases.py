@@ -36,8 +36,8 @@ import torch
 
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script (tests/ is on pytest's path)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kit.environ import environment  # noqa: E402
 from kit.fixed_gemm import FixedOrderGemm  # noqa: E402
+from megatron_rl_patches.testing.environ import environment  # noqa: E402
 
 # the recorded files stay in tests/ops/data/ (the path the issues and the lead name)
 DATA = Path(__file__).resolve().parents[1] / "ops" / "data"
