@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -68,7 +69,37 @@ class VllmServer:
         return f"the vLLM server {self.url} died: {how}{first}; its log: {self.log}\n{self.log_tail(15)}"
 
 
+# Where free_port looks first: below the kernel's ephemeral range, which every outgoing connection takes
+# its local port from. A port bound with 0 is from that range too, and between the probe and the server's
+# own bind (seconds: vLLM imports first) a lane's client connection took one ("Address already in use",
+# the example's server as pasted in the served lane). Handed-out ports are remembered per process.
+LOW_PORTS = range(10000, 32768)
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()
+
+
+def ports_below_ephemeral() -> range:
+    """`LOW_PORTS` cut below the kernel's ephemeral range (empty where it cannot be read)."""
+    try:
+        first = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return range(0)
+    return range(LOW_PORTS.start, min(LOW_PORTS.stop, first))
+
+
 def free_port() -> int:
+    """A loopback port nothing listens on, from below the ephemeral range where there is one (no
+    outgoing connection can take it before the server binds it), else one the kernel picks."""
+    candidates = [port for port in random.sample(ports_below_ephemeral(), min(64, len(ports_below_ephemeral())))
+                  if port not in _handed_out]
+    for port in candidates:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])

@@ -88,3 +88,34 @@ def launched(monkeypatch, tmp_path) -> tuple[list[str], dict[str, str]]:
     monkeypatch.setattr(vllm_server.subprocess, "Popen", Recorder)
     vllm_server.launch("python", "m", tmp_path / "log")
     return seen["argv"], seen["env"]
+
+
+def test_a_free_port_is_below_the_ephemeral_range_and_never_handed_out_twice(monkeypatch, tmp_path):
+    """Every outgoing connection takes its local port from the ephemeral range; a server's port from
+    there could be taken between the probe and the server's bind (seen: "Address already in use")."""
+    ranged = tmp_path / "ip_local_port_range"
+    ranged.write_text("32768\t60999\n")
+    monkeypatch.setattr(vllm_server, "EPHEMERAL_RANGE", ranged)
+    monkeypatch.setattr(vllm_server, "_handed_out", set())
+    ports = [vllm_server.free_port() for _ in range(20)]
+    assert all(10000 <= port < 32768 for port in ports) and len(set(ports)) == 20
+    ranged.write_text("1024\t60999\n")  # no room below the range: the kernel's pick, as before
+    assert vllm_server.ports_below_ephemeral() == range(10000, 1024)
+    assert vllm_server.free_port() >= 1024
+    ranged.unlink()  # unreadable: the kernel's pick
+    assert len(vllm_server.ports_below_ephemeral()) == 0 and vllm_server.free_port() > 0
+
+
+def test_a_port_something_listens_on_is_never_handed_out(monkeypatch, tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        taken.listen()
+        ranged = tmp_path / "ip_local_port_range"
+        ranged.write_text(f"{port + 1}\t60999\n")
+        monkeypatch.setattr(vllm_server, "EPHEMERAL_RANGE", ranged)
+        monkeypatch.setattr(vllm_server, "LOW_PORTS", range(port, port + 1))  # the only candidate: taken
+        monkeypatch.setattr(vllm_server, "_handed_out", set())
+        assert vllm_server.free_port() != port
