@@ -76,6 +76,9 @@ class VllmServer:
 LOW_PORTS = range(10000, 32768)
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _handed_out: set[int] = set()
+# the OS's randomness, not `random`'s global state: two processes a caller seeded alike (a training loop's
+# random.seed) would otherwise try the same ports in the same order
+PICK = random.SystemRandom()
 
 
 def ports_below_ephemeral() -> range:
@@ -90,9 +93,10 @@ def ports_below_ephemeral() -> range:
 def free_port() -> int:
     """A loopback port nothing listens on, from below the ephemeral range where there is one (no
     outgoing connection can take it before the server binds it), else one the kernel picks."""
-    candidates = [port for port in random.sample(ports_below_ephemeral(), min(64, len(ports_below_ephemeral())))
-                  if port not in _handed_out]
-    for port in candidates:
+    low = ports_below_ephemeral()
+    for port in PICK.sample(low, min(64, len(low))):
+        if port in _handed_out:
+            continue
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", port))
