@@ -8,6 +8,8 @@
   processors, app, `testing`, nor megatron;
 - `teachers` (the framework-free teacher contract, served teachers) imports no patching,
   integrations, processors, app, `testing`, nor megatron: the integrations build on it;
+- `shared_prefix` imports the ops and megatron-core only: no patching, integrations, inference,
+  processors, teachers, app nor `testing`;
 - no cycle between rooms (a room may import itself);
 - no cycle between modules inside a room either (function-level and `TYPE_CHECKING` imports count:
   a cycle hidden in a function is still two modules that cannot be understood apart).
@@ -36,6 +38,7 @@ ROOMS = {
     "testing": "testing",
     "cross_tokenizer": "cross_tokenizer",  # alignment between two tokenizers: ops and torch only
     "teachers": "teachers",  # the framework-free teacher contract and served teachers: downhill of integrations
+    "shared_prefix": "shared_prefix",  # a group's prompt once: the plan, its attention, the model's seams
     # leaves and small rooms of their own
     "reentrant": "reentrant",
     "windows": "windows",
@@ -234,6 +237,9 @@ def violations(edges: dict[tuple[str, str], list[str]], exceptions: dict[tuple[s
     # teachers: framework-free, under the integrations (they build on it, never the reverse)
     forbidden.update(("teachers", target) for target in ("patching", "integrations", "processors", "apps",
                                                           "testing", MEGATRON))
+    # shared_prefix: the ops and megatron-core only (every framework's host builds on it)
+    forbidden.update(("shared_prefix", target) for target in ("patching", "integrations", "inference", "processors",
+                                                               "teachers", "apps", "testing"))
     rooms = {name for edge in edges for name in edge}
     forbidden.update((source, target) for source in rooms - LIBRARY_EXEMPT for target in ("apps", "testing"))
     problems = [

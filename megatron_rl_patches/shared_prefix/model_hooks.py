@@ -1,0 +1,226 @@
+"""A megatron-core model that runs a shared-prefix plan: the model above attention and RoPE runs
+unchanged; only four seams take the plan, each from the `packed_seq_params` argument megatron-core
+already hands down every call (forward, pipeline stages, recompute), never from module state:
+
+- the language model (GPTModel, HybridModel): the logical ids a framework passes become the plan's
+  physical ids and each token's own position (a forward pre-hook; the ids are checked to be the ones
+  the plan was built from);
+- each attention layer: the rotary table the model built is read at each token's own position (a
+  forward pre-hook);
+- each core attention: the package's own (`attention.shared_prefix_attention`), whatever core the
+  layer spec built (Transformer Engine's, megatron-core's local one, a test kit's stand-in): the
+  module's class becomes a subclass that takes the plan's route and calls its own class otherwise;
+- the decoder of the last pipeline stage: its physical rows are read back at each logical row (a
+  forward hook), so the output layer, an output processor and every framework's loss see the rows
+  they see today (the prefix's last row once per member: G targets).
+
+`prepare_shared_prefix(model)` installs them once (idempotent); a call without a plan runs exactly
+as before. `shared_prefix_params(plan)` is what a caller passes as `packed_seq_params`."""
+# lazy imports: optional dependency megatron-core
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from megatron_rl_patches.shared_prefix.attention import check_route, shared_prefix_attention
+from megatron_rl_patches.shared_prefix.plan import SharedPrefixPlan
+
+FORMAT = "shared_prefix"  # the qkv_format of a plan's params: a core attention not prepared refuses it
+INSTALLED = "_megatron_rl_patches_shared_prefix"  # the mark on a prepared module
+
+
+@functools.cache
+def params_type() -> type:
+    """megatron-core's `PackedSeqParams` with the plan and its attention route."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    @dataclasses.dataclass
+    class SharedPrefixParams(PackedSeqParams):
+        """The `packed_seq_params` of a micro-batch packed by shared prefix."""
+
+        shared_prefix: Any = None
+        route: str = "auto"
+
+    return SharedPrefixParams
+
+
+def shared_prefix_params(plan: SharedPrefixPlan, route: str = "auto") -> Any:
+    """What a caller passes as `packed_seq_params` to run `plan` on a prepared model: megatron-core's
+    `PackedSeqParams` (qkv_format "shared_prefix", the rotary table's length in max_seqlen) holding the
+    plan; `route` the attention's ("auto": FlexAttention on CUDA, the mask route elsewhere). Its
+    cu_seqlens span the stream as one sequence: megatron-core 0.13-0.15 read any packed params as
+    `thd` (the batch dimension squeezed, RoPE per sequence of cu_seqlens), and one sequence takes the
+    table the attention hook already read at each token's position, whole."""
+    if not isinstance(plan, SharedPrefixPlan):
+        raise TypeError(f"shared_prefix_params: plan must be a SharedPrefixPlan, got {type(plan).__name__}")
+    whole = torch.tensor([0, plan.physical_length], dtype=torch.int32)
+    return params_type()(qkv_format=FORMAT, cu_seqlens_q=whole, cu_seqlens_kv=whole, max_seqlen_q=plan.longest,
+                         max_seqlen_kv=plan.longest, shared_prefix=plan, route=check_route(route))
+
+
+def plan_in(params: Any) -> SharedPrefixPlan | None:
+    """The plan a `packed_seq_params` carries, or None (ordinary packing, or none)."""
+    plan = getattr(params, "shared_prefix", None)
+    return plan if isinstance(plan, SharedPrefixPlan) else None
+
+
+def modules_of(model: Any) -> Iterator[torch.nn.Module]:
+    """Every module of a model, a list of model chunks or wrappers around them."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    for chunk in chunks:
+        if not isinstance(chunk, torch.nn.Module):
+            raise TypeError(f"prepare_shared_prefix: expected megatron-core model chunks, got {type(chunk).__name__}")
+        yield from chunk.modules()
+
+
+def is_language_model(module: Any) -> bool:
+    """GPTModel / HybridModel (and their kin): an embedding stage flag, a decoder, a vocabulary."""
+    return all(hasattr(module, name) for name in ("decoder", "pre_process", "post_process", "vocab_size"))
+
+
+def is_attention(module: Any) -> bool:
+    """An attention layer: megatron-core's `Attention` (self-attention, the gated kind too)."""
+    return hasattr(module, "core_attention") and hasattr(module, "linear_proj")
+
+
+def prepare_shared_prefix(model: Any) -> Any:
+    """Install the plan's seams on `model` (a megatron-core model, wrapped or not, or a list of chunks)
+    once; returns `model`. A call whose `packed_seq_params` holds no plan runs as before."""
+    found = False
+    module: Any
+    for module in list(modules_of(model)):
+        if getattr(module, INSTALLED, False):
+            found = found or is_language_model(module)
+            continue
+        if is_language_model(module):
+            module.register_forward_pre_hook(physical_inputs, with_kwargs=True)
+            module.decoder.register_forward_hook(logical_rows, with_kwargs=True)
+            setattr(module, INSTALLED, True)
+            found = True
+        elif is_attention(module):
+            module.register_forward_pre_hook(rotary_at_positions, with_kwargs=True)
+            core: Any = module.core_attention
+            if not isinstance(core, PlannedCore):
+                core.__class__ = planned_class(core.__class__)
+            setattr(module, INSTALLED, True)
+    if not found:
+        raise ValueError("prepare_shared_prefix: no megatron-core language model (GPTModel, HybridModel) in model")
+    return model
+
+
+@functools.cache
+def _signature(cls: Any) -> inspect.Signature:
+    return inspect.signature(cls.forward)
+
+
+def _bound(module: Any, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    return _signature(module.__class__).bind(module, *args, **kwargs)
+
+
+def _unbound(bound: inspect.BoundArguments) -> tuple[tuple, dict]:
+    return tuple(bound.args[1:]), dict(bound.kwargs)
+
+
+def physical_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of the language model: the logical ids -> the plan's physical ids and
+    positions (a stage without the embedding takes the previous stage's physical rows as they come)."""
+    bound = _bound(module, args, kwargs)
+    plan = plan_in(bound.arguments.get("packed_seq_params"))
+    if plan is None:
+        return None
+    if module.pre_process and bound.arguments.get("decoder_input") is None:
+        ids = bound.arguments.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (1, plan.logical_length):
+            shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise ValueError(f"shared prefix: input_ids must be the packed ids the plan was built from, [1, "
+                             f"{plan.logical_length}], got {shape}")
+        if not torch.equal(ids[0].to(torch.int64), plan.on(ids.device, "logical_tokens")):
+            raise ValueError("shared prefix: input_ids differ from the ids the plan was built from (build the plan "
+                             "from this micro-batch's tokens)")
+        vocab = int(module.vocab_size)
+        if plan.physical_length and int(plan.tokens.max()) >= vocab:
+            raise ValueError(f"shared prefix: token id {int(plan.tokens.max())} is past the model's vocabulary "
+                             f"({vocab} ids)")
+        bound.arguments["input_ids"] = plan.on(ids.device, "tokens")[None]
+        bound.arguments["position_ids"] = plan.on(ids.device, "positions")[None]
+    if bound.arguments.get("padding_mask") is not None:
+        raise ValueError("shared prefix: padding_mask is not taken with a shared-prefix plan (the plan's padding "
+                         "rows are its own); pass padding_mask=None")
+    return _unbound(bound)
+
+
+def rotary_at_positions(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of an attention layer: the rotary table at each physical row's position."""
+    bound = _bound(module, args, kwargs)
+    plan = plan_in(bound.arguments.get("packed_seq_params"))
+    table = bound.arguments.get("rotary_pos_emb")
+    if plan is None or table is None:
+        return None
+
+    def at_positions(emb: Any) -> Any:
+        if emb is None:
+            return None
+        if emb.size(0) < plan.longest:
+            raise ValueError(f"shared prefix: the model's rotary table has {emb.size(0)} rows, the plan's longest "
+                             f"sample {plan.longest}")
+        return emb.index_select(0, plan.on(emb.device, "positions"))
+
+    bound.arguments["rotary_pos_emb"] = (tuple(at_positions(e) for e in table) if isinstance(table, tuple)
+                                         else at_positions(table))
+    return _unbound(bound)
+
+
+def logical_rows(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    """Forward hook of the decoder: on the last pipeline stage, its physical rows read at each
+    logical row (under sequence parallelism: gathered, read, scattered back)."""
+    plan = plan_in(kwargs.get("packed_seq_params"))
+    if plan is None or not getattr(module, "post_process", True):
+        return None
+    if not isinstance(output, torch.Tensor):
+        raise ValueError(f"shared prefix: the decoder returned {type(output).__name__}, not its hidden states")
+    from megatron.core import parallel_state, tensor_parallel
+
+    sequence_parallel = bool(getattr(module.config, "sequence_parallel", False))
+    tp = parallel_state.get_tensor_model_parallel_world_size() if sequence_parallel else 1
+    hidden = output
+    if tp > 1:
+        if plan.logical_length % tp:
+            raise ValueError(f"shared prefix: under sequence parallelism the packed micro-batch ({plan.logical_length} "
+                             f"tokens) must split evenly over the {tp} tensor-parallel ranks")
+        # every rank reads the whole stream: the gradient each gets back is the whole one, so keep a split
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+    rows = hidden.index_select(0, plan.on(hidden.device, "logical_rows"))
+    if tp > 1:
+        rows = tensor_parallel.scatter_to_sequence_parallel_region(rows)
+    return rows
+
+
+class PlannedCore:
+    """The mark of a core attention whose class `planned_class` made."""
+
+
+@functools.cache
+def planned_class(cls: Any) -> type:
+    """`cls` (a core attention class) whose forward takes a plan's route: the package's attention
+    over the plan; any other call: `cls.forward` as it is."""
+
+    def forward(self: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        params: Any = kwargs.get("packed_seq_params")
+        plan = plan_in(params)
+        if plan is None:
+            return cls.forward(self, query, key, value, attention_mask, *args, **kwargs)
+        if kwargs.get("attention_bias") is not None:
+            raise ValueError("shared prefix: an attention bias is not taken with a shared-prefix plan")
+        config = self.config
+        scale = config.softmax_scale if getattr(config, "softmax_scale", None) else 1.0 / math.sqrt(query.size(-1))
+        dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0) if self.training else 0.0
+        return shared_prefix_attention(query, key, value, plan, scale=scale, dropout=dropout, route=params.route)
+
+    return type(f"SharedPrefix{cls.__name__}", (cls, PlannedCore), {"forward": forward, "__module__": cls.__module__,
+                                                                      "__doc__": cls.__doc__})
