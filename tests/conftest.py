@@ -275,3 +275,13 @@ def _ddp_anywhere(chunk) -> bool:
 def ddp_anywhere():
     """`ddp_anywhere(chunk) -> bool`: a DDP wrapper (megatron-core's or torch's) anywhere in the chunk."""
     return _ddp_anywhere
+
+
+@pytest.fixture
+def moe_router_on_cpu(monkeypatch):
+    """megatron-core < 0.17 without Transformer Engine names `te_general_gemm` in its router's
+    gating linear without defining it (NameError): define it as absent, as its import fallback meant."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        monkeypatch.setattr(moe_utils, "te_general_gemm", None, raising=False)

@@ -4,9 +4,9 @@ A group index a framework claims for its samples (GRPO's prompt index) is a hint
 two samples share rows only when their leading tokens are equal. The samples are sorted by their
 tokens; in that order the tokens a run of samples shares are the least of its neighbours' common
 prefixes, and the partition of the sorted samples into runs that saves the most tokens (a run of g
-samples sharing L tokens saves (g - 1) * L) is found exactly by dynamic programming. Every member
-keeps at least its last token of its own: a sample equal to another's prefix (an empty response,
-two identical samples) still has a row that predicts after the shared prefix."""
+samples sharing L tokens saves (g - 1) * L) is found exactly by dynamic programming. A sample equal
+to another's prefix (an empty response, two identical samples) may lie wholly inside the shared
+prefix: its rows are the prefix's, as its own forward would compute them."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -38,13 +38,12 @@ def common_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 def find_groups(samples: Sequence[Sequence[int]], min_shared: int = 1) -> list[Group]:
     """The samples' groups by value, ordered by their first member; each group's members in the
-    samples' order. A group shares at least `min_shared` tokens, and at most each member's length
-    less one; a sample no other shares that many with is a group of its own (shared 0).
+    samples' order. A group shares at least `min_shared` tokens; a sample no other shares that many
+    with is a group of its own (shared 0).
     Deterministic: the same samples give the same groups."""
     order = sorted(range(len(samples)), key=lambda i: (tuple(samples[i]), i))
-    # what order[j] shares with order[j + 1], capped so that neither gives up its last token
-    adjacent = [min(common_length(samples[order[j]], samples[order[j + 1]]),
-                    len(samples[order[j]]) - 1, len(samples[order[j + 1]]) - 1) for j in range(len(order) - 1)]
+    # what order[j] shares with order[j + 1]
+    adjacent = [common_length(samples[order[j]], samples[order[j + 1]]) for j in range(len(order) - 1)]
     best = [0] * (len(order) + 1)  # best[j]: most tokens saved by the first j sorted samples
     start = [0] * (len(order) + 1)  # where the last run of that best partition starts
     for end in range(1, len(order) + 1):

@@ -115,27 +115,47 @@ def prepare_shared_prefix(model: Any) -> Any:
 
 
 @functools.cache
-def _signature(cls: Any) -> inspect.Signature:
-    return inspect.signature(cls.forward)
+def _positions(cls: Any) -> dict[str, int]:
+    """Each positional parameter's index in a call of `cls.forward` (self left out); the signature
+    is the unwrapped one (a wrapt patch of the forward, like `gpt_output_processor`, takes keywords the
+    original does not, and passes them on: those never move)."""
+    parameters = list(inspect.signature(cls.forward).parameters.values())[1:]
+    return {p.name: i for i, p in enumerate(parameters) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
 
-def _bound(module: Any, args: tuple, kwargs: dict) -> inspect.BoundArguments:
-    return _signature(module.__class__).bind(module, *args, **kwargs)
+class Call:
+    """One call's arguments read and replaced by name, whether passed by position or by keyword."""
 
+    def __init__(self, module: Any, args: tuple, kwargs: dict):
+        self.args, self.kwargs = list(args), dict(kwargs)
+        self.index = _positions(module.__class__)
 
-def _unbound(bound: inspect.BoundArguments) -> tuple[tuple, dict]:
-    return tuple(bound.args[1:]), dict(bound.kwargs)
+    def get(self, name: str) -> Any:
+        if name in self.kwargs:
+            return self.kwargs[name]
+        index = self.index.get(name)
+        return self.args[index] if index is not None and index < len(self.args) else None
+
+    def set(self, name: str, value: Any) -> None:
+        index = self.index.get(name)
+        if name not in self.kwargs and index is not None and index < len(self.args):
+            self.args[index] = value
+        else:
+            self.kwargs[name] = value
+
+    def done(self) -> tuple[tuple, dict]:
+        return tuple(self.args), self.kwargs
 
 
 def physical_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """Forward pre-hook of the language model: the logical ids -> the plan's physical ids and
     positions (a stage without the embedding takes the previous stage's physical rows as they come)."""
-    bound = _bound(module, args, kwargs)
-    plan = plan_in(bound.arguments.get("packed_seq_params"))
+    call = Call(module, args, kwargs)
+    plan = plan_in(call.get("packed_seq_params"))
     if plan is None:
         return None
-    if module.pre_process and bound.arguments.get("decoder_input") is None:
-        ids = bound.arguments.get("input_ids")
+    if module.pre_process and call.get("decoder_input") is None:
+        ids = call.get("input_ids")
         if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (1, plan.logical_length):
             shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
             raise ValueError(f"shared prefix: input_ids must be the packed ids the plan was built from, [1, "
@@ -147,19 +167,19 @@ def physical_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
         if plan.physical_length and int(plan.tokens.max()) >= vocab:
             raise ValueError(f"shared prefix: token id {int(plan.tokens.max())} is past the model's vocabulary "
                              f"({vocab} ids)")
-        bound.arguments["input_ids"] = plan.on(ids.device, "tokens")[None]
-        bound.arguments["position_ids"] = plan.on(ids.device, "positions")[None]
-    if bound.arguments.get("padding_mask") is not None:
+        call.set("input_ids", plan.on(ids.device, "tokens")[None])
+        call.set("position_ids", plan.on(ids.device, "positions")[None])
+    if call.get("padding_mask") is not None:
         raise ValueError("shared prefix: padding_mask is not taken with a shared-prefix plan (the plan's padding "
                          "rows are its own); pass padding_mask=None")
-    return _unbound(bound)
+    return call.done()
 
 
 def rotary_at_positions(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """Forward pre-hook of an attention layer: the rotary table at each physical row's position."""
-    bound = _bound(module, args, kwargs)
-    plan = plan_in(bound.arguments.get("packed_seq_params"))
-    table = bound.arguments.get("rotary_pos_emb")
+    call = Call(module, args, kwargs)
+    plan = plan_in(call.get("packed_seq_params"))
+    table = call.get("rotary_pos_emb")
     if plan is None or table is None:
         return None
 
@@ -171,9 +191,9 @@ def rotary_at_positions(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, 
                              f"sample {plan.longest}")
         return emb.index_select(0, plan.on(emb.device, "positions"))
 
-    bound.arguments["rotary_pos_emb"] = (tuple(at_positions(e) for e in table) if isinstance(table, tuple)
-                                         else at_positions(table))
-    return _unbound(bound)
+    call.set("rotary_pos_emb", tuple(at_positions(e) for e in table) if isinstance(table, tuple)
+             else at_positions(table))
+    return call.done()
 
 
 def logical_rows(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:

@@ -19,16 +19,6 @@ def transformers():
 
 
 @pytest.fixture
-def moe_router_on_cpu(monkeypatch):
-    """megatron-core < 0.17 without Transformer Engine names `te_general_gemm` in its router's
-    gating linear without defining it (NameError): define it as absent, as its import fallback meant."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        monkeypatch.setattr(moe_utils, "te_general_gemm", None, raising=False)
-
-
-@pytest.fixture
 def no_build(monkeypatch):
     """Fails the test if a model is built: every refusal of bad input comes before the build
     (both entry points: build_inference_model_from_hf calls build_checked)."""

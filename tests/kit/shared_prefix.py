@@ -1,0 +1,112 @@
+"""Micro-batches shaped as GRPO packs them (groups of samples sharing a prompt, samples alone,
+padding), run on a megatron-core model two ways: the ordinary packed (`thd`) forward and the
+shared-prefix plan's, with what a test compares (per-token log-probs and entropy of the sample
+rows, an objective over them, the tokens the embedding saw)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class PackedBatch:
+    """One packed micro-batch: `tokens` / `labels` / `positions` [1, T], `cu_seqlens` (int32, a
+    padding sequence last when there is padding), `samples` (how many sequences are samples), the
+    samples themselves and the logical rows they fill (`rows`)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    samples: int
+    sequences: list[list[int]]
+    rows: torch.Tensor
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(s) for s in self.sequences]
+
+    def thd_params(self) -> Any:
+        """The ordinary packing's params (each sequence causal on its own)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        longest = int(self.cu_seqlens.diff().max())
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+                               max_seqlen_q=longest, max_seqlen_kv=longest)
+
+    def plan(self, **kwargs: Any) -> Any:
+        from megatron_rl_patches.shared_prefix import plan_shared_prefix
+
+        return plan_shared_prefix(self.tokens, self.cu_seqlens, samples=self.samples, **kwargs)
+
+
+def grpo_batch(groups: tuple = ((40, (5, 9, 3)),), alone: tuple = (12,), padding: int = 4, vocab: int = 64,
+               seed: int = 0, context: int = 0) -> PackedBatch:
+    """`groups`: (prompt length, response lengths) per group, each group's prompt after one shared
+    `context` of that many tokens (a privileged context before every prompt); `alone`: lengths of
+    samples sharing nothing; `padding`: rows after the samples (their own sequence)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(n: int, low: int = 0) -> list[int]:
+        return torch.randint(low, vocab, (n,), generator=gen).tolist()
+
+    shared_context = draw(context)
+    sequences = []
+    for prompt_length, responses in groups:
+        prompt = shared_context + draw(prompt_length)
+        sequences += [prompt + draw(n) for n in responses]
+    sequences += [draw(n) for n in alone]
+    flat = [t for s in sequences for t in s]
+    lengths = [len(s) for s in sequences] + ([padding] if padding else [])
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    stream = torch.tensor(flat + draw(padding) + draw(1))
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    return PackedBatch(tokens=stream[None, :-1].contiguous(), labels=stream[None, 1:].contiguous(),
+                       positions=positions[None], cu_seqlens=cu, samples=len(sequences), sequences=sequences,
+                       rows=torch.arange(len(flat)))
+
+
+def ordinary(model: Any, batch: PackedBatch, **kwargs: Any) -> Any:
+    """The model's ordinary packed forward of `batch`."""
+    return model(batch.tokens, batch.positions, None, packed_seq_params=batch.thd_params(), **kwargs)
+
+
+def planned(model: Any, batch: PackedBatch, route: str = "auto", pad_to: int = 1, **kwargs: Any) -> Any:
+    """The model's forward of `batch` under its shared-prefix plan (the model prepared first)."""
+    from megatron_rl_patches.shared_prefix import prepare_shared_prefix, shared_prefix_params
+
+    prepare_shared_prefix(model)
+    params = shared_prefix_params(batch.plan(pad_to=pad_to), route=route)
+    return model(batch.tokens, None, None, packed_seq_params=params, **kwargs)
+
+
+def scores(logits: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropy) of the sample rows from [1, T, V] logits."""
+    from megatron_rl_patches import log_probs_and_entropy
+
+    rows = logits[0, batch.rows]
+    return log_probs_and_entropy(rows, batch.labels[0, batch.rows], with_entropy=True)
+
+
+def objective(log_probs: torch.Tensor, entropy: torch.Tensor, seed: int = 5) -> torch.Tensor:
+    """A weighted sum of both, with weights of both signs (every row's gradient differs)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.randn(2, log_probs.numel(), generator=gen)
+    return (weights[0] * log_probs).sum() + (weights[1] * entropy).sum()
+
+
+class TokenCount:
+    """The ids each forward's embedding was handed (a pre-hook on the model's embedding)."""
+
+    def __init__(self, model: Any):
+        self.seen: list[int] = []
+        self.handle = model.embedding.register_forward_pre_hook(self._note, with_kwargs=True)
+
+    def _note(self, module: Any, args: tuple, kwargs: dict) -> None:
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        self.seen.append(int(ids.numel()))
+
+    def close(self) -> None:
+        self.handle.remove()

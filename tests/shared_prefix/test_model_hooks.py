@@ -1,0 +1,205 @@
+"""A real megatron-core GPTModel on CPU running a micro-batch under its shared-prefix plan against
+the ordinary packed forward of the same micro-batch: log-probs and entropy within 1e-6 (float32,
+relative to their scale), every parameter's gradient within 2e-6 in float32 (its sums over the
+rows meet the G rows of a prefix in another order: float32's own noise, measured up to 1.1e-6 on a
+final layer norm) and within 1e-12 in float64 (exact in exact arithmetic), the embedding handed P + C + G·R
+tokens where the ordinary path hands G·(P + C + R); groups of 1, 2 and 8 with prompts below, at and
+above a block of 128, with a privileged context before the prompt; plain RoPE, grouped-query heads,
+Llama 3's RoPE scaling and learned absolute positions; the fused output processors; an MoE; ordinary
+calls unchanged bit for bit; what the plan cannot run refused by name, never computed silently."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kit.shared_prefix import TokenCount, grpo_batch, objective, ordinary, planned, scores
+
+from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
+
+pytestmark = pytest.mark.megatron
+TOL = 1e-6
+GRAD_TOL = {torch.float32: 2e-6, torch.float64: 1e-12}
+
+CONFIGS = {
+    "rope, grouped-query heads": dict(num_query_groups=2),
+    "llama3 rope scaling": dict(rope_scaling=True),
+    "learned absolute": dict(),
+}
+SHAPES = {  # name: (groups, alone, context)
+    "G=1, P=100": (((100, (7,)),), (9,), 0),
+    "G=2, P=128": (((128, (5, 11)),), (), 0),
+    "G=8, P=133, two prompts": (((133, (3, 7, 1, 9, 4, 2, 6, 5)), (20, (4, 4))), (6,), 0),
+    "G=4, context 30 + P=40": (((40, (6, 2, 8, 3)),), (5,), 30),
+}
+
+
+def _model(config_name: str, dtype=torch.float32, **overrides):
+    from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    values = dict(CONFIGS[config_name])
+    rope_scaling = values.pop("rope_scaling", False)
+    config = tiny_gpt_config(**values, **overrides, params_dtype=dtype, pipeline_dtype=dtype)
+    embedding = "learned_absolute" if config_name == "learned absolute" else "rope"
+    model = build_packed_gpt(seq_length=512, seed=3, config=config, position_embedding_type=embedding)
+    if rope_scaling:  # megatron-core's llama3 scaling on the model's own table (as a Llama 3.1 build has it)
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        model.rotary_pos_emb = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0,
+                                               rope_scaling=True, rope_scaling_factor=8.0, rotary_base=500000)
+    return model.to(dtype)
+
+
+def _run(model, batch, route):
+    logits = route(model, batch)
+    log_probs, entropy = scores(logits, batch)
+    objective(log_probs, entropy).backward()
+    return log_probs.detach(), entropy.detach(), collect_grads(model)
+
+
+CASES = [(config, torch.float32) for config in sorted(CONFIGS)] + [("rope, grouped-query heads", torch.float64)]
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize(("config_name", "dtype"), CASES, ids=[f"{c}-{str(d)[6:]}" for c, d in CASES])
+def test_the_planned_forward_equals_the_packed_one(megatron_cpu, config_name, dtype, shape):
+    groups, alone, context = SHAPES[shape]
+    batch = grpo_batch(groups, alone, padding=5, context=context, seed=len(shape))
+    model = _model(config_name, dtype)
+    count = TokenCount(model)
+    want = _run(model, batch, ordinary)
+    got = _run(model, batch, planned)
+    count.close()
+    assert relative_error(got[0], want[0]) < TOL and relative_error(got[1], want[1]) < TOL
+    assert grad_error(got[2], want[2]) < GRAD_TOL[dtype]
+    plan = batch.plan()
+    physical = sum(context + p + sum(r) for p, r in groups) - context * (len(groups) - 1) + sum(alone)
+    if any(len(r) == 1 for _, r in groups):  # a group of one shares nothing
+        physical = sum(map(len, batch.sequences))
+    assert plan.stats.physical_tokens == physical
+    assert count.seen == [batch.tokens.numel(), plan.physical_length]
+
+
+def test_the_negative_control_a_plan_that_lets_siblings_see_each_other_differs(megatron_cpu):
+    from megatron_rl_patches.shared_prefix import prepare_shared_prefix, shared_prefix_params
+
+    batch = grpo_batch(((30, (6, 6)),), (), padding=0)
+    model = prepare_shared_prefix(_model("rope, grouped-query heads"))
+    want = scores(ordinary(model, batch), batch)[0]
+    plan = batch.plan()
+    plan.segments[30:] = plan.segments[30]  # both remainders one segment: the second sees the first
+    got = scores(model(batch.tokens, None, None, packed_seq_params=shared_prefix_params(plan)), batch)[0]
+    assert relative_error(got[:36], want[:36]) < TOL and relative_error(got, want) > 1e-4
+
+
+def test_the_fused_processors_on_the_logical_rows(megatron_cpu, clean_patch_state):
+    import megatron_rl_patches
+    from megatron_rl_patches import log_prob_output_processor, topk_output_processor
+
+    megatron_rl_patches.apply(only="gpt_output_processor")  # the keyword on megatron-core < 0.18
+    batch = grpo_batch(((50, (4, 8, 2)),), (7,), padding=3)
+    model = _model("rope, grouped-query heads")
+    rows = torch.zeros_like(batch.labels, dtype=torch.bool)
+    rows[0, batch.rows] = True
+    for processor, keys in ((log_prob_output_processor(with_entropy=True), ("log_probs", "entropy")),
+                            (topk_output_processor(k=4), ("topk_log_probs", "tail"))):
+        results = []
+        for route in (ordinary, planned):
+            out = route(model, batch, labels=batch.labels, output_processor=processor,
+                        output_processor_context={"row_mask": rows})
+            values = [out[key][0, batch.rows] for key in keys]
+            sum(v.sum() * (i + 1) for i, v in enumerate(values)).backward()
+            results.append((values, collect_grads(model)))
+        (want, want_grads), (got, got_grads) = results
+        assert all(relative_error(g.detach(), w.detach()) < TOL for g, w in zip(got, want))
+        assert grad_error(got_grads, want_grads) < GRAD_TOL[torch.float32]
+
+
+def test_ordinary_calls_are_unchanged_bit_for_bit_after_prepare(megatron_cpu):
+    from megatron_rl_patches.shared_prefix import prepare_shared_prefix
+
+    batch = grpo_batch()
+    model = _model("rope, grouped-query heads")
+    before = ordinary(model, batch).detach()
+    prepare_shared_prefix(prepare_shared_prefix(model))  # twice: installed once
+    planned(model, batch)
+    assert torch.equal(ordinary(model, batch).detach(), before)
+    hooks = model._forward_pre_hooks
+    assert len(hooks) == 1
+
+
+def test_an_moe_model_routes_each_token_as_its_own_sample_does(megatron_cpu, moe_router_on_cpu):
+    from megatron_rl_patches.shared_prefix import check_shared_prefix
+
+    batch = grpo_batch(((60, (5, 3, 9)),), (4,), padding=2)
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather",
+               moe_ffn_hidden_size=64, add_bias_linear=False)  # the kit's MoE (tiny_moe_config)
+    model = _model("rope, grouped-query heads", **moe)
+    check_shared_prefix(model, training=True)
+    want, got = _run(model, batch, ordinary), _run(model, batch, planned)
+    assert relative_error(got[0], want[0]) < TOL and grad_error(got[2], want[2]) < GRAD_TOL[torch.float32]
+    balanced = _model("rope, grouped-query heads", **{**moe, "moe_aux_loss_coeff": 0.01})
+    with pytest.raises(ValueError, match=r"MoE load balancing in training \(moe_aux_loss_coeff=0.01"):
+        check_shared_prefix(balanced, training=True)
+    check_shared_prefix(balanced, training=False)  # forward-only passes: the statistics are not used
+    with torch.no_grad():
+        assert relative_error(scores(planned(balanced, batch), batch)[0],
+                              scores(ordinary(balanced, batch), batch)[0]) < TOL
+
+
+@pytest.mark.parametrize(("overrides", "training", "message"), [
+    (dict(context_parallel_size=2), False, "context parallelism"),
+    (dict(multi_latent_attention=True), False, "multi-latent attention"),
+    (dict(mtp_num_layers=1), False, "multi-token prediction"),
+    (dict(pipeline_model_parallel_size=2), False, "variable_seq_lengths"),
+    (dict(num_moe_experts=4, moe_expert_capacity_factor=1.0), False, "token dropping"),
+    (dict(num_moe_experts=4, moe_router_load_balancing_type="sinkhorn"), True, "Sinkhorn"),
+    (dict(num_moe_experts=4, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=1e-3), True, "z-loss"),
+    (dict(num_moe_experts=4, moe_aux_loss_coeff=0.0, moe_router_enable_expert_bias=True), True, "expert bias"),
+])
+def test_what_the_plan_cannot_run_is_refused_by_name(overrides, training, message):
+    from types import SimpleNamespace
+
+    from megatron_rl_patches.shared_prefix.support import config_reason
+
+    config = SimpleNamespace(**{"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0, **overrides})
+    assert message in config_reason(config, training)
+    plain = {k: v for k, v in vars(config).items() if k.startswith("moe_router_load") or k == "moe_aux_loss_coeff"}
+    assert config_reason(SimpleNamespace(**plain), training) is None
+
+
+def test_a_recurrent_layer_is_refused_by_name_on_every_rank(megatron_cpu):
+    from megatron_rl_patches.inference.gated_delta_net import GatedDeltaNetLayer
+    from megatron_rl_patches.shared_prefix import check_shared_prefix
+
+    model = _model("rope, grouped-query heads")
+    model.decoder.layers[0].extra = GatedDeltaNetLayer.__new__(GatedDeltaNetLayer)
+    torch.nn.Module.__init__(model.decoder.layers[0].extra)
+    with pytest.raises(ValueError, match="gated delta net"):
+        check_shared_prefix(model, training=False)
+
+
+def test_bad_input_is_refused_by_name_and_an_unprepared_model_never_computes_silently(megatron_cpu):
+    from megatron_rl_patches.shared_prefix import prepare_shared_prefix, shared_prefix_params
+
+    batch = grpo_batch()
+    model = _model("rope, grouped-query heads")
+    params = shared_prefix_params(batch.plan())
+    # a core attention refuses packed params it was not built for (megatron-core's local one asserts, Transformer
+    # Engine's names the format, the kit's stand-in finds the rows do not add up): never a silent causal pass
+    with pytest.raises((ValueError, AssertionError, RuntimeError)):
+        model(batch.tokens, None, None, packed_seq_params=params)
+    prepare_shared_prefix(model)
+    other = batch.tokens.clone()
+    other[0, 3] = (other[0, 3] + 1) % 64
+    with pytest.raises(ValueError, match="differ from the ids the plan was built from"):
+        model(other, None, None, packed_seq_params=params)
+    with pytest.raises(ValueError, match=r"must be the packed ids the plan was built from, \[1, "):
+        model(batch.tokens[:, :-1], None, None, packed_seq_params=params)
+    far = grpo_batch(vocab=80)
+    with pytest.raises(ValueError, match="past the model's vocabulary"):
+        model(far.tokens, None, None, packed_seq_params=shared_prefix_params(far.plan()))
+    with pytest.raises(TypeError, match="must be a SharedPrefixPlan"):
+        shared_prefix_params(batch.tokens)
+    with pytest.raises(ValueError, match="no megatron-core language model"):
+        prepare_shared_prefix([torch.nn.Linear(2, 2)])
+    assert torch.equal(batch.tokens, grpo_batch().tokens)  # the caller's tensors untouched

@@ -1,0 +1,104 @@
+"""The plan of a micro-batch's physical stream: every logical row's physical row computes that row
+(its token, its position, and exactly its own sample's earlier tokens visible), the prefix's last row
+serves each member's first own token, padding is never shared, bad input is refused by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from megatron_rl_patches.shared_prefix.plan import plan_shared_prefix
+
+
+def _packed(samples, padding=0):
+    tokens = torch.tensor([t for s in samples for t in s] + [0] * padding)
+    cu = [0]
+    for s in samples:
+        cu.append(cu[-1] + len(s))
+    return tokens, cu
+
+
+def _visible(plan, row):
+    """The physical rows physical row `row` attends to, under the plan's rule."""
+    seg, vis = plan.segments, plan.visible
+    return [j for j in range(row + 1) if seg[j] == seg[row] or seg[j] == vis[row]]
+
+
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=7), min_size=1, max_size=6),
+       st.integers(0, 3), st.integers(1, 4))
+def test_each_logical_row_sees_exactly_its_own_samples_earlier_tokens(samples, padding, pad_to):
+    tokens, cu = _packed(samples, padding)
+    plan = plan_shared_prefix(tokens, cu, pad_to=pad_to)
+    assert plan.physical_length % pad_to == 0
+    assert plan.stats.logical_tokens == sum(map(len, samples))
+    assert plan.stats.physical_tokens <= plan.stats.logical_tokens
+    for i, sample in enumerate(samples):
+        for k in range(len(sample)):
+            row = int(plan.logical_rows[cu[i] + k])
+            assert int(plan.tokens[row]) == sample[k] and int(plan.positions[row]) == k
+            seen = sorted((int(plan.positions[j]), int(plan.tokens[j])) for j in _visible(plan, row))
+            assert seen == [(p, sample[p]) for p in range(k + 1)]
+    for block in plan.blocks:  # no row sees past its block
+        for row in range(block.start, block.end):
+            assert min(_visible(plan, row)) >= block.start
+    if padding:
+        pad_rows = plan.logical_rows[cu[-1]:]
+        assert int(pad_rows.min()) >= plan.physical_length - plan.padding_rows
+
+
+def test_a_group_computes_its_prompt_once_and_its_last_row_serves_every_member():
+    prompt = list(range(1, 41))
+    samples = [prompt + [50 + i, 60 + i] for i in range(8)]
+    tokens, cu = _packed(samples, padding=3)
+    plan = plan_shared_prefix(tokens, cu, hints=[0] * 8)
+    assert plan.stats.as_dict() == {"samples": 8, "logical_tokens": 336, "physical_tokens": 40 + 16,
+                                    "saved_tokens": 280, "groups": 1, "shared_samples": 8, "alone": 0,
+                                    "split_hints": 0}
+    last_prompt_rows = {int(plan.logical_rows[cu[i] + 39]) for i in range(8)}
+    assert last_prompt_rows == {39}  # one row, eight targets (each sample's first response token)
+    assert plan.physical_length == 56 + 1  # and one row every logical padding row reads
+
+
+def test_claimed_groups_whose_prompts_differ_are_counted_and_split():
+    samples = [[1, 2, 3, 4], [1, 2, 3, 5], [7, 8, 9, 4], [7, 8, 9, 5]]
+    tokens, cu = _packed(samples)
+    plan = plan_shared_prefix(tokens, cu, hints=[0, 0, 0, 0])
+    assert plan.stats.groups == 2 and plan.stats.split_hints == 1
+
+
+def test_sequences_past_samples_are_padding_never_shared():
+    samples = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 6]]
+    tokens, cu = _packed(samples)
+    plan = plan_shared_prefix(tokens, cu, samples=2)
+    assert plan.stats.samples == 2 and plan.stats.shared_samples == 2
+    assert plan.stats.logical_tokens == 8
+    assert set(plan.logical_rows[8:].tolist()) == {plan.physical_length - 1}
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"tokens": torch.tensor([1.0, 2.0]), "cu_seqlens": [0, 2]}, "integer dtype"),
+    ({"tokens": [1, 2], "cu_seqlens": [0, 2]}, "torch.Tensor"),
+    ({"tokens": torch.tensor([1, 2]), "cu_seqlens": [0, 2, 1]}, "never decrease"),
+    ({"tokens": torch.tensor([1, 2]), "cu_seqlens": [0, 3]}, "within the 2"),
+    ({"tokens": torch.tensor([1, 2]), "cu_seqlens": [0, 0, 2]}, "length 0"),
+    ({"tokens": torch.tensor([1, 2]), "cu_seqlens": [0, 2], "samples": 2}, "samples=2"),
+    ({"tokens": torch.tensor([1, 2]), "cu_seqlens": [0, 2], "pad_to": 0}, "pad_to"),
+    ({"tokens": torch.tensor([1, 2]), "cu_seqlens": [0, 2], "min_shared": True}, "min_shared"),
+    ({"tokens": torch.tensor([1, 2]), "cu_seqlens": [0, 2], "hints": [0, 1]}, "one entry per sample"),
+    ({"tokens": torch.empty(2, dtype=torch.long, device="meta"), "cu_seqlens": [0, 2]}, "meta device"),
+    ({"tokens": torch.tensor([1, 2]), "cu_seqlens": torch.tensor([0.0, 2.0])}, "1-D integer tensor"),
+])
+def test_bad_input_is_refused_by_name_and_the_tokens_untouched(kwargs, message):
+    before = kwargs["tokens"].clone() if isinstance(kwargs["tokens"], torch.Tensor) else None
+    with pytest.raises((ValueError, TypeError), match=message):
+        plan_shared_prefix(**kwargs)
+    if before is not None and before.device.type != "meta":
+        assert torch.equal(kwargs["tokens"], before)
+
+
+def test_the_fingerprint_tells_two_plans_apart():
+    a = plan_shared_prefix(*_packed([[1, 2, 3], [1, 2, 4]]))
+    b = plan_shared_prefix(*_packed([[1, 2, 3], [1, 5, 4]]))
+    assert a.fingerprint() == plan_shared_prefix(*_packed([[1, 2, 3], [1, 2, 4]])).fingerprint()
+    assert a.fingerprint() != b.fingerprint()
