@@ -1,0 +1,187 @@
+"""A shared-prefix plan at every layout it claims, on real megatron-core over 2 gloo ranks (one world
+for the module): TP = 2, TP = 2 + sequence parallelism (the norms' gradients, each rank's share of
+its rows, summed over the group as `finalize_model_grads` sums them), PP = 2 through megatron-core's real schedule
+(the plan built by each stage from the micro-batch it reads, forward and backward), each against the
+ordinary packed path of the same model: log-probs within 1e-6, every gradient within 2e-6 (float32);
+CP = 2 refused by name on both ranks, and a layer kind only one pipeline stage holds refused on both
+stages alike (never one rank raising while the other waits)."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_rl_patches.testing import layouts
+from megatron_rl_patches.testing.multirank import run_multirank
+
+pytestmark = [pytest.mark.megatron, pytest.mark.multirank, pytest.mark.slow]
+TOL, GRAD_TOL = 1e-6, 2e-6
+MICRO_BATCHES = 3
+
+
+def _batches(padding_to: int = 2):
+    from kit.shared_prefix import grpo_batch
+
+    shapes = [(((60, (4, 9, 2, 6)),), (7,)), (((33, (5, 5)), (20, (3, 8, 1))), ()), (((70, (8,)),), (6, 3))]
+    batches = []
+    for seed, (groups, alone) in enumerate(shapes):
+        rows = sum(p + r for p, rs in groups for r in rs) + sum(alone)
+        batches.append(grpo_batch(groups, alone, padding=padding_to + (-rows) % padding_to, seed=seed))
+    return batches
+
+
+def _scores(logits, batch, tp_group):
+    from megatron_rl_patches import log_probs_and_entropy
+
+    rows = logits[0, batch.rows] if logits.dim() == 3 else logits[batch.rows, 0]
+    return log_probs_and_entropy(rows, batch.labels[0, batch.rows], tp_group=tp_group, with_entropy=True)
+
+
+def _tensor_parallel_checks(sequence_parallel: bool) -> dict:
+    import torch
+    from kit.shared_prefix import objective, ordinary, planned
+    from megatron.core import parallel_state
+
+    from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu, tiny_gpt_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    out = {}
+    with megatron_on_cpu(tensor_parallel=2):
+        tp = parallel_state.get_tensor_model_parallel_group()
+        config = tiny_gpt_config(tensor_model_parallel_size=2, sequence_parallel=sequence_parallel,
+                                 num_query_groups=2)
+        model = build_packed_gpt(seq_length=512, seed=4, config=config)
+        for index, batch in enumerate(_batches()):
+            results = []
+            for route in (ordinary, lambda m, b: planned(m, b, pad_to=2)):
+                log_probs, entropy = _scores(route(model, batch), batch, tp)
+                objective(log_probs, entropy, seed=index).backward()
+                results.append((log_probs.detach(), entropy.detach(), collect_grads(model)))
+            (want_lp, want_ent, want_grads), (lp, ent, grads) = results
+            for name, param in model.named_parameters():  # a rank's share of the rows: summed as
+                if getattr(param, "sequence_parallel", False):  # finalize_model_grads sums them
+                    for summed in (grads, want_grads):
+                        torch.distributed.all_reduce(summed[name], group=tp)
+            out[index] = (relative_error(lp, want_lp), relative_error(ent, want_ent), grad_error(grads, want_grads),
+                          bool(torch.isfinite(lp).all()))
+    return out
+
+
+def _pipeline_step(route: str, pad_to: int = 1):
+    def step(iterator, model):
+        from kit.shared_prefix import objective, ordinary, planned
+
+        batch = next(iterator)
+        logits = ordinary(model, batch) if route == "ordinary" else planned(model, batch, pad_to=pad_to)
+
+        def loss_func(output):
+            log_probs, entropy = _scores(output, batch, None)
+            return objective(log_probs, entropy, seed=batch.samples), {"log_probs": log_probs.detach()}
+
+        return logits, loss_func
+
+    return step
+
+
+def _pipeline_checks() -> dict:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_rl_patches.shared_prefix import check_shared_prefix
+    from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+    from megatron_rl_patches.testing.pipeline import stage_flags, tiny_pipeline_config
+
+    out: dict = {}
+    with megatron_on_cpu(pipeline_parallel=2):
+        pre, post = stage_flags()
+        config = tiny_pipeline_config(2, num_layers=4, variable_seq_lengths=True, num_query_groups=2,
+                                      moe_token_dispatcher_type="alltoall")  # megatron-core refuses allgather here
+        model = build_packed_gpt(seq_length=512, seed=6, config=config, pre_process=pre, post_process=post)
+        check_shared_prefix([model], training=True)  # agreed by both stages before the schedule
+        batches = _batches()
+        runs = {}
+        for route in ("ordinary", "planned"):
+            reported = get_forward_backward_func()(
+                forward_step_func=_pipeline_step(route), data_iterator=iter(batches), model=[model],
+                num_microbatches=len(batches), seq_length=batches[0].tokens.size(1), micro_batch_size=1,
+                forward_only=False)
+            runs[route] = ([r["log_probs"] for r in reported], collect_grads(model))
+        (want, want_grads), (got, grads) = runs["ordinary"], runs["planned"]
+        out["grads"] = grad_error(grads, want_grads)
+        out["log_probs"] = max((relative_error(g, w) for g, w in zip(got, want)), default=0.0)
+        out["last"] = post
+        # a layer kind on the second stage only: both stages refuse, with the same words
+        if post:
+            from megatron_rl_patches.inference.gated_delta_net import GatedDeltaNetLayer
+
+            stand_in = GatedDeltaNetLayer.__new__(GatedDeltaNetLayer)
+            import torch
+
+            torch.nn.Module.__init__(stand_in)
+            model.decoder.layers[0].recurrent = stand_in
+        try:
+            check_shared_prefix([model], training=False)
+            out["recurrent"] = None
+        except ValueError as exc:
+            out["recurrent"] = str(exc)
+    return out
+
+
+def _context_parallel_check() -> str | None:
+    from megatron_rl_patches.shared_prefix import check_shared_prefix
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu, tiny_gpt_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    with megatron_on_cpu(context_parallel=2):
+        model = build_packed_gpt(seq_length=512, config=tiny_gpt_config(context_parallel_size=2),
+                                 context_parallel_layout="zigzag")
+        try:
+            check_shared_prefix([model], training=True)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+def _world(rank: int, world_size: int) -> dict:
+    return {"tp2": _tensor_parallel_checks(False), "tp2-sp": _tensor_parallel_checks(True),
+            "pp2": _pipeline_checks(), "cp2": _context_parallel_check()}
+
+
+@pytest.fixture(scope="module")
+def world():
+    return run_multirank(_world, 2, timeout=300)
+
+
+@layouts.mark("tp2")
+def test_tensor_parallel_equals_the_packed_path(world):
+    for rank in world:
+        for lp, ent, grads, finite in rank["tp2"].values():
+            assert finite and lp < TOL and ent < TOL and grads < GRAD_TOL
+
+
+@layouts.mark("tp2", "sp")
+def test_sequence_parallel_equals_the_packed_path(world):
+    for rank in world:
+        for lp, ent, grads, finite in rank["tp2-sp"].values():
+            assert finite and lp < TOL and ent < TOL and grads < GRAD_TOL
+
+
+@layouts.mark("pp2")
+def test_the_pipeline_carries_the_plan_through_both_stages(world):
+    first, last = world
+    assert not first["pp2"]["last"] and last["pp2"]["last"]
+    assert last["pp2"]["log_probs"] < TOL
+    for rank in world:
+        assert rank["pp2"]["grads"] < GRAD_TOL  # the first stage's gradients came back through the planned p2p
+
+
+@layouts.mark("pp2")
+def test_a_layer_kind_on_one_stage_is_refused_on_both(world):
+    reasons = [rank["pp2"]["recurrent"] for rank in world]
+    assert reasons[0] == reasons[1] and "gated delta net" in reasons[0]
+
+
+@layouts.mark("cp2-zigzag")
+def test_context_parallelism_is_refused_by_name_on_both_ranks(world):
+    reasons = [rank["cp2"] for rank in world]
+    assert reasons[0] == reasons[1] and "context parallelism (context_parallel_size=2)" in reasons[0]
