@@ -25,6 +25,7 @@ OPD_RESIDENCY = f"{OPD_PREFIX}RESIDENCY"
 OPD_IDS_FROM = f"{OPD_PREFIX}IDS_FROM"
 OPD_SCORE_AT = f"{OPD_PREFIX}SCORE_AT"
 VERL_ROWS = f"{PREFIX}_VERL_ROWS"
+SHARED_PREFIX = f"{PREFIX}_SHARED_PREFIX"
 VERL_TEACHER = f"{PREFIX}_VERL_TEACHER"
 TEACHER_API_KEY = f"{PREFIX}_TEACHER_API_KEY"  # a served teacher's key (teachers.ServedTeacher)
 LAUNCHER_ROOT = f"{PREFIX}_LAUNCHER_ROOT"  # set by `run` for its children, never by hand
@@ -80,6 +81,10 @@ MEANINGS: dict[str, str] = {
                   "runtime_env, beside MEGATRON_RL_PATCHES_OPD_TEACHERS (--train-env-vars does not reach the rollout "
                   "manager; with no teachers there it warns once and the train step asks)",
     VERL_ROWS: "verl_fused_logprobs: all computes every row, not only the rows verl reads",
+    SHARED_PREFIX: "1/true/yes/on: slime's passes (training, old and reference log-probs, in-process teachers, the "
+                   "live self-teacher) pack each micro-batch by shared prefix: samples sharing leading tokens (a "
+                   "group's prompt, a privileged context) compute them once, exactly (docs/shared-prefix.md); "
+                   "0/false/no/off, unset or \"\": each sample packed whole",
     VERL_TEACHER: "verl_topk_kd: a teacher served by vLLM answering verl's teacher-loop client, "
                   "http(s)://host:port;engine=vllm (its --max-logprobs at least verl's topk), or a pooling "
                   "server with ;head=DIR (any K; on verl's fused route the whole-vocabulary KL); unset: verl's own "
@@ -112,6 +117,16 @@ def native_setting(text: str | None) -> bool:
         raise ValueError(f"{NATIVE}={_shown(text)!r} is not a switch: use 0 (the torch tiles) or 1 (the compiled "
                          f"kernel), or leave it unset")
     return _SWITCH[word] is not False
+
+
+def shared_prefix_setting(text: str | None) -> bool:
+    """MEGATRON_RL_PATCHES_SHARED_PREFIX's value read: True for a switch on, False when off, unset or
+    ""; ValueError naming the variable for any other text."""
+    word = (text or "").strip().lower()
+    if word not in _SWITCH:
+        raise ValueError(f"{SHARED_PREFIX}={_shown(text)!r} is not a switch: use 1 (pack by shared prefix) or 0 "
+                         "(each sample whole), or leave it unset")
+    return _SWITCH[word] is True
 
 
 def verl_rows_setting(text: str | None) -> bool:

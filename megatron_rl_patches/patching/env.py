@@ -14,11 +14,13 @@ from megatron_rl_patches._variables import (
     NATIVE,
     PREFIX,
     SELECT,
+    SHARED_PREFIX,
     STRICT,
     VARIABLES,
     VERL_ROWS,
     invariant_setting,
     native_setting,
+    shared_prefix_setting,
     verl_rows_setting,
 )
 from megatron_rl_patches._variables import (
@@ -203,6 +205,12 @@ def verl_rows(environ: Mapping[str, str] | None = None) -> bool:
     return verl_rows_setting(_get(environ, VERL_ROWS))
 
 
+def shared_prefix(environ: Mapping[str, str] | None = None) -> bool:
+    """MEGATRON_RL_PATCHES_SHARED_PREFIX: whether the framework passes pack by shared prefix (off when
+    unset); ValueError naming the variable for any other word than a switch."""
+    return shared_prefix_setting(_get(environ, SHARED_PREFIX))
+
+
 def checked_role_names(environ: Mapping[str, str] | None = None) -> list[str] | None:
     """:func:`role_names`, refusing a value that names no role or a name that is not an
     identifier (ValueError naming the variable); '' still means none. Syntax only: which roles
@@ -377,5 +385,6 @@ def summary(environ: Mapping[str, str] | None = None) -> dict[str, object]:
         "backend": read(backend),
         "invariant": read(invariant),  # None: unset (an op's argument, else the model config) or wrong
         "verl_rows": read(verl_rows),
+        "shared_prefix": read(shared_prefix),
         "errors": errors,
     }

@@ -60,7 +60,10 @@ def mtp_heads_build_logits(model: Any) -> bool:
 
 
 def batch_layout(packed_seq_params: Any) -> str:
-    """The micro-batch's qkv layout: its `packed_seq_params.qkv_format`, "bshd" without packing."""
+    """The micro-batch's qkv layout: its `packed_seq_params.qkv_format`, "bshd" without packing
+    ("thd" for a shared-prefix plan: the rows the model hands back are the packed micro-batch's)."""
+    if getattr(packed_seq_params, "shared_prefix", None) is not None:
+        return "thd"
     if packed_seq_params is None:
         return "bshd"
     return str(getattr(packed_seq_params, "qkv_format", "thd"))

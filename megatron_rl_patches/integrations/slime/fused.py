@@ -26,12 +26,14 @@ from megatron_rl_patches.integrations.megatron.model_chunk import (
 from megatron_rl_patches.integrations.megatron.opd.hidden_teachers import real_vocab_size
 from megatron_rl_patches.integrations.megatron.opd.topk_request import VocabRequest
 from megatron_rl_patches.integrations.megatron.planned_iterators import plan_of, planned, planned_schedule
+from megatron_rl_patches.integrations.megatron.shared_prefix_pass import prefix_pass
 from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
 from megatron_rl_patches.integrations.slime.step_plan import PLAN, StepPlan, step_request, step_settings
 from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
 from megatron_rl_patches.integrations.slime.topk import topk_context
 from megatron_rl_patches.integrations.slime.vocab_step import vocab_processor
 from megatron_rl_patches.integrations.step_mode import student_invariant
+from megatron_rl_patches.patching.env import shared_prefix
 from megatron_rl_patches.processors.combined import with_topk
 from megatron_rl_patches.processors.heads import log_prob_output_processor
 
@@ -92,7 +94,9 @@ def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
         fall_back(reason)
         return wrapped(*args, **kwargs)
     with_entropy = bool(getattr(slime_args, "use_rollout_entropy", False))
-    plan = StepPlan(slime_args, with_entropy, False, invariant=student_invariant(bound.arguments.get("model")))
+    model = bound.arguments.get("model")
+    plan = StepPlan(slime_args, with_entropy, False, invariant=student_invariant(model),
+                    prefix=prefix_pass("slime's log-prob pass", model, training=False, enabled=shared_prefix()))
     return run_planned(plan, wrapped, bound)
 
 
@@ -106,7 +110,8 @@ def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dic
     slime_args = bound.arguments["args"]
     settings = step_settings(bound.arguments.get("data_iterator"))
     request = step_request(slime_args, settings)
-    invariant = student_invariant(bound.arguments.get("model"))
+    model = bound.arguments.get("model")
+    invariant = student_invariant(model)
     reason = unservable(slime_args)
     if reason is not None:  # slime's logits path; a top-k loss still needs its batch keys
         fall_back(reason)
@@ -116,7 +121,8 @@ def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dic
                                     settings=settings), wrapped, bound)
     with_entropy = getattr(slime_args, "loss_type", "policy_loss") != "sft_loss"
     grad = with_entropy and getattr(slime_args, "entropy_coef", 0.0) != 0
-    plan = StepPlan(slime_args, with_entropy, grad, request, invariant=invariant, settings=settings)
+    plan = StepPlan(slime_args, with_entropy, grad, request, invariant=invariant, settings=settings,
+                    prefix=prefix_pass("slime's training step", model, training=True, enabled=shared_prefix()))
     return run_planned(plan, wrapped, bound)
 
 
@@ -124,7 +130,10 @@ def run_planned(plan: StepPlan, wrapped: Any, bound: Any) -> Any:
     """slime's `forward_only` / `train_one_step` call (`bound` to its signature) with its data
     iterators carrying `plan`."""
     bound.arguments["data_iterator"] = planned(bound.arguments.get("data_iterator"), plan)
-    return wrapped(*bound.args, **bound.kwargs)
+    result = wrapped(*bound.args, **bound.kwargs)
+    if plan.prefix is not None:
+        plan.prefix.log()
+    return result
 
 
 def get_batch_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -142,6 +151,9 @@ def get_batch_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     plan.batch = batch
     if isinstance(batch, dict):
         batch[PLAN] = plan
+        if plan.prefix is not None:  # the model call takes the plan from the batch's packed_seq_params
+            batch["packed_seq_params"] = plan.prefix.params(batch["tokens"], batch["packed_seq_params"],
+                                                            len(batch["unconcat_tokens"]))
     return batch
 
 

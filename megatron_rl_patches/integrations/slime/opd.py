@@ -67,6 +67,7 @@ from megatron_rl_patches.integrations.megatron.opd.topk_request import (
 from megatron_rl_patches.integrations.megatron.opd.topk_request import TEACHER_TAILS as TEACHER_TAILS
 from megatron_rl_patches.integrations.megatron.opd.zigzag import local_rows
 from megatron_rl_patches.integrations.megatron.planned_iterators import planned
+from megatron_rl_patches.integrations.megatron.shared_prefix_pass import prefix_pass
 from megatron_rl_patches.integrations.slime import cross_loss, vocab_opd
 from megatron_rl_patches.integrations.slime.actor import SlimeActor
 from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active
@@ -79,6 +80,7 @@ from megatron_rl_patches.integrations.slime.topk import sample_rows
 from megatron_rl_patches.integrations.step_mode import student_invariant
 from megatron_rl_patches.ops.packing import packed_topk_logprobs
 from megatron_rl_patches.ops.topk import topk_kl as topk_kl
+from megatron_rl_patches.patching.env import shared_prefix
 from megatron_rl_patches.teachers.kinds import RunFacts, check_entries
 
 # TEACHER_TAILS, topk_kl: imported `as` themselves, re-exported for the tests that read them off this module
@@ -165,10 +167,14 @@ def pipelined_topk(args: Any, model: list[Any], rollout_data: dict, request: Top
     from slime.backends.megatron_utils import model as slime_model
     from slime.backends.megatron_utils.data import get_data_iterator
 
-    plan = StepPlan(args, with_entropy=False, entropy_requires_grad=False, topk=request, invariant=invariant)
+    plan = StepPlan(args, with_entropy=False, entropy_requires_grad=False, topk=request, invariant=invariant,
+                    prefix=prefix_pass("a teacher's pass", model, training=False, enabled=shared_prefix()))
     iterator = planned(get_data_iterator(rollout_data), plan)
     collect = functools.partial(collect_topk, fell_back=fell_back)
-    return slime_model.forward_only(collect, args, model, iterator, rollout_data["num_microbatches"])
+    out = slime_model.forward_only(collect, args, model, iterator, rollout_data["num_microbatches"])
+    if plan.prefix is not None:
+        plan.prefix.log()
+    return out
 
 
 def topk_pass(args: Any, model: list[Any], rollout_data: dict, request: TopkRequest,

@@ -35,7 +35,8 @@ class StepPlan:
     (and its gradient), top-k buckets if asked, and the micro-batch `get_batch` returned last.
     `fused=False`: a step on slime's own logits path that still fetches the request's batch keys.
     `invariant`: the student's invariant mode, resolved once where the step is handed the model
-    (None: the ops resolve their own); `settings`: top-k OPD's, parsed once for the step (None: off)."""
+    (None: the ops resolve their own); `settings`: top-k OPD's, parsed once for the step (None: off);
+    `prefix`: the pass's shared-prefix packing (`shared_prefix_pass.PrefixPass`; None: each sample whole)."""
 
     args: Any
     with_entropy: bool
@@ -45,6 +46,7 @@ class StepPlan:
     fused: bool = True
     invariant: bool | None = None
     settings: OpdSettings | None = field(default=None, repr=False)
+    prefix: Any = field(default=None, repr=False)
 
 
 STEP_REQUEST = TopkRequest(ids_key=IDS, keys=(IDS, TEACHER_LOGPROBS, TEACHER_TAILS))

@@ -204,7 +204,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                     rollouts: int = 1, wide_path: str | None = None, expert: int = 1,
                     weights: str | None = None, cross: dict[str, Any] | None = None,
                     served: dict[str, str] | None = None, env: dict[str, str] | None = None,
-                    contexts: list[dict] | None = None) -> dict[str, Any]:
+                    contexts: list[dict] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """slime_opd with two teachers through slime's real `MegatronTrainRayActor.train_actor`
     (slime's log-probs, advantages, `log_rollout_data`, `train()`), on `pipeline` stages, with
     slime's extra `flags`; `rollouts` train_actor calls in a row (re-entry). Returns this stage's
@@ -228,7 +228,11 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
     temperature 1 (served["temperature"]: another, a served teacher with a head; served["contexts"]:
     each sample's privileged contexts as the rollout manager's split carries them); `contexts`: the
     same for any teachers' entries; `env`: OPD variables
-    set last (their names without MEGATRON_RL_PATCHES_OPD_, e.g. {"K": "vocab"})."""
+    set last (their names without MEGATRON_RL_PATCHES_OPD_, e.g. {"K": "vocab"}); `extra`: {"shared_prefix":
+    True} sets MEGATRON_RL_PATCHES_SHARED_PREFIX=1, {"rollouts": [...]} the rollouts' per-sample fields (as
+    `cross["samples"]`), {"ref": True} loads a reference snapshot (slime's
+    ref_ pass), and the result then holds the old and reference log-probs, the weights after the last
+    step, the tokens each model forward's embedding was handed and each planned pass's figures."""
     with lane_rank(rank, world_size, pipeline=pipeline, context=context, tensor=tensor, virtual=virtual,
                    expert=expert) as patch:
         import slime_kit as kit
@@ -283,6 +287,15 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
             patch.setenv("MEGATRON_RL_PATCHES_OPD_IDS_FROM", served.get("ids_from", "teacher"))
         for name, value in (env or {}).items():
             patch.setenv(f"MEGATRON_RL_PATCHES_OPD_{name}", value)
+        extra = extra or {}
+        if extra.get("shared_prefix"):
+            patch.setenv("MEGATRON_RL_PATCHES_SHARED_PREFIX", "1")
+        passes: list[tuple[str, dict]] = []  # each planned pass's figures, as it logs them
+        from megatron_rl_patches.integrations.megatron import shared_prefix_pass
+
+        real_log = shared_prefix_pass.PrefixPass.log
+        patch.setattr(shared_prefix_pass.PrefixPass, "log",
+                      lambda self: (passes.append((self.what, dict(self.figures))), real_log(self))[1])
         agreed: list[int] = []  # the teacher micro-batch counts agreed (with expert parallelism)
         if cross is not None and cross.get("more_micro_batches"):
             from megatron_rl_patches.integrations.megatron.opd import expert_agreement
@@ -309,8 +322,18 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 if args.allgather_cp:
                     declared_dsa(args)
                 model, optimizer, scheduler = kit.build(args)
-                actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2, **(cross or {}).get("seeds", {})},
-                                  patch)
+                actor = kit.actor(args, model, {"teacher-a": 1, "teacher-b": 2, "reference": 3,
+                                                **(cross or {}).get("seeds", {})}, patch)
+                if extra.get("ref"):
+                    actor.load_other_checkpoint("ref", "reference")
+                    actor._switch_model("actor")
+                embedded: list[int] = []  # the ids each forward of the actor's first chunk embedded
+                if parallel_state.is_pipeline_first_stage():
+                    from megatron_rl_patches.integrations.megatron.model_chunk import unwrap
+
+                    unwrap(model[0]).embedding.register_forward_pre_hook(
+                        lambda m, a, k: embedded.append(int((k.get("input_ids", a[0] if a else None)).numel())),
+                        with_kwargs=True)
                 teachers = slime_opd.load_teachers(actor, opd_settings())
                 setattr(actor, slime_opd.ATTRIBUTE, teachers)
                 # a teacher with another tokenizer: its model; a served teacher has none in this process
@@ -328,13 +351,18 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                     states[tag] = _stage_state(model)
                 if wide_path is not None:  # the separate teacher's own chunks
                     states["opd_teacher_1"] = separate[0]
-                samples = (cross or {}).get("samples") or (served or {}).get("rollouts")
-                data = actor_rollout(0, samples)
-                if contexts is not None or (served is not None and "contexts" in served):
-                    from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
+                samples = (cross or {}).get("samples") or (served or {}).get("rollouts") or extra.get("rollouts")
+                carried = contexts if contexts is not None else (served or {}).get("contexts")
 
-                    # as slime_opd's split carries each sample's train_metadata
-                    data[CONTEXTS] = contexts if contexts is not None else served["contexts"]
+                def rollout_of(rollout_id: int) -> dict:
+                    data = actor_rollout(rollout_id, samples)
+                    if carried is not None:
+                        from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
+
+                        data[CONTEXTS] = carried  # as slime_opd's split carries each sample's train_metadata
+                    return data
+
+                data = rollout_of(0)
                 Timer().seq_lens = data["total_lengths"]  # what slime's process_rollout_data notes
                 grads = first_grads(patch, optimizer, model)
                 losses: list[dict] = []
@@ -352,7 +380,7 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                 first = data
                 figures = [data.get(TEACHER_FIGURES)]
                 for rollout_id in range(1, rollouts):  # re-entry: slime's train() and the teacher passes again
-                    data = actor_rollout(rollout_id, samples)
+                    data = rollout_of(rollout_id)
                     actor.train_actor(rollout_id, data)
                     seconds.append(time.perf_counter())
                     figures.append(data.get(TEACHER_FIGURES))
@@ -379,6 +407,9 @@ def opd_train_actor(rank: int, world_size: int, pipeline: int, context: int = 1,
                         "keys": sorted(k for k in data if k.startswith("opd_") and k != TEACHER_FIGURES),
                         "split": _partition_dims(model),
                         "active": actor._active_model_tag,
+                        "old_log_probs": first.get("log_probs"), "ref_log_probs": first.get("ref_log_probs"),
+                        "updated": _stage_state(model) if extra else None, "embedded": embedded,
+                        "prefix_passes": passes,
                         "hf_layers": [[layer.layer_number for layer in chunk.decoder.layers]
                                       for t in models if not isinstance(t, str) for chunk in t]}
         finally:

@@ -1,0 +1,70 @@
+"""Shared-prefix packing for the passes of any Megatron host (slime's today): at a pass's door, whether
+it runs planned (the setting, then what the model can run, agreed over every rank) and the model's
+chunks prepared; per micro-batch, the plan built from its packed tokens (agreed over the
+tensor-parallel group, whose ranks run each micro-batch's collectives together) and handed to the
+model as its `packed_seq_params`; the pass's figures, logged once when it ends."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_rl_patches._log import warn_once
+from megatron_rl_patches.ops.agreement import agree
+from megatron_rl_patches.shared_prefix.model_hooks import prepare_shared_prefix, shared_prefix_params
+from megatron_rl_patches.shared_prefix.plan import plan_shared_prefix
+from megatron_rl_patches.shared_prefix.support import shared_prefix_reason
+
+logger = logging.getLogger("megatron_rl_patches")
+OFF = "shared prefix: {what} runs each sample packed whole: {reason}"
+
+
+@dataclass
+class PrefixPass:
+    """One pass's shared-prefix packing: the stream padded to `pad_to` (the tensor-parallel size:
+    sequence parallelism splits it), `group` the tensor-parallel group that agrees each plan, and
+    the pass's figures so far (summed `PlanStats`)."""
+
+    what: str
+    pad_to: int = 1
+    group: Any = None
+    figures: dict[str, int] = field(default_factory=dict)
+
+    def params(self, tokens: Any, packed_seq_params: Any, samples: int) -> Any:
+        """The `packed_seq_params` of a micro-batch packed as `tokens` [1, T] by `packed_seq_params`
+        (thd; its first `samples` sequences samples, the rest padding)."""
+        plan = plan_shared_prefix(tokens, packed_seq_params.cu_seqlens_q, samples=samples, pad_to=self.pad_to)
+        physical, logical, checksum = plan.fingerprint()
+        agree(self.group, "a micro-batch's shared-prefix plan", match={"physical rows": physical,
+                                                                       "logical rows": logical,
+                                                                       "checksum": checksum},
+              where="the tensor-parallel group")
+        for name, value in plan.stats.as_dict().items():
+            self.figures[name] = self.figures.get(name, 0) + value
+        return shared_prefix_params(plan)
+
+    def log(self) -> None:
+        """The pass's figures in one line (rank 0's logger)."""
+        logical, physical = self.figures.get("logical_tokens", 0), self.figures.get("physical_tokens", 0)
+        if logical:
+            logger.info("shared prefix: %s computed %d tokens for %d (%.2fx), %d groups of %d samples, %d alone",
+                        self.what, physical, logical, logical / max(physical, 1), self.figures.get("groups", 0),
+                        self.figures.get("shared_samples", 0), self.figures.get("alone", 0))
+
+
+def prefix_pass(what: str, model: Any, *, training: bool, enabled: bool) -> PrefixPass | None:
+    """The shared-prefix packing of the pass `what` over `model` (its chunks), or None: off
+    (`enabled` False), or a model it cannot run (the reason agreed over every rank first, then warned
+    once; the pass runs each sample whole). Every rank calls it at the pass's door, before the pass's
+    first collective."""
+    if not enabled:
+        return None
+    reason = shared_prefix_reason(model, training=training)
+    if reason is not None:
+        warn_once(OFF.format(what=what, reason=reason))
+        return None
+    from megatron.core import parallel_state  # lazy: optional dependency megatron-core
+
+    prepare_shared_prefix(model)
+    group = parallel_state.get_tensor_model_parallel_group()
+    return PrefixPass(what, pad_to=parallel_state.get_tensor_model_parallel_world_size(), group=group)
