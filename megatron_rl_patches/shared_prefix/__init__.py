@@ -25,6 +25,7 @@ _LAZY = lazy_names("""
     megatron_rl_patches.shared_prefix.model_hooks: prepare_shared_prefix shared_prefix_params
     megatron_rl_patches.shared_prefix.support: check_shared_prefix shared_prefix_reason
     megatron_rl_patches.shared_prefix.attention: shared_prefix_attention
+    megatron_rl_patches.shared_prefix.micro_batches: shared_prefix_micro_batches
 """)
 
 __all__ = sorted(_LAZY)

@@ -177,6 +177,7 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
         environment["resolved"] = env.resolve_selection(names) if environment["enabled_at_startup"] else []
         environment["error"] = None
         problems += opd_selection_problems(environment)
+        problems += shared_prefix_problems(environment)
     except ValueError as exc:
         environment["resolved"], environment["error"] = None, str(exc)
         problems.append(str(exc))
@@ -194,6 +195,30 @@ def opd_selection_problems(environment: dict[str, Any]) -> list[str]:
     return [f"slime_opd is not selected ({why}), so the {OPD_PREFIX}* settings ({', '.join(environment['opd'])}) "
             f"do nothing: set {env.SELECT}=all (or a list with slime_opd), or start the job with `{PROG} run -- "
             f"COMMAND ...` (which selects every patch when {env.SELECT} is unset)"]
+
+
+# where MEGATRON_RL_PATCHES_SHARED_PREFIX=1 takes effect, and where it does not (docs/shared-prefix.md)
+SHARED_PREFIX_ON = ("on: slime's passes (training, old and reference log-probs, in-process teachers, the live "
+                    "self-teacher) pack each micro-batch by shared prefix through patch slime_fused; a pass whose "
+                    "model it cannot run says why once and packs each sample whole; verl's and NeMo-RL's passes pack "
+                    "each sample whole (docs/shared-prefix.md)")
+
+
+def shared_prefix_statement(environment: dict[str, Any]) -> str:
+    """Whether shared-prefix packing is on, and where."""
+    if environment.get("shared_prefix") is None:
+        return "unreadable (see the problems below)"
+    return SHARED_PREFIX_ON if environment["shared_prefix"] else f"off ({env.SHARED_PREFIX} unset or 0)"
+
+
+def shared_prefix_problems(environment: dict[str, Any]) -> list[str]:
+    """The setting on while slime_fused, the route it takes effect through, is not selected."""
+    if not environment.get("shared_prefix") or not environment["enabled_at_startup"]:
+        return []
+    if "slime_fused" in environment["resolved"]:
+        return []
+    return [f"{env.SHARED_PREFIX}=1 takes effect through patch slime_fused, which {env.SELECT} does not select "
+            f"({', '.join(environment['resolved']) or 'nothing'}): add slime_fused or set {env.SELECT}=all"]
 
 
 def teacher_report() -> tuple[list[str], list[str]]:
@@ -323,6 +348,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"  selected for start-up: {selects}")
     lines.append(f"  strict: {_show(e['strict'])}; allow untested: {_show(e['allow_untested'])}; "
                  f"inference roles: {_roles(e) or '-'}")
+    lines.append(f"  shared prefix: {shared_prefix_statement(e)}")
     lines += [f"  checked: {checked}" for checked in e.get("teachers_checked", [])]
     s = report["startup"]
     lines.append("start-up files:")

@@ -12,6 +12,7 @@ from typing import Any
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings, score_at
 from megatron_rl_patches.integrations.megatron.opd.served_checks import check_served
 from megatron_rl_patches.integrations.megatron.train_reentry import train_reentry_patches
+from megatron_rl_patches.patching.env import shared_prefix
 from megatron_rl_patches.patching.records import Patch
 
 HERE = "megatron_rl_patches.integrations.slime"
@@ -104,7 +105,9 @@ def check_settings(environ: Any = None) -> None:
     and what the actor refuses of them before anything loads (a served teacher's ids: `check_served`):
     a ValueError naming the variable at fault (integrations.check_settings calls every framework's).
     MEGATRON_RL_PATCHES_OPD_SCORE_AT is checked even without the teachers: the rollout manager's
-    environment, where it is read, may be checked apart from the training actors'."""
+    environment, where it is read, may be checked apart from the training actors'.
+    MEGATRON_RL_PATCHES_SHARED_PREFIX is read as slime_fused's passes read it."""
+    shared_prefix(environ)
     score_at(environ)
     settings = opd_settings(environ)
     if settings is not None:
