@@ -1,5 +1,5 @@
 """`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|distill|residency|teacher-layout|share-scores|
-hidden-dtypes|context|self-teacher|load|gpu|all]
+hidden-dtypes|context|self-teacher|shared-prefix|load|gpu|all]
 [--quick] [--out DIR] [--only PART]`; `bench ops [--baseline REV] [--T N] [--V N] [--H N] [--runs N]
 [--invariant [--threads N]]`.
 An option of one benchmark given to another is a usage error (exit 2), never silently ignored.
@@ -9,8 +9,9 @@ exits non-zero. `bench load` (not part of `all`: it writes a ~3 GB checkpoint un
 folder, deleted afterwards) times Hugging Face checkpoint loading against transformers.
 `bench teacher-layout`, `bench share-scores` (each spawns a world of 2 ranks), `bench
 hidden-dtypes` (a transformers model), `bench context` and `bench self-teacher` (a privileged
-context: the teacher pass with one against without; the live self-teacher against a snapshot) are
-part of `all` but not of `all --quick` (half a minute each even on tiny shapes)."""
+context: the teacher pass with one against without; the live self-teacher against a snapshot) and
+`bench shared-prefix` (a group's prompt once against each sample whole) are part of `all` but not of
+`all --quick` (half a minute each even on tiny shapes)."""
 from __future__ import annotations
 
 import argparse
@@ -37,12 +38,13 @@ BENCHMARKS = {
     "hidden-dtypes": "megatron_rl_patches.apps.bench.hidden_dtypes",
     "context": "megatron_rl_patches.apps.bench.context_pass",
     "self-teacher": "megatron_rl_patches.apps.bench.live_teacher",
+    "shared-prefix": "megatron_rl_patches.apps.bench.shared_prefix",
 }
 # Left out of `bench all --quick` (make test runs it): a spawned world's start-up alone takes half
 # a minute on a busy 2-core machine, and so does transformers' model (hidden-dtypes); the
 # privileged-context benchmarks (a GPTModel world, a case worker) are run by their own test;
 # `bench NAME --quick` still runs each.
-NOT_IN_QUICK_ALL = ("teacher-layout", "share-scores", "hidden-dtypes", "context", "self-teacher")
+NOT_IN_QUICK_ALL = ("teacher-layout", "share-scores", "hidden-dtypes", "context", "self-teacher", "shared-prefix")
 # Run only when named (not part of `all`): `load` writes and reads a checkpoint of several GB.
 SEPARATE = {"load": "megatron_rl_patches.apps.bench.hf_load"}
 # `bench ops` only: (flag, default, meaning); every other benchmark refuses them
@@ -52,7 +54,7 @@ OPS_OPTIONS = (("--T", 1024, "tokens"), ("--V", 8192, "vocabulary"), ("--H", 256
 DURATIONS = {"logprobs": "2-4 min", "topk": "1-2 min", "reentrant": "1 min", "fused": "5-6 min",
              "windows": "1 min", "distill": "2-3 min", "residency": "1-2 min", "teacher-layout": "3-5 min",
              "share-scores": "3-6 min", "hidden-dtypes": "3-5 min", "load": "3-4 min",
-             "context": "2-3 min", "self-teacher": "2-3 min"}
+             "context": "2-3 min", "self-teacher": "2-3 min", "shared-prefix": "4-6 min"}
 # `bench fused --only PART` (megatron_rl_patches.apps.bench.fused.PARTS, kept here so --help imports no torch)
 FUSED_PARTS = ("logprob", "opd", "invariant")
 # `bench logprobs --only PART` (megatron_rl_patches.apps.bench.logprobs.PARTS)

@@ -1,0 +1,192 @@
+"""`bench shared-prefix`: a group's prompt once (shared-prefix packing) against each sample packed
+whole, on a megatron-core GPTModel on CPU with Qwen3's proportions (RMSNorm, SwiGLU MLP three times
+as wide, query/key norms, grouped-query heads of 64, no biases).
+
+Per case (G samples of one prompt of P tokens, responses of R): the same micro-batch two ways
+through the same model, attention and fused log-prob head (the response rows only):
+- `unshared`: each sample whole, each attending to itself (a plan that shares nothing: the packed
+  path with a per-sample attention core, as Transformer Engine's on a GPU; megatron-core's local core
+  on CPU would build a dense [T, T] mask and is left out);
+- `shared prefix`: the plan of `megatron_rl_patches.shared_prefix` (the prompt once).
+Each row: the tokens the embedding is handed, the forward-only pass's time (no grad) and the
+training step's (forward + backward of a loss on the response log-probs), medians over rounds that
+alternate the two rows after a warm-up round, one torch thread: the process's CPU time (`_cpu_ms`,
+which other jobs on a shared machine move far less) and the wall time (`_ms`); the bytes autograd
+keeps for backward (the activations: exact, counted per storage); the ratios to `unshared` of the same
+case and round (CPU time); the largest |difference| of the log-probs from `unshared`'s."""
+# lazy imports: import cost: torch and megatron-core load when a benchmark runs
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+from megatron_rl_patches.apps.bench import outputs
+from megatron_rl_patches.apps.bench.measure import MIB, SavedBytes
+from megatron_rl_patches.apps.quiet import hide_import_notes
+
+FULL: dict[str, Any] = {"layers": 4, "hidden": 512, "heads": 8, "groups": 4, "vocab": 16384, "rounds": 3,
+                        "cases": ((1024, 128, 8), (256, 1024, 8))}
+QUICK: dict[str, Any] = {"layers": 2, "hidden": 64, "heads": 4, "groups": 2, "vocab": 256, "rounds": 1,
+                         "cases": ((48, 8, 4), (8, 24, 2))}
+UNSHARED, SHARED = "unshared", "shared prefix"
+COLUMNS = ("case", "route", "tokens", "forward_ms", "forward_cpu_ms", "forward_vs_unshared", "train_ms",
+           "train_cpu_ms", "train_vs_unshared", "saved_MiB", "saved_vs_unshared", "max_abs_diff")
+
+
+def cpu_name() -> str:
+    """The CPU's model name (lscpu's), for the table's title: a ratio is the CPU's."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def build_model(plan: dict) -> Any:
+    """A GPTModel with Qwen3's proportions (the kit's packed-input spec: a plan's attention replaces its core)."""
+    import torch
+
+    from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    config = tiny_gpt_config(num_layers=plan["layers"], hidden_size=plan["hidden"],
+                             num_attention_heads=plan["heads"], num_query_groups=plan["groups"],
+                             kv_channels=plan["hidden"] // plan["heads"], ffn_hidden_size=3 * plan["hidden"],
+                             gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                             normalization="RMSNorm", qk_layernorm=True, add_bias_linear=False,
+                             init_method_std=0.02)
+    longest = max(p + r for p, r, _ in plan["cases"])
+    return build_packed_gpt(vocab_size=plan["vocab"], seq_length=longest, seed=0, config=config)
+
+
+def micro_batch(prompt: int, response: int, group: int, vocab: int, seed: int = 0) -> Any:
+    """G samples of one prompt, packed as a framework packs them: (tokens [1, T], labels, cu_seqlens,
+    the response rows [1, T] bool)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, vocab, (prompt,), generator=gen)
+    samples = [torch.cat([shared, torch.randint(0, vocab, (response,), generator=gen)]) for _ in range(group)]
+    stream = torch.cat([*samples, torch.zeros(1, dtype=torch.long)])
+    cu = torch.arange(0, group + 1, dtype=torch.int32) * (prompt + response)
+    rows = torch.zeros(1, stream.numel() - 1, dtype=torch.bool)
+    for i in range(group):
+        rows[0, i * (prompt + response) + prompt - 1:(i + 1) * (prompt + response) - 1] = True
+    return stream[None, :-1].contiguous(), stream[None, 1:].contiguous(), cu, rows
+
+
+def params_of(route: str, tokens: Any, cu: Any) -> Any:
+    from megatron_rl_patches.shared_prefix import plan_shared_prefix, shared_prefix_params
+
+    share = route == SHARED
+    return shared_prefix_params(plan_shared_prefix(tokens, cu, min_shared=1 if share else tokens.numel() + 1))
+
+
+def one_pass(model: Any, batch: Any, params: Any, train: bool) -> tuple[Any, tuple[float, float], int]:
+    """(the response rows' log-probs, (wall, CPU) seconds, bytes saved for backward) of one pass."""
+    import torch
+
+    from megatron_rl_patches import log_prob_output_processor
+
+    tokens, labels, _, rows = batch
+    processor = log_prob_output_processor()
+    weights = [p for p in model.parameters()]
+    saved = SavedBytes(ignore=weights)
+    started, cpu = time.perf_counter(), time.process_time()
+    with torch.set_grad_enabled(train), saved:
+        out = model(tokens, None, None, labels=labels, packed_seq_params=params, output_processor=processor,
+                    output_processor_context={"row_mask": rows})
+        log_probs = out["log_probs"][rows]
+    if train:
+        (-log_probs.mean()).backward()
+        model.zero_grad(set_to_none=True)
+    return log_probs.detach(), (time.perf_counter() - started, time.process_time() - cpu), saved.bytes if train else 0
+
+
+def measure(plan: dict) -> list[dict]:
+    import torch
+
+    import megatron_rl_patches
+    from megatron_rl_patches.shared_prefix import prepare_shared_prefix
+    from megatron_rl_patches.testing.megatron_cpu import megatron_world
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    megatron_rl_patches.apply(only="gpt_output_processor")  # the output_processor keyword before megatron-core 0.18
+    try:
+        with megatron_world("cpu"):
+            model = prepare_shared_prefix(build_model(plan))
+            for prompt, response, group in plan["cases"]:
+                batch = micro_batch(prompt, response, group, plan["vocab"])
+                params = {route: params_of(route, batch[0], batch[2]) for route in (UNSHARED, SHARED)}
+                times: dict[str, dict[str, list[tuple[float, float]]]] = {r: {"forward": [], "train": []}
+                                                                          for r in params}
+                saved: dict[str, int] = {}
+                log_probs: dict[str, Any] = {}
+                for round_index in range(plan["rounds"] + 1):
+                    for route in params:
+                        values, forward, _ = one_pass(model, batch, params[route], train=False)
+                        _, train, saved[route] = one_pass(model, batch, params[route], train=True)
+                        log_probs[route] = values
+                        if round_index:  # the first round warms up
+                            times[route]["forward"].append(forward)
+                            times[route]["train"].append(train)
+                case = f"P={prompt}, R={response}, G={group}"
+                for route in params:
+                    own, plain = times[route], times[UNSHARED]
+                    ratio = {kind: statistics.median(a[1] / b[1] for a, b in zip(own[kind], plain[kind]))
+                             for kind in ("forward", "train")}
+
+                    def median(kind: str, which: int, own: dict = own) -> float:
+                        return statistics.median(t[which] for t in own[kind]) * 1e3
+
+                    rows.append({
+                        "case": case, "route": route,
+                        "tokens": params[route].shared_prefix.physical_length,
+                        "forward_ms": median("forward", 0), "forward_cpu_ms": median("forward", 1),
+                        "forward_vs_unshared": ratio["forward"],
+                        "train_ms": median("train", 0), "train_cpu_ms": median("train", 1),
+                        "train_vs_unshared": ratio["train"],
+                        "saved_MiB": saved[route] / MIB, "saved_vs_unshared": saved[route] / saved[UNSHARED],
+                        "max_abs_diff": float((log_probs[route] - log_probs[UNSHARED]).abs().max()),
+                    })
+    finally:
+        megatron_rl_patches.revert()
+        torch.set_num_threads(threads)
+    return rows
+
+
+def title_of(plan: dict, quick: bool, seconds: float) -> str:
+    return outputs.titled(
+        f"shared-prefix packing: GPTModel {plan['layers']} layers x {plan['hidden']} hidden (Qwen3's proportions: "
+        f"{plan['heads']} heads of {plan['hidden'] // plan['heads']}, {plan['groups']} key/value groups, SwiGLU "
+        f"{3 * plan['hidden']}), vocab {plan['vocab']}, fp32,\n{cpu_name()}, one thread; {plan['rounds']} "
+        f"interleaved rounds ({seconds:.0f} s from the benchmark's start)", quick)
+
+
+def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
+    """Print the table; write shared_prefix.csv / .md / .png into `out_dir` when given."""
+    started = time.perf_counter()
+    hide_import_notes()
+    plan = QUICK if quick else FULL
+    try:
+        rows = measure(plan)
+    except Exception as exc:  # one row saying why, as the other benchmarks do
+        rows = [{"case": "all", "route": "", "error": f"{type(exc).__name__}: {exc}"}]
+    title = title_of(plan, quick, time.perf_counter() - started)
+    outputs.print_table(rows, COLUMNS, title=title)
+    if out_dir:
+        outputs.write_tables(rows, COLUMNS, out_dir, "shared_prefix", title=title)
+        if "error" not in rows[0]:
+            outputs.plot_grouped_bars(rows, os.path.join(out_dir, "shared_prefix.png"), group="case", series="route",
+                                      values=["forward_vs_unshared", "train_vs_unshared", "saved_vs_unshared"],
+                                      titles=["forward time / unshared", "training step time / unshared",
+                                              "activations kept / unshared"], suptitle=title)
+    return rows

@@ -1,0 +1,31 @@
+"""`bench shared-prefix --quick`: both routes of every case measured on a tiny GPTModel, the shared
+route handed P + G·R tokens where the unshared one takes G·(P + R), keeping fewer activations for
+backward, its log-probs those of the unshared route; the table, CSV and plot written."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.slow  # a GPTModel world: the main lane only
+
+
+def test_quick_shared_prefix_bench_measures_both_routes(tmp_path, capsys):
+    pytest.importorskip("megatron.core")
+    from megatron_rl_patches.apps.bench.shared_prefix import QUICK, SHARED, UNSHARED
+    from megatron_rl_patches.apps.cli import main
+
+    assert main(["bench", "shared-prefix", "--quick", "--out", str(tmp_path)]) == 0
+    assert "shared-prefix packing: GPTModel" in capsys.readouterr().out
+    rows = list(csv.DictReader(open(tmp_path / "shared_prefix.csv", newline="")))
+    assert [(row["case"], row["route"]) for row in rows] == [
+        (f"P={p}, R={r}, G={g}", route) for p, r, g in QUICK["cases"] for route in (UNSHARED, SHARED)]
+    for (prompt, response, group), (plain, shared) in zip(QUICK["cases"], zip(rows[::2], rows[1::2])):
+        assert int(plain["tokens"]) == group * (prompt + response)
+        assert int(shared["tokens"]) == prompt + group * response
+        assert float(plain["train_vs_unshared"]) == 1.0 and float(shared["train_ms"]) > 0
+        assert float(shared["saved_MiB"]) < float(plain["saved_MiB"])
+        assert float(shared["max_abs_diff"]) < 1e-5
+    if importlib.util.find_spec("matplotlib") is not None:  # the [bench] extra
+        assert (tmp_path / "shared_prefix.png").stat().st_size > 0
