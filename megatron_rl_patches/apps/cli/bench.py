@@ -1,5 +1,5 @@
 """`megatron-rl-patches bench [logprobs|topk|reentrant|fused|windows|distill|residency|teacher-layout|share-scores|
-hidden-dtypes|context|self-teacher|shared-prefix|load|gpu|all]
+hidden-dtypes|context|self-teacher|shared-prefix|shared-prefix-attention|load|gpu|all]
 [--quick] [--out DIR] [--only PART]`; `bench ops [--baseline REV] [--T N] [--V N] [--H N] [--runs N]
 [--invariant [--threads N]]`.
 An option of one benchmark given to another is a usage error (exit 2), never silently ignored.
@@ -46,7 +46,9 @@ BENCHMARKS = {
 # `bench NAME --quick` still runs each.
 NOT_IN_QUICK_ALL = ("teacher-layout", "share-scores", "hidden-dtypes", "context", "self-teacher", "shared-prefix")
 # Run only when named (not part of `all`): `load` writes and reads a checkpoint of several GB.
-SEPARATE = {"load": "megatron_rl_patches.apps.bench.hf_load"}
+SEPARATE = {"load": "megatron_rl_patches.apps.bench.hf_load",
+            # the shared-prefix plan's CUDA attention route against each sample whole (tools/gpu-check)
+            "shared-prefix-attention": "megatron_rl_patches.apps.bench.shared_prefix_attention"}
 # `bench ops` only: (flag, default, meaning); every other benchmark refuses them
 OPS_OPTIONS = (("--T", 1024, "tokens"), ("--V", 8192, "vocabulary"), ("--H", 256, "hidden size"),
                ("--runs", 3, "interleaved runs per op and side (medians)"))
@@ -54,7 +56,8 @@ OPS_OPTIONS = (("--T", 1024, "tokens"), ("--V", 8192, "vocabulary"), ("--H", 256
 DURATIONS = {"logprobs": "2-4 min", "topk": "1-2 min", "reentrant": "1 min", "fused": "5-6 min",
              "windows": "1 min", "distill": "2-3 min", "residency": "1-2 min", "teacher-layout": "3-5 min",
              "share-scores": "3-6 min", "hidden-dtypes": "3-5 min", "load": "3-4 min",
-             "context": "2-3 min", "self-teacher": "2-3 min", "shared-prefix": "4-6 min"}
+             "context": "2-3 min", "self-teacher": "2-3 min", "shared-prefix": "4-6 min",
+             "shared-prefix-attention": "1 min on a GPU"}
 # `bench fused --only PART` (megatron_rl_patches.apps.bench.fused.PARTS, kept here so --help imports no torch)
 FUSED_PARTS = ("logprob", "opd", "invariant")
 # `bench logprobs --only PART` (megatron_rl_patches.apps.bench.logprobs.PARTS)
@@ -134,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
         return _run_gpu(args)
     if args.which == "ops":
         return _run_ops(args)
+    if args.which == "shared-prefix-attention" and not args.quick and gpu.cuda_missing() is not None:
+        say("bench shared-prefix-attention", f"{gpu.cuda_missing()} (FlexAttention's backward runs on CUDA only; "
+            "--quick runs its forward on CPU to check the harness)")
+        return PROBLEM
     if args.out:
         check_output_folder(args.out)
     names = ([name for name in BENCHMARKS if not (args.quick and name in NOT_IN_QUICK_ALL)]

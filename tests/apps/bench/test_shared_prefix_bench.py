@@ -29,3 +29,20 @@ def test_quick_shared_prefix_bench_measures_both_routes(tmp_path, capsys):
         assert float(shared["max_abs_diff"]) < 1e-5
     if importlib.util.find_spec("matplotlib") is not None:  # the [bench] extra
         assert (tmp_path / "shared_prefix.png").stat().st_size > 0
+
+
+def test_the_attention_bench_checks_its_harness_on_cpu_and_wants_cuda_for_figures(tmp_path, capsys):
+    import torch
+
+    from megatron_rl_patches.apps.bench.shared_prefix_attention import QUICK
+    from megatron_rl_patches.apps.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine runs the full benchmark (tools/gpu-check)")
+    assert main(["bench", "shared-prefix-attention"]) != 0
+    assert "needs a CUDA device" in capsys.readouterr().err
+    assert main(["bench", "shared-prefix-attention", "--quick", "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "shared_prefix_attention.csv", newline="")))
+    p, r, g = QUICK["prompt"], QUICK["response"], QUICK["group"]
+    assert [int(row["rows"]) for row in rows] == [g * (p + r), p + g * r]
+    assert all("forward only" in row["note"] for row in rows)
