@@ -12,6 +12,7 @@ groups, d]; [s, heads, d] where megatron-core squeezed the packed batch) and ret
 ([s, 1, heads * d])."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -76,11 +77,22 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     return out.permute(2, 0, 1, 3).reshape(rows, batch, heads * width)
 
 
+@functools.cache
+def compiled_flex() -> Any:
+    """FlexAttention compiled once per process (its fused kernels; eager FlexAttention materializes the
+    scores), for any stream length (each micro-batch's plan has its own)."""
+    # lazy: import cost: FlexAttention's module (torch < 2.5 has none; only the flex route needs it)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)
+
+
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SharedPrefixPlan, scale: float) -> torch.Tensor:
     # lazy: import cost: FlexAttention's module (torch < 2.5 has none; only the flex route needs it)
     from torch.nn.attention.flex_attention import flex_attention
 
-    return flex_attention(q, k, v, block_mask=flex_block_mask(plan, q.device), scale=scale)
+    attend = compiled_flex() if q.is_cuda else flex_attention  # on CPU torch runs it eagerly, without gradients
+    return attend(q, k, v, block_mask=flex_block_mask(plan, q.device), scale=scale)
 
 
 def flex_block_mask(plan: SharedPrefixPlan, device: Any) -> Any:
