@@ -1,7 +1,8 @@
 """A shared-prefix plan at every layout it claims, on real megatron-core over 2 gloo ranks (one world
 for the module): TP = 2, TP = 2 + sequence parallelism (the norms' gradients, each rank's share of
 its rows, summed over the group as `finalize_model_grads` sums them), PP = 2 through megatron-core's real schedule
-(the plan built by each stage from the micro-batch it reads, forward and backward), each against the
+(the plan built by each stage from the micro-batch it reads, forward and backward), an MoE model at
+EP = 2 (the allgather dispatcher), each against the
 ordinary packed path of the same model: log-probs within 1e-6, every gradient within 2e-6 (float32);
 CP = 2 refused by name on both ranks, and a layer kind only one pipeline stage holds refused on both
 stages alike (never one rank raising while the other waits)."""
@@ -127,6 +128,34 @@ def _pipeline_checks() -> dict:
     return out
 
 
+def _expert_parallel_checks() -> dict:
+    """An MoE model at EP = 2 (4 experts, 2 a rank; the allgather dispatcher), planned against ordinary."""
+    import torch
+    from kit.shared_prefix import objective, ordinary, planned
+
+    from megatron_rl_patches.shared_prefix import check_shared_prefix
+    from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
+    from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu
+    from megatron_rl_patches.testing.moe_gpt import tiny_moe_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    out = {}
+    with megatron_on_cpu(expert_parallel=2):
+        model = build_packed_gpt(seq_length=512, seed=9, config=tiny_moe_config(expert_parallel=2))
+        check_shared_prefix([model], training=True)
+        for index, batch in enumerate(_batches()):
+            results = []
+            for route in (ordinary, planned):
+                log_probs, entropy = _scores(route(model, batch), batch, None)
+                objective(log_probs, entropy, seed=index).backward()
+                results.append((log_probs.detach(), collect_grads(model)))
+            (want, want_grads), (got, grads) = results
+            experts = [name for name in grads if "local_experts" in name]
+            out[index] = (relative_error(got, want), grad_error(grads, want_grads), len(experts),
+                          bool(all(torch.isfinite(g).all() for g in grads.values())))
+    return out
+
+
 def _context_parallel_check() -> str | None:
     from megatron_rl_patches.shared_prefix import check_shared_prefix
     from megatron_rl_patches.testing.megatron_cpu import megatron_on_cpu, tiny_gpt_config
@@ -144,7 +173,8 @@ def _context_parallel_check() -> str | None:
 
 def _world(rank: int, world_size: int) -> dict:
     return {"tp2": _tensor_parallel_checks(False), "tp2-sp": _tensor_parallel_checks(True),
-            "pp2": _pipeline_checks(), "cp2": _context_parallel_check()}
+            "pp2": _pipeline_checks(), "ep2": _expert_parallel_checks(),
+            "cp2": _context_parallel_check()}
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +203,13 @@ def test_the_pipeline_carries_the_plan_through_both_stages(world):
     assert last["pp2"]["log_probs"] < TOL
     for rank in world:
         assert rank["pp2"]["grads"] < GRAD_TOL  # the first stage's gradients came back through the planned p2p
+
+
+@layouts.mark("moe", "ep2")
+def test_expert_parallelism_routes_each_token_as_packed_whole(world):
+    for rank in world:
+        for lp, grads, experts, finite in rank["ep2"].values():
+            assert finite and experts > 0 and lp < TOL and grads < GRAD_TOL
 
 
 @layouts.mark("pp2")

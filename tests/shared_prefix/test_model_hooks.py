@@ -13,6 +13,7 @@ import pytest
 import torch
 from kit.shared_prefix import TokenCount, grpo_batch, objective, ordinary, planned, scores
 
+from megatron_rl_patches.testing import layouts
 from megatron_rl_patches.testing.compare import collect_grads, grad_error, relative_error
 
 pytestmark = pytest.mark.megatron
@@ -203,3 +204,55 @@ def test_bad_input_is_refused_by_name_and_an_unprepared_model_never_computes_sil
     with pytest.raises(ValueError, match="no megatron-core language model"):
         prepare_shared_prefix([torch.nn.Linear(2, 2)])
     assert torch.equal(batch.tokens, grpo_batch().tokens)  # the caller's tensors untouched
+
+
+@layouts.mark("recompute")
+def test_full_activation_recompute_reruns_the_plan_in_backward(megatron_cpu):
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    batch = grpo_batch(((45, (5, 8, 2)),), (6,), padding=3)
+    model = _model("rope, grouped-query heads", **recompute)
+    want, got = _run(model, batch, ordinary), _run(model, batch, planned)
+    assert relative_error(got[0], want[0]) < TOL and grad_error(got[2], want[2]) < GRAD_TOL[torch.float32]
+
+
+@layouts.mark("bf16")
+def test_bf16_under_float16module_to_bf16_rounding(megatron_cpu):
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    config = tiny_gpt_config(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+                             num_query_groups=2)
+    model = Float16Module(config, build_packed_gpt(seq_length=512, seed=3, config=config))
+    batch = grpo_batch(((45, (5, 8, 2)),), (6,), padding=3)
+    want, got = _run(model, batch, ordinary), _run(model, batch, planned)
+    error = relative_error(got[0], want[0])
+    assert error < 2e-2 and grad_error(got[2], want[2]) < 5e-2  # bf16: 8 bits of mantissa
+    # the negative control at bf16's scale: other samples' log-probs miss by far more
+    other = grpo_batch(((45, (5, 8, 2)),), (6,), padding=3, seed=99)
+    assert relative_error(_run(model, other, planned)[0], want[0]) > 4 * error
+
+
+@layouts.mark("hybrid")
+def test_a_hybrid_model_equals_each_samples_own_forward(megatron_cpu):
+    from megatron_rl_patches import log_probs_and_entropy
+    from megatron_rl_patches.shared_prefix import prepare_shared_prefix, shared_prefix_params
+    from megatron_rl_patches.testing.megatron_cpu import ModelKindUnavailable, build_tiny_hybrid, tiny_gpt_config
+
+    try:
+        model = build_tiny_hybrid(tiny_gpt_config(num_layers=4, num_query_groups=2), seq_length=256, seed=2)
+    except ModelKindUnavailable as exc:
+        pytest.skip(str(exc))
+    batch = grpo_batch(((40, (6, 3, 9)),), (7,), padding=2)
+    prepare_shared_prefix(model)
+    logits = model(batch.tokens, None, None, packed_seq_params=shared_prefix_params(batch.plan()))
+    starts = batch.cu_seqlens.tolist()
+    for i, sequence in enumerate(batch.sequences):
+        tokens = torch.tensor(sequence)[None]
+        causal = ~torch.ones(len(sequence), len(sequence), dtype=torch.bool).tril()
+        own = model(tokens, torch.arange(len(sequence))[None], causal[None, None])
+        rows = slice(starts[i], starts[i] + len(sequence) - 1)
+        want = log_probs_and_entropy(own[0, :-1], tokens[0, 1:])[0]
+        got = log_probs_and_entropy(logits[0, rows], tokens[0, 1:])[0]
+        assert relative_error(got, want) < TOL, f"sample {i}"
