@@ -2,9 +2,11 @@
 siblings; a prefix, a sample alone and padding see themselves, causally.
 
 Two routes over one rule (`SharedPrefixPlan.segments` / `visible`):
-- `mask`: each independent block of the plan (a group, a sample alone, padding) on its own, a
-  group under its [n, n] mask and the others plainly causal, through torch's scaled dot-product
-  attention (any device; the route on CPU, and with gradients wherever FlexAttention has none).
+- `mask`: each independent block of the plan on its own through torch's scaled dot-product attention:
+  a sample alone and padding plainly causal; a group's prefix causal, then each remainder's rows
+  against the prefix's keys and its own under its [R, P + R] mask (all of the prefix, itself
+  causally), so a group costs P² + Σ R·(P + R) scores, never its siblings' (any device; the route on
+  CPU, and with gradients wherever FlexAttention has none).
 - `flex`: FlexAttention over the whole stream with a block mask built from the same rule (CUDA,
   forward and backward; on CPU torch runs it without gradients).
 Both take megatron-core's core-attention layout (query [s, b, heads, d], key / value [s, b,
@@ -69,10 +71,22 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     else:
         parts = []
         for block in plan.blocks:
-            part = slice(block.start, block.end)
-            mask = None if block.causal else plan.block_mask(block, q.device)
-            parts.append(F.scaled_dot_product_attention(q[:, :, part], k[:, :, part], v[:, :, part], attn_mask=mask,
-                                                        dropout_p=dropout, is_causal=block.causal, scale=scale))
+            if block.causal:
+                part = slice(block.start, block.end)
+                parts.append(F.scaled_dot_product_attention(q[:, :, part], k[:, :, part], v[:, :, part],
+                                                            dropout_p=dropout, is_causal=True, scale=scale))
+                continue
+            prefix = slice(block.start, block.start + block.prefix)
+            parts.append(F.scaled_dot_product_attention(q[:, :, prefix], k[:, :, prefix], v[:, :, prefix],
+                                                        dropout_p=dropout, is_causal=True, scale=scale))
+            for first, last in block.rests:
+                rest = slice(first, last)
+                keys = torch.cat([k[:, :, prefix], k[:, :, rest]], dim=2)
+                values = torch.cat([v[:, :, prefix], v[:, :, rest]], dim=2)
+                mask = plan.cached(("rest", block.prefix, last - first, str(q.device)),
+                                   lambda rows=last - first, seen=block.prefix: rest_mask(seen, rows, q.device))
+                parts.append(F.scaled_dot_product_attention(q[:, :, rest], keys, values, attn_mask=mask,
+                                                            dropout_p=dropout, scale=scale))
         out = torch.cat(parts, dim=2)
     return out.permute(2, 0, 1, 3).reshape(rows, batch, heads * width)
 
@@ -85,6 +99,13 @@ def compiled_flex() -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=True)
+
+
+def rest_mask(prefix: int, rows: int, device: Any) -> torch.Tensor:
+    """[rows, prefix + rows] bool: a remainder's rows see all of its prefix and themselves causally."""
+    mask = torch.ones(rows, prefix + rows, dtype=torch.bool, device=device)
+    mask[:, prefix:] = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
+    return mask
 
 
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SharedPrefixPlan, scale: float) -> torch.Tensor:

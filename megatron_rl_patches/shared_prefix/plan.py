@@ -50,11 +50,14 @@ class PlanStats:
 @dataclass(frozen=True, eq=False)
 class Block:
     """Physical rows [start, end) that attend only among themselves: a group (`causal` False: its
-    remainders see their prefix and themselves) or a sample alone, or padding (plainly causal)."""
+    `prefix` rows first, then each remainder's rows [a, b) of `rests`, each seeing the prefix and
+    itself) or a sample alone, or padding (plainly causal)."""
 
     start: int
     end: int
     causal: bool
+    prefix: int = 0
+    rests: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(eq=False)
@@ -100,17 +103,6 @@ class SharedPrefixPlan:
         """The plan's tensor `name` on `device` (moved once per device, then kept)."""
         device = torch.device(device)
         return self.cached((name, str(device)), lambda: getattr(self, name).to(device))
-
-    def block_mask(self, block: Block, device: Any) -> torch.Tensor:
-        """[n, n] bool, True where row i of `block` may see row j (its prefix and itself, causally)."""
-        def build() -> torch.Tensor:
-            segments = self.segments[block.start:block.end]
-            visible = self.visible[block.start:block.end]
-            causal = torch.ones(block.end - block.start, block.end - block.start, dtype=torch.bool).tril()
-            same = (segments[None, :] == segments[:, None]) | (segments[None, :] == visible[:, None])
-            return (causal & same).to(device)
-
-        return self.cached(("mask", block.start, str(torch.device(device))), build)
 
     def fingerprint(self) -> tuple[int, int, int]:
         """(physical rows, logical rows, a checksum of both maps): what the ranks of a group agree on."""
@@ -204,13 +196,16 @@ def plan_shared_prefix(tokens: torch.Tensor, cu_seqlens: Any, *, samples: int | 
         if shared:
             prefix_segment = segment
             prefix_row = lay(ids[starts[group.members[0]]:starts[group.members[0]] + shared], 0)
+        rests = []
         for member in group.members:
             start, end = starts[member], ends[member]
             rest_row = lay(ids[start + shared:end], shared, prefix_segment if shared else None)
+            rests.append((rest_row, row))
             if shared:
                 logical_rows[start:start + shared] = torch.arange(prefix_row, prefix_row + shared)
             logical_rows[start + shared:end] = torch.arange(rest_row, rest_row + end - start - shared)
-        blocks.append(Block(block_start, row, causal=not shared))
+        blocks.append(Block(block_start, row, causal=not shared, prefix=shared,
+                            rests=tuple(rests) if shared else ()))
     physical = row
     logical_padding = ids.numel() - (ends[-1] if ends else 0)
     needed = 1 if logical_padding else 0  # the row every logical padding row reads

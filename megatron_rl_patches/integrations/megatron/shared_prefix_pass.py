@@ -11,7 +11,12 @@ from typing import Any
 
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.ops.agreement import agree
-from megatron_rl_patches.shared_prefix.model_hooks import prepare_shared_prefix, shared_prefix_params
+from megatron_rl_patches.shared_prefix.model_hooks import (
+    is_language_model,
+    modules_of,
+    prepare_shared_prefix,
+    shared_prefix_params,
+)
 from megatron_rl_patches.shared_prefix.plan import plan_shared_prefix
 from megatron_rl_patches.shared_prefix.support import shared_prefix_reason
 
@@ -19,20 +24,34 @@ logger = logging.getLogger("megatron_rl_patches")
 OFF = "shared prefix: {what} runs each sample packed whole: {reason}"
 
 
+WHOLE = "shared prefix: {what}: a micro-batch with {reason} is packed whole (counted in the pass's figures)"
+
+
 @dataclass
 class PrefixPass:
     """One pass's shared-prefix packing: the stream padded to `pad_to` (the tensor-parallel size:
-    sequence parallelism splits it), `group` the tensor-parallel group that agrees each plan, and
-    the pass's figures so far (summed `PlanStats`)."""
+    sequence parallelism splits it), `group` the tensor-parallel group that agrees each plan, the
+    model's vocabulary (`vocab`: a micro-batch holding an id past it is packed whole, for the model's
+    own embedding to refuse as without the plan), and the pass's figures so far (summed `PlanStats`,
+    and `packed_whole`: the micro-batches that took the ordinary path)."""
 
     what: str
     pad_to: int = 1
     group: Any = None
+    vocab: int | None = None
     figures: dict[str, int] = field(default_factory=dict)
 
     def params(self, tokens: Any, packed_seq_params: Any, samples: int) -> Any:
         """The `packed_seq_params` of a micro-batch packed as `tokens` [1, T] by `packed_seq_params`
-        (thd; its first `samples` sequences samples, the rest padding)."""
+        (thd; its first `samples` sequences samples, the rest padding); the given params where the
+        micro-batch is one a plan does not take. Decided from the micro-batch alone, so every pipeline
+        stage decides alike without a word to the others (a stage that raised here would leave the next
+        one waiting for its activations)."""
+        reason = whole_reason(tokens, packed_seq_params, self.vocab)
+        if reason is not None:
+            warn_once(WHOLE.format(what=self.what, reason=reason))
+            self.figures["packed_whole"] = self.figures.get("packed_whole", 0) + 1
+            return packed_seq_params
         plan = plan_shared_prefix(tokens, packed_seq_params.cu_seqlens_q, samples=samples, pad_to=self.pad_to)
         physical, logical, checksum = plan.fingerprint()
         agree(self.group, "a micro-batch's shared-prefix plan", match={"physical rows": physical,
@@ -52,6 +71,17 @@ class PrefixPass:
                         self.figures.get("shared_samples", 0), self.figures.get("alone", 0))
 
 
+def whole_reason(tokens: Any, packed_seq_params: Any, vocab: int | None) -> str | None:
+    """Why a micro-batch is packed whole, or None: padding between a sample's rows (its
+    `cu_seqlens_q_padded`), or an id past the vocabulary."""
+    padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+    if padded is not None and not bool((padded.cpu() == packed_seq_params.cu_seqlens_q.cpu()).all()):
+        return "padding between a sample's rows (cu_seqlens_q_padded)"
+    if vocab is not None and tokens.numel() and int(tokens.max()) >= vocab:
+        return f"an id past the vocabulary ({int(tokens.max())} >= {vocab})"
+    return None
+
+
 def prefix_pass(what: str, model: Any, *, training: bool, enabled: bool) -> PrefixPass | None:
     """The shared-prefix packing of the pass `what` over `model` (its chunks), or None: off
     (`enabled` False), or a model it cannot run (the reason agreed over every rank first, then warned
@@ -67,4 +97,5 @@ def prefix_pass(what: str, model: Any, *, training: bool, enabled: bool) -> Pref
 
     prepare_shared_prefix(model)
     group = parallel_state.get_tensor_model_parallel_group()
-    return PrefixPass(what, pad_to=parallel_state.get_tensor_model_parallel_world_size(), group=group)
+    vocab = next((int(m.vocab_size) for m in modules_of(model) if is_language_model(m)), None)
+    return PrefixPass(what, pad_to=parallel_state.get_tensor_model_parallel_world_size(), group=group, vocab=vocab)

@@ -73,7 +73,7 @@ def _run(tensor: int, flags: tuple, teachers: str, on: bool) -> list[dict]:
                          None, None, {"TEACHERS": teachers}, contexts, extra, timeout=400)
 
 
-@pytest.fixture(scope="module", params=[pytest.param((layout, teachers), marks=layouts.mark(
+@pytest.fixture(scope="module", params=[pytest.param((layout, teachers), id=f"{layout}-{teachers}", marks=layouts.mark(
     *(("tp2", "sp", "thd") if layout == "tp2sp" else ("thd",)))) for layout in LAYOUTS for teachers in TEACHERS])
 def runs(request):
     layout, teachers = request.param

@@ -1,0 +1,64 @@
+"""A Megatron host's shared-prefix pass (`integrations/megatron/shared_prefix_pass.py`, slime's today):
+off without the setting; a model the plan cannot run packs each sample whole with one warning; each
+micro-batch's plan handed as its packed_seq_params and its figures summed for the pass's log line; a
+micro-batch a plan does not take (an id past the vocabulary, padding between a sample's rows) packed
+whole and counted, decided from the micro-batch alone (every pipeline stage alike), never raised."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from kit.shared_prefix import grpo_batch
+
+from megatron_rl_patches.integrations.megatron.shared_prefix_pass import prefix_pass
+from megatron_rl_patches.shared_prefix.model_hooks import plan_in
+
+pytestmark = pytest.mark.megatron
+
+
+def _model(**overrides):
+    from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
+    from megatron_rl_patches.testing.packed_gpt import build_packed_gpt
+
+    return build_packed_gpt(seq_length=256, seed=1, config=tiny_gpt_config(**overrides))
+
+
+def test_the_pass_plans_each_micro_batch_and_sums_its_figures(megatron_cpu, caplog):
+    model = _model()
+    assert prefix_pass("a pass", [model], training=True, enabled=False) is None
+    planned = prefix_pass("a pass", [model], training=True, enabled=True)
+    assert planned is not None and planned.vocab == 64
+    for seed in range(2):
+        batch = grpo_batch(seed=seed)
+        params = planned.params(batch.tokens, batch.thd_params(), batch.samples)
+        assert plan_in(params) is not None
+    assert planned.figures["logical_tokens"] == 2 * sum(map(len, grpo_batch().sequences))
+    assert planned.figures["physical_tokens"] == 2 * (40 + 5 + 9 + 3 + 12)
+    with caplog.at_level(logging.INFO, logger="megatron_rl_patches"):
+        planned.log()
+    assert "shared prefix: a pass computed 138 tokens for 298 (2.16x), 2 groups of 6 samples, 2 alone" in caplog.text
+
+
+def test_a_micro_batch_a_plan_does_not_take_is_packed_whole_and_counted(megatron_cpu, clean_patch_state, caplog):
+    planned = prefix_pass("a pass", [_model()], training=False, enabled=True)
+    far = grpo_batch(vocab=80, seed=3)
+    given = far.thd_params()
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        assert planned.params(far.tokens, given, far.samples) is given
+    assert "an id past the vocabulary" in caplog.text
+    batch = grpo_batch()
+    padded = batch.thd_params()
+    padded.cu_seqlens_q_padded = padded.cu_seqlens_q + torch.arange(padded.cu_seqlens_q.numel(), dtype=torch.int32)
+    assert planned.params(batch.tokens, padded, batch.samples) is padded
+    assert planned.figures == {"packed_whole": 2}
+
+
+def test_a_model_the_plan_cannot_run_packs_each_sample_whole_with_one_warning(megatron_cpu, clean_patch_state,
+                                                                               caplog, moe_router_on_cpu):
+    balanced = _model(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, add_bias_linear=False,
+                      moe_token_dispatcher_type="allgather")
+    with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
+        assert prefix_pass("slime's training step", [balanced], training=True, enabled=True) is None
+    assert "shared prefix: slime's training step runs each sample packed whole: MoE load balancing" in caplog.text
+    assert prefix_pass("a teacher's pass", [balanced], training=False, enabled=True) is not None
