@@ -39,8 +39,8 @@ def common_length(a: Sequence[int], b: Sequence[int]) -> int:
 def find_groups(samples: Sequence[Sequence[int]], min_shared: int = 1) -> list[Group]:
     """The samples' groups by value, ordered by their first member; each group's members in the
     samples' order. A group shares at least `min_shared` tokens; a sample no other shares that many
-    with is a group of its own (shared 0).
-    Deterministic: the same samples give the same groups."""
+    with is a group of its own (shared 0). Of partitions that save alike, the one found first (its last
+    run the shortest). Deterministic: the same samples give the same groups."""
     order = sorted(range(len(samples)), key=lambda i: (tuple(samples[i]), i))
     # what order[j] shares with order[j + 1]
     adjacent = [common_length(samples[order[j]], samples[order[j + 1]]) for j in range(len(order) - 1)]

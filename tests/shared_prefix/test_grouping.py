@@ -74,6 +74,8 @@ def test_grpo_shaped_batches_give_their_prompts_groups(prompt_lengths, group_siz
 
 def test_identical_samples_and_a_sample_inside_another_share_it_whole():
     assert find_groups([[1, 2, 3], [1, 2, 3], [1, 2]]) == [Group((0, 1, 2), 2)]
+    # a tie (both save 4): the partition found first, whose last run is the shortest
+    assert find_groups([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2]]) == [Group((0, 1), 4), Group((2,), 0)]
     assert find_groups([[4, 5, 6], [4, 5, 6]]) == [Group((0, 1), 3)]
 
 
