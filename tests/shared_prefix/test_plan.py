@@ -102,3 +102,53 @@ def test_the_fingerprint_tells_two_plans_apart():
     b = plan_shared_prefix(*_packed([[1, 2, 3], [1, 5, 4]]))
     assert a.fingerprint() == plan_shared_prefix(*_packed([[1, 2, 3], [1, 2, 4]])).fingerprint()
     assert a.fingerprint() != b.fingerprint()
+
+
+def test_the_packed_forms_of_the_tokens_and_boundaries_give_one_plan():
+    samples = [[1, 2, 3, 4], [1, 2, 3, 5], [6, 7]]
+    tokens, cu = _packed(samples, padding=2)
+    flat = plan_shared_prefix(tokens, cu)
+    for other in (plan_shared_prefix(tokens[None], torch.tensor(cu, dtype=torch.int32)),
+                  plan_shared_prefix(tokens.to(torch.int32), tuple(cu))):
+        assert torch.equal(other.tokens, flat.tokens) and torch.equal(other.logical_rows, flat.logical_rows)
+    assert [g.members for g in flat.groups] == [(0, 1), (2,)] and flat.stats.alone == 1
+    assert flat.stats.split_hints == 0  # no hints: nothing claimed
+    # two claimed groups, each one prompt: nothing split
+    assert plan_shared_prefix(tokens, cu, hints=["a", "a", "b"]).stats.split_hints == 0
+    assert plan_shared_prefix(tokens, cu, min_shared=1).groups == flat.groups  # the default shares one token
+    one = plan_shared_prefix(*_packed([[9, 1], [9, 2]]))
+    assert one.stats.groups == 1 and one.groups[0].shared == 1
+
+
+def test_no_padding_asks_for_no_padding_row_and_padding_alone_is_a_plan():
+    tokens, cu = _packed([[1, 2, 3], [1, 2, 4]])
+    plan = plan_shared_prefix(tokens, cu)
+    assert plan.padding_rows == 0 and plan.physical_length == plan.stats.physical_tokens == 4
+    padding = plan_shared_prefix(torch.tensor([7, 7, 7]), [0, 3], samples=0)
+    assert padding.stats.samples == 0 and padding.stats.logical_tokens == 0 and padding.padding_rows == 1
+    assert set(padding.logical_rows.tolist()) == {0} and padding.tokens.tolist() == [7]
+    empty = plan_shared_prefix(torch.empty(0, dtype=torch.long), [0])
+    assert empty.physical_length == 0 and empty.tokens.dtype == torch.int64 and empty.groups == ()
+
+
+@pytest.mark.parametrize(("tokens", "cu", "message"), [
+    (torch.ones(2, 3, dtype=torch.long), [0, 3], r"\[T\] or \[1, T\]"),
+    (torch.tensor([True, False]), [0, 2], "integer dtype"),
+    (torch.tensor([1, 2]), torch.tensor([[0, 2]]), "1-D integer tensor"),
+    (torch.tensor([1, 2]), torch.empty(2, dtype=torch.long, device="meta"), "1-D integer tensor"),
+    (torch.tensor([1, 2]), [0, True], "a sequence of ints"),
+    (torch.tensor([1, 2]), {0, 2}, "a sequence of ints"),
+    (torch.tensor([1, 2]), [], "must start at 0"),
+    (torch.tensor([1, 2]), [0, 1, 3], "within the 2"),
+    (torch.tensor([1, 2]), [0, *range(1, 12)], r"got \[0, 1, 2, 3, 4, 5, 6, 7\]\.\.\."),
+])
+def test_malformed_boundaries_are_refused_by_name(tokens, cu, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        plan_shared_prefix(tokens, cu)
+
+
+def test_the_fingerprint_reads_every_row():
+    a = plan_shared_prefix(*_packed([[1, 2, 3], [1, 2, 4], [5, 6]]))
+    last_token = plan_shared_prefix(*_packed([[1, 2, 3], [1, 2, 4], [5, 7]]))
+    assert a.fingerprint() != last_token.fingerprint()
+    assert a.fingerprint()[:2] == (6, 8) and 0 <= a.fingerprint()[2] < 2 ** 52
