@@ -118,6 +118,7 @@ def test_the_packed_forms_of_the_tokens_and_boundaries_give_one_plan():
     assert plan_shared_prefix(tokens, cu, min_shared=1).groups == flat.groups  # the default shares one token
     one = plan_shared_prefix(*_packed([[9, 1], [9, 2]]))
     assert one.stats.groups == 1 and one.groups[0].shared == 1
+    assert plan_shared_prefix(tokens, cu, min_shared=4).stats.groups == 0  # the two share 3 tokens, fewer than 4
 
 
 def test_no_padding_asks_for_no_padding_row_and_padding_alone_is_a_plan():
@@ -141,6 +142,7 @@ def test_no_padding_asks_for_no_padding_row_and_padding_alone_is_a_plan():
     (torch.tensor([1, 2]), [], "must start at 0"),
     (torch.tensor([1, 2]), [0, 1, 3], "within the 2"),
     (torch.tensor([1, 2]), [0, *range(1, 12)], r"got \[0, 1, 2, 3, 4, 5, 6, 7\]\.\.\."),
+    (torch.tensor([1, 2]), [0, 1, 2, 3, 4, 5, 6, 7], r"got \[0, 1, 2, 3, 4, 5, 6, 7\]$"),  # eight: all, no ...
 ])
 def test_malformed_boundaries_are_refused_by_name(tokens, cu, message):
     with pytest.raises((ValueError, TypeError), match=message):
