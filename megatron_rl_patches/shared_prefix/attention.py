@@ -15,6 +15,7 @@ groups, d]; [s, heads, d] where megatron-core squeezed the packed batch) and ret
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import Any
 
 import torch
@@ -32,10 +33,10 @@ def check_route(route: Any) -> str:
 
 
 def chosen_route(route: str, query: torch.Tensor) -> str:
-    """`auto`: flex on CUDA, mask elsewhere (and wherever gradients are needed off CUDA)."""
+    """`auto`: flex on CUDA where torch has FlexAttention (2.5 and later), the mask route elsewhere."""
     if route != "auto":
         return route
-    return "flex" if query.is_cuda else "mask"
+    return "flex" if query.is_cuda and importlib.util.find_spec("torch.nn.attention.flex_attention") else "mask"
 
 
 def _heads_first(tensor: torch.Tensor) -> torch.Tensor:
@@ -62,13 +63,12 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     if rows != plan.physical_length:
         raise ValueError(f"shared-prefix attention: the query has {rows} rows, the plan's stream "
                          f"{plan.physical_length}")
-    q = _heads_first(query)
-    k = _grouped(_heads_first(key), heads)
-    v = _grouped(_heads_first(value), heads)
+    q, k, v = _heads_first(query), _heads_first(key), _heads_first(value)
     route = chosen_route(check_route(route), query)
     if route == "flex":
         out = _flex(q, k, v, plan, scale)
     else:
+        k, v = _grouped(k, heads), _grouped(v, heads)
         parts = []
         for block in plan.blocks:
             if block.causal:
@@ -113,7 +113,10 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SharedPrefixP
     from torch.nn.attention.flex_attention import flex_attention
 
     attend = compiled_flex() if q.is_cuda else flex_attention  # on CPU torch runs it eagerly, without gradients
-    return attend(q, k, v, block_mask=flex_block_mask(plan, q.device), scale=scale)
+    if q.size(1) % k.size(1):
+        raise ValueError(f"shared-prefix attention: {q.size(1)} query heads do not split into {k.size(1)} key/value "
+                         "groups")
+    return attend(q, k, v, block_mask=flex_block_mask(plan, q.device), scale=scale, enable_gqa=q.size(1) != k.size(1))
 
 
 def flex_block_mask(plan: SharedPrefixPlan, device: Any) -> Any:
