@@ -23,6 +23,7 @@ BACKEND, ROLES = "MEGATRON_RL_PATCHES_BACKEND", "MEGATRON_RL_PATCHES_INFERENCE_R
 OPD = "MEGATRON_RL_PATCHES_OPD_"
 INVARIANT, VERL_ROWS = "MEGATRON_RL_PATCHES_INVARIANT", "MEGATRON_RL_PATCHES_VERL_ROWS"
 NATIVE = "MEGATRON_RL_PATCHES_NATIVE"
+SHARED_PREFIX = "MEGATRON_RL_PATCHES_SHARED_PREFIX"
 
 # (case id, --patches or None, variables) -> applied names (exit 0) or the text of the refusal (exit 2)
 CASES = [
@@ -69,6 +70,10 @@ CASES = [
      "MEGATRON_RL_PATCHES_INVARIANT='tru' is not a switch: use 1 (invariant vocabulary ops) or 0"),
     ("native-off", None, {NATIVE: " Off "}, ALL),
     ("native-typo", None, {NATIVE: "of"}, "MEGATRON_RL_PATCHES_NATIVE='of' is not a switch: use 0"),
+    # issue 106: read by slime's patch at its door; its value checked up front
+    ("shared-prefix-on", None, {SHARED_PREFIX: " 1 "}, ALL),
+    ("shared-prefix-maybe", None, {SHARED_PREFIX: "maybe"},
+     "MEGATRON_RL_PATCHES_SHARED_PREFIX='maybe' is not a switch: use 1 (pack by shared prefix) or 0"),
     ("verl-rows-all", None, {VERL_ROWS: " ALL "}, ALL),
     ("verl-rows-typo", None, {VERL_ROWS: "al"}, "MEGATRON_RL_PATCHES_VERL_ROWS='al' is not a row choice"),
     ("teacher-api-key", None, {"MEGATRON_RL_PATCHES_TEACHER_API_KEY": "k-123"}, ALL),  # read by ServedTeacher only
