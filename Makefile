@@ -78,12 +78,13 @@ STAMP_OLD = $(VENV_OLD)/.installed
 STAMP_NEW = $(VENV_NEW)/.installed
 DEPS = setup.cfg setup.py pyproject.toml
 
-.PHONY: venv demo test test-main test-oldest test-newest test-verl test-served test-mbridge test-slime test-nemo test-versions test-source test-gpu bench bench-gpu bench-slime mutate clean
+.PHONY: venv vllm-lane demo test test-main test-oldest test-newest test-verl test-served test-mbridge test-slime test-nemo test-versions test-source test-gpu bench bench-gpu bench-slime mutate clean
 
 venv: $(STAMP)
 
 # $(1): venv folder, $(2): interpreter, $(3): megatron-core pin, $(4): extras
 define make_venv
+	@echo "make: building $(1): torch, $(3) and the extras [$(4)] (about 2 minutes; pip is quiet)"
 	test -x $(1)/bin/python || $(2) -m venv $(1)
 	$(1)/bin/python -c "import torch" 2>/dev/null || $(1)/bin/pip install -q $(TORCH_PIN)
 	$(1)/bin/pip install -q "$(3)" -e ".[$(4)]" wheel build
@@ -172,10 +173,14 @@ VLLM_LANE = .lanes/vllm
 VLLM_STAMP = $(VLLM_LANE)/.installed
 $(VLLM_STAMP): tools/served-lane.txt
 	rm -rf $(VLLM_LANE)
+	@echo "make: building $(VLLM_LANE): vLLM 0.32's CPU build and its torch (about 2-3 minutes, 3.4 GB; pip is quiet)"
 	test -n "$(PYTHON_VLLM)" && $(PYTHON_VLLM) -m venv $(VLLM_LANE)
 	$(VLLM_LANE)/bin/pip install -q -r tools/served-lane.txt
 	$(VLLM_LANE)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
+
+# vLLM's environment alone (serve-teacher runs there: .lanes/vllm/bin/python -m megatron_rl_patches serve-teacher ...)
+vllm-lane: $(VLLM_STAMP)
 
 # sglang-router 0.3.2 beside vLLM in the lane's venv (tools/router-lane.txt; its dependencies are vLLM's
 # own, unpinned): the router tests ask what a real router in front of the engines passes

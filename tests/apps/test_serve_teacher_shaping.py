@@ -36,7 +36,7 @@ def test_a_completion_body_is_read_and_refused_by_field():
              ({"prompt": [1, 10], "prompt_logprobs": 1}, "outside the model's vocabulary of 10"),
              ({"prompt": list(range(9)), "prompt_logprobs": 1}, "maximum context length is 8"),
              ({"prompt": [1, 2], "prompt_logprobs": 25}, "Requested prompt logprobs of 25, which is greater than "
-                                                         "max allowed: 20"),
+                                                         "max allowed: 10"),  # the vocabulary, under the limit of 20
              ({"prompt": [1, 2], "prompt_logprobs": None}, "prompt_logprobs must be an int"),
              ({"prompt": [1, 2], "prompt_logprobs": 1, "response_start": 2}, "response_start must be an int from 1"),
              ({"prompt": [1, 2], "prompt_logprobs": 1, "response_start": True}, "response_start must be"),
