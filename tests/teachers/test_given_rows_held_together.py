@@ -174,3 +174,24 @@ def test_hidden_states_on_the_meta_device_are_a_named_refusal():
         with pytest.raises(ValueError, match=refused(1, "the hidden states are on the meta device (a shape without "
                                                         "data)")):
             TeacherStep([teacher], local_host(VOCAB)).add(batch, scored={0: states})
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 5, 1000])
+def test_rows_checked_in_chunks_name_the_wrong_sample_in_any_chunk(monkeypatch, chunk):
+    """The values are checked a chunk of samples at a time (`CHUNK_ROWS` rows): a wrong sample in any
+    chunk is the one named, and right rows pass in every split."""
+    from megatron_rl_patches.teachers.step import given_rows
+
+    monkeypatch.setattr(given_rows, "CHUNK_ROWS", chunk)
+    batch, good = samples(), rows_of(samples())  # 4, 3 and 5 response rows
+    with ServedTeacher(DEAD, top_k=K) as teacher:
+        step = TeacherStep([teacher], local_host(VOCAB))
+        step.add(batch, scored={0: good})
+        step.collect()
+        for sample in range(3):
+            bad = one_sample_changed(good, sample, topk_ids=twice(1))
+            repeated = int(good.topk_ids[sample][1, 0])
+            with pytest.raises(ValueError, match=refused(sample, f"topk_ids holds id {repeated} twice in row 1")):
+                TeacherStep([teacher], local_host(VOCAB)).add(batch, scored={0: bad})
+    assert [list(part) for part in given_rows.row_chunks(batch, 0, 3)] == \
+        {1: [[0], [1], [2]], 4: [[0], [1, 2]], 5: [[0, 1], [2]], 1000: [[0, 1, 2]]}[chunk]

@@ -10,8 +10,8 @@ teacher step is given instead of asking (`TeacherStep.add(scored=...)`, slime's 
   response rows, K, tensors with data: no kernel runs), then their values (int64 ids >= 0 and
   within a vocabulary where one is known, float64 log-probs and tails), which a caller may check
   once over many samples' rows joined;
-- `held_together_problem`: what a served reply holds by construction and given rows must hold
-  too: each row's ids distinct (one dict's keys), the tail log(1 - sum exp(top-k)) (the client
+- `held_together_problem` (inside `values_problem`): what a served reply holds by construction
+  and given rows must hold too: each row's ids distinct (one dict's keys), the tail log(1 - sum exp(top-k)) (the client
   forms it), the actual token's log-prob its own top-k entry's where it is one of them (one entry);
 - `states_problem`: one sample's hidden states as the client builds them ([rows, H] of the
   teacher's dtype, finite).
@@ -28,23 +28,34 @@ import torch
 LOG_PROB_SLACK = 1e-3  # engines send fp32 values: a log-prob or a mass a little over 0 is rounding
 
 
-def top_k_mass(values: torch.Tensor) -> torch.Tensor:
-    """[R, K] log-probs -> [R] sum_k exp(l) in their dtype: a NaN among them is a NaN mass, +inf an
-    infinite one; no log (each exp(l) <= the mass, so a mass within 1 bounds every log-prob)."""
-    return values.exp().sum(dim=-1)
+def values_of(tensor: torch.Tensor) -> numpy.ndarray:
+    """`tensor`'s values as numpy reads them: a view of a CPU tensor (a copy from another device).
+    The value checks run in numpy: a few large passes, each cheaper than torch's call overhead
+    on a sample's small rows, and numpy's per-row sort of short rows ~6x torch's."""
+    return tensor.detach().cpu().numpy()
 
 
-def log_prob_problem(values: torch.Tensor, token: torch.Tensor, mass: torch.Tensor | None = None) -> str | None:
+def top_k_mass(values: numpy.ndarray) -> numpy.ndarray:
+    """[R, K] log-probs -> [R] sum_k exp(l): a NaN among them is a NaN mass, +inf an infinite one;
+    no log (each exp(l) <= the mass, so a mass within 1 bounds every log-prob)."""
+    with numpy.errstate(over="ignore", invalid="ignore"):
+        return numpy.exp(values).sum(axis=-1)
+
+
+def log_prob_problem(values: torch.Tensor, token: torch.Tensor) -> str | None:
     """Why `values` [R, K] (and `token` [R]) are no log-probabilities (a NaN, one above 0 or a
-    row's top-k mass above 1, within `LOG_PROB_SLACK`); None where they are. `mass`: their
-    `top_k_mass` where the caller has it."""
+    row's top-k mass above 1, within `LOG_PROB_SLACK`); None where they are."""
     if not values.numel():
         return None
-    mass = top_k_mass(values) if mass is None else mass
-    if bool(torch.isnan(mass).any()) or bool(torch.isnan(token).any()):
+    return mass_problem(top_k_mass(values_of(values)), values_of(token))
+
+
+def mass_problem(mass: numpy.ndarray, token: numpy.ndarray) -> str | None:
+    """`log_prob_problem` given the rows' `top_k_mass`."""
+    if numpy.isnan(mass).any() or numpy.isnan(token).any():
         return "a NaN log-prob"
-    most = float(mass.max())
-    worst = max(math.log(most) if most > 0 else -math.inf, float(token.max()) if token.numel() else -math.inf)
+    most = float(mass.max()) if mass.size else 0.0
+    worst = max(math.log(most) if most > 0 else -math.inf, float(token.max()) if token.size else -math.inf)
     if worst > LOG_PROB_SLACK:
         return f"a top-k mass or log-prob of e^{worst:.3g}, above 1"
     return None
@@ -89,63 +100,60 @@ def shape_problem(token: object, ids: object, values: object, tails: object, row
 
 
 def values_problem(token: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, tails: torch.Tensor,
-                   vocab_size: int | None = None, actual: torch.Tensor | None = None) -> str | None:
-    """Rows of the shapes `shape_problem` checks (any number of samples' rows joined): `ids` in
-    [0, vocab_size) (>= 0 where no vocabulary is known), `values` and `token` log-probabilities
-    (`log_prob_problem`), `tails` finite and <= 0; with `actual` [R] (the id each row scores) also
-    what a served reply holds by construction (`held_together_problem`)."""
-    if ids.numel() and int(ids.min()) < 0:
-        return f"topk_ids holds a negative id ({int(ids.min())})"
-    if vocab_size is not None and ids.numel() and int(ids.max()) >= vocab_size:
-        return f"topk_ids holds id {int(ids.max())}, past the vocabulary of {vocab_size}"
-    mass = top_k_mass(values)
-    bad = log_prob_problem(values, token, mass)
-    if bad is not None:
-        return f"topk_log_probs / token_log_probs are no log-probabilities ({bad})"
-    if tails.numel() and not (bool(torch.isfinite(tails).all()) and float(tails.max()) <= LOG_PROB_SLACK):
-        return "tail_log_probs holds a value that is no finite log-prob <= 0"
-    return None if actual is None else held_together_problem(token, ids, values, tails, actual, mass)
-
-
-def held_together_problem(token: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, tails: torch.Tensor,
-                          actual: torch.Tensor, mass: torch.Tensor) -> str | None:
-    """What a served reply's rows hold together (its ids one dict's keys, its tail formed by the
-    client), on rows whose values passed (`mass`: their `top_k_mass`; `actual` [R] the id each row
-    scores): no id twice in a row; the tail's probability 1 - mass within `LOG_PROB_SLACK`; the
-    token's log-prob its own top-k entry's (within `LOG_PROB_SLACK`) where the actual id is one of
-    the top-k. The row named is the first wrong one."""
+                   vocab_size: int | None, actual: torch.Tensor) -> str | None:
+    """Rows of the shapes `shape_problem` checks (any number of samples' rows joined; `actual` [R]
+    the id each row scores): `ids` in [0, vocab_size) (>= 0 where no vocabulary is known), `values`
+    and `token` log-probabilities (`log_prob_problem`), `tails` finite and <= 0, and what a served
+    reply holds by construction (`held_together_problem`)."""
     if not ids.numel():
         return None
-    twice = repeated_id(ids)
-    if twice is not None:
-        return f"topk_ids holds id {twice[1]} twice in row {twice[0]} (a served reply's ids are distinct)"
-    off = (tails.exp() - (1.0 - mass)).abs() > LOG_PROB_SLACK
-    if bool(off.any()):
-        row = int(off.nonzero()[0])
-        return (f"tail_log_probs is not log(1 - sum exp(topk_log_probs)) in row {row}: e^{float(tails[row]):.4g} = "
-                f"{float(tails[row].exp()):.4g} against 1 - {float(mass[row]):.4g} = {float(1 - mass[row]):.4g}, "
-                f"beyond {LOG_PROB_SLACK:g} (the client forms the tail from the top-k: teachers.tails.tail_log_probs)")
-    among = ids == actual.to(ids.device)[:, None]  # at most one slot a row: the ids are distinct
-    own = values.masked_fill(~among, 0.0).sum(dim=-1)
-    wrong = among.any(dim=-1) & ((own - token).abs() > LOG_PROB_SLACK)
-    if bool(wrong.any()):
-        row = int(wrong.nonzero()[0])
-        return (f"token_log_probs differs from its own top-k entry in row {row}: id {int(actual[row])} scores "
-                f"{float(token[row]):.6g} as the token and {float(own[row]):.6g} in the top-k (a served reply holds "
-                f"one entry per id)")
-    return None
+    top, order = values_of(ids), numpy.sort(values_of(ids), axis=1)  # each row's ids in order: their range, repeats
+    if int(order[:, 0].min()) < 0:
+        return f"topk_ids holds a negative id ({int(order[:, 0].min())})"
+    if vocab_size is not None and int(order[:, -1].max()) >= vocab_size:
+        return f"topk_ids holds id {int(order[:, -1].max())}, past the vocabulary of {vocab_size}"
+    logp, own, tail = values_of(values), values_of(token), values_of(tails)
+    mass = top_k_mass(logp)
+    bad = mass_problem(mass, own)
+    if bad is not None:
+        return f"topk_log_probs / token_log_probs are no log-probabilities ({bad})"
+    if tail.size and not (numpy.isfinite(tail).all() and float(tail.max()) <= LOG_PROB_SLACK):
+        return "tail_log_probs holds a value that is no finite log-prob <= 0"
+    return held_together_problem(own, top, order, logp, tail, values_of(actual), mass)
 
 
-def repeated_id(ids: torch.Tensor) -> tuple[int, int] | None:
-    """(row, id) of the first row of `ids` [R, K] holding an id twice, or None. Sorted per row by
-    numpy on the CPU (torch's sort of many short rows is ~6x slower there)."""
-    ordered = numpy.sort(ids.numpy(), axis=1) if ids.device.type == "cpu" else ids.sort(dim=-1).values.cpu().numpy()
+def held_together_problem(token: numpy.ndarray, ids: numpy.ndarray, ordered: numpy.ndarray, values: numpy.ndarray,
+                          tails: numpy.ndarray, actual: numpy.ndarray, mass: numpy.ndarray) -> str | None:
+    """What a served reply's rows hold together (its ids one dict's keys, its tail formed by the
+    client), on rows whose values passed (`ordered`: each row's ids sorted; `mass`: the rows'
+    `top_k_mass`; `actual` [R] the id each row scores): no id twice in a row; the tail's
+    probability 1 - mass within `LOG_PROB_SLACK`; the token's log-prob its own top-k entry's
+    (within `LOG_PROB_SLACK`) where the actual id is one of the top-k. The row named is the first
+    wrong one."""
     same = ordered[:, 1:] == ordered[:, :-1]
-    rows = same.any(axis=1)
-    if not rows.any():
-        return None
-    row = int(rows.argmax())
-    return row, int(ordered[row, 1:][same[row]][0])
+    if same.any():
+        row = int(same.any(axis=1).argmax())
+        return (f"topk_ids holds id {int(ordered[row, 1:][same[row]][0])} twice in row {row} (a served reply's ids are "
+                f"distinct)")
+    left = 1.0 - mass
+    off = numpy.abs(numpy.exp(tails) - left) > LOG_PROB_SLACK
+    if off.any():
+        row = int(off.argmax())
+        return (f"tail_log_probs is not log(1 - sum exp(topk_log_probs)) in row {row}: e^{float(tails[row]):.4g} = "
+                f"{math.exp(tails[row]):.4g} against 1 - {float(mass[row]):.4g} = {float(left[row]):.4g}, beyond "
+                f"{LOG_PROB_SLACK:g} (the client forms the tail from the top-k: teachers.tails.tail_log_probs)")
+    among = ids == actual[:, None]
+    slot = among.argmax(axis=1)  # the actual id's one slot (the ids are distinct), or 0 where it is none of them
+    entry = numpy.take_along_axis(values, slot[:, None], axis=1)[:, 0]
+    with numpy.errstate(invalid="ignore"):
+        wrong = among[numpy.arange(len(slot)), slot] & (numpy.abs(entry - token) > LOG_PROB_SLACK)
+    if wrong.any():
+        row = int(wrong.argmax())
+        slot = int(slot[row])
+        return (f"token_log_probs differs from its own top-k entry in row {row}: id {int(actual[row])} scores "
+                f"{float(token[row]):.6g} as the token and {float(values[row, slot]):.6g} in the top-k (a served reply "
+                f"holds one entry per id)")
+    return None
 
 
 def states_problem(states: object, rows: int, width: int, dtype: torch.dtype | None) -> str | None:

@@ -28,6 +28,7 @@ from megatron_rl_patches.teachers.served.rows_check import shape_problem, states
 
 GIVEN = "scored= of TeacherStep.add()"  # where a given answer came from, unless its ScoredBefore names a place
 FIELDS = ("token_log_probs", "topk_ids", "topk_log_probs", "tail_log_probs")
+CHUNK_ROWS = 4096  # rows checked at once: temporaries of ~650 KB at K = 20 (larger ones page-fault on every call)
 
 
 def given_problem(teacher: Any, index: int, runs: list[tuple[int, int, Any]], batch: TeacherBatch,
@@ -93,10 +94,21 @@ def rows_values_problem(answer: BatchScores, lo: int, hi: int, batch: TeacherBat
         return values_problem(token, ids, values, tails, vocab_size, torch.cat(actual).long())
 
     devices = {getattr(answer, name)[offset].device for name in FIELDS for offset in range(hi - lo)}
-    if len(devices) == 1 and problem(range(hi - lo)) is None:
+    if len(devices) == 1 and all(problem(part) is None for part in row_chunks(batch, lo, hi)):
         return None
     for offset in range(hi - lo):
         wrong = problem(range(offset, offset + 1))
         if wrong is not None:
             return lo + offset, wrong
     return None
+
+
+def row_chunks(batch: TeacherBatch, lo: int, hi: int) -> list[range]:
+    """lo..hi's samples (offsets from lo) in runs of about `CHUNK_ROWS` response rows."""
+    chunks, first, rows = [], 0, 0
+    for offset in range(hi - lo):
+        rows += batch.response_rows(lo + offset)
+        if rows >= CHUNK_ROWS:
+            chunks.append(range(first, offset + 1))
+            first, rows = offset + 1, 0
+    return chunks + ([range(first, hi - lo)] if first < hi - lo else [])
