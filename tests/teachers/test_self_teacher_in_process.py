@@ -112,14 +112,45 @@ def test_bad_arguments_are_refused_whole():
     assert words(TypeError, SelfTeacher, 3, V, K, context="hint") == (
         "SelfTeacher(student_pass=...) must be the host's pass of the student's model, a callable (TeacherBatch) -> "
         "StudentHidden(hidden=[R_i, H] per sample, output_weight=[V, H]), got int")
-    assert words(ValueError, SelfTeacher, student_pass, V, V + 1, context="hint") == (
-        "SelfTeacher(top_k=13) is over the student's vocabulary of 12")
-    for bad in (0, -1.0, True, "1", float("nan")):
+    for k in (V, V + 1):  # issue 105 item 7: refused here, not at the first score
+        assert words(ValueError, SelfTeacher, student_pass, V, k, context="hint") == (
+            f"SelfTeacher(top_k={k}) must be below the student's vocabulary of 12: the tail (every id outside the "
+            f"top-k) holds at least one")
+    for bad in (0, -1.0, True, "1", float("nan"), float("inf"), 10**400, 1e-320):
+        shown = f"{bad!r:.40}"
         assert words(ValueError, SelfTeacher, student_pass, V, K, context="hint", temperature=bad) == (
-            f"SelfTeacher(temperature={bad!r}): pass a positive float")
-    assert SelfTeacher(student_pass, V, V, context="hint", temperature=2).temperature == 2.0
+            f"SelfTeacher(temperature={shown}): pass a positive finite float (the step's temperature)")
+    assert SelfTeacher(student_pass, V, V - 1, context="hint", temperature=2).temperature == 2.0
     assert words(ValueError, SelfTeacher, student_pass, 0, K, context="hint") == (
         "SelfTeacher(vocab_size=...) must be a positive int (the student's real vocabulary), got 0")
+    assert words(ValueError, SelfTeacher, student_pass, 10**400, K, context="hint") == (
+        "SelfTeacher(vocab_size=1000000000000000000000000000000000000000…) is past any vocabulary: a token id is an "
+        "int64 (at most 2**63 - 1)")
+    for padded in (V - 1, 0, True, "16"):
+        assert words(ValueError, SelfTeacher, student_pass, V, K, context="hint", padded_vocab_size=padded) == (
+            f"SelfTeacher(padded_vocab_size={padded!r}): the rows of the student's output layer over its "
+            f"tensor-parallel group, an int >= vocab_size (12), or None")
+
+
+def test_a_top_k_of_every_id_but_one_scores_the_last_as_the_tail():
+    """top_k = V - 1: the op's ids (the top-k and the token) would be V wide, which it refuses (the
+    tail would be empty); the token is then one of the top-k or the one id outside them (the tail)."""
+    batch, given = batch_and_hidden()
+    first = batch.sequences[0].clone()  # sample 0's first response token: its row's least likely id (the tail's)
+    first[batch.response_starts[0]] = (given.hidden[0][0] @ given.output_weight[:V].T).argmin()
+    batch = TeacherBatch([first, batch.sequences[1]], batch.response_starts)
+    scores = SelfTeacher(lambda asked: given, V, V - 1, context="hint").score(batch)
+    among = (scores.topk_ids[0] == first[batch.response_starts[0]:, None]).any(1)
+    assert not among[0] and among[1:].all()
+    for i, one in enumerate(given.hidden):
+        want = torch.log_softmax((one @ given.output_weight.T)[:, :V], dim=-1)
+        ids = want.topk(V - 1, dim=-1).indices
+        tokens = batch.sequences[i][batch.response_starts[i]:]
+        assert torch.equal(scores.topk_ids[i], ids)
+        for got, expected in ((scores.topk_log_probs[i], want.gather(1, ids)),
+                              (scores.token_log_probs[i], want.gather(1, tokens[:, None])[:, 0]),
+                              (scores.tail_log_probs[i], want.scatter(1, ids, -torch.inf).logsumexp(-1))):
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
 def test_the_hosts_self_teacher_takes_its_pass_and_layout_or_is_refused_naming_where():
