@@ -164,7 +164,7 @@ test-verl:
 	fi
 
 # The served lane: vLLM's CPU build (tools/served-lane.txt) in its own venv .lanes/vllm (first build
-# ~8 min, 3.4 GB; then a stamp). The torchvision / torchaudio / torchcodec it pulls are removed: their
+# about 2-3 min, 3.4 GB; then a stamp; `make vllm-lane` builds it alone). The torchvision / torchaudio / torchcodec it pulls are removed: their
 # extensions do not load against torch 2.13.0+cpu, and text models need none. One real server per
 # pytest session (tests/teachers/lane/conftest.py); the tests run in the main venv (httpx, the extra
 # `served`). Loud skip when the lane cannot be built or vLLM's CPU build cannot run on this CPU
@@ -296,9 +296,12 @@ $(MUTMUT_STAMP): tools/mutmut-lane.txt
 mutate: $(STAMP) $(MUTMUT_STAMP)
 	tools/mutate $(abspath $(VENV))/bin/python $(MUTMUT_LANE) "$(MODULE)" $(TESTS)
 
-# The GPU lane: refuses in one line where torch sees no CUDA device.
-CUDA_CHECK = $(GPU_ENV) $(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
-	'make: this target needs a CUDA device (torch ' + torch.__version__ + ' sees none)')"
+# The GPU lane: refuses in one line where the interpreter has no torch or torch sees no CUDA device.
+CUDA_CHECK = $(GPU_ENV) $(GPU_PYTHON) -c "import importlib.util, sys; \
+	importlib.util.find_spec('torch') or sys.exit('make: this target needs torch with a CUDA device, and $(GPU_PYTHON) \
+	has no torch (GPU_PYTHON=... names the interpreter that has it)'); import torch; \
+	sys.exit(0 if torch.cuda.is_available() else 'make: this target needs a CUDA device (torch ' + torch.__version__ + \
+	' sees none)')"
 test-gpu:
 	@$(CUDA_CHECK)
 	$(GPU_ENV) $(GPU_PYTHON) -m pytest -m "megatron or triton or gpu" $(PYTEST_ARGS)

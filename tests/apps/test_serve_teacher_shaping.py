@@ -163,3 +163,17 @@ def test_serve_teacher_replicas_are_spread_by_prompt_affinity_unless_told():
     assert isinstance(spread(ReplicaSettings(), True, True), PromptAffinity)
     assert type(spread(ReplicaSettings(), True, False)) is FewestInFlight  # a stock server among them
     assert type(spread(ReplicaSettings(spread=FewestInFlight()), True, True)) is FewestInFlight  # told
+
+
+def test_the_block_is_the_smallest_the_cpu_runs_unless_given_and_the_start_line_names_what_it_shares():
+    """Issue 105 item 8: vLLM's CPU default block of 128 shared nothing of a prompt under 128 tokens;
+    serve-teacher asks for 32 on CPU (its attention's smallest), vLLM's own elsewhere (16 on a GPU),
+    and its start-up line names the block and the shortest prompt it shares."""
+    from megatron_rl_patches.apps.serve_teacher.engine import CPU_BLOCK, default_block_size
+    from megatron_rl_patches.apps.serve_teacher.serving import start_line
+
+    assert (CPU_BLOCK, default_block_size(True), default_block_size(False)) == (32, 32, None)
+    assert start_line("m", "127.0.0.1", 8000, 32, False) == (
+        "serve-teacher: m at http://127.0.0.1:8000 (prefix sharing on, KV blocks of 32 tokens: a group shares its "
+        "prompt's whole blocks, so a prompt shares nothing under 32 tokens)")
+    assert start_line("m", "0.0.0.0", 1, 128, True).endswith("under 128 tokens; API key required)")
