@@ -147,15 +147,9 @@ def main() -> None:
     # x [64, 1001] product took 86 ms at load average 20), a cost both servers' times carry alike
     torch.set_num_threads(1)
     shapes = [(max(1, round(p * args.scale)), max(1, round(r * args.scale)), g) for p, r, g in SHAPES]
-    longest = max(p + r for p, r, _ in shapes) + 1
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        directory = Path(scratch) / "qwen3"
-        shape = model_shape(args.hidden, args.layers)
-        save_tiny_hf(directory, "qwen3", seed=3, max_position_embeddings=longest, **shape)
-        save_word_tokenizer(directory, VOCAB)
+        directory, longest = teacher_dir(scratch, args, shapes)
         launched = {}
         for name, ours in (("stock vLLM", False), ("serve-teacher", True)):
             extra: tuple[str, ...] = ("--block-size", "32") if ours else ()
@@ -181,21 +175,38 @@ def main() -> None:
                          "ratio": statistics.median(paired), "best_ratio": ours_["best"] / stock["best"],
                          "floor": (p + g * r) / (g * (p + r)),
                          "stock_tokens": stock["tokens"], "ours_tokens": ours_["tokens"]})
-    said = {"cpu": f"{cpu_name()}, {os.cpu_count()} cores", "load": f"load average {loads[0]} before, {loads[1]} after",
-            "route": "hidden states" if args.states else "top-20 rows",
-            "model": f"random Qwen3, hidden {args.hidden}, {args.layers} layers, vocabulary {VOCAB}, float32",
-            "rows": rows}
-    (out / "serve_teacher.json").write_text(json.dumps(said, indent=1))
     lines = ["| P | R | G | stock vLLM s/group (median / best) | serve-teacher s/group (median / best) "
              "| ratio (median of the groups' / of the bests) | floor | tokens computed (stock / ours) |",
              "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['P']} | {r['R']} | {r['G']} | {r['stock_s']:.3f} / {r['stock_best']:.3f} | {r['ours_s']:.3f} / "
               f"{r['ours_best']:.3f} | {r['ratio']:.2f} / {r['best_ratio']:.2f} | {r['floor']:.3f} | "
               f"{r['stock_tokens']:g} / {r['ours_tokens']:g} |" for r in rows]
-    (out / "serve_teacher.md").write_text("\n".join(lines) + f"\n\n{said['cpu']}, {said['load']}, {said['route']}, "
-                                             f"{said['model']}\n")
+    written(Path(args.out) / "serve_teacher", args, loads, rows, lines)
+
+
+def written(stem: Path, args: argparse.Namespace, loads: list[str], rows: list[dict], lines: list[str]) -> None:
+    """The rows as `stem`.json and the table as `stem`.md (the CPU, its load, the route and the model
+    named under it); both printed."""
+    said = {"cpu": f"{cpu_name()}, {os.cpu_count()} cores", "load": f"load average {loads[0]} before, {loads[1]} after",
+            "route": "hidden states" if args.states else "top-20 rows",
+            "model": f"random Qwen3, hidden {args.hidden}, {args.layers} layers, vocabulary {VOCAB}, float32",
+            "rows": rows}
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(said, indent=1))
+    stem.with_suffix(".md").write_text("\n".join(lines) + f"\n\n{said['cpu']}, {said['load']}, {said['route']}, "
+                                                          f"{said['model']}\n")
     print("\n".join(lines))
     print(said["cpu"], "|", said["load"], "|", said["route"], "|", said["model"])
+
+
+def teacher_dir(scratch: str, args: argparse.Namespace, shapes: list[tuple[int, int, int]]) -> tuple[Path, int]:
+    """The random Qwen3 of `--hidden` and `--layers` with its word tokenizer, written under `scratch`,
+    and the longest sample of `shapes` + 1 (its max model length)."""
+    longest = max(p + r for p, r, _ in shapes) + 1
+    directory = Path(scratch) / "qwen3"
+    save_tiny_hf(directory, "qwen3", seed=3, max_position_embeddings=longest, **model_shape(args.hidden, args.layers))
+    save_word_tokenizer(directory, VOCAB)
+    return directory, longest
 
 
 def shapes_of(text: str | None) -> list[tuple[int, int, int]]:
@@ -219,15 +230,9 @@ def blocks_main(args: argparse.Namespace) -> None:
     words); per group each server's wall seconds and its processes' CPU seconds (the load-proof figure)."""
     blocks = [int(b) for b in args.blocks.split(",")]
     shapes = shapes_of(args.shapes)
-    longest = max(p + r for p, r, _ in shapes) + 1
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        directory = Path(scratch) / "qwen3"
-        save_tiny_hf(directory, "qwen3", seed=3, max_position_embeddings=longest, **model_shape(args.hidden,
-                                                                                                   args.layers))
-        save_word_tokenizer(directory, VOCAB)
+        directory, longest = teacher_dir(scratch, args, shapes)
         launched = {b: launch_server(args.vllm_python, directory, Path(scratch) / f"block-{b}.log",
                                      max_model_len=longest, api_key=KEY, serve_teacher=True,
                                      extra=("--block-size", str(b))) for b in blocks}
@@ -258,21 +263,13 @@ def blocks_main(args: argparse.Namespace) -> None:
                                  "cpu_ratio": statistics.median(a[1] / u[1] for a, u in zip(got, base, strict=True)),
                                  "times": [t for t, _, _ in got], "cpus": [c for _, c, _ in got]})
             loads.append(load())
-    said = {"cpu": f"{cpu_name()}, {os.cpu_count()} cores", "load": f"load average {loads[0]} before, {loads[1]} after",
-            "route": "top-20 rows",
-            "model": f"random Qwen3, hidden {args.hidden}, {args.layers} layers, vocabulary {VOCAB}, float32",
-            "rows": rows}
-    (out / "serve_teacher_blocks.json").write_text(json.dumps(said, indent=1))
     lines = [f"| P | R | G | block | server CPU s/group (median) | CPU ratio to block {max(blocks)} | wall s/group "
              f"(median / best) | wall ratio | tokens computed a group | once: P + G·R |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['P']} | {r['R']} | {r['G']} | {r['block']} | {r['cpu']:.3f} | {r['cpu_ratio']:.2f} | "
               f"{r['seconds']:.3f} / {r['best']:.3f} | {r['ratio']:.2f} | {r['tokens']:g} | "
               f"{r['P'] + r['G'] * r['R']} |" for r in rows]
-    (out / "serve_teacher_blocks.md").write_text("\n".join(lines) + f"\n\n{said['cpu']}, {said['load']}, "
-                                                                    f"{said['route']}, {said['model']}\n")
-    print("\n".join(lines))
-    print(said["cpu"], "|", said["load"], "|", said["route"], "|", said["model"])
+    written(Path(args.out) / "serve_teacher_blocks", args, loads, rows, lines)
 
 
 if __name__ == "__main__":
