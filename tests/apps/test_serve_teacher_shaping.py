@@ -108,7 +108,19 @@ def test_kept_groups_are_bounded():
     prefixes = SharedPrefixes(kept_groups=2)
     for prompt in range(3):
         prefixes.keep([prompt, 1, 2], 2, torch.zeros(2, 1))
-    assert prefixes.rows([0, 1, 2], 2, 2) is None and prefixes.rows([2, 1, 2], 2, 2) is not None
+    assert prefixes.rows([0, 1, 2], 2, 2) is None  # the least recently used, dropped
+    assert prefixes.rows([1, 1, 2], 2, 2) is not None and prefixes.rows([2, 1, 2], 2, 2) is not None  # two kept
+
+
+def test_rows_at_the_edges_of_what_is_cached_and_kept():
+    """Issue 105 item 10 (the mutation run): nothing cached past start - 2 needs no kept row, even for
+    a group kept nowhere; a kept member whose ids end exactly where the cache ends covers it."""
+    prefixes = SharedPrefixes()
+    assert prefixes.rows([5, 6, 7, 8], 3, 2).numel() == 0  # positions 2.. computed: none needed, none kept
+    states = torch.arange(8.0).reshape(4, 2)  # positions 2..5 of a member of 6 ids, start 3
+    prefixes.keep([1, 2, 3, 4, 5, 6], 3, states)
+    longer = [1, 2, 3, 4, 5, 6, 7, 8]  # agreeing with the kept member over its whole 6 ids
+    assert torch.equal(prefixes.rows(longer, 3, 6), states[0:4])
 
 
 def test_a_vllm_outside_the_tested_versions_is_refused_naming_them():
