@@ -38,7 +38,7 @@ def values_of(tensor: torch.Tensor) -> numpy.ndarray:
 def top_k_mass(values: numpy.ndarray) -> numpy.ndarray:
     """[R, K] log-probs -> [R] sum_k exp(l): a NaN among them is a NaN mass, +inf an infinite one;
     no log (each exp(l) <= the mass, so a mass within 1 bounds every log-prob)."""
-    with numpy.errstate(over="ignore", invalid="ignore"):
+    with numpy.errstate(over="ignore"):  # a logit past 709 is an infinite mass, refused by its caller
         return numpy.exp(values).sum(axis=-1)
 
 
@@ -51,11 +51,11 @@ def log_prob_problem(values: torch.Tensor, token: torch.Tensor) -> str | None:
 
 
 def mass_problem(mass: numpy.ndarray, token: numpy.ndarray) -> str | None:
-    """`log_prob_problem` given the rows' `top_k_mass`."""
+    """`log_prob_problem` given the rows' `top_k_mass` (one row at least)."""
     if numpy.isnan(mass).any() or numpy.isnan(token).any():
         return "a NaN log-prob"
-    most = float(mass.max()) if mass.size else 0.0
-    worst = max(math.log(most) if most > 0 else -math.inf, float(token.max()) if token.size else -math.inf)
+    most = float(mass.max())
+    worst = max(math.log(most) if most > 0 else -math.inf, float(token.max()))  # a mass of 0: every value -inf
     if worst > LOG_PROB_SLACK:
         return f"a top-k mass or log-prob of e^{worst:.3g}, above 1"
     return None
