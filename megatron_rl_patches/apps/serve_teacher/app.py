@@ -49,8 +49,8 @@ def card_extension(block_size: int) -> dict[str, Any]:
 def error(status: int, message: str) -> Any:
     from fastapi.responses import JSONResponse
 
-    kind = {400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError",
-            503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(status,
+                                                                                          "InternalServerError")
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
                         status_code=status)
 
@@ -76,8 +76,7 @@ def teacher_app(engine: Any, api_key: str | None, on_engine_death: Callable[[], 
         finally:
             engine.shutdown()
 
-    app = FastAPI(title="megatron-rl-patches serve-teacher", docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)
+    app = FastAPI(openapi_url=None, lifespan=lifespan)  # no schema route, so no docs pages (served from it)
     wanted = f"Bearer {api_key}".encode() if api_key else None
 
     @app.middleware("http")

@@ -21,13 +21,22 @@ from tests.teachers.lane.served_kit import VLLM_PYTHON
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(scope="module")
+RESULTS: dict = {}
+
+
+def said_of(case: str):
+    return RESULTS[case]
+
+
+@pytest.fixture(scope="module", autouse=True)
 def said():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # this checkout first (a mutation run's mutated copy, with mutmut after it: docs/testing.md)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     done = subprocess.run([VLLM_PYTHON or sys.executable, "-m", "tests.teachers.lane.serve_teacher_stand_in"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    RESULTS.update(json.loads(done.stdout.strip().splitlines()[-1]))
+    return RESULTS
 
 
 @pytest.mark.parametrize(("case", "words"), [
@@ -61,6 +70,43 @@ def test_what_the_engine_raised_is_a_500_naming_it(said):
 
 def test_a_dead_engine_core_answers_the_card_as_it_answers_health_and_stops_the_server(said):
     assert said["card-alive"][0] == 200
-    assert said["card-dead"] == [503, "the teacher's engine is dead: this server is stopping (ask another replica)"]
+    assert said["card-dead"] == [503, {"error": {
+        "message": "the teacher's engine is dead: this server is stopping (ask another replica)",
+        "type": "ServiceUnavailableError", "param": None, "code": 503}}]
     assert said["health-dead"][0] == 503
     assert said["deaths"][0] == 2  # each told the server to stop
+
+
+def test_each_error_is_vllms_shape_with_its_kind():
+    assert said_of("bad-request-whole") == [400, {"error": {
+        "message": "prompt must be a non-empty list of token ids (this server takes token ids, not text)",
+        "type": "BadRequestError", "param": None, "code": 400}}]
+    assert said_of("other-model") == [404, {"error": {"message": "The model `other` does not exist.",
+                                                      "type": "NotFoundError", "param": None, "code": 404}}]
+    assert said_of("engine-failed-whole") == [500, {"error": {
+        "message": "the teacher's engine failed: RuntimeError: selected index k out of range",
+        "type": "InternalServerError", "param": None, "code": 500}}]
+    status, body = said_of("own-fault")  # the states the head cannot take: this server's fault after the engine's
+    assert status == 500 and body["error"]["type"] == "InternalServerError" and \
+        body["error"]["message"].startswith("serve-teacher failed: RuntimeError: "), body
+
+
+def test_good_requests_answer_the_engines_states_in_vllms_shapes():
+    for name in ("completion-None", "completion-3", "pooling-float-None", "pooling-float-3", "pooling-bytes-None",
+                 "pooling-bytes-3", "card"):
+        assert said_of(name) and all(said_of(name)), name
+    assert said_of("tokenize") == [200, {"count": 2, "max_model_len": 64, "tokens": [3, 0], "token_strs": None}]
+    assert said_of("tokenize-default")[1]["tokens"] == [4, 1]  # add_special_tokens unless told
+    assert said_of("tokenize-no-text") == [400, {"error": {
+        "message": "this server tokenizes a text: prompt must be a str", "type": "BadRequestError", "param": None,
+        "code": 400}}]
+    assert said_of("no-tokenizer") == [400, "Tokenizer not available: the engine was started with "
+                                            "--skip-tokenizer-init"]
+    assert said_of("health") == [200] and said_of("metrics") == [200] and said_of("no-docs") == [404, 404]
+    assert said_of("shut-once") == [1]  # the app's lifespan stops the engine when it ends
+
+
+def test_every_route_asks_for_the_key():
+    keyed = said_of("keyed")
+    assert keyed["none"] == keyed["Bearer x"] == [401, {"error": "Unauthorized"}]
+    assert keyed["Bearer k"][0] == 200
