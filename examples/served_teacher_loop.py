@@ -365,6 +365,20 @@ def run(args: argparse.Namespace) -> list[dict]:
                 head=args.head or None, pause=args.pause, echo=True)
 
 
+def run_or_say(args: argparse.Namespace) -> list[dict]:
+    """`run`, a failure of the run's ranks (a teacher that does not answer, a refused entry) said
+    in one line naming it (`--traceback`: the ranks' tracebacks)."""
+    from megatron_rl_patches.testing.multirank import RanksFailed
+
+    try:
+        return run(args)
+    except RanksFailed as failed:
+        if args.traceback:
+            raise
+        raise SystemExit(f"served_teacher_loop.py: the run failed: {failed.summary} (--traceback: the ranks' "
+                         "tracebacks)") from None
+
+
 def save_teacher(directory: str, vocab_size: int) -> None:
     """`--save-teacher DIR`: the example's tiny teacher written to DIR, for a server of your own."""
     tiny_teacher(directory, vocab_size)
@@ -388,6 +402,7 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pause", type=float, default=0.0, metavar="SECONDS",
                         help="wait between steps (time to stop a replica by hand and watch the run go on)")
+    parser.add_argument("--traceback", action="store_true", help="a failed run's ranks' tracebacks, not one line")
     cli = parser.parse_args()
     if cli.save_teacher is not None:
         save_teacher(cli.save_teacher, cli.vocab_size)
@@ -401,7 +416,7 @@ if __name__ == "__main__":
             parser.error("name a teacher: --url, --vllm-python or --in-process")
         if cli.head == "":
             parser.error("--head DIR: with --url, name the served teacher's Hugging Face directory")
-        run(cli)
+        run_or_say(cli)
     else:
         from megatron_rl_patches.testing.vllm_server import vllm_server
 
@@ -416,4 +431,4 @@ if __name__ == "__main__":
                              extra=POOLING if cli.head else ()) as server:
                 print(f"served at {server.url}", flush=True)
                 cli.url = server.url
-                run(cli)
+                run_or_say(cli)

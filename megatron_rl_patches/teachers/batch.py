@@ -47,7 +47,11 @@ def check_sequence(sample: int, ids: object) -> None:
             or ids.dtype == torch.bool:
         shown = f"a tensor of shape {tuple(ids.shape)} and dtype {ids.dtype}" if isinstance(ids, torch.Tensor) \
             else type(ids).__name__
-        raise TypeError(f"TeacherBatch: sequences[{sample}] must be a 1-D integer id tensor, got {shown}")
+        hint = " (torch.tensor(ids) makes one)" if isinstance(ids, (list, tuple)) else ""
+        raise TypeError(f"TeacherBatch: sequences[{sample}] must be a 1-D integer id tensor, got {shown}{hint}")
+    if ids.device.type == "meta":
+        raise ValueError(f"TeacherBatch: sequences[{sample}] is on the meta device (a shape without data): give the "
+                         f"ids themselves")
     if ids.numel() and int(ids.min()) < 0:
         raise ValueError(f"TeacherBatch: sequences[{sample}] holds a negative id ({int(ids.min())}): ids are "
                          f"vocabulary indices")

@@ -18,6 +18,7 @@ slime's and NeMo-RL's live self-teachers are this computation inside their outpu
 (`topk_output_processor` in the student's own forward); their adapters only supply that pass."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,22 @@ from megatron_rl_patches.teachers.agreement import agree_failure, distributed
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context.key import context_key
 from megatron_rl_patches.teachers.contract import BatchScores
+
+LARGEST_ID = 2**63 - 1  # token ids are int64
+
+
+def finite_temperature(temperature: Any) -> float:
+    """The step's temperature as a float, or a ValueError naming it where it is no positive finite
+    real (the ops refuse the rest at the first score otherwise)."""
+    try:
+        value = float(temperature) if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) \
+            else math.nan
+    except OverflowError:  # an int past float's range, 10**400
+        value = math.inf
+    if not (math.isfinite(value) and value > 0 and 1.0 / value < math.inf):
+        raise ValueError(f"SelfTeacher(temperature={temperature!r:.40}): pass a positive finite float (the step's "
+                         f"temperature)")
+    return value
 
 
 @dataclass(frozen=True)
@@ -70,14 +87,20 @@ class SelfTeacher:
                              "context, e.g. 'student;context=solution'")
         self.student_pass = student_pass
         self.vocab_size = positive_int("SelfTeacher(vocab_size=...)", vocab_size, " (the student's real vocabulary)")
+        if self.vocab_size > LARGEST_ID + 1:
+            raise ValueError(f"SelfTeacher(vocab_size={vocab_size!r:.40}…) is past any vocabulary: a token id is an "
+                             f"int64 (at most 2**63 - 1)")
         self.top_k = positive_int("SelfTeacher(top_k=...)", top_k, " (the teacher's buckets per row)")
-        if self.top_k > self.vocab_size:
-            raise ValueError(f"SelfTeacher(top_k={top_k}) is over the student's vocabulary of {vocab_size}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-            raise ValueError(f"SelfTeacher(temperature={temperature!r}): pass a positive float")
-        self.temperature = float(temperature)
+        if self.top_k >= self.vocab_size:
+            raise ValueError(f"SelfTeacher(top_k={top_k}) must be below the student's vocabulary of {vocab_size}: the "
+                             f"tail (every id outside the top-k) holds at least one")
+        self.temperature = finite_temperature(temperature)
         self.context: str = key
         self.tp_group = tp_group
+        if padded_vocab_size is not None and (isinstance(padded_vocab_size, bool) or not isinstance(
+                padded_vocab_size, int) or padded_vocab_size < self.vocab_size):
+            raise ValueError(f"SelfTeacher(padded_vocab_size={padded_vocab_size!r}): the rows of the student's output "
+                             f"layer over its tensor-parallel group, an int >= vocab_size ({vocab_size}), or None")
         self.padded_vocab_size = padded_vocab_size
 
     def __repr__(self) -> str:
@@ -121,9 +144,14 @@ class SelfTeacher:
             ids = lm_head_topk_ids(hidden, weight, self.top_k, **options)
             among = ids == tokens[:, None]
             repeated = among.any(dim=1)
-            asked = torch.cat([ids, tokens[:, None]], dim=1)
-            mask = torch.cat([torch.ones_like(ids, dtype=torch.bool), ~repeated[:, None]], dim=1)
-            scored, rest = lm_head_topk_logprobs(hidden, weight, asked, ids_mask=mask, **options)
+            if self.top_k + 1 < self.vocab_size:
+                asked = torch.cat([ids, tokens[:, None]], dim=1)
+                mask = torch.cat([torch.ones_like(ids, dtype=torch.bool), ~repeated[:, None]], dim=1)
+                scored, rest = lm_head_topk_logprobs(hidden, weight, asked, ids_mask=mask, **options)
+            else:  # every id but one in the top-k: a token outside them is that one, the whole tail (the op
+                # refuses ids as wide as the vocabulary: no tail left)
+                scored, rest = lm_head_topk_logprobs(hidden, weight, ids, **options)
+                scored, rest = torch.cat([scored, rest[:, None]], dim=1), torch.where(repeated, rest, -torch.inf)
         values = scored[:, :self.top_k].double()
         own = scored[:, self.top_k].double()
         token = torch.where(repeated, values.gather(1, among.int().argmax(dim=1, keepdim=True))[:, 0], own)

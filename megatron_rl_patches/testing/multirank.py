@@ -87,6 +87,22 @@ def _unpack(payload: bytes) -> Any:
     return torch.load(io.BytesIO(payload), weights_only=False)
 
 
+class RanksFailed(RuntimeError):
+    """A world whose ranks failed: its message every failing rank's traceback (`failures`, one text
+    per rank, or why no result came); `summary` the failures' last lines, each once (the error each
+    rank raised, named: what a command line shows a user in one line)."""
+
+    def __init__(self, failures: list[str]) -> None:
+        super().__init__("multirank run failed\n" + "\n".join(failures))
+        self.failures = list(failures)
+
+    @property
+    def summary(self) -> str:
+        lasts = [next((line.strip() for line in reversed(text.splitlines()) if line.strip()), text)
+                 for text in self.failures]
+        return "; ".join(dict.fromkeys(lasts))
+
+
 def run_multirank(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
                   start_method: str | None = None) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on `world_size` gloo ranks; return results by rank.
@@ -131,5 +147,5 @@ def run_multirank(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
                 proc.kill()
                 proc.join()
     if errors:
-        raise RuntimeError("multirank run failed\n" + "\n".join(errors))
+        raise RanksFailed(errors)
     return [results[rank] for rank in range(world_size)]

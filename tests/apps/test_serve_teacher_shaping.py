@@ -36,7 +36,7 @@ def test_a_completion_body_is_read_and_refused_by_field():
              ({"prompt": [1, 10], "prompt_logprobs": 1}, "outside the model's vocabulary of 10"),
              ({"prompt": list(range(9)), "prompt_logprobs": 1}, "maximum context length is 8"),
              ({"prompt": [1, 2], "prompt_logprobs": 25}, "Requested prompt logprobs of 25, which is greater than "
-                                                         "max allowed: 20"),
+                                                         "max allowed: 10"),  # the vocabulary, under the limit of 20
              ({"prompt": [1, 2], "prompt_logprobs": None}, "prompt_logprobs must be an int"),
              ({"prompt": [1, 2], "prompt_logprobs": 1, "response_start": 2}, "response_start must be an int from 1"),
              ({"prompt": [1, 2], "prompt_logprobs": 1, "response_start": True}, "response_start must be"),
@@ -108,7 +108,19 @@ def test_kept_groups_are_bounded():
     prefixes = SharedPrefixes(kept_groups=2)
     for prompt in range(3):
         prefixes.keep([prompt, 1, 2], 2, torch.zeros(2, 1))
-    assert prefixes.rows([0, 1, 2], 2, 2) is None and prefixes.rows([2, 1, 2], 2, 2) is not None
+    assert prefixes.rows([0, 1, 2], 2, 2) is None  # the least recently used, dropped
+    assert prefixes.rows([1, 1, 2], 2, 2) is not None and prefixes.rows([2, 1, 2], 2, 2) is not None  # two kept
+
+
+def test_rows_at_the_edges_of_what_is_cached_and_kept():
+    """Issue 105 item 10 (the mutation run): nothing cached past start - 2 needs no kept row, even for
+    a group kept nowhere; a kept member whose ids end exactly where the cache ends covers it."""
+    prefixes = SharedPrefixes()
+    assert prefixes.rows([5, 6, 7, 8], 3, 2).numel() == 0  # positions 2.. computed: none needed, none kept
+    states = torch.arange(8.0).reshape(4, 2)  # positions 2..5 of a member of 6 ids, start 3
+    prefixes.keep([1, 2, 3, 4, 5, 6], 3, states)
+    longer = [1, 2, 3, 4, 5, 6, 7, 8]  # agreeing with the kept member over its whole 6 ids
+    assert torch.equal(prefixes.rows(longer, 3, 6), states[0:4])
 
 
 def test_a_vllm_outside_the_tested_versions_is_refused_naming_them():
@@ -163,3 +175,17 @@ def test_serve_teacher_replicas_are_spread_by_prompt_affinity_unless_told():
     assert isinstance(spread(ReplicaSettings(), True, True), PromptAffinity)
     assert type(spread(ReplicaSettings(), True, False)) is FewestInFlight  # a stock server among them
     assert type(spread(ReplicaSettings(spread=FewestInFlight()), True, True)) is FewestInFlight  # told
+
+
+def test_the_block_is_the_smallest_the_cpu_runs_unless_given_and_the_start_line_names_what_it_shares():
+    """Issue 105 item 8: vLLM's CPU default block of 128 shared nothing of a prompt under 128 tokens;
+    serve-teacher asks for 32 on CPU (its attention's smallest), vLLM's own elsewhere (16 on a GPU),
+    and its start-up line names the block and the shortest prompt it shares."""
+    from megatron_rl_patches.apps.serve_teacher.engine import CPU_BLOCK, default_block_size
+    from megatron_rl_patches.apps.serve_teacher.serving import start_line
+
+    assert (CPU_BLOCK, default_block_size(True), default_block_size(False)) == (32, 32, None)
+    assert start_line("m", "127.0.0.1", 8000, 32, False) == (
+        "serve-teacher: m at http://127.0.0.1:8000 (prefix sharing on, KV blocks of 32 tokens: a group shares its "
+        "prompt's whole blocks, so a prompt shares nothing under 32 tokens)")
+    assert start_line("m", "0.0.0.0", 1, 128, True).endswith("under 128 tokens; API key required)")

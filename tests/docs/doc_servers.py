@@ -1,6 +1,6 @@
 """The vLLM server commands of README.md and docs/*.md: every `vllm serve` block's CPU line (vLLM's
-CPU build, started as a module by its own interpreter, `.lanes/vllm/bin/python` as `make
-.lanes/vllm/.installed` builds it), each command as one line (its `\\` continuations joined, a
+CPU build, started as a module by its own interpreter, `.lanes/vllm/bin/python` as `make vllm-lane`
+builds it), each command as one line (its `\\` continuations joined, a
 trailing `> LOG 2>&1 &` aside), and the form the served lane runs it in (the interpreter, the model
 and the port its own: `as_lane_runs`)."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ GPU_SERVER = re.compile(r"(^|\s)vllm serve\s")
 # what every CPU line starts with: vLLM's CPU backend refuses to start without a KV-cache size it can
 # hold, and pins OpenMP threads to cores unless told not to
 CPU_PREFIX = "VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind "
-# the interpreter of vLLM's CPU build, its own venv, as the Makefile builds it (`make .lanes/vllm/.installed`)
+# the interpreter of vLLM's CPU build, its own venv, as the Makefile builds it (`make vllm-lane`)
 VLLM_INTERPRETER = ".lanes/vllm/bin/python"
 BACKGROUND = re.compile(r"(\s+>\s*\S+(\s+2>&1)?)?\s+&$")  # `> LOG 2>&1 &`: started in the background
 

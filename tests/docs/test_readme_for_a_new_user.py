@@ -86,3 +86,20 @@ def test_the_make_test_time_adds_up_from_its_lanes():
 def test_no_page_speaks_of_the_packages_past(page):
     text = " ".join(page.read_text(encoding="utf-8").split())
     assert [phrase for phrase in HISTORY if phrase in text] == []
+
+
+@pytest.mark.parametrize("page", ["README.md", *sorted(p.name for p in (REPO / "docs").glob("*.md"))])
+def test_no_page_leans_on_a_file_outside_the_repository(page):
+    """Issue 105 item 9: docs/benchmarks.md sent the reader to "CONTEXT.md §21", a notes file no clone
+    holds; the pages stand on their own."""
+    text = (REPO / page if page == "README.md" else REPO / "docs" / page).read_text(encoding="utf-8")
+    assert not re.search(r"CONTEXT\.md|DESIGN\.md|§\s?\d", text), page
+
+
+def test_the_readmes_backend_row_names_every_backend_the_variable_takes():
+    """Issue 105 item 9: the row named torch and triton, not gemm."""
+    from megatron_rl_patches.ops.kernels import backend_names
+
+    (row,) = [line for line in README.splitlines() if line.startswith("| `MEGATRON_RL_PATCHES_BACKEND` |")]
+    named = set(re.findall(r"`(\w+)`", row.split("|")[2]))
+    assert set(backend_names()) <= named, (row, backend_names())

@@ -81,3 +81,18 @@ def test_each_steps_line_is_printed_when_the_step_ends():
 def test_a_bad_pause_is_a_usage_error(value):
     proc = script("--in-process", "--pause", value)
     assert proc.returncode == 2 and f"--pause takes seconds >= 0, got {value}" in proc.stderr, proc.stderr
+
+
+def test_a_teacher_that_does_not_answer_ends_the_run_in_one_line_naming_it():
+    """Issue 105 item 9: the wrong port had been named at the end of a 75-line traceback (the
+    ranks' and the world's); now one line, the ranks' tracebacks with --traceback."""
+    from tests.kit.ports import refused_port
+
+    with refused_port() as port:
+        proc = script("--url", f"http://127.0.0.1:{port}", "--steps", "1")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("served_teacher_loop.py: the run failed: ValueError: build_teachers: entry "
+                           f"'http://127.0.0.1:{port}': served teacher failed on rank 0 of the group: "
+                           f"ServedTeacherError: http://127.0.0.1:{port}/v1/models: no answer after "), line
+    assert line.endswith("(ConnectError: [Errno 111] Connection refused) (--traceback: the ranks' tracebacks)"), line

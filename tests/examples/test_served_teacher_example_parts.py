@@ -128,7 +128,7 @@ def test_the_readme_runs_the_example_with_the_package_venv_and_says_how_the_lane
     assert len(runs) >= 4 and all(run.startswith(".venv/bin/python ") for _, run in runs), runs
     makefile = (root / "Makefile").read_text()
     assert "VLLM_LANE = .lanes/vllm" in makefile and "VLLM_STAMP = $(VLLM_LANE)/.installed" in makefile
-    assert "make .lanes/vllm/.installed" in texts[root / "README.md"]
+    assert "\nvllm-lane: $(VLLM_STAMP)\n" in makefile and "make vllm-lane" in texts[root / "README.md"]
 
 
 def test_a_failover_is_printed_as_it_happens_and_in_the_steps_figures(example, capsys):

@@ -112,14 +112,64 @@ def test_bad_arguments_are_refused_whole():
     assert words(TypeError, SelfTeacher, 3, V, K, context="hint") == (
         "SelfTeacher(student_pass=...) must be the host's pass of the student's model, a callable (TeacherBatch) -> "
         "StudentHidden(hidden=[R_i, H] per sample, output_weight=[V, H]), got int")
-    assert words(ValueError, SelfTeacher, student_pass, V, V + 1, context="hint") == (
-        "SelfTeacher(top_k=13) is over the student's vocabulary of 12")
-    for bad in (0, -1.0, True, "1", float("nan")):
+    for k in (V, V + 1):  # issue 105 item 7: refused here, not at the first score
+        assert words(ValueError, SelfTeacher, student_pass, V, k, context="hint") == (
+            f"SelfTeacher(top_k={k}) must be below the student's vocabulary of 12: the tail (every id outside the "
+            f"top-k) holds at least one")
+    for bad in (0, -1.0, True, "1", float("nan"), float("inf"), 10**400, 1e-320):
+        shown = f"{bad!r:.40}"
         assert words(ValueError, SelfTeacher, student_pass, V, K, context="hint", temperature=bad) == (
-            f"SelfTeacher(temperature={bad!r}): pass a positive float")
-    assert SelfTeacher(student_pass, V, V, context="hint", temperature=2).temperature == 2.0
+            f"SelfTeacher(temperature={shown}): pass a positive finite float (the step's temperature)")
+    assert SelfTeacher(student_pass, V, V - 1, context="hint", temperature=2).temperature == 2.0
     assert words(ValueError, SelfTeacher, student_pass, 0, K, context="hint") == (
         "SelfTeacher(vocab_size=...) must be a positive int (the student's real vocabulary), got 0")
+    assert words(ValueError, SelfTeacher, student_pass, 10**400, K, context="hint") == (
+        "SelfTeacher(vocab_size=1000000000000000000000000000000000000000…) is past any vocabulary: a token id is an "
+        "int64 (at most 2**63 - 1)")
+    for padded in (V - 1, 0, True, "16"):
+        assert words(ValueError, SelfTeacher, student_pass, V, K, context="hint", padded_vocab_size=padded) == (
+            f"SelfTeacher(padded_vocab_size={padded!r}): the rows of the student's output layer over its "
+            f"tensor-parallel group, an int >= vocab_size (12), or None")
+
+
+def test_the_constructions_edges_and_words():
+    """Issue 105 item 10 (the mutation run): each refusal whole, each bound at its edge."""
+    def student_pass(batch):
+        return []
+
+    assert words(ValueError, SelfTeacher, student_pass, V, K, context=None) == (
+        "SelfTeacher(context=None): the live self-teacher without a privileged context would be the student scoring "
+        "itself (every divergence zero); give it the key of each sample's context, e.g. 'student;context=solution'")
+    assert words(ValueError, SelfTeacher, student_pass, V, K, context=3).startswith("SelfTeacher(context=...): ")
+    assert words(ValueError, SelfTeacher, student_pass, V, 0, context="hint") == (
+        "SelfTeacher(top_k=...) must be a positive int (the teacher's buckets per row), got 0")
+    assert SelfTeacher(student_pass, 2**63, K, context="hint").vocab_size == 2**63  # ids 0 .. 2**63 - 1
+    assert words(ValueError, SelfTeacher, student_pass, 2**63 + 1, K, context="hint").startswith(
+        "SelfTeacher(vocab_size=9223372036854775809…) is past any vocabulary")
+    assert SelfTeacher(student_pass, V, K, context="hint", padded_vocab_size=V).padded_vocab_size == V
+    assert SelfTeacher(student_pass, V, K, context="hint", temperature=1e-308).temperature == 1e-308  # 1/t finite
+
+
+@pytest.mark.parametrize("top_k", [V - 1, V - 2])
+def test_a_top_k_of_every_id_but_one_scores_the_last_as_the_tail(top_k):
+    """top_k = V - 1: the op's ids (the top-k and the token) would be V wide, which it refuses (the
+    tail would be empty); the token is then one of the top-k or the one id outside them (the tail)."""
+    batch, given = batch_and_hidden()
+    first = batch.sequences[0].clone()  # sample 0's first response token: its row's least likely id (the tail's)
+    first[batch.response_starts[0]] = (given.hidden[0][0] @ given.output_weight[:V].T).argmin()
+    batch = TeacherBatch([first, batch.sequences[1]], batch.response_starts)
+    scores = SelfTeacher(lambda asked: given, V, top_k, context="hint").score(batch)
+    among = (scores.topk_ids[0] == first[batch.response_starts[0]:, None]).any(1)
+    assert not among[0] and among[1:].all()
+    for i, one in enumerate(given.hidden):
+        want = torch.log_softmax((one @ given.output_weight.T)[:, :V], dim=-1)
+        ids = want.topk(top_k, dim=-1).indices
+        tokens = batch.sequences[i][batch.response_starts[i]:]
+        assert torch.equal(scores.topk_ids[i], ids)
+        for got, expected in ((scores.topk_log_probs[i], want.gather(1, ids)),
+                              (scores.token_log_probs[i], want.gather(1, tokens[:, None])[:, 0]),
+                              (scores.tail_log_probs[i], want.scatter(1, ids, -torch.inf).logsumexp(-1))):
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
 def test_the_hosts_self_teacher_takes_its_pass_and_layout_or_is_refused_naming_where():
@@ -139,3 +189,13 @@ def test_the_hosts_self_teacher_takes_its_pass_and_layout_or_is_refused_naming_w
         "model: give the host one (LoopHost(vocab_size, ..., student_pass=fn): fn(batch) -> StudentHidden of the "
         "student's current weights on the batch's response rows: hidden states [R_i, H] and the output layer's "
         "weight)")
+
+
+def test_a_tensor_parallel_group_outside_a_world_scores_as_one_rank():
+    """The host's group is read only inside a torch.distributed world (a group of one is none to the ops):
+    handed on outside one, the scores are the whole weight's (issue 105 item 10)."""
+    batch, given = batch_and_hidden()
+    alone = SelfTeacher(lambda asked: given, V, K, context="hint").score(batch)
+    grouped = SelfTeacher(lambda asked: given, V, K, context="hint", tp_group=object()).score(batch)
+    assert all(torch.equal(a, b) for a, b in zip(alone.topk_log_probs + alone.tail_log_probs,
+                                                 grouped.topk_log_probs + grouped.tail_log_probs))

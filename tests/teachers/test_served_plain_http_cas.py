@@ -1,10 +1,12 @@
 """A teacher's clients share one verifying TLS context per CA bundle: loading the system's CAs costs
 ~30 ms, and a step opens a client per teacher and replica. Every client still verifies (https, and
 http whose proxy speaks TLS, get the same context as before); a changed bundle file or CA variable
-is loaded again."""
+is loaded again, a bundle replaced with its old mtime too; a CA variable or bundle that gives no CA is
+named when the client is made (OpenSSL skips it without a word)."""
 from __future__ import annotations
 
 import os
+import re
 import ssl
 
 import pytest
@@ -75,3 +77,58 @@ def test_a_changed_bundle_or_ca_variable_is_loaded_again(loads, tmp_path, monkey
     monkeypatch.setenv("SSL_CERT_FILE", certifi.where())
     opened("https://127.0.0.1:9", ClientSettings())
     assert loads == [str(bundle), str(bundle), None]
+
+
+def test_a_bundle_replaced_with_its_old_mtime_is_loaded_again(loads, tmp_path):
+    """Issue 105 item 7: the cache was keyed by the bundle's mtime alone, so a bundle replaced (a CA
+    rotated) and given its old mtime back kept the old context."""
+    certifi = pytest.importorskip("certifi", reason="a PEM bundle of CAs (httpx's dependency certifi)")
+    whole = open(certifi.where(), "rb").read()
+    bundle = tmp_path / "ca.pem"
+    bundle.write_bytes(whole)
+    before = bundle.stat().st_mtime_ns
+    opened("https://127.0.0.1:9", ClientSettings(ca_bundle=str(bundle)))
+    rotated = tmp_path / "rotated.pem"
+    rotated.write_bytes(whole[: whole.index(b"-----END CERTIFICATE-----") + 26])  # one CA of them
+    os.utime(rotated, ns=(before, before))
+    os.replace(rotated, bundle)
+    assert bundle.stat().st_mtime_ns == before
+    opened("https://127.0.0.1:9", ClientSettings(ca_bundle=str(bundle)))
+    assert loads == [str(bundle), str(bundle)]
+    assert VERIFIED[-1].cert_store_stats()["x509"] == 1
+
+
+@pytest.mark.parametrize("case", ["garbage", "directory", "missing", "100-MB"])
+def test_an_ssl_cert_file_that_gives_no_ca_is_named_when_the_client_is_made(loads, tmp_path, monkeypatch, case):
+    """OpenSSL skips a default CA path it cannot read without a word (a verifying context with no CA
+    of it); the client names the variable instead, before any request."""
+    path = tmp_path / "ca.pem"
+    if case == "garbage":
+        path.write_text("not a certificate\n")
+    elif case == "directory":
+        path.mkdir()
+    elif case == "100-MB":
+        with open(path, "wb") as sparse:
+            sparse.truncate(100_000_000)
+    monkeypatch.setenv("SSL_CERT_FILE", str(path))
+    what = {"garbage": "holds no certificate OpenSSL reads (PEM)", "100-MB": "holds no certificate OpenSSL reads (PEM)",
+            "directory": "is no file, it is a folder", "missing": "is no file, it is not there"}[case]
+    with pytest.raises(ValueError, match=re.escape(
+            f"SSL_CERT_FILE={str(path)!r} (where OpenSSL finds the system's CAs a served teacher's TLS is verified "
+            f"against) {what}: point it at a PEM file of CAs (SSL_CERT_DIR: a folder of them), unset it, or give "
+            f"ClientSettings(ca_bundle=PEM)")):
+        TeacherClient("http://127.0.0.1:9", ClientSettings())
+    TeacherClient("http://127.0.0.1:9", ClientSettings(ca_bundle=pytest.importorskip("certifi").where())).close()
+
+
+def test_an_ssl_cert_dir_that_is_no_folder_and_a_bundle_of_no_ca_are_named(loads, tmp_path, monkeypatch):
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    with pytest.raises(ValueError, match=re.escape(f"ClientSettings(ca_bundle={str(junk)!r}) holds no CA OpenSSL "
+                                                   "reads (")):
+        TeacherClient("https://127.0.0.1:9", ClientSettings(ca_bundle=str(junk)))
+    monkeypatch.setenv("SSL_CERT_DIR", str(junk))
+    with pytest.raises(ValueError, match=re.escape(f"SSL_CERT_DIR={str(junk)!r} (where OpenSSL finds the system's CAs "
+                                                   "a served teacher's TLS is verified against) is no folder, it is a "
+                                                   "file")):
+        TeacherClient("http://127.0.0.1:9", ClientSettings())

@@ -18,7 +18,9 @@ def test_rows_per_sample():
     ([torch.arange(4), torch.arange(3)], [1], ValueError, "2 sequences but 1 response_starts"),
     ([torch.arange(4).float()], [1], TypeError, r"sequences\[0\] must be a 1-D integer id tensor"),
     ([torch.zeros(2, 3, dtype=torch.long)], [1], TypeError, r"sequences\[0\] must be a 1-D integer id tensor"),
-    ([[1, 2, 3]], [1], TypeError, r"sequences\[0\] must be a 1-D integer id tensor, got list"),
+    ([[1, 2, 3]], [1], TypeError, r"sequences\[0\] must be a 1-D integer id tensor, got list \(torch.tensor\(ids\) "
+                                  r"makes one\)"),
+    ([torch.arange(4).to("meta")], [1], ValueError, r"sequences\[0\] is on the meta device \(a shape without data\)"),
     ([torch.tensor([1, -2, 3])], [1], ValueError, r"sequences\[0\] holds a negative id"),
     ([torch.arange(4)], [1.5], TypeError, r"response_starts\[0\] must be an int"),
     ([torch.arange(4)], [True], TypeError, r"response_starts\[0\] must be an int"),

@@ -230,6 +230,16 @@ def one_rank_wrong(rank: int, world_size: int, url: str, other: str, names: tupl
             step.add(batch(), scored={0: given})
             step.collect()
 
+        def given_rows_meta() -> None:  # rank 1's given rows on the meta device (issue 105 item 4): named, on both
+            import dataclasses
+
+            step = step_of()
+            given = served.score(batch())
+            if rank == 1:
+                given = dataclasses.replace(given, tail_log_probs=[t.to("meta") for t in given.tail_log_probs])
+            step.add(batch(), scored={0: given})
+            step.collect()
+
         def carried_malformed() -> None:  # rank 1's carried entry is a string (item 2): refused on both ranks
             from megatron_rl_patches.integrations.megatron.opd.carried_rows import CARRIED, add_carried, teacher_key
 
@@ -241,6 +251,7 @@ def one_rank_wrong(rank: int, world_size: int, url: str, other: str, names: tupl
 
         cases = {
             "given_rows_differ": given_rows_differ,
+            "given_rows_meta": given_rows_meta,
             "carried_malformed": carried_malformed,
             "collect_unsent": collect_unsent,
             "send_not_a_batch": send_not_a_batch,
@@ -287,6 +298,10 @@ def test_one_ranks_bad_call_or_lying_host_is_the_same_error_on_every_rank_at_onc
         "given_rows_differ": ("ServedTeacherRefusal", "failed on rank 1 of the group: ValueError: TeacherStep.add: "
                                                       "teacher 0's rows of sample 2 (scored= of TeacherStep.add()) are "
                                                       "not what the served teacher answers"),
+        "given_rows_meta": ("ServedTeacherRefusal", "failed on rank 1 of the group: ValueError: TeacherStep.add: "
+                                                    "teacher 0's rows of sample 0 (scored= of TeacherStep.add()) are "
+                                                    "not what the served teacher answers: tail_log_probs is on the "
+                                                    "meta device (a shape without data)"),
         "carried_malformed": ("ValueError", "slime_opd: sample 1's train_metadata['megatron_rl_patches_teacher_rows']"),
         "collect_unsent": ("RuntimeError", "nothing sent"),
         "send_not_a_batch": ("TypeError", "takes a TeacherBatch, got str"),

@@ -4,12 +4,16 @@ Every command module provides `add_arguments(parser)` and `run(args) -> int`; `r
 :class:`UsageError` for a one-line usage error. Only the module of the command being run is
 imported, so `--help` and the light commands stay cheap. Exit codes, for every command: 0 ok,
 1 a problem found, 2 usage error (also: a command this installation does not have). A module that
-sets `PASSES_THROUGH = True` gets the words after the first '--' unparsed, as `args.passed_through`.
+sets `PASSES_THROUGH = True` gets the words after the first '--' unparsed, as `args.passed_through`;
+one that sets `SECRET_OPTIONS` (e.g. `("--api-key",)`) has their values shown as '…' in every usage
+error argparse writes, whatever spelling carried them (`_common.names_option`).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
 import os
 import sys
 import textwrap
@@ -18,7 +22,17 @@ from typing import Any
 
 from megatron_rl_patches import __version__
 from megatron_rl_patches._variables import MEANINGS
-from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG, USAGE, HelpFormatter, UsageError, say
+from megatron_rl_patches.apps.cli._common import (
+    OK,
+    PROBLEM,
+    PROG,
+    USAGE,
+    HelpFormatter,
+    UsageError,
+    say,
+    secret_values,
+    without_values,
+)
 
 __all__ = ["COMMANDS", "OK", "PROBLEM", "PROG", "USAGE", "UsageError", "build_parser", "main"]
 
@@ -113,6 +127,19 @@ def _quiet_stdout() -> None:
         pass
 
 
+def parsed(parser: argparse.ArgumentParser, argv: list[str], secrets: Sequence[str]) -> argparse.Namespace:
+    """`parser.parse_args(argv)`; with `secrets` (a command's secret options) what argparse writes to
+    stderr (a usage error quoting the words it did not take) is written with their values as '…'."""
+    if not secrets:
+        return parser.parse_args(argv)
+    written = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(written):
+            return parser.parse_args(argv)
+    finally:
+        sys.stderr.write(without_values(written.getvalue(), secret_values(argv, secrets)))
+
+
 def _run(argv: list[str]) -> int:
     command = _selected_command(argv)
     try:
@@ -127,7 +154,7 @@ def _run(argv: list[str]) -> int:
     if getattr(implementation, "PASSES_THROUGH", False) and "--" in argv:  # e.g. another program's arguments
         argv, passed = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     try:
-        args = parser.parse_args(argv)
+        args = parsed(parser, argv, getattr(implementation, "SECRET_OPTIONS", ()))
     except SystemExit as exc:  # --help, --version, or a usage error (argparse printed why)
         return exc.code if isinstance(exc.code, int) else USAGE
     args.passed_through = passed

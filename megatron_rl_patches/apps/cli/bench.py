@@ -76,7 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # `gpu` (every implementation on a CUDA device) is not part of `all`
     parser.add_argument("which", nargs="?", default="all", choices=[*BENCHMARKS, *SEPARATE, "gpu", "ops", "all"],
                         help="which benchmark (`ops`: today's vocabulary ops against --baseline REV; `load`: "
-                             "Hugging Face checkpoint loading; neither in `all`)")
+                             "Hugging Face checkpoint loading; `gpu`: every implementation on a CUDA device, which "
+                             "it needs (torch with CUDA); none of the three in `all`)")
+    parser.epilog = (f"`bench all --quick` leaves out {', '.join(NOT_IN_QUICK_ALL)} (about 30 s each even on tiny "
+                     f"shapes: a spawned world or a model; it names them when it starts): `bench NAME --quick` runs "
+                     f"one. `bench gpu` needs a CUDA device: without one it says so in one line (exit 1).")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: seconds, for smoke tests")
     parser.add_argument("--out", metavar="DIR", help="write CSV files and PNG plots (needs the [bench] extra) here")
     parser.add_argument("--slow", action="store_true",
@@ -145,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
         check_output_folder(args.out)
     names = ([name for name in BENCHMARKS if not (args.quick and name in NOT_IN_QUICK_ALL)]
              if args.which == "all" else [args.which])
+    if args.which == "all" and args.quick:
+        print(f"bench all --quick: {len(names)} benchmarks; leaves out {', '.join(NOT_IN_QUICK_ALL)} (about 30 s "
+              f"each even on tiny shapes): `bench NAME --quick` runs one", file=sys.stderr, flush=True)
     failed = []
     for name in names:
         options = {"only": args.only} if args.only is not None else {}

@@ -14,8 +14,10 @@
 With `response_start` (the field this server adds) only the rows from the response start - 1 on
 are computed and sent: log-prob entries before it are None, a pooling reply's rows start at its
 `first_row`. Every route asks for the API key (`Authorization: Bearer KEY`) when one is set; the key
-is compared in constant time and never written to a reply or a log. A dead engine answers 500 and
-stops the server, so a client fails over to another replica.
+is compared in constant time and never written to a reply or a log. A request the engine never runs
+(a body that is no JSON, a field out of range) is a 400 naming the body or the field (`bodies`);
+only what the engine itself raised is a 500. A dead engine answers 500 (a scoring request) or 503
+(`/health` and the card alike) and stops the server, so a client fails over to another replica.
 
 (No `from __future__ import annotations` here: FastAPI reads the routes' annotations at definition.)"""
 # lazy imports: import cost: vLLM, FastAPI, uvicorn and prometheus_client load only when the command runs
@@ -47,9 +49,17 @@ def card_extension(block_size: int) -> dict[str, Any]:
 def error(status: int, message: str) -> Any:
     from fastapi.responses import JSONResponse
 
-    kind = {400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError"}.get(status, "InternalServerError")
+    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(status,
+                                                                                          "InternalServerError")
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
                         status_code=status)
+
+
+class EngineFailed(Exception):
+    """What the engine raised computing a request (the 500 that names it)."""
+
+    def __init__(self, failed: BaseException) -> None:
+        super().__init__(f"{type(failed).__name__}: {failed}")
 
 
 def teacher_app(engine: Any, api_key: str | None, on_engine_death: Callable[[], None]) -> Any:
@@ -66,8 +76,7 @@ def teacher_app(engine: Any, api_key: str | None, on_engine_death: Callable[[], 
         finally:
             engine.shutdown()
 
-    app = FastAPI(title="megatron-rl-patches serve-teacher", docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)
+    app = FastAPI(openapi_url=None, lifespan=lifespan)  # no schema route, so no docs pages (served from it)
     wanted = f"Bearer {api_key}".encode() if api_key else None
 
     @app.middleware("http")
@@ -76,47 +85,40 @@ def teacher_app(engine: Any, api_key: str | None, on_engine_death: Callable[[], 
             return JSONResponse({"error": "Unauthorized"}, status_code=401)
         return await call_next(request)
 
-    async def body_of(request: Request) -> Any:
-        try:
-            return await request.json()
-        except ValueError:
-            raise bodies.BadRequest("the body is no JSON") from None
-
     async def computed(ids: list[int], start: int | None) -> torch.Tensor:
-        from vllm.v1.engine.exceptions import EngineDeadError
-
         try:
             return await engine.states(ids, start)
-        except EngineDeadError:
-            on_engine_death()
-            raise
-
-    def model_named(body: dict[str, Any]) -> None:
-        named = body.get("model")
-        if named is not None and named != engine.name:
-            raise LookupError(f"The model `{named}` does not exist.")
+        except Exception as failed:  # noqa: BLE001 - whatever the engine raised: its failure, a 500
+            await alive()  # a dead engine (vLLM's EngineDeadError) stops the server
+            raise EngineFailed(failed) from failed
 
     async def answered(request: Request, answer: Callable[[Any], Awaitable[Any]]) -> Any:
         try:
-            body = await body_of(request)
+            body = bodies.read_body(await request.body())
             if isinstance(body, dict):
-                model_named(body)
+                bodies.served_model_named(body, engine.name)
             return await answer(body)
         except bodies.BadRequest as bad:
             return error(400, str(bad))
         except LookupError as missing:
             return error(404, str(missing))
-        except Exception as failed:  # noqa: BLE001 - the engine's failure, a 500 the client retries or fails over
-            return error(500, f"the teacher's engine failed: {type(failed).__name__}: {failed}")
+        except EngineFailed as failed:  # a 500 the client retries or fails over
+            return error(500, f"the teacher's engine failed: {failed}")
+        except Exception as failed:  # noqa: BLE001 - this server's own fault, after the engine answered
+            return error(500, f"serve-teacher failed: {type(failed).__name__}: {failed}")
 
-    @app.get("/health")
-    async def health() -> Any:
+    async def alive() -> bool:
+        """Whether the engine answers (vLLM's health check: its core process up); a dead one stops the server."""
         try:
             await engine.engine.check_health()
         except Exception:  # noqa: BLE001 - a dead engine
             on_engine_death()
-            return Response(status_code=503)
-        return Response(status_code=200)
+            return False
+        return True
+
+    @app.get("/health")
+    async def health() -> Any:
+        return Response(status_code=200 if await alive() else 503)
 
     @app.get("/metrics")
     async def metrics() -> Any:
@@ -126,6 +128,8 @@ def teacher_app(engine: Any, api_key: str | None, on_engine_death: Callable[[], 
 
     @app.get("/v1/models")
     async def models() -> Any:
+        if not await alive():  # the card and /health agree: a client's check fails over from a dead engine
+            return error(503, "the teacher's engine is dead: this server is stopping (ask another replica)")
         card = {"id": engine.name, "object": "model", "created": int(time.time()), "owned_by": "vllm",
                 "root": engine.root, "parent": None, "max_model_len": engine.max_model_len,
                 CARD_FIELD: card_extension(engine.block_size)}

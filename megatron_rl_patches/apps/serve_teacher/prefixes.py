@@ -64,9 +64,8 @@ class SharedPrefixes:
         when none is needed (None: needed and not kept)."""
         if cached <= start - 1:
             return torch.zeros(0)
-        kept = self.kept.get(tuple(ids[:start]))
-        if kept is None or kept.first > start - 1 or len(kept.ids) < cached or \
-                kept.ids[:cached] != tuple(ids[:cached]):
+        kept = self.kept.get(tuple(ids[:start]))  # kept under the same `start` ids: its first row is start - 1
+        if kept is None or len(kept.ids) < cached or kept.ids[:cached] != tuple(ids[:cached]):
             return None
         self.kept.move_to_end(tuple(ids[:start]))
         return kept.states[start - 1 - kept.first: cached - kept.first]

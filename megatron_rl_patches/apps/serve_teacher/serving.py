@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Sequence
 
 LOG = logging.getLogger("megatron_rl_patches.serve_teacher")
@@ -13,6 +14,14 @@ LOG = logging.getLogger("megatron_rl_patches.serve_teacher")
 def serve(model: str, host: str, port: int, api_key: str | None, extra: Sequence[str]) -> None:
     """Serve `model` at host:port until stopped (SIGINT / SIGTERM) or until the engine dies."""
     asyncio.run(serving(model, host, port, api_key, extra))
+
+
+def start_line(name: str, host: str, port: int, block_size: int, keyed: bool) -> str:
+    """The line the server logs once it serves: where, the KV block it shares prompts in, and the
+    shortest prompt it shares (vLLM's prefix cache holds whole blocks only)."""
+    return (f"serve-teacher: {name} at http://{host}:{port} (prefix sharing on, KV blocks of {block_size} tokens: "
+            f"a group shares its prompt's whole blocks, so a prompt shares nothing under {block_size} tokens"
+            f"{'; API key required' if keyed else ''})")
 
 
 async def serving(model: str, host: str, port: int, api_key: str | None, extra: Sequence[str]) -> None:
@@ -32,8 +41,8 @@ async def serving(model: str, host: str, port: int, api_key: str | None, extra: 
     try:
         app = teacher_app(engine, api_key, on_engine_death)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False))
-        LOG.info("serve-teacher: %s at http://%s:%d (prefix sharing on%s)", engine.name, host, port,
-                 ", API key required" if api_key else "")
+        # the command's own line on stderr (a logger's info line was never shown: no handler takes it)
+        print(start_line(engine.name, host, port, engine.block_size, api_key is not None), file=sys.stderr, flush=True)
         await server.serve()
     finally:
         engine.shutdown()

@@ -95,23 +95,54 @@ def server_words(response: Any, key: str | None) -> str:
     return without_key(response.text[:QUOTED + len(key or "")], key)[:QUOTED]
 
 
+CA_FILE, CA_DIR = "SSL_CERT_FILE", "SSL_CERT_DIR"  # OpenSSL's variables for the system's CAs
+CA_FIX = ("point it at a PEM file of CAs (SSL_CERT_DIR: a folder of them), unset it, or give "
+          "ClientSettings(ca_bundle=PEM)")
+CA_WHERE = "where OpenSSL finds the system's CAs a served teacher's TLS is verified against"
+
+
 def tls_context(ca_bundle: str | None) -> ssl.SSLContext:
     """The verifying TLS context of every client given `ca_bundle` (None: the system's CAs, from
     OpenSSL's default paths or SSL_CERT_FILE / SSL_CERT_DIR), loaded once per process: loading the
-    system's CAs costs ~30 ms, and a step opens a client per teacher and replica. A changed bundle
-    file or CA variable is loaded again."""
+    system's CAs costs ~30 ms, and a step opens a client per teacher and replica. A bundle file or a
+    CA variable changed, or a file it names rewritten or replaced (even with its old mtime set back),
+    is loaded again. A ValueError naming the bundle or the variable where it gives no CA (OpenSSL
+    skips a missing, unreadable or malformed default path without a word)."""
+    key = (stamp(ca_bundle),) if ca_bundle is not None else \
+        tuple((os.environ.get(name), stamp(os.environ.get(name))) for name in (CA_FILE, CA_DIR))
+    return loaded_context(ca_bundle, *key)
+
+
+def stamp(path: str | None) -> tuple[int, ...] | None:
+    """What changes when the file at `path` is rewritten or replaced: its device, inode, size, and
+    modification and change times (the change time cannot be set back); None where it is none."""
     try:
-        stamp = os.stat(ca_bundle).st_mtime_ns if ca_bundle is not None else None
-    except OSError:
-        stamp = None  # ClientSettings checked it is a file: loading it names what is wrong now
-    return loaded_context(ca_bundle, stamp, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        held = os.stat(path) if path else None
+    except (OSError, ValueError):
+        return None
+    return None if held is None else (held.st_dev, held.st_ino, held.st_size, held.st_mtime_ns, held.st_ctime_ns)
 
 
 @functools.lru_cache(maxsize=8)
 def loaded_context(ca_bundle: str | None, *key: Any) -> ssl.SSLContext:
-    """`tls_context`'s load, cached per process (`key`: the bundle's change time and the CA variables,
-    the cache key only; `loaded_context.cache_clear()` forgets every context)."""
-    return ssl.create_default_context(cafile=ca_bundle)
+    """`tls_context`'s load, cached per process (`key`: what the bundle's or the variables' files are
+    now, the cache key only; `loaded_context.cache_clear()` forgets every context). A refusal is
+    not cached: the next client is told again."""
+    if ca_bundle is None:
+        for name, wanted, kind in ((CA_FILE, os.path.isfile, "file"), (CA_DIR, os.path.isdir, "folder")):
+            value = os.environ.get(name)
+            if value and not wanted(value):
+                what = "a folder" if os.path.isdir(value) else "a file" if os.path.exists(value) else "not there"
+                raise ValueError(f"{name}={value!r} ({CA_WHERE}) is no {kind}, it is {what}: {CA_FIX}")
+    try:
+        context = ssl.create_default_context(cafile=ca_bundle)
+    except (ssl.SSLError, OSError) as error:
+        raise ValueError(f"ClientSettings(ca_bundle={ca_bundle!r}) holds no CA OpenSSL reads ({error}): give a PEM "
+                         f"file of CAs") from None
+    value = os.environ.get(CA_FILE)
+    if ca_bundle is None and value and not context.cert_store_stats()["x509"]:
+        raise ValueError(f"{CA_FILE}={value!r} ({CA_WHERE}) holds no certificate OpenSSL reads (PEM): {CA_FIX}")
+    return context
 
 
 class TeacherClient:
@@ -123,6 +154,7 @@ class TeacherClient:
         self.settings = settings
         self.recorder = recorder or Recorder()  # the bytes received and the retries, for the teacher's metrics
         key_variable(settings.api_key_env)  # its key, whatever a server quotes of it, hidden in every message
+        tls_context(settings.ca_bundle)  # a bundle or CA variable that gives no CA refused here, not at a request
         self._http: Any = None
         self._lock = threading.Lock()
         self._closed = False  # close(): no attempt starts, and every wait for one ends at once

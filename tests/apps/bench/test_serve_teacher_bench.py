@@ -59,3 +59,28 @@ def test_each_group_is_scored_by_both_servers_in_turning_order(monkeypatch):
     assert found["stock vLLM"]["tokens"] == 10.0 and found["serve-teacher"]["tokens"] == 3.0
     for name in found:  # each group's time kept in the groups' order, for the ratio of each pair
         assert len(found[name]["times"]) == 3 and found[name]["best"] == min(found[name]["times"])
+
+
+def test_block_runs_read_their_shapes_and_a_servers_cpu_with_its_children(tmp_path):
+    """`--blocks` (issue 105 item 8): `--shapes` P/R/G joined by ',' (default: the issue's two), the
+    CPU seconds of a process and its children (a server and vLLM's engine core), and the rows written."""
+    import os
+    import subprocess
+    import types
+
+    assert bench.shapes_of("96/24/8,1024/128/8") == [(96, 24, 8), (1024, 128, 8)]
+    assert bench.shapes_of(None) == list(bench.SHAPES)
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.3\n"
+                              "while time.process_time() < end: pass\ntime.sleep(30)"])
+    try:
+        import time
+
+        time.sleep(1.0)
+        mine = sum(os.times()[:2])
+        assert bench.server_cpu(os.getpid()) >= mine + 0.25  # this process and its busy child
+    finally:
+        child.kill()
+    args = types.SimpleNamespace(states=False, hidden=64, layers=2)
+    bench.written(tmp_path / "out" / "rows", args, ["1 2 3", "4 5 6"], [{"P": 1}], ["| a |", "|---|"])
+    assert (tmp_path / "out" / "rows.md").read_text().startswith("| a |\n|---|\n\n")
+    assert '"P": 1' in (tmp_path / "out" / "rows.json").read_text()

@@ -37,7 +37,20 @@ def test_bench_all_quick_runs_each_benchmark_once_in_order_and_goes_on_past_a_fa
     expected = [name for name in bench_cli.BENCHMARKS if name not in bench_cli.NOT_IN_QUICK_ALL]
     assert expected[:4] == ["logprobs", "topk", "reentrant", "fused"] and "windows" in expected
     assert calls == [(name, True, str(tmp_path), {}) for name in expected]
-    assert "bench windows: 1 case(s) failed: it broke" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "bench windows: 1 case(s) failed: it broke" in said
+    # issue 105 item 9: the ones left out are named, not left out without a word
+    assert said.splitlines()[0] == (f"bench all --quick: {len(expected)} benchmarks; leaves out teacher-layout, "
+                                    "share-scores, hidden-dtypes, context, self-teacher (about 30 s each even on "
+                                    "tiny shapes): `bench NAME --quick` runs one")
+
+
+def test_bench_help_says_what_gpu_needs_and_what_the_quick_all_leaves_out(capsys):
+    assert main(["bench", "gpu", "--help"]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "`gpu`: every implementation on a CUDA device, which it needs (torch with CUDA)" in said
+    assert "`bench gpu` needs a CUDA device: without one it says so in one line (exit 1)." in said
+    assert "`bench all --quick` leaves out teacher-layout, share-scores, hidden-dtypes, context, self-teacher" in said
 
 
 def test_bench_topk_quick_writes_csv_and_png(tmp_path, capsys):

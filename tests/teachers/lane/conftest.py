@@ -27,7 +27,6 @@ from tests.teachers.lane.served_kit import (
     MAX_LOGPROBS,
     MAX_MODEL_LEN,
     MODEL_SHAPE,
-    OURS_BLOCK,
     POOLING,
     VLLM_PYTHON,
     VOCAB,
@@ -145,9 +144,10 @@ def start(name: str, root: Path, directory: Path) -> Any:
     if name == "spare":  # the same weights from a byte copy at another path, its prefix cache on (issue 86 items 1, 2)
         return launch(VLLM_PYTHON, spare_copy(root, directory), root / "vllm-spare.log", api_key=API_KEY,
                       extra=("--enable-prefix-caching",), **common)
-    if name == "ours":  # megatron-rl-patches serve-teacher: vLLM's engine in process, a group's prefix once (issue 98)
+    if name == "ours":  # megatron-rl-patches serve-teacher: vLLM's engine in process, a group's prefix once (issue 98);
+        # its KV block its CPU default (OURS_BLOCK), no logprobs limit but the vocabulary (issue 105 items 1, 8)
         return launch(VLLM_PYTHON, directory, root / "serve-teacher.log", api_key=API_KEY, serve_teacher=True,
-                      extra=("--block-size", str(OURS_BLOCK)), **common)
+                      max_model_len=MAX_MODEL_LEN, max_logprobs=-1)
     if name == "pooled":
         return launch(VLLM_PYTHON, directory, root / "vllm-pooling.log", api_key=API_KEY, extra=POOLING, **common)
     if name == "cohere":  # a family whose engine scales its logits by a default (issue 86 item 11)
@@ -273,7 +273,7 @@ def pooled(launched, checkpoint):
 @pytest.fixture(scope="session")
 def ours(launched, checkpoint):
     """`megatron-rl-patches serve-teacher` of the lane's checkpoint (its prefix cache on, blocks of
-    OURS_BLOCK tokens); the API key set in the client's variable."""
+    OURS_BLOCK tokens: its CPU default; `--max-logprobs -1`); the API key set in the client's variable."""
     _, directory, model = checkpoint
     with ready(launched, "ours", checkpoint) as server:
         with pytest.MonkeyPatch.context() as patch:

@@ -12,7 +12,7 @@ VOCAB = 1001
 MODEL_SHAPE = dict(hidden_size=64, head_dim=32, intermediate_size=96, max_position_embeddings=MAX_MODEL_LEN,
                    vocab_size=VOCAB)
 # vLLM's pooling runner serving a causal LM's final hidden states per token (CONTEXT §19)
-# serve-teacher's KV block in the lane (vLLM's CPU backend wants multiples of 32; its default 128 would
-# leave the lane's prompts of < 256 tokens one or two blocks)
+# serve-teacher's KV block in the lane: its default on CPU (vLLM's CPU default of 128 would leave the lane's
+# prompts of < 256 tokens one or two blocks)
 OURS_BLOCK = 32
 POOLING = ("--runner", "pooling", "--convert", "embed", "--pooler-config", '{"task": "token_embed"}')

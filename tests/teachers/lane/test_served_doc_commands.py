@@ -115,6 +115,12 @@ def test_the_whole_vocabulary_block_of_distillation_md_runs_as_written(started, 
     exec(compile(text, block.where, "exec"), {"__name__": "__doc_block__"})  # noqa: S102 - the docs' own block
 
 
+def test_the_replica_servers_block_keeps_each_replicas_process_id():
+    servers, run, _ = replica_blocks()
+    assert "\nA=$!\n" in servers.text and "\nB=$!\n" in servers.text
+    assert run.text.rstrip().endswith("kill $A  # replica a, done")
+
+
 def replica_blocks() -> tuple:
     """(the servers block, the run block, the output block) of the replica run, the same on each page
     that shows it (README.md and docs/distillation.md)."""
@@ -143,12 +149,18 @@ def test_the_replica_run_of_the_docs_runs_as_written_one_replica_stopped_mid_run
     text = (run.text.replace(".venv/bin/python", sys.executable).replace("examples/", f"{EXAMPLES}/")
             .replace("http://127.0.0.1:8001", served.url).replace("http://127.0.0.1:8002", replica_b.url))
     assert text.count(served.url) == 1 and text.count(replica_b.url) == 1
+    # replica a is the lane's shared server: the block's last line stops a stand-in for it (issue 105 item 9: the
+    # block kept b's process id alone, and replica a ran on after it)
+    replica_a = subprocess.Popen(["sleep", "600"])
     try:
         proc = subprocess.run(["bash", "-c", text], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "B": str(replica_b.process.pid), "PYTHONWARNINGS": "ignore"})
+                              env={**os.environ, "A": str(replica_a.pid), "B": str(replica_b.process.pid),
+                                   "PYTHONWARNINGS": "ignore"})
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert replica_b.process.wait(60) is not None  # stopped by the block
+        assert replica_a.wait(60) == -signal.SIGTERM  # and replica a, once the run is done
     finally:
+        replica_a.kill()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(replica_b.process.pid, signal.SIGKILL)  # its engine core too
     printed, expected = proc.stdout.splitlines(), shown.text.splitlines()

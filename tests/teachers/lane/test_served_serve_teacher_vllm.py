@@ -195,6 +195,56 @@ def test_bad_requests_are_refused_by_field_and_the_key_asked_everywhere(ours):
     assert API_KEY not in log
 
 
+@pytest.mark.parametrize("k", [VOCAB + 1, 10**9, 2**63])
+def test_a_bad_prompt_logprobs_is_a_400_as_vllms_own_server_answers_it(ours, served, k):
+    """Issue 105 item 1: serve-teacher under --max-logprobs -1 (the lane's `ours`) answered prompt_logprobs
+    past the vocabulary with 500 "the teacher's engine failed: RuntimeError: selected index k out of
+    range", which the client retries and fails over on; now 400 in vLLM's words (the vocabulary its
+    limit, as vLLM reads -1), as the stock server answers it (its limit 20)."""
+    import httpx
+
+    body = {"prompt": [1, 2, 3], "prompt_logprobs": k, "max_tokens": 1}
+    for url, limit in ((ours.url, VOCAB), (served.url, MAX_LOGPROBS)):
+        name = httpx.get(url + "/v1/models", headers=AUTH, timeout=30).json()["data"][0]["id"]
+        said = httpx.post(url + "/v1/completions", headers=AUTH, timeout=30, json={**body, "model": name})
+        assert said.status_code == 400, (url, said.status_code, said.text)
+        assert f"Requested prompt logprobs of {k}, which is greater than max allowed: {limit}" in \
+            said.json()["error"]["message"], said.text
+    assert httpx.get(ours.url + "/health", headers=AUTH, timeout=30).status_code == 200
+
+
+def test_a_top_k_past_the_vocabulary_is_refused_and_no_replica_taken_out(ours, served):
+    """The client reads that 400 as the request's fault: refused by name, no retry, no replica taken
+    out (a 500 had been retried and had taken the replica out); the replicas then score as before."""
+    from megatron_rl_patches.teachers.errors import ServedTeacherRefusal
+
+    batch = grouped(6, [(2, 45)])
+    with ServedTeacher([ours.url, served.url], top_k=VOCAB + 1, client=FAST) as both:
+        with pytest.raises(ServedTeacherRefusal, match=r"top_k=1002 is over the server's --max-logprobs (1001|20)"):
+            both.score(batch)
+        said = both.metrics()
+    assert said["taken_out"] == [] and said["retries"] == 0 and said["failovers"] == 0, said
+    with ServedTeacher(ours.url, top_k=VOCAB + 1, client=FAST) as alone:
+        with pytest.raises(ServedTeacherRefusal, match=r"top_k=1002 is over the server's --max-logprobs 1001 at "):
+            alone.check()
+        assert alone.metrics()["retries"] == 0
+    with ServedTeacher([ours.url, served.url], top_k=K, client=FAST) as teacher:
+        teacher.score(batch)
+        assert teacher.metrics()["taken_out"] == []
+
+
+def test_the_start_line_and_the_card_name_the_cpu_block_serve_teacher_chose(ours):
+    """Issue 105 item 8: no --block-size given (the lane's `ours`), serve-teacher asks for 32 on CPU
+    (vLLM's CPU default of 128 shared nothing of a prompt under 128 tokens), and says so at start."""
+    import httpx
+
+    card = httpx.get(ours.url + "/v1/models", headers=AUTH, timeout=30).json()["data"][0]
+    assert card["megatron_rl_patches"]["block_size"] == OURS_BLOCK == 32
+    log = (ours.directory.parent / "serve-teacher.log").read_text(errors="replace")
+    assert "(prefix sharing on, KV blocks of 32 tokens: a group shares its prompt's whole blocks, so a prompt " \
+           "shares nothing under 32 tokens; API key required)" in log, log[-3000:]
+
+
 @pytest.mark.kills_server("ours")
 def test_the_engine_killed_mid_step_fails_over_to_the_stock_replica(ours, served):
     """serve-teacher and the stock server as one teacher's replicas: serve-teacher's process group
