@@ -39,18 +39,14 @@ ROOMS = {
     # leaves and small rooms of their own
     "reentrant": "reentrant",
     "windows": "windows",
+    "settings": "settings",  # every setting: its name, meaning, syntax, and the one reader of the environment
     "_chunks": "_chunks",
     "_args": "_args",
     "_log": "_log",
-    "_backend_env": "_backend_env",
     "_lazy": "_lazy",
     "_aliases": "_aliases",
     "_shadow": "_shadow",
-    "_residency_modes": "_residency_modes",
-    "_variables": "_variables",
     "_extras": "_extras",
-    "_digits": "_digits",
-    "_layout_option": "_layout_option",
     "_json_read": "_json_read",
 }
 # The apps: under apps/ (issue 20 item 6); their former names at the package root still count

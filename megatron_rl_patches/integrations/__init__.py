@@ -73,10 +73,10 @@ def check_settings(environ: Any = None) -> None:
 
 
 def variable_names() -> tuple[str, ...]:
-    """Every environment variable the package reads: the one table's (megatron_rl_patches/_variables.py)."""
-    from megatron_rl_patches import _variables
+    """Every environment variable the package reads: the one table's (megatron_rl_patches/settings.py)."""
+    from megatron_rl_patches import settings
 
-    return _variables.READ
+    return settings.READ
 
 
 def default_registry() -> Registry:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megatron_rl_patches._layout_option import written_sizes
+from megatron_rl_patches.settings import written_sizes
 
 CHECKPOINT, PROVIDER, SERVED, STUDENT = "checkpoint", "provider", "served", "student"
 

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_rl_patches import __version__
-from megatron_rl_patches._variables import MEANINGS
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG, USAGE, HelpFormatter, UsageError, say
+from megatron_rl_patches.settings import MEANINGS
 
 __all__ = ["COMMANDS", "OK", "PROBLEM", "PROG", "USAGE", "UsageError", "build_parser", "main"]
 

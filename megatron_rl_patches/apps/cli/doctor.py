@@ -12,7 +12,6 @@ from typing import Any
 
 import megatron_rl_patches
 from megatron_rl_patches._json_read import parsed_json
-from megatron_rl_patches._variables import OPD_PREFIX, TEACHER_API_KEY, VERL_TEACHER
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG
 from megatron_rl_patches.apps.cli.doctor_summary import summary_lines, summary_of
 from megatron_rl_patches.apps.cli.doctor_verl import verl_teacher_report
@@ -24,6 +23,7 @@ from megatron_rl_patches.integrations.slime.roles import DEFAULT_INFERENCE_ROLES
 from megatron_rl_patches.patching import check_settings, env, registry
 from megatron_rl_patches.patching.startup import files as startup_files
 from megatron_rl_patches.patching.startup import hook
+from megatron_rl_patches.settings import OPD_PREFIX, TEACHER_API_KEY, VERL_TEACHER
 from megatron_rl_patches.teachers.kinds import RunFacts, entry_report
 from megatron_rl_patches.teachers.redaction import redacted, refuse_userinfo, scrubbed_all
 

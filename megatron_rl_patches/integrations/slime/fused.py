@@ -27,7 +27,7 @@ from megatron_rl_patches.integrations.megatron.opd.hidden_teachers import real_v
 from megatron_rl_patches.integrations.megatron.opd.topk_request import VocabRequest
 from megatron_rl_patches.integrations.megatron.planned_iterators import plan_of, planned, planned_schedule
 from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
-from megatron_rl_patches.integrations.slime.step_plan import PLAN, StepPlan, step_request, step_settings
+from megatron_rl_patches.integrations.slime.step_plan import PLAN, StepPlan, slime_settings, step_request
 from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
 from megatron_rl_patches.integrations.slime.topk import topk_context
 from megatron_rl_patches.integrations.slime.vocab_step import vocab_processor
@@ -99,12 +99,12 @@ def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
 def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for `train_one_step(args, ..., data_iterator, model, ...)`: entropy (with its
     gradient only when `entropy_coef != 0`, as slime's `with_entropy_grad`) unless the loss is
-    slime's SFT loss; top-k OPD's settings: the actor step's (on its rollout data), else parsed here."""
+    slime's SFT loss; top-k OPD's settings as slime's `args` hold them (`slime_settings`)."""
     bound = bind(wrapped, args, kwargs)
     if bound is None:
         return wrapped(*args, **kwargs)
     slime_args = bound.arguments["args"]
-    settings = step_settings(bound.arguments.get("data_iterator"))
+    settings = slime_settings(slime_args)
     request = step_request(slime_args, settings)
     invariant = student_invariant(bound.arguments.get("model"))
     reason = unservable(slime_args)

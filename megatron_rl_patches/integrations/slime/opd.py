@@ -42,7 +42,6 @@ from megatron_rl_patches.integrations.megatron.opd.opd_settings import (
     LOSS_PATHS,
     TEACHERS,
     OpdSettings,
-    opd_settings,
 )
 from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (
     OpdTeacher,
@@ -73,7 +72,7 @@ from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_act
 from megatron_rl_patches.integrations.slime.contexts import METADATA, check_layouts, step_contexts
 from megatron_rl_patches.integrations.slime.fused import unservable
 from megatron_rl_patches.integrations.slime.rows import response_positions
-from megatron_rl_patches.integrations.slime.step_plan import SETTINGS, StepPlan, plan_in
+from megatron_rl_patches.integrations.slime.step_plan import StepPlan, plan_in, slime_settings
 from megatron_rl_patches.integrations.slime.teacher_metrics import log_figures
 from megatron_rl_patches.integrations.slime.topk import sample_rows
 from megatron_rl_patches.integrations.step_mode import student_invariant
@@ -126,7 +125,7 @@ def load_teachers(actor: Any, settings: OpdSettings) -> list[OpdTeacher]:
 def init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for the actor's `init`: top-k OPD's teachers loaded after slime's own."""
     result = wrapped(*args, **kwargs)
-    settings = opd_settings()
+    settings = slime_settings(getattr(instance, "args", None))
     if settings is not None and getattr(instance, "role", "actor") == "actor" and hasattr(instance, "model"):
         setattr(instance, ATTRIBUTE, load_teachers(instance, settings))
     return result
@@ -223,14 +222,12 @@ def store_scores(step: ScoringStep, scores: list[TeacherScores]) -> None:
 
 
 def train_actor_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper for the actor's `train_actor(rollout_id, rollout_data)`: the settings parsed
-    once for the actor step and handed to its training steps with the rollout data (`SETTINGS`);
-    teachers scored first."""
-    settings = opd_settings()
+    """wrapt wrapper for the actor's `train_actor(rollout_id, rollout_data)`: teachers scored first
+    (the settings as the actor's `args` hold them, `slime_settings`; its training steps read the same)."""
     rollout_data = kwargs["rollout_data"] if "rollout_data" in kwargs else args[1] if len(args) > 1 else None
-    if isinstance(rollout_data, dict):
-        rollout_data[SETTINGS] = settings
-        if settings is not None and hasattr(instance, ATTRIBUTE):
+    if isinstance(rollout_data, dict) and hasattr(instance, ATTRIBUTE):
+        settings = slime_settings(instance.args)
+        if settings is not None:
             vocab = int(unwrap(instance.model[-1]).vocab_size)
             take_rows(rollout_data)  # the rows a rollout's served teachers gave, off the carried contexts
             contexts = step_contexts(instance.args, rollout_data, settings, vocab)  # agreed before any teacher is asked
@@ -249,7 +246,7 @@ def log_rollout_data_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
     dicts, which slime would sum). The training steps still read them (the dict itself is unchanged)."""
     bound = bind(wrapped, args, kwargs)
     data = None if bound is None else bound.arguments.get("rollout_data")
-    keys = (*OPD_KEYS, *VOCAB_KEYS, SETTINGS, CONTEXTS, METADATA, CARRIED, FIGURES)
+    keys = (*OPD_KEYS, *VOCAB_KEYS, CONTEXTS, METADATA, CARRIED, FIGURES)
     if bound is None or not isinstance(data, dict) or not any(key in data for key in keys):
         return wrapped(*args, **kwargs)
     bound.arguments["rollout_data"] = {key: value for key, value in data.items() if key not in keys}

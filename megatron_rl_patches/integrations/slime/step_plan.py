@@ -2,7 +2,8 @@
 (which asks it for top-k buckets): what the fused model call needs (`StepPlan`, `TopkRequest`),
 the data iterators that carry the plan through slime's step (`integrations.megatron
 .planned_iterators`) to the batch the loss reads it from (`PLAN`, `plan_in`), and the rollout-data
-keys top-k OPD adds with the request its training step makes (`step_request`).
+keys top-k OPD adds with the request its training step makes (`step_request`), and top-k OPD's
+settings as slime's doors read them (`slime_settings`: parsed once per slime `args`, held by it).
 
 slime's callbacks have fixed signatures (`get_batch(data_iterator, keys, ...)`, the schedule's
 `forward_step_func(data_iterator, model)`, the loss `func(args, batch, logits, ...)`), so the plan
@@ -10,7 +11,7 @@ travels with the data slime hands them: the iterators a planned call passes on, 
 `get_batch` returns (under the key `PLAN`)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ class StepPlan:
     (and its gradient), top-k buckets if asked, and the micro-batch `get_batch` returned last.
     `fused=False`: a step on slime's own logits path that still fetches the request's batch keys.
     `invariant`: the student's invariant mode, resolved once where the step is handed the model
-    (None: the ops resolve their own); `settings`: top-k OPD's, parsed once for the step (None: off)."""
+    (None: the ops resolve their own); `settings`: top-k OPD's, read at slime's door (None: off)."""
 
     args: Any
     with_entropy: bool
@@ -53,9 +54,8 @@ UNION_STEP_REQUEST = TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_
 
 # the batch key under which a planned `get_batch` hands the loss its step's plan
 PLAN = "megatron_rl_patches_step_plan"
-# the rollout-data key under which slime_opd's `train_actor` wrapper hands the training steps inside
-# it the top-k OPD settings it parsed (None: off), so that they are parsed once per actor step
-SETTINGS = "megatron_rl_patches_opd_settings"
+# the attribute of slime's `args` holding top-k OPD's settings as read there (`slime_settings`)
+HELD = "_megatron_rl_patches_opd_settings"
 
 
 def plan_in(batch: Any) -> StepPlan | None:
@@ -63,26 +63,23 @@ def plan_in(batch: Any) -> StepPlan | None:
     return batch.get(PLAN) if isinstance(batch, dict) else None
 
 
-def step_settings(iterators: Any) -> OpdSettings | None:
-    """The top-k OPD settings of the step slime's data `iterators` (one, or one per virtual stage)
-    feed: those their rollout data carries (`SETTINGS`, parsed by the actor step), else parsed here."""
-    first = iterators[0] if isinstance(iterators, Sequence) and len(iterators) else iterators
-    data = getattr(first, "rollout_data", None)
-    if isinstance(data, dict) and SETTINGS in data:
-        return data[SETTINGS]
-    return opd_settings()
+def slime_settings(args: Any) -> OpdSettings | None:
+    """Top-k OPD's settings (None: off) as slime's doors read them (the actor's `init` and
+    `train_actor`, `train_one_step`, the rollout manager's split and the rollout's sample hooks):
+    parsed once per slime `args` (the namespace every patched slime call is handed, in the training
+    actors and the rollout manager alike) and held by it, then passed down as arguments."""
+    held = getattr(args, HELD, None)
+    if held is None:
+        held = (opd_settings(),)
+        with contextlib.suppress(AttributeError, TypeError):  # no namespace to hold them: read for this call
+            setattr(args, HELD, held)
+    return held[0]
 
 
-# step_request's default: no settings given, they are read from the environment there
-READ: Any = object()
-
-
-def step_request(args: Any, settings: OpdSettings | None = READ) -> TopkRequest | None:
+def step_request(args: Any, settings: OpdSettings | None) -> TopkRequest | None:
     """The top-k request of slime's training step: the student scores the rollout's ids (with
-    their padding mask for a union) when top-k OPD is on (`settings`: the step's, parsed once,
-    None when off; left out: read from the environment here) and slime's loss is top-k OPD's."""
-    if settings is READ:
-        settings = opd_settings()
+    their padding mask for a union) when top-k OPD is on (`settings`: the step's, None when off)
+    and slime's loss is top-k OPD's."""
     if settings is None or getattr(args, "custom_loss_function_path", None) not in LOSS_PATHS:
         return None
     if getattr(args, "loss_type", None) != "custom_loss":

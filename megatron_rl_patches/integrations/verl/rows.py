@@ -22,12 +22,10 @@ selects. The fused forward (`fused_forward_model_engine_inner`) gets no response
 from __future__ import annotations
 
 import contextvars
-import os
 from collections.abc import Iterator
 from typing import Any
 
-from megatron_rl_patches._variables import VERL_ROWS as ROWS_ENV
-from megatron_rl_patches._variables import verl_rows_setting
+from megatron_rl_patches import settings
 
 # The rows verl reads in the current forward_step and the micro-batch's sequence lengths: a flat
 # bool [total] on the host, row-aligned with its nested input_ids (see :func:`read_rows`); None:
@@ -109,7 +107,7 @@ class _Noting(Iterator[Any]):
 
 def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper on `MegatronEngineWithLMHead.forward_step(batch_iter, model, ...)`."""
-    if verl_rows_setting(os.environ.get(ROWS_ENV)):
+    if settings.verl_rows():  # read at verl's forward_step, its door
         return wrapped(*args, **kwargs)
     batch_iter = args[0] if args else kwargs.get("batch_iter")
     if batch_iter is None or not hasattr(batch_iter, "__iter__"):

@@ -82,7 +82,7 @@ def _say(message: str) -> None:
     """One stderr line, from the first rank only (every rank would print the same). Never raises:
     stderr may be closed (None) or unwritable, and the user's program must start regardless."""
     try:
-        from megatron_rl_patches._log import launcher_rank
+        from megatron_rl_patches.settings import launcher_rank
 
         if launcher_rank() == 0 and sys.stderr is not None:
             cut = message if len(message) <= _LINE_LIMIT else f"{message[: _LINE_LIMIT - 3]}..."

@@ -20,8 +20,8 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from megatron_rl_patches._digits import ascii_int
-from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
+from megatron_rl_patches.settings import OPD_TEACHERS as TEACHERS
+from megatron_rl_patches.settings import ascii_int
 from megatron_rl_patches.teachers.entry import SERVED, RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
 from megatron_rl_patches.teachers.kinds.options import (

@@ -21,6 +21,7 @@ from typing import Any
 
 from megatron_rl_patches._extras import install_hint
 from megatron_rl_patches._json_read import parsed_json
+from megatron_rl_patches.settings import api_key, ca_variables
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.finite import utf8_text
 from megatron_rl_patches.teachers.redaction import has_userinfo, key_variable, redacted, without_key
@@ -104,7 +105,7 @@ def tls_context(ca_bundle: str | None) -> ssl.SSLContext:
         stamp = os.stat(ca_bundle).st_mtime_ns if ca_bundle is not None else None
     except OSError:
         stamp = None  # ClientSettings checked it is a file: loading it names what is wrong now
-    return loaded_context(ca_bundle, stamp, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+    return loaded_context(ca_bundle, stamp, *ca_variables())
 
 
 @functools.lru_cache(maxsize=8)
@@ -150,7 +151,7 @@ class TeacherClient:
 
     def key(self) -> str | None:
         """The API key as the environment holds it (what a server could quote back), or None."""
-        return os.environ.get(self.settings.api_key_env) or None
+        return api_key(self.settings.api_key_env)
 
     def quoted(self, text: str) -> str:
         """`text` (a server's words, an exception's) as a message may quote it: without the API key."""

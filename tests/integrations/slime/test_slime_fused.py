@@ -283,37 +283,31 @@ def test_the_plan_travels_with_the_data_iterators_not_the_calling_context(monkey
 
 
 def test_the_actor_steps_settings_reach_its_training_steps_parsed_once(monkeypatch):
-    """Issue 73 item 5: top-k OPD's settings are parsed once per actor step: slime_opd's
-    `train_actor` wrapper parses them and puts them in the rollout data, whose data iterators
-    hand them to every `train_one_step` inside (no second parse; None: top-k OPD off, not parsed
-    again either); slime's metrics never see them. Before: parsed again by each train_one_step."""
+    """Issue 73 item 5, issue 107: top-k OPD's settings are read once at slime's door, per slime
+    `args` (`step_plan.slime_settings`, held by it): every `train_one_step` of the actor's
+    `train_actor` reads the same (None: top-k OPD off, not parsed again either); slime's metrics
+    never see them; another `args` reads its own. Before: parsed again by each train_one_step."""
     from megatron_rl_patches.integrations.megatron.planned_iterators import plan_of
     from megatron_rl_patches.integrations.slime import opd, step_plan
 
     parsed: list = []
-
-    def parse(who):
-        def opd_settings():
-            parsed.append(who)  # top-k OPD off: None
-
-        return opd_settings
-
-    monkeypatch.setattr(opd, "opd_settings", parse("actor"))
-    monkeypatch.setattr(step_plan, "opd_settings", parse("step"))
+    monkeypatch.setattr(step_plan, "opd_settings", lambda: parsed.append("parsed"))  # top-k OPD off: None
     plans: list = []
 
     def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer):
         plans.append(plan_of(data_iterator))
 
+    args = _args()
+
     def train_actor(rollout_id, rollout_data):  # slime's: its data iterators over the rollout data, its steps
         iterators = [types.SimpleNamespace(rollout_data=rollout_data)]
         for step in range(2):
-            slime_fused.train_one_step_wrapper(train_one_step, None, (_args(), rollout_id, step, iterators, None,
+            slime_fused.train_one_step_wrapper(train_one_step, None, (args, rollout_id, step, iterators, None,
                                                                       None), {})
 
     rollout_data: dict = {"tokens": []}
-    opd.train_actor_wrapper(train_actor, types.SimpleNamespace(), (0, rollout_data), {})
-    assert parsed == ["actor"] and rollout_data[step_plan.SETTINGS] is None
+    opd.train_actor_wrapper(train_actor, types.SimpleNamespace(args=args), (0, rollout_data), {})
+    assert parsed == ["parsed"] and rollout_data == {"tokens": []}
     assert all(plan is not None and plan.settings is None for plan in plans) and len(plans) == 2
     logged: list = []
     opd.log_rollout_data_wrapper(lambda rollout_id, args, rollout_data: logged.append(rollout_data), None,
@@ -321,7 +315,7 @@ def test_the_actor_steps_settings_reach_its_training_steps_parsed_once(monkeypat
     assert logged == [{"tokens": []}]
     slime_fused.train_one_step_wrapper(train_one_step, None, (_args(), 0, 0, [types.SimpleNamespace()], None, None),
                                        {})
-    assert parsed == ["actor", "step"]  # iterators over no actor step's data: parsed by the step itself
+    assert parsed == ["parsed", "parsed"]  # another args namespace: read at its own door
 
 
 def test_a_planned_iterator_is_slimes_iterator_with_a_plan_and_copies():

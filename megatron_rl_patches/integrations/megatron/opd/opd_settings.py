@@ -1,28 +1,28 @@
 """The settings of slime's top-k multi-teacher OPD (`slime_opd`), read from the environment so
-slime's own command line stays unchanged; every bad value is a ValueError naming the variable."""
+slime's own command line stays unchanged (`settings.opd_values`: the variables' text, read at slime's
+door, `integrations.slime.held_settings`), parsed here once into an `OpdSettings` passed down; every
+bad value is a ValueError naming the variable."""
 # lazy imports: import cost: the start-up hook loads this module with MEGATRON_RL_PATCHES=all (test_lazy_import)
 from __future__ import annotations
 
 import importlib
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from megatron_rl_patches._args import CheckedK
-from megatron_rl_patches._digits import ascii_int
-from megatron_rl_patches._residency_modes import RESIDENCY_MODES
-from megatron_rl_patches._variables import OPD_COEF as COEF
-from megatron_rl_patches._variables import OPD_DIVERGENCE as DIVERGENCE
-from megatron_rl_patches._variables import OPD_IDS_FROM as IDS_FROM
-from megatron_rl_patches._variables import OPD_K as K
-from megatron_rl_patches._variables import OPD_POLICY_WEIGHT as POLICY_WEIGHT
-from megatron_rl_patches._variables import OPD_PREFIX as PREFIX  # noqa: F401 - the variables' common start
-from megatron_rl_patches._variables import OPD_RESIDENCY as RESIDENCY
-from megatron_rl_patches._variables import OPD_SCORE_AT as SCORE_AT
-from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
-from megatron_rl_patches._variables import OPD_WEIGHTS as WEIGHTS
+from megatron_rl_patches.settings import OPD_COEF as COEF
+from megatron_rl_patches.settings import OPD_DIVERGENCE as DIVERGENCE
+from megatron_rl_patches.settings import OPD_IDS_FROM as IDS_FROM
+from megatron_rl_patches.settings import OPD_K as K
+from megatron_rl_patches.settings import OPD_POLICY_WEIGHT as POLICY_WEIGHT
+from megatron_rl_patches.settings import OPD_PREFIX as PREFIX  # noqa: F401 - the variables' common start
+from megatron_rl_patches.settings import OPD_RESIDENCY as RESIDENCY
+from megatron_rl_patches.settings import OPD_SCORE_AT as SCORE_AT
+from megatron_rl_patches.settings import OPD_TEACHERS as TEACHERS
+from megatron_rl_patches.settings import OPD_WEIGHTS as WEIGHTS
+from megatron_rl_patches.settings import RESIDENCY_MODES, ascii_int, opd_values
 from megatron_rl_patches.teachers.entry import SERVED
 from megatron_rl_patches.teachers.entry import TeacherEntry as Teacher
 from megatron_rl_patches.teachers.kinds import parse_entries
@@ -70,7 +70,7 @@ def score_at(env: Mapping[str, str] | None = None) -> str:
     ValueError naming the variable for any other value. Read by slime's rollout manager (the
     rollout asks) and checked with the other settings wherever they are (`opd_settings`, and
     `check_settings` even where the teachers are not set: the rollout manager's environment)."""
-    text = (os.environ if env is None else env).get(SCORE_AT, "")
+    text = (opd_values() if env is None else env).get(SCORE_AT, "")
     word = text.strip().lower() or SCORE_DEFAULT
     if word not in SCORE_PLACES:
         raise ValueError(f"{SCORE_AT}={shown(text)}: use rollout (each sample scored as its generation ends) or "
@@ -195,9 +195,9 @@ def check_context_tokenizers(teachers: Sequence[Teacher]) -> None:
 
 
 def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
-    """The settings from the environment, or None when MEGATRON_RL_PATCHES_OPD_TEACHERS is unset
-    (slime's flow untouched)."""
-    env = os.environ if env is None else env
+    """The settings from `env` (default: the environment's, `settings.opd_values`), or None when
+    MEGATRON_RL_PATCHES_OPD_TEACHERS is unset (slime's flow untouched)."""
+    env = opd_values() if env is None else env
     raw = env.get(TEACHERS)
     if raw is None:
         return None
