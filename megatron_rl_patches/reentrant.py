@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from megatron_rl_patches._chunks import DDP_HOOK_ATTRS, as_chunks, is_ddp_like, iter_wrapped
 from megatron_rl_patches._log import logger, warn_once
+from megatron_rl_patches.inference.chunks import DDP_HOOK_ATTRS, as_chunks, is_ddp_like, iter_wrapped
 from megatron_rl_patches.inference.guard import assert_trainable
 
 F = TypeVar("F", bound=Callable[..., Any])

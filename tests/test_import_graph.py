@@ -40,14 +40,9 @@ ROOMS = {
     "reentrant": "reentrant",
     "windows": "windows",
     "settings": "settings",  # every setting: its name, meaning, syntax, and the one reader of the environment
-    "_chunks": "_chunks",
-    "_args": "_args",
     "_log": "_log",
     "_lazy": "_lazy",
     "_aliases": "_aliases",
-    "_shadow": "_shadow",
-    "_extras": "_extras",
-    "_json_read": "_json_read",
 }
 # The apps: under apps/ (issue 20 item 6); their former names at the package root still count
 # as apps, so one put back there is held to the same rules.

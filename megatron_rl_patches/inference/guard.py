@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from megatron_rl_patches._chunks import as_chunks, iter_wrapped
 from megatron_rl_patches._log import logger
+from megatron_rl_patches.inference.chunks import as_chunks, iter_wrapped
 
 MARKER = "_mrp_inference_only"
 

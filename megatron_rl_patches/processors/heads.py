@@ -26,11 +26,11 @@ import torch.distributed as dist
 import megatron_rl_patches.ops.kept_set as kept_set_ops
 import megatron_rl_patches.ops.lm_head as lm_head_ops
 import megatron_rl_patches.ops.topk as topk_ops
-from megatron_rl_patches._args import checked_k, positive_int
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.ops._checks import check_scalar_temperature
 from megatron_rl_patches.ops._rows import RowSelection
 from megatron_rl_patches.ops.invariance import check_invariant, deferred_invariant
+from megatron_rl_patches.ops.scoring_plan import checked_k, positive_int
 from megatron_rl_patches.processors.output import ProcessorOutput
 
 __all__ = ["log_prob_output_processor", "topk_output_processor"]

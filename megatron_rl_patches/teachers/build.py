@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl_patches._args import positive_int
+from megatron_rl_patches.ops.scoring_plan import positive_int
 from megatron_rl_patches.teachers.agreement import agreed_views
 from megatron_rl_patches.teachers.context.privileged import Privileged
 from megatron_rl_patches.teachers.entry import TeacherEntry

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.ops.lm_head import lm_head_topk_ids, lm_head_topk_logprobs
+from megatron_rl_patches.ops.scoring_plan import positive_int
 from megatron_rl_patches.teachers.agreement import agree_failure, distributed
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context.key import context_key

@@ -7,13 +7,13 @@ needs), each override a key of verl's config (the verl lane); NeMo-RL's three te
 in-process θ₀ among them."""
 from __future__ import annotations
 
-import types
 import argparse
 import json
 import os
 import re
 import shlex
 import sys
+import types
 from pathlib import Path
 
 import pytest

@@ -4,9 +4,9 @@ that the variables' parsers take (verl's where the table says so); the stated `m
 up; no history words in the docs ("behaves exactly as before": a reader has no "before")."""
 from __future__ import annotations
 
-import types
 import re
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -47,8 +47,7 @@ def entry_rows() -> list[tuple[list[str], str]]:
 
 
 def test_the_teacher_entries_are_their_own_table_each_entry_one_the_parsers_take():
-    from megatron_rl_patches.integrations.verl.entry import verl_teacher
-    from megatron_rl_patches.integrations.verl.entry import parse_entry
+    from megatron_rl_patches.integrations.verl.entry import parse_entry, verl_teacher
     from megatron_rl_patches.settings import VERL_TEACHER
     from megatron_rl_patches.teachers.kinds import parse_entries, student
 

@@ -5,10 +5,10 @@ with an error naming the argument or variable, and no piece of it (the user name
 characters of the password) in the error, the warnings, the log or doctor's text and JSON."""
 from __future__ import annotations
 
-import types
 import asyncio
 import json
 import logging
+import types
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -129,7 +129,7 @@ def verl_self_teacher(url: str, env: Any) -> str:
 
     env.setenv(VERL_TEACHER, f"student;context=hint;tokenizer={url}/t")
     with pytest.raises(ValueError, match=rf"{VERL_TEACHER}.*carries a user or password") as refused:
-        verl_teacher(types.SimpleNamespace()).self_teacher
+        verl_teacher(types.SimpleNamespace())  # read at a door: refused there
     return str(refused.value)
 
 
@@ -140,7 +140,7 @@ def verl_self_teacher_unread(url: str, env: Any) -> str:
 
     env.setenv(VERL_TEACHER, f"student;tokenizer={url}/t")
     with pytest.raises(ValueError, match=rf"{VERL_TEACHER}.*carries a user or password") as refused:
-        verl_teacher(types.SimpleNamespace()).self_teacher
+        verl_teacher(types.SimpleNamespace())  # read at a door: refused there
     return str(refused.value)
 
 

@@ -11,11 +11,11 @@ import sys
 from typing import Any
 
 import megatron_rl_patches
-from megatron_rl_patches._json_read import parsed_json
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG
 from megatron_rl_patches.apps.cli.doctor_summary import summary_lines, summary_of
 from megatron_rl_patches.apps.cli.doctor_verl import verl_teacher_report
 from megatron_rl_patches.apps.cli.targets import STATUS_HELP, find_module, shown_status
+from megatron_rl_patches.inference.loading.json_read import parsed_json
 from megatron_rl_patches.integrations import default_registry
 from megatron_rl_patches.integrations.megatron import version as megatron_version
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings

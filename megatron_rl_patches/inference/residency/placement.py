@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches._chunks import as_chunks, has_grad_buffers, unwrap
+from megatron_rl_patches.inference.chunks import as_chunks, has_grad_buffers, unwrap
 from megatron_rl_patches.inference.guard import is_inference_only
 from megatron_rl_patches.inference.residency.budget import ResidencyBudget
 from megatron_rl_patches.inference.residency.host_init import move_all_but

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.megatron.model_chunk import (
     accepts_processor,
@@ -32,6 +31,7 @@ from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_t
 from megatron_rl_patches.integrations.slime.topk import topk_context
 from megatron_rl_patches.integrations.slime.vocab_step import vocab_processor
 from megatron_rl_patches.integrations.step_mode import student_invariant
+from megatron_rl_patches.patching.calls import bind
 from megatron_rl_patches.processors.combined import with_topk
 from megatron_rl_patches.processors.heads import log_prob_output_processor
 

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches._args import bind
 from megatron_rl_patches.integrations.megatron.model_chunk import unwrap
 from megatron_rl_patches.integrations.megatron.opd import (
     hf_teachers,
@@ -78,6 +77,7 @@ from megatron_rl_patches.integrations.slime.topk import sample_rows
 from megatron_rl_patches.integrations.step_mode import student_invariant
 from megatron_rl_patches.ops.packing import packed_topk_logprobs
 from megatron_rl_patches.ops.topk import topk_kl as topk_kl
+from megatron_rl_patches.patching.calls import bind
 from megatron_rl_patches.teachers.kinds import RunFacts, check_entries
 
 # TEACHER_TAILS, topk_kl: imported `as` themselves, re-exported for the tests that read them off this module

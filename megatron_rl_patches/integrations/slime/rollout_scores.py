@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.megatron.opd.carried_rows import ROWS
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import (
@@ -43,6 +42,7 @@ from megatron_rl_patches.integrations.megatron.opd.rollout_teachers import (
     rollout_entries,
 )
 from megatron_rl_patches.integrations.slime.step_plan import slime_settings
+from megatron_rl_patches.patching.calls import bind
 from megatron_rl_patches.settings import SELECT
 
 HOOK = "megatron_rl_patches.integrations.slime.rollout_scores.score_sample"  # its --rollout-sample-hook-path

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl_patches._args import bind
 from megatron_rl_patches.integrations.verl.entry import verl_teacher
 from megatron_rl_patches.integrations.verl.held import peek
+from megatron_rl_patches.patching.calls import bind
 from megatron_rl_patches.teachers.step.metrics import flat, served_summed
 
 KEY = "megatron_rl_patches_teacher"

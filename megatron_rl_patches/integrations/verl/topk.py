@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.step_mode import student_invariant
 from megatron_rl_patches.integrations.verl.entry import verl_teacher
@@ -25,6 +24,7 @@ from megatron_rl_patches.integrations.verl.self_teacher import remember_old_rows
 from megatron_rl_patches.integrations.verl.vocab import whole_vocabulary_step
 from megatron_rl_patches.ops.invariance import resolve_invariant
 from megatron_rl_patches.ops.topk import topk_ids, topk_kl, topk_logprobs
+from megatron_rl_patches.patching.calls import bind
 
 # the micro-batch key (a non-tensor value) under which the patched engine step hands the top-k loss
 # the student's invariant mode: verl's loss gets the micro-batch, never the model

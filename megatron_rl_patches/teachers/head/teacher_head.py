@@ -14,13 +14,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.inference.loading.hf.architecture import read_count
 from megatron_rl_patches.inference.loading.hf.checkpoint_config import CheckpointConfig, read_checkpoint_config
 from megatron_rl_patches.inference.loading.hf.files import TensorEntry, safe_open_of, tensor_index
 from megatron_rl_patches.inference.loading.hf.model import padded_vocab
 from megatron_rl_patches.ops.agreement import agree, local_error
 from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy, lm_head_topk_ids, lm_head_topk_logprobs
+from megatron_rl_patches.ops.scoring_plan import positive_int
 from megatron_rl_patches.teachers.finite import INT64_MAX, finite, shown
 from megatron_rl_patches.teachers.head.fingerprint import HeadFacts, checkpoint_fingerprint, compare_heads
 from megatron_rl_patches.teachers.head.transforms import head_logit_scale, projects_through_embeddings

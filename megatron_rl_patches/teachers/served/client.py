@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches._args import positive_int
+from megatron_rl_patches.ops.scoring_plan import positive_int
 from megatron_rl_patches.teachers.agreement import agree_failure, agree_teacher
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context.key import context_key

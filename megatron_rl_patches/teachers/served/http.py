@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl_patches._extras import install_hint
-from megatron_rl_patches._json_read import parsed_json
+from megatron_rl_patches.inference.loading.hf.extras import install_hint
+from megatron_rl_patches.inference.loading.json_read import parsed_json
 from megatron_rl_patches.settings import api_key, ca_variables
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.finite import utf8_text

@@ -7,7 +7,7 @@ import numbers
 import os
 from dataclasses import dataclass, field, fields
 
-from megatron_rl_patches._args import positive_int
+from megatron_rl_patches.ops.scoring_plan import positive_int
 from megatron_rl_patches.settings import TEACHER_API_KEY, api_key
 from megatron_rl_patches.teachers.finite import finite, shown, utf8_text, wait_seconds
 from megatron_rl_patches.teachers.served.spreading import FewestInFlight, PromptAffinity

@@ -4,6 +4,7 @@ teacher itself runs in the verl lane against a real vLLM server (lane/test_verl_
 from __future__ import annotations
 
 import types
+
 import pytest
 
 from megatron_rl_patches.integrations.verl.entry import parse_entry
@@ -92,7 +93,7 @@ def test_a_bad_live_self_teacher_entry_is_refused_naming_verls_variable(entry, m
 
     monkeypatch.setenv(VARIABLE, entry)
     with pytest.raises(ValueError, match=message) as refused:
-        verl_teacher(types.SimpleNamespace()).self_teacher
+        verl_teacher(types.SimpleNamespace())  # read at a door: refused there
     words = str(refused.value)
     assert words.startswith(f"{VARIABLE}=") and "OPD_TEACHERS" not in words
     assert "student;context=KEY[;tokenizer=DIR]" in words
@@ -115,7 +116,7 @@ def test_a_repeated_option_of_the_live_self_teacher_is_refused_as_slimes_grammar
 
     monkeypatch.setenv(VARIABLE, entry)
     with pytest.raises(ValueError, match=r"option 'tokenizer' given twice") as refused:
-        verl_teacher(types.SimpleNamespace()).self_teacher
+        verl_teacher(types.SimpleNamespace())  # read at a door: refused there
     assert str(refused.value).startswith(f"{VARIABLE}=") and "OPD_TEACHERS" not in str(refused.value)
 
 
@@ -128,6 +129,6 @@ def test_a_password_in_the_live_self_teachers_entry_is_never_shown(entry, monkey
 
     monkeypatch.setenv(VARIABLE, entry)
     with pytest.raises(ValueError, match=r"carries a user or password") as refused:
-        verl_teacher(types.SimpleNamespace()).self_teacher
+        verl_teacher(types.SimpleNamespace())  # read at a door: refused there
     words = str(refused.value)
     assert words.startswith(VARIABLE) and "pw" not in words and "bob" not in words and "***@h/t" in words

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl_patches._args import CheckedK
+from megatron_rl_patches.ops.scoring_plan import TopK
 from megatron_rl_patches.settings import OPD_COEF as COEF
 from megatron_rl_patches.settings import OPD_DIVERGENCE as DIVERGENCE
 from megatron_rl_patches.settings import OPD_IDS_FROM as IDS_FROM
@@ -123,7 +123,7 @@ def _k(env: Mapping[str, str]) -> int:
     if k <= 0:
         raise ValueError(f"{K}={shown(raw)}: expected an integer k > 0 (the student's top-k ids per token) or "
                          f"'{FULL_VOCAB}' (the divergence over the whole vocabulary)")
-    return CheckedK(k)  # checked once, here: the top-k processor and ops take it as it is
+    return TopK(k)  # checked once, here: the top-k processor and ops take it as it is
 
 
 def full_vocab_refusal(teachers: tuple[Teacher, ...], ids_from: str) -> str | None:
