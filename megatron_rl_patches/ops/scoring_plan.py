@@ -16,6 +16,25 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+LOG10_2 = math.log10(2)
+
+
+def finite(value: object) -> bool:
+    """Whether `value` is a real number (no bool) that a float holds, finite."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past a float's range
+        return False
+
+
+def shown(value: object) -> str:
+    """`repr(value)`, an int past int64 too large to write out shown by its size."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and abs(int(value)).bit_length() > 128:
+        return f"an int of about {int(abs(int(value)).bit_length() * LOG10_2) + 1} digits"
+    return repr(value)
+
 
 def positive_int(name: str, value: Any, meaning: str = "") -> int:
     """`value` as an int when it is an integer >= 1 (bool excluded, numpy integers accepted);
@@ -67,14 +86,8 @@ def checked_k(k: Any, meaning: str = "", name: str = "k", vocab: int | None = No
 def checked_temperature(temperature: Any, name: str = "temperature") -> float:
     """`temperature` as a float when it is a finite number > 0 (bool excluded); ValueError naming
     `name` otherwise."""
-    finite = isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
-    try:
-        finite = finite and math.isfinite(temperature)
-    except OverflowError:  # an int past a float's range
-        finite = False
-    if not finite or not temperature > 0:
-        shown = repr(temperature) if isinstance(temperature, (numbers.Real, str)) else type(temperature).__name__
-        raise ValueError(f"{name} must be a finite number > 0, got {shown[:40]}")
+    if not finite(temperature) or not temperature > 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {shown(temperature)[:60]}")
     return float(temperature)
 
 
@@ -109,6 +122,23 @@ class ScoringPlan:
         if self.top_k is VOCAB:
             raise ValueError("this ScoringPlan scores the whole vocabulary (top_k=VOCAB): it has no top-k buckets")
         return self.top_k
+
+
+class Planned:
+    """What holds a `ScoringPlan` (`plan`: a teacher, a build's options) reads its K and temperature
+    off it: `top_k` (the plan's K) and `temperature`."""
+
+    plan: ScoringPlan
+
+    @property
+    def top_k(self) -> TopK:
+        """Its own top-k buckets per row: the plan's K."""
+        return self.plan.k
+
+    @property
+    def temperature(self) -> float:
+        """The temperature it scores at: the plan's."""
+        return self.plan.temperature
 
 
 def scoring_plan(plan: Any, top_k: Any, temperature: Any, who: str, top_k_default: Any = None) -> ScoringPlan:

@@ -207,8 +207,7 @@ def teacher_report() -> tuple[list[str], list[str]]:
     settings = opd_settings()
     if settings is None:
         return [], []
-    return entry_report(settings.teachers, RunFacts(ids_from=settings.ids_from, k=settings.k,
-                                                    full_vocab=bool(settings.full_vocab)))
+    return entry_report(settings.teachers, RunFacts(ids_from=settings.ids_from, k=settings.k))
 
 
 def teacher_problems() -> list[str]:

@@ -48,6 +48,7 @@ from megatron_rl_patches.integrations.verl.old_rows import old_rows_of, sample_k
 from megatron_rl_patches.integrations.verl.self_entry import WHO
 from megatron_rl_patches.integrations.verl.vocab import core_model, output_weight, response_starts
 from megatron_rl_patches.integrations.verl.vocab_context import field_values
+from megatron_rl_patches.ops.scoring_plan import ScoringPlan
 from megatron_rl_patches.processors.distill import hidden_output_processor
 from megatron_rl_patches.processors.heads import output_tp_group
 from megatron_rl_patches.teachers.agreement import agreed_views
@@ -157,7 +158,7 @@ def scored_rows(model: Any, core: Any, group: Any, vocab: int, k: int, key: str,
     from a no-grad pass of `model` now (every rank of `group` calls it)."""
     shards = 1 if group is None else torch.distributed.get_world_size(group)
     sequence_parallel = shards if getattr(core.config, "sequence_parallel", False) else 1
-    teacher = SelfTeacher(student_pass(model, sequence_parallel), vocab, k, context=key, temperature=1.0,
+    teacher = SelfTeacher(student_pass(model, sequence_parallel), vocab, context=key, plan=ScoringPlan(k),
                           tp_group=group, padded_vocab_size=int(output_weight(core).shape[0]) * shards)
     scores = teacher.score(privileged)
     return [(scores.topk_ids[i], scores.topk_log_probs[i]) for i in range(len(privileged.sequences))]

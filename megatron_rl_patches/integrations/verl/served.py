@@ -45,6 +45,7 @@ from megatron_rl_patches.integrations.context_fields import field_contexts, toke
 from megatron_rl_patches.integrations.verl.entry import VerlTeacher, verl_teacher
 from megatron_rl_patches.integrations.verl.held import held
 from megatron_rl_patches.integrations.verl.self_entry import placeholder_rows
+from megatron_rl_patches.ops.scoring_plan import ScoringPlan
 from megatron_rl_patches.patching.calls import bind
 from megatron_rl_patches.settings import VERL_TEACHER
 from megatron_rl_patches.teachers.batch import TeacherBatch
@@ -64,7 +65,7 @@ def served_teacher(manager: Any, raw: str, entry: TeacherEntry, k: int) -> Any:
     teachers: dict[tuple[str, int], Any] = held(manager, "served_teachers", dict)
     teacher = teachers.get((raw, k))
     if teacher is None:
-        teacher = teachers[(raw, k)] = served_teacher_of(entry, top_k=k)
+        teacher = teachers[(raw, k)] = served_teacher_of(entry, ScoringPlan(k))  # verl's K, its loss config's
     return teacher
 
 

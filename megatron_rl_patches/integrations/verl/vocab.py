@@ -37,6 +37,7 @@ from megatron_rl_patches.integrations.verl.entry import VerlTeacher
 from megatron_rl_patches.integrations.verl.held import held
 from megatron_rl_patches.integrations.verl.rows import response_lengths
 from megatron_rl_patches.integrations.verl.vocab_context import agreed_privileged_batch
+from megatron_rl_patches.ops.scoring_plan import VOCAB, ScoringPlan
 from megatron_rl_patches.processors.distill import divergence_output_processor
 from megatron_rl_patches.processors.heads import output_tp_group
 from megatron_rl_patches.settings import VERL_TEACHER
@@ -115,7 +116,7 @@ def teacher_rows(engine: Any, raw: str, entry: TeacherEntry, head: Any, batch: A
     key = (raw, id(head))
     teacher = teachers.get(key)
     if teacher is None:  # the context goes into the sequences sent (`agreed_privileged_batch`), not the client
-        teacher = teachers[key] = served_teacher_of(entry.without_context(), top_k=1, head=head)
+        teacher = teachers[key] = served_teacher_of(entry.without_context(), ScoringPlan(VOCAB), head=head)
     sequences = [s.detach().cpu().long() for s in batch["input_ids"].unbind()]
     starts = response_starts(batch)
     scored = TeacherBatch(sequences, starts)

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl_patches.ops.scoring_plan import TopK
+from megatron_rl_patches.ops.scoring_plan import VOCAB, FullVocabulary, ScoringPlan, TopK, checked_k
 from megatron_rl_patches.settings import OPD_COEF as COEF
 from megatron_rl_patches.settings import OPD_DIVERGENCE as DIVERGENCE
 from megatron_rl_patches.settings import OPD_IDS_FROM as IDS_FROM
@@ -39,9 +39,13 @@ LOSS_PATH = "megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss"
 LOSS_PATHS = (LOSS_PATH, "megatron_rl_patches.integrations.slime.opd.topk_opd_policy_loss")
 
 
+DEFAULT_K = checked_k(16)  # MEGATRON_RL_PATCHES_OPD_K unset
+
+
 @dataclass(frozen=True)
 class OpdSettings:
-    """What the OPD flow does: teachers, mixture weights (None: uniform), k, divergence, the OPD
+    """What the OPD flow does: teachers, mixture weights (None: uniform), k (a `TopK`, or `VOCAB`:
+    the divergence over the whole vocabulary from hidden states, `vocab_opd`), divergence, the OPD
     term's coefficient, the weight of slime's policy loss, the separate teachers' residency, and
     whose top-k ids make the buckets ("student"; "union": the student's and the first teacher's,
     2k per token with a padding mask; "teacher": the first teacher's own top-k, as
@@ -49,14 +53,29 @@ class OpdSettings:
 
     teachers: tuple[Teacher, ...]
     weights: tuple[float, ...] | None = None
-    k: int = 16
+    k: TopK | FullVocabulary = DEFAULT_K
     divergence: str = "reverse_kl"
     coef: float = 1.0
     policy_weight: float = 1.0
     residency: str | None = None
     ids_from: str = "student"
     score_at: str = SCORE_DEFAULT  # "rollout": slime's rollout asks its served teachers (`rollout_teachers`)
-    full_vocab: bool = False  # K=vocab: the divergence over the whole vocabulary from hidden states (`vocab_opd`)
+
+    @property
+    def full_vocab(self) -> bool:
+        """K=vocab: the divergence over the whole vocabulary from hidden states (`vocab_opd`)."""
+        return self.k is VOCAB
+
+    @property
+    def top_k(self) -> TopK:
+        """K of the top-k route (its buckets); a ValueError at K=vocab, which has none."""
+        return self.plan().k
+
+    def plan(self, temperature: float = 1.0, invariant: bool = False) -> ScoringPlan:
+        """The `ScoringPlan` of a step at these settings (K or the whole vocabulary) at `temperature`
+        (slime's --rollout-temperature where the trainer forms the distribution; an engine's own
+        rows: 1) in the student's `invariant` mode."""
+        return ScoringPlan(self.k, temperature, invariant)
 
 
 def shown(text: str) -> str:
@@ -115,15 +134,15 @@ def _number(env: Mapping[str, str], name: str, default: float) -> float:
 FULL_VOCAB = "vocab"  # MEGATRON_RL_PATCHES_OPD_K=vocab: full-vocabulary OPD
 
 
-def _k(env: Mapping[str, str]) -> int:
+def _k(env: Mapping[str, str]) -> TopK | FullVocabulary:
     raw = env.get(K, "").strip() or "16"
     if raw.lower() == FULL_VOCAB:
-        return 16  # no buckets: k is unused (a served head's own top-k stays at the default)
+        return VOCAB  # no buckets: the divergence over the whole vocabulary
     k = ascii_int(raw) or 0
     if k <= 0:
         raise ValueError(f"{K}={shown(raw)}: expected an integer k > 0 (the student's top-k ids per token) or "
                          f"'{FULL_VOCAB}' (the divergence over the whole vocabulary)")
-    return TopK(k)  # checked once, here: the top-k processor and ops take it as it is
+    return checked_k(k)  # checked once, here: the top-k processor and ops take it as it is
 
 
 def full_vocab_refusal(teachers: tuple[Teacher, ...], ids_from: str) -> str | None:
@@ -221,10 +240,10 @@ def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
                          f"top-k ids are not the student's; name a teacher of the student's tokenizer first in "
                          f"{TEACHERS}, or use {IDS_FROM}=student")
     place = score_at(env)  # before K=vocab's refusal: a bad value is refused whatever K is
-    full_vocab = env.get(K, "").strip().lower() == FULL_VOCAB
-    refusal = full_vocab_refusal(teachers, ids_from) if full_vocab else None
+    k = _k(env)
+    refusal = full_vocab_refusal(teachers, ids_from) if k is VOCAB else None
     if refusal is not None:
         raise ValueError(f"{K}={FULL_VOCAB}: {refusal}")
-    return OpdSettings(teachers=teachers, weights=_weights(env, len(teachers)), k=_k(env), divergence=divergence,
+    return OpdSettings(teachers=teachers, weights=_weights(env, len(teachers)), k=k, divergence=divergence,
                        coef=_number(env, COEF, 1.0), policy_weight=_number(env, POLICY_WEIGHT, 1.0),
-                       residency=_residency(env), ids_from=ids_from, score_at=place, full_vocab=full_vocab)
+                       residency=_residency(env), ids_from=ids_from, score_at=place)
