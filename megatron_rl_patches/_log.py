@@ -25,13 +25,15 @@ def is_rank_zero() -> bool:
     return launcher_rank() == 0
 
 
-def warn_once(message: str) -> None:
-    """One warning line per distinct message per process, from rank 0 only (debug elsewhere)."""
+def warn_once(message: str, every_rank: bool = False) -> None:
+    """One warning line per distinct message per process, from rank 0 only (debug elsewhere); with
+    `every_rank`, from each rank that says it (what happens on one rank only: a fallback on the last
+    pipeline stage)."""
     with _warned_lock:
         if message in _warned:
             return
         _warned.add(message)
-    if is_rank_zero():
+    if every_rank or is_rank_zero():
         logger.warning("megatron-rl-patches: %s", message)
     else:
         logger.debug("megatron-rl-patches: %s", message)

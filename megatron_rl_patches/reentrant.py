@@ -33,7 +33,8 @@ _MARK = "__mrp_reentrant__"
 
 _ALL, _NONE, _PARTIAL = "all", "none", "partial"
 
-# ids of the model chunks whose train() is already guarded in this context (nested wrappers)
+# ids of the model chunks whose train() is already guarded in this context (nested wrappers).
+# Not an argument: the wrapped train(rollout_id, model, optimizer, ...) is Megatron-LM's / slime's own signature.
 _guarded: contextvars.ContextVar[frozenset[tuple[int, ...]]] = contextvars.ContextVar(
     "megatron_rl_patches_guarded", default=frozenset()
 )

@@ -52,7 +52,7 @@ def assert_trainable(model_chunks: Any, action: str = "train") -> None:
 
 def _locked_train(module: Any, mode: bool = True) -> Any:
     """Replacement for `module.train`: always eval, so dropout stays off in a frozen model."""
-    global _train_call_logged
+    global _train_call_logged  # not an argument: nn.Module.train(self, mode=True) is torch's signature
     if not isinstance(mode, bool):
         raise ValueError(f"training mode is expected to be boolean, got {type(mode).__name__}")
     if mode and not _train_call_logged:

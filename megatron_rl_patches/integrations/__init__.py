@@ -81,7 +81,7 @@ def variable_names() -> tuple[str, ...]:
 
 def default_registry() -> Registry:
     """The process-wide registry of every patch this package knows (built once)."""
-    global _default
+    global _default  # not an argument: patching names this function by a string and calls it with none
     with _building:  # threads racing the first apply() must all get the same registry
         if _default is None:
             from megatron_rl_patches.patching.registry import Registry

@@ -67,13 +67,11 @@ from megatron_rl_patches.integrations.megatron.opd.zigzag import local_rows
 from megatron_rl_patches.integrations.megatron.planned_iterators import planned
 from megatron_rl_patches.integrations.slime import cross_loss, vocab_opd
 from megatron_rl_patches.integrations.slime.actor import SlimeActor
-from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active
 from megatron_rl_patches.integrations.slime.contexts import METADATA, check_layouts, step_contexts
 from megatron_rl_patches.integrations.slime.fused import unservable
 from megatron_rl_patches.integrations.slime.rows import response_positions
-from megatron_rl_patches.integrations.slime.step_plan import StepPlan, plan_in, slime_settings
-from megatron_rl_patches.integrations.slime.teacher_metrics import log_figures
-from megatron_rl_patches.integrations.slime.topk import sample_rows
+from megatron_rl_patches.integrations.slime.step_plan import FusedStep, plan_in, slime_settings
+from megatron_rl_patches.integrations.slime.topk import allgather_cp_active, sample_rows
 from megatron_rl_patches.integrations.step_mode import student_invariant
 from megatron_rl_patches.ops.packing import packed_topk_logprobs
 from megatron_rl_patches.ops.topk import topk_kl as topk_kl
@@ -164,7 +162,7 @@ def pipelined_topk(args: Any, model: list[Any], rollout_data: dict, request: Top
     from slime.backends.megatron_utils import model as slime_model
     from slime.backends.megatron_utils.data import get_data_iterator
 
-    plan = StepPlan(args, with_entropy=False, entropy_requires_grad=False, topk=request, invariant=invariant)
+    plan = FusedStep(args, with_entropy=False, entropy_requires_grad=False, topk=request, invariant=invariant)
     iterator = planned(get_data_iterator(rollout_data), plan)
     collect = functools.partial(collect_topk, fell_back=fell_back)
     return slime_model.forward_only(collect, args, model, iterator, rollout_data["num_microbatches"])
@@ -253,6 +251,20 @@ def log_rollout_data_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
     result = wrapped(*bound.args, **bound.kwargs)
     log_figures(bound.arguments.get("rollout_id"), bound.arguments.get("args"), data.get(FIGURES))  # teacher/...
     return result
+
+
+def log_figures(rollout_id: Any, args: Any, figures: dict[str, float] | None) -> None:
+    """The train step's served teachers' figures (`served_opd.note_figures`, on the last stage:
+    `TeacherStep.metrics()` summed, fixed keys `step_metrics.fixed_figures`) through slime's
+    `gather_log_data("teacher", ...)` as `teacher/...`, averaged over the data-parallel ranks, on the
+    ranks slime logs its rollout metrics from (tensor-parallel rank 0 of the last pipeline stage)."""
+    if figures is None:
+        return
+    from megatron.core import mpu  # lazy: optional dependency megatron-core
+    from slime.observability.train_metric_utils import gather_log_data  # lazy: optional dependency slime
+
+    if mpu.get_tensor_model_parallel_rank() == 0 and mpu.is_pipeline_last_stage():
+        gather_log_data("teacher", args, rollout_id, dict(figures))
 
 
 def student_buckets(args: Any, batch: dict, logits: Any,

@@ -1,5 +1,5 @@
 """The plan of one slime step on the fused route, shared by `fused` (which runs it) and `opd`
-(which asks it for top-k buckets): what the fused model call needs (`StepPlan`, `TopkRequest`),
+(which asks it for top-k buckets): what the fused model call needs (`FusedStep`, `TopkRequest`),
 the data iterators that carry the plan through slime's step (`integrations.megatron
 .planned_iterators`) to the batch the loss reads it from (`PLAN`, `plan_in`), and the rollout-data
 keys top-k OPD adds with the request its training step makes (`step_request`), and top-k OPD's
@@ -31,7 +31,7 @@ from megatron_rl_patches.integrations.megatron.opd.topk_request import (
 
 
 @dataclass
-class StepPlan:
+class FusedStep:
     """What the fused model call of one slime step needs: slime's args, whether entropy is wanted
     (and its gradient), top-k buckets if asked, and the micro-batch `get_batch` returned last.
     `fused=False`: a step on slime's own logits path that still fetches the request's batch keys.
@@ -58,7 +58,7 @@ PLAN = "megatron_rl_patches_step_plan"
 HELD = "_megatron_rl_patches_opd_settings"
 
 
-def plan_in(batch: Any) -> StepPlan | None:
+def plan_in(batch: Any) -> FusedStep | None:
     """The plan a planned `get_batch` put in its micro-batch (None: a batch of slime's own)."""
     return batch.get(PLAN) if isinstance(batch, dict) else None
 

@@ -29,9 +29,12 @@ from megatron_rl_patches import settings
 
 # The rows verl reads in the current forward_step and the micro-batch's sequence lengths: a flat
 # bool [total] on the host, row-aligned with its nested input_ids (see :func:`read_rows`); None:
-# every row.
+# every row. Not an argument: verl's preprocess_thd_engine(input_ids, pre_process, need_roll) packs the
+# labels with verl's own fixed arguments, which carry no rows read.
 _PENDING: contextvars.ContextVar[Any] = contextvars.ContextVar("megatron_rl_patches_verl_rows", default=None)
 # The packed row mask of the current fused forward, shaped like the packed labels; None: every row.
+# Not an argument: verl's model forward calls fused_output_processor(hidden_states=, output_layer=, labels=,
+# context=, ...) with its fixed keywords.
 _PACKED: contextvars.ContextVar[Any] = contextvars.ContextVar("megatron_rl_patches_verl_row_mask", default=None)
 
 

@@ -104,7 +104,7 @@ def _setting(read: Callable[[], bool]) -> bool:
 
 def run(registry_factory: str = DEFAULT_REGISTRY) -> None:
     """Apply what the environment selects. Idempotent: a venv can execute the same .pth twice."""
-    global _done
+    global _done  # not an argument: the interpreter runs the .pth line `import ...; run()`, which passes none
     if _done:
         return
     _done = True

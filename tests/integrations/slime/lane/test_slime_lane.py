@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from megatron_rl_patches._log import forget_warnings
 from megatron_rl_patches.testing import layouts
 
 pytestmark = pytest.mark.slime
@@ -126,12 +127,11 @@ def test_vocab_watch_sees_the_logits_of_slimes_unpatched_route(slime_cpu):
 ])
 def test_fallback_logs_the_feature_once_and_keeps_slimes_numbers(slime_cpu, caplog, monkeypatch, feature, values,
                                                                  env):
-    from megatron_rl_patches.integrations.slime import fused as slime_fused
 
     kit = _kit()
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(slime_fused, "_SAID", set())
+    forget_warnings()  # each fallback says its line again
     megatron_rl_patches.apply(only=FUSED)
     with kit.slime_session(**values) as args:
         model, _, _ = kit.build(args)
@@ -151,7 +151,6 @@ def test_bshd_batch_falls_back_with_one_log_line_and_slimes_numbers(slime_cpu, c
     batch with its packed_seq_params dropped) goes to slime's own logits path, said once."""
     from slime.backends.megatron_utils import model as slime_model
 
-    from megatron_rl_patches.integrations.slime import fused as slime_fused
 
     kit = _kit()
     get_batch = slime_model.get_batch
@@ -163,7 +162,7 @@ def test_bshd_batch_falls_back_with_one_log_line_and_slimes_numbers(slime_cpu, c
         return batch
 
     monkeypatch.setattr(slime_model, "get_batch", bshd_batch)
-    monkeypatch.setattr(slime_fused, "_SAID", set())
+    forget_warnings()  # each fallback says its line again
     with kit.slime_session(rollout_temperature=TEMPERATURE) as args:
         model, _, _ = kit.build(args)
         data = kit.rollout(0)
