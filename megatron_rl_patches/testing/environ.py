@@ -3,20 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+
+from megatron_rl_patches.patching.shadow import replaced
 
 
-@contextlib.contextmanager
-def environment(values: dict[str, str]) -> Iterator[None]:
+def environment(values: dict[str, str]) -> contextlib.AbstractContextManager[None]:
     """`values` in os.environ for the block (a process started inside it inherits them); each name's
     earlier value, or its absence, restored after."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return replaced(os.environ, values)

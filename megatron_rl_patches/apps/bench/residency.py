@@ -158,10 +158,7 @@ def run(quick: bool = False, out_dir: str | None = None, device: str | None = No
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     plan = QUICK if quick else (GPU if device.startswith("cuda") else FULL)
-    try:
-        rows = measure(plan, device, rounds=1 if quick else 5)
-    except Exception as exc:  # one row saying why, as the other benchmarks do
-        rows = [{"mode": "all", "error": f"{type(exc).__name__}: {exc}", "note": f"error: {exc}"}]
+    rows = outputs.measured(lambda: measure(plan, device, rounds=1 if quick else 5), "mode")
     tokens = plan["micro_batches"] * plan["batch"] * plan["seq"]
     title = (f"teacher residency: one rollout of {plan['micro_batches']} micro-batches ({tokens} tokens), GPTModel "
              f"{plan['layers']} layers x {plan['hidden']} hidden, vocab {plan['vocab']}, {device}"

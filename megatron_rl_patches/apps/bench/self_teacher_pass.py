@@ -93,9 +93,6 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
         f"response {plan['response']}; peak bytes the ops allocate (weights not counted)", quick)
     try:
         rows = measure(plan)
-    except Exception as exc:  # one row saying why, as the other benchmarks do
+    except Exception as exc:  # one row saying why, as the other benchmarks do (in the column this table shows)
         rows = [{"route": "all", "error": f"{type(exc).__name__}: {exc}", "max_abs_diff": f"error: {exc}"[:300]}]
-    outputs.print_table(rows, COLUMNS, title=title)
-    if out_dir:
-        outputs.write_tables(rows, COLUMNS, out_dir, "self_teacher_pass", title=title)
-    return rows
+    return outputs.reported(rows, COLUMNS, title, out_dir, "self_teacher_pass")
