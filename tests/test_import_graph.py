@@ -275,6 +275,13 @@ def test_every_module_has_a_room():
     assert all(room(module) for module in package_graph())
 
 
+def test_the_package_top_holds_at_most_eight_files():
+    """The public face, reentrant, windows, settings and the package's own machinery (issue 107): a
+    helper lives beside the room that uses it, not on the top floor."""
+    top = sorted(path.name for path in ROOT.glob("*.py"))
+    assert len(top) <= 8, top
+
+
 # ------------------------------------------------------------------ the checker on synthetic graphs
 
 

@@ -67,7 +67,10 @@ def read_teacher(raw: str) -> VerlTeacher:
 def verl_teacher(owner: Any) -> VerlTeacher:
     """The variable as `owner` (the verl object at whose door it is read: its teacher client, its
     agent-loop worker, its engine) reads it: parsed at its first call and held by it (`held`), so a
-    step reads it once and passes it down; a bad entry refused naming the variable, at every call."""
+    step reads it once and passes it down; a bad entry refused naming the variable, at every call. No
+    owner (a wrapped function called unbound): read for that call."""
+    if owner is None:
+        return read_teacher(settings.verl_teacher())
     return held(owner, "verl_teacher", lambda: read_teacher(settings.verl_teacher()))
 
 
