@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl_patches.ops.lm_head import lm_head_topk_ids, lm_head_topk_logprobs
 
@@ -22,10 +23,16 @@ def own_scores(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
     them: the op's tail is then the top-k's; else the top-k's tail is the rest's plus the token's).
     Every rank of `tp_group` calls it with the same rows (the ops combine the vocabulary shards)."""
     options: dict[str, Any] = dict(tp_group=tp_group, temperature=temperature, vocab_size=vocab_size)
+    vocab = vocab_size if vocab_size is not None else weight.shape[0] * (1 if tp_group is None else
+                                                                       dist.get_world_size(tp_group))
     with torch.no_grad():
         ids = lm_head_topk_ids(hidden, weight, k, **options)
         among = ids == tokens[:, None]
         repeated = among.any(dim=1)
+        if k + 1 >= vocab:  # K = V - 1: the one id outside the top-k is the tail, the token where it is not among them
+            values, tail = (part.double() for part in lm_head_topk_logprobs(hidden, weight, ids, **options))
+            token = torch.where(repeated, values.gather(1, among.int().argmax(dim=1, keepdim=True))[:, 0], tail)
+            return token, ids.long(), values, tail
         asked = torch.cat([ids, tokens[:, None]], dim=1)
         mask = torch.cat([torch.ones_like(ids, dtype=torch.bool), ~repeated[:, None]], dim=1)
         scored, rest = lm_head_topk_logprobs(hidden, weight, asked, ids_mask=mask, **options)
