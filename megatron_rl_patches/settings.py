@@ -1,7 +1,7 @@
 """The package's settings: every environment variable megatron-rl-patches reads, in one table (its
 name and what it means: --help, `doctor`, the misspelling check, `run`), the syntax of their values
 (one parser each), and the one place outside the start-up machinery (`patching/`) and the apps where
-the environment is read (`# ---- reading`).
+the environment is read (`# ---- reading`; the test kit's child processes take theirs from here too).
 
 A setting is read once, at the door of whoever uses it (an op's public call, a framework's patch
 entry, a client's constructor), into a typed value passed down as an argument: nothing below a door
@@ -18,7 +18,7 @@ import os
 
 TYPE_CHECKING = False  # not typing's: this module runs at start-up (see patching/env.py)
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
+    from collections.abc import Iterable, Mapping, MutableMapping
 
 PREFIX = "MEGATRON_RL_PATCHES"
 SELECT = PREFIX
@@ -301,3 +301,19 @@ def cache_root() -> str:
 def triton_interpreted() -> bool:
     """Whether TRITON_INTERPRET asks Triton's interpreter (Triton reads it when a kernel is decorated)."""
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on", "y")
+
+
+# ---- a child process's environment (the test kit's servers and ranks; nothing a door reads)
+
+
+def child_environment(extra: Mapping[str, str] | None = None, ours: bool = True) -> dict[str, str]:
+    """This process's environment as a child it starts inherits it, with `extra` set on top;
+    without `ours`, none of the package's own variables (a child given only the ones it is handed)."""
+    env = {name: value for name, value in os.environ.items() if ours or not name.startswith(PREFIX)}
+    return {**env, **(extra or {})}
+
+
+def process_environment() -> MutableMapping[str, str]:
+    """This process's environment itself, for the test kit to set a block's variables in (every
+    child started inside inherits them: `testing.environ`) or to adopt its caller's (a spawned rank)."""
+    return os.environ

@@ -1,8 +1,8 @@
-"""Settings are read once, at a door, from one module (issue 107): no module of the library reads the
+"""Settings are read once, at a door, from one module (issue 107): no module of the package reads the
 environment (`os.environ`, `os.getenv`, `os.environb`) but `settings.py`, the start-up machinery
-(`patching/`) and the apps; `testing/`, the test kit, builds and restores its children's
-environments. Read on the source with `ast`; the checker is tested on small synthetic modules too,
-so a rule that can no longer fail shows."""
+(`patching/`) and the apps (the test kit's child processes take theirs from `settings` too:
+`child_environment`, `process_environment`). Read on the source with `ast`; the checker is tested on
+small synthetic modules too, so a rule that can no longer fail shows."""
 from __future__ import annotations
 
 import ast
@@ -14,7 +14,7 @@ import megatron_rl_patches
 
 ROOT = Path(megatron_rl_patches.__file__).resolve().parent
 READERS = ("settings.py",)  # the settings module: every variable's reader
-DOORS_OF_THEIR_OWN = ("patching/", "apps/", "testing/")  # start-up, the command line, the test kit's children
+DOORS_OF_THEIR_OWN = ("patching/", "apps/")  # the start-up machinery, the command line
 
 
 def environment_reads(tree: ast.AST) -> list[int]:
