@@ -131,9 +131,9 @@ class Planned:
     plan: ScoringPlan
 
     @property
-    def top_k(self) -> TopK:
-        """Its own top-k buckets per row: the plan's K."""
-        return self.plan.k
+    def top_k(self) -> TopK | FullVocabulary:
+        """Its own top-k buckets per row: the plan's K (`VOCAB`: the whole vocabulary, no buckets)."""
+        return self.plan.top_k
 
     @property
     def temperature(self) -> float:

@@ -100,13 +100,13 @@ class SelfTeacher(Planned):
         rows = [batch.response_rows(i) for i in range(len(batch))]
         if not sum(rows):  # the same batch on every rank of the group: none runs a collective
             empty = [torch.zeros(n, dtype=torch.float64) for n in rows]
-            return BatchScores(empty, [torch.zeros(n, self.top_k, dtype=torch.int64) for n in rows],
-                               [torch.zeros(n, self.top_k, dtype=torch.float64) for n in rows], list(empty))
+            return BatchScores(empty, [torch.zeros(n, self.plan.k, dtype=torch.int64) for n in rows],
+                               [torch.zeros(n, self.plan.k, dtype=torch.float64) for n in rows], list(empty))
         weight = given.output_weight.detach()
         hidden = torch.cat([one.detach() for one in given.hidden]).to(weight.device)
         tokens = torch.cat([s[start:] for s, start in zip(batch.sequences, batch.response_starts)]).long()
         group = self.tp_group if self.shards() > 1 else None
-        token, ids, values, tail = own_scores(hidden, weight, tokens.to(hidden.device), self.top_k,
+        token, ids, values, tail = own_scores(hidden, weight, tokens.to(hidden.device), self.plan.k,
                                               temperature=self.temperature, tp_group=group,
                                               vocab_size=self.vocab_size)
         return BatchScores(*(list(part.cpu().split(rows)) for part in (token, ids, values, tail)))

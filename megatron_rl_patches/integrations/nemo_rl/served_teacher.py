@@ -111,7 +111,7 @@ class ServedTeacherPolicy(TeacherPolicy):
         scored = self.privileged(batch, data, key) if key is not None else batch
         with timer.time("get_topk_logits/served_teacher") if timer is not None else contextlib.nullcontext():
             scores = self.teacher.score(scored)
-        values, indices = filler(rows_b, seq, self.teacher.top_k)
+        values, indices = filler(rows_b, seq, self.teacher.plan.k)
         for i, start in enumerate(starts):
             rows = batch.response_rows(i)
             values[i, start - 1:start - 1 + rows] = scores.topk_log_probs[i].to(torch.float32)

@@ -87,6 +87,12 @@ class ServedTeacher(Planned):
         """The teacher's output layer on the trainer (None: the engine sends its own rows)."""
         return self.route.head
 
+    @head.setter
+    def head(self, head: TeacherHead) -> None:
+        """The head re-cut for the host (its checkpoint's rows, another padding: a host's
+        `head_padded_as`); a teacher without a head takes none."""
+        self.route = self.route.recut(head)
+
     @property
     def hidden_dtype(self) -> torch.dtype | None:
         """The dtype its hidden states travel in (None without a head)."""

@@ -67,6 +67,10 @@ class OwnRows:
         """The scores as they came."""
         return got
 
+    def recut(self, head: TeacherHead) -> OwnRows:
+        raise TypeError("ServedTeacher.head: a teacher whose engine sends its own rows takes no head (build it with "
+                        "head=DIR against a pooling server)")
+
 
 class HeadStates:
     """The final hidden states (in `hidden_dtype`) through `head` on the trainer, at the plan's K
@@ -99,6 +103,14 @@ class HeadStates:
         """The states through the head (with `ids`, scored at them too): the head's ops, alike on
         every rank of its group."""
         return head_scores(self.head, batch, got, self.plan, ids)
+
+    def recut(self, head: TeacherHead) -> HeadStates:
+        """This route through `head`, the same checkpoint's output layer cut for the host (the states,
+        their dtype and the engines asking for them unchanged)."""
+        if head.hidden_size != self.head.hidden_size:
+            raise ValueError(f"ServedTeacher.head: a head of width {head.hidden_size} for states of "
+                             f"{self.head.hidden_size}: re-cut the teacher's own head")
+        return HeadStates(head, self.plan, self.hidden_dtype)
 
 
 Route = OwnRows | HeadStates

@@ -79,7 +79,7 @@ def step_plan(teachers: Sequence[Any], plan: ScoringPlan | None) -> ScoringPlan:
     plans = [teacher_plan(teacher) for teacher in teachers]
     if plan is None:
         if len({(one.top_k, one.temperature) for one in plans}) > 1:
-            differ = sorted({(int(one.top_k), one.temperature) for one in plans})
+            differ = sorted({(one.top_k, one.temperature) for one in plans}, key=repr)  # a K or VOCAB
             raise ValueError(f"TeacherStep: the teachers' (top_k, temperature) differ ({differ}): give every teacher "
                              f"the same, or pass plan=ScoringPlan(...) matching them")
         return plans[0]
