@@ -23,6 +23,7 @@ _LAZY = lazy_names("""
     megatron_rl_patches.ops.topk: topk_ids topk_logprobs topk_opd_loss topk_kl union_ids
     megatron_rl_patches.ops.lm_head: lm_head_log_probs_and_entropy lm_head_topk_ids lm_head_topk_logprobs
     megatron_rl_patches.ops.divergence: lm_head_divergence
+    megatron_rl_patches.ops.scoring_plan: ScoringPlan VOCAB
     megatron_rl_patches.processors.heads: log_prob_output_processor topk_output_processor
     megatron_rl_patches.processors.distill: hidden_output_processor divergence_output_processor
 """)

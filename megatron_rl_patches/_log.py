@@ -1,29 +1,17 @@
 """The package's logger, the rank-zero rule and once-per-process warnings. A leaf module: it
-imports nothing of ours but the leaf `_digits`, so every layer may use it."""
+imports nothing of ours but the leaf `settings` (the launcher's rank), so every layer may use it."""
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 
-from megatron_rl_patches._digits import ascii_int
+from megatron_rl_patches.settings import launcher_rank
 
 logger = logging.getLogger("megatron_rl_patches")
 
-# Launchers' rank variables (torchrun, slurm, Open MPI, MPICH): read where torch.distributed is
-# not initialized yet, e.g. at interpreter start-up.
-RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
-
-
-def launcher_rank(environ=None) -> int:
-    """This process's global rank as the launcher announced it (0 when none did)."""
-    env = os.environ if environ is None else environ
-    value = str(next((env[name] for name in RANK_VARIABLES if name in env), "0")).strip()
-    return ascii_int(value) or 0
 
 
 def is_rank_zero() -> bool:
@@ -37,13 +25,15 @@ def is_rank_zero() -> bool:
     return launcher_rank() == 0
 
 
-def warn_once(message: str) -> None:
-    """One warning line per distinct message per process, from rank 0 only (debug elsewhere)."""
+def warn_once(message: str, every_rank: bool = False) -> None:
+    """One warning line per distinct message per process, from rank 0 only (debug elsewhere); with
+    `every_rank`, from each rank that says it (what happens on one rank only: a fallback on the last
+    pipeline stage)."""
     with _warned_lock:
         if message in _warned:
             return
         _warned.add(message)
-    if is_rank_zero():
+    if every_rank or is_rank_zero():
         logger.warning("megatron-rl-patches: %s", message)
     else:
         logger.debug("megatron-rl-patches: %s", message)

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from megatron_rl_patches._chunks import DDP_HOOK_ATTRS, as_chunks, is_ddp_like, iter_wrapped
 from megatron_rl_patches._log import logger, warn_once
+from megatron_rl_patches.inference.chunks import DDP_HOOK_ATTRS, as_chunks, is_ddp_like, iter_wrapped
 from megatron_rl_patches.inference.guard import assert_trainable
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -33,7 +33,8 @@ _MARK = "__mrp_reentrant__"
 
 _ALL, _NONE, _PARTIAL = "all", "none", "partial"
 
-# ids of the model chunks whose train() is already guarded in this context (nested wrappers)
+# ids of the model chunks whose train() is already guarded in this context (nested wrappers).
+# Not an argument: the wrapped train(rollout_id, model, optimizer, ...) is Megatron-LM's / slime's own signature.
 _guarded: contextvars.ContextVar[frozenset[tuple[int, ...]]] = contextvars.ContextVar(
     "megatron_rl_patches_guarded", default=frozenset()
 )

@@ -125,9 +125,9 @@ def test_the_inference_modules_that_became_packages_keep_their_names():
     for name in ("on_device", "hold", "hold_if_room", "weights_on_host", "release_streamed", "attach_residency",
                  "residency_of", "check_residency_args", "module_list", "note_activation_bytes", "Residency", "ATTR"):
         assert getattr(residency, name) is getattr(placement, name), name
-    from megatron_rl_patches import _residency_modes
+    from megatron_rl_patches import settings
 
-    assert residency.RESIDENCY_MODES is _residency_modes.RESIDENCY_MODES
+    assert residency.RESIDENCY_MODES is settings.RESIDENCY_MODES
     assert layer_major.score_layer_major is scoring.score_layer_major
     assert residency.ResidencyBudget is inference.ResidencyBudget
 

@@ -1,4 +1,5 @@
-"""The shared model-chunk and argument helpers (`_chunks`, `_args`) that reentrant and inference use."""
+"""The shared model-chunk and argument helpers (`inference.chunks`, `patching.calls`, `ops.scoring_plan`'s
+`positive_int`) that reentrant, the wrappers and inference use."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl_patches import _args, _chunks, reentrant
+from megatron_rl_patches import reentrant
+from megatron_rl_patches.inference import chunks as _chunks
+from megatron_rl_patches.ops import scoring_plan
+from megatron_rl_patches.patching import calls
 from megatron_rl_patches.testing.fake_ddp import FakeDDP
 
 
@@ -80,7 +84,7 @@ def test_unwrap_strips_only_known_wrappers(monkeypatch):
 def test_helpers_import_nothing_heavy():
     code = (
         "import json, sys; from types import SimpleNamespace as S; "
-        "import megatron_rl_patches._chunks as c, megatron_rl_patches._args as a; "
+        "import megatron_rl_patches.inference.chunks as c, megatron_rl_patches.ops.scoring_plan as a; "
         "m = S(config=1); assert c.unwrap(m) is m and c.as_chunks(m) == [m] and a.positive_int('n', 2) == 2; "
         "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules} & {'torch', 'megatron', 'numpy'})))"
     )
@@ -93,28 +97,28 @@ def test_bind_applies_defaults_or_returns_none():
     def helper(model_chunks, param_sync=True, *, flag=None):
         return None
 
-    bound = _args.bind(helper, ([1],), {})
+    bound = calls.bind(helper, ([1],), {})
     assert dict(bound.arguments) == {"model_chunks": [1], "param_sync": True, "flag": None}
-    assert _args.bind(helper, (), {"param_sync": False}) is None  # missing argument
-    assert _args.bind(helper, (1, 2, 3), {}) is None  # too many
-    assert _args.bind(max, (1, 2), {}) is None  # a builtin with no signature
+    assert calls.bind(helper, (), {"param_sync": False}) is None  # missing argument
+    assert calls.bind(helper, (1, 2, 3), {}) is None  # too many
+    assert calls.bind(max, (1, 2), {}) is None  # a builtin with no signature
 
 
 @pytest.mark.parametrize("value", [1, 7, 2**40])
 def test_positive_int_accepts_integers(value):
-    assert _args.positive_int("n", value) == value
+    assert scoring_plan.positive_int("n", value) == value
 
 
 def test_positive_int_accepts_numpy_integers_as_int():
     np = pytest.importorskip("numpy")
-    result = _args.positive_int("n", np.int64(3))
+    result = scoring_plan.positive_int("n", np.int64(3))
     assert result == 3 and type(result) is int
 
 
 @pytest.mark.parametrize("value", [0, -1, True, False, 2.0, "3", None])
 def test_positive_int_rejects(value):
     with pytest.raises(ValueError, match=rf"^num_microbatches must be a positive int, got {re.escape(repr(value))}$"):
-        _args.positive_int("num_microbatches", value)
+        scoring_plan.positive_int("num_microbatches", value)
 
 
 def test_model_config_without_config_anywhere_is_none(monkeypatch):

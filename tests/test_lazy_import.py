@@ -62,9 +62,7 @@ def test_startup_hook_with_variable_unset_is_light():
         "megatron_rl_patches.patching.startup",
         "megatron_rl_patches.patching.startup.hook",
         "megatron_rl_patches.patching.env",
-        "megatron_rl_patches._backend_env",  # the backend variable's one parser (standard library only)
-        "megatron_rl_patches._residency_modes",  # the residency mode names (a leaf)
-        "megatron_rl_patches._variables",  # the one table of variable names (a leaf)
+        "megatron_rl_patches.settings",  # the one table of variables and their parsers (standard library only)
     }
 
 

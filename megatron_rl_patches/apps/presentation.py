@@ -96,11 +96,12 @@ def residency_table(plan: ResidencyPlan, chosen: str) -> str:
         f"Weights per rank by residency: {plan.layers} layers of {human_bytes(plan.layer_bytes)}, embedding "
         f"{human_bytes(plan.embedding_bytes)}, output layer {human_bytes(plan.output_bytes)}, prefetch {plan.prefetch}"
     )
-    rows = [
-        [("* " if m.mode == chosen else "  ") + m.mode, human_bytes(m.device_peak),
-         human_bytes(m.device_between_phases), human_bytes(m.host)]
-        for m in plan.modes
-    ]
-    table = text_table(("mode", "device (peak)", "device (between phases)", "host"), rows, numeric=True, rule=False)
     note = "host bytes are per data-parallel rank: each rank keeps its own pinned copy of its shard"
-    return "\n".join([header, "", table, "", note])
+    return "\n".join([header, "", modes_table(plan.modes, chosen), "", note])
+
+
+def modes_table(modes: Any, chosen: str | None) -> str:
+    """One row per residency mode (device peak, device between phases, host), the chosen one marked."""
+    rows = [[("* " if m.mode == chosen else "  ") + m.mode, human_bytes(m.device_peak),
+             human_bytes(m.device_between_phases), human_bytes(m.host)] for m in modes]
+    return text_table(("mode", "device (peak)", "device (between phases)", "host"), rows, numeric=True, rule=False)

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches._chunks import has_grad_buffers
 from megatron_rl_patches._log import logger
+from megatron_rl_patches.inference.chunks import has_grad_buffers
 from megatron_rl_patches.inference.guard import freeze_chunk
 from megatron_rl_patches.inference.loading.paths import resolve_checkpoint
 from megatron_rl_patches.inference.loading.weights import load_inference_weights

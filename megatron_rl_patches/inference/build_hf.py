@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 import megatron_rl_patches.inference.build as inference_build  # a module: tests guard its build_checked
-from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.inference.loading.hf import load as hf_load
 from megatron_rl_patches.inference.loading.hf import mbridge_adapter
 from megatron_rl_patches.inference.loading.hf.checkpoint_config import read_checkpoint_config
@@ -33,6 +32,7 @@ from megatron_rl_patches.inference.teacher_layout.groups import check_layout, gr
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
 from megatron_rl_patches.inference.teacher_layout.own_groups import gather_in_own_groups
 from megatron_rl_patches.ops import agreement
+from megatron_rl_patches.ops.scoring_plan import positive_int
 
 CONVERTERS = ("builtin", "mbridge")
 

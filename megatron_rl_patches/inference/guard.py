@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from megatron_rl_patches._chunks import as_chunks, iter_wrapped
 from megatron_rl_patches._log import logger
+from megatron_rl_patches.inference.chunks import as_chunks, iter_wrapped
 
 MARKER = "_mrp_inference_only"
 
@@ -52,7 +52,7 @@ def assert_trainable(model_chunks: Any, action: str = "train") -> None:
 
 def _locked_train(module: Any, mode: bool = True) -> Any:
     """Replacement for `module.train`: always eval, so dropout stays off in a frozen model."""
-    global _train_call_logged
+    global _train_call_logged  # not an argument: nn.Module.train(self, mode=True) is torch's signature
     if not isinstance(mode, bool):
         raise ValueError(f"training mode is expected to be boolean, got {type(mode).__name__}")
     if mode and not _train_call_logged:

@@ -73,15 +73,15 @@ def check_settings(environ: Any = None) -> None:
 
 
 def variable_names() -> tuple[str, ...]:
-    """Every environment variable the package reads: the one table's (megatron_rl_patches/_variables.py)."""
-    from megatron_rl_patches import _variables
+    """Every environment variable the package reads: the one table's (megatron_rl_patches/settings.py)."""
+    from megatron_rl_patches import settings
 
-    return _variables.READ
+    return settings.READ
 
 
 def default_registry() -> Registry:
     """The process-wide registry of every patch this package knows (built once)."""
-    global _default
+    global _default  # not an argument: patching names this function by a string and calls it with none
     with _building:  # threads racing the first apply() must all get the same registry
         if _default is None:
             from megatron_rl_patches.patching.registry import Registry

@@ -6,6 +6,8 @@ LM head), at the memory floor. Importing this package is cheap; each op loads on
   :func:`topk_opd_loss`; on computed buckets: :func:`topk_kl`, :func:`union_ids`;
 - the fused LM head (hidden [T, H], weight [V_local, H]): :func:`lm_head_log_probs_and_entropy`,
   :func:`lm_head_topk_ids`, :func:`lm_head_topk_logprobs`, :func:`lm_head_divergence`;
+- what every score of a step is computed with, made once and passed down: :class:`ScoringPlan`
+  (K or the whole vocabulary, :data:`VOCAB`; the temperature; the invariant mode);
 - modules: :mod:`.packing` (packed sequences and context parallelism), :mod:`.checkpoint`
   (activation checkpointing of a loss), :mod:`.kernels` (the backends and their contract).
 """
@@ -19,6 +21,7 @@ _LAZY = lazy_names("""
     topk: topk_ids topk_logprobs topk_opd_loss topk_kl union_ids
     lm_head: lm_head_log_probs_and_entropy lm_head_topk_ids lm_head_topk_logprobs
     divergence: lm_head_divergence
+    scoring_plan: ScoringPlan VOCAB
 """)
 
 __all__ = sorted(_LAZY)

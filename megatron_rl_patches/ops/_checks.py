@@ -20,10 +20,10 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.ops._dist import tp_size
 from megatron_rl_patches.ops._dtype import compute_dtype
 from megatron_rl_patches.ops._rows import scatter_rows
+from megatron_rl_patches.ops.scoring_plan import positive_int
 
 Temperature = float | torch.Tensor
 Weights = torch.Tensor | Sequence[float] | None

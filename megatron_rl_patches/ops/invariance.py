@@ -9,16 +9,15 @@ unset or "" defers), then the ``batch_invariant_mode`` of the model config the e
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from megatron_rl_patches._variables import BACKEND as BACKEND_VARIABLE
-from megatron_rl_patches._variables import INVARIANT as VARIABLE
-from megatron_rl_patches._variables import invariant_setting
+from megatron_rl_patches import settings
 from megatron_rl_patches.ops._checks import check_group
 from megatron_rl_patches.ops._dist import tp_size
 from megatron_rl_patches.ops.agreement import Value, agree, local_error
+from megatron_rl_patches.settings import BACKEND as BACKEND_VARIABLE
+from megatron_rl_patches.settings import INVARIANT as VARIABLE
 
 T = TypeVar("T")
 
@@ -31,7 +30,7 @@ MAX_VOCAB = (1 << 19) - 1
 def environment_invariant(environ: dict[str, str] | None = None) -> bool | None:
     """The setting's value: True, False, or None when unset or ""; ValueError naming the variable
     for any other text."""
-    return invariant_setting((os.environ if environ is None else environ).get(VARIABLE))
+    return settings.invariant(environ)
 
 
 def config_invariant(config: Any) -> bool:
@@ -70,7 +69,7 @@ def deferred_invariant(invariant: object, config: Any) -> bool | None:
     check_invariant(invariant)
     if isinstance(invariant, bool):
         return invariant
-    return None if (os.environ.get(VARIABLE) or "").strip() else config_invariant(config)
+    return None if environment_invariant() is not None else config_invariant(config)
 
 
 def agreed_invariant(invariant: object, op: str, group: Any, config: Any = None,

@@ -26,6 +26,7 @@ from megatron_rl_patches.ops.invariance import agreed_route
 from megatron_rl_patches.ops.kernels import Backend, resolve_backend, topk_step
 from megatron_rl_patches.ops.kernels.sources import Source, gather_rows
 from megatron_rl_patches.ops.kernels.torch_tiles import tile_shape, tiles
+from megatron_rl_patches.ops.scoring_plan import checked_k
 
 __all__ = ["lm_head_log_probs_and_entropy", "lm_head_topk_ids", "lm_head_topk_logprobs"]
 
@@ -144,8 +145,7 @@ def lm_head_topk_ids(
     `invariant`: the logits from fixed-shape GEMM tiles, so each row's ids depend on its hidden
     row alone (the torch tiles, whatever `backend`)."""
     _, n_rows, vocab = check_lm_head_inputs(hidden, weight, tp_group, sequence_parallel, vocab_size, chunk_size)
-    k = topk_checks.check_int_k(k)
-    topk_checks.check_k(k, vocab)
+    k = checked_k(k, vocab=vocab)  # a plan's TopK taken as it is
     checks = _checks.DeviceChecks()
     _checks.check_temperature(temperature, (n_rows,), hidden.device, checks, hidden.dtype)
     invariant, chosen = agreed_route(invariant, "lm_head_topk_ids", tp_group, _kernels(backend, hidden), vocab,

@@ -22,6 +22,7 @@ from megatron_rl_patches.ops.invariance import agreed_invariant, agreed_route, r
 from megatron_rl_patches.ops.kernels import resolve_backend, topk_step
 from megatron_rl_patches.ops.kernels.sources import Source
 from megatron_rl_patches.ops.row_blocks import in_row_blocks
+from megatron_rl_patches.ops.scoring_plan import checked_k
 
 __all__ = ["topk_ids", "union_ids", "topk_logprobs", "topk_kl", "topk_opd_loss"]
 
@@ -52,9 +53,8 @@ def topk_ids(
     ids depend on its logits alone in both modes.
     """
     lead, local_vocab = topk_checks.check_logits(logits, "logits", tp_group)
-    k = topk_checks.check_int_k(k)
     vocab = _checks.global_vocab(local_vocab, tp_group, vocab_size)
-    topk_checks.check_k(k, vocab)
+    k = checked_k(k, vocab=vocab)  # a plan's TopK taken as it is
     # checked (alike on every rank, with the values that shape the candidates' all-gather); exact either way
     agreed_invariant(invariant, "topk_ids", tp_group, match=_checks.collective_values(math.prod(lead), vocab, k=k))
     selection = _select(row_mask, lead, logits.device, tp_group)

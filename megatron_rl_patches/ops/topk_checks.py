@@ -11,7 +11,6 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches._args import checked_k
 from megatron_rl_patches.ops._checks import (
     DeviceChecks,
     Weights,
@@ -21,6 +20,7 @@ from megatron_rl_patches.ops._checks import (
     check_weights,
 )
 from megatron_rl_patches.ops._divergences import DEFAULT_BETA, DEFAULT_DIVERGENCE, check_divergence
+from megatron_rl_patches.ops.scoring_plan import checked_k
 
 KL_KINDS = ("reverse", "forward", "mixed")
 
@@ -35,19 +35,6 @@ def check_logits(logits: object, name: str, tp_group: dist.ProcessGroup | None) 
     return logits.shape[:-1], logits.shape[-1]
 
 
-def check_k(k: int, vocab: int, name: str = "k") -> None:
-    if k >= vocab:
-        raise ValueError(
-            f"{name} must be smaller than the vocabulary size {vocab} (global, after vocab_size) so that "
-            f"the tail bucket is not empty, got {k}; use a smaller k"
-        )
-
-
-def check_int_k(k: object) -> int:
-    """`k` a positive int (a :class:`~megatron_rl_patches._args.CheckedK`: checked already, taken as it is)."""
-    return checked_k(k)
-
-
 def check_ids(ids: object, lead: torch.Size, vocab: int, checks: DeviceChecks, ids_mask: object = None) -> int:
     """k of ids [*lead, k]; with `ids_mask` (bool, ids' shape) only the True slots are checked
     (in range, no repeats within a row): the others are padding, whatever their value."""
@@ -58,7 +45,7 @@ def check_ids(ids: object, lead: torch.Size, vocab: int, checks: DeviceChecks, i
             f"got {tuple(ids.shape)}"
         )
     k = ids.shape[-1]
-    check_k(k, vocab, "ids.shape[-1] (k)")
+    checked_k(k, name="ids.shape[-1] (k)", vocab=vocab)
     ids_mask = check_ids_mask(ids_mask, ids)
     inside = (ids >= 0) & (ids < vocab)
     if ids_mask is not None:

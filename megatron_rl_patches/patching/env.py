@@ -3,27 +3,30 @@ from __future__ import annotations
 
 import os
 
-from megatron_rl_patches._backend_env import AUTO, parse_backend
-from megatron_rl_patches._residency_modes import RESIDENCY_MODES
-from megatron_rl_patches._variables import (
+from megatron_rl_patches.settings import (
     ALLOW_UNTESTED,
+    AUTO,
     BACKEND,
     DISABLE,
     INFERENCE_ROLES,
     INVARIANT,
     NATIVE,
     PREFIX,
+    RESIDENCY_MODES,
     SELECT,
     SHARED_PREFIX,
     STRICT,
     VARIABLES,
     VERL_ROWS,
     invariant_setting,
+    is_layout_option,
+    layout_size,
     native_setting,
+    parse_backend,
     shared_prefix_setting,
     verl_rows_setting,
 )
-from megatron_rl_patches._variables import (
+from megatron_rl_patches.settings import (
     LAUNCHER_ROOT as LAUNCHER_ROOT,
 )
 
@@ -34,7 +37,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-# The names come from the one table (megatron_rl_patches/_variables.py); VARIABLES: every one a user sets.
+# The names come from the one table (megatron_rl_patches/settings.py); VARIABLES: every one a user sets.
 _PREFIX = PREFIX.removesuffix("ES")  # MEGATRON_RL_PATCH: a variable starting so (any case) is meant for us
 
 _OFF = {"", "0", "false", "no", "off", "none"}
@@ -160,10 +163,6 @@ def role_layouts(environ: Mapping[str, str] | None = None) -> dict[str, int]:
         where = f"{INFERENCE_ROLES} role {_cut(item)!r}"
         sizes: dict[str, int] = {}
         for written in (option.strip() for option in options):
-            # the start-up hook imports env.py; its import set stays the leaves tests/test_lazy_import.py lists
-            # lazy: import cost: the start-up hook's pinned import set (test_lazy_import)
-            from megatron_rl_patches._layout_option import is_layout_option, layout_size
-
             if not is_layout_option(written):
                 raise ValueError(f"{where}: unknown option {_cut(written)!r}; the option is ';tp=N' (the role's "
                                  "model at its own tensor-parallel size, e.g. judge;tp=2)")
@@ -182,7 +181,7 @@ def role_layouts(environ: Mapping[str, str] | None = None) -> dict[str, int]:
 
 def backend(environ: Mapping[str, str] | None = None) -> str | None:
     """MEGATRON_RL_PATCHES_BACKEND: "torch" or "triton"; None when unset, "" or "auto" (the ops
-    choose). The ops read it with the same parser (:mod:`megatron_rl_patches._backend_env`)."""
+    choose). The ops read it with the same parser (:mod:`megatron_rl_patches.settings`)."""
     word = parse_backend(_get(environ, BACKEND))
     return None if word == AUTO else word
 

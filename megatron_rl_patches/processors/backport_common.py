@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from megatron_rl_patches._shadow import shadowed
+from megatron_rl_patches.patching.shadow import shadowed
 from megatron_rl_patches.processors.gpt_signature import KEYWORDS as PROCESSOR_KEYWORDS
 from megatron_rl_patches.processors.heads import output_layer_pre_hooks_ran
 from megatron_rl_patches.processors.mtp_loss import FusedHeadLogits, fused_loss, fused_mtp_loss_in_effect

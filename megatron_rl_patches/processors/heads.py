@@ -26,11 +26,11 @@ import torch.distributed as dist
 import megatron_rl_patches.ops.kept_set as kept_set_ops
 import megatron_rl_patches.ops.lm_head as lm_head_ops
 import megatron_rl_patches.ops.topk as topk_ops
-from megatron_rl_patches._args import checked_k, positive_int
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.ops._checks import check_scalar_temperature
 from megatron_rl_patches.ops._rows import RowSelection
 from megatron_rl_patches.ops.invariance import check_invariant, deferred_invariant
+from megatron_rl_patches.ops.scoring_plan import checked_k, positive_int
 from megatron_rl_patches.processors.output import ProcessorOutput
 
 __all__ = ["log_prob_output_processor", "topk_output_processor"]
@@ -41,6 +41,8 @@ _TOPK_CONTEXT = ("ids", "ids_mask", "temperature", "row_mask")
 
 # The output layer whose forward pre-hooks already ran for the forward under way: the backport
 # for megatron-core < 0.18 calls the layer (hooks included) to capture its input.
+# Not an argument: GPTModel.forward calls output_processor(hidden_states=, output_layer=, output_weight=,
+# labels=, config=, context=) with megatron-core's fixed keywords, which carry no "its hooks ran".
 _PRE_HOOKS_RAN: ContextVar[torch.nn.Module | None] = ContextVar("megatron_rl_patches_pre_hooks_ran", default=None)
 
 
@@ -132,6 +134,7 @@ def token_rows(value: torch.Tensor, name: str, batch: int, seq: int) -> torch.Te
 
 
 # The row selection the processor calls of one `one_row_selection()` share: [mask given, selection].
+# Not an argument: each processor is called with megatron-core's output_processor keywords (above).
 _SHARED_ROWS: ContextVar[list | None] = ContextVar("megatron_rl_patches_shared_rows", default=None)
 
 

@@ -6,7 +6,8 @@ chunk-start buckets of one with another tokenizer from its top-k; `head_buckets`
 hidden states through its head), a teacher's output layer on the
 trainer (`TeacherHead`: a served teacher's hidden states through it), the teacher step of any loop
 (`TeacherStep` behind a `TeacherHost`: send early, ask once per group, share, agree a failure; its
-teachers built from entries through their kinds by `build_teachers`), and the kinds of
+teachers built from entries through their kinds by `build_teachers`, every one at the step's
+`ScoringPlan`: K or the whole vocabulary `VOCAB`, the temperature, the invariant mode), and the kinds of
 teacher as one table (`teachers.kinds`: how an entry of MEGATRON_RL_PATCHES_OPD_TEACHERS is read
 and checked), and teachers that see a privileged context the student does not (`with_context`: the
 teacher's batch of context + the student's response per sample; `Privileged(teacher, KEY)`: any
@@ -35,6 +36,7 @@ _LAZY = lazy_names("""
     megatron_rl_patches.teachers.context.cross: cross_with_context
     megatron_rl_patches.teachers.head.teacher_head: TeacherHead
     megatron_rl_patches.teachers.step.teacher_step: TeacherStep StepPlan
+    megatron_rl_patches.ops.scoring_plan: ScoringPlan VOCAB
     host: TeacherHost LoopHost megatron_host local_host
     build: build_teachers BuildOptions
     megatron_rl_patches.teachers.context.teacher_context: with_context context_ids placed_before

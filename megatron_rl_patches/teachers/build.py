@@ -5,14 +5,16 @@ built here (`served_build`: connected on the host's asking rank, a failure the s
 rank of its job); an in-process kind needs a framework to load a model, so the host builds it
 (`host.build_teacher(entry, options)`, where the host gives one; with `;context=KEY` wrapped in
 `Privileged(teacher, KEY)`) or the entry is refused by name.
-The teachers come back in the entries' order, ready for `TeacherStep(teachers, host)`."""
+Every teacher is built at one `ScoringPlan` (the caller's `plan`, or `top_k` and `temperature`
+made into one): the teachers come back in the entries' order, ready for `TeacherStep(teachers,
+host, plan)`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl_patches._args import positive_int
+from megatron_rl_patches.ops.scoring_plan import Planned, ScoringPlan, scoring_plan
 from megatron_rl_patches.teachers.agreement import agreed_views
 from megatron_rl_patches.teachers.context.privileged import Privileged
 from megatron_rl_patches.teachers.entry import TeacherEntry
@@ -23,22 +25,15 @@ ENTRIES = "build_teachers(entries=...)"
 
 
 @dataclass(frozen=True)
-class BuildOptions:
-    """What every teacher of one step is built with: `top_k` (buckets per row), `temperature`,
-    `student_tokenizer` (a `tokenizers.Tokenizer`, a tokenizer.json or a directory holding one:
-    a served model's tokenizer is checked against it; None: the entry must say `;same_tokenizer`),
-    `client` (a `ClientSettings` for served teachers; None: the defaults)."""
+class BuildOptions(Planned):
+    """What every teacher of one step is built with: `plan` (the step's `ScoringPlan`: K,
+    temperature), `student_tokenizer` (a `tokenizers.Tokenizer`, a tokenizer.json or a directory
+    holding one: a served model's tokenizer is checked against it; None: the entry must say
+    `;same_tokenizer`), `client` (a `ClientSettings` for served teachers; None: the defaults)."""
 
-    top_k: int
-    temperature: float = 1.0
+    plan: ScoringPlan
     student_tokenizer: Any = None
     client: Any = None
-
-    def __post_init__(self) -> None:
-        positive_int("build_teachers(top_k=...)", self.top_k, " (the teachers' buckets per row)")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not self.temperature > 0:
-            raise ValueError(f"build_teachers(temperature={self.temperature!r}): pass a positive float")
 
 
 def entries_of(entries: str | Sequence[str | TeacherEntry]) -> list[TeacherEntry]:
@@ -71,8 +66,9 @@ def entries_of(entries: str | Sequence[str | TeacherEntry]) -> list[TeacherEntry
     return parsed
 
 
-def build_teachers(entries: str | Sequence[str | TeacherEntry], host: Any, *, top_k: int, temperature: float = 1.0,
-                   student_tokenizer: Any = None, client: Any = None) -> list[Any]:
+def build_teachers(entries: str | Sequence[str | TeacherEntry], host: Any, *, top_k: int | None = None,
+                   temperature: float | None = None, student_tokenizer: Any = None, client: Any = None,
+                   plan: ScoringPlan | None = None) -> list[Any]:
     """Every entry's teacher built through its kind, in order; every rank of the host's job calls
     it alike. Everything is checked before anything is built (the entries parsed, the options,
     each in-process entry's host builder), so a bad entry leaves nothing open; the checks and the
@@ -82,7 +78,8 @@ def build_teachers(entries: str | Sequence[str | TeacherEntry], host: Any, *, to
     error: Exception | None = None
     view = None
     try:
-        options, parsed, kinds = checked(entries, host, top_k, temperature, student_tokenizer, client)
+        options = BuildOptions(scoring_plan(plan, top_k, temperature, "build_teachers"), student_tokenizer, client)
+        parsed, kinds = checked(entries, host, options)
         view = [kind.name for kind in kinds]
     except Exception as failed:  # noqa: BLE001 - agreed over the job: the same error on every rank
         error = failed
@@ -104,11 +101,9 @@ def build_teachers(entries: str | Sequence[str | TeacherEntry], host: Any, *, to
     return built
 
 
-def checked(entries: str | Sequence[str | TeacherEntry], host: Any, top_k: int, temperature: float,
-            student_tokenizer: Any, client: Any) -> tuple[BuildOptions, list[TeacherEntry], list[Any]]:
-    """The options, the parsed entries and their kinds, each checked (everything before anything
-    is built)."""
-    options = BuildOptions(top_k, temperature, student_tokenizer, client)
+def checked(entries: str | Sequence[str | TeacherEntry], host: Any,
+            options: BuildOptions) -> tuple[list[TeacherEntry], list[Any]]:
+    """The parsed entries and their kinds, each checked (everything before anything is built)."""
     parsed = entries_of(entries)
     for name in ("share_group", "job_group", "vocab_size"):
         if not hasattr(host, name):
@@ -120,7 +115,7 @@ def checked(entries: str | Sequence[str | TeacherEntry], host: Any, top_k: int, 
             raise ValueError(f"build_teachers: entry {entry.path!r} is a {kind.name} teacher, which a framework "
                              f"loads in process: this host builds none (give it build_teacher(entry, options), "
                              f"or build the model yourself and pass it to TeacherStep as a BatchTeacher)")
-    return options, parsed, kinds
+    return parsed, kinds
 
 
 def host_build(entry: TeacherEntry, host: Any, options: BuildOptions) -> Any:

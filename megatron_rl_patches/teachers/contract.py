@@ -4,7 +4,9 @@ each actual token. Any kind of teacher (served, in-process) that keeps it serves
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+from megatron_rl_patches.ops.scoring_plan import ScoringPlan
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -38,10 +40,19 @@ class BatchScores:
 
 
 class BatchTeacher(Protocol):
-    """A teacher that scores whole samples: `top_k` buckets per row, chosen by the teacher."""
+    """A teacher that scores whole samples: `top_k` buckets per row, chosen by the teacher, at the
+    `ScoringPlan` it was built with (`plan`; a teacher without one scores its `top_k` at temperature
+    1: `teacher_plan`)."""
 
     top_k: int
 
     def score(self, batch: TeacherBatch) -> BatchScores:
         """Every sample of `batch` scored on its response rows."""
         ...
+
+
+def teacher_plan(teacher: Any) -> ScoringPlan:
+    """The `ScoringPlan` `teacher` scores at: the one it was built with (`teacher.plan`: the
+    package's teachers), else the contract's short form, its `top_k` at temperature 1."""
+    plan = getattr(teacher, "plan", None)
+    return plan if isinstance(plan, ScoringPlan) else ScoringPlan(teacher.top_k)

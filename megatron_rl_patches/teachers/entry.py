@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
-from megatron_rl_patches._layout_option import written_sizes
+from megatron_rl_patches.ops.scoring_plan import VOCAB
+from megatron_rl_patches.settings import written_sizes
 
 CHECKPOINT, PROVIDER, SERVED, STUDENT = "checkpoint", "provider", "served", "student"
 
@@ -83,10 +85,14 @@ class RunFacts:
     """What a kind's checks read of the run: the temperature every teacher scores at (None: not
     known, as in `doctor`) and the setting it comes from as errors name it (`temperature_from`,
     e.g. slime's "--rollout-temperature"), whose top-k ids make the buckets, and k
-    (MEGATRON_RL_PATCHES_OPD_K; `full_vocab`: MEGATRON_RL_PATCHES_OPD_K=vocab, k then unused)."""
+    (MEGATRON_RL_PATCHES_OPD_K: a K, or `VOCAB` for MEGATRON_RL_PATCHES_OPD_K=vocab, `full_vocab`)."""
 
     temperature: float | None = None
     ids_from: str = "student"
-    k: int = 16
-    full_vocab: bool = False
+    k: Any = 16
     temperature_from: str = "the rollout temperature"
+
+    @property
+    def full_vocab(self) -> bool:
+        """MEGATRON_RL_PATCHES_OPD_K=vocab: the whole vocabulary, no K."""
+        return self.k is VOCAB

@@ -3,32 +3,17 @@ number a float holds: `math.isfinite` raises OverflowError on an int past 1e308)
 as a message writes it: Python refuses to write an int past 4,300 digits), `wait_seconds` (seconds a
 wait can take: threading refuses more than `threading.TIMEOUT_MAX`), `int64_id` (an id a torch
 tensor holds) and `utf8_text` (text with no lone surrogate: no UTF-8 encoder, tokenizer or JSON
-body takes one). Standard library only."""
+body takes one). Standard library only; `finite` and `shown` are the scoring plan's (its
+temperature's check), one check for every room."""
 from __future__ import annotations
 
 import math
-import numbers
 import threading
 
+from megatron_rl_patches.ops.scoring_plan import finite as finite
+from megatron_rl_patches.ops.scoring_plan import shown as shown
+
 INT64_MAX = 2**63 - 1
-LOG10_2 = math.log10(2)
-
-
-def finite(value: object) -> bool:
-    """Whether `value` is a real number (no bool) that a float holds, finite."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int past a float's range
-        return False
-
-
-def shown(value: object) -> str:
-    """`repr(value)`, an int past int64 too large to write out shown by its size."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and abs(int(value)).bit_length() > 128:
-        return f"an int of about {int(abs(int(value)).bit_length() * LOG10_2) + 1} digits"
-    return repr(value)
 
 
 def wait_seconds(name: str, value: object, allow_zero: bool) -> float:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from megatron_rl_patches._args import positive_int
+from megatron_rl_patches.ops.scoring_plan import positive_int
 
 TeacherPass = Callable[[Any, Any], Any]  # (teacher, TeacherBatch) -> BatchScores
 

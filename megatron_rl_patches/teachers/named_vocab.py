@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_rl_patches._json_read import json_file
+from megatron_rl_patches.inference.loading.json_read import json_file
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

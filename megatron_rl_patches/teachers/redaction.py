@@ -5,7 +5,7 @@ the served client builds, whatever the reply's status (`scrubbed`: the live keys
 variables the clients read them from). URLs are read on the raw text, before
 anything splits or parses it: a password may hold what splits a setting or an entry (',' between
 entries, '|' between replicas, ';' before options, white space around them) or ends a parsed
-authority early ('/', '#', '@'). Standard library only (and the leaf `_variables`).
+authority early ('/', '#', '@'). Standard library only (and the leaf `settings`).
 
 Where a URL's user or password ends: after '://' comes either a plain authority (host[:port],
 then the end of the text or one of the characters that end it) or not. A plain authority holds
@@ -22,11 +22,10 @@ it stands, so a cut shows at most 7 characters of the key at the cut."""
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import Any
 
-from megatron_rl_patches._variables import TEACHER_API_KEY
+from megatron_rl_patches.settings import TEACHER_API_KEY, api_key
 
 SCHEME_END = "://"
 HIDDEN = "***"
@@ -126,7 +125,7 @@ def key_variable(name: str) -> None:
 
 def live_keys() -> list[str]:
     """The API keys the environment holds now, in every variable a client reads one from."""
-    return [key for key in (os.environ.get(name) for name in sorted(KEY_VARIABLES)) if key]
+    return [key for key in (api_key(name) for name in sorted(KEY_VARIABLES)) if key]
 
 
 def scrubbed(text: str) -> str:

@@ -3,11 +3,11 @@ weights scoring the privileged sequences (`with_context`), through the host's ow
 student's model (`LoopHost(student_pass=...)`): no copy of the weights, no server, no weight sync.
 The pass runs under `torch.no_grad()` and returns the student's final hidden states on the
 response rows and its output layer's weight (`StudentHidden`), never logits: the scores come from
-the fused head's ops (`lm_head_topk_ids`, `lm_head_topk_logprobs`, as the top-k output processor
-of `processors.heads` computes them: vocabulary tiles, no [R, V] logits on any rank). Nothing is
-differentiated: no gradient flows through the teacher's side. Its scores are the student's whole
-distribution on each row at the step's temperature: its own top-k, the exact tail (the mass of
-every id outside them) and the actual token's log-prob, float64.
+the fused head's ops (`teachers.head.own_scores`, the served head route's computation too:
+vocabulary tiles, no [R, V] logits on any rank). Nothing is differentiated: no gradient flows
+through the teacher's side. Its scores are the student's whole distribution on each row at the
+step's `ScoringPlan`: its own top-k, the exact tail (the mass of every id outside them) and the
+actual token's log-prob, float64.
 
 At tensor parallelism (`tp_group`: the host's) the pass returns whole hidden rows on every rank
 of the group (sequence parallelism gathered: [R_i, H], cheap beside the logits) and this rank's
@@ -18,35 +18,20 @@ slime's and NeMo-RL's live self-teachers are this computation inside their outpu
 (`topk_output_processor` in the student's own forward); their adapters only supply that pass."""
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from megatron_rl_patches._args import positive_int
-from megatron_rl_patches.ops.lm_head import lm_head_topk_ids, lm_head_topk_logprobs
+from megatron_rl_patches.ops.scoring_plan import Planned, ScoringPlan, positive_int, scoring_plan
 from megatron_rl_patches.teachers.agreement import agree_failure, distributed
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context.key import context_key
 from megatron_rl_patches.teachers.contract import BatchScores
+from megatron_rl_patches.teachers.head.own_scores import own_scores
 
 LARGEST_ID = 2**63 - 1  # token ids are int64
-
-
-def finite_temperature(temperature: Any) -> float:
-    """The step's temperature as a float, or a ValueError naming it where it is no positive finite
-    real (the ops refuse the rest at the first score otherwise)."""
-    try:
-        value = float(temperature) if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) \
-            else math.nan
-    except OverflowError:  # an int past float's range, 10**400
-        value = math.inf
-    if not (math.isfinite(value) and value > 0 and 1.0 / value < math.inf):
-        raise ValueError(f"SelfTeacher(temperature={temperature!r:.40}): pass a positive finite float (the step's "
-                         f"temperature)")
-    return value
 
 
 @dataclass(frozen=True)
@@ -65,17 +50,19 @@ class StudentHidden:
 StudentPass = Callable[[TeacherBatch], StudentHidden]
 
 
-class SelfTeacher:
+class SelfTeacher(Planned):
     """The student scoring `context + its own response` with its current weights: `student_pass`
     the host's pass (see `StudentPass`: hidden states and output weight, no logits), `vocab_size`
-    the student's real vocabulary, `top_k` its buckets per row, `temperature` the step's, `context`
-    the key of its privileged contexts (required: without one it would be the student scoring
-    itself). `tp_group`: the student's tensor-parallel group when the pass returns this rank's
-    shard of the output weight (None: the whole weight), and `padded_vocab_size` the rows of its
-    output layer over that group (None: not checked)."""
+    the student's real vocabulary, `plan` the step's `ScoringPlan` (or, written the short way,
+    `top_k` its buckets per row and `temperature` the step's), `context` the key of its privileged
+    contexts (required: without one it would be the student scoring itself). `tp_group`: the
+    student's tensor-parallel group when the pass returns this rank's shard of the output weight
+    (None: the whole weight), and `padded_vocab_size` the rows of its output layer over that group
+    (None: not checked)."""
 
-    def __init__(self, student_pass: StudentPass, vocab_size: int, top_k: int, *, context: str,
-                 temperature: float = 1.0, tp_group: Any = None, padded_vocab_size: int | None = None) -> None:
+    def __init__(self, student_pass: StudentPass, vocab_size: int, top_k: int | None = None, *, context: str,
+                 temperature: float | None = None, tp_group: Any = None, padded_vocab_size: int | None = None,
+                 plan: ScoringPlan | None = None) -> None:
         if not callable(student_pass):
             raise TypeError(f"SelfTeacher(student_pass=...) must be the host's pass of the student's model, a "
                             f"callable (TeacherBatch) -> StudentHidden(hidden=[R_i, H] per sample, output_weight="
@@ -90,11 +77,10 @@ class SelfTeacher:
         if self.vocab_size > LARGEST_ID + 1:
             raise ValueError(f"SelfTeacher(vocab_size={vocab_size!r:.40}…) is past any vocabulary: a token id is an "
                              f"int64 (at most 2**63 - 1)")
-        self.top_k = positive_int("SelfTeacher(top_k=...)", top_k, " (the teacher's buckets per row)")
-        if self.top_k >= self.vocab_size:
-            raise ValueError(f"SelfTeacher(top_k={top_k}) must be below the student's vocabulary of {vocab_size}: the "
-                             f"tail (every id outside the top-k) holds at least one")
-        self.temperature = finite_temperature(temperature)
+        self.plan = scoring_plan(plan, top_k, temperature, "SelfTeacher")
+        if self.plan.k >= self.vocab_size:
+            raise ValueError(f"SelfTeacher(top_k={self.plan.k}) must be below the student's vocabulary of "
+                             f"{vocab_size}: the tail (every id outside the top-k) holds at least one")
         self.context: str = key
         self.tp_group = tp_group
         if padded_vocab_size is not None and (isinstance(padded_vocab_size, bool) or not isinstance(
@@ -124,39 +110,16 @@ class SelfTeacher:
         rows = [batch.response_rows(i) for i in range(len(batch))]
         if not sum(rows):  # the same batch on every rank of the group: none runs a collective
             empty = [torch.zeros(n, dtype=torch.float64) for n in rows]
-            return BatchScores(empty, [torch.zeros(n, self.top_k, dtype=torch.int64) for n in rows],
-                               [torch.zeros(n, self.top_k, dtype=torch.float64) for n in rows], list(empty))
+            return BatchScores(empty, [torch.zeros(n, self.plan.k, dtype=torch.int64) for n in rows],
+                               [torch.zeros(n, self.plan.k, dtype=torch.float64) for n in rows], list(empty))
         weight = given.output_weight.detach()
         hidden = torch.cat([one.detach() for one in given.hidden]).to(weight.device)
         tokens = torch.cat([s[start:] for s, start in zip(batch.sequences, batch.response_starts)]).long()
-        token, ids, values, tail = self.head_scores(hidden, weight, tokens.to(hidden.device))
-        return BatchScores(*(list(part.cpu().split(rows)) for part in (token, ids, values, tail)))
-
-    def head_scores(self, hidden: torch.Tensor, weight: torch.Tensor,
-                    tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The token's log-prob [R], the top-k ids [R, k], their log-probs [R, k] and the tail [R]
-        (float64) from the fused head: one top-k pass and one log-prob pass over the vocabulary
-        tiles, the actual token scored beside the top-k (its slot masked out where it is one of them:
-        the op's tail is then the top-k's; else the top-k's tail is the rest's plus the token's)."""
         group = self.tp_group if self.shards() > 1 else None
-        options: dict[str, Any] = dict(tp_group=group, temperature=self.temperature, vocab_size=self.vocab_size)
-        with torch.no_grad():
-            ids = lm_head_topk_ids(hidden, weight, self.top_k, **options)
-            among = ids == tokens[:, None]
-            repeated = among.any(dim=1)
-            if self.top_k + 1 < self.vocab_size:
-                asked = torch.cat([ids, tokens[:, None]], dim=1)
-                mask = torch.cat([torch.ones_like(ids, dtype=torch.bool), ~repeated[:, None]], dim=1)
-                scored, rest = lm_head_topk_logprobs(hidden, weight, asked, ids_mask=mask, **options)
-            else:  # every id but one in the top-k: a token outside them is that one, the whole tail (the op
-                # refuses ids as wide as the vocabulary: no tail left)
-                scored, rest = lm_head_topk_logprobs(hidden, weight, ids, **options)
-                scored, rest = torch.cat([scored, rest[:, None]], dim=1), torch.where(repeated, rest, -torch.inf)
-        values = scored[:, :self.top_k].double()
-        own = scored[:, self.top_k].double()
-        token = torch.where(repeated, values.gather(1, among.int().argmax(dim=1, keepdim=True))[:, 0], own)
-        tail = torch.where(repeated, rest.double(), torch.logaddexp(rest.double(), own))
-        return token, ids.long(), values, tail
+        token, ids, values, tail = own_scores(hidden, weight, tokens.to(hidden.device), self.plan.k,
+                                              temperature=self.temperature, tp_group=group,
+                                              vocab_size=self.vocab_size)
+        return BatchScores(*(list(part.cpu().split(rows)) for part in (token, ids, values, tail)))
 
     def shards(self) -> int:
         """The tensor-parallel size the output weight is split over (1: the whole weight)."""
@@ -197,7 +160,7 @@ class SelfTeacher:
                                  f"output weight's dtype {weight.dtype} (whole rows: sequence parallelism gathered)")
 
 
-def self_teacher(host: Any, top_k: int, temperature: float, context: str, where: str) -> SelfTeacher:
+def self_teacher(host: Any, plan: ScoringPlan, context: str, where: str) -> SelfTeacher:
     """The host's self-teacher (its `student_pass`), or a ValueError naming `where` for a host without one."""
     student_pass = getattr(host, "student_pass", None)
     if student_pass is None:
@@ -205,6 +168,6 @@ def self_teacher(host: Any, top_k: int, temperature: float, context: str, where:
                          "give the host one (LoopHost(vocab_size, ..., student_pass=fn): fn(batch) -> StudentHidden "
                          "of the student's current weights on the batch's response rows: hidden states [R_i, H] and "
                          "the output layer's weight)")
-    return SelfTeacher(student_pass, int(host.vocab_size), top_k, context=context, temperature=temperature,
+    return SelfTeacher(student_pass, int(host.vocab_size), context=context, plan=plan,
                        tp_group=getattr(host, "tp_group", None),
                        padded_vocab_size=getattr(host, "padded_vocab_size", None))

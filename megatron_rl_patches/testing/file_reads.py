@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_rl_patches._json_read import parsed_json
+from megatron_rl_patches.inference.loading.json_read import parsed_json
 
 # calls that look at a tensor's metadata, not its data (attribute reads come as `__get__`)
 _METADATA = frozenset({"__get__", "__hash__", "__len__", "size", "stride", "dim", "numel", "nelement", "data_ptr",

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from megatron_rl_patches.settings import child_environment
+
 
 def run_with_patches(
     script: Path, out: Path, pythonpath: Sequence[Path | str], patches: str = "all", timeout: float = 300
@@ -18,8 +20,8 @@ def run_with_patches(
     """`python script out` with only MEGATRON_RL_PATCHES=`patches` of our variables and `pythonpath`;
     AssertionError with the stderr tail if it fails. The saved dict gains `status`: target -> status
     from its `statuses` (a list of PatchStatus.as_dict())."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_RL_PATCHES")}
-    env.update(MEGATRON_RL_PATCHES=patches, PYTHONPATH=os.pathsep.join(map(str, pythonpath)))
+    env = child_environment({"MEGATRON_RL_PATCHES": patches, "PYTHONPATH": os.pathsep.join(map(str, pythonpath))},
+                            ours=False)
     proc = subprocess.run(
         [sys.executable, str(script), str(out)],
         env=env, cwd=Path(out).parent, capture_output=True, text=True, timeout=timeout,

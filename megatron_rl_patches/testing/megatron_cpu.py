@@ -4,7 +4,6 @@ DDP wrappers, batches and the real forward-backward schedule. Used by the pytest
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rl_patches.settings import process_environment
 from megatron_rl_patches.testing.model_kinds import MODEL_KINDS
 from megatron_rl_patches.testing.model_kinds import ModelKindUnavailable as ModelKindUnavailable  # re-exported
 from megatron_rl_patches.testing.shims import cpu_shims
@@ -47,8 +47,9 @@ def megatron_world(
     cuda = device.startswith("cuda")
     created_group = False
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
+        rendezvous = process_environment()  # torch.distributed's env:// rendezvous reads them
+        rendezvous.setdefault("MASTER_ADDR", "127.0.0.1")
+        rendezvous["MASTER_PORT"] = str(_free_port())
         if cuda:
             torch.cuda.set_device(torch.device(device).index or 0)
         dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)

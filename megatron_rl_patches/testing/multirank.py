@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_rl_patches.settings import child_environment, process_environment
+
 START_METHODS = ("spawn", "forkserver")
 _default = {"start_method": "spawn"}
 
@@ -59,8 +61,9 @@ def _worker(rank: int, world_size: int, init_file: str, call: bytes, queue: Any,
             environ: dict[str, str], stdio: _CallerStdio | None) -> None:
     if stdio is not None:
         stdio.attach()
-    os.environ.clear()
-    os.environ.update(environ)
+    adopted = process_environment()  # the caller's environment, adopted whole
+    adopted.clear()
+    adopted.update(environ)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     # every rank's mesh whole before any rank may finish: a rank done at once (no collective) would
@@ -121,7 +124,7 @@ def run_multirank(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         procs = [
-            ctx.Process(target=_worker, args=(rank, world_size, init_file, call, queue, dict(os.environ), stdio),
+            ctx.Process(target=_worker, args=(rank, world_size, init_file, call, queue, child_environment(), stdio),
                         daemon=True)
             for rank in range(world_size)
         ]

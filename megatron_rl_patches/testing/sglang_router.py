@@ -6,7 +6,6 @@ process `sglang::router`, so a search by command line misses it)."""
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import time
 import urllib.error
@@ -14,6 +13,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from megatron_rl_patches.settings import child_environment
 from megatron_rl_patches.testing.vllm_server import VllmServer, free_port, serving
 
 
@@ -28,7 +28,7 @@ def sglang_router(router: str | Path, workers: list[str], log: str | Path,
     """sglang-router's console script `router` in front of `workers` (their URLs), ready when
     entered; its output in `log`."""
     port, metrics_port = free_port(), free_port()
-    env = {**os.environ}
+    env = child_environment()
     env.pop("PYTHONPATH", None)
     log = Path(log)
     with open(log, "wb") as out:

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_rl_patches.settings import child_environment
+
 # vLLM's CPU backend pins OpenMP threads unless told not to. Its engine's model runner runs inside the
 # engine core's process (`--distributed-executor-backend uni`, which the CPU backend takes only with
 # VLLM_ENABLE_V1_MULTIPROCESSING=0; the API server still starts its engine core as a process of its
@@ -142,7 +144,7 @@ def launch(python: str, model: str | Path, log: str | Path, *, max_model_len: in
     `serve-teacher` (vLLM's engine in process) instead of vLLM's own server, the package importable
     from vLLM's interpreter through PYTHONPATH (this checkout's root, nothing else)."""
     port = free_port()
-    env = {**os.environ, **CPU_ENV}
+    env = child_environment(CPU_ENV)
     env.pop("VLLM_API_KEY", None)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
     # the server runs in its own venv: a caller's PYTHONPATH (a lane's packages, another Python's) would

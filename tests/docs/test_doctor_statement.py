@@ -24,8 +24,8 @@ def test_each_page_says_what_doctor_asks_in_the_same_sentence(page):
 
 
 def test_the_sentence_names_what_doctor_reads():
-    from megatron_rl_patches._variables import OPD_TEACHERS, VERL_TEACHER
     from megatron_rl_patches.apps.cli import doctor, doctor_verl
+    from megatron_rl_patches.settings import OPD_TEACHERS, VERL_TEACHER
     from megatron_rl_patches.teachers.kinds.served_entry import DOCTOR_DEADLINE_S
 
     assert f"`{OPD_TEACHERS}`" in SENTENCE and f"`{VERL_TEACHER}`" in SENTENCE

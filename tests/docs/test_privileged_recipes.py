@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -98,8 +99,8 @@ def verl_commands() -> list[dict[str, str]]:
 
 
 def test_each_verl_command_is_verls_distillation_with_the_patches_and_an_entry_verl_takes():
-    from megatron_rl_patches._variables import VERL_TEACHER
-    from megatron_rl_patches.integrations.verl.served import parse_entry
+    from megatron_rl_patches.integrations.verl.entry import parse_entry
+    from megatron_rl_patches.settings import VERL_TEACHER
     from megatron_rl_patches.teachers.kinds import student
 
     runs = verl_commands()
@@ -113,10 +114,10 @@ def test_each_verl_command_is_verls_distillation_with_the_patches_and_an_entry_v
         if student.recognizes(entry):  # the live self-teacher: verl's fused route has no logits processor for it
             assert overrides["actor_rollout_ref.model.use_fused_kernels"] == "False"
             with pytest.MonkeyPatch.context() as patch:
-                from megatron_rl_patches.integrations.verl.self_entry import self_entry
+                from megatron_rl_patches.integrations.verl.entry import verl_teacher
 
                 patch.setenv(VERL_TEACHER, entry)
-                assert self_entry() == ("solution", "/ckpt/student")
+                assert verl_teacher(types.SimpleNamespace()).self_teacher == ("solution", "/ckpt/student")
         else:
             assert parse_entry(entry).context == "solution"
     assert {student.recognizes(o[f"{VERL_PREFIX}{VERL_TEACHER}"]) for o in runs} == {True, False}

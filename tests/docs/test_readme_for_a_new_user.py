@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -46,9 +47,8 @@ def entry_rows() -> list[tuple[list[str], str]]:
 
 
 def test_the_teacher_entries_are_their_own_table_each_entry_one_the_parsers_take():
-    from megatron_rl_patches._variables import VERL_TEACHER
-    from megatron_rl_patches.integrations.verl.self_entry import self_entry
-    from megatron_rl_patches.integrations.verl.served import parse_entry
+    from megatron_rl_patches.integrations.verl.entry import parse_entry, verl_teacher
+    from megatron_rl_patches.settings import VERL_TEACHER
     from megatron_rl_patches.teachers.kinds import parse_entries, student
 
     rows = entry_rows()
@@ -60,7 +60,7 @@ def test_the_teacher_entries_are_their_own_table_each_entry_one_the_parsers_take
             if student.recognizes(entry):
                 with pytest.MonkeyPatch.context() as patch:
                     patch.setenv(VERL_TEACHER, entry)
-                    assert self_entry() is not None
+                    assert verl_teacher(types.SimpleNamespace()).self_teacher is not None
             elif takes:
                 parse_entry(entry)
             else:

@@ -31,8 +31,6 @@ ALLOWED = {
                                              "engine factory to its processor (docs/design.md)",
     ("_ray.py", "_state"): "whether the Ray hook is armed and installed: one process-wide switch, not data",
     ("__init__.py", "_default"): "the default patch registry, one per process",
-    ("nemo_rl/step.py", "_SAID"): "the warnings already given once (a log's memory, no data)",
-    ("slime/fused.py", "_SAID"): "the warnings already given once (a log's memory, no data)",
     ("student_head.py", "_HEADS"): "a served teacher's head read once per process per layout (weights, not a "
                                    "step's data; NeMo-RL's loss and verl's step both build it where no framework "
                                    "object lives that long)",

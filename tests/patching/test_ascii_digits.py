@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl_patches._log import launcher_rank
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
 from megatron_rl_patches.patching import env
+from megatron_rl_patches.settings import launcher_rank
 
 TEACHERS, ROLES = "MEGATRON_RL_PATCHES_OPD_TEACHERS", "MEGATRON_RL_PATCHES_INFERENCE_ROLES"
 NOT_ASCII = ["²", "٣", "３", "1_0", "+2", "2.0", "𝟚"]
@@ -58,7 +58,7 @@ def test_cli_counts_in_other_digits_are_usage_errors(argv, capsys):
 
 
 def test_the_one_reader_takes_ascii_digits_only():
-    from megatron_rl_patches._digits import ascii_int
+    from megatron_rl_patches.settings import ascii_int
 
     assert [ascii_int(text) for text in ("0", "7", "0012", "9" * 50)] == [0, 7, 12, int("9" * 50)]
     assert all(ascii_int(text) is None for text in [*NOT_ASCII, "", " 1", "-1", "9" * 5000])

@@ -223,7 +223,7 @@ def test_startup_strict_unknown_name_raises_at_first_import_of_a_target(slime_st
 
 
 def test_launcher_rank_reads_the_usual_variables():
-    from megatron_rl_patches._log import launcher_rank
+    from megatron_rl_patches.settings import launcher_rank
 
     assert launcher_rank({}) == 0
     assert launcher_rank({"RANK": "3"}) == 3

@@ -62,13 +62,14 @@ def test_served_teacher_of_builds_what_the_entry_names():
     pytest.importorskip("httpx", reason="the served extra (httpx) is missing")
     import dataclasses
 
+    from megatron_rl_patches.ops.scoring_plan import ScoringPlan
     from megatron_rl_patches.teachers.served.build import served_teacher_of
 
     entry = parse_entry("http://a:8000|http://b:8000/;engine=vllm;context=hint")
-    teacher = served_teacher_of(entry, top_k=3)
+    teacher = served_teacher_of(entry, ScoringPlan(3))
     assert (teacher.url, teacher.engine_name, teacher.top_k, teacher.context) == \
         ("http://a:8000|http://b:8000", "vllm", 3, "hint")
-    assert served_teacher_of(dataclasses.replace(entry, context=None), top_k=3).context is None
+    assert served_teacher_of(dataclasses.replace(entry, context=None), ScoringPlan(3)).context is None
 
 
 def test_every_served_teacher_is_built_through_the_one_construction():

@@ -14,6 +14,7 @@ pytest.importorskip("tokenizers")
 
 from megatron_rl_patches import cross_tokenizer as xt  # noqa: E402
 from megatron_rl_patches.ops.lm_head import lm_head_topk_logprobs  # noqa: E402
+from megatron_rl_patches.ops.scoring_plan import ScoringPlan  # noqa: E402
 from megatron_rl_patches.teachers import BatchScores, TeacherHead, head_buckets, served_buckets  # noqa: E402
 from megatron_rl_patches.teachers.head.cross_buckets import cross_batch  # noqa: E402
 from megatron_rl_patches.teachers.served.hidden_states import head_scores  # noqa: E402
@@ -51,7 +52,7 @@ def world():
         hidden[s.alignment.chunk_starts()[1], H] = 1.0
         states.append(hidden)
     head = TeacherHead(weight, vocab, vocab, 0, source="in-memory")
-    scores = head_scores(head, cross_batch(samples), states, K, TAU)
+    scores = head_scores(head, cross_batch(samples), states, ScoringPlan(K, TAU))
     return pair, samples, head, states, scores, (kept, other)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import types
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -124,31 +125,31 @@ def verl_client(url: str, env: Any) -> str:
 def verl_self_teacher(url: str, env: Any) -> str:
     """verl's live self-teacher entry with a URL where its tokenizer goes (issue 86 item 8), read where
     verl's trainer reads it."""
-    from megatron_rl_patches.integrations.verl.self_entry import self_entry
+    from megatron_rl_patches.integrations.verl.entry import verl_teacher
 
     env.setenv(VERL_TEACHER, f"student;context=hint;tokenizer={url}/t")
     with pytest.raises(ValueError, match=rf"{VERL_TEACHER}.*carries a user or password") as refused:
-        self_entry()
+        verl_teacher(types.SimpleNamespace())  # read at a door: refused there
     return str(refused.value)
 
 
 def verl_self_teacher_unread(url: str, env: Any) -> str:
     """The same without its context (an entry refused for another reason too): the password is
     refused first, never quoted in the other refusal (issue 86 item 8)."""
-    from megatron_rl_patches.integrations.verl.self_entry import self_entry
+    from megatron_rl_patches.integrations.verl.entry import verl_teacher
 
     env.setenv(VERL_TEACHER, f"student;tokenizer={url}/t")
     with pytest.raises(ValueError, match=rf"{VERL_TEACHER}.*carries a user or password") as refused:
-        self_entry()
+        verl_teacher(types.SimpleNamespace())  # read at a door: refused there
     return str(refused.value)
 
 
 def verl_trainer(url: str, env: Any) -> str:
-    from megatron_rl_patches.integrations.verl.vocab import head_entry
+    from megatron_rl_patches.integrations.verl.entry import verl_teacher
 
     env.setenv(VERL_TEACHER, f"{url};engine=vllm;head=/nonexistent/head")
     with pytest.raises(ValueError, match=rf"{VERL_TEACHER}.*carries a user or password") as refused:
-        head_entry()
+        verl_teacher(types.SimpleNamespace())  # the engine's door
     return str(refused.value)
 
 

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_rl_patches.teachers import LoopHost, SelfTeacher, StudentHidden, TeacherBatch
+from megatron_rl_patches.ops.scoring_plan import shown
+from megatron_rl_patches.teachers import LoopHost, ScoringPlan, SelfTeacher, StudentHidden, TeacherBatch
 from megatron_rl_patches.teachers.self_teacher import self_teacher
 
 V, PADDED, K, H = 12, 16, 3, 5
@@ -117,9 +118,8 @@ def test_bad_arguments_are_refused_whole():
             f"SelfTeacher(top_k={k}) must be below the student's vocabulary of 12: the tail (every id outside the "
             f"top-k) holds at least one")
     for bad in (0, -1.0, True, "1", float("nan"), float("inf"), 10**400, 1e-320):
-        shown = f"{bad!r:.40}"
         assert words(ValueError, SelfTeacher, student_pass, V, K, context="hint", temperature=bad) == (
-            f"SelfTeacher(temperature={shown}): pass a positive finite float (the step's temperature)")
+            f"SelfTeacher(temperature=...) must be a finite number > 0 (its reciprocal finite), got {shown(bad)[:60]}")
     assert SelfTeacher(student_pass, V, V - 1, context="hint", temperature=2).temperature == 2.0
     assert words(ValueError, SelfTeacher, student_pass, 0, K, context="hint") == (
         "SelfTeacher(vocab_size=...) must be a positive int (the student's real vocabulary), got 0")
@@ -177,14 +177,14 @@ def test_the_hosts_self_teacher_takes_its_pass_and_layout_or_is_refused_naming_w
         return []
 
     host = LoopHost(V, student_pass=student_pass)
-    teacher = self_teacher(host, K, 0.5, "hint", "entry 'student;context=hint'")
+    teacher = self_teacher(host, ScoringPlan(K, 0.5), "hint", "entry 'student;context=hint'")
     assert (teacher.student_pass, teacher.vocab_size, teacher.top_k, teacher.temperature, teacher.context,
             teacher.tp_group, teacher.padded_vocab_size) == (student_pass, V, K, 0.5, "hint", None, None)
     group = object()  # the host's tensor-parallel group, handed on as it is (read only with a world)
     laid_out = SimpleNamespace(student_pass=student_pass, vocab_size=V, tp_group=group, padded_vocab_size=PADDED)
-    teacher = self_teacher(laid_out, K, 1.0, "hint", "entry 'student;context=hint'")
+    teacher = self_teacher(laid_out, ScoringPlan(K), "hint", "entry 'student;context=hint'")
     assert (teacher.tp_group, teacher.padded_vocab_size) == (group, PADDED)
-    assert words(ValueError, self_teacher, LoopHost(V), K, 1.0, "hint", "entry 'student;context=hint'") == (
+    assert words(ValueError, self_teacher, LoopHost(V), ScoringPlan(K), "hint", "entry 'student;context=hint'") == (
         "entry 'student;context=hint': the live self-teacher scores through the host's own pass of the student's "
         "model: give the host one (LoopHost(vocab_size, ..., student_pass=fn): fn(batch) -> StudentHidden of the "
         "student's current weights on the batch's response rows: hidden states [R_i, H] and the output layer's "

@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import pytest
 
-from megatron_rl_patches.teachers import ServedTeacher
+from megatron_rl_patches.teachers import ScoringPlan, ServedTeacher
 from megatron_rl_patches.teachers.kinds import parse_entry
 from megatron_rl_patches.teachers.served.tokenizer_probe import probe_tokenizer
 from tests.teachers.local_servers import url_of, vllm_like
@@ -78,8 +78,8 @@ def connected(student, server, entry):
     args = SimpleNamespace(hf_checkpoint=str(student))
     teacher = parse_entry(entry)
     named = named_vocab_size(teacher, "the entry")
-    return served_own(args, cast(Any, SimpleNamespace(k=2)), teacher, stage_host(STUDENT_WORDS), "the entry",
-                      named).teacher
+    settings = cast(Any, SimpleNamespace(plan=lambda: ScoringPlan(2)))  # the OPD settings' plan: K = 2
+    return served_own(args, settings, teacher, stage_host(STUDENT_WORDS), "the entry", named).teacher
 
 
 def test_the_users_word_is_taken_with_the_vocabulary_checked(student, tmp_path):

@@ -405,7 +405,7 @@ def test_bad_arguments_are_refused():
 
 
 class WarmTeacher(RankTeacher):
-    temperature = 0.7
+    plan = StepPlan(K, 0.7)  # the plan it was built with (a teacher without one: its top_k at temperature 1)
 
 
 def test_the_plan_is_each_teachers_temperature_and_a_different_one_is_refused():
@@ -457,6 +457,7 @@ def test_a_head_teachers_states_are_asked_once_and_projected_on_every_rank():
     assert len(asked) == 1 + 3  # the probe and the 3 samples, from rank 0 only
     assert ranks[0] == ranks[1]
     samples = batch()
-    expected = head_scores(head(), samples, [pooled_states(ids.tolist())[start - 1: -1]
-                                             for ids, start in zip(samples.sequences, samples.response_starts)], K, 1.0)
+    states = [pooled_states(ids.tolist())[start - 1: -1]
+              for ids, start in zip(samples.sequences, samples.response_starts)]
+    expected = head_scores(head(), samples, states, StepPlan(K))
     assert ranks[0][0] == flat(expected)

@@ -16,7 +16,6 @@ of the scores from the no-context case's (0 for the control)."""
 # lazy imports: import cost: torch and megatron-core load when a benchmark runs
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from typing import Any
@@ -129,10 +128,9 @@ def measure(plan: dict) -> list[dict]:
 
 def title_of(plan: dict, quick: bool, seconds: float) -> str:
     return outputs.titled(
-        f"teacher pass with a privileged context: GPTModel {plan['layers']} layers x {plan['hidden']} hidden, vocab "
-        f"{plan['vocab']}, fp32 CPU, top-{plan['top_k']}; {plan['samples']} samples of prompt {plan['prompt']} + "
-        f"response {plan['response']}, TeacherStep send + collect,\n{plan['rounds']} interleaved rounds "
-        f"({seconds:.0f} s from the benchmark's start)", quick)
+        f"teacher pass with a privileged context: {outputs.gpt_words(plan)}; {plan['samples']} samples of prompt "
+        f"{plan['prompt']} + response {plan['response']}, TeacherStep send + collect,\n{plan['rounds']} interleaved "
+        f"rounds ({seconds:.0f} s from the benchmark's start)", quick)
 
 
 def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
@@ -140,19 +138,13 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     started = time.perf_counter()
     hide_import_notes()
     plan = QUICK if quick else FULL
-    try:
-        rows = measure(plan)
-    except Exception as exc:  # one row saying why, as the other benchmarks do
-        rows = [{"case": "all", "error": f"{type(exc).__name__}: {exc}", "note": f"error: {exc}"[:300]}]
+    rows = outputs.measured(lambda: measure(plan), "case")
     title = title_of(plan, quick, time.perf_counter() - started)
-    outputs.print_table(rows, COLUMNS, title=title)
-    if out_dir:
-        outputs.write_tables(rows, COLUMNS, out_dir, "context_pass", title=title)
-        if "error" not in rows[0]:
-            outputs.plot_grouped_bars([dict(row, teacher="in-process GPTModel") for row in rows],
-                                      os.path.join(out_dir, "context_pass.png"), group="case", series="teacher",
-                                      values=["tokens_vs_without", "cpu_vs_without"],
-                                      titles=["teacher forward tokens / no context",
-                                              "step CPU time / no context"],
-                                      suptitle=title)
-    return rows
+
+    def plot(rows: list[dict], path: str) -> None:
+        outputs.plot_grouped_bars([dict(row, teacher="in-process GPTModel") for row in rows], path, group="case",
+                                  series="teacher", values=["tokens_vs_without", "cpu_vs_without"],
+                                  titles=["teacher forward tokens / no context", "step CPU time / no context"],
+                                  suptitle=title)
+
+    return outputs.reported(rows, COLUMNS, title, out_dir, "context_pass", plot)

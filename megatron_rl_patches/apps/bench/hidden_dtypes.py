@@ -124,21 +124,17 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     started = time.perf_counter()
     hide_import_notes()
     plan = QUICK if quick else FULL
-    try:
-        rows = measure(plan)
-    except Exception as exc:  # one row saying why, as the other benchmarks do
-        rows = [{"head": "all", "error": f"{type(exc).__name__}: {exc}"}]
+    rows = outputs.measured(lambda: measure(plan), "head")
     title = outputs.titled(
         f"hidden states sent as each embed_dtype: error against float64 of a float32 model's own states "
         f"(random Qwen3, hidden {plan['config'].get('hidden_size', 32)}, vocab {plan['config']['vocab_size']}, "
         f"{plan['rows'] * plan['length']} tokens, top-{plan['k']} + tail; {time.perf_counter() - started:.0f} s)",
         quick)
-    outputs.print_table(rows, COLUMNS, title=title)
-    if out_dir:
-        outputs.write_tables(rows, COLUMNS, out_dir, "hidden_dtypes", title=title)
-        if "error" not in rows[0]:
-            outputs.plot_grouped_bars(rows, os.path.join(out_dir, "hidden_dtypes.png"), group="embed_dtype",
-                                      series="head", values=["bytes_per_token", "token_lp_max_err", "fwd_kl_mean"],
-                                      titles=["bytes per token", "token log-prob: largest |error|",
-                                              "forward KL per row (mean)"], suptitle=title)
-    return rows
+
+    def plot(rows: list[dict], path: str) -> None:
+        outputs.plot_grouped_bars(rows, path, group="embed_dtype", series="head",
+                                  values=["bytes_per_token", "token_lp_max_err", "fwd_kl_mean"],
+                                  titles=["bytes per token", "token log-prob: largest |error|",
+                                          "forward KL per row (mean)"], suptitle=title)
+
+    return outputs.reported(rows, COLUMNS, title, out_dir, "hidden_dtypes", plot)

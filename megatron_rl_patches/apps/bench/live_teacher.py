@@ -21,16 +21,14 @@ Then verl's self-teacher pass's memory rows (`self_teacher_pass`)."""
 # lazy imports: import cost: torch and megatron-core load in the case workers
 from __future__ import annotations
 
-import os
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from megatron_rl_patches.apps.bench import outputs, self_teacher_pass
 from megatron_rl_patches.apps.bench.measure import MIB, memory_resolved
 from megatron_rl_patches.apps.bench.runner import run_cases
+from megatron_rl_patches.testing.environ import environment
 
 FULL: dict[str, Any] = {
     "layers": 4, "hidden": 512, "heads": 8, "vocab": 32000, "samples": 2, "prompt": 64, "context": 128,
@@ -101,20 +99,6 @@ def one_teacher(probe: Any, teacher: str, plan: dict, device: str = "cpu") -> di
                 "seconds": seconds, "cpu_seconds": cpu, "token_log_probs": torch.cat(scores.token_log_probs).tolist()}
 
 
-@contextmanager
-def fixed_mmap_threshold() -> Iterator[None]:
-    """MALLOC_MMAP_THRESHOLD_ for the case workers (glibc reads it when each one starts)."""
-    before = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = before
-
-
 def rows_of(results: list[dict], quick: bool) -> list[dict]:
     failed = [r["error"] for r in results if r.get("error")]
     if failed:
@@ -147,11 +131,10 @@ def rows_of(results: list[dict], quick: bool) -> list[dict]:
 
 def title_of(plan: dict, quick: bool, seconds: float) -> str:
     return outputs.titled(
-        f"live self-teacher against a snapshot teacher: GPTModel {plan['layers']} layers x {plan['hidden']} hidden, "
-        f"vocab {plan['vocab']}, fp32 CPU, top-{plan['top_k']}; {plan['samples']} samples of context "
-        f"{plan['context']} + response {plan['response']} per step,\n{plan['rounds']} rounds of a fresh process per "
-        f"teacher, {plan['steps']} timed steps each; memory: resident set ({seconds:.0f} s from the benchmark's "
-        f"start)", quick)
+        f"live self-teacher against a snapshot teacher: {outputs.gpt_words(plan)}; {plan['samples']} samples of "
+        f"context {plan['context']} + response {plan['response']} per step,\n{plan['rounds']} rounds of a fresh "
+        f"process per teacher, {plan['steps']} timed steps each; memory: resident set ({seconds:.0f} s from the "
+        f"benchmark's start)", quick)
 
 
 def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
@@ -161,20 +144,21 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     plan = QUICK if quick else FULL
     cases = [{"target": CASE, "kwargs": {"teacher": name, "plan": plan}}
              for _ in range(plan["rounds"]) for name in TEACHERS]
-    try:
-        with fixed_mmap_threshold():
-            rows = rows_of(run_cases(cases, isolate=not quick), quick)  # quick: one worker for both
-    except Exception as exc:  # one row saying why, as the other benchmarks do
-        rows = [{"teacher": "all", "error": f"{type(exc).__name__}: {exc}", "note": f"error: {exc}"[:300]}]
+
+    def scored() -> list[dict]:
+        with environment({"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}):  # glibc reads it as each process starts
+            return rows_of(run_cases(cases, isolate=not quick), quick)  # quick: one worker for both
+
+    rows = outputs.measured(scored, "teacher")
     title = title_of(plan, quick, time.perf_counter() - started)
-    outputs.print_table(rows, COLUMNS, title=title)
-    if out_dir:
-        outputs.write_tables(rows, COLUMNS, out_dir, "self_teacher", title=title)
-        if "error" not in rows[0]:
-            outputs.plot_grouped_bars([dict(row, model=f"{plan['layers']} x {plan['hidden']}") for row in rows],
-                                      os.path.join(out_dir, "self_teacher.png"), group="teacher", series="model",
-                                      values=["own_weights_MiB", "peak_MiB", "cpu_vs_live"],
-                                      titles=["teacher's own weights (MiB, exact)", "peak above the mark (MiB, RSS)",
-                                              "step CPU time / live"], suptitle=title)
+
+    def plot(rows: list[dict], path: str) -> None:
+        outputs.plot_grouped_bars([dict(row, model=f"{plan['layers']} x {plan['hidden']}") for row in rows], path,
+                                  group="teacher", series="model",
+                                  values=["own_weights_MiB", "peak_MiB", "cpu_vs_live"],
+                                  titles=["teacher's own weights (MiB, exact)", "peak above the mark (MiB, RSS)",
+                                          "step CPU time / live"], suptitle=title)
+
+    outputs.reported(rows, COLUMNS, title, out_dir, "self_teacher", plot)
     self_teacher_pass.run(quick, out_dir)
     return rows

@@ -8,7 +8,7 @@ import math
 import os
 import re
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_rl_patches.apps.presentation import dict_cells, markdown_table, text_table
@@ -54,6 +54,33 @@ _LABEL_WIDTH = 16  # characters per line of an x label: wrapped, so neighbours d
 NO_FIGURES = "no figures in this run: see the table's notes (--quick shapes are below memory resolution on CPU)"
 _NOTE_WIDTH = 34  # characters per line of a panel's note: it stays inside the panel
 QUICK_NOTE = "[--quick: tiny shapes, fixed costs dominate; not representative]"
+
+
+def measured(measure: Callable[[], list[dict]], key: str) -> list[dict]:
+    """`measure()`'s rows, or one row saying why the benchmark could not run (its `key` column
+    "all", the error, and a note every benchmark shows)."""
+    try:
+        return measure()
+    except Exception as exc:  # noqa: BLE001 - one row saying why, as every benchmark reports it
+        return [{key: "all", "error": f"{type(exc).__name__}: {exc}", "note": f"error: {exc}"[:300]}]
+
+
+def reported(rows: list[dict], columns: Sequence[str], title: str, out_dir: str | None, name: str,
+             plot: Callable[[list[dict], str], None] | None = None) -> list[dict]:
+    """`rows` printed under `title` and, with `out_dir`, written as `name`.csv / .md with, where no
+    row failed, `plot(rows, path)` drawn to `name`.png; the rows back."""
+    print_table(rows, columns, title=title)
+    if out_dir:
+        write_tables(rows, columns, out_dir, name, title=title)
+        if plot is not None and "error" not in rows[0]:
+            plot(rows, os.path.join(out_dir, f"{name}.png"))
+    return rows
+
+
+def gpt_words(plan: dict) -> str:
+    """A benchmark's tiny GPTModel as its title says it (its plan's layers, hidden, vocab and top-k)."""
+    return (f"GPTModel {plan['layers']} layers x {plan['hidden']} hidden, vocab {plan['vocab']}, fp32 CPU, "
+            f"top-{plan['top_k']}")
 
 
 def titled(title: str, quick: bool) -> str:

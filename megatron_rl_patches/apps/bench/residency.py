@@ -18,9 +18,9 @@ import statistics
 import time
 from typing import Any
 
-from megatron_rl_patches._chunks import unwrap
 from megatron_rl_patches.apps.bench import outputs
 from megatron_rl_patches.apps.bench.measure import best_time
+from megatron_rl_patches.inference.chunks import unwrap
 
 MODES = ("resident", "swap", "stream", "stream + layer-major")
 QUICK = {"layers": 2, "hidden": 32, "heads": 4, "vocab": 64, "seq": 16, "micro_batches": 3, "batch": 2}
@@ -158,10 +158,7 @@ def run(quick: bool = False, out_dir: str | None = None, device: str | None = No
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     plan = QUICK if quick else (GPU if device.startswith("cuda") else FULL)
-    try:
-        rows = measure(plan, device, rounds=1 if quick else 5)
-    except Exception as exc:  # one row saying why, as the other benchmarks do
-        rows = [{"mode": "all", "error": f"{type(exc).__name__}: {exc}", "note": f"error: {exc}"}]
+    rows = outputs.measured(lambda: measure(plan, device, rounds=1 if quick else 5), "mode")
     tokens = plan["micro_batches"] * plan["batch"] * plan["seq"]
     title = (f"teacher residency: one rollout of {plan['micro_batches']} micro-batches ({tokens} tokens), GPTModel "
              f"{plan['layers']} layers x {plan['hidden']} hidden, vocab {plan['vocab']}, {device}"

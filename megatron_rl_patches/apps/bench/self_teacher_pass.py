@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl_patches.apps.bench.measure import MIB
+from megatron_rl_patches.ops.scoring_plan import ScoringPlan
 
 FULL: dict[str, Any] = {"layers": 1, "hidden": 64, "heads": 4, "vocab": 32768, "context": 64, "response": 1024,
                         "top_k": 16}
@@ -20,7 +21,7 @@ ROUTES = {"logits": "before: the model's logits, [R, V] float64", "fused": "afte
 COLUMNS = ("route", "R", "V", "logits_RV_MiB", "peak_MiB", "largest_MiB", "peak_vs_logits", "max_abs_diff")
 
 
-def logits_route(model: Any, privileged: Any, vocab: int, top_k: int) -> tuple[Any, Any]:
+def logits_route(model: Any, privileged: Any, vocab: int, scoring: ScoringPlan) -> tuple[Any, Any]:
     """The pass as it was: each sequence's logits, the response rows cut to the real vocabulary and
     made float64, `topk_ids` then `topk_logprobs` (the token's log-prob beside, as `SelfTeacher` did)."""
     import torch
@@ -34,14 +35,15 @@ def logits_route(model: Any, privileged: Any, vocab: int, top_k: int) -> tuple[A
         rows.append(model(sequence[None], torch.arange(width)[None], causal)[0, start - 1:width - 1].float())
     every = torch.cat([one[:, :vocab] for one in rows]).double()
     tokens = torch.cat([s[start:] for s, start in zip(privileged.sequences, privileged.response_starts)]).long()
-    ids = topk_ids(every, top_k)
+    ids = topk_ids(every, scoring.k)
     values, _ = topk_logprobs(every, ids)
     topk_logprobs(every, tokens[:, None])
     return ids, values
 
 
-def measure(plan: dict) -> list[dict]:
-    """Both routes on one GPTModel (float32, CPU) and one privileged sequence of context + response."""
+def measure(plan: dict, scoring: ScoringPlan) -> list[dict]:
+    """Both routes on one GPTModel (float32, CPU) and one privileged sequence of context + response,
+    at `scoring` (the bench's K at temperature 1, made at its door)."""
     import torch
 
     import megatron_rl_patches
@@ -65,10 +67,9 @@ def measure(plan: dict) -> list[dict]:
                 for route in ROUTES:
                     with AllocatedPeak() as seen:
                         if route == "logits":
-                            ids, values = logits_route(model, privileged, vocab, plan["top_k"])
+                            ids, values = logits_route(model, privileged, vocab, scoring)
                         else:
-                            ((ids, values),) = scored_rows(model, model, None, vocab, plan["top_k"], "hint",
-                                                           privileged)
+                            ((ids, values),) = scored_rows(model, model, None, vocab, scoring, "hint", privileged)
                     results[route] = (seen, values.double())
         finally:
             megatron_rl_patches.revert()
@@ -92,10 +93,7 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
         f"{plan['vocab']}, fp32 CPU, top-{plan['top_k']}; one privileged sequence of context {plan['context']} + "
         f"response {plan['response']}; peak bytes the ops allocate (weights not counted)", quick)
     try:
-        rows = measure(plan)
-    except Exception as exc:  # one row saying why, as the other benchmarks do
+        rows = measure(plan, ScoringPlan(plan["top_k"]))  # K checked once, here: the routes take the plan
+    except Exception as exc:  # one row saying why, as the other benchmarks do (in the column this table shows)
         rows = [{"route": "all", "error": f"{type(exc).__name__}: {exc}", "max_abs_diff": f"error: {exc}"[:300]}]
-    outputs.print_table(rows, COLUMNS, title=title)
-    if out_dir:
-        outputs.write_tables(rows, COLUMNS, out_dir, "self_teacher_pass", title=title)
-    return rows
+    return outputs.reported(rows, COLUMNS, title, out_dir, "self_teacher_pass")

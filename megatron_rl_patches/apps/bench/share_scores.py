@@ -16,7 +16,6 @@ samples). --quick: 1 MiB, 2 rounds (the plumbing, not the figures)."""
 # lazy imports: import cost: torch loads in the spawned ranks
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -106,17 +105,11 @@ def ranks(rank: int, world_size: int, plan: dict) -> list[dict]:
 
 
 def measure(plan: dict) -> list[list[dict]]:
+    from megatron_rl_patches.testing.environ import environment
     from megatron_rl_patches.testing.multirank import run_multirank
 
-    before = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD  # read by glibc when each spawned rank starts
-    try:
+    with environment({"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}):  # read by glibc when each spawned rank starts
         return run_multirank(ranks, WORLD, plan, timeout=1800, start_method="spawn")
-    finally:
-        if before is None:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = before
 
 
 def rows_of(per_rank: list[list[dict]], quick: bool) -> list[dict]:
@@ -145,20 +138,15 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     started = time.perf_counter()
     hide_import_notes()
     plan = QUICK if quick else FULL
-    try:
-        rows = rows_of(measure(plan), quick)
-    except Exception as exc:  # one row saying why, as the other benchmarks do
-        rows = [{"way": "all", "error": f"{type(exc).__name__}: {exc}", "note": f"error: {exc}"[:300]}]
+    rows = outputs.measured(lambda: rows_of(measure(plan), quick), "way")
     title = outputs.titled(
         f"a step's served bf16 hidden states shared by the asking rank ({SAMPLES} samples x rows x {HIDDEN}), "
         f"{WORLD} gloo CPU ranks,\npickled vs as tensors, interleaved rounds ({time.perf_counter() - started:.0f} s "
         f"from the benchmark's start)", quick)
-    outputs.print_table(rows, COLUMNS, title=title)
-    if out_dir:
-        outputs.write_tables(rows, COLUMNS, out_dir, "share_scores", title=title)
-        if "error" not in rows[0]:
-            outputs.plot_grouped_bars([dict(row, size=f"{row['states_MiB']:.0f} MiB") for row in rows],
-                                      os.path.join(out_dir, "share_scores.png"), group="size", series="way",
-                                      values=["time_ms", "vs_pickled", "peak_MiB"],
-                                      titles=["time (ms)", "time / pickled", "peak per rank (MiB)"], suptitle=title)
-    return rows
+
+    def plot(rows: list[dict], path: str) -> None:
+        outputs.plot_grouped_bars([dict(row, size=f"{row['states_MiB']:.0f} MiB") for row in rows], path,
+                                  group="size", series="way", values=["time_ms", "vs_pickled", "peak_MiB"],
+                                  titles=["time (ms)", "time / pickled", "peak per rank (MiB)"], suptitle=title)
+
+    return outputs.reported(rows, COLUMNS, title, out_dir, "share_scores", plot)

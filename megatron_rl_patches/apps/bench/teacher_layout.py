@@ -30,12 +30,11 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from megatron_rl_patches.apps.bench import outputs
 from megatron_rl_patches.apps.bench.teacher_layout_ranks import TPS, ranks
 from megatron_rl_patches.apps.quiet import hide_import_notes
+from megatron_rl_patches.testing.environ import environment
 
 WORLD = 2
 FULL = {"config": dict(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -54,20 +53,6 @@ def label(tp: int | None) -> str:
     return STUDENT if tp is None else f"TeacherLayout(tp={tp})"
 
 
-@contextmanager
-def _fixed_mmap_threshold() -> Iterator[None]:
-    """MALLOC_MMAP_THRESHOLD_ for the spawned ranks (read by glibc when each one starts)."""
-    before = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = before
-
-
 def measure(plan: dict) -> list[dict]:
     """Each rank's figures per build (teacher_layout_ranks.ranks), over a checkpoint written to a
     temporary folder (deleted after)."""
@@ -77,7 +62,7 @@ def measure(plan: dict) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         root = os.path.join(tmp, "qwen3")
         write_tiny_checkpoint(root, tiny_hf_config("qwen3", **plan["config"]), seed=0)
-        with _fixed_mmap_threshold():
+        with environment({"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}):  # glibc reads it as each process starts
             # spawned, not forked from a server: glibc reads the threshold when a process starts
             return run_multirank(ranks, WORLD, root, plan, timeout=1800, start_method="spawn")
 
@@ -121,11 +106,11 @@ def _title(plan: dict, quick: bool, seconds: float) -> str:
         f"interleaved rounds ({seconds:.0f} s from the benchmark's start)", quick)
 
 
-def _plot(rows: list[dict], out_dir: str, title: str) -> None:
+def _plot(rows: list[dict], path: str, title: str) -> None:
     panels = [("vs_student", "step time / student's layout"), ("weights_MiB", "teacher bytes per rank (MiB)"),
               ("read_MiB", "checkpoint bytes read per rank (MiB)"), ("step_peak_MiB", "step peak per rank (MiB)")]
     outputs.plot_grouped_bars([dict(row, world=f"{WORLD} ranks") for row in rows],
-                              os.path.join(out_dir, "teacher_layout.png"), group="layout", series="world",
+                              path, group="layout", series="world",
                               values=[value for value, _ in panels], titles=[title for _, title in panels],
                               suptitle=title)
 
@@ -135,18 +120,15 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     started = time.perf_counter()
     hide_import_notes()
     plan = QUICK if quick else FULL
-    try:
+
+    def scored() -> list[dict]:
         from megatron_rl_patches.inference.teacher_layout.groups import process_group_collection_class
 
         process_group_collection_class()  # a megatron-core without it is refused here, before the spawn
-        rows = rows_of(measure(plan), quick)
-    except Exception as exc:  # one row saying why, as the other benchmarks do
-        rows = [{"layout": "all", "error": f"{type(exc).__name__}: {exc}", "note": f"error: {exc}"[:300]}]
+        return rows_of(measure(plan), quick)
+
+    rows = outputs.measured(scored, "layout")
     title = _title(plan, quick, time.perf_counter() - started)
-    outputs.print_table(rows, COLUMNS, title=title)
-    if out_dir:
-        outputs.write_tables(rows, COLUMNS, out_dir, "teacher_layout", title=title)
-        if "error" not in rows[0]:
-            _plot(rows, out_dir, title)
-    return rows
+    return outputs.reported(rows, COLUMNS, title, out_dir, "teacher_layout",
+                            lambda rows, path: _plot(rows, path, title))
 

@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_rl_patches import __version__
-from megatron_rl_patches._variables import MEANINGS
 from megatron_rl_patches.apps.cli._common import (
     OK,
     PROBLEM,
@@ -33,6 +32,7 @@ from megatron_rl_patches.apps.cli._common import (
     secret_values,
     without_values,
 )
+from megatron_rl_patches.settings import MEANINGS
 
 __all__ = ["COMMANDS", "OK", "PROBLEM", "PROG", "USAGE", "UsageError", "build_parser", "main"]
 

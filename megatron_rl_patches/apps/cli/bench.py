@@ -21,9 +21,9 @@ import os
 import sys
 import tempfile
 
-from megatron_rl_patches._digits import ascii_int
 from megatron_rl_patches.apps.bench import gpu, ops
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, UsageError, say
+from megatron_rl_patches.settings import ascii_int
 
 BENCHMARKS = {
     "logprobs": "megatron_rl_patches.apps.bench.logprobs",

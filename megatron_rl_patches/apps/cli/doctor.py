@@ -11,12 +11,11 @@ import sys
 from typing import Any
 
 import megatron_rl_patches
-from megatron_rl_patches._json_read import parsed_json
-from megatron_rl_patches._variables import OPD_PREFIX, TEACHER_API_KEY, VERL_TEACHER
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG
 from megatron_rl_patches.apps.cli.doctor_summary import summary_lines, summary_of
 from megatron_rl_patches.apps.cli.doctor_verl import verl_teacher_report
 from megatron_rl_patches.apps.cli.targets import STATUS_HELP, find_module, shown_status
+from megatron_rl_patches.inference.loading.json_read import parsed_json
 from megatron_rl_patches.integrations import default_registry
 from megatron_rl_patches.integrations.megatron import version as megatron_version
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings
@@ -24,6 +23,7 @@ from megatron_rl_patches.integrations.slime.roles import DEFAULT_INFERENCE_ROLES
 from megatron_rl_patches.patching import check_settings, env, registry
 from megatron_rl_patches.patching.startup import files as startup_files
 from megatron_rl_patches.patching.startup import hook
+from megatron_rl_patches.settings import OPD_PREFIX, TEACHER_API_KEY, VERL_TEACHER
 from megatron_rl_patches.teachers.kinds import RunFacts, entry_report
 from megatron_rl_patches.teachers.redaction import redacted, refuse_userinfo, scrubbed_all
 
@@ -232,8 +232,7 @@ def teacher_report() -> tuple[list[str], list[str]]:
     settings = opd_settings()
     if settings is None:
         return [], []
-    return entry_report(settings.teachers, RunFacts(ids_from=settings.ids_from, k=settings.k,
-                                                    full_vocab=bool(settings.full_vocab)))
+    return entry_report(settings.teachers, RunFacts(ids_from=settings.ids_from, k=settings.k))
 
 
 def teacher_problems() -> list[str]:

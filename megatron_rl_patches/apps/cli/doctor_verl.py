@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_rl_patches._variables import OPD_TEACHERS, VERL_TEACHER
+from megatron_rl_patches.settings import OPD_TEACHERS, VERL_TEACHER
 from megatron_rl_patches.teachers.entry import SERVED
 from megatron_rl_patches.teachers.kinds import RunFacts
 

@@ -13,8 +13,6 @@ from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
 
-from megatron_rl_patches._args import positive_int
-from megatron_rl_patches._digits import ascii_int
 from megatron_rl_patches.apps.cli._common import OK, UsageError
 from megatron_rl_patches.apps.cli.memory_head import run_with_heads
 from megatron_rl_patches.apps.cli.memory_hf import run_hf
@@ -23,6 +21,8 @@ from megatron_rl_patches.apps.presentation import memory_report, residency_table
 from megatron_rl_patches.inference.loading.hf.checkpoint_config import CONFIG, checkpoint_dir
 from megatron_rl_patches.inference.sizing.memory import training_state_bytes
 from megatron_rl_patches.inference.sizing.residency_plan import MODES, residency_plan
+from megatron_rl_patches.ops.scoring_plan import positive_int
+from megatron_rl_patches.settings import ascii_int
 
 _SUFFIXES = {"": 0, "k": 3, "m": 6, "b": 9, "g": 9, "t": 12}  # powers of ten
 _MAX_DIGITS = 30  # a count beyond 10**30 parameters is a typo (and 1e999999999 must not be expanded)

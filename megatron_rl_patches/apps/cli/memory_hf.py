@@ -7,7 +7,7 @@ import argparse
 import json
 
 from megatron_rl_patches.apps.cli._common import OK, UsageError
-from megatron_rl_patches.apps.presentation import human_bytes, memory_report, text_table
+from megatron_rl_patches.apps.presentation import human_bytes, memory_report, modes_table
 from megatron_rl_patches.inference.loading.hf.fp8 import fp8_disk_bytes
 from megatron_rl_patches.inference.loading.hf.memory_plan import HFMemoryPlan, hf_memory_plan
 from megatron_rl_patches.inference.sizing.memory import training_state_bytes
@@ -27,14 +27,8 @@ def plan_table(plan: HFMemoryPlan, chosen: str | None, fp8_bytes: int | None = N
         f"({plan.layers_per_stage} layers of {plan.layer_params:,}, embedding {plan.embedding_params:,} on the "
         f"first stage, output layer {plan.output_params:,} on the last), prefetch {plan.prefetch}",
     ]
-    rows = [
-        [("* " if m.mode == chosen else "  ") + m.mode, human_bytes(m.device_peak),
-         human_bytes(m.device_between_phases), human_bytes(m.host)]
-        for m in plan.modes
-    ]
-    table = text_table(("mode", "device (peak)", "device (between phases)", "host"), rows, numeric=True, rule=False)
     note = "per GPU of the pipeline stage holding the most; host bytes per data-parallel rank"
-    return "\n".join([*header, "", table, "", note])
+    return "\n".join([*header, "", modes_table(plan.modes, chosen), "", note])
 
 
 def run_hf(args: argparse.Namespace) -> int:

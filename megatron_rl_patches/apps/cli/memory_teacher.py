@@ -12,13 +12,13 @@ import argparse
 import json
 from typing import Any
 
-from megatron_rl_patches._residency_modes import RESIDENCY_MODES
 from megatron_rl_patches.apps.cli._common import OK, UsageError
 from megatron_rl_patches.apps.presentation import human_bytes, text_table
 from megatron_rl_patches.inference.loading.hf.families import read_architecture
 from megatron_rl_patches.inference.loading.hf.memory_plan import HFMemoryPlan, hf_memory_plan
 from megatron_rl_patches.inference.teacher_layout.build_args import refuse_unserved
 from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
+from megatron_rl_patches.settings import RESIDENCY_MODES
 
 
 def _checked(args: argparse.Namespace) -> int:

@@ -8,8 +8,8 @@ import argparse
 import os
 from pathlib import Path
 
-from megatron_rl_patches._json_read import json_file
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, UsageError, names_option, say
+from megatron_rl_patches.inference.loading.json_read import json_file
 
 PASSES_THROUGH = True  # the arguments after '--' are vLLM's (args.passed_through)
 KEY_OPTION = "--api-key"

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl_patches._json_read import parsed_json
+from megatron_rl_patches.inference.loading.json_read import parsed_json
 
 RESPONSE_START = "response_start"
 POOLING_FORMATS = ("float", "bytes")

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches._shadow import shadowed
+from megatron_rl_patches.patching.shadow import shadowed
 
 # the decoder's final norm: TransformerBlock (GPTModel), HybridStack (HybridModel)
 FINAL_NORM_NAMES = ("final_layernorm", "final_norm")

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches._chunks import has_grad_buffers, is_ddp_like, iter_wrapped, module_chunks, unwrap
+from megatron_rl_patches.inference.chunks import has_grad_buffers, is_ddp_like, iter_wrapped, module_chunks, unwrap
 from megatron_rl_patches.inference.layer_major.activation_store import ActivationStats, ActivationStore, check_budget
 from megatron_rl_patches.inference.layer_major.decoder_steps import (
     FINAL_NORM_NAMES,

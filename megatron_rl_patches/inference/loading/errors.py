@@ -9,8 +9,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_rl_patches._json_read import json_file
 from megatron_rl_patches._log import warn_once
+from megatron_rl_patches.inference.loading.json_read import json_file
 
 SHOW = 5  # offending keys / files named in a message; the rest are counted
 

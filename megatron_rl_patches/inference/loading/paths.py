@@ -6,8 +6,8 @@ import os
 import re
 from pathlib import Path
 
-from megatron_rl_patches._digits import ascii_int
 from megatron_rl_patches.inference.loading.errors import CheckpointReadError
+from megatron_rl_patches.settings import ascii_int
 
 TRACKER = "latest_checkpointed_iteration.txt"
 DIST_METADATA = "metadata.json"

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches._chunks import module_chunks, unwrap
 from megatron_rl_patches._log import logger
+from megatron_rl_patches.inference.chunks import module_chunks, unwrap
 from megatron_rl_patches.inference.loading.errors import (  # noqa: F401 - WeightsMismatchError re-exported
     SHOW,
     CheckpointReadError,

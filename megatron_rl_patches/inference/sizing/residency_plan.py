@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.inference.residency.modes import RESIDENCY_MODES
 from megatron_rl_patches.inference.sizing.memory import DTYPE_BYTES, dtype_name
+from megatron_rl_patches.ops.scoring_plan import positive_int
 
 MODES = RESIDENCY_MODES  # the `memory --residency` choices
 

@@ -51,3 +51,13 @@ class TeacherLayout:
                 f"of tp x pp = {self.model_parallel}; choose a tp and pp whose product divides {world_size}"
             )
         return world_size // self.model_parallel
+
+
+def check_world(tp: int, world_size: int, where: str, pp: int = 1) -> None:
+    """ValueError naming `where` when a teacher at `tp` x `pp` cannot be laid over `world_size` ranks
+    (its sizes as a setting writes them: `settings.layout_size`)."""
+    if world_size % (tp * pp):
+        sizes = f"tp={tp}" if pp == 1 else f"pp={pp}" if tp == 1 else f"tp={tp};pp={pp}"
+        product = "the teacher's tp" if pp == 1 else f"the teacher's tp x pp = {tp * pp}"
+        raise ValueError(f"{where}: ';{sizes}' cannot be laid over {world_size} rank(s): the world size must be "
+                         f"a multiple of {product}; choose sizes whose product divides {world_size}")

@@ -2,7 +2,7 @@
 the schedule its data iterators, and the schedule hands them, untouched, to the framework's
 `forward_step_func(data_iterator, model)` and from there to its batch getter: callbacks of fixed
 signatures, so a plan for the step (what a fused model call needs) travels with the iterators
-(`planned`), and whoever holds one reads it back (`plan_of`; the schedule's forward step given
+(`planned`), and whoever holds one reads it back (`carried`; the schedule's forward step given
 the plan: `planned_schedule`). No module or context variable holds
 it. slime's step plan (`integrations.slime.step_plan`) rides on them."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ def planned(iterators: Any, plan: Any) -> Any:
     return PlannedIterator(iterators, plan)
 
 
-def plan_of(iterators: Any) -> Any:
+def carried(iterators: Any) -> Any:
     """The plan a data iterator (or the first of a list) carries; None for a plain one."""
     if isinstance(iterators, Sequence) and not isinstance(iterators, (str, bytes)):
         iterators = iterators[0] if len(iterators) else None
@@ -46,7 +46,7 @@ def planned_schedule(schedule: Callable[..., Any], step_for: Callable[[Any, Any]
     plan)` as its forward step when its data iterators carry a plan; as it is otherwise."""
 
     def run(*call_args: Any, **call_kwargs: Any) -> Any:
-        plan = plan_of(call_kwargs.get("data_iterator"))
+        plan = carried(call_kwargs.get("data_iterator"))
         if plan is None:
             return schedule(*call_args, **call_kwargs)
         if "forward_step_func" in call_kwargs:

@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches._args import bind
 from megatron_rl_patches.integrations.nemo_rl import step as steps
+from megatron_rl_patches.patching.calls import bind
 from megatron_rl_patches.processors.heads import log_prob_output_processor
 
 PATCH = "nemo_rl_fused_logprobs"
 
 
-def next_token_logprobs(plan: steps.StepPlan, output: Any) -> torch.Tensor:
+def next_token_logprobs(plan: steps.ProcessorStep, output: Any) -> torch.Tensor:
     """[B, S−1] log p(next token) from the processor's [b, s_local] log-probs, NeMo-RL's layout."""
     layout = plan.layout
     assert layout is not None  # the model ran
@@ -32,7 +32,7 @@ def next_token_logprobs(plan: steps.StepPlan, output: Any) -> torch.Tensor:
     return layout.unpacked(output["log_probs"], seq_len - 1)
 
 
-def _logprobs_function(plan: steps.StepPlan, original: Any) -> Any:
+def _logprobs_function(plan: steps.ProcessorStep, original: Any) -> Any:
     def processor_fn_inner(output: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         values = next_token_logprobs(plan, output).to(torch.float32)
         values = torch.cat([torch.zeros_like(values[:, :1]), values], dim=1)
@@ -58,7 +58,7 @@ def unpacked_loss_processor(post_processor: Any, prepare_fn: Any, loss_fn: Any =
     return shadow
 
 
-def loss_function(plan: steps.StepPlan, arguments: dict, prepare_fn: Any, values: Any, loss_fn: Any = None) -> Any:
+def loss_function(plan: steps.ProcessorStep, arguments: dict, prepare_fn: Any, values: Any, loss_fn: Any = None) -> Any:
     """NeMo-RL's loss chain (its wrapper, normalization, CP and micro-batch scaling) for this
     step, reading `values(plan, output)` in place of logits."""
     layout = plan.layout
@@ -96,13 +96,13 @@ def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
         steps.fall_back(PATCH, feature)
         return wrapped(*args, **kwargs)
     temperature = steps.temperature_of(arguments)
-    plan = steps.StepPlan(log_prob_output_processor(temperature=temperature,
+    plan = steps.ProcessorStep(log_prob_output_processor(temperature=temperature,
                                                     chunk_size=steps.chunk_size_of(post.cfg)), temperature,
                           bool(post.cfg["sequence_packing"]["enabled"]))
     if is_logprobs:
         return steps.run_step(wrapped, bound, plan, _logprobs_function)
 
-    def loss_post_process(plan: steps.StepPlan, original: Any) -> Any:
+    def loss_post_process(plan: steps.ProcessorStep, original: Any) -> Any:
         return loss_function(plan, arguments, prepare_logprob_input,
                              lambda plan, output: {"next_token_logprobs": next_token_logprobs(plan, output)})
 

@@ -48,6 +48,7 @@ import torch
 from megatron_rl_patches.integrations.nemo_rl.teacher_policy import Role, TeacherPolicy, teacher_in_setup
 from megatron_rl_patches.integrations.nemo_rl.teacher_rows import filler, states_of, student_batch
 from megatron_rl_patches.integrations.nemo_rl.vocab_kd import STATES, WholeVocabularyDistillationLossFn
+from megatron_rl_patches.ops.scoring_plan import scoring_plan
 from megatron_rl_patches.teachers.entry import SERVED, TeacherEntry
 from megatron_rl_patches.teachers.head.teacher_head import TeacherHead
 from megatron_rl_patches.teachers.kinds import student
@@ -110,7 +111,7 @@ class ServedTeacherPolicy(TeacherPolicy):
         scored = self.privileged(batch, data, key) if key is not None else batch
         with timer.time("get_topk_logits/served_teacher") if timer is not None else contextlib.nullcontext():
             scores = self.teacher.score(scored)
-        values, indices = filler(rows_b, seq, self.teacher.top_k)
+        values, indices = filler(rows_b, seq, self.teacher.plan.k)
         for i, start in enumerate(starts):
             rows = batch.response_rows(i)
             values[i, start - 1:start - 1 + rows] = scores.topk_log_probs[i].to(torch.float32)
@@ -197,6 +198,6 @@ def served_teacher_policy(url: str, *, engine: str = "vllm", top_k: int = NEMO_R
                          "student's own policy, not a served one: use self_teacher_policy(context=KEY) inside "
                          "self_teacher_in_setup(policy) around NeMo-RL's distillation setup()")
     entry = TeacherEntry(url, kind=SERVED, engine=engine, context=context)  # the URL checked by the client
-    return ServedTeacherPolicy(served_teacher_of(entry, top_k=top_k, model=model, temperature=temperature,
-                                                 client=client, head=head),
+    plan = scoring_plan(None, top_k, temperature, "ServedTeacher")  # NeMo-RL's topk_logits_k, its temperature
+    return ServedTeacherPolicy(served_teacher_of(entry, plan, model=model, client=client, head=head),
                                full_vocabulary=full_vocabulary, tokenizer=tokenizer)

@@ -13,22 +13,18 @@ that dict. What a record cannot serve goes to NeMo-RL's own path with one log li
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.nemo_rl.rows import Layout
 
 FALLBACK = "{patch}: {feature}: this step uses NeMo-RL's own logits path"
-logger = logging.getLogger("megatron_rl_patches")
-_SAID: set[tuple[str, str]] = set()
 
 
 def fall_back(patch: str, feature: str) -> None:
-    """One log line per patch, feature and process."""
-    if (patch, feature) not in _SAID:
-        _SAID.add((patch, feature))
-        logger.warning(FALLBACK.format(patch=patch, feature=feature))
+    """One log line per patch, feature and process, on the rank that falls back."""
+    warn_once(FALLBACK.format(patch=patch, feature=feature), every_rank=True)
 
 
 class FusedOutput(dict):
@@ -65,7 +61,7 @@ class NotingIterator:
 class ProcessorModel:
     """The step's model, its call given `labels=` and an output processor for the noted micro-batch."""
 
-    def __init__(self, model: Any, plan: StepPlan, batches: NotingIterator) -> None:
+    def __init__(self, model: Any, plan: ProcessorStep, batches: NotingIterator) -> None:
         self.model, self.plan, self.batches = model, plan, batches
 
     def __getattr__(self, name: str) -> Any:
@@ -80,7 +76,7 @@ class ProcessorModel:
         return FusedOutput(output, self.plan.temperature) if isinstance(output, dict) else output
 
 
-class StepPlan:
+class ProcessorStep:
     """What one served step runs: the processor, its context, and the layout once the model ran."""
 
     def __init__(self, processor: Callable[..., Any], temperature: float, packed: bool,
@@ -124,7 +120,7 @@ def temperature_of(arguments: dict) -> float:
     return 1.0 if params is None else float(params.temperature)
 
 
-def run_step(wrapped: Any, bound: inspect.BoundArguments, plan: StepPlan,
+def run_step(wrapped: Any, bound: inspect.BoundArguments, plan: ProcessorStep,
              post_process: Callable[[Any, Any], Callable[[Any], Any]]) -> Any:
     """NeMo-RL's step with the noted iterator and the processor model; its post-processing
     function replaced by `post_process(plan, nemo_rl_function)`'s."""

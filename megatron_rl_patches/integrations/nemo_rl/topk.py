@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches._args import bind
 from megatron_rl_patches.integrations.nemo_rl import step as steps
+from megatron_rl_patches.patching.calls import bind
 from megatron_rl_patches.processors.heads import topk_output_processor
 
 PATCH = "nemo_rl_topk"
 
 
-def _topk_function(plan: steps.StepPlan, original: Any) -> Any:
+def _topk_function(plan: steps.ProcessorStep, original: Any) -> Any:
     def processor_fn_inner(output: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         layout = plan.layout
         assert layout is not None
@@ -48,7 +48,7 @@ def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
         steps.fall_back(PATCH, feature)
         return wrapped(*args, **kwargs)
     temperature = steps.temperature_of(bound.arguments)
-    plan = steps.StepPlan(topk_output_processor(k=int(post.k), temperature=temperature,
+    plan = steps.ProcessorStep(topk_output_processor(k=int(post.k), temperature=temperature,
                                                 chunk_size=steps.chunk_size_of(post.cfg)), temperature,
                           bool(post.cfg["sequence_packing"]["enabled"]))
     return steps.run_step(wrapped, bound, plan, _topk_function)

@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.nemo_rl import logprobs as fused
 from megatron_rl_patches.integrations.nemo_rl import step as steps
 from megatron_rl_patches.integrations.nemo_rl import vocab_kd
 from megatron_rl_patches.ops.topk import topk_kl
+from megatron_rl_patches.patching.calls import bind
 from megatron_rl_patches.processors.heads import topk_output_processor
 
 PATCH = "nemo_rl_topk_kd"
@@ -83,7 +83,7 @@ def prepare_distillation_input(*, logits: Any, data: Any, **_ignored: Any) -> tu
     return dict(logits), data
 
 
-def _buckets(plan: steps.StepPlan, output: Any) -> dict[str, torch.Tensor]:
+def _buckets(plan: steps.ProcessorStep, output: Any) -> dict[str, torch.Tensor]:
     layout = plan.layout
     assert layout is not None
     data = layout.microbatch.data_dict
@@ -126,12 +126,12 @@ def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
     warn_once(REPLACED)
     temperature = steps.temperature_of(bound.arguments)
     processor = topk_output_processor(temperature=temperature, chunk_size=steps.chunk_size_of(post.cfg))
-    plan = steps.StepPlan(processor, temperature,
+    plan = steps.ProcessorStep(processor, temperature,
                           bool(post.cfg["sequence_packing"]["enabled"]),
                           context=lambda layout: {"ids": _teacher_ids(layout)})
     loss = ExactTopkDistillation(post.loss_fn)
 
-    def loss_post_process(plan: steps.StepPlan, original: Any) -> Any:
+    def loss_post_process(plan: steps.ProcessorStep, original: Any) -> Any:
         return fused.loss_function(plan, bound.arguments, prepare_distillation_input, _buckets, loss)
 
     return steps.run_step(wrapped, bound, plan, loss_post_process)

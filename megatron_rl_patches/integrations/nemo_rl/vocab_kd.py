@@ -145,15 +145,15 @@ def run_whole_vocabulary(wrapped: Any, bound: Any, post: Any) -> Any:
         data = layout.microbatch.data_dict
         return {"teacher_hidden": states_at(data, layout), "row_mask": scored_rows(data, layout)}
 
-    plan = steps.StepPlan(divergence_processor(loss, temperature, steps.chunk_size_of(post.cfg)), temperature,
+    plan = steps.ProcessorStep(divergence_processor(loss, temperature, steps.chunk_size_of(post.cfg)), temperature,
                           bool(post.cfg["sequence_packing"]["enabled"]), context=context)
 
-    def per_token(plan: steps.StepPlan, output: Any) -> dict[str, torch.Tensor]:
+    def per_token(plan: steps.ProcessorStep, output: Any) -> dict[str, torch.Tensor]:
         layout = plan.layout
         assert layout is not None
         return {"per_token": layout.unpacked(output["divergence"], layout.seq_len - 1)}
 
-    def loss_post_process(plan: steps.StepPlan, original: Any) -> Any:
+    def loss_post_process(plan: steps.ProcessorStep, original: Any) -> Any:
         return fused.loss_function(plan, bound.arguments, prepare_divergence_input, per_token)
 
     return steps.run_step(wrapped, bound, plan, loss_post_process)

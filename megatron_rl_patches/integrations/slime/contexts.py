@@ -23,11 +23,11 @@ from megatron_rl_patches.integrations.megatron.opd.opd_settings import (
     TEACHERS,
     OpdSettings,
     context_tokenizer,
-    opd_settings,
 )
 from megatron_rl_patches.integrations.megatron.opd.stage_host import batch_of, student_tokenizer_of
 from megatron_rl_patches.integrations.megatron.opd.topk_request import CONTEXTS
 from megatron_rl_patches.integrations.slime.rollout_scores import carried_keys
+from megatron_rl_patches.integrations.slime.step_plan import slime_settings
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.context.teacher_context import checked_contexts
 
@@ -86,7 +86,7 @@ def split_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any
     a privileged context, every sample's tokens carry their keys of its train_metadata through the
     split (`CarriedTokens`), and so do the rows a rollout's served teachers gave; `data`'s tokens
     handed back as they were after it."""
-    settings = opd_settings()
+    settings = slime_settings(getattr(instance, "args", None))
     data = kwargs["data"] if "data" in kwargs else args[0] if args else None
     keys = context_keys(settings) + carried_keys(settings, data)
     if not keys or not isinstance(data, MutableMapping) or "tokens" not in data:

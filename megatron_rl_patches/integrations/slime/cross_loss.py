@@ -12,8 +12,7 @@ import torch
 
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, OpdSettings
 from megatron_rl_patches.integrations.megatron.opd.topk_teachers import grouped_field
-from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active
-from megatron_rl_patches.integrations.slime.topk import sample_rows
+from megatron_rl_patches.integrations.slime.topk import allgather_cp_active, sample_rows
 from megatron_rl_patches.teachers.scores import TeacherScores
 
 

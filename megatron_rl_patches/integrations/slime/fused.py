@@ -11,10 +11,8 @@ What the route cannot serve goes to slime's own logits path with one log line na
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.megatron.model_chunk import (
     accepts_processor,
@@ -25,29 +23,31 @@ from megatron_rl_patches.integrations.megatron.model_chunk import (
 )
 from megatron_rl_patches.integrations.megatron.opd.hidden_teachers import real_vocab_size
 from megatron_rl_patches.integrations.megatron.opd.topk_request import VocabRequest
-from megatron_rl_patches.integrations.megatron.planned_iterators import plan_of, planned, planned_schedule
+from megatron_rl_patches.integrations.megatron.planned_iterators import carried, planned, planned_schedule
 from megatron_rl_patches.integrations.megatron.shared_prefix_pass import prefix_pass
 from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
-from megatron_rl_patches.integrations.slime.step_plan import PLAN, StepPlan, step_request, step_settings
+from megatron_rl_patches.integrations.slime.step_plan import (
+    PLAN,
+    FusedStep,
+    slime_settings,
+    slime_shared_prefix,
+    step_request,
+)
 from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
 from megatron_rl_patches.integrations.slime.topk import topk_context
 from megatron_rl_patches.integrations.slime.vocab_step import vocab_processor
 from megatron_rl_patches.integrations.step_mode import student_invariant
-from megatron_rl_patches.patching.env import shared_prefix
+from megatron_rl_patches.patching.calls import bind
 from megatron_rl_patches.processors.combined import with_topk
 from megatron_rl_patches.processors.heads import log_prob_output_processor
 
 FALLBACK = "slime_fused: {feature}: this step uses slime's own logits path"
 
-logger = logging.getLogger("megatron_rl_patches")
-_SAID: set[str] = set()
 
 
 def fall_back(feature: str) -> None:
-    """One log line per feature and process: the step goes to slime's own logits path."""
-    if feature not in _SAID:
-        _SAID.add(feature)
-        logger.warning(FALLBACK.format(feature=feature))
+    """One log line per feature and process, on the rank that falls back: slime's own logits path."""
+    warn_once(FALLBACK.format(feature=feature), every_rank=True)
 
 
 class FusedOutput(dict):
@@ -81,7 +81,7 @@ def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
     """wrapt wrapper for `forward_only(f, args, model, data_iterator, ...)`: a fused plan when `f` is
     slime's log-prob callback and the configuration is servable, carried by the data iterators."""
     bound = bind(wrapped, args, kwargs)
-    if bound is None or plan_of(bound.arguments.get("data_iterator")) is not None:  # slime's error; slime_opd's pass
+    if bound is None or carried(bound.arguments.get("data_iterator")) is not None:  # slime's error; slime_opd's pass
         return wrapped(*args, **kwargs)
     slime_args, f = bound.arguments["args"], bound.arguments["f"]
     name = getattr(f, "__name__", type(f).__name__)
@@ -95,20 +95,21 @@ def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
         return wrapped(*args, **kwargs)
     with_entropy = bool(getattr(slime_args, "use_rollout_entropy", False))
     model = bound.arguments.get("model")
-    plan = StepPlan(slime_args, with_entropy, False, invariant=student_invariant(model),
-                    prefix=prefix_pass("slime's log-prob pass", model, training=False, enabled=shared_prefix()))
+    plan = FusedStep(slime_args, with_entropy, False, invariant=student_invariant(model),
+                     prefix=prefix_pass("slime's log-prob pass", model, training=False,
+                                        enabled=slime_shared_prefix(slime_args)))
     return run_planned(plan, wrapped, bound)
 
 
 def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for `train_one_step(args, ..., data_iterator, model, ...)`: entropy (with its
     gradient only when `entropy_coef != 0`, as slime's `with_entropy_grad`) unless the loss is
-    slime's SFT loss; top-k OPD's settings: the actor step's (on its rollout data), else parsed here."""
+    slime's SFT loss; top-k OPD's settings as slime's `args` hold them (`slime_settings`)."""
     bound = bind(wrapped, args, kwargs)
     if bound is None:
         return wrapped(*args, **kwargs)
     slime_args = bound.arguments["args"]
-    settings = step_settings(bound.arguments.get("data_iterator"))
+    settings = slime_settings(slime_args)
     request = step_request(slime_args, settings)
     model = bound.arguments.get("model")
     invariant = student_invariant(model)
@@ -117,16 +118,17 @@ def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dic
         fall_back(reason)
         if request is None:
             return wrapped(*args, **kwargs)
-        return run_planned(StepPlan(slime_args, False, False, request, fused=False, invariant=invariant,
+        return run_planned(FusedStep(slime_args, False, False, request, fused=False, invariant=invariant,
                                     settings=settings), wrapped, bound)
     with_entropy = getattr(slime_args, "loss_type", "policy_loss") != "sft_loss"
     grad = with_entropy and getattr(slime_args, "entropy_coef", 0.0) != 0
-    plan = StepPlan(slime_args, with_entropy, grad, request, invariant=invariant, settings=settings,
-                    prefix=prefix_pass("slime's training step", model, training=True, enabled=shared_prefix()))
+    plan = FusedStep(slime_args, with_entropy, grad, request, invariant=invariant, settings=settings,
+                     prefix=prefix_pass("slime's training step", model, training=True,
+                                        enabled=slime_shared_prefix(slime_args)))
     return run_planned(plan, wrapped, bound)
 
 
-def run_planned(plan: StepPlan, wrapped: Any, bound: Any) -> Any:
+def run_planned(plan: FusedStep, wrapped: Any, bound: Any) -> Any:
     """slime's `forward_only` / `train_one_step` call (`bound` to its signature) with its data
     iterators carrying `plan`."""
     bound.arguments["data_iterator"] = planned(bound.arguments.get("data_iterator"), plan)
@@ -141,7 +143,7 @@ def get_batch_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     the batch (with the keys a top-k request needs) is noted for the fused model call and carries
     the plan (key `PLAN`) to the loss."""
     bound = bind(wrapped, args, kwargs)
-    plan = None if bound is None else plan_of(bound.arguments.get("data_iterator"))
+    plan = None if bound is None else carried(bound.arguments.get("data_iterator"))
     if bound is None or plan is None:
         return wrapped(*args, **kwargs)
     if plan.topk is not None and plan.topk.keys:
@@ -164,7 +166,7 @@ def schedule_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> 
     return planned_schedule(wrapped(*args, **kwargs), fused_step)
 
 
-def fused_step(step: Any, plan: StepPlan) -> Any:
+def fused_step(step: Any, plan: FusedStep) -> Any:
     """slime's forward step, given the fused model (whose `build_schedule_plan` serves the
     combined-1F1B schedule where megatron-core's takes `output_processor`)."""
 
@@ -185,7 +187,7 @@ class FusedModel:
     MTP training (slime's `mtp_kwargs`) passes through: the MTP heads' loss goes through the fused
     head (the GPT backport on megatron-core < 0.18, patch `mtp_output_processor` from 0.18 on)."""
 
-    def __init__(self, model: Any, plan: StepPlan):
+    def __init__(self, model: Any, plan: FusedStep):
         self._model, self._plan = model, plan
 
     def __getattr__(self, name: str) -> Any:

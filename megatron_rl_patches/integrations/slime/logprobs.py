@@ -6,9 +6,9 @@ tokens and a group only: the invariant mode is the step's, carried by the logits
 # lazy imports: import cost: torch only inside the functions (tests/integrations/slime/test_slime_adapter.py)
 import numbers
 
-from megatron_rl_patches._args import adapter_arguments, bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.step_mode import student_invariant
+from megatron_rl_patches.patching.calls import adapter_arguments, bind
 
 
 def calculate_log_probs_and_entropy(

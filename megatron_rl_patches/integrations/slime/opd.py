@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches._args import bind
 from megatron_rl_patches.integrations.megatron.model_chunk import unwrap
 from megatron_rl_patches.integrations.megatron.opd import (
     hf_teachers,
@@ -42,7 +41,6 @@ from megatron_rl_patches.integrations.megatron.opd.opd_settings import (
     LOSS_PATHS,
     TEACHERS,
     OpdSettings,
-    opd_settings,
 )
 from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (
     OpdTeacher,
@@ -70,17 +68,15 @@ from megatron_rl_patches.integrations.megatron.planned_iterators import planned
 from megatron_rl_patches.integrations.megatron.shared_prefix_pass import prefix_pass
 from megatron_rl_patches.integrations.slime import cross_loss, vocab_opd
 from megatron_rl_patches.integrations.slime.actor import SlimeActor
-from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active
 from megatron_rl_patches.integrations.slime.contexts import METADATA, check_layouts, step_contexts
 from megatron_rl_patches.integrations.slime.fused import unservable
 from megatron_rl_patches.integrations.slime.rows import response_positions
-from megatron_rl_patches.integrations.slime.step_plan import SETTINGS, StepPlan, plan_in
-from megatron_rl_patches.integrations.slime.teacher_metrics import log_figures
-from megatron_rl_patches.integrations.slime.topk import sample_rows
+from megatron_rl_patches.integrations.slime.step_plan import FusedStep, plan_in, slime_settings, slime_shared_prefix
+from megatron_rl_patches.integrations.slime.topk import allgather_cp_active, sample_rows
 from megatron_rl_patches.integrations.step_mode import student_invariant
 from megatron_rl_patches.ops.packing import packed_topk_logprobs
 from megatron_rl_patches.ops.topk import topk_kl as topk_kl
-from megatron_rl_patches.patching.env import shared_prefix
+from megatron_rl_patches.patching.calls import bind
 from megatron_rl_patches.teachers.kinds import RunFacts, check_entries
 
 # TEACHER_TAILS, topk_kl: imported `as` themselves, re-exported for the tests that read them off this module
@@ -128,7 +124,7 @@ def load_teachers(actor: Any, settings: OpdSettings) -> list[OpdTeacher]:
 def init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for the actor's `init`: top-k OPD's teachers loaded after slime's own."""
     result = wrapped(*args, **kwargs)
-    settings = opd_settings()
+    settings = slime_settings(getattr(instance, "args", None))
     if settings is not None and getattr(instance, "role", "actor") == "actor" and hasattr(instance, "model"):
         setattr(instance, ATTRIBUTE, load_teachers(instance, settings))
     return result
@@ -167,8 +163,8 @@ def pipelined_topk(args: Any, model: list[Any], rollout_data: dict, request: Top
     from slime.backends.megatron_utils import model as slime_model
     from slime.backends.megatron_utils.data import get_data_iterator
 
-    plan = StepPlan(args, with_entropy=False, entropy_requires_grad=False, topk=request, invariant=invariant,
-                    prefix=prefix_pass("a teacher's pass", model, training=False, enabled=shared_prefix()))
+    plan = FusedStep(args, with_entropy=False, entropy_requires_grad=False, topk=request, invariant=invariant,
+                     prefix=prefix_pass("a teacher's pass", model, training=False, enabled=slime_shared_prefix(args)))
     iterator = planned(get_data_iterator(rollout_data), plan)
     collect = functools.partial(collect_topk, fell_back=fell_back)
     out = slime_model.forward_only(collect, args, model, iterator, rollout_data["num_microbatches"])
@@ -229,14 +225,12 @@ def store_scores(step: ScoringStep, scores: list[TeacherScores]) -> None:
 
 
 def train_actor_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper for the actor's `train_actor(rollout_id, rollout_data)`: the settings parsed
-    once for the actor step and handed to its training steps with the rollout data (`SETTINGS`);
-    teachers scored first."""
-    settings = opd_settings()
+    """wrapt wrapper for the actor's `train_actor(rollout_id, rollout_data)`: teachers scored first
+    (the settings as the actor's `args` hold them, `slime_settings`; its training steps read the same)."""
     rollout_data = kwargs["rollout_data"] if "rollout_data" in kwargs else args[1] if len(args) > 1 else None
-    if isinstance(rollout_data, dict):
-        rollout_data[SETTINGS] = settings
-        if settings is not None and hasattr(instance, ATTRIBUTE):
+    if isinstance(rollout_data, dict) and hasattr(instance, ATTRIBUTE):
+        settings = slime_settings(instance.args)
+        if settings is not None:
             vocab = int(unwrap(instance.model[-1]).vocab_size)
             take_rows(rollout_data)  # the rows a rollout's served teachers gave, off the carried contexts
             contexts = step_contexts(instance.args, rollout_data, settings, vocab)  # agreed before any teacher is asked
@@ -255,13 +249,27 @@ def log_rollout_data_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: d
     dicts, which slime would sum). The training steps still read them (the dict itself is unchanged)."""
     bound = bind(wrapped, args, kwargs)
     data = None if bound is None else bound.arguments.get("rollout_data")
-    keys = (*OPD_KEYS, *VOCAB_KEYS, SETTINGS, CONTEXTS, METADATA, CARRIED, FIGURES)
+    keys = (*OPD_KEYS, *VOCAB_KEYS, CONTEXTS, METADATA, CARRIED, FIGURES)
     if bound is None or not isinstance(data, dict) or not any(key in data for key in keys):
         return wrapped(*args, **kwargs)
     bound.arguments["rollout_data"] = {key: value for key, value in data.items() if key not in keys}
     result = wrapped(*bound.args, **bound.kwargs)
     log_figures(bound.arguments.get("rollout_id"), bound.arguments.get("args"), data.get(FIGURES))  # teacher/...
     return result
+
+
+def log_figures(rollout_id: Any, args: Any, figures: dict[str, float] | None) -> None:
+    """The train step's served teachers' figures (`served_opd.note_figures`, on the last stage:
+    `TeacherStep.metrics()` summed, fixed keys `step_metrics.fixed_figures`) through slime's
+    `gather_log_data("teacher", ...)` as `teacher/...`, averaged over the data-parallel ranks, on the
+    ranks slime logs its rollout metrics from (tensor-parallel rank 0 of the last pipeline stage)."""
+    if figures is None:
+        return
+    from megatron.core import mpu  # lazy: optional dependency megatron-core
+    from slime.observability.train_metric_utils import gather_log_data  # lazy: optional dependency slime
+
+    if mpu.get_tensor_model_parallel_rank() == 0 and mpu.is_pipeline_last_stage():
+        gather_log_data("teacher", args, rollout_id, dict(figures))
 
 
 def student_buckets(args: Any, batch: dict, logits: Any,

@@ -12,8 +12,8 @@ from typing import Any
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import opd_settings, score_at
 from megatron_rl_patches.integrations.megatron.opd.served_checks import check_served
 from megatron_rl_patches.integrations.megatron.train_reentry import train_reentry_patches
-from megatron_rl_patches.patching.env import shared_prefix
 from megatron_rl_patches.patching.records import Patch
+from megatron_rl_patches.settings import shared_prefix
 
 HERE = "megatron_rl_patches.integrations.slime"
 MODEL = "slime.backends.megatron_utils.model"

@@ -28,15 +28,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
-from megatron_rl_patches._variables import SELECT
 from megatron_rl_patches.integrations.megatron.opd.carried_rows import ROWS
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import (
     SCORE_AT,
     TEACHERS,
     OpdSettings,
-    opd_settings,
     score_at,
 )
 from megatron_rl_patches.integrations.megatron.opd.rollout_teachers import (
@@ -44,6 +41,9 @@ from megatron_rl_patches.integrations.megatron.opd.rollout_teachers import (
     ask_rows,
     rollout_entries,
 )
+from megatron_rl_patches.integrations.slime.step_plan import slime_settings
+from megatron_rl_patches.patching.calls import bind
+from megatron_rl_patches.settings import SELECT
 
 HOOK = "megatron_rl_patches.integrations.slime.rollout_scores.score_sample"  # its --rollout-sample-hook-path
 ATTRIBUTE = "megatron_rl_patches_rollout_teachers"  # on slime's args in the rollout manager's process
@@ -72,7 +72,7 @@ def rollout_teachers(args: Any) -> RolloutTeachers | None:
     once, not once a sample)."""
     held = getattr(args, ATTRIBUTE, None)
     if not isinstance(held, RolloutTeachers):
-        settings = opd_settings()
+        settings = slime_settings(args)
         if settings is None and score_at() == "rollout":
             warn_once(NO_TEACHERS)
         held = RolloutTeachers(settings, args)

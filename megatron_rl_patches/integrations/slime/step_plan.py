@@ -1,8 +1,10 @@
 """The plan of one slime step on the fused route, shared by `fused` (which runs it) and `opd`
-(which asks it for top-k buckets): what the fused model call needs (`StepPlan`, `TopkRequest`),
+(which asks it for top-k buckets): what the fused model call needs (`FusedStep`, `TopkRequest`),
 the data iterators that carry the plan through slime's step (`integrations.megatron
 .planned_iterators`) to the batch the loss reads it from (`PLAN`, `plan_in`), and the rollout-data
-keys top-k OPD adds with the request its training step makes (`step_request`).
+keys top-k OPD adds with the request its training step makes (`step_request`), and top-k OPD's
+settings and the shared-prefix switch as slime's doors read them (`slime_settings`,
+`slime_shared_prefix`: read once per slime `args`, held by it).
 
 slime's callbacks have fixed signatures (`get_batch(data_iterator, keys, ...)`, the schedule's
 `forward_step_func(data_iterator, model)`, the loss `func(args, batch, logits, ...)`), so the plan
@@ -10,7 +12,8 @@ travels with the data slime hands them: the iterators a planned call passes on, 
 `get_batch` returns (under the key `PLAN`)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,15 +30,16 @@ from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     TopkRequest,
     VocabRequest,
 )
+from megatron_rl_patches.settings import shared_prefix
 
 
 @dataclass
-class StepPlan:
+class FusedStep:
     """What the fused model call of one slime step needs: slime's args, whether entropy is wanted
     (and its gradient), top-k buckets if asked, and the micro-batch `get_batch` returned last.
     `fused=False`: a step on slime's own logits path that still fetches the request's batch keys.
     `invariant`: the student's invariant mode, resolved once where the step is handed the model
-    (None: the ops resolve their own); `settings`: top-k OPD's, parsed once for the step (None: off);
+    (None: the ops resolve their own); `settings`: top-k OPD's, read at slime's door (None: off);
     `prefix`: the pass's shared-prefix packing (`shared_prefix_pass.PrefixPass`; None: each sample whole)."""
 
     args: Any
@@ -55,36 +59,45 @@ UNION_STEP_REQUEST = TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_
 
 # the batch key under which a planned `get_batch` hands the loss its step's plan
 PLAN = "megatron_rl_patches_step_plan"
-# the rollout-data key under which slime_opd's `train_actor` wrapper hands the training steps inside
-# it the top-k OPD settings it parsed (None: off), so that they are parsed once per actor step
-SETTINGS = "megatron_rl_patches_opd_settings"
+# the attributes of slime's `args` holding top-k OPD's settings and the shared-prefix switch as read
+# there (`slime_settings`, `slime_shared_prefix`)
+HELD = "_megatron_rl_patches_opd_settings"
+HELD_PREFIX = "_megatron_rl_patches_shared_prefix"
 
 
-def plan_in(batch: Any) -> StepPlan | None:
+def plan_in(batch: Any) -> FusedStep | None:
     """The plan a planned `get_batch` put in its micro-batch (None: a batch of slime's own)."""
     return batch.get(PLAN) if isinstance(batch, dict) else None
 
 
-def step_settings(iterators: Any) -> OpdSettings | None:
-    """The top-k OPD settings of the step slime's data `iterators` (one, or one per virtual stage)
-    feed: those their rollout data carries (`SETTINGS`, parsed by the actor step), else parsed here."""
-    first = iterators[0] if isinstance(iterators, Sequence) and len(iterators) else iterators
-    data = getattr(first, "rollout_data", None)
-    if isinstance(data, dict) and SETTINGS in data:
-        return data[SETTINGS]
-    return opd_settings()
+def slime_settings(args: Any) -> OpdSettings | None:
+    """Top-k OPD's settings (None: off) as slime's doors read them (the actor's `init` and
+    `train_actor`, `train_one_step`, the rollout manager's split and the rollout's sample hooks):
+    parsed once per slime `args` (the namespace every patched slime call is handed, in the training
+    actors and the rollout manager alike) and held by it, then passed down as arguments."""
+    return held_on(args, HELD, opd_settings)
 
 
-# step_request's default: no settings given, they are read from the environment there
-READ: Any = object()
+def slime_shared_prefix(args: Any) -> bool:
+    """MEGATRON_RL_PATCHES_SHARED_PREFIX as slime's doors read it (`train_one_step`, `forward_only`,
+    a teacher's pass): once per slime `args`, held by it as `slime_settings` holds OPD's."""
+    return held_on(args, HELD_PREFIX, shared_prefix)
 
 
-def step_request(args: Any, settings: OpdSettings | None = READ) -> TopkRequest | None:
+def held_on(args: Any, name: str, read: Callable[[], Any]) -> Any:
+    """`read()`'s value held by slime's `args` under `name`: read at the first door, then handed down."""
+    held = getattr(args, name, None)
+    if held is None:
+        held = (read(),)
+        with contextlib.suppress(AttributeError, TypeError):  # no namespace to hold it: read for this call
+            setattr(args, name, held)
+    return held[0]
+
+
+def step_request(args: Any, settings: OpdSettings | None) -> TopkRequest | None:
     """The top-k request of slime's training step: the student scores the rollout's ids (with
-    their padding mask for a union) when top-k OPD is on (`settings`: the step's, parsed once,
-    None when off; left out: read from the environment here) and slime's loss is top-k OPD's."""
-    if settings is READ:
-        settings = opd_settings()
+    their padding mask for a union) when top-k OPD is on (`settings`: the step's, None when off)
+    and slime's loss is top-k OPD's."""
     if settings is None or getattr(args, "custom_loss_function_path", None) not in LOSS_PATHS:
         return None
     if getattr(args, "loss_type", None) != "custom_loss":

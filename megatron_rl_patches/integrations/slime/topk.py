@@ -41,6 +41,17 @@ def per_sample_rows(values: torch.Tensor, batch: dict, allgather_cp: bool = Fals
     return [rows[p] for p in response_positions(batch, rows.shape[0], rows.device, allgather_cp)]
 
 
+def allgather_cp_active(args: Any) -> bool:
+    """Whether slime's `--allgather-cp` is on with more than one context-parallel rank: each rank runs
+    the model on a contiguous slice of the packed stream, while slime keeps every per-sample field in
+    the rank's zigzag rows (its `_allgather_cp_redistribute`), top-k OPD's too (`sample_rows`)."""
+    if not getattr(args, "allgather_cp", False):
+        return False
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_world_size() > 1
+
+
 def sample_rows(values: torch.Tensor, batch: dict, allgather: bool) -> list[torch.Tensor]:
     """[1, T, ...] per-token values in the rows slime keeps per-sample fields in: its response
     slices, moved to the rank's zigzag rows under an active `--allgather-cp` (`allgather`; gradients

@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.slime.allgather_cp import allgather_cp_active
-from megatron_rl_patches.integrations.slime.topk import sample_rows
+from megatron_rl_patches.integrations.slime.topk import allgather_cp_active, sample_rows
 from megatron_rl_patches.integrations.slime.vocab_step import DIVERGENCE
 
 

@@ -33,6 +33,7 @@ from megatron_rl_patches.processors.heads import log_prob_output_processor
 FUSED = "verl.models.mcore.model_forward_fused"
 
 # Whether verl's engine asked for entropy in the current fused forward (None: called outside it).
+# Not an argument: verl's model forward calls fused_output_processor with its fixed keywords (no calculate_entropy).
 _CALCULATE_ENTROPY: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
     "megatron_rl_patches_verl_entropy", default=None
 )

@@ -22,18 +22,19 @@ selects. The fused forward (`fused_forward_model_engine_inner`) gets no response
 from __future__ import annotations
 
 import contextvars
-import os
 from collections.abc import Iterator
 from typing import Any
 
-from megatron_rl_patches._variables import VERL_ROWS as ROWS_ENV
-from megatron_rl_patches._variables import verl_rows_setting
+from megatron_rl_patches import settings
 
 # The rows verl reads in the current forward_step and the micro-batch's sequence lengths: a flat
 # bool [total] on the host, row-aligned with its nested input_ids (see :func:`read_rows`); None:
-# every row.
+# every row. Not an argument: verl's preprocess_thd_engine(input_ids, pre_process, need_roll) packs the
+# labels with verl's own fixed arguments, which carry no rows read.
 _PENDING: contextvars.ContextVar[Any] = contextvars.ContextVar("megatron_rl_patches_verl_rows", default=None)
 # The packed row mask of the current fused forward, shaped like the packed labels; None: every row.
+# Not an argument: verl's model forward calls fused_output_processor(hidden_states=, output_layer=, labels=,
+# context=, ...) with its fixed keywords.
 _PACKED: contextvars.ContextVar[Any] = contextvars.ContextVar("megatron_rl_patches_verl_row_mask", default=None)
 
 
@@ -109,7 +110,7 @@ class _Noting(Iterator[Any]):
 
 def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper on `MegatronEngineWithLMHead.forward_step(batch_iter, model, ...)`."""
-    if verl_rows_setting(os.environ.get(ROWS_ENV)):
+    if settings.verl_rows():  # read at verl's forward_step, its door
         return wrapped(*args, **kwargs)
     batch_iter = args[0] if args else kwargs.get("batch_iter")
     if batch_iter is None or not hasattr(batch_iter, "__iter__"):

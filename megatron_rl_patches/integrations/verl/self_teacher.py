@@ -48,6 +48,7 @@ from megatron_rl_patches.integrations.verl.old_rows import old_rows_of, sample_k
 from megatron_rl_patches.integrations.verl.self_entry import WHO
 from megatron_rl_patches.integrations.verl.vocab import core_model, output_weight, response_starts
 from megatron_rl_patches.integrations.verl.vocab_context import field_values
+from megatron_rl_patches.ops.scoring_plan import ScoringPlan
 from megatron_rl_patches.processors.distill import hidden_output_processor
 from megatron_rl_patches.processors.heads import output_tp_group
 from megatron_rl_patches.teachers.agreement import agreed_views
@@ -151,13 +152,14 @@ def verl_teacher_rows(rows: list[tuple[torch.Tensor, torch.Tensor]], lengths: li
             torch.nested.nested_tensor(log_probs, layout=torch.jagged))
 
 
-def scored_rows(model: Any, core: Any, group: Any, vocab: int, k: int, key: str,
+def scored_rows(model: Any, core: Any, group: Any, vocab: int, plan: ScoringPlan, key: str,
                 privileged: TeacherBatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per privileged sequence, the self-teacher's top-k ids and log-probs of its response rows,
-    from a no-grad pass of `model` now (every rank of `group` calls it)."""
+    """Per privileged sequence, the self-teacher's top-k ids and log-probs of its response rows at
+    `plan` (verl's K at temperature 1), from a no-grad pass of `model` now (every rank of `group`
+    calls it)."""
     shards = 1 if group is None else torch.distributed.get_world_size(group)
     sequence_parallel = shards if getattr(core.config, "sequence_parallel", False) else 1
-    teacher = SelfTeacher(student_pass(model, sequence_parallel), vocab, k, context=key, temperature=1.0,
+    teacher = SelfTeacher(student_pass(model, sequence_parallel), vocab, context=key, plan=plan,
                           tp_group=group, padded_vocab_size=int(output_weight(core).shape[0]) * shards)
     scores = teacher.score(privileged)
     return [(scores.topk_ids[i], scores.topk_log_probs[i]) for i in range(len(privileged.sequences))]
@@ -189,7 +191,8 @@ def remember_old_rows(batch: Any, model: Any, instance: Any, named: tuple[str, s
     scoring = agreed_views(error, group, privileged is not None, own=True)
     if privileged is None or not all(scoring):
         return
-    for sample, rows in zip(sample_keys(privileged, k), scored_rows(model, core, group, vocab, k, key, privileged)):
+    rows_of = scored_rows(model, core, group, vocab, ScoringPlan(k), key, privileged)  # verl's K: the plan at its door
+    for sample, rows in zip(sample_keys(privileged, k), rows_of):
         old_rows_of(instance).put(sample, *rows)
 
 
@@ -215,7 +218,8 @@ def self_taught(batch: Any, model: Any, instance: Any, loss_function: Any, named
     # every rank's refusal, and whether every rank has the old rows, before the pass's first collective
     everywhere = all(agreed_views(error, group, cached is not None, own=True))
     assert privileged is not None
-    rows = cached if cached is not None and everywhere else scored_rows(model, core, group, vocab, k, key, privileged)
+    rows = cached if cached is not None and everywhere else scored_rows(model, core, group, vocab, ScoringPlan(k), key,
+                                                                        privileged)
     ids = batch["input_ids"]
     lengths = [int(n) for n in ids.offsets().diff().tolist()]
     teacher_ids, teacher_log_probs = verl_teacher_rows(rows, lengths, response_starts(batch), k)

@@ -29,27 +29,28 @@ sample's prompt length and the key, before anything is sent. The live self-teach
 (`student;context=KEY`) is scored on the trainer (`self_teacher`): here the agent loop stores zero
 rows of verl's layout in its place and asks nobody.
 
-The entry is read by the teachers' grammar (`entry.parse_entry`); each served teacher is built once
+The variable is read once per teacher client and agent-loop worker (`entry.verl_teacher`, held by
+each) and passed down as a `VerlTeacher`; each served teacher is built once
 per teacher client (verl's `AsyncTeacherLLMServerManager`, which holds it: `held`) through the one
 construction from an entry (`teachers.served.build.served_teacher_of`)."""
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any
 
 import torch
 
-from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
-from megatron_rl_patches._variables import VERL_TEACHER
 from megatron_rl_patches.integrations.context_fields import field_contexts, tokenizer_vocab
-from megatron_rl_patches.integrations.verl.entry import parse_entry
+from megatron_rl_patches.integrations.verl.entry import VerlTeacher, verl_teacher
 from megatron_rl_patches.integrations.verl.held import held
 from megatron_rl_patches.integrations.verl.self_entry import placeholder_rows
+from megatron_rl_patches.ops.scoring_plan import ScoringPlan
+from megatron_rl_patches.patching.calls import bind
+from megatron_rl_patches.settings import VERL_TEACHER
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context.teacher_context import with_context
-from megatron_rl_patches.teachers.entry import SERVED, STUDENT, TeacherEntry
+from megatron_rl_patches.teachers.entry import TeacherEntry
 from megatron_rl_patches.teachers.redaction import redacted
 
 # the sample verl's agent-loop worker is scoring: (its prompt length, its non-tensor fields)
@@ -64,7 +65,7 @@ def served_teacher(manager: Any, raw: str, entry: TeacherEntry, k: int) -> Any:
     teachers: dict[tuple[str, int], Any] = held(manager, "served_teachers", dict)
     teacher = teachers.get((raw, k))
     if teacher is None:
-        teacher = teachers[(raw, k)] = served_teacher_of(entry, top_k=k)
+        teacher = teachers[(raw, k)] = served_teacher_of(entry, ScoringPlan(k))  # verl's K, its loss config's
     return teacher
 
 
@@ -142,60 +143,58 @@ def check_call(manager: Any, arguments: dict[str, Any]) -> None:
                          "or configure one teacher")
 
 
-async def served_rows(manager: Any, arguments: dict[str, Any], raw: str,
+async def served_rows(manager: Any, arguments: dict[str, Any], named: VerlTeacher,
                       sample: Sample | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`compute_teacher_logprobs_single`'s result from the teacher the variable's value `raw` names
-    (the blocking HTTP requests in a worker thread, so the agent loop's event loop keeps running);
-    `sample`: the one verl's agent-loop worker is scoring, for a `;context=KEY` entry."""
+    """`compute_teacher_logprobs_single`'s result from the teacher the variable names (`named`, read
+    at the door; the blocking HTTP requests in a worker thread, so the agent loop's event loop keeps
+    running); `sample`: the one verl's agent-loop worker is scoring, for a `;context=KEY` entry."""
     check_call(manager, arguments)
     k = served_k(manager)
     sequence = list(arguments["sequence_ids"])
-    entry = parse_entry(raw)
-    if entry.kind == STUDENT:  # the live self-teacher: scored on the trainer, nothing asked here
+    entry = named.served
+    if entry is None:  # the live self-teacher: scored on the trainer, nothing asked here
         return placeholder_rows(sequence, k)
     context, prompt_length = sample_context(entry, sequence, sample) if entry.context is not None else (None, 1)
-    teacher = served_teacher(manager, raw, entry, max(k, 1))
+    teacher = served_teacher(manager, named.raw, entry, max(k, 1))
     return await asyncio.to_thread(verl_rows, teacher, sequence, k, context, prompt_length)
 
 
 def compute_teacher_logprobs_single_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for `verl_topk_kd` on verl's teacher client: the served teacher answers when
     MEGATRON_RL_PATCHES_VERL_TEACHER names one, verl's replicas otherwise."""
-    raw = os.environ.get(VERL_TEACHER, "").strip()
+    named = verl_teacher(instance)
     bound = bind(wrapped, args, kwargs)
-    if not raw or bound is None:
+    if named.entry is None or bound is None:
         return wrapped(*args, **kwargs)
-    warn_once(f"verl_topk_kd: verl's teacher rows come from the served teacher {redacted(raw)} ({VERL_TEACHER}), "
-              "not verl's teacher replicas")
-    return served_rows(instance, dict(bound.arguments), raw)
+    warn_once(f"verl_topk_kd: verl's teacher rows come from the served teacher {redacted(named.raw)} "
+              f"({VERL_TEACHER}), not verl's teacher replicas")
+    return served_rows(instance, dict(bound.arguments), named)
 
 
 def compute_teacher_logprobs_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper for `verl_topk_kd` on verl's agent-loop worker: with a served `;context=KEY`
     entry, the worker's call answered here, the sample's prompt length and non-tensor fields passed
     to the teacher (`privileged_rows`); every other call is verl's own."""
-    raw = os.environ.get(VERL_TEACHER, "").strip()
+    named = verl_teacher(instance)
     bound = bind(wrapped, args, kwargs)
-    if not raw or "context" not in raw or bound is None:
+    if named.served is None or named.served.context is None or bound is None:
         return wrapped(*args, **kwargs)
-    return privileged_rows(wrapped, instance, args, kwargs, dict(bound.arguments), raw)
+    return privileged_rows(wrapped, instance, args, kwargs, dict(bound.arguments), named)
 
 
 async def privileged_rows(wrapped: Any, worker: Any, args: tuple, kwargs: dict, arguments: dict[str, Any],
-                          raw: str) -> Any:
+                          named: VerlTeacher) -> Any:
     """`AgentLoopWorker._compute_teacher_logprobs(output, prompt_ids, response_ids, validate,
     sample_kwargs)` for a served privileged teacher: what verl's own method does (distillation on,
     not validating: the sample's teacher rows in `output.extra_fields`), its teacher client's call
     made with the sample passed along (`served_rows`)."""
-    entry = parse_entry(raw)
-    if entry.kind != SERVED or entry.context is None or not getattr(worker, "distillation_enabled", False) \
-            or arguments.get("validate"):
+    if not getattr(worker, "distillation_enabled", False) or arguments.get("validate"):
         return await wrapped(*args, **kwargs)
     output = arguments["output"]
     prompt, response = list(arguments.get("prompt_ids") or []), list(arguments.get("response_ids") or [])
     sample = (len(prompt), dict(arguments.get("sample_kwargs") or {}))
     call = {"sequence_ids": prompt + response, "multi_modal_data": getattr(output, "multi_modal_data", None)}
-    ids, log_probs = await served_rows(worker.teacher_server_manager, call, raw, sample)
+    ids, log_probs = await served_rows(worker.teacher_server_manager, call, named, sample)
     output.extra_fields["teacher_ids"] = ids
     output.extra_fields["teacher_logprobs"] = log_probs
     return None

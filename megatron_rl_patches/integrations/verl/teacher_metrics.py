@@ -23,12 +23,11 @@ Only with MEGATRON_RL_PATCHES_VERL_TEACHER set (a served route); a call with no 
 read (verl's own replicas, the live self-teacher, a validation pass before any step) adds no key."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from megatron_rl_patches._args import bind
-from megatron_rl_patches._variables import VERL_TEACHER
+from megatron_rl_patches.integrations.verl.entry import verl_teacher
 from megatron_rl_patches.integrations.verl.held import peek
+from megatron_rl_patches.patching.calls import bind
 from megatron_rl_patches.teachers.step.metrics import flat, served_summed
 
 KEY = "megatron_rl_patches_teacher"
@@ -46,7 +45,7 @@ def worker_figures(worker: Any) -> dict[str, Any] | None:
 def generate_sequences_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper on verl's `AgentLoopWorker.generate_sequences`: its output's per-sample
     metrics carry the worker's served-teacher figures (`KEY`)."""
-    if not os.environ.get(VERL_TEACHER, "").strip():
+    if verl_teacher(instance).entry is None:
         return wrapped(*args, **kwargs)
     return with_figures(wrapped(*args, **kwargs), instance)
 

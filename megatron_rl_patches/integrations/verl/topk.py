@@ -16,15 +16,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches._args import bind
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.step_mode import student_invariant
+from megatron_rl_patches.integrations.verl.entry import verl_teacher
 from megatron_rl_patches.integrations.verl.old_rows import old_rows_of
-from megatron_rl_patches.integrations.verl.self_entry import self_entry
 from megatron_rl_patches.integrations.verl.self_teacher import remember_old_rows, self_taught
 from megatron_rl_patches.integrations.verl.vocab import whole_vocabulary_step
 from megatron_rl_patches.ops.invariance import resolve_invariant
 from megatron_rl_patches.ops.topk import topk_ids, topk_kl, topk_logprobs
+from megatron_rl_patches.patching.calls import bind
 
 # the micro-batch key (a non-tensor value) under which the patched engine step hands the top-k loss
 # the student's invariant mode: verl's loss gets the micro-batch, never the model
@@ -169,14 +169,15 @@ def forward_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
     micro-batch it takes carries the student's invariant mode (key `MODE`; resolved once from
     `model`'s config) to the top-k loss; verl's own micro-batches are left as they are (a copy)."""
     bound = bind(wrapped, args, kwargs)
-    step = whole_vocabulary_step(wrapped, instance)  # a served teacher's head: the whole vocabulary (`vocab`)
+    named = verl_teacher(instance)  # the variable, read at the engine's door
+    step = whole_vocabulary_step(wrapped, instance, named)  # a served teacher's head: the whole vocabulary (`vocab`)
     if bound is None or bound.arguments.get("model") is None:
         return wrapped(*args, **kwargs)
     model = bound.arguments["model"]
     batches = with_mode(bound.arguments["batch_iter"], student_invariant(model))
-    named = self_entry()  # `student;context=KEY`: the live self-teacher's rows in each top-k micro-batch
-    if named is not None:
-        batches = self_teaching(batches, model, instance, bound.arguments.get("logits_processor_func"), named,
+    taught = named.self_teacher  # `student;context=KEY`: the live self-teacher's rows in each top-k micro-batch
+    if taught is not None:
+        batches = self_teaching(batches, model, instance, bound.arguments.get("logits_processor_func"), taught,
                                 id(bound.arguments["batch_iter"]))
     bound.arguments["batch_iter"] = batches
     return step(*bound.args, **bound.kwargs)

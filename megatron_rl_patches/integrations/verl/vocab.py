@@ -27,33 +27,24 @@ What crosses the network: ids to the server, [R, H] states back (the dtype the s
 has). Context parallelism on this route is refused by name."""
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from megatron_rl_patches._variables import VERL_TEACHER
 from megatron_rl_patches.integrations.student_head import student_layout_head
-from megatron_rl_patches.integrations.verl.entry import parse_entry
+from megatron_rl_patches.integrations.verl.entry import VerlTeacher
 from megatron_rl_patches.integrations.verl.held import held
 from megatron_rl_patches.integrations.verl.rows import response_lengths
 from megatron_rl_patches.integrations.verl.vocab_context import agreed_privileged_batch
+from megatron_rl_patches.ops.scoring_plan import VOCAB, ScoringPlan
 from megatron_rl_patches.processors.distill import divergence_output_processor
 from megatron_rl_patches.processors.heads import output_tp_group
+from megatron_rl_patches.settings import VERL_TEACHER
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.entry import TeacherEntry
 
 WHO = f"verl_topk_kd ({VERL_TEACHER} with head=)"
-
-
-def head_entry() -> tuple[str, TeacherEntry] | None:
-    """The variable's value and its read when it names a head, else None."""
-    raw = os.environ.get(VERL_TEACHER, "").strip()
-    if "head" not in raw:  # the top-k entry: read where the agent loop asks (httpx there), not on the trainer
-        return None
-    entry = parse_entry(raw)
-    return (raw, entry) if entry.head is not None else None
 
 
 def core_model(model: Any) -> Any:
@@ -125,7 +116,7 @@ def teacher_rows(engine: Any, raw: str, entry: TeacherEntry, head: Any, batch: A
     key = (raw, id(head))
     teacher = teachers.get(key)
     if teacher is None:  # the context goes into the sequences sent (`agreed_privileged_batch`), not the client
-        teacher = teachers[key] = served_teacher_of(entry.without_context(), top_k=1, head=head)
+        teacher = teachers[key] = served_teacher_of(entry.without_context(), ScoringPlan(VOCAB), head=head)
     sequences = [s.detach().cpu().long() for s in batch["input_ids"].unbind()]
     starts = response_starts(batch)
     scored = TeacherBatch(sequences, starts)
@@ -200,15 +191,16 @@ def check_layout(batch: Any) -> None:
                          "(the top-k rows with the exact tail) or run without context parallelism")
 
 
-def whole_vocabulary_step(wrapped: Callable[..., Any], instance: Any) -> Callable[..., Any]:
+def whole_vocabulary_step(wrapped: Callable[..., Any], instance: Any, named: VerlTeacher) -> Callable[..., Any]:
     """`MegatronEngineWithLMHead.forward_step(batch_iter, model, logits_processor_func,
     postprocess_micro_batch_func)`: a distillation micro-batch on verl's fused route with a served
-    head takes the whole-vocabulary route; every other call is verl's own."""
+    head (`named`: the variable as the engine read it) takes the whole-vocabulary route; every other
+    call is verl's own."""
 
     def forward_step(batch_iter: Any, model: Any, *rest: Any, **options: Any) -> Any:
-        named = head_entry()
+        entry = named.head
         core = core_model(model)
-        if named is None or not getattr(core, "post_process", True):
+        if entry is None or not getattr(core, "post_process", True):
             return wrapped(batch_iter, model, *rest, **options)
         from verl.utils import tensordict_utils as tu  # lazy: optional dependency verl
 
@@ -217,11 +209,10 @@ def whole_vocabulary_step(wrapped: Callable[..., Any], instance: Any) -> Callabl
         if not (tu.get_non_tensor_data(batch, "distillation_use_topk", False) and fused):
             return wrapped(iter([batch]), model, *rest, **options)
         check_layout(batch)
-        raw, entry = named
         weight = output_weight(core)
         group = output_tp_group(core.output_layer)
         head = student_layout_head(entry.head, weight, group, WHO)  # type: ignore[arg-type]
-        states, starts = teacher_rows(instance, raw, entry, head, batch, group)
+        states, starts = teacher_rows(instance, named.raw, entry, head, batch, group)
         distilling = Distilling(head, states, starts)
         handle = model.register_forward_pre_hook(distilling.pre_hook, with_kwargs=True)
         try:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl_patches._variables import VERL_TEACHER
 from megatron_rl_patches.integrations.context_fields import privileged_batch
 from megatron_rl_patches.integrations.verl.rows import response_lengths
+from megatron_rl_patches.settings import VERL_TEACHER
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.entry import TeacherEntry

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_rl_patches._backend_env import AUTO, VARIABLE, environment_backend
+from megatron_rl_patches import settings
 from megatron_rl_patches.ops._stats import GradFactors, RowStats
 from megatron_rl_patches.ops.kernels.contract import Backend
 from megatron_rl_patches.ops.kernels.invariant_tiles import InvariantTiles
@@ -61,7 +61,8 @@ if TYPE_CHECKING:
 __all__ = ["Backend", "GradFactors", "RowStats", "Source", "BACKEND_ENV", "register_backend", "resolve_backend",
            "backend_names", "topk_step", "divergence_step"]
 
-BACKEND_ENV = VARIABLE
+BACKEND_ENV = settings.BACKEND
+AUTO = settings.AUTO
 
 
 class _Registered(Backend):
@@ -126,7 +127,7 @@ def resolve_backend(name: object, device: torch.device, dtype: torch.dtype | Non
 def _chosen_backend(name: object, device: torch.device, dtype: torch.dtype | None) -> Backend:
     if name is None or name == AUTO:
         # the launcher and `doctor` read the variable with this same parser (case, spaces, "auto")
-        name = environment_backend(known=_REGISTRY)
+        name = settings.backend(known=_REGISTRY)
         where = f"{BACKEND_ENV}={name!r}"
     else:
         where = f"backend={name!r}"

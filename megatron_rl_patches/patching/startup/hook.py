@@ -82,7 +82,7 @@ def _say(message: str) -> None:
     """One stderr line, from the first rank only (every rank would print the same). Never raises:
     stderr may be closed (None) or unwritable, and the user's program must start regardless."""
     try:
-        from megatron_rl_patches._log import launcher_rank
+        from megatron_rl_patches.settings import launcher_rank
 
         if launcher_rank() == 0 and sys.stderr is not None:
             cut = message if len(message) <= _LINE_LIMIT else f"{message[: _LINE_LIMIT - 3]}..."
@@ -104,7 +104,7 @@ def _setting(read: Callable[[], bool]) -> bool:
 
 def run(registry_factory: str = DEFAULT_REGISTRY) -> None:
     """Apply what the environment selects. Idempotent: a venv can execute the same .pth twice."""
-    global _done
+    global _done  # not an argument: the interpreter runs the .pth line `import ...; run()`, which passes none
     if _done:
         return
     _done = True

@@ -14,15 +14,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.inference.loading.hf.architecture import read_count
 from megatron_rl_patches.inference.loading.hf.checkpoint_config import CheckpointConfig, read_checkpoint_config
 from megatron_rl_patches.inference.loading.hf.files import TensorEntry, safe_open_of, tensor_index
 from megatron_rl_patches.inference.loading.hf.model import padded_vocab
 from megatron_rl_patches.ops.agreement import agree, local_error
 from megatron_rl_patches.ops.lm_head import lm_head_log_probs_and_entropy, lm_head_topk_ids, lm_head_topk_logprobs
+from megatron_rl_patches.ops.scoring_plan import positive_int
 from megatron_rl_patches.teachers.finite import INT64_MAX, finite, shown
 from megatron_rl_patches.teachers.head.fingerprint import HeadFacts, checkpoint_fingerprint, compare_heads
+from megatron_rl_patches.teachers.head.own_scores import own_scores
 from megatron_rl_patches.teachers.head.transforms import head_logit_scale, projects_through_embeddings
 
 HEAD = "lm_head.weight"
@@ -89,6 +90,14 @@ class TeacherHead:
             ids = lm_head_topk_ids(h, self.weight, k, **self.options(temperature))
             values, tail = lm_head_topk_logprobs(h, self.weight, ids, **self.options(temperature))
         return ids, values, tail
+
+    def own_scores(self, hidden: torch.Tensor, tokens: torch.Tensor, k: int, temperature: float = 1.0
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`tokens`' log-probs [R], the teacher's own top-`k` ids [R, k] with their log-probs [R, k]
+        and the exact tail [R] (float64 but the ids), in one top-k and one log-prob pass
+        (`own_scores`: the live self-teacher's computation)."""
+        return own_scores(self.rows(hidden), self.weight, tokens.to(self.weight.device), k,
+                          **self.options(temperature))
 
     def log_probs_at(self, hidden: torch.Tensor, ids: torch.Tensor, temperature: float | torch.Tensor = 1.0,
                      ids_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
+from megatron_rl_patches.settings import OPD_TEACHERS as TEACHERS
 from megatron_rl_patches.teachers.entry import RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds import checkpoint, provider, served_entry, student
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_rl_patches._layout_option import is_layout_option, layout_size
-from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
+from megatron_rl_patches.settings import OPD_TEACHERS as TEACHERS
+from megatron_rl_patches.settings import is_layout_option, layout_size
 from megatron_rl_patches.teachers.entry import CHECKPOINT, RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
 from megatron_rl_patches.teachers.kinds.options import (

@@ -3,7 +3,7 @@ each option given once; `module:function` names; how every message names an entr
 the setting the user set, passed in by whoever reads it). Standard library only."""
 from __future__ import annotations
 
-from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
+from megatron_rl_patches.settings import OPD_TEACHERS as TEACHERS
 from megatron_rl_patches.teachers.redaction import quoted
 
 # An entry's options after its head: `PATH;tokenizer=own` (a Hugging Face teacher with another

@@ -4,7 +4,7 @@ arguments). It takes no option: another tokenizer and a layout of its own serve 
 directories only."""
 from __future__ import annotations
 
-from megatron_rl_patches._layout_option import written_sizes
+from megatron_rl_patches.settings import written_sizes
 from megatron_rl_patches.teachers.entry import PROVIDER, TeacherEntry
 from megatron_rl_patches.teachers.kinds.checkpoint import expected_forms, path_options, path_problems
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind

@@ -20,8 +20,9 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from megatron_rl_patches._digits import ascii_int
-from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
+from megatron_rl_patches.ops.scoring_plan import ScoringPlan
+from megatron_rl_patches.settings import OPD_TEACHERS as TEACHERS
+from megatron_rl_patches.settings import ascii_int
 from megatron_rl_patches.teachers.entry import SERVED, RunFacts, TeacherEntry
 from megatron_rl_patches.teachers.kinds.kind import TeacherKind
 from megatron_rl_patches.teachers.kinds.options import (
@@ -237,7 +238,7 @@ def served_problem(found: list[str], entry: TeacherEntry, url: str, facts: RunFa
                 (Path(head.source) / "tokenizer.json").is_file():
             named = Path(head.source)  # the head's vocabulary: its directory's tokenizer, probed below
         asked = dataclasses.replace(entry, path=url, context=None)  # this replica (or all), nothing to score
-        with served_teacher_of(asked, top_k=facts.k, client=settings, head=head) as teacher:
+        with served_teacher_of(asked, ScoringPlan(facts.k), client=settings, head=head) as teacher:
             model = teacher.served_model(deadline)  # with a head: the pooling task answers, at the head's width
             checked = (f"{said}: answers, serves {model.name!r} (max model length {model.max_model_len}); route: "
                        + ("prompt log-probs, k within its --max-logprobs" if head is None else

@@ -53,8 +53,8 @@ def build(entry: TeacherEntry, host: Any, options: Any) -> Any:
     from megatron_rl_patches.teachers.self_teacher import self_teacher  # lazy: import cost: torch
 
     assert entry.context is not None  # parse requires it
-    return self_teacher(host, options.top_k, options.temperature, entry.context,
-                        f"build_teachers: entry '{STUDENT};{CONTEXT}{entry.context}'")
+    where = f"build_teachers: entry '{STUDENT};{CONTEXT}{entry.context}'"
+    return self_teacher(host, options.plan, entry.context, where)
 
 
 KIND = TeacherKind(STUDENT, FORM, recognizes=recognizes, parse=parse, build=build)

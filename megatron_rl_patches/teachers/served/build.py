@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_rl_patches.ops.scoring_plan import ScoringPlan
 from megatron_rl_patches.teachers.agreement import agree_failure
 from megatron_rl_patches.teachers.entry import TeacherEntry
 from megatron_rl_patches.teachers.head.for_host import head_for_host
@@ -21,17 +22,17 @@ from megatron_rl_patches.teachers.redaction import redacted
 from megatron_rl_patches.teachers.served.connect import connect_served
 
 
-def served_teacher_of(entry: TeacherEntry, *, top_k: int, temperature: float = 1.0, client: Any = None,
-                      head: Any = None, model: str | None = None) -> Any:
-    """The `ServedTeacher` an entry names (its URLs, engine and context key): the one construction
-    from an entry, which every framework's builder goes through. `head`: the entry's `;head=DIR` as
+def served_teacher_of(entry: TeacherEntry, plan: ScoringPlan, *, client: Any = None, head: Any = None,
+                      model: str | None = None) -> Any:
+    """The `ServedTeacher` an entry names (its URLs, engine and context key) scoring at `plan` (the
+    door's `ScoringPlan`): the one construction from an entry, which every framework's builder goes
+    through. `head`: the entry's `;head=DIR` as
     the caller holds it (a `TeacherHead` cut for its layout); None reads that directory whole here.
     A caller that puts the context in the sequences it sends itself passes the entry without it."""
     from megatron_rl_patches.teachers.served.client import ServedTeacher  # lazy: import cost: httpx, torch
 
-    return ServedTeacher(entry.path, "vllm" if entry.engine is None else entry.engine, top_k=top_k,
-                         temperature=temperature, client=client, head=entry.head if head is None else head,
-                         model=model, context=entry.context)
+    return ServedTeacher(entry.path, "vllm" if entry.engine is None else entry.engine, plan=plan, client=client,
+                         head=entry.head if head is None else head, model=model, context=entry.context)
 
 
 def checked_tokenizer(entry: TeacherEntry, options: Any, where: str) -> Any:
@@ -77,8 +78,7 @@ def build_served(entry: TeacherEntry, host: Any, options: Any) -> Any:
     def build() -> ServedTeacher:
         named = named_vocab_size(entry, where) if entry.same_tokenizer and entry.head is not None else None
         head = None if entry.head is None else head_for_host(entry.head, host, where)
-        teacher = served_teacher_of(entry, top_k=options.top_k, temperature=options.temperature,
-                                    client=options.client, head=head)
+        teacher = served_teacher_of(entry, options.plan, client=options.client, head=head)
         if named is not None and teacher.head is not None:
             try:
                 check_head_vocab(named, teacher.head.vocab_size, entry.head, where)

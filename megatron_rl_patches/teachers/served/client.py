@@ -1,20 +1,19 @@
 """A teacher served by an inference engine (`ServedTeacher`): its own top-k with the exact tail
 for every response row of a `TeacherBatch` (or, with its head on the trainer, its hidden states
-through the head), asked over HTTP. It holds one endpoint (`endpoint.Endpoint`: its replicas as
-a `pool.ReplicaPool`, one URL a pool of one): a step's samples in flight at once (bounded in
-requests and tokens per server), within one deadline; `PendingScores` collects them."""
+through the head: the two routes, one object each, `routes.py`), asked over HTTP at its
+`ScoringPlan`. It holds one endpoint (`endpoint.Endpoint`: its replicas as a `pool.ReplicaPool`,
+one URL a pool of one): a step's samples in flight at once (bounded in requests and tokens per
+server), within one deadline; `PendingScores` collects them."""
 from __future__ import annotations
 
 import concurrent.futures as futures
-import functools
 import os
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from megatron_rl_patches._args import positive_int
+from megatron_rl_patches.ops.scoring_plan import Planned, ScoringPlan, scoring_plan
 from megatron_rl_patches.teachers.agreement import agree_failure, agree_teacher
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context.key import context_key
@@ -24,26 +23,21 @@ from megatron_rl_patches.teachers.finite import utf8_text
 from megatron_rl_patches.teachers.head.teacher_head import TeacherHead
 from megatron_rl_patches.teachers.replica_urls import SEPARATOR, replica_urls
 from megatron_rl_patches.teachers.served.endpoint import Endpoint, SampleAsk, Step
-from megatron_rl_patches.teachers.served.engines.names import check_engine, engine_class
-from megatron_rl_patches.teachers.served.engines.protocol import SampleRows, ServedEngine, ServedModel
-from megatron_rl_patches.teachers.served.hidden_states import (
-    check_given_ids,
-    head_scores,
-    head_temperature,
-    hidden_head,
-    states_dtype,
-)
+from megatron_rl_patches.teachers.served.engines.names import check_engine
+from megatron_rl_patches.teachers.served.engines.protocol import ServedEngine, ServedModel
 from megatron_rl_patches.teachers.served.http import Deadline, TeacherClient
 from megatron_rl_patches.teachers.served.metrics import Recorder
 from megatron_rl_patches.teachers.served.pool import ReplicaPool
+from megatron_rl_patches.teachers.served.routes import Route, served_route
 from megatron_rl_patches.teachers.served.server import Server
 from megatron_rl_patches.teachers.served.settings import ClientSettings, ReplicaSettings
 
 
-class ServedTeacher:
+class ServedTeacher(Planned):
     """A teacher at `url` (http(s)://host:port) served by `engine`, scoring its own `top_k`
-    buckets per row (K within the server's limit: vLLM's `--max-logprobs`, default 20). Engines
-    score at temperature 1 whatever is asked: another `temperature` is refused. `client` sets the
+    buckets per row (default 20; K within the server's limit: vLLM's `--max-logprobs`, default 20).
+    Engines score at temperature 1 whatever is asked: another `temperature` is refused. `plan`: a
+    `ScoringPlan` in place of `top_k` and `temperature` (one or the other). `client` sets the
     timeouts, deadline, retries, bounds, API key variable and CA bundle (`ClientSettings`; the
     bounds in flight are each server's). `url` may name the teacher's replicas: a list of URLs
     (or one str of them joined by '|'), one teacher served the same by each; `replicas` says how
@@ -53,22 +47,15 @@ class ServedTeacher:
     temperature. `context`: the key of each sample's privileged context in the teacher step
     (`TeacherStep.send(batch, contexts={KEY: ...})`): it scores them before the student's response."""
 
-    def __init__(self, url: str | list[str], engine: str = "vllm", top_k: int = 20, *, model: str | None = None,
-                 temperature: float = 1.0, client: ClientSettings | None = None,
+    def __init__(self, url: str | list[str], engine: str = "vllm", top_k: int | None = None, *,
+                 model: str | None = None, temperature: float | None = None, client: ClientSettings | None = None,
                  head: TeacherHead | str | os.PathLike[str] | None = None,
                  hidden_dtype: torch.dtype | None = None, context: str | None = None,
-                 replicas: ReplicaSettings | None = None) -> None:
+                 replicas: ReplicaSettings | None = None, plan: ScoringPlan | None = None) -> None:
         self.context = context_key(context, "ServedTeacher(context=...)")
-        self.head = hidden_head(head, engine)
+        self.plan = scoring_plan(plan, top_k, temperature, "ServedTeacher", top_k_default=20)
+        self.route: Route = served_route(head, engine, self.plan, hidden_dtype)  # its rows, or states through its head
         self.engine_name = check_engine(engine)
-        self.top_k = positive_int("ServedTeacher(top_k=...)", top_k, " (the teacher's buckets per row)")
-        self.temperature = 1.0
-        if self.head is not None:  # the trainer forms the distribution: any K of the vocabulary, any temperature
-            self.temperature = head_temperature(temperature, top_k, self.head)
-        elif isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature != 1.0:
-            raise ValueError(f"ServedTeacher(temperature={temperature!r}): served engines score prompt log-probs at "
-                             f"temperature 1 whatever is asked, so only temperature=1.0 can be served (score at the "
-                             f"student's temperature 1, or use an in-process teacher)")
         if model is not None and not isinstance(model, str):
             raise TypeError(f"ServedTeacher(model=...) must be the served model's name (a str) or None, got "
                             f"{type(model).__name__}")
@@ -78,7 +65,6 @@ class ServedTeacher:
             raise TypeError(f"ServedTeacher(replicas=...) must be a ReplicaSettings, got {type(replicas).__name__}")
         self.settings = client or ClientSettings()
         self.model = model  # the served model's name to ask for (None: the one each server serves)
-        self.hidden_dtype = states_dtype(hidden_dtype, self.head)  # None without a head (a hidden_dtype then refused)
         urls = replica_urls(url)
         replicas = replicas or ReplicaSettings()
         if replicas.min_replicas > len(urls):
@@ -94,10 +80,24 @@ class ServedTeacher:
 
     def engine_at(self, client: TeacherClient) -> ServedEngine:
         """The engine asking one server through `client`: rows, or with a head hidden states."""
-        if self.head is None:
-            return engine_class(self.engine_name)(client, self.top_k, self.model)
-        return engine_class(self.engine_name, states=True)(client, self.top_k, self.model, self.head.hidden_size,
-                                                          self.hidden_dtype, self.head.source, self.head.fingerprint)
+        return self.route.engine(self.engine_name, client, self.model)
+
+    @property
+    def head(self) -> TeacherHead | None:
+        """The teacher's output layer on the trainer (None: the engine sends its own rows)."""
+        return self.route.head
+
+    @head.setter
+    def head(self, head: TeacherHead) -> None:
+        """The head re-cut for the host (its checkpoint's rows, another padding: a host's
+        `head_padded_as`); a teacher without a head takes none."""
+        self.route = self.route.recut(head)
+
+    @property
+    def hidden_dtype(self) -> torch.dtype | None:
+        """The dtype its hidden states travel in (None without a head)."""
+        return self.route.hidden_dtype
+
 
     @property
     def tokenize_path(self) -> str:
@@ -171,40 +171,21 @@ class ServedTeacher:
                     not all(isinstance(n, int) and not isinstance(n, bool) for n in names):
                 raise TypeError(f"ServedTeacher.submit(samples=...) must be a list of {len(batch)} ints (the index "
                                 "each sample is named by), or None")
-            given = self.check_ids(batch, ids)
+            given = self.route.given_ids(batch, ids, self.url)  # a head's only
             model = self.served_model(step.deadline)
             self.check_lengths(batch, model, names)
         except Exception as error:  # noqa: BLE001 - handed to result(), agreed there
-            return PendingScores(self.url, batch, {}, step, self.top_k, failure=error)
+            return PendingScores(self.url, batch, {}, step, self.route, failure=error)
         pending = {i: self.endpoint.ask(model, SampleAsk([int(v) for v in sequence.tolist()],
                                                          batch.response_starts[i], names[i]), step)
                    for i, sequence in enumerate(batch.sequences) if batch.response_rows(i)}
-        if self.head is None:
-            return PendingScores(self.url, batch, pending, step, self.top_k, names=names)
-        no_rows = torch.zeros(0, self.head.hidden_size, dtype=self.hidden_dtype)
-        return PendingScores(self.url, batch, pending, step, self.top_k, no_rows=no_rows,
-                             project=functools.partial(self.project, batch, ids=given), names=names)
+        return PendingScores(self.url, batch, pending, step, self.route, given, names)
 
     def project(self, batch: TeacherBatch, got: Any, ids: list[torch.Tensor] | None = None) -> BatchScores:
         """What every rank makes of what was asked for `batch` (`AsyncTeacher`): with a head the
         hidden states [R_i, H] through it (with `ids`, scored at them too), the head's ops alike on
-        every rank of its group; without one the scores as they came."""
-        if self.head is None:
-            return got
-        return head_scores(self.head, batch, got, self.top_k, self.temperature, ids)
-
-    def check_ids(self, batch: TeacherBatch, ids: object) -> list[torch.Tensor] | None:
-        """`ids` of `score` (a head only); with a head every sample's ids within its vocabulary."""
-        if self.head is None:
-            if ids is not None:
-                raise ServedTeacherRefusal("ServedTeacher.score(ids=...) needs a head (ServedTeacher(head=...)): an "
-                                           "engine's prompt log-probs hold only the teacher's own top-k", self.url)
-            return None
-        for i, sequence in enumerate(batch.sequences):
-            if len(sequence) and int(sequence.max()) >= self.head.vocab_size:
-                raise ServedTeacherRefusal(f"sample {i} holds id {int(sequence.max())}, outside the teacher head's "
-                                           f"vocabulary of {self.head.vocab_size}", self.url, i)
-        return check_given_ids(ids, batch, self.head.vocab_size)
+        every rank of its group; without one the scores as they came (`routes`)."""
+        return self.route.project(batch, got, ids)
 
     def check_lengths(self, batch: TeacherBatch, model: ServedModel, names: list[int] | None = None) -> None:
         """Every sample fits the served model: at most `model.longest` ids (max model length - 1
@@ -236,15 +217,13 @@ class PendingScores:
     """A step's samples in flight (one future per sample with rows); `result()` waits (until the
     step's deadline) and assembles; `cancel()` stops them."""
 
-    def __init__(self, url: str, batch: TeacherBatch, pending: dict[int, futures.Future], step: Step, top_k: int,
-                 failure: Exception | None = None, project: Callable[[list[torch.Tensor]], BatchScores] | None = None,
-                 no_rows: torch.Tensor | None = None, names: list[int] | None = None) -> None:
+    def __init__(self, url: str, batch: TeacherBatch, pending: dict[int, futures.Future], step: Step, route: Route,
+                 ids: list[torch.Tensor] | None = None, names: list[int] | None = None,
+                 failure: Exception | None = None) -> None:
         self.url, self.batch, self.pending = url, batch, pending
         self.names = names  # each sample's index in the messages (None: its place in the batch)
-        self.step, self.top_k = step, top_k
+        self.step, self.route, self.ids = step, route, ids  # `ids`: a head's to score at, checked
         self.failure = failure
-        self.project = project  # hidden states -> scores through the head, after the failure is agreed
-        self.no_rows = torch.zeros(0, 0) if no_rows is None else no_rows  # a sample of no rows' states [0, H]
 
     @property
     def deadline(self) -> Deadline:
@@ -265,8 +244,8 @@ class PendingScores:
             agree_failure(error, group)
             raise
         agree_failure(None, group)
-        if self.project is not None and projected:  # the head's ops (collectives over its group) on every rank alike
-            return self.project(scores)
+        if projected:  # a head's ops (collectives over its group) on every rank alike, once the failure is agreed
+            return self.route.project(self.batch, scores, self.ids)
         return scores
 
     def _collect(self) -> Any:
@@ -285,17 +264,5 @@ class PendingScores:
             raise ServedTeacherError(f"{self.url} (sample {first}): no reply within the step's deadline of "
                                      f"{self.deadline.seconds:g} s ({len(late)} of {len(self.pending)} samples "
                                      f"unanswered)", self.url, first)
-        if self.project is not None:  # hidden states [R_i, H], projected once agreed
-            return [self.pending[i].result() if i in self.pending else self.no_rows
-                    for i in range(len(self.batch))]
-        rows = [self.pending[i].result() if i in self.pending else empty_rows(self.top_k)
-                for i in range(len(self.batch))]
-        return BatchScores([r.token_log_probs for r in rows], [r.topk_ids for r in rows],
-                           [r.topk_log_probs for r in rows], [r.tail_log_probs for r in rows])
-
-
-def empty_rows(k: int) -> SampleRows:
-    """A sample with no response rows."""
-    values = torch.zeros(0, k, dtype=torch.float64)
-    return SampleRows(torch.zeros(0, dtype=torch.float64), torch.zeros(0, k, dtype=torch.int64), values,
-                      torch.zeros(0, dtype=torch.float64))
+        # the rows as sent, or a head's hidden states [R_i, H] (projected once agreed)
+        return self.route.answered(self.batch, {i: future.result() for i, future in self.pending.items()})

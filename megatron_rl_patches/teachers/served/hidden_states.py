@@ -8,6 +8,7 @@ import os
 import torch
 
 from megatron_rl_patches.ops._checks import largest_temperature, smallest_temperature, temperature_range
+from megatron_rl_patches.ops.scoring_plan import VOCAB, ScoringPlan
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.contract import BatchScores
 from megatron_rl_patches.teachers.finite import finite, shown
@@ -37,15 +38,15 @@ def hidden_head(head: object, engine: object) -> TeacherHead | None:
                     f"teacher's Hugging Face checkpoint directory, got {type(head).__name__}")
 
 
-def head_temperature(temperature: object, top_k: int, head: TeacherHead) -> float:
+def head_temperature(temperature: object, top_k: object, head: TeacherHead) -> float:
     """A temperature the head's ops compute (the trainer applies it: finite, > 0, within
-    `temperature_range` of the head's dtype) and K within the head's vocabulary."""
+    `temperature_range` of the head's dtype) and K within the head's vocabulary (`VOCAB`: no K)."""
     if not isinstance(temperature, (int, float)) or not finite(temperature) or temperature <= 0:
         raise ValueError(f"ServedTeacher(temperature=...) must be a finite number > 0, got {shown(temperature)}")
     if not smallest_temperature(head.dtype) <= temperature <= largest_temperature(head.dtype):
         raise ValueError(f"ServedTeacher(temperature={temperature!r}) is outside the temperatures the head's ops "
                          f"compute: {temperature_range(head.dtype)}")
-    if top_k >= head.vocab_size:
+    if top_k is not VOCAB and top_k >= head.vocab_size:  # type: ignore[operator]
         raise ValueError(f"ServedTeacher(top_k={top_k}) must be smaller than the teacher head's vocabulary of "
                          f"{head.vocab_size} (the tail bucket holds the rest; at K = vocabulary - 1 it is the last id)")
     return float(temperature)
@@ -111,21 +112,26 @@ def check_given_ids(ids: object, batch: TeacherBatch, vocab_size: int) -> list[t
     return list(ids)
 
 
-def head_scores(head: TeacherHead, batch: TeacherBatch, states: list[torch.Tensor], top_k: int,
-                temperature: float, given: list[torch.Tensor] | None = None) -> BatchScores:
-    """`BatchScores` (float64) from `states[i]` [R_i, H] through `head` at `temperature`: the actual
-    tokens' log-probs, the teacher's own top-`top_k` with their exact tail, the hidden states
+def head_scores(head: TeacherHead, batch: TeacherBatch, states: list[torch.Tensor], plan: ScoringPlan,
+                given: list[torch.Tensor] | None = None) -> BatchScores:
+    """`BatchScores` (float64) from `states[i]` [R_i, H] through `head` at the plan's temperature:
+    the actual tokens' log-probs, the teacher's own top-k (the plan's K; `VOCAB`: none) with their
+    exact tail (`TeacherHead.own_scores`, the self-teacher's computation), the hidden states
     themselves and, with `given`, the log-probs at those ids with the tail outside them. Zero
     sizes are scores of their shapes: no sample, no row, ids of width 0 (no log-prob; the whole
     mass outside them: a tail of log 1 = 0); a sample of no rows in the other samples' dtype."""
+    temperature, top_k = plan.temperature, 0 if plan.top_k is VOCAB else plan.k
     rows = [batch.response_rows(i) for i in range(len(batch))]
     states = in_one_dtype([s.reshape(-1, head.hidden_size) for s in states])
     hidden = torch.cat(states) if states else torch.zeros(0, head.hidden_size, dtype=head.dtype)
     tokens = torch.cat([ids[start:] for ids, start in zip(batch.sequences, batch.response_starts)]).long() \
         if len(batch) else torch.zeros(0, dtype=torch.int64)
-    if hidden.shape[0]:
+    if hidden.shape[0] and top_k:
+        token, top_ids, top_values, tail = head.own_scores(hidden, tokens, top_k, temperature)
+    elif hidden.shape[0]:  # the whole vocabulary: no buckets, the whole mass their tail (log 1)
         token = head.token_log_probs(hidden, tokens, temperature).double()
-        top_ids, top_values, tail = head.topk(hidden, top_k, temperature)
+        top_ids, top_values, tail = (torch.zeros(len(token), 0, dtype=torch.int64), torch.zeros(len(token), 0),
+                                     torch.zeros(len(token)))
     else:  # no response row anywhere (the same batch on every rank of the head's group)
         token = torch.zeros(0, dtype=torch.float64)
         top_ids, top_values, tail = (torch.zeros(0, top_k, dtype=torch.int64), torch.zeros(0, top_k),

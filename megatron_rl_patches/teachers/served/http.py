@@ -19,8 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl_patches._extras import install_hint
-from megatron_rl_patches._json_read import parsed_json
+from megatron_rl_patches.inference.loading.hf.extras import install_hint
+from megatron_rl_patches.inference.loading.json_read import parsed_json
+from megatron_rl_patches.settings import api_key, ca_variables
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.finite import utf8_text
 from megatron_rl_patches.teachers.redaction import has_userinfo, key_variable, redacted, without_key
@@ -109,7 +110,7 @@ def tls_context(ca_bundle: str | None) -> ssl.SSLContext:
     is loaded again. A ValueError naming the bundle or the variable where it gives no CA (OpenSSL
     skips a missing, unreadable or malformed default path without a word)."""
     key = (stamp(ca_bundle),) if ca_bundle is not None else \
-        tuple((os.environ.get(name), stamp(os.environ.get(name))) for name in (CA_FILE, CA_DIR))
+        tuple((value, stamp(value)) for value in ca_variables())
     return loaded_context(ca_bundle, *key)
 
 
@@ -128,9 +129,10 @@ def loaded_context(ca_bundle: str | None, *key: Any) -> ssl.SSLContext:
     """`tls_context`'s load, cached per process (`key`: what the bundle's or the variables' files are
     now, the cache key only; `loaded_context.cache_clear()` forgets every context). A refusal is
     not cached: the next client is told again."""
+    variables = dict(zip((CA_FILE, CA_DIR), ca_variables()))
     if ca_bundle is None:
         for name, wanted, kind in ((CA_FILE, os.path.isfile, "file"), (CA_DIR, os.path.isdir, "folder")):
-            value = os.environ.get(name)
+            value = variables[name]
             if value and not wanted(value):
                 what = "a folder" if os.path.isdir(value) else "a file" if os.path.exists(value) else "not there"
                 raise ValueError(f"{name}={value!r} ({CA_WHERE}) is no {kind}, it is {what}: {CA_FIX}")
@@ -139,7 +141,7 @@ def loaded_context(ca_bundle: str | None, *key: Any) -> ssl.SSLContext:
     except (ssl.SSLError, OSError) as error:
         raise ValueError(f"ClientSettings(ca_bundle={ca_bundle!r}) holds no CA OpenSSL reads ({error}): give a PEM "
                          f"file of CAs") from None
-    value = os.environ.get(CA_FILE)
+    value = variables[CA_FILE]
     if ca_bundle is None and value and not context.cert_store_stats()["x509"]:
         raise ValueError(f"{CA_FILE}={value!r} ({CA_WHERE}) holds no certificate OpenSSL reads (PEM): {CA_FIX}")
     return context
@@ -182,7 +184,7 @@ class TeacherClient:
 
     def key(self) -> str | None:
         """The API key as the environment holds it (what a server could quote back), or None."""
-        return os.environ.get(self.settings.api_key_env) or None
+        return api_key(self.settings.api_key_env)
 
     def quoted(self, text: str) -> str:
         """`text` (a server's words, an exception's) as a message may quote it: without the API key."""

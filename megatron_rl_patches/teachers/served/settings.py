@@ -7,8 +7,8 @@ import numbers
 import os
 from dataclasses import dataclass, field, fields
 
-from megatron_rl_patches._args import positive_int
-from megatron_rl_patches._variables import TEACHER_API_KEY
+from megatron_rl_patches.ops.scoring_plan import positive_int
+from megatron_rl_patches.settings import TEACHER_API_KEY, api_key
 from megatron_rl_patches.teachers.finite import finite, shown, utf8_text, wait_seconds
 from megatron_rl_patches.teachers.served.spreading import FewestInFlight, PromptAffinity
 
@@ -60,7 +60,7 @@ class ClientSettings:
         """The API key from `api_key_env`, or None where it is unset or empty; a key that cannot be
         sent as written (white space at either end, a character outside printable ASCII) refused
         naming the variable and what is wrong, never echoing the key nor stripping it silently."""
-        key = os.environ.get(self.api_key_env) or None
+        key = api_key(self.api_key_env)
         if key is not None:
             check_api_key(self.api_key_env, key)
         return key

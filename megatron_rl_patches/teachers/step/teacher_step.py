@@ -27,8 +27,9 @@ figures for a dashboard (`step_metrics`).
   with the batch (`send(batch, contexts=...)`, `step_contexts`); its rows line up with the
   student's. The step owns the keys: each teacher's read once, when the step is built.
 
-`StepPlan` carries the step's top-k, temperature and invariant mode explicitly (no context
-variable): built from the teachers when not given, checked once against each of them."""
+The step's `ScoringPlan` (`step.plan`: its top-k, temperature and invariant mode; `StepPlan`, its
+earlier name) is the caller's, or the one its teachers were built with (`teacher_plan`): checked once
+against each of them when the step is built, explicit (no context variable)."""
 from __future__ import annotations
 
 # lazy imports: import cost: torch.distributed and the head's ops only when a group or a head is used
@@ -37,10 +38,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_rl_patches.ops.scoring_plan import ScoringPlan
 from megatron_rl_patches.teachers.agreement import agree_failure, agreed_views, distributed
 from megatron_rl_patches.teachers.asynchronous import AsyncTeacher, Pending
 from megatron_rl_patches.teachers.batch import TeacherBatch
 from megatron_rl_patches.teachers.context.privileged import step_teachers
+from megatron_rl_patches.teachers.contract import teacher_plan
 from megatron_rl_patches.teachers.host import TeacherHost, asks
 from megatron_rl_patches.teachers.step.contexts import teacher_batches
 from megatron_rl_patches.teachers.step.given_rows import given_problem
@@ -67,45 +70,29 @@ class Added:
     pending: dict[int, Pending]
 
 
-@dataclass(frozen=True)
-class StepPlan:
-    """The step's top-k buckets per row, temperature and invariant mode (the student's ops read
-    them from here: passed down as arguments, never through module or context state)."""
-
-    top_k: int
-    temperature: float = 1.0
-    invariant: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ValueError(f"StepPlan(top_k={self.top_k!r}): pass a positive int (the teacher's buckets per row)")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not self.temperature > 0:
-            raise ValueError(f"StepPlan(temperature={self.temperature!r}): pass a positive float")
-        if not isinstance(self.invariant, bool):
-            raise TypeError(f"StepPlan(invariant=...) must be a bool, got {type(self.invariant).__name__}")
+StepPlan = ScoringPlan  # the step's plan under its earlier name (docs/distillation.md)
 
 
-def plan_of(teachers: Sequence[Any], plan: StepPlan | None) -> StepPlan:
-    """`plan`, checked against every teacher's top_k / temperature; without one, the teachers' own
-    (they must agree)."""
-    keys = {(teacher.top_k, float(getattr(teacher, "temperature", 1.0))) for teacher in teachers}
+def step_plan(teachers: Sequence[Any], plan: ScoringPlan | None) -> ScoringPlan:
+    """`plan`, checked against the plan every teacher was built with (`teacher_plan`: its K and
+    temperature); without one, the teachers' own (they must agree)."""
+    plans = [teacher_plan(teacher) for teacher in teachers]
     if plan is None:
-        if len(keys) > 1:
-            raise ValueError(f"TeacherStep: the teachers' (top_k, temperature) differ ({sorted(keys)}): give every "
-                             f"teacher the same, or pass plan=StepPlan(...) matching them")
-        top_k, temperature = keys.pop()
-        return StepPlan(top_k, temperature)
-    for teacher in teachers:
-        if (teacher.top_k, float(getattr(teacher, "temperature", 1.0))) != (plan.top_k, float(plan.temperature)):
-            raise ValueError(f"TeacherStep: {teacher!r} scores top_k={teacher.top_k} at temperature "
-                             f"{getattr(teacher, 'temperature', 1.0)}, the plan asks top_k={plan.top_k} at "
-                             f"{plan.temperature}: build the teacher with the plan's values")
+        if len({(one.top_k, one.temperature) for one in plans}) > 1:
+            differ = sorted({(one.top_k, one.temperature) for one in plans}, key=repr)  # a K or VOCAB
+            raise ValueError(f"TeacherStep: the teachers' (top_k, temperature) differ ({differ}): give every teacher "
+                             f"the same, or pass plan=ScoringPlan(...) matching them")
+        return plans[0]
+    for teacher, own in zip(teachers, plans):
+        if (own.top_k, own.temperature) != (plan.top_k, plan.temperature):
+            raise ValueError(f"TeacherStep: {teacher!r} scores top_k={own.top_k} at temperature {own.temperature}, "
+                             f"the plan asks top_k={plan.top_k} at {plan.temperature}: build the teacher with the "
+                             f"plan (plan=...)")
     return plan
 
 
 def checked(teachers: Sequence[Any], host: TeacherHost,
-            plan: StepPlan | None) -> tuple[list[Any], list[str | None], StepPlan]:
+            plan: ScoringPlan | None) -> tuple[list[Any], list[str | None], ScoringPlan]:
     """The step's teachers as a list (a `Privileged` one unwrapped), their context keys and its
     plan, each argument checked (TypeError / ValueError naming it)."""
     if isinstance(teachers, (str, bytes)) or not isinstance(teachers, Sequence) or not teachers:
@@ -120,9 +107,9 @@ def checked(teachers: Sequence[Any], host: TeacherHost,
         if not hasattr(host, name):
             raise TypeError(f"TeacherStep(host=...) has no {name}: pass a TeacherHost (e.g. "
                             f"megatron_host(vocab_size) or local_host(vocab_size))")
-    if plan is not None and not isinstance(plan, StepPlan):
-        raise TypeError(f"TeacherStep(plan=...) must be a StepPlan or None, got {type(plan).__name__}")
-    return teachers, keys, plan_of(teachers, plan)
+    if plan is not None and not isinstance(plan, ScoringPlan):
+        raise TypeError(f"TeacherStep(plan=...) must be a ScoringPlan or None, got {type(plan).__name__}")
+    return teachers, keys, step_plan(teachers, plan)
 
 
 def join_build(host: TeacherHost) -> None:
@@ -150,13 +137,13 @@ class TeacherStep:
     `collect` that follows, which every rank makes in any case; `collect` also compares its
     `projected` and the batch each rank of a sharing group sent."""
 
-    def __init__(self, teachers: Sequence[Any], host: TeacherHost, plan: StepPlan | None = None) -> None:
+    def __init__(self, teachers: Sequence[Any], host: TeacherHost, plan: ScoringPlan | None = None) -> None:
         from megatron_rl_patches.teachers.step.views import agreement_group, built_view, check_built
 
         self.group = agreement_group(host)
         self.teachers: list[Any] = []
         self.keys: list[str | None] = []  # each teacher's context key (None: the student's batch), read once here
-        self.plan: StepPlan | None = None
+        self.plan: ScoringPlan | None = None
         self.host = host
         self.added: list[Added] = []  # the parts handed over since the last collect, in order
         self.failed: BaseException | None = None  # a bad context found in add(), agreed in collect()

@@ -23,7 +23,7 @@ def test_help_describes_every_variable_the_backend_and_the_default_roles(cli_run
     assert code == 0
     described = _variable_help(out)
     from megatron_rl_patches.integrations.megatron.opd import opd_settings
-    from megatron_rl_patches.integrations.verl.rows import ROWS_ENV
+    from megatron_rl_patches.settings import VERL_ROWS as ROWS_ENV
 
     opd = {value for name, value in vars(opd_settings).items()
            if name.isupper() and isinstance(value, str) and value.startswith(opd_settings.PREFIX)

@@ -1,4 +1,4 @@
-"""One table of variables (megatron_rl_patches/_variables.py): every MEGATRON_RL_PATCHES* name the
+"""One table of variables (megatron_rl_patches/settings.py): every MEGATRON_RL_PATCHES* name the
 package, the docs, the README and --help write is one the misspelling check knows, --help describes
 and `doctor` shows; the invariant switch (issue 63 item 1: documented, yet unknown to the check) is
 taken by `run`, `doctor` and the start-up hook, and its value checked before the child starts."""

@@ -165,7 +165,8 @@ def test_only_known_reentry_failures_are_called_reentry_crashes():
 
 def test_plain_route_uses_no_piece_of_the_package():
     """In a fresh process: after a --no-patches run no patch, builder, wrapper or loss module of
-    the package was ever imported (the demo's own modules and the CPU kit are all it used)."""
+    the package was ever imported (the demo's own modules and the CPU kit are all it used; the
+    memory formulas' positive-int check, `ops.scoring_plan`, imports no op)."""
     script = (
         "import json, sys\n"
         "from megatron_rl_patches.apps.cli import main\n"
@@ -173,7 +174,9 @@ def test_plain_route_uses_no_piece_of_the_package():
         "used = sorted(m for m in sys.modules if m.startswith(('megatron_rl_patches.ops', "
         "'megatron_rl_patches.megatron', 'megatron_rl_patches.processors', 'megatron_rl_patches.inference.build', "
         "'megatron_rl_patches.reentrant', "
-        "'megatron_rl_patches.integrations', 'megatron_rl_patches.patching.registry')))\n"
+        "'megatron_rl_patches.integrations', 'megatron_rl_patches.patching.registry'))\n"
+        # the sizing formulas' argument check (`positive_int`, torch-free) and the ops' lazy package face
+        "            and m not in ('megatron_rl_patches.ops', 'megatron_rl_patches.ops.scoring_plan'))\n"
         "print('USED', json.dumps(used)); sys.exit(code)\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,

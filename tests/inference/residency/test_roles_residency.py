@@ -80,11 +80,11 @@ def test_role_grammar_errors_name_the_variable(value, message):
 
 
 def test_the_grammar_knows_every_residency():
-    from megatron_rl_patches import _residency_modes, inference
+    from megatron_rl_patches import inference, settings
     from megatron_rl_patches.inference.sizing import residency_plan
 
     # one definition: the planner, the public name and the roles variable share the leaf's tuple
-    modes = _residency_modes.RESIDENCY_MODES
+    modes = settings.RESIDENCY_MODES
     assert residency_plan.MODES is inference.RESIDENCY_MODES is env.RESIDENCY_MODES is modes
     with pytest.raises(ValueError, match="'resident', 'swap', 'stream'"):
-        _residency_modes.check_residency("streaming")
+        settings.check_residency("streaming")

@@ -9,13 +9,14 @@ import types
 import pytest
 import torch
 
+from megatron_rl_patches._log import forget_warnings
 from megatron_rl_patches.integrations.megatron.model_chunk import mtp_heads_build_logits
 from megatron_rl_patches.integrations.slime import fused as slime_fused
 
 
 @pytest.fixture(autouse=True)
 def fresh_log(monkeypatch):
-    monkeypatch.setattr(slime_fused, "_SAID", set())
+    forget_warnings()  # each fallback says its line again
 
 
 def _args(**values):
@@ -51,7 +52,7 @@ def test_routing_replay_and_top_p_replay_are_served(monkeypatch):
 
 def test_schedule_plan_goes_to_the_real_model_with_one_log_line(caplog):
     seen = []
-    plan = slime_fused.StepPlan(_args(), True, False)
+    plan = slime_fused.FusedStep(_args(), True, False)
     step = slime_fused.fused_step(lambda it, model, **kw: seen.append(model), plan)
     real = object()
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
@@ -82,7 +83,7 @@ def test_schedule_plan_with_a_processor_keyword_gets_the_fused_model(caplog, mon
 
     monkeypatch.setattr(rows, "shifted_targets", lambda batch, n, device, ag: torch.arange(n))
     monkeypatch.setattr(rows, "response_rows", lambda batch, n, device, ag: torch.ones(n, dtype=torch.bool))
-    plan = slime_fused.StepPlan(_args(allgather_cp=False), True, False, batch={"tokens": None})
+    plan = slime_fused.FusedStep(_args(allgather_cp=False), True, False, batch={"tokens": None})
     inner = _PlanModel()
 
     def forward_step(data_iterator, model, return_schedule_plan=False):
@@ -92,7 +93,7 @@ def test_schedule_plan_with_a_processor_keyword_gets_the_fused_model(caplog, mon
 
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
         assert slime_fused.fused_step(forward_step, plan)(None, inner, return_schedule_plan=True) == "plan"
-    assert not [r for r in caplog.records if r.getMessage().startswith("slime_fused:")]
+    assert not [r for r in caplog.records if "slime_fused:" in r.getMessage()]
     (built,) = inner.plans
     assert torch.equal(built["labels"], torch.arange(3)[None]) and built["context"]["row_mask"].all()
     assert callable(built["output_processor"])
@@ -115,19 +116,19 @@ def test_mtp_kwargs_reach_the_model_with_the_processor(caplog, monkeypatch):
         __call__ = forward
 
     args = _args(allgather_cp=False, enable_mtp_training=True)
-    plan = slime_fused.StepPlan(args, True, False, batch={"tokens": None})
+    plan = slime_fused.FusedStep(args, True, False, batch={"tokens": None})
     tokens = torch.zeros(1, 3, dtype=torch.long)
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
         out = slime_fused.FusedModel(MtpModel(), plan)(input_ids=tokens, mtp_kwargs={"mtp_labels": tokens},
                                                        packed_seq_params=types.SimpleNamespace(qkv_format="thd"))
     assert isinstance(out, slime_fused.FusedOutput)
-    assert not [r for r in caplog.records if r.getMessage().startswith("slime_fused:")]
+    assert not [r for r in caplog.records if "slime_fused:" in r.getMessage()]
     assert calls[0]["mtp_kwargs"]["mtp_labels"] is tokens and calls[0]["output_processor"] is not None
 
 
 def test_multimodal_batch_calls_the_model_unchanged(caplog):
     calls = []
-    plan = slime_fused.StepPlan(_args(), True, False, batch={"multimodal_train_inputs": {"pixel_values": 1}})
+    plan = slime_fused.FusedStep(_args(), True, False, batch={"multimodal_train_inputs": {"pixel_values": 1}})
     model = slime_fused.FusedModel(lambda **kw: calls.append(kw) or "logits", plan)
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
         assert model(input_ids=torch.zeros(1, 3, dtype=torch.long), labels=None) == "logits"
@@ -175,7 +176,7 @@ class _ProcessorModel:
 @pytest.mark.parametrize("packed", [_bshd_params(), None], ids=["qkv_format=bshd", "no packed_seq_params"])
 def test_bshd_batch_calls_the_model_unchanged_with_one_log_line(caplog, packed):
     inner = _ProcessorModel()
-    plan = slime_fused.StepPlan(_args(allgather_cp=False), True, False, batch={"tokens": None})
+    plan = slime_fused.FusedStep(_args(allgather_cp=False), True, False, batch={"tokens": None})
     model = slime_fused.FusedModel(inner, plan)
     tokens = torch.zeros(2, 3, dtype=torch.long)
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
@@ -189,7 +190,7 @@ def test_bshd_batch_calls_the_model_unchanged_with_one_log_line(caplog, packed):
 
 @pytest.mark.parametrize("packed", [_bshd_params(), None], ids=["qkv_format=bshd", "no packed_seq_params"])
 def test_allgather_cp_with_a_bshd_batch_is_a_clear_error(packed):
-    plan = slime_fused.StepPlan(_args(allgather_cp=True), True, False, batch={"tokens": None})
+    plan = slime_fused.FusedStep(_args(allgather_cp=True), True, False, batch={"tokens": None})
     inner = _ProcessorModel()
     model = slime_fused.FusedModel(inner, plan)
     with pytest.raises(ValueError, match="--allgather-cp needs packed thd"):
@@ -283,37 +284,31 @@ def test_the_plan_travels_with_the_data_iterators_not_the_calling_context(monkey
 
 
 def test_the_actor_steps_settings_reach_its_training_steps_parsed_once(monkeypatch):
-    """Issue 73 item 5: top-k OPD's settings are parsed once per actor step: slime_opd's
-    `train_actor` wrapper parses them and puts them in the rollout data, whose data iterators
-    hand them to every `train_one_step` inside (no second parse; None: top-k OPD off, not parsed
-    again either); slime's metrics never see them. Before: parsed again by each train_one_step."""
-    from megatron_rl_patches.integrations.megatron.planned_iterators import plan_of
+    """Issue 73 item 5, issue 107: top-k OPD's settings are read once at slime's door, per slime
+    `args` (`step_plan.slime_settings`, held by it): every `train_one_step` of the actor's
+    `train_actor` reads the same (None: top-k OPD off, not parsed again either); slime's metrics
+    never see them; another `args` reads its own. Before: parsed again by each train_one_step."""
+    from megatron_rl_patches.integrations.megatron.planned_iterators import carried
     from megatron_rl_patches.integrations.slime import opd, step_plan
 
     parsed: list = []
-
-    def parse(who):
-        def opd_settings():
-            parsed.append(who)  # top-k OPD off: None
-
-        return opd_settings
-
-    monkeypatch.setattr(opd, "opd_settings", parse("actor"))
-    monkeypatch.setattr(step_plan, "opd_settings", parse("step"))
+    monkeypatch.setattr(step_plan, "opd_settings", lambda: parsed.append("parsed"))  # top-k OPD off: None
     plans: list = []
 
     def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer):
-        plans.append(plan_of(data_iterator))
+        plans.append(carried(data_iterator))
+
+    args = _args()
 
     def train_actor(rollout_id, rollout_data):  # slime's: its data iterators over the rollout data, its steps
         iterators = [types.SimpleNamespace(rollout_data=rollout_data)]
         for step in range(2):
-            slime_fused.train_one_step_wrapper(train_one_step, None, (_args(), rollout_id, step, iterators, None,
+            slime_fused.train_one_step_wrapper(train_one_step, None, (args, rollout_id, step, iterators, None,
                                                                       None), {})
 
     rollout_data: dict = {"tokens": []}
-    opd.train_actor_wrapper(train_actor, types.SimpleNamespace(), (0, rollout_data), {})
-    assert parsed == ["actor"] and rollout_data[step_plan.SETTINGS] is None
+    opd.train_actor_wrapper(train_actor, types.SimpleNamespace(args=args), (0, rollout_data), {})
+    assert parsed == ["parsed"] and rollout_data == {"tokens": []}
     assert all(plan is not None and plan.settings is None for plan in plans) and len(plans) == 2
     logged: list = []
     opd.log_rollout_data_wrapper(lambda rollout_id, args, rollout_data: logged.append(rollout_data), None,
@@ -321,7 +316,7 @@ def test_the_actor_steps_settings_reach_its_training_steps_parsed_once(monkeypat
     assert logged == [{"tokens": []}]
     slime_fused.train_one_step_wrapper(train_one_step, None, (_args(), 0, 0, [types.SimpleNamespace()], None, None),
                                        {})
-    assert parsed == ["actor", "step"]  # iterators over no actor step's data: parsed by the step itself
+    assert parsed == ["parsed", "parsed"]  # another args namespace: read at its own door
 
 
 def test_a_planned_iterator_is_slimes_iterator_with_a_plan_and_copies():
@@ -329,14 +324,14 @@ def test_a_planned_iterator_is_slimes_iterator_with_a_plan_and_copies():
     through the wrapped one while the copy is built)."""
     import copy
 
-    from megatron_rl_patches.integrations.megatron.planned_iterators import plan_of, planned
+    from megatron_rl_patches.integrations.megatron.planned_iterators import carried, planned
 
-    plan = slime_fused.StepPlan(_args(), True, False)
+    plan = slime_fused.FusedStep(_args(), True, False)
     inner = types.SimpleNamespace(offset=3, micro_batch_indices=[[0], [1]])
     (wrapped,) = planned([inner], plan)
-    assert wrapped.offset == 3 and wrapped.micro_batch_indices == [[0], [1]] and plan_of([wrapped]) is plan
-    assert plan_of(copy.copy(wrapped)) is plan and copy.copy(wrapped).offset == 3
-    assert plan_of([inner]) is None and planned([inner], None) == [inner]
+    assert wrapped.offset == 3 and wrapped.micro_batch_indices == [[0], [1]] and carried([wrapped]) is plan
+    assert carried(copy.copy(wrapped)) is plan and copy.copy(wrapped).offset == 3
+    assert carried([inner]) is None and planned([inner], None) == [inner]
 
 
 @pytest.mark.megatron
@@ -364,7 +359,7 @@ def test_a_non_last_pipeline_stage_gets_the_plain_model_call(megatron_cpu, clean
     stage0 = GPTModel(config=megatron_cpu.config(), transformer_layer_spec=packed_gpt_spec(), vocab_size=64,
                       max_sequence_length=length, position_embedding_type="rope", post_process=False)
     request = slime_plan.STEP_REQUEST if topk else None
-    plan = slime_fused.StepPlan(_args(allgather_cp=False), True, False, request, batch={"tokens": None})
+    plan = slime_fused.FusedStep(_args(allgather_cp=False), True, False, request, batch={"tokens": None})
     cu = torch.tensor([0, length], dtype=torch.int32)
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=length,
                              max_seqlen_kv=length)

@@ -58,7 +58,7 @@ def _responses(model, tokens, split, monkeypatch, invariant=None):
     out: dict[str, list[torch.Tensor]] = {"log_probs": [], "entropy": []}
     for first in range(0, len(TOTALS), split):
         layout, call = _micro_batch(tokens, range(first, first + split), monkeypatch)
-        plan = slime_fused.StepPlan(args, True, False, batch={"tokens": None}, invariant=invariant)
+        plan = slime_fused.FusedStep(args, True, False, batch={"tokens": None}, invariant=invariant)
         with torch.no_grad():
             result = slime_fused.FusedModel(model, plan)(**call)
         assert isinstance(result, slime_fused.FusedOutput)

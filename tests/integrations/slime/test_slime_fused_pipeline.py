@@ -45,7 +45,7 @@ def _stages(rank: int, world_size: int) -> dict:
         batch = {"tokens": tokens, "position_ids": torch.cat([torch.arange(n) for n in LENGTHS])[None],
                  "packed": PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                            max_seqlen_q=max(LENGTHS), max_seqlen_kv=max(LENGTHS))}
-        plan = fused.StepPlan(types.SimpleNamespace(rollout_temperature=1.0), False, False, batch={"tokens": None})
+        plan = fused.FusedStep(types.SimpleNamespace(rollout_temperature=1.0), False, False, batch={"tokens": None})
         seen: dict = {}
 
         def step(data_iterator, model, route):

@@ -78,7 +78,7 @@ def _step(model, batches: list[dict], overlap: bool) -> tuple[list[torch.Tensor]
 
     def forward_step(data_iterator, chunk, return_schedule_plan=False):
         batch = next(data_iterator)
-        plan = slime_fused.StepPlan(args, False, False, batch=batch)
+        plan = slime_fused.FusedStep(args, False, False, batch=batch)
         call = dict(input_ids=batch["tokens"], position_ids=None, attention_mask=None, labels=None,
                     packed_seq_params=batch["packed_seq_params"], loss_mask=None)
 

@@ -39,7 +39,6 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into
 # modules whose collectives carry the models' own tensors (their device is the model's: the teacher's
 # logits and stage outputs, the student's ids made whole over its context-parallel group)
 MODEL_DATA = ("/megatron/core/", "/torch/distributed/nn/", "/megatron_rl_patches/ops/_dist.py",
-              "/megatron_rl_patches/integrations/slime/allgather_cp.py",
               "/megatron_rl_patches/integrations/megatron/opd/zigzag.py",
               "/megatron_rl_patches/ops/kernels/", "/megatron_rl_patches/inference/teacher_layout/pipeline.py",
               "/megatron_rl_patches/inference/teacher_layout/scoring.py")

@@ -109,19 +109,22 @@ def test_a_configuration_slime_fused_sends_to_the_logits_path_is_refused_before_
 
 
 def test_step_request_only_with_teachers_and_this_loss(monkeypatch):
+    def request(args):  # the settings as slime's door reads them for this `args`, then the step's request
+        return plan.step_request(args, plan.slime_settings(args))
+
     monkeypatch.delenv(P + "TEACHERS", raising=False)
-    assert plan.step_request(_args()) is None
+    assert request(_args()) is None
     monkeypatch.setenv(P + "TEACHERS", "/a")
-    assert plan.step_request(_args()) is plan.STEP_REQUEST
-    assert plan.step_request(_args(custom_loss_function_path="x.y")) is None
+    assert request(_args()) is plan.STEP_REQUEST
+    assert request(_args(custom_loss_function_path="x.y")) is None
     new_path = "megatron_rl_patches.integrations.slime.opd.topk_opd_policy_loss"
-    assert plan.step_request(_args(custom_loss_function_path=new_path)) is plan.STEP_REQUEST
+    assert request(_args(custom_loss_function_path=new_path)) is plan.STEP_REQUEST
     monkeypatch.setenv(P + "IDS_FROM", "union")
-    request = plan.step_request(_args())
-    assert request is plan.UNION_STEP_REQUEST and request.mask_key == keys.IDS_MASK
-    assert keys.IDS_MASK in request.keys
+    union = request(_args())
+    assert union is plan.UNION_STEP_REQUEST and union.mask_key == keys.IDS_MASK
+    assert keys.IDS_MASK in union.keys
     monkeypatch.setenv(P + "IDS_FROM", "teacher")  # the first teacher's own top-k: [R, k], no padding
-    assert plan.step_request(_args()) is plan.STEP_REQUEST
+    assert request(_args()) is plan.STEP_REQUEST
 
 
 class _Actor:

@@ -11,6 +11,7 @@ pytest.importorskip("httpx")
 
 from megatron_rl_patches.integrations.megatron.opd.served_opd import ServedOpdTeacher  # noqa: E402
 from megatron_rl_patches.integrations.megatron.opd.stage_host import StageHost  # noqa: E402
+from megatron_rl_patches.ops.scoring_plan import ScoringPlan  # noqa: E402
 from megatron_rl_patches.teachers.kinds import parse_entries  # noqa: E402
 from megatron_rl_patches.teachers.served.build import served_teacher_of  # noqa: E402
 from megatron_rl_patches.teachers.step.served import OwnTopkServed  # noqa: E402
@@ -31,7 +32,7 @@ def test_the_entry_without_its_key_is_the_same_entry_keyless():
 
 
 def test_the_step_reads_the_key_from_the_opd_teacher_and_the_client_holds_none():
-    client = served_teacher_of(entry().without_context(), top_k=2)
+    client = served_teacher_of(entry().without_context(), ScoringPlan(2))
     try:
         keyed = ServedOpdTeacher(OwnTopkServed(client, 64), StageHost(64), context="hint")
         assert client.context is None

@@ -1,4 +1,4 @@
-"""slime's train-side `teacher/...` figures (`integrations.slime.teacher_metrics.log_figures`) in one
+"""slime's train-side `teacher/...` figures (`integrations.slime.opd.log_figures`) in one
 process: handed to slime's `gather_log_data("teacher", args, rollout_id, figures)` (stood in,
 recording its calls) on the ranks slime logs from, tensor-parallel rank 0 of the last pipeline
 stage, as a copy; nothing on the other ranks, nor without figures. slime's real function: the slime
@@ -14,7 +14,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is missing")
 
 from megatron.core import mpu  # noqa: E402
 
-from megatron_rl_patches.integrations.slime.teacher_metrics import log_figures  # noqa: E402
+from megatron_rl_patches.integrations.slime.opd import log_figures  # noqa: E402
 
 
 @pytest.fixture

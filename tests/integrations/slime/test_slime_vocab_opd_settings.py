@@ -62,11 +62,13 @@ def test_the_training_step_asks_for_the_divergence_and_the_teachers_fields(monke
     monkeypatch.setenv(P + "WEIGHTS", "0.25,0.75")
     monkeypatch.setenv(P + "DIVERGENCE", "forward_kl")
     monkeypatch.setenv(P + "K", "vocab")
-    request = plan.step_request(_args())
+    args = _args()
+    request = plan.step_request(args, plan.slime_settings(args))
     assert isinstance(request, VocabRequest) and not request.hidden
     assert request.keys == (TEACHER_HIDDEN, TEACHER_HEADS)
     assert (request.divergence, request.weights) == ("forward_kl", (0.25, 0.75))
-    assert plan.step_request(_args(custom_loss_function_path="x.y")) is None  # not top-k OPD's loss: nothing
+    other = _args(custom_loss_function_path="x.y")
+    assert plan.step_request(other, plan.slime_settings(other)) is None  # not top-k OPD's loss: nothing
 
 
 def test_log_rollout_data_never_sees_the_teachers_fields():

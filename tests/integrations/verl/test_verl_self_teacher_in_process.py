@@ -18,6 +18,7 @@ import torch
 from megatron_rl_patches.apps.bench.allocated import AllocatedPeak
 from megatron_rl_patches.integrations.verl import self_teacher
 from megatron_rl_patches.integrations.verl.old_rows import old_rows_of
+from megatron_rl_patches.ops.scoring_plan import ScoringPlan
 from megatron_rl_patches.teachers.batch import TeacherBatch
 
 pytest.importorskip("megatron.core", reason="check_layout reads megatron-core's parallel state")
@@ -294,7 +295,7 @@ def test_the_pass_never_holds_the_privileged_sequences_logits():
     gen = torch.Generator().manual_seed(1)
     privileged = TeacherBatch([torch.randint(0, wide, (rows + 3,), generator=gen)], [3])
     with AllocatedPeak() as seen:
-        scored = self_teacher.scored_rows(Wrapped(core), core, None, wide, K, KEY, privileged)
+        scored = self_teacher.scored_rows(Wrapped(core), core, None, wide, ScoringPlan(K), KEY, privileged)
     (ids, values), = scored
     assert ids.shape == (rows, K) and values.shape == (rows, K)
     assert seen.largest < rows * wide * 4 // 2, (seen.largest, rows * wide * 4)  # bytes: float32 [R, V] is 4 R V

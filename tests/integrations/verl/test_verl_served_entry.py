@@ -3,6 +3,8 @@ teachers' grammar): the URL and engine, and each refusal naming the variable. No
 teacher itself runs in the verl lane against a real vLLM server (lane/test_verl_served.py)."""
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from megatron_rl_patches.integrations.verl.entry import parse_entry
@@ -72,10 +74,10 @@ def test_bad_context_options_are_refused_naming_the_variable(entry, message):
 def test_the_live_self_teacher_is_read_for_verls_trainer(entry, read, monkeypatch):
     """`student;context=KEY`: scored on verl's trainer by the student's own model (lane:
     lane/test_verl_self_teacher.py); the variable's one reader reads it as the live self-teacher."""
-    from megatron_rl_patches.integrations.verl.self_entry import self_entry
+    from megatron_rl_patches.integrations.verl.entry import verl_teacher
 
     monkeypatch.setenv(VARIABLE, entry)
-    assert self_entry() == read
+    assert verl_teacher(types.SimpleNamespace()).self_teacher == read
     if read is not None:
         parsed = parse_entry(entry)
         assert (parsed.kind, parsed.context, parsed.tokenizer, parsed.other_tokenizer) == ("student", *read, False)
@@ -87,11 +89,11 @@ def test_the_live_self_teacher_is_read_for_verls_trainer(entry, read, monkeypatc
     ("student;context=hint;tokenizer=", r"tokenizer= needs the teacher's tokenizer directory"),
 ])
 def test_a_bad_live_self_teacher_entry_is_refused_naming_verls_variable(entry, message, monkeypatch):
-    from megatron_rl_patches.integrations.verl.self_entry import self_entry
+    from megatron_rl_patches.integrations.verl.entry import verl_teacher
 
     monkeypatch.setenv(VARIABLE, entry)
     with pytest.raises(ValueError, match=message) as refused:
-        self_entry()
+        verl_teacher(types.SimpleNamespace())  # read at a door: refused there
     words = str(refused.value)
     assert words.startswith(f"{VARIABLE}=") and "OPD_TEACHERS" not in words
     assert "student;context=KEY[;tokenizer=DIR]" in words
@@ -110,11 +112,11 @@ def test_the_agent_loop_stores_zero_rows_of_verls_layout_for_the_live_self_teach
 def test_a_repeated_option_of_the_live_self_teacher_is_refused_as_slimes_grammar_refuses_it(entry, monkeypatch):
     """issue 86 item 8: the second `;tokenizer=` was dropped silently; the teachers' grammar refuses
     an option given twice (slime's MEGATRON_RL_PATCHES_OPD_TEACHERS does), naming verl's variable."""
-    from megatron_rl_patches.integrations.verl.self_entry import self_entry
+    from megatron_rl_patches.integrations.verl.entry import verl_teacher
 
     monkeypatch.setenv(VARIABLE, entry)
     with pytest.raises(ValueError, match=r"option 'tokenizer' given twice") as refused:
-        self_entry()
+        verl_teacher(types.SimpleNamespace())  # read at a door: refused there
     assert str(refused.value).startswith(f"{VARIABLE}=") and "OPD_TEACHERS" not in str(refused.value)
 
 
@@ -123,10 +125,10 @@ def test_a_repeated_option_of_the_live_self_teacher_is_refused_as_slimes_grammar
 def test_a_password_in_the_live_self_teachers_entry_is_never_shown(entry, monkeypatch):
     """issue 86 item 8: `student;tokenizer=https://bob:pw@h/t` was quoted raw in the trainer's
     refusals; the user or password is refused where the variable is read, redacted."""
-    from megatron_rl_patches.integrations.verl.self_entry import self_entry
+    from megatron_rl_patches.integrations.verl.entry import verl_teacher
 
     monkeypatch.setenv(VARIABLE, entry)
     with pytest.raises(ValueError, match=r"carries a user or password") as refused:
-        self_entry()
+        verl_teacher(types.SimpleNamespace())  # read at a door: refused there
     words = str(refused.value)
     assert words.startswith(VARIABLE) and "pw" not in words and "bob" not in words and "***@h/t" in words

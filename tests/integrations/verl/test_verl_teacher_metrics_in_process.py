@@ -94,6 +94,7 @@ def test_the_figures_ride_on_the_first_samples_metrics_only_with_the_variable(mo
             monkeypatch.delenv(VARIABLE)
         else:
             monkeypatch.setenv(VARIABLE, unset)
+        worker = worker_with({})  # the variable is read once per worker, at its door (`verl_teacher`)
         assert generate_sequences_wrapper(lambda *a, **k: (a, k), worker, ("batch",), {"x": 1}) == (("batch",),
                                                                                                   {"x": 1})
 

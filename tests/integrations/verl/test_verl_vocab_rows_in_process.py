@@ -69,10 +69,16 @@ def test_the_model_and_its_output_weight_inside_verls_wrappers():
 
 
 def test_the_variables_head_entry(monkeypatch):
+    """The variable read once at the engine's door (`verl_teacher`, held by the engine); the route is
+    the entry's `head` field, never a substring of the text (a host named "head" is no head)."""
+    from megatron_rl_patches.integrations.verl.entry import verl_teacher
+
+    engine = SimpleNamespace()
     monkeypatch.setenv(vocab.VERL_TEACHER, " http://t:1;engine=vllm;head=/dirs/teacher ")
-    raw, entry = vocab.head_entry()  # type: ignore[misc]
-    assert raw == "http://t:1;engine=vllm;head=/dirs/teacher" and str(entry.head) == "/dirs/teacher"
+    named = verl_teacher(engine)
+    assert named.raw == "http://t:1;engine=vllm;head=/dirs/teacher" and str(named.head.head) == "/dirs/teacher"
     monkeypatch.setenv(vocab.VERL_TEACHER, "http://t:1;engine=vllm")
-    assert vocab.head_entry() is None
+    assert verl_teacher(engine) is named  # read once: held by the engine
+    assert verl_teacher(SimpleNamespace()).head is None
     monkeypatch.setenv(vocab.VERL_TEACHER, "http://head:1;engine=vllm")  # "head" in the host only
-    assert vocab.head_entry() is None
+    assert verl_teacher(SimpleNamespace()).head is None

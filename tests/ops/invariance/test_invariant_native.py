@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from megatron_rl_patches import ops
-from megatron_rl_patches._variables import NATIVE
 from megatron_rl_patches.ops.kernels import resolve_backend
 from megatron_rl_patches.ops.kernels.invariant_tiles import InvariantTiles
 from megatron_rl_patches.ops.kernels.native.backend import InvariantNative
 from megatron_rl_patches.ops.kernels.native.build import FLAGS, build, cache_dir, compiler, load, native_library
+from megatron_rl_patches.settings import NATIVE
 
 CPU = torch.device("cpu")
 

@@ -99,7 +99,7 @@ def test_slimes_logits_path_in_a_planned_step_carries_the_plans_mode(monkeypatch
     fallback): the model's logits carry the plan's mode to the adapter; a non-last pipeline stage's
     hidden states stay plain."""
     from megatron_rl_patches.integrations.mode_logits import mode_of
-    from megatron_rl_patches.integrations.slime.fused import FusedModel, StepPlan
+    from megatron_rl_patches.integrations.slime.fused import FusedModel, FusedStep
 
     monkeypatch.delenv("MEGATRON_RL_PATCHES_INVARIANT", raising=False)
     logits, tokens = _logits(2)
@@ -110,7 +110,7 @@ def test_slimes_logits_path_in_a_planned_step_carries_the_plans_mode(monkeypatch
         return types.SimpleNamespace(post_process=post_process, forward=lambda **_: logits[None])
 
     def run(on):
-        out = FusedModel(_Callable(chunk()), StepPlan(args, True, False, fused=False, invariant=on))(input_ids=None)
+        out = FusedModel(_Callable(chunk()), FusedStep(args, True, False, fused=False, invariant=on))(input_ids=None)
         assert mode_of(out) is on
         return callback(out)
 
@@ -118,7 +118,7 @@ def test_slimes_logits_path_in_a_planned_step_carries_the_plans_mode(monkeypatch
     want = ops.log_probs_and_entropy(logits, tokens, with_entropy=True, invariant=True)
     assert torch.equal(seen[True][0][:, 0], want[0])
     _apart(seen[False][0], seen[True][0], calls)
-    stage = FusedModel(_Callable(chunk(post_process=False)), StepPlan(args, True, False, fused=False, invariant=True))
+    stage = FusedModel(_Callable(chunk(post_process=False)), FusedStep(args, True, False, fused=False, invariant=True))
     assert mode_of(stage(input_ids=None)) is None
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_rl_patches import ops
-from megatron_rl_patches._variables import NATIVE
+from megatron_rl_patches.settings import NATIVE
 
 T = 33
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl_patches import _args
-from megatron_rl_patches.ops import lm_head, topk_checks
+from megatron_rl_patches.ops import lm_head, scoring_plan
 from megatron_rl_patches.processors import heads
 
 H, V, T = 16, 300, 12
@@ -17,16 +16,14 @@ H, V, T = 16, 300, 12
 def _counting(monkeypatch) -> list:
     """Every positive-int check of `k` from here on (the processor's and the ops')."""
     seen: list = []
-    original = _args.positive_int
+    original = scoring_plan.positive_int
 
     def counted(name, value, meaning=""):
         if name == "k":
             seen.append(value)
         return original(name, value, meaning)
 
-    for module in (_args, heads, topk_checks):
-        if hasattr(module, "positive_int"):
-            monkeypatch.setattr(module, "positive_int", counted)
+    monkeypatch.setattr(scoring_plan, "positive_int", counted)  # the one check K's goes through (`checked_k`)
     return seen
 
 
@@ -43,7 +40,7 @@ def test_the_settings_k_reaches_the_op_checked_once(monkeypatch):
 
     environ = {"MEGATRON_RL_PATCHES_OPD_TEACHERS": "snapshot:/ckpt", "MEGATRON_RL_PATCHES_OPD_K": "8"}
     settings = opd_settings(environ)
-    assert settings is not None and isinstance(settings.k, _args.CheckedK) and settings.k == 8
+    assert settings is not None and isinstance(settings.k, scoring_plan.TopK) and settings.k == 8
     seen = _counting(monkeypatch)
     ids = _head(settings.k)
     assert ids.shape == (1, T, 8)

@@ -17,7 +17,7 @@ def test_the_probe_names_the_flag_and_the_entry_option_is_taken(tokenizerless, m
     from megatron_rl_patches.cross_tokenizer.loading import load_tokenizer
     from megatron_rl_patches.integrations.megatron.opd.served_teacher import served_own
     from megatron_rl_patches.integrations.megatron.opd.stage_host import stage_host
-    from megatron_rl_patches.teachers import ServedTeacher, TeacherBatch
+    from megatron_rl_patches.teachers import ScoringPlan, ServedTeacher, TeacherBatch
     from megatron_rl_patches.teachers.kinds import parse_entry
     from megatron_rl_patches.teachers.served.tokenizer_probe import probe_tokenizer
 
@@ -27,11 +27,11 @@ def test_the_probe_names_the_flag_and_the_entry_option_is_taken(tokenizerless, m
         with pytest.raises(ValueError, match=r"--skip-tokenizer-init.*';same_tokenizer'"):
             probe_tokenizer(teacher, load_tokenizer(str(directory), "student"), "the entry")
     args = SimpleNamespace(hf_checkpoint=str(directory))
+    settings = cast(Any, SimpleNamespace(plan=lambda: ScoringPlan(4)))  # the OPD settings' plan: K = 4
     with pytest.raises(ValueError, match=rf"past the served model's vocabulary of {VOCAB - 1}"):
-        served_own(args, cast(Any, SimpleNamespace(k=4)), parse_entry(f"{url};engine=vllm"), stage_host(VOCAB),
-                   "the entry", VOCAB - 1)
-    teacher = served_own(args, cast(Any, SimpleNamespace(k=4)), parse_entry(f"{url};engine=vllm"), stage_host(VOCAB),
-                         "the entry", VOCAB).teacher
+        served_own(args, settings, parse_entry(f"{url};engine=vllm"), stage_host(VOCAB), "the entry", VOCAB - 1)
+    teacher = served_own(args, settings, parse_entry(f"{url};engine=vllm"), stage_host(VOCAB), "the entry",
+                         VOCAB).teacher
     try:
         scores = teacher.score(TeacherBatch([torch.tensor([1, 5, 9, 13, 17])], [2]))
     finally:

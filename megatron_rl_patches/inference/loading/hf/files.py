@@ -12,8 +12,8 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from megatron_rl_patches._extras import install_hint
 from megatron_rl_patches.inference.loading.errors import checkpoint_json, shown
+from megatron_rl_patches.inference.loading.hf.extras import install_hint
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches._chunks import module_chunks, unwrap
 from megatron_rl_patches._log import logger
+from megatron_rl_patches.inference.chunks import module_chunks, unwrap
 from megatron_rl_patches.inference.loading.errors import WeightsMismatchError, copying_into_model
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 from megatron_rl_patches.inference.loading.hf.checkpoint_config import read_checkpoint_config

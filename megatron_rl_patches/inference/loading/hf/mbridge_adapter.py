@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches._chunks import unwrap
-from megatron_rl_patches._extras import install_hint
+from megatron_rl_patches.inference.chunks import unwrap
 from megatron_rl_patches.inference.loading.errors import copying_into_model
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture, UnsupportedCheckpointError
+from megatron_rl_patches.inference.loading.hf.extras import install_hint
 from megatron_rl_patches.inference.loading.hf.families import FAMILIES
 from megatron_rl_patches.inference.loading.hf.families.kv_heads import kv_repeat
 from megatron_rl_patches.inference.residency.placement import weights_on_host

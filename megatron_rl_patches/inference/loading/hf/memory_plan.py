@@ -18,7 +18,6 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from megatron_rl_patches._args import positive_int
 from megatron_rl_patches.inference.loading.hf.architecture import HFArchitecture
 from megatron_rl_patches.inference.loading.hf.families import read_architecture, split_problems
 from megatron_rl_patches.inference.loading.hf.families.family import EXPERT, Family
@@ -26,6 +25,7 @@ from megatron_rl_patches.inference.loading.hf.fused_experts import readable_inde
 from megatron_rl_patches.inference.loading.hf.names import check_counts
 from megatron_rl_patches.inference.sizing.memory import DTYPE_BYTES, dtype_name
 from megatron_rl_patches.inference.sizing.residency_plan import ResidencyBytes
+from megatron_rl_patches.ops.scoring_plan import positive_int
 
 VOCAB_DIVISOR = 128  # Megatron-LM's default make_vocab_size_divisible_by
 

@@ -121,7 +121,7 @@ class CrossTokenizerTeacher(OpdTeacher):
         plan = ct.plan_passes(lengths, budget, expert_agreement.agreed_micro_batches(
             max(planned, len(rollout_data["micro_batch_indices"]))))
         own = teacher_rollout(samples, plan)
-        first = run(own, TopkRequest(k=settings.k))
+        first = run(own, TopkRequest(k=settings.top_k))
         buckets: list[ct.Buckets] = []
         if last:
             top = plan.unpadded(_whole(first["topk_ids"], own))

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl_patches._layout_option import check_world
 from megatron_rl_patches._log import logger
-from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
+from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout, check_world
 from megatron_rl_patches.patching import env
 
 

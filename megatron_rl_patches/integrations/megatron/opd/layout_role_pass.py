@@ -17,9 +17,9 @@ import importlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from megatron_rl_patches._args import bind
 from megatron_rl_patches.integrations.megatron.opd.layout_role import where
 from megatron_rl_patches.integrations.step_mode import student_invariant
+from megatron_rl_patches.patching.calls import bind
 
 if TYPE_CHECKING:  # torch is imported where a pass runs: the patch's records import this module cheaply
     import torch

@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches._layout_option import check_world
 from megatron_rl_patches.inference.teacher_layout import groups
-from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout
+from megatron_rl_patches.inference.teacher_layout.layout import TeacherLayout, check_world
 from megatron_rl_patches.inference.teacher_layout.scoring import select_topk_at_layout, topk_at_layout
 from megatron_rl_patches.integrations.megatron.opd import hf_teachers
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, OpdSettings, Teacher

@@ -1,28 +1,28 @@
 """The settings of slime's top-k multi-teacher OPD (`slime_opd`), read from the environment so
-slime's own command line stays unchanged; every bad value is a ValueError naming the variable."""
+slime's own command line stays unchanged (`settings.opd_values`: the variables' text, read at slime's
+door, `integrations.slime.held_settings`), parsed here once into an `OpdSettings` passed down; every
+bad value is a ValueError naming the variable."""
 # lazy imports: import cost: the start-up hook loads this module with MEGATRON_RL_PATCHES=all (test_lazy_import)
 from __future__ import annotations
 
 import importlib
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl_patches._args import CheckedK
-from megatron_rl_patches._digits import ascii_int
-from megatron_rl_patches._residency_modes import RESIDENCY_MODES
-from megatron_rl_patches._variables import OPD_COEF as COEF
-from megatron_rl_patches._variables import OPD_DIVERGENCE as DIVERGENCE
-from megatron_rl_patches._variables import OPD_IDS_FROM as IDS_FROM
-from megatron_rl_patches._variables import OPD_K as K
-from megatron_rl_patches._variables import OPD_POLICY_WEIGHT as POLICY_WEIGHT
-from megatron_rl_patches._variables import OPD_PREFIX as PREFIX  # noqa: F401 - the variables' common start
-from megatron_rl_patches._variables import OPD_RESIDENCY as RESIDENCY
-from megatron_rl_patches._variables import OPD_SCORE_AT as SCORE_AT
-from megatron_rl_patches._variables import OPD_TEACHERS as TEACHERS
-from megatron_rl_patches._variables import OPD_WEIGHTS as WEIGHTS
+from megatron_rl_patches.ops.scoring_plan import VOCAB, FullVocabulary, ScoringPlan, TopK, checked_k
+from megatron_rl_patches.settings import OPD_COEF as COEF
+from megatron_rl_patches.settings import OPD_DIVERGENCE as DIVERGENCE
+from megatron_rl_patches.settings import OPD_IDS_FROM as IDS_FROM
+from megatron_rl_patches.settings import OPD_K as K
+from megatron_rl_patches.settings import OPD_POLICY_WEIGHT as POLICY_WEIGHT
+from megatron_rl_patches.settings import OPD_PREFIX as PREFIX  # noqa: F401 - the variables' common start
+from megatron_rl_patches.settings import OPD_RESIDENCY as RESIDENCY
+from megatron_rl_patches.settings import OPD_SCORE_AT as SCORE_AT
+from megatron_rl_patches.settings import OPD_TEACHERS as TEACHERS
+from megatron_rl_patches.settings import OPD_WEIGHTS as WEIGHTS
+from megatron_rl_patches.settings import RESIDENCY_MODES, ascii_int, opd_values
 from megatron_rl_patches.teachers.entry import SERVED
 from megatron_rl_patches.teachers.entry import TeacherEntry as Teacher
 from megatron_rl_patches.teachers.kinds import parse_entries
@@ -39,9 +39,13 @@ LOSS_PATH = "megatron_rl_patches.integrations.slime_opd.topk_opd_policy_loss"
 LOSS_PATHS = (LOSS_PATH, "megatron_rl_patches.integrations.slime.opd.topk_opd_policy_loss")
 
 
+DEFAULT_K = checked_k(16)  # MEGATRON_RL_PATCHES_OPD_K unset
+
+
 @dataclass(frozen=True)
 class OpdSettings:
-    """What the OPD flow does: teachers, mixture weights (None: uniform), k, divergence, the OPD
+    """What the OPD flow does: teachers, mixture weights (None: uniform), k (a `TopK`, or `VOCAB`:
+    the divergence over the whole vocabulary from hidden states, `vocab_opd`), divergence, the OPD
     term's coefficient, the weight of slime's policy loss, the separate teachers' residency, and
     whose top-k ids make the buckets ("student"; "union": the student's and the first teacher's,
     2k per token with a padding mask; "teacher": the first teacher's own top-k, as
@@ -49,14 +53,29 @@ class OpdSettings:
 
     teachers: tuple[Teacher, ...]
     weights: tuple[float, ...] | None = None
-    k: int = 16
+    k: TopK | FullVocabulary = DEFAULT_K
     divergence: str = "reverse_kl"
     coef: float = 1.0
     policy_weight: float = 1.0
     residency: str | None = None
     ids_from: str = "student"
     score_at: str = SCORE_DEFAULT  # "rollout": slime's rollout asks its served teachers (`rollout_teachers`)
-    full_vocab: bool = False  # K=vocab: the divergence over the whole vocabulary from hidden states (`vocab_opd`)
+
+    @property
+    def full_vocab(self) -> bool:
+        """K=vocab: the divergence over the whole vocabulary from hidden states (`vocab_opd`)."""
+        return self.k is VOCAB
+
+    @property
+    def top_k(self) -> TopK:
+        """K of the top-k route (its buckets); a ValueError at K=vocab, which has none."""
+        return self.plan().k
+
+    def plan(self, temperature: float = 1.0, invariant: bool = False) -> ScoringPlan:
+        """The `ScoringPlan` of a step at these settings (K or the whole vocabulary) at `temperature`
+        (slime's --rollout-temperature where the trainer forms the distribution; an engine's own
+        rows: 1) in the student's `invariant` mode."""
+        return ScoringPlan(self.k, temperature, invariant)
 
 
 def shown(text: str) -> str:
@@ -70,7 +89,7 @@ def score_at(env: Mapping[str, str] | None = None) -> str:
     ValueError naming the variable for any other value. Read by slime's rollout manager (the
     rollout asks) and checked with the other settings wherever they are (`opd_settings`, and
     `check_settings` even where the teachers are not set: the rollout manager's environment)."""
-    text = (os.environ if env is None else env).get(SCORE_AT, "")
+    text = (opd_values() if env is None else env).get(SCORE_AT, "")
     word = text.strip().lower() or SCORE_DEFAULT
     if word not in SCORE_PLACES:
         raise ValueError(f"{SCORE_AT}={shown(text)}: use rollout (each sample scored as its generation ends) or "
@@ -115,15 +134,15 @@ def _number(env: Mapping[str, str], name: str, default: float) -> float:
 FULL_VOCAB = "vocab"  # MEGATRON_RL_PATCHES_OPD_K=vocab: full-vocabulary OPD
 
 
-def _k(env: Mapping[str, str]) -> int:
+def _k(env: Mapping[str, str]) -> TopK | FullVocabulary:
     raw = env.get(K, "").strip() or "16"
     if raw.lower() == FULL_VOCAB:
-        return 16  # no buckets: k is unused (a served head's own top-k stays at the default)
+        return VOCAB  # no buckets: the divergence over the whole vocabulary
     k = ascii_int(raw) or 0
     if k <= 0:
         raise ValueError(f"{K}={shown(raw)}: expected an integer k > 0 (the student's top-k ids per token) or "
                          f"'{FULL_VOCAB}' (the divergence over the whole vocabulary)")
-    return CheckedK(k)  # checked once, here: the top-k processor and ops take it as it is
+    return checked_k(k)  # checked once, here: the top-k processor and ops take it as it is
 
 
 def full_vocab_refusal(teachers: tuple[Teacher, ...], ids_from: str) -> str | None:
@@ -195,9 +214,9 @@ def check_context_tokenizers(teachers: Sequence[Teacher]) -> None:
 
 
 def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
-    """The settings from the environment, or None when MEGATRON_RL_PATCHES_OPD_TEACHERS is unset
-    (slime's flow untouched)."""
-    env = os.environ if env is None else env
+    """The settings from `env` (default: the environment's, `settings.opd_values`), or None when
+    MEGATRON_RL_PATCHES_OPD_TEACHERS is unset (slime's flow untouched)."""
+    env = opd_values() if env is None else env
     raw = env.get(TEACHERS)
     if raw is None:
         return None
@@ -221,10 +240,10 @@ def opd_settings(env: Mapping[str, str] | None = None) -> OpdSettings | None:
                          f"top-k ids are not the student's; name a teacher of the student's tokenizer first in "
                          f"{TEACHERS}, or use {IDS_FROM}=student")
     place = score_at(env)  # before K=vocab's refusal: a bad value is refused whatever K is
-    full_vocab = env.get(K, "").strip().lower() == FULL_VOCAB
-    refusal = full_vocab_refusal(teachers, ids_from) if full_vocab else None
+    k = _k(env)
+    refusal = full_vocab_refusal(teachers, ids_from) if k is VOCAB else None
     if refusal is not None:
         raise ValueError(f"{K}={FULL_VOCAB}: {refusal}")
-    return OpdSettings(teachers=teachers, weights=_weights(env, len(teachers)), k=_k(env), divergence=divergence,
+    return OpdSettings(teachers=teachers, weights=_weights(env, len(teachers)), k=k, divergence=divergence,
                        coef=_number(env, COEF, 1.0), policy_weight=_number(env, POLICY_WEIGHT, 1.0),
-                       residency=_residency(env), ids_from=ids_from, score_at=place, full_vocab=full_vocab)
+                       residency=_residency(env), ids_from=ids_from, score_at=place)

@@ -52,10 +52,10 @@ def teacher_requests(settings: OpdSettings) -> tuple[TopkRequest, TopkRequest]:
     first selects and scores its own top-k, which the others score."""
     scoring = TopkRequest(ids_key=IDS, keys=(IDS,))
     if settings.ids_from == "union":
-        return (TopkRequest(k=settings.k, ids_key=IDS, keys=(IDS,), union=True),
+        return (TopkRequest(k=settings.top_k, ids_key=IDS, keys=(IDS,), union=True),
                 TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_MASK)))
     if settings.ids_from == "teacher":
-        return TopkRequest(k=settings.k), scoring
+        return TopkRequest(k=settings.top_k), scoring
     return scoring, scoring
 
 

@@ -49,7 +49,7 @@ class RolloutTeachers:
 
             assert settings is not None  # rollout_entries found some
             entries = rollout_entries(settings)
-            self.teachers = [served_teacher_of(t.without_context(), top_k=settings.k) for t in entries]
+            self.teachers = [served_teacher_of(t.without_context(), settings.plan()) for t in entries]
             self.contexts = [t.context for t in entries]
             self.entries = entries
         self.samples = 0

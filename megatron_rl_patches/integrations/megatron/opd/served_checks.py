@@ -4,8 +4,8 @@ hook) before the job starts, and again by the actor before anything loads. Stand
 (the start-up hook reads it)."""
 from __future__ import annotations
 
-from megatron_rl_patches._variables import OPD_IDS_FROM
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import TEACHERS, OpdSettings, Teacher
+from megatron_rl_patches.settings import OPD_IDS_FROM
 from megatron_rl_patches.teachers.entry import SERVED
 
 

@@ -73,7 +73,7 @@ def served_own(args: Any, settings: OpdSettings, teacher: Teacher, host: StageHo
 
     def build() -> ServedTeacher | None:
         # its context key is its `ServedOpdTeacher`'s, the one owner of a slime served teacher's key
-        return served_teacher_of(teacher.without_context(), top_k=settings.k) if host.last else None
+        return served_teacher_of(teacher.without_context(), settings.plan()) if host.last else None
 
     served = connect_served(build, where,
                             asks=host.asks, job_group=host.job_group, tokenizer=students(args, where),
@@ -95,12 +95,12 @@ def served_cross(args: Any, settings: OpdSettings, teacher: Teacher, host: Stage
             return None
         pairs.append(cross_pair(args, teacher))
         # its context is sent before its own encoding by `ServedOpdTeacher`, not by the client
-        return served_teacher_of(teacher.without_context(), top_k=settings.k)
+        return served_teacher_of(teacher.without_context(), settings.plan())
 
     whose = f"the tokenizer ';tokenizer={teacher.tokenizer}' names"
     served = connect_served(build, where, asks=host.asks, job_group=host.job_group,
                             tokenizer=lambda: (pairs[0].tokenizer, whose))
-    return None if served is None else CrossServed(served, pairs[0], settings.k)
+    return None if served is None else CrossServed(served, pairs[0], settings.top_k)
 
 
 def served_head(args: Any, settings: OpdSettings, teacher: Teacher, student: int | str, host: StageHost,
@@ -131,8 +131,7 @@ def served_head(args: Any, settings: OpdSettings, teacher: Teacher, student: int
                                    make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", None))
         head = dataclasses.replace(head, weight=head.weight.to(head_device()))
         # its context key is its `ServedOpdTeacher`'s (of another tokenizer: sent before its own encoding)
-        return served_teacher_of(teacher.without_context(), top_k=settings.k, head=head,
-                                 temperature=rollout_temperature(args))
+        return served_teacher_of(teacher.without_context(), settings.plan(rollout_temperature(args)), head=head)
 
     tokenizer = students(args, where)
     if teacher.tokenizer is not None:
@@ -144,7 +143,7 @@ def served_head(args: Any, settings: OpdSettings, teacher: Teacher, student: int
                             named_vocab=named)
     if served is None:
         return None
-    return CrossServed(served, pairs[0], settings.k) if pairs else HeadServed(served)
+    return CrossServed(served, pairs[0], settings.top_k) if pairs else HeadServed(served)
 
 
 def head_device() -> torch.device:

@@ -45,7 +45,7 @@ def score_teachers(actor: Any, rollout_data: dict, settings: OpdSettings, teache
     """The student's top-k ids (its pass by `passes`, in the rollout data on the last stage), then
     every teacher's scores: the step and the scores (the host stores them on `step.last`); None
     where no stage has ids (each teacher's started work ended by `unscored`)."""
-    student = passes(actor.args, actor.model, rollout_data, TopkRequest(k=settings.k))
+    student = passes(actor.args, actor.model, rollout_data, TopkRequest(k=settings.top_k))
     ids = student.get("topk_ids")
     # Every pipeline stage takes part in each teacher's pipelined pass, in the same order; the ids
     # live on the last stage only, so whether the passes run is the last stage's answer, agreed.

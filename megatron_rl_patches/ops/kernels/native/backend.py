@@ -11,11 +11,11 @@ import ctypes
 import torch
 import torch.distributed as dist
 
-from megatron_rl_patches._variables import NATIVE
 from megatron_rl_patches.ops._stats import NEG_FLOOR, RowStats
 from megatron_rl_patches.ops.kernels.contract import Backend
 from megatron_rl_patches.ops.kernels.invariant_tiles import InvariantTiles, invariant_row_stats
 from megatron_rl_patches.ops.kernels.sources import Source
+from megatron_rl_patches.settings import NATIVE
 
 _KINDS = {torch.float32: 0, torch.bfloat16: 1}
 

@@ -15,7 +15,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from megatron_rl_patches._variables import NATIVE, native_setting
+from megatron_rl_patches import settings
 from megatron_rl_patches.ops.kernels.native.record import mismatch, record_path, write_record
 from megatron_rl_patches.ops.kernels.native.source import SOURCE
 
@@ -27,13 +27,12 @@ THREADED = ("-fopenmp",)
 
 def compiler() -> str | None:
     """$CC, else cc or gcc on PATH."""
-    named = os.environ.get("CC")
+    named = settings.c_compiler()
     return shutil.which(named) if named else (shutil.which("cc") or shutil.which("gcc"))
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "megatron_rl_patches" / "native"
+    return Path(settings.cache_root()) / "megatron_rl_patches" / "native"
 
 
 def _cpu_signature() -> str:
@@ -125,6 +124,6 @@ def load(path: Path) -> ctypes.CDLL:
 def native_library() -> ctypes.CDLL | None:
     """The compiled kernel, or None: the setting off (MEGATRON_RL_PATCHES_NATIVE=0), no compiler, or
     its build failed."""
-    if not native_setting(os.environ.get(NATIVE)):
+    if not settings.native():
         return None
     return _loaded(compiler(), str(cache_dir()))

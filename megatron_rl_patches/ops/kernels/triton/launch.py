@@ -4,15 +4,15 @@ kernels, :mod:`.backend`, and the invariant mode's, :mod:`.invariant_backend`)."
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
+from megatron_rl_patches import settings
 from megatron_rl_patches.ops.kernels.sources import Source
 
 # Triton picks the interpreter when a kernel is decorated, i.e. when this module is imported.
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on", "y")
+INTERPRETED = settings.triton_interpreted()
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any, TypeGuard
 
 import torch
 
-from megatron_rl_patches._json_read import parsed_json
+from megatron_rl_patches.inference.loading.json_read import parsed_json
 from megatron_rl_patches.teachers.errors import ServedTeacherError, ServedTeacherRefusal
 from megatron_rl_patches.teachers.served.engines.protocol import STATES, ServedModel
 from megatron_rl_patches.teachers.served.engines.vllm import PROBE_IDS, RESPONSE_START, VllmEngine

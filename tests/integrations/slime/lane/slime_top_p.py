@@ -120,7 +120,7 @@ def world_rank(rank: int, world_size: int, tensor: int, context: int, allgather:
                     kit, fused, "--tensor-model-parallel-size", str(tensor), "--context-parallel-size", str(context),
                     *(ALLGATHER_CP if allgather else ()), reference=False)
                 result[fused] = {"out": out, "losses": losses, "grad_norm": grad_norm, "weights": weights,
-                                 "fell_back": [line for line in lines if line.startswith("slime_fused:")]}
+                                 "fell_back": [line for line in lines if "slime_fused:" in line]}
         finally:
             logger.removeHandler(handler)
         return result

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from megatron_rl_patches._log import forget_warnings
 from megatron_rl_patches.testing import layouts
 
 pytestmark = pytest.mark.slime
@@ -126,12 +127,11 @@ def test_vocab_watch_sees_the_logits_of_slimes_unpatched_route(slime_cpu):
 ])
 def test_fallback_logs_the_feature_once_and_keeps_slimes_numbers(slime_cpu, caplog, monkeypatch, feature, values,
                                                                  env):
-    from megatron_rl_patches.integrations.slime import fused as slime_fused
 
     kit = _kit()
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(slime_fused, "_SAID", set())
+    forget_warnings()  # each fallback says its line again
     megatron_rl_patches.apply(only=FUSED)
     with kit.slime_session(**values) as args:
         model, _, _ = kit.build(args)
@@ -140,7 +140,7 @@ def test_fallback_logs_the_feature_once_and_keeps_slimes_numbers(slime_cpu, capl
             first = kit.log_probs(args, model, data)
             kit.log_probs(args, model, data)
         ref = kit.reference(model, data, 1.0)
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slime_fused:")]
+    lines = [r.getMessage() for r in caplog.records if "slime_fused:" in r.getMessage()]
     assert len(lines) == 1 and feature in lines[0], lines
     for a, r in zip(first["log_probs"], ref[0]):
         torch.testing.assert_close(a.double(), r, rtol=0, atol=2e-5)
@@ -151,7 +151,6 @@ def test_bshd_batch_falls_back_with_one_log_line_and_slimes_numbers(slime_cpu, c
     batch with its packed_seq_params dropped) goes to slime's own logits path, said once."""
     from slime.backends.megatron_utils import model as slime_model
 
-    from megatron_rl_patches.integrations.slime import fused as slime_fused
 
     kit = _kit()
     get_batch = slime_model.get_batch
@@ -163,7 +162,7 @@ def test_bshd_batch_falls_back_with_one_log_line_and_slimes_numbers(slime_cpu, c
         return batch
 
     monkeypatch.setattr(slime_model, "get_batch", bshd_batch)
-    monkeypatch.setattr(slime_fused, "_SAID", set())
+    forget_warnings()  # each fallback says its line again
     with kit.slime_session(rollout_temperature=TEMPERATURE) as args:
         model, _, _ = kit.build(args)
         data = kit.rollout(0)
@@ -175,7 +174,7 @@ def test_bshd_batch_falls_back_with_one_log_line_and_slimes_numbers(slime_cpu, c
                 kit.log_probs(args, model, data)
         finally:
             megatron_rl_patches.revert()
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slime_fused:")]
+    lines = [r.getMessage() for r in caplog.records if "slime_fused:" in r.getMessage()]
     assert len(lines) == 1 and "bshd" in lines[0], lines
     for a, b in zip(plain["log_probs"], fused["log_probs"], strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0)

@@ -78,7 +78,7 @@ def test_routing_replay_fused_matches_slime_and_the_routes_matter(slime_cpu, mon
     plain_own, plain, plain_losses, plain_norm, plain_weights = _replayed(monkeypatch, fused=False)
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
         fused_own, fused, fused_losses, fused_norm, fused_weights = _replayed(monkeypatch, fused=True)
-    assert not [r for r in caplog.records if r.getMessage().startswith("slime_fused:")]  # no fallback
+    assert not [r for r in caplog.records if "slime_fused:" in r.getMessage()]  # no fallback
     for key in ("log_probs", "entropy"):
         for a, b in zip(plain[key], fused[key], strict=True):
             assert a.shape == b.shape

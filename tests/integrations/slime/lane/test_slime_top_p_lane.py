@@ -28,7 +28,7 @@ def test_top_p_replay_fused_matches_slime_and_float64(slime_cpu, caplog):
     plain, logps, data, plain_losses, plain_norm, plain_weights, plain_watch = top_p.forward_and_step(kit, False)
     with caplog.at_level(logging.WARNING, logger="megatron_rl_patches"):
         fused, _, _, fused_losses, fused_norm, fused_weights, fused_watch = top_p.forward_and_step(kit, True)
-    assert not [r for r in caplog.records if r.getMessage().startswith("slime_fused:")]  # no fallback
+    assert not [r for r in caplog.records if "slime_fused:" in r.getMessage()]  # no fallback
     want_lp = top_p.renormalized(logps, data)
     want_ent = [-(lp.exp() * lp).sum(-1) for lp in logps]  # entropy stays unmasked
     full = [lp.gather(-1, t[-r:, None])[:, 0] for lp, t, r in zip(logps, data["tokens"], data["response_lengths"])]

@@ -108,7 +108,7 @@ def test_only_read_rows_meet_the_head_and_match_every_row(verl_cpu, head_masks, 
     model = _model()
     micro = _rl_batch(masked_tail)
     selected = kit.forward_step(kit.engine(True), model, micro)
-    monkeypatch.setenv(verl_rows.ROWS_ENV, "all")
+    monkeypatch.setenv(verl_rows.settings.VERL_ROWS, "all")
     every = kit.forward_step(kit.engine(True), model, _rl_batch(masked_tail))
     responses = [n - p for n, p in zip(kit.LENGTHS, PROMPTS)]
     # each response's rows, plus the last row while the loss mask holds the last token (a mask
@@ -136,7 +136,7 @@ def test_gradients_through_the_read_rows_match_every_row(verl_cpu, monkeypatch):
         return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
     selected = grads()
-    monkeypatch.setenv(verl_rows.ROWS_ENV, "all")
+    monkeypatch.setenv(verl_rows.settings.VERL_ROWS, "all")
     every = grads()
     assert selected.keys() == every.keys()
     for name in selected:

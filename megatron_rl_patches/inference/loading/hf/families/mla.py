@@ -10,7 +10,6 @@ import importlib.util
 from dataclasses import dataclass, fields
 from typing import Any
 
-from megatron_rl_patches._digits import ascii_int
 from megatron_rl_patches.inference.loading.hf.architecture import (
     HFArchitecture,
     UnsupportedCheckpointError,
@@ -19,6 +18,7 @@ from megatron_rl_patches.inference.loading.hf.architecture import (
 from megatron_rl_patches.inference.loading.hf.families.common_kinds import COLUMN, REPLICATE, ROW
 from megatron_rl_patches.inference.loading.hf.families.family import Param, Shape
 from megatron_rl_patches.inference.loading.hf.families.mla_kinds import MLA_KV_DOWN, MLA_Q
+from megatron_rl_patches.settings import ascii_int
 
 
 @dataclass(frozen=True)

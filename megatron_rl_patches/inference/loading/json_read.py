@@ -1,8 +1,9 @@
 """Every JSON the package reads from a file or a reply, read in one place. Python's decoder
 recurses once per level of nesting, so a file or a reply of 100,000 '[' raises RecursionError,
 not the ValueError of other malformed text: here both (and bytes that are no UTF-8, a file that
-cannot be read) become the caller's own error, naming its file or URL. A leaf: standard library
-only (the rooms that raise the errors import it, never the other way)."""
+cannot be read) become the caller's own error, naming its file or URL (checkpoints' config.json,
+a served teacher's replies, `doctor`'s reads). A leaf: standard library only (the rooms that raise
+the errors import it, never the other way)."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
-"""Model-chunk helpers shared by `reentrant` and `inference`: one chunk or a list of them, the
-`.module` chain of wrappers (Float16Module, DDP), and what counts as a DDP chunk.
+"""Model-chunk helpers of the frozen builds, used by `reentrant`, `windows` and the integrations too:
+one chunk or a list of them, the `.module` chain of wrappers (Float16Module, DDP), and what counts
+as a DDP chunk.
 
 Imports nothing heavy: megatron-core and torch classes are looked up in `sys.modules` only, since
 no object can be an instance of a class whose module was never imported.

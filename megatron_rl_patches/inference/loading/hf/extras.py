@@ -1,6 +1,7 @@
 """How a message or a page says to install one of the package's extras. The package is not on the
 package index (README, "Install"), so `pip install 'megatron-rl-patches[served]'` finds nothing:
-the extra goes on the wheel built from a clone, or its libraries are installed by name. A leaf."""
+the extra goes on the wheel built from a clone, or its libraries are installed by name (the Hugging
+Face readers' safetensors and mbridge, a served teacher's httpx). A leaf."""
 from __future__ import annotations
 
 BUILD = "python -m pip wheel --no-deps -w dist ."  # in a clone: dist/megatron_rl_patches-<version>-py3-none-any.whl
