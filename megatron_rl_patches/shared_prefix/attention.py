@@ -84,7 +84,7 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                 keys = torch.cat([k[:, :, prefix], k[:, :, rest]], dim=2)
                 values = torch.cat([v[:, :, prefix], v[:, :, rest]], dim=2)
                 mask = plan.cached(("rest", block.prefix, last - first, str(q.device)),
-                                   lambda rows=last - first, seen=block.prefix: rest_mask(seen, rows, q.device))
+                                   functools.partial(rest_mask, block.prefix, last - first, q.device))
                 parts.append(F.scaled_dot_product_attention(q[:, :, rest], keys, values, attn_mask=mask,
                                                             dropout_p=dropout, scale=scale))
         out = torch.cat(parts, dim=2)

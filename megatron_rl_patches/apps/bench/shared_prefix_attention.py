@@ -83,7 +83,7 @@ def measure(plan: dict, device: str, train: bool) -> list[dict]:
         rows.append({"route": route, "rows": count, "ms": statistics.median(times) * 1e3, "peak_MiB": peak,
                      "note": "" if cuda else "CPU, forward only: no speed figure"})
     for row in rows:
-        row["vs_unshared"] = row["ms"] / rows[0]["ms"]
+        row["vs_unshared"] = float(row["ms"]) / float(rows[0]["ms"])
     return rows
 
 

@@ -5,9 +5,11 @@ tensor-parallel group, whose ranks run each micro-batch's collectives together) 
 model as its `packed_seq_params`; the pass's figures, logged once when it ends."""
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.ops.agreement import agree
@@ -71,6 +73,14 @@ class PrefixPass:
                         self.figures.get("shared_samples", 0), self.figures.get("alone", 0))
 
 
+@contextlib.contextmanager
+def logged(prefix: PrefixPass | None) -> Iterator[None]:
+    """The pass run inside, then its figures logged (`PrefixPass.log`; None: a pass packed whole)."""
+    yield
+    if prefix is not None:
+        prefix.log()
+
+
 def whole_reason(tokens: Any, packed_seq_params: Any, vocab: int | None) -> str | None:
     """Why a micro-batch is packed whole, or None: padding between a sample's rows (its
     `cu_seqlens_q_padded`), or an id past the vocabulary."""
@@ -97,5 +107,5 @@ def prefix_pass(what: str, model: Any, *, training: bool, enabled: bool) -> Pref
 
     prepare_shared_prefix(model)
     group = parallel_state.get_tensor_model_parallel_group()
-    vocab = next((int(m.vocab_size) for m in modules_of(model) if is_language_model(m)), None)
+    vocab = next((int(cast(int, m.vocab_size)) for m in modules_of(model) if is_language_model(m)), None)
     return PrefixPass(what, pad_to=parallel_state.get_tensor_model_parallel_world_size(), group=group, vocab=vocab)

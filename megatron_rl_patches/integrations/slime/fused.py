@@ -24,15 +24,9 @@ from megatron_rl_patches.integrations.megatron.model_chunk import (
 from megatron_rl_patches.integrations.megatron.opd.hidden_teachers import real_vocab_size
 from megatron_rl_patches.integrations.megatron.opd.topk_request import VocabRequest
 from megatron_rl_patches.integrations.megatron.planned_iterators import carried, planned, planned_schedule
-from megatron_rl_patches.integrations.megatron.shared_prefix_pass import prefix_pass
+from megatron_rl_patches.integrations.megatron.shared_prefix_pass import logged
 from megatron_rl_patches.integrations.slime import rows as slime_rows  # read at call time: tests replace them
-from megatron_rl_patches.integrations.slime.step_plan import (
-    PLAN,
-    FusedStep,
-    slime_settings,
-    slime_shared_prefix,
-    step_request,
-)
+from megatron_rl_patches.integrations.slime.step_plan import PLAN, FusedStep, slime_prefix, slime_settings, step_request
 from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_top_p
 from megatron_rl_patches.integrations.slime.topk import topk_context
 from megatron_rl_patches.integrations.slime.vocab_step import vocab_processor
@@ -42,7 +36,6 @@ from megatron_rl_patches.processors.combined import with_topk
 from megatron_rl_patches.processors.heads import log_prob_output_processor
 
 FALLBACK = "slime_fused: {feature}: this step uses slime's own logits path"
-
 
 
 def fall_back(feature: str) -> None:
@@ -96,8 +89,7 @@ def forward_only_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
     with_entropy = bool(getattr(slime_args, "use_rollout_entropy", False))
     model = bound.arguments.get("model")
     plan = FusedStep(slime_args, with_entropy, False, invariant=student_invariant(model),
-                     prefix=prefix_pass("slime's log-prob pass", model, training=False,
-                                        enabled=slime_shared_prefix(slime_args)))
+                     prefix=slime_prefix(slime_args, model, "slime's log-prob pass", training=False))
     return run_planned(plan, wrapped, bound)
 
 
@@ -123,8 +115,7 @@ def train_one_step_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dic
     with_entropy = getattr(slime_args, "loss_type", "policy_loss") != "sft_loss"
     grad = with_entropy and getattr(slime_args, "entropy_coef", 0.0) != 0
     plan = FusedStep(slime_args, with_entropy, grad, request, invariant=invariant, settings=settings,
-                     prefix=prefix_pass("slime's training step", model, training=True,
-                                        enabled=slime_shared_prefix(slime_args)))
+                     prefix=slime_prefix(slime_args, model, "slime's training step", training=True))
     return run_planned(plan, wrapped, bound)
 
 
@@ -132,10 +123,8 @@ def run_planned(plan: FusedStep, wrapped: Any, bound: Any) -> Any:
     """slime's `forward_only` / `train_one_step` call (`bound` to its signature) with its data
     iterators carrying `plan`."""
     bound.arguments["data_iterator"] = planned(bound.arguments.get("data_iterator"), plan)
-    result = wrapped(*bound.args, **bound.kwargs)
-    if plan.prefix is not None:
-        plan.prefix.log()
-    return result
+    with logged(plan.prefix):
+        return wrapped(*bound.args, **bound.kwargs)
 
 
 def get_batch_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -207,11 +196,12 @@ class FusedModel:
         logits, carrying the step's invariant mode to slime's log-prob code (`mode_logits`)."""
         if not is_last_stage(self._model):  # its hidden states go to the next stage: the plain call
             return plain(*args, **kwargs)
+        called = "model" if method == "forward" else f"model.{method}"
         if not self._plan.fused:  # a plan for slime's logits path
             return self._logits(plain, args, kwargs)
         batch = self._plan.batch
         if args or batch is None or "input_ids" not in kwargs:
-            fall_back(f"a forward step that does not call {_called(method)}(input_ids=...) after get_batch")
+            fall_back(f"a forward step that does not call {called}(input_ids=...) after get_batch")
             return self._logits(plain, args, kwargs)
         if batch.get("multimodal_train_inputs"):
             fall_back("multimodal inputs (multimodal_train_inputs)")
@@ -225,7 +215,7 @@ class FusedModel:
             fall_back(f"{layout} batches (packed_seq_params.qkv_format != 'thd': the route slices thd packing)")
             return self._logits(plain, args, kwargs)
         if not accepts_processor(self._model, method):
-            fall_back(f"a model whose {_called(method)} lacks GPTModel's output_processor keyword (apply "
+            fall_back(f"a model whose {called} lacks GPTModel's output_processor keyword (apply "
                       "gpt_output_processor on megatron-core < 0.18)")
             return self._logits(plain, args, kwargs)
         if kwargs.get("mtp_kwargs") and mtp_heads_build_logits(self._model):
@@ -247,15 +237,18 @@ class FusedModel:
         labels = slime_rows.shifted_targets(batch, length, tokens.device, allgather_cp)
         rows = slime_rows.response_rows(batch, length, tokens.device, allgather_cp)
         # the step's invariant mode, the student's (a teacher's pass too); None: this model's config
+        chunk = getattr(plan.args, "log_probs_chunk_size", -1)
         options: dict[str, Any] = dict(temperature=float(getattr(plan.args, "rollout_temperature", 1.0)),
-                                       chunk_size=_chunk_size(plan.args), invariant=plan.invariant)
+                                       chunk_size=chunk if isinstance(chunk, int) and chunk > 0 else None,
+                                       invariant=plan.invariant)
         real_vocab = real_vocab_size(self._model)
         if real_vocab is not None:  # a model built from a Hugging Face checkpoint: its padding rows get no mass
             options["vocab_size"] = real_vocab
         processor = log_prob_output_processor(with_entropy=plan.with_entropy,
                                               entropy_requires_grad=plan.entropy_requires_grad, **options)
-        context: dict = row_context(rows[None])
-        context.update(top_p_context(plan.args, batch, length, tokens.device, allgather_cp))
+        context: dict = {"row_mask": rows[None]}  # the head on response rows (slime's slicing reads no other)
+        if replays_top_p(plan.args):  # the rollout's top-p nuclei (the rank's contiguous rows under allgather CP)
+            context.update(kept_context(batch, length, tokens.device, allgather_cp) or {})
         if isinstance(plan.topk, VocabRequest):  # full-vocabulary OPD: a teacher's hidden states, or the divergence
             processor = vocab_processor(plan.topk, processor, options, batch, length, tokens.device, allgather_cp)
         elif plan.topk is not None:
@@ -269,37 +262,11 @@ class FusedModel:
 def fused_output(processor: Any) -> Any:
     """`processor` whose dict comes back as a :class:`FusedOutput` (what a combined-1F1B plan's
     post-process node hands slime's loss function)."""
-
-    def process(**kwargs: Any) -> FusedOutput:
-        return FusedOutput(processor(**kwargs))
-
-    return process
+    return lambda **kwargs: FusedOutput(processor(**kwargs))
 
 
 MTP_LOGITS = ("slime_fused: MTP training on this megatron-core computes the MTP heads' loss in process_mtp_loss "
               "from [T, V] logits: apply patch mtp_output_processor too (it is in `all`)")
-
-
-def _called(method: str) -> str:
-    return "model" if method == "forward" else f"model.{method}"
-
-
-def _chunk_size(args: Any) -> int | None:
-    value = getattr(args, "log_probs_chunk_size", -1)
-    return value if isinstance(value, int) and value > 0 else None
-
-
-def row_context(rows: Any) -> dict:
-    """The processor context restricting the head to response rows (masked response tokens
-    included; rows outside responses are never read by slime's slicing)."""
-    return {"row_mask": rows}
-
-
-def top_p_context(args: Any, batch: dict, length: int, device: Any, allgather_cp: bool = False) -> dict:
-    """The kept-set keys of the processor context when slime replays the rollout's top-p nuclei
-    (on the rank's contiguous rows under `--allgather-cp`)."""
-    kept = kept_context(batch, length, device, allgather_cp) if replays_top_p(args) else None
-    return kept or {}
 
 
 def log_probs_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

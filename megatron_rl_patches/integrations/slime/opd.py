@@ -65,13 +65,13 @@ from megatron_rl_patches.integrations.megatron.opd.topk_request import (
 from megatron_rl_patches.integrations.megatron.opd.topk_request import TEACHER_TAILS as TEACHER_TAILS
 from megatron_rl_patches.integrations.megatron.opd.zigzag import local_rows
 from megatron_rl_patches.integrations.megatron.planned_iterators import planned
-from megatron_rl_patches.integrations.megatron.shared_prefix_pass import prefix_pass
+from megatron_rl_patches.integrations.megatron.shared_prefix_pass import logged
 from megatron_rl_patches.integrations.slime import cross_loss, vocab_opd
 from megatron_rl_patches.integrations.slime.actor import SlimeActor
 from megatron_rl_patches.integrations.slime.contexts import METADATA, check_layouts, step_contexts
 from megatron_rl_patches.integrations.slime.fused import unservable
 from megatron_rl_patches.integrations.slime.rows import response_positions
-from megatron_rl_patches.integrations.slime.step_plan import FusedStep, plan_in, slime_settings, slime_shared_prefix
+from megatron_rl_patches.integrations.slime.step_plan import FusedStep, plan_in, slime_prefix, slime_settings
 from megatron_rl_patches.integrations.slime.topk import allgather_cp_active, sample_rows
 from megatron_rl_patches.integrations.step_mode import student_invariant
 from megatron_rl_patches.ops.packing import packed_topk_logprobs
@@ -164,13 +164,11 @@ def pipelined_topk(args: Any, model: list[Any], rollout_data: dict, request: Top
     from slime.backends.megatron_utils.data import get_data_iterator
 
     plan = FusedStep(args, with_entropy=False, entropy_requires_grad=False, topk=request, invariant=invariant,
-                     prefix=prefix_pass("a teacher's pass", model, training=False, enabled=slime_shared_prefix(args)))
+                     prefix=slime_prefix(args, model, "a teacher's pass", training=False))
     iterator = planned(get_data_iterator(rollout_data), plan)
     collect = functools.partial(collect_topk, fell_back=fell_back)
-    out = slime_model.forward_only(collect, args, model, iterator, rollout_data["num_microbatches"])
-    if plan.prefix is not None:
-        plan.prefix.log()
-    return out
+    with logged(plan.prefix):
+        return slime_model.forward_only(collect, args, model, iterator, rollout_data["num_microbatches"])
 
 
 def topk_pass(args: Any, model: list[Any], rollout_data: dict, request: TopkRequest,

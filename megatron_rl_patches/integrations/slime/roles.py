@@ -58,11 +58,9 @@ def weights_source(run_args: Any, role: str) -> tuple[str, int | None]:
         return run_args.load, getattr(run_args, "ckpt_step", None)
     if getattr(run_args, "pretrained_checkpoint", None):
         return run_args.pretrained_checkpoint, None
-    raise ValueError(
-        f"role {role!r} is built inference-only ({env.INFERENCE_ROLES}) but has no weights to load: "
-        f"set args.{role}_load or args.load to its checkpoint (a frozen model with random weights "
-        "is never what you want)"
-    )
+    raise ValueError(f"role {role!r} is built inference-only ({env.INFERENCE_ROLES}) but has no weights to load: "
+                     f"set args.{role}_load or args.load to its checkpoint (a frozen model with random weights "
+                     "is never what you want)")
 
 
 def _load(chunks: list[Any], run_args: Any, path: str, step: int | None, module: Any) -> int:
@@ -87,9 +85,7 @@ def _delegated(path: str, step: int | None, module: Any) -> bool:
     return step is None and callable(getattr(module, "load_checkpoint", None)) and is_foreign_directory(path)
 
 
-def initialize_model_and_optimizer_wrapper(
-    wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict
-) -> Any:
+def initialize_model_and_optimizer_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of slime's initialize_model_and_optimizer(args, role="actor")."""
     bound = bind(wrapped, args, kwargs)
     if bound is None:
@@ -100,10 +96,8 @@ def initialize_model_and_optimizer_wrapper(
     module = sys.modules.get(getattr(wrapped, "__module__", ""))
     factory = getattr(module, "get_model_provider_func", None)
     if not callable(factory):
-        warn_once(
-            f"'inference_roles': {getattr(module, '__name__', '?')} has no get_model_provider_func; "
-            f"role {role!r} is built trainable, as upstream does"
-        )
+        warn_once(f"'inference_roles': {getattr(module, '__name__', '?')} has no get_model_provider_func; "
+                  f"role {role!r} is built trainable, as upstream does")
         return wrapped(*args, **kwargs)
     from megatron_rl_patches.inference.loading.paths import resolve_checkpoint
 

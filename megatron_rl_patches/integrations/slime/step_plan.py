@@ -3,8 +3,8 @@
 the data iterators that carry the plan through slime's step (`integrations.megatron
 .planned_iterators`) to the batch the loss reads it from (`PLAN`, `plan_in`), and the rollout-data
 keys top-k OPD adds with the request its training step makes (`step_request`), and top-k OPD's
-settings and the shared-prefix switch as slime's doors read them (`slime_settings`,
-`slime_shared_prefix`: read once per slime `args`, held by it).
+settings and the shared-prefix packing as slime's doors read them (`slime_settings`,
+`slime_prefix`: read once per slime `args`, held by it).
 
 slime's callbacks have fixed signatures (`get_batch(data_iterator, keys, ...)`, the schedule's
 `forward_step_func(data_iterator, model)`, the loss `func(args, batch, logits, ...)`), so the plan
@@ -13,7 +13,6 @@ travels with the data slime hands them: the iterators a planned call passes on, 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +29,7 @@ from megatron_rl_patches.integrations.megatron.opd.topk_request import (
     TopkRequest,
     VocabRequest,
 )
+from megatron_rl_patches.integrations.megatron.shared_prefix_pass import PrefixPass, prefix_pass
 from megatron_rl_patches.settings import shared_prefix
 
 
@@ -40,7 +40,7 @@ class FusedStep:
     `fused=False`: a step on slime's own logits path that still fetches the request's batch keys.
     `invariant`: the student's invariant mode, resolved once where the step is handed the model
     (None: the ops resolve their own); `settings`: top-k OPD's, read at slime's door (None: off);
-    `prefix`: the pass's shared-prefix packing (`shared_prefix_pass.PrefixPass`; None: each sample whole)."""
+    `prefix`: the pass's shared-prefix packing (None: each sample whole)."""
 
     args: Any
     with_entropy: bool
@@ -50,7 +50,7 @@ class FusedStep:
     fused: bool = True
     invariant: bool | None = None
     settings: OpdSettings | None = field(default=None, repr=False)
-    prefix: Any = field(default=None, repr=False)
+    prefix: PrefixPass | None = field(default=None, repr=False)
 
 
 STEP_REQUEST = TopkRequest(ids_key=IDS, keys=(IDS, TEACHER_LOGPROBS, TEACHER_TAILS))
@@ -59,10 +59,8 @@ UNION_STEP_REQUEST = TopkRequest(ids_key=IDS, mask_key=IDS_MASK, keys=(IDS, IDS_
 
 # the batch key under which a planned `get_batch` hands the loss its step's plan
 PLAN = "megatron_rl_patches_step_plan"
-# the attributes of slime's `args` holding top-k OPD's settings and the shared-prefix switch as read
-# there (`slime_settings`, `slime_shared_prefix`)
-HELD = "_megatron_rl_patches_opd_settings"
-HELD_PREFIX = "_megatron_rl_patches_shared_prefix"
+# the attribute of slime's `args` holding its settings as read there (`held_settings`)
+HELD = "_megatron_rl_patches_settings"
 
 
 def plan_in(batch: Any) -> FusedStep | None:
@@ -75,23 +73,23 @@ def slime_settings(args: Any) -> OpdSettings | None:
     `train_actor`, `train_one_step`, the rollout manager's split and the rollout's sample hooks):
     parsed once per slime `args` (the namespace every patched slime call is handed, in the training
     actors and the rollout manager alike) and held by it, then passed down as arguments."""
-    return held_on(args, HELD, opd_settings)
+    return held_settings(args)[0]
 
 
-def slime_shared_prefix(args: Any) -> bool:
-    """MEGATRON_RL_PATCHES_SHARED_PREFIX as slime's doors read it (`train_one_step`, `forward_only`,
-    a teacher's pass): once per slime `args`, held by it as `slime_settings` holds OPD's."""
-    return held_on(args, HELD_PREFIX, shared_prefix)
+def slime_prefix(args: Any, model: Any, what: str, training: bool) -> PrefixPass | None:
+    """The shared-prefix packing of slime's pass `what` over `model` (None: each sample whole), its
+    switch MEGATRON_RL_PATCHES_SHARED_PREFIX read once per slime `args` as `slime_settings` is."""
+    return prefix_pass(what, model, training=training, enabled=held_settings(args)[1])
 
 
-def held_on(args: Any, name: str, read: Callable[[], Any]) -> Any:
-    """`read()`'s value held by slime's `args` under `name`: read at the first door, then handed down."""
-    held = getattr(args, name, None)
+def held_settings(args: Any) -> tuple[OpdSettings | None, bool]:
+    """slime's settings as its `args` hold them: read at the first door, then handed down."""
+    held = getattr(args, HELD, None)
     if held is None:
-        held = (read(),)
-        with contextlib.suppress(AttributeError, TypeError):  # no namespace to hold it: read for this call
-            setattr(args, name, held)
-    return held[0]
+        held = (opd_settings(), shared_prefix())
+        with contextlib.suppress(AttributeError, TypeError):  # no namespace to hold them: read for this call
+            setattr(args, HELD, held)
+    return held
 
 
 def step_request(args: Any, settings: OpdSettings | None) -> TopkRequest | None:
