@@ -77,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("which", nargs="?", default="all", choices=[*BENCHMARKS, *SEPARATE, "gpu", "ops", "all"],
                         help="which benchmark (`ops`: today's vocabulary ops against --baseline REV; `load`: "
                              "Hugging Face checkpoint loading; `gpu`: every implementation on a CUDA device, which "
-                             "it needs (torch with CUDA); none of the three in `all`)")
+                             "it needs (torch with CUDA); `shared-prefix-attention`: the shared-prefix plan's CUDA "
+                             "attention route; none of the four in `all`)")
     parser.epilog = (f"`bench all --quick` leaves out {', '.join(NOT_IN_QUICK_ALL)} (about 30 s each even on tiny "
                      f"shapes: a spawned world or a model; it names them when it starts): `bench NAME --quick` runs "
                      f"one. `bench gpu` needs a CUDA device: without one it says so in one line (exit 1).")

@@ -41,7 +41,8 @@ def test_bench_all_quick_runs_each_benchmark_once_in_order_and_goes_on_past_a_fa
     assert "bench windows: 1 case(s) failed: it broke" in said
     # issue 105 item 9: the ones left out are named, not left out without a word
     assert said.splitlines()[0] == (f"bench all --quick: {len(expected)} benchmarks; leaves out teacher-layout, "
-                                    "share-scores, hidden-dtypes, context, self-teacher (about 30 s each even on "
+                                    "share-scores, hidden-dtypes, context, self-teacher, shared-prefix (about 30 s "
+                                    "each even on "
                                     "tiny shapes): `bench NAME --quick` runs one")
 
 

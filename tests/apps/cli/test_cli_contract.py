@@ -72,7 +72,7 @@ def test_help_shows_defaults(cli_run):
     pages = {command: " ".join(cli_run(command, "--help")[1].split()) for command in ("memory", "bench", "demo")}
     assert "data-parallel size (default: 1)" in pages["memory"]
     assert "weights (default: bf16)" in pages["memory"] and "dtype (default: fp32)" in pages["memory"]
-    assert "which benchmark" in pages["bench"] and "neither in `all`) (default: all)" in pages["bench"]
+    assert "which benchmark" in pages["bench"] and "none of the four in `all`) (default: all)" in pages["bench"]
     assert "train() calls (>= 1) (default: 4)" in pages["demo"]
     assert "seed of the models and the data (default: 0)" in pages["demo"]
     assert not any("(default: None)" in page or "(default: False)" in page for page in pages.values())
