@@ -55,8 +55,8 @@ def head(vocab: int = 50) -> TeacherHead:
     (lambda: ClientSettings(api_key_env="A\0B"), r"ClientSettings\(api_key_env=...\) .* NUL"),
     (lambda: ServedTeacher("http://h\ud800st:8000"), r"the teacher's url holds a lone surrogate .* at character 8"),
     (lambda: ServedTeacher("http://h:8", head=head(), temperature=HUGE), r"ServedTeacher\(temperature=...\) must be a "
-                                                                         r"finite number > 0 \(its reciprocal finite\), "
-                                                                         r"got an int of about 401"),
+                                                                         r"finite number > 0 \(its reciprocal "
+                                                                         r"finite\), got an int of about 401"),
     (lambda: ServedTeacher("http://h:8", head=head(), hidden_dtype=[torch.float32]),
      r"ServedTeacher\(hidden_dtype=...\) must be a torch.dtype, one of .*, a list"),
     (lambda: ServedTeacher("http://h:8", head=head(), hidden_dtype="float32"),
