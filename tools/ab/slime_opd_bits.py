@@ -4,8 +4,9 @@ gradients; the states) dumped at each revision, then compared with torch.equal.
 
 1. As a pytest plugin (this folder on PYTHONPATH, `-p slime_opd_bits`), with SLIME_OPD_BITS=DIR:
    every `run_multirank` result of the tests run is saved to DIR/<test id>-<n>.pt.
-2. `python tools/ab/slime_opd_bits.py DIR_A DIR_B`: each file of DIR_A against DIR_B's, field by
-   field (timings left out); one line per file, exit status 1 on any difference or missing file.
+2. `python tools/ab/slime_opd_bits.py DIR_A DIR_B [--added]`: each file of DIR_A against DIR_B's, field
+   by field (timings left out); one line per file, exit status 1 on any difference or missing file
+   (`--added`: fields only B's newer test kit records are named and left out).
 
 For instance, per revision tree TREE (a `git worktree add --detach`), from TREE:
 
@@ -51,21 +52,25 @@ def pytest_runtest_setup(item: Any) -> None:
     _current["test"], _current["count"] = item.nodeid.split("::", 1)[-1], 0
 
 
-def differences(a: Any, b: Any, where: str = "") -> list[str]:
-    """Where `a` and `b` differ: tensors by torch.equal (dtype and shape too), containers item by item."""
+def differences(a: Any, b: Any, where: str = "", added: set[str] | None = None) -> list[str]:
+    """Where `a` and `b` differ: tensors by torch.equal (dtype and shape too), containers item by item.
+    `added`: keys B's test kit records that A's did not (left out, named by `main`)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and \
             a.shape == b.shape and torch.equal(a, b)
         return [] if same else [where or "."]
     if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
+        extra = set(map(str, b)) - set(map(str, a))
+        if a.keys() - b.keys() or (extra and added is None):
             return [f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"]
+        if added is not None:
+            added.update(f"{where}.{key}" for key in extra)
         return [d for key in a if not TIMINGS.search(str(key))
-                for d in differences(a[key], b[key], f"{where}.{key}")]
+                for d in differences(a[key], b[key], f"{where}.{key}", added)]
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return [f"{where}: {len(a)} vs {len(b)} items"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{where}[{i}]")]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{where}[{i}]", added)]
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return []
     return [] if a == b else [f"{where}: {a!r} vs {b!r}"]
@@ -82,7 +87,8 @@ def fields(value: Any) -> int:
     return 0
 
 
-def main(a: str, b: str) -> int:
+def main(a: str, b: str, *options: str) -> int:
+    """`--added`: keys only B records (a newer test kit's) are named and left out, not a difference."""
     status = 0
     names = sorted({p.name for p in Path(a).glob("*.pt")} | {p.name for p in Path(b).glob("*.pt")})
     for name in names:
@@ -91,12 +97,14 @@ def main(a: str, b: str) -> int:
             status = 1
             continue
         left, right = (torch.load(Path(d) / name, weights_only=False) for d in (a, b))
-        found = differences(left, right)
+        added: set[str] | None = set() if "--added" in options else None
+        found = differences(left, right, added=added)
         where = ": " + ", ".join(found[:5]) if found else ""
-        print(f"{'DIFFER' if found else 'EQUAL '} {name}: {fields(left)} tensors{where}")
+        besides = f" (B's kit also records {', '.join(sorted({k.split('.')[-1] for k in added}))})" if added else ""
+        print(f"{'DIFFER' if found else 'EQUAL '} {name}: {fields(left)} tensors{where}{besides}")
         status |= bool(found)
     return status
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    sys.exit(main(*sys.argv[1:]))
