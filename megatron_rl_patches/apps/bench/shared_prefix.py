@@ -17,7 +17,6 @@ case and round (CPU time); the largest |difference| of the log-probs from `unsha
 # lazy imports: import cost: torch and megatron-core load when a benchmark runs
 from __future__ import annotations
 
-import os
 import platform
 import statistics
 import time
@@ -33,7 +32,7 @@ QUICK: dict[str, Any] = {"layers": 2, "hidden": 64, "heads": 4, "groups": 2, "vo
                          "cases": ((48, 8, 4), (8, 24, 2))}
 UNSHARED, SHARED = "unshared", "shared prefix"
 COLUMNS = ("case", "route", "tokens", "forward_ms", "forward_cpu_ms", "forward_vs_unshared", "train_ms",
-           "train_cpu_ms", "train_vs_unshared", "saved_MiB", "saved_vs_unshared", "max_abs_diff")
+           "train_cpu_ms", "train_vs_unshared", "saved_MiB", "saved_vs_unshared", "max_abs_diff", "note")
 
 
 def cpu_name() -> str:
@@ -176,17 +175,13 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     started = time.perf_counter()
     hide_import_notes()
     plan = QUICK if quick else FULL
-    try:
-        rows = measure(plan)
-    except Exception as exc:  # one row saying why, as the other benchmarks do
-        rows = [{"case": "all", "route": "", "error": f"{type(exc).__name__}: {exc}"}]
+    rows = outputs.measured(lambda: measure(plan), "case")
     title = title_of(plan, quick, time.perf_counter() - started)
-    outputs.print_table(rows, COLUMNS, title=title)
-    if out_dir:
-        outputs.write_tables(rows, COLUMNS, out_dir, "shared_prefix", title=title)
-        if "error" not in rows[0]:
-            outputs.plot_grouped_bars(rows, os.path.join(out_dir, "shared_prefix.png"), group="case", series="route",
-                                      values=["forward_vs_unshared", "train_vs_unshared", "saved_vs_unshared"],
-                                      titles=["forward time / unshared", "training step time / unshared",
-                                              "activations kept / unshared"], suptitle=title)
-    return rows
+
+    def plot(rows: list[dict], path: str) -> None:
+        outputs.plot_grouped_bars(rows, path, group="case", series="route",
+                                  values=["forward_vs_unshared", "train_vs_unshared", "saved_vs_unshared"],
+                                  titles=["forward time / unshared", "training step time / unshared",
+                                          "activations kept / unshared"], suptitle=title)
+
+    return outputs.reported(rows, COLUMNS, title, out_dir, "shared_prefix", plot)

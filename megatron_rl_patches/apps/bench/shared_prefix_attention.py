@@ -99,7 +99,4 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
         f"shared-prefix attention: P={plan['prompt']}, R={plan['response']}, G={plan['group']}, {plan['heads']} heads "
         f"of {plan['width']} ({plan['groups']} key/value groups), {'bf16 forward + backward' if cuda else 'fp32'}, "
         f"{device}", quick)
-    outputs.print_table(rows, COLUMNS, title=title)
-    if out_dir:
-        outputs.write_tables(rows, COLUMNS, out_dir, "shared_prefix_attention", title=title)
-    return rows
+    return outputs.reported(rows, COLUMNS, title, out_dir, "shared_prefix_attention")

@@ -46,3 +46,19 @@ def test_the_attention_bench_checks_its_harness_on_cpu_and_wants_cuda_for_figure
     p, r, g = QUICK["prompt"], QUICK["response"], QUICK["group"]
     assert [int(row["rows"]) for row in rows] == [g * (p + r), p + g * r]
     assert all("forward only" in row["note"] for row in rows)
+
+
+def test_a_failed_measurement_is_one_row_saying_why_and_no_plot(tmp_path, monkeypatch, capsys):
+    from megatron_rl_patches.apps.bench import shared_prefix
+
+    def broken(plan):
+        raise RuntimeError("no megatron-core here")
+
+    monkeypatch.setattr(shared_prefix, "measure", broken)
+    rows = shared_prefix.run(quick=True, out_dir=str(tmp_path))
+    assert rows == [{"case": "all", "error": "RuntimeError: no megatron-core here",
+                     "note": "error: no megatron-core here"}]
+    assert "error: no megatron-core here" in capsys.readouterr().out
+    assert list(csv.DictReader(open(tmp_path / "shared_prefix.csv", newline="")))[0]["note"] == \
+        "error: no megatron-core here"
+    assert not (tmp_path / "shared_prefix.png").exists()
