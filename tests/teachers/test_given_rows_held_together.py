@@ -212,8 +212,8 @@ def test_a_token_outside_the_top_k_above_its_rows_tail_is_refused_on_every_way_i
     the teacher's scores; it is refused naming the teacher, the sample and the rule, whether given to
     `add(scored=)`, as a `ScoredBefore` or as slime's carried rows."""
     batch, bad = outside_rows(0.9)
-    rule = ("token_log_probs is above its row's tail in row 1: id 11, none of the top-k, scores e^-0.1054 = 0.9 beside a "
-            "tail of e^-1.386 = 0.25, beyond 0.001 (a token outside the top-k is part of the tail's mass)")
+    rule = ("token_log_probs is above its row's tail in row 1: id 11, none of the top-k, scores e^-0.1054 = 0.9 "
+            "beside a tail of e^-1.386 = 0.25, beyond 0.001 (a token outside the top-k is part of the tail's mass)")
     with ServedTeacher(DEAD, top_k=K) as teacher:
         with pytest.raises(ValueError, match=refused(0, rule)):
             TeacherStep([teacher], local_host(VOCAB)).add(batch, scored={0: bad})
