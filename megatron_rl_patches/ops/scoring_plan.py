@@ -1,9 +1,10 @@
 """What every score of a step is computed with, made once and passed down (`ScoringPlan`): the
-top-k size K (a `TopK`) or the whole vocabulary (`VOCAB`), the temperature and the invariant mode (None: the setting's),
-each checked in its constructor, once. A framework's door builds it from its settings (slime's from
-MEGATRON_RL_PATCHES_OPD_K, verl's and NeMo-RL's from their loss configs), a hand-written loop from its
-arguments; teachers take it (`ServedTeacher(plan=...)`, `SelfTeacher(plan=...)`, `build_teachers`,
-`TeacherStep`), and the ops take its K as it is and its mode as their `invariant=`.
+top-k size K (a `TopK`) or the whole vocabulary (`VOCAB`), the temperature and the invariant mode
+(None: the setting's), each checked in its constructor, once. A framework's door builds it from its
+settings (slime's from MEGATRON_RL_PATCHES_OPD_K, verl's and NeMo-RL's from their loss configs), a
+hand-written loop from its arguments; teachers take it (`ServedTeacher(plan=...)`,
+`SelfTeacher(plan=...)`, `build_teachers`, `TeacherStep`), and the ops take its K as it is and its
+mode as their `invariant=`.
 
 K is checked here only (`checked_k`, which every public op calls on a plain `k` and which a `TopK`
 passes untouched; against a vocabulary, K < V so that the tail bucket is not empty), and so is a

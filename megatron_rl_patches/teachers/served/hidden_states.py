@@ -114,12 +114,13 @@ def check_given_ids(ids: object, batch: TeacherBatch, vocab_size: int) -> list[t
 
 def head_scores(head: TeacherHead, batch: TeacherBatch, states: list[torch.Tensor], plan: ScoringPlan,
                 given: list[torch.Tensor] | None = None) -> BatchScores:
-    """`BatchScores` (float64) from `states[i]` [R_i, H] through `head` at the plan's temperature and mode:
-    the actual tokens' log-probs, the teacher's own top-k (the plan's K; `VOCAB`: none) with their
-    exact tail (`TeacherHead.own_scores`, the self-teacher's computation), the hidden states
-    themselves and, with `given`, the log-probs at those ids with the tail outside them. Zero
-    sizes are scores of their shapes: no sample, no row, ids of width 0 (no log-prob; the whole
-    mass outside them: a tail of log 1 = 0); a sample of no rows in the other samples' dtype."""
+    """`BatchScores` (float64) from `states[i]` [R_i, H] through `head` at the plan's temperature
+    and invariant mode: the actual tokens' log-probs, the teacher's own top-k (the plan's K;
+    `VOCAB`: none) with their exact tail (`TeacherHead.own_scores`, the self-teacher's
+    computation), the hidden states themselves and, with `given`, the log-probs at those ids with
+    the tail outside them. Zero sizes are scores of their shapes: no sample, no row, ids of width 0
+    (no log-prob; the whole mass outside them: a tail of log 1 = 0); a sample of no rows in the
+    other samples' dtype."""
     temperature, top_k, mode = plan.temperature, 0 if plan.top_k is VOCAB else plan.k, plan.invariant
     rows = [batch.response_rows(i) for i in range(len(batch))]
     states = in_one_dtype([s.reshape(-1, head.hidden_size) for s in states])
