@@ -27,14 +27,14 @@ from megatron_rl_patches.teachers import (
 )
 from megatron_rl_patches.teachers.step.served import HeadServed
 
-V, H, K = 700, 32, 5
+V, H, K = 300, 16, 5
 URL = "http://127.0.0.1:9"  # never asked: every sample's states are given to the step
 SETTING = "MEGATRON_RL_PATCHES_INVARIANT"
 
 
 def batch() -> TeacherBatch:
     gen = torch.Generator().manual_seed(11)
-    return TeacherBatch([torch.randint(0, V, (n,), generator=gen) for n in (40, 31, 26)], [4, 9, 3])
+    return TeacherBatch([torch.randint(0, V, (n,), generator=gen) for n in (12, 9, 8)], [4, 3, 2])
 
 
 def states(samples: TeacherBatch) -> list[torch.Tensor]:
