@@ -1,9 +1,10 @@
 """What every score of a step is computed with, made once and passed down (`ScoringPlan`): the
-top-k size K (a `TopK`) or the whole vocabulary (`VOCAB`), the temperature and the invariant mode,
-each checked in its constructor, once. A framework's door builds it from its settings (slime's from
-MEGATRON_RL_PATCHES_OPD_K, verl's and NeMo-RL's from their loss configs), a hand-written loop from its
-arguments; teachers take it (`ServedTeacher(plan=...)`, `SelfTeacher(plan=...)`, `build_teachers`,
-`TeacherStep`), and the ops take its K as it is.
+top-k size K (a `TopK`) or the whole vocabulary (`VOCAB`), the temperature and the invariant mode
+(None: the setting's), each checked in its constructor, once. A framework's door builds it from its
+settings (slime's from MEGATRON_RL_PATCHES_OPD_K, verl's and NeMo-RL's from their loss configs), a
+hand-written loop from its arguments; teachers take it (`ServedTeacher(plan=...)`,
+`SelfTeacher(plan=...)`, `build_teachers`, `TeacherStep`), and the ops take its K as it is and its
+mode as their `invariant=`.
 
 K is checked here only (`checked_k`, which every public op calls on a plain `k` and which a `TopK`
 passes untouched; against a vocabulary, K < V so that the tail bucket is not empty), and so is a
@@ -45,10 +46,16 @@ def positive_int(name: str, value: Any, meaning: str = "") -> int:
 
 
 class TopK(int):
-    """A top-k size checked (a positive int): made only by :func:`checked_k` (a plan's, a parsed
-    setting's, a processor's); the ops take it as it is."""
+    """A top-k size checked (a positive int, checked here whoever makes it: :func:`checked_k`, a
+    plan's, a parsed setting's, a processor's, or a caller's own `TopK(K)`); the ops take it as it is."""
 
     __slots__ = ()
+
+    def __new__(cls, k: Any) -> TopK:
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+            raise ValueError(f"TopK(K) must be an int >= 1 (the top-k buckets per row; VOCAB for the whole "
+                             f"vocabulary), got K = {shown(k)[:60]}")
+        return super().__new__(cls, int(k))
 
 
 class FullVocabulary:
@@ -95,12 +102,14 @@ def checked_temperature(temperature: Any, name: str = "temperature") -> float:
 class ScoringPlan:
     """What every score of a step is computed with: `top_k` the buckets per row (a `TopK`) or
     `VOCAB` (the whole vocabulary), `temperature` the softmax temperature (finite, > 0), `invariant`
-    the invariant mode (docs/train-rollout-agreement.md). Checked here, once; compared whole (two
-    plans are the same plan when their three fields are equal)."""
+    the invariant mode (docs/train-rollout-agreement.md), handed to every vocabulary op as its
+    `invariant=`: True or False that mode whatever the setting says, None (the default) the
+    setting's (MEGATRON_RL_PATCHES_INVARIANT), as an op's own None. Checked here, once; compared
+    whole (two plans are the same plan when their three fields are equal)."""
 
     top_k: Any
     temperature: float = 1.0
-    invariant: bool = False
+    invariant: bool | None = None
 
     def __post_init__(self) -> None:
         if self.top_k is not VOCAB:
@@ -108,8 +117,9 @@ class ScoringPlan:
                                                         "vocabulary)", "ScoringPlan(top_k=...)"))
         object.__setattr__(self, "temperature", checked_temperature(self.temperature,
                                                                     "ScoringPlan(temperature=...)"))
-        if not isinstance(self.invariant, bool):
-            raise TypeError(f"ScoringPlan(invariant=...) must be a bool, got {type(self.invariant).__name__}")
+        if self.invariant is not None and not isinstance(self.invariant, bool):
+            raise TypeError(f"ScoringPlan(invariant=...) must be True, False or None (the setting "
+                            f"MEGATRON_RL_PATCHES_INVARIANT), got {shown(self.invariant)[:60]}")
 
     @property
     def full_vocabulary(self) -> bool:
@@ -125,8 +135,8 @@ class ScoringPlan:
 
 
 class Planned:
-    """What holds a `ScoringPlan` (`plan`: a teacher, a build's options) reads its K and temperature
-    off it: `top_k` (the plan's K) and `temperature`."""
+    """What holds a `ScoringPlan` (`plan`: a teacher, a build's options) reads its K, temperature
+    and mode off it: `top_k` (the plan's K), `temperature` and `invariant`."""
 
     plan: ScoringPlan
 
@@ -139,6 +149,11 @@ class Planned:
     def temperature(self) -> float:
         """The temperature it scores at: the plan's."""
         return self.plan.temperature
+
+    @property
+    def invariant(self) -> bool | None:
+        """The mode its vocabulary ops run in: the plan's (None: the setting's)."""
+        return self.plan.invariant
 
 
 def scoring_plan(plan: Any, top_k: Any, temperature: Any, who: str, top_k_default: Any = None) -> ScoringPlan:

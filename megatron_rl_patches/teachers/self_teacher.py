@@ -118,7 +118,7 @@ class SelfTeacher(Planned):
         group = self.tp_group if self.shards() > 1 else None
         token, ids, values, tail = own_scores(hidden, weight, tokens.to(hidden.device), self.plan.k,
                                               temperature=self.temperature, tp_group=group,
-                                              vocab_size=self.vocab_size)
+                                              vocab_size=self.vocab_size, invariant=self.invariant)
         return BatchScores(*(list(part.cpu().split(rows)) for part in (token, ids, values, tail)))
 
     def shards(self) -> int:

@@ -17,7 +17,7 @@ from megatron_rl_patches.apps.serve_teacher import bodies
 from megatron_rl_patches.apps.serve_teacher.prefixes import SharedPrefixes
 from megatron_rl_patches.apps.serve_teacher.rows import prompt_log_prob_entries
 from megatron_rl_patches.apps.serve_teacher.versions import check_vllm_version
-from megatron_rl_patches.teachers import ClientSettings, FewestInFlight, PromptAffinity, ReplicaSettings
+from megatron_rl_patches.teachers import ClientSettings, FewestInFlight, PromptAffinity, ReplicaSettings, ServedTeacher
 from megatron_rl_patches.teachers.served.engines.protocol import ServedModel
 from megatron_rl_patches.teachers.served.engines.vllm import VllmEngine, shares_prefix
 from megatron_rl_patches.teachers.served.engines.vllm_pooling import VllmPoolingEngine
@@ -189,3 +189,22 @@ def test_the_block_is_the_smallest_the_cpu_runs_unless_given_and_the_start_line_
         "serve-teacher: m at http://127.0.0.1:8000 (prefix sharing on, KV blocks of 32 tokens: a group shares its "
         "prompt's whole blocks, so a prompt shares nothing under 32 tokens)")
     assert start_line("m", "0.0.0.0", 1, 128, True).endswith("under 128 tokens; API key required)")
+
+
+@pytest.mark.parametrize(("host", "url"), [
+    ("::1", "http://[::1]:8000"), ("::", "http://[::]:8000"), ("fe80::1%eth0", "http://[fe80::1%25eth0]:8000"),
+    ("[::1]", "http://[::1]:8000"), ("127.0.0.1", "http://127.0.0.1:8000"),
+    ("teacher.local", "http://teacher.local:8000"),
+])
+def test_the_start_line_names_a_url_a_client_takes_an_ipv6_host_in_brackets(host, url):
+    """Issue 110 item 8: `--host ::1` printed `http://::1:8000`, no URL (ServedTeacher refuses it);
+    an IPv6 address is bracketed (its zone's '%' escaped), and the URL printed is one the client
+    takes as it is, naming the host back."""
+    from urllib.parse import urlsplit
+
+    from megatron_rl_patches.apps.serve_teacher.serving import start_line
+
+    line = start_line("m", host, 8000, 32, False)
+    assert line.startswith(f"serve-teacher: m at {url} (prefix sharing on")
+    assert ServedTeacher(url, top_k=3).url == url
+    assert urlsplit(url).hostname == host.strip("[]").replace("%", "%25") and urlsplit(url).port == 8000

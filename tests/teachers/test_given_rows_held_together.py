@@ -195,3 +195,47 @@ def test_rows_checked_in_chunks_name_the_wrong_sample_in_any_chunk(monkeypatch, 
                 TeacherStep([teacher], local_host(VOCAB)).add(batch, scored={0: bad})
     assert [list(part) for part in given_rows.row_chunks(batch, 0, 3)] == \
         {1: [[0], [1], [2]], 4: [[0], [1, 2]], 5: [[0, 1], [2]], 1000: [[0, 1, 2]]}[chunk]
+
+
+def outside_rows(token_probability: float) -> tuple[TeacherBatch, BatchScores]:
+    """One sample of 3 rows whose actual token (11) is none of the top-K (ids 0..K-1, a mass of 0.75:
+    the tail log 0.25), scored at `token_probability` on row 1 (the others at 0.05)."""
+    batch = TeacherBatch([torch.tensor([11, 11, 11, 11])], [1])
+    values = torch.log(torch.full((3, K), 0.75 / K, dtype=torch.float64))
+    token = torch.log(torch.tensor([0.05, token_probability, 0.05], dtype=torch.float64))
+    return batch, BatchScores([token], [torch.arange(K).expand(3, K).clone()], [values], [tail_log_probs(values)])
+
+
+def test_a_token_outside_the_top_k_above_its_rows_tail_is_refused_on_every_way_in():
+    """Issue 110 item 6: a token none of the top-k is part of the tail's mass, so its probability is
+    at most the tail's (within the reply slack, 1e-3): log 0.9 beside a tail of log 0.25 was read as
+    the teacher's scores; it is refused naming the teacher, the sample and the rule, whether given to
+    `add(scored=)`, as a `ScoredBefore` or as slime's carried rows."""
+    batch, bad = outside_rows(0.9)
+    rule = ("token_log_probs is above its row's tail in row 1: id 11, none of the top-k, scores e^-0.1054 = 0.9 "
+            "beside a tail of e^-1.386 = 0.25, beyond 0.001 (a token outside the top-k is part of the tail's mass)")
+    with ServedTeacher(DEAD, top_k=K) as teacher:
+        with pytest.raises(ValueError, match=refused(0, rule)):
+            TeacherStep([teacher], local_host(VOCAB)).add(batch, scored={0: bad})
+        before = ScoredBefore([(ids_digest(batch.sequences[0], 1), bad)], origin="a test's rollout", vocab_size=VOCAB)
+        with pytest.raises(ValueError, match=refused(0, rule, "a test's rollout")):
+            TeacherStep([teacher], local_host(VOCAB)).add(batch, scored={0: before})
+        carried = [{teacher_key(teacher, None): packed(bad, batch)}]
+        with pytest.raises(ValueError, match=refused(0, rule, "slime's train_metadata['megatron_rl_patches_teacher_"
+                                                              "rows'], carried from the rollout")):
+            add_carried(TeacherStep([teacher], local_host(VOCAB)), batch, None, {CARRIED: carried})
+
+
+@pytest.mark.parametrize(("probability", "read"), [(0.25, True), (0.25 + 9e-4, True), (0.25 + 2e-3, False),
+                                                   (0.0, True), (0.26, False)])
+def test_a_token_outside_the_top_k_is_read_up_to_its_tail_within_the_slack(probability, read):
+    batch, rows = outside_rows(probability)
+    with ServedTeacher(DEAD, top_k=K) as teacher:
+        step = TeacherStep([teacher], local_host(VOCAB))
+        if read:
+            step.add(batch, scored={0: rows})
+            (got,) = step.collect()
+            assert torch.equal(got.token_log_probs[0], rows.token_log_probs[0])
+        else:
+            with pytest.raises(ValueError, match=r"token_log_probs is above its row's tail in row 1"):
+                step.add(batch, scored={0: rows})

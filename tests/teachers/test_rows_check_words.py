@@ -40,9 +40,11 @@ def test_a_token_entry_exactly_the_tolerance_away_is_read_and_past_it_refused():
 
 
 def test_a_token_log_prob_of_exactly_the_tolerance_is_read():
-    half = math.log(0.5)
-    assert check([[half, -INF]], [LOG_PROB_SLACK], [half], [5], ids=[[0, 1]]) is None
-    assert check([[half, -INF]], [2 * LOG_PROB_SLACK], [half], [5], ids=[[0, 1]]) == (
+    # a top-k of no mass, the tail the whole (rounded a little over 1): the token (id 5, none of the
+    # top-k) may take it all, up to the tolerance
+    tail = [LOG_PROB_SLACK / 2]
+    assert check([[-INF, -INF]], [LOG_PROB_SLACK], tail, [5], ids=[[0, 1]]) is None
+    assert check([[-INF, -INF]], [2 * LOG_PROB_SLACK], tail, [5], ids=[[0, 1]]) == (
         "topk_log_probs / token_log_probs are no log-probabilities (a top-k mass or log-prob of e^0.002, above 1)")
 
 

@@ -377,7 +377,7 @@ def test_without_distributed_the_step_scores_in_place_and_passes_in_process_teac
 
     with vllm_like() as server, ServedTeacher(url_of(server), "vllm", top_k=K) as served:
         step = TeacherStep([served, RankTeacher(0)], local_host(12, teacher_pass))
-        assert step.plan == StepPlan(K, 1.0, False)
+        assert step.plan == StepPlan(K, 1.0, None)  # the mode: the setting's
         step.send(batch())
         served_scores, in_process = step.collect()
     assert seen == ["RankTeacher"] and len(served_scores) == 3 and len(in_process) == 3
@@ -411,7 +411,7 @@ class WarmTeacher(RankTeacher):
 def test_the_plan_is_each_teachers_temperature_and_a_different_one_is_refused():
     host = local_host(12)
     assert TeacherStep([WarmTeacher(0)], host).plan == StepPlan(K, 0.7)
-    differ = r"the teachers' \(top_k, temperature\) differ \(\[\(4, 0\.7\), \(4, 1\.0\)\]\)"
+    differ = r"the teachers' \(top_k, temperature, invariant\) differ \(\[\(4, 0\.7, None\), \(4, 1\.0, None\)\]\)"
     with pytest.raises(ValueError, match=differ):
         TeacherStep([WarmTeacher(0), RankTeacher(0)], host)
     with pytest.raises(ValueError, match=r"scores top_k=4 at temperature 0\.7, the plan asks top_k=4 at 1\.0"):

@@ -16,10 +16,19 @@ def serve(model: str, host: str, port: int, api_key: str | None, extra: Sequence
     asyncio.run(serving(model, host, port, api_key, extra))
 
 
+def server_url(host: str, port: int) -> str:
+    """`http://host:port` as a client writes it: an IPv6 address in brackets (`http://[::1]:8000`;
+    a zone's '%' escaped as '%25', RFC 6874), a name or an IPv4 address as it is."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host.replace('%', '%25')}]"
+    return f"http://{host}:{port}"
+
+
 def start_line(name: str, host: str, port: int, block_size: int, keyed: bool) -> str:
-    """The line the server logs once it serves: where, the KV block it shares prompts in, and the
-    shortest prompt it shares (vLLM's prefix cache holds whole blocks only)."""
-    return (f"serve-teacher: {name} at http://{host}:{port} (prefix sharing on, KV blocks of {block_size} tokens: "
+    """The line the server logs once it serves: where (a URL a client takes as it is), the KV
+    block it shares prompts in, and the shortest prompt it shares (vLLM's prefix cache holds whole
+    blocks only)."""
+    return (f"serve-teacher: {name} at {server_url(host, port)} (prefix sharing on, KV blocks of {block_size} tokens: "
             f"a group shares its prompt's whole blocks, so a prompt shares nothing under {block_size} tokens"
             f"{'; API key required' if keyed else ''})")
 

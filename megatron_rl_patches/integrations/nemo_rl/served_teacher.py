@@ -88,6 +88,11 @@ class ServedTeacherPolicy(TeacherPolicy):
                              "student workers re-read it from its source (the loss WholeVocabularyDistillationLossFn("
                              "head=DIR)), and this TeacherHead has none (built by hand); pass head=DIR or "
                              "TeacherHead.from_hf(DIR)")
+        if full_vocabulary and teacher.invariant is True:
+            raise ValueError("ServedTeacherPolicy(full_vocabulary=True): the teacher's plan asks the invariant mode, "
+                             "and the whole-vocabulary divergence (lm_head_divergence) has none yet: build the teacher "
+                             "with ScoringPlan(VOCAB, invariant=None or False), or distil over the top-k "
+                             "(full_vocabulary=False), whose ops run in it")
         if tokenizer is not None and teacher.context is None:
             raise ValueError("ServedTeacherPolicy(tokenizer=...) reads text contexts, and the teacher has no context "
                              "key: pass served_teacher_policy(url, context=KEY, tokenizer=...) or drop tokenizer")

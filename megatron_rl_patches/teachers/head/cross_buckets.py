@@ -34,13 +34,15 @@ def cross_batch(samples: Sequence[TeacherSample]) -> TeacherBatch:
 
 
 def head_buckets(head: TeacherHead, scores: BatchScores, samples: Sequence[TeacherSample],
-                 shared: SharedVocabulary, k: int, *, temperature: float = 1.0) -> list[ServedBuckets]:
+                 shared: SharedVocabulary, k: int, *, temperature: float = 1.0,
+                 invariant: bool | None = None) -> list[ServedBuckets]:
     """Per sample, the chunk-start buckets of the strings of the teacher's top-`k` (`scores.topk_ids`
     of `ServedTeacher(head=head, top_k >= k)` over `cross_batch(samples)`), every bucket's teacher
-    ids scored through `head` at `temperature` from `scores.hidden_states` (one pass of the fused op
-    over every sample's chunk-start rows; no [rows, V] tensor): log P(bucket) [R_student, k] and the
-    exact log tail [R_student] on the student's rows; nothing folded. Every rank of the head's
-    tensor-parallel group calls it with the same scores and samples."""
+    ids scored through `head` at `temperature` (in the mode `invariant`, a plan's: None the
+    setting's) from `scores.hidden_states` (one pass of the fused op over every sample's
+    chunk-start rows; no [rows, V] tensor): log P(bucket) [R_student, k] and the exact log tail
+    [R_student] on the student's rows; nothing folded. Every rank of the head's tensor-parallel
+    group calls it with the same scores and samples."""
     check_head_buckets(head, scores, samples, k)
     found = [chunk_start_buckets(ids[:, :k], s.alignment, shared) for ids, s in zip(scores.topk_ids, samples)]
     starts = [s.alignment.chunk_starts()[1] for s in samples]
@@ -50,7 +52,7 @@ def head_buckets(head: TeacherHead, scores: BatchScores, samples: Sequence[Teach
     ids = torch.cat([b.teacher_ids[rows] for b, rows in zip(found, starts)])
     mask = torch.cat([b.teacher_mask[rows] for b, rows in zip(found, starts)])
     if hidden.shape[0]:  # the same rows on every rank of the head's group
-        values, tails = head.log_probs_at(hidden, ids, temperature, ids_mask=mask)
+        values, tails = head.log_probs_at(hidden, ids, temperature, ids_mask=mask, invariant=invariant)
         values, tails = values.double().cpu(), tails.double().cpu()
     else:
         values, tails = torch.zeros(0, ids.shape[1], dtype=torch.float64), torch.zeros(0, dtype=torch.float64)

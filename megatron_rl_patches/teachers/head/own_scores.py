@@ -15,14 +15,16 @@ from megatron_rl_patches.ops.lm_head import lm_head_topk_ids, lm_head_topk_logpr
 
 
 def own_scores(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, k: int, *, temperature: Any,
-               tp_group: Any = None, vocab_size: int | None = None
+               tp_group: Any = None, vocab_size: int | None = None, invariant: bool | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the token's log-prob [R], the top-`k` ids [R, k], their log-probs [R, k], the tail [R]) of
     hidden [R, H] through weight [V_local, H] at `temperature` (float64 but the int64 ids): the
     actual token is scored beside the top-k in the same pass (its slot masked out where it is one of
     them: the op's tail is then the top-k's; else the top-k's tail is the rest's plus the token's).
-    Every rank of `tp_group` calls it with the same rows (the ops combine the vocabulary shards)."""
-    options: dict[str, Any] = dict(tp_group=tp_group, temperature=temperature, vocab_size=vocab_size)
+    Every rank of `tp_group` calls it with the same rows (the ops combine the vocabulary shards).
+    `invariant`: both passes' mode, the plan's (None: the setting MEGATRON_RL_PATCHES_INVARIANT)."""
+    options: dict[str, Any] = dict(tp_group=tp_group, temperature=temperature, vocab_size=vocab_size,
+                                   invariant=invariant)
     vocab = vocab_size if vocab_size is not None else weight.shape[0] * (1 if tp_group is None else
                                                                        dist.get_world_size(tp_group))
     with torch.no_grad():

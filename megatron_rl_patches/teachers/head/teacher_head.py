@@ -71,42 +71,44 @@ class TeacherHead:
     # ------------------------------------------------------------------ the teacher's distribution
     # hidden [R, H]: the teacher's final hidden states (row r predicts the token after it); every
     # rank of `tp_group` calls with the same rows (the ops combine the shards). No gradient; no
-    # [R, V] tensor: the fused ops walk the vocabulary tile by tile.
+    # [R, V] tensor: the fused ops walk the vocabulary tile by tile. `invariant`: the ops' mode, a
+    # teacher's plan's (None: the setting MEGATRON_RL_PATCHES_INVARIANT).
 
-    def token_log_probs(self, hidden: torch.Tensor, tokens: torch.Tensor,
-                        temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+    def token_log_probs(self, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float | torch.Tensor = 1.0,
+                        *, invariant: bool | None = None) -> torch.Tensor:
         """[R] log-probs of `tokens` [R] under softmax(h·Wᵀ/τ) over the real vocabulary."""
         with torch.no_grad():
             values, _ = lm_head_log_probs_and_entropy(self.rows(hidden), self.weight, tokens.to(self.weight.device),
-                                                      **self.options(temperature))
+                                                      **self.options(temperature, invariant))
         return values
 
-    def topk(self, hidden: torch.Tensor, k: int,
-             temperature: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def topk(self, hidden: torch.Tensor, k: int, temperature: float | torch.Tensor = 1.0, *,
+             invariant: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The teacher's own top-`k` per row at `temperature`: (ids [R, k] best first, their
         log-probs [R, k], the exact tail [R]: the log of the mass outside them)."""
         h = self.rows(hidden)
         with torch.no_grad():
-            ids = lm_head_topk_ids(h, self.weight, k, **self.options(temperature))
-            values, tail = lm_head_topk_logprobs(h, self.weight, ids, **self.options(temperature))
+            ids = lm_head_topk_ids(h, self.weight, k, **self.options(temperature, invariant))
+            values, tail = lm_head_topk_logprobs(h, self.weight, ids, **self.options(temperature, invariant))
         return ids, values, tail
 
-    def own_scores(self, hidden: torch.Tensor, tokens: torch.Tensor, k: int, temperature: float = 1.0
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def own_scores(self, hidden: torch.Tensor, tokens: torch.Tensor, k: int, temperature: float = 1.0, *,
+                   invariant: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`tokens`' log-probs [R], the teacher's own top-`k` ids [R, k] with their log-probs [R, k]
         and the exact tail [R] (float64 but the ids), in one top-k and one log-prob pass
         (`own_scores`: the live self-teacher's computation)."""
         return own_scores(self.rows(hidden), self.weight, tokens.to(self.weight.device), k,
-                          **self.options(temperature))
+                          **self.options(temperature, invariant))
 
     def log_probs_at(self, hidden: torch.Tensor, ids: torch.Tensor, temperature: float | torch.Tensor = 1.0,
-                     ids_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     ids_mask: torch.Tensor | None = None, *,
+                     invariant: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The teacher's log-probs at ids the caller chose (e.g. the student's top-k) [R, k] and
         the exact tail [R] (the log of the mass outside them); `ids_mask` [R, k] as in
         `lm_head_topk_logprobs` (padded slots: -inf, their mass in the tail)."""
         with torch.no_grad():
             return lm_head_topk_logprobs(self.rows(hidden), self.weight, ids.to(self.weight.device),
-                                         ids_mask=ids_mask, **self.options(temperature))
+                                         ids_mask=ids_mask, **self.options(temperature, invariant))
 
     def rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """`hidden` [R, H] in the head's dtype and on its device; ValueError naming another width."""
@@ -116,9 +118,10 @@ class TeacherHead:
                              f"states, this head's width), got {shape}")
         return hidden.detach().to(device=self.weight.device, dtype=self.weight.dtype)
 
-    def options(self, temperature: float | torch.Tensor) -> dict[str, Any]:
-        """The ops' keywords for this head: its group, its real vocabulary, `temperature`."""
-        return {"tp_group": self.tp_group, "vocab_size": self.vocab_size, "temperature": temperature}
+    def options(self, temperature: float | torch.Tensor, invariant: bool | None = None) -> dict[str, Any]:
+        """The ops' keywords for this head: its group, its real vocabulary, `temperature`, the mode."""
+        return {"tp_group": self.tp_group, "vocab_size": self.vocab_size, "temperature": temperature,
+                "invariant": invariant}
 
     def __repr__(self) -> str:
         rows = self.weight.shape[0]

@@ -114,22 +114,23 @@ def check_given_ids(ids: object, batch: TeacherBatch, vocab_size: int) -> list[t
 
 def head_scores(head: TeacherHead, batch: TeacherBatch, states: list[torch.Tensor], plan: ScoringPlan,
                 given: list[torch.Tensor] | None = None) -> BatchScores:
-    """`BatchScores` (float64) from `states[i]` [R_i, H] through `head` at the plan's temperature:
-    the actual tokens' log-probs, the teacher's own top-k (the plan's K; `VOCAB`: none) with their
-    exact tail (`TeacherHead.own_scores`, the self-teacher's computation), the hidden states
-    themselves and, with `given`, the log-probs at those ids with the tail outside them. Zero
-    sizes are scores of their shapes: no sample, no row, ids of width 0 (no log-prob; the whole
-    mass outside them: a tail of log 1 = 0); a sample of no rows in the other samples' dtype."""
-    temperature, top_k = plan.temperature, 0 if plan.top_k is VOCAB else plan.k
+    """`BatchScores` (float64) from `states[i]` [R_i, H] through `head` at the plan's temperature
+    and invariant mode: the actual tokens' log-probs, the teacher's own top-k (the plan's K;
+    `VOCAB`: none) with their exact tail (`TeacherHead.own_scores`, the self-teacher's
+    computation), the hidden states themselves and, with `given`, the log-probs at those ids with
+    the tail outside them. Zero sizes are scores of their shapes: no sample, no row, ids of width 0
+    (no log-prob; the whole mass outside them: a tail of log 1 = 0); a sample of no rows in the
+    other samples' dtype."""
+    temperature, top_k, mode = plan.temperature, 0 if plan.top_k is VOCAB else plan.k, plan.invariant
     rows = [batch.response_rows(i) for i in range(len(batch))]
     states = in_one_dtype([s.reshape(-1, head.hidden_size) for s in states])
     hidden = torch.cat(states) if states else torch.zeros(0, head.hidden_size, dtype=head.dtype)
     tokens = torch.cat([ids[start:] for ids, start in zip(batch.sequences, batch.response_starts)]).long() \
         if len(batch) else torch.zeros(0, dtype=torch.int64)
     if hidden.shape[0] and top_k:
-        token, top_ids, top_values, tail = head.own_scores(hidden, tokens, top_k, temperature)
+        token, top_ids, top_values, tail = head.own_scores(hidden, tokens, top_k, temperature, invariant=mode)
     elif hidden.shape[0]:  # the whole vocabulary: no buckets, the whole mass their tail (log 1)
-        token = head.token_log_probs(hidden, tokens, temperature).double()
+        token = head.token_log_probs(hidden, tokens, temperature, invariant=mode).double()
         top_ids, top_values, tail = (torch.zeros(len(token), 0, dtype=torch.int64), torch.zeros(len(token), 0),
                                      torch.zeros(len(token)))
     else:  # no response row anywhere (the same batch on every rank of the head's group)
@@ -141,7 +142,7 @@ def head_scores(head: TeacherHead, batch: TeacherBatch, states: list[torch.Tenso
         width = given[0].shape[1] if given else 0
         flat = torch.cat([g.long() for g in given]) if given else torch.zeros(0, 0, dtype=torch.int64)
         if hidden.shape[0] and width:  # the same on every rank of the head's group (one batch, one ids)
-            values, rest = head.log_probs_at(hidden, flat, temperature)
+            values, rest = head.log_probs_at(hidden, flat, temperature, invariant=mode)
             at, at_tail = values.double(), rest.double()
         else:
             at = torch.zeros(hidden.shape[0], width, dtype=torch.float64)

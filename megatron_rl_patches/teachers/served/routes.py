@@ -33,7 +33,8 @@ from megatron_rl_patches.teachers.served.http import TeacherClient
 
 
 class OwnRows:
-    """The engine's own top-k rows (`plan.top_k` of them per row, at temperature 1)."""
+    """The engine's own top-k rows (`plan.top_k` of them per row, at temperature 1; no trainer op
+    runs, so a plan asking the invariant mode is refused, never dropped)."""
 
     head: TeacherHead | None = None
     hidden_dtype: torch.dtype | None = None
@@ -47,6 +48,10 @@ class OwnRows:
             raise ValueError(f"ServedTeacher(temperature={plan.temperature!r}): served engines score prompt log-probs "
                              f"at temperature 1 whatever is asked, so only temperature=1.0 can be served (score at "
                              f"the student's temperature 1, or use an in-process teacher)")
+        if plan.invariant is True:
+            raise ValueError("ServedTeacher(plan=ScoringPlan(..., invariant=True)): an engine computes its own top-k "
+                             "rows, in its own mode, and the invariant mode is the trainer's vocabulary ops': serve "
+                             "hidden states and give the teacher its head (head=DIR), or plan invariant=None / False")
         self.plan = plan
 
     def engine(self, name: str, client: TeacherClient, model: str | None) -> ServedEngine:
@@ -73,8 +78,8 @@ class OwnRows:
 
 
 class HeadStates:
-    """The final hidden states (in `hidden_dtype`) through `head` on the trainer, at the plan's K
-    and temperature."""
+    """The final hidden states (in `hidden_dtype`) through `head` on the trainer, at the plan's K,
+    temperature and invariant mode."""
 
     def __init__(self, head: TeacherHead, plan: ScoringPlan, hidden_dtype: object = None) -> None:
         head_temperature(plan.temperature, plan.top_k, head)  # the trainer forms the distribution: any K, any τ

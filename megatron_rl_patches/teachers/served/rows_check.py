@@ -12,7 +12,8 @@ teacher step is given instead of asking (`TeacherStep.add(scored=...)`, slime's 
   once over many samples' rows joined;
 - `held_together_problem` (inside `values_problem`): what a served reply holds by construction
   and given rows must hold too: each row's ids distinct (one dict's keys), the tail log(1 - sum exp(top-k)) (the client
-  forms it), the actual token's log-prob its own top-k entry's where it is one of them (one entry);
+  forms it), the actual token's log-prob its own top-k entry's where it is one of them (one entry),
+  and no more probable than the tail where it is none of them (the tail's mass holds it);
 - `states_problem`: one sample's hidden states as the client builds them ([rows, H] of the
   teacher's dtype, finite).
 
@@ -128,15 +129,16 @@ def held_together_problem(token: numpy.ndarray, ids: numpy.ndarray, ordered: num
     client), on rows whose values passed (`ordered`: each row's ids sorted; `mass`: the rows'
     `top_k_mass`; `actual` [R] the id each row scores): no id twice in a row; the tail's
     probability 1 - mass within `LOG_PROB_SLACK`; the token's log-prob its own top-k entry's
-    (within `LOG_PROB_SLACK`) where the actual id is one of the top-k. The row named is the first
-    wrong one."""
+    (within `LOG_PROB_SLACK`) where the actual id is one of the top-k, and where it is none of
+    them its probability at most the tail's (within `LOG_PROB_SLACK`: the token is part of the
+    tail's mass). The row named is the first wrong one."""
     same = ordered[:, 1:] == ordered[:, :-1]
     if same.any():
         row = int(same.any(axis=1).argmax())
         return (f"topk_ids holds id {int(ordered[row, 1:][same[row]][0])} twice in row {row} (a served reply's ids are "
                 f"distinct)")
-    left = 1.0 - mass
-    off = numpy.abs(numpy.exp(tails) - left) > LOG_PROB_SLACK
+    left, rest = 1.0 - mass, numpy.exp(tails)
+    off = numpy.abs(rest - left) > LOG_PROB_SLACK
     if off.any():
         row = int(off.argmax())
         return (f"tail_log_probs is not log(1 - sum exp(topk_log_probs)) in row {row}: e^{float(tails[row]):.4g} = "
@@ -153,6 +155,13 @@ def held_together_problem(token: numpy.ndarray, ids: numpy.ndarray, ordered: num
         return (f"token_log_probs differs from its own top-k entry in row {row}: id {int(actual[row])} scores "
                 f"{float(token[row]):.6g} as the token and {float(values[row, slot]):.6g} in the top-k (a served reply "
                 f"holds one entry per id)")
+    above = ~among.any(axis=1) & (numpy.exp(token) - rest > LOG_PROB_SLACK)
+    if above.any():
+        row = int(above.argmax())
+        own, rest = float(token[row]), float(tails[row])
+        return (f"token_log_probs is above its row's tail in row {row}: id {int(actual[row])}, none of the top-k, "
+                f"scores e^{own:.4g} = {math.exp(own):.4g} beside a tail of e^{rest:.4g} = {math.exp(rest):.4g}, "
+                f"beyond {LOG_PROB_SLACK:g} (a token outside the top-k is part of the tail's mass)")
     return None
 
 

@@ -6,7 +6,7 @@ top-k mass of at most 1), ids >= 0 (and within the vocabulary the giver names), 
 teacher returns (a `BatchScores` of top-k rows, or with a head its hidden states [R, H] in its
 dtype, finite); and what a served reply holds by construction (`rows_check.held_together_problem`):
 each row's ids distinct, the tail formed from the top-k, the actual token's log-prob its own top-k
-entry's where it is one of them.
+entry's where it is one of them and at most the tail's where it is none of them.
 
 The shapes are read per sample (no kernel); the values once over a run's rows joined (a step of
 many samples is checked in a handful of kernels, not a handful per sample), and per sample only to

@@ -81,7 +81,7 @@ class CrossServed:
         head = self.teacher.head
         if head is not None:
             buckets = head_buckets(head, scores, samples, self.pair.shared, self.k,
-                                   temperature=self.teacher.temperature)
+                                   temperature=self.teacher.temperature, invariant=self.teacher.invariant)
             return cross_scores(buckets, scores.token_log_probs, student_log_probs, samples, device)
         buckets = [served_buckets(ids, values, sample, self.pair.shared, self.k)
                    for sample, ids, values in zip(samples, scores.topk_ids, scores.topk_log_probs)]
@@ -121,5 +121,6 @@ class HeadServed:
         if hidden is None or not hidden.shape[0]:
             return [torch.zeros(r, width) for r in rows], [torch.zeros(r) for r in rows]
         flat_mask = None if mask is None else torch.cat(mask).bool()
-        values, tails = head.log_probs_at(hidden, torch.cat(ids).long(), self.teacher.temperature, ids_mask=flat_mask)
+        values, tails = head.log_probs_at(hidden, torch.cat(ids).long(), self.teacher.temperature, ids_mask=flat_mask,
+                                          invariant=self.teacher.invariant)
         return [v.float() for v in values.cpu().split(rows)], [t.float() for t in tails.cpu().split(rows)]

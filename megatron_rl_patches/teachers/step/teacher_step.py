@@ -74,21 +74,29 @@ StepPlan = ScoringPlan  # the step's plan under its earlier name (docs/distillat
 
 
 def step_plan(teachers: Sequence[Any], plan: ScoringPlan | None) -> ScoringPlan:
-    """`plan`, checked against the plan every teacher was built with (`teacher_plan`: its K and
-    temperature); without one, the teachers' own (they must agree)."""
+    """`plan`, checked against the plan every teacher was built with (`teacher_plan`: its K,
+    temperature and invariant mode: the teachers score at theirs, so a step plan differing from one
+    would be dropped); without one, the teachers' own (they must agree)."""
     plans = [teacher_plan(teacher) for teacher in teachers]
     if plan is None:
-        if len({(one.top_k, one.temperature) for one in plans}) > 1:
-            differ = sorted({(one.top_k, one.temperature) for one in plans}, key=repr)  # a K or VOCAB
-            raise ValueError(f"TeacherStep: the teachers' (top_k, temperature) differ ({differ}): give every teacher "
-                             f"the same, or pass plan=ScoringPlan(...) matching them")
+        if len(set(plans)) > 1:
+            differ = sorted({(one.top_k, one.temperature, one.invariant) for one in plans}, key=repr)  # a K or VOCAB
+            raise ValueError(f"TeacherStep: the teachers' (top_k, temperature, invariant) differ ({differ}): give "
+                             f"every teacher the same plan, or pass plan=ScoringPlan(...) matching them")
         return plans[0]
     for teacher, own in zip(teachers, plans):
-        if (own.top_k, own.temperature) != (plan.top_k, plan.temperature):
-            raise ValueError(f"TeacherStep: {teacher!r} scores top_k={own.top_k} at temperature {own.temperature}, "
-                             f"the plan asks top_k={plan.top_k} at {plan.temperature}: build the teacher with the "
-                             f"plan (plan=...)")
+        if own != plan:
+            modes = ("", "") if own.invariant == plan.invariant else (mode_words(own), mode_words(plan))
+            raise ValueError(f"TeacherStep: {teacher!r} scores top_k={own.top_k} at temperature {own.temperature}"
+                             f"{modes[0]}, the plan asks top_k={plan.top_k} at {plan.temperature}{modes[1]}: build "
+                             f"the teacher with the plan (plan=...)")
     return plan
+
+
+def mode_words(plan: ScoringPlan) -> str:
+    """The plan's invariant mode, as a message shows it."""
+    setting = ": the setting MEGATRON_RL_PATCHES_INVARIANT" if plan.invariant is None else ""
+    return f" (invariant={plan.invariant}{setting})"
 
 
 def checked(teachers: Sequence[Any], host: TeacherHost,

@@ -120,6 +120,21 @@ def test_full_vocabulary_needs_a_head_and_a_bool():
         served_teacher_policy(NOWHERE, full_vocabulary=1)  # type: ignore[arg-type]
 
 
+def test_full_vocabulary_refuses_a_teacher_plan_of_the_invariant_mode_it_cannot_run():
+    """Issue 110 item 2: the whole-vocabulary divergence has no invariant mode, so a teacher whose
+    plan asks it is refused when the policy is built (never dropped); top-k distillation takes it."""
+    from megatron_rl_patches.teachers import VOCAB, ScoringPlan, ServedTeacher, TeacherHead
+
+    head = TeacherHead(torch.zeros(12, 4), vocab_size=12, padded_vocab_size=12, first_id=0, source="/ckpt")
+    teacher = ServedTeacher(NOWHERE, head=head, plan=ScoringPlan(VOCAB, invariant=True))
+    with pytest.raises(ValueError, match=r"^ServedTeacherPolicy\(full_vocabulary=True\): the teacher's plan asks the "
+                                         r"invariant mode, and the whole-vocabulary divergence \(lm_head_divergence\) "
+                                         r"has none yet"):
+        ServedTeacherPolicy(teacher, full_vocabulary=True)
+    assert ServedTeacherPolicy(ServedTeacher(NOWHERE, head=head, plan=ScoringPlan(VOCAB)), full_vocabulary=True)
+    assert ServedTeacherPolicy(ServedTeacher(NOWHERE, head=head, plan=ScoringPlan(4, invariant=True))).teacher
+
+
 def test_full_vocabulary_needs_a_head_its_workers_can_read_again():
     """The student workers build the loss's head from the head's directory: a head with no source
     (built by hand) is refused when the policy is built, not when a worker reads ''."""

@@ -71,10 +71,10 @@ class OpdSettings:
         """K of the top-k route (its buckets); a ValueError at K=vocab, which has none."""
         return self.plan().k
 
-    def plan(self, temperature: float = 1.0, invariant: bool = False) -> ScoringPlan:
+    def plan(self, temperature: float = 1.0, invariant: bool | None = None) -> ScoringPlan:
         """The `ScoringPlan` of a step at these settings (K or the whole vocabulary) at `temperature`
         (slime's --rollout-temperature where the trainer forms the distribution; an engine's own
-        rows: 1) in the student's `invariant` mode."""
+        rows: 1) in the student's `invariant` mode (None: the setting MEGATRON_RL_PATCHES_INVARIANT's)."""
         return ScoringPlan(self.k, temperature, invariant)
 
 
