@@ -98,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     once = args.prompt + args.group_size * args.response
     results = []
     with ServedTeacher(url, top_k=args.top_k, client=ClientSettings(retries=1, deadline_s=300.0)) as teacher:
+        teacher.check()  # the client's first question (the model, K within its limit) before any group is counted
         for index in range(args.groups):
             batch = one_group(gen, args.group_size, args.prompt, args.response, args.vocab_size)
             before = counted()
