@@ -90,7 +90,7 @@ ticking = ( t0=$$(date +%s); while sleep $(TICK_S) > /dev/null 2>&1; do echo "ma
 
 # $(1): venv folder, $(2): interpreter, $(3): megatron-core pin, $(4): extras
 define make_venv
-	@echo "make: building $(1): torch, $(3) and the extras [$(4)] (about 4 minutes on an idle 2-core machine, the first time; pip is quiet: a line every $(TICK_S) s)"
+	@echo "make: building $(1): torch, $(3) and the extras [$(4)] (minutes: .venv took about 4 on an idle 2-core machine, a CUDA build of torch takes longer; pip is quiet: a line every $(TICK_S) s)"
 	test -x $(1)/bin/python || $(2) -m venv $(1)
 	@echo "make: $(1): torch ($(TORCH_PIN)), unless it is there"
 	@$(1)/bin/python -c "import torch" 2>/dev/null || { $(call ticking,$(1): installing $(TORCH_PIN),$(1)/bin/pip install -q $(TORCH_PIN)); }
