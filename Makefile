@@ -82,13 +82,22 @@ DEPS = setup.cfg setup.py pyproject.toml
 
 venv: $(STAMP)
 
+# A long quiet step (pip -q) says it still runs: `$(call ticking,WHAT,COMMAND)` runs COMMAND with a
+# line `make: WHAT: still running (N s)` every $(TICK_S) seconds, and exits with COMMAND's status.
+# (The estimates the build lines print are for an idle 2-core machine; a busy one takes longer.)
+TICK_S ?= 30
+ticking = ( t0=$$(date +%s); while sleep $(TICK_S) > /dev/null 2>&1; do echo "make: $(1): still running ($$(( $$(date +%s) - t0 )) s)"; done ) & tick=$$!; ( $(2) ); status=$$?; kill $$tick 2> /dev/null; exit $$status
+
 # $(1): venv folder, $(2): interpreter, $(3): megatron-core pin, $(4): extras
 define make_venv
-	@echo "make: building $(1): torch, $(3) and the extras [$(4)] (about 2 minutes; pip is quiet)"
+	@echo "make: building $(1): torch, $(3) and the extras [$(4)] (minutes: .venv took about 4 on an idle 2-core machine, a CUDA build of torch takes longer; pip is quiet: a line every $(TICK_S) s)"
 	test -x $(1)/bin/python || $(2) -m venv $(1)
-	$(1)/bin/python -c "import torch" 2>/dev/null || $(1)/bin/pip install -q $(TORCH_PIN)
-	$(1)/bin/pip install -q "$(3)" -e ".[$(4)]" wheel build
+	@echo "make: $(1): torch ($(TORCH_PIN)), unless it is there"
+	@$(1)/bin/python -c "import torch" 2>/dev/null || { $(call ticking,$(1): installing $(TORCH_PIN),$(1)/bin/pip install -q $(TORCH_PIN)); }
+	@echo "make: $(1): $(3), this package and its extras [$(4)]"
+	@$(call ticking,$(1): installing $(3) and the extras,$(1)/bin/pip install -q "$(3)" -e ".[$(4)]" wheel build)
 	touch $(1)/.installed
+	@echo "make: $(1) built"
 endef
 
 $(STAMP): $(DEPS)
@@ -149,7 +158,8 @@ VERL_LANE = .lanes/verl
 VERL_STAMP = $(VERL_LANE)/.installed
 $(VERL_STAMP): tools/verl-lane.txt
 	rm -rf $(VERL_LANE)
-	$(VENV_NEW)/bin/pip install -q --no-deps --target $(VERL_LANE) -r tools/verl-lane.txt
+	@echo "make: building $(VERL_LANE): verl 0.9.1 and tools/verl-lane.txt, --no-deps (about 2 minutes on an idle 2-core machine; pip is quiet: a line every $(TICK_S) s)"
+	@$(call ticking,$(VERL_LANE): installing,$(VENV_NEW)/bin/pip install -q --no-deps --target $(VERL_LANE) -r tools/verl-lane.txt)
 	touch $(VERL_STAMP)
 
 test-verl:
@@ -164,7 +174,7 @@ test-verl:
 	fi
 
 # The served lane: vLLM's CPU build (tools/served-lane.txt) in its own venv .lanes/vllm (first build
-# about 2-3 min, 3.4 GB; then a stamp; `make vllm-lane` builds it alone). The torchvision / torchaudio / torchcodec it pulls are removed: their
+# about 6-7 min on an idle 2-core machine, 3.4 GB; then a stamp; `make vllm-lane` builds it alone). The torchvision / torchaudio / torchcodec it pulls are removed: their
 # extensions do not load against torch 2.13.0+cpu, and text models need none. One real server per
 # pytest session (tests/teachers/lane/conftest.py); the tests run in the main venv (httpx, the extra
 # `served`). Loud skip when the lane cannot be built or vLLM's CPU build cannot run on this CPU
@@ -173,11 +183,14 @@ VLLM_LANE = .lanes/vllm
 VLLM_STAMP = $(VLLM_LANE)/.installed
 $(VLLM_STAMP): tools/served-lane.txt
 	rm -rf $(VLLM_LANE)
-	@echo "make: building $(VLLM_LANE): vLLM 0.32's CPU build and its torch (about 2-3 minutes, 3.4 GB; pip is quiet)"
+	@echo "make: building $(VLLM_LANE): vLLM 0.32's CPU build and its torch (about 6-7 minutes on an idle 2-core machine, 3.4 GB; pip is quiet: a line every $(TICK_S) s)"
 	test -n "$(PYTHON_VLLM)" && $(PYTHON_VLLM) -m venv $(VLLM_LANE)
-	$(VLLM_LANE)/bin/pip install -q -r tools/served-lane.txt
+	@echo "make: $(VLLM_LANE): tools/served-lane.txt (vLLM, torch 2.13.0+cpu and their dependencies)"
+	@$(call ticking,$(VLLM_LANE): installing vLLM,$(VLLM_LANE)/bin/pip install -q -r tools/served-lane.txt)
+	@echo "make: $(VLLM_LANE): removing torchvision, torchaudio and torchcodec (text models need none)"
 	$(VLLM_LANE)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
+	@echo "make: $(VLLM_LANE) built"
 
 # vLLM's environment alone (serve-teacher runs there: .lanes/vllm/bin/python -m megatron_rl_patches serve-teacher ...)
 vllm-lane: $(VLLM_STAMP)
@@ -186,7 +199,8 @@ vllm-lane: $(VLLM_STAMP)
 # own, unpinned): the router tests ask what a real router in front of the engines passes
 ROUTER_STAMP = $(VLLM_LANE)/.router-installed
 $(ROUTER_STAMP): tools/router-lane.txt $(VLLM_STAMP)
-	$(VLLM_LANE)/bin/pip install -q -r tools/router-lane.txt
+	@echo "make: $(VLLM_LANE): sglang-router 0.3.2 (tools/router-lane.txt; pip is quiet: a line every $(TICK_S) s)"
+	@$(call ticking,$(VLLM_LANE): installing sglang-router,$(VLLM_LANE)/bin/pip install -q -r tools/router-lane.txt)
 	touch $(ROUTER_STAMP)
 
 test-served: $(STAMP)

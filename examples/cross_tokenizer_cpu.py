@@ -3,7 +3,7 @@
 responses, the SentencePiece-style teacher (byte fallback, another vocabulary) scores its own
 encoding of the same bytes, and the student learns from the chunk-aligned signal.
 
-    python examples/cross_tokenizer_cpu.py [--steps 6]
+    .venv/bin/python examples/cross_tokenizer_cpu.py [--steps 6]
 
 Models are bigram stand-ins (an embedding of the previous token, then the output layer) so the
 loop stays small; the cross-tokenizer calls are the ones a real loop makes.

@@ -3,7 +3,10 @@
 each micro-batch packed by shared prefix for a training step through megatron-core's real schedule,
 against the same step with every sample packed whole.
 
-    python examples/shared_prefix_cpu.py [--groups 2] [--group-size 8] [--prompt 96] [--response 12]
+    .venv/bin/python examples/shared_prefix_cpu.py [--groups 2] [--group-size 8] [--prompt 96] [--response 12]
+
+(`.venv/bin/python`: the clone's environment, which `make venv` or `make demo` builds; run from the
+clone's root.)
 
 megatron-core runs on CPU through the test kit's shims (megatron_rl_patches.testing); on a GPU
 machine, initialize Megatron as usual instead of entering `megatron_on_cpu()`.
@@ -11,12 +14,14 @@ machine, initialize Megatron as usual instead of entering `megatron_on_cpu()`.
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from megatron_rl_patches import log_probs_and_entropy
+from megatron_rl_patches.apps.quiet import hide_import_notes
 from megatron_rl_patches.shared_prefix import (
     check_shared_prefix,
     plan_shared_prefix,
@@ -62,7 +67,7 @@ def forward_step(shared: bool):
 
     def step(iterator: Any, model: Any) -> tuple[Any, Any]:
         batch = next(iterator)
-        if shared:  # the one line: the plan as the micro-batch's packed_seq_params
+        if shared:  # the one line: where each sample's prompt is shared, as the micro-batch's packed_seq_params
             params = shared_prefix_params(plan_shared_prefix(batch["tokens"], batch["cu_seqlens"]))
         else:  # each sample packed whole (megatron-core's thd packing)
             from megatron.core.packed_seq_params import PackedSeqParams
@@ -96,7 +101,17 @@ def train_step(model: Any, micro_batches: list[dict], shared: bool) -> tuple[flo
     return float(sum(r["loss"] for r in reported)), grads
 
 
+def fewer(computed: int, packed: int) -> str:
+    """How many fewer tokens the model computed than packed whole, in words."""
+    if computed >= packed:
+        return "the same: no micro-batch holds two samples of one prompt"
+    ratio = packed / computed
+    return f"{ratio:.1f}x fewer" if ratio >= 1.05 else f"{packed - computed} fewer, {ratio:.2f}x"
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
+    hide_import_notes()  # megatron-core's notes that Transformer Engine / Apex are missing on CPU
+    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)  # 0.19's GPTModel notice
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=8)
@@ -112,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         model = build_packed_gpt(vocab_size=VOCAB, seq_length=args.prompt + args.response,
                                  config=tiny_gpt_config(num_query_groups=2), seed=1)
         check_shared_prefix(model, training=True)  # before the pass: the same answer on every rank
-        prepare_shared_prefix(model)  # once: the plan's seams on the model
+        prepare_shared_prefix(model)  # once: the model's attention learns to read a shared prefix
         loss, grads = train_step(model, micro_batches, shared=True)
         whole_loss, whole_grads = train_step(model, micro_batches, shared=False)
     packed = sum(b["tokens"].numel() for b in micro_batches)
@@ -121,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 for n in whole_grads)
     print(f"micro-batches: {len(micro_batches)} of at most {args.max_tokens} computed tokens "
           f"({len(samples)} samples)")
-    print(f"tokens computed: {computed} for {packed} packed ({packed / computed:.1f}x fewer)")
+    print(f"tokens: computed {computed} for {packed} packed whole ({fewer(computed, packed)})")
     print(f"loss {loss:.5f}, each sample packed whole {whole_loss:.5f}; gradients equal within 2e-6: {worst < 2e-6}")
     return {"loss": loss, "whole_loss": whole_loss, "worst": worst, "computed": computed, "packed": packed}
 

@@ -4,7 +4,7 @@ its own rows, of another count than the other's). `score_at_layout` gives each r
 of its own rows; they equal the teacher built whole on that rank (a few fp32 ulps: the row-parallel
 halves are summed in another order), and `topk_at_layout` its top-k log-probs and tail.
 
-Run: `python examples/teacher_layout_2rank.py` (megatron-core >= 0.15: it spawns 2 gloo processes;
+Run: `.venv/bin/python examples/teacher_layout_2rank.py` (megatron-core >= 0.15: it spawns 2 gloo processes;
 about 15 s on 2 cores). docs/layouts.md, "Teacher layout", says what each call does."""
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 student GPT trained on its own samples towards a 0.7/0.3 mixture of two inference-only teacher
 GPTs, k = 8.
 
-    python examples/topk_opd_cpu.py [--steps 8] [--seed 0]
+    .venv/bin/python examples/topk_opd_cpu.py [--steps 8] [--seed 0]
 
 megatron-core runs on CPU through the test kit's shims (megatron_rl_patches.testing); on a GPU
 machine, initialize Megatron as usual instead of entering `megatron_on_cpu()`.

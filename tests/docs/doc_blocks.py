@@ -4,8 +4,10 @@ A block is one of:
 - `python`: pasted alone into a fresh interpreter; a `# fragment: uses NAME, ...` block is run in a
   fresh interpreter of its page's fragments, given exactly the names it lists (doc_fresh.py);
 - `signatures`: a listing of public call signatures, compared with the real functions;
-- `cli`: `$ megatron-rl-patches ...` / `$ python -m megatron_rl_patches ...` lines, each followed
-  by the output it shows; run and compared;
+- `cli`: `$ ` lines calling the package's CLI (`megatron-rl-patches ...`, `python -m
+  megatron_rl_patches ...`) or an example (`python examples/...`), the clone's environment's
+  (`.venv/bin/`) or not, each followed by the output it shows; run as pasted in a fresh shell with
+  no environment on PATH (doc_shell.py: a bare `python` / `megatron-rl-patches` fails) and compared;
 - `output`: what the previous runnable block of the page prints (marker `docs-test: output`), or
   what a named producer of the test prints (marker `docs-test: output-of: NAME`);
 - `skip`: marked `<!-- docs-test: skip: reason -->` on the line above the fence;
@@ -21,7 +23,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[ \t]*$")
 MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<body>.*?)\s*-->\s*$")
-CLI_PROGRAMS = ("megatron-rl-patches", "python -m megatron_rl_patches")
+# what a `$ ` line of a cli block calls: the CLI or an example, with the clone's environment or bare
+# (bare ones are run too, and fail: doc_shell.py)
+CLI_PROGRAMS = tuple(prefix + program for prefix in (".venv/bin/", "")
+                     for program in ("megatron-rl-patches ", "python -m megatron_rl_patches ", "python examples/",
+                                     "python3 examples/"))
 SHELL_LANGS = ("bash", "console", "text", "sh", "shell", "")
 FRAGMENT = re.compile(r"^# fragment: uses (?P<names>[\w, ]+?)(?: \(.*\))?$")
 
@@ -74,13 +80,13 @@ def is_cli_block(lang: str, text: str) -> bool:
 
 
 def _cli_argv_start(command: str) -> str | None:
-    """The CLI program a command line calls, after any `NAME=value` environment prefix."""
+    """The program a command line calls (the CLI or an example), after any `NAME=value` prefix."""
     words = command.split()
     while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
         words.pop(0)
-    rest = " ".join(words)
+    rest = " ".join(words) + " "
     for program in CLI_PROGRAMS:
-        if rest == program or rest.startswith(program + " "):
+        if rest.startswith(program):
             return program
     return None
 

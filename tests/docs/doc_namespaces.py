@@ -246,6 +246,7 @@ PAGES: dict[str, Page] = {
     "docs/fused-lm-head.md": Page(fused_lm_head, megatron=True, finish=fused_lm_head_finish),
     "docs/topk-opd.md": Page(topk_opd, megatron=True, before=topk_opd_before, finish=topk_opd_finish),
     "docs/recipes.md": Page(verl=True),
+    "docs/shared-prefix.md": Page(megatron=True),  # its example's command: a megatron-core training step
 }
 
 

@@ -1,4 +1,4 @@
-"""Running documentation blocks: python in a namespace, CLI commands in this process, output
+"""Running documentation blocks: python in a namespace, the `$ ` commands of a CLI block, output
 comparison (whitespace-normalized, `...` lines stand for any lines), signature listings."""
 from __future__ import annotations
 
@@ -7,13 +7,10 @@ import contextlib
 import inspect
 import io
 import re
-import shlex
 from collections.abc import Iterator
 from typing import Any
 
-from doc_blocks import CLI_PROGRAMS, REPO, Block
-
-from megatron_rl_patches.testing.environ import environment
+from doc_blocks import REPO, Block
 
 ELLIPSIS = "..."
 
@@ -77,29 +74,6 @@ def cli_commands(block: Block) -> Iterator[tuple[str, str]]:
             output.append(lines[i])
             i += 1
         yield command, "\n".join(output) + "\n"
-
-
-def run_documented_command(command: str) -> tuple[int, str]:
-    """`[NAME=value ...] megatron-rl-patches ARGS` (or `python -m megatron_rl_patches ARGS`) through
-    the CLI's `main` in this process; returns (exit code, stdout)."""
-    from megatron_rl_patches.apps.cli import main
-
-    words = shlex.split(command)
-    env = {}
-    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
-        name, _, value = words.pop(0).partition("=")
-        env[name] = value
-    for program in CLI_PROGRAMS:
-        size = len(program.split())
-        if words[:size] == program.split():
-            argv = words[size:]
-            break
-    else:
-        raise AssertionError(f"not a call of the CLI: {command!r}")
-    out = io.StringIO()
-    with environment(env), contextlib.redirect_stdout(out):
-        code = main(argv)
-    return code, out.getvalue()
 
 
 def listed_signatures(text: str) -> dict[str, ast.arguments]:

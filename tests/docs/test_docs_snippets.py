@@ -1,6 +1,7 @@
 """Every fenced block of README.md and docs/*.md is true: python blocks run as pasted in a fresh
 interpreter (a `# fragment: uses ...` block given the small real objects it lists, doc_namespaces.py;
-doc_fresh.py), CLI blocks print what they show, output blocks
+doc_fresh.py), CLI blocks' commands print what they show, run as pasted in a fresh shell at the
+clone's root with no environment on PATH (doc_shell.py), output blocks
 match what their code prints, signature listings match the functions. Blocks that cannot run here
 are marked `<!-- docs-test: skip: reason -->` and reported as skipped tests with that reason."""
 from __future__ import annotations
@@ -18,9 +19,9 @@ from doc_running import (  # noqa: E402
     assert_output,
     cli_commands,
     listed_signatures,
-    run_documented_command,
     signature_mismatches,
 )
+from doc_shell import clone_root, paste  # noqa: E402
 from doc_skipped import skipped_block_checks  # noqa: E402
 
 pytestmark = pytest.mark.reader_facing  # the main and newest lanes (docs/testing.md, "Where a test runs")
@@ -79,26 +80,33 @@ def test_skipped_block_still_parses_and_names_what_exists(block):
 @pytest.mark.parametrize("page", _page_params())
 def test_page_blocks_run_and_print_what_they_show(page, clean_patch_state, tmp_path):
     """Each python block as pasted into a fresh interpreter (a page's fragments in one of their own,
-    given what they list), all started at once; CLI commands through `main`; each output block
-    compared with what the runnable block above it printed."""
+    given what they list), and each CLI block's commands as pasted into a fresh shell, all started
+    at once; each output block compared with what the runnable block above it printed."""
     setup = PAGES.get(page, Page())
     if setup.verl:
         pytest.importorskip("verl.models", reason=f"{page} needs verl: run `make test-verl` (the verl lane)")
     blocks = [b for b in BLOCKS if b.page == page and b.kind in PAGE_KINDS and not (b.kind == "output" and b.detail)]
-    printed_by = dict(run_page_python([b for b in blocks if b.kind == "python"], tmp_path))
-    printed, ran = None, []
-    for block in blocks:
-        if block.kind == "python":
-            printed = printed_by[block.where]
-        elif block.kind == "cli":
-            for command, shown in cli_commands(block):
-                code, printed = run_documented_command(command)
-                assert code == 0, f"{block.where}: `{command}` exited {code}"
-                assert_output(Block(block.page, block.line, "", shown, "output"), printed, f"`{command}`")
-        else:
-            assert printed is not None, f"{block.where}: an output block with no runnable block above it"
-            assert_output(block, printed, "the block above")
-        ran.append(block.where)
+    root = clone_root(tmp_path / "clone") if any(b.kind == "cli" for b in blocks) else None
+    commands = {(b.where, command): (paste(b.where, command, root), shown)
+                for b in blocks if b.kind == "cli" and root for command, shown in cli_commands(b)}
+    try:
+        printed_by = dict(run_page_python([b for b in blocks if b.kind == "python"], tmp_path))
+        printed, ran = None, []
+        for block in blocks:
+            if block.kind == "python":
+                printed = printed_by[block.where]
+            elif block.kind == "cli":
+                for command, _ in cli_commands(block):
+                    pasted, shown = commands[block.where, command]
+                    printed = pasted.finish()
+                    assert_output(Block(block.page, block.line, "", shown, "output"), printed, f"`{command}`")
+            else:
+                assert printed is not None, f"{block.where}: an output block with no runnable block above it"
+                assert_output(block, printed, "the block above")
+            ran.append(block.where)
+    finally:
+        for pasted, _ in commands.values():
+            pasted.stop()
     assert ran
 
 

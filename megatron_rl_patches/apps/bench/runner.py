@@ -10,11 +10,11 @@ import pkgutil
 import subprocess
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Sequence
 
 from megatron_rl_patches.apps.bench.measure import MemoryProbe, reset_peak_rss
+from megatron_rl_patches.apps.bench.progress import CaseLines
 
 _RESULT = "@@bench-result@@ "
 
@@ -45,20 +45,15 @@ def run_cases(cases: Sequence[dict], *, isolate: bool = True, threads: int = 1, 
 
 
 class _Progress:
-    """`  case 3/12 done (4.1 s): fn T=1024 V=8192` on stderr as each case ends."""
+    """`  case 3/12 done (4.1 s): fn T=1024 V=8192` on stderr as each case ends (progress.CaseLines)."""
 
     def __init__(self, total: int) -> None:
-        self.total, self.done, self.since = total, 0, time.perf_counter()
+        self.lines = CaseLines(total)
 
     def case_ended(self, case: dict, result: dict) -> None:
-        self.done += 1
-        now = time.perf_counter()
         target = case["target"].rpartition(":")[2]
         shape = " ".join(f"{k}={v}" for k, v in case.get("kwargs", {}).items() if isinstance(v, (int, str)))
-        state = "failed" if result.get("error") else "done"
-        print(f"  case {self.done}/{self.total} {state} ({now - self.since:.1f} s): {target} {shape}".rstrip(),
-              file=sys.stderr, flush=True)
-        self.since = now
+        self.lines.ended(f"{target} {shape}", failed=bool(result.get("error")))
 
 
 def _run_batch(batch: list[dict], threads: int, timeout: float, progress: _Progress) -> list[dict]:

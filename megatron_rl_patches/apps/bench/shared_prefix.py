@@ -7,13 +7,14 @@ through the same model, attention and fused log-prob head (the response rows onl
 - `unshared`: each sample whole, each attending to itself (a plan that shares nothing: the packed
   path with a per-sample attention core, as Transformer Engine's on a GPU; megatron-core's local core
   on CPU would build a dense [T, T] mask and is left out);
-- `shared prefix`: the plan of `megatron_rl_patches.shared_prefix` (the prompt once).
+- `shared prefix`: the prompt computed once (`megatron_rl_patches.shared_prefix`'s sharing plan).
 Each row: the tokens the embedding is handed, the forward-only pass's time (no grad) and the
 training step's (forward + backward of a loss on the response log-probs), medians over rounds that
 alternate the two rows after a warm-up round, one torch thread: the process's CPU time (`_cpu_ms`,
 which other jobs on a shared machine move far less) and the wall time (`_ms`); the bytes autograd
-keeps for backward (the activations: exact, counted per storage); the ratios to `unshared` of the same
-case and round (CPU time); the largest |difference| of the log-probs from `unshared`'s."""
+keeps for backward (`activations_MiB`, the activations kept: exact, counted per storage); the ratios to
+`unshared` of the same case and round (CPU time); the largest |difference| of the log-probs from
+`unshared`'s. A line on stderr as each case ends (a full-size case takes minutes)."""
 # lazy imports: import cost: torch and megatron-core load when a benchmark runs
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import Any
 
 from megatron_rl_patches.apps.bench import outputs
 from megatron_rl_patches.apps.bench.measure import MIB, SavedBytes
+from megatron_rl_patches.apps.bench.progress import CaseLines
 from megatron_rl_patches.apps.quiet import hide_import_notes
 
 FULL: dict[str, Any] = {"layers": 4, "hidden": 512, "heads": 8, "groups": 4, "vocab": 16384, "rounds": 3,
@@ -31,8 +33,8 @@ FULL: dict[str, Any] = {"layers": 4, "hidden": 512, "heads": 8, "groups": 4, "vo
 QUICK: dict[str, Any] = {"layers": 2, "hidden": 64, "heads": 4, "groups": 2, "vocab": 256, "rounds": 1,
                          "cases": ((48, 8, 4), (8, 24, 2))}
 UNSHARED, SHARED = "unshared", "shared prefix"
-COLUMNS = ("case", "route", "tokens", "forward_ms", "forward_cpu_ms", "forward_vs_unshared", "train_ms",
-           "train_cpu_ms", "train_vs_unshared", "saved_MiB", "saved_vs_unshared", "max_abs_diff", "note")
+COLUMNS = ("case", "packing", "tokens", "forward_ms", "forward_cpu_ms", "forward_vs_unshared", "train_ms",
+           "train_cpu_ms", "train_vs_unshared", "activations_MiB", "activations_vs_unshared", "max_abs_diff", "note")
 
 
 def cpu_name() -> str:
@@ -48,7 +50,7 @@ def cpu_name() -> str:
 
 
 def build_model(plan: dict) -> Any:
-    """A GPTModel with Qwen3's proportions (the kit's packed-input spec: a plan's attention replaces its core)."""
+    """A GPTModel with Qwen3's proportions (the kit's packed-input spec: shared-prefix attention replaces its core)."""
     import torch
 
     from megatron_rl_patches.testing.megatron_cpu import tiny_gpt_config
@@ -118,6 +120,7 @@ def measure(plan: dict) -> list[dict]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     rows = []
+    cases = CaseLines(len(plan["cases"]))
     megatron_rl_patches.apply(only="gpt_output_processor")  # the output_processor keyword before megatron-core 0.18
     try:
         with megatron_world("cpu"):
@@ -147,15 +150,18 @@ def measure(plan: dict) -> list[dict]:
                         return statistics.median(t[which] for t in own[kind]) * 1e3
 
                     rows.append({
-                        "case": case, "route": route,
+                        "case": case, "packing": route,
                         "tokens": params[route].shared_prefix.physical_length,
                         "forward_ms": median("forward", 0), "forward_cpu_ms": median("forward", 1),
                         "forward_vs_unshared": ratio["forward"],
                         "train_ms": median("train", 0), "train_cpu_ms": median("train", 1),
                         "train_vs_unshared": ratio["train"],
-                        "saved_MiB": saved[route] / MIB, "saved_vs_unshared": saved[route] / saved[UNSHARED],
+                        "activations_MiB": saved[route] / MIB,
+                        "activations_vs_unshared": saved[route] / saved[UNSHARED],
                         "max_abs_diff": float((log_probs[route] - log_probs[UNSHARED]).abs().max()),
                     })
+                cases.ended(f"{case}: the training step {rows[-1]['train_vs_unshared']:.2f}x the unshared one's "
+                            f"CPU time, {rows[-1]['tokens']} tokens for {rows[-2]['tokens']}")
     finally:
         megatron_rl_patches.revert()
         torch.set_num_threads(threads)
@@ -179,8 +185,8 @@ def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     title = title_of(plan, quick, time.perf_counter() - started)
 
     def plot(rows: list[dict], path: str) -> None:
-        outputs.plot_grouped_bars(rows, path, group="case", series="route",
-                                  values=["forward_vs_unshared", "train_vs_unshared", "saved_vs_unshared"],
+        outputs.plot_grouped_bars(rows, path, group="case", series="packing",
+                                  values=["forward_vs_unshared", "train_vs_unshared", "activations_vs_unshared"],
                                   titles=["forward time / unshared", "training step time / unshared",
                                           "activations kept / unshared"], suptitle=title)
 

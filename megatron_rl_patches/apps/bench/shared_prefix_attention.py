@@ -1,12 +1,12 @@
-"""`bench shared-prefix-attention`: the shared-prefix plan's CUDA attention route (FlexAttention with
-the plan's block mask, compiled) against the unshared path's attention (each sample whole: G
-sequences of P + R, causal, through torch's scaled dot-product attention, whose CUDA kernels are
+"""`bench shared-prefix-attention`: shared-prefix packing's attention on CUDA (FlexAttention under a
+block mask made from the sharing plan, compiled) against the unshared path's attention (each sample
+whole: G sequences of P + R, causal, through torch's scaled dot-product attention, whose CUDA kernels are
 flash attention's), forward + backward in bfloat16, at P = 4,096, R = 512, G = 8 (32 heads of 128,
 8 key/value groups). What `tools/gpu-check` times when a GPU is at hand (not part of `bench all`).
 
-Rows: the route, the rows attended, the median forward + backward time over `runs` after a warm-up
-(CUDA events), its ratio to the unshared row, the CUDA allocator's peak above the inputs. Without
-CUDA, `--quick` runs the routes forward only on CPU (FlexAttention has no CPU backward), which says
+Rows: the attention (column `attention`), the rows attended, the median forward + backward time over
+`runs` after a warm-up (CUDA events), its ratio to the unshared row, the CUDA allocator's peak above the inputs. Without
+CUDA, `--quick` runs both forward only on CPU (FlexAttention has no CPU backward), which says
 nothing of speed and checks the harness; the full run says it needs CUDA and exits non-zero."""
 # lazy imports: import cost: torch loads when the benchmark runs
 from __future__ import annotations
@@ -21,7 +21,7 @@ from megatron_rl_patches.apps.bench.measure import MIB
 FULL: dict[str, Any] = {"prompt": 4096, "response": 512, "group": 8, "heads": 32, "groups": 8, "width": 128,
                         "runs": 5}
 QUICK: dict[str, Any] = {"prompt": 64, "response": 16, "group": 4, "heads": 4, "groups": 2, "width": 16, "runs": 1}
-COLUMNS = ("route", "rows", "ms", "vs_unshared", "peak_MiB", "note")
+COLUMNS = ("attention", "rows", "ms", "vs_unshared", "peak_MiB", "note")
 
 
 def routes(plan: dict, device: str, dtype: Any) -> dict[str, tuple[int, Any]]:
@@ -80,7 +80,7 @@ def measure(plan: dict, device: str, train: bool) -> list[dict]:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - started)
         peak = (torch.cuda.max_memory_allocated() - base) / MIB if cuda else None
-        rows.append({"route": route, "rows": count, "ms": statistics.median(times) * 1e3, "peak_MiB": peak,
+        rows.append({"attention": route, "rows": count, "ms": statistics.median(times) * 1e3, "peak_MiB": peak,
                      "note": "" if cuda else "CPU, forward only: no speed figure"})
     for row in rows:
         row["vs_unshared"] = float(row["ms"]) / float(rows[0]["ms"])

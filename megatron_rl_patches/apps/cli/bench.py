@@ -22,6 +22,7 @@ import sys
 import tempfile
 
 from megatron_rl_patches.apps.bench import gpu, ops
+from megatron_rl_patches.apps.bench.progress import HEARTBEAT_S, ticking
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, UsageError, say
 from megatron_rl_patches.settings import ascii_int
 
@@ -52,11 +53,11 @@ SEPARATE = {"load": "megatron_rl_patches.apps.bench.hf_load",
 # `bench ops` only: (flag, default, meaning); every other benchmark refuses them
 OPS_OPTIONS = (("--T", 1024, "tokens"), ("--V", 8192, "vocabulary"), ("--H", 256, "hidden size"),
                ("--runs", 3, "interleaved runs per op and side (medians)"))
-# Rough wall time of each full benchmark on a 2-core CPU (docs/benchmarks.md); --quick takes seconds.
+# Rough wall time of each full benchmark on an idle 2-core CPU (docs/benchmarks.md); --quick takes seconds.
 DURATIONS = {"logprobs": "2-4 min", "topk": "1-2 min", "reentrant": "1 min", "fused": "5-6 min",
              "windows": "1 min", "distill": "2-3 min", "residency": "1-2 min", "teacher-layout": "3-5 min",
              "share-scores": "3-6 min", "hidden-dtypes": "3-5 min", "load": "3-4 min",
-             "context": "2-3 min", "self-teacher": "2-3 min", "shared-prefix": "4-6 min",
+             "context": "2-3 min", "self-teacher": "2-3 min", "shared-prefix": "6-9 min",
              "shared-prefix-attention": "1 min on a GPU"}
 # `bench fused --only PART` (megatron_rl_patches.apps.bench.fused.PARTS, kept here so --help imports no torch)
 FUSED_PARTS = ("logprob", "opd", "invariant")
@@ -156,11 +157,13 @@ def run(args: argparse.Namespace) -> int:
     failed = []
     for name in names:
         options = {"only": args.only} if args.only is not None else {}
-        took = (f"about {DURATIONS[name]} on 2 CPU cores; --quick takes seconds" if not args.quick
+        took = (f"about {DURATIONS[name]} on an idle 2-core CPU; --quick takes seconds" if not args.quick
                 else "about 30 s: a spawned world or a model" if name in NOT_IN_QUICK_ALL else "seconds")
-        print(f"bench {name}: running ({took}); a line per case as it ends", file=sys.stderr, flush=True)
+        print(f"bench {name}: running ({took}); a line per case as it ends, and one at least every "
+              f"{HEARTBEAT_S:.0f} s", file=sys.stderr, flush=True)
         module = importlib.import_module({**BENCHMARKS, **SEPARATE}[name])
-        rows = module.run(quick=args.quick, out_dir=args.out, **options)
+        with ticking(f"bench {name}", every=HEARTBEAT_S):
+            rows = module.run(quick=args.quick, out_dir=args.out, **options)
         errors = [row["error"] for row in rows if row.get("error")]
         if errors:
             failed.append(name)
@@ -183,7 +186,8 @@ def _run_gpu(args: argparse.Namespace) -> int:
         return PROBLEM
     if args.out:
         check_output_folder(args.out)
-    rows = gpu.run(quick=args.quick, out_dir=args.out, slow=args.slow)
+    with ticking("bench gpu", every=HEARTBEAT_S):
+        rows = gpu.run(quick=args.quick, out_dir=args.out, slow=args.slow)
     errors = [row["note"] for row in rows if str(row.get("note", "")).startswith("error")]
     for error in errors[:3]:
         say("bench gpu", error)
@@ -200,11 +204,12 @@ def _run_ops(args: argparse.Namespace) -> int:
     if args.threads is not None and not args.invariant:
         raise UsageError("--threads belongs to `bench ops --invariant`")
     try:
-        if args.invariant:
-            shape["V"] = given["V"] if given["V"] is not None else ops.INVARIANT_SHAPE["V"]
-            rows = ops.run_invariant(args.baseline, shape, value["runs"], args.out, args.threads or 1)
-            return PROBLEM if any(row["invariant_s"] is None for row in rows) else OK
-        rows = ops.run_ops(args.baseline, shape, value["runs"], args.out)
+        with ticking("bench ops", every=HEARTBEAT_S):
+            if args.invariant:
+                shape["V"] = given["V"] if given["V"] is not None else ops.INVARIANT_SHAPE["V"]
+                rows = ops.run_invariant(args.baseline, shape, value["runs"], args.out, args.threads or 1)
+                return PROBLEM if any(row["invariant_s"] is None for row in rows) else OK
+            rows = ops.run_ops(args.baseline, shape, value["runs"], args.out)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return PROBLEM if any(row["today_s"] is None for row in rows) else OK

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import re
 
 import pytest
 
@@ -17,15 +18,23 @@ def test_quick_shared_prefix_bench_measures_both_routes(tmp_path, capsys):
     from megatron_rl_patches.apps.cli import main
 
     assert main(["bench", "shared-prefix", "--quick", "--out", str(tmp_path)]) == 0
-    assert "shared-prefix packing: GPTModel" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "shared-prefix packing: GPTModel" in printed.out
+    # a line per case as it ends (issue 110 item 10: the full benchmark was silent for 9 minutes)
+    ended = [line for line in printed.err.splitlines() if line.startswith("  case ")]
+    assert len(ended) == len(QUICK["cases"]), printed.err
+    for i, (line, (p, r, g)) in enumerate(zip(ended, QUICK["cases"]), 1):
+        said = (rf"  case {i}/2 done \(\d+\.\d s\): P={p}, R={r}, G={g}: the training step \d+\.\d\dx the "
+                rf"unshared one's CPU time, {p + g * r} tokens for {g * (p + r)}")
+        assert re.fullmatch(said, line), line
     rows = list(csv.DictReader(open(tmp_path / "shared_prefix.csv", newline="")))
-    assert [(row["case"], row["route"]) for row in rows] == [
+    assert [(row["case"], row["packing"]) for row in rows] == [
         (f"P={p}, R={r}, G={g}", route) for p, r, g in QUICK["cases"] for route in (UNSHARED, SHARED)]
     for (prompt, response, group), (plain, shared) in zip(QUICK["cases"], zip(rows[::2], rows[1::2])):
         assert int(plain["tokens"]) == group * (prompt + response)
         assert int(shared["tokens"]) == prompt + group * response
         assert float(plain["train_vs_unshared"]) == 1.0 and float(shared["train_ms"]) > 0
-        assert float(shared["saved_MiB"]) < float(plain["saved_MiB"])
+        assert float(shared["activations_MiB"]) < float(plain["activations_MiB"])  # the docs' "activations kept"
         assert float(shared["max_abs_diff"]) < 1e-5
     if importlib.util.find_spec("matplotlib") is not None:  # the [bench] extra
         assert (tmp_path / "shared_prefix.png").stat().st_size > 0
