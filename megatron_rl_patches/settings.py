@@ -1,12 +1,16 @@
-"""The package's settings: every environment variable megatron-rl-patches reads, in one table (its
-name and what it means: --help, `doctor`, the misspelling check, `run`), the syntax of their values
-(one parser each), and the one place outside the start-up machinery (`patching/`) and the apps where
-the environment is read (`# ---- reading`; the test kit's child processes take theirs from here too).
+"""The package's settings: every environment variable megatron-rl-patches reads, in one table
+(`SETTINGS`: its name, what it means for --help and `doctor`, and its parser), the syntax of their
+values (one parser each), and the one place outside the start-up machinery (`patching/`) and the apps
+where the environment is read (`# ---- reading`; the test kit's child processes take theirs from here too).
 
-A setting is read once, at the door of whoever uses it (an op's public call, a framework's patch
-entry, a client's constructor), into a typed value passed down as an argument: nothing below a door
-reads the environment. To add a setting (docs/design.md, "Where to add ... a setting"): its name and
-meaning in `MEANINGS`, its parser in `# ---- values` when it needs one, one reader in `# ---- reading`
+Every variable is read through its parser by whoever reads it: `read_settings` is how the launcher
+(`run`), the start-up hook and `doctor` read them all (one verdict each: the same meaning, or the same
+refusal naming the variable: tests/patching/test_one_verdict.py), and a door's reader (`shared_prefix`,
+`backend`, ...) calls the same parser. A setting is read once, at the door of whoever uses it (an op's
+public call, a framework's patch entry, a client's constructor), into a typed value passed down as an
+argument: nothing below a door reads the environment. To add a setting (docs/design.md, "Where to add
+... a setting"): its name, its parser in `# ---- values` (a function of its text, None when unset,
+raising ValueError naming the variable) and its row in `SETTINGS`, one reader in `# ---- reading`
 (`environ`: a mapping to read instead of the process's, for `doctor` and the tests), and the door's
 call. tests/apps/cli/test_variable_table.py holds every name the package, the docs and --help write
 to this table; tests/test_settings_reads.py holds every read of the environment to this module.

@@ -48,7 +48,6 @@ backend, invariant, native = settings.backend, settings.invariant, settings.nati
 verl_rows, shared_prefix = settings.verl_rows, settings.shared_prefix
 
 _PREFIX = PREFIX.removesuffix("ES")  # MEGATRON_RL_PATCH: a variable starting so (any case) is meant for us
-_environ, _cut = environment, cut  # the names the checks below use
 
 
 def shown_value(name: str, environ: Mapping[str, str] | None = None) -> str:
@@ -101,8 +100,7 @@ def checked_role_names(environ: Mapping[str, str] | None = None) -> list[str] | 
     return None if roles is None else list(roles)
 
 
-
-_LISTED = 5  # unknown names an error message shows (each cut by _cut)
+_LISTED = 5  # unknown names an error message shows (each cut by `cut`)
 
 
 def _suggestions(unknown: Sequence[str], known: Sequence[str]) -> str:
@@ -115,7 +113,7 @@ def _suggestions(unknown: Sequence[str], known: Sequence[str]) -> str:
         return ""
     if len(unknown) == 1:
         return f" (did you mean {found[unknown[0]]}?)"
-    return f" (did you mean {', '.join(f'{match} for {_cut(name)!r}' for name, match in found.items())}?)"
+    return f" (did you mean {', '.join(f'{match} for {cut(name)!r}' for name, match in found.items())}?)"
 
 
 def check_variable_names(known: Sequence[str], environ: Mapping[str, str] | None = None) -> None:
@@ -124,14 +122,14 @@ def check_variable_names(known: Sequence[str], environ: Mapping[str, str] | None
     setting would otherwise be ignored and its default used without a word."""
     import difflib  # lazy: import cost: start-up imports it only when a variable of ours is set
 
-    names = [name for name in _environ(environ) if name.upper().startswith(_PREFIX)]
+    names = [name for name in environment(environ) if name.upper().startswith(_PREFIX)]
     unknown = sorted(name for name in names if name not in known)
     if not unknown:
         return
     hints = []
     for name in unknown[:_LISTED]:
         close = difflib.get_close_matches(name.upper(), known, n=1, cutoff=0.6)
-        hints.append(f"{_cut(name)}" + (f" (did you mean {close[0]}?)" if close else ""))
+        hints.append(f"{cut(name)}" + (f" (did you mean {close[0]}?)" if close else ""))
     more = f" and {len(unknown) - _LISTED} more" if len(unknown) > _LISTED else ""
     raise ValueError(f"unknown variable(s) {', '.join(hints)}{more}: megatron-rl-patches reads none of them; "
                      "rename or unset them (`megatron-rl-patches run --help` lists its variables)")
@@ -142,7 +140,7 @@ def check_names(source: str, names: Sequence[str], known: Sequence[str]) -> None
     names, the close known ones ("did you mean ddp_hooks?") and every valid name."""
     unknown = list(dict.fromkeys(name for name in names if name not in known))
     if unknown:
-        shown = ", ".join(repr(_cut(name)) for name in unknown[:_LISTED])
+        shown = ", ".join(repr(cut(name)) for name in unknown[:_LISTED])
         more = f" and {len(unknown) - _LISTED} more" if len(unknown) > _LISTED else ""
         raise ValueError(f"unknown patch name(s) {shown}{more} in {source}{_suggestions(unknown[:_LISTED], known)}; "
                          f"valid names: {', '.join(known)}")
@@ -220,15 +218,14 @@ def summary(environ: Mapping[str, str] | None = None) -> dict[str, object]:
     env = environment(environ)
     readings = read_settings(env)
     values = readings.values
-    selects = values[SELECT]
     return {
         "variables": {name: text(env, name) for name in VARIABLES},
         "enabled_at_startup": is_enabled(env),
-        "selects": None if selects is None else list(selects) if isinstance(selects, tuple) else selects,
-        "disabled": list(values[DISABLE] or ()),  # type: ignore[call-overload]
+        "selects": _shown(values[SELECT]),  # None: off (or refused); "all"; else the names
+        "disabled": _shown(values[DISABLE]) or [],
         "strict": values[STRICT],
         "allow_untested": values[ALLOW_UNTESTED],
-        "inference_roles": None if values[INFERENCE_ROLES] is None else list(values[INFERENCE_ROLES]),  # type: ignore[call-overload]
+        "inference_roles": _shown(values[INFERENCE_ROLES]),  # None: unset (the framework's default roles) or refused
         "backend": None if values[BACKEND] == AUTO else values[BACKEND],  # None: each op chooses (or refused)
         "invariant": values[INVARIANT],  # None: unset (an op's argument, else the model config) or refused
         "native": values[NATIVE],
@@ -237,3 +234,8 @@ def summary(environ: Mapping[str, str] | None = None) -> dict[str, object]:
         "refusals": dict(readings.refusals),
         "errors": list(readings.refusals.values()),
     }
+
+
+def _shown(meaning: object) -> object:
+    """A setting's meaning as `doctor`'s JSON shows it: names as a list."""
+    return list(meaning) if isinstance(meaning, tuple) else meaning
