@@ -1,12 +1,16 @@
-"""The package's settings: every environment variable megatron-rl-patches reads, in one table (its
-name and what it means: --help, `doctor`, the misspelling check, `run`), the syntax of their values
-(one parser each), and the one place outside the start-up machinery (`patching/`) and the apps where
-the environment is read (`# ---- reading`; the test kit's child processes take theirs from here too).
+"""The package's settings: every environment variable megatron-rl-patches reads, in one table
+(`SETTINGS`: its name, what it means for --help and `doctor`, and its parser), the syntax of their
+values (one parser each), and the one place outside the start-up machinery (`patching/`) and the apps
+where the environment is read (`# ---- reading`; the test kit's child processes take theirs from here too).
 
-A setting is read once, at the door of whoever uses it (an op's public call, a framework's patch
-entry, a client's constructor), into a typed value passed down as an argument: nothing below a door
-reads the environment. To add a setting (docs/design.md, "Where to add ... a setting"): its name and
-meaning in `MEANINGS`, its parser in `# ---- values` when it needs one, one reader in `# ---- reading`
+Every variable is read through its parser by whoever reads it: `read_settings` is how the launcher
+(`run`), the start-up hook and `doctor` read them all (one verdict each: the same meaning, or the same
+refusal naming the variable: tests/patching/test_one_verdict.py), and a door's reader (`shared_prefix`,
+`backend`, ...) calls the same parser. A setting is read once, at the door of whoever uses it (an op's
+public call, a framework's patch entry, a client's constructor), into a typed value passed down as an
+argument: nothing below a door reads the environment. To add a setting (docs/design.md, "Where to add
+... a setting"): its name, its parser in `# ---- values` (a function of its text, None when unset,
+raising ValueError naming the variable) and its row in `SETTINGS`, one reader in `# ---- reading`
 (`environ`: a mapping to read instead of the process's, for `doctor` and the tests), and the door's
 call. tests/apps/cli/test_variable_table.py holds every name the package, the docs and --help write
 to this table; tests/test_settings_reads.py holds every read of the environment to this module.
@@ -18,7 +22,7 @@ import os
 
 TYPE_CHECKING = False  # not typing's: this module runs at start-up (see patching/env.py)
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping, MutableMapping
+    from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 
 PREFIX = "MEGATRON_RL_PATCHES"
 SELECT = PREFIX
@@ -45,82 +49,25 @@ VERL_TEACHER = f"{PREFIX}_VERL_TEACHER"
 TEACHER_API_KEY = f"{PREFIX}_TEACHER_API_KEY"  # a served teacher's key (teachers.ServedTeacher)
 LAUNCHER_ROOT = f"{PREFIX}_LAUNCHER_ROOT"  # set by `run` for its children, never by hand
 
-# The variables a user sets -> what they mean (--help's epilog, `doctor`'s environment section).
-MEANINGS: dict[str, str] = {
-    SELECT: '"all" (or "1") or comma-separated patch names: applied in every Python process at start-up; '
-            'unset, "" or "0": off',
-    DISABLE: "comma-separated patch names removed from any selection",
-    STRICT: '1/true/yes/on: patch problems raise instead of warning (0/false/no/off/"": warn)',
-    # slime's default roles: integrations.slime.roles.DEFAULT_INFERENCE_ROLES (a test holds them equal)
-    INFERENCE_ROLES: "comma-separated roles built inference-only, each once (unset: slime's teacher roles "
-                     'prm_teacher,teacher; "": none); role:mode keeps its weights off the device, mode resident, '
-                     "swap or stream (e.g. teacher:swap,prm_teacher:stream); role;tp=N (or role:mode;tp=N) "
-                     "builds the role's model at its own tensor-parallel size (quote the ';')",
-    ALLOW_UNTESTED: "1: apply patches outside their supported megatron-core range (one warning each)",
-    BACKEND: "the vocabulary ops' tile backend: torch, triton or gemm (any case); unset, \"\" or \"auto\": each op "
-             "picks the first backend that runs on its tensors' device (triton on CUDA when installed, else "
-             "torch); an op's backend= argument wins",
-    INVARIANT: "1/true/yes/on: the vocabulary ops run in the invariant mode (each row's values from that row "
-               "and the weights alone, bit for bit, whatever the batch and the layout; "
-               "docs/train-rollout-agreement.md); 0/false/no/off: the default mode; unset or \"\": an op's "
-               "invariant= argument, else the model config's batch_invariant_mode",
-    NATIVE: "0/false/no/off: the invariant mode's CPU sums run on the torch tiles; unset, \"\" or 1/true/yes/on: "
-            "on a C kernel built at first use with $CC (else cc or gcc; cached under $XDG_CACHE_HOME or ~/.cache), "
-            "the torch tiles where no compiler builds it. Every rank of a tensor-parallel group must run the same "
-            "(their bits differ)",
-    OPD_TEACHERS: "slime_opd: comma-separated teachers, PATH (a checkpoint of the actor's architecture, or a "
-                  "Hugging Face directory of another supported family: built by build_inference_model_from_hf) or "
-                  "PATH@module:function; a Hugging Face directory at its own layout: PATH;tp=N and/or "
-                  "PATH;pp=N (its own tensor / pipeline-parallel sizes over all ranks); a Hugging Face "
-                  "directory with another tokenizer than the student's: PATH;tokenizer=own, optionally "
-                  "followed by ;stop_tokens=module:function (a student special id -> the teacher's id or "
-                  "None); a teacher served by vLLM: http(s)://host:port;engine=vllm (;tokenizer=DIR for another "
-                  "tokenizer; no user:pass@ in the URL: the key goes in MEGATRON_RL_PATCHES_TEACHER_API_KEY); quote "
-                  "the ';'; read by slime's training actors and, for ;context=KEY entries and "
-                  "MEGATRON_RL_PATCHES_OPD_SCORE_AT=rollout, by its rollout manager: set it in the job's runtime_env "
-                  "(it reaches both; --train-env-vars reaches the training actors only)",
-    OPD_WEIGHTS: "slime_opd: mixture weights, one per teacher, summing to 1 (unset: uniform)",
-    OPD_K: "slime_opd: the student's top-k ids per token (default 16), or vocab (the divergence over the whole "
-           "vocabulary from the teachers' hidden states)",
-    OPD_DIVERGENCE: "slime_opd: reverse_kl (default), forward_kl, jsd, skew_forward_kl, skew_reverse_kl, tv or "
-                    "mixed_kl",
-    OPD_COEF: "slime_opd: weight of the top-k divergence (default 1.0)",
-    OPD_POLICY_WEIGHT: "slime_opd: weight of slime's policy loss (default 1.0)",
-    OPD_RESIDENCY: "slime_opd: resident (default), swap or stream, for the separate teachers "
-                   "(PATH@module:function, Hugging Face folders of another architecture)",
-    OPD_IDS_FROM: "slime_opd: student (default), union (the student's and the first teacher's top-k) or teacher "
-                  "(the first teacher's own top-k)",
-    OPD_SCORE_AT: "slime_opd: where a served teacher of the student's tokenizer (top-k route) is asked: train "
-                  "(default: by the train step) or rollout (each sample as its generation ends; its rows carried "
-                  "with the sample to the training ranks); read by slime's rollout manager only: set it in the job's "
-                  "runtime_env, beside MEGATRON_RL_PATCHES_OPD_TEACHERS (--train-env-vars does not reach the rollout "
-                  "manager; with no teachers there it warns once and the train step asks)",
-    VERL_ROWS: "verl_fused_logprobs: all computes every row, not only the rows verl reads",
-    SHARED_PREFIX: "1/true/yes/on: slime's passes (training, old and reference log-probs, in-process teachers, the "
-                   "live self-teacher) pack each micro-batch by shared prefix: samples sharing leading tokens (a "
-                   "group's prompt, a privileged context) compute them once, exactly (docs/shared-prefix.md); "
-                   "0/false/no/off, unset or \"\": each sample packed whole",
-    VERL_TEACHER: "verl_topk_kd: a teacher served by vLLM answering verl's teacher-loop client, "
-                  "http(s)://host:port;engine=vllm (its --max-logprobs at least verl's topk), or a pooling "
-                  "server with ;head=DIR (any K; on verl's fused route the whole-vocabulary KL); unset: verl's own "
-                  "teacher replicas; set in the agent-loop and trainer workers' environment",
-    TEACHER_API_KEY: "the API key sent to a teacher served by an inference engine (teachers.ServedTeacher), "
-                     "as a bearer token; never part of a URL or an entry",
-}
-VARIABLES = tuple(MEANINGS)  # set by users
-READ = (*VARIABLES, LAUNCHER_ROOT)  # every variable the package reads
 OPD_VARIABLES = (OPD_TEACHERS, OPD_WEIGHTS, OPD_K, OPD_DIVERGENCE, OPD_COEF, OPD_POLICY_WEIGHT, OPD_RESIDENCY,
                  OPD_IDS_FROM, OPD_SCORE_AT)
 # Launchers' rank variables (torchrun, slurm, Open MPI, MPICH): read where torch.distributed is not
 # initialized yet, e.g. at interpreter start-up.
 RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
-# ---- values: the syntax of a setting's text, one parser each (the launcher, `doctor` and the doors read alike)
+# ---- values: the syntax of a setting's text, one parser each: `SETTINGS` below names each variable's, and
+# the launcher, `doctor`, the start-up hook and the doors read every variable through it (`read_settings`)
 
-_SWITCH = {**dict.fromkeys(("1", "true", "on", "yes"), True), **dict.fromkeys(("0", "false", "off", "no"), False),
-           "": None}
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_SWITCH = {**dict.fromkeys(_ON, True), **dict.fromkeys(_OFF, False), "": None}
+ON_WORDS, OFF_WORDS = "/".join(_ON), "/".join(_OFF)  # what a switch's refusal lists: every word it takes
 _DIGITS = frozenset("0123456789")
 _LONGEST = 4000  # int() refuses longer digit strings (sys.int_info.default_max_str_digits): not a size anyway
+
+
+def cut(text: str, limit: int = 40) -> str:
+    """`text`, shortened to `limit` characters with '...' (a pasted megabyte must not flood stderr)."""
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def ascii_int(text: str) -> int | None:
@@ -134,34 +81,39 @@ def ascii_int(text: str) -> int | None:
     return int(text)
 
 
-def invariant_setting(text: str | None) -> bool | None:
-    """MEGATRON_RL_PATCHES_INVARIANT's value read: True, False, or None when unset or ""; ValueError
-    naming the variable for any other text (the ops and the launcher read it with this one parser)."""
+def _switch(name: str, text: str | None, on: str, off: str) -> bool | None:
+    """A switch's text read: True, False, or None when unset or ""; ValueError naming the variable and
+    every word it takes (`on` / `off`: what each side does) for any other text."""
     word = (text or "").strip().lower()
     if word not in _SWITCH:
-        raise ValueError(f"{INVARIANT}={_shown(text)!r} is not a switch: use 1 (invariant vocabulary ops) or 0 (the "
-                         f"default mode), or leave it unset")
+        raise ValueError(f"{name}={(text or '')[:40]!r} is not a switch: use {ON_WORDS} ({on}) or {OFF_WORDS} ({off}), "
+                         "or leave it unset")
     return _SWITCH[word]
 
 
+def strict_setting(text: str | None) -> bool:
+    """MEGATRON_RL_PATCHES_STRICT's value read: True for a switch on, else False."""
+    return _switch(STRICT, text, "patch problems raise", "they warn") is True
+
+
+def allow_untested_setting(text: str | None) -> bool:
+    """MEGATRON_RL_PATCHES_ALLOW_UNTESTED's value read: True for a switch on, else False."""
+    return _switch(ALLOW_UNTESTED, text, "apply patches outside their supported range", "skip them there") is True
+
+
+def invariant_setting(text: str | None) -> bool | None:
+    """MEGATRON_RL_PATCHES_INVARIANT's value read: True, False, or None when unset or ""."""
+    return _switch(INVARIANT, text, "invariant vocabulary ops", "the default mode")
+
+
 def native_setting(text: str | None) -> bool:
-    """MEGATRON_RL_PATCHES_NATIVE's value read: False for a switch off, else True (unset or ""
-    included); ValueError naming the variable for any other text."""
-    word = (text or "").strip().lower()
-    if word not in _SWITCH:
-        raise ValueError(f"{NATIVE}={_shown(text)!r} is not a switch: use 0 (the torch tiles) or 1 (the compiled "
-                         f"kernel), or leave it unset")
-    return _SWITCH[word] is not False
+    """MEGATRON_RL_PATCHES_NATIVE's value read: False for a switch off, else True (unset or "" included)."""
+    return _switch(NATIVE, text, "the compiled kernel", "the torch tiles") is not False
 
 
 def shared_prefix_setting(text: str | None) -> bool:
-    """MEGATRON_RL_PATCHES_SHARED_PREFIX's value read: True for a switch on, False when off, unset or
-    ""; ValueError naming the variable for any other text."""
-    word = (text or "").strip().lower()
-    if word not in _SWITCH:
-        raise ValueError(f"{SHARED_PREFIX}={_shown(text)!r} is not a switch: use 1 (pack by shared prefix) or 0 "
-                         "(each sample whole), or leave it unset")
-    return _SWITCH[word] is True
+    """MEGATRON_RL_PATCHES_SHARED_PREFIX's value read: True for a switch on, False when off, unset or ""."""
+    return _switch(SHARED_PREFIX, text, "pack by shared prefix", "each sample whole") is True
 
 
 def verl_rows_setting(text: str | None) -> bool:
@@ -169,9 +121,14 @@ def verl_rows_setting(text: str | None) -> bool:
     ValueError naming the variable for any other text."""
     word = (text or "").strip().lower()
     if word not in ("all", ""):
-        raise ValueError(f"{VERL_ROWS}={_shown(text)!r} is not a row choice: use all (every row), or leave it "
+        raise ValueError(f"{VERL_ROWS}={(text or '')[:40]!r} is not a row choice: use all (every row), or leave it "
                          "unset for the rows verl reads")
     return word == "all"
+
+
+def secret_setting(text: str | None) -> bool:
+    """A secret's value read as whether it is set (never its text: a key goes nowhere but its request)."""
+    return bool(text)
 
 
 AUTO = "auto"
@@ -179,18 +136,67 @@ BUILTIN_BACKENDS = ("torch", "triton", "gemm")  # the backends that always exist
 
 
 def parse_backend(value: str | None, known: Iterable[str] = BUILTIN_BACKENDS) -> str:
-    """MEGATRON_RL_PATCHES_BACKEND's value read, trimmed and lower-cased (one parser for the launcher,
-    `doctor` and the ops): "auto" for None, "" or "auto"; ValueError naming the variable and the
-    accepted words for anything else."""
+    """MEGATRON_RL_PATCHES_BACKEND's value read, trimmed and lower-cased: "auto" for None, "" or "auto";
+    ValueError naming the variable and the accepted words for anything else."""
     word = (value or "").strip().lower()
     names = tuple(known)
     if not word or word == AUTO:
         return AUTO
     if word in names:
         return word
-    shown = value if value is None or len(value) <= 40 else f"{value[:37]}..."
-    raise ValueError(f"{BACKEND}={shown!r} is not a backend: use {' or '.join(names)} (any case), "
+    raise ValueError(f"{BACKEND}={cut(value or '')!r} is not a backend: use {' or '.join(names)} (any case), "
                      f"or {AUTO}, \"\" or unset to let each op choose")
+
+
+# MEGATRON_RL_PATCHES: which patches start-up applies. Off: unset or one of _SELECT_OFF; every patch: one of
+# _SELECT_ALL (any case); else comma-separated names (which exist is the registry's: `patching.env.selection`).
+EVERY = "all"
+_SELECT_OFF = frozenset(("", "0", "false", "no", "off", "none"))
+_SELECT_ALL = frozenset(("1", EVERY, "true", "yes", "on"))
+
+
+def split_names(value: str | Sequence[str] | None) -> list[str]:
+    """'a, b,,c' -> ['a', 'b', 'c']; a sequence is taken as already split."""
+    if value is None:
+        return []
+    if not isinstance(value, str):
+        if not isinstance(value, (list, tuple, set, frozenset)):
+            raise TypeError(f"patch names must be a string or a list of strings, got {value!r}")
+        bad = [item for item in value if not isinstance(item, str)]
+        if bad:
+            raise TypeError(f"patch names must be strings, got {bad!r}; pass e.g. ['ddp_hooks']")
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return [item.strip() for item in items if item and item.strip()]
+
+
+def selection_enabled(text: str | None) -> bool:
+    """Whether MEGATRON_RL_PATCHES's text asks for patching at start-up (not unset nor an off word);
+    never raises: the start-up hook asks it first, in every process."""
+    return (text or "").strip().lower() not in _SELECT_OFF
+
+
+def selection_setting(text: str | None) -> str | tuple[str, ...] | None:
+    """MEGATRON_RL_PATCHES's value read: None when off, EVERY ("all") for every patch, else the names it
+    lists, in order; ValueError naming the variable when it is on yet names no patch (' , ')."""
+    if not selection_enabled(text):
+        return None
+    word = (text or "").strip()
+    if word.lower() in _SELECT_ALL:
+        return EVERY
+    names = split_names(word)
+    if not names:
+        raise ValueError(f"{SELECT}={cut(text or '')!r} names no patch: use all, or comma-separated patch names "
+                         "(`megatron-rl-patches list` shows them)")
+    return tuple(names)
+
+
+def disabled_setting(text: str | None) -> tuple[str, ...]:
+    """MEGATRON_RL_PATCHES_DISABLE's value read: the names it lists ((): unset or ""); ValueError naming the
+    variable for a text that names none (' , ')."""
+    names = split_names(text)
+    if (text or "").strip() and not names:
+        raise ValueError(f"{DISABLE}={cut(text or '')!r} names no patch: list patch names to leave out, or unset it")
+    return tuple(names)
 
 
 # The residency modes a frozen build may name, for every room: the builds, the `memory --residency`
@@ -239,42 +245,328 @@ def written_sizes(tp: int | None, pp: int | None) -> str:
     return ";".join(f"{name}={size}" for name, size in (("tp", tp), ("pp", pp)) if size is not None)
 
 
-def _shown(text: str | None, limit: int = 40) -> str | None:
-    """`text`'s first `limit` characters (a pasted megabyte must not flood stderr)."""
-    return text if text is None else text[:limit]
+# MEGATRON_RL_PATCHES_INFERENCE_ROLES: comma-separated `role`, `role:residency`, `role;tp=N` entries.
 
+
+def _role_entries(text: str | None) -> list[tuple[str, str | None]]:
+    """Each entry as (role, its residency lower-cased: None when it names none, "" for 'role:')."""
+    entries = []
+    for item in split_names(text):
+        name, colon, mode = item.split(";")[0].partition(":")
+        entries.append((name.strip(), mode.strip().lower() if colon else None))
+    return entries
+
+
+def role_names_of(text: str | None) -> list[str] | None:
+    """The role names the text lists ('' means none); None when unset (the integration that reads it has
+    its default roles)."""
+    return None if text is None else [name for name, _ in _role_entries(text)]
+
+
+def role_residencies_of(text: str | None) -> dict[str, str]:
+    """Residency per role from entries `role:residency` (e.g. 'judge:stream,ref:swap'); roles listed
+    without one are absent (resident)."""
+    return {name: mode for name, mode in _role_entries(text) if mode is not None}
+
+
+def role_layouts_of(text: str | None) -> dict[str, int]:
+    """The role's own tensor-parallel size per role from entries `role;tp=N` or `role:MODE;tp=N`; each
+    option checked (ValueError naming the variable)."""
+    layouts: dict[str, int] = {}
+    for item in split_names(text):
+        name, *options = item.split(";")
+        where = f"{INFERENCE_ROLES} role {cut(item)!r}"
+        sizes: dict[str, int] = {}
+        for written in (option.strip() for option in options):
+            if not is_layout_option(written):
+                raise ValueError(f"{where}: unknown option {cut(written)!r}; the option is ';tp=N' (the role's "
+                                 "model at its own tensor-parallel size, e.g. judge;tp=2)")
+            size, value = layout_size(written, where)
+            if size in sizes:
+                raise ValueError(f"{where}: option {size!r} given twice; give each option once")
+            sizes[size] = value
+        if sizes.get("pp", 1) > 1:  # a role at its own layout is built and scored at its own tp only
+            raise ValueError(f"{where}: option 'pp={sizes['pp']}': a role's model at its own pipeline-parallel "
+                             "size is not served yet (a role at its own layout takes ';tp=N'; an own pipeline is "
+                             "served for MEGATRON_RL_PATCHES_OPD_TEACHERS entries 'PATH;pp=N'); drop it or use 1")
+        if "tp" in sizes:
+            layouts[name.partition(":")[0].strip()] = sizes["tp"]
+    return layouts
+
+
+def roles_setting(text: str | None) -> tuple[str, ...] | None:
+    """MEGATRON_RL_PATCHES_INFERENCE_ROLES's value read: the roles it lists (() for ""), None when unset;
+    ValueError naming the variable for a value that names no role, a name that is not an identifier, a
+    role twice, a layout option or residency it does not take. Syntax only: which roles exist is the
+    framework's business."""
+    roles = role_names_of(text)
+    shown = cut(text or "")
+    if text and not roles:
+        raise ValueError(f"{INFERENCE_ROLES}={shown!r} names no role: list role names (comma-separated), "
+                         f"set it to \"\" for none, or unset it for the default")
+    bad = [role for role in roles or () if not role.isidentifier()]
+    if bad:
+        raise ValueError(f"{INFERENCE_ROLES}={shown!r}: {cut(bad[0])!r} is not a role name; role names "
+                         f"are identifiers (letters, digits, '_'), comma-separated")
+    twice = [role for index, role in enumerate(roles or ()) if role in (roles or ())[:index]]
+    if twice:
+        raise ValueError(f"{INFERENCE_ROLES}={shown!r} lists role {cut(twice[0])!r} more than once; "
+                         "list each role once (role, or role:residency)")
+    role_layouts_of(text)
+    wrong = [(role, mode) for role, mode in role_residencies_of(text).items() if mode not in RESIDENCY_MODES]
+    if wrong:
+        raise ValueError(f"{INFERENCE_ROLES}={shown!r}: role {cut(wrong[0][0])!r} has residency "
+                         f"{cut(wrong[0][1])!r}; use role:{'|'.join(RESIDENCY_MODES)} (e.g. ref:stream), or the "
+                         "role alone for resident")
+    return None if roles is None else tuple(roles)
+
+
+# ---- the table: every variable a user sets, what it means (--help's epilog, `doctor`) and its parser
+
+
+class Setting:
+    """One variable: what it means and its parser. The parser is a function of the variable's text
+    (None when unset) or, for a framework's variables, "module:function" resolved only where the variable
+    is set (this module stays standard-library only and start-up light): a function of its text, or,
+    `together`, of the whole environment mapping (top-k OPD's variables are read as one: their checks span
+    variables; its refusal names the variable at fault)."""
+
+    __slots__ = ("meaning", "parse", "together")
+
+    def __init__(self, meaning: str, parse: Callable[..., object] | str, together: bool = False) -> None:
+        self.meaning, self.parse, self.together = meaning, parse, together
+
+
+_OPD = "megatron_rl_patches.integrations.megatron.opd.opd_settings:opd_settings"
+_SCORE_AT = "megatron_rl_patches.integrations.megatron.opd.opd_settings:score_at"
+_VERL_TEACHER = "megatron_rl_patches.integrations.verl.entry:read_teacher"
+
+SETTINGS: dict[str, Setting] = {
+    SELECT: Setting(
+        '"all" (or "1") or comma-separated patch names: applied in every Python process at start-up; '
+        'unset, "" or "0": off', selection_setting),
+    DISABLE: Setting(
+        "comma-separated patch names removed from any selection", disabled_setting),
+    STRICT: Setting(
+        '1/true/yes/on: patch problems raise instead of warning (0/false/no/off/"": warn)', strict_setting),
+    # slime's default roles: integrations.slime.roles.DEFAULT_INFERENCE_ROLES (a test holds them equal)
+    INFERENCE_ROLES: Setting(
+        "comma-separated roles built inference-only, each once (unset: slime's teacher roles "
+        'prm_teacher,teacher; "": none); role:mode keeps its weights off the device, mode resident, '
+        "swap or stream (e.g. teacher:swap,prm_teacher:stream); role;tp=N (or role:mode;tp=N) "
+        "builds the role's model at its own tensor-parallel size (quote the ';')", roles_setting),
+    ALLOW_UNTESTED: Setting(
+        "1: apply patches outside their supported megatron-core range (one warning each)", allow_untested_setting),
+    BACKEND: Setting(
+        "the vocabulary ops' tile backend: torch, triton or gemm (any case); unset, \"\" or \"auto\": each op "
+        "picks the first backend that runs on its tensors' device (triton on CUDA when installed, else "
+        "torch); an op's backend= argument wins", parse_backend),
+    INVARIANT: Setting(
+        "1/true/yes/on: the vocabulary ops run in the invariant mode (each row's values from that row "
+        "and the weights alone, bit for bit, whatever the batch and the layout; "
+        "docs/train-rollout-agreement.md); 0/false/no/off: the default mode; unset or \"\": an op's "
+        "invariant= argument, else the model config's batch_invariant_mode", invariant_setting),
+    NATIVE: Setting(
+        "0/false/no/off: the invariant mode's CPU sums run on the torch tiles; unset, \"\" or 1/true/yes/on: "
+        "on a C kernel built at first use with $CC (else cc or gcc; cached under $XDG_CACHE_HOME or ~/.cache), "
+        "the torch tiles where no compiler builds it. Every rank of a tensor-parallel group must run the same "
+        "(their bits differ)", native_setting),
+    OPD_TEACHERS: Setting(
+        "slime_opd: comma-separated teachers, PATH (a checkpoint of the actor's architecture, or a "
+        "Hugging Face directory of another supported family: built by build_inference_model_from_hf) or "
+        "PATH@module:function; a Hugging Face directory at its own layout: PATH;tp=N and/or "
+        "PATH;pp=N (its own tensor / pipeline-parallel sizes over all ranks); a Hugging Face "
+        "directory with another tokenizer than the student's: PATH;tokenizer=own, optionally "
+        "followed by ;stop_tokens=module:function (a student special id -> the teacher's id or "
+        "None); a teacher served by vLLM: http(s)://host:port;engine=vllm (;tokenizer=DIR for another "
+        "tokenizer; no user:pass@ in the URL: the key goes in MEGATRON_RL_PATCHES_TEACHER_API_KEY); quote "
+        "the ';'; read by slime's training actors and, for ;context=KEY entries and "
+        "MEGATRON_RL_PATCHES_OPD_SCORE_AT=rollout, by its rollout manager: set it in the job's runtime_env "
+        "(it reaches both; --train-env-vars reaches the training actors only)", _OPD, together=True),
+    OPD_WEIGHTS: Setting(
+        "slime_opd: mixture weights, one per teacher, summing to 1 (unset: uniform)", _OPD, together=True),
+    OPD_K: Setting(
+        "slime_opd: the student's top-k ids per token (default 16), or vocab (the divergence over the whole "
+        "vocabulary from the teachers' hidden states)", _OPD, together=True),
+    OPD_DIVERGENCE: Setting(
+        "slime_opd: reverse_kl (default), forward_kl, jsd, skew_forward_kl, skew_reverse_kl, tv or "
+        "mixed_kl", _OPD, together=True),
+    OPD_COEF: Setting(
+        "slime_opd: weight of the top-k divergence (default 1.0)", _OPD, together=True),
+    OPD_POLICY_WEIGHT: Setting(
+        "slime_opd: weight of slime's policy loss (default 1.0)", _OPD, together=True),
+    OPD_RESIDENCY: Setting(
+        "slime_opd: resident (default), swap or stream, for the separate teachers "
+        "(PATH@module:function, Hugging Face folders of another architecture)", _OPD, together=True),
+    OPD_IDS_FROM: Setting(
+        "slime_opd: student (default), union (the student's and the first teacher's top-k) or teacher "
+        "(the first teacher's own top-k)", _OPD, together=True),
+    OPD_SCORE_AT: Setting(
+        "slime_opd: where a served teacher of the student's tokenizer (top-k route) is asked: train "
+        "(default: by the train step) or rollout (each sample as its generation ends; its rows carried "
+        "with the sample to the training ranks); read by slime's rollout manager only: set it in the job's "
+        "runtime_env, beside MEGATRON_RL_PATCHES_OPD_TEACHERS (--train-env-vars does not reach the rollout "
+        "manager; with no teachers there it warns once and the train step asks)", _SCORE_AT, together=True),
+    VERL_ROWS: Setting(
+        "verl_fused_logprobs: all computes every row, not only the rows verl reads", verl_rows_setting),
+    SHARED_PREFIX: Setting(
+        "1/true/yes/on: slime's passes (training, old and reference log-probs, in-process teachers, the "
+        "live self-teacher) pack each micro-batch by shared prefix: samples sharing leading tokens (a "
+        "group's prompt, a privileged context) compute them once, exactly (docs/shared-prefix.md); "
+        "0/false/no/off, unset or \"\": each sample packed whole", shared_prefix_setting),
+    VERL_TEACHER: Setting(
+        "verl_topk_kd: a teacher served by vLLM answering verl's teacher-loop client, "
+        "http(s)://host:port;engine=vllm (its --max-logprobs at least verl's topk), or a pooling "
+        "server with ;head=DIR (any K; on verl's fused route the whole-vocabulary KL); unset: verl's own "
+        "teacher replicas; set in the agent-loop and trainer workers' environment", _VERL_TEACHER),
+    TEACHER_API_KEY: Setting(
+        "the API key sent to a teacher served by an inference engine (teachers.ServedTeacher), "
+        "as a bearer token; never part of a URL or an entry", secret_setting),
+}
+VARIABLES = tuple(SETTINGS)  # set by users
+MEANINGS = {name: setting.meaning for name, setting in SETTINGS.items()}
+READ = (*VARIABLES, LAUNCHER_ROOT)  # every variable the package reads
 
 # ---- reading: the environment, read here only (each reader at call time: a door calls it once)
 
 
 def environment(environ: Mapping[str, str] | None = None) -> Mapping[str, str]:
-    """`environ`, or this process's environment."""
-    return os.environ if environ is None else environ
+    """`environ`, or this process's environment; TypeError for what is no mapping."""
+    if environ is None:
+        return os.environ
+    if not callable(getattr(environ, "get", None)):
+        raise TypeError(
+            f"environ must be a mapping of variable names to strings (like os.environ), got {type(environ).__name__}"
+        )
+    return environ
+
+
+def text(environ: Mapping[str, str] | None, name: str) -> str | None:
+    """The variable's text (None when unset); TypeError naming it when a mapping holds a non-string."""
+    value = environment(environ).get(name)
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"environ[{name!r}] must be a string (environment values are), got "
+                        f"{type(value).__name__} {cut(repr(value))}")
+    return value
+
+
+class Readings:
+    """Every variable read through the table: `values` (name -> what it means; None where refused) and
+    `refusals` (name -> the refusal's text, naming the variable), in the table's order."""
+
+    __slots__ = ("values", "refusals")
+
+    def __init__(self) -> None:
+        self.values: dict[str, object] = {}
+        self.refusals: dict[str, str] = {}
+
+
+def read_settings(environ: Mapping[str, str] | None = None, names: Iterable[str] = ()) -> Readings:
+    """The variables `names` (default: every one a user sets) read through their parsers (`SETTINGS`), as
+    the launcher, `doctor` and the start-up hook read them: one verdict each, whoever reads."""
+    env = environment(environ)
+    readings, together = Readings(), {}
+    for name in tuple(names) or VARIABLES:
+        setting, raw = SETTINGS[name], text(env, name)
+        try:
+            if isinstance(setting.parse, str) and not setting.together:
+                readings.values[name] = None if raw is None else _resolved(setting.parse)(raw)
+            elif isinstance(setting.parse, str):  # read once for its whole group, where one of it is set
+                group = [other for other, each in SETTINGS.items() if each.parse == setting.parse]
+                if setting.parse not in together:
+                    together[setting.parse] = _group_reading(setting.parse, env, group)
+                value, refusal = together[setting.parse]
+                readings.values[name] = None if raw is None else value
+                if refusal is not None and _named(refusal, group, env) == name:
+                    raise refusal
+            else:
+                readings.values[name] = setting.parse(raw)
+        except ValueError as exc:
+            readings.values[name] = None
+            readings.refusals[name] = str(exc)
+    return readings
+
+
+def _resolved(reference: str) -> Callable[..., object]:
+    """The function "module:function" names (a framework's parser: imported only where it is needed)."""
+    import importlib  # lazy: import cost: only where a framework's variable is set
+
+    module, _, function = reference.partition(":")
+    parse: Callable[..., object] = getattr(importlib.import_module(module), function)
+    return parse
+
+
+def _group_reading(reference: str, env: Mapping[str, str], group: list[str]) -> tuple[object, ValueError | None]:
+    """(what the group's parser reads, None) or (None, its refusal); nothing read where none of it is set."""
+    if all(text(env, name) is None for name in group):
+        return None, None
+    try:
+        return _resolved(reference)(env), None
+    except ValueError as exc:
+        return None, exc
+
+
+def _named(refusal: ValueError, group: list[str], env: Mapping[str, str]) -> str:
+    """The variable a group's refusal is about: the one its text names first (one outside the group, as
+    top-k OPD's refusal of MEGATRON_RL_PATCHES_OPD_SCORE_AT: that variable's own parser says it), else the
+    group's first one set."""
+    import re  # lazy: import cost: only on a refusal
+
+    found = [(match.start(), name) for name in VARIABLES
+             for match in re.finditer(rf"{re.escape(name)}(?!\w)", str(refusal))]
+    if found:
+        return min(found)[1]
+    return next(name for name in group if text(env, name) is not None)
+
+
+def strict(environ: Mapping[str, str] | None = None) -> bool:
+    """MEGATRON_RL_PATCHES_STRICT (`strict_setting`): patch problems raise instead of warning."""
+    return strict_setting(text(environ, STRICT))
+
+
+def allow_untested(environ: Mapping[str, str] | None = None) -> bool:
+    """MEGATRON_RL_PATCHES_ALLOW_UNTESTED (`allow_untested_setting`): apply patches outside their range."""
+    return allow_untested_setting(text(environ, ALLOW_UNTESTED))
+
+
+def selection(environ: Mapping[str, str] | None = None) -> str | tuple[str, ...] | None:
+    """MEGATRON_RL_PATCHES (`selection_setting`)."""
+    return selection_setting(text(environ, SELECT))
+
+
+def disabled(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """MEGATRON_RL_PATCHES_DISABLE (`disabled_setting`)."""
+    return disabled_setting(text(environ, DISABLE))
+
+
+def inference_roles(environ: Mapping[str, str] | None = None) -> tuple[str, ...] | None:
+    """MEGATRON_RL_PATCHES_INFERENCE_ROLES, checked (`roles_setting`)."""
+    return roles_setting(text(environ, INFERENCE_ROLES))
 
 
 def invariant(environ: Mapping[str, str] | None = None) -> bool | None:
     """MEGATRON_RL_PATCHES_INVARIANT: True, False, or None when unset or "" (`invariant_setting`)."""
-    return invariant_setting(environment(environ).get(INVARIANT))
+    return invariant_setting(text(environ, INVARIANT))
 
 
 def backend(environ: Mapping[str, str] | None = None, known: Iterable[str] = BUILTIN_BACKENDS) -> str:
-    """MEGATRON_RL_PATCHES_BACKEND (`parse_backend`)."""
-    return parse_backend(environment(environ).get(BACKEND), known)
+    """MEGATRON_RL_PATCHES_BACKEND (`parse_backend`): a backend's name, or "auto" (each op chooses)."""
+    return parse_backend(text(environ, BACKEND), known)
 
 
 def native(environ: Mapping[str, str] | None = None) -> bool:
     """MEGATRON_RL_PATCHES_NATIVE (`native_setting`)."""
-    return native_setting(environment(environ).get(NATIVE))
+    return native_setting(text(environ, NATIVE))
 
 
 def verl_rows(environ: Mapping[str, str] | None = None) -> bool:
     """MEGATRON_RL_PATCHES_VERL_ROWS (`verl_rows_setting`)."""
-    return verl_rows_setting(environment(environ).get(VERL_ROWS))
+    return verl_rows_setting(text(environ, VERL_ROWS))
 
 
 def shared_prefix(environ: Mapping[str, str] | None = None) -> bool:
     """MEGATRON_RL_PATCHES_SHARED_PREFIX (`shared_prefix_setting`); slime's door reads it once."""
-    return shared_prefix_setting(environment(environ).get(SHARED_PREFIX))
+    return shared_prefix_setting(text(environ, SHARED_PREFIX))
 
 
 def verl_teacher(environ: Mapping[str, str] | None = None) -> str:

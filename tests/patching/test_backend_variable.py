@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl_patches import log_probs_and_entropy
+from megatron_rl_patches import log_probs_and_entropy, settings
 from megatron_rl_patches.integrations import default_registry
 from megatron_rl_patches.ops import kernels
 from megatron_rl_patches.patching import env
@@ -53,8 +53,13 @@ def test_a_value_the_ops_refuse_the_launcher_and_doctor_refuse(value, monkeypatc
 
 
 def test_the_variable_reads_as_the_backend_the_ops_pick():
+    """One reader (issue 113): the patch machinery's is the ops' (`settings.backend`, "auto" where each op
+    chooses); `doctor`'s JSON still says null there, as before."""
+    assert env.backend is settings.backend
     assert env.backend({VARIABLE: " Torch "}) == "torch"
-    assert env.backend({VARIABLE: "AUTO"}) is None and env.backend({}) is None
+    assert env.backend({VARIABLE: "AUTO"}) == "auto" == env.backend({}) == env.backend({VARIABLE: ""})
+    assert env.summary({VARIABLE: "AUTO"})["backend"] is None and env.summary({})["backend"] is None
+    assert env.summary({VARIABLE: " Torch "})["backend"] == "torch"
     assert kernels.resolve_backend(None, torch.device("cpu")).name == "torch"
 
 

@@ -22,7 +22,8 @@ def test_yes_no_words(value, meaning):
 
 @pytest.mark.parametrize("value", ["2", "maybe", "all", "none", "-1", "y"])
 def test_unknown_strict_values_raise_listing_the_accepted_ones(value):
-    with pytest.raises(ValueError, match=r"MEGATRON_RL_PATCHES_STRICT=.* 1/true/yes/on .* 0/false/no/off or \"\""):
+    with pytest.raises(ValueError, match=r"MEGATRON_RL_PATCHES_STRICT=.* is not a switch: use 1/true/yes/on \(.*\) or "
+                                         r"0/false/no/off \(.*\), or leave it unset"):
         env.is_strict({env.STRICT: value})
 
 

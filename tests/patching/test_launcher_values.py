@@ -54,10 +54,10 @@ CASES = [
     ("disable-part-of-patches", "ddp_hooks,train_reentry", {DISABLE: "ddp_hooks"}, ("train_reentry",)),
     ("strict-yes", None, {STRICT: " YES "}, ALL),
     ("strict-whitespace", None, {STRICT: "  "}, ALL),
-    ("strict-maybe", None, {STRICT: "maybe"}, "MEGATRON_RL_PATCHES_STRICT='maybe' is not a yes/no value"),
+    ("strict-maybe", None, {STRICT: "maybe"}, "MEGATRON_RL_PATCHES_STRICT='maybe' is not a switch: use 1/true/yes/on"),
     ("strict-fullwidth-1", None, {STRICT: "１"}, "MEGATRON_RL_PATCHES_STRICT='１'"),
     ("untested-on", None, {UNTESTED: "on"}, ALL),
-    ("untested-2", None, {UNTESTED: "2"}, "MEGATRON_RL_PATCHES_ALLOW_UNTESTED='2' is not a yes/no value"),
+    ("untested-2", None, {UNTESTED: "2"}, "MEGATRON_RL_PATCHES_ALLOW_UNTESTED='2' is not a switch: use 1/true/yes/on"),
     ("backend-triton", None, {BACKEND: "triton"}, ALL),
     ("backend-spaced-upper", None, {BACKEND: " TORCH "}, ALL),
     ("backend-empty", None, {BACKEND: ""}, ALL),
@@ -67,13 +67,17 @@ CASES = [
     # issue 63 item 1: the documented switch was an unknown variable (exit 2); its value checked up front
     ("invariant-on", None, {INVARIANT: "1"}, ALL),
     ("invariant-tru", None, {INVARIANT: "tru"},
-     "MEGATRON_RL_PATCHES_INVARIANT='tru' is not a switch: use 1 (invariant vocabulary ops) or 0"),
+     "MEGATRON_RL_PATCHES_INVARIANT='tru' is not a switch: use 1/true/yes/on (invariant vocabulary ops) or "
+     "0/false/no/off (the default mode)"),
     ("native-off", None, {NATIVE: " Off "}, ALL),
-    ("native-typo", None, {NATIVE: "of"}, "MEGATRON_RL_PATCHES_NATIVE='of' is not a switch: use 0"),
+    ("native-typo", None, {NATIVE: "of"},
+     "MEGATRON_RL_PATCHES_NATIVE='of' is not a switch: use 1/true/yes/on (the compiled kernel) or 0/false/no/off "
+     "(the torch tiles)"),
     # issue 106: read by slime's patch at its door; its value checked up front
     ("shared-prefix-on", None, {SHARED_PREFIX: " 1 "}, ALL),
     ("shared-prefix-maybe", None, {SHARED_PREFIX: "maybe"},
-     "MEGATRON_RL_PATCHES_SHARED_PREFIX='maybe' is not a switch: use 1 (pack by shared prefix) or 0"),
+     "MEGATRON_RL_PATCHES_SHARED_PREFIX='maybe' is not a switch: use 1/true/yes/on (pack by shared prefix) "
+     "or 0/false/no/off (each sample whole)"),
     ("verl-rows-all", None, {VERL_ROWS: " ALL "}, ALL),
     ("verl-rows-typo", None, {VERL_ROWS: "al"}, "MEGATRON_RL_PATCHES_VERL_ROWS='al' is not a row choice"),
     ("teacher-api-key", None, {"MEGATRON_RL_PATCHES_TEACHER_API_KEY": "k-123"}, ALL),  # read by ServedTeacher only

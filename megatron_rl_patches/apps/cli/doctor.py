@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 import megatron_rl_patches
+from megatron_rl_patches import settings
 from megatron_rl_patches.apps.cli._common import OK, PROBLEM, PROG
 from megatron_rl_patches.apps.cli.doctor_summary import summary_lines, summary_of
 from megatron_rl_patches.apps.cli.doctor_verl import verl_teacher_report
@@ -141,7 +142,9 @@ def _startup_section(environment: dict[str, Any]) -> tuple[dict[str, Any], bool 
     return section, editable, problems
 
 
-def _environment_section() -> tuple[dict[str, Any], list[str]]:
+def environment_report() -> tuple[dict[str, Any], list[str]]:
+    """The environment as `doctor` reads it (every variable through its parser, `env.summary`; the
+    frameworks' checks; the teachers' files and servers; what the selection leaves out), and its problems."""
     environment: dict[str, Any] = env.summary()
     if environment["inference_roles"] is None:  # unset: slime's default roles; wrong: none (in the problems)
         unset = environment["variables"][env.INFERENCE_ROLES] is None
@@ -165,6 +168,9 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
         problems += found
     except ValueError as exc:  # the settings unreadable: check_settings' refusal again (listed once)
         problems.append(str(exc))
+    except OSError as exc:  # a path the system cannot look at (a name past its limit): said, never a crash
+        problems.append(f"{OPD_PREFIX}TEACHERS: a teacher's path cannot be looked at on this machine "
+                        f"({type(exc).__name__}: {exc.strerror or exc}); fix the path (the training actors read it)")
     try:  # verl's served teacher: its URL's user refused, then its servers asked as slime's (each replica)
         refuse_userinfo(os.environ.get(VERL_TEACHER, ""), VERL_TEACHER)
         found, checked = verl_teacher_report()
@@ -176,25 +182,42 @@ def _environment_section() -> tuple[dict[str, Any], list[str]]:
         names = default_registry().patch_names()
         environment["resolved"] = env.resolve_selection(names) if environment["enabled_at_startup"] else []
         environment["error"] = None
-        problems += opd_selection_problems(environment)
-        problems += shared_prefix_problems(environment)
+        fates = env.selection(names) if environment["enabled_at_startup"] else {}
+        problems += opd_selection_problems(environment, fates)
+        problems += shared_prefix_problems(environment, fates)
     except ValueError as exc:
         environment["resolved"], environment["error"] = None, str(exc)
         problems.append(str(exc))
     return environment, problems
 
 
-def opd_selection_problems(environment: dict[str, Any]) -> list[str]:
-    """Top-k OPD's variables set while slime_opd is not selected: they would do nothing (issue 63)."""
-    if not environment["opd"] or "slime_opd" in environment["resolved"]:
-        return []
+def not_selected(environment: dict[str, Any], patch: str, fates: dict[str, str | None]) -> tuple[str, str] | None:
+    """Why `patch` will not apply at start-up, and what to do, from the variables that decide it
+    (MEGATRON_RL_PATCHES unset or off, MEGATRON_RL_PATCHES_DISABLE naming it, a list without it); None when
+    it is selected."""
+    select = environment["variables"][env.SELECT]
     if not environment["enabled_at_startup"]:
-        why = f"{env.SELECT} is {'unset' if environment['variables'][env.SELECT] is None else 'off'}: nothing applies"
-    else:
-        why = f"{env.SELECT} selects {', '.join(environment['resolved']) or 'nothing'}"
-    return [f"slime_opd is not selected ({why}), so the {OPD_PREFIX}* settings ({', '.join(environment['opd'])}) "
-            f"do nothing: set {env.SELECT}=all (or a list with slime_opd), or start the job with `{PROG} run -- "
-            f"COMMAND ...` (which selects every patch when {env.SELECT} is unset)"]
+        state = "unset" if select is None else f"off ({env.SELECT}={_shown_setting(select)!r})"
+        return (f"{env.SELECT} is {state}: nothing applies at start-up",
+                f"set {env.SELECT}=all (or a list with {patch}), or start the job with `{PROG} run -- COMMAND ...` "
+                f"(which selects every patch when {env.SELECT} is unset)")
+    if patch in environment["resolved"]:
+        return None
+    disabled = environment["variables"][env.DISABLE]
+    if fates.get(patch) == f"disabled by {env.DISABLE}":
+        return (f"{env.DISABLE}={_shown_setting(disabled or '')!r} leaves it out",
+                f"remove {patch} from {env.DISABLE}")
+    return (f"{env.SELECT}={_shown_setting(select or '')!r} selects {', '.join(environment['resolved']) or 'nothing'}",
+            f"add {patch} to {env.SELECT}, or set {env.SELECT}=all")
+
+
+def opd_selection_problems(environment: dict[str, Any], fates: dict[str, str | None]) -> list[str]:
+    """Top-k OPD's variables set while slime_opd is not selected: they would do nothing (issue 63)."""
+    why = not_selected(environment, "slime_opd", fates) if environment["opd"] else None
+    if why is None:
+        return []
+    return [f"slime_opd is not selected ({why[0]}), so the {OPD_PREFIX}* settings ({', '.join(environment['opd'])}) "
+            f"do nothing: {why[1]}"]
 
 
 # where MEGATRON_RL_PATCHES_SHARED_PREFIX=1 takes effect, and where it does not (docs/shared-prefix.md)
@@ -205,20 +228,31 @@ SHARED_PREFIX_ON = ("on: slime's passes (training, old and reference log-probs, 
 
 
 def shared_prefix_statement(environment: dict[str, Any]) -> str:
-    """Whether shared-prefix packing is on, and where."""
+    """Whether shared-prefix packing is on, and where; the value as it was set."""
+    written = environment["variables"][env.SHARED_PREFIX]
     if environment.get("shared_prefix") is None:
         return "unreadable (see the problems below)"
-    return SHARED_PREFIX_ON if environment["shared_prefix"] else f"off ({env.SHARED_PREFIX} unset or 0)"
+    if not environment["shared_prefix"]:
+        return f"off ({'unset' if written is None else f'{env.SHARED_PREFIX}={_shown_setting(written)!r}'})"
+    if environment.get("resolved") and "slime_fused" in environment["resolved"]:
+        return SHARED_PREFIX_ON
+    return (f"asked ({env.SHARED_PREFIX}={_shown_setting(written)!r}) but off: patch slime_fused, through which it "
+            "takes effect, is not selected (see the problems below)")
 
 
-def shared_prefix_problems(environment: dict[str, Any]) -> list[str]:
-    """The setting on while slime_fused, the route it takes effect through, is not selected."""
-    if not environment.get("shared_prefix") or not environment["enabled_at_startup"]:
+def shared_prefix_problems(environment: dict[str, Any], fates: dict[str, str | None]) -> list[str]:
+    """The setting on while slime_fused, the route it takes effect through, will not apply, and why."""
+    why = not_selected(environment, "slime_fused", fates) if environment.get("shared_prefix") else None
+    if why is None:
         return []
-    if "slime_fused" in environment["resolved"]:
-        return []
-    return [f"{env.SHARED_PREFIX}=1 takes effect through patch slime_fused, which {env.SELECT} does not select "
-            f"({', '.join(environment['resolved']) or 'nothing'}): add slime_fused or set {env.SELECT}=all"]
+    written = _shown_setting(environment["variables"][env.SHARED_PREFIX])
+    return [f"{env.SHARED_PREFIX}={written!r} takes effect through patch slime_fused, which will not apply "
+            f"({why[0]}), so every sample is packed whole: {why[1]}"]
+
+
+def _shown_setting(value: str) -> str:
+    """A variable's value as a problem quotes it (cut: a pasted megabyte must not flood the report)."""
+    return settings.cut(redacted(value))
 
 
 def teacher_report() -> tuple[list[str], list[str]]:
@@ -248,7 +282,7 @@ def collect() -> dict[str, Any]:
                  if packages[name] is None]
     megatron, found = megatron_section()
     targets, target_problems = target_rows()
-    environment, env_problems = _environment_section()
+    environment, env_problems = environment_report()
     startup_files, editable, startup_problems = _startup_section(environment)
     problems += found + target_problems + env_problems + startup_problems
     report = {

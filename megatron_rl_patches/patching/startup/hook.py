@@ -11,10 +11,11 @@ import sys
 import types
 
 from megatron_rl_patches.patching import DEFAULT_REGISTRY, check_settings, env, load_registry
+from megatron_rl_patches.settings import read_settings
 
 TYPE_CHECKING = False  # not typing's: this module runs at start-up (see patching/env.py)
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Mapping
 
 _done = False
 
@@ -92,39 +93,49 @@ def _say(message: str) -> None:
         pass
 
 
-def _setting(read: Callable[[], bool]) -> bool:
-    """A yes/no variable of ours; its default (False) with one line when its value is not a yes/no word
-    (the policy for a setting's typo at start-up: say it, keep the default, patch anyway)."""
-    try:
-        return read()
-    except ValueError as exc:
-        _say(f"{exc}; using the default (off)")
-        return False
-
-
 def run(registry_factory: str = DEFAULT_REGISTRY) -> None:
     """Apply what the environment selects. Idempotent: a venv can execute the same .pth twice."""
     global _done  # not an argument: the interpreter runs the .pth line `import ...; run()`, which passes none
     if _done:
         return
     _done = True
+    start(registry_factory=registry_factory)
+
+
+# The variables the selection reads (a refusal: nothing applied), and the yes/no ones read first (a
+# refusal: the default, off, and the patches applied): each said once, where it is read.
+_SELECTION = (env.SELECT, env.DISABLE)
+_DEFAULT_OFF = (env.STRICT, env.ALLOW_UNTESTED)
+
+
+def start(environ: Mapping[str, str] | None = None, registry_factory: str = DEFAULT_REGISTRY) -> None:
+    """What start-up does in a process whose environment is `environ` (default: its own): with
+    MEGATRON_RL_PATCHES on, every variable read through its parser (`settings.read_settings`, as the
+    launcher and `doctor` read it), the selected patches applied, and one line for each refusal (the
+    policy for a setting's typo at start-up: say it, keep the default, patch anyway; a refused selection
+    applies nothing). Never raises."""
     try:
-        if not env.is_enabled():
+        if not env.is_enabled(environ):
             return
-        strict, allow_untested = _setting(env.is_strict), _setting(env.allows_untested)
+        readings = read_settings(environ)
+        for name in _DEFAULT_OFF:
+            if name in readings.refusals:
+                _say(f"{readings.refusals[name]}; using the default (off)")
+        strict, allow_untested = (readings.values[name] is True for name in _DEFAULT_OFF)
         registry = load_registry(registry_factory)
         try:
-            registry.apply(strict=strict, allow_untested=allow_untested)
-        except ValueError as exc:  # a selection naming unknown patches: one line now; strict: also at import
+            registry.apply(strict=strict, allow_untested=allow_untested, environ=environ)
+        except ValueError as exc:  # a selection refused: one line now; strict: also at import
             _say(f"no patch applied at start-up: {exc}")
             if strict:
                 registry.poison_imports(ValueError(f"{exc} ({env.STRICT} is set)"))
-        # read later, by the ops, the roles and the frameworks' patches (top-k OPD's variables)
-        for read in (env.backend, env.invariant, env.native, env.verl_rows, env.checked_role_names,
-                     check_settings):
-            try:
-                read()
-            except ValueError as exc:
+        said = [refusal for name, refusal in readings.refusals.items() if name not in _SELECTION + _DEFAULT_OFF]
+        for refusal in said:  # read later, by the ops, the roles and the frameworks' patches
+            _say(refusal)
+        try:  # misspelled names, and what a framework refuses beyond the syntax (a served teacher's ids)
+            check_settings(environ)
+        except ValueError as exc:
+            if str(exc) not in said:
                 _say(str(exc))
     except BaseException as exc:  # noqa: BLE001 - start-up must go on whatever happens
         _say(f"start-up patching disabled: {type(exc).__name__}: {exc}")

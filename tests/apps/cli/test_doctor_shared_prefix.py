@@ -1,6 +1,8 @@
-"""MEGATRON_RL_PATCHES_SHARED_PREFIX in `doctor`: whether shared-prefix packing is on and where, a
-problem when slime_fused (the route it takes effect through) is not selected; a value that is no
-switch refused by name by `check_settings`, the launcher and doctor alike."""
+"""MEGATRON_RL_PATCHES_SHARED_PREFIX in `doctor`: whether shared-prefix packing is on and where, the value
+as it was set, a problem naming the variable at cause when slime_fused (the route it takes effect
+through) will not apply (MEGATRON_RL_PATCHES unset or off, MEGATRON_RL_PATCHES_DISABLE naming it, a list
+without it: issue 110 item 7); a value that is no switch refused by name, listing every word a switch
+takes, by `check_settings`, the launcher and doctor alike."""
 from __future__ import annotations
 
 import json
@@ -24,21 +26,72 @@ def _doctor(capsys, monkeypatch, **variables):
 
 
 @pytest.mark.parametrize(("value", "words"), [("1", "shared prefix: on: slime's passes"),
-                                              ("0", f"shared prefix: off ({VARIABLE} unset or 0)")])
+                                              (" Yes", "shared prefix: on: slime's passes"),
+                                              ("0", f"shared prefix: off ({VARIABLE}='0')"),
+                                              ("off", f"shared prefix: off ({VARIABLE}='off')"),
+                                              ("", f"shared prefix: off ({VARIABLE}='')")])
 def test_doctor_says_whether_it_is_on(capsys, clean_patch_state, value, words):
     report, text = _doctor(capsys, clean_patch_state, **{VARIABLE: value, "MEGATRON_RL_PATCHES": "all"})
     assert words in text
-    assert report["environment"]["shared_prefix"] is (value == "1")
+    assert report["environment"]["shared_prefix"] is ("on" in words)
     assert not [p for p in report["problems"] if VARIABLE in p]
 
 
+def test_unset_it_says_unset(capsys, clean_patch_state):
+    _, text = _doctor(capsys, clean_patch_state, MEGATRON_RL_PATCHES="all")
+    assert "shared prefix: off (unset)" in text
+
+
+def _route_problem(report):
+    (problem,) = [p for p in report["problems"] if VARIABLE in p]
+    assert f"{VARIABLE}='1' takes effect through patch slime_fused, which will not apply" in problem
+    return problem
+
+
 def test_doctor_names_the_route_it_needs(capsys, clean_patch_state):
-    report, _ = _doctor(capsys, clean_patch_state, **{VARIABLE: "1", "MEGATRON_RL_PATCHES": "ddp_hooks"})
-    assert any(f"{VARIABLE}=1 takes effect through patch slime_fused" in p for p in report["problems"])
+    report, text = _doctor(capsys, clean_patch_state, **{VARIABLE: "1", "MEGATRON_RL_PATCHES": "ddp_hooks"})
+    problem = _route_problem(report)
+    assert "MEGATRON_RL_PATCHES='ddp_hooks' selects ddp_hooks" in problem
+    assert "add slime_fused to MEGATRON_RL_PATCHES, or set MEGATRON_RL_PATCHES=all" in problem
+    assert "shared prefix: asked" in text and "slime's passes" not in text
+
+
+@pytest.mark.parametrize("select", [None, "0", "off"])
+def test_patches_off_is_a_problem_not_on(capsys, clean_patch_state, select):
+    """Issue 110 item 7: with MEGATRON_RL_PATCHES unset or 0 doctor said "on ... through patch
+    slime_fused" and "no problems found", though the job does not share."""
+    variables = {VARIABLE: "1"} if select is None else {VARIABLE: "1", "MEGATRON_RL_PATCHES": select}
+    report, text = _doctor(capsys, clean_patch_state, **variables)
+    problem = _route_problem(report)
+    state = "unset" if select is None else f"off (MEGATRON_RL_PATCHES={select!r})"
+    assert f"MEGATRON_RL_PATCHES is {state}: nothing applies at start-up" in problem
+    assert "set MEGATRON_RL_PATCHES=all (or a list with slime_fused)" in problem and "run -- COMMAND" in problem
+    assert "shared prefix: asked" in text and "through patch slime_fused;" not in text
+    assert "no problems found" not in text
+
+
+def test_disabled_names_the_disable_entry(capsys, clean_patch_state):
+    """Issue 110 item 7: with MEGATRON_RL_PATCHES=all and the DISABLE entry, doctor advised "set
+    MEGATRON_RL_PATCHES=all" and never named DISABLE."""
+    report, _ = _doctor(capsys, clean_patch_state, **{VARIABLE: "1", "MEGATRON_RL_PATCHES": "all",
+                                                      "MEGATRON_RL_PATCHES_DISABLE": "ddp_hooks,slime_fused"})
+    problem = _route_problem(report)
+    assert "MEGATRON_RL_PATCHES_DISABLE='ddp_hooks,slime_fused' leaves it out" in problem
+    assert problem.endswith("remove slime_fused from MEGATRON_RL_PATCHES_DISABLE")
+    assert "set MEGATRON_RL_PATCHES=all" not in problem
+
+
+def test_top_k_opd_disabled_names_the_disable_entry(capsys, clean_patch_state):
+    report, _ = _doctor(capsys, clean_patch_state, **{"MEGATRON_RL_PATCHES_OPD_K": "8", "MEGATRON_RL_PATCHES": "all",
+                                                      "MEGATRON_RL_PATCHES_DISABLE": "slime_opd"})
+    (problem,) = [p for p in report["problems"] if "slime_opd is not selected" in p]
+    assert "MEGATRON_RL_PATCHES_DISABLE='slime_opd' leaves it out" in problem
+    assert problem.endswith("remove slime_opd from MEGATRON_RL_PATCHES_DISABLE")
 
 
 def test_a_value_that_is_no_switch_is_refused_everywhere(capsys, clean_patch_state):
-    refusal = rf"{VARIABLE}='maybe' is not a switch: use 1"
+    refusal = (rf"{VARIABLE}='maybe' is not a switch: use 1/true/yes/on \(pack by shared prefix\) or "
+               r"0/false/no/off \(each sample whole\), or leave it unset")
     with pytest.raises(ValueError, match=refusal):
         check_settings({VARIABLE: "maybe"})
     with pytest.raises(ValueError, match=refusal):

@@ -176,16 +176,16 @@ def _weights(env: Mapping[str, str], count: int) -> tuple[float, ...] | None:
     try:
         weights = tuple(float(w) for w in raw.split(","))
     except ValueError:
-        raise ValueError(f"{WEIGHTS}={raw!r}: expected comma-separated numbers, one per teacher") from None
+        raise ValueError(f"{WEIGHTS}={shown(raw)}: expected comma-separated numbers, one per teacher") from None
     if len(weights) != count:
-        raise ValueError(f"{WEIGHTS}={raw!r} gives {len(weights)} weights for {count} teachers in {TEACHERS}: "
+        raise ValueError(f"{WEIGHTS}={shown(raw)} gives {len(weights)} weights for {count} teachers in {TEACHERS}: "
                          "give one weight per teacher (or unset it for uniform weights)")
     if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"{WEIGHTS}={raw!r}: weights must be finite, >= 0, with a positive sum")
+        raise ValueError(f"{WEIGHTS}={shown(raw)}: weights must be finite, >= 0, with a positive sum")
     if abs(math.fsum(weights) - 1) > 1e-6:  # the package's policy: the mixture's probabilities, never rescaled
         scaled = ",".join(f"{w / math.fsum(weights):g}" for w in weights)
-        raise ValueError(f"{WEIGHTS}={raw!r} sums to {math.fsum(weights):g}: the weights are the teachers' mixture "
-                         f"probabilities and must sum to 1 (e.g. {scaled})")
+        raise ValueError(f"{WEIGHTS}={shown(raw)} sums to {math.fsum(weights):g}: the weights are the teachers' "
+                         f"mixture probabilities and must sum to 1 (e.g. {scaled})")
     return weights
 
 
