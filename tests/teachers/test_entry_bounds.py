@@ -58,3 +58,12 @@ def test_a_megabyte_path_entry_and_the_live_self_teacher_are_quoted_bounded():
         with pytest.raises(ValueError, match=f"{TEACHERS} entry") as refused:
             parse_entries(entry)
         assert len(str(refused.value)) < BOUND, str(refused.value)[:300]
+
+
+def test_doctor_names_a_teacher_path_too_long_to_look_at(clean_patch_state, capsys):
+    """A 5,000-character checkpoint path: Path.exists raises ENAMETOOLONG (no FileNotFoundError);
+    the checkpoint kind says the path cannot be looked at, where doctor crashed with an OSError."""
+    clean_patch_state.setenv(TEACHERS, "/tmp/" + "t" * 5000)
+    code = cli.main(["doctor", "--json"])
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert code != 0 and any("cannot be looked at on this machine" in problem for problem in problems), problems

@@ -87,9 +87,13 @@ def path_problems(entry: TeacherEntry, facts: RunFacts) -> list[str]:
 
     root = Path(entry.path).expanduser()
     what = f"{TEACHERS}: teacher {entry.path!r}"
-    cache = hub_cache_problem(root) if root.is_dir() else None
-    if not root.exists():
+    try:
+        root.stat()
+    except FileNotFoundError:
         return [f"{what} does not exist on this machine; fix the path (the training actors read it)"]
+    except OSError as exc:  # a name too long, a component that is no folder: no checkpoint can be there
+        return [f"{what} cannot be looked at on this machine ({exc.strerror}); fix the path"]
+    cache = hub_cache_problem(root) if root.is_dir() else None
     if cache is not None:
         return [f"{what} {cache}"]
     if root.is_file() and root.suffix in (".json", ".safetensors"):  # hf_teachers refuses it at load time
