@@ -66,4 +66,5 @@ def test_doctor_names_a_teacher_path_too_long_to_look_at(clean_patch_state, caps
     clean_patch_state.setenv(TEACHERS, "/tmp/" + "t" * 5000)
     code = cli.main(["doctor", "--json"])
     problems = json.loads(capsys.readouterr().out)["problems"]
-    assert code != 0 and any("cannot be looked at on this machine" in problem for problem in problems), problems
+    assert code != 0 and any("teacher '/tmp/ttt" in problem and "cannot be looked at on this machine" in problem
+                             for problem in problems), problems
