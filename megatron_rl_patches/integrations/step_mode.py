@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl_patches.inference.chunks import as_chunks, unwrap
+from megatron_rl_patches.model.chunks import as_chunks, unwrap
 from megatron_rl_patches.ops.invariance import resolve_invariant
 
 

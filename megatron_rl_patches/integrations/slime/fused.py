@@ -17,7 +17,6 @@ from megatron_rl_patches._log import warn_once
 from megatron_rl_patches.integrations.megatron.model_chunk import (
     accepts_processor,
     batch_layout,
-    is_last_stage,
     mtp_heads_build_logits,
     schedule_plan_unservable,
 )
@@ -31,7 +30,8 @@ from megatron_rl_patches.integrations.slime.top_p import kept_context, replays_t
 from megatron_rl_patches.integrations.slime.topk import topk_context
 from megatron_rl_patches.integrations.slime.vocab_step import vocab_processor
 from megatron_rl_patches.integrations.step_mode import student_invariant
-from megatron_rl_patches.patching.calls import bind
+from megatron_rl_patches.model.arguments import bind
+from megatron_rl_patches.model.chunks import is_last_stage
 from megatron_rl_patches.processors.combined import with_topk
 from megatron_rl_patches.processors.heads import log_prob_output_processor
 

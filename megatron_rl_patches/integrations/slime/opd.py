@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from megatron_rl_patches.integrations.megatron.model_chunk import unwrap
 from megatron_rl_patches.integrations.megatron.opd import (
     hf_teachers,
     hidden_teachers,
@@ -74,9 +73,10 @@ from megatron_rl_patches.integrations.slime.rows import response_positions
 from megatron_rl_patches.integrations.slime.step_plan import FusedStep, plan_in, slime_prefix, slime_settings
 from megatron_rl_patches.integrations.slime.topk import allgather_cp_active, sample_rows
 from megatron_rl_patches.integrations.step_mode import student_invariant
+from megatron_rl_patches.model.arguments import bind
+from megatron_rl_patches.model.chunks import unwrap
 from megatron_rl_patches.ops.packing import packed_topk_logprobs
 from megatron_rl_patches.ops.topk import topk_kl as topk_kl
-from megatron_rl_patches.patching.calls import bind
 from megatron_rl_patches.teachers.kinds import RunFacts, check_entries
 
 # TEACHER_TAILS, topk_kl: imported `as` themselves, re-exported for the tests that read them off this module

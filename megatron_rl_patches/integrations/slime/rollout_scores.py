@@ -42,7 +42,7 @@ from megatron_rl_patches.integrations.megatron.opd.rollout_teachers import (
     rollout_entries,
 )
 from megatron_rl_patches.integrations.slime.step_plan import slime_settings
-from megatron_rl_patches.patching.calls import bind
+from megatron_rl_patches.model.arguments import bind
 from megatron_rl_patches.settings import SELECT
 
 HOOK = "megatron_rl_patches.integrations.slime.rollout_scores.score_sample"  # its --rollout-sample-hook-path

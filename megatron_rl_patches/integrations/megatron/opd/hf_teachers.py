@@ -20,6 +20,7 @@ from megatron_rl_patches.inference.loading.hf.vocab import check_teacher_vocab
 from megatron_rl_patches.integrations.megatron.opd.actor_spec import actor_layer_spec, spec_core_attention
 from megatron_rl_patches.integrations.megatron.opd.opd_settings import OWN_TOKENIZER, TEACHERS
 from megatron_rl_patches.integrations.megatron.opd.teacher_shape import shape_differences
+from megatron_rl_patches.model.chunks import unwrap
 
 SNAPSHOT, HF = "snapshot", "hf"
 _ROUTES = (SNAPSHOT, HF)
@@ -160,9 +161,7 @@ def build_hf_teacher(args: Any, path: str, residency: str | None, student: int |
     for chunk in chunks:
         # one tokenizer padded to another vocab_size than the student's: no mass beyond the shared ids
         setattr(chunk, "hf_vocab_size", min(shared, int(getattr(chunk, "hf_vocab_size"))))  # noqa: B009, B010
-        inner: Any = chunk
-        while hasattr(inner, "module"):
-            inner = inner.module
+        inner = unwrap(chunk)
         for name in SCHEDULE_FIELDS:
             if hasattr(actor_config, name):
                 setattr(inner.config, name, getattr(actor_config, name))

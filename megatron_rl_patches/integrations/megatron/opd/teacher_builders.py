@@ -22,7 +22,6 @@ from typing import Any
 
 from megatron_rl_patches._log import logger
 from megatron_rl_patches.inference import build_inference_model
-from megatron_rl_patches.integrations.megatron.model_chunk import unwrap
 from megatron_rl_patches.integrations.megatron.opd import cross_passes, hf_teachers
 from megatron_rl_patches.integrations.megatron.opd.layout_teacher import (
     build_layout_teacher,
@@ -44,6 +43,7 @@ from megatron_rl_patches.integrations.megatron.opd.opd_teachers import (
 )
 from megatron_rl_patches.integrations.megatron.opd.privileged import PrivilegedTeacher, StudentChunksPass
 from megatron_rl_patches.integrations.megatron.opd.served_teacher import build_served_teacher
+from megatron_rl_patches.model.chunks import unwrap
 from megatron_rl_patches.teachers.entry import CHECKPOINT, PROVIDER, SERVED
 from megatron_rl_patches.teachers.kinds.student import STUDENT
 

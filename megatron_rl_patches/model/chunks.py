@@ -1,6 +1,7 @@
-"""Model-chunk helpers of the frozen builds, used by `reentrant`, `windows` and the integrations too:
-one chunk or a list of them, the `.module` chain of wrappers (Float16Module, DDP), and what counts
-as a DDP chunk.
+"""A Megatron model as the package is handed it: one chunk or a list of them (`as_chunks`,
+`module_chunks`), the `.module` chain of wrappers around each (Float16Module, DDP: `iter_wrapped`),
+the model inside them (`unwrap`, the package's only one), every module of the chunks
+(`modules_of`), whether a chunk is the last pipeline stage, and what counts as a DDP chunk.
 
 Imports nothing heavy: megatron-core and torch classes are looked up in `sys.modules` only, since
 no object can be an instance of a class whose module was never imported.
@@ -11,6 +12,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from typing import Any
+
+from megatron_rl_patches.model.kinds import is_language_model
 
 # megatron-core DistributedDataParallel's forward-pre-hook / param-sync API (0.13 to 0.16+)
 DDP_HOOK_ATTRS = ("remove_forward_pre_hook_handles", "use_forward_hook", "start_param_sync")
@@ -74,11 +77,30 @@ def _wrapper_types() -> tuple[type, ...]:
 
 
 def unwrap(module: Any) -> Any:
-    """The model inside Float16Module / megatron-core DDP / torch DDP wrappers (whose state-dict
-    keys carry 'module.'); any other object is returned as is."""
+    """The model inside its wrappers: the first link of the `.module` chain that is a language model
+    (GPTModel, HybridModel: `kinds.is_language_model`), whatever wrapped it (Float16Module, DDP, a
+    framework's own wrapper); where the chain holds none, the first link that is no known wrapper
+    (Float16Module, megatron-core DDP, torch DDP: those whose state-dict keys carry 'module.'), so
+    an object with a `.module` of its own is kept. Any other object is returned as is."""
+    chain = list(iter_wrapped(module))
+    found = next((link for link in chain if is_language_model(link)), None)
+    if found is not None:
+        return found
     wrappers = _wrapper_types()
-    inner = module
-    for inner in iter_wrapped(module):
-        if not isinstance(inner, wrappers):
-            break
-    return inner
+    return next((link for link in chain if not isinstance(link, wrappers)), chain[-1] if chain else module)
+
+
+def is_last_stage(chunk: Any) -> bool:
+    """Whether this chunk computes the output layer (GPTModel's `post_process`): only the last
+    pipeline stage (per virtual stage with VPP) has log-probs to return."""
+    return bool(getattr(unwrap(chunk), "post_process", True))
+
+
+def modules_of(model: Any, who: str) -> Iterator[Any]:
+    """Every module of a model, a list of model chunks or wrappers around them (each chunk's
+    `modules()`, the wrappers first); TypeError naming `who` for a chunk that is no torch module."""
+    torch = sys.modules.get("torch")  # nothing is a torch module where torch was never imported
+    for chunk in as_chunks(model):
+        if torch is None or not isinstance(chunk, torch.nn.Module):
+            raise TypeError(f"{who}: expected megatron-core model chunks, got {type(chunk).__name__}")
+        yield from chunk.modules()
