@@ -6,7 +6,6 @@ import json
 import re
 import subprocess
 import sys
-import types
 from types import SimpleNamespace
 
 import pytest
@@ -68,7 +67,8 @@ def test_ddp_like_and_grad_buffers_are_distinct_checks():
 
 def language_model(**fields):
     """A stand-in that `kinds.is_language_model` reads as GPTModel (decoder, stage flags, vocabulary)."""
-    return SimpleNamespace(**{"decoder": object(), "pre_process": True, "post_process": True, "vocab_size": 8, **fields})
+    return SimpleNamespace(**{"decoder": object(), "pre_process": True, "post_process": True, "vocab_size": 8,
+                              **fields})
 
 
 class Wrapper:
@@ -76,30 +76,22 @@ class Wrapper:
         self.module = module
 
 
-def test_unwrap_strips_known_wrappers_and_keeps_a_module_of_its_own(monkeypatch):
-    fake_module = types.ModuleType("fake_wrappers")
-    fake_module.Wrapper = Wrapper
-    monkeypatch.setitem(sys.modules, "fake_wrappers", fake_module)
-    monkeypatch.setattr(_chunks, "_WRAPPERS", (*_chunks._WRAPPERS, ("fake_wrappers", "Wrapper")))
-    model = SimpleNamespace(module=SimpleNamespace())  # `.module` but neither wrapper nor language model: kept
-    assert _chunks.unwrap(Wrapper(Wrapper(model))) is model
-    assert _chunks.unwrap(model) is model
-    monkeypatch.delitem(sys.modules, "fake_wrappers")  # a class whose module is not imported
-    assert isinstance(_chunks.unwrap(Wrapper(model)), Wrapper)
-    assert _chunks.unwrap(None) is None
-
-
 def test_unwrap_finds_the_language_model_under_any_wrapper():
     """The one `unwrap` (issue 113): the language model under a framework's own wrapper too (the
-    inference helper stopped at a wrapper it did not know), and a `.module` chain with a cycle ends."""
+    inference helper stopped at a wrapper class it did not know), at the model even where it holds a
+    `.module` of its own (the slime helper went on), and a `.module` chain with a cycle ends."""
     gpt = language_model()
     assert _chunks.unwrap(Wrapper(Wrapper(gpt))) is gpt
     assert _chunks.unwrap(gpt) is gpt
+    inner = SimpleNamespace()
+    assert _chunks.unwrap(language_model(module=inner)) is not inner  # stops at the model
     looped = Wrapper(None)
     looped.module = looped
     assert _chunks.unwrap(looped) is looped
-    assert _chunks.unwrap(Wrapper(language_model(module=SimpleNamespace()))).vocab_size == 8  # stops at the model
-    assert _chunks.is_last_stage(Wrapper(gpt)) and not _chunks.is_last_stage(Wrapper(language_model(post_process=False)))
+    assert _chunks.unwrap(Wrapper(None)).module is None and _chunks.unwrap(None) is None
+    assert _chunks.unwrap(Wrapper(Wrapper(inner))) is inner  # no language model: the innermost link
+    assert _chunks.is_last_stage(Wrapper(gpt))
+    assert not _chunks.is_last_stage(Wrapper(language_model(post_process=False)))
 
 
 def test_kinds_read_what_a_module_holds():

@@ -18,14 +18,6 @@ from megatron_rl_patches.model.kinds import is_language_model
 # megatron-core DistributedDataParallel's forward-pre-hook / param-sync API (0.13 to 0.16+)
 DDP_HOOK_ATTRS = ("remove_forward_pre_hook_handles", "use_forward_hook", "start_param_sync")
 
-# (defining module, class name) of the wrappers whose state-dict keys carry a 'module.' prefix
-_WRAPPERS = (
-    ("megatron.core.transformer.module", "Float16Module"),
-    ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel"),
-    ("torch.nn.parallel.distributed", "DistributedDataParallel"),
-)
-
-
 def as_chunks(model_or_list: Any) -> list[Any]:
     """The model chunks as a new list: a list or tuple is copied, anything else is one chunk
     (None included: callers that give None a meaning check it first)."""
@@ -71,23 +63,15 @@ def has_grad_buffers(obj: Any) -> bool:
     return hasattr(obj, "ddp_config") and hasattr(obj, "buffers")
 
 
-def _wrapper_types() -> tuple[type, ...]:
-    found = (getattr(sys.modules.get(module), name, None) for module, name in _WRAPPERS)
-    return tuple(cls for cls in found if isinstance(cls, type))
-
-
 def unwrap(module: Any) -> Any:
-    """The model inside its wrappers: the first link of the `.module` chain that is a language model
-    (GPTModel, HybridModel: `kinds.is_language_model`), whatever wrapped it (Float16Module, DDP, a
-    framework's own wrapper); where the chain holds none, the first link that is no known wrapper
-    (Float16Module, megatron-core DDP, torch DDP: those whose state-dict keys carry 'module.'), so
-    an object with a `.module` of its own is kept. Any other object is returned as is."""
+    """The model inside its wrappers (Float16Module, megatron-core or torch DDP, a framework's own):
+    the first link of the `.module` chain that is a language model (GPTModel, HybridModel:
+    `kinds.is_language_model`), else the chain's innermost link. Anything without a `.module` is
+    returned as is."""
     chain = list(iter_wrapped(module))
-    found = next((link for link in chain if is_language_model(link)), None)
-    if found is not None:
-        return found
-    wrappers = _wrapper_types()
-    return next((link for link in chain if not isinstance(link, wrappers)), chain[-1] if chain else module)
+    if not chain:
+        return module
+    return next((link for link in chain if is_language_model(link)), chain[-1])
 
 
 def is_last_stage(chunk: Any) -> bool:

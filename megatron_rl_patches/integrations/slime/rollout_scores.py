@@ -41,7 +41,7 @@ from megatron_rl_patches.integrations.megatron.opd.rollout_teachers import (
     ask_rows,
     rollout_entries,
 )
-from megatron_rl_patches.integrations.slime.step_plan import slime_settings
+from megatron_rl_patches.integrations.slime.fused_step import slime_settings
 from megatron_rl_patches.model.arguments import bind
 from megatron_rl_patches.settings import SELECT
 

@@ -60,8 +60,7 @@ def test_the_teachers_states_sit_at_verls_packed_rows():
 
 def test_the_model_and_its_output_weight_inside_verls_wrappers():
     own = torch.ones(3, 2)
-    core = SimpleNamespace(share_embeddings_and_output_weights=False, output_layer=SimpleNamespace(weight=own),
-                           decoder=object(), pre_process=True, post_process=True, vocab_size=3)
+    core = SimpleNamespace(share_embeddings_and_output_weights=False, output_layer=SimpleNamespace(weight=own))
     assert unwrap(SimpleNamespace(module=SimpleNamespace(module=core))) is core
     assert vocab.output_weight(core) is own
     tied = torch.zeros(3, 2)
