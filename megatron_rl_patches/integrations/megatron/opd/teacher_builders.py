@@ -10,7 +10,17 @@ routes together (`check_routes`), then each teacher is built from the host's act
   architecture (a separate inference-only model on the actor's split, or at its own layout
   `;tp=N;pp=M`); with `;tokenizer=own` wrapped as a teacher with another tokenizer (`cross_passes`).
 - provider (`PATH@module:function`): the provider's model built inference-only.
-- served (`http://host:port;engine=vllm`): `served_teacher.build_served_teacher`."""
+- served (`http://host:port;engine=vllm`): `served_teacher.build_served_teacher`.
+
+A built teacher subclasses `OpdTeacher`: its `score(step)` runs its passes through `step.topk_pass`
+(every pipeline stage, in teacher order) and returns `TeacherScores` on the last stage: [R, k]
+bucket log-probs and [R] tails on the student's response rows, over the step's ids or over groups
+of ids (`ids`, `ids_mask`, `alive`, `log_ratio`: a teacher with another tokenizer, which
+`TeacherEntry.other_tokenizer` says before the step). A teacher of the student's tokenizer
+subclasses `ModelTeacher` and names only its `model_chunks(actor)`; a teacher with another tokenizer
+(`cross_passes.CrossTokenizerTeacher`) wraps any `PassTeacher`. `score_teachers` is one loop over the
+loaded teachers; the loss reads which teachers gave grouped buckets from the scores, never from an
+entry's option."""
 # lazy imports: optional dependency megatron-core (through the builders it calls)
 from __future__ import annotations
 
