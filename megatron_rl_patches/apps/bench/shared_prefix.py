@@ -23,8 +23,8 @@ import time
 from typing import Any
 
 from megatron_rl_patches.apps.bench import outputs
+from megatron_rl_patches.apps.bench.benchmark_run import Bars, run_benchmark
 from megatron_rl_patches.apps.bench.measure import MIB, SavedBytes
-from megatron_rl_patches.apps.quiet import hide_import_notes
 
 FULL: dict[str, Any] = {"layers": 4, "hidden": 512, "heads": 8, "groups": 4, "vocab": 16384, "rounds": 3,
                         "cases": ((1024, 128, 8), (256, 1024, 8))}
@@ -170,18 +170,13 @@ def title_of(plan: dict, quick: bool, seconds: float) -> str:
         f"interleaved rounds ({seconds:.0f} s from the benchmark's start)", quick)
 
 
+BARS = Bars(group="case", series="route",
+            values=("forward_vs_unshared", "train_vs_unshared", "saved_vs_unshared"),
+            titles=("forward time / unshared", "training step time / unshared", "activations kept / unshared"))
+
+
 def run(quick: bool = False, out_dir: str | None = None) -> list[dict]:
     """Print the table; write shared_prefix.csv / .md / .png into `out_dir` when given."""
-    started = time.perf_counter()
-    hide_import_notes()
     plan = QUICK if quick else FULL
-    rows = outputs.measured(lambda: measure(plan), "case")
-    title = title_of(plan, quick, time.perf_counter() - started)
-
-    def plot(rows: list[dict], path: str) -> None:
-        outputs.plot_grouped_bars(rows, path, group="case", series="route",
-                                  values=["forward_vs_unshared", "train_vs_unshared", "saved_vs_unshared"],
-                                  titles=["forward time / unshared", "training step time / unshared",
-                                          "activations kept / unshared"], suptitle=title)
-
-    return outputs.reported(rows, COLUMNS, title, out_dir, "shared_prefix", plot)
+    return run_benchmark("shared_prefix", lambda: measure(plan), "case", COLUMNS,
+                         lambda seconds: title_of(plan, quick, seconds), BARS, out_dir)
